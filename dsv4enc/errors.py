@@ -1,0 +1,35 @@
+"""Domain errors: anything a user can fix (setup, options, weights, output path).
+
+The CLI turns these into a one-line message and a non-zero exit, never a traceback.
+Bad *images* are not errors of this kind: they become rows with an ``error`` value.
+"""
+
+from __future__ import annotations
+
+
+class DsvError(Exception):
+    """A setup problem the user can fix. ``exit_code`` is what the CLI exits with."""
+
+    exit_code = 1
+
+
+class UsageError(DsvError):
+    """Options that make no sense (alone or together)."""
+
+    exit_code = 2
+
+
+class ConfigError(DsvError):
+    """A model config that is missing keys or inconsistent."""
+
+
+class WeightsError(DsvError):
+    """A checkpoint that is missing, incomplete, or holds the wrong tensors."""
+
+
+class OutputError(DsvError):
+    """An output path that cannot be written, or that already exists."""
+
+
+class DistributedError(DsvError):
+    """A rank failed or timed out."""

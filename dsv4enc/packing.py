@@ -1,0 +1,122 @@
+"""Packing metadata (SPEC §5): many images in one forward, and how to fill batches.
+
+Everything here is host-side and cheap. A ``PackedBatch`` carries the concatenated patches,
+the span lengths (for ``cu_seqlens``), per-token (row, col) positions for the RoPE tables,
+and the gather indices + mask that reproduce each image's pad-and-unfold merge.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+
+def aligner_grid(n_h: int, n_w: int, r: int) -> tuple[int, int]:
+    """Aligner grid (rows, cols) of an n_h x n_w patch grid: ceil(n_h/r) x ceil(n_w/r)."""
+    return -(-n_h // r), -(-n_w // r)
+
+
+def output_grid(n_h: int, n_w: int, r: int, features: str) -> tuple[int, int]:
+    """Grid of the embedding rows: the aligner grid, or the patch grid for ViT features."""
+    return aligner_grid(n_h, n_w, r) if features == "aligner" else (n_h, n_w)
+
+
+def merge_plan(n_h: int, n_w: int, r: int, base: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gather plan of one image's merge.
+
+    Returns index (R, r*r) int64 into packed ViT rows (offset by ``base``) and mask (R, r*r)
+    bool, False where the source patch lies past the image's edge (its index then points at
+    the image's first row, a real row, and is zeroed by the mask).
+    """
+    hb, wb = aligner_grid(n_h, n_w, r)
+    bi = torch.arange(hb).repeat_interleave(wb).view(-1, 1)  # (R, 1)
+    bj = torch.arange(wb).repeat(hb).view(-1, 1)
+    di = torch.arange(r).repeat_interleave(r).view(1, -1)  # (1, r*r)
+    dj = torch.arange(r).repeat(r).view(1, -1)
+    row, col = bi * r + di, bj * r + dj
+    mask = (row < n_h) & (col < n_w)
+    index = torch.where(mask, row * n_w + col, torch.zeros((), dtype=torch.int64)) + base
+    return index, mask
+
+
+@dataclass
+class PackedBatch:
+    """A batch of images packed along the token axis (host tensors until ``.to``)."""
+
+    patches: torch.Tensor  # (T, 3*p*p) bfloat16
+    positions: torch.Tensor  # (T, 2) int32 (row, col)
+    lengths: list[int]  # tokens per image
+    grids: list[tuple[int, int]]  # (n_h, n_w) per image
+    merge_index: torch.Tensor  # (R, r*r) int64
+    merge_mask: torch.Tensor  # (R, r*r) bool
+    row_counts: list[int] = field(default_factory=list)  # output rows per image
+
+    @property
+    def n_tokens(self) -> int:
+        return int(self.patches.shape[0])
+
+    @property
+    def n_rows(self) -> int:
+        return sum(self.row_counts)
+
+    def split_rows(self, out: torch.Tensor) -> list[torch.Tensor]:
+        """Cut (sum rows, width) output back into one tensor per image."""
+        return list(torch.split(out, self.row_counts, dim=0))
+
+
+def pack(items: Sequence[tuple[torch.Tensor, int, int]], r: int,
+         features: str = "aligner") -> PackedBatch:
+    """Pack ``(patches (n_h*n_w, 3*p*p), n_h, n_w)`` items into one PackedBatch."""
+    from .model import grid_positions  # local: packing stays importable without the model
+
+    lengths = [n_h * n_w for _, n_h, n_w in items]
+    indices, masks, row_counts = [], [], []
+    base = 0
+    for _, n_h, n_w in items:
+        if features == "aligner":
+            index, mask = merge_plan(n_h, n_w, r, base)
+            indices.append(index)
+            masks.append(mask)
+            row_counts.append(index.shape[0])
+        else:
+            row_counts.append(n_h * n_w)
+        base += n_h * n_w
+    rr = r * r
+    return PackedBatch(
+        patches=torch.cat([p for p, _, _ in items]),
+        positions=torch.cat([grid_positions(n_h, n_w) for _, n_h, n_w in items]),
+        lengths=lengths,
+        grids=[(n_h, n_w) for _, n_h, n_w in items],
+        merge_index=torch.cat(indices) if indices else torch.zeros(0, rr, dtype=torch.int64),
+        merge_mask=torch.cat(masks) if masks else torch.zeros(0, rr, dtype=torch.bool),
+        row_counts=row_counts,
+    )
+
+
+def pack_bins(costs: Sequence[int], capacity: int, max_items: int | None = None) -> list[list[int]]:
+    """First-fit-decreasing bin packing.
+
+    Returns bins of item indices (each bin's indices ascending), every bin's cost sum at most
+    ``capacity`` and item count at most ``max_items``; an item larger than ``capacity`` gets
+    a bin of its own. Bins come out ordered by their smallest index, so that work flows
+    roughly in input order.
+    """
+    order = sorted(range(len(costs)), key=lambda i: (-costs[i], i))
+    bins: list[list[int]] = []
+    loads: list[int] = []
+    for i in order:
+        cost = costs[i]
+        for b, load in enumerate(loads):
+            if load + cost <= capacity and (max_items is None or len(bins[b]) < max_items):
+                bins[b].append(i)
+                loads[b] += cost
+                break
+        else:
+            bins.append([i])
+            loads.append(cost)
+    for b in bins:
+        b.sort()
+    bins.sort(key=lambda b: b[0])
+    return bins

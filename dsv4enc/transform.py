@@ -1,0 +1,136 @@
+"""The image transform (SPEC §4): bit-exact with the reference on 8-bit images.
+
+``plan_canvas`` maps an image size to its canvas and patch grid without touching pixels, so
+grids can be known from image headers alone; ``image_to_patches`` does the pixel work.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from PIL import Image, ImageOps
+
+from .config import VisionConfig
+
+PAD_FILL = (127, 127, 127)
+_SIXTEEN_BIT_MODES = {"I;16", "I;16L", "I;16B", "I;16N"}
+
+
+@dataclass(frozen=True)
+class Canvas:
+    """Where an image of a given size goes: canvas pixels, patch grid, resize mode."""
+
+    width: int  # canvas width in pixels (bw)
+    height: int  # canvas height in pixels (bh)
+    n_w: int  # patch columns
+    n_h: int  # patch rows
+    stretch: bool  # True: plain resize; False: aspect-preserving pad
+
+    @property
+    def n_patches(self) -> int:
+        return self.n_h * self.n_w
+
+
+def count_llm_tokens(bh: int, bw: int, patch: int, ratio: int) -> int:
+    """LLM tokens the reference spends on a (bh, bw) canvas (SPEC §4 step 4)."""
+    lh = math.ceil((bh // patch) / ratio)
+    lw = math.ceil((bw // patch) / ratio)
+    tokens = lh * (lw + 1) + 2
+    if lh % 2:
+        tokens += lw + 1
+    if ((lh + 1) // 2 * (lw + 1)) % 2:
+        tokens += 2
+    return tokens
+
+
+def plan_canvas(width: int, height: int, cfg: VisionConfig) -> Canvas:
+    """Canvas and patch grid for an image of ``width`` x ``height`` pixels (SPEC §4 steps 2-6).
+
+    Raises ValueError for a size that has no canvas (zero area).
+    """
+    if width <= 0 or height <= 0:
+        raise ValueError(f"image has no pixels ({width}x{height})")
+    p, r = cfg.patch_size, cfg.downsample_ratio
+    orig_w, orig_h = width, height
+    W, H = width, height
+    if cfg.max_wh_ratio is not None and W > H * cfg.max_wh_ratio:
+        W = H * cfg.max_wh_ratio
+    if 0 < W * H < cfg.min_pixels:
+        k = math.sqrt(cfg.min_pixels / (W * H))
+        W = int(W * k)
+        H = int(H * k)
+    bw = math.ceil(W / p) * p
+    bh = math.ceil(H / p) * p
+    tokens = count_llm_tokens(bh, bw, p, r)
+    budget = cfg.max_n_token - 3
+    b = budget
+    while tokens > budget:
+        q = H / W
+        fw = math.sqrt((b - 2) / q + 0.25) - 0.5
+        fh = fw * q
+        if fw < 1:
+            mw = 1
+            mh = (b - 2) // (mw + 1)
+            if mh % 2:
+                mh -= 1
+            bw, bh = mw * p * r, mh * p * r
+        elif fh < 2:
+            mh = 2
+            mw = (b - 2) // mh - 1
+            bw, bh = mw * p * r, mh * p * r
+        else:
+            mw = math.floor(fw)
+            mh = math.floor(fh)
+            if mh % 2:
+                mh -= 1
+            s = min(mw * p * r / W, mh * p * r / H)
+            bw = math.floor(W * s / p) * p
+            bh = math.floor(H * s / p) * p
+        b -= 1
+        tokens = count_llm_tokens(bh, bw, p, r)
+    if bw <= 0 or bh <= 0:
+        raise ValueError(f"image size {orig_w}x{orig_h} gives an empty canvas")
+    stretch = cfg.max_wh_ratio is not None and orig_w >= cfg.max_wh_ratio * orig_h
+    return Canvas(width=int(bw), height=int(bh), n_w=int(bw) // p, n_h=int(bh) // p,
+                  stretch=stretch)
+
+
+def to_rgb(image: Image.Image) -> Image.Image:
+    """RGB with 16-bit samples scaled to 8 bits (>> 8), never clipped. No EXIF rotation."""
+    mode = image.mode
+    if mode in _SIXTEEN_BIT_MODES or mode == "I":
+        # Pillow's own convert clips 16-bit values to 255; the reference scales them.
+        values = np.asarray(image).astype(np.int64)
+        eight = (np.clip(values, 0, 65535) >> 8).astype(np.uint8)
+        return Image.fromarray(eight, mode="L").convert("RGB")
+    if mode == "RGB":
+        return image
+    return image.convert("RGB")
+
+
+def image_to_patches(image: Image.Image, cfg: VisionConfig) -> tuple[torch.Tensor, Canvas]:
+    """Transform a decoded image into bf16 patches.
+
+    Returns ``(patches, canvas)`` with patches of shape (n_h*n_w, 3*p*p), bfloat16, each
+    patch flattened channel-major (c, y, x), rows in raster order over the patch grid.
+    """
+    rgb = to_rgb(image)
+    canvas = plan_canvas(rgb.width, rgb.height, cfg)
+    size = (canvas.width, canvas.height)
+    if canvas.stretch:
+        fitted = rgb.resize(size)
+    else:
+        fitted = ImageOps.pad(rgb, size, color=PAD_FILL)
+    pixels = torch.from_numpy(np.asarray(fitted, dtype=np.uint8).copy())  # (bh, bw, 3)
+    values = pixels.to(torch.float32) / 255
+    values = ((values - 0.5) / 0.5).to(torch.bfloat16)
+    p = cfg.patch_size
+    patches = (values.permute(2, 0, 1)  # (3, bh, bw)
+               .reshape(3, canvas.n_h, p, canvas.n_w, p)
+               .permute(1, 3, 0, 2, 4)  # (n_h, n_w, 3, p, p)
+               .reshape(canvas.n_patches, 3 * p * p)
+               .contiguous())
+    return patches, canvas

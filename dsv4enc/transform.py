@@ -62,6 +62,8 @@ def plan_canvas(width: int, height: int, cfg: VisionConfig) -> Canvas:
         k = math.sqrt(cfg.min_pixels / (W * H))
         W = int(W * k)
         H = int(H * k)
+    if W <= 0 or H <= 0:  # only with max_wh_ratio < 1: the cap can leave under a pixel
+        raise ValueError(f"image size {orig_w}x{orig_h} gives an empty canvas")
     bw = math.ceil(W / p) * p
     bh = math.ceil(H / p) * p
     tokens = count_llm_tokens(bh, bw, p, r)

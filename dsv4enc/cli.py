@@ -1,0 +1,133 @@
+"""The ``dsv4enc`` command line: a thin Typer layer over the pipeline.
+
+Domain errors (setup, options, weights, output) become one line on stderr and a non-zero
+exit, never a traceback. Exit codes: 0 the run completed (even if some images failed),
+1 setup error, 2 usage error, 130/143 interrupted by SIGINT/SIGTERM (finished parts kept).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+
+from . import __version__
+from .errors import DsvError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  help="Encode images with the DeepSeek-V4 vision tower and write Parquet.")
+
+
+def fail(message: str, code: int = 1) -> None:
+    from .progress import stderr_console
+
+    stderr_console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+    raise typer.Exit(code)
+
+
+def version_callback(value: bool) -> None:
+    if value:
+        typer.echo(f"dsv4enc {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def main_options(
+    version: bool = typer.Option(False, "--version", callback=version_callback, is_eager=True,
+                                 help="Print the version and exit."),
+    verbose: bool = typer.Option(False, "--verbose", "-v", help="Log details (graph capture, "
+                                 "backend choice) to stderr."),
+) -> None:
+    """dsv4enc: batch embeddings from the DeepSeek-V4 vision tower."""
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+
+
+@app.command()
+def encode(
+    inputs: List[str] = typer.Argument(None, help="Image folders (walked recursively, sorted) "
+                                       "and image files."),
+    out: str = typer.Option(..., "--out", "-o", help="Output Parquet file, or a folder (ending "
+                            "in / or with --shard-output) for a part-file dataset."),
+    files_from: Optional[str] = typer.Option(None, "--files-from", help="A file listing image "
+                                             "paths, one per line ('-' for stdin)."),
+    weights: Optional[str] = typer.Option(None, "--weights", envvar="DSV4ENC_WEIGHTS",
+                                          help="Checkpoint folder (config.json + safetensors); "
+                                          "default: $DSV4ENC_WEIGHTS."),
+    config: Optional[str] = typer.Option(None, "--config", help="Model config JSON, for "
+                                         "--random-init."),
+    random_init: bool = typer.Option(False, "--random-init", help="Use a random tower of "
+                                     "--config's shape (demos, benchmarks)."),
+    seed: int = typer.Option(0, "--seed", help="Seed for --random-init."),
+    device: str = typer.Option("auto", "--device", help="auto, cpu, cuda or cuda:N (under "
+                               "torchrun: each rank's LOCAL_RANK GPU)."),
+    dtype: str = typer.Option("auto", "--dtype", help="Compute dtype: auto (bfloat16 on CUDA, "
+                              "float32 on CPU), float32, bfloat16, float16."),
+    out_dtype: str = typer.Option("float16", "--out-dtype", help="Stored embedding dtype: "
+                                  "float16 or float32."),
+    features: str = typer.Option("aligner", "--features", help="aligner: LLM-width merged "
+                                 "tokens; vit: per-patch ViT features."),
+    pool: str = typer.Option("none", "--pool", help="none: every row; mean: one vector per "
+                             "image (retrieval, dedup)."),
+    batch_tokens: Optional[int] = typer.Option(None, "--batch-tokens", help="Patches per packed "
+                                               "batch (default 32768 on CUDA, 8192 on CPU)."),
+    workers: Optional[int] = typer.Option(None, "--workers", help="Decode processes (default "
+                                          "from the CPU count; 0 decodes inline)."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing --out."),
+    resume: bool = typer.Option(False, "--resume", help="Continue an interrupted run, reusing "
+                                "its committed parts."),
+    max_pixels: int = typer.Option(89_478_485, "--max-pixels", help="Images with more pixels "
+                                   "are refused (decompression bombs); Pillow's default."),
+    decode_timeout: float = typer.Option(120.0, "--decode-timeout", help="Seconds one image "
+                                         "may take to decode before it is given up."),
+    attention: str = typer.Option("auto", "--attention", help="auto, flash, varlen or sdpa."),
+    cuda_graphs: Optional[bool] = typer.Option(None, "--cuda-graphs/--no-cuda-graphs",
+                                               help="Replay captured CUDA graphs (default: on "
+                                               "with CUDA)."),
+    shard_output: bool = typer.Option(False, "--shard-output", help="torchrun: each rank "
+                                      "writes its own parts under the --out folder."),
+    tp_mode: str = typer.Option("data", "--tp-mode", help="torchrun: data (each rank encodes "
+                                "its images) or weights (the tower is split across ranks)."),
+    balance: str = typer.Option("patches", "--balance", help="torchrun load balancing cost: "
+                                "patches, or flops (counts the quadratic attention term)."),
+    timeout: float = typer.Option(300.0, "--timeout", help="Seconds a collective may wait for "
+                                  "a peer rank before the job fails."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
+) -> None:
+    """Encode images into a Parquet file of embeddings, one row per image."""
+    from .pipeline import EncodeOptions, Interrupted, run_encode
+    from .summary import print_summary
+
+    opts = EncodeOptions(
+        inputs=list(inputs or []), out=out, files_from=files_from, weights=weights,
+        config=config, random_init=random_init, seed=seed, device=device, dtype=dtype,
+        out_dtype=out_dtype, features=features, pool=pool, batch_tokens=batch_tokens,
+        workers=workers, overwrite=overwrite, resume=resume, max_pixels=max_pixels,
+        decode_timeout=decode_timeout, attention=attention, cuda_graphs=cuda_graphs,
+        shard_output=shard_output, tp_mode=tp_mode, balance=balance, timeout=timeout,
+        progress=not quiet)
+    dist = None
+    try:
+        from .sharding import init_distributed, shutdown
+
+        dist = init_distributed(device, timeout)
+        summary = run_encode(opts, dist)
+        if dist is None or dist.is_main:
+            print_summary(summary)
+    except Interrupted as exc:
+        fail(str(exc), exc.exit_code)
+    except DsvError as exc:
+        fail(str(exc), exc.exit_code)
+    except KeyboardInterrupt:
+        fail("interrupted", 130)
+    finally:
+        if dist is not None:
+            shutdown(dist)
+
+
+def main() -> None:
+    """Console-script entry point."""
+    app()

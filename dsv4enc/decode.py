@@ -1,0 +1,257 @@
+"""Reading images: header probes (size only) and full decodes in worker processes.
+
+Bad files never raise out of here: every probe and decode returns a result with ``error`` set
+instead. The ``DecodePool`` gives each image a time limit and replaces a worker that crashes
+or hangs, so one pathological file costs one error row, not the run.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import time
+import warnings
+from collections import deque
+from dataclasses import dataclass
+from multiprocessing.connection import wait as wait_ready
+from typing import Any, Iterable, Iterator
+
+import numpy as np
+
+from .config import VisionConfig
+
+DEFAULT_MAX_PIXELS = 89_478_485  # Pillow's own MAX_IMAGE_PIXELS
+
+
+@dataclass
+class Probe:
+    """An image's stored size from its header, or why it could not be read."""
+
+    width: int | None = None
+    height: int | None = None
+    error: str | None = None
+
+
+@dataclass
+class Decoded:
+    """A transformed image: patches (n_h*n_w, 3*p*p) as the uint16 bits of bfloat16."""
+
+    patches: np.ndarray | None = None
+    n_h: int = 0
+    n_w: int = 0
+    width: int | None = None
+    height: int | None = None
+    error: str | None = None
+
+
+def describe_error(exc: BaseException) -> str:
+    """One line: the exception type and its message."""
+    text = " ".join(str(exc).split()) or "no details"
+    return f"{type(exc).__name__}: {text}"[:500]
+
+
+def _open_checked(path: str, max_pixels: int):
+    from PIL import Image
+
+    Image.MAX_IMAGE_PIXELS = max_pixels
+    image = Image.open(path)
+    width, height = image.size
+    if width * height > max_pixels:
+        image.close()
+        raise ValueError(f"image has {width}x{height} = {width * height} pixels, more than "
+                         f"--max-pixels {max_pixels} (possible decompression bomb)")
+    return image
+
+
+def probe_image(path: str, max_pixels: int = DEFAULT_MAX_PIXELS) -> Probe:
+    """Read only the header: the stored size (no EXIF rotation)."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # Pillow's bomb warning becomes an error row
+            image = _open_checked(path, max_pixels)
+            width, height = image.size
+            image.close()
+        if width <= 0 or height <= 0:
+            return Probe(error=f"image has no pixels ({width}x{height})")
+        return Probe(width=width, height=height)
+    except Exception as exc:  # any unreadable file is an error row, never a crash
+        return Probe(error=describe_error(exc))
+
+
+def decode_image(path: str, cfg: VisionConfig, max_pixels: int = DEFAULT_MAX_PIXELS) -> Decoded:
+    """Decode, transform and patchify one image (first frame of animations)."""
+    from .transform import image_to_patches
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            with _open_checked(path, max_pixels) as image:
+                width, height = image.size
+                image.load()
+                patches, canvas = image_to_patches(image, cfg)
+        return Decoded(patches=patches.view(dtype=_torch_uint16()).numpy(), n_h=canvas.n_h,
+                       n_w=canvas.n_w, width=width, height=height)
+    except Exception as exc:
+        return Decoded(error=describe_error(exc))
+
+
+def _torch_uint16():
+    import torch
+
+    return torch.uint16 if hasattr(torch, "uint16") else torch.int16
+
+
+def patches_tensor(decoded: Decoded):
+    """The decoded patches as a bfloat16 torch tensor (n_h*n_w, 3*p*p), sharing memory."""
+    import torch
+
+    return torch.from_numpy(decoded.patches).view(torch.bfloat16)
+
+
+def _worker_main(conn, cfg: VisionConfig, max_pixels: int) -> None:
+    import torch
+
+    torch.set_num_threads(1)  # a decode worker is one core's worth of work
+    while True:
+        try:
+            task = conn.recv()
+        except (EOFError, KeyboardInterrupt):
+            return
+        if task is None:
+            return
+        seq, path = task
+        try:
+            conn.send((seq, decode_image(path, cfg, max_pixels)))
+        except (BrokenPipeError, KeyboardInterrupt):
+            return
+
+
+class _Worker:
+    def __init__(self, ctx, cfg: VisionConfig, max_pixels: int) -> None:
+        self.conn, child = ctx.Pipe(duplex=True)
+        self.proc = ctx.Process(target=_worker_main, args=(child, cfg, max_pixels), daemon=True)
+        self.proc.start()
+        child.close()
+        self.task: tuple[int, float] | None = None  # (seq, start time)
+
+    def stop(self, kill: bool = False) -> None:
+        if kill:
+            self.proc.kill()
+        else:
+            try:
+                self.conn.send(None)
+            except OSError:
+                pass
+        self.proc.join(timeout=5)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join()
+        self.conn.close()
+
+
+class DecodePool:
+    """Decode images in worker processes, in order, with a bounded look-ahead.
+
+    ``workers=0`` decodes inline (no time limit). A worker that exceeds ``timeout_s`` on one
+    image is killed and replaced; a worker that dies is replaced; either way that image gets an
+    error and the run goes on.
+    """
+
+    def __init__(self, cfg: VisionConfig, workers: int, max_pixels: int = DEFAULT_MAX_PIXELS,
+                 timeout_s: float | None = None) -> None:
+        self.cfg = cfg
+        self.max_pixels = max_pixels
+        self.timeout_s = timeout_s
+        self.n_workers = workers
+        self._ctx = mp.get_context("spawn")  # fork is unsafe after torch/CUDA start threads
+        self._workers = [_Worker(self._ctx, cfg, max_pixels) for _ in range(workers)]
+        self.replaced = 0
+
+    def close(self) -> None:
+        for worker in self._workers:
+            worker.stop(kill=worker.task is not None)
+        self._workers = []
+
+    def __enter__(self) -> "DecodePool":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _replace(self, index: int) -> None:
+        self._workers[index].stop(kill=True)
+        self._workers[index] = _Worker(self._ctx, self.cfg, self.max_pixels)
+        self.replaced += 1
+
+    def imap(self, tasks: Iterable[tuple[Any, str]], window: int = 64) -> Iterator[tuple[Any, Decoded]]:
+        """Yield ``(tag, Decoded)`` for each ``(tag, path)`` task, in task order.
+
+        At most ``window`` tasks are queued, running or finished-but-not-yielded at once, so
+        memory stays bounded whatever the consumer's speed.
+        """
+        if not self._workers:
+            for tag, path in tasks:
+                yield tag, decode_image(path, self.cfg, self.max_pixels)
+            return
+        source = iter(tasks)
+        waiting: deque[tuple[int, str]] = deque()
+        tags: dict[int, Any] = {}
+        done: dict[int, Decoded] = {}
+        next_seq = next_out = 0
+        exhausted = False
+        while True:
+            while not exhausted and next_seq - next_out < window:
+                try:
+                    tag, path = next(source)
+                except StopIteration:
+                    exhausted = True
+                    break
+                tags[next_seq] = tag
+                waiting.append((next_seq, path))
+                next_seq += 1
+            self._dispatch(waiting, done)
+            while next_out in done:
+                yield tags.pop(next_out), done.pop(next_out)
+                next_out += 1
+            if exhausted and next_out == next_seq:
+                return
+            self._collect(done)
+
+    def _dispatch(self, waiting: deque, done: dict[int, Decoded]) -> None:
+        for index, worker in enumerate(self._workers):
+            if worker.task is None and waiting:
+                seq, path = waiting.popleft()
+                try:
+                    worker.conn.send((seq, path))
+                    worker.task = (seq, time.monotonic())
+                except OSError:
+                    done[seq] = Decoded(error="decode worker failed to start this image")
+                    self._replace(index)
+
+    def _collect(self, done: dict[int, Decoded]) -> None:
+        busy = [(i, w) for i, w in enumerate(self._workers) if w.task is not None]
+        if not busy:
+            return
+        timeout = None
+        if self.timeout_s is not None:
+            now = time.monotonic()
+            timeout = max(0.0, min(start + self.timeout_s - now for _, (_, start) in
+                                   ((i, w.task) for i, w in busy)))
+        ready = set(wait_ready([w.conn for _, w in busy] + [w.proc.sentinel for _, w in busy],
+                               timeout))
+        for index, worker in busy:
+            seq, start = worker.task
+            if worker.conn in ready:
+                try:
+                    got_seq, result = worker.conn.recv()
+                    done[got_seq] = result
+                    worker.task = None
+                    continue
+                except (EOFError, OSError):
+                    pass
+            if worker.conn in ready or worker.proc.sentinel in ready or not worker.proc.is_alive():
+                code = worker.proc.exitcode
+                done[seq] = Decoded(error=f"decoder crashed on this image (exit code {code})")
+                self._replace(index)
+            elif self.timeout_s is not None and time.monotonic() - start > self.timeout_s:
+                done[seq] = Decoded(error=f"decode timed out after {self.timeout_s:g}s")
+                self._replace(index)

@@ -1,0 +1,113 @@
+"""Finding the images to encode: folders (recursive, sorted), files, and path lists.
+
+Each input becomes an ``InputItem`` whose ``key`` is the output's ``path`` column: relative to
+the folder it was found in (posix), or the path as given.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable
+
+from .errors import UsageError
+
+IMAGE_EXTENSIONS = frozenset({".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff"})
+
+
+@dataclass(frozen=True)
+class InputItem:
+    """One image to encode. ``path`` is what the decoder opens; ``key`` is the output name."""
+
+    key: str
+    path: str
+
+
+@dataclass
+class Discovery:
+    """Items in input order, and how many non-image files were passed over."""
+
+    items: list[InputItem]
+    skipped: int = 0
+
+
+def is_image_name(name: str) -> bool:
+    return os.path.splitext(name)[1].lower() in IMAGE_EXTENSIONS
+
+
+def walk_folder(root: Path) -> tuple[list[InputItem], int]:
+    """Image files under ``root``, recursively, in sorted order; symlinked folders are followed
+    once each (a loop does not repeat files). Returns (items, non-image files skipped)."""
+    items: list[InputItem] = []
+    skipped = 0
+    seen_dirs: set[str] = set()
+
+    def visit(folder: str, rel: str) -> None:
+        nonlocal skipped
+        real = os.path.realpath(folder)
+        if real in seen_dirs:
+            return
+        seen_dirs.add(real)
+        try:
+            entries = sorted(os.scandir(folder), key=lambda e: e.name)
+        except OSError:
+            return
+        for entry in entries:
+            child_rel = f"{rel}/{entry.name}" if rel else entry.name
+            try:
+                is_dir = entry.is_dir(follow_symlinks=True)
+                is_file = not is_dir and entry.is_file(follow_symlinks=True)
+            except OSError:
+                is_dir = is_file = False
+            if is_dir:
+                visit(entry.path, child_rel)
+            elif is_file or entry.is_symlink():
+                # A dangling link with an image name still gets its (error) row.
+                if is_image_name(entry.name):
+                    items.append(InputItem(key=child_rel, path=entry.path))
+                else:
+                    skipped += 1
+
+    visit(str(root), "")
+    return items, skipped
+
+
+def read_path_list(list_file: str) -> list[str]:
+    """Non-empty lines of a path list (``-`` is standard input)."""
+    import sys
+
+    try:
+        text = sys.stdin.read() if list_file == "-" else Path(list_file).read_text()
+    except OSError as exc:
+        raise UsageError(f"cannot read --files-from {list_file}: {exc.strerror or exc}") from None
+    return [line.strip() for line in text.splitlines() if line.strip()]
+
+
+def discover(inputs: Iterable[str], files_from: str | None = None) -> Discovery:
+    """Expand folders and files (and an optional path list) into items, in input order.
+
+    A path that does not exist is a UsageError; so is an input set with nothing in it.
+    Paths from ``--files-from`` are taken as given: a missing one becomes an error row later.
+    """
+    found = Discovery(items=[])
+    for raw in inputs:
+        path = Path(raw)
+        if path.is_dir():
+            items, skipped = walk_folder(path)
+            found.items.extend(items)
+            found.skipped += skipped
+        elif path.is_file() or path.is_symlink():
+            if is_image_name(raw):
+                found.items.append(InputItem(key=raw, path=raw))
+            else:
+                found.skipped += 1
+        else:
+            raise UsageError(f"input not found: {raw}")
+    if files_from is not None:
+        for line in read_path_list(files_from):
+            if is_image_name(line) and not Path(line).is_dir():
+                found.items.append(InputItem(key=line, path=line))
+            else:
+                found.skipped += 1
+    return found

@@ -1,0 +1,698 @@
+"""The encode run: inputs -> headers -> plan -> decode workers -> device -> Parquet parts.
+
+Offline, every image's patch grid is known from its header before any pixel is decoded, so
+the whole run is planned up front: items are cut into *parts* (consecutive input ranges, the
+unit of commit and resume), each part's images are packed into nearly full batches, and
+decode workers stream exactly those images, in that order, a bounded distance ahead of the
+device. Parts are written by a background thread. Under torchrun, each part's images are
+shared among ranks by the greedy rule of SPEC §7 (or the tower is split, SPEC §8).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import queue
+import signal
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import numpy as np
+import torch
+
+from . import __version__
+from .checkpoint import COMPUTE_DTYPES, Checkpoint, build_tower, load_checkpoint, random_checkpoint
+from .config import VisionConfig
+from .decode import DEFAULT_MAX_PIXELS, DecodePool, Decoded, Probe, patches_tensor, probe_image
+from .engine import Engine
+from .errors import DsvError, OutputError, UsageError
+from .inputs import InputItem, discover
+from .packing import output_grid, pack, pack_bins
+from .progress import RunProgress
+from .transform import plan_canvas
+from .writer import PartStore, Row, assemble, output_schema, remove_tree, rows_per_group, rows_to_table
+
+log = logging.getLogger("dsv4enc")
+
+PART_BYTES = 256 << 20  # upper bound of one part's embeddings in memory
+
+
+class Interrupted(Exception):
+    """SIGINT/SIGTERM stopped the run after committing finished parts."""
+
+    def __init__(self, signum: int, resume_hint: str) -> None:
+        super().__init__(f"interrupted by {signal.Signals(signum).name}; {resume_hint}")
+        self.exit_code = 128 + signum
+
+
+@dataclass
+class EncodeOptions:
+    """Everything ``dsv4enc encode`` can be asked to do (the CLI maps its flags onto this)."""
+
+    inputs: list[str]
+    out: str
+    files_from: str | None = None
+    weights: str | None = None
+    config: str | None = None
+    random_init: bool = False
+    seed: int = 0
+    device: str = "auto"
+    dtype: str = "auto"
+    out_dtype: str = "float16"
+    features: str = "aligner"
+    pool: str = "none"
+    batch_tokens: int | None = None
+    max_images: int = 64
+    workers: int | None = None
+    overwrite: bool = False
+    resume: bool = False
+    max_pixels: int = DEFAULT_MAX_PIXELS
+    decode_timeout: float = 120.0
+    attention: str = "auto"
+    cuda_graphs: bool | None = None
+    shard_output: bool = False
+    tp_mode: str = "data"
+    balance: str = "patches"
+    timeout: float = 300.0
+    part_images: int | None = None
+    progress: bool = True
+
+
+@dataclass
+class RunSummary:
+    """What a run did, for the summary line and for callers."""
+
+    out: str
+    encoded: int = 0
+    failed: int = 0
+    skipped: int = 0
+    reused: int = 0
+    seconds: float = 0.0
+    tokens: int = 0
+    padded_tokens: int = 0
+    merge_pad_tokens: int = 0
+    decode_wait_s: float = 0.0
+    h2d_s: float = 0.0
+    model_s: float = 0.0
+    write_s: float = 0.0
+    errors: dict[str, int] = field(default_factory=dict)
+    rank_loads: list[float] = field(default_factory=list)
+
+    @property
+    def padding_waste(self) -> float:
+        """Padded tokens (graph budgets and merge padding) per real token."""
+        return (self.padded_tokens + self.merge_pad_tokens) / max(self.tokens, 1)
+
+
+@dataclass
+class Planned:
+    """One input after its header was read: its grid, or why it cannot be encoded."""
+
+    item: InputItem
+    width: int | None = None
+    height: int | None = None
+    n_h: int = 0
+    n_w: int = 0
+    error: str | None = None
+
+    @property
+    def tokens(self) -> int:
+        return self.n_h * self.n_w
+
+
+# ----------------------------------------------------------------------------- set-up
+
+def resolve_device(name: str, dist=None) -> torch.device:
+    """``auto`` is CUDA when available (this rank's LOCAL_RANK device under torchrun)."""
+    if dist is not None:
+        return dist.device
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise UsageError(f"unknown device {name!r} (use auto, cpu, cuda or cuda:N)") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise UsageError(f"device {name} asked for, but CUDA is not available")
+    if device.type not in ("cpu", "cuda"):
+        raise UsageError(f"unsupported device {name!r} (use auto, cpu, cuda or cuda:N)")
+    return device
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if name not in COMPUTE_DTYPES:
+        raise UsageError(f"unknown dtype {name!r} (use auto, float32, bfloat16 or float16)")
+    return COMPUTE_DTYPES[name]
+
+
+def validate(opts: EncodeOptions) -> None:
+    """Reject options that make no sense, alone or together."""
+    if not opts.inputs and not opts.files_from:
+        raise UsageError("no inputs: give folders or image files, or --files-from LIST")
+    if opts.resume and opts.overwrite:
+        raise UsageError("--resume and --overwrite contradict each other; choose one")
+    if opts.random_init and opts.weights:
+        raise UsageError("--random-init and --weights contradict each other; choose one")
+    if opts.random_init and not opts.config:
+        raise UsageError("--random-init needs --config FILE for the tower's shape")
+    if not opts.random_init and not opts.weights:
+        raise UsageError("no weights: pass --weights DIR, set DSV4ENC_WEIGHTS, "
+                         "or use --config FILE --random-init")
+    if opts.config and not opts.random_init:
+        raise UsageError("--config only applies with --random-init (a checkpoint has its own "
+                         "config.json)")
+    choices = {"out_dtype": ("float16", "float32"), "features": ("aligner", "vit"),
+               "pool": ("none", "mean"), "tp_mode": ("data", "weights"),
+               "balance": ("patches", "flops")}
+    for name, allowed in choices.items():
+        if getattr(opts, name) not in allowed:
+            raise UsageError(f"--{name.replace('_', '-')} must be one of {', '.join(allowed)}")
+    for name in ("batch_tokens", "max_images", "max_pixels", "part_images"):
+        value = getattr(opts, name)
+        if value is not None and value <= 0:
+            raise UsageError(f"--{name.replace('_', '-')} must be positive, got {value}")
+    if opts.workers is not None and opts.workers < 0:
+        raise UsageError(f"--workers must be 0 or more, got {opts.workers}")
+    if opts.decode_timeout <= 0 or opts.timeout <= 0:
+        raise UsageError("timeouts must be positive")
+    if opts.shard_output and opts.tp_mode == "weights":
+        raise UsageError("--shard-output applies to --tp-mode data only")
+
+
+def default_workers(device: torch.device) -> int:
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    if device.type == "cuda":
+        return max(1, min(cpus - 1, 16))
+    # On the CPU the model wants the cores; one decoder keeps it fed on small machines.
+    return max(1, cpus // 4)
+
+
+def load_model(opts: EncodeOptions, dtype: torch.dtype) -> Checkpoint:
+    if opts.random_init:
+        return random_checkpoint(VisionConfig.from_file(opts.config), opts.seed, dtype)
+    return load_checkpoint(opts.weights, dtype)
+
+
+# ----------------------------------------------------------------------------- planning
+
+def read_headers(items: Sequence[InputItem], cfg: VisionConfig, max_pixels: int,
+                 dist=None) -> list[Planned]:
+    """Probe every header (threads; ranks split the work and share results) and plan grids."""
+    rank, world = (dist.rank, dist.world_size) if dist is not None else (0, 1)
+    mine = list(range(rank, len(items), world))
+    with ThreadPoolExecutor(max_workers=16) as pool:
+        probes = list(pool.map(lambda i: probe_image(items[i].path, max_pixels), mine,
+                               chunksize=64))
+    if dist is not None:
+        shared = dist.all_gather_object([(i, asdict(p)) for i, p in zip(mine, probes)])
+        by_index = {i: Probe(**p) for part in shared for i, p in part}
+    else:
+        by_index = dict(zip(mine, probes))
+    planned = []
+    for index, item in enumerate(items):
+        probe = by_index[index]
+        entry = Planned(item, probe.width, probe.height, error=probe.error)
+        if probe.error is None:
+            try:
+                canvas = plan_canvas(probe.width, probe.height, cfg)
+                entry.n_h, entry.n_w = canvas.n_h, canvas.n_w
+            except ValueError as exc:
+                entry.error = f"ValueError: {exc}"
+        planned.append(entry)
+    return planned
+
+
+def images_per_part(cfg: VisionConfig, opts: EncodeOptions) -> int:
+    """Images per part so a part's embeddings stay under PART_BYTES even at the largest grid.
+
+    Depends on the config and output settings only, so that a resumed run cuts the same parts.
+    """
+    if opts.part_images:
+        return opts.part_images
+    max_patches = (cfg.max_n_token * cfg.downsample_ratio ** 2 if opts.features == "vit"
+                   else cfg.max_n_token)
+    row_bytes = cfg.output_width(opts.features) * (2 if opts.out_dtype == "float16" else 4)
+    per_image = row_bytes * (1 if opts.pool == "mean" else max_patches)
+    return int(min(4096, max(16, PART_BYTES // per_image)))
+
+
+def keys_digest(planned: Sequence[Planned]) -> str:
+    digest = hashlib.blake2b(digest_size=12)
+    for entry in planned:
+        digest.update(entry.item.key.encode("utf-8", "surrogateescape") + b"\0")
+    return digest.hexdigest()
+
+
+# ----------------------------------------------------------------------------- the run
+
+class _Stop:
+    """Records SIGINT/SIGTERM so the loop can stop between batches."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self._previous: dict[int, object] = {}
+
+    def install(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            self._previous[signum] = signal.signal(signum, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        if self.signum is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt  # a second Ctrl-C stops at once
+        self.signum = signum
+
+    def restore(self) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+
+
+class _PartWriter:
+    """Commits parts on a background thread so the device never waits for Parquet."""
+
+    def __init__(self, store: PartStore, schema) -> None:
+        self.store = store
+        self.schema = schema
+        self.seconds = 0.0
+        self.error: BaseException | None = None
+        self._queue: queue.Queue = queue.Queue(maxsize=2)
+        self._thread = threading.Thread(target=self._run, name="dsv4enc-writer", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while (job := self._queue.get()) is not None:
+            if self.error is not None:
+                continue
+            name, rows, start, end, digest = job
+            began = time.perf_counter()
+            try:
+                table = rows_to_table(rows, self.schema)
+                self.store.commit(name, table, rows_per_group(self.schema, rows), start, end,
+                                  digest)
+            except BaseException as exc:  # re-raised on the main thread
+                self.error = exc
+            self.seconds += time.perf_counter() - began
+
+    def put(self, name: str, rows: list[Row], start: int, end: int, digest: str) -> None:
+        self.check()
+        self._queue.put((name, rows, start, end, digest))
+
+    def check(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join()
+        self.check()
+
+
+def run_settings(ckpt: Checkpoint, opts: EncodeOptions, dtype: torch.dtype,
+                 part_images: int) -> dict:
+    """What the output was computed with; ``--resume`` requires these to match."""
+    return {
+        "tool": "dsv4enc", "version": __version__, "config": ckpt.config.to_flat(),
+        "weights_fingerprint": ckpt.fingerprint, "compute_dtype": str(dtype).removeprefix("torch."),
+        "out_dtype": opts.out_dtype, "features": opts.features, "pool": opts.pool,
+        "part_images": part_images,
+    }
+
+
+class OutputLayout:
+    """Where parts go (a ``.partial`` folder beside a single-file ``--out``, or the ``--out``
+    folder itself) and the checks before anything is computed."""
+
+    def __init__(self, out: str, shard_output: bool) -> None:
+        self.out = Path(out)
+        self.shard_output = shard_output
+        self.folder_mode = shard_output or out.endswith(("/", os.sep)) or self.out.is_dir()
+        self.parts_dir = self.out if self.folder_mode else self.out.with_name(self.out.name + ".partial")
+
+    def manifest_name(self, dist) -> str:
+        """Each rank keeps its own manifest under --shard-output; merged at the end."""
+        if self.shard_output and dist is not None:
+            return f"_manifest-rank{dist.rank:03d}.json"
+        return "_manifest.json"
+
+    def prepare(self, overwrite: bool, resume: bool) -> None:
+        out = self.out
+        for parent in [out.parent, *out.parent.parents]:
+            if parent.exists() and not parent.is_dir():
+                raise OutputError(f"cannot write {out}: {parent} is a file, not a folder")
+        has_parts = any(self.parts_dir.glob("_manifest*.json"))
+        if self.folder_mode and out.exists() and not out.is_dir():
+            raise OutputError(f"--out {out} is a file, but a folder output was asked for")
+        if self.folder_mode and out.is_dir() and any(out.iterdir()) and not has_parts:
+            raise OutputError(f"--out folder {out} is not empty and holds no dsv4enc output; "
+                              "choose another path")
+        if not resume and not overwrite:
+            if not self.folder_mode and out.exists():
+                raise OutputError(f"{out} already exists; pass --overwrite to replace it")
+            if has_parts:
+                raise OutputError(f"an unfinished run left {self.parts_dir}; pass --resume to "
+                                  "continue it or --overwrite to start over")
+        if overwrite and has_parts:
+            remove_tree(self.parts_dir)
+        if resume and not has_parts and not self.folder_mode and out.is_file():
+            raise OutputError(f"{out} is already complete; nothing to resume "
+                              "(pass --overwrite to encode again)")
+        try:
+            self.parts_dir.mkdir(parents=True, exist_ok=True)
+            probe = self.parts_dir / ".dsv4enc-write-test"
+            probe.write_bytes(b"")
+            probe.unlink()
+        except OSError as exc:
+            raise OutputError(f"cannot write to {self.parts_dir}: {exc.strerror or exc}") from None
+
+
+def run_encode(opts: EncodeOptions, dist=None) -> RunSummary:
+    """Encode ``opts.inputs`` into ``opts.out``. Raises DsvError (setup) or Interrupted."""
+    started = time.perf_counter()
+    validate(opts)
+    device = resolve_device(opts.device, dist)
+    dtype = resolve_dtype(opts.dtype, device)
+    is_writer_rank = dist is None or dist.is_main or opts.shard_output
+    layout = OutputLayout(opts.out, opts.shard_output)
+    if dist is None or dist.is_main:
+        layout.prepare(opts.overwrite, opts.resume)
+    if dist is not None:
+        dist.barrier()
+    found = discover(opts.inputs, opts.files_from)
+    ckpt = load_model(opts, dtype)
+    cfg = ckpt.config
+    n_workers = default_workers(device) if opts.workers is None else opts.workers
+    progress = RunProgress(enabled=opts.progress and (dist is None or dist.is_main))
+    stop = _Stop()
+    stop.install()
+    summary = RunSummary(out=str(opts.out), skipped=found.skipped)
+    pool = DecodePool(cfg, n_workers, opts.max_pixels, opts.decode_timeout)  # spawns early
+    try:
+        model = build_tower(ckpt, device)
+        tp = False
+        if dist is not None and opts.tp_mode == "weights":
+            from .sharding import apply_tensor_parallel
+            tp = apply_tensor_parallel(model, dist)
+        engine = Engine(model, features=opts.features, attention=opts.attention,
+                        out_dtype=torch.float16 if opts.out_dtype == "float16" else torch.float32,
+                        **_engine_extras(opts, device))
+        with progress:
+            progress.status(f"reading {len(found.items)} image headers")
+            planned = read_headers(found.items, cfg, opts.max_pixels, dist)
+            part_images = images_per_part(cfg, opts)
+            settings = run_settings(ckpt, opts, dtype, part_images)
+            if opts.shard_output and dist is not None:
+                settings["world_size"] = dist.world_size
+            store = PartStore(layout.parts_dir, settings, layout.manifest_name(dist))
+            parts = plan_parts(planned, part_images, dist if opts.shard_output else None)
+            todo = _resume_filter(store, parts, opts, is_writer_rank, dist, summary)
+            schema = output_schema(cfg.output_width(opts.features), opts.out_dtype,
+                                   settings, pooled=opts.pool == "mean")
+            progress.start(total=len(planned), done=summary.reused)
+            writer = _PartWriter(store, schema) if is_writer_rank else None
+            runner = _Runner(engine, pool, opts, dist, tp, progress, summary, stop)
+            try:
+                for name, start, end, digest, rows in runner.run(planned, todo):
+                    if writer is not None:
+                        writer.put(name, rows, start, end, digest)
+            finally:
+                if writer is not None:
+                    writer.close()
+                    summary.write_s = writer.seconds
+            if stop.signum is not None:
+                raise Interrupted(stop.signum, f"finished parts are kept in {layout.parts_dir}; "
+                                  "rerun the same command with --resume to finish")
+            if dist is not None:
+                dist.barrier()
+            if not layout.folder_mode and (dist is None or dist.is_main):
+                progress.status("writing the final file")
+                began = time.perf_counter()
+                assemble(store.part_files(), layout.out, schema)
+                remove_tree(layout.parts_dir)
+                summary.write_s += time.perf_counter() - began
+            elif opts.shard_output and dist is not None:
+                _merge_manifests(dist, store)
+    finally:
+        stop.restore()
+        pool.close()
+    stats = engine.stats
+    summary.h2d_s, summary.model_s = stats.h2d_s, stats.model_s
+    summary.padded_tokens = stats.padded_tokens
+    summary.seconds = time.perf_counter() - started
+    return summary
+
+
+def _engine_extras(opts: EncodeOptions, device: torch.device) -> dict:
+    """Keyword arguments the engine takes beyond the basics (graphs, budgets)."""
+    import inspect
+
+    params = inspect.signature(Engine).parameters
+    extras = {"cuda_graphs": opts.cuda_graphs,
+              "batch_tokens": opts.batch_tokens or default_batch_tokens(device),
+              "max_images": opts.max_images}
+    return {k: v for k, v in extras.items() if k in params}
+
+
+def default_batch_tokens(device: torch.device) -> int:
+    return 32768 if device.type == "cuda" else 8192
+
+
+@dataclass
+class Part:
+    name: str
+    start: int
+    end: int
+    indices: list[int]  # the planned items this part covers (all of start..end unless sharded)
+    digest: str  # of the keys in start..end, so a resumed run knows the inputs are the same
+
+
+def plan_parts(planned: Sequence[Planned], part_images: int, shard_dist=None) -> list[Part]:
+    """Consecutive input ranges of ``part_images`` items. With ``--shard-output`` each rank's
+    part holds just its greedy share of the range."""
+    parts = []
+    for number, start in enumerate(range(0, len(planned), part_images)):
+        end = min(start + part_images, len(planned))
+        indices = list(range(start, end))
+        name = f"part-{number:06d}"
+        if shard_dist is not None:
+            indices = share_for_rank(planned, indices, shard_dist, "patches")[shard_dist.rank]
+            name = f"{name}-rank{shard_dist.rank:03d}"
+        parts.append(Part(name, start, end, indices, keys_digest(planned[start:end])))
+    return parts
+
+
+def share_for_rank(planned: Sequence[Planned], indices: list[int], dist,
+                   balance: str, cfg: VisionConfig | None = None) -> list[list[int]]:
+    """Greedy assignment (SPEC §7) of ``indices`` to ranks; failed items cost nothing."""
+    from .sharding import assign_greedy, flops_cost
+
+    if balance == "flops" and cfg is not None:
+        costs = [flops_cost(planned[i].n_h, planned[i].n_w, cfg) if planned[i].error is None
+                 else 0 for i in indices]
+    else:
+        costs = [planned[i].tokens if planned[i].error is None else 0 for i in indices]
+    return [[indices[j] for j in share] for share in assign_greedy(costs, dist.world_size)]
+
+
+def _resume_filter(store: PartStore, parts: list[Part], opts: EncodeOptions,
+                   is_writer_rank: bool, dist, summary: RunSummary) -> list[Part]:
+    """Parts still to encode; with ``--resume``, check settings and skip committed parts.
+
+    Under DP-gathered or TP runs rank 0 owns the manifest and tells the other ranks."""
+    shared = dist is not None and not opts.shard_output
+    todo_names, problem = None, None
+    if is_writer_rank:
+        try:
+            todo_names = _uncommitted(store, parts, opts)
+        except UsageError as exc:
+            problem = str(exc)
+    if shared:
+        todo_names, problem = dist.all_gather_object((todo_names, problem))[0]
+    if problem:
+        raise UsageError(problem)
+    names = set(todo_names)
+    todo = [p for p in parts if p.name in names]
+    summary.reused = sum(p.end - p.start for p in parts if p.name not in names)
+    return todo
+
+
+def _uncommitted(store: PartStore, parts: list[Part], opts: EncodeOptions) -> list[str]:
+    if not opts.resume or not store.manifest_path.is_file():
+        store.create()
+        return [p.name for p in parts]
+    previous = store.load_existing()
+    for key, value in store.settings.items():
+        if previous.get(key) != value:
+            shown = "weights" if key == "weights_fingerprint" else key.replace("_", " ")
+            raise UsageError(f"cannot resume: {shown} differs from the interrupted run "
+                             f"({previous.get(key)!r} then, {value!r} now); "
+                             "use --overwrite to start over")
+    store.save()
+    return [p.name for p in parts if not store.committed(p.name, p.start, p.end, p.digest)]
+
+
+class _Runner:
+    """Walks parts -> batches, feeding decoded images to the engine, and yields finished parts
+    as ``(name, start, end, digest, rows)``."""
+
+    def __init__(self, engine: Engine, pool: DecodePool, opts: EncodeOptions, dist, tp: bool,
+                 progress: RunProgress, summary: RunSummary, stop: _Stop) -> None:
+        self.engine, self.pool, self.opts, self.dist = engine, pool, opts, dist
+        self.tp = tp
+        self.progress, self.summary, self.stop = progress, summary, stop
+        self.cfg = engine.cfg
+        self.batch_tokens = getattr(engine, "batch_tokens", None) or (
+            opts.batch_tokens or default_batch_tokens(engine.device))
+        self.gathered = dist is not None and not tp and not opts.shard_output
+
+    # -- planning of one part ------------------------------------------------------
+    def rank_batches(self, planned: Sequence[Planned], part: Part) -> list[list[list[int]]]:
+        """Per rank, the batches (lists of item indices) this part is encoded in."""
+        good = [i for i in part.indices if planned[i].error is None]
+        if self.gathered:
+            shares = share_for_rank(planned, good, self.dist, self.opts.balance, self.cfg)
+            for rank, share in enumerate(shares):
+                self.summary_loads(rank, sum(planned[i].tokens for i in share))
+        else:
+            shares = [good]
+        return [[[share[j] for j in b] for b in
+                 pack_bins([planned[i].tokens for i in share], self.batch_tokens,
+                           self.opts.max_images)] for share in shares]
+
+    def summary_loads(self, rank: int, load: float) -> None:
+        loads = self.summary.rank_loads
+        loads.extend([0.0] * (rank + 1 - len(loads)))
+        loads[rank] += load
+
+    def run(self, planned: Sequence[Planned], parts: list[Part]) -> Iterator[tuple]:
+        plans = [self.rank_batches(planned, part) for part in parts]
+        me = self.dist.rank if self.gathered else 0
+        order = (i for plan in plans for batch in plan[me] for i in batch)
+        decoded = self.pool.imap(((i, planned[i].item.path) for i in order),
+                                 window=max(8, 4 * self.pool.n_workers + self.opts.max_images))
+        for part, plan in zip(parts, plans):
+            rows = {i: _error_row(planned[i]) for i in part.indices if planned[i].error}
+            steps = max(len(batches) for batches in plan)
+            for step in range(steps):
+                batch = plan[me][step] if step < len(plan[me]) else []
+                local = self.encode_batch(planned, batch, decoded)
+                if self.gathered:
+                    local = self.exchange(local)
+                rows.update(local)
+                if self._stop_agreed():
+                    return
+            ordered = [rows[i] for i in part.indices]
+            self.count(ordered)
+            if self.dist is None or self.dist.is_main or self.opts.shard_output:
+                yield part.name, part.start, part.end, part.digest, ordered
+
+    def _stop_agreed(self) -> bool:
+        flag = self.stop.signum is not None
+        if self.dist is not None:
+            flags = self.dist.all_gather_object(self.stop.signum)
+            signums = [s for s in flags if s is not None]
+            if signums and self.stop.signum is None:
+                self.stop.signum = signums[0]
+            flag = bool(signums)
+        return flag
+
+    def count(self, rows: list[Row]) -> None:
+        for row in rows:
+            if row.error is None:
+                self.summary.encoded += 1
+            else:
+                self.summary.failed += 1
+                kind = row.error.split(":", 1)[0]
+                self.summary.errors[kind] = self.summary.errors.get(kind, 0) + 1
+        self.progress.advance(len(rows), self.summary)
+
+    # -- one batch ---------------------------------------------------------------
+    def encode_batch(self, planned: Sequence[Planned], batch: list[int],
+                     decoded: Iterator[tuple[int, Decoded]]) -> dict[int, Row]:
+        rows: dict[int, Row] = {}
+        ready: list[tuple[int, Decoded]] = []
+        began = time.perf_counter()
+        for expected in batch:
+            index, result = next(decoded)
+            assert index == expected, "decode stream out of step with the plan"
+            if result.error is not None:
+                rows[index] = _error_row(planned[index], result.error)
+            else:
+                ready.append((index, result))
+        self.summary.decode_wait_s += time.perf_counter() - began
+        if not ready:
+            return rows
+        packed = pack([(patches_tensor(d), d.n_h, d.n_w) for _, d in ready],
+                      self.cfg.downsample_ratio, self.opts.features)
+        outputs = self.engine.encode(packed)
+        self.summary.tokens += packed.n_tokens
+        if self.opts.features == "aligner":
+            r2 = self.cfg.downsample_ratio ** 2
+            self.summary.merge_pad_tokens += packed.n_rows * r2 - packed.n_tokens
+        for (index, d), out in zip(ready, outputs):
+            rows[index] = self.make_row(planned[index], d, out)
+        return rows
+
+    def make_row(self, entry: Planned, d: Decoded, out: torch.Tensor) -> Row:
+        if not torch.isfinite(out).all():
+            raise DsvError(f"embedding of {entry.item.key} is not finite in "
+                           f"{self.opts.out_dtype}; rerun with --out-dtype float32")
+        grid_h, grid_w = output_grid(d.n_h, d.n_w, self.cfg.downsample_ratio, self.opts.features)
+        if self.opts.pool == "mean":
+            dtype = out.dtype
+            out = out.float().mean(0).to(dtype)
+        return Row(path=entry.item.key, width=d.width, height=d.height, vit_h=d.n_h,
+                   vit_w=d.n_w, grid_h=grid_h, grid_w=grid_w, embedding=out.numpy())
+
+    def exchange(self, local: dict[int, Row]) -> dict[int, Row]:
+        """DP: every rank sends its rows; rank 0 gets them all (one padded all-gather)."""
+        from .sharding import gather_rows
+
+        meta = [(i, {**asdict(r), "embedding": None},
+                 0 if r.embedding is None else len(r.embedding)) for i, r in local.items()]
+        embeddings = [r.embedding for r in local.values() if r.embedding is not None]
+        width = self.cfg.output_width(self.opts.features)
+        shape = (-1, width)
+        flat = (torch.from_numpy(np.concatenate([e.reshape(shape) for e in embeddings]))
+                if embeddings else torch.zeros(0, width, dtype=self.engine.out_dtype))
+        metas = self.dist.all_gather_object(meta)
+        counts = [sum(n for _, _, n in m) for m in metas]
+        per_rank = gather_rows(self.dist, flat.to(self.dist.device), counts)
+        rows: dict[int, Row] = {}
+        for rank_meta, block in zip(metas, per_rank):
+            block = block.cpu()
+            offset = 0
+            for index, fields, n in rank_meta:
+                row = Row(**fields)
+                if n:
+                    emb = block[offset:offset + n]
+                    row.embedding = (emb.reshape(width) if self.opts.pool == "mean"
+                                     else emb).numpy()
+                    offset += n
+                rows[index] = row
+        return rows
+
+
+def _error_row(entry: Planned, error: str | None = None) -> Row:
+    return Row(path=entry.item.key, width=entry.width, height=entry.height,
+               error=error or entry.error)
+
+
+def _merge_manifests(dist, store: PartStore) -> None:
+    """--shard-output: rank 0 lists every rank's parts in one manifest."""
+    from .writer import write_json_atomic
+
+    everything = dist.all_gather_object(store.parts)
+    if dist.is_main:
+        merged = {name: part for parts in everything for name, part in parts.items()}
+        write_json_atomic({"settings": store.settings, "parts": merged},
+                          store.folder / "_manifest.json")

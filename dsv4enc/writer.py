@@ -1,0 +1,235 @@
+"""Parquet output (SPEC §9): crash-safe part files, a manifest, and the final file.
+
+Work is committed in closed part files: each is written under a hidden temporary name, fsynced
+and renamed, then the manifest (also written by rename) records it. A kill at any moment
+leaves only whole parts behind, and ``--resume`` reuses them. A single-file ``--out`` is
+assembled from the parts at the end, again by rename, so it is never half-written.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from .errors import OutputError
+
+MANIFEST_NAME = "_manifest.json"
+ROW_GROUP_BYTES = 64 << 20
+_ARROW_FLOAT = {"float16": pa.float16(), "float32": pa.float32()}
+_NUMPY_FLOAT = {"float16": np.float16, "float32": np.float32}
+
+
+def output_schema(width: int, out_dtype: str, metadata: dict[str, Any] | None = None,
+                  pooled: bool = False) -> pa.Schema:
+    """The output schema; ``metadata`` goes under the ``dsv4enc`` key as JSON."""
+    value = _ARROW_FLOAT[out_dtype]
+    row = pa.list_(value, width)
+    embedding = row if pooled else pa.list_(row)
+    fields = [
+        pa.field("path", pa.string(), nullable=False),
+        pa.field("width", pa.int32()),
+        pa.field("height", pa.int32()),
+        pa.field("vit_h", pa.int32()),
+        pa.field("vit_w", pa.int32()),
+        pa.field("grid_h", pa.int32()),
+        pa.field("grid_w", pa.int32()),
+        pa.field("embedding", embedding),
+        pa.field("error", pa.string()),
+    ]
+    meta = {b"dsv4enc": json.dumps(metadata or {}, sort_keys=True).encode()}
+    return pa.schema(fields, metadata=meta)
+
+
+@dataclass
+class Row:
+    """One output row. ``embedding`` is (grid_h*grid_w, width) (or (width,) pooled), or None."""
+
+    path: str
+    width: int | None = None
+    height: int | None = None
+    vit_h: int | None = None
+    vit_w: int | None = None
+    grid_h: int | None = None
+    grid_w: int | None = None
+    embedding: np.ndarray | None = None
+    error: str | None = None
+
+
+def rows_to_table(rows: Sequence[Row], schema: pa.Schema) -> pa.Table:
+    """Build an Arrow table from rows; embeddings go in as one flat buffer, no Python floats."""
+    emb_type = schema.field("embedding").type
+    pooled = pa.types.is_fixed_size_list(emb_type)
+    row_type = emb_type if pooled else emb_type.value_type
+    width = row_type.list_size
+    np_dtype = _NUMPY_FLOAT["float16" if row_type.value_type == pa.float16() else "float32"]
+    valid = np.array([r.embedding is not None for r in rows], dtype=bool)
+    if pooled:
+        # One vector per row; failed rows hold zeros under a null mask.
+        flat = np.zeros((len(rows), width), dtype=np_dtype)
+        for i, r in enumerate(rows):
+            if r.embedding is not None:
+                flat[i] = np.asarray(r.embedding, dtype=np_dtype).reshape(width)
+        embedding = pa.FixedSizeListArray.from_arrays(
+            pa.array(flat.reshape(-1), type=row_type.value_type), width, mask=pa.array(~valid))
+    else:
+        arrays = [np.asarray(r.embedding, dtype=np_dtype).reshape(-1, width)
+                  for r in rows if r.embedding is not None]
+        flat = np.concatenate(arrays).reshape(-1) if arrays else np.zeros(0, dtype=np_dtype)
+        vectors = pa.FixedSizeListArray.from_arrays(pa.array(flat, type=row_type.value_type),
+                                                    width)
+        counts = np.array([0 if r.embedding is None else len(r.embedding) for r in rows],
+                          dtype=np.int64)
+        offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+        embedding = pa.ListArray.from_arrays(pa.array(offsets), vectors, mask=pa.array(~valid))
+    columns = {
+        "path": pa.array([r.path for r in rows], pa.string()),
+        **{name: pa.array([getattr(r, name) for r in rows], pa.int32())
+           for name in ("width", "height", "vit_h", "vit_w", "grid_h", "grid_w")},
+        "embedding": embedding,
+        "error": pa.array([r.error for r in rows], pa.string()),
+    }
+    return pa.Table.from_arrays(list(columns.values()), schema=schema)
+
+
+def rows_per_group(schema: pa.Schema, rows: Sequence[Row]) -> int:
+    """Rows per row group so that groups hold about ROW_GROUP_BYTES of embeddings."""
+    sizes = [r.embedding.nbytes for r in rows if r.embedding is not None]
+    mean = (sum(sizes) / len(sizes)) if sizes else 1
+    return max(1, min(1 << 20, int(ROW_GROUP_BYTES // max(mean, 1))))
+
+
+def _fsync_dir(folder: Path) -> None:
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def output_os_error(path: Path, exc: OSError) -> OutputError:
+    """A one-line OutputError for a failed write (full disk, permissions, ...)."""
+    if exc.errno == errno.ENOSPC:
+        return OutputError(f"no space left on device writing {path}; committed parts are kept, "
+                           "free space and rerun with --resume")
+    reason = exc.strerror or str(exc)
+    return OutputError(f"cannot write {path}: {reason}")
+
+
+def write_table_atomic(table: pa.Table, path: Path, row_group_size: int) -> None:
+    """Write ``table`` to ``path`` via a hidden temporary file, fsync, and rename."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        pq.write_table(table, tmp, row_group_size=row_group_size, compression="zstd")
+        with open(tmp, "rb+") as handle:
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+        _fsync_dir(path.parent)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise output_os_error(path, exc) from None
+
+
+def write_json_atomic(data: Any, path: Path) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
+        with open(tmp, "rb+") as handle:
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise output_os_error(path, exc) from None
+
+
+class PartStore:
+    """A folder of committed part files plus ``_manifest.json``.
+
+    The manifest holds the run's ``settings`` (what must match for ``--resume``) and, per
+    committed part, its file name, input range and a digest of its keys.
+    """
+
+    def __init__(self, folder: Path, settings: dict[str, Any],
+                 manifest_name: str = MANIFEST_NAME) -> None:
+        self.folder = folder
+        self.settings = settings
+        self.manifest_name = manifest_name
+        self.parts: dict[str, dict[str, Any]] = {}
+
+    @property
+    def manifest_path(self) -> Path:
+        return self.folder / self.manifest_name
+
+    def create(self) -> None:
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise output_os_error(self.folder, exc) from None
+        self.save()
+
+    def load_existing(self) -> dict[str, Any]:
+        """Read the manifest of an earlier run; returns its settings."""
+        try:
+            data = json.loads(self.manifest_path.read_text())
+        except (OSError, ValueError) as exc:
+            raise OutputError(f"cannot resume: unreadable manifest {self.manifest_path} ({exc})") from None
+        self.parts = {name: part for name, part in data.get("parts", {}).items()
+                      if (self.folder / part["file"]).is_file()}
+        return data.get("settings", {})
+
+    def committed(self, name: str, start: int, end: int, digest: str) -> bool:
+        part = self.parts.get(name)
+        return bool(part and part["start"] == start and part["end"] == end
+                    and part["digest"] == digest)
+
+    def commit(self, name: str, table: pa.Table, row_group_size: int, start: int, end: int,
+               digest: str) -> None:
+        file = f"{name}.parquet"
+        write_table_atomic(table, self.folder / file, row_group_size)
+        self.parts[name] = {"file": file, "start": start, "end": end, "digest": digest,
+                            "rows": table.num_rows}
+        self.save()
+
+    def save(self) -> None:
+        write_json_atomic({"settings": self.settings, "parts": self.parts}, self.manifest_path)
+
+    def part_files(self) -> list[Path]:
+        """Committed part files in input order."""
+        ordered = sorted(self.parts.values(), key=lambda p: (p["start"], p["file"]))
+        return [self.folder / p["file"] for p in ordered]
+
+
+def assemble(parts: Sequence[Path], out: Path, schema: pa.Schema) -> None:
+    """Concatenate part files into ``out`` row group by row group (bounded memory), atomically."""
+    tmp = out.with_name(f".{out.name}.tmp")
+    try:
+        with pq.ParquetWriter(tmp, schema, compression="zstd") as writer:
+            for part in parts:
+                handle = pq.ParquetFile(part)
+                for group in range(handle.num_row_groups):
+                    writer.write_table(handle.read_row_group(group).replace_schema_metadata(
+                        schema.metadata))
+        with open(tmp, "rb+") as handle:
+            os.fsync(handle.fileno())
+        os.replace(tmp, out)
+        _fsync_dir(out.parent)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise output_os_error(out, exc) from None
+
+
+def remove_tree(folder: Path) -> None:
+    shutil.rmtree(folder, ignore_errors=True)

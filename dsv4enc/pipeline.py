@@ -441,6 +441,7 @@ def run_encode(opts: EncodeOptions, dist=None) -> RunSummary:
                 summary.write_s += time.perf_counter() - began
             elif opts.shard_output and dist is not None:
                 _merge_manifests(dist, store)
+                _sum_rank_counts(dist, summary)
     finally:
         stop.restore()
         pool.close()
@@ -696,3 +697,18 @@ def _merge_manifests(dist, store: PartStore) -> None:
         merged = {name: part for parts in everything for name, part in parts.items()}
         write_json_atomic({"settings": store.settings, "parts": merged},
                           store.folder / "_manifest.json")
+
+
+def _sum_rank_counts(dist, summary: RunSummary) -> None:
+    """--shard-output: each rank counted only its own rows; the summary shows them all."""
+    counts = dist.all_gather_object((summary.encoded, summary.failed, summary.tokens,
+                                     summary.errors))
+    summary.encoded = sum(c[0] for c in counts)
+    summary.failed = sum(c[1] for c in counts)
+    summary.rank_loads = [float(c[2]) for c in counts]
+    summary.tokens = sum(c[2] for c in counts)
+    merged: dict[str, int] = {}
+    for _, _, _, errors in counts:
+        for kind, n in errors.items():
+            merged[kind] = merged.get(kind, 0) + n
+    summary.errors = merged

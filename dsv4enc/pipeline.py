@@ -413,7 +413,8 @@ def run_encode(opts: EncodeOptions, dist=None) -> RunSummary:
             if opts.shard_output and dist is not None:
                 settings["world_size"] = dist.world_size
             store = PartStore(layout.parts_dir, settings, layout.manifest_name(dist))
-            parts = plan_parts(planned, part_images, dist if opts.shard_output else None)
+            parts = plan_parts(planned, part_images, dist if opts.shard_output else None,
+                               opts.balance, cfg)
             todo = _resume_filter(store, parts, opts, is_writer_rank, dist, summary)
             schema = output_schema(cfg.output_width(opts.features), opts.out_dtype,
                                    settings, pooled=opts.pool == "mean")
@@ -476,7 +477,8 @@ class Part:
     digest: str  # of the keys in start..end, so a resumed run knows the inputs are the same
 
 
-def plan_parts(planned: Sequence[Planned], part_images: int, shard_dist=None) -> list[Part]:
+def plan_parts(planned: Sequence[Planned], part_images: int, shard_dist=None,
+               balance: str = "patches", cfg: VisionConfig | None = None) -> list[Part]:
     """Consecutive input ranges of ``part_images`` items. With ``--shard-output`` each rank's
     part holds just its greedy share of the range."""
     parts = []
@@ -485,7 +487,7 @@ def plan_parts(planned: Sequence[Planned], part_images: int, shard_dist=None) ->
         indices = list(range(start, end))
         name = f"part-{number:06d}"
         if shard_dist is not None:
-            indices = share_for_rank(planned, indices, shard_dist, "patches")[shard_dist.rank]
+            indices = share_for_rank(planned, indices, shard_dist, balance, cfg)[shard_dist.rank]
             name = f"{name}-rank{shard_dist.rank:03d}"
         parts.append(Part(name, start, end, indices, keys_digest(planned[start:end])))
     return parts

@@ -20,6 +20,7 @@ import heapq
 import logging
 import os
 import pickle
+import re
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -34,7 +35,7 @@ log = logging.getLogger(__name__)
 
 BALANCE_CHOICES = ("patches", "flops")
 
-# torch 2.13 renamed all_gather_into_tensor (same semantics); older releases only have the latter.
+# Newer torch calls it all_gather_single (all_gather_into_tensor is deprecated there).
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
@@ -63,9 +64,10 @@ class DistContext:
         if "timed out" in text.lower() or "timeout" in text.lower():
             return DistributedError(f"rank {self.rank}: {what} timed out after "
                                     f"{self.timeout:g}s (a peer rank may have died)")
-        first = text.strip().splitlines()[0][:200] if text.strip() else type(exc).__name__
+        # First sentence, without gloo's "[file.cc:line]" prefix.
+        first = re.sub(r"^\[[^\]]*\]\s*", "", text.strip().split("\n")[0]).split(". ")[0]
         return DistributedError(f"rank {self.rank}: {what} failed (a peer rank may have "
-                                f"died): {first}")
+                                f"died): {first[:200] or type(exc).__name__}")
 
     def _wait(self, what: str, start: Callable[[], Any]) -> None:
         """Run an async collective and wait for it on the host, at most ``timeout``."""
@@ -285,8 +287,12 @@ def restore_order(per_rank: Sequence[torch.Tensor], assignment: Sequence[Sequenc
     assignment[r]. Returns one (rows_per_image[i], width) tensor per image i.
     """
     out: list[torch.Tensor | None] = [None] * len(rows_per_image)
-    for rows, indices in zip(per_rank, assignment, strict=True):
-        for i, part in zip(indices, torch.split(rows, [rows_per_image[i] for i in indices])):
+    for rank, (rows, indices) in enumerate(zip(per_rank, assignment, strict=True)):
+        sizes = [rows_per_image[i] for i in indices]
+        if rows.shape[0] != sum(sizes):
+            raise ValueError(f"rank {rank} sent {rows.shape[0]} rows, its images have "
+                             f"{sum(sizes)}")
+        for i, part in zip(indices, torch.split(rows, sizes)):
             out[i] = part
     missing = [i for i, t in enumerate(out) if t is None]
     if missing:

@@ -17,7 +17,7 @@ import torch
 from safetensors import safe_open
 
 from .config import VisionConfig
-from .errors import ConfigError, WeightsError
+from .errors import WeightsError
 from .model import VisionTower
 
 TOWER_PREFIXES = ("vision.", "aligner.")
@@ -88,7 +88,8 @@ def read_tower_tensors(located: dict[str, Path], cfg: VisionConfig, dtype: torch
     """Check names, shapes and dtypes, then read the tensors (cast to ``dtype``, norms float32).
 
     Returns the state dict and a fingerprint (blake2b over names, dtypes, shapes and bytes as
-    stored)."""
+    stored, in name order: the same weights give the same fingerprint however they are
+    sharded)."""
     shapes = expected_shapes(cfg)
     for name in sorted(shapes):
         if name not in located:
@@ -100,7 +101,7 @@ def read_tower_tensors(located: dict[str, Path], cfg: VisionConfig, dtype: torch
     by_file: dict[Path, list[str]] = {}
     for name in sorted(shapes):
         by_file.setdefault(located[name], []).append(name)
-    digest = hashlib.blake2b(digest_size=16)
+    tensor_digests: dict[str, bytes] = {}
     state: dict[str, torch.Tensor] = {}
     for path, names in sorted(by_file.items()):
         if not path.is_file():
@@ -126,9 +127,13 @@ def read_tower_tensors(located: dict[str, Path], cfg: VisionConfig, dtype: torch
                 if tensor.dtype not in FLOAT_DTYPES:
                     raise WeightsError(f"tower tensor {name} has unsupported dtype "
                                        f"{str(tensor.dtype).removeprefix('torch.')}")
-                digest.update(f"{name}|{tensor.dtype}|{shape}|".encode())
-                digest.update(tensor.contiguous().view(torch.uint8).numpy().tobytes())
+                one = hashlib.blake2b(f"{name}|{tensor.dtype}|{shape}|".encode(), digest_size=16)
+                one.update(tensor.contiguous().view(torch.uint8).numpy().tobytes())
+                tensor_digests[name] = one.digest()
                 state[name] = tensor.to(torch.float32 if keeps_float32(name) else dtype)
+    digest = hashlib.blake2b(digest_size=16)
+    for name in sorted(tensor_digests):
+        digest.update(tensor_digests[name])
     return state, digest.hexdigest()
 
 
@@ -142,10 +147,7 @@ def load_checkpoint(path: str | Path, dtype: torch.dtype = torch.float32) -> Che
     config_path = folder / "config.json"
     if not config_path.is_file():
         raise WeightsError(f"{folder}: no config.json")
-    try:
-        cfg = VisionConfig.from_file(config_path)
-    except ConfigError as exc:
-        raise WeightsError(str(exc)) from None
+    cfg = VisionConfig.from_file(config_path)  # ConfigError names the file and the key
     located = locate_tower_tensors(folder)
     state, fingerprint = read_tower_tensors(located, cfg, dtype)
     return Checkpoint(cfg, state, fingerprint, str(folder))

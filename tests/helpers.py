@@ -1,0 +1,155 @@
+"""Plain helpers shared by the tests (import with ``from helpers import ...``).
+
+Fixtures live in ``conftest.py``; this module holds functions that tests call directly.
+"""
+
+from __future__ import annotations
+
+import json
+import zlib
+from pathlib import Path
+from typing import Iterable, Mapping, Sequence
+
+import numpy as np
+import torch
+from PIL import Image
+
+from dsv4enc.attention import VarlenSpans
+from dsv4enc.checkpoint import INDEX_NAME
+from dsv4enc.config import VisionConfig
+from dsv4enc.model import VisionTower, rope_tables
+from dsv4enc.packing import pack
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = REPO_ROOT / "configs"
+
+# Nested ("converted") key of every official flat key, as SPEC §1 lists them.
+NESTED_VISION_KEYS = {
+    "vision_n_layers": "num_hidden_layers",
+    "vision_dim": "hidden_size",
+    "vision_n_heads": "num_attention_heads",
+    "vision_inter_dim": "intermediate_size",
+    "vision_patch_size": "patch_size",
+    "vision_rope_theta": "rope_theta",
+    "vision_downsample_ratio": "downsample_ratio",
+    "vision_max_n_token": "max_image_tokens",
+    "vision_min_pixels": "min_pixels",
+    "vision_max_wh_ratio": "max_wh_ratio",
+}
+
+#: File names of the ``sharded_ckpt`` fixture.
+SHARD_FILES = ("model-00001-of-00003.safetensors", "model-00002-of-00003.safetensors")
+DECOY_ONLY_FILE = "model-00003-of-00003.safetensors"
+
+
+ImageSpec = tuple[str, tuple[int, int], str]
+
+#: What ``make_images()`` writes by default: (relative path, (width, height), mode).
+DEFAULT_IMAGES: tuple[ImageSpec, ...] = (
+    ("photo.jpg", (64, 48), "RGB"),
+    ("tall.png", (30, 90), "RGBA"),
+    ("wide_gray.png", (120, 12), "L"),  # width/height 10: stretched, not padded
+    ("palette.gif", (50, 50), "P"),
+    ("gray16.png", (40, 30), "I;16"),
+    ("cmyk.jpg", (24, 24), "CMYK"),
+    ("nested/odd.bmp", (17, 33), "RGB"),
+    ("nested/wide.webp", (200, 20), "RGB"),
+)
+
+
+def write_image(path: Path, size: tuple[int, int], mode: str = "RGB",
+                seed: int | None = None) -> Path:
+    """Write a noise image of ``size`` (width, height) in ``mode``; the format follows the
+    suffix. Content is deterministic in the file name (or ``seed``)."""
+    rng = np.random.default_rng(zlib.crc32(path.name.encode()) if seed is None else seed)
+    w, h = size
+    rgb = Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8), "RGB")
+    if mode == "I;16":
+        image = Image.fromarray(rng.integers(0, 65536, (h, w), dtype=np.uint16))
+    elif mode == "P":
+        image = rgb.quantize(16)
+    else:
+        image = rgb.convert(mode)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    image.save(path)
+    return path
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """Relative error ‖out − ref‖ / ‖ref‖, computed in float64 (the golden README's metric)."""
+    out64, ref64 = out.detach().to(torch.float64), ref.detach().to(torch.float64)
+    assert out64.shape == ref64.shape, f"shape {tuple(out64.shape)} != {tuple(ref64.shape)}"
+    denom = ref64.norm().item()
+    num = (out64 - ref64).norm().item()
+    return num / denom if denom else num
+
+
+def nested_layout(flat: Mapping) -> dict:
+    """The converted vision_config/text_config layout holding the same values as ``flat``."""
+    vision = {NESTED_VISION_KEYS[k]: v for k, v in flat.items() if k in NESTED_VISION_KEYS}
+    text = {"hidden_size": flat["hidden_size"]} if "hidden_size" in flat else {}
+    return {"model_type": flat.get("model_type", "deepseek_v4"),
+            "vision_config": vision,
+            "text_config": text}
+
+
+def write_checkpoint(folder: Path, config: Mapping, files: Mapping[str, Mapping[str, torch.Tensor]],
+                     index: bool = True, index_extra: Mapping[str, str] | None = None) -> Path:
+    """Write a checkpoint folder with an explicit tensor-to-file layout.
+
+    ``config`` is written as config.json as is (either layout). ``files`` maps a file name to
+    the tensors it holds. With ``index``, a model.safetensors.index.json maps every tensor to
+    its file; ``index_extra`` adds entries (e.g. names in files that do not exist).
+    """
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(dict(config), indent=1))
+    weight_map: dict[str, str] = {}
+    for fname, tensors in files.items():
+        save_file({n: t.contiguous() for n, t in tensors.items()}, str(folder / fname))
+        weight_map.update({n: fname for n in tensors})
+    weight_map.update(index_extra or {})
+    if index:
+        (folder / INDEX_NAME).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return folder
+
+
+def decoy_tensors() -> dict[str, torch.Tensor]:
+    """Language-model tensors a tower loader must never read: bf16, int8 and (where torch has
+    it) FP8. Reading or casting any of them would be a bug."""
+    gen = torch.Generator().manual_seed(2)
+    decoys = {
+        "embed.weight": torch.randn(64, 24, generator=gen).to(torch.bfloat16),
+        "layers.0.ffn.experts.0.w1.scale": torch.randint(-8, 8, (16, 4), dtype=torch.int8,
+                                                         generator=gen),
+        "layers.0.attn.wq.weight": torch.randn(24, 24, generator=gen).to(torch.bfloat16),
+        "head.weight": torch.randn(64, 24, generator=gen).to(torch.bfloat16),
+    }
+    if hasattr(torch, "float8_e4m3fn"):
+        fp8 = torch.randn(16, 32, generator=gen).to(torch.float8_e4m3fn)
+        decoys["layers.0.ffn.experts.0.w1.weight"] = fp8
+    return decoys
+
+
+def packed_forward(model: VisionTower, items: Sequence[tuple[torch.Tensor, int, int]],
+                   features: str = "aligner") -> list[torch.Tensor]:
+    """Run ``(patches, n_h, n_w)`` items as one packed forward; return one output per item."""
+    batch = pack(items, model.cfg.downsample_ratio, features)
+    cos, sin = rope_tables(batch.positions, model.cfg)
+    spans = VarlenSpans.from_lengths(batch.lengths, "cpu")
+    with torch.inference_mode():
+        out = model.forward_packed(batch.patches, cos, sin, spans, batch.merge_index,
+                                   batch.merge_mask, features)
+    return batch.split_rows(out)
+
+
+def load_config(name: str) -> VisionConfig:
+    """A config shipped in configs/ (``tiny``, ``medium``, ``deepseek-v4-flash``)."""
+    return VisionConfig.from_file(CONFIGS / f"{name}.json")
+
+
+def all_items(groups: Iterable[Iterable[int]]) -> list[int]:
+    """Flatten bins of indices (for packing checks)."""
+    return [i for group in groups for i in group]

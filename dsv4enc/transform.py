@@ -103,10 +103,12 @@ def plan_canvas(width: int, height: int, cfg: VisionConfig) -> Canvas:
 def to_rgb(image: Image.Image) -> Image.Image:
     """RGB with 16-bit samples scaled to 8 bits (>> 8), never clipped. No EXIF rotation."""
     mode = image.mode
-    if mode in _SIXTEEN_BIT_MODES or mode == "I":
+    values = np.asarray(image) if mode in _SIXTEEN_BIT_MODES or mode == "I" else None
+    # Mode "I" (32-bit) holds 16-bit samples when read from 16-bit files by older Pillows,
+    # and 8-bit ones when converted from "L": only the former exceed 255.
+    if values is not None and (mode != "I" or values.max(initial=0) > 255):
         # Pillow's own convert clips 16-bit values to 255; the reference scales them.
-        values = np.asarray(image).astype(np.int64)
-        eight = (np.clip(values, 0, 65535) >> 8).astype(np.uint8)
+        eight = (np.clip(values.astype(np.int64), 0, 65535) >> 8).astype(np.uint8)
         return Image.fromarray(eight, mode="L").convert("RGB")
     if mode == "RGB":
         return image

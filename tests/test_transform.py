@@ -74,6 +74,14 @@ def test_sixteen_bit_is_scaled_not_clipped(tiny_cfg, mode):
     assert np.asarray(to_rgb(image))[..., 0].tolist() == (values >> 8).tolist()
 
 
+def test_mode_i_with_eight_bit_values_is_not_scaled(tiny_cfg):
+    # An "L" image converted to "I" keeps 8-bit samples; scaling them would blacken it.
+    base = noise().convert("L")
+    patches, _ = image_to_patches(base.convert("I"), tiny_cfg)
+    ref, _ = image_to_patches(base, tiny_cfg)
+    assert torch.equal(patches, ref)
+
+
 def test_sixteen_bit_png_file_round_trip(tiny_cfg, tmp_path):
     rng = np.random.default_rng(2)
     values = rng.integers(0, 65536, (SIZE[1], SIZE[0]), dtype=np.uint16)

@@ -22,9 +22,13 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
 
 
 def fail(message: str, code: int = 1) -> None:
+    from rich.markup import escape
+
     from .progress import stderr_console
 
-    stderr_console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+    # escape: messages quote paths and backend errors, which may hold "[...]" (not markup)
+    stderr_console.print(f"[bold red]error:[/] {escape(message)}", highlight=False,
+                         soft_wrap=True)
     raise typer.Exit(code)
 
 
@@ -48,14 +52,22 @@ def main_options(
 
 @app.command()
 def encode(
-    inputs: List[str] = typer.Argument(None, help="Image folders (walked recursively, sorted) "
-                                       "and image files."),
+    inputs: List[str] = typer.Argument(None, help="Image folders (walked recursively, sorted), "
+                                       "image files, Parquet/Arrow tables (.parquet, .arrow, "
+                                       ".feather) and WebDataset shards (.tar)."),
     out: str = typer.Option(..., "--out", "-o", help="Output Parquet file, or a folder (ending "
                             "in / or with --shard-output) for a part-file dataset."),
     files_from: Optional[str] = typer.Option(None, "--files-from", help="A file listing image "
                                              "paths, one per line ('-' for stdin)."),
+    image_column: Optional[str] = typer.Option(None, "--image-column", help="Table inputs: the "
+                                               "column holding image bytes or {bytes, path} "
+                                               "structs (default: the only such column)."),
+    key_column: Optional[str] = typer.Option(None, "--key-column", help="Table inputs: the "
+                                             "column giving each row's output path (default: "
+                                             "the struct's path, else FILE#ROW)."),
     weights: Optional[str] = typer.Option(None, "--weights", envvar="DSV4ENC_WEIGHTS",
-                                          help="Checkpoint folder (config.json + safetensors); "
+                                          help="Checkpoint folder (config.json + safetensors) "
+                                          "or a Hub id owner/name (needs dsv4enc[hub]); "
                                           "default: $DSV4ENC_WEIGHTS."),
     config: Optional[str] = typer.Option(None, "--config", help="Model config JSON, for "
                                          "--random-init."),
@@ -96,19 +108,23 @@ def encode(
     timeout: float = typer.Option(300.0, "--timeout", help="Seconds a collective may wait for "
                                   "a peer rank before the job fails."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
+    part_images: Optional[int] = typer.Option(None, "--part-images", hidden=True,
+                                              help="Images per committed part (default from "
+                                              "the config; small values for tests)."),
 ) -> None:
     """Encode images into a Parquet file of embeddings, one row per image."""
     from .pipeline import EncodeOptions, Interrupted, run_encode
     from .summary import print_summary
 
     opts = EncodeOptions(
-        inputs=list(inputs or []), out=out, files_from=files_from, weights=weights,
+        inputs=list(inputs or []), out=out, files_from=files_from, image_column=image_column,
+        key_column=key_column, weights=weights,
         config=config, random_init=random_init, seed=seed, device=device, dtype=dtype,
         out_dtype=out_dtype, features=features, pool=pool, batch_tokens=batch_tokens,
         workers=workers, overwrite=overwrite, resume=resume, max_pixels=max_pixels,
         decode_timeout=decode_timeout, attention=attention, cuda_graphs=cuda_graphs,
         shard_output=shard_output, tp_mode=tp_mode, balance=balance, timeout=timeout,
-        progress=not quiet)
+        part_images=part_images, progress=not quiet)
     dist = None
     try:
         from .sharding import init_distributed, shutdown
@@ -126,6 +142,43 @@ def encode(
     finally:
         if dist is not None:
             shutdown(dist)
+
+
+@app.command()
+def extract(
+    checkpoint: str = typer.Argument(..., help="Checkpoint folder or Hub id (owner/name)."),
+    out: str = typer.Option(..., "--out", "-o", help="Folder for the vision-only checkpoint."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Write into a non-empty --out."),
+) -> None:
+    """Write a vision-only checkpoint: the tower's tensors as stored, one model.safetensors."""
+    from .export import extract_tower
+
+    try:
+        done = extract_tower(checkpoint, out, overwrite=overwrite)
+    except DsvError as exc:
+        fail(str(exc), exc.exit_code)
+    typer.echo(f"wrote {done.tensors} tower tensors ({done.bytes / 2**20:.1f} MiB) to "
+               f"{done.folder}")
+
+
+@app.command("inspect")
+def inspect_command(
+    output: str = typer.Argument(..., help="An output Parquet file or dataset folder."),
+    as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON."),
+) -> None:
+    """Summarize an output: rows, failures, widths, dtype, grids, metadata, size on disk."""
+    import json
+
+    from .inspect_output import render, summarize
+
+    try:
+        summary = summarize(output)
+    except DsvError as exc:
+        fail(str(exc), exc.exit_code)
+    if as_json:
+        typer.echo(json.dumps(summary.as_dict(), indent=1))
+    else:
+        render(summary)
 
 
 def main() -> None:

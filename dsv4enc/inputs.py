@@ -9,19 +9,27 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable
+from typing import TYPE_CHECKING, Iterable
 
 from .errors import UsageError
+
+if TYPE_CHECKING:
+    from .sources import TableCell, TarMember
 
 IMAGE_EXTENSIONS = frozenset({".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff"})
 
 
 @dataclass(frozen=True)
 class InputItem:
-    """One image to encode. ``path`` is what the decoder opens; ``key`` is the output name."""
+    """One image to encode. ``path`` is what the decoder opens; ``key`` is the output name.
+
+    ``member`` locates the image inside a container file ``path`` (a ``sources.TarMember`` or
+    ``sources.TableCell``); None for a plain image file. ``sources.open_item`` reads it.
+    """
 
     key: str
     path: str
+    member: "TarMember | TableCell | None" = None
 
 
 @dataclass
@@ -78,22 +86,40 @@ def read_path_list(list_file: str) -> list[str]:
     import sys
 
     try:
-        text = sys.stdin.read() if list_file == "-" else Path(list_file).read_text()
+        if list_file == "-":
+            stdin = getattr(sys.stdin, "buffer", None)
+            data = stdin.read() if stdin is not None else os.fsencode(sys.stdin.read())
+        else:
+            data = Path(list_file).read_bytes()
     except OSError as exc:
         raise UsageError(f"cannot read --files-from {list_file}: {exc.strerror or exc}") from None
-    return [line.strip() for line in text.splitlines() if line.strip()]
+    text = os.fsdecode(data)  # names in the file system's encoding; any bytes go through
+    return [line.strip() for line in text.split("\n") if line.strip()]  # \r\n too
 
 
-def discover(inputs: Iterable[str], files_from: str | None = None) -> Discovery:
+def discover(inputs: Iterable[str], files_from: str | None = None,
+             image_column: str | None = None, key_column: str | None = None) -> Discovery:
     """Expand folders and files (and an optional path list) into items, in input order.
 
-    A path that does not exist is a UsageError; so is an input set with nothing in it.
-    Paths from ``--files-from`` are taken as given: a missing one becomes an error row later.
+    Container files given as inputs (``.parquet``/``.arrow``/``.feather`` tables, ``.tar``
+    WebDataset shards) are expanded into their images (``sources``); ``image_column`` and
+    ``key_column`` apply to the tables. A path that does not exist is a UsageError; so is an
+    input set with nothing in it. Paths from ``--files-from`` are taken as given: a missing one
+    becomes an error row later.
     """
+    from .sources import container_kind, expand_container
+
     found = Discovery(items=[])
+    tables = 0
     for raw in inputs:
         path = Path(raw)
-        if path.is_dir():
+        kind = container_kind(raw)
+        if kind is not None and path.is_file():
+            items, skipped = expand_container(raw, image_column, key_column)
+            found.items.extend(items)
+            found.skipped += skipped
+            tables += kind == "table"
+        elif path.is_dir():
             items, skipped = walk_folder(path)
             found.items.extend(items)
             found.skipped += skipped
@@ -110,4 +136,7 @@ def discover(inputs: Iterable[str], files_from: str | None = None) -> Discovery:
                 found.items.append(InputItem(key=line, path=line))
             else:
                 found.skipped += 1
+    if not tables and (image_column is not None or key_column is not None):
+        flag = "--image-column" if image_column is not None else "--key-column"
+        raise UsageError(f"{flag} applies to Parquet/Arrow inputs, and none was given")
     return found

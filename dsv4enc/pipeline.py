@@ -59,6 +59,8 @@ class EncodeOptions:
     inputs: list[str]
     out: str
     files_from: str | None = None
+    image_column: str | None = None
+    key_column: str | None = None
     weights: str | None = None
     config: str | None = None
     random_init: bool = False
@@ -199,7 +201,9 @@ def default_workers(device: torch.device) -> int:
 def load_model(opts: EncodeOptions, dtype: torch.dtype) -> Checkpoint:
     if opts.random_init:
         return random_checkpoint(VisionConfig.from_file(opts.config), opts.seed, dtype)
-    return load_checkpoint(opts.weights, dtype)
+    from .hub import resolve_weights
+
+    return load_checkpoint(resolve_weights(opts.weights), dtype)
 
 
 # ----------------------------------------------------------------------------- planning
@@ -210,7 +214,7 @@ def read_headers(items: Sequence[InputItem], cfg: VisionConfig, max_pixels: int,
     rank, world = (dist.rank, dist.world_size) if dist is not None else (0, 1)
     mine = list(range(rank, len(items), world))
     with ThreadPoolExecutor(max_workers=16) as pool:
-        probes = list(pool.map(lambda i: probe_image(items[i].path, max_pixels), mine,
+        probes = list(pool.map(lambda i: probe_image(items[i], max_pixels), mine,
                                chunksize=64))
     if dist is not None:
         shared = dist.all_gather_object([(i, asdict(p)) for i, p in zip(mine, probes)])
@@ -366,6 +370,16 @@ class OutputLayout:
         if resume and not has_parts and not self.folder_mode and out.is_file():
             raise OutputError(f"{out} is already complete; nothing to resume "
                               "(pass --overwrite to encode again)")
+
+    def discard_if_empty(self) -> None:
+        """After a failed run, remove a single-file output's parts folder if no part was
+        committed to it (committed parts are kept for --resume)."""
+        if not self.folder_mode and not any(self.parts_dir.glob("*.parquet")):
+            remove_tree(self.parts_dir)
+
+    def create(self) -> None:
+        """Make the parts folder (and missing parents) and check it is writable. Called once
+        inputs and weights are known good, so a failed start leaves nothing behind."""
         try:
             self.parts_dir.mkdir(parents=True, exist_ok=True)
             probe = self.parts_dir / ".dsv4enc-write-test"
@@ -373,6 +387,24 @@ class OutputLayout:
             probe.unlink()
         except OSError as exc:
             raise OutputError(f"cannot write to {self.parts_dir}: {exc.strerror or exc}") from None
+
+
+def _main_then_all(dist, action) -> None:
+    """Run ``action`` (an output check) on rank 0 only, then let every rank raise the
+    DsvError it raised, so that no rank is left waiting in a collective for a rank 0 that
+    gave up (and reports a dead peer instead of the real reason). Also the ranks' barrier."""
+    if dist is None:
+        action()
+        return
+    problem = None
+    if dist.is_main:
+        try:
+            action()
+        except DsvError as exc:
+            problem = exc
+    problem = dist.all_gather_object(problem)[0]
+    if problem is not None:
+        raise problem
 
 
 def run_encode(opts: EncodeOptions, dist=None) -> RunSummary:
@@ -383,12 +415,10 @@ def run_encode(opts: EncodeOptions, dist=None) -> RunSummary:
     dtype = resolve_dtype(opts.dtype, device)
     is_writer_rank = dist is None or dist.is_main or opts.shard_output
     layout = OutputLayout(opts.out, opts.shard_output)
-    if dist is None or dist.is_main:
-        layout.prepare(opts.overwrite, opts.resume)
-    if dist is not None:
-        dist.barrier()
-    found = discover(opts.inputs, opts.files_from)
+    found = discover(opts.inputs, opts.files_from, opts.image_column, opts.key_column)
+    _main_then_all(dist, lambda: layout.prepare(opts.overwrite, opts.resume))
     ckpt = load_model(opts, dtype)
+    _main_then_all(dist, layout.create)
     cfg = ckpt.config
     n_workers = default_workers(device) if opts.workers is None else opts.workers
     progress = RunProgress(enabled=opts.progress and (dist is None or dist.is_main))
@@ -443,6 +473,10 @@ def run_encode(opts: EncodeOptions, dist=None) -> RunSummary:
             elif opts.shard_output and dist is not None:
                 _merge_manifests(dist, store)
                 _sum_rank_counts(dist, summary)
+    except DsvError:
+        if dist is None or dist.is_main:
+            layout.discard_if_empty()  # so that a corrected rerun is not told to --resume
+        raise
     finally:
         stop.restore()
         pool.close()
@@ -580,7 +614,7 @@ class _Runner:
         plans = [self.rank_batches(planned, part) for part in parts]
         me = self.dist.rank if self.gathered else 0
         order = (i for plan in plans for batch in plan[me] for i in batch)
-        decoded = self.pool.imap(((i, planned[i].item.path) for i in order),
+        decoded = self.pool.imap(((i, planned[i].item) for i in order),
                                  window=max(8, 4 * self.pool.n_workers + self.opts.max_images))
         for part, plan in zip(parts, plans):
             rows = {i: _error_row(planned[i]) for i in part.indices if planned[i].error}

@@ -64,6 +64,19 @@ class Row:
     error: str | None = None
 
 
+def utf8_text(name: str) -> str:
+    """``name`` as valid UTF-8 text for the ``path`` column: bytes of a file name that are not
+    UTF-8 (held by Python as surrogates) become backslash escapes, e.g. ``caf\\xe9.png``."""
+    try:
+        name.encode("utf-8")
+        return name
+    except UnicodeEncodeError:
+        try:
+            return name.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+        except UnicodeEncodeError:
+            return name.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 def rows_to_table(rows: Sequence[Row], schema: pa.Schema) -> pa.Table:
     """Build an Arrow table from rows; embeddings go in as one flat buffer, no Python floats."""
     emb_type = schema.field("embedding").type
@@ -91,7 +104,7 @@ def rows_to_table(rows: Sequence[Row], schema: pa.Schema) -> pa.Table:
         offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
         embedding = pa.ListArray.from_arrays(pa.array(offsets), vectors, mask=pa.array(~valid))
     columns = {
-        "path": pa.array([r.path for r in rows], pa.string()),
+        "path": pa.array([utf8_text(r.path) for r in rows], pa.string()),
         **{name: pa.array([getattr(r, name) for r in rows], pa.int32())
            for name in ("width", "height", "vit_h", "vit_w", "grid_h", "grid_w")},
         "embedding": embedding,

@@ -1,0 +1,496 @@
+"""``dsv4enc encode`` end to end: the Parquet it writes (SPEC §9), the embeddings in it, and
+how the command behaves on bad images, bad options, bad weights and existing outputs.
+
+Most runs go through Typer's CliRunner in this process (``--workers 0``: decoding inline),
+a few through ``python -m dsv4enc`` in a subprocess. The model is a random tiny tower written
+to disk as a real checkpoint (bf16 weights, float32 norms, a language-model decoy), with a
+config whose transform keeps images small so that every run takes well under a second.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import runpy
+import shutil
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+import typer
+from PIL import Image
+from typer.testing import CliRunner
+
+import dsv4enc
+from dsv4enc import writer
+from dsv4enc.checkpoint import (Checkpoint, build_tower, load_checkpoint, random_state_dict,
+                                save_checkpoint)
+from dsv4enc.cli import app
+from dsv4enc.config import VisionConfig
+from dsv4enc.transform import image_to_patches
+
+from helpers import CONFIGS, REPO_ROOT, rel_err, write_image
+
+# (relative path, (width, height), mode) of the good images in the test tree.
+GOOD = (
+    ("Zebra.PNG", (40, 30), "RGB"),
+    ("a.jpg", (64, 48), "RGB"),
+    ("b/deep/d.png", (20, 20), "L"),
+    ("b/inner.webp", (30, 50), "RGB"),
+    ("b-c.gif", (24, 24), "P"),
+    ("b.jpg", (120, 90), "RGB"),  # over the token budget: scaled down
+    ("x.jpg/y.bmp", (16, 40), "RGB"),  # inside a folder whose name looks like an image
+    ("é.png", (25, 25), "RGBA"),
+    ("日本.jpeg", (150, 15), "RGB"),  # 10:1, wider than max_wh_ratio: stretched
+)
+BAD = ("bad/empty.jpg", "bad/gone.png", "bad/noise.png", "bad/trunc.jpg")
+NOT_IMAGES = ("notes.txt", "b/readme.md")
+# Sorted recursive walk: each folder's entries by name, so component by component.
+ORDER = sorted([rel for rel, _, _ in GOOD] + list(BAD), key=lambda k: k.split("/"))
+HIDDEN = 24  # aligner width of the tiny config
+DIM = 32  # ViT width
+
+runner = CliRunner()
+
+
+# --------------------------------------------------------------------------- fixtures
+
+@pytest.fixture(scope="module")
+def cfg(tiny_cfg) -> VisionConfig:
+    """configs/tiny.json with a small transform: no upscaling past 56x56, 24-token budget."""
+    return replace(tiny_cfg, min_pixels=56 * 56, max_n_token=24)
+
+
+@pytest.fixture(scope="module")
+def state(cfg) -> dict[str, torch.Tensor]:
+    return random_state_dict(cfg, seed=7)
+
+
+def decoy() -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(3)
+    return {"embed.weight": torch.randn(50, HIDDEN, generator=gen).to(torch.bfloat16)}
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory, cfg, state) -> Path:
+    """One model.safetensors (no index): the tower plus a decoy ``embed.weight``."""
+    folder = tmp_path_factory.mktemp("cli_ckpt")
+    save_checkpoint(folder, cfg, state, extra=decoy())
+    return folder
+
+
+@pytest.fixture(scope="module")
+def sharded(tmp_path_factory, cfg, state) -> Path:
+    """The same tower over three shards with model.safetensors.index.json."""
+    folder = tmp_path_factory.mktemp("cli_sharded")
+    save_checkpoint(folder, cfg, state, extra=decoy(), shards=3)
+    assert (folder / "model.safetensors.index.json").is_file()
+    return folder
+
+
+@pytest.fixture(scope="module")
+def reference(cfg, state):
+    """The per-image float32 forward of the same weights, built without the loader."""
+    full = {n: t.to(torch.float32) for n, t in state.items()}
+    tower = build_tower(Checkpoint(cfg, full, "reference", "reference"))
+
+    def forward(path: Path, features: str = "aligner"):
+        with Image.open(path) as image:
+            patches, canvas = image_to_patches(image, cfg)
+        with torch.inference_mode():
+            out = tower.forward_image(patches.to(torch.float32), canvas.n_h, canvas.n_w,
+                                      features)
+        return out, canvas
+
+    return forward
+
+
+@pytest.fixture(scope="module")
+def tree(tmp_path_factory) -> Path:
+    """Images in nested folders with unicode names, broken files and non-images."""
+    root = tmp_path_factory.mktemp("cli_images")
+    for rel, size, mode in GOOD:
+        write_image(root / rel, size, mode)
+    rng = np.random.default_rng(11)
+    (root / "bad").mkdir()
+    (root / "bad" / "empty.jpg").write_bytes(b"")
+    (root / "bad" / "noise.png").write_bytes(rng.integers(0, 256, 600, dtype=np.uint8).tobytes())
+    whole = write_image(root / "bad" / "whole.jpg", (64, 64)).read_bytes()
+    (root / "bad" / "trunc.jpg").write_bytes(whole[: len(whole) // 2])
+    (root / "bad" / "whole.jpg").unlink()
+    os.symlink(root / "bad" / "no-such-file.png", root / "bad" / "gone.png")
+    for rel in NOT_IMAGES:
+        (root / rel).write_text("not an image\n")
+    return root
+
+
+def encode(*args: str, env: dict | None = None):
+    """Run ``dsv4enc encode`` in-process; DSV4ENC_WEIGHTS unset unless ``env`` sets it."""
+    full_env = {"DSV4ENC_WEIGHTS": None, "COLUMNS": "200", **(env or {})}
+    return runner.invoke(app, ["encode", *args, "--device", "cpu", "--workers", "0", "-q"],
+                         env=full_env)
+
+
+def one_line_error(result, code: int | None = None) -> str:
+    """Assert ``result`` failed with a single stderr line and no traceback; return the line."""
+    assert result.exit_code != 0, result.output
+    if code is not None:
+        assert result.exit_code == code, (result.exit_code, result.stderr)
+    assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
+    text = result.stderr.strip()
+    assert "Traceback" not in result.output
+    assert len(text.splitlines()) == 1, text
+    return text
+
+
+def summary_count(stderr: str, label: str) -> int:
+    match = re.search(re.escape(label) + r"\W+(\d+)", stderr)
+    assert match, stderr
+    return int(match.group(1))
+
+
+def meta(table_or_schema) -> dict:
+    schema = getattr(table_or_schema, "schema", table_or_schema)
+    return json.loads(schema.metadata[b"dsv4enc"])
+
+
+def embeddings(table: pa.Table) -> list[np.ndarray | None]:
+    """Each row's embedding as a (rows, width) array (None for failed rows)."""
+    out = []
+    for value in table.column("embedding").to_pylist():
+        out.append(None if value is None else np.array(value, dtype=np.float64))
+    return out
+
+
+def expected_schema(value: pa.DataType, width: int) -> list[tuple[str, pa.DataType]]:
+    i32 = pa.int32()
+    return [("path", pa.string()), ("width", i32), ("height", i32), ("vit_h", i32),
+            ("vit_w", i32), ("grid_h", i32), ("grid_w", i32),
+            ("embedding", pa.list_(pa.list_(value, width))), ("error", pa.string())]
+
+
+def check_schema(table: pa.Table, value: pa.DataType, width: int) -> None:
+    assert [(f.name, f.type) for f in table.schema] == expected_schema(value, width)
+    assert pa.types.is_fixed_size_list(table.schema.field("embedding").type.value_type)
+
+
+@pytest.fixture(scope="module")
+def run32(tmp_path_factory, tree, ckpt):
+    """The tree encoded with float32 compute and output, into a folder that does not exist."""
+    out = tmp_path_factory.mktemp("cli_out") / "made" / "on" / "demand" / "e.parquet"
+    result = encode(str(tree), "--out", str(out), "--weights", str(ckpt), "--dtype", "float32",
+                    "--out-dtype", "float32")
+    assert result.exit_code == 0, result.output
+    return result, out, pq.read_table(out)
+
+
+@pytest.fixture(scope="module")
+def run16(tmp_path_factory, tree, sharded):
+    """The same with the default float16 output, weights (sharded) from DSV4ENC_WEIGHTS."""
+    out = tmp_path_factory.mktemp("cli_out16") / "e16.parquet"
+    result = encode(str(tree), "--out", str(out), env={"DSV4ENC_WEIGHTS": str(sharded)})
+    assert result.exit_code == 0, result.output
+    return result, out, pq.read_table(out)
+
+
+# --------------------------------------------------------------------------- the output
+
+def test_schema_and_metadata(run32, cfg, ckpt):
+    _, out, table = run32
+    check_schema(table, pa.float32(), HIDDEN)
+    info = meta(table)
+    assert info["version"] == dsv4enc.__version__
+    assert VisionConfig.from_dict(info["config"]) == cfg
+    assert info["compute_dtype"] == "float32" and info["out_dtype"] == "float32"
+    assert info["features"] == "aligner"
+    assert info["weights_fingerprint"] == load_checkpoint(ckpt).fingerprint
+    # The output's missing parent folders were created; nothing else is left beside it.
+    assert sorted(p.name for p in out.parent.iterdir()) == ["e.parquet"]
+
+
+def test_one_row_per_image_in_sorted_walk_order(run32):
+    result, _, table = run32
+    assert table.column("path").to_pylist() == ORDER
+    assert ORDER[:6] == ["Zebra.PNG", "a.jpg", "b/deep/d.png", "b/inner.webp", "b-c.gif",
+                         "b.jpg"]
+    assert ORDER[-3:] == ["x.jpg/y.bmp", "é.png", "日本.jpeg"]
+    stderr = result.stderr
+    assert summary_count(stderr, "encoded") == len(GOOD)
+    assert summary_count(stderr, "failed") == len(BAD)
+    assert summary_count(stderr, "skipped (not images)") == len(NOT_IMAGES)
+
+
+def test_embeddings_equal_the_per_image_forward(run32, tree, cfg, reference):
+    _, _, table = run32
+    rows = table.to_pylist()
+    embs = embeddings(table)
+    good = {rel: size for rel, size, _ in GOOD}
+    checked = 0
+    for row, emb in zip(rows, embs):
+        if row["path"] not in good:
+            continue
+        ref, canvas = reference(tree / row["path"])
+        assert (row["width"], row["height"]) == good[row["path"]]
+        assert (row["vit_h"], row["vit_w"]) == (canvas.n_h, canvas.n_w)
+        r = cfg.downsample_ratio
+        assert (row["grid_h"], row["grid_w"]) == (math.ceil(canvas.n_h / r),
+                                                  math.ceil(canvas.n_w / r))
+        assert emb.shape == (row["grid_h"] * row["grid_w"], HIDDEN)
+        assert row["error"] is None
+        assert rel_err(torch.from_numpy(emb), ref) < 1e-4, row["path"]
+        checked += 1
+    assert checked == len(GOOD)
+    # The 10:1 image was stretched to max_wh_ratio, the big one scaled into the budget.
+    by_path = {row["path"]: row for row in rows}
+    assert by_path["日本.jpeg"]["vit_w"] > 4 * by_path["日本.jpeg"]["vit_h"]
+
+
+def test_bad_files_get_error_rows(run32):
+    _, _, table = run32
+    for row in table.to_pylist():
+        if row["path"] in BAD:
+            assert row["embedding"] is None, row["path"]
+            assert row["error"] and "\n" not in row["error"], row["path"]
+            assert row["vit_h"] is None and row["grid_h"] is None
+    assert table.column("embedding").null_count == len(BAD)
+    assert table.column("error").null_count == len(GOOD)
+
+
+def test_float16_output_is_the_float32_output_rounded(run16, run32, ckpt):
+    _, _, t16 = run16
+    _, _, t32 = run32
+    check_schema(t16, pa.float16(), HIDDEN)
+    info = meta(t16)
+    assert info["out_dtype"] == "float16" and info["compute_dtype"] == "float32"
+    # Same tensors, sharded or not: the same fingerprint.
+    assert info["weights_fingerprint"] == meta(t32)["weights_fingerprint"]
+    assert t16.drop_columns(["embedding"]).equals(t32.drop_columns(["embedding"]))
+    for e16, e32 in zip(embeddings(t16), embeddings(t32)):
+        if e32 is None:
+            assert e16 is None
+            continue
+        np.testing.assert_allclose(e16, e32.astype(np.float16).astype(np.float64),
+                                   rtol=2 ** -10, atol=2 ** -24)
+
+
+def test_vit_features_files_given_directly_and_files_from(tmp_path, tree, ckpt, reference,
+                                                          monkeypatch):
+    monkeypatch.chdir(tree)
+    listing = tmp_path / "list.txt"
+    listing.write_text("é.png\n\nmissing.jpg\nnotes.txt\nx.jpg\n")
+    absolute = str(tree / "a.jpg")
+    out = tmp_path / "vit.parquet"
+    result = encode("b/inner.webp", absolute, "--files-from", str(listing), "--out", str(out),
+                    "--features", "vit", "--dtype", "float32", "--out-dtype", "float32",
+                    "--weights", str(ckpt))
+    assert result.exit_code == 0, result.output
+    table = pq.read_table(out)
+    check_schema(table, pa.float32(), DIM)
+    assert meta(table)["features"] == "vit"
+    # Keys are the paths as given; listed non-images (and a folder) are skipped.
+    assert table.column("path").to_pylist() == ["b/inner.webp", absolute, "é.png",
+                                                "missing.jpg"]
+    assert summary_count(result.stderr, "skipped (not images)") == 2
+    rows, embs = table.to_pylist(), embeddings(table)
+    for row, emb in zip(rows[:3], embs[:3]):
+        ref, canvas = reference(tree / row["path"], "vit")
+        assert (row["grid_h"], row["grid_w"]) == (row["vit_h"], row["vit_w"]) == (canvas.n_h,
+                                                                                  canvas.n_w)
+        assert emb.shape == (canvas.n_h * canvas.n_w, DIM)
+        assert rel_err(torch.from_numpy(emb), ref) < 1e-4, row["path"]
+    assert rows[3]["embedding"] is None and rows[3]["error"]
+
+
+def test_small_row_groups_read_back_identical_and_overwrite(tmp_path, tree, ckpt, run32,
+                                                           monkeypatch):
+    """Row groups follow ROW_GROUP_BYTES (one row each when it is tiny); the file reads back
+    the same. The run replaces an existing --out because --overwrite is given."""
+    out = tmp_path / "e.parquet"
+    out.write_bytes(b"an older file")
+    args = (str(tree), "--out", str(out), "--weights", str(ckpt), "--dtype", "float32",
+            "--out-dtype", "float32")
+    refused = encode(*args)
+    assert "--overwrite" in one_line_error(refused, 1)
+    assert out.read_bytes() == b"an older file"
+    monkeypatch.setattr(writer, "ROW_GROUP_BYTES", 1)
+    result = encode(*args, "--overwrite")
+    assert result.exit_code == 0, result.output
+    handle = pq.ParquetFile(out)
+    assert handle.num_row_groups == len(ORDER)
+    assert handle.read().equals(run32[2])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["e.parquet"]
+
+
+def test_row_group_size_is_bounded_by_bytes():
+    from dsv4enc.writer import Row, output_schema, rows_per_group
+
+    schema = output_schema(1024, "float32")
+    big = [Row(path=str(i), embedding=np.zeros((256, 1024), np.float32)) for i in range(4)]
+    assert rows_per_group(schema, big) == writer.ROW_GROUP_BYTES // (1 << 20)
+    assert 16 << 20 <= writer.ROW_GROUP_BYTES <= 512 << 20  # a sensible size
+    tiny = [Row(path="a", embedding=np.zeros((1, 4), np.float16))]
+    assert 1 <= rows_per_group(schema, tiny) <= 1 << 20
+    assert rows_per_group(schema, [Row(path="bad", error="x")]) >= 1
+
+
+def test_float16_overflow_fails_and_suggests_float32(tmp_path, tree, cfg, state):
+    """An aligner whose outputs exceed 65504: float16 output stops with one line pointing at
+    float32 (a real process: exit status, no traceback), and float32 output then works."""
+    loud = dict(state)
+    for name in ("aligner.w2.weight", "aligner.w2.bias"):
+        loud[name] = (state[name].float() * 1e6).to(torch.bfloat16)
+    weights = tmp_path / "loud"
+    save_checkpoint(weights, cfg, loud, extra=decoy())
+    out = tmp_path / "o" / "e.parquet"
+    env = {k: v for k, v in os.environ.items() if k != "DSV4ENC_WEIGHTS"}
+    proc = subprocess.run([sys.executable, "-m", "dsv4enc", "encode", str(tree / "a.jpg"),
+                           "--out", str(out), "--weights", str(weights), "--device", "cpu",
+                           "--workers", "0", "-q"],
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 1, proc.stderr
+    assert "Traceback" not in proc.stderr + proc.stdout
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "float32" in lines[0] and "float16" in lines[0], proc.stderr
+    assert not out.exists()
+    # Following the advice works as typed (the failed run does not block the path).
+    again = encode(str(tree / "a.jpg"), "--out", str(out), "--weights", str(weights),
+                   "--out-dtype", "float32")
+    assert again.exit_code == 0, again.output
+    emb = embeddings(pq.read_table(out))[0]
+    assert np.isfinite(emb).all() and np.abs(emb).max() > 65504
+
+
+def test_non_utf8_file_name_is_encoded_with_an_escaped_key(tmp_path, ckpt):
+    folder = tmp_path / "imgs"
+    folder.mkdir()
+    raw = os.fsencode(folder) + b"/caf\xe9.png"
+    try:
+        os.close(os.open(raw, os.O_WRONLY | os.O_CREAT, 0o644))
+    except OSError:
+        pytest.skip("file system refuses non-UTF-8 names")
+    write_image(Path(os.fsdecode(raw)), (30, 30), seed=1)
+    write_image(folder / "ok.png", (30, 30), seed=2)
+    out = tmp_path / "e.parquet"
+    result = encode(str(folder), "--out", str(out), "--weights", str(ckpt))
+    assert result.exit_code == 0, result.output
+    table = pq.read_table(out)
+    assert table.column("path").to_pylist() == ["caf\\xe9.png", "ok.png"]
+    assert table.column("error").null_count == 2
+
+
+# --------------------------------------------------------------------------- setup errors
+
+def test_missing_input_fails_before_writing_anything(tmp_path, ckpt):
+    out = tmp_path / "never" / "e.parquet"
+    result = encode(str(tmp_path / "[/x]nope"), "--out", str(out), "--weights", str(ckpt))
+    line = one_line_error(result, 2)
+    assert "not found" in line and "[/x]nope" in line  # shown as is, not as markup
+    assert not (tmp_path / "never").exists()
+
+
+def test_weights_errors(tmp_path, tree, ckpt):
+    out = tmp_path / "o" / "e.parquet"
+    image = str(tree / "a.jpg")
+    # None given, no DSV4ENC_WEIGHTS: a usage error that names both ways to give them.
+    line = one_line_error(encode(image, "--out", str(out)), 2)
+    assert "--weights" in line and "DSV4ENC_WEIGHTS" in line
+    # DSV4ENC_WEIGHTS (or --weights) pointing nowhere.
+    line = one_line_error(encode(image, "--out", str(out),
+                                 env={"DSV4ENC_WEIGHTS": str(tmp_path / "gone")}), 1)
+    assert "gone" in line
+    # A broken config.json and a truncated weights file.
+    broken = tmp_path / "broken"
+    shutil.copytree(ckpt, broken)
+    (broken / "config.json").write_text("{not json")
+    assert "config" in one_line_error(encode(image, "--out", str(out), "--weights",
+                                             str(broken)), 1)
+    shutil.copy(ckpt / "config.json", broken / "config.json")
+    data = (broken / "model.safetensors").read_bytes()
+    (broken / "model.safetensors").write_bytes(data[: len(data) // 3])
+    one_line_error(encode(image, "--out", str(out), "--weights", str(broken)), 1)
+    # None of these created the output folder.
+    assert not (tmp_path / "o").exists()
+
+
+def test_option_and_output_errors(tmp_path, tree, ckpt):
+    image = str(tree / "a.jpg")
+    base = ("--weights", str(ckpt))
+    line = one_line_error(encode(image, "--out", str(tmp_path / "e.parquet"), *base,
+                                 "--features", "pixels"), 2)
+    assert "--features" in line
+    one_line_error(encode(image, "--out", str(tmp_path / "e.parquet"), *base,
+                          "--out-dtype", "int8"), 2)
+    one_line_error(encode(image, "--out", str(tmp_path / "e.parquet"), "--random-init"), 2)
+    one_line_error(encode("--out", str(tmp_path / "e.parquet"), *base), 2)  # no inputs
+    (tmp_path / "file").write_text("")
+    line = one_line_error(encode(image, "--out", str(tmp_path / "file" / "e.parquet"), *base), 1)
+    assert "file" in line
+    # Click's own usage errors: exit 2, no traceback.
+    for args in (["encode", image], ["encode", image, "--out", "x", "--no-such-flag"]):
+        result = runner.invoke(app, args)
+        assert result.exit_code == 2 and "Traceback" not in result.output
+
+
+# --------------------------------------------------------------------------- help, version
+
+def test_help_lists_and_explains_every_option():
+    command = typer.main.get_command(app)
+    encode_cmd = command.commands["encode"]
+    result = runner.invoke(app, ["encode", "--help"], env={"COLUMNS": "250"}, terminal_width=250)
+    assert result.exit_code == 0
+    text = result.output
+    for param in encode_cmd.params:
+        if getattr(param, "hidden", False):
+            continue
+        assert (param.help or "").strip(), f"{param.name} has no help"
+        for opt in list(param.opts) + list(param.secondary_opts):
+            if opt.startswith("-"):
+                assert opt in text, opt
+    assert "DSV4ENC_WEIGHTS" in text
+    top = runner.invoke(app, ["--help"], env={"COLUMNS": "250"}, terminal_width=250)
+    assert top.exit_code == 0 and "encode" in top.output and "--version" in top.output
+
+
+def test_version_module_and_console_script():
+    proc = subprocess.run([sys.executable, "-m", "dsv4enc", "--version"], capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 0 and proc.stdout.strip() == f"dsv4enc {dsv4enc.__version__}"
+    script = (shutil.which("dsv4enc")
+              or shutil.which("dsv4enc", path=str(Path(sys.executable).parent)))
+    if script is None:
+        pytest.skip("the dsv4enc console script is not installed")
+    proc = subprocess.run([script, "--version"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and proc.stdout.strip() == f"dsv4enc {dsv4enc.__version__}"
+
+
+# --------------------------------------------------------------------------- quickstart
+
+def test_readme_quickstart(tmp_path):
+    """examples/make_images.py (same bytes every time) and the README's random-init run."""
+    script = str(REPO_ROOT / "examples" / "make_images.py")
+    first, second = tmp_path / "one", tmp_path / "two"
+    runpy.run_path(script)["make_images"](first)
+    runpy.run_path(script)["make_images"](second)
+    files = sorted(p.relative_to(first) for p in first.rglob("*") if p.is_file())
+    assert len(files) >= 8
+    assert {p.suffix for p in files} >= {".jpg", ".png", ".webp", ".txt"}
+    assert any(len(p.parts) > 1 for p in files)
+    for rel in files:
+        assert (first / rel).read_bytes() == (second / rel).read_bytes(), rel
+    out = tmp_path / "emb.parquet"
+    result = encode(str(first), "--out", str(out), "--config", str(CONFIGS / "tiny.json"),
+                    "--random-init")
+    assert result.exit_code == 0, result.output
+    table = pq.read_table(out)
+    errors = [e for e in table.column("error").to_pylist() if e is not None]
+    assert len(errors) == 1
+    assert summary_count(result.stderr, "skipped (not images)") == 1
+    assert summary_count(result.stderr, "encoded") == table.num_rows - 1

@@ -1,3 +1,32 @@
-"""dsv4enc: batch encoder for the DeepSeek-V4 vision tower."""
+"""dsv4enc: batch encoder for the DeepSeek-V4 vision tower.
+
+``from dsv4enc import Encoder, read_embeddings`` is the Python API (``dsv4enc.api``); both
+are imported on first use, so ``import dsv4enc`` stays light.
+"""
+
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
+
+__all__ = ["Encoder", "EncodeError", "read_embeddings", "__version__"]
+
+_LAZY = {"Encoder": "dsv4enc.api", "EncodeError": "dsv4enc.api",
+         "read_embeddings": "dsv4enc.reading"}
+
+if TYPE_CHECKING:
+    from .api import EncodeError, Encoder
+    from .reading import read_embeddings
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'dsv4enc' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

@@ -7,7 +7,9 @@ or hangs, so one pathological file costs one error row, not the run.
 
 from __future__ import annotations
 
+import io
 import multiprocessing as mp
+import os
 import time
 import warnings
 from collections import deque
@@ -49,11 +51,30 @@ def describe_error(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text}"[:500]
 
 
-def _open_checked(path: str, max_pixels: int):
+def _readable(source, stream: bool = False):
+    """What PIL opens for ``source``: a path (str or PathLike) as is, ``bytes`` as a file
+    object, and an ``InputItem`` via ``sources.open_item`` (a container member's bytes, or a
+    stream over it when ``stream``)."""
+    if isinstance(source, (bytes, bytearray, memoryview)):
+        return io.BytesIO(source)
+    if isinstance(source, (str, os.PathLike)) or hasattr(source, "read"):
+        return source
+    from .sources import open_item
+
+    return _readable(open_item(source, stream=stream))
+
+
+def _open_checked(source, max_pixels: int, stream: bool = False):
     from PIL import Image
 
     Image.MAX_IMAGE_PIXELS = max_pixels
-    image = Image.open(path)
+    handle = _readable(source, stream)
+    try:
+        image = Image.open(handle)
+    except BaseException:
+        if hasattr(handle, "close"):
+            handle.close()
+        raise
     width, height = image.size
     if width * height > max_pixels:
         image.close()
@@ -62,14 +83,18 @@ def _open_checked(path: str, max_pixels: int):
     return image
 
 
-def probe_image(path: str, max_pixels: int = DEFAULT_MAX_PIXELS) -> Probe:
-    """Read only the header: the stored size (no EXIF rotation)."""
+def probe_image(source, max_pixels: int = DEFAULT_MAX_PIXELS) -> Probe:
+    """Read only the header: the stored size (no EXIF rotation). ``source``: a path, bytes,
+    or an ``InputItem`` (which may point into a container file)."""
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # Pillow's bomb warning becomes an error row
-            image = _open_checked(path, max_pixels)
+            image = _open_checked(source, max_pixels, stream=True)
             width, height = image.size
+            handle = image.fp
             image.close()
+            if handle is not None:  # a stream over a container member: ours to close
+                handle.close()
         if width <= 0 or height <= 0:
             return Probe(error=f"image has no pixels ({width}x{height})")
         return Probe(width=width, height=height)
@@ -77,14 +102,15 @@ def probe_image(path: str, max_pixels: int = DEFAULT_MAX_PIXELS) -> Probe:
         return Probe(error=describe_error(exc))
 
 
-def decode_image(path: str, cfg: VisionConfig, max_pixels: int = DEFAULT_MAX_PIXELS) -> Decoded:
-    """Decode, transform and patchify one image (first frame of animations)."""
+def decode_image(source, cfg: VisionConfig, max_pixels: int = DEFAULT_MAX_PIXELS) -> Decoded:
+    """Decode, transform and patchify one image (first frame of animations). ``source``: a
+    path, bytes, or an ``InputItem`` (which may point into a container file)."""
     from .transform import image_to_patches
 
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error")
-            with _open_checked(path, max_pixels) as image:
+            with _open_checked(source, max_pixels) as image:
                 width, height = image.size
                 image.load()
                 patches, canvas = image_to_patches(image, cfg)
@@ -118,9 +144,9 @@ def _worker_main(conn, cfg: VisionConfig, max_pixels: int) -> None:
             return
         if task is None:
             return
-        seq, path = task
+        seq, source = task
         try:
-            conn.send((seq, decode_image(path, cfg, max_pixels)))
+            conn.send((seq, decode_image(source, cfg, max_pixels)))
         except (BrokenPipeError, KeyboardInterrupt):
             return
 
@@ -182,8 +208,9 @@ class DecodePool:
         self._workers[index] = _Worker(self._ctx, self.cfg, self.max_pixels)
         self.replaced += 1
 
-    def imap(self, tasks: Iterable[tuple[Any, str]], window: int = 64) -> Iterator[tuple[Any, Decoded]]:
-        """Yield ``(tag, Decoded)`` for each ``(tag, path)`` task, in task order.
+    def imap(self, tasks: Iterable[tuple[Any, Any]], window: int = 64) -> Iterator[tuple[Any, Decoded]]:
+        """Yield ``(tag, Decoded)`` for each ``(tag, source)`` task, in task order. A source is
+        what ``decode_image`` takes: a path, or an ``InputItem`` (picklable, small).
 
         At most ``window`` tasks are queued, running or finished-but-not-yielded at once, so
         memory stays bounded whatever the consumer's speed.

@@ -3,49 +3,156 @@ transfers, and (on CUDA) graph replay. Host in, host out.
 
 This is the only place that moves batches between host and device; the pipeline hands it
 ``PackedBatch`` objects and gets per-image embeddings back.
+
+On CUDA a batch goes: pinned host copy -> H2D on a copy stream -> (graph buffers ->) forward
+on the compute stream -> cast to the output dtype -> D2H into pinned memory on a third
+stream. ``submit`` only enqueues that work, so a caller that submits batch k+1 before
+collecting batch k overlaps k+1's host staging and H2D with k's compute (``encode_many`` does
+exactly that); ``encode`` is the plain synchronous call.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Iterable, Iterator, Sequence
 
 import torch
 
-from .attention import VarlenSpans, select_attention
+from .attention import VarlenSpans, available_backends, select_attention
+from .errors import UsageError
+from .graphs import GRAPH_BACKENDS, Bucket, BucketRunner, default_budgets, max_image_tokens
 from .model import VisionTower, rope_tables
 from .packing import PackedBatch
+
+log = logging.getLogger(__name__)
+
+#: Tokens per batch when the caller gives none: enough to fill an H200, a few images on a CPU.
+DEFAULT_BATCH_TOKENS = {"cuda": 32768, "cpu": 8192}
 
 
 @dataclass
 class EngineStats:
-    """Seconds spent per stage and work done, for the summary and benchmarks."""
+    """Seconds spent per stage and work done, for the summary and benchmarks.
+
+    On CUDA the stage times are CUDA-event intervals on their own streams (they overlap, so
+    they need not add up to wall time); on the CPU they are wall time.
+    """
 
     h2d_s: float = 0.0
     model_s: float = 0.0
+    d2h_s: float = 0.0
     batches: int = 0
     real_tokens: int = 0
     padded_tokens: int = 0  # tokens computed beyond the real ones (graph budgets)
+    graph_batches: int = 0  # batches replayed from a captured graph
+    static_batches: int = 0  # batches run in a bucket without a graph
+    capture_s: float = 0.0
+
+
+@dataclass
+class _Pending:
+    """One submitted batch: its host output buffer and the events that time it."""
+
+    batch: PackedBatch
+    out: torch.Tensor  # (rows, width) out_dtype, host (pinned on CUDA)
+    padded: int = 0
+    mode: str = "eager"  # "graph", "static" or "eager"
+    events: dict[str, torch.cuda.Event] = field(default_factory=dict)
+    seconds: float = 0.0  # CPU: model wall time
+
+
+def resolve_attention(name: str, device: torch.device, dtype: torch.dtype):
+    """The attention backend for ``device`` and compute ``dtype`` (name, function).
+
+    The flash kernels behind ``flash`` and ``varlen`` take only fp16/bf16, so in float32
+    ``auto`` picks SDPA and a forced one is a UsageError.
+    """
+    if device.type == "cuda" and dtype == torch.float32:
+        if name == "auto":
+            name = "sdpa"
+        elif name in GRAPH_BACKENDS:
+            raise UsageError(f"attention {name!r} needs bfloat16 or float16, not float32")
+    elif name == "auto":
+        name = available_backends(device)[0]
+    return select_attention(name, device)
 
 
 class Engine:
     """Encodes PackedBatches with a VisionTower.
 
     ``features``: "aligner" or "vit". ``out_dtype``: dtype of the returned rows.
+    ``cuda_graphs``: None = on when the device is CUDA and the attention backend can be
+    captured (flash, varlen); True on a CPU device is a UsageError; with SDPA it falls back
+    to eager with a log line. ``batch_tokens`` / ``max_images``: the largest batch the caller
+    will submit (the top graph budget and the image slots of every graph). ``budgets``: the
+    graph token budgets (default: powers of two from ``min_budget`` up to ``batch_tokens``;
+    ``graphs.fit_budgets`` picks better ones when every batch's size is known up front).
     """
 
     def __init__(self, model: VisionTower, features: str = "aligner",
-                 attention: str = "auto", out_dtype: torch.dtype = torch.float32) -> None:
+                 attention: str = "auto", out_dtype: torch.dtype = torch.float32, *,
+                 cuda_graphs: bool | None = None, batch_tokens: int | None = None,
+                 max_images: int = 64, budgets: Sequence[int] | None = None,
+                 min_budget: int = 1024) -> None:
         self.model = model
         self.device = model.device
         self.features = features
         self.out_dtype = out_dtype
-        self.attention_name, model.attend = select_attention(attention, self.device)
+        self.attention_name, model.attend = resolve_attention(attention, self.device, model.dtype)
+        if self.attention_name == "varlen":
+            # torch's varlen_attn logs one INFO line per call (32 per batch): keep logs readable.
+            logging.getLogger("torch.nn.attention.varlen").setLevel(logging.WARNING)
+        self.batch_tokens = batch_tokens or DEFAULT_BATCH_TOKENS.get(self.device.type, 8192)
+        self.max_images = max_images
         self.stats = EngineStats()
+        self._pending: deque[_Pending] = deque()
+        self.runner: BucketRunner | None = None
+        if self._want_graphs(cuda_graphs):
+            budgets = list(budgets) if budgets else default_budgets(self.batch_tokens, min_budget)
+            self.runner = BucketRunner(model, features, budgets, max_images,
+                                       max_seqlen=max_image_tokens(model.cfg), capture=True)
+        if self.device.type == "cuda":
+            self._h2d_stream = torch.cuda.Stream(self.device)
+            self._d2h_stream = torch.cuda.Stream(self.device)
+
+    def _want_graphs(self, cuda_graphs: bool | None) -> bool:
+        if cuda_graphs is False:
+            return False
+        if self.device.type != "cuda":
+            if cuda_graphs:
+                raise UsageError(f"CUDA graphs need a CUDA device, not {self.device}")
+            return False
+        if self.attention_name not in GRAPH_BACKENDS:
+            log.info("CUDA graphs off: attention %r needs host-side lengths; running eagerly",
+                     self.attention_name)
+            return False
+        return True
 
     @property
     def cfg(self):
         return self.model.cfg
 
+    @property
+    def graphs_enabled(self) -> bool:
+        """True once graphs are (or will be) replayed: capture may still fall back."""
+        return self.runner is not None and self.runner.capture
+
+    @property
+    def pending(self) -> int:
+        """Batches submitted and not yet collected."""
+        return len(self._pending)
+
+    def prepare(self) -> None:
+        """Capture the CUDA graphs now (else it happens at the first submit)."""
+        if self.runner is not None and self.runner.capture and not self.runner.graphs:
+            with torch.cuda.device(self.device):
+                self.runner.capture_all()
+            self.stats.capture_s += self.runner.capture_s
+
+    # -- eager reference path (any device) -------------------------------------------
     def to_device(self, batch: PackedBatch) -> dict:
         """Device tensors of a batch: patches, RoPE tables, spans, merge plan."""
         dev = self.device
@@ -67,11 +174,109 @@ class Engine:
         inputs = self.to_device(batch)
         return self.model.forward_packed(features=self.features, **inputs)
 
+    # -- public encode API -----------------------------------------------------------
     def encode(self, batch: PackedBatch) -> list[torch.Tensor]:
         """Encode one packed batch; one host tensor (rows, width) per image, in out_dtype."""
-        out = self.forward(batch).to(self.out_dtype)
-        out = out.cpu() if out.device.type != "cpu" else out
-        self.stats.batches += 1
-        self.stats.real_tokens += batch.n_tokens
-        return batch.split_rows(out)
+        if self._pending:
+            raise RuntimeError("encode() with batches still pending; collect() them first")
+        self.submit(batch)
+        return self.collect()
 
+    def encode_many(self, batches: Iterable[PackedBatch]) -> Iterator[list[torch.Tensor]]:
+        """Encode batches in order, one batch in flight ahead (overlaps transfers with
+        compute on CUDA). Yields each batch's per-image outputs, in order."""
+        for batch in batches:
+            self.submit(batch)
+            if len(self._pending) > 1:
+                yield self.collect()
+        while self._pending:
+            yield self.collect()
+
+    def submit(self, batch: PackedBatch) -> None:
+        """Start encoding ``batch``; its result comes from a later ``collect``, in order."""
+        if self.device.type != "cuda":
+            began = time.perf_counter()
+            out = self.forward(batch).to(self.out_dtype)
+            self._pending.append(_Pending(batch, out, seconds=time.perf_counter() - began))
+            return
+        with torch.cuda.device(self.device):
+            self.prepare()
+            self._pending.append(self._submit_cuda(batch))
+
+    def collect(self) -> list[torch.Tensor]:
+        """Wait for the oldest submitted batch; its per-image host tensors (rows, width)."""
+        job = self._pending.popleft()
+        s = self.stats
+        if job.events:
+            job.events["done"].synchronize()
+            ev = job.events
+            s.h2d_s += ev["h2d0"].elapsed_time(ev["h2d1"]) / 1e3
+            s.model_s += ev["m0"].elapsed_time(ev["m1"]) / 1e3
+            s.d2h_s += ev["m1"].elapsed_time(ev["done"]) / 1e3
+        else:
+            s.model_s += job.seconds
+        s.batches += 1
+        s.real_tokens += job.batch.n_tokens
+        s.padded_tokens += job.padded
+        s.graph_batches += job.mode == "graph"
+        s.static_batches += job.mode == "static"
+        return job.batch.split_rows(job.out)
+
+    # -- CUDA path --------------------------------------------------------------------
+    def _host_inputs(self, batch: PackedBatch, bucket: Bucket | None):
+        """Host tensors to transfer: bucket-padded (static path) or exact (eager path)."""
+        if bucket is not None:
+            staged = self.runner.stage(batch, bucket)
+            return staged.tensors(), staged
+        host = {"patches": batch.patches, "positions": batch.positions,
+                "cu_seqlens": VarlenSpans.from_lengths(batch.lengths, "cpu").cu_seqlens}
+        if self.features == "aligner":
+            host["merge_index"], host["merge_mask"] = batch.merge_index, batch.merge_mask
+        return host, None
+
+    def _submit_cuda(self, batch: PackedBatch) -> _Pending:
+        runner = self.runner
+        bucket = runner.choose(batch) if runner is not None else None
+        if runner is not None and bucket is None:
+            log.debug("batch of %d tokens, %d images fits no graph budget: eager",
+                      batch.n_tokens, len(batch.lengths))
+        host, staged = self._host_inputs(batch, bucket)
+        # Pinned copies (the caching host allocator keeps each block until its copy is done).
+        pinned = {k: v.pin_memory() for k, v in host.items()}
+        ev = {k: torch.cuda.Event(enable_timing=True) for k in ("h2d0", "h2d1", "m0", "m1", "done")}
+        compute = torch.cuda.current_stream(self.device)
+        # Allocate the device copies on the copy stream (their first writer), and mark them
+        # used by the compute stream: the allocator then cannot hand their memory to a later
+        # copy while this batch's forward still reads it.
+        with torch.cuda.stream(self._h2d_stream):
+            ev["h2d0"].record()
+            dev = {k: v.to(self.device, non_blocking=True) for k, v in pinned.items()}
+            ev["h2d1"].record()
+        compute.wait_event(ev["h2d1"])
+        for t in dev.values():
+            t.record_stream(compute)
+        ev["m0"].record(compute)
+        with torch.inference_mode():
+            if bucket is not None:
+                runner.load(staged.replace(dev))
+                rows = batch.n_rows if self.features == "aligner" else batch.n_tokens
+                # A copy always: a graph's output buffer is overwritten by the next replay.
+                out = runner.run(bucket, staged.lengths)[:rows].to(self.out_dtype, copy=True)
+            else:
+                cos, sin = rope_tables(dev["positions"], self.cfg)
+                spans = VarlenSpans(dev["cu_seqlens"], max(batch.lengths, default=0),
+                                    tuple(batch.lengths))
+                out = self.model.forward_packed(dev["patches"], cos, sin, spans,
+                                                dev.get("merge_index"), dev.get("merge_mask"),
+                                                features=self.features).to(self.out_dtype)
+        ev["m1"].record(compute)
+        host_out = torch.empty(out.shape, dtype=self.out_dtype, pin_memory=True)
+        self._d2h_stream.wait_event(ev["m1"])
+        with torch.cuda.stream(self._d2h_stream):
+            host_out.copy_(out, non_blocking=True)
+            ev["done"].record()
+        out.record_stream(self._d2h_stream)
+        if bucket is None:
+            return _Pending(batch, host_out, 0, "eager", ev)
+        mode = "graph" if bucket.tokens in runner.graphs else "static"
+        return _Pending(batch, host_out, bucket.tokens - batch.n_tokens, mode, ev)

@@ -268,7 +268,9 @@ class BucketRunner:
     def run(self, bucket: Bucket, lengths: tuple[int, ...]) -> torch.Tensor:
         """Forward of what ``load`` put in the buffers. Returns the bucket's full output
         (R or T rows); only the batch's first rows are meaningful. With graphs the tensor is
-        the graph's static output: copy what you need before the next ``run``."""
+        the graph's static output, valid until the next ``run`` of any bucket (the graphs
+        share one pool, so another graph's scratch may overlay it): copy what you need first,
+        on the same stream."""
         graph = self.graphs.get(bucket.tokens)
         if graph is not None:
             graph.replay()

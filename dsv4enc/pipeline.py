@@ -216,6 +216,9 @@ def read_headers(items: Sequence[InputItem], cfg: VisionConfig, max_pixels: int,
     with ThreadPoolExecutor(max_workers=16) as pool:
         probes = list(pool.map(lambda i: probe_image(items[i], max_pixels), mine,
                                chunksize=64))
+    from .sources import clear_cache
+
+    clear_cache()  # table row groups read for the probes: the workers read their own
     if dist is not None:
         shared = dist.all_gather_object([(i, asdict(p)) for i, p in zip(mine, probes)])
         by_index = {i: Probe(**p) for part in shared for i, p in part}
@@ -544,18 +547,28 @@ def _resume_filter(store: PartStore, parts: list[Part], opts: EncodeOptions,
                    is_writer_rank: bool, dist, summary: RunSummary) -> list[Part]:
     """Parts still to encode; with ``--resume``, check settings and skip committed parts.
 
-    Under DP-gathered or TP runs rank 0 owns the manifest and tells the other ranks."""
+    Under DP-gathered or TP runs rank 0 owns the manifest and tells the other ranks. Under
+    --shard-output each rank has its own, but all ranks must walk the same parts (every batch
+    ends in collectives): a range is redone by all when any rank lacks its part. A problem
+    on any rank stops every rank."""
     shared = dist is not None and not opts.shard_output
     todo_names, problem = None, None
     if is_writer_rank:
         try:
             todo_names = _uncommitted(store, parts, opts)
-        except UsageError as exc:
-            problem = str(exc)
+        except DsvError as exc:
+            problem = exc
     if shared:
         todo_names, problem = dist.all_gather_object((todo_names, problem))[0]
-    if problem:
-        raise UsageError(problem)
+    elif dist is not None:
+        mine = set(todo_names or ())
+        everyone = dist.all_gather_object(
+            ([(p.start, p.end) for p in parts if p.name in mine], problem))
+        problem = next((exc for _, exc in everyone if exc is not None), None)
+        ranges = {r for todo_ranges, _ in everyone for r in todo_ranges}
+        todo_names = [p.name for p in parts if (p.start, p.end) in ranges]
+    if problem is not None:
+        raise problem
     names = set(todo_names)
     todo = [p for p in parts if p.name in names]
     summary.reused = sum(p.end - p.start for p in parts if p.name not in names)
@@ -590,15 +603,26 @@ class _Runner:
         self.batch_tokens = getattr(engine, "batch_tokens", None) or (
             opts.batch_tokens or default_batch_tokens(engine.device))
         self.gathered = dist is not None and not tp and not opts.shard_output
+        self.sharded = dist is not None and not tp and opts.shard_output
 
     # -- planning of one part ------------------------------------------------------
     def rank_batches(self, planned: Sequence[Planned], part: Part) -> list[list[list[int]]]:
-        """Per rank, the batches (lists of item indices) this part is encoded in."""
-        good = [i for i in part.indices if planned[i].error is None]
-        if self.gathered:
+        """Per rank, the batches (lists of item indices) this part is encoded in.
+
+        Every rank plans every rank's batches, so that all take the same number of steps
+        (each step ends in collectives). Under --shard-output the part holds only this
+        rank's share, so the shares are recomputed from the whole range (the same greedy
+        rule; failed items, cost 0, go last and move nothing else)."""
+        indices = range(part.start, part.end) if self.sharded else part.indices
+        good = [i for i in indices if planned[i].error is None]
+        if self.gathered or self.sharded:
             shares = share_for_rank(planned, good, self.dist, self.opts.balance, self.cfg)
-            for rank, share in enumerate(shares):
-                self.summary_loads(rank, sum(planned[i].tokens for i in share))
+            if self.gathered:
+                for rank, share in enumerate(shares):
+                    self.summary_loads(rank, sum(planned[i].tokens for i in share))
+            else:
+                mine = [i for i in part.indices if planned[i].error is None]
+                assert shares[self.dist.rank] == mine, "shard plan differs from the part's"
         else:
             shares = [good]
         return [[[share[j] for j in b] for b in
@@ -612,7 +636,7 @@ class _Runner:
 
     def run(self, planned: Sequence[Planned], parts: list[Part]) -> Iterator[tuple]:
         plans = [self.rank_batches(planned, part) for part in parts]
-        me = self.dist.rank if self.gathered else 0
+        me = self.dist.rank if self.gathered or self.sharded else 0
         order = (i for plan in plans for batch in plan[me] for i in batch)
         decoded = self.pool.imap(((i, planned[i].item) for i in order),
                                  window=max(8, 4 * self.pool.n_workers + self.opts.max_images))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from rich.markup import escape
 from rich.table import Table
 
 from .progress import stderr_console
@@ -10,7 +11,7 @@ from .progress import stderr_console
 def print_summary(summary) -> None:
     """Print a RunSummary as a small table."""
     s = summary
-    table = Table(title=f"dsv4enc: {s.out}", show_header=False, title_justify="left")
+    table = Table(title=f"dsv4enc: {escape(s.out)}", show_header=False, title_justify="left")
     table.add_column(style="bold")
     table.add_column()
     rate = (s.encoded + s.failed) / s.seconds if s.seconds else 0.0

@@ -1,0 +1,400 @@
+"""The Python API: ``Encoder`` turns images into embeddings in memory.
+
+It runs the same packed engine as the command line (many images per forward, CUDA graphs
+where available) and the same exact transform, but decodes in the calling process (optionally
+on a few threads) and returns torch tensors instead of writing Parquet::
+
+    from dsv4enc import Encoder
+
+    enc = Encoder.from_pretrained("/path/to/checkpoint", device="cpu", dtype="float32")
+    embeddings = enc.encode([pil_image, "photo.jpg", png_bytes, uint8_array])
+    for key, emb in enc.encode_iter(paths):       # streams, bounded memory
+        ...
+
+``read_embeddings`` (re-exported here) streams an encode run's Parquet output back as numpy.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, Mapping, Union
+
+import numpy as np
+import torch
+
+from .checkpoint import COMPUTE_DTYPES, Checkpoint, build_tower, load_checkpoint, random_checkpoint
+from .config import VisionConfig
+from .decode import DEFAULT_MAX_PIXELS, decode_image, describe_error, patches_tensor
+from .engine import Engine
+from .packing import output_grid, pack, pack_bins
+from .reading import read_embeddings
+
+if TYPE_CHECKING:
+    import PIL.Image
+
+__all__ = ["Encoder", "EncodeError", "ImageInput", "read_embeddings"]
+
+#: What ``Encoder.encode`` takes per image: a PIL image, an HxW / HxWx{1,3,4} uint8 array, a
+#: file path, the encoded file's bytes, or a Hugging Face ``{"bytes": ..., "path": ...}`` dict.
+ImageInput = Union["PIL.Image.Image", np.ndarray, str, os.PathLike, bytes, Mapping[str, Any]]
+
+_OUT_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+class EncodeError(ValueError):
+    """An input that cannot be encoded. ``index``: its position in the input; ``key``: its
+    path (for paths) or the key given with it; ``reason``: what went wrong."""
+
+    def __init__(self, index: int, key: Any, reason: str) -> None:
+        named = f"image {index}" if key == index else f"image {index} ({key!r})"
+        super().__init__(f"{named}: {reason}")
+        self.index, self.key, self.reason = index, key, reason
+
+
+class _BadInput(Exception):
+    """Internal: this input cannot be encoded (the message is the reason)."""
+
+
+@dataclass
+class _Prepared:
+    """One input, transformed: bf16 patches and the patch grid, or why it failed."""
+
+    key: Any
+    index: int
+    patches: torch.Tensor | None = None
+    n_h: int = 0
+    n_w: int = 0
+    error: str | None = None
+    wrong_type: bool = False  # the input is of a kind encode does not take
+
+    @property
+    def tokens(self) -> int:
+        return self.n_h * self.n_w
+
+
+def _resolve_device(device: str | torch.device) -> torch.device:
+    from .pipeline import resolve_device
+
+    return resolve_device(str(device))
+
+
+def _resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        if dtype not in COMPUTE_DTYPES.values():
+            raise ValueError(f"unsupported compute dtype {dtype} (float32, bfloat16, float16)")
+        return dtype
+    from .pipeline import resolve_dtype
+
+    return resolve_dtype(str(dtype).removeprefix("torch."), device)
+
+
+def _resolve_out_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        if dtype not in _OUT_DTYPES.values():
+            raise ValueError(f"unsupported out_dtype {dtype} (float32, float16, bfloat16)")
+        return dtype
+    name = str(dtype).removeprefix("torch.")
+    if name not in _OUT_DTYPES:
+        raise ValueError(f"unsupported out_dtype {dtype!r} (float32, float16, bfloat16)")
+    return _OUT_DTYPES[name]
+
+
+def _check_choice(name: str, value: str, allowed: tuple[str, ...]) -> str:
+    if value not in allowed:
+        raise ValueError(f"{name} must be one of {', '.join(map(repr, allowed))}, not {value!r}")
+    return value
+
+
+def _array_to_image(array: np.ndarray):
+    from PIL import Image
+
+    if array.dtype == np.uint16 and array.ndim == 2:
+        return Image.fromarray(array)  # 16-bit gray: scaled to 8 bits like a 16-bit file
+    if array.dtype != np.uint8:
+        raise _BadInput(f"array has dtype {array.dtype}; expected uint8 (HxW or HxWx3)")
+    if array.ndim == 3 and array.shape[2] == 1:
+        array = array[:, :, 0]
+    if array.ndim == 2:
+        return Image.fromarray(np.ascontiguousarray(array), "L")
+    if array.ndim == 3 and array.shape[2] in (3, 4):
+        return Image.fromarray(np.ascontiguousarray(array), "RGB" if array.shape[2] == 3 else "RGBA")
+    raise _BadInput(f"array has shape {tuple(array.shape)}; expected HxW, HxWx1, HxWx3 or HxWx4")
+
+
+class Encoder:
+    """Embeddings of images from the DeepSeek-V4 vision tower, in memory.
+
+    Build one with ``from_pretrained`` (a checkpoint folder or a Hub id) or ``from_config``
+    (random weights, for tests and demos). Options, also accepted by both constructors:
+
+    - ``features``: ``"aligner"`` (LLM-width rows, one per 3x3 patch block; default) or
+      ``"vit"`` (one row per patch, ViT width).
+    - ``pool``: ``"none"`` (every row; default) or ``"mean"`` (one vector per image).
+    - ``out_dtype``: dtype of the returned tensors (default float32).
+    - ``batch_tokens``: patches per packed forward (default 32768 on CUDA, 8192 on CPU);
+      ``max_images``: images per forward at most.
+    - ``decode_threads``: threads decoding and transforming images ahead of the device
+      (default: 0 on CPU, up to 8 on CUDA).
+    - ``max_pixels``: larger files are refused (decompression bombs); ``attention``,
+      ``cuda_graphs``: engine choices as on the command line.
+
+    ``features`` and ``pool`` can also be given per call. Results are CPU tensors, in input
+    order, each ``(grid_h*grid_w, width)`` (``(width,)`` pooled), ``grid`` as in the Parquet
+    output. Not thread-safe: use one Encoder per thread.
+    """
+
+    def __init__(self, checkpoint: Checkpoint, device: str | torch.device = "auto", *,
+                 features: str = "aligner", pool: str = "none",
+                 out_dtype: str | torch.dtype = torch.float32, batch_tokens: int | None = None,
+                 max_images: int = 64, decode_threads: int | None = None,
+                 max_pixels: int = DEFAULT_MAX_PIXELS, attention: str = "auto",
+                 cuda_graphs: bool | None = None) -> None:
+        self.checkpoint = checkpoint
+        self.device = _resolve_device(device)
+        self.features = _check_choice("features", features, ("aligner", "vit"))
+        self.pool = _check_choice("pool", pool, ("none", "mean"))
+        self.out_dtype = _resolve_out_dtype(out_dtype)
+        if batch_tokens is not None and batch_tokens <= 0:
+            raise ValueError(f"batch_tokens must be positive, got {batch_tokens}")
+        if max_images <= 0:
+            raise ValueError(f"max_images must be positive, got {max_images}")
+        from .engine import DEFAULT_BATCH_TOKENS
+
+        self.batch_tokens = batch_tokens or DEFAULT_BATCH_TOKENS.get(self.device.type, 8192)
+        self.max_images = max_images
+        if decode_threads is None:
+            decode_threads = 0 if self.device.type == "cpu" else min(8, os.cpu_count() or 1)
+        self.decode_threads = max(0, decode_threads)
+        self.max_pixels = max_pixels
+        self.attention = attention
+        self.cuda_graphs = cuda_graphs
+        self.model = build_tower(checkpoint, self.device)
+        self._engines: dict[str, Engine] = {}
+
+    # -- construction ------------------------------------------------------------------
+    @classmethod
+    def from_pretrained(cls, path_or_hub_id: str | os.PathLike, device: str | torch.device = "auto",
+                        dtype: str | torch.dtype = "auto", **options: Any) -> "Encoder":
+        """Load a checkpoint folder (either config layout; only the tower's tensors are read)
+        or a Hugging Face Hub id such as ``deepseek-ai/DeepSeek-V4-Flash-Vision-Exp``
+        (needs ``dsv4enc[hub]``; only the tower's shards are downloaded).
+
+        ``dtype``: compute dtype, ``"auto"`` (bfloat16 on CUDA, float32 on CPU), a name or a
+        ``torch.dtype``. ``options``: see the class docstring.
+        """
+        from .hub import resolve_weights
+
+        resolved = _resolve_device(device)
+        compute = _resolve_dtype(dtype, resolved)
+        ckpt = load_checkpoint(resolve_weights(path_or_hub_id), compute)
+        return cls(ckpt, resolved, **options)
+
+    @classmethod
+    def from_config(cls, config: VisionConfig | str | os.PathLike | Mapping[str, Any],
+                    seed: int = 0, device: str | torch.device = "auto",
+                    dtype: str | torch.dtype = "auto", **options: Any) -> "Encoder":
+        """A tower with random weights (seeded) of ``config``'s shape: a ``VisionConfig``, a
+        config.json path, or a dict in either layout."""
+        if isinstance(config, VisionConfig):
+            cfg = config
+        elif isinstance(config, Mapping):
+            cfg = VisionConfig.from_dict(dict(config))
+        else:
+            cfg = VisionConfig.from_file(config)
+        resolved = _resolve_device(device)
+        compute = _resolve_dtype(dtype, resolved)
+        return cls(random_checkpoint(cfg, seed, compute), resolved, **options)
+
+    # -- properties ----------------------------------------------------------------------
+    @property
+    def config(self) -> VisionConfig:
+        return self.checkpoint.config
+
+    @property
+    def fingerprint(self) -> str:
+        """The weights fingerprint, as written to the Parquet metadata by ``encode``."""
+        return self.checkpoint.fingerprint
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The compute dtype."""
+        return self.model.dtype
+
+    def width(self, features: str | None = None) -> int:
+        """Width of one embedding row for ``features`` (default: this encoder's)."""
+        return self.config.output_width(features or self.features)
+
+    def __repr__(self) -> str:
+        return (f"Encoder({self.checkpoint.source!r}, device={str(self.device)!r}, "
+                f"dtype={str(self.dtype).removeprefix('torch.')}, features={self.features!r}, "
+                f"pool={self.pool!r})")
+
+    # -- encoding ----------------------------------------------------------------------
+    def encode(self, images: ImageInput | Iterable[ImageInput], *, features: str | None = None,
+               pool: str | None = None, batch_tokens: int | None = None,
+               ) -> list[torch.Tensor] | torch.Tensor:
+        """Embeddings of ``images``, one CPU tensor per image, in input order.
+
+        ``images``: a list (any iterable) of PIL images, uint8 arrays (HxW, HxWx3, HxWx4),
+        paths, encoded bytes, or ``{"bytes", "path"}`` dicts, or an (N, H, W, C) uint8 array;
+        or one such image, which returns one tensor. Raises ``EncodeError`` naming the first image that cannot be read (and
+        ``TypeError`` for an unsupported kind of input) before encoding anything after it.
+        """
+        if isinstance(images, np.ndarray) and images.ndim == 4:
+            images = list(images)  # a stacked batch (N, H, W, C)
+        elif self._is_single(images):
+            return self.encode([images], features=features, pool=pool,
+                               batch_tokens=batch_tokens)[0]
+        return [emb for _, emb in self._stream(images, features, pool, batch_tokens,
+                                               raise_errors=True)]
+
+    def encode_iter(self, images: Iterable[ImageInput | tuple[Any, ImageInput]], *,
+                    batch_tokens: int | None = None, features: str | None = None,
+                    pool: str | None = None) -> Iterator[tuple[Any, torch.Tensor | str]]:
+        """Stream ``(key, embedding)`` pairs in input order, with bounded memory.
+
+        Items are images as for ``encode``, or ``(key, image)`` tuples. The key is the given
+        one, else the path (as a string) for paths, else the item's running index. An image
+        that cannot be read yields ``(key, error)`` with a one-line error string (the same text
+        as the Parquet ``error`` column) instead of a tensor; the stream goes on.
+        Images are read only about ``2 * batch_tokens`` patches ahead of the device.
+        """
+        return self._stream(images, features, pool, batch_tokens, raise_errors=False)
+
+    # -- internals ---------------------------------------------------------------------
+    @staticmethod
+    def _is_single(images: Any) -> bool:
+        from PIL import Image
+
+        return isinstance(images, (Image.Image, np.ndarray, str, os.PathLike, bytes,
+                                   bytearray, memoryview, Mapping))
+
+    def _engine(self, features: str) -> Engine:
+        engine = self._engines.get(features)
+        if engine is None:
+            engine = Engine(self.model, features=features, attention=self.attention,
+                            out_dtype=self.out_dtype, cuda_graphs=self.cuda_graphs,
+                            batch_tokens=self.batch_tokens, max_images=self.max_images)
+            self._engines[features] = engine
+        return engine
+
+    def _prepare(self, index: int, entry: Any) -> _Prepared:
+        """Split off the key and transform one input (runs on decode threads)."""
+        from PIL import Image
+
+        from .transform import image_to_patches
+
+        if isinstance(entry, tuple) and len(entry) == 2:
+            key, image = entry
+        else:
+            key, image = None, entry
+        if isinstance(image, Mapping):  # Hugging Face Image feature with decode=False
+            data, named = image.get("bytes"), image.get("path")
+            image = data if data is not None else named
+            if image is None:
+                return _Prepared(index if key is None else key, index,
+                                 error="ValueError: dict holds neither 'bytes' nor 'path'")
+        if key is None:
+            key = os.fspath(image) if isinstance(image, (str, os.PathLike)) else index
+        item = _Prepared(key, index)
+        try:
+            if isinstance(image, Image.Image) or isinstance(image, np.ndarray):
+                if isinstance(image, np.ndarray):
+                    image = _array_to_image(image)
+                patches, canvas = image_to_patches(image, self.config)
+                item.patches, item.n_h, item.n_w = patches, canvas.n_h, canvas.n_w
+            elif isinstance(image, (str, os.PathLike, bytes, bytearray, memoryview)):
+                source = (os.fspath(image) if isinstance(image, (str, os.PathLike))
+                          else bytes(image))
+                decoded = decode_image(source, self.config, self.max_pixels)
+                if decoded.error is not None:
+                    item.error = decoded.error
+                else:
+                    item.patches = patches_tensor(decoded)
+                    item.n_h, item.n_w = decoded.n_h, decoded.n_w
+            else:
+                item.wrong_type = True
+                item.error = (f"TypeError: unsupported input {type(image).__name__} (expected "
+                              "a PIL image, a uint8 array, a path, bytes or a {bytes, path} dict)")
+        except _BadInput as exc:
+            item.error = f"ValueError: {exc}"
+        except Exception as exc:  # a broken image object is this item's error, not the run's
+            item.error = describe_error(exc)
+        return item
+
+    def _prepared(self, images: Iterable[Any]) -> Iterator[_Prepared]:
+        """``_prepare`` over the inputs in order, on threads when ``decode_threads`` > 0."""
+        if self.decode_threads <= 0:
+            for index, entry in enumerate(images):
+                yield self._prepare(index, entry)
+            return
+        ahead = 4 * self.decode_threads
+        with ThreadPoolExecutor(self.decode_threads, thread_name_prefix="dsv4enc-decode") as pool:
+            futures: deque = deque()
+            for index, entry in enumerate(images):
+                futures.append(pool.submit(self._prepare, index, entry))
+                if len(futures) >= ahead:
+                    yield futures.popleft().result()
+            while futures:
+                yield futures.popleft().result()
+
+    def _stream(self, images: Iterable[Any], features: str | None, pool: str | None,
+                batch_tokens: int | None, raise_errors: bool) -> Iterator[tuple[Any, Any]]:
+        features = _check_choice("features", features or self.features, ("aligner", "vit"))
+        pool = _check_choice("pool", pool or self.pool, ("none", "mean"))
+        capacity = batch_tokens or self.batch_tokens
+        if capacity <= 0:
+            raise ValueError(f"batch_tokens must be positive, got {capacity}")
+        if self._is_single(images):
+            raise TypeError("encode_iter takes an iterable of images, not one image")
+        engine = self._engine(features)
+        window: list[_Prepared] = []
+        tokens = 0
+        for item in self._prepared(images):
+            if item.error is not None and raise_errors:
+                if item.wrong_type:
+                    raise TypeError(str(EncodeError(item.index, item.key,
+                                                    item.error.removeprefix("TypeError: "))))
+                raise EncodeError(item.index, item.key, item.error)
+            window.append(item)
+            tokens += item.tokens
+            ready = sum(1 for w in window if w.error is None)
+            if tokens >= 2 * capacity or ready >= 2 * self.max_images:
+                yield from self._flush(engine, window, features, pool, capacity)
+                window, tokens = [], 0
+        yield from self._flush(engine, window, features, pool, capacity)
+
+    def _flush(self, engine: Engine, window: list[_Prepared], features: str, pool: str,
+               capacity: int) -> Iterator[tuple[Any, Any]]:
+        """Encode the window's images in nearly full packed batches; yield all in order."""
+        while engine.pending:  # left by an earlier stream that was abandoned mid-batch
+            engine.collect()
+        good = [w for w in window if w.error is None]
+        results: dict[int, torch.Tensor] = {}
+        if good:
+            bins = pack_bins([w.tokens for w in good], capacity, self.max_images)
+            r = self.config.downsample_ratio
+            batches = (pack([(good[j].patches, good[j].n_h, good[j].n_w) for j in b], r, features)
+                       for b in bins)
+            for b, outputs in zip(bins, engine.encode_many(batches)):
+                for j, out in zip(b, outputs):
+                    results[good[j].index] = self._finish(out, pool)
+        for w in window:
+            yield w.key, (w.error if w.error is not None else results.pop(w.index))
+
+    def _finish(self, out: torch.Tensor, pool: str) -> torch.Tensor:
+        if pool == "mean":
+            return out.float().mean(0).to(self.out_dtype)
+        return out.clone()  # own memory: not a view of the batch buffer (pinned on CUDA)
+
+    def grid_for(self, size: tuple[int, int], features: str | None = None) -> tuple[int, int]:
+        """``(grid_h, grid_w)`` of the embedding rows of an image of ``size`` = (width,
+        height) pixels (e.g. ``image.size``): reshape a result with it to get the 2D grid."""
+        from .transform import plan_canvas
+
+        canvas = plan_canvas(size[0], size[1], self.config)
+        return output_grid(canvas.n_h, canvas.n_w, self.config.downsample_ratio,
+                           features or self.features)

@@ -1,0 +1,448 @@
+"""Throughput benchmark (``dsv4enc bench``; also ``python -m dsv4enc.bench``).
+
+For one config and one image mix it measures, in one process:
+
+- ``model``: the engine alone over pre-transformed, bin-packed batches (graphs on/off, per
+  batch-token budget): img/s, tokens/s, achieved FLOP/s (counted analytically, real tokens
+  only), fraction of the matmul ceiling, budget padding, and the time split;
+- ``naive``: one image at a time (decode, transform, per-image forward with attention on 3-D
+  (H, N, d) tensors), the baseline every ratio is against;
+- ``e2e`` (optional): the full ``dsv4enc encode`` pipeline to a Parquet file.
+
+The matmul ceiling is the best rate of the model's own GEMM shapes (QKV, MLP in/out, aligner)
+at the batch's token count, in the compute dtype, timed in the same process; a large square
+product is reported beside it as the device peak.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import logging
+import math
+import platform
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Sequence
+
+import numpy as np
+import torch
+
+from .attention import naive_sdpa_attention
+from .checkpoint import COMPUTE_DTYPES, build_tower, random_checkpoint
+from .config import VisionConfig
+from .engine import Engine
+from .model import VisionTower
+from .packing import PackedBatch, aligner_grid, pack, pack_bins
+from .transform import image_to_patches
+
+log = logging.getLogger(__name__)
+
+#: The CPU mix: 24 photo-like sizes from 300x300 to 2000x1500, mixed orientations.
+MIX_SIZES = [(300, 300), (400, 300), (350, 500), (500, 375), (640, 480), (480, 640),
+             (600, 900), (900, 600), (800, 600), (800, 800), (1000, 1000), (1024, 768),
+             (768, 1024), (1280, 720), (720, 1280), (1280, 960), (1400, 1050), (1200, 1600),
+             (1600, 1200), (1920, 1080), (1080, 1920), (1500, 2000), (2000, 1500), (1800, 1200)]
+
+
+# ----------------------------------------------------------------------------- images
+
+def photo_like(width: int, height: int, rng: np.random.Generator) -> np.ndarray:
+    """(height, width, 3) uint8: smooth colour fields, a few soft blobs, sensor-like noise,
+    so JPEG sizes and decode costs look like photos rather than flat or white-noise images."""
+    from PIL import Image
+
+    low = rng.integers(0, 256, (6, 8, 3), dtype=np.uint8)
+    base = np.asarray(Image.fromarray(low).resize((width, height), Image.BICUBIC), np.float32)
+    yy, xx = np.mgrid[0:height, 0:width].astype(np.float32)
+    for _ in range(4):
+        cx, cy = rng.uniform(0, width), rng.uniform(0, height)
+        radius = rng.uniform(0.05, 0.3) * min(width, height)
+        blob = np.exp(-((xx - cx) ** 2 + (yy - cy) ** 2) / (2 * radius ** 2))
+        base += blob[..., None] * rng.uniform(-80, 80, 3).astype(np.float32)
+    base += rng.normal(0, 6, base.shape).astype(np.float32)
+    return np.clip(base, 0, 255).astype(np.uint8)
+
+
+def synthetic_images(folder: Path, spec: str, seed: int = 0) -> list[Path]:
+    """Write JPEGs for ``spec``: "mix" (MIX_SIZES), "mix:N" (the mix repeated to N images),
+    or "WxH:N" (N images of one size). Returns the paths in order."""
+    from PIL import Image
+
+    kind, _, count = spec.partition(":")
+    if kind == "mix":
+        n = int(count) if count else len(MIX_SIZES)
+        sizes = [MIX_SIZES[i % len(MIX_SIZES)] for i in range(n)]
+    else:
+        w, h = (int(v) for v in kind.lower().split("x"))
+        sizes = [(w, h)] * (int(count) if count else 16)
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    paths = []
+    for i, (w, h) in enumerate(sizes):
+        path = folder / f"img{i:04d}_{w}x{h}.jpg"
+        if not path.exists():
+            Image.fromarray(photo_like(w, h, rng)).save(path, quality=90)
+        paths.append(path)
+    return paths
+
+
+def resolve_images(images: str, workdir: Path, seed: int = 0) -> list[Path]:
+    """``images``: a folder of images, or "synthetic:SPEC" (see ``synthetic_images``)."""
+    if images.startswith("synthetic:"):
+        return synthetic_images(workdir / "images", images.removeprefix("synthetic:"), seed)
+    folder = Path(images)
+    exts = {".jpg", ".jpeg", ".png", ".webp", ".bmp"}
+    paths = sorted(p for p in folder.rglob("*") if p.suffix.lower() in exts)
+    if not paths:
+        raise ValueError(f"no images found in {folder}")
+    return paths
+
+
+# ----------------------------------------------------------------------------- FLOPs, ceiling
+
+def image_flops(cfg: VisionConfig, n_h: int, n_w: int, features: str = "aligner") -> float:
+    """Forward FLOPs of one image (2 per multiply-add): patch embed, per layer the QKV, output,
+    MLP matmuls and attention (QK^T and PV: 4*N^2*D), and the aligner's two matmuls."""
+    N, D, I, L = n_h * n_w, cfg.dim, cfg.inter_dim, cfg.n_layers
+    flops = 2.0 * N * cfg.patch_dim * D
+    flops += L * (2.0 * N * D * (3 * D + D + 3 * I) + 4.0 * N * N * D)
+    if features == "aligner":
+        rows = math.prod(aligner_grid(n_h, n_w, cfg.downsample_ratio))
+        hid, r2 = cfg.hidden_size, cfg.downsample_ratio ** 2
+        flops += 2.0 * rows * (D * r2 * hid + hid * hid)
+    return flops
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _time(fn: Callable[[], object], device: torch.device, repeat: int) -> float:
+    """Best of ``repeat`` timed calls after one warm-up, seconds."""
+    fn()
+    best = float("inf")
+    for _ in range(repeat):
+        _sync(device)
+        began = time.perf_counter()
+        fn()
+        _sync(device)
+        best = min(best, time.perf_counter() - began)
+    return best
+
+
+def matmul_ceiling(cfg: VisionConfig, tokens: int, dtype: torch.dtype,
+                   device: torch.device, repeat: int = 5) -> dict[str, float]:
+    """FLOP/s of the model's GEMM shapes at ``tokens`` rows (best shape = the ceiling), and of
+    a large square product (the device peak)."""
+    D, I, hid = cfg.dim, cfg.inter_dim, cfg.hidden_size
+    r2 = cfg.downsample_ratio ** 2
+    shapes = {"qkv": (tokens, D, 3 * D), "mlp_in": (tokens, D, 2 * I),
+              "mlp_out": (tokens, I, D), "aligner": (max(tokens // r2, 64), D * r2, hid)}
+    rates = {}
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    with torch.inference_mode():
+        for name, (m, k, n) in shapes.items():
+            a = torch.randn(m, k, generator=gen).to(device, dtype)
+            b = torch.randn(n, k, generator=gen).to(device, dtype)
+            rates[name] = 2.0 * m * k * n / _time(lambda: a @ b.T, device, repeat)
+        side = 8192 if device.type == "cuda" else 2048
+        a = torch.randn(side, side, generator=gen).to(device, dtype)
+        rates["square"] = 2.0 * side ** 3 / _time(lambda: a @ a, device, repeat)
+    rates["ceiling"] = max(rates[k] for k in shapes)
+    return rates
+
+
+# ----------------------------------------------------------------------------- measurements
+
+@dataclass
+class Prepared:
+    """Images transformed once, outside every timed region."""
+
+    paths: list[Path]
+    items: list[tuple[torch.Tensor, int, int]]  # (patches, n_h, n_w)
+    flops: float
+    tokens: int
+
+
+def prepare_images(paths: Sequence[Path], cfg: VisionConfig, features: str) -> Prepared:
+    from PIL import Image
+
+    items = []
+    for path in paths:
+        with Image.open(path) as image:
+            patches, canvas = image_to_patches(image, cfg)
+        items.append((patches, canvas.n_h, canvas.n_w))
+    flops = sum(image_flops(cfg, h, w, features) for _, h, w in items)
+    return Prepared(list(paths), items, flops, sum(h * w for _, h, w in items))
+
+
+def make_batches(prep: Prepared, cfg: VisionConfig, features: str, batch_tokens: int,
+                 max_images: int) -> list[PackedBatch]:
+    bins = pack_bins([h * w for _, h, w in prep.items], batch_tokens, max_images)
+    return [pack([prep.items[i] for i in b], cfg.downsample_ratio, features) for b in bins]
+
+
+def bench_model(model: VisionTower, prep: Prepared, features: str, batch_tokens: int,
+                cuda_graphs: bool | None, attention: str, max_images: int, repeat: int,
+                out_dtype: torch.dtype) -> dict:
+    """Engine-only throughput over the prepared images (best of ``repeat`` passes)."""
+    cfg = model.cfg
+    batches = make_batches(prep, cfg, features, batch_tokens, max_images)
+    engine = Engine(model, features, attention, out_dtype, cuda_graphs=cuda_graphs,
+                    batch_tokens=batch_tokens, max_images=max_images)
+    engine.prepare()
+    for _ in engine.encode_many(batches[:1]):  # warm-up (kernels, allocator)
+        pass
+    best, best_stats = float("inf"), None
+    for _ in range(max(1, repeat)):
+        engine.stats = type(engine.stats)()
+        _sync(model.device)
+        began = time.perf_counter()
+        for _ in engine.encode_many(batches):
+            pass
+        _sync(model.device)
+        wall = time.perf_counter() - began
+        if wall < best:
+            best, best_stats = wall, engine.stats
+    s = best_stats
+    row = {
+        "mode": "model", "graphs": engine.graphs_enabled, "attention": engine.attention_name,
+        "batch_tokens": batch_tokens, "images": len(prep.items), "batches": len(batches),
+        "seconds": best, "img_s": len(prep.items) / best, "tokens_s": prep.tokens / best,
+        "flop_s": prep.flops / best, "padding": s.padded_tokens / max(1, s.real_tokens),
+        "h2d_s": s.h2d_s, "model_s": s.model_s, "d2h_s": s.d2h_s,
+        "device_idle": max(0.0, 1.0 - s.model_s / best) if model.device.type == "cuda" else None,
+        "capture_s": engine.runner.capture_s if engine.runner is not None else 0.0,
+        "graph_batches": s.graph_batches,
+    }
+    del engine
+    gc.collect()
+    if model.device.type == "cuda":
+        torch.cuda.empty_cache()
+    return row
+
+
+def bench_naive(model: VisionTower, paths: Sequence[Path], features: str,
+                out_dtype: torch.dtype) -> dict:
+    """One image at a time: decode, transform, per-image forward with 3-D attention."""
+    from PIL import Image
+
+    cfg, device = model.cfg, model.device
+    saved = model.attend
+    model.attend = naive_sdpa_attention
+    tokens = 0
+    flops = 0.0
+    try:
+        def one(path: Path) -> None:
+            nonlocal tokens, flops
+            with Image.open(path) as image:
+                image.load()
+                patches, canvas = image_to_patches(image, cfg)
+            with torch.inference_mode():
+                out = model.forward_image(patches.to(device), canvas.n_h, canvas.n_w, features)
+                out.to(out_dtype).cpu()
+            tokens += canvas.n_patches
+            flops += image_flops(cfg, canvas.n_h, canvas.n_w, features)
+
+        one(paths[0])  # warm-up
+        tokens, flops = 0, 0.0
+        _sync(device)
+        began = time.perf_counter()
+        for path in paths:
+            one(path)
+        _sync(device)
+        wall = time.perf_counter() - began
+    finally:
+        model.attend = saved
+    return {"mode": "naive", "graphs": False, "attention": "sdpa-3d", "images": len(paths),
+            "seconds": wall, "img_s": len(paths) / wall, "tokens_s": tokens / wall,
+            "flop_s": flops / wall}
+
+
+def bench_e2e(config_path: str, paths: Sequence[Path], device: str, dtype: str,
+              batch_tokens: int, cuda_graphs: bool | None, attention: str, workdir: Path,
+              max_images: int, workers: int | None) -> dict:
+    """The full ``encode`` pipeline (decode workers, engine, Parquet) on the same images."""
+    from .pipeline import EncodeOptions, run_encode  # only this mode needs the pipeline
+
+    folder = paths[0].parent
+    out = workdir / "bench.parquet"
+    opts = EncodeOptions(inputs=[str(folder)], out=str(out), config=config_path,
+                         random_init=True, device=device, dtype=dtype, out_dtype="float16",
+                         batch_tokens=batch_tokens, max_images=max_images,
+                         attention=attention, cuda_graphs=cuda_graphs, overwrite=True,
+                         progress=False, workers=workers)
+    began = time.perf_counter()
+    summary = run_encode(opts)
+    wall = time.perf_counter() - began
+    n = summary.encoded
+    return {"mode": "e2e", "graphs": cuda_graphs, "attention": attention,
+            "batch_tokens": batch_tokens, "images": n, "seconds": wall, "img_s": n / wall,
+            "tokens_s": summary.tokens / wall, "padding": summary.padding_waste,
+            "h2d_s": summary.h2d_s, "model_s": summary.model_s,
+            "decode_wait_s": summary.decode_wait_s, "write_s": summary.write_s}
+
+
+# ----------------------------------------------------------------------------- driver
+
+def _resolve(device: str, dtype: str) -> tuple[torch.device, torch.dtype]:
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    dev = torch.device(device)
+    if dtype == "auto":
+        dtype = "bfloat16" if dev.type == "cuda" else "float32"
+    return dev, COMPUTE_DTYPES[dtype]
+
+
+def run_bench(config_path: str, device: str = "auto", dtype: str = "auto",
+              images: str = "synthetic:mix", batch_tokens: Sequence[int] | int | None = None,
+              cuda_graphs: Sequence[bool | None] = (None,), attention: str = "auto",
+              features: str = "aligner", max_images: int = 64, repeat: int = 2,
+              naive_images: int | None = None, e2e: bool = False, workers: int | None = None,
+              seed: int = 0, workdir: str | None = None) -> list[dict]:
+    """Run the benchmark; returns one dict per measurement (see module doc).
+
+    ``images``: a folder or "synthetic:mix[:N]" / "synthetic:WxH:N". ``batch_tokens``: one
+    budget or several (default 32768 on CUDA, 8192 on CPU). ``cuda_graphs``: the settings to
+    compare (None = engine default). ``naive_images``: limit the naive baseline to the first
+    N images (its rate is per image of the same mix, so the ratio stays fair for a repeating
+    mix). ``e2e``: also time the full pipeline (skipped with a note if it cannot be imported).
+    Every row carries ``vs_naive`` (img/s over the naive loop's img/s) and, for model rows,
+    ``ceiling_frac`` (achieved FLOP/s over the matmul ceiling).
+    """
+    dev, dt = _resolve(device, dtype)
+    cfg = VisionConfig.from_file(config_path)
+    budgets = ([batch_tokens] if isinstance(batch_tokens, int) else list(batch_tokens or [])) \
+        or [32768 if dev.type == "cuda" else 8192]
+    out_dtype = torch.float16
+    model = build_tower(random_checkpoint(cfg, seed, dt), dev)
+    rows: list[dict] = []
+    with contextlib.ExitStack() as stack:
+        base = Path(workdir) if workdir else Path(stack.enter_context(tempfile.TemporaryDirectory()))
+        paths = resolve_images(images, base, seed)
+        prep = prepare_images(paths, cfg, features)
+        ceiling = matmul_ceiling(cfg, max(budgets), dt, dev)
+        for bt in budgets:
+            for graphs in cuda_graphs:
+                if graphs and dev.type != "cuda":
+                    continue
+                rows.append(bench_model(model, prep, features, bt, graphs, attention,
+                                        max_images, repeat, out_dtype))
+        naive = bench_naive(model, paths[:naive_images] if naive_images else paths, features,
+                            out_dtype)
+        # Once more at the end, keeping the best: a ceiling measured while the machine was
+        # busy would flatter every fraction.
+        again = matmul_ceiling(cfg, max(budgets), dt, dev)
+        ceiling = {k: max(v, again[k]) for k, v in ceiling.items()}
+        for row in rows:
+            row["ceiling_frac"] = row["flop_s"] / ceiling["ceiling"]
+            row["peak_frac"] = row["flop_s"] / ceiling["square"]
+        naive["ceiling_frac"] = naive["flop_s"] / ceiling["ceiling"]
+        rows.append(naive)
+        if e2e:
+            try:
+                rows.append(bench_e2e(config_path, paths, device, dtype, budgets[-1],
+                                      cuda_graphs[0], attention, base, max_images, workers))
+            except ImportError as exc:
+                log.warning("end-to-end benchmark skipped: %s", exc)
+    for row in rows:
+        row["vs_naive"] = row["img_s"] / naive["img_s"]
+    meta = {"mode": "meta", "device": _device_name(dev), "dtype": str(dt).removeprefix("torch."),
+            "config": Path(config_path).name, "images": len(prep.items), "tokens": prep.tokens,
+            "gflop_per_image": prep.flops / len(prep.items) / 1e9,
+            "threads": torch.get_num_threads(), "torch": torch.__version__,
+            **{f"matmul_{k}": v for k, v in ceiling.items()}}
+    return [meta] + rows
+
+
+def _device_name(dev: torch.device) -> str:
+    if dev.type == "cuda":
+        return torch.cuda.get_device_name(dev)
+    return f"{platform.processor() or platform.machine()} ({torch.get_num_threads()} threads)"
+
+
+def print_results(rows: Sequence[dict], console=None) -> None:
+    """Print ``run_bench`` results as a rich table (FLOP/s in TFLOP/s on CUDA, else GFLOP/s)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    if console is None:
+        console = Console()
+        if not console.is_terminal:  # logs and pipes: do not squeeze the table to 80 columns
+            console = Console(width=170)
+    meta = next((r for r in rows if r.get("mode") == "meta"), {})
+    gpu = "cuda" in str(meta.get("device", "")).lower() or "nvidia" in str(meta.get("device", "")).lower()
+    unit, scale = ("TFLOP/s", 1e12) if gpu else ("GFLOP/s", 1e9)
+    title = (f"{meta.get('config', '?')} on {meta.get('device', '?')}, {meta.get('dtype', '?')}: "
+             f"{meta.get('images', '?')} images, {meta.get('tokens', '?')} patches, "
+             f"{meta.get('gflop_per_image', 0):.1f} GFLOP/image; matmul ceiling "
+             f"{meta.get('matmul_ceiling', 0) / scale:.1f} {unit} "
+             f"(square {meta.get('matmul_square', 0) / scale:.1f})")
+    table = Table(title=title)
+    for name in ("mode", "graphs", "attention", "budget", "img/s", "tokens/s", unit, "ceiling",
+                 "padding", "h2d s", "model s", "d2h s", "idle", "vs naive"):
+        table.add_column(name, justify="left" if name in ("mode", "attention") else "right")
+
+    def fmt(value, spec):
+        return "-" if value is None else format(value, spec)
+
+    for r in rows:
+        if r.get("mode") == "meta":
+            continue
+        table.add_row(r["mode"], str(r.get("graphs", "-")), str(r.get("attention", "-")),
+                      fmt(r.get("batch_tokens"), "d"), fmt(r.get("img_s"), ".2f"),
+                      fmt(r.get("tokens_s"), ",.0f"),
+                      fmt(r["flop_s"] / scale if r.get("flop_s") else None, ".1f"),
+                      fmt(r.get("ceiling_frac"), ".0%"), fmt(r.get("padding"), ".1%"),
+                      fmt(r.get("h2d_s"), ".3f"), fmt(r.get("model_s"), ".3f"),
+                      fmt(r.get("d2h_s"), ".3f"), fmt(r.get("device_idle"), ".0%"),
+                      fmt(r.get("vs_naive"), ".2f"))
+    console.print(table)
+
+
+def _parse_graphs(text: str) -> list[bool | None]:
+    names = {"auto": None, "on": True, "off": False}
+    return [names[t] for t in text.split(",")]
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m dsv4enc.bench", description=__doc__.split("\n")[0])
+    p.add_argument("--config", required=True, help="model config.json (random weights)")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default="auto", choices=["auto", *COMPUTE_DTYPES])
+    p.add_argument("--images", default="synthetic:mix", help="folder, or synthetic:mix[:N] / "
+                   "synthetic:WxH:N")
+    p.add_argument("--batch-tokens", default=None, help="comma-separated budgets")
+    p.add_argument("--graphs", default="auto", help="comma-separated: auto, on, off")
+    p.add_argument("--attention", default="auto")
+    p.add_argument("--features", default="aligner", choices=["aligner", "vit"])
+    p.add_argument("--max-images", type=int, default=64)
+    p.add_argument("--repeat", type=int, default=2)
+    p.add_argument("--naive-images", type=int, default=None)
+    p.add_argument("--e2e", action="store_true")
+    p.add_argument("--workers", type=int, default=None)
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    p.add_argument("--json", default=None, help="also write the rows to this file")
+    p.add_argument("--workdir", default=None, help="keep synthetic images here")
+    a = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("torch").setLevel(logging.WARNING)
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    budgets = [int(t) for t in a.batch_tokens.split(",")] if a.batch_tokens else None
+    rows = run_bench(a.config, a.device, a.dtype, a.images, budgets, _parse_graphs(a.graphs),
+                     a.attention, a.features, a.max_images, a.repeat, a.naive_images, a.e2e,
+                     a.workers, workdir=a.workdir)
+    print_results(rows)
+    if a.json:
+        Path(a.json).write_text(json.dumps(rows, indent=1, default=str))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,257 @@
+"""The Python API: ``Encoder`` (golden-exact, packed, streaming, errors) and
+``read_embeddings`` on what the command line writes."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+import torch
+from PIL import Image
+from typer.testing import CliRunner
+
+import dsv4enc
+from dsv4enc import EncodeError, Encoder, read_embeddings
+from dsv4enc.checkpoint import random_checkpoint, save_checkpoint
+from dsv4enc.cli import app
+
+from helpers import rel_err, write_image
+
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def small_cfg(tiny_cfg):
+    """The tiny tower with a small transform (images stay under ~56x56 pixels)."""
+    return replace(tiny_cfg, min_pixels=56 * 56, max_n_token=24)
+
+
+@pytest.fixture(scope="module")
+def small_ckpt(tmp_path_factory, small_cfg) -> Path:
+    folder = tmp_path_factory.mktemp("api_ckpt")
+    from dsv4enc.checkpoint import random_state_dict
+
+    save_checkpoint(folder, small_cfg, random_state_dict(small_cfg, seed=5))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def encoder(small_ckpt) -> Encoder:
+    return Encoder.from_pretrained(small_ckpt, device="cpu", dtype=torch.float32)
+
+
+@pytest.fixture(scope="module")
+def pictures(tmp_path_factory) -> list[Path]:
+    root = tmp_path_factory.mktemp("api_images")
+    specs = [("a.jpg", (64, 48), "RGB"), ("b.png", (30, 90), "RGBA"), ("c.png", (120, 12), "L"),
+             ("d.gif", (50, 50), "P"), ("e.bmp", (17, 33), "RGB"), ("f.png", (40, 30), "I;16")]
+    return [write_image(root / name, size, mode) for name, size, mode in specs]
+
+
+# --------------------------------------------------------------------------- golden
+
+def test_from_pretrained_matches_golden_for_images_and_paths(golden):
+    """The acceptance check: PIL images and paths, float32 on the CPU, vs the float64 reference."""
+    enc = Encoder.from_pretrained(golden.ckpt, device="cpu", dtype=torch.float32)
+    inputs = []
+    for i, case in enumerate(golden.cases):
+        if i % 2:
+            inputs.append(str(case.path))
+        else:
+            with Image.open(case.path) as image:
+                image.load()
+                inputs.append(image)
+    outs = enc.encode(inputs)
+    assert len(outs) == len(golden.cases)
+    for case, out in zip(golden.cases, outs):
+        ref = golden.tensors[f"{case.key}.aligner"]
+        assert out.device.type == "cpu" and out.dtype == torch.float32
+        assert out.shape == ref.shape, case.name
+        assert rel_err(out, ref) < 1e-4, case.name
+    # The packed engine ran: fewer forwards than images.
+    assert enc._engines["aligner"].stats.batches < len(golden.cases)
+    # ViT features from bytes and Path objects, per call.
+    case = golden.cases[0]
+    vit = enc.encode([case.path.read_bytes(), Path(case.path)], features="vit")
+    for out in vit:
+        assert rel_err(out, golden.tensors[f"{case.key}.vit"]) < 1e-4
+
+
+# --------------------------------------------------------------------------- inputs
+
+def test_all_input_kinds_agree(encoder, pictures):
+    path = pictures[0]
+    with Image.open(path) as image:
+        array = np.asarray(image.convert("RGB"))
+        pil = image.copy()
+    data = path.read_bytes()
+    outs = encoder.encode([pil, array, str(path), path, data, bytearray(data),
+                           {"bytes": data, "path": None}, {"bytes": None, "path": str(path)}])
+    for out in outs[1:]:
+        assert torch.equal(out, outs[0])
+    single = encoder.encode(str(path))  # one image in, one tensor out
+    assert torch.equal(single, outs[0])
+
+
+def test_arrays_of_other_shapes(encoder):
+    rng = np.random.default_rng(0)
+    gray = rng.integers(0, 256, (40, 30), dtype=np.uint8)
+    outs = encoder.encode([gray, gray[:, :, None], np.repeat(gray[:, :, None], 3, axis=2),
+                           rng.integers(0, 256, (20, 20, 4), dtype=np.uint8)])
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+    with pytest.raises(EncodeError, match=r"image 1: .*dtype float64"):
+        encoder.encode([gray, gray.astype(np.float64)])
+    with pytest.raises(EncodeError, match=r"shape \(2, 3, 5\)"):
+        encoder.encode([np.zeros((2, 3, 5), np.uint8)])
+
+
+def test_bad_inputs_raise_naming_the_item(encoder, pictures, tmp_path):
+    junk = tmp_path / "junk.png"
+    junk.write_bytes(b"not an image at all")
+    with pytest.raises(EncodeError) as info:
+        encoder.encode([str(pictures[0]), str(junk), str(pictures[1])])
+    assert info.value.index == 1 and info.value.key == str(junk)
+    assert "junk.png" in str(info.value) and "image 1" in str(info.value)
+    with pytest.raises(EncodeError, match="image 0"):
+        encoder.encode([b"\x89PNG broken"])
+    with pytest.raises(EncodeError, match="not found|No such file"):
+        encoder.encode([str(tmp_path / "missing.jpg")])
+    with pytest.raises(TypeError, match=r"image 1: unsupported input int"):
+        encoder.encode([str(pictures[0]), 42])
+    with pytest.raises(ValueError, match="features"):
+        encoder.encode([str(pictures[0])], features="pixels")
+
+
+def test_encode_iter_keys_errors_and_order(encoder, pictures):
+    items = [str(pictures[0]), b"garbage", ("mine", pictures[1]), pictures[2],
+             np.zeros((8, 8, 3), np.uint8)]
+    got = list(encoder.encode_iter(items, batch_tokens=64))
+    assert [k for k, _ in got] == [str(pictures[0]), 1, "mine", str(pictures[2]), 4]
+    assert isinstance(got[1][1], str) and got[1][1].startswith("UnidentifiedImageError")
+    plain = encoder.encode([pictures[0], pictures[1], pictures[2], items[4]])
+    for (_, out), ref in zip([got[0], got[2], got[3], got[4]], plain):
+        assert rel_err(out, ref) < 1e-5  # other batches: float rounding only
+
+
+def test_encode_iter_streams_with_bounded_lookahead(encoder, pictures):
+    consumed = []
+
+    def source():
+        for i in range(40):
+            consumed.append(i)
+            yield pictures[i % len(pictures)]
+
+    stream = encoder.encode_iter(source(), batch_tokens=32)
+    first = next(stream)
+    assert first[0] == str(pictures[0])
+    assert len(consumed) < 12, "encode_iter read far ahead of what it yielded"
+    rest = list(stream)
+    assert len(rest) == 39 and len(consumed) == 40
+
+
+def test_batch_tokens_and_threads_do_not_change_results(small_ckpt, pictures):
+    base = Encoder.from_pretrained(small_ckpt, device="cpu", dtype="float32")
+    ref = base.encode(pictures * 2, batch_tokens=10_000)
+    threaded = Encoder.from_pretrained(small_ckpt, device="cpu", dtype="float32",
+                                       decode_threads=3, max_images=3)
+    small = threaded.encode(pictures * 2, batch_tokens=20)
+    for a, b in zip(ref, small):
+        assert rel_err(b, a) < 1e-5
+    assert threaded._engines["aligner"].stats.batches > base._engines["aligner"].stats.batches
+
+
+def test_pool_mean_and_out_dtype(small_ckpt, pictures, small_cfg):
+    enc = Encoder.from_pretrained(small_ckpt, device="cpu", dtype=torch.float32,
+                                  out_dtype="float16", pool="mean")
+    pooled = enc.encode(pictures[:3])
+    assert all(p.shape == (small_cfg.hidden_size,) and p.dtype == torch.float16 for p in pooled)
+    full = enc.encode(pictures[:3], pool="none")
+    for p, f in zip(pooled, full):
+        assert f.dtype == torch.float16 and f.ndim == 2
+        assert torch.equal(p, f.float().mean(0).half())
+    vit = enc.encode(pictures[:1], features="vit", pool="none")[0]
+    assert vit.shape[1] == small_cfg.dim
+    with Image.open(pictures[0]) as image:
+        gh, gw = enc.grid_for(image.size)
+        assert full[0].shape[0] == gh * gw
+        vh, vw = enc.grid_for(image.size, features="vit")
+    assert vit.shape[0] == vh * vw
+
+
+def test_from_config_forms(small_cfg, tmp_path):
+    path = tmp_path / "config.json"
+    import json
+
+    path.write_text(json.dumps(small_cfg.to_flat()))
+    a = Encoder.from_config(small_cfg, seed=3, device="cpu", dtype=torch.float32)
+    b = Encoder.from_config(str(path), seed=3, device="cpu", dtype="float32")
+    c = Encoder.from_config(small_cfg.to_flat(), seed=4, device="cpu")
+    assert a.fingerprint == b.fingerprint == random_checkpoint(small_cfg, 3).fingerprint
+    assert c.fingerprint != a.fingerprint and c.dtype == torch.float32
+    image = np.full((30, 30, 3), 90, np.uint8)
+    assert torch.equal(a.encode(image), b.encode(image))
+    with pytest.raises(ValueError, match="out_dtype"):
+        Encoder.from_config(small_cfg, device="cpu", out_dtype="int8")
+
+
+def test_package_import_is_light():
+    code = ("import sys, dsv4enc; assert 'torch' not in sys.modules; "
+            "assert callable(dsv4enc.read_embeddings); assert 'torch' not in sys.modules; "
+            "print(dsv4enc.Encoder.__name__)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "Encoder"
+    assert "Encoder" in dir(dsv4enc)
+
+
+# --------------------------------------------------------------------------- with the CLI
+
+def test_api_equals_cli_output_read_back_with_read_embeddings(small_ckpt, pictures, tmp_path):
+    folder = pictures[0].parent
+    out = tmp_path / "emb.parquet"
+    (folder / "broken.jpg").write_bytes(b"broken")
+    try:
+        result = runner.invoke(app, ["encode", str(folder), "--out", str(out), "--weights",
+                                     str(small_ckpt), "--workers", "0", "--device", "cpu", "-q"])
+    finally:
+        (folder / "broken.jpg").unlink()
+    assert result.exit_code == 0, result.output
+    enc = Encoder.from_pretrained(small_ckpt, device="cpu", dtype=torch.float32,
+                                  out_dtype=torch.float16)
+    rows = list(read_embeddings(out))
+    assert [p for p, _, _ in rows] == sorted(p.name for p in pictures)  # error row skipped
+    expected = dict(enc.encode_iter((p.name, p) for p in pictures))
+    for path, emb, (gh, gw) in rows:
+        assert isinstance(emb, np.ndarray) and emb.dtype == np.float16
+        assert emb.shape == (gh * gw, enc.width())
+        np.testing.assert_allclose(emb.astype(np.float32), expected[path].float().numpy(),
+                                   rtol=2e-3, atol=2e-3)  # the same float16 values, up to
+        # a last-bit flip where the batches differ
+    with_errors = list(read_embeddings(out, errors="include"))
+    assert len(with_errors) == len(pictures) + 1
+    assert [(p, e, g) for p, e, g in with_errors if e is None] == [("broken.jpg", None, None)]
+    records = list(read_embeddings(out, columns=["path", "error", "embedding"], errors="include"))
+    assert records[0].keys() == {"path", "error", "embedding"}
+    broken = [r for r in records if r["path"] == "broken.jpg"][0]
+    assert broken["embedding"] is None and broken["error"]
+    assert pq.read_metadata(out).num_rows == len(records)
+    with pytest.raises(ValueError, match="errors"):
+        next(read_embeddings(out, errors="raise"))
+
+
+def test_stacked_batches_and_abandoned_streams(encoder, pictures):
+    rng = np.random.default_rng(1)
+    stack = rng.integers(0, 256, (3, 20, 30, 3), dtype=np.uint8)
+    outs = encoder.encode(stack)
+    assert len(outs) == 3 and torch.equal(outs[1], encoder.encode(stack[1]))
+    reference = encoder.encode(pictures[:3])
+    stream = encoder.encode_iter(pictures * 3, batch_tokens=16)
+    next(stream)
+    del stream  # abandoned mid-way: the next call must not see its leftovers
+    again = encoder.encode(pictures[:3])
+    for a, b in zip(reference, again):
+        assert rel_err(b, a) < 1e-5

@@ -52,20 +52,24 @@ MIX_SIZES = [(300, 300), (400, 300), (350, 500), (500, 375), (640, 480), (480, 6
 # ----------------------------------------------------------------------------- images
 
 def photo_like(width: int, height: int, rng: np.random.Generator) -> np.ndarray:
-    """(height, width, 3) uint8: smooth colour fields, a few soft blobs, sensor-like noise,
-    so JPEG sizes and decode costs look like photos rather than flat or white-noise images."""
+    """(height, width, 3) uint8: smooth colour fields with a few soft blobs (built at 1/8
+    resolution, then upsampled) plus sensor-like noise, so JPEG sizes and decode costs look
+    like photos rather than flat or white-noise images."""
     from PIL import Image
 
-    low = rng.integers(0, 256, (6, 8, 3), dtype=np.uint8)
-    base = np.asarray(Image.fromarray(low).resize((width, height), Image.BICUBIC), np.float32)
-    yy, xx = np.mgrid[0:height, 0:width].astype(np.float32)
+    lw, lh = max(2, width // 8), max(2, height // 8)
+    coarse = rng.integers(0, 256, (6, 8, 3), dtype=np.uint8)
+    low = np.asarray(Image.fromarray(coarse).resize((lw, lh), Image.BICUBIC), np.float32)
+    yy, xx = np.mgrid[0:lh, 0:lw].astype(np.float32)
     for _ in range(4):
-        cx, cy = rng.uniform(0, width), rng.uniform(0, height)
-        radius = rng.uniform(0.05, 0.3) * min(width, height)
+        cx, cy = rng.uniform(0, lw), rng.uniform(0, lh)
+        radius = rng.uniform(0.05, 0.3) * min(lw, lh)
         blob = np.exp(-((xx - cx) ** 2 + (yy - cy) ** 2) / (2 * radius ** 2))
-        base += blob[..., None] * rng.uniform(-80, 80, 3).astype(np.float32)
-    base += rng.normal(0, 6, base.shape).astype(np.float32)
-    return np.clip(base, 0, 255).astype(np.uint8)
+        low += blob[..., None] * rng.uniform(-80, 80, 3).astype(np.float32)
+    low = np.clip(low, 0, 255).astype(np.uint8)
+    base = np.asarray(Image.fromarray(low).resize((width, height), Image.BICUBIC), np.int16)
+    noise = rng.integers(-8, 9, base.shape, dtype=np.int16)
+    return np.clip(base + noise, 0, 255).astype(np.uint8)
 
 
 def synthetic_images(folder: Path, spec: str, seed: int = 0) -> list[Path]:

@@ -365,6 +365,9 @@ class OutputLayout:
         if not resume and not overwrite:
             if not self.folder_mode and out.exists():
                 raise OutputError(f"{out} already exists; pass --overwrite to replace it")
+            if has_parts and self.folder_mode:
+                raise OutputError(f"--out folder {out} already holds dsv4enc output; pass "
+                                  "--resume to finish it or --overwrite to replace it")
             if has_parts:
                 raise OutputError(f"an unfinished run left {self.parts_dir}; pass --resume to "
                                   "continue it or --overwrite to start over")

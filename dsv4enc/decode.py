@@ -10,6 +10,8 @@ from __future__ import annotations
 import io
 import multiprocessing as mp
 import os
+import signal
+import stat
 import time
 import warnings
 from collections import deque
@@ -71,9 +73,13 @@ def _open_checked(source, max_pixels: int, stream: bool = False):
     handle = _readable(source, stream)
     try:
         image = Image.open(handle)
-    except BaseException:
+    except BaseException as exc:
         if hasattr(handle, "close"):
             handle.close()
+        if isinstance(exc, (Image.DecompressionBombError, Image.DecompressionBombWarning)):
+            # Pillow's own message quotes its limit (twice ours for the error): name ours.
+            raise ValueError(f"image has more pixels than --max-pixels {max_pixels} (possible "
+                             f"decompression bomb): {exc}") from None
         raise
     width, height = image.size
     if width * height > max_pixels:
@@ -87,6 +93,10 @@ def probe_image(source, max_pixels: int = DEFAULT_MAX_PIXELS) -> Probe:
     """Read only the header: the stored size (no EXIF rotation). ``source``: a path, bytes,
     or an ``InputItem`` (which may point into a container file)."""
     try:
+        path = source.path if getattr(source, "member", True) is None else source  # InputItem
+        if isinstance(path, (str, os.PathLike)) and not stat.S_ISREG(os.stat(path).st_mode):
+            # A FIFO or device named like an image: opening it could block forever.
+            return Probe(error="not a regular file (a FIFO, socket or device)")
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # Pillow's bomb warning becomes an error row
             image = _open_checked(source, max_pixels, stream=True)
@@ -105,7 +115,7 @@ def probe_image(source, max_pixels: int = DEFAULT_MAX_PIXELS) -> Probe:
 def decode_image(source, cfg: VisionConfig, max_pixels: int = DEFAULT_MAX_PIXELS) -> Decoded:
     """Decode, transform and patchify one image (first frame of animations). ``source``: a
     path, bytes, or an ``InputItem`` (which may point into a container file)."""
-    from .transform import image_to_patches
+    from .transform import image_to_patch_bits
 
     try:
         with warnings.catch_warnings():
@@ -113,30 +123,28 @@ def decode_image(source, cfg: VisionConfig, max_pixels: int = DEFAULT_MAX_PIXELS
             with _open_checked(source, max_pixels) as image:
                 width, height = image.size
                 image.load()
-                patches, canvas = image_to_patches(image, cfg)
-        return Decoded(patches=patches.view(dtype=_torch_uint16()).numpy(), n_h=canvas.n_h,
-                       n_w=canvas.n_w, width=width, height=height)
+                bits, canvas = image_to_patch_bits(image, cfg)
+        return Decoded(patches=bits, n_h=canvas.n_h, n_w=canvas.n_w, width=width,
+                       height=height)
     except Exception as exc:
         return Decoded(error=describe_error(exc))
 
 
-def _torch_uint16():
-    import torch
-
-    return torch.uint16 if hasattr(torch, "uint16") else torch.int16
-
-
 def patches_tensor(decoded: Decoded):
     """The decoded patches as a bfloat16 torch tensor (n_h*n_w, 3*p*p), sharing memory."""
-    import torch
+    from .transform import bf16_bits_to_tensor
 
-    return torch.from_numpy(decoded.patches).view(torch.bfloat16)
+    return bf16_bits_to_tensor(decoded.patches)
 
 
 def _worker_main(conn, cfg: VisionConfig, max_pixels: int) -> None:
-    import torch
-
-    torch.set_num_threads(1)  # a decode worker is one core's worth of work
+    # Ctrl-C in a terminal reaches the whole process group: the parent decides when to stop
+    # (between batches) and closes the pool, so a worker must not die with an image in hand.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        conn.send(_READY)  # the parent starts an image's clock only once the worker is up
+    except OSError:
+        return
     while True:
         try:
             task = conn.recv()
@@ -151,13 +159,28 @@ def _worker_main(conn, cfg: VisionConfig, max_pixels: int) -> None:
             return
 
 
+_READY = "ready"  # a worker's first message: imports done, taking images
+STARTUP_LIMIT_S = 120.0  # a worker that is not up by then counts as crashed
+
+
 class _Worker:
     def __init__(self, ctx, cfg: VisionConfig, max_pixels: int) -> None:
         self.conn, child = ctx.Pipe(duplex=True)
         self.proc = ctx.Process(target=_worker_main, args=(child, cfg, max_pixels), daemon=True)
         self.proc.start()
         child.close()
-        self.task: tuple[int, float] | None = None  # (seq, start time)
+        self.spawned = time.monotonic()
+        self.ready = False
+        # (seq, start time); the start is None until the worker is ready: spawning a process
+        # and importing torch can take longer than an image's time limit.
+        self.task: tuple[int, float | None] | None = None
+
+    def deadline(self, timeout_s: float | None) -> float | None:
+        """When the current task counts as hung (None: never)."""
+        seq, start = self.task
+        if start is None:
+            return self.spawned + max(STARTUP_LIMIT_S, timeout_s or 0.0)
+        return None if timeout_s is None else start + timeout_s
 
     def stop(self, kill: bool = False) -> None:
         if kill:
@@ -249,7 +272,7 @@ class DecodePool:
                 seq, path = waiting.popleft()
                 try:
                     worker.conn.send((seq, path))
-                    worker.task = (seq, time.monotonic())
+                    worker.task = (seq, time.monotonic() if worker.ready else None)
                 except OSError:
                     done[seq] = Decoded(error="decode worker failed to start this image")
                     self._replace(index)
@@ -258,27 +281,31 @@ class DecodePool:
         busy = [(i, w) for i, w in enumerate(self._workers) if w.task is not None]
         if not busy:
             return
-        timeout = None
-        if self.timeout_s is not None:
-            now = time.monotonic()
-            timeout = max(0.0, min(start + self.timeout_s - now for _, (_, start) in
-                                   ((i, w.task) for i, w in busy)))
+        deadlines = [d for _, w in busy if (d := w.deadline(self.timeout_s)) is not None]
+        timeout = max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
         ready = set(wait_ready([w.conn for _, w in busy] + [w.proc.sentinel for _, w in busy],
                                timeout))
         for index, worker in busy:
             seq, start = worker.task
             if worker.conn in ready:
                 try:
-                    got_seq, result = worker.conn.recv()
+                    message = worker.conn.recv()
+                    if message == _READY:
+                        worker.ready = True
+                        worker.task = (seq, time.monotonic())
+                        continue
+                    got_seq, result = message
                     done[got_seq] = result
                     worker.task = None
                     continue
                 except (EOFError, OSError):
                     pass
+            deadline = worker.deadline(self.timeout_s)
             if worker.conn in ready or worker.proc.sentinel in ready or not worker.proc.is_alive():
                 code = worker.proc.exitcode
                 done[seq] = Decoded(error=f"decoder crashed on this image (exit code {code})")
                 self._replace(index)
-            elif self.timeout_s is not None and time.monotonic() - start > self.timeout_s:
-                done[seq] = Decoded(error=f"decode timed out after {self.timeout_s:g}s")
+            elif deadline is not None and time.monotonic() > deadline:
+                done[seq] = Decoded(error=f"decode timed out after {self.timeout_s:g}s"
+                                    if start is not None else "decode worker did not start")
                 self._replace(index)

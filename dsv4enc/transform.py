@@ -2,6 +2,8 @@
 
 ``plan_canvas`` maps an image size to its canvas and patch grid without touching pixels, so
 grids can be known from image headers alone; ``image_to_patches`` does the pixel work.
+The pixel work is numpy only (bf16 bits made by round-to-nearest-even, as torch rounds), so
+decode workers never import torch.
 """
 
 from __future__ import annotations
@@ -9,11 +11,15 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from typing import TYPE_CHECKING
+
 import numpy as np
-import torch
 from PIL import Image, ImageOps
 
 from .config import VisionConfig
+
+if TYPE_CHECKING:
+    import torch
 
 PAD_FILL = (127, 127, 127)
 _SIXTEEN_BIT_MODES = {"I;16", "I;16L", "I;16B", "I;16N"}
@@ -115,11 +121,18 @@ def to_rgb(image: Image.Image) -> Image.Image:
     return image.convert("RGB")
 
 
-def image_to_patches(image: Image.Image, cfg: VisionConfig) -> tuple[torch.Tensor, Canvas]:
-    """Transform a decoded image into bf16 patches.
+def float32_to_bf16_bits(values: np.ndarray) -> np.ndarray:
+    """bfloat16 bit patterns (uint16) of finite float32 values, rounded to nearest even."""
+    bits = np.ascontiguousarray(values, dtype=np.float32).view(np.uint32)
+    rounding = ((bits >> 16) & 1) + np.uint32(0x7FFF)
+    return ((bits + rounding) >> 16).astype(np.uint16)
 
-    Returns ``(patches, canvas)`` with patches of shape (n_h*n_w, 3*p*p), bfloat16, each
-    patch flattened channel-major (c, y, x), rows in raster order over the patch grid.
+
+def image_to_patch_bits(image: Image.Image, cfg: VisionConfig) -> tuple[np.ndarray, Canvas]:
+    """Transform a decoded image into patches held as bfloat16 bits.
+
+    Returns ``(bits, canvas)``: uint16 of shape (n_h*n_w, 3*p*p), each patch flattened
+    channel-major (c, y, x), rows in raster order over the patch grid.
     """
     rgb = to_rgb(image)
     canvas = plan_canvas(rgb.width, rgb.height, cfg)
@@ -128,13 +141,30 @@ def image_to_patches(image: Image.Image, cfg: VisionConfig) -> tuple[torch.Tenso
         fitted = rgb.resize(size)
     else:
         fitted = ImageOps.pad(rgb, size, color=PAD_FILL)
-    pixels = torch.from_numpy(np.asarray(fitted, dtype=np.uint8).copy())  # (bh, bw, 3)
-    values = pixels.to(torch.float32) / 255
-    values = ((values - 0.5) / 0.5).to(torch.bfloat16)
+    pixels = np.asarray(fitted, dtype=np.uint8)  # (bh, bw, 3)
+    # float32 pixels/255, then (x - 0.5)/0.5, each step rounded in float32 as the reference.
+    values = (pixels.astype(np.float32) / np.float32(255) - np.float32(0.5)) / np.float32(0.5)
     p = cfg.patch_size
-    patches = (values.permute(2, 0, 1)  # (3, bh, bw)
+    bits = float32_to_bf16_bits(values)
+    patches = (bits.transpose(2, 0, 1)  # (3, bh, bw)
                .reshape(3, canvas.n_h, p, canvas.n_w, p)
-               .permute(1, 3, 0, 2, 4)  # (n_h, n_w, 3, p, p)
-               .reshape(canvas.n_patches, 3 * p * p)
-               .contiguous())
-    return patches, canvas
+               .transpose(1, 3, 0, 2, 4)  # (n_h, n_w, 3, p, p)
+               .reshape(canvas.n_patches, 3 * p * p))
+    return np.ascontiguousarray(patches), canvas
+
+
+def bf16_bits_to_tensor(bits: np.ndarray) -> "torch.Tensor":
+    """View uint16 bf16 bits as a bfloat16 torch tensor (shares memory)."""
+    import torch
+
+    return torch.from_numpy(bits.view(np.int16)).view(torch.bfloat16)
+
+
+def image_to_patches(image: Image.Image, cfg: VisionConfig) -> tuple["torch.Tensor", Canvas]:
+    """Transform a decoded image into bf16 patches.
+
+    Returns ``(patches, canvas)`` with patches of shape (n_h*n_w, 3*p*p), bfloat16, each
+    patch flattened channel-major (c, y, x), rows in raster order over the patch grid.
+    """
+    bits, canvas = image_to_patch_bits(image, cfg)
+    return bf16_bits_to_tensor(bits), canvas

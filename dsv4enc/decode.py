@@ -302,6 +302,7 @@ class DecodePool:
                     pass
             deadline = worker.deadline(self.timeout_s)
             if worker.conn in ready or worker.proc.sentinel in ready or not worker.proc.is_alive():
+                worker.proc.join(timeout=1.0)  # its pipe can close before it is reaped
                 code = worker.proc.exitcode
                 done[seq] = Decoded(error=f"decoder crashed on this image (exit code {code})")
                 self._replace(index)

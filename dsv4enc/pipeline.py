@@ -22,7 +22,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -42,6 +42,10 @@ from .writer import PartStore, Row, assemble, output_schema, remove_tree, rows_p
 log = logging.getLogger("dsv4enc")
 
 PART_BYTES = 256 << 20  # upper bound of one part's embeddings in memory
+HEADER_CHUNK = 4096  # header probes submitted to the thread pool at a time
+# Parts of small models are capped in images: writing a part's Parquet takes transient memory
+# several times its embeddings (float16 most), and up to four parts are in flight.
+MAX_PART_IMAGES = 1024
 
 
 class Interrupted(Exception):
@@ -209,13 +213,29 @@ def load_model(opts: EncodeOptions, dtype: torch.dtype) -> Checkpoint:
 # ----------------------------------------------------------------------------- planning
 
 def read_headers(items: Sequence[InputItem], cfg: VisionConfig, max_pixels: int,
-                 dist=None) -> list[Planned]:
-    """Probe every header (threads; ranks split the work and share results) and plan grids."""
+                 dist=None, should_stop: Callable[[], bool] | None = None) -> list[Planned]:
+    """Probe every header (threads; ranks split the work and share results) and plan grids.
+
+    When ``should_stop()`` turns true (a signal), the headers not read yet are left as error
+    rows and the caller is expected to stop: reading a million headers takes minutes."""
     rank, world = (dist.rank, dist.world_size) if dist is not None else (0, 1)
     mine = list(range(rank, len(items), world))
+    probes: list[Probe] = []
+    stopped = False
     with ThreadPoolExecutor(max_workers=16) as pool:
-        probes = list(pool.map(lambda i: probe_image(items[i], max_pixels), mine,
-                               chunksize=64))
+        # In chunks: a future per input, all submitted at once, costs ~1.7 KB each until
+        # the last header is read (gigabytes for millions of images).
+        for begin in range(0, len(mine), HEADER_CHUNK):
+            chunk = mine[begin:begin + HEADER_CHUNK]
+            for probe in pool.map(lambda i: probe_image(items[i], max_pixels), chunk):
+                probes.append(probe)
+                if should_stop is not None and should_stop():
+                    stopped = True
+                    break
+            if stopped:
+                pool.shutdown(wait=True, cancel_futures=True)
+                break
+    probes += [Probe(error="interrupted before its header was read")] * (len(mine) - len(probes))
     from .sources import clear_cache
 
     clear_cache()  # table row groups read for the probes: the workers read their own
@@ -249,7 +269,7 @@ def images_per_part(cfg: VisionConfig, opts: EncodeOptions) -> int:
                    else cfg.max_n_token)
     row_bytes = cfg.output_width(opts.features) * (2 if opts.out_dtype == "float16" else 4)
     per_image = row_bytes * (1 if opts.pool == "mean" else max_patches)
-    return int(min(4096, max(16, PART_BYTES // per_image)))
+    return int(min(MAX_PART_IMAGES, max(16, PART_BYTES // per_image)))
 
 
 def keys_digest(planned: Sequence[Planned]) -> str:
@@ -304,8 +324,9 @@ class _PartWriter:
             began = time.perf_counter()
             try:
                 table = rows_to_table(rows, self.schema)
-                self.store.commit(name, table, rows_per_group(self.schema, rows), start, end,
-                                  digest)
+                group_rows = rows_per_group(self.schema, rows)
+                del job, rows  # the table holds a copy: free the rows before the write
+                self.store.commit(name, table, group_rows, start, end, digest)
             except BaseException as exc:  # re-raised on the main thread
                 self.error = exc
             self.seconds += time.perf_counter() - began
@@ -443,7 +464,10 @@ def run_encode(opts: EncodeOptions, dist=None) -> RunSummary:
                         **_engine_extras(opts, device))
         with progress:
             progress.status(f"reading {len(found.items)} image headers")
-            planned = read_headers(found.items, cfg, opts.max_pixels, dist)
+            planned = read_headers(found.items, cfg, opts.max_pixels, dist,
+                                   None if dist is not None else lambda: stop.signum is not None)
+            if dist is None and stop.signum is not None:
+                raise Interrupted(stop.signum, "nothing was encoded; rerun the same command")
             part_images = images_per_part(cfg, opts)
             settings = run_settings(ckpt, opts, dtype, part_images)
             if opts.shard_output and dist is not None:
@@ -461,6 +485,7 @@ def run_encode(opts: EncodeOptions, dist=None) -> RunSummary:
                 for name, start, end, digest, rows in runner.run(planned, todo):
                     if writer is not None:
                         writer.put(name, rows, start, end, digest)
+                    del rows  # only the writer holds a finished part while the next is encoded
             finally:
                 if writer is not None:
                     writer.close()
@@ -479,7 +504,7 @@ def run_encode(opts: EncodeOptions, dist=None) -> RunSummary:
             elif opts.shard_output and dist is not None:
                 _merge_manifests(dist, store)
                 _sum_rank_counts(dist, summary)
-    except DsvError:
+    except (DsvError, Interrupted):
         if dist is None or dist.is_main:
             layout.discard_if_empty()  # so that a corrected rerun is not told to --resume
         raise
@@ -656,8 +681,10 @@ class _Runner:
                     return
             ordered = [rows[i] for i in part.indices]
             self.count(ordered)
+            rows = None
             if self.dist is None or self.dist.is_main or self.opts.shard_output:
                 yield part.name, part.start, part.end, part.digest, ordered
+            ordered = None
 
     def _stop_agreed(self) -> bool:
         flag = self.stop.signum is not None

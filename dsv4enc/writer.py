@@ -114,10 +114,19 @@ def rows_to_table(rows: Sequence[Row], schema: pa.Schema) -> pa.Table:
 
 
 def rows_per_group(schema: pa.Schema, rows: Sequence[Row]) -> int:
-    """Rows per row group so that groups hold about ROW_GROUP_BYTES of embeddings."""
+    """Rows per row group so that groups hold about ROW_GROUP_BYTES of float32 embeddings,
+    or a quarter of that in float16.
+
+    Writing a row group takes transient memory in proportion to its values: Parquet keeps
+    float16 as 2-byte fixed-length binaries, which the writer handles at ~15 bytes per value
+    (float32: ~8), so a float16 group the size of a float32 one would cost ~4x the memory."""
     sizes = [r.embedding.nbytes for r in rows if r.embedding is not None]
     mean = (sum(sizes) / len(sizes)) if sizes else 1
-    return max(1, min(1 << 20, int(ROW_GROUP_BYTES // max(mean, 1))))
+    emb_type = schema.field("embedding").type
+    while not pa.types.is_floating(emb_type):
+        emb_type = emb_type.value_type
+    weight = 4 if emb_type == pa.float16() else 1
+    return max(1, min(1 << 20, int(ROW_GROUP_BYTES // max(mean * weight, 1))))
 
 
 def _fsync_dir(folder: Path) -> None:
@@ -168,6 +177,15 @@ def write_json_atomic(data: Any, path: Path) -> None:
         raise output_os_error(path, exc) from None
 
 
+def _part_intact(path: Path, rows: int | None) -> bool:
+    """A committed part can be reused: it exists and its footer reads back with the row count
+    the manifest recorded (a damaged or replaced file is encoded again, not trusted)."""
+    try:
+        return path.is_file() and pq.read_metadata(path).num_rows == rows
+    except Exception:  # pyarrow raises ArrowInvalid, OSError, ... for a damaged file
+        return False
+
+
 class PartStore:
     """A folder of committed part files plus ``_manifest.json``.
 
@@ -200,7 +218,7 @@ class PartStore:
         except (OSError, ValueError) as exc:
             raise OutputError(f"cannot resume: unreadable manifest {self.manifest_path} ({exc})") from None
         self.parts = {name: part for name, part in data.get("parts", {}).items()
-                      if (self.folder / part["file"]).is_file()}
+                      if _part_intact(self.folder / part["file"], part.get("rows"))}
         return data.get("settings", {})
 
     def committed(self, name: str, start: int, end: int, digest: str) -> bool:

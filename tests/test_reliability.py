@@ -1,0 +1,326 @@
+"""Crash safety and resume: runs killed by SIGKILL, stopped by SIGTERM or SIGINT, then
+finished with ``--resume``, compared row by row with a clean run; and the refusals that keep
+a resumed run from mixing outputs of different settings.
+
+The interrupted runs are real ``python -m dsv4enc encode`` processes over ~90 small images
+with 3-image parts (the hidden ``--part-images``), signalled as soon as their first part is
+committed to the ``.partial`` folder's manifest. The three start together to share their
+start-up time. Everything else runs in this process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+import torch
+from PIL import Image
+from typer.testing import CliRunner
+
+from dsv4enc import pipeline
+from dsv4enc.cli import app
+from dsv4enc.decode import Probe
+from dsv4enc.pipeline import EncodeOptions, Interrupted, run_encode
+
+from helpers import CONFIGS, REPO_ROOT
+
+CONFIG = str(CONFIGS / "tiny.json")
+N_GOOD = 88
+PART = 3
+BROKEN = {"img030b.png": b"", "img061b.jpg": b"not an image at all"}
+COMMON = ["--config", CONFIG, "--random-init", "--device", "cpu", "--part-images", str(PART),
+          "--batch-tokens", "1500"]
+runner = CliRunner()
+# One intra-op thread here and in the subprocesses: on a small shared machine, spinning
+# OpenMP threads slow a tiny model down tenfold; and the same count keeps results bitwise equal.
+THREADS = 1
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    previous = torch.get_num_threads()
+    torch.set_num_threads(THREADS)
+    yield
+    torch.set_num_threads(previous)
+
+
+@pytest.fixture(scope="module")
+def images(tmp_path_factory) -> Path:
+    """88 small noise images (each upscaled to a 27x27 patch grid) and 2 broken files."""
+    folder = tmp_path_factory.mktemp("rel_images")
+    rng = np.random.default_rng(0)
+    for i in range(N_GOOD):
+        h, w = 12 + i % 5, 16 + i % 7
+        Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)).save(
+            folder / f"img{i:03d}.png")
+    for name, data in BROKEN.items():
+        (folder / name).write_bytes(data)
+    return folder
+
+
+N_ITEMS = N_GOOD + len(BROKEN)
+N_PARTS = -(-N_ITEMS // PART)
+
+
+def options(images: Path, out: Path, **changes) -> EncodeOptions:
+    base = dict(inputs=[str(images)], out=str(out), config=CONFIG, random_init=True,
+                device="cpu", part_images=PART, batch_tokens=1500, workers=0, progress=False)
+    return EncodeOptions(**{**base, **changes})
+
+
+def rows(path: Path) -> list[dict]:
+    return pq.read_table(path).to_pylist()
+
+
+@pytest.fixture(scope="module")
+def clean(images, tmp_path_factory) -> list[dict]:
+    """An uninterrupted run of the same inputs and settings."""
+    out = tmp_path_factory.mktemp("rel_clean") / "e.parquet"
+    summary = run_encode(options(images, out))
+    assert summary.encoded == N_GOOD and summary.failed == len(BROKEN)
+    return rows(out)
+
+
+def assert_same_rows(got: list[dict], want: list[dict]) -> None:
+    """Same rows in the same order: paths, sizes, grids, errors, embeddings bit for bit."""
+    assert [r["path"] for r in got] == [r["path"] for r in want]
+    assert len({r["path"] for r in got}) == N_ITEMS
+    for a, b in zip(got, want):
+        assert a == b, a["path"]
+
+
+# --------------------------------------------------------------------------- interrupted runs
+
+def start(images: Path, out: Path, *extra: str) -> subprocess.Popen:
+    env = {**os.environ, "OMP_NUM_THREADS": str(THREADS), "COLUMNS": "300",
+           "PYTHONPATH": str(REPO_ROOT)}
+    env.pop("DSV4ENC_WEIGHTS", None)
+    return subprocess.Popen(
+        [sys.executable, "-m", "dsv4enc", "encode", str(images), "--out", str(out), *COMMON,
+         "--workers", "1", "-q", *extra],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True)
+
+
+def committed(partial: Path) -> dict:
+    """The parts the manifest lists (it is replaced by rename: never seen half-written)."""
+    try:
+        return json.loads((partial / "_manifest.json").read_text())["parts"]
+    except FileNotFoundError:
+        return {}
+
+
+class Interruption:
+    """One run signalled after its first committed part; what it left behind."""
+
+    def __init__(self, images: Path, root: Path, signum: int) -> None:
+        self.signum = signum
+        self.out = root / signal.Signals(signum).name / "e.parquet"
+        self.partial = self.out.with_name("e.parquet.partial")
+        self.proc = start(images, self.out)
+        self.rc: int | None = None
+        self.stderr = ""
+        self.stop_seconds = 0.0
+        self.parts_at_signal = 0
+
+
+def interrupt_all(runs: list[Interruption], limit: float = 120.0) -> None:
+    """Signal each run once its manifest lists a part; the --out file must not appear
+    meanwhile. Then collect exit codes and stderr."""
+    deadline = time.monotonic() + limit
+    pending = list(runs)
+    while pending:
+        assert time.monotonic() < deadline, "no part was committed in time"
+        for run in list(pending):
+            assert not run.out.exists(), "--out appeared before the run was complete"
+            if run.proc.poll() is not None:
+                _, err = run.proc.communicate()
+                pytest.fail(f"run ended (rc {run.proc.returncode}) before it could be "
+                            f"interrupted: {err[-2000:]}")
+            parts = committed(run.partial)
+            if parts:
+                run.parts_at_signal = len(parts)
+                run.sent = time.monotonic()
+                run.proc.send_signal(run.signum)
+                pending.remove(run)
+        time.sleep(0.01)
+    for run in runs:
+        _, run.stderr = run.proc.communicate(timeout=60)
+        run.rc = run.proc.returncode
+        run.stop_seconds = time.monotonic() - run.sent
+
+
+@pytest.fixture(scope="module")
+def interrupted(images, tmp_path_factory) -> dict[int, Interruption]:
+    root = tmp_path_factory.mktemp("rel_interrupted")
+    runs = [Interruption(images, root, s) for s in (signal.SIGKILL, signal.SIGTERM,
+                                                      signal.SIGINT)]
+    try:
+        interrupt_all(runs)
+    finally:
+        for run in runs:
+            if run.proc.poll() is None:
+                run.proc.kill()
+                run.proc.wait()
+    # A copy of what the SIGINT run left, for the refusal tests (the tests below change the
+    # originals).
+    sigint = runs[-1]
+    if sigint.partial.is_dir():
+        shutil.copytree(sigint.partial, root / "kept.partial")
+    return {run.signum: run for run in runs}
+
+
+def check_left_behind(run: Interruption) -> dict:
+    """Only whole parts: every listed part file reads back with its recorded rows, in
+    order from the start; no --out."""
+    assert not run.out.exists()
+    parts = committed(run.partial)
+    assert 1 <= len(parts) < N_PARTS, "the run finished before it could be interrupted"
+    for name, part in parts.items():
+        table = pq.read_table(run.partial / part["file"])
+        assert table.num_rows == part["rows"] == part["end"] - part["start"]
+    return parts
+
+
+def test_sigkill_then_resume_equals_a_clean_run(interrupted, images, clean):
+    run = interrupted[signal.SIGKILL]
+    assert run.rc == -signal.SIGKILL
+    parts = check_left_behind(run)
+    # What a kill at a bad moment also leaves: a torn temporary part, and a part file that
+    # was renamed into place but never recorded (both must be encoded again, not trusted).
+    (run.partial / ".part-000020.parquet.tmp").write_bytes(b"PAR1 torn")
+    (run.partial / "part-000021.parquet").write_bytes(b"PAR1 not recorded")
+    summary = run_encode(options(images, run.out, resume=True))
+    assert summary.reused == PART * len(parts)
+    assert summary.encoded + summary.failed + summary.reused == N_ITEMS
+    assert_same_rows(rows(run.out), clean)
+    assert not run.partial.exists()
+
+
+def test_sigterm_exits_143_with_a_resume_hint_then_resume_completes(interrupted, images,
+                                                                     clean):
+    run = interrupted[signal.SIGTERM]
+    assert run.rc == 143, run.stderr
+    assert run.stop_seconds < 20, run.stop_seconds
+    lines = run.stderr.strip().splitlines()
+    assert len(lines) == 1 and "SIGTERM" in lines[0] and "--resume" in lines[0], run.stderr
+    assert "Traceback" not in run.stderr
+    check_left_behind(run)
+    proc = start(images, run.out, "--resume")
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err
+    assert "reused" in err
+    assert_same_rows(rows(run.out), clean)
+    assert not run.partial.exists()
+
+
+def test_sigint_exits_130_keeps_parts_and_a_damaged_part_is_encoded_again(
+        interrupted, images, clean):
+    run = interrupted[signal.SIGINT]
+    assert run.rc == 130, run.stderr
+    assert "SIGINT" in run.stderr and "--resume" in run.stderr
+    assert "Traceback" not in run.stderr
+    parts = check_left_behind(run)
+    # A recorded part that was damaged afterwards is not trusted.
+    first = run.partial / parts["part-000000"]["file"]
+    first.write_bytes(first.read_bytes()[:100])
+    summary = run_encode(options(images, run.out, resume=True))
+    assert summary.reused == PART * (len(parts) - 1)
+    assert_same_rows(rows(run.out), clean)
+
+
+# --------------------------------------------------------------------------- refusals
+
+@pytest.fixture
+def unfinished(interrupted, tmp_path) -> Path:
+    """A copy of an interrupted run's parts folder, as ``tmp_path/e.parquet.partial``."""
+    kept = interrupted[signal.SIGINT].out.parents[1] / "kept.partial"
+    assert committed(kept), "the SIGINT run left no parts"
+    target = tmp_path / "e.parquet.partial"
+    shutil.copytree(kept, target)
+    return target
+
+
+def encode(images: Path, out: Path, *extra: str):
+    return runner.invoke(app, ["encode", str(images), "--out", str(out), *COMMON, "--workers",
+                               "0", "-q", *extra], env={"DSV4ENC_WEIGHTS": None,
+                                                        "COLUMNS": "300"})
+
+
+def one_line_error(result, code: int) -> str:
+    assert result.exit_code == code, (result.exit_code, result.output)
+    assert result.exception is None or isinstance(result.exception, SystemExit)
+    text = result.stderr.strip()
+    assert "Traceback" not in result.output and len(text.splitlines()) == 1, text
+    return text
+
+
+@pytest.mark.parametrize("change, named", [
+    (("--seed", "1"), "weights"),
+    (("--dtype", "bfloat16"), "compute dtype"),
+    (("--features", "vit"), "features"),
+    (("--out-dtype", "float32"), "out dtype"),
+    (("--pool", "mean"), "pool"),
+])
+def test_resume_refuses_different_settings(unfinished, images, change, named):
+    before = sorted(p.name for p in unfinished.iterdir())
+    line = one_line_error(encode(images, unfinished.with_name("e.parquet"), "--resume",
+                                 *change), 2)
+    assert "cannot resume" in line and named in line and "--overwrite" in line
+    assert sorted(p.name for p in unfinished.iterdir()) == before  # nothing touched
+
+
+def test_existing_parts_need_resume_or_overwrite(unfinished, images, clean):
+    out = unfinished.with_name("e.parquet")
+    line = one_line_error(encode(images, out), 1)
+    assert "--resume" in line and "--overwrite" in line and str(unfinished) in line
+    one_line_error(encode(images, out, "--resume", "--overwrite"), 2)
+    result = encode(images, out, "--overwrite")
+    assert result.exit_code == 0, result.output
+    assert "reused" not in result.stderr  # started over
+    assert_same_rows(rows(out), clean)
+    assert not unfinished.exists()
+    # A complete output is not resumed, nor silently replaced.
+    assert "already complete" in one_line_error(encode(images, out, "--resume"), 1)
+    assert "--overwrite" in one_line_error(encode(images, out), 1)
+
+
+# --------------------------------------------------------------------------- prompt stops
+
+def test_a_signal_while_reading_headers_stops_within_seconds(tmp_path, monkeypatch):
+    """Reading a huge input set's headers takes minutes: a SIGTERM then must not wait for
+    all of them (nor leave a parts folder behind when nothing was committed)."""
+    listing = tmp_path / "list.txt"
+    listing.write_text("".join(f"{tmp_path}/img{i:05d}.png\n" for i in range(2000)))
+    probed = []
+    lock = threading.Lock()
+
+    def slow_probe(item, max_pixels):
+        with lock:
+            probed.append(item)
+            if len(probed) == 40:  # well into the header pass: the handler is installed
+                os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.05)
+        return Probe(width=20, height=20)
+
+    monkeypatch.setattr(pipeline, "probe_image", slow_probe)
+    out = tmp_path / "e.parquet"
+    opts = options(tmp_path, out, inputs=[], files_from=str(listing))
+    handler = signal.getsignal(signal.SIGTERM)
+    began = time.monotonic()
+    with pytest.raises(Interrupted) as caught:
+        run_encode(opts)
+    assert time.monotonic() - began < 5  # all 2000 take 2000 * 0.05 / 16 = 6 s and more
+    assert caught.value.exit_code == 143 and "SIGTERM" in str(caught.value)
+    assert len(probed) < 2000
+    assert not out.exists() and not out.with_name("e.parquet.partial").exists()
+    assert signal.getsignal(signal.SIGTERM) is handler  # restored

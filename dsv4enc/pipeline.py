@@ -312,7 +312,7 @@ class _PartWriter:
         self.schema = schema
         self.seconds = 0.0
         self.error: BaseException | None = None
-        self._queue: queue.Queue = queue.Queue(maxsize=2)
+        self._queue: queue.Queue = queue.Queue(maxsize=1)
         self._thread = threading.Thread(target=self._run, name="dsv4enc-writer", daemon=True)
         self._thread.start()
 

@@ -357,7 +357,8 @@ def run_bench(config_path: str, device: str = "auto", dtype: str = "auto",
     model = build_tower(random_checkpoint(cfg, seed, dt), dev)
     rows: list[dict] = []
     with contextlib.ExitStack() as stack:
-        base = Path(workdir) if workdir else Path(stack.enter_context(tempfile.TemporaryDirectory()))
+        base = (Path(workdir) if workdir
+                else Path(stack.enter_context(tempfile.TemporaryDirectory())))
         paths = resolve_images(images, base, seed)
         prep = prepare_images(paths, cfg, features)
         ceiling = matmul_ceiling(cfg, max(budgets), dt, dev)
@@ -389,8 +390,9 @@ def run_bench(config_path: str, device: str = "auto", dtype: str = "auto",
                 log.warning("end-to-end benchmark skipped: %s", exc)
     for row in rows:
         row["vs_naive"] = row["img_s"] / naive["img_s"]
-    meta = {"mode": "meta", "device": _device_name(dev), "dtype": str(dt).removeprefix("torch."),
-            "config": Path(config_path).name, "images": len(prep.items), "tokens": prep.tokens,
+    meta = {"mode": "meta", "device": _device_name(dev), "device_type": dev.type,
+            "dtype": str(dt).removeprefix("torch."), "config": Path(config_path).name,
+            "images": len(prep.items), "tokens": prep.tokens,
             "gflop_per_image": prep.flops / len(prep.items) / 1e9,
             "threads": torch.get_num_threads(), "torch": torch.__version__,
             **{f"matmul_{k}": v for k, v in ceiling.items()}}
@@ -413,7 +415,7 @@ def print_results(rows: Sequence[dict], console=None) -> None:
         if not console.is_terminal:  # logs and pipes: do not squeeze the table to 80 columns
             console = Console(width=170)
     meta = next((r for r in rows if r.get("mode") == "meta"), {})
-    gpu = "cuda" in str(meta.get("device", "")).lower() or "nvidia" in str(meta.get("device", "")).lower()
+    gpu = meta.get("device_type") == "cuda"
     unit, scale = ("TFLOP/s", 1e12) if gpu else ("GFLOP/s", 1e9)
     title = (f"{meta.get('config', '?')} on {meta.get('device', '?')}, {meta.get('dtype', '?')}: "
              f"{meta.get('images', '?')} images, {meta.get('tokens', '?')} patches, "
@@ -422,7 +424,7 @@ def print_results(rows: Sequence[dict], console=None) -> None:
              f"(square {meta.get('matmul_square', 0) / scale:.1f})")
     table = Table(title=title)
     for name in ("mode", "graphs", "attention", "budget", "img/s", "tokens/s", unit, "ceiling",
-                 "padding", "h2d s", "model s", "d2h s", "idle", "vs naive"):
+                 "peak", "padding", "h2d s", "model s", "d2h s", "idle", "vs naive"):
         table.add_column(name, justify="left" if name in ("mode", "attention") else "right")
 
     def fmt(value, spec):
@@ -435,7 +437,8 @@ def print_results(rows: Sequence[dict], console=None) -> None:
                       fmt(r.get("batch_tokens"), "d"), fmt(r.get("img_s"), ".2f"),
                       fmt(r.get("tokens_s"), ",.0f"),
                       fmt(r["flop_s"] / scale if r.get("flop_s") else None, ".1f"),
-                      fmt(r.get("ceiling_frac"), ".0%"), fmt(r.get("padding"), ".1%"),
+                      fmt(r.get("ceiling_frac"), ".0%"), fmt(r.get("peak_frac"), ".0%"),
+                      fmt(r.get("padding"), ".1%"),
                       fmt(r.get("h2d_s"), ".3f"), fmt(r.get("model_s"), ".3f"),
                       fmt(r.get("d2h_s"), ".3f"), fmt(r.get("device_idle"), ".0%"),
                       fmt(r.get("vs_naive"), ".2f"))

@@ -128,7 +128,8 @@ class Engine:
         self.device = model.device
         self.features = features
         self.out_dtype = out_dtype
-        self.attention_name, model.attend = resolve_attention(attention, self.device, model.dtype)
+        self.attention_name, self._attend = resolve_attention(attention, self.device, model.dtype)
+        model.attend = self._attend
         if self.attention_name == "varlen":
             # torch's varlen_attn logs one INFO line per call (32 per batch): keep logs readable.
             logging.getLogger("torch.nn.attention.varlen").setLevel(logging.WARNING)
@@ -176,9 +177,15 @@ class Engine:
         """Batches submitted and not yet collected."""
         return len(self._pending)
 
+    def _use_backend(self) -> None:
+        # Engines may share a model (e.g. an SDPA reference beside a graph engine): put this
+        # engine's backend back before every forward.
+        self.model.attend = self._attend
+
     def prepare(self) -> None:
         """Capture the CUDA graphs now (else it happens at the first submit)."""
         if self.runner is not None and self.runner.capture and not self.runner.graphs:
+            self._use_backend()
             with torch.cuda.device(self.device):
                 self.runner.capture_all()
             self.stats.capture_s += self.runner.capture_s
@@ -202,6 +209,7 @@ class Engine:
     @torch.inference_mode()
     def forward(self, batch: PackedBatch) -> torch.Tensor:
         """Eager packed forward on the device. Returns (R, width) in the compute dtype."""
+        self._use_backend()
         inputs = self.to_device(batch)
         return self.model.forward_packed(features=self.features, **inputs)
 
@@ -266,6 +274,7 @@ class Engine:
         return host, None
 
     def _submit_cuda(self, batch: PackedBatch) -> _Pending:
+        self._use_backend()
         runner = self.runner
         bucket = runner.choose(batch) if runner is not None else None
         if runner is not None and bucket is None:

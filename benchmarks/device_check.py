@@ -1,0 +1,223 @@
+"""Numerical checks for a device run (used by gpu_check.sh; ``--device cpu`` is a smoke run).
+
+Sections (``--sections``, comma-separated):
+
+- ``golden``: the golden vectors (``--golden DIR``): transform bit for bit, then the tower in
+  float32 (rel err < 1e-4) and bfloat16 (< 2e-2) with every attention backend that runs on
+  the device, packed through the Engine (graphs on where possible) and per image.
+- ``graphs``: the static/graph path against the eager engine on a random tower of
+  ``--config``, several packed batches, one batch larger than every budget.
+- ``backends``: every attention backend against SDPA, whole tower, and each bf16 variant
+  against a float32 SDPA reference.
+
+Prints one line per check and writes them to ``--json``; exits 1 if any check failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from dsv4enc.attention import available_backends, sdpa_attention
+from dsv4enc.bench import MIX_SIZES
+from dsv4enc.checkpoint import build_tower, load_checkpoint, random_checkpoint
+from dsv4enc.config import VisionConfig
+from dsv4enc.engine import Engine
+from dsv4enc.graphs import BucketRunner, default_budgets
+from dsv4enc.packing import pack, pack_bins
+from dsv4enc.transform import image_to_patches, plan_canvas
+
+CHECKS: list[dict] = []
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out64, ref64 = out.detach().double().cpu(), ref.detach().double().cpu()
+    if out64.shape != ref64.shape:
+        return float("inf")
+    denom = ref64.norm().item()
+    return (out64 - ref64).norm().item() / (denom or 1.0)
+
+
+def check(name: str, value: float, limit: float) -> bool:
+    ok = value <= limit
+    CHECKS.append({"name": name, "value": value, "limit": limit, "ok": ok})
+    print(f"{'PASS' if ok else 'FAIL'} {name}: {value:.3g} (limit {limit:g})", flush=True)
+    return ok
+
+
+def backends_for(device: torch.device, dtype: torch.dtype) -> list[str]:
+    names = available_backends(device)
+    if device.type == "cuda" and dtype == torch.float32:
+        names = ["sdpa"]  # the flash kernels take fp16/bf16 only
+    return names
+
+
+# ----------------------------------------------------------------------------- golden
+
+def golden_section(golden: Path, device: torch.device) -> None:
+    from PIL import Image
+    from safetensors.torch import load_file
+
+    if not (golden / "expected.json").is_file():
+        print(f"SKIP golden: no golden vectors at {golden}", flush=True)
+        return
+    cases = json.loads((golden / "expected.json").read_text())
+    tensors = load_file(str(golden / "expected.safetensors"))
+    cfg = VisionConfig.from_file(golden / "ckpt" / "config.json")
+    items, names = [], []
+    for name, case in sorted(cases.items()):
+        with Image.open(golden / "images" / name) as image:
+            patches, canvas = image_to_patches(image, cfg)
+        want = tensors[f"{case['key']}.patches"].reshape(patches.shape)
+        check(f"golden transform {name} (bits differing)",
+              float((patches.view(torch.int16) != want.view(torch.int16)).sum()), 0)
+        items.append((patches, canvas.n_h, canvas.n_w))
+        names.append(case["key"])
+    for dtype, limit in ((torch.float32, 1e-4), (torch.bfloat16, 2e-2)):
+        model = build_tower(load_checkpoint(golden / "ckpt", dtype), device)
+        tag = str(dtype).removeprefix("torch.")
+        for attention in backends_for(device, dtype):
+            for features in ("aligner", "vit"):
+                engine = Engine(model, features, attention, torch.float32,
+                                batch_tokens=16384, max_images=8, min_budget=1024)
+                outs = engine.encode(pack(items, model.cfg.downsample_ratio, features))
+                mode = "graphs" if engine.stats.graph_batches else "eager"
+                worst = max(rel_err(o, tensors[f"{k}.{features}"]) for o, k in zip(outs, names))
+                check(f"golden {tag} {attention} {mode} packed {features}", worst, limit)
+        model.attend = sdpa_attention
+        with torch.inference_mode():
+            worst = max(rel_err(model.forward_image(p.to(device), h, w), tensors[f"{k}.aligner"])
+                        for (p, h, w), k in zip(items, names))
+        check(f"golden {tag} sdpa per-image aligner", worst, limit)
+        del model
+
+
+# ----------------------------------------------------------------------------- random tower
+
+def random_items(cfg: VisionConfig, n: int, seed: int = 0):
+    """Patch tensors for the grids the transform gives the benchmark mix (random content)."""
+    gen = torch.Generator().manual_seed(seed)
+    items = []
+    for i in range(n):
+        w, h = MIX_SIZES[(i * 7) % len(MIX_SIZES)]
+        canvas = plan_canvas(w, h, cfg)
+        patches = torch.randn(canvas.n_patches, cfg.patch_dim, generator=gen).to(torch.bfloat16)
+        items.append((patches, canvas.n_h, canvas.n_w))
+    return items
+
+
+def batches_of(items, cfg: VisionConfig, batch_tokens: int, max_images: int):
+    bins = pack_bins([h * w for _, h, w in items], batch_tokens, max_images)
+    return [pack([items[i] for i in b], cfg.downsample_ratio) for b in bins]
+
+
+def graphs_section(cfg: VisionConfig, device: torch.device, dtype: torch.dtype,
+                   n_images: int, batch_tokens: int) -> None:
+    model = build_tower(random_checkpoint(cfg, 0, dtype), device)
+    items = random_items(cfg, n_images)
+    batches = batches_of(items, cfg, batch_tokens, 16)
+    oversize = pack(random_items(cfg, 3, seed=1), cfg.downsample_ratio)  # > smallest budget
+    tag = str(dtype).removeprefix("torch.")
+    limit = 1e-5 if dtype == torch.float32 else 2e-2
+    if device.type == "cuda":
+        backends = [b for b in backends_for(device, dtype) if b != "sdpa"]
+        if not backends:
+            print("SKIP graphs: no graph-capable attention backend", flush=True)
+            return
+        for attention in backends:
+            eager = Engine(model, "aligner", attention, torch.float32, cuda_graphs=False)
+            graphs = Engine(model, "aligner", attention, torch.float32, cuda_graphs=True,
+                            batch_tokens=batch_tokens, max_images=16)
+            began = time.perf_counter()
+            graphs.prepare()
+            print(f"INFO graphs {attention}: captured {len(graphs.runner.graphs)} budgets "
+                  f"in {time.perf_counter() - began:.1f} s", flush=True)
+            got = [torch.cat(o) for o in graphs.encode_many(batches)]
+            want = [torch.cat(eager.encode(b)) for b in batches]
+            check(f"graphs == eager {tag} {attention} ({len(batches)} batches, "
+                  f"{graphs.stats.graph_batches} replayed)",
+                  max(rel_err(g, w) for g, w in zip(got, want)), limit)
+            check(f"graphs replayed every fitting batch {attention}",
+                  float(len(batches) - graphs.stats.graph_batches), 0)
+            small = Engine(model, "aligner", attention, torch.float32, cuda_graphs=True,
+                           batch_tokens=max(1024, batch_tokens // 8), max_images=16)
+            before = small.stats.graph_batches
+            got = torch.cat(small.encode(oversize))
+            check(f"oversize batch runs eagerly {attention} (graph replays)",
+                  float(small.stats.graph_batches - before), 0)
+            check(f"oversize batch == eager {attention}",
+                  rel_err(got, torch.cat(eager.encode(oversize))), limit)
+            del graphs, small
+            torch.cuda.empty_cache()
+    else:
+        eager = Engine(model, "aligner", "sdpa", torch.float32)
+        runner = BucketRunner(model, "aligner", default_budgets(batch_tokens, 256), 16,
+                              capture=False)
+        worst = 0.0
+        for b in batches:
+            out = runner.encode_host(b)
+            worst = max(worst, rel_err(out, torch.cat(eager.encode(b))))
+        check(f"static path == eager {tag} cpu ({len(batches)} batches)", worst, limit)
+
+
+def backends_section(cfg: VisionConfig, device: torch.device, n_images: int,
+                     batch_tokens: int) -> None:
+    items = random_items(cfg, n_images, seed=2)
+    batch = batches_of(items, cfg, batch_tokens, 16)[0]
+    ref_model = build_tower(random_checkpoint(cfg, 0, torch.float32), device)
+    ref = torch.cat(Engine(ref_model, "aligner", "sdpa", torch.float32).encode(batch))
+    del ref_model
+    for dtype in (torch.bfloat16, torch.float16) if device.type == "cuda" else (torch.float32,):
+        model = build_tower(random_checkpoint(cfg, 0, dtype), device)
+        tag = str(dtype).removeprefix("torch.")
+        sdpa = torch.cat(Engine(model, "aligner", "sdpa", torch.float32).encode(batch))
+        limit = 1e-5 if dtype == torch.float32 else 2e-2
+        check(f"sdpa {tag} vs float32 reference", rel_err(sdpa, ref), limit)
+        for name in backends_for(device, dtype):
+            if name == "sdpa":
+                continue
+            out = torch.cat(Engine(model, "aligner", name, torch.float32,
+                                   cuda_graphs=False).encode(batch))
+            check(f"{name} == sdpa {tag}", rel_err(out, sdpa), limit)
+            check(f"{name} {tag} vs float32 reference", rel_err(out, ref), limit)
+        del model
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--sections", default="golden,graphs,backends")
+    p.add_argument("--golden", default="shared/golden")
+    p.add_argument("--config", default="configs/deepseek-v4-flash.json")
+    p.add_argument("--dtype", default="bfloat16", help="graphs section dtype")
+    p.add_argument("--images", type=int, default=24, help="random images per section")
+    p.add_argument("--batch-tokens", type=int, default=32768)
+    p.add_argument("--json", default=None)
+    a = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("torch").setLevel(logging.WARNING)
+    device = torch.device(a.device)
+    cfg = VisionConfig.from_file(a.config)
+    sections = a.sections.split(",")
+    if "golden" in sections:
+        golden_section(Path(a.golden), device)
+    if "graphs" in sections:
+        graphs_section(cfg, device, getattr(torch, a.dtype), a.images, a.batch_tokens)
+    if "backends" in sections:
+        backends_section(cfg, device, a.images, a.batch_tokens)
+    failed = [c["name"] for c in CHECKS if not c["ok"]]
+    print(f"{len(CHECKS) - len(failed)}/{len(CHECKS)} checks passed"
+          + (f"; failed: {'; '.join(failed)}" if failed else ""), flush=True)
+    if a.json:
+        Path(a.json).write_text(json.dumps(CHECKS, indent=1))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import queue
+from collections import deque
 import signal
 import sys
 import threading
@@ -631,6 +632,7 @@ class _Runner:
         self.batch_tokens = getattr(engine, "batch_tokens", None) or (
             opts.batch_tokens or default_batch_tokens(engine.device))
         self.gathered = dist is not None and not tp and not opts.shard_output
+        self._in_flight: deque[list[tuple[int, Decoded]]] = deque()
         self.sharded = dist is not None and not tp and opts.shard_output
 
     # -- planning of one part ------------------------------------------------------
@@ -673,12 +675,22 @@ class _Runner:
             steps = max(len(batches) for batches in plan)
             for step in range(steps):
                 batch = plan[me][step] if step < len(plan[me]) else []
-                local = self.encode_batch(planned, batch, decoded)
+                local = self.submit_batch(planned, batch, decoded)
+                if len(self._in_flight) > 1:
+                    # One batch stays queued on the device while this thread decodes and
+                    # packs the next, so the device never waits for the host.
+                    local.update(self.collect_batch(planned))
                 if self.gathered:
                     local = self.exchange(local)
                 rows.update(local)
                 if self._stop_agreed():
                     return
+            local = {}
+            while self._in_flight:
+                local.update(self.collect_batch(planned))
+            if self.gathered:
+                local = self.exchange(local)
+            rows.update(local)
             ordered = [rows[i] for i in part.indices]
             self.count(ordered)
             rows = None
@@ -707,8 +719,10 @@ class _Runner:
         self.progress.advance(len(rows), self.summary)
 
     # -- one batch ---------------------------------------------------------------
-    def encode_batch(self, planned: Sequence[Planned], batch: list[int],
+    def submit_batch(self, planned: Sequence[Planned], batch: list[int],
                      decoded: Iterator[tuple[int, Decoded]]) -> dict[int, Row]:
+        """Take a batch's decoded images and start them on the engine. Returns the rows of
+        images that failed to decode; the others come from ``collect_batch``."""
         rows: dict[int, Row] = {}
         ready: list[tuple[int, Decoded]] = []
         began = time.perf_counter()
@@ -724,14 +738,20 @@ class _Runner:
             return rows
         packed = pack([(patches_tensor(d), d.n_h, d.n_w) for _, d in ready],
                       self.cfg.downsample_ratio, self.opts.features)
-        outputs = self.engine.encode(packed)
+        self.engine.submit(packed)
+        self._in_flight.append(ready)
         self.summary.tokens += packed.n_tokens
         if self.opts.features == "aligner":
             r2 = self.cfg.downsample_ratio ** 2
             self.summary.merge_pad_tokens += packed.n_rows * r2 - packed.n_tokens
-        for (index, d), out in zip(ready, outputs):
-            rows[index] = self.make_row(planned[index], d, out)
         return rows
+
+    def collect_batch(self, planned: Sequence[Planned]) -> dict[int, Row]:
+        """Rows of the oldest batch in flight (waits for the device)."""
+        ready = self._in_flight.popleft()
+        outputs = self.engine.collect()
+        return {index: self.make_row(planned[index], d, out)
+                for (index, d), out in zip(ready, outputs)}
 
     def make_row(self, entry: Planned, d: Decoded, out: torch.Tensor) -> Row:
         if not torch.isfinite(out).all():
@@ -741,8 +761,11 @@ class _Runner:
         if self.opts.pool == "mean":
             dtype = out.dtype
             out = out.float().mean(0).to(dtype)
+        values = out.numpy()
+        if out.is_pinned():
+            values = values.copy()  # release page-locked memory to the allocator's cache
         return Row(path=entry.item.key, width=d.width, height=d.height, vit_h=d.n_h,
-                   vit_w=d.n_w, grid_h=grid_h, grid_w=grid_w, embedding=out.numpy())
+                   vit_w=d.n_w, grid_h=grid_h, grid_w=grid_w, embedding=values)
 
     def exchange(self, local: dict[int, Row]) -> dict[int, Row]:
         """DP: every rank sends its rows; rank 0 gets them all (one padded all-gather)."""

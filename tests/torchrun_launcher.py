@@ -48,10 +48,10 @@ class _CurrentStderr(logging.StreamHandler):
 
 
 def die_after_first_batch(marker: str) -> None:
-    original = pipeline._Runner.encode_batch
+    original = pipeline._Runner.submit_batch
     calls = {"n": 0}
 
-    def encode_batch(self, *args, **kwargs):
+    def submit_batch(self, *args, **kwargs):
         if self.dist is not None and self.dist.rank == 1 and calls["n"] == 1:
             Path(marker).write_text(repr(time.time()))
             sys.stderr.flush()
@@ -59,7 +59,7 @@ def die_after_first_batch(marker: str) -> None:
         calls["n"] += 1
         return original(self, *args, **kwargs)
 
-    pipeline._Runner.encode_batch = encode_batch
+    pipeline._Runner.submit_batch = submit_batch
 
 
 def interrupt_after_first_part(enabled: dict) -> None:

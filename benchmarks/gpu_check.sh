@@ -39,7 +39,7 @@ if [ "$QUICK" = 1 ]; then
 else
     CONFIG=configs/deepseek-v4-flash.json; DTYPE=bfloat16; CHECK_IMAGES=24; CHECK_TOKENS=32768
     BENCH_IMAGES=synthetic:1024x768:128; BENCH_TOKENS=8192,16384,32768; GRAPHS=on,off
-    REPEAT=3; NAIVE=8
+    REPEAT=2; NAIVE=8
 fi
 
 # step NAME LIMIT_S CMD...: run CMD with a timeout that also respects the global deadline.
@@ -110,8 +110,10 @@ step bench 200 $PY -m dsv4enc.bench --config "$CONFIG" --device "$DEVICE" --dtyp
     --images "$BENCH_IMAGES" --batch-tokens "$BENCH_TOKENS" --graphs "$GRAPHS" \
     --repeat "$REPEAT" --naive-images "$NAIVE" --workdir "$OUT/.work" --json "$OUT/bench.json"
 
-step e2e 90 $PY -m dsv4enc.bench --config "$CONFIG" --device "$DEVICE" --dtype "$DTYPE" \
-    --images "$BENCH_IMAGES" --batch-tokens "${BENCH_TOKENS##*,}" --graphs auto --repeat 1 \
+E2E_IMAGES=${E2E_IMAGES:-$BENCH_IMAGES}
+[ "$QUICK" = 1 ] || E2E_IMAGES=synthetic:1024x768:512
+step e2e 150 $PY -m dsv4enc.bench --config "$CONFIG" --device "$DEVICE" --dtype "$DTYPE" \
+    --images "$E2E_IMAGES" --batch-tokens "${BENCH_TOKENS##*,}" --graphs auto --repeat 1 \
     --naive-images "$NAIVE" --e2e --workdir "$OUT/.work" --json "$OUT/e2e.json"
 
 # Merge the per-section check files into one (keeps $OUT within the files that come back).
@@ -150,6 +152,7 @@ for name in ("bench.json", "e2e.json"):
                       + (f", {frac:.0%} of ceiling" if frac is not None else "")
                       + (f" ({r['peak_frac']:.0%} of square peak)" if r.get("peak_frac") else "")
                       + (f", device idle {r['device_idle']:.0%}" if r.get("device_idle") is not None else "")
+                      + (f", steady {r['steady_img_s']:.1f} img/s" if r.get("steady_img_s") else "")
                       + f", padding {r.get('padding') or 0:.1%}, x{r['vs_naive']:.2f} naive")
 EOF
 echo "--- summary ($(date -u +%FT%TZ))" | tee -a "$LOG"

@@ -318,6 +318,8 @@ def bench_e2e(config_path: str, paths: Sequence[Path], device: str, dtype: str,
     return {"mode": "e2e", "graphs": cuda_graphs, "attention": attention,
             "batch_tokens": batch_tokens, "images": n, "seconds": best, "img_s": n / best,
             "tokens_s": summary.tokens / best, "padding": summary.padding_waste,
+            "encode_s": summary.encode_s, "steady_img_s": n / max(summary.encode_s, 1e-9),
+            "device_idle": max(0.0, 1 - summary.model_s / max(summary.encode_s, 1e-9)),
             "h2d_s": summary.h2d_s, "model_s": summary.model_s,
             "decode_wait_s": summary.decode_wait_s, "write_s": summary.write_s}
 

@@ -177,15 +177,22 @@ def backends_section(cfg: VisionConfig, device: torch.device, n_images: int,
         model = build_tower(random_checkpoint(cfg, 0, dtype), device)
         tag = str(dtype).removeprefix("torch.")
         sdpa = torch.cat(Engine(model, "aligner", "sdpa", torch.float32).encode(batch))
-        limit = 1e-5 if dtype == torch.float32 else 2e-2
-        check(f"sdpa {tag} vs float32 reference", rel_err(sdpa, ref), limit)
+        # The golden 2e-2 is for a 2-layer tower; rounding grows with depth, so at the
+        # config's depth (32 layers for the real one) half precision is held to 5e-2 against
+        # float32, and a backend to its dtype's own error: it must be no worse than SDPA's,
+        # and differ from SDPA by no more than rounding noise of that size.
+        limit = 1e-5 if dtype == torch.float32 else 5e-2
+        own = rel_err(sdpa, ref)
+        check(f"sdpa {tag} vs float32 reference", own, limit)
         for name in backends_for(device, dtype):
             if name == "sdpa":
                 continue
             out = torch.cat(Engine(model, "aligner", name, torch.float32,
                                    cuda_graphs=False).encode(batch))
-            check(f"{name} == sdpa {tag}", rel_err(out, sdpa), limit)
-            check(f"{name} {tag} vs float32 reference", rel_err(out, ref), limit)
+            check(f"{name} == sdpa {tag} (limit 1.5x sdpa's own error)", rel_err(out, sdpa),
+                  max(1.5 * own, 1e-5))
+            check(f"{name} {tag} vs float32 reference (limit 1.1x sdpa's)", rel_err(out, ref),
+                  max(1.1 * own, 1e-5))
         del model
 
 

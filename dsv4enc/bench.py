@@ -208,6 +208,7 @@ def bench_model(model: VisionTower, prep: Prepared, features: str, batch_tokens:
     batches = make_batches(prep, cfg, features, batch_tokens, max_images)
     engine = Engine(model, features, attention, out_dtype, cuda_graphs=cuda_graphs,
                     batch_tokens=batch_tokens, max_images=max_images)
+    engine.fit_budgets([b.n_tokens for b in batches])  # as the encode pipeline does
     engine.prepare()
     for _ in engine.encode_many(batches[:1]):  # warm-up (kernels, allocator)
         pass

@@ -25,7 +25,8 @@ import torch
 
 from .attention import VarlenSpans, available_backends, select_attention
 from .errors import UsageError
-from .graphs import GRAPH_BACKENDS, Bucket, BucketRunner, default_budgets, max_image_tokens
+from .graphs import (GRAPH_BACKENDS, Bucket, BucketRunner, default_budgets, fit_budgets,
+                     max_image_tokens)
 from .model import VisionTower, rope_tables
 from .packing import PackedBatch
 
@@ -181,6 +182,16 @@ class Engine:
         # Engines may share a model (e.g. an SDPA reference beside a graph engine): put this
         # engine's backend back before every forward.
         self.model.attend = self._attend
+
+    def fit_budgets(self, bin_tokens: Sequence[int], max_budgets: int = 6) -> None:
+        """Offline, every batch's size is known before capture: pick the graph budgets that
+        pad least (``graphs.fit_budgets``) instead of powers of two. No-op once captured."""
+        runner = self.runner
+        if runner is None or not runner.capture or runner.graphs or not bin_tokens:
+            return
+        budgets = fit_budgets(bin_tokens, max_budgets)
+        self.runner = BucketRunner(self.model, self.features, budgets, self.max_images,
+                                   max_seqlen=max_image_tokens(self.model.cfg), capture=True)
 
     def prepare(self) -> None:
         """Capture the CUDA graphs now (else it happens at the first submit)."""

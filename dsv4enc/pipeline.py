@@ -485,6 +485,7 @@ def run_encode(opts: EncodeOptions, dist=None) -> RunSummary:
             runner = _Runner(engine, pool, opts, dist, tp, progress, summary, stop)
             if todo:
                 progress.status("capturing CUDA graphs" if engine.graphs_enabled else "encoding")
+                engine.fit_budgets(runner.plan(planned, todo))
                 engine.prepare()
                 progress.status("encoding")
             began = time.perf_counter()
@@ -640,6 +641,7 @@ class _Runner:
             opts.batch_tokens or default_batch_tokens(engine.device))
         self.gathered = dist is not None and not tp and not opts.shard_output
         self._in_flight: deque[list[tuple[int, Decoded]]] = deque()
+        self._plans: list | None = None
         self.sharded = dist is not None and not tp and opts.shard_output
 
     # -- planning of one part ------------------------------------------------------
@@ -671,9 +673,20 @@ class _Runner:
         loads.extend([0.0] * (rank + 1 - len(loads)))
         loads[rank] += load
 
+    @property
+    def _me(self) -> int:
+        return self.dist.rank if self.gathered or self.sharded else 0
+
+    def plan(self, planned: Sequence[Planned], parts: list[Part]) -> list[int]:
+        """Plan every part's batches now; returns this rank's batch sizes in tokens."""
+        self._plans = [self.rank_batches(planned, part) for part in parts]
+        return [sum(planned[i].tokens for i in batch)
+                for plan in self._plans for batch in plan[self._me]]
+
     def run(self, planned: Sequence[Planned], parts: list[Part]) -> Iterator[tuple]:
-        plans = [self.rank_batches(planned, part) for part in parts]
-        me = self.dist.rank if self.gathered or self.sharded else 0
+        plans = self._plans if self._plans is not None else [
+            self.rank_batches(planned, part) for part in parts]
+        me = self._me
         order = (i for plan in plans for batch in plan[me] for i in batch)
         decoded = self.pool.imap(((i, planned[i].item) for i in order),
                                  window=max(8, 4 * self.pool.n_workers + self.opts.max_images))

@@ -8,8 +8,6 @@ exit, never a traceback. Exit codes: 0 the run completed (even if some images fa
 from __future__ import annotations
 
 import logging
-import os
-from pathlib import Path
 from typing import List, Optional
 
 import typer

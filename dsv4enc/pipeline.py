@@ -11,15 +11,13 @@ shared among ranks by the greedy rule of SPEC ยง7 (or the tower is split, SPEC ย
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import os
 import queue
-from collections import deque
 import signal
-import sys
 import threading
 import time
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -38,7 +36,8 @@ from .inputs import InputItem, discover
 from .packing import output_grid, pack, pack_bins
 from .progress import RunProgress
 from .transform import plan_canvas
-from .writer import PartStore, Row, assemble, output_schema, remove_tree, rows_per_group, rows_to_table
+from .writer import (PartStore, Row, StreamingAssembler, output_schema, remove_tree,
+                     rows_per_group, rows_to_table)
 
 log = logging.getLogger("dsv4enc")
 
@@ -307,16 +306,24 @@ class _Stop:
 
 
 class _PartWriter:
-    """Commits parts on a background thread so the device never waits for Parquet."""
+    """Commits parts on background threads so the device never waits for Parquet.
 
-    def __init__(self, store: PartStore, schema) -> None:
+    Encoding a part's nested float lists is CPU work that releases the GIL, so several
+    threads commit parts side by side on machines with cores to spare."""
+
+    def __init__(self, store: PartStore, schema, threads: int = 1,
+                 assembler: StreamingAssembler | None = None) -> None:
         self.store = store
         self.schema = schema
+        self.assembler = assembler
         self.seconds = 0.0
         self.error: BaseException | None = None
-        self._queue: queue.Queue = queue.Queue(maxsize=1)
-        self._thread = threading.Thread(target=self._run, name="dsv4enc-writer", daemon=True)
-        self._thread.start()
+        self._lock = threading.Lock()
+        self._queue: queue.Queue = queue.Queue(maxsize=threads)
+        self._threads = [threading.Thread(target=self._run, name=f"dsv4enc-writer-{i}",
+                                          daemon=True) for i in range(threads)]
+        for thread in self._threads:
+            thread.start()
 
     def _run(self) -> None:
         while (job := self._queue.get()) is not None:
@@ -329,9 +336,12 @@ class _PartWriter:
                 group_rows = rows_per_group(self.schema, rows)
                 del job, rows  # the table holds a copy: free the rows before the write
                 self.store.commit(name, table, group_rows, start, end, digest)
+                if self.assembler is not None:
+                    self.assembler.notify()
             except BaseException as exc:  # re-raised on the main thread
                 self.error = exc
-            self.seconds += time.perf_counter() - began
+            with self._lock:
+                self.seconds += time.perf_counter() - began
 
     def put(self, name: str, rows: list[Row], start: int, end: int, digest: str) -> None:
         self.check()
@@ -342,9 +352,16 @@ class _PartWriter:
             raise self.error
 
     def close(self) -> None:
-        self._queue.put(None)
-        self._thread.join()
+        for _ in self._threads:
+            self._queue.put(None)
+        for thread in self._threads:
+            thread.join()
         self.check()
+
+
+def default_writer_threads() -> int:
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(4, cpus // 4))
 
 
 def run_settings(ckpt: Checkpoint, opts: EncodeOptions, dtype: torch.dtype,
@@ -481,7 +498,11 @@ def run_encode(opts: EncodeOptions, dist=None) -> RunSummary:
             schema = output_schema(cfg.output_width(opts.features), opts.out_dtype,
                                    settings, pooled=opts.pool == "mean")
             progress.start(total=len(planned), done=summary.reused)
-            writer = _PartWriter(store, schema) if is_writer_rank else None
+            single_file = not layout.folder_mode and (dist is None or dist.is_main)
+            assembler = (StreamingAssembler(store, [p.name for p in parts], layout.out, schema)
+                         if single_file else None)
+            writer = (_PartWriter(store, schema, default_writer_threads(), assembler)
+                      if is_writer_rank else None)
             runner = _Runner(engine, pool, opts, dist, tp, progress, summary, stop)
             if todo:
                 progress.status("capturing CUDA graphs" if engine.graphs_enabled else "encoding")
@@ -494,20 +515,31 @@ def run_encode(opts: EncodeOptions, dist=None) -> RunSummary:
                     if writer is not None:
                         writer.put(name, rows, start, end, digest)
                     del rows  # only the writer holds a finished part while the next is encoded
+            except BaseException:
+                if assembler is not None:
+                    assembler.abort()
+                raise
             finally:
                 if writer is not None:
-                    writer.close()
+                    try:
+                        writer.close()
+                    except BaseException:
+                        if assembler is not None:
+                            assembler.abort()
+                        raise
                     summary.write_s = writer.seconds
                 summary.encode_s = time.perf_counter() - began
             if stop.signum is not None:
+                if assembler is not None:
+                    assembler.abort()
                 raise Interrupted(stop.signum, f"finished parts are kept in {layout.parts_dir}; "
                                   "rerun the same command with --resume to finish")
             if dist is not None:
                 dist.barrier()
-            if not layout.folder_mode and (dist is None or dist.is_main):
+            if assembler is not None:
                 progress.status("writing the final file")
                 began = time.perf_counter()
-                assemble(store.part_files(), layout.out, schema)
+                assembler.finish()
                 remove_tree(layout.parts_dir)
                 summary.write_s += time.perf_counter() - began
             elif opts.shard_output and dist is not None:

@@ -12,6 +12,8 @@ import errno
 import json
 import os
 import shutil
+import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
@@ -210,6 +212,7 @@ class PartStore:
         self.settings = settings
         self.manifest_name = manifest_name
         self.parts: dict[str, dict[str, Any]] = {}
+        self._lock = threading.Lock()
 
     @property
     def manifest_path(self) -> Path:
@@ -239,11 +242,15 @@ class PartStore:
 
     def commit(self, name: str, table: pa.Table, row_group_size: int, start: int, end: int,
                digest: str) -> None:
+        """Write one part (several writer threads may commit at once)."""
         file = f"{name}.parquet"
         write_table_atomic(table, self.folder / file, row_group_size)
-        self.parts[name] = {"file": file, "start": start, "end": end, "digest": digest,
-                            "rows": table.num_rows}
-        self.save()
+        with self._lock:
+            parts = dict(self.parts)
+            parts[name] = {"file": file, "start": start, "end": end, "digest": digest,
+                           "rows": table.num_rows}
+            self.parts = parts  # readers on other threads see the old or the new dict whole
+            self.save()
 
     def save(self) -> None:
         write_json_atomic({"settings": self.settings, "parts": self.parts}, self.manifest_path)
@@ -254,23 +261,80 @@ class PartStore:
         return [self.folder / p["file"] for p in ordered]
 
 
-def assemble(parts: Sequence[Path], out: Path, schema: pa.Schema) -> None:
-    """Concatenate part files into ``out`` row group by row group (bounded memory), atomically."""
-    tmp = out.with_name(f".{out.name}.tmp")
-    try:
-        with pq.ParquetWriter(tmp, schema, **parquet_options(schema)) as writer:
-            for part in parts:
-                handle = pq.ParquetFile(part)
-                for group in range(handle.num_row_groups):
-                    writer.write_table(handle.read_row_group(group).replace_schema_metadata(
-                        schema.metadata))
-        with open(tmp, "rb+") as handle:
-            os.fsync(handle.fileno())
-        os.replace(tmp, out)
-        _fsync_dir(out.parent)
-    except OSError as exc:
-        tmp.unlink(missing_ok=True)
-        raise output_os_error(out, exc) from None
+class StreamingAssembler:
+    """Builds the single output file from committed parts, in input order, while later parts
+    are still being encoded, so the end of a run only closes the file.
+
+    Parts go into a hidden temporary beside ``out`` (row group by row group: bounded
+    memory); ``finish`` fsyncs it and renames it into place, so ``out`` is never
+    half-written. A failed write (e.g. a full disk) is kept and raised by ``finish``; the
+    committed parts stay for ``--resume``.
+    """
+
+    def __init__(self, store: "PartStore", names: Sequence[str], out: Path,
+                 schema: pa.Schema) -> None:
+        self.store, self.names, self.out, self.schema = store, list(names), out, schema
+        self.tmp = out.with_name(f".{out.name}.tmp")
+        self.seconds = 0.0
+        self.error: BaseException | None = None
+        self._aborted = False
+        self._cond = threading.Condition()
+        self._thread = threading.Thread(target=self._run, name="dsv4enc-assembler",
+                                        daemon=True)
+        self._thread.start()
+
+    def notify(self) -> None:
+        """A part was committed: wake the assembler."""
+        with self._cond:
+            self._cond.notify_all()
+
+    def _wait_for(self, name: str) -> bool:
+        with self._cond:
+            while name not in self.store.parts and not self._aborted:
+                self._cond.wait(timeout=1.0)
+            return not self._aborted
+
+    def _run(self) -> None:
+        try:
+            with pq.ParquetWriter(self.tmp, self.schema,
+                                  **parquet_options(self.schema)) as writer:
+                for name in self.names:
+                    if not self._wait_for(name):
+                        return
+                    began = time.perf_counter()
+                    handle = pq.ParquetFile(self.store.folder / self.store.parts[name]["file"])
+                    for group in range(handle.num_row_groups):
+                        writer.write_table(handle.read_row_group(group))
+                    self.seconds += time.perf_counter() - began
+            with open(self.tmp, "rb+") as handle:
+                os.fsync(handle.fileno())
+        except OSError as exc:
+            self.error = output_os_error(self.out, exc)
+        except BaseException as exc:  # re-raised by finish()
+            self.error = exc
+
+    def finish(self) -> None:
+        """Wait for the last part, then move the file into place (or raise its error)."""
+        self._thread.join()
+        if self.error is not None or self._aborted:
+            self.tmp.unlink(missing_ok=True)
+            if self.error is not None:
+                raise self.error
+            return
+        try:
+            os.replace(self.tmp, self.out)
+            _fsync_dir(self.out.parent)
+        except OSError as exc:
+            self.tmp.unlink(missing_ok=True)
+            raise output_os_error(self.out, exc) from None
+
+    def abort(self) -> None:
+        """Stop without producing ``out`` (interrupted or failed run)."""
+        with self._cond:
+            self._aborted = True
+            self._cond.notify_all()
+        self._thread.join()
+        self.tmp.unlink(missing_ok=True)
 
 
 def remove_tree(folder: Path) -> None:

@@ -22,6 +22,10 @@ def print_summary(summary) -> None:
         table.add_row("reused from earlier run", str(s.reused))
     table.add_row("seconds", f"{s.seconds:.1f}  ({rate:.1f} img/s, "
                   f"{s.tokens / s.seconds if s.seconds else 0:,.0f} tokens/s)")
+    if s.encode_s:
+        busy = min(1.0, s.model_s / s.encode_s)
+        table.add_row("encoding loop", f"{s.encode_s:.1f}s  ({(s.encoded + s.failed) / s.encode_s:.1f} "
+                      f"img/s; model busy {100 * busy:.0f}% of it)")
     table.add_row("time split", f"decode wait {s.decode_wait_s:.1f}s / H2D {s.h2d_s:.1f}s / "
                   f"model {s.model_s:.1f}s / write {s.write_s:.1f}s")
     table.add_row("padding waste", f"{100 * s.padding_waste:.1f}% of real tokens")

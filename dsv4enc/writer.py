@@ -79,6 +79,12 @@ def utf8_text(name: str) -> str:
             return name.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
+def _float_array(values: np.ndarray) -> pa.Array:
+    """A zero-copy Arrow view of a float16/float32 numpy array. (Passing ``type=`` makes
+    pyarrow convert value by value: 200 ms for 60 M halves instead of microseconds.)"""
+    return pa.array(np.ascontiguousarray(values))
+
+
 def rows_to_table(rows: Sequence[Row], schema: pa.Schema) -> pa.Table:
     """Build an Arrow table from rows; embeddings go in as one flat buffer, no Python floats."""
     emb_type = schema.field("embedding").type
@@ -94,17 +100,19 @@ def rows_to_table(rows: Sequence[Row], schema: pa.Schema) -> pa.Table:
             if r.embedding is not None:
                 flat[i] = np.asarray(r.embedding, dtype=np_dtype).reshape(width)
         embedding = pa.FixedSizeListArray.from_arrays(
-            pa.array(flat.reshape(-1), type=row_type.value_type), width, mask=pa.array(~valid))
+            _float_array(flat.reshape(-1)), type=row_type, mask=pa.array(~valid))
     else:
         arrays = [np.asarray(r.embedding, dtype=np_dtype).reshape(-1, width)
                   for r in rows if r.embedding is not None]
         flat = np.concatenate(arrays).reshape(-1) if arrays else np.zeros(0, dtype=np_dtype)
-        vectors = pa.FixedSizeListArray.from_arrays(pa.array(flat, type=row_type.value_type),
-                                                    width)
+        # Built with the schema's own types (child field names included): a mismatch would
+        # make Table.from_arrays cast, i.e. copy, every value.
+        vectors = pa.FixedSizeListArray.from_arrays(_float_array(flat), type=row_type)
         counts = np.array([0 if r.embedding is None else len(r.embedding) for r in rows],
                           dtype=np.int64)
         offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
-        embedding = pa.ListArray.from_arrays(pa.array(offsets), vectors, mask=pa.array(~valid))
+        embedding = pa.ListArray.from_arrays(pa.array(offsets), vectors, type=emb_type,
+                                             mask=pa.array(~valid))
     columns = {
         "path": pa.array([utf8_text(r.path) for r in rows], pa.string()),
         **{name: pa.array([getattr(r, name) for r in rows], pa.int32())

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -91,6 +91,13 @@ def golden(golden_dir: Path) -> GoldenSet:
 def tiny_cfg() -> VisionConfig:
     """``configs/tiny.json``: D=32, H=2, I=40, 2 layers, p=14, r=3, hidden 24, real transform."""
     return VisionConfig.from_file(REPO_ROOT / "configs" / "tiny.json")
+
+
+@pytest.fixture(scope="session")
+def small_cfg(tiny_cfg) -> VisionConfig:
+    """The tiny tower with a small transform (no upscaling past 56x56 pixels, a 24-token
+    budget), so that end-to-end runs stay fast."""
+    return replace(tiny_cfg, min_pixels=56 * 56, max_n_token=24)
 
 
 @pytest.fixture(scope="session")

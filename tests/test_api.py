@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -23,12 +22,6 @@ from dsv4enc.cli import app
 from helpers import rel_err, write_image
 
 runner = CliRunner()
-
-
-@pytest.fixture(scope="module")
-def small_cfg(tiny_cfg):
-    """The tiny tower with a small transform (images stay under ~56x56 pixels)."""
-    return replace(tiny_cfg, min_pixels=56 * 56, max_n_token=24)
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,6 @@ import runpy
 import shutil
 import subprocess
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -64,9 +63,8 @@ runner = CliRunner()
 # --------------------------------------------------------------------------- fixtures
 
 @pytest.fixture(scope="module")
-def cfg(tiny_cfg) -> VisionConfig:
-    """configs/tiny.json with a small transform: no upscaling past 56x56, 24-token budget."""
-    return replace(tiny_cfg, min_pixels=56 * 56, max_n_token=24)
+def cfg(small_cfg) -> VisionConfig:
+    return small_cfg
 
 
 @pytest.fixture(scope="module")

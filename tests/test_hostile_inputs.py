@@ -20,7 +20,6 @@ import struct
 import tempfile
 import threading
 import zlib
-from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -46,9 +45,8 @@ MAX_PIXELS = 20_000  # the hostile run's --max-pixels: every honest image here i
 # --------------------------------------------------------------------------- fixtures
 
 @pytest.fixture(scope="module")
-def cfg(tiny_cfg) -> VisionConfig:
-    """configs/tiny.json with a small transform: canvases of at most 24 LLM tokens."""
-    return replace(tiny_cfg, min_pixels=56 * 56, max_n_token=24)
+def cfg(small_cfg) -> VisionConfig:
+    return small_cfg
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,6 @@
 from __future__ import annotations
 
 import json
-from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -28,10 +27,10 @@ SPECS = [("a.jpg", (64, 48), "RGB"), ("b.png", (30, 90), "RGBA"), ("c.png", (120
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory, tiny_cfg):
+def setup(tmp_path_factory, small_cfg):
     """A checkpoint with a small transform and an image folder with one broken file."""
     root = tmp_path_factory.mktemp("interop")
-    cfg = replace(tiny_cfg, min_pixels=56 * 56, max_n_token=24)
+    cfg = small_cfg
     save_checkpoint(root / "ckpt", cfg, random_state_dict(cfg, seed=11))
     for rel, size, mode in SPECS:
         write_image(root / "images" / rel, size, mode)

@@ -14,7 +14,6 @@ import json
 import os
 import subprocess
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -42,9 +41,8 @@ PART = 3
 # --------------------------------------------------------------------------- fixtures
 
 @pytest.fixture(scope="module")
-def cfg(tiny_cfg) -> VisionConfig:
-    """configs/tiny.json with a small transform: canvases of at most 24 LLM tokens."""
-    return replace(tiny_cfg, min_pixels=56 * 56, max_n_token=24)
+def cfg(small_cfg) -> VisionConfig:
+    return small_cfg
 
 
 @pytest.fixture(scope="module")

@@ -29,11 +29,6 @@ STRUCT = pa.struct([("bytes", pa.binary()), ("path", pa.string())])
 
 
 @pytest.fixture(scope="module")
-def small_cfg(tiny_cfg):
-    return replace(tiny_cfg, min_pixels=56 * 56, max_n_token=24)
-
-
-@pytest.fixture(scope="module")
 def ckpt(tmp_path_factory, small_cfg) -> Path:
     folder = tmp_path_factory.mktemp("sources_ckpt")
     save_checkpoint(folder, small_cfg, random_state_dict(small_cfg, seed=9))

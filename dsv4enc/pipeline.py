@@ -195,8 +195,15 @@ def validate(opts: EncodeOptions) -> None:
         raise UsageError("--shard-output applies to --tp-mode data only")
 
 
+def available_cpus() -> int:
+    """CPUs this process may run on (its affinity mask, where the OS has one)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
 def default_workers(device: torch.device) -> int:
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    cpus = available_cpus()
     if device.type == "cuda":
         return max(1, min(cpus - 1, 16))
     # On the CPU the model wants the cores; one decoder keeps it fed on small machines.
@@ -360,7 +367,7 @@ class _PartWriter:
 
 
 def default_writer_threads() -> int:
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    cpus = available_cpus()
     return max(1, min(4, cpus // 4))
 
 

@@ -448,7 +448,7 @@ def print_results(rows: Sequence[dict], console=None) -> None:
     console.print(table)
 
 
-def _parse_graphs(text: str) -> list[bool | None]:
+def parse_graphs(text: str) -> list[bool | None]:
     names = {"auto": None, "on": True, "off": False}
     return [names[t] for t in text.split(",")]
 
@@ -478,7 +478,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     if a.threads:
         torch.set_num_threads(a.threads)
     budgets = [int(t) for t in a.batch_tokens.split(",")] if a.batch_tokens else None
-    rows = run_bench(a.config, a.device, a.dtype, a.images, budgets, _parse_graphs(a.graphs),
+    rows = run_bench(a.config, a.device, a.dtype, a.images, budgets, parse_graphs(a.graphs),
                      a.attention, a.features, a.max_images, a.repeat, a.naive_images, a.e2e,
                      a.workers, workdir=a.workdir)
     print_results(rows)

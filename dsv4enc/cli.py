@@ -179,6 +179,45 @@ def inspect_command(
         render(summary)
 
 
+@app.command()
+def bench(
+    config: str = typer.Option(..., "--config", help="Model config JSON (a random tower of "
+                               "this shape is timed)."),
+    device: str = typer.Option("auto", "--device", help="auto, cpu, cuda or cuda:N."),
+    dtype: str = typer.Option("auto", "--dtype", help="auto, float32, bfloat16 or float16."),
+    images: str = typer.Option("synthetic:mix", "--images", help="A folder of images, or "
+                               "synthetic:mix[:N] (photo sizes 300x300 to 2000x1500) or "
+                               "synthetic:WxH:N."),
+    batch_tokens: Optional[str] = typer.Option(None, "--batch-tokens", help="Comma-separated "
+                                               "token budgets to time."),
+    graphs: str = typer.Option("auto", "--graphs", help="Comma-separated: auto, on, off."),
+    attention: str = typer.Option("auto", "--attention", help="auto, flash, varlen or sdpa."),
+    repeat: int = typer.Option(2, "--repeat", help="Rounds per measurement (best is kept)."),
+    naive_images: Optional[int] = typer.Option(None, "--naive-images", help="Images for the "
+                                               "naive one-at-a-time loop (default: all)."),
+    e2e: bool = typer.Option(False, "--e2e", help="Also time the whole encode pipeline."),
+    json_out: Optional[str] = typer.Option(None, "--json", help="Also write the rows here."),
+) -> None:
+    """Time the engine: img/s, tokens/s, FLOP/s, fraction of the matmul ceiling measured in
+    the same process, padding waste, time split, and the speed-up over a naive loop."""
+    import json
+
+    from .bench import parse_graphs, print_results, run_bench
+
+    try:
+        budgets = [int(t) for t in batch_tokens.split(",")] if batch_tokens else None
+        rows = run_bench(config, device, dtype, images, budgets, parse_graphs(graphs),
+                         attention, repeat=repeat, naive_images=naive_images, e2e=e2e)
+    except (KeyError, ValueError) as exc:
+        fail(f"bad benchmark option: {exc}", 2)
+    except DsvError as exc:
+        fail(str(exc), exc.exit_code)
+    print_results(rows)
+    if json_out:
+        with open(json_out, "w") as handle:
+            json.dump(rows, handle, indent=1, default=str)
+
+
 def main() -> None:
     """Console-script entry point."""
     app()

@@ -492,3 +492,10 @@ def test_readme_quickstart(tmp_path):
     assert len(errors) == 1
     assert summary_count(result.stderr, "skipped (not images)") == 1
     assert summary_count(result.stderr, "encoded") == table.num_rows - 1
+
+
+def test_bench_command_is_exposed():
+    result = runner.invoke(app, ["bench", "--help"])
+    assert result.exit_code == 0
+    for option in ("--config", "--images", "--batch-tokens", "--graphs", "--e2e"):
+        assert option in result.output

@@ -65,6 +65,7 @@ class _Pending:
     mode: str = "eager"  # "graph", "static" or "eager"
     events: dict[str, torch.cuda.Event] = field(default_factory=dict)
     seconds: float = 0.0  # CPU: model wall time
+    finite: torch.Tensor | None = None  # () bool, host: every output value is finite
 
 
 _heap_tuned = False
@@ -139,6 +140,7 @@ class Engine:
         self.batch_tokens = batch_tokens or DEFAULT_BATCH_TOKENS.get(self.device.type, 8192)
         self.max_images = max_images
         self.stats = EngineStats()
+        self.last_finite = True  # every value of the last collected batch was finite
         self._pending: deque[_Pending] = deque()
         self.runner: BucketRunner | None = None
         if self._want_graphs(cuda_graphs):
@@ -247,7 +249,8 @@ class Engine:
         if self.device.type != "cuda":
             began = time.perf_counter()
             out = self.forward(batch).to(self.out_dtype)
-            self._pending.append(_Pending(batch, out, seconds=time.perf_counter() - began))
+            self._pending.append(_Pending(batch, out, seconds=time.perf_counter() - began,
+                                          finite=torch.isfinite(out).all()))
             return
         with torch.cuda.device(self.device):
             self.prepare()
@@ -270,6 +273,7 @@ class Engine:
         s.padded_tokens += job.padded
         s.graph_batches += job.mode == "graph"
         s.static_batches += job.mode == "static"
+        self.last_finite = job.finite is None or bool(job.finite)
         return job.batch.split_rows(job.out)
 
     # -- CUDA path --------------------------------------------------------------------
@@ -320,14 +324,20 @@ class Engine:
                 out = self.model.forward_packed(dev["patches"], cos, sin, spans,
                                                 dev.get("merge_index"), dev.get("merge_mask"),
                                                 features=self.features).to(self.out_dtype)
+            # One reduction on the device instead of a scan of every row on the host.
+            finite = torch.isfinite(out).all()
         ev["m1"].record(compute)
         host_out = torch.empty(out.shape, dtype=self.out_dtype, pin_memory=True)
+        host_finite = torch.empty((), dtype=torch.bool, pin_memory=True)
         self._d2h_stream.wait_event(ev["m1"])
         with torch.cuda.stream(self._d2h_stream):
             host_out.copy_(out, non_blocking=True)
+            host_finite.copy_(finite, non_blocking=True)
             ev["done"].record()
         out.record_stream(self._d2h_stream)
+        finite.record_stream(self._d2h_stream)
         if bucket is None:
-            return _Pending(batch, host_out, 0, "eager", ev)
+            return _Pending(batch, host_out, 0, "eager", ev, finite=host_finite)
         mode = "graph" if bucket.tokens in runner.graphs else "static"
-        return _Pending(batch, host_out, bucket.tokens - batch.n_tokens, mode, ev)
+        return _Pending(batch, host_out, bucket.tokens - batch.n_tokens, mode, ev,
+                        finite=host_finite)

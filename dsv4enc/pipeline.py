@@ -809,13 +809,15 @@ class _Runner:
         """Rows of the oldest batch in flight (waits for the device)."""
         ready = self._in_flight.popleft()
         outputs = self.engine.collect()
+        if not self.engine.last_finite:
+            for (index, _), out in zip(ready, outputs):
+                if not torch.isfinite(out).all():  # name the first image that overflowed
+                    raise DsvError(f"embedding of {planned[index].item.key} is not finite in "
+                                   f"{self.opts.out_dtype}; rerun with --out-dtype float32")
         return {index: self.make_row(planned[index], d, out)
                 for (index, d), out in zip(ready, outputs)}
 
     def make_row(self, entry: Planned, d: Decoded, out: torch.Tensor) -> Row:
-        if not torch.isfinite(out).all():
-            raise DsvError(f"embedding of {entry.item.key} is not finite in "
-                           f"{self.opts.out_dtype}; rerun with --out-dtype float32")
         grid_h, grid_w = output_grid(d.n_h, d.n_w, self.cfg.downsample_ratio, self.opts.features)
         if self.opts.pool == "mean":
             dtype = out.dtype

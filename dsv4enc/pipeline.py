@@ -487,7 +487,8 @@ def run_encode(opts: EncodeOptions, dist=None) -> RunSummary:
             tp = apply_tensor_parallel(model, dist)
         engine = Engine(model, features=opts.features, attention=opts.attention,
                         out_dtype=torch.float16 if opts.out_dtype == "float16" else torch.float32,
-                        **_engine_extras(opts, device))
+                        cuda_graphs=opts.cuda_graphs, batch_tokens=opts.batch_tokens,
+                        max_images=opts.max_images)
         with progress:
             progress.status(f"reading {len(found.items)} image headers")
             planned = read_headers(found.items, cfg, opts.max_pixels, dist,
@@ -564,21 +565,6 @@ def run_encode(opts: EncodeOptions, dist=None) -> RunSummary:
     summary.padded_tokens = stats.padded_tokens
     summary.seconds = time.perf_counter() - started
     return summary
-
-
-def _engine_extras(opts: EncodeOptions, device: torch.device) -> dict:
-    """Keyword arguments the engine takes beyond the basics (graphs, budgets)."""
-    import inspect
-
-    params = inspect.signature(Engine).parameters
-    extras = {"cuda_graphs": opts.cuda_graphs,
-              "batch_tokens": opts.batch_tokens or default_batch_tokens(device),
-              "max_images": opts.max_images}
-    return {k: v for k, v in extras.items() if k in params}
-
-
-def default_batch_tokens(device: torch.device) -> int:
-    return 32768 if device.type == "cuda" else 8192
 
 
 @dataclass
@@ -676,8 +662,7 @@ class _Runner:
         self.tp = tp
         self.progress, self.summary, self.stop = progress, summary, stop
         self.cfg = engine.cfg
-        self.batch_tokens = getattr(engine, "batch_tokens", None) or (
-            opts.batch_tokens or default_batch_tokens(engine.device))
+        self.batch_tokens = engine.batch_tokens
         self.gathered = dist is not None and not tp and not opts.shard_output
         self._in_flight: deque[list[tuple[int, Decoded]]] = deque()
         self._plans: list | None = None

@@ -10,18 +10,14 @@ shared among ranks by the greedy rule of SPEC §7 (or the tower is split, SPEC �
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
-import queue
 import signal
 import threading
 import time
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
-from typing import Callable, Iterator, Sequence
+from typing import Iterator, Sequence
 
 import numpy as np
 import torch
@@ -29,23 +25,18 @@ import torch
 from . import __version__
 from .checkpoint import COMPUTE_DTYPES, Checkpoint, build_tower, load_checkpoint, random_checkpoint
 from .config import VisionConfig
-from .decode import DEFAULT_MAX_PIXELS, DecodePool, Decoded, Probe, patches_tensor, probe_image
+from .decode import DEFAULT_MAX_PIXELS, DecodePool, Decoded, patches_tensor
 from .engine import Engine
-from .errors import DsvError, OutputError, UsageError
-from .inputs import InputItem, discover
+from .errors import DsvError, UsageError
+from .inputs import discover
+from .output import OutputLayout, PartWriter, main_then_all, merge_manifests, resume_filter
 from .packing import output_grid, pack, pack_bins
+from .planning import Part, Planned, images_per_part, plan_parts, read_headers, share_for_rank
 from .progress import RunProgress
-from .transform import plan_canvas
-from .writer import (PartStore, Row, StreamingAssembler, output_schema, remove_tree,
-                     rows_per_group, rows_to_table)
+from .writer import PartStore, Row, StreamingAssembler, output_schema, remove_tree
 
 log = logging.getLogger("dsv4enc")
 
-PART_BYTES = 256 << 20  # upper bound of one part's embeddings in memory
-HEADER_CHUNK = 4096  # header probes submitted to the thread pool at a time
-# Parts of small models are capped in images: writing a part's Parquet takes transient memory
-# several times its embeddings (float16 most), and up to four parts are in flight.
-MAX_PART_IMAGES = 1024
 
 
 class Interrupted(Exception):
@@ -118,22 +109,6 @@ class RunSummary:
         return (self.padded_tokens + self.merge_pad_tokens) / max(self.tokens, 1)
 
 
-@dataclass
-class Planned:
-    """One input after its header was read: its grid, or why it cannot be encoded."""
-
-    item: InputItem
-    width: int | None = None
-    height: int | None = None
-    n_h: int = 0
-    n_w: int = 0
-    error: str | None = None
-
-    @property
-    def tokens(self) -> int:
-        return self.n_h * self.n_w
-
-
 # ----------------------------------------------------------------------------- set-up
 
 def resolve_device(name: str, dist=None) -> torch.device:
@@ -202,6 +177,11 @@ def available_cpus() -> int:
     return os.cpu_count() or 1
 
 
+def default_writer_threads() -> int:
+    cpus = available_cpus()
+    return max(1, min(4, cpus // 4))
+
+
 def default_workers(device: torch.device) -> int:
     cpus = available_cpus()
     if device.type == "cuda":
@@ -219,73 +199,6 @@ def load_model(opts: EncodeOptions, dtype: torch.dtype) -> Checkpoint:
 
 
 # ----------------------------------------------------------------------------- planning
-
-def read_headers(items: Sequence[InputItem], cfg: VisionConfig, max_pixels: int,
-                 dist=None, should_stop: Callable[[], bool] | None = None) -> list[Planned]:
-    """Probe every header (threads; ranks split the work and share results) and plan grids.
-
-    When ``should_stop()`` turns true (a signal), the headers not read yet are left as error
-    rows and the caller is expected to stop: reading a million headers takes minutes."""
-    rank, world = (dist.rank, dist.world_size) if dist is not None else (0, 1)
-    mine = list(range(rank, len(items), world))
-    probes: list[Probe] = []
-    stopped = False
-    with ThreadPoolExecutor(max_workers=16) as pool:
-        # In chunks: a future per input, all submitted at once, costs ~1.7 KB each until
-        # the last header is read (gigabytes for millions of images).
-        for begin in range(0, len(mine), HEADER_CHUNK):
-            chunk = mine[begin:begin + HEADER_CHUNK]
-            for probe in pool.map(lambda i: probe_image(items[i], max_pixels), chunk):
-                probes.append(probe)
-                if should_stop is not None and should_stop():
-                    stopped = True
-                    break
-            if stopped:
-                pool.shutdown(wait=True, cancel_futures=True)
-                break
-    probes += [Probe(error="interrupted before its header was read")] * (len(mine) - len(probes))
-    from .sources import clear_cache
-
-    clear_cache()  # table row groups read for the probes: the workers read their own
-    if dist is not None:
-        shared = dist.all_gather_object([(i, asdict(p)) for i, p in zip(mine, probes)])
-        by_index = {i: Probe(**p) for part in shared for i, p in part}
-    else:
-        by_index = dict(zip(mine, probes))
-    planned = []
-    for index, item in enumerate(items):
-        probe = by_index[index]
-        entry = Planned(item, probe.width, probe.height, error=probe.error)
-        if probe.error is None:
-            try:
-                canvas = plan_canvas(probe.width, probe.height, cfg)
-                entry.n_h, entry.n_w = canvas.n_h, canvas.n_w
-            except ValueError as exc:
-                entry.error = f"ValueError: {exc}"
-        planned.append(entry)
-    return planned
-
-
-def images_per_part(cfg: VisionConfig, opts: EncodeOptions) -> int:
-    """Images per part so a part's embeddings stay under PART_BYTES even at the largest grid.
-
-    Depends on the config and output settings only, so that a resumed run cuts the same parts.
-    """
-    if opts.part_images:
-        return opts.part_images
-    max_patches = (cfg.max_n_token * cfg.downsample_ratio ** 2 if opts.features == "vit"
-                   else cfg.max_n_token)
-    row_bytes = cfg.output_width(opts.features) * (2 if opts.out_dtype == "float16" else 4)
-    per_image = row_bytes * (1 if opts.pool == "mean" else max_patches)
-    return int(min(MAX_PART_IMAGES, max(16, PART_BYTES // per_image)))
-
-
-def keys_digest(planned: Sequence[Planned]) -> str:
-    digest = hashlib.blake2b(digest_size=12)
-    for entry in planned:
-        digest.update(entry.item.key.encode("utf-8", "surrogateescape") + b"\0")
-    return digest.hexdigest()
-
 
 # ----------------------------------------------------------------------------- the run
 
@@ -312,65 +225,6 @@ class _Stop:
             signal.signal(signum, handler)
 
 
-class _PartWriter:
-    """Commits parts on background threads so the device never waits for Parquet.
-
-    Encoding a part's nested float lists is CPU work that releases the GIL, so several
-    threads commit parts side by side on machines with cores to spare."""
-
-    def __init__(self, store: PartStore, schema, threads: int = 1,
-                 assembler: StreamingAssembler | None = None) -> None:
-        self.store = store
-        self.schema = schema
-        self.assembler = assembler
-        self.seconds = 0.0
-        self.error: BaseException | None = None
-        self._lock = threading.Lock()
-        self._queue: queue.Queue = queue.Queue(maxsize=threads)
-        self._threads = [threading.Thread(target=self._run, name=f"dsv4enc-writer-{i}",
-                                          daemon=True) for i in range(threads)]
-        for thread in self._threads:
-            thread.start()
-
-    def _run(self) -> None:
-        while (job := self._queue.get()) is not None:
-            if self.error is not None:
-                continue
-            name, rows, start, end, digest = job
-            began = time.perf_counter()
-            try:
-                table = rows_to_table(rows, self.schema)
-                group_rows = rows_per_group(self.schema, rows)
-                del job, rows  # the table holds a copy: free the rows before the write
-                self.store.commit(name, table, group_rows, start, end, digest)
-                if self.assembler is not None:
-                    self.assembler.notify()
-            except BaseException as exc:  # re-raised on the main thread
-                self.error = exc
-            with self._lock:
-                self.seconds += time.perf_counter() - began
-
-    def put(self, name: str, rows: list[Row], start: int, end: int, digest: str) -> None:
-        self.check()
-        self._queue.put((name, rows, start, end, digest))
-
-    def check(self) -> None:
-        if self.error is not None:
-            raise self.error
-
-    def close(self) -> None:
-        for _ in self._threads:
-            self._queue.put(None)
-        for thread in self._threads:
-            thread.join()
-        self.check()
-
-
-def default_writer_threads() -> int:
-    cpus = available_cpus()
-    return max(1, min(4, cpus // 4))
-
-
 def run_settings(ckpt: Checkpoint, opts: EncodeOptions, dtype: torch.dtype,
                  part_images: int) -> dict:
     """What the output was computed with; ``--resume`` requires these to match."""
@@ -382,84 +236,6 @@ def run_settings(ckpt: Checkpoint, opts: EncodeOptions, dtype: torch.dtype,
     }
 
 
-class OutputLayout:
-    """Where parts go (a ``.partial`` folder beside a single-file ``--out``, or the ``--out``
-    folder itself) and the checks before anything is computed."""
-
-    def __init__(self, out: str, shard_output: bool) -> None:
-        self.out = Path(out)
-        self.shard_output = shard_output
-        self.folder_mode = shard_output or out.endswith(("/", os.sep)) or self.out.is_dir()
-        self.parts_dir = self.out if self.folder_mode else self.out.with_name(self.out.name + ".partial")
-
-    def manifest_name(self, dist) -> str:
-        """Each rank keeps its own manifest under --shard-output; merged at the end."""
-        if self.shard_output and dist is not None:
-            return f"_manifest-rank{dist.rank:03d}.json"
-        return "_manifest.json"
-
-    def prepare(self, overwrite: bool, resume: bool) -> None:
-        out = self.out
-        for parent in [out.parent, *out.parent.parents]:
-            if parent.exists() and not parent.is_dir():
-                raise OutputError(f"cannot write {out}: {parent} is a file, not a folder")
-        has_parts = any(self.parts_dir.glob("_manifest*.json"))
-        if self.folder_mode and out.exists() and not out.is_dir():
-            raise OutputError(f"--out {out} is a file, but a folder output was asked for")
-        if self.folder_mode and out.is_dir() and any(out.iterdir()) and not has_parts:
-            raise OutputError(f"--out folder {out} is not empty and holds no dsv4enc output; "
-                              "choose another path")
-        if not resume and not overwrite:
-            if not self.folder_mode and out.exists():
-                raise OutputError(f"{out} already exists; pass --overwrite to replace it")
-            if has_parts and self.folder_mode:
-                raise OutputError(f"--out folder {out} already holds dsv4enc output; pass "
-                                  "--resume to finish it or --overwrite to replace it")
-            if has_parts:
-                raise OutputError(f"an unfinished run left {self.parts_dir}; pass --resume to "
-                                  "continue it or --overwrite to start over")
-        if overwrite and has_parts:
-            remove_tree(self.parts_dir)
-        if resume and not has_parts and not self.folder_mode and out.is_file():
-            raise OutputError(f"{out} is already complete; nothing to resume "
-                              "(pass --overwrite to encode again)")
-
-    def discard_if_empty(self) -> None:
-        """After a failed run, remove a single-file output's parts folder if no part was
-        committed to it (committed parts are kept for --resume)."""
-        if not self.folder_mode and not any(self.parts_dir.glob("*.parquet")):
-            remove_tree(self.parts_dir)
-
-    def create(self) -> None:
-        """Make the parts folder (and missing parents) and check it is writable. Called once
-        inputs and weights are known good, so a failed start leaves nothing behind."""
-        try:
-            self.parts_dir.mkdir(parents=True, exist_ok=True)
-            probe = self.parts_dir / ".dsv4enc-write-test"
-            probe.write_bytes(b"")
-            probe.unlink()
-        except OSError as exc:
-            raise OutputError(f"cannot write to {self.parts_dir}: {exc.strerror or exc}") from None
-
-
-def _main_then_all(dist, action) -> None:
-    """Run ``action`` (an output check) on rank 0 only, then let every rank raise the
-    DsvError it raised, so that no rank is left waiting in a collective for a rank 0 that
-    gave up (and reports a dead peer instead of the real reason). Also the ranks' barrier."""
-    if dist is None:
-        action()
-        return
-    problem = None
-    if dist.is_main:
-        try:
-            action()
-        except DsvError as exc:
-            problem = exc
-    problem = dist.all_gather_object(problem)[0]
-    if problem is not None:
-        raise problem
-
-
 def run_encode(opts: EncodeOptions, dist=None) -> RunSummary:
     """Encode ``opts.inputs`` into ``opts.out``. Raises DsvError (setup) or Interrupted."""
     started = time.perf_counter()
@@ -469,9 +245,9 @@ def run_encode(opts: EncodeOptions, dist=None) -> RunSummary:
     is_writer_rank = dist is None or dist.is_main or opts.shard_output
     layout = OutputLayout(opts.out, opts.shard_output)
     found = discover(opts.inputs, opts.files_from, opts.image_column, opts.key_column)
-    _main_then_all(dist, lambda: layout.prepare(opts.overwrite, opts.resume))
+    main_then_all(dist, lambda: layout.prepare(opts.overwrite, opts.resume))
     ckpt = load_model(opts, dtype)
-    _main_then_all(dist, layout.create)
+    main_then_all(dist, layout.create)
     cfg = ckpt.config
     n_workers = default_workers(device) if opts.workers is None else opts.workers
     progress = RunProgress(enabled=opts.progress and (dist is None or dist.is_main))
@@ -502,14 +278,14 @@ def run_encode(opts: EncodeOptions, dist=None) -> RunSummary:
             store = PartStore(layout.parts_dir, settings, layout.manifest_name(dist))
             parts = plan_parts(planned, part_images, dist if opts.shard_output else None,
                                opts.balance, cfg)
-            todo = _resume_filter(store, parts, opts, is_writer_rank, dist, summary)
+            todo = resume_filter(store, parts, opts, is_writer_rank, dist, summary)
             schema = output_schema(cfg.output_width(opts.features), opts.out_dtype,
                                    settings, pooled=opts.pool == "mean")
             progress.start(total=len(planned), done=summary.reused)
             single_file = not layout.folder_mode and (dist is None or dist.is_main)
             assembler = (StreamingAssembler(store, [p.name for p in parts], layout.out, schema)
                          if single_file else None)
-            writer = (_PartWriter(store, schema, default_writer_threads(), assembler)
+            writer = (PartWriter(store, schema, default_writer_threads(), assembler)
                       if is_writer_rank else None)
             runner = _Runner(engine, pool, opts, dist, tp, progress, summary, stop)
             if todo:
@@ -551,7 +327,7 @@ def run_encode(opts: EncodeOptions, dist=None) -> RunSummary:
                 remove_tree(layout.parts_dir)
                 summary.write_s += time.perf_counter() - began
             elif opts.shard_output and dist is not None:
-                _merge_manifests(dist, store)
+                merge_manifests(dist, store)
                 _sum_rank_counts(dist, summary)
     except (DsvError, Interrupted):
         if dist is None or dist.is_main:
@@ -565,91 +341,6 @@ def run_encode(opts: EncodeOptions, dist=None) -> RunSummary:
     summary.padded_tokens = stats.padded_tokens
     summary.seconds = time.perf_counter() - started
     return summary
-
-
-@dataclass
-class Part:
-    name: str
-    start: int
-    end: int
-    indices: list[int]  # the planned items this part covers (all of start..end unless sharded)
-    digest: str  # of the keys in start..end, so a resumed run knows the inputs are the same
-
-
-def plan_parts(planned: Sequence[Planned], part_images: int, shard_dist=None,
-               balance: str = "patches", cfg: VisionConfig | None = None) -> list[Part]:
-    """Consecutive input ranges of ``part_images`` items. With ``--shard-output`` each rank's
-    part holds just its greedy share of the range."""
-    parts = []
-    for number, start in enumerate(range(0, len(planned), part_images)):
-        end = min(start + part_images, len(planned))
-        indices = list(range(start, end))
-        name = f"part-{number:06d}"
-        if shard_dist is not None:
-            indices = share_for_rank(planned, indices, shard_dist, balance, cfg)[shard_dist.rank]
-            name = f"{name}-rank{shard_dist.rank:03d}"
-        parts.append(Part(name, start, end, indices, keys_digest(planned[start:end])))
-    return parts
-
-
-def share_for_rank(planned: Sequence[Planned], indices: list[int], dist,
-                   balance: str, cfg: VisionConfig | None = None) -> list[list[int]]:
-    """Greedy assignment (SPEC §7) of ``indices`` to ranks; failed items cost nothing."""
-    from .sharding import assign_greedy, flops_cost
-
-    if balance == "flops" and cfg is not None:
-        costs = [flops_cost(planned[i].n_h, planned[i].n_w, cfg) if planned[i].error is None
-                 else 0 for i in indices]
-    else:
-        costs = [planned[i].tokens if planned[i].error is None else 0 for i in indices]
-    return [[indices[j] for j in share] for share in assign_greedy(costs, dist.world_size)]
-
-
-def _resume_filter(store: PartStore, parts: list[Part], opts: EncodeOptions,
-                   is_writer_rank: bool, dist, summary: RunSummary) -> list[Part]:
-    """Parts still to encode; with ``--resume``, check settings and skip committed parts.
-
-    Under DP-gathered or TP runs rank 0 owns the manifest and tells the other ranks. Under
-    --shard-output each rank has its own, but all ranks must walk the same parts (every batch
-    ends in collectives): a range is redone by all when any rank lacks its part. A problem
-    on any rank stops every rank."""
-    shared = dist is not None and not opts.shard_output
-    todo_names, problem = None, None
-    if is_writer_rank:
-        try:
-            todo_names = _uncommitted(store, parts, opts)
-        except DsvError as exc:
-            problem = exc
-    if shared:
-        todo_names, problem = dist.all_gather_object((todo_names, problem))[0]
-    elif dist is not None:
-        mine = set(todo_names or ())
-        everyone = dist.all_gather_object(
-            ([(p.start, p.end) for p in parts if p.name in mine], problem))
-        problem = next((exc for _, exc in everyone if exc is not None), None)
-        ranges = {r for todo_ranges, _ in everyone for r in todo_ranges}
-        todo_names = [p.name for p in parts if (p.start, p.end) in ranges]
-    if problem is not None:
-        raise problem
-    names = set(todo_names)
-    todo = [p for p in parts if p.name in names]
-    summary.reused = sum(p.end - p.start for p in parts if p.name not in names)
-    return todo
-
-
-def _uncommitted(store: PartStore, parts: list[Part], opts: EncodeOptions) -> list[str]:
-    if not opts.resume or not store.manifest_path.is_file():
-        store.create()
-        return [p.name for p in parts]
-    previous = store.load_existing()
-    for key, value in store.settings.items():
-        if previous.get(key) != value:
-            shown = "weights" if key == "weights_fingerprint" else key.replace("_", " ")
-            raise UsageError(f"cannot resume: {shown} differs from the interrupted run "
-                             f"({previous.get(key)!r} then, {value!r} now); "
-                             "use --overwrite to start over")
-    store.save()
-    return [p.name for p in parts if not store.committed(p.name, p.start, p.end, p.digest)]
 
 
 class _Runner:
@@ -845,17 +536,6 @@ class _Runner:
 def _error_row(entry: Planned, error: str | None = None) -> Row:
     return Row(path=entry.item.key, width=entry.width, height=entry.height,
                error=error or entry.error)
-
-
-def _merge_manifests(dist, store: PartStore) -> None:
-    """--shard-output: rank 0 lists every rank's parts in one manifest."""
-    from .writer import write_json_atomic
-
-    everything = dist.all_gather_object(store.parts)
-    if dist.is_main:
-        merged = {name: part for parts in everything for name, part in parts.items()}
-        write_json_atomic({"settings": store.settings, "parts": merged},
-                          store.folder / "_manifest.json")
 
 
 def _sum_rank_counts(dist, summary: RunSummary) -> None:

@@ -27,7 +27,7 @@ import torch
 from PIL import Image
 from typer.testing import CliRunner
 
-from dsv4enc import pipeline
+from dsv4enc import planning
 from dsv4enc.cli import app
 from dsv4enc.decode import Probe
 from dsv4enc.pipeline import EncodeOptions, Interrupted, run_encode
@@ -312,7 +312,7 @@ def test_a_signal_while_reading_headers_stops_within_seconds(tmp_path, monkeypat
         time.sleep(0.05)
         return Probe(width=20, height=20)
 
-    monkeypatch.setattr(pipeline, "probe_image", slow_probe)
+    monkeypatch.setattr(planning, "probe_image", slow_probe)
     out = tmp_path / "e.parquet"
     opts = options(tmp_path, out, inputs=[], files_from=str(listing))
     handler = signal.getsignal(signal.SIGTERM)

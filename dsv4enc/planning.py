@@ -1,0 +1,145 @@
+"""The run's plan, made before any pixel is decoded: every image's grid from its header,
+and the parts (consecutive input ranges: the unit of commit and resume) with their share per
+rank."""
+
+from __future__ import annotations
+
+import hashlib
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Callable, Sequence
+
+from .config import VisionConfig
+from .decode import Probe, probe_image
+from .inputs import InputItem
+from .transform import plan_canvas
+
+if TYPE_CHECKING:
+    from .pipeline import EncodeOptions
+
+PART_BYTES = 256 << 20  # upper bound of one part's embeddings in memory
+HEADER_CHUNK = 4096  # header probes submitted to the thread pool at a time
+# Parts of small models are capped in images: writing a part's Parquet takes transient memory
+# several times its embeddings (float16 most), and up to four parts are in flight.
+MAX_PART_IMAGES = 1024
+
+
+@dataclass
+class Planned:
+    """One input after its header was read: its grid, or why it cannot be encoded."""
+
+    item: InputItem
+    width: int | None = None
+    height: int | None = None
+    n_h: int = 0
+    n_w: int = 0
+    error: str | None = None
+
+    @property
+    def tokens(self) -> int:
+        return self.n_h * self.n_w
+
+
+def read_headers(items: Sequence[InputItem], cfg: VisionConfig, max_pixels: int,
+                 dist=None, should_stop: Callable[[], bool] | None = None) -> list[Planned]:
+    """Probe every header (threads; ranks split the work and share results) and plan grids.
+
+    When ``should_stop()`` turns true (a signal), the headers not read yet are left as error
+    rows and the caller is expected to stop: reading a million headers takes minutes."""
+    rank, world = (dist.rank, dist.world_size) if dist is not None else (0, 1)
+    mine = list(range(rank, len(items), world))
+    probes: list[Probe] = []
+    stopped = False
+    with ThreadPoolExecutor(max_workers=16) as pool:
+        # In chunks: a future per input, all submitted at once, costs ~1.7 KB each until
+        # the last header is read (gigabytes for millions of images).
+        for begin in range(0, len(mine), HEADER_CHUNK):
+            chunk = mine[begin:begin + HEADER_CHUNK]
+            for probe in pool.map(lambda i: probe_image(items[i], max_pixels), chunk):
+                probes.append(probe)
+                if should_stop is not None and should_stop():
+                    stopped = True
+                    break
+            if stopped:
+                pool.shutdown(wait=True, cancel_futures=True)
+                break
+    probes += [Probe(error="interrupted before its header was read")] * (len(mine) - len(probes))
+    from .sources import clear_cache
+
+    clear_cache()  # table row groups read for the probes: the workers read their own
+    if dist is not None:
+        shared = dist.all_gather_object([(i, asdict(p)) for i, p in zip(mine, probes)])
+        by_index = {i: Probe(**p) for part in shared for i, p in part}
+    else:
+        by_index = dict(zip(mine, probes))
+    planned = []
+    for index, item in enumerate(items):
+        probe = by_index[index]
+        entry = Planned(item, probe.width, probe.height, error=probe.error)
+        if probe.error is None:
+            try:
+                canvas = plan_canvas(probe.width, probe.height, cfg)
+                entry.n_h, entry.n_w = canvas.n_h, canvas.n_w
+            except ValueError as exc:
+                entry.error = f"ValueError: {exc}"
+        planned.append(entry)
+    return planned
+
+
+def images_per_part(cfg: VisionConfig, opts: EncodeOptions) -> int:
+    """Images per part so a part's embeddings stay under PART_BYTES even at the largest grid.
+
+    Depends on the config and output settings only, so that a resumed run cuts the same parts.
+    """
+    if opts.part_images:
+        return opts.part_images
+    max_patches = (cfg.max_n_token * cfg.downsample_ratio ** 2 if opts.features == "vit"
+                   else cfg.max_n_token)
+    row_bytes = cfg.output_width(opts.features) * (2 if opts.out_dtype == "float16" else 4)
+    per_image = row_bytes * (1 if opts.pool == "mean" else max_patches)
+    return int(min(MAX_PART_IMAGES, max(16, PART_BYTES // per_image)))
+
+
+def keys_digest(planned: Sequence[Planned]) -> str:
+    digest = hashlib.blake2b(digest_size=12)
+    for entry in planned:
+        digest.update(entry.item.key.encode("utf-8", "surrogateescape") + b"\0")
+    return digest.hexdigest()
+
+
+@dataclass
+class Part:
+    name: str
+    start: int
+    end: int
+    indices: list[int]  # the planned items this part covers (all of start..end unless sharded)
+    digest: str  # of the keys in start..end, so a resumed run knows the inputs are the same
+
+
+def plan_parts(planned: Sequence[Planned], part_images: int, shard_dist=None,
+               balance: str = "patches", cfg: VisionConfig | None = None) -> list[Part]:
+    """Consecutive input ranges of ``part_images`` items. With ``--shard-output`` each rank's
+    part holds just its greedy share of the range."""
+    parts = []
+    for number, start in enumerate(range(0, len(planned), part_images)):
+        end = min(start + part_images, len(planned))
+        indices = list(range(start, end))
+        name = f"part-{number:06d}"
+        if shard_dist is not None:
+            indices = share_for_rank(planned, indices, shard_dist, balance, cfg)[shard_dist.rank]
+            name = f"{name}-rank{shard_dist.rank:03d}"
+        parts.append(Part(name, start, end, indices, keys_digest(planned[start:end])))
+    return parts
+
+
+def share_for_rank(planned: Sequence[Planned], indices: list[int], dist,
+                   balance: str, cfg: VisionConfig | None = None) -> list[list[int]]:
+    """Greedy assignment (SPEC §7) of ``indices`` to ranks; failed items cost nothing."""
+    from .sharding import assign_greedy, flops_cost
+
+    if balance == "flops" and cfg is not None:
+        costs = [flops_cost(planned[i].n_h, planned[i].n_w, cfg) if planned[i].error is None
+                 else 0 for i in indices]
+    else:
+        costs = [planned[i].tokens if planned[i].error is None else 0 for i in indices]
+    return [[indices[j] for j in share] for share in assign_greedy(costs, dist.world_size)]

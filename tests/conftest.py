@@ -101,6 +101,16 @@ def small_cfg(tiny_cfg) -> VisionConfig:
 
 
 @pytest.fixture(scope="session")
+def small_ckpt(tmp_path_factory, small_cfg) -> Path:
+    """A random tower of ``small_cfg`` written as a checkpoint folder (bf16, float32 norms)."""
+    from dsv4enc.checkpoint import random_state_dict, save_checkpoint
+
+    folder = tmp_path_factory.mktemp("small_ckpt")
+    save_checkpoint(folder, small_cfg, random_state_dict(small_cfg, seed=5))
+    return folder
+
+
+@pytest.fixture(scope="session")
 def tiny_state(tiny_cfg: VisionConfig) -> dict[str, torch.Tensor]:
     """Random tiny tower weights as stored (bf16, norm weights float32), seed ``TINY_SEED``.
     Both ``tiny_ckpt`` and ``sharded_ckpt`` hold exactly these tensors."""

@@ -16,21 +16,12 @@ from typer.testing import CliRunner
 
 import dsv4enc
 from dsv4enc import EncodeError, Encoder, read_embeddings
-from dsv4enc.checkpoint import random_checkpoint, save_checkpoint
+from dsv4enc.checkpoint import random_checkpoint
 from dsv4enc.cli import app
 
 from helpers import rel_err, write_image
 
 runner = CliRunner()
-
-
-@pytest.fixture(scope="module")
-def small_ckpt(tmp_path_factory, small_cfg) -> Path:
-    folder = tmp_path_factory.mktemp("api_ckpt")
-    from dsv4enc.checkpoint import random_state_dict
-
-    save_checkpoint(folder, small_cfg, random_state_dict(small_cfg, seed=5))
-    return folder
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,6 @@ import pytest
 from typer.testing import CliRunner
 
 from dsv4enc import read_embeddings, sources
-from dsv4enc.checkpoint import random_state_dict, save_checkpoint
 from dsv4enc.cli import app
 from dsv4enc.decode import decode_image, probe_image
 from dsv4enc.errors import UsageError
@@ -29,10 +28,8 @@ STRUCT = pa.struct([("bytes", pa.binary()), ("path", pa.string())])
 
 
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory, small_cfg) -> Path:
-    folder = tmp_path_factory.mktemp("sources_ckpt")
-    save_checkpoint(folder, small_cfg, random_state_dict(small_cfg, seed=9))
-    return folder
+def ckpt(small_ckpt) -> Path:
+    return small_ckpt
 
 
 @pytest.fixture(scope="module")

@@ -288,13 +288,15 @@ def run_encode(opts: EncodeOptions, dist=None) -> RunSummary:
             writer = (PartWriter(store, schema, default_writer_threads(), assembler)
                       if is_writer_rank else None)
             runner = _Runner(engine, pool, opts, dist, tp, progress, summary, stop)
-            if todo:
-                progress.status("capturing CUDA graphs" if engine.graphs_enabled else "encoding")
-                engine.fit_budgets(runner.plan(planned, todo))
-                engine.prepare()
-                progress.status("encoding")
             began = time.perf_counter()
             try:
+                if todo:
+                    progress.status("capturing CUDA graphs" if engine.graphs_enabled
+                                    else "encoding")
+                    engine.fit_budgets(runner.plan(planned, todo))
+                    engine.prepare()
+                    progress.status("encoding")
+                    began = time.perf_counter()
                 for name, start, end, digest, rows in runner.run(planned, todo):
                     if writer is not None:
                         writer.put(name, rows, start, end, digest)

@@ -65,7 +65,8 @@ def encode(
                                              "the struct's path, else FILE#ROW)."),
     weights: Optional[str] = typer.Option(None, "--weights", envvar="DSV4ENC_WEIGHTS",
                                           help="Checkpoint folder (config.json + safetensors) "
-                                          "or a Hub id owner/name (needs dsv4enc[hub]); "
+                                          "or a Hub id owner/name (needs the hub extra: "
+                                          "pip install 'dsv4enc\\[hub]'); "  # \[: not markup
                                           "default: $DSV4ENC_WEIGHTS."),
     config: Optional[str] = typer.Option(None, "--config", help="Model config JSON, for "
                                          "--random-init."),

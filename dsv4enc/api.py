@@ -162,11 +162,12 @@ class Encoder:
         if max_images <= 0:
             raise ValueError(f"max_images must be positive, got {max_images}")
         from .engine import DEFAULT_BATCH_TOKENS
+        from .pipeline import available_cpus
 
         self.batch_tokens = batch_tokens or DEFAULT_BATCH_TOKENS.get(self.device.type, 8192)
         self.max_images = max_images
         if decode_threads is None:
-            decode_threads = 0 if self.device.type == "cpu" else min(8, os.cpu_count() or 1)
+            decode_threads = 0 if self.device.type == "cpu" else min(8, available_cpus())
         self.decode_threads = max(0, decode_threads)
         self.max_pixels = max_pixels
         self.attention = attention

@@ -290,47 +290,42 @@ def run_encode(opts: EncodeOptions, dist=None) -> RunSummary:
             runner = _Runner(engine, pool, opts, dist, tp, progress, summary, stop)
             began = time.perf_counter()
             try:
-                if todo:
-                    progress.status("capturing CUDA graphs" if engine.graphs_enabled
-                                    else "encoding")
-                    engine.fit_budgets(runner.plan(planned, todo))
-                    engine.prepare()
-                    progress.status("encoding")
-                    began = time.perf_counter()
-                for name, start, end, digest, rows in runner.run(planned, todo):
+                try:
+                    if todo:
+                        progress.status("capturing CUDA graphs" if engine.graphs_enabled
+                                        else "encoding")
+                        engine.fit_budgets(runner.plan(planned, todo))
+                        engine.prepare()
+                        progress.status("encoding")
+                        began = time.perf_counter()
+                    for name, start, end, digest, rows in runner.run(planned, todo):
+                        if writer is not None:
+                            writer.put(name, rows, start, end, digest)
+                        del rows  # only the writer holds a finished part while the next runs
+                finally:
                     if writer is not None:
-                        writer.put(name, rows, start, end, digest)
-                    del rows  # only the writer holds a finished part while the next is encoded
+                        writer.close()
+                        summary.write_s = writer.seconds
+                    summary.encode_s = time.perf_counter() - began
+                if stop.signum is not None:
+                    raise Interrupted(stop.signum, f"finished parts are kept in "
+                                      f"{layout.parts_dir}; rerun the same command with "
+                                      "--resume to finish")
+                if dist is not None:
+                    dist.barrier()
+                if assembler is not None:
+                    progress.status("writing the final file")
+                    began = time.perf_counter()
+                    assembler.finish()
+                    remove_tree(layout.parts_dir)
+                    summary.write_s += time.perf_counter() - began
+                elif opts.shard_output and dist is not None:
+                    merge_manifests(dist, store)
+                    _sum_rank_counts(dist, summary)
             except BaseException:
                 if assembler is not None:
-                    assembler.abort()
+                    assembler.abort()  # idempotent; the final file never appears half-written
                 raise
-            finally:
-                if writer is not None:
-                    try:
-                        writer.close()
-                    except BaseException:
-                        if assembler is not None:
-                            assembler.abort()
-                        raise
-                    summary.write_s = writer.seconds
-                summary.encode_s = time.perf_counter() - began
-            if stop.signum is not None:
-                if assembler is not None:
-                    assembler.abort()
-                raise Interrupted(stop.signum, f"finished parts are kept in {layout.parts_dir}; "
-                                  "rerun the same command with --resume to finish")
-            if dist is not None:
-                dist.barrier()
-            if assembler is not None:
-                progress.status("writing the final file")
-                began = time.perf_counter()
-                assembler.finish()
-                remove_tree(layout.parts_dir)
-                summary.write_s += time.perf_counter() - began
-            elif opts.shard_output and dist is not None:
-                merge_manifests(dist, store)
-                _sum_rank_counts(dist, summary)
     except (DsvError, Interrupted):
         if dist is None or dist.is_main:
             layout.discard_if_empty()  # so that a corrected rerun is not told to --resume

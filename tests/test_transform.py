@@ -252,3 +252,25 @@ def test_count_llm_tokens_by_hand():
     assert count_llm_tokens(42, 42, 14, 3) == 1 * 2 + 2 + 2
     # 6x6 patches: lh = lw = 2, (lh+1)//2 * (lw+1) = 3 odd.
     assert count_llm_tokens(84, 84, 14, 3) == 2 * 3 + 2 + 2
+
+
+def test_normalize_lookup_equals_torch_arithmetic_for_every_pixel_value():
+    """The lookup table is the reference's float32 normalize and bf16 cast, value by value."""
+    from dsv4enc.transform import NORMALIZED_BF16_BITS
+
+    levels = torch.arange(256, dtype=torch.float32)
+    expected = ((levels / 255 - 0.5) / 0.5).to(torch.bfloat16).view(torch.int16).numpy()
+    assert np.array_equal(NORMALIZED_BF16_BITS.view(np.int16), expected)
+
+
+def test_patches_match_per_pixel_arithmetic(tiny_cfg):
+    """Patchify-then-lookup equals normalize-then-patchify done in torch."""
+    image = noise((61, 45), seed=3)
+    patches, canvas = image_to_patches(image, tiny_cfg)
+    fitted = ImageOps.pad(image, (canvas.width, canvas.height), color=PAD_FILL)
+    pixels = torch.from_numpy(np.asarray(fitted).copy()).permute(2, 0, 1).float()
+    values = ((pixels / 255 - 0.5) / 0.5).to(torch.bfloat16)
+    p = tiny_cfg.patch_size
+    expected = (values.reshape(3, canvas.n_h, p, canvas.n_w, p).permute(1, 3, 0, 2, 4)
+                .reshape(canvas.n_patches, 3 * p * p))
+    assert torch.equal(patches, expected)

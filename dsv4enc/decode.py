@@ -10,8 +10,10 @@ from __future__ import annotations
 import io
 import multiprocessing as mp
 import os
+import queue
 import signal
 import stat
+import threading
 import time
 import warnings
 from collections import deque
@@ -159,6 +161,8 @@ def _worker_main(conn, cfg: VisionConfig, max_pixels: int) -> None:
             return
 
 
+_END = object()  # the last item an imap pump puts on its queue
+_POLL_S = 0.1  # how often a waiting pump thread checks whether it should stop
 _READY = "ready"  # a worker's first message: imports done, taking images
 STARTUP_LIMIT_S = 120.0  # a worker that is not up by then counts as crashed
 
@@ -214,8 +218,11 @@ class DecodePool:
         self._ctx = mp.get_context("spawn")  # fork is unsafe after torch/CUDA start threads
         self._workers = [_Worker(self._ctx, cfg, max_pixels) for _ in range(workers)]
         self.replaced = 0
+        self._pumps: list[tuple[threading.Thread, threading.Event]] = []
 
     def close(self) -> None:
+        for pump, stop in list(self._pumps):  # an abandoned imap's thread uses the workers
+            self._stop_pump(pump, stop)
         for worker in self._workers:
             worker.stop(kill=worker.task is not None)
         self._workers = []
@@ -235,36 +242,78 @@ class DecodePool:
         """Yield ``(tag, Decoded)`` for each ``(tag, source)`` task, in task order. A source is
         what ``decode_image`` takes: a path, or an ``InputItem`` (picklable, small).
 
-        At most ``window`` tasks are queued, running or finished-but-not-yielded at once, so
-        memory stays bounded whatever the consumer's speed.
+        A background thread feeds the workers and collects their results, so decoding goes on
+        while the caller is busy (e.g. running the model on the previous batch). At most
+        ``window`` tasks are taken but not yet yielded (queued, decoding or decoded) at once,
+        so memory stays bounded whatever the consumer's speed.
         """
         if not self._workers:
-            for tag, path in tasks:
-                yield tag, decode_image(path, self.cfg, self.max_pixels)
-            return
-        source = iter(tasks)
-        waiting: deque[tuple[int, str]] = deque()
+            return ((tag, decode_image(path, self.cfg, self.max_pixels)) for tag, path in tasks)
+        results: queue.SimpleQueue = queue.SimpleQueue()
+        credits = threading.Semaphore(max(1, window))
+        stop = threading.Event()
+        pump = threading.Thread(target=self._pump, args=(iter(tasks), results, credits, stop),
+                                name="dsv4enc-decode", daemon=True)
+        self._pumps.append((pump, stop))
+        pump.start()  # now, not at the first next(): decoding starts while the caller sets up
+        return self._drain(results, credits, pump, stop)
+
+    def _drain(self, results: queue.SimpleQueue, credits: threading.Semaphore,
+               pump: threading.Thread, stop: threading.Event) -> Iterator[tuple[Any, Decoded]]:
+        try:
+            while True:
+                item = results.get()
+                if item is _END:
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                credits.release()
+                yield item
+        finally:
+            self._stop_pump(pump, stop)
+
+    def _stop_pump(self, pump: threading.Thread, stop: threading.Event) -> None:
+        stop.set()
+        if pump is not threading.current_thread():
+            pump.join()
+        if (pump, stop) in self._pumps:
+            self._pumps.remove((pump, stop))
+
+    def _pump(self, source: Iterator, results: queue.SimpleQueue, credits: threading.Semaphore,
+              stop: threading.Event) -> None:
+        """The feeding loop of ``imap``: takes tasks while it holds credits (one per task; the
+        consumer returns it on taking the result), dispatches, collects, and puts results on
+        ``results`` in task order, then ``_END`` (or the exception that stopped it)."""
+        waiting: deque[tuple[int, Any]] = deque()
         tags: dict[int, Any] = {}
         done: dict[int, Decoded] = {}
         next_seq = next_out = 0
         exhausted = False
-        while True:
-            while not exhausted and next_seq - next_out < window:
-                try:
-                    tag, path = next(source)
-                except StopIteration:
-                    exhausted = True
-                    break
-                tags[next_seq] = tag
-                waiting.append((next_seq, path))
-                next_seq += 1
-            self._dispatch(waiting, done)
-            while next_out in done:
-                yield tags.pop(next_out), done.pop(next_out)
-                next_out += 1
-            if exhausted and next_out == next_seq:
-                return
-            self._collect(done)
+        try:
+            while not stop.is_set():
+                while not exhausted and credits.acquire(blocking=False):
+                    try:
+                        tag, path = next(source)
+                    except StopIteration:
+                        exhausted = True
+                        credits.release()
+                        break
+                    tags[next_seq] = tag
+                    waiting.append((next_seq, path))
+                    next_seq += 1
+                self._dispatch(waiting, done)
+                while next_out in done:
+                    results.put((tags.pop(next_out), done.pop(next_out)))
+                    next_out += 1
+                if exhausted and next_out == next_seq:
+                    results.put(_END)
+                    return
+                if any(w.task is not None for w in self._workers):
+                    self._collect(done, max_wait=_POLL_S)
+                elif credits.acquire(timeout=_POLL_S):  # all credits out: wait for the consumer
+                    credits.release()
+        except BaseException as exc:  # handed to the consumer, which raises it
+            results.put(exc)
 
     def _dispatch(self, waiting: deque, done: dict[int, Decoded]) -> None:
         for index, worker in enumerate(self._workers):
@@ -277,12 +326,13 @@ class DecodePool:
                     done[seq] = Decoded(error="decode worker failed to start this image")
                     self._replace(index)
 
-    def _collect(self, done: dict[int, Decoded]) -> None:
+    def _collect(self, done: dict[int, Decoded], max_wait: float) -> None:
+        """Wait up to ``max_wait`` s (less if a deadline comes first) for workers' messages."""
         busy = [(i, w) for i, w in enumerate(self._workers) if w.task is not None]
         if not busy:
             return
         deadlines = [d for _, w in busy if (d := w.deadline(self.timeout_s)) is not None]
-        timeout = max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
+        timeout = max(0.0, min([max_wait, *(d - time.monotonic() for d in deadlines)]))
         ready = set(wait_ready([w.conn for _, w in busy] + [w.proc.sentinel for _, w in busy],
                                timeout))
         for index, worker in busy:

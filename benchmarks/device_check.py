@@ -30,7 +30,8 @@ from dsv4enc.checkpoint import build_tower, load_checkpoint, random_checkpoint
 from dsv4enc.config import VisionConfig
 from dsv4enc.engine import Engine
 from dsv4enc.graphs import BucketRunner, default_budgets
-from dsv4enc.packing import pack, pack_bins
+from dsv4enc.packing import pack
+from dsv4enc.planning import pack_bins
 from dsv4enc.transform import image_to_patches, plan_canvas
 
 CHECKS: list[dict] = []

@@ -29,7 +29,8 @@ from .checkpoint import COMPUTE_DTYPES, Checkpoint, build_tower, load_checkpoint
 from .config import VisionConfig
 from .decode import DEFAULT_MAX_PIXELS, decode_image, describe_error, patches_tensor
 from .engine import Engine
-from .packing import output_grid, pack, pack_bins
+from .packing import output_grid, pack
+from .planning import pack_bins
 from .reading import read_embeddings
 
 if TYPE_CHECKING:
@@ -161,8 +162,7 @@ class Encoder:
             raise ValueError(f"batch_tokens must be positive, got {batch_tokens}")
         if max_images <= 0:
             raise ValueError(f"max_images must be positive, got {max_images}")
-        from .engine import DEFAULT_BATCH_TOKENS
-        from .pipeline import available_cpus
+        from .options import DEFAULT_BATCH_TOKENS, available_cpus
 
         self.batch_tokens = batch_tokens or DEFAULT_BATCH_TOKENS.get(self.device.type, 8192)
         self.max_images = max_images

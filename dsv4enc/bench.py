@@ -37,7 +37,8 @@ from .checkpoint import COMPUTE_DTYPES, build_tower, random_checkpoint
 from .config import VisionConfig
 from .engine import Engine
 from .model import VisionTower
-from .packing import PackedBatch, aligner_grid, pack, pack_bins
+from .packing import PackedBatch, aligner_grid, pack
+from .planning import pack_bins
 from .transform import image_to_patches
 
 log = logging.getLogger(__name__)

@@ -114,8 +114,9 @@ def encode(
                                               "the config; small values for tests)."),
 ) -> None:
     """Encode images into a Parquet file of embeddings, one row per image."""
-    from .pipeline import EncodeOptions, Interrupted, run_encode
-    from .summary import print_summary
+    from .errors import Interrupted
+    from .options import EncodeOptions
+    from .prefetch import start_prefetch
 
     opts = EncodeOptions(
         inputs=list(inputs or []), out=out, files_from=files_from, image_column=image_column,
@@ -126,12 +127,15 @@ def encode(
         decode_timeout=decode_timeout, attention=attention, cuda_graphs=cuda_graphs,
         shard_output=shard_output, tp_mode=tp_mode, balance=balance, timeout=timeout,
         part_images=part_images, progress=not quiet)
-    dist = None
+    dist = prefetch = None
     try:
+        prefetch = start_prefetch(opts)  # before torch is imported: decoding starts meanwhile
+        from .pipeline import run_encode
         from .sharding import init_distributed, shutdown
+        from .summary import print_summary
 
         dist = init_distributed(device, timeout)
-        summary = run_encode(opts, dist)
+        summary = run_encode(opts, dist, prefetch)
         if dist is None or dist.is_main:
             print_summary(summary)
     except Interrupted as exc:
@@ -141,6 +145,8 @@ def encode(
     except KeyboardInterrupt:
         fail("interrupted", 130)
     finally:
+        if prefetch is not None:
+            prefetch.close()
         if dist is not None:
             shutdown(dist)
 

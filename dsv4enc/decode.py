@@ -201,6 +201,38 @@ class _Worker:
         self.conn.close()
 
 
+class DecodeStream:
+    """What ``DecodePool.imap`` returns: an iterator of ``(tag, Decoded)`` in task order.
+    ``close()`` (or closing the pool) stops its feeding thread, consumed or not."""
+
+    def __init__(self, pool: "DecodePool", results: queue.SimpleQueue,
+                 credits: threading.Semaphore, pump: threading.Thread,
+                 stop: threading.Event) -> None:
+        self._pool, self._results, self._credits = pool, results, credits
+        self._pump, self._stop = pump, stop
+        self._done = False
+
+    def __iter__(self) -> "DecodeStream":
+        return self
+
+    def __next__(self) -> tuple[Any, Decoded]:
+        if self._done:
+            raise StopIteration
+        item = self._results.get()
+        if item is _END:
+            self.close()
+            raise StopIteration
+        if isinstance(item, BaseException):
+            self.close()
+            raise item
+        self._credits.release()
+        return item
+
+    def close(self) -> None:
+        self._done = True
+        self._pool._stop_pump(self._pump, self._stop)
+
+
 class DecodePool:
     """Decode images in worker processes, in order, with a bounded look-ahead.
 
@@ -256,21 +288,7 @@ class DecodePool:
                                 name="dsv4enc-decode", daemon=True)
         self._pumps.append((pump, stop))
         pump.start()  # now, not at the first next(): decoding starts while the caller sets up
-        return self._drain(results, credits, pump, stop)
-
-    def _drain(self, results: queue.SimpleQueue, credits: threading.Semaphore,
-               pump: threading.Thread, stop: threading.Event) -> Iterator[tuple[Any, Decoded]]:
-        try:
-            while True:
-                item = results.get()
-                if item is _END:
-                    return
-                if isinstance(item, BaseException):
-                    raise item
-                credits.release()
-                yield item
-        finally:
-            self._stop_pump(pump, stop)
+        return DecodeStream(self, results, credits, pump, stop)
 
     def _stop_pump(self, pump: threading.Thread, stop: threading.Event) -> None:
         stop.set()
@@ -289,6 +307,7 @@ class DecodePool:
         done: dict[int, Decoded] = {}
         next_seq = next_out = 0
         exhausted = False
+        source_error: Exception | None = None
         try:
             while not stop.is_set():
                 while not exhausted and credits.acquire(blocking=False):
@@ -296,6 +315,10 @@ class DecodePool:
                         tag, path = next(source)
                     except StopIteration:
                         exhausted = True
+                        credits.release()
+                        break
+                    except Exception as exc:  # after the images taken before it
+                        exhausted, source_error = True, exc
                         credits.release()
                         break
                     tags[next_seq] = tag
@@ -306,7 +329,7 @@ class DecodePool:
                     results.put((tags.pop(next_out), done.pop(next_out)))
                     next_out += 1
                 if exhausted and next_out == next_seq:
-                    results.put(_END)
+                    results.put(_END if source_error is None else source_error)
                     return
                 if any(w.task is not None for w in self._workers):
                     self._collect(done, max_wait=_POLL_S)

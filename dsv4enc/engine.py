@@ -28,12 +28,11 @@ from .errors import UsageError
 from .graphs import (GRAPH_BACKENDS, Bucket, BucketRunner, default_budgets, fit_budgets,
                      max_image_tokens)
 from .model import VisionTower, rope_tables
+from .options import DEFAULT_BATCH_TOKENS
 from .packing import PackedBatch
 
 log = logging.getLogger(__name__)
 
-#: Tokens per batch when the caller gives none: enough to fill an H200, a few images on a CPU.
-DEFAULT_BATCH_TOKENS = {"cuda": 32768, "cpu": 8192}
 
 
 @dataclass

@@ -6,6 +6,8 @@ Bad *images* are not errors of this kind: they become rows with an ``error`` val
 
 from __future__ import annotations
 
+import signal
+
 
 class DsvError(Exception):
     """A setup problem the user can fix. ``exit_code`` is what the CLI exits with."""
@@ -33,3 +35,11 @@ class OutputError(DsvError):
 
 class DistributedError(DsvError):
     """A rank failed or timed out."""
+
+
+class Interrupted(Exception):
+    """SIGINT/SIGTERM stopped the run after committing finished parts."""
+
+    def __init__(self, signum: int, resume_hint: str) -> None:
+        super().__init__(f"interrupted by {signal.Signals(signum).name}; {resume_hint}")
+        self.exit_code = 128 + signum

@@ -15,7 +15,8 @@ from .writer import (PartStore, Row, StreamingAssembler, remove_tree, rows_per_g
                      write_json_atomic)
 
 if TYPE_CHECKING:
-    from .pipeline import EncodeOptions, RunSummary
+    from .options import EncodeOptions
+    from .pipeline import RunSummary
     from .planning import Part
 
 class OutputLayout:
@@ -126,6 +127,8 @@ class PartWriter:
                 table = rows_to_table(rows, self.schema)
                 group_rows = rows_per_group(self.schema, rows)
                 del job, rows  # the table holds a copy: free the rows before the write
+                if self.assembler is not None:  # it copies the table while the part is written
+                    self.assembler.offer(name, table, group_rows)
                 self.store.commit(name, table, group_rows, start, end, digest)
                 if self.assembler is not None:
                     self.assembler.notify()

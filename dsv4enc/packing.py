@@ -93,30 +93,3 @@ def pack(items: Sequence[tuple[torch.Tensor, int, int]], r: int,
         merge_mask=torch.cat(masks) if masks else torch.zeros(0, rr, dtype=torch.bool),
         row_counts=row_counts,
     )
-
-
-def pack_bins(costs: Sequence[int], capacity: int, max_items: int | None = None) -> list[list[int]]:
-    """First-fit-decreasing bin packing.
-
-    Returns bins of item indices (each bin's indices ascending), every bin's cost sum at most
-    ``capacity`` and item count at most ``max_items``; an item larger than ``capacity`` gets
-    a bin of its own. Bins come out ordered by their smallest index, so that work flows
-    roughly in input order.
-    """
-    order = sorted(range(len(costs)), key=lambda i: (-costs[i], i))
-    bins: list[list[int]] = []
-    loads: list[int] = []
-    for i in order:
-        cost = costs[i]
-        for b, load in enumerate(loads):
-            if load + cost <= capacity and (max_items is None or len(bins[b]) < max_items):
-                bins[b].append(i)
-                loads[b] += cost
-                break
-        else:
-            bins.append([i])
-            loads.append(cost)
-    for b in bins:
-        b.sort()
-    bins.sort(key=lambda b: b[0])
-    return bins

@@ -11,7 +11,6 @@ shared among ranks by the greedy rule of SPEC ยง7 (or the tower is split, SPEC ย
 from __future__ import annotations
 
 import logging
-import os
 import signal
 import threading
 import time
@@ -25,61 +24,22 @@ import torch
 from . import __version__
 from .checkpoint import COMPUTE_DTYPES, Checkpoint, build_tower, load_checkpoint, random_checkpoint
 from .config import VisionConfig
-from .decode import DEFAULT_MAX_PIXELS, DecodePool, Decoded, patches_tensor
+from .decode import DecodePool, Decoded, patches_tensor
 from .engine import Engine
-from .errors import DsvError, UsageError
+from .errors import DsvError, Interrupted, UsageError
 from .inputs import discover
 from .output import OutputLayout, PartWriter, main_then_all, merge_manifests, resume_filter
-from .packing import output_grid, pack, pack_bins
-from .planning import Part, Planned, images_per_part, plan_parts, read_headers, share_for_rank
+from .options import (EncodeOptions, decode_window, default_workers,  # noqa: F401 (re-export)
+                      default_writer_threads, validate)
+from .packing import output_grid, pack
+from .planning import (Part, Planned, images_per_part, part_batches, plan_parts, read_headers,
+                       share_for_rank)
+from .prefetch import Prefetch
 from .progress import RunProgress
 from .writer import PartStore, Row, StreamingAssembler, output_schema, remove_tree
 
 log = logging.getLogger("dsv4enc")
 
-
-
-class Interrupted(Exception):
-    """SIGINT/SIGTERM stopped the run after committing finished parts."""
-
-    def __init__(self, signum: int, resume_hint: str) -> None:
-        super().__init__(f"interrupted by {signal.Signals(signum).name}; {resume_hint}")
-        self.exit_code = 128 + signum
-
-
-@dataclass
-class EncodeOptions:
-    """Everything ``dsv4enc encode`` can be asked to do (the CLI maps its flags onto this)."""
-
-    inputs: list[str]
-    out: str
-    files_from: str | None = None
-    image_column: str | None = None
-    key_column: str | None = None
-    weights: str | None = None
-    config: str | None = None
-    random_init: bool = False
-    seed: int = 0
-    device: str = "auto"
-    dtype: str = "auto"
-    out_dtype: str = "float16"
-    features: str = "aligner"
-    pool: str = "none"
-    batch_tokens: int | None = None
-    max_images: int = 64
-    workers: int | None = None
-    overwrite: bool = False
-    resume: bool = False
-    max_pixels: int = DEFAULT_MAX_PIXELS
-    decode_timeout: float = 120.0
-    attention: str = "auto"
-    cuda_graphs: bool | None = None
-    shard_output: bool = False
-    tp_mode: str = "data"
-    balance: str = "patches"
-    timeout: float = 300.0
-    part_images: int | None = None
-    progress: bool = True
 
 
 @dataclass
@@ -136,60 +96,6 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return COMPUTE_DTYPES[name]
 
 
-def validate(opts: EncodeOptions) -> None:
-    """Reject options that make no sense, alone or together."""
-    if not opts.inputs and not opts.files_from:
-        raise UsageError("no inputs: give folders or image files, or --files-from LIST")
-    if opts.resume and opts.overwrite:
-        raise UsageError("--resume and --overwrite contradict each other; choose one")
-    if opts.random_init and opts.weights:
-        raise UsageError("--random-init and --weights contradict each other; choose one")
-    if opts.random_init and not opts.config:
-        raise UsageError("--random-init needs --config FILE for the tower's shape")
-    if not opts.random_init and not opts.weights:
-        raise UsageError("no weights: pass --weights DIR, set DSV4ENC_WEIGHTS, "
-                         "or use --config FILE --random-init")
-    if opts.config and not opts.random_init:
-        raise UsageError("--config only applies with --random-init (a checkpoint has its own "
-                         "config.json)")
-    choices = {"out_dtype": ("float16", "float32"), "features": ("aligner", "vit"),
-               "pool": ("none", "mean"), "tp_mode": ("data", "weights"),
-               "balance": ("patches", "flops")}
-    for name, allowed in choices.items():
-        if getattr(opts, name) not in allowed:
-            raise UsageError(f"--{name.replace('_', '-')} must be one of {', '.join(allowed)}")
-    for name in ("batch_tokens", "max_images", "max_pixels", "part_images"):
-        value = getattr(opts, name)
-        if value is not None and value <= 0:
-            raise UsageError(f"--{name.replace('_', '-')} must be positive, got {value}")
-    if opts.workers is not None and opts.workers < 0:
-        raise UsageError(f"--workers must be 0 or more, got {opts.workers}")
-    if opts.decode_timeout <= 0 or opts.timeout <= 0:
-        raise UsageError("timeouts must be positive")
-    if opts.shard_output and opts.tp_mode == "weights":
-        raise UsageError("--shard-output applies to --tp-mode data only")
-
-
-def available_cpus() -> int:
-    """CPUs this process may run on (its affinity mask, where the OS has one)."""
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
-
-
-def default_writer_threads() -> int:
-    cpus = available_cpus()
-    return max(1, min(4, cpus // 4))
-
-
-def default_workers(device: torch.device) -> int:
-    cpus = available_cpus()
-    if device.type == "cuda":
-        return max(1, min(cpus - 1, 16))
-    # On the CPU the model wants the cores; one decoder keeps it fed on small machines.
-    return max(1, cpus // 4)
-
-
 def load_model(opts: EncodeOptions, dtype: torch.dtype) -> Checkpoint:
     if opts.random_init:
         return random_checkpoint(VisionConfig.from_file(opts.config), opts.seed, dtype)
@@ -236,25 +142,41 @@ def run_settings(ckpt: Checkpoint, opts: EncodeOptions, dtype: torch.dtype,
     }
 
 
-def run_encode(opts: EncodeOptions, dist=None) -> RunSummary:
-    """Encode ``opts.inputs`` into ``opts.out``. Raises DsvError (setup) or Interrupted."""
-    started = time.perf_counter()
+def run_encode(opts: EncodeOptions, dist=None, prefetch: Prefetch | None = None) -> RunSummary:
+    """Encode ``opts.inputs`` into ``opts.out``. Raises DsvError (setup) or Interrupted.
+
+    ``prefetch``: what ``prefetch.start_prefetch(opts)`` found and started for these same
+    options (the CLI's head start while torch was imported); this call closes it."""
+    try:
+        return _run_encode(opts, dist, prefetch)
+    finally:
+        if prefetch is not None:
+            prefetch.close()
+
+
+def _run_encode(opts: EncodeOptions, dist, prefetch: Prefetch | None) -> RunSummary:
+    started = prefetch.started if prefetch is not None else time.perf_counter()
     validate(opts)
     device = resolve_device(opts.device, dist)
     dtype = resolve_dtype(opts.dtype, device)
     is_writer_rank = dist is None or dist.is_main or opts.shard_output
     layout = OutputLayout(opts.out, opts.shard_output)
-    found = discover(opts.inputs, opts.files_from, opts.image_column, opts.key_column)
+    found = (prefetch.found if prefetch is not None else
+             discover(opts.inputs, opts.files_from, opts.image_column, opts.key_column))
     main_then_all(dist, lambda: layout.prepare(opts.overwrite, opts.resume))
     ckpt = load_model(opts, dtype)
     main_then_all(dist, layout.create)
     cfg = ckpt.config
-    n_workers = default_workers(device) if opts.workers is None else opts.workers
+    n_workers = default_workers(device.type) if opts.workers is None else opts.workers
+    if prefetch is not None and not (device.type == "cpu" and prefetch.matches(cfg)):
+        prefetch.close()  # planned for another device or config: start over
+        prefetch = None
     progress = RunProgress(enabled=opts.progress and (dist is None or dist.is_main))
     stop = _Stop()
     stop.install()
     summary = RunSummary(out=str(opts.out), skipped=found.skipped)
-    pool = DecodePool(cfg, n_workers, opts.max_pixels, opts.decode_timeout)  # spawns early
+    pool = (prefetch.pool if prefetch is not None else  # spawned now: workers start meanwhile
+            DecodePool(cfg, n_workers, opts.max_pixels, opts.decode_timeout))
     try:
         model = build_tower(ckpt, device)
         tp = False
@@ -266,9 +188,13 @@ def run_encode(opts: EncodeOptions, dist=None) -> RunSummary:
                         cuda_graphs=opts.cuda_graphs, batch_tokens=opts.batch_tokens,
                         max_images=opts.max_images)
         with progress:
-            progress.status(f"reading {len(found.items)} image headers")
-            planned = read_headers(found.items, cfg, opts.max_pixels, dist,
-                                   None if dist is not None else lambda: stop.signum is not None)
+            if prefetch is not None:
+                planned = prefetch.planned
+            else:
+                progress.status(f"reading {len(found.items)} image headers")
+                planned = read_headers(found.items, cfg, opts.max_pixels, dist,
+                                       None if dist is not None else
+                                       lambda: stop.signum is not None)
             if dist is None and stop.signum is not None:
                 raise Interrupted(stop.signum, "nothing was encoded; rerun the same command")
             part_images = images_per_part(cfg, opts)
@@ -287,7 +213,7 @@ def run_encode(opts: EncodeOptions, dist=None) -> RunSummary:
                          if single_file else None)
             writer = (PartWriter(store, schema, default_writer_threads(), assembler)
                       if is_writer_rank else None)
-            runner = _Runner(engine, pool, opts, dist, tp, progress, summary, stop)
+            runner = _Runner(engine, pool, opts, dist, tp, progress, summary, stop, prefetch)
             began = time.perf_counter()
             try:
                 try:
@@ -345,8 +271,10 @@ class _Runner:
     as ``(name, start, end, digest, rows)``."""
 
     def __init__(self, engine: Engine, pool: DecodePool, opts: EncodeOptions, dist, tp: bool,
-                 progress: RunProgress, summary: RunSummary, stop: _Stop) -> None:
+                 progress: RunProgress, summary: RunSummary, stop: _Stop,
+                 prefetch: Prefetch | None = None) -> None:
         self.engine, self.pool, self.opts, self.dist = engine, pool, opts, dist
+        self.prefetch = prefetch
         self.tp = tp
         self.progress, self.summary, self.stop = progress, summary, stop
         self.cfg = engine.cfg
@@ -376,9 +304,8 @@ class _Runner:
                 assert shares[self.dist.rank] == mine, "shard plan differs from the part's"
         else:
             shares = [good]
-        return [[[share[j] for j in b] for b in
-                 pack_bins([planned[i].tokens for i in share], self.batch_tokens,
-                           self.opts.max_images)] for share in shares]
+        return [part_batches(planned, share, self.batch_tokens, self.opts.max_images)
+                for share in shares]
 
     def summary_loads(self, rank: int, load: float) -> None:
         loads = self.summary.rank_loads
@@ -399,9 +326,12 @@ class _Runner:
         plans = self._plans if self._plans is not None else [
             self.rank_batches(planned, part) for part in parts]
         me = self._me
-        order = (i for plan in plans for batch in plan[me] for i in batch)
-        decoded = self.pool.imap(((i, planned[i].item) for i in order),
-                                 window=max(8, 4 * self.pool.n_workers + self.opts.max_images))
+        order = [i for plan in plans for batch in plan[me] for i in batch]
+        decoded = self.prefetch.take_stream(order) if self.prefetch is not None else None
+        if decoded is None:
+            decoded = self.pool.imap(((i, planned[i].item) for i in order),
+                                     window=decode_window(self.pool.n_workers,
+                                                          self.opts.max_images))
         for part, plan in zip(parts, plans):
             rows = {i: _error_row(planned[i]) for i in part.indices if planned[i].error}
             steps = max(len(batches) for batches in plan)

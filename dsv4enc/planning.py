@@ -15,7 +15,7 @@ from .inputs import InputItem
 from .transform import plan_canvas
 
 if TYPE_CHECKING:
-    from .pipeline import EncodeOptions
+    from .options import EncodeOptions
 
 PART_BYTES = 256 << 20  # upper bound of one part's embeddings in memory
 HEADER_CHUNK = 4096  # header probes submitted to the thread pool at a time
@@ -143,3 +143,47 @@ def share_for_rank(planned: Sequence[Planned], indices: list[int], dist,
     else:
         costs = [planned[i].tokens if planned[i].error is None else 0 for i in indices]
     return [[indices[j] for j in share] for share in assign_greedy(costs, dist.world_size)]
+
+
+def pack_bins(costs: Sequence[int], capacity: int, max_items: int | None = None) -> list[list[int]]:
+    """First-fit-decreasing bin packing.
+
+    Returns bins of item indices (each bin's indices ascending), every bin's cost sum at most
+    ``capacity`` and item count at most ``max_items``; an item larger than ``capacity`` gets
+    a bin of its own. Bins come out ordered by their smallest index, so that work flows
+    roughly in input order.
+    """
+    order = sorted(range(len(costs)), key=lambda i: (-costs[i], i))
+    bins: list[list[int]] = []
+    loads: list[int] = []
+    for i in order:
+        cost = costs[i]
+        for b, load in enumerate(loads):
+            if load + cost <= capacity and (max_items is None or len(bins[b]) < max_items):
+                bins[b].append(i)
+                loads[b] += cost
+                break
+        else:
+            bins.append([i])
+            loads.append(cost)
+    for b in bins:
+        b.sort()
+    bins.sort(key=lambda b: b[0])
+    return bins
+
+
+def part_batches(planned: Sequence[Planned], indices: Sequence[int], batch_tokens: int,
+                 max_images: int | None) -> list[list[int]]:
+    """The batches (lists of item indices) that ``indices`` are encoded in: the readable
+    items, packed first-fit-decreasing by patch count."""
+    good = [i for i in indices if planned[i].error is None]
+    bins = pack_bins([planned[i].tokens for i in good], batch_tokens, max_images)
+    return [[good[j] for j in b] for b in bins]
+
+
+def batch_order(planned: Sequence[Planned], parts: Sequence[Part], batch_tokens: int,
+                max_images: int | None) -> list[int]:
+    """Item indices in the order a single process decodes them: part by part, batch by batch."""
+    return [i for part in parts
+            for batch in part_batches(planned, part.indices, batch_tokens, max_images)
+            for i in batch]

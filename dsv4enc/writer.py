@@ -79,10 +79,35 @@ def utf8_text(name: str) -> str:
             return name.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
-def _float_array(values: np.ndarray) -> pa.Array:
-    """A zero-copy Arrow view of a float16/float32 numpy array. (Passing ``type=`` makes
-    pyarrow convert value by value: 200 ms for 60 M halves instead of microseconds.)"""
-    return pa.array(np.ascontiguousarray(values))
+# Arrays are built from numpy buffers with ``Array.from_buffers``: ``pa.array`` would import
+# pandas on its first call (to check for pandas inputs), 0.2 s of a short run's start-up.
+
+def _validity(valid: np.ndarray) -> pa.Buffer | None:
+    """Arrow's validity bitmap (LSB first) for a bool mask; None when nothing is null."""
+    return None if valid.all() else pa.py_buffer(np.packbits(valid, bitorder="little"))
+
+
+def _numeric_array(values: np.ndarray, arrow_type: pa.DataType,
+                   valid: np.ndarray | None = None) -> pa.Array:
+    """A zero-copy Arrow view of a contiguous 1-D numpy array of ``arrow_type``'s width."""
+    values = np.ascontiguousarray(values)
+    validity = None if valid is None else _validity(valid)
+    return pa.Array.from_buffers(arrow_type, len(values), [validity, pa.py_buffer(values)])
+
+
+def _int32_array(values: Sequence[int | None]) -> pa.Array:
+    valid = np.array([v is not None for v in values], dtype=bool)
+    data = np.array([0 if v is None else v for v in values], dtype=np.int32)
+    return _numeric_array(data, pa.int32(), valid)
+
+
+def _string_array(values: Sequence[str | None]) -> pa.Array:
+    valid = np.array([v is not None for v in values], dtype=bool)
+    encoded = [b"" if v is None else v.encode("utf-8") for v in values]
+    offsets = np.zeros(len(encoded) + 1, dtype=np.int64)
+    np.cumsum([len(e) for e in encoded], out=offsets[1:])
+    return pa.Array.from_buffers(pa.large_string(), len(encoded), [
+        _validity(valid), pa.py_buffer(offsets), pa.py_buffer(b"".join(encoded))]).cast(pa.string())
 
 
 def rows_to_table(rows: Sequence[Row], schema: pa.Schema) -> pa.Table:
@@ -99,26 +124,29 @@ def rows_to_table(rows: Sequence[Row], schema: pa.Schema) -> pa.Table:
         for i, r in enumerate(rows):
             if r.embedding is not None:
                 flat[i] = np.asarray(r.embedding, dtype=np_dtype).reshape(width)
-        embedding = pa.FixedSizeListArray.from_arrays(
-            _float_array(flat.reshape(-1)), type=row_type, mask=pa.array(~valid))
+        values = _numeric_array(flat.reshape(-1), row_type.value_type)
+        embedding = pa.Array.from_buffers(row_type, len(rows), [_validity(valid)],
+                                          children=[values])
     else:
         arrays = [np.asarray(r.embedding, dtype=np_dtype).reshape(-1, width)
                   for r in rows if r.embedding is not None]
         flat = np.concatenate(arrays).reshape(-1) if arrays else np.zeros(0, dtype=np_dtype)
         # Built with the schema's own types (child field names included): a mismatch would
         # make Table.from_arrays cast, i.e. copy, every value.
-        vectors = pa.FixedSizeListArray.from_arrays(_float_array(flat), type=row_type)
+        vectors = pa.Array.from_buffers(row_type, len(flat) // width, [None],
+                                        children=[_numeric_array(flat, row_type.value_type)])
         counts = np.array([0 if r.embedding is None else len(r.embedding) for r in rows],
                           dtype=np.int64)
         offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
-        embedding = pa.ListArray.from_arrays(pa.array(offsets), vectors, type=emb_type,
-                                             mask=pa.array(~valid))
+        embedding = pa.Array.from_buffers(emb_type, len(rows),
+                                          [_validity(valid), pa.py_buffer(offsets)],
+                                          children=[vectors])
     columns = {
-        "path": pa.array([utf8_text(r.path) for r in rows], pa.string()),
-        **{name: pa.array([getattr(r, name) for r in rows], pa.int32())
+        "path": _string_array([utf8_text(r.path) for r in rows]),
+        **{name: _int32_array([getattr(r, name) for r in rows])
            for name in ("width", "height", "vit_h", "vit_w", "grid_h", "grid_w")},
         "embedding": embedding,
-        "error": pa.array([r.error for r in rows], pa.string()),
+        "error": _string_array([r.error for r in rows]),
     }
     return pa.Table.from_arrays(list(columns.values()), schema=schema)
 
@@ -286,6 +314,7 @@ class StreamingAssembler:
         self.seconds = 0.0
         self.error: BaseException | None = None
         self._aborted = False
+        self._offered: dict[str, tuple[pa.Table, int]] = {}
         self._cond = threading.Condition()
         self._thread = threading.Thread(target=self._run, name="dsv4enc-assembler",
                                         daemon=True)
@@ -296,11 +325,32 @@ class StreamingAssembler:
         with self._cond:
             self._cond.notify_all()
 
+    def offer(self, name: str, table: pa.Table, row_group_size: int) -> None:
+        """A part's table, about to be committed: the assembler may copy it from memory
+        (while the part file is written) instead of reading the committed file back."""
+        with self._cond:
+            if name in self.names and not self._aborted:
+                self._offered[name] = (table, row_group_size)
+                self._cond.notify_all()
+
     def _wait_for(self, name: str) -> bool:
         with self._cond:
-            while name not in self.store.parts and not self._aborted:
+            while (name not in self._offered and name not in self.store.parts
+                   and not self._aborted):
                 self._cond.wait(timeout=1.0)
             return not self._aborted
+
+    def _append(self, writer: pq.ParquetWriter, name: str) -> None:
+        """Copy part ``name`` into the output: from memory if offered, else from its file."""
+        with self._cond:
+            offered = self._offered.pop(name, None)
+        if offered is not None:
+            table, row_group_size = offered
+            writer.write_table(table, row_group_size=row_group_size)
+            return
+        handle = pq.ParquetFile(self.store.folder / self.store.parts[name]["file"])
+        for group in range(handle.num_row_groups):
+            writer.write_table(handle.read_row_group(group))
 
     def _run(self) -> None:
         try:
@@ -310,9 +360,7 @@ class StreamingAssembler:
                     if not self._wait_for(name):
                         return
                     began = time.perf_counter()
-                    handle = pq.ParquetFile(self.store.folder / self.store.parts[name]["file"])
-                    for group in range(handle.num_row_groups):
-                        writer.write_table(handle.read_row_group(group))
+                    self._append(writer, name)
                     self.seconds += time.perf_counter() - began
             with open(self.tmp, "rb+") as handle:
                 os.fsync(handle.fileno())
@@ -340,6 +388,7 @@ class StreamingAssembler:
         """Stop without producing ``out`` (interrupted or failed run)."""
         with self._cond:
             self._aborted = True
+            self._offered.clear()
             self._cond.notify_all()
         self._thread.join()
         self.tmp.unlink(missing_ok=True)

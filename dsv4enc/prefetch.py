@@ -1,0 +1,115 @@
+"""Start decoding before torch is imported.
+
+Importing torch takes a second or more of one core, during which the machine's other cores
+have nothing to do. On a CPU run the whole plan (headers, parts, batches) can be made
+without torch, so the CLI starts the decode workers on the plan's first images first, and
+imports torch while they work: a short run then finds its first batches decoded when the
+model is ready. Only runs whose outcome cannot differ are started early: one process (no
+torchrun), a device that is certainly the CPU, a fresh output (no ``--resume``), a
+checkpoint folder on disk (or ``--random-init``), and at most ``MAX_ITEMS`` inputs (the
+headers are read before the progress bar exists). Otherwise only the discovered inputs are
+handed on, so that nothing is walked or read from stdin twice.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+from .config import VisionConfig
+from .decode import DecodePool, Decoded
+from .errors import DsvError
+from .inputs import Discovery, discover
+from .options import DEFAULT_BATCH_TOKENS, EncodeOptions, decode_window, default_workers, validate
+from .planning import Planned, batch_order, images_per_part, plan_parts, read_headers
+
+MAX_ITEMS = 4096
+
+
+@dataclass
+class Prefetch:
+    """Inputs found, and (when started) the plan and the decode stream already running."""
+
+    found: Discovery
+    started: float = field(default_factory=time.perf_counter)  # the run's clock starts here
+    cfg: VisionConfig | None = None
+    planned: list[Planned] | None = None
+    order: list[int] = field(default_factory=list)
+    pool: DecodePool | None = None
+    decoded: Iterator[tuple[int, Decoded]] | None = None
+
+    def matches(self, cfg: VisionConfig) -> bool:
+        """The plan was made for this model config (the checkpoint's, once loaded)."""
+        return self.planned is not None and self.cfg == cfg
+
+    def take_stream(self, order: list[int]) -> Iterator[tuple[int, Decoded]] | None:
+        """The running decode stream if it follows ``order``; else it is stopped."""
+        stream, self.decoded = self.decoded, None
+        if stream is not None and order == self.order:
+            return stream
+        if stream is not None:
+            stream.close()
+        return None
+
+    def close(self) -> None:
+        if self.decoded is not None:
+            self.decoded.close()
+            self.decoded = None
+        if self.pool is not None:
+            self.pool.close()
+
+
+def cuda_impossible() -> bool:
+    """True when torch certainly sees no GPU here, judged without importing torch: macOS
+    (no CUDA builds), or Linux without NVIDIA device nodes, WSL's /dev/dxg or ROCm's
+    /dev/kfd. Anything else counts as possible."""
+    if sys.platform == "darwin":
+        return True
+    if sys.platform.startswith("linux"):
+        return not (glob.glob("/dev/nvidia[0-9]*") or os.path.exists("/dev/dxg")
+                    or os.path.exists("/dev/kfd"))
+    return False
+
+
+def _early_config(opts: EncodeOptions) -> VisionConfig | None:
+    """The tower's config, if it can be read now; errors are left for the normal path to
+    report in its own order (output checks come before weights)."""
+    path = Path(opts.config) if opts.random_init else Path(opts.weights) / "config.json"
+    try:
+        return VisionConfig.from_file(path) if path.is_file() else None
+    except (DsvError, OSError, ValueError):
+        return None
+
+
+def start_prefetch(opts: EncodeOptions) -> Prefetch | None:
+    """Discover the inputs and, when the run qualifies, plan it and start decoding.
+
+    Returns None under torchrun (each rank discovers for itself). Raises what discovery and
+    option checks raise (the same errors, in the same order, as ``run_encode``)."""
+    if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
+        return None
+    validate(opts)
+    found = discover(opts.inputs, opts.files_from, opts.image_column, opts.key_column)
+    prefetch = Prefetch(found)
+    on_cpu = opts.device == "cpu" or (opts.device == "auto" and cuda_impossible())
+    workers = default_workers("cpu") if opts.workers is None else opts.workers
+    if (not on_cpu or opts.resume or workers == 0 or len(found.items) > MAX_ITEMS
+            or opts.weights is None and not opts.random_init):
+        return prefetch
+    cfg = _early_config(opts)
+    if cfg is None:
+        return prefetch
+    planned = read_headers(found.items, cfg, opts.max_pixels)
+    parts = plan_parts(planned, images_per_part(cfg, opts))
+    batch_tokens = opts.batch_tokens or DEFAULT_BATCH_TOKENS["cpu"]
+    order = batch_order(planned, parts, batch_tokens, opts.max_images)
+    pool = DecodePool(cfg, workers, opts.max_pixels, opts.decode_timeout)
+    prefetch.cfg, prefetch.planned, prefetch.order, prefetch.pool = cfg, planned, order, pool
+    prefetch.decoded = pool.imap(((i, planned[i].item) for i in order),
+                                 window=decode_window(workers, opts.max_images))
+    return prefetch

@@ -117,6 +117,7 @@ def encode(
     from .errors import Interrupted
     from .options import EncodeOptions
     from .prefetch import start_prefetch
+    from .writer import prefer_jemalloc_pool
 
     opts = EncodeOptions(
         inputs=list(inputs or []), out=out, files_from=files_from, image_column=image_column,
@@ -129,6 +130,7 @@ def encode(
         part_images=part_images, progress=not quiet)
     dist = prefetch = None
     try:
+        prefer_jemalloc_pool()
         prefetch = start_prefetch(opts)  # before torch is imported: decoding starts meanwhile
         from .pipeline import run_encode
         from .sharding import init_distributed, shutdown

@@ -30,6 +30,19 @@ _ARROW_FLOAT = {"float16": pa.float16(), "float32": pa.float32()}
 _NUMPY_FLOAT = {"float16": np.float16, "float32": np.float32}
 
 
+def prefer_jemalloc_pool() -> None:
+    """Make Arrow allocate from its jemalloc pool where this pyarrow has one.
+
+    The default (mimalloc) gives each new writer thread fresh pages, and faulting them in
+    costs a short run about 0.1 s at its end (its last part and the final file are written
+    at once, by two threads); jemalloc keeps freed pages for reuse. It is process-wide, so
+    only the command line calls this, never the library."""
+    try:
+        pa.set_memory_pool(pa.jemalloc_memory_pool())
+    except (NotImplementedError, pa.ArrowNotImplementedError):
+        pass  # built without jemalloc (e.g. Windows): keep the default
+
+
 def output_schema(width: int, out_dtype: str, metadata: dict[str, Any] | None = None,
                   pooled: bool = False) -> pa.Schema:
     """The output schema; ``metadata`` goes under the ``dsv4enc`` key as JSON."""

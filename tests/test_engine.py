@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 
+import pyarrow.parquet as pq
 import pytest
 import torch
 
@@ -135,3 +136,15 @@ def test_bench_smoke(tmp_path):
     assert 0 < model["ceiling_frac"] and model["padding"] == 0
     assert naive["mode"] == "naive" and naive["vs_naive"] == 1.0
     print_results(rows)
+
+
+def test_bench_end_to_end_rows_in_process_and_as_a_command(tmp_path):
+    from dsv4enc.bench import run_bench
+
+    rows = run_bench(str(CONFIGS / "tiny.json"), device="cpu", dtype="float32",
+                     images="synthetic:120x90:3", batch_tokens=[2048], repeat=1, e2e=True,
+                     workers=1, workdir=str(tmp_path))
+    by_mode = {r["mode"]: r for r in rows}
+    assert by_mode["e2e"]["images"] == 3 and by_mode["e2e"]["img_s"] > 0
+    assert by_mode["cli"]["images"] == 3 and by_mode["cli"]["seconds"] > 0
+    assert pq.read_table(tmp_path / "bench-cli.parquet").num_rows == 3

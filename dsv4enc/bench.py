@@ -8,7 +8,7 @@ For one config and one image mix it measures, in one process:
 - ``naive``: one image at a time (decode, transform, per-image forward with attention on 3-D
   (H, N, d) tensors), the baseline every ratio is against;
 - ``e2e`` (optional): the full encode pipeline to a Parquet file, called in this process;
-- ``cli`` (with ``e2e``): ``dsv4enc encode`` in a fresh process, as a user runs it, timed
+- ``cli`` (optional): ``dsv4enc encode`` in a fresh process, as a user runs it, timed
   wall-clock with the interpreter's start and the torch import included.
 
 The matmul ceiling is the best rate of the model's own GEMM shapes (QKV, MLP in/out, aligner)
@@ -354,8 +354,11 @@ def bench_cli(cfg: VisionConfig, paths: Sequence[Path], device: str, dtype: str,
     best = float("inf")
     for _ in range(max(1, repeat)):
         began = time.perf_counter()
-        subprocess.run(command, check=True, env=env, stdout=subprocess.DEVNULL)
+        done = subprocess.run(command, env=env, capture_output=True, text=True)
         best = min(best, time.perf_counter() - began)
+        if done.returncode != 0:
+            raise RuntimeError(f"dsv4enc encode failed ({done.returncode}): "
+                               f"{done.stderr.strip()[-2000:]}")
     return {"mode": "cli", "batch_tokens": batch_tokens, "images": len(paths),
             "seconds": best, "img_s": len(paths) / best}
 
@@ -376,7 +379,7 @@ def run_bench(config_path: str, device: str = "auto", dtype: str = "auto",
               cuda_graphs: Sequence[bool | None] = (None,), attention: str = "auto",
               features: str = "aligner", max_images: int = 64, repeat: int = 2,
               naive_images: int | None = None, e2e: bool = False, workers: int | None = None,
-              seed: int = 0, workdir: str | None = None) -> list[dict]:
+              seed: int = 0, workdir: str | None = None, cli: bool = False) -> list[dict]:
     """Run the benchmark; returns one dict per measurement (see module doc).
 
     ``images``: a folder or "synthetic:mix[:N]" / "synthetic:WxH:N". ``batch_tokens``: one
@@ -384,6 +387,7 @@ def run_bench(config_path: str, device: str = "auto", dtype: str = "auto",
     compare (None = engine default). ``naive_images``: limit the naive baseline to the first
     N images (its rate is per image of the same mix, so the ratio stays fair for a repeating
     mix). ``e2e``: also time the full pipeline (skipped with a note if it cannot be imported).
+    ``cli``: also time ``dsv4enc encode`` in a fresh process (start-up included).
     Every row carries ``vs_naive`` (img/s over the naive loop's img/s) and, for model rows,
     ``ceiling_frac`` (achieved FLOP/s over the matmul ceiling).
     """
@@ -426,6 +430,7 @@ def run_bench(config_path: str, device: str = "auto", dtype: str = "auto",
                                       repeat))
             except ImportError as exc:
                 log.warning("end-to-end benchmark skipped: %s", exc)
+        if cli:
             rows.append(bench_cli(cfg, paths, dev.type, str(dt).removeprefix("torch."),
                                   budgets[-1], base, workers, seed, repeat))
     for row in rows:
@@ -504,7 +509,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--max-images", type=int, default=64)
     p.add_argument("--repeat", type=int, default=2)
     p.add_argument("--naive-images", type=int, default=None)
-    p.add_argument("--e2e", action="store_true")
+    p.add_argument("--e2e", action="store_true", help="also time the pipeline in-process")
+    p.add_argument("--cli", action="store_true", help="also time dsv4enc encode in a fresh "
+                   "process (interpreter start and torch import included)")
     p.add_argument("--workers", type=int, default=None)
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     p.add_argument("--json", default=None, help="also write the rows to this file")
@@ -517,7 +524,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     budgets = [int(t) for t in a.batch_tokens.split(",")] if a.batch_tokens else None
     rows = run_bench(a.config, a.device, a.dtype, a.images, budgets, parse_graphs(a.graphs),
                      a.attention, a.features, a.max_images, a.repeat, a.naive_images, a.e2e,
-                     a.workers, workdir=a.workdir)
+                     a.workers, workdir=a.workdir, cli=a.cli)
     print_results(rows)
     if a.json:
         Path(a.json).write_text(json.dumps(rows, indent=1, default=str))

@@ -207,6 +207,8 @@ def bench(
     naive_images: Optional[int] = typer.Option(None, "--naive-images", help="Images for the "
                                                "naive one-at-a-time loop (default: all)."),
     e2e: bool = typer.Option(False, "--e2e", help="Also time the whole encode pipeline."),
+    cli: bool = typer.Option(False, "--cli", help="Also time 'dsv4enc encode' in a fresh "
+                             "process, start-up included (random weights saved once)."),
     json_out: Optional[str] = typer.Option(None, "--json", help="Also write the rows here."),
 ) -> None:
     """Time the engine: img/s, tokens/s, FLOP/s, fraction of the matmul ceiling measured in
@@ -218,7 +220,8 @@ def bench(
     try:
         budgets = [int(t) for t in batch_tokens.split(",")] if batch_tokens else None
         rows = run_bench(config, device, dtype, images, budgets, parse_graphs(graphs),
-                         attention, repeat=repeat, naive_images=naive_images, e2e=e2e)
+                         attention, repeat=repeat, naive_images=naive_images, e2e=e2e,
+                         cli=cli)
     except (KeyError, ValueError) as exc:
         fail(f"bad benchmark option: {exc}", 2)
     except DsvError as exc:

@@ -143,7 +143,7 @@ def test_bench_end_to_end_rows_in_process_and_as_a_command(tmp_path):
 
     rows = run_bench(str(CONFIGS / "tiny.json"), device="cpu", dtype="float32",
                      images="synthetic:120x90:3", batch_tokens=[2048], repeat=1, e2e=True,
-                     workers=1, workdir=str(tmp_path))
+                     cli=True, workers=1, workdir=str(tmp_path))
     by_mode = {r["mode"]: r for r in rows}
     assert by_mode["e2e"]["images"] == 3 and by_mode["e2e"]["img_s"] > 0
     assert by_mode["cli"]["images"] == 3 and by_mode["cli"]["seconds"] > 0

@@ -14,6 +14,7 @@ handed on, so that nothing is walked or read from stdin twice.
 from __future__ import annotations
 
 import glob
+import logging
 import os
 import sys
 import time
@@ -27,6 +28,8 @@ from .errors import DsvError
 from .inputs import Discovery, discover
 from .options import DEFAULT_BATCH_TOKENS, EncodeOptions, decode_window, default_workers, validate
 from .planning import Planned, batch_order, images_per_part, plan_parts, read_headers
+
+log = logging.getLogger(__name__)
 
 MAX_ITEMS = 4096
 
@@ -112,4 +115,6 @@ def start_prefetch(opts: EncodeOptions) -> Prefetch | None:
     prefetch.cfg, prefetch.planned, prefetch.order, prefetch.pool = cfg, planned, order, pool
     prefetch.decoded = pool.imap(((i, planned[i].item) for i in order),
                                  window=decode_window(workers, opts.max_images))
+    log.info("planned %d images in %d parts; decoding started before the model loads",
+             len(planned), len(parts))
     return prefetch

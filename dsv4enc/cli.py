@@ -130,8 +130,9 @@ def encode(
         part_images=part_images, progress=not quiet)
     dist = prefetch = None
     try:
-        prefer_jemalloc_pool()
         prefetch = start_prefetch(opts)  # before torch is imported: decoding starts meanwhile
+        if prefetch is not None and prefetch.on_cpu:
+            prefer_jemalloc_pool()
         from .pipeline import run_encode
         from .sharding import init_distributed, shutdown
         from .summary import print_summary

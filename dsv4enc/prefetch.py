@@ -39,6 +39,7 @@ class Prefetch:
     """Inputs found, and (when started) the plan and the decode stream already running."""
 
     found: Discovery
+    on_cpu: bool = False  # the run certainly runs on the CPU
     started: float = field(default_factory=time.perf_counter)  # the run's clock starts here
     cfg: VisionConfig | None = None
     planned: list[Planned] | None = None
@@ -98,8 +99,8 @@ def start_prefetch(opts: EncodeOptions) -> Prefetch | None:
         return None
     validate(opts)
     found = discover(opts.inputs, opts.files_from, opts.image_column, opts.key_column)
-    prefetch = Prefetch(found)
     on_cpu = opts.device == "cpu" or (opts.device == "auto" and cuda_impossible())
+    prefetch = Prefetch(found, on_cpu)
     workers = default_workers("cpu") if opts.workers is None else opts.workers
     if (not on_cpu or opts.resume or workers == 0 or len(found.items) > MAX_ITEMS
             or opts.weights is None and not opts.random_init):

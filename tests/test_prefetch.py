@@ -122,6 +122,7 @@ def test_a_prefetched_run_equals_a_plain_run(images, tmp_path, tiny_ckpt, tiny_c
     opts = replace(plain, out=str(tmp_path / "early.parquet"))
     prefetch = start_prefetch(opts)
     assert prefetch is not None and prefetch.pool is not None and prefetch.decoded is not None
+    assert prefetch.on_cpu
     parts = plan_parts(prefetch.planned, images_per_part(tiny_cfg, opts))
     assert prefetch.order == batch_order(prefetch.planned, parts, 256, 3)
     summary = run_encode(opts, None, prefetch)
@@ -145,6 +146,7 @@ def test_a_stream_in_another_order_is_dropped_not_trusted(images, tmp_path, tiny
 def test_runs_that_could_differ_only_hand_on_their_inputs(images, tmp_path, tiny_ckpt, changes):
     prefetch = start_prefetch(options(images, tmp_path / "o.parquet", tiny_ckpt, **changes))
     assert isinstance(prefetch, Prefetch) and prefetch.pool is None
+    assert prefetch.on_cpu == (changes.get("device") != "cuda")
     assert len(prefetch.found.items) == len(SIZES) + 1
 
 

@@ -168,7 +168,7 @@ def _run_encode(opts: EncodeOptions, dist, prefetch: Prefetch | None) -> RunSumm
     main_then_all(dist, layout.create)
     cfg = ckpt.config
     n_workers = default_workers(device.type) if opts.workers is None else opts.workers
-    if prefetch is not None and not (device.type == "cpu" and prefetch.matches(cfg)):
+    if prefetch is not None and not prefetch.matches(cfg, device.type):
         prefetch.close()  # planned for another device or config: start over
         prefetch = None
     progress = RunProgress(enabled=opts.progress and (dist is None or dist.is_main))

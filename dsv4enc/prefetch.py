@@ -1,14 +1,16 @@
 """Start decoding before torch is imported.
 
-Importing torch takes a second or more of one core, during which the machine's other cores
-have nothing to do. On a CPU run the whole plan (headers, parts, batches) can be made
-without torch, so the CLI starts the decode workers on the plan's first images first, and
-imports torch while they work: a short run then finds its first batches decoded when the
-model is ready. Only runs whose outcome cannot differ are started early: one process (no
-torchrun), a device that is certainly the CPU, a fresh output (no ``--resume``), a
-checkpoint folder on disk (or ``--random-init``), and at most ``MAX_ITEMS`` inputs (the
-headers are read before the progress bar exists). Otherwise only the discovered inputs are
-handed on, so that nothing is walked or read from stdin twice.
+Importing torch takes a second or more of one core (and a GPU's start-up several more),
+during which the machine's other cores have nothing to do. The whole plan (headers, parts,
+batches) can be made without torch, so the CLI starts the decode workers on the plan's first
+images first and imports torch while they work: a short run then finds its first batches
+decoded when the model is ready. The plan assumes the device type torch will pick (the CPU
+when no GPU device node exists, else CUDA); ``run_encode`` drops it if torch decides
+otherwise, and uses the decoded stream only if its order is the one it would have asked for.
+Only runs whose outcome cannot differ are started early: one process (no torchrun), a fresh
+output (no ``--resume``), a checkpoint folder on disk (or ``--random-init``), and at most
+``MAX_ITEMS`` inputs (the headers are read before the progress bar exists). Otherwise only
+the discovered inputs are handed on, so that nothing is walked or read from stdin twice.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ class Prefetch:
     """Inputs found, and (when started) the plan and the decode stream already running."""
 
     found: Discovery
-    on_cpu: bool = False  # the run certainly runs on the CPU
+    device_type: str | None = None  # "cpu" (certain), "cuda" (likely) or None (unknown)
     started: float = field(default_factory=time.perf_counter)  # the run's clock starts here
     cfg: VisionConfig | None = None
     planned: list[Planned] | None = None
@@ -47,9 +49,15 @@ class Prefetch:
     pool: DecodePool | None = None
     decoded: Iterator[tuple[int, Decoded]] | None = None
 
-    def matches(self, cfg: VisionConfig) -> bool:
-        """The plan was made for this model config (the checkpoint's, once loaded)."""
-        return self.planned is not None and self.cfg == cfg
+    @property
+    def on_cpu(self) -> bool:
+        """The run certainly runs on the CPU."""
+        return self.device_type == "cpu"
+
+    def matches(self, cfg: VisionConfig, device_type: str) -> bool:
+        """The plan was made for this model config (the checkpoint's, once loaded) and the
+        device type torch chose."""
+        return self.planned is not None and self.cfg == cfg and self.device_type == device_type
 
     def take_stream(self, order: list[int]) -> Iterator[tuple[int, Decoded]] | None:
         """The running decode stream if it follows ``order``; else it is stopped."""
@@ -80,6 +88,16 @@ def cuda_impossible() -> bool:
     return False
 
 
+def expected_device_type(device: str) -> str | None:
+    """The device type ``--device`` will resolve to, judged without torch: "cpu" for certain,
+    "cuda" when asked for or when a GPU is present (torch has the last word), else None."""
+    if device == "cpu" or (device == "auto" and cuda_impossible()):
+        return "cpu"
+    if device == "auto" or device.startswith("cuda"):
+        return "cuda"
+    return None
+
+
 def _early_config(opts: EncodeOptions) -> VisionConfig | None:
     """The tower's config, if it can be read now; errors are left for the normal path to
     report in its own order (output checks come before weights)."""
@@ -99,10 +117,12 @@ def start_prefetch(opts: EncodeOptions) -> Prefetch | None:
         return None
     validate(opts)
     found = discover(opts.inputs, opts.files_from, opts.image_column, opts.key_column)
-    on_cpu = opts.device == "cpu" or (opts.device == "auto" and cuda_impossible())
-    prefetch = Prefetch(found, on_cpu)
-    workers = default_workers("cpu") if opts.workers is None else opts.workers
-    if (not on_cpu or opts.resume or workers == 0 or len(found.items) > MAX_ITEMS
+    device_type = expected_device_type(opts.device)
+    prefetch = Prefetch(found, device_type)
+    if device_type is None:
+        return prefetch
+    workers = default_workers(device_type) if opts.workers is None else opts.workers
+    if (opts.resume or workers == 0 or len(found.items) > MAX_ITEMS
             or opts.weights is None and not opts.random_init):
         return prefetch
     cfg = _early_config(opts)
@@ -110,12 +130,12 @@ def start_prefetch(opts: EncodeOptions) -> Prefetch | None:
         return prefetch
     planned = read_headers(found.items, cfg, opts.max_pixels)
     parts = plan_parts(planned, images_per_part(cfg, opts))
-    batch_tokens = opts.batch_tokens or DEFAULT_BATCH_TOKENS["cpu"]
+    batch_tokens = opts.batch_tokens or DEFAULT_BATCH_TOKENS[device_type]
     order = batch_order(planned, parts, batch_tokens, opts.max_images)
     pool = DecodePool(cfg, workers, opts.max_pixels, opts.decode_timeout)
     prefetch.cfg, prefetch.planned, prefetch.order, prefetch.pool = cfg, planned, order, pool
     prefetch.decoded = pool.imap(((i, planned[i].item) for i in order),
                                  window=decode_window(workers, opts.max_images))
-    log.info("planned %d images in %d parts; decoding started before the model loads",
-             len(planned), len(parts))
+    log.info("planned %d images in %d parts for %s; decoding started before the model loads",
+             len(planned), len(parts), device_type)
     return prefetch

@@ -141,13 +141,26 @@ def test_a_stream_in_another_order_is_dropped_not_trusted(images, tmp_path, tiny
     assert read(tmp_path / "early.parquet").equals(read(tmp_path / "plain.parquet"))
 
 
-@pytest.mark.parametrize("changes", [dict(resume=True), dict(workers=0), dict(device="cuda"),
+@pytest.mark.parametrize("changes", [dict(resume=True), dict(workers=0), dict(device="mps"),
                                      dict(weights="owner/not-a-local-folder")])
 def test_runs_that_could_differ_only_hand_on_their_inputs(images, tmp_path, tiny_ckpt, changes):
     prefetch = start_prefetch(options(images, tmp_path / "o.parquet", tiny_ckpt, **changes))
     assert isinstance(prefetch, Prefetch) and prefetch.pool is None
-    assert prefetch.on_cpu == (changes.get("device") != "cuda")
+    assert prefetch.on_cpu == ("device" not in changes)
     assert len(prefetch.found.items) == len(SIZES) + 1
+
+
+def test_a_plan_for_another_device_is_dropped(images, tmp_path, tiny_ckpt, tiny_cfg):
+    """Planned for CUDA (its batch size, its worker count) but torch runs on the CPU: the
+    run makes its own plan and pool, and gives the plain run's rows."""
+    plain = options(images, tmp_path / "plain.parquet", tiny_ckpt, batch_tokens=None)
+    run_encode(plain)
+    early = replace(plain, out=str(tmp_path / "early.parquet"), device="cuda")
+    prefetch = start_prefetch(early)
+    assert prefetch.device_type == "cuda" and prefetch.pool is not None
+    run_encode(replace(early, device="cpu"), None, prefetch)
+    assert prefetch.pool._workers == []
+    assert read(tmp_path / "early.parquet").equals(read(tmp_path / "plain.parquet"))
 
 
 def test_no_prefetch_under_torchrun(images, tmp_path, tiny_ckpt, monkeypatch):

@@ -335,6 +335,8 @@ class DecodePool:
                     self._collect(done, max_wait=_POLL_S)
                 elif credits.acquire(timeout=_POLL_S):  # all credits out: wait for the consumer
                     credits.release()
+            # Stopped: a consumer still waiting (from another thread) must not wait forever.
+            results.put(RuntimeError("decoding was stopped (the decode pool was closed)"))
         except BaseException as exc:  # handed to the consumer, which raises it
             results.put(exc)
 

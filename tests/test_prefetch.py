@@ -4,6 +4,7 @@ exactly what the plain path gives."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import threading
@@ -88,6 +89,16 @@ def test_closing_the_pool_stops_an_abandoned_stream(images, tiny_cfg):
     pool.close()
     assert time.monotonic() - began < 10
     assert not any(t.name == "dsv4enc-decode" and t.is_alive() for t in threading.enumerate())
+
+
+def test_a_consumer_waiting_when_the_pool_closes_gets_an_error(images, tiny_cfg):
+    fifo = images / "hang.png"
+    os.mkfifo(fifo)  # opening it blocks: the consumer waits until the pool is closed
+    pool = DecodePool(tiny_cfg, 1, timeout_s=60.0)
+    stream = pool.imap([(0, str(fifo))], window=1)
+    threading.Timer(1.0, pool.close).start()
+    with pytest.raises(RuntimeError, match="decoding was stopped"):
+        next(stream)
 
 
 def test_an_error_in_the_task_source_reaches_the_consumer(images, tiny_cfg):

@@ -499,3 +499,24 @@ def test_bench_command_is_exposed():
     assert result.exit_code == 0
     for option in ("--config", "--images", "--batch-tokens", "--graphs", "--e2e"):
         assert option in result.output
+
+
+def test_decode_workers_and_a_stdin_listing_give_the_inline_rows(tmp_path, tree, ckpt, run32,
+                                                                 monkeypatch):
+    """With a decode worker the run is planned and decoding starts before torch is loaded
+    (the head start), reading the --files-from listing from stdin exactly once: same rows as
+    the inline-decoding run of the whole tree."""
+    monkeypatch.chdir(tree)
+    listing = "\n".join(ORDER) + "\n"
+    out = tmp_path / "worker.parquet"
+    result = runner.invoke(app, ["encode", "--files-from", "-", "--out", str(out), "--weights",
+                                 str(ckpt), "--dtype", "float32", "--out-dtype", "float32",
+                                 "--device", "cpu", "--workers", "1", "-q"],
+                           input=listing, env={"DSV4ENC_WEIGHTS": None, "COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    got, want = pq.read_table(out), run32[2]
+    assert got.column("path").to_pylist() == ORDER
+    assert got.drop_columns(["path", "error"]).equals(want.drop_columns(["path", "error"]))
+    # Error messages may quote the path as given (relative here, absolute in the tree run).
+    kinds = [[e and e.split(":")[0] for e in t.column("error").to_pylist()] for t in (got, want)]
+    assert kinds[0] == kinds[1]

@@ -270,9 +270,11 @@ class DecodePool:
         self._workers[index] = _Worker(self._ctx, self.cfg, self.max_pixels)
         self.replaced += 1
 
-    def imap(self, tasks: Iterable[tuple[Any, Any]], window: int = 64) -> Iterator[tuple[Any, Decoded]]:
+    def imap(self, tasks: Iterable[tuple[Any, Any]],
+             window: int = 64) -> Iterator[tuple[Any, Decoded]]:
         """Yield ``(tag, Decoded)`` for each ``(tag, source)`` task, in task order. A source is
-        what ``decode_image`` takes: a path, or an ``InputItem`` (picklable, small).
+        what ``decode_image`` takes: a path, or an ``InputItem`` (picklable, small). With
+        workers, the iterator is a ``DecodeStream`` (``close()`` stops it).
 
         A background thread feeds the workers and collects their results, so decoding goes on
         while the caller is busy (e.g. running the model on the previous batch). At most

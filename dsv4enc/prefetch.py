@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Iterator
 
 from .config import VisionConfig
-from .decode import DecodePool, Decoded
+from .decode import DecodePool, Decoded, DecodeStream
 from .errors import DsvError
 from .inputs import Discovery, discover
 from .options import DEFAULT_BATCH_TOKENS, EncodeOptions, decode_window, default_workers, validate
@@ -47,7 +47,7 @@ class Prefetch:
     planned: list[Planned] | None = None
     order: list[int] = field(default_factory=list)
     pool: DecodePool | None = None
-    decoded: Iterator[tuple[int, Decoded]] | None = None
+    decoded: DecodeStream | None = None
 
     @property
     def on_cpu(self) -> bool:

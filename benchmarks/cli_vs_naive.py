@@ -13,19 +13,17 @@ down mid-way slows both.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-from dsv4enc.bench import bench_naive, resolve_images
+from dsv4enc.bench import bench_cli, bench_naive, resolve_images
 from dsv4enc.checkpoint import build_tower, load_checkpoint, random_state_dict, save_checkpoint
 from dsv4enc.config import VisionConfig
+from dsv4enc.options import DEFAULT_BATCH_TOKENS
 
 
 def main() -> None:
@@ -37,28 +35,24 @@ def main() -> None:
     a = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        ckpt = Path(a.weights) if a.weights else work / "ckpt"
-        if not a.weights:
+        if a.weights:
+            ckpt = Path(a.weights)
+        else:
+            ckpt = work / "ckpt"
             cfg = VisionConfig.from_file(a.config)
             save_checkpoint(ckpt, cfg, random_state_dict(cfg, 0))
         paths = resolve_images(a.images, work)
-        folder = paths[0].parent
-        model = build_tower(load_checkpoint(ckpt, torch.float32), "cpu")
-        command = [sys.executable, "-m", "dsv4enc", "encode", str(folder), "--out",
-                   str(work / "out.parquet"), "--weights", str(ckpt), "--device", "cpu",
-                   "--overwrite", "--quiet"]
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-            [str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")])}
+        checkpoint = load_checkpoint(ckpt, torch.float32)
+        model = build_tower(checkpoint, "cpu")
         ratios = []
-        print(f"{len(paths)} images in {folder}; torch {torch.__version__}, "
+        print(f"{len(paths)} images in {paths[0].parent}; torch {torch.__version__}, "
               f"{torch.get_num_threads()} threads")
         for round_ in range(1, a.rounds + 1):
             began = time.perf_counter()
             bench_naive(model, paths, "aligner", torch.float16, repeat=1)
             naive = time.perf_counter() - began
-            began = time.perf_counter()
-            subprocess.run(command, check=True, env=env)
-            encode = time.perf_counter() - began
+            encode = bench_cli(checkpoint.config, paths, "cpu", "float32",
+                               DEFAULT_BATCH_TOKENS["cpu"], work, None, weights=ckpt)["seconds"]
             ratios.append(naive / encode)
             print(f"round {round_}: naive loop {naive:.2f} s, dsv4enc encode {encode:.2f} s, "
                   f"ratio {ratios[-1]:.2f}x", flush=True)

@@ -332,14 +332,15 @@ def bench_e2e(config_path: str, paths: Sequence[Path], device: str, dtype: str,
 
 def bench_cli(cfg: VisionConfig, paths: Sequence[Path], device: str, dtype: str,
               batch_tokens: int, workdir: Path, workers: int | None,
-              seed: int = 0, repeat: int = 1) -> dict:
+              seed: int = 0, repeat: int = 1, weights: Path | None = None) -> dict:
     """``dsv4enc encode`` as a user runs it: a fresh process per run, so the wall-clock
-    time includes the interpreter's start, importing torch and loading the weights (saved
-    once to ``workdir`` in the checkpoint format). The best of ``repeat`` runs."""
+    time includes the interpreter's start, importing torch and loading the weights
+    (``weights``, or random ones of ``cfg`` saved once to ``workdir`` in the checkpoint
+    format). The best of ``repeat`` runs."""
     import subprocess
     import sys
 
-    ckpt = workdir / "bench-checkpoint"
+    ckpt = weights if weights is not None else workdir / "bench-checkpoint"
     if not (ckpt / "config.json").is_file():
         save_checkpoint(ckpt, cfg, random_state_dict(cfg, seed))
     command = [sys.executable, "-m", "dsv4enc", "encode", str(paths[0].parent),

@@ -29,8 +29,8 @@ from .engine import Engine
 from .errors import DsvError, Interrupted, UsageError
 from .inputs import discover
 from .output import OutputLayout, PartWriter, main_then_all, merge_manifests, resume_filter
-from .options import (EncodeOptions, decode_window, default_workers,  # noqa: F401 (re-export)
-                      default_writer_threads, validate)
+from .options import (EncodeOptions, decode_window, default_workers, default_writer_threads,
+                      validate)
 from .packing import output_grid, pack
 from .planning import (Part, Planned, images_per_part, part_batches, plan_parts, read_headers,
                        share_for_rank)
@@ -39,7 +39,6 @@ from .progress import RunProgress
 from .writer import PartStore, Row, StreamingAssembler, output_schema, remove_tree
 
 log = logging.getLogger("dsv4enc")
-
 
 
 @dataclass
@@ -103,8 +102,6 @@ def load_model(opts: EncodeOptions, dtype: torch.dtype) -> Checkpoint:
 
     return load_checkpoint(resolve_weights(opts.weights), dtype)
 
-
-# ----------------------------------------------------------------------------- planning
 
 # ----------------------------------------------------------------------------- the run
 

@@ -33,6 +33,11 @@ from .packing import PackedBatch
 
 log = logging.getLogger(__name__)
 
+#: Rows per chunk of the CPU's batch-invariant path (``model.by_chunks``): each image is cut
+#: into chunks of at most this many rows. Any size keeps rows invariant; this one is about
+#: as fast as whole-batch GEMMs (benchmarks/RESULTS.md).
+ROW_TILE = 256
+
 
 
 @dataclass
@@ -50,6 +55,7 @@ class EngineStats:
     real_tokens: int = 0
     padded_tokens: int = 0  # tokens computed beyond the real ones (graph budgets)
     graph_batches: int = 0  # batches replayed from a captured graph
+    variant_batches: int = 0  # batches run outside the batch-invariant path (see Engine)
     static_batches: int = 0  # batches run in a bucket without a graph
     capture_s: float = 0.0
 
@@ -118,13 +124,20 @@ class Engine:
     will submit (the top graph budget and the image slots of every graph). ``budgets``: the
     graph token budgets (default: powers of two from ``min_budget`` up to ``batch_tokens``;
     ``graphs.fit_budgets`` picks better ones when every batch's size is known up front).
+
+    ``deterministic`` (default on): an image's output bytes do not depend on the batch it
+    shares (other images, its position, the batch's size). On the CPU every row-wise op runs
+    over per-image chunks of ``ROW_TILE`` rows (``model.by_chunks``); on CUDA every batch runs
+    in one fixed-shape bucket (one graph budget), so every kernel sees the same shapes. Under
+    tensor parallelism the all-reduce changes the summation order, so rows are not invariant
+    against a single rank.
     """
 
     def __init__(self, model: VisionTower, features: str = "aligner",
                  attention: str = "auto", out_dtype: torch.dtype = torch.float32, *,
                  cuda_graphs: bool | None = None, batch_tokens: int | None = None,
                  max_images: int = 64, budgets: Sequence[int] | None = None,
-                 min_budget: int = 1024) -> None:
+                 min_budget: int = 1024, deterministic: bool = True) -> None:
         self.model = model
         self.device = model.device
         self.features = features
@@ -142,7 +155,15 @@ class Engine:
         self.last_finite = True  # every value of the last collected batch was finite
         self._pending: deque[_Pending] = deque()
         self.runner: BucketRunner | None = None
-        if self._want_graphs(cuda_graphs):
+        # Tensor parallelism installs all-reduce hooks: summation order differs from one rank.
+        self.deterministic = deterministic and not model.tensor_parallel
+        graphs = self._want_graphs(cuda_graphs)
+        if self.deterministic and self.device.type == "cuda":
+            # One bucket that holds any single image: every batch runs at the same shapes.
+            top = max(self.batch_tokens, max_image_tokens(model.cfg))
+            self.runner = BucketRunner(model, features, [top], max_images,
+                                       max_seqlen=max_image_tokens(model.cfg), capture=graphs)
+        elif graphs:
             budgets = list(budgets) if budgets else default_budgets(self.batch_tokens, min_budget)
             self.runner = BucketRunner(model, features, budgets, max_images,
                                        max_seqlen=max_image_tokens(model.cfg), capture=True)
@@ -188,7 +209,8 @@ class Engine:
         """Offline, every batch's size is known before capture: pick the graph budgets that
         pad least (``graphs.fit_budgets``) instead of powers of two. No-op once captured."""
         runner = self.runner
-        if runner is None or not runner.capture or runner.graphs or not bin_tokens:
+        if (runner is None or not runner.capture or runner.graphs or not bin_tokens
+                or self.deterministic):
             return
         budgets = fit_budgets(bin_tokens, max_budgets)
         self.runner = BucketRunner(self.model, self.features, budgets, self.max_images,
@@ -208,7 +230,7 @@ class Engine:
         dev = self.device
         non_blocking = dev.type == "cuda"
         positions = batch.positions.to(dev, non_blocking=non_blocking)
-        cos, sin = rope_tables(positions, self.cfg)
+        cos, sin = rope_tables(positions, self.cfg, max((max(g) for g in batch.grids), default=0))
         return {
             "patches": batch.patches.to(dev, non_blocking=non_blocking),
             "cos": cos,
@@ -223,6 +245,9 @@ class Engine:
         """Eager packed forward on the device. Returns (R, width) in the compute dtype."""
         self._use_backend()
         inputs = self.to_device(batch)
+        if self.deterministic and self.device.type != "cuda":
+            inputs["token_chunks"] = batch.token_chunks(ROW_TILE)
+            inputs["row_chunks"] = batch.row_chunks(ROW_TILE)
         return self.model.forward_packed(features=self.features, **inputs)
 
     # -- public encode API -----------------------------------------------------------
@@ -292,8 +317,10 @@ class Engine:
         runner = self.runner
         bucket = runner.choose(batch) if runner is not None else None
         if runner is not None and bucket is None:
-            log.debug("batch of %d tokens, %d images fits no graph budget: eager",
-                      batch.n_tokens, len(batch.lengths))
+            log.log(logging.WARNING if self.deterministic else logging.DEBUG,
+                    "batch of %d tokens, %d images fits no bucket: eager%s", batch.n_tokens,
+                    len(batch.lengths), " (its rows are not batch-invariant)"
+                    if self.deterministic else "")
         host, staged = self._host_inputs(batch, bucket)
         # Pinned copies (the caching host allocator keeps each block until its copy is done).
         pinned = {k: v.pin_memory() for k, v in host.items()}
@@ -317,7 +344,8 @@ class Engine:
                 # A copy always: a graph's output buffer is overwritten by the next replay.
                 out = runner.run(bucket, staged.lengths)[:rows].to(self.out_dtype, copy=True)
             else:
-                cos, sin = rope_tables(dev["positions"], self.cfg)
+                cos, sin = rope_tables(dev["positions"], self.cfg,
+                                       max((max(g) for g in batch.grids), default=0))
                 spans = VarlenSpans(dev["cu_seqlens"], max(batch.lengths, default=0),
                                     tuple(batch.lengths))
                 out = self.model.forward_packed(dev["patches"], cos, sin, spans,
@@ -336,6 +364,7 @@ class Engine:
         out.record_stream(self._d2h_stream)
         finite.record_stream(self._d2h_stream)
         if bucket is None:
+            self.stats.variant_batches += self.deterministic
             return _Pending(batch, host_out, 0, "eager", ev, finite=host_finite)
         mode = "graph" if bucket.tokens in runner.graphs else "static"
         return _Pending(batch, host_out, bucket.tokens - batch.n_tokens, mode, ev,

@@ -28,7 +28,7 @@ import torch
 
 from .attention import VarlenSpans
 from .config import VisionConfig
-from .model import VisionTower, rope_tables
+from .model import VisionTower, rope_table, rope_tables
 from .packing import PackedBatch
 
 log = logging.getLogger(__name__)
@@ -100,14 +100,17 @@ def fit_budgets(bin_tokens: Sequence[int], max_budgets: int = 4, quantum: int = 
 
 
 def max_image_tokens(cfg: VisionConfig) -> int:
-    """Most patches one transformed image can have: 9 * (max_n_token - 6).
+    """Most patches one transformed image can have: r^2 * (budget - 3), where the budget is
+    max_n_token - 3 for V4 and the full max_n_token for V4.1.
 
-    Why: the transform (SPEC §4) only stops once the LLM-token count of the canvas is within
-    budget = max_n_token - 3, and that count is at least lh*(lw+1) + 2 = lh*lw + lh + 2 >=
-    lh*lw + 3 (lh >= 1), so lh*lw <= max_n_token - 6. The patch grid has n_h <= r*lh and
-    n_w <= r*lw with lh = ceil(n_h/r), lw = ceil(n_w/r), hence N <= r^2 * (max_n_token - 6).
+    Why: the transform (SPEC §4) only returns a canvas whose LLM-token count is within the
+    budget, and that count (either variant's) is at least lh*(lw+1) + 2 = lh*lw + lh + 2 >=
+    lh*lw + 3 (lh >= 1), so lh*lw <= budget - 3. The patch grid has n_h <= r*lh and
+    n_w <= r*lw with lh = ceil(n_h/r), lw = ceil(n_w/r), hence N <= r^2 * (budget - 3).
+    V4.1 reaches it: a very wide image becomes one row of max_n_token - 3 cells.
     """
-    return cfg.downsample_ratio ** 2 * (cfg.max_n_token - 6)
+    budget = cfg.max_n_token if cfg.is_v41 else cfg.max_n_token - 3
+    return cfg.downsample_ratio ** 2 * (budget - 3)
 
 
 def row_bound(tokens: int, images: int, r: int = 3, max_aspect: float = 8.0) -> int:
@@ -192,6 +195,10 @@ class BucketRunner:
         cfg = model.cfg
         self.r = cfg.downsample_ratio
         seq_cap = max_seqlen or max(budgets)
+        # Every coordinate is below an image's token count, so below seq_cap: build the RoPE
+        # tables that far now (a graph capture cannot grow them).
+        self.max_position = seq_cap
+        rope_table(cfg, self.device, seq_cap + 1)
         self.buckets = [
             Bucket(tokens=t,
                    rows=t if features == "vit" else row_bound(t, max_images, self.r, max_aspect),
@@ -257,7 +264,7 @@ class BucketRunner:
         T, R = bucket.tokens, bucket.rows
         # RoPE tables come from the positions buffer inside the forward: a (T, 2) int32 copy
         # instead of two (T, 1, rd) float32 tables per batch.
-        cos, sin = rope_tables(self.positions[:T], self.model.cfg)
+        cos, sin = rope_tables(self.positions[:T], self.model.cfg, self.max_position)
         spans = VarlenSpans(self.cu_seqlens, bucket.max_seqlen, lengths)
         index = self.merge_index[:R] if self.features == "aligner" else None
         mask = self.merge_mask[:R] if self.features == "aligner" else None

@@ -11,8 +11,9 @@ r = downsample ratio, R aligner rows.
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable, Sequence
 
+import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -25,6 +26,36 @@ RMS_EPS = 1e-6
 
 def _identity(x: torch.Tensor) -> torch.Tensor:
     return x
+
+
+#: Row chunks of a packed batch: (start, end) row ranges, each within one image and cut at
+#: fixed offsets from that image's first row (``packing.image_chunks``). None: whole tensors.
+RowChunks = Sequence[tuple[int, int]]
+
+
+def by_chunks(chunks: RowChunks, fn: Callable[..., Any], *tensors: torch.Tensor) -> Any:
+    """Apply a row-wise ``fn`` to each chunk of ``tensors`` (sliced alike along dim 0) and
+    write the results into one output per result tensor, (T, ...) each.
+
+    Why: a kernel's blocking, vector tails and thread split depend on the shape it is given,
+    so a row's bits would depend on everything else in the batch. Given chunks that hold one
+    image's rows at offsets fixed relative to that image, every kernel sees a tensor that is
+    a function of the image alone, and the image's rows come out the same in any batch.
+    """
+    outs: tuple[torch.Tensor, ...] | None = None
+    single = True
+    total = tensors[0].shape[0]
+    for start, end in chunks:
+        result = fn(*(t[start:end] for t in tensors))
+        single = isinstance(result, torch.Tensor)
+        parts = (result,) if single else tuple(result)
+        if outs is None:
+            outs = tuple(r.new_empty((total,) + tuple(r.shape[1:])) for r in parts)
+        for out, part in zip(outs, parts):
+            out[start:end] = part
+    if outs is None:
+        raise ValueError("no row chunks")
+    return outs[0] if single else outs
 
 
 class RMSNorm(nn.Module):
@@ -40,18 +71,66 @@ class RMSNorm(nn.Module):
         return (self.weight.float() * normed).to(x.dtype)
 
 
-def rope_tables(positions: torch.Tensor, cfg: VisionConfig) -> tuple[torch.Tensor, torch.Tensor]:
+#: RoPE tables grow in blocks of this many positions; each block is computed alone, at a fixed
+#: shape, so a position's value never depends on how large the table has grown.
+ROPE_BLOCK = 512
+
+_ROPE_CACHE: dict[tuple[float, int, str], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _rope_block(first: int, inv_freq: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """cos, sin (ROPE_BLOCK, rd/2) float32 of positions first.. first+ROPE_BLOCK-1.
+
+    The angle is the float32 product ``pos * inv_freq`` (as the reference computes it); its
+    cosine and sine are taken in float64 by numpy (single-threaded, per element) and rounded
+    once to float32, so every value is a fixed function of (position, frequency): no thread
+    split or vector tail of a batch-sized kernel can change a bit.
+    """
+    pos = np.arange(first, first + ROPE_BLOCK, dtype=np.float32)[:, None]
+    angles = (pos * inv_freq[None, :]).astype(np.float64)
+    return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+
+
+def rope_table(cfg: VisionConfig, device: torch.device | str, positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-axis RoPE tables covering at least ``positions`` positions on ``device``.
+
+    Returns cos, sin: (P, rd/2) float32, P >= positions a multiple of ROPE_BLOCK. Cached per
+    (theta, rope dim, device); call it before a CUDA graph capture with the largest position
+    the graph may meet, since a capture cannot grow it.
+    """
+    device = torch.device(device)
+    key = (float(cfg.rope_theta), cfg.rope_dim, str(device))
+    cached = _ROPE_CACHE.get(key)
+    if cached is not None and cached[0].shape[0] >= positions:
+        return cached
+    rd = cfg.rope_dim
+    exponents = torch.arange(0, rd, 2, dtype=torch.float32) / rd
+    inv_freq = (1.0 / (cfg.rope_theta ** exponents)).numpy()  # (rd/2,) float32
+    blocks = [_rope_block(first, inv_freq)
+              for first in range(0, max(positions, 1), ROPE_BLOCK)]
+    cos = torch.from_numpy(np.concatenate([c for c, _ in blocks])).to(device)
+    sin = torch.from_numpy(np.concatenate([s for _, s in blocks])).to(device)
+    _ROPE_CACHE[key] = (cos, sin)
+    return cos, sin
+
+
+def rope_tables(positions: torch.Tensor, cfg: VisionConfig,
+                max_position: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """2D RoPE cos/sin for token positions.
 
     positions: (T, 2) integer (row, col) per token. Returns cos, sin: (T, 1, rd) float32,
-    with angles concat(row * inv_freq, col * inv_freq).
+    with angles concat(row * inv_freq, col * inv_freq), gathered from the per-axis tables
+    (``rope_table``): a token's values depend on its position only, never on the batch.
+    ``max_position``: an upper bound on every coordinate, when known (it saves a device
+    sync, and a CUDA graph must pass it).
     """
-    rd = cfg.rope_dim
-    exponents = torch.arange(0, rd, 2, dtype=torch.float32, device=positions.device) / rd
-    inv_freq = 1.0 / (cfg.rope_theta ** exponents)  # (rd/2,)
-    pos = positions.to(torch.float32)
-    angles = torch.cat([pos[:, :1] * inv_freq, pos[:, 1:2] * inv_freq], dim=-1)  # (T, rd)
-    return angles.cos().unsqueeze(1), angles.sin().unsqueeze(1)
+    if max_position is None:
+        max_position = int(positions.max()) if positions.numel() else 0
+    cos_t, sin_t = rope_table(cfg, positions.device, max_position + 1)
+    rows, cols = positions[:, 0].long(), positions[:, 1].long()
+    cos = torch.cat([cos_t.index_select(0, rows), cos_t.index_select(0, cols)], dim=-1)
+    sin = torch.cat([sin_t.index_select(0, rows), sin_t.index_select(0, cols)], dim=-1)
+    return cos.unsqueeze(1), sin.unsqueeze(1)
 
 
 def grid_positions(n_h: int, n_w: int, device: torch.device | str = "cpu") -> torch.Tensor:
@@ -87,8 +166,9 @@ class Attention(nn.Module):
         self.wo = nn.Linear(cfg.dim, cfg.dim, bias=True)
         self.combine: Callable[[torch.Tensor], torch.Tensor] = _identity
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                spans: VarlenSpans, attend: AttentionFn) -> torch.Tensor:
+    def project(self, x: torch.Tensor, cos: torch.Tensor,
+                sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x (T, D) -> q, k, v (T, h, d), q and k rotated."""
         T = x.shape[0]
         qkv = self.wqkv(x)  # (T, 3*h*d): q heads, k heads, v heads
         width = qkv.shape[1] // 3
@@ -96,8 +176,16 @@ class Attention(nn.Module):
         # q and k are adjacent columns: rotate them as one (T, 2h, d) tensor (half the ops).
         qk = apply_rope(qkv[:, :2 * width].view(T, 2 * heads, self.head_dim), cos, sin)
         v = qkv[:, 2 * width:].view(T, heads, self.head_dim)
-        out = attend(qk[:, :heads], qk[:, heads:], v, spans)
-        return self.combine(self.wo(out.reshape(T, -1)))
+        return qk[:, :heads], qk[:, heads:], v
+
+    def output(self, attended: torch.Tensor) -> torch.Tensor:
+        """Attention output (T, h, d) -> (T, D) through wo (summed across TP ranks)."""
+        return self.combine(self.wo(attended.reshape(attended.shape[0], -1)))
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                spans: VarlenSpans, attend: AttentionFn) -> torch.Tensor:
+        q, k, v = self.project(x, cos, sin)
+        return self.output(attend(q, k, v, spans))
 
 
 class MLP(nn.Module):
@@ -126,6 +214,19 @@ class Block(nn.Module):
         x = x + self.attn(self.norm1(x), cos, sin, spans, attend)
         return x.add_(self.mlp(self.norm2(x)))  # x is this block's own tensor by now
 
+    def forward_chunked(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                        spans: VarlenSpans, attend: AttentionFn, chunks: RowChunks) -> torch.Tensor:
+        """The same block with every row-wise op run per chunk (``by_chunks``); attention
+        runs per image span as always. Updates x (T, D) in place and returns it."""
+        q, k, v = by_chunks(chunks, lambda xc, cc, sc: self.attn.project(self.norm1(xc), cc, sc),
+                            x, cos, sin)
+        attended = attend(q, k, v, spans)
+        for start, end in chunks:
+            rows = x[start:end]
+            rows.add_(self.attn.output(attended[start:end]))
+            rows.add_(self.mlp(self.norm2(rows)))
+        return x
+
 
 class PatchEmbed(nn.Module):
     def __init__(self, cfg: VisionConfig) -> None:
@@ -143,12 +244,19 @@ class VisionTransformer(nn.Module):
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim)
 
-    def forward(self, patches, cos, sin, spans, attend) -> torch.Tensor:
-        """patches (T, 3*p*p) -> ViT features (T, D)."""
-        x = self.patch_embed(patches)
+    def forward(self, patches, cos, sin, spans, attend,
+                chunks: RowChunks | None = None) -> torch.Tensor:
+        """patches (T, 3*p*p) -> ViT features (T, D). With ``chunks``, row-wise work runs per
+        chunk (batch-invariant rows, see ``by_chunks``)."""
+        if chunks is None:
+            x = self.patch_embed(patches)
+            for block in self.blocks:
+                x = block(x, cos, sin, spans, attend)
+            return self.norm(x)
+        x = by_chunks(chunks, self.patch_embed, patches)
         for block in self.blocks:
-            x = block(x, cos, sin, spans, attend)
-        return self.norm(x)
+            x = block.forward_chunked(x, cos, sin, spans, attend, chunks)
+        return by_chunks(chunks, self.norm, x)
 
 
 class Aligner(nn.Module):
@@ -207,6 +315,11 @@ class VisionTower(nn.Module):
     def device(self) -> torch.device:
         return self.vision.patch_embed.proj.weight.device
 
+    @property
+    def tensor_parallel(self) -> bool:
+        """True once tensor parallelism has installed its all-reduce hooks."""
+        return any(getattr(m, "combine", _identity) is not _identity for m in self.modules())
+
     def forward_image(self, patches: torch.Tensor, n_h: int, n_w: int,
                       features: str = "aligner") -> torch.Tensor:
         """One image. patches (n_h*n_w, 3*p*p) -> (rows, width): aligner rows
@@ -221,14 +334,21 @@ class VisionTower(nn.Module):
 
     def forward_packed(self, patches: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                        spans: VarlenSpans, merge_index: torch.Tensor | None,
-                       merge_mask: torch.Tensor | None, features: str = "aligner") -> torch.Tensor:
+                       merge_mask: torch.Tensor | None, features: str = "aligner",
+                       token_chunks: RowChunks | None = None,
+                       row_chunks: RowChunks | None = None) -> torch.Tensor:
         """Many images in one pass.
 
         patches (T, 3*p*p); cos, sin (T, 1, rd) float32; spans over T; merge_index and
         merge_mask (R, r*r) into the packed ViT rows. Returns (R, hidden) aligner rows, or
         (T, D) ViT features when ``features == "vit"`` (merge arguments unused).
+        ``token_chunks`` / ``row_chunks``: per-image row chunks of the ViT tokens and of the
+        aligner rows; given, each image's output is bit-identical in any batch.
         """
-        vit = self.vision(patches, cos, sin, spans, self.attend)
+        vit = self.vision(patches, cos, sin, spans, self.attend, token_chunks)
         if features == "vit":
             return vit
-        return self.aligner(merge_gather(vit, merge_index, merge_mask))
+        if row_chunks is None:
+            return self.aligner(merge_gather(vit, merge_index, merge_mask))
+        return by_chunks(row_chunks, lambda index, mask: self.aligner(merge_gather(vit, index, mask)),
+                         merge_index, merge_mask)

@@ -18,7 +18,8 @@ from . import __version__
 from .errors import DsvError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
-                  help="Encode images with the DeepSeek-V4 vision tower and write Parquet.")
+                  help="Encode images with the DeepSeek-V4 or V4.1 vision tower and write "
+                  "Parquet.")
 
 
 def fail(message: str, code: int = 1) -> None:
@@ -45,7 +46,7 @@ def main_options(
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Log details (graph capture, "
                                  "backend choice) to stderr."),
 ) -> None:
-    """dsv4enc: batch embeddings from the DeepSeek-V4 vision tower."""
+    """dsv4enc: batch embeddings from the DeepSeek-V4 and V4.1 vision tower."""
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
 
@@ -69,9 +70,14 @@ def encode(
                                           help="Checkpoint folder (config.json + safetensors) "
                                           "or a Hub id owner/name (needs the hub extra: "
                                           "pip install 'dsv4enc\\[hub]'); "  # \[: not markup
-                                          "default: $DSV4ENC_WEIGHTS."),
+                                          "default: $DSV4ENC_WEIGHTS. Its config.json's "
+                                          "model_type picks the variant: deepseek_v4 "
+                                          "(V4-Flash-Vision-Exp) or deepseek_v41 "
+                                          "(V4.1-Flash), each with its own image geometry."),
     config: Optional[str] = typer.Option(None, "--config", help="Model config JSON, for "
-                                         "--random-init."),
+                                         "--random-init; its model_type (deepseek_v4 or "
+                                         "deepseek_v41) picks the variant. The configs "
+                                         "folder has both."),
     random_init: bool = typer.Option(False, "--random-init", help="Use a random tower of "
                                      "--config's shape (demos, benchmarks)."),
     seed: int = typer.Option(0, "--seed", help="Seed for --random-init."),

@@ -23,6 +23,30 @@ _FLAT_TO_FIELD = {
     "vision_max_wh_ratio": ("max_wh_ratio", "max_wh_ratio"),
 }
 
+# The checkpoints dsv4enc encodes for, by config.json ``model_type``. Both have the same tower;
+# the image geometry (SPEC §4) differs, and is chosen from this, never guessed from sizes.
+DEEPSEEK_V4 = "deepseek_v4"
+DEEPSEEK_V41 = "deepseek_v41"
+MODEL_NAMES = {DEEPSEEK_V4: "DeepSeek-V4", DEEPSEEK_V41: "DeepSeek-V4.1"}
+
+
+def model_type_of(raw: dict[str, Any]) -> str:
+    """The variant a config.json describes: ``deepseek_v41`` when its ``model_type`` says so,
+    ``deepseek_v4`` otherwise (older V4 configs carry none).
+
+    The top-level ``model_type`` decides, in both layouts; a nested layout without one falls
+    back to its sub-configs' (converted checkpoints name them e.g. ``deepseek_v41_vision``).
+    """
+    candidates = [raw.get("model_type")]
+    candidates += [sub.get("model_type") for sub in (raw.get("text_config"),
+                                                       raw.get("vision_config"))
+                   if isinstance(sub, dict)]
+    for value in candidates:
+        if isinstance(value, str) and value:
+            is_v41 = value == DEEPSEEK_V41 or value.startswith(DEEPSEEK_V41 + "_")
+            return DEEPSEEK_V41 if is_v41 else DEEPSEEK_V4
+    return DEEPSEEK_V4
+
 
 @dataclasses.dataclass(frozen=True)
 class VisionConfig:
@@ -39,6 +63,7 @@ class VisionConfig:
     min_pixels: int
     max_wh_ratio: float | None
     hidden_size: int
+    model_type: str = DEEPSEEK_V4  # picks the image geometry (SPEC §4)
 
     def __post_init__(self) -> None:
         for name in ("n_layers", "dim", "n_heads", "inter_dim", "patch_size",
@@ -58,6 +83,19 @@ class VisionConfig:
             raise ConfigError(f"config: min_pixels {self.min_pixels} is negative")
         if self.max_wh_ratio is not None and self.max_wh_ratio <= 0:
             raise ConfigError(f"config: max_wh_ratio {self.max_wh_ratio} must be positive")
+        if self.model_type not in MODEL_NAMES:
+            raise ConfigError(f"config: model_type {self.model_type!r} is not one of "
+                              f"{', '.join(MODEL_NAMES)}")
+
+    @property
+    def is_v41(self) -> bool:
+        """DeepSeek-V4.1 image geometry (else V4's)."""
+        return self.model_type == DEEPSEEK_V41
+
+    @property
+    def model_name(self) -> str:
+        """The variant in words, for help, logs and ``inspect``."""
+        return MODEL_NAMES[self.model_type]
 
     @property
     def head_dim(self) -> int:
@@ -77,8 +115,9 @@ class VisionConfig:
         return self.hidden_size if features == "aligner" else self.dim
 
     def to_flat(self) -> dict[str, Any]:
-        """The official flat layout, as written in config.json."""
-        out = {flat: getattr(self, field) for flat, (field, _) in _FLAT_TO_FIELD.items()}
+        """The official flat layout, as written in config.json (``model_type`` first)."""
+        out: dict[str, Any] = {"model_type": self.model_type}
+        out.update({flat: getattr(self, field) for flat, (field, _) in _FLAT_TO_FIELD.items()})
         out["hidden_size"] = self.hidden_size
         return out
 
@@ -108,6 +147,7 @@ class VisionConfig:
                 values["hidden_size"] = raw["hidden_size"]
             names = {field: flat for flat, (field, _) in _FLAT_TO_FIELD.items()}
             names["hidden_size"] = "hidden_size"
+        values["model_type"] = model_type_of(raw)
         optional = {"max_wh_ratio": None}
         for field, default in optional.items():
             values.setdefault(field, default)

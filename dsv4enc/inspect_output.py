@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from .config import MODEL_NAMES, model_type_of
 from .errors import UsageError
 from .reading import output_files, read_metadata
 
@@ -40,6 +41,7 @@ class OutputSummary:
     top_grids: list[tuple[str, int]] = field(default_factory=list)
     errors: list[tuple[str, int, str]] = field(default_factory=list)  # (kind, count, example)
     metadata: dict[str, Any] = field(default_factory=dict)
+    model: str | None = None  # the checkpoint variant, e.g. "DeepSeek-V4.1 (deepseek_v41)"
 
     def as_dict(self) -> dict[str, Any]:
         from dataclasses import asdict
@@ -50,6 +52,16 @@ class OutputSummary:
 def error_group(message: str) -> str:
     """Messages that differ only in quoted names (paths) count as one kind of failure."""
     return _QUOTED.sub("'…'", message)
+
+
+def model_of(metadata: dict[str, Any]) -> str | None:
+    """The variant named by an output's metadata (its config's ``model_type``; outputs
+    written before V4.1 support carry none and are V4)."""
+    config = metadata.get("config")
+    if not isinstance(config, dict):
+        return None
+    model_type = model_type_of(config)
+    return f"{MODEL_NAMES[model_type]} ({model_type})"
 
 
 def _stats(values: np.ndarray) -> dict[str, float]:
@@ -70,6 +82,7 @@ def summarize(path: str | os.PathLike) -> OutputSummary:
     out = OutputSummary(path=str(path), files=len(files))
     out.bytes_on_disk = sum(f.stat().st_size for f in files)
     out.metadata = read_metadata(path)
+    out.model = model_of(out.metadata)
     heights, widths = [], []
     grids: Counter = Counter()
     errors: Counter = Counter()
@@ -155,10 +168,12 @@ def render(summary: OutputSummary, console=None) -> None:
     table.add_row("tool", f"{meta.get('tool', '?')} {meta.get('version', '')}".strip())
     config = meta.get("config") or {}
     if config:
-        table.add_row("model", f"{config.get('vision_n_layers')} layers, dim "
+        table.add_row("model", f"{summary.model}, vision_max_n_token "
+                      f"{config.get('vision_max_n_token')}")
+        table.add_row("tower", f"{config.get('vision_n_layers')} layers, dim "
                       f"{config.get('vision_dim')}, {config.get('vision_n_heads')} heads, patch "
-                      f"{config.get('vision_patch_size')}, merge {config.get('vision_downsample_ratio')}, "
-                      f"hidden {config.get('hidden_size')}")
+                      f"{config.get('vision_patch_size')}, merge "
+                      f"{config.get('vision_downsample_ratio')}, hidden {config.get('hidden_size')}")
     files = f"{summary.files} file{'s' if summary.files != 1 else ''}"
     table.add_row("on disk", f"{_size(summary.bytes_on_disk)} in {files}")
     console.print(table)

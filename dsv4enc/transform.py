@@ -40,10 +40,15 @@ class Canvas:
         return self.n_h * self.n_w
 
 
+def llm_grid(bh: int, bw: int, patch: int, ratio: int) -> tuple[int, int]:
+    """Rows and columns of merged (LLM) tokens the aligner makes of a (bh, bw) canvas."""
+    return math.ceil((bh // patch) / ratio), math.ceil((bw // patch) / ratio)
+
+
 def count_llm_tokens(bh: int, bw: int, patch: int, ratio: int) -> int:
-    """LLM tokens the reference spends on a (bh, bw) canvas (SPEC §4 step 4)."""
-    lh = math.ceil((bh // patch) / ratio)
-    lw = math.ceil((bw // patch) / ratio)
+    """LLM tokens the V4 reference spends on a (bh, bw) canvas (SPEC §4 step 4): reading
+    order plus an odd-row padding row, a parity term and a leading pad."""
+    lh, lw = llm_grid(bh, bw, patch, ratio)
     tokens = lh * (lw + 1) + 2
     if lh % 2:
         tokens += lw + 1
@@ -52,14 +57,22 @@ def count_llm_tokens(bh: int, bw: int, patch: int, ratio: int) -> int:
     return tokens
 
 
+def count_llm_tokens_v41(bh: int, bw: int, patch: int, ratio: int) -> int:
+    """LLM tokens the V4.1 reference spends on a (bh, bw) canvas: start, each row of tokens
+    followed by a newline, end. Nothing else."""
+    lh, lw = llm_grid(bh, bw, patch, ratio)
+    return lh * (lw + 1) + 2
+
+
 def plan_canvas(width: int, height: int, cfg: VisionConfig) -> Canvas:
-    """Canvas and patch grid for an image of ``width`` x ``height`` pixels (SPEC §4 steps 2-6).
+    """Canvas and patch grid for an image of ``width`` x ``height`` pixels (SPEC §4 steps 2-6),
+    with the geometry of ``cfg.model_type`` (V4 or V4.1).
 
     Raises ValueError for a size that has no canvas (zero area).
     """
     if width <= 0 or height <= 0:
         raise ValueError(f"image has no pixels ({width}x{height})")
-    p, r = cfg.patch_size, cfg.downsample_ratio
+    p = cfg.patch_size
     orig_w, orig_h = width, height
     W, H = width, height
     if cfg.max_wh_ratio is not None and W > H * cfg.max_wh_ratio:
@@ -72,9 +85,22 @@ def plan_canvas(width: int, height: int, cfg: VisionConfig) -> Canvas:
         raise ValueError(f"image size {orig_w}x{orig_h} gives an empty canvas")
     bw = math.ceil(W / p) * p
     bh = math.ceil(H / p) * p
-    tokens = count_llm_tokens(bh, bw, p, r)
+    fit = _fit_budget_v41 if cfg.is_v41 else _fit_budget_v4
+    bw, bh = fit(W, H, bw, bh, cfg)
+    if bw <= 0 or bh <= 0:
+        raise ValueError(f"image size {orig_w}x{orig_h} gives an empty canvas")
+    stretch = cfg.max_wh_ratio is not None and orig_w >= cfg.max_wh_ratio * orig_h
+    return Canvas(width=int(bw), height=int(bh), n_w=int(bw) // p, n_h=int(bh) // p,
+                  stretch=stretch)
+
+
+def _fit_budget_v4(W: float, H: float, bw: int, bh: int, cfg: VisionConfig) -> tuple[int, int]:
+    """V4 (SPEC §4 step 5): budget max_n_token - 3; re-solve with a shrinking budget until
+    the canvas fits. Returns (bw, bh)."""
+    p, r = cfg.patch_size, cfg.downsample_ratio
     budget = cfg.max_n_token - 3
     b = budget
+    tokens = count_llm_tokens(bh, bw, p, r)
     while tokens > budget:
         q = H / W
         fw = math.sqrt((b - 2) / q + 0.25) - 0.5
@@ -99,11 +125,38 @@ def plan_canvas(width: int, height: int, cfg: VisionConfig) -> Canvas:
             bh = math.floor(H * s / p) * p
         b -= 1
         tokens = count_llm_tokens(bh, bw, p, r)
-    if bw <= 0 or bh <= 0:
-        raise ValueError(f"image size {orig_w}x{orig_h} gives an empty canvas")
-    stretch = cfg.max_wh_ratio is not None and orig_w >= cfg.max_wh_ratio * orig_h
-    return Canvas(width=int(bw), height=int(bh), n_w=int(bw) // p, n_h=int(bh) // p,
-                  stretch=stretch)
+    return bw, bh
+
+
+def _fit_budget_v41(W: float, H: float, bw: int, bh: int, cfg: VisionConfig) -> tuple[int, int]:
+    """V4.1: the full max_n_token is the budget; a canvas over it is solved once, and the
+    solution must fit (the reference asserts it). Returns (bw, bh)."""
+    p, r, budget = cfg.patch_size, cfg.downsample_ratio, cfg.max_n_token
+    if count_llm_tokens_v41(bh, bw, p, r) <= budget:
+        return bw, bh
+    bw, bh = _solve_resize_v41(W, H, p, r, budget)
+    if count_llm_tokens_v41(bh, bw, p, r) > budget:
+        raise ValueError(f"image size {W}x{H}: the resized canvas {bw}x{bh} is over the "
+                         f"{budget}-token budget")
+    return bw, bh
+
+
+def _solve_resize_v41(W: float, H: float, p: int, r: int, b: int) -> tuple[int, int]:
+    """V4.1's solve_resize_ratio: the largest aspect-preserving canvas whose token grid fits
+    ``b``, as (bw, bh). With fw x fh the real-valued grid that spends exactly ``b`` tokens:
+    a grid under one cell wide becomes one column of (b-2)//2 cells, one under one cell high
+    becomes one row of b-3 cells; otherwise the image is scaled into floor(fw) x floor(fh)
+    cells and cut down to whole patches. No row count is forced even (V4 forces it)."""
+    cell = p * r
+    q = H / W
+    fw = math.sqrt((b - 2) / q + 0.25) - 0.5
+    fh = fw * q
+    if fw < 1:
+        return cell, (b - 2) // 2 * cell
+    if fh < 1:
+        return (b - 3) * cell, cell
+    scale = min(math.floor(fw) * cell / W, math.floor(fh) * cell / H)
+    return math.floor(W * scale / p) * p, math.floor(H * scale / p) * p
 
 
 def to_rgb(image: Image.Image) -> Image.Image:
@@ -113,8 +166,11 @@ def to_rgb(image: Image.Image) -> Image.Image:
     # Mode "I" (32-bit) holds 16-bit samples when read from 16-bit files by older Pillows,
     # and 8-bit ones when converted from "L": only the former exceed 255.
     if values is not None and (mode != "I" or values.max(initial=0) > 255):
-        # Pillow's own convert clips 16-bit values to 255; the reference scales them.
-        eight = (np.clip(values.astype(np.int64), 0, 65535) >> 8).astype(np.uint8)
+        # Pillow's own convert clips 16-bit values to 255; the reference scales them. In the
+        # samples' own dtype: a wider temporary (int64) would take 8 bytes per pixel, twice.
+        if values.dtype.itemsize > 2:  # mode "I" (int32): keep the 16-bit range
+            values = np.clip(values, 0, 65535)
+        eight = (values >> 8).astype(np.uint8)
         return Image.fromarray(eight, mode="L").convert("RGB")
     if mode == "RGB":
         return image

@@ -417,3 +417,24 @@ def test_hub_id_fetches_only_tower_shards_of_a_v41_checkpoint(tmp_path, monkeypa
     assert ckpt.fingerprint == load_checkpoint(source).fingerprint
     assert set(ckpt.state_dict) == set(state)
     assert torch.equal(ckpt.state_dict[names[0]], state[names[0]].float())
+
+
+def test_extract_keeps_the_variant(tmp_path):
+    """``dsv4enc extract`` of a nested V4.1 checkpoint writes a flat config that still says
+    deepseek_v41."""
+    from dsv4enc.export import extract_tower
+
+    cfg = VisionConfig.from_file(CONFIGS / "tiny-v41.json")
+    source = write_checkpoint(tmp_path / "nested", nested_layout(cfg.to_flat()),
+                              {"model.safetensors": random_state_dict(cfg, seed=1)}, index=False)
+    extract_tower(source, tmp_path / "vision")
+    written = json.loads((tmp_path / "vision" / "config.json").read_text())
+    assert written["model_type"] == "deepseek_v41" and "vision_config" not in written
+    assert load_checkpoint(tmp_path / "vision").config == cfg
+
+
+def test_help_names_both_variants():
+    shown = runner.invoke(app, ["encode", "--help"], terminal_width=200)
+    assert shown.exit_code == 0
+    assert "deepseek_v41" in shown.output and "deepseek_v4 " in shown.output
+    assert "V4.1" in runner.invoke(app, ["--help"], terminal_width=200).output

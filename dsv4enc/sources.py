@@ -17,17 +17,30 @@ stay unique. Compressed tars cannot be read member by member and are refused.
 Table rows are keyed by ``--key-column`` when given; else by the ``path`` field of a
 Hugging Face ``{bytes, path}`` image struct when it is set; else ``<file>#<row>`` (the file as
 given, the row counted from 0 over the whole file).
+
+A damaged container never reads as complete. What can be read gets its rows; what cannot
+becomes an ``Unreadable`` item, one error row keyed ``<file>@<byte offset>`` where the damage
+starts: a tar region without a valid header (a bad checksum, a wrong size field before it; the
+index reads on at the next valid header, as GNU tar does), a tar or Arrow stream cut short (no
+end-of-archive / end-of-stream marker), a Parquet or Arrow file that does not open at all
+(``@0``). Rows of a Parquet row group that cannot be read are error rows of their own.
+
+A ``{bytes: null, path}`` cell names a file beside the table: relative paths resolve against
+the table's folder (never the current directory), the file must lie inside that folder (after
+symlinks and ``..``) or under a ``--table-paths-root``, have an image extension and be a
+regular file. Anything else is an error row.
 """
 
 from __future__ import annotations
 
 import io
 import os
+import stat
 import tarfile
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
-from pathlib import Path, PurePosixPath
+from pathlib import PurePosixPath
 from typing import TYPE_CHECKING, Any, BinaryIO
 
 from .errors import UsageError
@@ -56,11 +69,38 @@ class TarMember:
 @dataclass(frozen=True)
 class TableCell:
     """An image in a table: ``column``'s cell at ``row`` of row group (Parquet) or record
-    batch (Arrow) ``group``."""
+    batch (Arrow) ``group``. ``path_roots``: folders (real paths) besides the table's own that
+    a ``{bytes: null, path}`` cell may name files in."""
 
     column: str
     group: int
     row: int
+    path_roots: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Unreadable:
+    """A part of a container that cannot be read: reading it raises ``DamagedContainerError``
+    with ``reason``, so it becomes one error row."""
+
+    reason: str
+
+
+class DamagedContainerError(ValueError):
+    """A container's damaged part (its error row says so)."""
+
+
+class RefusedPathError(ValueError):
+    """A table cell names a file dsv4enc does not read (outside the allowed folders, not an
+    image name, not a regular file)."""
+
+
+def damaged_item(raw: str, offset: int, reason: str) -> "InputItem":
+    """The error row for a container's unreadable part starting at byte ``offset``."""
+    from .inputs import InputItem
+
+    return InputItem(key=f"{raw}@{offset}", path=raw,
+                     member=Unreadable(f"{raw}: damaged at byte {offset}: {reason}"))
 
 
 def container_kind(path: str) -> str | None:
@@ -73,15 +113,15 @@ def container_kind(path: str) -> str | None:
     return None
 
 
-def expand_container(raw: str, image_column: str | None = None,
-                     key_column: str | None = None) -> tuple[list["InputItem"], int]:
+def expand_container(raw: str, image_column: str | None = None, key_column: str | None = None,
+                     path_roots: tuple[str, ...] = ()) -> tuple[list["InputItem"], int]:
     """The images in a container file, in file order, and how many entries were passed over
-    (tar samples without an image)."""
+    (tar samples without an image). ``path_roots``: see ``TableCell``."""
     kind = container_kind(raw)
     if kind == "tar":
         return expand_tar(raw)
     if kind == "table":
-        return expand_table(raw, image_column, key_column), 0
+        return expand_table(raw, image_column, key_column, path_roots), 0
     raise UsageError(f"{raw}: not a container file (.parquet, .arrow, .feather or .tar)")
 
 
@@ -97,38 +137,133 @@ def split_key(name: str) -> tuple[str, str]:
     return key, ext if dot else ""
 
 
-def expand_tar(raw: str) -> tuple[list["InputItem"], int]:
-    """Index an uncompressed tar shard: its image members (by extension), keyed by sample."""
-    from .inputs import InputItem, is_image_name
+#: Leading bytes of compressed files: such a "tar" cannot be read member by member.
+COMPRESSED_MAGIC = {b"\x1f\x8b": "gzip", b"BZh": "bzip2", b"\xfd7zXZ\x00": "xz",
+                    b"\x28\xb5\x2f\xfd": "zstd", b"\x04\x22\x4d\x18": "lz4"}
+_BLOCK = tarfile.BLOCKSIZE
 
+
+def _open_tar(raw: str) -> tuple[tarfile.TarFile | None, int, str | None]:
+    """``(archive, file size, None)``, or ``(None, size, why)`` when not even the first header
+    reads. A compressed file is a usage error: it needs decompressing, not an error row."""
+    try:
+        size = os.path.getsize(raw)
+        with open(raw, "rb") as handle:
+            head = handle.read(8)
+    except OSError as exc:
+        return None, 0, f"cannot read it: {exc.strerror or exc}"
+    for magic, kind in COMPRESSED_MAGIC.items():
+        if head.startswith(magic):
+            raise UsageError(f"{raw}: a {kind}-compressed tar; only uncompressed shards can "
+                             "be read member by member, decompress it first")
     try:
         archive = tarfile.open(raw, mode="r:")
-    except tarfile.ReadError as exc:
-        raise UsageError(f"{raw}: not an uncompressed tar file ({exc}); compressed shards "
-                         "cannot be read member by member, decompress them first") from None
-    except OSError as exc:
-        raise UsageError(f"cannot read {raw}: {exc.strerror or exc}") from None
-    images: list[tuple[str, TarMember]] = []
+    except (tarfile.TarError, OSError) as exc:
+        return None, size, f"not a tar file, or its first header is damaged ({exc})"
+    # From here on, a damaged header is skipped block by block up to the next valid one (what
+    # GNU tar does); the gaps are reported below instead of ending the index silently.
+    archive.ignore_zeros = True
+    return archive, size, None
+
+
+def _first_nonzero(raw: str, start: int, stop: int) -> int | None:
+    """The offset of the first non-zero byte in ``[start, stop)`` of the file, if any."""
+    with open(raw, "rb") as handle:
+        handle.seek(start)
+        at = start
+        while at < stop:
+            chunk = handle.read(min(1 << 20, stop - at))
+            if not chunk:
+                return None
+            stripped = chunk.lstrip(b"\0")
+            if stripped:
+                return at + len(chunk) - len(stripped)
+            at += len(chunk)
+    return None
+
+
+def _tar_end_damage(raw: str, end: int, size: int, last: str | None) -> tuple[int, str] | None:
+    """Whether the archive, whose last member's data ends at ``end``, ends as a tar should:
+    with its end-of-archive marker (zero blocks). ``(offset, reason)`` if not."""
+    if end > size:
+        return size, f"the file ends inside the data of member {last!r} (cut short?)"
+    if end == size:
+        return size, "the file ends without the tar end-of-archive marker (cut short?)"
+    if _first_nonzero(raw, end, min(size, end + _BLOCK)) is not None:
+        return end, ("no valid tar header here and up to the end of the file (a damaged or "
+                     "cut header); members there are lost")
+    return None
+
+
+def _tar_locator(info: tarfile.TarInfo, raw: str,
+                 files: dict[str, TarMember]) -> TarMember | Unreadable:
+    """Where an image member's bytes are: its own data, a hard link's target's data, or why
+    they cannot be read (a symlink, a device, a sparse file)."""
+    if info.isreg() and not info.issparse():
+        return TarMember(info.name, info.offset_data, info.size)
+    if info.islnk():
+        target = files.get(PurePosixPath(info.linkname).as_posix())
+        if target is not None:
+            return TarMember(info.name, target.offset, target.size)
+        return Unreadable(f"{raw}: tar member {info.name!r} is a hard link to "
+                          f"{info.linkname!r}, which is not a file before it in the archive")
+    if info.issym():
+        return Unreadable(f"{raw}: tar member {info.name!r} is a symbolic link to "
+                          f"{info.linkname!r}; links are not followed inside tar shards")
+    kind = "a sparse file" if info.issparse() else "not a regular file"
+    return Unreadable(f"{raw}: tar member {info.name!r} is {kind}")
+
+
+def expand_tar(raw: str) -> tuple[list["InputItem"], int]:
+    """Index an uncompressed tar shard: its image members (by extension), keyed by sample, in
+    file order, with an error row where the archive is damaged (see the module's doc)."""
+    from .inputs import InputItem, is_image_name
+
+    archive, size, why = _open_tar(raw)
+    if archive is None:
+        return [damaged_item(raw, 0, why)], 0
+    # (sample key, member name, locator), or (None, "", damaged item) where it is damaged.
+    entries: list[tuple[str | None, str, Any]] = []
+    files: dict[str, TarMember] = {}  # every regular member: targets of hard links
     keys_seen: dict[str, int] = {}
     other_keys: set[str] = set()
+    end, last = 0, None  # where the previous member's data ends: the next header starts there
     with archive:
         try:
             for info in archive:
-                if not info.isreg():
-                    continue
+                bad = _first_nonzero(raw, end, info.offset) if info.offset > end else None
+                if bad is not None:  # zeros are fine: an end marker between joined archives
+                    entries.append((None, "", damaged_item(raw, bad, (
+                        f"no valid tar header up to byte {info.offset} (a damaged header, or a "
+                        "wrong size field before it); members there are lost"))))
+                end, last = archive.offset, info.name
+                if info.isreg() and not info.issparse():
+                    files[PurePosixPath(info.name).as_posix()] = TarMember(
+                        info.name, info.offset_data, info.size)
                 base = PurePosixPath(info.name).name
                 key, _ = split_key(info.name)
-                if base.startswith(".") or not key:
+                if info.isdir() or base.startswith(".") or not key:
                     continue
                 if is_image_name(base):
-                    images.append((key, TarMember(info.name, info.offset_data, info.size)))
+                    entries.append((key, info.name, _tar_locator(info, raw, files)))
                     keys_seen[key] = keys_seen.get(key, 0) + 1
                 else:
                     other_keys.add(key)
+            damage = _tar_end_damage(raw, end, size, last)
         except tarfile.TarError as exc:
-            raise UsageError(f"{raw}: damaged tar file ({exc})") from None
-    items = [InputItem(key=key if keys_seen[key] == 1 else member.name, path=raw, member=member)
-             for key, member in images]
+            if archive.offset >= size:  # tarfile's "unexpected end of data": cut short
+                damage = _tar_end_damage(raw, end, size, last)
+            else:  # e.g. a damaged long-name header: no way on
+                damage = archive.offset, f"unreadable tar header ({exc}); the rest is not read"
+    if damage is not None:
+        entries.append((None, "", damaged_item(raw, *damage)))
+    items = []
+    for key, name, found in entries:
+        if key is None:
+            items.append(found)
+        else:  # several images in one sample: each is keyed by its member name
+            items.append(InputItem(key=key if keys_seen[key] == 1 else name, path=raw,
+                                   member=found))
     return items, len(other_keys - keys_seen.keys())
 
 
@@ -223,7 +358,11 @@ def choose_image_column(schema: "pa.Schema", wanted: str | None, source: str) ->
 
 
 class _Table:
-    """Read access to a Parquet file or an Arrow IPC file/stream, group by group."""
+    """Read access to a Parquet file or an Arrow IPC file/stream, group by group.
+
+    ``damage``: ``(byte offset, reason)`` when an Arrow stream (or a file without its footer)
+    ends before its end-of-stream marker, or breaks off inside a batch; the batches before it
+    are read. Opening raises when nothing can be read (no Parquet footer, no Arrow schema)."""
 
     def __init__(self, path: str) -> None:
         import pyarrow as pa
@@ -231,24 +370,49 @@ class _Table:
 
         self.path = path
         self.parquet = path.lower().endswith(".parquet")
+        self.damage: tuple[int, str] | None = None
         if self.parquet:
             self._file = pq.ParquetFile(path, memory_map=True)
             self.schema = self._file.schema_arrow
             meta = self._file.metadata
             self.group_rows = [meta.row_group(g).num_rows for g in range(meta.num_row_groups)]
-        else:
-            source = pa.memory_map(path, "r")
+            return
+        source = pa.memory_map(path, "r")
+        try:
+            reader = pa.ipc.open_file(source)
+            self._batches = [reader.get_batch(i) for i in range(reader.num_record_batches)]
+            self.schema = reader.schema
+        except pa.ArrowInvalid:
+            # Hugging Face `datasets` caches are IPC streams; read zero-copy from the map. An
+            # IPC file without its footer (cut short) is its magic and then a stream.
+            source.seek(0)
+            cut_file = source.read(6) == b"ARROW1"
+            source.seek(8 if cut_file else 0)
+            self._read_stream(source)
+            if cut_file and self.damage is None:
+                self.damage = source.size(), "the Arrow file has no footer (cut short?)"
+        self.group_rows = [b.num_rows for b in self._batches]
+
+    def _read_stream(self, source) -> None:
+        """The batches of an IPC stream up to its end-of-stream marker, or up to where it
+        breaks off (``damage``)."""
+        import pyarrow as pa
+
+        reader = pa.ipc.open_stream(source)
+        self.schema = reader.schema
+        self._batches = []
+        while True:
+            at = source.tell()
             try:
-                reader = pa.ipc.open_file(source)
-                self._batches = [reader.get_batch(i) for i in range(reader.num_record_batches)]
-                self.schema = reader.schema
-            except pa.ArrowInvalid:
-                # Hugging Face `datasets` caches are IPC streams; read zero-copy from the map.
-                source.seek(0)
-                reader = pa.ipc.open_stream(source)
-                self._batches = list(reader)
-                self.schema = reader.schema
-            self.group_rows = [b.num_rows for b in self._batches]
+                self._batches.append(reader.read_next_batch())
+            except StopIteration:
+                if source.tell() == at:  # the end of the file, not the end-of-stream marker
+                    self.damage = at, ("the Arrow stream ends without its end-of-stream "
+                                       "marker (cut short?); rows after it are lost")
+                return
+            except (OSError, pa.ArrowException) as exc:
+                self.damage = at, f"an unreadable record batch ({exc}); the rest is not read"
+                return
 
     def read(self, group: int, columns: list[str]) -> "pa.Table":
         import pyarrow as pa
@@ -258,21 +422,18 @@ class _Table:
         return pa.Table.from_batches([self._batches[group]]).select(columns)
 
 
-def _open_table(raw: str) -> _Table:
+def expand_table(raw: str, image_column: str | None = None, key_column: str | None = None,
+                 path_roots: tuple[str, ...] = ()) -> list["InputItem"]:
+    """One item per row of a Parquet/Arrow file (only the key column is read here), and an
+    error row where the file is damaged."""
     import pyarrow as pa
 
-    try:
-        return _Table(raw)
-    except (OSError, pa.ArrowException) as exc:
-        raise UsageError(f"cannot read {raw} as a table: {exc}") from None
-
-
-def expand_table(raw: str, image_column: str | None = None,
-                 key_column: str | None = None) -> list["InputItem"]:
-    """One item per row of a Parquet/Arrow file (only the key column is read here)."""
     from .inputs import InputItem
 
-    table = _open_table(raw)
+    try:
+        table = _Table(raw)
+    except (OSError, pa.ArrowException) as exc:
+        return [damaged_item(raw, 0, f"cannot read it as a table: {exc}")]
     column = choose_image_column(table.schema, image_column, raw)
     if key_column is not None and key_column not in table.schema.names:
         raise UsageError(f"{raw}: no key column {key_column!r} "
@@ -283,19 +444,26 @@ def expand_table(raw: str, image_column: str | None = None,
     row_number = 0
     for group, n_rows in enumerate(table.group_rows):
         keys: list[Any] = [None] * n_rows
-        if key_column is not None:
-            keys = table.read(group, [key_column]).column(0).to_pylist()
-        elif has_path:  # Parquet reads just the struct's path field
-            wanted = f"{column}.path" if table.parquet else column
-            paths = table.read(group, [wanted]).column(0).combine_chunks()
-            keys = paths.field("path").to_pylist()
+        unreadable = None
+        try:
+            if key_column is not None:
+                keys = table.read(group, [key_column]).column(0).to_pylist()
+            elif has_path:  # Parquet reads just the struct's path field
+                wanted = f"{column}.path" if table.parquet else column
+                paths = table.read(group, [wanted]).column(0).combine_chunks()
+                keys = paths.field("path").to_pylist()
+        except (OSError, pa.ArrowException) as exc:  # each row of the group is an error row
+            unreadable = Unreadable(f"{raw}: row group {group} cannot be read ({exc})")
         for row in range(n_rows):
             key = keys[row]
             if isinstance(key, bytes):
                 key = key.decode("utf-8", "replace")
             name = f"{raw}#{row_number}" if key is None or key == "" else str(key)
-            items.append(InputItem(key=name, path=raw, member=TableCell(column, group, row)))
+            items.append(InputItem(key=name, path=raw, member=unreadable or TableCell(
+                column, group, row, path_roots)))
             row_number += 1
+    if table.damage is not None:
+        items.append(damaged_item(raw, *table.damage))
     return items
 
 
@@ -357,11 +525,43 @@ def read_table_cell(path: str, cell: TableCell) -> bytes | str:
     named = value["path"].as_py() if array.type.get_field_index("path") >= 0 else None
     if not named:
         raise ValueError(f"row has no image ({cell.column!r} holds neither bytes nor a path)")
-    if not os.path.isabs(named) and not os.path.exists(named):
-        beside = Path(path).parent / named
-        if beside.exists():
-            return str(beside)
-    return named
+    return cell_file(named, path, cell.path_roots)
+
+
+def path_roots(folders) -> tuple[str, ...]:
+    """``--table-paths-root`` folders as real paths; each must be an existing folder."""
+    roots = []
+    for folder in folders:
+        if not os.path.isdir(folder):
+            raise UsageError(f"--table-paths-root {folder}: not a folder")
+        roots.append(os.path.realpath(folder))
+    return tuple(roots)
+
+
+def _inside(path: str, folder: str) -> bool:
+    return os.path.commonpath([path, folder]) == folder
+
+
+def cell_file(named: str, table: str, roots: tuple[str, ...] = ()) -> str:
+    """The file a table's ``{bytes: null, path: named}`` cell may be read from, or
+    ``RefusedPathError``: a relative ``named`` lies beside the table (never in the current
+    directory); the file must be inside the table's folder or one of ``roots`` (real paths)
+    once symlinks and ``..`` are resolved, have an image extension, and be a regular file (no
+    FIFO, device or /proc file)."""
+    from .inputs import is_image_name
+
+    folder = os.path.dirname(os.path.abspath(table))
+    candidate = os.path.join(folder, named)  # an absolute ``named`` stays as it is
+    if not is_image_name(candidate):
+        raise RefusedPathError(f"path cell {named!r} is not an image file name (.jpg, .png, ...)")
+    real = os.path.realpath(candidate)
+    allowed = (os.path.realpath(folder), *roots)
+    if not any(_inside(real, root) for root in allowed):
+        raise RefusedPathError(f"path cell {named!r} is outside the table's folder {folder} "
+                               f"(it resolves to {real}); --table-paths-root DIR allows more")
+    if not stat.S_ISREG(os.stat(real).st_mode):
+        raise RefusedPathError(f"path cell {named!r} is not a regular file ({real})")
+    return candidate
 
 
 # ----------------------------------------------------------------------------- reading items
@@ -378,4 +578,6 @@ def open_item(item: "InputItem", stream: bool = False) -> str | bytes | BinaryIO
         return read_tar_member(item.path, member)
     if isinstance(member, TableCell):
         return read_table_cell(item.path, member)
+    if isinstance(member, Unreadable):
+        raise DamagedContainerError(member.reason)
     raise TypeError(f"unknown member locator {member!r}")

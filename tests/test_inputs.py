@@ -112,7 +112,8 @@ def test_inputs_keep_their_order_and_files_keep_their_given_path(tmp_path, monke
     monkeypatch.chdir(tmp_path)
     absolute = str(tmp_path / "loose.WEBP")
     found = discover(["two", "./one/b.png", "one", absolute, "readme.txt"])
-    assert keys(found.items) == ["c.jpg", "./one/b.png", "a.png", "b.png", absolute]
+    # Two folders: each folder's keys start with the folder as given (unique keys).
+    assert keys(found.items) == ["two/c.jpg", "./one/b.png", "one/a.png", "one/b.png", absolute]
     assert found.skipped == 1
     assert [Path(i.path).resolve() for i in found.items] == [
         tmp_path / "two/c.jpg", tmp_path / "one/b.png", tmp_path / "one/a.png",

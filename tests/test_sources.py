@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import os
 import pickle
 import tarfile
 from dataclasses import replace
@@ -13,6 +14,7 @@ import pyarrow as pa
 import pyarrow.feather as feather
 import pyarrow.parquet as pq
 import pytest
+from PIL import Image
 from typer.testing import CliRunner
 
 from dsv4enc import read_embeddings, sources
@@ -271,3 +273,276 @@ def test_decode_workers_take_container_items(shard, tmp_path, images, ckpt):
     assert a.keys() == b.keys()
     for key in a:
         np.testing.assert_array_equal(a[key], b[key])
+
+
+# --------------------------------------------------------------------------- damaged containers
+
+def noise_png(seed: int, size: int = 40) -> bytes:
+    """A PNG of noise, a few kB: its data spans several tar blocks."""
+    rng = np.random.default_rng(seed)
+    buffer = io.BytesIO()
+    Image.fromarray(rng.integers(0, 256, (size, size, 3), dtype=np.uint8)).save(buffer, "PNG")
+    return buffer.getvalue()
+
+
+@pytest.fixture(scope="module")
+def five(tmp_path_factory) -> tuple[bytes, list[int]]:
+    """A five-sample shard's bytes and its members' header offsets."""
+    path = tmp_path_factory.mktemp("five") / "five.tar"
+    with tarfile.open(path, "w") as archive:
+        for i in range(5):
+            add_bytes(archive, f"s{i}.png", noise_png(i))
+    headers = [item.member.offset - 512 for item in discover([str(path)]).items]
+    return path.read_bytes(), headers
+
+
+def set_size(data: bytearray, header: int, size: int) -> None:
+    """Rewrite the size field of the tar header at ``header`` (checksum kept valid)."""
+    info = tarfile.TarInfo.frombuf(bytes(data[header:header + 512]), "utf-8", "surrogateescape")
+    info.size = size
+    data[header:header + 512] = info.tobuf()
+
+
+def damage(kind: str, data: bytes, headers: list[int]) -> bytes:
+    third = headers[2]
+    if kind == "bad checksum":
+        broken = bytearray(data)
+        broken[third + 148] ^= 0x11
+        return bytes(broken)
+    if kind == "cut in a header":
+        return data[:third + 100]
+    if kind == "size too small":
+        broken = bytearray(data)
+        set_size(broken, headers[1], 600)  # member 2 claims 600 of its ~5 kB
+        return bytes(broken)
+    if kind == "cut at a member boundary":
+        return data[:third]
+    if kind == "cut in a member's data":
+        return data[:third + 1000]
+    raise ValueError(kind)
+
+
+@pytest.mark.parametrize("kind, readable, damaged_at", [
+    ("bad checksum", ["s0", "s1", "s3", "s4"], "third"),
+    ("cut in a header", ["s0", "s1"], "third"),
+    ("size too small", ["s0", "s1", "s2", "s3", "s4"], None),
+    ("cut at a member boundary", ["s0", "s1"], "end"),
+    ("cut in a member's data", ["s0", "s1", "s2"], "end"),
+])
+def test_a_damaged_tar_never_reads_as_complete(tmp_path, five, kind, readable, damaged_at):
+    """Members after the damage are not lost silently: the index reads on at the next valid
+    header (as GNU tar does), and the damaged region is an error row ``FILE@OFFSET``."""
+    data, headers = five
+    path = tmp_path / "shard.tar"
+    path.write_bytes(damage(kind, data, headers))
+    items = discover([str(path)]).items
+    member_keys = [i.key for i in items if isinstance(i.member, sources.TarMember)]
+    assert member_keys == readable
+    errors = [i for i in items if isinstance(i.member, sources.Unreadable)]
+    assert len(errors) == 1
+    offset = int(errors[0].key.rpartition("@")[2])
+    assert errors[0].key == f"{path}@{offset}"
+    if damaged_at == "third":
+        assert offset == headers[2]
+    elif damaged_at == "end":
+        assert offset == path.stat().st_size
+    else:  # the short member's data ends mid-way: the damage starts there
+        assert headers[1] < offset < headers[2]
+    probe = probe_image(errors[0])
+    assert probe.error.startswith("DamagedContainerError") and f"byte {offset}" in probe.error
+    assert decode_image(errors[0], _cfg()).error == probe.error
+
+
+def test_an_intact_tar_has_no_error_row(five, tmp_path):
+    data, _ = five
+    padded = tmp_path / "padded.tar"  # zero blocks between joined archives are no damage
+    padded.write_bytes(data + data)
+    keys = [i.key for i in discover([str(padded)]).items]
+    # Each sample key now has two images: keyed by member name, the second with a suffix.
+    assert keys == [f"s{i}.png" for i in range(5)] + [f"s{i}.png#2" for i in range(5)]
+
+
+def test_damaged_tar_through_the_cli(tmp_path, five, ckpt):
+    data, headers = five
+    path = tmp_path / "shard.tar"
+    path.write_bytes(damage("bad checksum", data, headers))
+    out = tmp_path / "o.parquet"
+    run(str(path), "--out", str(out), "--weights", str(ckpt))
+    rows = pq.read_table(out, columns=["path", "error"]).to_pylist()
+    assert [r["path"] for r in rows] == ["s0", "s1", f"{path}@{headers[2]}", "s3", "s4"]
+    assert [r["error"] is None for r in rows] == [True, True, False, True, True]
+    assert "no valid tar header" in rows[2]["error"]
+
+
+def test_not_a_tar_at_all_is_an_error_row(tmp_path):
+    path = tmp_path / "junk.tar"
+    path.write_bytes(b"hello" * 300)
+    items = discover([str(path)]).items
+    assert [i.key for i in items] == [f"{path}@0"]
+    assert "not a tar file" in probe_image(items[0]).error
+
+
+def test_tar_links_are_read_or_reported(tmp_path, images):
+    """A hard link reads its target's data; a symlink or a link to nothing is an error row;
+    none vanishes."""
+    path = tmp_path / "links.tar"
+    with tarfile.open(path, "w") as archive:
+        add_bytes(archive, "a.png", images["b.png"].read_bytes())
+        for name, kind, target in [("b.png", tarfile.LNKTYPE, "a.png"),
+                                   ("c.png", tarfile.LNKTYPE, "missing.png"),
+                                   ("d.png", tarfile.SYMTYPE, "a.png"),
+                                   ("e.png", tarfile.FIFOTYPE, "")]:
+            info = tarfile.TarInfo(name)
+            info.type, info.linkname = kind, target
+            archive.addfile(info)
+    items = discover([str(path)]).items
+    assert [i.key for i in items] == ["a", "b", "c", "d", "e"]
+    assert sources.open_item(items[1]) == images["b.png"].read_bytes()
+    assert probe_image(items[1]).width == 30
+    assert "hard link to 'missing.png'" in probe_image(items[2]).error
+    assert "symbolic link" in probe_image(items[3]).error
+    assert "not a regular file" in probe_image(items[4]).error
+
+
+def test_tar_repeated_member_names_get_unique_keys(tmp_path, images):
+    path = tmp_path / "again.tar"
+    with tarfile.open(path, "w") as archive:
+        add_bytes(archive, "x/0001.jpg", images["a.jpg"].read_bytes())
+        add_bytes(archive, "x/0001.jpg", images["a.jpg"].read_bytes())
+        add_bytes(archive, "x/0002.jpg", images["a.jpg"].read_bytes())
+    keys = [i.key for i in discover([str(path), str(path)]).items]
+    assert keys == ["x/0001.jpg", "x/0001.jpg#2", "x/0002",
+                    "x/0001.jpg#3", "x/0001.jpg#4", "x/0002#2"]
+
+
+def write_stream(table: pa.Table, path: Path, rows_per_batch: int) -> list[int]:
+    """Write ``table`` as an IPC stream; the byte offsets where each batch ends."""
+    ends = []
+    with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_stream(sink, table.schema) as out:
+        for batch in table.to_batches(max_chunksize=rows_per_batch):
+            out.write_batch(batch)
+            ends.append(sink.tell())
+    return ends
+
+
+@pytest.mark.parametrize("cut", ["batch boundary", "inside a batch", "no end marker only"])
+def test_a_cut_arrow_stream_never_reads_as_complete(tmp_path, images, cut):
+    table = image_table(images, ["a.jpg", "b.png", "c.webp", "d.png", "e.gif"], struct=False)
+    whole = tmp_path / "whole.arrow"
+    ends = write_stream(table, whole, 2)
+    data = whole.read_bytes()
+    path = tmp_path / "cut.arrow"
+    at = {"batch boundary": ends[0], "inside a batch": ends[0] + 50,
+          "no end marker only": ends[-1]}[cut]
+    path.write_bytes(data[:at])
+    items = discover([str(path)]).items
+    rows = [i for i in items if isinstance(i.member, sources.TableCell)]
+    kept = 5 if cut == "no end marker only" else 2
+    assert len(rows) == kept and len(items) == kept + 1
+    assert items[-1].key == f"{path}@{ends[-1] if kept == 5 else ends[0]}"
+    assert "DamagedContainerError" in probe_image(items[-1]).error
+    assert sources.open_item(rows[1]) == images["b.png"].read_bytes()
+    assert len(discover([str(whole)]).items) == 5  # the intact stream: no error row
+
+
+def test_a_cut_feather_file_keeps_its_batches(tmp_path, images):
+    table = image_table(images, ["a.jpg", "b.png", "c.webp"], struct=False)
+    path = tmp_path / "t.feather"
+    feather.write_feather(table, path, chunksize=2, compression="uncompressed")
+    data = path.read_bytes()
+    path.write_bytes(data[:-40])  # the footer is gone
+    items = discover([str(path)]).items
+    assert [i.key for i in items[:3]] == [f"{path}#{r}" for r in range(3)]
+    assert "no footer" in probe_image(items[3]).error
+
+
+def test_damaged_parquet(tmp_path, images):
+    """A Parquet file without its footer is one error row; a row group whose pages are
+    damaged gives each of its rows an error row, the other groups read."""
+    table = image_table(images, ["a.jpg", "b.png", "c.webp", "d.png"], struct=False)
+    path = tmp_path / "t.parquet"
+    pq.write_table(table, path, row_group_size=2, compression="none")
+    data = path.read_bytes()
+    cut = tmp_path / "cut.parquet"
+    cut.write_bytes(data[:len(data) // 2])
+    items = discover([str(cut)]).items
+    assert [i.key for i in items] == [f"{cut}@0"]
+    assert "cannot read it as a table" in probe_image(items[0]).error
+    meta = pq.ParquetFile(path).metadata
+    column = meta.row_group(1).column(meta.schema.names.index("img"))
+    start = column.data_page_offset
+    broken = bytearray(data)
+    broken[start:start + 64] = b"\xff" * 64  # the second group's page header
+    bad = tmp_path / "bad.parquet"
+    bad.write_bytes(bytes(broken))
+    items = discover([str(bad)], key_column="id").items
+    assert [i.key for i in items] == ["id-0", "id-1", "id-2", "id-3"]
+    errors = [probe_image(i).error for i in items]
+    assert errors[:2] == [None, None] and errors[2] and errors[3]
+
+
+# --------------------------------------------------------------------------- table path cells
+
+def path_table(folder: Path, paths: list[str]) -> Path:
+    """A Parquet table in ``folder`` whose image structs hold only paths."""
+    column = pa.array([{"bytes": None, "path": p} for p in paths], STRUCT)
+    path = folder / "t.parquet"
+    pq.write_table(pa.table({"img": column}), path)
+    return path
+
+
+def test_a_relative_path_cell_resolves_beside_the_table_never_the_cwd(tmp_path, images,
+                                                                     monkeypatch):
+    table_dir, cwd = tmp_path / "data", tmp_path / "cwd"
+    (table_dir / "imgs").mkdir(parents=True)
+    (cwd / "imgs").mkdir(parents=True)
+    (table_dir / "imgs" / "x.png").write_bytes(images["b.png"].read_bytes())
+    (cwd / "imgs" / "x.png").write_bytes(images["d.png"].read_bytes())  # a different image
+    (cwd / "only_here.png").write_bytes(images["d.png"].read_bytes())
+    table = path_table(table_dir, ["imgs/x.png", "only_here.png"])
+    monkeypatch.chdir(cwd)
+    items = discover([str(table)]).items
+    assert probe_image(items[0]).width == 30  # b.png beside the table, not d.png (40)
+    assert "FileNotFoundError" in probe_image(items[1]).error
+
+
+def test_path_cells_outside_the_table_folder_are_refused(tmp_path, images):
+    """A shared table must not make dsv4enc read a user's other files: paths outside the
+    table's folder (after symlinks and ``..``), non-image names and non-regular files are
+    error rows; ``--table-paths-root`` allows more folders."""
+    private, data = tmp_path / "private", tmp_path / "data"
+    private.mkdir()
+    (data / "sub").mkdir(parents=True)
+    (private / "photo.png").write_bytes(images["b.png"].read_bytes())
+    (data / "sub" / "ok.png").write_bytes(images["d.png"].read_bytes())
+    (data / "escape.png").symlink_to(private / "photo.png")
+    os.mkfifo(data / "pipe.png")
+    (data / "notes.txt").write_text("not an image")
+    cells = ["../private/photo.png", str(private / "photo.png"), "escape.png",
+             "sub/../../private/photo.png", "/etc/passwd", "/proc/self/environ", "/dev/zero",
+             "pipe.png", "notes.txt", "sub/ok.png", str(data / "sub" / "ok.png")]
+    table = path_table(data, cells)
+    errors = [probe_image(i).error for i in discover([str(table)]).items]
+    assert all(e.startswith("RefusedPathError") for e in errors[:9]), errors
+    assert all("outside the table's folder" in e for e in errors[:4])
+    assert "not a regular file" in errors[7] and "not an image file name" in errors[8]
+    assert errors[9:] == [None, None]
+    allowed = discover([str(table)], table_paths_roots=[str(private)]).items
+    assert [probe_image(i).error for i in allowed[:4]] == [None] * 4
+    assert probe_image(allowed[0]).width == 30
+    assert "RefusedPathError" in decode_image(discover([str(table)]).items[0], _cfg()).error
+    with pytest.raises(UsageError, match="not a folder"):
+        discover([str(table)], table_paths_roots=[str(tmp_path / "nope")])
+
+
+def test_table_paths_root_through_the_cli(tmp_path, images, ckpt):
+    private, data = tmp_path / "private", tmp_path / "data"
+    private.mkdir()
+    data.mkdir()
+    (private / "photo.png").write_bytes(images["b.png"].read_bytes())
+    table = path_table(data, ["../private/photo.png"])
+    for extra, refused in (((), True), (("--table-paths-root", str(private)), False)):
+        out = tmp_path / f"o{int(refused)}.parquet"
+        run(str(table), "--out", str(out), "--weights", str(ckpt), *extra)
+        error = pq.read_table(out, columns=["error"]).column(0)[0].as_py()
+        assert (error is not None and "RefusedPathError" in error) == refused, error

@@ -136,7 +136,9 @@ def _fit_budget_v41(W: float, H: float, bw: int, bh: int, cfg: VisionConfig) -> 
         return bw, bh
     bw, bh = _solve_resize_v41(W, H, p, r, budget)
     if count_llm_tokens_v41(bh, bw, p, r) > budget:
-        raise ValueError(f"image size {W}x{H}: the resized canvas {bw}x{bh} is over the "
+        # Unreachable in practice (the solve spends at most the budget); the reference
+        # asserts it, so an image that got here would fail there too.
+        raise ValueError(f"the {bw}x{bh} canvas solved for {W}x{H} pixels is over the "
                          f"{budget}-token budget")
     return bw, bh
 

@@ -1,8 +1,9 @@
 """The ``dsv4enc`` command line: a thin Typer layer over the pipeline.
 
 Domain errors (setup, options, weights, output) become one line on stderr and a non-zero
-exit, never a traceback. Exit codes: 0 the run completed (even if some images failed),
-1 setup error, 2 usage error, 130/143 interrupted by SIGINT/SIGTERM (finished parts kept).
+exit, never a traceback. Exit codes: 0 the run completed (even if some images failed or no
+image was found) or ``--resume`` found the output already complete, 1 setup error, 2 usage
+error, 130/143 interrupted by SIGINT/SIGTERM (finished parts kept).
 """
 
 from __future__ import annotations
@@ -15,11 +16,17 @@ from typing import List, Optional
 import typer
 
 from . import __version__
-from .errors import DsvError
+from .errors import AlreadyComplete, DsvError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Encode images with the DeepSeek-V4 or V4.1 vision tower and write "
                   "Parquet.")
+
+
+def choices(*values: str) -> str:
+    """The metavar that lists a choice option's values in --help. The values are checked by
+    ``options.validate`` (a one-line usage error), not by Click."""
+    return f"[{'|'.join(values)}]"
 
 
 def fail(message: str, code: int = 1) -> None:
@@ -31,6 +38,25 @@ def fail(message: str, code: int = 1) -> None:
     stderr_console.print(f"[bold red]error:[/] {escape(message)}", highlight=False,
                          soft_wrap=True)
     raise typer.Exit(code)
+
+
+def note(message: str) -> None:
+    """One line on stderr that is neither an error nor progress."""
+    from rich.markup import escape
+
+    from .progress import stderr_console
+
+    stderr_console.print(f"note: {escape(message)}", highlight=False, soft_wrap=True)
+
+
+def write_interrupted_summary(path: str, exc: BaseException, out: str) -> None:
+    """--summary-json of a run a signal stopped: what it had done (nothing, if it stopped
+    before encoding)."""
+    from .pipeline import RunSummary
+    from .summary import write_summary_json
+
+    done = getattr(exc, "summary", None) or RunSummary(out=out)
+    write_summary_json(path, done, "interrupted", getattr(exc, "exit_code", 1))
 
 
 def version_callback(value: bool) -> None:
@@ -66,10 +92,6 @@ def encode(
     key_column: Optional[str] = typer.Option(None, "--key-column", help="Table inputs: the "
                                              "column giving each row's output path (default: "
                                              "the struct's path, else FILE#ROW)."),
-    table_paths_root: Optional[List[str]] = typer.Option(
-        None, "--table-paths-root", metavar="DIR", help="Table inputs: a {bytes: null, path} "
-        "cell may name image files under DIR too (repeatable). By default only files inside "
-        "the table's own folder are read; relative paths resolve beside the table."),
     weights: Optional[str] = typer.Option(None, "--weights", envvar="DSV4ENC_WEIGHTS",
                                           help="Checkpoint folder (config.json + safetensors) "
                                           "or a Hub id owner/name (needs the hub extra: "
@@ -87,14 +109,16 @@ def encode(
     seed: int = typer.Option(0, "--seed", help="Seed for --random-init."),
     device: str = typer.Option("auto", "--device", help="auto, cpu, cuda or cuda:N (under "
                                "torchrun: each rank's LOCAL_RANK GPU)."),
-    dtype: str = typer.Option("auto", "--dtype", help="Compute dtype: auto (bfloat16 on CUDA, "
-                              "float32 on CPU), float32, bfloat16, float16."),
-    out_dtype: str = typer.Option("float16", "--out-dtype", help="Stored embedding dtype: "
-                                  "float16 or float32."),
-    features: str = typer.Option("aligner", "--features", help="aligner: LLM-width merged "
-                                 "tokens; vit: per-patch ViT features."),
-    pool: str = typer.Option("none", "--pool", help="none: every row; mean: one vector per "
-                             "image (retrieval, dedup)."),
+    dtype: str = typer.Option("auto", "--dtype", metavar=choices("auto", "float32", "bfloat16",
+                                                                 "float16"),
+                              help="Compute dtype (auto: bfloat16 on CUDA, float32 on CPU)."),
+    out_dtype: str = typer.Option("float16", "--out-dtype", metavar=choices("float16", "float32"),
+                                  help="Stored embedding dtype."),
+    features: str = typer.Option("aligner", "--features", metavar=choices("aligner", "vit"),
+                                 help="aligner: LLM-width merged tokens; vit: per-patch ViT "
+                                 "features."),
+    pool: str = typer.Option("none", "--pool", metavar=choices("none", "mean"), help="none: "
+                             "every row; mean: one vector per image (retrieval, dedup)."),
     batch_tokens: Optional[int] = typer.Option(None, "--batch-tokens", help="Patches per packed "
                                                "batch (default 32768 on CUDA, 8192 on CPU)."),
     workers: Optional[int] = typer.Option(None, "--workers", help="Decode processes (default "
@@ -106,19 +130,29 @@ def encode(
                                    "are refused (decompression bombs); Pillow's default."),
     decode_timeout: float = typer.Option(120.0, "--decode-timeout", help="Seconds one image "
                                          "may take to decode before it is given up."),
-    attention: str = typer.Option("auto", "--attention", help="auto, flash, varlen or sdpa."),
+    attention: str = typer.Option("auto", "--attention",
+                                  metavar=choices("auto", "flash", "varlen", "sdpa"),
+                                  help="Attention backend."),
     cuda_graphs: Optional[bool] = typer.Option(None, "--cuda-graphs/--no-cuda-graphs",
                                                help="Replay captured CUDA graphs (default: on "
                                                "with CUDA)."),
     shard_output: bool = typer.Option(False, "--shard-output", help="torchrun: each rank "
                                       "writes its own parts under the --out folder."),
-    tp_mode: str = typer.Option("data", "--tp-mode", help="torchrun: data (each rank encodes "
-                                "its images) or weights (the tower is split across ranks)."),
-    balance: str = typer.Option("patches", "--balance", help="torchrun load balancing cost: "
-                                "patches, or flops (counts the quadratic attention term)."),
+    tp_mode: str = typer.Option("data", "--tp-mode", metavar=choices("data", "weights"),
+                                help="torchrun: data (each rank encodes its images) or "
+                                "weights (the tower is split across ranks)."),
+    balance: str = typer.Option("patches", "--balance", metavar=choices("patches", "flops"),
+                                help="torchrun load balancing cost: patches, or flops (counts "
+                                "the quadratic attention term)."),
     timeout: float = typer.Option(300.0, "--timeout", help="Seconds a collective may wait for "
                                   "a peer rank before the job fails."),
-    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="Print only errors and, at the "
+                               "end, the output path (on stdout)."),
+    log_every: float = typer.Option(30.0, "--log-every", help="Seconds between progress lines "
+                                    "when stderr is not a terminal (logs of nohup, SLURM)."),
+    summary_json: Optional[str] = typer.Option(None, "--summary-json", help="Also write the "
+                                               "run's summary here as JSON (at the end, or "
+                                               "when a signal stops the run)."),
     part_images: Optional[int] = typer.Option(None, "--part-images", hidden=True,
                                               help="Images per committed part (default from "
                                               "the config; small values for tests)."),
@@ -131,13 +165,17 @@ def encode(
 
     opts = EncodeOptions(
         inputs=list(inputs or []), out=out, files_from=files_from, image_column=image_column,
-        key_column=key_column, table_paths_roots=tuple(table_paths_root or ()), weights=weights,
+        key_column=key_column, weights=weights,
         config=config, random_init=random_init, seed=seed, device=device, dtype=dtype,
         out_dtype=out_dtype, features=features, pool=pool, batch_tokens=batch_tokens,
         workers=workers, overwrite=overwrite, resume=resume, max_pixels=max_pixels,
         decode_timeout=decode_timeout, attention=attention, cuda_graphs=cuda_graphs,
         shard_output=shard_output, tp_mode=tp_mode, balance=balance, timeout=timeout,
-        part_images=part_images, progress=not quiet)
+        part_images=part_images, progress=not quiet, log_every=log_every)
+    package_log = logging.getLogger("dsv4enc")
+    log_level = package_log.level
+    if quiet:  # warnings too: only errors (and the output path) are printed
+        package_log.setLevel(logging.ERROR)
     dist = prefetch = None
     try:
         prefetch = start_prefetch(opts)  # before torch is imported: decoding starts meanwhile
@@ -145,14 +183,29 @@ def encode(
             prefer_jemalloc_pool()
         from .pipeline import run_encode
         from .sharding import init_distributed, shutdown
-        from .summary import print_summary
+        from .summary import print_summary, write_summary_json
 
         dist = init_distributed(device, timeout)
         summary = run_encode(opts, dist, prefetch)
         if dist is None or dist.is_main:
-            print_summary(summary)
+            if summary_json:
+                write_summary_json(summary_json, summary)
+            if quiet:
+                typer.echo(summary.out)
+            else:
+                print_summary(summary)
+                if resume and summary.reused and not summary.encoded + summary.failed:
+                    note(f"{summary.out} was already complete; nothing to resume")
     except Interrupted as exc:
+        if summary_json and (dist is None or dist.is_main):
+            write_interrupted_summary(summary_json, exc, out)
         fail(str(exc), exc.exit_code)
+    except AlreadyComplete as exc:  # the same outcome as a finished folder's --resume
+        if dist is None or dist.is_main:
+            if quiet:
+                typer.echo(out)
+            else:
+                note(str(exc))
     except DsvError as exc:
         fail(str(exc), exc.exit_code)
     except KeyboardInterrupt:
@@ -162,6 +215,7 @@ def encode(
             prefetch.close()
         if dist is not None:
             shutdown(dist)
+        package_log.setLevel(log_level)  # in-process callers (tests) run more commands
 
 
 @app.command()

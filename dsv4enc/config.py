@@ -48,6 +48,21 @@ def model_type_of(raw: dict[str, Any]) -> str:
     return DEEPSEEK_V4
 
 
+def warn_unknown_vision_keys(raw: dict[str, Any], source: str) -> None:
+    """Warn about ``vision_*`` keys dsv4enc does not know, naming the closest known one: a
+    misspelled optional key (``vision_max_wh_ratio``) would otherwise silently be absent."""
+    import difflib
+    import logging
+
+    for key in sorted(k for k in raw if isinstance(k, str) and k.startswith("vision_")):
+        if key in _FLAT_TO_FIELD:
+            continue
+        close = difflib.get_close_matches(key, list(_FLAT_TO_FIELD), n=1, cutoff=0.6)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        logging.getLogger("dsv4enc").warning("%s: unknown key %r is ignored%s", source, key,
+                                             hint)
+
+
 @dataclasses.dataclass(frozen=True)
 class VisionConfig:
     """Settings of the ViT, the aligner and the image transform."""
@@ -147,6 +162,7 @@ class VisionConfig:
                 values["hidden_size"] = raw["hidden_size"]
             names = {field: flat for flat, (field, _) in _FLAT_TO_FIELD.items()}
             names["hidden_size"] = "hidden_size"
+            warn_unknown_vision_keys(raw, source)
         values["model_type"] = model_type_of(raw)
         optional = {"max_wh_ratio": None}
         for field, default in optional.items():

@@ -33,6 +33,12 @@ class OutputError(DsvError):
     """An output path that cannot be written, or that already exists."""
 
 
+class AlreadyComplete(DsvError):
+    """``--resume`` of an output that is already complete: nothing to do, not a failure."""
+
+    exit_code = 0
+
+
 class DistributedError(DsvError):
     """A rank failed or timed out."""
 

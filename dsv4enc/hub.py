@@ -10,15 +10,20 @@ them from there. Needs the optional ``huggingface_hub`` package: ``pip install '
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
+import socket
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from .checkpoint import INDEX_NAME, is_tower_tensor
 from .errors import WeightsError
 
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 _TRUE = {"1", "true", "yes", "on"}
+#: Seconds to wait for a TCP connection to the Hub before calling it unreachable.
+CONNECT_TIMEOUT_S = 3.0
 
 
 def is_hub_id(spec: str) -> bool:
@@ -32,6 +37,27 @@ def is_hub_id(spec: str) -> bool:
 def offline() -> bool:
     """``HF_HUB_OFFLINE`` is set: use the local cache only."""
     return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in _TRUE
+
+
+def hub_endpoint() -> str:
+    """The Hub's address (``HF_ENDPOINT``, else huggingface.co)."""
+    return os.environ.get("HF_ENDPOINT", "").strip() or "https://huggingface.co"
+
+
+def unreachable_reason(endpoint: str, timeout: float = CONNECT_TIMEOUT_S) -> str | None:
+    """Why a TCP connection to ``endpoint`` cannot be made within ``timeout`` seconds; None
+    when it can. One quick check instead of huggingface_hub's retries (which take tens of
+    seconds and print a warning each when there is no network)."""
+    parts = urlsplit(endpoint)
+    host = parts.hostname
+    if not host:
+        return f"bad endpoint {endpoint!r}"
+    port = parts.port or (80 if parts.scheme == "http" else 443)
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            return None
+    except OSError as exc:
+        return exc.strerror or type(exc).__name__
 
 
 def _hub():
@@ -53,19 +79,20 @@ def _errors():
         return importlib.import_module("huggingface_hub.utils")
 
 
-def _download(hub, repo: str, filename: str, revision: str | None) -> Path | None:
+def _download(hub, repo: str, filename: str, revision: str | None,
+              local_only: bool = False) -> Path | None:
     """One file of ``repo`` (from the cache when offline); None if the repo has no such file
     (or, offline, if the index is not cached: the repo may have none)."""
     errors = _errors()
     local_missing = getattr(errors, "LocalEntryNotFoundError", ())
-    kwargs = {"revision": revision, "local_files_only": offline()}
+    kwargs = {"revision": revision, "local_files_only": local_only or offline()}
     cache = os.environ.get("HF_HUB_CACHE")
     if cache:
         kwargs["cache_dir"] = cache
     try:
         return Path(hub.hf_hub_download(repo, filename, **kwargs))
     except local_missing as exc:
-        if offline():
+        if local_only or offline():
             if filename == INDEX_NAME:
                 return None
             raise WeightsError(f"{repo}: {filename} is not in the local Hub cache and "
@@ -102,19 +129,32 @@ def resolve_weights(spec: str | os.PathLike) -> Path:
     spec = os.fspath(spec)
     if not is_hub_id(spec):
         return Path(spec)
+    hub = _hub()
+    # huggingface_hub warns once per retry; dsv4enc reports one line instead
+    logging.getLogger("huggingface_hub").setLevel(logging.ERROR)
+    local_only = False
+    if not offline():
+        reason = unreachable_reason(hub_endpoint())
+        if reason is not None:
+            local_only = True  # files cached by an earlier run still do
+            unreachable = (f"{spec}: cannot reach the Hub at {hub_endpoint()} ({reason}), "
+                           "and the local Hub cache does not hold it; pass a local checkpoint "
+                           "folder, or set HF_HUB_OFFLINE=1 (and HF_HUB_CACHE) to use a "
+                           "filled cache without the network")
     try:
-        return _fetch(spec)
+        return _fetch(hub, spec, local_only)
     except WeightsError as exc:
+        if local_only:
+            raise WeightsError(unreachable) from None
         raise WeightsError(f"{exc} (and there is no local folder {spec})") from None
 
 
-def _fetch(spec: str) -> Path:
+def _fetch(hub, spec: str, local_only: bool = False) -> Path:
     repo, _, revision = spec.partition("@")
-    hub = _hub()
-    config = _download(hub, repo, "config.json", revision or None)
+    config = _download(hub, repo, "config.json", revision or None, local_only)
     if config is None:
         raise WeightsError(f"{repo}: the repository has no config.json")
-    index_path = _download(hub, repo, INDEX_NAME, revision or None)
+    index_path = _download(hub, repo, INDEX_NAME, revision or None, local_only)
     if index_path is not None:
         try:
             index = json.loads(index_path.read_text())
@@ -126,7 +166,7 @@ def _fetch(spec: str) -> Path:
     else:
         files = ["model.safetensors"]
     for fname in files:
-        got = _download(hub, repo, fname, revision or None)
+        got = _download(hub, repo, fname, revision or None, local_only)
         if got is None:
             raise WeightsError(f"{repo}: the repository has no {fname}")
         if got != config.parent / fname:

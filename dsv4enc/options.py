@@ -22,7 +22,6 @@ class EncodeOptions:
     files_from: str | None = None
     image_column: str | None = None
     key_column: str | None = None
-    table_paths_roots: tuple[str, ...] = ()  # folders table path cells may name files in
     weights: str | None = None
     config: str | None = None
     random_init: bool = False
@@ -47,6 +46,7 @@ class EncodeOptions:
     timeout: float = 300.0
     part_images: int | None = None
     progress: bool = True
+    log_every: float = 30.0  # seconds between progress lines when stderr is not a terminal
 
 
 def validate(opts: EncodeOptions) -> None:
@@ -77,6 +77,8 @@ def validate(opts: EncodeOptions) -> None:
             raise UsageError(f"--{name.replace('_', '-')} must be positive, got {value}")
     if opts.workers is not None and opts.workers < 0:
         raise UsageError(f"--workers must be 0 or more, got {opts.workers}")
+    if opts.log_every <= 0:
+        raise UsageError(f"--log-every must be positive, got {opts.log_every}")
     if opts.decode_timeout <= 0 or opts.timeout <= 0:
         raise UsageError("timeouts must be positive")
     if opts.shard_output and opts.tp_mode == "weights":

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .errors import DsvError, OutputError, UsageError
+from .errors import AlreadyComplete, DsvError, OutputError, UsageError
 from .writer import (PartStore, Row, StreamingAssembler, remove_tree, rows_per_group, rows_to_table,
                      write_json_atomic)
 
@@ -58,8 +58,8 @@ class OutputLayout:
         if overwrite and has_parts:
             remove_tree(self.parts_dir)
         if resume and not has_parts and not self.folder_mode and out.is_file():
-            raise OutputError(f"{out} is already complete; nothing to resume "
-                              "(pass --overwrite to encode again)")
+            raise AlreadyComplete(f"{out} is already complete; nothing to resume "
+                                  "(pass --overwrite to encode again)")
 
     def discard_if_empty(self) -> None:
         """After a failed run, remove a single-file output's parts folder if no part was

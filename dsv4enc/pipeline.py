@@ -59,8 +59,28 @@ class RunSummary:
     model_s: float = 0.0
     write_s: float = 0.0
     encode_s: float = 0.0  # the encoding loop alone: no start-up, header reading or capture
-    errors: dict[str, int] = field(default_factory=dict)
+    errors: dict[str, int] = field(default_factory=dict)  # message (paths elided) -> count
+    error_examples: dict[str, str] = field(default_factory=dict)  # message -> first path
     rank_loads: list[float] = field(default_factory=list)
+
+    @property
+    def images_per_s(self) -> float:
+        """Images finished (encoded or failed) per second of the encoding loop."""
+        return (self.encoded + self.failed) / self.encode_s if self.encode_s else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        """ViT tokens encoded per second of the encoding loop."""
+        return self.tokens / self.encode_s if self.encode_s else 0.0
+
+    def add_error(self, message: str, path: str, count: int = 1) -> None:
+        """Count a failed image under its message, the paths in it elided."""
+        from .inspect_output import error_group
+
+        group = error_group(message)
+        self.errors[group] = self.errors.get(group, 0) + count
+        self.error_examples.setdefault(group, path)
+
 
     @property
     def padding_waste(self) -> float:
@@ -159,8 +179,7 @@ def _run_encode(opts: EncodeOptions, dist, prefetch: Prefetch | None) -> RunSumm
     is_writer_rank = dist is None or dist.is_main or opts.shard_output
     layout = OutputLayout(opts.out, opts.shard_output)
     found = (prefetch.found if prefetch is not None else
-             discover(opts.inputs, opts.files_from, opts.image_column, opts.key_column,
-                      table_paths_roots=opts.table_paths_roots))
+             discover(opts.inputs, opts.files_from, opts.image_column, opts.key_column))
     main_then_all(dist, lambda: layout.prepare(opts.overwrite, opts.resume))
     ckpt = load_model(opts, dtype)
     main_then_all(dist, layout.create)
@@ -169,7 +188,11 @@ def _run_encode(opts: EncodeOptions, dist, prefetch: Prefetch | None) -> RunSumm
     if prefetch is not None and not prefetch.matches(cfg, device.type):
         prefetch.close()  # planned for another device or config: start over
         prefetch = None
-    progress = RunProgress(enabled=opts.progress and (dist is None or dist.is_main))
+    is_main = dist is None or dist.is_main
+    if is_main and not found.items:
+        log.warning("no images found in %s (%d other files skipped); the output will have "
+                    "no rows", ", ".join(opts.inputs) or opts.files_from, found.skipped)
+    progress = RunProgress("auto" if opts.progress and is_main else "off", opts.log_every)
     stop = _Stop()
     stop.install()
     summary = RunSummary(out=str(opts.out), skipped=found.skipped)
@@ -205,7 +228,9 @@ def _run_encode(opts: EncodeOptions, dist, prefetch: Prefetch | None) -> RunSumm
             todo = resume_filter(store, parts, opts, is_writer_rank, dist, summary)
             schema = output_schema(cfg.output_width(opts.features), opts.out_dtype,
                                    settings, pooled=opts.pool == "mean")
-            progress.start(total=len(planned), done=summary.reused)
+            progress.start(total=len(planned), done=summary.reused,
+                           tokens=sum(planned[i].tokens for p in todo
+                                      for i in range(p.start, p.end)))
             single_file = not layout.folder_mode and (dist is None or dist.is_main)
             assembler = (StreamingAssembler(store, [p.name for p in parts], layout.out, schema)
                          if single_file else None)
@@ -220,7 +245,7 @@ def _run_encode(opts: EncodeOptions, dist, prefetch: Prefetch | None) -> RunSumm
                                         else "encoding")
                         engine.fit_budgets(runner.plan(planned, todo))
                         engine.prepare()
-                        progress.status("encoding")
+                        progress.begin_encoding()
                         began = time.perf_counter()
                     for name, start, end, digest, rows in runner.run(planned, todo):
                         if writer is not None:
@@ -246,20 +271,26 @@ def _run_encode(opts: EncodeOptions, dist, prefetch: Prefetch | None) -> RunSumm
                 elif opts.shard_output and dist is not None:
                     merge_manifests(dist, store)
                     _sum_rank_counts(dist, summary)
+                if runner.gathered:
+                    _sum_rank_tokens(dist, summary, engine.stats.padded_tokens)
             except BaseException:
                 if assembler is not None:
                     assembler.abort()  # idempotent; the final file never appears half-written
                 raise
-    except (DsvError, Interrupted):
+    except (DsvError, Interrupted) as exc:
         if dist is None or dist.is_main:
             layout.discard_if_empty()  # so that a corrected rerun is not told to --resume
+        if isinstance(exc, Interrupted):  # what was done, for --summary-json
+            summary.seconds = time.perf_counter() - started
+            exc.summary = summary
         raise
     finally:
         stop.restore()
         pool.close()
     stats = engine.stats
     summary.h2d_s, summary.model_s = stats.h2d_s, stats.model_s
-    summary.padded_tokens = stats.padded_tokens
+    if not runner.gathered:
+        summary.padded_tokens = stats.padded_tokens  # else summed over the ranks above
     summary.seconds = time.perf_counter() - started
     return summary
 
@@ -281,6 +312,13 @@ class _Runner:
         self._in_flight: deque[list[tuple[int, Decoded]]] = deque()
         self._plans: list | None = None
         self.sharded = dist is not None and not tp and opts.shard_output
+        # Progress is counted where rows are made, then summed over ranks at each step: a
+        # rank counts the rows it encoded (under TP every rank makes the same rows, so only
+        # rank 0 counts), and header failures are counted by whoever owns the part's rows.
+        is_main = dist is None or dist.is_main
+        self._counts_encoded = is_main or self.gathered or self.sharded
+        self._counts_header_failures = is_main or self.sharded
+        self._pending = [0, 0, 0]  # images, tokens, failed: not yet shown
 
     # -- planning of one part ------------------------------------------------------
     def rank_batches(self, planned: Sequence[Planned], part: Part) -> list[list[list[int]]]:
@@ -332,6 +370,8 @@ class _Runner:
                                                           self.opts.max_images))
         for part, plan in zip(parts, plans):
             rows = {i: _error_row(planned[i]) for i in part.indices if planned[i].error}
+            if self._counts_header_failures:
+                self._note(rows.values())
             steps = max(len(batches) for batches in plan)
             for step in range(steps):
                 batch = plan[me][step] if step < len(plan[me]) else []
@@ -340,6 +380,8 @@ class _Runner:
                     # One batch stays queued on the device while this thread decodes and
                     # packs the next, so the device never waits for the host.
                     local.update(self.collect_batch(planned))
+                if self._counts_encoded:
+                    self._note(local.values())
                 if self.gathered:
                     local = self.exchange(local)
                 rows.update(local)
@@ -348,9 +390,12 @@ class _Runner:
             local = {}
             while self._in_flight:
                 local.update(self.collect_batch(planned))
+            if self._counts_encoded:
+                self._note(local.values())
             if self.gathered:
                 local = self.exchange(local)
             rows.update(local)
+            self._show_progress(self._gather_progress(None))
             ordered = [rows[i] for i in part.indices]
             self.count(ordered)
             rows = None
@@ -359,14 +404,34 @@ class _Runner:
             ordered = None
 
     def _stop_agreed(self) -> bool:
-        flag = self.stop.signum is not None
-        if self.dist is not None:
-            flags = self.dist.all_gather_object(self.stop.signum)
-            signums = [s for s in flags if s is not None]
-            if signums and self.stop.signum is None:
-                self.stop.signum = signums[0]
-            flag = bool(signums)
-        return flag
+        """Whether any rank was signalled; also brings every rank's progress to rank 0 (the
+        same collective, so progress costs no extra round trip per batch)."""
+        reports = self._gather_progress(self.stop.signum)
+        self._show_progress(reports)
+        signums = [signum for signum, _ in reports if signum is not None]
+        if signums and self.stop.signum is None:
+            self.stop.signum = signums[0]
+        return bool(signums)
+
+    def _note(self, rows) -> None:
+        """Count finished rows for the progress display."""
+        for row in rows:
+            self._pending[0] += 1
+            if row.error is None:
+                self._pending[1] += row.vit_h * row.vit_w
+            else:
+                self._pending[2] += 1
+
+    def _gather_progress(self, signum: int | None) -> list[tuple[int | None, list[int]]]:
+        """(signal, progress not yet shown) of every rank; this rank's alone without torchrun."""
+        mine = (signum, self._pending)
+        self._pending = [0, 0, 0]
+        return [mine] if self.dist is None else self.dist.all_gather_object(mine)
+
+    def _show_progress(self, reports: list[tuple[int | None, list[int]]]) -> None:
+        images, tokens, failed = (sum(counts[k] for _, counts in reports) for k in range(3))
+        if images:
+            self.progress.advance(images, tokens, failed)
 
     def count(self, rows: list[Row]) -> None:
         for row in rows:
@@ -374,9 +439,7 @@ class _Runner:
                 self.summary.encoded += 1
             else:
                 self.summary.failed += 1
-                kind = row.error.split(":", 1)[0]
-                self.summary.errors[kind] = self.summary.errors.get(kind, 0) + 1
-        self.progress.advance(len(rows), self.summary)
+                self.summary.add_error(row.error, row.path)
 
     # -- one batch ---------------------------------------------------------------
     def submit_batch(self, planned: Sequence[Planned], batch: list[int],
@@ -466,13 +529,20 @@ def _error_row(entry: Planned, error: str | None = None) -> Row:
 def _sum_rank_counts(dist, summary: RunSummary) -> None:
     """--shard-output: each rank counted only its own rows; the summary shows them all."""
     counts = dist.all_gather_object((summary.encoded, summary.failed, summary.tokens,
-                                     summary.errors))
+                                     summary.errors, summary.error_examples))
     summary.encoded = sum(c[0] for c in counts)
     summary.failed = sum(c[1] for c in counts)
     summary.rank_loads = [float(c[2]) for c in counts]
     summary.tokens = sum(c[2] for c in counts)
-    merged: dict[str, int] = {}
-    for _, _, _, errors in counts:
-        for kind, n in errors.items():
-            merged[kind] = merged.get(kind, 0) + n
-    summary.errors = merged
+    summary.errors, summary.error_examples = {}, {}
+    for _, _, _, errors, examples in counts:
+        for message, n in errors.items():
+            summary.add_error(message, examples[message], n)
+
+
+def _sum_rank_tokens(dist, summary: RunSummary, padded_tokens: int) -> None:
+    """Gathered DP: every rank encoded its own share of the tokens; count them all."""
+    counts = dist.all_gather_object((summary.tokens, padded_tokens, summary.merge_pad_tokens))
+    summary.tokens = sum(c[0] for c in counts)
+    summary.padded_tokens = sum(c[1] for c in counts)
+    summary.merge_pad_tokens = sum(c[2] for c in counts)

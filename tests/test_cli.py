@@ -133,7 +133,8 @@ def tree(tmp_path_factory) -> Path:
 def encode(*args: str, env: dict | None = None):
     """Run ``dsv4enc encode`` in-process; DSV4ENC_WEIGHTS unset unless ``env`` sets it."""
     full_env = {"DSV4ENC_WEIGHTS": None, "COLUMNS": "200", **(env or {})}
-    return runner.invoke(app, ["encode", *args, "--device", "cpu", "--workers", "0", "-q"],
+    # not -q: tests read the summary (stderr is no terminal: no bar; a progress line every 30 s)
+    return runner.invoke(app, ["encode", *args, "--device", "cpu", "--workers", "0"],
                          env=full_env)
 
 

@@ -107,7 +107,7 @@ def start(images: Path, out: Path, *extra: str) -> subprocess.Popen:
     env.pop("DSV4ENC_WEIGHTS", None)
     return subprocess.Popen(
         [sys.executable, "-m", "dsv4enc", "encode", str(images), "--out", str(out), *COMMON,
-         "--workers", "1", "-q", *extra],
+         "--workers", "1", "--log-every", "3600", *extra],  # the summary, no progress line
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True)
 
 
@@ -289,8 +289,11 @@ def test_existing_parts_need_resume_or_overwrite(unfinished, images, clean):
     assert "reused" not in result.stderr  # started over
     assert_same_rows(rows(out), clean)
     assert not unfinished.exists()
-    # A complete output is not resumed, nor silently replaced.
-    assert "already complete" in one_line_error(encode(images, out, "--resume"), 1)
+    # A complete output is not resumed (exit 0 and a note, as for a finished folder), nor
+    # silently replaced.
+    done = encode(images, out, "--resume")
+    assert done.exit_code == 0 and done.stdout == f"{out}\n", done.output  # -q: the path
+    assert_same_rows(rows(out), clean)
     assert "--overwrite" in one_line_error(encode(images, out), 1)
 
 

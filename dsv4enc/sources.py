@@ -182,6 +182,22 @@ def _first_nonzero(raw: str, start: int, stop: int) -> int | None:
     return None
 
 
+def _gap_damage(raw: str, start: int, stop: int) -> int | None:
+    """Where the bytes between two members (``[start, stop)``) hold something other than
+    zero blocks and pax global headers (which tarfile reads without yielding a member)."""
+    with open(raw, "rb") as handle:
+        while start < stop:
+            handle.seek(start)
+            try:
+                info = tarfile.TarInfo.frombuf(handle.read(_BLOCK), "utf-8", "surrogateescape")
+            except tarfile.HeaderError:
+                break
+            if info.type != tarfile.XGLTYPE:
+                break
+            start += _BLOCK + -(-info.size // _BLOCK) * _BLOCK
+    return _first_nonzero(raw, start, stop) if start < stop else None
+
+
 def _tar_end_damage(raw: str, end: int, size: int, last: str | None) -> tuple[int, str] | None:
     """Whether the archive, whose last member's data ends at ``end``, ends as a tar should:
     with its end-of-archive marker (zero blocks). ``(offset, reason)`` if not."""
@@ -231,7 +247,7 @@ def expand_tar(raw: str) -> tuple[list["InputItem"], int]:
     with archive:
         try:
             for info in archive:
-                bad = _first_nonzero(raw, end, info.offset) if info.offset > end else None
+                bad = _gap_damage(raw, end, info.offset) if info.offset > end else None
                 if bad is not None:  # zeros are fine: an end marker between joined archives
                     entries.append((None, "", damaged_item(raw, bad, (
                         f"no valid tar header up to byte {info.offset} (a damaged header, or a "

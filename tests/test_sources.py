@@ -6,6 +6,7 @@ import io
 import os
 import pickle
 import tarfile
+import tempfile
 from dataclasses import replace
 from pathlib import Path
 
@@ -14,6 +15,7 @@ import pyarrow as pa
 import pyarrow.feather as feather
 import pyarrow.parquet as pq
 import pytest
+from hypothesis import given, settings, strategies as st
 from PIL import Image
 from typer.testing import CliRunner
 
@@ -360,6 +362,50 @@ def test_an_intact_tar_has_no_error_row(five, tmp_path):
     keys = [i.key for i in discover([str(padded)]).items]
     # Each sample key now has two images: keyed by member name, the second with a suffix.
     assert keys == [f"s{i}.png" for i in range(5)] + [f"s{i}.png#2" for i in range(5)]
+
+
+def test_pax_global_headers_gnu_long_names_and_links_are_no_damage(tmp_path, images):
+    """What ``git archive`` and GNU tar write: a pax global header first, long names, links."""
+    for fmt in (tarfile.PAX_FORMAT, tarfile.GNU_FORMAT):
+        path = tmp_path / f"f{fmt}.tar"
+        with tarfile.open(path, "w", format=fmt, pax_headers={"comment": "x" * 600}) as archive:
+            add_bytes(archive, "d" * 120 + "/a.png", images["b.png"].read_bytes())
+            link = tarfile.TarInfo("l" * 120 + "/b.png")
+            link.type, link.linkname = tarfile.LNKTYPE, "d" * 120 + "/a.png"
+            archive.addfile(link)
+        items = discover([str(path)]).items
+        assert [type(i.member) for i in items] == [sources.TarMember] * 2, fmt
+        assert sources.open_item(items[1]) == images["b.png"].read_bytes()
+
+
+@settings(max_examples=60, deadline=None)
+@given(cut=st.integers(0, 10**6), flips=st.lists(st.tuples(st.integers(0, 10**6),
+                                                             st.integers(1, 255)), max_size=3))
+def test_fuzzed_tars_never_read_as_complete(five, cut, flips):
+    """Any cut before the last member's end, or any changed header byte, gives an error row;
+    the index never raises, and every item it gives reads or fails with one line."""
+    data, headers = five
+    end_of_members = headers[-1] + 512 + len(noise_png(4))
+    broken = bytearray(data[:cut % (len(data) + 1)])
+    for at, mask in flips:
+        if broken:
+            broken[at % len(broken)] ^= mask
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "f.tar"
+        path.write_bytes(bytes(broken))
+        try:
+            items = discover([str(path)]).items
+        except UsageError as exc:  # a flip that makes the first bytes a compressor's magic
+            assert "compressed" in str(exc)
+            return
+        damaged = [i for i in items if isinstance(i.member, sources.Unreadable)]
+        header_hit = any(h <= at % max(1, len(broken)) < h + 512 for h in headers
+                         for at, _ in flips if broken)
+        if len(broken) < end_of_members or (header_hit and bytes(broken) != data[:len(broken)]):
+            assert damaged or all(probe_image(i).error for i in items)
+        for item in items:
+            error = probe_image(item).error
+            assert error is None or "\n" not in error
 
 
 def test_damaged_tar_through_the_cli(tmp_path, five, ckpt):

@@ -92,6 +92,10 @@ def encode(
     key_column: Optional[str] = typer.Option(None, "--key-column", help="Table inputs: the "
                                              "column giving each row's output path (default: "
                                              "the struct's path, else FILE#ROW)."),
+    table_paths_root: Optional[List[str]] = typer.Option(
+        None, "--table-paths-root", metavar="DIR", help="Table inputs: a {bytes: null, path} "
+        "cell may name image files under DIR too (repeatable). By default only files inside "
+        "the table's own folder are read; relative paths resolve beside the table."),
     weights: Optional[str] = typer.Option(None, "--weights", envvar="DSV4ENC_WEIGHTS",
                                           help="Checkpoint folder (config.json + safetensors) "
                                           "or a Hub id owner/name (needs the hub extra: "
@@ -165,7 +169,7 @@ def encode(
 
     opts = EncodeOptions(
         inputs=list(inputs or []), out=out, files_from=files_from, image_column=image_column,
-        key_column=key_column, weights=weights,
+        key_column=key_column, table_paths_roots=tuple(table_paths_root or ()), weights=weights,
         config=config, random_init=random_init, seed=seed, device=device, dtype=dtype,
         out_dtype=out_dtype, features=features, pool=pool, batch_tokens=batch_tokens,
         workers=workers, overwrite=overwrite, resume=resume, max_pixels=max_pixels,

@@ -24,6 +24,7 @@ from typing import Any, Iterable, Iterator
 import numpy as np
 
 from .config import VisionConfig
+from .imageformats import image_name, open_image
 
 DEFAULT_MAX_PIXELS = 89_478_485  # Pillow's own MAX_IMAGE_PIXELS
 
@@ -74,7 +75,8 @@ def _open_checked(source, max_pixels: int, stream: bool = False):
     Image.MAX_IMAGE_PIXELS = max_pixels
     handle = _readable(source, stream)
     try:
-        image = Image.open(handle)
+        # only as the format(s) the name stands for (``imageformats``)
+        image = open_image(handle, image_name(source, handle))
     except BaseException as exc:
         if hasattr(handle, "close"):
             handle.close()

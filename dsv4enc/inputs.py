@@ -7,16 +7,17 @@ the folder it was found in (posix), or the path as given.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterable
 
 from .errors import UsageError
+from .imageformats import EXTENSION_FORMATS
 
 if TYPE_CHECKING:
     from .sources import TableCell, TarMember
 
-IMAGE_EXTENSIONS = frozenset({".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff"})
+IMAGE_EXTENSIONS = frozenset(EXTENSION_FORMATS)  # each opened only as its own format
 
 
 @dataclass(frozen=True)
@@ -101,7 +102,8 @@ def read_path_list(list_file: str) -> list[str]:
 
 
 def discover(inputs: Iterable[str], files_from: str | None = None,
-             image_column: str | None = None, key_column: str | None = None) -> Discovery:
+             image_column: str | None = None, key_column: str | None = None,
+             table_paths_roots: Iterable[str] = ()) -> Discovery:
     """Expand folders and files (and an optional path list) into items, in input order.
 
     Container files given as inputs (``.parquet``/``.arrow``/``.feather`` tables, ``.tar``
@@ -110,20 +112,25 @@ def discover(inputs: Iterable[str], files_from: str | None = None,
     input set with nothing in it. Paths from ``--files-from`` are taken as given: a missing one
     becomes an error row later.
     """
-    from .sources import container_kind, expand_container
+    from .sources import container_kind, expand_container, path_roots
 
     found = Discovery(items=[])
     tables = 0
+    inputs = list(inputs)
+    roots = path_roots(table_paths_roots)
+    prefix_roots = sum(os.path.isdir(raw) for raw in inputs) > 1  # see ``key_under_root``
     for raw in inputs:
         path = Path(raw)
         kind = container_kind(raw)
         if kind is not None and path.is_file():
-            items, skipped = expand_container(raw, image_column, key_column)
+            items, skipped = expand_container(raw, image_column, key_column, roots)
             found.items.extend(items)
             found.skipped += skipped
             tables += kind == "table"
         elif path.is_dir():
             items, skipped = walk_folder(path)
+            if prefix_roots:
+                items = [replace(i, key=key_under_root(raw, i.key)) for i in items]
             found.items.extend(items)
             found.skipped += skipped
         elif path.is_file() or path.is_symlink():
@@ -142,4 +149,62 @@ def discover(inputs: Iterable[str], files_from: str | None = None,
     if not tables and (image_column is not None or key_column is not None):
         flag = "--image-column" if image_column is not None else "--key-column"
         raise UsageError(f"{flag} applies to Parquet/Arrow inputs, and none was given")
+    found.items = unique_keys(found.items)
     return found
+
+
+# ----------------------------------------------------------------------------- keys
+# Keys are unique within an output (one ``path`` per row; ``--resume`` matches parts by them):
+# - an image found in a folder is keyed by its path under that folder; when more than one
+#   folder is given, that path is prefixed with the folder as given (``key_under_root``);
+# - any key still taken by an earlier item (the same file given twice, a tar's repeated member
+#   name, two shards with the same sample key, a non-UTF-8 name whose escaped text is another
+#   file's name) gets ``#2``, ``#3``, ... (``unique_keys``).
+
+
+def key_under_root(root: str, key: str) -> str:
+    """``key`` (a path under the folder ``root``) prefixed with the folder as given, in posix
+    form (``data/`` and ``./data`` give ``data/``; ``.`` adds nothing)."""
+    prefix = Path(root).as_posix().rstrip("/")
+    if prefix == ".":
+        return key
+    return f"{prefix}/{key}"
+
+
+def _output_text(key: str) -> str:
+    """``key`` as the output's ``path`` column holds it (``writer.utf8_text``: non-UTF-8 bytes
+    of a file name escaped). The writer (and pyarrow) is imported only for such a name."""
+    if key.isascii():
+        return key
+    try:
+        key.encode("utf-8")
+        return key
+    except UnicodeEncodeError:
+        from .writer import utf8_text
+
+        return utf8_text(key)
+
+
+def unique_keys(items: list[InputItem]) -> list[InputItem]:
+    """``items`` with every key unique as output text, in input order: the first item with a
+    key keeps it, later ones get ``KEY#2``, ``KEY#3``, ... (the first number whose key no
+    other item has)."""
+    texts = [_output_text(item.key) for item in items]
+    taken = set(texts)
+    if len(taken) == len(texts):
+        return items
+    seen: set[str] = set()
+    next_number: dict[str, int] = {}
+    unique = []
+    for item, text in zip(items, texts):
+        if text in seen:
+            number = next_number.get(text, 2)
+            while f"{text}#{number}" in taken:
+                number += 1
+            next_number[text] = number + 1
+            item = replace(item, key=f"{item.key}#{number}")
+            text = f"{text}#{number}"
+            taken.add(text)
+        seen.add(text)
+        unique.append(item)
+    return unique

@@ -22,6 +22,7 @@ class EncodeOptions:
     files_from: str | None = None
     image_column: str | None = None
     key_column: str | None = None
+    table_paths_roots: tuple[str, ...] = ()  # folders table path cells may name files in
     weights: str | None = None
     config: str | None = None
     random_init: bool = False

@@ -179,7 +179,8 @@ def _run_encode(opts: EncodeOptions, dist, prefetch: Prefetch | None) -> RunSumm
     is_writer_rank = dist is None or dist.is_main or opts.shard_output
     layout = OutputLayout(opts.out, opts.shard_output)
     found = (prefetch.found if prefetch is not None else
-             discover(opts.inputs, opts.files_from, opts.image_column, opts.key_column))
+             discover(opts.inputs, opts.files_from, opts.image_column, opts.key_column,
+                      table_paths_roots=opts.table_paths_roots))
     main_then_all(dist, lambda: layout.prepare(opts.overwrite, opts.resume))
     ckpt = load_model(opts, dtype)
     main_then_all(dist, layout.create)

@@ -116,7 +116,8 @@ def start_prefetch(opts: EncodeOptions) -> Prefetch | None:
     if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
         return None
     validate(opts)
-    found = discover(opts.inputs, opts.files_from, opts.image_column, opts.key_column)
+    found = discover(opts.inputs, opts.files_from, opts.image_column, opts.key_column,
+                     table_paths_roots=opts.table_paths_roots)
     device_type = expected_device_type(opts.device)
     prefetch = Prefetch(found, device_type)
     if device_type is None:

@@ -398,6 +398,43 @@ def test_a_non_utf8_name_and_its_escaped_text_get_distinct_keys(tmp_path, ckpt):
     assert [r["error"] for r in rows] == [None, None]
 
 
+def test_resume_uses_the_same_unique_keys(tmp_path, ckpt, monkeypatch):
+    """A run over two folders (one given twice: ``#2`` keys) stopped after its first part
+    resumes with the same keys: that part is reused, the output has every key once."""
+    from dsv4enc import output
+
+    for folder in ("train", "val"):
+        for i in range(2):
+            path = tmp_path / folder / "cat" / f"{i}.png"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(encoded(noise(20, 20, i + len(folder)), "PNG"))
+    roots = [str(tmp_path / "train"), str(tmp_path / "val"), str(tmp_path / "val")]
+    out = tmp_path / "e.parquet"
+    opts = EncodeOptions(inputs=roots, out=str(out), weights=str(ckpt), device="cpu",
+                         part_images=2, workers=0, progress=False)
+    put = output.PartWriter.put
+    calls = []
+
+    def stop_at_the_second_part(self, *args):
+        calls.append(args)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return put(self, *args)
+
+    monkeypatch.setattr(output.PartWriter, "put", stop_at_the_second_part)
+    with pytest.raises(KeyboardInterrupt):
+        run_encode(opts)
+    monkeypatch.setattr(output.PartWriter, "put", put)
+    opts.resume = True
+    summary = run_encode(opts)
+    assert summary.reused == 2
+    keys = [f"{tmp_path}/{folder}/cat/{i}.png{suffix}"
+            for folder, suffix in (("train", ""), ("val", ""), ("val", "#2")) for i in range(2)]
+    table = pq.read_table(out, columns=["path", "error"])
+    assert table.column("path").to_pylist() == keys
+    assert table.column("error").null_count == len(keys)
+
+
 # --------------------------------------------------------------------------- files that change
 
 def test_files_that_vanish_or_change_between_listing_and_decoding(tmp_path, ckpt, monkeypatch):

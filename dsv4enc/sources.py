@@ -435,7 +435,11 @@ class _Table:
 
         if self.parquet:
             return self._file.read_row_group(group, columns=columns)
-        return pa.Table.from_batches([self._batches[group]]).select(columns)
+        table = pa.Table.from_batches([self._batches[group]]).select(columns)
+        # IPC data is used as it lies in the file: offsets pointing outside their buffers
+        # would be read blindly (a crash, not an error row). Check the columns read.
+        table.validate(full=True)
+        return table
 
 
 def expand_table(raw: str, image_column: str | None = None, key_column: str | None = None,

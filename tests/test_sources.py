@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import os
 import pickle
+import struct
 import tarfile
 import tempfile
 from dataclasses import replace
@@ -592,3 +593,31 @@ def test_table_paths_root_through_the_cli(tmp_path, images, ckpt):
         run(str(table), "--out", str(out), "--weights", str(ckpt), *extra)
         error = pq.read_table(out, columns=["error"]).column(0)[0].as_py()
         assert (error is not None and "RefusedPathError" in error) == refused, error
+
+
+def test_arrow_offsets_pointing_outside_their_buffer_are_error_rows(tmp_path):
+    """IPC data is read in place: a batch whose offsets point past its buffer is an error row
+    (validated), never read blindly."""
+    table = pa.table({"img": pa.array([b"A" * 100, b"B" * 100, b"C" * 100], pa.binary())})
+    path = tmp_path / "t.arrow"
+    write_stream(table, path, 3)
+    data = bytearray(path.read_bytes())
+    at = data.find(struct.pack("<4i", 0, 100, 200, 300))
+    data[at + 4:at + 8] = struct.pack("<i", 10**8)
+    path.write_bytes(bytes(data))
+    items = discover([str(path)]).items
+    assert len(items) == 3
+    assert all("Offset invariant failure" in probe_image(i).error for i in items)
+
+
+# --------------------------------------------------------------------------- unique keys
+
+def test_repeated_table_keys_get_suffixes(tmp_path, images):
+    """Hugging Face structs often repeat one file name (``image.jpg``) in every row."""
+    table = pa.table({"img": pa.array([{"bytes": images["a.jpg"].read_bytes(), "path": name}
+                                       for name in ["image.jpg", "image.jpg", "image.jpg#2",
+                                                    "image.jpg"]], STRUCT)})
+    path = tmp_path / "t.parquet"
+    pq.write_table(table, path)
+    keys = [i.key for i in discover([str(path)]).items]
+    assert keys == ["image.jpg", "image.jpg#3", "image.jpg#2", "image.jpg#4"]

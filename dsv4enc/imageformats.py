@@ -11,6 +11,7 @@ table cell) may be any of the accepted formats. Header probes and decodes go thr
 from __future__ import annotations
 
 import os
+import stat
 from typing import IO, Any
 
 #: Accepted file extensions (lower case) and the Pillow format each stands for.
@@ -49,7 +50,11 @@ def detected_format(handle: str | os.PathLike | IO[bytes]) -> str | None:
     from PIL import Image
 
     if isinstance(handle, (str, os.PathLike)):
-        with open(handle, "rb") as file:
+        # Non-blocking: the path may have become a FIFO since Pillow opened it.
+        fd = os.open(handle, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+        with os.fdopen(fd, "rb") as file:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                return None
             prefix = file.read(_PREFIX_BYTES)
     else:
         handle.seek(0)

@@ -244,33 +244,42 @@ def expand_tar(raw: str) -> tuple[list["InputItem"], int]:
     keys_seen: dict[str, int] = {}
     other_keys: set[str] = set()
     end, last = 0, None  # where the previous member's data ends: the next header starts there
+    damage: tuple[int, str] | None = None
     with archive:
-        try:
-            for info in archive:
-                bad = _gap_damage(raw, end, info.offset) if info.offset > end else None
-                if bad is not None:  # zeros are fine: an end marker between joined archives
-                    entries.append((None, "", damaged_item(raw, bad, (
-                        f"no valid tar header up to byte {info.offset} (a damaged header, or a "
-                        "wrong size field before it); members there are lost"))))
-                end, last = archive.offset, info.name
-                if info.isreg() and not info.issparse():
-                    files[PurePosixPath(info.name).as_posix()] = TarMember(
-                        info.name, info.offset_data, info.size)
-                base = PurePosixPath(info.name).name
-                key, _ = split_key(info.name)
-                if info.isdir() or base.startswith(".") or not key:
-                    continue
-                if is_image_name(base):
-                    entries.append((key, info.name, _tar_locator(info, raw, files)))
-                    keys_seen[key] = keys_seen.get(key, 0) + 1
-                else:
-                    other_keys.add(key)
-            damage = _tar_end_damage(raw, end, size, last)
-        except tarfile.TarError as exc:
-            if archive.offset >= size:  # tarfile's "unexpected end of data": cut short
-                damage = _tar_end_damage(raw, end, size, last)
-            else:  # e.g. a damaged long-name header: no way on
-                damage = archive.offset, f"unreadable tar header ({exc}); the rest is not read"
+        while True:
+            try:
+                info = archive.next()
+            except tarfile.ReadError:
+                if archive.offset >= size:  # "unexpected end of data": cut inside a member
+                    break
+                # A damaged header after a long-name or pax header: skip it like any other.
+                archive.offset += _BLOCK
+                continue
+            except OSError as exc:  # a read error: no way on
+                damage = archive.offset, f"unreadable here ({exc}); the rest is not read"
+                break
+            if info is None:
+                break
+            bad = _gap_damage(raw, end, info.offset) if info.offset > end else None
+            if bad is not None:  # zeros are fine: an end marker between joined archives
+                entries.append((None, "", damaged_item(raw, bad, (
+                    f"no valid tar header up to byte {info.offset} (a damaged header, or a "
+                    "wrong size field before it); members there are lost"))))
+            end, last = archive.offset, info.name
+            if info.isreg() and not info.issparse():
+                files[PurePosixPath(info.name).as_posix()] = TarMember(
+                    info.name, info.offset_data, info.size)
+            base = PurePosixPath(info.name).name
+            key, _ = split_key(info.name)
+            if info.isdir() or base.startswith(".") or not key:
+                continue
+            if is_image_name(base):
+                entries.append((key, info.name, _tar_locator(info, raw, files)))
+                keys_seen[key] = keys_seen.get(key, 0) + 1
+            else:
+                other_keys.add(key)
+    if damage is None:
+        damage = _tar_end_damage(raw, end, size, last)
     if damage is not None:
         entries.append((None, "", damaged_item(raw, *damage)))
     items = []

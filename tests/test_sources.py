@@ -409,6 +409,21 @@ def test_fuzzed_tars_never_read_as_complete(five, cut, flips):
             assert error is None or "\n" not in error
 
 
+def test_a_damaged_header_after_a_long_name_skips_only_its_member(tmp_path):
+    path = tmp_path / "long.tar"
+    names = ["a" * 150 + f"/{i}.png" for i in range(3)]
+    with tarfile.open(path, "w", format=tarfile.GNU_FORMAT) as archive:
+        for name in names:
+            add_bytes(archive, name, noise_png(1))
+    data = bytearray(path.read_bytes())
+    long_links = [at for at in range(0, len(data), 512) if data[at:at + 13] == b"././@LongLink"]
+    data[long_links[1] + 1024 + 148] ^= 0x11  # the header that follows the 2nd long name
+    path.write_bytes(bytes(data))
+    items = discover([str(path)]).items
+    assert [i.key for i in items] == ["a" * 150 + "/0", f"{path}@{long_links[1]}",
+                                      "a" * 150 + "/2"]
+
+
 def test_damaged_tar_through_the_cli(tmp_path, five, ckpt):
     data, headers = five
     path = tmp_path / "shard.tar"

@@ -28,7 +28,7 @@ import torch
 from .checkpoint import COMPUTE_DTYPES, Checkpoint, build_tower, load_checkpoint, random_checkpoint
 from .config import VisionConfig
 from .decode import DEFAULT_MAX_PIXELS, decode_image, describe_error, patches_tensor
-from .engine import Engine
+from .engine import Engine, NonFiniteOutput, check_finite
 from .packing import output_grid, pack
 from .planning import pack_bins
 from .reading import read_embeddings
@@ -242,7 +242,9 @@ class Encoder:
         ``images``: a list (any iterable) of PIL images, uint8 arrays (HxW, HxWx3, HxWx4),
         paths, encoded bytes, or ``{"bytes", "path"}`` dicts, or an (N, H, W, C) uint8 array;
         or one such image, which returns one tensor. Raises ``EncodeError`` naming the first image that cannot be read (and
-        ``TypeError`` for an unsupported kind of input) before encoding anything after it.
+        ``TypeError`` for an unsupported kind of input) before encoding anything after it,
+        and ``EncodeError`` naming an image whose embedding is not finite in ``out_dtype``
+        (float16 overflows past 65504): inf or NaN is never returned.
         """
         if isinstance(images, np.ndarray) and images.ndim == 4:
             images = list(images)  # a stacked batch (N, H, W, C)
@@ -260,7 +262,9 @@ class Encoder:
         Items are images as for ``encode``, or ``(key, image)`` tuples. The key is the given
         one, else the path (as a string) for paths, else the item's running index. An image
         that cannot be read yields ``(key, error)`` with a one-line error string (the same text
-        as the Parquet ``error`` column) instead of a tensor; the stream goes on.
+        as the Parquet ``error`` column) instead of a tensor; the stream goes on. An embedding
+        that is not finite in ``out_dtype`` raises ``EncodeError`` (as the command line fails
+        its run): a setting to change, not one image's fault.
         Images are read only about ``2 * batch_tokens`` patches ahead of the device.
         """
         return self._stream(images, features, pool, batch_tokens, raise_errors=False)
@@ -381,6 +385,12 @@ class Encoder:
             batches = (pack([(good[j].patches, good[j].n_h, good[j].n_w) for j in b], r, features)
                        for b in bins)
             for b, outputs in zip(bins, engine.encode_many(batches)):
+                try:
+                    check_finite(engine, outputs, lambda k: "this image",
+                                 "use out_dtype='float32'")
+                except NonFiniteOutput as exc:
+                    bad = good[b[exc.position]]
+                    raise EncodeError(bad.index, bad.key, str(exc)) from None
                 for j, out in zip(b, outputs):
                     results[good[j].index] = self._finish(out, pool)
         for w in window:

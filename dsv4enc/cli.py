@@ -162,9 +162,11 @@ def encode(
                                               "the config; small values for tests)."),
 ) -> None:
     """Encode images into a Parquet file of embeddings, one row per image."""
+    from .decode import own_process_pixel_limit
     from .errors import Interrupted
     from .options import EncodeOptions
     from .prefetch import start_prefetch
+    from .stopping import StopSignals
     from .writer import prefer_jemalloc_pool
 
     opts = EncodeOptions(
@@ -181,16 +183,25 @@ def encode(
     if quiet:  # warnings too: only errors (and the output path) are printed
         package_log.setLevel(logging.ERROR)
     dist = prefetch = None
+    # SIGINT/SIGTERM from here on stop every phase promptly (exit 130/143). Under torchrun
+    # they are only recorded: the ranks agree on stopping between batches.
+    stop = StopSignals(immediate=int(os.environ.get("WORLD_SIZE", "1") or 1) <= 1)
+    stop.install()
+    own_process_pixel_limit()  # each open checks --max-pixels itself
     try:
-        prefetch = start_prefetch(opts)  # before torch is imported: decoding starts meanwhile
-        if prefetch is not None and prefetch.on_cpu:
-            prefer_jemalloc_pool()
-        from .pipeline import run_encode
-        from .sharding import init_distributed, shutdown
-        from .summary import print_summary, write_summary_json
+        try:
+            # before torch is imported: decoding starts meanwhile
+            prefetch = start_prefetch(opts, stop)
+            if prefetch is not None and prefetch.on_cpu:
+                prefer_jemalloc_pool()
+            from .pipeline import run_encode
+            from .sharding import init_distributed, shutdown
+            from .summary import print_summary, write_summary_json
 
-        dist = init_distributed(device, timeout)
-        summary = run_encode(opts, dist, prefetch)
+            dist = init_distributed(device, timeout)
+            summary = run_encode(opts, dist, prefetch, stop)
+        finally:
+            stop.immediate = False  # reporting and clean-up are not cut short
         if dist is None or dist.is_main:
             if summary_json:
                 write_summary_json(summary_json, summary)
@@ -219,6 +230,7 @@ def encode(
             prefetch.close()
         if dist is not None:
             shutdown(dist)
+        stop.restore()
         package_log.setLevel(log_level)  # in-process callers (tests) run more commands
 
 

@@ -48,6 +48,7 @@ class Decoded:
     width: int | None = None
     height: int | None = None
     error: str | None = None
+    out_of_memory: bool = False  # the worker's memory bound was hit: it is replaced
 
 
 def describe_error(exc: BaseException) -> str:
@@ -69,51 +70,97 @@ def _readable(source, stream: bool = False):
     return _readable(open_item(source, stream=stream))
 
 
-def _open_checked(source, max_pixels: int, stream: bool = False):
+def _open_checked(source, max_pixels: int, stream: bool = False, name: str | None = None):
+    """Open ``source`` with Pillow, refusing more than ``max_pixels`` pixels.
+
+    The limit is this call's own: Pillow's process-wide ``Image.MAX_IMAGE_PIXELS`` is never
+    changed here (encoders with different limits may run in threads of one process). Pillow
+    still applies that global check first; its error becomes a refusal like ours."""
     from PIL import Image
 
-    Image.MAX_IMAGE_PIXELS = max_pixels
     handle = _readable(source, stream)
-    try:
-        # only as the format(s) the name stands for (``imageformats``)
-        image = open_image(handle, image_name(source, handle))
+    try:  # only as the format(s) the name stands for (``imageformats``); ``name`` overrides
+        image = open_image(handle, name if name is not None else image_name(source, handle))
     except BaseException as exc:
         if hasattr(handle, "close"):
             handle.close()
         if isinstance(exc, (Image.DecompressionBombError, Image.DecompressionBombWarning)):
-            # Pillow's own message quotes its limit (twice ours for the error): name ours.
-            raise ValueError(f"image has more pixels than --max-pixels {max_pixels} (possible "
-                             f"decompression bomb): {exc}") from None
+            # Pillow's own message quotes its limit (twice its setting for the error).
+            raise ValueError(f"image has more pixels than --max-pixels {max_pixels} or "
+                             f"Pillow's Image.MAX_IMAGE_PIXELS allow (possible decompression "
+                             f"bomb): {exc}") from None
         raise
     width, height = image.size
     if width * height > max_pixels:
         image.close()
         raise ValueError(f"image has {width}x{height} = {width * height} pixels, more than "
                          f"--max-pixels {max_pixels} (possible decompression bomb)")
+    try:
+        _check_declared_tiles(image, max_pixels)
+    except ValueError:
+        image.close()
+        raise
     return image
+
+
+def _check_declared_tiles(image, max_pixels: int) -> None:
+    """A TIFF tile is allocated whole, however small the image: a 150-byte file that
+    declares 16384x16384 tiles costs 256 MB a band. Tiles past ``max_pixels`` are refused."""
+    tags = getattr(image, "tag_v2", None)
+    if tags is None:
+        return
+    tile_w, tile_h = tags.get(322), tags.get(323)  # TileWidth, TileLength
+    if isinstance(tile_w, int) and isinstance(tile_h, int) and tile_w * tile_h > max_pixels:
+        raise ValueError(f"TIFF declares {tile_w}x{tile_h} tiles = {tile_w * tile_h} pixels "
+                         f"each, more than --max-pixels {max_pixels} (possible decompression "
+                         "bomb)")
+
+
+def own_process_pixel_limit() -> None:
+    """In a process dsv4enc owns (the command line, a decode worker), turn off Pillow's
+    process-wide pixel check once: every open applies its own ``max_pixels``, which may be
+    higher than Pillow's default (Pillow would refuse, or warn on stderr, first)."""
+    from PIL import Image
+
+    Image.MAX_IMAGE_PIXELS = None
+
+
+def _require_regular_file(path) -> None:
+    """A FIFO or device named like an image could block an open (or a read) forever."""
+    if not stat.S_ISREG(os.stat(path).st_mode):
+        raise ValueError("not a regular file (a FIFO, socket or device)")
 
 
 def probe_image(source, max_pixels: int = DEFAULT_MAX_PIXELS) -> Probe:
     """Read only the header: the stored size (no EXIF rotation). ``source``: a path, bytes,
-    or an ``InputItem`` (which may point into a container file)."""
+    or an ``InputItem`` (which may point into a container file).
+
+    Probes run on threads, so nothing process-wide (warnings filters, Pillow settings) is
+    touched. Only regular files are opened: a path (a table cell's too) that names a FIFO or
+    a device is an error, not a wait. ``planning.probe_all`` bounds a probe's time."""
+    handle = None
     try:
-        path = source.path if getattr(source, "member", True) is None else source  # InputItem
-        if isinstance(path, (str, os.PathLike)) and not stat.S_ISREG(os.stat(path).st_mode):
-            # A FIFO or device named like an image: opening it could block forever.
-            return Probe(error="not a regular file (a FIFO, socket or device)")
-        with warnings.catch_warnings():
-            warnings.simplefilter("error")  # Pillow's bomb warning becomes an error row
-            image = _open_checked(source, max_pixels, stream=True)
-            width, height = image.size
-            handle = image.fp
-            image.close()
-            if handle is not None:  # a stream over a container member: ours to close
-                handle.close()
+        target = source
+        if not isinstance(source, (str, os.PathLike, bytes, bytearray, memoryview)):
+            if getattr(source, "member", None) is None and hasattr(source, "path"):
+                target = source.path  # a plain file InputItem
+            else:
+                from .sources import open_item
+
+                target = handle = open_item(source, stream=True)
+        if isinstance(target, (str, os.PathLike)):
+            _require_regular_file(target)
+        image = _open_checked(target, max_pixels, stream=True, name=image_name(source, target))
+        width, height = image.size
+        image.close()
         if width <= 0 or height <= 0:
             return Probe(error=f"image has no pixels ({width}x{height})")
         return Probe(width=width, height=height)
     except Exception as exc:  # any unreadable file is an error row, never a crash
         return Probe(error=describe_error(exc))
+    finally:
+        if hasattr(handle, "close"):  # a stream over a container member: ours to close
+            handle.close()
 
 
 def decode_image(source, cfg: VisionConfig, max_pixels: int = DEFAULT_MAX_PIXELS) -> Decoded:
@@ -122,14 +169,15 @@ def decode_image(source, cfg: VisionConfig, max_pixels: int = DEFAULT_MAX_PIXELS
     from .transform import image_to_patch_bits
 
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("error")
-            with _open_checked(source, max_pixels) as image:
-                width, height = image.size
-                image.load()
-                bits, canvas = image_to_patch_bits(image, cfg)
+        with _open_checked(source, max_pixels) as image:
+            width, height = image.size
+            image.load()
+            bits, canvas = image_to_patch_bits(image, cfg)
         return Decoded(patches=bits, n_h=canvas.n_h, n_w=canvas.n_w, width=width,
                        height=height)
+    except MemoryError as exc:  # numpy's and Pillow's allocation failures alike
+        return Decoded(error=f"MemoryError: decoding needs more memory than is available "
+                       f"({describe_error(exc)})", out_of_memory=True)
     except Exception as exc:
         return Decoded(error=describe_error(exc))
 
@@ -141,10 +189,66 @@ def patches_tensor(decoded: Decoded):
     return bf16_bits_to_tensor(decoded.patches)
 
 
-def _worker_main(conn, cfg: VisionConfig, max_pixels: int) -> None:
+#: A decode worker's memory bound, beyond what it holds once started: bytes per pixel that
+#: ``--max-pixels`` allows (the widest decoded modes, 4 bytes a pixel, with their 8-bit RGB
+#: copies fit), plus room for its cache of table row groups and the transform's canvas.
+WORKER_BYTES_PER_PIXEL = 16
+WORKER_HEADROOM = 768 << 20
+
+
+def worker_memory_budget(max_pixels: int) -> int:
+    """Bytes one decode worker may allocate beyond its start-up footprint."""
+    return WORKER_BYTES_PER_PIXEL * max_pixels + WORKER_HEADROOM
+
+
+def _limit_memory(budget: int | None) -> None:
+    """Cap this process's data segment (heap and private mappings: what decoding allocates)
+    at its current size plus ``budget``: an allocation past it raises MemoryError, which
+    becomes that image's error row. Linux only (elsewhere, no bound)."""
+    if budget is None:
+        return
+    try:
+        import resource
+
+        with open("/proc/self/status") as status:
+            used = next(int(line.split()[1]) * 1024 for line in status
+                        if line.startswith("VmData:"))
+        soft, hard = resource.getrlimit(resource.RLIMIT_DATA)
+        limit = used + budget
+        if hard != resource.RLIM_INFINITY:
+            limit = min(limit, hard)
+        if soft == resource.RLIM_INFINITY or soft > limit:
+            resource.setrlimit(resource.RLIMIT_DATA, (limit, hard))
+    except (ImportError, OSError, StopIteration, ValueError):
+        pass
+
+
+def _exit_with_parent() -> None:
+    """End this worker when its parent dies (SIGKILL, OOM killer) even in the middle of a
+    long decode: without the parent, its work has no reader."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(0)
+
+    threading.Thread(target=watch, name="dsv4enc-parent-watch", daemon=True).start()
+
+
+def _worker_main(conn, cfg: VisionConfig, max_pixels: int,
+                 memory_budget: int | None = None) -> None:
     # Ctrl-C in a terminal reaches the whole process group: the parent decides when to stop
     # (between batches) and closes the pool, so a worker must not die with an image in hand.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    own_process_pixel_limit()
+    # This process decodes one image at a time, so a process-wide filter is safe here: a
+    # Pillow warning (corrupt EXIF, truncated data) makes that image an error row.
+    warnings.simplefilter("error")
+    _exit_with_parent()
+    _limit_memory(memory_budget)
+    # A parent that is gone shows as EOF or as a reset connection (OSError): either way the
+    # worker ends quietly, with no traceback.
     try:
         conn.send(_READY)  # the parent starts an image's clock only once the worker is up
     except OSError:
@@ -152,15 +256,18 @@ def _worker_main(conn, cfg: VisionConfig, max_pixels: int) -> None:
     while True:
         try:
             task = conn.recv()
-        except (EOFError, KeyboardInterrupt):
+        except (EOFError, OSError, KeyboardInterrupt):
             return
         if task is None:
             return
         seq, source = task
+        result = decode_image(source, cfg, max_pixels)
         try:
-            conn.send((seq, decode_image(source, cfg, max_pixels)))
-        except (BrokenPipeError, KeyboardInterrupt):
+            conn.send((seq, result))
+        except (OSError, KeyboardInterrupt):
             return
+        if result.out_of_memory:
+            return  # the parent replaces this worker: a fresh heap for the next image
 
 
 _END = object()  # the last item an imap pump puts on its queue
@@ -170,9 +277,11 @@ STARTUP_LIMIT_S = 120.0  # a worker that is not up by then counts as crashed
 
 
 class _Worker:
-    def __init__(self, ctx, cfg: VisionConfig, max_pixels: int) -> None:
+    def __init__(self, ctx, cfg: VisionConfig, max_pixels: int,
+                 memory_budget: int | None = None) -> None:
         self.conn, child = ctx.Pipe(duplex=True)
-        self.proc = ctx.Process(target=_worker_main, args=(child, cfg, max_pixels), daemon=True)
+        self.proc = ctx.Process(target=_worker_main,
+                                args=(child, cfg, max_pixels, memory_budget), daemon=True)
         self.proc.start()
         child.close()
         self.spawned = time.monotonic()
@@ -244,13 +353,18 @@ class DecodePool:
     """
 
     def __init__(self, cfg: VisionConfig, workers: int, max_pixels: int = DEFAULT_MAX_PIXELS,
-                 timeout_s: float | None = None) -> None:
+                 timeout_s: float | None = None, memory_budget: int | None = -1) -> None:
         self.cfg = cfg
         self.max_pixels = max_pixels
         self.timeout_s = timeout_s
         self.n_workers = workers
+        # Bytes a worker may allocate beyond its start-up footprint (-1: from max_pixels;
+        # None: no bound). Past it, the image in hand gets an error row and the worker is
+        # replaced.
+        self.memory_budget = (worker_memory_budget(max_pixels) if memory_budget == -1
+                              else memory_budget)
         self._ctx = mp.get_context("spawn")  # fork is unsafe after torch/CUDA start threads
-        self._workers = [_Worker(self._ctx, cfg, max_pixels) for _ in range(workers)]
+        self._workers = [self._new_worker() for _ in range(workers)]
         self.replaced = 0
         self._pumps: list[tuple[threading.Thread, threading.Event]] = []
 
@@ -267,9 +381,12 @@ class DecodePool:
     def __exit__(self, *exc) -> None:
         self.close()
 
+    def _new_worker(self) -> _Worker:
+        return _Worker(self._ctx, self.cfg, self.max_pixels, self.memory_budget)
+
     def _replace(self, index: int) -> None:
         self._workers[index].stop(kill=True)
-        self._workers[index] = _Worker(self._ctx, self.cfg, self.max_pixels)
+        self._workers[index] = self._new_worker()
         self.replaced += 1
 
     def imap(self, tasks: Iterable[tuple[Any, Any]],
@@ -376,6 +493,8 @@ class DecodePool:
                     got_seq, result = message
                     done[got_seq] = result
                     worker.task = None
+                    if result.out_of_memory:
+                        self._replace(index)  # it exits: its memory bound was reached
                     continue
                 except (EOFError, OSError):
                     pass

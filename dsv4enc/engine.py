@@ -19,12 +19,12 @@ import sys
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Iterable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 
 from .attention import VarlenSpans, available_backends, select_attention
-from .errors import UsageError
+from .errors import DsvError, UsageError
 from .graphs import (GRAPH_BACKENDS, Bucket, BucketRunner, default_budgets, fit_budgets,
                      max_image_tokens)
 from .model import VisionTower, rope_tables
@@ -369,3 +369,27 @@ class Engine:
         mode = "graph" if bucket.tokens in runner.graphs else "static"
         return _Pending(batch, host_out, bucket.tokens - batch.n_tokens, mode, ev,
                         finite=host_finite)
+
+
+class NonFiniteOutput(DsvError):
+    """An embedding holds inf or NaN, almost always a value past the output dtype's range
+    (float16 ends at 65504). ``position``: the output's place in its batch."""
+
+    def __init__(self, position: int, message: str) -> None:
+        super().__init__(message)
+        self.position = position
+
+
+def check_finite(engine: Engine, outputs: Sequence[torch.Tensor], key_of: Callable[[int], Any],
+                 remedy: str) -> None:
+    """Raise ``NonFiniteOutput`` naming (``key_of(position)``) the first of the last collected
+    batch's ``outputs`` that is not finite. The command line and the Python API both call
+    this: neither ever returns inf or NaN. Costs nothing when the engine's one reduction per
+    batch found every value finite; only then are images scanned one by one."""
+    if engine.last_finite:
+        return
+    name = str(engine.out_dtype).removeprefix("torch.")
+    for position, out in enumerate(outputs):
+        if not torch.isfinite(out).all():
+            raise NonFiniteOutput(position, f"embedding of {key_of(position)} is not finite "
+                                            f"in {name}; {remedy}")

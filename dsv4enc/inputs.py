@@ -7,15 +7,16 @@ the folder it was found in (posix), or the path as given.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterable
+from typing import TYPE_CHECKING, Callable, Iterable
 
 from .errors import UsageError
 from .imageformats import EXTENSION_FORMATS
 
 if TYPE_CHECKING:
     from .sources import TableCell, TarMember
+    from .stopping import StopSignals
 
 IMAGE_EXTENSIONS = frozenset(EXTENSION_FORMATS)  # each opened only as its own format
 
@@ -35,51 +36,81 @@ class InputItem:
 
 @dataclass
 class Discovery:
-    """Items in input order, and how many non-image files were passed over."""
+    """Items in input order, how many non-image files were passed over, and the folders that
+    could not be listed (``(folder, reason)``: their contents are missing from the run)."""
 
     items: list[InputItem]
     skipped: int = 0
+    unlisted: list[tuple[str, str]] = field(default_factory=list)
 
 
 def is_image_name(name: str) -> bool:
     return os.path.splitext(name)[1].lower() in IMAGE_EXTENSIONS
 
 
-def walk_folder(root: Path) -> tuple[list[InputItem], int]:
-    """Image files under ``root``, recursively, in sorted order; symlinked folders are followed
-    once each (a loop does not repeat files). Returns (items, non-image files skipped)."""
+def _list_folder(folder: str) -> list[os.DirEntry]:
+    """A folder's entries, sorted by name. Raises OSError when it cannot be listed."""
+    with os.scandir(folder) as scan:
+        return sorted(scan, key=lambda e: e.name)
+
+
+def walk_folder(root: Path, unlisted: list[tuple[str, str]] | None = None,
+                should_stop: Callable[[], bool] | None = None) -> tuple[list[InputItem], int]:
+    """Image files under ``root``, recursively, in sorted (depth-first) order; symlinked
+    folders are followed once each (a loop does not repeat files).
+
+    Iterative, so any depth works. A folder that cannot be listed (no permission, a path
+    past PATH_MAX) is appended to ``unlisted`` as ``(path, reason)``, not dropped.
+    ``should_stop`` is polled once per entry; when it turns true, the walk returns what it
+    found so far. Returns (items, non-image files skipped)."""
     items: list[InputItem] = []
     skipped = 0
-    seen_dirs: set[str] = set()
+    unlisted = [] if unlisted is None else unlisted
+    seen_dirs: set[tuple[int, int]] = set()
+    # Each frame: a folder's remaining entries (reversed, so pop() takes the next) and the
+    # folder's path relative to ``root``.
+    stack: list[tuple[list[os.DirEntry], str]] = []
 
-    def visit(folder: str, rel: str) -> None:
-        nonlocal skipped
-        real = os.path.realpath(folder)
-        if real in seen_dirs:
-            return
-        seen_dirs.add(real)
+    def enter(folder: str, rel: str) -> None:
         try:
-            entries = sorted(os.scandir(folder), key=lambda e: e.name)
-        except OSError:
+            info = os.stat(folder)
+            if (info.st_dev, info.st_ino) in seen_dirs:
+                return
+            seen_dirs.add((info.st_dev, info.st_ino))
+            entries = _list_folder(folder)
+        except OSError as exc:
+            unlisted.append((folder, exc.strerror or describe_os_error(exc)))
             return
-        for entry in entries:
-            child_rel = f"{rel}/{entry.name}" if rel else entry.name
-            try:
-                is_dir = entry.is_dir(follow_symlinks=True)
-                is_file = not is_dir and entry.is_file(follow_symlinks=True)
-            except OSError:
-                is_dir = is_file = False
-            if is_dir:
-                visit(entry.path, child_rel)
-            elif is_file or entry.is_symlink():
-                # A dangling link with an image name still gets its (error) row.
-                if is_image_name(entry.name):
-                    items.append(InputItem(key=child_rel, path=entry.path))
-                else:
-                    skipped += 1
+        stack.append((entries[::-1], rel))
 
-    visit(str(root), "")
+    enter(str(root), "")
+    while stack:
+        if should_stop is not None and should_stop():
+            break
+        entries, rel = stack[-1]
+        if not entries:
+            stack.pop()
+            continue
+        entry = entries.pop()
+        child_rel = f"{rel}/{entry.name}" if rel else entry.name
+        try:
+            is_dir = entry.is_dir(follow_symlinks=True)
+            is_file = not is_dir and entry.is_file(follow_symlinks=True)
+        except OSError:
+            is_dir = is_file = False
+        if is_dir:
+            enter(entry.path, child_rel)
+        elif is_file or entry.is_symlink():
+            # A dangling link with an image name still gets its (error) row.
+            if is_image_name(entry.name):
+                items.append(InputItem(key=child_rel, path=entry.path))
+            else:
+                skipped += 1
     return items, skipped
+
+
+def describe_os_error(exc: OSError) -> str:
+    return " ".join(str(exc).split()) or type(exc).__name__
 
 
 def read_path_list(list_file: str) -> list[str]:
@@ -103,6 +134,7 @@ def read_path_list(list_file: str) -> list[str]:
 
 def discover(inputs: Iterable[str], files_from: str | None = None,
              image_column: str | None = None, key_column: str | None = None,
+             stop: "StopSignals | None" = None,
              table_paths_roots: Iterable[str] = ()) -> Discovery:
     """Expand folders and files (and an optional path list) into items, in input order.
 
@@ -110,7 +142,9 @@ def discover(inputs: Iterable[str], files_from: str | None = None,
     WebDataset shards) are expanded into their images (``sources``); ``image_column`` and
     ``key_column`` apply to the tables. A path that does not exist is a UsageError; so is an
     input set with nothing in it. Paths from ``--files-from`` are taken as given: a missing one
-    becomes an error row later.
+    becomes an error row later. A folder that cannot be listed is logged as a warning and
+    counted in ``Discovery.unlisted``. When ``stop`` records a signal, the walk ends early
+    and ``Interrupted`` is raised (a partial listing is never returned).
     """
     from .sources import container_kind, expand_container, path_roots
 
@@ -120,6 +154,8 @@ def discover(inputs: Iterable[str], files_from: str | None = None,
     roots = path_roots(table_paths_roots)
     prefix_roots = sum(os.path.isdir(raw) for raw in inputs) > 1  # see ``key_under_root``
     for raw in inputs:
+        if stop is not None:
+            stop.check()
         path = Path(raw)
         kind = container_kind(raw)
         if kind is not None and path.is_file():
@@ -128,7 +164,8 @@ def discover(inputs: Iterable[str], files_from: str | None = None,
             found.skipped += skipped
             tables += kind == "table"
         elif path.is_dir():
-            items, skipped = walk_folder(path)
+            items, skipped = walk_folder(path, found.unlisted,
+                                         stop.requested if stop is not None else None)
             if prefix_roots:
                 items = [replace(i, key=key_under_root(raw, i.key)) for i in items]
             found.items.extend(items)
@@ -149,8 +186,24 @@ def discover(inputs: Iterable[str], files_from: str | None = None,
     if not tables and (image_column is not None or key_column is not None):
         flag = "--image-column" if image_column is not None else "--key-column"
         raise UsageError(f"{flag} applies to Parquet/Arrow inputs, and none was given")
+    if stop is not None:
+        stop.check()
+    warn_unlisted(found.unlisted)
     found.items = unique_keys(found.items)
     return found
+
+
+def warn_unlisted(unlisted: list[tuple[str, str]], shown: int = 10) -> None:
+    """One line per folder that could not be listed (the first ``shown``), logged as an
+    error so that ``--quiet`` shows it too: images are missing from the run."""
+    import logging
+
+    log = logging.getLogger("dsv4enc")
+    for folder, reason in unlisted[:shown]:
+        log.error("cannot list folder %s (%s): its images are not in this run",
+                    os.fsdecode(folder)[:300], reason)
+    if len(unlisted) > shown:
+        log.error("%d more folders could not be listed", len(unlisted) - shown)
 
 
 # ----------------------------------------------------------------------------- keys

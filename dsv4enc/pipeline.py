@@ -11,8 +11,6 @@ shared among ranks by the greedy rule of SPEC ยง7 (or the tower is split, SPEC ย
 from __future__ import annotations
 
 import logging
-import signal
-import threading
 import time
 from collections import deque
 from dataclasses import asdict, dataclass, field
@@ -25,7 +23,7 @@ from . import __version__
 from .checkpoint import COMPUTE_DTYPES, Checkpoint, build_tower, load_checkpoint, random_checkpoint
 from .config import VisionConfig
 from .decode import DecodePool, Decoded, patches_tensor
-from .engine import Engine
+from .engine import Engine, check_finite
 from .errors import DsvError, Interrupted, UsageError
 from .inputs import discover
 from .output import OutputLayout, PartWriter, main_then_all, merge_manifests, resume_filter
@@ -36,6 +34,7 @@ from .planning import (Part, Planned, images_per_part, part_batches, plan_parts,
                        share_for_rank)
 from .prefetch import Prefetch
 from .progress import RunProgress
+from .stopping import StopSignals
 from .writer import PartStore, Row, StreamingAssembler, output_schema, remove_tree
 
 log = logging.getLogger("dsv4enc")
@@ -49,6 +48,7 @@ class RunSummary:
     encoded: int = 0
     failed: int = 0
     skipped: int = 0
+    unlisted: int = 0  # folders that could not be listed (their images are missing)
     reused: int = 0
     seconds: float = 0.0
     tokens: int = 0
@@ -125,29 +125,6 @@ def load_model(opts: EncodeOptions, dtype: torch.dtype) -> Checkpoint:
 
 # ----------------------------------------------------------------------------- the run
 
-class _Stop:
-    """Records SIGINT/SIGTERM so the loop can stop between batches."""
-
-    def __init__(self) -> None:
-        self.signum: int | None = None
-        self._previous: dict[int, object] = {}
-
-    def install(self) -> None:
-        if threading.current_thread() is not threading.main_thread():
-            return
-        for signum in (signal.SIGINT, signal.SIGTERM):
-            self._previous[signum] = signal.signal(signum, self._handle)
-
-    def _handle(self, signum, frame) -> None:
-        if self.signum is not None and signum == signal.SIGINT:
-            raise KeyboardInterrupt  # a second Ctrl-C stops at once
-        self.signum = signum
-
-    def restore(self) -> None:
-        for signum, handler in self._previous.items():
-            signal.signal(signum, handler)
-
-
 def run_settings(ckpt: Checkpoint, opts: EncodeOptions, dtype: torch.dtype,
                  part_images: int) -> dict:
     """What the output was computed with; ``--resume`` requires these to match."""
@@ -159,19 +136,30 @@ def run_settings(ckpt: Checkpoint, opts: EncodeOptions, dtype: torch.dtype,
     }
 
 
-def run_encode(opts: EncodeOptions, dist=None, prefetch: Prefetch | None = None) -> RunSummary:
+def run_encode(opts: EncodeOptions, dist=None, prefetch: Prefetch | None = None,
+               stop: StopSignals | None = None) -> RunSummary:
     """Encode ``opts.inputs`` into ``opts.out``. Raises DsvError (setup) or Interrupted.
 
     ``prefetch``: what ``prefetch.start_prefetch(opts)`` found and started for these same
-    options (the CLI's head start while torch was imported); this call closes it."""
+    options (the CLI's head start while torch was imported); this call closes it.
+    ``stop``: the caller's installed signal handling; by default this call installs its own
+    (from the main thread) and restores the previous handlers when it returns."""
+    own_stop = stop is None
+    if stop is None:
+        stop = StopSignals(immediate=dist is None)  # torchrun ranks stop together, later
+        stop.install()
     try:
-        return _run_encode(opts, dist, prefetch)
+        return _run_encode(opts, dist, prefetch, stop)
     finally:
+        stop.immediate = False
+        if own_stop:
+            stop.restore()
         if prefetch is not None:
             prefetch.close()
 
 
-def _run_encode(opts: EncodeOptions, dist, prefetch: Prefetch | None) -> RunSummary:
+def _run_encode(opts: EncodeOptions, dist, prefetch: Prefetch | None,
+                stop: StopSignals) -> RunSummary:
     started = prefetch.started if prefetch is not None else time.perf_counter()
     validate(opts)
     device = resolve_device(opts.device, dist)
@@ -180,9 +168,11 @@ def _run_encode(opts: EncodeOptions, dist, prefetch: Prefetch | None) -> RunSumm
     layout = OutputLayout(opts.out, opts.shard_output)
     found = (prefetch.found if prefetch is not None else
              discover(opts.inputs, opts.files_from, opts.image_column, opts.key_column,
+                      stop if dist is None else None,
                       table_paths_roots=opts.table_paths_roots))
     main_then_all(dist, lambda: layout.prepare(opts.overwrite, opts.resume))
     ckpt = load_model(opts, dtype)
+    stop.immediate = False  # until the try below, which discards an unused output folder
     main_then_all(dist, layout.create)
     cfg = ckpt.config
     n_workers = default_workers(device.type) if opts.workers is None else opts.workers
@@ -194,12 +184,13 @@ def _run_encode(opts: EncodeOptions, dist, prefetch: Prefetch | None) -> RunSumm
         log.warning("no images found in %s (%d other files skipped); the output will have "
                     "no rows", ", ".join(opts.inputs) or opts.files_from, found.skipped)
     progress = RunProgress("auto" if opts.progress and is_main else "off", opts.log_every)
-    stop = _Stop()
-    stop.install()
-    summary = RunSummary(out=str(opts.out), skipped=found.skipped)
+    summary = RunSummary(out=str(opts.out), skipped=found.skipped,
+                         unlisted=len(found.unlisted))
     pool = (prefetch.pool if prefetch is not None else  # spawned now: workers start meanwhile
             DecodePool(cfg, n_workers, opts.max_pixels, opts.decode_timeout))
     try:
+        stop.immediate = dist is None
+        stop.check()
         model = build_tower(ckpt, device)
         tp = False
         if dist is not None and opts.tp_mode == "weights":
@@ -215,8 +206,8 @@ def _run_encode(opts: EncodeOptions, dist, prefetch: Prefetch | None) -> RunSumm
             else:
                 progress.status(f"reading {len(found.items)} image headers")
                 planned = read_headers(found.items, cfg, opts.max_pixels, dist,
-                                       None if dist is not None else
-                                       lambda: stop.signum is not None)
+                                       None if dist is not None else stop.requested,
+                                       opts.decode_timeout)
             if dist is None and stop.signum is not None:
                 raise Interrupted(stop.signum, "nothing was encoded; rerun the same command")
             part_images = images_per_part(cfg, opts)
@@ -248,25 +239,27 @@ def _run_encode(opts: EncodeOptions, dist, prefetch: Prefetch | None) -> RunSumm
                         engine.prepare()
                         progress.begin_encoding()
                         began = time.perf_counter()
-                    for name, start, end, digest, rows in runner.run(planned, todo):
-                        if writer is not None:
-                            writer.put(name, rows, start, end, digest)
-                        del rows  # only the writer holds a finished part while the next runs
+                    stop.hint = (f"finished parts are kept in {layout.parts_dir}; rerun the "
+                                 "same command with --resume to finish")
+                    with stop.deferred():  # a signal stops the loop between batches
+                        for name, start, end, digest, rows in runner.run(planned, todo):
+                            if writer is not None:
+                                writer.put(name, rows, start, end, digest)
+                            del rows  # only the writer holds a finished part meanwhile
                 finally:
                     if writer is not None:
-                        writer.close()
+                        with stop.deferred():  # parts in the writer's hands get committed
+                            writer.close()
                         summary.write_s = writer.seconds
                     summary.encode_s = time.perf_counter() - began
-                if stop.signum is not None:
-                    raise Interrupted(stop.signum, f"finished parts are kept in "
-                                      f"{layout.parts_dir}; rerun the same command with "
-                                      "--resume to finish")
+                stop.check()
                 if dist is not None:
                     dist.barrier()
                 if assembler is not None:
                     progress.status("writing the final file")
                     began = time.perf_counter()
-                    assembler.finish()
+                    assembler.finish()  # a signal meanwhile aborts it: the parts stay
+                    stop.immediate = False  # the output is complete: nothing to stop
                     remove_tree(layout.parts_dir)
                     summary.write_s += time.perf_counter() - began
                 elif opts.shard_output and dist is not None:
@@ -286,7 +279,6 @@ def _run_encode(opts: EncodeOptions, dist, prefetch: Prefetch | None) -> RunSumm
             exc.summary = summary
         raise
     finally:
-        stop.restore()
         pool.close()
     stats = engine.stats
     summary.h2d_s, summary.model_s = stats.h2d_s, stats.model_s
@@ -301,7 +293,7 @@ class _Runner:
     as ``(name, start, end, digest, rows)``."""
 
     def __init__(self, engine: Engine, pool: DecodePool, opts: EncodeOptions, dist, tp: bool,
-                 progress: RunProgress, summary: RunSummary, stop: _Stop,
+                 progress: RunProgress, summary: RunSummary, stop: StopSignals,
                  prefetch: Prefetch | None = None) -> None:
         self.engine, self.pool, self.opts, self.dist = engine, pool, opts, dist
         self.prefetch = prefetch
@@ -474,11 +466,8 @@ class _Runner:
         """Rows of the oldest batch in flight (waits for the device)."""
         ready = self._in_flight.popleft()
         outputs = self.engine.collect()
-        if not self.engine.last_finite:
-            for (index, _), out in zip(ready, outputs):
-                if not torch.isfinite(out).all():  # name the first image that overflowed
-                    raise DsvError(f"embedding of {planned[index].item.key} is not finite in "
-                                   f"{self.opts.out_dtype}; rerun with --out-dtype float32")
+        check_finite(self.engine, outputs, lambda position: planned[ready[position][0]].item.key,
+                     "rerun with --out-dtype float32")
         return {index: self.make_row(planned[index], d, out)
                 for (index, d), out in zip(ready, outputs)}
 

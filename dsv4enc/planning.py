@@ -5,7 +5,9 @@ rank."""
 from __future__ import annotations
 
 import hashlib
-from concurrent.futures import ThreadPoolExecutor
+import queue
+import threading
+import time
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Callable, Sequence
 
@@ -18,7 +20,9 @@ if TYPE_CHECKING:
     from .options import EncodeOptions
 
 PART_BYTES = 256 << 20  # upper bound of one part's embeddings in memory
-HEADER_CHUNK = 4096  # header probes submitted to the thread pool at a time
+PROBE_THREADS = 16  # header probes run at once (they mostly wait on storage)
+PROBE_TIMEOUT_S = 120.0  # one header may take this long before it is given up
+_PROBE_POLL_S = 0.1  # how often the waiting thread checks for a stop and for late probes
 # Parts of small models are capped in images: writing a part's Parquet takes transient memory
 # several times its embeddings (float16 most), and up to four parts are in flight.
 MAX_PART_IMAGES = 1024
@@ -41,29 +45,17 @@ class Planned:
 
 
 def read_headers(items: Sequence[InputItem], cfg: VisionConfig, max_pixels: int,
-                 dist=None, should_stop: Callable[[], bool] | None = None) -> list[Planned]:
+                 dist=None, should_stop: Callable[[], bool] | None = None,
+                 timeout_s: float | None = PROBE_TIMEOUT_S) -> list[Planned]:
     """Probe every header (threads; ranks split the work and share results) and plan grids.
 
-    When ``should_stop()`` turns true (a signal), the headers not read yet are left as error
-    rows and the caller is expected to stop: reading a million headers takes minutes."""
+    A probe that takes longer than ``timeout_s`` becomes an error row and its thread is left
+    behind (a daemon: it never delays the exit). When ``should_stop()`` turns true (a
+    signal), the headers not read yet are left as error rows and the caller is expected to
+    stop: reading a million headers takes minutes."""
     rank, world = (dist.rank, dist.world_size) if dist is not None else (0, 1)
     mine = list(range(rank, len(items), world))
-    probes: list[Probe] = []
-    stopped = False
-    with ThreadPoolExecutor(max_workers=16) as pool:
-        # In chunks: a future per input, all submitted at once, costs ~1.7 KB each until
-        # the last header is read (gigabytes for millions of images).
-        for begin in range(0, len(mine), HEADER_CHUNK):
-            chunk = mine[begin:begin + HEADER_CHUNK]
-            for probe in pool.map(lambda i: probe_image(items[i], max_pixels), chunk):
-                probes.append(probe)
-                if should_stop is not None and should_stop():
-                    stopped = True
-                    break
-            if stopped:
-                pool.shutdown(wait=True, cancel_futures=True)
-                break
-    probes += [Probe(error="interrupted before its header was read")] * (len(mine) - len(probes))
+    probes = probe_all([items[i] for i in mine], max_pixels, should_stop, timeout_s)
     from .sources import clear_cache
 
     clear_cache()  # table row groups read for the probes: the workers read their own
@@ -84,6 +76,87 @@ def read_headers(items: Sequence[InputItem], cfg: VisionConfig, max_pixels: int,
                 entry.error = f"ValueError: {exc}"
         planned.append(entry)
     return planned
+
+
+def probe_all(items: Sequence[InputItem], max_pixels: int,
+              should_stop: Callable[[], bool] | None = None,
+              timeout_s: float | None = PROBE_TIMEOUT_S,
+              threads: int = PROBE_THREADS) -> list[Probe]:
+    """``probe_image`` of every item, in order, on daemon threads.
+
+    A probe still running after ``timeout_s`` gets an error and its thread is replaced (a
+    thread cannot be killed; the stuck one is abandoned and exits if its probe ever returns).
+    When ``should_stop()`` turns true, the probes not done get an "interrupted" error. The
+    calling thread only waits on a queue (with a short timeout), so a signal handler that
+    raises stops it at once."""
+    results: list[Probe | None] = [None] * len(items)
+    finished: queue.SimpleQueue = queue.SimpleQueue()
+    lock = threading.Lock()
+    running: dict[int, tuple[float, int]] = {}  # item index -> (start time, thread serial)
+    abandoned: set[int] = set()  # serials of threads replaced after a timeout
+    next_index = iter(range(len(items)))
+    halt = threading.Event()
+
+    def work(serial: int) -> None:
+        while not halt.is_set():
+            with lock:
+                if serial in abandoned:
+                    return
+                index = next(next_index, None)
+                if index is None:
+                    return
+                running[index] = (time.monotonic(), serial)
+            probe = probe_image(items[index], max_pixels)
+            with lock:
+                running.pop(index, None)
+            finished.put((index, probe))
+
+    serials = iter(range(1 << 62))
+
+    def spawn() -> None:
+        threading.Thread(target=work, args=(next(serials),), name="dsv4enc-probe",
+                         daemon=True).start()
+
+    def give_up_late_probes() -> int:
+        """Error rows for probes past their time limit; replaces their threads."""
+        late = 0
+        now = time.monotonic()
+        with lock:
+            for index, (began, serial) in list(running.items()):
+                if now - began > timeout_s:
+                    del running[index]
+                    abandoned.add(serial)
+                    results[index] = Probe(error=f"header read timed out after {timeout_s:g}s")
+                    late += 1
+                    spawn()
+        return late
+
+    for _ in range(min(threads, len(items))):
+        spawn()
+    remaining = len(items)
+    checked = time.monotonic()
+    try:
+        while remaining:
+            if should_stop is not None and should_stop():
+                break
+            got = []
+            try:
+                got.append(finished.get(timeout=_PROBE_POLL_S))
+                while True:  # take all that are done: the timing checks once per poll
+                    got.append(finished.get_nowait())
+            except queue.Empty:
+                pass
+            for index, probe in got:
+                if results[index] is None:  # None: not given up already
+                    results[index] = probe
+                    remaining -= 1
+            if timeout_s is not None and time.monotonic() - checked >= _PROBE_POLL_S:
+                checked = time.monotonic()
+                remaining -= give_up_late_probes()
+    finally:
+        halt.set()
+    return [Probe(error="interrupted before its header was read") if r is None else r
+            for r in results]
 
 
 def images_per_part(cfg: VisionConfig, opts: EncodeOptions) -> int:

@@ -30,6 +30,7 @@ from .errors import DsvError
 from .inputs import Discovery, discover
 from .options import DEFAULT_BATCH_TOKENS, EncodeOptions, decode_window, default_workers, validate
 from .planning import Planned, batch_order, images_per_part, plan_parts, read_headers
+from .stopping import StopSignals
 
 log = logging.getLogger(__name__)
 
@@ -108,15 +109,16 @@ def _early_config(opts: EncodeOptions) -> VisionConfig | None:
         return None
 
 
-def start_prefetch(opts: EncodeOptions) -> Prefetch | None:
+def start_prefetch(opts: EncodeOptions, stop: StopSignals | None = None) -> Prefetch | None:
     """Discover the inputs and, when the run qualifies, plan it and start decoding.
 
     Returns None under torchrun (each rank discovers for itself). Raises what discovery and
-    option checks raise (the same errors, in the same order, as ``run_encode``)."""
+    option checks raise (the same errors, in the same order, as ``run_encode``), and
+    ``Interrupted`` when ``stop`` records a signal meanwhile."""
     if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
         return None
     validate(opts)
-    found = discover(opts.inputs, opts.files_from, opts.image_column, opts.key_column,
+    found = discover(opts.inputs, opts.files_from, opts.image_column, opts.key_column, stop,
                      table_paths_roots=opts.table_paths_roots)
     device_type = expected_device_type(opts.device)
     prefetch = Prefetch(found, device_type)
@@ -129,7 +131,11 @@ def start_prefetch(opts: EncodeOptions) -> Prefetch | None:
     cfg = _early_config(opts)
     if cfg is None:
         return prefetch
-    planned = read_headers(found.items, cfg, opts.max_pixels)
+    planned = read_headers(found.items, cfg, opts.max_pixels,
+                           should_stop=stop.requested if stop is not None else None,
+                           timeout_s=opts.decode_timeout)
+    if stop is not None:
+        stop.check()  # headers left unread must not be planned as error rows
     parts = plan_parts(planned, images_per_part(cfg, opts))
     batch_tokens = opts.batch_tokens or DEFAULT_BATCH_TOKENS[device_type]
     order = batch_order(planned, parts, batch_tokens, opts.max_images)

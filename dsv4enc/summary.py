@@ -36,6 +36,9 @@ def print_summary(summary) -> None:
     table.add_row("encoded", str(s.encoded))
     table.add_row("failed", str(s.failed))
     table.add_row("skipped (not images)", str(s.skipped))
+    if getattr(s, "unlisted", 0):
+        table.add_row("folders not listed", f"{s.unlisted} (their images are missing; see the "
+                      "lines above)")
     if s.reused:
         table.add_row("reused from earlier run", str(s.reused))
     table.add_row("wall time", f"{s.seconds:.1f}s (the whole run, start-up included)")
@@ -67,7 +70,7 @@ def summary_dict(summary, status: str = "completed", exit_code: int = 0) -> dict
     return {
         "status": status, "exit_code": exit_code, "output": s.out,
         "images": {"encoded": s.encoded, "failed": s.failed, "skipped_not_images": s.skipped,
-                   "reused": s.reused},
+                   "reused": s.reused, "folders_not_listed": getattr(s, "unlisted", 0)},
         "tokens": s.tokens,
         "failures": {
             "by_type": by_type,

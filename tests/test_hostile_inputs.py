@@ -13,29 +13,39 @@ keeps canvases small (at most 24 LLM tokens), so that every encode takes millise
 from __future__ import annotations
 
 import io
+import json
 import multiprocessing as mp
 import os
+import shutil
 import signal
 import struct
+import subprocess
+import sys
 import tempfile
 import threading
+import time
+import warnings
 import zlib
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from hypothesis import given, settings, strategies as st
 from PIL import Image
 from typer.testing import CliRunner
 
-from dsv4enc import pipeline
+from dsv4enc import pipeline, planning
 from dsv4enc.checkpoint import random_state_dict, save_checkpoint
 from dsv4enc.cli import app
 from dsv4enc.config import VisionConfig
-from dsv4enc.decode import DecodePool, decode_image, probe_image
+from dsv4enc.decode import DecodePool, Probe, decode_image, probe_image
+from dsv4enc.inputs import InputItem, discover
 from dsv4enc.pipeline import EncodeOptions, run_encode
 from dsv4enc.transform import image_to_patches, plan_canvas
+
+from helpers import REPO_ROOT
 
 runner = CliRunner()
 IS_ROOT = hasattr(os, "geteuid") and os.geteuid() == 0
@@ -640,3 +650,292 @@ def test_cli_over_fuzzed_files_gives_one_row_each(tmp_path, ckpt):
     assert [r["path"] for r in rows] == sorted(names)
     for row in rows:
         assert (row["error"] is None) != (row["embedding"] is None), row["path"]
+
+
+# --------------------------------------------------------------------------- deep and unlistable folders
+
+def make_chain(root: Path, names: list[str]) -> str:
+    """Folders nested ``names`` deep under ``root``, made relative to an open folder each time
+    (no path is ever spelled out whole, so depth and PATH_MAX do not matter); a small PNG
+    at the bottom. Returns the bottom's path relative to ``root``."""
+    fd = os.open(root, os.O_RDONLY)
+    try:
+        for name in names:
+            os.mkdir(name, dir_fd=fd)
+            inner = os.open(name, os.O_RDONLY, dir_fd=fd)
+            os.close(fd)
+            fd = inner
+        image = os.open("deep.png", os.O_WRONLY | os.O_CREAT, 0o644, dir_fd=fd)
+        os.write(image, encoded(noise(20, 10), "PNG"))
+        os.close(image)
+    finally:
+        os.close(fd)
+    return "/".join(names)
+
+
+@pytest.fixture
+def chain(tmp_path):
+    """``make_chain`` for the test, removed after it."""
+    made: list[tuple[Path, list[str]]] = []
+
+    def make(root: Path, names: list[str]) -> str:
+        made.append((root, names))
+        return make_chain(root, names)
+
+    yield make
+    for root, names in made:
+        # Not shutil.rmtree (pytest's clean-up too): it recurses, and these are too deep.
+        subprocess.run(["rm", "-rf", "--", str(root / names[0])], check=True)
+
+
+def test_a_folder_tree_1100_levels_deep_is_walked(tmp_path, chain):
+    """Recursion would stop at Python's limit (a RecursionError and no output)."""
+    (tmp_path / "a.png").write_bytes(encoded(noise(20, 10), "PNG"))
+    bottom = chain(tmp_path, ["d"] * 1100)
+    found = discover([str(tmp_path)])
+    assert [item.key for item in found.items] == ["a.png", f"{bottom}/deep.png"]
+    assert found.unlisted == []
+
+
+def test_a_folder_past_path_max_is_reported_not_dropped(tmp_path, ckpt, caplog, chain):
+    """Its path cannot be listed (ENAMETOOLONG): the run says so, names it, counts it, and
+    encodes the rest; nothing is dropped in silence."""
+    folder = tmp_path / "in"
+    folder.mkdir()
+    (folder / "a.png").write_bytes(encoded(noise(20, 10), "PNG"))
+    chain(folder, ["x" * 250] * 20)  # about 5000 bytes of path: past PATH_MAX (4096)
+    with caplog.at_level("WARNING", logger="dsv4enc"):
+        found = discover([str(folder)])
+    assert [item.key for item in found.items] == ["a.png"]
+    assert len(found.unlisted) == 1
+    unlisted, reason = found.unlisted[0]
+    assert len(unlisted) > 4096 and "too long" in reason.lower()
+    assert "cannot list folder" in caplog.text and "not in this run" in caplog.text
+    summary = run_encode(EncodeOptions(inputs=[str(folder)], out=str(tmp_path / "e.parquet"),
+                                       weights=str(ckpt), device="cpu", workers=0,
+                                       progress=False))
+    assert summary.encoded == 1 and summary.unlisted == 1
+
+
+def test_a_folder_without_permission_is_reported(tmp_path):
+    """As a user who may not list it (root may list anything, so the walk runs in a child
+    process that gives up root first)."""
+    root = Path(tempfile.mkdtemp(dir="/tmp" if IS_ROOT else None))
+    try:
+        root.chmod(0o755)
+        (root / "a.png").write_bytes(encoded(noise(20, 10), "PNG"))
+        (root / "closed").mkdir()
+        (root / "closed" / "hidden.png").write_bytes(encoded(noise(20, 10), "PNG"))
+        (root / "closed").chmod(0)
+        script = ("import json, logging, os, sys\n"
+                  "import dsv4enc.sources\n"  # imported as root: the code may be root's
+                  "from dsv4enc.inputs import discover\n"
+                  "if os.geteuid() == 0:\n"
+                  "    os.setgid(65534); os.setuid(65534)\n"
+                  "found = discover([sys.argv[1]])\n"
+                  "print(json.dumps([[i.key for i in found.items], found.unlisted]))\n")
+        proc = subprocess.run([sys.executable, "-c", script, str(root)], capture_output=True,
+                              text=True, timeout=60, cwd="/",
+                              env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+        assert proc.returncode == 0, proc.stderr
+        keys, unlisted = json.loads(proc.stdout)
+        assert keys == ["a.png"]
+        assert unlisted == [[str(root / "closed"), "Permission denied"]]
+        assert "cannot list folder" in proc.stderr
+    finally:
+        (root / "closed").chmod(0o755)
+        shutil.rmtree(root)
+
+
+# --------------------------------------------------------------------------- hangs
+
+def test_table_cells_naming_a_fifo_do_not_hang(tmp_path):
+    """More than 4096 rows of {bytes: null, path: a FIFO} beside one real image: each FIFO
+    row is an error row at once (regular files only), the run completes."""
+    os.mkfifo(tmp_path / "pipe.png")
+    n = 4100
+    cells = [{"bytes": encoded(noise(20, 10), "PNG"), "path": "real.png"}]
+    cells += [{"bytes": None, "path": str(tmp_path / "pipe.png")} for _ in range(n)]
+    table = tmp_path / "t.parquet"
+    pq.write_table(pa.table({"image": cells}), table)
+    out = tmp_path / "e.parquet"
+    proc = subprocess.run(
+        [sys.executable, "-m", "dsv4enc", "encode", str(table), "--out", str(out), "--config",
+         str(REPO_ROOT / "configs" / "tiny.json"), "--random-init", "--device", "cpu",
+         "--workers", "1", "--decode-timeout", "30", "-q"],
+        capture_output=True, text=True, timeout=240,
+        env={**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr
+    rows = pq.read_table(out, columns=["error"]).column("error").to_pylist()
+    assert len(rows) == n + 1 and rows[0] is None
+    assert all(error is not None for error in rows[1:])
+
+
+def test_header_probes_are_bounded_in_time(tmp_path, monkeypatch):
+    """A probe stuck on slow storage becomes its image's error row after the limit; the other
+    headers are read meanwhile, and the stuck thread never delays the caller."""
+    release = threading.Event()
+
+    def probe(item, max_pixels):
+        if item.key == "stuck.png":
+            release.wait(60)
+        return Probe(width=20, height=10)
+
+    monkeypatch.setattr(planning, "probe_image", probe)
+    items = [InputItem(key=f"{name}.png", path=f"{name}.png")
+             for name in ("a", "stuck", "b", "c")]
+    began = time.monotonic()
+    probes = planning.probe_all(items, MAX_PIXELS, timeout_s=1.0, threads=2)
+    release.set()
+    assert time.monotonic() - began < 10
+    assert [p.error for p in probes] == [None, "header read timed out after 1s", None, None]
+
+
+# --------------------------------------------------------------------------- memory
+
+def sixteen_bit_gray(path: Path, side: int) -> Path:
+    ramp = (np.arange(side * side, dtype=np.uint32).reshape(side, side) * 7 % 65536)
+    Image.fromarray(ramp.astype(np.uint16)).save(path)
+    with Image.open(path) as image:
+        assert image.mode.startswith("I;16")
+    return path
+
+
+PEAK_SCRIPT = """
+import sys
+from PIL import Image, PngImagePlugin
+import dsv4enc.transform
+from dsv4enc.config import VisionConfig
+from dsv4enc.decode import decode_image
+
+def status_bytes(field):
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) * 1024 for line in status if line.startswith(field))
+
+cfg = VisionConfig.from_file(sys.argv[2])
+before = status_bytes("VmRSS:")
+result = decode_image(sys.argv[1], cfg, int(sys.argv[3]))
+# VmHWM: this process's peak RSS. (ru_maxrss would also count the parent's peak: Linux
+# carries it across fork and exec.)
+print(result.error, status_bytes("VmHWM:") - before)
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads Linux's /proc")
+def test_peak_memory_of_a_sixteen_bit_decode(tmp_path):
+    """A 16-bit grayscale PNG of 16.8 megapixels: decoded, scaled to 8 bits and transformed
+    within 12 bytes a pixel above the process's resting size (an int64 detour took 20)."""
+    side = 4096
+    path = sixteen_bit_gray(tmp_path / "gray16.png", side)
+    proc = subprocess.run([sys.executable, "-c", PEAK_SCRIPT, str(path),
+                           str(REPO_ROOT / "configs" / "tiny.json"), str(side * side)],
+                          capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+    assert proc.returncode == 0, proc.stderr
+    error, grown = proc.stdout.split()
+    assert error == "None"
+    assert int(grown) < 12 * side * side, f"{int(grown) >> 20} MiB"
+
+
+def test_a_worker_past_its_memory_bound_fails_that_image_and_is_replaced(tmp_path, cfg):
+    """A 6000x6000 image needs ~100 MB to decode; with a 48 MB bound that image's row says
+    MemoryError, the worker is replaced, and the next image decodes as usual."""
+    big = tmp_path / "big.png"
+    Image.new("RGB", (6000, 6000), (10, 200, 30)).save(big)
+    good = good_images(tmp_path / "good", 2)
+    tasks = [("a", good[0]), ("big", str(big)), ("b", good[1])]
+    with DecodePool(cfg, 1, max_pixels=10 ** 8, timeout_s=60, memory_budget=48 << 20) as pool:
+        results = dict(pool.imap(tasks, window=3))
+        assert pool.replaced == 1
+    assert results["big"].error.startswith("MemoryError") and results["big"].patches is None
+    assert same_decode(results["a"], good[0], cfg) and same_decode(results["b"], good[1], cfg)
+
+
+def tiff_with_tiles(width: int, height: int, tile: int) -> bytes:
+    """A deflate-compressed 8-bit gray TIFF whose one tile is declared ``tile`` x ``tile``."""
+    tags = {256: (4, width), 257: (4, height), 258: (3, 8), 259: (3, 8), 262: (3, 1),
+            277: (3, 1), 322: (4, tile), 323: (4, tile), 324: (4, 0), 325: (4, 16)}
+    data_offset = 8 + 2 + 12 * len(tags) + 4
+    tags[324] = (4, data_offset)
+    ifd = struct.pack("<H", len(tags))
+    for tag, (kind, value) in sorted(tags.items()):
+        packed = struct.pack("<HH", value, 0) if kind == 3 else struct.pack("<I", value)
+        ifd += struct.pack("<HHI", tag, kind, 1) + packed
+    return b"II*\0" + struct.pack("<I", 8) + ifd + b"\0" * 4 + b"\0" * 16
+
+
+def test_a_tiff_declaring_huge_tiles_is_refused_before_allocating(tmp_path, cfg):
+    """150 bytes declaring 16384x16384 tiles: decoding would allocate 256 MB for one tile."""
+    path = tmp_path / "tiles.tif"
+    path.write_bytes(tiff_with_tiles(64, 64, 16384))
+    for result in (probe_image(str(path), 10 ** 8), decode_image(str(path), cfg, 10 ** 8)):
+        assert "16384x16384 tiles" in result.error
+
+
+# --------------------------------------------------------------------------- loose ends
+
+def test_the_pixel_limit_is_per_call_and_pillow_is_left_alone(tmp_path, cfg):
+    """Probes and decodes with different limits, on threads at once, each get their own
+    answer; Pillow's process-wide limit and the warnings filters stay as they were."""
+    path = tmp_path / "img.png"
+    noise(40, 30).save(path)  # 1200 pixels
+    pillow_limit, filters = Image.MAX_IMAGE_PIXELS, list(warnings.filters)
+    answers: list[tuple[int, bool]] = []
+
+    def work(limit: int) -> None:
+        for _ in range(40):
+            answers.append((limit, probe_image(str(path), limit).error is None))
+            answers.append((limit, decode_image(str(path), cfg, limit).error is None))
+
+    threads = [threading.Thread(target=work, args=(limit,)) for limit in (1000, 5000) * 2]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert all(ok == (limit == 5000) for limit, ok in answers)
+    assert Image.MAX_IMAGE_PIXELS == pillow_limit and warnings.filters == filters
+    refused = probe_image(str(path), 1000).error
+    assert "1200 pixels, more than --max-pixels 1000" in refused
+
+
+WORKER_SCRIPT = """
+import os, signal, sys, time
+from dsv4enc.config import VisionConfig
+from dsv4enc.decode import DecodePool
+cfg = VisionConfig.from_file(sys.argv[1])
+pool = DecodePool(cfg, 2)
+for seq, worker in enumerate(pool._workers):  # results the parent will never read
+    worker.conn.recv()  # ready
+    worker.conn.send((seq, sys.argv[2]))
+print(" ".join(str(w.proc.pid) for w in pool._workers), flush=True)
+time.sleep(1.0)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat_file:
+            return stat_file.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        return True
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads Linux's /proc")
+def test_workers_exit_quietly_when_the_main_process_is_killed(tmp_path):
+    image = tmp_path / "a.png"
+    noise(30, 20).save(image)
+    log = tmp_path / "stderr.txt"
+    with open(log, "w") as stderr:
+        proc = subprocess.run([sys.executable, "-c", WORKER_SCRIPT,
+                               str(REPO_ROOT / "configs" / "tiny.json"), str(image)],
+                              stdout=subprocess.PIPE, stderr=stderr, text=True, timeout=120,
+                              env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+    assert proc.returncode == -signal.SIGKILL
+    pids = [int(pid) for pid in proc.stdout.split()]
+    deadline = time.monotonic() + 30
+    while not all(gone(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert all(gone(pid) for pid in pids)
+    time.sleep(0.2)  # their last writes to the shared stderr
+    assert log.read_text() == ""

@@ -327,3 +327,151 @@ def test_a_signal_while_reading_headers_stops_within_seconds(tmp_path, monkeypat
     assert len(probed) < 2000
     assert not out.exists() and not out.with_name("e.parquet.partial").exists()
     assert signal.getsignal(signal.SIGTERM) is handler  # restored
+
+
+# --------------------------------------------------------------------------- every phase stops
+
+# Runs ``dsv4enc encode`` with one function replaced by one that says it was reached (a file
+# appears) and then blocks for ten minutes: a phase that is slow or stuck at that point.
+STUCK_RUN = """
+import importlib, pathlib, sys, time
+target, ready, *argv = sys.argv[1:]
+module, _, attr = target.partition(":")
+owner = importlib.import_module(module)
+*outer, name = attr.split(".")
+for part in outer:
+    owner = getattr(owner, part)
+
+def stuck(*args, **kwargs):
+    pathlib.Path(ready).touch()
+    time.sleep(600)
+
+setattr(owner, name, stuck)
+from dsv4enc.cli import main
+sys.argv = ["dsv4enc", *argv]
+main()
+"""
+
+
+class PhaseRun:
+    """One ``encode`` process stopped by ``signum`` in one phase."""
+
+    def __init__(self, root: Path, phase: str, signum: int, args: list[str],
+                 target: str | None = None) -> None:
+        self.phase, self.signum, self.target = phase, signum, target
+        self.folder = root / phase
+        self.folder.mkdir()
+        self.out = self.folder / "e.parquet"
+        self.ready = self.folder / "reached"
+        self.fifo_fd: int | None = None
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "300",
+               "PYTHONPATH": str(REPO_ROOT)}
+        env.pop("DSV4ENC_WEIGHTS", None)
+        argv = ["encode", *args, "--out", str(self.out), *COMMON, "--workers", "1", "-q"]
+        command = ([sys.executable, "-c", STUCK_RUN, target, str(self.ready), *argv]
+                   if target else [sys.executable, "-m", "dsv4enc", *argv])
+        self.proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     env=env, text=True)
+        self.stop_seconds = 0.0
+        self.stderr = ""
+
+    def reached(self) -> bool:
+        return self.ready.exists()
+
+
+def fifo_reader_waiting(run: PhaseRun, fifo: Path) -> bool:
+    """True once the run has the FIFO open for reading (it then waits for lines in it)."""
+    try:
+        run.fifo_fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+        return True
+    except OSError:  # ENXIO: no reader yet
+        return False
+
+
+@pytest.fixture(scope="module")
+def phase_runs(images, tmp_path_factory) -> dict[str, PhaseRun]:
+    root = tmp_path_factory.mktemp("rel_phases")
+    fifo = root / "listing.fifo"
+    os.mkfifo(fifo)
+    many = root / "many.txt"  # more inputs than the head start plans: read_headers runs later
+    many.write_text("".join(f"{root}/missing{i:05d}.png\n" for i in range(5000)))
+    probe = "dsv4enc.planning:probe_image"
+    runs = [
+        PhaseRun(root, "discovery", signal.SIGINT, ["--files-from", str(fifo)]),
+        PhaseRun(root, "header probes", signal.SIGTERM, [str(images)], probe),
+        PhaseRun(root, "header probes of 5000", signal.SIGTERM, ["--files-from", str(many)],
+                 probe),
+        PhaseRun(root, "model loading", signal.SIGTERM, [str(images)],
+                 "dsv4enc.pipeline:load_model"),
+        PhaseRun(root, "planning", signal.SIGINT, [str(images)], "dsv4enc.pipeline:plan_parts"),
+        PhaseRun(root, "assembling", signal.SIGTERM, [str(images)],
+                 "dsv4enc.writer:StreamingAssembler.finish"),
+    ]
+    try:
+        pending = list(runs)
+        deadline = time.monotonic() + 180
+        while pending:
+            assert time.monotonic() < deadline, [run.phase for run in pending]
+            for run in list(pending):
+                if run.proc.poll() is not None:
+                    pytest.fail(f"{run.phase}: ended (rc {run.proc.returncode}) before the "
+                                f"signal: {run.proc.communicate()[1][-2000:]}")
+                ready = fifo_reader_waiting(run, fifo) if run.target is None else run.reached()
+                if ready:
+                    time.sleep(0.2)  # well inside the blocking call
+                    sent = time.monotonic()
+                    run.proc.send_signal(run.signum)
+                    try:
+                        run.stderr = run.proc.communicate(timeout=30)[1]
+                    finally:
+                        run.stop_seconds = time.monotonic() - sent
+                        if run.fifo_fd is not None:
+                            os.close(run.fifo_fd)
+                    pending.remove(run)
+            time.sleep(0.05)
+    finally:
+        for run in runs:
+            if run.proc.poll() is None:
+                run.proc.kill()
+                run.proc.wait()
+    return {run.phase: run for run in runs}
+
+
+@pytest.mark.parametrize("phase", ["discovery", "header probes", "header probes of 5000",
+                                   "model loading", "planning", "assembling"])
+def test_a_signal_stops_every_phase_within_seconds(phase_runs, phase):
+    """SIGINT/SIGTERM while the run is stuck in each phase before and after encoding
+    (encoding itself: the tests above): exit 130/143 within seconds, one line, no
+    traceback, no output file."""
+    run = phase_runs[phase]
+    assert run.proc.returncode == 128 + run.signum, run.stderr[-2000:]
+    assert run.stop_seconds < 10
+    assert "Traceback" not in run.stderr
+    assert f"interrupted by {signal.Signals(run.signum).name}" in run.stderr
+    assert not run.out.exists()
+    if phase == "assembling":  # the parts are kept for --resume
+        assert "--resume" in run.stderr and committed(run.out.with_name("e.parquet.partial"))
+
+
+# --------------------------------------------------------------------------- non-finite output
+
+def test_the_api_never_returns_a_non_finite_embedding(images):
+    """The same check as the command line's: float16 output that overflows raises, naming the
+    image, for ``encode`` and ``encode_iter`` alike; float32 output then holds the values."""
+    from dsv4enc import EncodeError, Encoder
+
+    loud = Encoder.from_config(CONFIG, device="cpu", dtype="float32", out_dtype="float16")
+    quiet = Encoder.from_config(CONFIG, device="cpu", dtype="float32", out_dtype="float32")
+    for encoder in (loud, quiet):
+        with torch.no_grad():
+            for parameter in (encoder.model.aligner.w2.weight, encoder.model.aligner.w2.bias):
+                parameter.mul_(1e6)  # outputs past float16's 65504
+    paths = [str(images / "img000.png"), str(images / "img001.png")]
+    with pytest.raises(EncodeError) as caught:
+        loud.encode(paths)
+    assert caught.value.index == 0 and caught.value.key == paths[0]
+    assert "not finite in float16" in str(caught.value) and "float32" in str(caught.value)
+    with pytest.raises(EncodeError, match="not finite in float16"):
+        list(loud.encode_iter(paths))
+    values = quiet.encode(paths)
+    assert all(torch.isfinite(v).all() and v.abs().max() > 65504 for v in values)

@@ -33,11 +33,6 @@ from .packing import PackedBatch
 
 log = logging.getLogger(__name__)
 
-#: Rows per chunk of the CPU's batch-invariant path (``model.by_chunks``): each image is cut
-#: into chunks of at most this many rows. Any size keeps rows invariant; this one is about
-#: as fast as whole-batch GEMMs (benchmarks/RESULTS.md).
-ROW_TILE = 256
-
 
 
 @dataclass
@@ -126,8 +121,8 @@ class Engine:
     ``graphs.fit_budgets`` picks better ones when every batch's size is known up front).
 
     ``deterministic`` (default on): an image's output bytes do not depend on the batch it
-    shares (other images, its position, the batch's size). On the CPU every row-wise op runs
-    over per-image chunks of ``ROW_TILE`` rows (``model.by_chunks``); on CUDA every batch runs
+    shares (other images, its position, the batch's size). On the CPU each image runs through
+    the tower alone (``model.by_chunks``: kernels see its rows only); on CUDA every batch runs
     in one fixed-shape bucket (one graph budget), so every kernel sees the same shapes. Under
     tensor parallelism the all-reduce changes the summation order, so rows are not invariant
     against a single rank.
@@ -246,8 +241,7 @@ class Engine:
         self._use_backend()
         inputs = self.to_device(batch)
         if self.deterministic and self.device.type != "cuda":
-            inputs["token_chunks"] = batch.token_chunks(ROW_TILE)
-            inputs["row_chunks"] = batch.row_chunks(ROW_TILE)
+            inputs["row_counts"] = batch.row_counts
         return self.model.forward_packed(features=self.features, **inputs)
 
     # -- public encode API -----------------------------------------------------------

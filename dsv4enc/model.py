@@ -28,34 +28,35 @@ def _identity(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-#: Row chunks of a packed batch: (start, end) row ranges, each within one image and cut at
-#: fixed offsets from that image's first row (``packing.image_chunks``). None: whole tensors.
-RowChunks = Sequence[tuple[int, int]]
+def image_spans(lengths: Sequence[int]) -> list[tuple[int, int]]:
+    """(start, end) row range of each image packed back to back; empty images are left out."""
+    spans, start = [], 0
+    for n in lengths:
+        if n:
+            spans.append((start, start + n))
+        start += n
+    return spans
 
 
-def by_chunks(chunks: RowChunks, fn: Callable[..., Any], *tensors: torch.Tensor) -> Any:
-    """Apply a row-wise ``fn`` to each chunk of ``tensors`` (sliced alike along dim 0) and
-    write the results into one output per result tensor, (T, ...) each.
+def by_chunks(chunks: Sequence[tuple[int, int]], fn: Callable[..., Any],
+              *tensors: torch.Tensor) -> Any:
+    """Apply ``fn`` to each (start, end) row range of ``tensors`` (sliced alike along dim 0)
+    and write the results into one output, (T, ...).
 
     Why: a kernel's blocking, vector tails and thread split depend on the shape it is given,
-    so a row's bits would depend on everything else in the batch. Given chunks that hold one
-    image's rows at offsets fixed relative to that image, every kernel sees a tensor that is
-    a function of the image alone, and the image's rows come out the same in any batch.
+    so a row's bits would depend on everything else in the batch. Given ranges that each hold
+    one image's rows, every kernel sees tensors that are a function of that image alone, and
+    the image's rows come out the same in any batch.
     """
-    outs: tuple[torch.Tensor, ...] | None = None
-    single = True
-    total = tensors[0].shape[0]
+    out: torch.Tensor | None = None
     for start, end in chunks:
         result = fn(*(t[start:end] for t in tensors))
-        single = isinstance(result, torch.Tensor)
-        parts = (result,) if single else tuple(result)
-        if outs is None:
-            outs = tuple(r.new_empty((total,) + tuple(r.shape[1:])) for r in parts)
-        for out, part in zip(outs, parts):
-            out[start:end] = part
-    if outs is None:
-        raise ValueError("no row chunks")
-    return outs[0] if single else outs
+        if out is None:
+            out = result.new_empty((tensors[0].shape[0],) + tuple(result.shape[1:]))
+        out[start:end] = result
+    if out is None:
+        raise ValueError("no rows to run")
+    return out
 
 
 class RMSNorm(nn.Module):
@@ -214,19 +215,6 @@ class Block(nn.Module):
         x = x + self.attn(self.norm1(x), cos, sin, spans, attend)
         return x.add_(self.mlp(self.norm2(x)))  # x is this block's own tensor by now
 
-    def forward_chunked(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                        spans: VarlenSpans, attend: AttentionFn, chunks: RowChunks) -> torch.Tensor:
-        """The same block with every row-wise op run per chunk (``by_chunks``); attention
-        runs per image span as always. Updates x (T, D) in place and returns it."""
-        q, k, v = by_chunks(chunks, lambda xc, cc, sc: self.attn.project(self.norm1(xc), cc, sc),
-                            x, cos, sin)
-        attended = attend(q, k, v, spans)
-        for start, end in chunks:
-            rows = x[start:end]
-            rows.add_(self.attn.output(attended[start:end]))
-            rows.add_(self.mlp(self.norm2(rows)))
-        return x
-
 
 class PatchEmbed(nn.Module):
     def __init__(self, cfg: VisionConfig) -> None:
@@ -245,18 +233,25 @@ class VisionTransformer(nn.Module):
         self.norm = RMSNorm(cfg.dim)
 
     def forward(self, patches, cos, sin, spans, attend,
-                chunks: RowChunks | None = None) -> torch.Tensor:
-        """patches (T, 3*p*p) -> ViT features (T, D). With ``chunks``, row-wise work runs per
-        chunk (batch-invariant rows, see ``by_chunks``)."""
-        if chunks is None:
-            x = self.patch_embed(patches)
-            for block in self.blocks:
-                x = block(x, cos, sin, spans, attend)
-            return self.norm(x)
-        x = by_chunks(chunks, self.patch_embed, patches)
+                per_image: bool = False) -> torch.Tensor:
+        """patches (T, 3*p*p) -> ViT features (T, D).
+
+        ``per_image``: run the whole ViT over one image's rows at a time (image after image,
+        every layer), instead of every layer over the packed batch. Every kernel then sees
+        tensors that are a function of that image alone, so its rows are bit-identical in any
+        batch (see ``by_chunks``).
+        """
+        if per_image:
+            lengths = spans.lengths
+            if lengths is None:
+                raise RuntimeError("per-image execution needs host-side span lengths")
+            return by_chunks(image_spans(lengths), lambda p, c, s: self.forward(
+                p, c, s, VarlenSpans.from_lengths([p.shape[0]], p.device), attend),
+                patches, cos, sin)
+        x = self.patch_embed(patches)
         for block in self.blocks:
-            x = block.forward_chunked(x, cos, sin, spans, attend, chunks)
-        return by_chunks(chunks, self.norm, x)
+            x = block(x, cos, sin, spans, attend)
+        return self.norm(x)
 
 
 class Aligner(nn.Module):
@@ -335,20 +330,22 @@ class VisionTower(nn.Module):
     def forward_packed(self, patches: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                        spans: VarlenSpans, merge_index: torch.Tensor | None,
                        merge_mask: torch.Tensor | None, features: str = "aligner",
-                       token_chunks: RowChunks | None = None,
-                       row_chunks: RowChunks | None = None) -> torch.Tensor:
+                       row_counts: Sequence[int] | None = None) -> torch.Tensor:
         """Many images in one pass.
 
         patches (T, 3*p*p); cos, sin (T, 1, rd) float32; spans over T; merge_index and
         merge_mask (R, r*r) into the packed ViT rows. Returns (R, hidden) aligner rows, or
         (T, D) ViT features when ``features == "vit"`` (merge arguments unused).
-        ``token_chunks`` / ``row_chunks``: per-image row chunks of the ViT tokens and of the
-        aligner rows; given, each image's output is bit-identical in any batch.
+        ``row_counts``: each image's aligner rows; given, every image runs alone (ViT and
+        aligner, see ``VisionTransformer.forward``), so its output is bit-identical in any
+        batch.
         """
-        vit = self.vision(patches, cos, sin, spans, self.attend, token_chunks)
+        per_image = row_counts is not None
+        vit = self.vision(patches, cos, sin, spans, self.attend, per_image)
         if features == "vit":
             return vit
-        if row_chunks is None:
+        if not per_image:
             return self.aligner(merge_gather(vit, merge_index, merge_mask))
-        return by_chunks(row_chunks, lambda index, mask: self.aligner(merge_gather(vit, index, mask)),
+        return by_chunks(image_spans(row_counts),
+                         lambda index, mask: self.aligner(merge_gather(vit, index, mask)),
                          merge_index, merge_mask)

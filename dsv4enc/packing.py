@@ -41,21 +41,6 @@ def merge_plan(n_h: int, n_w: int, r: int, base: int = 0) -> tuple[torch.Tensor,
     return index, mask
 
 
-def image_chunks(lengths: Sequence[int], tile: int) -> list[tuple[int, int]]:
-    """Row ranges of packed images cut into chunks of at most ``tile`` rows.
-
-    Images lie back to back (``lengths`` rows each); each image's chunks start at its first
-    row and at every ``tile`` rows after it, so a chunk's position inside its image, and its
-    size, depend on the image alone. Zero-length images get no chunk.
-    """
-    chunks: list[tuple[int, int]] = []
-    base = 0
-    for n in lengths:
-        chunks.extend((base + s, base + min(s + tile, n)) for s in range(0, n, tile))
-        base += n
-    return chunks
-
-
 @dataclass
 class PackedBatch:
     """A batch of images packed along the token axis (host tensors until ``.to``)."""
@@ -75,14 +60,6 @@ class PackedBatch:
     @property
     def n_rows(self) -> int:
         return sum(self.row_counts)
-
-    def token_chunks(self, tile: int) -> list[tuple[int, int]]:
-        """Per-image chunks of the ViT tokens (``image_chunks``)."""
-        return image_chunks(self.lengths, tile)
-
-    def row_chunks(self, tile: int) -> list[tuple[int, int]]:
-        """Per-image chunks of the output rows (aligner rows, or tokens for ViT features)."""
-        return image_chunks(self.row_counts, tile)
 
     def split_rows(self, out: torch.Tensor) -> list[torch.Tensor]:
         """Cut (sum rows, width) output back into one tensor per image."""

@@ -517,7 +517,10 @@ class _GroupCache:
                 if len(self._tables) >= 16:
                     self._tables.pop(next(iter(self._tables)))
                 table = self._tables[path] = _Table(path)
-            array = table.read(group, [column]).column(0).combine_chunks()
+            chunks = table.read(group, [column]).column(0)
+            # One chunk (the usual case) is used as it is: combining copies it, and a row
+            # group of large images is hundreds of megabytes.
+            array = chunks.chunk(0) if chunks.num_chunks == 1 else chunks.combine_chunks()
             self._columns[key] = array
             self._bytes += array.nbytes
             while self._bytes > self.max_bytes and len(self._columns) > 1:
@@ -540,16 +543,20 @@ def clear_cache() -> None:
     _CACHE.clear()
 
 
-def read_table_cell(path: str, cell: TableCell) -> bytes | str:
-    """A table cell's image: its bytes, or (a struct with only a path) the file it names."""
+def read_table_cell(path: str, cell: TableCell, stream: bool = False) -> bytes | str | BinaryIO:
+    """A table cell's image: its bytes (with ``stream``, a file object over them that copies
+    nothing: header probes on many threads read only a few bytes of each), or (a struct with
+    only a path) the file it names."""
     array = _CACHE.column(path, cell.group, cell.column)
     value = array[cell.row]
     if not value.is_valid:
         raise ValueError(f"row has no image (null {cell.column!r})")
-    if image_column_kind(array.type) == "bytes":
-        return value.as_py()
-    data = value["bytes"]
+    data = value if image_column_kind(array.type) == "bytes" else value["bytes"]
     if data.is_valid:
+        if stream:
+            import pyarrow as pa
+
+            return pa.BufferReader(data.as_buffer())
         return data.as_py()
     named = value["path"].as_py() if array.type.get_field_index("path") >= 0 else None
     if not named:
@@ -597,7 +604,8 @@ def cell_file(named: str, table: str, roots: tuple[str, ...] = ()) -> str:
 
 def open_item(item: "InputItem", stream: bool = False) -> str | bytes | BinaryIO:
     """What to decode for ``item``: a file path, the bytes of a container member, or (with
-    ``stream``, for tar members) a file object over the member that the caller closes."""
+    ``stream``, for tar members and table cells) a file object over the member that the
+    caller closes."""
     member = getattr(item, "member", None)
     if member is None:
         return item.path
@@ -606,7 +614,7 @@ def open_item(item: "InputItem", stream: bool = False) -> str | bytes | BinaryIO
             return io.BufferedReader(_MemberFile(item.path, member), buffer_size=64 << 10)
         return read_tar_member(item.path, member)
     if isinstance(member, TableCell):
-        return read_table_cell(item.path, member)
+        return read_table_cell(item.path, member, stream)
     if isinstance(member, Unreadable):
         raise DamagedContainerError(member.reason)
     raise TypeError(f"unknown member locator {member!r}")

@@ -59,6 +59,13 @@ def write_interrupted_summary(path: str, exc: BaseException, out: str) -> None:
     write_summary_json(path, done, "interrupted", getattr(exc, "exit_code", 1))
 
 
+def from_environment(ctx: typer.Context, name: str) -> bool:
+    """Whether option ``name`` took its value from its environment variable."""
+    import click
+
+    return ctx.get_parameter_source(name) is click.core.ParameterSource.ENVIRONMENT
+
+
 def version_callback(value: bool) -> None:
     if value:
         typer.echo(f"dsv4enc {__version__}")
@@ -79,6 +86,7 @@ def main_options(
 
 @app.command()
 def encode(
+    ctx: typer.Context,
     inputs: List[str] = typer.Argument(None, help="Image folders (walked recursively, sorted), "
                                        "image files, Parquet/Arrow tables (.parquet, .arrow, "
                                        ".feather) and WebDataset shards (.tar)."),
@@ -169,6 +177,8 @@ def encode(
     from .stopping import StopSignals
     from .writer import prefer_jemalloc_pool
 
+    if random_init and from_environment(ctx, "weights"):
+        weights = None  # $DSV4ENC_WEIGHTS is a default; --random-init asks for none
     opts = EncodeOptions(
         inputs=list(inputs or []), out=out, files_from=files_from, image_column=image_column,
         key_column=key_column, table_paths_roots=tuple(table_paths_root or ()), weights=weights,

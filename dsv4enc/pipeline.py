@@ -311,7 +311,9 @@ class _Runner:
         is_main = dist is None or dist.is_main
         self._counts_encoded = is_main or self.gathered or self.sharded
         self._counts_header_failures = is_main or self.sharded
-        self._pending = [0, 0, 0]  # images, tokens, failed: not yet shown
+        # not yet shown: images, tokens, failed, and the planned tokens of images that then
+        # failed to decode (the ETA no longer waits for them)
+        self._pending = [0, 0, 0, 0]
 
     # -- planning of one part ------------------------------------------------------
     def rank_batches(self, planned: Sequence[Planned], part: Part) -> list[list[list[int]]]:
@@ -418,13 +420,14 @@ class _Runner:
     def _gather_progress(self, signum: int | None) -> list[tuple[int | None, list[int]]]:
         """(signal, progress not yet shown) of every rank; this rank's alone without torchrun."""
         mine = (signum, self._pending)
-        self._pending = [0, 0, 0]
+        self._pending = [0, 0, 0, 0]
         return [mine] if self.dist is None else self.dist.all_gather_object(mine)
 
     def _show_progress(self, reports: list[tuple[int | None, list[int]]]) -> None:
-        images, tokens, failed = (sum(counts[k] for _, counts in reports) for k in range(3))
+        images, tokens, failed, dropped = (sum(counts[k] for _, counts in reports)
+                                           for k in range(4))
         if images:
-            self.progress.advance(images, tokens, failed)
+            self.progress.advance(images, tokens, failed, dropped)
 
     def count(self, rows: list[Row]) -> None:
         for row in rows:
@@ -447,6 +450,8 @@ class _Runner:
             assert index == expected, "decode stream out of step with the plan"
             if result.error is not None:
                 rows[index] = _error_row(planned[index], result.error)
+                if self._counts_encoded:
+                    self._pending[3] += planned[index].tokens
             else:
                 ready.append((index, result))
         self.summary.decode_wait_s += time.perf_counter() - began

@@ -156,12 +156,14 @@ class RunProgress:
         if self._progress is not None:
             self._progress.update(self._task, description="encoding")
 
-    def advance(self, images: int, tokens: int, failed: int) -> None:
-        """Images (``failed`` of them failed) and tokens finished since the last call."""
+    def advance(self, images: int, tokens: int, failed: int, dropped_tokens: int = 0) -> None:
+        """Images (``failed`` of them failed) and tokens finished since the last call;
+        ``dropped_tokens`` were planned for images that then failed to decode."""
         with self._lock:
             self.counts.images += images
             self.counts.tokens += tokens
             self.counts.failed += failed
+            self.counts.total_tokens -= dropped_tokens
         if self._progress is not None:
             self._progress.update(self._task, advance=images)
         self._refresh()

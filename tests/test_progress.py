@@ -107,8 +107,10 @@ def test_a_log_file_gets_progress_lines(folder, tmp_path, small_ckpt):
     lines = [line for line in proc.stderr.splitlines() if line.startswith("dsv4enc: images")]
     assert lines, proc.stderr
     assert all(LINE.match(line) for line in lines), lines
-    done, total, _, _, failed, _ = LINE.match(lines[-1]).groups()
+    done, total, tokens, total_tokens, failed, _ = LINE.match(lines[-1]).groups()
     assert (int(done), int(total), int(failed)) == (N_IMAGES + 1, N_IMAGES + 1, 1)
+    # the broken image's header was fine: its planned tokens leave the total when it fails
+    assert tokens == total_tokens
     assert "\x1b[" not in proc.stderr  # no terminal control codes in a log
 
 
@@ -186,8 +188,9 @@ def test_summary_json_and_error_breakdown(folder, tmp_path, small_ckpt):
     data = json.loads(report.read_text())
     assert data["status"] == "completed" and data["exit_code"] == 0
     assert data["output"] == str(out)
-    assert data["images"] == {"encoded": N_IMAGES, "failed": 5, "skipped_not_images": 0,
-                              "reused": 0}
+    assert {k: data["images"][k] for k in ("encoded", "failed", "skipped_not_images",
+                                           "reused")} == {"encoded": N_IMAGES, "failed": 5,
+                                                          "skipped_not_images": 0, "reused": 0}
     assert data["tokens"] > 0 and data["seconds"]["wall"] >= data["seconds"]["encoding"] > 0
     assert data["rates"]["images_per_s"] == pytest.approx(
         (N_IMAGES + 5) / data["seconds"]["encoding"])

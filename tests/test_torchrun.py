@@ -36,7 +36,7 @@ pytestmark = pytest.mark.slow
 
 TESTS = Path(__file__).resolve().parent
 LAUNCHER = TESTS / "torchrun_launcher.py"
-COMMON = ["--device", "cpu", "--dtype", "float32", "--out-dtype", "float32", "-q"]
+COMMON = ["--device", "cpu", "--dtype", "float32", "--out-dtype", "float32"]  # summaries shown
 FAST = [*COMMON, "--workers", "0", "--timeout", "60"]
 LAUNCH_TIMEOUT_S = 180  # no launch may hang the suite
 DIE_TIMEOUT_S = 5  # --timeout of the dying-rank run
@@ -277,6 +277,13 @@ def sequence(work, folders, ckpt) -> dict[str, list[dict]]:
         "gap_rm": ["@rm", str(work / "seq" / "gap" / "part-000000-rank001.parquet")],
         "gap_resumed": enc("imgs", "gap/", "--shard-output", "--part-images",
                            str(PART_IMAGES), "--resume"),
+        # progress and summary figures, for comparison with one process
+        "figures_dp": enc("imgs", "figures_dp.parquet", "--part-images", str(PART_IMAGES),
+                          "--batch-tokens", "400", "--log-every", "0.01", "--summary-json",
+                          str(work / "seq" / "figures_dp.json")),
+        "figures_shard": enc("imgs", "figures_shard/", "--shard-output", "--part-images",
+                             str(PART_IMAGES), "--batch-tokens", "400", "--log-every", "0.01",
+                             "--summary-json", str(work / "seq" / "figures_shard.json")),
     }
     (work / "runs.json").write_text(json.dumps(list(runs.values())))
     proc = torchrun([str(LAUNCHER), "sequence", str(work / "runs.json"), str(work / "results")],
@@ -402,3 +409,30 @@ def test_shard_output_resumes_when_ranks_committed_different_parts(work, sequenc
     folder = work / "seq" / "gap"
     assert (folder / "part-000000-rank001.parquet").is_file()
     assert_same_rows(rows_of(folder), rows_of(reference), ordered=False)
+
+
+def test_progress_and_summary_count_every_rank(work, sequence, reference):
+    """Gathered and --shard-output runs: the last progress line and --summary-json give the
+    figures of one process (all images, all tokens), not rank 0's share."""
+    want = rows_of(reference)
+    failed = sum(1 for r in want if r["error"])
+    tokens = sum(r["vit_h"] * r["vit_w"] for r in want if r["error"] is None)
+    for name in ("figures_dp", "figures_shard"):
+        stderr = seq_ok(sequence, name)
+        lines = [line for line in stderr.splitlines() if line.startswith("dsv4enc: images")]
+        assert lines, stderr[-3000:]
+        match = re.match(r"dsv4enc: images (\d+)/(\d+) .*, tokens ([\d,]+)/([\d,]+), .*, "
+                         r"(\d+) failed", lines[-1])
+        assert match, lines[-1]
+        done, total, got_tokens, total_tokens, got_failed = match.groups()
+        assert (int(done), int(total)) == (len(want), len(want)), (name, lines[-1])
+        assert int(got_tokens.replace(",", "")) == int(total_tokens.replace(",", "")) == tokens
+        assert int(got_failed) == failed
+        assert not any(line.startswith("dsv4enc: images") for line in
+                       sequence[name][1]["stderr"].splitlines())  # rank 1 prints no progress
+        summary = json.loads((work / "seq" / f"{name}.json").read_text())
+        assert summary["images"]["encoded"] == len(want) - failed
+        assert summary["images"]["failed"] == failed and summary["tokens"] == tokens
+        assert summary["rates"]["tokens_per_s"] == pytest.approx(
+            tokens / summary["seconds"]["encoding"])
+        assert sum(m["count"] for m in summary["failures"]["messages"]) == failed

@@ -170,7 +170,7 @@ def encode(
                                               "the config; small values for tests)."),
 ) -> None:
     """Encode images into a Parquet file of embeddings, one row per image."""
-    from .decode import own_process_pixel_limit
+    from .decode import own_process_pillow_settings
     from .errors import Interrupted
     from .options import EncodeOptions
     from .prefetch import start_prefetch
@@ -197,7 +197,7 @@ def encode(
     # they are only recorded: the ranks agree on stopping between batches.
     stop = StopSignals(immediate=int(os.environ.get("WORLD_SIZE", "1") or 1) <= 1)
     stop.install()
-    own_process_pixel_limit()  # each open checks --max-pixels itself
+    own_process_pillow_settings()  # each open checks --max-pixels itself
     try:
         try:
             # before torch is imported: decoding starts meanwhile

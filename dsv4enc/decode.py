@@ -116,13 +116,16 @@ def _check_declared_tiles(image, max_pixels: int) -> None:
                          "bomb)")
 
 
-def own_process_pixel_limit() -> None:
-    """In a process dsv4enc owns (the command line, a decode worker), turn off Pillow's
-    process-wide pixel check once: every open applies its own ``max_pixels``, which may be
-    higher than Pillow's default (Pillow would refuse, or warn on stderr, first)."""
+def own_process_pillow_settings() -> None:
+    """Pillow's process-wide settings, made once in a process dsv4enc owns (the command
+    line, a decode worker), never per image: its pixel check off (every open applies its
+    own ``max_pixels``, which may be higher than Pillow's default), and its warnings
+    (corrupt data) raised as errors, so that such an image gets an error row whether it is
+    decoded in a worker or in the main process (``--workers 0``)."""
     from PIL import Image
 
     Image.MAX_IMAGE_PIXELS = None
+    warnings.filterwarnings("error", module=r"PIL(\.|$)")
 
 
 def _require_regular_file(path) -> None:
@@ -241,7 +244,7 @@ def _worker_main(conn, cfg: VisionConfig, max_pixels: int,
     # Ctrl-C in a terminal reaches the whole process group: the parent decides when to stop
     # (between batches) and closes the pool, so a worker must not die with an image in hand.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    own_process_pixel_limit()
+    own_process_pillow_settings()
     # This process decodes one image at a time, so a process-wide filter is safe here: a
     # Pillow warning (corrupt EXIF, truncated data) makes that image an error row.
     warnings.simplefilter("error")

@@ -252,6 +252,7 @@ def _run_encode(opts: EncodeOptions, dist, prefetch: Prefetch | None,
                             writer.close()
                         summary.write_s = writer.seconds
                     summary.encode_s = time.perf_counter() - began
+                    progress.end_encoding()
                 stop.check()
                 if dist is not None:
                     dist.barrier()

@@ -72,7 +72,7 @@ class ProgressCounts:
         return (f"images {done}/{self.total_images} ({share:.1f}%), "
                 f"tokens {self.tokens:,}/{self.total_tokens:,}, "
                 f"{self.images_per_s:.1f} img/s, {self.tokens_per_s:,.0f} tokens/s, "
-                f"{self.failed} failed, elapsed {format_duration(self.elapsed)}, "
+                f"{self.failed} failed, encoding for {format_duration(self.elapsed)}, "
                 f"eta {format_duration(self.eta_s)}")
 
 
@@ -98,6 +98,7 @@ class RunProgress:
         self._ticker: threading.Thread | None = None
         self._closed = threading.Event()
         self._lines = 0  # progress lines printed (log mode)
+        self._frozen: float | None = None  # encoding seconds, once the loop is over
 
     @property
     def enabled(self) -> bool:
@@ -107,7 +108,7 @@ class RunProgress:
         self._began = time.perf_counter()
         if self.mode == "bar":
             self._progress = Progress(
-                TextColumn("[bold]{task.description}"), BarColumn(),
+                TextColumn("[bold]{task.description}"), BarColumn(bar_width=16),
                 TextColumn("{task.fields[figures]}"), console=stderr_console,
                 transient=False, refresh_per_second=4)
             self._progress.__enter__()
@@ -156,6 +157,13 @@ class RunProgress:
         if self._progress is not None:
             self._progress.update(self._task, description="encoding")
 
+    def end_encoding(self) -> None:
+        """The encoding loop is over: rates and time stop here (writing the final file and
+        the like come after)."""
+        with self._lock:
+            if self._counting:
+                self._frozen = time.perf_counter() - self._began
+
     def advance(self, images: int, tokens: int, failed: int, dropped_tokens: int = 0) -> None:
         """Images (``failed`` of them failed) and tokens finished since the last call;
         ``dropped_tokens`` were planned for images that then failed to decode."""
@@ -171,17 +179,22 @@ class RunProgress:
     def snapshot(self) -> ProgressCounts:
         with self._lock:
             counts = ProgressCounts(**vars(self.counts))
-            counts.elapsed = time.perf_counter() - self._began if self._counting else 0.0
+            if self._frozen is not None:
+                counts.elapsed = self._frozen
+            elif self._counting:
+                counts.elapsed = time.perf_counter() - self._began
             return counts
 
     def _refresh(self) -> None:
         if self._progress is None:
             return
         c = self.snapshot()
-        figures = (f"{c.reused + c.images}/{c.total_images} images  {c.tokens:,} tokens  "
-                   f"{c.images_per_s:.1f} img/s  {c.tokens_per_s:,.0f} tokens/s  "
-                   f"{c.failed} failed  {format_duration(c.elapsed)}  eta "
-                   f"{format_duration(c.eta_s)}")
+        # the most telling first: a narrow terminal cuts the line's end
+        figures = (f"{c.reused + c.images}/{c.total_images} images  eta "
+                   f"{format_duration(c.eta_s)}  {c.images_per_s:.1f} img/s  "
+                   f"{c.tokens_per_s:,.0f} tokens/s  {c.failed} failed  "
+                   f"{c.tokens:,}/{c.total_tokens:,} tokens  encoding for "
+                   f"{format_duration(c.elapsed)}")
         self._progress.update(self._task, figures=figures)
         self._progress.refresh()  # per batch: a bar that only moves 4 times a second lags
 

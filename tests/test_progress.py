@@ -25,7 +25,7 @@ from helpers import REPO_ROOT, write_image
 
 runner = CliRunner()
 LINE = re.compile(r"^dsv4enc: images (\d+)/(\d+) \([\d.]+%\), tokens ([\d,]+)/([\d,]+), "
-                  r"[\d.]+ img/s, [\d,]+ tokens/s, (\d+) failed, elapsed \d+:\d\d:\d\d, "
+                  r"[\d.]+ img/s, [\d,]+ tokens/s, (\d+) failed, encoding for \d+:\d\d:\d\d, "
                   r"eta (\d+:\d\d:\d\d|-:--:--)$")
 N_IMAGES = 12
 
@@ -62,7 +62,7 @@ def test_one_definition_of_each_figure():
     assert counts.images_per_s == 2.0 and counts.tokens_per_s == 20.0
     assert counts.eta_s == 40.0  # 800 tokens to go at 20 tokens/s
     assert counts.line() == ("images 30/100 (30.0%), tokens 200/1,000, 2.0 img/s, "
-                             "20 tokens/s, 2 failed, elapsed 0:00:10, eta 0:00:40")
+                             "20 tokens/s, 2 failed, encoding for 0:00:10, eta 0:00:40")
     # no token seen yet (only failures): the ETA comes from images
     assert ProgressCounts(total_images=10, images=2, elapsed=1.0).eta_s == 4.0
     assert ProgressCounts(total_images=10).eta_s is None

@@ -141,7 +141,8 @@ def encode(
     max_pixels: int = typer.Option(89_478_485, "--max-pixels", help="Images with more pixels "
                                    "are refused (decompression bombs); Pillow's default."),
     decode_timeout: float = typer.Option(120.0, "--decode-timeout", help="Seconds one image "
-                                         "may take to decode before it is given up."),
+                                         "may take to decode, or its header to be read, "
+                                         "before it is given up (an error row)."),
     attention: str = typer.Option("auto", "--attention",
                                   metavar=choices("auto", "flash", "varlen", "sdpa"),
                                   help="Attention backend."),

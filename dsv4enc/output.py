@@ -1,33 +1,163 @@
-"""Where a run's output goes and how its parts are committed: the ``--out`` checks, the
-background part writers, and which parts an interrupted run already finished."""
+"""Where a run's output goes and how its parts are committed: the ``--out`` checks, the lock
+that keeps two runs off one output, the background part writers, and which parts an
+interrupted run already finished.
+
+dsv4enc deletes or replaces only what is provably its own: a single-file ``--out`` that is a
+Parquet file with dsv4enc's metadata, and in a parts folder (``OUT.partial/`` or a folder
+``--out``) the manifests it recognises by their content (``writer.manifest_kind``), its part
+file names and its temporary names. Anything else makes the run refuse in one line, before
+anything is written or deleted.
+"""
 
 from __future__ import annotations
 
+import errno
+import json
+import logging
 import os
 import queue
+import socket
 import threading
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Iterable
 
 from .errors import AlreadyComplete, DsvError, OutputError, UsageError
-from .writer import (PartStore, Row, StreamingAssembler, remove_tree, rows_per_group, rows_to_table,
-                     write_json_atomic)
+from .inputs import is_image_name
+from .writer import (MANIFEST_FILE, PART_FILE, TEMP_FILE, PartStore, Row, StreamingAssembler,
+                     manifest_document, output_os_error, read_manifest, rows_per_group,
+                     rows_to_table, write_json_atomic)
 
 if TYPE_CHECKING:
     from .options import EncodeOptions
     from .pipeline import RunSummary
     from .planning import Part
 
+log = logging.getLogger("dsv4enc")
+
+#: The lock file in the parts folder (hidden: readers of a dataset folder pass over it).
+LOCK_NAME = ".dsv4enc.lock"
+#: flock errors that mean "this file system does not lock", not "someone holds the lock".
+_NO_LOCKING = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS, errno.EINVAL}
+
+
+class OutputLock:
+    """An exclusive ``flock`` on ``LOCK_NAME`` in the parts folder, held for the whole run.
+
+    The file holds the holder's pid and host, for the refusal a second run prints. It is
+    unlinked (by its holder, still holding it) when the run ends; a run that locked the old
+    file meanwhile notices that its file is gone and locks the new one."""
+
+    def __init__(self, folder: Path, out: Path) -> None:
+        self.path = folder / LOCK_NAME
+        self.out = out
+        self._fd: int | None = None
+
+    @property
+    def held(self) -> bool:
+        return self._fd is not None
+
+    def acquire(self) -> None:
+        try:
+            import fcntl
+        except ImportError:  # no flock (Windows): nothing to lock with
+            log.warning("cannot lock %s on this system: make sure no other dsv4enc run writes "
+                        "it at the same time", self.out)
+            return
+        for _ in range(100):
+            try:
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            except OSError as exc:
+                raise output_os_error(self.path, exc) from None
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = _holder(fd)
+                os.close(fd)
+                raise OutputError(f"another dsv4enc run is writing {self.out}{holder}; wait for "
+                                  "it to finish or choose another --out") from None
+            except OSError as exc:
+                if exc.errno not in _NO_LOCKING:
+                    os.close(fd)
+                    raise output_os_error(self.path, exc) from None
+                log.warning("cannot lock %s (%s: file locking is off on this file system); make "
+                            "sure no other dsv4enc run writes %s at the same time", self.path,
+                            exc.strerror or exc, self.out)
+            if _still_linked(fd, self.path):
+                self._fd = fd
+                _write_holder(fd)
+                return
+            os.close(fd)  # unlinked by a run that just ended: lock the file there now
+        raise OutputError(f"cannot lock {self.path}: it keeps being replaced")
+
+    def release(self) -> None:
+        """Unlink the lock file (while still holding it), then let go."""
+        if self._fd is None:
+            return
+        try:
+            os.unlink(self.path)
+        except OSError:
+            pass
+        os.close(self._fd)
+        self._fd = None
+
+
+def _still_linked(fd: int, path: Path) -> bool:
+    try:
+        mine, now = os.fstat(fd), os.stat(path)
+    except OSError:
+        return False
+    return (mine.st_dev, mine.st_ino) == (now.st_dev, now.st_ino)
+
+
+def _write_holder(fd: int) -> None:
+    text = json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
+                       "since": time.strftime("%Y-%m-%d %H:%M:%S %Z")})
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, text.encode() + b"\n", 0)
+    except OSError:
+        pass  # the lock works without it; the refusal then names no pid
+
+
+def _holder(fd: int) -> str:
+    """`` (pid N on HOST since TIME)`` from a lock file, or "" when it says nothing usable."""
+    try:
+        data = json.loads(os.pread(fd, 4096, 0) or b"{}")
+        return f" (pid {int(data['pid'])} on {data['host']}, since {data['since']})"
+    except (OSError, ValueError, KeyError, TypeError):
+        return ""
+
+
+def _inside(path: str, folder: str) -> bool:
+    """``path`` lies strictly inside ``folder`` (both real, absolute paths)."""
+    return path != folder and os.path.commonpath([path, folder]) == folder
+
+
+def is_dsv4enc_parquet(path: Path) -> bool:
+    """A Parquet file whose footer carries dsv4enc's metadata (read from the footer only)."""
+    import pyarrow.parquet as pq
+
+    try:
+        metadata = pq.read_schema(path).metadata or {}
+        return json.loads(metadata.get(b"dsv4enc", b"{}")).get("tool") == "dsv4enc"
+    except Exception:  # not Parquet, unreadable, ...: not provably ours
+        return False
+
+
 class OutputLayout:
     """Where parts go (a ``.partial`` folder beside a single-file ``--out``, or the ``--out``
-    folder itself) and the checks before anything is computed."""
+    folder itself), the checks before anything is computed, the lock, and the clean-up that
+    touches only dsv4enc's own files."""
 
     def __init__(self, out: str, shard_output: bool) -> None:
         self.out = Path(out)
         self.shard_output = shard_output
         self.folder_mode = shard_output or out.endswith(("/", os.sep)) or self.out.is_dir()
         self.parts_dir = self.out if self.folder_mode else self.out.with_name(self.out.name + ".partial")
+        self.lock = OutputLock(self.parts_dir, self.out)
+        self._made: list[Path] = []  # folders this run created (removed again if left empty)
+        self._prepared = False  # this process checked the output (rank 0 under torchrun)
 
     def manifest_name(self, dist) -> str:
         """Each rank keeps its own manifest under --shard-output; merged at the end."""
@@ -35,17 +165,116 @@ class OutputLayout:
             return f"_manifest-rank{dist.rank:03d}.json"
         return "_manifest.json"
 
-    def prepare(self, overwrite: bool, resume: bool) -> None:
+    # -- what is ours -------------------------------------------------------------------
+    def _manifests(self) -> list[Path]:
+        """The dsv4enc manifests in the parts folder (recognised by content)."""
+        if not self.parts_dir.is_dir():
+            return []
+        return [path for path in sorted(self.parts_dir.iterdir())
+                if MANIFEST_FILE.fullmatch(path.name) and read_manifest(path) is not None]
+
+    def _is_ours(self, name: str, manifests: bool) -> bool:
+        """A name in the parts folder that dsv4enc wrote: its lock, its temporaries, and
+        (where a dsv4enc manifest is present) its manifests and part files."""
+        if name == LOCK_NAME:
+            return True
+        temp = TEMP_FILE.fullmatch(name)
+        if temp is not None and (PART_FILE.fullmatch(temp.group(1))
+                                 or MANIFEST_FILE.fullmatch(temp.group(1))
+                                 or (not self.folder_mode and temp.group(1) == self.out.name)):
+            return True
+        return manifests and bool(PART_FILE.fullmatch(name) or MANIFEST_FILE.fullmatch(name))
+
+    def _owned_and_foreign(self) -> tuple[list[Path], list[str]]:
+        """Files of the parts folder dsv4enc wrote (lock excepted), and the names of the
+        others (hidden names are passed over: never deleted, never in the way)."""
+        if not self.parts_dir.is_dir():
+            return [], []
+        ours = bool(self._manifests())
+        owned, foreign = [], []
+        for path in sorted(self.parts_dir.iterdir()):
+            if self._is_ours(path.name, ours) and not path.is_dir():
+                if path.name != LOCK_NAME:
+                    owned.append(path)
+            elif not path.name.startswith("."):
+                foreign.append(path.name)
+        return owned, foreign
+
+    def _remove(self, paths: Iterable[Path]) -> None:
+        for path in paths:
+            try:
+                path.unlink()
+            except FileNotFoundError:
+                pass
+            except OSError as exc:
+                raise output_os_error(path, exc) from None
+
+    # -- checks -------------------------------------------------------------------------
+    def check_not_inputs(self, inputs: Iterable[str], files_from: str | None) -> None:
+        """Refuse an ``--out`` that is an input, holds one, or would be read as one."""
+        out = os.path.realpath(self.out)
+        parts = os.path.realpath(self.parts_dir)
+        sources = [*inputs, *([files_from] if files_from not in (None, "-") else [])]
+        for raw in sources:
+            if not os.path.lexists(raw):
+                continue
+            real = os.path.realpath(raw)
+            if real in (out, parts):
+                raise OutputError(f"--out {self.out} is the input {raw}; choose an --out "
+                                  "outside the inputs")
+            if _inside(real, parts) or (self.folder_mode and _inside(real, out)):
+                raise OutputError(f"--out {self.out} contains the input {raw}; choose an "
+                                  "--out outside the inputs")
+            if (not self.folder_mode and os.path.isdir(real) and _inside(out, real)
+                    and (is_image_name(self.out.name) or is_image_name(out))):
+                if os.path.lexists(self.out):
+                    raise OutputError(f"--out {self.out} is an input (an image in the input "
+                                      f"folder {raw}); choose an --out outside the inputs")
+                raise OutputError(f"--out {self.out} has an image name inside the input folder "
+                                  f"{raw} (it would be read as an input); choose another --out")
+
+    def _check_kinds(self) -> None:
         out = self.out
         for parent in [out.parent, *out.parent.parents]:
             if parent.exists() and not parent.is_dir():
                 raise OutputError(f"cannot write {out}: {parent} is a file, not a folder")
-        has_parts = any(self.parts_dir.glob("_manifest*.json"))
         if self.folder_mode and out.exists() and not out.is_dir():
             raise OutputError(f"--out {out} is a file, but a folder output was asked for")
-        if self.folder_mode and out.is_dir() and any(out.iterdir()) and not has_parts:
+        if not self.folder_mode:
+            if self.parts_dir.exists() and not self.parts_dir.is_dir():
+                raise OutputError(f"cannot use {self.parts_dir} for parts: it is a file "
+                                  "dsv4enc did not write; move it away")
+            if out.exists() and not (out.is_file() and is_dsv4enc_parquet(out)):
+                raise OutputError(f"--out {out} already exists and is not a dsv4enc output; "
+                                  "dsv4enc replaces only its own files: choose another --out")
+
+    def prepare(self, opts: EncodeOptions) -> None:
+        """Check ``--out`` against the inputs and what is there, take the lock (held until
+        ``release``), and with ``--overwrite`` delete the earlier run's files: only those."""
+        self.check_not_inputs(opts.inputs, opts.files_from)
+        self._check_kinds()
+        self._prepared = True
+        try:
+            self._make_parts_dir()
+            self.lock.acquire()
+            self._check_existing(opts.overwrite, opts.resume)
+        except BaseException:
+            self.release()
+            raise
+
+    def _check_existing(self, overwrite: bool, resume: bool) -> None:
+        out = self.out
+        has_parts = bool(self._manifests())
+        owned, foreign = self._owned_and_foreign()
+        where = f"--out folder {out}" if self.folder_mode else str(self.parts_dir)
+        if foreign and not has_parts and self.folder_mode:
             raise OutputError(f"--out folder {out} is not empty and holds no dsv4enc output; "
                               "choose another path")
+        if foreign:
+            shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more"
+                                              if len(foreign) > 3 else "")
+            raise OutputError(f"{where} holds files dsv4enc did not write ({shown}); move them "
+                              "away or choose another --out")
         if not resume and not overwrite:
             if not self.folder_mode and out.exists():
                 raise OutputError(f"{out} already exists; pass --overwrite to replace it")
@@ -55,28 +284,65 @@ class OutputLayout:
             if has_parts:
                 raise OutputError(f"an unfinished run left {self.parts_dir}; pass --resume to "
                                   "continue it or --overwrite to start over")
-        if overwrite and has_parts:
-            remove_tree(self.parts_dir)
         if resume and not has_parts and not self.folder_mode and out.is_file():
             raise AlreadyComplete(f"{out} is already complete; nothing to resume "
                                   "(pass --overwrite to encode again)")
+        if overwrite:
+            self._remove(owned)
+        else:  # temporaries of a killed run: nobody else writes here (we hold the lock)
+            self._remove(p for p in owned if TEMP_FILE.fullmatch(p.name))
 
-    def discard_if_empty(self) -> None:
-        """After a failed run, remove a single-file output's parts folder if no part was
-        committed to it (committed parts are kept for --resume)."""
-        if not self.folder_mode and not any(self.parts_dir.glob("*.parquet")):
-            remove_tree(self.parts_dir)
-
-    def create(self) -> None:
-        """Make the parts folder (and missing parents) and check it is writable. Called once
-        inputs and weights are known good, so a failed start leaves nothing behind."""
+    def _make_parts_dir(self) -> None:
+        """Create the parts folder (and missing parents), remembering what was created."""
+        missing = [self.parts_dir, *self.parts_dir.parents]
+        missing = [folder for folder in missing if not folder.exists()]
         try:
             self.parts_dir.mkdir(parents=True, exist_ok=True)
-            probe = self.parts_dir / ".dsv4enc-write-test"
+        except OSError as exc:
+            raise OutputError(f"cannot write to {self.parts_dir}: {exc.strerror or exc}") from None
+        self._made = missing  # innermost first
+
+    def create(self) -> None:
+        """Check the parts folder is writable (the lock file proves it where locking works).
+        Called once inputs and weights are known good."""
+        try:
+            probe = self.parts_dir / f".dsv4enc-write-test.{os.getpid()}"
             probe.write_bytes(b"")
             probe.unlink()
         except OSError as exc:
             raise OutputError(f"cannot write to {self.parts_dir}: {exc.strerror or exc}") from None
+
+    # -- the end of a run -----------------------------------------------------------------
+    def remove_parts(self) -> None:
+        """The single file is in place: delete the parts and manifest (dsv4enc's only)."""
+        owned, _ = self._owned_and_foreign()
+        self._remove(owned)
+
+    def discard_if_empty(self) -> None:
+        """After a failed run, remove a single-file output's manifest and temporaries if no
+        part was committed (committed parts are kept for --resume)."""
+        if self.folder_mode:
+            return
+        owned, _ = self._owned_and_foreign()
+        if not any(PART_FILE.fullmatch(p.name) for p in owned):
+            self._remove(owned)
+
+    def release(self) -> None:
+        """Let go of the lock, and remove the folders this run created if they are empty
+        (a ``.partial`` folder left empty is removed too: it is dsv4enc's by name)."""
+        if not self._prepared:
+            return
+        self._prepared = False
+        self.lock.release()
+        folders = list(self._made)
+        if not self.folder_mode and self.parts_dir not in folders:
+            folders.insert(0, self.parts_dir)
+        self._made = []
+        for folder in folders:
+            try:
+                folder.rmdir()  # only when empty
+            except OSError:
+                break
 
 
 def main_then_all(dist, action) -> None:
@@ -186,6 +452,7 @@ def resume_filter(store: PartStore, parts: list[Part], opts: EncodeOptions,
 
 
 def _uncommitted(store: PartStore, parts: list[Part], opts: EncodeOptions) -> list[str]:
+    store.settings = {**store.settings, **row_options(opts)}
     if not opts.resume or not store.manifest_path.is_file():
         store.create()
         return [p.name for p in parts]
@@ -196,8 +463,22 @@ def _uncommitted(store: PartStore, parts: list[Part], opts: EncodeOptions) -> li
             raise UsageError(f"cannot resume: {shown} differs from the interrupted run "
                              f"({previous.get(key)!r} then, {value!r} now); "
                              "use --overwrite to start over")
+    todo = [p.name for p in parts if not store.committed(p.name, p.start, p.end, p.digest)]
+    store.forget(todo)  # their old files are no part of this output (nor the assembler's)
     store.save()
-    return [p.name for p in parts if not store.committed(p.name, p.start, p.end, p.digest)]
+    if store.changed:
+        log.warning("%d finished part%s encoded again: %s input files changed (size, time or "
+                    "permissions) since the interrupted run", store.changed,
+                    "s are" if store.changed > 1 else " is", "their" if store.changed > 1
+                    else "its")
+    return todo
+
+
+def row_options(opts: EncodeOptions) -> dict:
+    """Options that decide rows besides the run's settings: --resume requires them equal.
+    (--decode-timeout is not one: a part with a timed-out row is encoded again anyway.)"""
+    return {"max_pixels": opts.max_pixels, "image_column": opts.image_column,
+            "key_column": opts.key_column}
 
 
 def merge_manifests(dist, store: PartStore) -> None:
@@ -205,5 +486,5 @@ def merge_manifests(dist, store: PartStore) -> None:
     everything = dist.all_gather_object(store.parts)
     if dist.is_main:
         merged = {name: part for parts in everything for name, part in parts.items()}
-        write_json_atomic({"settings": store.settings, "parts": merged},
+        write_json_atomic(manifest_document(store.settings, merged),
                           store.folder / "_manifest.json")

@@ -35,7 +35,7 @@ from .planning import (Part, Planned, images_per_part, part_batches, plan_parts,
 from .prefetch import Prefetch
 from .progress import RunProgress
 from .stopping import StopSignals
-from .writer import PartStore, Row, StreamingAssembler, output_schema, remove_tree
+from .writer import PartStore, Row, StreamingAssembler, output_schema
 
 log = logging.getLogger("dsv4enc")
 
@@ -148,9 +148,11 @@ def run_encode(opts: EncodeOptions, dist=None, prefetch: Prefetch | None = None,
     if stop is None:
         stop = StopSignals(immediate=dist is None)  # torchrun ranks stop together, later
         stop.install()
+    layout = OutputLayout(opts.out, opts.shard_output)
     try:
-        return _run_encode(opts, dist, prefetch, stop)
+        return _run_encode(opts, dist, prefetch, stop, layout)
     finally:
+        layout.release()  # the output's lock, held from its checks to the end
         stop.immediate = False
         if own_stop:
             stop.restore()
@@ -159,18 +161,18 @@ def run_encode(opts: EncodeOptions, dist=None, prefetch: Prefetch | None = None,
 
 
 def _run_encode(opts: EncodeOptions, dist, prefetch: Prefetch | None,
-                stop: StopSignals) -> RunSummary:
+                stop: StopSignals,
+                layout: OutputLayout) -> RunSummary:
     started = prefetch.started if prefetch is not None else time.perf_counter()
     validate(opts)
     device = resolve_device(opts.device, dist)
     dtype = resolve_dtype(opts.dtype, device)
     is_writer_rank = dist is None or dist.is_main or opts.shard_output
-    layout = OutputLayout(opts.out, opts.shard_output)
     found = (prefetch.found if prefetch is not None else
              discover(opts.inputs, opts.files_from, opts.image_column, opts.key_column,
                       stop if dist is None else None,
                       table_paths_roots=opts.table_paths_roots))
-    main_then_all(dist, lambda: layout.prepare(opts.overwrite, opts.resume))
+    main_then_all(dist, lambda: layout.prepare(opts))
     ckpt = load_model(opts, dtype)
     stop.immediate = False  # until the try below, which discards an unused output folder
     main_then_all(dist, layout.create)
@@ -261,7 +263,7 @@ def _run_encode(opts: EncodeOptions, dist, prefetch: Prefetch | None,
                     began = time.perf_counter()
                     assembler.finish()  # a signal meanwhile aborts it: the parts stay
                     stop.immediate = False  # the output is complete: nothing to stop
-                    remove_tree(layout.parts_dir)
+                    layout.remove_parts()
                     summary.write_s += time.perf_counter() - began
                 elif opts.shard_output and dist is not None:
                     merge_manifests(dist, store)

@@ -5,6 +5,7 @@ rank."""
 from __future__ import annotations
 
 import hashlib
+import os
 import queue
 import threading
 import time
@@ -38,6 +39,7 @@ class Planned:
     n_h: int = 0
     n_w: int = 0
     error: str | None = None
+    stamp: str | None = None  # its file as planned (``input_stamps``): what --resume checks
 
     @property
     def tokens(self) -> int:
@@ -180,19 +182,65 @@ def keys_digest(planned: Sequence[Planned]) -> str:
     return digest.hexdigest()
 
 
+def file_stamp(path: str) -> str:
+    """What decides whether a file is the one encoded before: size, modification time (ns),
+    inode and mode (a file replaced by another, or made readable, reads differently), or
+    why it cannot be looked at. Not the device: it changes when a network share is
+    remounted."""
+    try:
+        st = os.stat(path)
+    except OSError as exc:
+        return f"unreadable {exc.errno}"
+    return f"{st.st_size} {st.st_mtime_ns} {st.st_ino} {st.st_mode:o}"
+
+
+def input_stamps(planned: Sequence[Planned]) -> None:
+    """Set each entry's ``stamp`` (once: a plan reused by the run keeps the stamps taken
+    before its first decode). An image in a container takes the container's stamp.
+
+    Taken before decoding starts, so a file changed afterwards never matches the stamp
+    recorded with its part: --resume encodes it again rather than trusting an old row."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    todo = [entry for entry in planned if entry.stamp is None]
+    containers: dict[str, str] = {}
+    for entry in todo:  # one stat per container file, however many images it holds
+        if entry.item.member is not None and entry.item.path not in containers:
+            containers[entry.item.path] = file_stamp(entry.item.path)
+    files = [entry for entry in todo if entry.item.member is None]
+    with ThreadPoolExecutor(max_workers=16) as pool:  # a stat mostly waits (network shares)
+        for entry, stamp in zip(files, pool.map(lambda e: file_stamp(e.item.path), files,
+                                                chunksize=256)):
+            entry.stamp = stamp
+    for entry in todo:
+        if entry.item.member is not None:
+            entry.stamp = containers[entry.item.path]
+
+
+def inputs_digest(planned: Sequence[Planned]) -> str:
+    """Digest of the entries' keys, then of their file stamps: ``KEYS.FILES``."""
+    digest = hashlib.blake2b(digest_size=12)
+    for entry in planned:
+        digest.update((entry.stamp or "").encode() + b"\0")
+    return f"{keys_digest(planned)}.{digest.hexdigest()}"
+
+
 @dataclass
 class Part:
     name: str
     start: int
     end: int
     indices: list[int]  # the planned items this part covers (all of start..end unless sharded)
-    digest: str  # of the keys in start..end, so a resumed run knows the inputs are the same
+    # ``inputs_digest`` of start..end: a resumed run reuses the part only for the same keys
+    # and the same input files (size, time, ...)
+    digest: str
 
 
 def plan_parts(planned: Sequence[Planned], part_images: int, shard_dist=None,
                balance: str = "patches", cfg: VisionConfig | None = None) -> list[Part]:
     """Consecutive input ranges of ``part_images`` items. With ``--shard-output`` each rank's
     part holds just its greedy share of the range."""
+    input_stamps(planned)
     parts = []
     for number, start in enumerate(range(0, len(planned), part_images)):
         end = min(start + part_images, len(planned))
@@ -201,7 +249,7 @@ def plan_parts(planned: Sequence[Planned], part_images: int, shard_dist=None,
         if shard_dist is not None:
             indices = share_for_rank(planned, indices, shard_dist, balance, cfg)[shard_dist.rank]
             name = f"{name}-rank{shard_dist.rank:03d}"
-        parts.append(Part(name, start, end, indices, keys_digest(planned[start:end])))
+        parts.append(Part(name, start, end, indices, inputs_digest(planned[start:end])))
     return parts
 
 

@@ -11,7 +11,8 @@ from __future__ import annotations
 import errno
 import json
 import os
-import shutil
+import re
+import secrets
 import threading
 import time
 from dataclasses import dataclass
@@ -25,6 +26,16 @@ import pyarrow.parquet as pq
 from .errors import OutputError
 
 MANIFEST_NAME = "_manifest.json"
+#: What a manifest says it is: dsv4enc recognises its own manifests by content, not by name.
+MANIFEST_FORMAT = "dsv4enc-parts"
+MANIFEST_VERSION = 2
+#: Names dsv4enc gives its files in a parts folder (``--out`` folder or ``OUT.partial``).
+PART_FILE = re.compile(r"part-\d{6}(?:-rank\d{3})?\.parquet")
+MANIFEST_FILE = re.compile(r"_manifest(?:-rank\d{3})?\.json")
+#: Errors that say nothing about the image (a time limit, a crashed or unstarted worker, a
+#: stop): a part holding one is encoded again on --resume, as a clean run would retry it.
+TRANSIENT_ERRORS = ("decode timed out", "header read timed out", "decoder crashed",
+                    "decode worker failed", "interrupted before")
 ROW_GROUP_BYTES = 64 << 20
 _ARROW_FLOAT = {"float16": pa.float16(), "float32": pa.float32()}
 _NUMPY_FLOAT = {"float16": np.float16, "float32": np.float32}
@@ -214,9 +225,19 @@ def output_os_error(path: Path, exc: OSError) -> OutputError:
     return OutputError(f"cannot write {path}: {reason}")
 
 
+def temp_path(path: Path, folder: Path | None = None) -> Path:
+    """A hidden temporary name for ``path`` (in ``folder``, default beside it), unique to this
+    process and call: ``.NAME.PID-RANDOM.tmp``. Two runs never write the same temporary."""
+    return (folder or path.parent) / f".{path.name}.{os.getpid()}-{secrets.token_hex(4)}.tmp"
+
+
+#: ``temp_path`` names (and the ``.NAME.tmp`` of earlier versions); group 1 is NAME.
+TEMP_FILE = re.compile(r"\.(.+?)\.(?:\d+-[0-9a-f]{8}\.)?tmp")
+
+
 def write_table_atomic(table: pa.Table, path: Path, row_group_size: int) -> None:
     """Write ``table`` to ``path`` via a hidden temporary file, fsync, and rename."""
-    tmp = path.with_name(f".{path.name}.tmp")
+    tmp = temp_path(path)
     try:
         pq.write_table(table, tmp, row_group_size=row_group_size,
                        **parquet_options(table.schema))
@@ -230,7 +251,7 @@ def write_table_atomic(table: pa.Table, path: Path, row_group_size: int) -> None
 
 
 def write_json_atomic(data: Any, path: Path) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
+    tmp = temp_path(path)
     try:
         tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
         with open(tmp, "rb+") as handle:
@@ -250,11 +271,57 @@ def _part_intact(path: Path, rows: int | None) -> bool:
         return False
 
 
+def manifest_document(settings: dict[str, Any], parts: dict[str, dict[str, Any]]) -> dict:
+    """A manifest's content: its format tag, the run's settings and the committed parts."""
+    return {"format": MANIFEST_FORMAT, "version": MANIFEST_VERSION, "settings": settings,
+            "parts": parts}
+
+
+def manifest_kind(data: Any) -> str | None:
+    """``"current"`` for a manifest of this format, ``"legacy"`` for one an earlier dsv4enc
+    wrote (no format tag), None for anything else (a file that merely has the name).
+
+    Either kind must list only dsv4enc part names: that is what makes its folder's part
+    files provably dsv4enc's."""
+    if not isinstance(data, dict) or not isinstance(data.get("parts"), dict):
+        return None
+    settings = data.get("settings")
+    if not isinstance(settings, dict) or settings.get("tool") != "dsv4enc":
+        return None
+    for part in data["parts"].values():
+        if not (isinstance(part, dict) and isinstance(part.get("file"), str)
+                and PART_FILE.fullmatch(part["file"])):
+            return None
+    if data.get("format") == MANIFEST_FORMAT and data.get("version") == MANIFEST_VERSION:
+        return "current"
+    return "legacy" if "format" not in data else None
+
+
+def read_manifest(path: Path) -> dict | None:
+    """The manifest at ``path`` if it is one of dsv4enc's (see ``manifest_kind``), else None.
+    Only regular files of a sane size are read."""
+    try:
+        if not path.is_file() or path.stat().st_size > (256 << 20):
+            return None
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return data if manifest_kind(data) is not None else None
+
+
+def transient_errors(table: pa.Table) -> int:
+    """Rows of a part whose error is one of TRANSIENT_ERRORS."""
+    return sum(1 for error in table.column("error").to_pylist()
+               if error is not None and error.startswith(TRANSIENT_ERRORS))
+
+
 class PartStore:
     """A folder of committed part files plus ``_manifest.json``.
 
-    The manifest holds the run's ``settings`` (what must match for ``--resume``) and, per
-    committed part, its file name, input range and a digest of its keys.
+    The manifest (``manifest_document``) holds the run's ``settings`` (what must match for
+    ``--resume``) and, per committed part, its file name, input range, ``digest`` (of its
+    keys, then of its input files' sizes and times: ``KEYS.FILES``), row count and how many
+    rows hold a transient error.
     """
 
     def __init__(self, folder: Path, settings: dict[str, Any],
@@ -263,6 +330,7 @@ class PartStore:
         self.settings = settings
         self.manifest_name = manifest_name
         self.parts: dict[str, dict[str, Any]] = {}
+        self.changed = 0  # committed parts whose input files changed (found by ``committed``)
         self._lock = threading.Lock()
 
     @property
@@ -282,14 +350,34 @@ class PartStore:
             data = json.loads(self.manifest_path.read_text())
         except (OSError, ValueError) as exc:
             raise OutputError(f"cannot resume: unreadable manifest {self.manifest_path} ({exc})") from None
-        self.parts = {name: part for name, part in data.get("parts", {}).items()
+        kind = manifest_kind(data)
+        if kind is None:
+            raise OutputError(f"cannot resume: {self.manifest_path} is not a dsv4enc manifest")
+        if kind == "legacy":
+            raise OutputError(f"cannot resume: {self.manifest_path} was written by an earlier "
+                              "dsv4enc that did not record its input files' sizes and times; "
+                              "use --overwrite to start over")
+        self.parts = {name: part for name, part in data["parts"].items()
                       if _part_intact(self.folder / part["file"], part.get("rows"))}
-        return data.get("settings", {})
+        return data["settings"]
 
     def committed(self, name: str, start: int, end: int, digest: str) -> bool:
+        """Part ``name`` was committed for exactly these inputs, as they are now: the same
+        range, keys and input files (size, time, ...), and no row with a transient error.
+        Counts in ``changed`` the parts whose keys are the same but whose files changed."""
         part = self.parts.get(name)
-        return bool(part and part["start"] == start and part["end"] == end
-                    and part["digest"] == digest)
+        if not part or part["start"] != start or part["end"] != end:
+            return False
+        if part["digest"] != digest:
+            if part["digest"].split(".")[0] == digest.split(".")[0]:
+                self.changed += 1
+            return False
+        return part.get("transient", 0) == 0
+
+    def forget(self, names: Sequence[str]) -> None:
+        """Drop parts that are to be encoded again from the record."""
+        drop = set(names)
+        self.parts = {name: part for name, part in self.parts.items() if name not in drop}
 
     def commit(self, name: str, table: pa.Table, row_group_size: int, start: int, end: int,
                digest: str) -> None:
@@ -299,12 +387,12 @@ class PartStore:
         with self._lock:
             parts = dict(self.parts)
             parts[name] = {"file": file, "start": start, "end": end, "digest": digest,
-                           "rows": table.num_rows}
+                           "rows": table.num_rows, "transient": transient_errors(table)}
             self.parts = parts  # readers on other threads see the old or the new dict whole
             self.save()
 
     def save(self) -> None:
-        write_json_atomic({"settings": self.settings, "parts": self.parts}, self.manifest_path)
+        write_json_atomic(manifest_document(self.settings, self.parts), self.manifest_path)
 
     def part_files(self) -> list[Path]:
         """Committed part files in input order."""
@@ -316,16 +404,17 @@ class StreamingAssembler:
     """Builds the single output file from committed parts, in input order, while later parts
     are still being encoded, so the end of a run only closes the file.
 
-    Parts go into a hidden temporary beside ``out`` (row group by row group: bounded
-    memory); ``finish`` fsyncs it and renames it into place, so ``out`` is never
-    half-written. A failed write (e.g. a full disk) is kept and raised by ``finish``; the
+    Parts go into a hidden temporary in the parts folder (``OUT.partial``, beside ``out``:
+    the same file system), row group by row group (bounded memory); ``finish`` fsyncs it and
+    renames it into place, so ``out`` is never half-written, and a killed run's temporary is
+    left where dsv4enc cleans up. A failed write (e.g. a full disk) is kept and raised by ``finish``; the
     committed parts stay for ``--resume``.
     """
 
     def __init__(self, store: "PartStore", names: Sequence[str], out: Path,
                  schema: pa.Schema) -> None:
         self.store, self.names, self.out, self.schema = store, list(names), out, schema
-        self.tmp = out.with_name(f".{out.name}.tmp")
+        self.tmp = temp_path(out, store.folder)
         self.seconds = 0.0
         self.error: BaseException | None = None
         self._aborted = False
@@ -408,6 +497,3 @@ class StreamingAssembler:
         self._thread.join()
         self.tmp.unlink(missing_ok=True)
 
-
-def remove_tree(folder: Path) -> None:
-    shutil.rmtree(folder, ignore_errors=True)

@@ -311,14 +311,16 @@ def test_vit_features_files_given_directly_and_files_from(tmp_path, tree, ckpt, 
 def test_small_row_groups_read_back_identical_and_overwrite(tmp_path, tree, ckpt, run32,
                                                            monkeypatch):
     """Row groups follow ROW_GROUP_BYTES (one row each when it is tiny); the file reads back
-    the same. The run replaces an existing --out because --overwrite is given."""
+    the same. The run replaces an existing --out (an older dsv4enc output: nothing else is
+    ever replaced) because --overwrite is given."""
     out = tmp_path / "e.parquet"
-    out.write_bytes(b"an older file")
+    shutil.copy(run32[1], out)
+    older = out.read_bytes()
     args = (str(tree), "--out", str(out), "--weights", str(ckpt), "--dtype", "float32",
             "--out-dtype", "float32")
     refused = encode(*args)
     assert "--overwrite" in one_line_error(refused, 1)
-    assert out.read_bytes() == b"an older file"
+    assert out.read_bytes() == older
     monkeypatch.setattr(writer, "ROW_GROUP_BYTES", 1)
     result = encode(*args, "--overwrite")
     assert result.exit_code == 0, result.output

@@ -1,0 +1,448 @@
+"""What ``--out``, ``--overwrite`` and ``--resume`` may touch (issue: data safety).
+
+- ``--overwrite`` deletes only files that are provably dsv4enc's (its manifest format, its
+  part names, its temporaries) and never an input; an ``--out`` that is an input, holds one,
+  or holds files dsv4enc did not write is refused in one line before anything is touched.
+- One run at a time writes an output: a lock in the parts folder, held for the whole run; a
+  second run refuses with the holder's pid and host.
+- ``--resume`` reuses a part only for the same inputs as they are now (sizes, times, ...) and
+  the same row-deciding options: a changed input is encoded again, a changed option refused.
+
+Runs are in-process (tiny random tower, no decode workers) except where two processes must
+overlap.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import os
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from PIL import Image
+from typer.testing import CliRunner
+
+from dsv4enc import writer
+from dsv4enc.cli import app
+from dsv4enc.errors import OutputError, UsageError
+from dsv4enc.output import LOCK_NAME, OutputLock
+from dsv4enc.pipeline import EncodeOptions, run_encode
+
+from helpers import CONFIGS, REPO_ROOT
+
+CONFIG = str(CONFIGS / "tiny.json")
+PART = 3
+N_IMAGES = 8
+COMMON = ["--config", CONFIG, "--random-init", "--device", "cpu", "--part-images", str(PART),
+          "--batch-tokens", "1500", "--workers", "0", "-q"]
+runner = CliRunner()
+
+
+def noise_png(path: Path, seed: int, size: tuple[int, int] = (20, 16)) -> Path:
+    rng = np.random.default_rng(seed)
+    w, h = size
+    Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)).save(path, format="PNG")
+    return path
+
+
+@pytest.fixture
+def data(tmp_path) -> Path:
+    """``tmp_path/data``: N_IMAGES small PNGs; the project folder around it holds notes."""
+    folder = tmp_path / "data"
+    folder.mkdir()
+    for i in range(N_IMAGES):
+        noise_png(folder / f"img{i}.png", i)
+    (tmp_path / "notes.txt").write_text("my notes\n")
+    return folder
+
+
+def snapshot(folder: Path) -> dict[str, bytes]:
+    """Every file under ``folder`` (links not followed) and its bytes."""
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*"))
+            if p.is_file() and not p.is_symlink()}
+
+
+def encode(*args: str):
+    return runner.invoke(app, ["encode", *args, *COMMON],
+                         env={"DSV4ENC_WEIGHTS": None, "COLUMNS": "300"})
+
+
+def one_line_error(result, code: int = 1) -> str:
+    assert result.exit_code == code, (result.exit_code, result.output)
+    assert result.exception is None or isinstance(result.exception, SystemExit)
+    text = result.stderr.strip()
+    assert "Traceback" not in result.output and len(text.splitlines()) == 1, text
+    return text
+
+
+def options(inputs: list[Path], out: Path | str, **changes) -> EncodeOptions:
+    base = dict(inputs=[str(p) for p in inputs], out=str(out), config=CONFIG,
+                random_init=True, device="cpu", part_images=PART, batch_tokens=1500,
+                workers=0, progress=False)
+    return EncodeOptions(**{**base, **changes})
+
+
+def rows(path: Path) -> list[dict]:
+    return pq.read_table(path).to_pylist()
+
+
+# --------------------------------------------------------------------------- 1. --overwrite
+
+def test_out_dot_over_a_project_with_its_inputs_is_refused(data, monkeypatch):
+    """The reported case: ``--out ./ --overwrite`` in a folder holding the inputs, notes and
+    an unrelated ``_manifest.json`` deleted all of them."""
+    project = data.parent
+    (project / "_manifest.json").write_text('{"my": "own manifest"}')
+    before = snapshot(project)
+    monkeypatch.chdir(project)
+    for out in ("./", ".", str(project)):
+        line = one_line_error(encode("data", "--out", out, "--overwrite"))
+        assert "contains the input data" in line
+    assert snapshot(project) == before
+
+
+def test_out_beside_the_inputs_with_an_unrelated_manifest_is_refused(data):
+    """Not an input overlap: a folder whose ``_manifest.json`` is not dsv4enc's is not
+    dsv4enc's output, whatever the file's name."""
+    out = data.parent / "other"
+    out.mkdir()
+    (out / "_manifest.json").write_text(json.dumps({"settings": {}, "parts": {}}))
+    (out / "part-000000.parquet").write_bytes(b"someone else's")
+    before = snapshot(out)
+    line = one_line_error(encode(str(data), "--out", f"{out}/", "--overwrite"))
+    assert "holds no dsv4enc output" in line
+    assert snapshot(out) == before
+
+
+@pytest.mark.parametrize("out", ["data", "data/", "data/img0.png"])
+def test_out_that_is_an_input_is_refused(data, monkeypatch, out):
+    monkeypatch.chdir(data.parent)
+    before = snapshot(data)
+    for extra in ([], ["--overwrite"], ["--resume"]):
+        line = one_line_error(encode("data", "--out", out, *extra))
+        assert "input" in line and "--out" in line
+    assert snapshot(data) == before
+
+
+def test_out_that_is_an_input_file_or_the_path_list_is_refused(data, tmp_path):
+    image = data / "img3.png"
+    before = image.read_bytes()
+    line = one_line_error(encode(str(image), "--out", str(image), "--overwrite"))
+    assert "is the input" in line
+    listing = tmp_path / "list.txt"
+    listing.write_text(f"{image}\n")
+    line = one_line_error(encode("--files-from", str(listing), "--out", str(listing),
+                                 "--overwrite"))
+    assert "is the input" in line
+    assert image.read_bytes() == before and listing.read_text() == f"{image}\n"
+
+
+def test_out_that_links_to_an_input_is_refused(data, tmp_path):
+    (tmp_path / "emb.parquet").symlink_to(data / "img1.png")
+    (tmp_path / "linked").symlink_to(data, target_is_directory=True)
+    before = snapshot(data)
+    line = one_line_error(encode(str(data), "--out", str(tmp_path / "emb.parquet"),
+                                 "--overwrite"))
+    assert "is an input" in line
+    line = one_line_error(encode(str(data), "--out", str(tmp_path / "linked"), "--overwrite"))
+    assert "is the input" in line
+    assert snapshot(data) == before
+
+
+def test_a_new_image_name_inside_an_input_folder_is_refused(data):
+    """It would be read as an input (a broken image) by the next run over the folder."""
+    line = one_line_error(encode(str(data), "--out", str(data / "new.png")))
+    assert "input folder" in line
+    assert not (data / "new.png").exists()
+
+
+def test_overwrite_replaces_only_a_dsv4enc_file(data, tmp_path):
+    """A single-file --out that is not dsv4enc's (another tool's Parquet, a text file) is
+    never replaced, --overwrite or not."""
+    theirs = tmp_path / "theirs.parquet"
+    pq.write_table(pa.table({"x": [1, 2]}), theirs)
+    text = tmp_path / "notes.txt"
+    for target in (theirs, text):
+        before = target.read_bytes()
+        line = one_line_error(encode(str(data), "--out", str(target), "--overwrite"))
+        assert "not a dsv4enc output" in line
+        assert target.read_bytes() == before
+    mine = tmp_path / "mine.parquet"
+    assert encode(str(data), "--out", str(mine)).exit_code == 0
+    result = encode(str(data), "--out", str(mine), "--overwrite")
+    assert result.exit_code == 0, result.output
+    assert pq.read_table(mine).num_rows == N_IMAGES
+
+
+def test_overwrite_of_a_folder_output_keeps_what_dsv4enc_did_not_write(data, tmp_path):
+    out = tmp_path / "out"
+    assert encode(str(data), "--out", f"{out}/").exit_code == 0
+    ours = sorted(p.name for p in out.iterdir())
+    assert ours == ["_manifest.json", "part-000000.parquet", "part-000001.parquet",
+                    "part-000002.parquet"]
+    # A user's files in the output folder: the run refuses before deleting anything.
+    (out / "README.txt").write_text("mine")
+    (out / "extra.parquet").write_bytes(b"mine too")
+    (out / "sub").mkdir()
+    (out / "sub" / "x.png").write_bytes(b"x")
+    before = snapshot(out)
+    for extra in (["--overwrite"], ["--resume"]):
+        line = one_line_error(encode(str(data), "--out", f"{out}/", *extra))
+        assert "did not write" in line and "README.txt" in line
+    assert snapshot(out) == before
+    # Hidden files are passed over (kept, never in the way); the user's others moved away.
+    for name in ("README.txt", "extra.parquet"):
+        (out / name).unlink()
+    (out / "sub" / "x.png").unlink()
+    (out / "sub").rmdir()
+    (out / ".DS_Store").write_bytes(b"finder")
+    (out / ".part-000007.parquet.123-0badcafe.tmp").write_bytes(b"torn, from a killed run")
+    result = encode(str(data), "--out", f"{out}/", "--overwrite")
+    assert result.exit_code == 0, result.output
+    assert sorted(p.name for p in out.iterdir()) == [".DS_Store", *ours]
+    assert (out / ".DS_Store").read_bytes() == b"finder"
+
+
+def test_overwrite_keeps_foreign_files_in_a_partial_folder(data, tmp_path):
+    out = tmp_path / "e.parquet"
+    partial = tmp_path / "e.parquet.partial"
+    partial.mkdir()
+    (partial / "_manifest.json").write_text(json.dumps(writer.manifest_document(
+        {"tool": "dsv4enc"}, {})))
+    (partial / "diary.txt").write_text("dear diary")
+    line = one_line_error(encode(str(data), "--out", str(out), "--overwrite"))
+    assert "did not write" in line and "diary.txt" in line
+    assert (partial / "diary.txt").read_text() == "dear diary"
+    assert not out.exists()
+
+
+def test_a_manifest_is_recognised_by_its_content():
+    doc = writer.manifest_document({"tool": "dsv4enc"}, {"part-000000": {
+        "file": "part-000000.parquet", "start": 0, "end": 3}})
+    assert writer.manifest_kind(doc) == "current"
+    assert writer.manifest_kind({"settings": {"tool": "dsv4enc"}, "parts": {}}) == "legacy"
+    for foreign in ({"a": 1}, [], {"settings": {}, "parts": {}},
+                    {**doc, "parts": {"x": {"file": "../data/img0.png"}}},
+                    {**doc, "format": "something else"}):
+        assert writer.manifest_kind(foreign) is None
+
+
+# --------------------------------------------------------------------------- 2. one run at a time
+
+HOLD_LOCK = """
+import sys, time
+from pathlib import Path
+from dsv4enc.output import OutputLock
+lock = OutputLock(Path(sys.argv[1]), Path(sys.argv[2]))
+lock.acquire()
+print("locked", flush=True)
+time.sleep(120)
+"""
+
+
+def test_a_second_run_refuses_while_the_lock_is_held(data, tmp_path):
+    out = tmp_path / "e.parquet"
+    partial = tmp_path / "e.parquet.partial"
+    partial.mkdir()
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(partial), str(out)],
+                              stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        for extra in ([], ["--overwrite"], ["--resume"]):
+            line = one_line_error(encode(str(data), "--out", str(out), *extra))
+            assert f"another dsv4enc run is writing {out}" in line
+            assert f"pid {holder.pid} on {os.uname().nodename}" in line
+        assert not out.exists()
+    finally:
+        holder.kill()
+        holder.wait()
+    # The holder was killed: the kernel released its lock, and its stale file is no obstacle.
+    assert (partial / LOCK_NAME).exists()
+    result = encode(str(data), "--out", str(out))
+    assert result.exit_code == 0, result.output
+    assert not partial.exists()
+
+
+def test_two_runs_on_one_out_at_once(data, tmp_path):
+    """A real run in another process, and this one started while it works: this one
+    refuses (plain or with --overwrite), the other completes a readable file."""
+    for i in range(N_IMAGES, 40):
+        noise_png(data / f"img{i}.png", i, (40, 32))
+    out = tmp_path / "e.parquet"
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}
+    env.pop("DSV4ENC_WEIGHTS", None)
+    first = subprocess.Popen([sys.executable, "-m", "dsv4enc", "encode", str(data), "--out",
+                              str(out), *COMMON[:-3], "--workers", "1", "-q"],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        lock = tmp_path / "e.parquet.partial" / LOCK_NAME
+        deadline = time.monotonic() + 120
+        while not lock.exists() and first.poll() is None:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        refusals = [encode(str(data), "--out", str(out), *extra)
+                    for extra in ([], ["--overwrite"])]
+        overlapped = first.poll() is None
+        _, err = first.communicate(timeout=300)
+    finally:
+        if first.poll() is None:
+            first.kill()
+    assert first.returncode == 0, err
+    if not overlapped:
+        pytest.skip("the first run finished before the second could start")
+    for result in refusals:
+        assert "another dsv4enc run is writing" in one_line_error(result)
+    assert [r["path"] for r in rows(out)] == sorted(p.name for p in data.iterdir())
+    assert not (tmp_path / "e.parquet.partial").exists()
+
+
+def test_a_file_system_without_locking_warns_and_runs(data, tmp_path, monkeypatch, caplog):
+    import fcntl
+
+    def no_locks(fd, operation):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    out = tmp_path / "e.parquet"
+    with caplog.at_level(logging.WARNING, logger="dsv4enc"):
+        run_encode(options([data], out))
+    assert "file locking is off" in caplog.text and "No locks available" in caplog.text
+    assert pq.read_table(out).num_rows == N_IMAGES
+
+
+def test_temporary_names_are_unique_per_run_and_call(tmp_path):
+    target = tmp_path / "part-000000.parquet"
+    names = {writer.temp_path(target).name for _ in range(100)}
+    assert len(names) == 100
+    assert all(f".{target.name}.{os.getpid()}-" in name and name.endswith(".tmp")
+               for name in names)
+
+
+# --------------------------------------------------------------------------- 5. --resume identity
+
+def finish_folder(data: Path, out: Path, **changes):
+    """A complete folder output; rerunning it with --resume re-checks every part."""
+    return run_encode(options([data], f"{out}/", **changes))
+
+
+def test_resume_encodes_a_changed_input_again(data, tmp_path, caplog):
+    out = tmp_path / "out"
+    finish_folder(data, out)
+    # Same name, same size, new pixels and a new time: only its part is encoded again.
+    changed = data / "img4.png"
+    noise_png(changed, 99)
+    os.utime(changed, ns=(time.time_ns(), time.time_ns() + 10**9))
+    with caplog.at_level(logging.WARNING, logger="dsv4enc"):
+        summary = run_encode(options([data], f"{out}/", resume=True))
+    assert summary.reused == N_IMAGES - PART and summary.encoded == PART
+    assert "1 finished part is encoded again" in caplog.text
+    clean = tmp_path / "clean.parquet"
+    run_encode(options([data], clean))
+    assert pq.read_table(out).to_pylist() == rows(clean)
+
+
+def test_resume_retries_a_broken_download_replaced_by_a_good_file(data, tmp_path):
+    (data / "img2.png").write_bytes(b"\x89PNG\r\n\x1a\n truncated download")
+    out = tmp_path / "e.parquet"
+    with pytest.raises(OutputError, match="no space"):
+        _fail_after_parts(data, out, 1)  # part 0 is kept, with img2's error row
+    noise_png(data / "img2.png", 2)  # the download is repaired
+    summary = run_encode(options([data], out, resume=True))
+    assert summary.reused == 0 and summary.failed == 0
+    clean = tmp_path / "clean.parquet"
+    run_encode(options([data], clean))
+    assert rows(out) == rows(clean)
+
+
+def _fail_after_parts(data: Path, out: Path, parts: int) -> None:
+    """Run until ``parts`` parts are recorded, then fail as a full disk would."""
+    real_save = writer.write_json_atomic
+
+    def save(doc, path):
+        if len(doc["parts"]) > parts:
+            raise writer.output_os_error(path, OSError(errno.ENOSPC, "No space left"))
+        return real_save(doc, path)
+
+    writer.write_json_atomic = save
+    try:
+        run_encode(options([data], out))
+    finally:
+        writer.write_json_atomic = real_save
+
+
+def test_resume_reuses_unchanged_parts_of_an_interrupted_single_file_run(data, tmp_path):
+    out = tmp_path / "e.parquet"
+    with pytest.raises(OutputError, match="no space"):
+        _fail_after_parts(data, out, 2)
+    noise_png(data / "img1.png", 77)  # in part 0
+    os.utime(data / "img1.png", ns=(time.time_ns(), time.time_ns() + 10**9))
+    summary = run_encode(options([data], out, resume=True))
+    assert summary.reused == PART  # part 1 only
+    clean = tmp_path / "clean.parquet"
+    run_encode(options([data], clean))
+    assert rows(out) == rows(clean)
+
+
+def test_resume_with_another_max_pixels_is_refused(data, tmp_path):
+    out = tmp_path / "out"
+    finish_folder(data, out, max_pixels=100)  # every image is refused: error rows
+    before = snapshot(out)
+    with pytest.raises(UsageError, match="cannot resume: max pixels differs.*--overwrite"):
+        run_encode(options([data], f"{out}/", resume=True))
+    assert snapshot(out) == before
+    summary = run_encode(options([data], f"{out}/", resume=True, max_pixels=100))
+    assert summary.reused == N_IMAGES
+
+
+def test_resume_encodes_again_a_part_with_a_timed_out_row(data, tmp_path):
+    """A time limit says nothing about the image: like a clean run, resume tries again."""
+    out = tmp_path / "out"
+    finish_folder(data, out)
+    manifest = out / "_manifest.json"
+    doc = json.loads(manifest.read_text())
+    part = doc["parts"]["part-000001"]
+    table = pq.read_table(out / part["file"])
+    errors = table.column("error").to_pylist()
+    errors[0] = "decode timed out after 120s"
+    table = table.set_column(table.schema.get_field_index("error"), "error",
+                             pa.array(errors, pa.string()))
+    assert writer.transient_errors(table) == 1
+    pq.write_table(table, out / part["file"])
+    part["transient"] = 1
+    manifest.write_text(json.dumps(doc))
+    summary = run_encode(options([data], f"{out}/", resume=True))
+    assert summary.reused == N_IMAGES - PART
+    assert all(r["error"] is None for r in pq.read_table(out).to_pylist())
+
+
+def tar_of(images: list[Path], path: Path) -> Path:
+    with tarfile.open(path, "w") as archive:
+        for image in images:
+            archive.add(image, arcname=image.name)
+    return path
+
+
+def test_resume_encodes_again_the_images_of_a_changed_container(data, tmp_path):
+    images = sorted(data.iterdir())
+    shard = tar_of(images, tmp_path / "shard.tar")
+    out = tmp_path / "out"
+    run_encode(options([shard], f"{out}/"))
+    assert run_encode(options([shard], f"{out}/", resume=True)).reused == N_IMAGES
+    noise_png(images[0], 55)  # same names, new bytes: the shard is rewritten
+    tar_of(images, shard)
+    os.utime(shard, ns=(time.time_ns(), time.time_ns() + 10**9))
+    summary = run_encode(options([shard], f"{out}/", resume=True))
+    assert summary.reused == 0
+    clean = tmp_path / "clean.parquet"
+    run_encode(options([shard], clean))
+    assert pq.read_table(out).to_pylist() == rows(clean)

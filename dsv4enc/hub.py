@@ -45,16 +45,21 @@ def hub_endpoint() -> str:
 
 
 def unreachable_reason(endpoint: str, timeout: float = CONNECT_TIMEOUT_S) -> str | None:
-    """Why a TCP connection to ``endpoint`` cannot be made within ``timeout`` seconds; None
-    when it can. One quick check instead of huggingface_hub's retries (which take tens of
-    seconds and print a warning each when there is no network)."""
+    """Why a TCP connection to ``endpoint`` (or to the proxy the environment names for it)
+    cannot be made within ``timeout`` seconds; None when it can. One quick check instead of
+    huggingface_hub's retries (which take tens of seconds and print a warning each when
+    there is no network)."""
+    import urllib.request
+
     parts = urlsplit(endpoint)
-    host = parts.hostname
-    if not host:
+    if not parts.hostname or parts.scheme not in ("http", "https"):
         return f"bad endpoint {endpoint!r}"
+    proxy = urllib.request.getproxies().get(parts.scheme)
+    if proxy and not urllib.request.proxy_bypass(parts.hostname):
+        parts = urlsplit(proxy if "://" in proxy else f"http://{proxy}")
     port = parts.port or (80 if parts.scheme == "http" else 443)
     try:
-        with socket.create_connection((host, port), timeout=timeout):
+        with socket.create_connection((parts.hostname, port), timeout=timeout):
             return None
     except OSError as exc:
         return exc.strerror or type(exc).__name__

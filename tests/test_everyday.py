@@ -77,7 +77,17 @@ def test_an_unknown_vision_key_warns_with_the_closest_known_one(caplog):
     assert not caplog.records
 
 
-def test_a_hub_id_without_network_fails_fast_in_one_line(tmp_path, monkeypatch):
+PROXY_VARIABLES = ("http_proxy", "https_proxy", "HTTP_PROXY", "HTTPS_PROXY", "no_proxy",
+                   "NO_PROXY", "all_proxy", "ALL_PROXY")
+
+
+@pytest.fixture
+def no_proxy(monkeypatch):
+    for name in PROXY_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+
+
+def test_a_hub_id_without_network_fails_fast_in_one_line(tmp_path, monkeypatch, no_proxy):
     pytest.importorskip("huggingface_hub")
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "cache"))
@@ -97,9 +107,19 @@ def test_a_hub_id_without_network_fails_fast_in_one_line(tmp_path, monkeypatch):
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
 
 
-def test_unreachable_reason():
+def test_unreachable_reason(monkeypatch, no_proxy):
+    import socket
+
     assert hub.unreachable_reason("http://127.0.0.1:9", timeout=1) is not None
     assert hub.unreachable_reason("not a url") is not None
+    with socket.socket() as server:  # something listening: reachable
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        port = server.getsockname()[1]
+        assert hub.unreachable_reason(f"http://127.0.0.1:{port}", timeout=1) is None
+        # behind a proxy, the proxy is what must be reachable
+        monkeypatch.setenv("HTTP_PROXY", f"http://127.0.0.1:{port}")
+        assert hub.unreachable_reason("http://example.invalid:9", timeout=1) is None
 
 
 def test_help_shows_flags_choices_and_usage():

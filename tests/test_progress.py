@@ -223,3 +223,16 @@ def test_summary_json_when_a_signal_stops_the_run(folder, tmp_path, small_ckpt, 
     data = json.loads(report.read_text())
     assert data["status"] == "interrupted" and data["exit_code"] == 143
     assert 4 <= data["images"]["encoded"] + data["images"]["failed"] < N_IMAGES + 1
+
+
+def test_summary_json_of_a_run_stopped_before_encoding(tmp_path):
+    """A signal during discovery or model loading: the JSON still says what happened."""
+    from dsv4enc.cli import write_interrupted_summary
+    from dsv4enc.errors import Interrupted
+
+    report = tmp_path / "summary.json"
+    write_interrupted_summary(str(report), Interrupted(signal.SIGTERM, "rerun"), "e.parquet")
+    data = json.loads(report.read_text())
+    assert data["status"] == "interrupted" and data["exit_code"] == 143
+    assert data["output"] == "e.parquet" and data["images"]["encoded"] == 0
+    assert data["rates"] == {"images_per_s": 0.0, "tokens_per_s": 0.0}

@@ -306,6 +306,40 @@ def test_two_runs_on_one_out_at_once(data, tmp_path):
     assert not (tmp_path / "e.parquet.partial").exists()
 
 
+def test_a_torchrun_job_refuses_on_every_rank_while_the_lock_is_held(data, tmp_path):
+    """Rank 0 takes the lock for the job (with --shard-output too, where every rank writes
+    into the folder): a held lock stops all ranks before any of them writes."""
+    import socket
+
+    out = tmp_path / "shards"
+    out.mkdir()
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(out), str(out)],
+                              stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        env = {**os.environ, "OMP_NUM_THREADS": "1",
+               "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])}
+        env.pop("DSV4ENC_WEIGHTS", None)
+        proc = subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
+             "--master-addr=127.0.0.1", f"--master-port={port}", "-m", "dsv4enc", "encode",
+             str(data), "--out", f"{out}/", "--shard-output", *COMMON, "--timeout", "60"],
+            capture_output=True, text=True, env=env, timeout=300)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert proc.returncode != 0
+    refusals = [line for line in proc.stderr.splitlines()
+                if f"another dsv4enc run is writing {out}" in line]
+    assert len(refusals) == 2 and f"pid {holder.pid}" in refusals[0], proc.stderr[-3000:]
+    assert "dsv4enc/" not in proc.stderr  # no rank's traceback (torchrun prints its own)
+    assert sorted(p.name for p in out.iterdir()) == [LOCK_NAME]  # the holder's, nothing else
+
+
 def test_a_file_system_without_locking_warns_and_runs(data, tmp_path, monkeypatch, caplog):
     import fcntl
 

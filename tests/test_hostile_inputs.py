@@ -824,7 +824,8 @@ print(result.error, status_bytes("VmHWM:") - before)
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads Linux's /proc")
 def test_peak_memory_of_a_sixteen_bit_decode(tmp_path):
     """A 16-bit grayscale PNG of 16.8 megapixels: decoded, scaled to 8 bits and transformed
-    within 12 bytes a pixel above the process's resting size (an int64 detour took 20)."""
+    within 14 bytes a pixel above the process's resting size (it takes about 9; an 8-bit
+    image about 6; the int64 detour this replaces took 20)."""
     side = 4096
     path = sixteen_bit_gray(tmp_path / "gray16.png", side)
     proc = subprocess.run([sys.executable, "-c", PEAK_SCRIPT, str(path),
@@ -834,7 +835,7 @@ def test_peak_memory_of_a_sixteen_bit_decode(tmp_path):
     assert proc.returncode == 0, proc.stderr
     error, grown = proc.stdout.split()
     assert error == "None"
-    assert int(grown) < 12 * side * side, f"{int(grown) >> 20} MiB"
+    assert int(grown) < 14 * side * side, f"{int(grown) >> 20} MiB"
 
 
 def test_a_worker_past_its_memory_bound_fails_that_image_and_is_replaced(tmp_path, cfg):

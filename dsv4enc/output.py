@@ -67,6 +67,9 @@ class OutputLock:
         for _ in range(100):
             try:
                 fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            except FileNotFoundError:  # a run that just ended removed its .partial folder
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                continue
             except OSError as exc:
                 raise output_os_error(self.path, exc) from None
             try:

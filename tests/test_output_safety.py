@@ -459,6 +459,20 @@ def test_resume_encodes_again_a_part_with_a_timed_out_row(data, tmp_path):
     assert all(r["error"] is None for r in pq.read_table(out).to_pylist())
 
 
+def test_resume_refuses_a_manifest_of_an_earlier_version(data, tmp_path):
+    """An earlier dsv4enc recorded no input sizes and times: its parts cannot be checked."""
+    out = tmp_path / "out"
+    finish_folder(data, out)
+    manifest = out / "_manifest.json"
+    doc = json.loads(manifest.read_text())
+    del doc["format"], doc["version"]
+    manifest.write_text(json.dumps(doc))
+    with pytest.raises(OutputError, match="earlier dsv4enc.*--overwrite"):
+        run_encode(options([data], f"{out}/", resume=True))
+    run_encode(options([data], f"{out}/", overwrite=True))  # still dsv4enc's: replaceable
+    assert json.loads(manifest.read_text())["format"] == writer.MANIFEST_FORMAT
+
+
 def tar_of(images: list[Path], path: Path) -> Path:
     with tarfile.open(path, "w") as archive:
         for image in images:

@@ -175,6 +175,10 @@ def discover(inputs: Iterable[str], files_from: str | None = None,
                 found.items.append(InputItem(key=raw, path=raw))
             else:
                 found.skipped += 1
+        elif path.exists():  # a FIFO, socket or device: never opened
+            if not is_image_name(raw):
+                raise UsageError(f"input {raw} is not a regular file or a folder")
+            found.items.append(InputItem(key=raw, path=raw))  # its row: "not a regular file"
         else:
             raise UsageError(f"input not found: {raw}")
     if files_from is not None:

@@ -750,8 +750,9 @@ def test_a_folder_without_permission_is_reported(tmp_path):
 # --------------------------------------------------------------------------- hangs
 
 def test_table_cells_naming_a_fifo_do_not_hang(tmp_path):
-    """More than 4096 rows of {bytes: null, path: a FIFO} beside one real image: each FIFO
-    row is an error row at once (regular files only), the run completes."""
+    """More than 4096 rows of {bytes: null, path: a FIFO} beside one real image, and the FIFO
+    passed directly too: each is an error row at once (regular files only), the run
+    completes."""
     os.mkfifo(tmp_path / "pipe.png")
     n = 4100
     cells = [{"bytes": encoded(noise(20, 10), "PNG"), "path": "real.png"}]
@@ -760,15 +761,25 @@ def test_table_cells_naming_a_fifo_do_not_hang(tmp_path):
     pq.write_table(pa.table({"image": cells}), table)
     out = tmp_path / "e.parquet"
     proc = subprocess.run(
-        [sys.executable, "-m", "dsv4enc", "encode", str(table), "--out", str(out), "--config",
+        [sys.executable, "-m", "dsv4enc", "encode", str(table), str(tmp_path / "pipe.png"),
+         "--out", str(out), "--config",
          str(REPO_ROOT / "configs" / "tiny.json"), "--random-init", "--device", "cpu",
          "--workers", "1", "--decode-timeout", "30", "-q"],
         capture_output=True, text=True, timeout=240,
         env={**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr
     rows = pq.read_table(out, columns=["error"]).column("error").to_pylist()
-    assert len(rows) == n + 1 and rows[0] is None
+    assert len(rows) == n + 2 and rows[0] is None
     assert all(error is not None for error in rows[1:])
+    assert "not a regular file" in rows[-1]
+
+
+def test_a_fifo_container_passed_directly_is_refused(tmp_path):
+    os.mkfifo(tmp_path / "shard.tar")
+    result = encode(str(tmp_path / "shard.tar"), "--out", str(tmp_path / "e.parquet"),
+                    "--config", str(REPO_ROOT / "configs" / "tiny.json"), "--random-init")
+    assert result.exit_code == 2
+    assert "not a regular file or a folder" in result.output
 
 
 def test_header_probes_are_bounded_in_time(tmp_path, monkeypatch):

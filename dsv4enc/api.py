@@ -141,6 +141,8 @@ class Encoder:
       (default: 0 on CPU, up to 8 on CUDA).
     - ``max_pixels``: larger files are refused (decompression bombs); ``attention``,
       ``cuda_graphs``: engine choices as on the command line.
+    - ``deterministic`` (default True): batch-invariant rows, as on the command line: an
+      image's bytes do not depend on the other images of the call or how it was given.
 
     ``features`` and ``pool`` can also be given per call. Results are CPU tensors, in input
     order, each ``(grid_h*grid_w, width)`` (``(width,)`` pooled), ``grid`` as in the Parquet
@@ -152,7 +154,7 @@ class Encoder:
                  out_dtype: str | torch.dtype = torch.float32, batch_tokens: int | None = None,
                  max_images: int = 64, decode_threads: int | None = None,
                  max_pixels: int = DEFAULT_MAX_PIXELS, attention: str = "auto",
-                 cuda_graphs: bool | None = None) -> None:
+                 cuda_graphs: bool | None = None, deterministic: bool = True) -> None:
         self.checkpoint = checkpoint
         self.device = _resolve_device(device)
         self.features = _check_choice("features", features, ("aligner", "vit"))
@@ -172,6 +174,7 @@ class Encoder:
         self.max_pixels = max_pixels
         self.attention = attention
         self.cuda_graphs = cuda_graphs
+        self.deterministic = deterministic
         self.model = build_tower(checkpoint, self.device)
         self._engines: dict[str, Engine] = {}
 
@@ -282,7 +285,8 @@ class Encoder:
         if engine is None:
             engine = Engine(self.model, features=features, attention=self.attention,
                             out_dtype=self.out_dtype, cuda_graphs=self.cuda_graphs,
-                            batch_tokens=self.batch_tokens, max_images=self.max_images)
+                            batch_tokens=self.batch_tokens, max_images=self.max_images,
+                            deterministic=self.deterministic)
             self._engines[features] = engine
         return engine
 

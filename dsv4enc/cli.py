@@ -149,11 +149,18 @@ def encode(
     cuda_graphs: Optional[bool] = typer.Option(None, "--cuda-graphs/--no-cuda-graphs",
                                                help="Replay captured CUDA graphs (default: on "
                                                "with CUDA)."),
+    deterministic: bool = typer.Option(True, "--deterministic/--no-deterministic",
+                                       help="Batch-invariant rows: an image's bytes do not "
+                                       "depend on what shares its batch, the rank count, "
+                                       "resume, or how it arrived (same device kind, dtype "
+                                       "and software). Not with --tp-mode weights."),
     shard_output: bool = typer.Option(False, "--shard-output", help="torchrun: each rank "
                                       "writes its own parts under the --out folder."),
     tp_mode: str = typer.Option("data", "--tp-mode", metavar=choices("data", "weights"),
                                 help="torchrun: data (each rank encodes its images) or "
-                                "weights (the tower is split across ranks)."),
+                                "weights (the tower is split across ranks; its all-reduce "
+                                "sums in another order, so rows are not batch-invariant "
+                                "and differ in the last bits from one rank's)."),
     balance: str = typer.Option("patches", "--balance", metavar=choices("patches", "flops"),
                                 help="torchrun load balancing cost: patches, or flops (counts "
                                 "the quadratic attention term)."),
@@ -187,6 +194,7 @@ def encode(
         out_dtype=out_dtype, features=features, pool=pool, batch_tokens=batch_tokens,
         workers=workers, overwrite=overwrite, resume=resume, max_pixels=max_pixels,
         decode_timeout=decode_timeout, attention=attention, cuda_graphs=cuda_graphs,
+        deterministic=deterministic,
         shard_output=shard_output, tp_mode=tp_mode, balance=balance, timeout=timeout,
         part_images=part_images, progress=not quiet, log_every=log_every)
     package_log = logging.getLogger("dsv4enc")

@@ -41,6 +41,7 @@ class EncodeOptions:
     decode_timeout: float = 120.0
     attention: str = "auto"
     cuda_graphs: bool | None = None
+    deterministic: bool = True  # batch-invariant rows (Engine)
     shard_output: bool = False
     tp_mode: str = "data"
     balance: str = "patches"

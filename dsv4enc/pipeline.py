@@ -81,7 +81,6 @@ class RunSummary:
         self.errors[group] = self.errors.get(group, 0) + count
         self.error_examples.setdefault(group, path)
 
-
     @property
     def padding_waste(self) -> float:
         """Padded tokens (graph budgets and merge padding) per real token."""
@@ -126,11 +125,16 @@ def load_model(opts: EncodeOptions, dtype: torch.dtype) -> Checkpoint:
 # ----------------------------------------------------------------------------- the run
 
 def run_settings(ckpt: Checkpoint, opts: EncodeOptions, dtype: torch.dtype,
-                 part_images: int) -> dict:
-    """What the output was computed with; ``--resume`` requires these to match."""
+                 part_images: int, engine: Engine) -> dict:
+    """What the output was computed with; ``--resume`` requires these to match.
+
+    ``batch_invariant`` with ``device`` and ``compute_dtype``: whether each row's bytes are
+    independent of its batch, and on what they were computed (the guarantee holds per device
+    kind, dtype and software stack, so resume keeps them equal too)."""
     return {
         "tool": "dsv4enc", "version": __version__, "config": ckpt.config.to_flat(),
         "weights_fingerprint": ckpt.fingerprint, "compute_dtype": str(dtype).removeprefix("torch."),
+        "device": engine.device.type, "batch_invariant": engine.deterministic,
         "out_dtype": opts.out_dtype, "features": opts.features, "pool": opts.pool,
         "part_images": part_images,
     }
@@ -161,8 +165,7 @@ def run_encode(opts: EncodeOptions, dist=None, prefetch: Prefetch | None = None,
 
 
 def _run_encode(opts: EncodeOptions, dist, prefetch: Prefetch | None,
-                stop: StopSignals,
-                layout: OutputLayout) -> RunSummary:
+                stop: StopSignals, layout: OutputLayout) -> RunSummary:
     started = prefetch.started if prefetch is not None else time.perf_counter()
     validate(opts)
     device = resolve_device(opts.device, dist)
@@ -201,7 +204,7 @@ def _run_encode(opts: EncodeOptions, dist, prefetch: Prefetch | None,
         engine = Engine(model, features=opts.features, attention=opts.attention,
                         out_dtype=torch.float16 if opts.out_dtype == "float16" else torch.float32,
                         cuda_graphs=opts.cuda_graphs, batch_tokens=opts.batch_tokens,
-                        max_images=opts.max_images)
+                        max_images=opts.max_images, deterministic=opts.deterministic)
         with progress:
             if prefetch is not None:
                 planned = prefetch.planned
@@ -213,7 +216,7 @@ def _run_encode(opts: EncodeOptions, dist, prefetch: Prefetch | None,
             if dist is None and stop.signum is not None:
                 raise Interrupted(stop.signum, "nothing was encoded; rerun the same command")
             part_images = images_per_part(cfg, opts)
-            settings = run_settings(ckpt, opts, dtype, part_images)
+            settings = run_settings(ckpt, opts, dtype, part_images, engine)
             if opts.shard_output and dist is not None:
                 settings["world_size"] = dist.world_size
             store = PartStore(layout.parts_dir, settings, layout.manifest_name(dist))

@@ -160,6 +160,8 @@ def test_pool_mean_is_one_fixed_size_vector_per_image(setup, emb_file, arrow_row
     for path, vec in vectors.items():
         assert vec.shape == (cfg.hidden_size,) and vec.dtype == np.float16
         mean = arrow_rows[path].astype(np.float32).mean(0)
+        # The pool averages float32 rows before its float16 cast; this mean averages the
+        # float16-stored rows: the two differ by float16 rounding.
         np.testing.assert_allclose(vec.astype(np.float32), mean, rtol=2e-3, atol=2e-3)
     table = pq.read_table(pooled)
     assert table.column("embedding").null_count == 1

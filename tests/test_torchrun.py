@@ -161,8 +161,11 @@ def rows_of(path: Path) -> list[dict]:
     return table.to_pylist()
 
 
-def assert_same_rows(got: list[dict], want: list[dict], ordered: bool = True) -> None:
-    """Same rows (path, order, sizes, grids, errors); embeddings within 1e-5 relative."""
+def assert_same_rows(got: list[dict], want: list[dict], ordered: bool = True,
+                     exact: bool = True) -> None:
+    """Same rows (path, order, sizes, grids, errors) and embeddings: bit for bit (rows are
+    batch-invariant, so rank count, batches and resume change nothing), or with ``exact``
+    off within 1e-5 relative."""
     got_paths, want_paths = [r["path"] for r in got], [r["path"] for r in want]
     if ordered:
         assert got_paths == want_paths
@@ -179,6 +182,9 @@ def assert_same_rows(got: list[dict], want: list[dict], ordered: bool = True) ->
         a = np.asarray(g["embedding"], dtype=np.float64)
         b = np.asarray(w["embedding"], dtype=np.float64)
         assert a.shape == b.shape == (w["grid_h"] * w["grid_w"], b.shape[1]), w["path"]
+        if exact:
+            assert np.array_equal(a, b), w["path"]
+            continue
         rel = np.linalg.norm(a - b) / np.linalg.norm(b)
         assert rel < 1e-5, (w["path"], rel)
 
@@ -322,7 +328,8 @@ def test_shard_output_matches_one_process(work, sequence, reference):
 
 def test_tensor_parallel_matches_one_process(work, sequence, reference):
     seq_ok(sequence, "tp")
-    assert_same_rows(rows_of(work / "seq" / "tp.parquet"), rows_of(reference))
+    # The all-reduce of split layers sums in another order than one rank: float rounding.
+    assert_same_rows(rows_of(work / "seq" / "tp.parquet"), rows_of(reference), exact=False)
 
 
 def test_flops_balance_matches_one_process(work, sequence, reference, cfg):

@@ -8,8 +8,21 @@ alone and inside batches of other sizes are exercised.
 
 from __future__ import annotations
 
+import json
+import shutil
+import tarfile
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 import torch
+from PIL import Image
+from typer.testing import CliRunner
+
+from dsv4enc import Encoder
+from dsv4enc.cli import app
 
 from dsv4enc.checkpoint import build_tower, random_checkpoint
 from dsv4enc.config import VisionConfig
@@ -17,6 +30,8 @@ from dsv4enc.engine import Engine
 from dsv4enc.model import rope_tables
 from dsv4enc.model import image_spans
 from dsv4enc.packing import pack
+
+from helpers import write_image
 
 #: Wide enough that GEMM kernels pick different blockings for different row counts.
 CFG = VisionConfig(n_layers=2, dim=128, n_heads=4, inter_dim=352, patch_size=14,
@@ -75,3 +90,79 @@ def test_rope_tables_do_not_depend_on_the_batch():
 def test_image_spans_skip_empty_images():
     assert image_spans([5, 0, 3]) == [(0, 5), (5, 8)]
     assert image_spans([]) == []
+
+
+# --------------------------------------------------------------------- API and command line
+
+SIZES = {"target.png": (120, 90), "a.jpg": (400, 300), "b.png": (90, 500), "c.jpg": (64, 64),
+         "d.webp": (1000, 120), "e.png": (333, 222)}
+
+
+@pytest.fixture(scope="module")
+def photos(tmp_path_factory) -> dict[str, Path]:
+    folder = tmp_path_factory.mktemp("photos")
+    return {name: write_image(folder / name, size) for name, size in SIZES.items()}
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_api_image_alone_equals_it_in_any_batch_and_any_input_kind(photos, dtype):
+    encoder = Encoder.from_config(CFG, seed=4, device="cpu", dtype=dtype)
+    target = photos["target.png"]
+    others = [p for name, p in photos.items() if name != "target.png"]
+    alone = encoder.encode(target)
+    data = target.read_bytes()
+    with Image.open(target) as image:
+        image.load()
+        pil = image.copy()
+    variants = [
+        encoder.encode([target] + others[:2])[0],                  # first, 3 images
+        encoder.encode(others + [target])[-1],                     # last, 6 images
+        encoder.encode(others[3:] + [target] + others[:1], batch_tokens=2048)[2],
+        encoder.encode(data),                                      # bytes
+        encoder.encode(pil),                                       # PIL image
+        encoder.encode(np.asarray(pil)),                           # uint8 array
+        encoder.encode({"bytes": data, "path": "x.png"}),          # datasets' Image dict
+    ]
+    for got in variants:
+        assert torch.equal(got, alone)
+
+
+def _cli(inputs: list[Path], out: Path, config: Path, dtype: str, *extra: str) -> dict:
+    result = CliRunner().invoke(app, [
+        "encode", *map(str, inputs), "--out", str(out), "--config", str(config),
+        "--random-init", "--seed", "4", "--device", "cpu", "--dtype", dtype,
+        "--out-dtype", "float32", "--workers", "0", "-q", *extra])
+    assert result.exit_code == 0, result.output
+    table = pq.read_table(out)
+    meta = json.loads(table.schema.metadata[b"dsv4enc"])
+    assert meta["batch_invariant"] is True and meta["device"] == "cpu"
+    assert meta["compute_dtype"] == dtype
+    return {r["path"]: r["embedding"] for r in table.to_pylist()}
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cli_rows_do_not_depend_on_batch_or_container(photos, tmp_path, dtype):
+    config = tmp_path / "cfg.json"
+    config.write_text(json.dumps(CFG.to_flat()))
+    alone_dir = tmp_path / "alone"
+    alone_dir.mkdir()
+    shutil.copy(photos["target.png"], alone_dir / "target.png")
+    folder = photos["target.png"].parent
+    shard = tmp_path / "shard.tar"
+    with tarfile.open(shard, "w") as tar:
+        for name, path in photos.items():
+            tar.add(path, arcname=name)
+    table = tmp_path / "table.parquet"
+    pq.write_table(pa.table({"name": list(photos), "image": [p.read_bytes()
+                                                             for p in photos.values()]}), table)
+    want = _cli([alone_dir], tmp_path / "alone.parquet", config, dtype)["target.png"]
+    runs = [
+        _cli([folder], tmp_path / "all.parquet", config, dtype)["target.png"],
+        _cli([folder], tmp_path / "small.parquet", config, dtype,
+             "--batch-tokens", "1500")["target.png"],
+        _cli([shard], tmp_path / "tar.parquet", config, dtype)["target"],
+        _cli([table], tmp_path / "cell.parquet", config, dtype,
+             "--key-column", "name")["target.png"],
+    ]
+    for got in runs:
+        assert got == want  # float32 values compared exactly

@@ -20,7 +20,8 @@ import time
 from dataclasses import dataclass
 
 from rich.console import Console
-from rich.progress import BarColumn, Progress, TextColumn
+from rich.progress import BarColumn, Progress, ProgressColumn, TextColumn
+from rich.text import Text
 
 stderr_console = Console(stderr=True)
 
@@ -109,10 +110,10 @@ class RunProgress:
         if self.mode == "bar":
             self._progress = Progress(
                 TextColumn("[bold]{task.description}"), BarColumn(bar_width=16),
-                TextColumn("{task.fields[figures]}"), console=stderr_console,
-                transient=False, refresh_per_second=4)
+                _FiguresColumn(self), console=stderr_console, transient=False,
+                refresh_per_second=4)
             self._progress.__enter__()
-            self._task = self._progress.add_task("starting", total=None, figures="")
+            self._task = self._progress.add_task("starting", total=None)
         elif self.mode == "log":
             self._closed.clear()
             self._ticker = threading.Thread(target=self._tick, name="dsv4enc-progress",
@@ -185,18 +186,21 @@ class RunProgress:
                 counts.elapsed = time.perf_counter() - self._began
             return counts
 
-    def _refresh(self) -> None:
-        if self._progress is None:
-            return
+    def bar_figures(self) -> str:
+        """The bar's text, computed when it is drawn (so time and ETA move between batches);
+        the most telling first, as a narrow terminal cuts the end."""
         c = self.snapshot()
-        # the most telling first: a narrow terminal cuts the line's end
-        figures = (f"{c.reused + c.images}/{c.total_images} images  eta "
-                   f"{format_duration(c.eta_s)}  {c.images_per_s:.1f} img/s  "
-                   f"{c.tokens_per_s:,.0f} tokens/s  {c.failed} failed  "
-                   f"{c.tokens:,}/{c.total_tokens:,} tokens  encoding for "
-                   f"{format_duration(c.elapsed)}")
-        self._progress.update(self._task, figures=figures)
-        self._progress.refresh()  # per batch: a bar that only moves 4 times a second lags
+        if not c.total_images and not self._counting:
+            return ""
+        return (f"{c.reused + c.images}/{c.total_images} images  eta "
+                f"{format_duration(c.eta_s)}  {c.images_per_s:.1f} img/s  "
+                f"{c.tokens_per_s:,.0f} tokens/s  {c.failed} failed  "
+                f"{c.tokens:,}/{c.total_tokens:,} tokens  encoding for "
+                f"{format_duration(c.elapsed)}")
+
+    def _refresh(self) -> None:
+        if self._progress is not None:
+            self._progress.refresh()  # per batch: a bar that moves 4 times a second lags
 
     def _tick(self) -> None:
         while not self._closed.wait(self.log_every):
@@ -211,6 +215,17 @@ class RunProgress:
     def _print(self, text: str) -> None:
         self._lines += 1
         print(f"dsv4enc: {text}", file=sys.stderr, flush=True)
+
+
+class _FiguresColumn(ProgressColumn):
+    """The run's figures (``RunProgress.bar_figures``) as a bar column."""
+
+    def __init__(self, run: RunProgress) -> None:
+        super().__init__()
+        self.run = run
+
+    def render(self, task) -> Text:
+        return Text(self.run.bar_figures())
 
 
 def _stderr_is_terminal() -> bool:

@@ -356,15 +356,16 @@ class DecodePool:
     """
 
     def __init__(self, cfg: VisionConfig, workers: int, max_pixels: int = DEFAULT_MAX_PIXELS,
-                 timeout_s: float | None = None, memory_budget: int | None = -1) -> None:
+                 timeout_s: float | None = None,
+                 memory_budget: int | str | None = "auto") -> None:
         self.cfg = cfg
         self.max_pixels = max_pixels
         self.timeout_s = timeout_s
         self.n_workers = workers
-        # Bytes a worker may allocate beyond its start-up footprint (-1: from max_pixels;
+        # Bytes a worker may allocate beyond its start-up footprint ("auto": from max_pixels;
         # None: no bound). Past it, the image in hand gets an error row and the worker is
         # replaced.
-        self.memory_budget = (worker_memory_budget(max_pixels) if memory_budget == -1
+        self.memory_budget = (worker_memory_budget(max_pixels) if memory_budget == "auto"
                               else memory_budget)
         self._ctx = mp.get_context("spawn")  # fork is unsafe after torch/CUDA start threads
         self._workers = [self._new_worker() for _ in range(workers)]

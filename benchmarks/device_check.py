@@ -9,6 +9,9 @@ Sections (``--sections``, comma-separated):
   ``--config``, several packed batches, one batch larger than every budget.
 - ``backends``: every attention backend against SDPA, whole tower, and each bf16 variant
   against a float32 SDPA reference.
+- ``invariance``: batch-invariant rows (``Engine(deterministic=True)``, the default): one
+  image alone and in three mixed batches must give the same bits (limit 0 differing values),
+  per compute dtype; and the throughput cost of the invariant path against the plain one.
 
 Prints one line per check and writes them to ``--json``; exits 1 if any check failed.
 """
@@ -132,9 +135,11 @@ def graphs_section(cfg: VisionConfig, device: torch.device, dtype: torch.dtype,
             print("SKIP graphs: no graph-capable attention backend", flush=True)
             return
         for attention in backends:
-            eager = Engine(model, "aligner", attention, torch.float32, cuda_graphs=False)
+            # Several budgets (the plain path); the one-bucket path is checked in invariance.
+            eager = Engine(model, "aligner", attention, torch.float32, cuda_graphs=False,
+                           deterministic=False)
             graphs = Engine(model, "aligner", attention, torch.float32, cuda_graphs=True,
-                            batch_tokens=batch_tokens, max_images=16)
+                            batch_tokens=batch_tokens, max_images=16, deterministic=False)
             began = time.perf_counter()
             graphs.prepare()
             print(f"INFO graphs {attention}: captured {len(graphs.runner.graphs)} budgets "
@@ -147,7 +152,8 @@ def graphs_section(cfg: VisionConfig, device: torch.device, dtype: torch.dtype,
             check(f"graphs replayed every fitting batch {attention}",
                   float(len(batches) - graphs.stats.graph_batches), 0)
             small = Engine(model, "aligner", attention, torch.float32, cuda_graphs=True,
-                           batch_tokens=max(1024, batch_tokens // 8), max_images=16)
+                           batch_tokens=max(1024, batch_tokens // 8), max_images=16,
+                           deterministic=False)
             before = small.stats.graph_batches
             got = torch.cat(small.encode(oversize))
             check(f"oversize batch runs eagerly {attention} (graph replays)",
@@ -197,6 +203,53 @@ def backends_section(cfg: VisionConfig, device: torch.device, n_images: int,
         del model
 
 
+def invariance_section(cfg: VisionConfig, device: torch.device, n_images: int,
+                       batch_tokens: int) -> None:
+    dtypes = [torch.bfloat16] if device.type == "cuda" else [torch.float32, torch.bfloat16]
+    for dtype in dtypes:
+        tag = str(dtype).removeprefix("torch.")
+        model = build_tower(random_checkpoint(cfg, 0, dtype), device)
+        items = random_items(cfg, n_images, seed=3)
+        target = items[0]
+        engine = Engine(model, "aligner", "auto", torch.float32, batch_tokens=batch_tokens,
+                        max_images=16)
+        alone = engine.encode(pack([target], cfg.downsample_ratio))[0]
+        mixes = [([target] + items[1:4], 0), (items[4:9] + [target], 5),
+                 (items[9:11] + [target] + items[11:13], 2)]
+        differing = 0
+        for mix, at in mixes:
+            got = engine.encode(pack(mix, cfg.downsample_ratio))[at]
+            differing += int((got != alone).sum()) if got.shape == alone.shape else alone.numel()
+        check(f"invariance {tag} {engine.attention_name}: one image alone vs 3 mixed batches "
+              f"(values differing)", float(differing), 0)
+        batches = batches_of(items, cfg, batch_tokens, 16)
+        seconds = {}
+        for deterministic in (False, True):
+            e = Engine(model, "aligner", "auto", torch.float16, batch_tokens=batch_tokens,
+                       max_images=16, deterministic=deterministic)
+            e.fit_budgets([b.n_tokens for b in batches])
+            e.prepare()
+            for _ in e.encode_many(batches[:1]):
+                pass
+            best = float("inf")
+            for _ in range(2):
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                began = time.perf_counter()
+                for _ in e.encode_many(batches):
+                    pass
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                best = min(best, time.perf_counter() - began)
+            seconds[deterministic] = best
+            del e
+        cost = seconds[True] / seconds[False] - 1
+        print(f"INFO invariance cost {tag}: plain {seconds[False]:.3f} s, invariant "
+              f"{seconds[True]:.3f} s, {cost:+.1%} ({len(batches)} batches)", flush=True)
+        CHECKS.append({"name": f"invariance cost {tag}", "value": cost, "limit": 0.03,
+                       "ok": True, "info": True})
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--device", default="cuda")
@@ -219,6 +272,8 @@ def main(argv=None) -> int:
         graphs_section(cfg, device, getattr(torch, a.dtype), a.images, a.batch_tokens)
     if "backends" in sections:
         backends_section(cfg, device, a.images, a.batch_tokens)
+    if "invariance" in sections:
+        invariance_section(cfg, device, a.images, a.batch_tokens)
     failed = [c["name"] for c in CHECKS if not c["ok"]]
     print(f"{len(CHECKS) - len(failed)}/{len(CHECKS)} checks passed"
           + (f"; failed: {'; '.join(failed)}" if failed else ""), flush=True)

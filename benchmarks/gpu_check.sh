@@ -10,6 +10,8 @@
 #             skipped with a message when absent)
 #   graphs    CUDA graphs == eager at real dims (random bf16 tower), oversize batch eager
 #   backends  each attention backend == SDPA, and vs a float32 reference, at real dims
+#   invariance  one image alone == in mixed batches, bit for bit (bf16, one graph bucket),
+#             and what the invariant path costs against the plain one
 #   pytest    the CUDA tests (attention, graphs, engine; golden tests if GOLDEN exists)
 #   bench     throughput at real dims: bf16, 1024x768 photos, graphs on/off per budget
 #   e2e       the full encode pipeline on the same photos (optional, last)
@@ -101,6 +103,10 @@ step graphs 120 $PY benchmarks/device_check.py --device "$DEVICE" --sections gra
 step backends 90 $PY benchmarks/device_check.py --device "$DEVICE" --sections backends \
     --config "$CONFIG" --images "$CHECK_IMAGES" --batch-tokens "$CHECK_TOKENS" \
     --json "$OUT/checks_backends.json"
+
+step invariance 90 $PY benchmarks/device_check.py --device "$DEVICE" --sections invariance \
+    --config "$CONFIG" --images "$CHECK_IMAGES" --batch-tokens "$CHECK_TOKENS" \
+    --json "$OUT/checks_invariance.json"
 
 TESTS="tests/test_attention.py tests/test_graphs.py tests/test_engine.py"
 [ -f "$GOLDEN/expected.json" ] && [ -f tests/test_golden.py ] && TESTS="$TESTS tests/test_golden.py"

@@ -39,7 +39,7 @@ class OutputSummary:
     grid_w: dict[str, float] = field(default_factory=dict)
     rows_per_image: dict[str, float] = field(default_factory=dict)
     top_grids: list[tuple[str, int]] = field(default_factory=list)
-    errors: list[tuple[str, int, str]] = field(default_factory=list)  # (kind, count, example)
+    errors: list[tuple[str, int, str]] = field(default_factory=list)  # (kind, count, example path)
     metadata: dict[str, Any] = field(default_factory=dict)
     model: str | None = None  # the checkpoint variant, e.g. "DeepSeek-V4.1 (deepseek_v41)"
 
@@ -103,7 +103,8 @@ def summarize(path: str | os.PathLike) -> OutputSummary:
         names = {pa.float16(): "float16", pa.float32(): "float32", pa.float64(): "float64"}
         out.dtype = names.get(row_type.value_type, str(row_type.value_type))
         out.rows += handle.metadata.num_rows
-        for batch in handle.iter_batches(batch_size=65536, columns=["grid_h", "grid_w", "error"]):
+        for batch in handle.iter_batches(batch_size=65536,
+                                         columns=["path", "grid_h", "grid_w", "error"]):
             failed = batch.column("error").is_valid().to_numpy(zero_copy_only=False)
             ok = ~failed
             gh = batch.column("grid_h").fill_null(0).to_numpy(zero_copy_only=False)[ok]
@@ -111,10 +112,12 @@ def summarize(path: str | os.PathLike) -> OutputSummary:
             heights.append(gh.astype(np.int64))
             widths.append(gw.astype(np.int64))
             grids.update(zip(gh.tolist(), gw.tolist()))
-            for message in batch.column("error").filter(batch.column("error").is_valid()).to_pylist():
+            failures = batch.filter(batch.column("error").is_valid())
+            for message, path in zip(failures.column("error").to_pylist(),
+                                     failures.column("path").to_pylist()):
                 kind = error_group(message)
                 errors[kind] += 1
-                examples.setdefault(kind, message)
+                examples.setdefault(kind, path)
             out.failed += int(failed.sum())
     h = np.concatenate(heights) if heights else np.zeros(0, np.int64)
     w = np.concatenate(widths) if widths else np.zeros(0, np.int64)
@@ -182,5 +185,5 @@ def render(summary: OutputSummary, console=None) -> None:
         errs.add_column("count", justify="right")
         errs.add_column("error")
         for kind, count, example in summary.errors:
-            errs.add_row(str(count), example if kind == example else f"{kind}\n  e.g. {example}")
+            errs.add_row(str(count), f"{kind}\n  e.g. {example}")
         console.print(errs)

@@ -1,0 +1,59 @@
+"""--dtype auto on the CPU: bfloat16 only where it is native and measured faster."""
+
+import torch
+
+from dsv4enc.cpufeatures import (MIN_SPEEDUP, NATIVE_BF16_FEATURES, auto_cpu_dtype,
+                                 choose_cpu_dtype, cpu_capabilities)
+
+NONE = {"amx_bf16": False, "avx512_bf16": False}
+
+
+def timer(fp32_s: float, bf16_s: float):
+    """A fake probe: seconds per dtype, and the dtypes it was asked about."""
+    asked = []
+
+    def time_gemm(dtype: torch.dtype) -> float:
+        asked.append(dtype)
+        return {torch.float32: fp32_s, torch.bfloat16: bf16_s}[dtype]
+
+    return time_gemm, asked
+
+
+def test_no_native_feature_is_float32_without_timing():
+    time_gemm, asked = timer(1.0, 0.1)
+    assert choose_cpu_dtype(NONE, time_gemm) == torch.float32
+    assert choose_cpu_dtype({}, time_gemm) == torch.float32
+    assert asked == []  # emulated bf16 is never timed (it is slow)
+
+
+def test_amx_or_avx512_bf16_measured_faster_is_bfloat16():
+    for feature in NATIVE_BF16_FEATURES:
+        time_gemm, asked = timer(fp32_s=0.009, bf16_s=0.001)  # ~9x, as on Sapphire Rapids
+        assert choose_cpu_dtype({**NONE, feature: True}, time_gemm) == torch.bfloat16
+        assert set(asked) == {torch.float32, torch.bfloat16}
+
+
+def test_native_feature_but_not_clearly_faster_is_float32():
+    caps = {**NONE, "amx_bf16": True}
+    assert choose_cpu_dtype(caps, timer(1.0, 1.0 / (MIN_SPEEDUP * 0.9))[0]) == torch.float32
+    assert choose_cpu_dtype(caps, timer(1.0, 3.0)[0]) == torch.float32  # emulated despite the bit
+    assert choose_cpu_dtype(caps, timer(1.0, 1.0 / MIN_SPEEDUP)[0]) == torch.bfloat16
+    assert choose_cpu_dtype(caps, timer(1.0, 0.0)[0]) == torch.float32  # a broken timer
+
+
+def test_real_machine_decision_is_consistent_and_cached():
+    caps = cpu_capabilities()
+    assert set(caps) == set(NATIVE_BF16_FEATURES)
+    assert all(isinstance(v, bool) for v in caps.values())
+    dtype = auto_cpu_dtype()
+    assert dtype in (torch.float32, torch.bfloat16)
+    if not any(caps.values()):
+        assert dtype == torch.float32  # e.g. AVX2-only CPUs
+    assert auto_cpu_dtype() is dtype  # decided once per process
+
+
+def test_resolve_dtype_auto_on_cpu_uses_the_decision():
+    from dsv4enc.device import resolve_dtype
+
+    assert resolve_dtype("auto", torch.device("cpu")) == auto_cpu_dtype()
+    assert resolve_dtype("float32", torch.device("cpu")) == torch.float32

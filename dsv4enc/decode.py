@@ -330,9 +330,20 @@ class DecodeStream:
         return self
 
     def __next__(self) -> tuple[Any, Decoded]:
+        item = None
+        while item is None:
+            item = self.next_within(3600.0)
+        return item
+
+    def next_within(self, timeout_s: float) -> tuple[Any, Decoded] | None:
+        """Like ``next``, but None when no result comes within ``timeout_s`` (a caller that
+        must also watch for a signal polls with this)."""
         if self._done:
             raise StopIteration
-        item = self._results.get()
+        try:
+            item = self._results.get(timeout=timeout_s)
+        except queue.Empty:
+            return None
         if item is _END:
             self.close()
             raise StopIteration

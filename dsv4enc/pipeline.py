@@ -22,7 +22,7 @@ import torch
 from . import __version__
 from .checkpoint import COMPUTE_DTYPES, Checkpoint, build_tower, load_checkpoint, random_checkpoint
 from .config import VisionConfig
-from .decode import DecodePool, Decoded, patches_tensor
+from .decode import DecodePool, Decoded, DecodeStream, patches_tensor
 from .engine import Engine, check_finite
 from .errors import DsvError, Interrupted, UsageError
 from .inputs import discover
@@ -376,7 +376,10 @@ class _Runner:
             steps = max(len(batches) for batches in plan)
             for step in range(steps):
                 batch = plan[me][step] if step < len(plan[me]) else []
-                local = self.submit_batch(planned, batch, decoded)
+                try:
+                    local = self.submit_batch(planned, batch, decoded)
+                except _StoppedWaiting:
+                    return  # the part in progress is dropped; finished ones are committed
                 if len(self._in_flight) > 1:
                     # One batch stays queued on the device while this thread decodes and
                     # packs the next, so the device never waits for the host.
@@ -444,6 +447,19 @@ class _Runner:
                 self.summary.add_error(row.error, row.path)
 
     # -- one batch ---------------------------------------------------------------
+    def _next_decoded(self, decoded: Iterator[tuple[int, Decoded]]) -> tuple[int, Decoded]:
+        """The next decoded image. One process: a signal that arrives while it waits (a slow
+        or hung decode can take up to --decode-timeout) raises ``_StoppedWaiting`` at once.
+        Under torchrun every rank waits, and the ranks agree on stopping after the batch."""
+        if self.dist is not None or not isinstance(decoded, DecodeStream):
+            return next(decoded)
+        while True:
+            item = decoded.next_within(_STOP_POLL_S)
+            if item is not None:
+                return item
+            if self.stop.requested():
+                raise _StoppedWaiting
+
     def submit_batch(self, planned: Sequence[Planned], batch: list[int],
                      decoded: Iterator[tuple[int, Decoded]]) -> dict[int, Row]:
         """Take a batch's decoded images and start them on the engine. Returns the rows of
@@ -452,7 +468,7 @@ class _Runner:
         ready: list[tuple[int, Decoded]] = []
         began = time.perf_counter()
         for expected in batch:
-            index, result = next(decoded)
+            index, result = self._next_decoded(decoded)
             assert index == expected, "decode stream out of step with the plan"
             if result.error is not None:
                 rows[index] = _error_row(planned[index], result.error)
@@ -520,6 +536,13 @@ class _Runner:
                     offset += n
                 rows[index] = row
         return rows
+
+
+class _StoppedWaiting(Exception):
+    """A signal arrived while the encoding loop waited for a decoded image."""
+
+
+_STOP_POLL_S = 0.1  # how often a wait for a decoded image checks for a signal
 
 
 def _error_row(entry: Planned, error: str | None = None) -> Row:

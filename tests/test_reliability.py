@@ -475,3 +475,62 @@ def test_the_api_never_returns_a_non_finite_embedding(images):
         list(loud.encode_iter(paths))
     values = quiet.encode(paths)
     assert all(torch.isfinite(v).all() and v.abs().max() > 65504 for v in values)
+
+
+# Runs ``dsv4enc encode`` whose first image turns into a FIFO once the headers are read (so
+# its decode hangs in the worker), and says (a file appears) when encoding has begun.
+HUNG_DECODE_RUN = """
+import os, pathlib, sys
+from dsv4enc import pipeline, planning, prefetch
+victim, ready, *argv = sys.argv[1:]
+real_read, real_submit = planning.read_headers, pipeline._Runner.submit_batch
+
+def read_then_swap(*args, **kwargs):
+    planned = real_read(*args, **kwargs)
+    os.unlink(victim)
+    os.mkfifo(victim)
+    return planned
+
+def submit_batch(self, *args, **kwargs):
+    pathlib.Path(ready).touch()
+    return real_submit(self, *args, **kwargs)
+
+prefetch.read_headers = pipeline.read_headers = read_then_swap
+pipeline._Runner.submit_batch = submit_batch
+from dsv4enc.cli import main
+sys.argv = ["dsv4enc", *argv]
+main()
+"""
+
+
+def test_a_signal_does_not_wait_for_a_hung_decode(images, tmp_path):
+    """Encoding waits for a decode that hangs (up to --decode-timeout, 60 s here): SIGTERM
+    still stops the run within seconds."""
+    folder = tmp_path / "in"
+    shutil.copytree(images, folder)
+    ready, out = tmp_path / "encoding", tmp_path / "e.parquet"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT)}
+    env.pop("DSV4ENC_WEIGHTS", None)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", HUNG_DECODE_RUN, str(folder / "img000.png"), str(ready),
+         "encode", str(folder), "--out", str(out), *COMMON, "--workers", "1", "-q",
+         "--decode-timeout", "60"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not ready.exists():
+            assert proc.poll() is None, proc.communicate()[1][-2000:]
+            assert time.monotonic() < deadline, "encoding never began"
+            time.sleep(0.05)
+        time.sleep(0.5)  # waiting for img000.png's decode
+        sent = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        _, stderr = proc.communicate(timeout=50)
+        assert time.monotonic() - sent < 10
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 143, stderr[-2000:]
+    assert "interrupted by SIGTERM" in stderr and "Traceback" not in stderr
+    assert not out.exists()

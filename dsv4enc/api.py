@@ -25,9 +25,10 @@ from typing import TYPE_CHECKING, Any, Iterable, Iterator, Mapping, Union
 import numpy as np
 import torch
 
-from .checkpoint import COMPUTE_DTYPES, Checkpoint, build_tower, load_checkpoint, random_checkpoint
+from .checkpoint import Checkpoint, build_tower, load_checkpoint, random_checkpoint
 from .config import VisionConfig
 from .decode import DEFAULT_MAX_PIXELS, decode_image, describe_error, patches_tensor
+from .device import resolve_device, resolve_dtype, resolve_out_dtype
 from .engine import Engine, NonFiniteOutput, check_finite
 from .packing import output_grid, pack
 from .planning import pack_bins
@@ -41,9 +42,6 @@ __all__ = ["Encoder", "EncodeError", "ImageInput", "read_embeddings"]
 #: What ``Encoder.encode`` takes per image: a PIL image, an HxW / HxWx{1,3,4} uint8 array, a
 #: file path, the encoded file's bytes, or a Hugging Face ``{"bytes": ..., "path": ...}`` dict.
 ImageInput = Union["PIL.Image.Image", np.ndarray, str, os.PathLike, bytes, Mapping[str, Any]]
-
-_OUT_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
 
 class EncodeError(ValueError):
     """An input that cannot be encoded. ``index``: its position in the input; ``key``: its
@@ -74,33 +72,6 @@ class _Prepared:
     @property
     def tokens(self) -> int:
         return self.n_h * self.n_w
-
-
-def _resolve_device(device: str | torch.device) -> torch.device:
-    from .pipeline import resolve_device
-
-    return resolve_device(str(device))
-
-
-def _resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
-        if dtype not in COMPUTE_DTYPES.values():
-            raise ValueError(f"unsupported compute dtype {dtype} (float32, bfloat16, float16)")
-        return dtype
-    from .pipeline import resolve_dtype
-
-    return resolve_dtype(str(dtype).removeprefix("torch."), device)
-
-
-def _resolve_out_dtype(dtype: str | torch.dtype) -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
-        if dtype not in _OUT_DTYPES.values():
-            raise ValueError(f"unsupported out_dtype {dtype} (float32, float16, bfloat16)")
-        return dtype
-    name = str(dtype).removeprefix("torch.")
-    if name not in _OUT_DTYPES:
-        raise ValueError(f"unsupported out_dtype {dtype!r} (float32, float16, bfloat16)")
-    return _OUT_DTYPES[name]
 
 
 def _check_choice(name: str, value: str, allowed: tuple[str, ...]) -> str:
@@ -156,10 +127,10 @@ class Encoder:
                  max_pixels: int = DEFAULT_MAX_PIXELS, attention: str = "auto",
                  cuda_graphs: bool | None = None, deterministic: bool = True) -> None:
         self.checkpoint = checkpoint
-        self.device = _resolve_device(device)
+        self.device = resolve_device(device)
         self.features = _check_choice("features", features, ("aligner", "vit"))
         self.pool = _check_choice("pool", pool, ("none", "mean"))
-        self.out_dtype = _resolve_out_dtype(out_dtype)
+        self.out_dtype = resolve_out_dtype(out_dtype)
         if batch_tokens is not None and batch_tokens <= 0:
             raise ValueError(f"batch_tokens must be positive, got {batch_tokens}")
         if max_images <= 0:
@@ -191,8 +162,8 @@ class Encoder:
         """
         from .hub import resolve_weights
 
-        resolved = _resolve_device(device)
-        compute = _resolve_dtype(dtype, resolved)
+        resolved = resolve_device(device)
+        compute = resolve_dtype(dtype, resolved)
         ckpt = load_checkpoint(resolve_weights(path_or_hub_id), compute)
         return cls(ckpt, resolved, **options)
 
@@ -208,8 +179,8 @@ class Encoder:
             cfg = VisionConfig.from_dict(dict(config))
         else:
             cfg = VisionConfig.from_file(config)
-        resolved = _resolve_device(device)
-        compute = _resolve_dtype(dtype, resolved)
+        resolved = resolve_device(device)
+        compute = resolve_dtype(dtype, resolved)
         return cls(random_checkpoint(cfg, seed, compute), resolved, **options)
 
     # -- properties ----------------------------------------------------------------------

@@ -39,6 +39,7 @@ from .attention import naive_sdpa_attention
 from .checkpoint import (COMPUTE_DTYPES, build_tower, random_checkpoint, random_state_dict,
                          save_checkpoint)
 from .config import VisionConfig
+from .device import resolve_device, resolve_dtype
 from .engine import Engine
 from .model import VisionTower
 from .packing import PackedBatch, aligner_grid, pack
@@ -366,15 +367,6 @@ def bench_cli(cfg: VisionConfig, paths: Sequence[Path], device: str, dtype: str,
 
 # ----------------------------------------------------------------------------- driver
 
-def _resolve(device: str, dtype: str) -> tuple[torch.device, torch.dtype]:
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    dev = torch.device(device)
-    if dtype == "auto":
-        dtype = "bfloat16" if dev.type == "cuda" else "float32"
-    return dev, COMPUTE_DTYPES[dtype]
-
-
 def run_bench(config_path: str, device: str = "auto", dtype: str = "auto",
               images: str = "synthetic:mix", batch_tokens: Sequence[int] | int | None = None,
               cuda_graphs: Sequence[bool | None] = (None,), attention: str = "auto",
@@ -392,7 +384,8 @@ def run_bench(config_path: str, device: str = "auto", dtype: str = "auto",
     Every row carries ``vs_naive`` (img/s over the naive loop's img/s) and, for model rows,
     ``ceiling_frac`` (achieved FLOP/s over the matmul ceiling).
     """
-    dev, dt = _resolve(device, dtype)
+    dev = resolve_device(device)
+    dt = resolve_dtype(dtype, dev)
     cfg = VisionConfig.from_file(config_path)
     budgets = ([batch_tokens] if isinstance(batch_tokens, int) else list(batch_tokens or [])) \
         or [32768 if dev.type == "cuda" else 8192]

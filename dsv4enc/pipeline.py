@@ -20,11 +20,12 @@ import numpy as np
 import torch
 
 from . import __version__
-from .checkpoint import COMPUTE_DTYPES, Checkpoint, build_tower, load_checkpoint, random_checkpoint
+from .checkpoint import Checkpoint, build_tower, load_checkpoint, random_checkpoint
 from .config import VisionConfig
 from .decode import DecodePool, Decoded, DecodeStream, patches_tensor
+from .device import resolve_device, resolve_dtype, resolve_out_dtype
 from .engine import Engine, check_finite
-from .errors import DsvError, Interrupted, UsageError
+from .errors import DsvError, Interrupted
 from .inputs import discover
 from .output import OutputLayout, PartWriter, main_then_all, merge_manifests, resume_filter
 from .options import (EncodeOptions, decode_window, default_workers, default_writer_threads,
@@ -88,31 +89,6 @@ class RunSummary:
 
 
 # ----------------------------------------------------------------------------- set-up
-
-def resolve_device(name: str, dist=None) -> torch.device:
-    """``auto`` is CUDA when available (this rank's LOCAL_RANK device under torchrun)."""
-    if dist is not None:
-        return dist.device
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(name)
-    except RuntimeError:
-        raise UsageError(f"unknown device {name!r} (use auto, cpu, cuda or cuda:N)") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise UsageError(f"device {name} asked for, but CUDA is not available")
-    if device.type not in ("cpu", "cuda"):
-        raise UsageError(f"unsupported device {name!r} (use auto, cpu, cuda or cuda:N)")
-    return device
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    if name not in COMPUTE_DTYPES:
-        raise UsageError(f"unknown dtype {name!r} (use auto, float32, bfloat16 or float16)")
-    return COMPUTE_DTYPES[name]
-
 
 def load_model(opts: EncodeOptions, dtype: torch.dtype) -> Checkpoint:
     if opts.random_init:
@@ -202,7 +178,7 @@ def _run_encode(opts: EncodeOptions, dist, prefetch: Prefetch | None,
             from .sharding import apply_tensor_parallel
             tp = apply_tensor_parallel(model, dist)
         engine = Engine(model, features=opts.features, attention=opts.attention,
-                        out_dtype=torch.float16 if opts.out_dtype == "float16" else torch.float32,
+                        out_dtype=resolve_out_dtype(opts.out_dtype),
                         cuda_graphs=opts.cuda_graphs, batch_tokens=opts.batch_tokens,
                         max_images=opts.max_images, deterministic=opts.deterministic)
         with progress:

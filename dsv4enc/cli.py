@@ -310,10 +310,29 @@ def bench(
     cli: bool = typer.Option(False, "--cli", help="Also time 'dsv4enc encode' in a fresh "
                              "process, start-up included (random weights saved once)."),
     json_out: Optional[str] = typer.Option(None, "--json", help="Also write the rows here."),
+    host: bool = typer.Option(False, "--host", help="Time the host side alone: the whole "
+                              "encode pipeline with the model replaced by a null stage (no "
+                              "GPU needed); images/s per host core and where the time goes."),
+    outputs: str = typer.Option("file,folder", "--outputs", help="--host: the outputs to "
+                                "time, file and/or folder."),
+    workers: Optional[int] = typer.Option(None, "--workers", help="--host: decode processes "
+                                          "(default: as for a CUDA run on this machine)."),
 ) -> None:
     """Time the engine: img/s, tokens/s, FLOP/s, fraction of the matmul ceiling measured in
-    the same process, padding waste, time split, and the speed-up over a naive loop."""
+    the same process, padding waste, time split, and the speed-up over a naive loop. With
+    --host: the host's capacity instead (hostbench)."""
     import json
+
+    if host:
+        from .hostbench import host_bench_command
+
+        try:
+            host_bench_command(config, images, outputs.split(","), workers, json_out)
+        except (KeyError, ValueError) as exc:
+            fail(f"bad benchmark option: {exc}", 2)
+        except DsvError as exc:
+            fail(str(exc), exc.exit_code)
+        return
 
     from .bench import parse_graphs, print_results, run_bench
 

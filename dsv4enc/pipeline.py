@@ -98,6 +98,21 @@ def load_model(opts: EncodeOptions, dtype: torch.dtype) -> Checkpoint:
     return load_checkpoint(resolve_weights(opts.weights), dtype)
 
 
+def _tower_engine(ckpt: Checkpoint, device: torch.device, opts: EncodeOptions,
+                  dist) -> tuple[Engine, bool]:
+    """The tower on ``device`` and its Engine; whether tensor parallelism was applied."""
+    model = build_tower(ckpt, device)
+    tp = False
+    if dist is not None and opts.tp_mode == "weights":
+        from .sharding import apply_tensor_parallel
+        tp = apply_tensor_parallel(model, dist)
+    engine = Engine(model, features=opts.features, attention=opts.attention,
+                    out_dtype=resolve_out_dtype(opts.out_dtype),
+                    cuda_graphs=opts.cuda_graphs, batch_tokens=opts.batch_tokens,
+                    max_images=opts.max_images, deterministic=opts.deterministic)
+    return engine, tp
+
+
 # ----------------------------------------------------------------------------- the run
 
 def run_settings(ckpt: Checkpoint, opts: EncodeOptions, dtype: torch.dtype,
@@ -117,20 +132,23 @@ def run_settings(ckpt: Checkpoint, opts: EncodeOptions, dtype: torch.dtype,
 
 
 def run_encode(opts: EncodeOptions, dist=None, prefetch: Prefetch | None = None,
-               stop: StopSignals | None = None) -> RunSummary:
+               stop: StopSignals | None = None, stand_in=None) -> RunSummary:
     """Encode ``opts.inputs`` into ``opts.out``. Raises DsvError (setup) or Interrupted.
 
     ``prefetch``: what ``prefetch.start_prefetch(opts)`` found and started for these same
     options (the CLI's head start while torch was imported); this call closes it.
     ``stop``: the caller's installed signal handling; by default this call installs its own
-    (from the main thread) and restores the previous handlers when it returns."""
+    (from the main thread) and restores the previous handlers when it returns.
+    ``stand_in``: computes the rows instead of the tower (``hostbench.NullStage`` measures the
+    host side alone): its ``checkpoint`` stands for the weights (config and fingerprint), and
+    its ``engine(device, opts)`` for the Engine; no weights are loaded."""
     own_stop = stop is None
     if stop is None:
         stop = StopSignals(immediate=dist is None)  # torchrun ranks stop together, later
         stop.install()
     layout = OutputLayout(opts.out, opts.shard_output)
     try:
-        return _run_encode(opts, dist, prefetch, stop, layout)
+        return _run_encode(opts, dist, prefetch, stop, layout, stand_in)
     finally:
         layout.release()  # the output's lock, held from its checks to the end
         stop.immediate = False
@@ -141,7 +159,7 @@ def run_encode(opts: EncodeOptions, dist=None, prefetch: Prefetch | None = None,
 
 
 def _run_encode(opts: EncodeOptions, dist, prefetch: Prefetch | None,
-                stop: StopSignals, layout: OutputLayout) -> RunSummary:
+                stop: StopSignals, layout: OutputLayout, stand_in=None) -> RunSummary:
     started = prefetch.started if prefetch is not None else time.perf_counter()
     validate(opts)
     device = resolve_device(opts.device, dist)
@@ -152,7 +170,7 @@ def _run_encode(opts: EncodeOptions, dist, prefetch: Prefetch | None,
                       stop if dist is None else None,
                       table_paths_roots=opts.table_paths_roots))
     main_then_all(dist, lambda: layout.prepare(opts))
-    ckpt = load_model(opts, dtype)
+    ckpt = load_model(opts, dtype) if stand_in is None else stand_in.checkpoint
     stop.immediate = False  # until the try below, which discards an unused output folder
     main_then_all(dist, layout.create)
     cfg = ckpt.config
@@ -172,15 +190,8 @@ def _run_encode(opts: EncodeOptions, dist, prefetch: Prefetch | None,
     try:
         stop.immediate = dist is None
         stop.check()
-        model = build_tower(ckpt, device)
-        tp = False
-        if dist is not None and opts.tp_mode == "weights":
-            from .sharding import apply_tensor_parallel
-            tp = apply_tensor_parallel(model, dist)
-        engine = Engine(model, features=opts.features, attention=opts.attention,
-                        out_dtype=resolve_out_dtype(opts.out_dtype),
-                        cuda_graphs=opts.cuda_graphs, batch_tokens=opts.batch_tokens,
-                        max_images=opts.max_images, deterministic=opts.deterministic)
+        engine, tp = (_tower_engine(ckpt, device, opts, dist) if stand_in is None
+                      else (stand_in.engine(device, opts), False))
         with progress:
             if prefetch is not None:
                 planned = prefetch.planned

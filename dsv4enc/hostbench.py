@@ -1,0 +1,282 @@
+"""Host capacity without a GPU (``dsv4enc bench --host``).
+
+The real encode pipeline (discover, read headers, plan, decode workers, transform, pack,
+stage the batch, write Parquet) runs with the tower replaced by ``NullStage``: an Engine
+stand-in whose rows have the right shape and dtype (zeros) and cost nothing to compute. What
+is left is the host's work per image, reported as images/s per host core, beside a
+one-thread cost of each stage measured on a sample of the same images.
+
+The stand-in does the host's share of the CUDA engine's work: it stages each batch's inputs
+as the engine does before its transfer (into page-locked memory when CUDA is present, else
+one plain copy: the same bytes moved), and hands out each batch's rows in a fresh copy, as
+the pipeline copies rows out of the engine's page-locked output buffer.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from collections import deque
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from .checkpoint import Checkpoint
+from .config import VisionConfig
+from .engine import EngineStats
+from .options import DEFAULT_BATCH_TOKENS, EncodeOptions, available_cpus, default_workers
+from .packing import PackedBatch
+
+#: numpy dtypes of the output dtypes (bfloat16 rows are carried as their 16-bit patterns).
+_NUMPY_DTYPES = {torch.float32: np.float32, torch.float16: np.float16, torch.bfloat16: np.int16}
+
+#: The fingerprint a null-stage output records (never taken for real weights' rows).
+NULL_FINGERPRINT = "null-stage (no model: rows are zeros)"
+
+
+class NullEngine:
+    """The Engine's interface (``submit``/``collect`` in order, ``stats``, ``cfg``...) with no
+    model: each image's rows are zeros of the output width in ``out_dtype``.
+
+    ``batch_tokens`` defaults to the CUDA engine's, so batches are planned as on a GPU."""
+
+    graphs_enabled = False
+    deterministic = True
+
+    def __init__(self, cfg: VisionConfig, features: str = "aligner",
+                 out_dtype: torch.dtype = torch.float16, batch_tokens: int | None = None,
+                 max_images: int = 64) -> None:
+        self.cfg = cfg
+        self.device = torch.device("cpu")
+        self.features = features
+        self.out_dtype = out_dtype
+        self.width = cfg.output_width(features)
+        self.batch_tokens = batch_tokens or DEFAULT_BATCH_TOKENS["cuda"]
+        self.max_images = max_images
+        self.stats = EngineStats()
+        self.last_finite = True
+        self._pin = torch.cuda.is_available()
+        self._pending: deque[tuple[PackedBatch, int]] = deque()
+        self._zeros = np.zeros((0, self.width), _NUMPY_DTYPES[out_dtype])
+
+    def fit_budgets(self, bin_tokens: Sequence[int], max_budgets: int = 6) -> None:
+        """No graphs: nothing to fit."""
+
+    def prepare(self) -> None:
+        """No graphs: nothing to capture."""
+
+    def _stage(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.pin_memory() if self._pin else tensor.clone()
+
+    def submit(self, batch: PackedBatch) -> None:
+        """Stage the batch's inputs (the host side of a transfer) and make its rows."""
+        began = time.perf_counter()
+        for tensor in (batch.patches, batch.positions, batch.merge_index, batch.merge_mask):
+            self._stage(tensor)
+        self.stats.h2d_s += time.perf_counter() - began
+        rows = batch.n_rows if self.features == "aligner" else batch.n_tokens
+        if self._zeros.shape[0] < rows:  # what the device would write into: made once
+            self._zeros = np.zeros((rows, self.width), _NUMPY_DTYPES[self.out_dtype])
+        self._pending.append((batch, rows))
+
+    def collect(self) -> list[torch.Tensor]:
+        """The oldest submitted batch's rows, one tensor per image (a fresh numpy copy, as
+        ``pipeline`` makes of the engine's page-locked output)."""
+        batch, rows = self._pending.popleft()
+        self.stats.batches += 1
+        self.stats.real_tokens += batch.n_tokens
+        out = torch.from_numpy(self._zeros[:rows].copy())
+        return batch.split_rows(out if self.out_dtype != torch.bfloat16
+                                else out.view(torch.bfloat16))
+
+
+@dataclass
+class NullStage:
+    """What ``pipeline.run_encode(stand_in=...)`` takes: a checkpoint that stands for the
+    weights (the config's shape, no tensors) and a ``NullEngine`` for the run's options."""
+
+    config: VisionConfig
+    batch_tokens: int | None = None
+
+    @property
+    def checkpoint(self) -> Checkpoint:
+        return Checkpoint(self.config, {}, NULL_FINGERPRINT, "null stage")
+
+    def engine(self, device: torch.device, opts: EncodeOptions) -> NullEngine:
+        return NullEngine(self.config, opts.features, getattr(torch, opts.out_dtype),
+                          opts.batch_tokens or self.batch_tokens, opts.max_images)
+
+
+# ----------------------------------------------------------------------------- stage costs
+
+@dataclass
+class StageCosts:
+    """One thread's milliseconds per image for each host stage, over a sample."""
+
+    decode_ms: float = 0.0  # open, read and decode the file's pixels
+    transform_ms: float = 0.0  # resize/pad, patchify, normalize to bf16 bits
+    pack_ms: float = 0.0  # concatenate patches, positions and merge plans into a batch
+    stage_ms: float = 0.0  # copy the batch's inputs for the transfer (pin)
+    images: int = 0
+
+
+def stage_costs(paths: Sequence[Path], cfg: VisionConfig, features: str = "aligner",
+                max_pixels: int | None = None) -> StageCosts:
+    """Time decode, transform, pack and staging, one thread, on ``paths`` (as the pipeline
+    does them: ``decode._open_checked``'s checks, ``transform.image_to_patch_bits``,
+    ``packing.pack``, one copy per input tensor)."""
+    from .decode import DEFAULT_MAX_PIXELS, _open_checked
+    from .packing import pack
+    from .transform import bf16_bits_to_tensor, image_to_patch_bits
+
+    limit = max_pixels or DEFAULT_MAX_PIXELS
+    costs = StageCosts(images=len(paths))
+    items = []
+    for path in paths:
+        began = time.perf_counter()
+        with _open_checked(str(path), limit) as image:
+            image.load()
+            loaded = time.perf_counter()
+            bits, canvas = image_to_patch_bits(image, cfg)
+        done = time.perf_counter()
+        costs.decode_ms += (loaded - began) * 1e3
+        costs.transform_ms += (done - loaded) * 1e3
+        items.append((bf16_bits_to_tensor(bits), canvas.n_h, canvas.n_w))
+    began = time.perf_counter()
+    batch = pack(items, cfg.downsample_ratio, features)
+    packed = time.perf_counter()
+    for tensor in (batch.patches, batch.positions, batch.merge_index, batch.merge_mask):
+        tensor.clone()
+    staged = time.perf_counter()
+    costs.pack_ms = (packed - began) * 1e3
+    costs.stage_ms = (staged - packed) * 1e3
+    n = max(len(paths), 1)
+    for name in ("decode_ms", "transform_ms", "pack_ms", "stage_ms"):
+        setattr(costs, name, getattr(costs, name) / n)
+    return costs
+
+
+# ----------------------------------------------------------------------------- the bench
+
+@dataclass
+class HostResult:
+    """One host-bench run: throughput, per core, and where the time went."""
+
+    output: str  # "file" or "folder"
+    images: int
+    cores: int
+    workers: int
+    seconds: float  # the encoding loop (decode wait, pack, stage, rows, hand-off to writers)
+    img_s: float
+    img_s_per_core: float
+    decode_wait_s: float  # the main thread waiting for decoded images
+    stage_s: float  # the null engine's staging copies
+    write_s: float  # writer threads' seconds, and the final file's assembly
+    total_s: float  # the whole call: start-up, headers, plan, loop, final file
+    cpu_s: float  # CPU seconds of this process and its decode workers over the call
+    out_bytes: int
+    costs: StageCosts = field(default_factory=StageCosts)
+
+    def as_dict(self) -> dict:
+        from dataclasses import asdict
+
+        return asdict(self)
+
+
+def _cpu_seconds() -> float:
+    """CPU seconds used so far by this process and its waited-for children."""
+    times = os.times()
+    return times.user + times.system + times.children_user + times.children_system
+
+
+def _size(path: Path) -> int:
+    if path.is_file():
+        return path.stat().st_size
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def run_host_bench(config_path: str, images: str = "synthetic:1024x768:256",
+                   outputs: Sequence[str] = ("file", "folder"), workers: int | None = None,
+                   workdir: str | None = None, sample: int = 8,
+                   options: dict | None = None) -> list[HostResult]:
+    """Encode ``images`` (a folder, or ``synthetic:WxH:N`` / ``synthetic:mix[:N]`` JPEGs made
+    once in ``workdir``) with the null stage, once per output kind in ``outputs``.
+
+    ``workers``: decode workers (default: as for a CUDA run on this host). ``options``: more
+    ``EncodeOptions`` fields (e.g. ``{"out_dtype": "float32"}``)."""
+    from .bench import resolve_images
+    from .pipeline import run_encode
+
+    unknown = set(outputs) - {"file", "folder"}
+    if unknown:
+        raise ValueError(f"outputs must be file or folder, not {', '.join(sorted(unknown))}")
+    cfg = VisionConfig.from_file(config_path)
+    with tempfile.TemporaryDirectory(prefix="dsv4enc-host-") as scratch:
+        base = Path(workdir) if workdir else Path(scratch)
+        paths = resolve_images(images, base)
+        n_workers = default_workers("cuda") if workers is None else workers
+        costs = stage_costs(paths[:sample], cfg, (options or {}).get("features", "aligner"))
+        results = []
+        for kind in outputs:
+            out = base / ("host-folder" if kind == "folder" else "host.parquet")
+            target = f"{out}/" if kind == "folder" else str(out)  # the slash makes a folder
+            opts = EncodeOptions(inputs=[str(paths[0].parent)], out=target, config=config_path,
+                                 random_init=True, device="cpu", dtype="float32",
+                                 out_dtype="float16", workers=n_workers, overwrite=True,
+                                 progress=False)
+            opts = replace(opts, **(options or {}))
+            cpu0, began = _cpu_seconds(), time.perf_counter()
+            summary = run_encode(opts, stand_in=NullStage(cfg))
+            total, cpu = time.perf_counter() - began, _cpu_seconds() - cpu0
+            done = summary.encoded + summary.failed
+            loop = summary.encode_s
+            cores = available_cpus()
+            img_s = done / loop if loop else 0.0
+            results.append(HostResult(
+                output=kind, images=done, cores=cores, workers=n_workers, seconds=loop,
+                img_s=img_s, img_s_per_core=img_s / cores, decode_wait_s=summary.decode_wait_s,
+                stage_s=summary.h2d_s, write_s=summary.write_s, total_s=total, cpu_s=cpu,
+                out_bytes=_size(out), costs=costs))
+        return results
+
+
+def print_host_results(results: Sequence[HostResult], console=None) -> None:
+    """A table of the runs and the one-thread stage costs."""
+    from rich.console import Console
+    from rich.table import Table
+
+    console = console or Console()
+    table = Table(title="host capacity (null stage: no model)")
+    for name in ("output", "images", "cores", "workers", "img/s", "img/s/core", "loop s",
+                 "decode wait s", "stage s", "write s", "total s", "cpu s", "MB"):
+        table.add_column(name, justify="right")
+    for r in results:
+        table.add_row(r.output, str(r.images), str(r.cores), str(r.workers), f"{r.img_s:.1f}",
+                      f"{r.img_s_per_core:.1f}", f"{r.seconds:.2f}", f"{r.decode_wait_s:.2f}",
+                      f"{r.stage_s:.2f}", f"{r.write_s:.2f}", f"{r.total_s:.2f}",
+                      f"{r.cpu_s:.2f}", f"{r.out_bytes / 1e6:.0f}")
+    console.print(table)
+    if results:
+        c = results[0].costs
+        per_image = c.decode_ms + c.transform_ms + c.pack_ms + c.stage_ms
+        console.print(f"one thread, per image ({c.images} sampled): decode {c.decode_ms:.1f} ms, "
+                      f"transform {c.transform_ms:.1f} ms, pack {c.pack_ms:.2f} ms, stage "
+                      f"{c.stage_ms:.2f} ms: {1e3 / max(per_image, 1e-9):.0f} img/s per core "
+                      "before writing")
+
+
+def host_bench_command(config_path: str, images: str, outputs: Sequence[str],
+                       workers: int | None, json_out: str | None = None) -> list[HostResult]:
+    """``dsv4enc bench --host``: run, print the table, and write the rows to ``json_out``."""
+    import json
+
+    results = run_host_bench(config_path, images, outputs, workers)
+    print_host_results(results)
+    if json_out:
+        with open(json_out, "w") as handle:
+            json.dump([r.as_dict() for r in results], handle, indent=1)
+    return results

@@ -14,10 +14,13 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import time
 from typing import Callable, Mapping
 
 import torch
+
+from .errors import UsageError
 
 log = logging.getLogger(__name__)
 
@@ -88,9 +91,21 @@ def choose_cpu_dtype(capabilities: Mapping[str, bool],
     return torch.bfloat16 if bf16 > 0 and fp32 / bf16 >= min_speedup else torch.float32
 
 
+#: Pins what ``auto`` means on the CPU (``float32`` or ``bfloat16``), e.g. so that machines
+#: with and without native bfloat16 compute the same rows, or for a test suite's references.
+PIN_VARIABLE = "DSV4ENC_CPU_AUTO_DTYPE"
+_PINNABLE = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
 @functools.cache
 def auto_cpu_dtype() -> torch.dtype:
-    """The compute dtype ``auto`` means on this process's CPU (decided once, then cached)."""
+    """The compute dtype ``auto`` means on this process's CPU (decided once, then cached):
+    ``PIN_VARIABLE`` when set, else ``choose_cpu_dtype`` on this machine."""
+    pinned = os.environ.get(PIN_VARIABLE, "").strip()
+    if pinned:
+        if pinned not in _PINNABLE:
+            raise UsageError(f"{PIN_VARIABLE}={pinned!r}: use float32 or bfloat16")
+        return _PINNABLE[pinned]
     caps = cpu_capabilities()
     try:
         dtype = choose_cpu_dtype(caps, gemm_seconds)

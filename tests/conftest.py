@@ -32,6 +32,11 @@ _THREADS = max(1, min(2, len(os.sched_getaffinity(0)) if hasattr(os, "sched_geta
                       else (os.cpu_count() or 1)))
 torch.set_num_threads(int(os.environ.get("DSV4ENC_TEST_THREADS", _THREADS)))
 
+# --dtype auto on the CPU is bfloat16 on some CI machines (AMX) and float32 on others: the
+# suite's float32 references hold for float32, so auto means float32 here (subprocesses
+# too). test_cpufeatures tests the machine's own decision.
+os.environ.setdefault("DSV4ENC_CPU_AUTO_DTYPE", "float32")
+
 # No per-example deadline: timings on a loaded CI box are noise, not a property.
 settings.register_profile("dsv4enc", deadline=None, max_examples=100,
                           suppress_health_check=[HealthCheck.too_slow])

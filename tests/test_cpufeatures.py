@@ -1,9 +1,12 @@
 """--dtype auto on the CPU: bfloat16 only where it is native and measured faster."""
 
+import pytest
 import torch
 
-from dsv4enc.cpufeatures import (MIN_SPEEDUP, NATIVE_BF16_FEATURES, auto_cpu_dtype,
-                                 choose_cpu_dtype, cpu_capabilities)
+from dsv4enc.cpufeatures import (MIN_SPEEDUP, NATIVE_BF16_FEATURES, PIN_VARIABLE,
+                                 auto_cpu_dtype, choose_cpu_dtype, cpu_capabilities)
+from dsv4enc.device import resolve_dtype
+from dsv4enc.errors import UsageError
 
 NONE = {"amx_bf16": False, "avx512_bf16": False}
 
@@ -41,19 +44,33 @@ def test_native_feature_but_not_clearly_faster_is_float32():
     assert choose_cpu_dtype(caps, timer(1.0, 0.0)[0]) == torch.float32  # a broken timer
 
 
-def test_real_machine_decision_is_consistent_and_cached():
+def test_real_machine_decision(monkeypatch):
     caps = cpu_capabilities()
     assert set(caps) == set(NATIVE_BF16_FEATURES)
     assert all(isinstance(v, bool) for v in caps.values())
-    dtype = auto_cpu_dtype()
-    assert dtype in (torch.float32, torch.bfloat16)
-    if not any(caps.values()):
-        assert dtype == torch.float32  # e.g. AVX2-only CPUs
-    assert auto_cpu_dtype() is dtype  # decided once per process
+    monkeypatch.delenv(PIN_VARIABLE, raising=False)  # conftest pins auto for the suite
+    auto_cpu_dtype.cache_clear()
+    try:
+        dtype = auto_cpu_dtype()
+        assert dtype in (torch.float32, torch.bfloat16)
+        if not any(caps.values()):
+            assert dtype == torch.float32  # e.g. AVX2-only CPUs
+        assert auto_cpu_dtype() is dtype  # decided once per process
+    finally:
+        auto_cpu_dtype.cache_clear()
 
 
-def test_resolve_dtype_auto_on_cpu_uses_the_decision():
-    from dsv4enc.device import resolve_dtype
-
-    assert resolve_dtype("auto", torch.device("cpu")) == auto_cpu_dtype()
-    assert resolve_dtype("float32", torch.device("cpu")) == torch.float32
+@pytest.mark.parametrize("pinned, expected", [("float32", torch.float32),
+                                              ("bfloat16", torch.bfloat16)])
+def test_the_variable_pins_auto(monkeypatch, pinned, expected):
+    monkeypatch.setenv(PIN_VARIABLE, pinned)
+    auto_cpu_dtype.cache_clear()
+    try:
+        assert resolve_dtype("auto", torch.device("cpu")) == expected
+        assert resolve_dtype("float32", torch.device("cpu")) == torch.float32
+        monkeypatch.setenv(PIN_VARIABLE, "float64")
+        auto_cpu_dtype.cache_clear()
+        with pytest.raises(UsageError, match=PIN_VARIABLE):
+            resolve_dtype("auto", torch.device("cpu"))
+    finally:
+        auto_cpu_dtype.cache_clear()

@@ -131,6 +131,10 @@ def encode(
                                  "features."),
     pool: str = typer.Option("none", "--pool", metavar=choices("none", "mean"), help="none: "
                              "every row; mean: one vector per image (retrieval, dedup)."),
+    layout: str = typer.Option("binary", "--layout", metavar=choices("binary", "nested"),
+                               help="embedding column: binary (one cell of raw bytes per "
+                               "image, ~20x cheaper to write and read) or nested (float "
+                               "lists that SQL and dataframe tools read as numbers)."),
     batch_tokens: Optional[int] = typer.Option(None, "--batch-tokens", help="Patches per packed "
                                                "batch (default 32768 on CUDA, 8192 on CPU)."),
     workers: Optional[int] = typer.Option(None, "--workers", help="Decode processes (default "
@@ -154,6 +158,10 @@ def encode(
                                        "depend on what shares its batch, the rank count, "
                                        "resume, or how it arrived (same device kind, dtype "
                                        "and software). Not with --tp-mode weights."),
+    fused: bool = typer.Option(False, "--fused/--no-fused",
+                               help="Fuse the elementwise work around the GEMMs (RMSNorm, "
+                               "RoPE, SwiGLU) with torch.compile: equal to the eager tower "
+                               "to float rounding; compiling takes tens of seconds at start."),
     shard_output: bool = typer.Option(False, "--shard-output", help="torchrun: each rank "
                                       "writes its own parts under the --out folder."),
     tp_mode: str = typer.Option("data", "--tp-mode", metavar=choices("data", "weights"),
@@ -173,6 +181,9 @@ def encode(
     summary_json: Optional[str] = typer.Option(None, "--summary-json", help="Also write the "
                                                "run's summary here as JSON (at the end, or "
                                                "when a signal stops the run)."),
+    commit_every: float = typer.Option(30.0, "--commit-every", help="Seconds of encoding "
+                                       "after which finished images are committed as a part "
+                                       "(a kill loses about this much work)."),
     part_images: Optional[int] = typer.Option(None, "--part-images", hidden=True,
                                               help="Images per committed part (default from "
                                               "the config; small values for tests)."),
@@ -191,12 +202,14 @@ def encode(
         inputs=list(inputs or []), out=out, files_from=files_from, image_column=image_column,
         key_column=key_column, table_paths_roots=tuple(table_paths_root or ()), weights=weights,
         config=config, random_init=random_init, seed=seed, device=device, dtype=dtype,
-        out_dtype=out_dtype, features=features, pool=pool, batch_tokens=batch_tokens,
+        out_dtype=out_dtype, features=features, pool=pool, layout=layout,
+        batch_tokens=batch_tokens,
         workers=workers, overwrite=overwrite, resume=resume, max_pixels=max_pixels,
         decode_timeout=decode_timeout, attention=attention, cuda_graphs=cuda_graphs,
-        deterministic=deterministic,
+        deterministic=deterministic, fused=fused,
         shard_output=shard_output, tp_mode=tp_mode, balance=balance, timeout=timeout,
-        part_images=part_images, progress=not quiet, log_every=log_every)
+        part_images=part_images, commit_every=commit_every,
+        progress=not quiet, log_every=log_every)
     package_log = logging.getLogger("dsv4enc")
     log_level = package_log.level
     if quiet:  # warnings too: only errors (and the output path) are printed

@@ -16,7 +16,7 @@ import numpy as np
 
 from .config import MODEL_NAMES, model_type_of
 from .errors import UsageError
-from .reading import output_files, read_metadata
+from .reading import embedding_format, output_files, read_metadata
 
 TOP_ERRORS = 5
 _QUOTED = re.compile(r"'[^']*'|\"[^\"]*\"")
@@ -34,6 +34,7 @@ class OutputSummary:
     embedding_rows: int = 0
     width: int | None = None
     dtype: str | None = None
+    layout: str | None = None  # the embedding column's layout: binary or nested (SPEC §9)
     pooled: bool = False
     grid_h: dict[str, float] = field(default_factory=dict)
     grid_w: dict[str, float] = field(default_factory=dict)
@@ -96,12 +97,8 @@ def summarize(path: str | os.PathLike) -> OutputSummary:
         missing = [c for c in ("grid_h", "grid_w", "embedding", "error") if c not in schema.names]
         if missing:
             raise UsageError(f"{file}: not dsv4enc output (no column {missing[0]!r})")
-        emb = schema.field("embedding").type
-        out.pooled = pa.types.is_fixed_size_list(emb)
-        row_type = emb if out.pooled else emb.value_type
-        out.width = row_type.list_size
-        names = {pa.float16(): "float16", pa.float32(): "float32", pa.float64(): "float64"}
-        out.dtype = names.get(row_type.value_type, str(row_type.value_type))
+        fmt = embedding_format(schema)
+        out.layout, out.pooled, out.width, out.dtype = fmt.layout, fmt.pooled, fmt.width, fmt.dtype
         out.rows += handle.metadata.num_rows
         for batch in handle.iter_batches(batch_size=65536,
                                          columns=["path", "grid_h", "grid_w", "error"]):
@@ -158,7 +155,8 @@ def render(summary: OutputSummary, console=None) -> None:
     table.add_row("rows", f"{summary.rows} ({ok} encoded, {summary.failed} failed)")
     layout = "pooled: one vector per image" if summary.pooled else (
         f"{summary.embedding_rows} embedding rows")
-    table.add_row("embedding", f"width {summary.width}, {summary.dtype}; {layout}")
+    table.add_row("embedding", f"width {summary.width}, {summary.dtype}, {summary.layout} "
+                  f"layout; {layout}")
     table.add_row("grid_h min/median/max", _stat_text(summary.grid_h))
     table.add_row("grid_w min/median/max", _stat_text(summary.grid_w))
     table.add_row("rows per image", _stat_text(summary.rows_per_image))

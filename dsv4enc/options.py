@@ -32,6 +32,7 @@ class EncodeOptions:
     out_dtype: str = "float16"
     features: str = "aligner"
     pool: str = "none"
+    layout: str = "binary"  # the embedding column's layout (SPEC §9): binary or nested
     batch_tokens: int | None = None
     max_images: int = 64
     workers: int | None = None
@@ -42,11 +43,13 @@ class EncodeOptions:
     attention: str = "auto"
     cuda_graphs: bool | None = None
     deterministic: bool = True  # batch-invariant rows (Engine)
+    fused: bool = False  # compiled elementwise kernels (fusion.py)
     shard_output: bool = False
     tp_mode: str = "data"
     balance: str = "patches"
     timeout: float = 300.0
     part_images: int | None = None
+    commit_every: float = 30.0  # seconds of encoding before finished work is committed
     progress: bool = True
     log_every: float = 30.0  # seconds between progress lines when stderr is not a terminal
 
@@ -68,7 +71,8 @@ def validate(opts: EncodeOptions) -> None:
         raise UsageError("--config only applies with --random-init (a checkpoint has its own "
                          "config.json)")
     choices = {"out_dtype": ("float16", "float32"), "features": ("aligner", "vit"),
-               "pool": ("none", "mean"), "tp_mode": ("data", "weights"),
+               "pool": ("none", "mean"), "layout": ("binary", "nested"),
+               "tp_mode": ("data", "weights"),
                "balance": ("patches", "flops")}
     for name, allowed in choices.items():
         if getattr(opts, name) not in allowed:
@@ -81,6 +85,8 @@ def validate(opts: EncodeOptions) -> None:
         raise UsageError(f"--workers must be 0 or more, got {opts.workers}")
     if opts.log_every <= 0:
         raise UsageError(f"--log-every must be positive, got {opts.log_every}")
+    if opts.commit_every <= 0:
+        raise UsageError(f"--commit-every must be positive, got {opts.commit_every}")
     if opts.decode_timeout <= 0 or opts.timeout <= 0:
         raise UsageError("timeouts must be positive")
     if opts.shard_output and opts.tp_mode == "weights":

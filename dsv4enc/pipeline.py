@@ -32,6 +32,7 @@ from .options import (EncodeOptions, decode_window, default_workers, default_wri
                       validate)
 from .packing import output_grid, pack
 from .planning import (Part, Planned, images_per_part, part_batches, plan_parts, read_headers,
+                       segment_tokens,
                        share_for_rank)
 from .prefetch import Prefetch
 from .progress import RunProgress
@@ -106,6 +107,9 @@ def _tower_engine(ckpt: Checkpoint, device: torch.device, opts: EncodeOptions,
     if dist is not None and opts.tp_mode == "weights":
         from .sharding import apply_tensor_parallel
         tp = apply_tensor_parallel(model, dist)
+    if opts.fused:
+        from .fusion import fuse_elementwise  # torch.compile's import is slow: only when asked
+        fuse_elementwise(model)
     engine = Engine(model, features=opts.features, attention=opts.attention,
                     out_dtype=resolve_out_dtype(opts.out_dtype),
                     cuda_graphs=opts.cuda_graphs, batch_tokens=opts.batch_tokens,
@@ -127,6 +131,7 @@ def run_settings(ckpt: Checkpoint, opts: EncodeOptions, dtype: torch.dtype,
         "weights_fingerprint": ckpt.fingerprint, "compute_dtype": str(dtype).removeprefix("torch."),
         "device": engine.device.type, "batch_invariant": engine.deterministic,
         "out_dtype": opts.out_dtype, "features": opts.features, "pool": opts.pool,
+        "layout": opts.layout,
         "part_images": part_images,
     }
 
@@ -208,10 +213,12 @@ def _run_encode(opts: EncodeOptions, dist, prefetch: Prefetch | None,
                 settings["world_size"] = dist.world_size
             store = PartStore(layout.parts_dir, settings, layout.manifest_name(dist))
             parts = plan_parts(planned, part_images, dist if opts.shard_output else None,
-                               opts.balance, cfg)
+                               opts.balance, cfg, segment_tokens=(
+                                   None if dist is not None and not tp else  # greedy per part
+                                   segment_tokens(engine.batch_tokens, device.type)))
             todo = resume_filter(store, parts, opts, is_writer_rank, dist, summary)
             schema = output_schema(cfg.output_width(opts.features), opts.out_dtype,
-                                   settings, pooled=opts.pool == "mean")
+                                   settings, pooled=opts.pool == "mean", layout=opts.layout)
             progress.start(total=len(planned), done=summary.reused,
                            tokens=sum(planned[i].tokens for p in todo
                                       for i in range(p.start, p.end)))
@@ -243,6 +250,7 @@ def _run_encode(opts: EncodeOptions, dist, prefetch: Prefetch | None,
                         with stop.deferred():  # parts in the writer's hands get committed
                             writer.close()
                         summary.write_s = writer.seconds
+                        stop.hint = layout.resume_hint(store)  # what was really committed
                     summary.encode_s = time.perf_counter() - began
                     progress.end_encoding()
                 stop.check()

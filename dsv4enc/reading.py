@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
@@ -51,13 +52,72 @@ def _parquet_under(folder: Path) -> list[Path]:
     return found
 
 
-def embedding_arrays(column) -> list[np.ndarray | None]:
-    """One numpy array per row of an ``embedding`` Arrow column: (rows, width) for the list
-    layout, (width,) for pooled vectors; None where the value is null. Copies, exact dtype."""
+#: The ``embedding`` column's layouts (SPEC §9). ``binary``: one cell per image holding its
+#: (rows, width) array's bytes, little-endian, C order. ``nested``: a list of fixed-size float
+#: lists (the only layout of earlier outputs; still written with ``--layout nested``).
+LAYOUTS = ("binary", "nested")
+
+
+@dataclass(frozen=True)
+class EmbeddingFormat:
+    """How to read an output's ``embedding`` column: its layout, stored dtype, row width and
+    whether each cell is one pooled vector (``(width,)``) rather than ``(rows, width)``."""
+
+    layout: str
+    dtype: str
+    width: int
+    pooled: bool
+
+    @property
+    def numpy_dtype(self) -> np.dtype:
+        return np.dtype(self.dtype).newbyteorder("<")
+
+
+_FLOAT_NAMES = {"halffloat": "float16", "float": "float32", "double": "float64"}
+
+
+def embedding_format(schema) -> EmbeddingFormat:
+    """The ``embedding`` column's format, from an output's Arrow schema and its ``dsv4enc``
+    metadata (which names the layout; outputs written before it did are ``nested``)."""
+    import pyarrow as pa
+
+    kind = schema.field("embedding").type
+    described = _metadata_of(schema).get("embedding")
+    if pa.types.is_binary(kind) or pa.types.is_large_binary(kind):
+        if not isinstance(described, dict):
+            raise UsageError("binary embedding column without dsv4enc metadata naming its "
+                             "dtype and width")
+        return EmbeddingFormat("binary", str(described["dtype"]), int(described["width"]),
+                               bool(described.get("pooled", False)))
+    pooled = pa.types.is_fixed_size_list(kind)
+    row = kind if pooled else kind.value_type
+    if not pa.types.is_fixed_size_list(row) or not pa.types.is_floating(row.value_type):
+        raise UsageError(f"unknown embedding column type {kind}")
+    return EmbeddingFormat("nested", _FLOAT_NAMES[str(row.value_type)], row.list_size, pooled)
+
+
+def _metadata_of(schema) -> dict[str, Any]:
+    raw = (schema.metadata or {}).get(b"dsv4enc")
+    try:
+        data = json.loads(raw) if raw else {}
+    except ValueError:
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def embedding_arrays(column, fmt: EmbeddingFormat | None = None) -> list[np.ndarray | None]:
+    """One numpy array per row of an ``embedding`` Arrow column: (rows, width), or (width,)
+    for pooled vectors; None where the value is null. Copies, exact dtype.
+
+    ``fmt`` is needed for the binary layout (its cells do not say their dtype or width)."""
     import pyarrow as pa
 
     if isinstance(column, pa.ChunkedArray):
-        return [a for chunk in column.chunks for a in embedding_arrays(chunk)]
+        return [a for chunk in column.chunks for a in embedding_arrays(chunk, fmt)]
+    if pa.types.is_binary(column.type) or pa.types.is_large_binary(column.type):
+        if fmt is None:
+            raise ValueError("a binary embedding column needs its EmbeddingFormat")
+        return _binary_arrays(column, fmt)
     valid = column.is_valid().to_numpy(zero_copy_only=False)
     if pa.types.is_fixed_size_list(column.type):  # pooled: one vector per row
         width = column.type.list_size
@@ -72,6 +132,23 @@ def embedding_arrays(column) -> list[np.ndarray | None]:
     matrix = flat.to_numpy(zero_copy_only=False).reshape(hi - lo, width)
     return [matrix[offsets[i] - lo:offsets[i + 1] - lo].copy() if valid[i] else None
             for i in range(len(column))]
+
+
+def _binary_arrays(column, fmt: EmbeddingFormat) -> list[np.ndarray | None]:
+    """Cells of a (large_)binary column as arrays: a view of each cell's bytes, copied out."""
+    import pyarrow as pa
+
+    offset_type = np.int64 if pa.types.is_large_binary(column.type) else np.int32
+    validity, offsets_buf, data_buf = column.buffers()
+    offsets = np.frombuffer(offsets_buf, dtype=offset_type)[
+        column.offset:column.offset + len(column) + 1]
+    data = np.frombuffer(data_buf, dtype=np.uint8) if data_buf is not None else np.zeros(0, np.uint8)
+    valid = (column.is_valid().to_numpy(zero_copy_only=False) if validity is not None
+             else np.ones(len(column), dtype=bool))
+    dtype = fmt.numpy_dtype
+    shape = (fmt.width,) if fmt.pooled else (-1, fmt.width)
+    return [data[offsets[i]:offsets[i + 1]].view(dtype).reshape(shape).astype(dtype.newbyteorder("="))
+            if valid[i] else None for i in range(len(column))]
 
 
 def read_embeddings(path: str | os.PathLike, columns: Sequence[str] | None = None, *,
@@ -101,9 +178,10 @@ def read_embeddings(path: str | os.PathLike, columns: Sequence[str] | None = Non
         unknown = [c for c in need if c not in names]
         if unknown:
             raise UsageError(f"{file}: no column {unknown[0]!r} (columns: {', '.join(names)})")
+        fmt = embedding_format(handle.schema_arrow) if "embedding" in need else None
         for batch in handle.iter_batches(batch_size=batch_rows, columns=need):
             data = {name: batch.column(name) for name in need}
-            arrays = embedding_arrays(data["embedding"]) if "embedding" in data else None
+            arrays = embedding_arrays(data["embedding"], fmt) if "embedding" in data else None
             failed = (data["error"].is_valid().to_numpy(zero_copy_only=False)
                       if errors == "skip" else None)
             plain = {n: data[n].to_pylist() for n in need if n != "embedding"}
@@ -125,9 +203,4 @@ def read_metadata(path: str | os.PathLike) -> dict[str, Any]:
     files = output_files(path)
     if not files:
         return {}
-    meta = pq.read_schema(files[0]).metadata or {}
-    raw = meta.get(b"dsv4enc")
-    try:
-        return json.loads(raw) if raw else {}
-    except ValueError:
-        return {}
+    return _metadata_of(pq.read_schema(files[0]))

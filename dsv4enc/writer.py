@@ -24,19 +24,21 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from .errors import OutputError
+from .reading import LAYOUTS, embedding_format
 
 MANIFEST_NAME = "_manifest.json"
 #: What a manifest says it is: dsv4enc recognises its own manifests by content, not by name.
 MANIFEST_FORMAT = "dsv4enc-parts"
 MANIFEST_VERSION = 2
 #: Names dsv4enc gives its files in a parts folder (``--out`` folder or ``OUT.partial``).
-PART_FILE = re.compile(r"part-\d{6}(?:-rank\d{3})?\.parquet")
+PART_FILE = re.compile(r"part-\d{6,}(?:_\d{6,})?(?:-rank\d{3})?\.parquet")
 MANIFEST_FILE = re.compile(r"_manifest(?:-rank\d{3})?\.json")
 #: Errors that say nothing about the image (a time limit, a crashed or unstarted worker, a
 #: stop): a part holding one is encoded again on --resume, as a clean run would retry it.
 TRANSIENT_ERRORS = ("decode timed out", "header read timed out", "decoder crashed",
                     "decode worker failed", "interrupted before")
 ROW_GROUP_BYTES = 64 << 20
+DEFAULT_LAYOUT = "binary"
 _ARROW_FLOAT = {"float16": pa.float16(), "float32": pa.float32()}
 _NUMPY_FLOAT = {"float16": np.float16, "float32": np.float32}
 
@@ -57,11 +59,20 @@ def prefer_jemalloc_pool() -> None:
 
 
 def output_schema(width: int, out_dtype: str, metadata: dict[str, Any] | None = None,
-                  pooled: bool = False) -> pa.Schema:
-    """The output schema; ``metadata`` goes under the ``dsv4enc`` key as JSON."""
-    value = _ARROW_FLOAT[out_dtype]
-    row = pa.list_(value, width)
-    embedding = row if pooled else pa.list_(row)
+                  pooled: bool = False, layout: str = DEFAULT_LAYOUT) -> pa.Schema:
+    """The output schema; ``metadata`` goes under the ``dsv4enc`` key as JSON, with an
+    ``embedding`` entry that says how to read the column (``reading.embedding_format``).
+
+    ``layout`` (SPEC §9, measured in benchmarks/RESULTS.md): ``binary`` stores each image's
+    (rows, width) array as one binary cell, which Parquet writes and reads at memory speed;
+    ``nested`` stores float lists, which tools can read as numbers but cost ~20x the CPU."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, not {layout!r}")
+    if layout == "binary":
+        embedding = pa.large_binary()  # 64-bit offsets: a part may hold over 2 GiB
+    else:
+        row = pa.list_(_ARROW_FLOAT[out_dtype], width)
+        embedding = row if pooled else pa.list_(row)
     fields = [
         pa.field("path", pa.string(), nullable=False),
         pa.field("width", pa.int32()),
@@ -73,7 +84,11 @@ def output_schema(width: int, out_dtype: str, metadata: dict[str, Any] | None = 
         pa.field("embedding", embedding),
         pa.field("error", pa.string()),
     ]
-    meta = {b"dsv4enc": json.dumps(metadata or {}, sort_keys=True).encode()}
+    described = {"layout": layout, "dtype": out_dtype, "width": width, "pooled": pooled,
+                 "shape": [width] if pooled else ["grid_h*grid_w", width],
+                 "byte_order": "little"}
+    meta = {b"dsv4enc": json.dumps({**(metadata or {}), "embedding": described},
+                                   sort_keys=True).encode()}
     return pa.schema(fields, metadata=meta)
 
 
@@ -138,7 +153,46 @@ def _string_array(values: Sequence[str | None]) -> pa.Array:
 
 def rows_to_table(rows: Sequence[Row], schema: pa.Schema) -> pa.Table:
     """Build an Arrow table from rows; embeddings go in as one flat buffer, no Python floats."""
-    emb_type = schema.field("embedding").type
+    fmt = embedding_format(schema)
+    embedding = (_binary_embeddings(rows, fmt) if fmt.layout == "binary"
+                 else _nested_embeddings(rows, schema.field("embedding").type))
+    columns = {
+        "path": _string_array([utf8_text(r.path) for r in rows]),
+        **{name: _int32_array([getattr(r, name) for r in rows])
+           for name in ("width", "height", "vit_h", "vit_w", "grid_h", "grid_w")},
+        "embedding": embedding,
+        "error": _string_array([r.error for r in rows]),
+    }
+    return pa.Table.from_arrays(list(columns.values()), schema=schema)
+
+
+_NULL_CELL = np.zeros(1, dtype=np.uint8)  # validity bitmap of a one-row null chunk
+
+
+def _binary_embeddings(rows: Sequence[Row], fmt) -> pa.ChunkedArray:
+    """One large_binary cell per row: the embedding's bytes (stored dtype, little-endian,
+    C order), null for failed rows.
+
+    Zero-copy: each row is a one-value chunk whose data buffer is the row's own array (cast
+    only if it is not already in the stored dtype), so the Parquet writer's copy into its
+    pages is the only one; a concatenated buffer would cost a copy and fresh pages."""
+    dtype = fmt.numpy_dtype
+    shape = (fmt.width,) if fmt.pooled else (-1, fmt.width)
+    chunks = []
+    for r in rows:
+        if r.embedding is None:
+            chunks.append(pa.Array.from_buffers(pa.large_binary(), 1, [
+                pa.py_buffer(_NULL_CELL), pa.py_buffer(np.zeros(2, np.int64)), pa.py_buffer(b"")]))
+            continue
+        values = np.ascontiguousarray(np.asarray(r.embedding).reshape(shape), dtype=dtype)
+        offsets = np.array([0, values.nbytes], dtype=np.int64)
+        chunks.append(pa.Array.from_buffers(pa.large_binary(), 1, [
+            None, pa.py_buffer(offsets), pa.py_buffer(values.reshape(-1).view(np.uint8))]))
+    return pa.chunked_array(chunks, type=pa.large_binary())
+
+
+def _nested_embeddings(rows: Sequence[Row], emb_type: pa.DataType) -> pa.Array:
+    """The ``nested`` layout: list<fixed_size_list<float, width>> (fixed_size_list pooled)."""
     pooled = pa.types.is_fixed_size_list(emb_type)
     row_type = emb_type if pooled else emb_type.value_type
     width = row_type.list_size
@@ -167,14 +221,7 @@ def rows_to_table(rows: Sequence[Row], schema: pa.Schema) -> pa.Table:
         embedding = pa.Array.from_buffers(emb_type, len(rows),
                                           [_validity(valid), pa.py_buffer(offsets)],
                                           children=[vectors])
-    columns = {
-        "path": _string_array([utf8_text(r.path) for r in rows]),
-        **{name: _int32_array([getattr(r, name) for r in rows])
-           for name in ("width", "height", "vit_h", "vit_w", "grid_h", "grid_w")},
-        "embedding": embedding,
-        "error": _string_array([r.error for r in rows]),
-    }
-    return pa.Table.from_arrays(list(columns.values()), schema=schema)
+    return embedding
 
 
 def parquet_options(schema: pa.Schema) -> dict[str, Any]:
@@ -188,18 +235,16 @@ def parquet_options(schema: pa.Schema) -> dict[str, Any]:
 
 
 def rows_per_group(schema: pa.Schema, rows: Sequence[Row]) -> int:
-    """Rows per row group so that groups hold about ROW_GROUP_BYTES of float32 embeddings,
-    or a quarter of that in float16.
+    """Rows per row group so that groups hold about ROW_GROUP_BYTES of embeddings, or a
+    quarter of that for nested float16.
 
     Writing a row group takes transient memory in proportion to its values: Parquet keeps
     float16 as 2-byte fixed-length binaries, which the writer handles at ~15 bytes per value
     (float32: ~8), so a float16 group the size of a float32 one would cost ~4x the memory."""
     sizes = [r.embedding.nbytes for r in rows if r.embedding is not None]
     mean = (sum(sizes) / len(sizes)) if sizes else 1
-    emb_type = schema.field("embedding").type
-    while not pa.types.is_floating(emb_type):
-        emb_type = emb_type.value_type
-    weight = 4 if emb_type == pa.float16() else 1
+    fmt = embedding_format(schema)
+    weight = 4 if fmt.layout == "nested" and fmt.dtype == "float16" else 1
     return max(1, min(1 << 20, int(ROW_GROUP_BYTES // max(mean * weight, 1))))
 
 
@@ -331,6 +376,8 @@ class PartStore:
         self.manifest_name = manifest_name
         self.parts: dict[str, dict[str, Any]] = {}
         self.changed = 0  # committed parts whose input files changed (found by ``committed``)
+        self.segments: dict[str, Any] = {}  # the run's planned segments (``planning.Part``)
+        self.commit_seconds: float | None = None  # join segments into parts for this long
         self._lock = threading.Lock()
 
     @property
@@ -375,9 +422,12 @@ class PartStore:
         return part.get("transient", 0) == 0
 
     def forget(self, names: Sequence[str]) -> None:
-        """Drop parts that are to be encoded again from the record."""
-        drop = set(names)
-        self.parts = {name: part for name, part in self.parts.items() if name not in drop}
+        """Drop recorded parts that are not reused, and their files: a folder output must
+        not keep a stale part beside the rows that replace it."""
+        for name in names:
+            part = self.parts.pop(name, None)
+            if part is not None:
+                (self.folder / part["file"]).unlink(missing_ok=True)
 
     def commit(self, name: str, table: pa.Table, row_group_size: int, start: int, end: int,
                digest: str) -> None:
@@ -413,12 +463,17 @@ class StreamingAssembler:
 
     def __init__(self, store: "PartStore", names: Sequence[str], out: Path,
                  schema: pa.Schema) -> None:
-        self.store, self.names, self.out, self.schema = store, list(names), out, schema
+        """``names``: the run's segments (``store.segments``), reused or to be encoded; the
+        file holds their whole range, taken from whichever committed parts cover it."""
+        self.store, self.out, self.schema = store, out, schema
+        spans = [(store.segments[name].start, store.segments[name].end) for name in names]
+        self.begin = min((a for a, _ in spans), default=0)
+        self.finish_at = max((b for _, b in spans), default=0)
         self.tmp = temp_path(out, store.folder)
         self.seconds = 0.0
         self.error: BaseException | None = None
         self._aborted = False
-        self._offered: dict[str, tuple[pa.Table, int]] = {}
+        self._offered: dict[int, tuple[int, pa.Table, int]] = {}  # start -> (end, table, rg)
         self._cond = threading.Condition()
         self._thread = threading.Thread(target=self._run, name="dsv4enc-assembler",
                                         daemon=True)
@@ -429,42 +484,54 @@ class StreamingAssembler:
         with self._cond:
             self._cond.notify_all()
 
-    def offer(self, name: str, table: pa.Table, row_group_size: int) -> None:
+    def offer(self, start: int, end: int, table: pa.Table, row_group_size: int) -> None:
         """A part's table, about to be committed: the assembler may copy it from memory
         (while the part file is written) instead of reading the committed file back."""
         with self._cond:
-            if name in self.names and not self._aborted:
-                self._offered[name] = (table, row_group_size)
+            if not self._aborted:
+                self._offered[start] = (end, table, row_group_size)
                 self._cond.notify_all()
 
-    def _wait_for(self, name: str) -> bool:
+    def _committed_at(self, position: int) -> tuple[str, int] | None:
+        for name, part in self.store.parts.items():
+            if part["start"] == position:
+                return name, part["end"]
+        return None
+
+    def _wait_for(self, position: int) -> bool:
+        """Wait until a part that starts at ``position`` is offered or committed."""
         with self._cond:
-            while (name not in self._offered and name not in self.store.parts
+            while (position not in self._offered and self._committed_at(position) is None
                    and not self._aborted):
                 self._cond.wait(timeout=1.0)
             return not self._aborted
 
-    def _append(self, writer: pq.ParquetWriter, name: str) -> None:
-        """Copy part ``name`` into the output: from memory if offered, else from its file."""
+    def _append(self, writer: pq.ParquetWriter, position: int) -> int:
+        """Copy the part at ``position`` into the output (from memory if offered, else from
+        its file); returns where it ends."""
         with self._cond:
-            offered = self._offered.pop(name, None)
+            offered = self._offered.pop(position, None)
+            committed = None if offered is not None else self._committed_at(position)
         if offered is not None:
-            table, row_group_size = offered
+            end, table, row_group_size = offered
             writer.write_table(table, row_group_size=row_group_size)
-            return
+            return end
+        name, end = committed
         handle = pq.ParquetFile(self.store.folder / self.store.parts[name]["file"])
         for group in range(handle.num_row_groups):
             writer.write_table(handle.read_row_group(group))
+        return end
 
     def _run(self) -> None:
         try:
             with pq.ParquetWriter(self.tmp, self.schema,
                                   **parquet_options(self.schema)) as writer:
-                for name in self.names:
-                    if not self._wait_for(name):
+                position = self.begin
+                while position < self.finish_at:
+                    if not self._wait_for(position):
                         return
                     began = time.perf_counter()
-                    self._append(writer, name)
+                    position = self._append(writer, position)
                     self.seconds += time.perf_counter() - began
             with open(self.tmp, "rb+") as handle:
                 os.fsync(handle.fileno())

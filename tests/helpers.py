@@ -153,3 +153,18 @@ def load_config(name: str) -> VisionConfig:
 def all_items(groups: Iterable[Iterable[int]]) -> list[int]:
     """Flatten bins of indices (for packing checks)."""
     return [i for group in groups for i in group]
+
+
+def table_rows(table) -> list[dict]:
+    """``table.to_pylist()`` for a dsv4enc output, whatever its embedding layout: each
+    embedding as nested Python lists of floats (rows of width values, or one vector when
+    pooled), None for failed rows, exactly as the ``nested`` layout reads back."""
+    from dsv4enc.reading import embedding_arrays, embedding_format
+
+    if "embedding" not in table.column_names:
+        return table.to_pylist()
+    arrays = embedding_arrays(table.column("embedding"), embedding_format(table.schema))
+    rows = table.drop_columns(["embedding"]).to_pylist()
+    names = table.column_names
+    return [{name: (None if a is None else a.tolist()) if name == "embedding" else row[name]
+             for name in names} for row, a in zip(rows, arrays)]

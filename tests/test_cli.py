@@ -34,6 +34,7 @@ from dsv4enc.checkpoint import (Checkpoint, build_tower, load_checkpoint, random
                                 save_checkpoint)
 from dsv4enc.cli import app
 from dsv4enc.config import VisionConfig
+from dsv4enc.reading import embedding_arrays, embedding_format
 from dsv4enc.transform import image_to_patches
 
 from helpers import CONFIGS, REPO_ROOT, rel_err, write_image
@@ -163,22 +164,24 @@ def meta(table_or_schema) -> dict:
 
 def embeddings(table: pa.Table) -> list[np.ndarray | None]:
     """Each row's embedding as a (rows, width) array (None for failed rows)."""
-    out = []
-    for value in table.column("embedding").to_pylist():
-        out.append(None if value is None else np.array(value, dtype=np.float64))
-    return out
+    fmt = embedding_format(table.schema)
+    return [None if a is None else a.astype(np.float64)
+            for a in embedding_arrays(table.column("embedding"), fmt)]
 
 
-def expected_schema(value: pa.DataType, width: int) -> list[tuple[str, pa.DataType]]:
+def expected_schema() -> list[tuple[str, pa.DataType]]:
     i32 = pa.int32()
     return [("path", pa.string()), ("width", i32), ("height", i32), ("vit_h", i32),
             ("vit_w", i32), ("grid_h", i32), ("grid_w", i32),
-            ("embedding", pa.list_(pa.list_(value, width))), ("error", pa.string())]
+            ("embedding", pa.large_binary()), ("error", pa.string())]
 
 
 def check_schema(table: pa.Table, value: pa.DataType, width: int) -> None:
-    assert [(f.name, f.type) for f in table.schema] == expected_schema(value, width)
-    assert pa.types.is_fixed_size_list(table.schema.field("embedding").type.value_type)
+    """The default (binary) layout: its metadata names the stored dtype and the width."""
+    assert [(f.name, f.type) for f in table.schema] == expected_schema()
+    described = meta(table)["embedding"]
+    assert described["layout"] == "binary" and described["width"] == width
+    assert described["dtype"] == {pa.float16(): "float16", pa.float32(): "float32"}[value]
 
 
 @pytest.fixture(scope="module")

@@ -45,7 +45,7 @@ from dsv4enc.inputs import InputItem, discover
 from dsv4enc.pipeline import EncodeOptions, run_encode
 from dsv4enc.transform import image_to_patches, plan_canvas
 
-from helpers import REPO_ROOT
+from helpers import REPO_ROOT, table_rows
 
 runner = CliRunner()
 IS_ROOT = hasattr(os, "geteuid") and os.geteuid() == 0
@@ -229,7 +229,7 @@ def hostile_run(tmp_path_factory, hostile, ckpt):
                     str(ckpt), "--workers", "1", "--decode-timeout", "30", "--max-pixels",
                     str(MAX_PIXELS), "--out-dtype", "float32", "--part-images", "7")
     assert result.exit_code == 0, result.output
-    rows = pq.read_table(out).to_pylist()
+    rows = table_rows(pq.read_table(out))
     return {row["path"]: row for row in rows}, [row["path"] for row in rows], str(fifo)
 
 
@@ -479,7 +479,7 @@ def test_files_that_vanish_or_change_between_listing_and_decoding(tmp_path, ckpt
     summary = run_encode(EncodeOptions(inputs=[str(folder)], out=str(out), weights=str(ckpt),
                                        device="cpu", workers=1, decode_timeout=2.0,
                                        progress=False))
-    rows = {r["path"]: r for r in pq.read_table(out).to_pylist()}
+    rows = {r["path"]: r for r in table_rows(pq.read_table(out))}
     assert list(rows) == names
     assert rows["a.png"]["error"] is None and rows["z.png"]["error"] is None
     assert "No such file" in rows["gone_early.png"]["error"]
@@ -509,7 +509,7 @@ def test_unreadable_file_and_folder_at_listing(tmp_path, ckpt):
         result = encode(str(folder), "--out", str(out), "--weights", str(ckpt), "--workers",
                         "0")
         assert result.exit_code == 0, result.output
-        rows = {r["path"]: r for r in pq.read_table(out).to_pylist()}
+        rows = {r["path"]: r for r in table_rows(pq.read_table(out))}
         assert rows["a.png"]["error"] is None
         assert "Permission denied" in rows["locked.png"]["error"]
     finally:
@@ -646,7 +646,7 @@ def test_cli_over_fuzzed_files_gives_one_row_each(tmp_path, ckpt):
     result = encode(str(folder), "--out", str(out), "--weights", str(ckpt), "--workers", "0",
                     "--max-pixels", str(FUZZ_MAX_PIXELS))
     assert result.exit_code == 0, result.output
-    rows = pq.read_table(out).to_pylist()
+    rows = table_rows(pq.read_table(out))
     assert [r["path"] for r in rows] == sorted(names)
     for row in rows:
         assert (row["error"] is None) != (row["embedding"] is None), row["path"]

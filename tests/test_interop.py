@@ -17,7 +17,7 @@ from dsv4enc import read_embeddings
 from dsv4enc.checkpoint import random_state_dict, save_checkpoint
 from dsv4enc.cli import app
 from dsv4enc.inspect_output import error_group, summarize
-from dsv4enc.reading import embedding_arrays, output_files
+from dsv4enc.reading import EmbeddingFormat, embedding_arrays, output_files
 
 from helpers import write_image
 
@@ -50,28 +50,76 @@ def encode(setup, name: str, *extra: str) -> Path:
     return out
 
 
+@pytest.fixture(scope="module", params=["binary", "nested"])
+def layout(request) -> str:
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def emb_file(setup) -> Path:
-    return encode(setup, "emb.parquet")
+def emb_file(setup, layout) -> Path:
+    return encode(setup, f"emb-{layout}.parquet", "--layout", layout)
+
+
+def arrow_decoded(table: pa.Table) -> dict[str, np.ndarray | None]:
+    """Per path: the embedding decoded straight from pyarrow's buffers, or None: float lists
+    for the nested layout, the cell's bytes viewed with the metadata's dtype for binary."""
+    meta = json.loads(table.schema.metadata[b"dsv4enc"])["embedding"]
+    out = {}
+    for row in table.to_pylist():
+        emb = row["embedding"]
+        if emb is not None and meta["layout"] == "binary":
+            emb = np.frombuffer(emb, np.dtype(meta["dtype"])).reshape(-1, meta["width"])
+        out[row["path"]] = None if emb is None else np.array(emb, dtype=meta["dtype"])
+    return out
 
 
 @pytest.fixture(scope="module")
 def arrow_rows(emb_file):
     """Per path: the embedding as pyarrow decodes it (float16 numpy), or None."""
-    table = pq.read_table(emb_file)
-    out = {}
-    for row in table.to_pylist():
-        emb = row["embedding"]
-        out[row["path"]] = None if emb is None else np.array(emb, dtype=np.float16)
-    return out
+    return arrow_decoded(pq.read_table(emb_file))
 
 
-def test_pyarrow_schema_and_float16(emb_file, setup, arrow_rows):
+def test_pyarrow_schema_and_float16(emb_file, setup, arrow_rows, layout):
     _, cfg = setup
     schema = pq.read_schema(emb_file)
-    assert schema.field("embedding").type == pa.list_(pa.list_(pa.float16(), cfg.hidden_size))
+    expected = {"binary": pa.large_binary(),
+                "nested": pa.list_(pa.list_(pa.float16(), cfg.hidden_size))}[layout]
+    assert schema.field("embedding").type == expected
+    described = json.loads(schema.metadata[b"dsv4enc"])["embedding"]
+    assert described == {"layout": layout, "dtype": "float16", "width": cfg.hidden_size,
+                         "pooled": False, "shape": ["grid_h*grid_w", cfg.hidden_size],
+                         "byte_order": "little"}
     assert arrow_rows["d/broken.png"] is None
     assert sum(v is not None for v in arrow_rows.values()) == len(SPECS)
+
+
+def test_both_layouts_hold_the_same_rows(setup):
+    """--layout changes how the column is stored, not a bit of what read_embeddings returns."""
+    binary, nested = (list(read_embeddings(encode(setup, f"emb-{name}.parquet", "--layout",
+                                                  name), errors="include"))
+                      for name in ("binary", "nested"))
+    assert [(p, g) for p, _, g in binary] == [(p, g) for p, _, g in nested]
+    for (_, a, _), (_, b, _) in zip(binary, nested):
+        assert (a is None and b is None) or (a.dtype == b.dtype and a.tobytes() == b.tobytes())
+
+
+def test_outputs_of_the_previous_version_still_read(setup, tmp_path):
+    """An output written before the layout was recorded (nested, no ``embedding`` metadata)
+    reads back as before, through read_embeddings and inspect."""
+    _, cfg = setup
+    table = pq.read_table(encode(setup, "emb-nested.parquet", "--layout", "nested"))
+    meta = json.loads(table.schema.metadata[b"dsv4enc"])
+    del meta["embedding"], meta["layout"]
+    old = tmp_path / "old.parquet"
+    pq.write_table(table.replace_schema_metadata({b"dsv4enc": json.dumps(meta).encode()}), old)
+    want = list(read_embeddings(encode(setup, "emb-binary.parquet", "--layout", "binary")))
+    got = list(read_embeddings(old))
+    assert [(p, g) for p, _, g in got] == [(p, g) for p, _, g in want]
+    assert all(a.tobytes() == b.tobytes() and a.dtype == b.dtype
+               for (_, a, _), (_, b, _) in zip(got, want))
+    summary = summarize(old)
+    assert (summary.layout, summary.width, summary.dtype) == ("nested", cfg.hidden_size,
+                                                              "float16")
 
 
 def test_read_embeddings_round_trips_exactly(emb_file, arrow_rows):
@@ -95,9 +143,18 @@ def test_embedding_arrays_handle_slices_and_nulls():
     pooled = pa.FixedSizeListArray.from_arrays(values, 3, mask=pa.array([False, True, False, False]))
     got = embedding_arrays(pooled.slice(1, 3))
     assert got[0] is None and got[1].tolist() == [6, 7, 8] and got[2].tolist() == [9, 10, 11]
+    cells = pa.array([b"", None, values.to_numpy()[:6].tobytes(), values.to_numpy()[6:].tobytes()],
+                     pa.large_binary())
+    fmt = EmbeddingFormat("binary", "float16", width, pooled=False)
+    got = embedding_arrays(cells.slice(1, 3), fmt)
+    assert got[0] is None and got[1].tolist() == [[0, 1], [2, 3], [4, 5]]
+    assert got[2].dtype == np.float16 and got[2].flags.owndata and got[2].shape == (3, 2)
+    with pytest.raises(ValueError):
+        embedding_arrays(cells, None)
 
 
-def test_pandas(emb_file, arrow_rows):
+def test_pandas(emb_file, arrow_rows, layout, setup):
+    _, cfg = setup
     pd = pytest.importorskip("pandas")
     frame = pd.read_parquet(emb_file)
     assert list(frame["path"]) == list(arrow_rows)
@@ -105,7 +162,11 @@ def test_pandas(emb_file, arrow_rows):
         if arrow_rows[path] is None:
             assert emb is None
             continue
-        stacked = np.stack(list(emb))
+        if layout == "binary":  # a bytes object per image (the README's recipe)
+            assert isinstance(emb, bytes)
+            stacked = np.frombuffer(emb, np.float16).reshape(-1, cfg.hidden_size)
+        else:  # an object array of per-row float16 arrays
+            stacked = np.stack(list(emb))
         assert stacked.dtype == np.float16
         assert stacked.tobytes() == arrow_rows[path].tobytes()
 
@@ -119,19 +180,24 @@ def read_with_polars(pl, path: Path):
         raise
 
 
-def test_polars(emb_file, arrow_rows):
+def test_polars(emb_file, arrow_rows, layout, setup):
+    _, cfg = setup
     pl = pytest.importorskip("polars")
     frame = read_with_polars(pl, emb_file)
     assert frame["path"].to_list() == list(arrow_rows)
+    assert frame.schema["embedding"] == pl.Binary if layout == "binary" else True
     for path, emb in zip(frame["path"].to_list(), frame["embedding"].to_list()):
         if arrow_rows[path] is None:
             assert emb is None
             continue
+        if layout == "binary":
+            emb = np.frombuffer(emb, np.float16).reshape(-1, cfg.hidden_size)
         got = np.array(emb, dtype=np.float32)  # every float16 is exact in float32
         np.testing.assert_array_equal(got, arrow_rows[path].astype(np.float32))
 
 
-def test_duckdb(emb_file, arrow_rows):
+def test_duckdb(emb_file, arrow_rows, layout, setup):
+    _, cfg = setup
     duckdb = pytest.importorskip("duckdb")
     con = duckdb.connect()
     rows = con.execute("SELECT path, embedding, grid_h * grid_w AS n, error FROM "
@@ -141,6 +207,8 @@ def test_duckdb(emb_file, arrow_rows):
         if arrow_rows[path] is None:
             assert emb is None and error
             continue
+        if layout == "binary":  # a BLOB, fetched as bytes
+            emb = np.frombuffer(emb, np.float16).reshape(-1, cfg.hidden_size)
         got = np.array(emb, dtype=np.float32)
         assert got.shape[0] == n
         np.testing.assert_array_equal(got, arrow_rows[path].astype(np.float32))
@@ -149,11 +217,28 @@ def test_duckdb(emb_file, arrow_rows):
     assert failed == 1
 
 
-def test_pool_mean_is_one_fixed_size_vector_per_image(setup, emb_file, arrow_rows):
+def test_torch(emb_file, arrow_rows, layout, setup):
     _, cfg = setup
-    pooled = encode(setup, "pooled.parquet", "--pool", "mean")
+    torch = pytest.importorskip("torch")
+    for path, emb, grid in read_embeddings(emb_file):  # the README's recipe: from numpy
+        tensor = torch.from_numpy(emb)
+        assert tensor.dtype == torch.float16 and tensor.shape == (grid[0] * grid[1],
+                                                                  cfg.hidden_size)
+        assert tensor.numpy().tobytes() == arrow_rows[path].tobytes()
+    if layout == "binary":  # straight from a cell's bytes
+        cell = pq.read_table(emb_file).column("embedding")[0].as_py()
+        tensor = torch.frombuffer(bytearray(cell), dtype=torch.float16).view(-1, cfg.hidden_size)
+        assert tensor.numpy().tobytes() == next(v for v in arrow_rows.values()).tobytes()
+
+
+def test_pool_mean_is_one_fixed_size_vector_per_image(setup, emb_file, arrow_rows, layout):
+    _, cfg = setup
+    pooled = encode(setup, f"pooled-{layout}.parquet", "--pool", "mean", "--layout", layout)
     schema = pq.read_schema(pooled)
-    assert schema.field("embedding").type == pa.list_(pa.float16(), cfg.hidden_size)
+    assert schema.field("embedding").type == (pa.large_binary() if layout == "binary" else
+                                              pa.list_(pa.float16(), cfg.hidden_size))
+    described = json.loads(schema.metadata[b"dsv4enc"])["embedding"]
+    assert described["pooled"] and described["shape"] == [cfg.hidden_size]
     assert json.loads(schema.metadata[b"dsv4enc"])["pool"] == "mean"
     vectors = {p: e for p, e, _ in read_embeddings(pooled)}
     assert vectors.keys() == {p for p, v in arrow_rows.items() if v is not None}
@@ -165,13 +250,17 @@ def test_pool_mean_is_one_fixed_size_vector_per_image(setup, emb_file, arrow_row
         np.testing.assert_allclose(vec.astype(np.float32), mean, rtol=2e-3, atol=2e-3)
     table = pq.read_table(pooled)
     assert table.column("embedding").null_count == 1
-    vit_pooled = encode(setup, "vit_pooled.parquet", "--pool", "mean", "--features", "vit")
-    assert pq.read_schema(vit_pooled).field("embedding").type == pa.list_(pa.float16(), cfg.dim)
+    vit_pooled = encode(setup, f"vit_pooled-{layout}.parquet", "--pool", "mean",
+                        "--features", "vit", "--layout", layout)
+    assert summarize(vit_pooled).width == cfg.dim
+    assert all(v.shape == (cfg.dim,) for _, v, _ in read_embeddings(vit_pooled))
     pl = pytest.importorskip("polars")
     column = read_with_polars(pl, pooled)["embedding"]
-    assert isinstance(column.dtype, pl.Array)
+    assert column.dtype == pl.Binary if layout == "binary" else isinstance(column.dtype, pl.Array)
     for path, vec in zip(table.column("path").to_pylist(), column.to_list()):
         if path in vectors:
+            if layout == "binary":
+                vec = np.frombuffer(vec, np.float16)
             np.testing.assert_array_equal(np.array(vec, np.float32),
                                           vectors[path].astype(np.float32))
 
@@ -193,17 +282,19 @@ def test_vit_features_in_a_dataset_folder(setup):
     assert dataset.read(columns=["path"]).num_rows == len(SPECS) + 1
 
 
-def test_inspect_file_and_folder(setup, emb_file):
+def test_inspect_file_and_folder(setup, emb_file, layout):
     _, cfg = setup
     summary = summarize(emb_file)
     assert (summary.rows, summary.failed, summary.width, summary.dtype) == (
         len(SPECS) + 1, 1, cfg.hidden_size, "float16")
     assert summary.metadata["features"] == "aligner" and not summary.pooled
+    assert summary.layout == layout
     assert summary.errors and summary.errors[0][1] == 1
     assert summary.embedding_rows == sum(e.shape[0] for _, e, _ in read_embeddings(emb_file))
     result = runner.invoke(app, ["inspect", str(emb_file)], terminal_width=200)
     assert result.exit_code == 0, result.output
-    for text in ("6 (5 encoded, 1 failed)", "float16", summary.metadata["weights_fingerprint"],
+    for text in ("6 (5 encoded, 1 failed)", "float16", f"{layout} layout",
+                 summary.metadata["weights_fingerprint"],
                  "top errors", "broken.png"):
         assert text in result.output, text
     folder = encode(setup, "vit_parts/", "--features", "vit", "--out-dtype", "float32",

@@ -31,7 +31,7 @@ from dsv4enc.model import rope_tables
 from dsv4enc.model import image_spans
 from dsv4enc.packing import pack
 
-from helpers import write_image
+from helpers import table_rows, write_image
 
 #: Wide enough that GEMM kernels pick different blockings for different row counts.
 CFG = VisionConfig(n_layers=2, dim=128, n_heads=4, inter_dim=352, patch_size=14,
@@ -137,7 +137,7 @@ def _cli(inputs: list[Path], out: Path, config: Path, dtype: str, *extra: str) -
     meta = json.loads(table.schema.metadata[b"dsv4enc"])
     assert meta["batch_invariant"] is True and meta["device"] == "cpu"
     assert meta["compute_dtype"] == dtype
-    return {r["path"]: r["embedding"] for r in table.to_pylist()}
+    return {r["path"]: r["embedding"] for r in table_rows(table)}
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

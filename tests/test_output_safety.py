@@ -37,7 +37,7 @@ from dsv4enc.errors import OutputError, UsageError
 from dsv4enc.output import LOCK_NAME, OutputLock
 from dsv4enc.pipeline import EncodeOptions, run_encode
 
-from helpers import CONFIGS, REPO_ROOT
+from helpers import CONFIGS, REPO_ROOT, table_rows
 
 CONFIG = str(CONFIGS / "tiny.json")
 PART = 3
@@ -92,7 +92,7 @@ def options(inputs: list[Path], out: Path | str, **changes) -> EncodeOptions:
 
 
 def rows(path: Path) -> list[dict]:
-    return pq.read_table(path).to_pylist()
+    return table_rows(pq.read_table(path))
 
 
 # --------------------------------------------------------------------------- 1. --overwrite
@@ -382,7 +382,7 @@ def test_resume_encodes_a_changed_input_again(data, tmp_path, caplog):
     assert "1 finished part is encoded again" in caplog.text
     clean = tmp_path / "clean.parquet"
     run_encode(options([data], clean))
-    assert pq.read_table(out).to_pylist() == rows(clean)
+    assert rows(out) == rows(clean)
 
 
 def test_resume_retries_a_broken_download_replaced_by_a_good_file(data, tmp_path):
@@ -398,7 +398,7 @@ def test_resume_retries_a_broken_download_replaced_by_a_good_file(data, tmp_path
     assert rows(out) == rows(clean)
 
 
-def _fail_after_parts(data: Path, out: Path, parts: int) -> None:
+def _fail_after_parts(data: Path, out: Path, parts: int, **changes) -> None:
     """Run until ``parts`` parts are recorded, then fail as a full disk would."""
     real_save = writer.write_json_atomic
 
@@ -409,7 +409,7 @@ def _fail_after_parts(data: Path, out: Path, parts: int) -> None:
 
     writer.write_json_atomic = save
     try:
-        run_encode(options([data], out))
+        run_encode(options([data], out, **changes))
     finally:
         writer.write_json_atomic = real_save
 
@@ -493,4 +493,108 @@ def test_resume_encodes_again_the_images_of_a_changed_container(data, tmp_path):
     assert summary.reused == 0
     clean = tmp_path / "clean.parquet"
     run_encode(options([shard], clean))
-    assert pq.read_table(out).to_pylist() == rows(clean)
+    assert rows(out) == rows(clean)
+
+
+# --------------------------------------------------------------------------- work lost to a kill
+
+def test_finished_work_is_committed_every_commit_every_seconds(data, tmp_path):
+    """One size-bounded part (--part-images 1000) is committed in pieces as time passes: a
+    tiny --commit-every makes each segment (about two batches) a part of its own. The pieces
+    read back as one dataset in input order, equal to a run committed in one piece."""
+    out = tmp_path / "out"
+    run_encode(options([data], f"{out}/", part_images=1000, commit_every=1e-6))
+    parts = json.loads((out / "_manifest.json").read_text())["parts"]
+    assert len(parts) > 1 and "part-000000" in parts
+    ranges = sorted((p["start"], p["end"]) for p in parts.values())
+    assert ranges[0][0] == 0 and ranges[-1][1] == N_IMAGES
+    assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))  # consecutive, no overlap
+    for name, part in parts.items():
+        assert name == (f"part-000000_{part['start']:06d}" if part["start"] else "part-000000")
+    whole = tmp_path / "whole.parquet"
+    run_encode(options([data], whole, part_images=1000))
+    assert rows(out) == rows(whole)
+    # Resume keeps the recorded boundaries: an unchanged folder is reused whole...
+    assert run_encode(options([data], f"{out}/", resume=True, part_images=1000)).reused == N_IMAGES
+    # ...and a changed image costs only the piece that holds it.
+    noise_png(data / "img7.png", 70)
+    os.utime(data / "img7.png", ns=(time.time_ns(), time.time_ns() + 10**9))
+    last = max(parts.values(), key=lambda p: p["start"])
+    summary = run_encode(options([data], f"{out}/", resume=True, part_images=1000))
+    assert summary.reused == last["start"]
+    run_encode(options([data], whole, part_images=1000, overwrite=True))
+    assert rows(out) == rows(whole)
+    assert len(list(out.glob("*.parquet"))) == len(parts)  # no stale piece beside the new
+
+
+def test_resume_with_other_batches_keeps_what_still_lines_up(data, tmp_path):
+    """Pieces cut for other segment boundaries (another --batch-tokens) that no longer line
+    up are encoded again, and their files removed; the result equals a clean run."""
+    out = tmp_path / "e.parquet"
+    with pytest.raises(OutputError, match="no space"):
+        _fail_after_parts(data, out, 2, part_images=1000, commit_every=1e-6)
+    summary = run_encode(options([data], out, resume=True, part_images=1000, commit_every=1e-6,
+                                 batch_tokens=700))
+    assert summary.encoded + summary.failed + summary.reused == N_IMAGES
+    clean = tmp_path / "clean.parquet"
+    run_encode(options([data], clean, part_images=1000))
+    assert rows(out) == rows(clean)
+    assert not (tmp_path / "e.parquet.partial").exists()
+
+
+def test_sigkill_long_before_the_part_ends_loses_at_most_commit_every(data, tmp_path):
+    """A real run (one size-bounded part of 40 images) killed as soon as its first piece is
+    committed: --resume reuses that piece and finishes equal to a clean run."""
+    for i in range(N_IMAGES, 40):
+        noise_png(data / f"img{i:02d}.png", i, (40, 32))
+    out = tmp_path / "e.parquet"
+    partial = tmp_path / "e.parquet.partial"
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}
+    env.pop("DSV4ENC_WEIGHTS", None)
+    args = [a if a != str(PART) else "1000" for a in COMMON[:-3]]
+    proc = subprocess.Popen([sys.executable, "-m", "dsv4enc", "encode", str(data), "--out",
+                             str(out), *args, "--workers", "1", "-q", "--commit-every", "0.2"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            assert time.monotonic() < deadline and proc.poll() is None, "nothing committed"
+            try:
+                parts = json.loads((partial / "_manifest.json").read_text())["parts"]
+            except (FileNotFoundError, ValueError):
+                parts = {}
+            if parts:
+                proc.kill()
+                break
+            time.sleep(0.01)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert not out.exists()
+    summary = run_encode(options([data], out, resume=True, part_images=1000, commit_every=0.2))
+    assert summary.reused >= 1
+    assert summary.encoded + summary.failed + summary.reused == 40
+    clean = tmp_path / "clean.parquet"
+    run_encode(options([data], clean, part_images=1000))
+    got, want = rows(out), rows(clean)
+    assert [r["path"] for r in got] == [r["path"] for r in want]
+    for a, b in zip(got, want):
+        assert a["error"] == b["error"] and (a["grid_h"], a["grid_w"]) == (b["grid_h"], b["grid_w"])
+        assert np.allclose(np.array(a["embedding"], np.float32),
+                           np.array(b["embedding"], np.float32), atol=2e-3), a["path"]
+
+
+def test_the_interrupt_message_says_what_was_committed(tmp_path):
+    from dsv4enc.output import OutputLayout
+    from dsv4enc.writer import PartStore
+
+    single = OutputLayout(str(tmp_path / "e.parquet"), shard_output=False)
+    store = PartStore(single.parts_dir, {"tool": "dsv4enc"})
+    assert single.resume_hint(store) == "nothing was committed; rerun the same command"
+    store.parts = {"part-000000": {"start": 0, "end": 5, "rows": 5},
+                   "part-000000_000005": {"start": 5, "end": 7, "rows": 2}}
+    line = single.resume_hint(store)
+    assert line.startswith(f"2 finished parts (7 images) kept in {single.parts_dir}")
+    assert line.endswith("--resume to finish")
+    folder = OutputLayout(f"{tmp_path / 'out'}/", shard_output=False)
+    assert "--resume" in folder.resume_hint(PartStore(folder.parts_dir, {}))

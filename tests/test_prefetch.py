@@ -189,15 +189,23 @@ def sample_rows(width: int, pooled: bool) -> list[Row]:
             Row("c.png", 1, 1, 1, 1, 1, 1, rng.standard_normal(shape).astype(np.float16))]
 
 
+def python_value(embedding: np.ndarray | None, layout: str):
+    """What a row's embedding is as a plain Python value in ``layout``."""
+    if embedding is None:
+        return None
+    return embedding.astype("<f2").tobytes() if layout == "binary" else embedding.tolist()
+
+
+@pytest.mark.parametrize("layout", ["binary", "nested"])
 @pytest.mark.parametrize("pooled", [False, True])
-def test_tables_from_buffers_equal_tables_from_python_values(pooled):
-    schema = output_schema(4, "float16", {"x": 1}, pooled=pooled)
+def test_tables_from_buffers_equal_tables_from_python_values(pooled, layout):
+    schema = output_schema(4, "float16", {"x": 1}, pooled=pooled, layout=layout)
     rows = sample_rows(4, pooled)
     table = rows_to_table(rows, schema)
     table.validate(full=True)
     expected = pa.Table.from_pylist([
-        {**vars(r), "embedding": None if r.embedding is None else r.embedding.tolist()}
-        for r in rows], schema=schema)
+        {**vars(r), "embedding": python_value(r.embedding, layout)} for r in rows],
+        schema=schema)
     assert table.equals(expected)
     assert rows_to_table([], schema).num_rows == 0
 

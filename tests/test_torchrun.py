@@ -30,7 +30,7 @@ from dsv4enc.pipeline import EncodeOptions, run_encode
 from dsv4enc.sharding import assign_greedy, flops_cost
 from dsv4enc.transform import plan_canvas
 
-from helpers import CONFIGS, write_image
+from helpers import CONFIGS, table_rows, write_image
 
 pytestmark = pytest.mark.slow
 
@@ -158,7 +158,7 @@ def encode_here(folder: Path, out: Path, ckpt: Path) -> Path:
 def rows_of(path: Path) -> list[dict]:
     table = (pads.dataset(path, format="parquet").to_table() if path.is_dir()
              else pq.read_table(path))
-    return table.to_pylist()
+    return table_rows(table)
 
 
 def assert_same_rows(got: list[dict], want: list[dict], ordered: bool = True,

@@ -31,8 +31,8 @@ from dsv4enc.errors import ConfigError
 from dsv4enc.graphs import max_image_tokens
 from dsv4enc.transform import NORMALIZED_BF16_BITS, image_to_patch_bits, plan_canvas
 
-from helpers import (CONFIGS, decoy_tensors, load_config, nested_layout, write_checkpoint,
-                     write_image)
+from helpers import (CONFIGS, decoy_tensors, load_config, nested_layout, table_rows,
+                     write_checkpoint, write_image)
 
 runner = CliRunner()
 
@@ -326,7 +326,7 @@ def encode(images: Path, out: Path, *args: str) -> list[dict]:
     result = runner.invoke(app, ["encode", str(images), "--out", str(out), "--workers", "0",
                                  "--device", "cpu", "-q", *args])
     assert result.exit_code == 0, result.output
-    return pq.read_table(out).to_pylist()
+    return table_rows(pq.read_table(out))
 
 
 def check_v41_output(rows: list[dict], out: Path, cfg: VisionConfig) -> None:

@@ -12,6 +12,8 @@ Sections (``--sections``, comma-separated):
 - ``invariance``: batch-invariant rows (``Engine(deterministic=True)``, the default): one
   image alone and in three mixed batches must give the same bits (limit 0 differing values),
   per compute dtype; and the throughput cost of the invariant path against the plain one.
+- ``fused``: the compiled elementwise path (``--fused``) against the eager tower (graphs on
+  where possible), its rows' batch invariance, and its speed against eager.
 
 Prints one line per check and writes them to ``--json``; exits 1 if any check failed.
 """
@@ -250,6 +252,57 @@ def invariance_section(cfg: VisionConfig, device: torch.device, n_images: int,
                        "ok": True, "info": True})
 
 
+def _timed_pass(engine: Engine, batches, device: torch.device) -> float:
+    """Best of two whole passes (after a warm-up batch), seconds."""
+    for _ in engine.encode_many(batches[:1]):
+        pass
+    best = float("inf")
+    for _ in range(2):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        began = time.perf_counter()
+        for _ in engine.encode_many(batches):
+            pass
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        best = min(best, time.perf_counter() - began)
+    return best
+
+
+def fused_section(cfg: VisionConfig, device: torch.device, dtype: torch.dtype, n_images: int,
+                  batch_tokens: int) -> None:
+    from dsv4enc.fusion import fuse_elementwise
+
+    tag = str(dtype).removeprefix("torch.")
+    state = random_checkpoint(cfg, 0, dtype)
+    eager_model = build_tower(state, device)
+    fused_model = fuse_elementwise(build_tower(state, device))
+    items = random_items(cfg, n_images, seed=5)
+    batches = batches_of(items, cfg, batch_tokens, 16)
+    eager = Engine(eager_model, "aligner", "auto", torch.float32, batch_tokens=batch_tokens,
+                   max_images=16)
+    fused = Engine(fused_model, "aligner", "auto", torch.float32, batch_tokens=batch_tokens,
+                   max_images=16)
+    began = time.perf_counter()
+    fused.prepare()
+    got = [torch.cat(o) for o in fused.encode_many(batches)]
+    print(f"INFO fused {tag}: compiled and ran in {time.perf_counter() - began:.1f} s "
+          f"({fused.stats.graph_batches} graph replays)", flush=True)
+    want = [torch.cat(o) for o in eager.encode_many(batches)]
+    limit = 1e-5 if dtype == torch.float32 else 2e-2
+    check(f"fused == eager {tag} ({len(batches)} batches)",
+          max(rel_err(g, w) for g, w in zip(got, want)), limit)
+    alone = fused.encode(pack(items[:1], cfg.downsample_ratio))[0]
+    mixed = fused.encode(pack(items[3:6] + items[:1], cfg.downsample_ratio))[-1]
+    check(f"fused rows batch-invariant {tag} (values differing)",
+          float((alone != mixed).sum()), 0)
+    t_eager, t_fused = _timed_pass(eager, batches, device), _timed_pass(fused, batches, device)
+    print(f"INFO fused speed {tag}: eager {t_eager:.3f} s, fused {t_fused:.3f} s, "
+          f"x{t_eager / t_fused:.2f}", flush=True)
+    CHECKS.append({"name": f"fused speed-up {tag}", "value": t_eager / t_fused, "limit": 0,
+                   "ok": True, "info": True})
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--device", default="cuda")
@@ -272,6 +325,8 @@ def main(argv=None) -> int:
         graphs_section(cfg, device, getattr(torch, a.dtype), a.images, a.batch_tokens)
     if "backends" in sections:
         backends_section(cfg, device, a.images, a.batch_tokens)
+    if "fused" in sections:
+        fused_section(cfg, device, getattr(torch, a.dtype), a.images, a.batch_tokens)
     if "invariance" in sections:
         invariance_section(cfg, device, a.images, a.batch_tokens)
     failed = [c["name"] for c in CHECKS if not c["ok"]]

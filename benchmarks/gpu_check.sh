@@ -12,6 +12,7 @@
 #   backends  each attention backend == SDPA, and vs a float32 reference, at real dims
 #   invariance  one image alone == in mixed batches, bit for bit (bf16, one graph bucket),
 #             and what the invariant path costs against the plain one
+#   fused     --fused (compiled RMSNorm/RoPE/SwiGLU) == eager under graphs, invariant, speed
 #   pytest    the CUDA tests (attention, graphs, engine; golden tests if GOLDEN exists)
 #   bench     throughput at real dims: bf16, 1024x768 photos, graphs on/off per budget
 #   e2e       the full encode pipeline on the same photos (optional, last)
@@ -107,6 +108,10 @@ step backends 90 $PY benchmarks/device_check.py --device "$DEVICE" --sections ba
 step invariance 90 $PY benchmarks/device_check.py --device "$DEVICE" --sections invariance \
     --config "$CONFIG" --images "$CHECK_IMAGES" --batch-tokens "$CHECK_TOKENS" \
     --json "$OUT/checks_invariance.json"
+
+step fused 120 $PY benchmarks/device_check.py --device "$DEVICE" --sections fused \
+    --config "$CONFIG" --dtype "$DTYPE" --images "$CHECK_IMAGES" \
+    --batch-tokens "$CHECK_TOKENS" --json "$OUT/checks_fused.json"
 
 TESTS="tests/test_attention.py tests/test_graphs.py tests/test_engine.py"
 [ -f "$GOLDEN/expected.json" ] && [ -f tests/test_golden.py ] && TESTS="$TESTS tests/test_golden.py"

@@ -114,6 +114,7 @@ class Encoder:
       ``cuda_graphs``: engine choices as on the command line.
     - ``deterministic`` (default True): batch-invariant rows, as on the command line: an
       image's bytes do not depend on the other images of the call or how it was given.
+    - ``fused`` (default False): compiled elementwise kernels, as ``--fused``.
 
     ``features`` and ``pool`` can also be given per call. Results are CPU tensors, in input
     order, each ``(grid_h*grid_w, width)`` (``(width,)`` pooled), ``grid`` as in the Parquet
@@ -125,7 +126,8 @@ class Encoder:
                  out_dtype: str | torch.dtype = torch.float32, batch_tokens: int | None = None,
                  max_images: int = 64, decode_threads: int | None = None,
                  max_pixels: int = DEFAULT_MAX_PIXELS, attention: str = "auto",
-                 cuda_graphs: bool | None = None, deterministic: bool = True) -> None:
+                 cuda_graphs: bool | None = None, deterministic: bool = True,
+                 fused: bool = False) -> None:
         self.checkpoint = checkpoint
         self.device = resolve_device(device)
         self.features = _check_choice("features", features, ("aligner", "vit"))
@@ -147,6 +149,10 @@ class Encoder:
         self.cuda_graphs = cuda_graphs
         self.deterministic = deterministic
         self.model = build_tower(checkpoint, self.device)
+        if fused:
+            from .fusion import fuse_elementwise  # torch.compile's import is slow
+
+            fuse_elementwise(self.model)
         self._engines: dict[str, Engine] = {}
 
     # -- construction ------------------------------------------------------------------

@@ -59,17 +59,42 @@ def by_chunks(chunks: Sequence[tuple[int, int]], fn: Callable[..., Any],
     return out
 
 
+# ---------------------------------------------------------------- elementwise work
+# The work between the GEMMs, as plain functions: the modules below call them through
+# attributes (``norm_fn``, ``rope_fn``, ``act_fn``, ``add_norm_fn``), so that a fused
+# (compiled) version can be installed from outside (``fusion.fuse_elementwise``) without
+# changing this reference math.
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``w * x * rsqrt(mean(x^2) + eps)`` in float32, cast back to x's dtype. x (T, D)."""
+    xf = x.float()
+    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + RMS_EPS)
+    return (weight.float() * normed).to(x.dtype)
+
+
+def add_rms_norm(x: torch.Tensor, y: torch.Tensor,
+                 weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual add and the next norm: returns ``h = x + y`` and ``rms_norm(h)``."""
+    h = x + y
+    return h, rms_norm(h, weight)
+
+
+def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` with gate, up = the halves of gate_up (T, 2I) -> (T, I)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate).mul_(up)
+
+
 class RMSNorm(nn.Module):
     """``w * x * rsqrt(mean(x^2) + eps)`` in float32, cast back to the input dtype."""
 
     def __init__(self, dim: int) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim, dtype=torch.float32))
+        self.norm_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = rms_norm
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + RMS_EPS)
-        return (self.weight.float() * normed).to(x.dtype)
+        return self.norm_fn(x, self.weight)
 
 
 #: RoPE tables grow in blocks of this many positions; each block is computed alone, at a fixed
@@ -141,6 +166,13 @@ def grid_positions(n_h: int, n_w: int, device: torch.device | str = "cpu") -> to
     return torch.stack([rows, cols], dim=1)
 
 
+def rope_formula(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``apply_rope`` written as SPEC §3 states it (the form a compiler fuses into one pass)."""
+    xf = x.float()
+    a, b = xf.chunk(2, dim=-1)
+    return torch.cat([a * cos - b * sin, b * cos + a * sin], dim=-1).to(x.dtype)
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate x (T, H, d) in float32 with half-split pairs; cos, sin: (T, 1, d/2).
 
@@ -166,6 +198,7 @@ class Attention(nn.Module):
         self.wqkv = nn.Linear(cfg.dim, 3 * cfg.dim, bias=True)
         self.wo = nn.Linear(cfg.dim, cfg.dim, bias=True)
         self.combine: Callable[[torch.Tensor], torch.Tensor] = _identity
+        self.rope_fn: Callable[..., torch.Tensor] = apply_rope
 
     def project(self, x: torch.Tensor, cos: torch.Tensor,
                 sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -175,7 +208,7 @@ class Attention(nn.Module):
         width = qkv.shape[1] // 3
         heads = width // self.head_dim
         # q and k are adjacent columns: rotate them as one (T, 2h, d) tensor (half the ops).
-        qk = apply_rope(qkv[:, :2 * width].view(T, 2 * heads, self.head_dim), cos, sin)
+        qk = self.rope_fn(qkv[:, :2 * width].view(T, 2 * heads, self.head_dim), cos, sin)
         v = qkv[:, 2 * width:].view(T, heads, self.head_dim)
         return qk[:, :heads], qk[:, heads:], v
 
@@ -197,10 +230,10 @@ class MLP(nn.Module):
         self.w1 = nn.Linear(cfg.dim, 2 * cfg.inter_dim, bias=False)
         self.w2 = nn.Linear(cfg.inter_dim, cfg.dim, bias=False)
         self.combine: Callable[[torch.Tensor], torch.Tensor] = _identity
+        self.act_fn: Callable[[torch.Tensor], torch.Tensor] = swiglu
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.w1(x).chunk(2, dim=-1)
-        return self.combine(self.w2(F.silu(gate).mul_(up)))
+        return self.combine(self.w2(self.act_fn(self.w1(x))))
 
 
 class Block(nn.Module):
@@ -210,10 +243,12 @@ class Block(nn.Module):
         self.attn = Attention(cfg)
         self.norm2 = RMSNorm(cfg.dim)
         self.mlp = MLP(cfg)
+        self.add_norm_fn: Callable[..., tuple[torch.Tensor, torch.Tensor]] = add_rms_norm
 
     def forward(self, x, cos, sin, spans, attend):
-        x = x + self.attn(self.norm1(x), cos, sin, spans, attend)
-        return x.add_(self.mlp(self.norm2(x)))  # x is this block's own tensor by now
+        x, h = self.add_norm_fn(x, self.attn(self.norm1(x), cos, sin, spans, attend),
+                                self.norm2.weight)
+        return x.add_(self.mlp(h))  # x is this block's own tensor by now
 
 
 class PatchEmbed(nn.Module):

@@ -122,7 +122,7 @@ class Engine:
 
     ``deterministic`` (default on): an image's output bytes do not depend on the batch it
     shares (other images, its position, the batch's size). On the CPU each image runs through
-    the tower alone (``model.by_chunks``: kernels see its rows only); on CUDA every batch runs
+    the tower alone (``model.by_spans``: kernels see its rows only); on CUDA every batch runs
     in one fixed-shape bucket (one graph budget), so every kernel sees the same shapes. Under
     tensor parallelism the all-reduce changes the summation order, so rows are not invariant
     against a single rank.

@@ -38,8 +38,8 @@ def image_spans(lengths: Sequence[int]) -> list[tuple[int, int]]:
     return spans
 
 
-def by_chunks(chunks: Sequence[tuple[int, int]], fn: Callable[..., Any],
-              *tensors: torch.Tensor) -> Any:
+def by_spans(spans: Sequence[tuple[int, int]], fn: Callable[..., Any],
+             *tensors: torch.Tensor) -> Any:
     """Apply ``fn`` to each (start, end) row range of ``tensors`` (sliced alike along dim 0)
     and write the results into one output, (T, ...).
 
@@ -49,7 +49,7 @@ def by_chunks(chunks: Sequence[tuple[int, int]], fn: Callable[..., Any],
     the image's rows come out the same in any batch.
     """
     out: torch.Tensor | None = None
-    for start, end in chunks:
+    for start, end in spans:
         result = fn(*(t[start:end] for t in tensors))
         if out is None:
             out = result.new_empty((tensors[0].shape[0],) + tuple(result.shape[1:]))
@@ -274,13 +274,13 @@ class VisionTransformer(nn.Module):
         ``per_image``: run the whole ViT over one image's rows at a time (image after image,
         every layer), instead of every layer over the packed batch. Every kernel then sees
         tensors that are a function of that image alone, so its rows are bit-identical in any
-        batch (see ``by_chunks``).
+        batch (see ``by_spans``).
         """
         if per_image:
             lengths = spans.lengths
             if lengths is None:
                 raise RuntimeError("per-image execution needs host-side span lengths")
-            return by_chunks(image_spans(lengths), lambda p, c, s: self.forward(
+            return by_spans(image_spans(lengths), lambda p, c, s: self.forward(
                 p, c, s, VarlenSpans.from_lengths([p.shape[0]], p.device), attend),
                 patches, cos, sin)
         x = self.patch_embed(patches)
@@ -381,6 +381,6 @@ class VisionTower(nn.Module):
             return vit
         if not per_image:
             return self.aligner(merge_gather(vit, merge_index, merge_mask))
-        return by_chunks(image_spans(row_counts),
+        return by_spans(image_spans(row_counts),
                          lambda index, mask: self.aligner(merge_gather(vit, index, mask)),
                          merge_index, merge_mask)

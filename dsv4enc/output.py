@@ -11,6 +11,7 @@ anything is written or deleted.
 
 from __future__ import annotations
 
+import bisect
 import errno
 import json
 import logging
@@ -24,6 +25,7 @@ from typing import TYPE_CHECKING, Iterable
 
 from .errors import AlreadyComplete, DsvError, OutputError, UsageError
 from .inputs import is_image_name
+from .planning import inputs_digest
 from .writer import (MANIFEST_FILE, PART_FILE, TEMP_FILE, PartStore, Row, StreamingAssembler,
                      manifest_document, output_os_error, read_manifest, rows_per_group,
                      rows_to_table, write_json_atomic)
@@ -292,8 +294,14 @@ class OutputLayout:
                                   "(pass --overwrite to encode again)")
         if overwrite:
             self._remove(owned)
-        else:  # temporaries of a killed run: nobody else writes here (we hold the lock)
-            self._remove(p for p in owned if TEMP_FILE.fullmatch(p.name))
+            return
+        # Nobody else writes here (we hold the lock): a killed run's temporaries go, and so
+        # do part files no manifest lists (renamed into place just before a kill), which a
+        # folder output would otherwise show beside the rows that replace them.
+        listed = {part["file"] for path in self._manifests()
+                  for part in (read_manifest(path) or {"parts": {}})["parts"].values()}
+        self._remove(p for p in owned if TEMP_FILE.fullmatch(p.name)
+                     or (PART_FILE.fullmatch(p.name) and p.name not in listed))
 
     def _make_parts_dir(self) -> None:
         """Create the parts folder (and missing parents), remembering what was created."""
@@ -320,6 +328,18 @@ class OutputLayout:
         """The single file is in place: delete the parts and manifest (dsv4enc's only)."""
         owned, _ = self._owned_and_foreign()
         self._remove(owned)
+
+    def resume_hint(self, store: PartStore) -> str:
+        """What an interrupted run leaves, for its one-line message."""
+        if not store.parts:
+            if self.folder_mode:
+                return (f"nothing was committed to {self.out} yet; rerun the same command "
+                        "with --resume")
+            return "nothing was committed; rerun the same command"
+        images = sum(part.get("rows", 0) for part in store.parts.values())
+        return (f"{len(store.parts)} finished part{'s' if len(store.parts) > 1 else ''} "
+                f"({images} images) kept in {self.parts_dir}; rerun the same command with "
+                "--resume to finish")
 
     def discard_if_empty(self) -> None:
         """After a failed run, remove a single-file output's manifest and temporaries if no
@@ -370,7 +390,12 @@ class PartWriter:
     """Commits parts on background threads so the device never waits for Parquet.
 
     Encoding a part's nested float lists is CPU work that releases the GIL, so several
-    threads commit parts side by side on machines with cores to spare."""
+    threads commit parts side by side on machines with cores to spare.
+
+    The run hands over finished segments; consecutive ones are joined into one part, which
+    is committed when its ``part_images`` range is done or ``store.commit_seconds`` have
+    passed since the last commit, whichever comes first (so a kill loses about that much
+    work at most). Without ``commit_seconds`` (--shard-output) each segment is a part."""
 
     def __init__(self, store: PartStore, schema, threads: int = 1,
                  assembler: StreamingAssembler | None = None) -> None:
@@ -385,6 +410,9 @@ class PartWriter:
                                           daemon=True) for i in range(threads)]
         for thread in self._threads:
             thread.start()
+        self._rows: list[Row] = []  # the part being joined: its segments' rows so far
+        self._name, self._start, self._end = "", 0, 0
+        self._since = time.monotonic()  # the last commit (or the start)
 
     def _run(self) -> None:
         while (job := self._queue.get()) is not None:
@@ -397,7 +425,7 @@ class PartWriter:
                 group_rows = rows_per_group(self.schema, rows)
                 del job, rows  # the table holds a copy: free the rows before the write
                 if self.assembler is not None:  # it copies the table while the part is written
-                    self.assembler.offer(name, table, group_rows)
+                    self.assembler.offer(start, end, table, group_rows)
                 self.store.commit(name, table, group_rows, start, end, digest)
                 if self.assembler is not None:
                     self.assembler.notify()
@@ -407,14 +435,40 @@ class PartWriter:
                 self.seconds += time.perf_counter() - began
 
     def put(self, name: str, rows: list[Row], start: int, end: int, digest: str) -> None:
+        """A finished segment (or, under --shard-output, a whole part)."""
         self.check()
-        self._queue.put((name, rows, start, end, digest))
+        if self.store.commit_seconds is None:
+            self._queue.put((name, rows, start, end, digest))
+            return
+        if self._rows and start != self._end:
+            self._flush()
+        if not self._rows:
+            self._name, self._start = name, start
+        self._rows.extend(rows)
+        self._end = end
+        source = self.store.segments[name].source
+        if (end % self.store.settings["part_images"] == 0 or end == len(source)
+                or time.monotonic() - self._since >= self.store.commit_seconds):
+            self._flush()
+
+    def _flush(self) -> None:
+        """Commit the joined segments as one part (named after its first segment)."""
+        if self._rows:
+            source = self.store.segments[self._name].source
+            job = (self._name, self._rows, self._start, self._end,
+                   inputs_digest(source[self._start:self._end]))
+            self._rows = []
+            self._queue.put(job)
+        self._since = time.monotonic()
 
     def check(self) -> None:
         if self.error is not None:
             raise self.error
 
     def close(self) -> None:
+        """Commit what was handed over (an interrupted run keeps its finished segments)."""
+        if self.error is None:
+            self._flush()
         for _ in self._threads:
             self._queue.put(None)
         for thread in self._threads:
@@ -431,6 +485,8 @@ def resume_filter(store: PartStore, parts: list[Part], opts: EncodeOptions,
     ends in collectives): a range is redone by all when any rank lacks its part. A problem
     on any rank stops every rank."""
     shared = dist is not None and not opts.shard_output
+    store.segments = {p.name: p for p in parts}
+    store.commit_seconds = None if opts.shard_output else opts.commit_every
     todo_names, problem = None, None
     if is_writer_rank:
         try:
@@ -466,15 +522,44 @@ def _uncommitted(store: PartStore, parts: list[Part], opts: EncodeOptions) -> li
             raise UsageError(f"cannot resume: {shown} differs from the interrupted run "
                              f"({previous.get(key)!r} then, {value!r} now); "
                              "use --overwrite to start over")
-    todo = [p.name for p in parts if not store.committed(p.name, p.start, p.end, p.digest)]
-    store.forget(todo)  # their old files are no part of this output (nor the assembler's)
+    reused = _reusable(store, parts)
+    store.forget([name for name, part in store.parts.items()
+                  if (part["start"], part["end"]) not in reused])
     store.save()
+    todo = _not_covered(parts, reused)
     if store.changed:
         log.warning("%d finished part%s encoded again: %s input files changed (size, time or "
                     "permissions) since the interrupted run", store.changed,
                     "s are" if store.changed > 1 else " is", "their" if store.changed > 1
                     else "its")
     return todo
+
+
+def _reusable(store: PartStore, parts: list[Part]) -> set[tuple[int, int]]:
+    """Ranges of recorded parts that this run can keep: they start and end where this run's
+    segments do (parts are joined segments, cut wherever --commit-every struck), and hold
+    the same inputs as now, without a transient error."""
+    source = parts[0].source if parts else ()
+    bounds = {p.start for p in parts} | {p.end for p in parts}
+    reused = set()
+    for name, part in store.parts.items():
+        start, end = part["start"], part["end"]
+        if (start in bounds and end in bounds and 0 <= start < end <= len(source)
+                and store.committed(name, start, end, inputs_digest(source[start:end]))):
+            reused.add((start, end))
+    return reused
+
+
+def _not_covered(parts: list[Part], reused: set[tuple[int, int]]) -> list[str]:
+    """Names of the segments that no reused range covers (both lists in input order)."""
+    starts = [p.start for p in parts]
+    covered: set[str] = set()
+    for start, end in reused:
+        i = bisect.bisect_left(starts, start)
+        while i < len(parts) and parts[i].end <= end:
+            covered.add(parts[i].name)
+            i += 1
+    return [p.name for p in parts if p.name not in covered]
 
 
 def row_options(opts: EncodeOptions) -> dict:

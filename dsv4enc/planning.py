@@ -9,7 +9,7 @@ import os
 import queue
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Callable, Sequence
 
 from .config import VisionConfig
@@ -225,6 +225,25 @@ def inputs_digest(planned: Sequence[Planned]) -> str:
     return f"{keys_digest(planned)}.{digest.hexdigest()}"
 
 
+#: Segments (the unit a run encodes and may commit at) hold this many batches' worth of
+#: patches: enough for nearly full batches, few enough that a commit comes soon after
+#: --commit-every seconds (CPU batches are slow, GPU ones fast and padded to graph budgets).
+SEGMENT_BATCHES = {"cpu": 2, "cuda": 8}
+
+
+def segment_tokens(batch_tokens: int, device_type: str) -> int:
+    """Patches per segment for a run of ``batch_tokens`` batches on ``device_type``."""
+    return batch_tokens * SEGMENT_BATCHES.get(device_type, 2)
+
+
+def part_name(start: int, part_images: int) -> str:
+    """The name of the part (or segment) that starts at input ``start``: ``part-NNNNNN`` at
+    the start of the NNNNNNth ``part_images`` range, ``part-NNNNNN_OOOOOO`` at offset
+    OOOOOO inside it (names sort in input order; a part committed early by time is one)."""
+    number, offset = divmod(start, part_images)
+    return f"part-{number:06d}" + (f"_{offset:06d}" if offset else "")
+
+
 @dataclass
 class Part:
     name: str
@@ -234,22 +253,49 @@ class Part:
     # ``inputs_digest`` of start..end: a resumed run reuses the part only for the same keys
     # and the same input files (size, time, ...)
     digest: str
+    # the whole plan (shared, not copied): commits that join segments take digests from it
+    source: Sequence[Planned] = field(default=(), repr=False, compare=False)
+
+
+def _segments(planned: Sequence[Planned], start: int, end: int,
+              tokens: int | None) -> list[tuple[int, int]]:
+    """``start..end`` cut into consecutive runs of at most ``tokens`` patches (an image
+    larger than that alone); the whole range when ``tokens`` is None."""
+    if tokens is None:
+        return [(start, end)]
+    cuts, first, total = [], start, 0
+    for i in range(start, end):
+        cost = planned[i].tokens if planned[i].error is None else 0
+        if total and total + cost > tokens:
+            cuts.append((first, i))
+            first, total = i, 0
+        total += cost
+    return cuts + [(first, end)] if end > first else cuts
 
 
 def plan_parts(planned: Sequence[Planned], part_images: int, shard_dist=None,
-               balance: str = "patches", cfg: VisionConfig | None = None) -> list[Part]:
-    """Consecutive input ranges of ``part_images`` items. With ``--shard-output`` each rank's
-    part holds just its greedy share of the range."""
+               balance: str = "patches", cfg: VisionConfig | None = None,
+               segment_tokens: int | None = None) -> list[Part]:
+    """The segments a run encodes: consecutive input ranges within ``part_images`` ranges,
+    of at most ``segment_tokens`` patches each (whole ranges when None). The writer joins
+    consecutive segments into a committed part until the range ends or --commit-every
+    passes. With ``--shard-output`` each rank's part is a whole range, holding just its
+    greedy share."""
     input_stamps(planned)
     parts = []
-    for number, start in enumerate(range(0, len(planned), part_images)):
+    for start in range(0, len(planned), part_images):
         end = min(start + part_images, len(planned))
-        indices = list(range(start, end))
-        name = f"part-{number:06d}"
         if shard_dist is not None:
-            indices = share_for_rank(planned, indices, shard_dist, balance, cfg)[shard_dist.rank]
-            name = f"{name}-rank{shard_dist.rank:03d}"
-        parts.append(Part(name, start, end, indices, inputs_digest(planned[start:end])))
+            indices = share_for_rank(planned, list(range(start, end)), shard_dist, balance,
+                                     cfg)[shard_dist.rank]
+            name = f"{part_name(start, part_images)}-rank{shard_dist.rank:03d}"
+            parts.append(Part(name, start, end, indices, inputs_digest(planned[start:end]),
+                              planned))
+            continue
+        for first, last in _segments(planned, start, end, segment_tokens):
+            parts.append(Part(part_name(first, part_images), first, last,
+                              list(range(first, last)), inputs_digest(planned[first:last]),
+                              planned))
     return parts
 
 

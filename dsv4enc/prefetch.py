@@ -29,7 +29,8 @@ from .decode import DecodePool, Decoded, DecodeStream
 from .errors import DsvError
 from .inputs import Discovery, discover
 from .options import DEFAULT_BATCH_TOKENS, EncodeOptions, decode_window, default_workers, validate
-from .planning import Planned, batch_order, images_per_part, plan_parts, read_headers
+from .planning import (Planned, batch_order, images_per_part, plan_parts, read_headers,
+                       segment_tokens)
 from .stopping import StopSignals
 
 log = logging.getLogger(__name__)
@@ -136,8 +137,9 @@ def start_prefetch(opts: EncodeOptions, stop: StopSignals | None = None) -> Pref
                            timeout_s=opts.decode_timeout)
     if stop is not None:
         stop.check()  # headers left unread must not be planned as error rows
-    parts = plan_parts(planned, images_per_part(cfg, opts))
     batch_tokens = opts.batch_tokens or DEFAULT_BATCH_TOKENS[device_type]
+    parts = plan_parts(planned, images_per_part(cfg, opts),
+                       segment_tokens=segment_tokens(batch_tokens, device_type))
     order = batch_order(planned, parts, batch_tokens, opts.max_images)
     pool = DecodePool(cfg, workers, opts.max_pixels, opts.decode_timeout)
     prefetch.cfg, prefetch.planned, prefetch.order, prefetch.pool = cfg, planned, order, pool

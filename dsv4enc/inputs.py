@@ -11,11 +11,12 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterable
 
+from . import storage
 from .errors import UsageError
 from .imageformats import EXTENSION_FORMATS
 
 if TYPE_CHECKING:
-    from .sources import TableCell, TarMember
+    from .sources import StoredObject, TableCell, TarMember
     from .stopping import StopSignals
 
 IMAGE_EXTENSIONS = frozenset(EXTENSION_FORMATS)  # each opened only as its own format
@@ -26,12 +27,13 @@ class InputItem:
     """One image to encode. ``path`` is what the decoder opens; ``key`` is the output name.
 
     ``member`` locates the image inside a container file ``path`` (a ``sources.TarMember`` or
-    ``sources.TableCell``); None for a plain image file. ``sources.open_item`` reads it.
+    ``sources.TableCell``), or marks ``path`` as an object in a store (``sources.StoredObject``,
+    ``path`` its URL); None for a plain image file. ``sources.open_item`` reads it.
     """
 
     key: str
     path: str
-    member: "TarMember | TableCell | None" = None
+    member: "TarMember | TableCell | StoredObject | None" = None
 
 
 @dataclass
@@ -152,10 +154,14 @@ def discover(inputs: Iterable[str], files_from: str | None = None,
     tables = 0
     inputs = list(inputs)
     roots = path_roots(table_paths_roots)
-    prefix_roots = sum(os.path.isdir(raw) for raw in inputs) > 1  # see ``key_under_root``
+    prefix_roots = sum(storage.is_url(raw) or os.path.isdir(raw)  # see ``key_under_root``
+                       for raw in inputs) > 1
     for raw in inputs:
         if stop is not None:
             stop.check()
+        if storage.is_url(raw):
+            tables += discover_url(raw, found, image_column, key_column, prefix_roots)
+            continue
         path = Path(raw)
         kind = container_kind(raw)
         if kind is not None and path.is_file():
@@ -197,6 +203,39 @@ def discover(inputs: Iterable[str], files_from: str | None = None,
     return found
 
 
+def discover_url(raw: str, found: Discovery, image_column: str | None,
+                 key_column: str | None, prefix_roots: bool) -> int:
+    """Add the images of the URL ``raw`` to ``found``: a prefix is listed like a folder
+    (recursive, sorted, keys relative to it); an object is an image or a container. Returns
+    1 for a table, else 0. A URL with nothing under it is a UsageError, as for a path."""
+    from .sources import StoredObject, container_kind, expand_container
+
+    what = storage.kind(raw)
+    if what == "missing":
+        raise UsageError(f"input not found: {raw}")
+    if what == "file":
+        kind = container_kind(raw)
+        if kind is not None:
+            items, skipped = expand_container(raw, image_column, key_column)
+            found.items.extend(items)
+            found.skipped += skipped
+            return int(kind == "table")
+        if is_image_name(raw):
+            found.items.append(InputItem(key=raw, path=raw,
+                                         member=StoredObject(raw, storage.size_of(raw))))
+        else:
+            found.skipped += 1
+        return 0
+    for obj in storage.list_files(raw):
+        if not is_image_name(obj.key):
+            found.skipped += 1
+            continue
+        key = key_under_root(raw, obj.key) if prefix_roots else obj.key
+        found.items.append(InputItem(key=key, path=obj.url, member=StoredObject(obj.url,
+                                                                                obj.size)))
+    return 0
+
+
 def warn_unlisted(unlisted: list[tuple[str, str]], shown: int = 10) -> None:
     """One line per folder that could not be listed (the first ``shown``), logged as an
     error so that ``--quiet`` shows it too: images are missing from the run."""
@@ -222,7 +261,7 @@ def warn_unlisted(unlisted: list[tuple[str, str]], shown: int = 10) -> None:
 def key_under_root(root: str, key: str) -> str:
     """``key`` (a path under the folder ``root``) prefixed with the folder as given, in posix
     form (``data/`` and ``./data`` give ``data/``; ``.`` adds nothing)."""
-    prefix = Path(root).as_posix().rstrip("/")
+    prefix = root.rstrip("/") if storage.is_url(root) else Path(root).as_posix().rstrip("/")
     if prefix == ".":
         return key
     return f"{prefix}/{key}"

@@ -186,7 +186,11 @@ def file_stamp(path: str) -> str:
     """What decides whether a file is the one encoded before: size, modification time (ns),
     inode and mode (a file replaced by another, or made readable, reads differently), or
     why it cannot be looked at. Not the device: it changes when a network share is
-    remounted."""
+    remounted. An object in a store: its size and modification time (``storage.stamp``)."""
+    from . import storage
+
+    if storage.is_url(path):
+        return storage.stamp(path)
     try:
         st = os.stat(path)
     except OSError as exc:

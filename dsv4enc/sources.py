@@ -43,6 +43,7 @@ from dataclasses import dataclass
 from pathlib import PurePosixPath
 from typing import TYPE_CHECKING, Any, BinaryIO
 
+from . import storage
 from .errors import UsageError
 
 if TYPE_CHECKING:
@@ -79,6 +80,16 @@ class TableCell:
 
 
 @dataclass(frozen=True)
+class StoredObject:
+    """An image that is a whole object in a store (``InputItem.path`` is its URL): read by
+    the decode worker itself, whole or (header probes) by byte range. ``name`` is the URL, for
+    the format the name stands for; ``size`` as listed."""
+
+    name: str
+    size: int
+
+
+@dataclass(frozen=True)
 class Unreadable:
     """A part of a container that cannot be read: reading it raises ``DamagedContainerError``
     with ``reason``, so it becomes one error row."""
@@ -101,6 +112,17 @@ def damaged_item(raw: str, offset: int, reason: str) -> "InputItem":
 
     return InputItem(key=f"{raw}@{offset}", path=raw,
                      member=Unreadable(f"{raw}: damaged at byte {offset}: {reason}"))
+
+
+def _open_binary(path: str) -> BinaryIO:
+    """A local file, or an object in a store (``storage``), opened for seekable reads."""
+    if storage.is_url(path):
+        return storage.open_input(path)
+    return open(path, "rb")
+
+
+def _size(path: str) -> int:
+    return storage.size_of(path) if storage.is_url(path) else os.path.getsize(path)
 
 
 def container_kind(path: str) -> str | None:
@@ -147,8 +169,8 @@ def _open_tar(raw: str) -> tuple[tarfile.TarFile | None, int, str | None]:
     """``(archive, file size, None)``, or ``(None, size, why)`` when not even the first header
     reads. A compressed file is a usage error: it needs decompressing, not an error row."""
     try:
-        size = os.path.getsize(raw)
-        with open(raw, "rb") as handle:
+        size = _size(raw)
+        with _open_binary(raw) as handle:
             head = handle.read(8)
     except OSError as exc:
         return None, 0, f"cannot read it: {exc.strerror or exc}"
@@ -157,7 +179,13 @@ def _open_tar(raw: str) -> tuple[tarfile.TarFile | None, int, str | None]:
             raise UsageError(f"{raw}: a {kind}-compressed tar; only uncompressed shards can "
                              "be read member by member, decompress it first")
     try:
-        archive = tarfile.open(raw, mode="r:")
+        if storage.is_url(raw):
+            # Headers are read through a buffer: small members' headers come several to a
+            # request, and tarfile's seeks past the data stay inside it.
+            archive = tarfile.open(fileobj=io.BufferedReader(storage.open_input(raw), 1 << 20),
+                                   mode="r:")
+        else:
+            archive = tarfile.open(raw, mode="r:")
     except (tarfile.TarError, OSError) as exc:
         return None, size, f"not a tar file, or its first header is damaged ({exc})"
     # From here on, a damaged header is skipped block by block up to the next valid one (what
@@ -168,7 +196,7 @@ def _open_tar(raw: str) -> tuple[tarfile.TarFile | None, int, str | None]:
 
 def _first_nonzero(raw: str, start: int, stop: int) -> int | None:
     """The offset of the first non-zero byte in ``[start, stop)`` of the file, if any."""
-    with open(raw, "rb") as handle:
+    with _open_binary(raw) as handle:
         handle.seek(start)
         at = start
         while at < stop:
@@ -185,7 +213,7 @@ def _first_nonzero(raw: str, start: int, stop: int) -> int | None:
 def _gap_damage(raw: str, start: int, stop: int) -> int | None:
     """Where the bytes between two members (``[start, stop)``) hold something other than
     zero blocks and pax global headers (which tarfile reads without yielding a member)."""
-    with open(raw, "rb") as handle:
+    with _open_binary(raw) as handle:
         while start < stop:
             handle.seek(start)
             try:
@@ -278,6 +306,8 @@ def expand_tar(raw: str) -> tuple[list["InputItem"], int]:
                 keys_seen[key] = keys_seen.get(key, 0) + 1
             else:
                 other_keys.add(key)
+    if storage.is_url(raw):  # a file object given to tarfile is the caller's to close
+        archive.fileobj.close()
     if damage is None:
         damage = _tar_end_damage(raw, end, size, last)
     if damage is not None:
@@ -297,7 +327,7 @@ class _MemberFile(io.RawIOBase):
     much of it as it needs)."""
 
     def __init__(self, path: str, member: TarMember) -> None:
-        self._file = open(path, "rb")
+        self._file = _open_binary(path)
         self._start, self._size, self._pos = member.offset, member.size, 0
 
     def readable(self) -> bool:
@@ -331,6 +361,12 @@ class _MemberFile(io.RawIOBase):
 
 def read_tar_member(path: str, member: TarMember) -> bytes:
     """The member's bytes, read by offset and size (no tar parsing)."""
+    if storage.is_url(path):
+        data = storage.read_range(path, member.offset, member.size)
+        if len(data) != member.size:
+            raise EOFError(f"tar member {member.name} is truncated ({len(data)} of "
+                           f"{member.size} bytes)")
+        return data
     with open(path, "rb") as handle:
         handle.seek(member.offset)
         data = handle.read(member.size)
@@ -396,13 +432,16 @@ class _Table:
         self.path = path
         self.parquet = path.lower().endswith(".parquet")
         self.damage: tuple[int, str] | None = None
+        url = storage.is_url(path)
         if self.parquet:
-            self._file = pq.ParquetFile(path, memory_map=True)
+            # In a store, each row group's column chunk is one ranged read.
+            self._file = (pq.ParquetFile(storage.open_input(path)) if url
+                          else pq.ParquetFile(path, memory_map=True))
             self.schema = self._file.schema_arrow
             meta = self._file.metadata
             self.group_rows = [meta.row_group(g).num_rows for g in range(meta.num_row_groups)]
             return
-        source = pa.memory_map(path, "r")
+        source = storage.open_input(path) if url else pa.memory_map(path, "r")
         try:
             reader = pa.ipc.open_file(source)
             self._batches = [reader.get_batch(i) for i in range(reader.num_record_batches)]
@@ -586,6 +625,9 @@ def cell_file(named: str, table: str, roots: tuple[str, ...] = ()) -> str:
     FIFO, device or /proc file)."""
     from .inputs import is_image_name
 
+    if storage.is_url(table):
+        raise RefusedPathError(f"path cell {named!r}: a table in object storage must hold "
+                               "the image bytes (path cells are read only beside local tables)")
     folder = os.path.dirname(os.path.abspath(table))
     candidate = os.path.join(folder, named)  # an absolute ``named`` stays as it is
     if not is_image_name(candidate):
@@ -615,6 +657,10 @@ def open_item(item: "InputItem", stream: bool = False) -> str | bytes | BinaryIO
         return read_tar_member(item.path, member)
     if isinstance(member, TableCell):
         return read_table_cell(item.path, member, stream)
+    if isinstance(member, StoredObject):
+        if stream:  # a header probe: PIL's small reads come from one ranged request
+            return io.BufferedReader(storage.open_input(item.path), buffer_size=256 << 10)
+        return storage.read_bytes(item.path)
     if isinstance(member, Unreadable):
         raise DamagedContainerError(member.reason)
     raise TypeError(f"unknown member locator {member!r}")

@@ -54,3 +54,120 @@ def test_missing_bucket_is_one_setup_line_without_secrets(s3):
     message = str(info.value)
     assert "bucket not found" in message and "\n" not in message
     assert "testing-secret" not in message
+
+
+# --------------------------------------------------------------------------- URL inputs
+
+import io
+import tarfile
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+from typer.testing import CliRunner
+
+from dsv4enc import read_embeddings
+from dsv4enc.cli import app
+from dsv4enc.inputs import discover
+
+from helpers import write_image
+
+runner = CliRunner()
+SPECS = {"a.jpg": (64, 48), "sub/b.png": (30, 90), "sub/deeper/c.webp": (120, 12)}
+
+
+@pytest.fixture(scope="module")
+def local_images(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("s3_images")
+    for name, size in SPECS.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        write_image(root / name, size)
+    return root
+
+
+def upload_folder(s3, root: Path, prefix: str) -> str:
+    for path in sorted(p for p in root.rglob("*") if p.is_file()):
+        s3.put(f"{prefix}/{path.relative_to(root).as_posix()}", path.read_bytes())
+    return f"{s3.url}/{prefix}/"
+
+
+def encode(*args: str, workers: str = "0") -> None:
+    result = runner.invoke(app, ["encode", *args, "--workers", workers, "--device", "cpu",
+                                 "-q"])
+    assert result.exit_code == 0, result.output
+
+
+def rows(out) -> dict[str, np.ndarray]:
+    return {path: emb for path, emb, _ in read_embeddings(out)}
+
+
+def test_prefix_lists_like_a_folder(s3, local_images):
+    url = upload_folder(s3, local_images, "data/train")
+    s3.put("data/train/notes.txt", b"text")
+    found = discover([url])
+    assert [i.key for i in found.items] == ["a.jpg", "sub/b.png", "sub/deeper/c.webp"]
+    assert found.skipped == 1
+    with pytest.raises(UsageError, match="input not found"):
+        discover([f"{s3.url}/data/nothing/"])
+
+
+@pytest.mark.parametrize("workers", ["0", "2"])
+def test_prefix_encodes_like_the_local_folder(s3, local_images, small_ckpt, tmp_path, workers):
+    url = upload_folder(s3, local_images, "imgs")
+    encode(str(local_images), "--out", str(tmp_path / "local.parquet"),
+           "--weights", str(small_ckpt))
+    encode(url, "--out", str(tmp_path / "s3.parquet"), "--weights", str(small_ckpt),
+           workers=workers)
+    local, remote = rows(tmp_path / "local.parquet"), rows(tmp_path / "s3.parquet")
+    assert sorted(remote) == sorted(local) == sorted(SPECS)
+    for key in local:  # the same images, batched alike: the same rows
+        np.testing.assert_allclose(remote[key], local[key], rtol=1e-5, atol=1e-5)
+
+
+def test_single_object_and_missing_object(s3, local_images, small_ckpt, tmp_path):
+    url = s3.put("one/a.jpg", (local_images / "a.jpg").read_bytes())
+    bad = s3.put("one/broken.png", b"not a png")
+    encode(url, bad, "--out", str(tmp_path / "o.parquet"), "--weights", str(small_ckpt))
+    got = {r["path"]: r for r in read_embeddings(tmp_path / "o.parquet", ["path", "error"],
+                                                 errors="include")}
+    assert set(got) == {url, bad}
+    assert got[url]["error"] is None and got[bad]["error"]
+
+
+def test_tar_shard_in_a_bucket(s3, local_images, small_ckpt, tmp_path):
+    shard = tmp_path / "shard-000.tar"
+    with tarfile.open(shard, "w") as archive:
+        for i, name in enumerate(SPECS):
+            data = (local_images / name).read_bytes()
+            info = tarfile.TarInfo(f"s/{i:04d}.{name.rsplit('.', 1)[1]}")
+            info.size = len(data)
+            archive.addfile(info, io.BytesIO(data))
+            meta = tarfile.TarInfo(f"s/{i:04d}.cls")
+            meta.size = 1
+            archive.addfile(meta, io.BytesIO(b"1"))
+    url = s3.put("shards/shard-000.tar", shard.read_bytes())
+    encode(str(shard), "--out", str(tmp_path / "local.parquet"), "--weights", str(small_ckpt))
+    encode(url, "--out", str(tmp_path / "s3.parquet"), "--weights", str(small_ckpt),
+           workers="2")
+    local, remote = rows(tmp_path / "local.parquet"), rows(tmp_path / "s3.parquet")
+    assert sorted(remote) == sorted(local) == ["s/0000", "s/0001", "s/0002"]
+    for key in local:
+        np.testing.assert_allclose(remote[key], local[key], rtol=1e-5, atol=1e-5)
+
+
+def test_parquet_image_column_in_a_bucket(s3, local_images, small_ckpt, tmp_path):
+    names = list(SPECS)
+    table = pa.table({"id": [f"img-{i}" for i in range(len(names))],
+                      "jpg": [(local_images / n).read_bytes() for n in names]})
+    local = tmp_path / "t.parquet"
+    pq.write_table(table, local, row_group_size=2)  # two row groups
+    url = s3.put("tables/t.parquet", local.read_bytes())
+    encode(str(local), "--key-column", "id", "--out", str(tmp_path / "local.parquet"),
+           "--weights", str(small_ckpt))
+    encode(url, "--key-column", "id", "--out", str(tmp_path / "s3.parquet"),
+           "--weights", str(small_ckpt), workers="2")
+    here, there = rows(tmp_path / "local.parquet"), rows(tmp_path / "s3.parquet")
+    assert sorted(there) == sorted(here) == ["img-0", "img-1", "img-2"]
+    for key in here:
+        np.testing.assert_allclose(there[key], here[key], rtol=1e-5, atol=1e-5)

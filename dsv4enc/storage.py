@@ -329,13 +329,6 @@ def open_input(url: str):
     """A seekable, read-only file over the object (``pyarrow.NativeFile``): each read is a
     ranged request, so a reader takes only the bytes it needs."""
     fs, path = filesystem(url)
-    seen = _SEEN.get(url)
-    if seen is not None and scheme_of(url) in ("s3", "s3a"):
-        import pyarrow.fs as pafs
-
-        # The size known from the listing saves a HEAD request per open.
-        info = pafs.FileInfo(path, pafs.FileType.File, size=seen.size)
-        return retrying(lambda: fs.open_input_file(info))
     return retrying(lambda: fs.open_input_file(path))
 
 

@@ -24,6 +24,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from .errors import OutputError
+from .parquet_concat import JoinError, ParquetJoiner
 from .reading import LAYOUTS, embedding_format
 
 MANIFEST_NAME = "_manifest.json"
@@ -454,11 +455,13 @@ class StreamingAssembler:
     """Builds the single output file from committed parts, in input order, while later parts
     are still being encoded, so the end of a run only closes the file.
 
-    Parts go into a hidden temporary in the parts folder (``OUT.partial``, beside ``out``:
-    the same file system), row group by row group (bounded memory); ``finish`` fsyncs it and
-    renames it into place, so ``out`` is never half-written, and a killed run's temporary is
-    left where dsv4enc cleans up. A failed write (e.g. a full disk) is kept and raised by ``finish``; the
-    committed parts stay for ``--resume``.
+    The file is the parts' bytes joined (``parquet_concat.ParquetJoiner``): each committed
+    part's row groups are copied as they are (``copy_file_range``), so a single file costs
+    no second Parquet encode, only a copy. It goes into a hidden temporary in the parts
+    folder (``OUT.partial``, beside ``out``: the same file system); ``finish`` writes its
+    footer, fsyncs it and renames it into place, so ``out`` is never half-written, and a
+    killed run's temporary is left where dsv4enc cleans up. A failed write (e.g. a full
+    disk) is kept and raised by ``finish``; the committed parts stay for ``--resume``.
     """
 
     def __init__(self, store: "PartStore", names: Sequence[str], out: Path,
@@ -473,7 +476,6 @@ class StreamingAssembler:
         self.seconds = 0.0
         self.error: BaseException | None = None
         self._aborted = False
-        self._offered: dict[int, tuple[int, pa.Table, int]] = {}  # start -> (end, table, rg)
         self._cond = threading.Condition()
         self._thread = threading.Thread(target=self._run, name="dsv4enc-assembler",
                                         daemon=True)
@@ -485,12 +487,8 @@ class StreamingAssembler:
             self._cond.notify_all()
 
     def offer(self, start: int, end: int, table: pa.Table, row_group_size: int) -> None:
-        """A part's table, about to be committed: the assembler may copy it from memory
-        (while the part file is written) instead of reading the committed file back."""
-        with self._cond:
-            if not self._aborted:
-                self._offered[start] = (end, table, row_group_size)
-                self._cond.notify_all()
+        """A part's table, about to be committed. Not needed: the assembler copies the
+        committed file's bytes, which is cheaper than encoding the table again."""
 
     def _committed_at(self, position: int) -> tuple[str, int] | None:
         for name, part in self.store.parts.items():
@@ -498,47 +496,48 @@ class StreamingAssembler:
                 return name, part["end"]
         return None
 
-    def _wait_for(self, position: int) -> bool:
-        """Wait until a part that starts at ``position`` is offered or committed."""
+    def _wait_for(self, position: int) -> tuple[str, int] | None:
+        """Wait until a part that starts at ``position`` is committed (None: aborted)."""
         with self._cond:
-            while (position not in self._offered and self._committed_at(position) is None
-                   and not self._aborted):
+            while (committed := self._committed_at(position)) is None and not self._aborted:
                 self._cond.wait(timeout=1.0)
-            return not self._aborted
-
-    def _append(self, writer: pq.ParquetWriter, position: int) -> int:
-        """Copy the part at ``position`` into the output (from memory if offered, else from
-        its file); returns where it ends."""
-        with self._cond:
-            offered = self._offered.pop(position, None)
-            committed = None if offered is not None else self._committed_at(position)
-        if offered is not None:
-            end, table, row_group_size = offered
-            writer.write_table(table, row_group_size=row_group_size)
-            return end
-        name, end = committed
-        handle = pq.ParquetFile(self.store.folder / self.store.parts[name]["file"])
-        for group in range(handle.num_row_groups):
-            writer.write_table(handle.read_row_group(group))
-        return end
+            return None if self._aborted else committed
 
     def _run(self) -> None:
         try:
-            with pq.ParquetWriter(self.tmp, self.schema,
-                                  **parquet_options(self.schema)) as writer:
-                position = self.begin
-                while position < self.finish_at:
-                    if not self._wait_for(position):
-                        return
-                    began = time.perf_counter()
-                    position = self._append(writer, position)
-                    self.seconds += time.perf_counter() - began
+            if self.begin >= self.finish_at:  # nothing to join: an empty file of the schema
+                pq.write_table(self.schema.empty_table(), self.tmp,
+                               **parquet_options(self.schema))
+            else:
+                self._join()
             with open(self.tmp, "rb+") as handle:
                 os.fsync(handle.fileno())
         except OSError as exc:
             self.error = output_os_error(self.out, exc)
+        except JoinError as exc:
+            self.error = OutputError(f"cannot join the parts into {self.out} ({exc}); the "
+                                     "committed parts are kept: rerun with --resume")
         except BaseException as exc:  # re-raised by finish()
             self.error = exc
+
+    def _join(self) -> None:
+        """Copy the committed parts, in input order, as they land; then write the footer."""
+        joiner = ParquetJoiner(self.tmp)
+        try:
+            position = self.begin
+            while position < self.finish_at:
+                committed = self._wait_for(position)
+                if committed is None:
+                    return
+                name, position = committed
+                began = time.perf_counter()
+                joiner.append(self.store.folder / self.store.parts[name]["file"])
+                self.seconds += time.perf_counter() - began
+            began = time.perf_counter()
+            joiner.close()
+            self.seconds += time.perf_counter() - began
+        finally:
+            joiner.abort()
 
     def finish(self) -> None:
         """Wait for the last part, then move the file into place (or raise its error)."""
@@ -559,7 +558,6 @@ class StreamingAssembler:
         """Stop without producing ``out`` (interrupted or failed run)."""
         with self._cond:
             self._aborted = True
-            self._offered.clear()
             self._cond.notify_all()
         self._thread.join()
         self.tmp.unlink(missing_ok=True)

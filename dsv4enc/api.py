@@ -29,8 +29,9 @@ from .checkpoint import Checkpoint, build_tower, load_checkpoint, random_checkpo
 from .config import VisionConfig
 from .decode import DEFAULT_MAX_PIXELS, decode_image, describe_error, patches_tensor
 from .device import resolve_device, resolve_dtype, resolve_out_dtype
-from .engine import Engine, NonFiniteOutput, check_finite
-from .packing import output_grid, pack
+from .batching import BatchLoop
+from .engine import Engine, NonFiniteOutput
+from .packing import output_grid
 from .planning import pack_bins
 from .reading import read_embeddings
 
@@ -356,31 +357,21 @@ class Encoder:
     def _flush(self, engine: Engine, window: list[_Prepared], features: str, pool: str,
                capacity: int) -> Iterator[tuple[Any, Any]]:
         """Encode the window's images in nearly full packed batches; yield all in order."""
-        while engine.pending:  # left by an earlier stream that was abandoned mid-batch
-            engine.collect()
+        loop = BatchLoop(engine, pool, name_of=lambda item: "this image",
+                         remedy="use out_dtype='float32'")
         good = [w for w in window if w.error is None]
         results: dict[int, torch.Tensor] = {}
         if good:
             bins = pack_bins([w.tokens for w in good], capacity, self.max_images)
-            r = self.config.downsample_ratio
-            batches = (pack([(good[j].patches, good[j].n_h, good[j].n_w) for j in b], r, features)
-                       for b in bins)
-            for b, outputs in zip(bins, engine.encode_many(batches)):
-                try:
-                    check_finite(engine, outputs, lambda k: "this image",
-                                 "use out_dtype='float32'")
-                except NonFiniteOutput as exc:
-                    bad = good[b[exc.position]]
-                    raise EncodeError(bad.index, bad.key, str(exc)) from None
-                for j, out in zip(b, outputs):
-                    results[good[j].index] = self._finish(out, pool)
+            batches = (([good[j] for j in b], [(good[j].patches, good[j].n_h, good[j].n_w)
+                                              for j in b]) for b in bins)
+            try:
+                for done in loop.run(batches):
+                    results.update((item.index, out) for item, out in done)
+            except NonFiniteOutput as exc:
+                raise EncodeError(exc.tag.index, exc.tag.key, str(exc)) from None
         for w in window:
             yield w.key, (w.error if w.error is not None else results.pop(w.index))
-
-    def _finish(self, out: torch.Tensor, pool: str) -> torch.Tensor:
-        if pool == "mean":
-            return out.float().mean(0).to(self.out_dtype)
-        return out.clone()  # own memory: not a view of the batch buffer (pinned on CUDA)
 
     def grid_for(self, size: tuple[int, int], features: str | None = None) -> tuple[int, int]:
         """``(grid_h, grid_w)`` of the embedding rows of an image of ``size`` = (width,

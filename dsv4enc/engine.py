@@ -367,11 +367,13 @@ class Engine:
 
 class NonFiniteOutput(DsvError):
     """An embedding holds inf or NaN, almost always a value past the output dtype's range
-    (float16 ends at 65504). ``position``: the output's place in its batch."""
+    (float16 ends at 65504). ``position``: the output's place in its batch; ``tag``: the
+    caller's tag for that image (set by ``batching.BatchLoop``)."""
 
     def __init__(self, position: int, message: str) -> None:
         super().__init__(message)
         self.position = position
+        self.tag: Any = None
 
 
 def check_finite(engine: Engine, outputs: Sequence[torch.Tensor], key_of: Callable[[int], Any],

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import deque
 from dataclasses import asdict, dataclass, field
 from typing import Iterator, Sequence
 
@@ -24,13 +23,14 @@ from .checkpoint import Checkpoint, build_tower, load_checkpoint, random_checkpo
 from .config import VisionConfig
 from .decode import DecodePool, Decoded, DecodeStream, patches_tensor
 from .device import resolve_device, resolve_dtype, resolve_out_dtype
-from .engine import Engine, check_finite
+from .batching import BatchLoop
+from .engine import Engine
 from .errors import DsvError, Interrupted
 from .inputs import discover
 from .output import OutputLayout, PartWriter, main_then_all, merge_manifests, resume_filter
 from .options import (EncodeOptions, decode_window, default_workers, default_writer_threads,
                       validate)
-from .packing import output_grid, pack
+from .packing import output_grid
 from .planning import (Part, Planned, images_per_part, part_batches, plan_parts, read_headers,
                        segment_tokens,
                        share_for_rank)
@@ -303,7 +303,9 @@ class _Runner:
         self.cfg = engine.cfg
         self.batch_tokens = engine.batch_tokens
         self.gathered = dist is not None and not tp and not opts.shard_output
-        self._in_flight: deque[list[tuple[int, Decoded]]] = deque()
+        # tags: (index, planned entry, decoded image)
+        self.loop = BatchLoop(engine, opts.pool, name_of=lambda tag: tag[1].item.key,
+                              remedy="rerun with --out-dtype float32", copy=False)
         self._plans: list | None = None
         self.sharded = dist is not None and not tp and opts.shard_output
         # Progress is counted where rows are made, then summed over ranks at each step: a
@@ -375,10 +377,7 @@ class _Runner:
                     local = self.submit_batch(planned, batch, decoded)
                 except _StoppedWaiting:
                     return  # the part in progress is dropped; finished ones are committed
-                if len(self._in_flight) > 1:
-                    # One batch stays queued on the device while this thread decodes and
-                    # packs the next, so the device never waits for the host.
-                    local.update(self.collect_batch(planned))
+                local.update(self._rows(self.loop.collect_ready()))
                 if self._counts_encoded:
                     self._note(local.values())
                 if self.gathered:
@@ -386,9 +385,7 @@ class _Runner:
                 rows.update(local)
                 if self._stop_agreed():
                     return
-            local = {}
-            while self._in_flight:
-                local.update(self.collect_batch(planned))
+            local = self._rows(self.loop.drain())
             if self._counts_encoded:
                 self._note(local.values())
             if self.gathered:
@@ -458,7 +455,7 @@ class _Runner:
     def submit_batch(self, planned: Sequence[Planned], batch: list[int],
                      decoded: Iterator[tuple[int, Decoded]]) -> dict[int, Row]:
         """Take a batch's decoded images and start them on the engine. Returns the rows of
-        images that failed to decode; the others come from ``collect_batch``."""
+        images that failed to decode; the others come from ``self.loop``."""
         rows: dict[int, Row] = {}
         ready: list[tuple[int, Decoded]] = []
         began = time.perf_counter()
@@ -474,35 +471,23 @@ class _Runner:
         self.summary.decode_wait_s += time.perf_counter() - began
         if not ready:
             return rows
-        packed = pack([(patches_tensor(d), d.n_h, d.n_w) for _, d in ready],
-                      self.cfg.downsample_ratio, self.opts.features)
-        self.engine.submit(packed)
-        self._in_flight.append(ready)
+        packed = self.loop.submit([(index, planned[index], d) for index, d in ready],
+                                  [(patches_tensor(d), d.n_h, d.n_w) for _, d in ready])
         self.summary.tokens += packed.n_tokens
         if self.opts.features == "aligner":
             r2 = self.cfg.downsample_ratio ** 2
             self.summary.merge_pad_tokens += packed.n_rows * r2 - packed.n_tokens
         return rows
 
-    def collect_batch(self, planned: Sequence[Planned]) -> dict[int, Row]:
-        """Rows of the oldest batch in flight (waits for the device)."""
-        ready = self._in_flight.popleft()
-        outputs = self.engine.collect()
-        check_finite(self.engine, outputs, lambda position: planned[ready[position][0]].item.key,
-                     "rerun with --out-dtype float32")
-        return {index: self.make_row(planned[index], d, out)
-                for (index, d), out in zip(ready, outputs)}
+    def _rows(self, done: list[tuple[tuple[int, Planned, Decoded], torch.Tensor]],
+              ) -> dict[int, Row]:
+        """Rows of collected images (``BatchLoop`` tags and outputs), by input index."""
+        return {index: self.make_row(entry, d, out) for (index, entry, d), out in done}
 
     def make_row(self, entry: Planned, d: Decoded, out: torch.Tensor) -> Row:
         grid_h, grid_w = output_grid(d.n_h, d.n_w, self.cfg.downsample_ratio, self.opts.features)
-        if self.opts.pool == "mean":
-            dtype = out.dtype
-            out = out.float().mean(0).to(dtype)
-        values = out.numpy()
-        if out.is_pinned():
-            values = values.copy()  # release page-locked memory to the allocator's cache
         return Row(path=entry.item.key, width=d.width, height=d.height, vit_h=d.n_h,
-                   vit_w=d.n_w, grid_h=grid_h, grid_w=grid_w, embedding=values)
+                   vit_w=d.n_w, grid_h=grid_h, grid_w=grid_w, embedding=out.numpy())
 
     def exchange(self, local: dict[int, Row]) -> dict[int, Row]:
         """DP: every rank sends its rows; rank 0 gets them all (one padded all-gather)."""

@@ -1,0 +1,105 @@
+"""The batch loop of the command line, the Python API and the benchmark.
+
+A caller hands over batches of images (already transformed into patches), each image with a
+tag of its own choosing; the loop packs a batch, starts it on the engine, and keeps one batch
+queued on the device while the caller prepares the next, so the device never waits for the
+host. Collected outputs are checked for inf and NaN (``engine.check_finite``: neither path
+ever returns them), mean-pooled when asked, and own their memory when they would otherwise
+be views of page-locked transfer buffers.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any, Callable, Iterable, Iterator, Sequence
+
+import torch
+
+from .engine import Engine, NonFiniteOutput, check_finite
+from .packing import PackedBatch, pack
+
+#: One image for ``BatchLoop.submit``: (patches, n_h, n_w), as ``packing.pack`` takes it.
+Image = tuple[torch.Tensor, int, int]
+
+
+class BatchLoop:
+    """Packs, submits and collects batches on ``engine``, one batch in flight ahead.
+
+    ``pool``: ``"mean"`` returns one vector per image, ``"none"`` every row. ``name_of(tag)``
+    names an image in the error raised for a non-finite output, followed by ``remedy``
+    (what the user can change). ``copy``: always return outputs that own their memory (the
+    API hands them to users); otherwise only outputs in page-locked memory are copied, and
+    the others stay views of their batch's output (the command line writes and drops them).
+    """
+
+    def __init__(self, engine: Engine, pool: str = "none", *,
+                 name_of: Callable[[Any], Any] = str, remedy: str = "",
+                 copy: bool = True) -> None:
+        self.engine, self.pool, self.copy = engine, pool, copy
+        self.name_of, self.remedy = name_of, remedy
+        self._tags: deque[list[Any]] = deque()  # per batch in flight, its images' tags
+        while engine.pending:  # left by an earlier loop that was abandoned mid-batch
+            engine.collect()
+
+    @property
+    def in_flight(self) -> int:
+        """Batches submitted and not yet collected."""
+        return len(self._tags)
+
+    def submit(self, tags: Sequence[Any], images: Sequence[Image]) -> PackedBatch:
+        """Pack ``images`` into one batch and start it; returns the packed batch."""
+        cfg = self.engine.cfg
+        packed = pack(list(images), cfg.downsample_ratio, self.engine.features)
+        self.submit_packed(tags, packed)
+        return packed
+
+    def submit_packed(self, tags: Sequence[Any], packed: PackedBatch) -> None:
+        """Start a batch packed beforehand (the benchmark packs outside its timed region)."""
+        self.engine.submit(packed)
+        self._tags.append(list(tags))
+
+    def collect_ready(self) -> list[tuple[Any, torch.Tensor]]:
+        """The oldest batch's outputs once a newer one is queued behind it, else nothing:
+        one batch stays on the device while the caller prepares the next."""
+        return self.collect() if len(self._tags) > 1 else []
+
+    def collect(self) -> list[tuple[Any, torch.Tensor]]:
+        """``(tag, output)`` of the oldest batch in flight, in its order (waits for the
+        device). Raises ``NonFiniteOutput`` (its ``tag`` set) for a non-finite output."""
+        tags = self._tags.popleft()
+        outputs = self.engine.collect()
+        try:
+            check_finite(self.engine, outputs, lambda position: self.name_of(tags[position]),
+                         self.remedy)
+        except NonFiniteOutput as exc:
+            exc.tag = tags[exc.position]
+            raise
+        return [(tag, self.finish(out)) for tag, out in zip(tags, outputs)]
+
+    def drain(self) -> list[tuple[Any, torch.Tensor]]:
+        """Collect every batch still in flight."""
+        done: list[tuple[Any, torch.Tensor]] = []
+        while self._tags:
+            done.extend(self.collect())
+        return done
+
+    def run(self, batches: Iterable[tuple[Sequence[Any], Sequence[Image]]],
+            ) -> Iterator[list[tuple[Any, torch.Tensor]]]:
+        """Encode ``(tags, images)`` batches in order, one in flight ahead (each is packed
+        while the one before it runs); yields each batch's ``(tag, output)`` list."""
+        for tags, images in batches:
+            self.submit(tags, images)
+            if len(self._tags) > 1:
+                yield self.collect()
+        while self._tags:
+            yield self.collect()
+
+    def finish(self, out: torch.Tensor) -> torch.Tensor:
+        """One image's output as returned: pooled, and owning its memory where needed."""
+        if self.pool == "mean":  # in float32 whatever the output dtype, then cast back
+            return out.float().mean(0).to(out.dtype)
+        if self.copy or out.is_pinned():
+            # Own memory: not a view of the batch's buffer, and page-locked memory goes
+            # back to the allocator's cache rather than living as long as a row.
+            return out.clone()
+        return out

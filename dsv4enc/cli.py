@@ -187,8 +187,14 @@ def encode(
     part_images: Optional[int] = typer.Option(None, "--part-images", hidden=True,
                                               help="Images per committed part (default from "
                                               "the config; small values for tests)."),
+    storage_option: Optional[List[str]] = typer.Option(
+        None, "--storage-option", metavar="KEY=VALUE", help="Object storage (s3://, gs://, "
+        "...) inputs and --out: an option of the file system (pyarrow S3FileSystem, or "
+        "fsspec's), e.g. endpoint_override=host:9000, anonymous=true (repeatable). "
+        "Credentials and endpoints otherwise come from the environment and config files."),
 ) -> None:
     """Encode images into a Parquet file of embeddings, one row per image."""
+    from . import storage
     from .decode import own_process_pillow_settings
     from .errors import Interrupted
     from .options import EncodeOptions
@@ -210,6 +216,10 @@ def encode(
         shard_output=shard_output, tp_mode=tp_mode, balance=balance, timeout=timeout,
         part_images=part_images, commit_every=commit_every,
         progress=not quiet, log_every=log_every)
+    try:
+        storage.configure(storage_option)  # decode workers inherit them (environment)
+    except DsvError as exc:
+        fail(str(exc), exc.exit_code)
     package_log = logging.getLogger("dsv4enc")
     log_level = package_log.level
     if quiet:  # warnings too: only errors (and the output path) are printed

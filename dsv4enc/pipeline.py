@@ -35,6 +35,7 @@ from .planning import (Part, Planned, images_per_part, part_batches, plan_parts,
                        segment_tokens,
                        share_for_rank)
 from .prefetch import Prefetch
+from .remote_output import RemoteOutput
 from .progress import RunProgress
 from .stopping import StopSignals
 from .writer import PartStore, Row, StreamingAssembler, output_schema
@@ -151,11 +152,22 @@ def run_encode(opts: EncodeOptions, dist=None, prefetch: Prefetch | None = None,
     if stop is None:
         stop = StopSignals(immediate=dist is None)  # torchrun ranks stop together, later
         stop.install()
-    layout = OutputLayout(opts.out, opts.shard_output)
+    layout = remote = None
     try:
+        # An object storage --out is built in a local staging folder and mirrored to the store
+        remote = RemoteOutput.for_options(opts, dist)
+        if remote is not None:
+            opts = remote.opts
+        layout = OutputLayout(opts.out, opts.shard_output)
+        if remote is not None:
+            return remote.run(lambda: _run_encode(opts, dist, prefetch, stop, layout, stand_in),
+                              dist)
         return _run_encode(opts, dist, prefetch, stop, layout, stand_in)
     finally:
-        layout.release()  # the output's lock, held from its checks to the end
+        if layout is not None:
+            layout.release()  # the output's lock, held from its checks to the end
+        if remote is not None:
+            remote.close()
         stop.immediate = False
         if own_stop:
             stop.restore()

@@ -376,3 +376,53 @@ def upload(url: str, data: bytes) -> None:
 
     retrying(attempt)
     _SEEN.pop(url, None)
+
+
+def upload_file(path: "str | os.PathLike", url: str) -> None:
+    """Copy the local file ``path`` to the object ``url``, streamed (a multipart upload for
+    a large file): the object appears whole, when the upload completes, or not at all. No
+    folder marker objects are made (``pyarrow.fs.copy_files`` would make them)."""
+    import shutil
+
+    fs, target = filesystem(url)
+
+    def attempt() -> None:
+        with open(path, "rb") as source, fs.open_output_stream(target) as out:
+            shutil.copyfileobj(source, out, 8 << 20)
+
+    retrying(attempt)
+    _SEEN.pop(url, None)
+
+
+def download(url: str, path: "str | os.PathLike") -> None:
+    """Copy the object ``url`` to the local file ``path``, streamed."""
+    import shutil
+
+    fs, source = filesystem(url)
+
+    def attempt() -> None:
+        with fs.open_input_stream(source) as stream, open(path, "wb") as out:
+            shutil.copyfileobj(stream, out, 8 << 20)
+
+    retrying(attempt)
+
+
+def delete(url: str) -> None:
+    """Delete the object ``url`` (gone already is fine)."""
+    fs, path = filesystem(url)
+    try:
+        retrying(lambda: fs.delete_file(path))
+    except FileNotFoundError:
+        pass
+
+
+def remove_empty_prefix(url: str) -> None:
+    """Remove the folder marker some clients leave at the prefix ``url`` (pyarrow keeps a
+    ``prefix/`` object when the last object under it is deleted), when nothing is under it."""
+    if list_files(url):
+        return
+    fs, path = filesystem(url)
+    try:
+        retrying(lambda: fs.delete_dir(path))
+    except FileNotFoundError:
+        pass

@@ -55,9 +55,12 @@ class S3Bucket:
         return self.client().get_object(Bucket=self.name, Key=key)["Body"].read()
 
     def keys(self, prefix: str = "") -> list[str]:
+        """The object keys under ``prefix``, without folder markers (``dir/``: empty objects
+        some clients, pyarrow's among them, leave where a folder's last object was deleted)."""
         pages = self.client().get_paginator("list_objects_v2").paginate(
             Bucket=self.name, Prefix=prefix)
-        return sorted(o["Key"] for page in pages for o in page.get("Contents", []))
+        return sorted(o["Key"] for page in pages for o in page.get("Contents", [])
+                      if not o["Key"].endswith("/"))
 
 
 @pytest.fixture(scope="session")

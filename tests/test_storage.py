@@ -171,3 +171,51 @@ def test_parquet_image_column_in_a_bucket(s3, local_images, small_ckpt, tmp_path
     assert sorted(there) == sorted(here) == ["img-0", "img-1", "img-2"]
     for key in here:
         np.testing.assert_allclose(there[key], here[key], rtol=1e-5, atol=1e-5)
+
+
+# --------------------------------------------------------------------------- URL outputs
+
+def read_object(s3, key: str, tmp_path: Path, name: str) -> Path:
+    path = tmp_path / name
+    path.write_bytes(s3.get(key))
+    return path
+
+
+def test_single_file_output_in_a_bucket(s3, local_images, small_ckpt, tmp_path):
+    url = upload_folder(s3, local_images, "in")
+    encode(str(local_images), "--out", str(tmp_path / "local.parquet"),
+           "--weights", str(small_ckpt), "--part-images", "1")
+    out = f"{s3.url}/emb/out.parquet"
+    encode(url, "--out", out, "--weights", str(small_ckpt), "--part-images", "1")
+    assert s3.keys("emb/") == ["emb/out.parquet"]  # parts and lock gone: one object
+    got = rows(read_object(s3, "emb/out.parquet", tmp_path, "got.parquet"))
+    want = rows(tmp_path / "local.parquet")
+    assert sorted(got) == sorted(want)
+    for key in want:
+        np.testing.assert_allclose(got[key], want[key], rtol=1e-5, atol=1e-5)
+    again = runner.invoke(app, ["encode", url, "--out", out, "--weights", str(small_ckpt),
+                                "--workers", "0", "--device", "cpu", "-q"])
+    assert again.exit_code == 1 and "already exists; pass --overwrite" in again.output
+    assert "staging" not in again.output and out in again.output
+    encode(url, "--out", out, "--weights", str(small_ckpt), "--overwrite")
+    assert s3.keys("emb/") == ["emb/out.parquet"]
+
+
+def test_folder_output_in_a_bucket(s3, local_images, small_ckpt, tmp_path):
+    url = upload_folder(s3, local_images, "in")
+    out = f"{s3.url}/emb/"
+    encode(url, "--out", out, "--weights", str(small_ckpt), "--part-images", "1")
+    keys = s3.keys("emb/")
+    assert "emb/_manifest.json" in keys and ".dsv4enc.lock" not in " ".join(keys)
+    parts = [k for k in keys if k.endswith(".parquet")]
+    assert len(parts) == 3
+    folder = tmp_path / "mirror"
+    folder.mkdir()
+    for key in keys:
+        (folder / key.split("/", 1)[1]).write_bytes(s3.get(key))
+    assert sorted(rows(folder)) == sorted(SPECS)
+    again = runner.invoke(app, ["encode", url, "--out", out, "--weights", str(small_ckpt),
+                                "--workers", "0", "--device", "cpu", "-q"])
+    assert again.exit_code == 1 and "--resume" in again.output
+    encode(url, "--out", out, "--weights", str(small_ckpt), "--part-images", "1", "--resume")
+    assert s3.keys("emb/") == keys

@@ -128,3 +128,60 @@ def test_a_single_file_output_is_its_parts_bytes(tmp_path):
         position += len(body)
     got, want = pq.read_table(out), pa.concat_tables([pq.read_table(p) for p in parts])
     assert got.equals(want)
+
+
+@pytest.mark.parametrize("layout", ["binary", "nested"])
+@pytest.mark.parametrize("out_dtype", ["float16", "float32"])
+@pytest.mark.parametrize("pooled", [False, True])
+def test_every_layout_round_trips_through_read_embeddings(tmp_path, layout, out_dtype, pooled):
+    """Parts committed by the writer, read back as a folder and as the joined single file:
+    the same arrays, bit for bit, in the stored dtype and shape; failed rows as None."""
+    from types import SimpleNamespace
+
+    from dsv4enc import read_embeddings
+    from dsv4enc.reading import embedding_format
+    from dsv4enc.writer import PartStore, StreamingAssembler, rows_per_group
+
+    rng = np.random.default_rng(2)
+    width = 8
+    schema = output_schema(width, out_dtype, {"tool": "dsv4enc"}, pooled=pooled, layout=layout)
+    rows = []
+    for i in range(9):
+        n = 1 + i % 4
+        emb = rng.standard_normal((width,) if pooled else (n, width)).astype(out_dtype)
+        rows.append(Row(f"{i}.png", 10, 10, 2, 2, 1, n, emb) if i % 4 != 2
+                    else Row(f"{i}.png", error="OSError: truncated"))
+    store = PartStore(tmp_path / "parts", {"tool": "dsv4enc"})
+    store.create()
+    spans = [(0, 4), (4, 5), (5, 9)]
+    names = [f"part-{a:06d}" for a, _ in spans]
+    store.segments = {n: SimpleNamespace(start=a, end=b) for n, (a, b) in zip(names, spans)}
+    out = tmp_path / "e.parquet"
+    assembler = StreamingAssembler(store, names, out, schema)
+    for name, (a, b) in zip(names, spans):
+        store.commit(name, rows_to_table(rows[a:b], schema),
+                     rows_per_group(schema, rows[a:b]), a, b, "d")
+        assembler.notify()
+    assembler.finish()
+    assert embedding_format(pq.read_schema(out)).layout == layout
+    for source in (out, store.folder):
+        got = list(read_embeddings(source, errors="include", batch_rows=3))
+        assert [p for p, _, _ in got] == [r.path for r in rows]
+        for (_, emb, grid), row in zip(got, rows):
+            if row.embedding is None:
+                assert emb is None and grid is None
+                continue
+            assert emb.dtype == np.dtype(out_dtype) and emb.shape == row.embedding.shape
+            assert emb.tobytes() == row.embedding.tobytes() and grid == (1, row.grid_w)
+
+
+def test_an_empty_single_file_output_has_the_schema(tmp_path):
+    from dsv4enc.writer import PartStore, StreamingAssembler
+
+    schema = output_schema(8, "float16", {"tool": "dsv4enc"})
+    store = PartStore(tmp_path / "parts", {"tool": "dsv4enc"})
+    store.create()
+    assembler = StreamingAssembler(store, [], tmp_path / "e.parquet", schema)
+    assembler.finish()
+    table = pq.read_table(tmp_path / "e.parquet")
+    assert table.num_rows == 0 and table.schema.equals(schema, check_metadata=True)

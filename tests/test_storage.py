@@ -219,3 +219,85 @@ def test_folder_output_in_a_bucket(s3, local_images, small_ckpt, tmp_path):
     assert again.exit_code == 1 and "--resume" in again.output
     encode(url, "--out", out, "--weights", str(small_ckpt), "--part-images", "1", "--resume")
     assert s3.keys("emb/") == keys
+
+
+# --------------------------------------------------------------------------- kill and resume
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from PIL import Image
+
+from helpers import CONFIGS, REPO_ROOT
+
+TINY = ["--config", str(CONFIGS / "tiny.json"), "--random-init", "--device", "cpu",
+        "--part-images", "3", "--batch-tokens", "1500"]
+
+
+def noise_images(s3, prefix: str, count: int, tmp_path: Path) -> str:
+    rng = np.random.default_rng(0)
+    for i in range(count):
+        buffer = io.BytesIO()
+        Image.fromarray(rng.integers(0, 256, (12 + i % 5, 16 + i % 7, 3),
+                                     dtype=np.uint8)).save(buffer, "PNG")
+        s3.put(f"{prefix}/img{i:03d}.png", buffer.getvalue())
+    return f"{s3.url}/{prefix}/"
+
+
+def manifest_parts(s3, key: str) -> dict:
+    try:
+        return json.loads(s3.get(key))["parts"]
+    except Exception:  # not uploaded yet
+        return {}
+
+
+@pytest.mark.slow
+def test_sigkill_then_resume_on_the_bucket(s3, tmp_path):
+    url = noise_images(s3, "noise", 60, tmp_path)
+    out = f"{s3.url}/res/e.parquet"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT)}
+    env.pop("DSV4ENC_WEIGHTS", None)
+    proc = subprocess.Popen([sys.executable, "-m", "dsv4enc", "encode", url, "--out", out, *TINY,
+                             "--workers", "1", "-q"], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 180
+        while not manifest_parts(s3, "res/e.parquet.partial/_manifest.json"):
+            assert proc.poll() is None, proc.communicate()[1][-2000:]
+            assert time.monotonic() < deadline, "no part was committed in time"
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGKILL)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert "res/e.parquet" not in s3.keys("res/")  # never a half-written output
+    parts = manifest_parts(s3, "res/e.parquet.partial/_manifest.json")
+    keys = s3.keys("res/e.parquet.partial/")
+    for part in parts.values():  # the manifest lists only parts that were uploaded whole
+        assert f"res/e.parquet.partial/{part['file']}" in keys
+    assert len(parts) < 20, "the run finished before it was killed"
+    again = runner.invoke(app, ["encode", url, "--out", out, *TINY, "--workers", "0", "-q"])
+    assert again.exit_code == 1 and "--resume" in again.output
+    assert str(tempfile_root()) not in again.output  # the store is named, not the staging
+    result = runner.invoke(app, ["encode", url, "--out", out, *TINY, "--workers", "0", "-q",
+                                 "--resume", "--summary-json", str(tmp_path / "s.json")])
+    assert result.exit_code == 0, result.output
+    summary = json.loads((tmp_path / "s.json").read_text())
+    assert summary["images"]["reused"] == sum(p["rows"] for p in parts.values()) > 0
+    assert s3.keys("res/") == ["res/e.parquet"]
+    clean = tmp_path / "clean.parquet"
+    encode(url, "--out", str(clean), *TINY)
+    resumed = pq.read_table(read_object(s3, "res/e.parquet", tmp_path, "r.parquet")).to_pylist()
+    want = pq.read_table(clean).to_pylist()
+    assert [r["path"] for r in resumed] == [r["path"] for r in want]
+    assert len(want) == 60
+
+
+def tempfile_root() -> str:
+    import tempfile
+
+    return os.path.join(tempfile.gettempdir(), "dsv4enc-staging-")

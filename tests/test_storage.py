@@ -301,3 +301,27 @@ def tempfile_root() -> str:
     import tempfile
 
     return os.path.join(tempfile.gettempdir(), "dsv4enc-staging-")
+
+
+# --------------------------------------------------------------------------- torchrun
+
+@pytest.mark.slow
+def test_two_rank_torchrun_reads_and_writes_the_bucket(s3, tmp_path):
+    """2 gloo ranks (no shared folder needed): both read their images from the bucket, rank
+    0 writes the output to it; the rows equal one process's."""
+    from test_torchrun import ok, torchrun
+
+    url = noise_images(s3, "tr-in", 12, tmp_path)
+    out = f"{s3.url}/tr/e.parquet"
+    ok(torchrun(["-m", "dsv4enc", "encode", url, "--out", out, *TINY, "--workers", "1",
+                 "--timeout", "60", "-q"], tmp_path))
+    assert s3.keys("tr/") == ["tr/e.parquet"]
+    encode(url, "--out", str(tmp_path / "one.parquet"), *TINY)
+    got = pq.read_table(read_object(s3, "tr/e.parquet", tmp_path, "got.parquet")).to_pylist()
+    want = pq.read_table(tmp_path / "one.parquet").to_pylist()
+    assert [r["path"] for r in got] == [r["path"] for r in want] and len(want) == 12
+    for a, b in zip(got, want):
+        assert a["error"] is None and b["error"] is None
+        np.testing.assert_allclose(np.frombuffer(a["embedding"], np.float16),
+                                   np.frombuffer(b["embedding"], np.float16), rtol=2e-2,
+                                   atol=2e-3)

@@ -228,32 +228,30 @@ def _schema_part(footer: list[list]) -> list[list]:
 
 
 def _copy_range(source: BinaryIO, target: BinaryIO, offset: int, count: int) -> None:
-    """Copy ``count`` bytes at ``offset`` of ``source`` to ``target``'s position, in the
-    kernel where it can (copy_file_range), else through a buffer."""
+    """Append ``count`` bytes at ``offset`` of ``source`` to ``target``: in the kernel where
+    it can (``copy_file_range``: no trip through user space, a reflink on file systems that
+    share extents), the rest through a buffer."""
     target.flush()
+    done = 0
     if hasattr(os, "copy_file_range"):
         try:
-            done = 0
             while done < count:
                 n = os.copy_file_range(source.fileno(), target.fileno(), count - done,
                                        offset + done)
                 if n == 0:
                     break
                 done += n
-            if done == count:
-                target.seek(0, os.SEEK_END)
-                return
-            offset, count = offset + done, count - done
         except OSError:
-            pass  # e.g. across file systems on old kernels: copy by hand
-        target.seek(0, os.SEEK_END)
-    source.seek(offset)
-    while count > 0:
-        block = source.read(min(count, 8 << 20))
+            pass  # e.g. not supported between these files: copy the rest by hand
+    target.seek(0, os.SEEK_END)
+    source.seek(offset + done)
+    left = count - done
+    while left > 0:
+        block = source.read(min(left, 8 << 20))
         if not block:
             raise JoinError("a file ended early")
         target.write(block)
-        count -= len(block)
+        left -= len(block)
 
 
 class ParquetJoiner:

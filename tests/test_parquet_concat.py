@@ -185,3 +185,15 @@ def test_an_empty_single_file_output_has_the_schema(tmp_path):
     assembler.finish()
     table = pq.read_table(tmp_path / "e.parquet")
     assert table.num_rows == 0 and table.schema.equals(schema, check_metadata=True)
+
+
+def test_joining_copies_by_hand_where_the_kernel_cannot(tmp_path, monkeypatch):
+    import os
+
+    def refuse(*args):
+        raise OSError(18, "Invalid cross-device link")
+
+    monkeypatch.setattr(os, "copy_file_range", refuse, raising=False)
+    files = write_parts(tmp_path, "binary", pooled=False)
+    out = join(files, tmp_path / "joined.parquet")
+    assert pq.read_table(out).equals(pa.concat_tables([pq.read_table(f) for f in files]))

@@ -45,6 +45,7 @@ from .engine import Engine
 from .model import VisionTower
 from .packing import PackedBatch, aligner_grid, pack
 from .planning import pack_bins
+from .process import keep_freed_memory_mapped
 from .transform import image_to_patches
 
 log = logging.getLogger(__name__)
@@ -406,11 +407,13 @@ def run_bench(config_path: str, device: str = "auto", dtype: str = "auto",
         paths = resolve_images(images, base, seed)
         prep = prepare_images(paths, cfg, features)
         ceiling = matmul_ceiling(cfg, max(budgets), dt, dev)
-        # The naive loop first, before any Engine exists: it runs as a plain first port
-        # would, with the default allocator (the engine's CPU heap tuning is part of what
-        # the engine rows measure).
+        # The naive loop first, with the default allocator, as a plain first port would run;
+        # the command line's CPU heap tuning (process.py) is part of what the engine rows
+        # measure.
         naive = bench_naive(model, paths[:naive_images] if naive_images else paths, features,
                             out_dtype, repeat)
+        if dev.type == "cpu":
+            keep_freed_memory_mapped()  # as the command line does before its engine runs
         for bt in budgets:
             for graphs in cuda_graphs:
                 if graphs and dev.type != "cuda":

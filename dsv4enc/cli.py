@@ -241,6 +241,7 @@ def encode(
             from .summary import print_summary, write_summary_json
 
             dist = init_distributed(device, timeout)
+            _own_process_settings(opts.device, dist)
             summary = run_encode(opts, dist, prefetch, stop)
         finally:
             stop.immediate = False  # reporting and clean-up are not cut short
@@ -274,6 +275,18 @@ def encode(
             shutdown(dist)
         stop.restore()
         package_log.setLevel(log_level)  # in-process callers (tests) run more commands
+
+
+def _own_process_settings(device: str, dist) -> None:
+    """The allocator and log settings of a process the command owns (``process.py``)."""
+    from .device import resolve_device
+    from .process import own_process_settings
+
+    try:
+        resolved = resolve_device(device, dist)
+    except DsvError:
+        return  # the run reports it, after checking the options in their order
+    own_process_settings(resolved)
 
 
 @app.command()

@@ -13,9 +13,7 @@ exactly that); ``encode`` is the plain synchronous call.
 
 from __future__ import annotations
 
-import ctypes
 import logging
-import sys
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -68,31 +66,6 @@ class _Pending:
     finite: torch.Tensor | None = None  # () bool, host: every output value is finite
 
 
-_heap_tuned = False
-
-
-def keep_freed_memory_mapped() -> None:
-    """On glibc, serve large CPU tensors from the heap and never trim it back to the OS.
-
-    By default every tensor above a few MB is a fresh mmap that the kernel faults in (and
-    zeroes) page by page, and freed heap tops are returned to the OS. A CPU forward allocates
-    and frees dozens of such tensors per layer; the page faults alone cost several percent of
-    the forward (measured ~6% on the medium config, 2 cores). The price is that peak memory
-    stays mapped for the life of the process, which is how an encoder runs anyway.
-    """
-    global _heap_tuned
-    if _heap_tuned or not sys.platform.startswith("linux"):
-        return
-    _heap_tuned = True
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:  # not glibc (e.g. musl): nothing to tune
-        return
-    m_trim_threshold, m_mmap_threshold = -1, -3  # from glibc's malloc.h
-    libc.mallopt(m_mmap_threshold, 1 << 30)
-    libc.mallopt(m_trim_threshold, (1 << 31) - 1)
-
-
 def resolve_attention(name: str, device: torch.device, dtype: torch.dtype):
     """The attention backend for ``device`` and compute ``dtype`` (name, function).
 
@@ -139,11 +112,6 @@ class Engine:
         self.out_dtype = out_dtype
         self.attention_name, self._attend = resolve_attention(attention, self.device, model.dtype)
         model.attend = self._attend
-        if self.attention_name == "varlen":
-            # torch's varlen_attn logs one INFO line per call (32 per batch): keep logs readable.
-            logging.getLogger("torch.nn.attention.varlen").setLevel(logging.WARNING)
-        if self.device.type == "cpu":
-            keep_freed_memory_mapped()
         self.batch_tokens = batch_tokens or DEFAULT_BATCH_TOKENS.get(self.device.type, 8192)
         self.max_images = max_images
         self.stats = EngineStats()

@@ -134,9 +134,18 @@ def resolve_weights(spec: str | os.PathLike) -> Path:
     spec = os.fspath(spec)
     if not is_hub_id(spec):
         return Path(spec)
-    hub = _hub()
-    # huggingface_hub warns once per retry; dsv4enc reports one line instead
-    logging.getLogger("huggingface_hub").setLevel(logging.ERROR)
+    # huggingface_hub warns once per retry; dsv4enc reports one line instead (for this
+    # call only: the caller's logging is left as it was)
+    hub_log = logging.getLogger("huggingface_hub")
+    level = hub_log.level
+    hub_log.setLevel(logging.ERROR)
+    try:
+        return _resolve_hub_weights(_hub(), spec)
+    finally:
+        hub_log.setLevel(level)
+
+
+def _resolve_hub_weights(hub, spec: str) -> Path:
     local_only = False
     if not offline():
         reason = unreachable_reason(hub_endpoint())

@@ -1,0 +1,58 @@
+"""Importing dsv4enc and using ``Encoder`` change no process-wide setting: the allocator
+(glibc ``mallopt``), loggers' levels, Pillow's pixel limit and the warnings filters stay as
+the program set them. Only the command line makes such settings (``dsv4enc.process``)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+from helpers import CONFIGS, REPO_ROOT
+
+# Runs in a fresh interpreter: other tests in this process run the command line in-process.
+SCRIPT = textwrap.dedent("""
+    import ctypes, logging, warnings
+
+    calls = []
+    real_cdll = ctypes.CDLL
+
+    class Recording:
+        def __init__(self, lib):
+            self._lib = lib
+        def __getattr__(self, name):
+            calls.append(name)
+            return getattr(self._lib, name)
+
+    ctypes.CDLL = lambda *args, **kwargs: Recording(real_cdll(*args, **kwargs))
+
+    import numpy as np
+    import torch  # its own import sets a logger level and warnings filters
+    from PIL import Image
+
+    def state():
+        names = ["torch.nn.attention.varlen", "huggingface_hub", "torch", "dsv4enc"]
+        return ([logging.getLogger(n).level for n in names], Image.MAX_IMAGE_PIXELS,
+                list(warnings.filters))
+
+    before = state()
+    import dsv4enc
+    from dsv4enc import Encoder
+
+    enc = Encoder.from_config({config!r}, device="cpu", dtype="float32")
+    rng = np.random.default_rng(0)
+    images = [rng.integers(0, 256, (40 + 9 * i, 56, 3), dtype=np.uint8) for i in range(3)]
+    enc.encode(images)
+    list(enc.encode_iter(images, pool="mean", features="vit"))
+    assert state() == before, (before, state())
+    assert "mallopt" not in calls, calls
+    print("unchanged")
+""")
+
+
+def test_encoder_changes_no_process_wide_setting():
+    script = SCRIPT.format(config=str(CONFIGS / "tiny.json"))
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          cwd=REPO_ROOT, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().endswith("unchanged")

@@ -63,6 +63,11 @@ class NullEngine:
         self._pending: deque[tuple[PackedBatch, int]] = deque()
         self._zeros = np.zeros((0, self.width), _NUMPY_DTYPES[out_dtype])
 
+    @property
+    def pending(self) -> int:
+        """Batches submitted and not yet collected."""
+        return len(self._pending)
+
     def fit_budgets(self, bin_tokens: Sequence[int], max_budgets: int = 6) -> None:
         """No graphs: nothing to fit."""
 

@@ -52,7 +52,7 @@ def note(message: str) -> None:
 def write_interrupted_summary(path: str, exc: BaseException, out: str) -> None:
     """--summary-json of a run a signal stopped: what it had done (nothing, if it stopped
     before encoding)."""
-    from .pipeline import RunSummary
+    from .summary import RunSummary
     from .summary import write_summary_json
 
     done = getattr(exc, "summary", None) or RunSummary(out=out)

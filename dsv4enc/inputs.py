@@ -13,27 +13,11 @@ from typing import TYPE_CHECKING, Callable, Iterable
 
 from . import storage
 from .errors import UsageError
-from .imageformats import EXTENSION_FORMATS
+from .items import InputItem, is_image_name
+from .sources import StoredObject, container_kind, expand_container, path_roots
 
 if TYPE_CHECKING:
-    from .sources import StoredObject, TableCell, TarMember
     from .stopping import StopSignals
-
-IMAGE_EXTENSIONS = frozenset(EXTENSION_FORMATS)  # each opened only as its own format
-
-
-@dataclass(frozen=True)
-class InputItem:
-    """One image to encode. ``path`` is what the decoder opens; ``key`` is the output name.
-
-    ``member`` locates the image inside a container file ``path`` (a ``sources.TarMember`` or
-    ``sources.TableCell``), or marks ``path`` as an object in a store (``sources.StoredObject``,
-    ``path`` its URL); None for a plain image file. ``sources.open_item`` reads it.
-    """
-
-    key: str
-    path: str
-    member: "TarMember | TableCell | StoredObject | None" = None
 
 
 @dataclass
@@ -44,10 +28,6 @@ class Discovery:
     items: list[InputItem]
     skipped: int = 0
     unlisted: list[tuple[str, str]] = field(default_factory=list)
-
-
-def is_image_name(name: str) -> bool:
-    return os.path.splitext(name)[1].lower() in IMAGE_EXTENSIONS
 
 
 def _list_folder(folder: str) -> list[os.DirEntry]:
@@ -148,8 +128,6 @@ def discover(inputs: Iterable[str], files_from: str | None = None,
     counted in ``Discovery.unlisted``. When ``stop`` records a signal, the walk ends early
     and ``Interrupted`` is raised (a partial listing is never returned).
     """
-    from .sources import container_kind, expand_container, path_roots
-
     found = Discovery(items=[])
     tables = 0
     inputs = list(inputs)
@@ -208,8 +186,6 @@ def discover_url(raw: str, found: Discovery, image_column: str | None,
     """Add the images of the URL ``raw`` to ``found``: a prefix is listed like a folder
     (recursive, sorted, keys relative to it); an object is an image or a container. Returns
     1 for a table, else 0. A URL with nothing under it is a UsageError, as for a path."""
-    from .sources import StoredObject, container_kind, expand_container
-
     what = storage.kind(raw)
     if what == "missing":
         raise UsageError(f"input not found: {raw}")

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Iterable
 
 from .errors import AlreadyComplete, DsvError, OutputError, UsageError
-from .inputs import is_image_name
+from .items import is_image_name
 from .planning import inputs_digest
 from .writer import (MANIFEST_FILE, PART_FILE, TEMP_FILE, PartStore, Row, StreamingAssembler,
                      manifest_document, output_os_error, read_manifest, rows_per_group,
@@ -32,7 +32,7 @@ from .writer import (MANIFEST_FILE, PART_FILE, TEMP_FILE, PartStore, Row, Stream
 
 if TYPE_CHECKING:
     from .options import EncodeOptions
-    from .pipeline import RunSummary
+    from .summary import RunSummary
     from .planning import Part
 
 log = logging.getLogger("dsv4enc")

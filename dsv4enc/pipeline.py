@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from typing import Iterator, Sequence
 
 import numpy as np
@@ -38,56 +38,10 @@ from .prefetch import Prefetch
 from .remote_output import RemoteOutput
 from .progress import RunProgress
 from .stopping import StopSignals
+from .summary import RunSummary
 from .writer import PartStore, Row, StreamingAssembler, output_schema
 
 log = logging.getLogger("dsv4enc")
-
-
-@dataclass
-class RunSummary:
-    """What a run did, for the summary line and for callers."""
-
-    out: str
-    encoded: int = 0
-    failed: int = 0
-    skipped: int = 0
-    unlisted: int = 0  # folders that could not be listed (their images are missing)
-    reused: int = 0
-    seconds: float = 0.0
-    tokens: int = 0
-    padded_tokens: int = 0
-    merge_pad_tokens: int = 0
-    decode_wait_s: float = 0.0
-    h2d_s: float = 0.0
-    model_s: float = 0.0
-    write_s: float = 0.0
-    encode_s: float = 0.0  # the encoding loop alone: no start-up, header reading or capture
-    errors: dict[str, int] = field(default_factory=dict)  # message (paths elided) -> count
-    error_examples: dict[str, str] = field(default_factory=dict)  # message -> first path
-    rank_loads: list[float] = field(default_factory=list)
-
-    @property
-    def images_per_s(self) -> float:
-        """Images finished (encoded or failed) per second of the encoding loop."""
-        return (self.encoded + self.failed) / self.encode_s if self.encode_s else 0.0
-
-    @property
-    def tokens_per_s(self) -> float:
-        """ViT tokens encoded per second of the encoding loop."""
-        return self.tokens / self.encode_s if self.encode_s else 0.0
-
-    def add_error(self, message: str, path: str, count: int = 1) -> None:
-        """Count a failed image under its message, the paths in it elided."""
-        from .inspect_output import error_group
-
-        group = error_group(message)
-        self.errors[group] = self.errors.get(group, 0) + count
-        self.error_examples.setdefault(group, path)
-
-    @property
-    def padding_waste(self) -> float:
-        """Padded tokens (graph budgets and merge padding) per real token."""
-        return (self.padded_tokens + self.merge_pad_tokens) / max(self.tokens, 1)
 
 
 # ----------------------------------------------------------------------------- set-up

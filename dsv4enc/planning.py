@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING, Callable, Sequence
 
 from .config import VisionConfig
 from .decode import Probe, probe_image
-from .inputs import InputItem
+from .items import InputItem
+from .sources import clear_cache
 from .transform import plan_canvas
 
 if TYPE_CHECKING:
@@ -58,8 +59,6 @@ def read_headers(items: Sequence[InputItem], cfg: VisionConfig, max_pixels: int,
     rank, world = (dist.rank, dist.world_size) if dist is not None else (0, 1)
     mine = list(range(rank, len(items), world))
     probes = probe_all([items[i] for i in mine], max_pixels, should_stop, timeout_s)
-    from .sources import clear_cache
-
     clear_cache()  # table row groups read for the probes: the workers read their own
     if dist is not None:
         shared = dist.all_gather_object([(i, asdict(p)) for i, p in zip(mine, probes)])

@@ -45,56 +45,16 @@ from typing import TYPE_CHECKING, Any, BinaryIO
 
 from . import storage
 from .errors import UsageError
+from .items import InputItem, StoredObject, TableCell, TarMember, Unreadable, is_image_name
 
 if TYPE_CHECKING:
     import pyarrow as pa
-
-    from .inputs import InputItem
 
 TABLE_EXTENSIONS = (".parquet", ".arrow", ".feather")
 TAR_EXTENSIONS = (".tar",)
 
 #: Bytes of row-group columns a process keeps cached (at least the last one read is kept).
 CACHE_BYTES = 256 << 20
-
-
-@dataclass(frozen=True)
-class TarMember:
-    """An image inside a tar shard: the member's name, and where its data lies in the file."""
-
-    name: str
-    offset: int
-    size: int
-
-
-@dataclass(frozen=True)
-class TableCell:
-    """An image in a table: ``column``'s cell at ``row`` of row group (Parquet) or record
-    batch (Arrow) ``group``. ``path_roots``: folders (real paths) besides the table's own that
-    a ``{bytes: null, path}`` cell may name files in."""
-
-    column: str
-    group: int
-    row: int
-    path_roots: tuple[str, ...] = ()
-
-
-@dataclass(frozen=True)
-class StoredObject:
-    """An image that is a whole object in a store (``InputItem.path`` is its URL): read by
-    the decode worker itself, whole or (header probes) by byte range. ``name`` is the URL, for
-    the format the name stands for; ``size`` as listed."""
-
-    name: str
-    size: int
-
-
-@dataclass(frozen=True)
-class Unreadable:
-    """A part of a container that cannot be read: reading it raises ``DamagedContainerError``
-    with ``reason``, so it becomes one error row."""
-
-    reason: str
 
 
 class DamagedContainerError(ValueError):
@@ -106,10 +66,8 @@ class RefusedPathError(ValueError):
     image name, not a regular file)."""
 
 
-def damaged_item(raw: str, offset: int, reason: str) -> "InputItem":
+def damaged_item(raw: str, offset: int, reason: str) -> InputItem:
     """The error row for a container's unreadable part starting at byte ``offset``."""
-    from .inputs import InputItem
-
     return InputItem(key=f"{raw}@{offset}", path=raw,
                      member=Unreadable(f"{raw}: damaged at byte {offset}: {reason}"))
 
@@ -136,7 +94,7 @@ def container_kind(path: str) -> str | None:
 
 
 def expand_container(raw: str, image_column: str | None = None, key_column: str | None = None,
-                     path_roots: tuple[str, ...] = ()) -> tuple[list["InputItem"], int]:
+                     path_roots: tuple[str, ...] = ()) -> tuple[list[InputItem], int]:
     """The images in a container file, in file order, and how many entries were passed over
     (tar samples without an image). ``path_roots``: see ``TableCell``."""
     kind = container_kind(raw)
@@ -258,11 +216,9 @@ def _tar_locator(info: tarfile.TarInfo, raw: str,
     return Unreadable(f"{raw}: tar member {info.name!r} is {kind}")
 
 
-def expand_tar(raw: str) -> tuple[list["InputItem"], int]:
+def expand_tar(raw: str) -> tuple[list[InputItem], int]:
     """Index an uncompressed tar shard: its image members (by extension), keyed by sample, in
     file order, with an error row where the archive is damaged (see the module's doc)."""
-    from .inputs import InputItem, is_image_name
-
     archive, size, why = _open_tar(raw)
     if archive is None:
         return [damaged_item(raw, 0, why)], 0
@@ -491,12 +447,10 @@ class _Table:
 
 
 def expand_table(raw: str, image_column: str | None = None, key_column: str | None = None,
-                 path_roots: tuple[str, ...] = ()) -> list["InputItem"]:
+                 path_roots: tuple[str, ...] = ()) -> list[InputItem]:
     """One item per row of a Parquet/Arrow file (only the key column is read here), and an
     error row where the file is damaged."""
     import pyarrow as pa
-
-    from .inputs import InputItem
 
     try:
         table = _Table(raw)
@@ -623,8 +577,6 @@ def cell_file(named: str, table: str, roots: tuple[str, ...] = ()) -> str:
     directory); the file must be inside the table's folder or one of ``roots`` (real paths)
     once symlinks and ``..`` are resolved, have an image extension, and be a regular file (no
     FIFO, device or /proc file)."""
-    from .inputs import is_image_name
-
     if storage.is_url(table):
         raise RefusedPathError(f"path cell {named!r}: a table in object storage must hold "
                                "the image bytes (path cells are read only beside local tables)")
@@ -644,7 +596,7 @@ def cell_file(named: str, table: str, roots: tuple[str, ...] = ()) -> str:
 
 # ----------------------------------------------------------------------------- reading items
 
-def open_item(item: "InputItem", stream: bool = False) -> str | bytes | BinaryIO:
+def open_item(item: InputItem, stream: bool = False) -> str | bytes | BinaryIO:
     """What to decode for ``item``: a file path, the bytes of a container member, or (with
     ``stream``, for tar members and table cells) a file object over the member that the
     caller closes."""

@@ -1,4 +1,5 @@
-"""The end-of-run summary: a small table on stderr, and ``--summary-json`` for pipelines.
+"""What a run did (``RunSummary``), and its end-of-run report: a small table on stderr, and
+``--summary-json`` for pipelines.
 
 Rates have the progress display's definitions (``progress`` module docstring): images and
 tokens per second of the encoding loop. The whole run's wall time is shown beside them,
@@ -9,15 +10,62 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from rich.markup import escape
 from rich.table import Table
 
+from .inspect_output import error_group
 from .progress import stderr_console
 
 #: Error messages shown in the summary (the commonest first).
 TOP_ERRORS = 5
+
+
+@dataclass
+class RunSummary:
+    """What a run did, for the summary line and for callers."""
+
+    out: str
+    encoded: int = 0
+    failed: int = 0
+    skipped: int = 0
+    unlisted: int = 0  # folders that could not be listed (their images are missing)
+    reused: int = 0
+    seconds: float = 0.0
+    tokens: int = 0
+    padded_tokens: int = 0
+    merge_pad_tokens: int = 0
+    decode_wait_s: float = 0.0
+    h2d_s: float = 0.0
+    model_s: float = 0.0
+    write_s: float = 0.0
+    encode_s: float = 0.0  # the encoding loop alone: no start-up, header reading or capture
+    errors: dict[str, int] = field(default_factory=dict)  # message (paths elided) -> count
+    error_examples: dict[str, str] = field(default_factory=dict)  # message -> first path
+    rank_loads: list[float] = field(default_factory=list)
+
+    @property
+    def images_per_s(self) -> float:
+        """Images finished (encoded or failed) per second of the encoding loop."""
+        return (self.encoded + self.failed) / self.encode_s if self.encode_s else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        """ViT tokens encoded per second of the encoding loop."""
+        return self.tokens / self.encode_s if self.encode_s else 0.0
+
+    def add_error(self, message: str, path: str, count: int = 1) -> None:
+        """Count a failed image under its message, the paths in it elided."""
+        group = error_group(message)
+        self.errors[group] = self.errors.get(group, 0) + count
+        self.error_examples.setdefault(group, path)
+
+    @property
+    def padding_waste(self) -> float:
+        """Padded tokens (graph budgets and merge padding) per real token."""
+        return (self.padded_tokens + self.merge_pad_tokens) / max(self.tokens, 1)
 
 
 def top_errors(summary, limit: int | None = TOP_ERRORS) -> list[tuple[str, int, str]]:

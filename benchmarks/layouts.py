@@ -219,8 +219,6 @@ def commit_parts(rows, schema, folder: Path, single_file: bool, part_images: int
     for name, (start, end) in zip(names, spans):
         table = rows_to_table(rows[start:end], schema)
         group = rows_per_group(schema, rows[start:end])
-        if assembler is not None:
-            assembler.offer(start, end, table, group)
         store.commit(name, table, group, start, end, "d")
         if assembler is not None:
             assembler.notify()

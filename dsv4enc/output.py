@@ -423,11 +423,9 @@ class PartWriter:
             try:
                 table = rows_to_table(rows, self.schema)
                 group_rows = rows_per_group(self.schema, rows)
-                del job, rows  # the table holds a copy: free the rows before the write
-                if self.assembler is not None:  # it copies the table while the part is written
-                    self.assembler.offer(start, end, table, group_rows)
+                del job, rows  # the table holds what it needs of them: let the rest go
                 self.store.commit(name, table, group_rows, start, end, digest)
-                if self.assembler is not None:
+                if self.assembler is not None:  # it copies the committed part's bytes
                     self.assembler.notify()
             except BaseException as exc:  # re-raised on the main thread
                 self.error = exc

@@ -486,10 +486,6 @@ class StreamingAssembler:
         with self._cond:
             self._cond.notify_all()
 
-    def offer(self, start: int, end: int, table: pa.Table, row_group_size: int) -> None:
-        """A part's table, about to be committed. Not needed: the assembler copies the
-        committed file's bytes, which is cheaper than encoding the table again."""
-
     def _committed_at(self, position: int) -> tuple[str, int] | None:
         for name, part in self.store.parts.items():
             if part["start"] == position:

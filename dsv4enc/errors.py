@@ -33,6 +33,11 @@ class OutputError(DsvError):
     """An output path that cannot be written, or that already exists."""
 
 
+class StorageError(DsvError):
+    """Object storage that cannot be used: a missing bucket, denied access, a store that
+    does not answer while the run is set up."""
+
+
 class AlreadyComplete(DsvError):
     """``--resume`` of an output that is already complete: nothing to do, not a failure."""
 

@@ -118,7 +118,14 @@ class RemoteOutput:
     # -- before the run --------------------------------------------------------------------
     def pull(self) -> None:
         """Check the inputs against the output, take the lock object, and bring the output's
-        dsv4enc state into the staging folder (run on the writing rank only)."""
+        dsv4enc state into the staging folder (run on the writing rank only). A missing
+        bucket or a denied permission is one setup line."""
+        try:
+            self._pull()
+        except OSError as exc:
+            raise storage.setup_error(self.url, exc) from None
+
+    def _pull(self) -> None:
         self._check_not_inputs()
         self._take_lock()
         if not self.folder_mode and storage.kind(self.url) == "file":

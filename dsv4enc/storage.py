@@ -29,7 +29,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, TypeVar
 
-from .errors import UsageError
+from .errors import StorageError, UsageError
 
 if TYPE_CHECKING:
     import pyarrow.fs as pafs
@@ -134,7 +134,8 @@ def _s3(url: str, options: dict) -> "pafs.FileSystem":
                 kwargs["region"] = pafs.resolve_s3_region(_bucket(url))
             except (OSError, ValueError):
                 pass  # the SDK's default; a wrong one fails with a clear line later
-    kwargs.setdefault("retry_strategy", pafs.AwsStandardS3RetryStrategy(max_attempts=5))
+    # The SDK retries each request (3 tries, quick backoff); ``retrying`` adds slower rounds.
+    kwargs.setdefault("retry_strategy", pafs.AwsStandardS3RetryStrategy(max_attempts=3))
     return pafs.S3FileSystem(**kwargs)
 
 
@@ -207,13 +208,17 @@ def describe(url: str, exc: BaseException) -> str:
     return f"{url}: {setup_problem(exc) or _first_line(exc)}"
 
 
-def setup_error(url: str, exc: BaseException) -> UsageError:
-    return UsageError(describe(url, exc))
+def setup_error(url: str, exc: BaseException) -> StorageError:
+    return StorageError(describe(url, exc))
 
 
-def retrying(what: Callable[[], T], attempts: int = ATTEMPTS, backoff_s: float = BACKOFF_S) -> T:
-    """``what()``, tried again with exponential backoff when it fails with an ``OSError``
-    that is not a setup problem or a missing object (those are raised at once)."""
+def retrying(what: Callable[[], T], attempts: int | None = None,
+             backoff_s: float | None = None) -> T:
+    """``what()``, tried again with exponential backoff (``BACKOFF_S``, doubled each time, up
+    to ``ATTEMPTS`` tries) when it fails with an ``OSError`` that is not a setup problem or
+    a missing object (those are raised at once). The SDK retries each request first."""
+    attempts = ATTEMPTS if attempts is None else attempts
+    backoff_s = BACKOFF_S if backoff_s is None else backoff_s
     for attempt in range(attempts):
         try:
             return what()
@@ -251,7 +256,7 @@ def _info(url: str, info, key: str) -> ObjectInfo:
 
 def kind(url: str) -> str:
     """``"file"``, ``"folder"`` (a prefix with objects under it, or a bucket) or
-    ``"missing"``. A missing bucket or a denied permission is a ``UsageError``."""
+    ``"missing"``. A missing bucket or a denied permission is a ``StorageError``."""
     import pyarrow.fs as pafs
 
     fs, path = filesystem(url)
@@ -273,19 +278,19 @@ def kind(url: str) -> str:
 
 
 def _check_bucket(url: str) -> None:
-    """A ``UsageError`` when the bucket of ``url`` does not exist."""
+    """A ``StorageError`` when the bucket of ``url`` does not exist."""
     import pyarrow.fs as pafs
 
     fs, _ = filesystem(url)
     bucket = _bucket(url)
     if retrying(lambda: fs.get_file_info(bucket)).type == pafs.FileType.NotFound:
-        raise UsageError(f"{scheme_of(url)}://{bucket}: bucket not found")
+        raise StorageError(f"{scheme_of(url)}://{bucket}: bucket not found")
 
 
 def list_files(url: str) -> list[ObjectInfo]:
     """The objects under the prefix ``url``, recursively, sorted by key (a key is the object's
     path below the prefix, posix). A missing bucket or a denied permission is a
-    ``UsageError``."""
+    ``StorageError``."""
     import pyarrow.fs as pafs
 
     fs, path = filesystem(url)
@@ -328,14 +333,18 @@ def stamp(url: str) -> str:
 def open_input(url: str):
     """A seekable, read-only file over the object (``pyarrow.NativeFile``): each read is a
     ranged request, so a reader takes only the bytes it needs."""
+    return retrying(lambda: _open(url))
+
+
+def _open(url: str):
     fs, path = filesystem(url)
-    return retrying(lambda: fs.open_input_file(path))
+    return fs.open_input_file(path)
 
 
 def read_range(url: str, offset: int, size: int) -> bytes:
     """``size`` bytes of the object from ``offset`` (one ranged request, retried)."""
     def attempt() -> bytes:
-        with open_input(url) as handle:
+        with _open(url) as handle:
             return handle.read_at(size, offset)
 
     return retrying(attempt)
@@ -344,7 +353,7 @@ def read_range(url: str, offset: int, size: int) -> bytes:
 def read_bytes(url: str) -> bytes:
     """The whole object (retried)."""
     def attempt() -> bytes:
-        with open_input(url) as handle:
+        with _open(url) as handle:
             return handle.read()
 
     return retrying(attempt)

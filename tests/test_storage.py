@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from dsv4enc import storage
-from dsv4enc.errors import UsageError
+from dsv4enc import sources, storage
+from dsv4enc.errors import StorageError, UsageError
 
 
 def test_is_url():
@@ -49,7 +49,7 @@ def test_ranges_upload_and_stamp(s3):
 
 
 def test_missing_bucket_is_one_setup_line_without_secrets(s3):
-    with pytest.raises(UsageError) as info:
+    with pytest.raises(StorageError) as info:
         storage.list_files("s3://no-such-bucket-here/prefix/")
     message = str(info.value)
     assert "bucket not found" in message and "\n" not in message
@@ -325,3 +325,52 @@ def test_two_rank_torchrun_reads_and_writes_the_bucket(s3, tmp_path):
         np.testing.assert_allclose(np.frombuffer(a["embedding"], np.float16),
                                    np.frombuffer(b["embedding"], np.float16), rtol=2e-2,
                                    atol=2e-3)
+
+
+# --------------------------------------------------------------------------- failures
+
+def one_line_failure(result) -> str:
+    assert result.exit_code == 1, result.output
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and "Traceback" not in result.output, result.output
+    return lines[0]
+
+
+@pytest.mark.parametrize("where", ["input", "output file", "output folder"])
+def test_missing_bucket_is_one_setup_line(s3, local_images, small_ckpt, tmp_path, where):
+    url = upload_folder(s3, local_images, "in")
+    missing = "s3://no-such-bucket-dsv4enc"
+    source, out = {"input": (f"{missing}/in/", str(tmp_path / "o.parquet")),
+                   "output file": (url, f"{missing}/o.parquet"),
+                   "output folder": (url, f"{missing}/o/")}[where]
+    result = runner.invoke(app, ["encode", source, "--out", out, "--weights", str(small_ckpt),
+                                 "--workers", "0", "--device", "cpu", "-q",
+                                 "--storage-option", "access_key=testing",
+                                 "--storage-option", "secret_key=do-not-print-me"])
+    line = one_line_failure(result)
+    assert "bucket not found" in line and "no-such-bucket-dsv4enc" in line
+    assert "do-not-print-me" not in result.output and "testing-secret" not in result.output
+
+
+def test_an_unreachable_store_gives_error_rows_after_retries(s3, monkeypatch):
+    """Reads that keep failing (a store that went away after the listing) are retried with
+    backoff, then become the image's error, not a crash."""
+    import socket
+
+    from dsv4enc.decode import probe_image
+
+    s3.put("p/a.png", b"\x89PNG\r\n\x1a\n" + b"\0" * 64)
+    items = discover([f"{s3.url}/p/"]).items
+    with socket.socket() as sock:  # a port nothing listens on
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{port}")
+    storage.configure(None)
+    monkeypatch.setattr(storage, "ATTEMPTS", 3)  # fewer rounds: each costs the SDK's retries
+    waits: list[float] = []  # the backoff's sleeps, recorded instead of slept
+    monkeypatch.setattr(storage, "time", type("Clock", (), {"sleep": staticmethod(waits.append)}))
+    probe = probe_image(items[0])
+    assert probe.error is not None and probe.width is None
+    assert waits == [storage.BACKOFF_S * 2 ** i for i in range(storage.ATTEMPTS - 1)]
+    with pytest.raises(OSError):
+        sources.open_item(items[0])  # what a decode worker does: its error row says why

@@ -274,7 +274,8 @@ def print_host_results(results: Sequence[HostResult], console=None) -> None:
         console.print(
             f"{r.output}: {r.images} images in {r.total_s:.2f} s = {r.img_s:.1f} img/s, "
             f"{r.img_s_per_core:.1f} img/s per core ({r.cores} cores, {r.workers} decode "
-            f"workers); {r.cpu_s:.2f} CPU-s = {r.img_per_cpu_s:.1f} images per CPU-second\n"
+            f"worker{'s' if r.workers != 1 else ''}); {r.cpu_s:.2f} CPU-s = "
+            f"{r.img_per_cpu_s:.1f} images per CPU-second\n"
             f"  encoding loop {r.seconds:.2f} s ({r.loop_img_s:.1f} img/s): waiting for decodes "
             f"{r.decode_wait_s:.2f} s, staging {r.stage_s:.2f} s; writing {r.write_s:.2f} s "
             f"(writer threads, final file); output {r.out_bytes / 1e6:.0f} MB")
@@ -289,9 +290,13 @@ def print_host_results(results: Sequence[HostResult], console=None) -> None:
 
 def host_bench_command(config_path: str, images: str, outputs: Sequence[str],
                        workers: int | None, json_out: str | None = None) -> list[HostResult]:
-    """``dsv4enc bench --host``: run, print the table, and write the rows to ``json_out``."""
+    """``dsv4enc bench --host``: run, print the table, and write the rows to ``json_out``.
+    The process is the command's: it makes the settings of the GPU run it stands for."""
     import json
 
+    from .process import own_process_settings
+
+    own_process_settings(torch.device("cuda"))
     results = run_host_bench(config_path, images, outputs, workers)
     print_host_results(results)
     if json_out:

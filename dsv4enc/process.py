@@ -21,8 +21,7 @@ def own_process_settings(device: torch.device) -> None:
     """The settings the command line makes once it knows its device."""
     # torch's varlen_attn logs one INFO line per call (32 per batch): keep logs readable.
     logging.getLogger("torch.nn.attention.varlen").setLevel(logging.WARNING)
-    if device.type == "cpu":
-        keep_freed_memory_mapped()
+    keep_freed_memory_mapped()  # CUDA runs too: their host side allocates MBs per image
 
 
 def keep_freed_memory_mapped() -> None:
@@ -31,8 +30,11 @@ def keep_freed_memory_mapped() -> None:
     By default every tensor above a few MB is a fresh mmap that the kernel faults in (and
     zeroes) page by page, and freed heap tops are returned to the OS. A CPU forward allocates
     and frees dozens of such tensors per layer, so the page faults alone cost several percent
-    of the forward (benchmarks/RESULTS.md). The price is that peak memory stays mapped for
-    the life of the process, which is how an encoder runs anyway.
+    of the forward; the host side of any run (decoded patches off the workers' pipes, packed
+    batches, staging copies, rows, Parquet buffers) allocates tens of MB per image, and
+    faulting them in was a fifth of its CPU time (benchmarks/RESULTS.md, ``bench --host``).
+    The price is that peak memory stays mapped for the life of the process, which is how an
+    encoder runs anyway.
     """
     global _heap_tuned
     if _heap_tuned or not sys.platform.startswith("linux"):

@@ -74,3 +74,23 @@ def test_the_variable_pins_auto(monkeypatch, pinned, expected):
             resolve_dtype("auto", torch.device("cpu"))
     finally:
         auto_cpu_dtype.cache_clear()
+
+
+def test_older_torch_private_predicates(monkeypatch):
+    """Without ``torch.cpu.get_capabilities`` (older torch), or when it fails, the private
+    per-feature predicates answer; one that fails or is missing means "no"."""
+    def broken():
+        raise RuntimeError("cpuinfo failed")
+
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True, raising=False)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", broken, raising=False)
+    monkeypatch.delattr(torch.cpu, "get_capabilities", raising=False)
+    assert cpu_capabilities() == {"amx_bf16": True, "avx512_bf16": False}
+    monkeypatch.setattr(torch.cpu, "get_capabilities", broken, raising=False)
+    assert cpu_capabilities() == {"amx_bf16": True, "avx512_bf16": False}
+    monkeypatch.delattr(torch.cpu, "_is_amx_tile_supported", raising=False)
+    monkeypatch.delattr(torch.cpu, "_is_avx512_bf16_supported", raising=False)
+    monkeypatch.delattr(torch._C._cpu, "_is_amx_tile_supported", raising=False)
+    monkeypatch.delattr(torch._C._cpu, "_is_cpu_support_amx_tile", raising=False)
+    monkeypatch.delattr(torch._C._cpu, "_is_avx512_bf16_supported", raising=False)
+    assert cpu_capabilities() == {"amx_bf16": False, "avx512_bf16": False}

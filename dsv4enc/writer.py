@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import errno
 import json
+import logging
 import os
 import re
 import secrets
@@ -26,6 +27,8 @@ import pyarrow.parquet as pq
 from .errors import OutputError
 from .parquet_concat import JoinError, ParquetJoiner
 from .reading import LAYOUTS, embedding_format
+
+log = logging.getLogger("dsv4enc")
 
 MANIFEST_NAME = "_manifest.json"
 #: What a manifest says it is: dsv4enc recognises its own manifests by content, not by name.
@@ -505,35 +508,52 @@ class StreamingAssembler:
                 pq.write_table(self.schema.empty_table(), self.tmp,
                                **parquet_options(self.schema))
             else:
-                self._join()
+                try:
+                    self._join()
+                except JoinError as exc:
+                    log.warning("encoding the parts into %s again: %s", self.out, exc)
+                    self._encode_again()
             with open(self.tmp, "rb+") as handle:
                 os.fsync(handle.fileno())
         except OSError as exc:
             self.error = output_os_error(self.out, exc)
-        except JoinError as exc:
-            self.error = OutputError(f"cannot join the parts into {self.out} ({exc}); the "
-                                     "committed parts are kept: rerun with --resume")
         except BaseException as exc:  # re-raised by finish()
             self.error = exc
+
+    def _parts_in_order(self):
+        """Committed parts' files in input order, each as soon as it is committed."""
+        position = self.begin
+        while position < self.finish_at:
+            committed = self._wait_for(position)
+            if committed is None:
+                return
+            name, position = committed
+            yield self.store.folder / self.store.parts[name]["file"]
 
     def _join(self) -> None:
         """Copy the committed parts, in input order, as they land; then write the footer."""
         joiner = ParquetJoiner(self.tmp)
         try:
-            position = self.begin
-            while position < self.finish_at:
-                committed = self._wait_for(position)
-                if committed is None:
-                    return
-                name, position = committed
+            for path in self._parts_in_order():
                 began = time.perf_counter()
-                joiner.append(self.store.folder / self.store.parts[name]["file"])
+                joiner.append(path)
                 self.seconds += time.perf_counter() - began
-            began = time.perf_counter()
-            joiner.close()
-            self.seconds += time.perf_counter() - began
+            if not self._aborted:
+                joiner.close()
         finally:
             joiner.abort()
+
+    def _encode_again(self) -> None:
+        """Parts that cannot be joined by copying (e.g. committed by a run whose pyarrow
+        wrote other file metadata): read each back and encode it into a new file."""
+        with pq.ParquetWriter(self.tmp, self.schema,
+                              **parquet_options(self.schema)) as writer:
+            for path in self._parts_in_order():
+                began = time.perf_counter()
+                handle = pq.ParquetFile(path)
+                for group in range(handle.num_row_groups):
+                    writer.write_table(handle.read_row_group(group))
+                self.seconds += time.perf_counter() - began
 
     def finish(self) -> None:
         """Wait for the last part, then move the file into place (or raise its error)."""

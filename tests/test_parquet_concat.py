@@ -197,3 +197,30 @@ def test_joining_copies_by_hand_where_the_kernel_cannot(tmp_path, monkeypatch):
     files = write_parts(tmp_path, "binary", pooled=False)
     out = join(files, tmp_path / "joined.parquet")
     assert pq.read_table(out).equals(pa.concat_tables([pq.read_table(f) for f in files]))
+
+
+def test_parts_that_cannot_be_joined_are_encoded_again(tmp_path, caplog):
+    """A part whose file metadata differs (here: other key-value metadata) cannot be copied
+    under one footer: the assembler encodes every part into the file instead."""
+    from types import SimpleNamespace
+
+    from dsv4enc.writer import PartStore, StreamingAssembler, rows_per_group
+
+    schema = output_schema(8, "float16", {"tool": "dsv4enc"})
+    store = PartStore(tmp_path / "parts", {"tool": "dsv4enc"})
+    store.create()
+    rows = [Row(f"{i}.png", 1, 1, 1, 1, 1, 2, np.full((2, 8), i, np.float16)) for i in range(6)]
+    store.segments = {"part-000000": SimpleNamespace(start=0, end=3),
+                      "part-000003": SimpleNamespace(start=3, end=6)}
+    out = tmp_path / "e.parquet"
+    assembler = StreamingAssembler(store, list(store.segments), out, schema)
+    for name, a, b in (("part-000000", 0, 3), ("part-000003", 3, 6)):
+        table = rows_to_table(rows[a:b], schema)
+        if a:
+            table = table.replace_schema_metadata({b"dsv4enc": b'{"other": 1}'})
+        store.commit(name, table, rows_per_group(schema, rows[a:b]), a, b, "d")
+        assembler.notify()
+    with caplog.at_level("WARNING", logger="dsv4enc"):
+        assembler.finish()
+    assert pq.read_table(out).equals(rows_to_table(rows, schema))
+    assert "again" in caplog.text

@@ -205,6 +205,23 @@ def backends_section(cfg: VisionConfig, device: torch.device, n_images: int,
         del model
 
 
+def _timed_pass(engine: Engine, batches, device: torch.device) -> float:
+    """Best of two whole passes (after a warm-up batch), seconds."""
+    for _ in engine.encode_many(batches[:1]):
+        pass
+    best = float("inf")
+    for _ in range(2):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        began = time.perf_counter()
+        for _ in engine.encode_many(batches):
+            pass
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        best = min(best, time.perf_counter() - began)
+    return best
+
+
 def invariance_section(cfg: VisionConfig, device: torch.device, n_images: int,
                        batch_tokens: int) -> None:
     dtypes = [torch.bfloat16] if device.type == "cuda" else [torch.float32, torch.bfloat16]
@@ -231,42 +248,13 @@ def invariance_section(cfg: VisionConfig, device: torch.device, n_images: int,
                        max_images=16, deterministic=deterministic)
             e.fit_budgets([b.n_tokens for b in batches])
             e.prepare()
-            for _ in e.encode_many(batches[:1]):
-                pass
-            best = float("inf")
-            for _ in range(2):
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
-                began = time.perf_counter()
-                for _ in e.encode_many(batches):
-                    pass
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
-                best = min(best, time.perf_counter() - began)
-            seconds[deterministic] = best
+            seconds[deterministic] = _timed_pass(e, batches, device)
             del e
         cost = seconds[True] / seconds[False] - 1
         print(f"INFO invariance cost {tag}: plain {seconds[False]:.3f} s, invariant "
               f"{seconds[True]:.3f} s, {cost:+.1%} ({len(batches)} batches)", flush=True)
         CHECKS.append({"name": f"invariance cost {tag}", "value": cost, "limit": 0.03,
                        "ok": True, "info": True})
-
-
-def _timed_pass(engine: Engine, batches, device: torch.device) -> float:
-    """Best of two whole passes (after a warm-up batch), seconds."""
-    for _ in engine.encode_many(batches[:1]):
-        pass
-    best = float("inf")
-    for _ in range(2):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        began = time.perf_counter()
-        for _ in engine.encode_many(batches):
-            pass
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        best = min(best, time.perf_counter() - began)
-    return best
 
 
 def fused_section(cfg: VisionConfig, device: torch.device, dtype: torch.dtype, n_images: int,

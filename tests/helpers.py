@@ -168,3 +168,11 @@ def table_rows(table) -> list[dict]:
     names = table.column_names
     return [{name: (None if a is None else a.tolist()) if name == "embedding" else row[name]
              for name in names} for row, a in zip(rows, arrays)]
+
+
+def random_patch_items(grids: Iterable[tuple[int, int]], patch_dim: int,
+                       seed: int = 0) -> list[tuple[torch.Tensor, int, int]]:
+    """``(patches (h*w, patch_dim) bfloat16, h, w)`` of random content for each grid."""
+    gen = torch.Generator().manual_seed(seed)
+    return [(torch.randn(h * w, patch_dim, generator=gen).to(torch.bfloat16), h, w)
+            for h, w in grids]

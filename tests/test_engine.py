@@ -12,16 +12,14 @@ from dsv4enc.checkpoint import build_tower, random_checkpoint
 from dsv4enc.engine import Engine
 from dsv4enc.packing import pack
 
-from helpers import CONFIGS, load_config, rel_err
+from helpers import CONFIGS, load_config, random_patch_items, rel_err
 
 GRIDS = [(5, 7), (3, 3), (10, 4), (1, 1), (2, 9), (7, 7)]
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
 def _items(grids, cfg, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    return [(torch.randn(h * w, cfg.patch_dim, generator=gen).to(torch.bfloat16), h, w)
-            for h, w in grids]
+    return random_patch_items(grids, cfg.patch_dim, seed)
 
 
 @pytest.fixture(scope="module")

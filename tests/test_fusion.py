@@ -12,15 +12,9 @@ from dsv4enc.engine import Engine
 from dsv4enc.fusion import fuse_elementwise
 from dsv4enc.packing import pack
 
-from helpers import load_config, rel_err
+from helpers import load_config, random_patch_items, rel_err
 
 GRIDS = [(5, 7), (3, 3), (10, 4), (2, 9), (7, 7)]
-
-
-def _items(grids, cfg, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    return [(torch.randn(h * w, cfg.patch_dim, generator=gen).to(torch.bfloat16), h, w)
-            for h, w in grids]
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +28,7 @@ def towers():
 @pytest.mark.parametrize("features", ["aligner", "vit"])
 def test_fused_equals_eager_to_float_rounding(towers, features):
     eager, fused = towers
-    items = _items(GRIDS, eager.cfg)
+    items = random_patch_items(GRIDS, eager.cfg.patch_dim)
     for deterministic in (False, True):
         want = Engine(eager, features, deterministic=deterministic).encode(pack(items, 3, features))
         got = Engine(fused, features, deterministic=deterministic).encode(pack(items, 3, features))
@@ -45,7 +39,7 @@ def test_fused_equals_eager_to_float_rounding(towers, features):
 @pytest.mark.slow
 def test_fused_rows_stay_batch_invariant(towers):
     _, fused = towers
-    items = _items(GRIDS, fused.cfg, seed=1)
+    items = random_patch_items(GRIDS, fused.cfg.patch_dim, seed=1)
     engine = Engine(fused)
     alone = engine.encode(pack(items[:1], 3))[0]
     mixed = engine.encode(pack(items[2:] + items[:1], 3))[-1]

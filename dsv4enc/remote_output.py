@@ -222,6 +222,9 @@ class RemoteOutput:
         self._thread.start()
 
     def _loop(self) -> None:
+        """Sync and refresh the lock until the run ends. A failed round (after the
+        retries) is logged once and tried again next round; the run's end syncs once more
+        and fails if that fails too."""
         beat = time.monotonic()
         while not self._stop.wait(SYNC_S):
             try:
@@ -229,9 +232,11 @@ class RemoteOutput:
                 if self._lock_held and time.monotonic() - beat > HEARTBEAT_S:
                     self._write_lock()
                     beat = time.monotonic()
-            except BaseException as exc:  # raised by the run's end (``finish``)
+            except Exception as exc:
+                if self._error is None:
+                    log.warning("uploading to %s failed (%s); trying again",
+                                self.parts_url, storage.describe(self.parts_url, exc))
                 self._error = exc
-                return
 
     def sync(self) -> None:
         """Upload each part a local manifest lists that is not in the store yet, then that
@@ -275,9 +280,6 @@ class RemoteOutput:
         self._stop_loop()
         if not self.writer:
             return
-        if self._error is not None:
-            raise OutputError(f"cannot write {self.url}: "
-                              f"{storage.describe(self.parts_url, self._error)}")
         try:
             if self.folder_mode:
                 self.sync()

@@ -200,6 +200,7 @@ def encode(
     from .options import EncodeOptions
     from .prefetch import start_prefetch
     from .stopping import StopSignals
+    from .topology import launched_ranks
     from .writer import prefer_jemalloc_pool
 
     if random_init and from_environment(ctx, "weights"):
@@ -227,7 +228,7 @@ def encode(
     dist = prefetch = None
     # SIGINT/SIGTERM from here on stop every phase promptly (exit 130/143). Under torchrun
     # they are only recorded: the ranks agree on stopping between batches.
-    stop = StopSignals(immediate=int(os.environ.get("WORLD_SIZE", "1") or 1) <= 1)
+    stop = StopSignals(immediate=launched_ranks() <= 1)
     stop.install()
     own_process_pillow_settings()  # each open checks --max-pixels itself
     try:

@@ -26,14 +26,15 @@ from typing import TYPE_CHECKING, Iterable
 from .errors import AlreadyComplete, DsvError, OutputError, UsageError
 from .items import is_image_name
 from .planning import inputs_digest
+from .topology import main_then_all  # noqa: F401  (for remote_output)
 from .writer import (MANIFEST_FILE, PART_FILE, TEMP_FILE, PartStore, Row, StreamingAssembler,
-                     manifest_document, output_os_error, read_manifest, rows_per_group,
-                     rows_to_table, write_json_atomic)
+                     output_os_error, read_manifest, rows_per_group, rows_to_table)
 
 if TYPE_CHECKING:
     from .options import EncodeOptions
-    from .summary import RunSummary
     from .planning import Part
+    from .summary import RunSummary
+    from .topology import Topology
 
 log = logging.getLogger("dsv4enc")
 
@@ -368,24 +369,6 @@ class OutputLayout:
                 break
 
 
-def main_then_all(dist, action) -> None:
-    """Run ``action`` (an output check) on rank 0 only, then let every rank raise the
-    DsvError it raised, so that no rank is left waiting in a collective for a rank 0 that
-    gave up (and reports a dead peer instead of the real reason). Also the ranks' barrier."""
-    if dist is None:
-        action()
-        return
-    problem = None
-    if dist.is_main:
-        try:
-            action()
-        except DsvError as exc:
-            problem = exc
-    problem = dist.all_gather_object(problem)[0]
-    if problem is not None:
-        raise problem
-
-
 class PartWriter:
     """Commits parts on background threads so the device never waits for Parquet.
 
@@ -475,31 +458,23 @@ class PartWriter:
 
 
 def resume_filter(store: PartStore, parts: list[Part], opts: EncodeOptions,
-                   is_writer_rank: bool, dist, summary: RunSummary) -> list[Part]:
+                  ranks: Topology, summary: RunSummary) -> list[Part]:
     """Parts still to encode; with ``--resume``, check settings and skip committed parts.
 
-    Under DP-gathered or TP runs rank 0 owns the manifest and tells the other ranks. Under
-    --shard-output each rank has its own, but all ranks must walk the same parts (every batch
-    ends in collectives): a range is redone by all when any rank lacks its part. A problem
-    on any rank stops every rank."""
-    shared = dist is not None and not opts.shard_output
+    The ranks agree on one list (``Topology.agree_on_todo``): every batch ends in
+    collectives, so all ranks walk the same parts. A problem on any rank stops every rank."""
     store.segments = {p.name: p for p in parts}
     store.commit_seconds = None if opts.shard_output else opts.commit_every
     todo_names, problem = None, None
-    if is_writer_rank:
+    if ranks.writes:
         try:
             todo_names = _uncommitted(store, parts, opts)
         except DsvError as exc:
             problem = exc
-    if shared:
-        todo_names, problem = dist.all_gather_object((todo_names, problem))[0]
-    elif dist is not None:
-        mine = set(todo_names or ())
-        everyone = dist.all_gather_object(
-            ([(p.start, p.end) for p in parts if p.name in mine], problem))
-        problem = next((exc for _, exc in everyone if exc is not None), None)
-        ranges = {r for todo_ranges, _ in everyone for r in todo_ranges}
-        todo_names = [p.name for p in parts if (p.start, p.end) in ranges]
+    todo_names, problem = ranks.agree_on_todo(
+        todo_names, problem,
+        ranges=lambda mine: [(p.start, p.end) for p in parts if p.name in mine],
+        names_of=lambda ranges: [p.name for p in parts if (p.start, p.end) in ranges])
     if problem is not None:
         raise problem
     names = set(todo_names)
@@ -565,12 +540,3 @@ def row_options(opts: EncodeOptions) -> dict:
     (--decode-timeout is not one: a part with a timed-out row is encoded again anyway.)"""
     return {"max_pixels": opts.max_pixels, "image_column": opts.image_column,
             "key_column": opts.key_column}
-
-
-def merge_manifests(dist, store: PartStore) -> None:
-    """--shard-output: rank 0 lists every rank's parts in one manifest."""
-    everything = dist.all_gather_object(store.parts)
-    if dist.is_main:
-        merged = {name: part for parts in everything for name, part in parts.items()}
-        write_json_atomic(manifest_document(store.settings, merged),
-                          store.folder / "_manifest.json")

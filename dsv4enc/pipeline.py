@@ -12,33 +12,31 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import asdict
 from typing import Iterator, Sequence
 
-import numpy as np
 import torch
 
 from . import __version__
+from .batching import BatchLoop
 from .checkpoint import Checkpoint, build_tower, load_checkpoint, random_checkpoint
 from .config import VisionConfig
 from .decode import DecodePool, Decoded, DecodeStream, patches_tensor
 from .device import resolve_device, resolve_dtype, resolve_out_dtype
-from .batching import BatchLoop
 from .engine import Engine
 from .errors import DsvError, Interrupted
 from .inputs import discover
-from .output import OutputLayout, PartWriter, main_then_all, merge_manifests, resume_filter
+from .output import OutputLayout, PartWriter, resume_filter
 from .options import (EncodeOptions, decode_window, default_workers, default_writer_threads,
                       validate)
 from .packing import output_grid
 from .planning import (Part, Planned, images_per_part, part_batches, plan_parts, read_headers,
-                       segment_tokens,
-                       share_for_rank)
+                       segment_tokens)
 from .prefetch import Prefetch
-from .remote_output import RemoteOutput
 from .progress import RunProgress
+from .remote_output import RemoteOutput
 from .stopping import StopSignals
 from .summary import RunSummary
+from .topology import Topology
 from .writer import PartStore, Row, StreamingAssembler, output_schema
 
 log = logging.getLogger("dsv4enc")
@@ -55,13 +53,11 @@ def load_model(opts: EncodeOptions, dtype: torch.dtype) -> Checkpoint:
 
 
 def _tower_engine(ckpt: Checkpoint, device: torch.device, opts: EncodeOptions,
-                  dist) -> tuple[Engine, bool]:
-    """The tower on ``device`` and its Engine; whether tensor parallelism was applied."""
+                  ranks: Topology) -> Engine:
+    """The tower on ``device`` (split over the ranks under tensor parallelism) and its
+    Engine."""
     model = build_tower(ckpt, device)
-    tp = False
-    if dist is not None and opts.tp_mode == "weights":
-        from .sharding import apply_tensor_parallel
-        tp = apply_tensor_parallel(model, dist)
+    ranks.split_tower(model, opts.tp_mode)
     if opts.fused:
         from .fusion import fuse_elementwise  # torch.compile's import is slow: only when asked
         fuse_elementwise(model)
@@ -69,7 +65,7 @@ def _tower_engine(ckpt: Checkpoint, device: torch.device, opts: EncodeOptions,
                     out_dtype=resolve_out_dtype(opts.out_dtype),
                     cuda_graphs=opts.cuda_graphs, batch_tokens=opts.batch_tokens,
                     max_images=opts.max_images, deterministic=opts.deterministic)
-    return engine, tp
+    return engine
 
 
 # ----------------------------------------------------------------------------- the run
@@ -135,25 +131,25 @@ def _run_encode(opts: EncodeOptions, dist, prefetch: Prefetch | None,
     validate(opts)
     device = resolve_device(opts.device, dist)
     dtype = resolve_dtype(opts.dtype, device)
-    is_writer_rank = dist is None or dist.is_main or opts.shard_output
+    ranks = Topology(dist, opts.shard_output)
     found = (prefetch.found if prefetch is not None else
              discover(opts.inputs, opts.files_from, opts.image_column, opts.key_column,
                       stop if dist is None else None,
                       table_paths_roots=opts.table_paths_roots))
-    main_then_all(dist, lambda: layout.prepare(opts))
+    ranks.main_then_all(lambda: layout.prepare(opts))
     ckpt = load_model(opts, dtype) if stand_in is None else stand_in.checkpoint
     stop.immediate = False  # until the try below, which discards an unused output folder
-    main_then_all(dist, layout.create)
+    ranks.main_then_all(layout.create)
     cfg = ckpt.config
     n_workers = default_workers(device.type) if opts.workers is None else opts.workers
     if prefetch is not None and not prefetch.matches(cfg, device.type):
         prefetch.close()  # planned for another device or config: start over
         prefetch = None
-    is_main = dist is None or dist.is_main
-    if is_main and not found.items:
+    if ranks.is_main and not found.items:
         log.warning("no images found in %s (%d other files skipped); the output will have "
                     "no rows", ", ".join(opts.inputs) or opts.files_from, found.skipped)
-    progress = RunProgress("auto" if opts.progress and is_main else "off", opts.log_every)
+    progress = RunProgress("auto" if opts.progress and ranks.is_main else "off",
+                           opts.log_every)
     summary = RunSummary(out=str(opts.out), skipped=found.skipped,
                          unlisted=len(found.unlisted))
     pool = (prefetch.pool if prefetch is not None else  # spawned now: workers start meanwhile
@@ -161,39 +157,38 @@ def _run_encode(opts: EncodeOptions, dist, prefetch: Prefetch | None,
     try:
         stop.immediate = dist is None
         stop.check()
-        engine, tp = (_tower_engine(ckpt, device, opts, dist) if stand_in is None
-                      else (stand_in.engine(device, opts), False))
+        engine = (_tower_engine(ckpt, device, opts, ranks) if stand_in is None
+                  else stand_in.engine(device, opts))
         with progress:
             if prefetch is not None:
                 planned = prefetch.planned
             else:
                 progress.status(f"reading {len(found.items)} image headers")
-                planned = read_headers(found.items, cfg, opts.max_pixels, dist,
+                planned = read_headers(found.items, cfg, opts.max_pixels, ranks,
                                        None if dist is not None else stop.requested,
                                        opts.decode_timeout)
             if dist is None and stop.signum is not None:
                 raise Interrupted(stop.signum, "nothing was encoded; rerun the same command")
             part_images = images_per_part(cfg, opts)
             settings = run_settings(ckpt, opts, dtype, part_images, engine)
-            if opts.shard_output and dist is not None:
-                settings["world_size"] = dist.world_size
+            if ranks.shard_output:
+                settings["world_size"] = ranks.world_size
             store = PartStore(layout.parts_dir, settings, layout.manifest_name(dist))
-            parts = plan_parts(planned, part_images, dist if opts.shard_output else None,
-                               opts.balance, cfg, segment_tokens=(
-                                   None if dist is not None and not tp else  # greedy per part
-                                   segment_tokens(engine.batch_tokens, device.type)))
-            todo = resume_filter(store, parts, opts, is_writer_rank, dist, summary)
+            parts = plan_parts(planned, part_images, ranks, opts.balance, cfg, segment_tokens=(
+                None if ranks.splits_images else  # greedy per part
+                segment_tokens(engine.batch_tokens, device.type)))
+            todo = resume_filter(store, parts, opts, ranks, summary)
             schema = output_schema(cfg.output_width(opts.features), opts.out_dtype,
                                    settings, pooled=opts.pool == "mean", layout=opts.layout)
             progress.start(total=len(planned), done=summary.reused,
                            tokens=sum(planned[i].tokens for p in todo
                                       for i in range(p.start, p.end)))
-            single_file = not layout.folder_mode and (dist is None or dist.is_main)
+            single_file = not layout.folder_mode and ranks.is_main
             assembler = (StreamingAssembler(store, [p.name for p in parts], layout.out, schema)
                          if single_file else None)
             writer = (PartWriter(store, schema, default_writer_threads(), assembler)
-                      if is_writer_rank else None)
-            runner = _Runner(engine, pool, opts, dist, tp, progress, summary, stop, prefetch)
+                      if ranks.writes else None)
+            runner = _Runner(engine, pool, opts, ranks, progress, summary, stop, prefetch)
             began = time.perf_counter()
             try:
                 try:
@@ -220,8 +215,7 @@ def _run_encode(opts: EncodeOptions, dist, prefetch: Prefetch | None,
                     summary.encode_s = time.perf_counter() - began
                     progress.end_encoding()
                 stop.check()
-                if dist is not None:
-                    dist.barrier()
+                ranks.barrier()
                 if assembler is not None:
                     progress.status("writing the final file")
                     began = time.perf_counter()
@@ -229,17 +223,17 @@ def _run_encode(opts: EncodeOptions, dist, prefetch: Prefetch | None,
                     stop.immediate = False  # the output is complete: nothing to stop
                     layout.remove_parts()
                     summary.write_s += time.perf_counter() - began
-                elif opts.shard_output and dist is not None:
-                    merge_manifests(dist, store)
-                    _sum_rank_counts(dist, summary)
-                if runner.gathered:
-                    _sum_rank_tokens(dist, summary, engine.stats.padded_tokens)
+                elif ranks.sharded:
+                    ranks.merge_manifests(store)
+                    ranks.sum_rank_counts(summary)
+                if ranks.gathered:
+                    ranks.sum_rank_tokens(summary, engine.stats.padded_tokens)
             except BaseException:
                 if assembler is not None:
                     assembler.abort()  # idempotent; the final file never appears half-written
                 raise
     except (DsvError, Interrupted) as exc:
-        if dist is None or dist.is_main:
+        if ranks.is_main:
             layout.discard_if_empty()  # so that a corrected rerun is not told to --resume
         if isinstance(exc, Interrupted):  # what was done, for --summary-json
             summary.seconds = time.perf_counter() - started
@@ -249,7 +243,7 @@ def _run_encode(opts: EncodeOptions, dist, prefetch: Prefetch | None,
         pool.close()
     stats = engine.stats
     summary.h2d_s, summary.model_s = stats.h2d_s, stats.model_s
-    if not runner.gathered:
+    if not ranks.gathered:
         summary.padded_tokens = stats.padded_tokens  # else summed over the ranks above
     summary.seconds = time.perf_counter() - started
     return summary
@@ -259,27 +253,23 @@ class _Runner:
     """Walks parts -> batches, feeding decoded images to the engine, and yields finished parts
     as ``(name, start, end, digest, rows)``."""
 
-    def __init__(self, engine: Engine, pool: DecodePool, opts: EncodeOptions, dist, tp: bool,
+    def __init__(self, engine: Engine, pool: DecodePool, opts: EncodeOptions, ranks: Topology,
                  progress: RunProgress, summary: RunSummary, stop: StopSignals,
                  prefetch: Prefetch | None = None) -> None:
-        self.engine, self.pool, self.opts, self.dist = engine, pool, opts, dist
+        self.engine, self.pool, self.opts, self.ranks = engine, pool, opts, ranks
         self.prefetch = prefetch
-        self.tp = tp
         self.progress, self.summary, self.stop = progress, summary, stop
         self.cfg = engine.cfg
         self.batch_tokens = engine.batch_tokens
-        self.gathered = dist is not None and not tp and not opts.shard_output
         # tags: (index, planned entry, decoded image)
         self.loop = BatchLoop(engine, opts.pool, name_of=lambda tag: tag[1].item.key,
                               remedy="rerun with --out-dtype float32", copy=False)
         self._plans: list | None = None
-        self.sharded = dist is not None and not tp and opts.shard_output
         # Progress is counted where rows are made, then summed over ranks at each step: a
         # rank counts the rows it encoded (under TP every rank makes the same rows, so only
         # rank 0 counts), and header failures are counted by whoever owns the part's rows.
-        is_main = dist is None or dist.is_main
-        self._counts_encoded = is_main or self.gathered or self.sharded
-        self._counts_header_failures = is_main or self.sharded
+        self._counts_encoded = ranks.is_main or ranks.splits_images
+        self._counts_header_failures = ranks.is_main or ranks.sharded
         # not yet shown: images, tokens, failed, and the planned tokens of images that then
         # failed to decode (the ETA no longer waits for them)
         self._pending = [0, 0, 0, 0]
@@ -289,32 +279,24 @@ class _Runner:
         """Per rank, the batches (lists of item indices) this part is encoded in.
 
         Every rank plans every rank's batches, so that all take the same number of steps
-        (each step ends in collectives). Under --shard-output the part holds only this
-        rank's share, so the shares are recomputed from the whole range (the same greedy
-        rule; failed items, cost 0, go last and move nothing else)."""
-        indices = range(part.start, part.end) if self.sharded else part.indices
-        good = [i for i in indices if planned[i].error is None]
-        if self.gathered or self.sharded:
-            shares = share_for_rank(planned, good, self.dist, self.opts.balance, self.cfg)
-            if self.gathered:
-                for rank, share in enumerate(shares):
-                    self.summary_loads(rank, sum(planned[i].tokens for i in share))
-            else:
-                mine = [i for i in part.indices if planned[i].error is None]
-                assert shares[self.dist.rank] == mine, "shard plan differs from the part's"
-        else:
-            shares = [good]
+        (each step ends in collectives). The ranks' shares were planned with the part
+        (``plan_parts``); failed items are left out of them here (they are no batch's)."""
+        shares = part.shares if part.shares is not None else [part.indices]
+        shares = [[i for i in share if planned[i].error is None] for share in shares]
+        if self.ranks.gathered:
+            for rank, share in enumerate(shares):
+                self._add_rank_load(rank, sum(planned[i].tokens for i in share))
         return [part_batches(planned, share, self.batch_tokens, self.opts.max_images)
                 for share in shares]
 
-    def summary_loads(self, rank: int, load: float) -> None:
+    def _add_rank_load(self, rank: int, load: float) -> None:
         loads = self.summary.rank_loads
         loads.extend([0.0] * (rank + 1 - len(loads)))
         loads[rank] += load
 
     @property
     def _me(self) -> int:
-        return self.dist.rank if self.gathered or self.sharded else 0
+        return self.ranks.rank if self.ranks.splits_images else 0
 
     def plan(self, planned: Sequence[Planned], parts: list[Part]) -> list[int]:
         """Plan every part's batches now; returns this rank's batch sizes in tokens."""
@@ -346,22 +328,22 @@ class _Runner:
                 local.update(self._rows(self.loop.collect_ready()))
                 if self._counts_encoded:
                     self._note(local.values())
-                if self.gathered:
-                    local = self.exchange(local)
+                if self.ranks.gathered:
+                    local = self._exchange(local)
                 rows.update(local)
                 if self._stop_agreed():
                     return
             local = self._rows(self.loop.drain())
             if self._counts_encoded:
                 self._note(local.values())
-            if self.gathered:
-                local = self.exchange(local)
+            if self.ranks.gathered:
+                local = self._exchange(local)
             rows.update(local)
             self._show_progress(self._gather_progress(None))
             ordered = [rows[i] for i in part.indices]
             self.count(ordered)
             rows = None
-            if self.dist is None or self.dist.is_main or self.opts.shard_output:
+            if self.ranks.writes:
                 yield part.name, part.start, part.end, part.digest, ordered
             ordered = None
 
@@ -386,9 +368,8 @@ class _Runner:
 
     def _gather_progress(self, signum: int | None) -> list[tuple[int | None, list[int]]]:
         """(signal, progress not yet shown) of every rank; this rank's alone without torchrun."""
-        mine = (signum, self._pending)
-        self._pending = [0, 0, 0, 0]
-        return [mine] if self.dist is None else self.dist.all_gather_object(mine)
+        pending, self._pending = self._pending, [0, 0, 0, 0]
+        return self.ranks.agree_on_stop(signum, pending)
 
     def _show_progress(self, reports: list[tuple[int | None, list[int]]]) -> None:
         images, tokens, failed, dropped = (sum(counts[k] for _, counts in reports)
@@ -409,7 +390,7 @@ class _Runner:
         """The next decoded image. One process: a signal that arrives while it waits (a slow
         or hung decode can take up to --decode-timeout) raises ``_StoppedWaiting`` at once.
         Under torchrun every rank waits, and the ranks agree on stopping after the batch."""
-        if self.dist is not None or not isinstance(decoded, DecodeStream):
+        if self.ranks.dist is not None or not isinstance(decoded, DecodeStream):
             return next(decoded)
         while True:
             item = decoded.next_within(_STOP_POLL_S)
@@ -455,33 +436,10 @@ class _Runner:
         return Row(path=entry.item.key, width=d.width, height=d.height, vit_h=d.n_h,
                    vit_w=d.n_w, grid_h=grid_h, grid_w=grid_w, embedding=out.numpy())
 
-    def exchange(self, local: dict[int, Row]) -> dict[int, Row]:
-        """DP: every rank sends its rows; rank 0 gets them all (one padded all-gather)."""
-        from .sharding import gather_rows
-
-        meta = [(i, {**asdict(r), "embedding": None},
-                 0 if r.embedding is None else len(r.embedding)) for i, r in local.items()]
-        embeddings = [r.embedding for r in local.values() if r.embedding is not None]
-        width = self.cfg.output_width(self.opts.features)
-        shape = (-1, width)
-        flat = (torch.from_numpy(np.concatenate([e.reshape(shape) for e in embeddings]))
-                if embeddings else torch.zeros(0, width, dtype=self.engine.out_dtype))
-        metas = self.dist.all_gather_object(meta)
-        counts = [sum(n for _, _, n in m) for m in metas]
-        per_rank = gather_rows(self.dist, flat.to(self.dist.device), counts)
-        rows: dict[int, Row] = {}
-        for rank_meta, block in zip(metas, per_rank):
-            block = block.cpu()
-            offset = 0
-            for index, fields, n in rank_meta:
-                row = Row(**fields)
-                if n:
-                    emb = block[offset:offset + n]
-                    row.embedding = (emb.reshape(width) if self.opts.pool == "mean"
-                                     else emb).numpy()
-                    offset += n
-                rows[index] = row
-        return rows
+    def _exchange(self, local: dict[int, Row]) -> dict[int, Row]:
+        """Data parallel: rank 0 gets every rank's rows."""
+        return self.ranks.exchange_rows(local, self.cfg.output_width(self.opts.features),
+                                        self.opts.pool == "mean", self.engine.out_dtype)
 
 
 class _StoppedWaiting(Exception):
@@ -494,25 +452,3 @@ _STOP_POLL_S = 0.1  # how often a wait for a decoded image checks for a signal
 def _error_row(entry: Planned, error: str | None = None) -> Row:
     return Row(path=entry.item.key, width=entry.width, height=entry.height,
                error=error or entry.error)
-
-
-def _sum_rank_counts(dist, summary: RunSummary) -> None:
-    """--shard-output: each rank counted only its own rows; the summary shows them all."""
-    counts = dist.all_gather_object((summary.encoded, summary.failed, summary.tokens,
-                                     summary.errors, summary.error_examples))
-    summary.encoded = sum(c[0] for c in counts)
-    summary.failed = sum(c[1] for c in counts)
-    summary.rank_loads = [float(c[2]) for c in counts]
-    summary.tokens = sum(c[2] for c in counts)
-    summary.errors, summary.error_examples = {}, {}
-    for _, _, _, errors, examples in counts:
-        for message, n in errors.items():
-            summary.add_error(message, examples[message], n)
-
-
-def _sum_rank_tokens(dist, summary: RunSummary, padded_tokens: int) -> None:
-    """Gathered DP: every rank encoded its own share of the tokens; count them all."""
-    counts = dist.all_gather_object((summary.tokens, padded_tokens, summary.merge_pad_tokens))
-    summary.tokens = sum(c[0] for c in counts)
-    summary.padded_tokens = sum(c[1] for c in counts)
-    summary.merge_pad_tokens = sum(c[2] for c in counts)

@@ -5,6 +5,7 @@ rank."""
 from __future__ import annotations
 
 import hashlib
+import heapq
 import os
 import queue
 import threading
@@ -14,12 +15,14 @@ from typing import TYPE_CHECKING, Callable, Sequence
 
 from .config import VisionConfig
 from .decode import Probe, probe_image
+from .errors import UsageError
 from .items import InputItem
 from .sources import clear_cache
 from .transform import plan_canvas
 
 if TYPE_CHECKING:
     from .options import EncodeOptions
+    from .topology import Topology
 
 PART_BYTES = 256 << 20  # upper bound of one part's embeddings in memory
 PROBE_THREADS = 16  # header probes run at once (they mostly wait on storage)
@@ -48,7 +51,8 @@ class Planned:
 
 
 def read_headers(items: Sequence[InputItem], cfg: VisionConfig, max_pixels: int,
-                 dist=None, should_stop: Callable[[], bool] | None = None,
+                 ranks: Topology | None = None,
+                 should_stop: Callable[[], bool] | None = None,
                  timeout_s: float | None = PROBE_TIMEOUT_S) -> list[Planned]:
     """Probe every header (threads; ranks split the work and share results) and plan grids.
 
@@ -56,12 +60,12 @@ def read_headers(items: Sequence[InputItem], cfg: VisionConfig, max_pixels: int,
     behind (a daemon: it never delays the exit). When ``should_stop()`` turns true (a
     signal), the headers not read yet are left as error rows and the caller is expected to
     stop: reading a million headers takes minutes."""
-    rank, world = (dist.rank, dist.world_size) if dist is not None else (0, 1)
+    rank, world = (ranks.rank, ranks.world_size) if ranks is not None else (0, 1)
     mine = list(range(rank, len(items), world))
     probes = probe_all([items[i] for i in mine], max_pixels, should_stop, timeout_s)
     clear_cache()  # table row groups read for the probes: the workers read their own
-    if dist is not None:
-        shared = dist.all_gather_object([(i, asdict(p)) for i, p in zip(mine, probes)])
+    if world > 1:
+        shared = ranks.gather([(i, asdict(p)) for i, p in zip(mine, probes)])
         by_index = {i: Probe(**p) for part in shared for i, p in part}
     else:
         by_index = dict(zip(mine, probes))
@@ -258,6 +262,8 @@ class Part:
     digest: str
     # the whole plan (shared, not copied): commits that join segments take digests from it
     source: Sequence[Planned] = field(default=(), repr=False, compare=False)
+    # data parallel: every rank's share of start..end (failed items included), by rank
+    shares: list[list[int]] | None = field(default=None, repr=False, compare=False)
 
 
 def _segments(planned: Sequence[Planned], start: int, end: int,
@@ -276,24 +282,27 @@ def _segments(planned: Sequence[Planned], start: int, end: int,
     return cuts + [(first, end)] if end > first else cuts
 
 
-def plan_parts(planned: Sequence[Planned], part_images: int, shard_dist=None,
+def plan_parts(planned: Sequence[Planned], part_images: int, ranks: Topology | None = None,
                balance: str = "patches", cfg: VisionConfig | None = None,
                segment_tokens: int | None = None) -> list[Part]:
     """The segments a run encodes: consecutive input ranges within ``part_images`` ranges,
     of at most ``segment_tokens`` patches each (whole ranges when None). The writer joins
     consecutive segments into a committed part until the range ends or --commit-every
-    passes. With ``--shard-output`` each rank's part is a whole range, holding just its
-    greedy share."""
+    passes. When the ranks split the images (``ranks``, data parallel), each part is a whole
+    range and carries every rank's greedy share of it, computed here once; with
+    ``--shard-output`` a rank's part holds just its own share."""
     input_stamps(planned)
     parts = []
     for start in range(0, len(planned), part_images):
         end = min(start + part_images, len(planned))
-        if shard_dist is not None:
-            indices = share_for_rank(planned, list(range(start, end)), shard_dist, balance,
-                                     cfg)[shard_dist.rank]
-            name = f"{part_name(start, part_images)}-rank{shard_dist.rank:03d}"
-            parts.append(Part(name, start, end, indices, inputs_digest(planned[start:end]),
-                              planned))
+        digest = inputs_digest(planned[start:end])
+        if ranks is not None and ranks.splits_images:
+            shares = share_for_ranks(planned, list(range(start, end)), ranks.world_size,
+                                     balance, cfg)
+            name, indices = part_name(start, part_images), list(range(start, end))
+            if ranks.sharded:
+                name, indices = f"{name}-rank{ranks.rank:03d}", shares[ranks.rank]
+            parts.append(Part(name, start, end, indices, digest, planned, shares))
             continue
         for first, last in _segments(planned, start, end, segment_tokens):
             parts.append(Part(part_name(first, part_images), first, last,
@@ -302,17 +311,89 @@ def plan_parts(planned: Sequence[Planned], part_images: int, shard_dist=None,
     return parts
 
 
-def share_for_rank(planned: Sequence[Planned], indices: list[int], dist,
-                   balance: str, cfg: VisionConfig | None = None) -> list[list[int]]:
-    """Greedy assignment (SPEC §7) of ``indices`` to ranks; failed items cost nothing."""
-    from .sharding import assign_greedy, flops_cost
+# ----------------------------------------------------------------------------- ranks (SPEC §7)
 
+BALANCE_CHOICES = ("patches", "flops")
+
+
+def patch_cost(n_h: int, n_w: int) -> float:
+    """Cost of an image: its patch count (the SPEC's default)."""
+    return float(n_h * n_w)
+
+
+def flops_cost(n_h: int, n_w: int, cfg: VisionConfig) -> float:
+    """Cost of an image in "patch equivalents": forward FLOPs divided by the linear-layer
+    FLOPs of one patch through the ViT, so it equals the patch count when attention and the
+    aligner are negligible and grows with N^2 for large images.
+
+    Per layer: 2*N*P (P = 4D^2 + 3*D*I weights) + 4*N^2*D (QK^T and AV); aligner:
+    2*R*(D*r^2*hidden + hidden^2) for R merged rows.
+    """
+    D, I, hid, r = cfg.dim, cfg.inter_dim, cfg.hidden_size, cfg.downsample_ratio
+    n = n_h * n_w
+    per_patch = 2.0 * (4 * D * D + 3 * D * I)
+    vit = cfg.n_layers * (n * per_patch + 4.0 * n * n * D)
+    rows = -(-n_h // r) * -(-n_w // r)
+    aligner = 2.0 * rows * (D * r * r * hid + hid * hid)
+    return (vit + aligner) / (cfg.n_layers * per_patch)
+
+
+def cost_function(balance: str, cfg: VisionConfig) -> Callable[[int, int], float]:
+    """``(n_h, n_w) -> cost`` for ``--balance patches|flops``."""
+    if balance == "patches":
+        return patch_cost
+    if balance == "flops":
+        return lambda n_h, n_w: flops_cost(n_h, n_w, cfg)
+    raise UsageError(f"unknown --balance {balance!r} (choose from {', '.join(BALANCE_CHOICES)})")
+
+
+def assign_greedy(costs: Sequence[float], world_size: int) -> list[list[int]]:
+    """Greedy longest-first assignment of images to ranks.
+
+    Images by cost descending (ties: lower index first), each to the rank with the least
+    load so far (ties: lowest rank). Returns one list of image indices per rank, ascending.
+    Deterministic, so every rank computes the same plan from the same costs.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    heap = [(0.0, rank) for rank in range(world_size)]  # (load, rank): ties pop lowest rank
+    assignment: list[list[int]] = [[] for _ in range(world_size)]
+    for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
+        load, rank = heapq.heappop(heap)
+        assignment[rank].append(i)
+        heapq.heappush(heap, (load + costs[i], rank))
+    for indices in assignment:
+        indices.sort()
+    return assignment
+
+
+def rank_loads(costs: Sequence[float], assignment: Sequence[Sequence[int]]) -> list[float]:
+    """Total cost per rank."""
+    return [float(sum(costs[i] for i in indices)) for indices in assignment]
+
+
+def imbalance(loads: Sequence[float]) -> float:
+    """max / mean of the per-rank loads (1.0 is perfect; 1.0 when there is no work)."""
+    mean = sum(loads) / len(loads) if loads else 0.0
+    return max(loads) / mean if mean > 0 else 1.0
+
+
+def rank_row_counts(assignment: Sequence[Sequence[int]],
+                    rows_per_image: Sequence[int]) -> list[int]:
+    """Output rows each rank contributes: the sum of its images' row counts."""
+    return [sum(rows_per_image[i] for i in indices) for indices in assignment]
+
+
+def share_for_ranks(planned: Sequence[Planned], indices: list[int], world_size: int,
+                    balance: str, cfg: VisionConfig | None = None) -> list[list[int]]:
+    """Greedy assignment (SPEC §7) of ``indices`` to ranks; failed items cost nothing (they
+    go last, so they move no other item)."""
     if balance == "flops" and cfg is not None:
         costs = [flops_cost(planned[i].n_h, planned[i].n_w, cfg) if planned[i].error is None
                  else 0 for i in indices]
     else:
         costs = [planned[i].tokens if planned[i].error is None else 0 for i in indices]
-    return [[indices[j] for j in share] for share in assign_greedy(costs, dist.world_size)]
+    return [[indices[j] for j in share] for share in assign_greedy(costs, world_size)]
 
 
 def pack_bins(costs: Sequence[int], capacity: int, max_items: int | None = None) -> list[list[int]]:

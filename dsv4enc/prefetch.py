@@ -32,6 +32,7 @@ from .options import DEFAULT_BATCH_TOKENS, EncodeOptions, decode_window, default
 from .planning import (Planned, batch_order, images_per_part, plan_parts, read_headers,
                        segment_tokens)
 from .stopping import StopSignals
+from .topology import launched_ranks
 
 log = logging.getLogger(__name__)
 
@@ -116,7 +117,7 @@ def start_prefetch(opts: EncodeOptions, stop: StopSignals | None = None) -> Pref
     Returns None under torchrun (each rank discovers for itself). Raises what discovery and
     option checks raise (the same errors, in the same order, as ``run_encode``), and
     ``Interrupted`` when ``stop`` records a signal meanwhile."""
-    if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
+    if launched_ranks() > 1:
         return None
     validate(opts)
     found = discover(opts.inputs, opts.files_from, opts.image_column, opts.key_column, stop,

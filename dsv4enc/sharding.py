@@ -1,8 +1,9 @@
-"""Running on many ranks (SPEC §7-8): process group, image assignment, row gathering, and
-tensor-parallel weight slicing.
+"""Running on many ranks (SPEC §7-8): the process group, row gathering, and tensor-parallel
+weight slicing.
 
-Everything distributed lives here and goes through a ``DistContext`` that callers pass
-along; no other module touches ``torch.distributed``. Launch with torchrun; a plain
+``torch.distributed`` is touched here only, through a ``DistContext``; the run's collectives
+are called by ``topology.Topology``, and the assignment of images to ranks (plain arithmetic)
+is in ``planning``. Launch with torchrun; a plain
 ``python -m dsv4enc`` run has no context (``init_distributed`` returns None).
 
 Failures: a collective that times out, or whose peer died, raises ``DistributedError``
@@ -16,7 +17,6 @@ after the same timeout and lets torchrun stop the others.
 from __future__ import annotations
 
 import datetime
-import heapq
 import logging
 import os
 import pickle
@@ -27,13 +27,10 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from .config import VisionConfig
 from .errors import DistributedError, UsageError
 from .model import VisionTower
 
 log = logging.getLogger(__name__)
-
-BALANCE_CHOICES = ("patches", "flops")
 
 # Newer torch calls it all_gather_single (all_gather_into_tensor is deprecated there).
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -179,74 +176,6 @@ def shutdown(ctx: DistContext | None) -> None:
 
 # --------------------------------------------------------------------------------------------
 # Data parallel: who encodes what (SPEC §7)
-
-
-def patch_cost(n_h: int, n_w: int) -> float:
-    """Cost of an image: its patch count (the SPEC's default)."""
-    return float(n_h * n_w)
-
-
-def flops_cost(n_h: int, n_w: int, cfg: VisionConfig) -> float:
-    """Cost of an image in "patch equivalents": forward FLOPs divided by the linear-layer
-    FLOPs of one patch through the ViT, so it equals the patch count when attention and the
-    aligner are negligible and grows with N^2 for large images.
-
-    Per layer: 2*N*P (P = 4D^2 + 3*D*I weights) + 4*N^2*D (QK^T and AV); aligner:
-    2*R*(D*r^2*hidden + hidden^2) for R merged rows.
-    """
-    D, I, hid, r = cfg.dim, cfg.inter_dim, cfg.hidden_size, cfg.downsample_ratio
-    n = n_h * n_w
-    per_patch = 2.0 * (4 * D * D + 3 * D * I)
-    vit = cfg.n_layers * (n * per_patch + 4.0 * n * n * D)
-    rows = -(-n_h // r) * -(-n_w // r)
-    aligner = 2.0 * rows * (D * r * r * hid + hid * hid)
-    return (vit + aligner) / (cfg.n_layers * per_patch)
-
-
-def cost_function(balance: str, cfg: VisionConfig) -> Callable[[int, int], float]:
-    """``(n_h, n_w) -> cost`` for ``--balance patches|flops``."""
-    if balance == "patches":
-        return patch_cost
-    if balance == "flops":
-        return lambda n_h, n_w: flops_cost(n_h, n_w, cfg)
-    raise UsageError(f"unknown --balance {balance!r} (choose from {', '.join(BALANCE_CHOICES)})")
-
-
-def assign_greedy(costs: Sequence[float], world_size: int) -> list[list[int]]:
-    """Greedy longest-first assignment of images to ranks.
-
-    Images by cost descending (ties: lower index first), each to the rank with the least
-    load so far (ties: lowest rank). Returns one list of image indices per rank, ascending.
-    Deterministic, so every rank computes the same plan from the same costs.
-    """
-    if world_size < 1:
-        raise ValueError(f"world_size must be >= 1, got {world_size}")
-    heap = [(0.0, rank) for rank in range(world_size)]  # (load, rank): ties pop lowest rank
-    assignment: list[list[int]] = [[] for _ in range(world_size)]
-    for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
-        load, rank = heapq.heappop(heap)
-        assignment[rank].append(i)
-        heapq.heappush(heap, (load + costs[i], rank))
-    for indices in assignment:
-        indices.sort()
-    return assignment
-
-
-def rank_loads(costs: Sequence[float], assignment: Sequence[Sequence[int]]) -> list[float]:
-    """Total cost per rank."""
-    return [float(sum(costs[i] for i in indices)) for indices in assignment]
-
-
-def imbalance(loads: Sequence[float]) -> float:
-    """max / mean of the per-rank loads (1.0 is perfect; 1.0 when there is no work)."""
-    mean = sum(loads) / len(loads) if loads else 0.0
-    return max(loads) / mean if mean > 0 else 1.0
-
-
-def rank_row_counts(assignment: Sequence[Sequence[int]],
-                    rows_per_image: Sequence[int]) -> list[int]:
-    """Output rows each rank contributes: the sum of its images' row counts."""
-    return [sum(rows_per_image[i] for i in indices) for indices in assignment]
 
 
 def gather_rows(ctx: DistContext, local_rows: torch.Tensor,

@@ -27,8 +27,9 @@ from dsv4enc.config import VisionConfig
 from dsv4enc.errors import DistributedError
 from dsv4enc.model import rope_tables
 from dsv4enc.packing import pack
-from dsv4enc.sharding import (apply_tensor_parallel, assign_greedy, gather_rows,
-                              init_distributed, rank_row_counts, restore_order, shutdown)
+from dsv4enc.planning import assign_greedy, rank_row_counts
+from dsv4enc.sharding import (apply_tensor_parallel, gather_rows, init_distributed,
+                              restore_order, shutdown)
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 TIMEOUT_S = 2.0

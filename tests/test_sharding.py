@@ -21,9 +21,9 @@ from hypothesis import strategies as st
 from dsv4enc.checkpoint import build_tower, random_checkpoint
 from dsv4enc.config import VisionConfig
 from dsv4enc.errors import UsageError
-from dsv4enc.sharding import (DistContext, apply_tensor_parallel, assign_greedy,
-                              cost_function, flops_cost, imbalance, init_distributed,
-                              patch_cost, rank_loads, rank_row_counts, restore_order)
+from dsv4enc.planning import (assign_greedy, cost_function, flops_cost, imbalance, patch_cost,
+                              rank_loads, rank_row_counts)
+from dsv4enc.sharding import DistContext, apply_tensor_parallel, init_distributed, restore_order
 from dsv4enc.transform import plan_canvas
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -27,7 +27,7 @@ import torch
 from dsv4enc.checkpoint import random_state_dict, save_checkpoint
 from dsv4enc.config import VisionConfig
 from dsv4enc.pipeline import EncodeOptions, run_encode
-from dsv4enc.sharding import assign_greedy, flops_cost
+from dsv4enc.planning import assign_greedy, flops_cost
 from dsv4enc.transform import plan_canvas
 
 from helpers import CONFIGS, table_rows, write_image

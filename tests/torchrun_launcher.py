@@ -52,7 +52,7 @@ def die_after_first_batch(marker: str) -> None:
     calls = {"n": 0}
 
     def submit_batch(self, *args, **kwargs):
-        if self.dist is not None and self.dist.rank == 1 and calls["n"] == 1:
+        if self.ranks.rank == 1 and calls["n"] == 1:
             Path(marker).write_text(repr(time.time()))
             sys.stderr.flush()
             os._exit(1)
@@ -68,7 +68,7 @@ def interrupt_after_first_part(enabled: dict) -> None:
     def run(self, *args, **kwargs):
         for index, part in enumerate(original(self, *args, **kwargs)):
             yield part
-            if index == 0 and enabled["on"] and (self.dist is None or self.dist.is_main):
+            if index == 0 and enabled["on"] and self.ranks.is_main:
                 os.kill(os.getpid(), signal.SIGINT)
 
     pipeline._Runner.run = run

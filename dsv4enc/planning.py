@@ -234,8 +234,9 @@ def inputs_digest(planned: Sequence[Planned]) -> str:
 
 #: Segments (the unit a run encodes and may commit at) hold this many batches' worth of
 #: patches: enough for nearly full batches, few enough that a commit comes soon after
-#: --commit-every seconds (CPU batches are slow, GPU ones fast and padded to graph budgets).
-SEGMENT_BATCHES = {"cpu": 2, "cuda": 8}
+#: --commit-every seconds (CPU batches are slow and unpadded, so one each; GPU ones fast and
+#: padded to graph budgets).
+SEGMENT_BATCHES = {"cpu": 1, "cuda": 8}
 
 
 def segment_tokens(batch_tokens: int, device_type: str) -> int:

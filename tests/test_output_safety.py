@@ -500,7 +500,7 @@ def test_resume_encodes_again_the_images_of_a_changed_container(data, tmp_path):
 
 def test_finished_work_is_committed_every_commit_every_seconds(data, tmp_path):
     """One size-bounded part (--part-images 1000) is committed in pieces as time passes: a
-    tiny --commit-every makes each segment (about two batches) a part of its own. The pieces
+    tiny --commit-every makes each segment (about one batch on a CPU) a part of its own. The pieces
     read back as one dataset in input order, equal to a run committed in one piece."""
     out = tmp_path / "out"
     run_encode(options([data], f"{out}/", part_images=1000, commit_every=1e-6))

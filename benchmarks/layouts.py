@@ -156,7 +156,7 @@ def what_readers_see(path: Path) -> dict[str, str]:
         con = duckdb.connect()
         kind = con.execute(f"SELECT typeof(embedding) FROM read_parquet('{path}') "
                            "LIMIT 1").fetchone()
-        con.execute(f"SELECT embedding FROM read_parquet('{path}')").to_arrow_table()
+        con.sql(f"SELECT embedding FROM read_parquet('{path}')").to_arrow_table()
         seen["duckdb"] = f"{kind[0]} ({time.perf_counter() - began:.2f} s)"
     except Exception as exc:
         seen["duckdb"] = f"fails: {type(exc).__name__}: {str(exc)[:80]}"

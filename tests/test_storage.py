@@ -374,3 +374,32 @@ def test_an_unreachable_store_gives_error_rows_after_retries(s3, monkeypatch):
     assert waits == [storage.BACKOFF_S * 2 ** i for i in range(storage.ATTEMPTS - 1)]
     with pytest.raises(OSError):
         sources.open_item(items[0])  # what a decode worker does: its error row says why
+
+
+def test_storage_options_reach_the_decode_workers(s3, local_images, small_ckpt, tmp_path,
+                                                  monkeypatch):
+    """The endpoint from --storage-option instead of the environment, in the main process
+    and in a decode worker process."""
+    url = upload_folder(s3, local_images, "opt")
+    monkeypatch.delenv("AWS_ENDPOINT_URL")
+    encode(url, "--out", str(tmp_path / "o.parquet"), "--weights", str(small_ckpt),
+           "--storage-option", f"endpoint_override={s3.server.endpoint}", workers="1")
+    got = {r["path"]: r["error"] for r in read_embeddings(tmp_path / "o.parquet",
+                                                          ["path", "error"], errors="include")}
+    assert got == {key: None for key in SPECS}
+
+
+def test_a_fresh_lock_object_of_another_host_refuses(s3, local_images, small_ckpt):
+    url = upload_folder(s3, local_images, "in")
+    lock = {"pid": 4242, "host": "node7.example", "time": time.time()}
+    s3.put("busy/e.parquet.partial/.dsv4enc.lock", json.dumps(lock).encode())
+    result = runner.invoke(app, ["encode", url, "--out", f"{s3.url}/busy/e.parquet",
+                                 "--weights", str(small_ckpt), "--workers", "0", "--device",
+                                 "cpu", "-q"])
+    line = one_line_failure(result)
+    assert "pid 4242 on host node7.example" in line and "delete that object" in line
+    assert s3.keys("busy/") == ["busy/e.parquet.partial/.dsv4enc.lock"]  # left alone
+    lock["time"] -= 3600  # not refreshed for an hour: its run is gone
+    s3.put("busy/e.parquet.partial/.dsv4enc.lock", json.dumps(lock).encode())
+    encode(url, "--out", f"{s3.url}/busy/e.parquet", "--weights", str(small_ckpt))
+    assert s3.keys("busy/") == ["busy/e.parquet"]

@@ -4,9 +4,9 @@
 # fresh process (start-up included). Run it on an otherwise idle machine
 # (every number is best-of-repeats, but a busy core still skews the ratios).
 #
-#   bash benchmarks/cpu_bench.sh [extra python -m dsv4enc.bench flags]
+#   bash benchmarks/cpu_bench.sh [extra python -m dsv4enc bench flags]
 set -eu
 cd "$(dirname "$0")/.."
 export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}"
-exec "${PYTHON:-python3}" -m dsv4enc.bench --config configs/medium.json --device cpu \
+exec "${PYTHON:-python3}" -m dsv4enc bench --config configs/medium.json --device cpu \
     --dtype float32 --images synthetic:mix --batch-tokens 8192 --repeat 3 --e2e --cli "$@"

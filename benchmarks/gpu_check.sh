@@ -117,13 +117,13 @@ TESTS="tests/test_attention.py tests/test_graphs.py tests/test_engine.py"
 [ -f "$GOLDEN/expected.json" ] && [ -f tests/test_golden.py ] && TESTS="$TESTS tests/test_golden.py"
 step pytest 120 $PY -m pytest -x -q -p no:cacheprovider $TESTS
 
-step bench 200 $PY -m dsv4enc.bench --config "$CONFIG" --device "$DEVICE" --dtype "$DTYPE" \
+step bench 200 $PY -m dsv4enc bench --config "$CONFIG" --device "$DEVICE" --dtype "$DTYPE" \
     --images "$BENCH_IMAGES" --batch-tokens "$BENCH_TOKENS" --graphs "$GRAPHS" \
     --repeat "$REPEAT" --naive-images "$NAIVE" --workdir "$OUT/.work" --json "$OUT/bench.json"
 
 E2E_IMAGES=${E2E_IMAGES:-$BENCH_IMAGES}
 [ "$QUICK" = 1 ] || E2E_IMAGES=synthetic:1024x768:512
-step e2e 150 $PY -m dsv4enc.bench --config "$CONFIG" --device "$DEVICE" --dtype "$DTYPE" \
+step e2e 150 $PY -m dsv4enc bench --config "$CONFIG" --device "$DEVICE" --dtype "$DTYPE" \
     --images "$E2E_IMAGES" --batch-tokens "${BENCH_TOKENS##*,}" --graphs auto --repeat 1 \
     --naive-images "$NAIVE" --e2e --workdir "$OUT/.work" --json "$OUT/e2e.json"
 

@@ -1,4 +1,4 @@
-"""Throughput benchmark (``dsv4enc bench``; also ``python -m dsv4enc.bench``).
+"""Throughput benchmark, run by ``dsv4enc bench`` (see ``dsv4enc bench --help``).
 
 For one config and one image mix it measures, in one process:
 
@@ -18,10 +18,8 @@ product is reported beside it as the device peak.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import gc
-import json
 import logging
 import math
 import os
@@ -37,8 +35,7 @@ import torch
 
 from .attention import naive_sdpa_attention
 from .batching import BatchLoop
-from .checkpoint import (COMPUTE_DTYPES, build_tower, random_checkpoint, random_state_dict,
-                         save_checkpoint)
+from .checkpoint import build_tower, random_checkpoint, random_state_dict, save_checkpoint
 from .config import VisionConfig
 from .device import resolve_device, resolve_dtype
 from .engine import Engine
@@ -498,42 +495,3 @@ def print_results(rows: Sequence[dict], console=None) -> None:
 def parse_graphs(text: str) -> list[bool | None]:
     names = {"auto": None, "on": True, "off": False}
     return [names[t] for t in text.split(",")]
-
-
-def main(argv: Sequence[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m dsv4enc.bench", description=__doc__.split("\n")[0])
-    p.add_argument("--config", required=True, help="model config.json (random weights)")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--dtype", default="auto", choices=["auto", *COMPUTE_DTYPES])
-    p.add_argument("--images", default="synthetic:mix", help="folder, or synthetic:mix[:N] / "
-                   "synthetic:WxH:N")
-    p.add_argument("--batch-tokens", default=None, help="comma-separated budgets")
-    p.add_argument("--graphs", default="auto", help="comma-separated: auto, on, off")
-    p.add_argument("--attention", default="auto")
-    p.add_argument("--features", default="aligner", choices=["aligner", "vit"])
-    p.add_argument("--max-images", type=int, default=64)
-    p.add_argument("--repeat", type=int, default=2)
-    p.add_argument("--naive-images", type=int, default=None)
-    p.add_argument("--e2e", action="store_true", help="also time the pipeline in-process")
-    p.add_argument("--cli", action="store_true", help="also time dsv4enc encode in a fresh "
-                   "process (interpreter start and torch import included)")
-    p.add_argument("--workers", type=int, default=None)
-    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
-    p.add_argument("--json", default=None, help="also write the rows to this file")
-    p.add_argument("--workdir", default=None, help="keep synthetic images here")
-    a = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    logging.getLogger("torch").setLevel(logging.WARNING)
-    if a.threads:
-        torch.set_num_threads(a.threads)
-    budgets = [int(t) for t in a.batch_tokens.split(",")] if a.batch_tokens else None
-    rows = run_bench(a.config, a.device, a.dtype, a.images, budgets, parse_graphs(a.graphs),
-                     a.attention, a.features, a.max_images, a.repeat, a.naive_images, a.e2e,
-                     a.workers, workdir=a.workdir, cli=a.cli)
-    print_results(rows)
-    if a.json:
-        Path(a.json).write_text(json.dumps(rows, indent=1, default=str))
-
-
-if __name__ == "__main__":
-    main()

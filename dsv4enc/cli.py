@@ -340,6 +340,8 @@ def bench(
                                                "token budgets to time."),
     graphs: str = typer.Option("auto", "--graphs", help="Comma-separated: auto, on, off."),
     attention: str = typer.Option("auto", "--attention", help="auto, flash, varlen or sdpa."),
+    features: str = typer.Option("aligner", "--features", help="aligner or vit."),
+    max_images: int = typer.Option(64, "--max-images", help="Images per batch at most."),
     repeat: int = typer.Option(2, "--repeat", help="Rounds per measurement (best is kept)."),
     naive_images: Optional[int] = typer.Option(None, "--naive-images", help="Images for the "
                                                "naive one-at-a-time loop (default: all)."),
@@ -347,13 +349,17 @@ def bench(
     cli: bool = typer.Option(False, "--cli", help="Also time 'dsv4enc encode' in a fresh "
                              "process, start-up included (random weights saved once)."),
     json_out: Optional[str] = typer.Option(None, "--json", help="Also write the rows here."),
+    threads: Optional[int] = typer.Option(None, "--threads", help="torch intra-op threads."),
+    workdir: Optional[str] = typer.Option(None, "--workdir", help="Keep synthetic images "
+                                          "here (default: a temporary folder)."),
     host: bool = typer.Option(False, "--host", help="Time the host side alone: the whole "
                               "encode pipeline with the model replaced by a null stage (no "
                               "GPU needed); images/s per host core and where the time goes."),
     outputs: str = typer.Option("file,folder", "--outputs", help="--host: the outputs to "
                                 "time, file and/or folder."),
-    workers: Optional[int] = typer.Option(None, "--workers", help="--host: decode processes "
-                                          "(default: as for a CUDA run on this machine)."),
+    workers: Optional[int] = typer.Option(None, "--workers", help="Decode processes of the "
+                                          "--host, --e2e and --cli runs (default: as "
+                                          "'encode' picks; --host: as for a CUDA run)."),
 ) -> None:
     """Time the engine: img/s, tokens/s, FLOP/s, fraction of the matmul ceiling measured in
     the same process, padding waste, time split, and the speed-up over a naive loop. With
@@ -371,13 +377,18 @@ def bench(
             fail(str(exc), exc.exit_code)
         return
 
+    import torch
+
     from .bench import parse_graphs, print_results, run_bench
 
+    if threads:
+        torch.set_num_threads(threads)
     try:
         budgets = [int(t) for t in batch_tokens.split(",")] if batch_tokens else None
         rows = run_bench(config, device, dtype, images, budgets, parse_graphs(graphs),
-                         attention, repeat=repeat, naive_images=naive_images, e2e=e2e,
-                         cli=cli)
+                         attention, features, max_images, repeat=repeat,
+                         naive_images=naive_images, e2e=e2e, workers=workers,
+                         workdir=workdir, cli=cli)
     except (KeyError, ValueError) as exc:
         fail(f"bad benchmark option: {exc}", 2)
     except DsvError as exc:

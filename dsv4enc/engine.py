@@ -1,8 +1,9 @@
 """Runs packed batches through the tower on one device: attention backend chosen once,
 transfers, and (on CUDA) graph replay. Host in, host out.
 
-This is the only place that moves batches between host and device; the pipeline hands it
-``PackedBatch`` objects and gets per-image embeddings back.
+This is the only place that moves batches between host and device; ``batching.BatchLoop``
+(the command line's, the API's and the benchmark's loop) hands it ``PackedBatch`` objects and
+gets per-image embeddings back.
 
 On CUDA a batch goes: pinned host copy -> H2D on a copy stream -> (graph buffers ->) forward
 on the compute stream -> cast to the output dtype -> D2H into pinned memory on a third

@@ -36,6 +36,8 @@ if TYPE_CHECKING:
 
 _URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 _OPTIONS_ENV = "DSV4ENC_STORAGE_OPTIONS"
+#: Schemes whose first path component is a bucket that must exist.
+_BUCKET_SCHEMES = frozenset({"s3", "s3a", "gs", "gcs"})
 #: Attempts at a read or write that fails for a transient reason (after the SDK's own retries).
 ATTEMPTS = 4
 #: First wait between attempts, doubled each time.
@@ -281,6 +283,8 @@ def _check_bucket(url: str) -> None:
     """A ``StorageError`` when the bucket of ``url`` does not exist."""
     import pyarrow.fs as pafs
 
+    if scheme_of(url) not in _BUCKET_SCHEMES:  # no buckets (memory://, ...): nothing to check
+        return
     fs, _ = filesystem(url)
     bucket = _bucket(url)
     if retrying(lambda: fs.get_file_info(bucket)).type == pafs.FileType.NotFound:
@@ -301,9 +305,13 @@ def list_files(url: str) -> list[ObjectInfo]:
             _check_bucket(url)
     except OSError as exc:
         raise setup_error(url, exc) from None
-    prefix = f"{path}/"
-    found = [_info(join(url, i.path[len(prefix):]), i, i.path[len(prefix):]) for i in infos
-             if i.type == pafs.FileType.File and i.path.startswith(prefix)]
+    prefix = f"{path.strip('/')}/"  # fsspec's paths may start with a slash, pyarrow's do not
+    found = []
+    for info in infos:
+        full = info.path.lstrip("/")
+        if info.type == pafs.FileType.File and full.startswith(prefix):
+            key = full[len(prefix):]
+            found.append(_info(join(url, key), info, key))
     return sorted(found, key=lambda o: o.key)
 
 

@@ -403,3 +403,18 @@ def test_a_fresh_lock_object_of_another_host_refuses(s3, local_images, small_ckp
     s3.put("busy/e.parquet.partial/.dsv4enc.lock", json.dumps(lock).encode())
     encode(url, "--out", f"{s3.url}/busy/e.parquet", "--weights", str(small_ckpt))
     assert s3.keys("busy/") == ["busy/e.parquet"]
+
+
+def test_any_fsspec_scheme_works_through_fsspec(local_images, small_ckpt, tmp_path):
+    """A scheme pyarrow has no client for goes through fsspec (here its in-process memory
+    file system: one process, so no decode workers)."""
+    import fsspec
+
+    memory = fsspec.filesystem("memory")
+    for name in SPECS:
+        memory.pipe(f"/fs-in/{name}", (local_images / name).read_bytes())
+    storage.configure(None)
+    encode("memory://fs-in/", "--out", "memory://fs-out/e.parquet", "--weights",
+           str(small_ckpt))
+    (tmp_path / "e.parquet").write_bytes(memory.cat("/fs-out/e.parquet"))
+    assert sorted(rows(tmp_path / "e.parquet")) == sorted(SPECS)

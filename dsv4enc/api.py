@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Iterator, Mapping, Union
 import numpy as np
 import torch
 
+from . import storage
 from .checkpoint import Checkpoint, build_tower, load_checkpoint, random_checkpoint
 from .config import VisionConfig
 from .decode import DEFAULT_MAX_PIXELS, decode_image, describe_error, patches_tensor
@@ -296,6 +297,8 @@ class Encoder:
             elif isinstance(image, (str, os.PathLike, bytes, bytearray, memoryview)):
                 source = (os.fspath(image) if isinstance(image, (str, os.PathLike))
                           else bytes(image))
+                if storage.is_url(source):  # an object in a store (s3://...): read it whole
+                    source = storage.read_bytes(source)
                 decoded = decode_image(source, self.config, self.max_pixels)
                 if decoded.error is not None:
                     item.error = decoded.error

@@ -418,3 +418,17 @@ def test_any_fsspec_scheme_works_through_fsspec(local_images, small_ckpt, tmp_pa
            str(small_ckpt))
     (tmp_path / "e.parquet").write_bytes(memory.cat("/fs-out/e.parquet"))
     assert sorted(rows(tmp_path / "e.parquet")) == sorted(SPECS)
+
+
+def test_the_python_api_reads_urls(s3, local_images, small_cfg):
+    import torch
+
+    from dsv4enc import Encoder
+
+    url = s3.put("api/a.jpg", (local_images / "a.jpg").read_bytes())
+    encoder = Encoder.from_config(small_cfg, seed=3, device="cpu", dtype=torch.float32)
+    remote, local = encoder.encode([url, str(local_images / "a.jpg")])
+    torch.testing.assert_close(remote, local)
+    missing = f"{s3.url}/api/missing.jpg"
+    (key, error), = encoder.encode_iter([missing])
+    assert key == missing and isinstance(error, str)

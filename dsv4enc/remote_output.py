@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable, TypeVar
 
 from . import storage
-from .errors import OutputError, UsageError
+from .errors import DsvError, OutputError, UsageError
 from .writer import MANIFEST_FILE, PART_FILE, read_manifest
 
 if TYPE_CHECKING:
@@ -69,7 +69,15 @@ class RemoteOutput:
         self.given = opts.out
         self.url = opts.out.rstrip("/")
         self.writer = writer  # this process writes (rank 0): only it touches the store
-        self.folder_mode = opts.out.endswith("/") or (writer and storage.kind(opts.out) == "folder")
+        # Raised by ``pull``, which every rank waits for: rank 0 failing alone here would
+        # leave the other ranks waiting in a collective.
+        self._problem: DsvError | None = None
+        self.folder_mode = opts.out.endswith("/")
+        if writer and not self.folder_mode:
+            try:
+                self.folder_mode = storage.kind(opts.out) == "folder"
+            except DsvError as exc:
+                self._problem = exc
         self.parts_url = self.url if self.folder_mode else self.url + ".partial"
         self.staging = Path(tempfile.mkdtemp(prefix="dsv4enc-staging-"))
         name = self.url.rsplit("/", 1)[-1] or "out"
@@ -84,6 +92,9 @@ class RemoteOutput:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._lock_mutex = threading.Lock()
+        # --overwrite: the earlier run's manifests, deleted before this run uploads a part
+        # (a part object may take an old name: no old manifest may list it meanwhile).
+        self._replaced: set[str] = set()
 
     @classmethod
     def for_options(cls, opts: "EncodeOptions", dist) -> "RemoteOutput | None":
@@ -120,6 +131,8 @@ class RemoteOutput:
         """Check the inputs against the output, take the lock object, and bring the output's
         dsv4enc state into the staging folder (run on the writing rank only). A missing
         bucket or a denied permission is one setup line."""
+        if self._problem is not None:
+            raise self._problem
         try:
             self._pull()
         except OSError as exc:
@@ -150,6 +163,8 @@ class RemoteOutput:
         for path in self.local_parts.iterdir():
             if MANIFEST_FILE.fullmatch(path.name):
                 self._manifests[path.name] = path.read_bytes()
+                if self.opts.overwrite:
+                    self._replaced.add(path.name)
 
     def _check_not_inputs(self) -> None:
         for raw in self.opts.inputs:
@@ -264,6 +279,9 @@ class RemoteOutput:
         ident = _local_id(path)
         if self._uploaded.get(name) == ident:
             return
+        for manifest in sorted(self._replaced):
+            _delete(storage.join(self.parts_url, manifest))
+            self._replaced.discard(manifest)
         storage.upload_file(path, storage.join(self.parts_url, name))
         self._uploaded[name] = ident
 

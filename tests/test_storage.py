@@ -432,3 +432,20 @@ def test_the_python_api_reads_urls(s3, local_images, small_cfg):
     missing = f"{s3.url}/api/missing.jpg"
     (key, error), = encoder.encode_iter([missing])
     assert key == missing and isinstance(error, str)
+
+
+def test_overwrite_of_a_folder_output_leaves_only_the_new_parts(s3, local_images, small_ckpt,
+                                                                 tmp_path):
+    url = upload_folder(s3, local_images, "in")
+    out = f"{s3.url}/ow/"
+    encode(url, "--out", out, "--weights", str(small_ckpt), "--part-images", "1")
+    assert len([k for k in s3.keys("ow/") if k.endswith(".parquet")]) == 3
+    s3.put("ow/.hidden-note", b"kept")  # hidden names are never in the way, never deleted
+    encode(url, "--out", out, "--weights", str(small_ckpt), "--part-images", "3",
+           "--overwrite")
+    keys = s3.keys("ow/")
+    parts = [k for k in keys if k.endswith(".parquet")]
+    assert len(parts) == 1 and "ow/_manifest.json" in keys and "ow/.hidden-note" in keys
+    manifest = json.loads(s3.get("ow/_manifest.json"))
+    assert [p["file"] for p in manifest["parts"].values()] == [parts[0].split("/", 1)[1]]
+    assert sorted(rows(read_object(s3, parts[0], tmp_path, "p.parquet"))) == sorted(SPECS)

@@ -234,7 +234,9 @@ def test_sigint_exits_130_keeps_parts_and_a_damaged_part_is_encoded_again(
     first = run.partial / parts["part-000000"]["file"]
     first.write_bytes(first.read_bytes()[:100])
     summary = run_encode(options(images, run.out, resume=True))
-    assert summary.reused == PART * (len(parts) - 1)
+    # The signal commits the finished segments too: the last part may hold fewer than PART.
+    assert summary.reused == sum(p["end"] - p["start"] for name, p in parts.items()
+                                 if name != "part-000000")
     assert_same_rows(rows(run.out), clean)
 
 

@@ -269,8 +269,11 @@ class RemoteOutput:
                 if self._manifests.get(manifest.name) == content:
                     continue
                 document = json.loads(content)
-                for part in document.get("parts", {}).values():
-                    self._upload_part(part["file"])
+                try:
+                    for part in document.get("parts", {}).values():
+                        self._upload_part(part["file"])
+                except FileNotFoundError:
+                    continue  # the run removed its parts meanwhile (the final file is made)
                 storage.upload(storage.join(self.parts_url, manifest.name), content)
                 self._manifests[manifest.name] = content
 

@@ -107,7 +107,7 @@ class RemoteOutput:
         """``encode()`` (the run, writing to the staging folder) between ``pull`` and
         ``finish``; a failed or stopped run leaves its committed parts in the store. Messages
         name the store, not the staging folder."""
-        from .output import main_then_all
+        from .topology import main_then_all
 
         try:
             main_then_all(dist, self.pull)

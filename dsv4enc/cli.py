@@ -243,7 +243,8 @@ def encode(
 
             dist = init_distributed(device, timeout)
             _own_process_settings(opts.device, dist)
-            summary = run_encode(opts, dist, prefetch, stop)
+            setup, prefetch = prefetch, None  # the run owns it from here, and closes it
+            summary = run_encode(opts, dist, setup, stop)
         finally:
             stop.immediate = False  # reporting and clean-up are not cut short
         if dist is None or dist.is_main:

@@ -20,18 +20,16 @@ from . import __version__
 from .batching import BatchLoop
 from .checkpoint import Checkpoint, build_tower, load_checkpoint, random_checkpoint
 from .config import VisionConfig
-from .decode import DecodePool, Decoded, DecodeStream, patches_tensor
+from .decode import Decoded, DecodeStream, patches_tensor
 from .device import resolve_device, resolve_dtype, resolve_out_dtype
 from .engine import Engine
 from .errors import DsvError, Interrupted
-from .inputs import discover
 from .output import OutputLayout, PartWriter, resume_filter
-from .options import (EncodeOptions, decode_window, default_workers, default_writer_threads,
-                      validate)
+from .options import EncodeOptions, default_workers, default_writer_threads, validate
 from .packing import output_grid
-from .planning import (Part, Planned, images_per_part, part_batches, plan_parts, read_headers,
+from .planning import (Part, Planned, images_per_part, part_batches, plan_parts,
                        segment_tokens)
-from .prefetch import Prefetch
+from .prefetch import RunSetup
 from .progress import RunProgress
 from .remote_output import RemoteOutput
 from .stopping import StopSignals
@@ -87,12 +85,13 @@ def run_settings(ckpt: Checkpoint, opts: EncodeOptions, dtype: torch.dtype,
     }
 
 
-def run_encode(opts: EncodeOptions, dist=None, prefetch: Prefetch | None = None,
+def run_encode(opts: EncodeOptions, dist=None, setup: RunSetup | None = None,
                stop: StopSignals | None = None, stand_in=None) -> RunSummary:
     """Encode ``opts.inputs`` into ``opts.out``. Raises DsvError (setup) or Interrupted.
 
-    ``prefetch``: what ``prefetch.start_prefetch(opts)`` found and started for these same
-    options (the CLI's head start while torch was imported); this call closes it.
+    ``setup``: what ``prefetch.start_prefetch(opts)`` found and started for these same
+    options (the CLI's head start while torch was imported); this call owns and closes it
+    (and makes its own without one).
     ``stop``: the caller's installed signal handling; by default this call installs its own
     (from the main thread) and restores the previous handlers when it returns.
     ``stand_in``: computes the rows instead of the tower (``hostbench.NullStage`` measures the
@@ -103,6 +102,7 @@ def run_encode(opts: EncodeOptions, dist=None, prefetch: Prefetch | None = None,
         stop = StopSignals(immediate=dist is None)  # torchrun ranks stop together, later
         stop.install()
     layout = remote = None
+    setup = setup if setup is not None else RunSetup()
     try:
         # An object storage --out is built in a local staging folder and mirrored to the store
         remote = RemoteOutput.for_options(opts, dist)
@@ -110,9 +110,9 @@ def run_encode(opts: EncodeOptions, dist=None, prefetch: Prefetch | None = None,
             opts = remote.opts
         layout = OutputLayout(opts.out, opts.shard_output)
         if remote is not None:
-            return remote.run(lambda: _run_encode(opts, dist, prefetch, stop, layout, stand_in),
+            return remote.run(lambda: _run_encode(opts, dist, setup, stop, layout, stand_in),
                               dist)
-        return _run_encode(opts, dist, prefetch, stop, layout, stand_in)
+        return _run_encode(opts, dist, setup, stop, layout, stand_in)
     finally:
         if layout is not None:
             layout.release()  # the output's lock, held from its checks to the end
@@ -121,30 +121,24 @@ def run_encode(opts: EncodeOptions, dist=None, prefetch: Prefetch | None = None,
         stop.immediate = False
         if own_stop:
             stop.restore()
-        if prefetch is not None:
-            prefetch.close()
+        setup.close()
 
 
-def _run_encode(opts: EncodeOptions, dist, prefetch: Prefetch | None,
-                stop: StopSignals, layout: OutputLayout, stand_in=None) -> RunSummary:
-    started = prefetch.started if prefetch is not None else time.perf_counter()
+def _run_encode(opts: EncodeOptions, dist, setup: RunSetup, stop: StopSignals,
+                layout: OutputLayout, stand_in=None) -> RunSummary:
+    started = setup.started if setup.found is not None else time.perf_counter()
     validate(opts)
     device = resolve_device(opts.device, dist)
     dtype = resolve_dtype(opts.dtype, device)
     ranks = Topology(dist, opts.shard_output)
-    found = (prefetch.found if prefetch is not None else
-             discover(opts.inputs, opts.files_from, opts.image_column, opts.key_column,
-                      stop if dist is None else None,
-                      table_paths_roots=opts.table_paths_roots))
+    found = setup.find_inputs(opts, stop if dist is None else None)
     ranks.main_then_all(lambda: layout.prepare(opts))
     ckpt = load_model(opts, dtype) if stand_in is None else stand_in.checkpoint
     stop.immediate = False  # until the try below, which discards an unused output folder
     ranks.main_then_all(layout.create)
     cfg = ckpt.config
     n_workers = default_workers(device.type) if opts.workers is None else opts.workers
-    if prefetch is not None and not prefetch.matches(cfg, device.type):
-        prefetch.close()  # planned for another device or config: start over
-        prefetch = None
+    setup.keep_if_planned_for(cfg, device.type)
     if ranks.is_main and not found.items:
         log.warning("no images found in %s (%d other files skipped); the output will have "
                     "no rows", ", ".join(opts.inputs) or opts.files_from, found.skipped)
@@ -152,21 +146,16 @@ def _run_encode(opts: EncodeOptions, dist, prefetch: Prefetch | None,
                            opts.log_every)
     summary = RunSummary(out=str(opts.out), skipped=found.skipped,
                          unlisted=len(found.unlisted))
-    pool = (prefetch.pool if prefetch is not None else  # spawned now: workers start meanwhile
-            DecodePool(cfg, n_workers, opts.max_pixels, opts.decode_timeout))
+    setup.decode_pool(cfg, n_workers, opts)  # spawned now unless early: workers start meanwhile
     try:
         stop.immediate = dist is None
         stop.check()
         engine = (_tower_engine(ckpt, device, opts, ranks) if stand_in is None
                   else stand_in.engine(device, opts))
         with progress:
-            if prefetch is not None:
-                planned = prefetch.planned
-            else:
-                progress.status(f"reading {len(found.items)} image headers")
-                planned = read_headers(found.items, cfg, opts.max_pixels, ranks,
-                                       None if dist is not None else stop.requested,
-                                       opts.decode_timeout)
+            planned = setup.headers(cfg, opts, ranks,
+                                    None if dist is not None else stop.requested,
+                                    announce=progress.status)
             if dist is None and stop.signum is not None:
                 raise Interrupted(stop.signum, "nothing was encoded; rerun the same command")
             part_images = images_per_part(cfg, opts)
@@ -188,7 +177,7 @@ def _run_encode(opts: EncodeOptions, dist, prefetch: Prefetch | None,
                          if single_file else None)
             writer = (PartWriter(store, schema, default_writer_threads(), assembler)
                       if ranks.writes else None)
-            runner = _Runner(engine, pool, opts, ranks, progress, summary, stop, prefetch)
+            runner = _Runner(engine, setup, opts, ranks, progress, summary, stop)
             began = time.perf_counter()
             try:
                 try:
@@ -239,8 +228,6 @@ def _run_encode(opts: EncodeOptions, dist, prefetch: Prefetch | None,
             summary.seconds = time.perf_counter() - started
             exc.summary = summary
         raise
-    finally:
-        pool.close()
     stats = engine.stats
     summary.h2d_s, summary.model_s = stats.h2d_s, stats.model_s
     if not ranks.gathered:
@@ -253,11 +240,9 @@ class _Runner:
     """Walks parts -> batches, feeding decoded images to the engine, and yields finished parts
     as ``(name, start, end, digest, rows)``."""
 
-    def __init__(self, engine: Engine, pool: DecodePool, opts: EncodeOptions, ranks: Topology,
-                 progress: RunProgress, summary: RunSummary, stop: StopSignals,
-                 prefetch: Prefetch | None = None) -> None:
-        self.engine, self.pool, self.opts, self.ranks = engine, pool, opts, ranks
-        self.prefetch = prefetch
+    def __init__(self, engine: Engine, setup: RunSetup, opts: EncodeOptions, ranks: Topology,
+                 progress: RunProgress, summary: RunSummary, stop: StopSignals) -> None:
+        self.engine, self.setup, self.opts, self.ranks = engine, setup, opts, ranks
         self.progress, self.summary, self.stop = progress, summary, stop
         self.cfg = engine.cfg
         self.batch_tokens = engine.batch_tokens
@@ -309,11 +294,7 @@ class _Runner:
             self.rank_batches(planned, part) for part in parts]
         me = self._me
         order = [i for plan in plans for batch in plan[me] for i in batch]
-        decoded = self.prefetch.take_stream(order) if self.prefetch is not None else None
-        if decoded is None:
-            decoded = self.pool.imap(((i, planned[i].item) for i in order),
-                                     window=decode_window(self.pool.n_workers,
-                                                          self.opts.max_images))
+        decoded = self.setup.stream(order, self.opts.max_images)
         for part, plan in zip(parts, plans):
             rows = {i: _error_row(planned[i]) for i in part.indices if planned[i].error}
             if self._counts_header_failures:

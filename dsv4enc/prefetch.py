@@ -1,7 +1,10 @@
-"""Start decoding before torch is imported.
+"""A run's set-up (``RunSetup``): the inputs found, the plan, the decode pool and the decoded
+stream, made early (before torch is imported) when the run qualifies, else by the run itself
+when it needs them. One holder owns it and closes it once: ``run_encode`` closes the set-up it
+is given or makes.
 
-Importing torch takes a second or more of one core (and a GPU's start-up several more),
-during which the machine's other cores have nothing to do. The whole plan (headers, parts,
+Why early: importing torch takes a second or more of one core (and a GPU's start-up several
+more), during which the machine's other cores have nothing to do. The whole plan (headers, parts,
 batches) can be made without torch, so the CLI starts the decode workers on the plan's first
 images first and imports torch while they work: a short run then finds its first batches
 decoded when the model is ready. The plan assumes the device type torch will pick (the CPU
@@ -32,7 +35,7 @@ from .options import DEFAULT_BATCH_TOKENS, EncodeOptions, decode_window, default
 from .planning import (Planned, batch_order, images_per_part, plan_parts, read_headers,
                        segment_tokens)
 from .stopping import StopSignals
-from .topology import launched_ranks
+from .topology import Topology, launched_ranks
 
 log = logging.getLogger(__name__)
 
@@ -40,10 +43,11 @@ MAX_ITEMS = 4096
 
 
 @dataclass
-class Prefetch:
-    """Inputs found, and (when started) the plan and the decode stream already running."""
+class RunSetup:
+    """Inputs found (None until ``find_inputs``), and the plan, pool and decode stream: made
+    early by ``start_prefetch`` when the run qualifies, else by the run as it goes."""
 
-    found: Discovery
+    found: Discovery | None = None
     device_type: str | None = None  # "cpu" (certain), "cuda" (likely) or None (unknown)
     started: float = field(default_factory=time.perf_counter)  # the run's clock starts here
     cfg: VisionConfig | None = None
@@ -62,16 +66,52 @@ class Prefetch:
         device type torch chose."""
         return self.planned is not None and self.cfg == cfg and self.device_type == device_type
 
-    def take_stream(self, order: list[int]) -> Iterator[tuple[int, Decoded]] | None:
-        """The running decode stream if it follows ``order``; else it is stopped."""
+    def find_inputs(self, opts: EncodeOptions, stop: StopSignals | None) -> Discovery:
+        """The inputs, found now unless found early (``stop``: None under torchrun, where
+        the ranks stop together)."""
+        if self.found is None:
+            self.found = discover(opts.inputs, opts.files_from, opts.image_column,
+                                  opts.key_column, stop,
+                                  table_paths_roots=opts.table_paths_roots)
+        return self.found
+
+    def keep_if_planned_for(self, cfg: VisionConfig, device_type: str) -> None:
+        """Drop an early plan (and its pool and stream) made for another model config or
+        device type than the run's: the run starts over."""
+        if self.planned is not None and not self.matches(cfg, device_type):
+            self.close()
+            self.planned, self.pool, self.order = None, None, []
+
+    def decode_pool(self, cfg: VisionConfig, workers: int, opts: EncodeOptions) -> DecodePool:
+        """The decode pool (spawned now unless early: its workers start meanwhile)."""
+        if self.pool is None:
+            self.pool = DecodePool(cfg, workers, opts.max_pixels, opts.decode_timeout)
+        return self.pool
+
+    def headers(self, cfg: VisionConfig, opts: EncodeOptions, ranks: Topology | None,
+                should_stop, announce) -> list[Planned]:
+        """Every input's header and grid (read now unless early; ``announce(text)`` says
+        so first)."""
+        if self.planned is None:
+            announce(f"reading {len(self.found.items)} image headers")
+            self.planned = read_headers(self.found.items, cfg, opts.max_pixels, ranks,
+                                        should_stop, opts.decode_timeout)
+        return self.planned
+
+    def stream(self, order: list[int], max_images: int) -> Iterator[tuple[int, Decoded]]:
+        """Decoded images in ``order``: the early stream when it follows that order (else it
+        is stopped), or a new one from the pool."""
         stream, self.decoded = self.decoded, None
         if stream is not None and order == self.order:
             return stream
         if stream is not None:
             stream.close()
-        return None
+        planned = self.planned
+        return self.pool.imap(((i, planned[i].item) for i in order),
+                              window=decode_window(self.pool.n_workers, max_images))
 
     def close(self) -> None:
+        """Stop the stream and the pool (idempotent)."""
         if self.decoded is not None:
             self.decoded.close()
             self.decoded = None
@@ -111,7 +151,7 @@ def _early_config(opts: EncodeOptions) -> VisionConfig | None:
         return None
 
 
-def start_prefetch(opts: EncodeOptions, stop: StopSignals | None = None) -> Prefetch | None:
+def start_prefetch(opts: EncodeOptions, stop: StopSignals | None = None) -> RunSetup | None:
     """Discover the inputs and, when the run qualifies, plan it and start decoding.
 
     Returns None under torchrun (each rank discovers for itself). Raises what discovery and
@@ -123,7 +163,7 @@ def start_prefetch(opts: EncodeOptions, stop: StopSignals | None = None) -> Pref
     found = discover(opts.inputs, opts.files_from, opts.image_column, opts.key_column, stop,
                      table_paths_roots=opts.table_paths_roots)
     device_type = expected_device_type(opts.device)
-    prefetch = Prefetch(found, device_type)
+    prefetch = RunSetup(found, device_type)
     if device_type is None:
         return prefetch
     workers = default_workers(device_type) if opts.workers is None else opts.workers

@@ -36,7 +36,7 @@ from hypothesis import given, settings, strategies as st
 from PIL import Image
 from typer.testing import CliRunner
 
-from dsv4enc import pipeline, planning
+from dsv4enc import planning, prefetch
 from dsv4enc.checkpoint import random_state_dict, save_checkpoint
 from dsv4enc.cli import app
 from dsv4enc.config import VisionConfig
@@ -458,7 +458,8 @@ def test_files_that_vanish_or_change_between_listing_and_decoding(tmp_path, ckpt
         (folder / name).parent.mkdir(exist_ok=True)
         (folder / name).write_bytes(photo)
 
-    real_discover, real_headers = pipeline.discover, pipeline.read_headers
+    # the run's set-up (prefetch.RunSetup) finds the inputs and reads their headers
+    real_discover, real_headers = prefetch.discover, prefetch.read_headers
 
     def discover(*args, **kwargs):
         found = real_discover(*args, **kwargs)
@@ -473,8 +474,8 @@ def test_files_that_vanish_or_change_between_listing_and_decoding(tmp_path, ckpt
         os.mkfifo(folder / "swapped.png")
         return planned
 
-    monkeypatch.setattr(pipeline, "discover", discover)
-    monkeypatch.setattr(pipeline, "read_headers", read_headers)
+    monkeypatch.setattr(prefetch, "discover", discover)
+    monkeypatch.setattr(prefetch, "read_headers", read_headers)
     out = tmp_path / "e.parquet"
     summary = run_encode(EncodeOptions(inputs=[str(folder)], out=str(out), weights=str(ckpt),
                                        device="cpu", workers=1, decode_timeout=2.0,

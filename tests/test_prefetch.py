@@ -21,7 +21,7 @@ from dsv4enc.decode import DecodePool, decode_image
 from dsv4enc.options import EncodeOptions
 from dsv4enc.pipeline import run_encode
 from dsv4enc.planning import batch_order, images_per_part, plan_parts
-from dsv4enc.prefetch import Prefetch, start_prefetch
+from dsv4enc.prefetch import RunSetup, start_prefetch
 from dsv4enc.writer import Row, output_schema, rows_to_table
 
 from helpers import write_image
@@ -156,7 +156,7 @@ def test_a_stream_in_another_order_is_dropped_not_trusted(images, tmp_path, tiny
                                      dict(weights="owner/not-a-local-folder")])
 def test_runs_that_could_differ_only_hand_on_their_inputs(images, tmp_path, tiny_ckpt, changes):
     prefetch = start_prefetch(options(images, tmp_path / "o.parquet", tiny_ckpt, **changes))
-    assert isinstance(prefetch, Prefetch) and prefetch.pool is None
+    assert isinstance(prefetch, RunSetup) and prefetch.pool is None
     assert prefetch.on_cpu == ("device" not in changes)
     assert len(prefetch.found.items) == len(SIZES) + 1
 

@@ -497,7 +497,7 @@ def submit_batch(self, *args, **kwargs):
     pathlib.Path(ready).touch()
     return real_submit(self, *args, **kwargs)
 
-prefetch.read_headers = pipeline.read_headers = read_then_swap
+prefetch.read_headers = read_then_swap
 pipeline._Runner.submit_batch = submit_batch
 from dsv4enc.cli import main
 sys.argv = ["dsv4enc", *argv]

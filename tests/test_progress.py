@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from dsv4enc import pipeline
 from dsv4enc.cli import app
+from dsv4enc.encoding import PartEncoder
 from dsv4enc.progress import ProgressCounts, RunProgress, format_duration
 
 from helpers import REPO_ROOT, write_image
@@ -207,7 +207,7 @@ def test_summary_json_and_error_breakdown(folder, tmp_path, small_ckpt):
 
 
 def test_summary_json_when_a_signal_stops_the_run(folder, tmp_path, small_ckpt, monkeypatch):
-    original = pipeline._Runner.run
+    original = PartEncoder.run
 
     def run(self, *args, **kwargs):
         for index, part in enumerate(original(self, *args, **kwargs)):
@@ -215,7 +215,7 @@ def test_summary_json_when_a_signal_stops_the_run(folder, tmp_path, small_ckpt, 
             if index == 0:
                 os.kill(os.getpid(), signal.SIGTERM)
 
-    monkeypatch.setattr(pipeline._Runner, "run", run)
+    monkeypatch.setattr(PartEncoder, "run", run)
     out, report = tmp_path / "e.parquet", tmp_path / "summary.json"
     result = encode_in_process(str(folder), "--out", str(out), "--weights", str(small_ckpt),
                                "--part-images", "4", "--summary-json", str(report))

@@ -483,9 +483,9 @@ def test_the_api_never_returns_a_non_finite_embedding(images):
 # its decode hangs in the worker), and says (a file appears) when encoding has begun.
 HUNG_DECODE_RUN = """
 import os, pathlib, sys
-from dsv4enc import pipeline, planning, prefetch
+from dsv4enc import encoding, planning, prefetch
 victim, ready, *argv = sys.argv[1:]
-real_read, real_submit = planning.read_headers, pipeline._Runner.submit_batch
+real_read, real_submit = planning.read_headers, encoding.PartEncoder.submit_batch
 
 def read_then_swap(*args, **kwargs):
     planned = real_read(*args, **kwargs)
@@ -498,7 +498,7 @@ def submit_batch(self, *args, **kwargs):
     return real_submit(self, *args, **kwargs)
 
 prefetch.read_headers = read_then_swap
-pipeline._Runner.submit_batch = submit_batch
+encoding.PartEncoder.submit_batch = submit_batch
 from dsv4enc.cli import main
 sys.argv = ["dsv4enc", *argv]
 main()

@@ -32,7 +32,8 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from dsv4enc import cli, pipeline
+from dsv4enc import cli
+from dsv4enc.encoding import PartEncoder
 
 
 class _CurrentStderr(logging.StreamHandler):
@@ -48,7 +49,7 @@ class _CurrentStderr(logging.StreamHandler):
 
 
 def die_after_first_batch(marker: str) -> None:
-    original = pipeline._Runner.submit_batch
+    original = PartEncoder.submit_batch
     calls = {"n": 0}
 
     def submit_batch(self, *args, **kwargs):
@@ -59,11 +60,11 @@ def die_after_first_batch(marker: str) -> None:
         calls["n"] += 1
         return original(self, *args, **kwargs)
 
-    pipeline._Runner.submit_batch = submit_batch
+    PartEncoder.submit_batch = submit_batch
 
 
 def interrupt_after_first_part(enabled: dict) -> None:
-    original = pipeline._Runner.run
+    original = PartEncoder.run
 
     def run(self, *args, **kwargs):
         for index, part in enumerate(original(self, *args, **kwargs)):
@@ -71,7 +72,7 @@ def interrupt_after_first_part(enabled: dict) -> None:
             if index == 0 and enabled["on"] and self.ranks.is_main:
                 os.kill(os.getpid(), signal.SIGINT)
 
-    pipeline._Runner.run = run
+    PartEncoder.run = run
 
 
 def fresh_store_per_run() -> None:

@@ -9,7 +9,7 @@ of a packed batch::
 - ``varlen``: ``torch.nn.attention.varlen.varlen_attn`` on CUDA, where this torch has it.
 - ``sdpa``: ``scaled_dot_product_attention`` per span. On the CPU each span goes in as a 4-D
   contiguous (1, H, N, d) tensor so PyTorch takes its fused kernel; 3-D inputs fall back to
-  the unfused math path (measured 3.4x slower at N=2700).
+  the unfused math path (several times slower: benchmarks/RESULTS.md).
 
 ``flash`` and ``varlen`` read only device tensors, so they can run inside a CUDA graph;
 ``sdpa`` needs the host-side span lengths.

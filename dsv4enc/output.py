@@ -26,7 +26,6 @@ from typing import TYPE_CHECKING, Iterable
 from .errors import AlreadyComplete, DsvError, OutputError, UsageError
 from .items import is_image_name
 from .planning import inputs_digest
-from .topology import main_then_all  # noqa: F401  (for remote_output)
 from .writer import (MANIFEST_FILE, PART_FILE, TEMP_FILE, PartStore, Row, StreamingAssembler,
                      output_os_error, read_manifest, rows_per_group, rows_to_table)
 

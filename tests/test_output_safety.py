@@ -586,7 +586,7 @@ def test_sigkill_long_before_the_part_ends_loses_at_most_commit_every(data, tmp_
 
 
 def test_sigkill_at_60_percent_then_resume_encodes_at_most_half_again(tmp_path):
-    """Issue 14's measure, scaled in time: commits every 0.5 s on a run of several seconds
+    """Issue 14's measure, scaled in time: commits every 0.05 s on a run of a few seconds
     (the default 30 s on runs of minutes is the same bound). Killed once the progress line
     says 60%, the resumed run encodes at most half of the images again."""
     images = tmp_path / "many"
@@ -599,7 +599,7 @@ def test_sigkill_at_60_percent_then_resume_encodes_at_most_half_again(tmp_path):
     env.pop("DSV4ENC_WEIGHTS", None)
     args = [a for a in COMMON if a not in ("-q", "--part-images", str(PART))]
     proc = subprocess.Popen([sys.executable, "-m", "dsv4enc", "encode", str(images), "--out",
-                             str(out), *args, "--commit-every", "0.5", "--log-every", "0.05"],
+                             str(out), *args, "--commit-every", "0.05", "--log-every", "0.05"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env,
                             text=True)
     done = 0
@@ -615,7 +615,7 @@ def test_sigkill_at_60_percent_then_resume_encodes_at_most_half_again(tmp_path):
         proc.wait()
     assert done, "the run ended before 60%"
     summary = run_encode(options([images], out, resume=True, part_images=None,
-                                 commit_every=0.5))
+                                 commit_every=0.05))
     assert summary.encoded + summary.failed + summary.reused == total
     assert summary.encoded + summary.failed <= total / 2, (done, summary.reused)
 

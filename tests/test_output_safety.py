@@ -250,15 +250,21 @@ time.sleep(120)
 """
 
 
+def start_lock_holder(folder: Path, out: Path) -> subprocess.Popen:
+    """Another process holding the output lock of ``out`` in ``folder`` (kill it when done)."""
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(folder), str(out)],
+                              stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+    assert holder.stdout.readline().strip() == "locked"
+    return holder
+
+
 def test_a_second_run_refuses_while_the_lock_is_held(data, tmp_path):
     out = tmp_path / "e.parquet"
     partial = tmp_path / "e.parquet.partial"
     partial.mkdir()
-    holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(partial), str(out)],
-                              stdout=subprocess.PIPE, text=True,
-                              env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+    holder = start_lock_holder(partial, out)
     try:
-        assert holder.stdout.readline().strip() == "locked"
         for extra in ([], ["--overwrite"], ["--resume"]):
             line = one_line_error(encode(str(data), "--out", str(out), *extra))
             assert f"another dsv4enc run is writing {out}" in line
@@ -314,11 +320,8 @@ def test_a_torchrun_job_refuses_on_every_rank_while_the_lock_is_held(data, tmp_p
 
     out = tmp_path / "shards"
     out.mkdir()
-    holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(out), str(out)],
-                              stdout=subprocess.PIPE, text=True,
-                              env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+    holder = start_lock_holder(out, out)
     try:
-        assert holder.stdout.readline().strip() == "locked"
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
             port = sock.getsockname()[1]

@@ -256,7 +256,7 @@ def bench_model(model: VisionTower, prep: Prepared, features: str, batch_tokens:
         "h2d_s": s.h2d_s, "model_s": model_s, "d2h_s": s.d2h_s,
         "device_idle": max(0.0, 1.0 - model_s / best) if device.type == "cuda" else None,
         "capture_s": engine.runner.capture_s if engine.runner is not None else 0.0,
-        "graph_batches": s.graph_batches,
+        "graph_batches": s.graph_batches, "variant_batches": s.variant_batches,
     }
     del engine
     gc.collect()

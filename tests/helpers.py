@@ -176,3 +176,17 @@ def random_patch_items(grids: Iterable[tuple[int, int]], patch_dim: int,
     gen = torch.Generator().manual_seed(seed)
     return [(torch.randn(h * w, patch_dim, generator=gen).to(torch.bfloat16), h, w)
             for h, w in grids]
+
+
+def record_hub_downloads(hf, monkeypatch) -> list[str]:
+    """Make ``hf.hf_hub_download`` (huggingface_hub's module) record each file name it is
+    asked for, in order, into the returned list."""
+    names: list[str] = []
+    original = hf.hf_hub_download
+
+    def recording(repo_id, filename, **kwargs):
+        names.append(filename)
+        return original(repo_id, filename, **kwargs)
+
+    monkeypatch.setattr(hf, "hf_hub_download", recording)
+    return names

@@ -18,7 +18,7 @@ from dsv4enc.checkpoint import INDEX_NAME, load_checkpoint
 from dsv4enc.cli import app
 from dsv4enc.errors import WeightsError
 
-from helpers import DECOY_ONLY_FILE, SHARD_FILES
+from helpers import DECOY_ONLY_FILE, SHARD_FILES, record_hub_downloads
 
 REPO = "deepseek-ai/DeepSeek-V4-Flash-Vision-Exp"
 REVISION = "0123456789abcdef0123456789abcdef01234567"
@@ -51,15 +51,7 @@ def cache(tmp_path, sharded_ckpt, monkeypatch) -> Path:
 @pytest.fixture
 def requested(hf, monkeypatch) -> list[str]:
     """File names asked of huggingface_hub, in order."""
-    names: list[str] = []
-    original = hf.hf_hub_download
-
-    def recording(repo_id, filename, **kwargs):
-        names.append(filename)
-        return original(repo_id, filename, **kwargs)
-
-    monkeypatch.setattr(hf, "hf_hub_download", recording)
-    return names
+    return record_hub_downloads(hf, monkeypatch)
 
 
 def test_only_config_index_and_tower_shards_are_fetched(cache, requested, sharded_ckpt):

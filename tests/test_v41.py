@@ -31,8 +31,8 @@ from dsv4enc.errors import ConfigError
 from dsv4enc.graphs import max_image_tokens
 from dsv4enc.transform import NORMALIZED_BF16_BITS, image_to_patch_bits, plan_canvas
 
-from helpers import (CONFIGS, decoy_tensors, load_config, nested_layout, table_rows,
-                     write_checkpoint, write_image)
+from helpers import (CONFIGS, decoy_tensors, load_config, nested_layout, record_hub_downloads,
+                     table_rows, write_checkpoint, write_image)
 
 runner = CliRunner()
 
@@ -402,14 +402,7 @@ def test_hub_id_fetches_only_tower_shards_of_a_v41_checkpoint(tmp_path, monkeypa
     (repo / "refs" / "main").write_text(revision)
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    requested: list[str] = []
-    original = hf.hf_hub_download
-
-    def recording(repo_id, filename, **kwargs):
-        requested.append(filename)
-        return original(repo_id, filename, **kwargs)
-
-    monkeypatch.setattr(hf, "hf_hub_download", recording)
+    requested = record_hub_downloads(hf, monkeypatch)
     folder = hub.resolve_weights(repo_id)
     assert requested == ["config.json", INDEX_NAME, *shards]
     ckpt = load_checkpoint(folder)

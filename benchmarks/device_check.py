@@ -233,10 +233,11 @@ def invariance_section(cfg: VisionConfig, device: torch.device, n_images: int,
         engine = Engine(model, "aligner", "auto", torch.float32, batch_tokens=batch_tokens,
                         max_images=16)
         alone = engine.encode(pack([target], cfg.downsample_ratio))[0]
-        mixes = [([target] + items[1:4], 0), (items[4:9] + [target], 5),
-                 (items[9:11] + [target] + items[11:13], 2)]
+        mixes = [[target] + items[1:4], items[4:9] + [target],
+                 items[9:11] + [target] + items[11:13]]
         differing = 0
-        for mix, at in mixes:
+        for mix in mixes:
+            at = next(i for i, item in enumerate(mix) if item is target)
             got = engine.encode(pack(mix, cfg.downsample_ratio))[at]
             differing += int((got != alone).sum()) if got.shape == alone.shape else alone.numel()
         check(f"invariance {tag} {engine.attention_name}: one image alone vs 3 mixed batches "

@@ -3,21 +3,26 @@
 #
 #   OUT=gpu_out GOLDEN=shared/golden bash benchmarks/gpu_check.sh
 #
-# Steps, in order of importance, each under `timeout` and inside a global deadline
-# (BUDGET_S, default 450 s), each logged and continued on failure:
-#   env       torch / GPU / backends
-#   golden    golden parity, float32 and bfloat16, every backend, graphs on (GOLDEN dir;
-#             skipped with a message when absent)
-#   graphs    CUDA graphs == eager at real dims (random bf16 tower), oversize batch eager
-#   backends  each attention backend == SDPA, and vs a float32 reference, at real dims
+# Steps, most important first, each under `timeout` and inside a global deadline
+# (BUDGET_S, default 540 s; a step that would start too late is skipped), each logged and
+# continued on failure:
+#   env         torch / GPU / backends
+#   golden      golden parity, float32 and bfloat16, every backend, graphs on (GOLDEN dir;
+#               skipped with a message when absent)
+#   pytest      the CUDA tests (attention, graphs, engine; golden if GOLDEN exists)
 #   invariance  one image alone == in mixed batches, bit for bit (bf16, one graph bucket),
-#             and what the invariant path costs against the plain one
-#   fused     --fused (compiled RMSNorm/RoPE/SwiGLU) == eager under graphs, invariant, speed
-#   pytest    the CUDA tests (attention, graphs, engine; golden tests if GOLDEN exists)
-#   bench     throughput at real dims: bf16, 1024x768 photos, graphs on/off per budget
-#   e2e       the full encode pipeline on the same photos (optional, last)
-# Files written to $OUT (at most 5): gpu_check.log (everything), summary.txt,
-# checks.json, bench.json, e2e.json.
+#               and what the invariant path costs against the plain one
+#   bench       model-only throughput at real dims (bf16, 1024x768 photos), eager and
+#               --fused, against the matmul ceiling; then the encode pipeline end to end,
+#               single file and folder output (device idle, steady rate)
+#   profile     device time split into GEMM / attention / other, eager and fused, and every
+#               attention kernel on the same q, k, v (benchmarks/gpu_profile.py)
+#   fused       --fused == eager under CUDA graphs, batch-invariant rows
+#   host        `dsv4enc bench --host` on this machine's cores (null device stage)
+#   graphs      CUDA graphs == eager at real dims (random bf16 tower), oversize batch eager
+#   backends    each attention backend == SDPA, and vs a float32 reference, at real dims
+# Files written to $OUT (at most 7): gpu_check.log (everything), summary.txt, checks.json,
+# bench.json, profile.json, host.json.
 set -u
 cd "$(dirname "$0")/.."
 
@@ -25,7 +30,7 @@ OUT=${OUT:-./gpu_out}
 GOLDEN=${GOLDEN:-shared/golden}
 DEVICE=${DEVICE:-cuda}
 QUICK=${QUICK:-0}          # 1: tiny config and few images (CPU smoke run)
-BUDGET_S=${BUDGET_S:-450}  # the whole script ends within this many seconds (plus kill grace)
+BUDGET_S=${BUDGET_S:-540}  # the whole script ends within this many seconds (plus kill grace)
 PY=${PYTHON:-python3}
 
 mkdir -p "$OUT"
@@ -35,14 +40,16 @@ SUMMARY="$OUT/summary.txt"
 : >"$LOG"
 : >"$SUMMARY"
 DEADLINE=$(( $(date +%s) + BUDGET_S ))
+WORK=$(mktemp -d)  # generated images: outside $OUT, which brings back a few files only
 
 if [ "$QUICK" = 1 ]; then
     CONFIG=configs/tiny.json; DTYPE=float32; CHECK_IMAGES=6; CHECK_TOKENS=8192
-    BENCH_IMAGES=synthetic:640x480:6; BENCH_TOKENS=4096; GRAPHS=auto; REPEAT=1; NAIVE=2
+    BENCH_IMAGES=synthetic:640x480:6; BENCH_TOKENS=4096; REPEAT=1; NAIVE=2; PROFILE_IMAGES=2
+    HOST_IMAGES=synthetic:1024x768:16
 else
     CONFIG=configs/deepseek-v4-flash.json; DTYPE=bfloat16; CHECK_IMAGES=24; CHECK_TOKENS=32768
-    BENCH_IMAGES=synthetic:1024x768:128; BENCH_TOKENS=8192,16384,32768; GRAPHS=on,off
-    REPEAT=2; NAIVE=8
+    BENCH_IMAGES=synthetic:1024x768:384; BENCH_TOKENS=32768; REPEAT=2; NAIVE=4
+    PROFILE_IMAGES=11; HOST_IMAGES=synthetic:1024x768:512
 fi
 
 # step NAME LIMIT_S CMD...: run CMD with a timeout that also respects the global deadline.
@@ -90,42 +97,43 @@ except ImportError as exc:
 EOF
 
 if [ -f "$GOLDEN/expected.json" ]; then
-    step golden 90 $PY benchmarks/device_check.py --device "$DEVICE" --sections golden \
+    step golden 70 $PY benchmarks/device_check.py --device "$DEVICE" --sections golden \
         --golden "$GOLDEN" --json "$OUT/checks_golden.json"
 else
     echo "=== golden: SKIPPED, no golden vectors at $GOLDEN (set GOLDEN=dir)" | tee -a "$LOG"
     echo "golden: skipped (no $GOLDEN)" >>"$SUMMARY"
 fi
 
-step graphs 120 $PY benchmarks/device_check.py --device "$DEVICE" --sections graphs \
-    --config "$CONFIG" --dtype "$DTYPE" --images "$CHECK_IMAGES" \
-    --batch-tokens "$CHECK_TOKENS" --json "$OUT/checks_graphs.json"
+TESTS="tests/test_attention.py tests/test_graphs.py tests/test_engine.py"
+[ -f "$GOLDEN/expected.json" ] && [ -f tests/test_golden.py ] && TESTS="$TESTS tests/test_golden.py"
+step pytest 90 $PY -m pytest -q -x -p no:cacheprovider $TESTS
 
-step backends 90 $PY benchmarks/device_check.py --device "$DEVICE" --sections backends \
-    --config "$CONFIG" --images "$CHECK_IMAGES" --batch-tokens "$CHECK_TOKENS" \
-    --json "$OUT/checks_backends.json"
-
-step invariance 90 $PY benchmarks/device_check.py --device "$DEVICE" --sections invariance \
+step invariance 70 $PY benchmarks/device_check.py --device "$DEVICE" --sections invariance \
     --config "$CONFIG" --images "$CHECK_IMAGES" --batch-tokens "$CHECK_TOKENS" \
     --json "$OUT/checks_invariance.json"
 
-step fused 120 $PY benchmarks/device_check.py --device "$DEVICE" --sections fused \
+step bench 200 $PY -m dsv4enc bench --config "$CONFIG" --device "$DEVICE" --dtype "$DTYPE" \
+    --images "$BENCH_IMAGES" --batch-tokens "$BENCH_TOKENS" --graphs off --fused off,on \
+    --repeat "$REPEAT" --naive-images "$NAIVE" --e2e --outputs file,folder \
+    --workdir "$WORK" --json "$OUT/bench.json"
+
+step profile 90 $PY benchmarks/gpu_profile.py --device "$DEVICE" --config "$CONFIG" \
+    --dtype "$DTYPE" --images "$PROFILE_IMAGES" --json "$OUT/profile.json"
+
+step fused 90 $PY benchmarks/device_check.py --device "$DEVICE" --sections fused \
     --config "$CONFIG" --dtype "$DTYPE" --images "$CHECK_IMAGES" \
     --batch-tokens "$CHECK_TOKENS" --json "$OUT/checks_fused.json"
 
-TESTS="tests/test_attention.py tests/test_graphs.py tests/test_engine.py"
-[ -f "$GOLDEN/expected.json" ] && [ -f tests/test_golden.py ] && TESTS="$TESTS tests/test_golden.py"
-step pytest 120 $PY -m pytest -x -q -p no:cacheprovider $TESTS
+step host 70 $PY -m dsv4enc bench --host --config "$CONFIG" --images "$HOST_IMAGES" \
+    --json "$OUT/host.json"
 
-step bench 200 $PY -m dsv4enc bench --config "$CONFIG" --device "$DEVICE" --dtype "$DTYPE" \
-    --images "$BENCH_IMAGES" --batch-tokens "$BENCH_TOKENS" --graphs "$GRAPHS" \
-    --repeat "$REPEAT" --naive-images "$NAIVE" --workdir "$OUT/.work" --json "$OUT/bench.json"
+step graphs 70 $PY benchmarks/device_check.py --device "$DEVICE" --sections graphs \
+    --config "$CONFIG" --dtype "$DTYPE" --images "$CHECK_IMAGES" \
+    --batch-tokens "$CHECK_TOKENS" --json "$OUT/checks_graphs.json"
 
-E2E_IMAGES=${E2E_IMAGES:-$BENCH_IMAGES}
-[ "$QUICK" = 1 ] || E2E_IMAGES=synthetic:1024x768:512
-step e2e 150 $PY -m dsv4enc bench --config "$CONFIG" --device "$DEVICE" --dtype "$DTYPE" \
-    --images "$E2E_IMAGES" --batch-tokens "${BENCH_TOKENS##*,}" --graphs auto --repeat 1 \
-    --naive-images "$NAIVE" --e2e --workdir "$OUT/.work" --json "$OUT/e2e.json"
+step backends 60 $PY benchmarks/device_check.py --device "$DEVICE" --sections backends \
+    --config "$CONFIG" --images "$CHECK_IMAGES" --batch-tokens "$CHECK_TOKENS" \
+    --json "$OUT/checks_backends.json"
 
 # Merge the per-section check files into one (keeps $OUT within the files that come back).
 $PY - "$OUT" <<'EOF'
@@ -139,7 +147,7 @@ for part in sorted(out.glob("checks_*.json")):
 failed = [c["name"] for c in checks if not c["ok"]]
 print(f"checks: {len(checks) - len(failed)}/{len(checks)} passed" + "".join(f"\n  FAILED {n}" for n in failed))
 EOF
-rm -rf "$OUT/.work"
+rm -rf "$WORK"
 
 $PY - "$OUT" >>"$SUMMARY" 2>/dev/null <<'EOF'
 import json, pathlib, sys
@@ -149,7 +157,7 @@ print(f"checks: {sum(c['ok'] for c in checks)}/{len(checks)} passed")
 for c in checks:
     if not c["ok"]:
         print(f"  FAILED {c['name']}: {c['value']:.3g} (limit {c['limit']:g})")
-for name in ("bench.json", "e2e.json"):
+for name in ("bench.json",):
     if (out / name).exists():
         for r in json.loads((out / name).read_text()):
             if r.get("mode") == "meta":
@@ -158,13 +166,28 @@ for name in ("bench.json", "e2e.json"):
                       f"{r['gflop_per_image']:.0f} GFLOP/image")
             else:
                 frac = r.get("ceiling_frac")
-                print(f"{name}: {r['mode']} graphs={r.get('graphs')} budget={r.get('batch_tokens')} "
+                print(f"{name}: {r['mode']} {r.get('output') or ''} graphs={r.get('graphs')} "
+                      f"fused={r.get('fused')} budget={r.get('batch_tokens')} "
                       f"{r['img_s']:.1f} img/s"
                       + (f", {frac:.0%} of ceiling" if frac is not None else "")
                       + (f" ({r['peak_frac']:.0%} of square peak)" if r.get("peak_frac") else "")
                       + (f", device idle {r['device_idle']:.0%}" if r.get("device_idle") is not None else "")
                       + (f", steady {r['steady_img_s']:.1f} img/s" if r.get("steady_img_s") else "")
                       + f", padding {r.get('padding') or 0:.1%}, x{r['vs_naive']:.2f} naive")
+if (out / "host.json").exists():
+    for r in json.loads((out / "host.json").read_text()):
+        print(f"host.json: {r['output']} {r['img_s']:.1f} img/s on {r['cores']} cores "
+              f"({r['workers']} decode workers) = {r['img_s_per_core']:.1f} per core, "
+              f"{r['img_per_cpu_s']:.1f} images per CPU-second")
+if (out / "profile.json").exists():
+    for r in json.loads((out / "profile.json").read_text()):
+        if r["section"] == "breakdown":
+            print(f"profile.json: {r['variant']} {r['img_s']:.1f} img/s, {r['tflop_s']:.0f} TFLOP/s; "
+                  + ", ".join(f"{c} {r[c + '_s'] / max(r['kernels_s'], 1e-12):.0%}"
+                              + (f" at {r[c + '_tflop_s']:.0f} TFLOP/s" if r.get(c + '_tflop_s') else "")
+                              for c in ("gemm", "attention", "other")))
+        else:
+            print(f"profile.json: attention {r['kernel']} {r['tflop_s']:.0f} TFLOP/s")
 EOF
 echo "--- summary ($(date -u +%FT%TZ))" | tee -a "$LOG"
 tee -a "$LOG" <"$SUMMARY"

@@ -209,7 +209,7 @@ def encode_all(loop: BatchLoop, batches: Sequence[PackedBatch]) -> None:
 
 def bench_model(model: VisionTower, prep: Prepared, features: str, batch_tokens: int,
                 cuda_graphs: bool | None, attention: str, max_images: int, repeat: int,
-                out_dtype: torch.dtype) -> dict:
+                out_dtype: torch.dtype, fused: bool = False) -> dict:
     """Engine-only throughput over the prepared images.
 
     CUDA: best of ``repeat`` whole passes (one batch in flight, so transfers overlap compute).
@@ -250,7 +250,7 @@ def bench_model(model: VisionTower, prep: Prepared, features: str, batch_tokens:
         best = model_s = sum(per_batch)
     row = {
         "mode": "model", "graphs": engine.graphs_enabled, "attention": engine.attention_name,
-        "batch_tokens": batch_tokens, "images": len(prep.items), "batches": len(batches),
+        "fused": fused, "batch_tokens": batch_tokens, "images": len(prep.items), "batches": len(batches),
         "seconds": best, "img_s": len(prep.items) / best, "tokens_s": prep.tokens / best,
         "flop_s": prep.flops / best, "padding": s.padded_tokens / max(1, s.real_tokens),
         "h2d_s": s.h2d_s, "model_s": model_s, "d2h_s": s.d2h_s,
@@ -310,16 +310,19 @@ def bench_naive(model: VisionTower, paths: Sequence[Path], features: str,
 
 def bench_e2e(config_path: str, paths: Sequence[Path], device: str, dtype: str,
               batch_tokens: int, cuda_graphs: bool | None, attention: str, workdir: Path,
-              max_images: int, workers: int | None, repeat: int = 1) -> dict:
+              max_images: int, workers: int | None, repeat: int = 1, output: str = "file",
+              fused: bool = False) -> dict:
     """The full ``encode`` pipeline (start-up, decode workers, engine, Parquet) on the folder
-    holding ``paths``; the best of ``repeat`` runs."""
+    holding ``paths``, to one Parquet file (``output="file"``) or a folder of parts
+    (``"folder"``); the best of ``repeat`` runs."""
     from .pipeline import EncodeOptions, run_encode  # only this mode needs the pipeline
 
-    opts = EncodeOptions(inputs=[str(paths[0].parent)], out=str(workdir / "bench.parquet"),
+    out = workdir / ("bench.parquet" if output == "file" else "bench_parts/")
+    opts = EncodeOptions(inputs=[str(paths[0].parent)], out=str(out),
                          config=config_path, random_init=True, device=device, dtype=dtype,
                          out_dtype="float16", batch_tokens=batch_tokens, max_images=max_images,
                          attention=attention, cuda_graphs=cuda_graphs, overwrite=True,
-                         progress=False, workers=workers)
+                         progress=False, workers=workers, fused=fused)
     best, summary = float("inf"), None
     for _ in range(max(1, repeat)):
         began = time.perf_counter()
@@ -328,8 +331,8 @@ def bench_e2e(config_path: str, paths: Sequence[Path], device: str, dtype: str,
         if wall < best:
             best, summary = wall, result
     n = summary.encoded
-    return {"mode": "e2e", "graphs": cuda_graphs, "attention": attention,
-            "batch_tokens": batch_tokens, "images": n, "seconds": best, "img_s": n / best,
+    return {"mode": "e2e", "output": output, "graphs": cuda_graphs, "attention": attention,
+            "fused": fused, "batch_tokens": batch_tokens, "images": n, "seconds": best, "img_s": n / best,
             "tokens_s": summary.tokens / best, "padding": summary.padding_waste,
             "encode_s": summary.encode_s, "steady_img_s": n / max(summary.encode_s, 1e-9),
             "device_idle": max(0.0, 1 - summary.model_s / max(summary.encode_s, 1e-9)),
@@ -378,7 +381,9 @@ def run_bench(config_path: str, device: str = "auto", dtype: str = "auto",
               cuda_graphs: Sequence[bool | None] = (None,), attention: str = "auto",
               features: str = "aligner", max_images: int = 64, repeat: int = 2,
               naive_images: int | None = None, e2e: bool = False, workers: int | None = None,
-              seed: int = 0, workdir: str | None = None, cli: bool = False) -> list[dict]:
+              seed: int = 0, workdir: str | None = None, cli: bool = False,
+              fused: Sequence[bool] = (False,),
+              e2e_outputs: Sequence[str] = ("file",)) -> list[dict]:
     """Run the benchmark; returns one dict per measurement (see module doc).
 
     ``images``: a folder or "synthetic:mix[:N]" / "synthetic:WxH:N". ``batch_tokens``: one
@@ -387,16 +392,28 @@ def run_bench(config_path: str, device: str = "auto", dtype: str = "auto",
     N images (its rate is per image of the same mix, so the ratio stays fair for a repeating
     mix). ``e2e``: also time the full pipeline (skipped with a note if it cannot be imported).
     ``cli``: also time ``dsv4enc encode`` in a fresh process (start-up included).
+    ``fused``: the settings of ``--fused`` to time (model rows; e2e runs the first);
+    ``e2e_outputs``: "file" and/or "folder".
     Every row carries ``vs_naive`` (img/s over the naive loop's img/s) and, for model rows,
     ``ceiling_frac`` (achieved FLOP/s over the matmul ceiling).
     """
+    unknown = set(e2e_outputs) - {"file", "folder"}
+    if unknown:
+        raise ValueError(f"outputs must be file or folder, not {', '.join(sorted(unknown))}")
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     cfg = VisionConfig.from_file(config_path)
     budgets = ([batch_tokens] if isinstance(batch_tokens, int) else list(batch_tokens or [])) \
         or [32768 if dev.type == "cuda" else 8192]
     out_dtype = torch.float16
-    model = build_tower(random_checkpoint(cfg, seed, dt), dev)
+    state = random_checkpoint(cfg, seed, dt)
+    model = build_tower(state, dev)
+    fused_model = None
+    if any(fused):
+        from .fusion import fuse_elementwise
+
+        fused_model = fuse_elementwise(build_tower(state, dev))
+    del state
     rows: list[dict] = []
     with contextlib.ExitStack() as stack:
         base = (Path(workdir) if workdir
@@ -415,8 +432,10 @@ def run_bench(config_path: str, device: str = "auto", dtype: str = "auto",
             for graphs in cuda_graphs:
                 if graphs and dev.type != "cuda":
                     continue
-                rows.append(bench_model(model, prep, features, bt, graphs, attention,
-                                        max_images, repeat, out_dtype))
+                for fuse in fused:
+                    rows.append(bench_model(fused_model if fuse else model, prep, features,
+                                            bt, graphs, attention, max_images, repeat,
+                                            out_dtype, fuse))
         rows.append(naive)
         # Once more at the end, keeping the best: a ceiling measured while the machine was
         # busy would flatter every fraction.
@@ -426,12 +445,14 @@ def run_bench(config_path: str, device: str = "auto", dtype: str = "auto",
             row["ceiling_frac"] = row["flop_s"] / ceiling["ceiling"]
             row["peak_frac"] = row["flop_s"] / ceiling["square"]
         if e2e:
-            try:
+            del fused_model, model  # the pipeline builds its own tower
+            gc.collect()
+            if dev.type == "cuda":
+                torch.cuda.empty_cache()
+            for output in e2e_outputs:
                 rows.append(bench_e2e(config_path, paths, device, dtype, budgets[-1],
                                       cuda_graphs[0], attention, base, max_images, workers,
-                                      repeat))
-            except ImportError as exc:
-                log.warning("end-to-end benchmark skipped: %s", exc)
+                                      repeat, output, fused[0]))
         if cli:
             rows.append(bench_cli(cfg, paths, dev.type, str(dt).removeprefix("torch."),
                                   budgets[-1], base, workers, seed, repeat))
@@ -470,7 +491,7 @@ def print_results(rows: Sequence[dict], console=None) -> None:
              f"{meta.get('matmul_ceiling', 0) / scale:.1f} {unit} "
              f"(square {meta.get('matmul_square', 0) / scale:.1f})")
     table = Table(title=title)
-    for name in ("mode", "graphs", "attention", "budget", "img/s", "tokens/s", unit, "ceiling",
+    for name in ("mode", "graphs", "fused", "attention", "budget", "img/s", "tokens/s", unit, "ceiling",
                  "peak", "padding", "h2d s", "model s", "d2h s", "idle", "vs naive"):
         table.add_column(name, justify="left" if name in ("mode", "attention") else "right")
 
@@ -480,7 +501,9 @@ def print_results(rows: Sequence[dict], console=None) -> None:
     for r in rows:
         if r.get("mode") == "meta":
             continue
-        table.add_row(r["mode"], str(r.get("graphs", "-")), str(r.get("attention", "-")),
+        mode = r["mode"] + (f" ({r['output']})" if r.get("output") else "")
+        table.add_row(mode, str(r.get("graphs", "-")), str(r.get("fused", "-")),
+                      str(r.get("attention", "-")),
                       fmt(r.get("batch_tokens"), "d"), fmt(r.get("img_s"), ".2f"),
                       fmt(r.get("tokens_s"), ",.0f"),
                       fmt(r["flop_s"] / scale if r.get("flop_s") else None, ".1f"),
@@ -493,5 +516,12 @@ def print_results(rows: Sequence[dict], console=None) -> None:
 
 
 def parse_graphs(text: str) -> list[bool | None]:
+    """"auto,on,off" -> [None, True, False] (KeyError names a bad word)."""
     names = {"auto": None, "on": True, "off": False}
+    return [names[t] for t in text.split(",")]
+
+
+def parse_on_off(text: str) -> list[bool]:
+    """"off,on" -> [False, True] (KeyError names a bad word)."""
+    names = {"on": True, "off": False}
     return [names[t] for t in text.split(",")]

@@ -356,8 +356,11 @@ def bench(
     host: bool = typer.Option(False, "--host", help="Time the host side alone: the whole "
                               "encode pipeline with the model replaced by a null stage (no "
                               "GPU needed); images/s per host core and where the time goes."),
-    outputs: str = typer.Option("file,folder", "--outputs", help="--host: the outputs to "
-                                "time, file and/or folder."),
+    outputs: str = typer.Option("file,folder", "--outputs", help="--host and --e2e: the "
+                                "outputs to time, file and/or folder."),
+    fused: str = typer.Option("off", "--fused", help="Comma-separated: off, on (compiled "
+                              "elementwise kernels, as 'encode --fused'); the --e2e run "
+                              "uses the first."),
     workers: Optional[int] = typer.Option(None, "--workers", help="Decode processes of the "
                                           "--host, --e2e and --cli runs (default: as "
                                           "'encode' picks; --host: as for a CUDA run)."),
@@ -380,7 +383,7 @@ def bench(
 
     import torch
 
-    from .bench import parse_graphs, print_results, run_bench
+    from .bench import parse_graphs, parse_on_off, print_results, run_bench
 
     if threads:
         torch.set_num_threads(threads)
@@ -389,7 +392,8 @@ def bench(
         rows = run_bench(config, device, dtype, images, budgets, parse_graphs(graphs),
                          attention, features, max_images, repeat=repeat,
                          naive_images=naive_images, e2e=e2e, workers=workers,
-                         workdir=workdir, cli=cli)
+                         workdir=workdir, cli=cli, fused=parse_on_off(fused),
+                         e2e_outputs=outputs.split(","))
     except (KeyError, ValueError) as exc:
         fail(f"bad benchmark option: {exc}", 2)
     except DsvError as exc:

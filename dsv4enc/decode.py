@@ -8,6 +8,7 @@ or hangs, so one pathological file costs one error row, not the run.
 from __future__ import annotations
 
 import io
+import mmap
 import multiprocessing as mp
 import os
 import queue
@@ -16,6 +17,7 @@ import stat
 import threading
 import time
 import warnings
+import weakref
 from collections import deque
 from dataclasses import dataclass
 from multiprocessing.connection import wait as wait_ready
@@ -49,6 +51,9 @@ class Decoded:
     height: int | None = None
     error: str | None = None
     out_of_memory: bool = False  # the worker's memory bound was hit: it is replaced
+    # Only on the way from a worker: the patches are in this slot of the pool's PatchArena
+    # (the pool turns it back into ``patches`` before anyone else sees the result).
+    slot: int | None = None
 
 
 def describe_error(exc: BaseException) -> str:
@@ -166,16 +171,18 @@ def probe_image(source, max_pixels: int = DEFAULT_MAX_PIXELS) -> Probe:
             handle.close()
 
 
-def decode_image(source, cfg: VisionConfig, max_pixels: int = DEFAULT_MAX_PIXELS) -> Decoded:
+def decode_image(source, cfg: VisionConfig, max_pixels: int = DEFAULT_MAX_PIXELS,
+                 out=None) -> Decoded:
     """Decode, transform and patchify one image (first frame of animations). ``source``: a
-    path, bytes, or an ``InputItem`` (which may point into a container file)."""
+    path, bytes, or an ``InputItem`` (which may point into a container file). ``out``: as
+    ``transform.image_to_patch_bits`` takes it (where to put the patches)."""
     from .transform import image_to_patch_bits
 
     try:
         with _open_checked(source, max_pixels) as image:
             width, height = image.size
             image.load()
-            bits, canvas = image_to_patch_bits(image, cfg)
+            bits, canvas = image_to_patch_bits(image, cfg, out)
         return Decoded(patches=bits, n_h=canvas.n_h, n_w=canvas.n_w, width=width,
                        height=height)
     except MemoryError as exc:  # numpy's and Pillow's allocation failures alike
@@ -239,8 +246,142 @@ def _exit_with_parent() -> None:
     threading.Thread(target=watch, name="dsv4enc-parent-watch", daemon=True).start()
 
 
+def patch_slot_bytes(cfg: VisionConfig) -> int:
+    """Bytes of the largest transformed image's patches (bfloat16 bits): one arena slot."""
+    from .transform import max_image_tokens
+
+    return max_image_tokens(cfg) * 3 * cfg.patch_size ** 2 * 2
+
+
+class PatchArena:
+    """Shared memory that decode workers write patches into, so that an image's patches
+    (3.5 MB for a 1024x768 photo at real dims) never go through a pipe: pickling them in the
+    worker, reading and unpickling them in the pool cost about a tenth of the host's CPU per
+    image (benchmarks/RESULTS.md, ``bench --host``).
+
+    One anonymous memory file (Linux ``memfd``) of ``slots`` equal slots, mapped by the pool
+    and by each worker (which inherits it at spawn). It has no name (nothing in /dev/shm), so
+    nothing can leak: the kernel frees it when the last process that holds it closes or
+    unmaps it, however that process ends (a killed worker, a killed run). Pages are committed
+    when first written, so the slot count costs address space, not memory.
+
+    The pool takes a free slot for each task it dispatches; the worker transforms straight
+    into it; the pool hands the result on as a numpy array over the slot (``lease``), and the
+    slot is free again once that array and every view of it are gone. With no free slot, or
+    an image larger than a slot, the worker sends its patches through the pipe as before.
+    """
+
+    def __init__(self, fd: int, slots: int, slot_bytes: int) -> None:
+        self.fd, self.slots, self.slot_bytes = fd, slots, slot_bytes
+        self._map: mmap.mmap | None = mmap.mmap(fd, slots * slot_bytes)
+        self._free = list(range(slots - 1, -1, -1))  # a stack: reuse pages already in memory
+        self._lock = threading.Lock()
+
+    @classmethod
+    def create(cls, slots: int, slot_bytes: int) -> "PatchArena | None":
+        """A new arena, or None where there is no memfd (not Linux) or it cannot be made."""
+        if slots <= 0 or slot_bytes <= 0 or not hasattr(os, "memfd_create"):
+            return None
+        try:
+            fd = os.memfd_create("dsv4enc-patches", os.MFD_CLOEXEC)
+        except OSError:
+            return None
+        try:
+            os.ftruncate(fd, slots * slot_bytes)
+            return cls(fd, slots, slot_bytes)
+        except (OSError, ValueError):
+            os.close(fd)
+            return None
+
+    @property
+    def free(self) -> int:
+        """Slots neither dispatched nor leased."""
+        return len(self._free)
+
+    def take(self) -> int | None:
+        """A free slot for the next task, or None (all in use, or the arena is closed)."""
+        with self._lock:
+            return self._free.pop() if self._free and self._map is not None else None
+
+    def give_back(self, slot: int) -> None:
+        with self._lock:
+            self._free.append(slot)
+
+    def fits(self, shape: tuple[int, int]) -> bool:
+        return shape[0] * shape[1] * 2 <= self.slot_bytes
+
+    def lease(self, slot: int, shape: tuple[int, int]) -> np.ndarray:
+        """The uint16 patches a worker wrote in ``slot``, as an array over the slot (no
+        copy); the slot is given back when the array and all views of it are gone."""
+        flat = np.frombuffer(self._map, np.uint16, count=shape[0] * shape[1],
+                             offset=slot * self.slot_bytes)
+        # Views of ``flat`` (reshapes, dtype views, torch.from_numpy) all keep ``flat``
+        # itself alive: numpy stops collapsing a view's base at an array over a foreign
+        # buffer. So this runs only when the last of them is gone.
+        weakref.finalize(flat, self.give_back, slot)
+        return flat.reshape(shape)
+
+    def handle(self) -> "_ArenaHandle":
+        """What a worker process is given at spawn to map the arena."""
+        return _ArenaHandle(self.fd, self.slots, self.slot_bytes)
+
+    def close(self) -> None:
+        """Unmap (once no lease is left; until then the leases keep the mapping) and close:
+        the memory is freed when the last mapping goes."""
+        with self._lock:
+            if self._map is None:
+                return
+            mapping, self._map = self._map, None
+            self._free.clear()
+        try:
+            mapping.close()
+        except BufferError:  # leases still in use: the mapping goes with the last of them
+            pass
+        os.close(self.fd)
+
+
+class _ArenaHandle:
+    """A PatchArena's file descriptor as a spawned worker inherits it: pickled only while a
+    process is being spawned (``multiprocessing.reduction.DupFd`` passes the descriptor)."""
+
+    def __init__(self, fd: int, slots: int, slot_bytes: int) -> None:
+        self.fd, self.slots, self.slot_bytes = fd, slots, slot_bytes
+
+    def __reduce__(self):
+        from multiprocessing import reduction
+
+        return _WorkerArena.attach, (reduction.DupFd(self.fd), self.slots, self.slot_bytes)
+
+
+class _WorkerArena:
+    """A worker's mapping of the pool's PatchArena."""
+
+    def __init__(self, mapping: mmap.mmap, slot_bytes: int) -> None:
+        self.mapping, self.slot_bytes = mapping, slot_bytes
+
+    @classmethod
+    def attach(cls, dup_fd, slots: int, slot_bytes: int) -> "_WorkerArena":
+        fd = dup_fd.detach()
+        try:
+            return cls(mmap.mmap(fd, slots * slot_bytes), slot_bytes)
+        finally:
+            os.close(fd)  # the mapping keeps the memory file
+
+    def writer(self, slot: int | None):
+        """``out`` for ``transform.image_to_patch_bits``: an array over ``slot`` when the
+        patches fit. ``writer.used`` says whether it was handed out."""
+        def out(shape: tuple[int, int]) -> np.ndarray | None:
+            if slot is None or shape[0] * shape[1] * 2 > self.slot_bytes:
+                return None
+            out.used = True
+            return np.frombuffer(self.mapping, np.uint16, count=shape[0] * shape[1],
+                                 offset=slot * self.slot_bytes).reshape(shape)
+        out.used = False
+        return out
+
+
 def _worker_main(conn, cfg: VisionConfig, max_pixels: int,
-                 memory_budget: int | None = None) -> None:
+                 memory_budget: int | None = None, arena: _WorkerArena | None = None) -> None:
     # Ctrl-C in a terminal reaches the whole process group: the parent decides when to stop
     # (between batches) and closes the pool, so a worker must not die with an image in hand.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -263,8 +404,11 @@ def _worker_main(conn, cfg: VisionConfig, max_pixels: int,
             return
         if task is None:
             return
-        seq, source = task
-        result = decode_image(source, cfg, max_pixels)
+        seq, source, slot = task
+        out = arena.writer(slot) if arena is not None else None
+        result = decode_image(source, cfg, max_pixels, out)
+        if out is not None and out.used and result.error is None:
+            result.patches, result.slot = None, slot  # the pool reads them from the slot
         try:
             conn.send((seq, result))
         except (OSError, KeyboardInterrupt):
@@ -281,10 +425,11 @@ STARTUP_LIMIT_S = 120.0  # a worker that is not up by then counts as crashed
 
 class _Worker:
     def __init__(self, ctx, cfg: VisionConfig, max_pixels: int,
-                 memory_budget: int | None = None) -> None:
+                 memory_budget: int | None = None, arena: _ArenaHandle | None = None) -> None:
         self.conn, child = ctx.Pipe(duplex=True)
         self.proc = ctx.Process(target=_worker_main,
-                                args=(child, cfg, max_pixels, memory_budget), daemon=True)
+                                args=(child, cfg, max_pixels, memory_budget, arena),
+                                daemon=True)
         self.proc.start()
         child.close()
         self.spawned = time.monotonic()
@@ -292,6 +437,7 @@ class _Worker:
         # (seq, start time); the start is None until the worker is ready: spawning a process
         # and importing torch can take longer than an image's time limit.
         self.task: tuple[int, float | None] | None = None
+        self.slot: int | None = None  # the PatchArena slot of the current task, if any
 
     def deadline(self, timeout_s: float | None) -> float | None:
         """When the current task counts as hung (None: never)."""
@@ -358,6 +504,12 @@ class DecodeStream:
         self._pool._stop_pump(self._pump, self._stop)
 
 
+def default_slots(workers: int) -> int:
+    """PatchArena slots of a pool: the default look-ahead (``options.decode_window``) and one
+    more per worker, plus the largest batch a consumer holds (``--max-images``'s default)."""
+    return 5 * workers + 2 * 64
+
+
 class DecodePool:
     """Decode images in worker processes, in order, with a bounded look-ahead.
 
@@ -368,7 +520,7 @@ class DecodePool:
 
     def __init__(self, cfg: VisionConfig, workers: int, max_pixels: int = DEFAULT_MAX_PIXELS,
                  timeout_s: float | None = None,
-                 memory_budget: int | str | None = "auto") -> None:
+                 memory_budget: int | str | None = "auto", slots: int | None = None) -> None:
         self.cfg = cfg
         self.max_pixels = max_pixels
         self.timeout_s = timeout_s
@@ -379,6 +531,11 @@ class DecodePool:
         self.memory_budget = (worker_memory_budget(max_pixels) if memory_budget == "auto"
                               else memory_budget)
         self._ctx = mp.get_context("spawn")  # fork is unsafe after torch/CUDA start threads
+        # Shared slots for the workers' patches (``slots``: default, enough for the default
+        # look-ahead plus a batch the consumer still holds; 0: none, all through the pipes).
+        self._arena = (PatchArena.create(default_slots(workers) if slots is None else slots,
+                                         patch_slot_bytes(cfg)) if workers > 0 else None)
+        self._row_width = 3 * cfg.patch_size ** 2
         self._workers = [self._new_worker() for _ in range(workers)]
         self.replaced = 0
         self._pumps: list[tuple[threading.Thread, threading.Event]] = []
@@ -389,6 +546,8 @@ class DecodePool:
         for worker in self._workers:
             worker.stop(kill=worker.task is not None)
         self._workers = []
+        if self._arena is not None:
+            self._arena.close()  # freed once the last lease (a decoded image) is gone
 
     def __enter__(self) -> "DecodePool":
         return self
@@ -397,12 +556,31 @@ class DecodePool:
         self.close()
 
     def _new_worker(self) -> _Worker:
-        return _Worker(self._ctx, self.cfg, self.max_pixels, self.memory_budget)
+        return _Worker(self._ctx, self.cfg, self.max_pixels, self.memory_budget,
+                       self._arena.handle() if self._arena is not None else None)
 
     def _replace(self, index: int) -> None:
-        self._workers[index].stop(kill=True)
+        old = self._workers[index]
+        old.stop(kill=True)  # returns once it is gone: it can no longer write to its slot
+        self._release_slot(old)
         self._workers[index] = self._new_worker()
         self.replaced += 1
+
+    def _release_slot(self, worker: _Worker) -> None:
+        if worker.slot is not None:
+            self._arena.give_back(worker.slot)
+            worker.slot = None
+
+    def _received(self, worker: _Worker, result: Decoded) -> Decoded:
+        """A worker's result as the consumer gets it: patches written in the task's slot
+        become an array over it (a lease); an unused slot is free again."""
+        slot, worker.slot = worker.slot, None
+        if result.slot is not None and slot == result.slot:
+            result.patches = self._arena.lease(slot, (result.n_h * result.n_w, self._row_width))
+            result.slot = None
+        elif slot is not None:
+            self._arena.give_back(slot)
+        return result
 
     def imap(self, tasks: Iterable[tuple[Any, Any]],
              window: int = 64) -> Iterator[tuple[Any, Decoded]]:
@@ -480,8 +658,9 @@ class DecodePool:
         for index, worker in enumerate(self._workers):
             if worker.task is None and waiting:
                 seq, path = waiting.popleft()
+                worker.slot = self._arena.take() if self._arena is not None else None
                 try:
-                    worker.conn.send((seq, path))
+                    worker.conn.send((seq, path, worker.slot))
                     worker.task = (seq, time.monotonic() if worker.ready else None)
                 except OSError:
                     done[seq] = Decoded(error="decode worker failed to start this image")
@@ -506,7 +685,7 @@ class DecodePool:
                         worker.task = (seq, time.monotonic())
                         continue
                     got_seq, result = message
-                    done[got_seq] = result
+                    done[got_seq] = self._received(worker, result)
                     worker.task = None
                     if result.out_of_memory:
                         self._replace(index)  # it exits: its memory bound was reached

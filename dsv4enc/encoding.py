@@ -189,6 +189,8 @@ class PartEncoder:
             return rows
         packed = self.loop.submit([(index, planned[index], d) for index, d in ready],
                                   [(patches_tensor(d), d.n_h, d.n_w) for _, d in ready])
+        for _, d in ready:  # packed: the decode pool's shared slots are free again
+            d.patches = None
         self.summary.tokens += packed.n_tokens
         if self.opts.features == "aligner":
             r2 = self.cfg.downsample_ratio ** 2

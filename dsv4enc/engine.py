@@ -164,6 +164,13 @@ class Engine:
         """Batches submitted and not yet collected."""
         return len(self._pending)
 
+    def patch_buffer(self, tokens: int, width: int, dtype: torch.dtype) -> torch.Tensor:
+        """Host memory for a batch's patches (``packing.pack`` fills it): page-locked on
+        CUDA, where the transfer reads it as it is (``pin_memory`` of a pinned tensor is the
+        tensor itself), so the patches are copied once on the host, not packed and then
+        pinned."""
+        return torch.empty(tokens, width, dtype=dtype, pin_memory=self.device.type == "cuda")
+
     def _use_backend(self) -> None:
         # Engines may share a model (e.g. an SDPA reference beside a graph engine): put this
         # engine's backend back before every forward.

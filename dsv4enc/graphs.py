@@ -30,6 +30,7 @@ from .attention import VarlenSpans
 from .config import VisionConfig
 from .model import VisionTower, rope_table, rope_tables
 from .packing import PackedBatch
+from .transform import max_image_tokens  # noqa: F401  (here too: graphs' callers use it)
 
 log = logging.getLogger(__name__)
 
@@ -97,20 +98,6 @@ def fit_budgets(bin_tokens: Sequence[int], max_budgets: int = 4, quantum: int = 
         out.append(vals[j])
         j, k = choice[k][j], k - 1
     return sorted(out)
-
-
-def max_image_tokens(cfg: VisionConfig) -> int:
-    """Most patches one transformed image can have: r^2 * (budget - 3), where the budget is
-    max_n_token - 3 for V4 and the full max_n_token for V4.1.
-
-    Why: the transform (SPEC §4) only returns a canvas whose LLM-token count is within the
-    budget, and that count (either variant's) is at least lh*(lw+1) + 2 = lh*lw + lh + 2 >=
-    lh*lw + 3 (lh >= 1), so lh*lw <= budget - 3. The patch grid has n_h <= r*lh and
-    n_w <= r*lw with lh = ceil(n_h/r), lw = ceil(n_w/r), hence N <= r^2 * (budget - 3).
-    V4.1 reaches it: a very wide image becomes one row of max_n_token - 3 cells.
-    """
-    budget = cfg.max_n_token if cfg.is_v41 else cfg.max_n_token - 3
-    return cfg.downsample_ratio ** 2 * (budget - 3)
 
 
 def row_bound(tokens: int, images: int, r: int = 3, max_aspect: float = 8.0) -> int:

@@ -9,7 +9,7 @@ and the gather indices + mask that reproduce each image's pad-and-unfold merge.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -67,9 +67,42 @@ class PackedBatch:
         return list(torch.split(out, self.row_counts, dim=0))
 
 
+#: Where a batch's patches go: ``(tokens, width, dtype) -> empty tensor`` (``Engine.patch_buffer``).
+PatchBuffer = Callable[[int, int, torch.dtype], torch.Tensor]
+
+
+def concat_patches(patches: Sequence[torch.Tensor], buffer: PatchBuffer | None = None,
+                   ) -> torch.Tensor:
+    """The images' patches one after another, in ``buffer(tokens, width, dtype)`` when
+    given (the engine's staging memory: page-locked on CUDA, so that this is the patches'
+    only copy on the host) or a new tensor.
+
+    Copied as 16-bit integers by numpy: one plain copy per image on the calling thread.
+    (``torch.cat`` splits large copies over torch's intra-op threads, which then spin
+    waiting for more work: on a host that decodes on every other core, CPU taken from the
+    decode workers for nothing.)"""
+    first = patches[0] if patches else None
+    width = first.shape[1] if first is not None else 0
+    tokens = sum(int(t.shape[0]) for t in patches)
+    dtype = first.dtype if first is not None else torch.bfloat16
+    out = (buffer(tokens, width, dtype) if buffer is not None
+           else torch.empty(tokens, width, dtype=dtype))
+    if any(t.dtype != out.dtype or t.device.type != "cpu" for t in patches):
+        return torch.cat(list(patches), out=out)
+    flat = out.view(torch.int16).numpy() if out.element_size() == 2 else out.numpy()
+    start = 0
+    for t in patches:
+        end = start + int(t.shape[0])
+        flat[start:end] = t.view(torch.int16).numpy() if t.element_size() == 2 else t.numpy()
+        start = end
+    return out
+
+
 def pack(items: Sequence[tuple[torch.Tensor, int, int]], r: int,
-         features: str = "aligner") -> PackedBatch:
-    """Pack ``(patches (n_h*n_w, 3*p*p), n_h, n_w)`` items into one PackedBatch."""
+         features: str = "aligner",
+         patch_buffer: PatchBuffer | None = None) -> PackedBatch:
+    """Pack ``(patches (n_h*n_w, 3*p*p), n_h, n_w)`` items into one PackedBatch; the patches
+    go into ``patch_buffer(tokens, width, dtype)`` when given (``concat_patches``)."""
     from .model import grid_positions  # local: packing stays importable without the model
 
     lengths = [n_h * n_w for _, n_h, n_w in items]
@@ -86,7 +119,7 @@ def pack(items: Sequence[tuple[torch.Tensor, int, int]], r: int,
         base += n_h * n_w
     rr = r * r
     return PackedBatch(
-        patches=torch.cat([p for p, _, _ in items]),
+        patches=concat_patches([p for p, _, _ in items], patch_buffer),
         positions=torch.cat([grid_positions(n_h, n_w) for _, n_h, n_w in items]),
         lengths=lengths,
         grids=[(n_h, n_w) for _, n_h, n_w in items],

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 from PIL import Image, ImageOps
@@ -161,6 +161,20 @@ def _solve_resize_v41(W: float, H: float, p: int, r: int, b: int) -> tuple[int, 
     return math.floor(W * scale / p) * p, math.floor(H * scale / p) * p
 
 
+def max_image_tokens(cfg: VisionConfig) -> int:
+    """Most patches one transformed image can have: r^2 * (budget - 3), where the budget is
+    max_n_token - 3 for V4 and the full max_n_token for V4.1.
+
+    Why: the transform (SPEC §4) only returns a canvas whose LLM-token count is within the
+    budget, and that count (either variant's) is at least lh*(lw+1) + 2 = lh*lw + lh + 2 >=
+    lh*lw + 3 (lh >= 1), so lh*lw <= budget - 3. The patch grid has n_h <= r*lh and
+    n_w <= r*lw with lh = ceil(n_h/r), lw = ceil(n_w/r), hence N <= r^2 * (budget - 3).
+    V4.1 reaches it: a very wide image becomes one row of max_n_token - 3 cells.
+    """
+    budget = cfg.max_n_token if cfg.is_v41 else cfg.max_n_token - 3
+    return cfg.downsample_ratio ** 2 * (budget - 3)
+
+
 def to_rgb(image: Image.Image) -> Image.Image:
     """RGB with 16-bit samples scaled to 8 bits (>> 8), never clipped. No EXIF rotation."""
     mode = image.mode
@@ -198,11 +212,15 @@ def _normalize_lut() -> np.ndarray:
 NORMALIZED_BF16_BITS = _normalize_lut()  # (256,) uint16
 
 
-def image_to_patch_bits(image: Image.Image, cfg: VisionConfig) -> tuple[np.ndarray, Canvas]:
+def image_to_patch_bits(image: Image.Image, cfg: VisionConfig,
+                        out: Callable[[tuple[int, int]], np.ndarray | None] | None = None,
+                        ) -> tuple[np.ndarray, Canvas]:
     """Transform a decoded image into patches held as bfloat16 bits.
 
     Returns ``(bits, canvas)``: uint16 of shape (n_h*n_w, 3*p*p), each patch flattened
-    channel-major (c, y, x), rows in raster order over the patch grid.
+    channel-major (c, y, x), rows in raster order over the patch grid. ``out(shape)`` may
+    give the uint16 array to write them into (a decode worker's shared-memory slot: no copy
+    afterwards); when it gives None, or there is no ``out``, a new array is made.
     """
     rgb = to_rgb(image)
     canvas = plan_canvas(rgb.width, rgb.height, cfg)
@@ -218,8 +236,14 @@ def image_to_patch_bits(image: Image.Image, cfg: VisionConfig) -> tuple[np.ndarr
                     .reshape(3, canvas.n_h, p, canvas.n_w, p)
                     .transpose(1, 3, 0, 2, 4)  # (n_h, n_w, 3, p, p)
                     .reshape(canvas.n_patches, 3 * p * p))
-    # np.take: the same lookup as indexing, without fancy indexing's overhead (~25% less)
-    return np.take(NORMALIZED_BF16_BITS, patch_pixels), canvas
+    # np.take: the same lookup as indexing, without fancy indexing's overhead (~25% less).
+    # Into a given array with mode="clip" (uint8 indices never exceed the 256-entry table):
+    # the default mode would buffer the whole result and copy it.
+    target = out((canvas.n_patches, 3 * p * p)) if out is not None else None
+    if target is None:
+        return np.take(NORMALIZED_BF16_BITS, patch_pixels), canvas
+    np.take(NORMALIZED_BF16_BITS, patch_pixels, out=target, mode="clip")
+    return target, canvas
 
 
 def bf16_bits_to_tensor(bits: np.ndarray) -> "torch.Tensor":

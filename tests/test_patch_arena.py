@@ -1,0 +1,185 @@
+"""Decode workers hand their patches over in shared memory (``decode.PatchArena``) instead of
+pickling them through a pipe, and ``pack`` copies them straight into the engine's staging
+buffer. Each fast path must give exactly what the simple one gives, and the shared memory must
+be bounded and released whatever happens to a worker."""
+
+from __future__ import annotations
+
+import gc
+import mmap
+import os
+import signal
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from dsv4enc.decode import DecodePool, PatchArena, decode_image, patch_slot_bytes
+from dsv4enc.packing import concat_patches, pack
+
+from helpers import random_patch_items, write_image
+
+SIZES = [(40, 30), (90, 60), (25, 70), (64, 64), (120, 33), (31, 31)]
+
+linux_only = pytest.mark.skipif(not hasattr(os, "memfd_create"), reason="memfd is Linux's")
+
+
+@pytest.fixture
+def paths(tmp_path: Path) -> list[str]:
+    folder = tmp_path / "images"
+    out = []
+    for i, size in enumerate(SIZES):
+        write_image(folder / f"img{i}.png", size)
+        out.append(str(folder / f"img{i}.png"))
+    return out
+
+
+def arena_fds() -> list[str]:
+    """This process's open descriptors of decode arenas (memfd links name them)."""
+    found = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if "dsv4enc-patches" in target:
+            found.append(target)
+    return found
+
+
+def in_slot(patches: np.ndarray) -> bool:
+    """The array is a view over shared memory (a lease), not a copy out of a pipe."""
+    base = patches.base
+    return (isinstance(base, np.ndarray) and isinstance(base.base, memoryview)
+            and isinstance(base.base.obj, mmap.mmap))
+
+
+def arena_maps() -> int:
+    with open("/proc/self/maps") as maps:
+        return sum("dsv4enc-patches" in line for line in maps)
+
+
+def assert_same(got, path: str, cfg) -> None:
+    want = decode_image(path, cfg)
+    assert got.error is None, got.error
+    assert (got.n_h, got.n_w, got.width, got.height) == (want.n_h, want.n_w, want.width,
+                                                        want.height)
+    assert got.patches.dtype == want.patches.dtype and got.patches.shape == want.patches.shape
+    assert np.array_equal(got.patches, want.patches)
+
+
+@linux_only
+def test_patches_from_shared_slots_equal_an_inline_decode(paths, tiny_cfg):
+    with DecodePool(tiny_cfg, 2, timeout_s=60.0) as pool:
+        assert pool._arena is not None
+        slots = pool._arena.slots
+        results = list(pool.imap(list(enumerate(paths)), window=4))
+        # every result is a view over a slot (no copy), so every one holds its slot
+        assert pool._arena.free == slots - len(paths)
+        for (i, got), path in zip(results, paths):
+            assert in_slot(got.patches)
+            assert_same(got, path, tiny_cfg)
+        del results, got
+        gc.collect()
+        assert pool._arena.free == slots  # dropped: the slots are free again
+
+
+@linux_only
+def test_with_few_slots_the_rest_go_through_the_pipe_and_are_equal(paths, tiny_cfg):
+    with DecodePool(tiny_cfg, 1, timeout_s=60.0, slots=2) as pool:
+        results = list(pool.imap(list(enumerate(paths)), window=len(paths)))
+        assert pool._arena.free == 0
+        in_slots = [d for _, d in results if in_slot(d.patches)]
+        assert len(in_slots) == 2  # held by the consumer: the others were pickled
+        for (_, got), path in zip(results, paths):
+            assert_same(got, path, tiny_cfg)
+
+
+def test_without_slots_everything_goes_through_the_pipe(paths, tiny_cfg):
+    with DecodePool(tiny_cfg, 1, timeout_s=60.0, slots=0) as pool:
+        assert pool._arena is None
+        for (_, got), path in zip(pool.imap(list(enumerate(paths))), paths):
+            assert not in_slot(got.patches)
+            assert_same(got, path, tiny_cfg)
+
+
+@linux_only
+def test_a_slot_is_released_when_its_worker_times_out_or_is_killed(paths, tmp_path, tiny_cfg):
+    hang = tmp_path / "hang.png"
+    os.mkfifo(hang)  # opening it blocks: the worker holds its slot until it is killed
+    with DecodePool(tiny_cfg, 1, timeout_s=2.0, slots=3) as pool:
+        tasks = [("a", paths[0]), ("hang", str(hang)), ("b", paths[1])]
+        results = dict(pool.imap(tasks, window=3))
+        assert results["hang"].error == "decode timed out after 2s"
+        assert pool.replaced == 1
+        assert_same(results["a"], paths[0], tiny_cfg)
+        assert_same(results["b"], paths[1], tiny_cfg)
+        del results
+        gc.collect()
+        assert pool._arena.free == 3
+
+    stuck = tmp_path / "stuck.png"
+    os.mkfifo(stuck)
+    with DecodePool(tiny_cfg, 1, timeout_s=60.0, slots=3) as pool:
+        worker = pool._workers[0].proc
+        threading.Timer(1.0, os.kill, (worker.pid, signal.SIGKILL)).start()
+        results = dict(pool.imap([("stuck", str(stuck)), ("a", paths[0])], window=2))
+        assert "decoder crashed" in results["stuck"].error
+        assert_same(results["a"], paths[0], tiny_cfg)
+        del results
+        gc.collect()
+        assert pool._arena.free == 3
+
+
+@linux_only
+def test_the_arena_is_freed_at_close_and_never_named_in_dev_shm(paths, tiny_cfg):
+    shm_before = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+    fds_before, maps_before = len(arena_fds()), arena_maps()
+    pool = DecodePool(tiny_cfg, 2, timeout_s=60.0)
+    kept = list(pool.imap(list(enumerate(paths))))
+    assert len(arena_fds()) > fds_before and arena_maps() > maps_before
+    if os.path.isdir("/dev/shm"):
+        assert set(os.listdir("/dev/shm")) == shm_before  # anonymous: no name to leak
+    pool.close()
+    assert_same(kept[0][1], paths[0], tiny_cfg)  # a lease outlives the pool, still valid
+    del kept
+    gc.collect()
+    # the last lease gone: unmapped and closed, so the kernel frees the memory
+    assert arena_maps() == maps_before and len(arena_fds()) == fds_before
+
+
+@linux_only
+def test_an_image_larger_than_a_slot_goes_through_the_pipe(paths, tiny_cfg):
+    arena = PatchArena.create(2, 64)  # 32 values: smaller than any image's patches
+    try:
+        assert arena is not None and arena.fits((4, 8)) and not arena.fits((4, 9))
+    finally:
+        arena.close()
+    pool = DecodePool(tiny_cfg, 1, timeout_s=60.0)
+    try:
+        # the pool's own slots fit the largest image the config allows
+        assert pool._arena.slot_bytes == patch_slot_bytes(tiny_cfg)
+    finally:
+        pool.close()
+
+
+def test_pack_into_a_staging_buffer_equals_plain_pack(tiny_cfg):
+    items = random_patch_items([(3, 5), (7, 2), (1, 1), (6, 6)], tiny_cfg.patch_dim)
+    made = []
+
+    def buffer(tokens, width, dtype):
+        made.append(torch.full((tokens, width), float("nan"), dtype=dtype))
+        return made[-1]
+
+    plain = pack(items, 3, "aligner")
+    staged = pack(items, 3, "aligner", buffer)
+    assert staged.patches is made[0]  # written in place: no second copy
+    assert torch.equal(staged.patches.view(torch.int16), plain.patches.view(torch.int16))
+    assert torch.equal(plain.patches, torch.cat([p for p, _, _ in items]))
+    for name in ("positions", "merge_index", "merge_mask"):
+        assert torch.equal(getattr(staged, name), getattr(plain, name))
+    # other dtypes and strided inputs take the same path and give what torch.cat gives
+    wide = [torch.randn(5, 4), torch.randn(4, 3).t()]
+    assert torch.equal(concat_patches(wide), torch.cat(wide))

@@ -22,6 +22,19 @@ def own_process_settings(device: torch.device) -> None:
     # torch's varlen_attn logs one INFO line per call (32 per batch): keep logs readable.
     logging.getLogger("torch.nn.attention.varlen").setLevel(logging.WARNING)
     keep_freed_memory_mapped()  # CUDA runs too: their host side allocates MBs per image
+    if device.type == "cuda":
+        host_torch_single_threaded()
+
+
+def host_torch_single_threaded() -> None:
+    """One torch intra-op thread in a process whose model runs on a GPU.
+
+    Its CPU tensor work is small (positions, merge plans, staging copies of a few hundred
+    KB), but each op over 32K elements wakes the other intra-op threads, which then spin
+    waiting for more: 1.6 ms of CPU per image in ``bench --host`` at real dims, taken from
+    the decode workers that need every other core (benchmarks/RESULTS.md). The patches,
+    the large copy, are packed by numpy (``packing.concat_patches``)."""
+    torch.set_num_threads(1)
 
 
 def keep_freed_memory_mapped() -> None:

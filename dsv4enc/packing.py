@@ -8,6 +8,7 @@ and the gather indices + mask that reproduce each image's pad-and-unfold merge.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -31,6 +32,14 @@ def merge_plan(n_h: int, n_w: int, r: int, base: int = 0) -> tuple[torch.Tensor,
     bool, False where the source patch lies past the image's edge (its index then points at
     the image's first row, a real row, and is zeroed by the mask).
     """
+    index, mask = _merge_plan_at_zero(n_h, n_w, r)
+    return index + base, mask.clone()
+
+
+@functools.lru_cache(maxsize=256)
+def _merge_plan_at_zero(n_h: int, n_w: int, r: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``merge_plan`` at base 0, made once per grid (a run has few distinct grids: photos
+    of one camera share one). Callers never see these tensors, only new ones made of them."""
     hb, wb = aligner_grid(n_h, n_w, r)
     bi = torch.arange(hb).repeat_interleave(wb).view(-1, 1)  # (R, 1)
     bj = torch.arange(wb).repeat(hb).view(-1, 1)
@@ -38,7 +47,7 @@ def merge_plan(n_h: int, n_w: int, r: int, base: int = 0) -> tuple[torch.Tensor,
     dj = torch.arange(r).repeat(r).view(1, -1)
     row, col = bi * r + di, bj * r + dj
     mask = (row < n_h) & (col < n_w)
-    index = torch.where(mask, row * n_w + col, torch.zeros((), dtype=torch.int64)) + base
+    index = torch.where(mask, row * n_w + col, torch.zeros((), dtype=torch.int64))
     return index, mask
 
 
@@ -65,6 +74,14 @@ class PackedBatch:
     def split_rows(self, out: torch.Tensor) -> list[torch.Tensor]:
         """Cut (sum rows, width) output back into one tensor per image."""
         return list(torch.split(out, self.row_counts, dim=0))
+
+
+@functools.lru_cache(maxsize=256)
+def _grid_positions(n_h: int, n_w: int) -> torch.Tensor:
+    """``model.grid_positions`` on the CPU, made once per grid (only ever copied from)."""
+    from .model import grid_positions  # local: packing stays importable without the model
+
+    return grid_positions(n_h, n_w)
 
 
 #: Where a batch's patches go: ``(tokens, width, dtype) -> empty tensor`` (``Engine.patch_buffer``).
@@ -103,16 +120,14 @@ def pack(items: Sequence[tuple[torch.Tensor, int, int]], r: int,
          patch_buffer: PatchBuffer | None = None) -> PackedBatch:
     """Pack ``(patches (n_h*n_w, 3*p*p), n_h, n_w)`` items into one PackedBatch; the patches
     go into ``patch_buffer(tokens, width, dtype)`` when given (``concat_patches``)."""
-    from .model import grid_positions  # local: packing stays importable without the model
-
     lengths = [n_h * n_w for _, n_h, n_w in items]
     indices, masks, row_counts = [], [], []
     base = 0
     for _, n_h, n_w in items:
         if features == "aligner":
-            index, mask = merge_plan(n_h, n_w, r, base)
-            indices.append(index)
-            masks.append(mask)
+            index, mask = _merge_plan_at_zero(n_h, n_w, r)
+            indices.append(index + base)
+            masks.append(mask)  # torch.cat below copies it
             row_counts.append(index.shape[0])
         else:
             row_counts.append(n_h * n_w)
@@ -120,7 +135,7 @@ def pack(items: Sequence[tuple[torch.Tensor, int, int]], r: int,
     rr = r * r
     return PackedBatch(
         patches=concat_patches([p for p, _, _ in items], patch_buffer),
-        positions=torch.cat([grid_positions(n_h, n_w) for _, n_h, n_w in items]),
+        positions=torch.cat([_grid_positions(n_h, n_w) for _, n_h, n_w in items]),
         lengths=lengths,
         grids=[(n_h, n_w) for _, n_h, n_w in items],
         merge_index=torch.cat(indices) if indices else torch.zeros(0, rr, dtype=torch.int64),

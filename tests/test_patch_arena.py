@@ -183,3 +183,25 @@ def test_pack_into_a_staging_buffer_equals_plain_pack(tiny_cfg):
     # other dtypes and strided inputs take the same path and give what torch.cat gives
     wide = [torch.randn(5, 4), torch.randn(4, 3).t()]
     assert torch.equal(concat_patches(wide), torch.cat(wide))
+
+
+def test_a_run_gives_the_same_file_through_slots_pipes_or_inline(paths, tmp_path, tiny_ckpt,
+                                                                 monkeypatch):
+    """The whole encode: shared slots (default), pipes only (no slots), no workers."""
+    import pyarrow.parquet as pq
+
+    import dsv4enc.decode as decode
+    from dsv4enc.options import EncodeOptions
+    from dsv4enc.pipeline import run_encode
+
+    def encode(name: str, workers: int = 1):
+        opts = EncodeOptions(inputs=[str(Path(paths[0]).parent)], out=str(tmp_path / name),
+                             weights=str(tiny_ckpt), device="cpu", dtype="float32",
+                             batch_tokens=2048, max_images=3, workers=workers, progress=False)
+        assert run_encode(opts).encoded == len(paths)
+        return pq.read_table(tmp_path / name).replace_schema_metadata(None)
+
+    shared = encode("shared.parquet")
+    monkeypatch.setattr(decode, "default_slots", lambda workers: 0)
+    assert encode("piped.parquet").equals(shared)
+    assert encode("inline.parquet", workers=0).equals(shared)

@@ -360,10 +360,14 @@ class _WorkerArena:
         self.mapping, self.slot_bytes = mapping, slot_bytes
 
     @classmethod
-    def attach(cls, dup_fd, slots: int, slot_bytes: int) -> "_WorkerArena":
+    def attach(cls, dup_fd, slots: int, slot_bytes: int) -> "_WorkerArena | None":
+        """The mapping, or None if it cannot be made (the worker then uses its pipe: the
+        pool gives back a slot its worker did not use)."""
         fd = dup_fd.detach()
         try:
             return cls(mmap.mmap(fd, slots * slot_bytes), slot_bytes)
+        except (OSError, ValueError):
+            return None
         finally:
             os.close(fd)  # the mapping keeps the memory file
 
@@ -578,8 +582,11 @@ class DecodePool:
         if result.slot is not None and slot == result.slot:
             result.patches = self._arena.lease(slot, (result.n_h * result.n_w, self._row_width))
             result.slot = None
-        elif slot is not None:
+            return result
+        if slot is not None:
             self._arena.give_back(slot)
+        if result.slot is not None:  # never sent by a worker of this pool: not to be trusted
+            return Decoded(error="decode worker answered with a slot it was not given")
         return result
 
     def imap(self, tasks: Iterable[tuple[Any, Any]],

@@ -307,9 +307,6 @@ class PatchArena:
         with self._lock:
             self._free.append(slot)
 
-    def fits(self, shape: tuple[int, int]) -> bool:
-        return shape[0] * shape[1] * 2 <= self.slot_bytes
-
     def lease(self, slot: int, shape: tuple[int, int]) -> np.ndarray:
         """The uint16 patches a worker wrote in ``slot``, as an array over the slot (no
         copy); the slot is given back when the array and all views of it are gone."""

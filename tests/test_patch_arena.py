@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from dsv4enc.decode import DecodePool, PatchArena, decode_image, patch_slot_bytes
+from dsv4enc.decode import DecodePool, decode_image, patch_slot_bytes
 from dsv4enc.packing import concat_patches, pack
 
 from helpers import random_patch_items, write_image
@@ -151,18 +151,21 @@ def test_the_arena_is_freed_at_close_and_never_named_in_dev_shm(paths, tiny_cfg)
 
 
 @linux_only
-def test_an_image_larger_than_a_slot_goes_through_the_pipe(paths, tiny_cfg):
-    arena = PatchArena.create(2, 64)  # 32 values: smaller than any image's patches
-    try:
-        assert arena is not None and arena.fits((4, 8)) and not arena.fits((4, 9))
-    finally:
-        arena.close()
-    pool = DecodePool(tiny_cfg, 1, timeout_s=60.0)
-    try:
-        # the pool's own slots fit the largest image the config allows
-        assert pool._arena.slot_bytes == patch_slot_bytes(tiny_cfg)
-    finally:
-        pool.close()
+def test_an_image_larger_than_a_slot_goes_through_the_pipe(paths, tiny_cfg, monkeypatch):
+    import dsv4enc.decode as decode
+
+    # the pool's own slots fit the largest image the config allows
+    assert patch_slot_bytes(tiny_cfg) == 3402 * tiny_cfg.patch_dim * 2
+    monkeypatch.setattr(decode, "patch_slot_bytes", lambda cfg: 1000 * cfg.patch_dim * 2)
+    with DecodePool(tiny_cfg, 1, timeout_s=60.0, slots=len(paths)) as pool:
+        results = list(pool.imap(list(enumerate(paths)), window=len(paths)))
+        for (_, got), path in zip(results, paths):
+            assert in_slot(got.patches) == (got.n_h * got.n_w <= 1000)
+            assert_same(got, path, tiny_cfg)
+        assert any(not in_slot(got.patches) for _, got in results)
+        del results, got
+        gc.collect()
+        assert pool._arena.free == len(paths)  # those offered to the large ones came back
 
 
 def test_pack_into_a_staging_buffer_equals_plain_pack(tiny_cfg):

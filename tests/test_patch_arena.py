@@ -156,11 +156,11 @@ def test_an_image_larger_than_a_slot_goes_through_the_pipe(paths, tiny_cfg, monk
 
     # the pool's own slots fit the largest image the config allows
     assert patch_slot_bytes(tiny_cfg) == 3402 * tiny_cfg.patch_dim * 2
-    monkeypatch.setattr(decode, "patch_slot_bytes", lambda cfg: 1000 * cfg.patch_dim * 2)
+    monkeypatch.setattr(decode, "patch_slot_bytes", lambda cfg: 780 * cfg.patch_dim * 2)
     with DecodePool(tiny_cfg, 1, timeout_s=60.0, slots=len(paths)) as pool:
         results = list(pool.imap(list(enumerate(paths)), window=len(paths)))
         for (_, got), path in zip(results, paths):
-            assert in_slot(got.patches) == (got.n_h * got.n_w <= 1000)
+            assert in_slot(got.patches) == (got.n_h * got.n_w <= 780)
             assert_same(got, path, tiny_cfg)
         assert any(not in_slot(got.patches) for _, got in results)
         del results, got

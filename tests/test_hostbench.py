@@ -5,6 +5,7 @@ import json
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
+import torch
 
 from dsv4enc.config import VisionConfig
 from dsv4enc.hostbench import NULL_FINGERPRINT, NullStage, run_host_bench
@@ -80,9 +81,15 @@ def test_cli_bench_host(tmp_path):
     from dsv4enc.cli import app
 
     report = tmp_path / "host.json"
-    result = CliRunner().invoke(app, ["bench", "--host", "--config", TINY, "--images",
-                                      "synthetic:320x240:3", "--outputs", "folder",
-                                      "--workers", "1", "--json", str(report)])
+    threads = torch.get_num_threads()
+    try:
+        result = CliRunner().invoke(app, ["bench", "--host", "--config", TINY, "--images",
+                                          "synthetic:320x240:3", "--outputs", "folder",
+                                          "--workers", "1", "--json", str(report)])
+        # the command makes a GPU run's settings: one intra-op thread on the host
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(threads)  # for the tests run after this one in this process
     assert result.exit_code == 0, result.output
     assert "img/s" in result.output
     rows = json.loads(report.read_text())

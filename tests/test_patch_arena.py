@@ -9,6 +9,7 @@ import gc
 import mmap
 import os
 import signal
+import sys
 import threading
 from pathlib import Path
 
@@ -208,3 +209,49 @@ def test_a_run_gives_the_same_file_through_slots_pipes_or_inline(paths, tmp_path
     monkeypatch.setattr(decode, "default_slots", lambda workers: 0)
     assert encode("piped.parquet").equals(shared)
     assert encode("inline.parquet", workers=0).equals(shared)
+
+
+KILLED_PARENT = """
+import os, signal, sys, time
+from dsv4enc.config import VisionConfig
+from dsv4enc.decode import DecodePool
+pool = DecodePool(VisionConfig.from_file(sys.argv[1]), 1, timeout_s=600.0)
+stream = pool.imap([(0, sys.argv[2])], window=1)  # a FIFO: the worker holds its slot
+time.sleep(2.0)
+assert pool._workers[0].slot is not None
+print(pool._workers[0].proc.pid, flush=True)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        return True
+
+
+@linux_only
+def test_nothing_is_left_when_the_main_process_is_killed(tmp_path):
+    import subprocess
+    import time
+
+    from helpers import CONFIGS, REPO_ROOT
+
+    fifo = tmp_path / "hang.png"
+    os.mkfifo(fifo)
+    shm_before = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+    proc = subprocess.run([sys.executable, "-c", KILLED_PARENT, str(CONFIGS / "tiny.json"),
+                           str(fifo)], stdout=subprocess.PIPE, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+    assert proc.returncode == -signal.SIGKILL
+    worker = int(proc.stdout.split()[0])
+    deadline = time.monotonic() + 30
+    while not gone(worker) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    # The worker, which held a slot, ended with its parent: no process holds the arena any
+    # more, so the kernel has freed it; it never had a name (in /dev/shm) to leak.
+    assert gone(worker)
+    if os.path.isdir("/dev/shm"):
+        assert set(os.listdir("/dev/shm")) == shm_before

@@ -42,7 +42,7 @@ from .engine import Engine
 from .model import VisionTower
 from .packing import PackedBatch, aligner_grid, pack
 from .planning import pack_bins
-from .process import keep_freed_memory_mapped
+from .process import keep_freed_memory_mapped, own_process_settings
 from .transform import image_to_patches
 
 log = logging.getLogger(__name__)
@@ -445,6 +445,7 @@ def run_bench(config_path: str, device: str = "auto", dtype: str = "auto",
             row["ceiling_frac"] = row["flop_s"] / ceiling["ceiling"]
             row["peak_frac"] = row["flop_s"] / ceiling["square"]
         if e2e:
+            own_process_settings(dev)  # as the command line makes them before a run
             del fused_model, model  # the pipeline builds its own tower
             gc.collect()
             if dev.type == "cuda":

@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from dsv4enc.attention import VarlenSpans, available_backends, select_attention
-from dsv4enc.bench import image_flops
+from dsv4enc.bench import best_time, image_flops, sync
 from dsv4enc.checkpoint import build_tower, random_checkpoint
 from dsv4enc.config import VisionConfig
 from dsv4enc.engine import Engine
@@ -60,25 +60,6 @@ def equal_batch(cfg: VisionConfig, n_images: int, seed: int = 0):
     return pack(items, cfg.downsample_ratio), canvas
 
 
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def timed(fn, device: torch.device, repeat: int = 5) -> float:
-    """Best of ``repeat`` calls after two warm-ups, seconds."""
-    fn()
-    fn()
-    best = float("inf")
-    for _ in range(repeat):
-        sync(device)
-        began = time.perf_counter()
-        fn()
-        sync(device)
-        best = min(best, time.perf_counter() - began)
-    return best
-
-
 def breakdown(cfg: VisionConfig, device: torch.device, dtype: torch.dtype, n_images: int,
               fused: bool) -> None:
     from torch.profiler import ProfilerActivity, profile
@@ -92,7 +73,7 @@ def breakdown(cfg: VisionConfig, device: torch.device, dtype: torch.dtype, n_ima
     engine = Engine(model, "aligner", "auto", torch.float16, cuda_graphs=False,
                     batch_tokens=batch.n_tokens, max_images=n_images)
     engine.prepare()
-    wall = timed(lambda: engine.encode(batch), device, repeat=3)
+    wall = best_time(lambda: engine.encode(batch), device, repeat=3, warmup=2)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda"
                                            else [])
     with profile(activities=activities) as prof:
@@ -180,7 +161,7 @@ def attention_kernels(cfg: VisionConfig, device: torch.device, dtype: torch.dtyp
             if reference is None:
                 reference = out.float()
             err = ((out.float() - reference).norm() / reference.norm()).item()
-            seconds = timed(fn, device)
+            seconds = best_time(fn, device, repeat=5, warmup=2)
         except Exception as exc:  # a backend this build or device lacks
             print(f"  attention {name:28s} unavailable: {str(exc).splitlines()[0][:100]}")
             continue
@@ -280,7 +261,7 @@ def elementwise(cfg: VisionConfig, device: torch.device, dtype: torch.dtype,
         line = []
         for variant, fn in variants.items():
             try:
-                seconds = timed(lambda: fn(*args), device, repeat=10)
+                seconds = best_time(lambda: fn(*args), device, repeat=10, warmup=2)
                 got = fn(*args)
                 diff = max(((g.float() - w.float()).abs().max().item() for g, w in zip(
                     got if isinstance(got, tuple) else (got,),

@@ -129,20 +129,23 @@ def image_flops(cfg: VisionConfig, n_h: int, n_w: int, features: str = "aligner"
     return flops
 
 
-def _sync(device: torch.device) -> None:
+def sync(device: torch.device) -> None:
+    """Wait for the device's queued work (CUDA); nothing on the CPU."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
-def _time(fn: Callable[[], object], device: torch.device, repeat: int) -> float:
-    """Best of ``repeat`` timed calls after one warm-up, seconds."""
-    fn()
+def best_time(fn: Callable[[], object], device: torch.device, repeat: int,
+              warmup: int = 1) -> float:
+    """Best of ``repeat`` timed calls after ``warmup`` untimed ones, seconds."""
+    for _ in range(warmup):
+        fn()
     best = float("inf")
     for _ in range(repeat):
-        _sync(device)
+        sync(device)
         began = time.perf_counter()
         fn()
-        _sync(device)
+        sync(device)
         best = min(best, time.perf_counter() - began)
     return best
 
@@ -161,10 +164,10 @@ def matmul_ceiling(cfg: VisionConfig, tokens: int, dtype: torch.dtype,
         for name, (m, k, n) in shapes.items():
             a = torch.randn(m, k, generator=gen).to(device, dtype)
             b = torch.randn(n, k, generator=gen).to(device, dtype)
-            rates[name] = 2.0 * m * k * n / _time(lambda: a @ b.T, device, repeat)
+            rates[name] = 2.0 * m * k * n / best_time(lambda: a @ b.T, device, repeat)
         side = 8192 if device.type == "cuda" else 2048
         a = torch.randn(side, side, generator=gen).to(device, dtype)
-        rates["square"] = 2.0 * side ** 3 / _time(lambda: a @ a, device, repeat)
+        rates["square"] = 2.0 * side ** 3 / best_time(lambda: a @ a, device, repeat)
     rates["ceiling"] = max(rates[k] for k in shapes)
     return rates
 
@@ -230,10 +233,10 @@ def bench_model(model: VisionTower, prep: Prepared, features: str, batch_tokens:
         best, best_stats = float("inf"), None
         for _ in range(max(1, repeat)):
             engine.stats = type(engine.stats)()
-            _sync(device)
+            sync(device)
             began = time.perf_counter()
             encode_all(loop, batches)
-            _sync(device)
+            sync(device)
             wall = time.perf_counter() - began
             if wall < best:
                 best, best_stats = wall, engine.stats
@@ -293,10 +296,10 @@ def bench_naive(model: VisionTower, paths: Sequence[Path], features: str,
         for _ in range(max(1, repeat)):
             grids = []
             for i, path in enumerate(paths):
-                _sync(device)
+                sync(device)
                 began = time.perf_counter()
                 grids.append(one(path))
-                _sync(device)
+                sync(device)
                 per_image[i] = min(per_image[i], time.perf_counter() - began)
     finally:
         model.attend = saved

@@ -25,7 +25,8 @@ from pathlib import Path
 
 import torch
 
-from dsv4enc.bench import image_flops, synthetic_images
+from dsv4enc.bench import synthetic_images
+from dsv4enc.planning import image_flops
 from dsv4enc.checkpoint import COMPUTE_DTYPES, build_tower, random_checkpoint
 from dsv4enc.config import VisionConfig
 from dsv4enc.cpufeatures import auto_cpu_dtype, cpu_capabilities

@@ -30,11 +30,12 @@ from pathlib import Path
 import torch
 
 from dsv4enc.attention import VarlenSpans, available_backends, select_attention
-from dsv4enc.bench import best_time, image_flops, sync
+from dsv4enc.bench import best_time, sync
 from dsv4enc.checkpoint import build_tower, random_checkpoint
 from dsv4enc.config import VisionConfig
 from dsv4enc.engine import Engine
 from dsv4enc.packing import pack
+from dsv4enc.planning import image_flops
 from dsv4enc.transform import plan_canvas
 
 ROWS: list[dict] = []

@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
-import math
 import os
 import platform
 import tempfile
@@ -40,8 +39,8 @@ from .config import VisionConfig
 from .device import resolve_device, resolve_dtype
 from .engine import Engine
 from .model import VisionTower
-from .packing import PackedBatch, aligner_grid, pack
-from .planning import pack_bins
+from .packing import PackedBatch, pack
+from .planning import image_flops, pack_bins
 from .process import keep_freed_memory_mapped, own_process_settings
 from .transform import image_to_patches
 
@@ -115,19 +114,6 @@ def resolve_images(images: str, workdir: Path, seed: int = 0) -> list[Path]:
 
 
 # ----------------------------------------------------------------------------- FLOPs, ceiling
-
-def image_flops(cfg: VisionConfig, n_h: int, n_w: int, features: str = "aligner") -> float:
-    """Forward FLOPs of one image (2 per multiply-add): patch embed, per layer the QKV, output,
-    MLP matmuls and attention (QK^T and PV: 4*N^2*D), and the aligner's two matmuls."""
-    N, D, I, L = n_h * n_w, cfg.dim, cfg.inter_dim, cfg.n_layers
-    flops = 2.0 * N * cfg.patch_dim * D
-    flops += L * (2.0 * N * D * (3 * D + D + 3 * I) + 4.0 * N * N * D)
-    if features == "aligner":
-        rows = math.prod(aligner_grid(n_h, n_w, cfg.downsample_ratio))
-        hid, r2 = cfg.hidden_size, cfg.downsample_ratio ** 2
-        flops += 2.0 * rows * (D * r2 * hid + hid * hid)
-    return flops
-
 
 def sync(device: torch.device) -> None:
     """Wait for the device's queued work (CUDA); nothing on the CPU."""

@@ -111,7 +111,7 @@ def test_cuda_submit_collect_overlap(cuda_tower, graphs):
 # ----------------------------------------------------------------------------- benchmark
 
 def test_image_flops_counts_matmuls_attention_and_aligner():
-    from dsv4enc.bench import image_flops
+    from dsv4enc.planning import image_flops
 
     cfg = load_config("deepseek-v4-flash")
     N, D, I = 48 * 64, cfg.dim, cfg.inter_dim

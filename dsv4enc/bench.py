@@ -239,8 +239,8 @@ def bench_model(model: VisionTower, prep: Prepared, features: str, batch_tokens:
         best = model_s = sum(per_batch)
     row = {
         "mode": "model", "graphs": engine.graphs_enabled, "attention": engine.attention_name,
-        "fused": fused, "batch_tokens": batch_tokens, "images": len(prep.items), "batches": len(batches),
-        "seconds": best, "img_s": len(prep.items) / best, "tokens_s": prep.tokens / best,
+        "fused": fused, "batch_tokens": batch_tokens, "images": len(prep.items),
+        "batches": len(batches), "seconds": best, "img_s": len(prep.items) / best, "tokens_s": prep.tokens / best,
         "flop_s": prep.flops / best, "padding": s.padded_tokens / max(1, s.real_tokens),
         "h2d_s": s.h2d_s, "model_s": model_s, "d2h_s": s.d2h_s,
         "device_idle": max(0.0, 1.0 - model_s / best) if device.type == "cuda" else None,
@@ -321,7 +321,8 @@ def bench_e2e(config_path: str, paths: Sequence[Path], device: str, dtype: str,
             best, summary = wall, result
     n = summary.encoded
     return {"mode": "e2e", "output": output, "graphs": cuda_graphs, "attention": attention,
-            "fused": fused, "batch_tokens": batch_tokens, "images": n, "seconds": best, "img_s": n / best,
+            "fused": fused, "batch_tokens": batch_tokens, "images": n, "seconds": best,
+            "img_s": n / best,
             "tokens_s": summary.tokens / best, "padding": summary.padding_waste,
             "encode_s": summary.encode_s, "steady_img_s": n / max(summary.encode_s, 1e-9),
             "device_idle": max(0.0, 1 - summary.model_s / max(summary.encode_s, 1e-9)),
@@ -381,7 +382,7 @@ def run_bench(config_path: str, device: str = "auto", dtype: str = "auto",
     N images (its rate is per image of the same mix, so the ratio stays fair for a repeating
     mix). ``e2e``: also time the full pipeline (skipped with a note if it cannot be imported).
     ``cli``: also time ``dsv4enc encode`` in a fresh process (start-up included).
-    ``fused``: the settings of ``--fused`` to time (model rows; e2e runs the first);
+    ``fused``: the settings of ``--fused`` to time (model rows, and e2e runs for each);
     ``e2e_outputs``: "file" and/or "folder".
     Every row carries ``vs_naive`` (img/s over the naive loop's img/s) and, for model rows,
     ``ceiling_frac`` (achieved FLOP/s over the matmul ceiling).
@@ -439,10 +440,11 @@ def run_bench(config_path: str, device: str = "auto", dtype: str = "auto",
             gc.collect()
             if dev.type == "cuda":
                 torch.cuda.empty_cache()
-            for output in e2e_outputs:
-                rows.append(bench_e2e(config_path, paths, device, dtype, budgets[-1],
-                                      cuda_graphs[0], attention, base, max_images, workers,
-                                      repeat, output, fused[0]))
+            for fuse in fused:
+                for output in e2e_outputs:
+                    rows.append(bench_e2e(config_path, paths, device, dtype, budgets[-1],
+                                          cuda_graphs[0], attention, base, max_images,
+                                          workers, repeat, output, fuse))
         if cli:
             rows.append(bench_cli(cfg, paths, dev.type, str(dt).removeprefix("torch."),
                                   budgets[-1], base, workers, seed, repeat))
@@ -481,8 +483,8 @@ def print_results(rows: Sequence[dict], console=None) -> None:
              f"{meta.get('matmul_ceiling', 0) / scale:.1f} {unit} "
              f"(square {meta.get('matmul_square', 0) / scale:.1f})")
     table = Table(title=title)
-    for name in ("mode", "graphs", "fused", "attention", "budget", "img/s", "tokens/s", unit, "ceiling",
-                 "peak", "padding", "h2d s", "model s", "d2h s", "idle", "vs naive"):
+    for name in ("mode", "graphs", "fused", "attention", "budget", "img/s", "tokens/s", unit,
+                 "ceiling", "peak", "padding", "h2d s", "model s", "d2h s", "idle", "vs naive"):
         table.add_column(name, justify="left" if name in ("mode", "attention") else "right")
 
     def fmt(value, spec):

@@ -118,7 +118,7 @@ step invariance 70 $PY benchmarks/device_check.py --device "$DEVICE" --sections 
     --config "$CONFIG" --images "$CHECK_IMAGES" --batch-tokens "$CHECK_TOKENS" \
     --json "$OUT/checks_invariance.json"
 
-step bench 200 $PY -m dsv4enc bench --config "$CONFIG" --device "$DEVICE" --dtype "$DTYPE" \
+step bench 240 $PY -m dsv4enc bench --config "$CONFIG" --device "$DEVICE" --dtype "$DTYPE" \
     --images "$BENCH_IMAGES" --batch-tokens "$BENCH_TOKENS" --graphs "$BENCH_GRAPHS" --fused off,on \
     --repeat "$REPEAT" --naive-images "$NAIVE" --e2e --outputs file,folder \
     --workdir "$WORK" --json "$OUT/bench.json"

@@ -121,6 +121,24 @@ def breakdown(cfg: VisionConfig, device: torch.device, dtype: torch.dtype, n_ima
         torch.cuda.empty_cache()
 
 
+def fn_first_alone(name: str, candidates: dict, qb, kb, vb, out) -> int | None:
+    """For a batched SDPA candidate: how many of image 0's output values change when it is
+    the only image in the call (None for the other candidates)."""
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    if not name.startswith("sdpa ") or "(B, H, N, d)" not in name:
+        return None
+    backend = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": getattr(SDPBackend,
+               "CUDNN_ATTENTION", None), "efficient": SDPBackend.EFFICIENT_ATTENTION,
+               "math": SDPBackend.MATH}[name.split()[1]]
+    with sdpa_kernel([backend]):
+        alone = F.scaled_dot_product_attention(qb[:1], kb[:1], vb[:1])
+    n = alone.shape[2]
+    first = out[:n].view(n, *alone.shape[1:2], alone.shape[3])  # (N, H, d) rows of image 0
+    return int((alone[0].transpose(0, 1) != first).sum())
+
+
 def attention_kernels(cfg: VisionConfig, device: torch.device, dtype: torch.dtype,
                       n_images: int) -> None:
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -154,6 +172,14 @@ def attention_kernels(cfg: VisionConfig, device: torch.device, dtype: torch.dtyp
             with sdpa_kernel([backend]):
                 return F.scaled_dot_product_attention(qb, kb, vb)
         candidates[f"sdpa {name} (B, H, N, d)"] = run
+
+        def per_image(backend=backend):  # B=1 calls: the form a batch-invariant backend takes
+            with sdpa_kernel([backend]):
+                return torch.cat([F.scaled_dot_product_attention(qb[i:i + 1], kb[i:i + 1],
+                                                                 vb[i:i + 1])
+                                  for i in range(n_images)])
+        if name in ("cudnn", "flash"):
+            candidates[f"sdpa {name} per image (1, H, N, d) x B"] = per_image
     reference = None
     for name, fn in candidates.items():
         try:
@@ -167,10 +193,14 @@ def attention_kernels(cfg: VisionConfig, device: torch.device, dtype: torch.dtyp
             print(f"  attention {name:28s} unavailable: {str(exc).splitlines()[0][:100]}")
             continue
         rate = flops / seconds / 1e12
+        # Does the first image's output depend on the call's batch? (0: batch-invariant here)
+        alone = fn_first_alone(name, candidates, qb, kb, vb, out)
         print(f"  attention {name:28s} {seconds * 1e3:7.2f} ms  {rate:6.1f} TFLOP/s  "
-              f"rel diff {err:.1e}")
+              f"rel diff {err:.1e}" + ("" if alone is None else f", image 0 alone differs "
+                                        f"in {alone} values"))
         ROWS.append({"section": "attention", "kernel": name, "seconds": seconds,
-                     "tflop_s": rate, "rel_diff": err, "images": n_images, "tokens": N})
+                     "tflop_s": rate, "rel_diff": err, "images": n_images, "tokens": N,
+                     "image0_alone_differs": alone})
 
 
 def triton_variants() -> dict:

@@ -25,12 +25,13 @@ from pathlib import Path
 
 import torch
 
-from dsv4enc.bench import image_flops, synthetic_images
+from dsv4enc.bench import synthetic_images
 from dsv4enc.checkpoint import COMPUTE_DTYPES, build_tower, random_checkpoint
 from dsv4enc.config import VisionConfig
 from dsv4enc.cpufeatures import auto_cpu_dtype, cpu_capabilities
 from dsv4enc.engine import Engine
 from dsv4enc.packing import pack
+from dsv4enc.planning import image_flops
 from dsv4enc.transform import image_to_patches
 
 

@@ -278,9 +278,21 @@ def fused_section(cfg: VisionConfig, device: torch.device, dtype: torch.dtype, n
     print(f"INFO fused {tag}: compiled and ran in {time.perf_counter() - began:.1f} s "
           f"({fused.stats.graph_batches} graph replays)", flush=True)
     want = [torch.cat(o) for o in eager.encode_many(batches)]
-    limit = 1e-5 if dtype == torch.float32 else 2e-2
-    check(f"fused == eager {tag} ({len(batches)} batches)",
-          max(rel_err(g, w) for g, w in zip(got, want)), limit)
+    if dtype == torch.float32:
+        check(f"fused == eager {tag} ({len(batches)} batches)",
+              max(rel_err(g, w) for g, w in zip(got, want)), 1e-5)
+    else:
+        # In half precision the fused kernels round less often than eager (values stay in
+        # float32 registers), so over 32 layers the two differ by about their own rounding
+        # error. Held as the backends are: against a float32 tower of the same weights,
+        # fused may be no worse than eager.
+        ref_model = build_tower(random_checkpoint(cfg, 0, torch.float32), device)
+        ref_engine = Engine(ref_model, "aligner", "sdpa", torch.float32)
+        ref = [torch.cat(o) for o in ref_engine.encode_many(batches)]
+        del ref_engine, ref_model
+        own = max(rel_err(w, r) for w, r in zip(want, ref))
+        check(f"fused {tag} vs float32 reference (limit 1.1x eager's, {own:.3g})",
+              max(rel_err(g, r) for g, r in zip(got, ref)), 1.1 * own)
     alone = fused.encode(pack(items[:1], cfg.downsample_ratio))[0]
     mixed = fused.encode(pack(items[3:6] + items[:1], cfg.downsample_ratio))[-1]
     check(f"fused rows batch-invariant {tag} (values differing)",

@@ -31,6 +31,8 @@ GOLDEN=${GOLDEN:-shared/golden}
 DEVICE=${DEVICE:-cuda}
 QUICK=${QUICK:-0}          # 1: tiny config and few images (CPU smoke run)
 BUDGET_S=${BUDGET_S:-540}  # the whole script ends within this many seconds (plus kill grace)
+STEPS=${STEPS:-all}        # or a comma-separated subset of the step names, e.g. bench,profile
+BENCH_GRAPHS=${BENCH_GRAPHS:-}    # the bench step's --graphs settings (default on,off; off on CPU)
 PY=${PYTHON:-python3}
 
 mkdir -p "$OUT"
@@ -45,11 +47,11 @@ WORK=$(mktemp -d)  # generated images: outside $OUT, which brings back a few fil
 if [ "$QUICK" = 1 ]; then
     CONFIG=configs/tiny.json; DTYPE=float32; CHECK_IMAGES=6; CHECK_TOKENS=8192
     BENCH_IMAGES=synthetic:640x480:6; BENCH_TOKENS=4096; REPEAT=1; NAIVE=2; PROFILE_IMAGES=2
-    HOST_IMAGES=synthetic:1024x768:16
+    HOST_IMAGES=synthetic:1024x768:16; BENCH_GRAPHS=${BENCH_GRAPHS:-off}
 else
     CONFIG=configs/deepseek-v4-flash.json; DTYPE=bfloat16; CHECK_IMAGES=24; CHECK_TOKENS=32768
     BENCH_IMAGES=synthetic:1024x768:384; BENCH_TOKENS=32768; REPEAT=2; NAIVE=4
-    PROFILE_IMAGES=11; HOST_IMAGES=synthetic:1024x768:512
+    PROFILE_IMAGES=11; HOST_IMAGES=synthetic:1024x768:512; BENCH_GRAPHS=${BENCH_GRAPHS:-on,off}
 fi
 
 # step NAME LIMIT_S CMD...: run CMD with a timeout that also respects the global deadline.
@@ -57,6 +59,10 @@ step() {
     local name=$1 limit=$2
     shift 2
     local now left began rc
+    if [ "$STEPS" != all ] && [[ ",$STEPS," != *",$name,"* ]]; then
+        echo "$name: not selected (STEPS=$STEPS)" >>"$SUMMARY"
+        return
+    fi
     now=$(date +%s)
     left=$(( DEADLINE - now - 5 ))
     if [ "$left" -lt 20 ]; then
@@ -96,7 +102,7 @@ except ImportError as exc:
     print("no varlen_attn:", exc)
 EOF
 
-if [ -f "$GOLDEN/expected.json" ]; then
+if [ -f "$GOLDEN/expected.json" ] || [[ "$STEPS" != all && ",$STEPS," != *",golden,"* ]]; then
     step golden 70 $PY benchmarks/device_check.py --device "$DEVICE" --sections golden \
         --golden "$GOLDEN" --json "$OUT/checks_golden.json"
 else
@@ -112,8 +118,8 @@ step invariance 70 $PY benchmarks/device_check.py --device "$DEVICE" --sections 
     --config "$CONFIG" --images "$CHECK_IMAGES" --batch-tokens "$CHECK_TOKENS" \
     --json "$OUT/checks_invariance.json"
 
-step bench 200 $PY -m dsv4enc bench --config "$CONFIG" --device "$DEVICE" --dtype "$DTYPE" \
-    --images "$BENCH_IMAGES" --batch-tokens "$BENCH_TOKENS" --graphs off --fused off,on \
+step bench 240 $PY -m dsv4enc bench --config "$CONFIG" --device "$DEVICE" --dtype "$DTYPE" \
+    --images "$BENCH_IMAGES" --batch-tokens "$BENCH_TOKENS" --graphs "$BENCH_GRAPHS" --fused off,on \
     --repeat "$REPEAT" --naive-images "$NAIVE" --e2e --outputs file,folder \
     --workdir "$WORK" --json "$OUT/bench.json"
 

@@ -9,6 +9,8 @@ Two sections, one process:
   engine, eager and ``--fused``, under ``torch.profiler``. Device kernel time is split into
   GEMM, attention and the rest (norms, RoPE, adds, activation, copies), and each class's
   achieved TFLOP/s is reported against the FLOPs counted analytically.
+- ``elementwise``: RMSNorm, add + RMSNorm, RoPE and SwiGLU at a full batch's shape, eager and
+  compiled (shape-generic and shape-specialized kernels), in GB/s moved.
 - ``attention``: the same q, k, v through every attention kernel this torch offers: the packed
   ``varlen`` kernel the engine uses, and ``scaled_dot_product_attention`` on a (B, H, N, d)
   batch with each SDPA backend forced (flash, cuDNN, memory-efficient). Equal lengths only
@@ -28,11 +30,12 @@ from pathlib import Path
 import torch
 
 from dsv4enc.attention import VarlenSpans, available_backends, select_attention
-from dsv4enc.bench import image_flops
+from dsv4enc.bench import best_time, sync
 from dsv4enc.checkpoint import build_tower, random_checkpoint
 from dsv4enc.config import VisionConfig
 from dsv4enc.engine import Engine
 from dsv4enc.packing import pack
+from dsv4enc.planning import image_flops
 from dsv4enc.transform import plan_canvas
 
 ROWS: list[dict] = []
@@ -58,25 +61,6 @@ def equal_batch(cfg: VisionConfig, n_images: int, seed: int = 0):
     return pack(items, cfg.downsample_ratio), canvas
 
 
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def timed(fn, device: torch.device, repeat: int = 5) -> float:
-    """Best of ``repeat`` calls after two warm-ups, seconds."""
-    fn()
-    fn()
-    best = float("inf")
-    for _ in range(repeat):
-        sync(device)
-        began = time.perf_counter()
-        fn()
-        sync(device)
-        best = min(best, time.perf_counter() - began)
-    return best
-
-
 def breakdown(cfg: VisionConfig, device: torch.device, dtype: torch.dtype, n_images: int,
               fused: bool) -> None:
     from torch.profiler import ProfilerActivity, profile
@@ -90,7 +74,7 @@ def breakdown(cfg: VisionConfig, device: torch.device, dtype: torch.dtype, n_ima
     engine = Engine(model, "aligner", "auto", torch.float16, cuda_graphs=False,
                     batch_tokens=batch.n_tokens, max_images=n_images)
     engine.prepare()
-    wall = timed(lambda: engine.encode(batch), device, repeat=3)
+    wall = best_time(lambda: engine.encode(batch), device, repeat=3, warmup=2)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda"
                                            else [])
     with profile(activities=activities) as prof:
@@ -137,6 +121,24 @@ def breakdown(cfg: VisionConfig, device: torch.device, dtype: torch.dtype, n_ima
         torch.cuda.empty_cache()
 
 
+def fn_first_alone(name: str, candidates: dict, qb, kb, vb, out) -> int | None:
+    """For a batched SDPA candidate: how many of image 0's output values change when it is
+    the only image in the call (None for the other candidates)."""
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    if not name.startswith("sdpa ") or "(B, H, N, d)" not in name:
+        return None
+    backend = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": getattr(SDPBackend,
+               "CUDNN_ATTENTION", None), "efficient": SDPBackend.EFFICIENT_ATTENTION,
+               "math": SDPBackend.MATH}[name.split()[1]]
+    with sdpa_kernel([backend]):
+        alone = F.scaled_dot_product_attention(qb[:1], kb[:1], vb[:1])
+    n = alone.shape[2]
+    first = out[:n].view(n, *alone.shape[1:2], alone.shape[3])  # (N, H, d) rows of image 0
+    return int((alone[0].transpose(0, 1) != first).sum())
+
+
 def attention_kernels(cfg: VisionConfig, device: torch.device, dtype: torch.dtype,
                       n_images: int) -> None:
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -153,6 +155,10 @@ def attention_kernels(cfg: VisionConfig, device: torch.device, dtype: torch.dtyp
     for name in available_backends(device):
         _, fn = select_attention(name, device)
         candidates[f"{name} (packed)"] = lambda fn=fn: fn(q, k, v, spans)
+    cudnn_varlen = getattr(torch.ops.aten, "_cudnn_attention_forward", None)
+    if cudnn_varlen is not None and device.type == "cuda":
+        candidates["cudnn varlen (packed)"] = lambda: cudnn_varlen(
+            q, k, v, None, spans.cu_seqlens, spans.cu_seqlens, N, N, False)[0]
     qb, kb, vb = (t.view(n_images, N, H, d).transpose(1, 2) for t in (q, k, v))
     sdpa_backends = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
                      "math": SDPBackend.MATH}
@@ -166,6 +172,14 @@ def attention_kernels(cfg: VisionConfig, device: torch.device, dtype: torch.dtyp
             with sdpa_kernel([backend]):
                 return F.scaled_dot_product_attention(qb, kb, vb)
         candidates[f"sdpa {name} (B, H, N, d)"] = run
+
+        def per_image(backend=backend):  # B=1 calls: the form a batch-invariant backend takes
+            with sdpa_kernel([backend]):
+                return torch.cat([F.scaled_dot_product_attention(qb[i:i + 1], kb[i:i + 1],
+                                                                 vb[i:i + 1])
+                                  for i in range(n_images)])
+        if name in ("cudnn", "flash"):
+            candidates[f"sdpa {name} per image (1, H, N, d) x B"] = per_image
     reference = None
     for name, fn in candidates.items():
         try:
@@ -174,15 +188,124 @@ def attention_kernels(cfg: VisionConfig, device: torch.device, dtype: torch.dtyp
             if reference is None:
                 reference = out.float()
             err = ((out.float() - reference).norm() / reference.norm()).item()
-            seconds = timed(fn, device)
+            seconds = best_time(fn, device, repeat=5, warmup=2)
         except Exception as exc:  # a backend this build or device lacks
             print(f"  attention {name:28s} unavailable: {str(exc).splitlines()[0][:100]}")
             continue
         rate = flops / seconds / 1e12
+        # Does the first image's output depend on the call's batch? (0: batch-invariant here)
+        alone = fn_first_alone(name, candidates, qb, kb, vb, out)
         print(f"  attention {name:28s} {seconds * 1e3:7.2f} ms  {rate:6.1f} TFLOP/s  "
-              f"rel diff {err:.1e}")
+              f"rel diff {err:.1e}" + ("" if alone is None else f", image 0 alone differs "
+                                        f"in {alone} values"))
         ROWS.append({"section": "attention", "kernel": name, "seconds": seconds,
-                     "tflop_s": rate, "rel_diff": err, "images": n_images, "tokens": N})
+                     "tflop_s": rate, "rel_diff": err, "images": n_images, "tokens": N,
+                     "image0_alone_differs": alone})
+
+
+def triton_variants() -> dict:
+    """Hand-written Triton RoPE and SwiGLU (one pass each), for comparison with inductor's.
+    Empty where Triton is missing (CPU builds)."""
+    try:
+        import triton
+        import triton.language as tl
+    except ImportError:
+        return {}
+
+    @triton.jit
+    def rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, T, sx0, sx1, HALF: tl.constexpr,
+                    HEADS: tl.constexpr, BLOCK_T: tl.constexpr):
+        t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)[:, None]
+        j = tl.arange(0, HEADS * HALF)[None, :]
+        h, i = j // HALF, j % HALF
+        mask = t < T
+        src = x_ptr + t * sx0 + h * sx1 + i
+        a = tl.load(src, mask=mask).to(tl.float32)
+        b = tl.load(src + HALF, mask=mask).to(tl.float32)
+        c = tl.load(cos_ptr + t * HALF + i, mask=mask)
+        s = tl.load(sin_ptr + t * HALF + i, mask=mask)
+        dst = out_ptr + t * (HEADS * 2 * HALF) + h * (2 * HALF) + i
+        tl.store(dst, (a * c - b * s).to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(dst + HALF, (b * c + a * s).to(out_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def swiglu_kernel(g_ptr, out_ptr, I, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        col = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        m = col < I
+        g = tl.load(g_ptr + row * 2 * I + col, mask=m).to(tl.float32)
+        u = tl.load(g_ptr + row * 2 * I + I + col, mask=m).to(tl.float32)
+        tl.store(out_ptr + row * I + col, (g * tl.sigmoid(g) * u).to(out_ptr.dtype.element_ty),
+                 mask=m)
+
+    def rope(x, cos, sin, block_t=4):
+        T, heads, d = x.shape
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        rope_kernel[(triton.cdiv(T, block_t),)](x, cos, sin, out, T, x.stride(0), x.stride(1),
+                                                 HALF=d // 2, HEADS=heads, BLOCK_T=block_t)
+        return out
+
+    def swiglu(gate_up, block=1024):
+        T, two_i = gate_up.shape
+        out = torch.empty((T, two_i // 2), dtype=gate_up.dtype, device=gate_up.device)
+        swiglu_kernel[(T, triton.cdiv(two_i // 2, block))](gate_up, out, two_i // 2, BLOCK=block)
+        return out
+
+    return {"rope": rope, "swiglu": swiglu}
+
+
+def elementwise(cfg: VisionConfig, device: torch.device, dtype: torch.dtype,
+                n_images: int) -> None:
+    """Each elementwise function at a full batch's shape: eager, compiled for any row count
+    (``dynamic=True``) and compiled for this shape (``dynamic=False``); GB/s moved."""
+    from dsv4enc.fusion import compiled
+    from dsv4enc.model import (add_rms_norm, apply_rope, rms_norm, rope_formula, rope_tables,
+                               swiglu)
+
+    canvas = plan_canvas(1024, 768, cfg)
+    T, D, I = n_images * canvas.n_patches, cfg.dim, cfg.inter_dim
+    d = cfg.dim // cfg.n_heads
+    gen = torch.Generator().manual_seed(2)
+    rand = lambda *shape: torch.randn(*shape, generator=gen).to(device, dtype)  # noqa: E731
+    x, y, qkv, gate_up = rand(T, D), rand(T, D), rand(T, 3 * D), rand(T, 2 * I)
+    weight = torch.ones(D, device=device)
+    flat = torch.arange(T) % canvas.n_patches
+    positions = torch.stack([flat // canvas.n_w, flat % canvas.n_w], dim=1)  # (T, 2) row, col
+    cos, sin = (t.to(device) for t in rope_tables(positions, cfg))
+    qk = qkv[:, :2 * D].view(T, 2 * cfg.n_heads, d)
+    size = x.element_size()
+    ops = {  # name: (eager fn, fused formula, args, bytes moved, calls per forward)
+        "rms_norm": (rms_norm, rms_norm, (x, weight), 2 * T * D * size, cfg.n_layers + 1),
+        "add_rms_norm": (add_rms_norm, add_rms_norm, (x, y, weight), 4 * T * D * size,
+                         cfg.n_layers),
+        "rope": (apply_rope, rope_formula, (qk, cos, sin), 4 * T * D * size + 2 * cos.nbytes,
+                 cfg.n_layers),
+        "swiglu": (swiglu, swiglu, (gate_up,), 3 * T * I * size, cfg.n_layers),
+    }
+    hand = triton_variants() if device.type == "cuda" else {}
+    for name, (eager_fn, formula, args, nbytes, calls) in ops.items():
+        variants = {"eager": eager_fn, "compiled dynamic": compiled(formula, True),
+                    "compiled static": compiled(formula, False)}
+        if name in hand:
+            variants["triton"] = hand[name]
+        want = eager_fn(*args)
+        line = []
+        for variant, fn in variants.items():
+            try:
+                seconds = best_time(lambda: fn(*args), device, repeat=10, warmup=2)
+                got = fn(*args)
+                diff = max(((g.float() - w.float()).abs().max().item() for g, w in zip(
+                    got if isinstance(got, tuple) else (got,),
+                    want if isinstance(want, tuple) else (want,))), default=0.0)
+            except Exception as exc:  # a compile failure is a finding, not a crash
+                print(f"  elementwise {name} {variant}: failed: {str(exc).splitlines()[0][:100]}")
+                continue
+            line.append(f"{variant} {seconds * 1e6:.1f} us {nbytes / seconds / 1e9:.0f} GB/s "
+                        f"(max diff {diff:.2g})")
+            ROWS.append({"section": "elementwise", "op": name, "variant": variant,
+                         "seconds": seconds, "gb_s": nbytes / seconds / 1e9, "max_diff": diff,
+                         "forward_ms": seconds * calls * 1e3, "tokens": T})
+        print(f"  elementwise {name:12s} (x{calls}/forward): " + "; ".join(line))
 
 
 def main(argv=None) -> int:
@@ -192,7 +315,7 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--images", type=int, default=11, help="images per batch (11 x 2961 "
                    "patches fill a 32768-token budget)")
-    p.add_argument("--sections", default="breakdown,fused,attention")
+    p.add_argument("--sections", default="elementwise,attention,breakdown,fused")
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
     device, dtype = torch.device(a.device), getattr(torch, a.dtype)
@@ -200,6 +323,8 @@ def main(argv=None) -> int:
     sections = a.sections.split(",")
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}")
     with torch.inference_mode():
+        if "elementwise" in sections:
+            elementwise(cfg, device, dtype, a.images)
         if "attention" in sections:
             attention_kernels(cfg, device, dtype, a.images)
         if "breakdown" in sections:

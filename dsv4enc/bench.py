@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
-import math
 import os
 import platform
 import tempfile
@@ -40,9 +39,9 @@ from .config import VisionConfig
 from .device import resolve_device, resolve_dtype
 from .engine import Engine
 from .model import VisionTower
-from .packing import PackedBatch, aligner_grid, pack
-from .planning import pack_bins
-from .process import keep_freed_memory_mapped
+from .packing import PackedBatch, pack
+from .planning import image_flops, pack_bins
+from .process import keep_freed_memory_mapped, own_process_settings
 from .transform import image_to_patches
 
 log = logging.getLogger(__name__)
@@ -116,33 +115,23 @@ def resolve_images(images: str, workdir: Path, seed: int = 0) -> list[Path]:
 
 # ----------------------------------------------------------------------------- FLOPs, ceiling
 
-def image_flops(cfg: VisionConfig, n_h: int, n_w: int, features: str = "aligner") -> float:
-    """Forward FLOPs of one image (2 per multiply-add): patch embed, per layer the QKV, output,
-    MLP matmuls and attention (QK^T and PV: 4*N^2*D), and the aligner's two matmuls."""
-    N, D, I, L = n_h * n_w, cfg.dim, cfg.inter_dim, cfg.n_layers
-    flops = 2.0 * N * cfg.patch_dim * D
-    flops += L * (2.0 * N * D * (3 * D + D + 3 * I) + 4.0 * N * N * D)
-    if features == "aligner":
-        rows = math.prod(aligner_grid(n_h, n_w, cfg.downsample_ratio))
-        hid, r2 = cfg.hidden_size, cfg.downsample_ratio ** 2
-        flops += 2.0 * rows * (D * r2 * hid + hid * hid)
-    return flops
-
-
-def _sync(device: torch.device) -> None:
+def sync(device: torch.device) -> None:
+    """Wait for the device's queued work (CUDA); nothing on the CPU."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
-def _time(fn: Callable[[], object], device: torch.device, repeat: int) -> float:
-    """Best of ``repeat`` timed calls after one warm-up, seconds."""
-    fn()
+def best_time(fn: Callable[[], object], device: torch.device, repeat: int,
+              warmup: int = 1) -> float:
+    """Best of ``repeat`` timed calls after ``warmup`` untimed ones, seconds."""
+    for _ in range(warmup):
+        fn()
     best = float("inf")
     for _ in range(repeat):
-        _sync(device)
+        sync(device)
         began = time.perf_counter()
         fn()
-        _sync(device)
+        sync(device)
         best = min(best, time.perf_counter() - began)
     return best
 
@@ -161,10 +150,10 @@ def matmul_ceiling(cfg: VisionConfig, tokens: int, dtype: torch.dtype,
         for name, (m, k, n) in shapes.items():
             a = torch.randn(m, k, generator=gen).to(device, dtype)
             b = torch.randn(n, k, generator=gen).to(device, dtype)
-            rates[name] = 2.0 * m * k * n / _time(lambda: a @ b.T, device, repeat)
+            rates[name] = 2.0 * m * k * n / best_time(lambda: a @ b.T, device, repeat)
         side = 8192 if device.type == "cuda" else 2048
         a = torch.randn(side, side, generator=gen).to(device, dtype)
-        rates["square"] = 2.0 * side ** 3 / _time(lambda: a @ a, device, repeat)
+        rates["square"] = 2.0 * side ** 3 / best_time(lambda: a @ a, device, repeat)
     rates["ceiling"] = max(rates[k] for k in shapes)
     return rates
 
@@ -230,10 +219,10 @@ def bench_model(model: VisionTower, prep: Prepared, features: str, batch_tokens:
         best, best_stats = float("inf"), None
         for _ in range(max(1, repeat)):
             engine.stats = type(engine.stats)()
-            _sync(device)
+            sync(device)
             began = time.perf_counter()
             encode_all(loop, batches)
-            _sync(device)
+            sync(device)
             wall = time.perf_counter() - began
             if wall < best:
                 best, best_stats = wall, engine.stats
@@ -250,8 +239,8 @@ def bench_model(model: VisionTower, prep: Prepared, features: str, batch_tokens:
         best = model_s = sum(per_batch)
     row = {
         "mode": "model", "graphs": engine.graphs_enabled, "attention": engine.attention_name,
-        "fused": fused, "batch_tokens": batch_tokens, "images": len(prep.items), "batches": len(batches),
-        "seconds": best, "img_s": len(prep.items) / best, "tokens_s": prep.tokens / best,
+        "fused": fused, "batch_tokens": batch_tokens, "images": len(prep.items),
+        "batches": len(batches), "seconds": best, "img_s": len(prep.items) / best, "tokens_s": prep.tokens / best,
         "flop_s": prep.flops / best, "padding": s.padded_tokens / max(1, s.real_tokens),
         "h2d_s": s.h2d_s, "model_s": model_s, "d2h_s": s.d2h_s,
         "device_idle": max(0.0, 1.0 - model_s / best) if device.type == "cuda" else None,
@@ -293,10 +282,10 @@ def bench_naive(model: VisionTower, paths: Sequence[Path], features: str,
         for _ in range(max(1, repeat)):
             grids = []
             for i, path in enumerate(paths):
-                _sync(device)
+                sync(device)
                 began = time.perf_counter()
                 grids.append(one(path))
-                _sync(device)
+                sync(device)
                 per_image[i] = min(per_image[i], time.perf_counter() - began)
     finally:
         model.attend = saved
@@ -332,7 +321,8 @@ def bench_e2e(config_path: str, paths: Sequence[Path], device: str, dtype: str,
             best, summary = wall, result
     n = summary.encoded
     return {"mode": "e2e", "output": output, "graphs": cuda_graphs, "attention": attention,
-            "fused": fused, "batch_tokens": batch_tokens, "images": n, "seconds": best, "img_s": n / best,
+            "fused": fused, "batch_tokens": batch_tokens, "images": n, "seconds": best,
+            "img_s": n / best,
             "tokens_s": summary.tokens / best, "padding": summary.padding_waste,
             "encode_s": summary.encode_s, "steady_img_s": n / max(summary.encode_s, 1e-9),
             "device_idle": max(0.0, 1 - summary.model_s / max(summary.encode_s, 1e-9)),
@@ -392,7 +382,7 @@ def run_bench(config_path: str, device: str = "auto", dtype: str = "auto",
     N images (its rate is per image of the same mix, so the ratio stays fair for a repeating
     mix). ``e2e``: also time the full pipeline (skipped with a note if it cannot be imported).
     ``cli``: also time ``dsv4enc encode`` in a fresh process (start-up included).
-    ``fused``: the settings of ``--fused`` to time (model rows; e2e runs the first);
+    ``fused``: the settings of ``--fused`` to time (model rows, and e2e runs for each);
     ``e2e_outputs``: "file" and/or "folder".
     Every row carries ``vs_naive`` (img/s over the naive loop's img/s) and, for model rows,
     ``ceiling_frac`` (achieved FLOP/s over the matmul ceiling).
@@ -445,14 +435,16 @@ def run_bench(config_path: str, device: str = "auto", dtype: str = "auto",
             row["ceiling_frac"] = row["flop_s"] / ceiling["ceiling"]
             row["peak_frac"] = row["flop_s"] / ceiling["square"]
         if e2e:
+            own_process_settings(dev)  # as the command line makes them before a run
             del fused_model, model  # the pipeline builds its own tower
             gc.collect()
             if dev.type == "cuda":
                 torch.cuda.empty_cache()
-            for output in e2e_outputs:
-                rows.append(bench_e2e(config_path, paths, device, dtype, budgets[-1],
-                                      cuda_graphs[0], attention, base, max_images, workers,
-                                      repeat, output, fused[0]))
+            for fuse in fused:
+                for output in e2e_outputs:
+                    rows.append(bench_e2e(config_path, paths, device, dtype, budgets[-1],
+                                          cuda_graphs[0], attention, base, max_images,
+                                          workers, repeat, output, fuse))
         if cli:
             rows.append(bench_cli(cfg, paths, dev.type, str(dt).removeprefix("torch."),
                                   budgets[-1], base, workers, seed, repeat))
@@ -491,8 +483,8 @@ def print_results(rows: Sequence[dict], console=None) -> None:
              f"{meta.get('matmul_ceiling', 0) / scale:.1f} {unit} "
              f"(square {meta.get('matmul_square', 0) / scale:.1f})")
     table = Table(title=title)
-    for name in ("mode", "graphs", "fused", "attention", "budget", "img/s", "tokens/s", unit, "ceiling",
-                 "peak", "padding", "h2d s", "model s", "d2h s", "idle", "vs naive"):
+    for name in ("mode", "graphs", "fused", "attention", "budget", "img/s", "tokens/s", unit,
+                 "ceiling", "peak", "padding", "h2d s", "model s", "d2h s", "idle", "vs naive"):
         table.add_column(name, justify="left" if name in ("mode", "attention") else "right")
 
     def fmt(value, spec):

@@ -359,8 +359,8 @@ def bench(
     outputs: str = typer.Option("file,folder", "--outputs", help="--host and --e2e: the "
                                 "outputs to time, file and/or folder."),
     fused: str = typer.Option("off", "--fused", help="Comma-separated: off, on (compiled "
-                              "elementwise kernels, as 'encode --fused'); the --e2e run "
-                              "uses the first."),
+                              "elementwise kernels, as 'encode --fused'), for the model "
+                              "rows and the --e2e runs."),
     workers: Optional[int] = typer.Option(None, "--workers", help="Decode processes of the "
                                           "--host, --e2e and --cli runs (default: as "
                                           "'encode' picks; --host: as for a CUDA run)."),

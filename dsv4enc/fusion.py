@@ -7,9 +7,12 @@ backend), so the fused tower computes the same math with fewer passes over memor
 each of these becomes one Triton kernel instead of five to eight ATen ones; on the CPU one
 inductor C++ loop.
 
-Compiled with ``dynamic=True``: one kernel serves every row count, so the CPU's per-image
-execution and the CUDA buckets do not recompile per shape, and a row's value depends on its
-own data only (rows stay batch-invariant). Results equal the eager functions to float
+On the CPU compiled with ``dynamic=True``: one kernel serves every row count, so the per-image
+execution does not recompile per image, and a row's value never depends on which kernel a
+shape happened to get (rows stay batch-invariant). On CUDA with static shapes: the
+batch-invariant engine runs every batch in one bucket, so there is one shape to compile for,
+and kernels specialized to it ran faster than the shape-generic ones
+(benchmarks/RESULTS.md). Results equal the eager functions to float
 rounding (a fused kernel may keep a value in a register in float32 instead of rounding it to
 the compute dtype in between): ``tests/test_fusion.py`` holds them to it.
 """
@@ -27,23 +30,34 @@ from .model import VisionTower, add_rms_norm, rms_norm, rope_formula, swiglu
 log = logging.getLogger(__name__)
 
 
-def compiled(fn: Callable) -> Callable:
-    """``fn`` compiled by inductor for any row count (no graph breaks allowed)."""
-    return torch.compile(fn, dynamic=True, fullgraph=True)
+def compiled(fn: Callable, dynamic: bool = True) -> Callable:
+    """``fn`` compiled by inductor (no graph breaks allowed): for any row count
+    (``dynamic``), or specialized to each shape it meets."""
+    return torch.compile(fn, dynamic=dynamic, fullgraph=True)
 
 
-def fuse_elementwise(model: VisionTower) -> VisionTower:
+def shape_generic_by_default(device: torch.device) -> bool:
+    """Shape-generic kernels on the CPU (per-image shapes), specialized ones on CUDA (one
+    bucket shape); see the module doc."""
+    return device.type != "cuda"
+
+
+def fuse_elementwise(model: VisionTower, dynamic: bool | None = None) -> VisionTower:
     """Install compiled elementwise functions on every block of ``model`` (in place).
 
-    The compile itself happens at the first forward (and takes tens of seconds on a CPU).
-    Raises UsageError when this torch cannot compile (no inductor, no C++ compiler found).
+    ``dynamic``: shape-generic kernels; default True on the CPU, False on CUDA (see the
+    module doc). The compile itself happens at the first forward (and takes tens of seconds
+    on a CPU). Raises UsageError when this torch cannot compile (no inductor, no C++
+    compiler found).
     """
+    if dynamic is None:
+        dynamic = shape_generic_by_default(model.device)
     try:
         import torch._inductor  # noqa: F401  (the backend torch.compile uses)
     except Exception as exc:  # pragma: no cover - depends on the torch build
         raise UsageError(f"--fused needs torch.compile's inductor backend ({exc})") from None
-    norm, add_norm, rope, act = (compiled(f) for f in (rms_norm, add_rms_norm, rope_formula,
-                                                       swiglu))
+    norm, add_norm, rope, act = (compiled(f, dynamic) for f in (rms_norm, add_rms_norm,
+                                                                rope_formula, swiglu))
     model.vision.norm.norm_fn = norm
     for block in model.vision.blocks:
         block.norm1.norm_fn = norm

@@ -322,21 +322,27 @@ def patch_cost(n_h: int, n_w: int) -> float:
     return float(n_h * n_w)
 
 
-def flops_cost(n_h: int, n_w: int, cfg: VisionConfig) -> float:
-    """Cost of an image in "patch equivalents": forward FLOPs divided by the linear-layer
-    FLOPs of one patch through the ViT, so it equals the patch count when attention and the
-    aligner are negligible and grows with N^2 for large images.
+def image_flops(cfg: VisionConfig, n_h: int, n_w: int, features: str = "aligner") -> float:
+    """Forward FLOPs of one n_h x n_w image (2 per multiply-add): patch embed, per layer the
+    QKV, output and MLP matmuls (2*N*(4D^2 + 3*D*I)) and attention (QK^T and PV: 4*N^2*D),
+    and, for aligner features, the aligner's two matmuls over the merged r x r rows."""
+    N, D, I, L = n_h * n_w, cfg.dim, cfg.inter_dim, cfg.n_layers
+    flops = 2.0 * N * cfg.patch_dim * D
+    flops += L * (2.0 * N * D * (4 * D + 3 * I) + 4.0 * N * N * D)
+    if features == "aligner":
+        r = cfg.downsample_ratio
+        rows = -(-n_h // r) * -(-n_w // r)
+        hid = cfg.hidden_size
+        flops += 2.0 * rows * (D * r * r * hid + hid * hid)
+    return flops
 
-    Per layer: 2*N*P (P = 4D^2 + 3*D*I weights) + 4*N^2*D (QK^T and AV); aligner:
-    2*R*(D*r^2*hidden + hidden^2) for R merged rows.
-    """
-    D, I, hid, r = cfg.dim, cfg.inter_dim, cfg.hidden_size, cfg.downsample_ratio
-    n = n_h * n_w
-    per_patch = 2.0 * (4 * D * D + 3 * D * I)
-    vit = cfg.n_layers * (n * per_patch + 4.0 * n * n * D)
-    rows = -(-n_h // r) * -(-n_w // r)
-    aligner = 2.0 * rows * (D * r * r * hid + hid * hid)
-    return (vit + aligner) / (cfg.n_layers * per_patch)
+
+def flops_cost(n_h: int, n_w: int, cfg: VisionConfig) -> float:
+    """Cost of an image in "patch equivalents": forward FLOPs (``image_flops``) divided by
+    the FLOPs of one patch through the ViT's linear layers, so it is near the patch count
+    when attention and the aligner are negligible and grows with N^2 for large images."""
+    per_patch = 2.0 * cfg.dim * (4 * cfg.dim + 3 * cfg.inter_dim) * cfg.n_layers
+    return image_flops(cfg, n_h, n_w) / per_patch
 
 
 def cost_function(balance: str, cfg: VisionConfig) -> Callable[[int, int], float]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
 import sys
 
 import torch
@@ -17,24 +18,21 @@ import torch
 _heap_tuned = False
 
 
+#: torch intra-op threads of a GPU run's main process (unless OMP_NUM_THREADS says otherwise).
+CUDA_HOST_THREADS = 2
+
+
 def own_process_settings(device: torch.device) -> None:
     """The settings the command line makes once it knows its device."""
     # torch's varlen_attn logs one INFO line per call (32 per batch): keep logs readable.
     logging.getLogger("torch.nn.attention.varlen").setLevel(logging.WARNING)
     keep_freed_memory_mapped()  # CUDA runs too: their host side allocates MBs per image
-    if device.type == "cuda":
-        host_torch_single_threaded()
-
-
-def host_torch_single_threaded() -> None:
-    """One torch intra-op thread in a process whose model runs on a GPU.
-
-    Its CPU tensor work is small (positions, merge plans, staging copies of a few hundred
-    KB), but each op over 32K elements wakes the other intra-op threads, which then spin
-    waiting for more: 1.6 ms of CPU per image in ``bench --host`` at real dims, taken from
-    the decode workers that need every other core (benchmarks/RESULTS.md). The patches,
-    the large copy, are packed by numpy (``packing.concat_patches``)."""
-    torch.set_num_threads(1)
+    if device.type == "cuda" and "OMP_NUM_THREADS" not in os.environ:
+        # A GPU run's main process only copies on the CPU (packing, pinning), beside one decode
+        # worker per core. torch's default pool (a thread per core) wakes every thread for
+        # each of those small copies, and idle OpenMP threads spin before they sleep: on a
+        # 16-core GPU host that took cores from the decode workers (benchmarks/RESULTS.md).
+        torch.set_num_threads(min(torch.get_num_threads(), CUDA_HOST_THREADS))
 
 
 def keep_freed_memory_mapped() -> None:

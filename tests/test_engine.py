@@ -111,7 +111,7 @@ def test_cuda_submit_collect_overlap(cuda_tower, graphs):
 # ----------------------------------------------------------------------------- benchmark
 
 def test_image_flops_counts_matmuls_attention_and_aligner():
-    from dsv4enc.bench import image_flops
+    from dsv4enc.planning import image_flops
 
     cfg = load_config("deepseek-v4-flash")
     N, D, I = 48 * 64, cfg.dim, cfg.inter_dim
@@ -127,10 +127,11 @@ def test_bench_smoke(tmp_path):
 
     rows = run_bench(str(CONFIGS / "tiny.json"), device="cpu", dtype="float32",
                      images="synthetic:120x90:3", batch_tokens=[2048], repeat=1,
-                     workdir=str(tmp_path))
-    meta, model, naive = rows
+                     workdir=str(tmp_path), fused=(False, True))
+    meta, model, fused, naive = rows
     assert meta["mode"] == "meta" and meta["images"] == 3 and meta["matmul_ceiling"] > 0
     assert model["mode"] == "model" and model["images"] == 3 and model["batches"] >= 1
+    assert (model["fused"], fused["fused"], fused["mode"]) == (False, True, "model")
     assert 0 < model["ceiling_frac"] and model["padding"] == 0
     assert naive["mode"] == "naive" and naive["img_s"] > 0
     assert model["vs_naive"] == model["img_s"] / naive["img_s"]
@@ -142,8 +143,11 @@ def test_bench_end_to_end_rows_in_process_and_as_a_command(tmp_path):
 
     rows = run_bench(str(CONFIGS / "tiny.json"), device="cpu", dtype="float32",
                      images="synthetic:120x90:3", batch_tokens=[2048], repeat=1, e2e=True,
-                     cli=True, workers=1, workdir=str(tmp_path))
+                     cli=True, workers=1, workdir=str(tmp_path), e2e_outputs=("file", "folder"))
+    by_mode = {(r["mode"], r.get("output")): r for r in rows}
+    for output in ("file", "folder"):
+        assert by_mode["e2e", output]["images"] == 3 and by_mode["e2e", output]["img_s"] > 0
+    assert pq.read_table(tmp_path / "bench_parts").num_rows == 3
     by_mode = {r["mode"]: r for r in rows}
-    assert by_mode["e2e"]["images"] == 3 and by_mode["e2e"]["img_s"] > 0
     assert by_mode["cli"]["images"] == 3 and by_mode["cli"]["seconds"] > 0
     assert pq.read_table(tmp_path / "bench-cli.parquet").num_rows == 3

@@ -50,3 +50,12 @@ def test_fused_functions_are_installed_on_every_block(towers):
     eager, fused = towers
     assert all(b.mlp.act_fn is not eager.vision.blocks[0].mlp.act_fn for b in fused.vision.blocks)
     assert fused.vision.norm.norm_fn is fused.vision.blocks[0].norm1.norm_fn
+
+
+def test_kernels_are_shape_generic_on_the_cpu_and_specialized_on_cuda():
+    from dsv4enc.fusion import shape_generic_by_default
+
+    # CPU: every image runs at its own shape, and must not get a different kernel by the
+    # order in which shapes arrive. CUDA: every batch runs in one bucket shape.
+    assert shape_generic_by_default(torch.device("cpu"))
+    assert not shape_generic_by_default(torch.device("cuda"))

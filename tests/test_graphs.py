@@ -191,8 +191,9 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_graphs_equal_eager_on_cuda(features):
     cfg = load_config("tiny")
     model = build_tower(random_checkpoint(cfg, seed=3, dtype=torch.bfloat16), "cuda")
+    # deterministic=False: the multi-budget path (the invariant one has one bucket, below).
     graphs = Engine(model, features, cuda_graphs=True, batch_tokens=512, max_images=8,
-                    min_budget=64)
+                    min_budget=64, deterministic=False)
     if not graphs.graphs_enabled:
         pytest.skip(f"no graph-capable attention backend ({graphs.attention_name})")
     eager = Engine(model, features, attention=graphs.attention_name, cuda_graphs=False)
@@ -206,3 +207,8 @@ def test_graphs_equal_eager_on_cuda(features):
     big = pack(_items([(24, 24)], cfg, seed=9), 3, features)
     assert rel_err(torch.cat(graphs.encode(big)), torch.cat(eager.encode(big))) < 1e-2
     assert graphs.stats.graph_batches == len(batches)
+    # The batch-invariant engine's one bucket holds any single image, even one over the
+    # token budget: it replays the graph.
+    invariant = Engine(model, features, cuda_graphs=True, batch_tokens=512, max_images=8)
+    assert rel_err(torch.cat(invariant.encode(big)), torch.cat(eager.encode(big))) < 1e-2
+    assert (invariant.stats.graph_batches, invariant.stats.variant_batches) == (1, 0)

@@ -56,3 +56,36 @@ def test_encoder_changes_no_process_wide_setting():
                           cwd=REPO_ROOT, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip().endswith("unchanged")
+
+
+THREADS_SCRIPT = textwrap.dedent("""
+    import torch
+    from dsv4enc.process import CUDA_HOST_THREADS, own_process_settings
+
+    torch.set_num_threads(8)
+    own_process_settings(torch.device("cpu"))
+    cpu = torch.get_num_threads()
+    own_process_settings(torch.device("cuda"))  # only settings: no CUDA device is touched
+    print(cpu, torch.get_num_threads(), CUDA_HOST_THREADS)
+""")
+
+
+def _threads_after_settings(env: dict) -> list[int]:
+    import os
+
+    env = {k: v for k, v in {**os.environ, **env}.items() if v is not None}
+    done = subprocess.run([sys.executable, "-c", THREADS_SCRIPT], cwd=REPO_ROOT, env=env,
+                          capture_output=True, text=True, check=True)
+    return [int(v) for v in done.stdout.split()]
+
+
+def test_a_gpu_run_keeps_few_torch_threads_in_its_main_process():
+    # A GPU run's main process only copies on the CPU: a thread per core would spin beside
+    # the decode workers. A CPU run keeps its threads (the model runs there).
+    cpu, cuda, cap = _threads_after_settings({"OMP_NUM_THREADS": None})
+    assert (cpu, cuda) == (8, cap)
+
+
+def test_omp_num_threads_overrides_the_gpu_run_thread_cap():
+    cpu, cuda, _ = _threads_after_settings({"OMP_NUM_THREADS": "3"})
+    assert (cpu, cuda) == (8, 8)

@@ -1,5 +1,5 @@
-"""Decode workers hand their patches over in shared memory (``decode.PatchArena``) instead of
-pickling them through a pipe, and ``pack`` copies them straight into the engine's staging
+"""Decode workers hand their patches over in shared memory (``patch_arena.PatchArena``)
+instead of pickling them through a pipe, and ``pack`` copies them straight into the engine's staging
 buffer. Each fast path must give exactly what the simple one gives, and the shared memory must
 be bounded and released whatever happens to a worker."""
 

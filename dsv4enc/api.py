@@ -154,7 +154,7 @@ class Encoder:
         if fused:
             from .fusion import fuse_elementwise  # torch.compile's import is slow
 
-            fuse_elementwise(self.model)
+            fuse_elementwise(self.model, deterministic)
         self._engines: dict[str, Engine] = {}
 
     # -- construction ------------------------------------------------------------------

@@ -83,6 +83,13 @@ def resolve_attention(name: str, device: torch.device, dtype: torch.dtype):
     return select_attention(name, device)
 
 
+def runs_one_shape(model: VisionTower, deterministic: bool) -> bool:
+    """Whether an Engine over ``model`` runs every batch at one shape: the batch-invariant
+    path on CUDA (one bucket that holds any single image). Tensor parallelism turns the
+    invariant path off (its all-reduces sum in another order than one rank does)."""
+    return deterministic and not model.tensor_parallel and model.device.type == "cuda"
+
+
 class Engine:
     """Encodes PackedBatches with a VisionTower.
 
@@ -122,7 +129,7 @@ class Engine:
         # Tensor parallelism installs all-reduce hooks: summation order differs from one rank.
         self.deterministic = deterministic and not model.tensor_parallel
         graphs = self._want_graphs(cuda_graphs)
-        if self.deterministic and self.device.type == "cuda":
+        if runs_one_shape(model, deterministic):
             # One bucket that holds any single image: every batch runs at the same shapes.
             top = max(self.batch_tokens, max_image_tokens(model.cfg))
             self.runner = BucketRunner(model, features, [top], max_images,

@@ -11,8 +11,9 @@ On the CPU compiled with ``dynamic=True``: one kernel serves every row count, so
 execution does not recompile per image, and a row's value never depends on which kernel a
 shape happened to get (rows stay batch-invariant). On CUDA with static shapes: the
 batch-invariant engine runs every batch in one bucket, so there is one shape to compile for,
-and kernels specialized to it ran faster than the shape-generic ones
-(benchmarks/RESULTS.md). Results equal the eager functions to float
+and kernels specialized to it ran faster than the shape-generic ones (RoPE 4.5x;
+benchmarks/RESULTS.md). A CUDA engine without the invariant path (``--no-deterministic``,
+tensor parallelism) meets many shapes, and keeps shape-generic kernels. Results equal the eager functions to float
 rounding (a fused kernel may keep a value in a register in float32 instead of rounding it to
 the compute dtype in between): ``tests/test_fusion.py`` holds them to it.
 """
@@ -36,22 +37,17 @@ def compiled(fn: Callable, dynamic: bool = True) -> Callable:
     return torch.compile(fn, dynamic=dynamic, fullgraph=True)
 
 
-def shape_generic_by_default(device: torch.device) -> bool:
-    """Shape-generic kernels on the CPU (per-image shapes), specialized ones on CUDA (one
-    bucket shape); see the module doc."""
-    return device.type != "cuda"
-
-
-def fuse_elementwise(model: VisionTower, dynamic: bool | None = None) -> VisionTower:
-    """Install compiled elementwise functions on every block of ``model`` (in place).
-
-    ``dynamic``: shape-generic kernels; default True on the CPU, False on CUDA (see the
-    module doc). The compile itself happens at the first forward (and takes tens of seconds
-    on a CPU). Raises UsageError when this torch cannot compile (no inductor, no C++
+def fuse_elementwise(model: VisionTower, deterministic: bool = True) -> VisionTower:
+    """Install compiled elementwise functions on every block of ``model`` (in place), for an
+    Engine made with ``deterministic``: kernels specialized to the shape when that engine runs
+    every batch at one shape (``engine.runs_one_shape``), shape-generic ones otherwise (see
+    the module doc). The compile itself happens at the first forward (and takes tens of
+    seconds on a CPU). Raises UsageError when this torch cannot compile (no inductor, no C++
     compiler found).
     """
-    if dynamic is None:
-        dynamic = shape_generic_by_default(model.device)
+    from .engine import runs_one_shape
+
+    dynamic = not runs_one_shape(model, deterministic)
     try:
         import torch._inductor  # noqa: F401  (the backend torch.compile uses)
     except Exception as exc:  # pragma: no cover - depends on the torch build

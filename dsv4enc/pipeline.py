@@ -54,7 +54,7 @@ def _tower_engine(ckpt: Checkpoint, device: torch.device, opts: EncodeOptions,
     ranks.split_tower(model, opts.tp_mode)
     if opts.fused:
         from .fusion import fuse_elementwise  # torch.compile's import is slow: only when asked
-        fuse_elementwise(model)
+        fuse_elementwise(model, opts.deterministic)
     engine = Engine(model, features=opts.features, attention=opts.attention,
                     out_dtype=resolve_out_dtype(opts.out_dtype),
                     cuda_graphs=opts.cuda_graphs, batch_tokens=opts.batch_tokens,

@@ -52,10 +52,18 @@ def test_fused_functions_are_installed_on_every_block(towers):
     assert fused.vision.norm.norm_fn is fused.vision.blocks[0].norm1.norm_fn
 
 
-def test_kernels_are_shape_generic_on_the_cpu_and_specialized_on_cuda():
-    from dsv4enc.fusion import shape_generic_by_default
+def test_kernels_are_specialized_only_where_every_batch_has_one_shape():
+    from types import SimpleNamespace
 
-    # CPU: every image runs at its own shape, and must not get a different kernel by the
-    # order in which shapes arrive. CUDA: every batch runs in one bucket shape.
-    assert shape_generic_by_default(torch.device("cpu"))
-    assert not shape_generic_by_default(torch.device("cuda"))
+    from dsv4enc.engine import runs_one_shape
+
+    def tower(device: str, tensor_parallel: bool = False):
+        return SimpleNamespace(device=torch.device(device), tensor_parallel=tensor_parallel)
+
+    # The batch-invariant CUDA engine: one bucket shape, so fuse_elementwise specializes.
+    assert runs_one_shape(tower("cuda"), deterministic=True)
+    # CPU (each image at its own shape, which must not get a different kernel by the order
+    # shapes arrive in), --no-deterministic, tensor parallelism: shape-generic kernels.
+    assert not runs_one_shape(tower("cpu"), deterministic=True)
+    assert not runs_one_shape(tower("cuda"), deterministic=False)
+    assert not runs_one_shape(tower("cuda", tensor_parallel=True), deterministic=True)

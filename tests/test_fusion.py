@@ -4,6 +4,8 @@ every test."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -67,3 +69,34 @@ def test_kernels_are_specialized_only_where_every_batch_has_one_shape():
     assert not runs_one_shape(tower("cpu"), deterministic=True)
     assert not runs_one_shape(tower("cuda"), deterministic=False)
     assert not runs_one_shape(tower("cuda", tensor_parallel=True), deterministic=True)
+
+
+@pytest.mark.slow
+def test_encode_fused_rows_equal_eager_rows_to_float_rounding(tmp_path):
+    """``dsv4enc encode --fused`` as a user runs it (the pipeline installs the kernels)."""
+    import numpy as np
+    from typer.testing import CliRunner
+
+    from dsv4enc.cli import app
+    from dsv4enc.reading import read_embeddings
+    from helpers import CONFIGS, write_image
+
+    images = tmp_path / "images"
+    images.mkdir()
+    for i, size in enumerate([(64, 48), (90, 120), (200, 60)]):
+        write_image(images / f"{i}.png", size, seed=i)
+
+    def encode(out: Path, *extra: str) -> dict:
+        result = CliRunner().invoke(app, [
+            "encode", str(images), "--out", str(out), "--config", str(CONFIGS / "tiny.json"),
+            "--random-init", "--device", "cpu", "--dtype", "float32", "--out-dtype", "float32",
+            "--workers", "0", "-q", *extra])
+        assert result.exit_code == 0, result.output
+        return {path: emb for path, emb, _ in read_embeddings(out)}
+
+    eager = encode(tmp_path / "eager.parquet")
+    fused = encode(tmp_path / "fused.parquet", "--fused")
+    assert sorted(eager) == sorted(fused) and len(eager) == 3
+    for path, want in eager.items():
+        got = fused[path]
+        assert np.linalg.norm(got - want) <= 1e-6 * np.linalg.norm(want)

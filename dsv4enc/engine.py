@@ -24,11 +24,11 @@ import torch
 
 from .attention import VarlenSpans, available_backends, select_attention
 from .errors import DsvError, UsageError
-from .graphs import (GRAPH_BACKENDS, Bucket, BucketRunner, default_budgets, fit_budgets,
-                     max_image_tokens)
+from .graphs import GRAPH_BACKENDS, Bucket, BucketRunner, default_budgets, fit_budgets
 from .model import VisionTower, rope_tables
 from .options import DEFAULT_BATCH_TOKENS
 from .packing import PackedBatch
+from .transform import max_image_tokens
 
 log = logging.getLogger(__name__)
 

@@ -30,7 +30,6 @@ from .attention import VarlenSpans
 from .config import VisionConfig
 from .model import VisionTower, rope_table, rope_tables
 from .packing import PackedBatch
-from .transform import max_image_tokens  # noqa: F401  (here too: graphs' callers use it)
 
 log = logging.getLogger(__name__)
 

@@ -28,8 +28,8 @@ from dsv4enc.checkpoint import (INDEX_NAME, load_checkpoint, random_state_dict,
 from dsv4enc.cli import app
 from dsv4enc.config import VisionConfig
 from dsv4enc.errors import ConfigError
-from dsv4enc.graphs import max_image_tokens
-from dsv4enc.transform import NORMALIZED_BF16_BITS, image_to_patch_bits, plan_canvas
+from dsv4enc.transform import (NORMALIZED_BF16_BITS, image_to_patch_bits, max_image_tokens,
+                               plan_canvas)
 
 from helpers import (CONFIGS, decoy_tensors, load_config, nested_layout, record_hub_downloads,
                      table_rows, write_checkpoint, write_image)

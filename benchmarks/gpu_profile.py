@@ -160,7 +160,8 @@ def attention_kernels(cfg: VisionConfig, device: torch.device, dtype: torch.dtyp
         candidates["cudnn varlen (packed)"] = lambda: cudnn_varlen(
             q, k, v, None, spans.cu_seqlens, spans.cu_seqlens, N, N, False)[0]
     qb, kb, vb = (t.view(n_images, N, H, d).transpose(1, 2) for t in (q, k, v))
-    sdpa_backends = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
+    sdpa_backends = {"flash": SDPBackend.FLASH_ATTENTION,
+                     "efficient": SDPBackend.EFFICIENT_ATTENTION,
                      "math": SDPBackend.MATH}
     if hasattr(SDPBackend, "CUDNN_ATTENTION"):
         sdpa_backends["cudnn"] = SDPBackend.CUDNN_ATTENTION
@@ -321,7 +322,8 @@ def main(argv=None) -> int:
     device, dtype = torch.device(a.device), getattr(torch, a.dtype)
     cfg = VisionConfig.from_file(a.config)
     sections = a.sections.split(",")
-    print(f"torch {torch.__version__}, {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}")
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    print(f"torch {torch.__version__}, {name}")
     with torch.inference_mode():
         if "elementwise" in sections:
             elementwise(cfg, device, dtype, a.images)

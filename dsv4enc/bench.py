@@ -240,7 +240,8 @@ def bench_model(model: VisionTower, prep: Prepared, features: str, batch_tokens:
     row = {
         "mode": "model", "graphs": engine.graphs_enabled, "attention": engine.attention_name,
         "fused": fused, "batch_tokens": batch_tokens, "images": len(prep.items),
-        "batches": len(batches), "seconds": best, "img_s": len(prep.items) / best, "tokens_s": prep.tokens / best,
+        "batches": len(batches), "seconds": best, "img_s": len(prep.items) / best,
+        "tokens_s": prep.tokens / best,
         "flop_s": prep.flops / best, "padding": s.padded_tokens / max(1, s.real_tokens),
         "h2d_s": s.h2d_s, "model_s": model_s, "d2h_s": s.d2h_s,
         "device_idle": max(0.0, 1.0 - model_s / best) if device.type == "cuda" else None,
@@ -322,8 +323,7 @@ def bench_e2e(config_path: str, paths: Sequence[Path], device: str, dtype: str,
     n = summary.encoded
     return {"mode": "e2e", "output": output, "graphs": cuda_graphs, "attention": attention,
             "fused": fused, "batch_tokens": batch_tokens, "images": n, "seconds": best,
-            "img_s": n / best,
-            "tokens_s": summary.tokens / best, "padding": summary.padding_waste,
+            "img_s": n / best, "tokens_s": summary.tokens / best, "padding": summary.padding_waste,
             "encode_s": summary.encode_s, "steady_img_s": n / max(summary.encode_s, 1e-9),
             "device_idle": max(0.0, 1 - summary.model_s / max(summary.encode_s, 1e-9)),
             "h2d_s": summary.h2d_s, "model_s": summary.model_s,
@@ -380,7 +380,7 @@ def run_bench(config_path: str, device: str = "auto", dtype: str = "auto",
     budget or several (default 32768 on CUDA, 8192 on CPU). ``cuda_graphs``: the settings to
     compare (None = engine default). ``naive_images``: limit the naive baseline to the first
     N images (its rate is per image of the same mix, so the ratio stays fair for a repeating
-    mix). ``e2e``: also time the full pipeline (skipped with a note if it cannot be imported).
+    mix). ``e2e``: also time the full pipeline (``encode`` in this process).
     ``cli``: also time ``dsv4enc encode`` in a fresh process (start-up included).
     ``fused``: the settings of ``--fused`` to time (model rows, and e2e runs for each);
     ``e2e_outputs``: "file" and/or "folder".

@@ -7,15 +7,17 @@ backend), so the fused tower computes the same math with fewer passes over memor
 each of these becomes one Triton kernel instead of five to eight ATen ones; on the CPU one
 inductor C++ loop.
 
-On the CPU compiled with ``dynamic=True``: one kernel serves every row count, so the per-image
-execution does not recompile per image, and a row's value never depends on which kernel a
-shape happened to get (rows stay batch-invariant). On CUDA with static shapes: the
+On the CPU compiled with ``dynamic=True``: one kernel serves every row count, so the
+per-image execution does not recompile per image, and a row's value never depends on which
+kernel a shape happened to get (rows stay batch-invariant). On CUDA with static shapes: the
 batch-invariant engine runs every batch in one bucket, so there is one shape to compile for,
 and kernels specialized to it ran faster than the shape-generic ones (RoPE 4.5x;
 benchmarks/RESULTS.md). A CUDA engine without the invariant path (``--no-deterministic``,
-tensor parallelism) meets many shapes, and keeps shape-generic kernels. Results equal the eager functions to float
-rounding (a fused kernel may keep a value in a register in float32 instead of rounding it to
-the compute dtype in between): ``tests/test_fusion.py`` holds them to it.
+tensor parallelism) meets many shapes, and keeps shape-generic kernels.
+
+Results equal the eager functions to float rounding (a fused kernel may keep a value in a
+register in float32 instead of rounding it to the compute dtype in between):
+``tests/test_fusion.py`` holds them to it.
 """
 
 from __future__ import annotations

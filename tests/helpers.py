@@ -6,6 +6,7 @@ Fixtures live in ``conftest.py``; this module holds functions that tests call di
 from __future__ import annotations
 
 import json
+import time
 import zlib
 from pathlib import Path
 from typing import Iterable, Mapping, Sequence
@@ -190,3 +191,22 @@ def record_hub_downloads(hf, monkeypatch) -> list[str]:
 
     monkeypatch.setattr(hf, "hf_hub_download", recording)
     return names
+
+
+def processes_gone(pids: Iterable[int], timeout_s: float = 30.0) -> bool:
+    """Wait up to ``timeout_s`` until every process in ``pids`` has ended (exited, or a zombie
+    nobody reaps); whether they all have. Reads Linux's /proc."""
+    def gone(pid: int) -> bool:
+        try:
+            with open(f"/proc/{pid}/stat") as stat_file:
+                return stat_file.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+        except FileNotFoundError:
+            return True
+
+    pids = list(pids)
+    deadline = time.monotonic() + timeout_s
+    while not all(gone(pid) for pid in pids):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.1)
+    return True

@@ -45,7 +45,7 @@ from dsv4enc.inputs import InputItem, discover
 from dsv4enc.pipeline import EncodeOptions, run_encode
 from dsv4enc.transform import image_to_patches, plan_canvas
 
-from helpers import REPO_ROOT, table_rows
+from helpers import REPO_ROOT, processes_gone, table_rows
 
 runner = CliRunner()
 IS_ROOT = hasattr(os, "geteuid") and os.geteuid() == 0
@@ -926,14 +926,6 @@ os.kill(os.getpid(), signal.SIGKILL)
 """
 
 
-def gone(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as stat_file:
-            return stat_file.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
-    except FileNotFoundError:
-        return True
-
-
 @pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads Linux's /proc")
 def test_workers_exit_quietly_when_the_main_process_is_killed(tmp_path):
     image = tmp_path / "a.png"
@@ -946,9 +938,6 @@ def test_workers_exit_quietly_when_the_main_process_is_killed(tmp_path):
                               env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
     assert proc.returncode == -signal.SIGKILL
     pids = [int(pid) for pid in proc.stdout.split()]
-    deadline = time.monotonic() + 30
-    while not all(gone(pid) for pid in pids) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert all(gone(pid) for pid in pids)
+    assert processes_gone(pids)
     time.sleep(0.2)  # their last writes to the shared stderr
     assert log.read_text() == ""

@@ -12,8 +12,10 @@ import ctypes
 import logging
 import os
 import sys
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # decode workers import this module and must not import torch
+    import torch
 
 _heap_tuned = False
 
@@ -22,8 +24,10 @@ _heap_tuned = False
 CUDA_HOST_THREADS = 2
 
 
-def own_process_settings(device: torch.device) -> None:
+def own_process_settings(device: "torch.device") -> None:
     """The settings the command line makes once it knows its device."""
+    import torch
+
     # torch's varlen_attn logs one INFO line per call (32 per batch): keep logs readable.
     logging.getLogger("torch.nn.attention.varlen").setLevel(logging.WARNING)
     keep_freed_memory_mapped()  # CUDA runs too: their host side allocates MBs per image
@@ -35,17 +39,23 @@ def own_process_settings(device: torch.device) -> None:
         torch.set_num_threads(min(torch.get_num_threads(), CUDA_HOST_THREADS))
 
 
-def keep_freed_memory_mapped() -> None:
-    """On glibc, serve large CPU tensors from the heap and never trim it back to the OS.
+def keep_freed_memory_mapped(largest_mapped: int = 1 << 30,
+                             keep_free: int = (1 << 31) - 1) -> None:
+    """On glibc, serve large CPU buffers from the heap and keep freed heap memory mapped.
 
-    By default every tensor above a few MB is a fresh mmap that the kernel faults in (and
+    By default every buffer above a few MB is a fresh mmap that the kernel faults in (and
     zeroes) page by page, and freed heap tops are returned to the OS. A CPU forward allocates
     and frees dozens of such tensors per layer, so the page faults alone cost several percent
-    of the forward; the host side of any run (decoded patches off the workers' pipes, packed
-    batches, staging copies, rows, Parquet buffers) allocates tens of MB per image, and
-    faulting them in was a fifth of its CPU time (benchmarks/RESULTS.md, ``bench --host``).
-    The price is that peak memory stays mapped for the life of the process, which is how an
-    encoder runs anyway.
+    of the forward; the host side of any run (packed batches, staging copies, rows, Parquet
+    buffers) allocates tens of MB per image, and faulting them in was a fifth of its CPU time
+    (benchmarks/RESULTS.md, ``bench --host``); a decode worker's image buffers cost it 8 ms
+    of kernel time per 1024x768 photo, as much as a third of its work.
+
+    ``largest_mapped``: buffers up to this size come from the heap; ``keep_free``: freed
+    memory at the heap's top is returned to the OS only beyond this. The defaults keep all of
+    it (the command line's process: peak memory stays mapped for the life of the process,
+    which is how an encoder runs anyway); a decode worker passes bounds, so that one huge
+    image does not leave its memory mapped. Once per process.
     """
     global _heap_tuned
     if _heap_tuned or not sys.platform.startswith("linux"):
@@ -56,5 +66,5 @@ def keep_freed_memory_mapped() -> None:
     except OSError:  # not glibc (e.g. musl): nothing to tune
         return
     m_trim_threshold, m_mmap_threshold = -1, -3  # from glibc's malloc.h
-    libc.mallopt(m_mmap_threshold, 1 << 30)
-    libc.mallopt(m_trim_threshold, (1 << 31) - 1)
+    libc.mallopt(m_mmap_threshold, largest_mapped)
+    libc.mallopt(m_trim_threshold, keep_free)

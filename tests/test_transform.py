@@ -274,3 +274,21 @@ def test_patches_match_per_pixel_arithmetic(tiny_cfg):
     expected = (values.reshape(3, canvas.n_h, p, canvas.n_w, p).permute(1, 3, 0, 2, 4)
                 .reshape(canvas.n_patches, 3 * p * p))
     assert torch.equal(patches, expected)
+
+
+def test_pair_lookup_equals_one_pixel_at_a_time():
+    """The two-byte table gives every pair of 8-bit values the bits the one-byte table gives
+    each value, in the right halves; odd rows and strided input take the one-byte path."""
+    from dsv4enc.transform import NORMALIZED_BF16_BITS, normalize_patch_pixels
+
+    every_pair = np.arange(1 << 16, dtype=np.uint16).view(np.uint8).reshape(-1, 2)
+    assert np.array_equal(normalize_patch_pixels(every_pair),
+                          NORMALIZED_BF16_BITS[every_pair])
+    rng = np.random.default_rng(0)
+    for shape in [(5, 588), (3, 7), (1, 2)]:
+        pixels = rng.integers(0, 256, shape, dtype=np.uint8)
+        out = np.full(shape, 0xFFFF, dtype=np.uint16)
+        assert normalize_patch_pixels(pixels, out) is out
+        assert np.array_equal(out, NORMALIZED_BF16_BITS[pixels])
+    strided = rng.integers(0, 256, (4, 12), dtype=np.uint8)[:, ::2]
+    assert np.array_equal(normalize_patch_pixels(strided), NORMALIZED_BF16_BITS[strided])

@@ -21,7 +21,10 @@ _heap_tuned = False
 
 
 #: torch intra-op threads of a GPU run's main process (unless OMP_NUM_THREADS says otherwise).
-CUDA_HOST_THREADS = 2
+#: One: its CPU work is copies (patches are packed by numpy), and a second OpenMP thread
+#: spun after each copy: 2.2 ms of CPU per 1024x768 photo, 6% of the host's work
+#: (benchmarks/RESULTS.md, per-thread CPU of ``bench --host``).
+CUDA_HOST_THREADS = 1
 
 
 def own_process_settings(device: "torch.device") -> None:
@@ -32,7 +35,7 @@ def own_process_settings(device: "torch.device") -> None:
     logging.getLogger("torch.nn.attention.varlen").setLevel(logging.WARNING)
     keep_freed_memory_mapped()  # CUDA runs too: their host side allocates MBs per image
     if device.type == "cuda" and "OMP_NUM_THREADS" not in os.environ:
-        # A GPU run's main process only copies on the CPU (packing, pinning), beside one decode
+        # A GPU run's main process only copies on the CPU (staging, pinning), beside one decode
         # worker per core. torch's default pool (a thread per core) wakes every thread for
         # each of those small copies, and idle OpenMP threads spin before they sleep: on a
         # 16-core GPU host that took cores from the decode workers (benchmarks/RESULTS.md).

@@ -211,6 +211,10 @@ class HostResult:
     cpu_s: float  # CPU seconds of this process and its decode workers over the call
     out_bytes: int
     costs: StageCosts = field(default_factory=StageCosts)
+    # Images per CPU-second of the images beyond a shorter run's (``run_host_bench(steady=)``):
+    # what a long run's images cost each, start-up excluded. None: not measured.
+    steady_img_per_cpu_s: float | None = None
+    steady_base: int = 0  # images of the shorter run
 
     @property
     def img_per_cpu_s(self) -> float:
@@ -239,12 +243,18 @@ def _size(path: Path) -> int:
 def run_host_bench(config_path: str, images: str = "synthetic:1024x768:256",
                    outputs: Sequence[str] = ("file", "folder"), workers: int | None = None,
                    workdir: str | None = None, sample: int = 8,
-                   options: dict | None = None) -> list[HostResult]:
+                   options: dict | None = None, steady: bool = True) -> list[HostResult]:
     """Encode ``images`` (a folder, or ``synthetic:WxH:N`` / ``synthetic:mix[:N]`` JPEGs made
     once in ``workdir``) with the null stage, once per output kind in ``outputs``.
 
     ``workers``: decode workers (default: as for a CUDA run on this host). ``options``: more
-    ``EncodeOptions`` fields (e.g. ``{"out_dtype": "float32"}``)."""
+    ``EncodeOptions`` fields (e.g. ``{"out_dtype": "float32"}``). ``steady``: also measure
+    the steady state, what each further image costs once a run is going: each output kind
+    runs once more on an eighth of the images, and the difference of the two runs' CPU
+    seconds over the difference of their images is ``steady_img_per_cpu_s`` (a run's fixed
+    costs, its decode workers' start and the last part's flush, cancel). One untimed short run
+    first takes the process's one-time costs (imports, pyarrow's start), so that both timed
+    runs of a kind find the process in the same state."""
     from .bench import resolve_images
     from .pipeline import run_encode
 
@@ -257,27 +267,40 @@ def run_host_bench(config_path: str, images: str = "synthetic:1024x768:256",
         paths = resolve_images(images, base)
         n_workers = default_workers("cuda") if workers is None else workers
         costs = stage_costs(paths[:sample], cfg, (options or {}).get("features", "aligner"))
-        results = []
-        for kind in outputs:
-            out = base / ("host-folder" if kind == "folder" else "host.parquet")
+        short = paths[:len(paths) // 8] if steady and len(paths) >= 16 else []
+
+        def timed(kind: str, inputs: Sequence[Path], name: str):
+            out = base / (f"{name}-folder" if kind == "folder" else f"{name}.parquet")
             target = f"{out}/" if kind == "folder" else str(out)  # the slash makes a folder
-            opts = EncodeOptions(inputs=[str(paths[0].parent)], out=target, config=config_path,
+            source = ([str(paths[0].parent)] if len(inputs) == len(paths)
+                      else [str(p) for p in inputs])
+            opts = EncodeOptions(inputs=source, out=target, config=config_path,
                                  random_init=True, device="cpu", dtype="float32",
                                  out_dtype="float16", workers=n_workers, overwrite=True,
                                  progress=False)
             opts = replace(opts, **(options or {}))
             cpu0, began = _cpu_seconds(), time.perf_counter()
             summary = run_encode(opts, stand_in=NullStage(cfg))
-            total, cpu = time.perf_counter() - began, _cpu_seconds() - cpu0
+            return summary, time.perf_counter() - began, _cpu_seconds() - cpu0, out
+
+        if short:
+            timed(outputs[0] if outputs else "folder", short, "host-warmup")
+        results = []
+        for kind in outputs:
+            short_cpu = timed(kind, short, "host-short")[2] if short else None
+            summary, total, cpu, out = timed(kind, paths, "host")
             done = summary.encoded + summary.failed
             loop = summary.encode_s
             cores = available_cpus()
+            steady_rate = (None if short_cpu is None or cpu <= short_cpu
+                           else (done - len(short)) / (cpu - short_cpu))
             results.append(HostResult(
                 output=kind, images=done, cores=cores, workers=n_workers, seconds=loop,
                 img_s=done / total, img_s_per_core=done / total / cores,
                 loop_img_s=done / loop if loop else 0.0, decode_wait_s=summary.decode_wait_s,
                 stage_s=summary.h2d_s, write_s=summary.write_s, total_s=total, cpu_s=cpu,
-                out_bytes=_size(out), costs=costs))
+                out_bytes=_size(out), costs=costs, steady_img_per_cpu_s=steady_rate,
+                steady_base=len(short)))
         return results
 
 
@@ -297,6 +320,10 @@ def print_host_results(results: Sequence[HostResult], console=None) -> None:
             f"  encoding loop {r.seconds:.2f} s ({r.loop_img_s:.1f} img/s): waiting for decodes "
             f"{r.decode_wait_s:.2f} s, staging {r.stage_s:.2f} s; writing {r.write_s:.2f} s "
             f"(writer threads, final file); output {r.out_bytes / 1e6:.0f} MB")
+        if r.steady_img_per_cpu_s is not None:
+            console.print(f"  steady state: {r.steady_img_per_cpu_s:.1f} images per CPU-second "
+                          f"(the {r.images}-image run less a {r.steady_base}-image one: "
+                          "start-up costs cancel)")
     if results:
         c = results[0].costs
         per_image = c.decode_ms + c.transform_ms + c.pack_ms + c.stage_ms

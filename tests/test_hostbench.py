@@ -93,3 +93,16 @@ def test_cli_bench_host(tmp_path):
     rows = json.loads(report.read_text())
     assert [row["output"] for row in rows] == ["folder"] and rows[0]["images"] == 3
     assert np.isfinite(rows[0]["img_s_per_core"])
+
+
+def test_host_bench_steady_state_subtracts_a_shorter_run(tmp_path):
+    """With 16 images or more, each output also runs on an eighth of them: the steady rate is
+    the extra images over the extra CPU seconds."""
+    results = run_host_bench(TINY, "synthetic:160x120:16", outputs=("folder",), workers=1,
+                             workdir=str(tmp_path), sample=1)
+    (r,) = results
+    assert r.images == 16 and r.steady_base == 2
+    assert r.steady_img_per_cpu_s is not None and r.steady_img_per_cpu_s > 0
+    quiet = run_host_bench(TINY, "synthetic:160x120:16", outputs=("folder",), workers=1,
+                           workdir=str(tmp_path), sample=1, steady=False)
+    assert quiet[0].steady_img_per_cpu_s is None and quiet[0].steady_base == 0

@@ -8,7 +8,9 @@ import subprocess
 import sys
 import textwrap
 
-from helpers import CONFIGS, REPO_ROOT
+import pytest
+
+from helpers import CONFIGS, REPO_ROOT, write_image
 
 # Runs in a fresh interpreter: other tests in this process run the command line in-process.
 SCRIPT = textwrap.dedent("""
@@ -89,3 +91,31 @@ def test_a_gpu_run_keeps_few_torch_threads_in_its_main_process():
 def test_omp_num_threads_overrides_the_gpu_run_thread_cap():
     cpu, cuda, _ = _threads_after_settings({"OMP_NUM_THREADS": "3"})
     assert (cpu, cuda) == (8, 8)
+
+
+def _minor_faults(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as stat_file:
+        return int(stat_file.read().rsplit(")", 1)[1].split()[7])
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's heap, /proc")
+def test_a_decode_worker_keeps_its_image_buffers_mapped(tmp_path):
+    """A worker decoding 1024x768 photos one after another faults in almost no fresh memory
+    per image once its heap has grown. With glibc's defaults it returned each image's
+    buffers (decoded, resized, padded, in patch order) and faulted them back in: over 2000
+    page faults, 7-8 ms of kernel time, per photo."""
+    from dsv4enc.config import VisionConfig
+    from dsv4enc.decode import DecodePool
+
+    cfg = VisionConfig.from_file(CONFIGS / "deepseek-v4-flash.json")
+    paths = [str(write_image(tmp_path / f"{i}.jpg", (1024, 768), seed=i)) for i in range(12)]
+    with DecodePool(cfg, 1, timeout_s=60.0) as pool:
+        pid = pool._workers[0].proc.pid
+        # Each result is dropped at once, so its shared-memory slot is reused: the faults
+        # counted are the worker's own heap's.
+        errors = [r.error for _, r in pool.imap(list(enumerate(paths[:4])), window=1)]
+        before = _minor_faults(pid)
+        errors += [r.error for _, r in pool.imap(list(enumerate(paths[4:])), window=1)]
+        per_image = (_minor_faults(pid) - before) / (len(paths) - 4)
+    assert errors == [None] * len(paths)
+    assert per_image < 300, f"{per_image:.0f} page faults per image"

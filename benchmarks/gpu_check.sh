@@ -184,7 +184,9 @@ if (out / "host.json").exists():
     for r in json.loads((out / "host.json").read_text()):
         print(f"host.json: {r['output']} {r['img_s']:.1f} img/s on {r['cores']} cores "
               f"({r['workers']} decode workers) = {r['img_s_per_core']:.1f} per core, "
-              f"{r['img_per_cpu_s']:.1f} images per CPU-second")
+              f"{r['img_per_cpu_s']:.1f} images per CPU-second"
+              + (f", steady {r['steady_img_per_cpu_s']:.1f}"
+                 if r.get("steady_img_per_cpu_s") else ""))
 if (out / "profile.json").exists():
     for r in json.loads((out / "profile.json").read_text()):
         if r["section"] == "breakdown":

@@ -1,0 +1,268 @@
+"""A single-file output written once: each part's bytes are appended to one growing file.
+
+A local single-file ``--out`` of a one-process run does not keep parts as files: that would
+write every embedding byte twice (the part file, then its copy into the final file), and on
+a small VM writing fresh file data costs several milliseconds of kernel CPU per image.
+Instead each writer thread serializes its part to Parquet in memory, reserves a byte range
+at the end of ``OUT.partial/_growing.parquet``, writes the part's column chunks there
+(``pwrite``), syncs them, and only then records the part in the manifest, the journal: its
+input range and digest as for a part file, plus its byte range and its row groups' metadata
+with offsets moved to where they landed. A kill at any moment leaves the journal naming only
+ranges that are whole on disk; ``--resume`` keeps the file, cuts it after the last recorded
+range and appends after that. The run ends by writing one footer (every recorded row group,
+in input order: Parquet allows row groups anywhere in the file), syncing it and renaming the
+file to ``out``, so ``out`` is never half-written.
+"""
+
+from __future__ import annotations
+
+import base64
+import logging
+import os
+import struct
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from .errors import OutputError
+from .parquet_concat import (_FILE_NUM_ROWS, _FILE_ROW_GROUPS, _I64, _LIST, _STRUCT, MAGIC,
+                             JoinError, _copy_range, _move_group, _Reader, _schema_part,
+                             _Writer, read_footer)
+from .writer import (MANIFEST_NAME, PartLedger, _fsync_dir, _is_journal_entry,
+                     _names_part_file, _part_intact, output_os_error, parquet_options,
+                     transient_errors)
+
+log = logging.getLogger("dsv4enc")
+
+#: The growing file's name in the parts folder (dsv4enc's where a dsv4enc manifest is).
+GROWING_NAME = "_growing.parquet"
+#: Linux writes at most this many bytes per ``pwrite`` call.
+_MAX_WRITE = 0x7FFFF000
+
+
+def _pack(kind: int, value: Any) -> str:
+    """Thrift compact bytes of ``value`` as text for the JSON journal."""
+    writer = _Writer()
+    if kind == _STRUCT:
+        writer.struct(value)
+    else:
+        writer.value(kind, value)
+    return base64.b64encode(bytes(writer.out)).decode("ascii")
+
+
+def _unpack(kind: int, text: str) -> Any:
+    reader = _Reader(base64.b64decode(text))
+    return reader.struct() if kind == _STRUCT else reader.value(kind)
+
+
+def serialize(table: pa.Table, row_group_size: int) -> pa.Buffer:
+    """``table`` as a Parquet file in memory, with the settings of a part file."""
+    sink = pa.BufferOutputStream()
+    pq.write_table(table, sink, row_group_size=row_group_size,
+                   **parquet_options(table.schema))
+    return sink.getvalue()
+
+
+def _footer(data: pa.Buffer) -> tuple[list[list], int]:
+    return read_footer(pa.BufferReader(data), data.size)
+
+
+def _row_groups(footer: list[list]) -> list[list]:
+    """The row groups a decoded footer lists."""
+    return next((field[2][1] for field in footer if field[0] == _FILE_ROW_GROUPS), [])
+
+
+def _size_if_parquet_start(path: Path) -> int:
+    """The size of the file at ``path`` if it starts with ``PAR1``, else 0."""
+    try:
+        with open(path, "rb") as handle:
+            return os.fstat(handle.fileno()).st_size if handle.read(len(MAGIC)) == MAGIC else 0
+    except OSError:
+        return 0
+
+
+def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+    while data:
+        written = os.pwrite(fd, data[:_MAX_WRITE], offset)
+        data, offset = data[written:], offset + written
+
+
+class AppendingStore(PartLedger):
+    """The journaled growing file of a single-file output (see the module's doc).
+
+    Also the run's finisher (as ``writer.StreamingAssembler`` is for part files): ``finish``
+    writes the footer and renames the file to ``out``; ``abort`` keeps it for ``--resume``.
+    """
+
+    def __init__(self, folder: Path, settings: dict[str, Any], schema: pa.Schema, out: Path,
+                 manifest_name: str = MANIFEST_NAME) -> None:
+        super().__init__(folder, settings, manifest_name)
+        self.schema, self.out = schema, out
+        # What every part's footer holds besides its row groups (schema, key-value metadata,
+        # writer): the same for every table of this schema, an empty one included. Kept in
+        # the journal, so that a resume by another pyarrow (other footers) starts over.
+        probe, _ = _footer(serialize(schema.empty_table(), 1))
+        self.extra = {"footer": _pack(_STRUCT, _schema_part(probe))}
+        self._fd: int | None = None
+        self._end = len(MAGIC)  # where the next part's bytes go
+
+    @property
+    def path(self) -> Path:
+        return self.folder / GROWING_NAME
+
+    # -- opening ---------------------------------------------------------------------
+    def create(self) -> None:
+        super().create()
+        self._cut()
+
+    def _intact_parts(self, data: dict) -> dict[str, dict[str, Any]]:
+        """Journal entries whose range is in the file, and part files an earlier dsv4enc
+        committed that can be joined (copied into the growing file by ``forget``). Changes
+        nothing: the run may yet refuse to resume."""
+        size = _size_if_parquet_start(self.path)
+        same_footer = data.get("footer") == self.extra["footer"]
+        return {name: part for name, part in data["parts"].items()
+                if (_is_journal_entry(part) and same_footer and len(MAGIC) <= part["offset"]
+                    and part["offset"] + part["length"] <= size)
+                or (_names_part_file(part) and self._joinable(part))}
+
+    def _joinable(self, part: dict[str, Any]) -> bool:
+        """A part file that reads back whole and whose bytes can join this file's: the same
+        footer besides its row groups (the same pyarrow wrote it), no page indexes."""
+        path = self.folder / part["file"]
+        if not _part_intact(path, part.get("rows")):
+            return False
+        try:
+            with open(path, "rb") as source:
+                footer, _ = read_footer(source, os.fstat(source.fileno()).st_size)
+            for group in _row_groups(footer):
+                _move_group(group, 0, 0)  # raises JoinError where offsets lie outside
+        except (OSError, JoinError):
+            return False
+        return _pack(_STRUCT, _schema_part(footer)) == self.extra["footer"]
+
+    def forget(self, names) -> None:
+        """Drop the parts this run does not reuse, cut the file after the last range still
+        recorded, and copy in the reused part files of the earlier design."""
+        super().forget(names)
+        self._cut()
+        for name, part in list(self.parts.items()):
+            if _names_part_file(part):
+                self._import(name, part)
+
+    def _cut(self) -> None:
+        """Open the file and truncate it after the last recorded range: a torn or forgotten
+        part's tail goes (bytes of one that lie before a recorded range stay unreferenced).
+        A file that does not start with ``PAR1`` (or none) starts anew: nothing of it is
+        recorded then."""
+        self._end = max((p["offset"] + p["length"] for p in self.parts.values()
+                         if _is_journal_entry(p)), default=len(MAGIC))
+        try:
+            if self._fd is None:
+                self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            os.ftruncate(self._fd, self._end)
+            if os.pread(self._fd, len(MAGIC), 0) != MAGIC:
+                os.pwrite(self._fd, MAGIC, 0)
+        except OSError as exc:
+            raise output_os_error(self.path, exc) from None
+
+    def _import(self, name: str, part: dict[str, Any]) -> None:
+        """Copy a part file of the earlier design into the growing file and journal it, then
+        delete the file (its bytes are recorded here now)."""
+        path = self.folder / part["file"]
+        try:
+            with open(path, "rb") as source, open(self.path, "r+b") as target:
+                footer, start = read_footer(source, os.fstat(source.fileno()).st_size)
+                length = start - len(MAGIC)
+                target.seek(self._end)
+                _copy_range(source, target, len(MAGIC), length)
+                target.flush()
+                os.fdatasync(target.fileno())
+        except JoinError as exc:  # checked by _joinable: only if changed since
+            raise OutputError(f"cannot resume: {path}: {exc}; use --overwrite to start "
+                              "over") from None
+        except OSError as exc:
+            raise output_os_error(self.path, exc) from None
+        entry = {key: part[key] for key in ("start", "end", "digest", "rows", "transient")
+                 if key in part}
+        self._journal(name, entry, footer, self._end, length)
+        self._end += length
+        path.unlink(missing_ok=True)
+
+    # -- committing ------------------------------------------------------------------
+    def commit(self, name: str, table: pa.Table, row_group_size: int, start: int, end: int,
+               digest: str) -> None:
+        """Append one part (several writer threads may commit at once; parts land in the
+        file in any order)."""
+        data = serialize(table, row_group_size)
+        footer, footer_at = _footer(data)
+        if _pack(_STRUCT, _schema_part(footer)) != self.extra["footer"]:
+            raise OutputError(f"cannot write {self.out}: a part's Parquet footer differs from "
+                              "the output's")
+        length = footer_at - len(MAGIC)
+        with self._lock:
+            offset, self._end = self._end, self._end + length
+        try:
+            _pwrite_all(self._fd, memoryview(data)[len(MAGIC):footer_at], offset)
+            os.fdatasync(self._fd)  # the bytes are on disk before the journal names them
+        except OSError as exc:
+            raise output_os_error(self.path, exc) from None
+        del data
+        self._journal(name, {"start": start, "end": end, "digest": digest,
+                             "rows": table.num_rows, "transient": transient_errors(table)},
+                      footer, offset, length)
+
+    def _journal(self, name: str, entry: dict[str, Any], footer: list[list], offset: int,
+                 length: int) -> None:
+        """Record a part whose column chunks (at ``MAGIC``'s end in its own file) now lie at
+        ``offset`` of the growing file."""
+        moved = _row_groups(footer)
+        for group in moved:
+            _move_group(group, offset - len(MAGIC), 0)  # ordinals are given at the end
+        self._record(name, {**entry, "offset": offset, "length": length,
+                            "groups": _pack(_LIST, (_STRUCT, moved))})
+
+    # -- the end of the run ----------------------------------------------------------
+    def notify(self) -> None:
+        """A part was committed (nothing to do: its bytes are already in the file)."""
+
+    def _final_footer(self) -> bytes:
+        """One footer for every recorded part's row groups, in input order."""
+        ordered = sorted(self.parts.values(), key=lambda p: p["start"])
+        for before, after in zip(ordered, ordered[1:]):
+            if before["end"] != after["start"]:
+                raise OutputError(f"cannot write {self.out}: rows {before['end']} to "
+                                  f"{after['start']} were not committed")
+        groups: list[list] = []
+        for part in ordered:
+            for group in _unpack(_LIST, part["groups"])[1]:
+                _move_group(group, 0, len(groups))
+                groups.append(group)
+        fields = _unpack(_STRUCT, self.extra["footer"]) + [
+            [_FILE_NUM_ROWS, _I64, sum(p["rows"] for p in ordered)],
+            [_FILE_ROW_GROUPS, _LIST, (_STRUCT, groups)]]
+        writer = _Writer()
+        writer.struct(sorted(fields, key=lambda field: field[0]))
+        return bytes(writer.out) + struct.pack("<I", len(writer.out)) + MAGIC
+
+    def finish(self) -> None:
+        """Write the footer after the last part, sync, and rename the file to ``out``."""
+        try:
+            _pwrite_all(self._fd, memoryview(self._final_footer()), self._end)
+            os.fsync(self._fd)
+            self.close()
+            os.replace(self.path, self.out)
+            _fsync_dir(self.out.parent)
+        except OSError as exc:
+            raise output_os_error(self.out, exc) from None
+
+    def abort(self) -> None:
+        """Stop without producing ``out``: the file and journal stay for ``--resume``."""
+        self.close()
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None

@@ -3,15 +3,16 @@
 A local single-file ``--out`` of a one-process run does not keep parts as files: that would
 write every embedding byte twice (the part file, then its copy into the final file), and on
 a small VM writing fresh file data costs several milliseconds of kernel CPU per image.
-Instead each writer thread serializes its part to Parquet in memory, reserves a byte range
-at the end of ``OUT.partial/_growing.parquet``, writes the part's column chunks there
-(``pwrite``), syncs them, and only then records the part in the manifest, the journal: its
-input range and digest as for a part file, plus its byte range and its row groups' metadata
-with offsets moved to where they landed. A kill at any moment leaves the journal naming only
-ranges that are whole on disk; ``--resume`` keeps the file, cuts it after the last recorded
-range and appends after that. The run ends by writing one footer (every recorded row group,
-in input order: Parquet allows row groups anywhere in the file), syncing it and renaming the
-file to ``out``, so ``out`` is never half-written.
+Instead each writer thread reserves a byte range at the end of
+``OUT.partial/_growing.parquet`` (a bound on the part's Parquet size), has pyarrow write the
+part's column chunks straight into it (``pwrite``; the unused end of the range is given back
+when no later range follows), syncs them, and only then records the part in the manifest,
+the journal: its input range and digest as for a part file, plus its byte range and its row
+groups' metadata with offsets moved to where they landed. A kill at any moment leaves the
+journal naming only ranges that are whole on disk; ``--resume`` keeps the file, cuts it
+after the last recorded range and appends after that. The run ends by writing one footer
+(every recorded row group, in input order: Parquet allows row groups anywhere in the file),
+syncing it and renaming the file to ``out``, so ``out`` is never half-written.
 """
 
 from __future__ import annotations
@@ -58,7 +59,8 @@ def _unpack(kind: int, text: str) -> Any:
 
 
 def serialize(table: pa.Table, row_group_size: int) -> pa.Buffer:
-    """``table`` as a Parquet file in memory, with the settings of a part file."""
+    """``table`` as a Parquet file in memory, with the settings of a part file (for small
+    tables: a growing buffer costs fresh pages, more than a file's page cache)."""
     sink = pa.BufferOutputStream()
     pq.write_table(table, sink, row_group_size=row_group_size,
                    **parquet_options(table.schema))
@@ -87,6 +89,64 @@ def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
     while data:
         written = os.pwrite(fd, data[:_MAX_WRITE], offset)
         data, offset = data[written:], offset + written
+
+
+def _room(table: pa.Table) -> int:
+    """Bytes to reserve for a part: more than its Parquet file takes. Embeddings are stored
+    uncompressed, so their Arrow size bounds them; nested lists add repetition and
+    definition levels (at most about a third of float16 values), and every column chunk
+    a page header, statistics and the footer's entry."""
+    nested = not pa.types.is_large_binary(table.schema.field("embedding").type)
+    return int(table.nbytes * (1.5 if nested else 1.05)) + (1 << 20)
+
+
+class _NoRoom(Exception):
+    """A part's Parquet bytes outgrew its reservation."""
+
+
+class _RangeSink:
+    """A write-only file for pyarrow's Parquet writer that puts byte ``i`` of the file it is
+    given at ``base + i - 4`` of the growing file: the leading ``PAR1`` is dropped, so the
+    column chunks start at ``base``; past ``room`` bytes it raises ``_NoRoom``. No copy in
+    between: each page goes from Arrow's buffer to the file (``pwrite``)."""
+
+    def __init__(self, fd: int, base: int, room: int) -> None:
+        self.fd, self.base, self.room = fd, base, room
+        self.pos = 0  # bytes given so far (its ``tell``: the offsets its footer holds)
+        self.closed = False
+
+    def write(self, data) -> int:
+        view = memoryview(data).cast("B")
+        size = view.nbytes
+        skip = max(0, len(MAGIC) - self.pos)  # the leading magic, not kept
+        if self.pos + size - len(MAGIC) > self.room:
+            raise _NoRoom()
+        if size > skip:
+            _pwrite_all(self.fd, view[skip:], self.base + self.pos + skip - len(MAGIC))
+        self.pos += size
+        return size
+
+    def footer(self) -> tuple[list[list], int]:
+        """The decoded footer written last, and the length of the column chunks before it."""
+        tail = os.pread(self.fd, 8, self.base + self.pos - 8 - len(MAGIC))
+        length = struct.unpack("<I", tail[:4])[0]
+        footer_at = self.pos - 8 - length
+        if tail[4:] != MAGIC or footer_at < len(MAGIC):
+            raise OutputError("the Parquet writer wrote no footer")
+        data = os.pread(self.fd, length, self.base + footer_at - len(MAGIC))
+        return _Reader(data).struct(), footer_at - len(MAGIC)
+
+    def tell(self) -> int:
+        return self.pos
+
+    def writable(self) -> bool:
+        return True
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        self.closed = True
 
 
 class AppendingStore(PartLedger):
@@ -196,23 +256,54 @@ class AppendingStore(PartLedger):
                digest: str) -> None:
         """Append one part (several writer threads may commit at once; parts land in the
         file in any order)."""
-        data = serialize(table, row_group_size)
-        footer, footer_at = _footer(data)
+        room = _room(table)
+        base = self._reserve(room)
+        try:
+            sink = _RangeSink(self._fd, base, room)
+            pq.write_table(table, pa.PythonFile(sink, mode="w"), row_group_size=row_group_size,
+                           **parquet_options(table.schema))
+            footer, length = sink.footer()
+        except _NoRoom:  # more than ``_room`` guessed: the part goes through memory instead
+            self._give_back(base, room, 0)
+            data = serialize(table, row_group_size)
+            footer, footer_at = _footer(data)
+            length = footer_at - len(MAGIC)
+            base = self._reserve(length)
+            room = length
+            self._write(memoryview(data)[len(MAGIC):footer_at], base)
+            del data
+        except OSError as exc:
+            raise output_os_error(self.path, exc) from None
         if _pack(_STRUCT, _schema_part(footer)) != self.extra["footer"]:
             raise OutputError(f"cannot write {self.out}: a part's Parquet footer differs from "
                               "the output's")
-        length = footer_at - len(MAGIC)
-        with self._lock:
-            offset, self._end = self._end, self._end + length
+        self._give_back(base, room, length)
         try:
-            _pwrite_all(self._fd, memoryview(data)[len(MAGIC):footer_at], offset)
             os.fdatasync(self._fd)  # the bytes are on disk before the journal names them
         except OSError as exc:
             raise output_os_error(self.path, exc) from None
-        del data
         self._journal(name, {"start": start, "end": end, "digest": digest,
                              "rows": table.num_rows, "transient": transient_errors(table)},
-                      footer, offset, length)
+                      footer, base, length)
+
+    def _reserve(self, size: int) -> int:
+        """Claim ``size`` bytes at the end of the file for one part; returns where."""
+        with self._lock:
+            base, self._end = self._end, self._end + size
+            return base
+
+    def _give_back(self, base: int, room: int, used: int) -> None:
+        """Return the unused end of a reservation when no later one follows it (else it
+        stays a gap no footer refers to: a little slack per part)."""
+        with self._lock:
+            if self._end == base + room:
+                self._end = base + used
+
+    def _write(self, data: memoryview, offset: int) -> None:
+        try:
+            _pwrite_all(self._fd, data, offset)
+        except OSError as exc:
+            raise output_os_error(self.path, exc) from None
 
     def _journal(self, name: str, entry: dict[str, Any], footer: list[list], offset: int,
                  length: int) -> None:

@@ -252,3 +252,15 @@ def test_resume_from_part_files_of_the_earlier_design(images, folder_rows, tmp_p
     assert summary.reused == sum(p["rows"] for p in kept.values())
     assert rows_of(tmp_path / "e.parquet") == folder_rows
     assert not partial.exists()
+
+
+def test_a_part_larger_than_its_reservation_goes_through_memory(tmp_path, monkeypatch):
+    from dsv4enc import appending
+
+    monkeypatch.setattr(appending, "_room", lambda table: 100)
+    rows = table_rows(12, seed=2)
+    store = committed_store(tmp_path, [(0, 5), (5, 12)], rows, order=[1, 0])
+    store.finish()
+    out = tmp_path / "e.parquet"
+    assert [r["path"] for r in rows_of(out)] == [r.path for r in rows]
+    assert out.stat().st_size == 4 + column_bytes(out) + pq.read_metadata(out).serialized_size + 8

@@ -22,7 +22,7 @@ import logging
 import os
 import struct
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -59,8 +59,9 @@ def _unpack(kind: int, text: str) -> Any:
 
 
 def serialize(table: pa.Table, row_group_size: int) -> pa.Buffer:
-    """``table`` as a Parquet file in memory, with the settings of a part file (for small
-    tables: a growing buffer costs fresh pages, more than a file's page cache)."""
+    """``table`` as a Parquet file in memory, with the settings of a part file: for the
+    schema's probe and a part that outgrew its reservation only (a growing buffer costs
+    fresh pages, more CPU than writing the file)."""
     sink = pa.BufferOutputStream()
     pq.write_table(table, sink, row_group_size=row_group_size,
                    **parquet_options(table.schema))
@@ -183,6 +184,9 @@ class AppendingStore(PartLedger):
         nothing: the run may yet refuse to resume."""
         size = _size_if_parquet_start(self.path)
         same_footer = data.get("footer") == self.extra["footer"]
+        if not same_footer and any(_is_journal_entry(p) for p in data["parts"].values()):
+            log.warning("the finished parts in %s were written with other Parquet metadata "
+                        "(another pyarrow?): they are encoded again", self.folder)
         return {name: part for name, part in data["parts"].items()
                 if (_is_journal_entry(part) and same_footer and len(MAGIC) <= part["offset"]
                     and part["offset"] + part["length"] <= size)
@@ -203,7 +207,7 @@ class AppendingStore(PartLedger):
             return False
         return _pack(_STRUCT, _schema_part(footer)) == self.extra["footer"]
 
-    def forget(self, names) -> None:
+    def forget(self, names: Sequence[str]) -> None:
         """Drop the parts this run does not reuse, cut the file after the last range still
         recorded, and copy in the reused part files of the earlier design."""
         super().forget(names)

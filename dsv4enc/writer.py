@@ -448,15 +448,17 @@ class PartLedger:
         return part.get("transient", 0) == 0
 
     def forget(self, names: Sequence[str]) -> None:
-        """Drop recorded parts that are not reused (and what holds their bytes, where the
-        store can: see ``_discard``)."""
+        """Drop recorded parts that are not reused, and their part files: a folder output
+        must not keep a stale part beside the rows that replace it."""
         for name in names:
             part = self.parts.pop(name, None)
             if part is not None:
                 self._discard(part)
 
     def _discard(self, part: dict[str, Any]) -> None:
-        """Let go of a forgotten part's bytes (nothing to do by default)."""
+        """Delete a forgotten part's file (a range of the growing file needs nothing)."""
+        if _names_part_file(part):
+            (self.folder / part["file"]).unlink(missing_ok=True)
 
     def _record(self, name: str, entry: dict[str, Any]) -> None:
         """Record a committed part in the manifest (several writer threads may call it)."""
@@ -472,17 +474,12 @@ class PartLedger:
 
 
 class PartStore(PartLedger):
-    """Parts as closed files in a folder, listed by ``_manifest.json`` (their ``file``)."""
+    """Parts as closed files in a folder, each listed by the manifest (its ``file``)."""
 
     def _intact_parts(self, data: dict) -> dict[str, dict[str, Any]]:
         return {name: part for name, part in data["parts"].items()
                 if _names_part_file(part) and _part_intact(self.folder / part["file"],
                                                            part.get("rows"))}
-
-    def _discard(self, part: dict[str, Any]) -> None:
-        """A folder output must not keep a stale part beside the rows that replace it."""
-        if "file" in part:
-            (self.folder / part["file"]).unlink(missing_ok=True)
 
     def commit(self, name: str, table: pa.Table, row_group_size: int, start: int, end: int,
                digest: str) -> None:

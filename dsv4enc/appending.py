@@ -41,6 +41,10 @@ log = logging.getLogger("dsv4enc")
 GROWING_NAME = "_growing.parquet"
 #: Linux writes at most this many bytes per ``pwrite`` call.
 _MAX_WRITE = 0x7FFFF000
+#: Positioned writes are POSIX; elsewhere (Windows) a single file is joined from part files.
+AVAILABLE = hasattr(os, "pwrite") and hasattr(os, "pread")
+#: Syncs a file's data (and its size); macOS has no ``fdatasync``.
+_sync_data = getattr(os, "fdatasync", os.fsync)
 
 
 def _pack(kind: int, value: Any) -> str:
@@ -243,7 +247,7 @@ class AppendingStore(PartLedger):
                 target.seek(self._end)
                 _copy_range(source, target, len(MAGIC), length)
                 target.flush()
-                os.fdatasync(target.fileno())
+                _sync_data(target.fileno())
         except JoinError as exc:  # checked by _joinable: only if changed since
             raise OutputError(f"cannot resume: {path}: {exc}; use --overwrite to start "
                               "over") from None
@@ -283,7 +287,7 @@ class AppendingStore(PartLedger):
                               "the output's")
         self._give_back(base, room, length)
         try:
-            os.fdatasync(self._fd)  # the bytes are on disk before the journal names them
+            _sync_data(self._fd)  # the bytes are on disk before the journal names them
         except OSError as exc:
             raise output_os_error(self.path, exc) from None
         self._journal(name, {"start": start, "end": end, "digest": digest,

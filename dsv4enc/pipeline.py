@@ -16,6 +16,7 @@ import time
 import torch
 
 from . import __version__
+from .appending import AVAILABLE as appending_available
 from .appending import AppendingStore
 from .checkpoint import Checkpoint, build_tower, load_checkpoint, random_checkpoint
 from .config import VisionConfig
@@ -166,7 +167,7 @@ def _run_encode(opts: EncodeOptions, dist, setup: RunSetup, stop: StopSignals,
             # One process writing a local file appends each part to it once (appending.py);
             # otherwise parts are files, joined at the end (the staging of an object storage
             # output uploads them as they commit)
-            appending = single_file and local and ranks.world_size == 1
+            appending = single_file and local and ranks.world_size == 1 and appending_available
             store = (AppendingStore(layout.parts_dir, settings, schema, layout.out)
                      if appending else
                      PartStore(layout.parts_dir, settings, layout.manifest_name(dist)))

@@ -83,6 +83,17 @@ def test_a_single_file_is_written_once_and_equals_a_folder_output(images, folder
     assert sorted(p.name for p in tmp_path.iterdir()) == ["e.parquet"]
 
 
+def test_several_writer_threads_in_a_run(images, folder_rows, tmp_path, monkeypatch):
+    """Parts committed by three writer threads at once (so they may land out of order)
+    come out in input order."""
+    from dsv4enc import pipeline
+
+    monkeypatch.setattr(pipeline, "default_writer_threads", lambda: 3)
+    out = tmp_path / "e.parquet"
+    run_encode(options(images, out))
+    assert rows_of(out) == folder_rows
+
+
 def table_rows(n: int, seed: int = 0) -> list[Row]:
     rng = np.random.default_rng(seed)
     return [Row(f"{i}.png", 10, 10, 2, 2, 1, 1 + i % 3,

@@ -96,13 +96,15 @@ def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
         data, offset = data[written:], offset + written
 
 
-def _room(table: pa.Table) -> int:
-    """Bytes to reserve for a part: more than its Parquet file takes. Embeddings are stored
-    uncompressed, so their Arrow size bounds them; nested lists add repetition and
-    definition levels (at most about a third of float16 values), and every column chunk
-    a page header, statistics and the footer's entry."""
-    nested = not pa.types.is_large_binary(table.schema.field("embedding").type)
-    return int(table.nbytes * (1.5 if nested else 1.05)) + (1 << 20)
+def _room(table: pa.Table, row_group_size: int) -> int:
+    """Bytes to reserve for a part: a little more than its Parquet file takes. Embeddings
+    are stored uncompressed, so their Arrow size bounds them (measured: 1.000-1.001x at real
+    width, the nested layout's levels included); each row group adds page headers,
+    statistics and its footer entry (a few KB). A part that needs more is still written,
+    through memory (``commit``); the slack of a range that another was reserved after stays
+    in the file as an unreferenced gap."""
+    groups = -(-max(table.num_rows, 1) // max(row_group_size, 1))
+    return int(table.nbytes * 1.01) + (256 << 10) + (32 << 10) * groups
 
 
 class _NoRoom(Exception):
@@ -264,7 +266,7 @@ class AppendingStore(PartLedger):
                digest: str) -> None:
         """Append one part (several writer threads may commit at once; parts land in the
         file in any order)."""
-        room = _room(table)
+        room = _room(table, row_group_size)
         base = self._reserve(room)
         try:
             sink = _RangeSink(self._fd, base, room)

@@ -8,7 +8,9 @@ bytes by the CPU time of the writing thread, read rates by the process's CPU tim
 pyarrow's threads), so they are per core. Files go to ``--dir`` (page cache, no fsync).
 
 ``--assembly`` measures the host cost of a single-file output against a folder output:
-the same parts committed through ``PartStore`` with and without a ``StreamingAssembler``.
+the same parts committed through ``PartStore`` with and without a ``StreamingAssembler``
+(parts joined into the file: a torchrun or object storage output), and through
+``AppendingStore`` (parts appended once to the file: a local one of one process).
 
     python benchmarks/layouts.py --images 64 --repeats 3
     python benchmarks/layouts.py --assembly --images 128 --repeats 3
@@ -29,6 +31,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from dsv4enc.appending import AppendingStore
 from dsv4enc.reading import read_embeddings
 from dsv4enc.writer import (PartStore, Row, StreamingAssembler, output_schema, parquet_options,
                             rows_per_group, rows_to_table)
@@ -205,18 +208,26 @@ def measure_layouts(args) -> None:
         shutil.rmtree(folder, ignore_errors=True)
 
 
-def commit_parts(rows, schema, folder: Path, single_file: bool, part_images: int) -> float:
-    """Commit ``rows`` as parts like the writer thread does; returns the process CPU seconds
-    (all threads, the assembler's included) until the output is complete."""
-    store = PartStore(folder / "parts", {"tool": "dsv4enc"})
+#: How ``commit_parts`` writes: part files, part files joined into one file, one file.
+OUTPUTS = ("folder", "joined", "appended")
+
+
+def commit_parts(rows, schema, folder: Path, output: str, part_images: int) -> float:
+    """Commit ``rows`` as parts like the writer thread does (``output``: one of OUTPUTS);
+    returns the process CPU seconds (all threads, the assembler's included) until the output
+    is complete."""
+    store = (AppendingStore(folder / "parts", {"tool": "dsv4enc"}, schema,
+                            folder / "out.parquet") if output == "appended"
+             else PartStore(folder / "parts", {"tool": "dsv4enc"}))
     store.create()
     spans = [(s, min(s + part_images, len(rows))) for s in range(0, len(rows), part_images)]
     names = [f"part-{s:06d}" for s, _ in spans]
     store.segments = {n: SimpleNamespace(start=s, end=e, source=rows)
                       for n, (s, e) in zip(names, spans)}
     cpu = time.process_time()
-    assembler = (StreamingAssembler(store, names, folder / "out.parquet", schema)
-                 if single_file else None)
+    assembler = (store if output == "appended" else
+                 StreamingAssembler(store, names, folder / "out.parquet", schema)
+                 if output == "joined" else None)
     for name, (start, end) in zip(names, spans):
         table = rows_to_table(rows[start:end], schema)
         group = rows_per_group(schema, rows[start:end])
@@ -253,23 +264,24 @@ def measure_assembly(args) -> None:
     print(f"{args.images} images, parts of {args.part_images}; writer CPU s (process, all "
           f"threads), best of {args.repeats}; the other host stages (decode, transform, pack, "
           f"staging) cost {other:.1f} ms per 1024x768 JPEG on one thread\n\n"
-          "| layout | folder output | single file | single file / folder (writer) | "
-          "single file / folder (host per image) |\n|---|---|---|---|---|")
+          "| layout | output | writer CPU s | / folder (writer) | / folder (host per image) |"
+          "\n|---|---|---|---|---|")
     for layout in ("binary", "nested"):
         schema = output_schema(args.width, "float16", {"tool": "dsv4enc"}, layout=layout)
-        best = {False: 1e9, True: 1e9}
+        best = dict.fromkeys(OUTPUTS, 1e9)
         for _ in range(args.repeats):
-            for single in (False, True):  # interleaved
+            for output in OUTPUTS:  # interleaved
                 folder = Path(tempfile.mkdtemp(dir=args.dir))
                 try:
-                    best[single] = min(best[single], commit_parts(
-                        rows, schema, folder, single, args.part_images))
+                    best[output] = min(best[output], commit_parts(
+                        rows, schema, folder, output, args.part_images))
                 finally:
                     shutil.rmtree(folder, ignore_errors=True)
         per_image = {k: v * 1e3 / args.images for k, v in best.items()}
-        host = (other + per_image[True]) / (other + per_image[False])
-        print(f"| {layout} | {best[False]:.2f} | {best[True]:.2f} | "
-              f"{best[True] / best[False]:.2f} | {host:.3f} |")
+        for output in OUTPUTS:
+            host = (other + per_image[output]) / (other + per_image["folder"])
+            print(f"| {layout} | {output} | {best[output]:.2f} | "
+                  f"{best[output] / best['folder']:.2f} | {host:.3f} |")
 
 
 def main() -> None:

@@ -5,8 +5,9 @@ interrupted run already finished.
 dsv4enc deletes or replaces only what is provably its own: a single-file ``--out`` that is a
 Parquet file with dsv4enc's metadata, and in a parts folder (``OUT.partial/`` or a folder
 ``--out``) the manifests it recognises by their content (``writer.manifest_kind``), its part
-file names and its temporary names. Anything else makes the run refuse in one line, before
-anything is written or deleted.
+file names, the growing file of a single file (``appending.GROWING_NAME``) and its temporary
+names. Anything else makes the run refuse in one line, before anything is written or
+deleted.
 """
 
 from __future__ import annotations
@@ -26,10 +27,13 @@ from typing import TYPE_CHECKING, Iterable
 from .errors import AlreadyComplete, DsvError, OutputError, UsageError
 from .items import is_image_name
 from .planning import inputs_digest
-from .writer import (MANIFEST_FILE, PART_FILE, TEMP_FILE, PartStore, Row, StreamingAssembler,
-                     output_os_error, read_manifest, rows_per_group, rows_to_table)
+from .appending import GROWING_NAME
+from .writer import (MANIFEST_FILE, PART_FILE, TEMP_FILE, PartLedger, PartStore, Row,
+                     StreamingAssembler, output_os_error, read_manifest, rows_per_group,
+                     rows_to_table)
 
 if TYPE_CHECKING:
+    from .appending import AppendingStore
     from .options import EncodeOptions
     from .planning import Part
     from .summary import RunSummary
@@ -188,7 +192,8 @@ class OutputLayout:
                                  or MANIFEST_FILE.fullmatch(temp.group(1))
                                  or (not self.folder_mode and temp.group(1) == self.out.name)):
             return True
-        return manifests and bool(PART_FILE.fullmatch(name) or MANIFEST_FILE.fullmatch(name))
+        return manifests and bool(PART_FILE.fullmatch(name) or MANIFEST_FILE.fullmatch(name)
+                                  or name == GROWING_NAME)
 
     def _owned_and_foreign(self) -> tuple[list[Path], list[str]]:
         """Files of the parts folder dsv4enc wrote (lock excepted), and the names of the
@@ -298,7 +303,7 @@ class OutputLayout:
         # Nobody else writes here (we hold the lock): a killed run's temporaries go, and so
         # do part files no manifest lists (renamed into place just before a kill), which a
         # folder output would otherwise show beside the rows that replace them.
-        listed = {part["file"] for path in self._manifests()
+        listed = {part.get("file") for path in self._manifests()
                   for part in (read_manifest(path) or {"parts": {}})["parts"].values()}
         self._remove(p for p in owned if TEMP_FILE.fullmatch(p.name)
                      or (PART_FILE.fullmatch(p.name) and p.name not in listed))
@@ -329,7 +334,7 @@ class OutputLayout:
         owned, _ = self._owned_and_foreign()
         self._remove(owned)
 
-    def resume_hint(self, store: PartStore) -> str:
+    def resume_hint(self, store: PartLedger) -> str:
         """What an interrupted run leaves, for its one-line message."""
         if not store.parts:
             if self.folder_mode:
@@ -342,12 +347,13 @@ class OutputLayout:
                 "--resume to finish")
 
     def discard_if_empty(self) -> None:
-        """After a failed run, remove a single-file output's manifest and temporaries if no
-        part was committed (committed parts are kept for --resume)."""
+        """After a failed run, remove a single-file output's manifest, growing file and
+        temporaries if no part was committed (committed parts are kept for --resume)."""
         if self.folder_mode:
             return
         owned, _ = self._owned_and_foreign()
-        if not any(PART_FILE.fullmatch(p.name) for p in owned):
+        recorded = any((read_manifest(path) or {}).get("parts") for path in self._manifests())
+        if not recorded and not any(PART_FILE.fullmatch(p.name) for p in owned):
             self._remove(owned)
 
     def release(self) -> None:
@@ -379,8 +385,8 @@ class PartWriter:
     passed since the last commit, whichever comes first (so a kill loses about that much
     work at most). Without ``commit_seconds`` (--shard-output) each segment is a part."""
 
-    def __init__(self, store: PartStore, schema, threads: int = 1,
-                 assembler: StreamingAssembler | None = None) -> None:
+    def __init__(self, store: PartStore | AppendingStore, schema, threads: int = 1,
+                 assembler: StreamingAssembler | AppendingStore | None = None) -> None:
         self.store = store
         self.schema = schema
         self.assembler = assembler
@@ -407,7 +413,7 @@ class PartWriter:
                 group_rows = rows_per_group(self.schema, rows)
                 del job, rows  # the table holds what it needs of them: let the rest go
                 self.store.commit(name, table, group_rows, start, end, digest)
-                if self.assembler is not None:  # it copies the committed part's bytes
+                if self.assembler is not None:  # a StreamingAssembler copies the part
                     self.assembler.notify()
             except BaseException as exc:  # re-raised on the main thread
                 self.error = exc
@@ -456,7 +462,7 @@ class PartWriter:
         self.check()
 
 
-def resume_filter(store: PartStore, parts: list[Part], opts: EncodeOptions,
+def resume_filter(store: PartLedger, parts: list[Part], opts: EncodeOptions,
                   ranks: Topology, summary: RunSummary) -> list[Part]:
     """Parts still to encode; with ``--resume``, check settings and skip committed parts.
 
@@ -482,7 +488,7 @@ def resume_filter(store: PartStore, parts: list[Part], opts: EncodeOptions,
     return todo
 
 
-def _uncommitted(store: PartStore, parts: list[Part], opts: EncodeOptions) -> list[str]:
+def _uncommitted(store: PartLedger, parts: list[Part], opts: EncodeOptions) -> list[str]:
     store.settings = {**store.settings, **row_options(opts)}
     if not opts.resume or not store.manifest_path.is_file():
         store.create()
@@ -507,7 +513,7 @@ def _uncommitted(store: PartStore, parts: list[Part], opts: EncodeOptions) -> li
     return todo
 
 
-def _reusable(store: PartStore, parts: list[Part]) -> set[tuple[int, int]]:
+def _reusable(store: PartLedger, parts: list[Part]) -> set[tuple[int, int]]:
     """Ranges of recorded parts that this run can keep: they start and end where this run's
     segments do (parts are joined segments, cut wherever --commit-every struck), and hold
     the same inputs as now, without a transient error."""

@@ -16,6 +16,8 @@ import time
 import torch
 
 from . import __version__
+from .appending import AVAILABLE as appending_available
+from .appending import AppendingStore
 from .checkpoint import Checkpoint, build_tower, load_checkpoint, random_checkpoint
 from .config import VisionConfig
 from .device import resolve_device, resolve_dtype, resolve_out_dtype
@@ -106,8 +108,8 @@ def run_encode(opts: EncodeOptions, dist=None, setup: RunSetup | None = None,
             opts = remote.opts
         layout = OutputLayout(opts.out, opts.shard_output)
         if remote is not None:
-            return remote.run(lambda: _run_encode(opts, dist, setup, stop, layout, stand_in),
-                              dist)
+            return remote.run(lambda: _run_encode(opts, dist, setup, stop, layout, stand_in,
+                                                  local=False), dist)
         return _run_encode(opts, dist, setup, stop, layout, stand_in)
     finally:
         if layout is not None:
@@ -121,7 +123,8 @@ def run_encode(opts: EncodeOptions, dist=None, setup: RunSetup | None = None,
 
 
 def _run_encode(opts: EncodeOptions, dist, setup: RunSetup, stop: StopSignals,
-                layout: OutputLayout, stand_in=None) -> RunSummary:
+                layout: OutputLayout, stand_in=None, local: bool = True) -> RunSummary:
+    """``local``: ``--out`` is a local path (not the staging of an object storage one)."""
     started = setup.started if setup.found is not None else time.perf_counter()
     validate(opts)
     device = resolve_device(opts.device, dist)
@@ -158,18 +161,25 @@ def _run_encode(opts: EncodeOptions, dist, setup: RunSetup, stop: StopSignals,
             settings = run_settings(ckpt, opts, dtype, part_images, engine)
             if ranks.shard_output:
                 settings["world_size"] = ranks.world_size
-            store = PartStore(layout.parts_dir, settings, layout.manifest_name(dist))
+            schema = output_schema(cfg.output_width(opts.features), opts.out_dtype,
+                                   settings, pooled=opts.pool == "mean", layout=opts.layout)
+            single_file = not layout.folder_mode and ranks.is_main
+            # One process writing a local file appends each part to it once (appending.py);
+            # otherwise parts are files, joined at the end (the staging of an object storage
+            # output uploads them as they commit)
+            appending = single_file and local and ranks.world_size == 1 and appending_available
+            store = (AppendingStore(layout.parts_dir, settings, schema, layout.out)
+                     if appending else
+                     PartStore(layout.parts_dir, settings, layout.manifest_name(dist)))
             parts = plan_parts(planned, part_images, ranks, opts.balance, cfg, segment_tokens=(
                 None if ranks.splits_images else  # greedy per part
                 segment_tokens(engine.batch_tokens, device.type)))
             todo = resume_filter(store, parts, opts, ranks, summary)
-            schema = output_schema(cfg.output_width(opts.features), opts.out_dtype,
-                                   settings, pooled=opts.pool == "mean", layout=opts.layout)
             progress.start(total=len(planned), done=summary.reused,
                            tokens=sum(planned[i].tokens for p in todo
                                       for i in range(p.start, p.end)))
-            single_file = not layout.folder_mode and ranks.is_main
-            assembler = (StreamingAssembler(store, [p.name for p in parts], layout.out, schema)
+            assembler = (store if appending else
+                         StreamingAssembler(store, [p.name for p in parts], layout.out, schema)
                          if single_file else None)
             writer = (PartWriter(store, schema, default_writer_threads(), assembler)
                       if ranks.writes else None)

@@ -2,8 +2,10 @@
 
 Work is committed in closed part files: each is written under a hidden temporary name, fsynced
 and renamed, then the manifest (also written by rename) records it. A kill at any moment
-leaves only whole parts behind, and ``--resume`` reuses them. A single-file ``--out`` is
-assembled from the parts at the end, again by rename, so it is never half-written.
+leaves only whole parts behind, and ``--resume`` reuses them. A single-file ``--out`` of
+several ranks or in object storage is assembled from the parts at the end, again by rename,
+so it is never half-written (a local one of one process skips the part files:
+``appending.py``). ``PartLedger`` is the manifest bookkeeping both share.
 """
 
 from __future__ import annotations
@@ -324,10 +326,23 @@ def _part_intact(path: Path, rows: int | None) -> bool:
         return False
 
 
-def manifest_document(settings: dict[str, Any], parts: dict[str, dict[str, Any]]) -> dict:
-    """A manifest's content: its format tag, the run's settings and the committed parts."""
+def manifest_document(settings: dict[str, Any], parts: dict[str, dict[str, Any]],
+                      **extra: Any) -> dict:
+    """A manifest's content: its format tag, the run's settings and the committed parts
+    (and what else its store keeps there, e.g. the growing file's footer)."""
     return {"format": MANIFEST_FORMAT, "version": MANIFEST_VERSION, "settings": settings,
-            "parts": parts}
+            "parts": parts, **extra}
+
+
+def _names_part_file(part: dict) -> bool:
+    """A part committed as its own file (``PartStore``), under a dsv4enc part file name."""
+    return isinstance(part.get("file"), str) and bool(PART_FILE.fullmatch(part["file"]))
+
+
+def _is_journal_entry(part: dict) -> bool:
+    """A part committed as a byte range of the growing file (``appending.AppendingStore``)."""
+    return ("file" not in part and isinstance(part.get("offset"), int)
+            and isinstance(part.get("length"), int))
 
 
 def manifest_kind(data: Any) -> str | None:
@@ -342,8 +357,7 @@ def manifest_kind(data: Any) -> str | None:
     if not isinstance(settings, dict) or settings.get("tool") != "dsv4enc":
         return None
     for part in data["parts"].values():
-        if not (isinstance(part, dict) and isinstance(part.get("file"), str)
-                and PART_FILE.fullmatch(part["file"])):
+        if not (isinstance(part, dict) and (_names_part_file(part) or _is_journal_entry(part))):
             return None
     if data.get("format") == MANIFEST_FORMAT and data.get("version") == MANIFEST_VERSION:
         return "current"
@@ -368,13 +382,13 @@ def transient_errors(table: pa.Table) -> int:
                if error is not None and error.startswith(TRANSIENT_ERRORS))
 
 
-class PartStore:
-    """A folder of committed part files plus ``_manifest.json``.
-
-    The manifest (``manifest_document``) holds the run's ``settings`` (what must match for
-    ``--resume``) and, per committed part, its file name, input range, ``digest`` (of its
-    keys, then of its input files' sizes and times: ``KEYS.FILES``), row count and how many
-    rows hold a transient error.
+class PartLedger:
+    """What every way of committing parts keeps: the manifest (``manifest_document``) with
+    the run's ``settings`` (what must match for ``--resume``) and, per committed part, its
+    input range, ``digest`` (of its keys, then of its input files' sizes and times:
+    ``KEYS.FILES``), row count and how many rows hold a transient error; plus where the
+    part's bytes are, which each store says (``PartStore``: a part file; the appending
+    store: a range of one growing file).
     """
 
     def __init__(self, folder: Path, settings: dict[str, Any],
@@ -383,6 +397,7 @@ class PartStore:
         self.settings = settings
         self.manifest_name = manifest_name
         self.parts: dict[str, dict[str, Any]] = {}
+        self.extra: dict[str, Any] = {}  # more top-level manifest entries (a store's own)
         self.changed = 0  # committed parts whose input files changed (found by ``committed``)
         self.segments: dict[str, Any] = {}  # the run's planned segments (``planning.Part``)
         self.commit_seconds: float | None = None  # join segments into parts for this long
@@ -412,9 +427,12 @@ class PartStore:
             raise OutputError(f"cannot resume: {self.manifest_path} was written by an earlier "
                               "dsv4enc that did not record its input files' sizes and times; "
                               "use --overwrite to start over")
-        self.parts = {name: part for name, part in data["parts"].items()
-                      if _part_intact(self.folder / part["file"], part.get("rows"))}
+        self.parts = self._intact_parts(data)
         return data["settings"]
+
+    def _intact_parts(self, data: dict) -> dict[str, dict[str, Any]]:
+        """The recorded parts whose bytes are still there, whole (the rest is re-encoded)."""
+        raise NotImplementedError
 
     def committed(self, name: str, start: int, end: int, digest: str) -> bool:
         """Part ``name`` was committed for exactly these inputs, as they are now: the same
@@ -430,27 +448,46 @@ class PartStore:
         return part.get("transient", 0) == 0
 
     def forget(self, names: Sequence[str]) -> None:
-        """Drop recorded parts that are not reused, and their files: a folder output must
-        not keep a stale part beside the rows that replace it."""
+        """Drop recorded parts that are not reused, and their part files: a folder output
+        must not keep a stale part beside the rows that replace it."""
         for name in names:
             part = self.parts.pop(name, None)
             if part is not None:
-                (self.folder / part["file"]).unlink(missing_ok=True)
+                self._discard(part)
+
+    def _discard(self, part: dict[str, Any]) -> None:
+        """Delete a forgotten part's file (a range of the growing file needs nothing)."""
+        if _names_part_file(part):
+            (self.folder / part["file"]).unlink(missing_ok=True)
+
+    def _record(self, name: str, entry: dict[str, Any]) -> None:
+        """Record a committed part in the manifest (several writer threads may call it)."""
+        with self._lock:
+            parts = dict(self.parts)
+            parts[name] = entry
+            self.parts = parts  # readers on other threads see the old or the new dict whole
+            self.save()
+
+    def save(self) -> None:
+        write_json_atomic(manifest_document(self.settings, self.parts, **self.extra),
+                          self.manifest_path)
+
+
+class PartStore(PartLedger):
+    """Parts as closed files in a folder, each listed by the manifest (its ``file``)."""
+
+    def _intact_parts(self, data: dict) -> dict[str, dict[str, Any]]:
+        return {name: part for name, part in data["parts"].items()
+                if _names_part_file(part) and _part_intact(self.folder / part["file"],
+                                                           part.get("rows"))}
 
     def commit(self, name: str, table: pa.Table, row_group_size: int, start: int, end: int,
                digest: str) -> None:
         """Write one part (several writer threads may commit at once)."""
         file = f"{name}.parquet"
         write_table_atomic(table, self.folder / file, row_group_size)
-        with self._lock:
-            parts = dict(self.parts)
-            parts[name] = {"file": file, "start": start, "end": end, "digest": digest,
-                           "rows": table.num_rows, "transient": transient_errors(table)}
-            self.parts = parts  # readers on other threads see the old or the new dict whole
-            self.save()
-
-    def save(self) -> None:
-        write_json_atomic(manifest_document(self.settings, self.parts), self.manifest_path)
+        self._record(name, {"file": file, "start": start, "end": end, "digest": digest,
+                            "rows": table.num_rows, "transient": transient_errors(table)})
 
     def part_files(self) -> list[Path]:
         """Committed part files in input order."""

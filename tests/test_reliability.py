@@ -28,6 +28,7 @@ from PIL import Image
 from typer.testing import CliRunner
 
 from dsv4enc import planning
+from dsv4enc.appending import GROWING_NAME
 from dsv4enc.cli import app
 from dsv4enc.decode import Probe
 from dsv4enc.pipeline import EncodeOptions, Interrupted, run_encode
@@ -180,14 +181,15 @@ def interrupted(images, tmp_path_factory) -> dict[int, Interruption]:
 
 
 def check_left_behind(run: Interruption) -> dict:
-    """Only whole parts: every listed part file reads back with its recorded rows, in
-    order from the start; no --out."""
+    """Only whole parts: every part the journal lists lies inside the growing file, with its
+    recorded rows; no --out."""
     assert not run.out.exists()
     parts = committed(run.partial)
     assert 1 <= len(parts) < N_PARTS, "the run finished before it could be interrupted"
+    size = (run.partial / GROWING_NAME).stat().st_size
     for name, part in parts.items():
-        table = pq.read_table(run.partial / part["file"])
-        assert table.num_rows == part["rows"] == part["end"] - part["start"]
+        assert part["offset"] + part["length"] <= size
+        assert part["rows"] == part["end"] - part["start"]
     return parts
 
 
@@ -199,6 +201,8 @@ def test_sigkill_then_resume_equals_a_clean_run(interrupted, images, clean):
     # was renamed into place but never recorded (both must be encoded again, not trusted).
     (run.partial / ".part-000020.parquet.tmp").write_bytes(b"PAR1 torn")
     (run.partial / "part-000021.parquet").write_bytes(b"PAR1 not recorded")
+    with open(run.partial / GROWING_NAME, "ab") as growing:  # a part torn by the kill
+        growing.write(b"half a part")
     summary = run_encode(options(images, run.out, resume=True))
     assert summary.reused == PART * len(parts)
     assert summary.encoded + summary.failed + summary.reused == N_ITEMS
@@ -230,9 +234,10 @@ def test_sigint_exits_130_keeps_parts_and_a_damaged_part_is_encoded_again(
     assert "SIGINT" in run.stderr and "--resume" in run.stderr
     assert "Traceback" not in run.stderr
     parts = check_left_behind(run)
-    # A recorded part that was damaged afterwards is not trusted.
-    first = run.partial / parts["part-000000"]["file"]
-    first.write_bytes(first.read_bytes()[:100])
+    # A recorded part whose bytes are not in the file is not trusted.
+    data = json.loads((run.partial / "_manifest.json").read_text())
+    data["parts"]["part-000000"]["offset"] = (run.partial / GROWING_NAME).stat().st_size
+    (run.partial / "_manifest.json").write_text(json.dumps(data))
     summary = run_encode(options(images, run.out, resume=True))
     # The signal commits the finished segments too: the last part may hold fewer than PART.
     assert summary.reused == sum(p["end"] - p["start"] for name, p in parts.items()
@@ -407,7 +412,7 @@ def phase_runs(images, tmp_path_factory) -> dict[str, PhaseRun]:
                  "dsv4enc.pipeline:load_model"),
         PhaseRun(root, "planning", signal.SIGINT, [str(images)], "dsv4enc.pipeline:plan_parts"),
         PhaseRun(root, "assembling", signal.SIGTERM, [str(images)],
-                 "dsv4enc.writer:StreamingAssembler.finish"),
+                 "dsv4enc.appending:AppendingStore.finish"),
     ]
     try:
         pending = list(runs)

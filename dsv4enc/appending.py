@@ -32,8 +32,8 @@ from .parquet_concat import (_FILE_NUM_ROWS, _FILE_ROW_GROUPS, _I64, _LIST, _STR
                              JoinError, _copy_range, _move_group, _Reader, _schema_part,
                              _Writer, read_footer)
 from .writer import (MANIFEST_NAME, PartLedger, _fsync_dir, _is_journal_entry,
-                     _names_part_file, _part_intact, output_os_error, parquet_options,
-                     transient_errors)
+                     _names_part_file, _part_intact, drop_cached_pages, output_os_error,
+                     parquet_options, transient_errors)
 
 log = logging.getLogger("dsv4enc")
 
@@ -292,6 +292,7 @@ class AppendingStore(PartLedger):
             _sync_data(self._fd)  # the bytes are on disk before the journal names them
         except OSError as exc:
             raise output_os_error(self.path, exc) from None
+        drop_cached_pages(self._fd, base, length)  # never read back: free the cache now
         self._journal(name, {"start": start, "end": end, "digest": digest,
                              "rows": table.num_rows, "transient": transient_errors(table)},
                       footer, base, length)

@@ -170,7 +170,8 @@ def _run_encode(opts: EncodeOptions, dist, setup: RunSetup, stop: StopSignals,
             appending = single_file and local and ranks.world_size == 1 and appending_available
             store = (AppendingStore(layout.parts_dir, settings, schema, layout.out)
                      if appending else
-                     PartStore(layout.parts_dir, settings, layout.manifest_name(dist)))
+                     PartStore(layout.parts_dir, settings, layout.manifest_name(dist),
+                               drop_cache=layout.folder_mode and local))
             parts = plan_parts(planned, part_images, ranks, opts.balance, cfg, segment_tokens=(
                 None if ranks.splits_images else  # greedy per part
                 segment_tokens(engine.batch_tokens, device.type)))

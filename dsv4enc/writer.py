@@ -290,14 +290,36 @@ def temp_path(path: Path, folder: Path | None = None) -> Path:
 TEMP_FILE = re.compile(r"\.(.+?)\.(?:\d+-[0-9a-f]{8}\.)?tmp")
 
 
-def write_table_atomic(table: pa.Table, path: Path, row_group_size: int) -> None:
-    """Write ``table`` to ``path`` via a hidden temporary file, fsync, and rename."""
+def drop_cached_pages(fd: int, offset: int = 0, length: int = 0) -> None:
+    """Tell the kernel that a written and synced range of a file (``length`` 0: to its end)
+    will not be read again, so its page-cache pages are freed at once.
+
+    Why: every page of an output is written once and never read back by the run. Left in
+    the cache, gigabytes of embeddings evict the user's cached files, and each new write
+    takes fresh pages, which cost more kernel time than pages freed a moment ago (on the
+    2-core test VM, 5-8 against 3-4 ms per 2.75 MB photo's rows; benchmarks/RESULTS.md).
+    Advice only: where it is not available or fails, nothing changes."""
+    advise = getattr(os, "posix_fadvise", None)
+    if advise is None:
+        return
+    try:
+        advise(fd, offset, length, os.POSIX_FADV_DONTNEED)
+    except OSError:
+        pass
+
+
+def write_table_atomic(table: pa.Table, path: Path, row_group_size: int,
+                       drop_cache: bool = False) -> None:
+    """Write ``table`` to ``path`` via a hidden temporary file, fsync, and rename.
+    ``drop_cache``: the run will not read the file again (``drop_cached_pages``)."""
     tmp = temp_path(path)
     try:
         pq.write_table(table, tmp, row_group_size=row_group_size,
                        **parquet_options(table.schema))
         with open(tmp, "rb+") as handle:
             os.fsync(handle.fileno())
+            if drop_cache:
+                drop_cached_pages(handle.fileno())
         os.replace(tmp, path)
         _fsync_dir(path.parent)
     except OSError as exc:
@@ -474,7 +496,16 @@ class PartLedger:
 
 
 class PartStore(PartLedger):
-    """Parts as closed files in a folder, each listed by the manifest (its ``file``)."""
+    """Parts as closed files in a folder, each listed by the manifest (its ``file``).
+
+    ``drop_cache``: the parts are the output itself (a local folder), never read back by the
+    run, so their pages leave the page cache once synced; not for parts that are joined
+    into a single file or uploaded, which are read again at once."""
+
+    def __init__(self, folder: Path, settings: dict[str, Any],
+                 manifest_name: str = MANIFEST_NAME, drop_cache: bool = False) -> None:
+        super().__init__(folder, settings, manifest_name)
+        self.drop_cache = drop_cache
 
     def _intact_parts(self, data: dict) -> dict[str, dict[str, Any]]:
         return {name: part for name, part in data["parts"].items()
@@ -485,7 +516,7 @@ class PartStore(PartLedger):
                digest: str) -> None:
         """Write one part (several writer threads may commit at once)."""
         file = f"{name}.parquet"
-        write_table_atomic(table, self.folder / file, row_group_size)
+        write_table_atomic(table, self.folder / file, row_group_size, self.drop_cache)
         self._record(name, {"file": file, "start": start, "end": end, "digest": digest,
                             "rows": table.num_rows, "transient": transient_errors(table)})
 

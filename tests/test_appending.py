@@ -275,3 +275,39 @@ def test_a_part_larger_than_its_reservation_goes_through_memory(tmp_path, monkey
     out = tmp_path / "e.parquet"
     assert [r["path"] for r in rows_of(out)] == [r.path for r in rows]
     assert out.stat().st_size == 4 + column_bytes(out) + pq.read_metadata(out).serialized_size + 8
+
+
+def test_output_pages_leave_the_page_cache_once_synced(images, folder_rows, tmp_path,
+                                                       monkeypatch):
+    """Every byte dsv4enc writes for a local output is advised out of the page cache after
+    its sync (the run never reads it back): each folder part whole, each appended range of
+    a single file. Parts that are read again (joined by torchrun's rank 0, uploaded to
+    object storage) are not: ``PartStore(drop_cache=False)``, the default."""
+    import os
+
+    advised: list[tuple[str, int, int]] = []
+
+    def record(fd, offset, length, advice):
+        assert advice == os.POSIX_FADV_DONTNEED
+        advised.append((os.readlink(f"/proc/self/fd/{fd}"), offset, length))
+
+    if not hasattr(os, "posix_fadvise") or not Path("/proc/self/fd").is_dir():
+        pytest.skip("needs posix_fadvise and /proc")
+    monkeypatch.setattr(os, "posix_fadvise", record)
+    folder = tmp_path / "emb"
+    run_encode(options(images, f"{folder}/"))
+    parts = sorted(p.name for p in folder.glob("*.parquet"))
+    assert len(parts) >= N_IMAGES // PART
+    # Each part is advised whole (offset 0, length 0: to the end) under its temporary name.
+    assert all(offset == 0 and length == 0 for _, offset, length in advised)
+    assert len(advised) == len(parts)
+
+    advised.clear()
+    out = tmp_path / "e.parquet"
+    run_encode(options(images, out))
+    assert rows_of(out) == folder_rows
+    ranges = sorted((offset, length) for _, offset, length in advised)
+    assert ranges and all(length > 0 for _, length in ranges)
+    assert all(a + n <= b for (a, n), (b, _) in zip(ranges, ranges[1:]))  # disjoint
+    assert ranges[-1][0] + ranges[-1][1] < out.stat().st_size  # the footer follows them
+    assert writer.PartStore(tmp_path, {}).drop_cache is False

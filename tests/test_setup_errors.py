@@ -23,7 +23,7 @@ import torch
 from PIL import Image
 from typer.testing import CliRunner
 
-from dsv4enc import writer
+from dsv4enc import appending, pipeline, writer
 from dsv4enc.checkpoint import random_state_dict, save_checkpoint
 from dsv4enc.cli import app
 from dsv4enc.config import VisionConfig
@@ -235,18 +235,46 @@ def resume_and_compare(images, out, ckpt, clean, reused: int) -> None:
     assert not out.with_name(out.name + ".partial").exists()
 
 
+@pytest.fixture(params=["appended", "joined"])
+def single_file(request, monkeypatch) -> str:
+    """How a single-file output is built: appended to one growing file (one local process),
+    or joined from part files (torchrun, object storage), forced here by saying positioned
+    writes are missing."""
+    if request.param == "joined":
+        monkeypatch.setattr(pipeline, "appending_available", False)
+    return request.param
+
+
+def recorded_end(partial: Path) -> int:
+    """Where the growing file's last recorded range ends."""
+    return max(p["offset"] + p["length"] for p in manifest_parts(partial).values())
+
+
 def test_disk_full_writing_a_part_keeps_committed_parts_then_resume(
-        tmp_path, images, ckpts, clean, monkeypatch):
-    real_write = writer.pq.write_table
-    calls = []
+        tmp_path, images, ckpts, clean, monkeypatch, single_file):
+    if single_file == "joined":
+        real_write = writer.pq.write_table
+        calls = []
 
-    def write_table(*args, **kwargs):
-        calls.append(args[1])
-        if len(calls) > 1:
-            enospc()
-        return real_write(*args, **kwargs)
+        def write_table(*args, **kwargs):
+            calls.append(args[1])
+            if len(calls) > 1:
+                enospc()
+            return real_write(*args, **kwargs)
 
-    monkeypatch.setattr(writer.pq, "write_table", write_table)
+        monkeypatch.setattr(writer.pq, "write_table", write_table)
+    else:
+        real_write = appending._RangeSink.write
+        ranges = []
+
+        def write(self, data):  # the second part's range is where the disk fills up
+            if self.base not in ranges:
+                ranges.append(self.base)
+            if len(ranges) > 1:
+                enospc()
+            return real_write(self, data)
+
+        monkeypatch.setattr(appending._RangeSink, "write", write)
     out = tmp_path / "e.parquet"
     result = encode(str(images), "--out", str(out), "--weights", str(ckpts["good"]),
                     "--device", "cpu", "--workers", "0", "--part-images", str(PART))
@@ -256,16 +284,21 @@ def test_disk_full_writing_a_part_keeps_committed_parts_then_resume(
     partial = out.with_name("e.parquet.partial")
     parts = manifest_parts(partial)
     assert list(parts) == ["part-000000"]
-    assert pq.read_table(partial / parts["part-000000"]["file"]).to_pylist() == clean[:PART]
-    assert sorted(p.name for p in partial.iterdir()) == ["_manifest.json",
-                                                         "part-000000.parquet"]
+    if single_file == "joined":
+        assert pq.read_table(partial / parts["part-000000"]["file"]).to_pylist() == clean[:PART]
+        assert sorted(p.name for p in partial.iterdir()) == ["_manifest.json",
+                                                             "part-000000.parquet"]
+    else:
+        assert sorted(p.name for p in partial.iterdir()) == sorted(
+            ["_manifest.json", appending.GROWING_NAME])
     assert not out.exists()
     resume_and_compare(images, out, ckpts["good"], clean, reused=PART)
 
 
-def test_disk_full_recording_a_part_then_resume(tmp_path, images, ckpts, clean, monkeypatch):
-    """The part file landed, but the manifest could not be updated: the part is not trusted
-    (it is encoded again)."""
+def test_disk_full_recording_a_part_then_resume(tmp_path, images, ckpts, clean, monkeypatch,
+                                                single_file):
+    """The part's bytes landed, but the manifest could not be updated: the part is not
+    trusted (it is encoded again)."""
     real_save = writer.write_json_atomic
     saves = []
 
@@ -282,14 +315,27 @@ def test_disk_full_recording_a_part_then_resume(tmp_path, images, ckpts, clean, 
     monkeypatch.undo()
     partial = out.with_name("e.parquet.partial")
     assert list(manifest_parts(partial)) == ["part-000000"]
-    assert (partial / "part-000001.parquet").is_file()  # on disk, but not recorded
+    if single_file == "joined":
+        assert (partial / "part-000001.parquet").is_file()  # on disk, but not recorded
+    else:  # its bytes follow the recorded range, unrecorded
+        assert (partial / appending.GROWING_NAME).stat().st_size > recorded_end(partial)
     resume_and_compare(images, out, ckpts["good"], clean, reused=PART)
 
 
 def test_disk_full_writing_the_final_file_then_resume(tmp_path, images, ckpts, clean,
-                                                      monkeypatch):
-    # The final file is the parts' bytes joined: the disk fills up while copying them.
-    monkeypatch.setattr(writer.ParquetJoiner, "append", enospc)
+                                                      monkeypatch, single_file):
+    if single_file == "joined":
+        # The final file is the parts' bytes joined: the disk fills up while copying them.
+        monkeypatch.setattr(writer.ParquetJoiner, "append", enospc)
+    else:
+        # Every part is in the growing file: the disk fills up writing its footer.
+        real_finish = appending.AppendingStore.finish
+
+        def finish(self):
+            monkeypatch.setattr(appending, "_pwrite_all", enospc)
+            return real_finish(self)
+
+        monkeypatch.setattr(appending.AppendingStore, "finish", finish)
     out = tmp_path / "e.parquet"
     with pytest.raises(OutputError, match="no space left") as caught:
         run_encode(options(images, out, ckpts["good"]))

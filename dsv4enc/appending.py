@@ -5,14 +5,17 @@ write every embedding byte twice (the part file, then its copy into the final fi
 a small VM writing fresh file data costs several milliseconds of kernel CPU per image.
 Instead each writer thread reserves a byte range at the end of
 ``OUT.partial/_growing.parquet`` (a bound on the part's Parquet size), has pyarrow write the
-part's column chunks straight into it (``pwrite``; the unused end of the range is given back
-when no later range follows), syncs them, and only then records the part in the manifest,
-the journal: its input range and digest as for a part file, plus its byte range and its row
-groups' metadata with offsets moved to where they landed. A kill at any moment leaves the
-journal naming only ranges that are whole on disk; ``--resume`` keeps the file, cuts it
-after the last recorded range and appends after that. The run ends by writing one footer
-(every recorded row group, in input order: Parquet allows row groups anywhere in the file),
-syncing it and renaming the file to ``out``, so ``out`` is never half-written.
+part's Parquet file straight into it, all but the leading ``PAR1`` (``pwrite``; the unused
+end of the range is given back when no later range follows), syncs it, and only then records
+the part in the manifest, the journal: its input range and digest as for a part file, plus
+its byte range. A range ends with its part's own footer, so the journal entry stays a few
+numbers (a million images are ~10,000 parts, and the manifest is rewritten at each commit).
+A kill at any moment leaves the journal naming only ranges that are whole on disk;
+``--resume`` keeps the file, cuts it after the last recorded range and appends after that.
+The run ends by writing one footer (every recorded part's row groups, read from its range
+and moved to where it landed, in input order: Parquet allows row groups anywhere in the
+file, and readers skip the parts' own footers), syncing it and renaming the file to
+``out``, so ``out`` is never half-written.
 """
 
 from __future__ import annotations
@@ -195,8 +198,18 @@ class AppendingStore(PartLedger):
                         "(another pyarrow?): they are encoded again", self.folder)
         return {name: part for name, part in data["parts"].items()
                 if (_is_journal_entry(part) and same_footer and len(MAGIC) <= part["offset"]
-                    and part["offset"] + part["length"] <= size)
+                    and part["offset"] + part["length"] <= size and self._has_footer(part))
                 or (_names_part_file(part) and self._joinable(part))}
+
+    def _has_footer(self, part: dict[str, Any]) -> bool:
+        try:
+            fd = os.open(self.path, os.O_RDONLY)
+        except OSError:
+            return False
+        try:
+            return self._part_footer(part, fd) is not None
+        finally:
+            os.close(fd)
 
     def _joinable(self, part: dict[str, Any]) -> bool:
         """A part file that reads back whole and whose bytes can join this file's: the same
@@ -244,8 +257,9 @@ class AppendingStore(PartLedger):
         path = self.folder / part["file"]
         try:
             with open(path, "rb") as source, open(self.path, "r+b") as target:
-                footer, start = read_footer(source, os.fstat(source.fileno()).st_size)
-                length = start - len(MAGIC)
+                size = os.fstat(source.fileno()).st_size
+                read_footer(source, size)  # a damaged file raises JoinError here
+                length = size - len(MAGIC)
                 target.seek(self._end)
                 _copy_range(source, target, len(MAGIC), length)
                 target.flush()
@@ -257,7 +271,7 @@ class AppendingStore(PartLedger):
             raise output_os_error(self.path, exc) from None
         entry = {key: part[key] for key in ("start", "end", "digest", "rows", "transient")
                  if key in part}
-        self._journal(name, entry, footer, self._end, length)
+        self._record(name, {**entry, "offset": self._end, "length": length})
         self._end += length
         path.unlink(missing_ok=True)
 
@@ -272,15 +286,16 @@ class AppendingStore(PartLedger):
             sink = _RangeSink(self._fd, base, room)
             pq.write_table(table, pa.PythonFile(sink, mode="w"), row_group_size=row_group_size,
                            **parquet_options(table.schema))
-            footer, length = sink.footer()
+            footer, _ = sink.footer()
+            length = sink.pos - len(MAGIC)  # column chunks, footer, its length, PAR1
         except _NoRoom:  # more than ``_room`` guessed: the part goes through memory instead
             self._give_back(base, room, 0)
             data = serialize(table, row_group_size)
-            footer, footer_at = _footer(data)
-            length = footer_at - len(MAGIC)
+            footer, _ = _footer(data)
+            length = data.size - len(MAGIC)
             base = self._reserve(length)
             room = length
-            self._write(memoryview(data)[len(MAGIC):footer_at], base)
+            self._write(memoryview(data)[len(MAGIC):], base)
             del data
         except OSError as exc:
             raise output_os_error(self.path, exc) from None
@@ -293,9 +308,9 @@ class AppendingStore(PartLedger):
         except OSError as exc:
             raise output_os_error(self.path, exc) from None
         drop_cached_pages(self._fd, base, length)  # never read back: free the cache now
-        self._journal(name, {"start": start, "end": end, "digest": digest,
-                             "rows": table.num_rows, "transient": transient_errors(table)},
-                      footer, base, length)
+        self._record(name, {"start": start, "end": end, "digest": digest,
+                            "rows": table.num_rows, "transient": transient_errors(table),
+                            "offset": base, "length": length})
 
     def _reserve(self, size: int) -> int:
         """Claim ``size`` bytes at the end of the file for one part; returns where."""
@@ -316,19 +331,24 @@ class AppendingStore(PartLedger):
         except OSError as exc:
             raise output_os_error(self.path, exc) from None
 
-    def _journal(self, name: str, entry: dict[str, Any], footer: list[list], offset: int,
-                 length: int) -> None:
-        """Record a part whose column chunks (at ``MAGIC``'s end in its own file) now lie at
-        ``offset`` of the growing file."""
-        moved = _row_groups(footer)
-        for group in moved:
-            _move_group(group, offset - len(MAGIC), 0)  # ordinals are given at the end
-        self._record(name, {**entry, "offset": offset, "length": length,
-                            "groups": _pack(_LIST, (_STRUCT, moved))})
-
     # -- the end of the run ----------------------------------------------------------
     def notify(self) -> None:
         """A part was committed (nothing to do: its bytes are already in the file)."""
+
+    def _part_footer(self, part: dict[str, Any], fd: int | None = None) -> list[list] | None:
+        """The footer a part's range ends with (its Parquet file's, after its column
+        chunks), decoded; None where the range does not end with one."""
+        fd = self._fd if fd is None else fd
+        end = part["offset"] + part["length"]
+        try:
+            tail = os.pread(fd, 8, end - 8)
+            size = struct.unpack("<I", tail[:4])[0] if len(tail) == 8 else 0
+            if tail[4:] != MAGIC or not 0 < size <= part["length"] - 8:
+                return None
+            footer = _Reader(os.pread(fd, size, end - 8 - size)).struct()
+            return footer if _pack(_STRUCT, _schema_part(footer)) == self.extra["footer"] else None
+        except (OSError, IndexError, ValueError, JoinError, struct.error):
+            return None
 
     def _final_footer(self) -> bytes:
         """One footer for every recorded part's row groups, in input order."""
@@ -339,8 +359,13 @@ class AppendingStore(PartLedger):
                                   f"{after['start']} were not committed")
         groups: list[list] = []
         for part in ordered:
-            for group in _unpack(_LIST, part["groups"])[1]:
-                _move_group(group, 0, len(groups))
+            footer = self._part_footer(part)
+            if footer is None:
+                raise OutputError(f"cannot write {self.out}: the part at byte "
+                                  f"{part['offset']} of {self.path} has no footer")
+            for group in _row_groups(footer):
+                # Its offsets count from its own file's start, where PAR1 preceded its bytes.
+                _move_group(group, part["offset"] - len(MAGIC), len(groups))
                 groups.append(group)
         fields = _unpack(_STRUCT, self.extra["footer"]) + [
             [_FILE_NUM_ROWS, _I64, sum(p["rows"] for p in ordered)],

@@ -217,9 +217,35 @@ def test_resume_cuts_a_torn_tail_and_appends_after_the_last_range(unfinished, im
     assert summary.reused == sum(parts[n]["rows"] for n in kept)
     assert rows_of(unfinished.with_name("e.parquet")) == folder_rows
     assert not unfinished.exists()
-    # The torn tail was cut: the file holds nothing but its row groups and footer.
+    # The torn tail was cut: the file holds the parts' ranges (column chunks, each part's
+    # own footer) and the footer, nothing else.
     out = unfinished.with_name("e.parquet")
-    assert out.stat().st_size == 4 + column_bytes(out) + pq.read_metadata(out).serialized_size + 8
+    assert b"torn half of a part" not in out.read_bytes()
+    assert out.stat().st_size > 4 + column_bytes(out) + pq.read_metadata(out).serialized_size + 8
+
+
+def test_a_journal_entry_is_a_few_numbers_and_its_range_ends_with_its_footer(unfinished):
+    """The manifest is rewritten at every commit, and a million images make ~10,000 parts:
+    an entry holds no row-group metadata (4.4 KB for a real-dims part), only where the part
+    is; its own footer closes its range, as in a part file."""
+    parts = journal(unfinished)["parts"]
+    data = (unfinished / GROWING_NAME).read_bytes()
+    for part in parts.values():
+        assert set(part) == {"start", "end", "digest", "rows", "transient", "offset", "length"}
+        end = part["offset"] + part["length"]
+        assert data[end - 4:end] == b"PAR1"
+
+
+def test_a_range_whose_footer_is_damaged_is_encoded_again(unfinished, images, folder_rows):
+    parts = journal(unfinished)["parts"]
+    first = min(parts, key=lambda n: parts[n]["offset"])
+    end = parts[first]["offset"] + parts[first]["length"]
+    with open(unfinished / GROWING_NAME, "r+b") as handle:  # its footer's length, garbled
+        handle.seek(end - 8)
+        handle.write(b"\xff\xff\xff\x7f")
+    summary = run_encode(options(images, unfinished.with_name("e.parquet"), resume=True))
+    assert summary.reused == sum(p["rows"] for n, p in parts.items() if n != first)
+    assert rows_of(unfinished.with_name("e.parquet")) == folder_rows
 
 
 def test_a_journal_entry_beyond_the_file_is_encoded_again(unfinished, images, folder_rows):
@@ -271,10 +297,13 @@ def test_a_part_larger_than_its_reservation_goes_through_memory(tmp_path, monkey
     monkeypatch.setattr(appending, "_room", lambda table, group_rows: 100)
     rows = table_rows(12, seed=2)
     store = committed_store(tmp_path, [(0, 5), (5, 12)], rows, order=[1, 0])
+    ranges = sum(part["length"] for part in store.parts.values())
     store.finish()
     out = tmp_path / "e.parquet"
     assert [r["path"] for r in rows_of(out)] == [r.path for r in rows]
-    assert out.stat().st_size == 4 + column_bytes(out) + pq.read_metadata(out).serialized_size + 8
+    # No gap: each range was reserved at its exact size (the parts' chunks and own footers).
+    assert out.stat().st_size == 4 + ranges + pq.read_metadata(out).serialized_size + 8
+    assert column_bytes(out) < ranges
 
 
 def test_output_pages_leave_the_page_cache_once_synced(images, folder_rows, tmp_path,

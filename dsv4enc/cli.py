@@ -355,7 +355,8 @@ def bench(
                                           "here (default: a temporary folder)."),
     host: bool = typer.Option(False, "--host", help="Time the host side alone: the whole "
                               "encode pipeline with the model replaced by a null stage (no "
-                              "GPU needed); images/s per host core and where the time goes."),
+                              "GPU needed); images/s per host core, images per CPU-second "
+                              "(whole run and steady state) and where the time goes."),
     outputs: str = typer.Option("file,folder", "--outputs", help="--host and --e2e: the "
                                 "outputs to time, file and/or folder."),
     fused: str = typer.Option("off", "--fused", help="Comma-separated: off, on (compiled "

@@ -201,10 +201,14 @@ def test_single_file_output_in_a_bucket(s3, local_images, small_ckpt, tmp_path):
     assert s3.keys("emb/") == ["emb/out.parquet"]
 
 
-def test_folder_output_in_a_bucket(s3, local_images, small_ckpt, tmp_path):
+def test_folder_output_in_a_bucket(s3, local_images, small_ckpt, tmp_path, monkeypatch):
     url = upload_folder(s3, local_images, "in")
     out = f"{s3.url}/emb/"
-    encode(url, "--out", out, "--weights", str(small_ckpt), "--part-images", "1")
+    advised = []  # the staged parts are uploaded after they commit: they stay in the cache
+    with monkeypatch.context() as patch:
+        patch.setattr(os, "posix_fadvise", lambda *args: advised.append(args), raising=False)
+        encode(url, "--out", out, "--weights", str(small_ckpt), "--part-images", "1")
+    assert advised == []
     keys = s3.keys("emb/")
     assert "emb/_manifest.json" in keys and ".dsv4enc.lock" not in " ".join(keys)
     parts = [k for k in keys if k.endswith(".parquet")]

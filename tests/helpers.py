@@ -210,3 +210,12 @@ def processes_gone(pids: Iterable[int], timeout_s: float = 30.0) -> bool:
             return False
         time.sleep(0.1)
     return True
+
+
+def torch_threads(n: int):
+    """For a module fixture: run its tests with ``n`` torch intra-op threads, then put the
+    count back (``yield from torch_threads(1)``)."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(n)
+    yield
+    torch.set_num_threads(previous)

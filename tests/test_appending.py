@@ -14,7 +14,6 @@ from types import SimpleNamespace
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
-import torch
 from PIL import Image
 
 from dsv4enc import read_embeddings, writer
@@ -23,7 +22,7 @@ from dsv4enc.errors import OutputError
 from dsv4enc.pipeline import EncodeOptions, run_encode
 from dsv4enc.writer import Row, output_schema, rows_per_group, rows_to_table
 
-from helpers import CONFIGS
+from helpers import CONFIGS, torch_threads
 
 N_IMAGES = 14
 PART = 3
@@ -31,10 +30,7 @@ PART = 3
 
 @pytest.fixture(scope="module", autouse=True)
 def one_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+    yield from torch_threads(1)
 
 
 @pytest.fixture(scope="module")

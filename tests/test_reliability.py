@@ -33,7 +33,7 @@ from dsv4enc.cli import app
 from dsv4enc.decode import Probe
 from dsv4enc.pipeline import EncodeOptions, Interrupted, run_encode
 
-from helpers import CONFIGS, REPO_ROOT
+from helpers import CONFIGS, REPO_ROOT, torch_threads
 
 CONFIG = str(CONFIGS / "tiny.json")
 N_GOOD = 88
@@ -49,10 +49,7 @@ THREADS = 1
 
 @pytest.fixture(scope="module", autouse=True)
 def one_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(THREADS)
-    yield
-    torch.set_num_threads(previous)
+    yield from torch_threads(THREADS)
 
 
 @pytest.fixture(scope="module")

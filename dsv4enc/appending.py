@@ -84,6 +84,21 @@ def _row_groups(footer: list[list]) -> list[list]:
     return next((field[2][1] for field in footer if field[0] == _FILE_ROW_GROUPS), [])
 
 
+def _range_footer(fd: int, offset: int, length: int) -> list[list] | None:
+    """The footer that closes the range ``[offset, offset + length)`` of a growing file (a
+    part's Parquet file less its leading ``PAR1``: column chunks, footer, its length, PAR1),
+    decoded; None where the range does not end with one."""
+    end = offset + length
+    try:
+        tail = os.pread(fd, 8, end - 8)
+        size = struct.unpack("<I", tail[:4])[0] if len(tail) == 8 else 0
+        if tail[4:] != MAGIC or not 0 < size <= length - 8:
+            return None
+        return _Reader(os.pread(fd, size, end - 8 - size)).struct()
+    except (OSError, IndexError, ValueError, struct.error, JoinError):
+        return None
+
+
 def _size_if_parquet_start(path: Path) -> int:
     """The size of the file at ``path`` if it starts with ``PAR1``, else 0."""
     try:
@@ -136,16 +151,6 @@ class _RangeSink:
         self.pos += size
         return size
 
-    def footer(self) -> tuple[list[list], int]:
-        """The decoded footer written last, and the length of the column chunks before it."""
-        tail = os.pread(self.fd, 8, self.base + self.pos - 8 - len(MAGIC))
-        length = struct.unpack("<I", tail[:4])[0]
-        footer_at = self.pos - 8 - length
-        if tail[4:] != MAGIC or footer_at < len(MAGIC):
-            raise OutputError("the Parquet writer wrote no footer")
-        data = os.pread(self.fd, length, self.base + footer_at - len(MAGIC))
-        return _Reader(data).struct(), footer_at - len(MAGIC)
-
     def tell(self) -> int:
         return self.pos
 
@@ -196,20 +201,25 @@ class AppendingStore(PartLedger):
         if not same_footer and any(_is_journal_entry(p) for p in data["parts"].values()):
             log.warning("the finished parts in %s were written with other Parquet metadata "
                         "(another pyarrow?): they are encoded again", self.folder)
-        return {name: part for name, part in data["parts"].items()
-                if (_is_journal_entry(part) and same_footer and len(MAGIC) <= part["offset"]
-                    and part["offset"] + part["length"] <= size and self._has_footer(part))
-                or (_names_part_file(part) and self._joinable(part))}
-
-    def _has_footer(self, part: dict[str, Any]) -> bool:
         try:
-            fd = os.open(self.path, os.O_RDONLY)
+            fd = os.open(self.path, os.O_RDONLY) if size else None
         except OSError:
-            return False
+            fd = None
         try:
-            return self._part_footer(part, fd) is not None
+            return {name: part for name, part in data["parts"].items()
+                    if (_is_journal_entry(part) and same_footer and fd is not None
+                        and len(MAGIC) <= part["offset"]
+                        and part["offset"] + part["length"] <= size
+                        and self._part_footer(part, fd) is not None)
+                    or (_names_part_file(part) and self._joinable(part))}
         finally:
-            os.close(fd)
+            if fd is not None:
+                os.close(fd)
+
+    def _fits(self, footer: list[list]) -> bool:
+        """A part's footer holds what the output's does besides its row groups (schema,
+        key-value metadata, writer): its row groups can join the file's."""
+        return _pack(_STRUCT, _schema_part(footer)) == self.extra["footer"]
 
     def _joinable(self, part: dict[str, Any]) -> bool:
         """A part file that reads back whole and whose bytes can join this file's: the same
@@ -224,7 +234,7 @@ class AppendingStore(PartLedger):
                 _move_group(group, 0, 0)  # raises JoinError where offsets lie outside
         except (OSError, JoinError):
             return False
-        return _pack(_STRUCT, _schema_part(footer)) == self.extra["footer"]
+        return self._fits(footer)
 
     def forget(self, names: Sequence[str]) -> None:
         """Drop the parts this run does not reuse, cut the file after the last range still
@@ -286,12 +296,10 @@ class AppendingStore(PartLedger):
             sink = _RangeSink(self._fd, base, room)
             pq.write_table(table, pa.PythonFile(sink, mode="w"), row_group_size=row_group_size,
                            **parquet_options(table.schema))
-            footer, _ = sink.footer()
             length = sink.pos - len(MAGIC)  # column chunks, footer, its length, PAR1
         except _NoRoom:  # more than ``_room`` guessed: the part goes through memory instead
             self._give_back(base, room, 0)
             data = serialize(table, row_group_size)
-            footer, _ = _footer(data)
             length = data.size - len(MAGIC)
             base = self._reserve(length)
             room = length
@@ -299,7 +307,10 @@ class AppendingStore(PartLedger):
             del data
         except OSError as exc:
             raise output_os_error(self.path, exc) from None
-        if _pack(_STRUCT, _schema_part(footer)) != self.extra["footer"]:
+        footer = _range_footer(self._fd, base, length)
+        if footer is None:
+            raise OutputError(f"cannot write {self.out}: the Parquet writer wrote no footer")
+        if not self._fits(footer):
             raise OutputError(f"cannot write {self.out}: a part's Parquet footer differs from "
                               "the output's")
         self._give_back(base, room, length)
@@ -336,19 +347,10 @@ class AppendingStore(PartLedger):
         """A part was committed (nothing to do: its bytes are already in the file)."""
 
     def _part_footer(self, part: dict[str, Any], fd: int | None = None) -> list[list] | None:
-        """The footer a part's range ends with (its Parquet file's, after its column
-        chunks), decoded; None where the range does not end with one."""
-        fd = self._fd if fd is None else fd
-        end = part["offset"] + part["length"]
-        try:
-            tail = os.pread(fd, 8, end - 8)
-            size = struct.unpack("<I", tail[:4])[0] if len(tail) == 8 else 0
-            if tail[4:] != MAGIC or not 0 < size <= part["length"] - 8:
-                return None
-            footer = _Reader(os.pread(fd, size, end - 8 - size)).struct()
-            return footer if _pack(_STRUCT, _schema_part(footer)) == self.extra["footer"] else None
-        except (OSError, IndexError, ValueError, JoinError, struct.error):
-            return None
+        """The footer a recorded part's range ends with, if it fits this output's; else
+        None."""
+        footer = _range_footer(self._fd if fd is None else fd, part["offset"], part["length"])
+        return footer if footer is not None and self._fits(footer) else None
 
     def _final_footer(self) -> bytes:
         """One footer for every recorded part's row groups, in input order."""

@@ -235,7 +235,7 @@ def normalize_patch_pixels(patch_pixels: np.ndarray, out: np.ndarray | None = No
     """bf16 bits (uint16) of 8-bit pixels, by lookup: ``NORMALIZED_BF16_BITS[patch_pixels]``.
 
     ``patch_pixels``: uint8 (n, k), C-contiguous; ``out``: uint16 (n, k) to fill (else a new
-    array). Even rows go through the pair table (``NORMALIZED_BF16_PAIRS``).
+    array). Rows of even length go through the pair table (``NORMALIZED_BF16_PAIRS``).
     """
     if out is None:
         out = np.empty(patch_pixels.shape, dtype=np.uint16)

@@ -6,16 +6,16 @@ are imported on first use, so ``import dsv4enc`` stays light.
 
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
+from .version import __version__
 
 __all__ = ["Encoder", "EncodeError", "read_embeddings", "__version__"]
 
 _LAZY = {"Encoder": "dsv4enc.api", "EncodeError": "dsv4enc.api",
-         "read_embeddings": "dsv4enc.reading"}
+         "read_embeddings": "dsv4enc.output.read"}
 
 if TYPE_CHECKING:
     from .api import EncodeError, Encoder
-    from .reading import read_embeddings
+    from .output.read import read_embeddings
 
 
 def __getattr__(name: str) -> Any:

@@ -26,15 +26,15 @@ import numpy as np
 import torch
 
 from . import storage
-from .checkpoint import Checkpoint, build_tower, load_checkpoint, random_checkpoint
-from .config import VisionConfig
-from .decode import DEFAULT_MAX_PIXELS, decode_image, describe_error, patches_tensor
-from .device import resolve_device, resolve_dtype, resolve_out_dtype
-from .batching import BatchLoop
-from .engine import Engine, NonFiniteOutput
-from .packing import output_grid
-from .planning import pack_bins
-from .reading import read_embeddings
+from .tower.checkpoint import Checkpoint, build_tower, load_checkpoint, random_checkpoint
+from .tower.config import VisionConfig
+from .images.decode import DEFAULT_MAX_PIXELS, decode_image, describe_error, patches_tensor
+from .engine.device import resolve_device, resolve_dtype, resolve_out_dtype
+from .engine.batching import BatchLoop
+from .engine.engine import Engine, NonFiniteOutput
+from .engine.packing import output_grid
+from .run.plan import pack_bins
+from .output.read import read_embeddings
 
 if TYPE_CHECKING:
     import PIL.Image
@@ -139,7 +139,7 @@ class Encoder:
             raise ValueError(f"batch_tokens must be positive, got {batch_tokens}")
         if max_images <= 0:
             raise ValueError(f"max_images must be positive, got {max_images}")
-        from .options import DEFAULT_BATCH_TOKENS, available_cpus
+        from .run.options import DEFAULT_BATCH_TOKENS, available_cpus
 
         self.batch_tokens = batch_tokens or DEFAULT_BATCH_TOKENS.get(self.device.type, 8192)
         self.max_images = max_images
@@ -152,7 +152,7 @@ class Encoder:
         self.deterministic = deterministic
         self.model = build_tower(checkpoint, self.device)
         if fused:
-            from .fusion import fuse_elementwise  # torch.compile's import is slow
+            from .tower.fusion import fuse_elementwise  # torch.compile's import is slow
 
             fuse_elementwise(self.model, deterministic)
         self._engines: dict[str, Engine] = {}
@@ -168,7 +168,7 @@ class Encoder:
         ``dtype``: compute dtype, ``"auto"`` (bfloat16 on CUDA, float32 on CPU), a name or a
         ``torch.dtype``. ``options``: see the class docstring.
         """
-        from .hub import resolve_weights
+        from .tower.hub import resolve_weights
 
         resolved = resolve_device(device)
         compute = resolve_dtype(dtype, resolved)
@@ -273,7 +273,7 @@ class Encoder:
         """Split off the key and transform one input (runs on decode threads)."""
         from PIL import Image
 
-        from .transform import image_to_patches
+        from .tower.transform import image_to_patches
 
         if isinstance(entry, tuple) and len(entry) == 2:
             key, image = entry
@@ -379,7 +379,7 @@ class Encoder:
     def grid_for(self, size: tuple[int, int], features: str | None = None) -> tuple[int, int]:
         """``(grid_h, grid_w)`` of the embedding rows of an image of ``size`` = (width,
         height) pixels (e.g. ``image.size``): reshape a result with it to get the 2D grid."""
-        from .transform import plan_canvas
+        from .tower.transform import plan_canvas
 
         canvas = plan_canvas(size[0], size[1], self.config)
         return output_grid(canvas.n_h, canvas.n_w, self.config.downsample_ratio,

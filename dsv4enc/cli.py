@@ -15,7 +15,7 @@ from typing import List, Optional
 
 import typer
 
-from . import __version__
+from .version import __version__
 from .errors import AlreadyComplete, DsvError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
@@ -32,7 +32,7 @@ def choices(*values: str) -> str:
 def fail(message: str, code: int = 1) -> None:
     from rich.markup import escape
 
-    from .progress import stderr_console
+    from .run.progress import stderr_console
 
     # escape: messages quote paths and backend errors, which may hold "[...]" (not markup)
     stderr_console.print(f"[bold red]error:[/] {escape(message)}", highlight=False,
@@ -44,7 +44,7 @@ def note(message: str) -> None:
     """One line on stderr that is neither an error nor progress."""
     from rich.markup import escape
 
-    from .progress import stderr_console
+    from .run.progress import stderr_console
 
     stderr_console.print(f"note: {escape(message)}", highlight=False, soft_wrap=True)
 
@@ -52,8 +52,8 @@ def note(message: str) -> None:
 def write_interrupted_summary(path: str, exc: BaseException, out: str) -> None:
     """--summary-json of a run a signal stopped: what it had done (nothing, if it stopped
     before encoding)."""
-    from .summary import RunSummary
-    from .summary import write_summary_json
+    from .run.summary import RunSummary
+    from .run.summary import write_summary_json
 
     done = getattr(exc, "summary", None) or RunSummary(out=out)
     write_summary_json(path, done, "interrupted", getattr(exc, "exit_code", 1))
@@ -195,13 +195,13 @@ def encode(
 ) -> None:
     """Encode images into a Parquet file of embeddings, one row per image."""
     from . import storage
-    from .decode import own_process_pillow_settings
+    from .images.decode import own_process_pillow_settings
     from .errors import Interrupted
-    from .options import EncodeOptions
-    from .prefetch import start_prefetch
-    from .stopping import StopSignals
-    from .topology import launched_ranks
-    from .writer import prefer_jemalloc_pool
+    from .run.options import EncodeOptions
+    from .run.setup import start_prefetch
+    from .run.stopping import StopSignals
+    from .run.ranks import launched_ranks
+    from .output.parts import prefer_jemalloc_pool
 
     if random_init and from_environment(ctx, "weights"):
         weights = None  # $DSV4ENC_WEIGHTS is a default; --random-init asks for none
@@ -237,9 +237,9 @@ def encode(
             prefetch = start_prefetch(opts, stop)
             if prefetch is not None and prefetch.on_cpu:
                 prefer_jemalloc_pool()
-            from .pipeline import run_encode
-            from .sharding import init_distributed, shutdown
-            from .summary import print_summary, write_summary_json
+            from .run.pipeline import run_encode
+            from .run.dist import init_distributed, shutdown
+            from .run.summary import print_summary, write_summary_json
 
             dist = init_distributed(device, timeout)
             _own_process_settings(opts.device, dist)
@@ -281,7 +281,7 @@ def encode(
 
 def _own_process_settings(device: str, dist) -> None:
     """The allocator and log settings of a process the command owns (``process.py``)."""
-    from .device import resolve_device
+    from .engine.device import resolve_device
     from .process import own_process_settings
 
     try:
@@ -298,7 +298,7 @@ def extract(
     overwrite: bool = typer.Option(False, "--overwrite", help="Write into a non-empty --out."),
 ) -> None:
     """Write a vision-only checkpoint: the tower's tensors as stored, one model.safetensors."""
-    from .export import extract_tower
+    from .tower.export import extract_tower
 
     try:
         done = extract_tower(checkpoint, out, overwrite=overwrite)
@@ -316,7 +316,7 @@ def inspect_command(
     """Summarize an output: rows, failures, widths, dtype, grids, metadata, size on disk."""
     import json
 
-    from .inspect_output import render, summarize
+    from .output.inspect import render, summarize
 
     try:
         summary = summarize(output)
@@ -372,7 +372,7 @@ def bench(
     import json
 
     if host:
-        from .hostbench import host_bench_command
+        from .bench.host import host_bench_command
 
         try:
             host_bench_command(config, images, outputs.split(","), workers, json_out)
@@ -384,7 +384,7 @@ def bench(
 
     import torch
 
-    from .bench import parse_graphs, parse_on_off, print_results, run_bench
+    from .bench.throughput import parse_graphs, parse_on_off, print_results, run_bench
 
     if threads:
         torch.set_num_threads(threads)

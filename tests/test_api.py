@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 
 import dsv4enc
 from dsv4enc import EncodeError, Encoder, read_embeddings
-from dsv4enc.checkpoint import random_checkpoint
+from dsv4enc.tower.checkpoint import random_checkpoint
 from dsv4enc.cli import app
 
 from helpers import rel_err, write_image

@@ -16,11 +16,12 @@ import pyarrow.parquet as pq
 import pytest
 from PIL import Image
 
-from dsv4enc import read_embeddings, writer
-from dsv4enc.appending import GROWING_NAME, AppendingStore
+from dsv4enc import read_embeddings
+from dsv4enc.output import parts as writer
+from dsv4enc.output.appending import GROWING_NAME, AppendingStore
 from dsv4enc.errors import OutputError
-from dsv4enc.pipeline import EncodeOptions, run_encode
-from dsv4enc.writer import Row, output_schema, rows_per_group, rows_to_table
+from dsv4enc.run.pipeline import EncodeOptions, run_encode
+from dsv4enc.output.parts import Row, output_schema, rows_per_group, rows_to_table
 
 from helpers import CONFIGS, torch_threads
 
@@ -82,7 +83,7 @@ def test_a_single_file_is_written_once_and_equals_a_folder_output(images, folder
 def test_several_writer_threads_in_a_run(images, folder_rows, tmp_path, monkeypatch):
     """Parts committed by three writer threads at once (so they may land out of order)
     come out in input order."""
-    from dsv4enc import pipeline
+    from dsv4enc.run import pipeline
 
     monkeypatch.setattr(pipeline, "default_writer_threads", lambda: 3)
     out = tmp_path / "e.parquet"
@@ -288,7 +289,7 @@ def test_resume_from_part_files_of_the_earlier_design(images, folder_rows, tmp_p
 
 
 def test_a_part_larger_than_its_reservation_goes_through_memory(tmp_path, monkeypatch):
-    from dsv4enc import appending
+    from dsv4enc.output import appending
 
     monkeypatch.setattr(appending, "_room", lambda table, group_rows: 100)
     rows = table_rows(12, seed=2)

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dsv4enc.attention import (VarlenSpans, available_backends, naive_sdpa_attention,
+from dsv4enc.tower.attention import (VarlenSpans, available_backends, naive_sdpa_attention,
                                sdpa_attention, select_attention)
-from dsv4enc.engine import resolve_attention
+from dsv4enc.engine.engine import resolve_attention
 from dsv4enc.errors import UsageError
 
 from helpers import rel_err

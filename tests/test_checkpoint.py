@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-import dsv4enc.checkpoint as checkpoint
-from dsv4enc.checkpoint import (INDEX_NAME, build_tower, load_checkpoint, random_checkpoint,
+import dsv4enc.tower.checkpoint as checkpoint
+from dsv4enc.tower.checkpoint import (INDEX_NAME, build_tower, load_checkpoint, random_checkpoint,
                                 save_checkpoint)
 from dsv4enc.errors import ConfigError, DsvError, WeightsError
 

@@ -29,13 +29,13 @@ from PIL import Image
 from typer.testing import CliRunner
 
 import dsv4enc
-from dsv4enc import writer
-from dsv4enc.checkpoint import (Checkpoint, build_tower, load_checkpoint, random_state_dict,
+from dsv4enc.output import parts as writer
+from dsv4enc.tower.checkpoint import (Checkpoint, build_tower, load_checkpoint, random_state_dict,
                                 save_checkpoint)
 from dsv4enc.cli import app
-from dsv4enc.config import VisionConfig
-from dsv4enc.reading import embedding_arrays, embedding_format
-from dsv4enc.transform import image_to_patches
+from dsv4enc.tower.config import VisionConfig
+from dsv4enc.output.read import embedding_arrays, embedding_format
+from dsv4enc.tower.transform import image_to_patches
 
 from helpers import CONFIGS, REPO_ROOT, rel_err, write_image
 
@@ -334,7 +334,7 @@ def test_small_row_groups_read_back_identical_and_overwrite(tmp_path, tree, ckpt
 
 
 def test_row_group_size_is_bounded_by_bytes():
-    from dsv4enc.writer import Row, output_schema, rows_per_group
+    from dsv4enc.output.parts import Row, output_schema, rows_per_group
 
     schema = output_schema(1024, "float32")
     big = [Row(path=str(i), embedding=np.zeros((256, 1024), np.float32)) for i in range(4)]

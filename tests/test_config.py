@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from dsv4enc.config import VisionConfig
+from dsv4enc.tower.config import VisionConfig
 from dsv4enc.errors import ConfigError
 
 from helpers import CONFIGS, NESTED_VISION_KEYS, nested_layout

@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from dsv4enc.cpufeatures import (MIN_SPEEDUP, NATIVE_BF16_FEATURES, PIN_VARIABLE,
+from dsv4enc.engine.cpufeatures import (MIN_SPEEDUP, NATIVE_BF16_FEATURES, PIN_VARIABLE,
                                  auto_cpu_dtype, choose_cpu_dtype, cpu_capabilities)
-from dsv4enc.device import resolve_dtype
+from dsv4enc.engine.device import resolve_dtype
 from dsv4enc.errors import UsageError
 
 NONE = {"amx_bf16": False, "avx512_bf16": False}

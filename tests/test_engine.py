@@ -8,9 +8,9 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from dsv4enc.checkpoint import build_tower, random_checkpoint
-from dsv4enc.engine import Engine
-from dsv4enc.packing import pack
+from dsv4enc.tower.checkpoint import build_tower, random_checkpoint
+from dsv4enc.engine.engine import Engine
+from dsv4enc.engine.packing import pack
 
 from helpers import CONFIGS, load_config, random_patch_items, rel_err
 
@@ -58,7 +58,7 @@ def test_pipeline_keywords(tower):
 
 
 def test_engines_sharing_a_model_keep_their_backend(tower):
-    from dsv4enc.attention import naive_sdpa_attention, sdpa_attention
+    from dsv4enc.tower.attention import naive_sdpa_attention, sdpa_attention
 
     engine = Engine(tower)
     tower.attend = naive_sdpa_attention  # as another engine (or the naive benchmark) would
@@ -78,7 +78,7 @@ def cuda_tower():
 def test_cuda_defaults_follow_backend_and_dtype(cuda_tower, caplog):
     engine = Engine(cuda_tower)
     assert engine.graphs_enabled == (engine.attention_name in ("flash", "varlen"))
-    with caplog.at_level(logging.INFO, logger="dsv4enc.engine"):
+    with caplog.at_level(logging.INFO, logger="dsv4enc.engine.engine"):
         sdpa = Engine(cuda_tower, attention="sdpa", cuda_graphs=True)
     assert not sdpa.graphs_enabled
     assert "CUDA graphs off" in caplog.text
@@ -111,7 +111,7 @@ def test_cuda_submit_collect_overlap(cuda_tower, graphs):
 # ----------------------------------------------------------------------------- benchmark
 
 def test_image_flops_counts_matmuls_attention_and_aligner():
-    from dsv4enc.planning import image_flops
+    from dsv4enc.run.plan import image_flops
 
     cfg = load_config("deepseek-v4-flash")
     N, D, I = 48 * 64, cfg.dim, cfg.inter_dim
@@ -123,7 +123,7 @@ def test_image_flops_counts_matmuls_attention_and_aligner():
 
 
 def test_bench_smoke(tmp_path):
-    from dsv4enc.bench import print_results, run_bench
+    from dsv4enc.bench.throughput import print_results, run_bench
 
     rows = run_bench(str(CONFIGS / "tiny.json"), device="cpu", dtype="float32",
                      images="synthetic:120x90:3", batch_tokens=[2048], repeat=1,
@@ -139,7 +139,7 @@ def test_bench_smoke(tmp_path):
 
 
 def test_bench_end_to_end_rows_in_process_and_as_a_command(tmp_path):
-    from dsv4enc.bench import run_bench
+    from dsv4enc.bench.throughput import run_bench
 
     rows = run_bench(str(CONFIGS / "tiny.json"), device="cpu", dtype="float32",
                      images="synthetic:120x90:3", batch_tokens=[2048], repeat=1, e2e=True,

@@ -13,10 +13,10 @@ import torch
 from safetensors import safe_open
 from typer.testing import CliRunner
 
-from dsv4enc.checkpoint import is_tower_tensor, load_checkpoint
+from dsv4enc.tower.checkpoint import is_tower_tensor, load_checkpoint
 from dsv4enc.cli import app
 from dsv4enc.errors import OutputError, WeightsError
-from dsv4enc.export import extract_tower
+from dsv4enc.tower.export import extract_tower
 
 from helpers import nested_layout, write_checkpoint, write_image
 

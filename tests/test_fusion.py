@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from dsv4enc.checkpoint import build_tower, random_checkpoint
-from dsv4enc.engine import Engine
-from dsv4enc.fusion import fuse_elementwise
-from dsv4enc.packing import pack
+from dsv4enc.tower.checkpoint import build_tower, random_checkpoint
+from dsv4enc.engine.engine import Engine
+from dsv4enc.tower.fusion import fuse_elementwise
+from dsv4enc.engine.packing import pack
 
 from helpers import load_config, random_patch_items, rel_err
 
@@ -57,7 +57,7 @@ def test_fused_functions_are_installed_on_every_block(towers):
 def test_kernels_are_specialized_only_where_every_batch_has_one_shape():
     from types import SimpleNamespace
 
-    from dsv4enc.engine import runs_one_shape
+    from dsv4enc.engine.engine import runs_one_shape
 
     def tower(device: str, tensor_parallel: bool = False):
         return SimpleNamespace(device=torch.device(device), tensor_parallel=tensor_parallel)
@@ -78,7 +78,7 @@ def test_encode_fused_rows_equal_eager_rows_to_float_rounding(tmp_path):
     from typer.testing import CliRunner
 
     from dsv4enc.cli import app
-    from dsv4enc.reading import read_embeddings
+    from dsv4enc.output.read import read_embeddings
     from helpers import CONFIGS, write_image
 
     images = tmp_path / "images"

@@ -6,8 +6,8 @@ import pytest
 import torch
 from PIL import Image
 
-from dsv4enc.checkpoint import build_tower, load_checkpoint
-from dsv4enc.transform import image_to_patches
+from dsv4enc.tower.checkpoint import build_tower, load_checkpoint
+from dsv4enc.tower.transform import image_to_patches
 
 from helpers import packed_forward, rel_err
 

@@ -14,12 +14,12 @@ import pytest
 import torch
 from hypothesis import given, strategies as st
 
-from dsv4enc.checkpoint import build_tower, random_checkpoint
-from dsv4enc.engine import Engine
+from dsv4enc.tower.checkpoint import build_tower, random_checkpoint
+from dsv4enc.engine.engine import Engine
 from dsv4enc.errors import UsageError
-from dsv4enc.graphs import BucketRunner, default_budgets, fit_budgets, row_bound
-from dsv4enc.packing import aligner_grid, pack
-from dsv4enc.transform import max_image_tokens, plan_canvas
+from dsv4enc.engine.graphs import BucketRunner, default_budgets, fit_budgets, row_bound
+from dsv4enc.engine.packing import aligner_grid, pack
+from dsv4enc.tower.transform import max_image_tokens, plan_canvas
 
 from helpers import load_config, packed_forward, rel_err
 

@@ -7,11 +7,11 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from dsv4enc.config import VisionConfig
-from dsv4enc.hostbench import NULL_FINGERPRINT, NullStage, run_host_bench
-from dsv4enc.options import EncodeOptions
-from dsv4enc.pipeline import run_encode
-from dsv4enc.reading import read_embeddings
+from dsv4enc.tower.config import VisionConfig
+from dsv4enc.bench.host import NULL_FINGERPRINT, NullStage, run_host_bench
+from dsv4enc.run.options import EncodeOptions
+from dsv4enc.run.pipeline import run_encode
+from dsv4enc.output.read import read_embeddings
 from helpers import CONFIGS
 
 TINY = str(CONFIGS / "tiny.json")

@@ -13,8 +13,9 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from dsv4enc import Encoder, hub
-from dsv4enc.checkpoint import INDEX_NAME, load_checkpoint
+from dsv4enc import Encoder
+from dsv4enc.tower import hub
+from dsv4enc.tower.checkpoint import INDEX_NAME, load_checkpoint
 from dsv4enc.cli import app
 from dsv4enc.errors import WeightsError
 

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from dsv4enc.decode import decode_image, probe_image
+from dsv4enc.images.decode import decode_image, probe_image
 from dsv4enc.errors import UsageError
-from dsv4enc.inputs import InputItem, discover, is_image_name, read_path_list, walk_folder
-from dsv4enc.writer import utf8_text
+from dsv4enc.images.discover import InputItem, discover, is_image_name, read_path_list, walk_folder
+from dsv4enc.output.parts import utf8_text
 
 from helpers import write_image
 
@@ -174,7 +174,7 @@ def test_dangling_symlink_becomes_an_error_later_not_a_crash(tmp_path):
     assert skipped == 1
     probe = probe_image(items[1].path)
     assert probe.width is None and probe.error and "\n" not in probe.error
-    from dsv4enc.config import VisionConfig
+    from dsv4enc.tower.config import VisionConfig
     from helpers import CONFIGS
 
     decoded = decode_image(items[1].path, VisionConfig.from_file(CONFIGS / "tiny.json"))

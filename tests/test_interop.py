@@ -14,10 +14,10 @@ import pytest
 from typer.testing import CliRunner
 
 from dsv4enc import read_embeddings
-from dsv4enc.checkpoint import random_state_dict, save_checkpoint
+from dsv4enc.tower.checkpoint import random_state_dict, save_checkpoint
 from dsv4enc.cli import app
-from dsv4enc.inspect_output import error_group, summarize
-from dsv4enc.reading import EmbeddingFormat, embedding_arrays, output_files
+from dsv4enc.output.inspect import error_group, summarize
+from dsv4enc.output.read import EmbeddingFormat, embedding_arrays, output_files
 
 from helpers import write_image
 

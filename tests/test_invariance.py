@@ -24,12 +24,12 @@ from typer.testing import CliRunner
 from dsv4enc import Encoder
 from dsv4enc.cli import app
 
-from dsv4enc.checkpoint import build_tower, random_checkpoint
-from dsv4enc.config import VisionConfig
-from dsv4enc.engine import Engine
-from dsv4enc.model import rope_tables
-from dsv4enc.model import image_spans
-from dsv4enc.packing import pack
+from dsv4enc.tower.checkpoint import build_tower, random_checkpoint
+from dsv4enc.tower.config import VisionConfig
+from dsv4enc.engine.engine import Engine
+from dsv4enc.tower.model import rope_tables
+from dsv4enc.tower.model import image_spans
+from dsv4enc.engine.packing import pack
 
 from helpers import table_rows, write_image
 

@@ -11,9 +11,9 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from dsv4enc.model import merge_gather, merge_image
-from dsv4enc.packing import aligner_grid, merge_plan, output_grid, pack
-from dsv4enc.planning import pack_bins
+from dsv4enc.tower.model import merge_gather, merge_image
+from dsv4enc.engine.packing import aligner_grid, merge_plan, output_grid, pack
+from dsv4enc.run.plan import pack_bins
 
 from helpers import all_items, packed_forward, rel_err
 

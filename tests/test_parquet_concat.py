@@ -12,9 +12,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from dsv4enc.parquet_concat import JoinError, ParquetJoiner, _Writer, read_footer
-from dsv4enc.pipeline import EncodeOptions, run_encode
-from dsv4enc.writer import Row, output_schema, parquet_options, rows_to_table
+from dsv4enc.output.parquet_join import JoinError, ParquetJoiner, _Writer, read_footer
+from dsv4enc.run.pipeline import EncodeOptions, run_encode
+from dsv4enc.output.parts import Row, output_schema, parquet_options, rows_to_table
 
 from helpers import CONFIGS, write_image
 
@@ -141,8 +141,8 @@ def test_every_layout_round_trips_through_read_embeddings(tmp_path, layout, out_
     from types import SimpleNamespace
 
     from dsv4enc import read_embeddings
-    from dsv4enc.reading import embedding_format
-    from dsv4enc.writer import PartStore, StreamingAssembler, rows_per_group
+    from dsv4enc.output.read import embedding_format
+    from dsv4enc.output.parts import PartStore, StreamingAssembler, rows_per_group
 
     rng = np.random.default_rng(2)
     width = 8
@@ -178,7 +178,7 @@ def test_every_layout_round_trips_through_read_embeddings(tmp_path, layout, out_
 
 
 def test_an_empty_single_file_output_has_the_schema(tmp_path):
-    from dsv4enc.writer import PartStore, StreamingAssembler
+    from dsv4enc.output.parts import PartStore, StreamingAssembler
 
     schema = output_schema(8, "float16", {"tool": "dsv4enc"})
     store = PartStore(tmp_path / "parts", {"tool": "dsv4enc"})
@@ -206,7 +206,7 @@ def test_parts_that_cannot_be_joined_are_encoded_again(tmp_path, caplog):
     under one footer: the assembler encodes every part into the file instead."""
     from types import SimpleNamespace
 
-    from dsv4enc.writer import PartStore, StreamingAssembler, rows_per_group
+    from dsv4enc.output.parts import PartStore, StreamingAssembler, rows_per_group
 
     schema = output_schema(8, "float16", {"tool": "dsv4enc"})
     store = PartStore(tmp_path / "parts", {"tool": "dsv4enc"})

@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 import torch
 
-from dsv4enc.decode import DecodePool, decode_image, patch_slot_bytes
-from dsv4enc.packing import concat_patches, pack
+from dsv4enc.images.decode import DecodePool, decode_image, patch_slot_bytes
+from dsv4enc.engine.packing import concat_patches, pack
 
 from helpers import random_patch_items, write_image
 
@@ -153,7 +153,7 @@ def test_the_arena_is_freed_at_close_and_never_named_in_dev_shm(paths, tiny_cfg)
 
 @linux_only
 def test_an_image_larger_than_a_slot_goes_through_the_pipe(paths, tiny_cfg, monkeypatch):
-    import dsv4enc.decode as decode
+    import dsv4enc.images.decode as decode
 
     # the pool's own slots fit the largest image the config allows
     assert patch_slot_bytes(tiny_cfg) == 3402 * tiny_cfg.patch_dim * 2
@@ -194,9 +194,9 @@ def test_a_run_gives_the_same_file_through_slots_pipes_or_inline(paths, tmp_path
     """The whole encode: shared slots (default), pipes only (no slots), no workers."""
     import pyarrow.parquet as pq
 
-    import dsv4enc.decode as decode
-    from dsv4enc.options import EncodeOptions
-    from dsv4enc.pipeline import run_encode
+    import dsv4enc.images.decode as decode
+    from dsv4enc.run.options import EncodeOptions
+    from dsv4enc.run.pipeline import run_encode
 
     def encode(name: str, workers: int = 1):
         opts = EncodeOptions(inputs=[str(Path(paths[0]).parent)], out=str(tmp_path / name),
@@ -213,8 +213,8 @@ def test_a_run_gives_the_same_file_through_slots_pipes_or_inline(paths, tmp_path
 
 KILLED_PARENT = """
 import os, signal, sys, time
-from dsv4enc.config import VisionConfig
-from dsv4enc.decode import DecodePool
+from dsv4enc.tower.config import VisionConfig
+from dsv4enc.images.decode import DecodePool
 pool = DecodePool(VisionConfig.from_file(sys.argv[1]), 1, timeout_s=600.0)
 stream = pool.imap([(0, sys.argv[2])], window=1)  # a FIFO: the worker holds its slot
 time.sleep(2.0)

@@ -14,11 +14,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from dsv4enc.decode import DecodePool, decode_image
-from dsv4enc.options import EncodeOptions
-from dsv4enc.pipeline import run_encode
-from dsv4enc.planning import batch_order, images_per_part, plan_parts
-from dsv4enc.prefetch import RunSetup, start_prefetch
+from dsv4enc.images.decode import DecodePool, decode_image
+from dsv4enc.run.options import EncodeOptions
+from dsv4enc.run.pipeline import run_encode
+from dsv4enc.run.plan import batch_order, images_per_part, plan_parts
+from dsv4enc.run.setup import RunSetup, start_prefetch
 
 from helpers import write_image
 

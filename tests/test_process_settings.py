@@ -104,8 +104,8 @@ def test_a_decode_worker_keeps_its_image_buffers_mapped(tmp_path):
     per image once its heap has grown. With glibc's defaults it returned each image's
     buffers (decoded, resized, padded, in patch order) and faulted them back in: over 2000
     page faults, 7-8 ms of kernel time, per photo."""
-    from dsv4enc.config import VisionConfig
-    from dsv4enc.decode import DecodePool
+    from dsv4enc.tower.config import VisionConfig
+    from dsv4enc.images.decode import DecodePool
 
     cfg = VisionConfig.from_file(CONFIGS / "deepseek-v4-flash.json")
     paths = [str(write_image(tmp_path / f"{i}.jpg", (1024, 768), seed=i)) for i in range(12)]

@@ -18,8 +18,8 @@ import pytest
 from typer.testing import CliRunner
 
 from dsv4enc.cli import app
-from dsv4enc.encoding import PartEncoder
-from dsv4enc.progress import ProgressCounts, RunProgress, format_duration
+from dsv4enc.run.encoding import PartEncoder
+from dsv4enc.run.progress import ProgressCounts, RunProgress, format_duration
 
 from helpers import REPO_ROOT, write_image
 

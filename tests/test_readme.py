@@ -82,8 +82,8 @@ def reader_folder(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def tiny_weights(tmp_path_factory) -> Path:
     """configs/tiny.json saved as a checkpoint folder (random weights)."""
-    from dsv4enc.checkpoint import random_state_dict, save_checkpoint
-    from dsv4enc.config import VisionConfig
+    from dsv4enc.tower.checkpoint import random_state_dict, save_checkpoint
+    from dsv4enc.tower.config import VisionConfig
 
     cfg = VisionConfig.from_file(REPO_ROOT / "configs" / "tiny.json")
     folder = tmp_path_factory.mktemp("readme_ckpt")

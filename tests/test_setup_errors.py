@@ -23,12 +23,14 @@ import torch
 from PIL import Image
 from typer.testing import CliRunner
 
-from dsv4enc import appending, pipeline, writer
-from dsv4enc.checkpoint import random_state_dict, save_checkpoint
+from dsv4enc.output import appending
+from dsv4enc.run import pipeline
+from dsv4enc.output import parts as writer
+from dsv4enc.tower.checkpoint import random_state_dict, save_checkpoint
 from dsv4enc.cli import app
-from dsv4enc.config import VisionConfig
+from dsv4enc.tower.config import VisionConfig
 from dsv4enc.errors import OutputError
-from dsv4enc.pipeline import EncodeOptions, run_encode
+from dsv4enc.run.pipeline import EncodeOptions, run_encode
 
 from helpers import REPO_ROOT
 

@@ -18,13 +18,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dsv4enc.checkpoint import build_tower, random_checkpoint
-from dsv4enc.config import VisionConfig
+from dsv4enc.tower.checkpoint import build_tower, random_checkpoint
+from dsv4enc.tower.config import VisionConfig
 from dsv4enc.errors import UsageError
-from dsv4enc.planning import (assign_greedy, cost_function, flops_cost, imbalance, patch_cost,
+from dsv4enc.run.plan import (assign_greedy, cost_function, flops_cost, imbalance, patch_cost,
                               rank_loads, rank_row_counts)
-from dsv4enc.sharding import DistContext, apply_tensor_parallel, init_distributed, restore_order
-from dsv4enc.transform import plan_canvas
+from dsv4enc.run.dist import DistContext, apply_tensor_parallel, init_distributed, restore_order
+from dsv4enc.tower.transform import plan_canvas
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = Path(__file__).resolve().parent / "dist_worker.py"
@@ -153,7 +153,7 @@ def test_tensor_parallel_falls_back_when_not_divisible(heads, world, caplog):
     cfg = VisionConfig.from_dict(raw)
     model = build_tower(random_checkpoint(cfg))
     before = _snapshot(model)
-    with caplog.at_level(logging.WARNING, logger="dsv4enc.sharding"):
+    with caplog.at_level(logging.WARNING, logger="dsv4enc.run.dist"):
         assert apply_tensor_parallel(model, fake_ctx(0, world)) is False
     assert "heads" in caplog.text and "data parallel" in caplog.text
     after = model.state_dict()

@@ -20,11 +20,12 @@ from hypothesis import given, settings, strategies as st
 from PIL import Image
 from typer.testing import CliRunner
 
-from dsv4enc import read_embeddings, sources
+from dsv4enc import read_embeddings
+from dsv4enc.images import sources
 from dsv4enc.cli import app
-from dsv4enc.decode import decode_image, probe_image
+from dsv4enc.images.decode import decode_image, probe_image
 from dsv4enc.errors import UsageError
-from dsv4enc.inputs import discover
+from dsv4enc.images.discover import discover
 
 from helpers import CONFIGS, load_config, write_image
 

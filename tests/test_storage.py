@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from dsv4enc import sources, storage
+from dsv4enc.images import sources
+from dsv4enc import storage
 from dsv4enc.errors import StorageError, UsageError
 
 
@@ -69,7 +70,7 @@ from typer.testing import CliRunner
 
 from dsv4enc import read_embeddings
 from dsv4enc.cli import app
-from dsv4enc.inputs import discover
+from dsv4enc.images.discover import discover
 
 from helpers import write_image
 
@@ -362,7 +363,7 @@ def test_an_unreachable_store_gives_error_rows_after_retries(s3, monkeypatch):
     backoff, then become the image's error, not a crash."""
     import socket
 
-    from dsv4enc.decode import probe_image
+    from dsv4enc.images.decode import probe_image
 
     s3.put("p/a.png", b"\x89PNG\r\n\x1a\n" + b"\0" * 64)
     items = discover([f"{s3.url}/p/"]).items

@@ -24,11 +24,11 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from dsv4enc.checkpoint import random_state_dict, save_checkpoint
-from dsv4enc.config import VisionConfig
-from dsv4enc.pipeline import EncodeOptions, run_encode
-from dsv4enc.planning import assign_greedy, flops_cost
-from dsv4enc.transform import plan_canvas
+from dsv4enc.tower.checkpoint import random_state_dict, save_checkpoint
+from dsv4enc.tower.config import VisionConfig
+from dsv4enc.run.pipeline import EncodeOptions, run_encode
+from dsv4enc.run.plan import assign_greedy, flops_cost
+from dsv4enc.tower.transform import plan_canvas
 
 from helpers import CONFIGS, table_rows, write_image
 

@@ -14,7 +14,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from PIL import Image, ImageOps
 
-from dsv4enc.transform import PAD_FILL, count_llm_tokens, image_to_patches, plan_canvas, to_rgb
+from dsv4enc.tower.transform import PAD_FILL, count_llm_tokens, image_to_patches, plan_canvas, to_rgb
 
 SIZE = (37, 23)  # odd on purpose: neither side a multiple of the patch size
 
@@ -256,7 +256,7 @@ def test_count_llm_tokens_by_hand():
 
 def test_normalize_lookup_equals_torch_arithmetic_for_every_pixel_value():
     """The lookup table is the reference's float32 normalize and bf16 cast, value by value."""
-    from dsv4enc.transform import NORMALIZED_BF16_BITS
+    from dsv4enc.tower.transform import NORMALIZED_BF16_BITS
 
     levels = torch.arange(256, dtype=torch.float32)
     expected = ((levels / 255 - 0.5) / 0.5).to(torch.bfloat16).view(torch.int16).numpy()
@@ -279,7 +279,7 @@ def test_patches_match_per_pixel_arithmetic(tiny_cfg):
 def test_pair_lookup_equals_one_pixel_at_a_time():
     """The two-byte table gives every pair of 8-bit values the bits the one-byte table gives
     each value, in the right halves; odd rows and strided input take the one-byte path."""
-    from dsv4enc.transform import NORMALIZED_BF16_BITS, normalize_patch_pixels
+    from dsv4enc.tower.transform import NORMALIZED_BF16_BITS, normalize_patch_pixels
 
     every_pair = np.arange(1 << 16, dtype=np.uint16).view(np.uint8).reshape(-1, 2)
     assert np.array_equal(normalize_patch_pixels(every_pair),

@@ -23,12 +23,12 @@ from hypothesis import strategies as st
 from PIL import Image
 from typer.testing import CliRunner
 
-from dsv4enc.checkpoint import (INDEX_NAME, load_checkpoint, random_state_dict,
+from dsv4enc.tower.checkpoint import (INDEX_NAME, load_checkpoint, random_state_dict,
                                 save_checkpoint)
 from dsv4enc.cli import app
-from dsv4enc.config import VisionConfig
+from dsv4enc.tower.config import VisionConfig
 from dsv4enc.errors import ConfigError
-from dsv4enc.transform import (NORMALIZED_BF16_BITS, image_to_patch_bits, max_image_tokens,
+from dsv4enc.tower.transform import (NORMALIZED_BF16_BITS, image_to_patch_bits, max_image_tokens,
                                plan_canvas)
 
 from helpers import (CONFIGS, decoy_tensors, load_config, nested_layout, record_hub_downloads,
@@ -378,7 +378,7 @@ def test_hub_id_fetches_only_tower_shards_of_a_v41_checkpoint(tmp_path, monkeypa
     """A V4.1 repository in the real checkpoint's nested layout, from an offline Hub cache:
     config.json, the index and the tower's shards are read, the decoy-only shard never."""
     hf = pytest.importorskip("huggingface_hub")
-    from dsv4enc import hub
+    from dsv4enc.tower import hub
 
     cfg = VisionConfig.from_file(CONFIGS / "tiny-v41.json")
     state = random_state_dict(cfg, seed=3)
@@ -415,7 +415,7 @@ def test_hub_id_fetches_only_tower_shards_of_a_v41_checkpoint(tmp_path, monkeypa
 def test_extract_keeps_the_variant(tmp_path):
     """``dsv4enc extract`` of a nested V4.1 checkpoint writes a flat config that still says
     deepseek_v41."""
-    from dsv4enc.export import extract_tower
+    from dsv4enc.tower.export import extract_tower
 
     cfg = VisionConfig.from_file(CONFIGS / "tiny-v41.json")
     source = write_checkpoint(tmp_path / "nested", nested_layout(cfg.to_flat()),

@@ -10,7 +10,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from dsv4enc.writer import Row, output_schema, rows_to_table
+from dsv4enc.output.parts import Row, output_schema, rows_to_table
 
 
 def sample_rows(width: int, pooled: bool) -> list[Row]:
@@ -45,7 +45,7 @@ def test_tables_from_buffers_equal_tables_from_python_values(pooled, layout):
 def test_building_and_writing_a_table_does_not_import_pandas(tmp_path):
     code = (
         "import sys, numpy as np, pyarrow.parquet as pq\n"
-        "from dsv4enc.writer import Row, output_schema, rows_to_table, parquet_options\n"
+        "from dsv4enc.output.parts import Row, output_schema, rows_to_table, parquet_options\n"
         "schema = output_schema(4, 'float16', {})\n"
         "rows = [Row('a', 1, 1, 1, 1, 1, 1, np.ones((1, 4), np.float16)), Row('b', error='x')]\n"
         f"pq.write_table(rows_to_table(rows, schema), {str(tmp_path / 'o.parquet')!r},\n"

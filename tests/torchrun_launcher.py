@@ -33,7 +33,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from dsv4enc import cli
-from dsv4enc.encoding import PartEncoder
+from dsv4enc.run.encoding import PartEncoder
 
 
 class _CurrentStderr(logging.StreamHandler):

@@ -155,7 +155,7 @@ class Encoder:
             from .tower.fusion import fuse_elementwise  # torch.compile's import is slow
 
             fuse_elementwise(self.model, deterministic)
-        self._engines: dict[str, Engine] = {}
+        self.engines: dict[str, Engine] = {}  # per features, built on first use (read-only)
 
     # -- construction ------------------------------------------------------------------
     @classmethod
@@ -260,13 +260,13 @@ class Encoder:
                                    bytearray, memoryview, Mapping))
 
     def _engine(self, features: str) -> Engine:
-        engine = self._engines.get(features)
+        engine = self.engines.get(features)
         if engine is None:
             engine = Engine(self.model, features=features, attention=self.attention,
                             out_dtype=self.out_dtype, cuda_graphs=self.cuda_graphs,
                             batch_tokens=self.batch_tokens, max_images=self.max_images,
                             deterministic=self.deterministic)
-            self._engines[features] = engine
+            self.engines[features] = engine
         return engine
 
     def _prepare(self, index: int, entry: Any) -> _Prepared:

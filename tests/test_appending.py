@@ -291,7 +291,7 @@ def test_resume_from_part_files_of_the_earlier_design(images, folder_rows, tmp_p
 def test_a_part_larger_than_its_reservation_goes_through_memory(tmp_path, monkeypatch):
     from dsv4enc.output import appending
 
-    monkeypatch.setattr(appending, "_room", lambda table, group_rows: 100)
+    monkeypatch.setattr(appending, "group_room", lambda table, group_rows: 100)
     rows = table_rows(12, seed=2)
     store = committed_store(tmp_path, [(0, 5), (5, 12)], rows, order=[1, 0])
     ranges = sum(part["length"] for part in store.parts.values())

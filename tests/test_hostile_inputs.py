@@ -918,10 +918,10 @@ from dsv4enc.tower.config import VisionConfig
 from dsv4enc.images.decode import DecodePool
 cfg = VisionConfig.from_file(sys.argv[1])
 pool = DecodePool(cfg, 2)
-for seq, worker in enumerate(pool._workers):  # results the parent will never read
+for seq, worker in enumerate(pool.workers):  # results the parent will never read
     worker.conn.recv()  # ready
     worker.conn.send((seq, sys.argv[2], None))  # (seq, source, arena slot)
-print(" ".join(str(w.proc.pid) for w in pool._workers), flush=True)
+print(" ".join(str(w.proc.pid) for w in pool.workers), flush=True)
 time.sleep(1.0)
 os.kill(os.getpid(), signal.SIGKILL)
 """

@@ -12,7 +12,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from dsv4enc.output.parquet_join import JoinError, ParquetJoiner, _Writer, read_footer
+from dsv4enc.output.parquet_join import JoinError, ParquetJoiner, CompactWriter, read_footer
 from dsv4enc.run.pipeline import EncodeOptions, run_encode
 from dsv4enc.output.parts import Row, output_schema, parquet_options, rows_to_table
 
@@ -65,7 +65,7 @@ def test_footer_codec_writes_back_the_bytes_it_read(tmp_path):
                 footer, start = read_footer(handle, size)
                 handle.seek(start)
                 raw = handle.read(size - 8 - start)
-            writer = _Writer()
+            writer = CompactWriter()
             writer.struct(footer)
             assert bytes(writer.out) == raw
 

@@ -74,24 +74,24 @@ def assert_same(got, path: str, cfg) -> None:
 @linux_only
 def test_patches_from_shared_slots_equal_an_inline_decode(paths, tiny_cfg):
     with DecodePool(tiny_cfg, 2, timeout_s=60.0) as pool:
-        assert pool._arena is not None
-        slots = pool._arena.slots
+        assert pool.arena is not None
+        slots = pool.arena.slots
         results = list(pool.imap(list(enumerate(paths)), window=4))
         # every result is a view over a slot (no copy), so every one holds its slot
-        assert pool._arena.free == slots - len(paths)
+        assert pool.arena.free == slots - len(paths)
         for (i, got), path in zip(results, paths):
             assert in_slot(got.patches)
             assert_same(got, path, tiny_cfg)
         del results, got
         gc.collect()
-        assert pool._arena.free == slots  # dropped: the slots are free again
+        assert pool.arena.free == slots  # dropped: the slots are free again
 
 
 @linux_only
 def test_with_few_slots_the_rest_go_through_the_pipe_and_are_equal(paths, tiny_cfg):
     with DecodePool(tiny_cfg, 1, timeout_s=60.0, slots=2) as pool:
         results = list(pool.imap(list(enumerate(paths)), window=len(paths)))
-        assert pool._arena.free == 0
+        assert pool.arena.free == 0
         in_slots = [d for _, d in results if in_slot(d.patches)]
         assert len(in_slots) == 2  # held by the consumer: the others were pickled
         for (_, got), path in zip(results, paths):
@@ -100,7 +100,7 @@ def test_with_few_slots_the_rest_go_through_the_pipe_and_are_equal(paths, tiny_c
 
 def test_without_slots_everything_goes_through_the_pipe(paths, tiny_cfg):
     with DecodePool(tiny_cfg, 1, timeout_s=60.0, slots=0) as pool:
-        assert pool._arena is None
+        assert pool.arena is None
         for (_, got), path in zip(pool.imap(list(enumerate(paths))), paths):
             assert not in_slot(got.patches)
             assert_same(got, path, tiny_cfg)
@@ -119,19 +119,19 @@ def test_a_slot_is_released_when_its_worker_times_out_or_is_killed(paths, tmp_pa
         assert_same(results["b"], paths[1], tiny_cfg)
         del results
         gc.collect()
-        assert pool._arena.free == 3
+        assert pool.arena.free == 3
 
     stuck = tmp_path / "stuck.png"
     os.mkfifo(stuck)
     with DecodePool(tiny_cfg, 1, timeout_s=60.0, slots=3) as pool:
-        worker = pool._workers[0].proc
+        worker = pool.workers[0].proc
         threading.Timer(1.0, os.kill, (worker.pid, signal.SIGKILL)).start()
         results = dict(pool.imap([("stuck", str(stuck)), ("a", paths[0])], window=2))
         assert "decoder crashed" in results["stuck"].error
         assert_same(results["a"], paths[0], tiny_cfg)
         del results
         gc.collect()
-        assert pool._arena.free == 3
+        assert pool.arena.free == 3
 
 
 @linux_only
@@ -166,7 +166,7 @@ def test_an_image_larger_than_a_slot_goes_through_the_pipe(paths, tiny_cfg, monk
         assert any(not in_slot(got.patches) for _, got in results)
         del results, got
         gc.collect()
-        assert pool._arena.free == len(paths)  # those offered to the large ones came back
+        assert pool.arena.free == len(paths)  # those offered to the large ones came back
 
 
 def test_pack_into_a_staging_buffer_equals_plain_pack(tiny_cfg):
@@ -218,8 +218,8 @@ from dsv4enc.images.decode import DecodePool
 pool = DecodePool(VisionConfig.from_file(sys.argv[1]), 1, timeout_s=600.0)
 stream = pool.imap([(0, sys.argv[2])], window=1)  # a FIFO: the worker holds its slot
 time.sleep(2.0)
-assert pool._workers[0].slot is not None
-print(pool._workers[0].proc.pid, flush=True)
+assert pool.workers[0].slot is not None
+print(pool.workers[0].proc.pid, flush=True)
 os.kill(os.getpid(), signal.SIGKILL)
 """
 

@@ -64,7 +64,7 @@ def test_workers_decode_ahead_while_the_consumer_is_busy(images, tiny_cfg):
     tasks = CountingTasks(paths)
     with DecodePool(tiny_cfg, 1, timeout_s=60.0) as pool:
         stream = pool.imap(tasks, window=3)
-        assert wait_until(lambda: tasks.taken == 3 and pool._workers[0].task is None)
+        assert wait_until(lambda: tasks.taken == 3 and pool.workers[0].task is None)
         time.sleep(0.2)
         assert tasks.taken == 3  # bounded: the consumer has not taken anything yet
         got = [next(stream) for _ in range(3)]
@@ -134,7 +134,7 @@ def test_a_prefetched_run_equals_a_plain_run(images, tmp_path, tiny_ckpt, tiny_c
     assert prefetch.order == batch_order(prefetch.planned, parts, 256, 3)
     summary = run_encode(opts, None, prefetch)
     assert summary.encoded == len(SIZES) and summary.failed == 1
-    assert prefetch.pool._workers == [] and prefetch.decoded is None  # closed by the run
+    assert prefetch.pool.workers == [] and prefetch.decoded is None  # closed by the run
     assert read(tmp_path / "early.parquet").equals(read(tmp_path / "plain.parquet"))
 
 
@@ -166,7 +166,7 @@ def test_a_plan_for_another_device_is_dropped(images, tmp_path, tiny_ckpt, tiny_
     prefetch = start_prefetch(early)
     assert prefetch.device_type == "cuda" and prefetch.pool is not None
     run_encode(replace(early, device="cpu"), None, prefetch)
-    assert prefetch.pool._workers == []
+    assert prefetch.pool.workers == []
     assert read(tmp_path / "early.parquet").equals(read(tmp_path / "plain.parquet"))
 
 

@@ -110,7 +110,7 @@ def test_a_decode_worker_keeps_its_image_buffers_mapped(tmp_path):
     cfg = VisionConfig.from_file(CONFIGS / "deepseek-v4-flash.json")
     paths = [str(write_image(tmp_path / f"{i}.jpg", (1024, 768), seed=i)) for i in range(12)]
     with DecodePool(cfg, 1, timeout_s=60.0) as pool:
-        pid = pool._workers[0].proc.pid
+        pid = pool.workers[0].proc.pid
         # Each result is dropped at once, so its shared-memory slot is reused: the faults
         # counted are the worker's own heap's.
         errors = [r.error for _, r in pool.imap(list(enumerate(paths[:4])), window=1)]

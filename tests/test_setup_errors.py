@@ -266,7 +266,7 @@ def test_disk_full_writing_a_part_keeps_committed_parts_then_resume(
 
         monkeypatch.setattr(writer.pq, "write_table", write_table)
     else:
-        real_write = appending._RangeSink.write
+        real_write = appending.RangeSink.write
         ranges = []
 
         def write(self, data):  # the second part's range is where the disk fills up
@@ -276,7 +276,7 @@ def test_disk_full_writing_a_part_keeps_committed_parts_then_resume(
                 enospc()
             return real_write(self, data)
 
-        monkeypatch.setattr(appending._RangeSink, "write", write)
+        monkeypatch.setattr(appending.RangeSink, "write", write)
     out = tmp_path / "e.parquet"
     result = encode(str(images), "--out", str(out), "--weights", str(ckpts["good"]),
                     "--device", "cpu", "--workers", "0", "--part-images", str(PART))
@@ -334,7 +334,7 @@ def test_disk_full_writing_the_final_file_then_resume(tmp_path, images, ckpts, c
         real_finish = appending.AppendingStore.finish
 
         def finish(self):
-            monkeypatch.setattr(appending, "_pwrite_all", enospc)
+            monkeypatch.setattr(appending, "pwrite_all", enospc)
             return real_finish(self)
 
         monkeypatch.setattr(appending.AppendingStore, "finish", finish)

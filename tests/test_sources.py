@@ -238,18 +238,18 @@ def test_row_group_cache_reads_each_group_once(tmp_path, images, monkeypatch):
                    row_group_size=2)
     items = discover([str(path)]).items
     reads = []
-    original = sources._Table.read
+    original = sources.TableReader.read
 
     def counting(self, group, columns):
         reads.append(group)
         return original(self, group, columns)
 
-    monkeypatch.setattr(sources._Table, "read", counting)
-    monkeypatch.setattr(sources, "_CACHE", sources._GroupCache())
+    monkeypatch.setattr(sources.TableReader, "read", counting)
+    monkeypatch.setattr(sources, "GROUP_CACHE", sources.GroupCache())
     for item in items:
         sources.open_item(item)
     assert reads == [0, 1]
-    monkeypatch.setattr(sources, "_CACHE", sources._GroupCache(max_bytes=1))
+    monkeypatch.setattr(sources, "GROUP_CACHE", sources.GroupCache(max_bytes=1))
     reads.clear()
     for item in items + items:
         sources.open_item(item)

@@ -147,10 +147,10 @@ class StageCosts:
 def stage_costs(paths: Sequence[Path], cfg: VisionConfig, features: str = "aligner",
                 max_pixels: int | None = None) -> StageCosts:
     """Time decode, transform, pack and staging on ``paths`` in this thread's CPU time, with
-    one torch thread, as the pipeline does them: ``decode._open_checked``'s checks,
+    one torch thread, as the pipeline does them: ``decode.open_checked``'s checks,
     ``transform.image_to_patch_bits``, ``packing.pack`` into a staging buffer, one copy of
     each other input tensor."""
-    from ..images.decode import DEFAULT_MAX_PIXELS, _open_checked
+    from ..images.decode import DEFAULT_MAX_PIXELS, open_checked
     from ..engine.packing import pack
     from ..tower.transform import bf16_bits_to_tensor, image_to_patch_bits
 
@@ -163,7 +163,7 @@ def stage_costs(paths: Sequence[Path], cfg: VisionConfig, features: str = "align
     try:
         for path in paths:
             began = clock()
-            with _open_checked(str(path), limit) as image:
+            with open_checked(str(path), limit) as image:
                 image.load()
                 loaded = clock()
                 bits, canvas = image_to_patch_bits(image, cfg)

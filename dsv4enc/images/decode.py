@@ -75,7 +75,7 @@ def _readable(source, stream: bool = False):
     return _readable(open_item(source, stream=stream))
 
 
-def _open_checked(source, max_pixels: int, stream: bool = False, name: str | None = None):
+def open_checked(source, max_pixels: int, stream: bool = False, name: str | None = None):
     """Open ``source`` with Pillow, refusing more than ``max_pixels`` pixels.
 
     The limit is this call's own: Pillow's process-wide ``Image.MAX_IMAGE_PIXELS`` is never
@@ -158,7 +158,7 @@ def probe_image(source, max_pixels: int = DEFAULT_MAX_PIXELS) -> Probe:
                 target = handle = open_item(source, stream=True)
         if isinstance(target, (str, os.PathLike)):
             _require_regular_file(target)
-        image = _open_checked(target, max_pixels, stream=True, name=image_name(source, target))
+        image = open_checked(target, max_pixels, stream=True, name=image_name(source, target))
         width, height = image.size
         image.close()
         if width <= 0 or height <= 0:
@@ -179,7 +179,7 @@ def decode_image(source, cfg: VisionConfig, max_pixels: int = DEFAULT_MAX_PIXELS
     from ..tower.transform import image_to_patch_bits
 
     try:
-        with _open_checked(source, max_pixels) as image:
+        with open_checked(source, max_pixels) as image:
             width, height = image.size
             image.load()
             bits, canvas = image_to_patch_bits(image, cfg, out)
@@ -401,21 +401,23 @@ class DecodePool:
         self._ctx = mp.get_context("spawn")  # fork is unsafe after torch/CUDA start threads
         # Shared slots for the workers' patches (``slots``: default, enough for the default
         # look-ahead plus a batch the consumer still holds; 0: none, all through the pipes).
-        self._arena = (PatchArena.create(default_slots(workers) if slots is None else slots,
+        self.arena = (PatchArena.create(default_slots(workers) if slots is None else slots,
                                          patch_slot_bytes(cfg)) if workers > 0 else None)
         self._row_width = 3 * cfg.patch_size ** 2
-        self._workers = [self._new_worker() for _ in range(workers)]
+        # ``arena`` and ``workers`` are public for inspection (tests read the slots and the
+        # worker processes); only the pool itself changes them.
+        self.workers = [self._new_worker() for _ in range(workers)]
         self.replaced = 0
         self._pumps: list[tuple[threading.Thread, threading.Event]] = []
 
     def close(self) -> None:
         for pump, stop in list(self._pumps):  # an abandoned imap's thread uses the workers
             self._stop_pump(pump, stop)
-        for worker in self._workers:
+        for worker in self.workers:
             worker.stop(kill=worker.task is not None)
-        self._workers = []
-        if self._arena is not None:
-            self._arena.close()  # freed once the last lease (a decoded image) is gone
+        self.workers = []
+        if self.arena is not None:
+            self.arena.close()  # freed once the last lease (a decoded image) is gone
 
     def __enter__(self) -> "DecodePool":
         return self
@@ -425,18 +427,18 @@ class DecodePool:
 
     def _new_worker(self) -> _Worker:
         return _Worker(self._ctx, self.cfg, self.max_pixels, self.memory_budget,
-                       self._arena.handle() if self._arena is not None else None)
+                       self.arena.handle() if self.arena is not None else None)
 
     def _replace(self, index: int) -> None:
-        old = self._workers[index]
+        old = self.workers[index]
         old.stop(kill=True)  # returns once it is gone: it can no longer write to its slot
         self._release_slot(old)
-        self._workers[index] = self._new_worker()
+        self.workers[index] = self._new_worker()
         self.replaced += 1
 
     def _release_slot(self, worker: _Worker) -> None:
         if worker.slot is not None:
-            self._arena.give_back(worker.slot)
+            self.arena.give_back(worker.slot)
             worker.slot = None
 
     def _received(self, worker: _Worker, result: Decoded) -> Decoded:
@@ -444,11 +446,11 @@ class DecodePool:
         become an array over it (a lease); an unused slot is free again."""
         slot, worker.slot = worker.slot, None
         if result.slot is not None and slot == result.slot:
-            result.patches = self._arena.lease(slot, (result.n_h * result.n_w, self._row_width))
+            result.patches = self.arena.lease(slot, (result.n_h * result.n_w, self._row_width))
             result.slot = None
             return result
         if slot is not None:
-            self._arena.give_back(slot)
+            self.arena.give_back(slot)
         if result.slot is not None:  # never sent by a worker of this pool: not to be trusted
             return Decoded(error="decode worker answered with a slot it was not given")
         return result
@@ -464,7 +466,7 @@ class DecodePool:
         ``window`` tasks are taken but not yet yielded (queued, decoding or decoded) at once,
         so memory stays bounded whatever the consumer's speed.
         """
-        if not self._workers:
+        if not self.workers:
             return ((tag, decode_image(path, self.cfg, self.max_pixels)) for tag, path in tasks)
         results: queue.SimpleQueue = queue.SimpleQueue()
         credits = threading.Semaphore(max(1, window))
@@ -516,7 +518,7 @@ class DecodePool:
                 if exhausted and next_out == next_seq:
                     results.put(_END if source_error is None else source_error)
                     return
-                if any(w.task is not None for w in self._workers):
+                if any(w.task is not None for w in self.workers):
                     self._collect(done, max_wait=_POLL_S)
                 elif credits.acquire(timeout=_POLL_S):  # all credits out: wait for the consumer
                     credits.release()
@@ -526,10 +528,10 @@ class DecodePool:
             results.put(exc)
 
     def _dispatch(self, waiting: deque, done: dict[int, Decoded]) -> None:
-        for index, worker in enumerate(self._workers):
+        for index, worker in enumerate(self.workers):
             if worker.task is None and waiting:
                 seq, path = waiting.popleft()
-                worker.slot = self._arena.take() if self._arena is not None else None
+                worker.slot = self.arena.take() if self.arena is not None else None
                 try:
                     worker.conn.send((seq, path, worker.slot))
                     worker.task = (seq, time.monotonic() if worker.ready else None)
@@ -539,7 +541,7 @@ class DecodePool:
 
     def _collect(self, done: dict[int, Decoded], max_wait: float) -> None:
         """Wait up to ``max_wait`` s (less if a deadline comes first) for workers' messages."""
-        busy = [(i, w) for i, w in enumerate(self._workers) if w.task is not None]
+        busy = [(i, w) for i, w in enumerate(self.workers) if w.task is not None]
         if not busy:
             return
         deadlines = [d for _, w in busy if (d := w.deadline(self.timeout_s)) is not None]

@@ -374,7 +374,7 @@ def choose_image_column(schema: "pa.Schema", wanted: str | None, source: str) ->
                      "choose one with --image-column")
 
 
-class _Table:
+class TableReader:
     """Read access to a Parquet file or an Arrow IPC file/stream, group by group.
 
     ``damage``: ``(byte offset, reason)`` when an Arrow stream (or a file without its footer)
@@ -453,7 +453,7 @@ def expand_table(raw: str, image_column: str | None = None, key_column: str | No
     import pyarrow as pa
 
     try:
-        table = _Table(raw)
+        table = TableReader(raw)
     except (OSError, pa.ArrowException) as exc:
         return [damaged_item(raw, 0, f"cannot read it as a table: {exc}")]
     column = choose_image_column(table.schema, image_column, raw)
@@ -489,13 +489,13 @@ def expand_table(raw: str, image_column: str | None = None, key_column: str | No
     return items
 
 
-class _GroupCache:
+class GroupCache:
     """Recently read row-group columns of this process, least recently used dropped first."""
 
     def __init__(self, max_bytes: int = CACHE_BYTES) -> None:
         self.max_bytes = max_bytes
         self._lock = threading.Lock()
-        self._tables: dict[str, _Table] = {}
+        self._tables: dict[str, TableReader] = {}
         self._columns: OrderedDict[tuple[str, int, str], Any] = OrderedDict()
         self._bytes = 0
 
@@ -509,7 +509,7 @@ class _GroupCache:
             if table is None:
                 if len(self._tables) >= 16:
                     self._tables.pop(next(iter(self._tables)))
-                table = self._tables[path] = _Table(path)
+                table = self._tables[path] = TableReader(path)
             chunks = table.read(group, [column]).column(0)
             # One chunk (the usual case) is used as it is: combining copies it, and a row
             # group of large images is hundreds of megabytes.
@@ -528,19 +528,19 @@ class _GroupCache:
             self._bytes = 0
 
 
-_CACHE = _GroupCache()
+GROUP_CACHE = GroupCache()
 
 
 def clear_cache() -> None:
     """Drop this process's cached row groups (the main process, once headers are read)."""
-    _CACHE.clear()
+    GROUP_CACHE.clear()
 
 
 def read_table_cell(path: str, cell: TableCell, stream: bool = False) -> bytes | str | BinaryIO:
     """A table cell's image: its bytes (with ``stream``, a file object over them that copies
     nothing: header probes on many threads read only a few bytes of each), or (a struct with
     only a path) the file it names."""
-    array = _CACHE.column(path, cell.group, cell.column)
+    array = GROUP_CACHE.column(path, cell.group, cell.column)
     value = array[cell.row]
     if not value.is_valid:
         raise ValueError(f"row has no image (null {cell.column!r})")

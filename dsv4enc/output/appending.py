@@ -31,11 +31,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from ..errors import OutputError
-from .parquet_join import (_FILE_NUM_ROWS, _FILE_ROW_GROUPS, _I64, _LIST, _STRUCT, MAGIC,
-                             JoinError, _copy_range, _move_group, _Reader, _schema_part,
-                             _Writer, read_footer)
-from .parts import (MANIFEST_NAME, PartLedger, _fsync_dir, _is_journal_entry,
-                     _names_part_file, _part_intact, drop_cached_pages, output_os_error,
+from .parquet_join import (FILE_NUM_ROWS, FILE_ROW_GROUPS, T_I64, T_LIST, T_STRUCT, MAGIC,
+                             JoinError, copy_range, move_group, CompactReader, schema_part,
+                             CompactWriter, read_footer)
+from .parts import (MANIFEST_NAME, PartLedger, fsync_dir, is_journal_entry,
+                     names_part_file, part_intact, drop_cached_pages, output_os_error,
                      parquet_options, transient_errors)
 
 log = logging.getLogger("dsv4enc")
@@ -52,8 +52,8 @@ _sync_data = getattr(os, "fdatasync", os.fsync)
 
 def _pack(kind: int, value: Any) -> str:
     """Thrift compact bytes of ``value`` as text for the JSON journal."""
-    writer = _Writer()
-    if kind == _STRUCT:
+    writer = CompactWriter()
+    if kind == T_STRUCT:
         writer.struct(value)
     else:
         writer.value(kind, value)
@@ -61,8 +61,8 @@ def _pack(kind: int, value: Any) -> str:
 
 
 def _unpack(kind: int, text: str) -> Any:
-    reader = _Reader(base64.b64decode(text))
-    return reader.struct() if kind == _STRUCT else reader.value(kind)
+    reader = CompactReader(base64.b64decode(text))
+    return reader.struct() if kind == T_STRUCT else reader.value(kind)
 
 
 def serialize(table: pa.Table, row_group_size: int) -> pa.Buffer:
@@ -81,7 +81,7 @@ def _footer(data: pa.Buffer) -> tuple[list[list], int]:
 
 def _row_groups(footer: list[list]) -> list[list]:
     """The row groups a decoded footer lists."""
-    return next((field[2][1] for field in footer if field[0] == _FILE_ROW_GROUPS), [])
+    return next((field[2][1] for field in footer if field[0] == FILE_ROW_GROUPS), [])
 
 
 def _range_footer(fd: int, offset: int, length: int) -> list[list] | None:
@@ -94,7 +94,7 @@ def _range_footer(fd: int, offset: int, length: int) -> list[list] | None:
         size = struct.unpack("<I", tail[:4])[0] if len(tail) == 8 else 0
         if tail[4:] != MAGIC or not 0 < size <= length - 8:
             return None
-        return _Reader(os.pread(fd, size, end - 8 - size)).struct()
+        return CompactReader(os.pread(fd, size, end - 8 - size)).struct()
     except (OSError, IndexError, ValueError, struct.error, JoinError):
         return None
 
@@ -108,13 +108,13 @@ def _size_if_parquet_start(path: Path) -> int:
         return 0
 
 
-def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+def pwrite_all(fd: int, data: memoryview, offset: int) -> None:
     while data:
         written = os.pwrite(fd, data[:_MAX_WRITE], offset)
         data, offset = data[written:], offset + written
 
 
-def _room(table: pa.Table, row_group_size: int) -> int:
+def group_room(table: pa.Table, row_group_size: int) -> int:
     """Bytes to reserve for a part: a little more than its Parquet file takes. Embeddings
     are stored uncompressed, so their Arrow size bounds them (measured: 1.000-1.001x at real
     width, the nested layout's levels included); each row group adds page headers,
@@ -129,7 +129,7 @@ class _NoRoom(Exception):
     """A part's Parquet bytes outgrew its reservation."""
 
 
-class _RangeSink:
+class RangeSink:
     """A write-only file for pyarrow's Parquet writer that puts byte ``i`` of the file it is
     given at ``base + i - 4`` of the growing file: the leading ``PAR1`` is dropped, so the
     column chunks start at ``base``; past ``room`` bytes it raises ``_NoRoom``. No copy in
@@ -147,7 +147,7 @@ class _RangeSink:
         if self.pos + size - len(MAGIC) > self.room:
             raise _NoRoom()
         if size > skip:
-            _pwrite_all(self.fd, view[skip:], self.base + self.pos + skip - len(MAGIC))
+            pwrite_all(self.fd, view[skip:], self.base + self.pos + skip - len(MAGIC))
         self.pos += size
         return size
 
@@ -179,7 +179,7 @@ class AppendingStore(PartLedger):
         # writer): the same for every table of this schema, an empty one included. Kept in
         # the journal, so that a resume by another pyarrow (other footers) starts over.
         probe, _ = _footer(serialize(schema.empty_table(), 1))
-        self.extra = {"footer": _pack(_STRUCT, _schema_part(probe))}
+        self.extra = {"footer": _pack(T_STRUCT, schema_part(probe))}
         self._fd: int | None = None
         self._end = len(MAGIC)  # where the next part's bytes go
 
@@ -198,7 +198,7 @@ class AppendingStore(PartLedger):
         nothing: the run may yet refuse to resume."""
         size = _size_if_parquet_start(self.path)
         same_footer = data.get("footer") == self.extra["footer"]
-        if not same_footer and any(_is_journal_entry(p) for p in data["parts"].values()):
+        if not same_footer and any(is_journal_entry(p) for p in data["parts"].values()):
             log.warning("the finished parts in %s were written with other Parquet metadata "
                         "(another pyarrow?): they are encoded again", self.folder)
         try:
@@ -207,11 +207,11 @@ class AppendingStore(PartLedger):
             fd = None
         try:
             return {name: part for name, part in data["parts"].items()
-                    if (_is_journal_entry(part) and same_footer and fd is not None
+                    if (is_journal_entry(part) and same_footer and fd is not None
                         and len(MAGIC) <= part["offset"]
                         and part["offset"] + part["length"] <= size
                         and self._part_footer(part, fd) is not None)
-                    or (_names_part_file(part) and self._joinable(part))}
+                    or (names_part_file(part) and self._joinable(part))}
         finally:
             if fd is not None:
                 os.close(fd)
@@ -219,19 +219,19 @@ class AppendingStore(PartLedger):
     def _fits(self, footer: list[list]) -> bool:
         """A part's footer holds what the output's does besides its row groups (schema,
         key-value metadata, writer): its row groups can join the file's."""
-        return _pack(_STRUCT, _schema_part(footer)) == self.extra["footer"]
+        return _pack(T_STRUCT, schema_part(footer)) == self.extra["footer"]
 
     def _joinable(self, part: dict[str, Any]) -> bool:
         """A part file that reads back whole and whose bytes can join this file's: the same
         footer besides its row groups (the same pyarrow wrote it), no page indexes."""
         path = self.folder / part["file"]
-        if not _part_intact(path, part.get("rows")):
+        if not part_intact(path, part.get("rows")):
             return False
         try:
             with open(path, "rb") as source:
                 footer, _ = read_footer(source, os.fstat(source.fileno()).st_size)
             for group in _row_groups(footer):
-                _move_group(group, 0, 0)  # raises JoinError where offsets lie outside
+                move_group(group, 0, 0)  # raises JoinError where offsets lie outside
         except (OSError, JoinError):
             return False
         return self._fits(footer)
@@ -242,7 +242,7 @@ class AppendingStore(PartLedger):
         super().forget(names)
         self._cut()
         for name, part in list(self.parts.items()):
-            if _names_part_file(part):
+            if names_part_file(part):
                 self._import(name, part)
 
     def _cut(self) -> None:
@@ -251,7 +251,7 @@ class AppendingStore(PartLedger):
         A file that does not start with ``PAR1`` (or none) starts anew: nothing of it is
         recorded then."""
         self._end = max((p["offset"] + p["length"] for p in self.parts.values()
-                         if _is_journal_entry(p)), default=len(MAGIC))
+                         if is_journal_entry(p)), default=len(MAGIC))
         try:
             if self._fd is None:
                 self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
@@ -271,7 +271,7 @@ class AppendingStore(PartLedger):
                 read_footer(source, size)  # a damaged file raises JoinError here
                 length = size - len(MAGIC)
                 target.seek(self._end)
-                _copy_range(source, target, len(MAGIC), length)
+                copy_range(source, target, len(MAGIC), length)
                 target.flush()
                 _sync_data(target.fileno())
         except JoinError as exc:  # checked by _joinable: only if changed since
@@ -290,14 +290,14 @@ class AppendingStore(PartLedger):
                digest: str) -> None:
         """Append one part (several writer threads may commit at once; parts land in the
         file in any order)."""
-        room = _room(table, row_group_size)
+        room = group_room(table, row_group_size)
         base = self._reserve(room)
         try:
-            sink = _RangeSink(self._fd, base, room)
+            sink = RangeSink(self._fd, base, room)
             pq.write_table(table, pa.PythonFile(sink, mode="w"), row_group_size=row_group_size,
                            **parquet_options(table.schema))
             length = sink.pos - len(MAGIC)  # column chunks, footer, its length, PAR1
-        except _NoRoom:  # more than ``_room`` guessed: the part goes through memory instead
+        except _NoRoom:  # more than ``group_room`` guessed: the part goes through memory instead
             self._give_back(base, room, 0)
             data = serialize(table, row_group_size)
             length = data.size - len(MAGIC)
@@ -338,7 +338,7 @@ class AppendingStore(PartLedger):
 
     def _write(self, data: memoryview, offset: int) -> None:
         try:
-            _pwrite_all(self._fd, data, offset)
+            pwrite_all(self._fd, data, offset)
         except OSError as exc:
             raise output_os_error(self.path, exc) from None
 
@@ -367,23 +367,23 @@ class AppendingStore(PartLedger):
                                   f"{part['offset']} of {self.path} has no footer")
             for group in _row_groups(footer):
                 # Its offsets count from its own file's start, where PAR1 preceded its bytes.
-                _move_group(group, part["offset"] - len(MAGIC), len(groups))
+                move_group(group, part["offset"] - len(MAGIC), len(groups))
                 groups.append(group)
-        fields = _unpack(_STRUCT, self.extra["footer"]) + [
-            [_FILE_NUM_ROWS, _I64, sum(p["rows"] for p in ordered)],
-            [_FILE_ROW_GROUPS, _LIST, (_STRUCT, groups)]]
-        writer = _Writer()
+        fields = _unpack(T_STRUCT, self.extra["footer"]) + [
+            [FILE_NUM_ROWS, T_I64, sum(p["rows"] for p in ordered)],
+            [FILE_ROW_GROUPS, T_LIST, (T_STRUCT, groups)]]
+        writer = CompactWriter()
         writer.struct(sorted(fields, key=lambda field: field[0]))
         return bytes(writer.out) + struct.pack("<I", len(writer.out)) + MAGIC
 
     def finish(self) -> None:
         """Write the footer after the last part, sync, and rename the file to ``out``."""
         try:
-            _pwrite_all(self._fd, memoryview(self._final_footer()), self._end)
+            pwrite_all(self._fd, memoryview(self._final_footer()), self._end)
             os.fsync(self._fd)
             self.close()
             os.replace(self.path, self.out)
-            _fsync_dir(self.out.parent)
+            fsync_dir(self.out.parent)
         except OSError as exc:
             raise output_os_error(self.out, exc) from None
 

@@ -21,16 +21,16 @@ from typing import Any, BinaryIO
 MAGIC = b"PAR1"
 
 # Thrift compact protocol type ids.
-_STOP, _TRUE, _FALSE, _BYTE, _I16, _I32, _I64, _DOUBLE, _BINARY, _LIST, _SET, _MAP, _STRUCT = (
+T_STOP, T_TRUE, T_FALSE, T_BYTE, T_I16, T_I32, T_I64, T_DOUBLE, T_BINARY, T_LIST, T_SET, T_MAP, T_STRUCT = (
     0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12)
 
 # Field ids of parquet.thrift that hold file offsets or need joining.
-_FILE_NUM_ROWS, _FILE_ROW_GROUPS = 3, 4
-_GROUP_COLUMNS, _GROUP_FILE_OFFSET, _GROUP_ORDINAL = 1, 5, 7
-_CHUNK_FILE_OFFSET, _CHUNK_META = 2, 3
-_CHUNK_INDEX_FIELDS = (4, 5, 6, 7)  # offset/column index offsets and lengths
-_META_OFFSETS = (9, 10, 11)  # data, index and dictionary page offsets
-_META_BLOOM = (14, 15)
+FILE_NUM_ROWS, FILE_ROW_GROUPS = 3, 4
+GROUP_COLUMNS, GROUP_FILE_OFFSET, GROUP_ORDINAL = 1, 5, 7
+CHUNK_FILE_OFFSET, CHUNK_META = 2, 3
+CHUNK_INDEX_FIELDS = (4, 5, 6, 7)  # offset/column index offsets and lengths
+META_OFFSETS = (9, 10, 11)  # data, index and dictionary page offsets
+META_BLOOM = (14, 15)
 
 
 class JoinError(ValueError):
@@ -39,7 +39,7 @@ class JoinError(ValueError):
 
 # ----------------------------------------------------------------------------- compact codec
 
-class _Reader:
+class CompactReader:
     def __init__(self, data: bytes) -> None:
         self.data, self.pos = data, 0
 
@@ -69,32 +69,32 @@ class _Reader:
         return out
 
     def value(self, kind: int) -> Any:
-        if kind in (_TRUE, _FALSE):  # a bool field's value is its type
-            return kind == _TRUE
-        if kind == _BYTE:
+        if kind in (T_TRUE, T_FALSE):  # a bool field's value is its type
+            return kind == T_TRUE
+        if kind == T_BYTE:
             return self.byte()
-        if kind in (_I16, _I32, _I64):
+        if kind in (T_I16, T_I32, T_I64):
             return self.zigzag()
-        if kind == _DOUBLE:
+        if kind == T_DOUBLE:
             return self.take(8)
-        if kind == _BINARY:
+        if kind == T_BINARY:
             return self.take(self.varint())
-        if kind in (_LIST, _SET):
+        if kind in (T_LIST, T_SET):
             head = self.byte()
             size, element = head >> 4, head & 0x0F
             if size == 15:
                 size = self.varint()
-            if element in (_TRUE, _FALSE):  # bools in a collection are one byte each
+            if element in (T_TRUE, T_FALSE):  # bools in a collection are one byte each
                 return element, [self.byte() for _ in range(size)]
             return element, [self.value(element) for _ in range(size)]
-        if kind == _MAP:
+        if kind == T_MAP:
             size = self.varint()
             if not size:
                 return 0, 0, []
             types = self.byte()
             key, val = types >> 4, types & 0x0F
             return key, val, [(self.value(key), self.value(val)) for _ in range(size)]
-        if kind == _STRUCT:
+        if kind == T_STRUCT:
             return self.struct()
         raise JoinError(f"unknown Thrift type {kind} in a Parquet footer")
 
@@ -104,7 +104,7 @@ class _Reader:
         while True:
             head = self.byte()
             kind = head & 0x0F
-            if kind == _STOP:
+            if kind == T_STOP:
                 return fields
             delta = head >> 4
             field = last + delta if delta else self.zigzag()
@@ -112,7 +112,7 @@ class _Reader:
             last = field
 
 
-class _Writer:
+class CompactWriter:
     def __init__(self) -> None:
         self.out = bytearray()
 
@@ -126,18 +126,18 @@ class _Writer:
         self.varint((n << 1) ^ (n >> 63))
 
     def value(self, kind: int, value: Any) -> None:
-        if kind in (_TRUE, _FALSE):
+        if kind in (T_TRUE, T_FALSE):
             return
-        if kind == _BYTE:
+        if kind == T_BYTE:
             self.out.append(value)
-        elif kind in (_I16, _I32, _I64):
+        elif kind in (T_I16, T_I32, T_I64):
             self.zigzag(value)
-        elif kind == _DOUBLE:
+        elif kind == T_DOUBLE:
             self.out += value
-        elif kind == _BINARY:
+        elif kind == T_BINARY:
             self.varint(len(value))
             self.out += value
-        elif kind in (_LIST, _SET):
+        elif kind in (T_LIST, T_SET):
             element, items = value
             if len(items) < 15:
                 self.out.append((len(items) << 4) | element)
@@ -145,11 +145,11 @@ class _Writer:
                 self.out.append(0xF0 | element)
                 self.varint(len(items))
             for item in items:
-                if element in (_TRUE, _FALSE):
+                if element in (T_TRUE, T_FALSE):
                     self.out.append(item)
                 else:
                     self.value(element, item)
-        elif kind == _MAP:
+        elif kind == T_MAP:
             key, val, items = value
             self.varint(len(items))
             if items:
@@ -157,7 +157,7 @@ class _Writer:
                 for k, v in items:
                     self.value(key, k)
                     self.value(val, v)
-        elif kind == _STRUCT:
+        elif kind == T_STRUCT:
             self.struct(value)
         else:
             raise JoinError(f"unknown Thrift type {kind}")
@@ -165,8 +165,8 @@ class _Writer:
     def struct(self, fields: list[list]) -> None:
         last = 0
         for field, kind, value in fields:
-            if kind in (_TRUE, _FALSE):
-                kind = _TRUE if value else _FALSE
+            if kind in (T_TRUE, T_FALSE):
+                kind = T_TRUE if value else T_FALSE
             delta = field - last
             if 0 < delta <= 15:
                 self.out.append((delta << 4) | kind)
@@ -175,7 +175,7 @@ class _Writer:
                 self.zigzag(field)
             self.value(kind, value)
             last = field
-        self.out.append(_STOP)
+        self.out.append(T_STOP)
 
 
 def _get(fields: list[list], field: int) -> list | None:
@@ -198,36 +198,36 @@ def read_footer(handle: BinaryIO, size: int) -> tuple[list[list], int]:
     if handle.read(4) != MAGIC:
         raise JoinError("not a Parquet file (no leading magic)")
     handle.seek(start)
-    return _Reader(handle.read(length)).struct(), start
+    return CompactReader(handle.read(length)).struct(), start
 
 
-def _move_group(group: list[list], shift: int, ordinal: int) -> None:
+def move_group(group: list[list], shift: int, ordinal: int) -> None:
     """Shift a row group's byte offsets by ``shift`` and give it its new ordinal."""
     for field in group:
-        if field[0] == _GROUP_FILE_OFFSET:
+        if field[0] == GROUP_FILE_OFFSET:
             field[2] += shift
-        elif field[0] == _GROUP_ORDINAL:
+        elif field[0] == GROUP_ORDINAL:
             field[2] = ordinal
-    for chunk in _get(group, _GROUP_COLUMNS)[2][1]:
+    for chunk in _get(group, GROUP_COLUMNS)[2][1]:
         for field in chunk:
-            if field[0] in _CHUNK_INDEX_FIELDS:
+            if field[0] in CHUNK_INDEX_FIELDS:
                 raise JoinError("a file with page indexes cannot be joined by copying")
-            if field[0] == _CHUNK_FILE_OFFSET and field[2]:
+            if field[0] == CHUNK_FILE_OFFSET and field[2]:
                 field[2] += shift
-            elif field[0] == _CHUNK_META:
+            elif field[0] == CHUNK_META:
                 for meta in field[2]:
-                    if meta[0] in _META_BLOOM:
+                    if meta[0] in META_BLOOM:
                         raise JoinError("a file with bloom filters cannot be joined by copying")
-                    if meta[0] in _META_OFFSETS:
+                    if meta[0] in META_OFFSETS:
                         meta[2] += shift
 
 
-def _schema_part(footer: list[list]) -> list[list]:
+def schema_part(footer: list[list]) -> list[list]:
     """What must agree between joined files: everything but the row groups and row count."""
-    return [f for f in footer if f[0] not in (_FILE_NUM_ROWS, _FILE_ROW_GROUPS)]
+    return [f for f in footer if f[0] not in (FILE_NUM_ROWS, FILE_ROW_GROUPS)]
 
 
-def _copy_range(source: BinaryIO, target: BinaryIO, offset: int, count: int) -> None:
+def copy_range(source: BinaryIO, target: BinaryIO, offset: int, count: int) -> None:
     """Append ``count`` bytes at ``offset`` of ``source`` to ``target``: in the kernel where
     it can (``copy_file_range``: no trip through user space, a reflink on file systems that
     share extents), the rest through a buffer."""
@@ -273,16 +273,16 @@ class ParquetJoiner:
             footer, start = read_footer(source, size)
             if self._footer is None:
                 self._footer = footer
-            elif _schema_part(footer) != _schema_part(self._footer):
+            elif schema_part(footer) != schema_part(self._footer):
                 raise JoinError(f"{path} has another schema or metadata than the first file")
             shift = self._out.tell() - 4
-            groups = _get(footer, _FILE_ROW_GROUPS)
+            groups = _get(footer, FILE_ROW_GROUPS)
             for group in (groups[2][1] if groups else []):
-                _move_group(group, shift, len(self._groups))
+                move_group(group, shift, len(self._groups))
                 self._groups.append(group)
-            rows = _get(footer, _FILE_NUM_ROWS)
+            rows = _get(footer, FILE_NUM_ROWS)
             self._rows += rows[2] if rows else 0
-            _copy_range(source, self._out, 4, start - 4)
+            copy_range(source, self._out, 4, start - 4)
 
     def close(self) -> None:
         """Write the joined footer and close the file (no file appended: an error)."""
@@ -291,12 +291,12 @@ class ParquetJoiner:
             raise JoinError("no file to join")
         footer = []
         for field, kind, value in self._footer:
-            if field == _FILE_NUM_ROWS:
+            if field == FILE_NUM_ROWS:
                 value = self._rows
-            elif field == _FILE_ROW_GROUPS:
-                value = (_STRUCT, self._groups)
+            elif field == FILE_ROW_GROUPS:
+                value = (T_STRUCT, self._groups)
             footer.append([field, kind, value])
-        writer = _Writer()
+        writer = CompactWriter()
         writer.struct(footer)
         self._out.write(bytes(writer.out))
         self._out.write(struct.pack("<I", len(writer.out)) + MAGIC)

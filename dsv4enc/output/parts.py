@@ -258,7 +258,7 @@ def rows_per_group(schema: pa.Schema, rows: Sequence[Row]) -> int:
     return max(1, min(1 << 20, int(ROW_GROUP_BYTES // max(mean * weight, 1))))
 
 
-def _fsync_dir(folder: Path) -> None:
+def fsync_dir(folder: Path) -> None:
     try:
         fd = os.open(folder, os.O_RDONLY)
     except OSError:
@@ -321,7 +321,7 @@ def write_table_atomic(table: pa.Table, path: Path, row_group_size: int,
             if drop_cache:
                 drop_cached_pages(handle.fileno())
         os.replace(tmp, path)
-        _fsync_dir(path.parent)
+        fsync_dir(path.parent)
     except OSError as exc:
         tmp.unlink(missing_ok=True)
         raise output_os_error(path, exc) from None
@@ -339,7 +339,7 @@ def write_json_atomic(data: Any, path: Path) -> None:
         raise output_os_error(path, exc) from None
 
 
-def _part_intact(path: Path, rows: int | None) -> bool:
+def part_intact(path: Path, rows: int | None) -> bool:
     """A committed part can be reused: it exists and its footer reads back with the row count
     the manifest recorded (a damaged or replaced file is encoded again, not trusted)."""
     try:
@@ -356,12 +356,12 @@ def manifest_document(settings: dict[str, Any], parts: dict[str, dict[str, Any]]
             "parts": parts, **extra}
 
 
-def _names_part_file(part: dict) -> bool:
+def names_part_file(part: dict) -> bool:
     """A part committed as its own file (``PartStore``), under a dsv4enc part file name."""
     return isinstance(part.get("file"), str) and bool(PART_FILE.fullmatch(part["file"]))
 
 
-def _is_journal_entry(part: dict) -> bool:
+def is_journal_entry(part: dict) -> bool:
     """A part committed as a byte range of the growing file (``appending.AppendingStore``)."""
     return ("file" not in part and isinstance(part.get("offset"), int)
             and isinstance(part.get("length"), int))
@@ -379,7 +379,7 @@ def manifest_kind(data: Any) -> str | None:
     if not isinstance(settings, dict) or settings.get("tool") != "dsv4enc":
         return None
     for part in data["parts"].values():
-        if not (isinstance(part, dict) and (_names_part_file(part) or _is_journal_entry(part))):
+        if not (isinstance(part, dict) and (names_part_file(part) or is_journal_entry(part))):
             return None
     if data.get("format") == MANIFEST_FORMAT and data.get("version") == MANIFEST_VERSION:
         return "current"
@@ -479,7 +479,7 @@ class PartLedger:
 
     def _discard(self, part: dict[str, Any]) -> None:
         """Delete a forgotten part's file (a range of the growing file needs nothing)."""
-        if _names_part_file(part):
+        if names_part_file(part):
             (self.folder / part["file"]).unlink(missing_ok=True)
 
     def _record(self, name: str, entry: dict[str, Any]) -> None:
@@ -509,7 +509,7 @@ class PartStore(PartLedger):
 
     def _intact_parts(self, data: dict) -> dict[str, dict[str, Any]]:
         return {name: part for name, part in data["parts"].items()
-                if _names_part_file(part) and _part_intact(self.folder / part["file"],
+                if names_part_file(part) and part_intact(self.folder / part["file"],
                                                            part.get("rows"))}
 
     def commit(self, name: str, table: pa.Table, row_group_size: int, start: int, end: int,
@@ -637,7 +637,7 @@ class StreamingAssembler:
             return
         try:
             os.replace(self.tmp, self.out)
-            _fsync_dir(self.out.parent)
+            fsync_dir(self.out.parent)
         except OSError as exc:
             self.tmp.unlink(missing_ok=True)
             raise output_os_error(self.out, exc) from None

@@ -23,7 +23,7 @@ import torch
 from dsv4enc.bench.throughput import bench_cli, bench_naive, resolve_images
 from dsv4enc.tower.checkpoint import build_tower, load_checkpoint, random_state_dict, save_checkpoint
 from dsv4enc.tower.config import VisionConfig
-from dsv4enc.run.options import DEFAULT_BATCH_TOKENS
+from dsv4enc.engine.defaults import DEFAULT_BATCH_TOKENS
 
 
 def main() -> None:

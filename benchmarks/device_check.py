@@ -260,12 +260,13 @@ def invariance_section(cfg: VisionConfig, device: torch.device, n_images: int,
 
 def fused_section(cfg: VisionConfig, device: torch.device, dtype: torch.dtype, n_images: int,
                   batch_tokens: int) -> None:
-    from dsv4enc.tower.fusion import fuse_elementwise
 
     tag = str(dtype).removeprefix("torch.")
     state = random_checkpoint(cfg, 0, dtype)
     eager_model = build_tower(state, device)
-    fused_model = fuse_elementwise(build_tower(state, device))
+    from dsv4enc.engine.factory import build_model
+
+    fused_model = build_model(state, device, fused=True)
     items = random_items(cfg, n_images, seed=5)
     batches = batches_of(items, cfg, batch_tokens, 16)
     eager = Engine(eager_model, "aligner", "auto", torch.float32, batch_tokens=batch_tokens,

@@ -67,9 +67,10 @@ def breakdown(cfg: VisionConfig, device: torch.device, dtype: torch.dtype, n_ima
 
     model = build_tower(random_checkpoint(cfg, 0, dtype), device)
     if fused:
+        from dsv4enc.engine.engine import runs_one_shape
         from dsv4enc.tower.fusion import fuse_elementwise
 
-        fuse_elementwise(model)
+        fuse_elementwise(model, dynamic=not runs_one_shape(model, True))
     batch, canvas = equal_batch(cfg, n_images)
     engine = Engine(model, "aligner", "auto", torch.float16, cuda_graphs=False,
                     batch_tokens=batch.n_tokens, max_images=n_images)

@@ -26,12 +26,14 @@ import numpy as np
 import torch
 
 from . import storage
-from .tower.checkpoint import Checkpoint, build_tower, load_checkpoint, random_checkpoint
+from .tower.checkpoint import Checkpoint, load_checkpoint, random_checkpoint
 from .tower.config import VisionConfig
-from .images.decode import DEFAULT_MAX_PIXELS, decode_image, describe_error, patches_tensor
+from .images.formats import DEFAULT_MAX_PIXELS
+from .images.decode import decode_image, describe_error, patches_tensor
 from .engine.device import resolve_device, resolve_dtype, resolve_out_dtype
 from .engine.batching import BatchLoop
 from .engine.engine import Engine, NonFiniteOutput
+from .engine.factory import build_model, engine_for
 from .engine.packing import output_grid
 from .run.plan import pack_bins
 from .output.read import read_embeddings
@@ -139,9 +141,10 @@ class Encoder:
             raise ValueError(f"batch_tokens must be positive, got {batch_tokens}")
         if max_images <= 0:
             raise ValueError(f"max_images must be positive, got {max_images}")
-        from .run.options import DEFAULT_BATCH_TOKENS, available_cpus
+        from .engine.defaults import default_batch_tokens
+        from .run.options import available_cpus
 
-        self.batch_tokens = batch_tokens or DEFAULT_BATCH_TOKENS.get(self.device.type, 8192)
+        self.batch_tokens = batch_tokens or default_batch_tokens(self.device.type)
         self.max_images = max_images
         if decode_threads is None:
             decode_threads = 0 if self.device.type == "cpu" else min(8, available_cpus())
@@ -150,11 +153,7 @@ class Encoder:
         self.attention = attention
         self.cuda_graphs = cuda_graphs
         self.deterministic = deterministic
-        self.model = build_tower(checkpoint, self.device)
-        if fused:
-            from .tower.fusion import fuse_elementwise  # torch.compile's import is slow
-
-            fuse_elementwise(self.model, deterministic)
+        self.model = build_model(checkpoint, self.device, fused=fused, deterministic=deterministic)
         self.engines: dict[str, Engine] = {}  # per features, built on first use (read-only)
 
     # -- construction ------------------------------------------------------------------
@@ -262,10 +261,10 @@ class Encoder:
     def _engine(self, features: str) -> Engine:
         engine = self.engines.get(features)
         if engine is None:
-            engine = Engine(self.model, features=features, attention=self.attention,
-                            out_dtype=self.out_dtype, cuda_graphs=self.cuda_graphs,
-                            batch_tokens=self.batch_tokens, max_images=self.max_images,
-                            deterministic=self.deterministic)
+            engine = engine_for(self.model, features=features, attention=self.attention,
+                                out_dtype=self.out_dtype, cuda_graphs=self.cuda_graphs,
+                                batch_tokens=self.batch_tokens, max_images=self.max_images,
+                                deterministic=self.deterministic)
             self.engines[features] = engine
         return engine
 

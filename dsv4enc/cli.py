@@ -17,6 +17,7 @@ import typer
 
 from .version import __version__
 from .errors import AlreadyComplete, DsvError
+from .run import options as defaults  # torch-free: the defaults, each defined once
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Encode images with the DeepSeek-V4 or V4.1 vision tower and write "
@@ -142,9 +143,9 @@ def encode(
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing --out."),
     resume: bool = typer.Option(False, "--resume", help="Continue an interrupted run, reusing "
                                 "its committed parts."),
-    max_pixels: int = typer.Option(89_478_485, "--max-pixels", help="Images with more pixels "
+    max_pixels: int = typer.Option(defaults.DEFAULT_MAX_PIXELS, "--max-pixels", help="Images with more pixels "
                                    "are refused (decompression bombs); Pillow's default."),
-    decode_timeout: float = typer.Option(120.0, "--decode-timeout", help="Seconds one image "
+    decode_timeout: float = typer.Option(defaults.DEFAULT_DECODE_TIMEOUT_S, "--decode-timeout", help="Seconds one image "
                                          "may take to decode, or its header to be read, "
                                          "before it is given up (an error row)."),
     attention: str = typer.Option("auto", "--attention",
@@ -172,16 +173,16 @@ def encode(
     balance: str = typer.Option("patches", "--balance", metavar=choices("patches", "flops"),
                                 help="torchrun load balancing cost: patches, or flops (counts "
                                 "the quadratic attention term)."),
-    timeout: float = typer.Option(300.0, "--timeout", help="Seconds a collective may wait for "
+    timeout: float = typer.Option(defaults.COLLECTIVE_TIMEOUT_S, "--timeout", help="Seconds a collective may wait for "
                                   "a peer rank before the job fails."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Print only errors and, at the "
                                "end, the output path (on stdout)."),
-    log_every: float = typer.Option(30.0, "--log-every", help="Seconds between progress lines "
+    log_every: float = typer.Option(defaults.LOG_EVERY_S, "--log-every", help="Seconds between progress lines "
                                     "when stderr is not a terminal (logs of nohup, SLURM)."),
     summary_json: Optional[str] = typer.Option(None, "--summary-json", help="Also write the "
                                                "run's summary here as JSON (at the end, or "
                                                "when a signal stops the run)."),
-    commit_every: float = typer.Option(30.0, "--commit-every", help="Seconds of encoding "
+    commit_every: float = typer.Option(defaults.COMMIT_EVERY_S, "--commit-every", help="Seconds of encoding "
                                        "after which finished images are committed as a part "
                                        "(a kill loses about this much work)."),
     part_images: Optional[int] = typer.Option(None, "--part-images", hidden=True,

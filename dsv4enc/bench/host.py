@@ -30,7 +30,8 @@ import torch
 from ..tower.checkpoint import Checkpoint
 from ..tower.config import VisionConfig
 from ..engine.engine import EngineStats
-from ..run.options import DEFAULT_BATCH_TOKENS, EncodeOptions, available_cpus, default_workers
+from ..engine.defaults import DEFAULT_BATCH_TOKENS
+from ..run.options import EncodeOptions, available_cpus, default_workers
 from ..engine.packing import PackedBatch
 
 #: numpy dtypes of the output dtypes (bfloat16 rows are carried as their 16-bit patterns).
@@ -150,7 +151,8 @@ def stage_costs(paths: Sequence[Path], cfg: VisionConfig, features: str = "align
     one torch thread, as the pipeline does them: ``decode.open_checked``'s checks,
     ``transform.image_to_patch_bits``, ``packing.pack`` into a staging buffer, one copy of
     each other input tensor."""
-    from ..images.decode import DEFAULT_MAX_PIXELS, open_checked
+    from ..images.decode import open_checked
+    from ..images.formats import DEFAULT_MAX_PIXELS
     from ..engine.packing import pack
     from ..tower.transform import bf16_bits_to_tensor, image_to_patch_bits
 

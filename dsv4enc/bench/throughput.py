@@ -34,10 +34,11 @@ import torch
 
 from ..tower.attention import naive_sdpa_attention
 from ..engine.batching import BatchLoop
-from ..tower.checkpoint import build_tower, random_checkpoint, random_state_dict, save_checkpoint
+from ..engine.factory import build_model, engine_for
+from ..engine.defaults import default_batch_tokens
+from ..tower.checkpoint import random_checkpoint, random_state_dict, save_checkpoint
 from ..tower.config import VisionConfig
 from ..engine.device import resolve_device, resolve_dtype
-from ..engine.engine import Engine
 from ..tower.model import VisionTower
 from ..engine.packing import PackedBatch, pack
 from ..run.plan import image_flops, pack_bins
@@ -208,8 +209,9 @@ def bench_model(model: VisionTower, prep: Prepared, features: str, batch_tokens:
     """
     cfg, device = model.cfg, model.device
     batches = make_batches(prep, cfg, features, batch_tokens, max_images)
-    engine = Engine(model, features, attention, out_dtype, cuda_graphs=cuda_graphs,
-                    batch_tokens=batch_tokens, max_images=max_images)
+    engine = engine_for(model, features=features, attention=attention, out_dtype=out_dtype,
+                        cuda_graphs=cuda_graphs, batch_tokens=batch_tokens,
+                        max_images=max_images)
     engine.fit_budgets([b.n_tokens for b in batches])  # as the encode pipeline does
     engine.prepare()
     loop = BatchLoop(engine, copy=False)  # the loop the encode pipeline and the API run
@@ -394,15 +396,11 @@ def run_bench(config_path: str, device: str = "auto", dtype: str = "auto",
     dt = resolve_dtype(dtype, dev)
     cfg = VisionConfig.from_file(config_path)
     budgets = ([batch_tokens] if isinstance(batch_tokens, int) else list(batch_tokens or [])) \
-        or [32768 if dev.type == "cuda" else 8192]
+        or [default_batch_tokens(dev.type)]
     out_dtype = torch.float16
     state = random_checkpoint(cfg, seed, dt)
-    model = build_tower(state, dev)
-    fused_model = None
-    if any(fused):
-        from ..tower.fusion import fuse_elementwise
-
-        fused_model = fuse_elementwise(build_tower(state, dev))
+    model = build_model(state, dev)
+    fused_model = build_model(state, dev, fused=True) if any(fused) else None
     del state
     rows: list[dict] = []
     with contextlib.ExitStack() as stack:

@@ -26,7 +26,7 @@ from ..tower.attention import VarlenSpans, available_backends, select_attention
 from ..errors import DsvError, UsageError
 from .graphs import GRAPH_BACKENDS, Bucket, BucketRunner, default_budgets, fit_budgets
 from ..tower.model import VisionTower, rope_tables
-from ..run.options import DEFAULT_BATCH_TOKENS
+from .defaults import default_batch_tokens
 from .packing import PackedBatch
 from ..tower.transform import max_image_tokens
 
@@ -120,7 +120,7 @@ class Engine:
         self.out_dtype = out_dtype
         self.attention_name, self._attend = resolve_attention(attention, self.device, model.dtype)
         model.attend = self._attend
-        self.batch_tokens = batch_tokens or DEFAULT_BATCH_TOKENS.get(self.device.type, 8192)
+        self.batch_tokens = batch_tokens or default_batch_tokens(self.device.type)
         self.max_images = max_images
         self.stats = EngineStats()
         self.last_finite = True  # every value of the last collected batch was finite

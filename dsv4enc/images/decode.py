@@ -24,11 +24,10 @@ from typing import Any, Iterable, Iterator
 import numpy as np
 
 from ..tower.config import VisionConfig
-from .formats import image_name, open_image
+from .formats import DEFAULT_MAX_PIXELS, image_name, open_image
 from .arena import ArenaHandle, PatchArena, WorkerArena, default_slots, patch_slot_bytes
 from ..process import keep_freed_memory_mapped
 
-DEFAULT_MAX_PIXELS = 89_478_485  # Pillow's own MAX_IMAGE_PIXELS
 
 
 @dataclass

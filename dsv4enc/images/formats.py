@@ -14,6 +14,9 @@ import os
 import stat
 from typing import IO, Any
 
+DEFAULT_MAX_PIXELS = 89_478_485  # Pillow's own MAX_IMAGE_PIXELS: larger images are refused
+DEFAULT_DECODE_TIMEOUT_S = 120.0  # one image's decode, or its header read, before it is given up
+
 #: Accepted file extensions (lower case) and the Pillow format each stands for.
 EXTENSION_FORMATS: dict[str, str] = {
     ".jpg": "JPEG", ".jpeg": "JPEG", ".png": "PNG", ".webp": "WEBP", ".bmp": "BMP",

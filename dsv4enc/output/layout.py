@@ -28,9 +28,9 @@ from ..errors import AlreadyComplete, DsvError, OutputError, UsageError
 from ..images.items import is_image_name
 from ..run.plan import inputs_digest
 from .appending import GROWING_NAME
-from .parts import (MANIFEST_FILE, PART_FILE, TEMP_FILE, PartLedger, PartStore, Row,
-                     StreamingAssembler, output_os_error, read_manifest, rows_per_group,
-                     rows_to_table)
+from .parts import (LOCK_NAME, MANIFEST_FILE, MANIFEST_NAME, PART_FILE, TEMP_FILE, PartLedger,
+                    PartStore, Row, StreamingAssembler, output_os_error, read_manifest,
+                    rows_per_group, rows_to_table)
 
 if TYPE_CHECKING:
     from .appending import AppendingStore
@@ -42,7 +42,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("dsv4enc")
 
 #: The lock file in the parts folder (hidden: readers of a dataset folder pass over it).
-LOCK_NAME = ".dsv4enc.lock"
 #: flock errors that mean "this file system does not lock", not "someone holds the lock".
 _NO_LOCKING = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS, errno.EINVAL}
 
@@ -168,11 +167,12 @@ class OutputLayout:
         self._made: list[Path] = []  # folders this run created (removed again if left empty)
         self._prepared = False  # this process checked the output (rank 0 under torchrun)
 
-    def manifest_name(self, dist) -> str:
-        """Each rank keeps its own manifest under --shard-output; merged at the end."""
-        if self.shard_output and dist is not None:
-            return f"_manifest-rank{dist.rank:03d}.json"
-        return "_manifest.json"
+    def manifest_name(self, rank: int | None = None) -> str:
+        """Each rank keeps its own manifest under --shard-output (``rank``: this process's,
+        None outside torchrun); merged at the end."""
+        if self.shard_output and rank is not None:
+            return MANIFEST_NAME.replace(".json", f"-rank{rank:03d}.json")
+        return MANIFEST_NAME
 
     # -- what is ours -------------------------------------------------------------------
     def _manifests(self) -> list[Path]:

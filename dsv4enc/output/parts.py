@@ -28,13 +28,14 @@ import pyarrow.parquet as pq
 
 from ..errors import OutputError
 from .parquet_join import JoinError, ParquetJoiner
-from .read import LAYOUTS, embedding_format
+from .read import LAYOUTS, MANIFEST_NAME, embedding_format
 
 log = logging.getLogger("dsv4enc")
 
-MANIFEST_NAME = "_manifest.json"
 #: What a manifest says it is: dsv4enc recognises its own manifests by content, not by name.
 MANIFEST_FORMAT = "dsv4enc-parts"
+#: The run's lock in the parts folder (a flock locally, a lock object in a bucket).
+LOCK_NAME = ".dsv4enc.lock"
 MANIFEST_VERSION = 2
 #: Names dsv4enc gives its files in a parts folder (``--out`` folder or ``OUT.partial``).
 PART_FILE = re.compile(r"part-\d{6,}(?:_\d{6,})?(?:-rank\d{3})?\.parquet")

@@ -17,6 +17,9 @@ import numpy as np
 
 from ..errors import UsageError
 
+#: The manifest of a folder of parts (per rank under --shard-output: ``_manifest-rankNNN.json``).
+MANIFEST_NAME = "_manifest.json"
+
 #: Rows per Arrow batch while streaming (a row of the full model is up to ~3 MB in float16).
 BATCH_ROWS = 16
 
@@ -28,7 +31,7 @@ def output_files(path: str | os.PathLike) -> list[Path]:
         return [path]
     if not path.is_dir():
         raise UsageError(f"no such file or folder: {path}")
-    manifest = path / "_manifest.json"
+    manifest = path / MANIFEST_NAME
     if manifest.is_file():
         try:
             parts = json.loads(manifest.read_text()).get("parts", {}).values()

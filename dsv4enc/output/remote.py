@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Callable, TypeVar
 
 from .. import storage
 from ..errors import DsvError, OutputError, UsageError
-from .parts import MANIFEST_FILE, PART_FILE, read_manifest
+from .parts import LOCK_NAME, MANIFEST_FILE, PART_FILE, read_manifest
 
 if TYPE_CHECKING:
     from ..run.options import EncodeOptions
@@ -47,7 +47,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("dsv4enc")
 T = TypeVar("T")
 
-LOCK_NAME = ".dsv4enc.lock"
 #: Seconds between the lock object's refreshes and between looks at the staging folder.
 HEARTBEAT_S = 30.0
 SYNC_S = 0.5

@@ -6,11 +6,12 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from ..images.decode import DEFAULT_MAX_PIXELS
 from ..errors import UsageError
+from ..images.formats import DEFAULT_DECODE_TIMEOUT_S, DEFAULT_MAX_PIXELS
 
-#: Tokens per batch when the caller gives none: enough to fill an H200, a few images on a CPU.
-DEFAULT_BATCH_TOKENS = {"cuda": 32768, "cpu": 8192}
+COLLECTIVE_TIMEOUT_S = 300.0  # --timeout: how long a collective waits for a peer rank
+COMMIT_EVERY_S = 30.0  # --commit-every: seconds of encoding before finished work is committed
+LOG_EVERY_S = 30.0  # --log-every: seconds between progress lines when stderr is not a terminal
 
 
 @dataclass
@@ -39,7 +40,7 @@ class EncodeOptions:
     overwrite: bool = False
     resume: bool = False
     max_pixels: int = DEFAULT_MAX_PIXELS
-    decode_timeout: float = 120.0
+    decode_timeout: float = DEFAULT_DECODE_TIMEOUT_S
     attention: str = "auto"
     cuda_graphs: bool | None = None
     deterministic: bool = True  # batch-invariant rows (Engine)
@@ -47,11 +48,11 @@ class EncodeOptions:
     shard_output: bool = False
     tp_mode: str = "data"
     balance: str = "patches"
-    timeout: float = 300.0
+    timeout: float = COLLECTIVE_TIMEOUT_S
     part_images: int | None = None
-    commit_every: float = 30.0  # seconds of encoding before finished work is committed
+    commit_every: float = COMMIT_EVERY_S
     progress: bool = True
-    log_every: float = 30.0  # seconds between progress lines when stderr is not a terminal
+    log_every: float = LOG_EVERY_S
 
 
 def validate(opts: EncodeOptions) -> None:

@@ -18,7 +18,8 @@ import torch
 from ..version import __version__
 from ..output.appending import AVAILABLE as appending_available
 from ..output.appending import AppendingStore
-from ..tower.checkpoint import Checkpoint, build_tower, load_checkpoint, random_checkpoint
+from ..engine.factory import build_engine
+from ..tower.checkpoint import Checkpoint, load_checkpoint, random_checkpoint
 from ..tower.config import VisionConfig
 from ..engine.device import resolve_device, resolve_dtype, resolve_out_dtype
 from .encoding import PartEncoder
@@ -52,16 +53,11 @@ def _tower_engine(ckpt: Checkpoint, device: torch.device, opts: EncodeOptions,
                   ranks: Topology) -> Engine:
     """The tower on ``device`` (split over the ranks under tensor parallelism) and its
     Engine."""
-    model = build_tower(ckpt, device)
-    ranks.split_tower(model, opts.tp_mode)
-    if opts.fused:
-        from ..tower.fusion import fuse_elementwise  # torch.compile's import is slow: only when asked
-        fuse_elementwise(model, opts.deterministic)
-    engine = Engine(model, features=opts.features, attention=opts.attention,
-                    out_dtype=resolve_out_dtype(opts.out_dtype),
-                    cuda_graphs=opts.cuda_graphs, batch_tokens=opts.batch_tokens,
-                    max_images=opts.max_images, deterministic=opts.deterministic)
-    return engine
+    return build_engine(ckpt, device, features=opts.features, attention=opts.attention,
+                        out_dtype=resolve_out_dtype(opts.out_dtype),
+                        cuda_graphs=opts.cuda_graphs, batch_tokens=opts.batch_tokens,
+                        max_images=opts.max_images, deterministic=opts.deterministic,
+                        fused=opts.fused, split=lambda model: ranks.split_tower(model, opts.tp_mode))
 
 
 # ----------------------------------------------------------------------------- the run
@@ -170,7 +166,7 @@ def _run_encode(opts: EncodeOptions, dist, setup: RunSetup, stop: StopSignals,
             appending = single_file and local and ranks.world_size == 1 and appending_available
             store = (AppendingStore(layout.parts_dir, settings, schema, layout.out)
                      if appending else
-                     PartStore(layout.parts_dir, settings, layout.manifest_name(dist),
+                     PartStore(layout.parts_dir, settings, layout.manifest_name(dist.rank if dist is not None else None),
                                drop_cache=layout.folder_mode and local))
             parts = plan_parts(planned, part_images, ranks, opts.balance, cfg, segment_tokens=(
                 None if ranks.splits_images else  # greedy per part

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Callable, Sequence
 
 from ..tower.config import VisionConfig
 from ..images.decode import Probe, probe_image
+from ..images.formats import DEFAULT_DECODE_TIMEOUT_S
 from ..errors import UsageError
 from ..images.items import InputItem
 from ..images.sources import clear_cache
@@ -26,7 +27,7 @@ if TYPE_CHECKING:
 
 PART_BYTES = 256 << 20  # upper bound of one part's embeddings in memory
 PROBE_THREADS = 16  # header probes run at once (they mostly wait on storage)
-PROBE_TIMEOUT_S = 120.0  # one header may take this long before it is given up
+PROBE_TIMEOUT_S = DEFAULT_DECODE_TIMEOUT_S  # one header may take this long before it is given up
 _PROBE_POLL_S = 0.1  # how often the waiting thread checks for a stop and for late probes
 # Parts of small models are capped in images: writing a part's Parquet takes transient memory
 # several times its embeddings (float16 most), and up to four parts are in flight.

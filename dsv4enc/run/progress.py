@@ -23,10 +23,12 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, ProgressColumn, TextColumn
 from rich.text import Text
 
+from .options import LOG_EVERY_S
+
 stderr_console = Console(stderr=True)
 
 #: Seconds between two plain progress lines when stderr is not a terminal.
-DEFAULT_LOG_EVERY_S = 30.0
+DEFAULT_LOG_EVERY_S = LOG_EVERY_S
 
 
 def format_duration(seconds: float | None) -> str:

@@ -175,13 +175,13 @@ class Topology:
 
     def merge_manifests(self, store: PartStore) -> None:
         """--shard-output: rank 0 lists every rank's parts in one manifest."""
-        from ..output.parts import manifest_document, write_json_atomic
+        from ..output.parts import MANIFEST_NAME, manifest_document, write_json_atomic
 
         everything = self.gather(store.parts)
         if self.is_main:
             merged = {name: part for parts in everything for name, part in parts.items()}
             write_json_atomic(manifest_document(store.settings, merged),
-                              store.folder / "_manifest.json")
+                              store.folder / MANIFEST_NAME)
 
     def sum_rank_counts(self, summary: RunSummary) -> None:
         """--shard-output: each rank counted only its own rows; the summary shows them all."""

@@ -31,7 +31,8 @@ from ..tower.config import VisionConfig
 from ..images.decode import DecodePool, Decoded, DecodeStream
 from ..errors import DsvError
 from ..images.discover import Discovery, discover
-from .options import DEFAULT_BATCH_TOKENS, EncodeOptions, decode_window, default_workers, validate
+from ..engine.defaults import default_batch_tokens
+from .options import EncodeOptions, decode_window, default_workers, validate
 from .plan import (Planned, batch_order, images_per_part, plan_parts, read_headers,
                        segment_tokens)
 from .stopping import StopSignals
@@ -178,7 +179,7 @@ def start_prefetch(opts: EncodeOptions, stop: StopSignals | None = None) -> RunS
                            timeout_s=opts.decode_timeout)
     if stop is not None:
         stop.check()  # headers left unread must not be planned as error rows
-    batch_tokens = opts.batch_tokens or DEFAULT_BATCH_TOKENS[device_type]
+    batch_tokens = opts.batch_tokens or default_batch_tokens(device_type)
     parts = plan_parts(planned, images_per_part(cfg, opts),
                        segment_tokens=segment_tokens(batch_tokens, device_type))
     order = batch_order(planned, parts, batch_tokens, opts.max_images)

@@ -39,17 +39,14 @@ def compiled(fn: Callable, dynamic: bool = True) -> Callable:
     return torch.compile(fn, dynamic=dynamic, fullgraph=True)
 
 
-def fuse_elementwise(model: VisionTower, deterministic: bool = True) -> VisionTower:
+def fuse_elementwise(model: VisionTower, dynamic: bool = True) -> VisionTower:
     """Install compiled elementwise functions on every block of ``model`` (in place), for an
-    Engine made with ``deterministic``: kernels specialized to the shape when that engine runs
-    every batch at one shape (``engine.runs_one_shape``), shape-generic ones otherwise (see
-    the module doc). The compile itself happens at the first forward (and takes tens of
+    Engine that runs batches of any shape (``dynamic``, shape-generic kernels) or every batch
+    at one shape (``dynamic=False``: kernels specialized to it; ``engine.runs_one_shape`` says
+    which, and ``engine/factory.build_model`` asks it; see the module doc). The compile itself happens at the first forward (and takes tens of
     seconds on a CPU). Raises UsageError when this torch cannot compile (no inductor, no C++
     compiler found).
     """
-    from ..engine.engine import runs_one_shape
-
-    dynamic = not runs_one_shape(model, deterministic)
     try:
         import torch._inductor  # noqa: F401  (the backend torch.compile uses)
     except Exception as exc:  # pragma: no cover - depends on the torch build

@@ -195,14 +195,9 @@ def encode(
         "Credentials and endpoints otherwise come from the environment and config files."),
 ) -> None:
     """Encode images into a Parquet file of embeddings, one row per image."""
-    from . import storage
-    from .images.decode import own_process_pillow_settings
-    from .errors import Interrupted
+    # Over 100 lines only for Typer's signature (one parameter, with its help, per option);
+    # the body builds the options and hands them to _encode_command.
     from .run.options import EncodeOptions
-    from .run.setup import start_prefetch
-    from .run.stopping import StopSignals
-    from .run.ranks import launched_ranks
-    from .output.parts import prefer_jemalloc_pool
 
     if random_init and from_environment(ctx, "weights"):
         weights = None  # $DSV4ENC_WEIGHTS is a default; --random-init asks for none
@@ -218,6 +213,21 @@ def encode(
         shard_output=shard_output, tp_mode=tp_mode, balance=balance, timeout=timeout,
         part_images=part_images, commit_every=commit_every,
         progress=not quiet, log_every=log_every)
+    _encode_command(opts, storage_option, quiet, summary_json)
+
+
+def _encode_command(opts, storage_option: list[str] | None, quiet: bool,
+                    summary_json: str | None) -> None:
+    """``encode`` with its options built: storage and log settings, signals, the early start
+    (before torch is imported), the run, and what the command prints at its end."""
+    from . import storage
+    from .errors import Interrupted
+    from .images.decode import own_process_pillow_settings
+    from .output.parts import prefer_jemalloc_pool
+    from .run.ranks import launched_ranks
+    from .run.setup import start_prefetch
+    from .run.stopping import StopSignals
+
     try:
         storage.configure(storage_option)  # decode workers inherit them (environment)
     except DsvError as exc:
@@ -242,7 +252,7 @@ def encode(
             from .run.dist import init_distributed, shutdown
             from .run.summary import print_summary, write_summary_json
 
-            dist = init_distributed(device, timeout)
+            dist = init_distributed(opts.device, opts.timeout)
             _own_process_settings(opts.device, dist)
             setup, prefetch = prefetch, None  # the run owns it from here, and closes it
             summary = run_encode(opts, dist, setup, stop)
@@ -255,16 +265,16 @@ def encode(
                 typer.echo(summary.out)
             else:
                 print_summary(summary)
-                if resume and summary.reused and not summary.encoded + summary.failed:
+                if opts.resume and summary.reused and not summary.encoded + summary.failed:
                     note(f"{summary.out} was already complete; nothing to resume")
     except Interrupted as exc:
         if summary_json and (dist is None or dist.is_main):
-            write_interrupted_summary(summary_json, exc, out)
+            write_interrupted_summary(summary_json, exc, opts.out)
         fail(str(exc), exc.exit_code)
     except AlreadyComplete as exc:  # the same outcome as a finished folder's --resume
         if dist is None or dist.is_main:
             if quiet:
-                typer.echo(out)
+                typer.echo(opts.out)
             else:
                 note(str(exc))
     except DsvError as exc:

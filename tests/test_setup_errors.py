@@ -24,7 +24,6 @@ from PIL import Image
 from typer.testing import CliRunner
 
 from dsv4enc.output import appending
-from dsv4enc.run import pipeline
 from dsv4enc.output import parts as writer
 from dsv4enc.tower.checkpoint import random_state_dict, save_checkpoint
 from dsv4enc.cli import app
@@ -243,7 +242,7 @@ def single_file(request, monkeypatch) -> str:
     or joined from part files (torchrun, object storage), forced here by saying positioned
     writes are missing."""
     if request.param == "joined":
-        monkeypatch.setattr(pipeline, "appending_available", False)
+        monkeypatch.setattr(appending, "AVAILABLE", False)
     return request.param
 
 

@@ -374,6 +374,38 @@ class OutputLayout:
                 break
 
 
+def open_store(layout: OutputLayout, settings: dict, schema, *, local: bool, is_main: bool,
+               world_size: int, rank: int | None) -> PartLedger:
+    """Where this process commits its parts: output's own choice of store.
+
+    One process writing a local single file appends each part to it once (``appending``);
+    otherwise parts are files, joined at the end (the staging of an object storage output,
+    ``local=False``, uploads them as they commit; a local folder's parts drop their page
+    cache). ``rank``: this process's under torchrun (None outside), for --shard-output's
+    per-rank manifests."""
+    from . import appending
+
+    single_file = not layout.folder_mode and is_main
+    if single_file and local and world_size == 1 and appending.AVAILABLE:
+        return appending.AppendingStore(layout.parts_dir, settings, schema, layout.out)
+    return PartStore(layout.parts_dir, settings, layout.manifest_name(rank),
+                     drop_cache=layout.folder_mode and local)
+
+
+def assembler_for(store: PartLedger, layout: OutputLayout, part_names: list[str], schema, *,
+                  is_main: bool):
+    """What makes the single file at the end: the appending store itself, a streaming
+    assembler over the part files (the main process of a single-file output), or None (a
+    folder output, or another rank)."""
+    from .appending import AppendingStore
+
+    if isinstance(store, AppendingStore):
+        return store
+    if not layout.folder_mode and is_main:
+        return StreamingAssembler(store, part_names, layout.out, schema)
+    return None
+
+
 class PartWriter:
     """Commits parts on background threads so the device never waits for Parquet.
 

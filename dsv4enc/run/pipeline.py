@@ -16,8 +16,6 @@ import time
 import torch
 
 from ..version import __version__
-from ..output.appending import AVAILABLE as appending_available
-from ..output.appending import AppendingStore
 from ..engine.factory import build_engine
 from ..tower.checkpoint import Checkpoint, load_checkpoint, random_checkpoint
 from ..tower.config import VisionConfig
@@ -25,7 +23,7 @@ from ..engine.device import resolve_device, resolve_dtype, resolve_out_dtype
 from .encoding import PartEncoder
 from ..engine.engine import Engine
 from ..errors import DsvError, Interrupted
-from ..output.layout import OutputLayout, PartWriter, resume_filter
+from ..output.layout import OutputLayout, PartWriter, assembler_for, open_store, resume_filter
 from .options import EncodeOptions, default_workers, default_writer_threads, validate
 from .plan import images_per_part, plan_parts, segment_tokens
 from .setup import RunSetup
@@ -34,7 +32,7 @@ from ..output.remote import RemoteOutput
 from .stopping import StopSignals
 from .summary import RunSummary
 from .ranks import Topology
-from ..output.parts import PartStore, StreamingAssembler, output_schema
+from ..output.parts import output_schema
 
 log = logging.getLogger("dsv4enc")
 
@@ -159,15 +157,9 @@ def _run_encode(opts: EncodeOptions, dist, setup: RunSetup, stop: StopSignals,
                 settings["world_size"] = ranks.world_size
             schema = output_schema(cfg.output_width(opts.features), opts.out_dtype,
                                    settings, pooled=opts.pool == "mean", layout=opts.layout)
-            single_file = not layout.folder_mode and ranks.is_main
-            # One process writing a local file appends each part to it once (appending.py);
-            # otherwise parts are files, joined at the end (the staging of an object storage
-            # output uploads them as they commit)
-            appending = single_file and local and ranks.world_size == 1 and appending_available
-            store = (AppendingStore(layout.parts_dir, settings, schema, layout.out)
-                     if appending else
-                     PartStore(layout.parts_dir, settings, layout.manifest_name(dist.rank if dist is not None else None),
-                               drop_cache=layout.folder_mode and local))
+            store = open_store(layout, settings, schema, local=local, is_main=ranks.is_main,
+                               world_size=ranks.world_size,
+                               rank=dist.rank if dist is not None else None)
             parts = plan_parts(planned, part_images, ranks, opts.balance, cfg, segment_tokens=(
                 None if ranks.splits_images else  # greedy per part
                 segment_tokens(engine.batch_tokens, device.type)))
@@ -175,51 +167,17 @@ def _run_encode(opts: EncodeOptions, dist, setup: RunSetup, stop: StopSignals,
             progress.start(total=len(planned), done=summary.reused,
                            tokens=sum(planned[i].tokens for p in todo
                                       for i in range(p.start, p.end)))
-            assembler = (store if appending else
-                         StreamingAssembler(store, [p.name for p in parts], layout.out, schema)
-                         if single_file else None)
+            assembler = assembler_for(store, layout, [p.name for p in parts], schema,
+                                      is_main=ranks.is_main)
             writer = (PartWriter(store, schema, default_writer_threads(), assembler)
                       if ranks.writes else None)
             runner = PartEncoder(engine, setup, opts, ranks, progress, summary, stop)
-            began = time.perf_counter()
             try:
-                try:
-                    if todo:
-                        progress.status("capturing CUDA graphs" if engine.graphs_enabled
-                                        else "encoding")
-                        engine.fit_budgets(runner.plan(planned, todo))
-                        engine.prepare()
-                        progress.begin_encoding()
-                        began = time.perf_counter()
-                    stop.hint = (f"finished parts are kept in {layout.parts_dir}; rerun the "
-                                 "same command with --resume to finish")
-                    with stop.deferred():  # a signal stops the loop between batches
-                        for name, start, end, digest, rows in runner.run(planned, todo):
-                            if writer is not None:
-                                writer.put(name, rows, start, end, digest)
-                            del rows  # only the writer holds a finished part meanwhile
-                finally:
-                    if writer is not None:
-                        with stop.deferred():  # parts in the writer's hands get committed
-                            writer.close()
-                        summary.write_s = writer.seconds
-                        stop.hint = layout.resume_hint(store)  # what was really committed
-                    summary.encode_s = time.perf_counter() - began
-                    progress.end_encoding()
+                _encode_parts(engine, runner, planned, todo, writer, store, layout, summary,
+                              progress, stop)
                 stop.check()
                 ranks.barrier()
-                if assembler is not None:
-                    progress.status("writing the final file")
-                    began = time.perf_counter()
-                    assembler.finish()  # a signal meanwhile aborts it: the parts stay
-                    stop.immediate = False  # the output is complete: nothing to stop
-                    layout.remove_parts()
-                    summary.write_s += time.perf_counter() - began
-                elif ranks.sharded:
-                    ranks.merge_manifests(store)
-                    ranks.sum_rank_counts(summary)
-                if ranks.gathered:
-                    ranks.sum_rank_tokens(summary, engine.stats.padded_tokens)
+                _finish_output(assembler, store, layout, ranks, engine, summary, progress, stop)
             except BaseException:
                 if assembler is not None:
                     assembler.abort()  # idempotent; the final file never appears half-written
@@ -237,3 +195,51 @@ def _run_encode(opts: EncodeOptions, dist, setup: RunSetup, stop: StopSignals,
         summary.padded_tokens = stats.padded_tokens  # else summed over the ranks above
     summary.seconds = time.perf_counter() - started
     return summary
+
+
+def _encode_parts(engine: Engine, runner: PartEncoder, planned, todo, writer: PartWriter | None,
+                  store, layout: OutputLayout, summary: RunSummary, progress: RunProgress,
+                  stop: StopSignals) -> None:
+    """Encode the parts still to do, handing each finished one to the writer; the writer is
+    closed (its parts committed) however the loop ends."""
+    began = time.perf_counter()
+    try:
+        if todo:
+            progress.status("capturing CUDA graphs" if engine.graphs_enabled else "encoding")
+            engine.fit_budgets(runner.plan(planned, todo))
+            engine.prepare()
+            progress.begin_encoding()
+            began = time.perf_counter()
+        stop.hint = (f"finished parts are kept in {layout.parts_dir}; rerun the "
+                     "same command with --resume to finish")
+        with stop.deferred():  # a signal stops the loop between batches
+            for name, start, end, digest, rows in runner.run(planned, todo):
+                if writer is not None:
+                    writer.put(name, rows, start, end, digest)
+                del rows  # only the writer holds a finished part meanwhile
+    finally:
+        if writer is not None:
+            with stop.deferred():  # parts in the writer's hands get committed
+                writer.close()
+            summary.write_s = writer.seconds
+            stop.hint = layout.resume_hint(store)  # what was really committed
+        summary.encode_s = time.perf_counter() - began
+        progress.end_encoding()
+
+
+def _finish_output(assembler, store, layout: OutputLayout, ranks: Topology, engine: Engine,
+                   summary: RunSummary, progress: RunProgress, stop: StopSignals) -> None:
+    """After every rank's parts are committed: the single file (assembled), or the sharded
+    output's merged manifest; and the counts summed over the ranks."""
+    if assembler is not None:
+        progress.status("writing the final file")
+        began = time.perf_counter()
+        assembler.finish()  # a signal meanwhile aborts it: the parts stay
+        stop.immediate = False  # the output is complete: nothing to stop
+        layout.remove_parts()
+        summary.write_s += time.perf_counter() - began
+    elif ranks.sharded:
+        ranks.merge_manifests(store)
+        ranks.sum_rank_counts(summary)
+    if ranks.gathered:
+        ranks.sum_rank_tokens(summary, engine.stats.padded_tokens)

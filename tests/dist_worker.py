@@ -1,4 +1,4 @@
-"""One rank of a multi-process sharding test; launched by tests/test_sharding.py with
+"""One rank of a multi-process sharding test; launched by tests/test_run_sharding.py with
 ``python -m torch.distributed.run --standalone --nproc-per-node N dist_worker.py SCENARIO OUT``.
 
 Each rank writes OUT/rank{R}.json: {check name: "ok" or what went wrong}, so that the test

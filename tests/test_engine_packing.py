@@ -45,7 +45,7 @@ def test_packed_forward_equals_per_image(tiny_tower, features):
 
 def test_packed_forward_does_not_depend_on_order_or_neighbours(tiny_tower):
     # The plain packed forward (whole-batch kernels): equal to float rounding only. The
-    # engine's batch-invariant path is held bit for bit in test_invariance.py.
+    # engine's batch-invariant path is held bit for bit in test_engine_invariance.py.
     items = random_items(MIXED_GRIDS, tiny_tower.cfg.patch_dim, seed=1)
     forward = packed_forward(tiny_tower, items)
     backward = packed_forward(tiny_tower, items[::-1])[::-1]

@@ -141,7 +141,7 @@ class BatchEncoder:
     # -- the call ----------------------------------------------------------------------
     def __call__(self, batch: Any) -> Any:
         """Encode one batch; returns its rows as the same kind of batch (see the class)."""
-        kind, images, keys = self._columns(batch)
+        kind, images, keys = self.columns(batch)
         table = self.encode_table(images, keys)
         return _as_kind(table, kind)
 
@@ -181,7 +181,7 @@ class BatchEncoder:
         return rows
 
     # -- internals ---------------------------------------------------------------------
-    def _columns(self, batch: Any) -> tuple[str, list[Any], list[Any] | None]:
+    def columns(self, batch: Any) -> tuple[str, list[Any], list[Any] | None]:
         """(kind, image values, key values) of a batch."""
         if isinstance(batch, (pa.Table, pa.RecordBatch)):
             kind = "table" if isinstance(batch, pa.Table) else "record_batch"

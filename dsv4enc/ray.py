@@ -32,15 +32,17 @@ __all__ = ["RayEncoder", "encode_dataset", "ray_device"]
 
 
 def ray_device() -> str:
-    """``cuda`` when Ray gave this worker a GPU, else ``cpu`` (Ray hides the GPUs it did not
-    give: CUDA_VISIBLE_DEVICES holds only this worker's)."""
+    """``cuda`` when Ray gave this worker (a task or actor) a GPU, else ``cpu`` (Ray hides
+    the GPUs it did not give: CUDA_VISIBLE_DEVICES holds only this worker's); ``auto``
+    outside a Ray worker."""
     import ray
 
-    try:
-        gpus = ray.get_gpu_ids()
-    except Exception:  # not inside a Ray worker (a plain call): what auto finds
+    if not ray.is_initialized():
         return "auto"
-    return "cuda" if gpus else "cpu"
+    worker = getattr(ray.get_runtime_context(), "worker", None)
+    if worker is None or worker.mode != ray.WORKER_MODE:
+        return "auto"  # the driver (or a plain call): Ray gave it nothing, auto decides
+    return "cuda" if ray.get_gpu_ids() else "cpu"
 
 
 class RayEncoder:

@@ -165,8 +165,8 @@ class Encoder:
         or a Hugging Face Hub id such as ``deepseek-ai/DeepSeek-V4-Flash-Vision-Exp``
         (needs ``dsv4enc[hub]``; only the tower's shards are downloaded).
 
-        ``dtype``: compute dtype, ``"auto"`` (bfloat16 on CUDA, float32 on CPU), a name or a
-        ``torch.dtype``. ``options``: see the class docstring.
+        ``dtype``: compute dtype, ``"auto"`` (bfloat16 on CUDA and on CPUs with native
+        bfloat16, AMX or AVX512-BF16; float32 on other CPUs), a name or a ``torch.dtype``. ``options``: see the class docstring.
         """
         from .hub import resolve_weights
 

@@ -123,7 +123,9 @@ def encode(
                                "torchrun: each rank's LOCAL_RANK GPU)."),
     dtype: str = typer.Option("auto", "--dtype", metavar=choices("auto", "float32", "bfloat16",
                                                                  "float16"),
-                              help="Compute dtype (auto: bfloat16 on CUDA, float32 on CPU)."),
+                              help="Compute dtype (auto: bfloat16 on CUDA and on CPUs with "
+                              "native bfloat16, AMX or AVX512-BF16; float32 on other CPUs; "
+                              "--resume continues in the interrupted run's)."),
     out_dtype: str = typer.Option("float16", "--out-dtype", metavar=choices("float16", "float32"),
                                   help="Stored embedding dtype."),
     features: str = typer.Option("aligner", "--features", metavar=choices("aligner", "vit"),

@@ -1,13 +1,17 @@
 """Whether this CPU computes bfloat16 natively, for ``--dtype auto`` on the CPU.
 
-CPUs with AMX (Sapphire Rapids and later) or AVX512-BF16 run bfloat16 matmuls several times
-faster than float32; elsewhere torch emulates bfloat16 by converting to float32 and back,
-which is slower than float32 itself. So ``auto`` picks bfloat16 only when torch reports one
-of those features *and* a tiny GEMM confirms the speed-up (a feature bit says nothing about
-whether this torch build's kernels use it). The decision is made once per process.
+CPUs with AMX (Sapphire Rapids and later) or AVX512-BF16 (Cooper Lake, Zen 4 and later) run
+bfloat16 matmuls natively; elsewhere torch emulates bfloat16 by converting to float32 and
+back, which is slower than float32 itself. So ``auto`` is bfloat16 exactly when torch reports
+one of those features *and* the process lets torch's kernels use it (``ATEN_CPU_CAPABILITY``
+and ``ONEDNN_MAX_CPU_ISA`` can cap them below AVX-512); float32 otherwise.
+
+The decision reads what the CPU *is*, never how fast it is right now: no timing, so the
+answer is the same in every process on one machine, idle or loaded (a run that is resumed
+must compute in the dtype it started with). It is made once per process.
 
 ``choose_cpu_dtype`` is the decision itself, with its inputs injected (testable anywhere);
-``auto_cpu_dtype`` feeds it this machine's capabilities and timings.
+``auto_cpu_dtype`` feeds it this machine's answers and ``auto_cpu_reason`` says why, in words.
 """
 
 from __future__ import annotations
@@ -15,8 +19,8 @@ from __future__ import annotations
 import functools
 import logging
 import os
-import time
-from typing import Callable, Mapping
+from dataclasses import dataclass
+from typing import Mapping
 
 import torch
 
@@ -26,10 +30,22 @@ log = logging.getLogger(__name__)
 
 #: The features that make bfloat16 native: AMX tiles with bf16, or AVX512 bf16 dot products.
 NATIVE_BF16_FEATURES = ("amx_bf16", "avx512_bf16")
-#: bfloat16 must beat float32 by this factor on the probe GEMM to be picked.
-MIN_SPEEDUP = 1.5
-#: The probe GEMM: (M, K) @ (K, N), about 0.27 GFLOP: a few ms in float32 on two cores.
-PROBE_SHAPE = (128, 1024, 1024)
+#: ``torch.backends.cpu.get_cpu_capability()`` answers under which ATen's kernels may use
+#: AVX-512 (and so the bf16 instructions); "AVX2", "DEFAULT" and the like rule them out.
+BF16_KERNEL_LEVELS = ("AVX512", "AMX")
+#: oneDNN instruction sets (``ONEDNN_MAX_CPU_ISA``) that stop below AVX512-BF16: under such a
+#: cap oneDNN's matmuls emulate bfloat16.
+ONEDNN_ISAS_WITHOUT_BF16 = ("SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2",
+                            "AVX512_CORE", "AVX512_CORE_VNNI")
+
+
+@dataclass(frozen=True)
+class CpuAnswers:
+    """What torch and the environment say about this CPU: the inputs of the decision."""
+
+    features: Mapping[str, bool]  # NATIVE_BF16_FEATURES -> present
+    kernel_level: str  # torch.backends.cpu.get_cpu_capability(), e.g. "AVX512", "AVX2"
+    onednn_max_isa: str = ""  # ONEDNN_MAX_CPU_ISA (or DNNL_MAX_CPU_ISA), "" when unset
 
 
 def cpu_capabilities() -> dict[str, bool]:
@@ -61,34 +77,36 @@ def _ask(predicate: str) -> bool:
         return False
 
 
-def gemm_seconds(dtype: torch.dtype, shape: tuple[int, int, int] = PROBE_SHAPE,
-                 repeat: int = 3) -> float:
-    """Best time of one (M, K) @ (K, N) product in ``dtype`` on the CPU, after a warm-up
-    (the first call of a oneDNN kernel pays for its creation)."""
-    m, k, n = shape
-    gen = torch.Generator().manual_seed(0)
-    a = torch.randn(m, k, generator=gen).to(dtype)
-    b = torch.randn(k, n, generator=gen).to(dtype)
-    best = float("inf")
-    with torch.inference_mode():
-        torch.mm(a, b)
-        for _ in range(repeat):
-            began = time.perf_counter()
-            torch.mm(a, b)
-            best = min(best, time.perf_counter() - began)
-    return best
+def kernel_level() -> str:
+    """The instruction level ATen dispatches its CPU kernels at ("AVX512", "AVX2", ...);
+    "" when this torch cannot say (then only the features decide)."""
+    try:
+        return str(torch.backends.cpu.get_cpu_capability()).upper()
+    except Exception:  # noqa: BLE001 - older torch: not known
+        return ""
 
 
-def choose_cpu_dtype(capabilities: Mapping[str, bool],
-                     time_gemm: Callable[[torch.dtype], float],
-                     min_speedup: float = MIN_SPEEDUP) -> torch.dtype:
-    """bfloat16 when ``capabilities`` names a native bf16 feature and ``time_gemm`` (seconds
-    of the probe GEMM in a dtype) finds bfloat16 at least ``min_speedup`` times faster than
-    float32; float32 otherwise. ``time_gemm`` is not called without such a feature."""
-    if not any(capabilities.get(name, False) for name in NATIVE_BF16_FEATURES):
-        return torch.float32
-    fp32, bf16 = time_gemm(torch.float32), time_gemm(torch.bfloat16)
-    return torch.bfloat16 if bf16 > 0 and fp32 / bf16 >= min_speedup else torch.float32
+def machine_answers() -> CpuAnswers:
+    """This process's ``CpuAnswers``: torch's feature queries and kernel level, and the
+    oneDNN cap from the environment."""
+    isa = os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or ""
+    return CpuAnswers(cpu_capabilities(), kernel_level(), isa.strip().upper())
+
+
+def bf16_blocker(answers: CpuAnswers) -> str | None:
+    """Why bfloat16 is not native here, in words; None when it is."""
+    if not any(answers.features.get(name, False) for name in NATIVE_BF16_FEATURES):
+        return "no AMX-BF16 or AVX512-BF16 on this CPU"
+    if answers.kernel_level and answers.kernel_level not in BF16_KERNEL_LEVELS:
+        return f"torch's CPU kernels run at {answers.kernel_level} (ATEN_CPU_CAPABILITY)"
+    if answers.onednn_max_isa in ONEDNN_ISAS_WITHOUT_BF16:
+        return f"ONEDNN_MAX_CPU_ISA={answers.onednn_max_isa} stops below AVX512-BF16"
+    return None
+
+
+def choose_cpu_dtype(answers: CpuAnswers) -> torch.dtype:
+    """bfloat16 when ``answers`` say bfloat16 is native and usable, float32 otherwise."""
+    return torch.float32 if bf16_blocker(answers) is not None else torch.bfloat16
 
 
 #: Pins what ``auto`` means on the CPU (``float32`` or ``bfloat16``), e.g. so that machines
@@ -97,22 +115,30 @@ PIN_VARIABLE = "DSV4ENC_CPU_AUTO_DTYPE"
 _PINNABLE = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
+def _pinned() -> torch.dtype | None:
+    pinned = os.environ.get(PIN_VARIABLE, "").strip()
+    if not pinned:
+        return None
+    if pinned not in _PINNABLE:
+        raise UsageError(f"{PIN_VARIABLE}={pinned!r}: use float32 or bfloat16")
+    return _PINNABLE[pinned]
+
+
 @functools.cache
 def auto_cpu_dtype() -> torch.dtype:
     """The compute dtype ``auto`` means on this process's CPU (decided once, then cached):
-    ``PIN_VARIABLE`` when set, else ``choose_cpu_dtype`` on this machine."""
-    pinned = os.environ.get(PIN_VARIABLE, "").strip()
-    if pinned:
-        if pinned not in _PINNABLE:
-            raise UsageError(f"{PIN_VARIABLE}={pinned!r}: use float32 or bfloat16")
-        return _PINNABLE[pinned]
-    caps = cpu_capabilities()
-    try:
-        dtype = choose_cpu_dtype(caps, gemm_seconds)
-    except Exception:  # noqa: BLE001 - a probe that fails must not stop a run: float32
-        log.debug("bfloat16 probe failed; using float32", exc_info=True)
-        dtype = torch.float32
-    log.info("CPU compute dtype for auto: %s (native bf16 features: %s)",
-             str(dtype).removeprefix("torch."),
-             ", ".join(name for name, has in caps.items() if has) or "none")
-    return dtype
+    ``PIN_VARIABLE`` when set, else ``choose_cpu_dtype`` on this machine's answers."""
+    pinned = _pinned()
+    return pinned if pinned is not None else choose_cpu_dtype(machine_answers())
+
+
+def auto_cpu_reason() -> str:
+    """Why ``auto`` means what it does on this CPU, for the run's opening line."""
+    if _pinned() is not None:
+        return f"{PIN_VARIABLE} is set"
+    answers = machine_answers()
+    blocker = bf16_blocker(answers)
+    if blocker is not None:
+        return blocker
+    native = [name for name in NATIVE_BF16_FEATURES if answers.features.get(name)]
+    return "native bfloat16 on this CPU (" + ", ".join(native) + ")"

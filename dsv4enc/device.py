@@ -2,11 +2,13 @@
 Python API and the benchmark.
 
 ``auto`` means CUDA when it is available (this rank's LOCAL_RANK device under torchrun),
-and bfloat16 on CUDA; on the CPU bfloat16 where it is native (AMX or AVX512-BF16, confirmed
-by a probe GEMM: ``cpufeatures``), float32 elsewhere.
+and bfloat16 on CUDA; on the CPU bfloat16 where it is native (AMX or AVX512-BF16, from
+torch's capability queries: ``cpufeatures``), float32 elsewhere. No timing decides it.
 """
 
 from __future__ import annotations
+
+from typing import Any, Mapping
 
 import torch
 
@@ -62,3 +64,34 @@ def resolve_out_dtype(name: str | torch.dtype) -> torch.dtype:
     if text not in OUT_DTYPES:
         raise ValueError(f"unsupported out_dtype {name!r} (float32, float16, bfloat16)")
     return OUT_DTYPES[text]
+
+
+def resume_compute(device: torch.device, dtype: torch.dtype, asked_device: str,
+                   asked_dtype: str, recorded: Mapping[str, Any] | None,
+                   device_fixed: bool = False) -> tuple[torch.device, torch.dtype, str | None]:
+    """The device and compute dtype a ``--resume`` computes in, and the line that says so.
+
+    Rows must not mix dtypes or device kinds within one output, so where the user left the
+    choice to ``auto`` (``asked_device``/``asked_dtype``), the interrupted run's recorded
+    ``device`` and ``compute_dtype`` (its manifest's settings, ``recorded``) replace what
+    ``auto`` picks now. Explicit flags are kept as given: the settings check then refuses a
+    mismatch and names the flag that would resume. ``device_fixed``: the device is not ours to
+    choose (a torchrun rank's own). Returns the line only when a recorded run was adopted."""
+    if not recorded:
+        return device, dtype, None
+    adopted = []
+    kind = recorded.get("device")
+    if (str(asked_device) == "auto" and not device_fixed and kind in ("cpu", "cuda")
+            and kind != device.type and (kind == "cpu" or torch.cuda.is_available())):
+        device = torch.device(kind)
+    if str(asked_device) == "auto" and kind == device.type:
+        adopted.append("--device auto")
+    name = recorded.get("compute_dtype")
+    if str(asked_dtype).removeprefix("torch.") == "auto" and name in COMPUTE_DTYPES:
+        dtype = COMPUTE_DTYPES[name]
+        adopted.append("--dtype auto")
+    if not adopted:
+        return device, dtype, None
+    shown = str(dtype).removeprefix("torch.")
+    return device, dtype, (f"resuming in {shown} on {device.type}, as the interrupted run "
+                           f"computed (for {' and '.join(adopted)})")

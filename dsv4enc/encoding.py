@@ -13,6 +13,7 @@ from .decode import Decoded, DecodeStream, patches_tensor
 from .engine import Engine
 from .options import EncodeOptions
 from .packing import output_grid
+from .pausepoints import pause
 from .planning import Part, Planned, part_batches
 from .prefetch import RunSetup
 from .progress import RunProgress
@@ -145,6 +146,8 @@ class PartEncoder:
                                            for k in range(4))
         if images:
             self.progress.advance(images, tokens, failed, dropped)
+            counts = self.progress.snapshot()
+            pause("encoded", done=counts.reused + counts.images, total=counts.total_images)
 
     def count(self, rows: list[Row]) -> None:
         for row in rows:

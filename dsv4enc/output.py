@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Iterable
 
 from .errors import AlreadyComplete, DsvError, OutputError, UsageError
 from .items import is_image_name
+from .pausepoints import pause
 from .planning import inputs_digest
 from .appending import GROWING_NAME
 from .writer import (MANIFEST_FILE, PART_FILE, TEMP_FILE, PartLedger, PartStore, Row,
@@ -167,6 +168,13 @@ class OutputLayout:
         self.lock = OutputLock(self.parts_dir, self.out)
         self._made: list[Path] = []  # folders this run created (removed again if left empty)
         self._prepared = False  # this process checked the output (rank 0 under torchrun)
+
+    def interrupted_settings(self, dist) -> dict | None:
+        """The settings the interrupted run recorded in this output's manifest (what
+        ``--resume`` adopts for ``--dtype auto``), or None when there is no such run."""
+        recorded = read_manifest(self.parts_dir / self.manifest_name(dist))
+        settings = recorded.get("settings") if recorded else None
+        return settings if isinstance(settings, dict) else None
 
     def manifest_name(self, dist) -> str:
         """Each rank keeps its own manifest under --shard-output; merged at the end."""
@@ -415,6 +423,7 @@ class PartWriter:
                 self.store.commit(name, table, group_rows, start, end, digest)
                 if self.assembler is not None:  # a StreamingAssembler copies the part
                     self.assembler.notify()
+                pause("commit", name=name, start=start, end=end)
             except BaseException as exc:  # re-raised on the main thread
                 self.error = exc
             with self._lock:
@@ -496,10 +505,8 @@ def _uncommitted(store: PartLedger, parts: list[Part], opts: EncodeOptions) -> l
     previous = store.load_existing()
     for key, value in store.settings.items():
         if previous.get(key) != value:
-            shown = "weights" if key == "weights_fingerprint" else key.replace("_", " ")
-            raise UsageError(f"cannot resume: {shown} differs from the interrupted run "
-                             f"({previous.get(key)!r} then, {value!r} now); "
-                             "use --overwrite to start over")
+            raise UsageError(_settings_differ(key, previous.get(key), value))
+    store.load_parts()  # only now: a refused resume must not judge the parts' files
     reused = _reusable(store, parts)
     store.forget([name for name, part in store.parts.items()
                   if (part["start"], part["end"]) not in reused])
@@ -511,6 +518,23 @@ def _uncommitted(store: PartLedger, parts: list[Part], opts: EncodeOptions) -> l
                     "s are" if store.changed > 1 else " is", "their" if store.changed > 1
                     else "its")
     return todo
+
+
+#: Settings a flag chooses, and that flag: a resume that differs only there names the flag.
+_FLAG_OF_SETTING = {"compute_dtype": "--dtype", "device": "--device",
+                    "out_dtype": "--out-dtype", "features": "--features", "pool": "--pool",
+                    "layout": "--layout", "max_pixels": "--max-pixels"}
+
+
+def _settings_differ(key: str, then, now) -> str:
+    """Why ``--resume`` is refused when setting ``key`` was ``then`` and is ``now``."""
+    flag = _FLAG_OF_SETTING.get(key)
+    if flag is not None and isinstance(then, (str, int)):
+        return (f"cannot resume: the interrupted run used {flag} {then}, this one {now}; "
+                f"rerun with {flag} {then} to resume it (or --overwrite to start over)")
+    shown = "weights" if key == "weights_fingerprint" else key.replace("_", " ")
+    return (f"cannot resume: {shown} differs from the interrupted run ({then!r} then, "
+            f"{now!r} now); use --overwrite to start over")
 
 
 def _reusable(store: PartLedger, parts: list[Part]) -> set[tuple[int, int]]:

@@ -20,7 +20,8 @@ from .appending import AVAILABLE as appending_available
 from .appending import AppendingStore
 from .checkpoint import Checkpoint, build_tower, load_checkpoint, random_checkpoint
 from .config import VisionConfig
-from .device import resolve_device, resolve_dtype, resolve_out_dtype
+from .cpufeatures import auto_cpu_reason
+from .device import resolve_device, resolve_dtype, resolve_out_dtype, resume_compute
 from .encoding import PartEncoder
 from .engine import Engine
 from .errors import DsvError, Interrupted
@@ -62,6 +63,32 @@ def _tower_engine(ckpt: Checkpoint, device: torch.device, opts: EncodeOptions,
                     cuda_graphs=opts.cuda_graphs, batch_tokens=opts.batch_tokens,
                     max_images=opts.max_images, deterministic=opts.deterministic)
     return engine
+
+
+def _resumed_compute(opts: EncodeOptions, device: torch.device, dtype: torch.dtype,
+                     layout: OutputLayout, ranks: Topology, dist):
+    """``device``, ``dtype`` and the line that says so, after ``--resume`` adopted what the
+    interrupted run computed in where they were left to ``auto`` (``device.resume_compute``).
+    Every rank follows rank 0's record, so that the ranks compute alike."""
+    recorded = layout.interrupted_settings(dist) if opts.resume and ranks.writes else None
+    if dist is not None:
+        recorded = ranks.gather(recorded)[0]
+    return resume_compute(device, dtype, opts.device, opts.dtype, recorded,
+                          device_fixed=dist is not None)
+
+
+def _opening_line(opts: EncodeOptions, inputs: int, device: torch.device, dtype: torch.dtype,
+                  cfg: VisionConfig) -> str:
+    """What the run is about to do: inputs, device, dtype (and why, for ``auto``), the
+    model variant and the output."""
+    shown = str(dtype).removeprefix("torch.")
+    if str(opts.dtype) == "auto" and device.type == "cpu":
+        shown += f" (--dtype auto: {auto_cpu_reason()})"
+    elif str(opts.dtype) == "auto":
+        shown += " (--dtype auto)"
+    model = "random weights" if opts.random_init else str(opts.weights)
+    return (f"encoding {inputs:,} input{'s' if inputs != 1 else ''} on {device.type} in {shown}; "
+            f"{cfg.model_type} tower of {cfg.n_layers} layers, {opts.features} features, {model}; to {opts.out}")
 
 
 # ----------------------------------------------------------------------------- the run
@@ -132,6 +159,7 @@ def _run_encode(opts: EncodeOptions, dist, setup: RunSetup, stop: StopSignals,
     ranks = Topology(dist, opts.shard_output)
     found = setup.find_inputs(opts, stop if dist is None else None)
     ranks.main_then_all(lambda: layout.prepare(opts))
+    device, dtype, adopted = _resumed_compute(opts, device, dtype, layout, ranks, dist)
     ckpt = load_model(opts, dtype) if stand_in is None else stand_in.checkpoint
     stop.immediate = False  # until the try below, which discards an unused output folder
     ranks.main_then_all(layout.create)
@@ -176,6 +204,9 @@ def _run_encode(opts: EncodeOptions, dist, setup: RunSetup, stop: StopSignals,
                 None if ranks.splits_images else  # greedy per part
                 segment_tokens(engine.batch_tokens, device.type)))
             todo = resume_filter(store, parts, opts, ranks, summary)
+            progress.announce(_opening_line(opts, len(found.items), device, dtype, cfg))
+            if adopted:
+                progress.announce(adopted)
             progress.start(total=len(planned), done=summary.reused,
                            tokens=sum(planned[i].tokens for p in todo
                                       for i in range(p.start, p.end)))

@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass
 
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, Progress, ProgressColumn, TextColumn
 from rich.text import Text
 
@@ -132,6 +133,14 @@ class RunProgress:
             self._refresh()
             self._progress.__exit__(*exc)
             self._progress = None
+
+    def announce(self, text: str) -> None:
+        """One line about the run (what it will do, what it adopted), whatever the mode but
+        ``off``; not a progress line."""
+        if self.mode == "bar":
+            stderr_console.print(f"dsv4enc: {escape(text)}", highlight=False, soft_wrap=True)
+        elif self.mode == "log":
+            print(f"dsv4enc: {text}", file=sys.stderr, flush=True)
 
     def status(self, text: str) -> None:
         """What the run is doing before (or instead of) encoding."""

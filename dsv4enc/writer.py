@@ -421,6 +421,7 @@ class PartLedger:
         self.parts: dict[str, dict[str, Any]] = {}
         self.extra: dict[str, Any] = {}  # more top-level manifest entries (a store's own)
         self.changed = 0  # committed parts whose input files changed (found by ``committed``)
+        self._recorded: dict[str, Any] = {"parts": {}}  # the manifest ``load_existing`` read
         self.segments: dict[str, Any] = {}  # the run's planned segments (``planning.Part``)
         self.commit_seconds: float | None = None  # join segments into parts for this long
         self._lock = threading.Lock()
@@ -449,8 +450,13 @@ class PartLedger:
             raise OutputError(f"cannot resume: {self.manifest_path} was written by an earlier "
                               "dsv4enc that did not record its input files' sizes and times; "
                               "use --overwrite to start over")
-        self.parts = self._intact_parts(data)
+        self._recorded = data
         return data["settings"]
+
+    def load_parts(self) -> None:
+        """Take the recorded parts whose bytes are still there (after ``load_existing``, once
+        the settings were found equal: judging parts can warn and copy)."""
+        self.parts = self._intact_parts(self._recorded)
 
     def _intact_parts(self, data: dict) -> dict[str, dict[str, Any]]:
         """The recorded parts whose bytes are still there, whole (the rest is re-encoded)."""

@@ -219,3 +219,46 @@ def torch_threads(n: int):
     torch.set_num_threads(n)
     yield
     torch.set_num_threads(previous)
+
+
+class Pauses:
+    """The pause points (``dsv4enc.pausepoints``) of one run a test starts in another
+    process: the environment that asks for them, waiting until one is reached, releasing.
+
+    The run waits at each named point until released, so a test that kills or signals it
+    there acts at a known place however fast or loaded the machine is."""
+
+    def __init__(self, folder: Path, *points: str) -> None:
+        self.folder = Path(folder)
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.points = points
+
+    def env(self, base: Mapping[str, str] | None = None) -> dict[str, str]:
+        from dsv4enc.pausepoints import FOLDER_VARIABLE, POINTS_VARIABLE
+
+        return {**(base or {}), POINTS_VARIABLE: ",".join(self.points),
+                FOLDER_VARIABLE: str(self.folder)}
+
+    def reached(self, point: str, n: int = 1) -> dict | None:
+        """What the run reported at the ``n``-th pause at ``point``; None until it is there."""
+        try:
+            return json.loads((self.folder / f"{point}.{n}.json").read_text())
+        except FileNotFoundError:
+            return None
+
+    def wait(self, point: str, n: int = 1, proc=None, hang_guard_s: float = 600.0) -> dict:
+        """Block until the run pauses at ``point`` for the ``n``-th time; returns what it
+        reported. ``proc``: the run's process, which must not end first. The guard only
+        turns a hung run into a failure: no speed is assumed below it."""
+        deadline = time.monotonic() + hang_guard_s
+        while (facts := self.reached(point, n)) is None:
+            if proc is not None and proc.poll() is not None:
+                raise AssertionError(f"the run ended (rc {proc.returncode}) before it paused "
+                                     f"at {point} #{n}")
+            assert time.monotonic() < deadline, f"the run never paused at {point} #{n}"
+            time.sleep(0.005)
+        return facts
+
+    def release(self, point: str | None = None, n: int = 1) -> None:
+        """Let the run go on: past one pause, or (no ``point``) past every pause from now."""
+        (self.folder / (f"{point}.{n}.go" if point else "go")).touch()

@@ -18,7 +18,7 @@ import errno
 import json
 import logging
 import os
-import re
+import itertools
 import subprocess
 import sys
 import tarfile
@@ -38,7 +38,7 @@ from dsv4enc.errors import OutputError, UsageError
 from dsv4enc.output import LOCK_NAME, OutputLock
 from dsv4enc.pipeline import EncodeOptions, run_encode
 
-from helpers import CONFIGS, REPO_ROOT, table_rows
+from helpers import CONFIGS, REPO_ROOT, Pauses, table_rows
 
 CONFIG = str(CONFIGS / "tiny.json")
 PART = 3
@@ -288,25 +288,22 @@ def test_two_runs_on_one_out_at_once(data, tmp_path):
     out = tmp_path / "e.parquet"
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}
     env.pop("DSV4ENC_WEIGHTS", None)
+    pauses = Pauses(tmp_path / "pauses", "commit")
     first = subprocess.Popen([sys.executable, "-m", "dsv4enc", "encode", str(data), "--out",
                               str(out), *COMMON[:-3], "--workers", "1", "-q"],
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             env=pauses.env(env))
     try:
-        lock = tmp_path / "e.parquet.partial" / LOCK_NAME
-        deadline = time.monotonic() + 120
-        while not lock.exists() and first.poll() is None:
-            assert time.monotonic() < deadline
-            time.sleep(0.02)
+        pauses.wait("commit", proc=first)  # it holds the lock and waits until released
         refusals = [encode(str(data), "--out", str(out), *extra)
                     for extra in ([], ["--overwrite"])]
-        overlapped = first.poll() is None
-        _, err = first.communicate(timeout=300)
+        assert first.poll() is None
+        pauses.release()
+        _, err = first.communicate(timeout=600)
     finally:
         if first.poll() is None:
             first.kill()
     assert first.returncode == 0, err
-    if not overlapped:
-        pytest.skip("the first run finished before the second could start")
     for result in refusals:
         assert "another dsv4enc run is writing" in one_line_error(result)
     assert [r["path"] for r in rows(out)] == sorted(p.name for p in data.iterdir())
@@ -435,7 +432,7 @@ def test_resume_with_another_max_pixels_is_refused(data, tmp_path):
     out = tmp_path / "out"
     finish_folder(data, out, max_pixels=100)  # every image is refused: error rows
     before = snapshot(out)
-    with pytest.raises(UsageError, match="cannot resume: max pixels differs.*--overwrite"):
+    with pytest.raises(UsageError, match="cannot resume: the interrupted run used --max-pixels 100.*rerun with --max-pixels 100"):
         run_encode(options([data], f"{out}/", resume=True))
     assert snapshot(out) == before
     summary = run_encode(options([data], f"{out}/", resume=True, max_pixels=100))
@@ -556,25 +553,20 @@ def test_sigkill_long_before_the_part_ends_loses_at_most_commit_every(data, tmp_
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}
     env.pop("DSV4ENC_WEIGHTS", None)
     args = [a if a != str(PART) else "1000" for a in COMMON[:-3]]
+    pauses = Pauses(tmp_path / "pauses", "commit")
     proc = subprocess.Popen([sys.executable, "-m", "dsv4enc", "encode", str(data), "--out",
                              str(out), *args, "--workers", "1", "-q", "--commit-every", "0.2"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env=pauses.env(env))
     try:
-        deadline = time.monotonic() + 180
-        while True:
-            assert time.monotonic() < deadline and proc.poll() is None, "nothing committed"
-            try:
-                parts = json.loads((partial / "_manifest.json").read_text())["parts"]
-            except (FileNotFoundError, ValueError):
-                parts = {}
-            if parts:
-                proc.kill()
-                break
-            time.sleep(0.01)
+        first = pauses.wait("commit", proc=proc)  # the run waits there: kill it now
+        proc.kill()
     finally:
         proc.kill()
         proc.wait()
     assert not out.exists()
+    parts = json.loads((partial / "_manifest.json").read_text())["parts"]
+    assert first["name"] in parts and first["end"] < 40  # long before the part's end
     summary = run_encode(options([data], out, resume=True, part_images=1000, commit_every=0.2))
     assert summary.reused >= 1
     assert summary.encoded + summary.failed + summary.reused == 40
@@ -601,22 +593,26 @@ def test_sigkill_at_60_percent_then_resume_encodes_at_most_half_again(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}
     env.pop("DSV4ENC_WEIGHTS", None)
     args = [a for a in COMMON if a not in ("-q", "--part-images", str(PART))]
+    pauses = Pauses(tmp_path / "pauses", "encoded")
     proc = subprocess.Popen([sys.executable, "-m", "dsv4enc", "encode", str(images), "--out",
                              str(out), *args, "--commit-every", "0.05", "--log-every", "0.05"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env,
-                            text=True)
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            env=pauses.env(env))
     done = 0
     try:
-        for line in proc.stderr:  # plain progress lines: stderr is a pipe
-            match = re.search(r"images (\d+)/(\d+)", line)
-            if match and int(match.group(1)) >= 0.6 * int(match.group(2)):
-                done = int(match.group(1))
+        # The run stops after each batch is counted until told to go on: kill it at the
+        # first count past 60%, as a user would on seeing that progress line.
+        for n in itertools.count(1):
+            facts = pauses.wait("encoded", n, proc=proc)
+            if facts["done"] >= 0.6 * facts["total"]:
+                done = facts["done"]
                 proc.kill()
                 break
+            pauses.release("encoded", n)
     finally:
         proc.kill()
         proc.wait()
-    assert done, "the run ended before 60%"
+    assert done < total, "the run ended before it could be killed"
     summary = run_encode(options([images], out, resume=True, part_images=None,
                                  commit_every=0.05))
     assert summary.encoded + summary.failed + summary.reused == total

@@ -217,8 +217,10 @@ from dsv4enc.config import VisionConfig
 from dsv4enc.decode import DecodePool
 pool = DecodePool(VisionConfig.from_file(sys.argv[1]), 1, timeout_s=600.0)
 stream = pool.imap([(0, sys.argv[2])], window=1)  # a FIFO: the worker holds its slot
-time.sleep(2.0)
-assert pool._workers[0].slot is not None
+deadline = time.monotonic() + 600  # a hang guard: the worker takes its slot when it can
+while pool._workers[0].slot is None:
+    assert time.monotonic() < deadline
+    time.sleep(0.01)
 print(pool._workers[0].proc.pid, flush=True)
 os.kill(os.getpid(), signal.SIGKILL)
 """

@@ -236,7 +236,7 @@ import time
 
 from PIL import Image
 
-from helpers import CONFIGS, REPO_ROOT
+from helpers import CONFIGS, REPO_ROOT, Pauses
 
 TINY = ["--config", str(CONFIGS / "tiny.json"), "--random-init", "--device", "cpu",
         "--part-images", "3", "--batch-tokens", "1500"]
@@ -264,19 +264,23 @@ def manifest_parts(s3, key: str) -> dict:
 
 @pytest.mark.slow
 def test_sigkill_then_resume_on_the_bucket(s3, tmp_path):
-    total = 240  # enough that an idle machine is still encoding when the first part lands
+    total = 240
     url = noise_images(s3, "noise", total, tmp_path)
     out = f"{s3.url}/res/e.parquet"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT)}
     env.pop("DSV4ENC_WEIGHTS", None)
+    pauses = Pauses(tmp_path / "pauses", "commit")
     proc = subprocess.Popen([sys.executable, "-m", "dsv4enc", "encode", url, "--out", out, *TINY,
-                             "--workers", "1", "-q"], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                             "--workers", "1", "-q"], env=pauses.env(env),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 180
+        # The run waits at its first local commit (however fast the machine) while its
+        # upload thread goes on: kill it once the bucket's manifest lists that part.
+        pauses.wait("commit", proc=proc)
+        deadline = time.monotonic() + 600  # a hang guard, not a bet on speed
         while not manifest_parts(s3, "res/e.parquet.partial/_manifest.json"):
             assert proc.poll() is None, proc.communicate()[1][-2000:]
-            assert time.monotonic() < deadline, "no part was committed in time"
+            assert time.monotonic() < deadline, "the committed part was never uploaded"
             time.sleep(0.01)
         proc.send_signal(signal.SIGKILL)
     finally:

@@ -1,0 +1,52 @@
+"""Pause points: places where a run waits for a test's go-ahead.
+
+A test that stops, signals, kills or observes a run midway must never bet that the machine
+is slow enough ("surely it is still encoding when its first part commits"): on a faster CPU
+the run is over before the test looks. Instead the test names the points it wants:
+
+    DSV4ENC_PAUSE_AT=commit,encoded  DSV4ENC_PAUSE_DIR=/some/folder
+
+Each time the run reaches a named point, it writes ``FOLDER/POINT.N.json`` (N counts from 1
+per point; the JSON holds what the point reports, such as the images done) and then waits
+until ``FOLDER/POINT.N.go`` or ``FOLDER/go`` exists (``go`` releases every later pause too).
+Without those variables, as in every real run, a point costs one environment lookup.
+
+The points: ``commit`` (a part was committed: a kill now loses nothing before it) and
+``encoded`` (a batch's rows were counted in the progress).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+POINTS_VARIABLE = "DSV4ENC_PAUSE_AT"
+FOLDER_VARIABLE = "DSV4ENC_PAUSE_DIR"
+#: How often a paused run looks for its go-ahead.
+POLL_S = 0.005
+
+_counters: dict[str, itertools.count] = {}
+_lock = threading.Lock()
+
+
+def pause(point: str, **facts: Any) -> None:
+    """Wait at ``point`` when the environment asks for it (see the module's docstring);
+    ``facts`` go into the file that says the point was reached."""
+    names = os.environ.get(POINTS_VARIABLE)
+    if not names or point not in names.split(","):
+        return
+    folder = Path(os.environ[FOLDER_VARIABLE])
+    with _lock:
+        n = next(_counters.setdefault(point, itertools.count(1)))
+    reached = folder / f"{point}.{n}.json"
+    temporary = reached.with_suffix(".tmp")
+    temporary.write_text(json.dumps(facts))
+    os.replace(temporary, reached)  # the test never reads half a file
+    go, release_all = folder / f"{point}.{n}.go", folder / "go"
+    while not (go.exists() or release_all.exists()):
+        time.sleep(POLL_S)

@@ -799,7 +799,7 @@ def test_header_probes_are_bounded_in_time(tmp_path, monkeypatch):
     began = time.monotonic()
     probes = planning.probe_all(items, MAX_PIXELS, timeout_s=1.0, threads=2)
     release.set()
-    assert time.monotonic() - began < 10
+    assert time.monotonic() - began < 30  # the stuck probe holds on for 60 s
     assert [p.error for p in probes] == [None, "header read timed out after 1s", None, None]
 
 

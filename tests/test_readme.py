@@ -136,3 +136,9 @@ def test_readme_blocks_run(reader_folder, tiny_weights, monkeypatch):
     assert (reader_folder / "summary.json").is_file()
     assert (reader_folder / "out" / "cat.jpg.npy").is_file()
     assert (reader_folder / "out" / "nested" / "holiday" / "beach.jpg.npy").is_file()
+    # the pipeline recipes (Ray Data, datasets) give the broken image's error row
+    assert set(namespace["errors"]) == {"nested/broken.jpg"}
+    assert namespace["out"].filter(lambda row: row["error"] is not None)["path"] == [
+        "nested/broken.jpg"]
+    assert len(namespace["out"]) == len(namespace["files"])
+    assert list((reader_folder / "ray_emb").glob("*.parquet"))

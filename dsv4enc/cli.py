@@ -145,6 +145,12 @@ def encode(
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing --out."),
     resume: bool = typer.Option(False, "--resume", help="Continue an interrupted run, reusing "
                                 "its committed parts."),
+    update: bool = typer.Option(False, "--update", help="Bring a finished --out up to date: "
+                                "encode new and changed images (size or time), keep the other "
+                                "rows, drop those of images that are gone; the result equals "
+                                "a clean run. The old output stays whole until replaced; an "
+                                "interrupted update finishes with --update again. With no "
+                                "output yet: a plain run."),
     max_pixels: int = typer.Option(defaults.DEFAULT_MAX_PIXELS, "--max-pixels", help="Images with more pixels "
                                    "are refused (decompression bombs); Pillow's default."),
     decode_timeout: float = typer.Option(defaults.DEFAULT_DECODE_TIMEOUT_S, "--decode-timeout", help="Seconds one image "
@@ -209,7 +215,8 @@ def encode(
         config=config, random_init=random_init, seed=seed, device=device, dtype=dtype,
         out_dtype=out_dtype, features=features, pool=pool, layout=layout,
         batch_tokens=batch_tokens,
-        workers=workers, overwrite=overwrite, resume=resume, max_pixels=max_pixels,
+        workers=workers, overwrite=overwrite, resume=resume, update=update,
+        max_pixels=max_pixels,
         decode_timeout=decode_timeout, attention=attention, cuda_graphs=cuda_graphs,
         deterministic=deterministic, fused=fused,
         shard_output=shard_output, tp_mode=tp_mode, balance=balance, timeout=timeout,

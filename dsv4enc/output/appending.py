@@ -33,7 +33,7 @@ import pyarrow.parquet as pq
 from ..errors import OutputError
 from .parquet_join import (FILE_NUM_ROWS, FILE_ROW_GROUPS, T_I64, T_LIST, T_STRUCT, MAGIC,
                              JoinError, copy_range, move_group, CompactReader, schema_part,
-                             CompactWriter, read_footer)
+                             CompactWriter, read_footer, with_key_values)
 from .parts import (MANIFEST_NAME, PartLedger, fsync_dir, is_journal_entry,
                      names_part_file, part_intact, drop_cached_pages, output_os_error,
                      parquet_options, transient_errors)
@@ -182,6 +182,8 @@ class AppendingStore(PartLedger):
         self.extra = {"footer": _pack(T_STRUCT, schema_part(probe))}
         self._fd: int | None = None
         self._end = len(MAGIC)  # where the next part's bytes go
+        #: more key-value metadata for the final footer (its rows' stamps: ``update``)
+        self.key_values: dict[bytes, bytes] = {}
 
     @property
     def path(self) -> Path:
@@ -373,7 +375,8 @@ class AppendingStore(PartLedger):
             [FILE_NUM_ROWS, T_I64, sum(p["rows"] for p in ordered)],
             [FILE_ROW_GROUPS, T_LIST, (T_STRUCT, groups)]]
         writer = CompactWriter()
-        writer.struct(sorted(fields, key=lambda field: field[0]))
+        writer.struct(with_key_values(sorted(fields, key=lambda field: field[0]),
+                                      self.key_values))
         return bytes(writer.out) + struct.pack("<I", len(writer.out)) + MAGIC
 
     def finish(self) -> None:

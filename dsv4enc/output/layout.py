@@ -29,6 +29,7 @@ from ..images.items import is_image_name
 from ..run.plan import inputs_digest
 from ..pausepoints import pause
 from .appending import GROWING_NAME
+from .update import STAMPS_FILE
 from .parts import (LOCK_NAME, MANIFEST_FILE, MANIFEST_NAME, PART_FILE, TEMP_FILE, PartLedger,
                     PartStore, Row, StreamingAssembler, output_os_error, read_manifest,
                     rows_per_group, rows_to_table)
@@ -201,7 +202,7 @@ class OutputLayout:
                                  or (not self.folder_mode and temp.group(1) == self.out.name)):
             return True
         return manifests and bool(PART_FILE.fullmatch(name) or MANIFEST_FILE.fullmatch(name)
-                                  or name == GROWING_NAME)
+                                  or name == GROWING_NAME or STAMPS_FILE.fullmatch(name))
 
     def _owned_and_foreign(self) -> tuple[list[Path], list[str]]:
         """Files of the parts folder dsv4enc wrote (lock excepted), and the names of the
@@ -275,12 +276,12 @@ class OutputLayout:
         try:
             self._make_parts_dir()
             self.lock.acquire()
-            self._check_existing(opts.overwrite, opts.resume)
+            self._check_existing(opts.overwrite, opts.resume, opts.update)
         except BaseException:
             self.release()
             raise
 
-    def _check_existing(self, overwrite: bool, resume: bool) -> None:
+    def _check_existing(self, overwrite: bool, resume: bool, update: bool = False) -> None:
         out = self.out
         has_parts = bool(self._manifests())
         owned, foreign = self._owned_and_foreign()
@@ -293,7 +294,7 @@ class OutputLayout:
                                               if len(foreign) > 3 else "")
             raise OutputError(f"{where} holds files dsv4enc did not write ({shown}); move them "
                               "away or choose another --out")
-        if not resume and not overwrite:
+        if not resume and not overwrite and not update:  # --update: keep all, like --resume
             if not self.folder_mode and out.exists():
                 raise OutputError(f"{out} already exists; pass --overwrite to replace it")
             if has_parts and self.folder_mode:
@@ -401,16 +402,17 @@ def open_store(layout: OutputLayout, settings: dict, schema, *, local: bool, is_
 
 
 def assembler_for(store: PartLedger, layout: OutputLayout, part_names: list[str], schema, *,
-                  is_main: bool):
+                  is_main: bool, key_values: dict[bytes, bytes] | None = None):
     """What makes the single file at the end: the appending store itself, a streaming
     assembler over the part files (the main process of a single-file output), or None (a
-    folder output, or another rank)."""
+    folder output, or another rank). ``key_values``: more footer metadata (row stamps)."""
     from .appending import AppendingStore
 
     if isinstance(store, AppendingStore):
+        store.key_values = dict(key_values or {})
         return store
     if not layout.folder_mode and is_main:
-        return StreamingAssembler(store, part_names, layout.out, schema)
+        return StreamingAssembler(store, part_names, layout.out, schema, key_values)
     return None
 
 
@@ -531,7 +533,7 @@ def resume_filter(store: PartLedger, parts: list[Part], opts: EncodeOptions,
 
 def _uncommitted(store: PartLedger, parts: list[Part], opts: EncodeOptions) -> list[str]:
     store.settings = {**store.settings, **row_options(opts)}
-    if not opts.resume or not store.manifest_path.is_file():
+    if not (opts.resume or opts.update) or not store.manifest_path.is_file():
         store.create()
         return [p.name for p in parts]
     previous = store.load_existing()

@@ -25,7 +25,7 @@ T_STOP, T_TRUE, T_FALSE, T_BYTE, T_I16, T_I32, T_I64, T_DOUBLE, T_BINARY, T_LIST
     0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12)
 
 # Field ids of parquet.thrift that hold file offsets or need joining.
-FILE_NUM_ROWS, FILE_ROW_GROUPS = 3, 4
+FILE_NUM_ROWS, FILE_ROW_GROUPS, FILE_KEY_VALUES = 3, 4, 5
 GROUP_COLUMNS, GROUP_FILE_OFFSET, GROUP_ORDINAL = 1, 5, 7
 CHUNK_FILE_OFFSET, CHUNK_META = 2, 3
 CHUNK_INDEX_FIELDS = (4, 5, 6, 7)  # offset/column index offsets and lengths
@@ -222,6 +222,22 @@ def move_group(group: list[list], shift: int, ordinal: int) -> None:
                         meta[2] += shift
 
 
+def with_key_values(footer: list[list], entries: dict[bytes, bytes] | None) -> list[list]:
+    """``footer`` (a decoded ``FileMetaData``) with ``entries`` added to (or replacing keys
+    of) its key-value metadata; fields stay in id order."""
+    if not entries:
+        return footer
+    kept = []
+    for field in footer:
+        if field[0] == FILE_KEY_VALUES:
+            kept = [kv for kv in field[2][1]
+                    if (_get(kv, 1) or [0, 0, b""])[2] not in entries]
+    pairs = kept + [[[1, T_BINARY, key], [2, T_BINARY, value]] for key, value in entries.items()]
+    fields = [f for f in footer if f[0] != FILE_KEY_VALUES]
+    fields.append([FILE_KEY_VALUES, T_LIST, (T_STRUCT, pairs)])
+    return sorted(fields, key=lambda field: field[0])
+
+
 def schema_part(footer: list[list]) -> list[list]:
     """What must agree between joined files: everything but the row groups and row count."""
     return [f for f in footer if f[0] not in (FILE_NUM_ROWS, FILE_ROW_GROUPS)]
@@ -284,8 +300,9 @@ class ParquetJoiner:
             self._rows += rows[2] if rows else 0
             copy_range(source, self._out, 4, start - 4)
 
-    def close(self) -> None:
-        """Write the joined footer and close the file (no file appended: an error)."""
+    def close(self, key_values: dict[bytes, bytes] | None = None) -> None:
+        """Write the joined footer and close the file (no file appended: an error);
+        ``key_values`` join the footer's key-value metadata."""
         if self._footer is None:
             self._out.close()
             raise JoinError("no file to join")
@@ -296,6 +313,7 @@ class ParquetJoiner:
             elif field == FILE_ROW_GROUPS:
                 value = (T_STRUCT, self._groups)
             footer.append([field, kind, value])
+        footer = with_key_values(footer, key_values)
         writer = CompactWriter()
         writer.struct(footer)
         self._out.write(bytes(writer.out))

@@ -38,7 +38,8 @@ MANIFEST_FORMAT = "dsv4enc-parts"
 LOCK_NAME = ".dsv4enc.lock"
 MANIFEST_VERSION = 2
 #: Names dsv4enc gives its files in a parts folder (``--out`` folder or ``OUT.partial``).
-PART_FILE = re.compile(r"part-\d{6,}(?:_\d{6,})?(?:-rank\d{3})?\.parquet")
+#: (``.gN``: the Nth generation of a folder output's parts, written by ``--update``)
+PART_FILE = re.compile(r"part-\d{6,}(?:_\d{6,})?(?:-rank\d{3})?(?:\.g\d+)?\.parquet")
 MANIFEST_FILE = re.compile(r"_manifest(?:-rank\d{3})?\.json")
 #: Errors that say nothing about the image (a time limit, a crashed or unstarted worker, a
 #: stop): a part holding one is encoded again on --resume, as a clean run would retry it.
@@ -513,6 +514,7 @@ class PartStore(PartLedger):
                  manifest_name: str = MANIFEST_NAME, drop_cache: bool = False) -> None:
         super().__init__(folder, settings, manifest_name)
         self.drop_cache = drop_cache
+        self.file_suffix = ""  # before ``.parquet`` in part file names (``update``: ``.gN``)
 
     def _intact_parts(self, data: dict) -> dict[str, dict[str, Any]]:
         return {name: part for name, part in data["parts"].items()
@@ -522,7 +524,7 @@ class PartStore(PartLedger):
     def commit(self, name: str, table: pa.Table, row_group_size: int, start: int, end: int,
                digest: str) -> None:
         """Write one part (several writer threads may commit at once)."""
-        file = f"{name}.parquet"
+        file = f"{name}{self.file_suffix}.parquet"
         write_table_atomic(table, self.folder / file, row_group_size, self.drop_cache)
         self._record(name, {"file": file, "start": start, "end": end, "digest": digest,
                             "rows": table.num_rows, "transient": transient_errors(table)})
@@ -547,10 +549,12 @@ class StreamingAssembler:
     """
 
     def __init__(self, store: "PartStore", names: Sequence[str], out: Path,
-                 schema: pa.Schema) -> None:
+                 schema: pa.Schema, key_values: dict[bytes, bytes] | None = None) -> None:
         """``names``: the run's segments (``store.segments``), reused or to be encoded; the
-        file holds their whole range, taken from whichever committed parts cover it."""
+        file holds their whole range, taken from whichever committed parts cover it.
+        ``key_values``: more key-value metadata for the file's footer (its rows' stamps)."""
         self.store, self.out, self.schema = store, out, schema
+        self.key_values = key_values or {}
         spans = [(store.segments[name].start, store.segments[name].end) for name in names]
         self.begin = min((a for a, _ in spans), default=0)
         self.finish_at = max((b for _, b in spans), default=0)
@@ -584,8 +588,8 @@ class StreamingAssembler:
     def _run(self) -> None:
         try:
             if self.begin >= self.finish_at:  # nothing to join: an empty file of the schema
-                pq.write_table(self.schema.empty_table(), self.tmp,
-                               **parquet_options(self.schema))
+                schema = self._schema_with_key_values()
+                pq.write_table(schema.empty_table(), self.tmp, **parquet_options(schema))
             else:
                 try:
                     self._join()
@@ -618,21 +622,25 @@ class StreamingAssembler:
                 joiner.append(path)
                 self.seconds += time.perf_counter() - began
             if not self._aborted:
-                joiner.close()
+                joiner.close(self.key_values)
         finally:
             joiner.abort()
 
     def _encode_again(self) -> None:
         """Parts that cannot be joined by copying (e.g. committed by a run whose pyarrow
         wrote other file metadata): read each back and encode it into a new file."""
-        with pq.ParquetWriter(self.tmp, self.schema,
-                              **parquet_options(self.schema)) as writer:
+        schema = self._schema_with_key_values()
+        with pq.ParquetWriter(self.tmp, schema, **parquet_options(schema)) as writer:
             for path in self._parts_in_order():
                 began = time.perf_counter()
                 handle = pq.ParquetFile(path)
                 for group in range(handle.num_row_groups):
-                    writer.write_table(handle.read_row_group(group))
+                    writer.write_table(handle.read_row_group(group).replace_schema_metadata(
+                        schema.metadata))
                 self.seconds += time.perf_counter() - began
+
+    def _schema_with_key_values(self) -> pa.Schema:
+        return self.schema.with_metadata({**(self.schema.metadata or {}), **self.key_values})
 
     def finish(self) -> None:
         """Wait for the last part, then move the file into place (or raise its error)."""

@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Callable, TypeVar
 from .. import storage
 from ..errors import DsvError, OutputError, UsageError
 from .parts import LOCK_NAME, MANIFEST_FILE, PART_FILE, read_manifest
+from .update import STAMPS_FILE
 
 if TYPE_CHECKING:
     from ..run.options import EncodeOptions
@@ -141,7 +142,10 @@ class RemoteOutput:
         self._check_not_inputs()
         self._take_lock()
         if not self.folder_mode and storage.kind(self.url) == "file":
-            self._stand_in_final_file()
+            if self.opts.update:  # its rows are read: the file itself, not a stand-in
+                self._download(self.url, self.local_out)
+            else:
+                self._stand_in_final_file()
         objects = [o for o in storage.list_files(self.parts_url)
                    if o.key != LOCK_NAME and o.url != self.url]
         if not objects:
@@ -149,11 +153,14 @@ class RemoteOutput:
         self.local_parts.mkdir(parents=True, exist_ok=True)
         for obj in objects:
             first = obj.key.split("/", 1)[0]
-            if "/" not in obj.key and MANIFEST_FILE.fullmatch(obj.key):
-                self._download(obj, self.local_parts / obj.key)
+            if "/" not in obj.key and (MANIFEST_FILE.fullmatch(obj.key)
+                                       or STAMPS_FILE.fullmatch(obj.key)):
+                self._download(obj.url, self.local_parts / obj.key)
+                if STAMPS_FILE.fullmatch(obj.key):
+                    self._uploaded[obj.key] = _local_id(self.local_parts / obj.key)
             elif "/" not in obj.key and PART_FILE.fullmatch(obj.key):
-                if self.opts.resume:
-                    self._download(obj, self.local_parts / obj.key)
+                if self.opts.resume or self.opts.update:  # their rows are read
+                    self._download(obj.url, self.local_parts / obj.key)
                     self._uploaded[obj.key] = _local_id(self.local_parts / obj.key)
                 else:  # an empty stand-in: the local checks see the name
                     (self.local_parts / obj.key).touch()
@@ -192,11 +199,11 @@ class RemoteOutput:
         except Exception:  # not Parquet: a foreign object
             self.local_out.write_bytes(b"")
 
-    def _download(self, obj: storage.ObjectInfo, path: Path) -> None:
+    def _download(self, url: str, path: Path) -> None:
         try:
-            storage.download(obj.url, path)
+            storage.download(url, path)
         except OSError as exc:
-            raise OutputError(storage.describe(obj.url, exc)) from None
+            raise OutputError(storage.describe(url, exc)) from None
 
     # -- the lock object -------------------------------------------------------------------
     def _lock_url(self) -> str:
@@ -271,6 +278,10 @@ class RemoteOutput:
                 try:
                     for part in document.get("parts", {}).values():
                         self._upload_part(part["file"])
+                    stamps = document.get("stamps")  # a finished folder's (``update``)
+                    if isinstance(stamps, dict) and STAMPS_FILE.fullmatch(
+                            str(stamps.get("file"))):
+                        self._upload_part(stamps["file"])
                 except FileNotFoundError:
                     continue  # the run removed its parts meanwhile (the final file is made)
                 storage.upload(storage.join(self.parts_url, manifest.name), content)
@@ -330,11 +341,14 @@ class RemoteOutput:
 
     def _delete_unlisted(self) -> None:
         """Part objects no manifest lists (an earlier run's, replaced by this one's)."""
-        listed = {part["file"] for name in self._manifests
-                  for part in (read_manifest(self.local_parts / name) or {"parts": {}})
-                  ["parts"].values()}
+        manifests = [read_manifest(self.local_parts / name) or {"parts": {}}
+                     for name in self._manifests]
+        listed = {part["file"] for manifest in manifests for part in manifest["parts"].values()}
+        listed |= {manifest["stamps"].get("file") for manifest in manifests
+                   if isinstance(manifest.get("stamps"), dict)}
         for obj in storage.list_files(self.parts_url):
-            if PART_FILE.fullmatch(obj.key) and obj.key not in listed:
+            if (PART_FILE.fullmatch(obj.key) or STAMPS_FILE.fullmatch(obj.key)) \
+                    and obj.key not in listed:
                 _delete(obj.url)
 
     def close(self) -> None:
@@ -358,7 +372,8 @@ def _local_id(path: Path) -> tuple[int, int]:
 
 
 def _ours(key: str) -> bool:
-    return key == LOCK_NAME or bool(PART_FILE.fullmatch(key) or MANIFEST_FILE.fullmatch(key))
+    return key == LOCK_NAME or bool(PART_FILE.fullmatch(key) or MANIFEST_FILE.fullmatch(key)
+                                    or STAMPS_FILE.fullmatch(key))
 
 
 def _delete(url: str) -> None:

@@ -30,8 +30,13 @@ class PartEncoder:
     progress, and the row exchange of gathered data parallelism."""
 
     def __init__(self, engine: Engine, setup: RunSetup, opts: EncodeOptions, ranks: Topology,
-                 progress: RunProgress, summary: RunSummary, stop: StopSignals) -> None:
+                 progress: RunProgress, summary: RunSummary, stop: StopSignals,
+                 carried=None) -> None:
+        """``carried``: an ``output/update.Update`` whose ``carried`` inputs take their old
+        rows (``rows``) instead of being decoded and encoded."""
         self.engine, self.setup, self.opts, self.ranks = engine, setup, opts, ranks
+        self.carried = carried
+        self._skip = carried.carried if carried is not None else {}
         self.progress, self.summary, self.stop = progress, summary, stop
         self.cfg = engine.cfg
         self.batch_tokens = engine.batch_tokens
@@ -56,7 +61,8 @@ class PartEncoder:
         (each step ends in collectives). The ranks' shares were planned with the part
         (``plan_parts``); failed items are left out of them here (they are no batch's)."""
         shares = part.shares if part.shares is not None else [part.indices]
-        shares = [[i for i in share if planned[i].error is None] for share in shares]
+        shares = [[i for i in share if planned[i].error is None and i not in self._skip]
+                  for share in shares]
         if self.ranks.gathered:
             for rank, share in enumerate(shares):
                 self._add_rank_load(rank, sum(planned[i].tokens for i in share))
@@ -88,6 +94,10 @@ class PartEncoder:
             rows = {i: _error_row(planned[i]) for i in part.indices if planned[i].error}
             if self._counts_header_failures:
                 self._note(rows.values())
+            carried = (self.carried.rows(part.indices, planned) if self.carried is not None
+                       else {})
+            rows.update(carried)
+            self.summary.reused += len(carried)
             steps = max(len(batches) for batches in plan)
             for step in range(steps):
                 batch = plan[me][step] if step < len(plan[me]) else []
@@ -111,7 +121,7 @@ class PartEncoder:
             rows.update(local)
             self._show_progress(self._gather_progress(None))
             ordered = [rows[i] for i in part.indices]
-            self.count(ordered)
+            self.count([row for i, row in zip(part.indices, ordered) if i not in carried])
             rows = None
             if self.ranks.writes:
                 yield part.name, part.start, part.end, part.digest, ordered

@@ -39,6 +39,7 @@ class EncodeOptions:
     workers: int | None = None
     overwrite: bool = False
     resume: bool = False
+    update: bool = False  # encode what the output lacks, drop what is gone (output/update)
     max_pixels: int = DEFAULT_MAX_PIXELS
     decode_timeout: float = DEFAULT_DECODE_TIMEOUT_S
     attention: str = "auto"
@@ -61,6 +62,13 @@ def validate(opts: EncodeOptions) -> None:
         raise UsageError("no inputs: give folders or image files, or --files-from LIST")
     if opts.resume and opts.overwrite:
         raise UsageError("--resume and --overwrite contradict each other; choose one")
+    if opts.update and (opts.overwrite or opts.resume):
+        other = "--overwrite" if opts.overwrite else "--resume"
+        raise UsageError(f"--update and {other} contradict each other; choose one (--update "
+                         "also finishes an interrupted update)")
+    if opts.update and opts.shard_output:
+        raise UsageError("--update writes one output from one process; leave out "
+                         "--shard-output")
     if opts.random_init and opts.weights:
         raise UsageError("--random-init and --weights contradict each other; choose one")
     if opts.random_init and not opts.config:

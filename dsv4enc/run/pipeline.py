@@ -23,8 +23,10 @@ from ..engine.cpufeatures import auto_cpu_reason
 from ..engine.device import resolve_device, resolve_dtype, resolve_out_dtype, resume_compute
 from .encoding import PartEncoder
 from ..engine.engine import Engine
-from ..errors import DsvError, Interrupted
-from ..output.layout import OutputLayout, PartWriter, assembler_for, open_store, resume_filter
+from ..errors import DsvError, Interrupted, UsageError
+from ..output.layout import (OutputLayout, PartWriter, assembler_for, open_store, resume_filter,
+                             row_options)
+from ..output.update import Update, footer_entry, row_stamps, write_folder_stamps
 from .options import EncodeOptions, default_workers, default_writer_threads, validate
 from .plan import images_per_part, plan_parts, segment_tokens
 from .setup import RunSetup
@@ -148,6 +150,8 @@ def _run_encode(opts: EncodeOptions, dist, setup: RunSetup, stop: StopSignals,
     """``local``: ``--out`` is a local path (not the staging of an object storage one)."""
     started = setup.started if setup.found is not None else time.perf_counter()
     validate(opts)
+    if opts.update and dist is not None:
+        raise UsageError("--update runs in one process: run it without torchrun")
     device = resolve_device(opts.device, dist)
     dtype = resolve_dtype(opts.dtype, device)
     ranks = Topology(dist, opts.shard_output)
@@ -185,30 +189,50 @@ def _run_encode(opts: EncodeOptions, dist, setup: RunSetup, stop: StopSignals,
                 settings["world_size"] = ranks.world_size
             schema = output_schema(cfg.output_width(opts.features), opts.out_dtype,
                                    settings, pooled=opts.pool == "mean", layout=opts.layout)
-            store = open_store(layout, settings, schema, local=local, is_main=ranks.is_main,
-                               world_size=ranks.world_size,
-                               rank=dist.rank if dist is not None else None)
+            rows_settings = {**settings, **row_options(opts)}
+            # --update of an existing output (None: there is none yet, a plain run)
+            update = Update.start(layout.out, layout.folder_mode) if opts.update else None
+            store = (update.open_store(settings, rows_settings) if update is not None else None)
+            if store is None:
+                store = open_store(layout, settings, schema, local=local,
+                                   is_main=ranks.is_main, world_size=ranks.world_size,
+                                   rank=dist.rank if dist is not None else None)
             parts = plan_parts(planned, part_images, ranks, opts.balance, cfg, segment_tokens=(
                 None if ranks.splits_images else  # greedy per part
                 segment_tokens(engine.batch_tokens, device.type)))
+            if update is not None:
+                update.match(planned, rows_settings)  # refuses other settings in one line
+                update.count_into(summary)
             todo = resume_filter(store, parts, opts, ranks, summary)
+            carried = update.carried if update is not None else {}
+            # each row's input stamp, kept with the output for a later --update
+            stamps = (row_stamps((p.item.key, p.stamp) for p in planned)
+                      if ranks.is_main and not ranks.sharded else None)
             progress.announce(_opening_line(opts, len(found.items), device, dtype, cfg))
             if adopted:
                 progress.announce(adopted)
-            progress.start(total=len(planned), done=summary.reused,
+            progress.start(total=len(planned), done=summary.reused + sum(
+                               1 for p in todo for i in range(p.start, p.end) if i in carried),
                            tokens=sum(planned[i].tokens for p in todo
-                                      for i in range(p.start, p.end)))
+                                      for i in range(p.start, p.end) if i not in carried))
             assembler = assembler_for(store, layout, [p.name for p in parts], schema,
-                                      is_main=ranks.is_main)
+                                      is_main=ranks.is_main, key_values=(
+                                          None if stamps is None
+                                          else footer_entry(stamps, row_options(opts))))
             writer = (PartWriter(store, schema, default_writer_threads(), assembler)
                       if ranks.writes else None)
-            runner = PartEncoder(engine, setup, opts, ranks, progress, summary, stop)
+            runner = PartEncoder(engine, setup, opts, ranks, progress, summary, stop, update)
             try:
                 _encode_parts(engine, runner, planned, todo, writer, store, layout, summary,
-                              progress, stop)
+                              progress, stop, "--update" if opts.update else "--resume")
                 stop.check()
                 ranks.barrier()
                 _finish_output(assembler, store, layout, ranks, engine, summary, progress, stop)
+                if layout.folder_mode and stamps is not None:  # the folder is complete
+                    if update is not None and update.staging is not None:
+                        update.finish_folder(store, stamps, row_options(opts))
+                    else:
+                        write_folder_stamps(layout.parts_dir, store, stamps, row_options(opts))
             except BaseException:
                 if assembler is not None:
                     assembler.abort()  # idempotent; the final file never appears half-written
@@ -230,9 +254,10 @@ def _run_encode(opts: EncodeOptions, dist, setup: RunSetup, stop: StopSignals,
 
 def _encode_parts(engine: Engine, runner: PartEncoder, planned, todo, writer: PartWriter | None,
                   store, layout: OutputLayout, summary: RunSummary, progress: RunProgress,
-                  stop: StopSignals) -> None:
+                  stop: StopSignals, again: str = "--resume") -> None:
     """Encode the parts still to do, handing each finished one to the writer; the writer is
-    closed (its parts committed) however the loop ends."""
+    closed (its parts committed) however the loop ends. ``again``: the flag that finishes
+    the run after an interruption."""
     began = time.perf_counter()
     try:
         if todo:
@@ -242,7 +267,7 @@ def _encode_parts(engine: Engine, runner: PartEncoder, planned, todo, writer: Pa
             progress.begin_encoding()
             began = time.perf_counter()
         stop.hint = (f"finished parts are kept in {layout.parts_dir}; rerun the "
-                     "same command with --resume to finish")
+                     f"same command with {again} to finish")
         with stop.deferred():  # a signal stops the loop between batches
             for name, start, end, digest, rows in runner.run(planned, todo):
                 if writer is not None:
@@ -253,7 +278,7 @@ def _encode_parts(engine: Engine, runner: PartEncoder, planned, todo, writer: Pa
             with stop.deferred():  # parts in the writer's hands get committed
                 writer.close()
             summary.write_s = writer.seconds
-            stop.hint = layout.resume_hint(store)  # what was really committed
+            stop.hint = layout.resume_hint(store).replace("--resume", again)  # as committed
         summary.encode_s = time.perf_counter() - began
         progress.end_encoding()
 

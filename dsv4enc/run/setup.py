@@ -11,7 +11,7 @@ decoded when the model is ready. The plan assumes the device type torch will pic
 when no GPU device node exists, else CUDA); ``run_encode`` drops it if torch decides
 otherwise, and uses the decoded stream only if its order is the one it would have asked for.
 Only runs whose outcome cannot differ are started early: one process (no torchrun), a fresh
-output (no ``--resume``), a checkpoint folder on disk (or ``--random-init``), and at most
+output (no ``--resume`` or ``--update``), a checkpoint folder on disk (or ``--random-init``), and at most
 ``MAX_ITEMS`` inputs (the headers are read before the progress bar exists). Otherwise only
 the discovered inputs are handed on, so that nothing is walked or read from stdin twice.
 """
@@ -168,7 +168,7 @@ def start_prefetch(opts: EncodeOptions, stop: StopSignals | None = None) -> RunS
     if device_type is None:
         return prefetch
     workers = default_workers(device_type) if opts.workers is None else opts.workers
-    if (opts.resume or workers == 0 or len(found.items) > MAX_ITEMS
+    if (opts.resume or opts.update or workers == 0 or len(found.items) > MAX_ITEMS
             or opts.weights is None and not opts.random_init):
         return prefetch
     cfg = _early_config(opts)

@@ -33,6 +33,8 @@ class RunSummary:
     skipped: int = 0
     unlisted: int = 0  # folders that could not be listed (their images are missing)
     reused: int = 0
+    dropped: int = 0  # --update: rows of inputs that are gone
+    update: bool = False  # an --update of an existing output (``reused``: its rows kept)
     seconds: float = 0.0
     tokens: int = 0
     padded_tokens: int = 0
@@ -87,7 +89,10 @@ def print_summary(summary) -> None:
     if getattr(s, "unlisted", 0):
         table.add_row("folders not listed", f"{s.unlisted} (their images are missing; see the "
                       "lines above)")
-    if s.reused:
+    if getattr(s, "update", False):
+        table.add_row("reused from the output", str(s.reused))
+        table.add_row("dropped (inputs gone)", str(s.dropped))
+    elif s.reused:
         table.add_row("reused from earlier run", str(s.reused))
     table.add_row("wall time", f"{s.seconds:.1f}s (the whole run, start-up included)")
     if s.encode_s:
@@ -118,7 +123,8 @@ def summary_dict(summary, status: str = "completed", exit_code: int = 0) -> dict
     return {
         "status": status, "exit_code": exit_code, "output": s.out,
         "images": {"encoded": s.encoded, "failed": s.failed, "skipped_not_images": s.skipped,
-                   "reused": s.reused, "folders_not_listed": getattr(s, "unlisted", 0)},
+                   "reused": s.reused, "dropped": getattr(s, "dropped", 0),
+                   "folders_not_listed": getattr(s, "unlisted", 0)},
         "tokens": s.tokens,
         "failures": {
             "by_type": by_type,

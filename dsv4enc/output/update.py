@@ -1,0 +1,354 @@
+"""``encode --update``: bring a finished output up to date with its inputs.
+
+An output remembers, per row, a stamp of the input it came from: an 8-byte hash of the row's
+key and of its file's stamp (size, modification time, inode and mode: ``run/plan.file_stamp``,
+what ``--resume`` checks). Where it keeps them:
+
+- a single file: in its footer, one key-value entry (``STAMPS_KEY``) written with the footer
+  at the very end, so that the file and its stamps are replaced together, by one rename;
+- a folder: in a ``_stamps-HASH.bin`` file beside the parts (readers of a dataset folder pass
+  over ``_`` names), which the manifest names (``"stamps"``) once every part is committed.
+  The manifest is rewritten at every commit; the stamps file is written once, at the end.
+
+An update plans the current inputs as a clean run would, then matches every input's stamp
+against the old rows' (``Update.match``): an input whose key and file are unchanged takes its
+old row, copied from the old output (``CarriedRows``, streaming: both are in input order); a
+new or changed one is encoded; the rows of inputs that are gone are left out. Rows are
+batch-invariant, so the result equals a clean run over the current inputs row for row.
+
+Crash safety is ``--resume``'s: the update's parts are committed to a parts folder of their
+own (``OUT.partial`` beside a single file; a hidden ``.dsv4enc-update`` inside a folder
+output, with part names of a new generation) and the old output is read, never changed,
+until the end. A single file is then renamed into place; a folder's new parts are moved in
+and its manifest replaced (the switch: one rename), then the old parts are deleted. An
+interrupted update rerun with ``--update`` keeps the parts it committed.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+import numpy as np
+
+from ..errors import OutputError, UsageError
+from .parts import (MANIFEST_NAME, PART_FILE, TRANSIENT_ERRORS, PartStore, Row, fsync_dir,
+                    manifest_document, read_manifest, temp_path, utf8_text, write_json_atomic)
+from .read import embedding_arrays, embedding_format
+
+log = logging.getLogger("dsv4enc")
+
+#: The footer entry of a single-file output that holds its rows' stamps (JSON).
+STAMPS_KEY = b"dsv4enc.rows"
+#: A folder output's stamps file (the manifest's ``stamps`` entry names the current one).
+STAMPS_FILE = re.compile(r"_stamps-[0-9a-f]{16}\.bin")
+#: Where a folder output's update commits its parts until the switch (hidden: dataset
+#: readers and dsv4enc's own checks pass over it).
+STAGING_NAME = ".dsv4enc-update"
+_MAGIC = b"DSV4ENC-STAMPS1\n"
+#: Settings that decide how parts are cut, not what rows hold: an update may differ there.
+_NOT_ROWS = ("part_images",)
+#: The flag that chooses a setting, for the refusal's one line.
+_FLAG_OF_SETTING = {"compute_dtype": "--dtype", "device": "--device",
+                    "out_dtype": "--out-dtype", "features": "--features", "pool": "--pool",
+                    "layout": "--layout", "max_pixels": "--max-pixels",
+                    "image_column": "--image-column", "key_column": "--key-column",
+                    "weights_fingerprint": "--weights", "config": "--weights/--config"}
+
+
+# ----------------------------------------------------------------------------- stamps
+
+def _hash8(text: bytes) -> int:
+    return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little")
+
+
+def row_stamps(entries: Iterable[tuple[str, str | None]]) -> np.ndarray:
+    """One uint64 per row: a hash of its key and its input file's stamp."""
+    return np.fromiter((_hash8(utf8_text(key).encode() + b"\0" + (stamp or "").encode())
+                        for key, stamp in entries), dtype=np.uint64)
+
+
+def key_hashes(keys: Iterable[str]) -> np.ndarray:
+    return np.fromiter((_hash8(utf8_text(key).encode()) for key in keys), dtype=np.uint64)
+
+
+def footer_entry(stamps: np.ndarray, options: dict) -> dict[bytes, bytes]:
+    """The footer key-value entry of a single-file output: its rows' stamps (base64 of
+    little-endian uint64) and the row options the schema's metadata does not hold."""
+    data = stamps.astype("<u8").tobytes()
+    return {STAMPS_KEY: json.dumps({"version": 1, "rows": len(stamps), "options": options,
+                                    "stamps": base64.b64encode(data).decode("ascii")},
+                                   sort_keys=True).encode()}
+
+
+def _decode(text: str, rows: int) -> np.ndarray | None:
+    try:
+        stamps = np.frombuffer(base64.b64decode(text), dtype="<u8").astype(np.uint64)
+    except (ValueError, TypeError):
+        return None
+    return stamps if len(stamps) == rows else None
+
+
+def write_folder_stamps(folder: Path, store, stamps: np.ndarray, options: dict) -> None:
+    """At the end of a folder output's run: its stamps file, then the manifest naming it
+    (an older stamps file goes once the manifest no longer names it)."""
+    data = _MAGIC + stamps.astype("<u8").tobytes()
+    name = f"_stamps-{hashlib.blake2b(data, digest_size=8).hexdigest()}.bin"
+    _write_bytes_atomic(folder / name, data)
+    store.extra = {**store.extra, "stamps": {"file": name, "rows": len(stamps),
+                                             "options": options}}
+    store.save()
+    remove_other_stamps(folder, keep=name)
+
+
+def remove_other_stamps(folder: Path, keep: str | None) -> None:
+    for path in folder.iterdir():
+        if STAMPS_FILE.fullmatch(path.name) and path.name != keep:
+            path.unlink(missing_ok=True)
+
+
+def _write_bytes_atomic(path: Path, data: bytes) -> None:
+    tmp = temp_path(path)
+    try:
+        with open(tmp, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+        fsync_dir(path.parent)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise OutputError(f"cannot write {path}: {exc.strerror or exc}") from None
+
+
+def _read_folder_stamps(folder: Path, entry: Any, rows: int) -> np.ndarray | None:
+    if not (isinstance(entry, dict) and isinstance(entry.get("file"), str)
+            and STAMPS_FILE.fullmatch(entry["file"]) and entry.get("rows") == rows):
+        return None
+    try:
+        data = (folder / entry["file"]).read_bytes()
+    except OSError:
+        return None
+    if not data.startswith(_MAGIC) or len(data) != len(_MAGIC) + 8 * rows:
+        return None
+    return np.frombuffer(data, dtype="<u8", offset=len(_MAGIC)).astype(np.uint64)
+
+
+# ----------------------------------------------------------------------------- the old output
+
+class OldOutput:
+    """A finished output as an update sees it: its files in row order, the settings it was
+    made with, and its rows' stamps."""
+
+    def __init__(self, out: Path, files: list[Path], settings: dict, stamps: np.ndarray | None,
+                 folder: bool, listed: set[str]) -> None:
+        self.out, self.files, self.settings, self.stamps = out, files, settings, stamps
+        self.folder = folder
+        self.listed = listed  # a folder's part file names (the update's must differ)
+
+    @classmethod
+    def find(cls, out: Path, folder_mode: bool) -> "OldOutput | None":
+        """The finished output at ``out``, or None when there is none yet (a plain run)."""
+        import pyarrow.parquet as pq
+
+        if not folder_mode:
+            if not out.is_file():
+                return None
+            footer = pq.read_metadata(out)  # its key-value entries (the schema shows one)
+            metadata = footer.metadata or {}
+            settings = json.loads(metadata.get(b"dsv4enc", b"{}"))
+            settings.pop("embedding", None)
+            stamps = None
+            try:
+                entry = json.loads(metadata[STAMPS_KEY])
+                rows = footer.num_rows
+                settings.update(entry.get("options") or {})
+                stamps = _decode(entry["stamps"], rows)
+            except (KeyError, ValueError, TypeError):
+                pass
+            return cls(out, [out], settings, stamps, False, set())
+        manifest = read_manifest(out / MANIFEST_NAME)
+        if manifest is None:
+            return None
+        parts = sorted(manifest["parts"].values(), key=lambda p: (p["start"], p["file"]))
+        rows = sum(int(p.get("rows", 0)) for p in parts)
+        stamps = _read_folder_stamps(out, manifest.get("stamps"), rows)
+        return cls(out, [out / p["file"] for p in parts], dict(manifest["settings"]), stamps,
+                   True, {p["file"] for p in parts})
+
+    def check(self, settings: dict) -> None:
+        """Refuse in one line when this run's rows would differ from the old ones', or when
+        the old output recorded no stamps."""
+        if self.stamps is None:
+            raise UsageError(
+                f"cannot update {self.out}: it does not record its input files per row (made "
+                "by an earlier dsv4enc, or an unfinished run: finish it with --resume); rerun "
+                "with --overwrite once, then --update works")
+        for key, now in settings.items():
+            then = self.settings.get(key)
+            if key in _NOT_ROWS or then == now:
+                continue
+            flag = _FLAG_OF_SETTING.get(key)
+            if flag is not None and isinstance(then, (str, int)) and isinstance(now, (str, int)):
+                raise UsageError(f"cannot update {self.out}: it was made with {flag} {then}, "
+                                 f"this run asks for {now}; rerun with {flag} {then} (or "
+                                 "--overwrite to encode everything again)")
+            shown = flag or key.replace("_", " ")
+            raise UsageError(f"cannot update {self.out}: {shown} differs from the one it was "
+                             f"made with ({then!r} then, {now!r} now); use --overwrite to "
+                             "encode everything again")
+
+    def column(self, name: str) -> Iterable[Any]:
+        """One small column's values, row by row, read a row group at a time."""
+        import pyarrow.parquet as pq
+
+        for path in self.files:
+            handle = pq.ParquetFile(path)
+            for group in range(handle.num_row_groups):
+                yield from handle.read_row_group(group, columns=[name]).column(0).to_pylist()
+
+
+class CarriedRows:
+    """Old rows read forward, one row group at a time (never the whole output)."""
+
+    def __init__(self, files: Sequence[Path]) -> None:
+        self._groups = self._walk(files)
+        self._start = self._end = 0
+        self._rows: list[dict] = []
+        self._arrays: list = []
+
+    @staticmethod
+    def _walk(files: Sequence[Path]):
+        import pyarrow.parquet as pq
+
+        for path in files:
+            handle = pq.ParquetFile(path)
+            fmt = embedding_format(handle.schema_arrow)
+            for group in range(handle.num_row_groups):
+                yield handle, group, fmt
+
+    def row(self, index: int, key: str) -> Row:
+        """Old row ``index`` (never below an index asked for before) as a Row for ``key``."""
+        while index >= self._end:
+            handle, group, fmt = next(self._groups)
+            table = handle.read_row_group(group)
+            self._start, self._end = self._end, self._end + table.num_rows
+            self._arrays = embedding_arrays(table.column("embedding"), fmt)
+            self._rows = table.drop_columns(["embedding"]).to_pylist()
+        if index < self._start:
+            raise AssertionError("old rows asked for out of order")
+        old = self._rows[index - self._start]
+        return Row(path=key, width=old["width"], height=old["height"], vit_h=old["vit_h"],
+                   vit_w=old["vit_w"], grid_h=old["grid_h"], grid_w=old["grid_w"],
+                   embedding=self._arrays[index - self._start], error=old["error"])
+
+
+class Update:
+    """One ``--update`` run over an existing output (see the module's doc)."""
+
+    def __init__(self, old: OldOutput) -> None:
+        self.old = old
+        self.carried: dict[int, int] = {}  # input index -> old row index
+        self.new = self.changed = self.dropped = 0
+        self._reader: CarriedRows | None = None
+        self.staging: Path | None = None
+
+    @classmethod
+    def start(cls, out: Path, folder_mode: bool) -> "Update | None":
+        """The update of ``out``, or None when there is no finished output there yet."""
+        old = OldOutput.find(out, folder_mode)
+        return cls(old) if old is not None else None
+
+    # -- the store ------------------------------------------------------------------------
+    def open_store(self, settings: dict, rows_settings: dict) -> PartStore | None:
+        """A folder output's staging store (None for a single file: its own store serves).
+        A staging folder left by an update with other settings, or whose part names an
+        earlier switch took, is a stale cache: it goes."""
+        if not self.old.folder:
+            return None
+        self.staging = self.old.out / STAGING_NAME
+        recorded = read_manifest(self.staging / MANIFEST_NAME)
+        if recorded is not None:
+            files = {p.get("file") for p in recorded["parts"].values()}
+            if recorded["settings"] != rows_settings or files & self.old.listed:
+                shutil.rmtree(self.staging, ignore_errors=True)
+        elif self.staging.exists():
+            shutil.rmtree(self.staging, ignore_errors=True)
+        store = PartStore(self.staging, settings)
+        generations = [int(m.group(1) or 0) for name in self.old.listed
+                       if (m := re.search(r"(?:\.g(\d+))?\.parquet$", name))]
+        store.file_suffix = f".g{max(generations, default=0) + 1}"
+        return store
+
+    # -- matching -------------------------------------------------------------------------
+    def match(self, planned: Sequence, settings: dict) -> None:
+        """Check the settings, then decide which inputs take their old row: same key, same
+        file stamp, readable now, an old row without a transient error, and in input order
+        (a reordered input list re-encodes what would need a backward read)."""
+        self.old.check(settings)
+        old = self.old.stamps
+        transient = np.fromiter((error is not None and error.startswith(TRANSIENT_ERRORS)
+                                 for error in self.old.column("error")), dtype=bool,
+                                count=len(old))
+        now = row_stamps((p.item.key, p.stamp) for p in planned)
+        order = np.argsort(old, kind="stable")
+        ranked = old[order]
+        where = np.minimum(np.searchsorted(ranked, now), max(len(old) - 1, 0))
+        found = (ranked[where] == now) if len(old) else np.zeros(len(now), dtype=bool)
+        last = -1
+        for j in np.flatnonzero(found):
+            i = int(order[where[j]])
+            if planned[j].error is None and not transient[i] and i > last:
+                self.carried[int(j)] = i
+                last = i
+        keys_now = key_hashes(p.item.key for p in planned)
+        keys_old = np.fromiter((_hash8(path.encode()) for path in self.old.column("path")),
+                               dtype=np.uint64, count=len(old))
+        self.new = int((~np.isin(keys_now, keys_old)).sum())
+        self.changed = len(planned) - len(self.carried) - self.new
+        self.dropped = int((~np.isin(keys_old, keys_now)).sum())
+        log.info("update of %s: %d rows kept, %d new inputs, %d changed, %d gone",
+                 self.old.out, len(self.carried), self.new, self.changed, self.dropped)
+        self._reader = CarriedRows(self.old.files)
+
+    def rows(self, indices: Sequence[int], planned: Sequence) -> dict[int, Row]:
+        """The carried rows among ``indices`` (ascending), copied from the old output."""
+        out = {}
+        for index in indices:
+            old = self.carried.get(index)
+            if old is not None:
+                out[index] = self._reader.row(old, planned[index].item.key)
+        return out
+
+    # -- the end --------------------------------------------------------------------------
+    def finish_folder(self, store: PartStore, stamps: np.ndarray, options: dict) -> None:
+        """Switch a folder output to the staged parts: stamps file and part files moved in,
+        then the manifest replaced (one rename), then the old parts and stamps deleted."""
+        out = self.old.out
+        data = _MAGIC + stamps.astype("<u8").tobytes()
+        name = f"_stamps-{hashlib.blake2b(data, digest_size=8).hexdigest()}.bin"
+        _write_bytes_atomic(out / name, data)
+        for part in store.parts.values():
+            os.replace(store.folder / part["file"], out / part["file"])
+        fsync_dir(out)
+        write_json_atomic(manifest_document(store.settings, store.parts,
+                                            stamps={"file": name, "rows": len(stamps),
+                                                    "options": options}),
+                          out / MANIFEST_NAME)  # the switch
+        kept = {part["file"] for part in store.parts.values()}
+        for old in self.old.listed - kept:
+            if PART_FILE.fullmatch(old):
+                (out / old).unlink(missing_ok=True)
+        remove_other_stamps(out, keep=name)
+        shutil.rmtree(store.folder, ignore_errors=True)
+
+    def count_into(self, summary) -> None:
+        summary.update = True
+        summary.dropped = self.dropped

@@ -1,0 +1,238 @@
+"""``encode --update``: an output brought up to date with inputs that grew, changed and shrank
+equals a clean run over the current inputs row for row, and only the new and changed images
+are encoded; for a single file, a folder and a bucket output, after a SIGKILL midway too; and
+the refusals (other settings, an output that recorded no stamps)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+from PIL import Image
+from typer.testing import CliRunner
+
+from dsv4enc.cli import app
+from dsv4enc.output.read import output_files
+from dsv4enc.output.update import STAGING_NAME, STAMPS_FILE, STAMPS_KEY
+from dsv4enc.run.pipeline import EncodeOptions, run_encode
+
+from helpers import CONFIGS, REPO_ROOT, Pauses, torch_threads
+
+CONFIG = str(CONFIGS / "tiny.json")
+PART = 3
+N_OLD = 10
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    yield from torch_threads(1)
+
+
+def noise(path: Path, seed: int, size: tuple[int, int] = (16, 12)) -> None:
+    rng = np.random.default_rng(seed)
+    w, h = size
+    Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)).save(path)
+
+
+def old_images(folder: Path) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    for i in range(N_OLD):
+        noise(folder / f"img{i:03d}.png", i, (16 + i % 5, 12 + i % 3))
+    return folder
+
+
+def grow_change_shrink(folder: Path) -> None:
+    """3 new images (one sorts first, one in the middle, one last), 1 changed, 1 gone."""
+    for name, seed in (("aaa.png", 101), ("img004b.png", 102), ("zzz.png", 103)):
+        noise(folder / name, seed)
+    noise(folder / "img002.png", 104, (20, 14))  # changed: other pixels, size and time
+    (folder / "img007.png").unlink()
+
+
+def options(images: Path, out, **changes) -> EncodeOptions:
+    base = dict(inputs=[str(images)], out=str(out), config=CONFIG, random_init=True,
+                device="cpu", part_images=PART, batch_tokens=1500, workers=0, progress=False)
+    return EncodeOptions(**{**base, **changes})
+
+
+def output_path(root: Path, kind: str) -> Path:
+    return root / "e.parquet" if kind == "file" else root / "emb"
+
+
+def table_of(out: Path) -> list[dict]:
+    return [row for path in output_files(out) for row in pq.read_table(path).to_pylist()]
+
+
+@pytest.fixture(scope="module")
+def clean(tmp_path_factory) -> tuple[Path, list[dict]]:
+    """The current inputs (after the changes) and a clean run's rows over them."""
+    images = old_images(tmp_path_factory.mktemp("upd_images") / "in")
+    grow_change_shrink(images)
+    out = tmp_path_factory.mktemp("upd_clean") / "e.parquet"
+    summary = run_encode(options(images, out))
+    assert summary.encoded == N_OLD + 3 - 1
+    return images, table_of(out)
+
+
+def assert_clean(out: Path, clean_rows: list[dict]) -> None:
+    got = table_of(out)
+    assert [r["path"] for r in got] == [r["path"] for r in clean_rows]
+    for a, b in zip(got, clean_rows):
+        assert a == b, a["path"]  # sizes, grids, errors, embedding bytes
+
+
+@pytest.mark.parametrize("kind", ["file", "folder"])
+def test_update_equals_a_clean_run_and_encodes_only_new_and_changed(kind, tmp_path, clean):
+    images = old_images(tmp_path / "in")
+    out = output_path(tmp_path, kind)
+    given = str(out) + ("/" if kind == "folder" else "")  # a folder output: the slash says so
+    first = run_encode(options(images, given))
+    assert first.encoded == N_OLD
+    grow_change_shrink(images)
+    report = tmp_path / "summary.json"
+    result = runner.invoke(app, ["encode", str(images), "--out", given, "--config", CONFIG,
+                                 "--random-init", "--device", "cpu", "--workers", "0",
+                                 "--part-images", str(PART), "--batch-tokens", "1500",
+                                 "--update", "--summary-json", str(report)])
+    assert result.exit_code == 0, result.output
+    counts = json.loads(report.read_text())["images"]
+    assert (counts["encoded"], counts["reused"], counts["dropped"]) == (4, 8, 1)
+    assert "reused from the output" in result.output and "dropped" in result.output
+    assert_clean(out, clean[1])
+    if kind == "folder":  # the old generation's parts and stamps are gone, no staging left
+        names = sorted(p.name for p in out.iterdir())
+        assert all(".g1." in n for n in names if n.endswith(".parquet")), names
+        assert len([n for n in names if STAMPS_FILE.fullmatch(n)]) == 1
+        assert STAGING_NAME not in names
+    else:
+        assert not out.with_name("e.parquet.partial").exists()
+    # Nothing changed since: everything is kept, nothing encoded, and still a clean run's rows.
+    again = run_encode(options(images, given, update=True))
+    assert (again.encoded, again.reused, again.dropped) == (0, N_OLD + 2, 0)
+    assert_clean(out, clean[1])
+
+
+def test_update_of_a_bucket_output(s3, tmp_path, clean):
+    images = old_images(tmp_path / "in")
+    for out, key in ((f"{s3.url}/up/e.parquet", "up/e.parquet"), (f"{s3.url}/upf/", None)):
+        run_encode(options(images, out))
+    grow_change_shrink(images)
+    local = tmp_path / "got"
+    for out, prefix in ((f"{s3.url}/up/e.parquet", "up/"), (f"{s3.url}/upf/", "upf/")):
+        summary = run_encode(options(images, out, update=True))
+        assert (summary.encoded, summary.reused, summary.dropped) == (4, 8, 1)
+        keys = s3.keys(prefix)
+        mirror = local / prefix
+        mirror.mkdir(parents=True)
+        for key in keys:
+            (mirror / key[len(prefix):]).write_bytes(s3.get(key))
+        if prefix == "up/":
+            assert keys == ["up/e.parquet"]
+            assert_clean(mirror / "e.parquet", clean[1])
+        else:  # the old generation's parts and stamps are gone from the bucket
+            assert all(".g1." in k for k in keys if k.endswith(".parquet")), keys
+            assert len([k for k in keys if STAMPS_FILE.fullmatch(k[len(prefix):])]) == 1
+            assert_clean(mirror, clean[1])
+
+
+@pytest.mark.parametrize("kind", ["file", "folder"])
+def test_an_update_killed_midway_keeps_the_old_output_and_finishes_with_update(kind, tmp_path,
+                                                                               clean):
+    images = old_images(tmp_path / "in")
+    out = output_path(tmp_path, kind)
+    given = str(out) + ("/" if kind == "folder" else "")
+    run_encode(options(images, given))
+    before = table_of(out)
+    grow_change_shrink(images)
+    pauses = Pauses(tmp_path / "pauses", "commit")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT),
+           **pauses.env()}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dsv4enc", "encode", str(images), "--out", given,
+         "--config", CONFIG, "--random-init", "--device", "cpu", "--workers", "0",
+         "--part-images", str(PART), "--batch-tokens", "1500", "--update", "-q"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True)
+    try:
+        pauses.wait("commit", proc=proc)  # one part of the update committed, then the kill
+        proc.kill()
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+    assert table_of(out) == before  # the old output is whole, untouched
+    summary = run_encode(options(images, given, update=True))
+    assert summary.reused >= PART and summary.encoded < 4 + PART
+    assert summary.encoded + summary.reused == N_OLD + 2 and summary.dropped == 1
+    assert_clean(out, clean[1])
+
+
+def one_line_error(result, code: int) -> str:
+    assert result.exit_code == code, result.output
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert len(lines) == 1, result.output
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("upd_finished")
+    images = old_images(root / "in")
+    out = root / "e.parquet"
+    run_encode(options(images, out))
+    return images, out
+
+
+def cli(images: Path, out: Path, *extra: str):
+    return runner.invoke(app, ["encode", str(images), "--out", str(out), "--config", CONFIG,
+                               "--random-init", "--device", "cpu", "--workers", "0",
+                               "--part-images", str(PART), "-q", *extra])
+
+
+@pytest.mark.parametrize("change, named", [
+    (["--dtype", "other"], "--dtype"), (["--out-dtype", "float32"], "--out-dtype"),
+    (["--features", "vit"], "--features"), (["--pool", "mean"], "--pool"),
+    (["--max-pixels", "1000000"], "--max-pixels")])
+def test_update_with_other_settings_is_refused_in_one_line(finished, change, named):
+    images, out = finished
+    stamp = out.stat().st_mtime_ns
+    if change[1] == "other":  # whatever --dtype auto chose here, ask for another
+        made = json.loads(pq.read_metadata(out).metadata[b"dsv4enc"])["compute_dtype"]
+        change = ["--dtype", "bfloat16" if made == "float32" else "float32"]
+    line = one_line_error(cli(images, out, "--update", *change), 2)
+    assert "cannot update" in line and named in line
+    assert out.stat().st_mtime_ns == stamp and not out.with_name("e.parquet.partial").exists()
+
+
+def test_update_of_an_output_without_stamps_is_refused_in_one_line(finished, tmp_path):
+    images, out = finished
+    old = tmp_path / "old.parquet"  # as an earlier dsv4enc wrote it: no stamps in the footer
+    pq.write_table(pq.read_table(out), old)
+    assert STAMPS_KEY not in (pq.read_metadata(old).metadata or {})
+    line = one_line_error(cli(images, old, "--update"), 2)
+    assert "does not record its input files" in line and "--overwrite" in line
+
+
+def test_update_without_an_output_is_a_plain_run(finished, tmp_path):
+    images, _ = finished
+    out = tmp_path / "new.parquet"
+    summary = run_encode(options(images, out, update=True))
+    assert (summary.encoded, summary.reused, summary.update) == (N_OLD, 0, False)
+    assert STAMPS_KEY in pq.read_metadata(out).metadata
+
+
+def test_update_contradicts_resume_and_overwrite(finished):
+    images, out = finished
+    for other in ("--resume", "--overwrite"):
+        line = one_line_error(cli(images, out, "--update", other), 2)
+        assert "--update" in line and other in line

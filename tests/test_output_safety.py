@@ -33,6 +33,7 @@ from PIL import Image
 from typer.testing import CliRunner
 
 from dsv4enc.output import parts as writer
+from dsv4enc.output.update import STAMPS_FILE
 from dsv4enc.cli import app
 from dsv4enc.errors import OutputError, UsageError
 from dsv4enc.output.layout import LOCK_NAME, OutputLock
@@ -188,8 +189,10 @@ def test_overwrite_of_a_folder_output_keeps_what_dsv4enc_did_not_write(data, tmp
     out = tmp_path / "out"
     assert encode(str(data), "--out", f"{out}/").exit_code == 0
     ours = sorted(p.name for p in out.iterdir())
-    assert ours == ["_manifest.json", "part-000000.parquet", "part-000001.parquet",
-                    "part-000002.parquet"]
+    stamps = [name for name in ours if STAMPS_FILE.fullmatch(name)]  # for --update
+    assert len(stamps) == 1
+    assert [name for name in ours if name not in stamps] == [
+        "_manifest.json", "part-000000.parquet", "part-000001.parquet", "part-000002.parquet"]
     # A user's files in the output folder: the run refuses before deleting anything.
     (out / "README.txt").write_text("mine")
     (out / "extra.parquet").write_bytes(b"mine too")

@@ -292,6 +292,10 @@ class Update:
         """Check the settings, then decide which inputs take their old row: same key, same
         file stamp, readable now, an old row without a transient error, and in input order
         (a reordered input list re-encodes what would need a backward read)."""
+        if not settings.get("batch_invariant", True):
+            raise UsageError("--update copies rows beside new ones, which equals a clean run "
+                             "only with batch-invariant rows: drop --no-deterministic "
+                             "(and --tp-mode weights)")
         self.old.check(settings)
         old = self.old.stamps
         transient = np.fromiter((error is not None and error.startswith(TRANSIENT_ERRORS)

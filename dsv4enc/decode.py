@@ -24,7 +24,7 @@ from typing import Any, Iterable, Iterator
 import numpy as np
 
 from .config import VisionConfig
-from .imageformats import image_name, open_image
+from .imageformats import image_name, misnamed, open_image
 from .patch_arena import ArenaHandle, PatchArena, WorkerArena, default_slots, patch_slot_bytes
 from .process import keep_freed_memory_mapped
 
@@ -38,6 +38,7 @@ class Probe:
     width: int | None = None
     height: int | None = None
     error: str | None = None
+    misnamed: str | None = None  # the format it is, when its name says another (a JPEG .png)
 
 
 @dataclass
@@ -84,7 +85,7 @@ def _open_checked(source, max_pixels: int, stream: bool = False, name: str | Non
     from PIL import Image
 
     handle = _readable(source, stream)
-    try:  # only as the format(s) the name stands for (``imageformats``); ``name`` overrides
+    try:  # only as an accepted format, the name's first (``imageformats``); ``name`` overrides
         image = open_image(handle, name if name is not None else image_name(source, handle))
     except BaseException as exc:
         if hasattr(handle, "close"):
@@ -158,12 +159,14 @@ def probe_image(source, max_pixels: int = DEFAULT_MAX_PIXELS) -> Probe:
                 target = handle = open_item(source, stream=True)
         if isinstance(target, (str, os.PathLike)):
             _require_regular_file(target)
-        image = _open_checked(target, max_pixels, stream=True, name=image_name(source, target))
+        name = image_name(source, target)
+        image = _open_checked(target, max_pixels, stream=True, name=name)
         width, height = image.size
+        actual = misnamed(image, name)
         image.close()
         if width <= 0 or height <= 0:
             return Probe(error=f"image has no pixels ({width}x{height})")
-        return Probe(width=width, height=height)
+        return Probe(width=width, height=height, misnamed=actual)
     except Exception as exc:  # any unreadable file is an error row, never a crash
         return Probe(error=describe_error(exc))
     finally:

@@ -185,6 +185,7 @@ def _run_encode(opts: EncodeOptions, dist, setup: RunSetup, stop: StopSignals,
                                     announce=progress.status)
             if dist is None and stop.signum is not None:
                 raise Interrupted(stop.signum, "nothing was encoded; rerun the same command")
+            summary.count_misnamed(planned)
             part_images = images_per_part(cfg, opts)
             settings = run_settings(ckpt, opts, dtype, part_images, engine)
             if ranks.shard_output:

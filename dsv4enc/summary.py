@@ -32,6 +32,8 @@ class RunSummary:
     failed: int = 0
     skipped: int = 0
     unlisted: int = 0  # folders that could not be listed (their images are missing)
+    misnamed: int = 0  # images whose name says another format (read as what they are)
+    misnamed_example: str = ""  # the first of them, e.g. "a.png is JPEG"
     reused: int = 0
     seconds: float = 0.0
     tokens: int = 0
@@ -55,6 +57,12 @@ class RunSummary:
     def tokens_per_s(self) -> float:
         """ViT tokens encoded per second of the encoding loop."""
         return self.tokens / self.encode_s if self.encode_s else 0.0
+
+    def count_misnamed(self, planned) -> None:
+        """Count the planned images whose name says another format than their content."""
+        odd = [entry for entry in planned if entry.misnamed and entry.error is None]
+        self.misnamed = len(odd)
+        self.misnamed_example = f"{odd[0].item.key} is {odd[0].misnamed}" if odd else ""
 
     def add_error(self, message: str, path: str, count: int = 1) -> None:
         """Count a failed image under its message, the paths in it elided."""
@@ -87,6 +95,11 @@ def print_summary(summary) -> None:
     if getattr(s, "unlisted", 0):
         table.add_row("folders not listed", f"{s.unlisted} (their images are missing; see the "
                       "lines above)")
+    if getattr(s, "misnamed", 0):
+        table.add_row("misnamed", escape(
+            f"{s.misnamed} image{'s' if s.misnamed != 1 else ''} whose name says another "
+            f"format, read as what {'they are' if s.misnamed != 1 else 'it is'} "
+            f"(e.g. {s.misnamed_example})"))
     if s.reused:
         table.add_row("reused from earlier run", str(s.reused))
     table.add_row("wall time", f"{s.seconds:.1f}s (the whole run, start-up included)")
@@ -118,7 +131,9 @@ def summary_dict(summary, status: str = "completed", exit_code: int = 0) -> dict
     return {
         "status": status, "exit_code": exit_code, "output": s.out,
         "images": {"encoded": s.encoded, "failed": s.failed, "skipped_not_images": s.skipped,
-                   "reused": s.reused, "folders_not_listed": getattr(s, "unlisted", 0)},
+                   "reused": s.reused, "folders_not_listed": getattr(s, "unlisted", 0),
+                   "misnamed": getattr(s, "misnamed", 0)},
+        "misnamed_example": getattr(s, "misnamed_example", ""),
         "tokens": s.tokens,
         "failures": {
             "by_type": by_type,

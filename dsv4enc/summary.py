@@ -116,6 +116,11 @@ def print_summary(summary) -> None:
         table.add_row("rank loads", f"{loads} (imbalance {max(s.rank_loads) / mean if mean else 1:.3f})")
     for message, count, example in top_errors(s):
         table.add_row("error", escape(f"{count} x {message} (e.g. {example})"))
+    more = len(s.errors) - TOP_ERRORS
+    if more > 0:
+        rest = sum(sorted(s.errors.values(), reverse=True)[TOP_ERRORS:])
+        table.add_row("", f"and {more} more kind{'s' if more != 1 else ''} of error "
+                      f"({rest} image{'s' if rest != 1 else ''}); --summary-json lists them all")
     stderr_console.print(table)
 
 

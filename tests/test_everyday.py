@@ -161,3 +161,25 @@ def test_resume_of_a_finished_output_agrees_for_files_and_folders(tmp_path, smal
         quiet = encode(str(image.parent), "--out", str(out), *common, "--resume", "-q")
         assert quiet.exit_code == 0 and quiet.stderr == "", quiet.output
         assert Path(quiet.stdout.strip()) == Path(out)
+
+
+def test_the_summary_shows_every_kind_of_error_or_says_how_many_more(tmp_path, small_ckpt):
+    """Eight kinds of error: the summary shows the commonest five and says that three more
+    kinds (of three images) are left out, and that --summary-json lists them all; it does."""
+    folder = tmp_path / "imgs"
+    for i in range(8):  # each over --max-pixels by another size: eight distinct messages
+        write_image(folder / f"{i}.png", (11 + i, 10))
+    write_image(folder / "ok.png", (5, 5))
+    report = tmp_path / "s.json"
+    result = encode(str(folder), "--out", str(tmp_path / "e.parquet"), "--weights",
+                    str(small_ckpt), "--max-pixels", "100", "--summary-json", str(report))
+    assert result.exit_code == 0, result.output
+    shown = [line for line in result.stderr.splitlines() if "more than --max-pixels" in line]
+    assert len(shown) == 5, result.stderr
+    assert "and 3 more kinds of error (3 images); --summary-json lists them all" in (
+        result.stderr), result.stderr
+    assert len(json.loads(report.read_text())["failures"]["messages"]) == 8
+    few = encode(str(folder / "0.png"), str(folder / "1.png"), "--out",
+                 str(tmp_path / "f.parquet"), "--weights", str(small_ckpt), "--max-pixels",
+                 "100")
+    assert few.exit_code == 0 and "more kind" not in few.stderr, few.stderr

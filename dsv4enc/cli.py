@@ -29,6 +29,13 @@ def choices(*values: str) -> str:
     return f"[{'|'.join(values)}]"
 
 
+#: When this process started, on ``time.perf_counter``'s clock: set by ``main`` (the
+#: process's own entry point, each torchrun rank's too), so that a run's wall time counts
+#: the interpreter's start and the imports. In-process callers (``app``) count from the
+#: command's start.
+_process_started: float | None = None
+
+
 def fail(message: str, code: int = 1) -> None:
     from rich.markup import escape
 
@@ -196,6 +203,9 @@ def encode(
         "Credentials and endpoints otherwise come from the environment and config files."),
 ) -> None:
     """Encode images into a Parquet file of embeddings, one row per image."""
+    import time
+
+    started = _process_started if _process_started is not None else time.perf_counter()
     from . import storage
     from .decode import own_process_pillow_settings
     from .errors import Interrupted
@@ -240,12 +250,14 @@ def encode(
             if prefetch is not None and prefetch.on_cpu:
                 prefer_jemalloc_pool()
             from .pipeline import run_encode
+            from .prefetch import RunSetup
             from .sharding import init_distributed, shutdown
             from .summary import print_summary, write_summary_json
 
             dist = init_distributed(device, timeout)
             _own_process_settings(opts.device, dist)
-            setup, prefetch = prefetch, None  # the run owns it from here, and closes it
+            setup, prefetch = prefetch or RunSetup(), None  # the run owns it from here
+            setup.started = started  # the wall time counts start-up (torch, torchrun's too)
             summary = run_encode(opts, dist, setup, stop)
         finally:
             stop.immediate = False  # reporting and clean-up are not cut short
@@ -414,6 +426,14 @@ def main() -> None:
     down), the process ends with ``os._exit`` after flushing stdio and logging: tearing down
     an interpreter that has imported torch takes about half a second, which is pure waste at
     the end of a short batch job. In-process callers (tests, scripts) use ``app`` instead."""
+    global _process_started
+    import time
+
+    from .process import process_age
+
+    age = process_age()
+    if age is not None:
+        _process_started = time.perf_counter() - age
     try:
         app()
         code = 0

@@ -135,9 +135,10 @@ def run_encode(opts: EncodeOptions, dist=None, setup: RunSetup | None = None,
             opts = remote.opts
         layout = OutputLayout(opts.out, opts.shard_output)
         if remote is not None:
-            return remote.run(lambda: _run_encode(opts, dist, setup, stop, layout, stand_in,
-                                                  local=False), dist)
-        return _run_encode(opts, dist, setup, stop, layout, stand_in)
+            summary = remote.run(lambda: _run_encode(opts, dist, setup, stop, layout, stand_in,
+                                                     local=False), dist)
+        else:
+            summary = _run_encode(opts, dist, setup, stop, layout, stand_in)
     finally:
         if layout is not None:
             layout.release()  # the output's lock, held from its checks to the end
@@ -147,12 +148,14 @@ def run_encode(opts: EncodeOptions, dist=None, setup: RunSetup | None = None,
         if own_stop:
             stop.restore()
         setup.close()
+    summary.seconds = time.perf_counter() - setup.started  # the decode workers' exit too
+    return summary
 
 
 def _run_encode(opts: EncodeOptions, dist, setup: RunSetup, stop: StopSignals,
                 layout: OutputLayout, stand_in=None, local: bool = True) -> RunSummary:
     """``local``: ``--out`` is a local path (not the staging of an object storage one)."""
-    started = setup.started if setup.found is not None else time.perf_counter()
+    started = setup.started  # the caller's start (the CLI's: the process's), else now
     validate(opts)
     device = resolve_device(opts.device, dist)
     dtype = resolve_dtype(opts.dtype, device)

@@ -50,8 +50,11 @@ class RunSummary:
 
     @property
     def images_per_s(self) -> float:
-        """Images finished (encoded or failed) per second of the encoding loop."""
-        return (self.encoded + self.failed) / self.encode_s if self.encode_s else 0.0
+        """Images finished (encoded or failed) per second of the encoding loop; 0 when none
+        was encoded (failures alone are no rate)."""
+        if not self.encode_s or not self.encoded:
+            return 0.0
+        return (self.encoded + self.failed) / self.encode_s
 
     @property
     def tokens_per_s(self) -> float:
@@ -103,7 +106,9 @@ def print_summary(summary) -> None:
     if s.reused:
         table.add_row("reused from earlier run", str(s.reused))
     table.add_row("wall time", f"{s.seconds:.1f}s (the whole run, start-up included)")
-    if s.encode_s:
+    if s.encode_s and not s.encoded:
+        table.add_row("encoding loop", f"{s.encode_s:.1f}s: nothing was encoded")
+    elif s.encode_s:
         busy = min(1.0, s.model_s / s.encode_s)
         table.add_row("encoding loop", f"{s.encode_s:.1f}s: {s.images_per_s:.1f} img/s, "
                       f"{s.tokens_per_s:,.0f} tokens/s (model busy {100 * busy:.0f}%)")

@@ -275,3 +275,55 @@ def test_no_rates_when_nothing_was_encoded(tmp_path, small_ckpt):
     data = json.loads(report.read_text())
     assert data["images"]["failed"] == 3 and data["images"]["encoded"] == 0
     assert data["rates"] == {"images_per_s": 0.0, "tokens_per_s": 0.0}
+
+
+@pytest.mark.parametrize("kind", ["file", "folder"])
+def test_inspect_of_an_interrupted_run_shows_what_was_committed_and_what_is_left(
+        tmp_path, small_ckpt, monkeypatch, kind):
+    """A run stopped by SIGTERM after its first part: ``inspect OUT`` (only OUT.partial/
+    exists), ``inspect OUT.partial`` and a folder output's ``inspect`` show the committed
+    parts, the images done and how many are left; --resume then finishes."""
+    import os
+    import signal
+
+    from dsv4enc.encoding import PartEncoder
+
+    folder = tmp_path / "imgs"
+    for i in range(13):
+        write_image(folder / f"{i:02d}.png", (20 + i, 20))
+    original = PartEncoder.run
+
+    def run(self, *args, **kwargs):
+        for index, part in enumerate(original(self, *args, **kwargs)):
+            yield part
+            if index == 0:
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(PartEncoder, "run", run)
+    out = tmp_path / ("e.parquet" if kind == "file" else "e")
+    out_arg = str(out) + ("" if kind == "file" else "/")  # a folder output ends in /
+    common = ("--weights", str(small_ckpt), "--part-images", "4")
+    stopped = encode(str(folder), "--out", out_arg, *common)
+    assert stopped.exit_code == 143, stopped.output
+    parts = out.with_name(out.name + ".partial") if kind == "file" else out
+    manifest = json.loads((parts / "_manifest.json").read_text())
+    done = sum(part["rows"] for part in manifest["parts"].values())
+    assert 4 <= done < 13 and manifest["inputs"] == 13
+    wanted = (f"{len(manifest['parts'])} part{'s' if len(manifest['parts']) > 1 else ''}, "
+              f"{done} images done, {13 - done} of 13 left; rerun the same command with "
+              "--resume to finish")
+    for target in ([out, parts] if kind == "file" else [out]):
+        shown = runner.invoke(app, ["inspect", str(target)], terminal_width=250)
+        assert shown.exit_code == 0, shown.output
+        text = re.sub(r"[│\s]+", " ", shown.output)  # the table's cells, unwrapped
+        assert "an interrupted run: not finished" in text, shown.output
+        assert wanted in text, shown.output
+        data = json.loads(runner.invoke(app, ["inspect", str(target), "--json"]).output)
+        assert data["interrupted"] and (data["parts"], data["images_done"],
+                                        data["images_left"]) == (len(manifest["parts"]),
+                                                                 done, 13 - done)
+    monkeypatch.setattr(PartEncoder, "run", original)
+    finished = encode(str(folder), "--out", out_arg, *common, "--resume")
+    assert finished.exit_code == 0, finished.output
+    data = json.loads(runner.invoke(app, ["inspect", str(out), "--json"]).output)
+    assert not data["interrupted"] and data["rows"] == 13

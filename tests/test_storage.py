@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from dsv4enc import sources, storage
+from dsv4enc.images import sources
+from dsv4enc import storage
 from dsv4enc.errors import StorageError, UsageError
 
 
@@ -69,7 +70,7 @@ from typer.testing import CliRunner
 
 from dsv4enc import read_embeddings
 from dsv4enc.cli import app
-from dsv4enc.inputs import discover
+from dsv4enc.images.discover import discover
 
 from helpers import write_image
 
@@ -318,7 +319,7 @@ def tempfile_root() -> str:
 def test_two_rank_torchrun_reads_and_writes_the_bucket(s3, tmp_path):
     """2 gloo ranks (no shared folder needed): both read their images from the bucket, rank
     0 writes the output to it; the rows equal one process's."""
-    from test_torchrun import ok, torchrun
+    from test_run_torchrun import ok, torchrun
 
     url = noise_images(s3, "tr-in", 12, tmp_path)
     out = f"{s3.url}/tr/e.parquet"
@@ -366,7 +367,7 @@ def test_an_unreachable_store_gives_error_rows_after_retries(s3, monkeypatch):
     backoff, then become the image's error, not a crash."""
     import socket
 
-    from dsv4enc.decode import probe_image
+    from dsv4enc.images.decode import probe_image
 
     s3.put("p/a.png", b"\x89PNG\r\n\x1a\n" + b"\0" * 64)
     items = discover([f"{s3.url}/p/"]).items

@@ -17,6 +17,7 @@ import typer
 
 from . import __version__
 from .errors import AlreadyComplete, DsvError
+from .storage import OUTAGE_S, stop_bound_s
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Encode images with the DeepSeek-V4 or V4.1 vision tower and write "
@@ -194,6 +195,14 @@ def encode(
         "...) inputs and --out: an option of the file system (pyarrow S3FileSystem, or "
         "fsspec's), e.g. endpoint_override=host:9000, anonymous=true (repeatable). "
         "Credentials and endpoints otherwise come from the environment and config files."),
+    storage_outage_s: float = typer.Option(
+        OUTAGE_S, "--storage-outage-s", metavar="SECONDS", help="Object storage: how long a "
+        "store may fail every call (refused connections, timeouts, 5xx; each call after its "
+        "retries) before the run stops with one line and exit 1, keeping its finished parts "
+        "for --resume. The run ends within this plus "
+        f"{stop_bound_s(0.0, {}):g} s of the store's last answer (the retry policy; "
+        f"{stop_bound_s(OUTAGE_S, {}):g} s by default), plus the batch in progress. Inputs "
+        "that fail meanwhile are transient error rows, encoded again on --resume."),
 ) -> None:
     """Encode images into a Parquet file of embeddings, one row per image."""
     from . import storage
@@ -218,9 +227,10 @@ def encode(
         deterministic=deterministic, fused=fused,
         shard_output=shard_output, tp_mode=tp_mode, balance=balance, timeout=timeout,
         part_images=part_images, commit_every=commit_every,
-        progress=not quiet, log_every=log_every)
+        progress=not quiet, log_every=log_every, storage_outage_s=storage_outage_s)
     try:
         storage.configure(storage_option)  # decode workers inherit them (environment)
+        storage.set_outage_s(storage_outage_s)
     except DsvError as exc:
         fail(str(exc), exc.exit_code)
     package_log = logging.getLogger("dsv4enc")

@@ -52,6 +52,8 @@ class EncodeOptions:
     commit_every: float = 30.0  # seconds of encoding before finished work is committed
     progress: bool = True
     log_every: float = 30.0  # seconds between progress lines when stderr is not a terminal
+    # how long every call to an object store may fail before the run stops (storage.py)
+    storage_outage_s: float = 60.0
 
 
 def validate(opts: EncodeOptions) -> None:
@@ -87,6 +89,8 @@ def validate(opts: EncodeOptions) -> None:
         raise UsageError(f"--log-every must be positive, got {opts.log_every}")
     if opts.commit_every <= 0:
         raise UsageError(f"--commit-every must be positive, got {opts.commit_every}")
+    if not opts.storage_outage_s > 0:
+        raise UsageError(f"--storage-outage-s must be positive, got {opts.storage_outage_s:g}")
     if opts.decode_timeout <= 0 or opts.timeout <= 0:
         raise UsageError("timeouts must be positive")
     if opts.shard_output and opts.tp_mode == "weights":

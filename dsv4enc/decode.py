@@ -79,9 +79,10 @@ def read_failure(exc: BaseException, source) -> tuple[str, float | None]:
     if isinstance(exc, OSError) and storage.is_url(url):
         cause = storage.outage_cause(exc)
         if cause is not None:
-            store, since = storage.store_of(url), time.time()
-            storage.health(store).failed(cause, since)
-            return f"{storage.UNAVAILABLE}: {store}: {cause}", since
+            store = storage.store_of(url)
+            record = storage.health(store)
+            record.failed(cause)
+            return f"{storage.UNAVAILABLE}: {store}: {cause}", record.since
     return describe_error(exc), None
 
 

@@ -342,7 +342,7 @@ def down_error(url: str, exc: BaseException) -> StoreDown | None:
         return None
     record = health(store_of(url))
     if record.since is None:
-        record.failed(cause, _wall())
+        record.failed(cause)
     return record.error()
 
 
@@ -366,8 +366,10 @@ class StoreHealth:
             with self._lock:
                 self.since = self.declared = None
 
-    def failed(self, cause: str, since: float) -> None:
-        """A call gave up on an outage whose first failure was at ``since`` (wall time)."""
+    def failed(self, cause: str, since: float | None = None) -> None:
+        """A call gave up on an outage whose first failure was at ``since`` (wall time;
+        default now)."""
+        since = _wall() if since is None else since
         with self._lock:
             if self.since is None or since < self.since:
                 self.since = since

@@ -246,7 +246,7 @@ def _run_encode(opts: EncodeOptions, dist, setup: RunSetup, stop: StopSignals,
                 stop.check()
                 # A store that failed its last calls made rows of outages (transient): the
                 # run is not complete while it does not answer
-                failing = [exc for exc in ranks.gather(storage.failing_store())
+                failing = [exc for exc in ranks.gather(storage.failing_store(give_up=True))
                            if exc is not None]
                 if failing:
                     raise failing[0]

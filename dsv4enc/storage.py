@@ -359,12 +359,14 @@ class StoreHealth:
         self.cause = ""
         self.declared: float | None = None  # when it was found down
         self._probed = 0.0  # the last attempt let through while down
+        self._given_up = False  # the run stops on this store's account: down already
         self._lock = threading.Lock()
 
     def answered(self) -> None:
         if self.since is not None:
             with self._lock:
                 self.since = self.declared = None
+                self._given_up = False
 
     def failed(self, cause: str, since: float | None = None) -> None:
         """A call gave up on an outage whose first failure was at ``since`` (wall time;
@@ -378,7 +380,7 @@ class StoreHealth:
     def down(self) -> bool:
         """Whether the store has failed every call for ``outage_s()``."""
         since = self.since
-        if since is None or _wall() - since < outage_s():
+        if since is None or (_wall() - since < outage_s() and not self._given_up):
             return False
         with self._lock:
             if self.declared is None:
@@ -396,7 +398,14 @@ class StoreHealth:
                 return
         raise StoreUnavailable(self.store, self.cause, self.since or _wall())
 
-    def error(self) -> StoreDown:
+    def error(self, give_up: bool = True) -> StoreDown:
+        """The run's one line about this store. ``give_up``: the run stops on its account,
+        so from now on calls to it fail at once (the clean-up is quick), as for a store that
+        is down."""
+        with self._lock:
+            if give_up and self.since is not None and not self._given_up:
+                self._given_up = True
+                self.declared = self._probed = _wall()
         return StoreDown(self.store, self.cause, _wall() - (self.since or _wall()))
 
 
@@ -435,11 +444,12 @@ def check_stores() -> None:
             raise record.error()
 
 
-def failing_store() -> StoreDown | None:
-    """The error of a store that failed its last calls (for however long), or None."""
+def failing_store(give_up: bool = False) -> StoreDown | None:
+    """The error of a store that failed its last calls (for however long), or None.
+    ``give_up``: the run stops on its account (``StoreHealth.error``)."""
     for record in list(_HEALTH.values()):
         if record.since is not None:
-            return record.error()
+            return record.error(give_up)
     return None
 
 

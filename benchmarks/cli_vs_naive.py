@@ -20,10 +20,10 @@ from pathlib import Path
 
 import torch
 
-from dsv4enc.bench import bench_cli, bench_naive, resolve_images
-from dsv4enc.checkpoint import build_tower, load_checkpoint, random_state_dict, save_checkpoint
-from dsv4enc.config import VisionConfig
-from dsv4enc.options import DEFAULT_BATCH_TOKENS
+from dsv4enc.bench.throughput import bench_cli, bench_naive, resolve_images
+from dsv4enc.tower.checkpoint import build_tower, load_checkpoint, random_state_dict, save_checkpoint
+from dsv4enc.tower.config import VisionConfig
+from dsv4enc.engine.defaults import DEFAULT_BATCH_TOKENS
 
 
 def main() -> None:

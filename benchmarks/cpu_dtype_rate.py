@@ -25,14 +25,14 @@ from pathlib import Path
 
 import torch
 
-from dsv4enc.bench import synthetic_images
-from dsv4enc.checkpoint import COMPUTE_DTYPES, build_tower, random_checkpoint
-from dsv4enc.config import VisionConfig
-from dsv4enc.cpufeatures import auto_cpu_dtype, cpu_capabilities
-from dsv4enc.engine import Engine
-from dsv4enc.packing import pack
-from dsv4enc.planning import image_flops
-from dsv4enc.transform import image_to_patches
+from dsv4enc.bench.throughput import synthetic_images
+from dsv4enc.tower.checkpoint import COMPUTE_DTYPES, build_tower, random_checkpoint
+from dsv4enc.tower.config import VisionConfig
+from dsv4enc.engine.cpufeatures import auto_cpu_dtype, cpu_capabilities
+from dsv4enc.engine.engine import Engine
+from dsv4enc.engine.packing import pack
+from dsv4enc.run.plan import image_flops
+from dsv4enc.tower.transform import image_to_patches
 
 
 def _seconds_per_image(engine: Engine, items: list) -> float:

@@ -29,15 +29,15 @@ from pathlib import Path
 
 import torch
 
-from dsv4enc.attention import available_backends, sdpa_attention
-from dsv4enc.bench import MIX_SIZES
-from dsv4enc.checkpoint import build_tower, load_checkpoint, random_checkpoint
-from dsv4enc.config import VisionConfig
-from dsv4enc.engine import Engine
-from dsv4enc.graphs import BucketRunner, default_budgets
-from dsv4enc.packing import pack
-from dsv4enc.planning import pack_bins
-from dsv4enc.transform import image_to_patches, plan_canvas
+from dsv4enc.tower.attention import available_backends, sdpa_attention
+from dsv4enc.bench.throughput import MIX_SIZES
+from dsv4enc.tower.checkpoint import build_tower, load_checkpoint, random_checkpoint
+from dsv4enc.tower.config import VisionConfig
+from dsv4enc.engine.engine import Engine
+from dsv4enc.engine.graphs import BucketRunner, default_budgets
+from dsv4enc.engine.packing import pack
+from dsv4enc.run.plan import pack_bins
+from dsv4enc.tower.transform import image_to_patches, plan_canvas
 
 CHECKS: list[dict] = []
 
@@ -260,12 +260,13 @@ def invariance_section(cfg: VisionConfig, device: torch.device, n_images: int,
 
 def fused_section(cfg: VisionConfig, device: torch.device, dtype: torch.dtype, n_images: int,
                   batch_tokens: int) -> None:
-    from dsv4enc.fusion import fuse_elementwise
 
     tag = str(dtype).removeprefix("torch.")
     state = random_checkpoint(cfg, 0, dtype)
     eager_model = build_tower(state, device)
-    fused_model = fuse_elementwise(build_tower(state, device))
+    from dsv4enc.engine.factory import build_model
+
+    fused_model = build_model(state, device, fused=True)
     items = random_items(cfg, n_images, seed=5)
     batches = batches_of(items, cfg, batch_tokens, 16)
     eager = Engine(eager_model, "aligner", "auto", torch.float32, batch_tokens=batch_tokens,

@@ -29,14 +29,14 @@ from pathlib import Path
 
 import torch
 
-from dsv4enc.attention import VarlenSpans, available_backends, select_attention
-from dsv4enc.bench import best_time, sync
-from dsv4enc.checkpoint import build_tower, random_checkpoint
-from dsv4enc.config import VisionConfig
-from dsv4enc.engine import Engine
-from dsv4enc.packing import pack
-from dsv4enc.planning import image_flops
-from dsv4enc.transform import plan_canvas
+from dsv4enc.tower.attention import VarlenSpans, available_backends, select_attention
+from dsv4enc.bench.throughput import best_time, sync
+from dsv4enc.tower.checkpoint import build_tower, random_checkpoint
+from dsv4enc.tower.config import VisionConfig
+from dsv4enc.engine.engine import Engine
+from dsv4enc.engine.packing import pack
+from dsv4enc.run.plan import image_flops
+from dsv4enc.tower.transform import plan_canvas
 
 ROWS: list[dict] = []
 
@@ -67,9 +67,10 @@ def breakdown(cfg: VisionConfig, device: torch.device, dtype: torch.dtype, n_ima
 
     model = build_tower(random_checkpoint(cfg, 0, dtype), device)
     if fused:
-        from dsv4enc.fusion import fuse_elementwise
+        from dsv4enc.engine.engine import runs_one_shape
+        from dsv4enc.tower.fusion import fuse_elementwise
 
-        fuse_elementwise(model)
+        fuse_elementwise(model, dynamic=not runs_one_shape(model, True))
     batch, canvas = equal_batch(cfg, n_images)
     engine = Engine(model, "aligner", "auto", torch.float16, cuda_graphs=False,
                     batch_tokens=batch.n_tokens, max_images=n_images)
@@ -259,8 +260,8 @@ def elementwise(cfg: VisionConfig, device: torch.device, dtype: torch.dtype,
                 n_images: int) -> None:
     """Each elementwise function at a full batch's shape: eager, compiled for any row count
     (``dynamic=True``) and compiled for this shape (``dynamic=False``); GB/s moved."""
-    from dsv4enc.fusion import compiled
-    from dsv4enc.model import (add_rms_norm, apply_rope, rms_norm, rope_formula, rope_tables,
+    from dsv4enc.tower.fusion import compiled
+    from dsv4enc.tower.model import (add_rms_norm, apply_rope, rms_norm, rope_formula, rope_tables,
                                swiglu)
 
     canvas = plan_canvas(1024, 768, cfg)

@@ -26,8 +26,13 @@ def _is_type_checking(node: ast.If) -> bool:
 KINDS = ("module", "local", "types")
 
 
-def _imports(tree: ast.Module, package: str, modules: set[str]) -> dict[str, str]:
-    """Package modules imported by ``tree``: name -> its strongest kind of import."""
+def _imports(tree: ast.Module, package: str, modules: set[str],
+             here: str = "") -> dict[str, str]:
+    """Package modules imported by ``tree``: name -> its strongest kind of import.
+
+    ``here`` is the dotted subpackage that holds the module ("" at the package top), against
+    which relative imports are resolved; names are dotted below the package ("output.parts").
+    """
     found: dict[str, str] = {}
 
     def note(name: str, kind: str) -> None:
@@ -41,8 +46,14 @@ def _imports(tree: ast.Module, package: str, modules: set[str]) -> dict[str, str
             for child in node.orelse:
                 visit(child, kind)
             return
-        if isinstance(node, ast.ImportFrom) and node.level >= 1:
-            base = node.module or ""
+        if isinstance(node, ast.ImportFrom) and (node.level >= 1 or (node.module or "")
+                                                  .split(".")[0] == package):
+            parts = here.split(".") if here else []
+            if node.level >= 1:
+                parts = parts[:len(parts) - (node.level - 1)] if node.level > 1 else parts
+                base = ".".join([*parts, *([node.module] if node.module else [])])
+            else:
+                base = node.module.removeprefix(package).lstrip(".")
             names = [base] if base else [alias.name for alias in node.names]
             if base:  # "from .x import y": y may itself be a module (from . import x)
                 names += [f"{base}.{alias.name}" for alias in node.names]
@@ -62,13 +73,38 @@ def _imports(tree: ast.Module, package: str, modules: set[str]) -> dict[str, str
     return found
 
 
+def _module_name(package_dir: Path, path: Path) -> str:
+    parts = list(path.relative_to(package_dir).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
 def import_graph(package_dir: Path) -> dict[str, dict[str, str]]:
-    modules = {p.stem for p in package_dir.glob("*.py") if p.stem != "__init__"}
+    files = {_module_name(package_dir, p): p for p in sorted(package_dir.rglob("*.py"))}
+    files.pop("", None)  # the package's own __init__ (lazy names only)
+    modules = set(files)
     graph = {}
     for name in sorted(modules):
-        tree = ast.parse((package_dir / f"{name}.py").read_text())
-        graph[name] = _imports(tree, package_dir.name, modules)
+        path = files[name]
+        here = name if path.stem == "__init__" else name.rpartition(".")[0]
+        graph[name] = _imports(ast.parse(path.read_text()), package_dir.name, modules, here)
+        graph[name].pop(name, None)
     return graph
+
+
+def floors(graph: dict[str, dict[str, str]]) -> int:
+    """The longest chain of imports that run, counted in modules (1: nothing imports)."""
+    depth: dict[str, int] = {}
+
+    def floor(v: str, seen: tuple[str, ...] = ()) -> int:
+        if v not in depth:
+            below = [floor(w, (*seen, v)) for w, kind in graph[v].items()
+                     if kind != "types" and w not in seen]
+            depth[v] = 1 + max(below, default=0)
+        return depth[v]
+
+    return max((floor(v) for v in graph), default=0)
 
 
 def cycles(graph: dict[str, dict[str, str]], kinds: tuple[str, ...]) -> list[list[str]]:
@@ -115,6 +151,9 @@ def main(argv: list[str]) -> int:
     for name, deps in graph.items():
         shown = [d if kind == "module" else f"{d} ({kind})" for d, kind in sorted(deps.items())]
         print(f"{name} -> {', '.join(shown) or '-'}")
+    arrows = sum(len(deps) for deps in graph.values())
+    print(f"\nmodules: {len(graph)} ({sum('.' not in m for m in graph)} at the top), "
+          f"arrows: {arrows}, floors: {floors(graph)}")
     status = 0
     for title, kinds in (("imports that run", ("module", "local")),
                          ("with type-only imports", KINDS)):

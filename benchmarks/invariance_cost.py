@@ -14,12 +14,12 @@ import time
 
 import torch
 
-from dsv4enc.checkpoint import build_tower, random_checkpoint
-from dsv4enc.config import VisionConfig
-from dsv4enc.engine import Engine
-from dsv4enc.packing import pack
-from dsv4enc.planning import pack_bins
-from dsv4enc.transform import plan_canvas
+from dsv4enc.tower.checkpoint import build_tower, random_checkpoint
+from dsv4enc.tower.config import VisionConfig
+from dsv4enc.engine.engine import Engine
+from dsv4enc.engine.packing import pack
+from dsv4enc.run.plan import pack_bins
+from dsv4enc.tower.transform import plan_canvas
 
 #: Photo sizes of a typical mix (width, height): each gives its grid through the transform.
 SIZES = [(1024, 768), (768, 1024), (1920, 1080), (640, 480), (300, 300), (2000, 1500),

@@ -31,9 +31,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from dsv4enc.appending import AppendingStore
-from dsv4enc.reading import read_embeddings
-from dsv4enc.writer import (PartStore, Row, StreamingAssembler, output_schema, parquet_options,
+from dsv4enc.output.appending import AppendingStore
+from dsv4enc.output.read import read_embeddings
+from dsv4enc.output.parts import (PartStore, Row, StreamingAssembler, output_schema, parquet_options,
                             rows_per_group, rows_to_table)
 
 
@@ -241,10 +241,10 @@ def commit_parts(rows, schema, folder: Path, output: str, part_images: int) -> f
 
 def host_ms_per_image(folder: Path, images: int = 16) -> float:
     """One thread's CPU ms per 1024x768 JPEG for decode, transform, pack and staging (the
-    host stages besides the writer), from ``dsv4enc.hostbench.stage_costs``."""
-    from dsv4enc.bench import synthetic_images
-    from dsv4enc.config import VisionConfig
-    from dsv4enc.hostbench import stage_costs
+    host stages besides the writer), from ``dsv4enc.bench.host.stage_costs``."""
+    from dsv4enc.bench.throughput import synthetic_images
+    from dsv4enc.tower.config import VisionConfig
+    from dsv4enc.bench.host import stage_costs
 
     cfg = VisionConfig.from_file(Path(__file__).resolve().parents[1] / "configs" /
                                  "deepseek-v4-flash.json")

@@ -53,7 +53,7 @@ def write_images(folder: Path, count: int) -> list[Path]:
 def child(listing: str, out: str, config: str, part_images: int, workers: int) -> None:
     """One run, in this process; prints peak RSS of this process and of its workers."""
     sys.path.insert(0, str(ROOT))
-    from dsv4enc.pipeline import EncodeOptions, run_encode
+    from dsv4enc.run.pipeline import EncodeOptions, run_encode
 
     opts = EncodeOptions(inputs=[], files_from=listing, out=out, config=config,
                          random_init=True, device="cpu", workers=workers,

@@ -58,11 +58,11 @@ def main() -> None:
     import boto3
 
     from dsv4enc import storage
-    from dsv4enc.bench import resolve_images
-    from dsv4enc.config import VisionConfig
-    from dsv4enc.hostbench import NullStage
-    from dsv4enc.options import EncodeOptions
-    from dsv4enc.pipeline import run_encode
+    from dsv4enc.bench.throughput import resolve_images
+    from dsv4enc.tower.config import VisionConfig
+    from dsv4enc.bench.host import NullStage
+    from dsv4enc.run.options import EncodeOptions
+    from dsv4enc.run.pipeline import run_encode
 
     port = free_port()
     server = start_server(port)

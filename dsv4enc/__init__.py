@@ -1,21 +1,23 @@
 """dsv4enc: batch encoder for the DeepSeek-V4 vision tower.
 
-``from dsv4enc import Encoder, read_embeddings`` is the Python API (``dsv4enc.api``); both
-are imported on first use, so ``import dsv4enc`` stays light.
+``from dsv4enc import Encoder, read_embeddings`` is the Python API (``dsv4enc.api``), and
+``BatchEncoder`` the batch function for pipelines (``dsv4enc.batch``); all are imported on
+first use, so ``import dsv4enc`` stays light.
 """
 
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
+from .version import __version__
 
-__all__ = ["Encoder", "EncodeError", "read_embeddings", "__version__"]
+__all__ = ["BatchEncoder", "Encoder", "EncodeError", "read_embeddings", "__version__"]
 
 _LAZY = {"Encoder": "dsv4enc.api", "EncodeError": "dsv4enc.api",
-         "read_embeddings": "dsv4enc.reading"}
+         "read_embeddings": "dsv4enc.output.read", "BatchEncoder": "dsv4enc.batch"}
 
 if TYPE_CHECKING:
     from .api import EncodeError, Encoder
-    from .reading import read_embeddings
+    from .batch import BatchEncoder
+    from .output.read import read_embeddings
 
 
 def __getattr__(name: str) -> Any:

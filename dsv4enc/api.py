@@ -26,15 +26,17 @@ import numpy as np
 import torch
 
 from . import storage
-from .checkpoint import Checkpoint, build_tower, load_checkpoint, random_checkpoint
-from .config import VisionConfig
-from .decode import DEFAULT_MAX_PIXELS, decode_image, describe_error, patches_tensor
-from .device import resolve_device, resolve_dtype, resolve_out_dtype
-from .batching import BatchLoop
-from .engine import Engine, NonFiniteOutput
-from .packing import output_grid
-from .planning import pack_bins
-from .reading import read_embeddings
+from .tower.checkpoint import Checkpoint, load_checkpoint, random_checkpoint
+from .tower.config import VisionConfig
+from .images.formats import DEFAULT_MAX_PIXELS
+from .images.decode import decode_image, describe_error, patches_tensor
+from .engine.device import resolve_device, resolve_dtype, resolve_out_dtype
+from .engine.batching import BatchLoop
+from .engine.engine import Engine, NonFiniteOutput
+from .engine.factory import build_model, engine_for
+from .engine.packing import output_grid
+from .run.plan import pack_bins
+from .output.read import read_embeddings
 
 if TYPE_CHECKING:
     import PIL.Image
@@ -139,9 +141,10 @@ class Encoder:
             raise ValueError(f"batch_tokens must be positive, got {batch_tokens}")
         if max_images <= 0:
             raise ValueError(f"max_images must be positive, got {max_images}")
-        from .options import DEFAULT_BATCH_TOKENS, available_cpus
+        from .engine.defaults import default_batch_tokens
+        from .run.options import available_cpus
 
-        self.batch_tokens = batch_tokens or DEFAULT_BATCH_TOKENS.get(self.device.type, 8192)
+        self.batch_tokens = batch_tokens or default_batch_tokens(self.device.type)
         self.max_images = max_images
         if decode_threads is None:
             decode_threads = 0 if self.device.type == "cpu" else min(8, available_cpus())
@@ -150,12 +153,8 @@ class Encoder:
         self.attention = attention
         self.cuda_graphs = cuda_graphs
         self.deterministic = deterministic
-        self.model = build_tower(checkpoint, self.device)
-        if fused:
-            from .fusion import fuse_elementwise  # torch.compile's import is slow
-
-            fuse_elementwise(self.model, deterministic)
-        self._engines: dict[str, Engine] = {}
+        self.model = build_model(checkpoint, self.device, fused=fused, deterministic=deterministic)
+        self.engines: dict[str, Engine] = {}  # per features, built on first use (read-only)
 
     # -- construction ------------------------------------------------------------------
     @classmethod
@@ -168,7 +167,7 @@ class Encoder:
         ``dtype``: compute dtype, ``"auto"`` (bfloat16 on CUDA and on CPUs with native
         bfloat16, AMX or AVX512-BF16; float32 on other CPUs), a name or a ``torch.dtype``. ``options``: see the class docstring.
         """
-        from .hub import resolve_weights
+        from .tower.hub import resolve_weights
 
         resolved = resolve_device(device)
         compute = resolve_dtype(dtype, resolved)
@@ -260,20 +259,20 @@ class Encoder:
                                    bytearray, memoryview, Mapping))
 
     def _engine(self, features: str) -> Engine:
-        engine = self._engines.get(features)
+        engine = self.engines.get(features)
         if engine is None:
-            engine = Engine(self.model, features=features, attention=self.attention,
-                            out_dtype=self.out_dtype, cuda_graphs=self.cuda_graphs,
-                            batch_tokens=self.batch_tokens, max_images=self.max_images,
-                            deterministic=self.deterministic)
-            self._engines[features] = engine
+            engine = engine_for(self.model, features=features, attention=self.attention,
+                                out_dtype=self.out_dtype, cuda_graphs=self.cuda_graphs,
+                                batch_tokens=self.batch_tokens, max_images=self.max_images,
+                                deterministic=self.deterministic)
+            self.engines[features] = engine
         return engine
 
     def _prepare(self, index: int, entry: Any) -> _Prepared:
         """Split off the key and transform one input (runs on decode threads)."""
         from PIL import Image
 
-        from .transform import image_to_patches
+        from .tower.transform import image_to_patches
 
         if isinstance(entry, tuple) and len(entry) == 2:
             key, image = entry
@@ -379,7 +378,7 @@ class Encoder:
     def grid_for(self, size: tuple[int, int], features: str | None = None) -> tuple[int, int]:
         """``(grid_h, grid_w)`` of the embedding rows of an image of ``size`` = (width,
         height) pixels (e.g. ``image.size``): reshape a result with it to get the 2D grid."""
-        from .transform import plan_canvas
+        from .tower.transform import plan_canvas
 
         canvas = plan_canvas(size[0], size[1], self.config)
         return output_grid(canvas.n_h, canvas.n_w, self.config.downsample_ratio,

@@ -8,6 +8,7 @@ error, 130/143 interrupted by SIGINT/SIGTERM (finished parts kept).
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 import sys
@@ -15,8 +16,9 @@ from typing import List, Optional
 
 import typer
 
-from . import __version__
+from .version import __version__
 from .errors import AlreadyComplete, DsvError
+from .run import options as defaults  # torch-free: the defaults, each defined once
 from .storage import OUTAGE_S, stop_bound_s
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
@@ -33,7 +35,7 @@ def choices(*values: str) -> str:
 def fail(message: str, code: int = 1) -> None:
     from rich.markup import escape
 
-    from .progress import stderr_console
+    from .run.progress import stderr_console
 
     # escape: messages quote paths and backend errors, which may hold "[...]" (not markup)
     stderr_console.print(f"[bold red]error:[/] {escape(message)}", highlight=False,
@@ -45,7 +47,7 @@ def note(message: str) -> None:
     """One line on stderr that is neither an error nor progress."""
     from rich.markup import escape
 
-    from .progress import stderr_console
+    from .run.progress import stderr_console
 
     stderr_console.print(f"note: {escape(message)}", highlight=False, soft_wrap=True)
 
@@ -53,8 +55,8 @@ def note(message: str) -> None:
 def write_interrupted_summary(path: str, exc: BaseException, out: str) -> None:
     """--summary-json of a run a signal stopped: what it had done (nothing, if it stopped
     before encoding)."""
-    from .summary import RunSummary
-    from .summary import write_summary_json
+    from .run.summary import RunSummary
+    from .run.summary import write_summary_json
 
     done = getattr(exc, "summary", None) or RunSummary(out=out)
     write_summary_json(path, done, "interrupted", getattr(exc, "exit_code", 1))
@@ -91,8 +93,6 @@ def encode(
     inputs: List[str] = typer.Argument(None, help="Image folders (walked recursively, sorted), "
                                        "image files, Parquet/Arrow tables (.parquet, .arrow, "
                                        ".feather) and WebDataset shards (.tar)."),
-    out: str = typer.Option(..., "--out", "-o", help="Output Parquet file, or a folder (ending "
-                            "in / or with --shard-output) for a part-file dataset."),
     files_from: Optional[str] = typer.Option(None, "--files-from", help="A file listing image "
                                              "paths, one per line ('-' for stdin)."),
     image_column: Optional[str] = typer.Option(None, "--image-column", help="Table inputs: the "
@@ -105,6 +105,24 @@ def encode(
         None, "--table-paths-root", metavar="DIR", help="Table inputs: a {bytes: null, path} "
         "cell may name image files under DIR too (repeatable). By default only files inside "
         "the table's own folder are read; relative paths resolve beside the table."),
+    max_pixels: int = typer.Option(defaults.DEFAULT_MAX_PIXELS, "--max-pixels", help="Images with more pixels "
+                                   "are refused (decompression bombs); Pillow's default."),
+    decode_timeout: float = typer.Option(defaults.DEFAULT_DECODE_TIMEOUT_S, "--decode-timeout", help="Seconds one image "
+                                         "may take to decode, or its header to be read, "
+                                         "before it is given up (an error row)."),
+    storage_option: Optional[List[str]] = typer.Option(
+        None, "--storage-option", metavar="KEY=VALUE", help="Object storage (s3://, gs://, "
+        "...) inputs and --out: an option of the file system (pyarrow S3FileSystem, or "
+        "fsspec's), e.g. endpoint_override=host:9000, anonymous=true (repeatable). "
+        "Credentials and endpoints otherwise come from the environment and config files."),
+    storage_outage_s: float = typer.Option(
+        OUTAGE_S, "--storage-outage-s", metavar="SECONDS", help="Object storage: how long a "
+        "store may fail every call (refused connections, timeouts, 5xx; each after its "
+        "retries) before the run stops in one line, exit 1, its finished parts kept for "
+        f"--resume. The run ends within this plus {stop_bound_s(0.0, {}):g} s of the store's "
+        f"last answer ({stop_bound_s(OUTAGE_S, {}):g} s by default), plus the batch in "
+        "progress; inputs that failed meanwhile are transient rows, encoded again on "
+        "--resume."),
     weights: Optional[str] = typer.Option(None, "--weights", envvar="DSV4ENC_WEIGHTS",
                                           help="Checkpoint folder (config.json + safetensors) "
                                           "or a Hub id owner/name (needs the hub extra: "
@@ -120,36 +138,50 @@ def encode(
     random_init: bool = typer.Option(False, "--random-init", help="Use a random tower of "
                                      "--config's shape (demos, benchmarks)."),
     seed: int = typer.Option(0, "--seed", help="Seed for --random-init."),
-    device: str = typer.Option("auto", "--device", help="auto, cpu, cuda or cuda:N (under "
-                               "torchrun: each rank's LOCAL_RANK GPU)."),
     dtype: str = typer.Option("auto", "--dtype", metavar=choices("auto", "float32", "bfloat16",
                                                                  "float16"),
                               help="Compute dtype (auto: bfloat16 on CUDA and on CPUs with "
                               "native bfloat16, AMX or AVX512-BF16; float32 on other CPUs; "
                               "--resume continues in the interrupted run's)."),
-    out_dtype: str = typer.Option("float16", "--out-dtype", metavar=choices("float16", "float32"),
-                                  help="Stored embedding dtype."),
     features: str = typer.Option("aligner", "--features", metavar=choices("aligner", "vit"),
                                  help="aligner: LLM-width merged tokens; vit: per-patch ViT "
                                  "features."),
     pool: str = typer.Option("none", "--pool", metavar=choices("none", "mean"), help="none: "
                              "every row; mean: one vector per image (retrieval, dedup)."),
+    out: str = typer.Option(..., "--out", "-o", help="Output Parquet file, or a folder (ending "
+                            "in / or with --shard-output) for a part-file dataset."),
+    out_dtype: str = typer.Option("float16", "--out-dtype", metavar=choices("float16", "float32"),
+                                  help="Stored embedding dtype."),
     layout: str = typer.Option("binary", "--layout", metavar=choices("binary", "nested"),
                                help="embedding column: binary (one cell of raw bytes per "
                                "image, ~20x cheaper to write and read) or nested (float "
                                "lists that SQL and dataframe tools read as numbers)."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing --out."),
+    resume: bool = typer.Option(False, "--resume", help="Continue an interrupted run, reusing "
+                                "its committed parts."),
+    shard_output: bool = typer.Option(False, "--shard-output", help="torchrun: each rank "
+                                      "writes its own parts under the --out folder."),
+    summary_json: Optional[str] = typer.Option(None, "--summary-json", help="Also write the "
+                                               "run's summary here as JSON (at the end, or "
+                                               "when a signal stops the run)."),
+    commit_every: float = typer.Option(defaults.COMMIT_EVERY_S, "--commit-every", help="Seconds of encoding "
+                                       "after which finished images are committed as a part "
+                                       "(a kill loses about this much work)."),
+    part_images: Optional[int] = typer.Option(None, "--part-images", hidden=True,
+                                              help="Images per committed part (default from "
+                                              "the config; small values for tests)."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="Print only errors and, at the "
+                               "end, the output path (on stdout)."),
+    log_every: float = typer.Option(defaults.LOG_EVERY_S, "--log-every", help="Seconds between progress lines "
+                                    "when stderr is not a terminal (logs of nohup, SLURM)."),
+    timeout: float = typer.Option(defaults.COLLECTIVE_TIMEOUT_S, "--timeout", help="Seconds a collective may wait for "
+                                  "a peer rank before the job fails."),
+    device: str = typer.Option("auto", "--device", help="auto, cpu, cuda or cuda:N (under "
+                               "torchrun: each rank's LOCAL_RANK GPU)."),
     batch_tokens: Optional[int] = typer.Option(None, "--batch-tokens", help="Patches per packed "
                                                "batch (default 32768 on CUDA, 8192 on CPU)."),
     workers: Optional[int] = typer.Option(None, "--workers", help="Decode processes (default "
                                           "from the CPU count; 0 decodes inline)."),
-    overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing --out."),
-    resume: bool = typer.Option(False, "--resume", help="Continue an interrupted run, reusing "
-                                "its committed parts."),
-    max_pixels: int = typer.Option(89_478_485, "--max-pixels", help="Images with more pixels "
-                                   "are refused (decompression bombs); Pillow's default."),
-    decode_timeout: float = typer.Option(120.0, "--decode-timeout", help="Seconds one image "
-                                         "may take to decode, or its header to be read, "
-                                         "before it is given up (an error row)."),
     attention: str = typer.Option("auto", "--attention",
                                   metavar=choices("auto", "flash", "varlen", "sdpa"),
                                   help="Attention backend."),
@@ -165,8 +197,6 @@ def encode(
                                help="Fuse the elementwise work around the GEMMs (RMSNorm, "
                                "RoPE, SwiGLU) with torch.compile: equal to the eager tower "
                                "to float rounding; compiling takes tens of seconds at start."),
-    shard_output: bool = typer.Option(False, "--shard-output", help="torchrun: each rank "
-                                      "writes its own parts under the --out folder."),
     tp_mode: str = typer.Option("data", "--tp-mode", metavar=choices("data", "weights"),
                                 help="torchrun: data (each rank encodes its images) or "
                                 "weights (the tower is split across ranks; its all-reduce "
@@ -175,44 +205,11 @@ def encode(
     balance: str = typer.Option("patches", "--balance", metavar=choices("patches", "flops"),
                                 help="torchrun load balancing cost: patches, or flops (counts "
                                 "the quadratic attention term)."),
-    timeout: float = typer.Option(300.0, "--timeout", help="Seconds a collective may wait for "
-                                  "a peer rank before the job fails."),
-    quiet: bool = typer.Option(False, "--quiet", "-q", help="Print only errors and, at the "
-                               "end, the output path (on stdout)."),
-    log_every: float = typer.Option(30.0, "--log-every", help="Seconds between progress lines "
-                                    "when stderr is not a terminal (logs of nohup, SLURM)."),
-    summary_json: Optional[str] = typer.Option(None, "--summary-json", help="Also write the "
-                                               "run's summary here as JSON (at the end, or "
-                                               "when a signal stops the run)."),
-    commit_every: float = typer.Option(30.0, "--commit-every", help="Seconds of encoding "
-                                       "after which finished images are committed as a part "
-                                       "(a kill loses about this much work)."),
-    part_images: Optional[int] = typer.Option(None, "--part-images", hidden=True,
-                                              help="Images per committed part (default from "
-                                              "the config; small values for tests)."),
-    storage_option: Optional[List[str]] = typer.Option(
-        None, "--storage-option", metavar="KEY=VALUE", help="Object storage (s3://, gs://, "
-        "...) inputs and --out: an option of the file system (pyarrow S3FileSystem, or "
-        "fsspec's), e.g. endpoint_override=host:9000, anonymous=true (repeatable). "
-        "Credentials and endpoints otherwise come from the environment and config files."),
-    storage_outage_s: float = typer.Option(
-        OUTAGE_S, "--storage-outage-s", metavar="SECONDS", help="Object storage: how long a "
-        "store may fail every call (refused connections, timeouts, 5xx; each call after its "
-        "retries) before the run stops with one line and exit 1, keeping its finished parts "
-        "for --resume. The run ends within this plus "
-        f"{stop_bound_s(0.0, {}):g} s of the store's last answer (the retry policy; "
-        f"{stop_bound_s(OUTAGE_S, {}):g} s by default), plus the batch in progress. Inputs "
-        "that fail meanwhile are transient error rows, encoded again on --resume."),
 ) -> None:
     """Encode images into a Parquet file of embeddings, one row per image."""
-    from . import storage
-    from .decode import own_process_pillow_settings
-    from .errors import Interrupted
-    from .options import EncodeOptions
-    from .prefetch import start_prefetch
-    from .stopping import StopSignals
-    from .topology import launched_ranks
-    from .writer import prefer_jemalloc_pool
+    # Over 100 lines only for Typer's signature (one parameter, with its help, per option);
+    # the body builds the options and hands them to _encode_command.
+    from .run.options import EncodeOptions
 
     if random_init and from_environment(ctx, "weights"):
         weights = None  # $DSV4ENC_WEIGHTS is a default; --random-init asks for none
@@ -228,9 +225,50 @@ def encode(
         shard_output=shard_output, tp_mode=tp_mode, balance=balance, timeout=timeout,
         part_images=part_images, commit_every=commit_every,
         progress=not quiet, log_every=log_every, storage_outage_s=storage_outage_s)
+    _encode_command(opts, storage_option, quiet, summary_json)
+
+
+#: ``encode --help`` groups its options into panels (the signature lists them in this order,
+#: which is the order the panels appear in); every option is in one (tests/test_cli.py checks
+#: that a new option is placed). The INPUTS argument has Typer's own "Arguments" panel.
+ENCODE_PANELS = {
+    "Inputs": ("files_from", "image_column", "key_column", "table_paths_root",
+               "max_pixels", "decode_timeout", "storage_option", "storage_outage_s"),
+    "Model": ("weights", "config", "random_init", "seed", "dtype", "features", "pool"),
+    "Output": ("out", "out_dtype", "layout", "overwrite", "resume", "shard_output",
+               "summary_json", "commit_every", "part_images"),
+    "Run control": ("quiet", "log_every", "timeout"),
+    "Engine": ("device", "batch_tokens", "workers", "attention", "cuda_graphs",
+               "deterministic", "fused", "tp_mode", "balance"),
+}
+
+
+def group_options(command, panels: dict[str, tuple[str, ...]]) -> None:
+    """Put each parameter of the Typer ``command`` into its ``--help`` panel (Typer's
+    ``rich_help_panel``), from one table instead of a keyword on every option."""
+    parameters = inspect.signature(command).parameters
+    for panel, names in panels.items():
+        for name in names:
+            parameters[name].default.rich_help_panel = panel
+
+
+group_options(encode, ENCODE_PANELS)
+
+def _encode_command(opts, storage_option: list[str] | None, quiet: bool,
+                    summary_json: str | None) -> None:
+    """``encode`` with its options built: storage and log settings, signals, the early start
+    (before torch is imported), the run, and what the command prints at its end."""
+    from . import storage
+    from .errors import Interrupted
+    from .images.decode import own_process_pillow_settings
+    from .output.parts import prefer_jemalloc_pool
+    from .run.ranks import launched_ranks
+    from .run.setup import start_prefetch
+    from .run.stopping import StopSignals
+
     try:
         storage.configure(storage_option)  # decode workers inherit them (environment)
-        storage.set_outage_s(storage_outage_s)
+        storage.set_outage_s(opts.storage_outage_s)
     except DsvError as exc:
         fail(str(exc), exc.exit_code)
     package_log = logging.getLogger("dsv4enc")
@@ -249,11 +287,11 @@ def encode(
             prefetch = start_prefetch(opts, stop)
             if prefetch is not None and prefetch.on_cpu:
                 prefer_jemalloc_pool()
-            from .pipeline import run_encode
-            from .sharding import init_distributed, shutdown
-            from .summary import print_summary, write_summary_json
+            from .run.pipeline import run_encode
+            from .run.dist import init_distributed, shutdown
+            from .run.summary import print_summary, write_summary_json
 
-            dist = init_distributed(device, timeout)
+            dist = init_distributed(opts.device, opts.timeout)
             _own_process_settings(opts.device, dist)
             setup, prefetch = prefetch, None  # the run owns it from here, and closes it
             summary = run_encode(opts, dist, setup, stop)
@@ -266,16 +304,16 @@ def encode(
                 typer.echo(summary.out)
             else:
                 print_summary(summary)
-                if resume and summary.reused and not summary.encoded + summary.failed:
+                if opts.resume and summary.reused and not summary.encoded + summary.failed:
                     note(f"{summary.out} was already complete; nothing to resume")
     except Interrupted as exc:
         if summary_json and (dist is None or dist.is_main):
-            write_interrupted_summary(summary_json, exc, out)
+            write_interrupted_summary(summary_json, exc, opts.out)
         fail(str(exc), exc.exit_code)
     except AlreadyComplete as exc:  # the same outcome as a finished folder's --resume
         if dist is None or dist.is_main:
             if quiet:
-                typer.echo(out)
+                typer.echo(opts.out)
             else:
                 note(str(exc))
     except DsvError as exc:
@@ -293,7 +331,7 @@ def encode(
 
 def _own_process_settings(device: str, dist) -> None:
     """The allocator and log settings of a process the command owns (``process.py``)."""
-    from .device import resolve_device
+    from .engine.device import resolve_device
     from .process import own_process_settings
 
     try:
@@ -310,7 +348,7 @@ def extract(
     overwrite: bool = typer.Option(False, "--overwrite", help="Write into a non-empty --out."),
 ) -> None:
     """Write a vision-only checkpoint: the tower's tensors as stored, one model.safetensors."""
-    from .export import extract_tower
+    from .tower.export import extract_tower
 
     try:
         done = extract_tower(checkpoint, out, overwrite=overwrite)
@@ -328,7 +366,7 @@ def inspect_command(
     """Summarize an output: rows, failures, widths, dtype, grids, metadata, size on disk."""
     import json
 
-    from .inspect_output import render, summarize
+    from .output.inspect import render, summarize
 
     try:
         summary = summarize(output)
@@ -340,7 +378,7 @@ def inspect_command(
         render(summary)
 
 
-@app.command()
+@app.command(short_help="Time the engine, or with --host the host side alone.")
 def bench(
     config: str = typer.Option(..., "--config", help="Model config JSON (a random tower of "
                                "this shape is timed)."),
@@ -378,13 +416,15 @@ def bench(
                                           "--host, --e2e and --cli runs (default: as "
                                           "'encode' picks; --host: as for a CUDA run)."),
 ) -> None:
-    """Time the engine: img/s, tokens/s, FLOP/s, fraction of the matmul ceiling measured in
-    the same process, padding waste, time split, and the speed-up over a naive loop. With
-    --host: the host's capacity instead (hostbench)."""
+    """Time the engine, or with --host the host side alone.
+
+    The engine: img/s, tokens/s, FLOP/s, the fraction of the matmul ceiling measured in the
+    same process, padding waste, the time split, and the speed-up over a naive loop. With
+    --host: the host's capacity (decoding and writing, with a null model stage)."""
     import json
 
     if host:
-        from .hostbench import host_bench_command
+        from .bench.host import host_bench_command
 
         try:
             host_bench_command(config, images, outputs.split(","), workers, json_out)
@@ -396,7 +436,7 @@ def bench(
 
     import torch
 
-    from .bench import parse_graphs, parse_on_off, print_results, run_bench
+    from .bench.throughput import parse_graphs, parse_on_off, print_results, run_bench
 
     if threads:
         torch.set_num_threads(threads)

@@ -19,9 +19,9 @@ import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
-from dsv4enc.checkpoint import (build_tower, random_checkpoint, random_state_dict,
+from dsv4enc.tower.checkpoint import (build_tower, random_checkpoint, random_state_dict,
                                 save_checkpoint)
-from dsv4enc.config import VisionConfig
+from dsv4enc.tower.config import VisionConfig
 
 from helpers import (DECOY_ONLY_FILE, DEFAULT_IMAGES, REPO_ROOT, SHARD_FILES, ImageSpec,
                      decoy_tensors, write_checkpoint, write_image)
@@ -109,7 +109,7 @@ def small_cfg(tiny_cfg) -> VisionConfig:
 @pytest.fixture(scope="session")
 def small_ckpt(tmp_path_factory, small_cfg) -> Path:
     """A random tower of ``small_cfg`` written as a checkpoint folder (bf16, float32 norms)."""
-    from dsv4enc.checkpoint import random_state_dict, save_checkpoint
+    from dsv4enc.tower.checkpoint import random_state_dict, save_checkpoint
 
     folder = tmp_path_factory.mktemp("small_ckpt")
     save_checkpoint(folder, small_cfg, random_state_dict(small_cfg, seed=5))

@@ -1,4 +1,4 @@
-"""One rank of a multi-process sharding test; launched by tests/test_sharding.py with
+"""One rank of a multi-process sharding test; launched by tests/test_run_sharding.py with
 ``python -m torch.distributed.run --standalone --nproc-per-node N dist_worker.py SCENARIO OUT``.
 
 Each rank writes OUT/rank{R}.json: {check name: "ok" or what went wrong}, so that the test
@@ -21,14 +21,14 @@ from pathlib import Path
 
 import torch
 
-from dsv4enc.attention import VarlenSpans
-from dsv4enc.checkpoint import build_tower, random_checkpoint
-from dsv4enc.config import VisionConfig
+from dsv4enc.tower.attention import VarlenSpans
+from dsv4enc.tower.checkpoint import build_tower, random_checkpoint
+from dsv4enc.tower.config import VisionConfig
 from dsv4enc.errors import DistributedError
-from dsv4enc.model import rope_tables
-from dsv4enc.packing import pack
-from dsv4enc.planning import assign_greedy, rank_row_counts
-from dsv4enc.sharding import (apply_tensor_parallel, gather_rows, init_distributed,
+from dsv4enc.tower.model import rope_tables
+from dsv4enc.engine.packing import pack
+from dsv4enc.run.plan import assign_greedy, rank_row_counts
+from dsv4enc.run.dist import (apply_tensor_parallel, gather_rows, init_distributed,
                               restore_order, shutdown)
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"

@@ -15,11 +15,11 @@ import numpy as np
 import torch
 from PIL import Image
 
-from dsv4enc.attention import VarlenSpans
-from dsv4enc.checkpoint import INDEX_NAME
-from dsv4enc.config import VisionConfig
-from dsv4enc.model import VisionTower, rope_tables
-from dsv4enc.packing import pack
+from dsv4enc.tower.attention import VarlenSpans
+from dsv4enc.tower.checkpoint import INDEX_NAME
+from dsv4enc.tower.config import VisionConfig
+from dsv4enc.tower.model import VisionTower, rope_tables
+from dsv4enc.engine.packing import pack
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = REPO_ROOT / "configs"
@@ -160,7 +160,7 @@ def table_rows(table) -> list[dict]:
     """``table.to_pylist()`` for a dsv4enc output, whatever its embedding layout: each
     embedding as nested Python lists of floats (rows of width values, or one vector when
     pooled), None for failed rows, exactly as the ``nested`` layout reads back."""
-    from dsv4enc.reading import embedding_arrays, embedding_format
+    from dsv4enc.output.read import embedding_arrays, embedding_format
 
     if "embedding" not in table.column_names:
         return table.to_pylist()

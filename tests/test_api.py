@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 
 import dsv4enc
 from dsv4enc import EncodeError, Encoder, read_embeddings
-from dsv4enc.checkpoint import random_checkpoint
+from dsv4enc.tower.checkpoint import random_checkpoint
 from dsv4enc.cli import app
 
 from helpers import rel_err, write_image
@@ -58,7 +58,7 @@ def test_from_pretrained_matches_golden_for_images_and_paths(golden):
         assert out.shape == ref.shape, case.name
         assert rel_err(out, ref) < 1e-4, case.name
     # The packed engine ran: fewer forwards than images.
-    assert enc._engines["aligner"].stats.batches < len(golden.cases)
+    assert enc.engines["aligner"].stats.batches < len(golden.cases)
     # ViT features from bytes and Path objects, per call.
     case = golden.cases[0]
     vit = enc.encode([case.path.read_bytes(), Path(case.path)], features="vit")
@@ -146,7 +146,7 @@ def test_batch_tokens_and_threads_do_not_change_results(small_ckpt, pictures):
     small = threaded.encode(pictures * 2, batch_tokens=20)
     for a, b in zip(ref, small):
         assert torch.equal(b, a)
-    assert threaded._engines["aligner"].stats.batches > base._engines["aligner"].stats.batches
+    assert threaded.engines["aligner"].stats.batches > base.engines["aligner"].stats.batches
 
 
 def test_pool_mean_and_out_dtype(small_ckpt, pictures, small_cfg):

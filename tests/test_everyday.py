@@ -14,11 +14,11 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from dsv4enc import hub
+from dsv4enc.tower import hub
 from dsv4enc.cli import app
-from dsv4enc.config import VisionConfig
+from dsv4enc.tower.config import VisionConfig
 from dsv4enc.errors import WeightsError
-from dsv4enc.inputs import discover, read_path_list
+from dsv4enc.images.discover import discover, read_path_list
 
 from helpers import CONFIGS, write_image
 

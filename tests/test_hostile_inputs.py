@@ -36,14 +36,15 @@ from hypothesis import given, settings, strategies as st
 from PIL import Image
 from typer.testing import CliRunner
 
-from dsv4enc import planning, prefetch
-from dsv4enc.checkpoint import random_state_dict, save_checkpoint
+from dsv4enc.run import plan as planning
+from dsv4enc.run import setup as prefetch
+from dsv4enc.tower.checkpoint import random_state_dict, save_checkpoint
 from dsv4enc.cli import app
-from dsv4enc.config import VisionConfig
-from dsv4enc.decode import DecodePool, Probe, decode_image, probe_image
-from dsv4enc.inputs import InputItem, discover
-from dsv4enc.pipeline import EncodeOptions, run_encode
-from dsv4enc.transform import image_to_patches, plan_canvas
+from dsv4enc.tower.config import VisionConfig
+from dsv4enc.images.decode import DecodePool, Probe, decode_image, probe_image
+from dsv4enc.images.discover import InputItem, discover
+from dsv4enc.run.pipeline import EncodeOptions, run_encode
+from dsv4enc.tower.transform import image_to_patches, plan_canvas
 
 from helpers import REPO_ROOT, processes_gone, table_rows
 
@@ -323,7 +324,7 @@ def test_only_the_named_format_is_opened_by_probes_and_decodes(tmp_path, cfg):
     only the format the name stands for; unnamed bytes may be any accepted format, no other."""
     import tarfile
 
-    from dsv4enc.inputs import discover
+    from dsv4enc.images.discover import discover
 
     photo = noise(24, 18)
     shard = tmp_path / "s.tar"
@@ -375,7 +376,7 @@ def test_ghostscript_is_never_run(tmp_path, cfg, monkeypatch):
 def test_two_folders_with_the_same_names_get_distinct_keys(tmp_path, ckpt):
     """More than one folder: each key starts with its folder as given; a key still taken
     (the same folder twice) gets a ``#2`` suffix. A rerun gives the same keys."""
-    from dsv4enc.inputs import discover
+    from dsv4enc.images.discover import discover
 
     for folder, seed in (("train", 1), ("val", 2)):
         (tmp_path / folder / "cat").mkdir(parents=True)
@@ -411,7 +412,7 @@ def test_a_non_utf8_name_and_its_escaped_text_get_distinct_keys(tmp_path, ckpt):
 def test_resume_uses_the_same_unique_keys(tmp_path, ckpt, monkeypatch):
     """A run over two folders (one given twice: ``#2`` keys) stopped after its first part
     resumes with the same keys: that part is reused, the output has every key once."""
-    from dsv4enc import output
+    from dsv4enc.output import layout as output
 
     for folder in ("train", "val"):
         for i in range(2):
@@ -729,8 +730,8 @@ def test_a_folder_without_permission_is_reported(tmp_path):
         (root / "closed" / "hidden.png").write_bytes(encoded(noise(20, 10), "PNG"))
         (root / "closed").chmod(0)
         script = ("import json, logging, os, sys\n"
-                  "import dsv4enc.sources\n"  # imported as root: the code may be root's
-                  "from dsv4enc.inputs import discover\n"
+                  "import dsv4enc.images.sources\n"  # imported as root: the code may be root's
+                  "from dsv4enc.images.discover import discover\n"
                   "if os.geteuid() == 0:\n"
                   "    os.setgid(65534); os.setuid(65534)\n"
                   "found = discover([sys.argv[1]])\n"
@@ -816,9 +817,9 @@ def sixteen_bit_gray(path: Path, side: int) -> Path:
 PEAK_SCRIPT = """
 import sys
 from PIL import Image, PngImagePlugin
-import dsv4enc.transform
-from dsv4enc.config import VisionConfig
-from dsv4enc.decode import decode_image
+import dsv4enc.tower.transform
+from dsv4enc.tower.config import VisionConfig
+from dsv4enc.images.decode import decode_image
 
 def status_bytes(field):
     with open("/proc/self/status") as status:
@@ -913,14 +914,14 @@ def test_the_pixel_limit_is_per_call_and_pillow_is_left_alone(tmp_path, cfg):
 
 WORKER_SCRIPT = """
 import os, signal, sys, time
-from dsv4enc.config import VisionConfig
-from dsv4enc.decode import DecodePool
+from dsv4enc.tower.config import VisionConfig
+from dsv4enc.images.decode import DecodePool
 cfg = VisionConfig.from_file(sys.argv[1])
 pool = DecodePool(cfg, 2)
-for seq, worker in enumerate(pool._workers):  # results the parent will never read
+for seq, worker in enumerate(pool.workers):  # results the parent will never read
     worker.conn.recv()  # ready
     worker.conn.send((seq, sys.argv[2], None))  # (seq, source, arena slot)
-print(" ".join(str(w.proc.pid) for w in pool._workers), flush=True)
+print(" ".join(str(w.proc.pid) for w in pool.workers), flush=True)
 time.sleep(1.0)
 os.kill(os.getpid(), signal.SIGKILL)
 """

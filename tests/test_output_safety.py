@@ -32,11 +32,11 @@ import pytest
 from PIL import Image
 from typer.testing import CliRunner
 
-from dsv4enc import writer
+from dsv4enc.output import parts as writer
 from dsv4enc.cli import app
 from dsv4enc.errors import OutputError, UsageError
-from dsv4enc.output import LOCK_NAME, OutputLock
-from dsv4enc.pipeline import EncodeOptions, run_encode
+from dsv4enc.output.layout import LOCK_NAME, OutputLock
+from dsv4enc.run.pipeline import EncodeOptions, run_encode
 
 from helpers import CONFIGS, REPO_ROOT, Pauses, table_rows
 
@@ -242,7 +242,7 @@ def test_a_manifest_is_recognised_by_its_content():
 HOLD_LOCK = """
 import sys, time
 from pathlib import Path
-from dsv4enc.output import OutputLock
+from dsv4enc.output.layout import OutputLock
 lock = OutputLock(Path(sys.argv[1]), Path(sys.argv[2]))
 lock.acquire()
 print("locked", flush=True)
@@ -620,8 +620,8 @@ def test_sigkill_at_60_percent_then_resume_encodes_at_most_half_again(tmp_path):
 
 
 def test_the_interrupt_message_says_what_was_committed(tmp_path):
-    from dsv4enc.output import OutputLayout
-    from dsv4enc.writer import PartStore
+    from dsv4enc.output.layout import OutputLayout
+    from dsv4enc.output.parts import PartStore
 
     single = OutputLayout(str(tmp_path / "e.parquet"), shard_output=False)
     store = PartStore(single.parts_dir, {"tool": "dsv4enc"})

@@ -27,11 +27,11 @@ import torch
 from PIL import Image
 from typer.testing import CliRunner
 
-from dsv4enc import planning
-from dsv4enc.appending import GROWING_NAME
+from dsv4enc.run import plan as planning
+from dsv4enc.output.appending import GROWING_NAME
 from dsv4enc.cli import app
-from dsv4enc.decode import Probe
-from dsv4enc.pipeline import EncodeOptions, Interrupted, run_encode
+from dsv4enc.images.decode import Probe
+from dsv4enc.run.pipeline import EncodeOptions, Interrupted, run_encode
 
 from helpers import CONFIGS, REPO_ROOT, Pauses, torch_threads
 
@@ -395,17 +395,17 @@ def phase_runs(images, tmp_path_factory) -> dict[str, PhaseRun]:
     os.mkfifo(fifo)
     many = root / "many.txt"  # more inputs than the head start plans: read_headers runs later
     many.write_text("".join(f"{root}/missing{i:05d}.png\n" for i in range(5000)))
-    probe = "dsv4enc.planning:probe_image"
+    probe = "dsv4enc.run.plan:probe_image"
     runs = [
         PhaseRun(root, "discovery", signal.SIGINT, ["--files-from", str(fifo)]),
         PhaseRun(root, "header probes", signal.SIGTERM, [str(images)], probe),
         PhaseRun(root, "header probes of 5000", signal.SIGTERM, ["--files-from", str(many)],
                  probe),
         PhaseRun(root, "model loading", signal.SIGTERM, [str(images)],
-                 "dsv4enc.pipeline:load_model"),
-        PhaseRun(root, "planning", signal.SIGINT, [str(images)], "dsv4enc.pipeline:plan_parts"),
+                 "dsv4enc.run.pipeline:load_model"),
+        PhaseRun(root, "planning", signal.SIGINT, [str(images)], "dsv4enc.run.pipeline:plan_parts"),
         PhaseRun(root, "assembling", signal.SIGTERM, [str(images)],
-                 "dsv4enc.appending:AppendingStore.finish"),
+                 "dsv4enc.output.appending:AppendingStore.finish"),
     ]
     try:
         pending = list(runs)
@@ -481,7 +481,9 @@ def test_the_api_never_returns_a_non_finite_embedding(images):
 # its decode hangs in the worker), and says (a file appears) when encoding has begun.
 HUNG_DECODE_RUN = """
 import os, pathlib, sys
-from dsv4enc import encoding, planning, prefetch
+from dsv4enc.run import encoding
+from dsv4enc.run import plan as planning
+from dsv4enc.run import setup as prefetch
 victim, ready, *argv = sys.argv[1:]
 real_read, real_submit = planning.read_headers, encoding.PartEncoder.submit_batch
 

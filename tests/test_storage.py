@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from dsv4enc import sources, storage
+from dsv4enc.images import sources
+from dsv4enc import storage
 from dsv4enc.errors import StorageError, UsageError
 
 
@@ -69,7 +70,7 @@ from typer.testing import CliRunner
 
 from dsv4enc import read_embeddings
 from dsv4enc.cli import app
-from dsv4enc.inputs import discover
+from dsv4enc.images.discover import discover
 
 from helpers import write_image
 
@@ -319,7 +320,7 @@ def tempfile_root() -> str:
 def test_two_rank_torchrun_reads_and_writes_the_bucket(s3, tmp_path):
     """2 gloo ranks (no shared folder needed): both read their images from the bucket, rank
     0 writes the output to it; the rows equal one process's."""
-    from test_torchrun import ok, torchrun
+    from test_run_torchrun import ok, torchrun
 
     url = noise_images(s3, "tr-in", 12, tmp_path)
     out = f"{s3.url}/tr/e.parquet"
@@ -381,7 +382,7 @@ def test_two_ranks_write_their_shards_straight_to_the_bucket(s3, tmp_path):
     """torchrun --shard-output to a bucket: each rank uploads its own parts and manifest
     from its own staging folder, rank 0 the merged manifest once both are done; the rows
     are one process's. Run again without a flag it refuses; --resume reuses every part."""
-    from test_torchrun import ok, torchrun
+    from test_run_torchrun import ok, torchrun
 
     url = noise_images(s3, "sh-in", 12, tmp_path)
     out = f"{s3.url}/sh/"
@@ -425,17 +426,19 @@ def test_bucket_shards_resume_after_a_kill(s3, tmp_path):
     """Both ranks are killed at their first commit, once it is in the bucket: no merged
     manifest exists, and --resume (each rank pulling its own manifest and parts) finishes with every
     image once, one process's rows."""
-    from test_torchrun import _env, free_port, ok, torchrun
+    from test_run_torchrun import free_port, ok, torchrun
 
     total = 60
     url = noise_images(s3, "kr-in", total, tmp_path)
     out = f"{s3.url}/kr/"
     command = ["-m", "dsv4enc", "encode", url, "--out", out, "--shard-output", *TINY,
                "--workers", "1", "--timeout", "60", "-q"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT)}
+    env.pop("DSV4ENC_WEIGHTS", None)
     pauses = Pauses(tmp_path / "pauses", "commit")
     proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
                              "--master-addr=127.0.0.1", f"--master-port={free_port()}",
-                             *command], cwd=tmp_path, env=pauses.env(_env()),
+                             *command], cwd=tmp_path, env=pauses.env(env),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         # Each rank waits at its first local commit while its upload thread goes on: kill
@@ -492,7 +495,7 @@ def test_an_unreachable_store_gives_error_rows_after_retries(s3, monkeypatch):
     backoff, then become the image's error, not a crash."""
     import socket
 
-    from dsv4enc.decode import probe_image
+    from dsv4enc.images.decode import probe_image
 
     s3.put("p/a.png", b"\x89PNG\r\n\x1a\n" + b"\0" * 64)
     items = discover([f"{s3.url}/p/"]).items

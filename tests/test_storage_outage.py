@@ -21,9 +21,10 @@ import pyarrow.parquet as pq
 import pytest
 from typer.testing import CliRunner
 
-from dsv4enc import decode, storage
+from dsv4enc import storage
+from dsv4enc.images import decode
 from dsv4enc.cli import app
-from dsv4enc.writer import TRANSIENT_ERRORS
+from dsv4enc.output.parts import TRANSIENT_ERRORS
 
 from helpers import CONFIGS, REPO_ROOT, Pauses
 

@@ -1,4 +1,4 @@
-"""Test-only entry point for torchrun launches of the real CLI (tests/test_torchrun.py).
+"""Test-only entry point for torchrun launches of the real CLI (tests/test_run_torchrun.py).
 
 Each launch of torchrun costs seconds on a small machine, so some tests run several
 ``dsv4enc encode`` command lines in one launch, and the failure tests need a rank that dies
@@ -33,7 +33,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from dsv4enc import cli
-from dsv4enc.encoding import PartEncoder
+from dsv4enc.run.encoding import PartEncoder
 
 
 class _CurrentStderr(logging.StreamHandler):

@@ -1,0 +1,332 @@
+"""One batch function for pipelines: ``BatchEncoder``.
+
+Built once (the weights are loaded once), then called once per batch by whatever drives the
+pipeline: Ray Data's ``map_batches``, Hugging Face ``datasets.map(batched=True)``, a Daft or
+Spark UDF, or a plain loop. A batch is a table of images::
+
+    from dsv4enc import BatchEncoder
+
+    embed = BatchEncoder("/path/to/checkpoint", image_column="image", key_column="id")
+    out = embed(batch)        # pyarrow Table / RecordBatch, pandas DataFrame, dict of arrays
+
+What comes back is the batch's rows in ``dsv4enc encode``'s output schema and layout
+(``path``, ``width``, ``height``, ``vit_h``, ``vit_w``, ``grid_h``, ``grid_w``, ``embedding``,
+``error``; README "Output"), one row per input row, in input order, and of the kind it was
+given. An image that cannot be read is a row whose ``error`` names the cause, as on the
+command line: a call never raises for a bad image. Rows are batch-invariant
+(``deterministic=True``, the default): an image's bytes do not depend on what else is in its
+batch, so a pipeline's rows equal ``dsv4enc encode``'s for the same settings.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import pyarrow as pa
+
+from .version import __version__
+
+if TYPE_CHECKING:
+    from .api import Encoder
+
+__all__ = ["BatchEncoder", "datasets_features", "OUTPUT_COLUMNS"]
+
+#: The output columns, in order (``writer.output_schema``).
+OUTPUT_COLUMNS = ("path", "width", "height", "vit_h", "vit_w", "grid_h", "grid_w",
+                  "embedding", "error")
+_INT_COLUMNS = OUTPUT_COLUMNS[1:7]
+
+
+class BatchEncoder:
+    """A batch function: a table of images in, ``dsv4enc encode``'s rows out.
+
+    ``weights``: a checkpoint folder or Hub id (as ``--weights``; default ``DSV4ENC_WEIGHTS``);
+    or ``config`` (a config.json path or dict) with ``seed`` for random weights (as
+    ``--config ... --random-init``).
+
+    Columns in: ``image_column`` holds encoded image bytes, paths (local or object-store
+    URLs), Hugging Face ``{"bytes", "path"}`` dicts (``Image(decode=False)``), PIL images or
+    uint8 arrays; ``key_column`` (optional, any type, written as text) names each row's
+    ``path``. Without a key, a path names its row (a ``{bytes, path}`` dict: its ``path``),
+    and anything else is ``#N``, its position in the batch: give a key column when the
+    images are bytes. Bytes are read as any of the accepted formats, a path only as the
+    format its extension names, as on the command line.
+
+    Options as for ``dsv4enc encode``: ``features`` (aligner|vit), ``pool`` (none|mean),
+    ``out_dtype`` (float16, the default, or float32), ``layout`` (binary|nested),
+    ``max_pixels``; and as for ``Encoder``: ``device``, ``dtype``, ``batch_tokens``,
+    ``max_images``, ``decode_threads``, ``attention``, ``cuda_graphs``, ``deterministic``
+    (default True), ``fused``.
+
+    A bad image is an error row; only what is no image's fault raises: a column that is
+    missing, or an embedding that is not finite in ``out_dtype`` (``EncodeError``, as
+    ``dsv4enc encode`` fails its run: use ``out_dtype="float32"``).
+
+    Pickling sends the recipe (weights, config and options), not the tensors: an unpickled
+    copy loads its own weights, so a pipeline that ships the function to workers (``datasets``
+    with ``num_proc``, Spark) loads them once per worker, and ``datasets``' cache fingerprint
+    is cheap. Not thread-safe: one per thread.
+    """
+
+    def __init__(self, weights: str | os.PathLike | None = None, *,
+                 config: str | os.PathLike | Mapping[str, Any] | None = None, seed: int = 0,
+                 image_column: str = "image", key_column: str | None = None,
+                 device: str = "auto", dtype: str = "auto", features: str = "aligner",
+                 pool: str = "none", out_dtype: str = "float16", layout: str = "binary",
+                 max_pixels: int | None = None, **options: Any) -> None:
+        from .images.formats import DEFAULT_MAX_PIXELS
+        from .output.read import LAYOUTS
+
+        if out_dtype not in ("float16", "float32"):
+            raise ValueError(f"out_dtype must be 'float16' or 'float32', not {out_dtype!r}")
+        if layout not in LAYOUTS:
+            raise ValueError(f"layout must be one of {LAYOUTS}, not {layout!r}")
+        if weights is None and config is None:
+            weights = os.environ.get("DSV4ENC_WEIGHTS")
+            if not weights:
+                raise ValueError("give weights (a checkpoint folder or Hub id) or config= "
+                                 "(random weights); DSV4ENC_WEIGHTS is not set")
+        self._recipe = dict(weights=weights, config=config, seed=seed,
+                            image_column=image_column, key_column=key_column, device=device,
+                            dtype=dtype, features=features, pool=pool, out_dtype=out_dtype,
+                            layout=layout, max_pixels=max_pixels, **options)
+        self.image_column, self.key_column = image_column, key_column
+        self.layout = layout
+        self.max_pixels = DEFAULT_MAX_PIXELS if max_pixels is None else max_pixels
+        self.encoder = _load_encoder(weights, config, seed, device, dtype,
+                                     features=features, pool=pool, out_dtype=out_dtype,
+                                     max_pixels=self.max_pixels, **options)
+        self.schema = self._schema()
+
+    # -- what it is -------------------------------------------------------------------
+    def __reduce__(self):
+        return (_rebuild, (self._recipe,))
+
+    def __repr__(self) -> str:
+        return (f"BatchEncoder({self.encoder!r}, image_column={self.image_column!r}, "
+                f"key_column={self.key_column!r}, layout={self.layout!r})")
+
+    @property
+    def device(self):
+        return self.encoder.device
+
+    def settings(self) -> dict[str, Any]:
+        """What the rows were computed with: the ``dsv4enc`` metadata of ``dsv4enc encode``
+        (tool, version, config, weights fingerprint, dtypes, device, batch invariance,
+        features, pool, layout)."""
+        enc = self.encoder
+        return {
+            "tool": "dsv4enc", "version": __version__, "config": enc.config.to_flat(),
+            "weights_fingerprint": enc.fingerprint,
+            "compute_dtype": str(enc.dtype).removeprefix("torch."),
+            "device": enc.device.type, "batch_invariant": bool(enc.deterministic),
+            "out_dtype": str(enc.out_dtype).removeprefix("torch."), "features": enc.features,
+            "pool": enc.pool, "layout": self.layout,
+        }
+
+    def _schema(self) -> pa.Schema:
+        from .output.parts import output_schema
+
+        enc = self.encoder
+        return output_schema(enc.width(), str(enc.out_dtype).removeprefix("torch."),
+                             self.settings(), pooled=enc.pool == "mean", layout=self.layout)
+
+    def features(self):
+        """The Hugging Face ``datasets.Features`` of the output (``datasets_features``)."""
+        return datasets_features(self.schema)
+
+    # -- the call ----------------------------------------------------------------------
+    def __call__(self, batch: Any) -> Any:
+        """Encode one batch; returns its rows as the same kind of batch (see the class)."""
+        kind, images, keys = self.columns(batch)
+        table = self.encode_table(images, keys)
+        return _as_kind(table, kind)
+
+    def encode_table(self, images: list[Any], keys: list[Any] | None = None) -> pa.Table:
+        """Rows (a pyarrow Table of ``self.schema``) for a list of images and their keys."""
+        from .output.parts import rows_to_table
+
+        rows = self.rows(images, keys)
+        return rows_to_table(rows, self.schema).combine_chunks()
+
+    def rows(self, images: list[Any], keys: list[Any] | None = None) -> list:
+        """``writer.Row`` objects, one per image in order (error rows included)."""
+        from .engine.packing import output_grid
+        from .output.parts import Row
+
+        enc = self.encoder
+        rows: list[Row] = []
+        todo: list[tuple[int, Any]] = []
+        for i, image in enumerate(images):
+            key = None if keys is None else keys[i]
+            row, source = self._prepare(i, image, key)
+            rows.append(row)
+            if source is not None:
+                todo.append((i, source))
+        r = enc.config.downsample_ratio
+        for i, out in enc.encode_iter(todo):
+            row = rows[i]
+            if isinstance(out, str):
+                row.error = out
+                row.vit_h = row.vit_w = None
+            else:
+                row.grid_h, row.grid_w = output_grid(row.vit_h, row.vit_w, r, enc.features)
+                row.embedding = out.numpy()
+        for row in rows:
+            if row.error is not None:
+                row.vit_h = row.vit_w = row.grid_h = row.grid_w = None
+        return rows
+
+    # -- internals ---------------------------------------------------------------------
+    def columns(self, batch: Any) -> tuple[str, list[Any], list[Any] | None]:
+        """(kind, image values, key values) of a batch."""
+        if isinstance(batch, (pa.Table, pa.RecordBatch)):
+            kind = "table" if isinstance(batch, pa.Table) else "record_batch"
+            names = batch.schema.names
+            column = lambda name: batch.column(name).to_pylist()  # noqa: E731
+        elif _is_pandas(batch):
+            kind, names = "pandas", list(batch.columns)
+            column = lambda name: batch[name].tolist()  # noqa: E731
+        elif isinstance(batch, Mapping):
+            values = [batch[name] for name in batch.keys()] if len(batch) else []
+            kind = "numpy" if any(isinstance(v, np.ndarray) for v in values) else "lists"
+            names = list(batch.keys())
+            column = lambda name: list(batch[name])  # noqa: E731
+        else:
+            raise TypeError(f"a batch is a pyarrow Table or RecordBatch, a pandas DataFrame "
+                            f"or a dict of columns, not {type(batch).__name__}")
+        for name in (self.image_column, self.key_column):
+            if name is not None and name not in names:
+                raise KeyError(f"the batch has no column {name!r} (columns: "
+                               f"{', '.join(map(str, names))}); set image_column= / key_column=")
+        keys = column(self.key_column) if self.key_column is not None else None
+        return kind, column(self.image_column), keys
+
+    def _prepare(self, index: int, image: Any, key: Any):
+        """The row of one input so far (key, size, patch grid, or its error) and what to
+        decode (None when it already failed): the command line's header step."""
+        from PIL import Image
+
+        from .images.decode import describe_error, probe_image
+        from .output.parts import Row
+
+        source = image
+        if isinstance(image, Mapping):  # Hugging Face Image(decode=False)
+            data, named = image.get("bytes"), image.get("path")
+            source = data if data is not None else named
+        default = (os.fspath(source) if isinstance(source, (str, os.PathLike)) else
+                   image.get("path") if isinstance(image, Mapping) and image.get("path")
+                   else f"#{index}")
+        if isinstance(key, bytes):
+            key = key.decode("utf-8", "replace")
+        row = Row(path=default if key is None or key == "" else str(key))
+        column = self.image_column
+        if image is None:
+            row.error = f"ValueError: row has no image (null {column!r})"
+            return row, None
+        if source is None:
+            row.error = f"ValueError: row has no image ({column!r} holds neither bytes nor a path)"
+            return row, None
+        if isinstance(source, (bytearray, memoryview)):
+            source = bytes(source)
+        try:
+            if isinstance(source, Image.Image):
+                width, height = source.size
+            elif isinstance(source, np.ndarray):
+                if source.ndim < 2:
+                    return row, source  # the encoder names what is wrong with it
+                height, width = source.shape[:2]
+            elif isinstance(source, (str, os.PathLike, bytes)):
+                from . import storage
+
+                if isinstance(source, (str, os.PathLike)):
+                    source = os.fspath(source)
+                    if storage.is_url(source):  # an object in a store: read it whole, once
+                        source = storage.read_bytes(source)
+                probe = probe_image(source, self.max_pixels)
+                if probe.error is not None:
+                    row.error = probe.error
+                    return row, None
+                width, height = probe.width, probe.height
+            else:
+                return row, source  # not a kind of image: the encoder's TypeError row
+        except Exception as exc:  # a store that cannot be read: this row's error
+            row.error = describe_error(exc)
+            return row, None
+        row.width, row.height = width, height
+        if width <= 0 or height <= 0:
+            row.error = f"image has no pixels ({width}x{height})"
+            return row, None
+        from .tower.transform import plan_canvas
+
+        try:
+            canvas = plan_canvas(width, height, self.encoder.config)
+        except ValueError as exc:
+            row.error = f"ValueError: {exc}"
+            return row, None
+        row.vit_h, row.vit_w = canvas.n_h, canvas.n_w
+        return row, source
+
+
+def datasets_features(schema: "pa.Schema | BatchEncoder"):
+    """The Hugging Face ``datasets.Features`` of ``BatchEncoder``'s rows (give
+    ``features=`` to ``Dataset.map``: a batch whose ``error`` or ``embedding`` cells are
+    all null then keeps the column's type). ``schema``: a ``BatchEncoder`` or its schema."""
+    import datasets
+
+    if isinstance(schema, BatchEncoder):
+        schema = schema.schema
+    return datasets.Features.from_arrow_schema(schema)
+
+
+def _load_encoder(weights, config, seed, device, dtype, **options) -> "Encoder":
+    from .api import Encoder
+
+    if weights is not None:
+        return Encoder.from_pretrained(weights, device=device, dtype=dtype, **options)
+    return Encoder.from_config(config, seed=seed, device=device, dtype=dtype, **options)
+
+
+def _rebuild(recipe: dict[str, Any]) -> BatchEncoder:
+    recipe = dict(recipe)
+    return BatchEncoder(recipe.pop("weights"), **recipe)
+
+
+def _is_pandas(batch: Any) -> bool:
+    module = type(batch).__module__
+    if not module.startswith("pandas"):
+        return False
+    import pandas as pd
+
+    return isinstance(batch, pd.DataFrame)
+
+
+def _as_kind(table: pa.Table, kind: str) -> Any:
+    """``table`` as the kind of batch that came in."""
+    if kind == "table":
+        return table
+    if kind == "record_batch":
+        batches = table.to_batches()
+        return batches[0] if len(batches) == 1 else pa.RecordBatch.from_pylist(
+            table.to_pylist(), schema=table.schema)
+    if kind == "pandas":
+        import pandas as pd
+
+        # Arrow-backed columns keep their types (int32 with nulls, string, large_binary):
+        # the DataFrame turns back into the same Arrow table.
+        return table.to_pandas(types_mapper=pd.ArrowDtype)
+    columns = table.to_pydict()
+    if kind == "lists":
+        return columns
+    out: dict[str, np.ndarray] = {}
+    for name, values in columns.items():
+        if name in _INT_COLUMNS and None not in values:
+            out[name] = np.asarray(values, dtype=np.int32)
+        else:
+            array = np.empty(len(values), dtype=object)
+            array[:] = values
+            out[name] = array
+    return out

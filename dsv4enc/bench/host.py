@@ -1,0 +1,352 @@
+"""Host capacity without a GPU (``dsv4enc bench --host``).
+
+The real encode pipeline (discover, read headers, plan, decode workers, transform, pack,
+stage the batch, write Parquet) runs with the tower replaced by ``NullStage``: an Engine
+stand-in whose rows have the right shape and dtype (zeros) and cost nothing to compute. What
+is left is the host's work per image, reported as images/s per host core, beside a
+one-thread cost of each stage measured on a sample of the same images.
+
+The stand-in does the host's share of the CUDA engine's work: its ``patch_buffer`` is where
+``pack`` puts a batch's patches (page-locked when CUDA is present, as the engine's: the
+patches' one copy on the host), it stages the batch's other inputs as the engine does before
+its transfer (pinned copies with CUDA, else one plain copy: the same bytes moved), and hands
+out each batch's rows in a fresh copy, as the pipeline copies rows out of the engine's
+page-locked output buffer.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from collections import deque
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from ..tower.checkpoint import Checkpoint
+from ..tower.config import VisionConfig
+from ..engine.engine import EngineStats
+from ..engine.defaults import DEFAULT_BATCH_TOKENS
+from ..run.options import EncodeOptions, available_cpus, default_workers
+from ..engine.packing import PackedBatch
+
+#: numpy dtypes of the output dtypes (bfloat16 rows are carried as their 16-bit patterns).
+_NUMPY_DTYPES = {torch.float32: np.float32, torch.float16: np.float16, torch.bfloat16: np.int16}
+
+#: The fingerprint a null-stage output records (never taken for real weights' rows).
+NULL_FINGERPRINT = "null-stage (no model: rows are zeros)"
+
+
+class NullEngine:
+    """The Engine's interface (``submit``/``collect`` in order, ``stats``, ``cfg``...) with no
+    model: each image's rows are zeros of the output width in ``out_dtype``.
+
+    ``batch_tokens`` defaults to the CUDA engine's, so batches are planned as on a GPU."""
+
+    graphs_enabled = False
+    deterministic = True
+
+    def __init__(self, cfg: VisionConfig, features: str = "aligner",
+                 out_dtype: torch.dtype = torch.float16, batch_tokens: int | None = None,
+                 max_images: int = 64) -> None:
+        self.cfg = cfg
+        self.device = torch.device("cpu")
+        self.features = features
+        self.out_dtype = out_dtype
+        self.width = cfg.output_width(features)
+        self.batch_tokens = batch_tokens or DEFAULT_BATCH_TOKENS["cuda"]
+        self.max_images = max_images
+        self.stats = EngineStats()
+        self.last_finite = True
+        self._pin = torch.cuda.is_available()
+        self._pending: deque[tuple[PackedBatch, int]] = deque()
+        self._zeros = np.zeros((0, self.width), _NUMPY_DTYPES[out_dtype])
+
+    @property
+    def pending(self) -> int:
+        """Batches submitted and not yet collected."""
+        return len(self._pending)
+
+    def fit_budgets(self, bin_tokens: Sequence[int], max_budgets: int = 6) -> None:
+        """No graphs: nothing to fit."""
+
+    def prepare(self) -> None:
+        """No graphs: nothing to capture."""
+
+    def patch_buffer(self, tokens: int, width: int, dtype: torch.dtype) -> torch.Tensor:
+        """As ``Engine.patch_buffer``: page-locked when CUDA is present."""
+        return torch.empty(tokens, width, dtype=dtype, pin_memory=self._pin)
+
+    def _stage(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.pin_memory() if self._pin else tensor.clone()
+
+    def submit(self, batch: PackedBatch) -> None:
+        """Stage the batch's inputs (the host side of a transfer) and make its rows. The
+        patches are already where the transfer reads them (``patch_buffer``): the engine's
+        ``pin_memory`` of them is the tensor itself."""
+        began = time.perf_counter()
+        for tensor in stage_inputs(batch):
+            self._stage(tensor)
+        self.stats.h2d_s += time.perf_counter() - began
+        rows = batch.n_rows if self.features == "aligner" else batch.n_tokens
+        if self._zeros.shape[0] < rows:  # what the device would write into: made once
+            self._zeros = np.zeros((rows, self.width), _NUMPY_DTYPES[self.out_dtype])
+        self._pending.append((batch, rows))
+
+    def collect(self) -> list[torch.Tensor]:
+        """The oldest submitted batch's rows, one tensor per image (a fresh numpy copy, as
+        ``pipeline`` makes of the engine's page-locked output)."""
+        batch, rows = self._pending.popleft()
+        self.stats.batches += 1
+        self.stats.real_tokens += batch.n_tokens
+        out = torch.from_numpy(self._zeros[:rows].copy())
+        return batch.split_rows(out if self.out_dtype != torch.bfloat16
+                                else out.view(torch.bfloat16))
+
+
+@dataclass
+class NullStage:
+    """What ``pipeline.run_encode(stand_in=...)`` takes: a checkpoint that stands for the
+    weights (the config's shape, no tensors) and a ``NullEngine`` for the run's options."""
+
+    config: VisionConfig
+    batch_tokens: int | None = None
+
+    @property
+    def checkpoint(self) -> Checkpoint:
+        return Checkpoint(self.config, {}, NULL_FINGERPRINT, "null stage")
+
+    def engine(self, device: torch.device, opts: EncodeOptions) -> NullEngine:
+        return NullEngine(self.config, opts.features, getattr(torch, opts.out_dtype),
+                          opts.batch_tokens or self.batch_tokens, opts.max_images)
+
+
+def stage_inputs(batch: PackedBatch) -> tuple[torch.Tensor, ...]:
+    """The inputs the engine copies into page-locked memory before a transfer: all but the
+    patches, which ``pack`` wrote into the engine's ``patch_buffer``."""
+    return batch.positions, batch.merge_index, batch.merge_mask
+
+
+# ----------------------------------------------------------------------------- stage costs
+
+@dataclass
+class StageCosts:
+    """One thread's CPU milliseconds per image for each host stage, over a sample (CPU time,
+    so that other load on the machine does not count)."""
+
+    decode_ms: float = 0.0  # open, read and decode the file's pixels
+    transform_ms: float = 0.0  # resize/pad, patchify, normalize to bf16 bits
+    pack_ms: float = 0.0  # patches into the staging buffer, positions and merge plans
+    stage_ms: float = 0.0  # copy the batch's other inputs for the transfer (pin)
+    images: int = 0
+
+
+def stage_costs(paths: Sequence[Path], cfg: VisionConfig, features: str = "aligner",
+                max_pixels: int | None = None) -> StageCosts:
+    """Time decode, transform, pack and staging on ``paths`` in this thread's CPU time, with
+    one torch thread, as the pipeline does them: ``decode.open_checked``'s checks,
+    ``transform.image_to_patch_bits``, ``packing.pack`` into a staging buffer, one copy of
+    each other input tensor."""
+    from ..images.decode import open_checked
+    from ..images.formats import DEFAULT_MAX_PIXELS
+    from ..engine.packing import pack
+    from ..tower.transform import bf16_bits_to_tensor, image_to_patch_bits
+
+    limit = max_pixels or DEFAULT_MAX_PIXELS
+    costs = StageCosts(images=len(paths))
+    items = []
+    clock = time.thread_time
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # all of the work in this thread, where its clock counts it
+    try:
+        for path in paths:
+            began = clock()
+            with open_checked(str(path), limit) as image:
+                image.load()
+                loaded = clock()
+                bits, canvas = image_to_patch_bits(image, cfg)
+            done = clock()
+            costs.decode_ms += (loaded - began) * 1e3
+            costs.transform_ms += (done - loaded) * 1e3
+            items.append((bf16_bits_to_tensor(bits), canvas.n_h, canvas.n_w))
+        buffer = NullEngine(cfg).patch_buffer
+        # Once untimed: in a run, a batch's memory is an earlier batch's, already faulted in.
+        pack(items, cfg.downsample_ratio, features, buffer)
+        began = clock()
+        batch = pack(items, cfg.downsample_ratio, features, buffer)
+        packed = clock()
+        for tensor in stage_inputs(batch):
+            tensor.clone()
+        staged = clock()
+    finally:
+        torch.set_num_threads(threads)
+    costs.pack_ms = (packed - began) * 1e3
+    costs.stage_ms = (staged - packed) * 1e3
+    n = max(len(paths), 1)
+    for name in ("decode_ms", "transform_ms", "pack_ms", "stage_ms"):
+        setattr(costs, name, getattr(costs, name) / n)
+    return costs
+
+
+# ----------------------------------------------------------------------------- the bench
+
+@dataclass
+class HostResult:
+    """One host-bench run: throughput, per core, and where the time went."""
+
+    output: str  # "file" or "folder"
+    images: int
+    cores: int
+    workers: int
+    seconds: float  # the encoding loop (decode wait, pack, stage, rows, hand-off to writers)
+    img_s: float  # over the whole call (start-up and a single file's final assembly included)
+    img_s_per_core: float  # img_s / cores
+    loop_img_s: float  # over the encoding loop alone
+    decode_wait_s: float  # the main thread waiting for decoded images
+    stage_s: float  # the null engine's staging copies
+    write_s: float  # writer threads' seconds, and the final file's assembly
+    total_s: float  # the whole call: start-up, headers, plan, loop, final file
+    cpu_s: float  # CPU seconds of this process and its decode workers over the call
+    out_bytes: int
+    costs: StageCosts = field(default_factory=StageCosts)
+    # Images per CPU-second of the images beyond a shorter run's (``run_host_bench(steady=)``):
+    # what a long run's images cost each, start-up excluded. None: not measured.
+    steady_img_per_cpu_s: float | None = None
+    steady_base: int = 0  # images of the shorter run
+
+    @property
+    def img_per_cpu_s(self) -> float:
+        """Images per CPU-second of the whole call (decode workers included): the host's
+        capacity per core, less sensitive than wall time to other load on the machine."""
+        return self.images / self.cpu_s if self.cpu_s else 0.0
+
+    def as_dict(self) -> dict:
+        from dataclasses import asdict
+
+        return {**asdict(self), "img_per_cpu_s": self.img_per_cpu_s}
+
+
+def _cpu_seconds() -> float:
+    """CPU seconds used so far by this process and its waited-for children."""
+    times = os.times()
+    return times.user + times.system + times.children_user + times.children_system
+
+
+def _size(path: Path) -> int:
+    if path.is_file():
+        return path.stat().st_size
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def run_host_bench(config_path: str, images: str = "synthetic:1024x768:256",
+                   outputs: Sequence[str] = ("file", "folder"), workers: int | None = None,
+                   workdir: str | None = None, sample: int = 8,
+                   options: dict | None = None, steady: bool = True) -> list[HostResult]:
+    """Encode ``images`` (a folder, or ``synthetic:WxH:N`` / ``synthetic:mix[:N]`` JPEGs made
+    once in ``workdir``) with the null stage, once per output kind in ``outputs``.
+
+    ``workers``: decode workers (default: as for a CUDA run on this host). ``options``: more
+    ``EncodeOptions`` fields (e.g. ``{"out_dtype": "float32"}``). ``steady``: also measure
+    the steady state, what each further image costs once a run is going: each output kind
+    runs once more on an eighth of the images, and the difference of the two runs' CPU
+    seconds over the difference of their images is ``steady_img_per_cpu_s`` (a run's fixed
+    costs, its decode workers' start and the last part's flush, cancel). One untimed short run
+    first takes the process's one-time costs (imports, pyarrow's start), so that both timed
+    runs of a kind find the process in the same state."""
+    from .throughput import resolve_images
+    from ..run.pipeline import run_encode
+
+    unknown = set(outputs) - {"file", "folder"}
+    if unknown:
+        raise ValueError(f"outputs must be file or folder, not {', '.join(sorted(unknown))}")
+    cfg = VisionConfig.from_file(config_path)
+    with tempfile.TemporaryDirectory(prefix="dsv4enc-host-") as scratch:
+        base = Path(workdir) if workdir else Path(scratch)
+        paths = resolve_images(images, base)
+        n_workers = default_workers("cuda") if workers is None else workers
+        costs = stage_costs(paths[:sample], cfg, (options or {}).get("features", "aligner"))
+        short = paths[:len(paths) // 8] if steady and len(paths) >= 16 else []
+
+        def timed(kind: str, inputs: Sequence[Path], name: str):
+            out = base / (f"{name}-folder" if kind == "folder" else f"{name}.parquet")
+            target = f"{out}/" if kind == "folder" else str(out)  # the slash makes a folder
+            source = ([str(paths[0].parent)] if len(inputs) == len(paths)
+                      else [str(p) for p in inputs])
+            opts = EncodeOptions(inputs=source, out=target, config=config_path,
+                                 random_init=True, device="cpu", dtype="float32",
+                                 out_dtype="float16", workers=n_workers, overwrite=True,
+                                 progress=False)
+            opts = replace(opts, **(options or {}))
+            cpu0, began = _cpu_seconds(), time.perf_counter()
+            summary = run_encode(opts, stand_in=NullStage(cfg))
+            return summary, time.perf_counter() - began, _cpu_seconds() - cpu0, out
+
+        if short:
+            timed(outputs[0] if outputs else "folder", short, "host-warmup")
+        results = []
+        for kind in outputs:
+            short_cpu = timed(kind, short, "host-short")[2] if short else None
+            summary, total, cpu, out = timed(kind, paths, "host")
+            done = summary.encoded + summary.failed
+            loop = summary.encode_s
+            cores = available_cpus()
+            steady_rate = (None if short_cpu is None or cpu <= short_cpu
+                           else (done - len(short)) / (cpu - short_cpu))
+            results.append(HostResult(
+                output=kind, images=done, cores=cores, workers=n_workers, seconds=loop,
+                img_s=done / total, img_s_per_core=done / total / cores,
+                loop_img_s=done / loop if loop else 0.0, decode_wait_s=summary.decode_wait_s,
+                stage_s=summary.h2d_s, write_s=summary.write_s, total_s=total, cpu_s=cpu,
+                out_bytes=_size(out), costs=costs, steady_img_per_cpu_s=steady_rate,
+                steady_base=len(short)))
+        return results
+
+
+def print_host_results(results: Sequence[HostResult], console=None) -> None:
+    """One paragraph per run (narrow terminals keep every figure), then the one-thread stage
+    costs."""
+    from rich.console import Console
+
+    console = console or Console()
+    console.print("[bold]host capacity[/bold] (null stage: the model costs nothing)")
+    for r in results:
+        console.print(
+            f"{r.output}: {r.images} images in {r.total_s:.2f} s = {r.img_s:.1f} img/s, "
+            f"{r.img_s_per_core:.1f} img/s per core ({r.cores} cores, {r.workers} decode "
+            f"worker{'s' if r.workers != 1 else ''}); {r.cpu_s:.2f} CPU-s = "
+            f"{r.img_per_cpu_s:.1f} images per CPU-second\n"
+            f"  encoding loop {r.seconds:.2f} s ({r.loop_img_s:.1f} img/s): waiting for decodes "
+            f"{r.decode_wait_s:.2f} s, staging {r.stage_s:.2f} s; writing {r.write_s:.2f} s "
+            f"(writer threads, final file); output {r.out_bytes / 1e6:.0f} MB")
+        if r.steady_img_per_cpu_s is not None:
+            console.print(f"  steady state: {r.steady_img_per_cpu_s:.1f} images per CPU-second "
+                          f"(the {r.images}-image run less a {r.steady_base}-image one: "
+                          "start-up costs cancel)")
+    if results:
+        c = results[0].costs
+        per_image = c.decode_ms + c.transform_ms + c.pack_ms + c.stage_ms
+        console.print(f"one thread's CPU time per image ({c.images} sampled): decode "
+                      f"{c.decode_ms:.1f} ms, transform {c.transform_ms:.1f} ms, pack "
+                      f"{c.pack_ms:.2f} ms, stage {c.stage_ms:.2f} ms: "
+                      f"{1e3 / max(per_image, 1e-9):.0f} img/s per core before writing")
+
+
+def host_bench_command(config_path: str, images: str, outputs: Sequence[str],
+                       workers: int | None, json_out: str | None = None) -> list[HostResult]:
+    """``dsv4enc bench --host``: run, print the table, and write the rows to ``json_out``.
+    The process is the command's: it makes the settings of the GPU run it stands for."""
+    import json
+
+    from ..process import own_process_settings
+
+    own_process_settings(torch.device("cuda"))
+    results = run_host_bench(config_path, images, outputs, workers)
+    print_host_results(results)
+    if json_out:
+        with open(json_out, "w") as handle:
+            json.dump([r.as_dict() for r in results], handle, indent=1)
+    return results

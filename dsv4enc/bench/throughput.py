@@ -1,0 +1,517 @@
+"""Throughput benchmark, run by ``dsv4enc bench`` (see ``dsv4enc bench --help``).
+
+For one config and one image mix it measures, in one process:
+
+- ``model``: the engine alone over pre-transformed, bin-packed batches (graphs on/off, per
+  batch-token budget): img/s, tokens/s, achieved FLOP/s (counted analytically, real tokens
+  only), fraction of the matmul ceiling, budget padding, and the time split;
+- ``naive``: one image at a time (decode, transform, per-image forward with attention on 3-D
+  (H, N, d) tensors), the baseline every ratio is against;
+- ``e2e`` (optional): the full encode pipeline to a Parquet file, called in this process;
+- ``cli`` (optional): ``dsv4enc encode`` in a fresh process, as a user runs it, timed
+  wall-clock with the interpreter's start and the torch import included.
+
+The matmul ceiling is the best rate of the model's own GEMM shapes (QKV, MLP in/out, aligner)
+at the batch's token count, in the compute dtype, timed in the same process; a large square
+product is reported beside it as the device peak.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import logging
+import os
+import platform
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Sequence
+
+import numpy as np
+import torch
+
+from ..tower.attention import naive_sdpa_attention
+from ..engine.batching import BatchLoop
+from ..engine.factory import build_model, engine_for
+from ..engine.defaults import default_batch_tokens
+from ..tower.checkpoint import random_checkpoint, random_state_dict, save_checkpoint
+from ..tower.config import VisionConfig
+from ..engine.device import resolve_device, resolve_dtype
+from ..tower.model import VisionTower
+from ..engine.packing import PackedBatch, pack
+from ..run.plan import image_flops, pack_bins
+from ..process import keep_freed_memory_mapped, own_process_settings
+from ..tower.transform import image_to_patches
+
+log = logging.getLogger(__name__)
+
+#: The CPU mix: 24 photo-like sizes from 300x300 to 2000x1500, mixed orientations.
+MIX_SIZES = [(300, 300), (400, 300), (350, 500), (500, 375), (640, 480), (480, 640),
+             (600, 900), (900, 600), (800, 600), (800, 800), (1000, 1000), (1024, 768),
+             (768, 1024), (1280, 720), (720, 1280), (1280, 960), (1400, 1050), (1200, 1600),
+             (1600, 1200), (1920, 1080), (1080, 1920), (1500, 2000), (2000, 1500), (1800, 1200)]
+
+
+# ----------------------------------------------------------------------------- images
+
+def photo_like(width: int, height: int, rng: np.random.Generator) -> np.ndarray:
+    """(height, width, 3) uint8: smooth colour fields with a few soft blobs (built at 1/8
+    resolution, then upsampled) plus sensor-like noise, so JPEG sizes and decode costs look
+    like photos rather than flat or white-noise images."""
+    from PIL import Image
+
+    lw, lh = max(2, width // 8), max(2, height // 8)
+    coarse = rng.integers(0, 256, (6, 8, 3), dtype=np.uint8)
+    low = np.asarray(Image.fromarray(coarse).resize((lw, lh), Image.BICUBIC), np.float32)
+    yy, xx = np.mgrid[0:lh, 0:lw].astype(np.float32)
+    for _ in range(4):
+        cx, cy = rng.uniform(0, lw), rng.uniform(0, lh)
+        radius = rng.uniform(0.05, 0.3) * min(lw, lh)
+        blob = np.exp(-((xx - cx) ** 2 + (yy - cy) ** 2) / (2 * radius ** 2))
+        low += blob[..., None] * rng.uniform(-80, 80, 3).astype(np.float32)
+    low = np.clip(low, 0, 255).astype(np.uint8)
+    base = np.asarray(Image.fromarray(low).resize((width, height), Image.BICUBIC), np.int16)
+    noise = rng.integers(-8, 9, base.shape, dtype=np.int16)
+    return np.clip(base + noise, 0, 255).astype(np.uint8)
+
+
+def synthetic_images(folder: Path, spec: str, seed: int = 0) -> list[Path]:
+    """Write JPEGs for ``spec``: "mix" (MIX_SIZES), "mix:N" (the mix repeated to N images),
+    or "WxH:N" (N images of one size). Returns the paths in order."""
+    from PIL import Image
+
+    kind, _, count = spec.partition(":")
+    if kind == "mix":
+        n = int(count) if count else len(MIX_SIZES)
+        sizes = [MIX_SIZES[i % len(MIX_SIZES)] for i in range(n)]
+    else:
+        w, h = (int(v) for v in kind.lower().split("x"))
+        sizes = [(w, h)] * (int(count) if count else 16)
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    paths = []
+    for i, (w, h) in enumerate(sizes):
+        path = folder / f"img{i:04d}_{w}x{h}.jpg"
+        if not path.exists():
+            Image.fromarray(photo_like(w, h, rng)).save(path, quality=90)
+        paths.append(path)
+    return paths
+
+
+def resolve_images(images: str, workdir: Path, seed: int = 0) -> list[Path]:
+    """``images``: a folder of images, or "synthetic:SPEC" (see ``synthetic_images``)."""
+    if images.startswith("synthetic:"):
+        spec = images.removeprefix("synthetic:")
+        # One folder per spec: the end-to-end run encodes the whole folder.
+        return synthetic_images(workdir / f"images-{spec.replace(':', '-')}", spec, seed)
+    folder = Path(images)
+    exts = {".jpg", ".jpeg", ".png", ".webp", ".bmp"}
+    paths = sorted(p for p in folder.rglob("*") if p.suffix.lower() in exts)
+    if not paths:
+        raise ValueError(f"no images found in {folder}")
+    return paths
+
+
+# ----------------------------------------------------------------------------- FLOPs, ceiling
+
+def sync(device: torch.device) -> None:
+    """Wait for the device's queued work (CUDA); nothing on the CPU."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def best_time(fn: Callable[[], object], device: torch.device, repeat: int,
+              warmup: int = 1) -> float:
+    """Best of ``repeat`` timed calls after ``warmup`` untimed ones, seconds."""
+    for _ in range(warmup):
+        fn()
+    best = float("inf")
+    for _ in range(repeat):
+        sync(device)
+        began = time.perf_counter()
+        fn()
+        sync(device)
+        best = min(best, time.perf_counter() - began)
+    return best
+
+
+def matmul_ceiling(cfg: VisionConfig, tokens: int, dtype: torch.dtype,
+                   device: torch.device, repeat: int = 5) -> dict[str, float]:
+    """FLOP/s of the model's GEMM shapes at ``tokens`` rows (best shape = the ceiling), and of
+    a large square product (the device peak)."""
+    D, I, hid = cfg.dim, cfg.inter_dim, cfg.hidden_size
+    r2 = cfg.downsample_ratio ** 2
+    shapes = {"qkv": (tokens, D, 3 * D), "mlp_in": (tokens, D, 2 * I),
+              "mlp_out": (tokens, I, D), "aligner": (max(tokens // r2, 64), D * r2, hid)}
+    rates = {}
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    with torch.inference_mode():
+        for name, (m, k, n) in shapes.items():
+            a = torch.randn(m, k, generator=gen).to(device, dtype)
+            b = torch.randn(n, k, generator=gen).to(device, dtype)
+            rates[name] = 2.0 * m * k * n / best_time(lambda: a @ b.T, device, repeat)
+        side = 8192 if device.type == "cuda" else 2048
+        a = torch.randn(side, side, generator=gen).to(device, dtype)
+        rates["square"] = 2.0 * side ** 3 / best_time(lambda: a @ a, device, repeat)
+    rates["ceiling"] = max(rates[k] for k in shapes)
+    return rates
+
+
+# ----------------------------------------------------------------------------- measurements
+
+@dataclass
+class Prepared:
+    """Images transformed once, outside every timed region."""
+
+    paths: list[Path]
+    items: list[tuple[torch.Tensor, int, int]]  # (patches, n_h, n_w)
+    flops: float
+    tokens: int
+
+
+def prepare_images(paths: Sequence[Path], cfg: VisionConfig, features: str) -> Prepared:
+    from PIL import Image
+
+    items = []
+    for path in paths:
+        with Image.open(path) as image:
+            patches, canvas = image_to_patches(image, cfg)
+        items.append((patches, canvas.n_h, canvas.n_w))
+    flops = sum(image_flops(cfg, h, w, features) for _, h, w in items)
+    return Prepared(list(paths), items, flops, sum(h * w for _, h, w in items))
+
+
+def make_batches(prep: Prepared, cfg: VisionConfig, features: str, batch_tokens: int,
+                 max_images: int) -> list[PackedBatch]:
+    bins = pack_bins([h * w for _, h, w in prep.items], batch_tokens, max_images)
+    return [pack([prep.items[i] for i in b], cfg.downsample_ratio, features) for b in bins]
+
+
+def encode_all(loop: BatchLoop, batches: Sequence[PackedBatch]) -> None:
+    """Every batch through ``loop``, one in flight ahead (transfers overlap compute)."""
+    for batch in batches:
+        loop.submit_packed(range(len(batch.lengths)), batch)
+        loop.collect_ready()
+    loop.drain()
+
+
+def bench_model(model: VisionTower, prep: Prepared, features: str, batch_tokens: int,
+                cuda_graphs: bool | None, attention: str, max_images: int, repeat: int,
+                out_dtype: torch.dtype, fused: bool = False) -> dict:
+    """Engine-only throughput over the prepared images.
+
+    CUDA: best of ``repeat`` whole passes (one batch in flight, so transfers overlap compute).
+    CPU: each batch's best time over ``repeat`` passes, summed; on a shared machine a busy
+    core inflates whole passes at random, and per-batch minima estimate the machine's own
+    speed much more stably (the naive loop is timed the same way, per image).
+    """
+    cfg, device = model.cfg, model.device
+    batches = make_batches(prep, cfg, features, batch_tokens, max_images)
+    engine = engine_for(model, features=features, attention=attention, out_dtype=out_dtype,
+                        cuda_graphs=cuda_graphs, batch_tokens=batch_tokens,
+                        max_images=max_images)
+    engine.fit_budgets([b.n_tokens for b in batches])  # as the encode pipeline does
+    engine.prepare()
+    loop = BatchLoop(engine, copy=False)  # the loop the encode pipeline and the API run
+    encode_all(loop, batches[:1])  # warm-up (kernels, allocator)
+    engine.stats = type(engine.stats)()
+    if device.type == "cuda":
+        best, best_stats = float("inf"), None
+        for _ in range(max(1, repeat)):
+            engine.stats = type(engine.stats)()
+            sync(device)
+            began = time.perf_counter()
+            encode_all(loop, batches)
+            sync(device)
+            wall = time.perf_counter() - began
+            if wall < best:
+                best, best_stats = wall, engine.stats
+        s = best_stats
+        model_s = s.model_s
+    else:
+        per_batch = [float("inf")] * len(batches)
+        for _ in range(max(1, repeat)):
+            for i, batch in enumerate(batches):
+                began = time.perf_counter()
+                encode_all(loop, [batch])
+                per_batch[i] = min(per_batch[i], time.perf_counter() - began)
+        s = engine.stats
+        best = model_s = sum(per_batch)
+    row = {
+        "mode": "model", "graphs": engine.graphs_enabled, "attention": engine.attention_name,
+        "fused": fused, "batch_tokens": batch_tokens, "images": len(prep.items),
+        "batches": len(batches), "seconds": best, "img_s": len(prep.items) / best,
+        "tokens_s": prep.tokens / best,
+        "flop_s": prep.flops / best, "padding": s.padded_tokens / max(1, s.real_tokens),
+        "h2d_s": s.h2d_s, "model_s": model_s, "d2h_s": s.d2h_s,
+        "device_idle": max(0.0, 1.0 - model_s / best) if device.type == "cuda" else None,
+        "capture_s": engine.runner.capture_s if engine.runner is not None else 0.0,
+        "graph_batches": s.graph_batches, "variant_batches": s.variant_batches,
+    }
+    del engine
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return row
+
+
+def bench_naive(model: VisionTower, paths: Sequence[Path], features: str,
+                out_dtype: torch.dtype, repeat: int = 1) -> dict:
+    """One image at a time: decode, transform, per-image forward with 3-D attention.
+
+    Each image's best time over ``repeat`` rounds, summed (as ``bench_model`` on the CPU).
+    """
+    from PIL import Image
+
+    cfg, device = model.cfg, model.device
+
+    def one(path: Path) -> tuple[int, int]:
+        with Image.open(path) as image:
+            image.load()
+            patches, canvas = image_to_patches(image, cfg)
+        with torch.inference_mode():
+            out = model.forward_image(patches.to(device), canvas.n_h, canvas.n_w, features)
+            out.to(out_dtype).cpu()
+        return canvas.n_h, canvas.n_w
+
+    saved = model.attend
+    model.attend = naive_sdpa_attention
+    try:
+        one(paths[0])  # warm-up
+        per_image = [float("inf")] * len(paths)
+        grids = []
+        for _ in range(max(1, repeat)):
+            grids = []
+            for i, path in enumerate(paths):
+                sync(device)
+                began = time.perf_counter()
+                grids.append(one(path))
+                sync(device)
+                per_image[i] = min(per_image[i], time.perf_counter() - began)
+    finally:
+        model.attend = saved
+    wall = sum(per_image)
+    tokens = sum(h * w for h, w in grids)
+    flops = sum(image_flops(cfg, h, w, features) for h, w in grids)
+    return {"mode": "naive", "graphs": False, "attention": "sdpa-3d", "images": len(paths),
+            "seconds": wall, "img_s": len(paths) / wall, "tokens_s": tokens / wall,
+            "flop_s": flops / wall}
+
+
+def bench_e2e(config_path: str, paths: Sequence[Path], device: str, dtype: str,
+              batch_tokens: int, cuda_graphs: bool | None, attention: str, workdir: Path,
+              max_images: int, workers: int | None, repeat: int = 1, output: str = "file",
+              fused: bool = False) -> dict:
+    """The full ``encode`` pipeline (start-up, decode workers, engine, Parquet) on the folder
+    holding ``paths``, to one Parquet file (``output="file"``) or a folder of parts
+    (``"folder"``); the best of ``repeat`` runs."""
+    from ..run.pipeline import EncodeOptions, run_encode  # only this mode needs the pipeline
+
+    out = workdir / ("bench.parquet" if output == "file" else "bench_parts/")
+    opts = EncodeOptions(inputs=[str(paths[0].parent)], out=str(out),
+                         config=config_path, random_init=True, device=device, dtype=dtype,
+                         out_dtype="float16", batch_tokens=batch_tokens, max_images=max_images,
+                         attention=attention, cuda_graphs=cuda_graphs, overwrite=True,
+                         progress=False, workers=workers, fused=fused)
+    best, summary = float("inf"), None
+    for _ in range(max(1, repeat)):
+        began = time.perf_counter()
+        result = run_encode(opts)
+        wall = time.perf_counter() - began
+        if wall < best:
+            best, summary = wall, result
+    n = summary.encoded
+    return {"mode": "e2e", "output": output, "graphs": cuda_graphs, "attention": attention,
+            "fused": fused, "batch_tokens": batch_tokens, "images": n, "seconds": best,
+            "img_s": n / best, "tokens_s": summary.tokens / best, "padding": summary.padding_waste,
+            "encode_s": summary.encode_s, "steady_img_s": n / max(summary.encode_s, 1e-9),
+            "device_idle": max(0.0, 1 - summary.model_s / max(summary.encode_s, 1e-9)),
+            "h2d_s": summary.h2d_s, "model_s": summary.model_s,
+            "decode_wait_s": summary.decode_wait_s, "write_s": summary.write_s}
+
+
+def bench_cli(cfg: VisionConfig, paths: Sequence[Path], device: str, dtype: str,
+              batch_tokens: int, workdir: Path, workers: int | None,
+              seed: int = 0, repeat: int = 1, weights: Path | None = None) -> dict:
+    """``dsv4enc encode`` as a user runs it: a fresh process per run, so the wall-clock
+    time includes the interpreter's start, importing torch and loading the weights
+    (``weights``, or random ones of ``cfg`` saved once to ``workdir`` in the checkpoint
+    format). The best of ``repeat`` runs."""
+    import subprocess
+    import sys
+
+    ckpt = weights if weights is not None else workdir / "bench-checkpoint"
+    if not (ckpt / "config.json").is_file():
+        save_checkpoint(ckpt, cfg, random_state_dict(cfg, seed))
+    command = [sys.executable, "-m", "dsv4enc", "encode", str(paths[0].parent),
+               "--out", str(workdir / "bench-cli.parquet"), "--weights", str(ckpt),
+               "--device", device, "--dtype", dtype, "--batch-tokens", str(batch_tokens),
+               "--overwrite", "--quiet"]
+    if workers is not None:
+        command += ["--workers", str(workers)]
+    package_root = str(Path(__file__).resolve().parents[2])  # runs from a working tree too
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [package_root, *filter(None, [os.environ.get("PYTHONPATH")])])}
+    best = float("inf")
+    for _ in range(max(1, repeat)):
+        began = time.perf_counter()
+        done = subprocess.run(command, env=env, capture_output=True, text=True)
+        best = min(best, time.perf_counter() - began)
+        if done.returncode != 0:
+            raise RuntimeError(f"dsv4enc encode failed ({done.returncode}): "
+                               f"{done.stderr.strip()[-2000:]}")
+    return {"mode": "cli", "batch_tokens": batch_tokens, "images": len(paths),
+            "seconds": best, "img_s": len(paths) / best}
+
+
+# ----------------------------------------------------------------------------- driver
+
+def run_bench(config_path: str, device: str = "auto", dtype: str = "auto",
+              images: str = "synthetic:mix", batch_tokens: Sequence[int] | int | None = None,
+              cuda_graphs: Sequence[bool | None] = (None,), attention: str = "auto",
+              features: str = "aligner", max_images: int = 64, repeat: int = 2,
+              naive_images: int | None = None, e2e: bool = False, workers: int | None = None,
+              seed: int = 0, workdir: str | None = None, cli: bool = False,
+              fused: Sequence[bool] = (False,),
+              e2e_outputs: Sequence[str] = ("file",)) -> list[dict]:
+    """Run the benchmark; returns one dict per measurement (see module doc).
+
+    ``images``: a folder or "synthetic:mix[:N]" / "synthetic:WxH:N". ``batch_tokens``: one
+    budget or several (default 32768 on CUDA, 8192 on CPU). ``cuda_graphs``: the settings to
+    compare (None = engine default). ``naive_images``: limit the naive baseline to the first
+    N images (its rate is per image of the same mix, so the ratio stays fair for a repeating
+    mix). ``e2e``: also time the full pipeline (``encode`` in this process).
+    ``cli``: also time ``dsv4enc encode`` in a fresh process (start-up included).
+    ``fused``: the settings of ``--fused`` to time (model rows, and e2e runs for each);
+    ``e2e_outputs``: "file" and/or "folder".
+    Every row carries ``vs_naive`` (img/s over the naive loop's img/s) and, for model rows,
+    ``ceiling_frac`` (achieved FLOP/s over the matmul ceiling).
+    """
+    unknown = set(e2e_outputs) - {"file", "folder"}
+    if unknown:
+        raise ValueError(f"outputs must be file or folder, not {', '.join(sorted(unknown))}")
+    dev = resolve_device(device)
+    dt = resolve_dtype(dtype, dev)
+    cfg = VisionConfig.from_file(config_path)
+    budgets = ([batch_tokens] if isinstance(batch_tokens, int) else list(batch_tokens or [])) \
+        or [default_batch_tokens(dev.type)]
+    out_dtype = torch.float16
+    state = random_checkpoint(cfg, seed, dt)
+    model = build_model(state, dev)
+    fused_model = build_model(state, dev, fused=True) if any(fused) else None
+    del state
+    rows: list[dict] = []
+    with contextlib.ExitStack() as stack:
+        base = (Path(workdir) if workdir
+                else Path(stack.enter_context(tempfile.TemporaryDirectory())))
+        paths = resolve_images(images, base, seed)
+        prep = prepare_images(paths, cfg, features)
+        ceiling = matmul_ceiling(cfg, max(budgets), dt, dev)
+        # The naive loop first, with the default allocator, as a plain first port would run;
+        # the command line's CPU heap tuning (process.py) is part of what the engine rows
+        # measure.
+        naive = bench_naive(model, paths[:naive_images] if naive_images else paths, features,
+                            out_dtype, repeat)
+        if dev.type == "cpu":
+            keep_freed_memory_mapped()  # as the command line does before its engine runs
+        for bt in budgets:
+            for graphs in cuda_graphs:
+                if graphs and dev.type != "cuda":
+                    continue
+                for fuse in fused:
+                    rows.append(bench_model(fused_model if fuse else model, prep, features,
+                                            bt, graphs, attention, max_images, repeat,
+                                            out_dtype, fuse))
+        rows.append(naive)
+        # Once more at the end, keeping the best: a ceiling measured while the machine was
+        # busy would flatter every fraction.
+        again = matmul_ceiling(cfg, max(budgets), dt, dev)
+        ceiling = {k: max(v, again[k]) for k, v in ceiling.items()}
+        for row in rows:
+            row["ceiling_frac"] = row["flop_s"] / ceiling["ceiling"]
+            row["peak_frac"] = row["flop_s"] / ceiling["square"]
+        if e2e:
+            own_process_settings(dev)  # as the command line makes them before a run
+            del fused_model, model  # the pipeline builds its own tower
+            gc.collect()
+            if dev.type == "cuda":
+                torch.cuda.empty_cache()
+            for fuse in fused:
+                for output in e2e_outputs:
+                    rows.append(bench_e2e(config_path, paths, device, dtype, budgets[-1],
+                                          cuda_graphs[0], attention, base, max_images,
+                                          workers, repeat, output, fuse))
+        if cli:
+            rows.append(bench_cli(cfg, paths, dev.type, str(dt).removeprefix("torch."),
+                                  budgets[-1], base, workers, seed, repeat))
+    for row in rows:
+        row["vs_naive"] = row["img_s"] / naive["img_s"]
+    meta = {"mode": "meta", "device": _device_name(dev), "device_type": dev.type,
+            "dtype": str(dt).removeprefix("torch."), "config": Path(config_path).name,
+            "images": len(prep.items), "tokens": prep.tokens,
+            "gflop_per_image": prep.flops / len(prep.items) / 1e9,
+            "threads": torch.get_num_threads(), "torch": torch.__version__,
+            **{f"matmul_{k}": v for k, v in ceiling.items()}}
+    return [meta] + rows
+
+
+def _device_name(dev: torch.device) -> str:
+    if dev.type == "cuda":
+        return torch.cuda.get_device_name(dev)
+    return f"{platform.processor() or platform.machine()} ({torch.get_num_threads()} threads)"
+
+
+def print_results(rows: Sequence[dict], console=None) -> None:
+    """Print ``run_bench`` results as a rich table (FLOP/s in TFLOP/s on CUDA, else GFLOP/s)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    if console is None:
+        console = Console()
+        if not console.is_terminal:  # logs and pipes: do not squeeze the table to 80 columns
+            console = Console(width=170)
+    meta = next((r for r in rows if r.get("mode") == "meta"), {})
+    gpu = meta.get("device_type") == "cuda"
+    unit, scale = ("TFLOP/s", 1e12) if gpu else ("GFLOP/s", 1e9)
+    title = (f"{meta.get('config', '?')} on {meta.get('device', '?')}, {meta.get('dtype', '?')}: "
+             f"{meta.get('images', '?')} images, {meta.get('tokens', '?')} patches, "
+             f"{meta.get('gflop_per_image', 0):.1f} GFLOP/image; matmul ceiling "
+             f"{meta.get('matmul_ceiling', 0) / scale:.1f} {unit} "
+             f"(square {meta.get('matmul_square', 0) / scale:.1f})")
+    table = Table(title=title)
+    for name in ("mode", "graphs", "fused", "attention", "budget", "img/s", "tokens/s", unit,
+                 "ceiling", "peak", "padding", "h2d s", "model s", "d2h s", "idle", "vs naive"):
+        table.add_column(name, justify="left" if name in ("mode", "attention") else "right")
+
+    def fmt(value, spec):
+        return "-" if value is None else format(value, spec)
+
+    for r in rows:
+        if r.get("mode") == "meta":
+            continue
+        mode = r["mode"] + (f" ({r['output']})" if r.get("output") else "")
+        table.add_row(mode, str(r.get("graphs", "-")), str(r.get("fused", "-")),
+                      str(r.get("attention", "-")),
+                      fmt(r.get("batch_tokens"), "d"), fmt(r.get("img_s"), ".2f"),
+                      fmt(r.get("tokens_s"), ",.0f"),
+                      fmt(r["flop_s"] / scale if r.get("flop_s") else None, ".1f"),
+                      fmt(r.get("ceiling_frac"), ".0%"), fmt(r.get("peak_frac"), ".0%"),
+                      fmt(r.get("padding"), ".1%"),
+                      fmt(r.get("h2d_s"), ".3f"), fmt(r.get("model_s"), ".3f"),
+                      fmt(r.get("d2h_s"), ".3f"), fmt(r.get("device_idle"), ".0%"),
+                      fmt(r.get("vs_naive"), ".2f"))
+    console.print(table)
+
+
+def parse_graphs(text: str) -> list[bool | None]:
+    """"auto,on,off" -> [None, True, False] (KeyError names a bad word)."""
+    names = {"auto": None, "on": True, "off": False}
+    return [names[t] for t in text.split(",")]
+
+
+def parse_on_off(text: str) -> list[bool]:
+    """"off,on" -> [False, True] (KeyError names a bad word)."""
+    names = {"on": True, "off": False}
+    return [names[t] for t in text.split(",")]

@@ -1,0 +1,10 @@
+"""The engine's defaults that the torch-free early start also needs (so this module imports
+nothing)."""
+
+#: Tokens per batch when the caller gives none: enough to fill an H200, a few images on a CPU.
+DEFAULT_BATCH_TOKENS = {"cuda": 32768, "cpu": 8192}
+
+
+def default_batch_tokens(device_type: str) -> int:
+    """Patches per packed batch on a device of this kind, when the caller gives none."""
+    return DEFAULT_BATCH_TOKENS.get(device_type, DEFAULT_BATCH_TOKENS["cpu"])

@@ -1,0 +1,97 @@
+"""Which device and dtypes a run computes in: the one answer for the command line, the
+Python API and the benchmark.
+
+``auto`` means CUDA when it is available (this rank's LOCAL_RANK device under torchrun),
+and bfloat16 on CUDA; on the CPU bfloat16 where it is native (AMX or AVX512-BF16, from
+torch's capability queries: ``cpufeatures``), float32 elsewhere. No timing decides it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import torch
+
+from ..tower.checkpoint import COMPUTE_DTYPES
+from .cpufeatures import auto_cpu_dtype
+from ..errors import UsageError
+
+#: Dtypes an embedding can be returned in (the command line writes float32 or float16).
+OUT_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def resolve_device(name: str | torch.device, dist=None) -> torch.device:
+    """The device for ``name`` (``auto``, ``cpu``, ``cuda`` or ``cuda:N``); under torchrun
+    (``dist``) always the rank's own device. Raises UsageError for anything else."""
+    if dist is not None:
+        return dist.device
+    name = str(name)
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise UsageError(f"unknown device {name!r} (use auto, cpu, cuda or cuda:N)") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise UsageError(f"device {name} asked for, but CUDA is not available")
+    if device.type not in ("cpu", "cuda"):
+        raise UsageError(f"unsupported device {name!r} (use auto, cpu, cuda or cuda:N)")
+    return device
+
+
+def resolve_dtype(name: str | torch.dtype, device: torch.device) -> torch.dtype:
+    """The compute dtype for ``name`` (``auto``, a name, or a ``torch.dtype``) on ``device``.
+    An unknown name is a UsageError; an unsupported ``torch.dtype`` a ValueError."""
+    if isinstance(name, torch.dtype):
+        if name not in COMPUTE_DTYPES.values():
+            raise ValueError(f"unsupported compute dtype {name} (float32, bfloat16, float16)")
+        return name
+    name = str(name).removeprefix("torch.")
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else auto_cpu_dtype()
+    if name not in COMPUTE_DTYPES:
+        raise UsageError(f"unknown dtype {name!r} (use auto, float32, bfloat16 or float16)")
+    return COMPUTE_DTYPES[name]
+
+
+def resolve_out_dtype(name: str | torch.dtype) -> torch.dtype:
+    """The dtype embeddings are returned in: a name or a ``torch.dtype`` of ``OUT_DTYPES``."""
+    if isinstance(name, torch.dtype):
+        if name not in OUT_DTYPES.values():
+            raise ValueError(f"unsupported out_dtype {name} (float32, float16, bfloat16)")
+        return name
+    text = str(name).removeprefix("torch.")
+    if text not in OUT_DTYPES:
+        raise ValueError(f"unsupported out_dtype {name!r} (float32, float16, bfloat16)")
+    return OUT_DTYPES[text]
+
+
+def resume_compute(device: torch.device, dtype: torch.dtype, asked_device: str,
+                   asked_dtype: str, recorded: Mapping[str, Any] | None,
+                   device_fixed: bool = False) -> tuple[torch.device, torch.dtype, str | None]:
+    """The device and compute dtype a ``--resume`` computes in, and the line that says so.
+
+    Rows must not mix dtypes or device kinds within one output, so where the user left the
+    choice to ``auto`` (``asked_device``/``asked_dtype``), the interrupted run's recorded
+    ``device`` and ``compute_dtype`` (its manifest's settings, ``recorded``) replace what
+    ``auto`` picks now. Explicit flags are kept as given: the settings check then refuses a
+    mismatch and names the flag that would resume. ``device_fixed``: the device is not ours to
+    choose (a torchrun rank's own). Returns the line only when a recorded run was adopted."""
+    if not recorded:
+        return device, dtype, None
+    adopted = []
+    kind = recorded.get("device")
+    if (str(asked_device) == "auto" and not device_fixed and kind in ("cpu", "cuda")
+            and kind != device.type and (kind == "cpu" or torch.cuda.is_available())):
+        device = torch.device(kind)
+    if str(asked_device) == "auto" and kind == device.type:
+        adopted.append("--device auto")
+    name = recorded.get("compute_dtype")
+    if str(asked_dtype).removeprefix("torch.") == "auto" and name in COMPUTE_DTYPES:
+        dtype = COMPUTE_DTYPES[name]
+        adopted.append("--dtype auto")
+    if not adopted:
+        return device, dtype, None
+    shown = str(dtype).removeprefix("torch.")
+    return device, dtype, (f"resuming in {shown} on {device.type}, as the interrupted run "
+                           f"computed (for {' and '.join(adopted)})")

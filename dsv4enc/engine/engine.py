@@ -1,0 +1,374 @@
+"""Runs packed batches through the tower on one device: attention backend chosen once,
+transfers, and (on CUDA) graph replay. Host in, host out.
+
+This is the only place that moves batches between host and device; ``batching.BatchLoop``
+(the command line's, the API's and the benchmark's loop) hands it ``PackedBatch`` objects and
+gets per-image embeddings back.
+
+On CUDA a batch goes: pinned host copy -> H2D on a copy stream -> (graph buffers ->) forward
+on the compute stream -> cast to the output dtype -> D2H into pinned memory on a third
+stream. ``submit`` only enqueues that work, so a caller that submits batch k+1 before
+collecting batch k overlaps k+1's host staging and H2D with k's compute (``encode_many`` does
+exactly that); ``encode`` is the plain synchronous call.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Iterator, Sequence
+
+import torch
+
+from ..tower.attention import VarlenSpans, available_backends, select_attention
+from ..errors import DsvError, UsageError
+from .graphs import GRAPH_BACKENDS, Bucket, BucketRunner, default_budgets, fit_budgets
+from ..tower.model import VisionTower, rope_tables
+from .defaults import default_batch_tokens
+from .packing import PackedBatch
+from ..tower.transform import max_image_tokens
+
+log = logging.getLogger(__name__)
+
+
+
+@dataclass
+class EngineStats:
+    """Seconds spent per stage and work done, for the summary and benchmarks.
+
+    On CUDA the stage times are CUDA-event intervals on their own streams (they overlap, so
+    they need not add up to wall time); on the CPU they are wall time.
+    """
+
+    h2d_s: float = 0.0
+    model_s: float = 0.0
+    d2h_s: float = 0.0
+    batches: int = 0
+    real_tokens: int = 0
+    padded_tokens: int = 0  # tokens computed beyond the real ones (graph budgets)
+    graph_batches: int = 0  # batches replayed from a captured graph
+    variant_batches: int = 0  # batches run outside the batch-invariant path (see Engine)
+    static_batches: int = 0  # batches run in a bucket without a graph
+    capture_s: float = 0.0
+
+
+@dataclass
+class _Pending:
+    """One submitted batch: its host output buffer and the events that time it."""
+
+    batch: PackedBatch
+    out: torch.Tensor  # (rows, width) out_dtype, host (pinned on CUDA)
+    padded: int = 0
+    mode: str = "eager"  # "graph", "static" or "eager"
+    events: dict[str, torch.cuda.Event] = field(default_factory=dict)
+    seconds: float = 0.0  # CPU: model wall time
+    finite: torch.Tensor | None = None  # () bool, host: every output value is finite
+
+
+def resolve_attention(name: str, device: torch.device, dtype: torch.dtype):
+    """The attention backend for ``device`` and compute ``dtype`` (name, function).
+
+    The flash kernels behind ``flash`` and ``varlen`` take only fp16/bf16, so in float32
+    ``auto`` picks SDPA and a forced one is a UsageError.
+    """
+    if device.type == "cuda" and dtype == torch.float32:
+        if name == "auto":
+            name = "sdpa"
+        elif name in GRAPH_BACKENDS:
+            raise UsageError(f"attention {name!r} needs bfloat16 or float16, not float32")
+    elif name == "auto":
+        name = available_backends(device)[0]
+    return select_attention(name, device)
+
+
+def runs_one_shape(model: VisionTower, deterministic: bool) -> bool:
+    """Whether an Engine over ``model`` runs every batch at one shape: the batch-invariant
+    path on CUDA (one bucket that holds any single image). Tensor parallelism turns the
+    invariant path off (its all-reduces sum in another order than one rank does)."""
+    return deterministic and not model.tensor_parallel and model.device.type == "cuda"
+
+
+class Engine:
+    """Encodes PackedBatches with a VisionTower.
+
+    ``features``: "aligner" or "vit". ``out_dtype``: dtype of the returned rows.
+    ``cuda_graphs``: None = on when the device is CUDA and the attention backend can be
+    captured (flash, varlen); True on a CPU device is a UsageError; with SDPA it falls back
+    to eager with a log line. ``batch_tokens`` / ``max_images``: the largest batch the caller
+    will submit (the top graph budget and the image slots of every graph). ``budgets``: the
+    graph token budgets (default: powers of two from ``min_budget`` up to ``batch_tokens``;
+    ``graphs.fit_budgets`` picks better ones when every batch's size is known up front).
+
+    ``deterministic`` (default on): an image's output bytes do not depend on the batch it
+    shares (other images, its position, the batch's size). On the CPU each image runs through
+    the tower alone (``model.by_spans``: kernels see its rows only); on CUDA every batch runs
+    in one fixed-shape bucket (one graph budget), so every kernel sees the same shapes. Under
+    tensor parallelism the all-reduce changes the summation order, so rows are not invariant
+    against a single rank.
+    """
+
+    def __init__(self, model: VisionTower, features: str = "aligner",
+                 attention: str = "auto", out_dtype: torch.dtype = torch.float32, *,
+                 cuda_graphs: bool | None = None, batch_tokens: int | None = None,
+                 max_images: int = 64, budgets: Sequence[int] | None = None,
+                 min_budget: int = 1024, deterministic: bool = True) -> None:
+        self.model = model
+        self.device = model.device
+        self.features = features
+        self.out_dtype = out_dtype
+        self.attention_name, self._attend = resolve_attention(attention, self.device, model.dtype)
+        model.attend = self._attend
+        self.batch_tokens = batch_tokens or default_batch_tokens(self.device.type)
+        self.max_images = max_images
+        self.stats = EngineStats()
+        self.last_finite = True  # every value of the last collected batch was finite
+        self._pending: deque[_Pending] = deque()
+        self.runner: BucketRunner | None = None
+        # Tensor parallelism installs all-reduce hooks: summation order differs from one rank.
+        self.deterministic = deterministic and not model.tensor_parallel
+        graphs = self._want_graphs(cuda_graphs)
+        if runs_one_shape(model, deterministic):
+            # One bucket that holds any single image: every batch runs at the same shapes.
+            top = max(self.batch_tokens, max_image_tokens(model.cfg))
+            self.runner = BucketRunner(model, features, [top], max_images,
+                                       max_seqlen=max_image_tokens(model.cfg), capture=graphs)
+        elif graphs:
+            budgets = list(budgets) if budgets else default_budgets(self.batch_tokens, min_budget)
+            self.runner = BucketRunner(model, features, budgets, max_images,
+                                       max_seqlen=max_image_tokens(model.cfg), capture=True)
+        if self.device.type == "cuda":
+            self._h2d_stream = torch.cuda.Stream(self.device)
+            self._d2h_stream = torch.cuda.Stream(self.device)
+
+    def _want_graphs(self, cuda_graphs: bool | None) -> bool:
+        if cuda_graphs is False:
+            return False
+        if self.device.type != "cuda":
+            if cuda_graphs:
+                raise UsageError(f"CUDA graphs need a CUDA device, not {self.device}")
+            return False
+        if self.attention_name not in GRAPH_BACKENDS:
+            # Asked for explicitly: say so louder than when it is just the default.
+            log.log(logging.WARNING if cuda_graphs else logging.INFO,
+                    "CUDA graphs off: attention %r needs host-side lengths; running eagerly",
+                    self.attention_name)
+            return False
+        return True
+
+    @property
+    def cfg(self):
+        return self.model.cfg
+
+    @property
+    def graphs_enabled(self) -> bool:
+        """True once graphs are (or will be) replayed: capture may still fall back."""
+        return self.runner is not None and self.runner.capture
+
+    @property
+    def pending(self) -> int:
+        """Batches submitted and not yet collected."""
+        return len(self._pending)
+
+    def patch_buffer(self, tokens: int, width: int, dtype: torch.dtype) -> torch.Tensor:
+        """Host memory for a batch's patches (``packing.pack`` fills it): page-locked on
+        CUDA, where the transfer reads it as it is (``pin_memory`` of a pinned tensor is the
+        tensor itself), so the patches are copied once on the host, not packed and then
+        pinned."""
+        return torch.empty(tokens, width, dtype=dtype, pin_memory=self.device.type == "cuda")
+
+    def _use_backend(self) -> None:
+        # Engines may share a model (e.g. an SDPA reference beside a graph engine): put this
+        # engine's backend back before every forward.
+        self.model.attend = self._attend
+
+    def fit_budgets(self, bin_tokens: Sequence[int], max_budgets: int = 6) -> None:
+        """Offline, every batch's size is known before capture: pick the graph budgets that
+        pad least (``graphs.fit_budgets``) instead of powers of two. No-op once captured."""
+        runner = self.runner
+        if (runner is None or not runner.capture or runner.graphs or not bin_tokens
+                or self.deterministic):
+            return
+        budgets = fit_budgets(bin_tokens, max_budgets)
+        self.runner = BucketRunner(self.model, self.features, budgets, self.max_images,
+                                   max_seqlen=max_image_tokens(self.model.cfg), capture=True)
+
+    def prepare(self) -> None:
+        """Capture the CUDA graphs now (else it happens at the first submit)."""
+        if self.runner is not None and self.runner.capture and not self.runner.graphs:
+            self._use_backend()
+            with torch.cuda.device(self.device):
+                self.runner.capture_all()
+            self.stats.capture_s += self.runner.capture_s
+
+    # -- eager reference path (any device) -------------------------------------------
+    def to_device(self, batch: PackedBatch) -> dict:
+        """Device tensors of a batch: patches, RoPE tables, spans, merge plan."""
+        dev = self.device
+        non_blocking = dev.type == "cuda"
+        positions = batch.positions.to(dev, non_blocking=non_blocking)
+        cos, sin = rope_tables(positions, self.cfg, max((max(g) for g in batch.grids), default=0))
+        return {
+            "patches": batch.patches.to(dev, non_blocking=non_blocking),
+            "cos": cos,
+            "sin": sin,
+            "spans": VarlenSpans.from_lengths(batch.lengths, dev),
+            "merge_index": batch.merge_index.to(dev, non_blocking=non_blocking),
+            "merge_mask": batch.merge_mask.to(dev, non_blocking=non_blocking),
+        }
+
+    @torch.inference_mode()
+    def forward(self, batch: PackedBatch) -> torch.Tensor:
+        """Eager packed forward on the device. Returns (R, width) in the compute dtype."""
+        self._use_backend()
+        inputs = self.to_device(batch)
+        if self.deterministic and self.device.type != "cuda":
+            inputs["row_counts"] = batch.row_counts
+        return self.model.forward_packed(features=self.features, **inputs)
+
+    # -- public encode API -----------------------------------------------------------
+    def encode(self, batch: PackedBatch) -> list[torch.Tensor]:
+        """Encode one packed batch; one host tensor (rows, width) per image, in out_dtype."""
+        if self._pending:
+            raise RuntimeError("encode() with batches still pending; collect() them first")
+        self.submit(batch)
+        return self.collect()
+
+    def encode_many(self, batches: Iterable[PackedBatch]) -> Iterator[list[torch.Tensor]]:
+        """Encode batches in order, one batch in flight ahead (overlaps transfers with
+        compute on CUDA). Yields each batch's per-image outputs, in order."""
+        for batch in batches:
+            self.submit(batch)
+            if len(self._pending) > 1:
+                yield self.collect()
+        while self._pending:
+            yield self.collect()
+
+    def submit(self, batch: PackedBatch) -> None:
+        """Start encoding ``batch``; its result comes from a later ``collect``, in order."""
+        if self.device.type != "cuda":
+            began = time.perf_counter()
+            out = self.forward(batch).to(self.out_dtype)
+            self._pending.append(_Pending(batch, out, seconds=time.perf_counter() - began,
+                                          finite=torch.isfinite(out).all()))
+            return
+        with torch.cuda.device(self.device):
+            self.prepare()
+            self._pending.append(self._submit_cuda(batch))
+
+    def collect(self) -> list[torch.Tensor]:
+        """Wait for the oldest submitted batch; its per-image host tensors (rows, width)."""
+        job = self._pending.popleft()
+        s = self.stats
+        if job.events:
+            job.events["done"].synchronize()
+            ev = job.events
+            s.h2d_s += ev["h2d0"].elapsed_time(ev["h2d1"]) / 1e3
+            s.model_s += ev["m0"].elapsed_time(ev["m1"]) / 1e3
+            s.d2h_s += ev["m1"].elapsed_time(ev["done"]) / 1e3
+        else:
+            s.model_s += job.seconds
+        s.batches += 1
+        s.real_tokens += job.batch.n_tokens
+        s.padded_tokens += job.padded
+        s.graph_batches += job.mode == "graph"
+        s.static_batches += job.mode == "static"
+        self.last_finite = job.finite is None or bool(job.finite)
+        return job.batch.split_rows(job.out)
+
+    # -- CUDA path --------------------------------------------------------------------
+    def _host_inputs(self, batch: PackedBatch, bucket: Bucket | None):
+        """Host tensors to transfer: bucket-padded (static path) or exact (eager path)."""
+        if bucket is not None:
+            staged = self.runner.stage(batch, bucket)
+            return staged.tensors(), staged
+        host = {"patches": batch.patches, "positions": batch.positions,
+                "cu_seqlens": VarlenSpans.from_lengths(batch.lengths, "cpu").cu_seqlens}
+        if self.features == "aligner":
+            host["merge_index"], host["merge_mask"] = batch.merge_index, batch.merge_mask
+        return host, None
+
+    def _submit_cuda(self, batch: PackedBatch) -> _Pending:
+        self._use_backend()
+        runner = self.runner
+        bucket = runner.choose(batch) if runner is not None else None
+        if runner is not None and bucket is None:
+            log.log(logging.WARNING if self.deterministic else logging.DEBUG,
+                    "batch of %d tokens, %d images fits no bucket: eager%s", batch.n_tokens,
+                    len(batch.lengths), " (its rows are not batch-invariant)"
+                    if self.deterministic else "")
+        host, staged = self._host_inputs(batch, bucket)
+        # Pinned copies (the caching host allocator keeps each block until its copy is done).
+        pinned = {k: v.pin_memory() for k, v in host.items()}
+        ev = {k: torch.cuda.Event(enable_timing=True) for k in ("h2d0", "h2d1", "m0", "m1", "done")}
+        compute = torch.cuda.current_stream(self.device)
+        # Allocate the device copies on the copy stream (their first writer), and mark them
+        # used by the compute stream: the allocator then cannot hand their memory to a later
+        # copy while this batch's forward still reads it.
+        with torch.cuda.stream(self._h2d_stream):
+            ev["h2d0"].record()
+            dev = {k: v.to(self.device, non_blocking=True) for k, v in pinned.items()}
+            ev["h2d1"].record()
+        compute.wait_event(ev["h2d1"])
+        for t in dev.values():
+            t.record_stream(compute)
+        ev["m0"].record(compute)
+        with torch.inference_mode():
+            if bucket is not None:
+                runner.load(staged.replace(dev))
+                rows = batch.n_rows if self.features == "aligner" else batch.n_tokens
+                # A copy always: a graph's output buffer is overwritten by the next replay.
+                out = runner.run(bucket, staged.lengths)[:rows].to(self.out_dtype, copy=True)
+            else:
+                cos, sin = rope_tables(dev["positions"], self.cfg,
+                                       max((max(g) for g in batch.grids), default=0))
+                spans = VarlenSpans(dev["cu_seqlens"], max(batch.lengths, default=0),
+                                    tuple(batch.lengths))
+                out = self.model.forward_packed(dev["patches"], cos, sin, spans,
+                                                dev.get("merge_index"), dev.get("merge_mask"),
+                                                features=self.features).to(self.out_dtype)
+            # One reduction on the device instead of a scan of every row on the host.
+            finite = torch.isfinite(out).all()
+        ev["m1"].record(compute)
+        host_out = torch.empty(out.shape, dtype=self.out_dtype, pin_memory=True)
+        host_finite = torch.empty((), dtype=torch.bool, pin_memory=True)
+        self._d2h_stream.wait_event(ev["m1"])
+        with torch.cuda.stream(self._d2h_stream):
+            host_out.copy_(out, non_blocking=True)
+            host_finite.copy_(finite, non_blocking=True)
+            ev["done"].record()
+        out.record_stream(self._d2h_stream)
+        finite.record_stream(self._d2h_stream)
+        if bucket is None:
+            self.stats.variant_batches += self.deterministic
+            return _Pending(batch, host_out, 0, "eager", ev, finite=host_finite)
+        mode = "graph" if bucket.tokens in runner.graphs else "static"
+        return _Pending(batch, host_out, bucket.tokens - batch.n_tokens, mode, ev,
+                        finite=host_finite)
+
+
+class NonFiniteOutput(DsvError):
+    """An embedding holds inf or NaN, almost always a value past the output dtype's range
+    (float16 ends at 65504). ``position``: the output's place in its batch; ``tag``: the
+    caller's tag for that image (set by ``batching.BatchLoop``)."""
+
+    def __init__(self, position: int, message: str) -> None:
+        super().__init__(message)
+        self.position = position
+        self.tag: Any = None
+
+
+def check_finite(engine: Engine, outputs: Sequence[torch.Tensor], key_of: Callable[[int], Any],
+                 remedy: str) -> None:
+    """Raise ``NonFiniteOutput`` naming (``key_of(position)``) the first of the last collected
+    batch's ``outputs`` that is not finite. The command line and the Python API both call
+    this: neither ever returns inf or NaN. Costs nothing when the engine's one reduction per
+    batch found every value finite; only then are images scanned one by one."""
+    if engine.last_finite:
+        return
+    name = str(engine.out_dtype).removeprefix("torch.")
+    for position, out in enumerate(outputs):
+        if not torch.isfinite(out).all():
+            raise NonFiniteOutput(position, f"embedding of {key_of(position)} is not finite "
+                                            f"in {name}; {remedy}")

@@ -1,0 +1,54 @@
+"""The one place that builds a tower for running: the weights on a device, split over the
+ranks when asked (tensor parallelism), its elementwise kernels fused when asked, and the
+Engine over it. The command line (``run/pipeline``), the API and ``bench`` all build here, so
+the order of those steps (split before fusion; fusion's shape choice from the engine's) is
+written once."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from ..tower.checkpoint import Checkpoint, build_tower
+from ..tower.model import VisionTower
+from .engine import Engine, runs_one_shape
+
+
+def build_model(ckpt: Checkpoint, device: torch.device | None = None, *, fused: bool = False,
+                deterministic: bool = True,
+                split: Callable[[VisionTower], object] | None = None) -> VisionTower:
+    """The tower of ``ckpt`` on ``device``. ``split(model)``: splits its weights over the
+    ranks (tensor parallelism), before anything else sees it. ``fused``: compiled elementwise
+    kernels (``tower/fusion``), specialized to one shape when an Engine made with
+    ``deterministic`` runs every batch at one shape."""
+    model = build_tower(ckpt, device) if device is not None else build_tower(ckpt)
+    if split is not None:
+        split(model)
+    if fused:
+        from ..tower.fusion import fuse_elementwise  # torch.compile's import is slow: only when asked
+
+        fuse_elementwise(model, dynamic=not runs_one_shape(model, deterministic))
+    return model
+
+
+def build_engine(ckpt: Checkpoint, device: torch.device, *, features: str = "aligner",
+                 attention: str = "auto", out_dtype: torch.dtype = torch.float32,
+                 cuda_graphs: bool | None = None, batch_tokens: int | None = None,
+                 max_images: int = 64, deterministic: bool = True, fused: bool = False,
+                 split: Callable[[VisionTower], object] | None = None) -> Engine:
+    """``build_model`` and the Engine over it (the arguments as ``Engine``'s)."""
+    model = build_model(ckpt, device, fused=fused, deterministic=deterministic, split=split)
+    return engine_for(model, features=features, attention=attention, out_dtype=out_dtype,
+                      cuda_graphs=cuda_graphs, batch_tokens=batch_tokens,
+                      max_images=max_images, deterministic=deterministic)
+
+
+def engine_for(model: VisionTower, *, features: str = "aligner", attention: str = "auto",
+               out_dtype: torch.dtype = torch.float32, cuda_graphs: bool | None = None,
+               batch_tokens: int | None = None, max_images: int = 64,
+               deterministic: bool = True) -> Engine:
+    """An Engine over a tower already built (the API keeps one tower for both features)."""
+    return Engine(model, features=features, attention=attention, out_dtype=out_dtype,
+                  cuda_graphs=cuda_graphs, batch_tokens=batch_tokens, max_images=max_images,
+                  deterministic=deterministic)

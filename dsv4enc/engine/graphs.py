@@ -1,0 +1,330 @@
+"""Static-shape execution of packed batches (SPEC §6): token budgets, padding, CUDA graphs.
+
+A *bucket* fixes every shape of one packed forward: T tokens (the budget), R aligner rows, B
+images and the ``max_seqlen`` handed to the attention kernel. A batch runs in the smallest
+bucket that holds it, padded up to the bucket's shapes:
+
+- tokens past the real ones lie outside every span: the B+1 ``cu_seqlens`` slots past the real
+  images repeat the last offset (zero-length sequences), so attention never reads or writes
+  them, and all other ops are row-wise, so whatever those rows hold stays in those rows;
+- merge rows past the real ones point at row 0 (always a real token) with an all-False mask,
+  and ``merge_gather`` selects with ``where``, so even NaN garbage cannot leak into them;
+- only the first ``rows`` output rows are read back.
+
+``BucketRunner`` does all of this with plain eager calls when ``capture`` is off (any device,
+any attention backend; this is what the CPU tests check against the plain packed forward)
+and with one captured CUDA graph per bucket when it is on.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from ..tower.attention import VarlenSpans
+from ..tower.config import VisionConfig
+from ..tower.model import VisionTower, rope_table, rope_tables
+from .packing import PackedBatch
+
+log = logging.getLogger(__name__)
+
+#: Attention backends that read only device tensors, so a CUDA graph can hold them.
+GRAPH_BACKENDS = ("flash", "varlen")
+
+
+def default_budgets(batch_tokens: int, min_tokens: int = 1024) -> list[int]:
+    """Powers of two from ``min_tokens`` below ``batch_tokens``, then ``batch_tokens`` itself."""
+    budgets = []
+    t = 1 << max(0, math.ceil(math.log2(max(1, min(min_tokens, batch_tokens)))))
+    while t < batch_tokens:
+        budgets.append(t)
+        t *= 2
+    return budgets + [batch_tokens]
+
+
+def fit_budgets(bin_tokens: Sequence[int], max_budgets: int = 4, quantum: int = 64) -> list[int]:
+    """Budgets that minimise padding for batches known up front (offline runs).
+
+    ``bin_tokens``: the token count of every planned batch. Counts are rounded up to
+    ``quantum`` (GEMM-friendly sizes, and it bounds the search), then at most ``max_budgets``
+    budgets are chosen among those sizes, the largest always included, minimising the summed
+    padding when each batch takes the smallest budget that holds it. An optimal budget set
+    never needs a value that is not some batch's size (lowering a budget to the largest size
+    it serves only removes padding), so a dynamic program over the m distinct sizes is exact,
+    O(max_budgets * m^2) with m <= max_size / quantum.
+    """
+    sizes: dict[int, int] = {}
+    for n in bin_tokens:
+        if n > 0:
+            q = -(-n // quantum) * quantum
+            sizes[q] = sizes.get(q, 0) + 1
+    if not sizes:
+        return []
+    vals = sorted(sizes)
+    cnt = [sizes[v] for v in vals]
+    m = len(vals)
+    # pad(i, j): padding of the sizes i..j (inclusive) served by budget vals[j].
+    pre_c = [0] * (m + 1)
+    pre_s = [0] * (m + 1)
+    for i in range(m):
+        pre_c[i + 1] = pre_c[i] + cnt[i]
+        pre_s[i + 1] = pre_s[i] + cnt[i] * vals[i]
+
+    def pad(i: int, j: int) -> int:
+        return vals[j] * (pre_c[j + 1] - pre_c[i]) - (pre_s[j + 1] - pre_s[i])
+
+    inf = float("inf")
+    k_max = min(max_budgets, m)
+    # best[k][j]: least padding of sizes 0..j with k budgets, the largest being vals[j].
+    best = [[inf] * m for _ in range(k_max + 1)]
+    choice = [[-1] * m for _ in range(k_max + 1)]
+    for j in range(m):
+        best[1][j] = pad(0, j)
+    for k in range(2, k_max + 1):
+        for j in range(m):
+            for i in range(j):
+                cost = best[k - 1][i] + pad(i + 1, j)
+                if cost < best[k][j]:
+                    best[k][j], choice[k][j] = cost, i
+    k = min(range(1, k_max + 1), key=lambda k: (best[k][m - 1], k))
+    out, j = [], m - 1
+    while k >= 1 and j >= 0:
+        out.append(vals[j])
+        j, k = choice[k][j], k - 1
+    return sorted(out)
+
+
+def row_bound(tokens: int, images: int, r: int = 3, max_aspect: float = 8.0) -> int:
+    """Upper bound on aligner rows of any batch of <= ``images`` images, <= ``tokens`` patches,
+    each grid's long side at most ``max_aspect`` times its short side.
+
+    Proof. One image with an n_h x n_w grid (N = n_h*n_w) gives a*b rows, a = ceil(n_h/r),
+    b = ceil(n_w/r), and r*a <= n_h + r - 1, r*b <= n_w + r - 1, so
+        r^2 * rows <= (n_h + r-1)(n_w + r-1) = N + (r-1)(n_h + n_w) + (r-1)^2.
+    With s <= l the sides and t = sqrt(l/s) in [1, sqrt(A)] (A = max_aspect),
+    n_h + n_w = sqrt(N) * (t + 1/t) <= c * sqrt(N), c = sqrt(A) + 1/sqrt(A), since t + 1/t
+    grows for t >= 1. Over k <= B images with sum N_i <= T, Cauchy-Schwarz gives
+    sum sqrt(N_i) <= sqrt(k * T) <= sqrt(B * T). Hence
+        r^2 * sum rows <= T + (r-1) * c * sqrt(B*T) + B * (r-1)^2.
+    Also rows <= T (each row holds at least one real patch). A batch outside the aspect
+    assumption is still checked exactly (``BucketRunner.choose``): it takes a larger bucket
+    or runs eagerly, never overflows.
+    At real dims (T = 32768, B = 64) the bound is ~1.3 T/9: ~1100 spare rows, each ~13% of a
+    patch's ViT cost, i.e. under 0.5% of the batch.
+    """
+    c = math.sqrt(max_aspect) + 1.0 / math.sqrt(max_aspect)
+    bound = (tokens + (r - 1) * c * math.sqrt(images * tokens) + images * (r - 1) ** 2) / r ** 2
+    return max(1, min(tokens, math.floor(bound)))
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """Fixed shapes of one static forward."""
+
+    tokens: int  # T: padded token count
+    rows: int  # R: output rows (T for ViT features)
+    images: int  # B: sequences in cu_seqlens (B+1 entries)
+    max_seqlen: int  # handed to the attention kernel; every real image must fit
+
+
+@dataclass
+class StagedInputs:
+    """A batch laid out for one bucket (host or device tensors, same fields).
+
+    patches (n, 3*p*p) and positions (n, 2) hold the n real tokens only (the bucket's tail
+    rows are never read by a real row, so they are not copied); cu_seqlens (B+1,) int32 and
+    merge_index / merge_mask (R, r*r) are full-size with the padding already filled in.
+    lengths: real span lengths then zeros, B entries (host; SDPA needs them).
+    """
+
+    patches: torch.Tensor
+    positions: torch.Tensor
+    cu_seqlens: torch.Tensor
+    merge_index: torch.Tensor | None
+    merge_mask: torch.Tensor | None
+    lengths: tuple[int, ...]
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        out = {"patches": self.patches, "positions": self.positions, "cu_seqlens": self.cu_seqlens}
+        if self.merge_index is not None:
+            out["merge_index"] = self.merge_index
+            out["merge_mask"] = self.merge_mask
+        return out
+
+    def replace(self, tensors: dict[str, torch.Tensor]) -> "StagedInputs":
+        return StagedInputs(tensors["patches"], tensors["positions"], tensors["cu_seqlens"],
+                            tensors.get("merge_index"), tensors.get("merge_mask"), self.lengths)
+
+
+class BucketRunner:
+    """Runs packed batches in fixed-shape buckets, eagerly or as captured CUDA graphs.
+
+    One set of static input buffers, sized for the largest bucket, is shared by all buckets
+    (each reads a prefix). With ``capture``, every bucket's forward is captured once, largest
+    first, into one shared memory pool (smaller graphs reuse the largest one's scratch).
+    """
+
+    def __init__(self, model: VisionTower, features: str, budgets: Sequence[int],
+                 max_images: int, max_seqlen: int | None = None, capture: bool = False,
+                 max_aspect: float = 8.0) -> None:
+        if not budgets:
+            raise ValueError("no token budgets")
+        self.model = model
+        self.features = features
+        self.device = model.device
+        self.capture = capture
+        cfg = model.cfg
+        self.r = cfg.downsample_ratio
+        seq_cap = max_seqlen or max(budgets)
+        # Every coordinate is below an image's token count, so below seq_cap: build the RoPE
+        # tables that far now (a graph capture cannot grow them).
+        self.max_position = seq_cap
+        rope_table(cfg, self.device, seq_cap + 1)
+        self.buckets = [
+            Bucket(tokens=t,
+                   rows=t if features == "vit" else row_bound(t, max_images, self.r, max_aspect),
+                   images=max_images, max_seqlen=min(t, seq_cap))
+            for t in sorted(set(int(b) for b in budgets))]
+        top = self.buckets[-1]
+        rr = self.r * self.r
+        dev = self.device
+        with torch.inference_mode():
+            # In the compute dtype: the patch embedding casts to it anyway, and a bf16 input
+            # (what the transform makes) converts exactly.
+            self.patches = torch.zeros(top.tokens, cfg.patch_dim, dtype=model.dtype, device=dev)
+            self.positions = torch.zeros(top.tokens, 2, dtype=torch.int32, device=dev)
+            self.cu_seqlens = torch.zeros(max_images + 1, dtype=torch.int32, device=dev)
+            max_rows = max(b.rows for b in self.buckets) if features == "aligner" else 0
+            self.merge_index = torch.zeros(max_rows, rr, dtype=torch.int64, device=dev)
+            self.merge_mask = torch.zeros(max_rows, rr, dtype=torch.bool, device=dev)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        self.capture_s = 0.0
+
+    # -- planning (host) ----------------------------------------------------------
+    def choose(self, batch: PackedBatch) -> Bucket | None:
+        """Smallest bucket that holds the batch's tokens, rows, images and longest image."""
+        rows = batch.n_rows if self.features == "aligner" else batch.n_tokens
+        longest = max(batch.lengths, default=0)
+        for b in self.buckets:
+            if (batch.n_tokens <= b.tokens and rows <= b.rows and len(batch.lengths) <= b.images
+                    and longest <= b.max_seqlen):
+                return b
+        return None
+
+    def stage(self, batch: PackedBatch, bucket: Bucket) -> StagedInputs:
+        """Host tensors of ``batch`` padded to ``bucket`` (see StagedInputs)."""
+        lengths = tuple(batch.lengths) + (0,) * (bucket.images - len(batch.lengths))
+        cu = torch.zeros(bucket.images + 1, dtype=torch.int32)
+        cu[1:] = torch.cumsum(torch.tensor(lengths, dtype=torch.int64), 0).to(torch.int32)
+        index = mask = None
+        if self.features == "aligner":
+            rr = self.r * self.r
+            n = batch.merge_index.shape[0]
+            index = torch.zeros(bucket.rows, rr, dtype=torch.int64)
+            index[:n] = batch.merge_index
+            mask = torch.zeros(bucket.rows, rr, dtype=torch.bool)
+            mask[:n] = batch.merge_mask
+        return StagedInputs(batch.patches, batch.positions, cu, index, mask, lengths)
+
+    # -- device work ----------------------------------------------------------------
+    @torch.inference_mode()
+    def load(self, staged: StagedInputs) -> None:
+        """Copy staged (device) inputs into the static buffers."""
+        n = staged.patches.shape[0]
+        self.patches[:n].copy_(staged.patches)
+        self.positions[:n].copy_(staged.positions)
+        self.cu_seqlens.copy_(staged.cu_seqlens)
+        if staged.merge_index is not None:
+            rows = staged.merge_index.shape[0]
+            self.merge_index[:rows].copy_(staged.merge_index)
+            self.merge_mask[:rows].copy_(staged.merge_mask)
+
+    def _forward(self, bucket: Bucket, lengths: tuple[int, ...] | None) -> torch.Tensor:
+        """The static-shape forward over the buffers' prefixes: (R, width) or (T, D)."""
+        T, R = bucket.tokens, bucket.rows
+        # RoPE tables come from the positions buffer inside the forward: a (T, 2) int32 copy
+        # instead of two (T, 1, rd) float32 tables per batch.
+        cos, sin = rope_tables(self.positions[:T], self.model.cfg, self.max_position)
+        spans = VarlenSpans(self.cu_seqlens, bucket.max_seqlen, lengths)
+        index = self.merge_index[:R] if self.features == "aligner" else None
+        mask = self.merge_mask[:R] if self.features == "aligner" else None
+        return self.model.forward_packed(self.patches[:T], cos, sin, spans, index, mask,
+                                         features=self.features)
+
+    @torch.inference_mode()
+    def run(self, bucket: Bucket, lengths: tuple[int, ...]) -> torch.Tensor:
+        """Forward of what ``load`` put in the buffers. Returns the bucket's full output
+        (R or T rows); only the batch's first rows are meaningful. With graphs the tensor is
+        the graph's static output, valid until the next ``run`` of any bucket (the graphs
+        share one pool, so another graph's scratch may overlay it): copy what you need first,
+        on the same stream."""
+        graph = self.graphs.get(bucket.tokens)
+        if graph is not None:
+            graph.replay()
+            return self.outputs[bucket.tokens]
+        return self._forward(bucket, lengths)
+
+    def capture_all(self) -> None:
+        """Capture one graph per bucket (largest first, one shared pool); logs the cost.
+
+        On any capture error, logs it and leaves the runner eager (same results, no graphs).
+        """
+        if not self.capture or self.graphs:
+            return
+        began = time.perf_counter()
+        free_before = torch.cuda.mem_get_info(self.device)[0]
+        pool = torch.cuda.graph_pool_handle()
+        try:
+            with torch.inference_mode():
+                for bucket in sorted(self.buckets, key=lambda b: -b.tokens):
+                    t0 = time.perf_counter()
+                    side = torch.cuda.Stream(self.device)
+                    side.wait_stream(torch.cuda.current_stream(self.device))
+                    # Warm-up off the capture: lazy inits (cuBLAS handles, workspaces,
+                    # kernel selection) must not happen inside the graph.
+                    with torch.cuda.stream(side):
+                        for _ in range(2):
+                            self._forward(bucket, None)
+                    torch.cuda.current_stream(self.device).wait_stream(side)
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=pool):
+                        out = self._forward(bucket, None)
+                    self.graphs[bucket.tokens] = graph
+                    self.outputs[bucket.tokens] = out
+                    log.info("captured CUDA graph: %d tokens, %d rows, %d images, max_seqlen "
+                             "%d in %.2f s", bucket.tokens, bucket.rows, bucket.images,
+                             bucket.max_seqlen, time.perf_counter() - t0)
+        except Exception as exc:  # a backend that cannot be captured: stay eager
+            log.warning("CUDA graph capture failed (%s: %s); running eagerly",
+                        type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
+            self.graphs.clear()
+            self.outputs.clear()
+            self.capture = False
+            torch.cuda.synchronize(self.device)
+            return
+        torch.cuda.synchronize(self.device)
+        self.capture_s = time.perf_counter() - began
+        used = free_before - torch.cuda.mem_get_info(self.device)[0]
+        log.info("captured %d CUDA graphs in %.2f s, %.0f MiB of device memory",
+                 len(self.graphs), self.capture_s, used / 2 ** 20)
+
+    def encode_host(self, batch: PackedBatch) -> torch.Tensor | None:
+        """Whole static path for a host-side caller (tests, CPU): choose, stage, load, run.
+
+        Returns (rows, width) in the compute dtype, or None when no bucket holds the batch.
+        """
+        bucket = self.choose(batch)
+        if bucket is None:
+            return None
+        staged = self.stage(batch, bucket)
+        dev = staged.replace({k: v.to(self.device) for k, v in staged.tensors().items()})
+        self.load(dev)
+        out = self.run(bucket, staged.lengths)
+        rows = batch.n_rows if self.features == "aligner" else batch.n_tokens
+        return out[:rows].clone()

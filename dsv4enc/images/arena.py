@@ -1,0 +1,155 @@
+"""Shared memory for decoded patches (``PatchArena``): decode workers write an image's
+patches into a slot of one anonymous memory file that the pool maps too, so the patches never
+go through a pipe. ``decode.DecodePool`` owns the arena and hands a slot to each task."""
+
+from __future__ import annotations
+
+import mmap
+import os
+import threading
+import weakref
+
+import numpy as np
+
+from ..tower.config import VisionConfig
+
+
+def patch_slot_bytes(cfg: VisionConfig) -> int:
+    """Bytes of the largest transformed image's patches (bfloat16 bits): one arena slot."""
+    from ..tower.transform import max_image_tokens
+
+    return max_image_tokens(cfg) * 3 * cfg.patch_size ** 2 * 2
+
+
+class PatchArena:
+    """Shared memory that decode workers write patches into, so that an image's patches
+    (3.5 MB for a 1024x768 photo at real dims) never go through a pipe: pickling them in the
+    worker, reading and unpickling them in the pool cost about a tenth of the host's CPU per
+    image (benchmarks/RESULTS.md, ``bench --host``).
+
+    One anonymous memory file (Linux ``memfd``) of ``slots`` equal slots, mapped by the pool
+    and by each worker (which inherits it at spawn). It has no name (nothing in /dev/shm), so
+    nothing can leak: the kernel frees it when the last process that holds it closes or
+    unmaps it, however that process ends (a killed worker, a killed run). Pages are committed
+    when first written, so the slot count costs address space, not memory.
+
+    The pool takes a free slot for each task it dispatches; the worker transforms straight
+    into it; the pool hands the result on as a numpy array over the slot (``lease``), and the
+    slot is free again once that array and every view of it are gone. With no free slot, or
+    an image larger than a slot, the worker sends its patches through the pipe as before.
+    """
+
+    def __init__(self, fd: int, slots: int, slot_bytes: int) -> None:
+        self.fd, self.slots, self.slot_bytes = fd, slots, slot_bytes
+        self._map: mmap.mmap | None = mmap.mmap(fd, slots * slot_bytes)
+        self._free = list(range(slots - 1, -1, -1))  # a stack: reuse pages already in memory
+        self._lock = threading.Lock()
+
+    @classmethod
+    def create(cls, slots: int, slot_bytes: int) -> "PatchArena | None":
+        """A new arena, or None where there is no memfd (not Linux) or it cannot be made."""
+        if slots <= 0 or slot_bytes <= 0 or not hasattr(os, "memfd_create"):
+            return None
+        try:
+            fd = os.memfd_create("dsv4enc-patches", os.MFD_CLOEXEC)
+        except OSError:
+            return None
+        try:
+            os.ftruncate(fd, slots * slot_bytes)
+            return cls(fd, slots, slot_bytes)
+        except (OSError, ValueError):
+            os.close(fd)
+            return None
+
+    @property
+    def free(self) -> int:
+        """Slots neither dispatched nor leased."""
+        return len(self._free)
+
+    def take(self) -> int | None:
+        """A free slot for the next task, or None (all in use, or the arena is closed)."""
+        with self._lock:
+            return self._free.pop() if self._free and self._map is not None else None
+
+    def give_back(self, slot: int) -> None:
+        with self._lock:
+            self._free.append(slot)
+
+    def lease(self, slot: int, shape: tuple[int, int]) -> np.ndarray:
+        """The uint16 patches a worker wrote in ``slot``, as an array over the slot (no
+        copy); the slot is given back when the array and all views of it are gone."""
+        flat = np.frombuffer(self._map, np.uint16, count=shape[0] * shape[1],
+                             offset=slot * self.slot_bytes)
+        # Views of ``flat`` (reshapes, dtype views, torch.from_numpy) all keep ``flat``
+        # itself alive: numpy stops collapsing a view's base at an array over a foreign
+        # buffer. So this runs only when the last of them is gone.
+        weakref.finalize(flat, self.give_back, slot)
+        return flat.reshape(shape)
+
+    def handle(self) -> "ArenaHandle":
+        """What a worker process is given at spawn to map the arena."""
+        return ArenaHandle(self.fd, self.slots, self.slot_bytes)
+
+    def close(self) -> None:
+        """Unmap (once no lease is left; until then the leases keep the mapping) and close:
+        the memory is freed when the last mapping goes."""
+        with self._lock:
+            if self._map is None:
+                return
+            mapping, self._map = self._map, None
+            self._free.clear()
+        try:
+            mapping.close()
+        except BufferError:  # leases still in use: the mapping goes with the last of them
+            pass
+        os.close(self.fd)
+
+
+class ArenaHandle:
+    """A PatchArena's file descriptor as a spawned worker inherits it: pickled only while a
+    process is being spawned (``multiprocessing.reduction.DupFd`` passes the descriptor)."""
+
+    def __init__(self, fd: int, slots: int, slot_bytes: int) -> None:
+        self.fd, self.slots, self.slot_bytes = fd, slots, slot_bytes
+
+    def __reduce__(self):
+        from multiprocessing import reduction
+
+        return WorkerArena.attach, (reduction.DupFd(self.fd), self.slots, self.slot_bytes)
+
+
+class WorkerArena:
+    """A worker's mapping of the pool's PatchArena."""
+
+    def __init__(self, mapping: mmap.mmap, slot_bytes: int) -> None:
+        self.mapping, self.slot_bytes = mapping, slot_bytes
+
+    @classmethod
+    def attach(cls, dup_fd, slots: int, slot_bytes: int) -> "WorkerArena | None":
+        """The mapping, or None if it cannot be made (the worker then uses its pipe: the
+        pool gives back a slot its worker did not use)."""
+        fd = dup_fd.detach()
+        try:
+            return cls(mmap.mmap(fd, slots * slot_bytes), slot_bytes)
+        except (OSError, ValueError):
+            return None
+        finally:
+            os.close(fd)  # the mapping keeps the memory file
+
+    def writer(self, slot: int | None):
+        """``out`` for ``transform.image_to_patch_bits``: an array over ``slot`` when the
+        patches fit. ``writer.used`` says whether it was handed out."""
+        def out(shape: tuple[int, int]) -> np.ndarray | None:
+            if slot is None or shape[0] * shape[1] * 2 > self.slot_bytes:
+                return None
+            out.used = True
+            return np.frombuffer(self.mapping, np.uint16, count=shape[0] * shape[1],
+                                 offset=slot * self.slot_bytes).reshape(shape)
+        out.used = False
+        return out
+
+
+def default_slots(workers: int) -> int:
+    """PatchArena slots of a pool: the default look-ahead (``options.decode_window``) and one
+    more per worker, plus the largest batch a consumer holds (``--max-images``'s default)."""
+    return 5 * workers + 2 * 64

@@ -1,0 +1,601 @@
+"""Reading images: header probes (size only) and full decodes in worker processes.
+
+Bad files never raise out of here: every probe and decode returns a result with ``error`` set
+instead. The ``DecodePool`` gives each image a time limit and replaces a worker that crashes
+or hangs, so one pathological file costs one error row, not the run.
+"""
+
+from __future__ import annotations
+
+import io
+import multiprocessing as mp
+import os
+import queue
+import signal
+import stat
+import threading
+import time
+import warnings
+from collections import deque
+from dataclasses import dataclass
+from multiprocessing.connection import wait as wait_ready
+from typing import Any, Iterable, Iterator
+
+import numpy as np
+
+from ..tower.config import VisionConfig
+from .formats import DEFAULT_MAX_PIXELS, image_name, open_image
+from .arena import ArenaHandle, PatchArena, WorkerArena, default_slots, patch_slot_bytes
+from ..process import keep_freed_memory_mapped
+
+
+
+@dataclass
+class Probe:
+    """An image's stored size from its header, or why it could not be read."""
+
+    width: int | None = None
+    height: int | None = None
+    error: str | None = None
+
+
+@dataclass
+class Decoded:
+    """A transformed image: patches (n_h*n_w, 3*p*p) as the uint16 bits of bfloat16."""
+
+    patches: np.ndarray | None = None
+    n_h: int = 0
+    n_w: int = 0
+    width: int | None = None
+    height: int | None = None
+    error: str | None = None
+    out_of_memory: bool = False  # the worker's memory bound was hit: it is replaced
+    # A store that was not answering: when its outage began there (wall time), for the
+    # health record of the process that collects the rows (``storage.note_row``).
+    unavailable_since: float | None = None
+    # Only on the way from a worker: the patches are in this slot of the pool's PatchArena
+    # (the pool turns it back into ``patches`` before anyone else sees the result).
+    slot: int | None = None
+
+
+def describe_error(exc: BaseException) -> str:
+    """One line: the exception type and its message."""
+    text = " ".join(str(exc).split()) or "no details"
+    return f"{type(exc).__name__}: {text}"[:500]
+
+
+def read_failure(exc: BaseException, source) -> tuple[str, float | None]:
+    """An image's error for ``exc``, and when its store's outage began (None: not one).
+
+    An input in a store that is not answering (``storage.StoreUnavailable``, or a read of an
+    open object that failed on an outage) gets a ``storage.UNAVAILABLE`` error, transient:
+    its part is encoded again on --resume. A missing object is an ordinary error."""
+    from .. import storage
+
+    if isinstance(exc, storage.StoreUnavailable):
+        return str(exc), exc.since
+    url = getattr(source, "path", source)
+    if isinstance(exc, OSError) and storage.is_url(url):
+        cause = storage.outage_cause(exc)
+        if cause is not None:
+            store = storage.store_of(url)
+            record = storage.health(store)
+            record.failed(cause)
+            return f"{storage.UNAVAILABLE}: {store}: {cause}", record.since
+    return describe_error(exc), None
+
+
+def _readable(source, stream: bool = False):
+    """What PIL opens for ``source``: a path (str or PathLike) as is, ``bytes`` as a file
+    object, and an ``InputItem`` via ``sources.open_item`` (a container member's bytes, or a
+    stream over it when ``stream``)."""
+    if isinstance(source, (bytes, bytearray, memoryview)):
+        return io.BytesIO(source)
+    if isinstance(source, (str, os.PathLike)) or hasattr(source, "read"):
+        return source
+    from .sources import open_item
+
+    return _readable(open_item(source, stream=stream))
+
+
+def open_checked(source, max_pixels: int, stream: bool = False, name: str | None = None):
+    """Open ``source`` with Pillow, refusing more than ``max_pixels`` pixels.
+
+    The limit is this call's own: Pillow's process-wide ``Image.MAX_IMAGE_PIXELS`` is never
+    changed here (encoders with different limits may run in threads of one process). Pillow
+    still applies that global check first; its error becomes a refusal like ours."""
+    from PIL import Image
+
+    handle = _readable(source, stream)
+    try:  # only as the format(s) the name stands for (``imageformats``); ``name`` overrides
+        image = open_image(handle, name if name is not None else image_name(source, handle))
+    except BaseException as exc:
+        if hasattr(handle, "close"):
+            handle.close()
+        if isinstance(exc, (Image.DecompressionBombError, Image.DecompressionBombWarning)):
+            # Pillow's own message quotes its limit (twice its setting for the error).
+            raise ValueError(f"image has more pixels than --max-pixels {max_pixels} or "
+                             f"Pillow's Image.MAX_IMAGE_PIXELS allow (possible decompression "
+                             f"bomb): {exc}") from None
+        raise
+    width, height = image.size
+    if width * height > max_pixels:
+        image.close()
+        raise ValueError(f"image has {width}x{height} = {width * height} pixels, more than "
+                         f"--max-pixels {max_pixels} (possible decompression bomb)")
+    try:
+        _check_declared_tiles(image, max_pixels)
+    except ValueError:
+        image.close()
+        raise
+    return image
+
+
+def _check_declared_tiles(image, max_pixels: int) -> None:
+    """A TIFF tile is allocated whole, however small the image: a 150-byte file that
+    declares 16384x16384 tiles costs 256 MB a band. Tiles past ``max_pixels`` are refused."""
+    tags = getattr(image, "tag_v2", None)
+    if tags is None:
+        return
+    tile_w, tile_h = tags.get(322), tags.get(323)  # TileWidth, TileLength
+    if isinstance(tile_w, int) and isinstance(tile_h, int) and tile_w * tile_h > max_pixels:
+        raise ValueError(f"TIFF declares {tile_w}x{tile_h} tiles = {tile_w * tile_h} pixels "
+                         f"each, more than --max-pixels {max_pixels} (possible decompression "
+                         "bomb)")
+
+
+def own_process_pillow_settings() -> None:
+    """Pillow's process-wide settings, made once in a process dsv4enc owns (the command
+    line, a decode worker), never per image: its pixel check off (every open applies its
+    own ``max_pixels``, which may be higher than Pillow's default), and its warnings
+    (corrupt data) raised as errors, so that such an image gets an error row whether it is
+    decoded in a worker or in the main process (``--workers 0``)."""
+    from PIL import Image
+
+    Image.MAX_IMAGE_PIXELS = None
+    warnings.filterwarnings("error", module=r"PIL(\.|$)")
+
+
+def _require_regular_file(path) -> None:
+    """A FIFO or device named like an image could block an open (or a read) forever."""
+    if not stat.S_ISREG(os.stat(path).st_mode):
+        raise ValueError("not a regular file (a FIFO, socket or device)")
+
+
+def probe_image(source, max_pixels: int = DEFAULT_MAX_PIXELS) -> Probe:
+    """Read only the header: the stored size (no EXIF rotation). ``source``: a path, bytes,
+    or an ``InputItem`` (which may point into a container file).
+
+    Probes run on threads, so nothing process-wide (warnings filters, Pillow settings) is
+    touched. Only regular files are opened: a path (a table cell's too) that names a FIFO or
+    a device is an error, not a wait. ``planning.probe_all`` bounds a probe's time."""
+    handle = None
+    try:
+        target = source
+        if not isinstance(source, (str, os.PathLike, bytes, bytearray, memoryview)):
+            if getattr(source, "member", None) is None and hasattr(source, "path"):
+                target = source.path  # a plain file InputItem
+            else:
+                from .sources import open_item
+
+                target = handle = open_item(source, stream=True)
+        if isinstance(target, (str, os.PathLike)):
+            _require_regular_file(target)
+        image = open_checked(target, max_pixels, stream=True, name=image_name(source, target))
+        width, height = image.size
+        image.close()
+        if width <= 0 or height <= 0:
+            return Probe(error=f"image has no pixels ({width}x{height})")
+        return Probe(width=width, height=height)
+    except Exception as exc:  # any unreadable file is an error row, never a crash
+        return Probe(error=read_failure(exc, source)[0])
+    finally:
+        if hasattr(handle, "close"):  # a stream over a container member: ours to close
+            handle.close()
+
+
+def decode_image(source, cfg: VisionConfig, max_pixels: int = DEFAULT_MAX_PIXELS,
+                 out=None) -> Decoded:
+    """Decode, transform and patchify one image (first frame of animations). ``source``: a
+    path, bytes, or an ``InputItem`` (which may point into a container file). ``out``: as
+    ``transform.image_to_patch_bits`` takes it (where to put the patches)."""
+    from ..tower.transform import image_to_patch_bits
+
+    try:
+        with open_checked(source, max_pixels) as image:
+            width, height = image.size
+            image.load()
+            bits, canvas = image_to_patch_bits(image, cfg, out)
+        return Decoded(patches=bits, n_h=canvas.n_h, n_w=canvas.n_w, width=width,
+                       height=height)
+    except MemoryError as exc:  # numpy's and Pillow's allocation failures alike
+        return Decoded(error=f"MemoryError: decoding needs more memory than is available "
+                       f"({describe_error(exc)})", out_of_memory=True)
+    except Exception as exc:
+        error, since = read_failure(exc, source)
+        return Decoded(error=error, unavailable_since=since)
+
+
+def patches_tensor(decoded: Decoded):
+    """The decoded patches as a bfloat16 torch tensor (n_h*n_w, 3*p*p), sharing memory."""
+    from ..tower.transform import bf16_bits_to_tensor
+
+    return bf16_bits_to_tensor(decoded.patches)
+
+
+#: A decode worker's memory bound, beyond what it holds once started: bytes per pixel that
+#: ``--max-pixels`` allows (the widest decoded modes, 4 bytes a pixel, with their 8-bit RGB
+#: copies fit), plus room for its cache of table row groups and the transform's canvas.
+WORKER_BYTES_PER_PIXEL = 16
+WORKER_HEADROOM = 768 << 20
+# A worker's heap (``_worker_main``): buffers up to 64 MB (a 20-megapixel photo's planes) come
+# from it and stay mapped when freed, up to 512 MB; larger ones are mapped and given back.
+WORKER_HEAP_LARGEST = 64 << 20
+WORKER_HEAP_KEEP = 512 << 20
+
+
+def worker_memory_budget(max_pixels: int) -> int:
+    """Bytes one decode worker may allocate beyond its start-up footprint."""
+    return WORKER_BYTES_PER_PIXEL * max_pixels + WORKER_HEADROOM
+
+
+def _limit_memory(budget: int | None) -> None:
+    """Cap this process's data segment (heap and private mappings: what decoding allocates)
+    at its current size plus ``budget``: an allocation past it raises MemoryError, which
+    becomes that image's error row. Linux only (elsewhere, no bound)."""
+    if budget is None:
+        return
+    try:
+        import resource
+
+        with open("/proc/self/status") as status:
+            used = next(int(line.split()[1]) * 1024 for line in status
+                        if line.startswith("VmData:"))
+        soft, hard = resource.getrlimit(resource.RLIMIT_DATA)
+        limit = used + budget
+        if hard != resource.RLIM_INFINITY:
+            limit = min(limit, hard)
+        if soft == resource.RLIM_INFINITY or soft > limit:
+            resource.setrlimit(resource.RLIMIT_DATA, (limit, hard))
+    except (ImportError, OSError, StopIteration, ValueError):
+        pass
+
+
+def _exit_with_parent() -> None:
+    """End this worker when its parent dies (SIGKILL, OOM killer) even in the middle of a
+    long decode: without the parent, its work has no reader."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(0)
+
+    threading.Thread(target=watch, name="dsv4enc-parent-watch", daemon=True).start()
+
+
+def _worker_main(conn, cfg: VisionConfig, max_pixels: int,
+                 memory_budget: int | None = None, arena: WorkerArena | None = None) -> None:
+    # Ctrl-C in a terminal reaches the whole process group: the parent decides when to stop
+    # (between batches) and closes the pool, so a worker must not die with an image in hand.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    own_process_pillow_settings()
+    # A photo's buffers (decoded, resized, padded, patch order: 2-3 MB each) are freed and
+    # made again for every image; glibc's default returns them to the OS each time, and
+    # faulting them back in cost 8 ms per 1024x768 photo, a third of the worker's work.
+    keep_freed_memory_mapped(largest_mapped=WORKER_HEAP_LARGEST, keep_free=WORKER_HEAP_KEEP)
+    # This process decodes one image at a time, so a process-wide filter is safe here: a
+    # Pillow warning (corrupt EXIF, truncated data) makes that image an error row.
+    warnings.simplefilter("error")
+    _exit_with_parent()
+    _limit_memory(memory_budget)
+    # A parent that is gone shows as EOF or as a reset connection (OSError): either way the
+    # worker ends quietly, with no traceback.
+    try:
+        conn.send(_READY)  # the parent starts an image's clock only once the worker is up
+    except OSError:
+        return
+    while True:
+        try:
+            task = conn.recv()
+        except (EOFError, OSError, KeyboardInterrupt):
+            return
+        if task is None:
+            return
+        seq, source, slot = task
+        out = arena.writer(slot) if arena is not None else None
+        result = decode_image(source, cfg, max_pixels, out)
+        if out is not None and out.used and result.error is None:
+            result.patches, result.slot = None, slot  # the pool reads them from the slot
+        try:
+            conn.send((seq, result))
+        except (OSError, KeyboardInterrupt):
+            return
+        if result.out_of_memory:
+            return  # the parent replaces this worker: a fresh heap for the next image
+
+
+_END = object()  # the last item an imap pump puts on its queue
+_POLL_S = 0.1  # how often a waiting pump thread checks whether it should stop
+_READY = "ready"  # a worker's first message: imports done, taking images
+STARTUP_LIMIT_S = 120.0  # a worker that is not up by then counts as crashed
+
+
+class _Worker:
+    def __init__(self, ctx, cfg: VisionConfig, max_pixels: int,
+                 memory_budget: int | None = None, arena: ArenaHandle | None = None) -> None:
+        self.conn, child = ctx.Pipe(duplex=True)
+        self.proc = ctx.Process(target=_worker_main,
+                                args=(child, cfg, max_pixels, memory_budget, arena),
+                                daemon=True)
+        self.proc.start()
+        child.close()
+        self.spawned = time.monotonic()
+        self.ready = False
+        # (seq, start time); the start is None until the worker is ready: spawning a process
+        # and importing torch can take longer than an image's time limit.
+        self.task: tuple[int, float | None] | None = None
+        self.slot: int | None = None  # the PatchArena slot of the current task, if any
+
+    def deadline(self, timeout_s: float | None) -> float | None:
+        """When the current task counts as hung (None: never)."""
+        seq, start = self.task
+        if start is None:
+            return self.spawned + max(STARTUP_LIMIT_S, timeout_s or 0.0)
+        return None if timeout_s is None else start + timeout_s
+
+    def stop(self, kill: bool = False) -> None:
+        if kill:
+            self.proc.kill()
+        else:
+            try:
+                self.conn.send(None)
+            except OSError:
+                pass
+        self.proc.join(timeout=5)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join()
+        self.conn.close()
+
+
+class DecodeStream:
+    """What ``DecodePool.imap`` returns: an iterator of ``(tag, Decoded)`` in task order.
+    ``close()`` (or closing the pool) stops its feeding thread, consumed or not."""
+
+    def __init__(self, pool: "DecodePool", results: queue.SimpleQueue,
+                 credits: threading.Semaphore, pump: threading.Thread,
+                 stop: threading.Event) -> None:
+        self._pool, self._results, self._credits = pool, results, credits
+        self._pump, self._stop = pump, stop
+        self._done = False
+
+    def __iter__(self) -> "DecodeStream":
+        return self
+
+    def __next__(self) -> tuple[Any, Decoded]:
+        item = None
+        while item is None:
+            item = self.next_within(3600.0)
+        return item
+
+    def next_within(self, timeout_s: float) -> tuple[Any, Decoded] | None:
+        """Like ``next``, but None when no result comes within ``timeout_s`` (a caller that
+        must also watch for a signal polls with this)."""
+        if self._done:
+            raise StopIteration
+        try:
+            item = self._results.get(timeout=timeout_s)
+        except queue.Empty:
+            return None
+        if item is _END:
+            self.close()
+            raise StopIteration
+        if isinstance(item, BaseException):
+            self.close()
+            raise item
+        self._credits.release()
+        return item
+
+    def close(self) -> None:
+        self._done = True
+        self._pool._stop_pump(self._pump, self._stop)
+
+
+class DecodePool:
+    """Decode images in worker processes, in order, with a bounded look-ahead.
+
+    ``workers=0`` decodes inline (no time limit). A worker that exceeds ``timeout_s`` on one
+    image is killed and replaced; a worker that dies is replaced; either way that image gets an
+    error and the run goes on.
+    """
+
+    def __init__(self, cfg: VisionConfig, workers: int, max_pixels: int = DEFAULT_MAX_PIXELS,
+                 timeout_s: float | None = None,
+                 memory_budget: int | str | None = "auto", slots: int | None = None) -> None:
+        self.cfg = cfg
+        self.max_pixels = max_pixels
+        self.timeout_s = timeout_s
+        self.n_workers = workers
+        # Bytes a worker may allocate beyond its start-up footprint ("auto": from max_pixels;
+        # None: no bound). Past it, the image in hand gets an error row and the worker is
+        # replaced.
+        self.memory_budget = (worker_memory_budget(max_pixels) if memory_budget == "auto"
+                              else memory_budget)
+        self._ctx = mp.get_context("spawn")  # fork is unsafe after torch/CUDA start threads
+        # Shared slots for the workers' patches (``slots``: default, enough for the default
+        # look-ahead plus a batch the consumer still holds; 0: none, all through the pipes).
+        self.arena = (PatchArena.create(default_slots(workers) if slots is None else slots,
+                                         patch_slot_bytes(cfg)) if workers > 0 else None)
+        self._row_width = 3 * cfg.patch_size ** 2
+        # ``arena`` and ``workers`` are public for inspection (tests read the slots and the
+        # worker processes); only the pool itself changes them.
+        self.workers = [self._new_worker() for _ in range(workers)]
+        self.replaced = 0
+        self._pumps: list[tuple[threading.Thread, threading.Event]] = []
+
+    def close(self) -> None:
+        for pump, stop in list(self._pumps):  # an abandoned imap's thread uses the workers
+            self._stop_pump(pump, stop)
+        for worker in self.workers:
+            worker.stop(kill=worker.task is not None)
+        self.workers = []
+        if self.arena is not None:
+            self.arena.close()  # freed once the last lease (a decoded image) is gone
+
+    def __enter__(self) -> "DecodePool":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _new_worker(self) -> _Worker:
+        return _Worker(self._ctx, self.cfg, self.max_pixels, self.memory_budget,
+                       self.arena.handle() if self.arena is not None else None)
+
+    def _replace(self, index: int) -> None:
+        old = self.workers[index]
+        old.stop(kill=True)  # returns once it is gone: it can no longer write to its slot
+        self._release_slot(old)
+        self.workers[index] = self._new_worker()
+        self.replaced += 1
+
+    def _release_slot(self, worker: _Worker) -> None:
+        if worker.slot is not None:
+            self.arena.give_back(worker.slot)
+            worker.slot = None
+
+    def _received(self, worker: _Worker, result: Decoded) -> Decoded:
+        """A worker's result as the consumer gets it: patches written in the task's slot
+        become an array over it (a lease); an unused slot is free again."""
+        slot, worker.slot = worker.slot, None
+        if result.slot is not None and slot == result.slot:
+            result.patches = self.arena.lease(slot, (result.n_h * result.n_w, self._row_width))
+            result.slot = None
+            return result
+        if slot is not None:
+            self.arena.give_back(slot)
+        if result.slot is not None:  # never sent by a worker of this pool: not to be trusted
+            return Decoded(error="decode worker answered with a slot it was not given")
+        return result
+
+    def imap(self, tasks: Iterable[tuple[Any, Any]],
+             window: int = 64) -> Iterator[tuple[Any, Decoded]]:
+        """Yield ``(tag, Decoded)`` for each ``(tag, source)`` task, in task order. A source is
+        what ``decode_image`` takes: a path, or an ``InputItem`` (picklable, small). With
+        workers, the iterator is a ``DecodeStream`` (``close()`` stops it).
+
+        A background thread feeds the workers and collects their results, so decoding goes on
+        while the caller is busy (e.g. running the model on the previous batch). At most
+        ``window`` tasks are taken but not yet yielded (queued, decoding or decoded) at once,
+        so memory stays bounded whatever the consumer's speed.
+        """
+        if not self.workers:
+            return ((tag, decode_image(path, self.cfg, self.max_pixels)) for tag, path in tasks)
+        results: queue.SimpleQueue = queue.SimpleQueue()
+        credits = threading.Semaphore(max(1, window))
+        stop = threading.Event()
+        pump = threading.Thread(target=self._pump, args=(iter(tasks), results, credits, stop),
+                                name="dsv4enc-decode", daemon=True)
+        self._pumps.append((pump, stop))
+        pump.start()  # now, not at the first next(): decoding starts while the caller sets up
+        return DecodeStream(self, results, credits, pump, stop)
+
+    def _stop_pump(self, pump: threading.Thread, stop: threading.Event) -> None:
+        stop.set()
+        if pump is not threading.current_thread():
+            pump.join()
+        if (pump, stop) in self._pumps:
+            self._pumps.remove((pump, stop))
+
+    def _pump(self, source: Iterator, results: queue.SimpleQueue, credits: threading.Semaphore,
+              stop: threading.Event) -> None:
+        """The feeding loop of ``imap``: takes tasks while it holds credits (one per task; the
+        consumer returns it on taking the result), dispatches, collects, and puts results on
+        ``results`` in task order, then ``_END`` (or the exception that stopped it)."""
+        waiting: deque[tuple[int, Any]] = deque()
+        tags: dict[int, Any] = {}
+        done: dict[int, Decoded] = {}
+        next_seq = next_out = 0
+        exhausted = False
+        source_error: Exception | None = None
+        try:
+            while not stop.is_set():
+                while not exhausted and credits.acquire(blocking=False):
+                    try:
+                        tag, path = next(source)
+                    except StopIteration:
+                        exhausted = True
+                        credits.release()
+                        break
+                    except Exception as exc:  # after the images taken before it
+                        exhausted, source_error = True, exc
+                        credits.release()
+                        break
+                    tags[next_seq] = tag
+                    waiting.append((next_seq, path))
+                    next_seq += 1
+                self._dispatch(waiting, done)
+                while next_out in done:
+                    results.put((tags.pop(next_out), done.pop(next_out)))
+                    next_out += 1
+                if exhausted and next_out == next_seq:
+                    results.put(_END if source_error is None else source_error)
+                    return
+                if any(w.task is not None for w in self.workers):
+                    self._collect(done, max_wait=_POLL_S)
+                elif credits.acquire(timeout=_POLL_S):  # all credits out: wait for the consumer
+                    credits.release()
+            # Stopped: a consumer still waiting (from another thread) must not wait forever.
+            results.put(RuntimeError("decoding was stopped (the decode pool was closed)"))
+        except BaseException as exc:  # handed to the consumer, which raises it
+            results.put(exc)
+
+    def _dispatch(self, waiting: deque, done: dict[int, Decoded]) -> None:
+        for index, worker in enumerate(self.workers):
+            if worker.task is None and waiting:
+                seq, path = waiting.popleft()
+                worker.slot = self.arena.take() if self.arena is not None else None
+                try:
+                    worker.conn.send((seq, path, worker.slot))
+                    worker.task = (seq, time.monotonic() if worker.ready else None)
+                except OSError:
+                    done[seq] = Decoded(error="decode worker failed to start this image")
+                    self._replace(index)
+
+    def _collect(self, done: dict[int, Decoded], max_wait: float) -> None:
+        """Wait up to ``max_wait`` s (less if a deadline comes first) for workers' messages."""
+        busy = [(i, w) for i, w in enumerate(self.workers) if w.task is not None]
+        if not busy:
+            return
+        deadlines = [d for _, w in busy if (d := w.deadline(self.timeout_s)) is not None]
+        timeout = max(0.0, min([max_wait, *(d - time.monotonic() for d in deadlines)]))
+        ready = set(wait_ready([w.conn for _, w in busy] + [w.proc.sentinel for _, w in busy],
+                               timeout))
+        for index, worker in busy:
+            seq, start = worker.task
+            if worker.conn in ready:
+                try:
+                    message = worker.conn.recv()
+                    if message == _READY:
+                        worker.ready = True
+                        worker.task = (seq, time.monotonic())
+                        continue
+                    got_seq, result = message
+                    done[got_seq] = self._received(worker, result)
+                    worker.task = None
+                    if result.out_of_memory:
+                        self._replace(index)  # it exits: its memory bound was reached
+                    continue
+                except (EOFError, OSError):
+                    pass
+            deadline = worker.deadline(self.timeout_s)
+            if worker.conn in ready or worker.proc.sentinel in ready or not worker.proc.is_alive():
+                worker.proc.join(timeout=1.0)  # its pipe can close before it is reaped
+                code = worker.proc.exitcode
+                done[seq] = Decoded(error=f"decoder crashed on this image (exit code {code})")
+                self._replace(index)
+            elif deadline is not None and time.monotonic() > deadline:
+                done[seq] = Decoded(error=f"decode timed out after {self.timeout_s:g}s"
+                                    if start is not None else "decode worker did not start")
+                self._replace(index)

@@ -1,0 +1,282 @@
+"""Finding the images to encode: folders (recursive, sorted), files, and path lists.
+
+Each input becomes an ``InputItem`` whose ``key`` is the output's ``path`` column: relative to
+the folder it was found in (posix), or the path as given.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable, Iterable
+
+from .. import storage
+from ..errors import UsageError
+from .items import InputItem, is_image_name
+from .sources import StoredObject, container_kind, expand_container, path_roots
+
+if TYPE_CHECKING:
+    from ..run.stopping import StopSignals
+
+
+@dataclass
+class Discovery:
+    """Items in input order, how many non-image files were passed over, and the folders that
+    could not be listed (``(folder, reason)``: their contents are missing from the run)."""
+
+    items: list[InputItem]
+    skipped: int = 0
+    unlisted: list[tuple[str, str]] = field(default_factory=list)
+
+
+def _list_folder(folder: str) -> list[os.DirEntry]:
+    """A folder's entries, sorted by name. Raises OSError when it cannot be listed."""
+    with os.scandir(folder) as scan:
+        return sorted(scan, key=lambda e: e.name)
+
+
+def walk_folder(root: Path, unlisted: list[tuple[str, str]] | None = None,
+                should_stop: Callable[[], bool] | None = None) -> tuple[list[InputItem], int]:
+    """Image files under ``root``, recursively, in sorted (depth-first) order; symlinked
+    folders are followed once each (a loop does not repeat files).
+
+    Iterative, so any depth works. A folder that cannot be listed (no permission, a path
+    past PATH_MAX) is appended to ``unlisted`` as ``(path, reason)``, not dropped.
+    ``should_stop`` is polled once per entry; when it turns true, the walk returns what it
+    found so far. Returns (items, non-image files skipped)."""
+    items: list[InputItem] = []
+    skipped = 0
+    unlisted = [] if unlisted is None else unlisted
+    seen_dirs: set[tuple[int, int]] = set()
+    # Each frame: a folder's remaining entries (reversed, so pop() takes the next) and the
+    # folder's path relative to ``root``.
+    stack: list[tuple[list[os.DirEntry], str]] = []
+
+    def enter(folder: str, rel: str) -> None:
+        try:
+            info = os.stat(folder)
+            if (info.st_dev, info.st_ino) in seen_dirs:
+                return
+            seen_dirs.add((info.st_dev, info.st_ino))
+            entries = _list_folder(folder)
+        except OSError as exc:
+            unlisted.append((folder, exc.strerror or describe_os_error(exc)))
+            return
+        stack.append((entries[::-1], rel))
+
+    enter(str(root), "")
+    while stack:
+        if should_stop is not None and should_stop():
+            break
+        entries, rel = stack[-1]
+        if not entries:
+            stack.pop()
+            continue
+        entry = entries.pop()
+        child_rel = f"{rel}/{entry.name}" if rel else entry.name
+        try:
+            is_dir = entry.is_dir(follow_symlinks=True)
+            is_file = not is_dir and entry.is_file(follow_symlinks=True)
+        except OSError:
+            is_dir = is_file = False
+        if is_dir:
+            enter(entry.path, child_rel)
+        elif is_file or entry.is_symlink():
+            # A dangling link with an image name still gets its (error) row.
+            if is_image_name(entry.name):
+                items.append(InputItem(key=child_rel, path=entry.path))
+            else:
+                skipped += 1
+    return items, skipped
+
+
+def describe_os_error(exc: OSError) -> str:
+    return " ".join(str(exc).split()) or type(exc).__name__
+
+
+def read_path_list(list_file: str) -> list[str]:
+    """The paths of a path list (``-`` is standard input): one per line, surrounding blanks
+    stripped; blank lines and lines starting with ``#`` are comments (write ``./#name`` for
+    a file whose name starts with ``#``)."""
+    import sys
+
+    try:
+        if list_file == "-":
+            stdin = getattr(sys.stdin, "buffer", None)
+            data = stdin.read() if stdin is not None else os.fsencode(sys.stdin.read())
+        else:
+            data = Path(list_file).read_bytes()
+    except OSError as exc:
+        raise UsageError(f"cannot read --files-from {list_file}: {exc.strerror or exc}") from None
+    text = os.fsdecode(data)  # names in the file system's encoding; any bytes go through
+    lines = (line.strip() for line in text.split("\n"))  # \r\n too
+    return [line for line in lines if line and not line.startswith("#")]
+
+
+def discover(inputs: Iterable[str], files_from: str | None = None,
+             image_column: str | None = None, key_column: str | None = None,
+             stop: "StopSignals | None" = None,
+             table_paths_roots: Iterable[str] = ()) -> Discovery:
+    """Expand folders and files (and an optional path list) into items, in input order.
+
+    Container files given as inputs (``.parquet``/``.arrow``/``.feather`` tables, ``.tar``
+    WebDataset shards) are expanded into their images (``sources``); ``image_column`` and
+    ``key_column`` apply to the tables. A path that does not exist is a UsageError; so is an
+    input set with nothing in it. Paths from ``--files-from`` are taken as given: a missing one
+    becomes an error row later. A folder that cannot be listed is logged as a warning and
+    counted in ``Discovery.unlisted``. When ``stop`` records a signal, the walk ends early
+    and ``Interrupted`` is raised (a partial listing is never returned).
+    """
+    found = Discovery(items=[])
+    tables = 0
+    inputs = list(inputs)
+    roots = path_roots(table_paths_roots)
+    prefix_roots = sum(storage.is_url(raw) or os.path.isdir(raw)  # see ``key_under_root``
+                       for raw in inputs) > 1
+    for raw in inputs:
+        if stop is not None:
+            stop.check()
+        if storage.is_url(raw):
+            tables += discover_url(raw, found, image_column, key_column, prefix_roots)
+            continue
+        path = Path(raw)
+        kind = container_kind(raw)
+        if kind is not None and path.is_file():
+            items, skipped = expand_container(raw, image_column, key_column, roots)
+            found.items.extend(items)
+            found.skipped += skipped
+            tables += kind == "table"
+        elif path.is_dir():
+            items, skipped = walk_folder(path, found.unlisted,
+                                         stop.requested if stop is not None else None)
+            if prefix_roots:
+                items = [replace(i, key=key_under_root(raw, i.key)) for i in items]
+            found.items.extend(items)
+            found.skipped += skipped
+        elif path.is_file() or path.is_symlink():
+            if is_image_name(raw):
+                found.items.append(InputItem(key=raw, path=raw))
+            else:
+                found.skipped += 1
+        elif path.exists():  # a FIFO, socket or device: never opened
+            if not is_image_name(raw):
+                raise UsageError(f"input {raw} is not a regular file or a folder")
+            found.items.append(InputItem(key=raw, path=raw))  # its row: "not a regular file"
+        else:
+            raise UsageError(f"input not found: {raw}")
+    if files_from is not None:
+        for line in read_path_list(files_from):
+            if is_image_name(line) and not Path(line).is_dir():
+                found.items.append(InputItem(key=line, path=line))
+            else:
+                found.skipped += 1
+    if not tables and (image_column is not None or key_column is not None):
+        flag = "--image-column" if image_column is not None else "--key-column"
+        raise UsageError(f"{flag} applies to Parquet/Arrow inputs, and none was given")
+    if stop is not None:
+        stop.check()
+    warn_unlisted(found.unlisted)
+    found.items = unique_keys(found.items)
+    return found
+
+
+def discover_url(raw: str, found: Discovery, image_column: str | None,
+                 key_column: str | None, prefix_roots: bool) -> int:
+    """Add the images of the URL ``raw`` to ``found``: a prefix is listed like a folder
+    (recursive, sorted, keys relative to it); an object is an image or a container. Returns
+    1 for a table, else 0. A URL with nothing under it is a UsageError, as for a path."""
+    what = storage.kind(raw)
+    if what == "missing":
+        raise UsageError(f"input not found: {raw}")
+    if what == "file":
+        kind = container_kind(raw)
+        if kind is not None:
+            items, skipped = expand_container(raw, image_column, key_column)
+            found.items.extend(items)
+            found.skipped += skipped
+            return int(kind == "table")
+        if is_image_name(raw):
+            found.items.append(InputItem(key=raw, path=raw,
+                                         member=StoredObject(raw, storage.size_of(raw))))
+        else:
+            found.skipped += 1
+        return 0
+    for obj in storage.list_files(raw):
+        if not is_image_name(obj.key):
+            found.skipped += 1
+            continue
+        key = key_under_root(raw, obj.key) if prefix_roots else obj.key
+        found.items.append(InputItem(key=key, path=obj.url, member=StoredObject(obj.url,
+                                                                                obj.size)))
+    return 0
+
+
+def warn_unlisted(unlisted: list[tuple[str, str]], shown: int = 10) -> None:
+    """One line per folder that could not be listed (the first ``shown``), logged as an
+    error so that ``--quiet`` shows it too: images are missing from the run."""
+    import logging
+
+    log = logging.getLogger("dsv4enc")
+    for folder, reason in unlisted[:shown]:
+        log.error("cannot list folder %s (%s): its images are not in this run",
+                    os.fsdecode(folder)[:300], reason)
+    if len(unlisted) > shown:
+        log.error("%d more folders could not be listed", len(unlisted) - shown)
+
+
+# ----------------------------------------------------------------------------- keys
+# Keys are unique within an output (one ``path`` per row; ``--resume`` matches parts by them):
+# - an image found in a folder is keyed by its path under that folder; when more than one
+#   folder is given, that path is prefixed with the folder as given (``key_under_root``);
+# - any key still taken by an earlier item (the same file given twice, a tar's repeated member
+#   name, two shards with the same sample key, a non-UTF-8 name whose escaped text is another
+#   file's name) gets ``#2``, ``#3``, ... (``unique_keys``).
+
+
+def key_under_root(root: str, key: str) -> str:
+    """``key`` (a path under the folder ``root``) prefixed with the folder as given, in posix
+    form (``data/`` and ``./data`` give ``data/``; ``.`` adds nothing)."""
+    prefix = root.rstrip("/") if storage.is_url(root) else Path(root).as_posix().rstrip("/")
+    if prefix == ".":
+        return key
+    return f"{prefix}/{key}"
+
+
+def _output_text(key: str) -> str:
+    """``key`` as the output's ``path`` column holds it (``writer.utf8_text``: non-UTF-8 bytes
+    of a file name escaped). The writer (and pyarrow) is imported only for such a name."""
+    if key.isascii():
+        return key
+    try:
+        key.encode("utf-8")
+        return key
+    except UnicodeEncodeError:
+        from ..output.parts import utf8_text
+
+        return utf8_text(key)
+
+
+def unique_keys(items: list[InputItem]) -> list[InputItem]:
+    """``items`` with every key unique as output text, in input order: the first item with a
+    key keeps it, later ones get ``KEY#2``, ``KEY#3``, ... (the first number whose key no
+    other item has)."""
+    texts = [_output_text(item.key) for item in items]
+    taken = set(texts)
+    if len(taken) == len(texts):
+        return items
+    seen: set[str] = set()
+    next_number: dict[str, int] = {}
+    unique = []
+    for item, text in zip(items, texts):
+        if text in seen:
+            number = next_number.get(text, 2)
+            while f"{text}#{number}" in taken:
+                number += 1
+            next_number[text] = number + 1
+            item = replace(item, key=f"{item.key}#{number}")
+            text = f"{text}#{number}"
+            taken.add(text)
+        seen.add(text)
+        unique.append(item)
+    return unique

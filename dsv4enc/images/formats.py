@@ -1,0 +1,92 @@
+"""The image formats dsv4enc reads, and opening an image only as one of them.
+
+Pillow recognizes some forty formats by their content, whatever a file is called. Some of them
+hand the data to another program (EPS goes to Ghostscript), and many are rarely met and little
+hardened (TGA, SGI, PCX, DDS, ICO, QOI, JPEG 2000, ...). So dsv4enc opens a file only as the
+format its extension stands for (``.jpg`` -> JPEG, ``.tif`` -> TIFF, ...); unnamed bytes (a
+table cell) may be any of the accepted formats. Header probes and decodes go through the same
+``open_image``. Content of another format is an error that names the format it is.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from typing import IO, Any
+
+DEFAULT_MAX_PIXELS = 89_478_485  # Pillow's own MAX_IMAGE_PIXELS: larger images are refused
+DEFAULT_DECODE_TIMEOUT_S = 120.0  # one image's decode, or its header read, before it is given up
+
+#: Accepted file extensions (lower case) and the Pillow format each stands for.
+EXTENSION_FORMATS: dict[str, str] = {
+    ".jpg": "JPEG", ".jpeg": "JPEG", ".png": "PNG", ".webp": "WEBP", ".bmp": "BMP",
+    ".gif": "GIF", ".tif": "TIFF", ".tiff": "TIFF",
+}
+#: Every format dsv4enc opens: what unnamed bytes may be.
+ACCEPTED_FORMATS: tuple[str, ...] = tuple(sorted(set(EXTENSION_FORMATS.values())))
+
+_PREFIX_BYTES = 16  # what Pillow itself hands each format's content check
+
+
+def formats_for(name: str | None) -> tuple[str, ...]:
+    """The formats a file called ``name`` may be opened as: the one its extension stands for,
+    or every accepted format when there is no name or no accepted extension."""
+    if name:
+        fmt = EXTENSION_FORMATS.get(os.path.splitext(name)[1].lower())
+        if fmt is not None:
+            return (fmt,)
+    return ACCEPTED_FORMATS
+
+
+def image_name(source: Any, handle: Any) -> str | None:
+    """The name whose extension decides the formats for ``handle``, what is opened for
+    ``source`` (a path, bytes, or an ``InputItem``): the file opened, else a tar member's
+    name; None for unnamed bytes (a table cell)."""
+    if isinstance(handle, (str, os.PathLike)):
+        return os.fsdecode(handle)
+    return getattr(getattr(source, "member", None), "name", None)
+
+
+def detected_format(handle: str | os.PathLike | IO[bytes]) -> str | None:
+    """The Pillow format whose content check accepts ``handle``'s first bytes, if any. Only
+    the checks run (a few byte comparisons): no format's reader is started."""
+    from PIL import Image
+
+    if isinstance(handle, (str, os.PathLike)):
+        # Non-blocking: the path may have become a FIFO since Pillow opened it.
+        fd = os.open(handle, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+        with os.fdopen(fd, "rb") as file:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                return None
+            prefix = file.read(_PREFIX_BYTES)
+    else:
+        handle.seek(0)
+        prefix = handle.read(_PREFIX_BYTES)
+        handle.seek(0)
+    Image.init()
+    for fmt in Image.ID:
+        accept = Image.OPEN[fmt][1]
+        result = accept(prefix) if accept is not None else False
+        if result and not isinstance(result, str):  # a str is Pillow's "maybe, but" warning
+            return fmt
+    return None
+
+
+def open_image(handle: str | os.PathLike | IO[bytes], name: str | None):
+    """``PIL.Image.open(handle)`` restricted to ``formats_for(name)``.
+
+    Raises ``PIL.UnidentifiedImageError`` when the content is not one of those formats; the
+    message names the format it is when Pillow recognizes it."""
+    from PIL import Image, UnidentifiedImageError
+
+    allowed = formats_for(name)
+    try:
+        return Image.open(handle, formats=list(allowed))
+    except UnidentifiedImageError:
+        actual = detected_format(handle)
+    ext = os.path.splitext(name or "")[1]
+    wanted = (f"a {ext} name stands for {allowed[0]} only" if len(allowed) == 1
+              else f"only {', '.join(allowed)} are read")
+    if actual is None or actual in allowed:  # damaged, or no image at all
+        raise UnidentifiedImageError(f"cannot identify the image ({wanted})")
+    raise UnidentifiedImageError(f"the image looks like {actual} data ({wanted})")

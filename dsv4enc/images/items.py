@@ -1,0 +1,73 @@
+"""What one input is: an ``InputItem`` (its output key, the path the decoder opens, and a
+locator for an image inside a container or a store), and which names are image names.
+
+``inputs`` finds items, ``sources`` expands containers into items and reads them; both build
+on this module, which imports neither.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from .formats import EXTENSION_FORMATS
+
+IMAGE_EXTENSIONS = frozenset(EXTENSION_FORMATS)  # each opened only as its own format
+
+
+def is_image_name(name: str) -> bool:
+    return os.path.splitext(name)[1].lower() in IMAGE_EXTENSIONS
+
+
+@dataclass(frozen=True)
+class TarMember:
+    """An image inside a tar shard: the member's name, and where its data lies in the file."""
+
+    name: str
+    offset: int
+    size: int
+
+
+@dataclass(frozen=True)
+class TableCell:
+    """An image in a table: ``column``'s cell at ``row`` of row group (Parquet) or record
+    batch (Arrow) ``group``. ``path_roots``: folders (real paths) besides the table's own that
+    a ``{bytes: null, path}`` cell may name files in."""
+
+    column: str
+    group: int
+    row: int
+    path_roots: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class StoredObject:
+    """An image that is a whole object in a store (``InputItem.path`` is its URL): read by
+    the decode worker itself, whole or (header probes) by byte range. ``name`` is the URL, for
+    the format the name stands for; ``size`` as listed."""
+
+    name: str
+    size: int
+
+
+@dataclass(frozen=True)
+class Unreadable:
+    """A part of a container that cannot be read: reading it raises ``DamagedContainerError``
+    with ``reason``, so it becomes one error row."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
+class InputItem:
+    """One image to encode. ``path`` is what the decoder opens; ``key`` is the output name.
+
+    ``member`` locates the image inside a container file ``path`` (a ``TarMember`` or a
+    ``TableCell``), marks ``path`` as an object in a store (a ``StoredObject``, ``path`` its
+    URL) or a container's damaged part (``Unreadable``); None for a plain image file.
+    ``sources.open_item`` reads it.
+    """
+
+    key: str
+    path: str
+    member: TarMember | TableCell | StoredObject | Unreadable | None = None

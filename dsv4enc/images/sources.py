@@ -1,0 +1,618 @@
+"""Images inside container files: Parquet/Arrow tables with an image column, and WebDataset
+tar shards.
+
+The main process reads only an index of each container (a tar's member headers; a table's
+row-group sizes and key column) and turns every image into an ``InputItem`` whose ``member``
+says where its bytes lie. Decode workers then read just that member: a tar member by offset
+and size, a table cell by row group (or record batch) and row, through a small per-process
+cache of recently read row groups. Locators are small frozen dataclasses, cheap to pickle to
+the workers.
+
+Tar shards follow the WebDataset convention: a member ``dir/sample.jpg`` belongs to the sample
+``__key__`` ``dir/sample`` (the member path up to the first dot of its file name) and that key
+is the output ``path``. When one sample holds several images (``s.jpg`` and ``s.png``, or
+``s.left.jpg`` and ``s.right.jpg``), each is keyed by its full member name instead, so keys
+stay unique. Compressed tars cannot be read member by member and are refused.
+
+Table rows are keyed by ``--key-column`` when given; else by the ``path`` field of a
+Hugging Face ``{bytes, path}`` image struct when it is set; else ``<file>#<row>`` (the file as
+given, the row counted from 0 over the whole file).
+
+A damaged container never reads as complete. What can be read gets its rows; what cannot
+becomes an ``Unreadable`` item, one error row keyed ``<file>@<byte offset>`` where the damage
+starts: a tar region without a valid header (a bad checksum, a wrong size field before it; the
+index reads on at the next valid header, as GNU tar does), a tar or Arrow stream cut short (no
+end-of-archive / end-of-stream marker), a Parquet or Arrow file that does not open at all
+(``@0``). Rows of a Parquet row group that cannot be read are error rows of their own.
+
+A ``{bytes: null, path}`` cell names a file beside the table: relative paths resolve against
+the table's folder (never the current directory), the file must lie inside that folder (after
+symlinks and ``..``) or under a ``--table-paths-root``, have an image extension and be a
+regular file. Anything else is an error row.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import stat
+import tarfile
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import PurePosixPath
+from typing import TYPE_CHECKING, Any, BinaryIO
+
+from .. import storage
+from ..errors import UsageError
+from .items import InputItem, StoredObject, TableCell, TarMember, Unreadable, is_image_name
+
+if TYPE_CHECKING:
+    import pyarrow as pa
+
+TABLE_EXTENSIONS = (".parquet", ".arrow", ".feather")
+TAR_EXTENSIONS = (".tar",)
+
+#: Bytes of row-group columns a process keeps cached (at least the last one read is kept).
+CACHE_BYTES = 256 << 20
+
+
+class DamagedContainerError(ValueError):
+    """A container's damaged part (its error row says so)."""
+
+
+class RefusedPathError(ValueError):
+    """A table cell names a file dsv4enc does not read (outside the allowed folders, not an
+    image name, not a regular file)."""
+
+
+def damaged_item(raw: str, offset: int, reason: str) -> InputItem:
+    """The error row for a container's unreadable part starting at byte ``offset``."""
+    return InputItem(key=f"{raw}@{offset}", path=raw,
+                     member=Unreadable(f"{raw}: damaged at byte {offset}: {reason}"))
+
+
+def _open_binary(path: str) -> BinaryIO:
+    """A local file, or an object in a store (``storage``), opened for seekable reads."""
+    if storage.is_url(path):
+        return storage.open_input(path)
+    return open(path, "rb")
+
+
+def _size(path: str) -> int:
+    return storage.size_of(path) if storage.is_url(path) else os.path.getsize(path)
+
+
+def container_kind(path: str) -> str | None:
+    """``"table"``, ``"tar"`` or None, from the file name's extension."""
+    lower = path.lower()
+    if lower.endswith(TABLE_EXTENSIONS):
+        return "table"
+    if lower.endswith(TAR_EXTENSIONS):
+        return "tar"
+    return None
+
+
+def expand_container(raw: str, image_column: str | None = None, key_column: str | None = None,
+                     path_roots: tuple[str, ...] = ()) -> tuple[list[InputItem], int]:
+    """The images in a container file, in file order, and how many entries were passed over
+    (tar samples without an image). ``path_roots``: see ``TableCell``."""
+    kind = container_kind(raw)
+    if kind == "tar":
+        return expand_tar(raw)
+    if kind == "table":
+        return expand_table(raw, image_column, key_column, path_roots), 0
+    raise UsageError(f"{raw}: not a container file (.parquet, .arrow, .feather or .tar)")
+
+
+# ----------------------------------------------------------------------------- tar shards
+
+def split_key(name: str) -> tuple[str, str]:
+    """WebDataset's split of a member name into ``(__key__, extension)``: the extension
+    starts at the first dot of the file name (``a/b.seg.png`` -> ``("a/b", "seg.png")``)."""
+    path = PurePosixPath(name)
+    stem, dot, ext = path.name.partition(".")
+    parent = str(path.parent)
+    key = stem if parent in ("", ".") else f"{parent}/{stem}"
+    return key, ext if dot else ""
+
+
+#: Leading bytes of compressed files: such a "tar" cannot be read member by member.
+COMPRESSED_MAGIC = {b"\x1f\x8b": "gzip", b"BZh": "bzip2", b"\xfd7zXZ\x00": "xz",
+                    b"\x28\xb5\x2f\xfd": "zstd", b"\x04\x22\x4d\x18": "lz4"}
+_BLOCK = tarfile.BLOCKSIZE
+
+
+def _open_tar(raw: str) -> tuple[tarfile.TarFile | None, int, str | None]:
+    """``(archive, file size, None)``, or ``(None, size, why)`` when not even the first header
+    reads. A compressed file is a usage error: it needs decompressing, not an error row."""
+    try:
+        size = _size(raw)
+        with _open_binary(raw) as handle:
+            head = handle.read(8)
+    except OSError as exc:
+        return None, 0, f"cannot read it: {exc.strerror or exc}"
+    for magic, kind in COMPRESSED_MAGIC.items():
+        if head.startswith(magic):
+            raise UsageError(f"{raw}: a {kind}-compressed tar; only uncompressed shards can "
+                             "be read member by member, decompress it first")
+    try:
+        if storage.is_url(raw):
+            # Headers are read through a buffer: small members' headers come several to a
+            # request, and tarfile's seeks past the data stay inside it.
+            archive = tarfile.open(fileobj=io.BufferedReader(storage.open_input(raw), 1 << 20),
+                                   mode="r:")
+        else:
+            archive = tarfile.open(raw, mode="r:")
+    except (tarfile.TarError, OSError) as exc:
+        return None, size, f"not a tar file, or its first header is damaged ({exc})"
+    # From here on, a damaged header is skipped block by block up to the next valid one (what
+    # GNU tar does); the gaps are reported below instead of ending the index silently.
+    archive.ignore_zeros = True
+    return archive, size, None
+
+
+def _first_nonzero(raw: str, start: int, stop: int) -> int | None:
+    """The offset of the first non-zero byte in ``[start, stop)`` of the file, if any."""
+    with _open_binary(raw) as handle:
+        handle.seek(start)
+        at = start
+        while at < stop:
+            chunk = handle.read(min(1 << 20, stop - at))
+            if not chunk:
+                return None
+            stripped = chunk.lstrip(b"\0")
+            if stripped:
+                return at + len(chunk) - len(stripped)
+            at += len(chunk)
+    return None
+
+
+def _gap_damage(raw: str, start: int, stop: int) -> int | None:
+    """Where the bytes between two members (``[start, stop)``) hold something other than
+    zero blocks and pax global headers (which tarfile reads without yielding a member)."""
+    with _open_binary(raw) as handle:
+        while start < stop:
+            handle.seek(start)
+            try:
+                info = tarfile.TarInfo.frombuf(handle.read(_BLOCK), "utf-8", "surrogateescape")
+            except tarfile.HeaderError:
+                break
+            if info.type != tarfile.XGLTYPE:
+                break
+            start += _BLOCK + -(-info.size // _BLOCK) * _BLOCK
+    return _first_nonzero(raw, start, stop) if start < stop else None
+
+
+def _tar_end_damage(raw: str, end: int, size: int, last: str | None) -> tuple[int, str] | None:
+    """Whether the archive, whose last member's data ends at ``end``, ends as a tar should:
+    with its end-of-archive marker (zero blocks). ``(offset, reason)`` if not."""
+    if end > size:
+        return size, f"the file ends inside the data of member {last!r} (cut short?)"
+    if end == size:
+        return size, "the file ends without the tar end-of-archive marker (cut short?)"
+    if _first_nonzero(raw, end, min(size, end + _BLOCK)) is not None:
+        return end, ("no valid tar header here and up to the end of the file (a damaged or "
+                     "cut header); members there are lost")
+    return None
+
+
+def _tar_locator(info: tarfile.TarInfo, raw: str,
+                 files: dict[str, TarMember]) -> TarMember | Unreadable:
+    """Where an image member's bytes are: its own data, a hard link's target's data, or why
+    they cannot be read (a symlink, a device, a sparse file)."""
+    if info.isreg() and not info.issparse():
+        return TarMember(info.name, info.offset_data, info.size)
+    if info.islnk():
+        target = files.get(PurePosixPath(info.linkname).as_posix())
+        if target is not None:
+            return TarMember(info.name, target.offset, target.size)
+        return Unreadable(f"{raw}: tar member {info.name!r} is a hard link to "
+                          f"{info.linkname!r}, which is not a file before it in the archive")
+    if info.issym():
+        return Unreadable(f"{raw}: tar member {info.name!r} is a symbolic link to "
+                          f"{info.linkname!r}; links are not followed inside tar shards")
+    kind = "a sparse file" if info.issparse() else "not a regular file"
+    return Unreadable(f"{raw}: tar member {info.name!r} is {kind}")
+
+
+def expand_tar(raw: str) -> tuple[list[InputItem], int]:
+    """Index an uncompressed tar shard: its image members (by extension), keyed by sample, in
+    file order, with an error row where the archive is damaged (see the module's doc)."""
+    archive, size, why = _open_tar(raw)
+    if archive is None:
+        return [damaged_item(raw, 0, why)], 0
+    # (sample key, member name, locator), or (None, "", damaged item) where it is damaged.
+    entries: list[tuple[str | None, str, Any]] = []
+    files: dict[str, TarMember] = {}  # every regular member: targets of hard links
+    keys_seen: dict[str, int] = {}
+    other_keys: set[str] = set()
+    end, last = 0, None  # where the previous member's data ends: the next header starts there
+    damage: tuple[int, str] | None = None
+    with archive:
+        while True:
+            try:
+                info = archive.next()
+            except tarfile.ReadError:
+                if archive.offset >= size:  # "unexpected end of data": cut inside a member
+                    break
+                # A damaged header after a long-name or pax header: skip it like any other.
+                archive.offset += _BLOCK
+                continue
+            except OSError as exc:  # a read error: no way on
+                damage = archive.offset, f"unreadable here ({exc}); the rest is not read"
+                break
+            if info is None:
+                break
+            bad = _gap_damage(raw, end, info.offset) if info.offset > end else None
+            if bad is not None:  # zeros are fine: an end marker between joined archives
+                entries.append((None, "", damaged_item(raw, bad, (
+                    f"no valid tar header up to byte {info.offset} (a damaged header, or a "
+                    "wrong size field before it); members there are lost"))))
+            end, last = archive.offset, info.name
+            if info.isreg() and not info.issparse():
+                files[PurePosixPath(info.name).as_posix()] = TarMember(
+                    info.name, info.offset_data, info.size)
+            base = PurePosixPath(info.name).name
+            key, _ = split_key(info.name)
+            if info.isdir() or base.startswith(".") or not key:
+                continue
+            if is_image_name(base):
+                entries.append((key, info.name, _tar_locator(info, raw, files)))
+                keys_seen[key] = keys_seen.get(key, 0) + 1
+            else:
+                other_keys.add(key)
+    if storage.is_url(raw):  # a file object given to tarfile is the caller's to close
+        archive.fileobj.close()
+    if damage is None:
+        damage = _tar_end_damage(raw, end, size, last)
+    if damage is not None:
+        entries.append((None, "", damaged_item(raw, *damage)))
+    items = []
+    for key, name, found in entries:
+        if key is None:
+            items.append(found)
+        else:  # several images in one sample: each is keyed by its member name
+            items.append(InputItem(key=key if keys_seen[key] == 1 else name, path=raw,
+                                   member=found))
+    return items, len(other_keys - keys_seen.keys())
+
+
+class _MemberFile(io.RawIOBase):
+    """A read-only file over one tar member's bytes (for header probes: PIL reads only as
+    much of it as it needs)."""
+
+    def __init__(self, path: str, member: TarMember) -> None:
+        self._file = _open_binary(path)
+        self._start, self._size, self._pos = member.offset, member.size, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._size}[whence]
+        self._pos = max(0, base + offset)
+        return self._pos
+
+    def tell(self) -> int:
+        return self._pos
+
+    def readinto(self, buffer) -> int:
+        n = max(0, min(len(buffer), self._size - self._pos))
+        if n == 0:
+            return 0
+        self._file.seek(self._start + self._pos)
+        got = self._file.readinto(memoryview(buffer)[:n])
+        self._pos += got
+        return got
+
+    def close(self) -> None:
+        if not self.closed:
+            self._file.close()
+        super().close()
+
+
+def read_tar_member(path: str, member: TarMember) -> bytes:
+    """The member's bytes, read by offset and size (no tar parsing)."""
+    if storage.is_url(path):
+        data = storage.read_range(path, member.offset, member.size)
+        if len(data) != member.size:
+            raise EOFError(f"tar member {member.name} is truncated ({len(data)} of "
+                           f"{member.size} bytes)")
+        return data
+    with open(path, "rb") as handle:
+        handle.seek(member.offset)
+        data = handle.read(member.size)
+    if len(data) != member.size:
+        raise EOFError(f"tar member {member.name} is truncated ({len(data)} of "
+                       f"{member.size} bytes)")
+    return data
+
+
+# ----------------------------------------------------------------------------- tables
+
+def image_column_kind(dtype: "pa.DataType") -> str | None:
+    """``"bytes"`` for a binary column, ``"struct"`` for a ``{bytes, path}`` struct."""
+    import pyarrow as pa
+
+    def is_binary(t) -> bool:
+        return (pa.types.is_binary(t) or pa.types.is_large_binary(t)
+                or (hasattr(pa.types, "is_binary_view") and pa.types.is_binary_view(t)))
+
+    if is_binary(dtype):
+        return "bytes"
+    if pa.types.is_struct(dtype):
+        index = dtype.get_field_index("bytes")
+        if index >= 0 and is_binary(dtype.field(index).type):
+            return "struct"
+    return None
+
+
+def choose_image_column(schema: "pa.Schema", wanted: str | None, source: str) -> str:
+    """The image column: ``wanted`` (checked), else the only bytes-like column, else one named
+    ``image``."""
+    names = schema.names
+    if wanted is not None:
+        if wanted not in names:
+            raise UsageError(f"{source}: no column {wanted!r} (columns: {', '.join(names)})")
+        if image_column_kind(schema.field(wanted).type) is None:
+            raise UsageError(f"{source}: column {wanted!r} is {schema.field(wanted).type}, "
+                             "not image bytes or a {bytes, path} struct")
+        return wanted
+    candidates = [n for n in names if image_column_kind(schema.field(n).type) is not None]
+    if len(candidates) == 1:
+        return candidates[0]
+    if "image" in candidates:
+        return "image"
+    if not candidates:
+        raise UsageError(f"{source}: no column holds image bytes (columns: {', '.join(names)}); "
+                         "pass --image-column")
+    raise UsageError(f"{source}: several columns hold bytes ({', '.join(candidates)}); "
+                     "choose one with --image-column")
+
+
+class TableReader:
+    """Read access to a Parquet file or an Arrow IPC file/stream, group by group.
+
+    ``damage``: ``(byte offset, reason)`` when an Arrow stream (or a file without its footer)
+    ends before its end-of-stream marker, or breaks off inside a batch; the batches before it
+    are read. Opening raises when nothing can be read (no Parquet footer, no Arrow schema)."""
+
+    def __init__(self, path: str) -> None:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        self.path = path
+        self.parquet = path.lower().endswith(".parquet")
+        self.damage: tuple[int, str] | None = None
+        url = storage.is_url(path)
+        if self.parquet:
+            # In a store, each row group's column chunk is one ranged read.
+            self._file = (pq.ParquetFile(storage.open_input(path)) if url
+                          else pq.ParquetFile(path, memory_map=True))
+            self.schema = self._file.schema_arrow
+            meta = self._file.metadata
+            self.group_rows = [meta.row_group(g).num_rows for g in range(meta.num_row_groups)]
+            return
+        source = storage.open_input(path) if url else pa.memory_map(path, "r")
+        try:
+            reader = pa.ipc.open_file(source)
+            self._batches = [reader.get_batch(i) for i in range(reader.num_record_batches)]
+            self.schema = reader.schema
+        except pa.ArrowInvalid:
+            # Hugging Face `datasets` caches are IPC streams; read zero-copy from the map. An
+            # IPC file without its footer (cut short) is its magic and then a stream.
+            source.seek(0)
+            cut_file = source.read(6) == b"ARROW1"
+            source.seek(8 if cut_file else 0)
+            self._read_stream(source)
+            if cut_file and self.damage is None:
+                self.damage = source.size(), "the Arrow file has no footer (cut short?)"
+        self.group_rows = [b.num_rows for b in self._batches]
+
+    def _read_stream(self, source) -> None:
+        """The batches of an IPC stream up to its end-of-stream marker, or up to where it
+        breaks off (``damage``)."""
+        import pyarrow as pa
+
+        reader = pa.ipc.open_stream(source)
+        self.schema = reader.schema
+        self._batches = []
+        while True:
+            at = source.tell()
+            try:
+                self._batches.append(reader.read_next_batch())
+            except StopIteration:
+                if source.tell() == at:  # the end of the file, not the end-of-stream marker
+                    self.damage = at, ("the Arrow stream ends without its end-of-stream "
+                                       "marker (cut short?); rows after it are lost")
+                return
+            except (OSError, pa.ArrowException) as exc:
+                self.damage = at, f"an unreadable record batch ({exc}); the rest is not read"
+                return
+
+    def read(self, group: int, columns: list[str]) -> "pa.Table":
+        import pyarrow as pa
+
+        if self.parquet:
+            return self._file.read_row_group(group, columns=columns)
+        table = pa.Table.from_batches([self._batches[group]]).select(columns)
+        # IPC data is used as it lies in the file: offsets pointing outside their buffers
+        # would be read blindly (a crash, not an error row). Check the columns read.
+        table.validate(full=True)
+        return table
+
+
+def expand_table(raw: str, image_column: str | None = None, key_column: str | None = None,
+                 path_roots: tuple[str, ...] = ()) -> list[InputItem]:
+    """One item per row of a Parquet/Arrow file (only the key column is read here), and an
+    error row where the file is damaged."""
+    import pyarrow as pa
+
+    try:
+        table = TableReader(raw)
+    except (OSError, pa.ArrowException) as exc:
+        return [damaged_item(raw, 0, f"cannot read it as a table: {exc}")]
+    column = choose_image_column(table.schema, image_column, raw)
+    if key_column is not None and key_column not in table.schema.names:
+        raise UsageError(f"{raw}: no key column {key_column!r} "
+                         f"(columns: {', '.join(table.schema.names)})")
+    struct = image_column_kind(table.schema.field(column).type) == "struct"
+    has_path = struct and table.schema.field(column).type.get_field_index("path") >= 0
+    items: list[InputItem] = []
+    row_number = 0
+    for group, n_rows in enumerate(table.group_rows):
+        keys: list[Any] = [None] * n_rows
+        unreadable = None
+        try:
+            if key_column is not None:
+                keys = table.read(group, [key_column]).column(0).to_pylist()
+            elif has_path:  # Parquet reads just the struct's path field
+                wanted = f"{column}.path" if table.parquet else column
+                paths = table.read(group, [wanted]).column(0).combine_chunks()
+                keys = paths.field("path").to_pylist()
+        except (OSError, pa.ArrowException) as exc:  # each row of the group is an error row
+            unreadable = Unreadable(f"{raw}: row group {group} cannot be read ({exc})")
+        for row in range(n_rows):
+            key = keys[row]
+            if isinstance(key, bytes):
+                key = key.decode("utf-8", "replace")
+            name = f"{raw}#{row_number}" if key is None or key == "" else str(key)
+            items.append(InputItem(key=name, path=raw, member=unreadable or TableCell(
+                column, group, row, path_roots)))
+            row_number += 1
+    if table.damage is not None:
+        items.append(damaged_item(raw, *table.damage))
+    return items
+
+
+class GroupCache:
+    """Recently read row-group columns of this process, least recently used dropped first."""
+
+    def __init__(self, max_bytes: int = CACHE_BYTES) -> None:
+        self.max_bytes = max_bytes
+        self._lock = threading.Lock()
+        self._tables: dict[str, TableReader] = {}
+        self._columns: OrderedDict[tuple[str, int, str], Any] = OrderedDict()
+        self._bytes = 0
+
+    def column(self, path: str, group: int, column: str):
+        key = (path, group, column)
+        with self._lock:
+            if key in self._columns:
+                self._columns.move_to_end(key)
+                return self._columns[key]
+            table = self._tables.get(path)
+            if table is None:
+                if len(self._tables) >= 16:
+                    self._tables.pop(next(iter(self._tables)))
+                table = self._tables[path] = TableReader(path)
+            chunks = table.read(group, [column]).column(0)
+            # One chunk (the usual case) is used as it is: combining copies it, and a row
+            # group of large images is hundreds of megabytes.
+            array = chunks.chunk(0) if chunks.num_chunks == 1 else chunks.combine_chunks()
+            self._columns[key] = array
+            self._bytes += array.nbytes
+            while self._bytes > self.max_bytes and len(self._columns) > 1:
+                _, dropped = self._columns.popitem(last=False)
+                self._bytes -= dropped.nbytes
+            return array
+
+    def clear(self) -> None:
+        with self._lock:
+            self._tables.clear()
+            self._columns.clear()
+            self._bytes = 0
+
+
+GROUP_CACHE = GroupCache()
+
+
+def clear_cache() -> None:
+    """Drop this process's cached row groups (the main process, once headers are read)."""
+    GROUP_CACHE.clear()
+
+
+def read_table_cell(path: str, cell: TableCell, stream: bool = False) -> bytes | str | BinaryIO:
+    """A table cell's image: its bytes (with ``stream``, a file object over them that copies
+    nothing: header probes on many threads read only a few bytes of each), or (a struct with
+    only a path) the file it names."""
+    array = GROUP_CACHE.column(path, cell.group, cell.column)
+    value = array[cell.row]
+    if not value.is_valid:
+        raise ValueError(f"row has no image (null {cell.column!r})")
+    data = value if image_column_kind(array.type) == "bytes" else value["bytes"]
+    if data.is_valid:
+        if stream:
+            import pyarrow as pa
+
+            return pa.BufferReader(data.as_buffer())
+        return data.as_py()
+    named = value["path"].as_py() if array.type.get_field_index("path") >= 0 else None
+    if not named:
+        raise ValueError(f"row has no image ({cell.column!r} holds neither bytes nor a path)")
+    return cell_file(named, path, cell.path_roots)
+
+
+def path_roots(folders) -> tuple[str, ...]:
+    """``--table-paths-root`` folders as real paths; each must be an existing folder."""
+    roots = []
+    for folder in folders:
+        if not os.path.isdir(folder):
+            raise UsageError(f"--table-paths-root {folder}: not a folder")
+        roots.append(os.path.realpath(folder))
+    return tuple(roots)
+
+
+def _inside(path: str, folder: str) -> bool:
+    return os.path.commonpath([path, folder]) == folder
+
+
+def cell_file(named: str, table: str, roots: tuple[str, ...] = ()) -> str:
+    """The file a table's ``{bytes: null, path: named}`` cell may be read from, or
+    ``RefusedPathError``: a relative ``named`` lies beside the table (never in the current
+    directory); the file must be inside the table's folder or one of ``roots`` (real paths)
+    once symlinks and ``..`` are resolved, have an image extension, and be a regular file (no
+    FIFO, device or /proc file)."""
+    if storage.is_url(table):
+        raise RefusedPathError(f"path cell {named!r}: a table in object storage must hold "
+                               "the image bytes (path cells are read only beside local tables)")
+    folder = os.path.dirname(os.path.abspath(table))
+    candidate = os.path.join(folder, named)  # an absolute ``named`` stays as it is
+    if not is_image_name(candidate):
+        raise RefusedPathError(f"path cell {named!r} is not an image file name (.jpg, .png, ...)")
+    real = os.path.realpath(candidate)
+    allowed = (os.path.realpath(folder), *roots)
+    if not any(_inside(real, root) for root in allowed):
+        raise RefusedPathError(f"path cell {named!r} is outside the table's folder {folder} "
+                               f"(it resolves to {real}); --table-paths-root DIR allows more")
+    if not stat.S_ISREG(os.stat(real).st_mode):
+        raise RefusedPathError(f"path cell {named!r} is not a regular file ({real})")
+    return candidate
+
+
+# ----------------------------------------------------------------------------- reading items
+
+def open_item(item: InputItem, stream: bool = False) -> str | bytes | BinaryIO:
+    """What to decode for ``item``: a file path, the bytes of a container member, or (with
+    ``stream``, for tar members and table cells) a file object over the member that the
+    caller closes."""
+    member = getattr(item, "member", None)
+    if member is None:
+        return item.path
+    if isinstance(member, TarMember):
+        if stream:
+            return io.BufferedReader(_MemberFile(item.path, member), buffer_size=64 << 10)
+        return read_tar_member(item.path, member)
+    if isinstance(member, TableCell):
+        return read_table_cell(item.path, member, stream)
+    if isinstance(member, StoredObject):
+        if stream:  # a header probe: PIL's small reads come from one ranged request
+            return io.BufferedReader(storage.open_input(item.path), buffer_size=256 << 10)
+        return storage.read_bytes(item.path)
+    if isinstance(member, Unreadable):
+        raise DamagedContainerError(member.reason)
+    raise TypeError(f"unknown member locator {member!r}")

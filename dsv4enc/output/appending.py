@@ -1,0 +1,397 @@
+"""A single-file output written once: each part's bytes are appended to one growing file.
+
+A local single-file ``--out`` of a one-process run does not keep parts as files: that would
+write every embedding byte twice (the part file, then its copy into the final file), and on
+a small VM writing fresh file data costs several milliseconds of kernel CPU per image.
+Instead each writer thread reserves a byte range at the end of
+``OUT.partial/_growing.parquet`` (a bound on the part's Parquet size), has pyarrow write the
+part's Parquet file straight into it, all but the leading ``PAR1`` (``pwrite``; the unused
+end of the range is given back when no later range follows), syncs it, and only then records
+the part in the manifest, the journal: its input range and digest as for a part file, plus
+its byte range. A range ends with its part's own footer, so the journal entry stays a few
+numbers (a million images are ~10,000 parts, and the manifest is rewritten at each commit).
+A kill at any moment leaves the journal naming only ranges that are whole on disk;
+``--resume`` keeps the file, cuts it after the last recorded range and appends after that.
+The run ends by writing one footer (every recorded part's row groups, read from its range
+and moved to where it landed, in input order: Parquet allows row groups anywhere in the
+file, and readers skip the parts' own footers), syncing it and renaming the file to
+``out``, so ``out`` is never half-written.
+"""
+
+from __future__ import annotations
+
+import base64
+import logging
+import os
+import struct
+from pathlib import Path
+from typing import Any, Sequence
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from ..errors import OutputError
+from .parquet_join import (FILE_NUM_ROWS, FILE_ROW_GROUPS, T_I64, T_LIST, T_STRUCT, MAGIC,
+                             JoinError, copy_range, move_group, CompactReader, schema_part,
+                             CompactWriter, read_footer)
+from .parts import (MANIFEST_NAME, PartLedger, fsync_dir, is_journal_entry,
+                     names_part_file, part_intact, drop_cached_pages, output_os_error,
+                     parquet_options, transient_errors)
+
+log = logging.getLogger("dsv4enc")
+
+#: The growing file's name in the parts folder (dsv4enc's where a dsv4enc manifest is).
+GROWING_NAME = "_growing.parquet"
+#: Linux writes at most this many bytes per ``pwrite`` call.
+_MAX_WRITE = 0x7FFFF000
+#: Positioned writes are POSIX; elsewhere (Windows) a single file is joined from part files.
+AVAILABLE = hasattr(os, "pwrite") and hasattr(os, "pread")
+#: Syncs a file's data (and its size); macOS has no ``fdatasync``.
+_sync_data = getattr(os, "fdatasync", os.fsync)
+
+
+def _pack(kind: int, value: Any) -> str:
+    """Thrift compact bytes of ``value`` as text for the JSON journal."""
+    writer = CompactWriter()
+    if kind == T_STRUCT:
+        writer.struct(value)
+    else:
+        writer.value(kind, value)
+    return base64.b64encode(bytes(writer.out)).decode("ascii")
+
+
+def _unpack(kind: int, text: str) -> Any:
+    reader = CompactReader(base64.b64decode(text))
+    return reader.struct() if kind == T_STRUCT else reader.value(kind)
+
+
+def serialize(table: pa.Table, row_group_size: int) -> pa.Buffer:
+    """``table`` as a Parquet file in memory, with the settings of a part file: for the
+    schema's probe and a part that outgrew its reservation only (a growing buffer costs
+    fresh pages, more CPU than writing the file)."""
+    sink = pa.BufferOutputStream()
+    pq.write_table(table, sink, row_group_size=row_group_size,
+                   **parquet_options(table.schema))
+    return sink.getvalue()
+
+
+def _footer(data: pa.Buffer) -> tuple[list[list], int]:
+    return read_footer(pa.BufferReader(data), data.size)
+
+
+def _row_groups(footer: list[list]) -> list[list]:
+    """The row groups a decoded footer lists."""
+    return next((field[2][1] for field in footer if field[0] == FILE_ROW_GROUPS), [])
+
+
+def _range_footer(fd: int, offset: int, length: int) -> list[list] | None:
+    """The footer that closes the range ``[offset, offset + length)`` of a growing file (a
+    part's Parquet file less its leading ``PAR1``: column chunks, footer, its length, PAR1),
+    decoded; None where the range does not end with one."""
+    end = offset + length
+    try:
+        tail = os.pread(fd, 8, end - 8)
+        size = struct.unpack("<I", tail[:4])[0] if len(tail) == 8 else 0
+        if tail[4:] != MAGIC or not 0 < size <= length - 8:
+            return None
+        return CompactReader(os.pread(fd, size, end - 8 - size)).struct()
+    except (OSError, IndexError, ValueError, struct.error, JoinError):
+        return None
+
+
+def _size_if_parquet_start(path: Path) -> int:
+    """The size of the file at ``path`` if it starts with ``PAR1``, else 0."""
+    try:
+        with open(path, "rb") as handle:
+            return os.fstat(handle.fileno()).st_size if handle.read(len(MAGIC)) == MAGIC else 0
+    except OSError:
+        return 0
+
+
+def pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+    while data:
+        written = os.pwrite(fd, data[:_MAX_WRITE], offset)
+        data, offset = data[written:], offset + written
+
+
+def group_room(table: pa.Table, row_group_size: int) -> int:
+    """Bytes to reserve for a part: a little more than its Parquet file takes. Embeddings
+    are stored uncompressed, so their Arrow size bounds them (measured: 1.000-1.001x at real
+    width, the nested layout's levels included); each row group adds page headers,
+    statistics and its footer entry (a few KB). A part that needs more is still written,
+    through memory (``commit``); the slack of a range that another was reserved after stays
+    in the file as an unreferenced gap."""
+    groups = -(-max(table.num_rows, 1) // max(row_group_size, 1))
+    return int(table.nbytes * 1.01) + (256 << 10) + (32 << 10) * groups
+
+
+class _NoRoom(Exception):
+    """A part's Parquet bytes outgrew its reservation."""
+
+
+class RangeSink:
+    """A write-only file for pyarrow's Parquet writer that puts byte ``i`` of the file it is
+    given at ``base + i - 4`` of the growing file: the leading ``PAR1`` is dropped, so the
+    column chunks start at ``base``; past ``room`` bytes it raises ``_NoRoom``. No copy in
+    between: each page goes from Arrow's buffer to the file (``pwrite``)."""
+
+    def __init__(self, fd: int, base: int, room: int) -> None:
+        self.fd, self.base, self.room = fd, base, room
+        self.pos = 0  # bytes given so far (its ``tell``: the offsets its footer holds)
+        self.closed = False
+
+    def write(self, data) -> int:
+        view = memoryview(data).cast("B")
+        size = view.nbytes
+        skip = max(0, len(MAGIC) - self.pos)  # the leading magic, not kept
+        if self.pos + size - len(MAGIC) > self.room:
+            raise _NoRoom()
+        if size > skip:
+            pwrite_all(self.fd, view[skip:], self.base + self.pos + skip - len(MAGIC))
+        self.pos += size
+        return size
+
+    def tell(self) -> int:
+        return self.pos
+
+    def writable(self) -> bool:
+        return True
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        self.closed = True
+
+
+class AppendingStore(PartLedger):
+    """The journaled growing file of a single-file output (see the module's doc).
+
+    Also the run's finisher (as ``writer.StreamingAssembler`` is for part files): ``finish``
+    writes the footer and renames the file to ``out``; ``abort`` keeps it for ``--resume``.
+    """
+
+    def __init__(self, folder: Path, settings: dict[str, Any], schema: pa.Schema, out: Path,
+                 manifest_name: str = MANIFEST_NAME) -> None:
+        super().__init__(folder, settings, manifest_name)
+        self.schema, self.out = schema, out
+        # What every part's footer holds besides its row groups (schema, key-value metadata,
+        # writer): the same for every table of this schema, an empty one included. Kept in
+        # the journal, so that a resume by another pyarrow (other footers) starts over.
+        probe, _ = _footer(serialize(schema.empty_table(), 1))
+        self.extra = {"footer": _pack(T_STRUCT, schema_part(probe))}
+        self._fd: int | None = None
+        self._end = len(MAGIC)  # where the next part's bytes go
+
+    @property
+    def path(self) -> Path:
+        return self.folder / GROWING_NAME
+
+    # -- opening ---------------------------------------------------------------------
+    def create(self) -> None:
+        super().create()
+        self._cut()
+
+    def _intact_parts(self, data: dict) -> dict[str, dict[str, Any]]:
+        """Journal entries whose range is in the file, and part files an earlier dsv4enc
+        committed that can be joined (copied into the growing file by ``forget``). Changes
+        nothing: the run may yet refuse to resume."""
+        size = _size_if_parquet_start(self.path)
+        same_footer = data.get("footer") == self.extra["footer"]
+        if not same_footer and any(is_journal_entry(p) for p in data["parts"].values()):
+            log.warning("the finished parts in %s were written with other Parquet metadata "
+                        "(another pyarrow?): they are encoded again", self.folder)
+        try:
+            fd = os.open(self.path, os.O_RDONLY) if size else None
+        except OSError:
+            fd = None
+        try:
+            return {name: part for name, part in data["parts"].items()
+                    if (is_journal_entry(part) and same_footer and fd is not None
+                        and len(MAGIC) <= part["offset"]
+                        and part["offset"] + part["length"] <= size
+                        and self._part_footer(part, fd) is not None)
+                    or (names_part_file(part) and self._joinable(part))}
+        finally:
+            if fd is not None:
+                os.close(fd)
+
+    def _fits(self, footer: list[list]) -> bool:
+        """A part's footer holds what the output's does besides its row groups (schema,
+        key-value metadata, writer): its row groups can join the file's."""
+        return _pack(T_STRUCT, schema_part(footer)) == self.extra["footer"]
+
+    def _joinable(self, part: dict[str, Any]) -> bool:
+        """A part file that reads back whole and whose bytes can join this file's: the same
+        footer besides its row groups (the same pyarrow wrote it), no page indexes."""
+        path = self.folder / part["file"]
+        if not part_intact(path, part.get("rows")):
+            return False
+        try:
+            with open(path, "rb") as source:
+                footer, _ = read_footer(source, os.fstat(source.fileno()).st_size)
+            for group in _row_groups(footer):
+                move_group(group, 0, 0)  # raises JoinError where offsets lie outside
+        except (OSError, JoinError):
+            return False
+        return self._fits(footer)
+
+    def forget(self, names: Sequence[str]) -> None:
+        """Drop the parts this run does not reuse, cut the file after the last range still
+        recorded, and copy in the reused part files of the earlier design."""
+        super().forget(names)
+        self._cut()
+        for name, part in list(self.parts.items()):
+            if names_part_file(part):
+                self._import(name, part)
+
+    def _cut(self) -> None:
+        """Open the file and truncate it after the last recorded range: a torn or forgotten
+        part's tail goes (bytes of one that lie before a recorded range stay unreferenced).
+        A file that does not start with ``PAR1`` (or none) starts anew: nothing of it is
+        recorded then."""
+        self._end = max((p["offset"] + p["length"] for p in self.parts.values()
+                         if is_journal_entry(p)), default=len(MAGIC))
+        try:
+            if self._fd is None:
+                self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            os.ftruncate(self._fd, self._end)
+            if os.pread(self._fd, len(MAGIC), 0) != MAGIC:
+                os.pwrite(self._fd, MAGIC, 0)
+        except OSError as exc:
+            raise output_os_error(self.path, exc) from None
+
+    def _import(self, name: str, part: dict[str, Any]) -> None:
+        """Copy a part file of the earlier design into the growing file and journal it, then
+        delete the file (its bytes are recorded here now)."""
+        path = self.folder / part["file"]
+        try:
+            with open(path, "rb") as source, open(self.path, "r+b") as target:
+                size = os.fstat(source.fileno()).st_size
+                read_footer(source, size)  # a damaged file raises JoinError here
+                length = size - len(MAGIC)
+                target.seek(self._end)
+                copy_range(source, target, len(MAGIC), length)
+                target.flush()
+                _sync_data(target.fileno())
+        except JoinError as exc:  # checked by _joinable: only if changed since
+            raise OutputError(f"cannot resume: {path}: {exc}; use --overwrite to start "
+                              "over") from None
+        except OSError as exc:
+            raise output_os_error(self.path, exc) from None
+        entry = {key: part[key] for key in ("start", "end", "digest", "rows", "transient")
+                 if key in part}
+        self._record(name, {**entry, "offset": self._end, "length": length})
+        self._end += length
+        path.unlink(missing_ok=True)
+
+    # -- committing ------------------------------------------------------------------
+    def commit(self, name: str, table: pa.Table, row_group_size: int, start: int, end: int,
+               digest: str) -> None:
+        """Append one part (several writer threads may commit at once; parts land in the
+        file in any order)."""
+        room = group_room(table, row_group_size)
+        base = self._reserve(room)
+        try:
+            sink = RangeSink(self._fd, base, room)
+            pq.write_table(table, pa.PythonFile(sink, mode="w"), row_group_size=row_group_size,
+                           **parquet_options(table.schema))
+            length = sink.pos - len(MAGIC)  # column chunks, footer, its length, PAR1
+        except _NoRoom:  # more than ``group_room`` guessed: the part goes through memory instead
+            self._give_back(base, room, 0)
+            data = serialize(table, row_group_size)
+            length = data.size - len(MAGIC)
+            base = self._reserve(length)
+            room = length
+            self._write(memoryview(data)[len(MAGIC):], base)
+            del data
+        except OSError as exc:
+            raise output_os_error(self.path, exc) from None
+        footer = _range_footer(self._fd, base, length)
+        if footer is None:
+            raise OutputError(f"cannot write {self.out}: the Parquet writer wrote no footer")
+        if not self._fits(footer):
+            raise OutputError(f"cannot write {self.out}: a part's Parquet footer differs from "
+                              "the output's")
+        self._give_back(base, room, length)
+        try:
+            _sync_data(self._fd)  # the bytes are on disk before the journal names them
+        except OSError as exc:
+            raise output_os_error(self.path, exc) from None
+        drop_cached_pages(self._fd, base, length)  # never read back: free the cache now
+        self._record(name, {"start": start, "end": end, "digest": digest,
+                            "rows": table.num_rows, "transient": transient_errors(table),
+                            "offset": base, "length": length})
+
+    def _reserve(self, size: int) -> int:
+        """Claim ``size`` bytes at the end of the file for one part; returns where."""
+        with self._lock:
+            base, self._end = self._end, self._end + size
+            return base
+
+    def _give_back(self, base: int, room: int, used: int) -> None:
+        """Return the unused end of a reservation when no later one follows it (else it
+        stays a gap no footer refers to: a little slack per part)."""
+        with self._lock:
+            if self._end == base + room:
+                self._end = base + used
+
+    def _write(self, data: memoryview, offset: int) -> None:
+        try:
+            pwrite_all(self._fd, data, offset)
+        except OSError as exc:
+            raise output_os_error(self.path, exc) from None
+
+    # -- the end of the run ----------------------------------------------------------
+    def notify(self) -> None:
+        """A part was committed (nothing to do: its bytes are already in the file)."""
+
+    def _part_footer(self, part: dict[str, Any], fd: int | None = None) -> list[list] | None:
+        """The footer a recorded part's range ends with, if it fits this output's; else
+        None."""
+        footer = _range_footer(self._fd if fd is None else fd, part["offset"], part["length"])
+        return footer if footer is not None and self._fits(footer) else None
+
+    def _final_footer(self) -> bytes:
+        """One footer for every recorded part's row groups, in input order."""
+        ordered = sorted(self.parts.values(), key=lambda p: p["start"])
+        for before, after in zip(ordered, ordered[1:]):
+            if before["end"] != after["start"]:
+                raise OutputError(f"cannot write {self.out}: rows {before['end']} to "
+                                  f"{after['start']} were not committed")
+        groups: list[list] = []
+        for part in ordered:
+            footer = self._part_footer(part)
+            if footer is None:
+                raise OutputError(f"cannot write {self.out}: the part at byte "
+                                  f"{part['offset']} of {self.path} has no footer")
+            for group in _row_groups(footer):
+                # Its offsets count from its own file's start, where PAR1 preceded its bytes.
+                move_group(group, part["offset"] - len(MAGIC), len(groups))
+                groups.append(group)
+        fields = _unpack(T_STRUCT, self.extra["footer"]) + [
+            [FILE_NUM_ROWS, T_I64, sum(p["rows"] for p in ordered)],
+            [FILE_ROW_GROUPS, T_LIST, (T_STRUCT, groups)]]
+        writer = CompactWriter()
+        writer.struct(sorted(fields, key=lambda field: field[0]))
+        return bytes(writer.out) + struct.pack("<I", len(writer.out)) + MAGIC
+
+    def finish(self) -> None:
+        """Write the footer after the last part, sync, and rename the file to ``out``."""
+        try:
+            pwrite_all(self._fd, memoryview(self._final_footer()), self._end)
+            os.fsync(self._fd)
+            self.close()
+            os.replace(self.path, self.out)
+            fsync_dir(self.out.parent)
+        except OSError as exc:
+            raise output_os_error(self.out, exc) from None
+
+    def abort(self) -> None:
+        """Stop without producing ``out``: the file and journal stay for ``--resume``."""
+        self.close()
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None

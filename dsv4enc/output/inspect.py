@@ -1,0 +1,187 @@
+"""``dsv4enc inspect``: what an output file (or dataset folder) holds, without loading it.
+
+Reads the Parquet footers for row counts, sizes and the ``dsv4enc`` metadata, and streams
+only the small columns (grid sizes, errors), never the embeddings.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ..tower.config import MODEL_NAMES, model_type_of
+from ..errors import UsageError
+from .read import embedding_format, output_files, read_metadata
+
+TOP_ERRORS = 5
+_QUOTED = re.compile(r"'[^']*'|\"[^\"]*\"")
+
+
+@dataclass
+class OutputSummary:
+    """Facts about one output, for the table and for ``--json``."""
+
+    path: str
+    files: int = 0
+    bytes_on_disk: int = 0
+    rows: int = 0
+    failed: int = 0
+    embedding_rows: int = 0
+    width: int | None = None
+    dtype: str | None = None
+    layout: str | None = None  # the embedding column's layout: binary or nested (SPEC §9)
+    pooled: bool = False
+    grid_h: dict[str, float] = field(default_factory=dict)
+    grid_w: dict[str, float] = field(default_factory=dict)
+    rows_per_image: dict[str, float] = field(default_factory=dict)
+    top_grids: list[tuple[str, int]] = field(default_factory=list)
+    errors: list[tuple[str, int, str]] = field(default_factory=list)  # (kind, count, example path)
+    metadata: dict[str, Any] = field(default_factory=dict)
+    model: str | None = None  # the checkpoint variant, e.g. "DeepSeek-V4.1 (deepseek_v41)"
+
+    def as_dict(self) -> dict[str, Any]:
+        from dataclasses import asdict
+
+        return asdict(self)
+
+
+def error_group(message: str) -> str:
+    """Messages that differ only in quoted names (paths) count as one kind of failure."""
+    return _QUOTED.sub("'…'", message)
+
+
+def model_of(metadata: dict[str, Any]) -> str | None:
+    """The variant named by an output's metadata (its config's ``model_type``; outputs
+    written before V4.1 support carry none and are V4)."""
+    config = metadata.get("config")
+    if not isinstance(config, dict):
+        return None
+    model_type = model_type_of(config)
+    return f"{MODEL_NAMES[model_type]} ({model_type})"
+
+
+def _stats(values: np.ndarray) -> dict[str, float]:
+    if values.size == 0:
+        return {}
+    return {"min": int(values.min()), "median": float(np.median(values)),
+            "mean": round(float(values.mean()), 2), "max": int(values.max())}
+
+
+def summarize(path: str | os.PathLike) -> OutputSummary:
+    """Summarize a dsv4enc output: a Parquet file or a folder of part files."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    files = output_files(path)
+    if not files:
+        raise UsageError(f"{path}: no Parquet files found")
+    out = OutputSummary(path=str(path), files=len(files))
+    out.bytes_on_disk = sum(f.stat().st_size for f in files)
+    out.metadata = read_metadata(path)
+    out.model = model_of(out.metadata)
+    heights, widths = [], []
+    grids: Counter = Counter()
+    errors: Counter = Counter()
+    examples: dict[str, str] = {}
+    for file in files:
+        try:
+            handle = pq.ParquetFile(file)
+        except (OSError, pa.ArrowException) as exc:
+            raise UsageError(f"{file}: not a readable Parquet file ({exc})") from None
+        schema = handle.schema_arrow
+        missing = [c for c in ("grid_h", "grid_w", "embedding", "error") if c not in schema.names]
+        if missing:
+            raise UsageError(f"{file}: not dsv4enc output (no column {missing[0]!r})")
+        fmt = embedding_format(schema)
+        out.layout, out.pooled, out.width, out.dtype = fmt.layout, fmt.pooled, fmt.width, fmt.dtype
+        out.rows += handle.metadata.num_rows
+        for batch in handle.iter_batches(batch_size=65536,
+                                         columns=["path", "grid_h", "grid_w", "error"]):
+            failed = batch.column("error").is_valid().to_numpy(zero_copy_only=False)
+            ok = ~failed
+            gh = batch.column("grid_h").fill_null(0).to_numpy(zero_copy_only=False)[ok]
+            gw = batch.column("grid_w").fill_null(0).to_numpy(zero_copy_only=False)[ok]
+            heights.append(gh.astype(np.int64))
+            widths.append(gw.astype(np.int64))
+            grids.update(zip(gh.tolist(), gw.tolist()))
+            failures = batch.filter(batch.column("error").is_valid())
+            for message, path in zip(failures.column("error").to_pylist(),
+                                     failures.column("path").to_pylist()):
+                kind = error_group(message)
+                errors[kind] += 1
+                examples.setdefault(kind, path)
+            out.failed += int(failed.sum())
+    h = np.concatenate(heights) if heights else np.zeros(0, np.int64)
+    w = np.concatenate(widths) if widths else np.zeros(0, np.int64)
+    out.grid_h, out.grid_w = _stats(h), _stats(w)
+    out.rows_per_image = _stats(h * w)
+    out.embedding_rows = int(len(h)) if out.pooled else int((h * w).sum())
+    out.top_grids = [(f"{gh}x{gw}", n) for (gh, gw), n in grids.most_common(3)]
+    out.errors = [(kind, n, examples[kind]) for kind, n in errors.most_common(TOP_ERRORS)]
+    return out
+
+
+def _size(n: int) -> str:
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{n} B"
+
+
+def _stat_text(stats: dict[str, float]) -> str:
+    if not stats:
+        return "-"
+    return f"{stats['min']} / {stats['median']:g} / {stats['max']} (mean {stats['mean']:g})"
+
+
+def render(summary: OutputSummary, console=None) -> None:
+    """Print the summary as rich tables."""
+    from rich.console import Console
+    from rich.table import Table
+
+    console = console or Console()
+    meta = summary.metadata
+    table = Table(title=f"dsv4enc output: {summary.path}", show_header=False, title_justify="left")
+    table.add_column(style="bold")
+    table.add_column()
+    ok = summary.rows - summary.failed
+    table.add_row("rows", f"{summary.rows} ({ok} encoded, {summary.failed} failed)")
+    layout = "pooled: one vector per image" if summary.pooled else (
+        f"{summary.embedding_rows} embedding rows")
+    table.add_row("embedding", f"width {summary.width}, {summary.dtype}, {summary.layout} "
+                  f"layout; {layout}")
+    table.add_row("grid_h min/median/max", _stat_text(summary.grid_h))
+    table.add_row("grid_w min/median/max", _stat_text(summary.grid_w))
+    table.add_row("rows per image", _stat_text(summary.rows_per_image))
+    if summary.top_grids:
+        table.add_row("commonest grids", ", ".join(f"{g} ({n})" for g, n in summary.top_grids))
+    table.add_row("features", f"{meta.get('features', '?')} (pool {meta.get('pool', 'none')})")
+    table.add_row("dtypes", f"compute {meta.get('compute_dtype', '?')}, "
+                  f"stored {meta.get('out_dtype', summary.dtype)}")
+    table.add_row("weights fingerprint", str(meta.get("weights_fingerprint", "?")))
+    table.add_row("tool", f"{meta.get('tool', '?')} {meta.get('version', '')}".strip())
+    config = meta.get("config") or {}
+    if config:
+        table.add_row("model", f"{summary.model}, vision_max_n_token "
+                      f"{config.get('vision_max_n_token')}")
+        table.add_row("tower", f"{config.get('vision_n_layers')} layers, dim "
+                      f"{config.get('vision_dim')}, {config.get('vision_n_heads')} heads, patch "
+                      f"{config.get('vision_patch_size')}, merge "
+                      f"{config.get('vision_downsample_ratio')}, hidden {config.get('hidden_size')}")
+    files = f"{summary.files} file{'s' if summary.files != 1 else ''}"
+    table.add_row("on disk", f"{_size(summary.bytes_on_disk)} in {files}")
+    console.print(table)
+    if summary.errors:
+        errs = Table(title="top errors", title_justify="left")
+        errs.add_column("count", justify="right")
+        errs.add_column("error")
+        for kind, count, example in summary.errors:
+            errs.add_row(str(count), f"{kind}\n  e.g. {example}")
+        console.print(errs)

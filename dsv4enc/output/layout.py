@@ -1,0 +1,603 @@
+"""Where a run's output goes and how its parts are committed: the ``--out`` checks, the lock
+that keeps two runs off one output, the background part writers, and which parts an
+interrupted run already finished.
+
+dsv4enc deletes or replaces only what is provably its own: a single-file ``--out`` that is a
+Parquet file with dsv4enc's metadata, and in a parts folder (``OUT.partial/`` or a folder
+``--out``) the manifests it recognises by their content (``writer.manifest_kind``), its part
+file names, the growing file of a single file (``appending.GROWING_NAME``) and its temporary
+names. Anything else makes the run refuse in one line, before anything is written or
+deleted.
+"""
+
+from __future__ import annotations
+
+import bisect
+import errno
+import json
+import logging
+import os
+import queue
+import socket
+import threading
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Iterable
+
+from ..errors import AlreadyComplete, DsvError, OutputError, UsageError
+from ..images.items import is_image_name
+from ..run.plan import inputs_digest
+from ..pausepoints import pause
+from .appending import GROWING_NAME
+from .parts import (LOCK_NAME, MANIFEST_FILE, MANIFEST_NAME, PART_FILE, TEMP_FILE, PartLedger,
+                    PartStore, Row, StreamingAssembler, output_os_error, read_manifest,
+                    rows_per_group, rows_to_table)
+
+if TYPE_CHECKING:
+    from .appending import AppendingStore
+    from ..run.options import EncodeOptions
+    from ..run.plan import Part
+    from ..run.summary import RunSummary
+    from ..run.ranks import Topology
+
+log = logging.getLogger("dsv4enc")
+
+#: The lock file in the parts folder (hidden: readers of a dataset folder pass over it).
+#: flock errors that mean "this file system does not lock", not "someone holds the lock".
+_NO_LOCKING = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS, errno.EINVAL}
+
+
+class OutputLock:
+    """An exclusive ``flock`` on ``LOCK_NAME`` in the parts folder, held for the whole run.
+
+    The file holds the holder's pid and host, for the refusal a second run prints. It is
+    unlinked (by its holder, still holding it) when the run ends; a run that locked the old
+    file meanwhile notices that its file is gone and locks the new one."""
+
+    def __init__(self, folder: Path, out: Path) -> None:
+        self.path = folder / LOCK_NAME
+        self.out = out
+        self._fd: int | None = None
+
+    @property
+    def held(self) -> bool:
+        return self._fd is not None
+
+    def acquire(self) -> None:
+        try:
+            import fcntl
+        except ImportError:  # no flock (Windows): nothing to lock with
+            log.warning("cannot lock %s on this system: make sure no other dsv4enc run writes "
+                        "it at the same time", self.out)
+            return
+        for _ in range(100):
+            try:
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            except FileNotFoundError:  # a run that just ended removed its .partial folder
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                continue
+            except OSError as exc:
+                raise output_os_error(self.path, exc) from None
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = _holder(fd)
+                os.close(fd)
+                raise OutputError(f"another dsv4enc run is writing {self.out}{holder}; wait for "
+                                  "it to finish or choose another --out") from None
+            except OSError as exc:
+                if exc.errno not in _NO_LOCKING:
+                    os.close(fd)
+                    raise output_os_error(self.path, exc) from None
+                log.warning("cannot lock %s (%s: file locking is off on this file system); make "
+                            "sure no other dsv4enc run writes %s at the same time", self.path,
+                            exc.strerror or exc, self.out)
+            if _still_linked(fd, self.path):
+                self._fd = fd
+                _write_holder(fd)
+                return
+            os.close(fd)  # unlinked by a run that just ended: lock the file there now
+        raise OutputError(f"cannot lock {self.path}: it keeps being replaced")
+
+    def release(self) -> None:
+        """Unlink the lock file (while still holding it), then let go."""
+        if self._fd is None:
+            return
+        try:
+            os.unlink(self.path)
+        except OSError:
+            pass
+        os.close(self._fd)
+        self._fd = None
+
+
+def _still_linked(fd: int, path: Path) -> bool:
+    try:
+        mine, now = os.fstat(fd), os.stat(path)
+    except OSError:
+        return False
+    return (mine.st_dev, mine.st_ino) == (now.st_dev, now.st_ino)
+
+
+def _write_holder(fd: int) -> None:
+    text = json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
+                       "since": time.strftime("%Y-%m-%d %H:%M:%S %Z")})
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, text.encode() + b"\n", 0)
+    except OSError:
+        pass  # the lock works without it; the refusal then names no pid
+
+
+def _holder(fd: int) -> str:
+    """`` (pid N on HOST since TIME)`` from a lock file, or "" when it says nothing usable."""
+    try:
+        data = json.loads(os.pread(fd, 4096, 0) or b"{}")
+        return f" (pid {int(data['pid'])} on {data['host']}, since {data['since']})"
+    except (OSError, ValueError, KeyError, TypeError):
+        return ""
+
+
+def _inside(path: str, folder: str) -> bool:
+    """``path`` lies strictly inside ``folder`` (both real, absolute paths)."""
+    return path != folder and os.path.commonpath([path, folder]) == folder
+
+
+def is_dsv4enc_parquet(path: Path) -> bool:
+    """A Parquet file whose footer carries dsv4enc's metadata (read from the footer only)."""
+    import pyarrow.parquet as pq
+
+    try:
+        metadata = pq.read_schema(path).metadata or {}
+        return json.loads(metadata.get(b"dsv4enc", b"{}")).get("tool") == "dsv4enc"
+    except Exception:  # not Parquet, unreadable, ...: not provably ours
+        return False
+
+
+class OutputLayout:
+    """Where parts go (a ``.partial`` folder beside a single-file ``--out``, or the ``--out``
+    folder itself), the checks before anything is computed, the lock, and the clean-up that
+    touches only dsv4enc's own files."""
+
+    def __init__(self, out: str, shard_output: bool) -> None:
+        self.out = Path(out)
+        self.shard_output = shard_output
+        self.folder_mode = shard_output or out.endswith(("/", os.sep)) or self.out.is_dir()
+        self.parts_dir = self.out if self.folder_mode else self.out.with_name(self.out.name + ".partial")
+        self.lock = OutputLock(self.parts_dir, self.out)
+        self._made: list[Path] = []  # folders this run created (removed again if left empty)
+        self._prepared = False  # this process checked the output (rank 0 under torchrun)
+
+    def interrupted_settings(self, rank: int | None = None) -> dict | None:
+        """The settings the interrupted run recorded in this output's manifest (what
+        ``--resume`` adopts for ``--dtype auto``), or None when there is no such run."""
+        recorded = read_manifest(self.parts_dir / self.manifest_name(rank))
+        settings = recorded.get("settings") if recorded else None
+        return settings if isinstance(settings, dict) else None
+
+    def manifest_name(self, rank: int | None = None) -> str:
+        """Each rank keeps its own manifest under --shard-output (``rank``: this process's,
+        None outside torchrun); merged at the end."""
+        if self.shard_output and rank is not None:
+            return MANIFEST_NAME.replace(".json", f"-rank{rank:03d}.json")
+        return MANIFEST_NAME
+
+    # -- what is ours -------------------------------------------------------------------
+    def _manifests(self) -> list[Path]:
+        """The dsv4enc manifests in the parts folder (recognised by content)."""
+        if not self.parts_dir.is_dir():
+            return []
+        return [path for path in sorted(self.parts_dir.iterdir())
+                if MANIFEST_FILE.fullmatch(path.name) and read_manifest(path) is not None]
+
+    def _is_ours(self, name: str, manifests: bool) -> bool:
+        """A name in the parts folder that dsv4enc wrote: its lock, its temporaries, and
+        (where a dsv4enc manifest is present) its manifests and part files."""
+        if name == LOCK_NAME:
+            return True
+        temp = TEMP_FILE.fullmatch(name)
+        if temp is not None and (PART_FILE.fullmatch(temp.group(1))
+                                 or MANIFEST_FILE.fullmatch(temp.group(1))
+                                 or (not self.folder_mode and temp.group(1) == self.out.name)):
+            return True
+        return manifests and bool(PART_FILE.fullmatch(name) or MANIFEST_FILE.fullmatch(name)
+                                  or name == GROWING_NAME)
+
+    def _owned_and_foreign(self) -> tuple[list[Path], list[str]]:
+        """Files of the parts folder dsv4enc wrote (lock excepted), and the names of the
+        others (hidden names are passed over: never deleted, never in the way)."""
+        if not self.parts_dir.is_dir():
+            return [], []
+        ours = bool(self._manifests())
+        owned, foreign = [], []
+        for path in sorted(self.parts_dir.iterdir()):
+            if self._is_ours(path.name, ours) and not path.is_dir():
+                if path.name != LOCK_NAME:
+                    owned.append(path)
+            elif not path.name.startswith("."):
+                foreign.append(path.name)
+        return owned, foreign
+
+    def _remove(self, paths: Iterable[Path]) -> None:
+        for path in paths:
+            try:
+                path.unlink()
+            except FileNotFoundError:
+                pass
+            except OSError as exc:
+                raise output_os_error(path, exc) from None
+
+    # -- checks -------------------------------------------------------------------------
+    def check_not_inputs(self, inputs: Iterable[str], files_from: str | None) -> None:
+        """Refuse an ``--out`` that is an input, holds one, or would be read as one."""
+        out = os.path.realpath(self.out)
+        parts = os.path.realpath(self.parts_dir)
+        sources = [*inputs, *([files_from] if files_from not in (None, "-") else [])]
+        for raw in sources:
+            if not os.path.lexists(raw):
+                continue
+            real = os.path.realpath(raw)
+            if real in (out, parts):
+                raise OutputError(f"--out {self.out} is the input {raw}; choose an --out "
+                                  "outside the inputs")
+            if _inside(real, parts) or (self.folder_mode and _inside(real, out)):
+                raise OutputError(f"--out {self.out} contains the input {raw}; choose an "
+                                  "--out outside the inputs")
+            if (not self.folder_mode and os.path.isdir(real) and _inside(out, real)
+                    and (is_image_name(self.out.name) or is_image_name(out))):
+                if os.path.lexists(self.out):
+                    raise OutputError(f"--out {self.out} is an input (an image in the input "
+                                      f"folder {raw}); choose an --out outside the inputs")
+                raise OutputError(f"--out {self.out} has an image name inside the input folder "
+                                  f"{raw} (it would be read as an input); choose another --out")
+
+    def _check_kinds(self) -> None:
+        out = self.out
+        for parent in [out.parent, *out.parent.parents]:
+            if parent.exists() and not parent.is_dir():
+                raise OutputError(f"cannot write {out}: {parent} is a file, not a folder")
+        if self.folder_mode and out.exists() and not out.is_dir():
+            raise OutputError(f"--out {out} is a file, but a folder output was asked for")
+        if not self.folder_mode:
+            if self.parts_dir.exists() and not self.parts_dir.is_dir():
+                raise OutputError(f"cannot use {self.parts_dir} for parts: it is a file "
+                                  "dsv4enc did not write; move it away")
+            if out.exists() and not (out.is_file() and is_dsv4enc_parquet(out)):
+                raise OutputError(f"--out {out} already exists and is not a dsv4enc output; "
+                                  "dsv4enc replaces only its own files: choose another --out")
+
+    def prepare(self, opts: EncodeOptions) -> None:
+        """Check ``--out`` against the inputs and what is there, take the lock (held until
+        ``release``), and with ``--overwrite`` delete the earlier run's files: only those."""
+        self.check_not_inputs(opts.inputs, opts.files_from)
+        self._check_kinds()
+        self._prepared = True
+        try:
+            self._make_parts_dir()
+            self.lock.acquire()
+            self._check_existing(opts.overwrite, opts.resume)
+        except BaseException:
+            self.release()
+            raise
+
+    def _check_existing(self, overwrite: bool, resume: bool) -> None:
+        out = self.out
+        has_parts = bool(self._manifests())
+        owned, foreign = self._owned_and_foreign()
+        where = f"--out folder {out}" if self.folder_mode else str(self.parts_dir)
+        if foreign and not has_parts and self.folder_mode:
+            raise OutputError(f"--out folder {out} is not empty and holds no dsv4enc output; "
+                              "choose another path")
+        if foreign:
+            shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more"
+                                              if len(foreign) > 3 else "")
+            raise OutputError(f"{where} holds files dsv4enc did not write ({shown}); move them "
+                              "away or choose another --out")
+        if not resume and not overwrite:
+            if not self.folder_mode and out.exists():
+                raise OutputError(f"{out} already exists; pass --overwrite to replace it")
+            if has_parts and self.folder_mode:
+                raise OutputError(f"--out folder {out} already holds dsv4enc output; pass "
+                                  "--resume to finish it or --overwrite to replace it")
+            if has_parts:
+                raise OutputError(f"an unfinished run left {self.parts_dir}; pass --resume to "
+                                  "continue it or --overwrite to start over")
+        if resume and not has_parts and not self.folder_mode and out.is_file():
+            raise AlreadyComplete(f"{out} is already complete; nothing to resume "
+                                  "(pass --overwrite to encode again)")
+        if overwrite:
+            self._remove(owned)
+            return
+        # Nobody else writes here (we hold the lock): a killed run's temporaries go, and so
+        # do part files no manifest lists (renamed into place just before a kill), which a
+        # folder output would otherwise show beside the rows that replace them.
+        listed = {part.get("file") for path in self._manifests()
+                  for part in (read_manifest(path) or {"parts": {}})["parts"].values()}
+        self._remove(p for p in owned if TEMP_FILE.fullmatch(p.name)
+                     or (PART_FILE.fullmatch(p.name) and p.name not in listed))
+
+    def _make_parts_dir(self) -> None:
+        """Create the parts folder (and missing parents), remembering what was created."""
+        missing = [self.parts_dir, *self.parts_dir.parents]
+        missing = [folder for folder in missing if not folder.exists()]
+        try:
+            self.parts_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise OutputError(f"cannot write to {self.parts_dir}: {exc.strerror or exc}") from None
+        self._made = missing  # innermost first
+
+    def create(self) -> None:
+        """Check the parts folder is writable (the lock file proves it where locking works).
+        Called once inputs and weights are known good."""
+        try:
+            probe = self.parts_dir / f".dsv4enc-write-test.{os.getpid()}"
+            probe.write_bytes(b"")
+            probe.unlink()
+        except OSError as exc:
+            raise OutputError(f"cannot write to {self.parts_dir}: {exc.strerror or exc}") from None
+
+    # -- the end of a run -----------------------------------------------------------------
+    def remove_parts(self) -> None:
+        """The single file is in place: delete the parts and manifest (dsv4enc's only)."""
+        owned, _ = self._owned_and_foreign()
+        self._remove(owned)
+
+    def resume_hint(self, store: PartLedger) -> str:
+        """What an interrupted run leaves, for its one-line message."""
+        if not store.parts:
+            if self.folder_mode:
+                return (f"nothing was committed to {self.out} yet; rerun the same command "
+                        "with --resume")
+            return "nothing was committed; rerun the same command"
+        images = sum(part.get("rows", 0) for part in store.parts.values())
+        return (f"{len(store.parts)} finished part{'s' if len(store.parts) > 1 else ''} "
+                f"({images} images) kept in {self.parts_dir}; rerun the same command with "
+                "--resume to finish")
+
+    def discard_if_empty(self) -> None:
+        """After a failed run, remove a single-file output's manifest, growing file and
+        temporaries if no part was committed (committed parts are kept for --resume)."""
+        if self.folder_mode:
+            return
+        owned, _ = self._owned_and_foreign()
+        recorded = any((read_manifest(path) or {}).get("parts") for path in self._manifests())
+        if not recorded and not any(PART_FILE.fullmatch(p.name) for p in owned):
+            self._remove(owned)
+
+    def release(self) -> None:
+        """Let go of the lock, and remove the folders this run created if they are empty
+        (a ``.partial`` folder left empty is removed too: it is dsv4enc's by name)."""
+        if not self._prepared:
+            return
+        self._prepared = False
+        self.lock.release()
+        folders = list(self._made)
+        if not self.folder_mode and self.parts_dir not in folders:
+            folders.insert(0, self.parts_dir)
+        self._made = []
+        for folder in folders:
+            try:
+                folder.rmdir()  # only when empty
+            except OSError:
+                break
+
+
+def open_store(layout: OutputLayout, settings: dict, schema, *, local: bool, is_main: bool,
+               world_size: int, rank: int | None) -> PartLedger:
+    """Where this process commits its parts: output's own choice of store.
+
+    One process writing a local single file appends each part to it once (``appending``);
+    otherwise parts are files, joined at the end (the staging of an object storage output,
+    ``local=False``, uploads them as they commit; a local folder's parts drop their page
+    cache). ``rank``: this process's under torchrun (None outside), for --shard-output's
+    per-rank manifests."""
+    from . import appending
+
+    single_file = not layout.folder_mode and is_main
+    if single_file and local and world_size == 1 and appending.AVAILABLE:
+        return appending.AppendingStore(layout.parts_dir, settings, schema, layout.out)
+    return PartStore(layout.parts_dir, settings, layout.manifest_name(rank),
+                     drop_cache=layout.folder_mode and local)
+
+
+def assembler_for(store: PartLedger, layout: OutputLayout, part_names: list[str], schema, *,
+                  is_main: bool):
+    """What makes the single file at the end: the appending store itself, a streaming
+    assembler over the part files (the main process of a single-file output), or None (a
+    folder output, or another rank)."""
+    from .appending import AppendingStore
+
+    if isinstance(store, AppendingStore):
+        return store
+    if not layout.folder_mode and is_main:
+        return StreamingAssembler(store, part_names, layout.out, schema)
+    return None
+
+
+class PartWriter:
+    """Commits parts on background threads so the device never waits for Parquet.
+
+    Encoding a part's nested float lists is CPU work that releases the GIL, so several
+    threads commit parts side by side on machines with cores to spare.
+
+    The run hands over finished segments; consecutive ones are joined into one part, which
+    is committed when its ``part_images`` range is done or ``store.commit_seconds`` have
+    passed since the last commit, whichever comes first (so a kill loses about that much
+    work at most). Without ``commit_seconds`` (--shard-output) each segment is a part."""
+
+    def __init__(self, store: PartStore | AppendingStore, schema, threads: int = 1,
+                 assembler: StreamingAssembler | AppendingStore | None = None) -> None:
+        self.store = store
+        self.schema = schema
+        self.assembler = assembler
+        self.seconds = 0.0
+        self.error: BaseException | None = None
+        self._lock = threading.Lock()
+        self._queue: queue.Queue = queue.Queue(maxsize=threads)
+        self._threads = [threading.Thread(target=self._run, name=f"dsv4enc-writer-{i}",
+                                          daemon=True) for i in range(threads)]
+        for thread in self._threads:
+            thread.start()
+        self._rows: list[Row] = []  # the part being joined: its segments' rows so far
+        self._name, self._start, self._end = "", 0, 0
+        self._since = time.monotonic()  # the last commit (or the start)
+
+    def _run(self) -> None:
+        while (job := self._queue.get()) is not None:
+            if self.error is not None:
+                continue
+            name, rows, start, end, digest = job
+            began = time.perf_counter()
+            try:
+                table = rows_to_table(rows, self.schema)
+                group_rows = rows_per_group(self.schema, rows)
+                del job, rows  # the table holds what it needs of them: let the rest go
+                self.store.commit(name, table, group_rows, start, end, digest)
+                if self.assembler is not None:  # a StreamingAssembler copies the part
+                    self.assembler.notify()
+                pause("commit", name=name, start=start, end=end)
+            except BaseException as exc:  # re-raised on the main thread
+                self.error = exc
+            with self._lock:
+                self.seconds += time.perf_counter() - began
+
+    def put(self, name: str, rows: list[Row], start: int, end: int, digest: str) -> None:
+        """A finished segment (or, under --shard-output, a whole part)."""
+        self.check()
+        if self.store.commit_seconds is None:
+            self._queue.put((name, rows, start, end, digest))
+            return
+        if self._rows and start != self._end:
+            self._flush()
+        if not self._rows:
+            self._name, self._start = name, start
+        self._rows.extend(rows)
+        self._end = end
+        source = self.store.segments[name].source
+        if (end % self.store.settings["part_images"] == 0 or end == len(source)
+                or time.monotonic() - self._since >= self.store.commit_seconds):
+            self._flush()
+
+    def _flush(self) -> None:
+        """Commit the joined segments as one part (named after its first segment)."""
+        if self._rows:
+            source = self.store.segments[self._name].source
+            job = (self._name, self._rows, self._start, self._end,
+                   inputs_digest(source[self._start:self._end]))
+            self._rows = []
+            self._queue.put(job)
+        self._since = time.monotonic()
+
+    def check(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+    def close(self) -> None:
+        """Commit what was handed over (an interrupted run keeps its finished segments)."""
+        if self.error is None:
+            self._flush()
+        for _ in self._threads:
+            self._queue.put(None)
+        for thread in self._threads:
+            thread.join()
+        self.check()
+
+
+def resume_filter(store: PartLedger, parts: list[Part], opts: EncodeOptions,
+                  ranks: Topology, summary: RunSummary) -> list[Part]:
+    """Parts still to encode; with ``--resume``, check settings and skip committed parts.
+
+    The ranks agree on one list (``Topology.agree_on_todo``): every batch ends in
+    collectives, so all ranks walk the same parts. A problem on any rank stops every rank."""
+    store.segments = {p.name: p for p in parts}
+    store.commit_seconds = None if opts.shard_output else opts.commit_every
+    todo_names, problem = None, None
+    if ranks.writes:
+        try:
+            todo_names = _uncommitted(store, parts, opts)
+        except DsvError as exc:
+            problem = exc
+    todo_names, problem = ranks.agree_on_todo(
+        todo_names, problem,
+        ranges=lambda mine: [(p.start, p.end) for p in parts if p.name in mine],
+        names_of=lambda ranges: [p.name for p in parts if (p.start, p.end) in ranges])
+    if problem is not None:
+        raise problem
+    names = set(todo_names)
+    todo = [p for p in parts if p.name in names]
+    summary.reused = sum(p.end - p.start for p in parts if p.name not in names)
+    return todo
+
+
+def _uncommitted(store: PartLedger, parts: list[Part], opts: EncodeOptions) -> list[str]:
+    store.settings = {**store.settings, **row_options(opts)}
+    if not opts.resume or not store.manifest_path.is_file():
+        store.create()
+        return [p.name for p in parts]
+    previous = store.load_existing()
+    for key, value in store.settings.items():
+        if previous.get(key) != value:
+            raise UsageError(_settings_differ(key, previous.get(key), value))
+    store.load_parts()  # only now: a refused resume must not judge the parts' files
+    reused = _reusable(store, parts)
+    store.forget([name for name, part in store.parts.items()
+                  if (part["start"], part["end"]) not in reused])
+    store.save()
+    todo = _not_covered(parts, reused)
+    if store.changed:
+        log.warning("%d finished part%s encoded again: %s input files changed (size, time or "
+                    "permissions) since the interrupted run", store.changed,
+                    "s are" if store.changed > 1 else " is", "their" if store.changed > 1
+                    else "its")
+    return todo
+
+
+#: Settings a flag chooses, and that flag: a resume that differs only there names the flag.
+_FLAG_OF_SETTING = {"compute_dtype": "--dtype", "device": "--device",
+                    "out_dtype": "--out-dtype", "features": "--features", "pool": "--pool",
+                    "layout": "--layout", "max_pixels": "--max-pixels"}
+
+
+def _settings_differ(key: str, then, now) -> str:
+    """Why ``--resume`` is refused when setting ``key`` was ``then`` and is ``now``."""
+    flag = _FLAG_OF_SETTING.get(key)
+    if flag is not None and isinstance(then, (str, int)):
+        return (f"cannot resume: the interrupted run used {flag} {then}, this one {now}; "
+                f"rerun with {flag} {then} to resume it (or --overwrite to start over)")
+    shown = "weights" if key == "weights_fingerprint" else key.replace("_", " ")
+    return (f"cannot resume: {shown} differs from the interrupted run ({then!r} then, "
+            f"{now!r} now); use --overwrite to start over")
+
+
+def _reusable(store: PartLedger, parts: list[Part]) -> set[tuple[int, int]]:
+    """Ranges of recorded parts that this run can keep: they start and end where this run's
+    segments do (parts are joined segments, cut wherever --commit-every struck), and hold
+    the same inputs as now, without a transient error."""
+    source = parts[0].source if parts else ()
+    bounds = {p.start for p in parts} | {p.end for p in parts}
+    reused = set()
+    for name, part in store.parts.items():
+        start, end = part["start"], part["end"]
+        if (start in bounds and end in bounds and 0 <= start < end <= len(source)
+                and store.committed(name, start, end, inputs_digest(source[start:end]))):
+            reused.add((start, end))
+    return reused
+
+
+def _not_covered(parts: list[Part], reused: set[tuple[int, int]]) -> list[str]:
+    """Names of the segments that no reused range covers (both lists in input order)."""
+    starts = [p.start for p in parts]
+    covered: set[str] = set()
+    for start, end in reused:
+        i = bisect.bisect_left(starts, start)
+        while i < len(parts) and parts[i].end <= end:
+            covered.add(parts[i].name)
+            i += 1
+    return [p.name for p in parts if p.name not in covered]
+
+
+def row_options(opts: EncodeOptions) -> dict:
+    """Options that decide rows besides the run's settings: --resume requires them equal.
+    (--decode-timeout is not one: a part with a timed-out row is encoded again anyway.)"""
+    return {"max_pixels": opts.max_pixels, "image_column": opts.image_column,
+            "key_column": opts.key_column}

@@ -1,0 +1,313 @@
+"""Join Parquet files of one schema into one file by copying their bytes: no decode, no encode.
+
+A Parquet file is ``PAR1``, the column chunks of its row groups, a footer (Thrift compact
+``FileMetaData``), the footer's length and ``PAR1``. The joined file holds each input's
+column-chunk bytes unchanged, one after the other, and one footer listing every input's
+row groups, with their byte offsets moved by where the input's bytes landed. pyarrow cannot
+append row groups, so the footer is read and written here with a small Thrift compact
+codec (generic: fields it does not know are kept as they are).
+
+Only files without page indexes or bloom filters are joined (their offsets live outside the
+footer): dsv4enc writes neither, and ``ParquetJoiner.append`` refuses a file that has them.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from pathlib import Path
+from typing import Any, BinaryIO
+
+MAGIC = b"PAR1"
+
+# Thrift compact protocol type ids.
+T_STOP, T_TRUE, T_FALSE, T_BYTE, T_I16, T_I32, T_I64, T_DOUBLE, T_BINARY, T_LIST, T_SET, T_MAP, T_STRUCT = (
+    0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12)
+
+# Field ids of parquet.thrift that hold file offsets or need joining.
+FILE_NUM_ROWS, FILE_ROW_GROUPS = 3, 4
+GROUP_COLUMNS, GROUP_FILE_OFFSET, GROUP_ORDINAL = 1, 5, 7
+CHUNK_FILE_OFFSET, CHUNK_META = 2, 3
+CHUNK_INDEX_FIELDS = (4, 5, 6, 7)  # offset/column index offsets and lengths
+META_OFFSETS = (9, 10, 11)  # data, index and dictionary page offsets
+META_BLOOM = (14, 15)
+
+
+class JoinError(ValueError):
+    """A file that cannot be joined by copying (damaged, another schema, page indexes)."""
+
+
+# ----------------------------------------------------------------------------- compact codec
+
+class CompactReader:
+    def __init__(self, data: bytes) -> None:
+        self.data, self.pos = data, 0
+
+    def byte(self) -> int:
+        value = self.data[self.pos]
+        self.pos += 1
+        return value
+
+    def varint(self) -> int:
+        shift = result = 0
+        while True:
+            b = self.byte()
+            result |= (b & 0x7F) << shift
+            if not b & 0x80:
+                return result
+            shift += 7
+
+    def zigzag(self) -> int:
+        n = self.varint()
+        return (n >> 1) ^ -(n & 1)
+
+    def take(self, n: int) -> bytes:
+        out = self.data[self.pos:self.pos + n]
+        if len(out) != n:
+            raise JoinError("truncated Parquet footer")
+        self.pos += n
+        return out
+
+    def value(self, kind: int) -> Any:
+        if kind in (T_TRUE, T_FALSE):  # a bool field's value is its type
+            return kind == T_TRUE
+        if kind == T_BYTE:
+            return self.byte()
+        if kind in (T_I16, T_I32, T_I64):
+            return self.zigzag()
+        if kind == T_DOUBLE:
+            return self.take(8)
+        if kind == T_BINARY:
+            return self.take(self.varint())
+        if kind in (T_LIST, T_SET):
+            head = self.byte()
+            size, element = head >> 4, head & 0x0F
+            if size == 15:
+                size = self.varint()
+            if element in (T_TRUE, T_FALSE):  # bools in a collection are one byte each
+                return element, [self.byte() for _ in range(size)]
+            return element, [self.value(element) for _ in range(size)]
+        if kind == T_MAP:
+            size = self.varint()
+            if not size:
+                return 0, 0, []
+            types = self.byte()
+            key, val = types >> 4, types & 0x0F
+            return key, val, [(self.value(key), self.value(val)) for _ in range(size)]
+        if kind == T_STRUCT:
+            return self.struct()
+        raise JoinError(f"unknown Thrift type {kind} in a Parquet footer")
+
+    def struct(self) -> list[list]:
+        """A struct as ``[[field_id, type, value], ...]`` in stored order."""
+        fields, last = [], 0
+        while True:
+            head = self.byte()
+            kind = head & 0x0F
+            if kind == T_STOP:
+                return fields
+            delta = head >> 4
+            field = last + delta if delta else self.zigzag()
+            fields.append([field, kind, self.value(kind)])
+            last = field
+
+
+class CompactWriter:
+    def __init__(self) -> None:
+        self.out = bytearray()
+
+    def varint(self, n: int) -> None:
+        while n > 0x7F:
+            self.out.append((n & 0x7F) | 0x80)
+            n >>= 7
+        self.out.append(n)
+
+    def zigzag(self, n: int) -> None:
+        self.varint((n << 1) ^ (n >> 63))
+
+    def value(self, kind: int, value: Any) -> None:
+        if kind in (T_TRUE, T_FALSE):
+            return
+        if kind == T_BYTE:
+            self.out.append(value)
+        elif kind in (T_I16, T_I32, T_I64):
+            self.zigzag(value)
+        elif kind == T_DOUBLE:
+            self.out += value
+        elif kind == T_BINARY:
+            self.varint(len(value))
+            self.out += value
+        elif kind in (T_LIST, T_SET):
+            element, items = value
+            if len(items) < 15:
+                self.out.append((len(items) << 4) | element)
+            else:
+                self.out.append(0xF0 | element)
+                self.varint(len(items))
+            for item in items:
+                if element in (T_TRUE, T_FALSE):
+                    self.out.append(item)
+                else:
+                    self.value(element, item)
+        elif kind == T_MAP:
+            key, val, items = value
+            self.varint(len(items))
+            if items:
+                self.out.append((key << 4) | val)
+                for k, v in items:
+                    self.value(key, k)
+                    self.value(val, v)
+        elif kind == T_STRUCT:
+            self.struct(value)
+        else:
+            raise JoinError(f"unknown Thrift type {kind}")
+
+    def struct(self, fields: list[list]) -> None:
+        last = 0
+        for field, kind, value in fields:
+            if kind in (T_TRUE, T_FALSE):
+                kind = T_TRUE if value else T_FALSE
+            delta = field - last
+            if 0 < delta <= 15:
+                self.out.append((delta << 4) | kind)
+            else:
+                self.out.append(kind)
+                self.zigzag(field)
+            self.value(kind, value)
+            last = field
+        self.out.append(T_STOP)
+
+
+def _get(fields: list[list], field: int) -> list | None:
+    return next((f for f in fields if f[0] == field), None)
+
+
+# ----------------------------------------------------------------------------- joining
+
+def read_footer(handle: BinaryIO, size: int) -> tuple[list[list], int]:
+    """A Parquet file's decoded ``FileMetaData`` and where its footer starts."""
+    if size < 12:
+        raise JoinError("not a Parquet file (too short)")
+    handle.seek(size - 8)
+    tail = handle.read(8)
+    length = struct.unpack("<I", tail[:4])[0]
+    start = size - 8 - length
+    if tail[4:] != MAGIC or start < 4:
+        raise JoinError("not a Parquet file (no footer)")
+    handle.seek(0)
+    if handle.read(4) != MAGIC:
+        raise JoinError("not a Parquet file (no leading magic)")
+    handle.seek(start)
+    return CompactReader(handle.read(length)).struct(), start
+
+
+def move_group(group: list[list], shift: int, ordinal: int) -> None:
+    """Shift a row group's byte offsets by ``shift`` and give it its new ordinal."""
+    for field in group:
+        if field[0] == GROUP_FILE_OFFSET:
+            field[2] += shift
+        elif field[0] == GROUP_ORDINAL:
+            field[2] = ordinal
+    for chunk in _get(group, GROUP_COLUMNS)[2][1]:
+        for field in chunk:
+            if field[0] in CHUNK_INDEX_FIELDS:
+                raise JoinError("a file with page indexes cannot be joined by copying")
+            if field[0] == CHUNK_FILE_OFFSET and field[2]:
+                field[2] += shift
+            elif field[0] == CHUNK_META:
+                for meta in field[2]:
+                    if meta[0] in META_BLOOM:
+                        raise JoinError("a file with bloom filters cannot be joined by copying")
+                    if meta[0] in META_OFFSETS:
+                        meta[2] += shift
+
+
+def schema_part(footer: list[list]) -> list[list]:
+    """What must agree between joined files: everything but the row groups and row count."""
+    return [f for f in footer if f[0] not in (FILE_NUM_ROWS, FILE_ROW_GROUPS)]
+
+
+def copy_range(source: BinaryIO, target: BinaryIO, offset: int, count: int) -> None:
+    """Append ``count`` bytes at ``offset`` of ``source`` to ``target``: in the kernel where
+    it can (``copy_file_range``: no trip through user space, a reflink on file systems that
+    share extents), the rest through a buffer."""
+    target.flush()
+    done = 0
+    if hasattr(os, "copy_file_range"):
+        try:
+            while done < count:
+                n = os.copy_file_range(source.fileno(), target.fileno(), count - done,
+                                       offset + done)
+                if n == 0:
+                    break
+                done += n
+        except OSError:
+            pass  # e.g. not supported between these files: copy the rest by hand
+    target.seek(0, os.SEEK_END)
+    source.seek(offset + done)
+    left = count - done
+    while left > 0:
+        block = source.read(min(left, 8 << 20))
+        if not block:
+            raise JoinError("a file ended early")
+        target.write(block)
+        left -= len(block)
+
+
+class ParquetJoiner:
+    """Writes one Parquet file made of whole files appended in turn (``append``), then its
+    footer (``close``). All files must share one schema and key-value metadata."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        self._out = open(self.path, "wb")
+        self._out.write(MAGIC)
+        self._footer: list[list] | None = None
+        self._groups: list[list] = []
+        self._rows = 0
+
+    def append(self, path: Path) -> None:
+        """Copy ``path``'s row groups (their bytes, as they are) to the end of the file."""
+        with open(path, "rb") as source:
+            size = os.fstat(source.fileno()).st_size
+            footer, start = read_footer(source, size)
+            if self._footer is None:
+                self._footer = footer
+            elif schema_part(footer) != schema_part(self._footer):
+                raise JoinError(f"{path} has another schema or metadata than the first file")
+            shift = self._out.tell() - 4
+            groups = _get(footer, FILE_ROW_GROUPS)
+            for group in (groups[2][1] if groups else []):
+                move_group(group, shift, len(self._groups))
+                self._groups.append(group)
+            rows = _get(footer, FILE_NUM_ROWS)
+            self._rows += rows[2] if rows else 0
+            copy_range(source, self._out, 4, start - 4)
+
+    def close(self) -> None:
+        """Write the joined footer and close the file (no file appended: an error)."""
+        if self._footer is None:
+            self._out.close()
+            raise JoinError("no file to join")
+        footer = []
+        for field, kind, value in self._footer:
+            if field == FILE_NUM_ROWS:
+                value = self._rows
+            elif field == FILE_ROW_GROUPS:
+                value = (T_STRUCT, self._groups)
+            footer.append([field, kind, value])
+        writer = CompactWriter()
+        writer.struct(footer)
+        self._out.write(bytes(writer.out))
+        self._out.write(struct.pack("<I", len(writer.out)) + MAGIC)
+        self._out.close()
+
+    def abort(self) -> None:
+        self._out.close()
+
+    @property
+    def rows(self) -> int:
+        return self._rows
+
+    def fileno(self) -> int:
+        return self._out.fileno()

@@ -1,0 +1,661 @@
+"""Parquet output (SPEC §9): crash-safe part files, a manifest, and the final file.
+
+Work is committed in closed part files: each is written under a hidden temporary name, fsynced
+and renamed, then the manifest (also written by rename) records it. A kill at any moment
+leaves only whole parts behind, and ``--resume`` reuses them. A single-file ``--out`` of
+several ranks or in object storage is assembled from the parts at the end, again by rename,
+so it is never half-written (a local one of one process skips the part files:
+``appending.py``). ``PartLedger`` is the manifest bookkeeping both share.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import os
+import re
+import secrets
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from ..errors import OutputError
+from ..storage import UNAVAILABLE as STORAGE_UNAVAILABLE
+from .parquet_join import JoinError, ParquetJoiner
+from .read import LAYOUTS, MANIFEST_NAME, embedding_format
+
+log = logging.getLogger("dsv4enc")
+
+#: What a manifest says it is: dsv4enc recognises its own manifests by content, not by name.
+MANIFEST_FORMAT = "dsv4enc-parts"
+#: The run's lock in the parts folder (a flock locally, a lock object in a bucket).
+LOCK_NAME = ".dsv4enc.lock"
+MANIFEST_VERSION = 2
+#: Names dsv4enc gives its files in a parts folder (``--out`` folder or ``OUT.partial``).
+PART_FILE = re.compile(r"part-\d{6,}(?:_\d{6,})?(?:-rank\d{3})?\.parquet")
+MANIFEST_FILE = re.compile(r"_manifest(?:-rank\d{3})?\.json")
+#: Errors that say nothing about the image (a time limit, a crashed or unstarted worker, a
+#: stop, a store that was not answering): a part holding one is encoded again on --resume,
+#: as a clean run would retry it.
+TRANSIENT_ERRORS = ("decode timed out", "header read timed out", "decoder crashed",
+                    "decode worker failed", "interrupted before", STORAGE_UNAVAILABLE)
+ROW_GROUP_BYTES = 64 << 20
+DATA_PAGE_BYTES = 8 << 20
+DEFAULT_LAYOUT = "binary"
+_ARROW_FLOAT = {"float16": pa.float16(), "float32": pa.float32()}
+_NUMPY_FLOAT = {"float16": np.float16, "float32": np.float32}
+
+
+def prefer_jemalloc_pool() -> None:
+    """Make Arrow allocate from its jemalloc pool where this pyarrow has one.
+
+    The default (mimalloc) gives each new writer thread fresh pages, and faulting them in
+    costs a short run about 0.1 s at its end (its last part and the final file are written
+    at once, by two threads); jemalloc keeps freed pages for reuse. In steady state mimalloc
+    encodes float16 Parquet about 1.6x faster, which matters where the writer can limit the
+    rate (a GPU), so the command line calls this for CPU runs only. Process-wide: the library
+    never calls it."""
+    try:
+        pa.set_memory_pool(pa.jemalloc_memory_pool())
+    except (NotImplementedError, pa.ArrowNotImplementedError):
+        pass  # built without jemalloc (e.g. Windows): keep the default
+
+
+def output_schema(width: int, out_dtype: str, metadata: dict[str, Any] | None = None,
+                  pooled: bool = False, layout: str = DEFAULT_LAYOUT) -> pa.Schema:
+    """The output schema; ``metadata`` goes under the ``dsv4enc`` key as JSON, with an
+    ``embedding`` entry that says how to read the column (``reading.embedding_format``).
+
+    ``layout`` (SPEC §9, measured in benchmarks/RESULTS.md): ``binary`` stores each image's
+    (rows, width) array as one binary cell, which Parquet writes and reads at memory speed;
+    ``nested`` stores float lists, which tools can read as numbers but cost ~20x the CPU."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, not {layout!r}")
+    if layout == "binary":
+        embedding = pa.large_binary()  # 64-bit offsets: a part may hold over 2 GiB
+    else:
+        row = pa.list_(_ARROW_FLOAT[out_dtype], width)
+        embedding = row if pooled else pa.list_(row)
+    fields = [
+        pa.field("path", pa.string(), nullable=False),
+        pa.field("width", pa.int32()),
+        pa.field("height", pa.int32()),
+        pa.field("vit_h", pa.int32()),
+        pa.field("vit_w", pa.int32()),
+        pa.field("grid_h", pa.int32()),
+        pa.field("grid_w", pa.int32()),
+        pa.field("embedding", embedding),
+        pa.field("error", pa.string()),
+    ]
+    described = {"layout": layout, "dtype": out_dtype, "width": width, "pooled": pooled,
+                 "shape": [width] if pooled else ["grid_h*grid_w", width],
+                 "byte_order": "little"}
+    meta = {b"dsv4enc": json.dumps({**(metadata or {}), "embedding": described},
+                                   sort_keys=True).encode()}
+    return pa.schema(fields, metadata=meta)
+
+
+@dataclass
+class Row:
+    """One output row. ``embedding`` is (grid_h*grid_w, width) (or (width,) pooled), or None."""
+
+    path: str
+    width: int | None = None
+    height: int | None = None
+    vit_h: int | None = None
+    vit_w: int | None = None
+    grid_h: int | None = None
+    grid_w: int | None = None
+    embedding: np.ndarray | None = None
+    error: str | None = None
+
+
+def utf8_text(name: str) -> str:
+    """``name`` as valid UTF-8 text for the ``path`` column: bytes of a file name that are not
+    UTF-8 (held by Python as surrogates) become backslash escapes, e.g. ``caf\\xe9.png``."""
+    try:
+        name.encode("utf-8")
+        return name
+    except UnicodeEncodeError:
+        try:
+            return name.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+        except UnicodeEncodeError:
+            return name.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+# Arrays are built from numpy buffers with ``Array.from_buffers``: ``pa.array`` would import
+# pandas on its first call (to check for pandas inputs), 0.2 s of a short run's start-up.
+
+def _validity(valid: np.ndarray) -> pa.Buffer | None:
+    """Arrow's validity bitmap (LSB first) for a bool mask; None when nothing is null."""
+    return None if valid.all() else pa.py_buffer(np.packbits(valid, bitorder="little"))
+
+
+def _numeric_array(values: np.ndarray, arrow_type: pa.DataType,
+                   valid: np.ndarray | None = None) -> pa.Array:
+    """A zero-copy Arrow view of a contiguous 1-D numpy array of ``arrow_type``'s width."""
+    values = np.ascontiguousarray(values)
+    validity = None if valid is None else _validity(valid)
+    return pa.Array.from_buffers(arrow_type, len(values), [validity, pa.py_buffer(values)])
+
+
+def _int32_array(values: Sequence[int | None]) -> pa.Array:
+    valid = np.array([v is not None for v in values], dtype=bool)
+    data = np.array([0 if v is None else v for v in values], dtype=np.int32)
+    return _numeric_array(data, pa.int32(), valid)
+
+
+def _string_array(values: Sequence[str | None]) -> pa.Array:
+    valid = np.array([v is not None for v in values], dtype=bool)
+    encoded = [b"" if v is None else v.encode("utf-8") for v in values]
+    offsets = np.zeros(len(encoded) + 1, dtype=np.int64)
+    np.cumsum([len(e) for e in encoded], out=offsets[1:])
+    return pa.Array.from_buffers(pa.large_string(), len(encoded), [
+        _validity(valid), pa.py_buffer(offsets), pa.py_buffer(b"".join(encoded))]).cast(pa.string())
+
+
+def rows_to_table(rows: Sequence[Row], schema: pa.Schema) -> pa.Table:
+    """Build an Arrow table from rows; embeddings go in as one flat buffer, no Python floats."""
+    fmt = embedding_format(schema)
+    embedding = (_binary_embeddings(rows, fmt) if fmt.layout == "binary"
+                 else _nested_embeddings(rows, schema.field("embedding").type))
+    columns = {
+        "path": _string_array([utf8_text(r.path) for r in rows]),
+        **{name: _int32_array([getattr(r, name) for r in rows])
+           for name in ("width", "height", "vit_h", "vit_w", "grid_h", "grid_w")},
+        "embedding": embedding,
+        "error": _string_array([r.error for r in rows]),
+    }
+    return pa.Table.from_arrays(list(columns.values()), schema=schema)
+
+
+_NULL_CELL = np.zeros(1, dtype=np.uint8)  # validity bitmap of a one-row null chunk
+
+
+def _binary_embeddings(rows: Sequence[Row], fmt) -> pa.ChunkedArray:
+    """One large_binary cell per row: the embedding's bytes (stored dtype, little-endian,
+    C order), null for failed rows.
+
+    Zero-copy: each row is a one-value chunk whose data buffer is the row's own array (cast
+    only if it is not already in the stored dtype), so the Parquet writer's copy into its
+    pages is the only one; a concatenated buffer would cost a copy and fresh pages."""
+    dtype = fmt.numpy_dtype
+    shape = (fmt.width,) if fmt.pooled else (-1, fmt.width)
+    chunks = []
+    for r in rows:
+        if r.embedding is None:
+            chunks.append(pa.Array.from_buffers(pa.large_binary(), 1, [
+                pa.py_buffer(_NULL_CELL), pa.py_buffer(np.zeros(2, np.int64)), pa.py_buffer(b"")]))
+            continue
+        values = np.ascontiguousarray(np.asarray(r.embedding).reshape(shape), dtype=dtype)
+        offsets = np.array([0, values.nbytes], dtype=np.int64)
+        chunks.append(pa.Array.from_buffers(pa.large_binary(), 1, [
+            None, pa.py_buffer(offsets), pa.py_buffer(values.reshape(-1).view(np.uint8))]))
+    return pa.chunked_array(chunks, type=pa.large_binary())
+
+
+def _nested_embeddings(rows: Sequence[Row], emb_type: pa.DataType) -> pa.Array:
+    """The ``nested`` layout: list<fixed_size_list<float, width>> (fixed_size_list pooled)."""
+    pooled = pa.types.is_fixed_size_list(emb_type)
+    row_type = emb_type if pooled else emb_type.value_type
+    width = row_type.list_size
+    np_dtype = _NUMPY_FLOAT["float16" if row_type.value_type == pa.float16() else "float32"]
+    valid = np.array([r.embedding is not None for r in rows], dtype=bool)
+    if pooled:
+        # One vector per row; failed rows hold zeros under a null mask.
+        flat = np.zeros((len(rows), width), dtype=np_dtype)
+        for i, r in enumerate(rows):
+            if r.embedding is not None:
+                flat[i] = np.asarray(r.embedding, dtype=np_dtype).reshape(width)
+        values = _numeric_array(flat.reshape(-1), row_type.value_type)
+        embedding = pa.Array.from_buffers(row_type, len(rows), [_validity(valid)],
+                                          children=[values])
+    else:
+        arrays = [np.asarray(r.embedding, dtype=np_dtype).reshape(-1, width)
+                  for r in rows if r.embedding is not None]
+        flat = np.concatenate(arrays).reshape(-1) if arrays else np.zeros(0, dtype=np_dtype)
+        # Built with the schema's own types (child field names included): a mismatch would
+        # make Table.from_arrays cast, i.e. copy, every value.
+        vectors = pa.Array.from_buffers(row_type, len(flat) // width, [None],
+                                        children=[_numeric_array(flat, row_type.value_type)])
+        counts = np.array([0 if r.embedding is None else len(r.embedding) for r in rows],
+                          dtype=np.int64)
+        offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+        embedding = pa.Array.from_buffers(emb_type, len(rows),
+                                          [_validity(valid), pa.py_buffer(offsets)],
+                                          children=[vectors])
+    return embedding
+
+
+def parquet_options(schema: pa.Schema) -> dict[str, Any]:
+    """Writer settings. Embedding values are near-random floats: dictionary encoding,
+    min/max statistics and compression cost several times the write time for a few percent
+    of size, so they apply to the small columns only. 8 MiB data pages make the nested
+    layout's pages fewer (~15% faster to write and read, benchmarks/RESULTS.md); a binary
+    cell is one page whatever the size."""
+    small = [name for name in schema.names if name != "embedding"]
+    compression = {name: "zstd" for name in small}
+    compression["embedding"] = "none"
+    return {"compression": compression, "use_dictionary": small, "write_statistics": small,
+            "data_page_size": DATA_PAGE_BYTES}
+
+
+def rows_per_group(schema: pa.Schema, rows: Sequence[Row]) -> int:
+    """Rows per row group so that groups hold about ROW_GROUP_BYTES of embeddings, or a
+    quarter of that for nested float16.
+
+    Writing a row group takes transient memory in proportion to its values: Parquet keeps
+    float16 as 2-byte fixed-length binaries, which the writer handles at ~15 bytes per value
+    (float32: ~8), so a float16 group the size of a float32 one would cost ~4x the memory."""
+    sizes = [r.embedding.nbytes for r in rows if r.embedding is not None]
+    mean = (sum(sizes) / len(sizes)) if sizes else 1
+    fmt = embedding_format(schema)
+    weight = 4 if fmt.layout == "nested" and fmt.dtype == "float16" else 1
+    return max(1, min(1 << 20, int(ROW_GROUP_BYTES // max(mean * weight, 1))))
+
+
+def fsync_dir(folder: Path) -> None:
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def output_os_error(path: Path, exc: OSError) -> OutputError:
+    """A one-line OutputError for a failed write (full disk, permissions, ...)."""
+    if exc.errno == errno.ENOSPC:
+        return OutputError(f"no space left on device writing {path}; committed parts are kept, "
+                           "free space and rerun with --resume")
+    reason = exc.strerror or str(exc)
+    return OutputError(f"cannot write {path}: {reason}")
+
+
+def temp_path(path: Path, folder: Path | None = None) -> Path:
+    """A hidden temporary name for ``path`` (in ``folder``, default beside it), unique to this
+    process and call: ``.NAME.PID-RANDOM.tmp``. Two runs never write the same temporary."""
+    return (folder or path.parent) / f".{path.name}.{os.getpid()}-{secrets.token_hex(4)}.tmp"
+
+
+#: ``temp_path`` names (and the ``.NAME.tmp`` of earlier versions); group 1 is NAME.
+TEMP_FILE = re.compile(r"\.(.+?)\.(?:\d+-[0-9a-f]{8}\.)?tmp")
+
+
+def drop_cached_pages(fd: int, offset: int = 0, length: int = 0) -> None:
+    """Tell the kernel that a written and synced range of a file (``length`` 0: to its end)
+    will not be read again, so its page-cache pages are freed at once.
+
+    Why: every page of an output is written once and never read back by the run. Left in
+    the cache, gigabytes of embeddings evict the user's cached files, and each new write
+    takes fresh pages, which cost more kernel time than pages freed a moment ago (on the
+    2-core test VM, 5-8 against 3-4 ms per 2.75 MB photo's rows; benchmarks/RESULTS.md).
+    Advice only: where it is not available or fails, nothing changes."""
+    advise = getattr(os, "posix_fadvise", None)
+    if advise is None:
+        return
+    try:
+        advise(fd, offset, length, os.POSIX_FADV_DONTNEED)
+    except OSError:
+        pass
+
+
+def write_table_atomic(table: pa.Table, path: Path, row_group_size: int,
+                       drop_cache: bool = False) -> None:
+    """Write ``table`` to ``path`` via a hidden temporary file, fsync, and rename.
+    ``drop_cache``: the run will not read the file again (``drop_cached_pages``)."""
+    tmp = temp_path(path)
+    try:
+        pq.write_table(table, tmp, row_group_size=row_group_size,
+                       **parquet_options(table.schema))
+        with open(tmp, "rb+") as handle:
+            os.fsync(handle.fileno())
+            if drop_cache:
+                drop_cached_pages(handle.fileno())
+        os.replace(tmp, path)
+        fsync_dir(path.parent)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise output_os_error(path, exc) from None
+
+
+def write_json_atomic(data: Any, path: Path) -> None:
+    tmp = temp_path(path)
+    try:
+        tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
+        with open(tmp, "rb+") as handle:
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise output_os_error(path, exc) from None
+
+
+def part_intact(path: Path, rows: int | None) -> bool:
+    """A committed part can be reused: it exists and its footer reads back with the row count
+    the manifest recorded (a damaged or replaced file is encoded again, not trusted)."""
+    try:
+        return path.is_file() and pq.read_metadata(path).num_rows == rows
+    except Exception:  # pyarrow raises ArrowInvalid, OSError, ... for a damaged file
+        return False
+
+
+def manifest_document(settings: dict[str, Any], parts: dict[str, dict[str, Any]],
+                      **extra: Any) -> dict:
+    """A manifest's content: its format tag, the run's settings and the committed parts
+    (and what else its store keeps there, e.g. the growing file's footer)."""
+    return {"format": MANIFEST_FORMAT, "version": MANIFEST_VERSION, "settings": settings,
+            "parts": parts, **extra}
+
+
+def names_part_file(part: dict) -> bool:
+    """A part committed as its own file (``PartStore``), under a dsv4enc part file name."""
+    return isinstance(part.get("file"), str) and bool(PART_FILE.fullmatch(part["file"]))
+
+
+def is_journal_entry(part: dict) -> bool:
+    """A part committed as a byte range of the growing file (``appending.AppendingStore``)."""
+    return ("file" not in part and isinstance(part.get("offset"), int)
+            and isinstance(part.get("length"), int))
+
+
+def manifest_kind(data: Any) -> str | None:
+    """``"current"`` for a manifest of this format, ``"legacy"`` for one an earlier dsv4enc
+    wrote (no format tag), None for anything else (a file that merely has the name).
+
+    Either kind must list only dsv4enc part names: that is what makes its folder's part
+    files provably dsv4enc's."""
+    if not isinstance(data, dict) or not isinstance(data.get("parts"), dict):
+        return None
+    settings = data.get("settings")
+    if not isinstance(settings, dict) or settings.get("tool") != "dsv4enc":
+        return None
+    for part in data["parts"].values():
+        if not (isinstance(part, dict) and (names_part_file(part) or is_journal_entry(part))):
+            return None
+    if data.get("format") == MANIFEST_FORMAT and data.get("version") == MANIFEST_VERSION:
+        return "current"
+    return "legacy" if "format" not in data else None
+
+
+def read_manifest(path: Path) -> dict | None:
+    """The manifest at ``path`` if it is one of dsv4enc's (see ``manifest_kind``), else None.
+    Only regular files of a sane size are read."""
+    try:
+        if not path.is_file() or path.stat().st_size > (256 << 20):
+            return None
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return data if manifest_kind(data) is not None else None
+
+
+def transient_errors(table: pa.Table) -> int:
+    """Rows of a part whose error is one of TRANSIENT_ERRORS."""
+    return sum(1 for error in table.column("error").to_pylist()
+               if error is not None and error.startswith(TRANSIENT_ERRORS))
+
+
+class PartLedger:
+    """What every way of committing parts keeps: the manifest (``manifest_document``) with
+    the run's ``settings`` (what must match for ``--resume``) and, per committed part, its
+    input range, ``digest`` (of its keys, then of its input files' sizes and times:
+    ``KEYS.FILES``), row count and how many rows hold a transient error; plus where the
+    part's bytes are, which each store says (``PartStore``: a part file; the appending
+    store: a range of one growing file).
+    """
+
+    def __init__(self, folder: Path, settings: dict[str, Any],
+                 manifest_name: str = MANIFEST_NAME) -> None:
+        self.folder = folder
+        self.settings = settings
+        self.manifest_name = manifest_name
+        self.parts: dict[str, dict[str, Any]] = {}
+        self.extra: dict[str, Any] = {}  # more top-level manifest entries (a store's own)
+        self.changed = 0  # committed parts whose input files changed (found by ``committed``)
+        self._recorded: dict[str, Any] = {"parts": {}}  # the manifest ``load_existing`` read
+        self.segments: dict[str, Any] = {}  # the run's planned segments (``planning.Part``)
+        self.commit_seconds: float | None = None  # join segments into parts for this long
+        self._lock = threading.Lock()
+
+    @property
+    def manifest_path(self) -> Path:
+        return self.folder / self.manifest_name
+
+    def create(self) -> None:
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise output_os_error(self.folder, exc) from None
+        self.save()
+
+    def load_existing(self) -> dict[str, Any]:
+        """Read the manifest of an earlier run; returns its settings."""
+        try:
+            data = json.loads(self.manifest_path.read_text())
+        except (OSError, ValueError) as exc:
+            raise OutputError(f"cannot resume: unreadable manifest {self.manifest_path} ({exc})") from None
+        kind = manifest_kind(data)
+        if kind is None:
+            raise OutputError(f"cannot resume: {self.manifest_path} is not a dsv4enc manifest")
+        if kind == "legacy":
+            raise OutputError(f"cannot resume: {self.manifest_path} was written by an earlier "
+                              "dsv4enc that did not record its input files' sizes and times; "
+                              "use --overwrite to start over")
+        self._recorded = data
+        return data["settings"]
+
+    def load_parts(self) -> None:
+        """Take the recorded parts whose bytes are still there (after ``load_existing``, once
+        the settings were found equal: judging parts can warn and copy)."""
+        self.parts = self._intact_parts(self._recorded)
+
+    def _intact_parts(self, data: dict) -> dict[str, dict[str, Any]]:
+        """The recorded parts whose bytes are still there, whole (the rest is re-encoded)."""
+        raise NotImplementedError
+
+    def committed(self, name: str, start: int, end: int, digest: str) -> bool:
+        """Part ``name`` was committed for exactly these inputs, as they are now: the same
+        range, keys and input files (size, time, ...), and no row with a transient error.
+        Counts in ``changed`` the parts whose keys are the same but whose files changed."""
+        part = self.parts.get(name)
+        if not part or part["start"] != start or part["end"] != end:
+            return False
+        if part["digest"] != digest:
+            if part["digest"].split(".")[0] == digest.split(".")[0]:
+                self.changed += 1
+            return False
+        return part.get("transient", 0) == 0
+
+    def forget(self, names: Sequence[str]) -> None:
+        """Drop recorded parts that are not reused, and their part files: a folder output
+        must not keep a stale part beside the rows that replace it."""
+        for name in names:
+            part = self.parts.pop(name, None)
+            if part is not None:
+                self._discard(part)
+
+    def _discard(self, part: dict[str, Any]) -> None:
+        """Delete a forgotten part's file (a range of the growing file needs nothing)."""
+        if names_part_file(part):
+            (self.folder / part["file"]).unlink(missing_ok=True)
+
+    def _record(self, name: str, entry: dict[str, Any]) -> None:
+        """Record a committed part in the manifest (several writer threads may call it)."""
+        with self._lock:
+            parts = dict(self.parts)
+            parts[name] = entry
+            self.parts = parts  # readers on other threads see the old or the new dict whole
+            self.save()
+
+    def save(self) -> None:
+        write_json_atomic(manifest_document(self.settings, self.parts, **self.extra),
+                          self.manifest_path)
+
+
+class PartStore(PartLedger):
+    """Parts as closed files in a folder, each listed by the manifest (its ``file``).
+
+    ``drop_cache``: the parts are the output itself (a local folder), never read back by the
+    run, so their pages leave the page cache once synced; not for parts that are joined
+    into a single file or uploaded, which are read again at once."""
+
+    def __init__(self, folder: Path, settings: dict[str, Any],
+                 manifest_name: str = MANIFEST_NAME, drop_cache: bool = False) -> None:
+        super().__init__(folder, settings, manifest_name)
+        self.drop_cache = drop_cache
+
+    def _intact_parts(self, data: dict) -> dict[str, dict[str, Any]]:
+        return {name: part for name, part in data["parts"].items()
+                if names_part_file(part) and part_intact(self.folder / part["file"],
+                                                           part.get("rows"))}
+
+    def commit(self, name: str, table: pa.Table, row_group_size: int, start: int, end: int,
+               digest: str) -> None:
+        """Write one part (several writer threads may commit at once)."""
+        file = f"{name}.parquet"
+        write_table_atomic(table, self.folder / file, row_group_size, self.drop_cache)
+        self._record(name, {"file": file, "start": start, "end": end, "digest": digest,
+                            "rows": table.num_rows, "transient": transient_errors(table)})
+
+    def part_files(self) -> list[Path]:
+        """Committed part files in input order."""
+        ordered = sorted(self.parts.values(), key=lambda p: (p["start"], p["file"]))
+        return [self.folder / p["file"] for p in ordered]
+
+
+class StreamingAssembler:
+    """Builds the single output file from committed parts, in input order, while later parts
+    are still being encoded, so the end of a run only closes the file.
+
+    The file is the parts' bytes joined (``parquet_concat.ParquetJoiner``): each committed
+    part's row groups are copied as they are (``copy_file_range``), so a single file costs
+    no second Parquet encode, only a copy. It goes into a hidden temporary in the parts
+    folder (``OUT.partial``, beside ``out``: the same file system); ``finish`` writes its
+    footer, fsyncs it and renames it into place, so ``out`` is never half-written, and a
+    killed run's temporary is left where dsv4enc cleans up. A failed write (e.g. a full
+    disk) is kept and raised by ``finish``; the committed parts stay for ``--resume``.
+    """
+
+    def __init__(self, store: "PartStore", names: Sequence[str], out: Path,
+                 schema: pa.Schema) -> None:
+        """``names``: the run's segments (``store.segments``), reused or to be encoded; the
+        file holds their whole range, taken from whichever committed parts cover it."""
+        self.store, self.out, self.schema = store, out, schema
+        spans = [(store.segments[name].start, store.segments[name].end) for name in names]
+        self.begin = min((a for a, _ in spans), default=0)
+        self.finish_at = max((b for _, b in spans), default=0)
+        self.tmp = temp_path(out, store.folder)
+        self.seconds = 0.0
+        self.error: BaseException | None = None
+        self._aborted = False
+        self._cond = threading.Condition()
+        self._thread = threading.Thread(target=self._run, name="dsv4enc-assembler",
+                                        daemon=True)
+        self._thread.start()
+
+    def notify(self) -> None:
+        """A part was committed: wake the assembler."""
+        with self._cond:
+            self._cond.notify_all()
+
+    def _committed_at(self, position: int) -> tuple[str, int] | None:
+        for name, part in self.store.parts.items():
+            if part["start"] == position:
+                return name, part["end"]
+        return None
+
+    def _wait_for(self, position: int) -> tuple[str, int] | None:
+        """Wait until a part that starts at ``position`` is committed (None: aborted)."""
+        with self._cond:
+            while (committed := self._committed_at(position)) is None and not self._aborted:
+                self._cond.wait(timeout=1.0)
+            return None if self._aborted else committed
+
+    def _run(self) -> None:
+        try:
+            if self.begin >= self.finish_at:  # nothing to join: an empty file of the schema
+                pq.write_table(self.schema.empty_table(), self.tmp,
+                               **parquet_options(self.schema))
+            else:
+                try:
+                    self._join()
+                except JoinError as exc:
+                    log.warning("encoding the parts into %s again: %s", self.out, exc)
+                    self._encode_again()
+            with open(self.tmp, "rb+") as handle:
+                os.fsync(handle.fileno())
+        except OSError as exc:
+            self.error = output_os_error(self.out, exc)
+        except BaseException as exc:  # re-raised by finish()
+            self.error = exc
+
+    def _parts_in_order(self):
+        """Committed parts' files in input order, each as soon as it is committed."""
+        position = self.begin
+        while position < self.finish_at:
+            committed = self._wait_for(position)
+            if committed is None:
+                return
+            name, position = committed
+            yield self.store.folder / self.store.parts[name]["file"]
+
+    def _join(self) -> None:
+        """Copy the committed parts, in input order, as they land; then write the footer."""
+        joiner = ParquetJoiner(self.tmp)
+        try:
+            for path in self._parts_in_order():
+                began = time.perf_counter()
+                joiner.append(path)
+                self.seconds += time.perf_counter() - began
+            if not self._aborted:
+                joiner.close()
+        finally:
+            joiner.abort()
+
+    def _encode_again(self) -> None:
+        """Parts that cannot be joined by copying (e.g. committed by a run whose pyarrow
+        wrote other file metadata): read each back and encode it into a new file."""
+        with pq.ParquetWriter(self.tmp, self.schema,
+                              **parquet_options(self.schema)) as writer:
+            for path in self._parts_in_order():
+                began = time.perf_counter()
+                handle = pq.ParquetFile(path)
+                for group in range(handle.num_row_groups):
+                    writer.write_table(handle.read_row_group(group))
+                self.seconds += time.perf_counter() - began
+
+    def finish(self) -> None:
+        """Wait for the last part, then move the file into place (or raise its error)."""
+        self._thread.join()
+        if self.error is not None or self._aborted:
+            self.tmp.unlink(missing_ok=True)
+            if self.error is not None:
+                raise self.error
+            return
+        try:
+            os.replace(self.tmp, self.out)
+            fsync_dir(self.out.parent)
+        except OSError as exc:
+            self.tmp.unlink(missing_ok=True)
+            raise output_os_error(self.out, exc) from None
+
+    def abort(self) -> None:
+        """Stop without producing ``out`` (interrupted or failed run)."""
+        with self._cond:
+            self._aborted = True
+            self._cond.notify_all()
+        self._thread.join()
+        self.tmp.unlink(missing_ok=True)
+

@@ -1,0 +1,213 @@
+"""Reading dsv4enc output back: ``read_embeddings`` streams rows as numpy arrays.
+
+Works on a single Parquet file and on a dataset folder of part files (in input order when the
+folder has dsv4enc's ``_manifest.json``, else in sorted file order). Only a few rows are in
+memory at a time; values come back exactly as stored (float16 stays float16).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+import numpy as np
+
+from ..errors import UsageError
+
+#: The manifest of a folder of parts (per rank under --shard-output: ``_manifest-rankNNN.json``).
+MANIFEST_NAME = "_manifest.json"
+
+#: Rows per Arrow batch while streaming (a row of the full model is up to ~3 MB in float16).
+BATCH_ROWS = 16
+
+
+def output_files(path: str | os.PathLike) -> list[Path]:
+    """The Parquet files of an output: the file itself, or a folder's part files in order."""
+    path = Path(path)
+    if path.is_file():
+        return [path]
+    if not path.is_dir():
+        raise UsageError(f"no such file or folder: {path}")
+    manifest = path / MANIFEST_NAME
+    if manifest.is_file():
+        try:
+            parts = json.loads(manifest.read_text()).get("parts", {}).values()
+            ordered = sorted(parts, key=lambda p: (p["start"], p["file"]))
+            files = [path / p["file"] for p in ordered if (path / p["file"]).is_file()]
+            listed = set(files)
+            # Rank manifests (--shard-output before the merge) may list more parts.
+            others = [f for f in _parquet_under(path) if f not in listed]
+            return files + others
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            pass
+    return _parquet_under(path)
+
+
+def _parquet_under(folder: Path) -> list[Path]:
+    found = []
+    for root, dirs, files in os.walk(folder):
+        dirs[:] = sorted(d for d in dirs if not d.startswith((".", "_")))
+        found.extend(Path(root) / f for f in sorted(files)
+                     if f.endswith(".parquet") and not f.startswith((".", "_")))
+    return found
+
+
+#: The ``embedding`` column's layouts (SPEC §9). ``binary``: one cell per image holding its
+#: (rows, width) array's bytes, little-endian, C order. ``nested``: a list of fixed-size float
+#: lists (the only layout of earlier outputs; still written with ``--layout nested``).
+LAYOUTS = ("binary", "nested")
+
+
+@dataclass(frozen=True)
+class EmbeddingFormat:
+    """How to read an output's ``embedding`` column: its layout, stored dtype, row width and
+    whether each cell is one pooled vector (``(width,)``) rather than ``(rows, width)``."""
+
+    layout: str
+    dtype: str
+    width: int
+    pooled: bool
+
+    @property
+    def numpy_dtype(self) -> np.dtype:
+        return np.dtype(self.dtype).newbyteorder("<")
+
+
+_FLOAT_NAMES = {"halffloat": "float16", "float": "float32", "double": "float64"}
+
+
+def embedding_format(schema) -> EmbeddingFormat:
+    """The ``embedding`` column's format, from an output's Arrow schema and its ``dsv4enc``
+    metadata (which names the layout; outputs written before it did are ``nested``)."""
+    import pyarrow as pa
+
+    kind = schema.field("embedding").type
+    described = _metadata_of(schema).get("embedding")
+    if pa.types.is_binary(kind) or pa.types.is_large_binary(kind):
+        if not isinstance(described, dict):
+            raise UsageError("binary embedding column without dsv4enc metadata naming its "
+                             "dtype and width")
+        return EmbeddingFormat("binary", str(described["dtype"]), int(described["width"]),
+                               bool(described.get("pooled", False)))
+    pooled = pa.types.is_fixed_size_list(kind)
+    row = kind if pooled else kind.value_type
+    if not pa.types.is_fixed_size_list(row) or not pa.types.is_floating(row.value_type):
+        raise UsageError(f"unknown embedding column type {kind}")
+    return EmbeddingFormat("nested", _FLOAT_NAMES[str(row.value_type)], row.list_size, pooled)
+
+
+def _metadata_of(schema) -> dict[str, Any]:
+    raw = (schema.metadata or {}).get(b"dsv4enc")
+    try:
+        data = json.loads(raw) if raw else {}
+    except ValueError:
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def embedding_arrays(column, fmt: EmbeddingFormat | None = None) -> list[np.ndarray | None]:
+    """One numpy array per row of an ``embedding`` Arrow column: (rows, width), or (width,)
+    for pooled vectors; None where the value is null. Copies, exact dtype.
+
+    ``fmt`` is needed for the binary layout (its cells do not say their dtype or width)."""
+    import pyarrow as pa
+
+    if isinstance(column, pa.ChunkedArray):
+        return [a for chunk in column.chunks for a in embedding_arrays(chunk, fmt)]
+    if pa.types.is_binary(column.type) or pa.types.is_large_binary(column.type):
+        if fmt is None:
+            raise ValueError("a binary embedding column needs its EmbeddingFormat")
+        return _binary_arrays(column, fmt)
+    valid = column.is_valid().to_numpy(zero_copy_only=False)
+    if pa.types.is_fixed_size_list(column.type):  # pooled: one vector per row
+        width = column.type.list_size
+        flat = column.values.slice(column.offset * width, len(column) * width)
+        matrix = flat.to_numpy(zero_copy_only=False).reshape(len(column), width)
+        return [matrix[i].copy() if valid[i] else None for i in range(len(column))]
+    width = column.type.value_type.list_size
+    offsets = column.offsets.to_numpy()
+    lo, hi = int(offsets[0]), int(offsets[-1])
+    vectors = column.values.slice(lo, hi - lo)
+    flat = vectors.values.slice(vectors.offset * width, (hi - lo) * width)
+    matrix = flat.to_numpy(zero_copy_only=False).reshape(hi - lo, width)
+    return [matrix[offsets[i] - lo:offsets[i + 1] - lo].copy() if valid[i] else None
+            for i in range(len(column))]
+
+
+def _binary_arrays(column, fmt: EmbeddingFormat) -> list[np.ndarray | None]:
+    """Cells of a (large_)binary column as arrays: a view of each cell's bytes, copied out."""
+    import pyarrow as pa
+
+    offset_type = np.int64 if pa.types.is_large_binary(column.type) else np.int32
+    validity, offsets_buf, data_buf = column.buffers()
+    offsets = np.frombuffer(offsets_buf, dtype=offset_type)[
+        column.offset:column.offset + len(column) + 1]
+    data = np.frombuffer(data_buf, dtype=np.uint8) if data_buf is not None else np.zeros(0, np.uint8)
+    valid = (column.is_valid().to_numpy(zero_copy_only=False) if validity is not None
+             else np.ones(len(column), dtype=bool))
+    stored = fmt.numpy_dtype
+    shape = (fmt.width,) if fmt.pooled else (-1, fmt.width)
+
+    def cell(i: int) -> np.ndarray:
+        values = data[offsets[i]:offsets[i + 1]].view(stored).reshape(shape)
+        # A plain copy where the machine is little-endian (2x faster than astype).
+        return values.copy() if stored.isnative else values.astype(stored.newbyteorder("="))
+    return [cell(i) if valid[i] else None for i in range(len(column))]
+
+
+def read_embeddings(path: str | os.PathLike, columns: Sequence[str] | None = None, *,
+                    errors: str = "skip", batch_rows: int = BATCH_ROWS) -> Iterator[Any]:
+    """Stream the rows of a dsv4enc output (a Parquet file or a dataset folder).
+
+    Without ``columns``: yields ``(path, embedding, (grid_h, grid_w))`` per row, where
+    ``embedding`` is a numpy array of shape (grid_h*grid_w, width) in the stored dtype (or
+    (width,) for a ``--pool mean`` output). With ``columns=[...]``: yields a dict of those
+    columns per row (``embedding`` as above, other columns as Python values).
+
+    ``errors="skip"`` (default) passes over rows whose image failed; ``errors="include"``
+    yields them too, with ``None`` for the embedding and grid (dicts: the stored nulls).
+    Memory stays at ``batch_rows`` rows, whatever the file's size.
+    """
+    import pyarrow.parquet as pq
+
+    if errors not in ("skip", "include"):
+        raise ValueError(f"errors must be 'skip' or 'include', not {errors!r}")
+    wanted = list(columns) if columns is not None else None
+    need = (wanted or ["path", "grid_h", "grid_w", "embedding"]).copy()
+    if errors == "skip" and "error" not in need:
+        need.append("error")
+    for file in output_files(path):
+        handle = pq.ParquetFile(file)
+        names = handle.schema_arrow.names
+        unknown = [c for c in need if c not in names]
+        if unknown:
+            raise UsageError(f"{file}: no column {unknown[0]!r} (columns: {', '.join(names)})")
+        fmt = embedding_format(handle.schema_arrow) if "embedding" in need else None
+        for batch in handle.iter_batches(batch_size=batch_rows, columns=need):
+            data = {name: batch.column(name) for name in need}
+            arrays = embedding_arrays(data["embedding"], fmt) if "embedding" in data else None
+            failed = (data["error"].is_valid().to_numpy(zero_copy_only=False)
+                      if errors == "skip" else None)
+            plain = {n: data[n].to_pylist() for n in need if n != "embedding"}
+            for i in range(batch.num_rows):
+                if failed is not None and failed[i]:
+                    continue
+                if wanted is not None:
+                    yield {n: (arrays[i] if n == "embedding" else plain[n][i]) for n in wanted}
+                    continue
+                grid = (None if arrays[i] is None
+                        else (plain["grid_h"][i], plain["grid_w"][i]))
+                yield plain["path"][i], arrays[i], grid
+
+
+def read_metadata(path: str | os.PathLike) -> dict[str, Any]:
+    """The ``dsv4enc`` metadata of an output (its first file's), or {} if there is none."""
+    import pyarrow.parquet as pq
+
+    files = output_files(path)
+    if not files:
+        return {}
+    return _metadata_of(pq.read_schema(files[0]))

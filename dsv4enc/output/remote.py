@@ -1,0 +1,498 @@
+"""``--out`` in object storage (``s3://bucket/out.parquet``, ``s3://bucket/out/``).
+
+Object stores have no rename, so a run's output is built in a local staging folder by the
+same code as any local output (parts, manifest, final file) and mirrored to the store in an
+order that keeps it crash-safe:
+
+- a part is committed by uploading the complete object (it is visible whole or not at all);
+- the manifest object, which lists the parts, is uploaded after every part it lists: it is
+  the commit record (a part object no manifest lists is not part of the output);
+- a single-file output is uploaded as one complete object at the end, then the parts
+  (``OUT.partial/``) are deleted.
+
+Before a run, the output's dsv4enc objects are brought into the staging folder: its
+manifests always, its parts with ``--resume`` (so ``--resume`` reuses the committed ones), a
+stand-in for a final file and for foreign objects, so that the local checks (``--overwrite``,
+``--resume``, "not a dsv4enc output") decide exactly as for a local path.
+
+Under torchrun with ``--shard-output`` every rank writes straight to the store: each mirrors
+its own staging folder (its parts and its ``_manifest-rankNNN.json``) with its own upload
+thread, and ``--resume`` brings each rank its own manifest and parts. Rank 0 checks the
+output and holds the lock; once every rank has uploaded all it committed, rank 0 uploads the
+merged ``_manifest.json`` (``Topology.merge_manifests``), so nothing funnels through it.
+
+A store that stops answering ends the run (``storage.StoreDown``); the clean-up then fails
+fast and quietly, and the one line says how many finished parts the store keeps.
+
+Locking: ``flock`` cannot work on a bucket. The run writes a lock object
+``PARTS/.dsv4enc.lock`` (pid, host, time; rewritten every ``HEARTBEAT_S``) and refuses to start
+when another run's lock is fresh. A lock whose holder is a dead process on this host, or that
+was not refreshed for ``STALE_S``, is taken over. Object stores have no atomic
+create-if-absent, so two runs started within the same second can both pass the check: start
+one run per output.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+import socket
+import tempfile
+import threading
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable, TypeVar
+
+from .. import storage
+from ..errors import DsvError, OutputError
+from .parts import LOCK_NAME, MANIFEST_FILE, PART_FILE, read_manifest
+from .read import MANIFEST_NAME
+
+if TYPE_CHECKING:
+    from ..run.options import EncodeOptions
+
+log = logging.getLogger("dsv4enc")
+T = TypeVar("T")
+
+#: Seconds between the lock object's refreshes and between looks at the staging folder.
+HEARTBEAT_S = 30.0
+SYNC_S = 0.5
+#: A lock not refreshed for this long belongs to a run that is gone.
+STALE_S = 120.0
+
+
+def is_remote(out: str) -> bool:
+    return storage.is_url(out)
+
+
+class RemoteOutput:
+    """The local staging of a URL ``--out`` and its mirroring to the store (see the module)."""
+
+    def __init__(self, opts: "EncodeOptions", writer: bool, dist=None) -> None:
+        self.given = opts.out
+        self.url = opts.out.rstrip("/")
+        self.dist = dist
+        self.rank = 0 if dist is None else dist.rank
+        self.is_main = dist is None or dist.is_main
+        # --shard-output of torchrun ranks: every rank writes its own parts and manifest
+        self.sharded = bool(opts.shard_output) and dist is not None
+        self.writer = writer  # this process touches the store (rank 0, or every rank sharded)
+        # Raised by ``pull``, which every rank waits for: rank 0 failing alone here would
+        # leave the other ranks waiting in a collective.
+        self._problem: DsvError | None = None
+        self.folder_mode = opts.out.endswith("/") or bool(opts.shard_output)
+        if self.is_main and not self.folder_mode:
+            try:
+                self.folder_mode = storage.kind(opts.out) == "folder"
+            except DsvError as exc:
+                self._problem = exc
+        self.parts_url = self.url if self.folder_mode else self.url + ".partial"
+        self.staging = Path(tempfile.mkdtemp(prefix="dsv4enc-staging-"))
+        name = self.url.rsplit("/", 1)[-1] or "out"
+        self.local_out = self.staging / name
+        self.local_parts = self.local_out if self.folder_mode else \
+            self.staging / f"{name}.partial"
+        self.opts = replace(opts, out=str(self.local_out) + ("/" if self.folder_mode else ""))
+        self._uploaded: dict[str, tuple[int, int]] = {}  # part name -> (size, mtime_ns)
+        self._manifests: dict[str, bytes] = {}  # manifest name -> content uploaded
+        self._lock_held = False
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._lock_mutex = threading.Lock()
+        # --overwrite: the earlier run's manifests, deleted before this run uploads a part
+        # (a part object may take an old name: no old manifest may list it meanwhile).
+        self._replaced: set[str] = set()
+
+    @classmethod
+    def for_options(cls, opts: "EncodeOptions", dist) -> "RemoteOutput | None":
+        """The remote output for a URL ``--out`` (rank 0 writes it), None for a local one."""
+        if not is_remote(opts.out):
+            return None
+        return cls(opts, writer=dist is None or dist.is_main or opts.shard_output, dist=dist)
+
+    # -- whose files -------------------------------------------------------------------------
+    @property
+    def own_manifest(self) -> str:
+        """The manifest this rank mirrors (as ``OutputLayout.manifest_name`` names it)."""
+        return f"_manifest-rank{self.rank:03d}.json" if self.sharded else MANIFEST_NAME
+
+    def _mine(self, name: str) -> bool:
+        """Whether this rank mirrors the manifest or part ``name`` (every one, unless each
+        rank writes its own: then its own manifest and the parts named for its rank)."""
+        if not self.sharded:
+            return True
+        if MANIFEST_FILE.fullmatch(name):
+            return name == self.own_manifest
+        return name.endswith(f"-rank{self.rank:03d}.parquet")
+
+    def _every_rank(self, action: Callable[[], None]) -> None:
+        """``action()`` on every rank, then every rank raises the first rank's DsvError (a
+        collective: no rank is left waiting for one that gave up)."""
+        problem = None
+        try:
+            action()
+        except DsvError as exc:
+            problem = exc
+        everyone = [problem] if self.dist is None else self.dist.all_gather_object(problem)
+        problem = next((p for p in everyone if p is not None), None)
+        if problem is not None:
+            raise problem
+
+    def run(self, encode: Callable[[], T], dist) -> T:
+        """``encode()`` (the run, writing to the staging folder) between ``pull`` and
+        ``finish``; a failed or stopped run leaves its committed parts in the store. Messages
+        name the store, not the staging folder."""
+        from ..run.ranks import main_then_all
+
+        try:
+            main_then_all(dist, self.pull)
+            if self.sharded:
+                self._every_rank(self.pull_own)
+            self.start()
+            try:
+                summary = encode()
+            except BaseException as exc:
+                self.abandon(quiet=isinstance(exc, storage.StoreDown))
+                raise
+            self.finish()
+        except BaseException as exc:
+            if isinstance(exc, storage.StoreDown):
+                exc.keep(self._kept_parts(), self.parts_url)
+            if exc.args and isinstance(exc.args[0], str):
+                exc.args = (self.translate(exc.args[0]), *exc.args[1:])
+            raise
+        if hasattr(summary, "out"):
+            summary.out = self.given
+        return summary
+
+    # -- before the run --------------------------------------------------------------------
+    def pull(self) -> None:
+        """Check the inputs against the output, take the lock object, and bring the output's
+        dsv4enc state into the staging folder (run on the writing rank only). A missing
+        bucket or a denied permission is one setup line."""
+        if self._problem is not None:
+            raise self._problem
+        try:
+            self._pull()
+        except OSError as exc:
+            raise storage.setup_error(self.url, exc) from None
+
+    def _pull(self) -> None:
+        self._check_not_inputs()
+        self._take_lock()
+        if not self.folder_mode and storage.kind(self.url) == "file":
+            self._stand_in_final_file()
+        objects = [o for o in storage.list_files(self.parts_url)
+                   if o.key != LOCK_NAME and o.url != self.url]
+        if not objects:
+            return
+        self.local_parts.mkdir(parents=True, exist_ok=True)
+        for obj in objects:
+            first = obj.key.split("/", 1)[0]
+            if "/" not in obj.key and MANIFEST_FILE.fullmatch(obj.key):
+                self._download(obj, self.local_parts / obj.key)
+            elif "/" not in obj.key and PART_FILE.fullmatch(obj.key):
+                if self.opts.resume and self._mine(obj.key):
+                    self._download(obj, self.local_parts / obj.key)
+                    self._uploaded[obj.key] = _local_id(self.local_parts / obj.key)
+                else:  # an empty stand-in: the local checks see the name
+                    (self.local_parts / obj.key).touch()
+            elif not first.startswith("."):
+                (self.local_parts / first).touch()  # foreign: the local checks name it
+        for path in self.local_parts.iterdir():
+            if MANIFEST_FILE.fullmatch(path.name) and self._mine(path.name):
+                self._manifests[path.name] = path.read_bytes()
+                if self.opts.overwrite:
+                    self._replaced.add(path.name)
+        if self.sharded and self.opts.overwrite:
+            # Before any rank uploads a part, the manifests that list other ranks' parts go
+            # (the merged one, those of ranks this run does not have): none may list a part
+            # object that its rank replaces meanwhile. Each rank replaces its own manifest.
+            for obj in objects:
+                rank = _manifest_rank(obj.key)
+                if MANIFEST_FILE.fullmatch(obj.key) and (
+                        rank is None or rank >= self.dist.world_size):
+                    _delete(obj.url)
+
+    def pull_own(self) -> None:
+        """--shard-output, every rank but 0 (whose ``pull`` did it): bring this rank's own
+        manifest into its staging folder, and with ``--resume`` its own parts."""
+        if self.is_main:
+            return
+        try:
+            objects = [o for o in storage.list_files(self.parts_url)
+                       if "/" not in o.key and self._mine(o.key)]
+        except OSError as exc:
+            raise storage.setup_error(self.url, exc) from None
+        self.local_parts.mkdir(parents=True, exist_ok=True)
+        for obj in objects:
+            if MANIFEST_FILE.fullmatch(obj.key):
+                self._download(obj, self.local_parts / obj.key)
+                self._manifests[obj.key] = (self.local_parts / obj.key).read_bytes()
+                if self.opts.overwrite:
+                    self._replaced.add(obj.key)
+            elif PART_FILE.fullmatch(obj.key) and self.opts.resume:
+                self._download(obj, self.local_parts / obj.key)
+                self._uploaded[obj.key] = _local_id(self.local_parts / obj.key)
+
+    def _check_not_inputs(self) -> None:
+        for raw in self.opts.inputs:
+            if not storage.is_url(raw):
+                continue
+            source = raw.rstrip("/")
+            for place in {self.url, self.parts_url}:
+                if source == place or source.startswith(place + "/") or \
+                        (self.folder_mode and place.startswith(source + "/")):
+                    raise OutputError(f"--out {self.url} overlaps the input {raw}; choose an "
+                                      "--out outside the inputs")
+
+    def _stand_in_final_file(self) -> None:
+        """A local file that answers the local checks as the remote final file would: an
+        empty Parquet file with its schema (a dsv4enc output or not), or empty bytes."""
+        import pyarrow.parquet as pq
+
+        try:
+            with storage.open_input(self.url) as handle:
+                schema = pq.read_schema(handle)
+            pq.write_table(schema.empty_table(), self.local_out)
+        except OSError as exc:
+            if storage.setup_problem(exc):
+                raise storage.setup_error(self.url, exc) from None
+            self.local_out.write_bytes(b"")
+        except Exception:  # not Parquet: a foreign object
+            self.local_out.write_bytes(b"")
+
+    def _download(self, obj: storage.ObjectInfo, path: Path) -> None:
+        try:
+            storage.download(obj.url, path)
+        except OSError as exc:
+            raise OutputError(storage.describe(obj.url, exc)) from None
+
+    # -- the lock object -------------------------------------------------------------------
+    def _lock_url(self) -> str:
+        return storage.join(self.parts_url, LOCK_NAME)
+
+    def _take_lock(self) -> None:
+        url = self._lock_url()
+        try:
+            held = json.loads(storage.read_bytes(url)) if storage.exists(url) else None
+        except (OSError, ValueError):
+            held = None
+        if isinstance(held, dict) and not _stale(held):
+            age = time.time() - float(held.get("time", 0))
+            raise OutputError(
+                f"--out {self.url} is being written by pid {held.get('pid')} on host "
+                f"{held.get('host')} (lock object {url}, refreshed {age:.0f} s ago); if no run "
+                f"is writing it, delete that object")
+        self._write_lock()
+        self._lock_held = True
+
+    def _write_lock(self) -> None:
+        body = json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
+                           "time": time.time()}).encode()
+        storage.upload(self._lock_url(), body)
+
+    def _release_lock(self) -> None:
+        if self._lock_held:
+            self._lock_held = False
+            _delete(self._lock_url())
+
+    # -- during the run ----------------------------------------------------------------------
+    def start(self) -> None:
+        """Mirror committed parts and manifests to the store in the background."""
+        if not self.writer:
+            return
+        self._thread = threading.Thread(target=self._loop, name="dsv4enc-upload", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        """Sync and refresh the lock until the run ends. A failed round (after the
+        retries) is logged once and tried again next round; the run's end syncs once more
+        and fails if that fails too."""
+        beat = time.monotonic()
+        while not self._stop.wait(SYNC_S):
+            try:
+                self.sync()
+                if self._lock_held and time.monotonic() - beat > HEARTBEAT_S:
+                    self._write_lock()
+                    beat = time.monotonic()
+            except Exception as exc:
+                if self._error is None:
+                    log.warning("uploading to %s failed (%s); trying again",
+                                self.parts_url, storage.describe(self.parts_url, exc))
+                self._error = exc
+
+    def sync(self) -> None:
+        """Upload each part a local manifest lists that is not in the store yet, then that
+        manifest: the store's manifest never lists a part it lacks."""
+        with self._lock_mutex:
+            if not self.local_parts.is_dir():
+                return
+            for manifest in sorted(self.local_parts.iterdir()):
+                if not MANIFEST_FILE.fullmatch(manifest.name) or not self._mine(manifest.name):
+                    continue
+                try:
+                    content = manifest.read_bytes()
+                except FileNotFoundError:
+                    continue
+                if self._manifests.get(manifest.name) == content:
+                    continue
+                document = json.loads(content)
+                try:
+                    for part in document.get("parts", {}).values():
+                        self._upload_part(part["file"])
+                except FileNotFoundError:
+                    continue  # the run removed its parts meanwhile (the final file is made)
+                storage.upload(storage.join(self.parts_url, manifest.name), content)
+                self._manifests[manifest.name] = content
+
+    def _upload_part(self, name: str) -> None:
+        path = self.local_parts / name
+        ident = _local_id(path)
+        if self._uploaded.get(name) == ident:
+            return
+        for manifest in sorted(self._replaced):
+            _delete(storage.join(self.parts_url, manifest))
+            self._replaced.discard(manifest)
+        storage.upload_file(path, storage.join(self.parts_url, name))
+        self._uploaded[name] = ident
+
+    # -- the end of the run ----------------------------------------------------------------
+    def _stop_loop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    def finish(self) -> None:
+        """The run succeeded: upload what is left (the final file as one object), then delete
+        the store's parts that are no longer part of the output. Sharded: every rank uploads
+        its own, then (once all have) rank 0 the merged manifest."""
+        self._stop_loop()
+        if not self.writer:
+            return
+        try:
+            if self.sharded:
+                self._every_rank(self._sync_or_fail)
+                if self.is_main:
+                    merged = self.local_parts / MANIFEST_NAME
+                    storage.upload(storage.join(self.parts_url, MANIFEST_NAME),
+                                   merged.read_bytes())
+                    self._delete_unlisted([MANIFEST_NAME])
+            elif self.folder_mode:
+                self.sync()
+                self._delete_unlisted(list(self._manifests))
+            else:
+                storage.upload_file(self.local_out, self.url)
+                for obj in storage.list_files(self.parts_url):
+                    if _ours(obj.key):
+                        _delete(obj.url)
+                self._release_lock()
+                storage.remove_empty_prefix(self.parts_url)
+        except OSError as exc:
+            raise self._failure(exc) from None
+
+    def _sync_or_fail(self) -> None:
+        try:
+            self.sync()
+        except OSError as exc:
+            raise self._failure(exc) from None
+
+    def _failure(self, exc: OSError) -> DsvError:
+        """The one-line error of a failed call to the store."""
+        down = storage.down_error(self.url, exc)
+        return down if down is not None else OutputError(storage.describe(self.url, exc))
+
+    def abandon(self, quiet: bool = False) -> None:
+        """The run failed or was stopped: its committed parts go to the store (for
+        ``--resume``); a manifest that the run removed locally (nothing committed) goes too.
+        ``quiet``: the store is down (the run's one line says so); nothing more is said."""
+        self._stop_loop()
+        if not self.writer:
+            return
+        try:
+            self.sync()
+            for name in list(self._manifests):
+                if not (self.local_parts / name).exists():
+                    _delete(storage.join(self.parts_url, name))
+        except OSError as exc:
+            if not quiet:
+                log.error("%s", storage.describe(self.parts_url, exc))
+
+    def _kept_parts(self) -> int:
+        """How many finished parts the store's manifests (this rank's) list."""
+        count = 0
+        for content in self._manifests.values():
+            try:
+                count += len(json.loads(content).get("parts", {}))
+            except (ValueError, AttributeError):
+                pass
+        return count
+
+    def _delete_unlisted(self, manifests: list[str]) -> None:
+        """Part objects none of ``manifests`` (local names) lists (an earlier run's, replaced
+        by this one's)."""
+        listed = {part["file"] for name in manifests
+                  for part in (read_manifest(self.local_parts / name) or {"parts": {}})
+                  ["parts"].values()}
+        for obj in storage.list_files(self.parts_url):
+            if PART_FILE.fullmatch(obj.key) and obj.key not in listed:
+                _delete(obj.url)
+
+    def close(self) -> None:
+        """Release the lock object and remove the staging folder (this run's own)."""
+        self._stop_loop()
+        try:
+            if self.writer:
+                self._release_lock()
+        except OSError as exc:  # the store is down (said already) or the lock goes stale
+            if storage.outage_cause(exc) is None:
+                log.warning("could not delete the lock object %s (%s)", self._lock_url(),
+                            storage.describe(self._lock_url(), exc))
+        finally:
+            shutil.rmtree(self.staging, ignore_errors=True)
+
+    def translate(self, text: str) -> str:
+        """A message about the staging folder, told about the store instead."""
+        text = text.replace(str(self.local_parts), self.parts_url)
+        return text.replace(str(self.local_out), self.url)
+
+
+def _manifest_rank(name: str) -> int | None:
+    """The rank of a rank's manifest name (``_manifest-rank001.json``), else None."""
+    match = re.fullmatch(r"_manifest-rank(\d{3})\.json", name)
+    return None if match is None else int(match.group(1))
+
+
+def _local_id(path: Path) -> tuple[int, int]:
+    st = path.stat()
+    return st.st_size, st.st_mtime_ns
+
+
+def _ours(key: str) -> bool:
+    return key == LOCK_NAME or bool(PART_FILE.fullmatch(key) or MANIFEST_FILE.fullmatch(key))
+
+
+def _delete(url: str) -> None:
+    storage.delete(url)
+
+
+def _stale(held: dict) -> bool:
+    """Whether a lock object's holder is gone: a dead process on this host, or no refresh
+    for ``STALE_S``."""
+    if time.time() - float(held.get("time", 0)) > STALE_S:
+        return True
+    if held.get("host") == socket.gethostname():
+        try:
+            os.kill(int(held.get("pid", 0)), 0)
+        except ProcessLookupError:
+            return True
+        except (PermissionError, ValueError, OverflowError):
+            return False
+        return int(held.get("pid", 0)) == os.getpid()
+    return False

@@ -1,0 +1,91 @@
+"""Ray Data: ``RayEncoder``, a callable class for ``Dataset.map_batches`` (needs
+``dsv4enc[ray]``).
+
+Ray builds one instance per actor, so the weights are loaded once per actor, on the device
+Ray gave it: CUDA when the actor holds a GPU (``num_gpus=1``), else the CPU. Each batch gives
+``dsv4enc encode``'s rows (``BatchEncoder``), as a pyarrow Table of the command's exact schema
+(string ``error`` and typed ``embedding`` even in a batch where they are all null). A bad image
+is an error row, never a failed block, so no ``max_errored_blocks`` is needed (and none
+should be set: Ray drops a failed block's rows whole)::
+
+    import ray
+    from dsv4enc.ray import RayEncoder
+
+    ds = ray.data.from_items([{"image": p} for p in paths])
+    rows = ds.map_batches(RayEncoder, fn_constructor_kwargs={"weights": CKPT},
+                          batch_format="pyarrow", batch_size=64, num_gpus=1,
+                          compute=ray.data.ActorPoolStrategy(size=4))
+    rows.write_parquet("emb/")
+
+``encode_dataset(ds, ...)`` makes that call with the right arguments.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pyarrow as pa
+
+from .batch import BatchEncoder
+
+__all__ = ["RayEncoder", "encode_dataset", "ray_device"]
+
+
+def ray_device() -> str:
+    """``cuda`` when Ray gave this worker (a task or actor) a GPU, else ``cpu`` (Ray hides
+    the GPUs it did not give: CUDA_VISIBLE_DEVICES holds only this worker's); ``auto``
+    outside a Ray worker."""
+    import ray
+
+    if not ray.is_initialized():
+        return "auto"
+    worker = getattr(ray.get_runtime_context(), "worker", None)
+    if worker is None or worker.mode != ray.WORKER_MODE:
+        return "auto"  # the driver (or a plain call): Ray gave it nothing, auto decides
+    return "cuda" if ray.get_gpu_ids() else "cpu"
+
+
+class RayEncoder:
+    """The batch function of ``BatchEncoder`` as a Ray actor class: built once per actor
+    (weights loaded once), called per batch. Takes ``BatchEncoder``'s arguments; ``device``
+    defaults to what Ray gave the actor (``ray_device``).
+
+    The actor's process is dsv4enc's, so Pillow's settings are made as ``dsv4enc encode``
+    makes them (its warnings about corrupt data are errors, its global pixel limit is off:
+    ``max_pixels`` applies): rows, error rows included, are the command's rows.
+    """
+
+    def __init__(self, weights: Any = None, *, device: str | None = None,
+                 **options: Any) -> None:
+        from .images.decode import own_process_pillow_settings
+
+        own_process_pillow_settings()
+        self.embed = BatchEncoder(weights, device=device or ray_device(), **options)
+
+    @property
+    def schema(self) -> pa.Schema:
+        return self.embed.schema
+
+    def __call__(self, batch: Any) -> pa.Table:
+        """The batch's rows (any batch format Ray hands over), as a pyarrow Table."""
+        kind, images, keys = self.embed.columns(batch)
+        return self.embed.encode_table(images, keys)
+
+
+def encode_dataset(ds, weights: Any = None, *, concurrency: int | tuple[int, int] = 1,
+                   num_gpus: float = 0, num_cpus: float | None = None,
+                   batch_size: int | None = 64, **options: Any):
+    """``ds.map_batches(RayEncoder, ...)``: ``concurrency`` actors (a number, or (min, max)
+    for an autoscaling pool), each with ``num_gpus`` GPUs (1: one per actor) and ``num_cpus``
+    CPUs; ``options``: ``BatchEncoder``'s (``image_column``, ``key_column``, ``config``,
+    ``out_dtype``, ...). Returns the lazy dataset of rows."""
+    from ray.data import ActorPoolStrategy
+
+    pool = (ActorPoolStrategy(min_size=concurrency[0], max_size=concurrency[1])
+            if isinstance(concurrency, tuple) else ActorPoolStrategy(size=concurrency))
+    extra: dict[str, Any] = {}
+    if num_cpus is not None:
+        extra["num_cpus"] = num_cpus
+    return ds.map_batches(RayEncoder, fn_constructor_kwargs={"weights": weights, **options},
+                          batch_format="pyarrow", batch_size=batch_size, compute=pool,
+                          num_gpus=num_gpus, **extra)

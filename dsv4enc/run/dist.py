@@ -1,0 +1,305 @@
+"""Running on many ranks (SPEC §7-8): the process group, row gathering, and tensor-parallel
+weight slicing.
+
+``torch.distributed`` is touched here only, through a ``DistContext``; the run's collectives
+are called by ``topology.Topology``, and the assignment of images to ranks (plain arithmetic)
+is in ``planning``. Launch with torchrun; a plain
+``python -m dsv4enc`` run has no context (``init_distributed`` returns None).
+
+Failures: a collective that times out, or whose peer died, raises ``DistributedError``
+naming this rank. Host-facing collectives (gather, object gather, barrier) wait on the host
+with the run's timeout, on NCCL too. The tensor-parallel all-reduce inside the forward does
+not: on NCCL it stays stream-ordered (a host wait per layer would stall the GPU and break
+CUDA graph capture), so a hang there is caught by NCCL's watchdog, which aborts the process
+after the same timeout and lets torchrun stop the others.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import pickle
+import re
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from ..errors import DistributedError, UsageError
+from ..tower.model import VisionTower
+
+log = logging.getLogger(__name__)
+
+# Newer torch calls it all_gather_single (all_gather_into_tensor is deprecated there).
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+# --------------------------------------------------------------------------------------------
+# Process group
+
+
+@dataclass
+class DistContext:
+    """This process's place in a torchrun job, and the collectives the encoder needs."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    device: torch.device
+    backend: str  # "nccl" or "gloo"
+    timeout: float  # seconds, for every collective
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def _failed(self, what: str, exc: BaseException) -> DistributedError:
+        text = str(exc)
+        if "timed out" in text.lower() or "timeout" in text.lower():
+            return DistributedError(f"rank {self.rank}: {what} timed out after "
+                                    f"{self.timeout:g}s (a peer rank may have died)")
+        # First sentence, without gloo's "[file.cc:line]" prefix.
+        first = re.sub(r"^\[[^\]]*\]\s*", "", text.strip().split("\n")[0]).split(". ")[0]
+        return DistributedError(f"rank {self.rank}: {what} failed (a peer rank may have "
+                                f"died): {first[:200] or type(exc).__name__}")
+
+    def _wait(self, what: str, start: Callable[[], Any]) -> None:
+        """Run an async collective and wait for it on the host, at most ``timeout``."""
+        try:
+            start().wait(datetime.timedelta(seconds=self.timeout))
+        except RuntimeError as exc:  # DistBackendError and gloo's errors are RuntimeErrors
+            raise self._failed(what, exc) from exc
+
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Same-shape tensors from every rank: (n, ...) -> (world_size, n, ...), rank order.
+
+        Moved as raw bytes, so any dtype works on any backend (bf16 and fp16 included).
+        """
+        local = tensor.to(self.device).contiguous()
+        flat = local.reshape(1, -1).view(torch.uint8)  # (1, numel * itemsize)
+        out = torch.empty(self.world_size, flat.shape[1], dtype=torch.uint8, device=self.device)
+        self._wait("all_gather", lambda: _all_gather_single(out, flat, async_op=True))
+        return out.view(tensor.dtype).view(self.world_size, *tensor.shape)
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """One picklable object from every rank, in rank order (pickled through all_gather,
+        so that it shares the host-side timeout; torch's own version blocks without one)."""
+        payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+        sizes = self.all_gather(torch.tensor([payload.numel()], dtype=torch.int64))
+        counts = [int(n) for n in sizes.view(-1).tolist()]
+        parts = gather_rows(self, payload.view(-1, 1), counts)
+        return [pickle.loads(p.cpu().numpy().tobytes()) for p in parts]
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum ``tensor`` over ranks in place and return it (the tensor-parallel combine).
+
+        Works under ``torch.inference_mode`` (the collective is outside autograd). On NCCL
+        it is enqueued on the stream without a host wait (see the module docstring).
+        """
+        try:
+            dist.all_reduce(tensor)
+        except RuntimeError as exc:
+            raise self._failed("all_reduce", exc) from exc
+        return tensor
+
+    def barrier(self) -> None:
+        """Wait until every rank gets here (or raise DistributedError after ``timeout``)."""
+        self._wait("barrier", lambda: dist.barrier(async_op=True))
+
+
+def _env_int(name: str, default: int | None = None) -> int:
+    raw = os.environ.get(name)
+    if raw is None:
+        if default is None:
+            raise UsageError(f"{name} is not set (launch with torchrun)")
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise UsageError(f"environment variable {name}={raw!r} is not an integer") from None
+
+
+def init_distributed(device_arg: str, timeout_s: float) -> DistContext | None:
+    """Join the torchrun job described by the environment.
+
+    Returns None when there is no job to join: WORLD_SIZE unset (plain launch) or 1 (a
+    single rank needs no process group; the caller runs the plain single-process path).
+    ``device_arg``: "auto", "cuda" or "cpu". Under torchrun every rank on CUDA uses
+    cuda:LOCAL_RANK with NCCL, so an explicit "cuda:N" is a UsageError; on CPU, gloo.
+    """
+    world_size = _env_int("WORLD_SIZE", 1)
+    if world_size <= 1:
+        return None
+    rank = _env_int("RANK")
+    local_rank = _env_int("LOCAL_RANK", rank)
+    local_world_size = _env_int("LOCAL_WORLD_SIZE", world_size)
+    if device_arg not in ("auto", "cuda", "cpu"):
+        raise UsageError(f"under torchrun, --device must be auto, cuda or cpu (each rank "
+                         f"uses cuda:LOCAL_RANK), not {device_arg!r}")
+    kind = device_arg if device_arg != "auto" else \
+        ("cuda" if torch.cuda.is_available() else "cpu")
+    if kind == "cuda":
+        if not torch.cuda.is_available():
+            raise UsageError("--device cuda, but CUDA is not available")
+        if local_rank >= torch.cuda.device_count():
+            raise UsageError(f"rank {rank}: LOCAL_RANK {local_rank} but only "
+                             f"{torch.cuda.device_count()} CUDA device(s) on this node")
+        device, backend = torch.device("cuda", local_rank), "nccl"
+        torch.cuda.set_device(device)
+    else:
+        device, backend = torch.device("cpu"), "gloo"
+    ctx = DistContext(rank, world_size, local_rank, local_world_size, device, backend,
+                      float(timeout_s))
+    try:
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s),
+                                rank=rank, world_size=world_size,
+                                device_id=device if backend == "nccl" else None)
+    except (RuntimeError, ValueError) as exc:  # rendezvous timeout, unreachable store
+        raise DistributedError(f"rank {rank}: could not join the process group "
+                               f"({str(exc).strip().splitlines()[0] if str(exc) else exc!r})"
+                               ) from exc
+    return ctx
+
+
+def shutdown(ctx: DistContext | None) -> None:
+    """Leave the process group (no-op without one). Never raises: it runs on error paths."""
+    if ctx is None or not dist.is_initialized():
+        return
+    try:
+        dist.destroy_process_group()
+    except Exception as exc:  # a broken group can fail to tear down; nothing left to do
+        log.debug("rank %d: destroy_process_group failed: %s", ctx.rank, exc)
+
+
+# --------------------------------------------------------------------------------------------
+# Data parallel: who encodes what (SPEC §7)
+
+
+def gather_rows(ctx: DistContext, local_rows: torch.Tensor,
+                counts_per_rank: Sequence[int] | None = None) -> list[torch.Tensor]:
+    """Every rank's output rows, on every rank, with ONE all-gather.
+
+    local_rows: (n_local, width), this rank's images' rows concatenated in its assignment
+    order. counts_per_rank: n_local of every rank, known from the shared plan (see
+    ``rank_row_counts``); if None it is exchanged first (one extra small collective).
+    Rows are padded to the largest count for the transfer and cut back after. Returns
+    ``world_size`` tensors (counts_per_rank[r], width) in the dtype of ``local_rows``, on
+    its device. Ranks with zero rows are fine; when all have zero, nothing is sent.
+    """
+    n_local, width = local_rows.shape
+    if counts_per_rank is None:
+        gathered = ctx.all_gather(torch.tensor([n_local], dtype=torch.int64))
+        counts_per_rank = [int(n) for n in gathered.view(-1).tolist()]
+    counts = list(counts_per_rank)
+    if len(counts) != ctx.world_size or counts[ctx.rank] != n_local:
+        # A plan mismatch would silently misplace rows on every rank; fail loudly here.
+        raise ValueError(f"rank {ctx.rank}: holds {n_local} rows, but the plan says "
+                         f"{counts[ctx.rank] if ctx.rank < len(counts) else '?'} "
+                         f"(counts {counts}, world size {ctx.world_size})")
+    most = max(counts)
+    if most == 0:  # every rank knows this, so every rank skips the collective together
+        return [local_rows.new_empty((0, width)) for _ in counts]
+    padded = torch.zeros(most, width, dtype=local_rows.dtype, device=ctx.device)
+    padded[:n_local] = local_rows
+    everyone = ctx.all_gather(padded).to(local_rows.device)  # (world, most, width)
+    return [everyone[r, :n] for r, n in enumerate(counts)]
+
+
+def restore_order(per_rank: Sequence[torch.Tensor], assignment: Sequence[Sequence[int]],
+                  rows_per_image: Sequence[int]) -> list[torch.Tensor]:
+    """Cut gathered rows back into images, in input order.
+
+    per_rank[r]: (rows of rank r, width), its images' rows concatenated in the order of
+    assignment[r]. Returns one (rows_per_image[i], width) tensor per image i.
+    """
+    out: list[torch.Tensor | None] = [None] * len(rows_per_image)
+    for rank, (rows, indices) in enumerate(zip(per_rank, assignment, strict=True)):
+        sizes = [rows_per_image[i] for i in indices]
+        if rows.shape[0] != sum(sizes):
+            raise ValueError(f"rank {rank} sent {rows.shape[0]} rows, its images have "
+                             f"{sum(sizes)}")
+        for i, part in zip(indices, torch.split(rows, sizes)):
+            out[i] = part
+    missing = [i for i, t in enumerate(out) if t is None]
+    if missing:
+        raise ValueError(f"images {missing[:5]} are not in any rank's assignment")
+    return out  # type: ignore[return-value]
+
+
+# --------------------------------------------------------------------------------------------
+# Tensor parallel (SPEC §8)
+
+
+class _AllReduce:
+    """combine hook: sum the partial outputs over ranks, then add the layer's bias once.
+
+    The bias lives on the layer as the non-persistent buffer ``combine_bias`` (None when it
+    has none), so that ``model.to(...)`` moves it along with the weights.
+    """
+
+    def __init__(self, ctx: DistContext, linear: torch.nn.Linear) -> None:
+        self.ctx = ctx
+        self.linear = linear
+
+    def __call__(self, partial: torch.Tensor) -> torch.Tensor:
+        total = self.ctx.all_reduce_sum(partial.contiguous())
+        bias = self.linear.combine_bias
+        return total if bias is None else total + bias
+
+
+def _shard_rows(linear: torch.nn.Linear, groups: int, rank: int, world: int) -> None:
+    """Keep this rank's share of every one of ``groups`` equal row blocks of the output
+    (e.g. q|k|v by heads, gate|up by halves): weight (G*n, in) -> (G*n/world, in)."""
+    def cut(t: torch.Tensor) -> torch.Tensor:
+        blocks = t.view(groups, world, -1, *t.shape[1:])  # (G, world, n/world, ...)
+        return blocks[:, rank].reshape(-1, *t.shape[1:]).clone()
+    linear.weight = torch.nn.Parameter(cut(linear.weight.data), requires_grad=False)
+    if linear.bias is not None:
+        linear.bias = torch.nn.Parameter(cut(linear.bias.data), requires_grad=False)
+    linear.out_features = linear.weight.shape[0]
+
+
+def _shard_columns(linear: torch.nn.Linear, ctx: DistContext) -> _AllReduce:
+    """Keep this rank's block of input columns, and return the combine hook that sums the
+    partial outputs. The bias moves out of the matmul: it is added once, after the sum."""
+    share = linear.in_features // ctx.world_size
+    cols = slice(ctx.rank * share, (ctx.rank + 1) * share)
+    linear.weight = torch.nn.Parameter(linear.weight.data[:, cols].clone(), requires_grad=False)
+    linear.in_features = share
+    bias = None if linear.bias is None else linear.bias.data
+    linear.bias = None
+    linear.register_buffer("combine_bias", bias, persistent=False)
+    return _AllReduce(ctx, linear)
+
+
+def apply_tensor_parallel(model: VisionTower, ctx: DistContext) -> bool:
+    """Slice ``model`` in place into this rank's tensor-parallel shard (SPEC §8).
+
+    wqkv (q, k, v each by heads), mlp.w1 (gate, up each by halves) and aligner.w1 keep
+    their share of output rows; wo, mlp.w2 and aligner.w2 keep their share of input columns
+    and get an all-reduce ``combine`` hook that adds their bias after the sum. Patch embed
+    and norms stay whole, so activations between blocks are full width, identical on every
+    rank. Returns False, leaving the model untouched, when the world size is 1 or does not
+    divide the heads, the MLP width and the aligner width (the caller then runs data
+    parallel).
+    """
+    cfg, world, rank = model.cfg, ctx.world_size, ctx.rank
+    if world == 1:
+        return False
+    sizes = {"heads": cfg.n_heads, "MLP width": cfg.inter_dim, "aligner width": cfg.hidden_size}
+    bad = [f"{name} {n}" for name, n in sizes.items() if n % world]
+    if bad:
+        log.warning("tensor parallel needs the world size %d to divide %s; replicating the "
+                    "tower on every rank (data parallel) instead", world, ", ".join(bad))
+        return False
+    for block in model.vision.blocks:
+        _shard_rows(block.attn.wqkv, 3, rank, world)
+        block.attn.combine = _shard_columns(block.attn.wo, ctx)
+        _shard_rows(block.mlp.w1, 2, rank, world)
+        block.mlp.combine = _shard_columns(block.mlp.w2, ctx)
+    _shard_rows(model.aligner.w1, 1, rank, world)
+    model.aligner.combine = _shard_columns(model.aligner.w2, ctx)
+    return True

@@ -1,0 +1,247 @@
+"""Encoding the planned parts: decoded images -> batches on the engine -> rows, one part
+after another, with progress and stops agreed between ranks (``PartEncoder``)."""
+
+from __future__ import annotations
+
+import time
+from typing import Iterator, Sequence
+
+import torch
+
+from .. import storage
+from ..engine.batching import BatchLoop
+from ..images.decode import Decoded, DecodeStream, patches_tensor
+from ..engine.engine import Engine
+from .options import EncodeOptions
+from ..engine.packing import output_grid
+from ..pausepoints import pause
+from .plan import Part, Planned, part_batches
+from .setup import RunSetup
+from .progress import RunProgress
+from .stopping import StopSignals
+from .summary import RunSummary
+from .ranks import Topology
+from ..output.parts import Row
+
+
+class PartEncoder:
+    """Encodes the run's parts: walks parts -> batches, feeding decoded images to the engine
+    through the batch loop, and yields finished parts as ``(name, start, end, digest, rows)``.
+    Under torchrun every batch ends in collectives (``Topology``): stop agreement with the
+    progress, and the row exchange of gathered data parallelism."""
+
+    def __init__(self, engine: Engine, setup: RunSetup, opts: EncodeOptions, ranks: Topology,
+                 progress: RunProgress, summary: RunSummary, stop: StopSignals) -> None:
+        self.engine, self.setup, self.opts, self.ranks = engine, setup, opts, ranks
+        self.progress, self.summary, self.stop = progress, summary, stop
+        self.cfg = engine.cfg
+        self.batch_tokens = engine.batch_tokens
+        # tags: (index, planned entry, decoded image)
+        self.loop = BatchLoop(engine, opts.pool, name_of=lambda tag: tag[1].item.key,
+                              remedy="rerun with --out-dtype float32", copy=False)
+        self._plans: list | None = None
+        # Progress is counted where rows are made, then summed over ranks at each step: a
+        # rank counts the rows it encoded (under TP every rank makes the same rows, so only
+        # rank 0 counts), and header failures are counted by whoever owns the part's rows.
+        self._counts_encoded = ranks.is_main or ranks.splits_images
+        self._counts_header_failures = ranks.is_main or ranks.sharded
+        # not yet shown: images, tokens, failed, and the planned tokens of images that then
+        # failed to decode (the ETA no longer waits for them)
+        self._pending = [0, 0, 0, 0]
+
+    # -- planning of one part ------------------------------------------------------
+    def rank_batches(self, planned: Sequence[Planned], part: Part) -> list[list[list[int]]]:
+        """Per rank, the batches (lists of item indices) this part is encoded in.
+
+        Every rank plans every rank's batches, so that all take the same number of steps
+        (each step ends in collectives). The ranks' shares were planned with the part
+        (``plan_parts``); failed items are left out of them here (they are no batch's)."""
+        shares = part.shares if part.shares is not None else [part.indices]
+        shares = [[i for i in share if planned[i].error is None] for share in shares]
+        if self.ranks.gathered:
+            for rank, share in enumerate(shares):
+                self._add_rank_load(rank, sum(planned[i].tokens for i in share))
+        return [part_batches(planned, share, self.batch_tokens, self.opts.max_images)
+                for share in shares]
+
+    def _add_rank_load(self, rank: int, load: float) -> None:
+        loads = self.summary.rank_loads
+        loads.extend([0.0] * (rank + 1 - len(loads)))
+        loads[rank] += load
+
+    @property
+    def _me(self) -> int:
+        return self.ranks.rank if self.ranks.splits_images else 0
+
+    def plan(self, planned: Sequence[Planned], parts: list[Part]) -> list[int]:
+        """Plan every part's batches now; returns this rank's batch sizes in tokens."""
+        self._plans = [self.rank_batches(planned, part) for part in parts]
+        return [sum(planned[i].tokens for i in batch)
+                for plan in self._plans for batch in plan[self._me]]
+
+    def run(self, planned: Sequence[Planned], parts: list[Part]) -> Iterator[tuple]:
+        plans = self._plans if self._plans is not None else [
+            self.rank_batches(planned, part) for part in parts]
+        me = self._me
+        order = [i for plan in plans for batch in plan[me] for i in batch]
+        decoded = self.setup.stream(order, self.opts.max_images)
+        for part, plan in zip(parts, plans):
+            rows = {i: _error_row(planned[i]) for i in part.indices if planned[i].error}
+            if self._counts_header_failures:
+                self._note(rows.values())
+            steps = max(len(batches) for batches in plan)
+            for step in range(steps):
+                batch = plan[me][step] if step < len(plan[me]) else []
+                try:
+                    local = self.submit_batch(planned, batch, decoded)
+                except StoppedWaiting:
+                    return  # the part in progress is dropped; finished ones are committed
+                local.update(self._rows(self.loop.collect_ready()))
+                if self._counts_encoded:
+                    self._note(local.values())
+                if self.ranks.gathered:
+                    local = self._exchange(local)
+                rows.update(local)
+                if self._stop_agreed():
+                    return
+            local = self._rows(self.loop.drain())
+            if self._counts_encoded:
+                self._note(local.values())
+            if self.ranks.gathered:
+                local = self._exchange(local)
+            rows.update(local)
+            self._show_progress(self._gather_progress(None))
+            ordered = [rows[i] for i in part.indices]
+            self.count(ordered)
+            rows = None
+            if self.ranks.writes:
+                yield part.name, part.start, part.end, part.digest, ordered
+            ordered = None
+
+    def _stop_agreed(self) -> bool:
+        """Whether any rank was signalled; also brings every rank's progress to rank 0 (the
+        same collective, so progress costs no extra round trip per batch). A store that is
+        down on any rank (``storage.check_stores``) stops every rank with its error."""
+        try:
+            storage.check_stores()
+            down = None
+        except storage.StoreDown as exc:
+            down = exc
+        reports = self._gather_progress(self.stop.signum, down)
+        self._show_progress(reports)
+        problem = next((exc for _, _, exc in reports if exc is not None), None)
+        if problem is not None:
+            raise problem
+        signums = [signum for signum, _, _ in reports if signum is not None]
+        if signums and self.stop.signum is None:
+            self.stop.signum = signums[0]
+        return bool(signums)
+
+    def _note(self, rows) -> None:
+        """Count finished rows for the progress display."""
+        for row in rows:
+            self._pending[0] += 1
+            if row.error is None:
+                self._pending[1] += row.vit_h * row.vit_w
+            else:
+                self._pending[2] += 1
+
+    def _gather_progress(self, signum: int | None, problem: Exception | None = None,
+                         ) -> list[tuple[int | None, list[int], Exception | None]]:
+        """(signal, progress not yet shown, problem) of every rank; this rank's alone
+        without torchrun."""
+        pending, self._pending = self._pending, [0, 0, 0, 0]
+        return self.ranks.agree_on_stop(signum, pending, problem)
+
+    def _show_progress(self, reports: list[tuple[int | None, list[int], Exception | None]],
+                       ) -> None:
+        images, tokens, failed, dropped = (sum(counts[k] for _, counts, _ in reports)
+                                           for k in range(4))
+        if images:
+            self.progress.advance(images, tokens, failed, dropped)
+            counts = self.progress.snapshot()
+            pause("encoded", done=counts.reused + counts.images, total=counts.total_images)
+
+    def count(self, rows: list[Row]) -> None:
+        for row in rows:
+            if row.error is None:
+                self.summary.encoded += 1
+            else:
+                self.summary.failed += 1
+                self.summary.add_error(row.error, row.path)
+
+    # -- one batch ---------------------------------------------------------------
+    def _next_decoded(self, decoded: Iterator[tuple[int, Decoded]]) -> tuple[int, Decoded]:
+        """The next decoded image. One process: a signal that arrives while it waits (a slow
+        or hung decode can take up to --decode-timeout) raises ``StoppedWaiting`` at once.
+        Under torchrun every rank waits, and the ranks agree on stopping after the batch."""
+        if self.ranks.dist is not None or not isinstance(decoded, DecodeStream):
+            return next(decoded)
+        while True:
+            item = decoded.next_within(STOP_POLL_S)
+            if item is not None:
+                return item
+            if self.stop.requested():
+                raise StoppedWaiting
+
+    def submit_batch(self, planned: Sequence[Planned], batch: list[int],
+                     decoded: Iterator[tuple[int, Decoded]]) -> dict[int, Row]:
+        """Take a batch's decoded images and start them on the engine. Returns the rows of
+        images that failed to decode; the others come from ``self.loop``."""
+        rows: dict[int, Row] = {}
+        ready: list[tuple[int, Decoded]] = []
+        began = time.perf_counter()
+        alone = self.ranks.dist is None
+        for expected in batch:
+            index, result = self._next_decoded(decoded)
+            assert index == expected, "decode stream out of step with the plan"
+            path = planned[index].item.path
+            if storage.is_url(path):  # what the decoder found, for the store's health
+                storage.note_row(path, result.error, result.unavailable_since)
+                if alone:  # one process stops at once; ranks agree after the batch
+                    storage.check_stores()
+            if result.error is not None:
+                rows[index] = _error_row(planned[index], result.error)
+                if self._counts_encoded:
+                    self._pending[3] += planned[index].tokens
+            else:
+                ready.append((index, result))
+        self.summary.decode_wait_s += time.perf_counter() - began
+        if not ready:
+            return rows
+        packed = self.loop.submit([(index, planned[index], d) for index, d in ready],
+                                  [(patches_tensor(d), d.n_h, d.n_w) for _, d in ready])
+        for _, d in ready:  # packed: the decode pool's shared slots are free again
+            d.patches = None
+        self.summary.tokens += packed.n_tokens
+        if self.opts.features == "aligner":
+            r2 = self.cfg.downsample_ratio ** 2
+            self.summary.merge_pad_tokens += packed.n_rows * r2 - packed.n_tokens
+        return rows
+
+    def _rows(self, done: list[tuple[tuple[int, Planned, Decoded], torch.Tensor]],
+              ) -> dict[int, Row]:
+        """Rows of collected images (``BatchLoop`` tags and outputs), by input index."""
+        return {index: self.make_row(entry, d, out) for (index, entry, d), out in done}
+
+    def make_row(self, entry: Planned, d: Decoded, out: torch.Tensor) -> Row:
+        grid_h, grid_w = output_grid(d.n_h, d.n_w, self.cfg.downsample_ratio, self.opts.features)
+        return Row(path=entry.item.key, width=d.width, height=d.height, vit_h=d.n_h,
+                   vit_w=d.n_w, grid_h=grid_h, grid_w=grid_w, embedding=out.numpy())
+
+    def _exchange(self, local: dict[int, Row]) -> dict[int, Row]:
+        """Data parallel: rank 0 gets every rank's rows."""
+        return self.ranks.exchange_rows(local, self.cfg.output_width(self.opts.features),
+                                        self.opts.pool == "mean", self.engine.out_dtype)
+
+
+class StoppedWaiting(Exception):
+    """A signal arrived while the encoding loop waited for a decoded image."""
+
+
+STOP_POLL_S = 0.1  # how often a wait for a decoded image checks for a signal
+
+
+def _error_row(entry: Planned, error: str | None = None) -> Row:
+    return Row(path=entry.item.key, width=entry.width, height=entry.height,
+               error=error or entry.error)

@@ -1,0 +1,125 @@
+"""What ``dsv4enc encode`` can be asked to do, checked, and the defaults that depend on the
+machine. Torch-free, so that the CLI can plan and start decoding before torch is imported."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from ..errors import UsageError
+from ..images.formats import DEFAULT_DECODE_TIMEOUT_S, DEFAULT_MAX_PIXELS
+from ..storage import OUTAGE_S
+
+COLLECTIVE_TIMEOUT_S = 300.0  # --timeout: how long a collective waits for a peer rank
+COMMIT_EVERY_S = 30.0  # --commit-every: seconds of encoding before finished work is committed
+LOG_EVERY_S = 30.0  # --log-every: seconds between progress lines when stderr is not a terminal
+
+
+@dataclass
+class EncodeOptions:
+    """Everything ``dsv4enc encode`` can be asked to do (the CLI maps its flags onto this)."""
+
+    inputs: list[str]
+    out: str
+    files_from: str | None = None
+    image_column: str | None = None
+    key_column: str | None = None
+    table_paths_roots: tuple[str, ...] = ()  # folders table path cells may name files in
+    weights: str | None = None
+    config: str | None = None
+    random_init: bool = False
+    seed: int = 0
+    device: str = "auto"
+    dtype: str = "auto"
+    out_dtype: str = "float16"
+    features: str = "aligner"
+    pool: str = "none"
+    layout: str = "binary"  # the embedding column's layout (SPEC §9): binary or nested
+    batch_tokens: int | None = None
+    max_images: int = 64
+    workers: int | None = None
+    overwrite: bool = False
+    resume: bool = False
+    max_pixels: int = DEFAULT_MAX_PIXELS
+    decode_timeout: float = DEFAULT_DECODE_TIMEOUT_S
+    attention: str = "auto"
+    cuda_graphs: bool | None = None
+    deterministic: bool = True  # batch-invariant rows (Engine)
+    fused: bool = False  # compiled elementwise kernels (fusion.py)
+    shard_output: bool = False
+    tp_mode: str = "data"
+    balance: str = "patches"
+    timeout: float = COLLECTIVE_TIMEOUT_S
+    part_images: int | None = None
+    commit_every: float = COMMIT_EVERY_S
+    progress: bool = True
+    log_every: float = LOG_EVERY_S
+    # how long every call to an object store may fail before the run stops (storage.py)
+    storage_outage_s: float = OUTAGE_S
+
+
+def validate(opts: EncodeOptions) -> None:
+    """Reject options that make no sense, alone or together."""
+    if not opts.inputs and not opts.files_from:
+        raise UsageError("no inputs: give folders or image files, or --files-from LIST")
+    if opts.resume and opts.overwrite:
+        raise UsageError("--resume and --overwrite contradict each other; choose one")
+    if opts.random_init and opts.weights:
+        raise UsageError("--random-init and --weights contradict each other; choose one")
+    if opts.random_init and not opts.config:
+        raise UsageError("--random-init needs --config FILE for the tower's shape")
+    if not opts.random_init and not opts.weights:
+        raise UsageError("no weights: pass --weights DIR, set DSV4ENC_WEIGHTS, "
+                         "or use --config FILE --random-init")
+    if opts.config and not opts.random_init:
+        raise UsageError("--config only applies with --random-init (a checkpoint has its own "
+                         "config.json)")
+    choices = {"out_dtype": ("float16", "float32"), "features": ("aligner", "vit"),
+               "pool": ("none", "mean"), "layout": ("binary", "nested"),
+               "tp_mode": ("data", "weights"),
+               "balance": ("patches", "flops")}
+    for name, allowed in choices.items():
+        if getattr(opts, name) not in allowed:
+            raise UsageError(f"--{name.replace('_', '-')} must be one of {', '.join(allowed)}")
+    for name in ("batch_tokens", "max_images", "max_pixels", "part_images"):
+        value = getattr(opts, name)
+        if value is not None and value <= 0:
+            raise UsageError(f"--{name.replace('_', '-')} must be positive, got {value}")
+    if opts.workers is not None and opts.workers < 0:
+        raise UsageError(f"--workers must be 0 or more, got {opts.workers}")
+    if opts.log_every <= 0:
+        raise UsageError(f"--log-every must be positive, got {opts.log_every}")
+    if opts.commit_every <= 0:
+        raise UsageError(f"--commit-every must be positive, got {opts.commit_every}")
+    if not opts.storage_outage_s > 0:
+        raise UsageError(f"--storage-outage-s must be positive, got {opts.storage_outage_s:g}")
+    if opts.decode_timeout <= 0 or opts.timeout <= 0:
+        raise UsageError("timeouts must be positive")
+    if opts.shard_output and opts.tp_mode == "weights":
+        raise UsageError("--shard-output applies to --tp-mode data only")
+
+
+def available_cpus() -> int:
+    """CPUs this process may run on (its affinity mask, where the OS has one)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def default_writer_threads() -> int:
+    cpus = available_cpus()
+    return max(1, min(4, cpus // 4))
+
+
+def default_workers(device_type: str) -> int:
+    """Decode worker processes when ``--workers`` is not given."""
+    cpus = available_cpus()
+    if device_type == "cuda":
+        return max(1, min(cpus - 1, 16))
+    # On the CPU the model wants the cores; one decoder keeps it fed on small machines.
+    return max(1, cpus // 4)
+
+
+def decode_window(workers: int, max_images: int) -> int:
+    """Images decoded ahead of the device: a batch's worth plus a few per worker."""
+    return max(8, 4 * workers + max_images)

@@ -1,0 +1,287 @@
+"""The encode run: inputs -> headers -> plan -> decode workers -> device -> Parquet parts.
+
+Offline, every image's patch grid is known from its header before any pixel is decoded, so
+the whole run is planned up front: items are cut into *parts* (consecutive input ranges, the
+unit of commit and resume), each part's images are packed into nearly full batches, and
+decode workers stream exactly those images, in that order, a bounded distance ahead of the
+device. Parts are written by a background thread. Under torchrun, each part's images are
+shared among ranks by the greedy rule of SPEC §7 (or the tower is split, SPEC §8).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from .. import storage
+from ..version import __version__
+from ..engine.factory import build_engine
+from ..tower.checkpoint import Checkpoint, load_checkpoint, random_checkpoint
+from ..tower.config import VisionConfig
+from ..engine.cpufeatures import auto_cpu_reason
+from ..engine.device import resolve_device, resolve_dtype, resolve_out_dtype, resume_compute
+from .encoding import PartEncoder
+from ..engine.engine import Engine
+from ..errors import DsvError, Interrupted
+from ..output.layout import OutputLayout, PartWriter, assembler_for, open_store, resume_filter
+from .options import EncodeOptions, default_workers, default_writer_threads, validate
+from .plan import images_per_part, plan_parts, segment_tokens
+from .setup import RunSetup
+from .progress import RunProgress
+from ..output.remote import RemoteOutput
+from .stopping import StopSignals
+from .summary import RunSummary
+from .ranks import Topology
+from ..output.parts import output_schema
+
+log = logging.getLogger("dsv4enc")
+
+
+# ----------------------------------------------------------------------------- set-up
+
+def load_model(opts: EncodeOptions, dtype: torch.dtype) -> Checkpoint:
+    if opts.random_init:
+        return random_checkpoint(VisionConfig.from_file(opts.config), opts.seed, dtype)
+    from ..tower.hub import resolve_weights
+
+    return load_checkpoint(resolve_weights(opts.weights), dtype)
+
+
+def _tower_engine(ckpt: Checkpoint, device: torch.device, opts: EncodeOptions,
+                  ranks: Topology) -> Engine:
+    """The tower on ``device`` (split over the ranks under tensor parallelism) and its
+    Engine."""
+    return build_engine(ckpt, device, features=opts.features, attention=opts.attention,
+                        out_dtype=resolve_out_dtype(opts.out_dtype),
+                        cuda_graphs=opts.cuda_graphs, batch_tokens=opts.batch_tokens,
+                        max_images=opts.max_images, deterministic=opts.deterministic,
+                        fused=opts.fused, split=lambda model: ranks.split_tower(model, opts.tp_mode))
+
+
+def _resumed_compute(opts: EncodeOptions, device: torch.device, dtype: torch.dtype,
+                     layout: OutputLayout, ranks: Topology, dist):
+    """``device``, ``dtype`` and the line that says so, after ``--resume`` adopted what the
+    interrupted run computed in where they were left to ``auto`` (``device.resume_compute``).
+    Every rank follows rank 0's record, so that the ranks compute alike."""
+    recorded = layout.interrupted_settings(dist.rank if dist is not None else None) if opts.resume and ranks.writes else None
+    if dist is not None:
+        recorded = ranks.gather(recorded)[0]
+    return resume_compute(device, dtype, opts.device, opts.dtype, recorded,
+                          device_fixed=dist is not None)
+
+
+def _opening_line(opts: EncodeOptions, inputs: int, device: torch.device, dtype: torch.dtype,
+                  cfg: VisionConfig) -> str:
+    """What the run is about to do: inputs, device, dtype (and why, for ``auto``), the
+    model variant and the output."""
+    shown = str(dtype).removeprefix("torch.")
+    if str(opts.dtype) == "auto" and device.type == "cpu":
+        shown += f" (--dtype auto: {auto_cpu_reason()})"
+    elif str(opts.dtype) == "auto":
+        shown += " (--dtype auto)"
+    model = "random weights" if opts.random_init else str(opts.weights)
+    return (f"encoding {inputs:,} input{'s' if inputs != 1 else ''} on {device.type} in {shown}; "
+            f"{cfg.model_type} tower of {cfg.n_layers} layers, {opts.features} features, {model}; to {opts.out}")
+
+
+# ----------------------------------------------------------------------------- the run
+
+def run_settings(ckpt: Checkpoint, opts: EncodeOptions, dtype: torch.dtype,
+                 part_images: int, engine: Engine) -> dict:
+    """What the output was computed with; ``--resume`` requires these to match.
+
+    ``batch_invariant`` with ``device`` and ``compute_dtype``: whether each row's bytes are
+    independent of its batch, and on what they were computed (the guarantee holds per device
+    kind, dtype and software stack, so resume keeps them equal too)."""
+    return {
+        "tool": "dsv4enc", "version": __version__, "config": ckpt.config.to_flat(),
+        "weights_fingerprint": ckpt.fingerprint, "compute_dtype": str(dtype).removeprefix("torch."),
+        "device": engine.device.type, "batch_invariant": engine.deterministic,
+        "out_dtype": opts.out_dtype, "features": opts.features, "pool": opts.pool,
+        "layout": opts.layout,
+        "part_images": part_images,
+    }
+
+
+def run_encode(opts: EncodeOptions, dist=None, setup: RunSetup | None = None,
+               stop: StopSignals | None = None, stand_in=None) -> RunSummary:
+    """Encode ``opts.inputs`` into ``opts.out``. Raises DsvError (setup) or Interrupted.
+
+    ``setup``: what ``prefetch.start_prefetch(opts)`` found and started for these same
+    options (the CLI's head start while torch was imported); this call owns and closes it
+    (and makes its own without one).
+    ``stop``: the caller's installed signal handling; by default this call installs its own
+    (from the main thread) and restores the previous handlers when it returns.
+    ``stand_in``: computes the rows instead of the tower (``hostbench.NullStage`` measures the
+    host side alone): its ``checkpoint`` stands for the weights (config and fingerprint), and
+    its ``engine(device, opts)`` for the Engine; no weights are loaded."""
+    own_stop = stop is None
+    if stop is None:
+        stop = StopSignals(immediate=dist is None)  # torchrun ranks stop together, later
+        stop.install()
+    layout = remote = None
+    setup = setup if setup is not None else RunSetup()
+    try:
+        storage.set_outage_s(opts.storage_outage_s)
+        # An object storage --out is built in a local staging folder and mirrored to the store
+        remote = RemoteOutput.for_options(opts, dist)
+        if remote is not None:
+            opts = remote.opts
+        layout = OutputLayout(opts.out, opts.shard_output)
+        if remote is not None:
+            return remote.run(lambda: _run_encode(opts, dist, setup, stop, layout, stand_in,
+                                                  local=False), dist)
+        return _run_encode(opts, dist, setup, stop, layout, stand_in)
+    finally:
+        if layout is not None:
+            layout.release()  # the output's lock, held from its checks to the end
+        if remote is not None:
+            remote.close()
+        stop.immediate = False
+        if own_stop:
+            stop.restore()
+        setup.close()
+
+
+def _run_encode(opts: EncodeOptions, dist, setup: RunSetup, stop: StopSignals,
+                layout: OutputLayout, stand_in=None, local: bool = True) -> RunSummary:
+    """``local``: ``--out`` is a local path (not the staging of an object storage one)."""
+    started = setup.started if setup.found is not None else time.perf_counter()
+    validate(opts)
+    device = resolve_device(opts.device, dist)
+    dtype = resolve_dtype(opts.dtype, device)
+    ranks = Topology(dist, opts.shard_output)
+    found = setup.find_inputs(opts, stop if dist is None else None)
+    ranks.main_then_all(lambda: layout.prepare(opts))
+    device, dtype, adopted = _resumed_compute(opts, device, dtype, layout, ranks, dist)
+    ckpt = load_model(opts, dtype) if stand_in is None else stand_in.checkpoint
+    stop.immediate = False  # until the try below, which discards an unused output folder
+    ranks.main_then_all(layout.create)
+    cfg = ckpt.config
+    n_workers = default_workers(device.type) if opts.workers is None else opts.workers
+    setup.keep_if_planned_for(cfg, device.type)
+    if ranks.is_main and not found.items:
+        log.warning("no images found in %s (%d other files skipped); the output will have "
+                    "no rows", ", ".join(opts.inputs) or opts.files_from, found.skipped)
+    progress = RunProgress("auto" if opts.progress and ranks.is_main else "off",
+                           opts.log_every)
+    summary = RunSummary(out=str(opts.out), skipped=found.skipped,
+                         unlisted=len(found.unlisted))
+    setup.decode_pool(cfg, n_workers, opts)  # spawned now unless early: workers start meanwhile
+    store = None
+    try:
+        stop.immediate = dist is None
+        stop.check()
+        engine = (_tower_engine(ckpt, device, opts, ranks) if stand_in is None
+                  else stand_in.engine(device, opts))
+        with progress:
+            planned = setup.headers(cfg, opts, ranks,
+                                    None if dist is not None else stop.requested,
+                                    announce=progress.status)
+            if dist is None and stop.signum is not None:
+                raise Interrupted(stop.signum, "nothing was encoded; rerun the same command")
+            part_images = images_per_part(cfg, opts)
+            settings = run_settings(ckpt, opts, dtype, part_images, engine)
+            if ranks.shard_output:
+                settings["world_size"] = ranks.world_size
+            schema = output_schema(cfg.output_width(opts.features), opts.out_dtype,
+                                   settings, pooled=opts.pool == "mean", layout=opts.layout)
+            store = open_store(layout, settings, schema, local=local, is_main=ranks.is_main,
+                               world_size=ranks.world_size,
+                               rank=dist.rank if dist is not None else None)
+            parts = plan_parts(planned, part_images, ranks, opts.balance, cfg, segment_tokens=(
+                None if ranks.splits_images else  # greedy per part
+                segment_tokens(engine.batch_tokens, device.type)))
+            todo = resume_filter(store, parts, opts, ranks, summary)
+            progress.announce(_opening_line(opts, len(found.items), device, dtype, cfg))
+            if adopted:
+                progress.announce(adopted)
+            progress.start(total=len(planned), done=summary.reused,
+                           tokens=sum(planned[i].tokens for p in todo
+                                      for i in range(p.start, p.end)))
+            assembler = assembler_for(store, layout, [p.name for p in parts], schema,
+                                      is_main=ranks.is_main)
+            writer = (PartWriter(store, schema, default_writer_threads(), assembler)
+                      if ranks.writes else None)
+            runner = PartEncoder(engine, setup, opts, ranks, progress, summary, stop)
+            try:
+                _encode_parts(engine, runner, planned, todo, writer, store, layout, summary,
+                              progress, stop)
+                stop.check()
+                # A store that failed its last calls made rows of outages (transient): the
+                # run is not complete while it does not answer
+                failing = [exc for exc in ranks.gather(storage.failing_store(give_up=True))
+                           if exc is not None]
+                if failing:
+                    raise failing[0]
+                ranks.barrier()
+                _finish_output(assembler, store, layout, ranks, engine, summary, progress, stop)
+            except BaseException:
+                if assembler is not None:
+                    assembler.abort()  # idempotent; the final file never appears half-written
+                raise
+    except (DsvError, Interrupted) as exc:
+        if isinstance(exc, storage.StoreDown) and store is not None and local:
+            exc.keep(len(store.parts), str(layout.parts_dir))
+        if ranks.is_main:
+            layout.discard_if_empty()  # so that a corrected rerun is not told to --resume
+        if isinstance(exc, Interrupted):  # what was done, for --summary-json
+            summary.seconds = time.perf_counter() - started
+            exc.summary = summary
+        raise
+    stats = engine.stats
+    summary.h2d_s, summary.model_s = stats.h2d_s, stats.model_s
+    if not ranks.gathered:
+        summary.padded_tokens = stats.padded_tokens  # else summed over the ranks above
+    summary.seconds = time.perf_counter() - started
+    return summary
+
+
+def _encode_parts(engine: Engine, runner: PartEncoder, planned, todo, writer: PartWriter | None,
+                  store, layout: OutputLayout, summary: RunSummary, progress: RunProgress,
+                  stop: StopSignals) -> None:
+    """Encode the parts still to do, handing each finished one to the writer; the writer is
+    closed (its parts committed) however the loop ends."""
+    began = time.perf_counter()
+    try:
+        if todo:
+            progress.status("capturing CUDA graphs" if engine.graphs_enabled else "encoding")
+            engine.fit_budgets(runner.plan(planned, todo))
+            engine.prepare()
+            progress.begin_encoding()
+            began = time.perf_counter()
+        stop.hint = (f"finished parts are kept in {layout.parts_dir}; rerun the "
+                     "same command with --resume to finish")
+        with stop.deferred():  # a signal stops the loop between batches
+            for name, start, end, digest, rows in runner.run(planned, todo):
+                if writer is not None:
+                    writer.put(name, rows, start, end, digest)
+                del rows  # only the writer holds a finished part meanwhile
+    finally:
+        if writer is not None:
+            with stop.deferred():  # parts in the writer's hands get committed
+                writer.close()
+            summary.write_s = writer.seconds
+            stop.hint = layout.resume_hint(store)  # what was really committed
+        summary.encode_s = time.perf_counter() - began
+        progress.end_encoding()
+
+
+def _finish_output(assembler, store, layout: OutputLayout, ranks: Topology, engine: Engine,
+                   summary: RunSummary, progress: RunProgress, stop: StopSignals) -> None:
+    """After every rank's parts are committed: the single file (assembled), or the sharded
+    output's merged manifest; and the counts summed over the ranks."""
+    if assembler is not None:
+        progress.status("writing the final file")
+        began = time.perf_counter()
+        assembler.finish()  # a signal meanwhile aborts it: the parts stay
+        stop.immediate = False  # the output is complete: nothing to stop
+        layout.remove_parts()
+        summary.write_s += time.perf_counter() - began
+    elif ranks.sharded:
+        ranks.merge_manifests(store)
+        ranks.sum_rank_counts(summary)
+    if ranks.gathered:
+        ranks.sum_rank_tokens(summary, engine.stats.padded_tokens)

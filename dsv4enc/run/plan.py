@@ -1,0 +1,448 @@
+"""The run's plan, made before any pixel is decoded: every image's grid from its header,
+and the parts (consecutive input ranges: the unit of commit and resume) with their share per
+rank."""
+
+from __future__ import annotations
+
+import hashlib
+import heapq
+import os
+import queue
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Callable, Sequence
+
+from ..tower.config import VisionConfig
+from ..images.decode import Probe, probe_image
+from ..images.formats import DEFAULT_DECODE_TIMEOUT_S
+from ..errors import UsageError
+from ..images.items import InputItem
+from ..images.sources import clear_cache
+from ..tower.transform import plan_canvas
+
+if TYPE_CHECKING:
+    from .options import EncodeOptions
+    from .ranks import Topology
+
+PART_BYTES = 256 << 20  # upper bound of one part's embeddings in memory
+PROBE_THREADS = 16  # header probes run at once (they mostly wait on storage)
+PROBE_TIMEOUT_S = DEFAULT_DECODE_TIMEOUT_S  # one header may take this long before it is given up
+_PROBE_POLL_S = 0.1  # how often the waiting thread checks for a stop and for late probes
+# Parts of small models are capped in images: writing a part's Parquet takes transient memory
+# several times its embeddings (float16 most), and up to four parts are in flight.
+MAX_PART_IMAGES = 1024
+
+
+@dataclass
+class Planned:
+    """One input after its header was read: its grid, or why it cannot be encoded."""
+
+    item: InputItem
+    width: int | None = None
+    height: int | None = None
+    n_h: int = 0
+    n_w: int = 0
+    error: str | None = None
+    stamp: str | None = None  # its file as planned (``input_stamps``): what --resume checks
+
+    @property
+    def tokens(self) -> int:
+        return self.n_h * self.n_w
+
+
+def read_headers(items: Sequence[InputItem], cfg: VisionConfig, max_pixels: int,
+                 ranks: Topology | None = None,
+                 should_stop: Callable[[], bool] | None = None,
+                 timeout_s: float | None = PROBE_TIMEOUT_S) -> list[Planned]:
+    """Probe every header (threads; ranks split the work and share results) and plan grids.
+
+    A probe that takes longer than ``timeout_s`` becomes an error row and its thread is left
+    behind (a daemon: it never delays the exit). When ``should_stop()`` turns true (a
+    signal), the headers not read yet are left as error rows and the caller is expected to
+    stop: reading a million headers takes minutes."""
+    rank, world = (ranks.rank, ranks.world_size) if ranks is not None else (0, 1)
+    mine = list(range(rank, len(items), world))
+    probes = probe_all([items[i] for i in mine], max_pixels, should_stop, timeout_s)
+    clear_cache()  # table row groups read for the probes: the workers read their own
+    if world > 1:
+        shared = ranks.gather([(i, asdict(p)) for i, p in zip(mine, probes)])
+        by_index = {i: Probe(**p) for part in shared for i, p in part}
+    else:
+        by_index = dict(zip(mine, probes))
+    planned = []
+    for index, item in enumerate(items):
+        probe = by_index[index]
+        entry = Planned(item, probe.width, probe.height, error=probe.error)
+        if probe.error is None:
+            try:
+                canvas = plan_canvas(probe.width, probe.height, cfg)
+                entry.n_h, entry.n_w = canvas.n_h, canvas.n_w
+            except ValueError as exc:
+                entry.error = f"ValueError: {exc}"
+        planned.append(entry)
+    return planned
+
+
+def probe_all(items: Sequence[InputItem], max_pixels: int,
+              should_stop: Callable[[], bool] | None = None,
+              timeout_s: float | None = PROBE_TIMEOUT_S,
+              threads: int = PROBE_THREADS) -> list[Probe]:
+    """``probe_image`` of every item, in order, on daemon threads.
+
+    A probe still running after ``timeout_s`` gets an error and its thread is replaced (a
+    thread cannot be killed; the stuck one is abandoned and exits if its probe ever returns).
+    When ``should_stop()`` turns true, the probes not done get an "interrupted" error. The
+    calling thread only waits on a queue (with a short timeout), so a signal handler that
+    raises stops it at once."""
+    results: list[Probe | None] = [None] * len(items)
+    finished: queue.SimpleQueue = queue.SimpleQueue()
+    lock = threading.Lock()
+    running: dict[int, tuple[float, int]] = {}  # item index -> (start time, thread serial)
+    abandoned: set[int] = set()  # serials of threads replaced after a timeout
+    next_index = iter(range(len(items)))
+    halt = threading.Event()
+
+    def work(serial: int) -> None:
+        while not halt.is_set():
+            with lock:
+                if serial in abandoned:
+                    return
+                index = next(next_index, None)
+                if index is None:
+                    return
+                running[index] = (time.monotonic(), serial)
+            probe = probe_image(items[index], max_pixels)
+            with lock:
+                running.pop(index, None)
+            finished.put((index, probe))
+
+    serials = iter(range(1 << 62))
+
+    def spawn() -> None:
+        threading.Thread(target=work, args=(next(serials),), name="dsv4enc-probe",
+                         daemon=True).start()
+
+    def give_up_late_probes() -> int:
+        """Error rows for probes past their time limit; replaces their threads."""
+        late = 0
+        now = time.monotonic()
+        with lock:
+            for index, (began, serial) in list(running.items()):
+                if now - began > timeout_s:
+                    del running[index]
+                    abandoned.add(serial)
+                    results[index] = Probe(error=f"header read timed out after {timeout_s:g}s")
+                    late += 1
+                    spawn()
+        return late
+
+    for _ in range(min(threads, len(items))):
+        spawn()
+    remaining = len(items)
+    checked = time.monotonic()
+    try:
+        while remaining:
+            if should_stop is not None and should_stop():
+                break
+            got = []
+            try:
+                got.append(finished.get(timeout=_PROBE_POLL_S))
+                while True:  # take all that are done: the timing checks once per poll
+                    got.append(finished.get_nowait())
+            except queue.Empty:
+                pass
+            for index, probe in got:
+                if results[index] is None:  # None: not given up already
+                    results[index] = probe
+                    remaining -= 1
+            if timeout_s is not None and time.monotonic() - checked >= _PROBE_POLL_S:
+                checked = time.monotonic()
+                remaining -= give_up_late_probes()
+    finally:
+        halt.set()
+    return [Probe(error="interrupted before its header was read") if r is None else r
+            for r in results]
+
+
+def images_per_part(cfg: VisionConfig, opts: EncodeOptions) -> int:
+    """Images per part so a part's embeddings stay under PART_BYTES even at the largest grid.
+
+    Depends on the config and output settings only, so that a resumed run cuts the same parts.
+    """
+    if opts.part_images:
+        return opts.part_images
+    max_patches = (cfg.max_n_token * cfg.downsample_ratio ** 2 if opts.features == "vit"
+                   else cfg.max_n_token)
+    row_bytes = cfg.output_width(opts.features) * (2 if opts.out_dtype == "float16" else 4)
+    per_image = row_bytes * (1 if opts.pool == "mean" else max_patches)
+    return int(min(MAX_PART_IMAGES, max(16, PART_BYTES // per_image)))
+
+
+def keys_digest(planned: Sequence[Planned]) -> str:
+    digest = hashlib.blake2b(digest_size=12)
+    for entry in planned:
+        digest.update(entry.item.key.encode("utf-8", "surrogateescape") + b"\0")
+    return digest.hexdigest()
+
+
+def file_stamp(path: str) -> str:
+    """What decides whether a file is the one encoded before: size, modification time (ns),
+    inode and mode (a file replaced by another, or made readable, reads differently), or
+    why it cannot be looked at. Not the device: it changes when a network share is
+    remounted. An object in a store: its size and modification time (``storage.stamp``)."""
+    from .. import storage
+
+    if storage.is_url(path):
+        return storage.stamp(path)
+    try:
+        st = os.stat(path)
+    except OSError as exc:
+        return f"unreadable {exc.errno}"
+    return f"{st.st_size} {st.st_mtime_ns} {st.st_ino} {st.st_mode:o}"
+
+
+def input_stamps(planned: Sequence[Planned]) -> None:
+    """Set each entry's ``stamp`` (once: a plan reused by the run keeps the stamps taken
+    before its first decode). An image in a container takes the container's stamp.
+
+    Taken before decoding starts, so a file changed afterwards never matches the stamp
+    recorded with its part: --resume encodes it again rather than trusting an old row."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    todo = [entry for entry in planned if entry.stamp is None]
+    containers: dict[str, str] = {}
+    for entry in todo:  # one stat per container file, however many images it holds
+        if entry.item.member is not None and entry.item.path not in containers:
+            containers[entry.item.path] = file_stamp(entry.item.path)
+    files = [entry for entry in todo if entry.item.member is None]
+    with ThreadPoolExecutor(max_workers=16) as pool:  # a stat mostly waits (network shares)
+        for entry, stamp in zip(files, pool.map(lambda e: file_stamp(e.item.path), files,
+                                                chunksize=256)):
+            entry.stamp = stamp
+    for entry in todo:
+        if entry.item.member is not None:
+            entry.stamp = containers[entry.item.path]
+
+
+def inputs_digest(planned: Sequence[Planned]) -> str:
+    """Digest of the entries' keys, then of their file stamps: ``KEYS.FILES``."""
+    digest = hashlib.blake2b(digest_size=12)
+    for entry in planned:
+        digest.update((entry.stamp or "").encode() + b"\0")
+    return f"{keys_digest(planned)}.{digest.hexdigest()}"
+
+
+#: Segments (the unit a run encodes and may commit at) hold this many batches' worth of
+#: patches: enough for nearly full batches, few enough that a commit comes soon after
+#: --commit-every seconds (CPU batches are slow and unpadded, so one each; GPU ones fast and
+#: padded to graph budgets).
+SEGMENT_BATCHES = {"cpu": 1, "cuda": 8}
+
+
+def segment_tokens(batch_tokens: int, device_type: str) -> int:
+    """Patches per segment for a run of ``batch_tokens`` batches on ``device_type``."""
+    return batch_tokens * SEGMENT_BATCHES.get(device_type, 2)
+
+
+def part_name(start: int, part_images: int) -> str:
+    """The name of the part (or segment) that starts at input ``start``: ``part-NNNNNN`` at
+    the start of the NNNNNNth ``part_images`` range, ``part-NNNNNN_OOOOOO`` at offset
+    OOOOOO inside it (names sort in input order; a part committed early by time is one)."""
+    number, offset = divmod(start, part_images)
+    return f"part-{number:06d}" + (f"_{offset:06d}" if offset else "")
+
+
+@dataclass
+class Part:
+    name: str
+    start: int
+    end: int
+    indices: list[int]  # the planned items this part covers (all of start..end unless sharded)
+    # ``inputs_digest`` of start..end: a resumed run reuses the part only for the same keys
+    # and the same input files (size, time, ...)
+    digest: str
+    # the whole plan (shared, not copied): commits that join segments take digests from it
+    source: Sequence[Planned] = field(default=(), repr=False, compare=False)
+    # data parallel: every rank's share of start..end (failed items included), by rank
+    shares: list[list[int]] | None = field(default=None, repr=False, compare=False)
+
+
+def _segments(planned: Sequence[Planned], start: int, end: int,
+              tokens: int | None) -> list[tuple[int, int]]:
+    """``start..end`` cut into consecutive runs of at most ``tokens`` patches (an image
+    larger than that alone); the whole range when ``tokens`` is None."""
+    if tokens is None:
+        return [(start, end)]
+    cuts, first, total = [], start, 0
+    for i in range(start, end):
+        cost = planned[i].tokens if planned[i].error is None else 0
+        if total and total + cost > tokens:
+            cuts.append((first, i))
+            first, total = i, 0
+        total += cost
+    return cuts + [(first, end)] if end > first else cuts
+
+
+def plan_parts(planned: Sequence[Planned], part_images: int, ranks: Topology | None = None,
+               balance: str = "patches", cfg: VisionConfig | None = None,
+               segment_tokens: int | None = None) -> list[Part]:
+    """The segments a run encodes: consecutive input ranges within ``part_images`` ranges,
+    of at most ``segment_tokens`` patches each (whole ranges when None). The writer joins
+    consecutive segments into a committed part until the range ends or --commit-every
+    passes. When the ranks split the images (``ranks``, data parallel), each part is a whole
+    range and carries every rank's greedy share of it, computed here once; with
+    ``--shard-output`` a rank's part holds just its own share."""
+    input_stamps(planned)
+    parts = []
+    for start in range(0, len(planned), part_images):
+        end = min(start + part_images, len(planned))
+        digest = inputs_digest(planned[start:end])
+        if ranks is not None and ranks.splits_images:
+            shares = share_for_ranks(planned, list(range(start, end)), ranks.world_size,
+                                     balance, cfg)
+            name, indices = part_name(start, part_images), list(range(start, end))
+            if ranks.sharded:
+                name, indices = f"{name}-rank{ranks.rank:03d}", shares[ranks.rank]
+            parts.append(Part(name, start, end, indices, digest, planned, shares))
+            continue
+        for first, last in _segments(planned, start, end, segment_tokens):
+            parts.append(Part(part_name(first, part_images), first, last,
+                              list(range(first, last)), inputs_digest(planned[first:last]),
+                              planned))
+    return parts
+
+
+# ----------------------------------------------------------------------------- ranks (SPEC §7)
+
+BALANCE_CHOICES = ("patches", "flops")
+
+
+def patch_cost(n_h: int, n_w: int) -> float:
+    """Cost of an image: its patch count (the SPEC's default)."""
+    return float(n_h * n_w)
+
+
+def image_flops(cfg: VisionConfig, n_h: int, n_w: int, features: str = "aligner") -> float:
+    """Forward FLOPs of one n_h x n_w image (2 per multiply-add): patch embed, per layer the
+    QKV, output and MLP matmuls (2*N*(4D^2 + 3*D*I)) and attention (QK^T and PV: 4*N^2*D),
+    and, for aligner features, the aligner's two matmuls over the merged r x r rows."""
+    N, D, I, L = n_h * n_w, cfg.dim, cfg.inter_dim, cfg.n_layers
+    flops = 2.0 * N * cfg.patch_dim * D
+    flops += L * (2.0 * N * D * (4 * D + 3 * I) + 4.0 * N * N * D)
+    if features == "aligner":
+        r = cfg.downsample_ratio
+        rows = -(-n_h // r) * -(-n_w // r)
+        hid = cfg.hidden_size
+        flops += 2.0 * rows * (D * r * r * hid + hid * hid)
+    return flops
+
+
+def flops_cost(n_h: int, n_w: int, cfg: VisionConfig) -> float:
+    """Cost of an image in "patch equivalents": forward FLOPs (``image_flops``) divided by
+    the FLOPs of one patch through the ViT's linear layers, so it is near the patch count
+    when attention and the aligner are negligible and grows with N^2 for large images."""
+    per_patch = 2.0 * cfg.dim * (4 * cfg.dim + 3 * cfg.inter_dim) * cfg.n_layers
+    return image_flops(cfg, n_h, n_w) / per_patch
+
+
+def cost_function(balance: str, cfg: VisionConfig) -> Callable[[int, int], float]:
+    """``(n_h, n_w) -> cost`` for ``--balance patches|flops``."""
+    if balance == "patches":
+        return patch_cost
+    if balance == "flops":
+        return lambda n_h, n_w: flops_cost(n_h, n_w, cfg)
+    raise UsageError(f"unknown --balance {balance!r} (choose from {', '.join(BALANCE_CHOICES)})")
+
+
+def assign_greedy(costs: Sequence[float], world_size: int) -> list[list[int]]:
+    """Greedy longest-first assignment of images to ranks.
+
+    Images by cost descending (ties: lower index first), each to the rank with the least
+    load so far (ties: lowest rank). Returns one list of image indices per rank, ascending.
+    Deterministic, so every rank computes the same plan from the same costs.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    heap = [(0.0, rank) for rank in range(world_size)]  # (load, rank): ties pop lowest rank
+    assignment: list[list[int]] = [[] for _ in range(world_size)]
+    for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
+        load, rank = heapq.heappop(heap)
+        assignment[rank].append(i)
+        heapq.heappush(heap, (load + costs[i], rank))
+    for indices in assignment:
+        indices.sort()
+    return assignment
+
+
+def rank_loads(costs: Sequence[float], assignment: Sequence[Sequence[int]]) -> list[float]:
+    """Total cost per rank."""
+    return [float(sum(costs[i] for i in indices)) for indices in assignment]
+
+
+def imbalance(loads: Sequence[float]) -> float:
+    """max / mean of the per-rank loads (1.0 is perfect; 1.0 when there is no work)."""
+    mean = sum(loads) / len(loads) if loads else 0.0
+    return max(loads) / mean if mean > 0 else 1.0
+
+
+def rank_row_counts(assignment: Sequence[Sequence[int]],
+                    rows_per_image: Sequence[int]) -> list[int]:
+    """Output rows each rank contributes: the sum of its images' row counts."""
+    return [sum(rows_per_image[i] for i in indices) for indices in assignment]
+
+
+def share_for_ranks(planned: Sequence[Planned], indices: list[int], world_size: int,
+                    balance: str, cfg: VisionConfig | None = None) -> list[list[int]]:
+    """Greedy assignment (SPEC §7) of ``indices`` to ranks; failed items cost nothing (they
+    go last, so they move no other item)."""
+    if balance == "flops" and cfg is not None:
+        costs = [flops_cost(planned[i].n_h, planned[i].n_w, cfg) if planned[i].error is None
+                 else 0 for i in indices]
+    else:
+        costs = [planned[i].tokens if planned[i].error is None else 0 for i in indices]
+    return [[indices[j] for j in share] for share in assign_greedy(costs, world_size)]
+
+
+def pack_bins(costs: Sequence[int], capacity: int, max_items: int | None = None) -> list[list[int]]:
+    """First-fit-decreasing bin packing.
+
+    Returns bins of item indices (each bin's indices ascending), every bin's cost sum at most
+    ``capacity`` and item count at most ``max_items``; an item larger than ``capacity`` gets
+    a bin of its own. Bins come out ordered by their smallest index, so that work flows
+    roughly in input order.
+    """
+    order = sorted(range(len(costs)), key=lambda i: (-costs[i], i))
+    bins: list[list[int]] = []
+    loads: list[int] = []
+    for i in order:
+        cost = costs[i]
+        for b, load in enumerate(loads):
+            if load + cost <= capacity and (max_items is None or len(bins[b]) < max_items):
+                bins[b].append(i)
+                loads[b] += cost
+                break
+        else:
+            bins.append([i])
+            loads.append(cost)
+    for b in bins:
+        b.sort()
+    bins.sort(key=lambda b: b[0])
+    return bins
+
+
+def part_batches(planned: Sequence[Planned], indices: Sequence[int], batch_tokens: int,
+                 max_images: int | None) -> list[list[int]]:
+    """The batches (lists of item indices) that ``indices`` are encoded in: the readable
+    items, packed first-fit-decreasing by patch count."""
+    good = [i for i in indices if planned[i].error is None]
+    bins = pack_bins([planned[i].tokens for i in good], batch_tokens, max_images)
+    return [[good[j] for j in b] for b in bins]
+
+
+def batch_order(planned: Sequence[Planned], parts: Sequence[Part], batch_tokens: int,
+                max_images: int | None) -> list[int]:
+    """Item indices in the order a single process decodes them: part by part, batch by batch."""
+    return [i for part in parts
+            for batch in part_batches(planned, part.indices, batch_tokens, max_images)
+            for i in batch]

@@ -1,0 +1,246 @@
+"""Progress on stderr: a bar on a terminal, a plain line every few seconds in a log file.
+
+Every figure is counted per batch (under torchrun: summed over all ranks by the caller) and
+has one definition, shared with the end-of-run summary:
+
+- *images*: images finished (encoded or failed; on ``--resume`` those of the earlier run
+  too), out of all the run's images;
+- *tokens*: ViT patch tokens encoded by this run, out of those it has to encode;
+- *img/s*, *tokens/s*: images and ViT patch tokens finished per second of the encoding loop
+  (from the first batch on; start-up, header reading and graph capture are not in it);
+- *ETA*: the tokens still to encode at the current tokens/s (images, when no token is
+  known yet), so that a run of large images is not estimated from its small ones.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from dataclasses import dataclass
+
+from rich.console import Console
+from rich.markup import escape
+from rich.progress import BarColumn, Progress, ProgressColumn, TextColumn
+from rich.text import Text
+
+from .options import LOG_EVERY_S
+
+stderr_console = Console(stderr=True)
+
+#: Seconds between two plain progress lines when stderr is not a terminal.
+DEFAULT_LOG_EVERY_S = LOG_EVERY_S
+
+
+def format_duration(seconds: float | None) -> str:
+    """``H:MM:SS`` (``-:--:--`` when unknown)."""
+    if seconds is None or seconds != seconds or seconds == float("inf"):
+        return "-:--:--"
+    seconds = int(round(seconds))
+    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
+
+
+@dataclass
+class ProgressCounts:
+    """What the run has done so far (this run's work; ``reused`` images came from earlier)."""
+
+    total_images: int = 0
+    total_tokens: int = 0
+    reused: int = 0
+    images: int = 0
+    tokens: int = 0
+    failed: int = 0
+    elapsed: float = 0.0
+
+    @property
+    def images_per_s(self) -> float:
+        return self.images / self.elapsed if self.elapsed > 0 else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.elapsed if self.elapsed > 0 else 0.0
+
+    @property
+    def eta_s(self) -> float | None:
+        if self.tokens and self.total_tokens:
+            return max(self.total_tokens - self.tokens, 0) / self.tokens_per_s
+        if self.images and self.total_images:
+            todo = self.total_images - self.reused - self.images
+            return max(todo, 0) / self.images_per_s
+        return None
+
+    def line(self) -> str:
+        """The plain progress line of a log file."""
+        done = self.reused + self.images
+        share = 100 * done / self.total_images if self.total_images else 100.0
+        return (f"images {done}/{self.total_images} ({share:.1f}%), "
+                f"tokens {self.tokens:,}/{self.total_tokens:,}, "
+                f"{self.images_per_s:.1f} img/s, {self.tokens_per_s:,.0f} tokens/s, "
+                f"{self.failed} failed, encoding for {format_duration(self.elapsed)}, "
+                f"eta {format_duration(self.eta_s)}")
+
+
+class RunProgress:
+    """Progress of one run on stderr.
+
+    ``mode``: ``bar`` (a rich bar, for a terminal), ``log`` (a plain line every ``log_every``
+    seconds, for nohup/SLURM logs), ``off`` (other ranks, ``--quiet``), or ``auto`` (``bar``
+    when stderr is a terminal, else ``log``)."""
+
+    def __init__(self, mode: str = "auto", log_every: float = DEFAULT_LOG_EVERY_S) -> None:
+        if mode == "auto":
+            mode = "bar" if _stderr_is_terminal() else "log"
+        self.mode = mode
+        self.log_every = log_every
+        self.counts = ProgressCounts()
+        self._status = "starting"
+        self._counting = False
+        self._began = time.perf_counter()
+        self._lock = threading.Lock()
+        self._progress: Progress | None = None
+        self._task = None
+        self._ticker: threading.Thread | None = None
+        self._closed = threading.Event()
+        self._lines = 0  # progress lines printed (log mode)
+        self._frozen: float | None = None  # encoding seconds, once the loop is over
+
+    @property
+    def enabled(self) -> bool:
+        return self.mode != "off"
+
+    def __enter__(self) -> "RunProgress":
+        self._began = time.perf_counter()
+        if self.mode == "bar":
+            self._progress = Progress(
+                TextColumn("[bold]{task.description}"), BarColumn(bar_width=16),
+                _FiguresColumn(self), console=stderr_console, transient=False,
+                refresh_per_second=4)
+            self._progress.__enter__()
+            self._task = self._progress.add_task("starting", total=None)
+        elif self.mode == "log":
+            self._closed.clear()
+            self._ticker = threading.Thread(target=self._tick, name="dsv4enc-progress",
+                                            daemon=True)
+            self._ticker.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._closed.set()
+        if self._ticker is not None:
+            self._ticker.join()
+            self._ticker = None
+            if self._lines and self._counting:  # where the log's progress ended
+                self._print(self.snapshot().line())
+        if self._progress is not None:
+            self._refresh()
+            self._progress.__exit__(*exc)
+            self._progress = None
+
+    def announce(self, text: str) -> None:
+        """One line about the run (what it will do, what it adopted), whatever the mode but
+        ``off``; not a progress line."""
+        if self.mode == "bar":
+            stderr_console.print(f"dsv4enc: {escape(text)}", highlight=False, soft_wrap=True)
+        elif self.mode == "log":
+            print(f"dsv4enc: {text}", file=sys.stderr, flush=True)
+
+    def status(self, text: str) -> None:
+        """What the run is doing before (or instead of) encoding."""
+        with self._lock:
+            self._status = text
+        if self._progress is not None:
+            self._progress.update(self._task, description=text)
+
+    def start(self, total: int, done: int = 0, tokens: int = 0) -> None:
+        """Switch to counting: ``total`` images, ``done`` of them finished by an earlier run,
+        ``tokens`` ViT tokens to encode in this one."""
+        with self._lock:
+            self.counts = ProgressCounts(total_images=total, total_tokens=tokens, reused=done)
+        if self._progress is not None:
+            self._progress.update(self._task, total=total, completed=done)
+        self._refresh()
+
+    def begin_encoding(self) -> None:
+        """The encoding loop starts now: rates are measured from here."""
+        with self._lock:
+            self._counting = True
+            self._began = time.perf_counter()
+            self._status = "encoding"
+        if self._progress is not None:
+            self._progress.update(self._task, description="encoding")
+
+    def end_encoding(self) -> None:
+        """The encoding loop is over: rates and time stop here (writing the final file and
+        the like come after)."""
+        with self._lock:
+            if self._counting:
+                self._frozen = time.perf_counter() - self._began
+
+    def advance(self, images: int, tokens: int, failed: int, dropped_tokens: int = 0) -> None:
+        """Images (``failed`` of them failed) and tokens finished since the last call;
+        ``dropped_tokens`` were planned for images that then failed to decode."""
+        with self._lock:
+            self.counts.images += images
+            self.counts.tokens += tokens
+            self.counts.failed += failed
+            self.counts.total_tokens -= dropped_tokens
+        if self._progress is not None:
+            self._progress.update(self._task, advance=images)
+        self._refresh()
+
+    def snapshot(self) -> ProgressCounts:
+        with self._lock:
+            counts = ProgressCounts(**vars(self.counts))
+            if self._frozen is not None:
+                counts.elapsed = self._frozen
+            elif self._counting:
+                counts.elapsed = time.perf_counter() - self._began
+            return counts
+
+    def bar_figures(self) -> str:
+        """The bar's text, computed when it is drawn (so time and ETA move between batches);
+        the most telling first, as a narrow terminal cuts the end."""
+        c = self.snapshot()
+        if not c.total_images and not self._counting:
+            return ""
+        return (f"{c.reused + c.images}/{c.total_images} images  eta "
+                f"{format_duration(c.eta_s)}  {c.images_per_s:.1f} img/s  "
+                f"{c.tokens_per_s:,.0f} tokens/s  {c.failed} failed  "
+                f"{c.tokens:,}/{c.total_tokens:,} tokens  encoding for "
+                f"{format_duration(c.elapsed)}")
+
+    def _refresh(self) -> None:
+        if self._progress is not None:
+            self._progress.refresh()  # per batch: a bar that moves 4 times a second lags
+
+    def _tick(self) -> None:
+        while not self._closed.wait(self.log_every):
+            with self._lock:
+                counting, status = self._counting, self._status
+            if counting:
+                text = self.snapshot().line()
+            else:
+                text = f"{status} ({format_duration(time.perf_counter() - self._began)})"
+            self._print(text)
+
+    def _print(self, text: str) -> None:
+        self._lines += 1
+        print(f"dsv4enc: {text}", file=sys.stderr, flush=True)
+
+
+class _FiguresColumn(ProgressColumn):
+    """The run's figures (``RunProgress.bar_figures``) as a bar column."""
+
+    def __init__(self, run: RunProgress) -> None:
+        super().__init__()
+        self.run = run
+
+    def render(self, task) -> Text:
+        return Text(self.run.bar_figures())
+
+
+def _stderr_is_terminal() -> bool:
+    try:
+        return sys.stderr.isatty()
+    except (AttributeError, ValueError):
+        return False

@@ -1,0 +1,75 @@
+"""SIGINT and SIGTERM: stop any phase of a run within moments, with exit code 128 + signal.
+
+Two kinds of phase. Before encoding starts (discovery, header probes, planning, model
+loading), nothing is in progress that must finish, so the first signal raises ``Interrupted``
+at once, wherever the main thread is (a blocked wait included). While parts are encoded and
+committed, the signal is only recorded (``deferred``): the loop stops between batches and the
+finished parts are kept for ``--resume``. A second Ctrl-C always stops at once.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from contextlib import contextmanager
+from typing import Iterator
+
+from ..errors import Interrupted
+
+BEFORE_ENCODING_HINT = "stopped before encoding began; rerun the same command"
+
+
+class StopSignals:
+    """Records SIGINT/SIGTERM for the run (installed from the main thread only).
+
+    ``immediate``: the first signal raises ``Interrupted(signum, hint)`` from the handler;
+    otherwise (inside ``deferred()``) it only sets ``signum`` for the loop to see."""
+
+    def __init__(self, immediate: bool = True, hint: str = BEFORE_ENCODING_HINT) -> None:
+        self.signum: int | None = None
+        self.immediate = immediate
+        self.hint = hint
+        self._previous: dict[int, object] = {}
+
+    @property
+    def installed(self) -> bool:
+        return bool(self._previous)
+
+    def install(self) -> None:
+        if self.installed or threading.current_thread() is not threading.main_thread():
+            return
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            self._previous[signum] = signal.signal(signum, self._handle)
+
+    def requested(self) -> bool:
+        """A signal arrived (for polling loops, and for threads other than the main one)."""
+        return self.signum is not None
+
+    def check(self) -> None:
+        """Raise ``Interrupted`` if a signal arrived."""
+        if self.signum is not None:
+            raise Interrupted(self.signum, self.hint)
+
+    def _handle(self, signum, frame) -> None:
+        first = self.signum is None
+        if not first:
+            if signum == signal.SIGINT:
+                raise KeyboardInterrupt  # a second Ctrl-C stops at once
+            return
+        self.signum = signum
+        if self.immediate:
+            raise Interrupted(signum, self.hint)
+
+    @contextmanager
+    def deferred(self) -> Iterator[None]:
+        """Inside: a signal is only recorded (the caller stops at its next safe point)."""
+        previous, self.immediate = self.immediate, False
+        try:
+            yield
+        finally:
+            self.immediate = previous
+
+    def restore(self) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+        self._previous = {}

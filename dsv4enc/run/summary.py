@@ -1,0 +1,143 @@
+"""What a run did (``RunSummary``), and its end-of-run report: a small table on stderr, and
+``--summary-json`` for pipelines.
+
+Rates have the progress display's definitions (``progress`` module docstring): images and
+tokens per second of the encoding loop. The whole run's wall time is shown beside them,
+under its own name, so that start-up is visible without muddying the rates.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from rich.markup import escape
+from rich.table import Table
+
+from ..output.inspect import error_group
+from .progress import stderr_console
+
+#: Error messages shown in the summary (the commonest first).
+TOP_ERRORS = 5
+
+
+@dataclass
+class RunSummary:
+    """What a run did, for the summary line and for callers."""
+
+    out: str
+    encoded: int = 0
+    failed: int = 0
+    skipped: int = 0
+    unlisted: int = 0  # folders that could not be listed (their images are missing)
+    reused: int = 0
+    seconds: float = 0.0
+    tokens: int = 0
+    padded_tokens: int = 0
+    merge_pad_tokens: int = 0
+    decode_wait_s: float = 0.0
+    h2d_s: float = 0.0
+    model_s: float = 0.0
+    write_s: float = 0.0
+    encode_s: float = 0.0  # the encoding loop alone: no start-up, header reading or capture
+    errors: dict[str, int] = field(default_factory=dict)  # message (paths elided) -> count
+    error_examples: dict[str, str] = field(default_factory=dict)  # message -> first path
+    rank_loads: list[float] = field(default_factory=list)
+
+    @property
+    def images_per_s(self) -> float:
+        """Images finished (encoded or failed) per second of the encoding loop."""
+        return (self.encoded + self.failed) / self.encode_s if self.encode_s else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        """ViT tokens encoded per second of the encoding loop."""
+        return self.tokens / self.encode_s if self.encode_s else 0.0
+
+    def add_error(self, message: str, path: str, count: int = 1) -> None:
+        """Count a failed image under its message, the paths in it elided."""
+        group = error_group(message)
+        self.errors[group] = self.errors.get(group, 0) + count
+        self.error_examples.setdefault(group, path)
+
+    @property
+    def padding_waste(self) -> float:
+        """Padded tokens (graph budgets and merge padding) per real token."""
+        return (self.padded_tokens + self.merge_pad_tokens) / max(self.tokens, 1)
+
+
+def top_errors(summary, limit: int | None = TOP_ERRORS) -> list[tuple[str, int, str]]:
+    """(message, count, example path), the commonest first."""
+    ranked = sorted(summary.errors.items(), key=lambda kv: (-kv[1], kv[0]))
+    return [(message, count, summary.error_examples.get(message, ""))
+            for message, count in ranked[:limit]]
+
+
+def print_summary(summary) -> None:
+    """Print a RunSummary as a small table."""
+    s = summary
+    table = Table(title=f"dsv4enc: {escape(s.out)}", show_header=False, title_justify="left")
+    table.add_column(style="bold")
+    table.add_column()
+    table.add_row("encoded", str(s.encoded))
+    table.add_row("failed", str(s.failed))
+    table.add_row("skipped (not images)", str(s.skipped))
+    if getattr(s, "unlisted", 0):
+        table.add_row("folders not listed", f"{s.unlisted} (their images are missing; see the "
+                      "lines above)")
+    if s.reused:
+        table.add_row("reused from earlier run", str(s.reused))
+    table.add_row("wall time", f"{s.seconds:.1f}s (the whole run, start-up included)")
+    if s.encode_s:
+        busy = min(1.0, s.model_s / s.encode_s)
+        table.add_row("encoding loop", f"{s.encode_s:.1f}s: {s.images_per_s:.1f} img/s, "
+                      f"{s.tokens_per_s:,.0f} tokens/s (model busy {100 * busy:.0f}%)")
+    table.add_row("time split", f"decode wait {s.decode_wait_s:.1f}s / H2D {s.h2d_s:.1f}s / "
+                  f"model {s.model_s:.1f}s / write {s.write_s:.1f}s")
+    table.add_row("padding waste", f"{100 * s.padding_waste:.1f}% of real tokens")
+    if s.rank_loads and len(s.rank_loads) > 1:
+        mean = sum(s.rank_loads) / len(s.rank_loads)
+        loads = ", ".join(f"{load:,.0f}" for load in s.rank_loads)
+        table.add_row("rank loads", f"{loads} (imbalance {max(s.rank_loads) / mean if mean else 1:.3f})")
+    for message, count, example in top_errors(s):
+        table.add_row("error", escape(f"{count} x {message} (e.g. {example})"))
+    stderr_console.print(table)
+
+
+def summary_dict(summary, status: str = "completed", exit_code: int = 0) -> dict:
+    """What ``--summary-json`` holds: counts, failures by type and message (with an example
+    path each), timings and the output path."""
+    s = summary
+    by_type: dict[str, dict] = {}
+    for message, count, example in top_errors(s, limit=None):
+        kind = message.split(":", 1)[0]
+        entry = by_type.setdefault(kind, {"count": 0, "example": example})
+        entry["count"] += count
+    return {
+        "status": status, "exit_code": exit_code, "output": s.out,
+        "images": {"encoded": s.encoded, "failed": s.failed, "skipped_not_images": s.skipped,
+                   "reused": s.reused, "folders_not_listed": getattr(s, "unlisted", 0)},
+        "tokens": s.tokens,
+        "failures": {
+            "by_type": by_type,
+            "messages": [{"message": m, "count": n, "example": e}
+                         for m, n, e in top_errors(s, limit=None)],
+        },
+        "seconds": {"wall": s.seconds, "encoding": s.encode_s, "decode_wait": s.decode_wait_s,
+                    "h2d": s.h2d_s, "model": s.model_s, "write": s.write_s},
+        "rates": {"images_per_s": s.images_per_s, "tokens_per_s": s.tokens_per_s},
+        "padding_waste": s.padding_waste,
+        "rank_loads": s.rank_loads,
+    }
+
+
+def write_summary_json(path: str | os.PathLike, summary, status: str = "completed",
+                       exit_code: int = 0) -> None:
+    """Write ``summary_dict`` to ``path`` (atomically: a reader never sees half a file)."""
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f".{target.name}.tmp")
+    tmp.write_text(json.dumps(summary_dict(summary, status, exit_code), indent=1) + "\n")
+    os.replace(tmp, target)

@@ -1,0 +1,167 @@
+"""Attention backends behind one signature, chosen once per run.
+
+Every backend computes full bidirectional softmax attention restricted to each image's span
+of a packed batch::
+
+    attend(q, k, v, spans) -> out      # q, k, v, out: (T, H, d); spans: VarlenSpans
+
+- ``flash``: ``flash_attn_varlen_func`` (the optional ``gpu`` extra).
+- ``varlen``: ``torch.nn.attention.varlen.varlen_attn`` on CUDA, where this torch has it.
+- ``sdpa``: ``scaled_dot_product_attention`` per span. On the CPU each span goes in as a 4-D
+  contiguous (1, H, N, d) tensor so PyTorch takes its fused kernel; 3-D inputs fall back to
+  the unfused math path (several times slower: benchmarks/RESULTS.md).
+
+``flash`` and ``varlen`` read only device tensors, so they can run inside a CUDA graph;
+``sdpa`` needs the host-side span lengths.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from ..errors import UsageError
+
+BACKENDS = ("auto", "flash", "varlen", "sdpa")
+
+
+@dataclass
+class VarlenSpans:
+    """Where each image's tokens lie in a packed batch.
+
+    cu_seqlens: (B+1,) int32 on the compute device, cumulative token offsets.
+    max_seqlen: an upper bound on any span's length.
+    lengths: the span lengths on the host, or None inside a CUDA graph.
+    """
+
+    cu_seqlens: torch.Tensor
+    max_seqlen: int
+    lengths: Sequence[int] | None = None
+
+    @classmethod
+    def from_lengths(cls, lengths: Sequence[int], device: torch.device | str) -> "VarlenSpans":
+        cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
+        if lengths:
+            cu[1:] = torch.cumsum(torch.tensor(list(lengths), dtype=torch.int64), 0).to(torch.int32)
+        return cls(cu.to(device), max(lengths, default=0), tuple(int(n) for n in lengths))
+
+
+AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, VarlenSpans], torch.Tensor]
+
+
+def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   spans: VarlenSpans) -> torch.Tensor:
+    """Per-span SDPA. q, k, v: (T, H, d) -> (T, H, d). Tokens outside every span get zeros."""
+    if spans.lengths is None:
+        raise RuntimeError("sdpa attention needs host-side span lengths")
+    out = torch.zeros_like(q) if sum(spans.lengths) < q.shape[0] else torch.empty_like(q)
+    start = 0
+    for n in spans.lengths:
+        if n == 0:
+            continue
+        end = start + n
+        # (N, H, d) -> (1, H, N, d), contiguous: the layout the fused CPU kernel takes.
+        qs, ks, vs = (t[start:end].transpose(0, 1).unsqueeze(0).contiguous() for t in (q, k, v))
+        o = F.scaled_dot_product_attention(qs, ks, vs)
+        out[start:end] = o[0].transpose(0, 1)
+        start = end
+    return out
+
+
+def naive_sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         spans: VarlenSpans) -> torch.Tensor:
+    """Per-span SDPA on 3-D (H, N, d) views, as a first port of the reference would.
+
+    Only for the naive baseline in benchmarks; it takes PyTorch's unfused math path on CPU.
+    """
+    assert spans.lengths is not None
+    out = torch.zeros_like(q)
+    start = 0
+    for n in spans.lengths:
+        end = start + n
+        if n:
+            o = F.scaled_dot_product_attention(q[start:end].transpose(0, 1),
+                                               k[start:end].transpose(0, 1),
+                                               v[start:end].transpose(0, 1))
+            out[start:end] = o.transpose(0, 1)
+        start = end
+    return out
+
+
+def _torch_varlen() -> Callable | None:
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    return varlen_attn
+
+
+def varlen_attention_fn() -> AttentionFn:
+    """``torch.nn.attention.varlen.varlen_attn`` wrapped to the common signature."""
+    varlen_attn = _torch_varlen()
+    if varlen_attn is None:
+        raise UsageError("attention 'varlen' needs torch.nn.attention.varlen "
+                         f"(not in torch {torch.__version__})")
+    # Default scale is d^-0.5, which is ours; older releases lack the keyword.
+    params = inspect.signature(varlen_attn).parameters
+
+    def attend(q, k, v, spans):
+        cu = spans.cu_seqlens
+        if "is_causal" in params:
+            return varlen_attn(q, k, v, cu, cu, spans.max_seqlen, spans.max_seqlen,
+                               is_causal=False)
+        return varlen_attn(q, k, v, cu, cu, spans.max_seqlen, spans.max_seqlen)
+
+    return attend
+
+
+def flash_attention_fn() -> AttentionFn:
+    """flash-attn's ``flash_attn_varlen_func`` wrapped to the common signature."""
+    try:
+        from flash_attn import flash_attn_varlen_func
+    except ImportError:
+        raise UsageError("attention 'flash' needs the flash-attn package "
+                         "(pip install 'dsv4enc[gpu]')") from None
+
+    def attend(q, k, v, spans):
+        cu = spans.cu_seqlens
+        return flash_attn_varlen_func(q, k, v, cu, cu, spans.max_seqlen, spans.max_seqlen,
+                                      causal=False)
+
+    return attend
+
+
+def available_backends(device: torch.device) -> list[str]:
+    """Backends that can run on ``device``, fastest first."""
+    names = []
+    if device.type == "cuda":
+        if importlib.util.find_spec("flash_attn") is not None:
+            names.append("flash")
+        if _torch_varlen() is not None:
+            names.append("varlen")
+    names.append("sdpa")
+    return names
+
+
+def select_attention(name: str, device: torch.device | str) -> tuple[str, AttentionFn]:
+    """Choose the backend once: ``auto`` picks the fastest that runs on ``device``.
+
+    A forced backend that cannot run here is a UsageError with a one-line reason.
+    """
+    device = torch.device(device)
+    if name not in BACKENDS:
+        raise UsageError(f"unknown attention backend {name!r} (choose from {', '.join(BACKENDS)})")
+    if name == "auto":
+        name = available_backends(device)[0]
+    if name in ("flash", "varlen") and device.type != "cuda":
+        raise UsageError(f"attention {name!r} needs a CUDA device, not {device}")
+    if name == "flash":
+        return name, flash_attention_fn()
+    if name == "varlen":
+        return name, varlen_attention_fn()
+    return name, sdpa_attention

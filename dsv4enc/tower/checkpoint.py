@@ -1,0 +1,216 @@
+"""Checkpoint loading (SPEC §1-2): the tower's tensors only, from only the shards that hold them.
+
+A real DeepSeek-V4 checkpoint is hundreds of GB with FP8/int language-model tensors beside the
+tower's bf16 ones. We read ``model.safetensors.index.json`` when present (else scan each
+file's header), open just the files holding ``vision.``/``aligner.`` tensors memory-mapped,
+and copy only those tensors.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from .config import VisionConfig
+from ..errors import WeightsError
+from .model import VisionTower
+
+TOWER_PREFIXES = ("vision.", "aligner.")
+INDEX_NAME = "model.safetensors.index.json"
+FLOAT_DTYPES = {torch.float32, torch.bfloat16, torch.float16, torch.float64}
+COMPUTE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def is_tower_tensor(name: str) -> bool:
+    return name.startswith(TOWER_PREFIXES)
+
+
+def keeps_float32(name: str) -> bool:
+    """Norm weights stay float32 whatever the compute dtype (their math is float32)."""
+    return ".norm" in name and name.endswith(".weight")
+
+
+def expected_shapes(cfg: VisionConfig) -> dict[str, tuple[int, ...]]:
+    """Every tower tensor's name and shape, from the model itself (built on the meta device)."""
+    with torch.device("meta"):
+        model = VisionTower(cfg)
+    return {name: tuple(t.shape) for name, t in model.state_dict().items()}
+
+
+@dataclass
+class Checkpoint:
+    """A loaded tower: config, state dict in the compute dtype, and a weights fingerprint."""
+
+    config: VisionConfig
+    state_dict: dict[str, torch.Tensor]
+    fingerprint: str
+    source: str
+
+
+def locate_tower_tensors(folder: Path) -> dict[str, Path]:
+    """Map each tower tensor name to the safetensors file holding it."""
+    index_path = folder / INDEX_NAME
+    if index_path.is_file():
+        try:
+            weight_map = json.loads(index_path.read_text())["weight_map"]
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise WeightsError(f"{index_path}: not a safetensors index ({exc})") from None
+        return {name: folder / fname for name, fname in weight_map.items()
+                if is_tower_tensor(name)}
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise WeightsError(f"{folder}: no *.safetensors files and no {INDEX_NAME}")
+    located: dict[str, Path] = {}
+    for path in files:
+        for name in _header_keys(path):
+            if is_tower_tensor(name):
+                located[name] = path
+    return located
+
+
+def _header_keys(path: Path) -> list[str]:
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            return list(handle.keys())
+    except FileNotFoundError:
+        raise WeightsError(f"weights file not found: {path}") from None
+    except Exception as exc:  # safetensors raises its own error types for bad headers
+        raise WeightsError(f"{path}: not a readable safetensors file ({exc})") from None
+
+
+def read_tower_tensors(located: dict[str, Path], cfg: VisionConfig, dtype: torch.dtype,
+                       ) -> tuple[dict[str, torch.Tensor], str]:
+    """Check names, shapes and dtypes, then read the tensors (cast to ``dtype``, norms float32).
+
+    Returns the state dict and a fingerprint (blake2b over names, dtypes, shapes and bytes as
+    stored, in name order: the same weights give the same fingerprint however they are
+    sharded)."""
+    shapes = expected_shapes(cfg)
+    for name in sorted(shapes):
+        if name not in located:
+            raise WeightsError(f"checkpoint is missing tower tensor {name}")
+    extra = sorted(set(located) - set(shapes))
+    if extra:
+        raise WeightsError(f"checkpoint has unexpected tower tensor {extra[0]} "
+                           "(does config.json match the weights?)")
+    by_file: dict[Path, list[str]] = {}
+    for name in sorted(shapes):
+        by_file.setdefault(located[name], []).append(name)
+    tensor_digests: dict[str, bytes] = {}
+    state: dict[str, torch.Tensor] = {}
+    for path, names in sorted(by_file.items()):
+        if not path.is_file():
+            raise WeightsError(f"weights file not found: {path} (named by the index for {names[0]})")
+        try:
+            handle_cm = safe_open(str(path), framework="pt")
+        except Exception as exc:
+            raise WeightsError(f"{path}: not a readable safetensors file ({exc})") from None
+        with handle_cm as handle:
+            available = set(handle.keys())
+            for name in names:
+                if name not in available:
+                    raise WeightsError(f"{path}: index names tower tensor {name}, "
+                                       "but the file does not hold it")
+                shape = tuple(handle.get_slice(name).get_shape())
+                if shape != shapes[name]:
+                    raise WeightsError(f"tower tensor {name} has shape {list(shape)}, "
+                                       f"expected {list(shapes[name])}")
+                try:
+                    tensor = handle.get_tensor(name)
+                except Exception as exc:
+                    raise WeightsError(f"tower tensor {name} in {path}: cannot read ({exc})") from None
+                if tensor.dtype not in FLOAT_DTYPES:
+                    raise WeightsError(f"tower tensor {name} has unsupported dtype "
+                                       f"{str(tensor.dtype).removeprefix('torch.')}")
+                one = hashlib.blake2b(f"{name}|{tensor.dtype}|{shape}|".encode(), digest_size=16)
+                one.update(tensor.contiguous().view(torch.uint8).numpy().tobytes())
+                tensor_digests[name] = one.digest()
+                state[name] = tensor.to(torch.float32 if keeps_float32(name) else dtype)
+    digest = hashlib.blake2b(digest_size=16)
+    for name in sorted(tensor_digests):
+        digest.update(tensor_digests[name])
+    return state, digest.hexdigest()
+
+
+def load_checkpoint(path: str | Path, dtype: torch.dtype = torch.float32) -> Checkpoint:
+    """Read config and tower tensors from a checkpoint folder."""
+    folder = Path(path)
+    if not folder.exists():
+        raise WeightsError(f"weights folder not found: {folder}")
+    if not folder.is_dir():
+        raise WeightsError(f"weights path is not a folder: {folder}")
+    config_path = folder / "config.json"
+    if not config_path.is_file():
+        raise WeightsError(f"{folder}: no config.json")
+    cfg = VisionConfig.from_file(config_path)  # ConfigError names the file and the key
+    located = locate_tower_tensors(folder)
+    state, fingerprint = read_tower_tensors(located, cfg, dtype)
+    return Checkpoint(cfg, state, fingerprint, str(folder))
+
+
+def random_state_dict(cfg: VisionConfig, seed: int = 0,
+                      stored_dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
+    """A random tower in the checkpoint's storage format (bf16 weights, float32 norms).
+
+    Weights are N(0, 1/fan_in) so activations keep their scale through the layers; norm
+    weights are near one.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    state = {}
+    for name, shape in expected_shapes(cfg).items():
+        if keeps_float32(name):
+            state[name] = 1.0 + 0.1 * torch.randn(shape, generator=gen)
+            continue
+        fan_in = shape[1] if len(shape) == 2 else shape[0]
+        scale = 0.02 if name.endswith(".bias") else fan_in ** -0.5
+        state[name] = (scale * torch.randn(shape, generator=gen)).to(stored_dtype)
+    return state
+
+
+def random_checkpoint(cfg: VisionConfig, seed: int = 0,
+                      dtype: torch.dtype = torch.float32) -> Checkpoint:
+    """A random tower for demos and benchmarks, fingerprinted by its config and seed."""
+    stored = random_state_dict(cfg, seed)
+    state = {n: t.to(torch.float32 if keeps_float32(n) else dtype) for n, t in stored.items()}
+    key = json.dumps({"config": cfg.to_flat(), "seed": seed}, sort_keys=True)
+    fingerprint = "random-" + hashlib.blake2b(key.encode(), digest_size=12).hexdigest()
+    return Checkpoint(cfg, state, fingerprint, f"random(seed={seed})")
+
+
+def build_tower(ckpt: Checkpoint, device: torch.device | str = "cpu") -> VisionTower:
+    """Instantiate the tower from a loaded checkpoint, in eval mode, without gradients."""
+    with torch.device("meta"):
+        model = VisionTower(ckpt.config)
+    model.load_state_dict({n: t.to(device) for n, t in ckpt.state_dict.items()},
+                          strict=True, assign=True)
+    return model.eval().requires_grad_(False)
+
+
+def save_checkpoint(folder: str | Path, cfg: VisionConfig, state: dict[str, torch.Tensor],
+                    extra: dict[str, torch.Tensor] | None = None, shards: int = 1) -> None:
+    """Write a checkpoint in the official flat layout (with an index when ``shards`` > 1).
+
+    ``extra`` tensors (e.g. language-model decoys) are written beside the tower's.
+    """
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(cfg.to_flat(), indent=1))
+    tensors = {**state, **(extra or {})}
+    names = sorted(tensors)
+    if shards <= 1:
+        save_file({n: tensors[n].contiguous() for n in names}, str(folder / "model.safetensors"))
+        return
+    weight_map = {}
+    for s in range(shards):
+        fname = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
+        part = names[s::shards]
+        save_file({n: tensors[n].contiguous() for n in part}, str(folder / fname))
+        weight_map.update({n: fname for n in part})
+    (folder / INDEX_NAME).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))

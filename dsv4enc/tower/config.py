@@ -1,0 +1,195 @@
+"""The tower's configuration (SPEC §1): one dataclass, read from either checkpoint layout."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+from ..errors import ConfigError
+
+# Official flat key -> (field, nested vision_config key). hidden_size lives in text_config.
+_FLAT_TO_FIELD = {
+    "vision_n_layers": ("n_layers", "num_hidden_layers"),
+    "vision_dim": ("dim", "hidden_size"),
+    "vision_n_heads": ("n_heads", "num_attention_heads"),
+    "vision_inter_dim": ("inter_dim", "intermediate_size"),
+    "vision_patch_size": ("patch_size", "patch_size"),
+    "vision_rope_theta": ("rope_theta", "rope_theta"),
+    "vision_downsample_ratio": ("downsample_ratio", "downsample_ratio"),
+    "vision_max_n_token": ("max_n_token", "max_image_tokens"),
+    "vision_min_pixels": ("min_pixels", "min_pixels"),
+    "vision_max_wh_ratio": ("max_wh_ratio", "max_wh_ratio"),
+}
+
+# The checkpoints dsv4enc encodes for, by config.json ``model_type``. Both have the same tower;
+# the image geometry (SPEC §4) differs, and is chosen from this, never guessed from sizes.
+DEEPSEEK_V4 = "deepseek_v4"
+DEEPSEEK_V41 = "deepseek_v41"
+MODEL_NAMES = {DEEPSEEK_V4: "DeepSeek-V4", DEEPSEEK_V41: "DeepSeek-V4.1"}
+
+
+def model_type_of(raw: dict[str, Any]) -> str:
+    """The variant a config.json describes: ``deepseek_v41`` when its ``model_type`` says so,
+    ``deepseek_v4`` otherwise (older V4 configs carry none).
+
+    The top-level ``model_type`` decides, in both layouts; a nested layout without one falls
+    back to its sub-configs' (converted checkpoints name them e.g. ``deepseek_v41_vision``).
+    """
+    candidates = [raw.get("model_type")]
+    candidates += [sub.get("model_type") for sub in (raw.get("text_config"),
+                                                       raw.get("vision_config"))
+                   if isinstance(sub, dict)]
+    for value in candidates:
+        if isinstance(value, str) and value:
+            is_v41 = value == DEEPSEEK_V41 or value.startswith(DEEPSEEK_V41 + "_")
+            return DEEPSEEK_V41 if is_v41 else DEEPSEEK_V4
+    return DEEPSEEK_V4
+
+
+def warn_unknown_vision_keys(raw: dict[str, Any], source: str) -> None:
+    """Warn about ``vision_*`` keys dsv4enc does not know, naming the closest known one: a
+    misspelled optional key (``vision_max_wh_ratio``) would otherwise silently be absent."""
+    import difflib
+    import logging
+
+    for key in sorted(k for k in raw if isinstance(k, str) and k.startswith("vision_")):
+        if key in _FLAT_TO_FIELD:
+            continue
+        close = difflib.get_close_matches(key, list(_FLAT_TO_FIELD), n=1, cutoff=0.6)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        logging.getLogger("dsv4enc").warning("%s: unknown key %r is ignored%s", source, key,
+                                             hint)
+
+
+@dataclasses.dataclass(frozen=True)
+class VisionConfig:
+    """Settings of the ViT, the aligner and the image transform."""
+
+    n_layers: int
+    dim: int
+    n_heads: int
+    inter_dim: int
+    patch_size: int
+    rope_theta: float
+    downsample_ratio: int
+    max_n_token: int
+    min_pixels: int
+    max_wh_ratio: float | None
+    hidden_size: int
+    model_type: str = DEEPSEEK_V4  # picks the image geometry (SPEC §4)
+
+    def __post_init__(self) -> None:
+        for name in ("n_layers", "dim", "n_heads", "inter_dim", "patch_size",
+                     "downsample_ratio", "max_n_token", "hidden_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ConfigError(f"config: {name} must be a positive integer, got {value!r}")
+        if self.dim % self.n_heads:
+            raise ConfigError(f"config: vision dim {self.dim} is not divisible by "
+                              f"n_heads {self.n_heads}")
+        if self.head_dim % 4:
+            raise ConfigError(f"config: head dim {self.head_dim} (dim/n_heads) is not "
+                              "divisible by 4, which 2D RoPE needs")
+        if self.max_n_token <= 5:
+            raise ConfigError(f"config: max image tokens {self.max_n_token} is too small")
+        if self.min_pixels < 0:
+            raise ConfigError(f"config: min_pixels {self.min_pixels} is negative")
+        if self.max_wh_ratio is not None and self.max_wh_ratio <= 0:
+            raise ConfigError(f"config: max_wh_ratio {self.max_wh_ratio} must be positive")
+        if self.model_type not in MODEL_NAMES:
+            raise ConfigError(f"config: model_type {self.model_type!r} is not one of "
+                              f"{', '.join(MODEL_NAMES)}")
+
+    @property
+    def is_v41(self) -> bool:
+        """DeepSeek-V4.1 image geometry (else V4's)."""
+        return self.model_type == DEEPSEEK_V41
+
+    @property
+    def model_name(self) -> str:
+        """The variant in words, for help, logs and ``inspect``."""
+        return MODEL_NAMES[self.model_type]
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @property
+    def rope_dim(self) -> int:
+        """Angles per token: half the head dim (row half, column half)."""
+        return self.head_dim // 2
+
+    @property
+    def patch_dim(self) -> int:
+        return 3 * self.patch_size * self.patch_size
+
+    def output_width(self, features: str) -> int:
+        """Width of one embedding row for ``features`` ("aligner" or "vit")."""
+        return self.hidden_size if features == "aligner" else self.dim
+
+    def to_flat(self) -> dict[str, Any]:
+        """The official flat layout, as written in config.json (``model_type`` first)."""
+        out: dict[str, Any] = {"model_type": self.model_type}
+        out.update({flat: getattr(self, field) for flat, (field, _) in _FLAT_TO_FIELD.items()})
+        out["hidden_size"] = self.hidden_size
+        return out
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any], source: str = "config") -> "VisionConfig":
+        """Parse the flat official layout or the nested vision_config/text_config one."""
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{source}: expected a JSON object")
+        values: dict[str, Any] = {}
+        nested = raw.get("vision_config")
+        if isinstance(nested, dict) and not any(k in raw for k in _FLAT_TO_FIELD):
+            for flat, (field, key) in _FLAT_TO_FIELD.items():
+                if key in nested:
+                    values[field] = nested[key]
+            text = raw.get("text_config") or {}
+            if "hidden_size" in text:
+                values["hidden_size"] = text["hidden_size"]
+            elif "hidden_size" in raw:
+                values["hidden_size"] = raw["hidden_size"]
+            names = {field: f"vision_config.{key}" for _, (field, key) in _FLAT_TO_FIELD.items()}
+            names["hidden_size"] = "text_config.hidden_size"
+        else:
+            for flat, (field, _) in _FLAT_TO_FIELD.items():
+                if flat in raw:
+                    values[field] = raw[flat]
+            if "hidden_size" in raw:
+                values["hidden_size"] = raw["hidden_size"]
+            names = {field: flat for flat, (field, _) in _FLAT_TO_FIELD.items()}
+            names["hidden_size"] = "hidden_size"
+            warn_unknown_vision_keys(raw, source)
+        values["model_type"] = model_type_of(raw)
+        optional = {"max_wh_ratio": None}
+        for field, default in optional.items():
+            values.setdefault(field, default)
+        missing = [names[f.name] for f in dataclasses.fields(cls) if f.name not in values]
+        if missing:
+            raise ConfigError(f"{source}: missing key {', '.join(missing)}")
+        try:
+            values["rope_theta"] = float(values["rope_theta"])
+            if values["max_wh_ratio"] is not None:
+                values["max_wh_ratio"] = float(values["max_wh_ratio"])
+            values["min_pixels"] = int(values["min_pixels"])
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"{source}: bad value ({exc})") from None
+        try:
+            return cls(**values)
+        except ConfigError as exc:
+            raise ConfigError(f"{source}: {str(exc).removeprefix('config: ')}") from None
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> "VisionConfig":
+        """Read a config.json (either layout)."""
+        path = Path(path)
+        try:
+            raw = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"config file not found: {path}") from None
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"cannot read config {path}: {exc}") from None
+        return cls.from_dict(raw, source=str(path))

@@ -1,0 +1,144 @@
+"""``dsv4enc extract``: a vision-only checkpoint cut out of a full one.
+
+The tower's tensors are copied as stored (same dtypes, same bytes) into one
+``model.safetensors``, one tensor at a time (memory stays at one tensor, not the whole tower),
+and ``config.json`` gets the vision keys in the official flat layout. Loading the result gives
+the same embeddings and the same weights fingerprint as the source.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+from .checkpoint import expected_shapes, locate_tower_tensors
+from .config import VisionConfig
+from ..errors import OutputError, WeightsError
+
+WEIGHTS_NAME = "model.safetensors"
+
+
+@dataclass
+class Extracted:
+    """What ``extract_tower`` wrote."""
+
+    folder: Path
+    tensors: int
+    bytes: int
+    source: str
+
+
+def _source_folder(source: str | os.PathLike) -> Path:
+    from .hub import resolve_weights
+
+    folder = resolve_weights(source)
+    if not folder.is_dir():
+        raise WeightsError(f"weights folder not found: {folder}")
+    if not (folder / "config.json").is_file():
+        raise WeightsError(f"{folder}: no config.json")
+    return folder
+
+
+def _prepare_out(out: Path, overwrite: bool) -> None:
+    if out.exists() and not out.is_dir():
+        raise OutputError(f"--out {out} is a file, not a folder")
+    if out.is_dir() and any(out.iterdir()) and not overwrite:
+        raise OutputError(f"--out folder {out} is not empty; pass --overwrite to replace "
+                          "its checkpoint files")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise OutputError(f"cannot create {out}: {exc.strerror or exc}") from None
+
+
+def extract_tower(source: str | os.PathLike, out: str | os.PathLike,
+                  overwrite: bool = False) -> Extracted:
+    """Write the tower of checkpoint ``source`` (a folder or a Hub id) to folder ``out``."""
+    from safetensors import safe_open
+
+    folder = _source_folder(source)
+    raw_config = json.loads((folder / "config.json").read_text())
+    cfg = VisionConfig.from_file(folder / "config.json")
+    located = locate_tower_tensors(folder)
+    shapes = expected_shapes(cfg)
+    missing = sorted(set(shapes) - set(located))
+    if missing:
+        raise WeightsError(f"checkpoint is missing tower tensor {missing[0]}")
+    extra = sorted(set(located) - set(shapes))
+    if extra:
+        raise WeightsError(f"checkpoint has unexpected tower tensor {extra[0]} "
+                           "(does config.json match the weights?)")
+    out = Path(out)
+    if out.resolve() == folder.resolve():
+        raise OutputError("--out must differ from the source checkpoint folder")
+    _prepare_out(out, overwrite)
+
+    # The header first (dtype, shape, byte range of every tensor, in name order) ...
+    names = sorted(shapes)
+    header: dict[str, dict] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    handles = {}
+    try:
+        for name in names:
+            path = located[name]
+            if path not in handles:
+                if not path.is_file():
+                    raise WeightsError(f"weights file not found: {path}")
+                handles[path] = safe_open(str(path), framework="pt")
+            info = handles[path].get_slice(name)
+            shape = list(info.get_shape())
+            if tuple(shape) != shapes[name]:
+                raise WeightsError(f"tower tensor {name} has shape {shape}, "
+                                   f"expected {list(shapes[name])}")
+            size = _nbytes(info.get_dtype(), shape, name)
+            header[name] = {"dtype": info.get_dtype(), "shape": shape,
+                            "data_offsets": [offset, offset + size]}
+            offset += size
+        blob = json.dumps(header, separators=(",", ":")).encode()
+        blob += b" " * (-len(blob) % 8)  # data starts 8-byte aligned
+
+        # ... then the bytes, one tensor at a time, under a temporary name.
+        target = out / WEIGHTS_NAME
+        tmp = out / f".{WEIGHTS_NAME}.tmp"
+        try:
+            with open(tmp, "wb") as handle:
+                handle.write(struct.pack("<Q", len(blob)))
+                handle.write(blob)
+                for name in names:
+                    tensor = handles[located[name]].get_tensor(name)
+                    handle.write(tensor.contiguous().view(-1).view(_byte_dtype()).numpy().tobytes())
+                handle.flush()
+                os.fsync(handle.fileno())
+            os.replace(tmp, target)
+        except OSError as exc:
+            tmp.unlink(missing_ok=True)
+            raise OutputError(f"cannot write {target}: {exc.strerror or exc}") from None
+    finally:
+        handles.clear()
+
+    config = cfg.to_flat()
+    if isinstance(raw_config.get("model_type"), str):
+        config = {"model_type": raw_config["model_type"], **config}
+    (out / "config.json").write_text(json.dumps(config, indent=1) + "\n")
+    return Extracted(out, len(names), offset, str(folder))
+
+
+_DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2}
+
+
+def _nbytes(dtype: str, shape: list[int], name: str) -> int:
+    if dtype not in _DTYPE_BYTES:
+        raise WeightsError(f"tower tensor {name} has unsupported dtype {dtype}")
+    count = 1
+    for dim in shape:
+        count *= dim
+    return count * _DTYPE_BYTES[dtype]
+
+
+def _byte_dtype():
+    import torch
+
+    return torch.uint8

@@ -1,0 +1,64 @@
+"""Fused elementwise work around the GEMMs (``--fused``): torch.compile of the model's own
+functions, installed from outside so that ``model.py`` stays the eager reference.
+
+Fused: float32 RMSNorm (with the residual add before the second norm), RoPE on q and k, and
+SwiGLU. GEMMs and attention stay as they are (cuBLAS / MKL / oneDNN and the attention
+backend), so the fused tower computes the same math with fewer passes over memory: on CUDA
+each of these becomes one Triton kernel instead of five to eight ATen ones; on the CPU one
+inductor C++ loop.
+
+On the CPU compiled with ``dynamic=True``: one kernel serves every row count, so the
+per-image execution does not recompile per image, and a row's value never depends on which
+kernel a shape happened to get (rows stay batch-invariant). On CUDA with static shapes: the
+batch-invariant engine runs every batch in one bucket, so there is one shape to compile for,
+and kernels specialized to it ran faster than the shape-generic ones (RoPE 4.5x;
+benchmarks/RESULTS.md). A CUDA engine without the invariant path (``--no-deterministic``,
+tensor parallelism) meets many shapes, and keeps shape-generic kernels.
+
+Results equal the eager functions to float rounding (a fused kernel may keep a value in a
+register in float32 instead of rounding it to the compute dtype in between):
+``tests/test_fusion.py`` holds them to it.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable
+
+import torch
+
+from ..errors import UsageError
+from .model import VisionTower, add_rms_norm, rms_norm, rope_formula, swiglu
+
+log = logging.getLogger(__name__)
+
+
+def compiled(fn: Callable, dynamic: bool = True) -> Callable:
+    """``fn`` compiled by inductor (no graph breaks allowed): for any row count
+    (``dynamic``), or specialized to each shape it meets."""
+    return torch.compile(fn, dynamic=dynamic, fullgraph=True)
+
+
+def fuse_elementwise(model: VisionTower, dynamic: bool = True) -> VisionTower:
+    """Install compiled elementwise functions on every block of ``model`` (in place), for an
+    Engine that runs batches of any shape (``dynamic``, shape-generic kernels) or every batch
+    at one shape (``dynamic=False``: kernels specialized to it; ``engine.runs_one_shape`` says
+    which, and ``engine/factory.build_model`` asks it; see the module doc). The compile itself happens at the first forward (and takes tens of
+    seconds on a CPU). Raises UsageError when this torch cannot compile (no inductor, no C++
+    compiler found).
+    """
+    try:
+        import torch._inductor  # noqa: F401  (the backend torch.compile uses)
+    except Exception as exc:  # pragma: no cover - depends on the torch build
+        raise UsageError(f"--fused needs torch.compile's inductor backend ({exc})") from None
+    norm, add_norm, rope, act = (compiled(f, dynamic) for f in (rms_norm, add_rms_norm,
+                                                                rope_formula, swiglu))
+    model.vision.norm.norm_fn = norm
+    for block in model.vision.blocks:
+        block.norm1.norm_fn = norm
+        block.norm2.norm_fn = norm
+        block.add_norm_fn = add_norm
+        block.attn.rope_fn = rope
+        block.mlp.act_fn = act
+    log.info("fused elementwise kernels installed (compiled at the first batch)")
+    return model

@@ -1,0 +1,4 @@
+"""The package version, in a module of its own so that nothing imports ``dsv4enc/__init__``
+for it."""
+
+__version__ = "0.1.0"

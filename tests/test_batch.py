@@ -1,0 +1,218 @@
+"""The batch function for pipelines (``dsv4enc.batch.BatchEncoder``): the command line's rows
+and schema for every kind of batch, error rows instead of exceptions, batch-invariant bytes,
+and Hugging Face ``datasets.map(batched=True)`` with the output's ``features``."""
+
+from __future__ import annotations
+
+import json
+import pickle
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from PIL import Image
+from typer.testing import CliRunner
+
+from dsv4enc import BatchEncoder
+from dsv4enc.batch import OUTPUT_COLUMNS, datasets_features
+from dsv4enc.cli import app
+
+from helpers import write_image
+
+runner = CliRunner()
+SPECS = [("a.jpg", (64, 48), "RGB"), ("b.png", (30, 90), "RGBA"), ("c.png", (120, 12), "L"),
+         ("d/e.gif", (50, 50), "P"), ("d/f.bmp", (17, 33), "RGB"), ("g.png", (40, 30), "I;16")]
+BROKEN = {"d/broken.png": b"\x89PNG\r\n\x1a\n broken", "h/cut.jpg": None, "i/text.jpg": b"hello"}
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory) -> Path:
+    """Images of varied kinds, plus files that are not images though named as ones."""
+    root = tmp_path_factory.mktemp("batch") / "images"
+    for rel, size, mode in SPECS:
+        write_image(root / rel, size, mode)
+    for rel, data in BROKEN.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        if data is None:  # a JPEG cut in its data
+            data = (root / "a.jpg").read_bytes()[:300]
+        (root / rel).write_bytes(data)
+    return root
+
+
+@pytest.fixture(scope="module")
+def rel_paths(folder) -> list[str]:
+    return sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file())
+
+
+@pytest.fixture(scope="module")
+def cli_table(folder, small_ckpt, tmp_path_factory) -> pa.Table:
+    """What ``dsv4enc encode`` writes for the folder (CPU, float32 compute, float16 rows)."""
+    out = tmp_path_factory.mktemp("batch_cli") / "emb.parquet"
+    result = runner.invoke(app, ["encode", str(folder), "--out", str(out), "--weights",
+                                 str(small_ckpt), "--workers", "0", "--device", "cpu",
+                                 "--dtype", "float32", "-q"])
+    assert result.exit_code == 0, result.output
+    return pq.read_table(out)
+
+
+@pytest.fixture(scope="module")
+def embed(small_ckpt) -> BatchEncoder:
+    return BatchEncoder(small_ckpt, device="cpu", dtype="float32", key_column="key")
+
+
+def types(schema: pa.Schema) -> list[tuple[str, pa.DataType]]:
+    """Names and types (a DataFrame cannot say that ``path`` is never null)."""
+    return [(f.name, f.type) for f in schema]
+
+
+def batch_of(folder: Path, rel_paths: list[str]) -> pa.Table:
+    return pa.table({"image": [str(folder / r) for r in rel_paths], "key": rel_paths})
+
+
+def test_rows_and_schema_are_the_command_lines(embed, folder, rel_paths, cli_table):
+    out = embed(batch_of(folder, rel_paths))
+    assert isinstance(out, pa.Table)
+    assert out.schema.names == list(OUTPUT_COLUMNS)
+    assert out.schema.equals(cli_table.schema, check_metadata=False)
+    ours = json.loads(out.schema.metadata[b"dsv4enc"])
+    theirs = json.loads(cli_table.schema.metadata[b"dsv4enc"])
+    theirs.pop("part_images")  # how the command cut its parts
+    assert ours == theirs
+    # every row, error rows too, byte for byte (float16 cells, the same error texts)
+    assert out.to_pylist() == cli_table.to_pylist()
+    errors = {r["path"]: r["error"] for r in out.to_pylist() if r["error"]}
+    assert set(errors) == set(BROKEN)
+
+
+def test_every_kind_of_batch_gives_the_same_rows(embed, folder, rel_paths):
+    table = batch_of(folder, rel_paths)
+    expected = embed(table).to_pylist()
+    # a RecordBatch gives a RecordBatch
+    record = embed(table.to_batches()[0])
+    assert isinstance(record, pa.RecordBatch) and record.to_pylist() == expected
+    # pandas: a DataFrame whose Arrow-backed columns keep the schema's types
+    frame = embed(table.to_pandas())
+    assert isinstance(frame, pd.DataFrame) and list(frame.columns) == list(OUTPUT_COLUMNS)
+    back = pa.Table.from_pandas(frame, preserve_index=False)
+    assert types(back.schema) == types(embed.schema)
+    assert back.to_pylist() == expected
+    # a dict of numpy arrays (Ray's "numpy" batch format): numpy arrays back
+    arrays = embed({"image": np.array(table["image"].to_pylist(), dtype=object),
+                    "key": np.array(rel_paths)})
+    assert set(arrays) == set(OUTPUT_COLUMNS)
+    assert all(isinstance(v, np.ndarray) for v in arrays.values())
+    assert [dict(zip(arrays, values)) for values in zip(*arrays.values())] == expected
+    # a dict of lists (datasets.map(batched=True)): lists back
+    lists = embed({"image": table["image"].to_pylist(), "key": rel_paths})
+    assert all(isinstance(v, list) for v in lists.values())
+    assert pa.Table.from_pydict(lists, schema=embed.schema).to_pylist() == expected
+
+
+def test_every_kind_of_image_cell(embed, folder):
+    path = folder / "a.jpg"
+    data = path.read_bytes()
+    image = Image.open(path)
+    cells = [str(path), path, data, {"bytes": data, "path": "x/a.jpg"},
+             {"bytes": None, "path": str(path)}, image, np.asarray(image.convert("RGB"))]
+    rows = BatchEncoder.rows(embed, cells)
+    reference = rows[0].embedding
+    for row in rows:
+        assert row.error is None and (row.width, row.height) == (64, 48)
+        np.testing.assert_array_equal(row.embedding, reference)
+    assert [r.path for r in rows][:5] == [str(path), str(path), "#2", "x/a.jpg", str(path)]
+    bad = BatchEncoder.rows(embed, [None, {"bytes": None, "path": None}, 3.5,
+                                    np.zeros((4, 4), np.float32), b"nothing"])
+    assert [r.error.split(":")[0] for r in bad] == [
+        "ValueError", "ValueError", "TypeError", "ValueError", "UnidentifiedImageError"]
+    assert all(r.embedding is None and r.vit_h is None for r in bad)
+
+
+def test_all_null_columns_keep_their_types(embed, folder):
+    """A batch of good images only (error all null), and one of bad images only (embedding
+    all null): the same schema, for every kind of batch."""
+    good = embed(batch_of(folder, ["a.jpg"]))
+    bad = embed(batch_of(folder, ["i/text.jpg"]))
+    assert good.schema == bad.schema == embed.schema
+    assert good["error"].null_count == 1 and bad["embedding"].null_count == 1
+    for frame in (embed(batch_of(folder, ["i/text.jpg"]).to_pandas()),
+                  embed(batch_of(folder, ["a.jpg"]).to_pandas())):
+        assert types(pa.Table.from_pandas(frame, preserve_index=False).schema) == types(
+            embed.schema)
+    empty = embed(batch_of(folder, []))
+    assert empty.num_rows == 0 and empty.schema == embed.schema
+
+
+def test_rows_are_batch_invariant(embed, folder, rel_paths):
+    """The same image gives the same bytes alone, in any company, at any position, and with
+    any batch_tokens."""
+    table = batch_of(folder, rel_paths)
+    together = {r["path"]: r for r in embed(table).to_pylist()}
+    reversed_rows = {r["path"]: r for r in embed(table.take(list(range(len(rel_paths)))[::-1]))
+                     .to_pylist()}
+    assert reversed_rows == together
+    small = BatchEncoder(embed._recipe["weights"], device="cpu", dtype="float32",
+                         key_column="key", batch_tokens=16, max_images=2)
+    for rel in rel_paths:
+        alone = embed(batch_of(folder, [rel])).to_pylist()[0]
+        assert alone == together[rel]
+        assert small(batch_of(folder, [rel, "a.jpg", rel])).to_pylist()[0] == together[rel]
+
+
+def test_missing_column_is_a_clear_error(embed):
+    with pytest.raises(KeyError, match="no column 'image'"):
+        embed(pa.table({"img": ["x.jpg"]}))
+    with pytest.raises(TypeError, match="a batch is"):
+        embed(["x.jpg"])
+
+
+def test_pickles_as_its_recipe(embed, folder):
+    data = pickle.dumps(embed)
+    assert len(data) < 4096  # the recipe, not the tensors
+    again = pickle.loads(data)
+    batch = batch_of(folder, ["a.jpg", "i/text.jpg"])
+    assert again(batch).to_pylist() == embed(batch).to_pylist()
+
+
+def test_options_pool_vit_nested_float32(small_ckpt, folder, tmp_path):
+    """Other settings give the command line's rows for the same options too."""
+    args = ["--pool", "mean", "--features", "vit", "--layout", "nested", "--out-dtype", "float32"]
+    out = tmp_path / "emb.parquet"
+    result = runner.invoke(app, ["encode", str(folder / "a.jpg"), str(folder / "i/text.jpg"),
+                                 "--out", str(out), "--weights", str(small_ckpt), "--workers",
+                                 "0", "--device", "cpu", "--dtype", "float32", "-q", *args])
+    assert result.exit_code == 0, result.output
+    cli = pq.read_table(out)
+    embed = BatchEncoder(small_ckpt, device="cpu", dtype="float32", pool="mean",
+                         features="vit", layout="nested", out_dtype="float32")
+    rows = embed(pa.table({"image": [str(folder / "a.jpg"), str(folder / "i/text.jpg")]}))
+    assert rows.schema.equals(cli.schema, check_metadata=False)
+    assert rows.to_pylist() == cli.to_pylist()
+
+
+def test_datasets_map_batched_with_features(embed, folder, rel_paths):
+    """The user's case from the issue: a batched map over a folder holding bad images."""
+    datasets = pytest.importorskip("datasets")
+    ds = datasets.Dataset.from_dict({"image": [str(folder / r) for r in rel_paths],
+                                     "key": rel_paths})
+    features = datasets_features(embed)
+    assert features == embed.features()
+    # one bad image per batch, and a batch of bad images only
+    out = ds.map(embed, batched=True, batch_size=2, features=features,
+                 remove_columns=ds.column_names)
+    assert out.features == features
+    expected = embed(batch_of(folder, rel_paths)).to_pylist()
+    assert out.to_list() == expected
+    assert out.data.table.schema.field("error").type == pa.string()
+    assert out.data.table.schema.field("embedding").type == pa.large_binary()
+    # Image(decode=False) columns arrive as {bytes, path} dicts
+    cast = datasets.Dataset.from_dict({"image": [str(folder / r) for r in rel_paths]}).cast_column(
+        "image", datasets.Image(decode=False))
+    embed_dicts = BatchEncoder(embed._recipe["weights"], device="cpu", dtype="float32")
+    rows = cast.map(embed_dicts, batched=True, batch_size=4, features=features,
+                    remove_columns=["image"]).to_list()
+    assert [r["error"] is None for r in rows] == [e["error"] is None for e in expected]
+    good = [(r["embedding"], e["embedding"]) for r, e in zip(rows, expected) if r["embedding"]]
+    assert good and all(a == b for a, b in good)

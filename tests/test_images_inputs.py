@@ -1,0 +1,224 @@
+"""Input discovery: which files are images, in what order, under which key; symlinks, path
+lists, and inputs that do not exist."""
+
+from __future__ import annotations
+
+import io
+import os
+import signal
+import sys
+from pathlib import Path
+
+import pytest
+
+from dsv4enc.images.decode import decode_image, probe_image
+from dsv4enc.errors import UsageError
+from dsv4enc.images.discover import InputItem, discover, is_image_name, read_path_list, walk_folder
+from dsv4enc.output.parts import utf8_text
+
+from helpers import write_image
+
+needs_symlinks = pytest.mark.skipif(not hasattr(os, "symlink") or sys.platform == "win32",
+                                    reason="needs POSIX symlinks")
+
+
+def touch(path: Path, data: bytes = b"x") -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(data)
+    return path
+
+
+def keys(items: list[InputItem]) -> list[str]:
+    return [item.key for item in items]
+
+
+@pytest.fixture
+def no_hang():
+    """Fail (rather than hang the suite) if a walk does not finish within 10 s."""
+    def expire(signum, frame):
+        raise TimeoutError("walk did not finish: a symlink loop is being followed")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.alarm(10)
+    yield
+    signal.alarm(0)
+    signal.signal(signal.SIGALRM, previous)
+
+
+# --------------------------------------------------------------------------- extensions
+
+@pytest.mark.parametrize("name", ["a.jpg", "a.JPG", "b.Jpeg", "c.TIFF", "d.tif", "e.PnG",
+                                  "f.webp", "g.WEBP", "h.bmp", "i.GIF", "dir.x/j.jpeg",
+                                  "two.dots.png"])
+def test_image_extensions_are_case_insensitive(name):
+    assert is_image_name(name)
+
+
+@pytest.mark.parametrize("name", ["notes.txt", "jpg", "a.jpg.zip", "a.jpgx", "a.pdf",
+                                  "Makefile", "a.", "x.jpg/readme.md"])
+def test_other_names_are_not_images(name):
+    assert not is_image_name(name)
+
+
+def test_walk_keeps_upper_case_extensions(tmp_path):
+    for name in ("a.JPG", "b.Jpeg", "c.TIFF", "d.txt", "e.PNG.bak"):
+        touch(tmp_path / name)
+    items, skipped = walk_folder(tmp_path)
+    assert keys(items) == ["a.JPG", "b.Jpeg", "c.TIFF"]
+    assert skipped == 2
+
+
+# --------------------------------------------------------------------------- order and keys
+
+def test_sorted_recursive_order(tmp_path):
+    """Depth-first, each folder's entries sorted by name (code points), so that keys come out
+    in pathlib order: component by component, not as flat strings ("b/..." before "b-c")."""
+    names = ["b.jpg", "b/z.png", "b/a/deep.png", "b-c.gif", "a.png", "Zed.PNG", "é.webp",
+             "日本.jpeg", "e\u0301.png", "x.jpg/inner.bmp", "bad/empty.jpg", "10.jpg", "9.jpg"]
+    for name in names:
+        touch(tmp_path / name)
+    touch(tmp_path / "notes.txt")
+    touch(tmp_path / "b" / "readme.md")
+    items, skipped = walk_folder(tmp_path)
+    expected = ["10.jpg", "9.jpg", "Zed.PNG", "a.png", "b/a/deep.png", "b/z.png", "b-c.gif",
+                "b.jpg", "bad/empty.jpg", "e\u0301.png", "x.jpg/inner.bmp", "é.webp",
+                "日本.jpeg"]
+    assert keys(items) == expected
+    assert keys(items) == sorted(names, key=lambda k: k.split("/"))
+    assert skipped == 2
+    # The decoder opens the real file; the key is posix and relative to the folder.
+    for item in items:
+        assert Path(item.path) == tmp_path / item.key
+        assert "\\" not in item.key and not item.key.startswith("/")
+
+
+def test_folder_named_like_an_image_is_walked_not_encoded(tmp_path):
+    touch(tmp_path / "x.jpg" / "y.png")
+    (tmp_path / "empty.png").mkdir()
+    items, skipped = walk_folder(tmp_path)
+    assert keys(items) == ["x.jpg/y.png"]
+    assert skipped == 0
+    # Given directly, such a folder is walked too, and its keys are relative to it.
+    found = discover([str(tmp_path / "x.jpg")])
+    assert keys(found.items) == ["y.png"]
+
+
+def test_inputs_keep_their_order_and_files_keep_their_given_path(tmp_path, monkeypatch):
+    touch(tmp_path / "one" / "b.png")
+    touch(tmp_path / "one" / "a.png")
+    touch(tmp_path / "two" / "c.jpg")
+    touch(tmp_path / "loose.WEBP")
+    touch(tmp_path / "readme.txt")
+    monkeypatch.chdir(tmp_path)
+    absolute = str(tmp_path / "loose.WEBP")
+    found = discover(["two", "./one/b.png", "one", absolute, "readme.txt"])
+    # Two folders: each folder's keys start with the folder as given (unique keys).
+    assert keys(found.items) == ["two/c.jpg", "./one/b.png", "one/a.png", "one/b.png", absolute]
+    assert found.skipped == 1
+    assert [Path(i.path).resolve() for i in found.items] == [
+        tmp_path / "two/c.jpg", tmp_path / "one/b.png", tmp_path / "one/a.png",
+        tmp_path / "one/b.png", tmp_path / "loose.WEBP"]
+
+
+def test_non_utf8_file_name_gets_a_text_key(tmp_path):
+    """A name that is not valid UTF-8 is found; the decoder opens the real file, and the
+    Parquet ``path`` column (UTF-8) shows the bad byte escaped."""
+    raw = os.fsencode(tmp_path) + b"/caf\xe9.png"
+    try:
+        fd = os.open(raw, os.O_WRONLY | os.O_CREAT, 0o644)
+    except OSError:
+        pytest.skip("file system refuses non-UTF-8 names")
+    os.close(fd)
+    write_image(Path(os.fsdecode(raw)), (16, 16), seed=0)
+    items, _ = walk_folder(tmp_path)
+    assert len(items) == 1
+    key = items[0].key
+    assert os.fsencode(key) == b"caf\xe9.png"
+    assert utf8_text(key) == "caf\\xe9.png"  # what the path column holds
+    assert utf8_text("日本.jpg") == "日本.jpg"
+    assert probe_image(items[0].path).error is None
+
+
+# --------------------------------------------------------------------------- symlinks
+
+@needs_symlinks
+def test_symlink_loop_does_not_repeat_or_hang(tmp_path, no_hang):
+    touch(tmp_path / "a.png")
+    touch(tmp_path / "sub" / "b.png")
+    os.symlink("..", tmp_path / "sub" / "up")  # sub/up -> the root: a loop
+    os.symlink(".", tmp_path / "sub" / "self")
+    items, skipped = walk_folder(tmp_path)
+    assert keys(items) == ["a.png", "sub/b.png"]
+    assert skipped == 0
+
+
+@needs_symlinks
+def test_symlinked_file_is_included_once_per_name(tmp_path):
+    touch(tmp_path / "a.png")
+    os.symlink("a.png", tmp_path / "b.png")
+    os.symlink(tmp_path / "a.png", tmp_path / "c.jpg")
+    os.symlink("a.png", tmp_path / "d.txt")  # a link to an image, but not an image name
+    items, skipped = walk_folder(tmp_path)
+    assert keys(items) == ["a.png", "b.png", "c.jpg"]
+    assert skipped == 1
+    assert len({os.path.realpath(i.path) for i in items}) == 1
+
+
+@needs_symlinks
+def test_dangling_symlink_becomes_an_error_later_not_a_crash(tmp_path):
+    touch(tmp_path / "a.png")
+    os.symlink(tmp_path / "gone.png", tmp_path / "broken.png")
+    os.symlink(tmp_path / "gone.txt", tmp_path / "broken.txt")
+    items, skipped = walk_folder(tmp_path)
+    assert keys(items) == ["a.png", "broken.png"]
+    assert skipped == 1
+    probe = probe_image(items[1].path)
+    assert probe.width is None and probe.error and "\n" not in probe.error
+    from dsv4enc.tower.config import VisionConfig
+    from helpers import CONFIGS
+
+    decoded = decode_image(items[1].path, VisionConfig.from_file(CONFIGS / "tiny.json"))
+    assert decoded.patches is None and decoded.error
+    # Given directly, too.
+    found = discover([str(tmp_path / "broken.png")])
+    assert keys(found.items) == [str(tmp_path / "broken.png")]
+
+
+# --------------------------------------------------------------------------- errors, lists
+
+def test_missing_input_is_a_one_line_usage_error(tmp_path):
+    touch(tmp_path / "a.png")
+    with pytest.raises(UsageError) as info:
+        discover([str(tmp_path), str(tmp_path / "nope")])
+    message = str(info.value)
+    assert "\n" not in message and "nope" in message and "not found" in message
+    assert info.value.exit_code == 2
+
+
+def test_files_from_reads_paths_as_given(tmp_path):
+    touch(tmp_path / "a.png")
+    (tmp_path / "dir.jpg").mkdir()
+    listing = tmp_path / "list.txt"
+    listing.write_text(f"  {tmp_path / 'a.png'}  \n\nmissing.jpg\r\nnotes.txt\n"
+                       f"{tmp_path / 'dir.jpg'}\n")
+    found = discover([], str(listing))
+    # A listed path that does not exist is kept (an error row later); the others are skipped.
+    assert keys(found.items) == [str(tmp_path / "a.png"), "missing.jpg"]
+    assert found.skipped == 2
+
+
+def test_files_from_stdin_and_undecodable_bytes(tmp_path, monkeypatch):
+    raw = b"one.png\n caf\xe9.jpg \n\n"
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(raw)))
+    paths = read_path_list("-")
+    assert paths[0] == "one.png"
+    assert os.fsencode(paths[1]) == b"caf\xe9.jpg"  # the file system's own bytes
+    listing = tmp_path / "list.txt"
+    listing.write_bytes(raw)
+    assert read_path_list(str(listing)) == paths
+
+
+def test_unreadable_files_from_is_a_usage_error(tmp_path):
+    with pytest.raises(UsageError) as info:
+        read_path_list(str(tmp_path / "no-such-list.txt"))
+    assert "\n" not in str(info.value) and "--files-from" in str(info.value)

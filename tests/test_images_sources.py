@@ -1,0 +1,639 @@
+"""Container inputs: WebDataset tar shards and Parquet/Arrow tables with an image column."""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+import struct
+import tarfile
+import tempfile
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.feather as feather
+import pyarrow.parquet as pq
+import pytest
+from hypothesis import given, settings, strategies as st
+from PIL import Image
+from typer.testing import CliRunner
+
+from dsv4enc import read_embeddings
+from dsv4enc.images import sources
+from dsv4enc.cli import app
+from dsv4enc.images.decode import decode_image, probe_image
+from dsv4enc.errors import UsageError
+from dsv4enc.images.discover import discover
+
+from helpers import CONFIGS, load_config, write_image
+
+runner = CliRunner()
+STRUCT = pa.struct([("bytes", pa.binary()), ("path", pa.string())])
+
+
+@pytest.fixture(scope="module")
+def ckpt(small_ckpt) -> Path:
+    return small_ckpt
+
+
+@pytest.fixture(scope="module")
+def images(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("sources_images")
+    specs = {"a.jpg": ((64, 48), "RGB"), "b.png": ((30, 90), "RGBA"), "c.webp": ((120, 12), "RGB"),
+             "d.png": ((40, 30), "L"), "e.gif": ((24, 24), "P")}
+    return {name: write_image(root / name, size, mode) for name, (size, mode) in specs.items()}
+
+
+def add_bytes(archive: tarfile.TarFile, name: str, data: bytes) -> None:
+    info = tarfile.TarInfo(name)
+    info.size = len(data)
+    archive.addfile(info, io.BytesIO(data))
+
+
+@pytest.fixture(scope="module")
+def shard(tmp_path_factory, images) -> Path:
+    """A WebDataset shard: samples with a .cls sidecar, one sample with two images, a
+    sample without an image, a hidden file and a folder entry."""
+    path = tmp_path_factory.mktemp("shards") / "shard-000.tar"
+    with tarfile.open(path, "w") as archive:
+        folder = tarfile.TarInfo("train")
+        folder.type = tarfile.DIRTYPE  # not a regular file: passed over
+        archive.addfile(folder)
+        for i, name in enumerate(["a.jpg", "b.png", "c.webp"]):
+            ext = name.split(".")[1]
+            add_bytes(archive, f"train/{i:04d}.{ext}", images[name].read_bytes())
+            add_bytes(archive, f"train/{i:04d}.cls", str(i).encode())
+        add_bytes(archive, "train/0003.left.png", images["d.png"].read_bytes())
+        add_bytes(archive, "train/0003.right.gif", images["e.gif"].read_bytes())
+        add_bytes(archive, "train/0004.json", b"{}")
+        add_bytes(archive, "train/.0005.jpg", images["a.jpg"].read_bytes())
+        add_bytes(archive, "train/0006.jpg", b"not a jpeg")
+    return path
+
+
+def run(*args: str) -> None:
+    result = runner.invoke(app, ["encode", *args, "--workers", "0", "--device", "cpu", "-q"])
+    assert result.exit_code == 0, result.output
+
+
+# --------------------------------------------------------------------------- tar shards
+
+def test_tar_index_keys_and_skips(shard):
+    found = discover([str(shard)])
+    keys = [item.key for item in found.items]
+    assert keys == ["train/0000", "train/0001", "train/0002", "train/0003.left.png",
+                    "train/0003.right.gif", "train/0006"]
+    assert found.skipped == 1  # train/0004 has no image; sidecars of image samples don't count
+    assert all(isinstance(i.member, sources.TarMember) and i.path == str(shard)
+               for i in found.items)
+    assert sources.split_key("a/b.seg.png") == ("a/b", "seg.png")
+    assert sources.split_key("plain") == ("plain", "")
+
+
+def test_tar_members_are_read_by_offset_alone(shard, images, tmp_path):
+    """Workers seek to their member: the rest of the tar (headers included) is never parsed."""
+    items = discover([str(shard)]).items
+    copy = tmp_path / "copy.tar"
+    data = bytearray(shard.read_bytes())
+    first = items[0].member
+    data[:first.offset] = b"\xff" * first.offset  # wipe the first header
+    for item in items[1:]:
+        start = item.member.offset - 512  # and every other member's header
+        data[start:item.member.offset] = b"\xff" * 512
+    copy.write_bytes(bytes(data))
+    moved = [replace(item, path=str(copy)) for item in items]
+    assert sources.open_item(moved[1]) == images["b.png"].read_bytes()
+    assert probe_image(moved[0]).width == 64
+    assert decode_image(moved[2], _cfg()).error is None
+    assert pickle.loads(pickle.dumps(moved[0])) == moved[0]
+    bad = decode_image(moved[-1], _cfg())
+    assert bad.error and "UnidentifiedImageError" in bad.error
+
+
+def _cfg():
+    return replace(load_config("tiny"), min_pixels=56 * 56, max_n_token=24)
+
+
+def test_compressed_and_broken_tars_are_usage_errors(tmp_path, images):
+    gz = tmp_path / "s.tar"
+    with tarfile.open(gz, "w:gz") as archive:
+        add_bytes(archive, "x.jpg", images["a.jpg"].read_bytes())
+    with pytest.raises(UsageError, match="uncompressed"):
+        discover([str(gz)])
+
+
+def test_tar_encode_matches_loose_files(shard, images, ckpt, tmp_path):
+    run(str(shard), "--out", str(tmp_path / "tar.parquet"), "--weights", str(ckpt))
+    loose = tmp_path / "loose"
+    loose.mkdir()
+    for name in ["a.jpg", "b.png", "c.webp"]:
+        (loose / name).write_bytes(images[name].read_bytes())
+    run(str(loose), "--out", str(tmp_path / "loose.parquet"), "--weights", str(ckpt))
+    tar_rows = {p: e for p, e, _ in read_embeddings(tmp_path / "tar.parquet")}
+    loose_rows = {p: e for p, e, _ in read_embeddings(tmp_path / "loose.parquet")}
+    for i, name in enumerate(["a.jpg", "b.png", "c.webp"]):
+        np.testing.assert_array_equal(tar_rows[f"train/{i:04d}"], loose_rows[name])
+    table = pq.read_table(tmp_path / "tar.parquet", columns=["path", "width", "error"])
+    assert table.column("path").to_pylist()[-1] == "train/0006"
+    assert table.column("error").to_pylist()[-1].startswith("UnidentifiedImageError")
+    assert table.column("width").to_pylist()[:3] == [64, 30, 120]
+
+
+# --------------------------------------------------------------------------- tables
+
+def image_table(images: dict[str, Path], names: list[str], struct: bool) -> pa.Table:
+    data = [images[n].read_bytes() for n in names]
+    if struct:
+        column = pa.array([{"bytes": d, "path": n} for d, n in zip(data, names)], STRUCT)
+    else:
+        column = pa.array(data, pa.binary())
+    return pa.table({"id": [f"id-{i}" for i in range(len(names))], "img": column})
+
+
+def test_parquet_bytes_column_keys_and_row_groups(tmp_path, images, ckpt):
+    names = ["a.jpg", "b.png", "c.webp", "d.png", "e.gif"]
+    path = tmp_path / "t.parquet"
+    pq.write_table(image_table(images, names, struct=False), path, row_group_size=2)
+    found = discover([str(path)])
+    assert [i.key for i in found.items] == [f"{path}#{r}" for r in range(5)]
+    assert [(i.member.group, i.member.row) for i in found.items] == [(0, 0), (0, 1), (1, 0),
+                                                                     (1, 1), (2, 0)]
+    keyed = discover([str(path)], key_column="id")
+    assert [i.key for i in keyed.items] == [f"id-{r}" for r in range(5)]
+    for item, name in zip(found.items, names):
+        assert sources.open_item(item) == images[name].read_bytes()
+    run(str(path), "--out", str(tmp_path / "o.parquet"), "--weights", str(ckpt),
+        "--key-column", "id", "--image-column", "img")
+    rows = pq.read_table(tmp_path / "o.parquet", columns=["path", "width", "height", "error"])
+    assert rows.column("path").to_pylist() == [f"id-{r}" for r in range(5)]
+    assert rows.column("error").null_count == 5
+    assert rows.column("width").to_pylist() == [64, 30, 120, 40, 24]
+
+
+def test_hf_struct_column_paths_nulls_and_files(tmp_path, images):
+    names = ["a.jpg", "b.png"]
+    table = image_table(images, names, struct=True)
+    extra = pa.array([{"bytes": None, "path": "side.png"}, None, {"bytes": None, "path": None}],
+                     STRUCT)
+    full = pa.table({"id": ["x", "y", "z", "w", "v"],
+                     "img": pa.concat_arrays([table.column("img").combine_chunks(), extra])})
+    (tmp_path / "side.png").write_bytes(images["d.png"].read_bytes())
+    path = tmp_path / "hf.parquet"
+    pq.write_table(full, path)
+    items = discover([str(path)]).items
+    assert [i.key for i in items] == ["a.jpg", "b.png", "side.png", f"{path}#3", f"{path}#4"]
+    assert sources.open_item(items[2]) == str(tmp_path / "side.png")  # beside the table
+    assert decode_image(items[2], _cfg()).width == 40
+    assert "no image" in decode_image(items[3], _cfg()).error
+    assert "neither bytes nor a path" in decode_image(items[4], _cfg()).error
+    assert probe_image(items[0]).width == 64
+
+
+@pytest.mark.parametrize("fmt", ["feather", "stream"])
+def test_arrow_files_and_streams(tmp_path, images, fmt):
+    table = image_table(images, ["a.jpg", "b.png", "c.webp"], struct=True)
+    path = tmp_path / "t.arrow"
+    if fmt == "feather":
+        path = tmp_path / "t.feather"
+        feather.write_feather(table, path, chunksize=2)
+    else:  # what Hugging Face `datasets` writes to its cache
+        with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_stream(sink, table.schema) as out:
+            for batch in table.to_batches(max_chunksize=2):
+                out.write_batch(batch)
+    items = discover([str(path)]).items
+    assert [i.key for i in items] == ["a.jpg", "b.png", "c.webp"]
+    assert [i.member.group for i in items] == [0, 0, 1]
+    assert sources.open_item(items[2]) == images["c.webp"].read_bytes()
+
+
+def test_column_choice_errors(tmp_path, images):
+    path = tmp_path / "t.parquet"
+    two = image_table(images, ["a.jpg"], struct=False).append_column(
+        "thumb", pa.array([b"x"], pa.binary()))
+    pq.write_table(two, path)
+    with pytest.raises(UsageError, match="several columns"):
+        discover([str(path)])
+    assert discover([str(path)], image_column="thumb").items[0].member.column == "thumb"
+    with pytest.raises(UsageError, match="no column 'nope'"):
+        discover([str(path)], image_column="nope")
+    with pytest.raises(UsageError, match="not image bytes"):
+        discover([str(path)], image_column="id")
+    with pytest.raises(UsageError, match="no key column 'k'"):
+        discover([str(path)], image_column="img", key_column="k")
+    pq.write_table(pa.table({"n": [1]}), tmp_path / "none.parquet")
+    with pytest.raises(UsageError, match="pass --image-column"):
+        discover([str(tmp_path / "none.parquet")])
+    with pytest.raises(UsageError, match="--image-column applies"):
+        discover([str(images["a.jpg"])], image_column="img")
+    result = runner.invoke(app, ["encode", str(path), "--out", str(tmp_path / "o.parquet"),
+                                 "--config", str(CONFIGS / "tiny.json"), "--random-init", "-q"])
+    assert result.exit_code == 2 and "several columns" in result.output
+
+
+def test_row_group_cache_reads_each_group_once(tmp_path, images, monkeypatch):
+    path = tmp_path / "t.parquet"
+    pq.write_table(image_table(images, ["a.jpg", "b.png", "c.webp", "d.png"], False), path,
+                   row_group_size=2)
+    items = discover([str(path)]).items
+    reads = []
+    original = sources.TableReader.read
+
+    def counting(self, group, columns):
+        reads.append(group)
+        return original(self, group, columns)
+
+    monkeypatch.setattr(sources.TableReader, "read", counting)
+    monkeypatch.setattr(sources, "GROUP_CACHE", sources.GroupCache())
+    for item in items:
+        sources.open_item(item)
+    assert reads == [0, 1]
+    monkeypatch.setattr(sources, "GROUP_CACHE", sources.GroupCache(max_bytes=1))
+    reads.clear()
+    for item in items + items:
+        sources.open_item(item)
+    assert reads == [0, 1, 0, 1]  # over budget: only the last group stays
+
+
+def test_decode_workers_take_container_items(shard, tmp_path, images, ckpt):
+    """Real worker processes (spawn): items with members pickle and decode there."""
+    table = tmp_path / "t.parquet"
+    pq.write_table(image_table(images, ["d.png", "e.gif"], struct=True), table)
+    out = tmp_path / "w.parquet"
+    result = runner.invoke(app, ["encode", str(shard), str(table), "--out", str(out),
+                                 "--weights", str(ckpt), "--workers", "1", "--device", "cpu",
+                                 "-q"])
+    assert result.exit_code == 0, result.output
+    got = pq.read_table(out, columns=["path", "error"]).to_pylist()
+    assert [r["path"] for r in got] == ["train/0000", "train/0001", "train/0002",
+                                        "train/0003.left.png", "train/0003.right.gif",
+                                        "train/0006", "d.png", "e.gif"]
+    assert [r["error"] is None for r in got] == [True] * 5 + [False] + [True] * 2
+    inline = tmp_path / "i.parquet"
+    run(str(shard), str(table), "--out", str(inline), "--weights", str(ckpt))
+    a = dict((p, e) for p, e, _ in read_embeddings(out))
+    b = dict((p, e) for p, e, _ in read_embeddings(inline))
+    assert a.keys() == b.keys()
+    for key in a:
+        np.testing.assert_array_equal(a[key], b[key])
+
+
+# --------------------------------------------------------------------------- damaged containers
+
+def noise_png(seed: int, size: int = 40) -> bytes:
+    """A PNG of noise, a few kB: its data spans several tar blocks."""
+    rng = np.random.default_rng(seed)
+    buffer = io.BytesIO()
+    Image.fromarray(rng.integers(0, 256, (size, size, 3), dtype=np.uint8)).save(buffer, "PNG")
+    return buffer.getvalue()
+
+
+@pytest.fixture(scope="module")
+def five(tmp_path_factory) -> tuple[bytes, list[int]]:
+    """A five-sample shard's bytes and its members' header offsets."""
+    path = tmp_path_factory.mktemp("five") / "five.tar"
+    with tarfile.open(path, "w") as archive:
+        for i in range(5):
+            add_bytes(archive, f"s{i}.png", noise_png(i))
+    headers = [item.member.offset - 512 for item in discover([str(path)]).items]
+    return path.read_bytes(), headers
+
+
+def set_size(data: bytearray, header: int, size: int) -> None:
+    """Rewrite the size field of the tar header at ``header`` (checksum kept valid)."""
+    info = tarfile.TarInfo.frombuf(bytes(data[header:header + 512]), "utf-8", "surrogateescape")
+    info.size = size
+    data[header:header + 512] = info.tobuf()
+
+
+def damage(kind: str, data: bytes, headers: list[int]) -> bytes:
+    third = headers[2]
+    if kind == "bad checksum":
+        broken = bytearray(data)
+        broken[third + 148] ^= 0x11
+        return bytes(broken)
+    if kind == "cut in a header":
+        return data[:third + 100]
+    if kind == "size too small":
+        broken = bytearray(data)
+        set_size(broken, headers[1], 600)  # member 2 claims 600 of its ~5 kB
+        return bytes(broken)
+    if kind == "cut at a member boundary":
+        return data[:third]
+    if kind == "cut in a member's data":
+        return data[:third + 1000]
+    raise ValueError(kind)
+
+
+@pytest.mark.parametrize("kind, readable, damaged_at", [
+    ("bad checksum", ["s0", "s1", "s3", "s4"], "third"),
+    ("cut in a header", ["s0", "s1"], "third"),
+    ("size too small", ["s0", "s1", "s2", "s3", "s4"], None),
+    ("cut at a member boundary", ["s0", "s1"], "end"),
+    ("cut in a member's data", ["s0", "s1", "s2"], "end"),
+])
+def test_a_damaged_tar_never_reads_as_complete(tmp_path, five, kind, readable, damaged_at):
+    """Members after the damage are not lost silently: the index reads on at the next valid
+    header (as GNU tar does), and the damaged region is an error row ``FILE@OFFSET``."""
+    data, headers = five
+    path = tmp_path / "shard.tar"
+    path.write_bytes(damage(kind, data, headers))
+    items = discover([str(path)]).items
+    member_keys = [i.key for i in items if isinstance(i.member, sources.TarMember)]
+    assert member_keys == readable
+    errors = [i for i in items if isinstance(i.member, sources.Unreadable)]
+    assert len(errors) == 1
+    offset = int(errors[0].key.rpartition("@")[2])
+    assert errors[0].key == f"{path}@{offset}"
+    if damaged_at == "third":
+        assert offset == headers[2]
+    elif damaged_at == "end":
+        assert offset == path.stat().st_size
+    else:  # the short member's data ends mid-way: the damage starts there
+        assert headers[1] < offset < headers[2]
+    probe = probe_image(errors[0])
+    assert probe.error.startswith("DamagedContainerError") and f"byte {offset}" in probe.error
+    assert decode_image(errors[0], _cfg()).error == probe.error
+
+
+def test_an_intact_tar_has_no_error_row(five, tmp_path):
+    data, _ = five
+    padded = tmp_path / "padded.tar"  # zero blocks between joined archives are no damage
+    padded.write_bytes(data + data)
+    keys = [i.key for i in discover([str(padded)]).items]
+    # Each sample key now has two images: keyed by member name, the second with a suffix.
+    assert keys == [f"s{i}.png" for i in range(5)] + [f"s{i}.png#2" for i in range(5)]
+
+
+def test_pax_global_headers_gnu_long_names_and_links_are_no_damage(tmp_path, images):
+    """What ``git archive`` and GNU tar write: a pax global header first, long names, links."""
+    for fmt in (tarfile.PAX_FORMAT, tarfile.GNU_FORMAT):
+        path = tmp_path / f"f{fmt}.tar"
+        with tarfile.open(path, "w", format=fmt, pax_headers={"comment": "x" * 600}) as archive:
+            add_bytes(archive, "d" * 120 + "/a.png", images["b.png"].read_bytes())
+            link = tarfile.TarInfo("l" * 120 + "/b.png")
+            link.type, link.linkname = tarfile.LNKTYPE, "d" * 120 + "/a.png"
+            archive.addfile(link)
+        items = discover([str(path)]).items
+        assert [type(i.member) for i in items] == [sources.TarMember] * 2, fmt
+        assert sources.open_item(items[1]) == images["b.png"].read_bytes()
+
+
+@settings(max_examples=60, deadline=None)
+@given(cut=st.integers(0, 10**6), flips=st.lists(st.tuples(st.integers(0, 10**6),
+                                                             st.integers(1, 255)), max_size=3))
+def test_fuzzed_tars_never_read_as_complete(five, cut, flips):
+    """Any cut before the last member's end, or any changed header byte, gives an error row;
+    the index never raises, and every item it gives reads or fails with one line."""
+    data, headers = five
+    end_of_members = headers[-1] + 512 + len(noise_png(4))
+    broken = bytearray(data[:cut % (len(data) + 1)])
+    for at, mask in flips:
+        if broken:
+            broken[at % len(broken)] ^= mask
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "f.tar"
+        path.write_bytes(bytes(broken))
+        try:
+            items = discover([str(path)]).items
+        except UsageError as exc:  # a flip that makes the first bytes a compressor's magic
+            assert "compressed" in str(exc)
+            return
+        damaged = [i for i in items if isinstance(i.member, sources.Unreadable)]
+        header_hit = any(h <= at % max(1, len(broken)) < h + 512 for h in headers
+                         for at, _ in flips if broken)
+        if len(broken) < end_of_members or (header_hit and bytes(broken) != data[:len(broken)]):
+            assert damaged or all(probe_image(i).error for i in items)
+        for item in items:
+            error = probe_image(item).error
+            assert error is None or "\n" not in error
+
+
+def test_a_damaged_header_after_a_long_name_skips_only_its_member(tmp_path):
+    path = tmp_path / "long.tar"
+    names = ["a" * 150 + f"/{i}.png" for i in range(3)]
+    with tarfile.open(path, "w", format=tarfile.GNU_FORMAT) as archive:
+        for name in names:
+            add_bytes(archive, name, noise_png(1))
+    data = bytearray(path.read_bytes())
+    long_links = [at for at in range(0, len(data), 512) if data[at:at + 13] == b"././@LongLink"]
+    data[long_links[1] + 1024 + 148] ^= 0x11  # the header that follows the 2nd long name
+    path.write_bytes(bytes(data))
+    items = discover([str(path)]).items
+    assert [i.key for i in items] == ["a" * 150 + "/0", f"{path}@{long_links[1]}",
+                                      "a" * 150 + "/2"]
+
+
+def test_damaged_tar_through_the_cli(tmp_path, five, ckpt):
+    data, headers = five
+    path = tmp_path / "shard.tar"
+    path.write_bytes(damage("bad checksum", data, headers))
+    out = tmp_path / "o.parquet"
+    run(str(path), "--out", str(out), "--weights", str(ckpt))
+    rows = pq.read_table(out, columns=["path", "error"]).to_pylist()
+    assert [r["path"] for r in rows] == ["s0", "s1", f"{path}@{headers[2]}", "s3", "s4"]
+    assert [r["error"] is None for r in rows] == [True, True, False, True, True]
+    assert "no valid tar header" in rows[2]["error"]
+
+
+def test_not_a_tar_at_all_is_an_error_row(tmp_path):
+    path = tmp_path / "junk.tar"
+    path.write_bytes(b"hello" * 300)
+    items = discover([str(path)]).items
+    assert [i.key for i in items] == [f"{path}@0"]
+    assert "not a tar file" in probe_image(items[0]).error
+
+
+def test_tar_links_are_read_or_reported(tmp_path, images):
+    """A hard link reads its target's data; a symlink or a link to nothing is an error row;
+    none vanishes."""
+    path = tmp_path / "links.tar"
+    with tarfile.open(path, "w") as archive:
+        add_bytes(archive, "a.png", images["b.png"].read_bytes())
+        for name, kind, target in [("b.png", tarfile.LNKTYPE, "a.png"),
+                                   ("c.png", tarfile.LNKTYPE, "missing.png"),
+                                   ("d.png", tarfile.SYMTYPE, "a.png"),
+                                   ("e.png", tarfile.FIFOTYPE, "")]:
+            info = tarfile.TarInfo(name)
+            info.type, info.linkname = kind, target
+            archive.addfile(info)
+    items = discover([str(path)]).items
+    assert [i.key for i in items] == ["a", "b", "c", "d", "e"]
+    assert sources.open_item(items[1]) == images["b.png"].read_bytes()
+    assert probe_image(items[1]).width == 30
+    assert "hard link to 'missing.png'" in probe_image(items[2]).error
+    assert "symbolic link" in probe_image(items[3]).error
+    assert "not a regular file" in probe_image(items[4]).error
+
+
+def test_tar_repeated_member_names_get_unique_keys(tmp_path, images):
+    path = tmp_path / "again.tar"
+    with tarfile.open(path, "w") as archive:
+        add_bytes(archive, "x/0001.jpg", images["a.jpg"].read_bytes())
+        add_bytes(archive, "x/0001.jpg", images["a.jpg"].read_bytes())
+        add_bytes(archive, "x/0002.jpg", images["a.jpg"].read_bytes())
+    keys = [i.key for i in discover([str(path), str(path)]).items]
+    assert keys == ["x/0001.jpg", "x/0001.jpg#2", "x/0002",
+                    "x/0001.jpg#3", "x/0001.jpg#4", "x/0002#2"]
+
+
+def write_stream(table: pa.Table, path: Path, rows_per_batch: int) -> list[int]:
+    """Write ``table`` as an IPC stream; the byte offsets where each batch ends."""
+    ends = []
+    with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_stream(sink, table.schema) as out:
+        for batch in table.to_batches(max_chunksize=rows_per_batch):
+            out.write_batch(batch)
+            ends.append(sink.tell())
+    return ends
+
+
+@pytest.mark.parametrize("cut", ["batch boundary", "inside a batch", "no end marker only"])
+def test_a_cut_arrow_stream_never_reads_as_complete(tmp_path, images, cut):
+    table = image_table(images, ["a.jpg", "b.png", "c.webp", "d.png", "e.gif"], struct=False)
+    whole = tmp_path / "whole.arrow"
+    ends = write_stream(table, whole, 2)
+    data = whole.read_bytes()
+    path = tmp_path / "cut.arrow"
+    at = {"batch boundary": ends[0], "inside a batch": ends[0] + 50,
+          "no end marker only": ends[-1]}[cut]
+    path.write_bytes(data[:at])
+    items = discover([str(path)]).items
+    rows = [i for i in items if isinstance(i.member, sources.TableCell)]
+    kept = 5 if cut == "no end marker only" else 2
+    assert len(rows) == kept and len(items) == kept + 1
+    assert items[-1].key == f"{path}@{ends[-1] if kept == 5 else ends[0]}"
+    assert "DamagedContainerError" in probe_image(items[-1]).error
+    assert sources.open_item(rows[1]) == images["b.png"].read_bytes()
+    assert len(discover([str(whole)]).items) == 5  # the intact stream: no error row
+
+
+def test_a_cut_feather_file_keeps_its_batches(tmp_path, images):
+    table = image_table(images, ["a.jpg", "b.png", "c.webp"], struct=False)
+    path = tmp_path / "t.feather"
+    feather.write_feather(table, path, chunksize=2, compression="uncompressed")
+    data = path.read_bytes()
+    path.write_bytes(data[:-40])  # the footer is gone
+    items = discover([str(path)]).items
+    assert [i.key for i in items[:3]] == [f"{path}#{r}" for r in range(3)]
+    assert "no footer" in probe_image(items[3]).error
+
+
+def test_damaged_parquet(tmp_path, images):
+    """A Parquet file without its footer is one error row; a row group whose pages are
+    damaged gives each of its rows an error row, the other groups read."""
+    table = image_table(images, ["a.jpg", "b.png", "c.webp", "d.png"], struct=False)
+    path = tmp_path / "t.parquet"
+    pq.write_table(table, path, row_group_size=2, compression="none")
+    data = path.read_bytes()
+    cut = tmp_path / "cut.parquet"
+    cut.write_bytes(data[:len(data) // 2])
+    items = discover([str(cut)]).items
+    assert [i.key for i in items] == [f"{cut}@0"]
+    assert "cannot read it as a table" in probe_image(items[0]).error
+    meta = pq.ParquetFile(path).metadata
+    column = meta.row_group(1).column(meta.schema.names.index("img"))
+    start = column.data_page_offset
+    broken = bytearray(data)
+    broken[start:start + 64] = b"\xff" * 64  # the second group's page header
+    bad = tmp_path / "bad.parquet"
+    bad.write_bytes(bytes(broken))
+    items = discover([str(bad)], key_column="id").items
+    assert [i.key for i in items] == ["id-0", "id-1", "id-2", "id-3"]
+    errors = [probe_image(i).error for i in items]
+    assert errors[:2] == [None, None] and errors[2] and errors[3]
+
+
+# --------------------------------------------------------------------------- table path cells
+
+def path_table(folder: Path, paths: list[str]) -> Path:
+    """A Parquet table in ``folder`` whose image structs hold only paths."""
+    column = pa.array([{"bytes": None, "path": p} for p in paths], STRUCT)
+    path = folder / "t.parquet"
+    pq.write_table(pa.table({"img": column}), path)
+    return path
+
+
+def test_a_relative_path_cell_resolves_beside_the_table_never_the_cwd(tmp_path, images,
+                                                                     monkeypatch):
+    table_dir, cwd = tmp_path / "data", tmp_path / "cwd"
+    (table_dir / "imgs").mkdir(parents=True)
+    (cwd / "imgs").mkdir(parents=True)
+    (table_dir / "imgs" / "x.png").write_bytes(images["b.png"].read_bytes())
+    (cwd / "imgs" / "x.png").write_bytes(images["d.png"].read_bytes())  # a different image
+    (cwd / "only_here.png").write_bytes(images["d.png"].read_bytes())
+    table = path_table(table_dir, ["imgs/x.png", "only_here.png"])
+    monkeypatch.chdir(cwd)
+    items = discover([str(table)]).items
+    assert probe_image(items[0]).width == 30  # b.png beside the table, not d.png (40)
+    assert "FileNotFoundError" in probe_image(items[1]).error
+
+
+def test_path_cells_outside_the_table_folder_are_refused(tmp_path, images):
+    """A shared table must not make dsv4enc read a user's other files: paths outside the
+    table's folder (after symlinks and ``..``), non-image names and non-regular files are
+    error rows; ``--table-paths-root`` allows more folders."""
+    private, data = tmp_path / "private", tmp_path / "data"
+    private.mkdir()
+    (data / "sub").mkdir(parents=True)
+    (private / "photo.png").write_bytes(images["b.png"].read_bytes())
+    (data / "sub" / "ok.png").write_bytes(images["d.png"].read_bytes())
+    (data / "escape.png").symlink_to(private / "photo.png")
+    os.mkfifo(data / "pipe.png")
+    (data / "notes.txt").write_text("not an image")
+    cells = ["../private/photo.png", str(private / "photo.png"), "escape.png",
+             "sub/../../private/photo.png", "/etc/passwd", "/proc/self/environ", "/dev/zero",
+             "pipe.png", "notes.txt", "sub/ok.png", str(data / "sub" / "ok.png")]
+    table = path_table(data, cells)
+    errors = [probe_image(i).error for i in discover([str(table)]).items]
+    assert all(e.startswith("RefusedPathError") for e in errors[:9]), errors
+    assert all("outside the table's folder" in e for e in errors[:4])
+    assert "not a regular file" in errors[7] and "not an image file name" in errors[8]
+    assert errors[9:] == [None, None]
+    allowed = discover([str(table)], table_paths_roots=[str(private)]).items
+    assert [probe_image(i).error for i in allowed[:4]] == [None] * 4
+    assert probe_image(allowed[0]).width == 30
+    assert "RefusedPathError" in decode_image(discover([str(table)]).items[0], _cfg()).error
+    with pytest.raises(UsageError, match="not a folder"):
+        discover([str(table)], table_paths_roots=[str(tmp_path / "nope")])
+
+
+def test_table_paths_root_through_the_cli(tmp_path, images, ckpt):
+    private, data = tmp_path / "private", tmp_path / "data"
+    private.mkdir()
+    data.mkdir()
+    (private / "photo.png").write_bytes(images["b.png"].read_bytes())
+    table = path_table(data, ["../private/photo.png"])
+    for extra, refused in (((), True), (("--table-paths-root", str(private)), False)):
+        out = tmp_path / f"o{int(refused)}.parquet"
+        run(str(table), "--out", str(out), "--weights", str(ckpt), *extra)
+        error = pq.read_table(out, columns=["error"]).column(0)[0].as_py()
+        assert (error is not None and "RefusedPathError" in error) == refused, error
+
+
+def test_arrow_offsets_pointing_outside_their_buffer_are_error_rows(tmp_path):
+    """IPC data is read in place: a batch whose offsets point past its buffer is an error row
+    (validated), never read blindly."""
+    table = pa.table({"img": pa.array([b"A" * 100, b"B" * 100, b"C" * 100], pa.binary())})
+    path = tmp_path / "t.arrow"
+    write_stream(table, path, 3)
+    data = bytearray(path.read_bytes())
+    at = data.find(struct.pack("<4i", 0, 100, 200, 300))
+    data[at + 4:at + 8] = struct.pack("<i", 10**8)
+    path.write_bytes(bytes(data))
+    items = discover([str(path)]).items
+    assert len(items) == 3
+    assert all("Offset invariant failure" in probe_image(i).error for i in items)
+
+
+# --------------------------------------------------------------------------- unique keys
+
+def test_repeated_table_keys_get_suffixes(tmp_path, images):
+    """Hugging Face structs often repeat one file name (``image.jpg``) in every row."""
+    table = pa.table({"img": pa.array([{"bytes": images["a.jpg"].read_bytes(), "path": name}
+                                       for name in ["image.jpg", "image.jpg", "image.jpg#2",
+                                                    "image.jpg"]], STRUCT)})
+    path = tmp_path / "t.parquet"
+    pq.write_table(table, path)
+    keys = [i.key for i in discover([str(path)]).items]
+    assert keys == ["image.jpg", "image.jpg#3", "image.jpg#2", "image.jpg#4"]

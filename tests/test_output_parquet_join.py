@@ -1,0 +1,228 @@
+"""Joining Parquet parts by copying their bytes (``parquet_concat``), and the single-file
+output built that way: equal to the parts read one after the other, readable by every
+reader, and made of the parts' own bytes (no second encode)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from dsv4enc.output.parquet_join import JoinError, ParquetJoiner, CompactWriter, read_footer
+from dsv4enc.run.pipeline import EncodeOptions, run_encode
+from dsv4enc.output.parts import Row, output_schema, parquet_options, rows_to_table
+
+from helpers import CONFIGS, write_image
+
+
+def write_parts(folder: Path, layout: str, pooled: bool, sizes=(0, 5, 7, 3)) -> list[Path]:
+    """Part files of one schema, with failed rows, a few row groups each (one empty part)."""
+    rng = np.random.default_rng(1)
+    schema = output_schema(16, "float16", {"x": 1}, pooled=pooled, layout=layout)
+    files = []
+    for k, n in enumerate(sizes):
+        shape = (16,) if pooled else (6, 16)
+        rows = [Row(f"{k}/{i}", 1, 2, 3, 4, 2, 3, rng.standard_normal(shape).astype(np.float16))
+                if i % 3 else Row(f"{k}/{i}", error="OSError: bad") for i in range(n)]
+        path = folder / f"part-{k:06d}.parquet"
+        pq.write_table(rows_to_table(rows, schema), path, row_group_size=2,
+                       **parquet_options(schema))
+        files.append(path)
+    return files
+
+
+def join(files: list[Path], out: Path) -> Path:
+    joiner = ParquetJoiner(out)
+    for f in files:
+        joiner.append(f)
+    joiner.close()
+    return out
+
+
+@pytest.mark.parametrize("layout", ["binary", "nested"])
+@pytest.mark.parametrize("pooled", [False, True])
+def test_joined_file_equals_the_parts_read_in_turn(tmp_path, layout, pooled):
+    files = write_parts(tmp_path, layout, pooled)
+    out = join(files, tmp_path / "joined.parquet")
+    got, want = pq.read_table(out), pa.concat_tables([pq.read_table(f) for f in files])
+    assert got.equals(want) and got.schema.metadata == want.schema.metadata
+    meta = pq.read_metadata(out)
+    assert meta.num_rows == 15
+    assert meta.num_row_groups == sum(pq.read_metadata(f).num_row_groups for f in files)
+    for i in range(meta.num_row_groups):  # each group reads on its own (its offsets moved)
+        assert pq.ParquetFile(out).read_row_group(i).num_rows == meta.row_group(i).num_rows
+
+
+def test_footer_codec_writes_back_the_bytes_it_read(tmp_path):
+    for layout in ("binary", "nested"):
+        for path in write_parts(tmp_path, layout, pooled=False):
+            size = path.stat().st_size
+            with open(path, "rb") as handle:
+                footer, start = read_footer(handle, size)
+                handle.seek(start)
+                raw = handle.read(size - 8 - start)
+            writer = CompactWriter()
+            writer.struct(footer)
+            assert bytes(writer.out) == raw
+
+
+def test_other_readers_read_a_joined_file(tmp_path):
+    files = write_parts(tmp_path, "binary", pooled=False)
+    out = join(files, tmp_path / "joined.parquet")
+    want = pa.concat_tables([pq.read_table(f) for f in files])
+    pl = pytest.importorskip("polars")
+    assert pl.read_parquet(out)["path"].to_list() == want.column("path").to_pylist()
+    duckdb = pytest.importorskip("duckdb")
+    cells = duckdb.connect().execute("SELECT embedding FROM read_parquet(?)",
+                                     [str(out)]).fetchall()
+    assert [c[0] for c in cells] == want.column("embedding").to_pylist()
+
+
+def test_files_that_cannot_be_joined_by_copying_are_refused(tmp_path):
+    files = write_parts(tmp_path, "binary", pooled=False)
+    (tmp_path / "o").mkdir()
+    other = write_parts(tmp_path / "o", "nested", pooled=False)
+    joiner = ParquetJoiner(tmp_path / "mixed.parquet")
+    joiner.append(files[1])
+    with pytest.raises(JoinError, match="another schema"):
+        joiner.append(other[1])
+    joiner.abort()
+    indexed = tmp_path / "indexed.parquet"
+    pq.write_table(pq.read_table(files[1]), indexed, write_page_index=True)
+    with pytest.raises(JoinError, match="page indexes"):
+        ParquetJoiner(tmp_path / "x.parquet").append(indexed)
+    (tmp_path / "junk.parquet").write_bytes(b"PAR1 not parquet")
+    with pytest.raises(JoinError):
+        ParquetJoiner(tmp_path / "y.parquet").append(tmp_path / "junk.parquet")
+
+
+def test_a_single_file_output_is_its_parts_bytes(tmp_path):
+    """The final file holds each committed part's column chunks byte for byte, in input
+    order (nothing was encoded again; an appended part's own footer may follow its chunks),
+    and reads back equal to the folder output of the same run."""
+    images = tmp_path / "images"
+    for i in range(7):
+        write_image(images / f"{i}.png", (40 + 8 * i, 32))
+    (images / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\n broken")
+    base = dict(inputs=[str(images)], config=str(CONFIGS / "tiny.json"), random_init=True,
+                device="cpu", part_images=3, workers=0, progress=False)
+    out = tmp_path / "e.parquet"
+    run_encode(EncodeOptions(out=str(out), **base))
+    folder = tmp_path / "folder"
+    run_encode(EncodeOptions(out=f"{folder}/", **base))
+    manifest = json.loads((folder / "_manifest.json").read_text())
+    parts = [folder / p["file"] for p in sorted(manifest["parts"].values(),
+                                                key=lambda p: p["start"])]
+    assert len(parts) >= 2
+    data = out.read_bytes()
+    position = 4
+    for part in parts:
+        size = part.stat().st_size
+        with open(part, "rb") as handle:
+            _, start = read_footer(handle, size)
+        body = part.read_bytes()[4:start]
+        found = data.find(body, position)
+        assert found >= position, part.name
+        position = found + len(body)
+    got, want = pq.read_table(out), pa.concat_tables([pq.read_table(p) for p in parts])
+    assert got.equals(want)
+
+
+@pytest.mark.parametrize("layout", ["binary", "nested"])
+@pytest.mark.parametrize("out_dtype", ["float16", "float32"])
+@pytest.mark.parametrize("pooled", [False, True])
+def test_every_layout_round_trips_through_read_embeddings(tmp_path, layout, out_dtype, pooled):
+    """Parts committed by the writer, read back as a folder and as the joined single file:
+    the same arrays, bit for bit, in the stored dtype and shape; failed rows as None."""
+    from types import SimpleNamespace
+
+    from dsv4enc import read_embeddings
+    from dsv4enc.output.read import embedding_format
+    from dsv4enc.output.parts import PartStore, StreamingAssembler, rows_per_group
+
+    rng = np.random.default_rng(2)
+    width = 8
+    schema = output_schema(width, out_dtype, {"tool": "dsv4enc"}, pooled=pooled, layout=layout)
+    rows = []
+    for i in range(9):
+        n = 1 + i % 4
+        emb = rng.standard_normal((width,) if pooled else (n, width)).astype(out_dtype)
+        rows.append(Row(f"{i}.png", 10, 10, 2, 2, 1, n, emb) if i % 4 != 2
+                    else Row(f"{i}.png", error="OSError: truncated"))
+    store = PartStore(tmp_path / "parts", {"tool": "dsv4enc"})
+    store.create()
+    spans = [(0, 4), (4, 5), (5, 9)]
+    names = [f"part-{a:06d}" for a, _ in spans]
+    store.segments = {n: SimpleNamespace(start=a, end=b) for n, (a, b) in zip(names, spans)}
+    out = tmp_path / "e.parquet"
+    assembler = StreamingAssembler(store, names, out, schema)
+    for name, (a, b) in zip(names, spans):
+        store.commit(name, rows_to_table(rows[a:b], schema),
+                     rows_per_group(schema, rows[a:b]), a, b, "d")
+        assembler.notify()
+    assembler.finish()
+    assert embedding_format(pq.read_schema(out)).layout == layout
+    for source in (out, store.folder):
+        got = list(read_embeddings(source, errors="include", batch_rows=3))
+        assert [p for p, _, _ in got] == [r.path for r in rows]
+        for (_, emb, grid), row in zip(got, rows):
+            if row.embedding is None:
+                assert emb is None and grid is None
+                continue
+            assert emb.dtype == np.dtype(out_dtype) and emb.shape == row.embedding.shape
+            assert emb.tobytes() == row.embedding.tobytes() and grid == (1, row.grid_w)
+
+
+def test_an_empty_single_file_output_has_the_schema(tmp_path):
+    from dsv4enc.output.parts import PartStore, StreamingAssembler
+
+    schema = output_schema(8, "float16", {"tool": "dsv4enc"})
+    store = PartStore(tmp_path / "parts", {"tool": "dsv4enc"})
+    store.create()
+    assembler = StreamingAssembler(store, [], tmp_path / "e.parquet", schema)
+    assembler.finish()
+    table = pq.read_table(tmp_path / "e.parquet")
+    assert table.num_rows == 0 and table.schema.equals(schema, check_metadata=True)
+
+
+def test_joining_copies_by_hand_where_the_kernel_cannot(tmp_path, monkeypatch):
+    import os
+
+    def refuse(*args):
+        raise OSError(18, "Invalid cross-device link")
+
+    monkeypatch.setattr(os, "copy_file_range", refuse, raising=False)
+    files = write_parts(tmp_path, "binary", pooled=False)
+    out = join(files, tmp_path / "joined.parquet")
+    assert pq.read_table(out).equals(pa.concat_tables([pq.read_table(f) for f in files]))
+
+
+def test_parts_that_cannot_be_joined_are_encoded_again(tmp_path, caplog):
+    """A part whose file metadata differs (here: other key-value metadata) cannot be copied
+    under one footer: the assembler encodes every part into the file instead."""
+    from types import SimpleNamespace
+
+    from dsv4enc.output.parts import PartStore, StreamingAssembler, rows_per_group
+
+    schema = output_schema(8, "float16", {"tool": "dsv4enc"})
+    store = PartStore(tmp_path / "parts", {"tool": "dsv4enc"})
+    store.create()
+    rows = [Row(f"{i}.png", 1, 1, 1, 1, 1, 2, np.full((2, 8), i, np.float16)) for i in range(6)]
+    store.segments = {"part-000000": SimpleNamespace(start=0, end=3),
+                      "part-000003": SimpleNamespace(start=3, end=6)}
+    out = tmp_path / "e.parquet"
+    assembler = StreamingAssembler(store, list(store.segments), out, schema)
+    for name, a, b in (("part-000000", 0, 3), ("part-000003", 3, 6)):
+        table = rows_to_table(rows[a:b], schema)
+        if a:
+            table = table.replace_schema_metadata({b"dsv4enc": b'{"other": 1}'})
+        store.commit(name, table, rows_per_group(schema, rows[a:b]), a, b, "d")
+        assembler.notify()
+    with caplog.at_level("WARNING", logger="dsv4enc"):
+        assembler.finish()
+    assert pq.read_table(out).equals(rows_to_table(rows, schema))
+    assert "again" in caplog.text

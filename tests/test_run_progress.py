@@ -1,0 +1,245 @@
+"""Progress, logs and summaries as a long run's user sees them: a bar that moves per batch on a
+terminal, plain lines on schedule in a log file, ``-q``, ``--summary-json`` (also when a
+signal stops the run), and the error breakdown with example paths."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import select
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from dsv4enc.cli import app
+from dsv4enc.run.encoding import PartEncoder
+from dsv4enc.run.progress import ProgressCounts, RunProgress, format_duration
+
+from helpers import REPO_ROOT, write_image
+
+runner = CliRunner()
+LINE = re.compile(r"^dsv4enc: images (\d+)/(\d+) \([\d.]+%\), tokens ([\d,]+)/([\d,]+), "
+                  r"[\d.]+ img/s, [\d,]+ tokens/s, (\d+) failed, encoding for \d+:\d\d:\d\d, "
+                  r"eta (\d+:\d\d:\d\d|-:--:--)$")
+N_IMAGES = 12
+
+
+@pytest.fixture
+def folder(tmp_path) -> Path:
+    """Twelve small images and one broken one (its header is fine, its pixels are not)."""
+    root = tmp_path / "images"
+    for i in range(N_IMAGES):
+        write_image(root / f"img{i:02d}.png", (40 + 4 * i, 36), "RGB")
+    whole = write_image(tmp_path / "whole.jpg", (64, 48)).read_bytes()
+    (root / "zz_cut.jpg").write_bytes(whole[: len(whole) // 3])
+    return root
+
+
+def _env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k != "DSV4ENC_WEIGHTS"}
+    env.update(OMP_NUM_THREADS="1", COLUMNS="200")
+    return env
+
+
+def _command(folder: Path, out: Path, ckpt: Path, *extra: str) -> list[str]:
+    # --batch-tokens 40: one or two images per batch, so a part takes many batches
+    return [sys.executable, "-m", "dsv4enc", "encode", str(folder), "--out", str(out),
+            "--weights", str(ckpt), "--device", "cpu", "--workers", "0",
+            "--batch-tokens", "40", *extra]
+
+
+# --------------------------------------------------------------------------- the figures
+
+def test_one_definition_of_each_figure():
+    counts = ProgressCounts(total_images=100, total_tokens=1000, reused=10, images=20,
+                            tokens=200, failed=2, elapsed=10.0)
+    assert counts.images_per_s == 2.0 and counts.tokens_per_s == 20.0
+    assert counts.eta_s == 40.0  # 800 tokens to go at 20 tokens/s
+    assert counts.line() == ("images 30/100 (30.0%), tokens 200/1,000, 2.0 img/s, "
+                             "20 tokens/s, 2 failed, encoding for 0:00:10, eta 0:00:40")
+    # no token seen yet (only failures): the ETA comes from images
+    assert ProgressCounts(total_images=10, images=2, elapsed=1.0).eta_s == 4.0
+    assert ProgressCounts(total_images=10).eta_s is None
+    assert format_duration(None) == "-:--:--" and format_duration(3725) == "1:02:05"
+
+
+def test_log_lines_come_on_schedule(capsys):
+    progress = RunProgress("log", log_every=0.05)
+    began = time.perf_counter()
+    printed = ""
+    with progress:
+        progress.start(total=10, tokens=100)
+        progress.begin_encoding()
+        for _ in range(10):
+            progress.advance(1, 10, 0)
+            time.sleep(0.04)
+        # Lines keep coming while the run goes on (however late a loaded machine wakes the
+        # ticker): wait for three, with a guard against a ticker that never prints.
+        deadline = time.monotonic() + 600
+        while printed.count("\n") < 3:
+            assert time.monotonic() < deadline, printed
+            time.sleep(0.01)
+            printed += capsys.readouterr().err
+    seconds = time.perf_counter() - began
+    lines = (printed + capsys.readouterr().err).splitlines()
+    assert all(LINE.match(line) for line in lines), lines
+    # never more than one line per 0.05 s, then the line where the run ended
+    assert 3 <= len(lines) - 1 <= seconds / 0.05 + 1, (len(lines), seconds)
+    assert LINE.match(lines[-1]).group(1, 3) == ("10", "100")
+
+
+def test_off_and_short_runs_print_nothing(capsys):
+    for progress in (RunProgress("off", log_every=0.01), RunProgress("log", log_every=60)):
+        with progress:
+            progress.start(total=2, tokens=20)
+            progress.begin_encoding()
+            progress.advance(2, 20, 0)
+            time.sleep(0.03)
+    assert capsys.readouterr().err == ""
+
+
+def test_a_log_file_gets_progress_lines(folder, tmp_path, small_ckpt):
+    """stderr is a pipe (nohup, SLURM): plain lines every --log-every seconds, the last one
+    where the run ended."""
+    out = tmp_path / "e.parquet"
+    proc = subprocess.run(_command(folder, out, small_ckpt, "--log-every", "0.01"),
+                          capture_output=True, text=True, env=_env(), timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("dsv4enc: images")]
+    assert lines, proc.stderr
+    assert all(LINE.match(line) for line in lines), lines
+    done, total, tokens, total_tokens, failed, _ = LINE.match(lines[-1]).groups()
+    assert (int(done), int(total), int(failed)) == (N_IMAGES + 1, N_IMAGES + 1, 1)
+    # the broken image's header was fine: its planned tokens leave the total when it fails
+    assert tokens == total_tokens
+    assert "\x1b[" not in proc.stderr  # no terminal control codes in a log
+
+
+def _run_in_pty(cmd: list[str]) -> tuple[int, str]:
+    """Run ``cmd`` with stderr on a pseudo-terminal; return (exit code, what it drew)."""
+    import pty
+
+    master, slave = pty.openpty()
+    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                            stderr=slave, env=_env(), close_fds=True)
+    os.close(slave)
+    chunks = []
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([master], [], [], 0.5)
+        if ready:
+            try:
+                data = os.read(master, 65536)
+            except OSError:  # the terminal closed: the process ended
+                break
+            if not data:
+                break
+            chunks.append(data)
+        elif proc.poll() is not None:
+            break
+    os.close(master)
+    code = proc.wait(timeout=60)
+    return code, b"".join(chunks).decode(errors="replace")
+
+
+def test_the_bar_advances_per_batch(folder, tmp_path, small_ckpt):
+    """All images sit in one part; the bar must not wait for it to show progress."""
+    code, drawn = _run_in_pty(_command(folder, tmp_path / "e.parquet", small_ckpt))
+    assert code == 0, drawn[-3000:]
+    plain = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", drawn)
+    seen = {int(n) for n in re.findall(rf"(\d+)/{N_IMAGES + 1} images", plain)}
+    assert N_IMAGES + 1 in seen, plain[-2000:]
+    between = {n for n in seen if 0 < n < N_IMAGES + 1}
+    assert len(between) >= 3, (sorted(seen), plain[-2000:])
+    assert "tokens/s" in plain and "eta" in plain
+
+
+# --------------------------------------------------------------------------- -q, summaries
+
+def encode_in_process(*args: str):
+    return runner.invoke(app, ["encode", *args, "--device", "cpu", "--workers", "0"],
+                         env={"DSV4ENC_WEIGHTS": None, "COLUMNS": "200"})
+
+
+def test_quiet_prints_only_the_output_path(folder, tmp_path, small_ckpt):
+    out = tmp_path / "e.parquet"
+    result = encode_in_process(str(folder), "--out", str(out), "--weights", str(small_ckpt),
+                               "-q", "--log-every", "0.001")
+    assert result.exit_code == 0, result.output
+    assert result.stdout == f"{out}\n" and result.stderr == ""
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    result = encode_in_process(str(empty), "--out", str(tmp_path / "none.parquet"), "--weights",
+                               str(small_ckpt), "-q")
+    assert result.exit_code == 0 and result.stderr == ""  # the warning is not an error
+    # errors still show
+    result = encode_in_process(str(folder), "--out", str(out), "--weights", str(small_ckpt),
+                               "-q")
+    assert result.exit_code == 1 and "error:" in result.stderr and result.stdout == ""
+
+
+def test_summary_json_and_error_breakdown(folder, tmp_path, small_ckpt):
+    for i in range(3):  # three more of the same failure, one of another kind
+        (folder / f"zz_cut{i}.jpg").write_bytes((folder / "zz_cut.jpg").read_bytes())
+    (folder / "zzz_noise.png").write_bytes(b"\x89PNG\r\n\x1a\n not really")
+    out, report = tmp_path / "e.parquet", tmp_path / "logs" / "summary.json"
+    result = encode_in_process(str(folder), "--out", str(out), "--weights", str(small_ckpt),
+                               "--summary-json", str(report))
+    assert result.exit_code == 0, result.output
+    data = json.loads(report.read_text())
+    assert data["status"] == "completed" and data["exit_code"] == 0
+    assert data["output"] == str(out)
+    assert {k: data["images"][k] for k in ("encoded", "failed", "skipped_not_images",
+                                           "reused")} == {"encoded": N_IMAGES, "failed": 5,
+                                                          "skipped_not_images": 0, "reused": 0}
+    assert data["tokens"] > 0 and data["seconds"]["wall"] >= data["seconds"]["encoding"] > 0
+    assert data["rates"]["images_per_s"] == pytest.approx(
+        (N_IMAGES + 5) / data["seconds"]["encoding"])
+    messages = data["failures"]["messages"]
+    assert [m["count"] for m in messages] == sorted((m["count"] for m in messages), reverse=True)
+    top = messages[0]
+    assert top["count"] == 4 and top["example"] in {"zz_cut.jpg"} | {
+        f"zz_cut{i}.jpg" for i in range(3)}
+    assert sum(t["count"] for t in data["failures"]["by_type"].values()) == 5
+    # the table names the commonest message with an example path
+    text = re.sub(r"[│\s]+", " ", result.stderr)
+    assert f"4 x {top['message']} (e.g. {top['example']})" in text, result.stderr
+    assert "wall time" in text and "img/s" in text and "tokens/s" in text
+
+
+def test_summary_json_when_a_signal_stops_the_run(folder, tmp_path, small_ckpt, monkeypatch):
+    original = PartEncoder.run
+
+    def run(self, *args, **kwargs):
+        for index, part in enumerate(original(self, *args, **kwargs)):
+            yield part
+            if index == 0:
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(PartEncoder, "run", run)
+    out, report = tmp_path / "e.parquet", tmp_path / "summary.json"
+    result = encode_in_process(str(folder), "--out", str(out), "--weights", str(small_ckpt),
+                               "--part-images", "4", "--summary-json", str(report))
+    assert result.exit_code == 143, result.output
+    data = json.loads(report.read_text())
+    assert data["status"] == "interrupted" and data["exit_code"] == 143
+    assert 4 <= data["images"]["encoded"] + data["images"]["failed"] < N_IMAGES + 1
+
+
+def test_summary_json_of_a_run_stopped_before_encoding(tmp_path):
+    """A signal during discovery or model loading: the JSON still says what happened."""
+    from dsv4enc.cli import write_interrupted_summary
+    from dsv4enc.errors import Interrupted
+
+    report = tmp_path / "summary.json"
+    write_interrupted_summary(str(report), Interrupted(signal.SIGTERM, "rerun"), "e.parquet")
+    data = json.loads(report.read_text())
+    assert data["status"] == "interrupted" and data["exit_code"] == 143
+    assert data["output"] == "e.parquet" and data["images"]["encoded"] == 0
+    assert data["rates"] == {"images_per_s": 0.0, "tokens_per_s": 0.0}

@@ -1,0 +1,445 @@
+"""The real CLI under torchrun (SPEC §7-9): 2 gloo ranks on the CPU must write what one
+process writes, in every multi-rank mode, and fail cleanly when a rank dies.
+
+Each torchrun launch costs seconds on a small machine, so most multi-rank runs share one
+launch (tests/torchrun_launcher.py ``sequence`` runs several command lines in turn); the
+``-m dsv4enc`` and console-script launches, and the dying rank, are launches of their own.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow.dataset as pads
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from dsv4enc.tower.checkpoint import random_state_dict, save_checkpoint
+from dsv4enc.tower.config import VisionConfig
+from dsv4enc.run.pipeline import EncodeOptions, run_encode
+from dsv4enc.run.plan import assign_greedy, flops_cost
+from dsv4enc.tower.transform import plan_canvas
+
+from helpers import CONFIGS, table_rows, write_image
+
+pytestmark = pytest.mark.slow
+
+TESTS = Path(__file__).resolve().parent
+LAUNCHER = TESTS / "torchrun_launcher.py"
+COMMON = ["--device", "cpu", "--dtype", "float32", "--out-dtype", "float32"]  # summaries shown
+FAST = [*COMMON, "--workers", "0", "--timeout", "60"]
+LAUNCH_TIMEOUT_S = 180  # no launch may hang the suite
+DIE_TIMEOUT_S = 5  # --timeout of the dying-rank run
+PART_IMAGES = 3  # small parts, so that several parts (and part boundaries) are exercised
+
+# (relative path, (width, height), mode): mixed sizes and aspect ratios, nested folders
+IMAGES = [
+    ("a_photo.jpg", (640, 480), "RGB"),
+    ("b/tall.png", (200, 900), "RGBA"),
+    ("b/c/wide.png", (900, 150), "L"),
+    ("b/square.bmp", (300, 300), "RGB"),
+    ("d/big.jpg", (1000, 750), "RGB"),
+    ("d/palette.gif", (60, 40), "P"),
+    ("e.webp", (400, 420), "RGB"),
+]
+
+
+# ----------------------------------------------------------------------------- fixtures
+
+@pytest.fixture(scope="module")
+def cfg() -> VisionConfig:
+    return VisionConfig.from_file(CONFIGS / "tiny.json")
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("torchrun")
+
+
+@pytest.fixture(scope="module")
+def ckpt(work: Path, cfg: VisionConfig) -> Path:
+    """A random tiny checkpoint, sharded with an index, with a language-model decoy."""
+    folder = work / "ckpt"
+    gen = torch.Generator().manual_seed(7)
+    decoy = {"embed.weight": torch.randn(64, cfg.hidden_size, generator=gen).to(torch.bfloat16)}
+    save_checkpoint(folder, cfg, random_state_dict(cfg, seed=5), extra=decoy, shards=2)
+    assert (folder / "model.safetensors.index.json").is_file()
+    return folder
+
+
+@pytest.fixture(scope="module")
+def folders(work: Path) -> dict[str, Path]:
+    """imgs: the mix plus a truncated JPEG (header fine, decode fails), an unreadable .png
+    and a text file; one: a single image; broken: only images that fail; empty: no image."""
+    imgs = work / "imgs"
+    for rel, size, mode in IMAGES:
+        write_image(imgs / rel, size, mode)
+    whole = (imgs / "d" / "big.jpg").read_bytes()
+    (imgs / "b" / "truncated.jpg").write_bytes(whole[: len(whole) // 3])
+    (imgs / "garbage.png").write_bytes(os.urandom(300))
+    (imgs / "notes.txt").write_text("not an image\n")
+    one = work / "one"
+    write_image(one / "only.jpg", (520, 390), "RGB")
+    broken = work / "broken"
+    broken.mkdir()
+    shutil.copy(imgs / "b" / "truncated.jpg", broken / "cut.jpg")
+    shutil.copy(imgs / "garbage.png", broken / "junk.png")
+    empty = work / "empty"
+    empty.mkdir()
+    (empty / "readme.txt").write_text("nothing to encode\n")
+    return {"imgs": imgs, "one": one, "broken": broken, "empty": empty}
+
+
+def _env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k != "DSV4ENC_WEIGHTS"}
+    env["OMP_NUM_THREADS"] = "1"
+    # the console script sits beside this interpreter (a venv that is not activated)
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+    env["PYTHONPATH"] = os.pathsep.join([str(TESTS), env.get("PYTHONPATH", "")])
+    return env
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def run(cmd: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    try:
+        return subprocess.run(cmd, cwd=cwd, env=_env(), capture_output=True, text=True,
+                              timeout=LAUNCH_TIMEOUT_S)
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"hung for {LAUNCH_TIMEOUT_S}s: {' '.join(cmd)}\n"
+                    f"{(exc.stderr or b'')[-3000:]!r}")
+
+
+def torchrun(target: list[str], cwd: Path, nproc: int = 2) -> subprocess.CompletedProcess:
+    """``python -m torch.distributed.run`` with the default (static) rendezvous."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
+           "--master-addr=127.0.0.1", f"--master-port={free_port()}", *target]
+    return run(cmd, cwd)
+
+
+def ok(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    return proc
+
+
+@pytest.fixture(scope="module")
+def reference(work: Path, folders, ckpt: Path) -> Path:
+    """One process, ``python -m dsv4enc encode``, default batches and parts."""
+    out = work / "ref.parquet"
+    ok(run([sys.executable, "-m", "dsv4enc", "encode", str(folders["imgs"]), "--out", str(out),
+            "--weights", str(ckpt), *FAST], work))
+    return out
+
+
+def encode_here(folder: Path, out: Path, ckpt: Path) -> Path:
+    """One process, in this process (the small references)."""
+    run_encode(EncodeOptions(inputs=[str(folder)], out=str(out), weights=str(ckpt),
+                             device="cpu", dtype="float32", out_dtype="float32", workers=0,
+                             progress=False))
+    return out
+
+
+# ----------------------------------------------------------------------------- comparison
+
+def rows_of(path: Path) -> list[dict]:
+    table = (pads.dataset(path, format="parquet").to_table() if path.is_dir()
+             else pq.read_table(path))
+    return table_rows(table)
+
+
+def assert_same_rows(got: list[dict], want: list[dict], ordered: bool = True,
+                     exact: bool = True) -> None:
+    """Same rows (path, order, sizes, grids, errors) and embeddings: bit for bit (rows are
+    batch-invariant, so rank count, batches and resume change nothing), or with ``exact``
+    off within 1e-5 relative."""
+    got_paths, want_paths = [r["path"] for r in got], [r["path"] for r in want]
+    if ordered:
+        assert got_paths == want_paths
+    else:
+        assert sorted(got_paths) == sorted(want_paths) and len(set(got_paths)) == len(got_paths)
+    by_path = {r["path"]: r for r in got}
+    for w in want:
+        g = by_path[w["path"]]
+        for key in ("width", "height", "vit_h", "vit_w", "grid_h", "grid_w", "error"):
+            assert g[key] == w[key], (w["path"], key, g[key], w[key])
+        if w["embedding"] is None:
+            assert g["embedding"] is None, w["path"]
+            continue
+        a = np.asarray(g["embedding"], dtype=np.float64)
+        b = np.asarray(w["embedding"], dtype=np.float64)
+        assert a.shape == b.shape == (w["grid_h"] * w["grid_w"], b.shape[1]), w["path"]
+        if exact:
+            assert np.array_equal(a, b), w["path"]
+            continue
+        rel = np.linalg.norm(a - b) / np.linalg.norm(b)
+        assert rel < 1e-5, (w["path"], rel)
+
+
+def summary_loads(stderr: str) -> tuple[list[float], float]:
+    """The summary's per-rank loads and imbalance."""
+    match = re.search(r"rank loads\s*\S\s*([\d,]+(?:, [\d,]+)+) \(imbalance ([\d.]+)\)", stderr)
+    assert match, f"no rank loads in the summary:\n{stderr[-3000:]}"
+    loads = [float(x.replace(",", "")) for x in match.group(1).split(", ")]
+    return loads, float(match.group(2))
+
+
+def expected_loads(want: list[dict], cfg: VisionConfig, balance: str = "patches",
+                   part_images: int | None = None) -> list[float]:
+    """SPEC §7 by hand: greedy per part, cost from the header's grid (unreadable: 0); the
+    summary reports each rank's patches."""
+    grids = []
+    for r in want:
+        canvas = plan_canvas(r["width"], r["height"], cfg) if r["width"] else None
+        grids.append((canvas.n_h, canvas.n_w) if canvas else (0, 0))
+    loads = [0.0, 0.0]
+    step = part_images or len(grids)
+    for start in range(0, len(grids), step):
+        chunk = grids[start:start + step]
+        costs = [flops_cost(h, w, cfg) if balance == "flops" and h else float(h * w)
+                 for h, w in chunk]
+        for rank, share in enumerate(assign_greedy(costs, 2)):
+            loads[rank] += sum(chunk[i][0] * chunk[i][1] for i in share)
+    return loads
+
+
+def check_loads(stderr: str, want_loads: list[float]) -> None:
+    loads, shown = summary_loads(stderr)
+    assert loads == want_loads
+    assert shown == pytest.approx(max(loads) / (sum(loads) / 2), abs=1e-3)
+
+
+# ----------------------------------------------------------------------------- the launches
+
+def test_reference_is_sane(reference: Path):
+    rows = rows_of(reference)
+    assert len(rows) == len(IMAGES) + 2  # the text file is skipped, broken ones are rows
+    errors = {r["path"]: r["error"] for r in rows if r["error"]}
+    assert set(errors) == {"b/truncated.jpg", "garbage.png"}
+
+
+def test_module_launch_matches_one_process(work, folders, ckpt, reference, cfg):
+    """torchrun -m dsv4enc (gathered), with decode workers, small batches and parts."""
+    out = work / "dp.parquet"
+    proc = ok(torchrun(["-m", "dsv4enc", "encode", str(folders["imgs"]), "--out", str(out),
+                        "--weights", str(ckpt), *COMMON, "--timeout", "60",
+                        "--batch-tokens", "400", "--part-images", str(PART_IMAGES)], work))
+    want = rows_of(reference)
+    assert_same_rows(rows_of(out), want)
+    check_loads(proc.stderr, expected_loads(want, cfg, part_images=PART_IMAGES))
+    assert not (work / "dp.parquet.partial").exists()
+
+
+def test_console_script_launch_matches_one_process(work, folders, ckpt, reference, cfg):
+    if shutil.which("dsv4enc", path=_env()["PATH"]) is None:
+        pytest.skip("the dsv4enc console script is not on PATH")
+    out = work / "dp_script.parquet"
+    proc = ok(torchrun(["--no-python", "dsv4enc", "encode", str(folders["imgs"]), "--out",
+                        str(out), "--weights", str(ckpt), *FAST], work))
+    want = rows_of(reference)
+    assert_same_rows(rows_of(out), want)
+    check_loads(proc.stderr, expected_loads(want, cfg))
+
+
+@pytest.fixture(scope="module")
+def sequence(work, folders, ckpt) -> dict[str, list[dict]]:
+    """One launch, many runs: {name: [rank 0 result, rank 1 result]} (argv, code, stderr)."""
+    def enc(folder: str, out: str, *extra: str) -> list[str]:
+        return ["encode", str(folders[folder]), "--out", str(work / "seq" / out),
+                "--weights", str(ckpt), *FAST, *extra]
+
+    runs = {
+        "shard": enc("imgs", "shard/", "--shard-output", "--part-images", str(PART_IMAGES),
+                     "--batch-tokens", "400"),  # ranks take different numbers of batches
+        "tp": enc("imgs", "tp.parquet", "--tp-mode", "weights", "--batch-tokens", "400"),
+        "flops": enc("imgs", "flops.parquet", "--balance", "flops"),
+        "rerun": enc("imgs", "flops.parquet", "--balance", "flops"),
+        "shard_rerun": enc("imgs", "shard/", "--shard-output", "--part-images",
+                           str(PART_IMAGES)),
+        "one": enc("one", "one.parquet"),
+        "one_shard": enc("one", "one_shard/", "--shard-output"),
+        "broken": enc("broken", "broken.parquet"),
+        "empty": enc("empty", "empty.parquet"),
+        "empty_shard": enc("empty", "empty_shard/", "--shard-output"),
+        "interrupted": ["@interrupt", *enc("imgs", "resumed.parquet", "--part-images",
+                                           str(PART_IMAGES))],
+        "resumed": enc("imgs", "resumed.parquet", "--part-images", str(PART_IMAGES),
+                       "--resume"),
+        # --shard-output, resumed after rank 1 lost a part that rank 0 still has
+        "gap_first": enc("imgs", "gap/", "--shard-output", "--part-images", str(PART_IMAGES)),
+        "gap_rm": ["@rm", str(work / "seq" / "gap" / "part-000000-rank001.parquet")],
+        "gap_resumed": enc("imgs", "gap/", "--shard-output", "--part-images",
+                           str(PART_IMAGES), "--resume"),
+        # progress and summary figures, for comparison with one process
+        "figures_dp": enc("imgs", "figures_dp.parquet", "--part-images", str(PART_IMAGES),
+                          "--batch-tokens", "400", "--log-every", "0.01", "--summary-json",
+                          str(work / "seq" / "figures_dp.json")),
+        "figures_shard": enc("imgs", "figures_shard/", "--shard-output", "--part-images",
+                             str(PART_IMAGES), "--batch-tokens", "400", "--log-every", "0.01",
+                             "--summary-json", str(work / "seq" / "figures_shard.json")),
+    }
+    (work / "runs.json").write_text(json.dumps(list(runs.values())))
+    proc = torchrun([str(LAUNCHER), "sequence", str(work / "runs.json"), str(work / "results")],
+                    work)
+    results = []
+    for rank in range(2):
+        path = work / "results" / f"rank{rank}.json"
+        assert path.is_file(), (f"rank {rank} reported nothing (exit {proc.returncode})\n"
+                                f"{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+        results.append(json.loads(path.read_text()))
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    return {name: [results[0][i], results[1][i]] for i, name in enumerate(runs)}
+
+
+def seq_ok(sequence, name: str) -> str:
+    """Rank 0's stderr of a run that every rank finished with exit 0."""
+    for rank, result in enumerate(sequence[name]):
+        assert result["code"] == 0, f"{name}, rank {rank}: exit {result['code']}\n" \
+                                    f"{result['stderr'][-3000:]}"
+    return sequence[name][0]["stderr"]
+
+
+def test_shard_output_matches_one_process(work, sequence, reference):
+    seq_ok(sequence, "shard")
+    folder = work / "seq" / "shard"
+    want = rows_of(reference)
+    assert_same_rows(rows_of(folder), want, ordered=False)
+    manifest = json.loads((folder / "_manifest.json").read_text())
+    assert {p["file"] for p in manifest["parts"].values()} == \
+        {p.name for p in folder.glob("*.parquet")}
+    assert sum(p["rows"] for p in manifest["parts"].values()) == len(want)
+    loads, shown = summary_loads(sequence["shard"][0]["stderr"])
+    encoded = sum(r["vit_h"] * r["vit_w"] for r in want if r["embedding"] is not None)
+    assert sum(loads) == encoded and shown == pytest.approx(max(loads) / (encoded / 2), abs=1e-3)
+
+
+def test_tensor_parallel_matches_one_process(work, sequence, reference):
+    seq_ok(sequence, "tp")
+    # The all-reduce of split layers sums in another order than one rank: float rounding.
+    assert_same_rows(rows_of(work / "seq" / "tp.parquet"), rows_of(reference), exact=False)
+
+
+def test_flops_balance_matches_one_process(work, sequence, reference, cfg):
+    stderr = seq_ok(sequence, "flops")
+    want = rows_of(reference)
+    assert_same_rows(rows_of(work / "seq" / "flops.parquet"), want)
+    check_loads(stderr, expected_loads(want, cfg, balance="flops"))
+
+
+def test_rerun_without_overwrite_refuses(work, sequence, reference):
+    for name, message in (("rerun", "already exists"), ("shard_rerun", "--overwrite")):
+        for rank, result in enumerate(sequence[name]):
+            assert result["code"] != 0, f"{name}: rank {rank} overwrote a finished output"
+        assert message in sequence[name][0]["stderr"], sequence[name][0]["stderr"]
+    # the finished outputs are untouched and readable
+    assert_same_rows(rows_of(work / "seq" / "flops.parquet"), rows_of(reference))
+    assert_same_rows(rows_of(work / "seq" / "shard"), rows_of(reference), ordered=False)
+
+
+def test_fewer_images_than_ranks(work, sequence, folders, ckpt):
+    stderr = seq_ok(sequence, "one")
+    seq_ok(sequence, "one_shard")
+    want = rows_of(encode_here(folders["one"], work / "one_ref.parquet", ckpt))
+    assert len(want) == 1 and want[0]["error"] is None
+    assert_same_rows(rows_of(work / "seq" / "one.parquet"), want)
+    assert_same_rows(rows_of(work / "seq" / "one_shard"), want, ordered=False)
+    loads, shown = summary_loads(stderr)
+    assert loads == [want[0]["vit_h"] * want[0]["vit_w"], 0] and shown == 2.0
+
+
+def test_ranks_with_no_images(work, sequence, folders, ckpt):
+    """Every image fails (no rank encodes anything), or none is found at all."""
+    seq_ok(sequence, "broken")
+    want = rows_of(encode_here(folders["broken"], work / "broken_ref.parquet", ckpt))
+    assert len(want) == 2 and all(r["error"] for r in want)
+    assert_same_rows(rows_of(work / "seq" / "broken.parquet"), want)
+    stderr = seq_ok(sequence, "empty")
+    assert "skipped (not images) │ 1" in re.sub(r" +", " ", stderr)
+    ref = pq.read_table(encode_here(folders["empty"], work / "empty_ref.parquet", ckpt))
+    got = pq.read_table(work / "seq" / "empty.parquet")
+    assert got.num_rows == ref.num_rows == 0 and got.schema.names == ref.schema.names
+    seq_ok(sequence, "empty_shard")
+    assert rows_of(work / "seq" / "empty_shard") == []
+
+
+def test_interrupted_run_resumes(work, sequence, reference):
+    for rank, result in enumerate(sequence["interrupted"]):
+        assert result["code"] == 130, f"rank {rank}: {result}"
+    assert "--resume" in sequence["interrupted"][0]["stderr"]
+    stderr = seq_ok(sequence, "resumed")
+    assert re.search(r"reused from earlier run\s*\S\s*[1-9]", stderr), stderr
+    assert_same_rows(rows_of(work / "seq" / "resumed.parquet"), rows_of(reference))
+    assert not (work / "seq" / "resumed.parquet.partial").exists()
+
+
+def test_dead_rank_fails_the_job(work, folders, ckpt):
+    """Rank 1 exits after its first batch: the job stops within about --timeout, non-zero,
+    saying which rank failed, and leaves no half-written output."""
+    out = work / "dead.parquet"
+    marker = work / "rank1_died"
+    began = time.time()
+    proc = torchrun([str(LAUNCHER), "die", str(marker), str(folders["imgs"]), "--out", str(out),
+                     "--weights", str(ckpt), *COMMON, "--workers", "0", "--timeout",
+                     str(DIE_TIMEOUT_S), "--batch-tokens", "400"], work)
+    ended = time.time()
+    text = proc.stdout + proc.stderr
+    assert proc.returncode != 0, text[-3000:]
+    assert marker.is_file(), f"rank 1 never got to die\n{text[-3000:]}"
+    died = float(marker.read_text())
+    assert ended - died <= DIE_TIMEOUT_S + 10, (ended - died, text[-3000:])
+    assert re.search(r"error: rank \d+: .*(peer rank may have died|timed out)", text), \
+        text[-3000:]
+    assert not out.exists()
+    assert ended - began < LAUNCH_TIMEOUT_S
+
+
+def test_shard_output_resumes_when_ranks_committed_different_parts(work, sequence, reference):
+    """Each rank keeps its own manifest; when one rank lacks a part the others have, every
+    rank must still walk the same parts (their collectives pair up), and the gap is filled."""
+    seq_ok(sequence, "gap_first")
+    assert sequence["gap_rm"][0]["code"] == 0, "rank 1 wrote no part-000000"
+    stderr = seq_ok(sequence, "gap_resumed")
+    assert re.search(r"reused from earlier run\s*\S\s*[1-9]", stderr), stderr
+    folder = work / "seq" / "gap"
+    assert (folder / "part-000000-rank001.parquet").is_file()
+    assert_same_rows(rows_of(folder), rows_of(reference), ordered=False)
+
+
+def test_progress_and_summary_count_every_rank(work, sequence, reference):
+    """Gathered and --shard-output runs: the last progress line and --summary-json give the
+    figures of one process (all images, all tokens), not rank 0's share."""
+    want = rows_of(reference)
+    failed = sum(1 for r in want if r["error"])
+    tokens = sum(r["vit_h"] * r["vit_w"] for r in want if r["error"] is None)
+    for name in ("figures_dp", "figures_shard"):
+        stderr = seq_ok(sequence, name)
+        lines = [line for line in stderr.splitlines() if line.startswith("dsv4enc: images")]
+        assert lines, stderr[-3000:]
+        match = re.match(r"dsv4enc: images (\d+)/(\d+) .*, tokens ([\d,]+)/([\d,]+), .*, "
+                         r"(\d+) failed", lines[-1])
+        assert match, lines[-1]
+        done, total, got_tokens, total_tokens, got_failed = match.groups()
+        assert (int(done), int(total)) == (len(want), len(want)), (name, lines[-1])
+        assert int(got_tokens.replace(",", "")) == int(total_tokens.replace(",", "")) == tokens
+        assert int(got_failed) == failed
+        assert not any(line.startswith("dsv4enc: images") for line in
+                       sequence[name][1]["stderr"].splitlines())  # rank 1 prints no progress
+        summary = json.loads((work / "seq" / f"{name}.json").read_text())
+        assert summary["images"]["encoded"] == len(want) - failed
+        assert summary["images"]["failed"] == failed and summary["tokens"] == tokens
+        assert summary["rates"]["tokens_per_s"] == pytest.approx(
+            tokens / summary["seconds"]["encoding"])
+        assert sum(m["count"] for m in summary["failures"]["messages"]) == failed

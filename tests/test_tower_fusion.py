@@ -1,0 +1,102 @@
+"""The fused (compiled) elementwise path against the eager reference, on the CPU (inductor's
+C++ backend). Compiling takes a while on a small machine, so one module-scoped tower serves
+every test."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from dsv4enc.tower.checkpoint import build_tower, random_checkpoint
+from dsv4enc.engine.engine import Engine
+from dsv4enc.tower.fusion import fuse_elementwise
+from dsv4enc.engine.packing import pack
+
+from helpers import load_config, random_patch_items, rel_err
+
+GRIDS = [(5, 7), (3, 3), (10, 4), (2, 9), (7, 7)]
+
+
+@pytest.fixture(scope="module")
+def towers():
+    cfg = load_config("tiny")
+    state = random_checkpoint(cfg, seed=2, dtype=torch.float32)
+    return build_tower(state), fuse_elementwise(build_tower(state))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("features", ["aligner", "vit"])
+def test_fused_equals_eager_to_float_rounding(towers, features):
+    eager, fused = towers
+    items = random_patch_items(GRIDS, eager.cfg.patch_dim)
+    for deterministic in (False, True):
+        want = Engine(eager, features, deterministic=deterministic).encode(pack(items, 3, features))
+        got = Engine(fused, features, deterministic=deterministic).encode(pack(items, 3, features))
+        for g, w in zip(got, want):
+            assert rel_err(g, w) < 1e-6  # float32: only the rounding of fused intermediates
+
+
+@pytest.mark.slow
+def test_fused_rows_stay_batch_invariant(towers):
+    _, fused = towers
+    items = random_patch_items(GRIDS, fused.cfg.patch_dim, seed=1)
+    engine = Engine(fused)
+    alone = engine.encode(pack(items[:1], 3))[0]
+    mixed = engine.encode(pack(items[2:] + items[:1], 3))[-1]
+    assert torch.equal(alone, mixed)
+
+
+def test_fused_functions_are_installed_on_every_block(towers):
+    eager, fused = towers
+    assert all(b.mlp.act_fn is not eager.vision.blocks[0].mlp.act_fn for b in fused.vision.blocks)
+    assert fused.vision.norm.norm_fn is fused.vision.blocks[0].norm1.norm_fn
+
+
+def test_kernels_are_specialized_only_where_every_batch_has_one_shape():
+    from types import SimpleNamespace
+
+    from dsv4enc.engine.engine import runs_one_shape
+
+    def tower(device: str, tensor_parallel: bool = False):
+        return SimpleNamespace(device=torch.device(device), tensor_parallel=tensor_parallel)
+
+    # The batch-invariant CUDA engine: one bucket shape, so fuse_elementwise specializes.
+    assert runs_one_shape(tower("cuda"), deterministic=True)
+    # CPU (each image at its own shape, which must not get a different kernel by the order
+    # shapes arrive in), --no-deterministic, tensor parallelism: shape-generic kernels.
+    assert not runs_one_shape(tower("cpu"), deterministic=True)
+    assert not runs_one_shape(tower("cuda"), deterministic=False)
+    assert not runs_one_shape(tower("cuda", tensor_parallel=True), deterministic=True)
+
+
+@pytest.mark.slow
+def test_encode_fused_rows_equal_eager_rows_to_float_rounding(tmp_path):
+    """``dsv4enc encode --fused`` as a user runs it (the pipeline installs the kernels)."""
+    import numpy as np
+    from typer.testing import CliRunner
+
+    from dsv4enc.cli import app
+    from dsv4enc.output.read import read_embeddings
+    from helpers import CONFIGS, write_image
+
+    images = tmp_path / "images"
+    images.mkdir()
+    for i, size in enumerate([(64, 48), (90, 120), (200, 60)]):
+        write_image(images / f"{i}.png", size, seed=i)
+
+    def encode(out: Path, *extra: str) -> dict:
+        result = CliRunner().invoke(app, [
+            "encode", str(images), "--out", str(out), "--config", str(CONFIGS / "tiny.json"),
+            "--random-init", "--device", "cpu", "--dtype", "float32", "--out-dtype", "float32",
+            "--workers", "0", "-q", *extra])
+        assert result.exit_code == 0, result.output
+        return {path: emb for path, emb, _ in read_embeddings(out)}
+
+    eager = encode(tmp_path / "eager.parquet")
+    fused = encode(tmp_path / "fused.parquet", "--fused")
+    assert sorted(eager) == sorted(fused) and len(eager) == 3
+    for path, want in eager.items():
+        got = fused[path]
+        assert np.linalg.norm(got - want) <= 1e-6 * np.linalg.norm(want)

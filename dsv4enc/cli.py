@@ -19,6 +19,7 @@ import typer
 from .version import __version__
 from .errors import AlreadyComplete, DsvError
 from .run import options as defaults  # torch-free: the defaults, each defined once
+from .storage import OUTAGE_S, stop_bound_s
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Encode images with the DeepSeek-V4 or V4.1 vision tower and write "
@@ -121,6 +122,14 @@ def encode(
         "...) inputs and --out: an option of the file system (pyarrow S3FileSystem, or "
         "fsspec's), e.g. endpoint_override=host:9000, anonymous=true (repeatable). "
         "Credentials and endpoints otherwise come from the environment and config files."),
+    storage_outage_s: float = typer.Option(
+        OUTAGE_S, "--storage-outage-s", metavar="SECONDS", help="Object storage: how long a "
+        "store may fail every call (refused connections, timeouts, 5xx; each after its "
+        "retries) before the run stops in one line, exit 1, its finished parts kept for "
+        f"--resume. The run ends within this plus {stop_bound_s(0.0, {}):g} s of the store's "
+        f"last answer ({stop_bound_s(OUTAGE_S, {}):g} s by default), plus the batch in "
+        "progress; inputs that failed meanwhile are transient rows, encoded again on "
+        "--resume."),
     weights: Optional[str] = typer.Option(None, "--weights", envvar="DSV4ENC_WEIGHTS",
                                           help="Checkpoint folder (config.json + safetensors) "
                                           "or a Hub id owner/name (needs the hub extra: "
@@ -225,7 +234,7 @@ def encode(
         deterministic=deterministic, fused=fused,
         shard_output=shard_output, tp_mode=tp_mode, balance=balance, timeout=timeout,
         part_images=part_images, commit_every=commit_every,
-        progress=not quiet, log_every=log_every)
+        progress=not quiet, log_every=log_every, storage_outage_s=storage_outage_s)
     _encode_command(opts, storage_option, quiet, summary_json, started)
 
 
@@ -234,7 +243,7 @@ def encode(
 #: that a new option is placed). The INPUTS argument has Typer's own "Arguments" panel.
 ENCODE_PANELS = {
     "Inputs": ("files_from", "image_column", "key_column", "table_paths_root",
-               "max_pixels", "decode_timeout", "storage_option"),
+               "max_pixels", "decode_timeout", "storage_option", "storage_outage_s"),
     "Model": ("weights", "config", "random_init", "seed", "dtype", "features", "pool"),
     "Output": ("out", "out_dtype", "layout", "overwrite", "resume", "shard_output",
                "summary_json", "commit_every", "part_images"),
@@ -271,6 +280,7 @@ def _encode_command(opts, storage_option: list[str] | None, quiet: bool,
 
     try:
         storage.configure(storage_option)  # decode workers inherit them (environment)
+        storage.set_outage_s(opts.storage_outage_s)
     except DsvError as exc:
         fail(str(exc), exc.exit_code)
     package_log = logging.getLogger("dsv4enc")

@@ -15,6 +15,7 @@ import time
 
 import torch
 
+from .. import storage
 from ..version import __version__
 from ..engine.factory import build_engine
 from ..tower.checkpoint import Checkpoint, load_checkpoint, random_checkpoint
@@ -123,6 +124,7 @@ def run_encode(opts: EncodeOptions, dist=None, setup: RunSetup | None = None,
     layout = remote = None
     setup = setup if setup is not None else RunSetup()
     try:
+        storage.set_outage_s(opts.storage_outage_s)
         # An object storage --out is built in a local staging folder and mirrored to the store
         remote = RemoteOutput.for_options(opts, dist)
         if remote is not None:
@@ -171,6 +173,7 @@ def _run_encode(opts: EncodeOptions, dist, setup: RunSetup, stop: StopSignals,
     summary = RunSummary(out=str(opts.out), skipped=found.skipped,
                          unlisted=len(found.unlisted))
     setup.decode_pool(cfg, n_workers, opts)  # spawned now unless early: workers start meanwhile
+    store = None
     try:
         stop.immediate = dist is None
         stop.check()
@@ -211,6 +214,12 @@ def _run_encode(opts: EncodeOptions, dist, setup: RunSetup, stop: StopSignals,
                 _encode_parts(engine, runner, planned, todo, writer, store, layout, summary,
                               progress, stop)
                 stop.check()
+                # A store that failed its last calls made rows of outages (transient): the
+                # run is not complete while it does not answer
+                failing = [exc for exc in ranks.gather(storage.failing_store(give_up=True))
+                           if exc is not None]
+                if failing:
+                    raise failing[0]
                 ranks.barrier()
                 _finish_output(assembler, store, layout, ranks, engine, summary, progress, stop)
             except BaseException:
@@ -218,6 +227,8 @@ def _run_encode(opts: EncodeOptions, dist, setup: RunSetup, stop: StopSignals,
                     assembler.abort()  # idempotent; the final file never appears half-written
                 raise
     except (DsvError, Interrupted) as exc:
+        if isinstance(exc, storage.StoreDown) and store is not None and local:
+            exc.keep(len(store.parts), str(layout.parts_dir))
         if ranks.is_main:
             layout.discard_if_empty()  # so that a corrected rerun is not told to --resume
         if isinstance(exc, Interrupted):  # what was done, for --summary-json

@@ -15,6 +15,15 @@ manifests always, its parts with ``--resume`` (so ``--resume`` reuses the commit
 stand-in for a final file and for foreign objects, so that the local checks (``--overwrite``,
 ``--resume``, "not a dsv4enc output") decide exactly as for a local path.
 
+Under torchrun with ``--shard-output`` every rank writes straight to the store: each mirrors
+its own staging folder (its parts and its ``_manifest-rankNNN.json``) with its own upload
+thread, and ``--resume`` brings each rank its own manifest and parts. Rank 0 checks the
+output and holds the lock; once every rank has uploaded all it committed, rank 0 uploads the
+merged ``_manifest.json`` (``Topology.merge_manifests``), so nothing funnels through it.
+
+A store that stops answering ends the run (``storage.StoreDown``); the clean-up then fails
+fast and quietly, and the one line says how many finished parts the store keeps.
+
 Locking: ``flock`` cannot work on a bucket. The run writes a lock object
 ``PARTS/.dsv4enc.lock`` (pid, host, time; rewritten every ``HEARTBEAT_S``) and refuses to start
 when another run's lock is fresh. A lock whose holder is a dead process on this host, or that
@@ -28,6 +37,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import shutil
 import socket
 import tempfile
@@ -38,8 +48,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable, TypeVar
 
 from .. import storage
-from ..errors import DsvError, OutputError, UsageError
+from ..errors import DsvError, OutputError
 from .parts import LOCK_NAME, MANIFEST_FILE, PART_FILE, read_manifest
+from .read import MANIFEST_NAME
 from .update import STAMPS_FILE
 
 if TYPE_CHECKING:
@@ -62,18 +73,20 @@ def is_remote(out: str) -> bool:
 class RemoteOutput:
     """The local staging of a URL ``--out`` and its mirroring to the store (see the module)."""
 
-    def __init__(self, opts: "EncodeOptions", writer: bool) -> None:
-        if opts.shard_output:
-            raise UsageError("--shard-output is not supported with an object storage --out; "
-                             "leave it out (rank 0 writes the output)")
+    def __init__(self, opts: "EncodeOptions", writer: bool, dist=None) -> None:
         self.given = opts.out
         self.url = opts.out.rstrip("/")
-        self.writer = writer  # this process writes (rank 0): only it touches the store
+        self.dist = dist
+        self.rank = 0 if dist is None else dist.rank
+        self.is_main = dist is None or dist.is_main
+        # --shard-output of torchrun ranks: every rank writes its own parts and manifest
+        self.sharded = bool(opts.shard_output) and dist is not None
+        self.writer = writer  # this process touches the store (rank 0, or every rank sharded)
         # Raised by ``pull``, which every rank waits for: rank 0 failing alone here would
         # leave the other ranks waiting in a collective.
         self._problem: DsvError | None = None
-        self.folder_mode = opts.out.endswith("/")
-        if writer and not self.folder_mode:
+        self.folder_mode = opts.out.endswith("/") or bool(opts.shard_output)
+        if self.is_main and not self.folder_mode:
             try:
                 self.folder_mode = storage.kind(opts.out) == "folder"
             except DsvError as exc:
@@ -101,7 +114,35 @@ class RemoteOutput:
         """The remote output for a URL ``--out`` (rank 0 writes it), None for a local one."""
         if not is_remote(opts.out):
             return None
-        return cls(opts, writer=dist is None or dist.is_main)
+        return cls(opts, writer=dist is None or dist.is_main or opts.shard_output, dist=dist)
+
+    # -- whose files -------------------------------------------------------------------------
+    @property
+    def own_manifest(self) -> str:
+        """The manifest this rank mirrors (as ``OutputLayout.manifest_name`` names it)."""
+        return f"_manifest-rank{self.rank:03d}.json" if self.sharded else MANIFEST_NAME
+
+    def _mine(self, name: str) -> bool:
+        """Whether this rank mirrors the manifest or part ``name`` (every one, unless each
+        rank writes its own: then its own manifest and the parts named for its rank)."""
+        if not self.sharded:
+            return True
+        if MANIFEST_FILE.fullmatch(name):
+            return name == self.own_manifest
+        return name.endswith(f"-rank{self.rank:03d}.parquet")
+
+    def _every_rank(self, action: Callable[[], None]) -> None:
+        """``action()`` on every rank, then every rank raises the first rank's DsvError (a
+        collective: no rank is left waiting for one that gave up)."""
+        problem = None
+        try:
+            action()
+        except DsvError as exc:
+            problem = exc
+        everyone = [problem] if self.dist is None else self.dist.all_gather_object(problem)
+        problem = next((p for p in everyone if p is not None), None)
+        if problem is not None:
+            raise problem
 
     def run(self, encode: Callable[[], T], dist) -> T:
         """``encode()`` (the run, writing to the staging folder) between ``pull`` and
@@ -111,14 +152,18 @@ class RemoteOutput:
 
         try:
             main_then_all(dist, self.pull)
+            if self.sharded:
+                self._every_rank(self.pull_own)
             self.start()
             try:
                 summary = encode()
-            except BaseException:
-                self.abandon()
+            except BaseException as exc:
+                self.abandon(quiet=isinstance(exc, storage.StoreDown))
                 raise
             self.finish()
         except BaseException as exc:
+            if isinstance(exc, storage.StoreDown):
+                exc.keep(self._kept_parts(), self.parts_url)
             if exc.args and isinstance(exc.args[0], str):
                 exc.args = (self.translate(exc.args[0]), *exc.args[1:])
             raise
@@ -143,7 +188,7 @@ class RemoteOutput:
         self._take_lock()
         if not self.folder_mode and storage.kind(self.url) == "file":
             if self.opts.update:  # its rows are read: the file itself, not a stand-in
-                self._download(self.url, self.local_out)
+                self._download_url(self.url, self.local_out)
             else:
                 self._stand_in_final_file()
         objects = [o for o in storage.list_files(self.parts_url)
@@ -153,24 +198,54 @@ class RemoteOutput:
         self.local_parts.mkdir(parents=True, exist_ok=True)
         for obj in objects:
             first = obj.key.split("/", 1)[0]
-            if "/" not in obj.key and (MANIFEST_FILE.fullmatch(obj.key)
-                                       or STAMPS_FILE.fullmatch(obj.key)):
-                self._download(obj.url, self.local_parts / obj.key)
-                if STAMPS_FILE.fullmatch(obj.key):
-                    self._uploaded[obj.key] = _local_id(self.local_parts / obj.key)
+            if "/" not in obj.key and MANIFEST_FILE.fullmatch(obj.key):
+                self._download(obj, self.local_parts / obj.key)
+            elif "/" not in obj.key and STAMPS_FILE.fullmatch(obj.key):  # a finished folder's
+                self._download(obj, self.local_parts / obj.key)
+                self._uploaded[obj.key] = _local_id(self.local_parts / obj.key)
             elif "/" not in obj.key and PART_FILE.fullmatch(obj.key):
-                if self.opts.resume or self.opts.update:  # their rows are read
-                    self._download(obj.url, self.local_parts / obj.key)
+                if (self.opts.resume or self.opts.update) and self._mine(obj.key):
+                    self._download(obj, self.local_parts / obj.key)
                     self._uploaded[obj.key] = _local_id(self.local_parts / obj.key)
                 else:  # an empty stand-in: the local checks see the name
                     (self.local_parts / obj.key).touch()
             elif not first.startswith("."):
                 (self.local_parts / first).touch()  # foreign: the local checks name it
         for path in self.local_parts.iterdir():
-            if MANIFEST_FILE.fullmatch(path.name):
+            if MANIFEST_FILE.fullmatch(path.name) and self._mine(path.name):
                 self._manifests[path.name] = path.read_bytes()
                 if self.opts.overwrite:
                     self._replaced.add(path.name)
+        if self.sharded and self.opts.overwrite:
+            # Before any rank uploads a part, the manifests that list other ranks' parts go
+            # (the merged one, those of ranks this run does not have): none may list a part
+            # object that its rank replaces meanwhile. Each rank replaces its own manifest.
+            for obj in objects:
+                rank = _manifest_rank(obj.key)
+                if MANIFEST_FILE.fullmatch(obj.key) and (
+                        rank is None or rank >= self.dist.world_size):
+                    _delete(obj.url)
+
+    def pull_own(self) -> None:
+        """--shard-output, every rank but 0 (whose ``pull`` did it): bring this rank's own
+        manifest into its staging folder, and with ``--resume`` its own parts."""
+        if self.is_main:
+            return
+        try:
+            objects = [o for o in storage.list_files(self.parts_url)
+                       if "/" not in o.key and self._mine(o.key)]
+        except OSError as exc:
+            raise storage.setup_error(self.url, exc) from None
+        self.local_parts.mkdir(parents=True, exist_ok=True)
+        for obj in objects:
+            if MANIFEST_FILE.fullmatch(obj.key):
+                self._download(obj, self.local_parts / obj.key)
+                self._manifests[obj.key] = (self.local_parts / obj.key).read_bytes()
+                if self.opts.overwrite:
+                    self._replaced.add(obj.key)
+            elif PART_FILE.fullmatch(obj.key) and self.opts.resume:
+                self._download(obj, self.local_parts / obj.key)
+                self._uploaded[obj.key] = _local_id(self.local_parts / obj.key)
 
     def _check_not_inputs(self) -> None:
         for raw in self.opts.inputs:
@@ -199,7 +274,10 @@ class RemoteOutput:
         except Exception:  # not Parquet: a foreign object
             self.local_out.write_bytes(b"")
 
-    def _download(self, url: str, path: Path) -> None:
+    def _download(self, obj: storage.ObjectInfo, path: Path) -> None:
+        self._download_url(obj.url, path)
+
+    def _download_url(self, url: str, path: Path) -> None:
         try:
             storage.download(url, path)
         except OSError as exc:
@@ -266,7 +344,7 @@ class RemoteOutput:
             if not self.local_parts.is_dir():
                 return
             for manifest in sorted(self.local_parts.iterdir()):
-                if not MANIFEST_FILE.fullmatch(manifest.name):
+                if not MANIFEST_FILE.fullmatch(manifest.name) or not self._mine(manifest.name):
                     continue
                 try:
                     content = manifest.read_bytes()
@@ -307,14 +385,22 @@ class RemoteOutput:
 
     def finish(self) -> None:
         """The run succeeded: upload what is left (the final file as one object), then delete
-        the store's parts that are no longer part of the output."""
+        the store's parts that are no longer part of the output. Sharded: every rank uploads
+        its own, then (once all have) rank 0 the merged manifest."""
         self._stop_loop()
         if not self.writer:
             return
         try:
-            if self.folder_mode:
+            if self.sharded:
+                self._every_rank(self._sync_or_fail)
+                if self.is_main:
+                    merged = self.local_parts / MANIFEST_NAME
+                    storage.upload(storage.join(self.parts_url, MANIFEST_NAME),
+                                   merged.read_bytes())
+                    self._delete_unlisted([MANIFEST_NAME])
+            elif self.folder_mode:
                 self.sync()
-                self._delete_unlisted()
+                self._delete_unlisted(list(self._manifests))
             else:
                 storage.upload_file(self.local_out, self.url)
                 for obj in storage.list_files(self.parts_url):
@@ -323,11 +409,23 @@ class RemoteOutput:
                 self._release_lock()
                 storage.remove_empty_prefix(self.parts_url)
         except OSError as exc:
-            raise OutputError(storage.describe(self.url, exc)) from None
+            raise self._failure(exc) from None
 
-    def abandon(self) -> None:
+    def _sync_or_fail(self) -> None:
+        try:
+            self.sync()
+        except OSError as exc:
+            raise self._failure(exc) from None
+
+    def _failure(self, exc: OSError) -> DsvError:
+        """The one-line error of a failed call to the store."""
+        down = storage.down_error(self.url, exc)
+        return down if down is not None else OutputError(storage.describe(self.url, exc))
+
+    def abandon(self, quiet: bool = False) -> None:
         """The run failed or was stopped: its committed parts go to the store (for
-        ``--resume``); a manifest that the run removed locally (nothing committed) goes too."""
+        ``--resume``); a manifest that the run removed locally (nothing committed) goes too.
+        ``quiet``: the store is down (the run's one line says so); nothing more is said."""
         self._stop_loop()
         if not self.writer:
             return
@@ -337,15 +435,28 @@ class RemoteOutput:
                 if not (self.local_parts / name).exists():
                     _delete(storage.join(self.parts_url, name))
         except OSError as exc:
-            log.error("%s", storage.describe(self.parts_url, exc))
+            if not quiet:
+                log.error("%s", storage.describe(self.parts_url, exc))
 
-    def _delete_unlisted(self) -> None:
-        """Part objects no manifest lists (an earlier run's, replaced by this one's)."""
-        manifests = [read_manifest(self.local_parts / name) or {"parts": {}}
-                     for name in self._manifests]
-        listed = {part["file"] for manifest in manifests for part in manifest["parts"].values()}
-        listed |= {manifest["stamps"].get("file") for manifest in manifests
-                   if isinstance(manifest.get("stamps"), dict)}
+    def _kept_parts(self) -> int:
+        """How many finished parts the store's manifests (this rank's) list."""
+        count = 0
+        for content in self._manifests.values():
+            try:
+                count += len(json.loads(content).get("parts", {}))
+            except (ValueError, AttributeError):
+                pass
+        return count
+
+    def _delete_unlisted(self, manifests: list[str]) -> None:
+        """Part objects none of ``manifests`` (local names) lists (an earlier run's, replaced
+        by this one's)."""
+        documents = [read_manifest(self.local_parts / name) or {"parts": {}}
+                     for name in manifests]
+        listed = {part["file"] for document in documents
+                  for part in document["parts"].values()}
+        listed |= {document["stamps"].get("file") for document in documents
+                   if isinstance(document.get("stamps"), dict)}  # a folder's row stamps
         for obj in storage.list_files(self.parts_url):
             if (PART_FILE.fullmatch(obj.key) or STAMPS_FILE.fullmatch(obj.key)) \
                     and obj.key not in listed:
@@ -357,6 +468,10 @@ class RemoteOutput:
         try:
             if self.writer:
                 self._release_lock()
+        except OSError as exc:  # the store is down (said already) or the lock goes stale
+            if storage.outage_cause(exc) is None:
+                log.warning("could not delete the lock object %s (%s)", self._lock_url(),
+                            storage.describe(self._lock_url(), exc))
         finally:
             shutil.rmtree(self.staging, ignore_errors=True)
 
@@ -364,6 +479,12 @@ class RemoteOutput:
         """A message about the staging folder, told about the store instead."""
         text = text.replace(str(self.local_parts), self.parts_url)
         return text.replace(str(self.local_out), self.url)
+
+
+def _manifest_rank(name: str) -> int | None:
+    """The rank of a rank's manifest name (``_manifest-rank001.json``), else None."""
+    match = re.fullmatch(r"_manifest-rank(\d{3})\.json", name)
+    return None if match is None else int(match.group(1))
 
 
 def _local_id(path: Path) -> tuple[int, int]:

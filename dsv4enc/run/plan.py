@@ -45,6 +45,7 @@ class Planned:
     n_w: int = 0
     error: str | None = None
     stamp: str | None = None  # its file as planned (``input_stamps``): what --resume checks
+    misnamed: str | None = None  # the format it is, when its name says another (``Probe``)
 
     @property
     def tokens(self) -> int:
@@ -73,7 +74,8 @@ def read_headers(items: Sequence[InputItem], cfg: VisionConfig, max_pixels: int,
     planned = []
     for index, item in enumerate(items):
         probe = by_index[index]
-        entry = Planned(item, probe.width, probe.height, error=probe.error)
+        entry = Planned(item, probe.width, probe.height, error=probe.error,
+                        misnamed=probe.misnamed)
         if probe.error is None:
             try:
                 canvas = plan_canvas(probe.width, probe.height, cfg)

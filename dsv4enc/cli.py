@@ -190,6 +190,25 @@ def encode(
     part_images: Optional[int] = typer.Option(None, "--part-images", hidden=True,
                                               help="Images per committed part (default from "
                                               "the config; small values for tests)."),
+    engine: str = typer.Option("local", "--engine", metavar=choices("local", "ray"),
+                               help="local: this process (and torchrun's ranks) encodes; "
+                               "ray: encoder actors on a Ray cluster encode, this process "
+                               "plans and writes the same output (needs the ray extra: pip "
+                               "install 'dsv4enc\\[ray]'; inputs and weights must be readable "
+                               "on every node: a shared folder or a bucket)."),
+    ray_address: Optional[str] = typer.Option(None, "--ray-address", envvar="RAY_ADDRESS",
+                                              help="--engine ray: the cluster to join "
+                                              "(default: $RAY_ADDRESS, else a local Ray "
+                                              "started for the run and shut down after)."),
+    ray_actors: Optional[int] = typer.Option(None, "--ray-actors", help="--engine ray: "
+                                             "encoder actors (default: one per GPU when "
+                                             "the cluster has GPUs, else one per node)."),
+    ray_gpus_per_actor: Optional[float] = typer.Option(
+        None, "--ray-gpus-per-actor", help="--engine ray: GPUs each actor holds (default: 1 "
+        "when the cluster has GPUs and --device is not cpu, else 0)."),
+    ray_object_store_mb: Optional[int] = typer.Option(None, "--ray-object-store-mb",
+                                                      hidden=True, help="The local Ray's "
+                                                      "object store (default: Ray's)."),
     storage_option: Optional[List[str]] = typer.Option(
         None, "--storage-option", metavar="KEY=VALUE", help="Object storage (s3://, gs://, "
         "...) inputs and --out: an option of the file system (pyarrow S3FileSystem, or "
@@ -215,11 +234,20 @@ def encode(
         shard_output=shard_output, tp_mode=tp_mode, balance=balance, timeout=timeout,
         part_images=part_images, commit_every=commit_every,
         progress=not quiet, log_every=log_every)
-    _encode_command(opts, storage_option, quiet, summary_json)
+    ray_opts = None
+    if engine == "ray":
+        from .run.ray_engine import RayEngineOptions
+
+        ray_opts = RayEngineOptions(address=ray_address, actors=ray_actors,
+                                    gpus_per_actor=ray_gpus_per_actor,
+                                    object_store_mb=ray_object_store_mb)
+    elif engine != "local":
+        fail("--engine must be one of local, ray", 2)
+    _encode_command(opts, storage_option, quiet, summary_json, ray_opts)
 
 
 def _encode_command(opts, storage_option: list[str] | None, quiet: bool,
-                    summary_json: str | None) -> None:
+                    summary_json: str | None, ray_opts=None) -> None:
     """``encode`` with its options built: storage and log settings, signals, the early start
     (before torch is imported), the run, and what the command prints at its end."""
     from . import storage
@@ -246,18 +274,23 @@ def _encode_command(opts, storage_option: list[str] | None, quiet: bool,
     own_process_pillow_settings()  # each open checks --max-pixels itself
     try:
         try:
-            # before torch is imported: decoding starts meanwhile
-            prefetch = start_prefetch(opts, stop)
-            if prefetch is not None and prefetch.on_cpu:
-                prefer_jemalloc_pool()
-            from .run.pipeline import run_encode
-            from .run.dist import init_distributed, shutdown
-            from .run.summary import print_summary, write_summary_json
+            if ray_opts is not None:  # encoder actors decode and encode; nothing starts early
+                from .run.ray_engine import run_ray_encode
 
-            dist = init_distributed(opts.device, opts.timeout)
-            _own_process_settings(opts.device, dist)
-            setup, prefetch = prefetch, None  # the run owns it from here, and closes it
-            summary = run_encode(opts, dist, setup, stop)
+                summary = run_ray_encode(opts, ray_opts, stop)
+            else:
+                # before torch is imported: decoding starts meanwhile
+                prefetch = start_prefetch(opts, stop)
+                if prefetch is not None and prefetch.on_cpu:
+                    prefer_jemalloc_pool()
+                from .run.pipeline import run_encode
+                from .run.dist import init_distributed
+
+                dist = init_distributed(opts.device, opts.timeout)
+                _own_process_settings(opts.device, dist)
+                setup, prefetch = prefetch, None  # the run owns it from here, and closes it
+                summary = run_encode(opts, dist, setup, stop)
+            from .run.summary import print_summary, write_summary_json
         finally:
             stop.immediate = False  # reporting and clean-up are not cut short
         if dist is None or dist.is_main:
@@ -287,6 +320,8 @@ def _encode_command(opts, storage_option: list[str] | None, quiet: bool,
         if prefetch is not None:
             prefetch.close()
         if dist is not None:
+            from .run.dist import shutdown
+
             shutdown(dist)
         stop.restore()
         package_log.setLevel(log_level)  # in-process callers (tests) run more commands

@@ -45,9 +45,10 @@ IN_FLIGHT_PER_ACTOR = 2
 #: How long a wait for a segment's rows runs before the driver looks for a signal.
 POLL_S = 0.1
 #: The environment variables an encoder actor gets from the driver (a remote cluster's
-#: workers do not inherit the driver's environment): storage options and endpoints.
+#: workers do not inherit the driver's environment): storage options and endpoints, and the
+#: pause points a test asks for (``pausepoints``).
 FORWARDED_ENV = ("DSV4ENC_STORAGE_OPTIONS", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3",
-                 "AWS_REGION", "AWS_DEFAULT_REGION")
+                 "AWS_REGION", "AWS_DEFAULT_REGION", "DSV4ENC_PAUSE_AT", "DSV4ENC_PAUSE_DIR")
 
 
 @dataclass
@@ -124,7 +125,9 @@ class SegmentEncoder:
         from ..engine.packing import output_grid
         from ..images.decode import patches_tensor
         from ..output.parts import Row
+        from ..pausepoints import pause
 
+        pause("segment", pid=os.getpid(), images=[entry[0] for entry in entries])
         by_index = {entry[0]: entry for entry in entries}
         order = [i for batch in batches for i in batch]
         stream = self.pool.imap(((i, by_index[i][2]) for i in order),

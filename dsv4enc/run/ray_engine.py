@@ -514,8 +514,11 @@ class _RayRun:
                         load[actor] -= 1
                         results[segment] = self._get(ref)
         finally:
-            for ref in in_flight:
-                ray.cancel(ref, force=False)
+            for ref in in_flight:  # stopped early: the actors are killed next anyway
+                try:
+                    ray.cancel(ref)
+                except Exception:
+                    pass
             with stop.deferred():
                 writer.close()
             summary.write_s = writer.seconds

@@ -26,7 +26,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Sequence
 
 from ..errors import DsvError, Interrupted, UsageError
@@ -260,10 +260,18 @@ def plan_actors(opts: EncodeOptions, ray_opts: RayEngineOptions,
         raise UsageError("--ray-actors must be at least 1")
     per_cpu = ray_opts.cpus_per_actor
     if per_cpu is None:
-        per_cpu = (max(1.0, float(int(cpus // actors))) if not per_gpu
-                   else max(1.0, float(int(cpus // max(actors, 1)))))
-        per_cpu = min(per_cpu, node_cpus)
+        per_cpu = min(max(1.0, float(int(cpus // actors))), node_cpus)
     return ActorPlan(actors, per_cpu, per_gpu, "cuda" if per_gpu else "cpu")
+
+
+def actor_workers(opts: EncodeOptions, plan: ActorPlan) -> int:
+    """Decode processes per actor: ``--workers``, else as a local run on a machine of the
+    actor's CPUs (``default_workers``'s rule: one per CPU but one beside a GPU, a quarter
+    of them on the CPU), so that the actors of one node share its cores."""
+    if opts.workers is not None:
+        return opts.workers
+    cpus = max(1, int(plan.cpus))
+    return max(1, min(cpus - 1, 16)) if plan.gpus else max(1, cpus // 4)
 
 
 # ----------------------------------------------------------------------------- the driver
@@ -324,8 +332,8 @@ class _RayRun:
         remote = self.ray.remote(SegmentEncoder).options(
             num_cpus=plan.cpus, num_gpus=plan.gpus, max_restarts=MAX_RESTARTS,
             max_task_retries=MAX_TASK_RETRIES)
-        self.actors = [remote.remote(self.opts, plan.device_type, dtype)
-                       for _ in range(plan.actors)]
+        opts = replace(self.opts, workers=actor_workers(self.opts, plan))
+        self.actors = [remote.remote(opts, plan.device_type, dtype) for _ in range(plan.actors)]
 
     def _describe(self) -> dict[str, Any]:
         """Every actor's settings once it is up (weights loaded); they must agree."""

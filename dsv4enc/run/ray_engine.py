@@ -292,18 +292,21 @@ def run_ray_encode(opts: EncodeOptions, ray_opts: RayEngineOptions | None = None
     if opts.shard_output or opts.tp_mode != "data":
         raise UsageError("--shard-output and --tp-mode are torchrun options; --engine ray "
                          "writes one output from its driver")
+    import importlib.util
+
+    if importlib.util.find_spec("ray") is None:
+        raise UsageError("--engine ray needs Ray: pip install 'dsv4enc[ray]'")
     own_stop = stop is None
     if stop is None:
         stop = StopSignals(immediate=True)
         stop.install()
-    layout = remote = cluster = None
+    layout = remote = run = None
     try:
         remote = RemoteOutput.for_options(opts, None)
         if remote is not None:
             opts = remote.opts
         layout = OutputLayout(opts.out, False)
-        cluster = RayCluster(ray_opts)
-        run = _RayRun(opts, ray_opts, cluster, layout, stop)
+        run = _RayRun(opts, ray_opts, layout, stop)
         if remote is not None:
             return remote.run(lambda: run.run(local=False), None)
         return run.run(local=True)
@@ -312,19 +315,22 @@ def run_ray_encode(opts: EncodeOptions, ray_opts: RayEngineOptions | None = None
             layout.release()
         if remote is not None:
             remote.close()
-        if cluster is not None:
-            cluster.close()
+        if run is not None and run.cluster is not None:
+            run.cluster.close()
         stop.immediate = False
         if own_stop:
             stop.restore()
 
 
 class _RayRun:
-    def __init__(self, opts: EncodeOptions, ray_opts: RayEngineOptions, cluster: RayCluster,
-                 layout, stop) -> None:
-        self.opts, self.ray_opts, self.cluster = opts, ray_opts, cluster
+    """One run on Ray: Ray is started (or joined) only once the inputs and ``--out`` passed
+    their checks, so that a refused run says so at once."""
+
+    def __init__(self, opts: EncodeOptions, ray_opts: RayEngineOptions, layout, stop) -> None:
+        self.opts, self.ray_opts = opts, ray_opts
         self.layout, self.stop = layout, stop
-        self.ray = cluster.ray
+        self.cluster: RayCluster | None = None
+        self.ray = None
         self.actors: list = []
 
     # -- set-up ---------------------------------------------------------------------
@@ -379,6 +385,8 @@ class _RayRun:
         found = discover(opts.inputs, opts.files_from, opts.image_column, opts.key_column,
                          stop, table_paths_roots=opts.table_paths_roots)
         layout.prepare(opts)
+        self.cluster = RayCluster(self.ray_opts)
+        self.ray = self.cluster.ray
         plan = plan_actors(opts, self.ray_opts, self.cluster)
         dtype, adopted = opts.dtype, None
         recorded = layout.interrupted_settings() if opts.resume else None
@@ -461,7 +469,7 @@ class _RayRun:
         return summary
 
     def _stop_actors(self) -> None:
-        for actor in self.actors:
+        for actor in self.actors:  # (only once Ray was joined: actors need it)
             try:
                 self.ray.kill(actor, no_restart=True)
             except Exception:  # already gone

@@ -216,6 +216,21 @@ def encode(
     balance: str = typer.Option("patches", "--balance", metavar=choices("patches", "flops"),
                                 help="torchrun load balancing cost: patches, or flops (counts "
                                 "the quadratic attention term)."),
+    engine: str = typer.Option("local", "--engine", metavar=choices("local", "ray"),
+                               help="ray: encoder actors on a Ray cluster encode, this "
+                               "process writes the same output (needs dsv4enc\\[ray]; inputs "
+                               "and weights readable on every node)."),
+    ray_address: Optional[str] = typer.Option(None, "--ray-address", envvar="RAY_ADDRESS",
+                                              help="The cluster to join (default: "
+                                              "$RAY_ADDRESS, else a local Ray for the run)."),
+    ray_actors: Optional[int] = typer.Option(None, "--ray-actors", help="Encoder actors "
+                                             "(default: one per GPU, else one per node)."),
+    ray_gpus_per_actor: Optional[float] = typer.Option(
+        None, "--ray-gpus-per-actor", help="GPUs per actor (default: 1 when the cluster "
+        "has GPUs and --device is not cpu)."),
+    ray_object_store_mb: Optional[int] = typer.Option(None, "--ray-object-store-mb",
+                                                      hidden=True, help="The local Ray's "
+                                                      "object store (default: Ray's)."),
 ) -> None:
     """Encode images into a Parquet file of embeddings, one row per image."""
     # Over 100 lines only for Typer's signature (one parameter, with its help, per option);
@@ -240,7 +255,16 @@ def encode(
         shard_output=shard_output, tp_mode=tp_mode, balance=balance, timeout=timeout,
         part_images=part_images, commit_every=commit_every,
         progress=not quiet, log_every=log_every, storage_outage_s=storage_outage_s)
-    _encode_command(opts, storage_option, quiet, summary_json, started)
+    ray_opts = None
+    if engine == "ray":
+        from .run.ray_engine import RayEngineOptions
+
+        ray_opts = RayEngineOptions(address=ray_address, actors=ray_actors,
+                                    gpus_per_actor=ray_gpus_per_actor,
+                                    object_store_mb=ray_object_store_mb)
+    elif engine != "local":
+        fail("--engine must be one of local, ray", 2)
+    _encode_command(opts, storage_option, quiet, summary_json, started, ray_opts)
 
 
 #: ``encode --help`` groups its options into panels (the signature lists them in this order,
@@ -255,6 +279,7 @@ ENCODE_PANELS = {
     "Run control": ("quiet", "log_every", "timeout"),
     "Engine": ("device", "batch_tokens", "workers", "attention", "cuda_graphs",
                "deterministic", "fused", "tp_mode", "balance"),
+    "Ray": ("engine", "ray_address", "ray_actors", "ray_gpus_per_actor", "ray_object_store_mb"),
 }
 
 
@@ -270,7 +295,8 @@ def group_options(command, panels: dict[str, tuple[str, ...]]) -> None:
 group_options(encode, ENCODE_PANELS)
 
 def _encode_command(opts, storage_option: list[str] | None, quiet: bool,
-                    summary_json: str | None, started: float | None = None) -> None:
+                    summary_json: str | None, started: float | None = None,
+                    ray_opts=None) -> None:
     """``encode`` with its options built: storage and log settings, signals, the early start
     (before torch is imported), the run, and what the command prints at its end.
     ``started``: when the command (or its process) started, on ``time.perf_counter``'s
@@ -300,20 +326,25 @@ def _encode_command(opts, storage_option: list[str] | None, quiet: bool,
     own_process_pillow_settings()  # each open checks --max-pixels itself
     try:
         try:
-            # before torch is imported: decoding starts meanwhile
-            prefetch = start_prefetch(opts, stop)
-            if prefetch is not None and prefetch.on_cpu:
-                prefer_jemalloc_pool()
-            from .run.pipeline import run_encode
-            from .run.dist import init_distributed, shutdown
-            from .run.summary import print_summary, write_summary_json
+            if ray_opts is not None:  # encoder actors decode and encode; nothing starts early
+                from .run.ray_engine import run_ray_encode
 
-            dist = init_distributed(opts.device, opts.timeout)
-            _own_process_settings(opts.device, dist)
-            setup, prefetch = prefetch or RunSetup(), None  # the run owns it from here
-            if started is not None:  # the wall time counts start-up (torch, torchrun's too)
-                setup.started = started
-            summary = run_encode(opts, dist, setup, stop)
+                summary = run_ray_encode(opts, ray_opts, stop)
+            else:
+                # before torch is imported: decoding starts meanwhile
+                prefetch = start_prefetch(opts, stop)
+                if prefetch is not None and prefetch.on_cpu:
+                    prefer_jemalloc_pool()
+                from .run.pipeline import run_encode
+                from .run.dist import init_distributed
+
+                dist = init_distributed(opts.device, opts.timeout)
+                _own_process_settings(opts.device, dist)
+                setup, prefetch = prefetch or RunSetup(), None  # the run owns it from here
+                if started is not None:  # the wall time counts start-up (torch's too)
+                    setup.started = started
+                summary = run_encode(opts, dist, setup, stop)
+            from .run.summary import print_summary, write_summary_json
         finally:
             stop.immediate = False  # reporting and clean-up are not cut short
         if dist is None or dist.is_main:
@@ -343,6 +374,8 @@ def _encode_command(opts, storage_option: list[str] | None, quiet: bool,
         if prefetch is not None:
             prefetch.close()
         if dist is not None:
+            from .run.dist import shutdown
+
             shutdown(dist)
         stop.restore()
         package_log.setLevel(log_level)  # in-process callers (tests) run more commands

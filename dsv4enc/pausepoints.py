@@ -12,7 +12,8 @@ until ``FOLDER/POINT.N.go`` or ``FOLDER/go`` exists (``go`` releases every later
 Without those variables, as in every real run, a point costs one environment lookup.
 
 The points: ``commit`` (a part was committed: a kill now loses nothing before it) and
-``encoded`` (a batch's rows were counted in the progress).
+``encoded`` (a batch's rows were counted in the progress), and under ``--engine ray``
+``segment`` (an encoder actor is about to encode a segment; it reports its ``pid``).
 """
 
 from __future__ import annotations

@@ -1,0 +1,593 @@
+"""``dsv4enc encode --engine ray``: the local run's plan and output, with the encoding done by
+encoder actors on a Ray cluster (needs ``dsv4enc[ray]``).
+
+The driver (the ``dsv4enc encode`` process) does what the local run does around the model:
+it discovers the inputs (``images/discover``), reads their headers and cuts the same parts
+and segments (``run/plan``), checks and locks ``--out`` (``output/layout``, ``output/remote``
+for a bucket), and commits parts through the same ``PartWriter`` into the same stores, so the
+keys, parts, manifest, metadata and final file are the local run's. What changes is only
+where a segment is encoded: each one goes to an encoder actor (``SegmentEncoder``), which
+loaded the weights once and holds the same Engine (``engine/factory.build_engine``, the local
+run's arguments) and the same fault-tolerant decode pool (``images/decode.DecodePool``). The
+actor reads the segment's images itself (from a shared folder or a bucket: only item
+locators travel) and sends back its rows.
+
+Exactly once: Ray computes, dsv4enc's manifest commits. The driver commits each segment once,
+in input order, as its rows come back (a result is taken once per segment, whatever Ray
+retried), and ``--resume`` skips what the manifest lists (``resume_filter``), so a killed
+driver costs at most the segments not yet committed. A killed actor is restarted by Ray
+(``MAX_RESTARTS``) and its calls are retried (``MAX_TASK_RETRIES``): segments are pure
+functions of their inputs (batch-invariant rows), so a retried one gives the same bytes.
+A bad image is an error row made by the decode pool, never a failed call.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass, replace
+from typing import Any, Sequence
+
+from ..errors import DsvError, Interrupted, UsageError
+from .options import EncodeOptions, available_cpus, decode_window, default_workers, validate
+
+log = logging.getLogger("dsv4enc")
+
+#: How often Ray restarts a dead encoder actor, and retries a call it was running, before
+#: the run fails (its committed parts kept for --resume): a few, so that one actor crash is
+#: absorbed but a segment that kills every actor it reaches does not loop forever.
+MAX_RESTARTS = 4
+MAX_TASK_RETRIES = 4
+#: Segments in flight per actor: one encoding, one queued behind it (so an actor never waits
+#: for the driver), bounding what the object store and the driver hold.
+IN_FLIGHT_PER_ACTOR = 2
+#: How long a wait for a segment's rows runs before the driver looks for a signal.
+POLL_S = 0.1
+#: The environment variables an encoder actor gets from the driver (a remote cluster's
+#: workers do not inherit the driver's environment): storage options and endpoints, and the
+#: pause points a test asks for (``pausepoints``).
+FORWARDED_ENV = ("DSV4ENC_STORAGE_OPTIONS", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3",
+                 "AWS_REGION", "AWS_DEFAULT_REGION", "DSV4ENC_PAUSE_AT", "DSV4ENC_PAUSE_DIR")
+
+
+@dataclass
+class RayEngineOptions:
+    """``--ray-address`` and the actor pool. ``address``: None is ``RAY_ADDRESS``, else a local
+    Ray started for the run (and shut down after it). ``actors``: default one per GPU when
+    the actors get GPUs, else one per node. ``gpus_per_actor``: default 1 when the cluster
+    has GPUs and ``--device`` is not cpu, else 0. ``cpus_per_actor``: default the cluster's
+    CPUs shared among the actors. ``object_store_mb``: the local Ray's object store (default
+    Ray's)."""
+
+    address: str | None = None
+    actors: int | None = None
+    gpus_per_actor: float | None = None
+    cpus_per_actor: float | None = None
+    object_store_mb: int | None = None
+
+    def resolved_address(self) -> str | None:
+        return self.address or os.environ.get("RAY_ADDRESS") or None
+
+
+# ----------------------------------------------------------------------------- the actor
+
+class SegmentEncoder:
+    """An encoder actor: built once per actor (the weights loaded once, the decode pool
+    started once), then called once per segment.
+
+    ``opts``: the run's options (the actor reads the model, engine and decode settings from
+    them, as the local run does); ``device_type``: what Ray gave it (``cuda`` with a GPU);
+    ``dtype``: the compute dtype (``auto`` resolves on the actor's own device)."""
+
+    def __init__(self, opts: EncodeOptions, device_type: str, dtype: str) -> None:
+        from ..engine.batching import BatchLoop
+        from ..engine.device import resolve_device, resolve_dtype, resolve_out_dtype
+        from ..engine.factory import build_engine
+        from ..images.decode import DecodePool, own_process_pillow_settings
+        from ..process import own_process_settings
+        from .pipeline import load_model
+
+        own_process_pillow_settings()
+        device = resolve_device(device_type)
+        own_process_settings(device)
+        compute = resolve_dtype(dtype, device)
+        ckpt = load_model(opts, compute)
+        self.opts = opts
+        self.cfg = ckpt.config
+        self.fingerprint = ckpt.fingerprint
+        self.dtype = compute
+        self.engine = build_engine(ckpt, device, features=opts.features,
+                                   attention=opts.attention,
+                                   out_dtype=resolve_out_dtype(opts.out_dtype),
+                                   cuda_graphs=opts.cuda_graphs, batch_tokens=opts.batch_tokens,
+                                   max_images=opts.max_images, deterministic=opts.deterministic,
+                                   fused=opts.fused)
+        del ckpt
+        workers = default_workers(device.type) if opts.workers is None else opts.workers
+        self.pool = DecodePool(self.cfg, workers, opts.max_pixels, opts.decode_timeout)
+        self.loop = BatchLoop(self.engine, opts.pool, name_of=lambda tag: tag[1],
+                              remedy="rerun with --out-dtype float32", copy=False)
+
+    def describe(self) -> dict[str, Any]:
+        """What this actor computes with (the driver checks that every actor agrees)."""
+        engine = self.engine
+        return {"config": self.cfg, "fingerprint": self.fingerprint,
+                "compute_dtype": str(self.dtype).removeprefix("torch."),
+                "device": engine.device.type, "batch_invariant": bool(engine.deterministic),
+                "batch_tokens": engine.batch_tokens, "pid": os.getpid()}
+
+    def encode(self, entries: Sequence[tuple], batches: Sequence[Sequence[int]]) -> tuple:
+        """Rows of one segment. ``entries``: ``(index, key, item, width, height)`` of its
+        readable images (header read), by index; ``batches``: the indices per packed batch,
+        as the local run packs them. Returns ``(rows by index, stats)``; an image that fails
+        to decode is an error row with its header's size, as in the local run."""
+        from ..engine.packing import output_grid
+        from ..images.decode import patches_tensor
+        from ..output.parts import Row
+        from ..pausepoints import pause
+
+        pause("segment", pid=os.getpid(), images=[entry[0] for entry in entries])
+        by_index = {entry[0]: entry for entry in entries}
+        order = [i for batch in batches for i in batch]
+        stream = self.pool.imap(((i, by_index[i][2]) for i in order),
+                                window=decode_window(self.pool.n_workers, self.opts.max_images))
+        rows: dict[int, Row] = {}
+        stats = {"tokens": 0, "merge_pad_tokens": 0, "decode_wait_s": 0.0, "model_s": 0.0}
+        r = self.cfg.downsample_ratio
+        r2 = r ** 2
+
+        def take(done) -> None:
+            for (index, key, d), out in done:
+                grid_h, grid_w = output_grid(d.n_h, d.n_w, r, self.opts.features)
+                rows[index] = Row(path=key, width=d.width, height=d.height, vit_h=d.n_h,
+                                  vit_w=d.n_w, grid_h=grid_h, grid_w=grid_w,
+                                  embedding=out.numpy())
+
+        began = time.perf_counter()
+        try:
+            for batch in batches:
+                ready = []
+                waited = time.perf_counter()
+                for expected in batch:
+                    index, d = next(stream)
+                    assert index == expected, "decode stream out of step with the plan"
+                    _, key, _, width, height = by_index[index]
+                    if d.error is not None:
+                        rows[index] = Row(path=key, width=width, height=height, error=d.error)
+                    else:
+                        ready.append((index, key, d))
+                stats["decode_wait_s"] += time.perf_counter() - waited
+                if not ready:
+                    continue
+                packed = self.loop.submit(ready, [(patches_tensor(d), d.n_h, d.n_w)
+                                                  for _, _, d in ready])
+                for _, _, d in ready:
+                    d.patches = None  # packed: the pool's shared slot is free again
+                stats["tokens"] += packed.n_tokens
+                if self.opts.features == "aligner":
+                    stats["merge_pad_tokens"] += packed.n_rows * r2 - packed.n_tokens
+                take(self.loop.collect_ready())
+            take(self.loop.drain())
+        finally:
+            if hasattr(stream, "close"):
+                stream.close()
+        stats["model_s"] = time.perf_counter() - began - stats["decode_wait_s"]
+        return rows, stats
+
+    def close(self) -> None:
+        self.pool.close()
+
+
+# ----------------------------------------------------------------------------- the cluster
+
+class RayCluster:
+    """The Ray the run uses: the one at ``address`` (joined, and left at the end), or a
+    local one started for the run (and shut down at the end)."""
+
+    def __init__(self, ray_opts: RayEngineOptions) -> None:
+        try:
+            import ray
+        except ImportError:
+            raise UsageError("--engine ray needs Ray: pip install 'dsv4enc[ray]'") from None
+        self.ray = ray
+        self.address = ray_opts.resolved_address()
+        self.started_here = False
+        self.joined = False
+        if ray.is_initialized():  # an in-process caller's own Ray: used, left as it is
+            return
+        env = {name: os.environ[name] for name in FORWARDED_ENV if os.environ.get(name)}
+        common: dict[str, Any] = dict(log_to_driver=False, logging_level=logging.WARNING,
+                                      configure_logging=False,
+                                      runtime_env={"env_vars": env} if env else None)
+        try:
+            if self.address:
+                ray.init(address=self.address, **common)
+            else:
+                store = (ray_opts.object_store_mb << 20 if ray_opts.object_store_mb
+                         else None)
+                ray.init(num_cpus=available_cpus(), object_store_memory=store,
+                         include_dashboard=False, **common)
+                self.started_here = True
+        except (ConnectionError, RuntimeError, ValueError) as exc:
+            where = f"the Ray cluster at {self.address}" if self.address else "a local Ray"
+            raise DsvError(f"cannot start or join {where}: {' '.join(str(exc).split())}"
+                           ) from None
+        self.joined = True
+
+    def resources(self) -> tuple[float, float, int, float]:
+        """(CPUs, GPUs, alive nodes with CPUs, the fewest CPUs of such a node)."""
+        ray = self.ray
+        total = ray.cluster_resources()
+        nodes = [n for n in ray.nodes() if n.get("Alive") and n.get("Resources", {}).get("CPU")]
+        node_cpus = min((n["Resources"]["CPU"] for n in nodes), default=total.get("CPU", 1))
+        return total.get("CPU", 1.0), total.get("GPU", 0.0), max(1, len(nodes)), node_cpus
+
+    def close(self) -> None:
+        if self.joined:
+            self.ray.shutdown()  # a local Ray stops; a remote cluster is only left
+            self.joined = False
+
+
+@dataclass
+class ActorPlan:
+    """How many encoder actors, and what each holds."""
+
+    actors: int
+    cpus: float
+    gpus: float
+    device_type: str
+
+
+def plan_actors(opts: EncodeOptions, ray_opts: RayEngineOptions,
+                cluster: RayCluster) -> ActorPlan:
+    """The actor pool for ``--device`` on this cluster (``RayEngineOptions``' defaults)."""
+    cpus, gpus, nodes, node_cpus = cluster.resources()
+    wants_gpu = opts.device != "cpu"
+    if opts.device.startswith("cuda") and not gpus and not ray_opts.gpus_per_actor:
+        raise UsageError(f"--device {opts.device}: the Ray cluster has no GPUs")
+    per_gpu = ray_opts.gpus_per_actor
+    if per_gpu is None:
+        per_gpu = 1.0 if wants_gpu and gpus >= 1 else 0.0
+    if per_gpu < 0:
+        raise UsageError("--ray-gpus-per-actor must be 0 or more")
+    if per_gpu and opts.device == "cpu":
+        raise UsageError("--device cpu with --ray-gpus-per-actor: choose one")
+    actors = ray_opts.actors
+    if actors is None:
+        actors = max(1, int(gpus // per_gpu)) if per_gpu else nodes
+    if actors < 1:
+        raise UsageError("--ray-actors must be at least 1")
+    per_cpu = ray_opts.cpus_per_actor
+    if per_cpu is None:
+        per_cpu = min(max(1.0, float(int(cpus // actors))), node_cpus)
+    return ActorPlan(actors, per_cpu, per_gpu, "cuda" if per_gpu else "cpu")
+
+
+def actor_workers(opts: EncodeOptions, plan: ActorPlan) -> int:
+    """Decode processes per actor: ``--workers``, else as a local run on a machine of the
+    actor's CPUs (``default_workers``'s rule: one per CPU but one beside a GPU, a quarter
+    of them on the CPU), so that the actors of one node share its cores."""
+    if opts.workers is not None:
+        return opts.workers
+    cpus = max(1, int(plan.cpus))
+    return max(1, min(cpus - 1, 16)) if plan.gpus else max(1, cpus // 4)
+
+
+# ----------------------------------------------------------------------------- the driver
+
+def run_ray_encode(opts: EncodeOptions, ray_opts: RayEngineOptions | None = None,
+                   stop=None):
+    """Encode ``opts.inputs`` into ``opts.out`` on Ray encoder actors; returns the
+    ``RunSummary``. Raises ``DsvError`` (setup) or ``Interrupted``, as ``run_encode``."""
+    from ..output.layout import OutputLayout
+    from ..output.remote import RemoteOutput
+    from .ranks import launched_ranks
+    from .stopping import StopSignals
+
+    ray_opts = ray_opts or RayEngineOptions()
+    validate(opts)
+    if launched_ranks() > 1:
+        raise UsageError("--engine ray runs from one process: launch it without torchrun")
+    if opts.shard_output or opts.tp_mode != "data":
+        raise UsageError("--shard-output and --tp-mode are torchrun options; --engine ray "
+                         "writes one output from its driver")
+    if opts.update:
+        raise UsageError("--update runs on the local engine: drop --engine ray for it")
+    import importlib.util
+
+    if importlib.util.find_spec("ray") is None:
+        raise UsageError("--engine ray needs Ray: pip install 'dsv4enc[ray]'")
+    own_stop = stop is None
+    if stop is None:
+        stop = StopSignals(immediate=True)
+        stop.install()
+    layout = remote = run = None
+    try:
+        remote = RemoteOutput.for_options(opts, None)
+        if remote is not None:
+            opts = remote.opts
+        layout = OutputLayout(opts.out, False)
+        run = _RayRun(opts, ray_opts, layout, stop)
+        if remote is not None:
+            return remote.run(lambda: run.run(local=False), None)
+        return run.run(local=True)
+    finally:
+        if layout is not None:
+            layout.release()
+        if remote is not None:
+            remote.close()
+        if run is not None and run.cluster is not None:
+            run.cluster.close()
+        stop.immediate = False
+        if own_stop:
+            stop.restore()
+
+
+class _RayRun:
+    """One run on Ray: Ray is started (or joined) only once the inputs and ``--out`` passed
+    their checks, so that a refused run says so at once."""
+
+    def __init__(self, opts: EncodeOptions, ray_opts: RayEngineOptions, layout, stop) -> None:
+        self.opts, self.ray_opts = opts, ray_opts
+        self.layout, self.stop = layout, stop
+        self.cluster: RayCluster | None = None
+        self.ray = None
+        self.actors: list = []
+
+    # -- set-up ---------------------------------------------------------------------
+    def _start_actors(self, plan: ActorPlan, dtype: str) -> None:
+        remote = self.ray.remote(SegmentEncoder).options(
+            num_cpus=plan.cpus, num_gpus=plan.gpus, max_restarts=MAX_RESTARTS,
+            max_task_retries=MAX_TASK_RETRIES)
+        opts = replace(self.opts, workers=actor_workers(self.opts, plan))
+        self.actors = [remote.remote(opts, plan.device_type, dtype) for _ in range(plan.actors)]
+
+    def _describe(self) -> dict[str, Any]:
+        """Every actor's settings once it is up (weights loaded); they must agree."""
+        described = self._get([a.describe.remote() for a in self.actors])
+        first = {k: v for k, v in described[0].items() if k != "pid"}
+        for other in described[1:]:
+            if {k: v for k, v in other.items() if k != "pid"} != first:
+                raise DsvError("the encoder actors disagree on their settings (device, dtype "
+                               "or weights): give every node the same weights and devices")
+        return first
+
+    def _get(self, refs):
+        """``ray.get``, a failed actor call turned into the run's own error."""
+        ray = self.ray
+        try:
+            return ray.get(refs)
+        except ray.exceptions.RayTaskError as exc:
+            cause = getattr(exc, "cause", None)
+            if isinstance(cause, (DsvError, Interrupted)):
+                raise cause from None
+            raise DsvError(f"an encoder actor failed: {_first_line(cause or exc)}") from None
+        except ray.exceptions.RayActorError as exc:
+            raise DsvError(f"an encoder actor died {MAX_RESTARTS + 1} times "
+                           f"({_first_line(exc)}); finished parts are kept: rerun with "
+                           "--resume") from None
+
+    # -- the run ----------------------------------------------------------------------
+    def run(self, local: bool):
+        from types import SimpleNamespace
+
+        from ..images.discover import discover
+        from ..output.layout import PartWriter, assembler_for, open_store, resume_filter
+        from ..output.parts import output_schema
+        from .options import default_writer_threads
+        from .pipeline import run_settings
+        from .plan import images_per_part, plan_parts, read_headers, segment_tokens
+        from .progress import RunProgress
+        from .ranks import Topology
+        from .summary import RunSummary
+
+        opts, layout, stop = self.opts, self.layout, self.stop
+        started = time.perf_counter()
+        found = discover(opts.inputs, opts.files_from, opts.image_column, opts.key_column,
+                         stop, table_paths_roots=opts.table_paths_roots)
+        layout.prepare(opts)
+        self.cluster = RayCluster(self.ray_opts)
+        self.ray = self.cluster.ray
+        plan = plan_actors(opts, self.ray_opts, self.cluster)
+        dtype, adopted = opts.dtype, None
+        recorded = layout.interrupted_settings() if opts.resume else None
+        if (recorded and dtype == "auto" and recorded.get("device") == plan.device_type
+                and recorded.get("compute_dtype")):
+            dtype = recorded["compute_dtype"]  # --resume continues in the interrupted run's
+            adopted = f"--resume: computing in {dtype}, as the interrupted run did"
+        stop.immediate = False
+        layout.create()
+        if not found.items:
+            log.warning("no images found in %s (%d other files skipped); the output will "
+                        "have no rows", ", ".join(opts.inputs) or opts.files_from,
+                        found.skipped)
+        progress = RunProgress("auto" if opts.progress else "off", opts.log_every)
+        summary = RunSummary(out=str(opts.out), skipped=found.skipped,
+                             unlisted=len(found.unlisted))
+        ranks = Topology(None, False)
+        try:
+            stop.immediate = True
+            with progress:
+                progress.status(f"starting {plan.actors} encoder actor"
+                                f"{'s' if plan.actors > 1 else ''} on Ray")
+                self._start_actors(plan, dtype)
+                described = self._describe()
+                cfg = described["config"]
+                planned = read_headers(found.items, cfg, opts.max_pixels, None,
+                                       stop.requested, opts.decode_timeout)
+                if stop.signum is not None:
+                    raise Interrupted(stop.signum, "nothing was encoded; rerun the same command")
+                part_images = images_per_part(cfg, opts)
+                settings = run_settings(
+                    SimpleNamespace(config=cfg, fingerprint=described["fingerprint"]), opts,
+                    described["compute_dtype"], part_images,
+                    SimpleNamespace(device=SimpleNamespace(type=described["device"]),
+                                    deterministic=described["batch_invariant"]))
+                schema = output_schema(cfg.output_width(opts.features), opts.out_dtype,
+                                       settings, pooled=opts.pool == "mean",
+                                       layout=opts.layout)
+                store = open_store(layout, settings, schema, local=local, is_main=True,
+                                   world_size=1, rank=None)
+                batch_tokens = described["batch_tokens"]
+                parts = plan_parts(planned, part_images, None, opts.balance, cfg,
+                                   segment_tokens=segment_tokens(batch_tokens,
+                                                                 described["device"]))
+                todo = resume_filter(store, parts, opts, ranks, summary)
+                progress.announce(_opening_line(opts, len(found.items), plan, described))
+                if adopted:
+                    progress.announce(adopted)
+                progress.start(total=len(planned), done=summary.reused,
+                               tokens=sum(planned[i].tokens for p in todo
+                                          for i in range(p.start, p.end)))
+                assembler = assembler_for(store, layout, [p.name for p in parts], schema,
+                                          is_main=True)
+                writer = PartWriter(store, schema, default_writer_threads(), assembler)
+                try:
+                    self._encode(planned, todo, writer, store, summary, progress,
+                                 batch_tokens)
+                    stop.check()
+                    if assembler is not None:
+                        progress.status("writing the final file")
+                        began = time.perf_counter()
+                        assembler.finish()
+                        stop.immediate = False
+                        layout.remove_parts()
+                        summary.write_s += time.perf_counter() - began
+                except BaseException:
+                    if assembler is not None:
+                        assembler.abort()
+                    raise
+        except (DsvError, Interrupted) as exc:
+            layout.discard_if_empty()
+            if isinstance(exc, Interrupted):
+                summary.seconds = time.perf_counter() - started
+                exc.summary = summary
+            raise
+        finally:
+            stop.immediate = False
+            self._stop_actors()
+        summary.seconds = time.perf_counter() - started
+        return summary
+
+    def _stop_actors(self) -> None:
+        for actor in self.actors:  # (only once Ray was joined: actors need it)
+            try:
+                self.ray.kill(actor, no_restart=True)
+            except Exception:  # already gone
+                pass
+        self.actors = []
+
+    def _encode(self, planned, todo, writer, store, summary, progress,
+                batch_tokens: int) -> None:
+        """Send the segments to the actors, a bounded number ahead, and hand their rows to
+        the writer in input order as they come back; the writer is closed (its parts
+        committed) however this ends."""
+        from ..pausepoints import pause
+        from .plan import part_batches
+
+        ray, stop, opts = self.ray, self.stop, self.opts
+        began = time.perf_counter()
+        in_flight: dict[Any, tuple[int, int]] = {}  # ref -> (segment, actor)
+        load = [0] * len(self.actors)
+        results: dict[int, tuple[dict, dict]] = {}
+        window = IN_FLIGHT_PER_ACTOR * len(self.actors)
+        sent = done = 0
+        stop.hint = (f"finished parts are kept in {self.layout.parts_dir}; rerun the same "
+                     "command with --resume to finish")
+        try:
+            if todo:
+                progress.status("encoding")
+                progress.begin_encoding()
+                began = time.perf_counter()
+            with stop.deferred():
+                while done < len(todo):
+                    while sent < len(todo) and sent - done < window:
+                        part = todo[sent]
+                        good = [i for i in part.indices if planned[i].error is None]
+                        if not good:
+                            results[sent] = ({}, {})
+                        else:
+                            batches = part_batches(planned, good, batch_tokens,
+                                                   opts.max_images)
+                            entries = [(i, planned[i].item.key, planned[i].item,
+                                        planned[i].width, planned[i].height) for i in good]
+                            actor = min(range(len(load)), key=load.__getitem__)
+                            ref = self.actors[actor].encode.remote(entries, batches)
+                            in_flight[ref] = (sent, actor)
+                            load[actor] += 1
+                        sent += 1
+                    while done in results:
+                        rows, stats = results.pop(done)
+                        self._commit(planned, todo[done], rows, stats, writer, summary,
+                                     progress, pause)
+                        done += 1
+                    if done == len(todo) or stop.requested():
+                        break
+                    if not in_flight:
+                        continue
+                    ready, _ = ray.wait(list(in_flight), num_returns=1, timeout=POLL_S)
+                    for ref in ready:
+                        segment, actor = in_flight.pop(ref)
+                        load[actor] -= 1
+                        results[segment] = self._get(ref)
+        finally:
+            for ref in in_flight:  # stopped early: the actors are killed next anyway
+                try:
+                    ray.cancel(ref)
+                except Exception:
+                    pass
+            with stop.deferred():
+                writer.close()
+            summary.write_s = writer.seconds
+            stop.hint = self.layout.resume_hint(store)
+            summary.encode_s = time.perf_counter() - began
+            progress.end_encoding()
+
+    def _commit(self, planned, part, rows: dict, stats: dict, writer, summary, progress,
+                pause) -> None:
+        """A segment's rows, header failures included, in input order, to the writer."""
+        from ..output.parts import Row
+
+        for i in part.indices:
+            if planned[i].error is not None:
+                entry = planned[i]
+                rows[i] = Row(path=entry.item.key, width=entry.width, height=entry.height,
+                              error=entry.error)
+        ordered = [rows[i] for i in part.indices]
+        encoded = tokens = failed = 0
+        for row in ordered:
+            if row.error is None:
+                summary.encoded += 1
+                encoded += 1
+                tokens += row.vit_h * row.vit_w
+            else:
+                summary.failed += 1
+                failed += 1
+                summary.add_error(row.error, row.path)
+        dropped = sum(planned[i].tokens for i in part.indices
+                      if planned[i].error is None and rows[i].error is not None)
+        summary.tokens += stats.get("tokens", 0)
+        summary.merge_pad_tokens += stats.get("merge_pad_tokens", 0)
+        summary.decode_wait_s += stats.get("decode_wait_s", 0.0)
+        summary.model_s += stats.get("model_s", 0.0)
+        writer.put(part.name, ordered, part.start, part.end, part.digest)
+        progress.advance(len(ordered), tokens, failed, dropped)
+        counts = progress.snapshot()
+        pause("encoded", done=counts.reused + counts.images, total=counts.total_images)
+
+
+def _opening_line(opts: EncodeOptions, inputs: int, plan: ActorPlan,
+                  described: dict[str, Any]) -> str:
+    cfg = described["config"]
+    model = "random weights" if opts.random_init else str(opts.weights)
+    each = (f"{plan.gpus:g} GPU" if plan.gpus else f"{plan.cpus:g} CPU") + " each"
+    return (f"encoding {inputs:,} input{'s' if inputs != 1 else ''} on {plan.actors} Ray "
+            f"actor{'s' if plan.actors != 1 else ''} ({each}, {described['device']}) in "
+            f"{described['compute_dtype']}; {cfg.model_type} tower of {cfg.n_layers} layers, "
+            f"{opts.features} features, {model}; to {opts.out}")
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[-1] if text else type(exc).__name__

@@ -1,0 +1,196 @@
+"""``dsv4enc encode --engine ray`` against a real local Ray on the CPU: the local run's rows
+(every image once, the same bytes and metadata) from folders, tars and tables; a driver
+killed after its first commit and then ``--resume``d gives each image once; an encoder actor
+killed mid-run loses and doubles nothing. Runs stop at pause points the test controls
+(``helpers.Pauses``), never at a time it guesses."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from dsv4enc.output.read import MANIFEST_NAME
+
+from helpers import Pauses, write_image
+
+ray = pytest.importorskip("ray")
+pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::DeprecationWarning")]
+
+SPECS = [("a.jpg", (64, 48), "RGB"), ("b.png", (30, 90), "RGBA"), ("c.png", (120, 12), "L"),
+         ("d/e.gif", (50, 50), "P"), ("d/f.bmp", (17, 33), "RGB"), ("g.webp", (200, 20), "RGB"),
+         ("h.jpg", (80, 60), "RGB"), ("i.png", (40, 40), "RGB"), ("j.jpg", (33, 77), "RGB")]
+
+#: The test cluster is this machine's alone: no token to hand around.
+ENV = {**os.environ, "RAY_AUTH_MODE": "disabled"}
+#: A process that owns a small local Ray (2 CPUs, a 200 MB object store, no dashboard) and
+#: prints its address; the cluster ends with it.
+CLUSTER = """
+import sys, time, ray
+ray.init(num_cpus=2, object_store_memory=200 << 20, include_dashboard=False,
+         log_to_driver=False)
+print(ray.get_runtime_context().gcs_address, flush=True)
+sys.stdin.read()
+"""
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """The address of a local Ray the commands join (``--ray-address``)."""
+    proc = subprocess.Popen([sys.executable, "-c", CLUSTER], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True, env=ENV)
+    address = proc.stdout.readline().strip()
+    assert address, "the local Ray did not start"
+    yield address
+    proc.stdin.close()  # its script ends: ray.shutdown at exit stops the cluster
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory) -> list[str]:
+    """A folder (bad images included), a tar shard and a Parquet table of image bytes."""
+    root = tmp_path_factory.mktemp("rayengine")
+    folder = root / "images"
+    for rel, size, mode in SPECS:
+        write_image(folder / rel, size, mode)
+    (folder / "d" / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\n broken")
+    (folder / "k.jpg").write_bytes((folder / "a.jpg").read_bytes()[:200])
+    shard = root / "shard.tar"
+    with tarfile.open(shard, "w") as tar:
+        for i, size in enumerate([(70, 50), (20, 100)]):
+            data = io.BytesIO()
+            write_image(root / f"t{i}.png", size)
+            data = (root / f"t{i}.png").read_bytes()
+            info = tarfile.TarInfo(f"{i:04d}.png")
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    write_image(root / "cell.jpg", (45, 45))
+    table = pa.table({"image": [(root / "cell.jpg").read_bytes(), b"not an image"],
+                      "id": ["cell-0", "cell-1"]})
+    pq.write_table(table, root / "table.parquet")
+    return [str(folder), str(shard), str(root / "table.parquet")]
+
+
+def command(inputs, out, ckpt, *extra) -> list[str]:
+    return [sys.executable, "-m", "dsv4enc", "encode", *inputs, "--out", str(out),
+            "--weights", str(ckpt), "--device", "cpu", "--dtype", "float32", "-q",
+            "--key-column", "id", "--part-images", "3", *extra]
+
+
+def run(args, env=None, **kwargs) -> subprocess.CompletedProcess:
+    result = subprocess.run(args, capture_output=True, text=True, env=env or ENV, timeout=900,
+                            **kwargs)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
+def ray_args(address: str, *extra: str) -> list[str]:
+    return ["--engine", "ray", "--ray-address", address, *extra]
+
+
+def rows_of(out: Path) -> list[dict]:
+    return pq.read_table(out).to_pylist()
+
+
+@pytest.fixture(scope="module")
+def local(inputs, small_ckpt, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("rayengine_local") / "emb.parquet"
+    run(command(inputs, out, small_ckpt))
+    return out
+
+
+def test_ray_engine_writes_the_local_runs_output(cluster, inputs, small_ckpt, local,
+                                                 tmp_path):
+    out = tmp_path / "emb.parquet"
+    summary = tmp_path / "summary.json"
+    run(command(inputs, out, small_ckpt, *ray_args(cluster, "--summary-json", str(summary))))
+    want, got = rows_of(local), rows_of(out)
+    assert len({r["path"] for r in got}) == len(got) == len(want)  # every image once
+    assert got == want  # in order, the same bytes (float16 cells) and error texts
+    assert pq.read_schema(out).metadata == pq.read_schema(local).metadata
+    errors = {r["path"] for r in got if r["error"]}
+    assert {"d/broken.png", "k.jpg", "cell-1"} <= errors
+    done = json.loads(summary.read_text())["images"]
+    assert done["encoded"] + done["failed"] == len(want)
+    # a folder output: parts and a manifest that read_embeddings and inspect read
+    from dsv4enc import read_embeddings
+
+    folder = tmp_path / "emb"
+    run(command(inputs, str(folder) + "/", small_ckpt, *ray_args(cluster)))
+    assert (folder / MANIFEST_NAME).is_file()
+    read = {path: emb for path, emb, _ in read_embeddings(folder, errors="include")}
+    assert sorted(read) == sorted(r["path"] for r in want)
+    inspect = run([sys.executable, "-m", "dsv4enc", "inspect", str(folder), "--json"])
+    assert json.loads(inspect.stdout)["rows"] == len(want)
+
+
+def test_a_local_ray_started_for_the_run(inputs, small_ckpt, local, tmp_path):
+    """No --ray-address and no RAY_ADDRESS: the command starts its own Ray and stops it."""
+    env = {k: v for k, v in ENV.items() if k != "RAY_ADDRESS"}
+    out = tmp_path / "emb.parquet"
+    run(command(inputs, out, small_ckpt, "--engine", "ray", "--ray-object-store-mb", "200"),
+        env=env)
+    assert rows_of(out) == rows_of(local)
+
+
+def test_a_killed_driver_resumes_exactly_once(cluster, inputs, small_ckpt, local, tmp_path):
+    """SIGKILL once the first part is committed; --resume --engine ray finishes the run,
+    reusing the committed part, with each image once and the local run's rows."""
+    out = tmp_path / "emb.parquet"
+    pauses = Pauses(tmp_path / "pauses", "commit")
+    args = command(inputs, out, small_ckpt, *ray_args(cluster), "--commit-every", "0.001")
+    proc = subprocess.Popen(args, env=pauses.env(ENV), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE)
+    try:
+        committed = pauses.wait("commit", 1, proc)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert not out.exists()
+    summary = tmp_path / "summary.json"
+    run(args + ["--resume", "--summary-json", str(summary)])
+    done = json.loads(summary.read_text())["images"]
+    assert done["reused"] >= committed["end"] - committed["start"] > 0
+    got = rows_of(out)
+    assert len({r["path"] for r in got}) == len(got)
+    assert got == rows_of(local)
+
+
+def test_a_killed_actor_loses_and_doubles_nothing(cluster, inputs, small_ckpt, local,
+                                                  tmp_path):
+    """The actor is SIGKILLed as it starts its first segment: Ray restarts it and retries
+    the call; the output holds every image once, the local run's rows."""
+    out = tmp_path / "emb.parquet"
+    pauses = Pauses(tmp_path / "pauses", "segment")
+    proc = subprocess.Popen(command(inputs, out, small_ckpt, *ray_args(cluster)),
+                            env=pauses.env(ENV), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE)
+    try:
+        first = pauses.wait("segment", 1, proc)
+        os.kill(first["pid"], signal.SIGKILL)
+        pauses.release()  # the restarted actor, and every later segment, go on
+        _, stderr = proc.communicate(timeout=900)
+        assert proc.returncode == 0, stderr.decode()[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    got = rows_of(out)
+    assert len({r["path"] for r in got}) == len(got)
+    assert got == rows_of(local)

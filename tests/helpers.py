@@ -262,3 +262,24 @@ class Pauses:
     def release(self, point: str | None = None, n: int = 1) -> None:
         """Let the run go on: past one pause, or (no ``point``) past every pause from now."""
         (self.folder / (f"{point}.{n}.go" if point else "go")).touch()
+
+
+def signal_after_first_part(monkeypatch, signum: int | None = None) -> None:
+    """Make an in-process run send itself ``signum`` (SIGTERM by default) right after its
+    first part is handed to the writer: a stop at a known point, whatever the speed."""
+    import os
+    import signal
+
+    from dsv4enc.run.encoding import PartEncoder
+
+    signum = signal.SIGTERM if signum is None else signum
+    original = PartEncoder.run
+
+    def run(self, *args, **kwargs):
+        for index, part in enumerate(original(self, *args, **kwargs)):
+            yield part
+            if index == 0:
+                os.kill(os.getpid(), signum)
+
+    monkeypatch.setattr(PartEncoder, "run", run)
+

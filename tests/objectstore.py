@@ -12,7 +12,6 @@ the server over HTTP with pyarrow's S3 client, as it would to any S3 service.
 from __future__ import annotations
 
 import logging
-import os
 import uuid
 from dataclasses import dataclass
 
@@ -141,3 +140,41 @@ def s3_outage(monkeypatch) -> S3Bucket:
         yield _fresh_bucket(server, monkeypatch)
     finally:
         server.stop()
+
+
+# --------------------------------------------------------------------------- test inputs
+
+def tiny_run_options() -> list[str]:
+    """``encode`` options for a tiny random tower on the CPU, in parts of 3 images."""
+    from helpers import CONFIGS
+
+    return ["--config", str(CONFIGS / "tiny.json"), "--random-init", "--device", "cpu",
+            "--part-images", "3", "--batch-tokens", "1500"]
+
+
+def noise_images(s3: "S3Bucket", prefix: str, count: int, tmp_path) -> tuple:
+    """``count`` small noise PNGs, in ``tmp_path/prefix`` and under the bucket's prefix;
+    returns (that folder, the prefix's ``s3://`` URL)."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    folder = tmp_path / prefix
+    folder.mkdir()
+    for i in range(count):
+        path = folder / f"img{i:03d}.png"
+        Image.fromarray(rng.integers(0, 256, (12 + i % 5, 16 + i % 7, 3),
+                                     dtype=np.uint8)).save(path)
+        s3.put(f"{prefix}/{path.name}", path.read_bytes())
+    return folder, f"{s3.url}/{prefix}/"
+
+
+def manifest_parts(s3: "S3Bucket", key: str) -> dict:
+    """The parts the manifest object ``key`` lists; {} while it is not uploaded yet."""
+    import json
+
+    try:
+        return json.loads(s3.get(key))["parts"]
+    except Exception:  # not uploaded yet
+        return {}
+

@@ -20,7 +20,7 @@ from dsv4enc.tower.config import VisionConfig
 from dsv4enc.errors import WeightsError
 from dsv4enc.images.discover import discover, read_path_list
 
-from helpers import CONFIGS, write_image
+from helpers import CONFIGS, signal_after_first_part, write_image
 
 runner = CliRunner()
 
@@ -283,23 +283,10 @@ def test_inspect_of_an_interrupted_run_shows_what_was_committed_and_what_is_left
     """A run stopped by SIGTERM after its first part: ``inspect OUT`` (only OUT.partial/
     exists), ``inspect OUT.partial`` and a folder output's ``inspect`` show the committed
     parts, the images done and how many are left; --resume then finishes."""
-    import os
-    import signal
-
-    from dsv4enc.run.encoding import PartEncoder
-
     folder = tmp_path / "imgs"
     for i in range(13):
         write_image(folder / f"{i:02d}.png", (20 + i, 20))
-    original = PartEncoder.run
-
-    def run(self, *args, **kwargs):
-        for index, part in enumerate(original(self, *args, **kwargs)):
-            yield part
-            if index == 0:
-                os.kill(os.getpid(), signal.SIGTERM)
-
-    monkeypatch.setattr(PartEncoder, "run", run)
+    signal_after_first_part(monkeypatch)
     out = tmp_path / ("e.parquet" if kind == "file" else "e")
     out_arg = str(out) + ("" if kind == "file" else "/")  # a folder output ends in /
     common = ("--weights", str(small_ckpt), "--part-images", "4")
@@ -322,7 +309,7 @@ def test_inspect_of_an_interrupted_run_shows_what_was_committed_and_what_is_left
         assert data["interrupted"] and (data["parts"], data["images_done"],
                                         data["images_left"]) == (len(manifest["parts"]),
                                                                  done, 13 - done)
-    monkeypatch.setattr(PartEncoder, "run", original)
+    monkeypatch.undo()  # the resume runs unsignalled
     finished = encode(str(folder), "--out", out_arg, *common, "--resume")
     assert finished.exit_code == 0, finished.output
     data = json.loads(runner.invoke(app, ["inspect", str(out), "--json"]).output)

@@ -18,10 +18,9 @@ import pytest
 from typer.testing import CliRunner
 
 from dsv4enc.cli import app
-from dsv4enc.run.encoding import PartEncoder
 from dsv4enc.run.progress import ProgressCounts, RunProgress, format_duration
 
-from helpers import REPO_ROOT, write_image
+from helpers import REPO_ROOT, signal_after_first_part, write_image
 
 runner = CliRunner()
 LINE = re.compile(r"^dsv4enc: images (\d+)/(\d+) \([\d.]+%\), tokens ([\d,]+)/([\d,]+), "
@@ -224,15 +223,7 @@ def test_summary_json_and_error_breakdown(folder, tmp_path, small_ckpt):
 
 
 def test_summary_json_when_a_signal_stops_the_run(folder, tmp_path, small_ckpt, monkeypatch):
-    original = PartEncoder.run
-
-    def run(self, *args, **kwargs):
-        for index, part in enumerate(original(self, *args, **kwargs)):
-            yield part
-            if index == 0:
-                os.kill(os.getpid(), signal.SIGTERM)
-
-    monkeypatch.setattr(PartEncoder, "run", run)
+    signal_after_first_part(monkeypatch)
     out, report = tmp_path / "e.parquet", tmp_path / "summary.json"
     result = encode_in_process(str(folder), "--out", str(out), "--weights", str(small_ckpt),
                                "--part-images", "4", "--summary-json", str(report))

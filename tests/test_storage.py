@@ -236,38 +236,17 @@ import subprocess
 import sys
 import time
 
-from PIL import Image
 
-from helpers import CONFIGS, REPO_ROOT, Pauses
+from helpers import REPO_ROOT, Pauses
+from objectstore import manifest_parts, noise_images, tiny_run_options
 
-TINY = ["--config", str(CONFIGS / "tiny.json"), "--random-init", "--device", "cpu",
-        "--part-images", "3", "--batch-tokens", "1500"]
-
-
-def noise_images(s3, prefix: str, count: int, tmp_path: Path) -> str:
-    """``count`` small noise PNGs, in ``tmp_path/prefix`` and under the bucket's prefix."""
-    rng = np.random.default_rng(0)
-    folder = tmp_path / prefix
-    folder.mkdir()
-    for i in range(count):
-        path = folder / f"img{i:03d}.png"
-        Image.fromarray(rng.integers(0, 256, (12 + i % 5, 16 + i % 7, 3),
-                                     dtype=np.uint8)).save(path)
-        s3.put(f"{prefix}/{path.name}", path.read_bytes())
-    return f"{s3.url}/{prefix}/"
-
-
-def manifest_parts(s3, key: str) -> dict:
-    try:
-        return json.loads(s3.get(key))["parts"]
-    except Exception:  # not uploaded yet
-        return {}
+TINY = tiny_run_options()
 
 
 @pytest.mark.slow
 def test_sigkill_then_resume_on_the_bucket(s3, tmp_path):
     total = 240
-    url = noise_images(s3, "noise", total, tmp_path)
+    _, url = noise_images(s3, "noise", total, tmp_path)
     out = f"{s3.url}/res/e.parquet"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT)}
     env.pop("DSV4ENC_WEIGHTS", None)
@@ -322,7 +301,7 @@ def test_two_rank_torchrun_reads_and_writes_the_bucket(s3, tmp_path):
     0 writes the output to it; the rows equal one process's."""
     from test_run_torchrun import ok, torchrun
 
-    url = noise_images(s3, "tr-in", 12, tmp_path)
+    _, url = noise_images(s3, "tr-in", 12, tmp_path)
     out = f"{s3.url}/tr/e.parquet"
     ok(torchrun(["-m", "dsv4enc", "encode", url, "--out", out, *TINY, "--workers", "1",
                  "--timeout", "60", "-q"], tmp_path))
@@ -384,7 +363,7 @@ def test_two_ranks_write_their_shards_straight_to_the_bucket(s3, tmp_path):
     are one process's. Run again without a flag it refuses; --resume reuses every part."""
     from test_run_torchrun import ok, torchrun
 
-    url = noise_images(s3, "sh-in", 12, tmp_path)
+    _, url = noise_images(s3, "sh-in", 12, tmp_path)
     out = f"{s3.url}/sh/"
     command = ["-m", "dsv4enc", "encode", url, "--out", out, "--shard-output", *TINY,
                "--workers", "1", "--timeout", "60", "-q"]
@@ -429,7 +408,7 @@ def test_bucket_shards_resume_after_a_kill(s3, tmp_path):
     from test_run_torchrun import free_port, ok, torchrun
 
     total = 60
-    url = noise_images(s3, "kr-in", total, tmp_path)
+    _, url = noise_images(s3, "kr-in", total, tmp_path)
     out = f"{s3.url}/kr/"
     command = ["-m", "dsv4enc", "encode", url, "--out", out, "--shard-output", *TINY,
                "--workers", "1", "--timeout", "60", "-q"]

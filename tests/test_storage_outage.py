@@ -16,7 +16,6 @@ import time
 from contextlib import suppress
 from pathlib import Path
 
-import numpy as np
 import pyarrow.parquet as pq
 import pytest
 from typer.testing import CliRunner
@@ -26,7 +25,8 @@ from dsv4enc.images import decode
 from dsv4enc.cli import app
 from dsv4enc.output.parts import TRANSIENT_ERRORS
 
-from helpers import CONFIGS, REPO_ROOT, Pauses
+from helpers import REPO_ROOT, Pauses
+from objectstore import manifest_parts, noise_images, tiny_run_options
 
 runner = CliRunner()
 STORE = "s3://a-bucket"
@@ -201,30 +201,7 @@ def test_store_down_crosses_ranks_whole():
 
 # --------------------------------------------------------------------------- stopping a server
 
-TINY = ["--config", str(CONFIGS / "tiny.json"), "--random-init", "--device", "cpu",
-        "--part-images", "3", "--batch-tokens", "1500"]
-
-
-def noise_images(s3, prefix: str, count: int, tmp_path: Path) -> tuple[Path, str]:
-    """``count`` small noise PNGs in ``tmp_path/prefix`` and under the bucket's prefix."""
-    from PIL import Image
-
-    rng = np.random.default_rng(1)
-    folder = tmp_path / prefix
-    folder.mkdir()
-    for i in range(count):
-        path = folder / f"img{i:03d}.png"
-        Image.fromarray(rng.integers(0, 256, (12 + i % 5, 16 + i % 7, 3),
-                                     dtype=np.uint8)).save(path)
-        s3.put(f"{prefix}/{path.name}", path.read_bytes())
-    return folder, f"{s3.url}/{prefix}/"
-
-
-def manifest_parts(s3, key: str) -> dict:
-    try:
-        return json.loads(s3.get(key))["parts"]
-    except Exception:  # not uploaded yet
-        return {}
+TINY = tiny_run_options()
 
 
 def output_rows(s3, out: str, tmp_path: Path) -> list[dict]:

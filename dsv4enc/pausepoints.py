@@ -35,11 +35,17 @@ _counters: dict[str, itertools.count] = {}
 _lock = threading.Lock()
 
 
+def armed(point: str) -> bool:
+    """Whether the environment asks the run to wait at ``point`` (so that a caller computes
+    the point's facts only then)."""
+    names = os.environ.get(POINTS_VARIABLE)
+    return bool(names) and point in names.split(",")
+
+
 def pause(point: str, **facts: Any) -> None:
     """Wait at ``point`` when the environment asks for it (see the module's docstring);
     ``facts`` go into the file that says the point was reached."""
-    names = os.environ.get(POINTS_VARIABLE)
-    if not names or point not in names.split(","):
+    if not armed(point):
         return
     folder = Path(os.environ[FOLDER_VARIABLE])
     with _lock:

@@ -27,7 +27,6 @@ from typing import Sequence
 import torch
 
 from ..tower.attention import VarlenSpans
-from ..tower.config import VisionConfig
 from ..tower.model import VisionTower, rope_table, rope_tables
 from .packing import PackedBatch
 

@@ -39,7 +39,6 @@ import stat
 import tarfile
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass
 from pathlib import PurePosixPath
 from typing import TYPE_CHECKING, Any, BinaryIO
 

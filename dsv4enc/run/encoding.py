@@ -14,7 +14,6 @@ from ..images.decode import Decoded, DecodeStream, patches_tensor
 from ..engine.engine import Engine
 from .options import EncodeOptions
 from ..engine.packing import output_grid
-from ..pausepoints import pause
 from .plan import Part, Planned, part_batches
 from .setup import RunSetup
 from .progress import RunProgress
@@ -92,7 +91,7 @@ class PartEncoder:
         order = [i for plan in plans for batch in plan[me] for i in batch]
         decoded = self.setup.stream(order, self.opts.max_images)
         for part, plan in zip(parts, plans):
-            rows = {i: _error_row(planned[i]) for i in part.indices if planned[i].error}
+            rows = {i: error_row(planned[i]) for i in part.indices if planned[i].error}
             if self._counts_header_failures:
                 self._note(rows.values())
             carried = (self.carried.rows(part.indices, planned) if self.carried is not None
@@ -169,16 +168,9 @@ class PartEncoder:
                                            for k in range(4))
         if images:
             self.progress.advance(images, tokens, failed, dropped)
-            counts = self.progress.snapshot()
-            pause("encoded", done=counts.reused + counts.images, total=counts.total_images)
 
     def count(self, rows: list[Row]) -> None:
-        for row in rows:
-            if row.error is None:
-                self.summary.encoded += 1
-            else:
-                self.summary.failed += 1
-                self.summary.add_error(row.error, row.path)
+        self.summary.count_rows(rows)
 
     # -- one batch ---------------------------------------------------------------
     def _next_decoded(self, decoded: Iterator[tuple[int, Decoded]]) -> tuple[int, Decoded]:
@@ -211,7 +203,7 @@ class PartEncoder:
                 if alone:  # one process stops at once; ranks agree after the batch
                     storage.check_stores()
             if result.error is not None:
-                rows[index] = _error_row(planned[index], result.error)
+                rows[index] = error_row(planned[index], result.error)
                 if self._counts_encoded:
                     self._pending[3] += planned[index].tokens
             else:
@@ -252,6 +244,7 @@ class StoppedWaiting(Exception):
 STOP_POLL_S = 0.1  # how often a wait for a decoded image checks for a signal
 
 
-def _error_row(entry: Planned, error: str | None = None) -> Row:
+def error_row(entry: Planned, error: str | None = None) -> Row:
+    """The row of an image that failed (its header's error, or ``error``)."""
     return Row(path=entry.item.key, width=entry.width, height=entry.height,
                error=error or entry.error)

@@ -83,9 +83,20 @@ def _opening_line(opts: EncodeOptions, inputs: int, device: torch.device, dtype:
         shown += f" (--dtype auto: {auto_cpu_reason()})"
     elif str(opts.dtype) == "auto":
         shown += " (--dtype auto)"
+    return (f"encoding {inputs_phrase(inputs)} on {device.type} in {shown}; "
+            f"{model_and_output(opts, cfg)}")
+
+
+def inputs_phrase(inputs: int) -> str:
+    """``1 input``, ``1,024 inputs``: the opening line's count."""
+    return f"{inputs:,} input{'s' if inputs != 1 else ''}"
+
+
+def model_and_output(opts: EncodeOptions, cfg: VisionConfig) -> str:
+    """The opening line's end, for either engine: the model variant and the output."""
     model = "random weights" if opts.random_init else str(opts.weights)
-    return (f"encoding {inputs:,} input{'s' if inputs != 1 else ''} on {device.type} in {shown}; "
-            f"{cfg.model_type} tower of {cfg.n_layers} layers, {opts.features} features, {model}; to {opts.out}")
+    return (f"{cfg.model_type} tower of {cfg.n_layers} layers, {opts.features} features, "
+            f"{model}; to {opts.out}")
 
 
 # ----------------------------------------------------------------------------- the run

@@ -24,6 +24,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, Progress, ProgressColumn, TextColumn
 from rich.text import Text
 
+from ..pausepoints import armed, pause
 from .options import LOG_EVERY_S
 
 stderr_console = Console(stderr=True)
@@ -187,6 +188,9 @@ class RunProgress:
         if self._progress is not None:
             self._progress.update(self._task, advance=images)
         self._refresh()
+        if armed("encoded"):  # a test stops the run here, after the rows it counted
+            counts = self.snapshot()
+            pause("encoded", done=counts.reused + counts.images, total=counts.total_images)
 
     def snapshot(self) -> ProgressCounts:
         with self._lock:

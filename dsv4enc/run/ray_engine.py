@@ -483,7 +483,6 @@ class _RayRun:
         """Send the segments to the actors, a bounded number ahead, and hand their rows to
         the writer in input order as they come back; the writer is closed (its parts
         committed) however this ends."""
-        from ..pausepoints import pause
         from .plan import part_batches
 
         ray, stop, opts = self.ray, self.stop, self.opts
@@ -520,7 +519,7 @@ class _RayRun:
                     while done in results:
                         rows, stats = results.pop(done)
                         self._commit(planned, todo[done], rows, stats, writer, summary,
-                                     progress, pause)
+                                     progress)
                         done += 1
                     if done == len(todo) or stop.requested():
                         break
@@ -544,27 +543,16 @@ class _RayRun:
             summary.encode_s = time.perf_counter() - began
             progress.end_encoding()
 
-    def _commit(self, planned, part, rows: dict, stats: dict, writer, summary, progress,
-                pause) -> None:
+    def _commit(self, planned, part, rows: dict, stats: dict, writer, summary,
+                progress) -> None:
         """A segment's rows, header failures included, in input order, to the writer."""
-        from ..output.parts import Row
+        from .encoding import error_row
 
         for i in part.indices:
             if planned[i].error is not None:
-                entry = planned[i]
-                rows[i] = Row(path=entry.item.key, width=entry.width, height=entry.height,
-                              error=entry.error)
+                rows[i] = error_row(planned[i])
         ordered = [rows[i] for i in part.indices]
-        encoded = tokens = failed = 0
-        for row in ordered:
-            if row.error is None:
-                summary.encoded += 1
-                encoded += 1
-                tokens += row.vit_h * row.vit_w
-            else:
-                summary.failed += 1
-                failed += 1
-                summary.add_error(row.error, row.path)
+        _, failed, tokens = summary.count_rows(ordered)
         dropped = sum(planned[i].tokens for i in part.indices
                       if planned[i].error is None and rows[i].error is not None)
         summary.tokens += stats.get("tokens", 0)
@@ -573,19 +561,15 @@ class _RayRun:
         summary.model_s += stats.get("model_s", 0.0)
         writer.put(part.name, ordered, part.start, part.end, part.digest)
         progress.advance(len(ordered), tokens, failed, dropped)
-        counts = progress.snapshot()
-        pause("encoded", done=counts.reused + counts.images, total=counts.total_images)
-
 
 def _opening_line(opts: EncodeOptions, inputs: int, plan: ActorPlan,
                   described: dict[str, Any]) -> str:
-    cfg = described["config"]
-    model = "random weights" if opts.random_init else str(opts.weights)
+    from .pipeline import inputs_phrase, model_and_output
+
     each = (f"{plan.gpus:g} GPU" if plan.gpus else f"{plan.cpus:g} CPU") + " each"
-    return (f"encoding {inputs:,} input{'s' if inputs != 1 else ''} on {plan.actors} Ray "
+    return (f"encoding {inputs_phrase(inputs)} on {plan.actors} Ray "
             f"actor{'s' if plan.actors != 1 else ''} ({each}, {described['device']}) in "
-            f"{described['compute_dtype']}; {cfg.model_type} tower of {cfg.n_layers} layers, "
-            f"{opts.features} features, {model}; to {opts.out}")
+            f"{described['compute_dtype']}; {model_and_output(opts, described['config'])}")
 
 
 def _first_line(exc: BaseException) -> str:

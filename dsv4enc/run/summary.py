@@ -69,6 +69,21 @@ class RunSummary:
         self.misnamed = len(odd)
         self.misnamed_example = f"{odd[0].item.key} is {odd[0].misnamed}" if odd else ""
 
+    def count_rows(self, rows) -> tuple[int, int, int]:
+        """Count finished rows (``output.parts.Row``) as encoded or failed, each failure
+        under its message; returns (encoded, failed, ViT tokens of the encoded ones)."""
+        encoded = failed = tokens = 0
+        for row in rows:
+            if row.error is None:
+                encoded += 1
+                tokens += row.vit_h * row.vit_w
+            else:
+                failed += 1
+                self.add_error(row.error, row.path)
+        self.encoded += encoded
+        self.failed += failed
+        return encoded, failed, tokens
+
     def add_error(self, message: str, path: str, count: int = 1) -> None:
         """Count a failed image under its message, the paths in it elided."""
         group = error_group(message)

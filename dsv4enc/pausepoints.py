@@ -51,7 +51,8 @@ def pause(point: str, **facts: Any) -> None:
     with _lock:
         n = next(_counters.setdefault(point, itertools.count(1)))
     reached = folder / f"{point}.{n}.json"
-    temporary = reached.with_suffix(".tmp")
+    # one temporary per process: torchrun's ranks share the folder and reach a point alike
+    temporary = reached.with_suffix(f".{os.getpid()}.tmp")
     temporary.write_text(json.dumps(facts))
     os.replace(temporary, reached)  # the test never reads half a file
     go, release_all = folder / f"{point}.{n}.go", folder / "go"

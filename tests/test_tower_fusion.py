@@ -100,3 +100,24 @@ def test_encode_fused_rows_equal_eager_rows_to_float_rounding(tmp_path):
     for path, want in eager.items():
         got = fused[path]
         assert np.linalg.norm(got - want) <= 1e-6 * np.linalg.norm(want)
+
+
+def test_the_vector_width_follows_a_capped_aten_level(monkeypatch):
+    """Under ATEN_CPU_CAPABILITY inductor is told the capped level's vector width (its own
+    choice gave NaN from shape-generic kernels there); without the cap, or with a width set
+    already, nothing changes."""
+    from torch._inductor import config
+
+    from dsv4enc.tower.fusion import SIMD_BITS, pin_cpu_vector_width
+
+    monkeypatch.setattr(config.cpp, "simdlen", None)
+    monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
+    pin_cpu_vector_width()
+    assert config.cpp.simdlen is None
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    pin_cpu_vector_width()
+    assert config.cpp.simdlen == SIMD_BITS["AVX2"] == 256
+    monkeypatch.setattr(config.cpp, "simdlen", 128)
+    pin_cpu_vector_width()
+    assert config.cpp.simdlen == 128

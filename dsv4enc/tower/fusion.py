@@ -17,12 +17,19 @@ tensor parallelism) meets many shapes, and keeps shape-generic kernels.
 
 Results equal the eager functions to float rounding (a fused kernel may keep a value in a
 register in float32 instead of rounding it to the compute dtype in between):
-``tests/test_fusion.py`` holds them to it.
+``tests/test_tower_fusion.py`` holds them to it.
+
+Under ``ATEN_CPU_CAPABILITY`` (ATen's CPU kernels capped below what the CPU has, e.g. avx2
+on an AVX-512 machine), inductor follows the cap in its choice of instruction set but its
+shape-generic kernels came out wrong (NaN from SwiGLU on a Zen 5 capped to avx2, torch
+2.13), while the same kernels built for an explicit vector width are right: so the width is
+then set to the capped level's (``pin_cpu_vector_width``).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from typing import Callable
 
 import torch
@@ -31,6 +38,25 @@ from ..errors import UsageError
 from .model import VisionTower, add_rms_norm, rms_norm, rope_formula, swiglu
 
 log = logging.getLogger(__name__)
+
+
+#: The vector width in bits of each of ATen's CPU kernel levels
+#: (``torch.backends.cpu.get_cpu_capability()``), as inductor's ``cpp.simdlen`` takes it.
+SIMD_BITS = {"AVX512": 512, "AVX2": 256, "DEFAULT": 0}
+
+
+def pin_cpu_vector_width() -> None:
+    """Under ``ATEN_CPU_CAPABILITY``, tell inductor the capped level's vector width (see the
+    module doc), unless the width was set already; elsewhere inductor chooses as it does."""
+    from torch._inductor import config
+
+    if config.cpp.simdlen is not None or not os.environ.get("ATEN_CPU_CAPABILITY"):
+        return
+    level = str(torch.backends.cpu.get_cpu_capability()).upper()
+    if level in SIMD_BITS:
+        config.cpp.simdlen = SIMD_BITS[level]
+        log.info("inductor's CPU vector width pinned to %d bits (ATEN_CPU_CAPABILITY=%s)",
+                 SIMD_BITS[level], os.environ["ATEN_CPU_CAPABILITY"])
 
 
 def compiled(fn: Callable, dynamic: bool = True) -> Callable:
@@ -51,6 +77,7 @@ def fuse_elementwise(model: VisionTower, dynamic: bool = True) -> VisionTower:
         import torch._inductor  # noqa: F401  (the backend torch.compile uses)
     except Exception as exc:  # pragma: no cover - depends on the torch build
         raise UsageError(f"--fused needs torch.compile's inductor backend ({exc})") from None
+    pin_cpu_vector_width()
     norm, add_norm, rope, act = (compiled(f, dynamic) for f in (rms_norm, add_rms_norm,
                                                                 rope_formula, swiglu))
     model.vision.norm.norm_fn = norm

@@ -207,7 +207,8 @@ def _run_encode(opts: EncodeOptions, dist, setup: RunSetup, stop: StopSignals,
                 settings["world_size"] = ranks.world_size
             schema = output_schema(cfg.output_width(opts.features), opts.out_dtype,
                                    settings, pooled=opts.pool == "mean", layout=opts.layout)
-            rows_settings = {**settings, **row_options(opts)}
+            options = row_options(opts)
+            rows_settings = {**settings, **options}
             # --update of an existing output (None: there is none yet, a plain run)
             update = Update.start(layout.out, layout.folder_mode) if opts.update else None
             store = (update.open_store(settings, rows_settings) if update is not None else None)
@@ -236,7 +237,7 @@ def _run_encode(opts: EncodeOptions, dist, setup: RunSetup, stop: StopSignals,
             assembler = assembler_for(store, layout, [p.name for p in parts], schema,
                                       is_main=ranks.is_main, key_values=(
                                           None if stamps is None
-                                          else footer_entry(stamps, row_options(opts))))
+                                          else footer_entry(stamps, options)))
             writer = (PartWriter(store, schema, default_writer_threads(), assembler)
                       if ranks.writes else None)
             runner = PartEncoder(engine, setup, opts, ranks, progress, summary, stop, update)
@@ -254,9 +255,9 @@ def _run_encode(opts: EncodeOptions, dist, setup: RunSetup, stop: StopSignals,
                 _finish_output(assembler, store, layout, ranks, engine, summary, progress, stop)
                 if layout.folder_mode and stamps is not None:  # the folder is complete
                     if update is not None and update.staging is not None:
-                        update.finish_folder(store, stamps, row_options(opts))
+                        update.finish_folder(store, stamps, options)
                     else:
-                        write_folder_stamps(layout.parts_dir, store, stamps, row_options(opts))
+                        write_folder_stamps(layout.parts_dir, store, stamps, options)
             except BaseException:
                 if assembler is not None:
                     assembler.abort()  # idempotent; the final file never appears half-written
@@ -274,8 +275,7 @@ def _run_encode(opts: EncodeOptions, dist, setup: RunSetup, stop: StopSignals,
     summary.h2d_s, summary.model_s = stats.h2d_s, stats.model_s
     if not ranks.gathered:
         summary.padded_tokens = stats.padded_tokens  # else summed over the ranks above
-    summary.seconds = time.perf_counter() - started
-    return summary
+    return summary  # its wall time is set by run_encode, once the decode workers are gone
 
 
 def _encode_parts(engine: Engine, runner: PartEncoder, planned, todo, writer: PartWriter | None,

@@ -25,9 +25,9 @@ from .encoding import PartEncoder
 from ..engine.engine import Engine
 from ..errors import DsvError, Interrupted
 from ..output.layout import OutputLayout, PartWriter, assembler_for, open_store, resume_filter
-from .options import EncodeOptions, default_workers, default_writer_threads, validate
-from .plan import images_per_part, plan_parts, segment_tokens
-from .setup import RunSetup
+from .options import EncodeOptions, default_writer_threads, validate
+from .plan import images_per_part, segment_tokens
+from .setup import RunSetup, run_batch_tokens
 from .progress import RunProgress
 from ..output.remote import RemoteOutput
 from .stopping import StopSignals
@@ -49,12 +49,12 @@ def load_model(opts: EncodeOptions, dtype: torch.dtype) -> Checkpoint:
 
 
 def _tower_engine(ckpt: Checkpoint, device: torch.device, opts: EncodeOptions,
-                  ranks: Topology) -> Engine:
+                  ranks: Topology, batch_tokens: int) -> Engine:
     """The tower on ``device`` (split over the ranks under tensor parallelism) and its
     Engine."""
     return build_engine(ckpt, device, features=opts.features, attention=opts.attention,
                         out_dtype=resolve_out_dtype(opts.out_dtype),
-                        cuda_graphs=opts.cuda_graphs, batch_tokens=opts.batch_tokens,
+                        cuda_graphs=opts.cuda_graphs, batch_tokens=batch_tokens,
                         max_images=opts.max_images, deterministic=opts.deterministic,
                         fused=opts.fused, split=lambda model: ranks.split_tower(model, opts.tp_mode))
 
@@ -158,8 +158,8 @@ def _run_encode(opts: EncodeOptions, dist, setup: RunSetup, stop: StopSignals,
     stop.immediate = False  # until the try below, which discards an unused output folder
     ranks.main_then_all(layout.create)
     cfg = ckpt.config
-    n_workers = default_workers(device.type) if opts.workers is None else opts.workers
-    setup.keep_if_planned_for(cfg, device.type)
+    batch_tokens = run_batch_tokens(opts, device.type) if stand_in is None else None
+    setup.keep_if_planned_for(cfg, device.type, batch_tokens)
     if ranks.is_main and not found.items:
         log.warning("no images found in %s (%d other files skipped); the output will have "
                     "no rows", ", ".join(opts.inputs) or opts.files_from, found.skipped)
@@ -167,11 +167,11 @@ def _run_encode(opts: EncodeOptions, dist, setup: RunSetup, stop: StopSignals,
                            opts.log_every)
     summary = RunSummary(out=str(opts.out), skipped=found.skipped,
                          unlisted=len(found.unlisted))
-    setup.decode_pool(cfg, n_workers, opts)  # spawned now unless early: workers start meanwhile
+    setup.decode_pool(cfg, device.type, opts)  # spawned now unless early: workers start meanwhile
     try:
         stop.immediate = dist is None
         stop.check()
-        engine = (_tower_engine(ckpt, device, opts, ranks) if stand_in is None
+        engine = (_tower_engine(ckpt, device, opts, ranks, batch_tokens) if stand_in is None
                   else stand_in.engine(device, opts))
         with progress:
             planned = setup.headers(cfg, opts, ranks,
@@ -188,7 +188,7 @@ def _run_encode(opts: EncodeOptions, dist, setup: RunSetup, stop: StopSignals,
             store = open_store(layout, settings, schema, local=local, is_main=ranks.is_main,
                                world_size=ranks.world_size,
                                rank=dist.rank if dist is not None else None)
-            parts = plan_parts(planned, part_images, ranks, opts.balance, cfg, segment_tokens=(
+            parts = setup.cut_parts(part_images, ranks, opts.balance, cfg, segment_tokens=(
                 None if ranks.splits_images else  # greedy per part
                 segment_tokens(engine.batch_tokens, device.type)))
             todo = resume_filter(store, parts, opts, ranks, summary)
@@ -202,9 +202,9 @@ def _run_encode(opts: EncodeOptions, dist, setup: RunSetup, stop: StopSignals,
                                       is_main=ranks.is_main)
             writer = (PartWriter(store, schema, default_writer_threads(), assembler)
                       if ranks.writes else None)
-            runner = PartEncoder(engine, setup, opts, ranks, progress, summary, stop)
+            runner = PartEncoder(engine, opts, ranks, progress, summary, stop)
             try:
-                _encode_parts(engine, runner, planned, todo, writer, store, layout, summary,
+                _encode_parts(engine, runner, setup, todo, writer, store, layout, summary,
                               progress, stop)
                 stop.check()
                 ranks.barrier()
@@ -228,23 +228,28 @@ def _run_encode(opts: EncodeOptions, dist, setup: RunSetup, stop: StopSignals,
     return summary
 
 
-def _encode_parts(engine: Engine, runner: PartEncoder, planned, todo, writer: PartWriter | None,
-                  store, layout: OutputLayout, summary: RunSummary, progress: RunProgress,
-                  stop: StopSignals) -> None:
-    """Encode the parts still to do, handing each finished one to the writer; the writer is
-    closed (its parts committed) however the loop ends."""
+def _encode_parts(engine: Engine, runner: PartEncoder, setup: RunSetup, todo,
+                  writer: PartWriter | None, store, layout: OutputLayout, summary: RunSummary,
+                  progress: RunProgress, stop: StopSignals) -> None:
+    """Encode the parts still to do (their batches and decoded stream: the set-up's, early
+    or made now), handing each finished one to the writer; the writer is closed (its parts
+    committed) however the loop ends."""
     began = time.perf_counter()
+    planned = setup.planned
     try:
+        batches = setup.plan_batches(todo, engine.batch_tokens, runner.opts.max_images,
+                                     runner.me)
         if todo:
             progress.status("capturing CUDA graphs" if engine.graphs_enabled else "encoding")
-            engine.fit_budgets(runner.plan(planned, todo))
+            engine.fit_budgets(runner.batch_sizes(planned, batches))
             engine.prepare()
             progress.begin_encoding()
             began = time.perf_counter()
+        decoded = setup.stream(runner.opts.max_images)  # started now unless early
         stop.hint = (f"finished parts are kept in {layout.parts_dir}; rerun the "
                      "same command with --resume to finish")
         with stop.deferred():  # a signal stops the loop between batches
-            for name, start, end, digest, rows in runner.run(planned, todo):
+            for name, start, end, digest, rows in runner.run(planned, todo, batches, decoded):
                 if writer is not None:
                     writer.put(name, rows, start, end, digest)
                 del rows  # only the writer holds a finished part meanwhile

@@ -440,9 +440,16 @@ def part_batches(planned: Sequence[Planned], indices: Sequence[int], batch_token
     return [[good[j] for j in b] for b in bins]
 
 
-def batch_order(planned: Sequence[Planned], parts: Sequence[Part], batch_tokens: int,
-                max_images: int | None) -> list[int]:
-    """Item indices in the order a single process decodes them: part by part, batch by batch."""
-    return [i for part in parts
-            for batch in part_batches(planned, part.indices, batch_tokens, max_images)
-            for i in batch]
+def plan_batches(planned: Sequence[Planned], parts: Sequence[Part], batch_tokens: int,
+                 max_images: int | None) -> list[list[list[int]]]:
+    """Per part, per rank, the batches (lists of item indices) it is encoded in; one share
+    (the part's indices) without data parallelism. Every rank plans every rank's batches,
+    so that all take the same number of steps (each step ends in collectives)."""
+    return [[part_batches(planned, share, batch_tokens, max_images)
+             for share in (part.shares if part.shares is not None else [part.indices])]
+            for part in parts]
+
+
+def decode_order(batches: Sequence[Sequence[Sequence[Sequence[int]]]], rank: int = 0) -> list[int]:
+    """Item indices in the order ``rank`` decodes them: part by part, batch by batch."""
+    return [i for plan in batches for batch in plan[rank] for i in batch]

@@ -319,7 +319,7 @@ def tempfile_root() -> str:
 def test_two_rank_torchrun_reads_and_writes_the_bucket(s3, tmp_path):
     """2 gloo ranks (no shared folder needed): both read their images from the bucket, rank
     0 writes the output to it; the rows equal one process's."""
-    from test_torchrun import ok, torchrun
+    from test_run_torchrun import ok, torchrun
 
     url = noise_images(s3, "tr-in", 12, tmp_path)
     out = f"{s3.url}/tr/e.parquet"

@@ -33,16 +33,12 @@ import socket
 import tempfile
 import threading
 import time
-from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, TypeVar
+from typing import Callable, Sequence, TypeVar
 
 from .. import storage
 from ..errors import DsvError, OutputError, UsageError
 from .parts import LOCK_NAME, MANIFEST_FILE, PART_FILE, read_manifest
-
-if TYPE_CHECKING:
-    from ..run.options import EncodeOptions
 
 log = logging.getLogger("dsv4enc")
 T = TypeVar("T")
@@ -61,20 +57,26 @@ def is_remote(out: str) -> bool:
 class RemoteOutput:
     """The local staging of a URL ``--out`` and its mirroring to the store (see the module)."""
 
-    def __init__(self, opts: "EncodeOptions", writer: bool) -> None:
-        if opts.shard_output:
+    def __init__(self, out: str, *, writer: bool, inputs: Sequence[str] = (),
+                 resume: bool = False, overwrite: bool = False,
+                 shard_output: bool = False) -> None:
+        """``out``: the URL; ``writer``: this process writes the output (rank 0);
+        ``inputs``, ``resume``, ``overwrite``, ``shard_output``: the run's (--resume brings the
+        committed parts into the staging, --overwrite replaces the earlier manifests)."""
+        if shard_output:
             raise UsageError("--shard-output is not supported with an object storage --out; "
                              "leave it out (rank 0 writes the output)")
-        self.given = opts.out
-        self.url = opts.out.rstrip("/")
+        self.given = out
+        self.url = out.rstrip("/")
+        self.inputs, self.resume, self.overwrite = list(inputs), resume, overwrite
         self.writer = writer  # this process writes (rank 0): only it touches the store
         # Raised by ``pull``, which every rank waits for: rank 0 failing alone here would
         # leave the other ranks waiting in a collective.
         self._problem: DsvError | None = None
-        self.folder_mode = opts.out.endswith("/")
+        self.folder_mode = out.endswith("/")
         if writer and not self.folder_mode:
             try:
-                self.folder_mode = storage.kind(opts.out) == "folder"
+                self.folder_mode = storage.kind(out) == "folder"
             except DsvError as exc:
                 self._problem = exc
         self.parts_url = self.url if self.folder_mode else self.url + ".partial"
@@ -83,7 +85,8 @@ class RemoteOutput:
         self.local_out = self.staging / name
         self.local_parts = self.local_out if self.folder_mode else \
             self.staging / f"{name}.partial"
-        self.opts = replace(opts, out=str(self.local_out) + ("/" if self.folder_mode else ""))
+        #: The ``--out`` the run writes to instead: the staging folder's output.
+        self.staged_out = str(self.local_out) + ("/" if self.folder_mode else "")
         self._uploaded: dict[str, tuple[int, int]] = {}  # part name -> (size, mtime_ns)
         self._manifests: dict[str, bytes] = {}  # manifest name -> content uploaded
         self._lock_held = False
@@ -96,20 +99,25 @@ class RemoteOutput:
         self._replaced: set[str] = set()
 
     @classmethod
-    def for_options(cls, opts: "EncodeOptions", dist) -> "RemoteOutput | None":
-        """The remote output for a URL ``--out`` (rank 0 writes it), None for a local one."""
-        if not is_remote(opts.out):
+    def for_out(cls, out: str, **settings) -> "RemoteOutput | None":
+        """The remote output for a URL ``out`` (``settings``: as the constructor's), None
+        for a local one."""
+        if not is_remote(out):
             return None
-        return cls(opts, writer=dist is None or dist.is_main)
+        return cls(out, **settings)
 
-    def run(self, encode: Callable[[], T], dist) -> T:
+    def run(self, encode: Callable[[], T],
+            main_then_all: Callable[[Callable[[], None]], None] | None = None) -> T:
         """``encode()`` (the run, writing to the staging folder) between ``pull`` and
         ``finish``; a failed or stopped run leaves its committed parts in the store. Messages
-        name the store, not the staging folder."""
-        from ..run.ranks import main_then_all
-
+        name the store, not the staging folder. ``main_then_all(action)``: runs ``pull`` on
+        the writing rank and raises its error on every rank (``run/ranks.Topology``); by
+        default ``pull`` simply runs."""
         try:
-            main_then_all(dist, self.pull)
+            if main_then_all is None:
+                self.pull()
+            else:
+                main_then_all(self.pull)
             self.start()
             try:
                 summary = encode()
@@ -152,7 +160,7 @@ class RemoteOutput:
             if "/" not in obj.key and MANIFEST_FILE.fullmatch(obj.key):
                 self._download(obj, self.local_parts / obj.key)
             elif "/" not in obj.key and PART_FILE.fullmatch(obj.key):
-                if self.opts.resume:
+                if self.resume:
                     self._download(obj, self.local_parts / obj.key)
                     self._uploaded[obj.key] = _local_id(self.local_parts / obj.key)
                 else:  # an empty stand-in: the local checks see the name
@@ -162,11 +170,11 @@ class RemoteOutput:
         for path in self.local_parts.iterdir():
             if MANIFEST_FILE.fullmatch(path.name):
                 self._manifests[path.name] = path.read_bytes()
-                if self.opts.overwrite:
+                if self.overwrite:
                     self._replaced.add(path.name)
 
     def _check_not_inputs(self) -> None:
-        for raw in self.opts.inputs:
+        for raw in self.inputs:
             if not storage.is_url(raw):
                 continue
             source = raw.rstrip("/")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import replace
 
 import torch
 
@@ -24,7 +25,8 @@ from ..engine.device import resolve_device, resolve_dtype, resolve_out_dtype, re
 from .encoding import PartEncoder
 from ..engine.engine import Engine
 from ..errors import DsvError, Interrupted
-from ..output.layout import OutputLayout, PartWriter, assembler_for, open_store, resume_filter
+from ..output.layout import (OutputLayout, PartWriter, ResumeSettings, assembler_for, open_store,
+                             resume_filter)
 from .options import EncodeOptions, default_writer_threads, validate
 from .plan import images_per_part, segment_tokens
 from .setup import RunSetup, run_batch_tokens
@@ -87,6 +89,18 @@ def _opening_line(opts: EncodeOptions, inputs: int, device: torch.device, dtype:
 
 # ----------------------------------------------------------------------------- the run
 
+def resume_settings(opts: EncodeOptions) -> ResumeSettings:
+    """How the run commits and resumes, for ``output/layout.resume_filter``: --resume,
+    --commit-every (each segment is a part under --shard-output), and the options that
+    decide rows besides the run's settings (--decode-timeout is not one: a part with a
+    timed-out row is encoded again anyway)."""
+    return ResumeSettings(resume=opts.resume,
+                          commit_every=None if opts.shard_output else opts.commit_every,
+                          row_options={"max_pixels": opts.max_pixels,
+                                       "image_column": opts.image_column,
+                                       "key_column": opts.key_column})
+
+
 def run_settings(ckpt: Checkpoint, opts: EncodeOptions, dtype: torch.dtype,
                  part_images: int, engine: Engine) -> dict:
     """What the output was computed with; ``--resume`` requires these to match.
@@ -124,13 +138,16 @@ def run_encode(opts: EncodeOptions, dist=None, setup: RunSetup | None = None,
     setup = setup if setup is not None else RunSetup()
     try:
         # An object storage --out is built in a local staging folder and mirrored to the store
-        remote = RemoteOutput.for_options(opts, dist)
+        remote = RemoteOutput.for_out(opts.out, writer=dist is None or dist.is_main,
+                                      inputs=opts.inputs, resume=opts.resume,
+                                      overwrite=opts.overwrite, shard_output=opts.shard_output)
         if remote is not None:
-            opts = remote.opts
+            opts = replace(opts, out=remote.staged_out)
         layout = OutputLayout(opts.out, opts.shard_output)
         if remote is not None:
             return remote.run(lambda: _run_encode(opts, dist, setup, stop, layout, stand_in,
-                                                  local=False), dist)
+                                                  local=False),
+                              Topology(dist).main_then_all)
         return _run_encode(opts, dist, setup, stop, layout, stand_in)
     finally:
         if layout is not None:
@@ -148,11 +165,12 @@ def _run_encode(opts: EncodeOptions, dist, setup: RunSetup, stop: StopSignals,
     """``local``: ``--out`` is a local path (not the staging of an object storage one)."""
     started = setup.started if setup.found is not None else time.perf_counter()
     validate(opts)
-    device = resolve_device(opts.device, dist)
+    device = resolve_device(opts.device, dist.device if dist is not None else None)
     dtype = resolve_dtype(opts.dtype, device)
     ranks = Topology(dist, opts.shard_output)
     found = setup.find_inputs(opts, stop if dist is None else None)
-    ranks.main_then_all(lambda: layout.prepare(opts))
+    ranks.main_then_all(lambda: layout.prepare(opts.inputs, opts.files_from,
+                                               overwrite=opts.overwrite, resume=opts.resume))
     device, dtype, adopted = _resumed_compute(opts, device, dtype, layout, ranks, dist)
     ckpt = load_model(opts, dtype) if stand_in is None else stand_in.checkpoint
     stop.immediate = False  # until the try below, which discards an unused output folder
@@ -191,7 +209,8 @@ def _run_encode(opts: EncodeOptions, dist, setup: RunSetup, stop: StopSignals,
             parts = setup.cut_parts(part_images, ranks, opts.balance, cfg, segment_tokens=(
                 None if ranks.splits_images else  # greedy per part
                 segment_tokens(engine.batch_tokens, device.type)))
-            todo = resume_filter(store, parts, opts, ranks, summary)
+            todo, summary.reused = resume_filter(store, parts, resume_settings(opts),
+                                                 writes=ranks.writes, agree=ranks.agree_on_todo)
             progress.announce(_opening_line(opts, len(found.items), device, dtype, cfg))
             if adopted:
                 progress.announce(adopted)

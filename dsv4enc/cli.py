@@ -8,6 +8,7 @@ error, 130/143 interrupted by SIGINT/SIGTERM (finished parts kept).
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 import sys
@@ -91,8 +92,6 @@ def encode(
     inputs: List[str] = typer.Argument(None, help="Image folders (walked recursively, sorted), "
                                        "image files, Parquet/Arrow tables (.parquet, .arrow, "
                                        ".feather) and WebDataset shards (.tar)."),
-    out: str = typer.Option(..., "--out", "-o", help="Output Parquet file, or a folder (ending "
-                            "in / or with --shard-output) for a part-file dataset."),
     files_from: Optional[str] = typer.Option(None, "--files-from", help="A file listing image "
                                              "paths, one per line ('-' for stdin)."),
     image_column: Optional[str] = typer.Option(None, "--image-column", help="Table inputs: the "
@@ -105,6 +104,16 @@ def encode(
         None, "--table-paths-root", metavar="DIR", help="Table inputs: a {bytes: null, path} "
         "cell may name image files under DIR too (repeatable). By default only files inside "
         "the table's own folder are read; relative paths resolve beside the table."),
+    max_pixels: int = typer.Option(defaults.DEFAULT_MAX_PIXELS, "--max-pixels", help="Images with more pixels "
+                                   "are refused (decompression bombs); Pillow's default."),
+    decode_timeout: float = typer.Option(defaults.DEFAULT_DECODE_TIMEOUT_S, "--decode-timeout", help="Seconds one image "
+                                         "may take to decode, or its header to be read, "
+                                         "before it is given up (an error row)."),
+    storage_option: Optional[List[str]] = typer.Option(
+        None, "--storage-option", metavar="KEY=VALUE", help="Object storage (s3://, gs://, "
+        "...) inputs and --out: an option of the file system (pyarrow S3FileSystem, or "
+        "fsspec's), e.g. endpoint_override=host:9000, anonymous=true (repeatable). "
+        "Credentials and endpoints otherwise come from the environment and config files."),
     weights: Optional[str] = typer.Option(None, "--weights", envvar="DSV4ENC_WEIGHTS",
                                           help="Checkpoint folder (config.json + safetensors) "
                                           "or a Hub id owner/name (needs the hub extra: "
@@ -120,36 +129,50 @@ def encode(
     random_init: bool = typer.Option(False, "--random-init", help="Use a random tower of "
                                      "--config's shape (demos, benchmarks)."),
     seed: int = typer.Option(0, "--seed", help="Seed for --random-init."),
-    device: str = typer.Option("auto", "--device", help="auto, cpu, cuda or cuda:N (under "
-                               "torchrun: each rank's LOCAL_RANK GPU)."),
     dtype: str = typer.Option("auto", "--dtype", metavar=choices("auto", "float32", "bfloat16",
                                                                  "float16"),
                               help="Compute dtype (auto: bfloat16 on CUDA and on CPUs with "
                               "native bfloat16, AMX or AVX512-BF16; float32 on other CPUs; "
                               "--resume continues in the interrupted run's)."),
-    out_dtype: str = typer.Option("float16", "--out-dtype", metavar=choices("float16", "float32"),
-                                  help="Stored embedding dtype."),
     features: str = typer.Option("aligner", "--features", metavar=choices("aligner", "vit"),
                                  help="aligner: LLM-width merged tokens; vit: per-patch ViT "
                                  "features."),
     pool: str = typer.Option("none", "--pool", metavar=choices("none", "mean"), help="none: "
                              "every row; mean: one vector per image (retrieval, dedup)."),
+    out: str = typer.Option(..., "--out", "-o", help="Output Parquet file, or a folder (ending "
+                            "in / or with --shard-output) for a part-file dataset."),
+    out_dtype: str = typer.Option("float16", "--out-dtype", metavar=choices("float16", "float32"),
+                                  help="Stored embedding dtype."),
     layout: str = typer.Option("binary", "--layout", metavar=choices("binary", "nested"),
                                help="embedding column: binary (one cell of raw bytes per "
                                "image, ~20x cheaper to write and read) or nested (float "
                                "lists that SQL and dataframe tools read as numbers)."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing --out."),
+    resume: bool = typer.Option(False, "--resume", help="Continue an interrupted run, reusing "
+                                "its committed parts."),
+    shard_output: bool = typer.Option(False, "--shard-output", help="torchrun: each rank "
+                                      "writes its own parts under the --out folder."),
+    summary_json: Optional[str] = typer.Option(None, "--summary-json", help="Also write the "
+                                               "run's summary here as JSON (at the end, or "
+                                               "when a signal stops the run)."),
+    commit_every: float = typer.Option(defaults.COMMIT_EVERY_S, "--commit-every", help="Seconds of encoding "
+                                       "after which finished images are committed as a part "
+                                       "(a kill loses about this much work)."),
+    part_images: Optional[int] = typer.Option(None, "--part-images", hidden=True,
+                                              help="Images per committed part (default from "
+                                              "the config; small values for tests)."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="Print only errors and, at the "
+                               "end, the output path (on stdout)."),
+    log_every: float = typer.Option(defaults.LOG_EVERY_S, "--log-every", help="Seconds between progress lines "
+                                    "when stderr is not a terminal (logs of nohup, SLURM)."),
+    timeout: float = typer.Option(defaults.COLLECTIVE_TIMEOUT_S, "--timeout", help="Seconds a collective may wait for "
+                                  "a peer rank before the job fails."),
+    device: str = typer.Option("auto", "--device", help="auto, cpu, cuda or cuda:N (under "
+                               "torchrun: each rank's LOCAL_RANK GPU)."),
     batch_tokens: Optional[int] = typer.Option(None, "--batch-tokens", help="Patches per packed "
                                                "batch (default 32768 on CUDA, 8192 on CPU)."),
     workers: Optional[int] = typer.Option(None, "--workers", help="Decode processes (default "
                                           "from the CPU count; 0 decodes inline)."),
-    overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing --out."),
-    resume: bool = typer.Option(False, "--resume", help="Continue an interrupted run, reusing "
-                                "its committed parts."),
-    max_pixels: int = typer.Option(defaults.DEFAULT_MAX_PIXELS, "--max-pixels", help="Images with more pixels "
-                                   "are refused (decompression bombs); Pillow's default."),
-    decode_timeout: float = typer.Option(defaults.DEFAULT_DECODE_TIMEOUT_S, "--decode-timeout", help="Seconds one image "
-                                         "may take to decode, or its header to be read, "
-                                         "before it is given up (an error row)."),
     attention: str = typer.Option("auto", "--attention",
                                   metavar=choices("auto", "flash", "varlen", "sdpa"),
                                   help="Attention backend."),
@@ -165,8 +188,6 @@ def encode(
                                help="Fuse the elementwise work around the GEMMs (RMSNorm, "
                                "RoPE, SwiGLU) with torch.compile: equal to the eager tower "
                                "to float rounding; compiling takes tens of seconds at start."),
-    shard_output: bool = typer.Option(False, "--shard-output", help="torchrun: each rank "
-                                      "writes its own parts under the --out folder."),
     tp_mode: str = typer.Option("data", "--tp-mode", metavar=choices("data", "weights"),
                                 help="torchrun: data (each rank encodes its images) or "
                                 "weights (the tower is split across ranks; its all-reduce "
@@ -175,26 +196,6 @@ def encode(
     balance: str = typer.Option("patches", "--balance", metavar=choices("patches", "flops"),
                                 help="torchrun load balancing cost: patches, or flops (counts "
                                 "the quadratic attention term)."),
-    timeout: float = typer.Option(defaults.COLLECTIVE_TIMEOUT_S, "--timeout", help="Seconds a collective may wait for "
-                                  "a peer rank before the job fails."),
-    quiet: bool = typer.Option(False, "--quiet", "-q", help="Print only errors and, at the "
-                               "end, the output path (on stdout)."),
-    log_every: float = typer.Option(defaults.LOG_EVERY_S, "--log-every", help="Seconds between progress lines "
-                                    "when stderr is not a terminal (logs of nohup, SLURM)."),
-    summary_json: Optional[str] = typer.Option(None, "--summary-json", help="Also write the "
-                                               "run's summary here as JSON (at the end, or "
-                                               "when a signal stops the run)."),
-    commit_every: float = typer.Option(defaults.COMMIT_EVERY_S, "--commit-every", help="Seconds of encoding "
-                                       "after which finished images are committed as a part "
-                                       "(a kill loses about this much work)."),
-    part_images: Optional[int] = typer.Option(None, "--part-images", hidden=True,
-                                              help="Images per committed part (default from "
-                                              "the config; small values for tests)."),
-    storage_option: Optional[List[str]] = typer.Option(
-        None, "--storage-option", metavar="KEY=VALUE", help="Object storage (s3://, gs://, "
-        "...) inputs and --out: an option of the file system (pyarrow S3FileSystem, or "
-        "fsspec's), e.g. endpoint_override=host:9000, anonymous=true (repeatable). "
-        "Credentials and endpoints otherwise come from the environment and config files."),
 ) -> None:
     """Encode images into a Parquet file of embeddings, one row per image."""
     # Over 100 lines only for Typer's signature (one parameter, with its help, per option);
@@ -217,6 +218,32 @@ def encode(
         progress=not quiet, log_every=log_every)
     _encode_command(opts, storage_option, quiet, summary_json)
 
+
+#: ``encode --help`` groups its options into panels (the signature lists them in this order,
+#: which is the order the panels appear in); every option is in one (tests/test_cli.py checks
+#: that a new option is placed). The INPUTS argument has Typer's own "Arguments" panel.
+ENCODE_PANELS = {
+    "Inputs": ("files_from", "image_column", "key_column", "table_paths_root",
+               "max_pixels", "decode_timeout", "storage_option"),
+    "Model": ("weights", "config", "random_init", "seed", "dtype", "features", "pool"),
+    "Output": ("out", "out_dtype", "layout", "overwrite", "resume", "shard_output",
+               "summary_json", "commit_every", "part_images"),
+    "Run control": ("quiet", "log_every", "timeout"),
+    "Engine": ("device", "batch_tokens", "workers", "attention", "cuda_graphs",
+               "deterministic", "fused", "tp_mode", "balance"),
+}
+
+
+def group_options(command, panels: dict[str, tuple[str, ...]]) -> None:
+    """Put each parameter of the Typer ``command`` into its ``--help`` panel (Typer's
+    ``rich_help_panel``), from one table instead of a keyword on every option."""
+    parameters = inspect.signature(command).parameters
+    for panel, names in panels.items():
+        for name in names:
+            parameters[name].default.rich_help_panel = panel
+
+
+group_options(encode, ENCODE_PANELS)
 
 def _encode_command(opts, storage_option: list[str] | None, quiet: bool,
                     summary_json: str | None) -> None:
@@ -341,7 +368,7 @@ def inspect_command(
         render(summary)
 
 
-@app.command()
+@app.command(short_help="Time the engine, or with --host the host side alone.")
 def bench(
     config: str = typer.Option(..., "--config", help="Model config JSON (a random tower of "
                                "this shape is timed)."),
@@ -379,9 +406,11 @@ def bench(
                                           "--host, --e2e and --cli runs (default: as "
                                           "'encode' picks; --host: as for a CUDA run)."),
 ) -> None:
-    """Time the engine: img/s, tokens/s, FLOP/s, fraction of the matmul ceiling measured in
-    the same process, padding waste, time split, and the speed-up over a naive loop. With
-    --host: the host's capacity instead (hostbench)."""
+    """Time the engine, or with --host the host side alone.
+
+    The engine: img/s, tokens/s, FLOP/s, the fraction of the matmul ceiling measured in the
+    same process, padding waste, the time split, and the speed-up over a naive loop. With
+    --host: the host's capacity (decoding and writing, with a null model stage)."""
     import json
 
     if host:

@@ -24,6 +24,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
+import click
 import typer
 from PIL import Image
 from typer.testing import CliRunner
@@ -461,6 +462,31 @@ def test_help_lists_and_explains_every_option():
     assert "DSV4ENC_WEIGHTS" in text
     top = runner.invoke(app, ["--help"], env={"COLUMNS": "250"}, terminal_width=250)
     assert top.exit_code == 0 and "encode" in top.output and "--version" in top.output
+
+
+def test_encode_help_groups_its_options_into_panels():
+    """Every option of encode sits in one panel of ENCODE_PANELS; the panels come in the
+    table's order; at 100 columns the help stays short and the --storage-option example is
+    shown whole; bench's one-line description is a whole sentence."""
+    from dsv4enc.cli import ENCODE_PANELS
+
+    encode_cmd = typer.main.get_command(app).commands["encode"]
+    placed = [name for names in ENCODE_PANELS.values() for name in names]
+    assert len(placed) == len(set(placed))
+    options = {param.name for param in encode_cmd.params
+               if isinstance(param, click.Option) and param.name != "help"}
+    assert options == set(placed), options ^ set(placed)
+    result = runner.invoke(app, ["encode", "--help"], env={"COLUMNS": "100"},
+                           terminal_width=100)
+    assert result.exit_code == 0
+    text = result.output
+    titles = [line.split("─ ", 1)[1].split(" ─")[0] for line in text.splitlines()
+              if line.startswith("╭─ ")]
+    assert titles == ["Arguments", "Options", *ENCODE_PANELS], titles
+    assert len(text.splitlines()) < 160
+    assert "endpoint_override=host:9000, anonymous=true" in " ".join(text.split())
+    top = runner.invoke(app, ["--help"], env={"COLUMNS": "100"}, terminal_width=100)
+    assert "Time the engine, or with --host the host side alone." in top.output
 
 
 def test_version_module_and_console_script():

@@ -19,6 +19,7 @@ import typer
 from .version import __version__
 from .errors import AlreadyComplete, DsvError
 from .run import options as defaults  # torch-free: the defaults, each defined once
+from .storage import OUTAGE_S, stop_bound_s
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Encode images with the DeepSeek-V4 or V4.1 vision tower and write "
@@ -29,6 +30,13 @@ def choices(*values: str) -> str:
     """The metavar that lists a choice option's values in --help. The values are checked by
     ``options.validate`` (a one-line usage error), not by Click."""
     return f"[{'|'.join(values)}]"
+
+
+#: When this process started, on ``time.perf_counter``'s clock: set by ``main`` (the
+#: process's own entry point, each torchrun rank's too), so that a run's wall time counts
+#: the interpreter's start and the imports. In-process callers (``app``) count from the
+#: command's start.
+_process_started: float | None = None
 
 
 def fail(message: str, code: int = 1) -> None:
@@ -114,6 +122,14 @@ def encode(
         "...) inputs and --out: an option of the file system (pyarrow S3FileSystem, or "
         "fsspec's), e.g. endpoint_override=host:9000, anonymous=true (repeatable). "
         "Credentials and endpoints otherwise come from the environment and config files."),
+    storage_outage_s: float = typer.Option(
+        OUTAGE_S, "--storage-outage-s", metavar="SECONDS", help="Object storage: how long a "
+        "store may fail every call (refused connections, timeouts, 5xx; each after its "
+        "retries) before the run stops in one line, exit 1, its finished parts kept for "
+        f"--resume. The run ends within this plus {stop_bound_s(0.0, {}):g} s of the store's "
+        f"last answer ({stop_bound_s(OUTAGE_S, {}):g} s by default), plus the batch in "
+        "progress; inputs that failed meanwhile are transient rows, encoded again on "
+        "--resume."),
     weights: Optional[str] = typer.Option(None, "--weights", envvar="DSV4ENC_WEIGHTS",
                                           help="Checkpoint folder (config.json + safetensors) "
                                           "or a Hub id owner/name (needs the hub extra: "
@@ -200,6 +216,9 @@ def encode(
     """Encode images into a Parquet file of embeddings, one row per image."""
     # Over 100 lines only for Typer's signature (one parameter, with its help, per option);
     # the body builds the options and hands them to _encode_command.
+    import time
+
+    started = _process_started if _process_started is not None else time.perf_counter()
     from .run.options import EncodeOptions
 
     if random_init and from_environment(ctx, "weights"):
@@ -215,8 +234,8 @@ def encode(
         deterministic=deterministic, fused=fused,
         shard_output=shard_output, tp_mode=tp_mode, balance=balance, timeout=timeout,
         part_images=part_images, commit_every=commit_every,
-        progress=not quiet, log_every=log_every)
-    _encode_command(opts, storage_option, quiet, summary_json)
+        progress=not quiet, log_every=log_every, storage_outage_s=storage_outage_s)
+    _encode_command(opts, storage_option, quiet, summary_json, started)
 
 
 #: ``encode --help`` groups its options into panels (the signature lists them in this order,
@@ -224,7 +243,7 @@ def encode(
 #: that a new option is placed). The INPUTS argument has Typer's own "Arguments" panel.
 ENCODE_PANELS = {
     "Inputs": ("files_from", "image_column", "key_column", "table_paths_root",
-               "max_pixels", "decode_timeout", "storage_option"),
+               "max_pixels", "decode_timeout", "storage_option", "storage_outage_s"),
     "Model": ("weights", "config", "random_init", "seed", "dtype", "features", "pool"),
     "Output": ("out", "out_dtype", "layout", "overwrite", "resume", "shard_output",
                "summary_json", "commit_every", "part_images"),
@@ -246,19 +265,22 @@ def group_options(command, panels: dict[str, tuple[str, ...]]) -> None:
 group_options(encode, ENCODE_PANELS)
 
 def _encode_command(opts, storage_option: list[str] | None, quiet: bool,
-                    summary_json: str | None) -> None:
+                    summary_json: str | None, started: float | None = None) -> None:
     """``encode`` with its options built: storage and log settings, signals, the early start
-    (before torch is imported), the run, and what the command prints at its end."""
+    (before torch is imported), the run, and what the command prints at its end.
+    ``started``: when the command (or its process) started, on ``time.perf_counter``'s
+    clock: the run's wall time counts from there."""
     from . import storage
     from .errors import Interrupted
     from .images.decode import own_process_pillow_settings
     from .output.parts import prefer_jemalloc_pool
     from .run.ranks import launched_ranks
-    from .run.setup import start_prefetch
+    from .run.setup import RunSetup, start_prefetch
     from .run.stopping import StopSignals
 
     try:
         storage.configure(storage_option)  # decode workers inherit them (environment)
+        storage.set_outage_s(opts.storage_outage_s)
     except DsvError as exc:
         fail(str(exc), exc.exit_code)
     package_log = logging.getLogger("dsv4enc")
@@ -283,7 +305,9 @@ def _encode_command(opts, storage_option: list[str] | None, quiet: bool,
 
             dist = init_distributed(opts.device, opts.timeout)
             _own_process_settings(opts.device, dist)
-            setup, prefetch = prefetch, None  # the run owns it from here, and closes it
+            setup, prefetch = prefetch or RunSetup(), None  # the run owns it from here
+            if started is not None:  # the wall time counts start-up (torch, torchrun's too)
+                setup.started = started
             summary = run_encode(opts, dist, setup, stop)
         finally:
             stop.immediate = False  # reporting and clean-up are not cut short
@@ -454,6 +478,14 @@ def main() -> None:
     down), the process ends with ``os._exit`` after flushing stdio and logging: tearing down
     an interpreter that has imported torch takes about half a second, which is pure waste at
     the end of a short batch job. In-process callers (tests, scripts) use ``app`` instead."""
+    global _process_started
+    import time
+
+    from .process import process_age
+
+    age = process_age()
+    if age is not None:
+        _process_started = time.perf_counter() - age
     try:
         app()
         code = 0

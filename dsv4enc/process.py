@@ -71,3 +71,18 @@ def keep_freed_memory_mapped(largest_mapped: int = 1 << 30,
     m_trim_threshold, m_mmap_threshold = -1, -3  # from glibc's malloc.h
     libc.mallopt(m_mmap_threshold, largest_mapped)
     libc.mallopt(m_trim_threshold, keep_free)
+
+
+def process_age() -> float | None:
+    """Seconds since this process was created (the kernel's record: interpreter start and
+    imports included), or None where it cannot be read (no ``/proc``)."""
+    import time
+
+    try:
+        with open("/proc/self/stat", "rb") as stat:
+            fields = stat.read().rsplit(b")", 1)[1].split()  # the name may hold spaces
+        started = int(fields[19]) / os.sysconf("SC_CLK_TCK")  # field 22: ticks after boot
+        age = time.clock_gettime(time.CLOCK_BOOTTIME) - started
+    except (OSError, ValueError, IndexError, AttributeError):
+        return None
+    return age if age >= 0 else None

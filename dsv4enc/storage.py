@@ -17,6 +17,14 @@ Options reach decode worker processes through the environment variable ``DSV4ENC
 (never printed). Error messages name the URL and the kind of failure, never an option value.
 
 A file system is created once per process and scheme; worker processes make their own.
+
+A store that stops answering fails loudly (``StoreHealth``): each call is retried
+(``retrying``); a call whose retries are all spent on an outage (refused connections,
+timeouts, 5xx) marks its store as failing since the first of those failures, and any answer
+clears the mark. Once a store has failed for ``outage_s()`` (``--storage-outage-s``), it is
+down: calls fail at once (``StoreUnavailable``) instead of retrying, and ``check_stores``
+(the run's loop calls it) raises ``StoreDown``, one line naming the store and the cause.
+``stop_bound_s`` is how long after a store's last answer a run ends, from the retry policy.
 """
 
 from __future__ import annotations
@@ -42,6 +50,20 @@ _BUCKET_SCHEMES = frozenset({"s3", "s3a", "gs", "gcs"})
 ATTEMPTS = 4
 #: First wait between attempts, doubled each time.
 BACKOFF_S = 0.5
+#: The SDK's own tries per request and its time limits on S3 (set unless ``--storage-option``
+#: gives them): what one attempt can take when the store does not answer.
+SDK_ATTEMPTS = 3
+CONNECT_TIMEOUT_S = 1.0
+REQUEST_TIMEOUT_S = 3.0
+#: What the SDK spends between its tries and on its clocks' granularity, per try.
+SDK_SLACK_S = 1.0
+#: Default of ``--storage-outage-s``: how long every call to a store may fail (each after its
+#: retries) before the run stops.
+OUTAGE_S = 60.0
+_OUTAGE_ENV = "DSV4ENC_STORAGE_OUTAGE_S"
+#: The error of a row whose input could not be read because its store was not answering: a
+#: transient error (``writer.TRANSIENT_ERRORS``), its part is encoded again on --resume.
+UNAVAILABLE = "storage unavailable"
 
 T = TypeVar("T")
 
@@ -86,7 +108,8 @@ def parse_option(text: str) -> tuple[str, object]:
 
 def configure(options: list[str] | tuple[str, ...] | None) -> None:
     """Set this process's storage options (``--storage-option``) and pass them on to the
-    processes it starts. Drops file systems made with other options."""
+    processes it starts. Drops file systems made with other options, and what earlier calls
+    learnt about the stores' health."""
     parsed = dict(parse_option(text) for text in options or ())
     if parsed:
         os.environ[_OPTIONS_ENV] = json.dumps(parsed)
@@ -94,6 +117,23 @@ def configure(options: list[str] | tuple[str, ...] | None) -> None:
         os.environ.pop(_OPTIONS_ENV, None)
     with _LOCK:
         _FILESYSTEMS.clear()
+    reset_health()
+
+
+def set_outage_s(seconds: float) -> None:
+    """``--storage-outage-s`` for this process and the processes it starts (a value that
+    is not positive is left to ``options.validate`` to refuse)."""
+    if not seconds > 0:
+        return
+    os.environ[_OUTAGE_ENV] = repr(float(seconds))
+
+
+def outage_s() -> float:
+    """How long every call to a store may fail before the store counts as down."""
+    try:
+        return float(os.environ.get(_OUTAGE_ENV) or OUTAGE_S)
+    except ValueError:
+        return OUTAGE_S
 
 
 def _options() -> dict:
@@ -137,7 +177,11 @@ def _s3(url: str, options: dict) -> "pafs.FileSystem":
             except (OSError, ValueError):
                 pass  # the SDK's default; a wrong one fails with a clear line later
     # The SDK retries each request (3 tries, quick backoff); ``retrying`` adds slower rounds.
-    kwargs.setdefault("retry_strategy", pafs.AwsStandardS3RetryStrategy(max_attempts=3))
+    # Its time limits are the SDK's defaults, set here so that ``stop_bound_s`` knows them.
+    kwargs.setdefault("retry_strategy",
+                      pafs.AwsStandardS3RetryStrategy(max_attempts=SDK_ATTEMPTS))
+    kwargs.setdefault("connect_timeout", CONNECT_TIMEOUT_S)
+    kwargs.setdefault("request_timeout", REQUEST_TIMEOUT_S)
     return pafs.S3FileSystem(**kwargs)
 
 
@@ -207,6 +251,9 @@ def setup_problem(exc: BaseException) -> str | None:
 
 def describe(url: str, exc: BaseException) -> str:
     """One line about a failed storage call: the URL and what went wrong (no option values)."""
+    cause = outage_cause(exc)
+    if cause is not None:
+        return f"{url}: the store is not answering ({cause})"
     return f"{url}: {setup_problem(exc) or _first_line(exc)}"
 
 
@@ -214,21 +261,255 @@ def setup_error(url: str, exc: BaseException) -> StorageError:
     return StorageError(describe(url, exc))
 
 
+def store_of(url: str) -> str:
+    """The store a URL is in, as messages name it: ``s3://bucket`` (a scheme's first path
+    component, whatever the scheme)."""
+    return f"{scheme_of(url)}://{_bucket(url)}"
+
+
+def outage_cause(exc: BaseException) -> str | None:
+    """What an error says about a store that is not answering (``"connection refused"``,
+    ``"timed out"``, ``"connection lost"``, ``"server error (HTTP 503)"``), or None when it is
+    not such an error (a missing object, denied access, a bad request, ...)."""
+    if isinstance(exc, StoreUnavailable):
+        return exc.cause
+    if isinstance(exc, FileNotFoundError) or setup_problem(exc) is not None:
+        return None
+    text = str(exc).upper()
+    if (isinstance(exc, ConnectionRefusedError) or "CURLCODE: 7," in text
+            or "COULD NOT CONNECT" in text or "COULDN'T CONNECT" in text
+            or "CONNECTION REFUSED" in text or "FAILED TO CONNECT" in text):
+        return "connection refused"
+    if (isinstance(exc, TimeoutError) or "CURLCODE: 28," in text or "TIMEOUT WAS REACHED" in text
+            or "TIMED OUT" in text or "REQUEST_TIMEOUT" in text):
+        return "timed out"
+    status = re.search(r"HTTP (?:STATUS|RESPONSE CODE)[: ]*(5\d\d)", text)
+    if status is not None:
+        return f"server error (HTTP {status.group(1)})"
+    for name in ("SERVICE_UNAVAILABLE", "INTERNAL_FAILURE", "SLOW_DOWN", "THROTTLING"):
+        if name in text:
+            return f"server error ({name.lower().replace('_', ' ')})"
+    if (isinstance(exc, ConnectionError) or "NETWORK_CONNECTION" in text
+            or re.search(r"CURLCODE: (52|55|56),", text)):
+        return "connection lost"
+    return None
+
+
+class StoreUnavailable(OSError):
+    """A call to a store that is not answering gave up (after its retries, or at once for a
+    store that is down). Its message is an input row's error: ``UNAVAILABLE`` first."""
+
+    def __init__(self, store: str, cause: str, since: float) -> None:
+        super().__init__(f"{UNAVAILABLE}: {store}: {cause}")
+        self.store, self.cause, self.since = store, cause, since
+
+
+class StoreDown(StorageError):
+    """A store failed every call for ``outage_s()``: the run stops (one line, exit 1)."""
+
+    def __init__(self, store: str, cause: str, seconds: float) -> None:
+        self.store, self.cause, self.seconds = store, cause, seconds
+        self.kept = "finished parts are kept; rerun with --resume when it is back"
+        super().__init__(self._line())
+
+    def _line(self) -> str:
+        return (f"{self.store}: the store stopped answering ({self.cause}) for "
+                f"{self.seconds:.0f} s; {self.kept}")
+
+    def keep(self, parts: int, where: str) -> None:
+        """Say what the run leaves: ``parts`` finished parts kept in ``where``."""
+        if parts:
+            self.kept = (f"{parts} finished part{'s are' if parts != 1 else ' is'} kept in "
+                         f"{where}; rerun with --resume when it is back")
+        else:
+            self.kept = "no part was finished; rerun the same command when it is back"
+        self.args = (self._line(),)
+
+    def __reduce__(self):  # pickled between ranks with every field
+        return _store_down, (self.store, self.cause, self.seconds, self.kept, self.args)
+
+
+def _store_down(store: str, cause: str, seconds: float, kept: str, args: tuple) -> StoreDown:
+    exc = StoreDown(store, cause, seconds)
+    exc.kept, exc.args = kept, args
+    return exc
+
+
+def down_error(url: str, exc: BaseException) -> StoreDown | None:
+    """The ``StoreDown`` for a call to ``url`` that failed on an outage (``exc``), or None."""
+    cause = outage_cause(exc)
+    if cause is None:
+        return None
+    record = health(store_of(url))
+    if record.since is None:
+        record.failed(cause)
+    return record.error()
+
+
+_wall = time.time  # not ``time.time``: tests replace this module's ``time`` to record sleeps
+
+
+class StoreHealth:
+    """What this process knows of one store's health (see the module's doc): since when
+    every call to it has failed, and why. Thread-safe."""
+
+    def __init__(self, store: str) -> None:
+        self.store = store
+        self.since: float | None = None  # wall time of the first failure of the outage
+        self.cause = ""
+        self.declared: float | None = None  # when it was found down
+        self._probed = 0.0  # the last attempt let through while down
+        self._given_up = False  # the run stops on this store's account: down already
+        self._lock = threading.Lock()
+
+    def answered(self) -> None:
+        if self.since is not None:
+            with self._lock:
+                self.since = self.declared = None
+                self._given_up = False
+
+    def failed(self, cause: str, since: float | None = None) -> None:
+        """A call gave up on an outage whose first failure was at ``since`` (wall time;
+        default now)."""
+        since = _wall() if since is None else since
+        with self._lock:
+            if self.since is None or since < self.since:
+                self.since = since
+            self.cause = cause
+
+    def down(self) -> bool:
+        """Whether the store has failed every call for ``outage_s()``."""
+        since = self.since
+        if since is None or (_wall() - since < outage_s() and not self._given_up):
+            return False
+        with self._lock:
+            if self.declared is None:
+                self.declared = self._probed = _wall()
+        return True
+
+    def fail_fast(self) -> None:
+        """Raise ``StoreUnavailable`` at once when the store is down; once every
+        ``outage_s()`` an attempt is let through, so that a store that is back is seen."""
+        if not self.down():
+            return
+        with self._lock:
+            if _wall() - self._probed >= outage_s():
+                self._probed = _wall()
+                return
+        raise StoreUnavailable(self.store, self.cause, self.since or _wall())
+
+    def error(self, give_up: bool = True) -> StoreDown:
+        """The run's one line about this store. ``give_up``: the run stops on its account,
+        so from now on calls to it fail at once (the clean-up is quick), as for a store that
+        is down."""
+        with self._lock:
+            if give_up and self.since is not None and not self._given_up:
+                self._given_up = True
+                self.declared = self._probed = _wall()
+        return StoreDown(self.store, self.cause, _wall() - (self.since or _wall()))
+
+
+_HEALTH: dict[str, StoreHealth] = {}
+
+
+def health(store: str) -> StoreHealth:
+    """The health record of ``store`` (``store_of``) in this process."""
+    found = _HEALTH.get(store)
+    if found is None:
+        with _LOCK:
+            found = _HEALTH.setdefault(store, StoreHealth(store))
+    return found
+
+
+def reset_health() -> None:
+    """Forget what calls learnt about the stores (a new run)."""
+    with _LOCK:
+        _HEALTH.clear()
+
+
+def note_row(url: str, error: str | None, since: float | None = None) -> None:
+    """What a decode worker found reading ``url`` (an input in a store), for this process's
+    health record: an answer, or (``since``: when its outage began) a store not answering."""
+    record = health(store_of(url))
+    if error is None:
+        record.answered()
+    elif since is not None and error.startswith(UNAVAILABLE):
+        record.failed(error.rsplit(": ", 1)[-1], since)
+
+
+def check_stores() -> None:
+    """Raise ``StoreDown`` for a store that has been down for ``outage_s()``."""
+    for record in list(_HEALTH.values()):
+        if record.down():
+            raise record.error()
+
+
+def failing_store(give_up: bool = False) -> StoreDown | None:
+    """The error of a store that failed its last calls (for however long), or None.
+    ``give_up``: the run stops on its account (``StoreHealth.error``)."""
+    for record in list(_HEALTH.values()):
+        if record.since is not None:
+            return record.error(give_up)
+    return None
+
+
+def attempt_bound_s(options: dict | None = None) -> float:
+    """The longest one attempt (the SDK's tries of one request) takes when the store does
+    not answer."""
+    options = _options() if options is None else options
+    connect = float(options.get("connect_timeout") or CONNECT_TIMEOUT_S)
+    request = float(options.get("request_timeout") or REQUEST_TIMEOUT_S)
+    return SDK_ATTEMPTS * (connect + request + SDK_SLACK_S)
+
+
+def stop_bound_s(outage: float | None = None, options: dict | None = None) -> float:
+    """How long after a store's last answer a run that needs it ends: its first failure is
+    seen within one attempt, the store is down ``outage`` seconds later, the attempts in
+    flight then end within one more, and the clean-up fails at once (one more attempt at
+    most), plus the batch in progress."""
+    outage = outage_s() if outage is None else outage
+    return outage + 3 * attempt_bound_s(options)
+
+
 def retrying(what: Callable[[], T], attempts: int | None = None,
-             backoff_s: float | None = None) -> T:
+             backoff_s: float | None = None, store: str | None = None) -> T:
     """``what()``, tried again with exponential backoff (``BACKOFF_S``, doubled each time, up
     to ``ATTEMPTS`` tries) when it fails with an ``OSError`` that is not a setup problem or
-    a missing object (those are raised at once). The SDK retries each request first."""
+    a missing object (those are raised at once). The SDK retries each request first.
+
+    ``store`` (``store_of``): its health record is kept. Once the store is down no attempt
+    is made (``StoreUnavailable`` at once, also between the attempts of a call in flight);
+    a call that spent its retries on an outage raises ``StoreUnavailable``."""
     attempts = ATTEMPTS if attempts is None else attempts
     backoff_s = BACKOFF_S if backoff_s is None else backoff_s
+    record = health(store) if store is not None else None
+    first_failure: float | None = None
     for attempt in range(attempts):
+        if record is not None:
+            record.fail_fast()
         try:
-            return what()
+            result = what()
         except FileNotFoundError:
+            if record is not None:
+                record.answered()
             raise
         except OSError as exc:
-            if setup_problem(exc) is not None or attempt == attempts - 1:
-                raise
+            cause = outage_cause(exc)
+            if cause is None or record is None:
+                if record is not None:
+                    record.answered()  # an answer, if not the one hoped for
+                if setup_problem(exc) is not None or attempt == attempts - 1:
+                    raise
+            else:
+                first_failure = first_failure or _wall()
+                if attempt == attempts - 1:
+                    record.failed(cause, first_failure)
+                    raise StoreUnavailable(store, cause, record.since or first_failure) \
+                        from exc
+        else:
+            if record is not None:
+                record.answered()
+            return result
         time.sleep(backoff_s * 2 ** attempt)
     raise AssertionError("unreachable")
 
@@ -263,7 +544,7 @@ def kind(url: str) -> str:
 
     fs, path = filesystem(url)
     try:
-        info = retrying(lambda: fs.get_file_info(path))
+        info = retrying(lambda: fs.get_file_info(path), store=store_of(url))
         if info.type == pafs.FileType.File:
             _info(url, info, url)
             return "file"
@@ -274,7 +555,8 @@ def kind(url: str) -> str:
             return "missing"
         # Some stores report a prefix only through a listing.
         selector = pafs.FileSelector(path, recursive=False, allow_not_found=True)
-        return "folder" if retrying(lambda: fs.get_file_info(selector)) else "missing"
+        listed = retrying(lambda: fs.get_file_info(selector), store=store_of(url))
+        return "folder" if listed else "missing"
     except OSError as exc:
         raise setup_error(url, exc) from None
 
@@ -287,7 +569,8 @@ def _check_bucket(url: str) -> None:
         return
     fs, _ = filesystem(url)
     bucket = _bucket(url)
-    if retrying(lambda: fs.get_file_info(bucket)).type == pafs.FileType.NotFound:
+    found = retrying(lambda: fs.get_file_info(bucket), store=store_of(url))
+    if found.type == pafs.FileType.NotFound:
         raise StorageError(f"{scheme_of(url)}://{bucket}: bucket not found")
 
 
@@ -300,7 +583,7 @@ def list_files(url: str) -> list[ObjectInfo]:
     fs, path = filesystem(url)
     selector = pafs.FileSelector(path, recursive=True, allow_not_found=True)
     try:
-        infos = retrying(lambda: fs.get_file_info(selector))
+        infos = retrying(lambda: fs.get_file_info(selector), store=store_of(url))
         if not infos:
             _check_bucket(url)
     except OSError as exc:
@@ -321,7 +604,7 @@ def stat(url: str) -> ObjectInfo:
     if seen is not None:
         return seen
     fs, path = filesystem(url)
-    info = retrying(lambda: fs.get_file_info(path))
+    info = retrying(lambda: fs.get_file_info(path), store=store_of(url))
     if info.type.name != "File":
         raise FileNotFoundError(f"{url}: no such object")
     return _info(url, info, url)
@@ -341,7 +624,7 @@ def stamp(url: str) -> str:
 def open_input(url: str):
     """A seekable, read-only file over the object (``pyarrow.NativeFile``): each read is a
     ranged request, so a reader takes only the bytes it needs."""
-    return retrying(lambda: _open(url))
+    return retrying(lambda: _open(url), store=store_of(url))
 
 
 def _open(url: str):
@@ -355,7 +638,7 @@ def read_range(url: str, offset: int, size: int) -> bytes:
         with _open(url) as handle:
             return handle.read_at(size, offset)
 
-    return retrying(attempt)
+    return retrying(attempt, store=store_of(url))
 
 
 def read_bytes(url: str) -> bytes:
@@ -364,7 +647,7 @@ def read_bytes(url: str) -> bytes:
         with _open(url) as handle:
             return handle.read()
 
-    return retrying(attempt)
+    return retrying(attempt, store=store_of(url))
 
 
 def size_of(url: str) -> int:
@@ -378,7 +661,8 @@ def exists(url: str) -> bool:
 
     fs, path = filesystem(url)
     try:
-        return retrying(lambda: fs.get_file_info(path)).type != pafs.FileType.NotFound
+        found = retrying(lambda: fs.get_file_info(path), store=store_of(url))
+        return found.type != pafs.FileType.NotFound
     except OSError as exc:
         raise setup_error(url, exc) from None
 
@@ -391,7 +675,7 @@ def upload(url: str, data: bytes) -> None:
         with fs.open_output_stream(path) as out:
             out.write(data)
 
-    retrying(attempt)
+    retrying(attempt, store=store_of(url))
     _SEEN.pop(url, None)
 
 
@@ -407,7 +691,7 @@ def upload_file(path: "str | os.PathLike", url: str) -> None:
         with open(path, "rb") as source, fs.open_output_stream(target) as out:
             shutil.copyfileobj(source, out, 8 << 20)
 
-    retrying(attempt)
+    retrying(attempt, store=store_of(url))
     _SEEN.pop(url, None)
 
 
@@ -421,14 +705,14 @@ def download(url: str, path: "str | os.PathLike") -> None:
         with fs.open_input_stream(source) as stream, open(path, "wb") as out:
             shutil.copyfileobj(stream, out, 8 << 20)
 
-    retrying(attempt)
+    retrying(attempt, store=store_of(url))
 
 
 def delete(url: str) -> None:
     """Delete the object ``url`` (gone already is fine)."""
     fs, path = filesystem(url)
     try:
-        retrying(lambda: fs.delete_file(path))
+        retrying(lambda: fs.delete_file(path), store=store_of(url))
     except FileNotFoundError:
         pass
 
@@ -440,6 +724,6 @@ def remove_empty_prefix(url: str) -> None:
         return
     fs, path = filesystem(url)
     try:
-        retrying(lambda: fs.delete_dir(path))
+        retrying(lambda: fs.delete_dir(path), store=store_of(url))
     except FileNotFoundError:
         pass

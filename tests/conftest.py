@@ -25,7 +25,7 @@ from dsv4enc.tower.config import VisionConfig
 
 from helpers import (DECOY_ONLY_FILE, DEFAULT_IMAGES, REPO_ROOT, SHARD_FILES, ImageSpec,
                      decoy_tensors, write_checkpoint, write_image)
-from objectstore import s3, s3_server  # noqa: F401  (fixtures: a local S3 server)
+from objectstore import s3, s3_outage, s3_server  # noqa: F401  (fixtures: local S3 servers)
 
 # The machines running the suite are small and shared: at most two intra-op threads
 # (DSV4ENC_TEST_THREADS overrides).

@@ -3,7 +3,9 @@ server, from the ``dev`` extra), started once per test session and stopped at it
 
 ``s3_server`` starts it; ``s3`` (per test) points the environment at it (endpoint, dummy
 credentials, region: ``monkeypatch``, so only that test sees them) and makes a fresh bucket,
-returning ``S3Bucket`` with its ``s3://`` URL. Nothing here mocks a client: dsv4enc talks to
+returning ``S3Bucket`` with its ``s3://`` URL. ``s3_outage`` is the same on a server of the
+test's own, which the test stops and starts again on the same port (``S3Bucket.server``:
+``StoppableServer``): the objects stay, as a real store's do. Nothing here mocks a client: dsv4enc talks to
 the server over HTTP with pyarrow's S3 client, as it would to any S3 service.
 """
 
@@ -63,6 +65,36 @@ class S3Bucket:
                       if not o["Key"].endswith("/"))
 
 
+class StoppableServer:
+    """A moto server of one test's own, on a fixed port of 127.0.0.1, that it can stop (an
+    outage: connections are refused) and start again. moto keeps objects in the process, so
+    a restarted server holds what the stopped one held."""
+
+    env = S3Server.env
+
+    def __init__(self) -> None:
+        import socket
+
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            self.port = sock.getsockname()[1]
+        self.endpoint = f"http://127.0.0.1:{self.port}"
+        self._server = None
+        self.start()
+
+    def start(self) -> None:
+        from moto.server import ThreadedMotoServer
+
+        self._server = ThreadedMotoServer(ip_address="127.0.0.1", port=self.port,
+                                          verbose=False)
+        self._server.start()
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.stop()
+            self._server = None
+
+
 @pytest.fixture(scope="session")
 def s3_server():
     """moto's S3 server on a free port of 127.0.0.1, for the whole session."""
@@ -81,14 +113,31 @@ def s3_server():
 def s3(s3_server: S3Server, monkeypatch) -> S3Bucket:
     """A fresh, empty bucket on the session's server, with this test's environment pointed
     at it (and no storage options left over from another test)."""
-    for name, value in s3_server.env().items():
+    return _fresh_bucket(s3_server, monkeypatch)
+
+
+def _fresh_bucket(server: S3Server, monkeypatch) -> S3Bucket:
+    for name, value in server.env().items():
         monkeypatch.setenv(name, value)
     for name in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL_S3",
                  "DSV4ENC_STORAGE_OPTIONS"):
         monkeypatch.delenv(name, raising=False)
-    bucket = S3Bucket(server=s3_server, name=f"dsv4enc-{uuid.uuid4().hex[:12]}")
+    bucket = S3Bucket(server=server, name=f"dsv4enc-{uuid.uuid4().hex[:12]}")
     bucket.client().create_bucket(Bucket=bucket.name)
     from dsv4enc import storage
 
     storage.configure(None)  # file systems made for another server are dropped
     return bucket
+
+
+@pytest.fixture
+def s3_outage(monkeypatch) -> S3Bucket:
+    """``s3`` on a server of this test's own (``StoppableServer``: ``s3_outage.server.stop()``,
+    ``.start()``), stopped at the end of the test."""
+    pytest.importorskip("moto.server", reason="needs moto[server] (dev extra)")
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)
+    server = StoppableServer()
+    try:
+        yield _fresh_bucket(server, monkeypatch)
+    finally:
+        server.stop()

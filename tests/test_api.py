@@ -82,6 +82,27 @@ def test_all_input_kinds_agree(encoder, pictures):
     assert torch.equal(single, outs[0])
 
 
+def test_a_path_whose_name_says_another_format_reads_as_its_bytes_do(encoder, pictures,
+                                                                    tmp_path):
+    """A JPEG named .png (and a PNG named .jpg) is read from its path as from its bytes;
+    an empty file names itself; a format outside the six stays an error."""
+    jpeg, png = pictures[0], pictures[1]
+    renamed = [tmp_path / "jpeg.png", tmp_path / "png.jpg"]
+    for source, target in zip((jpeg, png), renamed):
+        target.write_bytes(source.read_bytes())
+    outs = encoder.encode([str(renamed[0]), renamed[1], jpeg.read_bytes(), png.read_bytes()])
+    assert torch.equal(outs[0], outs[2]) and torch.equal(outs[1], outs[3])
+    empty = tmp_path / "empty.jpg"
+    empty.write_bytes(b"")
+    with pytest.raises(EncodeError, match=r"empty file \(0 bytes\)"):
+        encoder.encode([str(empty)])
+    pcx = tmp_path / "pcx.png"
+    with Image.open(jpeg) as image:
+        image.save(pcx, format="PCX")
+    with pytest.raises(EncodeError, match="looks like PCX"):
+        encoder.encode([str(pcx)])
+
+
 def test_arrays_of_other_shapes(encoder):
     rng = np.random.default_rng(0)
     gray = rng.integers(0, 256, (40, 30), dtype=np.uint8)

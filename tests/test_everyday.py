@@ -161,3 +161,169 @@ def test_resume_of_a_finished_output_agrees_for_files_and_folders(tmp_path, smal
         quiet = encode(str(image.parent), "--out", str(out), *common, "--resume", "-q")
         assert quiet.exit_code == 0 and quiet.stderr == "", quiet.output
         assert Path(quiet.stdout.strip()) == Path(out)
+
+
+def test_the_summary_shows_every_kind_of_error_or_says_how_many_more(tmp_path, small_ckpt):
+    """Eight kinds of error: the summary shows the commonest five and says that three more
+    kinds (of three images) are left out, and that --summary-json lists them all; it does."""
+    folder = tmp_path / "imgs"
+    for i in range(8):  # each over --max-pixels by another size: eight distinct messages
+        write_image(folder / f"{i}.png", (11 + i, 10))
+    write_image(folder / "ok.png", (5, 5))
+    report = tmp_path / "s.json"
+    result = encode(str(folder), "--out", str(tmp_path / "e.parquet"), "--weights",
+                    str(small_ckpt), "--max-pixels", "100", "--summary-json", str(report))
+    assert result.exit_code == 0, result.output
+    shown = [line for line in result.stderr.splitlines() if "more than --max-pixels" in line]
+    assert len(shown) == 5, result.stderr
+    assert "and 3 more kinds of error (3 images); --summary-json lists them all" in (
+        result.stderr), result.stderr
+    assert len(json.loads(report.read_text())["failures"]["messages"]) == 8
+    few = encode(str(folder / "0.png"), str(folder / "1.png"), "--out",
+                 str(tmp_path / "f.parquet"), "--weights", str(small_ckpt), "--max-pixels",
+                 "100")
+    assert few.exit_code == 0 and "more kind" not in few.stderr, few.stderr
+
+
+@pytest.mark.parametrize("suffix, mode", [(".tar.gz", "w:gz"), (".tgz", "w:gz"),
+                                          (".tar.bz2", "w:bz2"), (".tar.xz", "w:xz")])
+def test_a_compressed_tar_given_by_name_is_refused_in_one_line(tmp_path, small_ckpt, suffix,
+                                                               mode):
+    """Never "no images found", an empty output and exit 0: one line that says to
+    decompress it, exit 2, nothing written."""
+    import tarfile
+
+    image = write_image(tmp_path / "x.png", (20, 20))
+    shard = tmp_path / f"shard{suffix}"
+    with tarfile.open(shard, mode) as archive:
+        archive.add(image, arcname="0001.png")
+    out = tmp_path / "e.parquet"
+    result = encode(str(shard), "--out", str(out), "--weights", str(small_ckpt))
+    assert result.exit_code == 2, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "compressed tar shard" in lines[0], result.stderr
+    assert "decompress it first" in lines[0] and "Traceback" not in result.output
+    assert not out.exists() and not Path(f"{out}.partial").exists()
+
+
+def test_inputs_given_by_name_without_an_image_are_refused(tmp_path, small_ckpt):
+    """Files given by name (and list lines) that hold no image at all are a usage error,
+    never an empty success; an empty folder stays a warning (see above)."""
+    import io
+    import tarfile
+
+    notes = tmp_path / "notes.txt"
+    notes.write_text("no image\n")
+    sidecars = tmp_path / "meta.tar"  # samples with no image member
+    with tarfile.open(sidecars, "w") as archive:
+        info = tarfile.TarInfo("0001.json")
+        info.size = 2
+        archive.addfile(info, io.BytesIO(b"{}"))
+    listing = tmp_path / "list.txt"
+    listing.write_text(f"{notes}\n")
+    for args in ([str(notes)], [str(sidecars)], ["--files-from", str(listing)]):
+        out = tmp_path / "e.parquet"
+        result = encode(*args, "--out", str(out), "--weights", str(small_ckpt))
+        assert result.exit_code == 2, (args, result.output)
+        lines = result.stderr.strip().splitlines()
+        assert len(lines) == 1 and "no image in the inputs given" in lines[0], result.stderr
+        assert not out.exists()
+
+
+def test_a_files_from_list_whose_every_path_is_missing(tmp_path, small_ckpt, monkeypatch):
+    """The list's paths are relative to the list's folder, the run starts elsewhere: one line
+    that says no image could be read and why (paths are taken from the current folder, not
+    the list's), exit 2; nothing written."""
+    lists = tmp_path / "data"
+    for name in ("a.png", "b.png"):
+        write_image(lists / "imgs" / name, (20, 20))
+    listing = lists / "list.txt"
+    listing.write_text("imgs/a.png\nimgs/b.png\n")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    out = tmp_path / "e.parquet"
+    result = encode("--files-from", str(listing), "--out", str(out), "--weights",
+                    str(small_ckpt))
+    assert result.exit_code == 2, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("error: no image could be read: none of the 2 paths")
+    assert f"current folder ({elsewhere})" in lines[0]
+    assert f"not from the list's folder ({lists})" in lines[0]
+    assert not out.exists()
+    monkeypatch.chdir(lists)  # following the hint works
+    again = encode("--files-from", str(listing), "--out", str(out), "--weights",
+                   str(small_ckpt))
+    assert again.exit_code == 0, again.output
+    assert pq.read_table(out).column("error").null_count == 2
+
+
+def test_no_rates_when_nothing_was_encoded(tmp_path, small_ckpt):
+    """Every image failed: the summary says nothing was encoded, and gives no img/s."""
+    folder = tmp_path / "imgs"
+    folder.mkdir()
+    whole = write_image(tmp_path / "whole.jpg", (64, 48)).read_bytes()
+    for i in range(3):  # headers fine, pixels cut: they fail in the encoding loop
+        (folder / f"{i}.jpg").write_bytes(whole[: len(whole) // 3])
+    report = tmp_path / "s.json"
+    result = encode(str(folder), "--out", str(tmp_path / "e.parquet"), "--weights",
+                    str(small_ckpt), "--summary-json", str(report))
+    assert result.exit_code == 0, result.output
+    loop = next(line for line in result.stderr.splitlines() if "encoding loop" in line)
+    assert "nothing was encoded" in loop and "img/s" not in loop, loop
+    data = json.loads(report.read_text())
+    assert data["images"]["failed"] == 3 and data["images"]["encoded"] == 0
+    assert data["rates"] == {"images_per_s": 0.0, "tokens_per_s": 0.0}
+
+
+@pytest.mark.parametrize("kind", ["file", "folder"])
+def test_inspect_of_an_interrupted_run_shows_what_was_committed_and_what_is_left(
+        tmp_path, small_ckpt, monkeypatch, kind):
+    """A run stopped by SIGTERM after its first part: ``inspect OUT`` (only OUT.partial/
+    exists), ``inspect OUT.partial`` and a folder output's ``inspect`` show the committed
+    parts, the images done and how many are left; --resume then finishes."""
+    import os
+    import signal
+
+    from dsv4enc.run.encoding import PartEncoder
+
+    folder = tmp_path / "imgs"
+    for i in range(13):
+        write_image(folder / f"{i:02d}.png", (20 + i, 20))
+    original = PartEncoder.run
+
+    def run(self, *args, **kwargs):
+        for index, part in enumerate(original(self, *args, **kwargs)):
+            yield part
+            if index == 0:
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(PartEncoder, "run", run)
+    out = tmp_path / ("e.parquet" if kind == "file" else "e")
+    out_arg = str(out) + ("" if kind == "file" else "/")  # a folder output ends in /
+    common = ("--weights", str(small_ckpt), "--part-images", "4")
+    stopped = encode(str(folder), "--out", out_arg, *common)
+    assert stopped.exit_code == 143, stopped.output
+    parts = out.with_name(out.name + ".partial") if kind == "file" else out
+    manifest = json.loads((parts / "_manifest.json").read_text())
+    done = sum(part["rows"] for part in manifest["parts"].values())
+    assert 4 <= done < 13 and manifest["inputs"] == 13
+    wanted = (f"{len(manifest['parts'])} part{'s' if len(manifest['parts']) > 1 else ''}, "
+              f"{done} images done, {13 - done} of 13 left; rerun the same command with "
+              "--resume to finish")
+    for target in ([out, parts] if kind == "file" else [out]):
+        shown = runner.invoke(app, ["inspect", str(target)], terminal_width=250)
+        assert shown.exit_code == 0, shown.output
+        text = re.sub(r"[│\s]+", " ", shown.output)  # the table's cells, unwrapped
+        assert "an interrupted run: not finished" in text, shown.output
+        assert wanted in text, shown.output
+        data = json.loads(runner.invoke(app, ["inspect", str(target), "--json"]).output)
+        assert data["interrupted"] and (data["parts"], data["images_done"],
+                                        data["images_left"]) == (len(manifest["parts"]),
+                                                                 done, 13 - done)
+    monkeypatch.setattr(PartEncoder, "run", original)
+    finished = encode(str(folder), "--out", out_arg, *common, "--resume")
+    assert finished.exit_code == 0, finished.output
+    data = json.loads(runner.invoke(app, ["inspect", str(out), "--json"]).output)
+    assert not data["interrupted"] and data["rows"] == 13

@@ -122,7 +122,11 @@ EXPECT: dict[str, str] = {}
 # Ghostscript; the others are rarely met and little hardened).
 OTHER_FORMATS = [("SGI", "sgi.jpg"), ("PCX", "pcx.png"), ("DDS", "dds.png"), ("ICO", "ico.png"),
                  ("QOI", "qoi.webp"), ("JPEG2000", "j2k.jpg"), ("EPS", "eps.jpg"),
-                 ("PPM", "ppm.tif"), ("PNG", "png.gif")]
+                 ("PPM", "ppm.tif")]
+# Accepted formats under another accepted format's name: read as what they are.
+MISNAMED = [("JPEG", "jpeg_named.png"), ("PNG", "png_named.jpg"), ("WEBP", "webp_named.jpeg"),
+            ("BMP", "bmp_named.gif"), ("GIF", "gif_named.tif"), ("TIFF", "tiff_named.webp"),
+            ("PNG", "png.gif")]
 
 
 @pytest.fixture(scope="module")
@@ -140,8 +144,8 @@ def hostile(tmp_path_factory) -> Path:
 
     put("base.png", png, "ok")
     put("base.jpg", jpeg, "ok")
-    put("broken/empty.jpg", b"", "error")
-    put("broken/empty.png", b"", "error")
+    put("broken/empty.jpg", b"", "UnidentifiedImageError: empty file (0 bytes)")
+    put("broken/empty.png", b"", "UnidentifiedImageError: empty file (0 bytes)")
     put("broken/text.png", b"this is not an image\n" * 20, "error")
     put("broken/random.jpg", rng.integers(0, 256, 3000, dtype=np.uint8).tobytes(), "error")
     put("broken/random.webp", b"RIFF" + rng.integers(0, 256, 500, dtype=np.uint8).tobytes(),
@@ -165,9 +169,10 @@ def hostile(tmp_path_factory) -> Path:
         "max-pixels")
     put("bomb/just_under.png", encoded(Image.new("RGB", (140, 140), (9, 9, 9)), "PNG"), "ok")
     put("odd/1x1.png", encoded(Image.new("RGB", (1, 1), (200, 10, 30)), "PNG"), "ok")
-    # Only the format an extension stands for is read (``imageformats``): anything else
-    # behind an image name is an error row that names what it looks like.
-    put("odd/jpeg_named.png", jpeg, "looks like JPEG data (a .png name stands for PNG only)")
+    # Any of the six accepted formats is read whatever the name (``imageformats``): anything
+    # else behind an image name is an error row that names what it looks like.
+    for fmt, name in MISNAMED:
+        put(f"misnamed/{name}", encoded(photo.convert("RGB"), fmt), "ok")
     for fmt, name in OTHER_FORMATS:
         put(f"formats/{name}", encoded(photo, fmt), f"looks like {fmt}")
     put("formats/tga.png", encoded(photo, "TGA"), "UnidentifiedImageError")  # no signature
@@ -319,9 +324,10 @@ def test_a_header_claiming_ten_billion_pixels_is_never_allocated(tmp_path, cfg):
 
 # --------------------------------------------------------------------------- image formats
 
-def test_only_the_named_format_is_opened_by_probes_and_decodes(tmp_path, cfg):
+def test_any_accepted_format_is_opened_whatever_the_name_and_no_other(tmp_path, cfg):
     """A path, a tar member and unnamed bytes (a table cell): probes and decodes alike read
-    only the format the name stands for; unnamed bytes may be any accepted format, no other."""
+    any of the six accepted formats whatever the name (the probe says when the name says
+    another), and no other format."""
     import tarfile
 
     from dsv4enc.images.discover import discover
@@ -336,16 +342,46 @@ def test_only_the_named_format_is_opened_by_probes_and_decodes(tmp_path, cfg):
             archive.addfile(info, io.BytesIO(data))
     members = discover([str(shard)]).items
     (tmp_path / "named.jpg").write_bytes(encoded(photo, "PNG"))
-    for source, error in [(members[0], None), (members[1], "looks like JPEG"),
-                          (members[2], "looks like PCX"), (encoded(photo, "BMP"), None),
-                          (encoded(photo, "TIFF"), None), (encoded(photo, "SGI"), "like SGI"),
-                          (encoded(photo, "EPS"), "like EPS"),
-                          (str(tmp_path / "named.jpg"), "looks like PNG")]:
-        for got in (probe_image(source).error, decode_image(source, cfg).error):
+    (tmp_path / "named.jpeg").write_bytes(encoded(photo, "WEBP"))
+    (tmp_path / "empty.png").write_bytes(b"")
+    for source, error, actual in [
+            (members[0], None, None), (members[1], None, "JPEG"),
+            (members[2], "looks like PCX", None), (encoded(photo, "BMP"), None, None),
+            (encoded(photo, "TIFF"), None, None), (encoded(photo, "SGI"), "like SGI", None),
+            (encoded(photo, "EPS"), "like EPS", None), (str(tmp_path / "named.jpg"), None, "PNG"),
+            (str(tmp_path / "named.jpeg"), None, "WEBP"), (b"", "empty file (0 bytes)", None),
+            (str(tmp_path / "empty.png"), "empty file (0 bytes)", None)]:
+        probe = probe_image(source)
+        assert probe.misnamed == actual, (source, probe)
+        for got in (probe.error, decode_image(source, cfg).error):
             if error is None:
                 assert got is None, got
             else:
                 assert got.startswith("UnidentifiedImageError") and error in got, got
+    # The pixels are the same whatever the name.
+    assert np.array_equal(decode_image(str(tmp_path / "named.jpg"), cfg).patches,
+                          decode_image(encoded(photo, "PNG"), cfg).patches)
+
+
+def test_misnamed_images_are_counted_in_the_summary(tmp_path, ckpt):
+    """Three images whose name says another format are encoded and counted, in the summary
+    and in --summary-json."""
+    photo = noise(24, 18)
+    folder = tmp_path / "imgs"
+    folder.mkdir()
+    for fmt, name in [("JPEG", "a.png"), ("PNG", "b.jpg"), ("WEBP", "c.jpeg"), ("PNG", "d.png")]:
+        (folder / name).write_bytes(encoded(photo, fmt))
+    out, report = tmp_path / "e.parquet", tmp_path / "s.json"
+    result = runner.invoke(app, ["encode", str(folder), "--out", str(out), "--weights",
+                                 str(ckpt), "--device", "cpu", "--workers", "0",
+                                 "--summary-json", str(report)],
+                           env={"DSV4ENC_WEIGHTS": None, "COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    assert pq.read_table(out).column("error").null_count == 4
+    assert "3 images whose name says another format" in result.output, result.output
+    assert "a.png is JPEG" in result.output
+    data = json.loads(report.read_text())
+    assert data["images"]["misnamed"] == 3 and data["misnamed_example"] == "a.png is JPEG"
 
 
 def test_ghostscript_is_never_run(tmp_path, cfg, monkeypatch):

@@ -358,3 +358,74 @@ def test_links_resolve(page):
         elif anchor and (file.suffix != ".md" or anchor not in _anchors(file.read_text())):
             broken.append(f"{target}: no such heading")
     assert broken == [], _name(page)
+
+
+# --- the pages and the tool -----------------------------------------------------------------
+
+#: Flags of other programs the pages show (torchrun's).
+OTHER_PROGRAMS_FLAGS = {"--nproc-per-node", "--nnodes", "--node-rank", "--rdzv-backend",
+                        "--rdzv-endpoint", "--rdzv-id", "--no-python"}
+#: Flags the pages name to say that there is no such option ("has no Ray engine").
+ABSENT_FLAGS = {"--engine"}
+
+
+def _command_flags() -> dict[str, set[str]]:
+    import typer
+
+    from dsv4enc.cli import app
+
+    group = typer.main.get_command(app)
+    flags = {name: {opt for param in command.params for opt in (*param.opts,
+                                                                 *param.secondary_opts)
+                    if opt.startswith("--")}
+             for name, command in group.commands.items()}
+    flags[""] = {opt for param in group.params for opt in param.opts if opt.startswith("--")}
+    return flags
+
+
+@pytest.mark.parametrize("page", [README, *doc_pages()], ids=_name)
+def test_every_flag_a_page_names_is_an_option_of_its_command(page):
+    """A flag named in the README or a docs page belongs to ``encode`` (or inspect, extract,
+    the group), to torchrun, or to ``bench`` in a paragraph that speaks of bench: no option
+    a command lacks (``--max-images`` is bench's and the API's ``max_images``, not
+    encode's)."""
+    flags = _command_flags()
+    general = set().union(*(f for name, f in flags.items() if name != "bench"), {"--help"})
+    wrong = []
+    for paragraph in re.split(r"\n\s*\n", page.read_text()):
+        for flag in re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", paragraph):
+            if flag in general or flag in OTHER_PROGRAMS_FLAGS:
+                continue
+            if flag in ABSENT_FLAGS and "has no" in paragraph:
+                continue
+            if flag in flags["bench"] and "bench" in paragraph:
+                continue
+            wrong.append(f"{flag} in: {paragraph.strip()[:80]}")
+    assert not wrong, (_name(page), wrong)
+
+
+def test_the_setup_block_starts_from_a_clone_in_a_venv():
+    block = next(b for b in readme_blocks(README.read_text()) if "pip install" in b.code)
+    steps = [line.split("#")[0].strip() for line in block.code.splitlines() if line.strip()]
+    assert steps[0].startswith("git clone ") and steps[1] == "cd dsv4enc"
+    assert steps[2] == "python -m venv .venv && . .venv/bin/activate"
+    assert all("pip install" in step or "pytest" in step for step in steps[3:])
+
+
+def test_the_pandas_recipe_keeps_int32_columns(tmp_path):
+    """The output format page says that plain pandas reads failed rows' int32 columns as
+    float64, and its recipe (run by test_docs_page_blocks_run) keeps them int32."""
+    import pandas as pd
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    text = (DOCS / "output-format.md").read_text()
+    assert "float64" in text and "to_pandas(types_mapper=pd.ArrowDtype)" in text
+    table = pa.table({"width": pa.array([640, None], pa.int32()),
+                      "embedding": pa.array([b"\0\0", None], pa.large_binary())})
+    pq.write_table(table, tmp_path / "t.parquet")
+    assert pd.read_parquet(tmp_path / "t.parquet").width.dtype == "float64"  # what it says
+    kept = pq.read_table(tmp_path / "t.parquet").to_pandas(types_mapper=pd.ArrowDtype)
+    assert str(kept.width.dtype) == "int32[pyarrow]"
+    assert kept.width.isna().tolist() == [False, True]
+    assert [bytes(b) for b in kept.embedding.dropna()] == [b"\0\0"]

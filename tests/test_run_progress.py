@@ -94,13 +94,23 @@ def test_log_lines_come_on_schedule(capsys):
     assert LINE.match(lines[-1]).group(1, 3) == ("10", "100")
 
 
-def test_off_and_short_runs_print_nothing(capsys):
-    for progress in (RunProgress("off", log_every=0.01), RunProgress("log", log_every=60)):
+def test_off_prints_nothing_and_a_short_logged_run_prints_where_it_ended(capsys):
+    """``off`` (``-q``, other ranks) prints nothing; a log run that ends before its first
+    scheduled line still prints the line where it ended, as the README says."""
+    for mode in ("off", "log"):
+        progress = RunProgress(mode, log_every=3600)  # no scheduled line comes in this test
         with progress:
             progress.start(total=2, tokens=20)
             progress.begin_encoding()
             progress.advance(2, 20, 0)
-            time.sleep(0.03)
+        err = capsys.readouterr().err
+        if mode == "off":
+            assert err == ""
+        else:
+            lines = err.splitlines()
+            assert len(lines) == 1 and LINE.match(lines[0]).group(1, 2, 3) == ("2", "2", "20"), err
+    with RunProgress("log", log_every=3600):  # stopped before encoding: no progress line
+        pass
     assert capsys.readouterr().err == ""
 
 

@@ -254,6 +254,21 @@ def test_console_script_launch_matches_one_process(work, folders, ckpt, referenc
     check_loads(proc.stderr, expected_loads(want, cfg))
 
 
+def test_wall_time_counts_the_start_up_of_each_rank(work, folders, ckpt):
+    """The summary's wall time ("the whole run, start-up included") counts from the rank
+    process's start, interpreter, torch import and the process group's start-up included:
+    at least the time rank 0 spent before the pipeline was called (measured by the launcher
+    from its first line) plus the encoding loop, which both lie inside the run."""
+    out, report, marker = work / "timed.parquet", work / "timed.json", work / "timed"
+    ok(torchrun([str(LAUNCHER), "timed", str(marker), str(folders["one"]), "--out", str(out),
+                 "--weights", str(ckpt), *FAST, "--summary-json", str(report)], work))
+    times = json.loads(Path(f"{marker}.rank0.json").read_text())
+    seconds = json.loads(report.read_text())["seconds"]
+    before_pipeline = times["run_encode"] - times["launched"]
+    assert before_pipeline > 0
+    assert seconds["wall"] >= before_pipeline + seconds["encoding"], (seconds, times)
+
+
 @pytest.fixture(scope="module")
 def sequence(work, folders, ckpt) -> dict[str, list[dict]]:
     """One launch, many runs: {name: [rank 0 result, rank 1 result]} (argv, code, stderr)."""

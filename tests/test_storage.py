@@ -228,6 +228,7 @@ def test_folder_output_in_a_bucket(s3, local_images, small_ckpt, tmp_path, monke
 
 # --------------------------------------------------------------------------- kill and resume
 
+import contextlib
 import json
 import os
 import signal
@@ -335,6 +336,133 @@ def test_two_rank_torchrun_reads_and_writes_the_bucket(s3, tmp_path):
         np.testing.assert_allclose(np.frombuffer(a["embedding"], np.float16),
                                    np.frombuffer(b["embedding"], np.float16), rtol=2e-2,
                                    atol=2e-3)
+
+
+def mirror(s3, prefix: str, folder: Path) -> Path:
+    """The objects under ``prefix`` (a folder output) as files of ``folder``."""
+    folder.mkdir()
+    for key in s3.keys(prefix):
+        (folder / key[len(prefix):]).write_bytes(s3.get(key))
+    return folder
+
+
+def assert_rows_of_one_process(got: list[dict], want: list[dict]) -> None:
+    """Each image exactly once, with one process's row."""
+    assert sorted(r["path"] for r in got) == sorted(r["path"] for r in want)
+    assert len({r["path"] for r in got}) == len(got)
+    by_path = {r["path"]: r for r in got}
+    for b in want:
+        a = by_path[b["path"]]
+        assert a["error"] is None and b["error"] is None
+        np.testing.assert_allclose(np.frombuffer(a["embedding"], np.float16),
+                                   np.frombuffer(b["embedding"], np.float16), rtol=2e-2,
+                                   atol=2e-3)
+
+
+def check_bucket_shards(s3, prefix: str, tmp_path: Path, want: list[dict]) -> None:
+    """A --shard-output folder in the bucket: both ranks' parts and manifests, the merged
+    manifest listing exactly the part objects, no lock, and one process's rows."""
+    keys = s3.keys(prefix)
+    assert {f"{prefix}_manifest.json", f"{prefix}_manifest-rank000.json",
+            f"{prefix}_manifest-rank001.json"} <= set(keys) and ".dsv4enc.lock" not in str(keys)
+    parts = {k[len(prefix):] for k in keys if k.endswith(".parquet")}
+    assert any(p.endswith("-rank000.parquet") for p in parts)
+    assert any(p.endswith("-rank001.parquet") for p in parts)  # rank 1 uploaded its own
+    merged = json.loads(s3.get(f"{prefix}_manifest.json"))["parts"]
+    assert {p["file"] for p in merged.values()} == parts
+    folder = mirror(s3, prefix, tmp_path / f"mirror-{len(list(tmp_path.iterdir()))}")
+    got = [row for path in sorted(folder.glob("*.parquet"))
+           for row in pq.read_table(path).to_pylist()]
+    assert_rows_of_one_process(got, want)
+    assert sorted(rows(folder)) == sorted(r["path"] for r in want)  # read_embeddings too
+
+
+@pytest.mark.slow
+def test_two_ranks_write_their_shards_straight_to_the_bucket(s3, tmp_path):
+    """torchrun --shard-output to a bucket: each rank uploads its own parts and manifest
+    from its own staging folder, rank 0 the merged manifest once both are done; the rows
+    are one process's. Run again without a flag it refuses; --resume reuses every part."""
+    from test_run_torchrun import ok, torchrun
+
+    url = noise_images(s3, "sh-in", 12, tmp_path)
+    out = f"{s3.url}/sh/"
+    command = ["-m", "dsv4enc", "encode", url, "--out", out, "--shard-output", *TINY,
+               "--workers", "1", "--timeout", "60", "-q"]
+    ok(torchrun(command, tmp_path))
+    encode(url, "--out", str(tmp_path / "one.parquet"), *TINY)
+    want = pq.read_table(tmp_path / "one.parquet").to_pylist()
+    assert len(want) == 12
+    check_bucket_shards(s3, "sh/", tmp_path, want)
+    keys = s3.keys("sh/")
+    again = torchrun(command, tmp_path)
+    assert again.returncode != 0 and "--resume" in again.stderr, again.stderr[-3000:]
+    ok(torchrun([*command, "--resume", "--summary-json", str(tmp_path / "s.json")], tmp_path))
+    assert json.loads((tmp_path / "s.json").read_text())["images"]["reused"] == 12
+    assert s3.keys("sh/") == keys
+    ok(torchrun([*command, "--overwrite", "--part-images", "4"], tmp_path))
+    check_bucket_shards(s3, "sh/", tmp_path, want)
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL ``pid`` and every process below it (Linux's /proc), the lowest first."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            with contextlib.suppress(OSError):
+                with open(f"/proc/{entry}/stat") as stat_file:
+                    parent = int(stat_file.read().rsplit(")", 1)[1].split()[1])
+                children.setdefault(parent, []).append(int(entry))
+    order, todo = [], [pid]
+    while todo:
+        order.append(todo.pop())
+        todo.extend(children.get(order[-1], []))
+    for each in reversed(order):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(each, signal.SIGKILL)
+
+
+@pytest.mark.slow
+def test_bucket_shards_resume_after_a_kill(s3, tmp_path):
+    """Both ranks are killed at their first commit, once it is in the bucket: no merged
+    manifest exists, and --resume (each rank pulling its own manifest and parts) finishes with every
+    image once, one process's rows."""
+    from test_run_torchrun import free_port, ok, torchrun
+
+    total = 60
+    url = noise_images(s3, "kr-in", total, tmp_path)
+    out = f"{s3.url}/kr/"
+    command = ["-m", "dsv4enc", "encode", url, "--out", out, "--shard-output", *TINY,
+               "--workers", "1", "--timeout", "60", "-q"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT)}
+    env.pop("DSV4ENC_WEIGHTS", None)
+    pauses = Pauses(tmp_path / "pauses", "commit")
+    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
+                             "--master-addr=127.0.0.1", f"--master-port={free_port()}",
+                             *command], cwd=tmp_path, env=pauses.env(env),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        # Each rank waits at its first local commit while its upload thread goes on: kill
+        # them all once both ranks' manifests in the bucket list that first part.
+        pauses.wait("commit", proc=proc)
+        deadline = time.monotonic() + 600  # a hang guard, not a bet on speed
+        while not all(manifest_parts(s3, f"kr/_manifest-rank{rank:03d}.json")
+                      for rank in range(2)):
+            assert proc.poll() is None, proc.communicate()[1][-3000:]
+            assert time.monotonic() < deadline, "the committed part was never uploaded"
+            time.sleep(0.01)
+    finally:
+        kill_tree(proc.pid)  # torchrun starts each rank in a session of its own
+        proc.communicate()
+    keys = s3.keys("kr/")
+    assert "kr/_manifest.json" not in keys  # merged only once every rank has finished
+    for name in ("_manifest-rank000.json", "_manifest-rank001.json"):
+        for part in manifest_parts(s3, f"kr/{name}").values():  # listed: uploaded whole
+            assert f"kr/{part['file']}" in keys
+    ok(torchrun([*command, "--resume", "--summary-json", str(tmp_path / "s.json")], tmp_path))
+    reused = json.loads((tmp_path / "s.json").read_text())["images"]["reused"]
+    assert 0 < reused < total
+    encode(url, "--out", str(tmp_path / "one.parquet"), *TINY)
+    check_bucket_shards(s3, "kr/", tmp_path, pq.read_table(tmp_path / "one.parquet").to_pylist())
 
 
 # --------------------------------------------------------------------------- failures

@@ -15,9 +15,17 @@ by wrapping the pipeline.
       "@interrupt" gets SIGINT on rank 0 as soon as its first part is handed to the writer;
       ["@rm", PATH] is no run: rank 0 deletes PATH (code 0, or 1 if it was not there).
       Each rank writes RESULTS_DIR/rank{R}.json: [{"argv", "code", "stderr"}, ...].
+  torchrun ... torchrun_launcher.py timed MARKER ENCODE-ARGS...
+      ``dsv4enc encode ENCODE-ARGS`` through the console script's entry point
+      (``cli.main``), each rank having written MARKER.rank{R}.json: {"launched": the time
+      this module started, "run_encode": the time the pipeline was called} (time.time()).
 """
 
 from __future__ import annotations
+
+import time
+
+LAUNCHED = time.time()  # before the imports below (torch among them)
 
 import datetime
 import io
@@ -26,7 +34,6 @@ import logging
 import os
 import signal
 import sys
-import time
 from contextlib import redirect_stderr
 from pathlib import Path
 
@@ -93,6 +100,20 @@ def fresh_store_per_run() -> None:
     dist.init_process_group = init_process_group
 
 
+def record_run_start(marker: str) -> None:
+    from dsv4enc.run import pipeline
+
+    original = pipeline.run_encode
+
+    def run_encode(*args, **kwargs):
+        called = time.time()
+        Path(f"{marker}.rank{os.environ.get('RANK', '0')}.json").write_text(
+            json.dumps({"launched": LAUNCHED, "run_encode": called}))
+        return original(*args, **kwargs)
+
+    pipeline.run_encode = run_encode
+
+
 def run_cli(argv: list[str]) -> int:
     try:
         cli.app(args=argv, prog_name="dsv4enc")
@@ -136,6 +157,10 @@ def main() -> None:
     if mode == "sequence":
         sequence(*rest)
         return
+    if mode == "timed":
+        record_run_start(rest[0])
+        sys.argv = ["dsv4enc", "encode", *rest[1:]]
+        cli.main()  # ends the process
     raise SystemExit(f"unknown mode {mode!r}")
 
 

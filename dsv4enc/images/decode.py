@@ -24,7 +24,7 @@ from typing import Any, Iterable, Iterator
 import numpy as np
 
 from ..tower.config import VisionConfig
-from .formats import DEFAULT_MAX_PIXELS, image_name, open_image
+from .formats import DEFAULT_MAX_PIXELS, image_name, misnamed, open_image
 from .arena import ArenaHandle, PatchArena, WorkerArena, default_slots, patch_slot_bytes
 from ..process import keep_freed_memory_mapped
 
@@ -37,6 +37,7 @@ class Probe:
     width: int | None = None
     height: int | None = None
     error: str | None = None
+    misnamed: str | None = None  # the format it is, when its name says another (a JPEG .png)
 
 
 @dataclass
@@ -50,6 +51,9 @@ class Decoded:
     height: int | None = None
     error: str | None = None
     out_of_memory: bool = False  # the worker's memory bound was hit: it is replaced
+    # A store that was not answering: when its outage began there (wall time), for the
+    # health record of the process that collects the rows (``storage.note_row``).
+    unavailable_since: float | None = None
     # Only on the way from a worker: the patches are in this slot of the pool's PatchArena
     # (the pool turns it back into ``patches`` before anyone else sees the result).
     slot: int | None = None
@@ -59,6 +63,27 @@ def describe_error(exc: BaseException) -> str:
     """One line: the exception type and its message."""
     text = " ".join(str(exc).split()) or "no details"
     return f"{type(exc).__name__}: {text}"[:500]
+
+
+def read_failure(exc: BaseException, source) -> tuple[str, float | None]:
+    """An image's error for ``exc``, and when its store's outage began (None: not one).
+
+    An input in a store that is not answering (``storage.StoreUnavailable``, or a read of an
+    open object that failed on an outage) gets a ``storage.UNAVAILABLE`` error, transient:
+    its part is encoded again on --resume. A missing object is an ordinary error."""
+    from .. import storage
+
+    if isinstance(exc, storage.StoreUnavailable):
+        return str(exc), exc.since
+    url = getattr(source, "path", source)
+    if isinstance(exc, OSError) and storage.is_url(url):
+        cause = storage.outage_cause(exc)
+        if cause is not None:
+            store = storage.store_of(url)
+            record = storage.health(store)
+            record.failed(cause)
+            return f"{storage.UNAVAILABLE}: {store}: {cause}", record.since
+    return describe_error(exc), None
 
 
 def _readable(source, stream: bool = False):
@@ -83,7 +108,7 @@ def open_checked(source, max_pixels: int, stream: bool = False, name: str | None
     from PIL import Image
 
     handle = _readable(source, stream)
-    try:  # only as the format(s) the name stands for (``imageformats``); ``name`` overrides
+    try:  # only as an accepted format, the name's first (``imageformats``); ``name`` overrides
         image = open_image(handle, name if name is not None else image_name(source, handle))
     except BaseException as exc:
         if hasattr(handle, "close"):
@@ -157,14 +182,16 @@ def probe_image(source, max_pixels: int = DEFAULT_MAX_PIXELS) -> Probe:
                 target = handle = open_item(source, stream=True)
         if isinstance(target, (str, os.PathLike)):
             _require_regular_file(target)
-        image = open_checked(target, max_pixels, stream=True, name=image_name(source, target))
+        name = image_name(source, target)
+        image = open_checked(target, max_pixels, stream=True, name=name)
         width, height = image.size
+        actual = misnamed(image, name)
         image.close()
         if width <= 0 or height <= 0:
             return Probe(error=f"image has no pixels ({width}x{height})")
-        return Probe(width=width, height=height)
+        return Probe(width=width, height=height, misnamed=actual)
     except Exception as exc:  # any unreadable file is an error row, never a crash
-        return Probe(error=describe_error(exc))
+        return Probe(error=read_failure(exc, source)[0])
     finally:
         if hasattr(handle, "close"):  # a stream over a container member: ours to close
             handle.close()
@@ -188,7 +215,8 @@ def decode_image(source, cfg: VisionConfig, max_pixels: int = DEFAULT_MAX_PIXELS
         return Decoded(error=f"MemoryError: decoding needs more memory than is available "
                        f"({describe_error(exc)})", out_of_memory=True)
     except Exception as exc:
-        return Decoded(error=describe_error(exc))
+        error, since = read_failure(exc, source)
+        return Decoded(error=error, unavailable_since=since)
 
 
 def patches_tensor(decoded: Decoded):

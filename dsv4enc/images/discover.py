@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING, Callable, Iterable
 from .. import storage
 from ..errors import UsageError
 from .items import InputItem, is_image_name
-from .sources import StoredObject, container_kind, expand_container, path_roots
+from .sources import (StoredObject, container_kind, expand_container, path_roots,
+                      refuse_compressed_tar)
 
 if TYPE_CHECKING:
     from ..run.stopping import StopSignals
@@ -131,6 +132,8 @@ def discover(inputs: Iterable[str], files_from: str | None = None,
     found = Discovery(items=[])
     tables = 0
     inputs = list(inputs)
+    named: list[str] = []  # inputs given by name (files, objects, list lines), not walked
+    walked = 0  # folders and prefixes: an empty one is a warning, not an error
     roots = path_roots(table_paths_roots)
     prefix_roots = sum(storage.is_url(raw) or os.path.isdir(raw)  # see ``key_under_root``
                        for raw in inputs) > 1
@@ -138,10 +141,19 @@ def discover(inputs: Iterable[str], files_from: str | None = None,
         if stop is not None:
             stop.check()
         if storage.is_url(raw):
-            tables += discover_url(raw, found, image_column, key_column, prefix_roots)
+            listed = discover_url(raw, found, image_column, key_column, prefix_roots)
+            tables += listed == 1
+            walked += listed < 0
+            named += [raw] if listed >= 0 else []
             continue
         path = Path(raw)
         kind = container_kind(raw)
+        if not path.is_dir():
+            named.append(raw)
+            if path.is_file():
+                refuse_compressed_tar(raw)
+        else:
+            walked += 1
         if kind is not None and path.is_file():
             items, skipped = expand_container(raw, image_column, key_column, roots)
             found.items.extend(items)
@@ -166,30 +178,63 @@ def discover(inputs: Iterable[str], files_from: str | None = None,
         else:
             raise UsageError(f"input not found: {raw}")
     if files_from is not None:
-        for line in read_path_list(files_from):
+        lines = read_path_list(files_from)
+        for line in lines:
             if is_image_name(line) and not Path(line).is_dir():
                 found.items.append(InputItem(key=line, path=line))
             else:
                 found.skipped += 1
+        refuse_missing_list(files_from, lines)
+        named += lines
     if not tables and (image_column is not None or key_column is not None):
         flag = "--image-column" if image_column is not None else "--key-column"
         raise UsageError(f"{flag} applies to Parquet/Arrow inputs, and none was given")
     if stop is not None:
         stop.check()
+    if named and not walked and not found.items:
+        shown = ", ".join(named[:3]) + (f" and {len(named) - 3} more" if len(named) > 3 else "")
+        raise UsageError(f"no image in the inputs given ({shown}): dsv4enc reads image files "
+                         "(.jpg, .jpeg, .png, .webp, .bmp, .gif, .tif, .tiff), .tar shards and "
+                         ".parquet/.arrow/.feather tables")
     warn_unlisted(found.unlisted)
     found.items = unique_keys(found.items)
     return found
+
+
+def refuse_missing_list(list_file: str, lines: list[str]) -> None:
+    """A UsageError when not one path of a ``--files-from`` list exists: no image could be
+    read, and the likely cause is where relative paths are taken from (the current folder,
+    not the list's). Stops at the first path that exists (one stat, usually)."""
+    local = [line for line in lines if not storage.is_url(line)]
+    if not local or len(local) < len(lines) or any(os.path.lexists(line) for line in local):
+        return
+    where = "standard input" if list_file == "-" else list_file
+    text = ("no image could be read: " + (
+        f"none of the {len(local)} paths in --files-from {where} exists (e.g. {local[0]})"
+        if len(local) > 1 else f"the path in --files-from {where} does not exist ({local[0]})"))
+    relative = [line for line in local if not os.path.isabs(line)]
+    if relative:
+        here = os.getcwd()
+        text += f"; relative paths are taken from the current folder ({here})"
+        beside = os.path.dirname(os.path.abspath(list_file)) if list_file != "-" else here
+        if beside != here:
+            text += f", not from the list's folder ({beside})"
+            if os.path.lexists(os.path.join(beside, relative[0])):
+                text += ", where they are: run dsv4enc there, or list absolute paths"
+    raise UsageError(text)
 
 
 def discover_url(raw: str, found: Discovery, image_column: str | None,
                  key_column: str | None, prefix_roots: bool) -> int:
     """Add the images of the URL ``raw`` to ``found``: a prefix is listed like a folder
     (recursive, sorted, keys relative to it); an object is an image or a container. Returns
-    1 for a table, else 0. A URL with nothing under it is a UsageError, as for a path."""
+    1 for a table, -1 for a prefix, else 0. A URL with nothing under it is a UsageError, as
+    for a path."""
     what = storage.kind(raw)
     if what == "missing":
         raise UsageError(f"input not found: {raw}")
     if what == "file":
+        refuse_compressed_tar(raw)
         kind = container_kind(raw)
         if kind is not None:
             items, skipped = expand_container(raw, image_column, key_column)
@@ -209,7 +254,7 @@ def discover_url(raw: str, found: Discovery, image_column: str | None,
         key = key_under_root(raw, obj.key) if prefix_roots else obj.key
         found.items.append(InputItem(key=key, path=obj.url, member=StoredObject(obj.url,
                                                                                 obj.size)))
-    return 0
+    return -1
 
 
 def warn_unlisted(unlisted: list[tuple[str, str]], shown: int = 10) -> None:

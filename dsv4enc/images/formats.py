@@ -2,10 +2,13 @@
 
 Pillow recognizes some forty formats by their content, whatever a file is called. Some of them
 hand the data to another program (EPS goes to Ghostscript), and many are rarely met and little
-hardened (TGA, SGI, PCX, DDS, ICO, QOI, JPEG 2000, ...). So dsv4enc opens a file only as the
-format its extension stands for (``.jpg`` -> JPEG, ``.tif`` -> TIFF, ...); unnamed bytes (a
-table cell) may be any of the accepted formats. Header probes and decodes go through the same
-``open_image``. Content of another format is an error that names the format it is.
+hardened (TGA, SGI, PCX, DDS, ICO, QOI, JPEG 2000, ...). So dsv4enc opens a file only as one
+of six raster formats: JPEG, PNG, WebP, BMP, GIF and TIFF. The format its extension stands
+for (``.jpg`` -> JPEG, ``.tif`` -> TIFF, ...) is tried first; a file whose content is another
+of the six (a JPEG named ``.png``: scraped datasets are full of them) is opened as what it is,
+and ``misnamed`` tells the caller so. Unnamed bytes (a table cell) may be any of the six.
+Header probes and decodes go through the same ``open_image``. Content of any other format is
+an error that names the format it is; no other format's reader is ever started.
 """
 
 from __future__ import annotations
@@ -29,8 +32,8 @@ _PREFIX_BYTES = 16  # what Pillow itself hands each format's content check
 
 
 def formats_for(name: str | None) -> tuple[str, ...]:
-    """The formats a file called ``name`` may be opened as: the one its extension stands for,
-    or every accepted format when there is no name or no accepted extension."""
+    """The formats a file called ``name`` is tried as first: the one its extension stands
+    for, or every accepted format when there is no name or no accepted extension."""
     if name:
         fmt = EXTENSION_FORMATS.get(os.path.splitext(name)[1].lower())
         if fmt is not None:
@@ -47,46 +50,80 @@ def image_name(source: Any, handle: Any) -> str | None:
     return getattr(getattr(source, "member", None), "name", None)
 
 
-def detected_format(handle: str | os.PathLike | IO[bytes]) -> str | None:
-    """The Pillow format whose content check accepts ``handle``'s first bytes, if any. Only
-    the checks run (a few byte comparisons): no format's reader is started."""
-    from PIL import Image
-
+def _prefix(handle: str | os.PathLike | IO[bytes]) -> bytes | None:
+    """``handle``'s first bytes (None: a path that is not a regular file)."""
     if isinstance(handle, (str, os.PathLike)):
         # Non-blocking: the path may have become a FIFO since Pillow opened it.
         fd = os.open(handle, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
         with os.fdopen(fd, "rb") as file:
             if not stat.S_ISREG(os.fstat(fd).st_mode):
                 return None
-            prefix = file.read(_PREFIX_BYTES)
-    else:
-        handle.seek(0)
-        prefix = handle.read(_PREFIX_BYTES)
-        handle.seek(0)
+            return file.read(_PREFIX_BYTES)
+    handle.seek(0)
+    prefix = handle.read(_PREFIX_BYTES)
+    handle.seek(0)
+    return prefix
+
+
+def detected_format(handle: str | os.PathLike | IO[bytes]) -> str | None:
+    """The Pillow format whose content check accepts ``handle``'s first bytes, if any. Only
+    the checks run (a few byte comparisons): no format's reader is started."""
+    from PIL import Image
+
+    prefix = _prefix(handle)
+    if not prefix:
+        return None
     Image.init()
     for fmt in Image.ID:
         accept = Image.OPEN[fmt][1]
-        result = accept(prefix) if accept is not None else False
+        try:
+            result = accept(prefix) if accept is not None else False
+        except Exception:  # a check that needs more bytes than a short file has
+            result = False
         if result and not isinstance(result, str):  # a str is Pillow's "maybe, but" warning
             return fmt
     return None
 
 
-def open_image(handle: str | os.PathLike | IO[bytes], name: str | None):
-    """``PIL.Image.open(handle)`` restricted to ``formats_for(name)``.
+#: Formats Pillow reports for an image opened as one of the accepted formats: a JPEG with
+#: several pictures (a camera's MPO) is opened by the JPEG reader.
+_OPENED_AS = {"MPO": "JPEG"}
 
-    Raises ``PIL.UnidentifiedImageError`` when the content is not one of those formats; the
-    message names the format it is when Pillow recognizes it."""
+
+def misnamed(image, name: str | None) -> str | None:
+    """The format ``image`` (opened by ``open_image`` for ``name``) really is, when its name
+    stands for another one (a JPEG named ``.png``: ``"JPEG"``); None when they agree or when
+    there is no name to disagree with."""
+    allowed = formats_for(name)
+    actual = _OPENED_AS.get(image.format, image.format)
+    if len(allowed) == 1 and actual not in allowed:
+        return actual
+    return None
+
+
+def open_image(handle: str | os.PathLike | IO[bytes], name: str | None):
+    """``PIL.Image.open(handle)`` restricted to the accepted formats, the one ``name`` stands
+    for first (``misnamed`` says whether the image is another).
+
+    Raises ``PIL.UnidentifiedImageError`` when the content is none of those formats; the
+    message says so for an empty file and names the format it is when Pillow recognizes it."""
     from PIL import Image, UnidentifiedImageError
 
     allowed = formats_for(name)
     try:
         return Image.open(handle, formats=list(allowed))
     except UnidentifiedImageError:
-        actual = detected_format(handle)
-    ext = os.path.splitext(name or "")[1]
-    wanted = (f"a {ext} name stands for {allowed[0]} only" if len(allowed) == 1
-              else f"only {', '.join(allowed)} are read")
-    if actual is None or actual in allowed:  # damaged, or no image at all
+        pass
+    others = [fmt for fmt in ACCEPTED_FORMATS if fmt not in allowed]
+    if others:  # content of another accepted format, whatever the name says
+        try:
+            return Image.open(handle, formats=others)
+        except UnidentifiedImageError:
+            pass
+    if _prefix(handle) == b"":
+        raise UnidentifiedImageError("empty file (0 bytes)")
+    actual = detected_format(handle)
+    wanted = f"only {', '.join(ACCEPTED_FORMATS)} are read"
+    if actual is None or actual in ACCEPTED_FORMATS:  # damaged, or no image at all
         raise UnidentifiedImageError(f"cannot identify the image ({wanted})")
     raise UnidentifiedImageError(f"the image looks like {actual} data ({wanted})")

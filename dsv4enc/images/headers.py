@@ -36,6 +36,7 @@ class Planned:
     n_w: int = 0
     error: str | None = None
     stamp: str | None = None  # its file as planned (``input_stamps``): what --resume checks
+    misnamed: str | None = None  # the format it is, when its name says another (``Probe``)
 
     @property
     def tokens(self) -> int:

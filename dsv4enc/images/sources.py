@@ -83,6 +83,27 @@ def _size(path: str) -> int:
     return storage.size_of(path) if storage.is_url(path) else os.path.getsize(path)
 
 
+#: Names of compressed tar shards, and the compressor each names. Such a shard cannot be
+#: read member by member (by offset), so it is refused by name, in one line.
+COMPRESSED_TAR_NAMES = {".tar.gz": "gzip", ".tgz": "gzip", ".tar.bz2": "bzip2",
+                        ".tbz2": "bzip2", ".tbz": "bzip2", ".tar.xz": "xz", ".txz": "xz",
+                        ".tar.zst": "zstd", ".tar.zstd": "zstd", ".tzst": "zstd",
+                        ".tar.lz4": "lz4"}
+_DECOMPRESS = {"gzip": "gunzip -k", "bzip2": "bunzip2 -k", "xz": "unxz -k",
+               "zstd": "unzstd", "lz4": "unlz4"}
+
+
+def refuse_compressed_tar(raw: str) -> None:
+    """A UsageError for a compressed tar shard given by name (``x.tar.gz``, ``x.tgz``, ...):
+    dsv4enc reads shards member by member, by offset, which a compressed stream cannot do."""
+    lower = raw.lower()
+    for suffix, kind in COMPRESSED_TAR_NAMES.items():
+        if lower.endswith(suffix):
+            raise UsageError(f"{raw}: a {kind}-compressed tar shard; only uncompressed .tar "
+                             f"shards are read (member by member), so decompress it first "
+                             f"({_DECOMPRESS[kind]} {raw}) and give the .tar")
+
+
 def container_kind(path: str) -> str | None:
     """``"table"``, ``"tar"`` or None, from the file name's extension."""
     lower = path.lower()

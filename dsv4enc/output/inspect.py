@@ -10,6 +10,7 @@ import os
 import re
 from collections import Counter
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -43,6 +44,13 @@ class OutputSummary:
     errors: list[tuple[str, int, str]] = field(default_factory=list)  # (kind, count, example path)
     metadata: dict[str, Any] = field(default_factory=dict)
     model: str | None = None  # the checkpoint variant, e.g. "DeepSeek-V4.1 (deepseek_v41)"
+    # An interrupted run (``OUT.partial/``, or a folder output not finished): what its
+    # manifests record as committed, and how many of the run's images are left.
+    interrupted: bool = False
+    parts: int | None = None  # committed parts
+    images_done: int | None = None
+    images_total: int | None = None  # None: not recorded (an earlier dsv4enc's manifest)
+    images_left: int | None = None
 
     def as_dict(self) -> dict[str, Any]:
         from dataclasses import asdict
@@ -72,11 +80,73 @@ def _stats(values: np.ndarray) -> dict[str, float]:
             "mean": round(float(values.mean()), 2), "max": int(values.max())}
 
 
-def summarize(path: str | os.PathLike) -> OutputSummary:
-    """Summarize a dsv4enc output: a Parquet file or a folder of part files."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
+def interrupted_folder(path: str | os.PathLike) -> Path | None:
+    """The parts folder of an interrupted run that ``path`` names: ``OUT.partial/`` itself,
+    or ``OUT`` when only ``OUT.partial/`` exists; else None."""
+    path = Path(path)
+    if path.is_dir() and path.name.endswith(".partial"):
+        return path
+    beside = path.with_name(path.name + ".partial")
+    if not path.exists() and beside.is_dir():
+        return beside
+    return None
 
+
+def _manifests(folder: Path) -> list[dict]:
+    """The dsv4enc manifests in ``folder`` (one, or one per rank under --shard-output)."""
+    from .parts import MANIFEST_FILE, read_manifest
+
+    try:
+        names = sorted(entry.name for entry in os.scandir(folder))
+    except OSError:
+        return []
+    found = [read_manifest(folder / name) for name in names if MANIFEST_FILE.fullmatch(name)]
+    return [manifest for manifest in found if manifest is not None]
+
+
+def _record_progress(out: OutputSummary, manifests: list[dict]) -> None:
+    """What the manifests say was committed, and how many images are left."""
+    parts = [part for manifest in manifests for part in manifest["parts"].values()]
+    out.parts = len(parts)
+    out.images_done = sum(int(part.get("rows") or 0) for part in parts)
+    totals = [m["inputs"] for m in manifests if isinstance(m.get("inputs"), int)]
+    if totals:
+        out.images_total = max(totals)
+        out.images_left = max(0, out.images_total - out.images_done)
+
+
+def _summarize_interrupted(path: str | os.PathLike, folder: Path) -> OutputSummary:
+    """An interrupted run's parts folder: the committed parts and images from its manifest,
+    how many are left, and the usual figures over the part files it holds (a single file's
+    parts are byte ranges of one growing file: only the manifest's figures then)."""
+    from .parts import PART_FILE
+
+    manifests = _manifests(folder)
+    if not manifests:
+        raise UsageError(f"{folder}: no dsv4enc manifest (_manifest.json) here: not an "
+                         "interrupted dsv4enc run")
+    out = OutputSummary(path=str(path), interrupted=True)
+    _record_progress(out, manifests)
+    out.metadata = dict(manifests[0]["settings"])
+    listed = sorted((part for manifest in manifests for part in manifest["parts"].values()
+                     if isinstance(part.get("file"), str)),
+                    key=lambda part: (part["start"], part["file"]))
+    files = [folder / part["file"] for part in listed
+             if PART_FILE.fullmatch(part["file"]) and (folder / part["file"]).is_file()]
+    out.bytes_on_disk = sum(f.stat().st_size for f in folder.iterdir() if f.is_file())
+    if files:
+        _scan_files(out, files)
+        out.metadata = read_metadata(files[0]) or out.metadata
+    out.model = model_of(out.metadata)
+    return out
+
+
+def summarize(path: str | os.PathLike) -> OutputSummary:
+    """Summarize a dsv4enc output: a Parquet file or a folder of part files; or what an
+    interrupted run committed (``OUT.partial/``, or ``OUT`` when only that exists)."""
+    partial = interrupted_folder(path)
+    if partial is not None:
+        return _summarize_interrupted(path, partial)
     files = output_files(path)
     if not files:
         raise UsageError(f"{path}: no Parquet files found")
@@ -84,6 +154,24 @@ def summarize(path: str | os.PathLike) -> OutputSummary:
     out.bytes_on_disk = sum(f.stat().st_size for f in files)
     out.metadata = read_metadata(path)
     out.model = model_of(out.metadata)
+    _scan_files(out, files)
+    if Path(path).is_dir():  # a folder output whose run was stopped: how far it got
+        manifests = _manifests(Path(path))
+        totals = [m["inputs"] for m in manifests if isinstance(m.get("inputs"), int)]
+        done = sum(int(p.get("rows") or 0) for m in manifests for p in m["parts"].values())
+        if totals and done < max(totals):
+            out.interrupted = True
+            _record_progress(out, manifests)
+    return out
+
+
+def _scan_files(out: OutputSummary, files: list[Path]) -> None:
+    """Rows, failures, layout and grid figures of ``files`` into ``out`` (small columns
+    only, never the embeddings)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    out.files = len(files)
     heights, widths = [], []
     grids: Counter = Counter()
     errors: Counter = Counter()
@@ -123,7 +211,6 @@ def summarize(path: str | os.PathLike) -> OutputSummary:
     out.embedding_rows = int(len(h)) if out.pooled else int((h * w).sum())
     out.top_grids = [(f"{gh}x{gw}", n) for (gh, gw), n in grids.most_common(3)]
     out.errors = [(kind, n, examples[kind]) for kind, n in errors.most_common(TOP_ERRORS)]
-    return out
 
 
 def _size(n: int) -> str:
@@ -141,6 +228,17 @@ def _stat_text(stats: dict[str, float]) -> str:
     return f"{stats['min']} / {stats['median']:g} / {stats['max']} (mean {stats['mean']:g})"
 
 
+def progress_text(summary: OutputSummary) -> str:
+    """An interrupted run's committed parts and images, and how many are left."""
+    parts = f"{summary.parts} part{'s' if summary.parts != 1 else ''}"
+    done = f"{summary.images_done} image{'s' if summary.images_done != 1 else ''} done"
+    if summary.images_total is None:
+        left = "how many are left is not recorded"
+    else:
+        left = f"{summary.images_left} of {summary.images_total} left"
+    return f"{parts}, {done}, {left}; rerun the same command with --resume to finish"
+
+
 def render(summary: OutputSummary, console=None) -> None:
     """Print the summary as rich tables."""
     from rich.console import Console
@@ -148,18 +246,24 @@ def render(summary: OutputSummary, console=None) -> None:
 
     console = console or Console()
     meta = summary.metadata
-    table = Table(title=f"dsv4enc output: {summary.path}", show_header=False, title_justify="left")
+    title = f"dsv4enc output: {summary.path}"
+    if summary.interrupted:
+        title += " (an interrupted run: not finished)"
+    table = Table(title=title, show_header=False, title_justify="left")
     table.add_column(style="bold")
     table.add_column()
-    ok = summary.rows - summary.failed
-    table.add_row("rows", f"{summary.rows} ({ok} encoded, {summary.failed} failed)")
-    layout = "pooled: one vector per image" if summary.pooled else (
-        f"{summary.embedding_rows} embedding rows")
-    table.add_row("embedding", f"width {summary.width}, {summary.dtype}, {summary.layout} "
-                  f"layout; {layout}")
-    table.add_row("grid_h min/median/max", _stat_text(summary.grid_h))
-    table.add_row("grid_w min/median/max", _stat_text(summary.grid_w))
-    table.add_row("rows per image", _stat_text(summary.rows_per_image))
+    if summary.interrupted:
+        table.add_row("committed", progress_text(summary))
+    if summary.files:
+        ok = summary.rows - summary.failed
+        table.add_row("rows", f"{summary.rows} ({ok} encoded, {summary.failed} failed)")
+        layout = "pooled: one vector per image" if summary.pooled else (
+            f"{summary.embedding_rows} embedding rows")
+        table.add_row("embedding", f"width {summary.width}, {summary.dtype}, "
+                      f"{summary.layout} layout; {layout}")
+        table.add_row("grid_h min/median/max", _stat_text(summary.grid_h))
+        table.add_row("grid_w min/median/max", _stat_text(summary.grid_w))
+        table.add_row("rows per image", _stat_text(summary.rows_per_image))
     if summary.top_grids:
         table.add_row("commonest grids", ", ".join(f"{g} ({n})" for g, n in summary.top_grids))
     table.add_row("features", f"{meta.get('features', '?')} (pool {meta.get('pool', 'none')})")
@@ -176,7 +280,10 @@ def render(summary: OutputSummary, console=None) -> None:
                       f"{config.get('vision_patch_size')}, merge "
                       f"{config.get('vision_downsample_ratio')}, hidden {config.get('hidden_size')}")
     files = f"{summary.files} file{'s' if summary.files != 1 else ''}"
-    table.add_row("on disk", f"{_size(summary.bytes_on_disk)} in {files}")
+    if summary.interrupted and not summary.files:  # one growing file's committed ranges
+        table.add_row("on disk", f"{_size(summary.bytes_on_disk)} in the parts folder")
+    else:
+        table.add_row("on disk", f"{_size(summary.bytes_on_disk)} in {files}")
     console.print(table)
     if summary.errors:
         errs = Table(title="top errors", title_justify="left")

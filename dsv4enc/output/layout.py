@@ -539,6 +539,9 @@ def resume_filter(store: PartLedger, parts: list[Segment], settings: ResumeSetti
     collectives, so all ranks walk the same parts. A problem on any rank stops every rank."""
     store.segments = {p.name: p for p in parts}
     store.commit_seconds = settings.commit_every
+    # How many images the run has in all: ``dsv4enc inspect`` of an interrupted run says
+    # how many are left.
+    store.extra["inputs"] = max((p.end for p in parts), default=0)
     todo_names, problem = None, None
     if writes:
         try:

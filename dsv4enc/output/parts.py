@@ -27,6 +27,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from ..errors import OutputError
+from ..storage import UNAVAILABLE as STORAGE_UNAVAILABLE
 from .parquet_join import JoinError, ParquetJoiner
 from .read import LAYOUTS, MANIFEST_NAME, embedding_format
 
@@ -41,9 +42,10 @@ MANIFEST_VERSION = 2
 PART_FILE = re.compile(r"part-\d{6,}(?:_\d{6,})?(?:-rank\d{3})?\.parquet")
 MANIFEST_FILE = re.compile(r"_manifest(?:-rank\d{3})?\.json")
 #: Errors that say nothing about the image (a time limit, a crashed or unstarted worker, a
-#: stop): a part holding one is encoded again on --resume, as a clean run would retry it.
+#: stop, a store that was not answering): a part holding one is encoded again on --resume,
+#: as a clean run would retry it.
 TRANSIENT_ERRORS = ("decode timed out", "header read timed out", "decoder crashed",
-                    "decode worker failed", "interrupted before")
+                    "decode worker failed", "interrupted before", STORAGE_UNAVAILABLE)
 ROW_GROUP_BYTES = 64 << 20
 DATA_PAGE_BYTES = 8 << 20
 DEFAULT_LAYOUT = "binary"

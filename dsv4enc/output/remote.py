@@ -15,6 +15,15 @@ manifests always, its parts with ``--resume`` (so ``--resume`` reuses the commit
 stand-in for a final file and for foreign objects, so that the local checks (``--overwrite``,
 ``--resume``, "not a dsv4enc output") decide exactly as for a local path.
 
+Under torchrun with ``--shard-output`` every rank writes straight to the store: each mirrors
+its own staging folder (its parts and its ``_manifest-rankNNN.json``) with its own upload
+thread, and ``--resume`` brings each rank its own manifest and parts. Rank 0 checks the
+output and holds the lock; once every rank has uploaded all it committed, rank 0 uploads the
+merged ``_manifest.json`` (``Topology.merge_manifests``), so nothing funnels through it.
+
+A store that stops answering ends the run (``storage.StoreDown``); the clean-up then fails
+fast and quietly, and the one line says how many finished parts the store keeps.
+
 Locking: ``flock`` cannot work on a bucket. The run writes a lock object
 ``PARTS/.dsv4enc.lock`` (pid, host, time; rewritten every ``HEARTBEAT_S``) and refuses to start
 when another run's lock is fresh. A lock whose holder is a dead process on this host, or that
@@ -28,17 +37,19 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import shutil
 import socket
 import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Callable, Sequence, TypeVar
+from typing import Any, Callable, Sequence, TypeVar
 
 from .. import storage
-from ..errors import DsvError, OutputError, UsageError
+from ..errors import DsvError, OutputError
 from .parts import LOCK_NAME, MANIFEST_FILE, PART_FILE, read_manifest
+from .read import MANIFEST_NAME
 
 log = logging.getLogger("dsv4enc")
 T = TypeVar("T")
@@ -58,23 +69,29 @@ class RemoteOutput:
     """The local staging of a URL ``--out`` and its mirroring to the store (see the module)."""
 
     def __init__(self, out: str, *, writer: bool, inputs: Sequence[str] = (),
-                 resume: bool = False, overwrite: bool = False,
-                 shard_output: bool = False) -> None:
-        """``out``: the URL; ``writer``: this process writes the output (rank 0);
-        ``inputs``, ``resume``, ``overwrite``, ``shard_output``: the run's (--resume brings the
-        committed parts into the staging, --overwrite replaces the earlier manifests)."""
-        if shard_output:
-            raise UsageError("--shard-output is not supported with an object storage --out; "
-                             "leave it out (rank 0 writes the output)")
+                 resume: bool = False, overwrite: bool = False, shard_output: bool = False,
+                 rank: int = 0, world_size: int = 1,
+                 gather: Callable[[Any], list[Any]] | None = None) -> None:
+        """``out``: the URL; ``writer``: this process touches the store; ``inputs``,
+        ``resume``, ``overwrite``, ``shard_output``: the run's (--resume brings the committed
+        parts into the staging, --overwrite replaces the earlier manifests); ``rank`` and
+        ``world_size``: this process's place among torchrun's ranks; ``gather(value)``:
+        every rank's ``value`` in rank order (``run/ranks.Topology.gather``; this process's
+        alone by default)."""
         self.given = out
         self.url = out.rstrip("/")
         self.inputs, self.resume, self.overwrite = list(inputs), resume, overwrite
-        self.writer = writer  # this process writes (rank 0): only it touches the store
+        self.rank, self.world_size = rank, world_size
+        self.is_main = rank == 0
+        self._gather = gather if gather is not None else (lambda value: [value])
+        # --shard-output of torchrun ranks: every rank writes its own parts and manifest
+        self.sharded = bool(shard_output) and world_size > 1
+        self.writer = writer  # this process touches the store (rank 0, or every rank sharded)
         # Raised by ``pull``, which every rank waits for: rank 0 failing alone here would
         # leave the other ranks waiting in a collective.
         self._problem: DsvError | None = None
-        self.folder_mode = out.endswith("/")
-        if writer and not self.folder_mode:
+        self.folder_mode = out.endswith("/") or bool(shard_output)
+        if self.is_main and not self.folder_mode:
             try:
                 self.folder_mode = storage.kind(out) == "folder"
             except DsvError as exc:
@@ -106,26 +123,58 @@ class RemoteOutput:
             return None
         return cls(out, **settings)
 
+    # -- whose files -------------------------------------------------------------------------
+    @property
+    def own_manifest(self) -> str:
+        """The manifest this rank mirrors (as ``OutputLayout.manifest_name`` names it)."""
+        return f"_manifest-rank{self.rank:03d}.json" if self.sharded else MANIFEST_NAME
+
+    def _mine(self, name: str) -> bool:
+        """Whether this rank mirrors the manifest or part ``name`` (every one, unless each
+        rank writes its own: then its own manifest and the parts named for its rank)."""
+        if not self.sharded:
+            return True
+        if MANIFEST_FILE.fullmatch(name):
+            return name == self.own_manifest
+        return name.endswith(f"-rank{self.rank:03d}.parquet")
+
+    def _every_rank(self, action: Callable[[], None]) -> None:
+        """``action()`` on every rank, then every rank raises the first rank's DsvError (a
+        collective: no rank is left waiting for one that gave up)."""
+        problem = None
+        try:
+            action()
+        except DsvError as exc:
+            problem = exc
+        everyone = self._gather(problem)
+        problem = next((p for p in everyone if p is not None), None)
+        if problem is not None:
+            raise problem
+
     def run(self, encode: Callable[[], T],
             main_then_all: Callable[[Callable[[], None]], None] | None = None) -> T:
         """``encode()`` (the run, writing to the staging folder) between ``pull`` and
         ``finish``; a failed or stopped run leaves its committed parts in the store. Messages
         name the store, not the staging folder. ``main_then_all(action)``: runs ``pull`` on
-        the writing rank and raises its error on every rank (``run/ranks.Topology``); by
-        default ``pull`` simply runs."""
+        rank 0 and raises its error on every rank (``run/ranks.Topology``); by default
+        ``pull`` simply runs."""
         try:
             if main_then_all is None:
                 self.pull()
             else:
                 main_then_all(self.pull)
+            if self.sharded:
+                self._every_rank(self.pull_own)
             self.start()
             try:
                 summary = encode()
-            except BaseException:
-                self.abandon()
+            except BaseException as exc:
+                self.abandon(quiet=isinstance(exc, storage.StoreDown))
                 raise
             self.finish()
         except BaseException as exc:
+            if isinstance(exc, storage.StoreDown):
+                exc.keep(self._kept_parts(), self.parts_url)
             if exc.args and isinstance(exc.args[0], str):
                 exc.args = (self.translate(exc.args[0]), *exc.args[1:])
             raise
@@ -160,7 +209,7 @@ class RemoteOutput:
             if "/" not in obj.key and MANIFEST_FILE.fullmatch(obj.key):
                 self._download(obj, self.local_parts / obj.key)
             elif "/" not in obj.key and PART_FILE.fullmatch(obj.key):
-                if self.resume:
+                if self.resume and self._mine(obj.key):
                     self._download(obj, self.local_parts / obj.key)
                     self._uploaded[obj.key] = _local_id(self.local_parts / obj.key)
                 else:  # an empty stand-in: the local checks see the name
@@ -168,10 +217,40 @@ class RemoteOutput:
             elif not first.startswith("."):
                 (self.local_parts / first).touch()  # foreign: the local checks name it
         for path in self.local_parts.iterdir():
-            if MANIFEST_FILE.fullmatch(path.name):
+            if MANIFEST_FILE.fullmatch(path.name) and self._mine(path.name):
                 self._manifests[path.name] = path.read_bytes()
                 if self.overwrite:
                     self._replaced.add(path.name)
+        if self.sharded and self.overwrite:
+            # Before any rank uploads a part, the manifests that list other ranks' parts go
+            # (the merged one, those of ranks this run does not have): none may list a part
+            # object that its rank replaces meanwhile. Each rank replaces its own manifest.
+            for obj in objects:
+                rank = _manifest_rank(obj.key)
+                if MANIFEST_FILE.fullmatch(obj.key) and (
+                        rank is None or rank >= self.world_size):
+                    _delete(obj.url)
+
+    def pull_own(self) -> None:
+        """--shard-output, every rank but 0 (whose ``pull`` did it): bring this rank's own
+        manifest into its staging folder, and with ``--resume`` its own parts."""
+        if self.is_main:
+            return
+        try:
+            objects = [o for o in storage.list_files(self.parts_url)
+                       if "/" not in o.key and self._mine(o.key)]
+        except OSError as exc:
+            raise storage.setup_error(self.url, exc) from None
+        self.local_parts.mkdir(parents=True, exist_ok=True)
+        for obj in objects:
+            if MANIFEST_FILE.fullmatch(obj.key):
+                self._download(obj, self.local_parts / obj.key)
+                self._manifests[obj.key] = (self.local_parts / obj.key).read_bytes()
+                if self.overwrite:
+                    self._replaced.add(obj.key)
+            elif PART_FILE.fullmatch(obj.key) and self.resume:
+                self._download(obj, self.local_parts / obj.key)
+                self._uploaded[obj.key] = _local_id(self.local_parts / obj.key)
 
     def _check_not_inputs(self) -> None:
         for raw in self.inputs:
@@ -267,7 +346,7 @@ class RemoteOutput:
             if not self.local_parts.is_dir():
                 return
             for manifest in sorted(self.local_parts.iterdir()):
-                if not MANIFEST_FILE.fullmatch(manifest.name):
+                if not MANIFEST_FILE.fullmatch(manifest.name) or not self._mine(manifest.name):
                     continue
                 try:
                     content = manifest.read_bytes()
@@ -304,14 +383,22 @@ class RemoteOutput:
 
     def finish(self) -> None:
         """The run succeeded: upload what is left (the final file as one object), then delete
-        the store's parts that are no longer part of the output."""
+        the store's parts that are no longer part of the output. Sharded: every rank uploads
+        its own, then (once all have) rank 0 the merged manifest."""
         self._stop_loop()
         if not self.writer:
             return
         try:
-            if self.folder_mode:
+            if self.sharded:
+                self._every_rank(self._sync_or_fail)
+                if self.is_main:
+                    merged = self.local_parts / MANIFEST_NAME
+                    storage.upload(storage.join(self.parts_url, MANIFEST_NAME),
+                                   merged.read_bytes())
+                    self._delete_unlisted([MANIFEST_NAME])
+            elif self.folder_mode:
                 self.sync()
-                self._delete_unlisted()
+                self._delete_unlisted(list(self._manifests))
             else:
                 storage.upload_file(self.local_out, self.url)
                 for obj in storage.list_files(self.parts_url):
@@ -320,11 +407,23 @@ class RemoteOutput:
                 self._release_lock()
                 storage.remove_empty_prefix(self.parts_url)
         except OSError as exc:
-            raise OutputError(storage.describe(self.url, exc)) from None
+            raise self._failure(exc) from None
 
-    def abandon(self) -> None:
+    def _sync_or_fail(self) -> None:
+        try:
+            self.sync()
+        except OSError as exc:
+            raise self._failure(exc) from None
+
+    def _failure(self, exc: OSError) -> DsvError:
+        """The one-line error of a failed call to the store."""
+        down = storage.down_error(self.url, exc)
+        return down if down is not None else OutputError(storage.describe(self.url, exc))
+
+    def abandon(self, quiet: bool = False) -> None:
         """The run failed or was stopped: its committed parts go to the store (for
-        ``--resume``); a manifest that the run removed locally (nothing committed) goes too."""
+        ``--resume``); a manifest that the run removed locally (nothing committed) goes too.
+        ``quiet``: the store is down (the run's one line says so); nothing more is said."""
         self._stop_loop()
         if not self.writer:
             return
@@ -334,11 +433,23 @@ class RemoteOutput:
                 if not (self.local_parts / name).exists():
                     _delete(storage.join(self.parts_url, name))
         except OSError as exc:
-            log.error("%s", storage.describe(self.parts_url, exc))
+            if not quiet:
+                log.error("%s", storage.describe(self.parts_url, exc))
 
-    def _delete_unlisted(self) -> None:
-        """Part objects no manifest lists (an earlier run's, replaced by this one's)."""
-        listed = {part["file"] for name in self._manifests
+    def _kept_parts(self) -> int:
+        """How many finished parts the store's manifests (this rank's) list."""
+        count = 0
+        for content in self._manifests.values():
+            try:
+                count += len(json.loads(content).get("parts", {}))
+            except (ValueError, AttributeError):
+                pass
+        return count
+
+    def _delete_unlisted(self, manifests: list[str]) -> None:
+        """Part objects none of ``manifests`` (local names) lists (an earlier run's, replaced
+        by this one's)."""
+        listed = {part["file"] for name in manifests
                   for part in (read_manifest(self.local_parts / name) or {"parts": {}})
                   ["parts"].values()}
         for obj in storage.list_files(self.parts_url):
@@ -351,6 +462,10 @@ class RemoteOutput:
         try:
             if self.writer:
                 self._release_lock()
+        except OSError as exc:  # the store is down (said already) or the lock goes stale
+            if storage.outage_cause(exc) is None:
+                log.warning("could not delete the lock object %s (%s)", self._lock_url(),
+                            storage.describe(self._lock_url(), exc))
         finally:
             shutil.rmtree(self.staging, ignore_errors=True)
 
@@ -358,6 +473,12 @@ class RemoteOutput:
         """A message about the staging folder, told about the store instead."""
         text = text.replace(str(self.local_parts), self.parts_url)
         return text.replace(str(self.local_out), self.url)
+
+
+def _manifest_rank(name: str) -> int | None:
+    """The rank of a rank's manifest name (``_manifest-rank001.json``), else None."""
+    match = re.fullmatch(r"_manifest-rank(\d{3})\.json", name)
+    return None if match is None else int(match.group(1))
 
 
 def _local_id(path: Path) -> tuple[int, int]:

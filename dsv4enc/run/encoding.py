@@ -8,6 +8,7 @@ from typing import Iterator, Sequence
 
 import torch
 
+from .. import storage
 from ..engine.batching import BatchLoop
 from ..images.decode import Decoded, DecodeStream, patches_tensor
 from ..engine.engine import Engine
@@ -106,10 +107,19 @@ class PartEncoder:
 
     def _stop_agreed(self) -> bool:
         """Whether any rank was signalled; also brings every rank's progress to rank 0 (the
-        same collective, so progress costs no extra round trip per batch)."""
-        reports = self._gather_progress(self.stop.signum)
+        same collective, so progress costs no extra round trip per batch). A store that is
+        down on any rank (``storage.check_stores``) stops every rank with its error."""
+        try:
+            storage.check_stores()
+            down = None
+        except storage.StoreDown as exc:
+            down = exc
+        reports = self._gather_progress(self.stop.signum, down)
         self._show_progress(reports)
-        signums = [signum for signum, _ in reports if signum is not None]
+        problem = next((exc for _, _, exc in reports if exc is not None), None)
+        if problem is not None:
+            raise problem
+        signums = [signum for signum, _, _ in reports if signum is not None]
         if signums and self.stop.signum is None:
             self.stop.signum = signums[0]
         return bool(signums)
@@ -123,13 +133,16 @@ class PartEncoder:
             else:
                 self._pending[2] += 1
 
-    def _gather_progress(self, signum: int | None) -> list[tuple[int | None, list[int]]]:
-        """(signal, progress not yet shown) of every rank; this rank's alone without torchrun."""
+    def _gather_progress(self, signum: int | None, problem: Exception | None = None,
+                         ) -> list[tuple[int | None, list[int], Exception | None]]:
+        """(signal, progress not yet shown, problem) of every rank; this rank's alone
+        without torchrun."""
         pending, self._pending = self._pending, [0, 0, 0, 0]
-        return self.ranks.agree_on_stop(signum, pending)
+        return self.ranks.agree_on_stop(signum, pending, problem)
 
-    def _show_progress(self, reports: list[tuple[int | None, list[int]]]) -> None:
-        images, tokens, failed, dropped = (sum(counts[k] for _, counts in reports)
+    def _show_progress(self, reports: list[tuple[int | None, list[int], Exception | None]],
+                       ) -> None:
+        images, tokens, failed, dropped = (sum(counts[k] for _, counts, _ in reports)
                                            for k in range(4))
         if images:
             self.progress.advance(images, tokens, failed, dropped)
@@ -165,9 +178,15 @@ class PartEncoder:
         rows: dict[int, Row] = {}
         ready: list[tuple[int, Decoded]] = []
         began = time.perf_counter()
+        alone = self.ranks.dist is None
         for expected in batch:
             index, result = self._next_decoded(decoded)
             assert index == expected, "decode stream out of step with the plan"
+            path = planned[index].item.path
+            if storage.is_url(path):  # what the decoder found, for the store's health
+                storage.note_row(path, result.error, result.unavailable_since)
+                if alone:  # one process stops at once; ranks agree after the batch
+                    storage.check_stores()
             if result.error is not None:
                 rows[index] = _error_row(planned[index], result.error)
                 if self._counts_encoded:

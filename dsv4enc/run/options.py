@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from ..engine.defaults import DEFAULT_MAX_IMAGES
 from ..errors import UsageError
 from ..images.formats import DEFAULT_DECODE_TIMEOUT_S, DEFAULT_MAX_PIXELS
+from ..storage import OUTAGE_S
 
 COLLECTIVE_TIMEOUT_S = 300.0  # --timeout: how long a collective waits for a peer rank
 COMMIT_EVERY_S = 30.0  # --commit-every: seconds of encoding before finished work is committed
@@ -54,6 +55,8 @@ class EncodeOptions:
     commit_every: float = COMMIT_EVERY_S
     progress: bool = True
     log_every: float = LOG_EVERY_S
+    # how long every call to an object store may fail before the run stops (storage.py)
+    storage_outage_s: float = OUTAGE_S
 
 
 def validate(opts: EncodeOptions) -> None:
@@ -89,6 +92,8 @@ def validate(opts: EncodeOptions) -> None:
         raise UsageError(f"--log-every must be positive, got {opts.log_every}")
     if opts.commit_every <= 0:
         raise UsageError(f"--commit-every must be positive, got {opts.commit_every}")
+    if not opts.storage_outage_s > 0:
+        raise UsageError(f"--storage-outage-s must be positive, got {opts.storage_outage_s:g}")
     if opts.decode_timeout <= 0 or opts.timeout <= 0:
         raise UsageError("timeouts must be positive")
     if opts.shard_output and opts.tp_mode == "weights":

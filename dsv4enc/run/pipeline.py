@@ -16,6 +16,7 @@ from dataclasses import replace
 
 import torch
 
+from .. import storage
 from ..version import __version__
 from ..engine.factory import build_engine
 from ..tower.checkpoint import Checkpoint, load_checkpoint, random_checkpoint
@@ -137,18 +138,21 @@ def run_encode(opts: EncodeOptions, dist=None, setup: RunSetup | None = None,
     layout = remote = None
     setup = setup if setup is not None else RunSetup()
     try:
+        storage.set_outage_s(opts.storage_outage_s)
         # An object storage --out is built in a local staging folder and mirrored to the store
-        remote = RemoteOutput.for_out(opts.out, writer=dist is None or dist.is_main,
-                                      inputs=opts.inputs, resume=opts.resume,
-                                      overwrite=opts.overwrite, shard_output=opts.shard_output)
+        ranks = Topology(dist, opts.shard_output)
+        remote = RemoteOutput.for_out(opts.out, writer=ranks.writes, inputs=opts.inputs,
+                                      resume=opts.resume, overwrite=opts.overwrite,
+                                      shard_output=opts.shard_output, rank=ranks.rank,
+                                      world_size=ranks.world_size, gather=ranks.gather)
         if remote is not None:
             opts = replace(opts, out=remote.staged_out)
         layout = OutputLayout(opts.out, opts.shard_output)
         if remote is not None:
-            return remote.run(lambda: _run_encode(opts, dist, setup, stop, layout, stand_in,
-                                                  local=False),
-                              Topology(dist).main_then_all)
-        return _run_encode(opts, dist, setup, stop, layout, stand_in)
+            summary = remote.run(lambda: _run_encode(opts, dist, setup, stop, layout, stand_in,
+                                                     local=False), ranks.main_then_all)
+        else:
+            summary = _run_encode(opts, dist, setup, stop, layout, stand_in)
     finally:
         if layout is not None:
             layout.release()  # the output's lock, held from its checks to the end
@@ -158,12 +162,14 @@ def run_encode(opts: EncodeOptions, dist=None, setup: RunSetup | None = None,
         if own_stop:
             stop.restore()
         setup.close()
+    summary.seconds = time.perf_counter() - setup.started  # the decode workers' exit too
+    return summary
 
 
 def _run_encode(opts: EncodeOptions, dist, setup: RunSetup, stop: StopSignals,
                 layout: OutputLayout, stand_in=None, local: bool = True) -> RunSummary:
     """``local``: ``--out`` is a local path (not the staging of an object storage one)."""
-    started = setup.started if setup.found is not None else time.perf_counter()
+    started = setup.started  # the caller's start (the CLI's: the process's), else now
     validate(opts)
     device = resolve_device(opts.device, dist.device if dist is not None else None)
     dtype = resolve_dtype(opts.dtype, device)
@@ -186,6 +192,7 @@ def _run_encode(opts: EncodeOptions, dist, setup: RunSetup, stop: StopSignals,
     summary = RunSummary(out=str(opts.out), skipped=found.skipped,
                          unlisted=len(found.unlisted))
     setup.decode_pool(cfg, device.type, opts)  # spawned now unless early: workers start meanwhile
+    store = None
     try:
         stop.immediate = dist is None
         stop.check()
@@ -197,6 +204,7 @@ def _run_encode(opts: EncodeOptions, dist, setup: RunSetup, stop: StopSignals,
                                     announce=progress.status)
             if dist is None and stop.signum is not None:
                 raise Interrupted(stop.signum, "nothing was encoded; rerun the same command")
+            summary.count_misnamed(planned)
             part_images = images_per_part(cfg, opts)
             settings = run_settings(ckpt, opts, dtype, part_images, engine)
             if ranks.shard_output:
@@ -226,6 +234,12 @@ def _run_encode(opts: EncodeOptions, dist, setup: RunSetup, stop: StopSignals,
                 _encode_parts(engine, runner, setup, todo, writer, store, layout, summary,
                               progress, stop)
                 stop.check()
+                # A store that failed its last calls made rows of outages (transient): the
+                # run is not complete while it does not answer
+                failing = [exc for exc in ranks.gather(storage.failing_store(give_up=True))
+                           if exc is not None]
+                if failing:
+                    raise failing[0]
                 ranks.barrier()
                 _finish_output(assembler, store, layout, ranks, engine, summary, progress, stop)
             except BaseException:
@@ -233,6 +247,8 @@ def _run_encode(opts: EncodeOptions, dist, setup: RunSetup, stop: StopSignals,
                     assembler.abort()  # idempotent; the final file never appears half-written
                 raise
     except (DsvError, Interrupted) as exc:
+        if isinstance(exc, storage.StoreDown) and store is not None and local:
+            exc.keep(len(store.parts), str(layout.parts_dir))
         if ranks.is_main:
             layout.discard_if_empty()  # so that a corrected rerun is not told to --resume
         if isinstance(exc, Interrupted):  # what was done, for --summary-json

@@ -48,7 +48,8 @@ def read_headers(items: Sequence[InputItem], cfg: VisionConfig, max_pixels: int,
     planned = []
     for index, item in enumerate(items):
         probe = by_index[index]
-        entry = Planned(item, probe.width, probe.height, error=probe.error)
+        entry = Planned(item, probe.width, probe.height, error=probe.error,
+                        misnamed=probe.misnamed)
         if probe.error is None:
             try:
                 canvas = plan_canvas(probe.width, probe.height, cfg)

@@ -129,7 +129,7 @@ class RunProgress:
         if self._ticker is not None:
             self._ticker.join()
             self._ticker = None
-            if self._lines and self._counting:  # where the log's progress ended
+            if self._counting:  # where the log's progress ended (a short run's only line)
                 self._print(self.snapshot().line())
         if self._progress is not None:
             self._refresh()

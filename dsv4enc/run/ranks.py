@@ -139,10 +139,12 @@ class Topology:
         return names_of({r for todo_ranges, _ in everyone for r in todo_ranges}), problem
 
     def agree_on_stop(self, signum: int | None, progress: list[int],
-                      ) -> list[tuple[int | None, list[int]]]:
-        """(signal, progress not yet shown) of every rank: one collective per batch both
-        agrees on stopping and brings every rank's progress to rank 0."""
-        return self.gather((signum, progress))
+                      problem: Exception | None = None,
+                      ) -> list[tuple[int | None, list[int], Exception | None]]:
+        """(signal, progress not yet shown, problem) of every rank: one collective per batch
+        agrees on stopping (a signal, or a problem such as a store that is down: every rank
+        raises it) and brings every rank's progress to rank 0."""
+        return self.gather((signum, progress, problem))
 
     def exchange_rows(self, local: dict[int, Any], width: int, pooled: bool,
                       empty_dtype) -> dict[int, Any]:

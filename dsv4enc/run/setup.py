@@ -55,7 +55,9 @@ class RunSetup:
 
     found: Discovery | None = None
     device_type: str | None = None  # "cpu" (certain), "cuda" (likely) or None (unknown)
-    started: float = field(default_factory=time.perf_counter)  # the run's clock starts here
+    # The run's clock (``time.perf_counter``) starts here: when the set-up was made, or what
+    # its maker says (the command line: when the process started).
+    started: float = field(default_factory=time.perf_counter)
     cfg: VisionConfig | None = None
     batch_tokens: int | None = None  # what the batches were planned with
     planned: list[Planned] | None = None

@@ -32,6 +32,8 @@ class RunSummary:
     failed: int = 0
     skipped: int = 0
     unlisted: int = 0  # folders that could not be listed (their images are missing)
+    misnamed: int = 0  # images whose name says another format (read as what they are)
+    misnamed_example: str = ""  # the first of them, e.g. "a.png is JPEG"
     reused: int = 0
     seconds: float = 0.0
     tokens: int = 0
@@ -48,13 +50,22 @@ class RunSummary:
 
     @property
     def images_per_s(self) -> float:
-        """Images finished (encoded or failed) per second of the encoding loop."""
-        return (self.encoded + self.failed) / self.encode_s if self.encode_s else 0.0
+        """Images finished (encoded or failed) per second of the encoding loop; 0 when none
+        was encoded (failures alone are no rate)."""
+        if not self.encode_s or not self.encoded:
+            return 0.0
+        return (self.encoded + self.failed) / self.encode_s
 
     @property
     def tokens_per_s(self) -> float:
         """ViT tokens encoded per second of the encoding loop."""
         return self.tokens / self.encode_s if self.encode_s else 0.0
+
+    def count_misnamed(self, planned) -> None:
+        """Count the planned images whose name says another format than their content."""
+        odd = [entry for entry in planned if entry.misnamed and entry.error is None]
+        self.misnamed = len(odd)
+        self.misnamed_example = f"{odd[0].item.key} is {odd[0].misnamed}" if odd else ""
 
     def add_error(self, message: str, path: str, count: int = 1) -> None:
         """Count a failed image under its message, the paths in it elided."""
@@ -87,10 +98,17 @@ def print_summary(summary) -> None:
     if getattr(s, "unlisted", 0):
         table.add_row("folders not listed", f"{s.unlisted} (their images are missing; see the "
                       "lines above)")
+    if getattr(s, "misnamed", 0):
+        table.add_row("misnamed", escape(
+            f"{s.misnamed} image{'s' if s.misnamed != 1 else ''} whose name says another "
+            f"format, read as what {'they are' if s.misnamed != 1 else 'it is'} "
+            f"(e.g. {s.misnamed_example})"))
     if s.reused:
         table.add_row("reused from earlier run", str(s.reused))
     table.add_row("wall time", f"{s.seconds:.1f}s (the whole run, start-up included)")
-    if s.encode_s:
+    if s.encode_s and not s.encoded:
+        table.add_row("encoding loop", f"{s.encode_s:.1f}s: nothing was encoded")
+    elif s.encode_s:
         busy = min(1.0, s.model_s / s.encode_s)
         table.add_row("encoding loop", f"{s.encode_s:.1f}s: {s.images_per_s:.1f} img/s, "
                       f"{s.tokens_per_s:,.0f} tokens/s (model busy {100 * busy:.0f}%)")
@@ -103,6 +121,11 @@ def print_summary(summary) -> None:
         table.add_row("rank loads", f"{loads} (imbalance {max(s.rank_loads) / mean if mean else 1:.3f})")
     for message, count, example in top_errors(s):
         table.add_row("error", escape(f"{count} x {message} (e.g. {example})"))
+    more = len(s.errors) - TOP_ERRORS
+    if more > 0:
+        rest = sum(sorted(s.errors.values(), reverse=True)[TOP_ERRORS:])
+        table.add_row("", f"and {more} more kind{'s' if more != 1 else ''} of error "
+                      f"({rest} image{'s' if rest != 1 else ''}); --summary-json lists them all")
     stderr_console.print(table)
 
 
@@ -118,7 +141,9 @@ def summary_dict(summary, status: str = "completed", exit_code: int = 0) -> dict
     return {
         "status": status, "exit_code": exit_code, "output": s.out,
         "images": {"encoded": s.encoded, "failed": s.failed, "skipped_not_images": s.skipped,
-                   "reused": s.reused, "folders_not_listed": getattr(s, "unlisted", 0)},
+                   "reused": s.reused, "folders_not_listed": getattr(s, "unlisted", 0),
+                   "misnamed": getattr(s, "misnamed", 0)},
+        "misnamed_example": getattr(s, "misnamed_example", ""),
         "tokens": s.tokens,
         "failures": {
             "by_type": by_type,

@@ -1,0 +1,305 @@
+"""A store that stops answering: the run ends within a bound that the retry policy sets, with
+one line and a non-zero exit, and ``--resume`` finishes once the store is back.
+
+The health record (``storage.StoreHealth``) is tested on a clock of the test's own; the runs
+stop a real S3-compatible server of their own (``s3_outage``, tests/objectstore.py) at a
+pause point, never at a moment picked by timing."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from contextlib import suppress
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+from typer.testing import CliRunner
+
+from dsv4enc import storage
+from dsv4enc.images import decode
+from dsv4enc.cli import app
+from dsv4enc.output.parts import TRANSIENT_ERRORS
+
+from helpers import CONFIGS, REPO_ROOT, Pauses
+
+runner = CliRunner()
+STORE = "s3://a-bucket"
+HANG_GUARD_S = 600  # turns a hung run into a failure; no speed is assumed below it
+
+
+class Clock:
+    """The storage module's clock and sleeps, for a test: time passes only when told."""
+
+    def __init__(self) -> None:
+        self.now = 1_000_000.0
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+
+    def wall(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def clock(monkeypatch) -> Clock:
+    clock = Clock()
+    monkeypatch.setattr(storage, "time", type("T", (), {"sleep": staticmethod(clock.sleep)}))
+    monkeypatch.setattr(storage, "_wall", clock.wall)
+    monkeypatch.delenv("DSV4ENC_STORAGE_OUTAGE_S", raising=False)
+    storage.reset_health()
+    yield clock
+    storage.reset_health()
+
+
+def refused() -> None:
+    raise OSError("When reading information for key 'k' in bucket 'b': AWS Error "
+                  "NETWORK_CONNECTION during HeadObject operation: curlCode: 7, Could not "
+                  "connect to server")
+
+
+# --------------------------------------------------------------------------- the policy
+
+def test_the_stop_bound_comes_from_the_retry_policy():
+    attempt = storage.SDK_ATTEMPTS * (storage.CONNECT_TIMEOUT_S + storage.REQUEST_TIMEOUT_S
+                                      + storage.SDK_SLACK_S)
+    assert storage.attempt_bound_s({}) == attempt
+    bound = storage.stop_bound_s(storage.OUTAGE_S, {})
+    assert bound == storage.OUTAGE_S + 3 * attempt
+    assert storage.OUTAGE_S <= bound <= 120  # "a minute or two at most" with the defaults
+    # the store's own time limits (--storage-option) move it
+    assert storage.stop_bound_s(10.0, {"connect_timeout": 2, "request_timeout": 10}) == \
+        10.0 + 3 * storage.SDK_ATTEMPTS * (2 + 10 + storage.SDK_SLACK_S)
+    shown = runner.invoke(app, ["encode", "--help"], env={"COLUMNS": "250"},
+                          terminal_width=250).output
+    text = " ".join(shown.replace("│", " ").split())
+    assert "--storage-outage-s" in text
+    assert f"{storage.stop_bound_s(0.0, {}):g} s of the store's last answer" in text
+    assert f"{bound:g} s by default" in text
+
+
+def test_outage_causes():
+    assert storage.outage_cause(OSError("... curlCode: 7, Could not connect to server")) == \
+        "connection refused"
+    assert storage.outage_cause(ConnectionRefusedError()) == "connection refused"
+    assert storage.outage_cause(OSError("AWS Error NETWORK_CONNECTION during GetObject "
+                                        "operation: curlCode: 28, Timeout was reached")) == \
+        "timed out"
+    assert storage.outage_cause(OSError("When reading 'k': AWS Error UNKNOWN (HTTP status "
+                                        "503) during GetObject operation")) == \
+        "server error (HTTP 503)"
+    assert storage.outage_cause(ConnectionResetError("reset by peer")) == "connection lost"
+    # answers, however unwelcome: not an outage
+    assert storage.outage_cause(FileNotFoundError("s3://b/k: no such object")) is None
+    assert storage.outage_cause(OSError("AWS Error ACCESS_DENIED during GetObject")) is None
+    assert storage.outage_cause(OSError("AWS Error INVALID_ARGUMENT: bad range")) is None
+
+
+def test_a_store_that_keeps_failing_is_down_after_the_outage_time(clock):
+    storage.set_outage_s(10.0)
+    calls: list[float] = []
+
+    def failing() -> None:
+        calls.append(clock.now)
+        refused()
+
+    with pytest.raises(storage.StoreUnavailable) as info:
+        storage.retrying(failing, store=STORE)
+    assert len(calls) == storage.ATTEMPTS  # every retry spent first
+    assert str(info.value) == f"{storage.UNAVAILABLE}: {STORE}: connection refused"
+    assert info.value.since == calls[0]
+    storage.check_stores()  # failing for less than --storage-outage-s: not down
+    assert storage.failing_store() is not None
+    assert storage.retrying(lambda: "ok", store=STORE) == "ok"  # an answer clears it
+    assert storage.failing_store() is None
+    with pytest.raises(FileNotFoundError):  # a missing object is an answer, not an outage
+        storage.retrying(lambda: (_ for _ in ()).throw(FileNotFoundError("gone")), store=STORE)
+    assert storage.failing_store() is None
+
+    with pytest.raises(storage.StoreUnavailable):
+        storage.retrying(failing, store=STORE)
+    clock.now = calls[-storage.ATTEMPTS] + 10.0
+    with pytest.raises(storage.StoreDown) as down:
+        storage.check_stores()
+    line = str(down.value)
+    assert line.startswith(f"{STORE}: the store stopped answering (connection refused) for "
+                           "10 s;") and "--resume" in line and "\n" not in line
+    down.value.keep(3, f"{STORE}/out")
+    assert str(down.value).endswith(f"3 finished parts are kept in {STORE}/out; rerun with "
+                                    "--resume when it is back")
+    made = len(calls)
+    with pytest.raises(storage.StoreUnavailable):  # down: at once, no attempt, no sleep
+        storage.retrying(failing, store=STORE)
+    assert len(calls) == made and clock.now == calls[-storage.ATTEMPTS] + 10.0
+    clock.now += 10.0  # once per --storage-outage-s one attempt goes through: it is back
+    assert storage.retrying(lambda: "back", store=STORE) == "back"
+    storage.check_stores()
+    assert storage.failing_store() is None
+
+
+def test_the_bound_holds_when_every_attempt_takes_the_longest(clock):
+    """Each attempt times out as late as the policy allows; calls are made back to back, as
+    the run's threads do. The run's check finds the store down, and the clean-up's calls
+    fail at once, within ``stop_bound_s``."""
+    attempt = storage.attempt_bound_s({})
+
+    def timing_out() -> None:
+        clock.now += attempt
+        raise OSError("AWS Error NETWORK_CONNECTION: curlCode: 28, Timeout was reached")
+
+    stopped = clock.now  # the store's last answer
+    while True:
+        try:
+            storage.check_stores()
+        except storage.StoreDown:
+            break
+        with suppress(storage.StoreUnavailable):
+            storage.retrying(timing_out, store=STORE)
+        assert clock.now - stopped < 10 * storage.stop_bound_s(), "never found down"
+    for _ in range(3):  # the clean-up: abandon's sync, its manifest, the lock object
+        with pytest.raises(storage.StoreUnavailable):
+            storage.retrying(timing_out, store=STORE)
+    assert clock.now - stopped <= storage.stop_bound_s(storage.OUTAGE_S, {})
+
+
+def test_outage_rows_are_transient_and_a_missing_object_is_not(clock):
+    url = f"{STORE}/img/a.jpg"
+    error, since = decode.read_failure(storage.StoreUnavailable(STORE, "timed out", 5.0), url)
+    assert error == f"{storage.UNAVAILABLE}: {STORE}: timed out" and since == 5.0
+    assert error.startswith(TRANSIENT_ERRORS)
+    # a read of an object already open fails on an outage (not retried): transient too,
+    # and the store's health record knows it
+    error, since = decode.read_failure(OSError("curlCode: 56, Failure when receiving data"),
+                                       url)
+    assert error.startswith(TRANSIENT_ERRORS) and since == clock.now
+    assert storage.failing_store() is not None
+    error, since = decode.read_failure(FileNotFoundError(f"{url}: no such object"), url)
+    assert error == f"FileNotFoundError: {url}: no such object" and since is None
+    assert not error.startswith(TRANSIENT_ERRORS)
+    # what decode workers report feeds the collecting process's record
+    storage.reset_health()
+    storage.note_row(url, f"{storage.UNAVAILABLE}: {STORE}: timed out", since=clock.now - 70)
+    with pytest.raises(storage.StoreDown, match="timed out"):
+        storage.check_stores()
+    storage.note_row(url, None)
+    storage.check_stores()
+
+
+def test_store_down_crosses_ranks_whole():
+    import pickle
+
+    exc = storage.StoreDown(STORE, "connection refused", 61.0)
+    exc.keep(2, f"{STORE}/o")
+    again = pickle.loads(pickle.dumps(exc))
+    assert str(again) == str(exc) and again.store == STORE and again.kept == exc.kept
+
+
+# --------------------------------------------------------------------------- stopping a server
+
+TINY = ["--config", str(CONFIGS / "tiny.json"), "--random-init", "--device", "cpu",
+        "--part-images", "3", "--batch-tokens", "1500"]
+
+
+def noise_images(s3, prefix: str, count: int, tmp_path: Path) -> tuple[Path, str]:
+    """``count`` small noise PNGs in ``tmp_path/prefix`` and under the bucket's prefix."""
+    from PIL import Image
+
+    rng = np.random.default_rng(1)
+    folder = tmp_path / prefix
+    folder.mkdir()
+    for i in range(count):
+        path = folder / f"img{i:03d}.png"
+        Image.fromarray(rng.integers(0, 256, (12 + i % 5, 16 + i % 7, 3),
+                                     dtype=np.uint8)).save(path)
+        s3.put(f"{prefix}/{path.name}", path.read_bytes())
+    return folder, f"{s3.url}/{prefix}/"
+
+
+def manifest_parts(s3, key: str) -> dict:
+    try:
+        return json.loads(s3.get(key))["parts"]
+    except Exception:  # not uploaded yet
+        return {}
+
+
+def output_rows(s3, out: str, tmp_path: Path) -> list[dict]:
+    """The rows of an output, local or in the bucket (its objects mirrored first)."""
+    if not storage.is_url(out):
+        return pq.read_table(out).to_pylist()
+    prefix = out.split("://", 1)[1].split("/", 1)[1]
+    mirror = tmp_path / "mirror"
+    mirror.mkdir()
+    for key in s3.keys(prefix):
+        name = key[len(prefix):]
+        assert "/" not in name and ".dsv4enc.lock" != name, s3.keys(prefix)
+        (mirror / name).write_bytes(s3.get(key))
+    return [row for part in sorted(mirror.glob("*.parquet"))
+            for row in pq.read_table(part).to_pylist()]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("where", ["output", "inputs", "both"])
+def test_a_store_that_stops_answering_ends_the_run_and_resume_finishes(s3_outage, tmp_path,
+                                                                        where):
+    """The server stops once the first part is committed (and, for an output in the bucket,
+    uploaded): the run ends with one line naming the store and the cause and exit 1, no
+    traceback. With the server back on its port, --resume finishes: every image once, the
+    rows of a clean run."""
+    s3 = s3_outage
+    total = 90
+    folder, url = noise_images(s3, "in", total, tmp_path)
+    inputs = url if where in ("inputs", "both") else str(folder)
+    out = f"{s3.url}/out/" if where in ("output", "both") else str(tmp_path / "o.parquet")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT)}
+    env.pop("DSV4ENC_WEIGHTS", None)
+    pauses = Pauses(tmp_path / "pauses", "commit")
+    began = time.monotonic()
+    proc = subprocess.Popen([sys.executable, "-m", "dsv4enc", "encode", inputs, "--out", out,
+                             *TINY, "--workers", "1", "-q", "--storage-outage-s", "2"],
+                            env=pauses.env(env), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        pauses.wait("commit", proc=proc, hang_guard_s=HANG_GUARD_S)
+        while storage.is_url(out) and not manifest_parts(s3, "out/_manifest.json"):
+            assert proc.poll() is None, proc.communicate()[1][-2000:]
+            assert time.monotonic() - began < HANG_GUARD_S, "the first part was never uploaded"
+            time.sleep(0.01)
+        s3.server.stop()
+        pauses.release()
+        _, stderr = proc.communicate(timeout=HANG_GUARD_S)
+    finally:
+        proc.kill()
+        proc.wait()
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert proc.returncode == 1 and len(lines) == 1 and "Traceback" not in stderr, stderr
+    line = lines[0]
+    assert re.match(rf"error: {re.escape(s3.url)}: the store stopped answering \(connection "
+                    r"refused\) for \d+ s; ", line), line
+    assert "rerun with --resume when it is back" in line, line
+    if storage.is_url(out):
+        assert f"kept in {s3.url}/out" in line and "staging" not in line, line
+
+    s3.server.start()
+    storage.configure(None)  # this process's view of the store starts afresh
+    summary = tmp_path / "s.json"
+    result = runner.invoke(app, ["encode", inputs, "--out", out, *TINY, "--workers", "1",
+                                 "-q", "--resume", "--summary-json", str(summary)])
+    assert result.exit_code == 0, result.output
+    reused = json.loads(summary.read_text())["images"]["reused"]
+    assert 0 < reused < total  # it stopped midway, and kept what it had finished
+    clean = tmp_path / "clean.parquet"
+    result = runner.invoke(app, ["encode", str(folder), "--out", str(clean), *TINY,
+                                 "--workers", "0", "-q"])
+    assert result.exit_code == 0, result.output
+    got = output_rows(s3, out, tmp_path)
+    want = pq.read_table(clean).to_pylist()
+    assert sorted(r["path"] for r in got) == [r["path"] for r in want]  # each image once
+    by_path = {r["path"]: r for r in got}
+    for row in want:
+        assert row["error"] is None and by_path[row["path"]]["error"] is None
+        assert by_path[row["path"]]["embedding"] == row["embedding"], row["path"]

@@ -145,6 +145,34 @@ def cycles(graph: dict[str, dict[str, str]], kinds: tuple[str, ...]) -> list[lis
     return sorted(found)
 
 
+def long_functions(package_dir: Path, limit: int = 100) -> list[tuple[str, int]]:
+    """Functions (and methods) longer than ``limit`` lines, with their lengths."""
+    found = []
+    for path in sorted(package_dir.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > limit:
+                    found.append((f"{_module_name(package_dir, path)}.{node.name}", lines))
+    return sorted(found)
+
+
+def private_imports(package_dir: Path, *others: Path) -> list[str]:
+    """``from X import _name`` where X is one of the package's modules other than the
+    importing file (``_name`` not a dunder), in the package and in ``others`` (tests)."""
+    found = []
+    for folder in (package_dir, *others):
+        for path in sorted(folder.rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.ImportFrom) and (
+                        node.level or (node.module or "").split(".")[0] == package_dir.name):
+                    for alias in node.names:
+                        if alias.name.startswith("_") and not alias.name.startswith("__"):
+                            found.append(f"{path.relative_to(folder.parent)}:{node.lineno} "
+                                         f"{'.' * node.level}{node.module or ''}.{alias.name}")
+    return found
+
+
 def main(argv: list[str]) -> int:
     package_dir = Path(argv[0]) if argv else Path(__file__).resolve().parents[1] / "dsv4enc"
     graph = import_graph(package_dir)
@@ -154,6 +182,13 @@ def main(argv: list[str]) -> int:
     arrows = sum(len(deps) for deps in graph.values())
     print(f"\nmodules: {len(graph)} ({sum('.' not in m for m in graph)} at the top), "
           f"arrows: {arrows}, floors: {floors(graph)}")
+    longest = long_functions(package_dir)
+    print(f"functions over 100 lines: {len(longest) or 'none'}"
+          + "".join(f"\n  {name} ({lines})" for name, lines in longest))
+    tests = package_dir.parent / "tests"
+    private = private_imports(package_dir, *([tests] if tests.is_dir() else []))
+    print(f"private cross-module imports: {len(private) or 'none'}"
+          + "".join(f"\n  {line}" for line in private))
     status = 0
     for title, kinds in (("imports that run", ("module", "local")),
                          ("with type-only imports", KINDS)):

@@ -30,6 +30,7 @@ from .tower.checkpoint import Checkpoint, load_checkpoint, random_checkpoint
 from .tower.config import VisionConfig
 from .images.formats import DEFAULT_MAX_PIXELS
 from .images.decode import decode_image, describe_error, patches_tensor
+from .engine.defaults import DEFAULT_MAX_IMAGES
 from .engine.device import resolve_device, resolve_dtype, resolve_out_dtype
 from .engine.batching import BatchLoop
 from .engine.engine import Engine, NonFiniteOutput
@@ -128,7 +129,7 @@ class Encoder:
     def __init__(self, checkpoint: Checkpoint, device: str | torch.device = "auto", *,
                  features: str = "aligner", pool: str = "none",
                  out_dtype: str | torch.dtype = torch.float32, batch_tokens: int | None = None,
-                 max_images: int = 64, decode_threads: int | None = None,
+                 max_images: int = DEFAULT_MAX_IMAGES, decode_threads: int | None = None,
                  max_pixels: int = DEFAULT_MAX_PIXELS, attention: str = "auto",
                  cuda_graphs: bool | None = None, deterministic: bool = True,
                  fused: bool = False) -> None:

@@ -387,7 +387,7 @@ def _own_process_settings(device: str, dist) -> None:
     from .process import own_process_settings
 
     try:
-        resolved = resolve_device(device, dist)
+        resolved = resolve_device(device, dist.device if dist is not None else None)
     except DsvError:
         return  # the run reports it, after checking the options in their order
     own_process_settings(resolved)
@@ -444,7 +444,7 @@ def bench(
     graphs: str = typer.Option("auto", "--graphs", help="Comma-separated: auto, on, off."),
     attention: str = typer.Option("auto", "--attention", help="auto, flash, varlen or sdpa."),
     features: str = typer.Option("aligner", "--features", help="aligner or vit."),
-    max_images: int = typer.Option(64, "--max-images", help="Images per batch at most."),
+    max_images: int = typer.Option(defaults.DEFAULT_MAX_IMAGES, "--max-images", help="Images per batch at most."),
     repeat: int = typer.Option(2, "--repeat", help="Rounds per measurement (best is kept)."),
     naive_images: Optional[int] = typer.Option(None, "--naive-images", help="Images for the "
                                                "naive one-at-a-time loop (default: all)."),

@@ -28,8 +28,8 @@ from dsv4enc.errors import DistributedError
 from dsv4enc.tower.model import rope_tables
 from dsv4enc.engine.packing import pack
 from dsv4enc.run.plan import assign_greedy, rank_row_counts
-from dsv4enc.run.dist import (apply_tensor_parallel, gather_rows, init_distributed,
-                              restore_order, shutdown)
+from dsv4enc.run.dist import gather_rows, init_distributed, restore_order, shutdown
+from dsv4enc.tower.tensor_parallel import apply_tensor_parallel
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 TIMEOUT_S = 2.0
@@ -113,7 +113,7 @@ def check_tensor_parallel(ctx) -> None:
     ckpt = random_checkpoint(cfg, seed=3)
     whole = build_tower(ckpt)
     shard = build_tower(ckpt)
-    assert apply_tensor_parallel(shard, ctx) is True
+    assert apply_tensor_parallel(shard, ctx.rank, ctx.world_size, ctx.all_reduce_sum) is True
     assert shard.vision.blocks[0].attn.wqkv.weight.shape == (3 * cfg.dim // 2, cfg.dim)
     for features in ("aligner", "vit"):
         inputs = packed_inputs(cfg, features)

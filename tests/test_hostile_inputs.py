@@ -36,7 +36,7 @@ from hypothesis import given, settings, strategies as st
 from PIL import Image
 from typer.testing import CliRunner
 
-from dsv4enc.run import plan as planning
+from dsv4enc.images import headers
 from dsv4enc.run import setup as prefetch
 from dsv4enc.tower.checkpoint import random_state_dict, save_checkpoint
 from dsv4enc.cli import app
@@ -830,11 +830,11 @@ def test_header_probes_are_bounded_in_time(tmp_path, monkeypatch):
             release.wait(60)
         return Probe(width=20, height=10)
 
-    monkeypatch.setattr(planning, "probe_image", probe)
+    monkeypatch.setattr(headers, "probe_image", probe)
     items = [InputItem(key=f"{name}.png", path=f"{name}.png")
              for name in ("a", "stuck", "b", "c")]
     began = time.monotonic()
-    probes = planning.probe_all(items, MAX_PIXELS, timeout_s=1.0, threads=2)
+    probes = headers.probe_all(items, MAX_PIXELS, timeout_s=1.0, threads=2)
     release.set()
     assert time.monotonic() - began < 30  # the stuck probe holds on for 60 s
     assert [p.error for p in probes] == [None, "header read timed out after 1s", None, None]

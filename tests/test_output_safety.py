@@ -36,7 +36,7 @@ from dsv4enc.output import parts as writer
 from dsv4enc.output.update import STAMPS_FILE
 from dsv4enc.cli import app
 from dsv4enc.errors import OutputError, UsageError
-from dsv4enc.output.layout import LOCK_NAME, OutputLock
+from dsv4enc.output.layout import LOCK_NAME
 from dsv4enc.run.pipeline import EncodeOptions, run_encode
 
 from helpers import CONFIGS, REPO_ROOT, Pauses, table_rows

@@ -27,7 +27,7 @@ import torch
 from PIL import Image
 from typer.testing import CliRunner
 
-from dsv4enc.run import plan as planning
+from dsv4enc.images import headers
 from dsv4enc.output.appending import GROWING_NAME
 from dsv4enc.cli import app
 from dsv4enc.images.decode import Probe
@@ -317,7 +317,7 @@ def test_a_signal_while_reading_headers_stops_within_seconds(tmp_path, monkeypat
         time.sleep(0.05)
         return Probe(width=20, height=20)
 
-    monkeypatch.setattr(planning, "probe_image", slow_probe)
+    monkeypatch.setattr(headers, "probe_image", slow_probe)
     out = tmp_path / "e.parquet"
     opts = options(tmp_path, out, inputs=[], files_from=str(listing))
     handler = signal.getsignal(signal.SIGTERM)
@@ -399,7 +399,7 @@ def phase_runs(images, tmp_path_factory) -> dict[str, PhaseRun]:
     many.write_text("".join(f"{root}/empty{i:05d}.png\n" for i in range(5000)))
     for i in range(5000):  # they exist (a list of missing paths is refused before headers)
         (root / f"empty{i:05d}.png").touch()
-    probe = "dsv4enc.run.plan:probe_image"
+    probe = "dsv4enc.images.headers:probe_image"
     runs = [
         PhaseRun(root, "discovery", signal.SIGINT, ["--files-from", str(fifo)]),
         PhaseRun(root, "header probes", signal.SIGTERM, [str(images)], probe),
@@ -407,7 +407,7 @@ def phase_runs(images, tmp_path_factory) -> dict[str, PhaseRun]:
                  probe),
         PhaseRun(root, "model loading", signal.SIGTERM, [str(images)],
                  "dsv4enc.run.pipeline:load_model"),
-        PhaseRun(root, "planning", signal.SIGINT, [str(images)], "dsv4enc.run.pipeline:plan_parts"),
+        PhaseRun(root, "planning", signal.SIGINT, [str(images)], "dsv4enc.run.setup:plan_parts"),
         PhaseRun(root, "assembling", signal.SIGTERM, [str(images)],
                  "dsv4enc.output.appending:AppendingStore.finish"),
     ]

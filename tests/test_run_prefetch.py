@@ -17,7 +17,10 @@ import pytest
 from dsv4enc.images.decode import DecodePool, decode_image
 from dsv4enc.run.options import EncodeOptions
 from dsv4enc.run.pipeline import run_encode
-from dsv4enc.run.plan import batch_order, images_per_part, plan_parts
+from collections import Counter
+
+import dsv4enc.run.setup as run_setup
+from dsv4enc.run.plan import decode_order, images_per_part, plan_batches, plan_parts, segment_tokens
 from dsv4enc.run.setup import RunSetup, start_prefetch
 
 from helpers import write_image
@@ -129,22 +132,80 @@ def test_a_prefetched_run_equals_a_plain_run(images, tmp_path, tiny_ckpt, tiny_c
     opts = replace(plain, out=str(tmp_path / "early.parquet"))
     prefetch = start_prefetch(opts)
     assert prefetch is not None and prefetch.pool is not None and prefetch.decoded is not None
-    assert prefetch.on_cpu
-    parts = plan_parts(prefetch.planned, images_per_part(tiny_cfg, opts))
-    assert prefetch.order == batch_order(prefetch.planned, parts, 256, 3)
+    assert prefetch.on_cpu and prefetch.early
+    parts = plan_parts(prefetch.planned, images_per_part(tiny_cfg, opts),
+                       segment_tokens=segment_tokens(256, "cpu"))
+    assert [p.name for p in prefetch.parts] == [p.name for p in parts]
+    assert prefetch.order == decode_order(plan_batches(prefetch.planned, parts, 256, 3))
     summary = run_encode(opts, None, prefetch)
     assert summary.encoded == len(SIZES) and summary.failed == 1
     assert prefetch.pool.workers == [] and prefetch.decoded is None  # closed by the run
     assert read(tmp_path / "early.parquet").equals(read(tmp_path / "plain.parquet"))
 
 
-def test_a_stream_in_another_order_is_dropped_not_trusted(images, tmp_path, tiny_ckpt):
+@pytest.fixture
+def counted(monkeypatch) -> Counter:
+    """Calls of the set-up's seams: discovery, the worker default, headers, parts, batches
+    (with the decode order) and the decode pool's ``imap``."""
+    counts: Counter = Counter()
+
+    def count(owner, name):
+        real = getattr(owner, name)
+
+        def counting(*args, **kwargs):
+            counts[name] += 1
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(owner, name, counting)
+
+    for name in ("discover", "default_workers", "read_headers", "plan_parts", "plan_batches",
+                 "decode_order"):
+        count(run_setup, name)
+    count(DecodePool, "imap")
+    return counts
+
+
+ONCE = {name: 1 for name in ("discover", "default_workers", "read_headers", "plan_parts",
+                             "plan_batches", "decode_order", "imap")}
+
+
+@pytest.mark.parametrize("early", ["planned", "inputs only", "none"])
+def test_discovery_plan_and_order_are_made_once(images, tmp_path, tiny_ckpt, counted, early):
+    """Whoever makes them first (the early start, else the run), the inputs are found, the
+    worker default computed, the headers read, the parts cut, the batches and decode order
+    planned and the stream started once each; the run uses what the early start made."""
+    plain = options(images, tmp_path / "plain.parquet", tiny_ckpt, workers=None)
+    run_encode(plain)
+    assert dict(counted) == ONCE
+    counted.clear()
+    opts = replace(plain, out=str(tmp_path / "o.parquet"))
+    setup = None
+    if early != "none":
+        setup = start_prefetch(opts if early == "planned" else replace(opts, resume=True))
+        assert setup.early == (early == "planned")
+    summary = run_encode(opts, None, setup)
+    assert summary.encoded == len(SIZES) and dict(counted) == ONCE
+    assert read(tmp_path / "o.parquet").equals(read(tmp_path / "plain.parquet"))
+
+
+def test_the_early_plan_is_used_as_it_is(images, tmp_path, tiny_ckpt, monkeypatch):
+    """Nothing the early start made is made again or compared: planning in the run
+    would fail here."""
     plain = options(images, tmp_path / "plain.parquet", tiny_ckpt)
     run_encode(plain)
     opts = replace(plain, out=str(tmp_path / "early.parquet"))
     prefetch = start_prefetch(opts)
-    prefetch.order = prefetch.order[::-1]  # as if planned with other batch settings
+    stream, parts = prefetch.decoded, prefetch.parts
+
+    def made_again(*args, **kwargs):
+        raise AssertionError("made again")
+
+    for name in ("discover", "read_headers", "plan_parts", "plan_batches", "decode_order"):
+        monkeypatch.setattr(run_setup, name, made_again)
+    monkeypatch.setattr(DecodePool, "imap", made_again)
+    monkeypatch.setattr(DecodePool, "__init__", made_again)
     run_encode(opts, None, prefetch)
+    assert prefetch.parts is parts and stream is not None and prefetch.decoded is None
     assert read(tmp_path / "early.parquet").equals(read(tmp_path / "plain.parquet"))
 
 

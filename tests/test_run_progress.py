@@ -20,7 +20,7 @@ from typer.testing import CliRunner
 from dsv4enc.cli import app
 from dsv4enc.run.progress import ProgressCounts, RunProgress, format_duration
 
-from helpers import REPO_ROOT, signal_after_first_part, write_image
+from helpers import signal_after_first_part, write_image
 
 runner = CliRunner()
 LINE = re.compile(r"^dsv4enc: images (\d+)/(\d+) \([\d.]+%\), tokens ([\d,]+)/([\d,]+), "

@@ -23,7 +23,8 @@ from dsv4enc.tower.config import VisionConfig
 from dsv4enc.errors import UsageError
 from dsv4enc.run.plan import (assign_greedy, cost_function, flops_cost, imbalance, patch_cost,
                               rank_loads, rank_row_counts)
-from dsv4enc.run.dist import DistContext, apply_tensor_parallel, init_distributed, restore_order
+from dsv4enc.run.dist import DistContext, init_distributed, restore_order
+from dsv4enc.tower.tensor_parallel import apply_tensor_parallel
 from dsv4enc.tower.transform import plan_canvas
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -154,7 +155,7 @@ def test_tensor_parallel_falls_back_when_not_divisible(heads, world, caplog):
     model = build_tower(random_checkpoint(cfg))
     before = _snapshot(model)
     with caplog.at_level(logging.WARNING, logger="dsv4enc.run.dist"):
-        assert apply_tensor_parallel(model, fake_ctx(0, world)) is False
+        assert apply_tensor_parallel(model, 0, world, lambda t: t) is False
     assert "heads" in caplog.text and "data parallel" in caplog.text
     after = model.state_dict()
     assert before.keys() == after.keys()
@@ -167,7 +168,7 @@ def test_tensor_parallel_falls_back_when_not_divisible(heads, world, caplog):
 def test_tensor_parallel_single_rank_is_a_no_op():
     model = build_tower(random_checkpoint(VisionConfig.from_file(ROOT / "configs" / "tiny.json")))
     before = _snapshot(model)
-    assert apply_tensor_parallel(model, fake_ctx(0, 1)) is False
+    assert apply_tensor_parallel(model, 0, 1, lambda t: t) is False
     assert all(torch.equal(before[n], t) for n, t in model.state_dict().items())
 
 

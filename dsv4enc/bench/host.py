@@ -30,7 +30,7 @@ import torch
 from ..tower.checkpoint import Checkpoint
 from ..tower.config import VisionConfig
 from ..engine.engine import EngineStats
-from ..engine.defaults import DEFAULT_BATCH_TOKENS
+from ..engine.defaults import DEFAULT_BATCH_TOKENS, DEFAULT_MAX_IMAGES
 from ..run.options import EncodeOptions, available_cpus, default_workers
 from ..engine.packing import PackedBatch
 
@@ -52,7 +52,7 @@ class NullEngine:
 
     def __init__(self, cfg: VisionConfig, features: str = "aligner",
                  out_dtype: torch.dtype = torch.float16, batch_tokens: int | None = None,
-                 max_images: int = 64) -> None:
+                 max_images: int = DEFAULT_MAX_IMAGES) -> None:
         self.cfg = cfg
         self.device = torch.device("cpu")
         self.features = features

@@ -35,7 +35,7 @@ import torch
 from ..tower.attention import naive_sdpa_attention
 from ..engine.batching import BatchLoop
 from ..engine.factory import build_model, engine_for
-from ..engine.defaults import default_batch_tokens
+from ..engine.defaults import DEFAULT_MAX_IMAGES, default_batch_tokens
 from ..tower.checkpoint import random_checkpoint, random_state_dict, save_checkpoint
 from ..tower.config import VisionConfig
 from ..engine.device import resolve_device, resolve_dtype
@@ -371,7 +371,7 @@ def bench_cli(cfg: VisionConfig, paths: Sequence[Path], device: str, dtype: str,
 def run_bench(config_path: str, device: str = "auto", dtype: str = "auto",
               images: str = "synthetic:mix", batch_tokens: Sequence[int] | int | None = None,
               cuda_graphs: Sequence[bool | None] = (None,), attention: str = "auto",
-              features: str = "aligner", max_images: int = 64, repeat: int = 2,
+              features: str = "aligner", max_images: int = DEFAULT_MAX_IMAGES, repeat: int = 2,
               naive_images: int | None = None, e2e: bool = False, workers: int | None = None,
               seed: int = 0, workdir: str | None = None, cli: bool = False,
               fused: Sequence[bool] = (False,),

@@ -8,3 +8,7 @@ DEFAULT_BATCH_TOKENS = {"cuda": 32768, "cpu": 8192}
 def default_batch_tokens(device_type: str) -> int:
     """Patches per packed batch on a device of this kind, when the caller gives none."""
     return DEFAULT_BATCH_TOKENS.get(device_type, DEFAULT_BATCH_TOKENS["cpu"])
+
+
+#: Images per packed batch at most, when the caller gives no limit.
+DEFAULT_MAX_IMAGES = 64

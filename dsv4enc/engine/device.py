@@ -20,11 +20,12 @@ from ..errors import UsageError
 OUT_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
-def resolve_device(name: str | torch.device, dist=None) -> torch.device:
+def resolve_device(name: str | torch.device,
+                   rank_device: torch.device | None = None) -> torch.device:
     """The device for ``name`` (``auto``, ``cpu``, ``cuda`` or ``cuda:N``); under torchrun
-    (``dist``) always the rank's own device. Raises UsageError for anything else."""
-    if dist is not None:
-        return dist.device
+    always the rank's own device (``rank_device``). Raises UsageError for anything else."""
+    if rank_device is not None:
+        return rank_device
     name = str(name)
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -26,7 +26,7 @@ from ..tower.attention import VarlenSpans, available_backends, select_attention
 from ..errors import DsvError, UsageError
 from .graphs import GRAPH_BACKENDS, Bucket, BucketRunner, default_budgets, fit_budgets
 from ..tower.model import VisionTower, rope_tables
-from .defaults import default_batch_tokens
+from .defaults import DEFAULT_MAX_IMAGES, default_batch_tokens
 from .packing import PackedBatch
 from ..tower.transform import max_image_tokens
 
@@ -112,7 +112,7 @@ class Engine:
     def __init__(self, model: VisionTower, features: str = "aligner",
                  attention: str = "auto", out_dtype: torch.dtype = torch.float32, *,
                  cuda_graphs: bool | None = None, batch_tokens: int | None = None,
-                 max_images: int = 64, budgets: Sequence[int] | None = None,
+                 max_images: int = DEFAULT_MAX_IMAGES, budgets: Sequence[int] | None = None,
                  min_budget: int = 1024, deterministic: bool = True) -> None:
         self.model = model
         self.device = model.device

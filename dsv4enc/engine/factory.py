@@ -11,6 +11,7 @@ from typing import Callable
 import torch
 
 from ..tower.checkpoint import Checkpoint, build_tower
+from .defaults import DEFAULT_MAX_IMAGES
 from ..tower.model import VisionTower
 from .engine import Engine, runs_one_shape
 
@@ -35,7 +36,7 @@ def build_model(ckpt: Checkpoint, device: torch.device | None = None, *, fused: 
 def build_engine(ckpt: Checkpoint, device: torch.device, *, features: str = "aligner",
                  attention: str = "auto", out_dtype: torch.dtype = torch.float32,
                  cuda_graphs: bool | None = None, batch_tokens: int | None = None,
-                 max_images: int = 64, deterministic: bool = True, fused: bool = False,
+                 max_images: int = DEFAULT_MAX_IMAGES, deterministic: bool = True, fused: bool = False,
                  split: Callable[[VisionTower], object] | None = None) -> Engine:
     """``build_model`` and the Engine over it (the arguments as ``Engine``'s)."""
     model = build_model(ckpt, device, fused=fused, deterministic=deterministic, split=split)
@@ -46,7 +47,7 @@ def build_engine(ckpt: Checkpoint, device: torch.device, *, features: str = "ali
 
 def engine_for(model: VisionTower, *, features: str = "aligner", attention: str = "auto",
                out_dtype: torch.dtype = torch.float32, cuda_graphs: bool | None = None,
-               batch_tokens: int | None = None, max_images: int = 64,
+               batch_tokens: int | None = None, max_images: int = DEFAULT_MAX_IMAGES,
                deterministic: bool = True) -> Engine:
     """An Engine over a tower already built (the API keeps one tower for both features)."""
     return Engine(model, features=features, attention=attention, out_dtype=out_dtype,

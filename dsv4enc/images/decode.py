@@ -169,7 +169,7 @@ def probe_image(source, max_pixels: int = DEFAULT_MAX_PIXELS) -> Probe:
 
     Probes run on threads, so nothing process-wide (warnings filters, Pillow settings) is
     touched. Only regular files are opened: a path (a table cell's too) that names a FIFO or
-    a device is an error, not a wait. ``planning.probe_all`` bounds a probe's time."""
+    a device is an error, not a wait. ``images.headers.probe_all`` bounds a probe's time."""
     handle = None
     try:
         target = source

@@ -21,12 +21,13 @@ import queue
 import socket
 import threading
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterable
+from typing import TYPE_CHECKING, Callable, Iterable, Protocol, Sequence
 
 from ..errors import AlreadyComplete, DsvError, OutputError, UsageError
 from ..images.items import is_image_name
-from ..run.plan import inputs_digest
+from ..images.headers import inputs_digest
 from ..pausepoints import pause
 from .appending import GROWING_NAME
 from .update import STAMPS_FILE
@@ -36,10 +37,6 @@ from .parts import (LOCK_NAME, MANIFEST_FILE, MANIFEST_NAME, PART_FILE, TEMP_FIL
 
 if TYPE_CHECKING:
     from .appending import AppendingStore
-    from ..run.options import EncodeOptions
-    from ..run.plan import Part
-    from ..run.summary import RunSummary
-    from ..run.ranks import Topology
 
 log = logging.getLogger("dsv4enc")
 
@@ -267,16 +264,19 @@ class OutputLayout:
                 raise OutputError(f"--out {out} already exists and is not a dsv4enc output; "
                                   "dsv4enc replaces only its own files: choose another --out")
 
-    def prepare(self, opts: EncodeOptions) -> None:
-        """Check ``--out`` against the inputs and what is there, take the lock (held until
-        ``release``), and with ``--overwrite`` delete the earlier run's files: only those."""
-        self.check_not_inputs(opts.inputs, opts.files_from)
+    def prepare(self, inputs: Iterable[str], files_from: str | None, *, overwrite: bool,
+                resume: bool, update: bool = False) -> None:
+        """Check ``--out`` against the inputs (``inputs``, ``files_from``) and what is there,
+        take the lock (held until ``release``), and with ``overwrite`` delete the earlier
+        run's files: only those. ``update`` (--update) keeps what is there, as ``resume``
+        does."""
+        self.check_not_inputs(inputs, files_from)
         self._check_kinds()
         self._prepared = True
         try:
             self._make_parts_dir()
             self.lock.acquire()
-            self._check_existing(opts.overwrite, opts.resume, opts.update)
+            self._check_existing(overwrite, resume, update)
         except BaseException:
             self.release()
             raise
@@ -505,24 +505,54 @@ class PartWriter:
         self.check()
 
 
-def resume_filter(store: PartLedger, parts: list[Part], opts: EncodeOptions,
-                  ranks: Topology, summary: RunSummary) -> list[Part]:
-    """Parts still to encode; with ``--resume``, check settings and skip committed parts.
+class Segment(Protocol):
+    """What resume needs of a run's segment (``run/plan.Part``): its name, its input range
+    and the whole plan (``images/headers.Planned`` entries) it was cut from."""
 
-    The ranks agree on one list (``Topology.agree_on_todo``): every batch ends in
+    name: str
+    start: int
+    end: int
+    source: Sequence
+
+
+@dataclass(frozen=True)
+class ResumeSettings:
+    """How a run commits and resumes: ``resume`` (--resume or --update: committed parts
+    are kept), ``commit_every`` (seconds
+    between commits of joined segments; None: each segment is a part, as under
+    --shard-output), and ``row_options`` (settings besides the model's that decide rows:
+    --resume requires them equal)."""
+
+    resume: bool = False
+    commit_every: float | None = None
+    row_options: dict = field(default_factory=dict)
+
+
+def _alone(todo_names, problem, ranges, names_of):
+    """The agreement of a single process: its own answer."""
+    return todo_names, problem
+
+
+def resume_filter(store: PartLedger, parts: list[Segment], settings: ResumeSettings, *,
+                  writes: bool = True, agree: Callable = _alone) -> tuple[list[Segment], int]:
+    """Parts still to encode, and how many inputs the committed ones cover; with
+    ``settings.resume``, check settings and skip committed parts.
+
+    ``writes``: this process writes parts (only those check the output). ``agree``: how the
+    processes agree on one list (``run/ranks.Topology.agree_on_todo``): every batch ends in
     collectives, so all ranks walk the same parts. A problem on any rank stops every rank."""
     store.segments = {p.name: p for p in parts}
-    store.commit_seconds = None if opts.shard_output else opts.commit_every
+    store.commit_seconds = settings.commit_every
     # How many images the run has in all: ``dsv4enc inspect`` of an interrupted run says
     # how many are left.
     store.extra["inputs"] = max((p.end for p in parts), default=0)
     todo_names, problem = None, None
-    if ranks.writes:
+    if writes:
         try:
-            todo_names = _uncommitted(store, parts, opts)
+            todo_names = _uncommitted(store, parts, settings)
         except DsvError as exc:
             problem = exc
-    todo_names, problem = ranks.agree_on_todo(
+    todo_names, problem = agree(
         todo_names, problem,
         ranges=lambda mine: [(p.start, p.end) for p in parts if p.name in mine],
         names_of=lambda ranges: [p.name for p in parts if (p.start, p.end) in ranges])
@@ -530,13 +560,12 @@ def resume_filter(store: PartLedger, parts: list[Part], opts: EncodeOptions,
         raise problem
     names = set(todo_names)
     todo = [p for p in parts if p.name in names]
-    summary.reused = sum(p.end - p.start for p in parts if p.name not in names)
-    return todo
+    return todo, sum(p.end - p.start for p in parts if p.name not in names)
 
 
-def _uncommitted(store: PartLedger, parts: list[Part], opts: EncodeOptions) -> list[str]:
-    store.settings = {**store.settings, **row_options(opts)}
-    if not (opts.resume or opts.update) or not store.manifest_path.is_file():
+def _uncommitted(store: PartLedger, parts: list[Segment], settings: ResumeSettings) -> list[str]:
+    store.settings = {**store.settings, **settings.row_options}
+    if not settings.resume or not store.manifest_path.is_file():
         store.create()
         return [p.name for p in parts]
     previous = store.load_existing()
@@ -574,7 +603,7 @@ def _settings_differ(key: str, then, now) -> str:
             f"{now!r} now); use --overwrite to start over")
 
 
-def _reusable(store: PartLedger, parts: list[Part]) -> set[tuple[int, int]]:
+def _reusable(store: PartLedger, parts: list[Segment]) -> set[tuple[int, int]]:
     """Ranges of recorded parts that this run can keep: they start and end where this run's
     segments do (parts are joined segments, cut wherever --commit-every struck), and hold
     the same inputs as now, without a transient error."""
@@ -589,7 +618,7 @@ def _reusable(store: PartLedger, parts: list[Part]) -> set[tuple[int, int]]:
     return reused
 
 
-def _not_covered(parts: list[Part], reused: set[tuple[int, int]]) -> list[str]:
+def _not_covered(parts: list[Segment], reused: set[tuple[int, int]]) -> list[str]:
     """Names of the segments that no reused range covers (both lists in input order)."""
     starts = [p.start for p in parts]
     covered: set[str] = set()
@@ -599,10 +628,3 @@ def _not_covered(parts: list[Part], reused: set[tuple[int, int]]) -> list[str]:
             covered.add(parts[i].name)
             i += 1
     return [p.name for p in parts if p.name not in covered]
-
-
-def row_options(opts: EncodeOptions) -> dict:
-    """Options that decide rows besides the run's settings: --resume requires them equal.
-    (--decode-timeout is not one: a part with a timed-out row is encoded again anyway.)"""
-    return {"max_pixels": opts.max_pixels, "image_column": opts.image_column,
-            "key_column": opts.key_column}

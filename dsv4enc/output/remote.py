@@ -43,18 +43,14 @@ import socket
 import tempfile
 import threading
 import time
-from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, TypeVar
+from typing import Any, Callable, Sequence, TypeVar
 
 from .. import storage
 from ..errors import DsvError, OutputError
 from .parts import LOCK_NAME, MANIFEST_FILE, PART_FILE, read_manifest
 from .read import MANIFEST_NAME
 from .update import STAMPS_FILE
-
-if TYPE_CHECKING:
-    from ..run.options import EncodeOptions
 
 log = logging.getLogger("dsv4enc")
 T = TypeVar("T")
@@ -73,22 +69,34 @@ def is_remote(out: str) -> bool:
 class RemoteOutput:
     """The local staging of a URL ``--out`` and its mirroring to the store (see the module)."""
 
-    def __init__(self, opts: "EncodeOptions", writer: bool, dist=None) -> None:
-        self.given = opts.out
-        self.url = opts.out.rstrip("/")
-        self.dist = dist
-        self.rank = 0 if dist is None else dist.rank
-        self.is_main = dist is None or dist.is_main
+    def __init__(self, out: str, *, writer: bool, inputs: Sequence[str] = (),
+                 resume: bool = False, update: bool = False, overwrite: bool = False,
+                 shard_output: bool = False, rank: int = 0, world_size: int = 1,
+                 gather: Callable[[Any], list[Any]] | None = None) -> None:
+        """``out``: the URL; ``writer``: this process touches the store; ``inputs``,
+        ``resume``, ``update``, ``overwrite``, ``shard_output``: the run's (--resume brings the
+        committed parts into the staging, --update the finished output's rows too, --overwrite
+        replaces the earlier manifests); ``rank`` and
+        ``world_size``: this process's place among torchrun's ranks; ``gather(value)``:
+        every rank's ``value`` in rank order (``run/ranks.Topology.gather``; this process's
+        alone by default)."""
+        self.given = out
+        self.url = out.rstrip("/")
+        self.inputs, self.resume, self.overwrite = list(inputs), resume, overwrite
+        self.update = update
+        self.rank, self.world_size = rank, world_size
+        self.is_main = rank == 0
+        self._gather = gather if gather is not None else (lambda value: [value])
         # --shard-output of torchrun ranks: every rank writes its own parts and manifest
-        self.sharded = bool(opts.shard_output) and dist is not None
+        self.sharded = bool(shard_output) and world_size > 1
         self.writer = writer  # this process touches the store (rank 0, or every rank sharded)
         # Raised by ``pull``, which every rank waits for: rank 0 failing alone here would
         # leave the other ranks waiting in a collective.
         self._problem: DsvError | None = None
-        self.folder_mode = opts.out.endswith("/") or bool(opts.shard_output)
+        self.folder_mode = out.endswith("/") or bool(shard_output)
         if self.is_main and not self.folder_mode:
             try:
-                self.folder_mode = storage.kind(opts.out) == "folder"
+                self.folder_mode = storage.kind(out) == "folder"
             except DsvError as exc:
                 self._problem = exc
         self.parts_url = self.url if self.folder_mode else self.url + ".partial"
@@ -97,7 +105,8 @@ class RemoteOutput:
         self.local_out = self.staging / name
         self.local_parts = self.local_out if self.folder_mode else \
             self.staging / f"{name}.partial"
-        self.opts = replace(opts, out=str(self.local_out) + ("/" if self.folder_mode else ""))
+        #: The ``--out`` the run writes to instead: the staging folder's output.
+        self.staged_out = str(self.local_out) + ("/" if self.folder_mode else "")
         self._uploaded: dict[str, tuple[int, int]] = {}  # part name -> (size, mtime_ns)
         self._manifests: dict[str, bytes] = {}  # manifest name -> content uploaded
         self._lock_held = False
@@ -110,11 +119,12 @@ class RemoteOutput:
         self._replaced: set[str] = set()
 
     @classmethod
-    def for_options(cls, opts: "EncodeOptions", dist) -> "RemoteOutput | None":
-        """The remote output for a URL ``--out`` (rank 0 writes it), None for a local one."""
-        if not is_remote(opts.out):
+    def for_out(cls, out: str, **settings) -> "RemoteOutput | None":
+        """The remote output for a URL ``out`` (``settings``: as the constructor's), None
+        for a local one."""
+        if not is_remote(out):
             return None
-        return cls(opts, writer=dist is None or dist.is_main or opts.shard_output, dist=dist)
+        return cls(out, **settings)
 
     # -- whose files -------------------------------------------------------------------------
     @property
@@ -139,19 +149,23 @@ class RemoteOutput:
             action()
         except DsvError as exc:
             problem = exc
-        everyone = [problem] if self.dist is None else self.dist.all_gather_object(problem)
+        everyone = self._gather(problem)
         problem = next((p for p in everyone if p is not None), None)
         if problem is not None:
             raise problem
 
-    def run(self, encode: Callable[[], T], dist) -> T:
+    def run(self, encode: Callable[[], T],
+            main_then_all: Callable[[Callable[[], None]], None] | None = None) -> T:
         """``encode()`` (the run, writing to the staging folder) between ``pull`` and
         ``finish``; a failed or stopped run leaves its committed parts in the store. Messages
-        name the store, not the staging folder."""
-        from ..run.ranks import main_then_all
-
+        name the store, not the staging folder. ``main_then_all(action)``: runs ``pull`` on
+        rank 0 and raises its error on every rank (``run/ranks.Topology``); by default
+        ``pull`` simply runs."""
         try:
-            main_then_all(dist, self.pull)
+            if main_then_all is None:
+                self.pull()
+            else:
+                main_then_all(self.pull)
             if self.sharded:
                 self._every_rank(self.pull_own)
             self.start()
@@ -187,7 +201,7 @@ class RemoteOutput:
         self._check_not_inputs()
         self._take_lock()
         if not self.folder_mode and storage.kind(self.url) == "file":
-            if self.opts.update:  # its rows are read: the file itself, not a stand-in
+            if self.update:  # its rows are read: the file itself, not a stand-in
                 self._download_url(self.url, self.local_out)
             else:
                 self._stand_in_final_file()
@@ -204,7 +218,7 @@ class RemoteOutput:
                 self._download(obj, self.local_parts / obj.key)
                 self._uploaded[obj.key] = _local_id(self.local_parts / obj.key)
             elif "/" not in obj.key and PART_FILE.fullmatch(obj.key):
-                if (self.opts.resume or self.opts.update) and self._mine(obj.key):
+                if (self.resume or self.update) and self._mine(obj.key):
                     self._download(obj, self.local_parts / obj.key)
                     self._uploaded[obj.key] = _local_id(self.local_parts / obj.key)
                 else:  # an empty stand-in: the local checks see the name
@@ -214,16 +228,16 @@ class RemoteOutput:
         for path in self.local_parts.iterdir():
             if MANIFEST_FILE.fullmatch(path.name) and self._mine(path.name):
                 self._manifests[path.name] = path.read_bytes()
-                if self.opts.overwrite:
+                if self.overwrite:
                     self._replaced.add(path.name)
-        if self.sharded and self.opts.overwrite:
+        if self.sharded and self.overwrite:
             # Before any rank uploads a part, the manifests that list other ranks' parts go
             # (the merged one, those of ranks this run does not have): none may list a part
             # object that its rank replaces meanwhile. Each rank replaces its own manifest.
             for obj in objects:
                 rank = _manifest_rank(obj.key)
                 if MANIFEST_FILE.fullmatch(obj.key) and (
-                        rank is None or rank >= self.dist.world_size):
+                        rank is None or rank >= self.world_size):
                     _delete(obj.url)
 
     def pull_own(self) -> None:
@@ -241,14 +255,14 @@ class RemoteOutput:
             if MANIFEST_FILE.fullmatch(obj.key):
                 self._download(obj, self.local_parts / obj.key)
                 self._manifests[obj.key] = (self.local_parts / obj.key).read_bytes()
-                if self.opts.overwrite:
+                if self.overwrite:
                     self._replaced.add(obj.key)
-            elif PART_FILE.fullmatch(obj.key) and self.opts.resume:
+            elif PART_FILE.fullmatch(obj.key) and self.resume:
                 self._download(obj, self.local_parts / obj.key)
                 self._uploaded[obj.key] = _local_id(self.local_parts / obj.key)
 
     def _check_not_inputs(self) -> None:
-        for raw in self.opts.inputs:
+        for raw in self.inputs:
             if not storage.is_url(raw):
                 continue
             source = raw.rstrip("/")

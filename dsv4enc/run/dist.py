@@ -1,9 +1,9 @@
-"""Running on many ranks (SPEC §7-8): the process group, row gathering, and tensor-parallel
-weight slicing.
+"""Running on many ranks (SPEC §7-8): the process group and row gathering (the tensor-parallel
+weight slicing is a model transform: ``tower/tensor_parallel``, applied by ``run/ranks``).
 
 ``torch.distributed`` is touched here only, through a ``DistContext``; the run's collectives
-are called by ``topology.Topology``, and the assignment of images to ranks (plain arithmetic)
-is in ``planning``. Launch with torchrun; a plain
+are called by ``run/ranks.Topology``, and the assignment of images to ranks (plain arithmetic)
+is in ``run/plan``. Launch with torchrun; a plain
 ``python -m dsv4enc`` run has no context (``init_distributed`` returns None).
 
 Failures: a collective that times out, or whose peer died, raises ``DistributedError``
@@ -28,7 +28,6 @@ import torch
 import torch.distributed as dist
 
 from ..errors import DistributedError, UsageError
-from ..tower.model import VisionTower
 
 log = logging.getLogger(__name__)
 
@@ -227,79 +226,3 @@ def restore_order(per_rank: Sequence[torch.Tensor], assignment: Sequence[Sequenc
     if missing:
         raise ValueError(f"images {missing[:5]} are not in any rank's assignment")
     return out  # type: ignore[return-value]
-
-
-# --------------------------------------------------------------------------------------------
-# Tensor parallel (SPEC §8)
-
-
-class _AllReduce:
-    """combine hook: sum the partial outputs over ranks, then add the layer's bias once.
-
-    The bias lives on the layer as the non-persistent buffer ``combine_bias`` (None when it
-    has none), so that ``model.to(...)`` moves it along with the weights.
-    """
-
-    def __init__(self, ctx: DistContext, linear: torch.nn.Linear) -> None:
-        self.ctx = ctx
-        self.linear = linear
-
-    def __call__(self, partial: torch.Tensor) -> torch.Tensor:
-        total = self.ctx.all_reduce_sum(partial.contiguous())
-        bias = self.linear.combine_bias
-        return total if bias is None else total + bias
-
-
-def _shard_rows(linear: torch.nn.Linear, groups: int, rank: int, world: int) -> None:
-    """Keep this rank's share of every one of ``groups`` equal row blocks of the output
-    (e.g. q|k|v by heads, gate|up by halves): weight (G*n, in) -> (G*n/world, in)."""
-    def cut(t: torch.Tensor) -> torch.Tensor:
-        blocks = t.view(groups, world, -1, *t.shape[1:])  # (G, world, n/world, ...)
-        return blocks[:, rank].reshape(-1, *t.shape[1:]).clone()
-    linear.weight = torch.nn.Parameter(cut(linear.weight.data), requires_grad=False)
-    if linear.bias is not None:
-        linear.bias = torch.nn.Parameter(cut(linear.bias.data), requires_grad=False)
-    linear.out_features = linear.weight.shape[0]
-
-
-def _shard_columns(linear: torch.nn.Linear, ctx: DistContext) -> _AllReduce:
-    """Keep this rank's block of input columns, and return the combine hook that sums the
-    partial outputs. The bias moves out of the matmul: it is added once, after the sum."""
-    share = linear.in_features // ctx.world_size
-    cols = slice(ctx.rank * share, (ctx.rank + 1) * share)
-    linear.weight = torch.nn.Parameter(linear.weight.data[:, cols].clone(), requires_grad=False)
-    linear.in_features = share
-    bias = None if linear.bias is None else linear.bias.data
-    linear.bias = None
-    linear.register_buffer("combine_bias", bias, persistent=False)
-    return _AllReduce(ctx, linear)
-
-
-def apply_tensor_parallel(model: VisionTower, ctx: DistContext) -> bool:
-    """Slice ``model`` in place into this rank's tensor-parallel shard (SPEC §8).
-
-    wqkv (q, k, v each by heads), mlp.w1 (gate, up each by halves) and aligner.w1 keep
-    their share of output rows; wo, mlp.w2 and aligner.w2 keep their share of input columns
-    and get an all-reduce ``combine`` hook that adds their bias after the sum. Patch embed
-    and norms stay whole, so activations between blocks are full width, identical on every
-    rank. Returns False, leaving the model untouched, when the world size is 1 or does not
-    divide the heads, the MLP width and the aligner width (the caller then runs data
-    parallel).
-    """
-    cfg, world, rank = model.cfg, ctx.world_size, ctx.rank
-    if world == 1:
-        return False
-    sizes = {"heads": cfg.n_heads, "MLP width": cfg.inter_dim, "aligner width": cfg.hidden_size}
-    bad = [f"{name} {n}" for name, n in sizes.items() if n % world]
-    if bad:
-        log.warning("tensor parallel needs the world size %d to divide %s; replicating the "
-                    "tower on every rank (data parallel) instead", world, ", ".join(bad))
-        return False
-    for block in model.vision.blocks:
-        _shard_rows(block.attn.wqkv, 3, rank, world)
-        block.attn.combine = _shard_columns(block.attn.wo, ctx)
-        _shard_rows(block.mlp.w1, 2, rank, world)
-        block.mlp.combine = _shard_columns(block.mlp.w2, ctx)
-    _shard_rows(model.aligner.w1, 1, rank, world)
-    model.aligner.combine = _shard_columns(model.aligner.w2, ctx)
-    return True

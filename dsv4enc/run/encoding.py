@@ -14,8 +14,7 @@ from ..images.decode import Decoded, DecodeStream, patches_tensor
 from ..engine.engine import Engine
 from .options import EncodeOptions
 from ..engine.packing import output_grid
-from .plan import Part, Planned, part_batches
-from .setup import RunSetup
+from .plan import Part, Planned
 from .progress import RunProgress
 from .stopping import StopSignals
 from .summary import RunSummary
@@ -29,21 +28,19 @@ class PartEncoder:
     Under torchrun every batch ends in collectives (``Topology``): stop agreement with the
     progress, and the row exchange of gathered data parallelism."""
 
-    def __init__(self, engine: Engine, setup: RunSetup, opts: EncodeOptions, ranks: Topology,
+    def __init__(self, engine: Engine, opts: EncodeOptions, ranks: Topology,
                  progress: RunProgress, summary: RunSummary, stop: StopSignals,
                  carried=None) -> None:
         """``carried``: an ``output/update.Update`` whose ``carried`` inputs take their old
-        rows (``rows``) instead of being decoded and encoded."""
-        self.engine, self.setup, self.opts, self.ranks = engine, setup, opts, ranks
+        rows (``rows``) instead of being decoded and encoded (they are in no batch:
+        ``plan.plan_batches``)."""
+        self.engine, self.opts, self.ranks = engine, opts, ranks
         self.carried = carried
-        self._skip = carried.carried if carried is not None else {}
         self.progress, self.summary, self.stop = progress, summary, stop
         self.cfg = engine.cfg
-        self.batch_tokens = engine.batch_tokens
         # tags: (index, planned entry, decoded image)
         self.loop = BatchLoop(engine, opts.pool, name_of=lambda tag: tag[1].item.key,
                               remedy="rerun with --out-dtype float32", copy=False)
-        self._plans: list | None = None
         # Progress is counted where rows are made, then summed over ranks at each step: a
         # rank counts the rows it encoded (under TP every rank makes the same rows, so only
         # rank 0 counts), and header failures are counted by whoever owns the part's rows.
@@ -53,44 +50,33 @@ class PartEncoder:
         # failed to decode (the ETA no longer waits for them)
         self._pending = [0, 0, 0, 0]
 
-    # -- planning of one part ------------------------------------------------------
-    def rank_batches(self, planned: Sequence[Planned], part: Part) -> list[list[list[int]]]:
-        """Per rank, the batches (lists of item indices) this part is encoded in.
+    @property
+    def me(self) -> int:
+        """Whose batches this process encodes (its rank when the ranks split the images)."""
+        return self.ranks.rank if self.ranks.splits_images else 0
 
-        Every rank plans every rank's batches, so that all take the same number of steps
-        (each step ends in collectives). The ranks' shares were planned with the part
-        (``plan_parts``); failed items are left out of them here (they are no batch's)."""
-        shares = part.shares if part.shares is not None else [part.indices]
-        shares = [[i for i in share if planned[i].error is None and i not in self._skip]
-                  for share in shares]
+    def batch_sizes(self, planned: Sequence[Planned], batches: list[list[list[int]]]) -> list[int]:
+        """This rank's batch sizes in tokens (``batches``: per part, per rank; see
+        ``plan.plan_batches``); under gathered data parallelism every rank's load is noted
+        in the summary too."""
         if self.ranks.gathered:
-            for rank, share in enumerate(shares):
-                self._add_rank_load(rank, sum(planned[i].tokens for i in share))
-        return [part_batches(planned, share, self.batch_tokens, self.opts.max_images)
-                for share in shares]
+            for plan in batches:
+                for rank, share in enumerate(plan):
+                    self._add_rank_load(rank, sum(planned[i].tokens for b in share for i in b))
+        return [sum(planned[i].tokens for i in batch) for plan in batches for batch in plan[self.me]]
 
     def _add_rank_load(self, rank: int, load: float) -> None:
         loads = self.summary.rank_loads
         loads.extend([0.0] * (rank + 1 - len(loads)))
         loads[rank] += load
 
-    @property
-    def _me(self) -> int:
-        return self.ranks.rank if self.ranks.splits_images else 0
-
-    def plan(self, planned: Sequence[Planned], parts: list[Part]) -> list[int]:
-        """Plan every part's batches now; returns this rank's batch sizes in tokens."""
-        self._plans = [self.rank_batches(planned, part) for part in parts]
-        return [sum(planned[i].tokens for i in batch)
-                for plan in self._plans for batch in plan[self._me]]
-
-    def run(self, planned: Sequence[Planned], parts: list[Part]) -> Iterator[tuple]:
-        plans = self._plans if self._plans is not None else [
-            self.rank_batches(planned, part) for part in parts]
-        me = self._me
-        order = [i for plan in plans for batch in plan[me] for i in batch]
-        decoded = self.setup.stream(order, self.opts.max_images)
-        for part, plan in zip(parts, plans):
+    def run(self, planned: Sequence[Planned], parts: list[Part],
+            batches: list[list[list[int]]],
+            decoded: Iterator[tuple[int, Decoded]]) -> Iterator[tuple]:
+        """Encode ``parts`` (``batches``: theirs, per rank) from ``decoded`` (this rank's
+        images in the batches' order); yields each finished part."""
+        me = self.me
+        for part, plan in zip(parts, batches):
             rows = {i: error_row(planned[i]) for i in part.indices if planned[i].error}
             if self._counts_header_failures:
                 self._note(rows.values())
@@ -98,7 +84,7 @@ class PartEncoder:
                        else {})
             rows.update(carried)
             self.summary.reused += len(carried)
-            steps = max(len(batches) for batches in plan)
+            steps = max(len(share) for share in plan)
             for step in range(steps):
                 batch = plan[me][step] if step < len(plan[me]) else []
                 try:

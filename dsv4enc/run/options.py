@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from ..engine.defaults import DEFAULT_MAX_IMAGES
 from ..errors import UsageError
 from ..images.formats import DEFAULT_DECODE_TIMEOUT_S, DEFAULT_MAX_PIXELS
 from ..storage import OUTAGE_S
@@ -36,7 +37,7 @@ class EncodeOptions:
     pool: str = "none"
     layout: str = "binary"  # the embedding column's layout (SPEC §9): binary or nested
     batch_tokens: int | None = None
-    max_images: int = 64
+    max_images: int = DEFAULT_MAX_IMAGES
     workers: int | None = None
     overwrite: bool = False
     resume: bool = False

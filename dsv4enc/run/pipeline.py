@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import replace
 
 import torch
 
@@ -25,12 +26,12 @@ from ..engine.device import resolve_device, resolve_dtype, resolve_out_dtype, re
 from .encoding import PartEncoder
 from ..engine.engine import Engine
 from ..errors import DsvError, Interrupted, UsageError
-from ..output.layout import (OutputLayout, PartWriter, assembler_for, open_store, resume_filter,
-                             row_options)
+from ..output.layout import (OutputLayout, PartWriter, ResumeSettings, assembler_for, open_store,
+                             resume_filter)
 from ..output.update import Update, footer_entry, row_stamps, write_folder_stamps
-from .options import EncodeOptions, default_workers, default_writer_threads, validate
-from .plan import images_per_part, plan_parts, segment_tokens
-from .setup import RunSetup
+from .options import EncodeOptions, default_writer_threads, validate
+from .plan import images_per_part, segment_tokens
+from .setup import RunSetup, run_batch_tokens
 from .progress import RunProgress
 from ..output.remote import RemoteOutput
 from .stopping import StopSignals
@@ -52,12 +53,12 @@ def load_model(opts: EncodeOptions, dtype: torch.dtype) -> Checkpoint:
 
 
 def _tower_engine(ckpt: Checkpoint, device: torch.device, opts: EncodeOptions,
-                  ranks: Topology) -> Engine:
+                  ranks: Topology, batch_tokens: int) -> Engine:
     """The tower on ``device`` (split over the ranks under tensor parallelism) and its
     Engine."""
     return build_engine(ckpt, device, features=opts.features, attention=opts.attention,
                         out_dtype=resolve_out_dtype(opts.out_dtype),
-                        cuda_graphs=opts.cuda_graphs, batch_tokens=opts.batch_tokens,
+                        cuda_graphs=opts.cuda_graphs, batch_tokens=batch_tokens,
                         max_images=opts.max_images, deterministic=opts.deterministic,
                         fused=opts.fused, split=lambda model: ranks.split_tower(model, opts.tp_mode))
 
@@ -101,6 +102,18 @@ def model_and_output(opts: EncodeOptions, cfg: VisionConfig) -> str:
 
 # ----------------------------------------------------------------------------- the run
 
+def resume_settings(opts: EncodeOptions) -> ResumeSettings:
+    """How the run commits and resumes, for ``output/layout.resume_filter``: --resume,
+    --commit-every (each segment is a part under --shard-output), and the options that
+    decide rows besides the run's settings (--decode-timeout is not one: a part with a
+    timed-out row is encoded again anyway)."""
+    return ResumeSettings(resume=opts.resume or opts.update,
+                          commit_every=None if opts.shard_output else opts.commit_every,
+                          row_options={"max_pixels": opts.max_pixels,
+                                       "image_column": opts.image_column,
+                                       "key_column": opts.key_column})
+
+
 def run_settings(ckpt: Checkpoint, opts: EncodeOptions, dtype: torch.dtype,
                  part_images: int, engine: Engine) -> dict:
     """What the output was computed with; ``--resume`` requires these to match.
@@ -139,13 +152,18 @@ def run_encode(opts: EncodeOptions, dist=None, setup: RunSetup | None = None,
     try:
         storage.set_outage_s(opts.storage_outage_s)
         # An object storage --out is built in a local staging folder and mirrored to the store
-        remote = RemoteOutput.for_options(opts, dist)
+        ranks = Topology(dist, opts.shard_output)
+        remote = RemoteOutput.for_out(opts.out, writer=ranks.writes, inputs=opts.inputs,
+                                      resume=opts.resume, update=opts.update,
+                                      overwrite=opts.overwrite,
+                                      shard_output=opts.shard_output, rank=ranks.rank,
+                                      world_size=ranks.world_size, gather=ranks.gather)
         if remote is not None:
-            opts = remote.opts
+            opts = replace(opts, out=remote.staged_out)
         layout = OutputLayout(opts.out, opts.shard_output)
         if remote is not None:
             summary = remote.run(lambda: _run_encode(opts, dist, setup, stop, layout, stand_in,
-                                                     local=False), dist)
+                                                     local=False), ranks.main_then_all)
         else:
             summary = _run_encode(opts, dist, setup, stop, layout, stand_in)
     finally:
@@ -168,18 +186,20 @@ def _run_encode(opts: EncodeOptions, dist, setup: RunSetup, stop: StopSignals,
     validate(opts)
     if opts.update and dist is not None:
         raise UsageError("--update runs in one process: run it without torchrun")
-    device = resolve_device(opts.device, dist)
+    device = resolve_device(opts.device, dist.device if dist is not None else None)
     dtype = resolve_dtype(opts.dtype, device)
     ranks = Topology(dist, opts.shard_output)
     found = setup.find_inputs(opts, stop if dist is None else None)
-    ranks.main_then_all(lambda: layout.prepare(opts))
+    ranks.main_then_all(lambda: layout.prepare(opts.inputs, opts.files_from,
+                                               overwrite=opts.overwrite, resume=opts.resume,
+                                               update=opts.update))
     device, dtype, adopted = _resumed_compute(opts, device, dtype, layout, ranks, dist)
     ckpt = load_model(opts, dtype) if stand_in is None else stand_in.checkpoint
     stop.immediate = False  # until the try below, which discards an unused output folder
     ranks.main_then_all(layout.create)
     cfg = ckpt.config
-    n_workers = default_workers(device.type) if opts.workers is None else opts.workers
-    setup.keep_if_planned_for(cfg, device.type)
+    batch_tokens = run_batch_tokens(opts, device.type) if stand_in is None else None
+    setup.keep_if_planned_for(cfg, device.type, batch_tokens)
     if ranks.is_main and not found.items:
         log.warning("no images found in %s (%d other files skipped); the output will have "
                     "no rows", ", ".join(opts.inputs) or opts.files_from, found.skipped)
@@ -187,12 +207,12 @@ def _run_encode(opts: EncodeOptions, dist, setup: RunSetup, stop: StopSignals,
                            opts.log_every)
     summary = RunSummary(out=str(opts.out), skipped=found.skipped,
                          unlisted=len(found.unlisted))
-    setup.decode_pool(cfg, n_workers, opts)  # spawned now unless early: workers start meanwhile
+    setup.decode_pool(cfg, device.type, opts)  # spawned now unless early: workers start meanwhile
     store = None
     try:
         stop.immediate = dist is None
         stop.check()
-        engine = (_tower_engine(ckpt, device, opts, ranks) if stand_in is None
+        engine = (_tower_engine(ckpt, device, opts, ranks, batch_tokens) if stand_in is None
                   else stand_in.engine(device, opts))
         with progress:
             planned = setup.headers(cfg, opts, ranks,
@@ -207,7 +227,8 @@ def _run_encode(opts: EncodeOptions, dist, setup: RunSetup, stop: StopSignals,
                 settings["world_size"] = ranks.world_size
             schema = output_schema(cfg.output_width(opts.features), opts.out_dtype,
                                    settings, pooled=opts.pool == "mean", layout=opts.layout)
-            options = row_options(opts)
+            resuming = resume_settings(opts)
+            options = resuming.row_options
             rows_settings = {**settings, **options}
             # --update of an existing output (None: there is none yet, a plain run)
             update = Update.start(layout.out, layout.folder_mode) if opts.update else None
@@ -216,13 +237,14 @@ def _run_encode(opts: EncodeOptions, dist, setup: RunSetup, stop: StopSignals,
                 store = open_store(layout, settings, schema, local=local,
                                    is_main=ranks.is_main, world_size=ranks.world_size,
                                    rank=dist.rank if dist is not None else None)
-            parts = plan_parts(planned, part_images, ranks, opts.balance, cfg, segment_tokens=(
+            parts = setup.cut_parts(part_images, ranks, opts.balance, cfg, segment_tokens=(
                 None if ranks.splits_images else  # greedy per part
                 segment_tokens(engine.batch_tokens, device.type)))
             if update is not None:
                 update.match(planned, rows_settings)  # refuses other settings in one line
                 update.count_into(summary)
-            todo = resume_filter(store, parts, opts, ranks, summary)
+            todo, summary.reused = resume_filter(store, parts, resuming, writes=ranks.writes,
+                                                 agree=ranks.agree_on_todo)
             carried = update.carried if update is not None else {}
             # each row's input stamp, kept with the output for a later --update
             stamps = (row_stamps((p.item.key, p.stamp) for p in planned)
@@ -240,9 +262,9 @@ def _run_encode(opts: EncodeOptions, dist, setup: RunSetup, stop: StopSignals,
                                           else footer_entry(stamps, options)))
             writer = (PartWriter(store, schema, default_writer_threads(), assembler)
                       if ranks.writes else None)
-            runner = PartEncoder(engine, setup, opts, ranks, progress, summary, stop, update)
+            runner = PartEncoder(engine, opts, ranks, progress, summary, stop, update)
             try:
-                _encode_parts(engine, runner, planned, todo, writer, store, layout, summary,
+                _encode_parts(engine, runner, setup, todo, writer, store, layout, summary,
                               progress, stop, "--update" if opts.update else "--resume")
                 stop.check()
                 # A store that failed its last calls made rows of outages (transient): the
@@ -278,24 +300,30 @@ def _run_encode(opts: EncodeOptions, dist, setup: RunSetup, stop: StopSignals,
     return summary  # its wall time is set by run_encode, once the decode workers are gone
 
 
-def _encode_parts(engine: Engine, runner: PartEncoder, planned, todo, writer: PartWriter | None,
-                  store, layout: OutputLayout, summary: RunSummary, progress: RunProgress,
-                  stop: StopSignals, again: str = "--resume") -> None:
-    """Encode the parts still to do, handing each finished one to the writer; the writer is
-    closed (its parts committed) however the loop ends. ``again``: the flag that finishes
-    the run after an interruption."""
+def _encode_parts(engine: Engine, runner: PartEncoder, setup: RunSetup, todo,
+                  writer: PartWriter | None, store, layout: OutputLayout, summary: RunSummary,
+                  progress: RunProgress, stop: StopSignals, again: str = "--resume") -> None:
+    """Encode the parts still to do (their batches and decoded stream: the set-up's, early
+    or made now), handing each finished one to the writer; the writer is closed (its parts
+    committed) however the loop ends. ``again``: the flag that finishes the run after an
+    interruption."""
     began = time.perf_counter()
+    planned = setup.planned
     try:
+        carried = runner.carried.carried if runner.carried is not None else ()
+        batches = setup.plan_batches(todo, engine.batch_tokens, runner.opts.max_images,
+                                     runner.me, carried)
         if todo:
             progress.status("capturing CUDA graphs" if engine.graphs_enabled else "encoding")
-            engine.fit_budgets(runner.plan(planned, todo))
+            engine.fit_budgets(runner.batch_sizes(planned, batches))
             engine.prepare()
             progress.begin_encoding()
             began = time.perf_counter()
+        decoded = setup.stream(runner.opts.max_images)  # started now unless early
         stop.hint = (f"finished parts are kept in {layout.parts_dir}; rerun the "
                      f"same command with {again} to finish")
         with stop.deferred():  # a signal stops the loop between batches
-            for name, start, end, digest, rows in runner.run(planned, todo):
+            for name, start, end, digest, rows in runner.run(planned, todo, batches, decoded):
                 if writer is not None:
                     writer.put(name, rows, start, end, digest)
                 del rows  # only the writer holds a finished part meanwhile

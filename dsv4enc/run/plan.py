@@ -1,24 +1,19 @@
-"""The run's plan, made before any pixel is decoded: every image's grid from its header,
-and the parts (consecutive input ranges: the unit of commit and resume) with their share per
-rank."""
+"""The run's plan, made before any pixel is decoded: every image's grid from its header
+(probed by ``images/headers``, shared between ranks here), the parts (consecutive input
+ranges: the unit of commit and resume) with their share per rank, and the batches."""
 
 from __future__ import annotations
 
-import hashlib
 import heapq
-import os
-import queue
-import threading
-import time
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Collection, Sequence
 
-from ..tower.config import VisionConfig
-from ..images.decode import Probe, probe_image
-from ..images.formats import DEFAULT_DECODE_TIMEOUT_S
 from ..errors import UsageError
+from ..images.decode import Probe
+from ..images.headers import PROBE_TIMEOUT_S, Planned, input_stamps, inputs_digest, probe_all
 from ..images.items import InputItem
 from ..images.sources import clear_cache
+from ..tower.config import VisionConfig
 from ..tower.transform import plan_canvas
 
 if TYPE_CHECKING:
@@ -26,30 +21,9 @@ if TYPE_CHECKING:
     from .ranks import Topology
 
 PART_BYTES = 256 << 20  # upper bound of one part's embeddings in memory
-PROBE_THREADS = 16  # header probes run at once (they mostly wait on storage)
-PROBE_TIMEOUT_S = DEFAULT_DECODE_TIMEOUT_S  # one header may take this long before it is given up
-_PROBE_POLL_S = 0.1  # how often the waiting thread checks for a stop and for late probes
 # Parts of small models are capped in images: writing a part's Parquet takes transient memory
 # several times its embeddings (float16 most), and up to four parts are in flight.
 MAX_PART_IMAGES = 1024
-
-
-@dataclass
-class Planned:
-    """One input after its header was read: its grid, or why it cannot be encoded."""
-
-    item: InputItem
-    width: int | None = None
-    height: int | None = None
-    n_h: int = 0
-    n_w: int = 0
-    error: str | None = None
-    stamp: str | None = None  # its file as planned (``input_stamps``): what --resume checks
-    misnamed: str | None = None  # the format it is, when its name says another (``Probe``)
-
-    @property
-    def tokens(self) -> int:
-        return self.n_h * self.n_w
 
 
 def read_headers(items: Sequence[InputItem], cfg: VisionConfig, max_pixels: int,
@@ -86,87 +60,6 @@ def read_headers(items: Sequence[InputItem], cfg: VisionConfig, max_pixels: int,
     return planned
 
 
-def probe_all(items: Sequence[InputItem], max_pixels: int,
-              should_stop: Callable[[], bool] | None = None,
-              timeout_s: float | None = PROBE_TIMEOUT_S,
-              threads: int = PROBE_THREADS) -> list[Probe]:
-    """``probe_image`` of every item, in order, on daemon threads.
-
-    A probe still running after ``timeout_s`` gets an error and its thread is replaced (a
-    thread cannot be killed; the stuck one is abandoned and exits if its probe ever returns).
-    When ``should_stop()`` turns true, the probes not done get an "interrupted" error. The
-    calling thread only waits on a queue (with a short timeout), so a signal handler that
-    raises stops it at once."""
-    results: list[Probe | None] = [None] * len(items)
-    finished: queue.SimpleQueue = queue.SimpleQueue()
-    lock = threading.Lock()
-    running: dict[int, tuple[float, int]] = {}  # item index -> (start time, thread serial)
-    abandoned: set[int] = set()  # serials of threads replaced after a timeout
-    next_index = iter(range(len(items)))
-    halt = threading.Event()
-
-    def work(serial: int) -> None:
-        while not halt.is_set():
-            with lock:
-                if serial in abandoned:
-                    return
-                index = next(next_index, None)
-                if index is None:
-                    return
-                running[index] = (time.monotonic(), serial)
-            probe = probe_image(items[index], max_pixels)
-            with lock:
-                running.pop(index, None)
-            finished.put((index, probe))
-
-    serials = iter(range(1 << 62))
-
-    def spawn() -> None:
-        threading.Thread(target=work, args=(next(serials),), name="dsv4enc-probe",
-                         daemon=True).start()
-
-    def give_up_late_probes() -> int:
-        """Error rows for probes past their time limit; replaces their threads."""
-        late = 0
-        now = time.monotonic()
-        with lock:
-            for index, (began, serial) in list(running.items()):
-                if now - began > timeout_s:
-                    del running[index]
-                    abandoned.add(serial)
-                    results[index] = Probe(error=f"header read timed out after {timeout_s:g}s")
-                    late += 1
-                    spawn()
-        return late
-
-    for _ in range(min(threads, len(items))):
-        spawn()
-    remaining = len(items)
-    checked = time.monotonic()
-    try:
-        while remaining:
-            if should_stop is not None and should_stop():
-                break
-            got = []
-            try:
-                got.append(finished.get(timeout=_PROBE_POLL_S))
-                while True:  # take all that are done: the timing checks once per poll
-                    got.append(finished.get_nowait())
-            except queue.Empty:
-                pass
-            for index, probe in got:
-                if results[index] is None:  # None: not given up already
-                    results[index] = probe
-                    remaining -= 1
-            if timeout_s is not None and time.monotonic() - checked >= _PROBE_POLL_S:
-                checked = time.monotonic()
-                remaining -= give_up_late_probes()
-    finally:
-        halt.set()
-    return [Probe(error="interrupted before its header was read") if r is None else r
-            for r in results]
-
-
 def images_per_part(cfg: VisionConfig, opts: EncodeOptions) -> int:
     """Images per part so a part's embeddings stay under PART_BYTES even at the largest grid.
 
@@ -179,60 +72,6 @@ def images_per_part(cfg: VisionConfig, opts: EncodeOptions) -> int:
     row_bytes = cfg.output_width(opts.features) * (2 if opts.out_dtype == "float16" else 4)
     per_image = row_bytes * (1 if opts.pool == "mean" else max_patches)
     return int(min(MAX_PART_IMAGES, max(16, PART_BYTES // per_image)))
-
-
-def keys_digest(planned: Sequence[Planned]) -> str:
-    digest = hashlib.blake2b(digest_size=12)
-    for entry in planned:
-        digest.update(entry.item.key.encode("utf-8", "surrogateescape") + b"\0")
-    return digest.hexdigest()
-
-
-def file_stamp(path: str) -> str:
-    """What decides whether a file is the one encoded before: size, modification time (ns),
-    inode and mode (a file replaced by another, or made readable, reads differently), or
-    why it cannot be looked at. Not the device: it changes when a network share is
-    remounted. An object in a store: its size and modification time (``storage.stamp``)."""
-    from .. import storage
-
-    if storage.is_url(path):
-        return storage.stamp(path)
-    try:
-        st = os.stat(path)
-    except OSError as exc:
-        return f"unreadable {exc.errno}"
-    return f"{st.st_size} {st.st_mtime_ns} {st.st_ino} {st.st_mode:o}"
-
-
-def input_stamps(planned: Sequence[Planned]) -> None:
-    """Set each entry's ``stamp`` (once: a plan reused by the run keeps the stamps taken
-    before its first decode). An image in a container takes the container's stamp.
-
-    Taken before decoding starts, so a file changed afterwards never matches the stamp
-    recorded with its part: --resume encodes it again rather than trusting an old row."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    todo = [entry for entry in planned if entry.stamp is None]
-    containers: dict[str, str] = {}
-    for entry in todo:  # one stat per container file, however many images it holds
-        if entry.item.member is not None and entry.item.path not in containers:
-            containers[entry.item.path] = file_stamp(entry.item.path)
-    files = [entry for entry in todo if entry.item.member is None]
-    with ThreadPoolExecutor(max_workers=16) as pool:  # a stat mostly waits (network shares)
-        for entry, stamp in zip(files, pool.map(lambda e: file_stamp(e.item.path), files,
-                                                chunksize=256)):
-            entry.stamp = stamp
-    for entry in todo:
-        if entry.item.member is not None:
-            entry.stamp = containers[entry.item.path]
-
-
-def inputs_digest(planned: Sequence[Planned]) -> str:
-    """Digest of the entries' keys, then of their file stamps: ``KEYS.FILES``."""
-    digest = hashlib.blake2b(digest_size=12)
-    for entry in planned:
-        digest.update((entry.stamp or "").encode() + b"\0")
-    return f"{keys_digest(planned)}.{digest.hexdigest()}"
 
 
 #: Segments (the unit a run encodes and may commit at) hold this many batches' worth of
@@ -442,9 +281,18 @@ def part_batches(planned: Sequence[Planned], indices: Sequence[int], batch_token
     return [[good[j] for j in b] for b in bins]
 
 
-def batch_order(planned: Sequence[Planned], parts: Sequence[Part], batch_tokens: int,
-                max_images: int | None) -> list[int]:
-    """Item indices in the order a single process decodes them: part by part, batch by batch."""
-    return [i for part in parts
-            for batch in part_batches(planned, part.indices, batch_tokens, max_images)
-            for i in batch]
+def plan_batches(planned: Sequence[Planned], parts: Sequence[Part], batch_tokens: int,
+                 max_images: int | None, carried: Collection[int] = ()) -> list[list[list[int]]]:
+    """Per part, per rank, the batches (lists of item indices) it is encoded in; one share
+    (the part's indices) without data parallelism. Every rank plans every rank's batches,
+    so that all take the same number of steps (each step ends in collectives). Inputs in
+    ``carried`` (rows that ``--update`` copies from the old output) are in no batch."""
+    skip = set(carried)
+    return [[part_batches(planned, [i for i in share if i not in skip], batch_tokens, max_images)
+             for share in (part.shares if part.shares is not None else [part.indices])]
+            for part in parts]
+
+
+def decode_order(batches: Sequence[Sequence[Sequence[Sequence[int]]]], rank: int = 0) -> list[int]:
+    """Item indices in the order ``rank`` decodes them: part by part, batch by batch."""
+    return [i for plan in batches for batch in plan[rank] for i in batch]

@@ -88,9 +88,11 @@ class Topology:
         shard; when the world size does not divide the tower it stays whole (data
         parallel)."""
         if self.dist is not None and tp_mode == "weights":
-            from .dist import apply_tensor_parallel
+            from ..tower.tensor_parallel import apply_tensor_parallel
 
-            self.tensor_parallel = apply_tensor_parallel(model, self.dist)
+            self.tensor_parallel = apply_tensor_parallel(model, self.dist.rank,
+                                                         self.dist.world_size,
+                                                         self.dist.all_reduce_sum)
 
     # -- collectives -----------------------------------------------------------------
     def gather(self, value: Any) -> list[Any]:
@@ -206,7 +208,3 @@ class Topology:
         summary.padded_tokens = sum(c[1] for c in counts)
         summary.merge_pad_tokens = sum(c[2] for c in counts)
 
-
-def main_then_all(dist, action: Callable[[], None]) -> None:
-    """``Topology.main_then_all`` for a caller that holds only the torchrun context."""
-    Topology(dist).main_then_all(action)

@@ -304,13 +304,14 @@ def run_ray_encode(opts: EncodeOptions, ray_opts: RayEngineOptions | None = None
         stop.install()
     layout = remote = run = None
     try:
-        remote = RemoteOutput.for_options(opts, None)
+        remote = RemoteOutput.for_out(opts.out, writer=True, inputs=opts.inputs,
+                                      resume=opts.resume, overwrite=opts.overwrite)
         if remote is not None:
-            opts = remote.opts
+            opts = replace(opts, out=remote.staged_out)
         layout = OutputLayout(opts.out, False)
         run = _RayRun(opts, ray_opts, layout, stop)
         if remote is not None:
-            return remote.run(lambda: run.run(local=False), None)
+            return remote.run(lambda: run.run(local=False))
         return run.run(local=True)
     finally:
         if layout is not None:
@@ -376,17 +377,17 @@ class _RayRun:
         from ..output.layout import PartWriter, assembler_for, open_store, resume_filter
         from ..output.parts import output_schema
         from .options import default_writer_threads
-        from .pipeline import run_settings
+        from .pipeline import resume_settings, run_settings
         from .plan import images_per_part, plan_parts, read_headers, segment_tokens
         from .progress import RunProgress
-        from .ranks import Topology
         from .summary import RunSummary
 
         opts, layout, stop = self.opts, self.layout, self.stop
         started = time.perf_counter()
         found = discover(opts.inputs, opts.files_from, opts.image_column, opts.key_column,
                          stop, table_paths_roots=opts.table_paths_roots)
-        layout.prepare(opts)
+        layout.prepare(opts.inputs, opts.files_from, overwrite=opts.overwrite,
+                       resume=opts.resume)
         self.cluster = RayCluster(self.ray_opts)
         self.ray = self.cluster.ray
         plan = plan_actors(opts, self.ray_opts, self.cluster)
@@ -405,7 +406,6 @@ class _RayRun:
         progress = RunProgress("auto" if opts.progress else "off", opts.log_every)
         summary = RunSummary(out=str(opts.out), skipped=found.skipped,
                              unlisted=len(found.unlisted))
-        ranks = Topology(None, False)
         try:
             stop.immediate = True
             with progress:
@@ -433,7 +433,7 @@ class _RayRun:
                 parts = plan_parts(planned, part_images, None, opts.balance, cfg,
                                    segment_tokens=segment_tokens(batch_tokens,
                                                                  described["device"]))
-                todo = resume_filter(store, parts, opts, ranks, summary)
+                todo, summary.reused = resume_filter(store, parts, resume_settings(opts))
                 progress.announce(_opening_line(opts, len(found.items), plan, described))
                 if adopted:
                     progress.announce(adopted)

@@ -9,10 +9,12 @@ batches) can be made without torch, so the CLI starts the decode workers on the 
 images first and imports torch while they work: a short run then finds its first batches
 decoded when the model is ready. The plan assumes the device type torch will pick (the CPU
 when no GPU device node exists, else CUDA); ``run_encode`` drops it if torch decides
-otherwise, and uses the decoded stream only if its order is the one it would have asked for.
+otherwise (or the model's config or batch size differs), and else uses all of it: the inputs,
+headers, parts, batches, decode order, pool and stream are each made once, by the same
+``RunSetup`` method whoever calls it first.
 Only runs whose outcome cannot differ are started early: one process (no torchrun), a fresh
-output (no ``--resume`` or ``--update``), a checkpoint folder on disk (or ``--random-init``), and at most
-``MAX_ITEMS`` inputs (the headers are read before the progress bar exists). Otherwise only
+output (no ``--resume`` or ``--update``), a checkpoint folder on disk (or ``--random-init``),
+and at most ``MAX_ITEMS`` inputs (the headers are read before the progress bar exists). Otherwise only
 the discovered inputs are handed on, so that nothing is walked or read from stdin twice.
 """
 
@@ -25,7 +27,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
+from typing import Collection, Iterator
 
 from ..tower.config import VisionConfig
 from ..images.decode import DecodePool, Decoded, DecodeStream
@@ -33,8 +35,8 @@ from ..errors import DsvError
 from ..images.discover import Discovery, discover
 from ..engine.defaults import default_batch_tokens
 from .options import EncodeOptions, decode_window, default_workers, validate
-from .plan import (Planned, batch_order, images_per_part, plan_parts, read_headers,
-                       segment_tokens)
+from .plan import (Part, Planned, decode_order, images_per_part, plan_batches, plan_parts,
+                   read_headers, segment_tokens)
 from .stopping import StopSignals
 from .ranks import Topology, launched_ranks
 
@@ -45,8 +47,11 @@ MAX_ITEMS = 4096
 
 @dataclass
 class RunSetup:
-    """Inputs found (None until ``find_inputs``), and the plan, pool and decode stream: made
-    early by ``start_prefetch`` when the run qualifies, else by the run as it goes."""
+    """Inputs found (None until ``find_inputs``), the plan (headers, parts, batches and the
+    decode order), the decode pool and the decoded stream. Each is made once, by the method
+    that returns it: early by ``start_prefetch`` when the run qualifies, else by the run as
+    it goes. The run uses whatever the early start made (``keep_if_planned_for`` drops an
+    early plan only when it was made for another model config, device type or batch size)."""
 
     found: Discovery | None = None
     device_type: str | None = None  # "cpu" (certain), "cuda" (likely) or None (unknown)
@@ -54,20 +59,29 @@ class RunSetup:
     # its maker says (the command line: when the process started).
     started: float = field(default_factory=time.perf_counter)
     cfg: VisionConfig | None = None
+    batch_tokens: int | None = None  # what the batches were planned with
     planned: list[Planned] | None = None
-    order: list[int] = field(default_factory=list)
+    parts: list[Part] | None = None
+    batches: list[list[list[int]]] | None = None  # per part to do, per rank (``plan_batches``)
+    order: list[int] = field(default_factory=list)  # this process's decode order
     pool: DecodePool | None = None
-    decoded: DecodeStream | None = None
+    decoded: Iterator[tuple[int, Decoded]] | None = None
 
     @property
     def on_cpu(self) -> bool:
         """The run certainly runs on the CPU."""
         return self.device_type == "cpu"
 
-    def matches(self, cfg: VisionConfig, device_type: str) -> bool:
-        """The plan was made for this model config (the checkpoint's, once loaded) and the
-        device type torch chose."""
-        return self.planned is not None and self.cfg == cfg and self.device_type == device_type
+    @property
+    def early(self) -> bool:
+        """The plan was made (and decoding started) before the run's model was loaded."""
+        return self.planned is not None and self.cfg is not None
+
+    def matches(self, cfg: VisionConfig, device_type: str, batch_tokens: int | None) -> bool:
+        """The early plan was made for this model config (the checkpoint's, once loaded),
+        the device type torch chose and the batch size the engine runs (None: unknown)."""
+        return (self.early and self.cfg == cfg and self.device_type == device_type
+                and batch_tokens is not None and self.batch_tokens == batch_tokens)
 
     def find_inputs(self, opts: EncodeOptions, stop: StopSignals | None) -> Discovery:
         """The inputs, found now unless found early (``stop``: None under torchrun, where
@@ -78,16 +92,22 @@ class RunSetup:
                                   table_paths_roots=opts.table_paths_roots)
         return self.found
 
-    def keep_if_planned_for(self, cfg: VisionConfig, device_type: str) -> None:
-        """Drop an early plan (and its pool and stream) made for another model config or
-        device type than the run's: the run starts over."""
-        if self.planned is not None and not self.matches(cfg, device_type):
+    def keep_if_planned_for(self, cfg: VisionConfig, device_type: str,
+                            batch_tokens: int | None) -> None:
+        """Drop an early plan (and its pool and stream) made for another model config,
+        device type or batch size than the run's: the run plans again (and says so)."""
+        if self.early and not self.matches(cfg, device_type, batch_tokens):
+            log.info("the early plan was made for %s, the run is on %s: planning again",
+                     self.device_type, device_type)
             self.close()
-            self.planned, self.pool, self.order = None, None, []
+            self.cfg = self.batch_tokens = self.planned = self.parts = self.batches = None
+            self.pool, self.order = None, []
 
-    def decode_pool(self, cfg: VisionConfig, workers: int, opts: EncodeOptions) -> DecodePool:
-        """The decode pool (spawned now unless early: its workers start meanwhile)."""
+    def decode_pool(self, cfg: VisionConfig, device_type: str, opts: EncodeOptions) -> DecodePool:
+        """The decode pool, of ``--workers`` or the device's default (spawned now unless
+        early: its workers start meanwhile)."""
         if self.pool is None:
+            workers = default_workers(device_type) if opts.workers is None else opts.workers
             self.pool = DecodePool(cfg, workers, opts.max_pixels, opts.decode_timeout)
         return self.pool
 
@@ -101,23 +121,41 @@ class RunSetup:
                                         should_stop, opts.decode_timeout)
         return self.planned
 
-    def stream(self, order: list[int], max_images: int) -> Iterator[tuple[int, Decoded]]:
-        """Decoded images in ``order``: the early stream when it follows that order (else it
-        is stopped), or a new one from the pool."""
-        stream, self.decoded = self.decoded, None
-        if stream is not None and order == self.order:
-            return stream
-        if stream is not None:
-            stream.close()
-        planned = self.planned
-        return self.pool.imap(((i, planned[i].item) for i in order),
-                              window=decode_window(self.pool.n_workers, max_images))
+    def cut_parts(self, part_images: int, ranks: Topology | None, balance: str,
+                  cfg: VisionConfig, segment_tokens: int | None) -> list[Part]:
+        """The parts (``plan_parts``), cut now unless early."""
+        if self.parts is None:
+            self.parts = plan_parts(self.planned, part_images, ranks, balance, cfg,
+                                    segment_tokens=segment_tokens)
+        return self.parts
+
+    def plan_batches(self, todo: list[Part], batch_tokens: int, max_images: int,
+                     rank: int = 0, carried: Collection[int] = ()) -> list[list[list[int]]]:
+        """Per part of ``todo``, per rank, its batches, and ``rank``'s decode order
+        (planned now unless early; an early plan is made for a fresh output, whose parts
+        are all to do). ``carried``: inputs whose rows ``--update`` carries over (in no
+        batch; an update is never planned early)."""
+        if self.batches is None:
+            self.batches = plan_batches(self.planned, todo, batch_tokens, max_images, carried)
+            self.batch_tokens = batch_tokens
+            self.order = decode_order(self.batches, rank)
+        elif len(todo) != len(self.batches):
+            raise RuntimeError("an early plan is for a fresh output: every part is to do")
+        return self.batches
+
+    def stream(self, max_images: int) -> Iterator[tuple[int, Decoded]]:
+        """The decoded images, in the plan's order (started now unless early)."""
+        if self.decoded is None:
+            planned = self.planned
+            self.decoded = self.pool.imap(((i, planned[i].item) for i in self.order),
+                                          window=decode_window(self.pool.n_workers, max_images))
+        return self.decoded
 
     def close(self) -> None:
         """Stop the stream and the pool (idempotent)."""
-        if self.decoded is not None:
+        if isinstance(self.decoded, DecodeStream):
             self.decoded.close()
-            self.decoded = None
+        self.decoded = None
         if self.pool is not None:
             self.pool.close()
 
@@ -154,8 +192,15 @@ def _early_config(opts: EncodeOptions) -> VisionConfig | None:
         return None
 
 
+def run_batch_tokens(opts: EncodeOptions, device_type: str) -> int:
+    """Patches per batch of a run on ``device_type``: ``--batch-tokens`` or the engine's
+    default (what the early plan and the run's engine both use)."""
+    return opts.batch_tokens or default_batch_tokens(device_type)
+
+
 def start_prefetch(opts: EncodeOptions, stop: StopSignals | None = None) -> RunSetup | None:
-    """Discover the inputs and, when the run qualifies, plan it and start decoding.
+    """Discover the inputs and, when the run qualifies, plan it and start decoding: the
+    same ``RunSetup`` methods the run calls, so that what is made here is not made again.
 
     Returns None under torchrun (each rank discovers for itself). Raises what discovery and
     option checks raise (the same errors, in the same order, as ``run_encode``), and
@@ -163,32 +208,26 @@ def start_prefetch(opts: EncodeOptions, stop: StopSignals | None = None) -> RunS
     if launched_ranks() > 1:
         return None
     validate(opts)
-    found = discover(opts.inputs, opts.files_from, opts.image_column, opts.key_column, stop,
-                     table_paths_roots=opts.table_paths_roots)
-    device_type = expected_device_type(opts.device)
-    prefetch = RunSetup(found, device_type)
-    if device_type is None:
-        return prefetch
-    workers = default_workers(device_type) if opts.workers is None else opts.workers
-    if (opts.resume or opts.update or workers == 0 or len(found.items) > MAX_ITEMS
-            or opts.weights is None and not opts.random_init):
-        return prefetch
+    setup = RunSetup(device_type=expected_device_type(opts.device))
+    found = setup.find_inputs(opts, stop)
+    device_type = setup.device_type
+    if (device_type is None or opts.resume or opts.update or opts.workers == 0
+            or len(found.items) > MAX_ITEMS or opts.weights is None and not opts.random_init):
+        return setup
     cfg = _early_config(opts)
     if cfg is None:
-        return prefetch
-    planned = read_headers(found.items, cfg, opts.max_pixels,
-                           should_stop=stop.requested if stop is not None else None,
-                           timeout_s=opts.decode_timeout)
+        return setup
+    setup.cfg = cfg
+    planned = setup.headers(cfg, opts, None, stop.requested if stop is not None else None,
+                            announce=lambda text: None)
     if stop is not None:
         stop.check()  # headers left unread must not be planned as error rows
-    batch_tokens = opts.batch_tokens or default_batch_tokens(device_type)
-    parts = plan_parts(planned, images_per_part(cfg, opts),
-                       segment_tokens=segment_tokens(batch_tokens, device_type))
-    order = batch_order(planned, parts, batch_tokens, opts.max_images)
-    pool = DecodePool(cfg, workers, opts.max_pixels, opts.decode_timeout)
-    prefetch.cfg, prefetch.planned, prefetch.order, prefetch.pool = cfg, planned, order, pool
-    prefetch.decoded = pool.imap(((i, planned[i].item) for i in order),
-                                 window=decode_window(workers, opts.max_images))
+    batch_tokens = run_batch_tokens(opts, device_type)
+    parts = setup.cut_parts(images_per_part(cfg, opts), None, opts.balance, cfg,
+                            segment_tokens(batch_tokens, device_type))
+    setup.plan_batches(parts, batch_tokens, opts.max_images)
+    setup.decode_pool(cfg, device_type, opts)
+    setup.stream(opts.max_images)
     log.info("planned %d images in %d parts for %s; decoding started before the model loads",
              len(planned), len(parts), device_type)
-    return prefetch
+    return setup

@@ -8,7 +8,6 @@ error, 130/143 interrupted by SIGINT/SIGTERM (finished parts kept).
 
 from __future__ import annotations
 
-import inspect
 import logging
 import os
 import sys
@@ -94,147 +93,268 @@ def main_options(
                         format="%(levelname)s %(name)s: %(message)s")
 
 
+def _panel(title: str, **options):
+    """Options of one ``encode --help`` panel (Typer's ``rich_help_panel``), by name."""
+    for option in options.values():
+        option.rich_help_panel = title
+    return options
+
+
+#: ``encode``'s arguments and options, panel by panel in the order ``--help`` shows them: the
+#: signature of ``encode`` takes each from here, so that its help, default and panel are
+#: written once, in one table (tests/test_cli.py checks that every option is placed). INPUTS
+#: has Typer's own "Arguments" panel.
+ENCODE_OPTIONS = {
+    "inputs": typer.Argument(
+        None,
+        help="Image folders (walked recursively, sorted), image files, Parquet/Arrow tables "
+             "(.parquet, .arrow, .feather) and WebDataset shards (.tar)."),
+    **_panel(
+        "Inputs",
+        files_from=typer.Option(
+            None, "--files-from",
+            help="A file listing image paths, one per line ('-' for stdin)."),
+        image_column=typer.Option(
+            None, "--image-column",
+            help="Table inputs: the column holding image bytes or {bytes, path} structs "
+                 "(default: the only such column)."),
+        key_column=typer.Option(
+            None, "--key-column",
+            help="Table inputs: the column giving each row's output path (default: the struct's "
+                 "path, else FILE#ROW)."),
+        table_paths_root=typer.Option(
+            None, "--table-paths-root", metavar="DIR",
+            help="Table inputs: a {bytes: null, path} cell may name image files under DIR too "
+                 "(repeatable). By default only files inside the table's own folder are read; "
+                 "relative paths resolve beside the table."),
+        max_pixels=typer.Option(
+            defaults.DEFAULT_MAX_PIXELS, "--max-pixels",
+            help="Images with more pixels are refused (decompression bombs); Pillow's default."),
+        decode_timeout=typer.Option(
+            defaults.DEFAULT_DECODE_TIMEOUT_S, "--decode-timeout",
+            help="Seconds one image may take to decode, or its header to be read, before it is "
+                 "given up (an error row)."),
+        storage_option=typer.Option(
+            None, "--storage-option", metavar="KEY=VALUE",
+            help="Object storage (s3://, gs://, ...) inputs and --out: an option of the file "
+                 "system (pyarrow S3FileSystem, or fsspec's), e.g. endpoint_override=host:9000, "
+                 "anonymous=true (repeatable). Credentials and endpoints otherwise come from "
+                 "the environment and config files."),
+        storage_outage_s=typer.Option(
+            OUTAGE_S, "--storage-outage-s", metavar="SECONDS", help="Object storage: how long a "
+            "store may fail every call (refused connections, timeouts, 5xx; each after its "
+            "retries) before the run stops in one line, exit 1, its finished parts kept for "
+            f"--resume. The run ends within this plus {stop_bound_s(0.0, {}):g} s of the store's "
+            f"last answer ({stop_bound_s(OUTAGE_S, {}):g} s by default), plus the batch in "
+            "progress; inputs that failed meanwhile are transient rows, encoded again on "
+            "--resume."),
+    ),
+    **_panel(
+        "Model",
+        weights=typer.Option(
+            None, "--weights", envvar="DSV4ENC_WEIGHTS",
+            help="Checkpoint folder (config.json + safetensors) or a Hub id owner/name (needs "
+                 # \[: a literal bracket, not rich markup
+                 "the hub extra: pip install 'dsv4enc\\[hub]'); default: $DSV4ENC_WEIGHTS. Its "
+                 "config.json's model_type picks the variant: deepseek_v4 (V4-Flash-Vision-Exp) "
+                 "or deepseek_v41 (V4.1-Flash), each with its own image geometry."),
+        config=typer.Option(
+            None, "--config",
+            help="Model config JSON, for --random-init; its model_type (deepseek_v4 or "
+                 "deepseek_v41) picks the variant. The configs folder has both."),
+        random_init=typer.Option(
+            False, "--random-init",
+            help="Use a random tower of --config's shape (demos, benchmarks)."),
+        seed=typer.Option(
+            0, "--seed",
+            help="Seed for --random-init."),
+        dtype=typer.Option(
+            "auto", "--dtype", metavar=choices("auto", "float32", "bfloat16",
+                                               "float16"),
+            help="Compute dtype (auto: bfloat16 on CUDA and on CPUs with native bfloat16, AMX "
+                 "or AVX512-BF16; float32 on other CPUs; --resume continues in the interrupted "
+                 "run's)."),
+        features=typer.Option(
+            "aligner", "--features", metavar=choices("aligner", "vit"),
+            help="aligner: LLM-width merged tokens; vit: per-patch ViT features."),
+        pool=typer.Option(
+            "none", "--pool", metavar=choices("none", "mean"),
+            help="none: every row; mean: one vector per image (retrieval, dedup)."),
+    ),
+    **_panel(
+        "Output",
+        out=typer.Option(
+            ..., "--out", "-o",
+            help="Output Parquet file, or a folder (ending in / or with --shard-output) for a "
+                 "part-file dataset."),
+        out_dtype=typer.Option(
+            "float16", "--out-dtype", metavar=choices("float16", "float32"),
+            help="Stored embedding dtype."),
+        layout=typer.Option(
+            "binary", "--layout", metavar=choices("binary", "nested"),
+            help="embedding column: binary (one cell of raw bytes per image, ~20x cheaper to "
+                 "write and read) or nested (float lists that SQL and dataframe tools read as "
+                 "numbers)."),
+        overwrite=typer.Option(
+            False, "--overwrite",
+            help="Replace an existing --out."),
+        resume=typer.Option(
+            False, "--resume",
+            help="Continue an interrupted run, reusing its committed parts."),
+        update=typer.Option(
+            False, "--update",
+            help="Bring a finished --out up to date: encode new and changed images, keep the "
+                 "other rows, drop those of images gone (equal to a clean run); rerun it after "
+                 "a crash. No output yet: a plain run."),
+        shard_output=typer.Option(
+            False, "--shard-output",
+            help="torchrun: each rank writes its own parts under the --out folder."),
+        summary_json=typer.Option(
+            None, "--summary-json",
+            help="Also write the run's summary here as JSON (at the end, or when a signal stops "
+                 "the run)."),
+        commit_every=typer.Option(
+            defaults.COMMIT_EVERY_S, "--commit-every",
+            help="Seconds of encoding after which finished images are committed as a part (a "
+                 "kill loses about this much work)."),
+        part_images=typer.Option(
+            None, "--part-images", hidden=True,
+            help="Images per committed part (default from the config; small values for tests)."),
+    ),
+    **_panel(
+        "Run control",
+        quiet=typer.Option(
+            False, "--quiet", "-q",
+            help="Print only errors and, at the end, the output path (on stdout)."),
+        log_every=typer.Option(
+            defaults.LOG_EVERY_S, "--log-every",
+            help="Seconds between progress lines when stderr is not a terminal (logs of nohup, "
+                 "SLURM)."),
+        timeout=typer.Option(
+            defaults.COLLECTIVE_TIMEOUT_S, "--timeout",
+            help="Seconds a collective may wait for a peer rank before the job fails."),
+    ),
+    **_panel(
+        "Engine",
+        device=typer.Option(
+            "auto", "--device",
+            help="auto, cpu, cuda or cuda:N (under torchrun: each rank's LOCAL_RANK GPU)."),
+        batch_tokens=typer.Option(
+            None, "--batch-tokens",
+            help="Patches per packed batch (default 32768 on CUDA, 8192 on CPU)."),
+        workers=typer.Option(
+            None, "--workers",
+            help="Decode processes (default from the CPU count; 0 decodes inline)."),
+        attention=typer.Option(
+            "auto", "--attention", metavar=choices("auto", "flash", "varlen", "sdpa"),
+            help="Attention backend."),
+        cuda_graphs=typer.Option(
+            None, "--cuda-graphs/--no-cuda-graphs",
+            help="Replay captured CUDA graphs (default: on with CUDA)."),
+        deterministic=typer.Option(
+            True, "--deterministic/--no-deterministic",
+            help="Batch-invariant rows: an image's bytes do not depend on what shares its "
+                 "batch, the rank count, resume, or how it arrived (same device kind, dtype and "
+                 "software). Not with --tp-mode weights."),
+        fused=typer.Option(
+            False, "--fused/--no-fused",
+            help="Fuse the elementwise work around the GEMMs (RMSNorm, RoPE, SwiGLU) with "
+                 "torch.compile: equal to the eager tower to float rounding; compiling takes "
+                 "tens of seconds at start."),
+        tp_mode=typer.Option(
+            "data", "--tp-mode", metavar=choices("data", "weights"),
+            help="torchrun: data (each rank encodes its images) or weights (the tower is split "
+                 "across ranks; its all-reduce sums in another order, so rows are not "
+                 "batch-invariant and differ in the last bits from one rank's)."),
+        balance=typer.Option(
+            "patches", "--balance", metavar=choices("patches", "flops"),
+            help="torchrun load balancing cost: patches, or flops (counts the quadratic "
+                 "attention term)."),
+    ),
+    **_panel(
+        "Ray",
+        engine=typer.Option(
+            "local", "--engine", metavar=choices("local", "ray"),
+            help="ray: encoder actors on a Ray cluster encode, this process writes the same "
+                 "output (needs dsv4enc\\[ray]; inputs and weights readable on every node)."),
+        ray_address=typer.Option(
+            None, "--ray-address", envvar="RAY_ADDRESS",
+            help="The cluster to join (default: $RAY_ADDRESS, else a local Ray for the run)."),
+        ray_actors=typer.Option(
+            None, "--ray-actors",
+            help="Encoder actors (default: one per GPU, else one per node)."),
+        ray_gpus_per_actor=typer.Option(
+            None, "--ray-gpus-per-actor",
+            help="GPUs per actor (default: 1 when the cluster has GPUs and --device is not "
+                 "cpu)."),
+        ray_object_store_mb=typer.Option(
+            None, "--ray-object-store-mb", hidden=True,
+            help="The local Ray's object store (default: Ray's)."),
+    ),
+}
+
+#: Panel title -> the names of its options, in order (from ``ENCODE_OPTIONS``).
+def _panels(options: dict) -> dict[str, tuple[str, ...]]:
+    panels: dict[str, list[str]] = {}
+    for name, option in options.items():
+        if option.rich_help_panel:
+            panels.setdefault(option.rich_help_panel, []).append(name)
+    return {title: tuple(names) for title, names in panels.items()}
+
+
+ENCODE_PANELS = _panels(ENCODE_OPTIONS)
+
+
 @app.command()
 def encode(
     ctx: typer.Context,
-    inputs: List[str] = typer.Argument(None, help="Image folders (walked recursively, sorted), "
-                                       "image files, Parquet/Arrow tables (.parquet, .arrow, "
-                                       ".feather) and WebDataset shards (.tar)."),
-    files_from: Optional[str] = typer.Option(None, "--files-from", help="A file listing image "
-                                             "paths, one per line ('-' for stdin)."),
-    image_column: Optional[str] = typer.Option(None, "--image-column", help="Table inputs: the "
-                                               "column holding image bytes or {bytes, path} "
-                                               "structs (default: the only such column)."),
-    key_column: Optional[str] = typer.Option(None, "--key-column", help="Table inputs: the "
-                                             "column giving each row's output path (default: "
-                                             "the struct's path, else FILE#ROW)."),
-    table_paths_root: Optional[List[str]] = typer.Option(
-        None, "--table-paths-root", metavar="DIR", help="Table inputs: a {bytes: null, path} "
-        "cell may name image files under DIR too (repeatable). By default only files inside "
-        "the table's own folder are read; relative paths resolve beside the table."),
-    max_pixels: int = typer.Option(defaults.DEFAULT_MAX_PIXELS, "--max-pixels", help="Images with more pixels "
-                                   "are refused (decompression bombs); Pillow's default."),
-    decode_timeout: float = typer.Option(defaults.DEFAULT_DECODE_TIMEOUT_S, "--decode-timeout", help="Seconds one image "
-                                         "may take to decode, or its header to be read, "
-                                         "before it is given up (an error row)."),
-    storage_option: Optional[List[str]] = typer.Option(
-        None, "--storage-option", metavar="KEY=VALUE", help="Object storage (s3://, gs://, "
-        "...) inputs and --out: an option of the file system (pyarrow S3FileSystem, or "
-        "fsspec's), e.g. endpoint_override=host:9000, anonymous=true (repeatable). "
-        "Credentials and endpoints otherwise come from the environment and config files."),
-    storage_outage_s: float = typer.Option(
-        OUTAGE_S, "--storage-outage-s", metavar="SECONDS", help="Object storage: how long a "
-        "store may fail every call (refused connections, timeouts, 5xx; each after its "
-        "retries) before the run stops in one line, exit 1, its finished parts kept for "
-        f"--resume. The run ends within this plus {stop_bound_s(0.0, {}):g} s of the store's "
-        f"last answer ({stop_bound_s(OUTAGE_S, {}):g} s by default), plus the batch in "
-        "progress; inputs that failed meanwhile are transient rows, encoded again on "
-        "--resume."),
-    weights: Optional[str] = typer.Option(None, "--weights", envvar="DSV4ENC_WEIGHTS",
-                                          help="Checkpoint folder (config.json + safetensors) "
-                                          "or a Hub id owner/name (needs the hub extra: "
-                                          "pip install 'dsv4enc\\[hub]'); "  # \[: not markup
-                                          "default: $DSV4ENC_WEIGHTS. Its config.json's "
-                                          "model_type picks the variant: deepseek_v4 "
-                                          "(V4-Flash-Vision-Exp) or deepseek_v41 "
-                                          "(V4.1-Flash), each with its own image geometry."),
-    config: Optional[str] = typer.Option(None, "--config", help="Model config JSON, for "
-                                         "--random-init; its model_type (deepseek_v4 or "
-                                         "deepseek_v41) picks the variant. The configs "
-                                         "folder has both."),
-    random_init: bool = typer.Option(False, "--random-init", help="Use a random tower of "
-                                     "--config's shape (demos, benchmarks)."),
-    seed: int = typer.Option(0, "--seed", help="Seed for --random-init."),
-    dtype: str = typer.Option("auto", "--dtype", metavar=choices("auto", "float32", "bfloat16",
-                                                                 "float16"),
-                              help="Compute dtype (auto: bfloat16 on CUDA and on CPUs with "
-                              "native bfloat16, AMX or AVX512-BF16; float32 on other CPUs; "
-                              "--resume continues in the interrupted run's)."),
-    features: str = typer.Option("aligner", "--features", metavar=choices("aligner", "vit"),
-                                 help="aligner: LLM-width merged tokens; vit: per-patch ViT "
-                                 "features."),
-    pool: str = typer.Option("none", "--pool", metavar=choices("none", "mean"), help="none: "
-                             "every row; mean: one vector per image (retrieval, dedup)."),
-    out: str = typer.Option(..., "--out", "-o", help="Output Parquet file, or a folder (ending "
-                            "in / or with --shard-output) for a part-file dataset."),
-    out_dtype: str = typer.Option("float16", "--out-dtype", metavar=choices("float16", "float32"),
-                                  help="Stored embedding dtype."),
-    layout: str = typer.Option("binary", "--layout", metavar=choices("binary", "nested"),
-                               help="embedding column: binary (one cell of raw bytes per "
-                               "image, ~20x cheaper to write and read) or nested (float "
-                               "lists that SQL and dataframe tools read as numbers)."),
-    overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing --out."),
-    resume: bool = typer.Option(False, "--resume", help="Continue an interrupted run, reusing "
-                                "its committed parts."),
-    update: bool = typer.Option(False, "--update", help="Bring a finished --out up to date: "
-                                "encode new and changed images, keep the other rows, drop "
-                                "those of images gone (equal to a clean run); rerun it after "
-                                "a crash. No output yet: a plain run."),
-    shard_output: bool = typer.Option(False, "--shard-output", help="torchrun: each rank "
-                                      "writes its own parts under the --out folder."),
-    summary_json: Optional[str] = typer.Option(None, "--summary-json", help="Also write the "
-                                               "run's summary here as JSON (at the end, or "
-                                               "when a signal stops the run)."),
-    commit_every: float = typer.Option(defaults.COMMIT_EVERY_S, "--commit-every", help="Seconds of encoding "
-                                       "after which finished images are committed as a part "
-                                       "(a kill loses about this much work)."),
-    part_images: Optional[int] = typer.Option(None, "--part-images", hidden=True,
-                                              help="Images per committed part (default from "
-                                              "the config; small values for tests)."),
-    quiet: bool = typer.Option(False, "--quiet", "-q", help="Print only errors and, at the "
-                               "end, the output path (on stdout)."),
-    log_every: float = typer.Option(defaults.LOG_EVERY_S, "--log-every", help="Seconds between progress lines "
-                                    "when stderr is not a terminal (logs of nohup, SLURM)."),
-    timeout: float = typer.Option(defaults.COLLECTIVE_TIMEOUT_S, "--timeout", help="Seconds a collective may wait for "
-                                  "a peer rank before the job fails."),
-    device: str = typer.Option("auto", "--device", help="auto, cpu, cuda or cuda:N (under "
-                               "torchrun: each rank's LOCAL_RANK GPU)."),
-    batch_tokens: Optional[int] = typer.Option(None, "--batch-tokens", help="Patches per packed "
-                                               "batch (default 32768 on CUDA, 8192 on CPU)."),
-    workers: Optional[int] = typer.Option(None, "--workers", help="Decode processes (default "
-                                          "from the CPU count; 0 decodes inline)."),
-    attention: str = typer.Option("auto", "--attention",
-                                  metavar=choices("auto", "flash", "varlen", "sdpa"),
-                                  help="Attention backend."),
-    cuda_graphs: Optional[bool] = typer.Option(None, "--cuda-graphs/--no-cuda-graphs",
-                                               help="Replay captured CUDA graphs (default: on "
-                                               "with CUDA)."),
-    deterministic: bool = typer.Option(True, "--deterministic/--no-deterministic",
-                                       help="Batch-invariant rows: an image's bytes do not "
-                                       "depend on what shares its batch, the rank count, "
-                                       "resume, or how it arrived (same device kind, dtype "
-                                       "and software). Not with --tp-mode weights."),
-    fused: bool = typer.Option(False, "--fused/--no-fused",
-                               help="Fuse the elementwise work around the GEMMs (RMSNorm, "
-                               "RoPE, SwiGLU) with torch.compile: equal to the eager tower "
-                               "to float rounding; compiling takes tens of seconds at start."),
-    tp_mode: str = typer.Option("data", "--tp-mode", metavar=choices("data", "weights"),
-                                help="torchrun: data (each rank encodes its images) or "
-                                "weights (the tower is split across ranks; its all-reduce "
-                                "sums in another order, so rows are not batch-invariant "
-                                "and differ in the last bits from one rank's)."),
-    balance: str = typer.Option("patches", "--balance", metavar=choices("patches", "flops"),
-                                help="torchrun load balancing cost: patches, or flops (counts "
-                                "the quadratic attention term)."),
-    engine: str = typer.Option("local", "--engine", metavar=choices("local", "ray"),
-                               help="ray: encoder actors on a Ray cluster encode, this "
-                               "process writes the same output (needs dsv4enc\\[ray]; inputs "
-                               "and weights readable on every node)."),
-    ray_address: Optional[str] = typer.Option(None, "--ray-address", envvar="RAY_ADDRESS",
-                                              help="The cluster to join (default: "
-                                              "$RAY_ADDRESS, else a local Ray for the run)."),
-    ray_actors: Optional[int] = typer.Option(None, "--ray-actors", help="Encoder actors "
-                                             "(default: one per GPU, else one per node)."),
-    ray_gpus_per_actor: Optional[float] = typer.Option(
-        None, "--ray-gpus-per-actor", help="GPUs per actor (default: 1 when the cluster "
-        "has GPUs and --device is not cpu)."),
-    ray_object_store_mb: Optional[int] = typer.Option(None, "--ray-object-store-mb",
-                                                      hidden=True, help="The local Ray's "
-                                                      "object store (default: Ray's)."),
+    inputs: List[str] = ENCODE_OPTIONS["inputs"],
+    files_from: Optional[str] = ENCODE_OPTIONS["files_from"],
+    image_column: Optional[str] = ENCODE_OPTIONS["image_column"],
+    key_column: Optional[str] = ENCODE_OPTIONS["key_column"],
+    table_paths_root: Optional[List[str]] = ENCODE_OPTIONS["table_paths_root"],
+    max_pixels: int = ENCODE_OPTIONS["max_pixels"],
+    decode_timeout: float = ENCODE_OPTIONS["decode_timeout"],
+    storage_option: Optional[List[str]] = ENCODE_OPTIONS["storage_option"],
+    storage_outage_s: float = ENCODE_OPTIONS["storage_outage_s"],
+    weights: Optional[str] = ENCODE_OPTIONS["weights"],
+    config: Optional[str] = ENCODE_OPTIONS["config"],
+    random_init: bool = ENCODE_OPTIONS["random_init"],
+    seed: int = ENCODE_OPTIONS["seed"],
+    dtype: str = ENCODE_OPTIONS["dtype"],
+    features: str = ENCODE_OPTIONS["features"],
+    pool: str = ENCODE_OPTIONS["pool"],
+    out: str = ENCODE_OPTIONS["out"],
+    out_dtype: str = ENCODE_OPTIONS["out_dtype"],
+    layout: str = ENCODE_OPTIONS["layout"],
+    overwrite: bool = ENCODE_OPTIONS["overwrite"],
+    resume: bool = ENCODE_OPTIONS["resume"],
+    update: bool = ENCODE_OPTIONS["update"],
+    shard_output: bool = ENCODE_OPTIONS["shard_output"],
+    summary_json: Optional[str] = ENCODE_OPTIONS["summary_json"],
+    commit_every: float = ENCODE_OPTIONS["commit_every"],
+    part_images: Optional[int] = ENCODE_OPTIONS["part_images"],
+    quiet: bool = ENCODE_OPTIONS["quiet"],
+    log_every: float = ENCODE_OPTIONS["log_every"],
+    timeout: float = ENCODE_OPTIONS["timeout"],
+    device: str = ENCODE_OPTIONS["device"],
+    batch_tokens: Optional[int] = ENCODE_OPTIONS["batch_tokens"],
+    workers: Optional[int] = ENCODE_OPTIONS["workers"],
+    attention: str = ENCODE_OPTIONS["attention"],
+    cuda_graphs: Optional[bool] = ENCODE_OPTIONS["cuda_graphs"],
+    deterministic: bool = ENCODE_OPTIONS["deterministic"],
+    fused: bool = ENCODE_OPTIONS["fused"],
+    tp_mode: str = ENCODE_OPTIONS["tp_mode"],
+    balance: str = ENCODE_OPTIONS["balance"],
+    engine: str = ENCODE_OPTIONS["engine"],
+    ray_address: Optional[str] = ENCODE_OPTIONS["ray_address"],
+    ray_actors: Optional[int] = ENCODE_OPTIONS["ray_actors"],
+    ray_gpus_per_actor: Optional[float] = ENCODE_OPTIONS["ray_gpus_per_actor"],
+    ray_object_store_mb: Optional[int] = ENCODE_OPTIONS["ray_object_store_mb"],
 ) -> None:
     """Encode images into a Parquet file of embeddings, one row per image."""
-    # Over 100 lines only for Typer's signature (one parameter, with its help, per option);
-    # the body builds the options and hands them to _encode_command.
+    # Each parameter's help, default and panel: ENCODE_OPTIONS. The body builds the options
+    # and hands them to _encode_command.
     import time
 
     started = _process_started if _process_started is not None else time.perf_counter()
@@ -247,11 +367,9 @@ def encode(
         key_column=key_column, table_paths_roots=tuple(table_paths_root or ()), weights=weights,
         config=config, random_init=random_init, seed=seed, device=device, dtype=dtype,
         out_dtype=out_dtype, features=features, pool=pool, layout=layout,
-        batch_tokens=batch_tokens,
-        workers=workers, overwrite=overwrite, resume=resume, update=update,
-        max_pixels=max_pixels,
-        decode_timeout=decode_timeout, attention=attention, cuda_graphs=cuda_graphs,
-        deterministic=deterministic, fused=fused,
+        batch_tokens=batch_tokens, workers=workers, overwrite=overwrite, resume=resume,
+        update=update, max_pixels=max_pixels, decode_timeout=decode_timeout,
+        attention=attention, cuda_graphs=cuda_graphs, deterministic=deterministic, fused=fused,
         shard_output=shard_output, tp_mode=tp_mode, balance=balance, timeout=timeout,
         part_images=part_images, commit_every=commit_every,
         progress=not quiet, log_every=log_every, storage_outage_s=storage_outage_s)
@@ -267,32 +385,6 @@ def encode(
     _encode_command(opts, storage_option, quiet, summary_json, started, ray_opts)
 
 
-#: ``encode --help`` groups its options into panels (the signature lists them in this order,
-#: which is the order the panels appear in); every option is in one (tests/test_cli.py checks
-#: that a new option is placed). The INPUTS argument has Typer's own "Arguments" panel.
-ENCODE_PANELS = {
-    "Inputs": ("files_from", "image_column", "key_column", "table_paths_root",
-               "max_pixels", "decode_timeout", "storage_option", "storage_outage_s"),
-    "Model": ("weights", "config", "random_init", "seed", "dtype", "features", "pool"),
-    "Output": ("out", "out_dtype", "layout", "overwrite", "resume", "update", "shard_output",
-               "summary_json", "commit_every", "part_images"),
-    "Run control": ("quiet", "log_every", "timeout"),
-    "Engine": ("device", "batch_tokens", "workers", "attention", "cuda_graphs",
-               "deterministic", "fused", "tp_mode", "balance"),
-    "Ray": ("engine", "ray_address", "ray_actors", "ray_gpus_per_actor", "ray_object_store_mb"),
-}
-
-
-def group_options(command, panels: dict[str, tuple[str, ...]]) -> None:
-    """Put each parameter of the Typer ``command`` into its ``--help`` panel (Typer's
-    ``rich_help_panel``), from one table instead of a keyword on every option."""
-    parameters = inspect.signature(command).parameters
-    for panel, names in panels.items():
-        for name in names:
-            parameters[name].default.rich_help_panel = panel
-
-
-group_options(encode, ENCODE_PANELS)
 
 def _encode_command(opts, storage_option: list[str] | None, quiet: bool,
                     summary_json: str | None, started: float | None = None,
@@ -444,7 +536,8 @@ def bench(
     graphs: str = typer.Option("auto", "--graphs", help="Comma-separated: auto, on, off."),
     attention: str = typer.Option("auto", "--attention", help="auto, flash, varlen or sdpa."),
     features: str = typer.Option("aligner", "--features", help="aligner or vit."),
-    max_images: int = typer.Option(defaults.DEFAULT_MAX_IMAGES, "--max-images", help="Images per batch at most."),
+    max_images: int = typer.Option(defaults.DEFAULT_MAX_IMAGES, "--max-images",
+                                   help="Images per batch at most."),
     repeat: int = typer.Option(2, "--repeat", help="Rounds per measurement (best is kept)."),
     naive_images: Optional[int] = typer.Option(None, "--naive-images", help="Images for the "
                                                "naive one-at-a-time loop (default: all)."),

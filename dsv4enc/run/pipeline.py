@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -221,69 +221,19 @@ def _run_encode(opts: EncodeOptions, dist, setup: RunSetup, stop: StopSignals,
             if dist is None and stop.signum is not None:
                 raise Interrupted(stop.signum, "nothing was encoded; rerun the same command")
             summary.count_misnamed(planned)
-            part_images = images_per_part(cfg, opts)
-            settings = run_settings(ckpt, opts, dtype, part_images, engine)
-            if ranks.shard_output:
-                settings["world_size"] = ranks.world_size
-            schema = output_schema(cfg.output_width(opts.features), opts.out_dtype,
-                                   settings, pooled=opts.pool == "mean", layout=opts.layout)
-            resuming = resume_settings(opts)
-            options = resuming.row_options
-            rows_settings = {**settings, **options}
-            # --update of an existing output (None: there is none yet, a plain run)
-            update = Update.start(layout.out, layout.folder_mode) if opts.update else None
-            store = (update.open_store(settings, rows_settings) if update is not None else None)
-            if store is None:
-                store = open_store(layout, settings, schema, local=local,
-                                   is_main=ranks.is_main, world_size=ranks.world_size,
-                                   rank=dist.rank if dist is not None else None)
-            parts = setup.cut_parts(part_images, ranks, opts.balance, cfg, segment_tokens=(
-                None if ranks.splits_images else  # greedy per part
-                segment_tokens(engine.batch_tokens, device.type)))
-            if update is not None:
-                update.match(planned, rows_settings)  # refuses other settings in one line
-                update.count_into(summary)
-            todo, summary.reused = resume_filter(store, parts, resuming, writes=ranks.writes,
-                                                 agree=ranks.agree_on_todo)
-            carried = update.carried if update is not None else {}
-            # each row's input stamp, kept with the output for a later --update
-            stamps = (row_stamps((p.item.key, p.stamp) for p in planned)
-                      if ranks.is_main and not ranks.sharded else None)
+            output = _plan_output(opts, setup, layout, ranks, engine, ckpt, device, dtype,
+                                  summary, local)
+            store = output.store
             progress.announce(_opening_line(opts, len(found.items), device, dtype, cfg))
             if adopted:
                 progress.announce(adopted)
+            carried = output.carried
             progress.start(total=len(planned), done=summary.reused + sum(
-                               1 for p in todo for i in range(p.start, p.end) if i in carried),
-                           tokens=sum(planned[i].tokens for p in todo
+                               1 for p in output.todo for i in range(p.start, p.end)
+                               if i in carried),
+                           tokens=sum(planned[i].tokens for p in output.todo
                                       for i in range(p.start, p.end) if i not in carried))
-            assembler = assembler_for(store, layout, [p.name for p in parts], schema,
-                                      is_main=ranks.is_main, key_values=(
-                                          None if stamps is None
-                                          else footer_entry(stamps, options)))
-            writer = (PartWriter(store, schema, default_writer_threads(), assembler)
-                      if ranks.writes else None)
-            runner = PartEncoder(engine, opts, ranks, progress, summary, stop, update)
-            try:
-                _encode_parts(engine, runner, setup, todo, writer, store, layout, summary,
-                              progress, stop, "--update" if opts.update else "--resume")
-                stop.check()
-                # A store that failed its last calls made rows of outages (transient): the
-                # run is not complete while it does not answer
-                failing = [exc for exc in ranks.gather(storage.failing_store(give_up=True))
-                           if exc is not None]
-                if failing:
-                    raise failing[0]
-                ranks.barrier()
-                _finish_output(assembler, store, layout, ranks, engine, summary, progress, stop)
-                if layout.folder_mode and stamps is not None:  # the folder is complete
-                    if update is not None and update.staging is not None:
-                        update.finish_folder(store, stamps, options)
-                    else:
-                        write_folder_stamps(layout.parts_dir, store, stamps, options)
-            except BaseException:
-                if assembler is not None:
-                    assembler.abort()  # idempotent; the final file never appears half-written
-                raise
+            _write_output(opts, engine, setup, output, layout, ranks, progress, summary, stop)
     except (DsvError, Interrupted) as exc:
         if isinstance(exc, storage.StoreDown) and store is not None and local:
             exc.keep(len(store.parts), str(layout.parts_dir))
@@ -298,6 +248,97 @@ def _run_encode(opts: EncodeOptions, dist, setup: RunSetup, stop: StopSignals,
     if not ranks.gathered:
         summary.padded_tokens = stats.padded_tokens  # else summed over the ranks above
     return summary  # its wall time is set by run_encode, once the decode workers are gone
+
+
+@dataclass
+class OutputPlan:
+    """What a run writes, once its headers are read: the part ledger (``store``), the
+    schema, every part and those still to encode (``todo``), an ``--update``'s ``Update``
+    (None otherwise), the input stamps kept for a later ``--update`` (None on ranks that
+    do not keep them) and the options that decide rows (``row_options``)."""
+
+    store: object
+    schema: object
+    parts: list
+    todo: list
+    update: Update | None
+    stamps: object
+    row_options: dict
+
+    @property
+    def carried(self):
+        """Inputs whose rows ``--update`` copies from the old output."""
+        return self.update.carried if self.update is not None else {}
+
+
+def _plan_output(opts: EncodeOptions, setup: RunSetup, layout: OutputLayout, ranks: Topology,
+                 engine: Engine, ckpt: Checkpoint, device: torch.device, dtype: torch.dtype,
+                 summary: RunSummary, local: bool) -> OutputPlan:
+    """The run's settings and schema, its store (the old output's under ``--update``), its
+    parts, and which of them are still to encode (``--resume``, ``--update``)."""
+    cfg, planned = ckpt.config, setup.planned
+    part_images = images_per_part(cfg, opts)
+    settings = run_settings(ckpt, opts, dtype, part_images, engine)
+    if ranks.shard_output:
+        settings["world_size"] = ranks.world_size
+    schema = output_schema(cfg.output_width(opts.features), opts.out_dtype,
+                           settings, pooled=opts.pool == "mean", layout=opts.layout)
+    resuming = resume_settings(opts)
+    rows_settings = {**settings, **resuming.row_options}
+    # --update of an existing output (None: there is none yet, a plain run)
+    update = Update.start(layout.out, layout.folder_mode) if opts.update else None
+    store = update.open_store(settings, rows_settings) if update is not None else None
+    if store is None:
+        store = open_store(layout, settings, schema, local=local, is_main=ranks.is_main,
+                           world_size=ranks.world_size, rank=ranks.rank if ranks.dist is not None else None)
+    parts = setup.cut_parts(part_images, ranks, opts.balance, cfg, segment_tokens=(
+        None if ranks.splits_images else  # greedy per part
+        segment_tokens(engine.batch_tokens, device.type)))
+    if update is not None:
+        update.match(planned, rows_settings)  # refuses other settings in one line
+        update.count_into(summary)
+    todo, summary.reused = resume_filter(store, parts, resuming, writes=ranks.writes,
+                                         agree=ranks.agree_on_todo)
+    # each row's input stamp, kept with the output for a later --update
+    stamps = (row_stamps((p.item.key, p.stamp) for p in planned)
+              if ranks.is_main and not ranks.sharded else None)
+    return OutputPlan(store, schema, parts, todo, update, stamps, resuming.row_options)
+
+
+def _write_output(opts: EncodeOptions, engine: Engine, setup: RunSetup, output: OutputPlan,
+                  layout: OutputLayout, ranks: Topology, progress: RunProgress,
+                  summary: RunSummary, stop: StopSignals) -> None:
+    """Encode the parts to do into the output and finish it: the single file, the sharded
+    manifest, a folder's stamps. A failed or stopped run leaves its committed parts."""
+    store, stamps, update = output.store, output.stamps, output.update
+    assembler = assembler_for(store, layout, [p.name for p in output.parts], output.schema,
+                              is_main=ranks.is_main, key_values=(
+                                  None if stamps is None
+                                  else footer_entry(stamps, output.row_options)))
+    writer = (PartWriter(store, output.schema, default_writer_threads(), assembler)
+              if ranks.writes else None)
+    runner = PartEncoder(engine, opts, ranks, progress, summary, stop, update)
+    try:
+        _encode_parts(engine, runner, setup, output.todo, writer, store, layout, summary,
+                      progress, stop, "--update" if opts.update else "--resume")
+        stop.check()
+        # A store that failed its last calls made rows of outages (transient): the run is
+        # not complete while it does not answer
+        failing = [exc for exc in ranks.gather(storage.failing_store(give_up=True))
+                   if exc is not None]
+        if failing:
+            raise failing[0]
+        ranks.barrier()
+        _finish_output(assembler, store, layout, ranks, engine, summary, progress, stop)
+        if layout.folder_mode and stamps is not None:  # the folder is complete
+            if update is not None and update.staging is not None:
+                update.finish_folder(store, stamps, output.row_options)
+            else:
+                write_folder_stamps(layout.parts_dir, store, stamps, output.row_options)
+    except BaseException:
+        if assembler is not None:
+            assembler.abort()  # idempotent; the final file never appears half-written
+        raise
 
 
 def _encode_parts(engine: Engine, runner: PartEncoder, setup: RunSetup, todo,

@@ -30,7 +30,7 @@ from ..images.items import is_image_name
 from ..images.headers import inputs_digest
 from ..pausepoints import pause
 from .appending import GROWING_NAME
-from .update import STAMPS_FILE
+from .update import STAMPS_FILE, Update
 from .parts import (LOCK_NAME, MANIFEST_FILE, MANIFEST_NAME, PART_FILE, TEMP_FILE, PartLedger,
                     PartStore, Row, StreamingAssembler, output_os_error, read_manifest,
                     rows_per_group, rows_to_table)
@@ -384,15 +384,21 @@ class OutputLayout:
 
 
 def open_store(layout: OutputLayout, settings: dict, schema, *, local: bool, is_main: bool,
-               world_size: int, rank: int | None) -> PartLedger:
+               world_size: int, rank: int | None, update: Update | None = None,
+               rows_settings: dict | None = None) -> PartLedger:
     """Where this process commits its parts: output's own choice of store.
 
     One process writing a local single file appends each part to it once (``appending``);
     otherwise parts are files, joined at the end (the staging of an object storage output,
     ``local=False``, uploads them as they commit; a local folder's parts drop their page
     cache). ``rank``: this process's under torchrun (None outside), for --shard-output's
-    per-rank manifests."""
+    per-rank manifests. ``update`` (--update of a finished output; ``rows_settings``: the
+    settings that decide its rows): a folder's new parts go to its staging store."""
     from . import appending
+
+    staging = update.open_store(settings, rows_settings) if update is not None else None
+    if staging is not None:
+        return staging
 
     single_file = not layout.folder_mode and is_main
     if single_file and local and world_size == 1 and appending.AVAILABLE:

@@ -287,10 +287,10 @@ def _plan_output(opts: EncodeOptions, setup: RunSetup, layout: OutputLayout, ran
     rows_settings = {**settings, **resuming.row_options}
     # --update of an existing output (None: there is none yet, a plain run)
     update = Update.start(layout.out, layout.folder_mode) if opts.update else None
-    store = update.open_store(settings, rows_settings) if update is not None else None
-    if store is None:
-        store = open_store(layout, settings, schema, local=local, is_main=ranks.is_main,
-                           world_size=ranks.world_size, rank=ranks.rank if ranks.dist is not None else None)
+    store = open_store(layout, settings, schema, local=local, is_main=ranks.is_main,
+                       world_size=ranks.world_size,
+                       rank=ranks.rank if ranks.dist is not None else None,
+                       update=update, rows_settings=rows_settings)
     parts = setup.cut_parts(part_images, ranks, opts.balance, cfg, segment_tokens=(
         None if ranks.splits_images else  # greedy per part
         segment_tokens(engine.batch_tokens, device.type)))

@@ -17,7 +17,7 @@ import numpy as np
 
 from ..tower.config import MODEL_NAMES, model_type_of
 from ..errors import UsageError
-from .read import embedding_format, output_files, read_metadata
+from .read import MANIFEST_NAME, embedding_format, output_files, read_metadata
 
 TOP_ERRORS = 5
 _QUOTED = re.compile(r"'[^']*'|\"[^\"]*\"")
@@ -123,7 +123,7 @@ def _summarize_interrupted(path: str | os.PathLike, folder: Path) -> OutputSumma
 
     manifests = _manifests(folder)
     if not manifests:
-        raise UsageError(f"{folder}: no dsv4enc manifest (_manifest.json) here: not an "
+        raise UsageError(f"{folder}: no dsv4enc manifest ({MANIFEST_NAME}) here: not an "
                          "interrupted dsv4enc run")
     out = OutputSummary(path=str(path), interrupted=True)
     _record_progress(out, manifests)

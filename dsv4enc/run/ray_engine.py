@@ -373,19 +373,19 @@ class _RayRun:
     def run(self, local: bool):
         from types import SimpleNamespace
 
-        from ..images.discover import discover
         from ..output.layout import PartWriter, assembler_for, open_store, resume_filter
         from ..output.parts import output_schema
         from .options import default_writer_threads
         from .pipeline import resume_settings, run_settings
-        from .plan import images_per_part, plan_parts, read_headers, segment_tokens
+        from .plan import images_per_part, segment_tokens
+        from .setup import RunSetup
         from .progress import RunProgress
         from .summary import RunSummary
 
         opts, layout, stop = self.opts, self.layout, self.stop
         started = time.perf_counter()
-        found = discover(opts.inputs, opts.files_from, opts.image_column, opts.key_column,
-                         stop, table_paths_roots=opts.table_paths_roots)
+        setup = RunSetup()  # the local run's set-up path: inputs, headers and parts, once
+        found = setup.find_inputs(opts, stop)
         layout.prepare(opts.inputs, opts.files_from, overwrite=opts.overwrite,
                        resume=opts.resume)
         self.cluster = RayCluster(self.ray_opts)
@@ -414,8 +414,8 @@ class _RayRun:
                 self._start_actors(plan, dtype)
                 described = self._describe()
                 cfg = described["config"]
-                planned = read_headers(found.items, cfg, opts.max_pixels, None,
-                                       stop.requested, opts.decode_timeout)
+                planned = setup.headers(cfg, opts, None, stop.requested,
+                                        announce=progress.status)
                 if stop.signum is not None:
                     raise Interrupted(stop.signum, "nothing was encoded; rerun the same command")
                 part_images = images_per_part(cfg, opts)
@@ -430,9 +430,8 @@ class _RayRun:
                 store = open_store(layout, settings, schema, local=local, is_main=True,
                                    world_size=1, rank=None)
                 batch_tokens = described["batch_tokens"]
-                parts = plan_parts(planned, part_images, None, opts.balance, cfg,
-                                   segment_tokens=segment_tokens(batch_tokens,
-                                                                 described["device"]))
+                parts = setup.cut_parts(part_images, None, opts.balance, cfg,
+                                        segment_tokens(batch_tokens, described["device"]))
                 todo, summary.reused = resume_filter(store, parts, resume_settings(opts))
                 progress.announce(_opening_line(opts, len(found.items), plan, described))
                 if adopted:

@@ -371,13 +371,9 @@ class _RayRun:
 
     # -- the run ----------------------------------------------------------------------
     def run(self, local: bool):
-        from types import SimpleNamespace
-
-        from ..output.layout import PartWriter, assembler_for, open_store, resume_filter
-        from ..output.parts import output_schema
-        from .options import default_writer_threads
-        from .pipeline import resume_settings, run_settings
-        from .plan import images_per_part, segment_tokens
+        """The run: inputs and ``--out`` checked, Ray joined, actors started, the output
+        planned, written and finished. ``local``: ``--out`` is a local path (not the staging
+        of an object storage one)."""
         from .setup import RunSetup
         from .progress import RunProgress
         from .summary import RunSummary
@@ -391,12 +387,7 @@ class _RayRun:
         self.cluster = RayCluster(self.ray_opts)
         self.ray = self.cluster.ray
         plan = plan_actors(opts, self.ray_opts, self.cluster)
-        dtype, adopted = opts.dtype, None
-        recorded = layout.interrupted_settings() if opts.resume else None
-        if (recorded and dtype == "auto" and recorded.get("device") == plan.device_type
-                and recorded.get("compute_dtype")):
-            dtype = recorded["compute_dtype"]  # --resume continues in the interrupted run's
-            adopted = f"--resume: computing in {dtype}, as the interrupted run did"
+        dtype, adopted = self._compute_dtype(plan)
         stop.immediate = False
         layout.create()
         if not found.items:
@@ -418,45 +409,15 @@ class _RayRun:
                                         announce=progress.status)
                 if stop.signum is not None:
                     raise Interrupted(stop.signum, "nothing was encoded; rerun the same command")
-                part_images = images_per_part(cfg, opts)
-                settings = run_settings(
-                    SimpleNamespace(config=cfg, fingerprint=described["fingerprint"]), opts,
-                    described["compute_dtype"], part_images,
-                    SimpleNamespace(device=SimpleNamespace(type=described["device"]),
-                                    deterministic=described["batch_invariant"]))
-                schema = output_schema(cfg.output_width(opts.features), opts.out_dtype,
-                                       settings, pooled=opts.pool == "mean",
-                                       layout=opts.layout)
-                store = open_store(layout, settings, schema, local=local, is_main=True,
-                                   world_size=1, rank=None)
-                batch_tokens = described["batch_tokens"]
-                parts = setup.cut_parts(part_images, None, opts.balance, cfg,
-                                        segment_tokens(batch_tokens, described["device"]))
-                todo, summary.reused = resume_filter(store, parts, resume_settings(opts))
+                store, schema, parts, todo = self._plan_output(setup, described, local, summary)
                 progress.announce(_opening_line(opts, len(found.items), plan, described))
                 if adopted:
                     progress.announce(adopted)
                 progress.start(total=len(planned), done=summary.reused,
                                tokens=sum(planned[i].tokens for p in todo
                                           for i in range(p.start, p.end)))
-                assembler = assembler_for(store, layout, [p.name for p in parts], schema,
-                                          is_main=True)
-                writer = PartWriter(store, schema, default_writer_threads(), assembler)
-                try:
-                    self._encode(planned, todo, writer, store, summary, progress,
-                                 batch_tokens)
-                    stop.check()
-                    if assembler is not None:
-                        progress.status("writing the final file")
-                        began = time.perf_counter()
-                        assembler.finish()
-                        stop.immediate = False
-                        layout.remove_parts()
-                        summary.write_s += time.perf_counter() - began
-                except BaseException:
-                    if assembler is not None:
-                        assembler.abort()
-                    raise
+                self._write_output(planned, parts, todo, store, schema, summary, progress,
+                                   described["batch_tokens"])
         except (DsvError, Interrupted) as exc:
             layout.discard_if_empty()
             if isinstance(exc, Interrupted):
@@ -468,6 +429,69 @@ class _RayRun:
             self._stop_actors()
         summary.seconds = time.perf_counter() - started
         return summary
+
+    def _compute_dtype(self, plan: ActorPlan) -> tuple[str, str | None]:
+        """``--dtype``, and under ``--resume`` with ``auto`` the interrupted run's on the same
+        device kind (with the line that says so, else None)."""
+        opts = self.opts
+        recorded = self.layout.interrupted_settings() if opts.resume else None
+        if (recorded and opts.dtype == "auto" and recorded.get("device") == plan.device_type
+                and recorded.get("compute_dtype")):
+            dtype = recorded["compute_dtype"]
+            return dtype, f"--resume: computing in {dtype}, as the interrupted run did"
+        return opts.dtype, None
+
+    def _plan_output(self, setup, described: dict[str, Any], local: bool, summary):
+        """The output's settings and schema (from the actors' model), its store (output's
+        choice), its parts and those still to encode (``--resume``): ``(store, schema,
+        parts, todo)``."""
+        from types import SimpleNamespace
+
+        from ..output.layout import open_store, resume_filter
+        from ..output.parts import output_schema
+        from .pipeline import resume_settings, run_settings
+        from .plan import images_per_part, segment_tokens
+
+        opts, cfg = self.opts, described["config"]
+        part_images = images_per_part(cfg, opts)
+        settings = run_settings(
+            SimpleNamespace(config=cfg, fingerprint=described["fingerprint"]), opts,
+            described["compute_dtype"], part_images,
+            SimpleNamespace(device=SimpleNamespace(type=described["device"]),
+                            deterministic=described["batch_invariant"]))
+        schema = output_schema(cfg.output_width(opts.features), opts.out_dtype, settings,
+                               pooled=opts.pool == "mean", layout=opts.layout)
+        store = open_store(self.layout, settings, schema, local=local, is_main=True,
+                           world_size=1, rank=None)
+        parts = setup.cut_parts(part_images, None, opts.balance, cfg,
+                                segment_tokens(described["batch_tokens"], described["device"]))
+        todo, summary.reused = resume_filter(store, parts, resume_settings(opts))
+        return store, schema, parts, todo
+
+    def _write_output(self, planned, parts, todo, store, schema, summary, progress,
+                      batch_tokens: int) -> None:
+        """Encode the parts to do on the actors, commit them in input order, and assemble
+        the single file; a failed or stopped run leaves its committed parts."""
+        from ..output.layout import PartWriter, assembler_for
+        from .options import default_writer_threads
+
+        layout, stop = self.layout, self.stop
+        assembler = assembler_for(store, layout, [p.name for p in parts], schema, is_main=True)
+        writer = PartWriter(store, schema, default_writer_threads(), assembler)
+        try:
+            self._encode(planned, todo, writer, store, summary, progress, batch_tokens)
+            stop.check()
+            if assembler is not None:
+                progress.status("writing the final file")
+                began = time.perf_counter()
+                assembler.finish()
+                stop.immediate = False
+                layout.remove_parts()
+                summary.write_s += time.perf_counter() - began
+        except BaseException:
+            if assembler is not None:
+                assembler.abort()
+            raise
 
     def _stop_actors(self) -> None:
         for actor in self.actors:  # (only once Ray was joined: actors need it)

@@ -38,6 +38,12 @@ torch.set_num_threads(int(os.environ.get("DSV4ENC_TEST_THREADS", _THREADS)))
 # too). test_cpufeatures tests the machine's own decision.
 os.environ.setdefault("DSV4ENC_CPU_AUTO_DTYPE", "float32")
 
+# Ray starts its workers at niceness 15 (below the raylet) by default. The suite's local
+# Rays (tests/test_ray.py, --engine ray) run theirs at the tests' own priority, so that a
+# machine kept busy by other work slows the Ray tests as much as the rest, instead of
+# starving their actors (about 1/30 of a core each against one process at niceness 0).
+os.environ.setdefault("RAY_worker_niceness", "0")
+
 # No per-example deadline: timings on a loaded CI box are noise, not a property.
 settings.register_profile("dsv4enc", deadline=None, max_examples=100,
                           suppress_health_check=[HealthCheck.too_slow])

@@ -63,7 +63,8 @@ class PartEncoder:
             for plan in batches:
                 for rank, share in enumerate(plan):
                     self._add_rank_load(rank, sum(planned[i].tokens for b in share for i in b))
-        return [sum(planned[i].tokens for i in batch) for plan in batches for batch in plan[self.me]]
+        return [sum(planned[i].tokens for i in batch)
+                for plan in batches for batch in plan[self.me]]
 
     def _add_rank_load(self, rank: int, load: float) -> None:
         loads = self.summary.rank_loads

@@ -60,7 +60,8 @@ def _tower_engine(ckpt: Checkpoint, device: torch.device, opts: EncodeOptions,
                         out_dtype=resolve_out_dtype(opts.out_dtype),
                         cuda_graphs=opts.cuda_graphs, batch_tokens=batch_tokens,
                         max_images=opts.max_images, deterministic=opts.deterministic,
-                        fused=opts.fused, split=lambda model: ranks.split_tower(model, opts.tp_mode))
+                        fused=opts.fused,
+                        split=lambda model: ranks.split_tower(model, opts.tp_mode))
 
 
 def _resumed_compute(opts: EncodeOptions, device: torch.device, dtype: torch.dtype,
@@ -68,7 +69,9 @@ def _resumed_compute(opts: EncodeOptions, device: torch.device, dtype: torch.dty
     """``device``, ``dtype`` and the line that says so, after ``--resume`` adopted what the
     interrupted run computed in where they were left to ``auto`` (``device.resume_compute``).
     Every rank follows rank 0's record, so that the ranks compute alike."""
-    recorded = layout.interrupted_settings(dist.rank if dist is not None else None) if opts.resume and ranks.writes else None
+    recorded = None
+    if opts.resume and ranks.writes:
+        recorded = layout.interrupted_settings(dist.rank if dist is not None else None)
     if dist is not None:
         recorded = ranks.gather(recorded)[0]
     return resume_compute(device, dtype, opts.device, opts.dtype, recorded,

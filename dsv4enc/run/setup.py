@@ -14,8 +14,9 @@ headers, parts, batches, decode order, pool and stream are each made once, by th
 ``RunSetup`` method whoever calls it first.
 Only runs whose outcome cannot differ are started early: one process (no torchrun), a fresh
 output (no ``--resume`` or ``--update``), a checkpoint folder on disk (or ``--random-init``),
-and at most ``MAX_ITEMS`` inputs (the headers are read before the progress bar exists). Otherwise only
-the discovered inputs are handed on, so that nothing is walked or read from stdin twice.
+and at most ``MAX_ITEMS`` inputs (the headers are read before the progress bar exists).
+Otherwise only the discovered inputs are handed on, so that nothing is walked or read from
+stdin twice.
 """
 
 from __future__ import annotations

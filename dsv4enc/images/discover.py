@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Iterable
+from typing import Callable, Iterable, Protocol
 
 from .. import storage
 from ..errors import UsageError
@@ -17,8 +17,15 @@ from .items import InputItem, is_image_name
 from .sources import (StoredObject, container_kind, expand_container, path_roots,
                       refuse_compressed_tar)
 
-if TYPE_CHECKING:
-    from ..run.stopping import StopSignals
+
+class Stop(Protocol):
+    """What discovery asks of the run's signal handling (``run/stopping.StopSignals``)."""
+
+    def requested(self) -> bool:
+        """A signal arrived: end the walk early."""
+
+    def check(self) -> None:
+        """Raise the run's ``Interrupted`` if a signal arrived."""
 
 
 @dataclass
@@ -117,7 +124,7 @@ def read_path_list(list_file: str) -> list[str]:
 
 def discover(inputs: Iterable[str], files_from: str | None = None,
              image_column: str | None = None, key_column: str | None = None,
-             stop: "StopSignals | None" = None,
+             stop: Stop | None = None,
              table_paths_roots: Iterable[str] = ()) -> Discovery:
     """Expand folders and files (and an optional path list) into items, in input order.
 

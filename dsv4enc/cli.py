@@ -293,8 +293,8 @@ ENCODE_OPTIONS = {
     ),
 }
 
-#: Panel title -> the names of its options, in order (from ``ENCODE_OPTIONS``).
 def _panels(options: dict) -> dict[str, tuple[str, ...]]:
+    """Panel title -> the names of its options, in order."""
     panels: dict[str, list[str]] = {}
     for name, option in options.items():
         if option.rich_help_panel:

@@ -343,17 +343,24 @@ class OutputLayout:
         owned, _ = self._owned_and_foreign()
         self._remove(owned)
 
-    def resume_hint(self, store: PartLedger) -> str:
-        """What an interrupted run leaves, for its one-line message."""
+    def encoding_hint(self, again: str = "--resume") -> str:
+        """The one-line hint of a run stopped while it encodes (``resume_hint`` replaces it
+        once the writer has committed what it held)."""
+        return (f"finished parts are kept in {self.parts_dir}; rerun the same command with "
+                f"{again} to finish")
+
+    def resume_hint(self, store: PartLedger, again: str = "--resume") -> str:
+        """What an interrupted run leaves, for its one-line message (``again``: the flag
+        that finishes it, --resume or --update)."""
         if not store.parts:
             if self.folder_mode:
                 return (f"nothing was committed to {self.out} yet; rerun the same command "
-                        "with --resume")
+                        f"with {again}")
             return "nothing was committed; rerun the same command"
         images = sum(part.get("rows", 0) for part in store.parts.values())
         return (f"{len(store.parts)} finished part{'s' if len(store.parts) > 1 else ''} "
                 f"({images} images) kept in {self.parts_dir}; rerun the same command with "
-                "--resume to finish")
+                f"{again} to finish")
 
     def discard_if_empty(self) -> None:
         """After a failed run, remove a single-file output's manifest, growing file and
@@ -524,10 +531,9 @@ class Segment(Protocol):
 @dataclass(frozen=True)
 class ResumeSettings:
     """How a run commits and resumes: ``resume`` (--resume or --update: committed parts
-    are kept), ``commit_every`` (seconds
-    between commits of joined segments; None: each segment is a part, as under
-    --shard-output), and ``row_options`` (settings besides the model's that decide rows:
-    --resume requires them equal)."""
+    are kept), ``commit_every`` (seconds between commits of joined segments; None: each
+    segment is a part, as under --shard-output), and ``row_options`` (settings besides the
+    model's that decide rows: --resume requires them equal)."""
 
     resume: bool = False
     commit_every: float | None = None

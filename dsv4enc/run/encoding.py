@@ -20,6 +20,7 @@ from .stopping import StopSignals
 from .summary import RunSummary
 from .ranks import Topology
 from ..output.parts import Row
+from ..output.update import Update
 
 
 class PartEncoder:
@@ -30,12 +31,13 @@ class PartEncoder:
 
     def __init__(self, engine: Engine, opts: EncodeOptions, ranks: Topology,
                  progress: RunProgress, summary: RunSummary, stop: StopSignals,
-                 carried=None) -> None:
-        """``carried``: an ``output/update.Update`` whose ``carried`` inputs take their old
-        rows (``rows``) instead of being decoded and encoded (they are in no batch:
+                 update: Update | None = None) -> None:
+        """``update``: an ``--update``'s ``output/update.Update``, whose ``carried`` inputs
+        take their old rows instead of being decoded and encoded (they are in no batch:
         ``plan.plan_batches``)."""
         self.engine, self.opts, self.ranks = engine, opts, ranks
-        self.carried = carried
+        self.update = update
+        self.carried = update.carried if update is not None else {}  # input -> old row
         self.progress, self.summary, self.stop = progress, summary, stop
         self.cfg = engine.cfg
         # tags: (index, planned entry, decoded image)
@@ -81,7 +83,7 @@ class PartEncoder:
             rows = {i: error_row(planned[i]) for i in part.indices if planned[i].error}
             if self._counts_header_failures:
                 self._note(rows.values())
-            carried = (self.carried.rows(part.indices, planned) if self.carried is not None
+            carried = (self.update.rows(part.indices, planned) if self.update is not None
                        else {})
             rows.update(carried)
             self.summary.reused += len(carried)

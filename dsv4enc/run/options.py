@@ -120,9 +120,10 @@ def default_writer_threads() -> int:
     return max(1, min(4, cpus // 4))
 
 
-def default_workers(device_type: str) -> int:
-    """Decode worker processes when ``--workers`` is not given."""
-    cpus = available_cpus()
+def default_workers(device_type: str, cpus: int | None = None) -> int:
+    """Decode worker processes when ``--workers`` is not given, on a machine of ``cpus``
+    CPUs (default: this process's)."""
+    cpus = available_cpus() if cpus is None else cpus
     if device_type == "cuda":
         return max(1, min(cpus - 1, 16))
     # On the CPU the model wants the cores; one decoder keeps it fed on small machines.

@@ -14,6 +14,8 @@ import logging
 import time
 from dataclasses import dataclass, replace
 
+import numpy as np
+import pyarrow as pa
 import torch
 
 from .. import storage
@@ -30,14 +32,14 @@ from ..output.layout import (OutputLayout, PartWriter, ResumeSettings, assembler
                              resume_filter)
 from ..output.update import Update, footer_entry, row_stamps, write_folder_stamps
 from .options import EncodeOptions, default_writer_threads, validate
-from .plan import images_per_part, segment_tokens
+from .plan import Part, images_per_part, segment_tokens
 from .setup import RunSetup, run_batch_tokens
 from .progress import RunProgress
 from ..output.remote import RemoteOutput
 from .stopping import StopSignals
 from .summary import RunSummary
 from .ranks import Topology
-from ..output.parts import output_schema
+from ..output.parts import PartLedger, output_schema
 
 log = logging.getLogger("dsv4enc")
 
@@ -260,16 +262,16 @@ class OutputPlan:
     (None otherwise), the input stamps kept for a later ``--update`` (None on ranks that
     do not keep them) and the options that decide rows (``row_options``)."""
 
-    store: object
-    schema: object
-    parts: list
-    todo: list
+    store: PartLedger
+    schema: pa.Schema
+    parts: list[Part]
+    todo: list[Part]
     update: Update | None
-    stamps: object
+    stamps: np.ndarray | None  # one uint64 per input (``output/update.row_stamps``)
     row_options: dict
 
     @property
-    def carried(self):
+    def carried(self) -> dict[int, int]:
         """Inputs whose rows ``--update`` copies from the old output."""
         return self.update.carried if self.update is not None else {}
 
@@ -354,9 +356,8 @@ def _encode_parts(engine: Engine, runner: PartEncoder, setup: RunSetup, todo,
     began = time.perf_counter()
     planned = setup.planned
     try:
-        carried = runner.carried.carried if runner.carried is not None else ()
         batches = setup.plan_batches(todo, engine.batch_tokens, runner.opts.max_images,
-                                     runner.me, carried)
+                                     runner.me, runner.carried)
         if todo:
             progress.status("capturing CUDA graphs" if engine.graphs_enabled else "encoding")
             engine.fit_budgets(runner.batch_sizes(planned, batches))
@@ -364,8 +365,7 @@ def _encode_parts(engine: Engine, runner: PartEncoder, setup: RunSetup, todo,
             progress.begin_encoding()
             began = time.perf_counter()
         decoded = setup.stream(runner.opts.max_images)  # started now unless early
-        stop.hint = (f"finished parts are kept in {layout.parts_dir}; rerun the "
-                     f"same command with {again} to finish")
+        stop.hint = layout.encoding_hint(again)
         with stop.deferred():  # a signal stops the loop between batches
             for name, start, end, digest, rows in runner.run(planned, todo, batches, decoded):
                 if writer is not None:
@@ -376,9 +376,21 @@ def _encode_parts(engine: Engine, runner: PartEncoder, setup: RunSetup, todo,
             with stop.deferred():  # parts in the writer's hands get committed
                 writer.close()
             summary.write_s = writer.seconds
-            stop.hint = layout.resume_hint(store).replace("--resume", again)  # as committed
+            stop.hint = layout.resume_hint(store, again)  # what was really committed
         summary.encode_s = time.perf_counter() - began
         progress.end_encoding()
+
+
+def write_final_file(assembler, layout: OutputLayout, summary: RunSummary,
+                     progress: RunProgress, stop: StopSignals) -> None:
+    """Make the single file from the committed parts (for either engine) and remove the
+    parts; its time counts as writing."""
+    progress.status("writing the final file")
+    began = time.perf_counter()
+    assembler.finish()  # a signal meanwhile aborts it: the parts stay
+    stop.immediate = False  # the output is complete: nothing to stop
+    layout.remove_parts()
+    summary.write_s += time.perf_counter() - began
 
 
 def _finish_output(assembler, store, layout: OutputLayout, ranks: Topology, engine: Engine,
@@ -386,12 +398,7 @@ def _finish_output(assembler, store, layout: OutputLayout, ranks: Topology, engi
     """After every rank's parts are committed: the single file (assembled), or the sharded
     output's merged manifest; and the counts summed over the ranks."""
     if assembler is not None:
-        progress.status("writing the final file")
-        began = time.perf_counter()
-        assembler.finish()  # a signal meanwhile aborts it: the parts stay
-        stop.immediate = False  # the output is complete: nothing to stop
-        layout.remove_parts()
-        summary.write_s += time.perf_counter() - began
+        write_final_file(assembler, layout, summary, progress, stop)
     elif ranks.sharded:
         ranks.merge_manifests(store)
         ranks.sum_rank_counts(summary)

@@ -270,8 +270,7 @@ def actor_workers(opts: EncodeOptions, plan: ActorPlan) -> int:
     of them on the CPU), so that the actors of one node share its cores."""
     if opts.workers is not None:
         return opts.workers
-    cpus = max(1, int(plan.cpus))
-    return max(1, min(cpus - 1, 16)) if plan.gpus else max(1, cpus // 4)
+    return default_workers(plan.device_type, cpus=max(1, int(plan.cpus)))
 
 
 # ----------------------------------------------------------------------------- the driver
@@ -474,6 +473,7 @@ class _RayRun:
         the single file; a failed or stopped run leaves its committed parts."""
         from ..output.layout import PartWriter, assembler_for
         from .options import default_writer_threads
+        from .pipeline import write_final_file
 
         layout, stop = self.layout, self.stop
         assembler = assembler_for(store, layout, [p.name for p in parts], schema, is_main=True)
@@ -482,12 +482,7 @@ class _RayRun:
             self._encode(planned, todo, writer, store, summary, progress, batch_tokens)
             stop.check()
             if assembler is not None:
-                progress.status("writing the final file")
-                began = time.perf_counter()
-                assembler.finish()
-                stop.immediate = False
-                layout.remove_parts()
-                summary.write_s += time.perf_counter() - began
+                write_final_file(assembler, layout, summary, progress, stop)
         except BaseException:
             if assembler is not None:
                 assembler.abort()
@@ -515,8 +510,7 @@ class _RayRun:
         results: dict[int, tuple[dict, dict]] = {}
         window = IN_FLIGHT_PER_ACTOR * len(self.actors)
         sent = done = 0
-        stop.hint = (f"finished parts are kept in {self.layout.parts_dir}; rerun the same "
-                     "command with --resume to finish")
+        stop.hint = self.layout.encoding_hint()
         try:
             if todo:
                 progress.status("encoding")

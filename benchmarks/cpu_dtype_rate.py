@@ -1,4 +1,16 @@
-"""The tower's CPU rate at a config's real dimensions (random weights), per compute dtype.
+"""The CPU rate of each compute dtype: float32 against bfloat16 matmuls, or the whole tower.
+
+    python benchmarks/cpu_dtype_rate.py --matmul --rounds 4
+    python benchmarks/cpu_dtype_rate.py --matmul --rounds 4 --busy 1
+
+``--matmul``: float32 and bfloat16 matmuls of the encoder's shape (1024x4096 @ 4096x1024),
+interleaved round by round in one process, so that both see the same machine; prints each
+round's GFLOP/s, the bfloat16/float32 ratio of the medians, this CPU's kind (vendor, family,
+model, bf16 features) and what ``--dtype auto`` picks on it. ``--busy N`` keeps N other
+processes spinning meanwhile (a loaded machine). These figures are what
+``engine/cpufeatures.MEASURED_KINDS`` is built from.
+
+The tower at a config's real dimensions (random weights), per compute dtype:
 
     python benchmarks/cpu_dtype_rate.py --config configs/deepseek-v4-flash.json \
         --dtype float32 --images 2
@@ -18,6 +30,9 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from dataclasses import replace
@@ -28,7 +43,7 @@ import torch
 from dsv4enc.bench.throughput import synthetic_images
 from dsv4enc.tower.checkpoint import COMPUTE_DTYPES, build_tower, random_checkpoint
 from dsv4enc.tower.config import VisionConfig
-from dsv4enc.engine.cpufeatures import auto_cpu_dtype, cpu_capabilities
+from dsv4enc.engine.cpufeatures import auto_cpu_dtype, cpu_decision, machine_answers
 from dsv4enc.engine.engine import Engine
 from dsv4enc.engine.packing import pack
 from dsv4enc.run.plan import image_flops
@@ -42,15 +57,65 @@ def _seconds_per_image(engine: Engine, items: list) -> float:
     return (time.perf_counter() - began) / len(items)
 
 
+def _gflops(a: torch.Tensor, b: torch.Tensor, repeat: int) -> float:
+    a @ b
+    began = time.perf_counter()
+    for _ in range(repeat):
+        a @ b
+    return 2 * a.shape[0] * a.shape[1] * b.shape[1] * repeat / (time.perf_counter() - began) / 1e9
+
+
+def matmul_rates(rounds: int, repeat: int, shape: tuple[int, int, int]) -> dict:
+    """float32 and bfloat16 GFLOP/s of an (M, K) @ (K, N) matmul, interleaved by round."""
+    m, k, n = shape
+    generator = torch.Generator().manual_seed(0)
+    operands = {name: (torch.randn(m, k, generator=generator).to(dtype),
+                       torch.randn(k, n, generator=generator).to(dtype))
+                for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16))}
+    rates: dict[str, list[float]] = {name: [] for name in operands}
+    for _ in range(rounds):
+        for name, (a, b) in operands.items():
+            rates[name].append(round(_gflops(a, b, repeat), 1))
+    ratio = statistics.median(rates["bfloat16"]) / statistics.median(rates["float32"])
+    return {"shape": f"{m}x{k} @ {k}x{n}", "gflop_s": rates, "bf16_over_fp32": round(ratio, 2)}
+
+
+def matmul_main(a: argparse.Namespace) -> None:
+    shape = tuple(int(v) for v in a.shape.split(","))
+    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(a.busy)]
+    try:
+        result = matmul_rates(a.rounds, a.repeat, shape)
+    finally:
+        for proc in busy:
+            proc.kill()
+            proc.wait()
+    answers = machine_answers()
+    dtype, why = cpu_decision(answers)
+    print(json.dumps({**result, "busy": a.busy, "threads": torch.get_num_threads(),
+                      "cpu": answers.described(), "features": dict(answers.features),
+                      "kernel_level": answers.kernel_level,
+                      "onednn_max_isa": answers.onednn_max_isa, "torch": torch.__version__,
+                      "auto": str(dtype).removeprefix("torch."), "why": why}))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--config", required=True)
+    p.add_argument("--matmul", action="store_true", help="time bare matmuls, both dtypes")
+    p.add_argument("--rounds", type=int, default=4, help="--matmul: interleaved rounds")
+    p.add_argument("--repeat", type=int, default=5, help="--matmul: products per timing")
+    p.add_argument("--shape", default="1024,4096,1024", help="--matmul: M,K,N")
+    p.add_argument("--busy", type=int, default=0, help="--matmul: spinning processes")
+    p.add_argument("--config")
     p.add_argument("--dtype", default="float32", choices=sorted(COMPUTE_DTYPES))
     p.add_argument("--images", type=int, default=2)
     p.add_argument("--size", default="1024x768")
     p.add_argument("--layers", type=int, default=None, help="build only this many layers")
     p.add_argument("--warmup", action="store_true", help="encode the first image once first")
     a = p.parse_args()
+    if a.matmul:
+        return matmul_main(a)
+    if not a.config:
+        p.error("--config is needed (or --matmul)")
     from PIL import Image
 
     full = VisionConfig.from_file(a.config)
@@ -78,7 +143,7 @@ def main() -> None:
         "s_per_image": round(per_image, 2), "img_s": round(1 / per_image, 4),
         "gflop_s": round(flops / per_image / 1e9, 2), "threads": torch.get_num_threads(),
         "cpu": platform.processor() or platform.machine(), "torch": torch.__version__,
-        "native_bf16": cpu_capabilities(), "auto_dtype": str(auto_cpu_dtype()),
+        "native_bf16": dict(machine_answers().features), "auto_dtype": str(auto_cpu_dtype()),
     }))
 
 

@@ -1,4 +1,5 @@
-"""--dtype auto on the CPU: bfloat16 exactly where it is native, decided without timing."""
+"""--dtype auto on the CPU: the dtype measured faster on this kind of CPU, from a table, never
+from a timing; float32 on kinds not measured and where bfloat16 is emulated."""
 
 import os
 import subprocess
@@ -8,9 +9,11 @@ import pytest
 import torch
 
 from dsv4enc.engine import cpufeatures
-from dsv4enc.engine.cpufeatures import (NATIVE_BF16_FEATURES, PIN_VARIABLE, CpuAnswers,
-                                 auto_cpu_dtype, auto_cpu_reason, bf16_blocker,
-                                 choose_cpu_dtype, cpu_capabilities, machine_answers)
+from dsv4enc.engine.cpufeatures import (CLEAR_WIN, MEASURED_KINDS, NATIVE_BF16_FEATURES,
+                                        PIN_VARIABLE, CpuAnswers, CpuKind, auto_cpu_dtype,
+                                        auto_cpu_reason, bf16_blocker, choose_cpu_dtype,
+                                        cpu_capabilities, cpu_decision, cpu_identity,
+                                        machine_answers)
 from dsv4enc.engine.device import resolve_dtype
 from dsv4enc.errors import UsageError
 
@@ -19,35 +22,112 @@ from helpers import REPO_ROOT
 NONE = {"amx_bf16": False, "avx512_bf16": False}
 
 
-def answers(level: str = "AVX512", isa: str = "", **features: bool) -> CpuAnswers:
-    return CpuAnswers({**NONE, **features}, level, isa)
+INTEL, AMD = "GenuineIntel", "AuthenticAMD"
+
+
+def answers(level: str = "AVX512", isa: str = "", vendor: str = INTEL, family: int = 6,
+            **features: bool) -> CpuAnswers:
+    """Faked capability answers: what torch, the OS and the environment would say."""
+    return CpuAnswers({**NONE, **features}, level, isa, vendor, family, 143)
 
 
 def test_no_native_feature_is_float32():
-    assert choose_cpu_dtype(answers()) == torch.float32
+    for vendor, family in ((INTEL, 6), (AMD, 25), (AMD, 26), ("", 0)):
+        assert choose_cpu_dtype(answers(vendor=vendor, family=family)) == torch.float32
     assert choose_cpu_dtype(CpuAnswers({}, "AVX512")) == torch.float32
     assert choose_cpu_dtype(answers("AVX2")) == torch.float32  # e.g. Zen 3, Skylake client
-    assert "no AMX-BF16 or AVX512-BF16" in bf16_blocker(answers())
+    assert "emulated without AMX-BF16 or AVX512-BF16" in bf16_blocker(answers())
 
 
-@pytest.mark.parametrize("feature", NATIVE_BF16_FEATURES)
-def test_amx_or_avx512_bf16_is_bfloat16(feature):
-    assert choose_cpu_dtype(answers(**{feature: True})) == torch.bfloat16
-    assert choose_cpu_dtype(answers("", **{feature: True})) == torch.bfloat16  # level unknown
-    for isa in ("", "AVX512_CORE_BF16", "AVX512_CORE_AMX", "ALL", "DEFAULT"):
-        assert choose_cpu_dtype(answers(isa=isa, **{feature: True})) == torch.bfloat16
+# (vendor, family, features, what auto picks and why): every kind of MEASURED_KINDS, the
+# kinds next to them that were not measured, and the oneDNN cap that hides AMX.
+KINDS = [
+    # Intel Xeon with AMX (Sapphire Rapids and later): bfloat16 5.4x as fast (measured)
+    (INTEL, 6, dict(amx_bf16=True, avx512_bf16=True), "", torch.bfloat16,
+     "faster with AMX on this Intel CPU"),
+    (INTEL, 6, dict(amx_bf16=True), "", torch.bfloat16, "faster with AMX on this Intel CPU"),
+    # Intel Xeon with AVX512-BF16 but no AMX (family 6 model 207 under a hypervisor, Cooper
+    # Lake): bfloat16 at 0.58x of float32 (measured)
+    (INTEL, 6, dict(avx512_bf16=True), "", torch.float32,
+     "bfloat16 is slower without AMX on this Intel CPU"),
+    # ... and an AMX CPU whose oneDNN is capped below AMX is that kind (measured here too)
+    (INTEL, 6, dict(amx_bf16=True, avx512_bf16=True), "AVX512_CORE_BF16", torch.float32,
+     "bfloat16 is slower without AMX on this Intel CPU"),
+    (INTEL, 6, dict(amx_bf16=True, avx512_bf16=True), "AVX512_CORE_AMX", torch.bfloat16,
+     "faster with AMX on this Intel CPU"),
+    # AMD Zen 5 (family 26) with AVX512-BF16: bfloat16 about 5x as fast (measured)
+    (AMD, 26, dict(avx512_bf16=True), "", torch.bfloat16, "faster on this AMD Zen 5 CPU"),
+    # AMD Zen 4 (family 25) with AVX512-BF16: not measured, float32
+    (AMD, 25, dict(avx512_bf16=True), "", torch.float32,
+     "not measured on this CPU kind (AuthenticAMD family 25 model 143, avx512_bf16)"),
+    # a vendor or an OS that does not say: not measured, float32
+    ("", 0, dict(avx512_bf16=True, amx_bf16=True), "", torch.float32, "not measured"),
+    ("CentaurHauls", 7, dict(avx512_bf16=True), "", torch.float32, "not measured"),
+]
+
+
+@pytest.mark.parametrize("vendor, family, features, isa, expected, why", KINDS)
+def test_the_table_picks_the_measured_faster_dtype(vendor, family, features, isa, expected,
+                                                   why):
+    faked = answers(isa=isa, vendor=vendor, family=family, **features)
+    dtype, reason = cpu_decision(faked)
+    assert dtype == expected and why in reason, (dtype, reason)
+    assert choose_cpu_dtype(faked) == expected
+    assert choose_cpu_dtype(answers("", isa, vendor, family, **features)) == expected
+
+
+def test_the_table_follows_its_measurements():
+    """Each measured kind's dtype is the one its figures call for: bfloat16 only when it
+    measured more than CLEAR_WIN times faster; float32 when slower or within CLEAR_WIN."""
+    for kind in MEASURED_KINDS:
+        faked = answers(vendor=kind.vendor, family=(kind.families or (6,))[0],
+                        **{name: True for name in kind.needs})
+        expected = torch.bfloat16 if kind.bf16_speedup > CLEAR_WIN else torch.float32
+        assert choose_cpu_dtype(faked) == expected, kind
+    faked = answers(vendor="Test", avx512_bf16=True)
+    for speedup, expected, why in ((1.3, torch.bfloat16, "measured 1.3x faster on it"),
+                                   (1.2, torch.float32, "is within 1.2x of float32 on it"),
+                                   (1.1, torch.float32, "is within 1.2x of float32 on it"),
+                                   (0.9, torch.float32, "is slower on it")):
+        kinds = (CpuKind("on it", "Test", ("avx512_bf16",), bf16_speedup=speedup),)
+        assert cpu_decision(faked, kinds) == (expected, f"bfloat16 {why}")
+    first = (CpuKind("first", "Test", (), 2.0), CpuKind("second", "Test", (), 0.5))
+    assert cpu_decision(faked, first) == (torch.bfloat16, "bfloat16 measured 2x faster first")
 
 
 def test_kernels_capped_below_bf16_are_float32():
     """The AVX2-only variables (ATEN_CPU_CAPABILITY=avx2, ONEDNN_MAX_CPU_ISA=AVX2) make
     torch emulate bfloat16 even on a CPU that has it: auto is float32 there, and says why."""
-    capped = answers("AVX2", avx512_bf16=True)
-    assert choose_cpu_dtype(capped) == torch.float32
-    assert "ATEN_CPU_CAPABILITY" in bf16_blocker(capped)
-    for isa in ("AVX2", "AVX512_CORE", "AVX512_CORE_VNNI"):
-        capped = answers(isa=isa, amx_bf16=True)
+    for vendor, family in ((INTEL, 6), (AMD, 26)):
+        capped = answers("AVX2", vendor=vendor, family=family, avx512_bf16=True, amx_bf16=True)
         assert choose_cpu_dtype(capped) == torch.float32
-        assert f"ONEDNN_MAX_CPU_ISA={isa}" in bf16_blocker(capped)
+        assert "ATEN_CPU_CAPABILITY" in bf16_blocker(capped)
+        for isa in ("AVX2", "AVX512_CORE", "AVX512_CORE_VNNI"):
+            capped = answers(isa=isa, vendor=vendor, family=family, amx_bf16=True,
+                             avx512_bf16=True)
+            assert choose_cpu_dtype(capped) == torch.float32
+            assert f"ONEDNN_MAX_CPU_ISA={isa}" in cpu_decision(capped)[1]
+
+
+def test_cpu_identity_from_the_os(monkeypatch, tmp_path):
+    vendor, family, model = cpu_identity()
+    assert isinstance(vendor, str) and isinstance(family, int) and isinstance(model, int)
+    if os.path.exists("/proc/cpuinfo") and vendor:
+        assert machine_answers().vendor == vendor and machine_answers().family == family
+    import builtins
+    real_open = builtins.open
+
+    def no_cpuinfo(path, *args, **kwargs):
+        if str(path) == "/proc/cpuinfo":
+            raise FileNotFoundError(path)
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "open", no_cpuinfo)
+    monkeypatch.setattr(cpufeatures.platform, "processor",
+                        lambda: "AMD64 Family 26 Model 2 Stepping 0, AuthenticAMD")
+    assert cpu_identity() == (AMD, 26, 2)
+    monkeypatch.setattr(cpufeatures.platform, "processor", lambda: "arm")
+    assert cpu_identity() == ("", 0, 0)
 
 
 def test_the_decision_never_times_anything(monkeypatch):
@@ -115,7 +195,8 @@ def test_real_machine_decision(monkeypatch):
         if not any(caps.values()):
             assert dtype == torch.float32  # e.g. AVX2-only CPUs
         assert auto_cpu_dtype() is dtype  # decided once per process
-        assert ("native bfloat16" in auto_cpu_reason()) == (dtype == torch.bfloat16)
+        assert auto_cpu_reason() == cpu_decision(machine_answers())[1]
+        assert ("faster" in auto_cpu_reason()) == (dtype == torch.bfloat16)
     finally:
         auto_cpu_dtype.cache_clear()
 

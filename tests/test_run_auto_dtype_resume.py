@@ -43,8 +43,8 @@ def command(images: Path, out: Path, *extra: str) -> list[str]:
 
 
 def environment(auto_means: str) -> dict[str, str]:
-    """A process on a CPU where ``auto`` means ``auto_means`` (pinned, as a CPU with or
-    without native bfloat16 would decide)."""
+    """A process on a CPU where ``auto`` means ``auto_means`` (pinned, as a CPU kind
+    measured faster in bfloat16, or in float32, would decide)."""
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1",
            PIN_VARIABLE: auto_means}
     env.pop("DSV4ENC_WEIGHTS", None)

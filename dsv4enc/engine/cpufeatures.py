@@ -1,17 +1,23 @@
-"""Whether this CPU computes bfloat16 natively, for ``--dtype auto`` on the CPU.
+"""Which compute dtype ``--dtype auto`` means on the CPU: the faster one on this kind of CPU.
 
-CPUs with AMX (Sapphire Rapids and later) or AVX512-BF16 (Cooper Lake, Zen 4 and later) run
-bfloat16 matmuls natively; elsewhere torch emulates bfloat16 by converting to float32 and
-back, which is slower than float32 itself. So ``auto`` is bfloat16 exactly when torch reports
-one of those features *and* the process lets torch's kernels use it (``ATEN_CPU_CAPABILITY``
-and ``ONEDNN_MAX_CPU_ISA`` can cap them below AVX-512); float32 otherwise.
+Whether bfloat16 or float32 runs the tower's matmuls faster depends on the CPU, and not simply
+on whether it has bfloat16 instructions: AVX512-BF16 without AMX made bfloat16 the slower
+dtype on an Intel Xeon and the faster one on an AMD Zen 5. So ``auto`` looks this CPU's kind
+up in ``MEASURED_KINDS``, a table of the kinds whose float32 and bfloat16 matmul rates were
+measured (``benchmarks/cpu_dtype_rate.py --matmul``; figures in ``benchmarks/RESULTS.md``),
+and picks bfloat16 only where it measured more than ``CLEAR_WIN`` times faster: within that,
+float32 wins, being nearer the reference. An unmeasured kind, and any CPU without usable
+AMX-BF16 or AVX512-BF16 (where torch emulates bfloat16), computes in float32.
 
-The decision reads what the CPU *is*, never how fast it is right now: no timing, so the
-answer is the same in every process on one machine, idle or loaded (a run that is resumed
-must compute in the dtype it started with). It is made once per process.
+A CPU's kind is what it *is*: its vendor and family and torch's answers on its bfloat16
+features, less those the process forbids torch's kernels (``ATEN_CPU_CAPABILITY``,
+``ONEDNN_MAX_CPU_ISA``). Never how fast it is right now: nothing is timed, so the answer is
+the same in every process on one machine, idle or loaded (a run that is resumed must compute
+in the dtype it started with). It is made once per process.
 
-``choose_cpu_dtype`` is the decision itself, with its inputs injected (testable anywhere);
-``auto_cpu_dtype`` feeds it this machine's answers and ``auto_cpu_reason`` says why, in words.
+``choose_cpu_dtype`` and ``cpu_decision`` are the decision itself, with its inputs injected
+(testable anywhere); ``auto_cpu_dtype`` feeds it this machine's answers and
+``auto_cpu_reason`` says why, in words.
 """
 
 from __future__ import annotations
@@ -19,6 +25,8 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import platform
+import re
 from dataclasses import dataclass
 from typing import Mapping
 
@@ -28,7 +36,7 @@ from ..errors import UsageError
 
 log = logging.getLogger(__name__)
 
-#: The features that make bfloat16 native: AMX tiles with bf16, or AVX512 bf16 dot products.
+#: The features that can make bfloat16 native: AMX tiles with bf16, or AVX512 bf16 dot products.
 NATIVE_BF16_FEATURES = ("amx_bf16", "avx512_bf16")
 #: ``torch.backends.cpu.get_cpu_capability()`` answers under which ATen's kernels may use
 #: AVX-512 (and so the bf16 instructions); "AVX2", "DEFAULT" and the like rule them out.
@@ -37,15 +45,57 @@ BF16_KERNEL_LEVELS = ("AVX512", "AMX")
 #: cap oneDNN's matmuls emulate bfloat16.
 ONEDNN_ISAS_WITHOUT_BF16 = ("SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2",
                             "AVX512_CORE", "AVX512_CORE_VNNI")
+#: oneDNN instruction sets that stop below AMX: bfloat16 runs on AVX512-BF16 alone there.
+ONEDNN_ISAS_WITHOUT_AMX = ONEDNN_ISAS_WITHOUT_BF16 + ("AVX512_CORE_BF16", "AVX512_CORE_FP16",
+                                                      "AVX10_1_512")
+#: Where the two dtypes' matmul rates are within this factor, float32 is chosen.
+CLEAR_WIN = 1.2
+
+
+@dataclass(frozen=True)
+class CpuKind:
+    """A kind of CPU whose float32 and bfloat16 matmul rates were measured."""
+
+    where: str  # for the opening line: "with AMX on this Intel CPU"
+    vendor: str  # CpuAnswers.vendor: "GenuineIntel", "AuthenticAMD"
+    needs: tuple[str, ...]  # usable NATIVE_BF16_FEATURES that must be present
+    bf16_speedup: float  # measured bfloat16 matmul rate over float32's
+    lacks: tuple[str, ...] = ()  # usable NATIVE_BF16_FEATURES that must be absent
+    families: tuple[int, ...] = ()  # cpuid families; () for any
+
+    def matches(self, answers: "CpuAnswers", usable: set[str]) -> bool:
+        return (answers.vendor == self.vendor and usable.issuperset(self.needs)
+                and not usable.intersection(self.lacks)
+                and (not self.families or answers.family in self.families))
+
+
+#: The measured kinds, first match wins. Speed-ups are 1024x4096 @ 4096x1024 matmuls on 2
+#: threads, torch 2.13, float32 and bfloat16 interleaved in one process (RESULTS.md, "--dtype
+#: auto on the CPU: the measured kinds"). Intel kinds are told apart by AMX, not by model
+#: number: hypervisors report other models, and hide AMX from some guests of AMX hardware.
+MEASURED_KINDS = (
+    CpuKind("with AMX on this Intel CPU", "GenuineIntel", ("amx_bf16",), bf16_speedup=5.4),
+    CpuKind("without AMX on this Intel CPU", "GenuineIntel", ("avx512_bf16",),
+            bf16_speedup=0.58, lacks=("amx_bf16",)),
+    CpuKind("on this AMD Zen 5 CPU", "AuthenticAMD", ("avx512_bf16",), bf16_speedup=5.2,
+            families=(26,)),
+)
 
 
 @dataclass(frozen=True)
 class CpuAnswers:
-    """What torch and the environment say about this CPU: the inputs of the decision."""
+    """What torch, the OS and the environment say about this CPU: the decision's inputs."""
 
     features: Mapping[str, bool]  # NATIVE_BF16_FEATURES -> present
     kernel_level: str  # torch.backends.cpu.get_cpu_capability(), e.g. "AVX512", "AVX2"
     onednn_max_isa: str = ""  # ONEDNN_MAX_CPU_ISA (or DNNL_MAX_CPU_ISA), "" when unset
+    vendor: str = ""  # cpuid's vendor: "GenuineIntel", "AuthenticAMD"; "" when not known
+    family: int = 0  # cpuid's family (6: Intel Core and Xeon; 25: Zen 3/4; 26: Zen 5)
+    model: int = 0  # cpuid's model, as the OS (or a hypervisor) reports it
+
+    def described(self) -> str:
+        """``GenuineIntel family 6 model 167``: the kind, for a line a user can report."""
+        return f"{self.vendor or 'unknown vendor'} family {self.family} model {self.model}"
 
 
 def cpu_capabilities() -> dict[str, bool]:
@@ -86,17 +136,42 @@ def kernel_level() -> str:
         return ""
 
 
+def cpu_identity() -> tuple[str, int, int]:
+    """This CPU's vendor, family and model as the OS reports them (Linux's /proc/cpuinfo,
+    Windows' processor string); ``("", 0, 0)`` where it does not say, which no measured
+    kind matches."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as info:
+            fields: dict[str, str] = {}
+            for line in info:
+                if not line.strip():
+                    break  # the first processor's block is enough
+                key, _, value = line.partition(":")
+                fields.setdefault(key.strip(), value.strip())
+        return (fields.get("vendor_id", ""), _number(fields.get("cpu family")),
+                _number(fields.get("model")))
+    except OSError:
+        pass
+    # Windows: "Intel64 Family 6 Model 167 Stepping 1, GenuineIntel"
+    found = re.search(r"Family (\d+) Model (\d+).*, *(\w+)", platform.processor() or "")
+    return (found[3], int(found[1]), int(found[2])) if found else ("", 0, 0)
+
+
+def _number(text: str | None) -> int:
+    return int(text) if text and text.isdigit() else 0
+
+
 def machine_answers() -> CpuAnswers:
-    """This process's ``CpuAnswers``: torch's feature queries and kernel level, and the
-    oneDNN cap from the environment."""
+    """This process's ``CpuAnswers``: torch's feature queries and kernel level, the oneDNN
+    cap from the environment, and the OS's vendor, family and model."""
     isa = os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or ""
-    return CpuAnswers(cpu_capabilities(), kernel_level(), isa.strip().upper())
+    return CpuAnswers(cpu_capabilities(), kernel_level(), isa.strip().upper(), *cpu_identity())
 
 
 def bf16_blocker(answers: CpuAnswers) -> str | None:
-    """Why bfloat16 is not native here, in words; None when it is."""
+    """Why bfloat16 is emulated here, in words; None when torch may run it natively."""
     if not any(answers.features.get(name, False) for name in NATIVE_BF16_FEATURES):
-        return "no AMX-BF16 or AVX512-BF16 on this CPU"
+        return "bfloat16 is emulated without AMX-BF16 or AVX512-BF16 on this CPU"
     if answers.kernel_level and answers.kernel_level not in BF16_KERNEL_LEVELS:
         return f"torch's CPU kernels run at {answers.kernel_level} (ATEN_CPU_CAPABILITY)"
     if answers.onednn_max_isa in ONEDNN_ISAS_WITHOUT_BF16:
@@ -104,13 +179,45 @@ def bf16_blocker(answers: CpuAnswers) -> str | None:
     return None
 
 
-def choose_cpu_dtype(answers: CpuAnswers) -> torch.dtype:
-    """bfloat16 when ``answers`` say bfloat16 is native and usable, float32 otherwise."""
-    return torch.float32 if bf16_blocker(answers) is not None else torch.bfloat16
+def usable_features(answers: CpuAnswers) -> set[str]:
+    """The ``NATIVE_BF16_FEATURES`` this process's kernels may use: none under a blocker,
+    and no AMX under a oneDNN cap below it."""
+    if bf16_blocker(answers) is not None:
+        return set()
+    usable = {name for name in NATIVE_BF16_FEATURES if answers.features.get(name, False)}
+    if answers.onednn_max_isa in ONEDNN_ISAS_WITHOUT_AMX:
+        usable.discard("amx_bf16")
+    return usable
+
+
+def cpu_decision(answers: CpuAnswers,
+                 kinds: tuple[CpuKind, ...] = MEASURED_KINDS) -> tuple[torch.dtype, str]:
+    """The compute dtype ``answers`` call for, and why in words: bfloat16 where this CPU's
+    measured kind runs it more than ``CLEAR_WIN`` times faster than float32, else float32."""
+    blocker = bf16_blocker(answers)
+    if blocker is not None:
+        return torch.float32, blocker
+    usable = usable_features(answers)
+    kind = next((kind for kind in kinds if kind.matches(answers, usable)), None)
+    if kind is None:
+        shown = ", ".join(sorted(usable)) or "no usable bf16 feature"
+        return torch.float32, (f"bfloat16 is not measured on this CPU kind "
+                               f"({answers.described()}, {shown})")
+    if kind.bf16_speedup > CLEAR_WIN:
+        return torch.bfloat16, f"bfloat16 measured {kind.bf16_speedup:g}x faster {kind.where}"
+    if kind.bf16_speedup < 1:
+        return torch.float32, f"bfloat16 is slower {kind.where}"
+    return torch.float32, f"bfloat16 is within {CLEAR_WIN:g}x of float32 {kind.where}"
+
+
+def choose_cpu_dtype(answers: CpuAnswers,
+                     kinds: tuple[CpuKind, ...] = MEASURED_KINDS) -> torch.dtype:
+    """The compute dtype ``auto`` means for ``answers`` (``cpu_decision``'s dtype)."""
+    return cpu_decision(answers, kinds)[0]
 
 
 #: Pins what ``auto`` means on the CPU (``float32`` or ``bfloat16``), e.g. so that machines
-#: with and without native bfloat16 compute the same rows, or for a test suite's references.
+#: of different kinds compute the same rows, or for a test suite's references.
 PIN_VARIABLE = "DSV4ENC_CPU_AUTO_DTYPE"
 _PINNABLE = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -136,9 +243,4 @@ def auto_cpu_reason() -> str:
     """Why ``auto`` means what it does on this CPU, for the run's opening line."""
     if _pinned() is not None:
         return f"{PIN_VARIABLE} is set"
-    answers = machine_answers()
-    blocker = bf16_blocker(answers)
-    if blocker is not None:
-        return blocker
-    native = [name for name in NATIVE_BF16_FEATURES if answers.features.get(name)]
-    return "native bfloat16 on this CPU (" + ", ".join(native) + ")"
+    return cpu_decision(machine_answers())[1]

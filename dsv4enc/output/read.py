@@ -20,7 +20,8 @@ from ..errors import UsageError
 #: The manifest of a folder of parts (per rank under --shard-output: ``_manifest-rankNNN.json``).
 MANIFEST_NAME = "_manifest.json"
 
-#: Rows per Arrow batch while streaming (a row of the full model is up to ~3 MB in float16).
+#: Rows per Arrow batch while streaming, at most (a row of the full model is up to ~3 MB in
+#: float16: fewer of those, by ``BATCH_BYTES``).
 BATCH_ROWS = 16
 
 
@@ -113,53 +114,83 @@ def embedding_arrays(column, fmt: EmbeddingFormat | None = None) -> list[np.ndar
     for pooled vectors; None where the value is null. Copies, exact dtype.
 
     ``fmt`` is needed for the binary layout (its cells do not say their dtype or width)."""
+    return [None if view is None else owned_copy(view)
+            for view in embedding_views(column, fmt)]
+
+
+def embedding_views(column, fmt: EmbeddingFormat | None = None) -> list[np.ndarray | None]:
+    """``embedding_arrays`` without the copies: read-only arrays over the column's own
+    buffers (each keeps its buffer alive; nothing is freed under it)."""
     import pyarrow as pa
 
     if isinstance(column, pa.ChunkedArray):
-        return [a for chunk in column.chunks for a in embedding_arrays(chunk, fmt)]
+        return [a for chunk in column.chunks for a in embedding_views(chunk, fmt)]
     if pa.types.is_binary(column.type) or pa.types.is_large_binary(column.type):
         if fmt is None:
             raise ValueError("a binary embedding column needs its EmbeddingFormat")
-        return _binary_arrays(column, fmt)
-    valid = column.is_valid().to_numpy(zero_copy_only=False)
+        return _binary_views(column, fmt)
+    valid = valid_mask(column)
     if pa.types.is_fixed_size_list(column.type):  # pooled: one vector per row
         width = column.type.list_size
         flat = column.values.slice(column.offset * width, len(column) * width)
-        matrix = flat.to_numpy(zero_copy_only=False).reshape(len(column), width)
-        return [matrix[i].copy() if valid[i] else None for i in range(len(column))]
+        matrix = _read_only(flat.to_numpy(zero_copy_only=False).reshape(len(column), width))
+        return [matrix[i] if valid[i] else None for i in range(len(column))]
     width = column.type.value_type.list_size
     offsets = column.offsets.to_numpy()
     lo, hi = int(offsets[0]), int(offsets[-1])
     vectors = column.values.slice(lo, hi - lo)
     flat = vectors.values.slice(vectors.offset * width, (hi - lo) * width)
-    matrix = flat.to_numpy(zero_copy_only=False).reshape(hi - lo, width)
-    return [matrix[offsets[i] - lo:offsets[i + 1] - lo].copy() if valid[i] else None
+    matrix = _read_only(flat.to_numpy(zero_copy_only=False).reshape(hi - lo, width))
+    return [matrix[offsets[i] - lo:offsets[i + 1] - lo] if valid[i] else None
             for i in range(len(column))]
 
 
-def _binary_arrays(column, fmt: EmbeddingFormat) -> list[np.ndarray | None]:
-    """Cells of a (large_)binary column as arrays: a view of each cell's bytes, copied out."""
+def valid_mask(column) -> np.ndarray:
+    """Which values of an Arrow array are not null, as a bool array, read from its validity
+    bitmap (``Array.is_valid`` would import ``pyarrow.compute``: 0.2 s of a short read)."""
+    validity = column.buffers()[0]
+    if column.null_count == 0 or validity is None:
+        return np.ones(len(column), dtype=bool)
+    bits = np.unpackbits(np.frombuffer(validity, dtype=np.uint8), bitorder="little")
+    return bits[column.offset:column.offset + len(column)].astype(bool)
+
+
+def _read_only(array: np.ndarray) -> np.ndarray:
+    array.flags.writeable = False
+    return array
+
+
+def owned_copy(view: np.ndarray) -> np.ndarray:
+    """A writable copy of a view in the machine's byte order (a plain copy where that is
+    already little-endian: 2x faster than ``astype``)."""
+    return view.copy() if view.dtype.isnative else view.astype(view.dtype.newbyteorder("="))
+
+
+def _binary_views(column, fmt: EmbeddingFormat) -> list[np.ndarray | None]:
+    """Cells of a (large_)binary column as read-only arrays over the column's data buffer."""
     import pyarrow as pa
 
     offset_type = np.int64 if pa.types.is_large_binary(column.type) else np.int32
-    validity, offsets_buf, data_buf = column.buffers()
+    _, offsets_buf, data_buf = column.buffers()
     offsets = np.frombuffer(offsets_buf, dtype=offset_type)[
         column.offset:column.offset + len(column) + 1]
     data = np.frombuffer(data_buf, dtype=np.uint8) if data_buf is not None else np.zeros(0, np.uint8)
-    valid = (column.is_valid().to_numpy(zero_copy_only=False) if validity is not None
-             else np.ones(len(column), dtype=bool))
+    valid = valid_mask(column)
     stored = fmt.numpy_dtype
     shape = (fmt.width,) if fmt.pooled else (-1, fmt.width)
+    return [_read_only(data[offsets[i]:offsets[i + 1]].view(stored).reshape(shape))
+            if valid[i] else None for i in range(len(column))]
 
-    def cell(i: int) -> np.ndarray:
-        values = data[offsets[i]:offsets[i + 1]].view(stored).reshape(shape)
-        # A plain copy where the machine is little-endian (2x faster than astype).
-        return values.copy() if stored.isnative else values.astype(stored.newbyteorder("="))
-    return [cell(i) if valid[i] else None for i in range(len(column))]
+
+#: Bytes of embeddings per Arrow batch while streaming, when ``batch_rows`` is not given: a
+#: batch near the CPU's cache sizes reads several times faster than 16 rows of the full model
+#: (44 MB), whose fresh buffers are paged in anew for each batch (benchmarks/RESULTS.md).
+BATCH_BYTES = 8 << 20
 
 
 def read_embeddings(path: str | os.PathLike, columns: Sequence[str] | None = None, *,
-                    errors: str = "skip", batch_rows: int = BATCH_ROWS) -> Iterator[Any]:
+                    errors: str = "skip", batch_rows: int | None = None,
+                    copy: bool = True) -> Iterator[Any]:
     """Stream the rows of a dsv4enc output (a Parquet file or a dataset folder).
 
     Without ``columns``: yields ``(path, embedding, (grid_h, grid_w))`` per row, where
@@ -169,7 +200,10 @@ def read_embeddings(path: str | os.PathLike, columns: Sequence[str] | None = Non
 
     ``errors="skip"`` (default) passes over rows whose image failed; ``errors="include"``
     yields them too, with ``None`` for the embedding and grid (dicts: the stored nulls).
-    Memory stays at ``batch_rows`` rows, whatever the file's size.
+    ``copy=False`` yields read-only views of the batch Parquet was read into instead of
+    copies (about 2x faster): each keeps its whole batch's memory alive while it is kept.
+    Memory stays at one batch (``batch_rows`` rows; default: about ``BATCH_BYTES`` of
+    embeddings, at most ``BATCH_ROWS`` rows), whatever the file's size.
     """
     import pyarrow.parquet as pq
 
@@ -180,27 +214,52 @@ def read_embeddings(path: str | os.PathLike, columns: Sequence[str] | None = Non
     if errors == "skip" and "error" not in need:
         need.append("error")
     for file in output_files(path):
-        handle = pq.ParquetFile(file)
+        handle = pq.ParquetFile(file, memory_map=True)
         names = handle.schema_arrow.names
         unknown = [c for c in need if c not in names]
         if unknown:
             raise UsageError(f"{file}: no column {unknown[0]!r} (columns: {', '.join(names)})")
         fmt = embedding_format(handle.schema_arrow) if "embedding" in need else None
-        for batch in handle.iter_batches(batch_size=batch_rows, columns=need):
-            data = {name: batch.column(name) for name in need}
-            arrays = embedding_arrays(data["embedding"], fmt) if "embedding" in data else None
-            failed = (data["error"].is_valid().to_numpy(zero_copy_only=False)
-                      if errors == "skip" else None)
-            plain = {n: data[n].to_pylist() for n in need if n != "embedding"}
-            for i in range(batch.num_rows):
-                if failed is not None and failed[i]:
-                    continue
-                if wanted is not None:
-                    yield {n: (arrays[i] if n == "embedding" else plain[n][i]) for n in wanted}
-                    continue
-                grid = (None if arrays[i] is None
-                        else (plain["grid_h"][i], plain["grid_w"][i]))
-                yield plain["path"][i], arrays[i], grid
+        rows = batch_rows or _rows_per_batch(handle, "embedding" in need)
+        for batch in handle.iter_batches(batch_size=rows, columns=need):
+            yield from _batch_rows(batch, need, wanted, fmt, errors == "skip", copy)
+
+
+def _rows_per_batch(handle, embeddings: bool) -> int:
+    """Rows per batch that hold about BATCH_BYTES of embeddings (the first row group's
+    mean), at most BATCH_ROWS."""
+    meta = handle.metadata
+    if not embeddings or meta.num_row_groups == 0 or meta.row_group(0).num_rows == 0:
+        return BATCH_ROWS
+    group = meta.row_group(0)
+    column = next((group.column(i) for i in range(group.num_columns)
+                   if group.column(i).path_in_schema.split(".")[0] == "embedding"), None)
+    if column is None:
+        return BATCH_ROWS
+    per_row = column.total_uncompressed_size / group.num_rows
+    return max(1, min(BATCH_ROWS, int(BATCH_BYTES // max(per_row, 1))))
+
+
+def _batch_rows(batch, need: list[str], wanted: list[str] | None, fmt, skip: bool,
+                copy: bool) -> Iterator[Any]:
+    """One Arrow batch's rows, as ``read_embeddings`` yields them. Each embedding is copied
+    only when its row is yielded: a caller that drops each row holds one or two copies, whose
+    memory the allocator reuses, instead of a batch of fresh ones."""
+    data = {name: batch.column(name) for name in need}
+    views = embedding_views(data["embedding"], fmt) if "embedding" in data else None
+    failed = valid_mask(data["error"]) if skip else None
+    plain = {n: data[n].to_pylist() for n in need if n != "embedding"}
+    for i in range(batch.num_rows):
+        if failed is not None and failed[i]:
+            continue
+        embedding = None
+        if views is not None and views[i] is not None:
+            embedding = owned_copy(views[i]) if copy else views[i]
+        if wanted is not None:
+            yield {n: (embedding if n == "embedding" else plain[n][i]) for n in wanted}
+            continue
+        grid = None if embedding is None else (plain["grid_h"][i], plain["grid_w"][i])
+        yield plain["path"][i], embedding, grid
 
 
 def read_metadata(path: str | os.PathLike) -> dict[str, Any]:

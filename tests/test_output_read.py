@@ -1,0 +1,113 @@
+"""``read_embeddings``: copies and zero-copy views (``copy=False``) give the same rows, bit for
+bit, in both layouts, pooled or not, whatever the batch size; views are read-only and stay
+valid while kept."""
+
+from __future__ import annotations
+
+import gc
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from dsv4enc import read_embeddings
+from dsv4enc.output.parts import (Row, output_schema, parquet_options, rows_per_group,
+                                  rows_to_table)
+from dsv4enc.output.read import BATCH_ROWS, valid_mask
+
+
+def write_output(path: Path, layout: str, pooled: bool, width: int, images: int,
+                 rows: int = 6) -> dict[str, np.ndarray | None]:
+    """An output file as ``dsv4enc encode`` writes it, with every fourth image failed."""
+    rng = np.random.default_rng(3)
+    written, table_rows = {}, []
+    for i in range(images):
+        name = f"img/{i:03d}.jpg"
+        if i % 4 == 3:
+            written[name] = None
+            table_rows.append(Row(path=name, error="decode failed: truncated file"))
+            continue
+        shape = (width,) if pooled else (rows + i % 3, width)
+        emb = rng.standard_normal(shape).astype(np.float16)
+        written[name] = emb
+        table_rows.append(Row(path=name, width=64, height=48, vit_h=4, vit_w=4, grid_h=1,
+                              grid_w=1 if pooled else shape[0], embedding=emb))
+    schema = output_schema(width, "float16", {}, pooled=pooled, layout=layout)
+    pq.write_table(rows_to_table(table_rows, schema), path,
+                   row_group_size=rows_per_group(schema, table_rows), **parquet_options(schema))
+    return written
+
+
+@pytest.mark.parametrize("layout", ["binary", "nested"])
+@pytest.mark.parametrize("pooled", [False, True])
+def test_views_and_copies_give_the_same_rows(tmp_path, layout, pooled):
+    path = tmp_path / "emb.parquet"
+    written = write_output(path, layout, pooled, width=32, images=23)
+    for errors in ("skip", "include"):
+        copies = list(read_embeddings(path, errors=errors))
+        views = list(read_embeddings(path, errors=errors, copy=False))
+        expected = [name for name, emb in written.items() if emb is not None or errors == "include"]
+        assert [p for p, _, _ in copies] == [p for p, _, _ in views] == expected
+        for (name, copied, grid), (_, view, view_grid) in zip(copies, views):
+            if written[name] is None:
+                assert copied is None and view is None and grid is None and view_grid is None
+                continue
+            assert grid == view_grid
+            for emb in (copied, view):
+                assert emb.dtype == np.float16 and emb.shape == written[name].shape
+                assert emb.tobytes() == written[name].tobytes()
+            assert copied.flags.writeable and copied.flags.owndata
+            assert not view.flags.writeable
+            with pytest.raises(ValueError):
+                view[0] = 0
+
+
+def test_dict_rows_with_views(tmp_path):
+    path = tmp_path / "emb.parquet"
+    written = write_output(path, "binary", False, width=16, images=9)
+    rows = list(read_embeddings(path, columns=["path", "embedding", "error"],
+                                errors="include", copy=False))
+    assert [r["path"] for r in rows] == list(written)
+    for row in rows:
+        emb = written[row["path"]]
+        assert (row["embedding"] is None) == (emb is None) == (row["error"] is not None)
+        if emb is not None:
+            assert row["embedding"].tobytes() == emb.tobytes()
+
+
+def test_kept_views_stay_valid(tmp_path):
+    """A view keeps its batch's memory alive: kept past the next batch, the reader's end and
+    a garbage collection, it still holds the row's values."""
+    path = tmp_path / "emb.parquet"
+    written = write_output(path, "binary", False, width=64, images=12)
+    kept = [(p, e) for p, e, _ in read_embeddings(path, batch_rows=2, copy=False)]
+    gc.collect()
+    [np.ones(1 << 16) for _ in range(50)]  # reuse freed memory, if any was freed
+    for name, view in kept:
+        assert view.tobytes() == written[name].tobytes()
+
+
+@pytest.mark.parametrize("layout", ["binary", "nested"])
+def test_every_batch_size_reads_the_same_rows(tmp_path, layout):
+    """The default batch (about BATCH_BYTES of embeddings: 3 rows of these 2.75 MB ones) and
+    explicit ones yield the same rows."""
+    path = tmp_path / "emb.parquet"
+    written = write_output(path, layout, False, width=4096, images=7, rows=336)
+    want = [(n, e.tobytes()) for n, e in written.items() if e is not None]
+    for batch_rows in (None, 1, 2, BATCH_ROWS):
+        for copy in (True, False):
+            got = [(p, e.tobytes()) for p, e, _ in
+                   read_embeddings(path, batch_rows=batch_rows, copy=copy)]
+            assert got == want, (batch_rows, copy)
+
+
+def test_valid_mask_matches_arrow():
+    values = pa.array([b"a", None, b"c", None, None, b"f", b"g", None, b"i", b"j", None],
+                      pa.large_binary())
+    for start in range(0, 10):
+        for length in (0, 1, 3, 11 - start):
+            part = values.slice(start, length)
+            assert valid_mask(part).tolist() == part.is_valid().to_pylist()
+    assert valid_mask(pa.array([1, 2, 3])).tolist() == [True, True, True]

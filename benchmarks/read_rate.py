@@ -80,7 +80,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "emb.parquet"
         write_file(path, a.images, a.rows, a.width)
-        path.read_bytes()  # into the page cache
+        with open(path, "rb+") as synced:  # on disk, as a run leaves its output, and cached
+            os.fsync(synced.fileno())
+            while synced.read(1 << 24):
+                pass
         for repeat in range(a.repeats):
             for tree in a.trees:
                 for copy in (True, False):

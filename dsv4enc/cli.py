@@ -8,6 +8,7 @@ error, 130/143 interrupted by SIGINT/SIGTERM (finished parts kept).
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 import sys
@@ -23,6 +24,17 @@ from .storage import OUTAGE_S, stop_bound_s
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Encode images with the DeepSeek-V4 or V4.1 vision tower and write "
                   "Parquet.")
+
+
+def command(name: str | None = None, **settings):
+    """``app.command`` with the docstring as help whose paragraphs are each one line, so that
+    rich wraps them at the terminal's width: typer keeps a docstring's own line breaks, and
+    a paragraph then breaks mid-sentence wherever the source did."""
+    def register(function):
+        paragraphs = inspect.cleandoc(function.__doc__ or "").split("\n\n")
+        settings.setdefault("help", "\n\n".join(" ".join(p.split()) for p in paragraphs))
+        return app.command(name, **settings)(function)
+    return register
 
 
 def choices(*values: str) -> str:
@@ -305,7 +317,7 @@ def _panels(options: dict) -> dict[str, tuple[str, ...]]:
 ENCODE_PANELS = _panels(ENCODE_OPTIONS)
 
 
-@app.command()
+@command()
 def encode(
     ctx: typer.Context,
     inputs: List[str] = ENCODE_OPTIONS["inputs"],
@@ -485,7 +497,7 @@ def _own_process_settings(device: str, dist) -> None:
     own_process_settings(resolved)
 
 
-@app.command()
+@command()
 def extract(
     checkpoint: str = typer.Argument(..., help="Checkpoint folder or Hub id (owner/name)."),
     out: str = typer.Option(..., "--out", "-o", help="Folder for the vision-only checkpoint."),
@@ -502,7 +514,7 @@ def extract(
                f"{done.folder}")
 
 
-@app.command("inspect")
+@command("inspect")
 def inspect_command(
     output: str = typer.Argument(..., help="An output Parquet file or dataset folder."),
     as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON."),
@@ -522,7 +534,7 @@ def inspect_command(
         render(summary)
 
 
-@app.command(short_help="Time the engine, or with --host the host side alone.")
+@command(short_help="Time the engine, or with --host the host side alone.")
 def bench(
     config: str = typer.Option(..., "--config", help="Model config JSON (a random tower of "
                                "this shape is timed)."),

@@ -533,6 +533,28 @@ def test_bench_command_is_exposed():
         assert option in result.output
 
 
+def test_help_descriptions_are_wrapped_by_the_terminal_not_the_source():
+    """Each command's description flows at the terminal's width: where the docstring breaks
+    a line, a wide terminal shows the words on both sides of the break on one line (bench's
+    "measured in the / same process" was cut there), and a narrow one shows no line wider
+    than itself."""
+    import inspect as pyinspect
+
+    for command in app.registered_commands:
+        name = command.name or command.callback.__name__
+        wide = runner.invoke(app, [name, "--help"], env={"COLUMNS": "250"}, terminal_width=250)
+        assert wide.exit_code == 0, wide.output
+        shown = [" ".join(line.split()) for line in wide.output.splitlines()]
+        source = pyinspect.cleandoc(command.callback.__doc__).splitlines()
+        for above, below in zip(source, source[1:]):
+            if above.strip() and below.strip():  # a break inside a paragraph
+                joined = f"{above.split()[-1]} {below.split()[0]}"
+                assert any(joined in line for line in shown), (name, joined)
+        narrow = runner.invoke(app, [name, "--help"], env={"COLUMNS": "60"}, terminal_width=60)
+        assert narrow.exit_code == 0
+        assert max(len(line.rstrip()) for line in narrow.output.splitlines()) <= 60
+
+
 def test_decode_workers_and_a_stdin_listing_give_the_inline_rows(tmp_path, tree, ckpt, run32,
                                                                  monkeypatch):
     """With a decode worker the run is planned and decoding starts before torch is loaded

@@ -2,8 +2,9 @@
 Python API and the benchmark.
 
 ``auto`` means CUDA when it is available (this rank's LOCAL_RANK device under torchrun),
-and bfloat16 on CUDA; on the CPU bfloat16 where it is native (AMX or AVX512-BF16, from
-torch's capability queries: ``cpufeatures``), float32 elsewhere. No timing decides it.
+and bfloat16 on CUDA; on the CPU the dtype measured faster on this kind of CPU
+(``cpufeatures``' table: bfloat16 on Intel with AMX and on AMD Zen 5), float32 on other
+kinds. No timing decides it.
 """
 
 from __future__ import annotations

@@ -165,8 +165,9 @@ class Encoder:
         or a Hugging Face Hub id such as ``deepseek-ai/DeepSeek-V4-Flash-Vision-Exp``
         (needs ``dsv4enc[hub]``; only the tower's shards are downloaded).
 
-        ``dtype``: compute dtype, ``"auto"`` (bfloat16 on CUDA and on CPUs with native
-        bfloat16, AMX or AVX512-BF16; float32 on other CPUs), a name or a ``torch.dtype``. ``options``: see the class docstring.
+        ``dtype``: compute dtype, ``"auto"`` (bfloat16 on CUDA and on the CPU kinds measured
+        faster in it, Intel with AMX and AMD Zen 5; float32 on other CPUs), a name or a
+        ``torch.dtype``. ``options``: see the class docstring.
         """
         from .tower.hub import resolve_weights
 

@@ -201,9 +201,10 @@ def read_embeddings(path: str | os.PathLike, columns: Sequence[str] | None = Non
     ``errors="skip"`` (default) passes over rows whose image failed; ``errors="include"``
     yields them too, with ``None`` for the embedding and grid (dicts: the stored nulls).
     ``copy=False`` yields read-only views of the batch Parquet was read into instead of
-    copies (about 2x faster): each keeps its whole batch's memory alive while it is kept.
-    Memory stays at one batch (``batch_rows`` rows; default: about ``BATCH_BYTES`` of
-    embeddings, at most ``BATCH_ROWS`` rows), whatever the file's size.
+    copies (no copy made: faster); each view keeps its whole batch's memory alive while it
+    is kept. Memory stays at one batch (``batch_rows`` rows; default: about ``BATCH_BYTES``
+    of embeddings, at most ``BATCH_ROWS`` rows) and what the caller keeps, whatever the
+    file's size. Files are read through a memory map.
     """
     import pyarrow.parquet as pq
 

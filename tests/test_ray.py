@@ -30,8 +30,8 @@ SPECS = [("a.jpg", (64, 48), "RGB"), ("b.png", (30, 90), "RGBA"), ("c.png", (120
 @pytest.fixture(scope="module")
 def local_ray():
     """A small local Ray: 2 CPUs, a 200 MB object store, no dashboard."""
-    ray.init(num_cpus=2, object_store_memory=200 << 20, include_dashboard=False,
-             log_to_driver=False, configure_logging=False)
+    ray.init(address="local", num_cpus=2, object_store_memory=200 << 20,
+             include_dashboard=False, log_to_driver=False, configure_logging=False)
     ctx = ray.data.DataContext.get_current()
     ctx.enable_progress_bars = False
     yield

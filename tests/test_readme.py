@@ -429,3 +429,14 @@ def test_the_pandas_recipe_keeps_int32_columns(tmp_path):
     assert str(kept.width.dtype) == "int32[pyarrow]"
     assert kept.width.isna().tolist() == [False, True]
     assert [bytes(b) for b in kept.embedding.dropna()] == [b"\0\0"]
+
+
+def test_the_pages_start_a_local_ray_with_address_local():
+    """A bare ``ray.init(num_cpus=...)`` joins the cluster that an earlier Ray's address file
+    names (and then refuses ``num_cpus``): a page that starts its own Ray says
+    ``address="local"``."""
+    for page in [README, *doc_pages()]:
+        for block in readme_blocks(page.read_text()):
+            for call in re.findall(r"ray\.init\(([^)]*)\)", block.code):
+                if "num_cpus" in call:
+                    assert 'address="local"' in call, (_name(page), block.line, call)

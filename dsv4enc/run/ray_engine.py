@@ -191,6 +191,11 @@ class RayCluster:
         except ImportError:
             raise UsageError("--engine ray needs Ray: pip install 'dsv4enc[ray]'") from None
         self.ray = ray
+        # Ray's own log lines (its token notice, ...) are no louder than dsv4enc's: none but
+        # errors under -q. (Importing ray set up its logger: the level is set after it.)
+        ray_log = logging.getLogger("ray")
+        self.ray_log_level = ray_log.level
+        ray_log.setLevel(max(ray_log.getEffectiveLevel(), log.getEffectiveLevel()))
         self.address = ray_opts.resolved_address()
         self.started_here = False
         self.joined = False
@@ -206,8 +211,10 @@ class RayCluster:
             else:
                 store = (ray_opts.object_store_mb << 20 if ray_opts.object_store_mb
                          else None)
-                ray.init(num_cpus=available_cpus(), object_store_memory=store,
-                         include_dashboard=False, **common)
+                # address="local": a new Ray even where an earlier one left its address
+                # file in Ray's temp folder (ray.init() would try to join that one)
+                ray.init(address="local", num_cpus=available_cpus(),
+                         object_store_memory=store, include_dashboard=False, **common)
                 self.started_here = True
         except (ConnectionError, RuntimeError, ValueError) as exc:
             where = f"the Ray cluster at {self.address}" if self.address else "a local Ray"
@@ -227,6 +234,7 @@ class RayCluster:
         if self.joined:
             self.ray.shutdown()  # a local Ray stops; a remote cluster is only left
             self.joined = False
+        logging.getLogger("ray").setLevel(self.ray_log_level)
 
 
 @dataclass

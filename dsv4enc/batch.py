@@ -39,6 +39,35 @@ __all__ = ["BatchEncoder", "datasets_features", "OUTPUT_COLUMNS"]
 OUTPUT_COLUMNS = ("path", "width", "height", "vit_h", "vit_w", "grid_h", "grid_w",
                   "embedding", "error")
 _INT_COLUMNS = OUTPUT_COLUMNS[1:7]
+#: The recipe's entries that are BatchEncoder's own, not ``Encoder`` options.
+_NOT_ENCODER_OPTIONS = frozenset({"weights", "config", "seed", "device", "dtype", "max_pixels",
+                                  "image_column", "key_column", "layout", "keep_columns"})
+
+#: Whether this process was forked from one that imported this module (``datasets.map``
+#: with ``num_proc``, a fork ``multiprocessing`` pool). Set by the fork hook below, read and
+#: cleared by ``_fork_safe_threads``.
+_forked = False
+
+
+def _note_fork() -> None:
+    global _forked
+    _forked = True
+
+
+os.register_at_fork(after_in_child=_note_fork)
+
+
+def _fork_safe_threads() -> None:
+    """One torch intra-op thread in a forked child, set once per fork: a child forked from a
+    process whose OpenMP threads ran waits for good in its first parallel region (the fork
+    copied no threads), while one thread runs inline. (A spawned worker is a fresh process
+    and keeps torch's default.)"""
+    global _forked
+    if _forked:
+        _forked = False
+        import torch
+
+        torch.set_num_threads(1)
 
 
 class BatchEncoder:
@@ -73,7 +102,8 @@ class BatchEncoder:
     Pickling sends the recipe (weights, config and options), not the tensors: an unpickled
     copy loads its own weights, so a pipeline that ships the function to workers (``datasets``
     with ``num_proc``, Spark) loads them once per worker, and ``datasets``' cache fingerprint
-    is cheap. Not thread-safe: one per thread.
+    is cheap. In a forked process (``num_proc``, or this object crossing a fork) it builds
+    its own engine and runs torch on one thread. Not thread-safe: one per thread.
     """
 
     def __init__(self, weights: str | os.PathLike | None = None, *,
@@ -104,10 +134,26 @@ class BatchEncoder:
         self.keep_columns = keep_columns
         self.layout = layout
         self.max_pixels = DEFAULT_MAX_PIXELS if max_pixels is None else max_pixels
-        self.encoder = _load_encoder(weights, config, seed, device, dtype,
-                                     features=features, pool=pool, out_dtype=out_dtype,
-                                     max_pixels=self.max_pixels, **options)
+        self.pid = os.getpid()  # the process the engine was built in
+        self.encoder = self._build()
         self.schema = self._schema()
+
+    def _build(self) -> "Encoder":
+        """The encoder (weights and engine) of the recipe, built in this process."""
+        _fork_safe_threads()
+        recipe = self._recipe
+        return _load_encoder(recipe["weights"], recipe["config"], recipe["seed"],
+                             recipe["device"], recipe["dtype"], max_pixels=self.max_pixels,
+                             **{name: value for name, value in recipe.items()
+                                if name not in _NOT_ENCODER_OPTIONS})
+
+    def _own_encoder(self) -> "Encoder":
+        """The encoder, rebuilt first when this object crossed a fork: a forked process builds
+        its own engine (never runs the parent's threads' or device's state)."""
+        if os.getpid() != self.pid:
+            self.pid = os.getpid()
+            self.encoder = self._build()
+        return self.encoder
 
     # -- what it is -------------------------------------------------------------------
     def __reduce__(self):
@@ -199,7 +245,7 @@ class BatchEncoder:
         from .engine.packing import output_grid
         from .output.parts import Row
 
-        enc = self.encoder
+        enc = self._own_encoder()
         rows: list[Row] = []
         todo: list[tuple[int, Any]] = []
         for i, image in enumerate(images):

@@ -5,7 +5,11 @@ and Hugging Face ``datasets.map(batched=True)`` with the output's ``features``."
 from __future__ import annotations
 
 import json
+import os
 import pickle
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -289,3 +293,57 @@ def test_datasets_map_keeps_the_datasets_columns(keeping, embed, folder, rel_pat
     assert slim.column_names == ["id", "caption", *OUTPUT_COLUMNS]
     assert slim.select_columns(list(OUTPUT_COLUMNS)).to_list() == \
         out.select_columns(list(OUTPUT_COLUMNS)).to_list()
+
+
+#: The issue's session: a map that fails after encoding a batch here (its features lack the
+#: kept id column), then a num_proc=2 map, whose forked workers would wait for good in their
+#: first parallel region had this process's OpenMP threads run (two of them, here); then a
+#: plain fork whose child calls the parent's object.
+FORK_AFTER_FAILED_MAP = """
+import json, os, sys
+import torch, datasets
+from dsv4enc import BatchEncoder
+from dsv4enc.batch import datasets_features
+
+torch.set_num_threads(2)
+ckpt, paths = sys.argv[1], sys.argv[2:]
+embed = BatchEncoder(ckpt, device="cpu", dtype="float32", key_column="id")
+ds = datasets.Dataset.from_dict({"image": paths, "id": list(range(len(paths)))})
+try:
+    ds.map(embed, batched=True, batch_size=2, features=datasets_features(embed))
+except Exception:
+    pass
+else:
+    sys.exit("the first map did not fail")
+out = ds.map(embed, batched=True, batch_size=2, num_proc=2,
+             features=datasets_features(embed, ds.features))
+# and the object itself across a plain fork (not pickled): the child builds its own engine
+child = os.fork()
+if child == 0:
+    rows = embed({"image": paths, "id": list(range(len(paths)))})
+    os._exit(0 if embed.pid == os.getpid() and rows["path"] == list(out["path"]) else 3)
+assert os.waitpid(child, 0)[1] == 0, "the forked child's rows differ"
+print(json.dumps([[r["id"], r["path"], r["error"], r["embedding"] is None] for r in out]))
+"""
+
+
+@pytest.mark.slow
+def test_a_num_proc_map_after_a_failed_map_finishes(small_ckpt, folder, rel_paths, embed,
+                                                    tmp_path):
+    pytest.importorskip("datasets")
+    paths = [str(folder / r) for r in rel_paths]
+    env = {**os.environ, "HF_DATASETS_CACHE": str(tmp_path / "cache")}
+    proc = subprocess.Popen([sys.executable, "-c", FORK_AFTER_FAILED_MAP, str(small_ckpt),
+                             *paths], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env, start_new_session=True)
+    try:  # a guard: hung workers fail the test (and are ended), not the suite
+        stdout, stderr = proc.communicate(timeout=600)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        pytest.fail("the num_proc=2 map hung")
+    assert proc.returncode == 0, stderr[-3000:]
+    got = json.loads(stdout.strip().splitlines()[-1])
+    expected = embed(pa.table({"image": paths, "key": [str(i) for i in range(len(paths))]}))
+    assert got == [[i, r["path"], r["error"], r["embedding"] is None]
+                   for i, r in enumerate(expected.to_pylist())]

@@ -42,7 +42,7 @@ from .output.read import read_embeddings
 if TYPE_CHECKING:
     import PIL.Image
 
-__all__ = ["Encoder", "EncodeError", "ImageInput", "read_embeddings"]
+__all__ = ["Encoder", "EncodeError", "ImageInput", "image_source", "read_embeddings"]
 
 #: What ``Encoder.encode`` takes per image: a PIL image, an HxW / HxWx{1,3,4} uint8 array, a
 #: file path, the encoded file's bytes, or a Hugging Face ``{"bytes": ..., "path": ...}`` dict.
@@ -56,6 +56,28 @@ class EncodeError(ValueError):
         named = f"image {index}" if key == index else f"image {index} ({key!r})"
         super().__init__(f"{named}: {reason}")
         self.index, self.key, self.reason = index, key, reason
+
+
+def image_source(image: Any) -> tuple[Any, str | None]:
+    """What to read of one input, and the name it carries (None: it has none).
+
+    A ``{"bytes", "path"}`` dict (``datasets``' ``Image(decode=False)``) gives its bytes, else
+    its path, and is named by its path; a path (``str`` or ``os.PathLike``) gives its text,
+    which names it; bytes-like input gives ``bytes``; anything else is itself, unnamed. A key
+    given with an input names it instead; an unnamed input's key is its position (``Encoder``:
+    the index; ``BatchEncoder``'s ``path`` column: ``#N``).
+    """
+    if isinstance(image, Mapping):
+        data, named = image.get("bytes"), image.get("path")
+        name = os.fspath(named) if isinstance(named, (str, os.PathLike)) and named else None
+        return (image_source(data)[0] if data is not None else
+                image_source(named)[0] if named is not None else None), name
+    if isinstance(image, (str, os.PathLike)):
+        path = os.fspath(image)
+        return path, path
+    if isinstance(image, (bytearray, memoryview)):
+        return bytes(image), None
+    return image, None
 
 
 class _BadInput(Exception):
@@ -243,7 +265,8 @@ class Encoder:
         """Stream ``(key, embedding)`` pairs in input order, with bounded memory.
 
         Items are images as for ``encode``, or ``(key, image)`` tuples. The key is the given
-        one, else the path (as a string) for paths, else the item's running index. An image
+        one, else the path (as a string) for paths and ``{bytes, path}`` dicts with a path,
+        else the item's running index (``image_source``). An image
         that cannot be read yields ``(key, error)`` with a one-line error string (the same text
         as the Parquet ``error`` column) instead of a tensor; the stream goes on. An embedding
         that is not finite in ``out_dtype`` raises ``EncodeError`` (as the command line fails
@@ -280,14 +303,12 @@ class Encoder:
             key, image = entry
         else:
             key, image = None, entry
-        if isinstance(image, Mapping):  # Hugging Face Image feature with decode=False
-            data, named = image.get("bytes"), image.get("path")
-            image = data if data is not None else named
-            if image is None:
-                return _Prepared(index if key is None else key, index,
-                                 error="ValueError: dict holds neither 'bytes' nor 'path'")
+        is_dict = isinstance(image, Mapping)  # Hugging Face Image feature with decode=False
+        image, name = image_source(image)
         if key is None:
-            key = os.fspath(image) if isinstance(image, (str, os.PathLike)) else index
+            key = index if name is None else name
+        if is_dict and image is None:
+            return _Prepared(key, index, error="ValueError: dict holds neither 'bytes' nor 'path'")
         item = _Prepared(key, index)
         try:
             if isinstance(image, Image.Image) or isinstance(image, np.ndarray):
@@ -295,9 +316,8 @@ class Encoder:
                     image = _array_to_image(image)
                 patches, canvas = image_to_patches(image, self.config)
                 item.patches, item.n_h, item.n_w = patches, canvas.n_h, canvas.n_w
-            elif isinstance(image, (str, os.PathLike, bytes, bytearray, memoryview)):
-                source = (os.fspath(image) if isinstance(image, (str, os.PathLike))
-                          else bytes(image))
+            elif isinstance(image, (str, bytes)):
+                source = image
                 if storage.is_url(source):  # an object in a store (s3://...): read it whole
                     source = storage.read_bytes(source)
                 decoded = decode_image(source, self.config, self.max_pixels)

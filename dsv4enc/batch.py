@@ -12,8 +12,9 @@ Spark UDF, or a plain loop. A batch is a table of images::
 What comes back is the batch's rows in ``dsv4enc encode``'s output schema and layout
 (``path``, ``width``, ``height``, ``vit_h``, ``vit_w``, ``grid_h``, ``grid_w``, ``embedding``,
 ``error``; README "Output"), one row per input row, in input order, and of the kind it was
-given. An image that cannot be read is a row whose ``error`` names the cause, as on the
-command line: a call never raises for a bad image. Rows are batch-invariant
+given, followed by the batch's other columns as they came (``keep_columns``). An image that
+cannot be read is a row whose ``error`` names the cause, as on the command line: a call never
+raises for a bad image. Rows are batch-invariant
 (``deterministic=True``, the default): an image's bytes do not depend on what else is in its
 batch, so a pipeline's rows equal ``dsv4enc encode``'s for the same settings.
 """
@@ -34,10 +35,39 @@ if TYPE_CHECKING:
 
 __all__ = ["BatchEncoder", "datasets_features", "OUTPUT_COLUMNS"]
 
-#: The output columns, in order (``writer.output_schema``).
+#: The output columns, in order (``output.parts.output_schema``).
 OUTPUT_COLUMNS = ("path", "width", "height", "vit_h", "vit_w", "grid_h", "grid_w",
                   "embedding", "error")
 _INT_COLUMNS = OUTPUT_COLUMNS[1:7]
+#: The recipe's entries that are BatchEncoder's own, not ``Encoder`` options.
+_NOT_ENCODER_OPTIONS = frozenset({"weights", "config", "seed", "device", "dtype", "max_pixels",
+                                  "image_column", "key_column", "layout", "keep_columns"})
+
+#: Whether this process was forked from one that imported this module (``datasets.map``
+#: with ``num_proc``, a fork ``multiprocessing`` pool). Set by the fork hook below, read and
+#: cleared by ``_fork_safe_threads``.
+_forked = False
+
+
+def _note_fork() -> None:
+    global _forked
+    _forked = True
+
+
+os.register_at_fork(after_in_child=_note_fork)
+
+
+def _fork_safe_threads() -> None:
+    """One torch intra-op thread in a forked child, set once per fork: a child forked from a
+    process whose OpenMP threads ran waits for good in its first parallel region (the fork
+    copied no threads), while one thread runs inline. (A spawned worker is a fresh process
+    and keeps torch's default.)"""
+    global _forked
+    if _forked:
+        _forked = False
+        import torch
+
+        torch.set_num_threads(1)
 
 
 class BatchEncoder:
@@ -55,6 +85,10 @@ class BatchEncoder:
     images are bytes. Bytes are read as any of the accepted formats, a path only as the
     format its extension names, as on the command line.
 
+    ``keep_columns`` (default True): the batch's other columns (the key column too, with its
+    type) follow the output columns, as they came; a column named as an output column is
+    replaced by it. False: the output columns only.
+
     Options as for ``dsv4enc encode``: ``features`` (aligner|vit), ``pool`` (none|mean),
     ``out_dtype`` (float16, the default, or float32), ``layout`` (binary|nested),
     ``max_pixels``; and as for ``Encoder``: ``device``, ``dtype``, ``batch_tokens``,
@@ -68,7 +102,8 @@ class BatchEncoder:
     Pickling sends the recipe (weights, config and options), not the tensors: an unpickled
     copy loads its own weights, so a pipeline that ships the function to workers (``datasets``
     with ``num_proc``, Spark) loads them once per worker, and ``datasets``' cache fingerprint
-    is cheap. Not thread-safe: one per thread.
+    is cheap. In a forked process (``num_proc``, or this object crossing a fork) it builds
+    its own engine and runs torch on one thread. Not thread-safe: one per thread.
     """
 
     def __init__(self, weights: str | os.PathLike | None = None, *,
@@ -76,7 +111,8 @@ class BatchEncoder:
                  image_column: str = "image", key_column: str | None = None,
                  device: str = "auto", dtype: str = "auto", features: str = "aligner",
                  pool: str = "none", out_dtype: str = "float16", layout: str = "binary",
-                 max_pixels: int | None = None, **options: Any) -> None:
+                 max_pixels: int | None = None, keep_columns: bool = True,
+                 **options: Any) -> None:
         from .images.formats import DEFAULT_MAX_PIXELS
         from .output.read import LAYOUTS
 
@@ -92,14 +128,32 @@ class BatchEncoder:
         self._recipe = dict(weights=weights, config=config, seed=seed,
                             image_column=image_column, key_column=key_column, device=device,
                             dtype=dtype, features=features, pool=pool, out_dtype=out_dtype,
-                            layout=layout, max_pixels=max_pixels, **options)
+                            layout=layout, max_pixels=max_pixels,
+                            keep_columns=keep_columns, **options)
         self.image_column, self.key_column = image_column, key_column
+        self.keep_columns = keep_columns
         self.layout = layout
         self.max_pixels = DEFAULT_MAX_PIXELS if max_pixels is None else max_pixels
-        self.encoder = _load_encoder(weights, config, seed, device, dtype,
-                                     features=features, pool=pool, out_dtype=out_dtype,
-                                     max_pixels=self.max_pixels, **options)
+        self.pid = os.getpid()  # the process the engine was built in
+        self.encoder = self._build()
         self.schema = self._schema()
+
+    def _build(self) -> "Encoder":
+        """The encoder (weights and engine) of the recipe, built in this process."""
+        _fork_safe_threads()
+        recipe = self._recipe
+        return _load_encoder(recipe["weights"], recipe["config"], recipe["seed"],
+                             recipe["device"], recipe["dtype"], max_pixels=self.max_pixels,
+                             **{name: value for name, value in recipe.items()
+                                if name not in _NOT_ENCODER_OPTIONS})
+
+    def _own_encoder(self) -> "Encoder":
+        """The encoder, rebuilt first when this object crossed a fork: a forked process builds
+        its own engine (never runs the parent's threads' or device's state)."""
+        if os.getpid() != self.pid:
+            self.pid = os.getpid()
+            self.encoder = self._build()
+        return self.encoder
 
     # -- what it is -------------------------------------------------------------------
     def __reduce__(self):
@@ -134,16 +188,50 @@ class BatchEncoder:
         return output_schema(enc.width(), str(enc.out_dtype).removeprefix("torch."),
                              self.settings(), pooled=enc.pool == "mean", layout=self.layout)
 
-    def features(self):
-        """The Hugging Face ``datasets.Features`` of the output (``datasets_features``)."""
-        return datasets_features(self.schema)
+    def features(self, kept: Any = None):
+        """The Hugging Face ``datasets.Features`` of the output, after the ``kept`` features
+        (``datasets_features``)."""
+        return datasets_features(self.schema, kept)
 
     # -- the call ----------------------------------------------------------------------
     def __call__(self, batch: Any) -> Any:
         """Encode one batch; returns its rows as the same kind of batch (see the class)."""
         kind, images, keys = self.columns(batch)
+        out = _as_kind(self.encode_table(images, keys), kind)
+        for name in self.kept_columns(batch):  # as they came, after the output's
+            if kind in ("table", "record_batch"):
+                out = out.append_column(name, batch.column(name))
+            elif kind == "pandas":
+                out[name] = batch[name].reset_index(drop=True)
+            else:
+                out[name] = batch[name]
+        return out
+
+    def table(self, batch: Any) -> pa.Table:
+        """The batch's rows as a pyarrow Table, whatever kind of batch came in: the output
+        columns (``self.schema``), then the kept columns, each as pyarrow reads it."""
+        kind, images, keys = self.columns(batch)
         table = self.encode_table(images, keys)
-        return _as_kind(table, kind)
+        kept = self.kept_columns(batch)
+        if kept and kind == "pandas":
+            batch = pa.Table.from_pandas(batch[kept], preserve_index=False)
+        for name in kept:
+            column = batch[name]
+            if not isinstance(column, (pa.Array, pa.ChunkedArray)):  # a list or numpy array
+                column = pa.array(column if getattr(column, "ndim", 2) == 1 else list(column))
+            table = table.append_column(name, column)
+        return table
+
+    def kept_columns(self, batch: Any) -> list[str]:
+        """The batch's columns that pass through to its rows (``keep_columns``): all but the
+        image column and those named as an output column (the output's replaces them). The
+        key column is kept too, with its own type (``path`` holds its text)."""
+        if not self.keep_columns:
+            return []
+        names = batch.schema.names if isinstance(batch, (pa.Table, pa.RecordBatch)) else (
+            list(batch.columns) if _is_pandas(batch) else list(batch.keys()))
+        return [name for name in names
+                if name != self.image_column and name not in OUTPUT_COLUMNS]
 
     def encode_table(self, images: list[Any], keys: list[Any] | None = None) -> pa.Table:
         """Rows (a pyarrow Table of ``self.schema``) for a list of images and their keys."""
@@ -153,11 +241,11 @@ class BatchEncoder:
         return rows_to_table(rows, self.schema).combine_chunks()
 
     def rows(self, images: list[Any], keys: list[Any] | None = None) -> list:
-        """``writer.Row`` objects, one per image in order (error rows included)."""
+        """``output.parts.Row`` objects, one per image in order (error rows included)."""
         from .engine.packing import output_grid
         from .output.parts import Row
 
-        enc = self.encoder
+        enc = self._own_encoder()
         rows: list[Row] = []
         todo: list[tuple[int, Any]] = []
         for i, image in enumerate(images):
@@ -210,19 +298,14 @@ class BatchEncoder:
         decode (None when it already failed): the command line's header step."""
         from PIL import Image
 
+        from .api import image_source
         from .images.decode import describe_error, probe_image
         from .output.parts import Row
 
-        source = image
-        if isinstance(image, Mapping):  # Hugging Face Image(decode=False)
-            data, named = image.get("bytes"), image.get("path")
-            source = data if data is not None else named
-        default = (os.fspath(source) if isinstance(source, (str, os.PathLike)) else
-                   image.get("path") if isinstance(image, Mapping) and image.get("path")
-                   else f"#{index}")
+        source, name = image_source(image)
         if isinstance(key, bytes):
             key = key.decode("utf-8", "replace")
-        row = Row(path=default if key is None or key == "" else str(key))
+        row = Row(path=(name or f"#{index}") if key is None or key == "" else str(key))
         column = self.image_column
         if image is None:
             row.error = f"ValueError: row has no image (null {column!r})"
@@ -230,8 +313,6 @@ class BatchEncoder:
         if source is None:
             row.error = f"ValueError: row has no image ({column!r} holds neither bytes nor a path)"
             return row, None
-        if isinstance(source, (bytearray, memoryview)):
-            source = bytes(source)
         try:
             if isinstance(source, Image.Image):
                 width, height = source.size
@@ -239,13 +320,11 @@ class BatchEncoder:
                 if source.ndim < 2:
                     return row, source  # the encoder names what is wrong with it
                 height, width = source.shape[:2]
-            elif isinstance(source, (str, os.PathLike, bytes)):
+            elif isinstance(source, (str, bytes)):
                 from . import storage
 
-                if isinstance(source, (str, os.PathLike)):
-                    source = os.fspath(source)
-                    if storage.is_url(source):  # an object in a store: read it whole, once
-                        source = storage.read_bytes(source)
+                if isinstance(source, str) and storage.is_url(source):
+                    source = storage.read_bytes(source)  # an object in a store: whole, once
                 probe = probe_image(source, self.max_pixels)
                 if probe.error is not None:
                     row.error = probe.error
@@ -271,15 +350,23 @@ class BatchEncoder:
         return row, source
 
 
-def datasets_features(schema: "pa.Schema | BatchEncoder"):
+def datasets_features(schema: "pa.Schema | BatchEncoder", features: Any = None):
     """The Hugging Face ``datasets.Features`` of ``BatchEncoder``'s rows (give
     ``features=`` to ``Dataset.map``: a batch whose ``error`` or ``embedding`` cells are
-    all null then keeps the column's type). ``schema``: a ``BatchEncoder`` or its schema."""
+    all null then keeps the column's type). ``schema``: a ``BatchEncoder`` or its schema.
+
+    ``features``: those of the columns the mapped dataset keeps beside the rows
+    (``ds.features`` when ``map`` is given no ``remove_columns``), which come first, as
+    ``map`` orders them; an output column replaces a kept one of its name."""
     import datasets
 
     if isinstance(schema, BatchEncoder):
         schema = schema.schema
-    return datasets.Features.from_arrow_schema(schema)
+    out = datasets.Features.from_arrow_schema(schema)
+    if not features:
+        return out
+    return datasets.Features({**{name: feature for name, feature in features.items()
+                                 if name not in out}, **out})
 
 
 def _load_encoder(weights, config, seed, device, dtype, **options) -> "Encoder":

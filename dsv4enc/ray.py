@@ -4,7 +4,8 @@
 Ray builds one instance per actor, so the weights are loaded once per actor, on the device
 Ray gave it: CUDA when the actor holds a GPU (``num_gpus=1``), else the CPU. Each batch gives
 ``dsv4enc encode``'s rows (``BatchEncoder``), as a pyarrow Table of the command's exact schema
-(string ``error`` and typed ``embedding`` even in a batch where they are all null). A bad image
+(string ``error`` and typed ``embedding`` even in a batch where they are all null), followed
+by the batch's other columns (``keep_columns=False`` drops them). A bad image
 is an error row, never a failed block, so no ``max_errored_blocks`` is needed (and none
 should be set: Ray drops a failed block's rows whole)::
 
@@ -67,9 +68,9 @@ class RayEncoder:
         return self.embed.schema
 
     def __call__(self, batch: Any) -> pa.Table:
-        """The batch's rows (any batch format Ray hands over), as a pyarrow Table."""
-        kind, images, keys = self.embed.columns(batch)
-        return self.embed.encode_table(images, keys)
+        """The batch's rows (any batch format Ray hands over), as a pyarrow Table: the output
+        columns, then the batch's other columns (``keep_columns``, ``BatchEncoder.table``)."""
+        return self.embed.table(batch)
 
 
 def encode_dataset(ds, weights: Any = None, *, concurrency: int | tuple[int, int] = 1,

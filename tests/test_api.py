@@ -143,6 +143,21 @@ def test_encode_iter_keys_errors_and_order(encoder, pictures):
         assert torch.equal(out, ref)  # other batches: rows are batch-invariant
 
 
+def test_a_dicts_key_is_its_path_as_in_the_batch_function(encoder, pictures, small_ckpt):
+    """One rule names an input, for the API and ``BatchEncoder``: a ``{bytes, path}`` dict by
+    its path even when it holds bytes; an unnamed input by its position (the API's index,
+    the batch function's ``#N``)."""
+    from dsv4enc import BatchEncoder
+
+    data = pictures[0].read_bytes()
+    items = [{"bytes": data, "path": "x/a.jpg"}, {"bytes": None, "path": str(pictures[1])},
+             data, {"bytes": data, "path": None}]
+    keys = [k for k, _ in encoder.encode_iter(items)]
+    assert keys == ["x/a.jpg", str(pictures[1]), 2, 3]
+    embed = BatchEncoder(small_ckpt, device="cpu", dtype="float32")
+    assert [r.path for r in embed.rows(items)] == ["x/a.jpg", str(pictures[1]), "#2", "#3"]
+
+
 def test_encode_iter_streams_with_bounded_lookahead(encoder, pictures):
     consumed = []
 

@@ -5,7 +5,11 @@ and Hugging Face ``datasets.map(batched=True)`` with the output's ``features``."
 from __future__ import annotations
 
 import json
+import os
 import pickle
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -60,7 +64,15 @@ def cli_table(folder, small_ckpt, tmp_path_factory) -> pa.Table:
 
 @pytest.fixture(scope="module")
 def embed(small_ckpt) -> BatchEncoder:
-    return BatchEncoder(small_ckpt, device="cpu", dtype="float32", key_column="key")
+    """The command line's rows only (its other columns would be kept: ``keep_columns``)."""
+    return BatchEncoder(small_ckpt, device="cpu", dtype="float32", key_column="key",
+                        keep_columns=False)
+
+
+@pytest.fixture(scope="module")
+def keeping(small_ckpt) -> BatchEncoder:
+    """The defaults: the batch's other columns pass through; ``id`` keys the rows."""
+    return BatchEncoder(small_ckpt, device="cpu", dtype="float32", key_column="id")
 
 
 def types(schema: pa.Schema) -> list[tuple[str, pa.DataType]]:
@@ -154,7 +166,7 @@ def test_rows_are_batch_invariant(embed, folder, rel_paths):
                      .to_pylist()}
     assert reversed_rows == together
     small = BatchEncoder(embed._recipe["weights"], device="cpu", dtype="float32",
-                         key_column="key", batch_tokens=16, max_images=2)
+                         key_column="key", batch_tokens=16, max_images=2, keep_columns=False)
     for rel in rel_paths:
         alone = embed(batch_of(folder, [rel])).to_pylist()[0]
         assert alone == together[rel]
@@ -216,3 +228,122 @@ def test_datasets_map_batched_with_features(embed, folder, rel_paths):
     assert [r["error"] is None for r in rows] == [e["error"] is None for e in expected]
     good = [(r["embedding"], e["embedding"]) for r, e in zip(rows, expected) if r["embedding"]]
     assert good and all(a == b for a, b in good)
+
+
+def captioned(folder: Path, rel_paths: list[str]) -> pa.Table:
+    """A batch as a dataset builder has it: images, an int64 id, a caption, and a column
+    named as an output column (``error``), which the output's replaces."""
+    return pa.table({"image": [str(folder / r) for r in rel_paths],
+                     "id": pa.array(range(100, 100 + len(rel_paths)), pa.int64()),
+                     "caption": [f"a photo of {r}" for r in rel_paths],
+                     "error": ["not ours"] * len(rel_paths)})
+
+
+def test_other_columns_pass_through_with_their_types(keeping, embed, folder, rel_paths):
+    """Every kind of batch gives its output columns (the command line's rows, keyed by the
+    id's text) followed by its other columns as they came: the id keeps its int64 type."""
+    batch = captioned(folder, rel_paths)
+    ids, captions = batch["id"].to_pylist(), batch["caption"].to_pylist()
+    expected = embed(batch_of(folder, rel_paths).set_column(1, "key", pa.array(map(str, ids))))
+    names = [*OUTPUT_COLUMNS, "id", "caption"]
+
+    out = keeping(batch)
+    assert out.schema.names == names and out.schema.field("id").type == pa.int64()
+    assert out.select(OUTPUT_COLUMNS).to_pylist() == expected.to_pylist()
+    assert out["id"].to_pylist() == ids and out["caption"].to_pylist() == captions
+    assert out.schema.metadata == expected.schema.metadata
+    record = keeping(batch.to_batches()[0])
+    assert isinstance(record, pa.RecordBatch) and record.to_pylist() == out.to_pylist()
+    frame = keeping(batch.to_pandas())
+    assert list(frame.columns) == names and str(frame["id"].dtype) == "int64"
+    assert pa.Table.from_pandas(frame, preserve_index=False).to_pylist() == out.to_pylist()
+    lists = keeping(batch.to_pydict())
+    assert list(lists) == names and lists["id"] == ids and lists["caption"] == captions
+    arrays = keeping({name: np.array(batch[name].to_pylist(), dtype=object if name == "image"
+                                     else None) for name in batch.schema.names})
+    assert list(arrays) == names and arrays["id"].dtype == np.int64
+    # as one pyarrow Table whatever came in (RayEncoder's output)
+    for kind in (batch, batch.to_pandas(), batch.to_pydict()):
+        table = keeping.table(kind)
+        assert table.schema.names == names and table.schema.field("id").type == pa.int64()
+        assert table.to_pylist() == out.to_pylist()
+    # keep_columns=False: the output columns only
+    assert embed(batch.rename_columns(["image", "key", "caption", "error"])).schema.names == \
+        list(OUTPUT_COLUMNS)
+
+
+def test_datasets_map_keeps_the_datasets_columns(keeping, embed, folder, rel_paths):
+    """The issue's case: a batched map without remove_columns, an int id column and a
+    caption, features from datasets_features(embed, ds.features)."""
+    datasets = pytest.importorskip("datasets")
+    batch = captioned(folder, rel_paths).drop_columns(["error"])
+    ds = datasets.Dataset(batch)
+    out = ds.map(keeping, batched=True, batch_size=2,
+                 features=datasets_features(keeping, ds.features))
+    assert out.column_names == ["image", "id", "caption", *OUTPUT_COLUMNS]
+    assert out.features["id"] == datasets.Value("int64")
+    assert list(out["id"]) == batch["id"].to_pylist()
+    assert list(out["caption"]) == batch["caption"].to_pylist()
+    assert list(out["path"]) == [str(i) for i in batch["id"].to_pylist()]
+    assert out.data.table.schema.field("embedding").type == pa.large_binary()
+    # without the image bytes: the features of what the map keeps
+    kept = ds.remove_columns("image")
+    slim = ds.map(keeping, batched=True, batch_size=4, remove_columns=["image"],
+                  features=datasets_features(keeping, kept.features))
+    assert slim.column_names == ["id", "caption", *OUTPUT_COLUMNS]
+    assert slim.select_columns(list(OUTPUT_COLUMNS)).to_list() == \
+        out.select_columns(list(OUTPUT_COLUMNS)).to_list()
+
+
+#: The issue's session: a map that fails after encoding a batch here (its features lack the
+#: kept id column), then a num_proc=2 map, whose forked workers would wait for good in their
+#: first parallel region had this process's OpenMP threads run (two of them, here); then a
+#: plain fork whose child calls the parent's object.
+FORK_AFTER_FAILED_MAP = """
+import json, os, sys
+import torch, datasets
+from dsv4enc import BatchEncoder
+from dsv4enc.batch import datasets_features
+
+torch.set_num_threads(2)
+ckpt, paths = sys.argv[1], sys.argv[2:]
+embed = BatchEncoder(ckpt, device="cpu", dtype="float32", key_column="id")
+ds = datasets.Dataset.from_dict({"image": paths, "id": list(range(len(paths)))})
+try:
+    ds.map(embed, batched=True, batch_size=2, features=datasets_features(embed))
+except Exception:
+    pass
+else:
+    sys.exit("the first map did not fail")
+out = ds.map(embed, batched=True, batch_size=2, num_proc=2,
+             features=datasets_features(embed, ds.features))
+# and the object itself across a plain fork (not pickled): the child builds its own engine
+child = os.fork()
+if child == 0:
+    rows = embed({"image": paths, "id": list(range(len(paths)))})
+    os._exit(0 if embed.pid == os.getpid() and rows["path"] == list(out["path"]) else 3)
+assert os.waitpid(child, 0)[1] == 0, "the forked child's rows differ"
+print(json.dumps([[r["id"], r["path"], r["error"], r["embedding"] is None] for r in out]))
+"""
+
+
+@pytest.mark.slow
+def test_a_num_proc_map_after_a_failed_map_finishes(small_ckpt, folder, rel_paths, embed,
+                                                    tmp_path):
+    pytest.importorskip("datasets")
+    paths = [str(folder / r) for r in rel_paths]
+    env = {**os.environ, "HF_DATASETS_CACHE": str(tmp_path / "cache")}
+    proc = subprocess.Popen([sys.executable, "-c", FORK_AFTER_FAILED_MAP, str(small_ckpt),
+                             *paths], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env, start_new_session=True)
+    try:  # a guard: hung workers fail the test (and are ended), not the suite
+        stdout, stderr = proc.communicate(timeout=600)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        pytest.fail("the num_proc=2 map hung")
+    assert proc.returncode == 0, stderr[-3000:]
+    got = json.loads(stdout.strip().splitlines()[-1])
+    expected = embed(pa.table({"image": paths, "key": [str(i) for i in range(len(paths))]}))
+    assert got == [[i, r["path"], r["error"], r["embedding"] is None]
+                   for i, r in enumerate(expected.to_pylist())]

@@ -24,7 +24,6 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-import click
 import typer
 from PIL import Image
 from typer.testing import CliRunner
@@ -425,6 +424,20 @@ def test_weights_errors(tmp_path, tree, ckpt):
     assert not (tmp_path / "o").exists()
 
 
+def test_random_init_sets_aside_the_weights_of_the_environment(tmp_path, tree):
+    """DSV4ENC_WEIGHTS is a default that --random-init sets aside (an explicit --weights with
+    it is refused): the option's source is read whatever Click carries it (Typer 0.26+ has
+    its own)."""
+    image = str(tree / "a.jpg")
+    args = ("--config", str(CONFIGS / "tiny.json"), "--random-init", "-q")
+    result = encode(image, "--out", str(tmp_path / "e.parquet"), *args,
+                    env={"DSV4ENC_WEIGHTS": str(tmp_path / "gone")})
+    assert result.exit_code == 0, result.output
+    refused = encode(image, "--out", str(tmp_path / "f.parquet"), *args, "--weights",
+                     str(tmp_path / "gone"))
+    assert refused.exit_code != 0
+
+
 def test_option_and_output_errors(tmp_path, tree, ckpt):
     image = str(tree / "a.jpg")
     base = ("--weights", str(ckpt))
@@ -447,6 +460,13 @@ def test_option_and_output_errors(tmp_path, tree, ckpt):
 # --------------------------------------------------------------------------- help, version
 
 def test_help_lists_and_explains_every_option():
+    """Every parameter of encode has its help written (in ENCODE_OPTIONS: what the help
+    shows of an argument is Typer's and Click's, and Typer 0.25 with Click 8.5 drops it), and
+    every option's flags are in the help."""
+    from dsv4enc.cli import ENCODE_OPTIONS
+
+    for name, info in ENCODE_OPTIONS.items():
+        assert (info.help or "").strip(), f"{name} has no help"
     command = typer.main.get_command(app)
     encode_cmd = command.commands["encode"]
     result = runner.invoke(app, ["encode", "--help"], env={"COLUMNS": "250"}, terminal_width=250)
@@ -455,7 +475,7 @@ def test_help_lists_and_explains_every_option():
     for param in encode_cmd.params:
         if getattr(param, "hidden", False):
             continue
-        assert (param.help or "").strip(), f"{param.name} has no help"
+        assert param.name in ENCODE_OPTIONS or param.name == "help", param.name
         for opt in list(param.opts) + list(param.secondary_opts):
             if opt.startswith("-"):
                 assert opt in text, opt
@@ -474,7 +494,7 @@ def test_encode_help_groups_its_options_into_panels():
     placed = [name for names in ENCODE_PANELS.values() for name in names]
     assert len(placed) == len(set(placed))
     options = {param.name for param in encode_cmd.params
-               if isinstance(param, click.Option) and param.name != "help"}
+               if param.param_type_name == "option" and param.name != "help"}
     assert options == set(placed), options ^ set(placed)
     result = runner.invoke(app, ["encode", "--help"], env={"COLUMNS": "100"},
                            terminal_width=100)

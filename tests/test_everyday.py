@@ -123,29 +123,28 @@ def test_unreachable_reason(monkeypatch, no_proxy):
 
 
 def test_help_shows_flags_choices_and_usage():
+    """What the help says, not how Typer draws it (its markers for a value's type changed
+    with Typer 0.26, and dsv4enc takes any Typer from 0.12 on): the usage, every choice of a
+    choice option, and the flags that take no value (no value is asked of them)."""
     result = runner.invoke(app, ["encode", "--help"], env={"COLUMNS": "250"},
                            terminal_width=250)
     assert result.exit_code == 0
     text = result.output
-    assert "Usage: " in text and "encode [OPTIONS] [INPUTS]..." in text
-    assert "<bool>" not in text and "<str>" not in text and "{" not in text.split("\n", 3)[1]
-    for flag in ("--overwrite", "--resume", "--random-init", "--shard-output", "--quiet"):
-        line = next(line for line in text.splitlines() if flag in line)
-        assert not re.search(re.escape(flag) + r"\s+(TEXT|BOOLEAN|<)", line), line
+    assert re.search(r"Usage: .*encode \[OPTIONS\] \[INPUTS\]\.\.\.", text, re.IGNORECASE)
     for choices in ("[none|mean]", "[aligner|vit]", "[float16|float32]",
                     "[auto|float32|bfloat16|float16]", "[auto|flash|varlen|sdpa]",
                     "[data|weights]", "[patches|flops]"):
         assert choices in text, choices
     assert "--log-every" in text and "--summary-json" in text
+    encode_cmd = typer.main.get_command(app).commands["encode"]
+    flags = {opt: param.is_flag for param in encode_cmd.params
+             if param.param_type_name == "option" for opt in param.opts}
+    for flag in ("--overwrite", "--resume", "--random-init", "--shard-output", "--quiet"):
+        assert flags[flag], flag
     inspect = runner.invoke(app, ["inspect", "--help"], terminal_width=200)
-    assert re.search(r"inspect \[OPTIONS\] OUTPUT\b", inspect.output), inspect.output
-    json_line = next(line for line in inspect.output.splitlines() if "--json" in line)
-    assert "BOOLEAN" not in json_line and "<bool>" not in json_line
-
-
-def test_typer_is_a_version_with_plain_help():
-    major, minor = (int(x) for x in typer.__version__.split(".")[:2])
-    assert (major, minor) < (0, 26), typer.__version__  # see pyproject.toml
+    assert re.search(r"inspect \[OPTIONS\] \W?OUTPUT\b", inspect.output, re.IGNORECASE)
+    inspect_cmd = typer.main.get_command(app).commands["inspect"]
+    assert next(p for p in inspect_cmd.params if "--json" in p.opts).is_flag
 
 
 def test_resume_of_a_finished_output_agrees_for_files_and_folders(tmp_path, small_ckpt):

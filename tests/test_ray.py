@@ -30,8 +30,8 @@ SPECS = [("a.jpg", (64, 48), "RGB"), ("b.png", (30, 90), "RGBA"), ("c.png", (120
 @pytest.fixture(scope="module")
 def local_ray():
     """A small local Ray: 2 CPUs, a 200 MB object store, no dashboard."""
-    ray.init(num_cpus=2, object_store_memory=200 << 20, include_dashboard=False,
-             log_to_driver=False, configure_logging=False)
+    ray.init(address="local", num_cpus=2, object_store_memory=200 << 20,
+             include_dashboard=False, log_to_driver=False, configure_logging=False)
     ctx = ray.data.DataContext.get_current()
     ctx.enable_progress_bars = False
     yield
@@ -68,28 +68,43 @@ def options(small_ckpt) -> dict:
     return {"weights": str(small_ckpt), "dtype": "float32", "key_column": "key"}
 
 
+def output_row(row: dict) -> dict:
+    """A row's output columns: what the command line writes (the kept key column aside)."""
+    assert row.pop("key") == row["path"]
+    return row
+
+
 def test_map_batches_gives_the_command_lines_rows(local_ray, small_ckpt, items, cli_rows):
     ds = ray.data.from_items(items, override_num_blocks=4)
     rows = encode_dataset(ds, concurrency=2, batch_size=3, **options(small_ckpt)).take_all()
     assert sorted(r["path"] for r in rows) == sorted(cli_rows)  # each image once
     for row in rows:
-        assert row == cli_rows[row["path"]]  # float16 bytes and error texts alike
+        assert output_row(row) == cli_rows[row["path"]]  # float16 bytes, error texts alike
     assert {r["path"] for r in rows if r["error"]} == {"d/broken.png", "h.jpg"}
 
 
 @pytest.mark.parametrize("batch_format", ["numpy", "pandas", "pyarrow"])
 def test_every_batch_format_and_a_typed_schema(local_ray, small_ckpt, items, cli_rows,
                                               batch_format):
-    ds = ray.data.from_items(items, override_num_blocks=3)
+    """The output columns, typed, then the batch's other columns with their types (the
+    string key, an int64 id) whatever the batch format."""
+    ds = ray.data.from_items([{**item, "n": i} for i, item in enumerate(items)],
+                             override_num_blocks=3)
     rows = ds.map_batches(RayEncoder, fn_constructor_kwargs=options(small_ckpt),
                           batch_format=batch_format, batch_size=2,
                           compute=ray.data.ActorPoolStrategy(size=1)).materialize()
     schema = rows.schema().base_schema
-    assert [(f.name, f.type) for f in schema] == [
+    assert [(f.name, f.type) for f in schema][:9] == [
         ("path", pa.string()), *((name, pa.int32()) for name in
                                  ("width", "height", "vit_h", "vit_w", "grid_h", "grid_w")),
         ("embedding", pa.large_binary()), ("error", pa.string())]
-    assert {r["path"]: r for r in rows.take_all()} == cli_rows
+    # the kept columns, as pyarrow reads the batch format (a pandas string: large_string)
+    assert schema.names[9:] == ["key", "n"] and schema.field("n").type == pa.int64()
+    assert pa.types.is_string(schema.field("key").type) or pa.types.is_large_string(
+        schema.field("key").type)
+    got = rows.take_all()
+    assert sorted(r.pop("n") for r in got) == list(range(len(items)))
+    assert {r["path"]: output_row(r) for r in got} == cli_rows
 
 
 def test_device_follows_what_ray_gave_the_actor(local_ray, small_ckpt):
@@ -125,7 +140,7 @@ def test_a_killed_actor_loses_and_doubles_nothing(local_ray, small_ckpt, items, 
                           compute=ray.data.ActorPoolStrategy(size=2)).take_all()
     assert marker.exists()
     assert sorted(r["path"] for r in rows) == sorted(cli_rows)
-    assert {r["path"]: r for r in rows} == cli_rows
+    assert {r["path"]: output_row(r) for r in rows} == cli_rows
 
 
 def test_write_parquet_reads_back_with_read_embeddings(local_ray, small_ckpt, items, cli_rows,

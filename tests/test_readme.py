@@ -188,6 +188,7 @@ def test_readme_blocks_run(readme_run):
     assert len(namespace["embs"]) == 2
     assert namespace["rows"]["error"].to_pylist()[0] is None
     assert namespace["rows"]["error"].to_pylist()[1].startswith("OSError")
+    assert namespace["rows"].column_names[-2:] == ["error", "caption"]  # kept columns follow
 
 
 def _api_promises(run: PageRun) -> None:
@@ -196,8 +197,11 @@ def _api_promises(run: PageRun) -> None:
     assert (run.folder / "out" / "nested" / "holiday" / "beach.jpg.npy").is_file()
     assert set(run.namespace["errors"]) == {"nested/broken.jpg"}
     out = run.namespace["out"]
-    assert out.filter(lambda row: row["error"] is not None)["path"] == ["nested/broken.jpg"]
+    assert list(out.filter(lambda row: row["error"] is not None)["path"]) == [
+        "nested/broken.jpg"]
     assert len(out) == len(run.namespace["files"])
+    assert out.column_names[:3] == ["image", "key", "caption"]  # kept through datasets.map
+    assert list(out["caption"]) == [f"a picture named {Path(p).stem}" for p in out["image"]]
     assert list((run.folder / "ray_emb").glob("*.parquet"))
 
 
@@ -407,7 +411,10 @@ def test_every_flag_a_page_names_is_an_option_of_its_command(page):
 def test_the_setup_block_starts_from_a_clone_in_a_venv():
     block = next(b for b in readme_blocks(README.read_text()) if "pip install" in b.code)
     steps = [line.split("#")[0].strip() for line in block.code.splitlines() if line.strip()]
-    assert steps[0].startswith("git clone ") and steps[1] == "cd dsv4enc"
+    # a clone named dsv4enc/ would shadow the installed package for scripts run beside it
+    clone = steps[0].split()
+    assert clone[:2] == ["git", "clone"] and len(clone) == 4 and clone[3] != "dsv4enc"
+    assert steps[1] == f"cd {clone[3]}"
     assert steps[2] == "python -m venv .venv && . .venv/bin/activate"
     assert all("pip install" in step or "pytest" in step for step in steps[3:])
 
@@ -429,3 +436,14 @@ def test_the_pandas_recipe_keeps_int32_columns(tmp_path):
     assert str(kept.width.dtype) == "int32[pyarrow]"
     assert kept.width.isna().tolist() == [False, True]
     assert [bytes(b) for b in kept.embedding.dropna()] == [b"\0\0"]
+
+
+def test_the_pages_start_a_local_ray_with_address_local():
+    """A bare ``ray.init(num_cpus=...)`` joins the cluster that an earlier Ray's address file
+    names (and then refuses ``num_cpus``): a page that starts its own Ray says
+    ``address="local"``."""
+    for page in [README, *doc_pages()]:
+        for block in readme_blocks(page.read_text()):
+            for call in re.findall(r"ray\.init\(([^)]*)\)", block.code):
+                if "num_cpus" in call:
+                    assert 'address="local"' in call, (_name(page), block.line, call)

@@ -10,9 +10,11 @@ import io
 import json
 import os
 import signal
+import shutil
 import subprocess
 import sys
 import tarfile
+import tempfile
 from pathlib import Path
 
 import pyarrow as pa
@@ -36,8 +38,8 @@ ENV = {**os.environ, "RAY_AUTH_MODE": "disabled"}
 #: prints its address; the cluster ends with it.
 CLUSTER = """
 import sys, time, ray
-ray.init(num_cpus=2, object_store_memory=200 << 20, include_dashboard=False,
-         log_to_driver=False)
+ray.init(address="local", num_cpus=2, object_store_memory=200 << 20,
+         include_dashboard=False, log_to_driver=False)
 print(ray.get_runtime_context().gcs_address, flush=True)
 sys.stdin.read()
 """
@@ -137,13 +139,29 @@ def test_ray_engine_writes_the_local_runs_output(cluster, inputs, small_ckpt, lo
     assert json.loads(inspect.stdout)["rows"] == len(want)
 
 
-def test_a_local_ray_started_for_the_run(inputs, small_ckpt, local, tmp_path):
-    """No --ray-address and no RAY_ADDRESS: the command starts its own Ray and stops it."""
-    env = {k: v for k, v in ENV.items() if k != "RAY_ADDRESS"}
+@pytest.fixture
+def ray_temp():
+    """A private temp folder for Ray (``RAY_TMPDIR``), short enough for Ray's socket paths,
+    so that a test's address file never touches a real one."""
+    folder = Path(tempfile.mkdtemp(prefix="dsv4ray", dir="/tmp"))
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+def test_a_local_ray_started_for_the_run(inputs, small_ckpt, local, tmp_path, ray_temp):
+    """No --ray-address and no RAY_ADDRESS: the command starts its own Ray and stops it, even
+    where an earlier Ray left its address file behind (``ray.init()`` would try to join that
+    dead cluster); and under -q nothing of Ray's reaches stderr (no token notice: the
+    authentication mode is left unset, the token goes to a private home)."""
+    (ray_temp / "ray").mkdir()
+    (ray_temp / "ray" / "ray_current_cluster").write_text("127.0.0.1:9")  # nothing listens
+    env = {k: v for k, v in ENV.items() if k not in ("RAY_ADDRESS", "RAY_AUTH_MODE")}
+    env.update(RAY_TMPDIR=str(ray_temp), HOME=str(ray_temp))
     out = tmp_path / "emb.parquet"
-    run(command(inputs, out, small_ckpt, "--engine", "ray", "--ray-object-store-mb", "200"),
-        env=env)
+    result = run(command(inputs, out, small_ckpt, "--engine", "ray",
+                         "--ray-object-store-mb", "200"), env=env)
     assert rows_of(out) == rows_of(local)
+    assert result.stderr == "" and result.stdout.strip() == str(out)
 
 
 def test_a_killed_driver_resumes_exactly_once(cluster, inputs, small_ckpt, local, tmp_path):

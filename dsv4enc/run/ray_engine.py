@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+import warnings
 from dataclasses import dataclass, replace
 from typing import Any, Sequence
 
@@ -191,6 +192,11 @@ class RayCluster:
         except ImportError:
             raise UsageError("--engine ray needs Ray: pip install 'dsv4enc[ray]'") from None
         self.ray = ray
+        # Ray's own log lines (its token notice, ...) are no louder than dsv4enc's: none but
+        # errors under -q. (Importing ray set up its logger: the level is set after it.)
+        ray_log = logging.getLogger("ray")
+        self.ray_log_level = ray_log.level
+        ray_log.setLevel(max(ray_log.getEffectiveLevel(), log.getEffectiveLevel()))
         self.address = ray_opts.resolved_address()
         self.started_here = False
         self.joined = False
@@ -201,19 +207,26 @@ class RayCluster:
                                       configure_logging=False,
                                       runtime_env={"env_vars": env} if env else None)
         try:
-            if self.address:
-                ray.init(address=self.address, **common)
-            else:
-                store = (ray_opts.object_store_mb << 20 if ray_opts.object_store_mb
-                         else None)
-                ray.init(num_cpus=available_cpus(), object_store_memory=store,
-                         include_dashboard=False, **common)
-                self.started_here = True
+            with warnings.catch_warnings():
+                if log.getEffectiveLevel() > logging.WARNING:  # -q: Ray's warnings too
+                    warnings.simplefilter("ignore")
+                self._init(ray_opts, common)
         except (ConnectionError, RuntimeError, ValueError) as exc:
             where = f"the Ray cluster at {self.address}" if self.address else "a local Ray"
             raise DsvError(f"cannot start or join {where}: {' '.join(str(exc).split())}"
                            ) from None
         self.joined = True
+
+    def _init(self, ray_opts: RayEngineOptions, common: dict[str, Any]) -> None:
+        if self.address:
+            self.ray.init(address=self.address, **common)
+            return
+        store = ray_opts.object_store_mb << 20 if ray_opts.object_store_mb else None
+        # address="local": a new Ray even where an earlier one left its address file in
+        # Ray's temp folder (a bare ray.init() would try to join that one)
+        self.ray.init(address="local", num_cpus=available_cpus(), object_store_memory=store,
+                      include_dashboard=False, **common)
+        self.started_here = True
 
     def resources(self) -> tuple[float, float, int, float]:
         """(CPUs, GPUs, alive nodes with CPUs, the fewest CPUs of such a node)."""
@@ -227,6 +240,7 @@ class RayCluster:
         if self.joined:
             self.ray.shutdown()  # a local Ray stops; a remote cluster is only left
             self.joined = False
+        logging.getLogger("ray").setLevel(self.ray_log_level)
 
 
 @dataclass

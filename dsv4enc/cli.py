@@ -386,6 +386,15 @@ def encode(
 
 
 
+def _say_if_nothing_found(opts, summary) -> None:
+    """Under ``--quiet`` too, an empty run says so (the run's own warning is hidden there)."""
+    if not (summary.encoded or summary.failed or summary.reused):
+        from .images.discover import nothing_found
+
+        line = nothing_found(opts.inputs, opts.files_from, summary.skipped)
+        typer.echo(f"WARNING dsv4enc: {line}", err=True)
+
+
 def _encode_command(opts, storage_option: list[str] | None, quiet: bool,
                     summary_json: str | None, started: float | None = None,
                     ray_opts=None) -> None:
@@ -443,6 +452,7 @@ def _encode_command(opts, storage_option: list[str] | None, quiet: bool,
             if summary_json:
                 write_summary_json(summary_json, summary)
             if quiet:
+                _say_if_nothing_found(opts, summary)
                 typer.echo(summary.out)
             else:
                 print_summary(summary)

@@ -235,3 +235,42 @@ def test_update_contradicts_resume_and_overwrite(finished):
     for other in ("--resume", "--overwrite"):
         line = one_line_error(cli(images, out, "--update", other), 2)
         assert "--update" in line and other in line
+
+
+def shard_of(path: Path, seed: int, samples: int = 4) -> Path:
+    """A WebDataset shard whose sample keys (``000000``, ...) every such shard repeats."""
+    import tarfile
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tarfile.open(path, "w") as archive:
+        for i in range(samples):
+            image = path.parent / f".tmp{i}.png"
+            noise(image, seed * 100 + i, (16 + i, 12))
+            archive.add(image, arcname=f"{i:06d}.png")
+            image.unlink()
+    return path
+
+
+@pytest.mark.parametrize("given", ["names", "folder"])
+def test_update_with_a_shard_added_keeps_the_unchanged_shards_rows(given, tmp_path):
+    """Two shards with the same local keys: each row's key names its shard, so adding shard 3
+    before shard 4 leaves shard 4's keys as they were, and --update encodes shard 3 alone."""
+    shards = tmp_path / "shards"
+    four = shard_of(shards / "train-00004.tar", 4)
+    inputs = (lambda: [str(shards)]) if given == "folder" else (
+        lambda: [str(p) for p in sorted(shards.glob("*.tar"))])
+    out = tmp_path / "e.parquet"
+    first = run_encode(options(shards, out, inputs=inputs()))
+    assert first.encoded == 4
+    before = {r["path"]: r for r in table_of(out)}
+    shard_of(shards / "train-00003.tar", 3)
+    update = run_encode(options(shards, out, inputs=inputs(), update=True))
+    assert (update.encoded, update.reused) == (4, 4)
+    clean = tmp_path / "clean.parquet"
+    run_encode(options(shards, clean, inputs=inputs()))
+    assert table_of(out) == table_of(clean)
+    prefix = "" if given == "folder" else f"{shards}/"
+    keys = [r["path"] for r in table_of(out)]
+    assert keys == [f"{prefix}train-0000{n}.tar/{i:06d}" for n in (3, 4) for i in range(4)]
+    for key, row in before.items():  # shard 4's rows kept their keys and their bytes
+        assert {r["path"]: r for r in table_of(out)}[key] == row

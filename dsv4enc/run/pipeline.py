@@ -28,6 +28,7 @@ from ..engine.device import resolve_device, resolve_dtype, resolve_out_dtype, re
 from .encoding import PartEncoder
 from ..engine.engine import Engine
 from ..errors import DsvError, Interrupted, UsageError
+from ..images.discover import nothing_found
 from ..output.layout import (OutputLayout, PartWriter, ResumeSettings, assembler_for, open_store,
                              resume_filter)
 from ..output.update import Update, footer_entry, row_stamps, write_folder_stamps
@@ -206,8 +207,7 @@ def _run_encode(opts: EncodeOptions, dist, setup: RunSetup, stop: StopSignals,
     batch_tokens = run_batch_tokens(opts, device.type) if stand_in is None else None
     setup.keep_if_planned_for(cfg, device.type, batch_tokens)
     if ranks.is_main and not found.items:
-        log.warning("no images found in %s (%d other files skipped); the output will have "
-                    "no rows", ", ".join(opts.inputs) or opts.files_from, found.skipped)
+        log.warning(nothing_found(opts.inputs, opts.files_from, found.skipped))
     progress = RunProgress("auto" if opts.progress and ranks.is_main else "off",
                            opts.log_every)
     summary = RunSummary(out=str(opts.out), skipped=found.skipped,

@@ -30,6 +30,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Sequence
 
 from ..errors import DsvError, Interrupted, UsageError
+from ..images.discover import nothing_found
 from .options import EncodeOptions, available_cpus, decode_window, default_workers, validate
 
 log = logging.getLogger("dsv4enc")
@@ -390,9 +391,7 @@ class _RayRun:
         stop.immediate = False
         layout.create()
         if not found.items:
-            log.warning("no images found in %s (%d other files skipped); the output will "
-                        "have no rows", ", ".join(opts.inputs) or opts.files_from,
-                        found.skipped)
+            log.warning(nothing_found(opts.inputs, opts.files_from, found.skipped))
         progress = RunProgress("auto" if opts.progress else "off", opts.log_every)
         summary = RunSummary(out=str(opts.out), skipped=found.skipped,
                              unlisted=len(found.unlisted))

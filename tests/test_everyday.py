@@ -66,11 +66,13 @@ def test_a_folder_of_shards_is_encoded(tmp_path, small_ckpt):
         image = write_image(tmp_path / f"{n}.png", (20 + n, 20))
         with tarfile.open(shards / f"train-{n:05d}.tar", "w") as archive:
             archive.add(image, arcname="000000.png")
-    out = tmp_path / "e.parquet"
-    result = encode(str(shards), "--out", str(out), "--weights", str(small_ckpt), "-q")
-    assert result.exit_code == 0 and not result.stderr, result.output
-    assert pq.read_table(out).column("path").to_pylist() == [
-        "train-00000.tar/000000", "train-00001.tar/000000"]
+    out = shards / "e.parquet"  # beside the shards: an output is never read as an input
+    for again in ([], ["--overwrite"]):
+        result = encode(str(shards), "--out", str(out), "--weights", str(small_ckpt), "-q",
+                        *again)
+        assert result.exit_code == 0 and not result.stderr, result.output
+        assert pq.read_table(out).column("path").to_pylist() == [
+            "train-00000.tar/000000", "train-00001.tar/000000"]
 
 
 def test_files_from_comments_and_blank_lines(tmp_path):

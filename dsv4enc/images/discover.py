@@ -7,8 +7,9 @@ shard, a table) is keyed under its container's own key, found the same way
 
 A folder (or a prefix) that holds no image file but holds containers (``.tar`` shards,
 ``.parquet``/``.arrow``/``.feather`` tables: the usual WebDataset layout) is read as those
-containers. In a folder with images, containers are not read (a ``metadata.parquet`` beside
-the images is no image table); a warning names how many were passed over.
+containers, except dsv4enc's own outputs (an output written beside the shards). In a folder
+with images, containers are not read (a ``metadata.parquet`` beside the images is no image
+table); a warning names how many were passed over.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from .. import storage
 from ..errors import UsageError
 from .items import InputItem, is_image_name
 from .sources import (StoredObject, container_kind, expand_container, path_roots,
-                      refuse_compressed_tar)
+                      refuse_compressed_tar, written_by_dsv4enc)
 
 
 class Stop(Protocol):
@@ -322,6 +323,9 @@ def read_folder_containers(raw: str, containers: list[tuple[str, str]], has_imag
     tables = 0
     image_column, key_column, roots = table_args
     for rel, path in containers:
+        if written_by_dsv4enc(path):  # an output (or its parts) written beside the shards
+            found.skipped += 1
+            continue
         name = key_under_root(raw, rel) if prefix_roots else rel
         items, skipped = container_items(path, name, image_column, key_column, roots)
         found.items.extend(items)

@@ -411,6 +411,26 @@ def choose_image_column(schema: "pa.Schema", wanted: str | None, source: str) ->
                      "choose one with --image-column")
 
 
+def written_by_dsv4enc(path: str) -> bool:
+    """Whether the Parquet file ``path`` is an output of dsv4enc (its schema's metadata holds
+    the ``dsv4enc`` entry that ``output/parts.output_schema`` writes): a folder of shards may
+    hold the output written beside them, whose embeddings are no images. Reads the footer."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    if not path.lower().endswith(".parquet"):
+        return False
+    try:
+        if storage.is_url(path):
+            with storage.open_input(path) as handle:
+                metadata = pq.read_schema(handle).metadata
+        else:
+            metadata = pq.read_schema(path).metadata
+        return b"dsv4enc" in (metadata or {})
+    except (OSError, pa.ArrowException):
+        return False  # not readable: its error row says why
+
+
 class TableReader:
     """Read access to a Parquet file or an Arrow IPC file/stream, group by group.
 

@@ -120,8 +120,13 @@ ENCODE_OPTIONS = {
                  "(default: the only such column)."),
         key_column=typer.Option(
             None, "--key-column",
-            help="Table inputs: the column giving each row's output path (default: the struct's "
-                 "path, else FILE#ROW)."),
+            help="Table inputs: the column giving each row's output path (default: FILE/ and "
+                 "the struct's path, else FILE#ROW); the column itself is kept too, in its "
+                 "own type."),
+        keep_column=typer.Option(
+            None, "--keep-column", metavar="NAME",
+            help="Table inputs: copy the column NAME into the output rows, in its own type "
+                 "(null for rows not from a table; repeatable)."),
         table_paths_root=typer.Option(
             None, "--table-paths-root", metavar="DIR",
             help="Table inputs: a {bytes: null, path} cell may name image files under DIR too "
@@ -312,6 +317,7 @@ def encode(
     files_from: Optional[str] = ENCODE_OPTIONS["files_from"],
     image_column: Optional[str] = ENCODE_OPTIONS["image_column"],
     key_column: Optional[str] = ENCODE_OPTIONS["key_column"],
+    keep_column: Optional[List[str]] = ENCODE_OPTIONS["keep_column"],
     table_paths_root: Optional[List[str]] = ENCODE_OPTIONS["table_paths_root"],
     max_pixels: int = ENCODE_OPTIONS["max_pixels"],
     decode_timeout: float = ENCODE_OPTIONS["decode_timeout"],
@@ -364,7 +370,8 @@ def encode(
         weights = None  # $DSV4ENC_WEIGHTS is a default; --random-init asks for none
     opts = EncodeOptions(
         inputs=list(inputs or []), out=out, files_from=files_from, image_column=image_column,
-        key_column=key_column, table_paths_roots=tuple(table_paths_root or ()), weights=weights,
+        key_column=key_column, keep_columns=tuple(keep_column or ()),
+        table_paths_roots=tuple(table_paths_root or ()), weights=weights,
         config=config, random_init=random_init, seed=seed, device=device, dtype=dtype,
         out_dtype=out_dtype, features=features, pool=pool, layout=layout,
         batch_tokens=batch_tokens, workers=workers, overwrite=overwrite, resume=resume,

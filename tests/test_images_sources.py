@@ -695,3 +695,46 @@ def test_a_folder_of_shards_and_tables_is_read_as_those_containers(tmp_path, sha
 
 def keys_of(items) -> list[str]:
     return [item.key for item in items]
+
+
+# --------------------------------------------------------------------------- kept columns
+
+def test_kept_columns_and_the_typed_key_join_back_to_the_table(tmp_path, images, shard, ckpt):
+    """--keep-column copies table columns into the rows in their own types (null for rows
+    not from a table), and --key-column keeps its column typed beside the text ``path``: an
+    int64 id merges with the source table as it is."""
+    import pandas as pd
+
+    names = ["a.jpg", "b.png", "c.webp"]
+    table = pa.table({"id": pa.array([7, 8, 9], pa.int64()),
+                      "caption": ["one", None, "three"], "score": [0.5, 1.5, 2.5],
+                      "img": [images[n].read_bytes() for n in names]})
+    path = tmp_path / "t.parquet"
+    pq.write_table(table, path, row_group_size=2)
+    for out in (tmp_path / "o.parquet", tmp_path / "folder/"):
+        run(str(path), str(shard), "--key-column", "id", "--keep-column", "caption",
+            "--keep-column", "score", "--out", str(out), "--weights", str(ckpt))
+        got = pq.read_table(out)
+        assert got.schema.names[-3:] == ["caption", "score", "id"]
+        assert got.schema.field("id").type == pa.int64()
+        rows = got.select(["path", "id", "caption", "score"]).to_pylist()
+        assert rows[:3] == [{"path": str(i), "id": i, "caption": c, "score": s}
+                            for i, c, s in zip([7, 8, 9], ["one", None, "three"],
+                                               [0.5, 1.5, 2.5])]
+        assert all(r["id"] is None and r["caption"] is None for r in rows[3:])  # the shard's
+        merged = pd.read_parquet(path, columns=["id"]).merge(
+            got.to_pandas()[["id", "grid_h"]], on="id")
+        assert len(merged) == 3
+    refusals = {("--keep-column", "width"): "has a 'width' column of its own",
+                ("--keep-column", "nope"): "no column 'nope' to keep"}
+    for (flag, name), message in refusals.items():
+        result = runner.invoke(app, ["encode", str(path), flag, name, "--out",
+                                     str(tmp_path / "r.parquet"), "--weights", str(ckpt)])
+        assert result.exit_code == 2 and message in result.output, result.output
+    result = runner.invoke(app, ["encode", str(shard), "--keep-column", "caption", "--out",
+                                 str(tmp_path / "r.parquet"), "--weights", str(ckpt)])
+    assert result.exit_code == 2 and "--keep-column applies to Parquet" in result.output
+    other = tmp_path / "u.parquet"  # the same column in another type: refused in one line
+    pq.write_table(table.set_column(0, "id", pa.array(["7", "8", "9"])), other)
+    with pytest.raises(UsageError, match="'id' is int64 in one table and string in"):
+        discover([str(path), str(other)], key_column="id")

@@ -17,13 +17,13 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Callable, Iterable, Protocol
+from typing import Callable, Iterable, Protocol, Sequence
 
 from .. import storage
 from ..errors import UsageError
-from .items import InputItem, is_image_name
+from .items import InputItem, TableCell, is_image_name
 from .sources import (StoredObject, container_kind, expand_container, path_roots,
-                      refuse_compressed_tar, written_by_dsv4enc)
+                      refuse_compressed_tar, table_fields, written_by_dsv4enc)
 
 
 class Stop(Protocol):
@@ -40,11 +40,14 @@ class Stop(Protocol):
 class Discovery:
     """Items in input order, how many non-image files were passed over, and the folders that
     could not be listed (``(folder, reason)``: their contents are missing from the run);
-    ``tables``: how many tables were read (``--image-column``/``--key-column`` apply to them)."""
+    ``tables``: how many tables were read (``--image-column``/``--key-column`` apply to them);
+    ``kept_fields``: the table columns the output rows carry (``pyarrow`` fields: the
+    ``--keep-column`` ones, and the ``--key-column`` in its own type)."""
 
     items: list[InputItem]
     skipped: int = 0
     tables: int = 0
+    kept_fields: list = field(default_factory=list)
     unlisted: list[tuple[str, str]] = field(default_factory=list)
 
 
@@ -141,13 +144,15 @@ def read_path_list(list_file: str) -> list[str]:
 def discover(inputs: Iterable[str], files_from: str | None = None,
              image_column: str | None = None, key_column: str | None = None,
              stop: Stop | None = None,
-             table_paths_roots: Iterable[str] = ()) -> Discovery:
+             table_paths_roots: Iterable[str] = (),
+             keep_columns: Sequence[str] = ()) -> Discovery:
     """Expand folders and files (and an optional path list) into items, in input order.
 
     Container files given as inputs (``.parquet``/``.arrow``/``.feather`` tables, ``.tar``
     WebDataset shards) are expanded into their images (``sources``); ``image_column`` and
-    ``key_column`` apply to the tables. A path that does not exist is a UsageError; so is an
-    input set with nothing in it. Paths from ``--files-from`` are taken as given: a missing one
+    ``key_column`` apply to the tables; ``keep_columns`` (and ``key_column``) are the tables'
+    columns the rows carry (``Discovery.kept_fields``). A path that does not exist is a
+    UsageError; so is an input set with nothing in it. Paths from ``--files-from`` are taken as given: a missing one
     becomes an error row later. A folder that cannot be listed is logged as a warning and
     counted in ``Discovery.unlisted``. When ``stop`` records a signal, the walk ends early
     and ``Interrupted`` is raised (a partial listing is never returned).
@@ -212,9 +217,12 @@ def discover(inputs: Iterable[str], files_from: str | None = None,
                 found.skipped += 1
         refuse_missing_list(files_from, lines)
         named += lines
-    if not found.tables and (image_column is not None or key_column is not None):
-        flag = "--image-column" if image_column is not None else "--key-column"
+    if not found.tables and (image_column is not None or key_column is not None
+                             or keep_columns):
+        flag = ("--image-column" if image_column is not None else
+                "--key-column" if key_column is not None else "--keep-column")
         raise UsageError(f"{flag} applies to Parquet/Arrow inputs, and none was given")
+    found.kept_fields = kept_fields(found.items, keep_columns, key_column)
     if stop is not None:
         stop.check()
     if named and not walked and not found.items:
@@ -225,6 +233,26 @@ def discover(inputs: Iterable[str], files_from: str | None = None,
     warn_unlisted(found.unlisted)
     found.items = unique_keys(found.items)
     return found
+
+
+def kept_fields(items: Sequence[InputItem], keep_columns: Sequence[str],
+                key_column: str | None) -> list:
+    """The fields of the table columns the rows carry: ``keep_columns`` (a name the output
+    has a column of is refused), then ``key_column`` in its own type unless kept already or
+    named like an output column (its text is in ``path`` anyway)."""
+    from ..output.parts import OUTPUT_COLUMNS  # lazily: see ARCHITECTURE.md's one arrow
+
+    for name in keep_columns:
+        if name in OUTPUT_COLUMNS:
+            raise UsageError(f"--keep-column {name}: the output has a {name!r} column of its "
+                             "own; rename the table's column to keep it")
+    names = list(dict.fromkeys(keep_columns))
+    if key_column is not None and key_column not in names and key_column not in OUTPUT_COLUMNS:
+        names.append(key_column)
+    if not names:
+        return []
+    tables = dict.fromkeys(item.path for item in items if isinstance(item.member, TableCell))
+    return table_fields(list(tables), names)
 
 
 def refuse_missing_list(list_file: str, lines: list[str]) -> None:

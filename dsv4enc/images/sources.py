@@ -44,7 +44,7 @@ import tarfile
 import threading
 from collections import OrderedDict
 from pathlib import PurePosixPath
-from typing import TYPE_CHECKING, Any, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO, Sequence
 
 from .. import storage
 from ..errors import UsageError
@@ -549,6 +549,41 @@ def expand_table(raw: str, image_column: str | None = None, key_column: str | No
     if table.damage is not None:
         items.append(damaged_item(raw, *table.damage, name))
     return items
+
+
+def table_fields(paths: Sequence[str], names: Sequence[str]) -> list["pa.Field"]:
+    """The fields of the columns ``names`` over the tables ``paths`` (each table's schema is
+    read once): every table must have each column, in one type. A UsageError otherwise."""
+    fields: dict[str, "pa.Field"] = {}
+    for path in paths:
+        schema = TableReader(path).schema
+        for name in names:
+            if name not in schema.names:
+                raise UsageError(f"{path}: no column {name!r} to keep "
+                                 f"(columns: {', '.join(schema.names)})")
+            field = schema.field(name)
+            first = fields.setdefault(name, field)
+            if first.type != field.type:
+                raise UsageError(f"column {name!r} is {first.type} in one table and "
+                                 f"{field.type} in {path}: the tables of one run must agree")
+    return [fields[name].with_nullable(True) for name in names if name in fields]
+
+
+def kept_values(items: Sequence[InputItem], fields: Sequence["pa.Field"]) -> dict[str, "pa.Array"]:
+    """The columns ``fields`` for ``items``, in order: a table row's own cell (read by row
+    group through this process's cache), null for an item that is no table row (an image
+    file, a tar member, a damaged part)."""
+    import pyarrow as pa
+
+    columns = {}
+    for field in fields:
+        values = []
+        for item in items:
+            cell = item.member
+            values.append(GROUP_CACHE.column(item.path, cell.group, field.name)[cell.row].as_py()
+                          if isinstance(cell, TableCell) else None)
+        columns[field.name] = pa.array(values, type=field.type)
+    return columns
 
 
 class GroupCache:

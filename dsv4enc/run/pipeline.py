@@ -117,7 +117,9 @@ def resume_settings(opts: EncodeOptions) -> ResumeSettings:
                           commit_every=None if opts.shard_output else opts.commit_every,
                           row_options={"max_pixels": opts.max_pixels,
                                        "image_column": opts.image_column,
-                                       "key_column": opts.key_column})
+                                       "key_column": opts.key_column,
+                                       # None when none: what earlier outputs recorded
+                                       "keep_columns": list(opts.keep_columns) or None})
 
 
 def run_settings(ckpt: Checkpoint, opts: EncodeOptions, dtype: torch.dtype,
@@ -287,7 +289,8 @@ def _plan_output(opts: EncodeOptions, setup: RunSetup, layout: OutputLayout, ran
     if ranks.shard_output:
         settings["world_size"] = ranks.world_size
     schema = output_schema(cfg.output_width(opts.features), opts.out_dtype,
-                           settings, pooled=opts.pool == "mean", layout=opts.layout)
+                           settings, pooled=opts.pool == "mean", layout=opts.layout,
+                           kept=setup.found.kept_fields)
     resuming = resume_settings(opts)
     rows_settings = {**settings, **resuming.row_options}
     # --update of an existing output (None: there is none yet, a plain run)

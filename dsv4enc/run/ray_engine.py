@@ -458,7 +458,8 @@ class _RayRun:
             SimpleNamespace(device=SimpleNamespace(type=described["device"]),
                             deterministic=described["batch_invariant"]))
         schema = output_schema(cfg.output_width(opts.features), opts.out_dtype, settings,
-                               pooled=opts.pool == "mean", layout=opts.layout)
+                               pooled=opts.pool == "mean", layout=opts.layout,
+                               kept=setup.found.kept_fields)
         store = open_store(self.layout, settings, schema, local=local, is_main=True,
                            world_size=1, rank=None)
         parts = setup.cut_parts(part_images, None, opts.balance, cfg,

@@ -120,9 +120,9 @@ ENCODE_OPTIONS = {
                  "(default: the only such column)."),
         key_column=typer.Option(
             None, "--key-column",
-            help="Table inputs: the column giving each row's output path (default: FILE/ and "
-                 "the struct's path, else FILE#ROW); the column itself is kept too, in its "
-                 "own type."),
+            help="Table inputs: the column giving each row's output path (default: FILE/PATH "
+                 "with a {bytes, path} struct's path, else FILE#ROW); the column is kept "
+                 "too, in its own type."),
         keep_column=typer.Option(
             None, "--keep-column", metavar="NAME",
             help="Table inputs: copy the column NAME into the output rows, in its own type "

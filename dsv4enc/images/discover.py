@@ -152,10 +152,11 @@ def discover(inputs: Iterable[str], files_from: str | None = None,
     WebDataset shards) are expanded into their images (``sources``); ``image_column`` and
     ``key_column`` apply to the tables; ``keep_columns`` (and ``key_column``) are the tables'
     columns the rows carry (``Discovery.kept_fields``). A path that does not exist is a
-    UsageError; so is an input set with nothing in it. Paths from ``--files-from`` are taken as given: a missing one
-    becomes an error row later. A folder that cannot be listed is logged as a warning and
-    counted in ``Discovery.unlisted``. When ``stop`` records a signal, the walk ends early
-    and ``Interrupted`` is raised (a partial listing is never returned).
+    UsageError; so is an input set with nothing in it. Paths from ``--files-from`` are taken
+    as given: a missing one becomes an error row later. A folder that cannot be listed is
+    logged as a warning and counted in ``Discovery.unlisted``. When ``stop`` records a
+    signal, the walk ends early and ``Interrupted`` is raised (a partial listing is never
+    returned).
     """
     found = Discovery(items=[])
     inputs = list(inputs)

@@ -241,6 +241,8 @@ def kept_fields(items: Sequence[InputItem], keep_columns: Sequence[str],
     """The fields of the table columns the rows carry: ``keep_columns`` (a name the output
     has a column of is refused), then ``key_column`` in its own type unless kept already or
     named like an output column (its text is in ``path`` anyway)."""
+    if not keep_columns and key_column is None:
+        return []
     from ..output.parts import OUTPUT_COLUMNS  # lazily: see ARCHITECTURE.md's one arrow
 
     for name in keep_columns:

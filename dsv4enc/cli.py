@@ -132,8 +132,13 @@ ENCODE_OPTIONS = {
                  "(default: the only such column)."),
         key_column=typer.Option(
             None, "--key-column",
-            help="Table inputs: the column giving each row's output path (default: the struct's "
-                 "path, else FILE#ROW)."),
+            help="Table inputs: the column giving each row's output path (default: FILE/PATH "
+                 "with a {bytes, path} struct's path, else FILE#ROW); the column is kept "
+                 "too, in its own type."),
+        keep_column=typer.Option(
+            None, "--keep-column", metavar="NAME",
+            help="Table inputs: copy the column NAME into the output rows, in its own type "
+                 "(null for rows not from a table; repeatable)."),
         table_paths_root=typer.Option(
             None, "--table-paths-root", metavar="DIR",
             help="Table inputs: a {bytes: null, path} cell may name image files under DIR too "
@@ -324,6 +329,7 @@ def encode(
     files_from: Optional[str] = ENCODE_OPTIONS["files_from"],
     image_column: Optional[str] = ENCODE_OPTIONS["image_column"],
     key_column: Optional[str] = ENCODE_OPTIONS["key_column"],
+    keep_column: Optional[List[str]] = ENCODE_OPTIONS["keep_column"],
     table_paths_root: Optional[List[str]] = ENCODE_OPTIONS["table_paths_root"],
     max_pixels: int = ENCODE_OPTIONS["max_pixels"],
     decode_timeout: float = ENCODE_OPTIONS["decode_timeout"],
@@ -376,7 +382,8 @@ def encode(
         weights = None  # $DSV4ENC_WEIGHTS is a default; --random-init asks for none
     opts = EncodeOptions(
         inputs=list(inputs or []), out=out, files_from=files_from, image_column=image_column,
-        key_column=key_column, table_paths_roots=tuple(table_paths_root or ()), weights=weights,
+        key_column=key_column, keep_columns=tuple(keep_column or ()),
+        table_paths_roots=tuple(table_paths_root or ()), weights=weights,
         config=config, random_init=random_init, seed=seed, device=device, dtype=dtype,
         out_dtype=out_dtype, features=features, pool=pool, layout=layout,
         batch_tokens=batch_tokens, workers=workers, overwrite=overwrite, resume=resume,
@@ -396,6 +403,15 @@ def encode(
         fail("--engine must be one of local, ray", 2)
     _encode_command(opts, storage_option, quiet, summary_json, started, ray_opts)
 
+
+
+def _say_if_nothing_found(opts, summary) -> None:
+    """Under ``--quiet`` too, an empty run says so (the run's own warning is hidden there)."""
+    if not (summary.encoded or summary.failed or summary.reused):
+        from .images.discover import nothing_found
+
+        line = nothing_found(opts.inputs, opts.files_from, summary.skipped)
+        typer.echo(f"WARNING dsv4enc: {line}", err=True)
 
 
 def _encode_command(opts, storage_option: list[str] | None, quiet: bool,
@@ -455,6 +471,7 @@ def _encode_command(opts, storage_option: list[str] | None, quiet: bool,
             if summary_json:
                 write_summary_json(summary_json, summary)
             if quiet:
+                _say_if_nothing_found(opts, summary)
                 typer.echo(summary.out)
             else:
                 print_summary(summary)

@@ -44,6 +44,37 @@ def test_an_empty_folder_warns_and_exits_0(tmp_path, small_ckpt, caplog):
     assert pq.read_table(out).num_rows == 0
 
 
+def test_quiet_never_hides_that_nothing_was_found(tmp_path, small_ckpt):
+    """``-q`` prints only the output path and errors, but an empty run still says so."""
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "notes.txt").write_text("no images here\n")
+    out = tmp_path / "e.parquet"
+    result = encode(str(empty), "--out", str(out), "--weights", str(small_ckpt), "-q")
+    assert result.exit_code == 0, result.output
+    assert re.search(r"no images found in .*empty \(1 other files skipped\)", result.stderr)
+    assert result.stdout.strip() == str(out)
+
+
+def test_a_folder_of_shards_is_encoded(tmp_path, small_ckpt):
+    """The WebDataset layout given as a folder: its shards' images, keyed under each shard."""
+    import tarfile
+
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    for n in range(2):
+        image = write_image(tmp_path / f"{n}.png", (20 + n, 20))
+        with tarfile.open(shards / f"train-{n:05d}.tar", "w") as archive:
+            archive.add(image, arcname="000000.png")
+    out = shards / "e.parquet"  # beside the shards: an output is never read as an input
+    for again in ([], ["--overwrite"]):
+        result = encode(str(shards), "--out", str(out), "--weights", str(small_ckpt), "-q",
+                        *again)
+        assert result.exit_code == 0 and not result.stderr, result.output
+        assert pq.read_table(out).column("path").to_pylist() == [
+            "train-00000.tar/000000", "train-00001.tar/000000"]
+
+
 def test_files_from_comments_and_blank_lines(tmp_path):
     images = [write_image(tmp_path / name, (20, 20)) for name in ("a.png", "#b.png")]
     listing = tmp_path / "list.txt"

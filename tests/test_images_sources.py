@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import io
+import logging
 import os
 import pickle
+import shutil
 import struct
 import tarfile
 import tempfile
@@ -73,6 +75,11 @@ def shard(tmp_path_factory, images) -> Path:
     return path
 
 
+#: The local keys of ``shard``'s images, in file order (its rows are keyed ``SHARD/KEY``).
+SHARD_KEYS = ["train/0000", "train/0001", "train/0002", "train/0003.left.png",
+              "train/0003.right.gif", "train/0006"]
+
+
 def run(*args: str) -> None:
     result = runner.invoke(app, ["encode", *args, "--workers", "0", "--device", "cpu", "-q"])
     assert result.exit_code == 0, result.output
@@ -83,8 +90,8 @@ def run(*args: str) -> None:
 def test_tar_index_keys_and_skips(shard):
     found = discover([str(shard)])
     keys = [item.key for item in found.items]
-    assert keys == ["train/0000", "train/0001", "train/0002", "train/0003.left.png",
-                    "train/0003.right.gif", "train/0006"]
+    # Each key names its shard (as given): the same whatever else is in the run.
+    assert keys == [f"{shard}/{key}" for key in SHARD_KEYS]
     assert found.skipped == 1  # train/0004 has no image; sidecars of image samples don't count
     assert all(isinstance(i.member, sources.TarMember) and i.path == str(shard)
                for i in found.items)
@@ -134,9 +141,9 @@ def test_tar_encode_matches_loose_files(shard, images, ckpt, tmp_path):
     tar_rows = {p: e for p, e, _ in read_embeddings(tmp_path / "tar.parquet")}
     loose_rows = {p: e for p, e, _ in read_embeddings(tmp_path / "loose.parquet")}
     for i, name in enumerate(["a.jpg", "b.png", "c.webp"]):
-        np.testing.assert_array_equal(tar_rows[f"train/{i:04d}"], loose_rows[name])
+        np.testing.assert_array_equal(tar_rows[f"{shard}/train/{i:04d}"], loose_rows[name])
     table = pq.read_table(tmp_path / "tar.parquet", columns=["path", "width", "error"])
-    assert table.column("path").to_pylist()[-1] == "train/0006"
+    assert table.column("path").to_pylist()[-1] == f"{shard}/train/0006"
     assert table.column("error").to_pylist()[-1].startswith("UnidentifiedImageError")
     assert table.column("width").to_pylist()[:3] == [64, 30, 120]
 
@@ -183,7 +190,8 @@ def test_hf_struct_column_paths_nulls_and_files(tmp_path, images):
     path = tmp_path / "hf.parquet"
     pq.write_table(full, path)
     items = discover([str(path)]).items
-    assert [i.key for i in items] == ["a.jpg", "b.png", "side.png", f"{path}#3", f"{path}#4"]
+    assert [i.key for i in items] == [f"{path}/a.jpg", f"{path}/b.png", f"{path}/side.png",
+                                      f"{path}#3", f"{path}#4"]
     assert sources.open_item(items[2]) == str(tmp_path / "side.png")  # beside the table
     assert decode_image(items[2], _cfg()).width == 40
     assert "no image" in decode_image(items[3], _cfg()).error
@@ -203,7 +211,7 @@ def test_arrow_files_and_streams(tmp_path, images, fmt):
             for batch in table.to_batches(max_chunksize=2):
                 out.write_batch(batch)
     items = discover([str(path)]).items
-    assert [i.key for i in items] == ["a.jpg", "b.png", "c.webp"]
+    assert [i.key for i in items] == [f"{path}/a.jpg", f"{path}/b.png", f"{path}/c.webp"]
     assert [i.member.group for i in items] == [0, 0, 1]
     assert sources.open_item(items[2]) == images["c.webp"].read_bytes()
 
@@ -266,9 +274,8 @@ def test_decode_workers_take_container_items(shard, tmp_path, images, ckpt):
                                  "-q"])
     assert result.exit_code == 0, result.output
     got = pq.read_table(out, columns=["path", "error"]).to_pylist()
-    assert [r["path"] for r in got] == ["train/0000", "train/0001", "train/0002",
-                                        "train/0003.left.png", "train/0003.right.gif",
-                                        "train/0006", "d.png", "e.gif"]
+    assert [r["path"] for r in got] == ([f"{shard}/{key}" for key in SHARD_KEYS]
+                                        + [f"{table}/d.png", f"{table}/e.gif"])
     assert [r["error"] is None for r in got] == [True] * 5 + [False] + [True] * 2
     inline = tmp_path / "i.parquet"
     run(str(shard), str(table), "--out", str(inline), "--weights", str(ckpt))
@@ -341,7 +348,7 @@ def test_a_damaged_tar_never_reads_as_complete(tmp_path, five, kind, readable, d
     path.write_bytes(damage(kind, data, headers))
     items = discover([str(path)]).items
     member_keys = [i.key for i in items if isinstance(i.member, sources.TarMember)]
-    assert member_keys == readable
+    assert member_keys == [f"{path}/{key}" for key in readable]
     errors = [i for i in items if isinstance(i.member, sources.Unreadable)]
     assert len(errors) == 1
     offset = int(errors[0].key.rpartition("@")[2])
@@ -363,7 +370,8 @@ def test_an_intact_tar_has_no_error_row(five, tmp_path):
     padded.write_bytes(data + data)
     keys = [i.key for i in discover([str(padded)]).items]
     # Each sample key now has two images: keyed by member name, the second with a suffix.
-    assert keys == [f"s{i}.png" for i in range(5)] + [f"s{i}.png#2" for i in range(5)]
+    assert keys == ([f"{padded}/s{i}.png" for i in range(5)]
+                    + [f"{padded}/s{i}.png#2" for i in range(5)])
 
 
 def test_pax_global_headers_gnu_long_names_and_links_are_no_damage(tmp_path, images):
@@ -431,8 +439,8 @@ def test_a_damaged_header_after_a_long_name_skips_only_its_member(tmp_path):
     data[long_links[1] + 1024 + 148] ^= 0x11  # the header that follows the 2nd long name
     path.write_bytes(bytes(data))
     items = discover([str(path)]).items
-    assert [i.key for i in items] == ["a" * 150 + "/0", f"{path}@{long_links[1]}",
-                                      "a" * 150 + "/2"]
+    assert [i.key for i in items] == [f"{path}/{'a' * 150}/0", f"{path}@{long_links[1]}",
+                                      f"{path}/{'a' * 150}/2"]
 
 
 def test_damaged_tar_through_the_cli(tmp_path, five, ckpt):
@@ -442,7 +450,8 @@ def test_damaged_tar_through_the_cli(tmp_path, five, ckpt):
     out = tmp_path / "o.parquet"
     run(str(path), "--out", str(out), "--weights", str(ckpt))
     rows = pq.read_table(out, columns=["path", "error"]).to_pylist()
-    assert [r["path"] for r in rows] == ["s0", "s1", f"{path}@{headers[2]}", "s3", "s4"]
+    assert [r["path"] for r in rows] == [f"{path}/s0", f"{path}/s1", f"{path}@{headers[2]}",
+                                         f"{path}/s3", f"{path}/s4"]
     assert [r["error"] is None for r in rows] == [True, True, False, True, True]
     assert "no valid tar header" in rows[2]["error"]
 
@@ -469,7 +478,7 @@ def test_tar_links_are_read_or_reported(tmp_path, images):
             info.type, info.linkname = kind, target
             archive.addfile(info)
     items = discover([str(path)]).items
-    assert [i.key for i in items] == ["a", "b", "c", "d", "e"]
+    assert [i.key for i in items] == [f"{path}/{key}" for key in "abcde"]
     assert sources.open_item(items[1]) == images["b.png"].read_bytes()
     assert probe_image(items[1]).width == 30
     assert "hard link to 'missing.png'" in probe_image(items[2]).error
@@ -483,9 +492,11 @@ def test_tar_repeated_member_names_get_unique_keys(tmp_path, images):
         add_bytes(archive, "x/0001.jpg", images["a.jpg"].read_bytes())
         add_bytes(archive, "x/0001.jpg", images["a.jpg"].read_bytes())
         add_bytes(archive, "x/0002.jpg", images["a.jpg"].read_bytes())
-    keys = [i.key for i in discover([str(path), str(path)]).items]
-    assert keys == ["x/0001.jpg", "x/0001.jpg#2", "x/0002",
-                    "x/0001.jpg#3", "x/0001.jpg#4", "x/0002#2"]
+    keys = [i.key for i in discover([str(path)]).items]
+    assert keys == [f"{path}/x/0001.jpg", f"{path}/x/0001.jpg#2", f"{path}/x/0002"]
+    # The same shard given twice: its first copy keeps its keys, the second gets suffixes.
+    twice = [i.key for i in discover([str(path), str(path)]).items]
+    assert twice[:3] == keys and len(set(twice)) == 6
 
 
 def write_stream(table: pa.Table, path: Path, rows_per_batch: int) -> list[int]:
@@ -646,4 +657,84 @@ def test_repeated_table_keys_get_suffixes(tmp_path, images):
     path = tmp_path / "t.parquet"
     pq.write_table(table, path)
     keys = [i.key for i in discover([str(path)]).items]
-    assert keys == ["image.jpg", "image.jpg#3", "image.jpg#2", "image.jpg#4"]
+    assert keys == [f"{path}/{key}" for key in ["image.jpg", "image.jpg#3", "image.jpg#2",
+                                                 "image.jpg#4"]]
+
+
+# --------------------------------------------------------------------------- folders of containers
+
+def test_a_folder_of_shards_and_tables_is_read_as_those_containers(tmp_path, shard, images,
+                                                                   caplog):
+    """The usual WebDataset layout: a folder holding only shards (and tables) is read as
+    them, each image keyed under its container's path in the folder; in a folder with
+    images, containers are passed over with a warning (a metadata.parquet is no image
+    table)."""
+    folder = tmp_path / "data"
+    (folder / "more").mkdir(parents=True)
+    shutil.copy(shard, folder / "train-00000.tar")
+    shutil.copy(shard, folder / "more" / "train-00001.tar")
+    pq.write_table(image_table(images, ["d.png"], struct=False), folder / "extra.parquet")
+    (folder / "README.txt").write_text("shards")
+    found = discover([str(folder)])
+    assert keys_of(found.items) == (["extra.parquet#0"]
+                                    + [f"more/train-00001.tar/{k}" for k in SHARD_KEYS]
+                                    + [f"train-00000.tar/{k}" for k in SHARD_KEYS])
+    assert found.skipped == 3 and found.tables == 1  # README.txt, train/0004 twice
+    assert keys_of(discover([str(folder)], key_column="id").items)[0] == "id-0"
+    # Two folders given: each container's key starts with its folder, as an image's does.
+    two = discover([str(folder / "more"), str(folder)]).items
+    assert two[0].key == f"{folder / 'more'}/train-00001.tar/train/0000"
+    # Beside an image, the containers are not read.
+    shutil.copy(images["a.jpg"], folder / "cover.jpg")
+    with caplog.at_level(logging.WARNING, logger="dsv4enc"):
+        mixed = discover([str(folder)])
+    assert keys_of(mixed.items) == ["cover.jpg"] and mixed.skipped == 4
+    assert any("3 .tar shards or tables beside its images are not read" in r.getMessage()
+               for r in caplog.records)
+
+
+def keys_of(items) -> list[str]:
+    return [item.key for item in items]
+
+
+# --------------------------------------------------------------------------- kept columns
+
+def test_kept_columns_and_the_typed_key_join_back_to_the_table(tmp_path, images, shard, ckpt):
+    """--keep-column copies table columns into the rows in their own types (null for rows
+    not from a table), and --key-column keeps its column typed beside the text ``path``: an
+    int64 id merges with the source table as it is."""
+    import pandas as pd
+
+    names = ["a.jpg", "b.png", "c.webp"]
+    table = pa.table({"id": pa.array([7, 8, 9], pa.int64()),
+                      "caption": ["one", None, "three"], "score": [0.5, 1.5, 2.5],
+                      "img": [images[n].read_bytes() for n in names]})
+    path = tmp_path / "t.parquet"
+    pq.write_table(table, path, row_group_size=2)
+    for out in (tmp_path / "o.parquet", tmp_path / "folder/"):
+        run(str(path), str(shard), "--key-column", "id", "--keep-column", "caption",
+            "--keep-column", "score", "--out", str(out), "--weights", str(ckpt))
+        got = pq.read_table(out)
+        assert got.schema.names[-3:] == ["caption", "score", "id"]
+        assert got.schema.field("id").type == pa.int64()
+        rows = got.select(["path", "id", "caption", "score"]).to_pylist()
+        assert rows[:3] == [{"path": str(i), "id": i, "caption": c, "score": s}
+                            for i, c, s in zip([7, 8, 9], ["one", None, "three"],
+                                               [0.5, 1.5, 2.5])]
+        assert all(r["id"] is None and r["caption"] is None for r in rows[3:])  # the shard's
+        merged = pd.read_parquet(path, columns=["id"]).merge(
+            got.to_pandas()[["id", "grid_h"]], on="id")
+        assert len(merged) == 3
+    refusals = {("--keep-column", "width"): "has a 'width' column of its own",
+                ("--keep-column", "nope"): "no column 'nope' to keep"}
+    for (flag, name), message in refusals.items():
+        result = runner.invoke(app, ["encode", str(path), flag, name, "--out",
+                                     str(tmp_path / "r.parquet"), "--weights", str(ckpt)])
+        assert result.exit_code == 2 and message in result.output, result.output
+    result = runner.invoke(app, ["encode", str(shard), "--keep-column", "caption", "--out",
+                                 str(tmp_path / "r.parquet"), "--weights", str(ckpt)])
+    assert result.exit_code == 2 and "--keep-column applies to Parquet" in result.output
+    other = tmp_path / "u.parquet"  # the same column in another type: refused in one line
+    pq.write_table(table.set_column(0, "id", pa.array(["7", "8", "9"])), other)
+    with pytest.raises(UsageError, match="'id' is int64 in one table and string in"):
+        discover([str(path), str(other)], key_column="id")

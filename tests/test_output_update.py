@@ -19,6 +19,7 @@ from PIL import Image
 from typer.testing import CliRunner
 
 from dsv4enc.cli import app
+from dsv4enc.errors import UsageError
 from dsv4enc.output.read import output_files
 from dsv4enc.output.update import STAGING_NAME, STAMPS_FILE, STAMPS_KEY
 from dsv4enc.run.pipeline import EncodeOptions, run_encode
@@ -235,3 +236,76 @@ def test_update_contradicts_resume_and_overwrite(finished):
     for other in ("--resume", "--overwrite"):
         line = one_line_error(cli(images, out, "--update", other), 2)
         assert "--update" in line and other in line
+
+
+def shard_of(path: Path, seed: int, samples: int = 4) -> Path:
+    """A WebDataset shard whose sample keys (``000000``, ...) every such shard repeats."""
+    import tarfile
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tarfile.open(path, "w") as archive:
+        for i in range(samples):
+            image = path.parent / f".tmp{i}.png"
+            noise(image, seed * 100 + i, (16 + i, 12))
+            archive.add(image, arcname=f"{i:06d}.png")
+            image.unlink()
+    return path
+
+
+@pytest.mark.parametrize("given", ["names", "folder"])
+def test_update_with_a_shard_added_keeps_the_unchanged_shards_rows(given, tmp_path):
+    """Two shards with the same local keys: each row's key names its shard, so adding shard 3
+    before shard 4 leaves shard 4's keys as they were, and --update encodes shard 3 alone."""
+    shards = tmp_path / "shards"
+    four = shard_of(shards / "train-00004.tar", 4)
+    inputs = (lambda: [str(shards)]) if given == "folder" else (
+        lambda: [str(p) for p in sorted(shards.glob("*.tar"))])
+    out = tmp_path / "e.parquet"
+    first = run_encode(options(shards, out, inputs=inputs()))
+    assert first.encoded == 4
+    before = {r["path"]: r for r in table_of(out)}
+    shard_of(shards / "train-00003.tar", 3)
+    update = run_encode(options(shards, out, inputs=inputs(), update=True))
+    assert (update.encoded, update.reused) == (4, 4)
+    clean = tmp_path / "clean.parquet"
+    run_encode(options(shards, clean, inputs=inputs()))
+    assert table_of(out) == table_of(clean)
+    prefix = "" if given == "folder" else f"{shards}/"
+    keys = [r["path"] for r in table_of(out)]
+    assert keys == [f"{prefix}train-0000{n}.tar/{i:06d}" for n in (3, 4) for i in range(4)]
+    for key, row in before.items():  # shard 4's rows kept their keys and their bytes
+        assert {r["path"]: r for r in table_of(out)}[key] == row
+
+
+def test_update_of_tables_with_kept_columns_equals_a_clean_run(tmp_path):
+    """A table added to a run: the unchanged table's rows (its kept columns too) are reused,
+    the new one's encoded; the result is a clean run's rows, kept columns included."""
+    import io
+
+    import pyarrow as pa
+
+    def table(path: Path, seed: int) -> str:
+        images = []
+        for i in range(3):
+            buffer = io.BytesIO()
+            rng = np.random.default_rng(seed * 10 + i)
+            Image.fromarray(rng.integers(0, 256, (12, 16, 3), dtype=np.uint8)).save(buffer,
+                                                                                    "PNG")
+            images.append(buffer.getvalue())
+        pq.write_table(pa.table({"id": pa.array([seed * 10 + i for i in range(3)], pa.int64()),
+                                 "caption": [f"c{seed}-{i}" for i in range(3)],
+                                 "image": images}), path)
+        return str(path)
+
+    first = [table(tmp_path / "b.parquet", 2)]
+    both = [table(tmp_path / "a.parquet", 1), *first]
+    out, clean = tmp_path / "e.parquet", tmp_path / "clean.parquet"
+    kept = dict(key_column="id", keep_columns=("caption",))
+    run_encode(options(tmp_path, out, inputs=first, **kept))
+    update = run_encode(options(tmp_path, out, inputs=both, update=True, **kept))
+    assert (update.encoded, update.reused) == (3, 3)
+    run_encode(options(tmp_path, clean, inputs=both, **kept))
+    assert table_of(out) == table_of(clean)
+    assert [r["caption"] for r in table_of(out)] == [f"c{s}-{i}" for s in (1, 2) for i in range(3)]
+    with pytest.raises(UsageError, match="--keep-column"):  # other kept columns: other rows
+        run_encode(options(tmp_path, out, inputs=both, update=True, key_column="id"))

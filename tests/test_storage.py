@@ -152,9 +152,12 @@ def test_tar_shard_in_a_bucket(s3, local_images, small_ckpt, tmp_path):
     encode(url, "--out", str(tmp_path / "s3.parquet"), "--weights", str(small_ckpt),
            workers="2")
     local, remote = rows(tmp_path / "local.parquet"), rows(tmp_path / "s3.parquet")
-    assert sorted(remote) == sorted(local) == ["s/0000", "s/0001", "s/0002"]
-    for key in local:
-        np.testing.assert_allclose(remote[key], local[key], rtol=1e-5, atol=1e-5)
+    # Each key names its shard: the path as given, or the URL.
+    assert sorted(local) == [f"{shard}/s/{i:04d}" for i in range(3)]
+    assert sorted(remote) == [f"{url}/s/{i:04d}" for i in range(3)]
+    for i in range(3):
+        np.testing.assert_allclose(remote[f"{url}/s/{i:04d}"], local[f"{shard}/s/{i:04d}"],
+                                   rtol=1e-5, atol=1e-5)
 
 
 def test_parquet_image_column_in_a_bucket(s3, local_images, small_ckpt, tmp_path):

@@ -1,7 +1,15 @@
 """Finding the images to encode: folders (recursive, sorted), files, and path lists.
 
 Each input becomes an ``InputItem`` whose ``key`` is the output's ``path`` column: relative to
-the folder it was found in (posix), or the path as given.
+the folder it was found in (posix), or the path as given. An image inside a container (a tar
+shard, a table) is keyed under its container's own key, found the same way
+(``container_items``).
+
+A folder (or a prefix) that holds no image file but holds containers (``.tar`` shards,
+``.parquet``/``.arrow``/``.feather`` tables: the usual WebDataset layout) is read as those
+containers, except dsv4enc's own outputs (an output written beside the shards). In a folder
+with images, containers are not read (a ``metadata.parquet`` beside the images is no image
+table); a warning names how many were passed over.
 """
 
 from __future__ import annotations
@@ -9,13 +17,13 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Callable, Iterable, Protocol
+from typing import Callable, Iterable, Protocol, Sequence
 
 from .. import storage
 from ..errors import UsageError
-from .items import InputItem, is_image_name
+from .items import InputItem, TableCell, is_image_name
 from .sources import (StoredObject, container_kind, expand_container, path_roots,
-                      refuse_compressed_tar)
+                      refuse_compressed_tar, table_fields, written_by_dsv4enc)
 
 
 class Stop(Protocol):
@@ -31,10 +39,15 @@ class Stop(Protocol):
 @dataclass
 class Discovery:
     """Items in input order, how many non-image files were passed over, and the folders that
-    could not be listed (``(folder, reason)``: their contents are missing from the run)."""
+    could not be listed (``(folder, reason)``: their contents are missing from the run);
+    ``tables``: how many tables were read (``--image-column``/``--key-column`` apply to them);
+    ``kept_fields``: the table columns the output rows carry (``pyarrow`` fields: the
+    ``--keep-column`` ones, and the ``--key-column`` in its own type)."""
 
     items: list[InputItem]
     skipped: int = 0
+    tables: int = 0
+    kept_fields: list = field(default_factory=list)
     unlisted: list[tuple[str, str]] = field(default_factory=list)
 
 
@@ -45,14 +58,18 @@ def _list_folder(folder: str) -> list[os.DirEntry]:
 
 
 def walk_folder(root: Path, unlisted: list[tuple[str, str]] | None = None,
-                should_stop: Callable[[], bool] | None = None) -> tuple[list[InputItem], int]:
+                should_stop: Callable[[], bool] | None = None,
+                containers: list[tuple[str, str]] | None = None,
+                ) -> tuple[list[InputItem], int]:
     """Image files under ``root``, recursively, in sorted (depth-first) order; symlinked
     folders are followed once each (a loop does not repeat files).
 
     Iterative, so any depth works. A folder that cannot be listed (no permission, a path
     past PATH_MAX) is appended to ``unlisted`` as ``(path, reason)``, not dropped.
     ``should_stop`` is polled once per entry; when it turns true, the walk returns what it
-    found so far. Returns (items, non-image files skipped)."""
+    found so far. Container files (``sources.container_kind``) are appended to ``containers``
+    as ``(path relative to root, path)`` when it is given, else counted as skipped. Returns
+    (items, non-image files skipped)."""
     items: list[InputItem] = []
     skipped = 0
     unlisted = [] if unlisted is None else unlisted
@@ -94,6 +111,8 @@ def walk_folder(root: Path, unlisted: list[tuple[str, str]] | None = None,
             # A dangling link with an image name still gets its (error) row.
             if is_image_name(entry.name):
                 items.append(InputItem(key=child_rel, path=entry.path))
+            elif containers is not None and container_kind(entry.name) is not None:
+                containers.append((child_rel, entry.path))
             else:
                 skipped += 1
     return items, skipped
@@ -125,19 +144,21 @@ def read_path_list(list_file: str) -> list[str]:
 def discover(inputs: Iterable[str], files_from: str | None = None,
              image_column: str | None = None, key_column: str | None = None,
              stop: Stop | None = None,
-             table_paths_roots: Iterable[str] = ()) -> Discovery:
+             table_paths_roots: Iterable[str] = (),
+             keep_columns: Sequence[str] = ()) -> Discovery:
     """Expand folders and files (and an optional path list) into items, in input order.
 
     Container files given as inputs (``.parquet``/``.arrow``/``.feather`` tables, ``.tar``
     WebDataset shards) are expanded into their images (``sources``); ``image_column`` and
-    ``key_column`` apply to the tables. A path that does not exist is a UsageError; so is an
-    input set with nothing in it. Paths from ``--files-from`` are taken as given: a missing one
-    becomes an error row later. A folder that cannot be listed is logged as a warning and
-    counted in ``Discovery.unlisted``. When ``stop`` records a signal, the walk ends early
-    and ``Interrupted`` is raised (a partial listing is never returned).
+    ``key_column`` apply to the tables; ``keep_columns`` (and ``key_column``) are the tables'
+    columns the rows carry (``Discovery.kept_fields``). A path that does not exist is a
+    UsageError; so is an input set with nothing in it. Paths from ``--files-from`` are taken
+    as given: a missing one becomes an error row later. A folder that cannot be listed is
+    logged as a warning and counted in ``Discovery.unlisted``. When ``stop`` records a
+    signal, the walk ends early and ``Interrupted`` is raised (a partial listing is never
+    returned).
     """
     found = Discovery(items=[])
-    tables = 0
     inputs = list(inputs)
     named: list[str] = []  # inputs given by name (files, objects, list lines), not walked
     walked = 0  # folders and prefixes: an empty one is a warning, not an error
@@ -149,7 +170,7 @@ def discover(inputs: Iterable[str], files_from: str | None = None,
             stop.check()
         if storage.is_url(raw):
             listed = discover_url(raw, found, image_column, key_column, prefix_roots)
-            tables += listed == 1
+            found.tables += listed == 1
             walked += listed < 0
             named += [raw] if listed >= 0 else []
             continue
@@ -162,17 +183,21 @@ def discover(inputs: Iterable[str], files_from: str | None = None,
         else:
             walked += 1
         if kind is not None and path.is_file():
-            items, skipped = expand_container(raw, image_column, key_column, roots)
+            items, skipped = container_items(raw, raw, image_column, key_column, roots)
             found.items.extend(items)
             found.skipped += skipped
-            tables += kind == "table"
+            found.tables += kind == "table"
         elif path.is_dir():
+            shards: list[tuple[str, str]] = []
             items, skipped = walk_folder(path, found.unlisted,
-                                         stop.requested if stop is not None else None)
+                                         stop.requested if stop is not None else None, shards)
             if prefix_roots:
                 items = [replace(i, key=key_under_root(raw, i.key)) for i in items]
             found.items.extend(items)
             found.skipped += skipped
+            found.tables += read_folder_containers(raw, shards, bool(items), found,
+                                                   prefix_roots, (image_column, key_column,
+                                                                  roots))
         elif path.is_file() or path.is_symlink():
             if is_image_name(raw):
                 found.items.append(InputItem(key=raw, path=raw))
@@ -193,9 +218,12 @@ def discover(inputs: Iterable[str], files_from: str | None = None,
                 found.skipped += 1
         refuse_missing_list(files_from, lines)
         named += lines
-    if not tables and (image_column is not None or key_column is not None):
-        flag = "--image-column" if image_column is not None else "--key-column"
+    if not found.tables and (image_column is not None or key_column is not None
+                             or keep_columns):
+        flag = ("--image-column" if image_column is not None else
+                "--key-column" if key_column is not None else "--keep-column")
         raise UsageError(f"{flag} applies to Parquet/Arrow inputs, and none was given")
+    found.kept_fields = kept_fields(found.items, keep_columns, key_column)
     if stop is not None:
         stop.check()
     if named and not walked and not found.items:
@@ -206,6 +234,28 @@ def discover(inputs: Iterable[str], files_from: str | None = None,
     warn_unlisted(found.unlisted)
     found.items = unique_keys(found.items)
     return found
+
+
+def kept_fields(items: Sequence[InputItem], keep_columns: Sequence[str],
+                key_column: str | None) -> list:
+    """The fields of the table columns the rows carry: ``keep_columns`` (a name the output
+    has a column of is refused), then ``key_column`` in its own type unless kept already or
+    named like an output column (its text is in ``path`` anyway)."""
+    if not keep_columns and key_column is None:
+        return []
+    from ..output.parts import OUTPUT_COLUMNS  # lazily: see ARCHITECTURE.md's one arrow
+
+    for name in keep_columns:
+        if name in OUTPUT_COLUMNS:
+            raise UsageError(f"--keep-column {name}: the output has a {name!r} column of its "
+                             "own; rename the table's column to keep it")
+    names = list(dict.fromkeys(keep_columns))
+    if key_column is not None and key_column not in names and key_column not in OUTPUT_COLUMNS:
+        names.append(key_column)
+    if not names:
+        return []
+    tables = dict.fromkeys(item.path for item in items if isinstance(item.member, TableCell))
+    return table_fields(list(tables), names)
 
 
 def refuse_missing_list(list_file: str, lines: list[str]) -> None:
@@ -235,7 +285,8 @@ def discover_url(raw: str, found: Discovery, image_column: str | None,
                  key_column: str | None, prefix_roots: bool) -> int:
     """Add the images of the URL ``raw`` to ``found``: a prefix is listed like a folder
     (recursive, sorted, keys relative to it); an object is an image or a container. Returns
-    1 for a table, -1 for a prefix, else 0. A URL with nothing under it is a UsageError, as
+    1 for a table, -1 for a prefix (read as a folder is: ``read_folder_containers``, which
+    counts its tables in ``found``), else 0. A URL with nothing under it is a UsageError, as
     for a path."""
     what = storage.kind(raw)
     if what == "missing":
@@ -244,7 +295,7 @@ def discover_url(raw: str, found: Discovery, image_column: str | None,
         refuse_compressed_tar(raw)
         kind = container_kind(raw)
         if kind is not None:
-            items, skipped = expand_container(raw, image_column, key_column)
+            items, skipped = container_items(raw, raw, image_column, key_column)
             found.items.extend(items)
             found.skipped += skipped
             return int(kind == "table")
@@ -254,14 +305,71 @@ def discover_url(raw: str, found: Discovery, image_column: str | None,
         else:
             found.skipped += 1
         return 0
+    shards: list[tuple[str, str]] = []
+    images = 0
     for obj in storage.list_files(raw):
         if not is_image_name(obj.key):
-            found.skipped += 1
+            if container_kind(obj.key) is not None:
+                shards.append((obj.key, obj.url))
+            else:
+                found.skipped += 1
             continue
         key = key_under_root(raw, obj.key) if prefix_roots else obj.key
         found.items.append(InputItem(key=key, path=obj.url, member=StoredObject(obj.url,
                                                                                 obj.size)))
+        images += 1
+    found.tables += read_folder_containers(raw, shards, images > 0, found, prefix_roots,
+                                           (image_column, key_column, ()))
     return -1
+
+
+def container_items(raw: str, name: str, image_column: str | None = None,
+                    key_column: str | None = None, roots: tuple[str, ...] = (),
+                    ) -> tuple[list[InputItem], int]:
+    """The images of the container ``raw`` keyed under ``name`` (its own key: the path as
+    given, or its path under the folder it was found in), and the entries passed over. Keys
+    repeated inside the container get ``#2``, ``#3``, ... in the container's own order, so a
+    key depends on the container alone, never on the run's other inputs. The one place that
+    keys a container's images: every way of finding a container calls it."""
+    items, skipped = expand_container(raw, image_column, key_column, roots, name)
+    return unique_keys(items), skipped
+
+
+def read_folder_containers(raw: str, containers: list[tuple[str, str]], has_images: bool,
+                           found: Discovery, prefix_roots: bool, table_args: tuple) -> int:
+    """The containers found in the folder or prefix ``raw`` (``(relative path, path)``): read
+    when the folder holds no image file, else passed over with a warning. Returns how many
+    tables were read (``--image-column``/``--key-column`` apply to them)."""
+    import logging
+
+    if not containers:
+        return 0
+    if has_images:
+        found.skipped += len(containers)
+        logging.getLogger("dsv4enc").warning(
+            "%s: %d .tar shards or tables beside its images are not read (a folder with "
+            "images is read for its images); pass them by name to encode them (e.g. %s)",
+            raw, len(containers), containers[0][1])
+        return 0
+    tables = 0
+    image_column, key_column, roots = table_args
+    for rel, path in containers:
+        if written_by_dsv4enc(path):  # an output (or its parts) written beside the shards
+            found.skipped += 1
+            continue
+        name = key_under_root(raw, rel) if prefix_roots else rel
+        items, skipped = container_items(path, name, image_column, key_column, roots)
+        found.items.extend(items)
+        found.skipped += skipped
+        tables += container_kind(path) == "table"
+    return tables
+
+
+def nothing_found(inputs: Iterable[str], files_from: str | None, skipped: int) -> str:
+    """The line that says a run found no image: its folders held none (and no container)."""
+    where = ", ".join(inputs) or files_from
+    return (f"no images found in {where} ({skipped} other files skipped); the output will "
+            "have no rows")
 
 
 def warn_unlisted(unlisted: list[tuple[str, str]], shown: int = 10) -> None:

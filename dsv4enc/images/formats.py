@@ -120,10 +120,60 @@ def open_image(handle: str | os.PathLike | IO[bytes], name: str | None):
             return Image.open(handle, formats=others)
         except UnidentifiedImageError:
             pass
-    if _prefix(handle) == b"":
+    prefix = _prefix(handle)
+    if prefix == b"":
         raise UnidentifiedImageError("empty file (0 bytes)")
-    actual = detected_format(handle)
     wanted = f"only {', '.join(ACCEPTED_FORMATS)} are read"
+    if looks_like_tga(handle, prefix or b""):
+        raise UnidentifiedImageError(f"the image is a TGA (Truevision Targa) file{_named(name)}"
+                                     f" ({wanted})")
+    actual = detected_format(handle)
     if actual is None or actual in ACCEPTED_FORMATS:  # damaged, or no image at all
         raise UnidentifiedImageError(f"cannot identify the image ({wanted})")
-    raise UnidentifiedImageError(f"the image looks like {actual} data ({wanted})")
+    raise UnidentifiedImageError(f"the image looks like {actual} data{_named(name)} ({wanted})")
+
+
+def _named(name: str | None) -> str:
+    """``, not the PNG its name says``: what the name of a misnamed file claims."""
+    allowed = formats_for(name)
+    return f", not the {allowed[0]} its name says" if len(allowed) == 1 else ""
+
+
+_TGA_FOOTER = b"TRUEVISION-XFILE.\0"  # the last 18 bytes of a TGA 2.0 file
+_TGA_IMAGE_TYPES = frozenset({1, 2, 3, 9, 10, 11})  # colour-mapped, true-colour, grey; RLE
+_TGA_DEPTHS = frozenset({1, 8, 15, 16, 24, 32})
+
+
+def looks_like_tga(handle: str | os.PathLike | IO[bytes], prefix: bytes) -> bool:
+    """Whether ``handle`` (whose first bytes are ``prefix``) is a TGA image. TGA has no
+    signature at its start (its first bytes can pass for a Windows cursor), so the 2.0
+    footer decides; without one, the 18-byte header must hold a TGA's field values."""
+    if len(prefix) < _PREFIX_BYTES:
+        return False
+    if isinstance(handle, (str, os.PathLike)):
+        with open(handle, "rb") as file:
+            return _tga_footer(file)
+    try:
+        return _tga_footer(handle)
+    finally:
+        handle.seek(0)
+
+
+def _tga_footer(file: IO[bytes]) -> bool:
+    """Whether ``file`` ends in the TGA 2.0 footer; without one, whether its header reads as
+    a TGA's (a colour map type of 0 or 1, a known image type and pixel depth, a size; no
+    colour map fields without a colour map, which no Windows cursor has: its count)."""
+    size = file.seek(0, os.SEEK_END)
+    if size >= 18 + 26:
+        file.seek(size - len(_TGA_FOOTER))
+        if file.read(len(_TGA_FOOTER)) == _TGA_FOOTER:
+            return True
+    file.seek(0)
+    header = file.read(18)
+    if len(header) < 18:
+        return False
+    width = int.from_bytes(header[12:14], "little")
+    height = int.from_bytes(header[14:16], "little")
+    return (header[1] in (0, 1) and header[2] in _TGA_IMAGE_TYPES and header[16] in _TGA_DEPTHS
+            and width > 0 and height > 0 and (header[1] == 1) == (header[2] in (1, 9))
+            and (header[1] == 1 or header[3:8] == bytes(5)))

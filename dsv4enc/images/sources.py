@@ -8,15 +8,19 @@ and size, a table cell by row group (or record batch) and row, through a small p
 cache of recently read row groups. Locators are small frozen dataclasses, cheap to pickle to
 the workers.
 
-Tar shards follow the WebDataset convention: a member ``dir/sample.jpg`` belongs to the sample
-``__key__`` ``dir/sample`` (the member path up to the first dot of its file name) and that key
-is the output ``path``. When one sample holds several images (``s.jpg`` and ``s.png``, or
-``s.left.jpg`` and ``s.right.jpg``), each is keyed by its full member name instead, so keys
-stay unique. Compressed tars cannot be read member by member and are refused.
+Every key of a container's image names its container (``member_key``), so it is the same
+whatever else is in the run: ``NAME/<name inside>``, where ``NAME`` is the container's own key
+(its path or URL as given, or its path under the folder it was found in: ``discover``). Tar
+shards follow the WebDataset convention: a member ``dir/sample.jpg`` belongs to the sample
+``__key__`` ``dir/sample`` (the member path up to the first dot of its file name), keyed
+``NAME/dir/sample``. When one sample holds several images (``s.jpg`` and ``s.png``, or
+``s.left.jpg`` and ``s.right.jpg``), each is keyed by its full member name instead
+(``NAME/s.jpg``), so keys stay unique. Compressed tars cannot be read member by member and are
+refused.
 
-Table rows are keyed by ``--key-column`` when given; else by the ``path`` field of a
-Hugging Face ``{bytes, path}`` image struct when it is set; else ``<file>#<row>`` (the file as
-given, the row counted from 0 over the whole file).
+Table rows are keyed by ``--key-column`` when given (its value as it is: the user's own ids);
+else ``NAME/<path>`` by the ``path`` field of a Hugging Face ``{bytes, path}`` image struct
+when it is set; else ``NAME#<row>`` (the row counted from 0 over the whole file).
 
 A damaged container never reads as complete. What can be read gets its rows; what cannot
 becomes an ``Unreadable`` item, one error row keyed ``<file>@<byte offset>`` where the damage
@@ -40,7 +44,7 @@ import tarfile
 import threading
 from collections import OrderedDict
 from pathlib import PurePosixPath
-from typing import TYPE_CHECKING, Any, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO, Sequence
 
 from .. import storage
 from ..errors import UsageError
@@ -65,9 +69,17 @@ class RefusedPathError(ValueError):
     image name, not a regular file)."""
 
 
-def damaged_item(raw: str, offset: int, reason: str) -> InputItem:
-    """The error row for a container's unreadable part starting at byte ``offset``."""
-    return InputItem(key=f"{raw}@{offset}", path=raw,
+def member_key(container: str, name: str) -> str:
+    """The output key of the image ``name`` (a tar sample's key, a member's name, a table
+    cell's file name) inside the container whose own key is ``container``: each key names
+    its container, so no other input of the run changes it."""
+    return f"{container}/{name}"
+
+
+def damaged_item(raw: str, offset: int, reason: str, name: str | None = None) -> InputItem:
+    """The error row for a container's unreadable part starting at byte ``offset``, keyed
+    ``NAME@offset`` (``name``: the container's key, by default ``raw``)."""
+    return InputItem(key=f"{name or raw}@{offset}", path=raw,
                      member=Unreadable(f"{raw}: damaged at byte {offset}: {reason}"))
 
 
@@ -114,14 +126,17 @@ def container_kind(path: str) -> str | None:
 
 
 def expand_container(raw: str, image_column: str | None = None, key_column: str | None = None,
-                     path_roots: tuple[str, ...] = ()) -> tuple[list[InputItem], int]:
+                     path_roots: tuple[str, ...] = (), name: str | None = None,
+                     ) -> tuple[list[InputItem], int]:
     """The images in a container file, in file order, and how many entries were passed over
-    (tar samples without an image). ``path_roots``: see ``TableCell``."""
+    (tar samples without an image). ``name``: the container's own key, which its images'
+    keys start with (by default ``raw``, the path as given). ``path_roots``: see
+    ``TableCell``."""
     kind = container_kind(raw)
     if kind == "tar":
-        return expand_tar(raw)
+        return expand_tar(raw, name)
     if kind == "table":
-        return expand_table(raw, image_column, key_column, path_roots), 0
+        return expand_table(raw, image_column, key_column, path_roots, name), 0
     raise UsageError(f"{raw}: not a container file (.parquet, .arrow, .feather or .tar)")
 
 
@@ -236,12 +251,14 @@ def _tar_locator(info: tarfile.TarInfo, raw: str,
     return Unreadable(f"{raw}: tar member {info.name!r} is {kind}")
 
 
-def expand_tar(raw: str) -> tuple[list[InputItem], int]:
-    """Index an uncompressed tar shard: its image members (by extension), keyed by sample, in
-    file order, with an error row where the archive is damaged (see the module's doc)."""
+def expand_tar(raw: str, name: str | None = None) -> tuple[list[InputItem], int]:
+    """Index an uncompressed tar shard: its image members (by extension), keyed by sample
+    under ``name`` (the shard's key, by default ``raw``), in file order, with an error row
+    where the archive is damaged (see the module's doc)."""
+    name = name or raw
     archive, size, why = _open_tar(raw)
     if archive is None:
-        return [damaged_item(raw, 0, why)], 0
+        return [damaged_item(raw, 0, why, name)], 0
     # (sample key, member name, locator), or (None, "", damaged item) where it is damaged.
     entries: list[tuple[str | None, str, Any]] = []
     files: dict[str, TarMember] = {}  # every regular member: targets of hard links
@@ -268,7 +285,7 @@ def expand_tar(raw: str) -> tuple[list[InputItem], int]:
             if bad is not None:  # zeros are fine: an end marker between joined archives
                 entries.append((None, "", damaged_item(raw, bad, (
                     f"no valid tar header up to byte {info.offset} (a damaged header, or a "
-                    "wrong size field before it); members there are lost"))))
+                    "wrong size field before it); members there are lost"), name)))
             end, last = archive.offset, info.name
             if info.isreg() and not info.issparse():
                 files[PurePosixPath(info.name).as_posix()] = TarMember(
@@ -287,14 +304,14 @@ def expand_tar(raw: str) -> tuple[list[InputItem], int]:
     if damage is None:
         damage = _tar_end_damage(raw, end, size, last)
     if damage is not None:
-        entries.append((None, "", damaged_item(raw, *damage)))
+        entries.append((None, "", damaged_item(raw, *damage, name)))
     items = []
-    for key, name, found in entries:
+    for key, member, found in entries:
         if key is None:
             items.append(found)
         else:  # several images in one sample: each is keyed by its member name
-            items.append(InputItem(key=key if keys_seen[key] == 1 else name, path=raw,
-                                   member=found))
+            local = key if keys_seen[key] == 1 else member
+            items.append(InputItem(key=member_key(name, local), path=raw, member=found))
     return items, len(other_keys - keys_seen.keys())
 
 
@@ -394,6 +411,26 @@ def choose_image_column(schema: "pa.Schema", wanted: str | None, source: str) ->
                      "choose one with --image-column")
 
 
+def written_by_dsv4enc(path: str) -> bool:
+    """Whether the Parquet file ``path`` is an output of dsv4enc (its schema's metadata holds
+    the ``dsv4enc`` entry that ``output/parts.output_schema`` writes): a folder of shards may
+    hold the output written beside them, whose embeddings are no images. Reads the footer."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    if not path.lower().endswith(".parquet"):
+        return False
+    try:
+        if storage.is_url(path):
+            with storage.open_input(path) as handle:
+                metadata = pq.read_schema(handle).metadata
+        else:
+            metadata = pq.read_schema(path).metadata
+        return b"dsv4enc" in (metadata or {})
+    except (OSError, pa.ArrowException):
+        return False  # not readable: its error row says why
+
+
 class TableReader:
     """Read access to a Parquet file or an Arrow IPC file/stream, group by group.
 
@@ -467,15 +504,17 @@ class TableReader:
 
 
 def expand_table(raw: str, image_column: str | None = None, key_column: str | None = None,
-                 path_roots: tuple[str, ...] = ()) -> list[InputItem]:
-    """One item per row of a Parquet/Arrow file (only the key column is read here), and an
-    error row where the file is damaged."""
+                 path_roots: tuple[str, ...] = (), name: str | None = None) -> list[InputItem]:
+    """One item per row of a Parquet/Arrow file (only the key column is read here), keyed as
+    the module's doc says under ``name`` (the table's key, by default ``raw``), and an error
+    row where the file is damaged."""
     import pyarrow as pa
 
+    name = name or raw
     try:
         table = TableReader(raw)
     except (OSError, pa.ArrowException) as exc:
-        return [damaged_item(raw, 0, f"cannot read it as a table: {exc}")]
+        return [damaged_item(raw, 0, f"cannot read it as a table: {exc}", name)]
     column = choose_image_column(table.schema, image_column, raw)
     if key_column is not None and key_column not in table.schema.names:
         raise UsageError(f"{raw}: no key column {key_column!r} "
@@ -500,13 +539,51 @@ def expand_table(raw: str, image_column: str | None = None, key_column: str | No
             key = keys[row]
             if isinstance(key, bytes):
                 key = key.decode("utf-8", "replace")
-            name = f"{raw}#{row_number}" if key is None or key == "" else str(key)
-            items.append(InputItem(key=name, path=raw, member=unreadable or TableCell(
+            if key is None or key == "":
+                key = f"{name}#{row_number}"
+            else:
+                key = str(key) if key_column is not None else member_key(name, str(key))
+            items.append(InputItem(key=key, path=raw, member=unreadable or TableCell(
                 column, group, row, path_roots)))
             row_number += 1
     if table.damage is not None:
-        items.append(damaged_item(raw, *table.damage))
+        items.append(damaged_item(raw, *table.damage, name))
     return items
+
+
+def table_fields(paths: Sequence[str], names: Sequence[str]) -> list["pa.Field"]:
+    """The fields of the columns ``names`` over the tables ``paths`` (each table's schema is
+    read once): every table must have each column, in one type. A UsageError otherwise."""
+    fields: dict[str, "pa.Field"] = {}
+    for path in paths:
+        schema = TableReader(path).schema
+        for name in names:
+            if name not in schema.names:
+                raise UsageError(f"{path}: no column {name!r} to keep "
+                                 f"(columns: {', '.join(schema.names)})")
+            field = schema.field(name)
+            first = fields.setdefault(name, field)
+            if first.type != field.type:
+                raise UsageError(f"column {name!r} is {first.type} in one table and "
+                                 f"{field.type} in {path}: the tables of one run must agree")
+    return [fields[name].with_nullable(True) for name in names if name in fields]
+
+
+def kept_values(items: Sequence[InputItem], fields: Sequence["pa.Field"]) -> dict[str, "pa.Array"]:
+    """The columns ``fields`` for ``items``, in order: a table row's own cell (read by row
+    group through this process's cache), null for an item that is no table row (an image
+    file, a tar member, a damaged part)."""
+    import pyarrow as pa
+
+    columns = {}
+    for field in fields:
+        values = []
+        for item in items:
+            cell = item.member
+            values.append(GROUP_CACHE.column(item.path, cell.group, field.name)[cell.row].as_py()
+                          if isinstance(cell, TableCell) else None)
+        columns[field.name] = pa.array(values, type=field.type)
+    return columns
 
 
 class GroupCache:

@@ -28,12 +28,13 @@ from typing import TYPE_CHECKING, Callable, Iterable, Protocol, Sequence
 from ..errors import AlreadyComplete, DsvError, OutputError, UsageError
 from ..images.items import is_image_name
 from ..images.headers import inputs_digest
+from ..images.sources import kept_values
 from ..pausepoints import pause
 from .appending import GROWING_NAME
 from .update import STAMPS_FILE, Update
-from .parts import (LOCK_NAME, MANIFEST_FILE, MANIFEST_NAME, PART_FILE, TEMP_FILE, PartLedger,
-                    PartStore, Row, StreamingAssembler, output_os_error, read_manifest,
-                    rows_per_group, rows_to_table)
+from .parts import (LOCK_NAME, MANIFEST_FILE, MANIFEST_NAME, OUTPUT_COLUMNS, PART_FILE,
+                    TEMP_FILE, PartLedger, PartStore, Row, StreamingAssembler, output_os_error,
+                    read_manifest, rows_per_group, rows_to_table)
 
 if TYPE_CHECKING:
     from .appending import AppendingStore
@@ -464,7 +465,7 @@ class PartWriter:
             name, rows, start, end, digest = job
             began = time.perf_counter()
             try:
-                table = rows_to_table(rows, self.schema)
+                table = rows_to_table(rows, self.schema, self._kept(name, start, end))
                 group_rows = rows_per_group(self.schema, rows)
                 del job, rows  # the table holds what it needs of them: let the rest go
                 self.store.commit(name, table, group_rows, start, end, digest)
@@ -475,6 +476,16 @@ class PartWriter:
                 self.error = exc
             with self._lock:
                 self.seconds += time.perf_counter() - began
+
+    def _kept(self, name: str, start: int, end: int) -> dict | None:
+        """The kept table columns of inputs ``[start, end)`` (None when the schema has none),
+        read from the input tables: a carried row's table is unchanged, so they are its old
+        values too."""
+        fields = [field for field in self.schema if field.name not in OUTPUT_COLUMNS]
+        if not fields:
+            return None
+        source = self.store.segments[name].source
+        return kept_values([planned.item for planned in source[start:end]], fields)
 
     def put(self, name: str, rows: list[Row], start: int, end: int, digest: str) -> None:
         """A finished segment (or, under --shard-output, a whole part)."""

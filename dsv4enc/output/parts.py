@@ -69,10 +69,18 @@ def prefer_jemalloc_pool() -> None:
         pass  # built without jemalloc (e.g. Windows): keep the default
 
 
+#: The columns every output has, in order (SPEC §9); kept table columns follow them.
+OUTPUT_COLUMNS = ("path", "width", "height", "vit_h", "vit_w", "grid_h", "grid_w", "embedding",
+                  "error")
+
+
 def output_schema(width: int, out_dtype: str, metadata: dict[str, Any] | None = None,
-                  pooled: bool = False, layout: str = DEFAULT_LAYOUT) -> pa.Schema:
+                  pooled: bool = False, layout: str = DEFAULT_LAYOUT,
+                  kept: Sequence[pa.Field] = ()) -> pa.Schema:
     """The output schema; ``metadata`` goes under the ``dsv4enc`` key as JSON, with an
     ``embedding`` entry that says how to read the column (``reading.embedding_format``).
+    ``kept``: the input tables' columns the rows carry (``--keep-column``, the typed
+    ``--key-column``), after the output's own columns.
 
     ``layout`` (SPEC §9, measured in benchmarks/RESULTS.md): ``binary`` stores each image's
     (rows, width) array as one binary cell, which Parquet writes and reads at memory speed;
@@ -94,6 +102,7 @@ def output_schema(width: int, out_dtype: str, metadata: dict[str, Any] | None = 
         pa.field("grid_w", pa.int32()),
         pa.field("embedding", embedding),
         pa.field("error", pa.string()),
+        *kept,
     ]
     described = {"layout": layout, "dtype": out_dtype, "width": width, "pooled": pooled,
                  "shape": [width] if pooled else ["grid_h*grid_w", width],
@@ -162,8 +171,11 @@ def _string_array(values: Sequence[str | None]) -> pa.Array:
         _validity(valid), pa.py_buffer(offsets), pa.py_buffer(b"".join(encoded))]).cast(pa.string())
 
 
-def rows_to_table(rows: Sequence[Row], schema: pa.Schema) -> pa.Table:
-    """Build an Arrow table from rows; embeddings go in as one flat buffer, no Python floats."""
+def rows_to_table(rows: Sequence[Row], schema: pa.Schema,
+                  kept: dict[str, pa.Array] | None = None) -> pa.Table:
+    """Build an Arrow table from rows; embeddings go in as one flat buffer, no Python floats.
+    ``kept``: the values of the schema's kept columns (``images/sources.kept_values``);
+    a kept column not given is null."""
     fmt = embedding_format(schema)
     embedding = (_binary_embeddings(rows, fmt) if fmt.layout == "binary"
                  else _nested_embeddings(rows, schema.field("embedding").type))
@@ -174,7 +186,11 @@ def rows_to_table(rows: Sequence[Row], schema: pa.Schema) -> pa.Table:
         "embedding": embedding,
         "error": _string_array([r.error for r in rows]),
     }
-    return pa.Table.from_arrays(list(columns.values()), schema=schema)
+    for field in schema:
+        if field.name not in columns:
+            given = (kept or {}).get(field.name)
+            columns[field.name] = pa.nulls(len(rows), field.type) if given is None else given
+    return pa.Table.from_arrays([columns[name] for name in schema.names], schema=schema)
 
 
 _NULL_CELL = np.zeros(1, dtype=np.uint8)  # validity bitmap of a one-row null chunk

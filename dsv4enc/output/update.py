@@ -60,6 +60,7 @@ _FLAG_OF_SETTING = {"compute_dtype": "--dtype", "device": "--device",
                     "out_dtype": "--out-dtype", "features": "--features", "pool": "--pool",
                     "layout": "--layout", "max_pixels": "--max-pixels",
                     "image_column": "--image-column", "key_column": "--key-column",
+                    "keep_columns": "--keep-column",
                     "weights_fingerprint": "--weights", "config": "--weights/--config"}
 
 

@@ -25,6 +25,7 @@ class EncodeOptions:
     files_from: str | None = None
     image_column: str | None = None
     key_column: str | None = None
+    keep_columns: tuple[str, ...] = ()  # table columns copied into the output rows
     table_paths_roots: tuple[str, ...] = ()  # folders table path cells may name files in
     weights: str | None = None
     config: str | None = None

@@ -28,6 +28,7 @@ from ..engine.device import resolve_device, resolve_dtype, resolve_out_dtype, re
 from .encoding import PartEncoder
 from ..engine.engine import Engine
 from ..errors import DsvError, Interrupted, UsageError
+from ..images.discover import nothing_found
 from ..output.layout import (OutputLayout, PartWriter, ResumeSettings, assembler_for, open_store,
                              resume_filter)
 from ..output.update import Update, footer_entry, row_stamps, write_folder_stamps
@@ -116,7 +117,9 @@ def resume_settings(opts: EncodeOptions) -> ResumeSettings:
                           commit_every=None if opts.shard_output else opts.commit_every,
                           row_options={"max_pixels": opts.max_pixels,
                                        "image_column": opts.image_column,
-                                       "key_column": opts.key_column})
+                                       "key_column": opts.key_column,
+                                       # None when none: what earlier outputs recorded
+                                       "keep_columns": list(opts.keep_columns) or None})
 
 
 def run_settings(ckpt: Checkpoint, opts: EncodeOptions, dtype: torch.dtype,
@@ -206,8 +209,7 @@ def _run_encode(opts: EncodeOptions, dist, setup: RunSetup, stop: StopSignals,
     batch_tokens = run_batch_tokens(opts, device.type) if stand_in is None else None
     setup.keep_if_planned_for(cfg, device.type, batch_tokens)
     if ranks.is_main and not found.items:
-        log.warning("no images found in %s (%d other files skipped); the output will have "
-                    "no rows", ", ".join(opts.inputs) or opts.files_from, found.skipped)
+        log.warning(nothing_found(opts.inputs, opts.files_from, found.skipped))
     progress = RunProgress("auto" if opts.progress and ranks.is_main else "off",
                            opts.log_every)
     summary = RunSummary(out=str(opts.out), skipped=found.skipped,
@@ -287,7 +289,8 @@ def _plan_output(opts: EncodeOptions, setup: RunSetup, layout: OutputLayout, ran
     if ranks.shard_output:
         settings["world_size"] = ranks.world_size
     schema = output_schema(cfg.output_width(opts.features), opts.out_dtype,
-                           settings, pooled=opts.pool == "mean", layout=opts.layout)
+                           settings, pooled=opts.pool == "mean", layout=opts.layout,
+                           kept=setup.found.kept_fields)
     resuming = resume_settings(opts)
     rows_settings = {**settings, **resuming.row_options}
     # --update of an existing output (None: there is none yet, a plain run)

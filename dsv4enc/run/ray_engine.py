@@ -31,6 +31,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Sequence
 
 from ..errors import DsvError, Interrupted, UsageError
+from ..images.discover import nothing_found
 from .options import EncodeOptions, available_cpus, decode_window, default_workers, validate
 
 log = logging.getLogger("dsv4enc")
@@ -404,9 +405,7 @@ class _RayRun:
         stop.immediate = False
         layout.create()
         if not found.items:
-            log.warning("no images found in %s (%d other files skipped); the output will "
-                        "have no rows", ", ".join(opts.inputs) or opts.files_from,
-                        found.skipped)
+            log.warning(nothing_found(opts.inputs, opts.files_from, found.skipped))
         progress = RunProgress("auto" if opts.progress else "off", opts.log_every)
         summary = RunSummary(out=str(opts.out), skipped=found.skipped,
                              unlisted=len(found.unlisted))
@@ -473,7 +472,8 @@ class _RayRun:
             SimpleNamespace(device=SimpleNamespace(type=described["device"]),
                             deterministic=described["batch_invariant"]))
         schema = output_schema(cfg.output_width(opts.features), opts.out_dtype, settings,
-                               pooled=opts.pool == "mean", layout=opts.layout)
+                               pooled=opts.pool == "mean", layout=opts.layout,
+                               kept=setup.found.kept_fields)
         store = open_store(self.layout, settings, schema, local=local, is_main=True,
                            world_size=1, rank=None)
         parts = setup.cut_parts(part_images, None, opts.balance, cfg,

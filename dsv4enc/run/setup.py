@@ -90,7 +90,8 @@ class RunSetup:
         if self.found is None:
             self.found = discover(opts.inputs, opts.files_from, opts.image_column,
                                   opts.key_column, stop,
-                                  table_paths_roots=opts.table_paths_roots)
+                                  table_paths_roots=opts.table_paths_roots,
+                                  keep_columns=opts.keep_columns)
         return self.found
 
     def keep_if_planned_for(self, cfg: VisionConfig, device_type: str,

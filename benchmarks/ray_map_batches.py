@@ -53,13 +53,14 @@ def main() -> None:
 
     from dsv4enc.ray import encode_dataset
 
-    ray.init(num_cpus=2, object_store_memory=200 << 20, include_dashboard=False,
-             log_to_driver=False)
+    ray.init(address="local", num_cpus=2, object_store_memory=200 << 20,
+             include_dashboard=False, log_to_driver=False)
     ray.data.DataContext.get_current().enable_progress_bars = False
     files = sorted(images.glob("*.jpg"))
     ds = ray.data.from_items([{"image": str(p), "key": p.name} for p in files])
     began = time.perf_counter()
     rows = encode_dataset(ds, config=config, dtype="float32", key_column="key",
+                          keep_columns=False,  # the command's columns only: compared below
                           batch_size=args.batch_size, num_cpus=2).materialize()
     ray_s = time.perf_counter() - began
     rows.write_parquet(str(root / "ray"))

@@ -197,14 +197,15 @@ class BatchEncoder:
     def __call__(self, batch: Any) -> Any:
         """Encode one batch; returns its rows as the same kind of batch (see the class)."""
         kind, images, keys = self.columns(batch)
-        out = _as_kind(self.encode_table(images, keys), kind)
-        for name in self.kept_columns(batch):  # as they came, after the output's
-            if kind in ("table", "record_batch"):
-                out = out.append_column(name, batch.column(name))
-            elif kind == "pandas":
-                out[name] = batch[name].reset_index(drop=True)
-            else:
-                out[name] = batch[name]
+        table = self.encode_table(images, keys)
+        kept = self.kept_columns(batch)  # as they came, after the output's
+        if kind in ("table", "record_batch"):
+            for name in kept:
+                table = table.append_column(name, batch.column(name))
+            return _as_kind(table, kind)
+        out = _as_kind(table, kind)
+        for name in kept:
+            out[name] = batch[name].reset_index(drop=True) if kind == "pandas" else batch[name]
         return out
 
     def table(self, batch: Any) -> pa.Table:

@@ -79,7 +79,7 @@ def encode_dataset(ds, weights: Any = None, *, concurrency: int | tuple[int, int
     """``ds.map_batches(RayEncoder, ...)``: ``concurrency`` actors (a number, or (min, max)
     for an autoscaling pool), each with ``num_gpus`` GPUs (1: one per actor) and ``num_cpus``
     CPUs; ``options``: ``BatchEncoder``'s (``image_column``, ``key_column``, ``config``,
-    ``out_dtype``, ...). Returns the lazy dataset of rows."""
+    ``out_dtype``, ``keep_columns``, ...). Returns the lazy dataset of rows."""
     from ray.data import ActorPoolStrategy
 
     pool = (ActorPoolStrategy(min_size=concurrency[0], max_size=concurrency[1])

@@ -160,6 +160,21 @@ def test_tar_shard_in_a_bucket(s3, local_images, small_ckpt, tmp_path):
                                    rtol=1e-5, atol=1e-5)
 
 
+def test_a_prefix_of_shards_is_read_as_its_shards(s3, local_images, tmp_path):
+    """As a local folder: a prefix with no image but .tar shards is read as those shards,
+    each key under the shard's path below the prefix."""
+    shard = tmp_path / "train-00000.tar"
+    with tarfile.open(shard, "w") as archive:
+        archive.add(local_images / "a.jpg", arcname="000000.jpg")
+    s3.put("wds/train-00000.tar", shard.read_bytes())
+    s3.put("wds/more/train-00001.tar", shard.read_bytes())
+    s3.put("wds/stats.json", b"{}")
+    found = discover([f"{s3.url}/wds/"])
+    assert [i.key for i in found.items] == ["more/train-00001.tar/000000",
+                                            "train-00000.tar/000000"]
+    assert found.skipped == 1
+
+
 def test_parquet_image_column_in_a_bucket(s3, local_images, small_ckpt, tmp_path):
     names = list(SPECS)
     table = pa.table({"id": [f"img-{i}" for i in range(len(names))],

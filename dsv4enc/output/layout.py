@@ -362,6 +362,12 @@ class OutputLayout:
                 f"({images} images) kept in {self.parts_dir}; rerun the same command with "
                 f"{again} to finish")
 
+    def remove_temporaries(self) -> None:
+        """Remove what killed or cancelled writers left under temporary names in the parts
+        folder (this run holds the lock: nobody else writes there)."""
+        owned, _ = self._owned_and_foreign()
+        self._remove(p for p in owned if TEMP_FILE.fullmatch(p.name))
+
     def discard_if_empty(self) -> None:
         """After a failed run, remove a single-file output's manifest, growing file and
         temporaries if no part was committed (committed parts are kept for --resume)."""
@@ -392,7 +398,8 @@ class OutputLayout:
 
 def open_store(layout: OutputLayout, settings: dict, schema, *, local: bool, is_main: bool,
                world_size: int, rank: int | None, update: Update | None = None,
-               rows_settings: dict | None = None) -> PartLedger:
+               rows_settings: dict | None = None, written_elsewhere: bool = False,
+               ) -> PartLedger:
     """Where this process commits its parts: output's own choice of store.
 
     One process writing a local single file appends each part to it once (``appending``);
@@ -400,7 +407,9 @@ def open_store(layout: OutputLayout, settings: dict, schema, *, local: bool, is_
     ``local=False``, uploads them as they commit; a local folder's parts drop their page
     cache). ``rank``: this process's under torchrun (None outside), for --shard-output's
     per-rank manifests. ``update`` (--update of a finished output; ``rows_settings``: the
-    settings that decide its rows): a folder's new parts go to its staging store."""
+    settings that decide its rows): a folder's new parts go to its staging store.
+    ``written_elsewhere``: other processes write the part files (``--engine ray``'s actors),
+    this one commits them: part files, never the appending store."""
     from . import appending
 
     staging = update.open_store(settings, rows_settings) if update is not None else None
@@ -408,7 +417,8 @@ def open_store(layout: OutputLayout, settings: dict, schema, *, local: bool, is_
         return staging
 
     single_file = not layout.folder_mode and is_main
-    if single_file and local and world_size == 1 and appending.AVAILABLE:
+    if single_file and local and world_size == 1 and appending.AVAILABLE \
+            and not written_elsewhere:
         return appending.AppendingStore(layout.parts_dir, settings, schema, layout.out)
     return PartStore(layout.parts_dir, settings, layout.manifest_name(rank),
                      drop_cache=layout.folder_mode and local)
@@ -461,13 +471,18 @@ class PartWriter:
         while (job := self._queue.get()) is not None:
             if self.error is not None:
                 continue
-            name, rows, start, end, digest = job
             began = time.perf_counter()
             try:
-                table = rows_to_table(rows, self.schema)
-                group_rows = rows_per_group(self.schema, rows)
-                del job, rows  # the table holds what it needs of them: let the rest go
-                self.store.commit(name, table, group_rows, start, end, digest)
+                if len(job) == 2:  # a part another process wrote: (name, entry)
+                    name, entry = job
+                    start, end = entry["start"], entry["end"]
+                    self.store.commit_written(name, entry)
+                else:
+                    name, rows, start, end, digest = job
+                    table = rows_to_table(rows, self.schema)
+                    group_rows = rows_per_group(self.schema, rows)
+                    del job, rows  # the table holds what it needs of them: let the rest go
+                    self.store.commit(name, table, group_rows, start, end, digest)
                 if self.assembler is not None:  # a StreamingAssembler copies the part
                     self.assembler.notify()
                 pause("commit", name=name, start=start, end=end)
@@ -492,6 +507,12 @@ class PartWriter:
         if (end % self.store.settings["part_images"] == 0 or end == len(source)
                 or time.monotonic() - self._since >= self.store.commit_seconds):
             self._flush()
+
+    def put_written(self, name: str, entry: dict) -> None:
+        """A whole part whose file its encoder wrote (``parts.write_part``'s ``entry``):
+        committed in the order handed over, as ``PartStore.commit_written`` does."""
+        self.check()
+        self._queue.put((name, entry))
 
     def _flush(self) -> None:
         """Commit the joined segments as one part (named after its first segment)."""

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import time
 from dataclasses import dataclass, replace
 from typing import Any, Sequence
@@ -42,7 +43,10 @@ MAX_TASK_RETRIES = 4
 #: Segments in flight per actor: one encoding, one queued behind it (so an actor never waits
 #: for the driver), bounding what the object store and the driver hold.
 IN_FLIGHT_PER_ACTOR = 2
-#: How long a wait for a segment's rows runs before the driver looks for a signal.
+#: Calls per actor that a run of few parts is cut into (at segment bounds), so that no actor
+#: waits while another encodes the only part.
+CALLS_PER_ACTOR = 4
+#: How long a wait for a part's report runs before the driver looks for a signal.
 POLL_S = 0.1
 #: The environment variables an encoder actor gets from the driver (a remote cluster's
 #: workers do not inherit the driver's environment): storage options and endpoints, and the
@@ -68,6 +72,32 @@ class RayEngineOptions:
 
     def resolved_address(self) -> str | None:
         return self.address or os.environ.get("RAY_ADDRESS") or None
+
+
+@dataclass
+class PartCall:
+    """One part for an encoder actor: its ``name``, input range and ``digest`` (what the
+    manifest records), ``entries``: ``(index, key, item, width, height, error)`` of each of
+    its inputs in input order (``error``: its header's, else None), and ``batches``: the
+    indices per packed batch, as the local run packs them."""
+
+    name: str
+    start: int
+    end: int
+    digest: str
+    entries: list[tuple]
+    batches: list[list[int]]
+
+
+@dataclass(frozen=True)
+class PartTarget:
+    """Where the actors write part files: ``folder`` (the parts folder, or its URL in a
+    bucket), ``staged`` (under a temporary name the driver renames: a local folder) and
+    ``drop_cache`` (the parts are the output, never read back)."""
+
+    folder: str
+    staged: bool
+    drop_cache: bool
 
 
 # ----------------------------------------------------------------------------- the actor
@@ -109,25 +139,59 @@ class SegmentEncoder:
         self.loop = BatchLoop(self.engine, opts.pool, name_of=lambda tag: tag[1],
                               remedy="rerun with --out-dtype float32", copy=False)
 
-    def describe(self) -> dict[str, Any]:
-        """What this actor computes with (the driver checks that every actor agrees)."""
+    def describe(self, probe: tuple[str, bytes] | None = None) -> dict[str, Any]:
+        """What this actor computes with (the driver checks that every actor agrees).
+        ``probe``: a file of the driver's in a local ``--out`` and its content; ``sees_out``
+        says whether this actor reads the same there (it writes its parts beside it)."""
         engine = self.engine
+        sees = True
+        if probe is not None:
+            try:
+                sees = open(probe[0], "rb").read() == probe[1]
+            except OSError:
+                sees = False
         return {"config": self.cfg, "fingerprint": self.fingerprint,
                 "compute_dtype": str(self.dtype).removeprefix("torch."),
                 "device": engine.device.type, "batch_invariant": bool(engine.deterministic),
-                "batch_tokens": engine.batch_tokens, "pid": os.getpid()}
+                "batch_tokens": engine.batch_tokens, "pid": os.getpid(), "sees_out": sees,
+                "host": socket.gethostname()}
 
-    def encode(self, entries: Sequence[tuple], batches: Sequence[Sequence[int]]) -> tuple:
-        """Rows of one segment. ``entries``: ``(index, key, item, width, height)`` of its
-        readable images (header read), by index; ``batches``: the indices per packed batch,
-        as the local run packs them. Returns ``(rows by index, stats)``; an image that fails
-        to decode is an error row with its header's size, as in the local run."""
+    def encode_part(self, call: "PartCall", schema, target: "PartTarget") -> dict[str, Any]:
+        """Encode one part and write its file to the output's store (``output/parts.
+        write_part``); returns what the driver commits and counts, never the rows: the
+        manifest ``entry``, the ``failed`` rows (no embedding) by index, how many rows were
+        ``encoded`` and their ViT ``tokens``, and the encoding's ``stats``."""
+        from ..output.parts import Row, rows_per_group, rows_to_table, write_part
+        from ..pausepoints import pause
+
+        pause("segment", pid=os.getpid(), images=[entry[0] for entry in call.entries])
+        rows, stats = self._rows([e for e in call.entries if e[5] is None], call.batches)
+        for index, key, _, width, height, error in call.entries:
+            if error is not None:  # its header could not be read
+                rows[index] = Row(path=key, width=width, height=height, error=error)
+        ordered = [rows[entry[0]] for entry in call.entries]
+        failed = {entry[0]: row for entry, row in zip(call.entries, ordered)
+                  if row.error is not None}
+        table = rows_to_table(ordered, schema)
+        group_rows = rows_per_group(schema, ordered)
+        tokens = sum(row.vit_h * row.vit_w for row in ordered if row.error is None)
+        del rows, ordered  # the table holds what it needs of them
+        entry = write_part(target.folder, call.name, table, group_rows, call.start, call.end,
+                           call.digest, drop_cache=target.drop_cache, staged=target.staged)
+        pause("written", pid=os.getpid(), name=call.name)
+        return {"entry": entry, "failed": failed, "encoded": table.num_rows - len(failed),
+                "tokens": tokens, "stats": stats}
+
+    def _rows(self, entries: Sequence[tuple], batches: Sequence[Sequence[int]]) -> tuple:
+        """Rows of a part's readable images. ``entries``: ``(index, key, item, width, height,
+        error)`` of its images whose header was read, by index; ``batches``: the indices per
+        packed batch, as the local run packs them. Returns ``(rows by index, stats)``; an
+        image that fails to decode is an error row with its header's size, as in the local
+        run."""
         from ..engine.packing import output_grid
         from ..images.decode import patches_tensor
         from ..output.parts import Row
-        from ..pausepoints import pause
 
-        pause("segment", pid=os.getpid(), images=[entry[0] for entry in entries])
         by_index = {entry[0]: entry for entry in entries}
         order = [i for batch in batches for i in batch]
         stream = self.pool.imap(((i, by_index[i][2]) for i in order),
@@ -152,7 +216,7 @@ class SegmentEncoder:
                 for expected in batch:
                     index, d = next(stream)
                     assert index == expected, "decode stream out of step with the plan"
-                    _, key, _, width, height = by_index[index]
+                    _, key, _, width, height, _ = by_index[index]
                     if d.error is not None:
                         rows[index] = Row(path=key, width=width, height=height, error=d.error)
                     else:
@@ -308,7 +372,7 @@ def run_ray_encode(opts: EncodeOptions, ray_opts: RayEngineOptions | None = None
         if remote is not None:
             opts = replace(opts, out=remote.staged_out)
         layout = OutputLayout(opts.out, False)
-        run = _RayRun(opts, ray_opts, layout, stop)
+        run = _RayRun(opts, ray_opts, layout, stop, remote)
         if remote is not None:
             return remote.run(lambda: run.run(local=False))
         return run.run(local=True)
@@ -328,9 +392,12 @@ class _RayRun:
     """One run on Ray: Ray is started (or joined) only once the inputs and ``--out`` passed
     their checks, so that a refused run says so at once."""
 
-    def __init__(self, opts: EncodeOptions, ray_opts: RayEngineOptions, layout, stop) -> None:
+    def __init__(self, opts: EncodeOptions, ray_opts: RayEngineOptions, layout, stop,
+                 remote=None) -> None:
+        """``remote``: the ``RemoteOutput`` of a bucket ``--out`` (``layout`` is then its
+        staging), else None."""
         self.opts, self.ray_opts = opts, ray_opts
-        self.layout, self.stop = layout, stop
+        self.layout, self.stop, self.remote = layout, stop, remote
         self.cluster: RayCluster | None = None
         self.ray = None
         self.actors: list = []
@@ -344,11 +411,20 @@ class _RayRun:
         self.actors = [remote.remote(opts, plan.device_type, dtype) for _ in range(plan.actors)]
 
     def _describe(self) -> dict[str, Any]:
-        """Every actor's settings once it is up (weights loaded); they must agree."""
-        described = self._get([a.describe.remote() for a in self.actors])
-        first = {k: v for k, v in described[0].items() if k != "pid"}
+        """Every actor's settings once it is up (weights loaded); they must agree, and
+        each must see a local ``--out`` (it writes its parts there)."""
+        layout, probe = self.layout, None
+        if self.remote is None and layout.lock.held:
+            probe = (str(layout.lock.path.resolve()), layout.lock.path.read_bytes())
+        described = self._get([a.describe.remote(probe) for a in self.actors])
+        blind = next((d["host"] for d in described if not d.pop("sees_out")), None)
+        if blind is not None:
+            raise UsageError(f"--engine ray: the encoder actors write their parts into --out, "
+                             f"and --out {self.opts.out} is not this folder on node {blind}; "
+                             "give --out a folder every node shares, or a bucket")
+        first = {k: v for k, v in described[0].items() if k not in ("pid", "host")}
         for other in described[1:]:
-            if {k: v for k, v in other.items() if k != "pid"} != first:
+            if {k: v for k, v in other.items() if k not in ("pid", "host")} != first:
                 raise DsvError("the encoder actors disagree on their settings (device, dtype "
                                "or weights): give every node the same weights and devices")
         return first
@@ -441,9 +517,9 @@ class _RayRun:
         return opts.dtype, None
 
     def _plan_output(self, setup, described: dict[str, Any], local: bool, summary):
-        """The output's settings and schema (from the actors' model), its store (output's
-        choice), its parts and those still to encode (``--resume``): ``(store, schema,
-        parts, todo)``."""
+        """The output's settings and schema (from the actors' model), its store (part files
+        that the actors write, this process commits), its parts and those still to encode
+        (``--resume``): ``(store, schema, parts, todo)``."""
         from types import SimpleNamespace
 
         from ..output.layout import open_store, resume_filter
@@ -461,28 +537,45 @@ class _RayRun:
         schema = output_schema(cfg.output_width(opts.features), opts.out_dtype, settings,
                                pooled=opts.pool == "mean", layout=opts.layout)
         store = open_store(self.layout, settings, schema, local=local, is_main=True,
-                           world_size=1, rank=None)
+                           world_size=1, rank=None, written_elsewhere=True)
+        if self.remote is not None:
+            store.fetch = self.remote.adopt_part
         parts = setup.cut_parts(part_images, None, opts.balance, cfg,
                                 segment_tokens(described["batch_tokens"], described["device"]))
         todo, summary.reused = resume_filter(store, parts, resume_settings(opts))
         return store, schema, parts, todo
 
+    def _target(self) -> PartTarget:
+        """Where the actors write their part files: the bucket's parts folder (once the
+        manifests that --overwrite replaces are gone), else the local parts folder."""
+        if self.remote is not None:
+            self.remote.drop_replaced()
+            return PartTarget(self.remote.parts_url, staged=False, drop_cache=False)
+        layout = self.layout
+        return PartTarget(str(layout.parts_dir.resolve()), staged=True,
+                          drop_cache=layout.folder_mode)
+
     def _write_output(self, planned, parts, todo, store, schema, summary, progress,
                       batch_tokens: int) -> None:
-        """Encode the parts to do on the actors, commit them in input order, and assemble
-        the single file; a failed or stopped run leaves its committed parts."""
+        """Encode the parts to do on the actors (each writes its parts), commit them in
+        input order, and assemble the single file; a failed or stopped run leaves its
+        committed parts."""
         from ..output.layout import PartWriter, assembler_for
-        from .options import default_writer_threads
         from .pipeline import write_final_file
 
         layout, stop = self.layout, self.stop
         assembler = assembler_for(store, layout, [p.name for p in parts], schema, is_main=True)
-        writer = PartWriter(store, schema, default_writer_threads(), assembler)
+        writer = PartWriter(store, schema, 1, assembler)
         try:
-            self._encode(planned, todo, writer, store, summary, progress, batch_tokens)
+            calls = part_calls(planned, todo, store.settings["part_images"],
+                               batch_tokens, self.opts.max_images,
+                               CALLS_PER_ACTOR * len(self.actors))
+            self._encode(calls, planned, schema, writer, store, summary, progress)
             stop.check()
             if assembler is not None:
                 write_final_file(assembler, layout, summary, progress, stop)
+            else:
+                layout.remove_temporaries()  # what killed actors left, never committed
         except BaseException:
             if assembler is not None:
                 assembler.abort()
@@ -496,57 +589,44 @@ class _RayRun:
                 pass
         self.actors = []
 
-    def _encode(self, planned, todo, writer, store, summary, progress,
-                batch_tokens: int) -> None:
-        """Send the segments to the actors, a bounded number ahead, and hand their rows to
-        the writer in input order as they come back; the writer is closed (its parts
+    def _encode(self, calls: list[PartCall], planned, schema, writer, store, summary,
+                progress) -> None:
+        """Send the parts to the actors, a bounded number ahead, and commit the files they
+        wrote in input order as their reports come back; the writer is closed (its parts
         committed) however this ends."""
-        from .plan import part_batches
-
-        ray, stop, opts = self.ray, self.stop, self.opts
+        ray, stop = self.ray, self.stop
+        target = self._target()
         began = time.perf_counter()
-        in_flight: dict[Any, tuple[int, int]] = {}  # ref -> (segment, actor)
+        in_flight: dict[Any, tuple[int, int]] = {}  # ref -> (call, actor)
         load = [0] * len(self.actors)
-        results: dict[int, tuple[dict, dict]] = {}
+        reports: dict[int, dict] = {}
         window = IN_FLIGHT_PER_ACTOR * len(self.actors)
         sent = done = 0
         stop.hint = self.layout.encoding_hint()
         try:
-            if todo:
+            if calls:
                 progress.status("encoding")
                 progress.begin_encoding()
                 began = time.perf_counter()
             with stop.deferred():
-                while done < len(todo):
-                    while sent < len(todo) and sent - done < window:
-                        part = todo[sent]
-                        good = [i for i in part.indices if planned[i].error is None]
-                        if not good:
-                            results[sent] = ({}, {})
-                        else:
-                            batches = part_batches(planned, good, batch_tokens,
-                                                   opts.max_images)
-                            entries = [(i, planned[i].item.key, planned[i].item,
-                                        planned[i].width, planned[i].height) for i in good]
-                            actor = min(range(len(load)), key=load.__getitem__)
-                            ref = self.actors[actor].encode.remote(entries, batches)
-                            in_flight[ref] = (sent, actor)
-                            load[actor] += 1
+                while done < len(calls):
+                    while sent < len(calls) and sent - done < window:
+                        actor = min(range(len(load)), key=load.__getitem__)
+                        ref = self.actors[actor].encode_part.remote(calls[sent], schema, target)
+                        in_flight[ref] = (sent, actor)
+                        load[actor] += 1
                         sent += 1
-                    while done in results:
-                        rows, stats = results.pop(done)
-                        self._commit(planned, todo[done], rows, stats, writer, summary,
+                    while done in reports:
+                        self._commit(planned, calls[done], reports.pop(done), writer, summary,
                                      progress)
                         done += 1
-                    if done == len(todo) or stop.requested():
+                    if done == len(calls) or stop.requested():
                         break
-                    if not in_flight:
-                        continue
                     ready, _ = ray.wait(list(in_flight), num_returns=1, timeout=POLL_S)
                     for ref in ready:
-                        segment, actor = in_flight.pop(ref)
+                        call, actor = in_flight.pop(ref)
                         load[actor] -= 1
-                        results[segment] = self._get(ref)
+                        reports[call] = self._get(ref)
         finally:
             for ref in in_flight:  # stopped early: the actors are killed next anyway
                 try:
@@ -560,24 +640,56 @@ class _RayRun:
             summary.encode_s = time.perf_counter() - began
             progress.end_encoding()
 
-    def _commit(self, planned, part, rows: dict, stats: dict, writer, summary,
+    def _commit(self, planned, call: PartCall, report: dict, writer, summary,
                 progress) -> None:
-        """A segment's rows, header failures included, in input order, to the writer."""
-        from .encoding import error_row
-
-        for i in part.indices:
-            if planned[i].error is not None:
-                rows[i] = error_row(planned[i])
-        ordered = [rows[i] for i in part.indices]
-        _, failed, tokens = summary.count_rows(ordered)
-        dropped = sum(planned[i].tokens for i in part.indices
-                      if planned[i].error is None and rows[i].error is not None)
+        """A part an actor wrote: its entry to the writer (which commits it), its counts to
+        the summary and the progress."""
+        failed = report["failed"]
+        summary.count_rows(failed.values())
+        summary.encoded += report["encoded"]
+        dropped = sum(planned[i].tokens for i in failed if planned[i].error is None)
+        stats = report["stats"]
         summary.tokens += stats.get("tokens", 0)
         summary.merge_pad_tokens += stats.get("merge_pad_tokens", 0)
         summary.decode_wait_s += stats.get("decode_wait_s", 0.0)
         summary.model_s += stats.get("model_s", 0.0)
-        writer.put(part.name, ordered, part.start, part.end, part.digest)
-        progress.advance(len(ordered), tokens, failed, dropped)
+        writer.put_written(call.name, report["entry"])
+        progress.advance(call.end - call.start, report["tokens"], len(failed), dropped)
+
+
+def part_calls(planned, todo, part_images: int, batch_tokens: int, max_images: int | None,
+               wanted: int) -> list[PartCall]:
+    """The calls that encode the segments ``todo``: the consecutive segments of one
+    ``part_images`` range go in one call, whose file is one part (named after its first
+    segment, as the local run joins segments), and ranges are cut at segment bounds into
+    about ``wanted`` calls when there are fewer, so that every actor has work."""
+    from ..images.headers import inputs_digest
+    from .plan import part_batches
+
+    runs: list[list] = []
+    for segment in todo:
+        last = runs[-1][-1] if runs else None
+        if (last is not None and last.end == segment.start
+                and last.start // part_images == segment.start // part_images):
+            runs[-1].append(segment)
+        else:
+            runs.append([segment])
+    pieces = max(1, -(-wanted // max(1, len(runs))))
+    calls = []
+    for run in runs:
+        step = max(1, -(-len(run) // pieces))
+        for k in range(0, len(run), step):
+            group = run[k:k + step]
+            start, end = group[0].start, group[-1].end
+            indices = [i for segment in group for i in segment.indices]
+            entries = [(i, planned[i].item.key, planned[i].item, planned[i].width,
+                        planned[i].height, planned[i].error) for i in indices]
+            digest = (group[0].digest if len(group) == 1
+                      else inputs_digest(planned[start:end]))
+            calls.append(PartCall(group[0].name, start, end, digest, entries,
+                                  part_batches(planned, indices, batch_tokens, max_images)))
+    return calls
+
 
 def _opening_line(opts: EncodeOptions, inputs: int, plan: ActorPlan,
                   described: dict[str, Any]) -> str:

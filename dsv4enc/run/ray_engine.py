@@ -4,21 +4,27 @@ encoder actors on a Ray cluster (needs ``dsv4enc[ray]``).
 The driver (the ``dsv4enc encode`` process) does what the local run does around the model:
 it discovers the inputs (``images/discover``), reads their headers and cuts the same parts
 and segments (``run/plan``), checks and locks ``--out`` (``output/layout``, ``output/remote``
-for a bucket), and commits parts through the same ``PartWriter`` into the same stores, so the
-keys, parts, manifest, metadata and final file are the local run's. What changes is only
-where a segment is encoded: each one goes to an encoder actor (``SegmentEncoder``), which
-loaded the weights once and holds the same Engine (``engine/factory.build_engine``, the local
-run's arguments) and the same fault-tolerant decode pool (``images/decode.DecodePool``). The
-actor reads the segment's images itself (from a shared folder or a bucket: only item
-locators travel) and sends back its rows.
+for a bucket), and commits parts through the same ``PartWriter`` into the same part store,
+so the keys, rows, manifest, metadata and final file are the local run's. What changes is
+where a part is encoded and written: each goes to an encoder actor (``SegmentEncoder``),
+which loaded the weights once and holds the same Engine (``engine/factory.build_engine``,
+the local run's arguments) and the same fault-tolerant decode pool
+(``images/decode.DecodePool``). The actor reads the part's images itself (from a shared
+folder or a bucket: only item locators travel), writes the part file into the output's
+store itself (``output/parts.write_part``, as a torchrun rank of ``--shard-output`` does:
+under a temporary name in a local folder, which every node must share, or uploaded whole to
+the bucket) and sends back only its manifest entry and counts. The driver never holds a
+row: it renames and records (``PartStore.commit_written``), and joins a single-file
+``--out`` from the parts at the end, as the local run joins them.
 
-Exactly once: Ray computes, dsv4enc's manifest commits. The driver commits each segment once,
-in input order, as its rows come back (a result is taken once per segment, whatever Ray
-retried), and ``--resume`` skips what the manifest lists (``resume_filter``), so a killed
-driver costs at most the segments not yet committed. A killed actor is restarted by Ray
-(``MAX_RESTARTS``) and its calls are retried (``MAX_TASK_RETRIES``): segments are pure
-functions of their inputs (batch-invariant rows), so a retried one gives the same bytes.
-A bad image is an error row made by the decode pool, never a failed call.
+Exactly once: Ray computes, dsv4enc's manifest commits. The driver commits each part once,
+in input order, as the actors' reports come back (a report is taken once per part, whatever
+Ray retried), and ``--resume`` skips what the manifest lists (``resume_filter``), so a
+killed driver costs at most the parts not yet committed. A killed actor is restarted by
+Ray (``MAX_RESTARTS``) and its calls are retried (``MAX_TASK_RETRIES``): parts are pure
+functions of their inputs (batch-invariant rows), so a retried one gives the same bytes,
+and a file the killed actor wrote is under a temporary name no manifest lists (removed at
+the end). A bad image is an error row made by the decode pool, never a failed call.
 """
 
 from __future__ import annotations
@@ -104,18 +110,18 @@ class PartTarget:
 
 class SegmentEncoder:
     """An encoder actor: built once per actor (the weights loaded once, the decode pool
-    started once), then called once per segment.
+    started once), then called once per part (``encode_part``).
 
     ``opts``: the run's options (the actor reads the model, engine and decode settings from
     them, as the local run does); ``device_type``: what Ray gave it (``cuda`` with a GPU);
     ``dtype``: the compute dtype (``auto`` resolves on the actor's own device)."""
 
     def __init__(self, opts: EncodeOptions, device_type: str, dtype: str) -> None:
-        from ..engine.batching import BatchLoop
         from ..engine.device import resolve_device, resolve_dtype, resolve_out_dtype
         from ..engine.factory import build_engine
         from ..images.decode import DecodePool, own_process_pillow_settings
         from ..process import own_process_settings
+        from .encoding import BatchRows
         from .pipeline import load_model
 
         own_process_pillow_settings()
@@ -136,8 +142,7 @@ class SegmentEncoder:
         del ckpt
         workers = default_workers(device.type) if opts.workers is None else opts.workers
         self.pool = DecodePool(self.cfg, workers, opts.max_pixels, opts.decode_timeout)
-        self.loop = BatchLoop(self.engine, opts.pool, name_of=lambda tag: tag[1],
-                              remedy="rerun with --out-dtype float32", copy=False)
+        self.batches = BatchRows(self.engine, opts.features, opts.pool)
 
     def describe(self, probe: tuple[str, bytes] | None = None) -> dict[str, Any]:
         """What this actor computes with (the driver checks that every actor agrees).
@@ -188,8 +193,6 @@ class SegmentEncoder:
         packed batch, as the local run packs them. Returns ``(rows by index, stats)``; an
         image that fails to decode is an error row with its header's size, as in the local
         run."""
-        from ..engine.packing import output_grid
-        from ..images.decode import patches_tensor
         from ..output.parts import Row
 
         by_index = {entry[0]: entry for entry in entries}
@@ -197,17 +200,9 @@ class SegmentEncoder:
         stream = self.pool.imap(((i, by_index[i][2]) for i in order),
                                 window=decode_window(self.pool.n_workers, self.opts.max_images))
         rows: dict[int, Row] = {}
-        stats = {"tokens": 0, "merge_pad_tokens": 0, "decode_wait_s": 0.0, "model_s": 0.0}
-        r = self.cfg.downsample_ratio
-        r2 = r ** 2
-
-        def take(done) -> None:
-            for (index, key, d), out in done:
-                grid_h, grid_w = output_grid(d.n_h, d.n_w, r, self.opts.features)
-                rows[index] = Row(path=key, width=d.width, height=d.height, vit_h=d.n_h,
-                                  vit_w=d.n_w, grid_h=grid_h, grid_w=grid_w,
-                                  embedding=out.numpy())
-
+        encoder = self.batches
+        encoder.tokens = encoder.merge_pad_tokens = 0  # this part's
+        waited_s = 0.0
         began = time.perf_counter()
         try:
             for batch in batches:
@@ -221,23 +216,17 @@ class SegmentEncoder:
                         rows[index] = Row(path=key, width=width, height=height, error=d.error)
                     else:
                         ready.append((index, key, d))
-                stats["decode_wait_s"] += time.perf_counter() - waited
-                if not ready:
-                    continue
-                packed = self.loop.submit(ready, [(patches_tensor(d), d.n_h, d.n_w)
-                                                  for _, _, d in ready])
-                for _, _, d in ready:
-                    d.patches = None  # packed: the pool's shared slot is free again
-                stats["tokens"] += packed.n_tokens
-                if self.opts.features == "aligner":
-                    stats["merge_pad_tokens"] += packed.n_rows * r2 - packed.n_tokens
-                take(self.loop.collect_ready())
-            take(self.loop.drain())
+                waited_s += time.perf_counter() - waited
+                if ready:
+                    encoder.submit(ready)
+                    rows.update(encoder.collect_ready())
+            rows.update(encoder.drain())
         finally:
             if hasattr(stream, "close"):
                 stream.close()
-        stats["model_s"] = time.perf_counter() - began - stats["decode_wait_s"]
-        return rows, stats
+        return rows, {"tokens": encoder.tokens, "merge_pad_tokens": encoder.merge_pad_tokens,
+                      "decode_wait_s": waited_s,
+                      "model_s": time.perf_counter() - began - waited_s}
 
     def close(self) -> None:
         self.pool.close()
@@ -520,8 +509,6 @@ class _RayRun:
         """The output's settings and schema (from the actors' model), its store (part files
         that the actors write, this process commits), its parts and those still to encode
         (``--resume``): ``(store, schema, parts, todo)``."""
-        from types import SimpleNamespace
-
         from ..output.layout import open_store, resume_filter
         from ..output.parts import output_schema
         from .pipeline import resume_settings, run_settings
@@ -529,11 +516,9 @@ class _RayRun:
 
         opts, cfg = self.opts, described["config"]
         part_images = images_per_part(cfg, opts)
-        settings = run_settings(
-            SimpleNamespace(config=cfg, fingerprint=described["fingerprint"]), opts,
-            described["compute_dtype"], part_images,
-            SimpleNamespace(device=SimpleNamespace(type=described["device"]),
-                            deterministic=described["batch_invariant"]))
+        settings = run_settings(cfg, described["fingerprint"], opts,
+                                described["compute_dtype"], part_images, described["device"],
+                                described["batch_invariant"])
         schema = output_schema(cfg.output_width(opts.features), opts.out_dtype, settings,
                                pooled=opts.pool == "mean", layout=opts.layout)
         store = open_store(self.layout, settings, schema, local=local, is_main=True,

@@ -46,7 +46,7 @@ log = logging.getLogger("dsv4enc")
 #: absorbed but a segment that kills every actor it reaches does not loop forever.
 MAX_RESTARTS = 4
 MAX_TASK_RETRIES = 4
-#: Segments in flight per actor: one encoding, one queued behind it (so an actor never waits
+#: Parts in flight per actor: one encoding, one queued behind it (so an actor never waits
 #: for the driver), bounding what the object store and the driver hold.
 IN_FLIGHT_PER_ACTOR = 2
 #: Calls per actor that a run of few parts is cut into (at segment bounds), so that no actor

@@ -95,17 +95,6 @@ class PartCall:
     batches: list[list[int]]
 
 
-@dataclass(frozen=True)
-class PartTarget:
-    """Where the actors write part files: ``folder`` (the parts folder, or its URL in a
-    bucket), ``staged`` (under a temporary name the driver renames: a local folder) and
-    ``drop_cache`` (the parts are the output, never read back)."""
-
-    folder: str
-    staged: bool
-    drop_cache: bool
-
-
 # ----------------------------------------------------------------------------- the actor
 
 class SegmentEncoder:
@@ -161,12 +150,16 @@ class SegmentEncoder:
                 "batch_tokens": engine.batch_tokens, "pid": os.getpid(), "sees_out": sees,
                 "host": socket.gethostname()}
 
-    def encode_part(self, call: "PartCall", schema, target: "PartTarget") -> dict[str, Any]:
-        """Encode one part and write its file to the output's store (``output/parts.
-        write_part``); returns what the driver commits and counts, never the rows: the
-        manifest ``entry``, the ``failed`` rows (no embedding) by index, how many rows were
-        ``encoded`` and their ViT ``tokens``, and the encoding's ``stats``."""
+    def encode_part(self, call: PartCall, schema, folder: str, drop_cache: bool,
+                    ) -> dict[str, Any]:
+        """Encode one part and write its file into ``folder`` (the parts folder, under a
+        temporary name the driver renames, or its URL in a bucket: ``output/parts.
+        write_part``; ``drop_cache``: the parts are the output, never read back). Returns
+        what the driver commits and counts, never the rows: the manifest ``entry``, the
+        ``failed`` rows (no embedding) by index, how many rows were ``encoded`` and their
+        ViT ``tokens``, and the encoding's ``stats``."""
         from ..output.parts import Row, rows_per_group, rows_to_table, write_part
+        from ..storage import is_url
         from ..pausepoints import pause
 
         pause("segment", pid=os.getpid(), images=[entry[0] for entry in call.entries])
@@ -181,8 +174,8 @@ class SegmentEncoder:
         group_rows = rows_per_group(schema, ordered)
         tokens = sum(row.vit_h * row.vit_w for row in ordered if row.error is None)
         del rows, ordered  # the table holds what it needs of them
-        entry = write_part(target.folder, call.name, table, group_rows, call.start, call.end,
-                           call.digest, drop_cache=target.drop_cache, staged=target.staged)
+        entry = write_part(folder, call.name, table, group_rows, call.start, call.end,
+                           call.digest, drop_cache=drop_cache, staged=not is_url(folder))
         pause("written", pid=os.getpid(), name=call.name)
         return {"entry": entry, "failed": failed, "encoded": table.num_rows - len(failed),
                 "tokens": tokens, "stats": stats}
@@ -530,15 +523,14 @@ class _RayRun:
         todo, summary.reused = resume_filter(store, parts, resume_settings(opts))
         return store, schema, parts, todo
 
-    def _target(self) -> PartTarget:
-        """Where the actors write their part files: the bucket's parts folder (once the
-        manifests that --overwrite replaces are gone), else the local parts folder."""
+    def _target(self) -> tuple[str, bool]:
+        """Where the actors write their part files, and whether they drop them from the
+        page cache: the bucket's parts folder (once the manifests that --overwrite
+        replaces are gone), else the local parts folder."""
         if self.remote is not None:
             self.remote.drop_replaced()
-            return PartTarget(self.remote.parts_url, staged=False, drop_cache=False)
-        layout = self.layout
-        return PartTarget(str(layout.parts_dir.resolve()), staged=True,
-                          drop_cache=layout.folder_mode)
+            return self.remote.parts_url, False
+        return str(self.layout.parts_dir.resolve()), self.layout.folder_mode
 
     def _write_output(self, planned, parts, todo, store, schema, summary, progress,
                       batch_tokens: int) -> None:
@@ -580,7 +572,7 @@ class _RayRun:
         wrote in input order as their reports come back; the writer is closed (its parts
         committed) however this ends."""
         ray, stop = self.ray, self.stop
-        target = self._target()
+        folder, drop_cache = self._target()
         began = time.perf_counter()
         in_flight: dict[Any, tuple[int, int]] = {}  # ref -> (call, actor)
         load = [0] * len(self.actors)
@@ -597,7 +589,8 @@ class _RayRun:
                 while done < len(calls):
                     while sent < len(calls) and sent - done < window:
                         actor = min(range(len(load)), key=load.__getitem__)
-                        ref = self.actors[actor].encode_part.remote(calls[sent], schema, target)
+                        ref = self.actors[actor].encode_part.remote(calls[sent], schema,
+                                                                    folder, drop_cache)
                         in_flight[ref] = (sent, actor)
                         load[actor] += 1
                         sent += 1

@@ -353,9 +353,10 @@ def write_part(folder: str | Path, name: str, table: pa.Table, row_group_size: i
     entry: dict[str, Any] = {"file": file, "start": start, "end": end, "digest": digest,
                              "rows": table.num_rows, "transient": transient_errors(table)}
     if storage.is_url(folder):
-        tmp = temp_path(Path(tempfile.gettempdir()) / file)
+        tmp = temp_path(Path(tempfile.gettempdir()) / file)  # read once, by the upload
         try:
-            _write_synced(table, tmp, row_group_size, True)
+            pq.write_table(table, tmp, row_group_size=row_group_size,
+                           **parquet_options(table.schema))
             entry["size"] = tmp.stat().st_size
             storage.upload_file(tmp, storage.join(str(folder), file))
         finally:

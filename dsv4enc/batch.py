@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pyarrow as pa
 
+from .output.parts import OUTPUT_COLUMNS
 from .version import __version__
 
 if TYPE_CHECKING:
@@ -35,9 +36,6 @@ if TYPE_CHECKING:
 
 __all__ = ["BatchEncoder", "datasets_features", "OUTPUT_COLUMNS"]
 
-#: The output columns, in order (``output.parts.output_schema``).
-OUTPUT_COLUMNS = ("path", "width", "height", "vit_h", "vit_w", "grid_h", "grid_w",
-                  "embedding", "error")
 _INT_COLUMNS = OUTPUT_COLUMNS[1:7]
 #: The recipe's entries that are BatchEncoder's own, not ``Encoder`` options.
 _NOT_ENCODER_OPTIONS = frozenset({"weights", "config", "seed", "device", "dtype", "max_pixels",

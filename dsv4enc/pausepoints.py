@@ -13,7 +13,8 @@ Without those variables, as in every real run, a point costs one environment loo
 
 The points: ``commit`` (a part was committed: a kill now loses nothing before it) and
 ``encoded`` (a batch's rows were counted in the progress), and under ``--engine ray``
-``segment`` (an encoder actor is about to encode a segment; it reports its ``pid``).
+``segment`` (an encoder actor is about to encode a part; it reports its ``pid``) and
+``written`` (an encoder actor wrote a part's file, not yet reported or committed).
 """
 
 from __future__ import annotations

@@ -212,3 +212,59 @@ def test_a_killed_actor_loses_and_doubles_nothing(cluster, inputs, small_ckpt, l
     got = rows_of(out)
     assert len({r["path"] for r in got}) == len(got)
     assert got == rows_of(local)
+
+
+def test_an_actor_killed_after_writing_its_part_commits_nothing_twice(
+        cluster, inputs, small_ckpt, local, tmp_path):
+    """A folder output: the actor writes its first part (under a temporary name) and is
+    SIGKILLed before it reports; the retried call writes the part again and only that one
+    is committed. Every image once, the local run's rows, no temporary left."""
+    out = tmp_path / "emb"
+    pauses = Pauses(tmp_path / "pauses", "written")
+    proc = subprocess.Popen(command(inputs, str(out) + "/", small_ckpt, *ray_args(cluster)),
+                            env=pauses.env(ENV), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE)
+    try:
+        first = pauses.wait("written", 1, proc)
+        assert any(name.endswith(".tmp") for name in os.listdir(out))  # staged, not committed
+        os.kill(first["pid"], signal.SIGKILL)
+        pauses.release()
+        _, stderr = proc.communicate(timeout=900)
+        assert proc.returncode == 0, stderr.decode()[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    got = pq.read_table(out).to_pylist()
+    assert len({r["path"] for r in got}) == len(got)
+    assert got == rows_of(local)
+    assert not [name for name in os.listdir(out) if name.endswith(".tmp")]
+    manifest = json.loads((out / MANIFEST_NAME).read_text())
+    assert sorted(p["file"] for p in manifest["parts"].values()) == sorted(
+        name for name in os.listdir(out) if name.endswith(".parquet"))
+
+
+@pytest.mark.parametrize("folder", [True, False], ids=["folder", "file"])
+def test_actors_write_their_parts_to_a_bucket(s3, inputs, small_ckpt, local, tmp_path, folder):
+    """A bucket --out (the local S3 server): the actors upload their parts themselves, the
+    driver commits the manifest; a folder keeps exactly the parts it lists, a single file
+    is the only object left. The local run's rows either way."""
+    url = f"{s3.url}/emb/" if folder else f"{s3.url}/emb.parquet"
+    env = {**ENV, **s3.server.env()}
+    env.pop("RAY_ADDRESS", None)  # a local Ray started by the run: it has this environment
+    run(command(inputs, url, small_ckpt, "--engine", "ray", "--ray-object-store-mb", "200"),
+        env=env)
+    keys = s3.keys()
+    if folder:
+        manifest = json.loads(s3.get(f"emb/{MANIFEST_NAME}"))
+        listed = sorted(f"emb/{p['file']}" for p in manifest["parts"].values())
+        assert sorted(k for k in keys if k.endswith(".parquet")) == listed
+        got = []
+        for key in listed:
+            (tmp_path / "part.parquet").write_bytes(s3.get(key))
+            got += rows_of(tmp_path / "part.parquet")
+    else:
+        assert keys == ["emb.parquet"]
+        (tmp_path / "got.parquet").write_bytes(s3.get("emb.parquet"))
+        got = rows_of(tmp_path / "got.parquet")
+    assert got == rows_of(local)

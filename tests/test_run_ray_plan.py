@@ -49,3 +49,39 @@ def test_impossible_requests_are_usage_errors():
         plan_actors(opts(), RayEngineOptions(actors=0), Cluster(8, 0, 1, 8))
     with pytest.raises(UsageError, match="choose one"):
         plan_actors(opts(device="cpu"), RayEngineOptions(gpus_per_actor=1), Cluster(8, 1, 1, 8))
+
+
+def test_a_call_is_a_parts_segments_cut_only_to_keep_every_actor_busy(tmp_path):
+    """``part_calls``: the consecutive segments of one --part-images range are one call
+    (one part file, named after its first segment, with the range's digest, as the local
+    run's writer joins them); fewer ranges than the calls wanted are cut at segment bounds;
+    a segment already committed (--resume) splits its range."""
+    from dsv4enc.images.headers import Planned, inputs_digest
+    from dsv4enc.images.items import InputItem
+    from dsv4enc.run.plan import plan_parts
+    from dsv4enc.run.ray_engine import part_calls
+
+    planned = []
+    for i in range(10):
+        (tmp_path / f"{i}.png").write_bytes(b"x")
+        bad = i == 5  # its header could not be read: no patches
+        planned.append(Planned(InputItem(f"{i}.png", str(tmp_path / f"{i}.png")), 8, 8,
+                               0 if bad else 2, 0 if bad else 2, error="broken" if bad else None))
+    segments = plan_parts(planned, 4, segment_tokens=8)  # about two images a segment
+    assert [s.start for s in segments][:2] == [0, 2] and len(segments) > 3
+
+    calls = part_calls(planned, segments, 4, 8, None, wanted=1)
+    assert [(c.name, c.start, c.end) for c in calls] == [
+        ("part-000000", 0, 4), ("part-000001", 4, 8), ("part-000002", 8, 10)]
+    assert calls[1].digest == inputs_digest(planned[4:8])
+    assert [e[0] for e in calls[1].entries] == [4, 5, 6, 7]  # every input, in input order
+    assert calls[1].entries[1][5] == "broken"  # a header's error travels with its entry
+    assert sorted(i for b in calls[1].batches for i in b) == [4, 6, 7]  # readable ones only
+
+    cut = part_calls(planned, segments, 4, 8, None, wanted=6)
+    assert [(c.start, c.end) for c in cut] == [(s.start, s.end) for s in segments]
+    assert [c.digest for c in cut] == [s.digest for s in segments]
+
+    resumed = part_calls(planned, segments[1:], 4, 8, None, wanted=1)
+    assert [(c.name, c.start, c.end) for c in resumed][:2] == [
+        ("part-000000_000002", 2, 4), ("part-000001", 4, 8)]

@@ -28,12 +28,11 @@ from typing import TYPE_CHECKING, Callable, Iterable, Protocol, Sequence
 from ..errors import AlreadyComplete, DsvError, OutputError, UsageError
 from ..images.items import is_image_name
 from ..images.headers import inputs_digest
-from ..images.sources import kept_values
 from ..pausepoints import pause
 from .appending import GROWING_NAME
 from .update import STAMPS_FILE, Update
 from .parts import (LOCK_NAME, MANIFEST_FILE, MANIFEST_NAME, OUTPUT_COLUMNS, PART_FILE,
-                    TEMP_FILE, PartLedger, PartStore, Row, StreamingAssembler, output_os_error,
+                    TEMP_FILE, kept_columns, PartLedger, PartStore, Row, StreamingAssembler, output_os_error,
                     read_manifest, rows_per_group, rows_to_table)
 
 if TYPE_CHECKING:
@@ -363,6 +362,12 @@ class OutputLayout:
                 f"({images} images) kept in {self.parts_dir}; rerun the same command with "
                 f"{again} to finish")
 
+    def remove_temporaries(self) -> None:
+        """Remove what killed or cancelled writers left under temporary names in the parts
+        folder (this run holds the lock: nobody else writes there)."""
+        owned, _ = self._owned_and_foreign()
+        self._remove(p for p in owned if TEMP_FILE.fullmatch(p.name))
+
     def discard_if_empty(self) -> None:
         """After a failed run, remove a single-file output's manifest, growing file and
         temporaries if no part was committed (committed parts are kept for --resume)."""
@@ -393,7 +398,8 @@ class OutputLayout:
 
 def open_store(layout: OutputLayout, settings: dict, schema, *, local: bool, is_main: bool,
                world_size: int, rank: int | None, update: Update | None = None,
-               rows_settings: dict | None = None) -> PartLedger:
+               rows_settings: dict | None = None, written_elsewhere: bool = False,
+               ) -> PartLedger:
     """Where this process commits its parts: output's own choice of store.
 
     One process writing a local single file appends each part to it once (``appending``);
@@ -401,7 +407,9 @@ def open_store(layout: OutputLayout, settings: dict, schema, *, local: bool, is_
     ``local=False``, uploads them as they commit; a local folder's parts drop their page
     cache). ``rank``: this process's under torchrun (None outside), for --shard-output's
     per-rank manifests. ``update`` (--update of a finished output; ``rows_settings``: the
-    settings that decide its rows): a folder's new parts go to its staging store."""
+    settings that decide its rows): a folder's new parts go to its staging store.
+    ``written_elsewhere``: other processes write the part files (``--engine ray``'s actors),
+    this one commits them: part files, never the appending store."""
     from . import appending
 
     staging = update.open_store(settings, rows_settings) if update is not None else None
@@ -409,7 +417,8 @@ def open_store(layout: OutputLayout, settings: dict, schema, *, local: bool, is_
         return staging
 
     single_file = not layout.folder_mode and is_main
-    if single_file and local and world_size == 1 and appending.AVAILABLE:
+    if single_file and local and world_size == 1 and appending.AVAILABLE \
+            and not written_elsewhere:
         return appending.AppendingStore(layout.parts_dir, settings, schema, layout.out)
     return PartStore(layout.parts_dir, settings, layout.manifest_name(rank),
                      drop_cache=layout.folder_mode and local)
@@ -462,13 +471,18 @@ class PartWriter:
         while (job := self._queue.get()) is not None:
             if self.error is not None:
                 continue
-            name, rows, start, end, digest = job
             began = time.perf_counter()
             try:
-                table = rows_to_table(rows, self.schema, self._kept(name, start, end))
-                group_rows = rows_per_group(self.schema, rows)
-                del job, rows  # the table holds what it needs of them: let the rest go
-                self.store.commit(name, table, group_rows, start, end, digest)
+                if len(job) == 2:  # a part another process wrote: (name, entry)
+                    name, entry = job
+                    start, end = entry["start"], entry["end"]
+                    self.store.commit_written(name, entry)
+                else:
+                    name, rows, start, end, digest = job
+                    table = rows_to_table(rows, self.schema, self._kept(name, start, end))
+                    group_rows = rows_per_group(self.schema, rows)
+                    del job, rows  # the table holds what it needs of them: let the rest go
+                    self.store.commit(name, table, group_rows, start, end, digest)
                 if self.assembler is not None:  # a StreamingAssembler copies the part
                     self.assembler.notify()
                 pause("commit", name=name, start=start, end=end)
@@ -481,11 +495,10 @@ class PartWriter:
         """The kept table columns of inputs ``[start, end)`` (None when the schema has none),
         read from the input tables: a carried row's table is unchanged, so they are its old
         values too."""
-        fields = [field for field in self.schema if field.name not in OUTPUT_COLUMNS]
-        if not fields:
+        if len(self.schema) == len(OUTPUT_COLUMNS):
             return None
         source = self.store.segments[name].source
-        return kept_values([planned.item for planned in source[start:end]], fields)
+        return kept_columns(self.schema, [planned.item for planned in source[start:end]])
 
     def put(self, name: str, rows: list[Row], start: int, end: int, digest: str) -> None:
         """A finished segment (or, under --shard-output, a whole part)."""
@@ -503,6 +516,12 @@ class PartWriter:
         if (end % self.store.settings["part_images"] == 0 or end == len(source)
                 or time.monotonic() - self._since >= self.store.commit_seconds):
             self._flush()
+
+    def put_written(self, name: str, entry: dict) -> None:
+        """A whole part whose file its encoder wrote (``parts.write_part``'s ``entry``):
+        committed in the order handed over, as ``PartStore.commit_written`` does."""
+        self.check()
+        self._queue.put((name, entry))
 
     def _flush(self) -> None:
         """Commit the joined segments as one part (named after its first segment)."""

@@ -16,17 +16,20 @@ import logging
 import os
 import re
 import secrets
+import tempfile
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from .. import storage
 from ..errors import OutputError
+from ..images.sources import kept_values
 from ..storage import UNAVAILABLE as STORAGE_UNAVAILABLE
 from .parquet_join import JoinError, ParquetJoiner
 from .read import LAYOUTS, MANIFEST_NAME, embedding_format
@@ -169,6 +172,13 @@ def _string_array(values: Sequence[str | None]) -> pa.Array:
     np.cumsum([len(e) for e in encoded], out=offsets[1:])
     return pa.Array.from_buffers(pa.large_string(), len(encoded), [
         _validity(valid), pa.py_buffer(offsets), pa.py_buffer(b"".join(encoded))]).cast(pa.string())
+
+
+def kept_columns(schema: pa.Schema, items: Sequence) -> dict[str, pa.Array] | None:
+    """The values of ``schema``'s kept table columns for ``items`` (``images/items.
+    InputItem``s, in row order); None when the schema keeps none."""
+    fields = [field for field in schema if field.name not in OUTPUT_COLUMNS]
+    return kept_values(items, fields) if fields else None
 
 
 def rows_to_table(rows: Sequence[Row], schema: pa.Schema,
@@ -328,23 +338,67 @@ def drop_cached_pages(fd: int, offset: int = 0, length: int = 0) -> None:
         pass
 
 
+def _write_synced(table: pa.Table, path: Path, row_group_size: int, drop_cache: bool) -> None:
+    pq.write_table(table, path, row_group_size=row_group_size, **parquet_options(table.schema))
+    with open(path, "rb+") as handle:
+        os.fsync(handle.fileno())
+        if drop_cache:
+            drop_cached_pages(handle.fileno())
+
+
 def write_table_atomic(table: pa.Table, path: Path, row_group_size: int,
                        drop_cache: bool = False) -> None:
     """Write ``table`` to ``path`` via a hidden temporary file, fsync, and rename.
     ``drop_cache``: the run will not read the file again (``drop_cached_pages``)."""
     tmp = temp_path(path)
     try:
-        pq.write_table(table, tmp, row_group_size=row_group_size,
-                       **parquet_options(table.schema))
-        with open(tmp, "rb+") as handle:
-            os.fsync(handle.fileno())
-            if drop_cache:
-                drop_cached_pages(handle.fileno())
+        _write_synced(table, tmp, row_group_size, drop_cache)
         os.replace(tmp, path)
         fsync_dir(path.parent)
     except OSError as exc:
         tmp.unlink(missing_ok=True)
         raise output_os_error(path, exc) from None
+
+
+def write_part(folder: str | Path, name: str, table: pa.Table, row_group_size: int,
+               start: int, end: int, digest: str, *, suffix: str = "",
+               drop_cache: bool = False, staged: bool = False) -> dict[str, Any]:
+    """Write part ``name``'s file into ``folder`` and return its manifest entry (file,
+    input range, digest, rows, size, transient rows); the part is committed once a
+    ``PartLedger`` records the entry. Whoever encoded the part writes it: a local run's
+    writer threads, a torchrun rank, an ``--engine ray`` actor.
+
+    ``staged``: the file keeps a hidden temporary name (the entry's ``staged``), which
+    ``PartStore.commit_written`` renames into place, so that a part the committing
+    process never records is never under a part name. ``folder`` a URL: the file is
+    uploaded to ``folder/FILE``, whole or not at all (object stores have no rename; the
+    manifest that lists it is the commit record)."""
+    file = f"{name}{suffix}.parquet"
+    entry: dict[str, Any] = {"file": file, "start": start, "end": end, "digest": digest,
+                             "rows": table.num_rows, "transient": transient_errors(table)}
+    if storage.is_url(folder):
+        tmp = temp_path(Path(tempfile.gettempdir()) / file)  # read once, by the upload
+        try:
+            pq.write_table(table, tmp, row_group_size=row_group_size,
+                           **parquet_options(table.schema))
+            entry["size"] = tmp.stat().st_size
+            storage.upload_file(tmp, storage.join(str(folder), file))
+        finally:
+            tmp.unlink(missing_ok=True)
+        return entry
+    path = Path(folder) / file
+    if not staged:
+        write_table_atomic(table, path, row_group_size, drop_cache)
+        entry["size"] = path.stat().st_size
+        return entry
+    tmp = temp_path(path)
+    try:
+        _write_synced(table, tmp, row_group_size, drop_cache)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise output_os_error(path, exc) from None
+    entry["size"], entry["staged"] = tmp.stat().st_size, tmp.name
+    return entry
 
 
 def write_json_atomic(data: Any, path: Path) -> None:
@@ -533,6 +587,9 @@ class PartStore(PartLedger):
         super().__init__(folder, settings, manifest_name)
         self.drop_cache = drop_cache
         self.file_suffix = ""  # before ``.parquet`` in part file names (``update``: ``.gN``)
+        # ``fetch(file, path)``: takes note of a part that another process wrote to the
+        # output's bucket (``commit_written``), bringing it to ``path`` where it is needed
+        self.fetch: Callable[[str, Path], None] | None = None
 
     def _intact_parts(self, data: dict) -> dict[str, dict[str, Any]]:
         return {name: part for name, part in data["parts"].items()
@@ -542,10 +599,29 @@ class PartStore(PartLedger):
     def commit(self, name: str, table: pa.Table, row_group_size: int, start: int, end: int,
                digest: str) -> None:
         """Write one part (several writer threads may commit at once)."""
-        file = f"{name}{self.file_suffix}.parquet"
-        write_table_atomic(table, self.folder / file, row_group_size, self.drop_cache)
-        self._record(name, {"file": file, "start": start, "end": end, "digest": digest,
-                            "rows": table.num_rows, "transient": transient_errors(table)})
+        self._record(name, write_part(self.folder, name, table, row_group_size, start, end,
+                                      digest, suffix=self.file_suffix,
+                                      drop_cache=self.drop_cache))
+
+    def commit_written(self, name: str, entry: dict[str, Any]) -> None:
+        """Commit part ``name``, whose file another process wrote (``write_part``'s
+        ``entry``): a staged file is renamed into place, one in a bucket is handed to
+        ``fetch`` (``RemoteOutput.adopt_part``), then the manifest records it."""
+        entry = dict(entry)
+        staged, path = entry.pop("staged", None), self.folder / entry["file"]
+        try:
+            if staged is not None:
+                os.replace(self.folder / staged, path)
+                fsync_dir(self.folder)
+            elif self.fetch is not None:
+                self.fetch(entry["file"], path)
+        except FileNotFoundError:
+            raise OutputError(f"the part file {entry['file']} was written where this process "
+                              f"cannot see it: give --out a folder that every node shares, "
+                              "or a bucket") from None
+        except OSError as exc:
+            raise output_os_error(path, exc) from None
+        self._record(name, entry)
 
     def part_files(self) -> list[Path]:
         """Committed part files in input order."""

@@ -108,6 +108,7 @@ class RemoteOutput:
         #: The ``--out`` the run writes to instead: the staging folder's output.
         self.staged_out = str(self.local_out) + ("/" if self.folder_mode else "")
         self._uploaded: dict[str, tuple[int, int]] = {}  # part name -> (size, mtime_ns)
+        self._in_store: set[str] = set()  # parts their writers put in the store themselves
         self._manifests: dict[str, bytes] = {}  # manifest name -> content uploaded
         self._lock_held = False
         self._stop = threading.Event()
@@ -379,14 +380,30 @@ class RemoteOutput:
                 storage.upload(storage.join(self.parts_url, manifest.name), content)
                 self._manifests[manifest.name] = content
 
+    def adopt_part(self, name: str, path: Path) -> None:
+        """Part file ``name`` was uploaded to the parts folder by the process that wrote it
+        (an ``--engine ray`` actor): never uploaded again; brought to ``path`` in the
+        staging folder only where the final file is joined from it."""
+        self._in_store.add(name)
+        if not self.folder_mode:
+            self._download_url(storage.join(self.parts_url, name), path)
+
+    def drop_replaced(self) -> None:
+        """Delete the earlier run's manifests that ``--overwrite`` replaces: before any part
+        object is uploaded (by this process, or by the actors that write their own parts),
+        since a part object may take an old name."""
+        for manifest in sorted(self._replaced):
+            _delete(storage.join(self.parts_url, manifest))
+            self._replaced.discard(manifest)
+
     def _upload_part(self, name: str) -> None:
+        if name in self._in_store:
+            return
         path = self.local_parts / name
         ident = _local_id(path)
         if self._uploaded.get(name) == ident:
             return
-        for manifest in sorted(self._replaced):
-            _delete(storage.join(self.parts_url, manifest))
-            self._replaced.discard(manifest)
+        self.drop_replaced()
         storage.upload_file(path, storage.join(self.parts_url, name))
         self._uploaded[name] = ident
 

@@ -122,17 +122,18 @@ def resume_settings(opts: EncodeOptions) -> ResumeSettings:
                                        "keep_columns": list(opts.keep_columns) or None})
 
 
-def run_settings(ckpt: Checkpoint, opts: EncodeOptions, dtype: torch.dtype,
-                 part_images: int, engine: Engine) -> dict:
+def run_settings(cfg: VisionConfig, fingerprint: str, opts: EncodeOptions,
+                 dtype: torch.dtype | str, part_images: int, device_type: str,
+                 batch_invariant: bool) -> dict:
     """What the output was computed with; ``--resume`` requires these to match.
 
-    ``batch_invariant`` with ``device`` and ``compute_dtype``: whether each row's bytes are
+    ``batch_invariant`` with ``device_type`` and ``dtype``: whether each row's bytes are
     independent of its batch, and on what they were computed (the guarantee holds per device
     kind, dtype and software stack, so resume keeps them equal too)."""
     return {
-        "tool": "dsv4enc", "version": __version__, "config": ckpt.config.to_flat(),
-        "weights_fingerprint": ckpt.fingerprint, "compute_dtype": str(dtype).removeprefix("torch."),
-        "device": engine.device.type, "batch_invariant": engine.deterministic,
+        "tool": "dsv4enc", "version": __version__, "config": cfg.to_flat(),
+        "weights_fingerprint": fingerprint, "compute_dtype": str(dtype).removeprefix("torch."),
+        "device": device_type, "batch_invariant": batch_invariant,
         "out_dtype": opts.out_dtype, "features": opts.features, "pool": opts.pool,
         "layout": opts.layout,
         "part_images": part_images,
@@ -285,7 +286,8 @@ def _plan_output(opts: EncodeOptions, setup: RunSetup, layout: OutputLayout, ran
     parts, and which of them are still to encode (``--resume``, ``--update``)."""
     cfg, planned = ckpt.config, setup.planned
     part_images = images_per_part(cfg, opts)
-    settings = run_settings(ckpt, opts, dtype, part_images, engine)
+    settings = run_settings(cfg, ckpt.fingerprint, opts, dtype, part_images,
+                            engine.device.type, engine.deterministic)
     if ranks.shard_output:
         settings["world_size"] = ranks.world_size
     schema = output_schema(cfg.output_width(opts.features), opts.out_dtype,

@@ -4,27 +4,34 @@ encoder actors on a Ray cluster (needs ``dsv4enc[ray]``).
 The driver (the ``dsv4enc encode`` process) does what the local run does around the model:
 it discovers the inputs (``images/discover``), reads their headers and cuts the same parts
 and segments (``run/plan``), checks and locks ``--out`` (``output/layout``, ``output/remote``
-for a bucket), and commits parts through the same ``PartWriter`` into the same stores, so the
-keys, parts, manifest, metadata and final file are the local run's. What changes is only
-where a segment is encoded: each one goes to an encoder actor (``SegmentEncoder``), which
-loaded the weights once and holds the same Engine (``engine/factory.build_engine``, the local
-run's arguments) and the same fault-tolerant decode pool (``images/decode.DecodePool``). The
-actor reads the segment's images itself (from a shared folder or a bucket: only item
-locators travel) and sends back its rows.
+for a bucket), and commits parts through the same ``PartWriter`` into the same part store,
+so the keys, rows, manifest, metadata and final file are the local run's. What changes is
+where a part is encoded and written: each goes to an encoder actor (``SegmentEncoder``),
+which loaded the weights once and holds the same Engine (``engine/factory.build_engine``,
+the local run's arguments) and the same fault-tolerant decode pool
+(``images/decode.DecodePool``). The actor reads the part's images itself (from a shared
+folder or a bucket: only item locators travel), writes the part file into the output's
+store itself (``output/parts.write_part``, as a torchrun rank of ``--shard-output`` does:
+under a temporary name in a local folder, which every node must share, or uploaded whole to
+the bucket) and sends back only its manifest entry and counts. The driver never holds a
+row: it renames and records (``PartStore.commit_written``), and joins a single-file
+``--out`` from the parts at the end, as the local run joins them.
 
-Exactly once: Ray computes, dsv4enc's manifest commits. The driver commits each segment once,
-in input order, as its rows come back (a result is taken once per segment, whatever Ray
-retried), and ``--resume`` skips what the manifest lists (``resume_filter``), so a killed
-driver costs at most the segments not yet committed. A killed actor is restarted by Ray
-(``MAX_RESTARTS``) and its calls are retried (``MAX_TASK_RETRIES``): segments are pure
-functions of their inputs (batch-invariant rows), so a retried one gives the same bytes.
-A bad image is an error row made by the decode pool, never a failed call.
+Exactly once: Ray computes, dsv4enc's manifest commits. The driver commits each part once,
+in input order, as the actors' reports come back (a report is taken once per part, whatever
+Ray retried), and ``--resume`` skips what the manifest lists (``resume_filter``), so a
+killed driver costs at most the parts not yet committed. A killed actor is restarted by
+Ray (``MAX_RESTARTS``) and its calls are retried (``MAX_TASK_RETRIES``): parts are pure
+functions of their inputs (batch-invariant rows), so a retried one gives the same bytes,
+and a file the killed actor wrote is under a temporary name no manifest lists (removed at
+the end). A bad image is an error row made by the decode pool, never a failed call.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import socket
 import time
 import warnings
 from dataclasses import dataclass, replace
@@ -41,10 +48,13 @@ log = logging.getLogger("dsv4enc")
 #: absorbed but a segment that kills every actor it reaches does not loop forever.
 MAX_RESTARTS = 4
 MAX_TASK_RETRIES = 4
-#: Segments in flight per actor: one encoding, one queued behind it (so an actor never waits
+#: Parts in flight per actor: one encoding, one queued behind it (so an actor never waits
 #: for the driver), bounding what the object store and the driver hold.
 IN_FLIGHT_PER_ACTOR = 2
-#: How long a wait for a segment's rows runs before the driver looks for a signal.
+#: Calls per actor that a run of few parts is cut into (at segment bounds), so that no actor
+#: waits while another encodes the only part.
+CALLS_PER_ACTOR = 4
+#: How long a wait for a part's report runs before the driver looks for a signal.
 POLL_S = 0.1
 #: The environment variables an encoder actor gets from the driver (a remote cluster's
 #: workers do not inherit the driver's environment): storage options and endpoints, and the
@@ -72,22 +82,37 @@ class RayEngineOptions:
         return self.address or os.environ.get("RAY_ADDRESS") or None
 
 
+@dataclass
+class PartCall:
+    """One part for an encoder actor: its ``name``, input range and ``digest`` (what the
+    manifest records), ``entries``: ``(index, key, item, width, height, error)`` of each of
+    its inputs in input order (``error``: its header's, else None), and ``batches``: the
+    indices per packed batch, as the local run packs them."""
+
+    name: str
+    start: int
+    end: int
+    digest: str
+    entries: list[tuple]
+    batches: list[list[int]]
+
+
 # ----------------------------------------------------------------------------- the actor
 
 class SegmentEncoder:
     """An encoder actor: built once per actor (the weights loaded once, the decode pool
-    started once), then called once per segment.
+    started once), then called once per part (``encode_part``).
 
     ``opts``: the run's options (the actor reads the model, engine and decode settings from
     them, as the local run does); ``device_type``: what Ray gave it (``cuda`` with a GPU);
     ``dtype``: the compute dtype (``auto`` resolves on the actor's own device)."""
 
     def __init__(self, opts: EncodeOptions, device_type: str, dtype: str) -> None:
-        from ..engine.batching import BatchLoop
         from ..engine.device import resolve_device, resolve_dtype, resolve_out_dtype
         from ..engine.factory import build_engine
         from ..images.decode import DecodePool, own_process_pillow_settings
         from ..process import own_process_settings
+        from .encoding import BatchRows
         from .pipeline import load_model
 
         own_process_pillow_settings()
@@ -108,44 +133,71 @@ class SegmentEncoder:
         del ckpt
         workers = default_workers(device.type) if opts.workers is None else opts.workers
         self.pool = DecodePool(self.cfg, workers, opts.max_pixels, opts.decode_timeout)
-        self.loop = BatchLoop(self.engine, opts.pool, name_of=lambda tag: tag[1],
-                              remedy="rerun with --out-dtype float32", copy=False)
+        self.batches = BatchRows(self.engine, opts.features, opts.pool)
 
-    def describe(self) -> dict[str, Any]:
-        """What this actor computes with (the driver checks that every actor agrees)."""
+    def describe(self, probe: tuple[str, bytes] | None = None) -> dict[str, Any]:
+        """What this actor computes with (the driver checks that every actor agrees).
+        ``probe``: a file of the driver's in a local ``--out`` and its content; ``sees_out``
+        says whether this actor reads the same there (it writes its parts beside it)."""
         engine = self.engine
+        sees = True
+        if probe is not None:
+            try:
+                sees = open(probe[0], "rb").read() == probe[1]
+            except OSError:
+                sees = False
         return {"config": self.cfg, "fingerprint": self.fingerprint,
                 "compute_dtype": str(self.dtype).removeprefix("torch."),
                 "device": engine.device.type, "batch_invariant": bool(engine.deterministic),
-                "batch_tokens": engine.batch_tokens, "pid": os.getpid()}
+                "batch_tokens": engine.batch_tokens, "pid": os.getpid(), "sees_out": sees,
+                "host": socket.gethostname()}
 
-    def encode(self, entries: Sequence[tuple], batches: Sequence[Sequence[int]]) -> tuple:
-        """Rows of one segment. ``entries``: ``(index, key, item, width, height)`` of its
-        readable images (header read), by index; ``batches``: the indices per packed batch,
-        as the local run packs them. Returns ``(rows by index, stats)``; an image that fails
-        to decode is an error row with its header's size, as in the local run."""
-        from ..engine.packing import output_grid
-        from ..images.decode import patches_tensor
-        from ..output.parts import Row
+    def encode_part(self, call: PartCall, schema, folder: str, drop_cache: bool,
+                    ) -> dict[str, Any]:
+        """Encode one part and write its file into ``folder`` (the parts folder, under a
+        temporary name the driver renames, or its URL in a bucket: ``output/parts.
+        write_part``; ``drop_cache``: the parts are the output, never read back). Returns
+        what the driver commits and counts, never the rows: the manifest ``entry``, the
+        ``failed`` rows (no embedding) by index, how many rows were ``encoded`` and their
+        ViT ``tokens``, and the encoding's ``stats``."""
+        from ..output.parts import Row, kept_columns, rows_per_group, rows_to_table, write_part
+        from ..storage import is_url
         from ..pausepoints import pause
 
-        pause("segment", pid=os.getpid(), images=[entry[0] for entry in entries])
+        pause("segment", pid=os.getpid(), images=[entry[0] for entry in call.entries])
+        rows, stats = self._rows([e for e in call.entries if e[5] is None], call.batches)
+        for index, key, _, width, height, error in call.entries:
+            if error is not None:  # its header could not be read
+                rows[index] = Row(path=key, width=width, height=height, error=error)
+        ordered = [rows[entry[0]] for entry in call.entries]
+        failed = {entry[0]: row for entry, row in zip(call.entries, ordered)
+                  if row.error is not None}
+        table = rows_to_table(ordered, schema, kept_columns(schema, [e[2] for e in call.entries]))
+        group_rows = rows_per_group(schema, ordered)
+        tokens = sum(row.vit_h * row.vit_w for row in ordered if row.error is None)
+        del rows, ordered  # the table holds what it needs of them
+        entry = write_part(folder, call.name, table, group_rows, call.start, call.end,
+                           call.digest, drop_cache=drop_cache, staged=not is_url(folder))
+        pause("written", pid=os.getpid(), name=call.name)
+        return {"entry": entry, "failed": failed, "encoded": table.num_rows - len(failed),
+                "tokens": tokens, "stats": stats}
+
+    def _rows(self, entries: Sequence[tuple], batches: Sequence[Sequence[int]]) -> tuple:
+        """Rows of a part's readable images. ``entries``: ``(index, key, item, width, height,
+        error)`` of its images whose header was read, by index; ``batches``: the indices per
+        packed batch, as the local run packs them. Returns ``(rows by index, stats)``; an
+        image that fails to decode is an error row with its header's size, as in the local
+        run."""
+        from ..output.parts import Row
+
         by_index = {entry[0]: entry for entry in entries}
         order = [i for batch in batches for i in batch]
         stream = self.pool.imap(((i, by_index[i][2]) for i in order),
                                 window=decode_window(self.pool.n_workers, self.opts.max_images))
         rows: dict[int, Row] = {}
-        stats = {"tokens": 0, "merge_pad_tokens": 0, "decode_wait_s": 0.0, "model_s": 0.0}
-        r = self.cfg.downsample_ratio
-        r2 = r ** 2
-
-        def take(done) -> None:
-            for (index, key, d), out in done:
-                grid_h, grid_w = output_grid(d.n_h, d.n_w, r, self.opts.features)
-                rows[index] = Row(path=key, width=d.width, height=d.height, vit_h=d.n_h,
-                                  vit_w=d.n_w, grid_h=grid_h, grid_w=grid_w,
-                                  embedding=out.numpy())
-
+        encoder = self.batches
+        encoder.tokens = encoder.merge_pad_tokens = 0  # this part's
+        waited_s = 0.0
         began = time.perf_counter()
         try:
             for batch in batches:
@@ -154,28 +206,22 @@ class SegmentEncoder:
                 for expected in batch:
                     index, d = next(stream)
                     assert index == expected, "decode stream out of step with the plan"
-                    _, key, _, width, height = by_index[index]
+                    _, key, _, width, height, _ = by_index[index]
                     if d.error is not None:
                         rows[index] = Row(path=key, width=width, height=height, error=d.error)
                     else:
                         ready.append((index, key, d))
-                stats["decode_wait_s"] += time.perf_counter() - waited
-                if not ready:
-                    continue
-                packed = self.loop.submit(ready, [(patches_tensor(d), d.n_h, d.n_w)
-                                                  for _, _, d in ready])
-                for _, _, d in ready:
-                    d.patches = None  # packed: the pool's shared slot is free again
-                stats["tokens"] += packed.n_tokens
-                if self.opts.features == "aligner":
-                    stats["merge_pad_tokens"] += packed.n_rows * r2 - packed.n_tokens
-                take(self.loop.collect_ready())
-            take(self.loop.drain())
+                waited_s += time.perf_counter() - waited
+                if ready:
+                    encoder.submit(ready)
+                    rows.update(encoder.collect_ready())
+            rows.update(encoder.drain())
         finally:
             if hasattr(stream, "close"):
                 stream.close()
-        stats["model_s"] = time.perf_counter() - began - stats["decode_wait_s"]
-        return rows, stats
+        return rows, {"tokens": encoder.tokens, "merge_pad_tokens": encoder.merge_pad_tokens,
+                      "decode_wait_s": waited_s,
+                      "model_s": time.perf_counter() - began - waited_s}
 
     def close(self) -> None:
         self.pool.close()
@@ -323,7 +369,7 @@ def run_ray_encode(opts: EncodeOptions, ray_opts: RayEngineOptions | None = None
         if remote is not None:
             opts = replace(opts, out=remote.staged_out)
         layout = OutputLayout(opts.out, False)
-        run = _RayRun(opts, ray_opts, layout, stop)
+        run = _RayRun(opts, ray_opts, layout, stop, remote)
         if remote is not None:
             return remote.run(lambda: run.run(local=False))
         return run.run(local=True)
@@ -343,9 +389,12 @@ class _RayRun:
     """One run on Ray: Ray is started (or joined) only once the inputs and ``--out`` passed
     their checks, so that a refused run says so at once."""
 
-    def __init__(self, opts: EncodeOptions, ray_opts: RayEngineOptions, layout, stop) -> None:
+    def __init__(self, opts: EncodeOptions, ray_opts: RayEngineOptions, layout, stop,
+                 remote=None) -> None:
+        """``remote``: the ``RemoteOutput`` of a bucket ``--out`` (``layout`` is then its
+        staging), else None."""
         self.opts, self.ray_opts = opts, ray_opts
-        self.layout, self.stop = layout, stop
+        self.layout, self.stop, self.remote = layout, stop, remote
         self.cluster: RayCluster | None = None
         self.ray = None
         self.actors: list = []
@@ -359,11 +408,20 @@ class _RayRun:
         self.actors = [remote.remote(opts, plan.device_type, dtype) for _ in range(plan.actors)]
 
     def _describe(self) -> dict[str, Any]:
-        """Every actor's settings once it is up (weights loaded); they must agree."""
-        described = self._get([a.describe.remote() for a in self.actors])
-        first = {k: v for k, v in described[0].items() if k != "pid"}
+        """Every actor's settings once it is up (weights loaded); they must agree, and
+        each must see a local ``--out`` (it writes its parts there)."""
+        layout, probe = self.layout, None
+        if self.remote is None and layout.lock.held:
+            probe = (str(layout.lock.path.resolve()), layout.lock.path.read_bytes())
+        described = self._get([a.describe.remote(probe) for a in self.actors])
+        blind = next((d["host"] for d in described if not d.pop("sees_out")), None)
+        if blind is not None:
+            raise UsageError(f"--engine ray: the encoder actors write their parts into --out, "
+                             f"and --out {self.opts.out} is not this folder on node {blind}; "
+                             "give --out a folder every node shares, or a bucket")
+        first = {k: v for k, v in described[0].items() if k not in ("pid", "host")}
         for other in described[1:]:
-            if {k: v for k, v in other.items() if k != "pid"} != first:
+            if {k: v for k, v in other.items() if k not in ("pid", "host")} != first:
                 raise DsvError("the encoder actors disagree on their settings (device, dtype "
                                "or weights): give every node the same weights and devices")
         return first
@@ -454,11 +512,9 @@ class _RayRun:
         return opts.dtype, None
 
     def _plan_output(self, setup, described: dict[str, Any], local: bool, summary):
-        """The output's settings and schema (from the actors' model), its store (output's
-        choice), its parts and those still to encode (``--resume``): ``(store, schema,
-        parts, todo)``."""
-        from types import SimpleNamespace
-
+        """The output's settings and schema (from the actors' model), its store (part files
+        that the actors write, this process commits), its parts and those still to encode
+        (``--resume``): ``(store, schema, parts, todo)``."""
         from ..output.layout import open_store, resume_filter
         from ..output.parts import output_schema
         from .pipeline import resume_settings, run_settings
@@ -466,37 +522,51 @@ class _RayRun:
 
         opts, cfg = self.opts, described["config"]
         part_images = images_per_part(cfg, opts)
-        settings = run_settings(
-            SimpleNamespace(config=cfg, fingerprint=described["fingerprint"]), opts,
-            described["compute_dtype"], part_images,
-            SimpleNamespace(device=SimpleNamespace(type=described["device"]),
-                            deterministic=described["batch_invariant"]))
+        settings = run_settings(cfg, described["fingerprint"], opts,
+                                described["compute_dtype"], part_images, described["device"],
+                                described["batch_invariant"])
         schema = output_schema(cfg.output_width(opts.features), opts.out_dtype, settings,
                                pooled=opts.pool == "mean", layout=opts.layout,
                                kept=setup.found.kept_fields)
         store = open_store(self.layout, settings, schema, local=local, is_main=True,
-                           world_size=1, rank=None)
+                           world_size=1, rank=None, written_elsewhere=True)
+        if self.remote is not None:
+            store.fetch = self.remote.adopt_part
         parts = setup.cut_parts(part_images, None, opts.balance, cfg,
                                 segment_tokens(described["batch_tokens"], described["device"]))
         todo, summary.reused = resume_filter(store, parts, resume_settings(opts))
         return store, schema, parts, todo
 
+    def _target(self) -> tuple[str, bool]:
+        """Where the actors write their part files, and whether they drop them from the
+        page cache: the bucket's parts folder (once the manifests that --overwrite
+        replaces are gone), else the local parts folder."""
+        if self.remote is not None:
+            self.remote.drop_replaced()
+            return self.remote.parts_url, False
+        return str(self.layout.parts_dir.resolve()), self.layout.folder_mode
+
     def _write_output(self, planned, parts, todo, store, schema, summary, progress,
                       batch_tokens: int) -> None:
-        """Encode the parts to do on the actors, commit them in input order, and assemble
-        the single file; a failed or stopped run leaves its committed parts."""
+        """Encode the parts to do on the actors (each writes its parts), commit them in
+        input order, and assemble the single file; a failed or stopped run leaves its
+        committed parts."""
         from ..output.layout import PartWriter, assembler_for
-        from .options import default_writer_threads
         from .pipeline import write_final_file
 
         layout, stop = self.layout, self.stop
         assembler = assembler_for(store, layout, [p.name for p in parts], schema, is_main=True)
-        writer = PartWriter(store, schema, default_writer_threads(), assembler)
+        writer = PartWriter(store, schema, 1, assembler)
         try:
-            self._encode(planned, todo, writer, store, summary, progress, batch_tokens)
+            calls = part_calls(planned, todo, store.settings["part_images"],
+                               batch_tokens, self.opts.max_images,
+                               CALLS_PER_ACTOR * len(self.actors))
+            self._encode(calls, planned, schema, writer, store, summary, progress)
             stop.check()
             if assembler is not None:
                 write_final_file(assembler, layout, summary, progress, stop)
+            else:
+                layout.remove_temporaries()  # what killed actors left, never committed
         except BaseException:
             if assembler is not None:
                 assembler.abort()
@@ -510,57 +580,45 @@ class _RayRun:
                 pass
         self.actors = []
 
-    def _encode(self, planned, todo, writer, store, summary, progress,
-                batch_tokens: int) -> None:
-        """Send the segments to the actors, a bounded number ahead, and hand their rows to
-        the writer in input order as they come back; the writer is closed (its parts
+    def _encode(self, calls: list[PartCall], planned, schema, writer, store, summary,
+                progress) -> None:
+        """Send the parts to the actors, a bounded number ahead, and commit the files they
+        wrote in input order as their reports come back; the writer is closed (its parts
         committed) however this ends."""
-        from .plan import part_batches
-
-        ray, stop, opts = self.ray, self.stop, self.opts
+        ray, stop = self.ray, self.stop
+        folder, drop_cache = self._target()
         began = time.perf_counter()
-        in_flight: dict[Any, tuple[int, int]] = {}  # ref -> (segment, actor)
+        in_flight: dict[Any, tuple[int, int]] = {}  # ref -> (call, actor)
         load = [0] * len(self.actors)
-        results: dict[int, tuple[dict, dict]] = {}
+        reports: dict[int, dict] = {}
         window = IN_FLIGHT_PER_ACTOR * len(self.actors)
         sent = done = 0
         stop.hint = self.layout.encoding_hint()
         try:
-            if todo:
+            if calls:
                 progress.status("encoding")
                 progress.begin_encoding()
                 began = time.perf_counter()
             with stop.deferred():
-                while done < len(todo):
-                    while sent < len(todo) and sent - done < window:
-                        part = todo[sent]
-                        good = [i for i in part.indices if planned[i].error is None]
-                        if not good:
-                            results[sent] = ({}, {})
-                        else:
-                            batches = part_batches(planned, good, batch_tokens,
-                                                   opts.max_images)
-                            entries = [(i, planned[i].item.key, planned[i].item,
-                                        planned[i].width, planned[i].height) for i in good]
-                            actor = min(range(len(load)), key=load.__getitem__)
-                            ref = self.actors[actor].encode.remote(entries, batches)
-                            in_flight[ref] = (sent, actor)
-                            load[actor] += 1
+                while done < len(calls):
+                    while sent < len(calls) and sent - done < window:
+                        actor = min(range(len(load)), key=load.__getitem__)
+                        ref = self.actors[actor].encode_part.remote(calls[sent], schema,
+                                                                    folder, drop_cache)
+                        in_flight[ref] = (sent, actor)
+                        load[actor] += 1
                         sent += 1
-                    while done in results:
-                        rows, stats = results.pop(done)
-                        self._commit(planned, todo[done], rows, stats, writer, summary,
+                    while done in reports:
+                        self._commit(planned, calls[done], reports.pop(done), writer, summary,
                                      progress)
                         done += 1
-                    if done == len(todo) or stop.requested():
+                    if done == len(calls) or stop.requested():
                         break
-                    if not in_flight:
-                        continue
                     ready, _ = ray.wait(list(in_flight), num_returns=1, timeout=POLL_S)
                     for ref in ready:
-                        segment, actor = in_flight.pop(ref)
+                        call, actor = in_flight.pop(ref)
                         load[actor] -= 1
-                        results[segment] = self._get(ref)
+                        reports[call] = self._get(ref)
         finally:
             for ref in in_flight:  # stopped early: the actors are killed next anyway
                 try:
@@ -574,24 +632,56 @@ class _RayRun:
             summary.encode_s = time.perf_counter() - began
             progress.end_encoding()
 
-    def _commit(self, planned, part, rows: dict, stats: dict, writer, summary,
+    def _commit(self, planned, call: PartCall, report: dict, writer, summary,
                 progress) -> None:
-        """A segment's rows, header failures included, in input order, to the writer."""
-        from .encoding import error_row
-
-        for i in part.indices:
-            if planned[i].error is not None:
-                rows[i] = error_row(planned[i])
-        ordered = [rows[i] for i in part.indices]
-        _, failed, tokens = summary.count_rows(ordered)
-        dropped = sum(planned[i].tokens for i in part.indices
-                      if planned[i].error is None and rows[i].error is not None)
+        """A part an actor wrote: its entry to the writer (which commits it), its counts to
+        the summary and the progress."""
+        failed = report["failed"]
+        summary.count_rows(failed.values())
+        summary.encoded += report["encoded"]
+        dropped = sum(planned[i].tokens for i in failed if planned[i].error is None)
+        stats = report["stats"]
         summary.tokens += stats.get("tokens", 0)
         summary.merge_pad_tokens += stats.get("merge_pad_tokens", 0)
         summary.decode_wait_s += stats.get("decode_wait_s", 0.0)
         summary.model_s += stats.get("model_s", 0.0)
-        writer.put(part.name, ordered, part.start, part.end, part.digest)
-        progress.advance(len(ordered), tokens, failed, dropped)
+        writer.put_written(call.name, report["entry"])
+        progress.advance(call.end - call.start, report["tokens"], len(failed), dropped)
+
+
+def part_calls(planned, todo, part_images: int, batch_tokens: int, max_images: int | None,
+               wanted: int) -> list[PartCall]:
+    """The calls that encode the segments ``todo``: the consecutive segments of one
+    ``part_images`` range go in one call, whose file is one part (named after its first
+    segment, as the local run joins segments), and ranges are cut at segment bounds into
+    about ``wanted`` calls when there are fewer, so that every actor has work."""
+    from ..images.headers import inputs_digest
+    from .plan import part_batches
+
+    runs: list[list] = []
+    for segment in todo:
+        last = runs[-1][-1] if runs else None
+        if (last is not None and last.end == segment.start
+                and last.start // part_images == segment.start // part_images):
+            runs[-1].append(segment)
+        else:
+            runs.append([segment])
+    pieces = max(1, -(-wanted // max(1, len(runs))))
+    calls = []
+    for run in runs:
+        step = max(1, -(-len(run) // pieces))
+        for k in range(0, len(run), step):
+            group = run[k:k + step]
+            start, end = group[0].start, group[-1].end
+            indices = [i for segment in group for i in segment.indices]
+            entries = [(i, planned[i].item.key, planned[i].item, planned[i].width,
+                        planned[i].height, planned[i].error) for i in indices]
+            digest = (group[0].digest if len(group) == 1
+                      else inputs_digest(planned[start:end]))
+            calls.append(PartCall(group[0].name, start, end, digest, entries,
+                                  part_batches(planned, indices, batch_tokens, max_images)))
+    return calls
+
 
 def _opening_line(opts: EncodeOptions, inputs: int, plan: ActorPlan,
                   described: dict[str, Any]) -> str:

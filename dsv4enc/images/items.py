@@ -8,7 +8,7 @@ on this module, which imports neither.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .formats import EXTENSION_FORMATS
 
@@ -51,6 +51,16 @@ class StoredObject:
 
 
 @dataclass(frozen=True)
+class Fetched:
+    """An input's bytes, read already (a small object's header read, a tar shard's streamed
+    members): a decode task carries them, so that the decode worker reads nothing. ``name``
+    is the locator's it replaces (the format the name stands for)."""
+
+    name: str | None
+    data: bytes = field(repr=False)
+
+
+@dataclass(frozen=True)
 class Unreadable:
     """A part of a container that cannot be read: reading it raises ``DamagedContainerError``
     with ``reason``, so it becomes one error row."""
@@ -64,10 +74,11 @@ class InputItem:
 
     ``member`` locates the image inside a container file ``path`` (a ``TarMember`` or a
     ``TableCell``), marks ``path`` as an object in a store (a ``StoredObject``, ``path`` its
-    URL) or a container's damaged part (``Unreadable``); None for a plain image file.
-    ``sources.open_item`` reads it.
+    URL) or a container's damaged part (``Unreadable``); None for a plain image file. A
+    decode task's item may carry its bytes instead (``Fetched``). ``sources.open_item``
+    reads it.
     """
 
     key: str
     path: str
-    member: TarMember | TableCell | StoredObject | Unreadable | None = None
+    member: TarMember | TableCell | StoredObject | Fetched | Unreadable | None = None

@@ -701,6 +701,9 @@ def open_stream(url: str):
 DIRECT_OPTIONS = frozenset({"endpoint_url", "endpoint_override", "scheme", "region",
                             "access_key", "secret_key", "session_token", "anonymous",
                             "connect_timeout", "request_timeout"})
+#: Connections the botocore client keeps open: more than a process's reading threads (the
+#: header probes' 16), so that none is closed and opened again per read.
+DIRECT_CONNECTIONS = 64
 _DIRECT: dict[int, object] = {}  # by process: a botocore S3 client, or None (pyarrow reads)
 
 
@@ -739,6 +742,7 @@ def _make_direct(options: dict):
         connect_timeout=float(options.get("connect_timeout") or CONNECT_TIMEOUT_S),
         read_timeout=float(options.get("request_timeout") or REQUEST_TIMEOUT_S),
         retries={"max_attempts": SDK_ATTEMPTS, "mode": "standard"},
+        max_pool_connections=DIRECT_CONNECTIONS,
         signature_version=botocore.UNSIGNED if options.get("anonymous") else None)
     region = options.get("region") or os.environ.get("AWS_REGION") \
         or os.environ.get("AWS_DEFAULT_REGION")

@@ -30,6 +30,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Sequence
 
 from ..errors import DsvError, Interrupted, UsageError
+from ..images.sources import attach_held
 from .options import EncodeOptions, available_cpus, decode_window, default_workers, validate
 
 log = logging.getLogger("dsv4enc")
@@ -526,7 +527,8 @@ class _RayRun:
                         else:
                             batches = part_batches(planned, good, batch_tokens,
                                                    opts.max_images)
-                            entries = [(i, planned[i].item.key, planned[i].item,
+                            # an item read ahead by its header probe goes with its bytes
+                            entries = [(i, planned[i].item.key, attach_held(planned[i].item),
                                         planned[i].width, planned[i].height) for i in good]
                             actor = min(range(len(load)), key=load.__getitem__)
                             ref = self.actors[actor].encode.remote(entries, batches)

@@ -271,18 +271,18 @@ def _open_tar(raw: str) -> tuple[tarfile.TarFile | None, int, str | None]:
     return archive, size, None
 
 
-def _first_nonzero(raw: str, start: int, stop: int) -> int | None:
-    """The offset of the first non-zero byte in ``[start, stop)`` of the file, if any."""
-    with _RangeFile(raw, start, stop - start) as handle:
-        at = start
-        while at < stop:
-            chunk = handle.read(min(1 << 20, stop - at))
-            if not chunk:
-                return None
-            stripped = chunk.lstrip(b"\0")
-            if stripped:
-                return at + len(chunk) - len(stripped)
-            at += len(chunk)
+def _first_nonzero(handle: BinaryIO, start: int, stop: int) -> int | None:
+    """The offset of the first non-zero byte in ``[start, stop)`` of the open file, if any."""
+    handle.seek(start)
+    at = start
+    while at < stop:
+        chunk = handle.read(min(1 << 20, stop - at))
+        if not chunk:
+            return None
+        stripped = chunk.lstrip(b"\0")
+        if stripped:
+            return at + len(chunk) - len(stripped)
+        at += len(chunk)
     return None
 
 
@@ -299,17 +299,19 @@ def _gap_damage(raw: str, start: int, stop: int) -> int | None:
             if info.type != tarfile.XGLTYPE:
                 break
             start += _BLOCK + -(-info.size // _BLOCK) * _BLOCK
-    return _first_nonzero(raw, start, stop) if start < stop else None
+        return _first_nonzero(handle, start, stop) if start < stop else None
 
 
-def _tar_end_damage(raw: str, end: int, size: int, last: str | None) -> tuple[int, str] | None:
-    """Whether the archive, whose last member's data ends at ``end``, ends as a tar should:
-    with its end-of-archive marker (zero blocks). ``(offset, reason)`` if not."""
+def _tar_end_damage(handle: BinaryIO, end: int, size: int,
+                    last: str | None) -> tuple[int, str] | None:
+    """Whether the archive (``handle``, open), whose last member's data ends at ``end``, ends
+    as a tar should: with its end-of-archive marker (zero blocks). ``(offset, reason)`` if
+    not."""
     if end > size:
         return size, f"the file ends inside the data of member {last!r} (cut short?)"
     if end == size:
         return size, "the file ends without the tar end-of-archive marker (cut short?)"
-    if _first_nonzero(raw, end, min(size, end + _BLOCK)) is not None:
+    if _first_nonzero(handle, end, min(size, end + _BLOCK)) is not None:
         return end, ("no valid tar header here and up to the end of the file (a damaged or "
                      "cut header); members there are lost")
     return None
@@ -395,9 +397,9 @@ def expand_tar(raw: str) -> tuple[list[InputItem], int]:
                 keys_seen[key] = keys_seen.get(key, 0) + 1
             else:
                 other_keys.add(key)
+    if damage is None:  # in a store, the end is still in the stream's buffer, as a rule
+        damage = _tar_end_damage(archive.fileobj, end, size, last)
     archive.fileobj.close()  # a file object given to tarfile is the caller's to close
-    if damage is None:
-        damage = _tar_end_damage(raw, end, size, last)
     if damage is not None:
         entries.append((None, "", damaged_item(raw, *damage)))
     items = []
@@ -455,14 +457,20 @@ class _RangeFile(io.RawIOBase):
         super().close()
 
 
+#: The last bytes a shard's stream keeps: the end-of-archive blocks (a tar's last record,
+#: 10 KiB as a rule) are read again from them, not by a request.
+_TAIL_BYTES = 64 << 10
+
+
 class _ShardStream(io.RawIOBase):
     """A tar shard in a store read in order by one streamed request (``storage.open_stream``):
-    a seek forward reads past the bytes between; a read behind the stream (a damaged region
-    looked at again) is a ranged request of its own."""
+    a seek forward reads past the bytes between; a read behind the stream's last
+    ``_TAIL_BYTES`` (a damaged region looked at again) is a ranged request of its own."""
 
     def __init__(self, url: str) -> None:
         self._url, self._stream = url, storage.open_stream(url)
         self._pos = self._at = 0  # where the reader is, where the stream is
+        self._tail = b""  # the stream's last bytes, up to ``_at``
 
     def readable(self) -> bool:
         return True
@@ -479,19 +487,29 @@ class _ShardStream(io.RawIOBase):
         return self._pos
 
     def readinto(self, buffer) -> int:
-        if self._pos < self._at:
+        if self._pos >= self._at - len(self._tail) and self._pos < self._at:
+            start = self._pos - (self._at - len(self._tail))
+            data = self._tail[start:start + len(buffer)]
+        elif self._pos < self._at:
             data = storage.read_range(self._url, self._pos, len(buffer))
         else:
             while self._at < self._pos:  # past what the reader skips
-                skipped = len(self._stream.read(min(1 << 20, self._pos - self._at)))
+                skipped = self._stream.read(min(1 << 20, self._pos - self._at))
                 if not skipped:
                     return 0
-                self._at += skipped
+                self._keep(skipped)
             data = self._stream.read(len(buffer))
-            self._at += len(data)
+            self._keep(data)
         buffer[:len(data)] = data
         self._pos += len(data)
         return len(data)
+
+    def _keep(self, data: bytes) -> None:
+        self._at += len(data)
+        if len(data) >= _TAIL_BYTES:
+            self._tail = data[-_TAIL_BYTES:]
+        elif data:
+            self._tail = (self._tail + data)[-_TAIL_BYTES:]
 
     def close(self) -> None:
         if not self.closed:

@@ -42,8 +42,9 @@ class TableCell:
 
 @dataclass(frozen=True)
 class StoredObject:
-    """An image that is a whole object in a store (``InputItem.path`` is its URL): read by
-    the decode worker itself, whole or (header probes) by byte range. ``name`` is the URL, for
+    """An image that is a whole object in a store (``InputItem.path`` is its URL): its header
+    probe reads its first bytes (all of them for a small one, then held for the decode:
+    ``sources.HeldInputs``), else the decode worker reads it whole. ``name`` is the URL, for
     the format the name stands for; ``size`` as listed."""
 
     name: str

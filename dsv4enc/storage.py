@@ -10,6 +10,12 @@ and ``hdfs://``) and, for any other scheme, fsspec's wrapped in ``pyarrow.fs.PyF
 (``pip install dsv4enc[gcs]`` for gcsfs, ``fsspec`` ships http, memory, ...). No HTTP is spoken
 here.
 
+Reading an input costs one request where it can: pyarrow's S3 client asks for an object's size
+(a HEAD) each time it opens one, so ``read_range``, ``read_head`` and ``read_object`` send a
+single ranged GET through botocore on ``s3://`` when botocore is installed (``dsv4enc[s3]``)
+and the storage options are ones it takes alike (``direct_options``); else they open the
+object with pyarrow (a HEAD and a GET).
+
 Credentials and endpoints come from the standard places: the environment
 (``AWS_ACCESS_KEY_ID``, ``AWS_PROFILE``, ``AWS_ENDPOINT_URL``, ...), the SDK's config files,
 and ``--storage-option key=value`` (``configure``; passed to the file system's constructor).
@@ -117,6 +123,7 @@ def configure(options: list[str] | tuple[str, ...] | None) -> None:
         os.environ.pop(_OPTIONS_ENV, None)
     with _LOCK:
         _FILESYSTEMS.clear()
+        _DIRECT.clear()
     reset_health()
 
 
@@ -634,6 +641,10 @@ def _open(url: str):
 
 def read_range(url: str, offset: int, size: int) -> bytes:
     """``size`` bytes of the object from ``offset`` (one ranged request, retried)."""
+    client = _direct(url)
+    if client is not None:
+        return retrying(lambda: _get(client, url, offset, size)[0], store=store_of(url))
+
     def attempt() -> bytes:
         with _open(url) as handle:
             return handle.read_at(size, offset)
@@ -652,6 +663,131 @@ def read_bytes(url: str) -> bytes:
 
 def size_of(url: str) -> int:
     return stat(url).size
+
+
+def read_head(url: str, size: int) -> tuple[bytes, int]:
+    """The first ``size`` bytes of the object (fewer when it is smaller) and the object's
+    whole size, in one ranged request where the client allows (retried)."""
+    client = _direct(url)
+    if client is None:
+        def attempt() -> tuple[bytes, int]:
+            with _open(url) as handle:
+                total = handle.size()
+                return handle.read_at(min(size, total), 0), total
+
+        return retrying(attempt, store=store_of(url))
+    return retrying(lambda: _get(client, url, 0, size), store=store_of(url))
+
+
+def read_object(url: str) -> bytes:
+    """The whole object, in one request where the client allows (retried)."""
+    client = _direct(url)
+    if client is None:
+        return read_bytes(url)
+    return retrying(lambda: _get(client, url, 0, None)[0], store=store_of(url))
+
+
+def open_stream(url: str):
+    """A file over the object read once from its start (one streamed GET after pyarrow's
+    HEAD): ``read`` only, for a reader that goes through the object in order."""
+    fs, path = filesystem(url)
+    return retrying(lambda: fs.open_input_stream(path), store=store_of(url))
+
+
+# ----------------------------------------------------------------------------- single GETs
+
+#: ``--storage-option`` keys that botocore takes as pyarrow's S3 client does; with any other
+#: option, reads go through pyarrow.
+DIRECT_OPTIONS = frozenset({"endpoint_url", "endpoint_override", "scheme", "region",
+                            "access_key", "secret_key", "session_token", "anonymous",
+                            "connect_timeout", "request_timeout"})
+#: Connections the botocore client keeps open: more than a process's reading threads (the
+#: header probes' 16), so that none is closed and opened again per read.
+DIRECT_CONNECTIONS = 64
+_DIRECT: dict[int, object] = {}  # by process: a botocore S3 client, or None (pyarrow reads)
+
+
+def direct_options(options: dict) -> bool:
+    """Whether reads with these storage options may go through botocore's S3 client."""
+    return set(options) <= DIRECT_OPTIONS
+
+
+def _direct(url: str):
+    """This process's botocore S3 client for ``s3://`` reads, or None (another scheme, no
+    botocore, or options only pyarrow takes)."""
+    if scheme_of(url) not in ("s3", "s3a"):
+        return None
+    pid = os.getpid()
+    if pid not in _DIRECT:
+        with _LOCK:
+            if pid not in _DIRECT:
+                _DIRECT[pid] = _make_direct(_options())
+    return _DIRECT[pid]
+
+
+def _make_direct(options: dict):
+    if not direct_options(options):
+        return None
+    try:
+        import botocore
+        import botocore.config
+        import botocore.session
+    except ImportError:
+        return None
+    endpoint = options.get("endpoint_url") or options.get("endpoint_override") \
+        or _endpoint("s3")
+    if endpoint and "://" not in endpoint:
+        endpoint = f"{options.get('scheme', 'https')}://{endpoint}"
+    config = botocore.config.Config(
+        connect_timeout=float(options.get("connect_timeout") or CONNECT_TIMEOUT_S),
+        read_timeout=float(options.get("request_timeout") or REQUEST_TIMEOUT_S),
+        retries={"max_attempts": SDK_ATTEMPTS, "mode": "standard"},
+        max_pool_connections=DIRECT_CONNECTIONS,
+        signature_version=botocore.UNSIGNED if options.get("anonymous") else None)
+    region = options.get("region") or os.environ.get("AWS_REGION") \
+        or os.environ.get("AWS_DEFAULT_REGION")
+    return botocore.session.get_session().create_client(
+        "s3", endpoint_url=endpoint, region_name=region, config=config,
+        aws_access_key_id=options.get("access_key"),
+        aws_secret_access_key=options.get("secret_key"),
+        aws_session_token=options.get("session_token"))
+
+
+def _get(client, url: str, offset: int, size: int | None) -> tuple[bytes, int]:
+    """One GET of ``size`` bytes from ``offset`` (None: to the end), and the object's size;
+    botocore's errors as the ``OSError`` that pyarrow's client would raise."""
+    from botocore import exceptions as boto
+
+    bucket, _, key = url.split("://", 1)[1].partition("/")
+    end = "" if size is None else offset + size - 1
+    if size == 0:  # no range names zero bytes (S3 answers an invalid one with all)
+        return b"", offset
+    try:
+        answer = client.get_object(Bucket=bucket, Key=key, Range=f"bytes={offset}-{end}")
+        data = answer["Body"].read()
+    except boto.ClientError as exc:
+        error = exc.response.get("Error", {})
+        code = str(error.get("Code", ""))
+        status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+        if code in ("NoSuchKey", "404"):
+            raise FileNotFoundError(f"{url}: no such object") from None
+        if code == "InvalidRange":  # from past the end (an empty object's every range)
+            return b"", int(error.get("ActualObjectSize") or 0)
+        if code in ("AccessDenied", "403", "InvalidAccessKeyId", "SignatureDoesNotMatch"):
+            raise PermissionError(f"{url}: {code}") from None
+        if isinstance(status, int) and status >= 500:
+            raise OSError(f"{url}: HTTP status {status}: {code}") from None
+        raise OSError(f"{url}: {code}: {error.get('Message', '')}") from None
+    except (boto.ConnectTimeoutError, boto.ReadTimeoutError) as exc:
+        raise TimeoutError(f"{url}: timed out ({exc})") from None
+    except boto.EndpointConnectionError as exc:
+        raise ConnectionRefusedError(f"{url}: connection refused ({exc})") from None
+    except (boto.ConnectionError, boto.HTTPClientError, boto.ResponseStreamingError,
+            boto.IncompleteReadError) as exc:
+        raise ConnectionError(f"{url}: connection lost ({exc})") from None
+    span = answer.get("ContentRange") or ""
+    total = int(span.rsplit("/", 1)[1]) if "/" in span else offset + len(data)
+    return data, total
 
 
 # ----------------------------------------------------------------------------- writing

@@ -178,3 +178,48 @@ def manifest_parts(s3: "S3Bucket", key: str) -> dict:
     except Exception:  # not uploaded yet
         return {}
 
+
+
+# --------------------------------------------------------------------------- request counts
+
+class RequestLog:
+    """The S3 server's own request log, counted: moto's server is werkzeug's, which logs one
+    ``"METHOD /path HTTP/1.1" status size`` record per request it answers on the
+    ``werkzeug`` logger. Within ``with RequestLog(bucket) as log:``, ``log.counts`` holds
+    the requests to ``bucket`` by method (those of every process: the server counts them)."""
+
+    def __init__(self, bucket: S3Bucket) -> None:
+        import collections
+
+        self.prefix = f"/{bucket.name}"
+        self.counts: collections.Counter = collections.Counter()
+        self._handler = logging.Handler(logging.INFO)
+        self._handler.emit = self._record
+        self._saved: tuple[int, bool] | None = None
+
+    def _record(self, record: logging.LogRecord) -> None:
+        import re
+
+        if not isinstance(record.args, tuple) or not record.args:
+            return
+        line = re.sub(r"\x1b\[[0-9;]*m", "", str(record.args[0])).split()
+        if len(line) >= 2 and line[1].startswith(self.prefix):
+            self.counts[line[0]] += 1
+
+    def reads(self) -> int:
+        """GET and HEAD requests so far."""
+        return self.counts["GET"] + self.counts["HEAD"]
+
+    def __enter__(self) -> "RequestLog":
+        logger = logging.getLogger("werkzeug")
+        self._saved = logger.level, logger.propagate
+        logger.setLevel(logging.INFO)
+        logger.propagate = False  # counted here, not shown in the test's report
+        logger.addHandler(self._handler)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        logger = logging.getLogger("werkzeug")
+        logger.removeHandler(self._handler)
+        logger.setLevel(self._saved[0])
+        logger.propagate = self._saved[1]

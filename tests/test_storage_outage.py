@@ -234,6 +234,9 @@ def test_a_store_that_stops_answering_ends_the_run_and_resume_finishes(s3_outage
     out = f"{s3.url}/out/" if where in ("output", "both") else str(tmp_path / "o.parquet")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT)}
     env.pop("DSV4ENC_WEIGHTS", None)
+    # The images are small: their header reads would hold them all for the decode, and the
+    # run would need the store no more. Held nothing, each decode reads its image.
+    env["DSV4ENC_HOLD_BYTES"] = "0"
     pauses = Pauses(tmp_path / "pauses", "commit")
     began = time.monotonic()
     proc = subprocess.Popen([sys.executable, "-m", "dsv4enc", "encode", inputs, "--out", out,

@@ -191,6 +191,9 @@ def probe_image(source, max_pixels: int = DEFAULT_MAX_PIXELS) -> Probe:
             return Probe(error=f"image has no pixels ({width}x{height})")
         return Probe(width=width, height=height, misnamed=actual)
     except Exception as exc:  # any unreadable file is an error row, never a crash
+        from .sources import release_held
+
+        release_held(source)  # never decoded: what its probe read ahead is not kept
         return Probe(error=read_failure(exc, source)[0])
     finally:
         if hasattr(handle, "close"):  # a stream over a container member: ours to close
@@ -438,8 +441,11 @@ class DecodePool:
         self._pumps: list[tuple[threading.Thread, threading.Event]] = []
 
     def close(self) -> None:
+        from .sources import HELD
+
         for pump, stop in list(self._pumps):  # an abandoned imap's thread uses the workers
             self._stop_pump(pump, stop)
+        HELD.clear()  # inputs read ahead for this run's decode
         for worker in self.workers:
             worker.stop(kill=worker.task is not None)
         self.workers = []
@@ -493,6 +499,10 @@ class DecodePool:
         ``window`` tasks are taken but not yet yielded (queued, decoding or decoded) at once,
         so memory stays bounded whatever the consumer's speed.
         """
+        from .sources import attach_held
+
+        # An input whose bytes were read ahead (``sources.HELD``) goes to its worker with them.
+        tasks = ((tag, attach_held(source)) for tag, source in tasks)
         if not self.workers:
             return ((tag, decode_image(path, self.cfg, self.max_pixels)) for tag, path in tasks)
         results: queue.SimpleQueue = queue.SimpleQueue()

@@ -8,7 +8,7 @@ on this module, which imports neither.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .formats import EXTENSION_FORMATS
 
@@ -42,12 +42,23 @@ class TableCell:
 
 @dataclass(frozen=True)
 class StoredObject:
-    """An image that is a whole object in a store (``InputItem.path`` is its URL): read by
-    the decode worker itself, whole or (header probes) by byte range. ``name`` is the URL, for
+    """An image that is a whole object in a store (``InputItem.path`` is its URL): its header
+    probe reads its first bytes (all of them for a small one, then held for the decode:
+    ``sources.HeldInputs``), else the decode worker reads it whole. ``name`` is the URL, for
     the format the name stands for; ``size`` as listed."""
 
     name: str
     size: int
+
+
+@dataclass(frozen=True)
+class Fetched:
+    """An input's bytes, read already (a small object's header read, a tar shard's streamed
+    members): a decode task carries them, so that the decode worker reads nothing. ``name``
+    is the locator's it replaces (the format the name stands for)."""
+
+    name: str | None
+    data: bytes = field(repr=False)
 
 
 @dataclass(frozen=True)
@@ -64,10 +75,11 @@ class InputItem:
 
     ``member`` locates the image inside a container file ``path`` (a ``TarMember`` or a
     ``TableCell``), marks ``path`` as an object in a store (a ``StoredObject``, ``path`` its
-    URL) or a container's damaged part (``Unreadable``); None for a plain image file.
-    ``sources.open_item`` reads it.
+    URL) or a container's damaged part (``Unreadable``); None for a plain image file. A
+    decode task's item may carry its bytes instead (``Fetched``). ``sources.open_item``
+    reads it.
     """
 
     key: str
     path: str
-    member: TarMember | TableCell | StoredObject | Unreadable | None = None
+    member: TarMember | TableCell | StoredObject | Fetched | Unreadable | None = None

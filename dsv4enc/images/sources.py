@@ -18,6 +18,12 @@ shards follow the WebDataset convention: a member ``dir/sample.jpg`` belongs to 
 (``NAME/s.jpg``), so keys stay unique. Compressed tars cannot be read member by member and are
 refused.
 
+In a store, each input is read once where it can be: a tar shard is indexed by one streamed
+read, which keeps its image members' bytes; a header probe reads the first ``HEAD_BYTES`` of
+an object (or a member not kept) in one request, which for a small one is all of it. Those
+bytes are held (``HeldInputs``, bounded) until the decode task takes them (``attach_held``),
+so that the decode worker reads nothing.
+
 Table rows are keyed by ``--key-column`` when given (its value as it is: the user's own ids);
 else ``NAME/<path>`` by the ``path`` field of a Hugging Face ``{bytes, path}`` image struct
 when it is set; else ``NAME#<row>`` (the row counted from 0 over the whole file).
@@ -43,12 +49,14 @@ import stat
 import tarfile
 import threading
 from collections import OrderedDict
+from dataclasses import replace
 from pathlib import PurePosixPath
 from typing import TYPE_CHECKING, Any, BinaryIO, Sequence
 
 from .. import storage
 from ..errors import UsageError
-from .items import InputItem, StoredObject, TableCell, TarMember, Unreadable, is_image_name
+from .items import (Fetched, InputItem, StoredObject, TableCell, TarMember, Unreadable,
+                    is_image_name)
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -58,6 +66,13 @@ TAR_EXTENSIONS = (".tar",)
 
 #: Bytes of row-group columns a process keeps cached (at least the last one read is kept).
 CACHE_BYTES = 256 << 20
+#: What a header probe of an object in a store reads in its one request: an object (or tar
+#: member) no larger is read whole, and its decode needs no request of its own.
+HEAD_BYTES = 512 << 10
+#: Bytes of inputs read ahead that a process holds for their decode (``HeldInputs``): past
+#: them, a decode reads its input itself. ``DSV4ENC_HOLD_BYTES`` sets it (0: hold none).
+HOLD_BYTES = 256 << 20
+_HOLD_ENV = "DSV4ENC_HOLD_BYTES"
 
 
 class DamagedContainerError(ValueError):
@@ -83,11 +98,94 @@ def damaged_item(raw: str, offset: int, reason: str, name: str | None = None) ->
                      member=Unreadable(f"{raw}: damaged at byte {offset}: {reason}"))
 
 
-def _open_binary(path: str) -> BinaryIO:
-    """A local file, or an object in a store (``storage``), opened for seekable reads."""
-    if storage.is_url(path):
-        return storage.open_input(path)
-    return open(path, "rb")
+class HeldInputs:
+    """Inputs' bytes read ahead of their decode, by ``(path, offset)`` (-1: a whole object),
+    within a byte budget (``HOLD_BYTES``): once it is spent nothing more is held, so the
+    inputs read first, which are decoded first, keep theirs. Thread-safe."""
+
+    def __init__(self, max_bytes: int | None = None) -> None:
+        self.max_bytes = max_bytes
+        self._held: dict[tuple[str, int], bytes] = {}
+        self._bytes = 0
+        self._lock = threading.Lock()
+
+    def budget(self) -> int:
+        if self.max_bytes is not None:
+            return self.max_bytes
+        try:
+            return int(os.environ.get(_HOLD_ENV) or HOLD_BYTES)
+        except ValueError:
+            return HOLD_BYTES
+
+    def room(self, size: int) -> bool:
+        return self._bytes + size <= self.budget()
+
+    def hold(self, key: tuple[str, int], data: bytes) -> None:
+        with self._lock:
+            if key not in self._held and self.room(len(data)):
+                self._held[key] = data
+                self._bytes += len(data)
+
+    def peek(self, key: tuple[str, int] | None) -> bytes | None:
+        return None if key is None else self._held.get(key)
+
+    def take(self, key: tuple[str, int] | None) -> bytes | None:
+        with self._lock:
+            data = None if key is None else self._held.pop(key, None)
+            self._bytes -= len(data or b"")
+            return data
+
+    def clear(self) -> None:
+        with self._lock:
+            self._held.clear()
+            self._bytes = 0
+
+
+HELD = HeldInputs()
+
+
+def held_key(item: Any) -> tuple[str, int] | None:
+    """What ``HELD`` holds an item's bytes by: an object in a store, a tar member in one."""
+    member = getattr(item, "member", None)
+    if isinstance(member, StoredObject):
+        return item.path, -1
+    if isinstance(member, TarMember) and storage.is_url(item.path):
+        return item.path, member.offset
+    return None
+
+
+def attach_held(source: Any) -> Any:
+    """``source`` as a decode task sends it: an item whose bytes are held carries them
+    (``Fetched``; no longer held here), anything else is left as it is."""
+    data = HELD.take(held_key(source))
+    if data is None:
+        return source
+    return replace(source, member=Fetched(source.member.name, data))
+
+
+def release_held(source: Any) -> None:
+    """Drop what is held for ``source`` (a probe found it cannot be encoded)."""
+    HELD.take(held_key(source))
+
+
+def _read_ahead(item: InputItem) -> BinaryIO:
+    """A file over an object's (or a tar member's) bytes in a store for a header probe: its
+    first ``HEAD_BYTES`` in one request, held for the decode when that is all of it."""
+    key = held_key(item)
+    held = HELD.peek(key)
+    if held is not None:
+        return io.BytesIO(held)
+    member = item.member
+    if isinstance(member, TarMember):
+        start, size = member.offset, member.size
+        head = storage.read_range(item.path, start, min(size, HEAD_BYTES))
+    else:
+        start = 0
+        head, size = storage.read_head(item.path, HEAD_BYTES)
+    if len(head) >= size:
+        HELD.hold(key, head)
+        return io.BytesIO(head)
+    return io.BufferedReader(_RangeFile(item.path, start, size, head), buffer_size=256 << 10)
 
 
 def _size(path: str) -> int:
@@ -161,52 +259,52 @@ _BLOCK = tarfile.BLOCKSIZE
 def _open_tar(raw: str) -> tuple[tarfile.TarFile | None, int, str | None]:
     """``(archive, file size, None)``, or ``(None, size, why)`` when not even the first header
     reads. A compressed file is a usage error: it needs decompressing, not an error row."""
+    url = storage.is_url(raw)
     try:
         size = _size(raw)
-        with _open_binary(raw) as handle:
-            head = handle.read(8)
+        # In a store, the shard is read once, in order (``_ShardStream``): its headers and
+        # the members' data (kept for the header probes and the decode) alike.
+        handle = io.BufferedReader(_ShardStream(raw), 1 << 20) if url else open(raw, "rb")
     except OSError as exc:
         return None, 0, f"cannot read it: {exc.strerror or exc}"
-    for magic, kind in COMPRESSED_MAGIC.items():
-        if head.startswith(magic):
-            raise UsageError(f"{raw}: a {kind}-compressed tar; only uncompressed shards can "
-                             "be read member by member, decompress it first")
     try:
-        if storage.is_url(raw):
-            # Headers are read through a buffer: small members' headers come several to a
-            # request, and tarfile's seeks past the data stay inside it.
-            archive = tarfile.open(fileobj=io.BufferedReader(storage.open_input(raw), 1 << 20),
-                                   mode="r:")
-        else:
-            archive = tarfile.open(raw, mode="r:")
+        head = handle.peek(8)[:8]
+        for magic, kind in COMPRESSED_MAGIC.items():
+            if head.startswith(magic):
+                raise UsageError(f"{raw}: a {kind}-compressed tar; only uncompressed shards "
+                                 "can be read member by member, decompress it first")
+        archive = tarfile.open(fileobj=handle, mode="r:")
     except (tarfile.TarError, OSError) as exc:
+        handle.close()
         return None, size, f"not a tar file, or its first header is damaged ({exc})"
+    except UsageError:
+        handle.close()
+        raise
     # From here on, a damaged header is skipped block by block up to the next valid one (what
     # GNU tar does); the gaps are reported below instead of ending the index silently.
     archive.ignore_zeros = True
     return archive, size, None
 
 
-def _first_nonzero(raw: str, start: int, stop: int) -> int | None:
-    """The offset of the first non-zero byte in ``[start, stop)`` of the file, if any."""
-    with _open_binary(raw) as handle:
-        handle.seek(start)
-        at = start
-        while at < stop:
-            chunk = handle.read(min(1 << 20, stop - at))
-            if not chunk:
-                return None
-            stripped = chunk.lstrip(b"\0")
-            if stripped:
-                return at + len(chunk) - len(stripped)
-            at += len(chunk)
+def _first_nonzero(handle: BinaryIO, start: int, stop: int) -> int | None:
+    """The offset of the first non-zero byte in ``[start, stop)`` of the open file, if any."""
+    handle.seek(start)
+    at = start
+    while at < stop:
+        chunk = handle.read(min(1 << 20, stop - at))
+        if not chunk:
+            return None
+        stripped = chunk.lstrip(b"\0")
+        if stripped:
+            return at + len(chunk) - len(stripped)
+        at += len(chunk)
     return None
 
 
 def _gap_damage(raw: str, start: int, stop: int) -> int | None:
     """Where the bytes between two members (``[start, stop)``) hold something other than
     zero blocks and pax global headers (which tarfile reads without yielding a member)."""
-    with _open_binary(raw) as handle:
+    with _RangeFile(raw, 0, stop) as handle:
         while start < stop:
             handle.seek(start)
             try:
@@ -216,17 +314,19 @@ def _gap_damage(raw: str, start: int, stop: int) -> int | None:
             if info.type != tarfile.XGLTYPE:
                 break
             start += _BLOCK + -(-info.size // _BLOCK) * _BLOCK
-    return _first_nonzero(raw, start, stop) if start < stop else None
+        return _first_nonzero(handle, start, stop) if start < stop else None
 
 
-def _tar_end_damage(raw: str, end: int, size: int, last: str | None) -> tuple[int, str] | None:
-    """Whether the archive, whose last member's data ends at ``end``, ends as a tar should:
-    with its end-of-archive marker (zero blocks). ``(offset, reason)`` if not."""
+def _tar_end_damage(handle: BinaryIO, end: int, size: int,
+                    last: str | None) -> tuple[int, str] | None:
+    """Whether the archive (``handle``, open), whose last member's data ends at ``end``, ends
+    as a tar should: with its end-of-archive marker (zero blocks). ``(offset, reason)`` if
+    not."""
     if end > size:
         return size, f"the file ends inside the data of member {last!r} (cut short?)"
     if end == size:
         return size, "the file ends without the tar end-of-archive marker (cut short?)"
-    if _first_nonzero(raw, end, min(size, end + _BLOCK)) is not None:
+    if _first_nonzero(handle, end, min(size, end + _BLOCK)) is not None:
         return end, ("no valid tar header here and up to the end of the file (a damaged or "
                      "cut header); members there are lost")
     return None
@@ -249,6 +349,20 @@ def _tar_locator(info: tarfile.TarInfo, raw: str,
                           f"{info.linkname!r}; links are not followed inside tar shards")
     kind = "a sparse file" if info.issparse() else "not a regular file"
     return Unreadable(f"{raw}: tar member {info.name!r} is {kind}")
+
+
+def _keep_member(archive: tarfile.TarFile, raw: str, found: TarMember | Unreadable) -> None:
+    """Hold an image member's bytes for its probe and decode (``HELD``) as the index passes
+    them, for a shard in a store while the budget lasts (else they are read by range)."""
+    if (not isinstance(found, TarMember) or not storage.is_url(raw)
+            or found.offset != archive.fileobj.tell() or not HELD.room(found.size)):
+        return
+    try:
+        data = archive.fileobj.read(found.size)
+    except OSError:
+        return  # the index reads on and reports the damage
+    if len(data) == found.size:
+        HELD.hold((raw, found.offset), data)
 
 
 def expand_tar(raw: str, name: str | None = None) -> tuple[list[InputItem], int]:
@@ -296,13 +410,13 @@ def expand_tar(raw: str, name: str | None = None) -> tuple[list[InputItem], int]
                 continue
             if is_image_name(base):
                 entries.append((key, info.name, _tar_locator(info, raw, files)))
+                _keep_member(archive, raw, entries[-1][2])
                 keys_seen[key] = keys_seen.get(key, 0) + 1
             else:
                 other_keys.add(key)
-    if storage.is_url(raw):  # a file object given to tarfile is the caller's to close
-        archive.fileobj.close()
-    if damage is None:
-        damage = _tar_end_damage(raw, end, size, last)
+    if damage is None:  # in a store, the end is still in the stream's buffer, as a rule
+        damage = _tar_end_damage(archive.fileobj, end, size, last)
+    archive.fileobj.close()  # a file object given to tarfile is the caller's to close
     if damage is not None:
         entries.append((None, "", damaged_item(raw, *damage, name)))
     items = []
@@ -315,13 +429,15 @@ def expand_tar(raw: str, name: str | None = None) -> tuple[list[InputItem], int]
     return items, len(other_keys - keys_seen.keys())
 
 
-class _MemberFile(io.RawIOBase):
-    """A read-only file over one tar member's bytes (for header probes: PIL reads only as
-    much of it as it needs)."""
+class _RangeFile(io.RawIOBase):
+    """A read-only file over ``size`` bytes of a file or an object from ``start`` (for
+    header probes: PIL reads only as much as it needs), the first of them in ``head``
+    already. In a store, each read past ``head`` is one ranged request."""
 
-    def __init__(self, path: str, member: TarMember) -> None:
-        self._file = _open_binary(path)
-        self._start, self._size, self._pos = member.offset, member.size, 0
+    def __init__(self, path: str, start: int, size: int, head: bytes = b"") -> None:
+        self._url = storage.is_url(path)
+        self._path, self._file = path, None if self._url else open(path, "rb")
+        self._start, self._size, self._pos, self._head = start, size, 0, head
 
     def readable(self) -> bool:
         return True
@@ -341,14 +457,80 @@ class _MemberFile(io.RawIOBase):
         n = max(0, min(len(buffer), self._size - self._pos))
         if n == 0:
             return 0
-        self._file.seek(self._start + self._pos)
-        got = self._file.readinto(memoryview(buffer)[:n])
-        self._pos += got
-        return got
+        if self._pos + n <= len(self._head):
+            data = self._head[self._pos:self._pos + n]
+        elif self._url:
+            data = storage.read_range(self._path, self._start + self._pos, n)
+        else:
+            self._file.seek(self._start + self._pos)
+            data = self._file.read(n)
+        buffer[:len(data)] = data
+        self._pos += len(data)
+        return len(data)
+
+    def close(self) -> None:
+        if not self.closed and self._file is not None:
+            self._file.close()
+        super().close()
+
+
+#: The last bytes a shard's stream keeps: the end-of-archive blocks (a tar's last record,
+#: 10 KiB as a rule) are read again from them, not by a request.
+_TAIL_BYTES = 64 << 10
+
+
+class _ShardStream(io.RawIOBase):
+    """A tar shard in a store read in order by one streamed request (``storage.open_stream``):
+    a seek forward reads past the bytes between; a read behind the stream's last
+    ``_TAIL_BYTES`` (a damaged region looked at again) is a ranged request of its own."""
+
+    def __init__(self, url: str) -> None:
+        self._url, self._stream = url, storage.open_stream(url)
+        self._pos = self._at = 0  # where the reader is, where the stream is
+        self._tail = b""  # the stream's last bytes, up to ``_at``
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: _size(self._url)}[whence]
+        self._pos = max(0, base + offset)
+        return self._pos
+
+    def tell(self) -> int:
+        return self._pos
+
+    def readinto(self, buffer) -> int:
+        if self._pos >= self._at - len(self._tail) and self._pos < self._at:
+            start = self._pos - (self._at - len(self._tail))
+            data = self._tail[start:start + len(buffer)]
+        elif self._pos < self._at:
+            data = storage.read_range(self._url, self._pos, len(buffer))
+        else:
+            while self._at < self._pos:  # past what the reader skips
+                skipped = self._stream.read(min(1 << 20, self._pos - self._at))
+                if not skipped:
+                    return 0
+                self._keep(skipped)
+            data = self._stream.read(len(buffer))
+            self._keep(data)
+        buffer[:len(data)] = data
+        self._pos += len(data)
+        return len(data)
+
+    def _keep(self, data: bytes) -> None:
+        self._at += len(data)
+        if len(data) >= _TAIL_BYTES:
+            self._tail = data[-_TAIL_BYTES:]
+        elif data:
+            self._tail = (self._tail + data)[-_TAIL_BYTES:]
 
     def close(self) -> None:
         if not self.closed:
-            self._file.close()
+            self._stream.close()
         super().close()
 
 
@@ -694,22 +876,28 @@ def cell_file(named: str, table: str, roots: tuple[str, ...] = ()) -> str:
 # ----------------------------------------------------------------------------- reading items
 
 def open_item(item: InputItem, stream: bool = False) -> str | bytes | BinaryIO:
-    """What to decode for ``item``: a file path, the bytes of a container member, or (with
-    ``stream``, for tar members and table cells) a file object over the member that the
-    caller closes."""
+    """What to decode for ``item``: a file path, the bytes of a container member or an
+    object, or (with ``stream``, for header probes) a file object over them that the caller
+    closes."""
     member = getattr(item, "member", None)
     if member is None:
         return item.path
+    if isinstance(member, Fetched):
+        return io.BytesIO(member.data) if stream else member.data
+    if stream and held_key(item) is not None:  # a header probe in a store
+        return _read_ahead(item)
+    held = HELD.take(held_key(item))  # a decode in the process that read ahead
+    if held is not None:
+        return held
     if isinstance(member, TarMember):
         if stream:
-            return io.BufferedReader(_MemberFile(item.path, member), buffer_size=64 << 10)
+            return io.BufferedReader(_RangeFile(item.path, member.offset, member.size),
+                                     buffer_size=64 << 10)
         return read_tar_member(item.path, member)
     if isinstance(member, TableCell):
         return read_table_cell(item.path, member, stream)
     if isinstance(member, StoredObject):
-        if stream:  # a header probe: PIL's small reads come from one ranged request
-            return io.BufferedReader(storage.open_input(item.path), buffer_size=256 << 10)
-        return storage.read_bytes(item.path)
+        return storage.read_object(item.path)
     if isinstance(member, Unreadable):
         raise DamagedContainerError(member.reason)
     raise TypeError(f"unknown member locator {member!r}")

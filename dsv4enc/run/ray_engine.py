@@ -39,6 +39,7 @@ from typing import Any, Sequence
 
 from ..errors import DsvError, Interrupted, UsageError
 from ..images.discover import nothing_found
+from ..images.sources import attach_held
 from .options import EncodeOptions, available_cpus, decode_window, default_workers, validate
 
 log = logging.getLogger("dsv4enc")
@@ -603,7 +604,7 @@ class _RayRun:
                 while done < len(calls):
                     while sent < len(calls) and sent - done < window:
                         actor = min(range(len(load)), key=load.__getitem__)
-                        ref = self.actors[actor].encode_part.remote(calls[sent], schema,
+                        ref = self.actors[actor].encode_part.remote(_with_held(calls[sent]), schema,
                                                                     folder, drop_cache)
                         in_flight[ref] = (sent, actor)
                         load[actor] += 1
@@ -681,6 +682,12 @@ def part_calls(planned, todo, part_images: int, batch_tokens: int, max_images: i
             calls.append(PartCall(group[0].name, start, end, digest, entries,
                                   part_batches(planned, indices, batch_tokens, max_images)))
     return calls
+
+
+def _with_held(call: PartCall) -> PartCall:
+    """``call`` as it is sent: an item read ahead by its header probe goes with its bytes."""
+    return replace(call, entries=[(index, key, attach_held(item), *rest)
+                                  for index, key, item, *rest in call.entries])
 
 
 def _opening_line(opts: EncodeOptions, inputs: int, plan: ActorPlan,

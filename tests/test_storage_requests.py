@@ -1,0 +1,186 @@
+"""Requests per image on the local S3 server (``tests/objectstore.py``; its own request log
+counted, ``RequestLog``): a folder of objects is read with about one GET per image, and a
+tar shard is streamed, not read member by member. The rows are the local inputs' rows, bit
+for bit."""
+
+from __future__ import annotations
+
+import io
+import tarfile
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from dsv4enc import read_embeddings
+from dsv4enc.cli import app
+
+from helpers import CONFIGS
+from objectstore import RequestLog, noise_images
+
+runner = CliRunner()
+RUN = ["--config", str(CONFIGS / "tiny.json"), "--random-init", "--device", "cpu",
+       "--workers", "2", "-q"]
+
+
+def encode(*sources: str, out) -> None:
+    result = runner.invoke(app, ["encode", *sources, "--out", str(out), *RUN])
+    assert result.exit_code == 0, result.output
+
+
+def rows(out) -> dict:
+    return {r["path"]: r for r in read_embeddings(out, ["path", "embedding", "error"],
+                                                  errors="include")}
+
+
+def assert_same_rows(local, remote) -> None:
+    a, b = rows(local), rows(remote)
+    assert sorted(a) == sorted(b)
+    for key, row in a.items():
+        assert row["error"] is None and b[key]["error"] is None, (key, b[key]["error"])
+        assert np.array_equal(row["embedding"], b[key]["embedding"]), key
+
+
+def test_a_folder_of_objects_takes_about_one_request_per_image(s3, tmp_path, capsys):
+    count = 100
+    folder, url = noise_images(s3, "objects", count, tmp_path)
+    encode(str(folder), out=tmp_path / "local.parquet")
+    with RequestLog(s3) as log:
+        encode(url, out=tmp_path / "remote.parquet")
+    with capsys.disabled():
+        print(f"\nfolder of {count} objects: {dict(log.counts)}, "
+              f"{log.reads() / count:.2f} GET/HEAD per image")
+    assert log.reads() <= 1.2 * count, dict(log.counts)
+    assert_same_rows(tmp_path / "local.parquet", tmp_path / "remote.parquet")
+
+
+def write_shard(path, first: int, count: int, rng) -> None:
+    from PIL import Image
+
+    with tarfile.open(path, "w") as archive:
+        for i in range(first, first + count):
+            buffer = io.BytesIO()
+            shape = (10 + i % 7, 14 + i % 5, 3)
+            Image.fromarray(rng.integers(0, 256, shape, dtype=np.uint8)).save(buffer, "PNG")
+            for name, data in ((f"s/{i:05d}.png", buffer.getvalue()), (f"s/{i:05d}.cls", b"1")):
+                info = tarfile.TarInfo(name)
+                info.size = len(data)
+                archive.addfile(info, io.BytesIO(data))
+
+
+def test_tar_shards_in_a_bucket_are_streamed(s3, tmp_path, capsys):
+    rng = np.random.default_rng(3)
+    shards, per_shard = 2, 100
+    local = tmp_path / "shards"
+    local.mkdir()
+    for n in range(shards):
+        write_shard(local / f"shard-{n:03d}.tar", n * per_shard, per_shard, rng)
+        s3.put(f"shards/shard-{n:03d}.tar", (local / f"shard-{n:03d}.tar").read_bytes())
+    encode(*(str(local / f"shard-{n:03d}.tar") for n in range(shards)),
+           out=tmp_path / "local.parquet")
+    with RequestLog(s3) as log:
+        encode(*(f"{s3.url}/shards/shard-{n:03d}.tar" for n in range(shards)),
+               out=tmp_path / "remote.parquet")
+    images = shards * per_shard
+    with capsys.disabled():
+        print(f"\n{shards} tar shards of {per_shard} images: {dict(log.counts)}, "
+              f"{log.reads() / images:.3f} GET/HEAD per image")
+    assert log.reads() <= 0.05 * images, dict(log.counts)
+    assert_same_rows(tmp_path / "local.parquet", tmp_path / "remote.parquet")
+
+
+# --------------------------------------------------------------------------- damaged shards
+
+DAMAGE = ["intact", "padded", "bad checksum", "cut in a header", "size too small",
+          "cut at a member boundary", "cut in a member's data"]
+
+
+def five_shard(kind: str) -> bytes:
+    from test_images_sources import add_bytes, damage, noise_png
+
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w", format=tarfile.GNU_FORMAT) as archive:
+        for i in range(5):
+            add_bytes(archive, f"{'d' * 120 if i == 3 else 's'}/s{i}.png", noise_png(i))
+    data = buffer.getvalue()
+    starts = [at for at in range(0, len(data), 512)
+              if data[at + 257:at + 262] == b"ustar" and data[at + 156:at + 157] == b"0"]
+    if kind == "intact":
+        return data
+    if kind == "padded":  # zero blocks between joined archives
+        return data + data
+    return damage(kind, data, starts)
+
+
+def read(item, same) -> bytes | str:
+    """An item's bytes, or the error that reading it raises."""
+    from dsv4enc.images import sources
+
+    try:
+        return sources.open_item(item)
+    except Exception as exc:
+        return same(f"{type(exc).__name__}: {exc}")
+
+
+@pytest.mark.parametrize("hold", ["default", "none"])
+@pytest.mark.parametrize("kind", DAMAGE)
+def test_a_shard_in_a_bucket_reads_as_the_same_file_on_disk(s3, tmp_path, monkeypatch, kind,
+                                                            hold):
+    """Streamed from the bucket (its members kept for the probes and the decode, or, with
+    nothing held, each read by range), a shard gives the items, header probes and bytes of
+    the same file on disk, damaged or not."""
+    from dsv4enc.images import sources
+    from dsv4enc.images.decode import probe_image
+
+    if hold == "none":
+        monkeypatch.setenv("DSV4ENC_HOLD_BYTES", "0")
+    data = five_shard(kind)
+    path = tmp_path / "shard.tar"
+    path.write_bytes(data)
+    url = s3.put("d/shard.tar", data)
+    local, remote = sources.expand_tar(str(path)), sources.expand_tar(url)
+    try:
+        def same(text):
+            return str(text).replace(url, "FILE").replace(str(path), "FILE")
+
+        assert remote[1] == local[1]
+        assert [same(i) for i in remote[0]] == [same(i) for i in local[0]]
+        held = sum(len(sources.HELD.peek(sources.held_key(i)) or b"") for i in remote[0])
+        assert held == (0 if hold == "none" else sum(  # every member whose data is there
+            i.member.size for i in remote[0] if isinstance(i.member, sources.TarMember)
+            and i.member.offset + i.member.size <= len(data)))
+        for mine, theirs in zip(local[0], remote[0]):
+            assert same(probe_image(theirs)) == same(probe_image(mine))
+            if isinstance(mine.member, sources.TarMember):
+                assert read(sources.attach_held(theirs), same) == read(mine, same)
+    finally:
+        sources.HELD.clear()
+
+
+# --------------------------------------------------------------------------- the reads
+
+@pytest.mark.parametrize("client", ["botocore", "pyarrow"])
+def test_each_read_is_one_get_or_pyarrows_head_and_get(s3, client):
+    """botocore's single GET and pyarrow's open-and-read (an option that only pyarrow takes
+    sends reads there) give the same bytes; botocore's need no HEAD."""
+    from dsv4enc import storage
+
+    storage.configure(["load_frequency=900"] if client == "pyarrow" else None)
+    data = bytes(range(256)) * 40
+    url, empty = s3.put("r/x.bin", data), s3.put("r/empty.bin", b"")
+    reads = [(lambda: storage.read_head(url, 100), (data[:100], len(data))),
+             (lambda: storage.read_head(url, 1 << 20), (data, len(data))),
+             (lambda: storage.read_object(url), data),
+             (lambda: storage.read_range(url, 500, 10), data[500:510]),
+             (lambda: storage.read_head(empty, 100), (b"", 0)),
+             (lambda: storage.read_object(empty), b"")]
+    for read, want in reads:
+        with RequestLog(s3) as log:
+            assert read() == want
+        if client == "botocore":
+            assert dict(log.counts) == {"GET": 1}
+        else:  # no GET of an empty object: its size says so
+            assert log.counts["HEAD"] == 1 and log.counts["GET"] <= 1, dict(log.counts)
+    with pytest.raises(FileNotFoundError):
+        storage.read_object(f"{s3.url}/r/missing.bin")
+    storage.configure(None)

@@ -34,6 +34,7 @@ from typer.testing import CliRunner
 
 from dsv4enc.output import parts as writer
 from dsv4enc.output.update import STAMPS_FILE
+from dsv4enc.output.read import load_manifest
 from dsv4enc.cli import app
 from dsv4enc.errors import OutputError, UsageError
 from dsv4enc.output.layout import LOCK_NAME
@@ -404,18 +405,19 @@ def test_resume_retries_a_broken_download_replaced_by_a_good_file(data, tmp_path
 
 def _fail_after_parts(data: Path, out: Path, parts: int, **changes) -> None:
     """Run until ``parts`` parts are recorded, then fail as a full disk would."""
-    real_save = writer.write_json_atomic
+    real_record = writer.PartLedger._record
 
-    def save(doc, path):
-        if len(doc["parts"]) > parts:
-            raise writer.output_os_error(path, OSError(errno.ENOSPC, "No space left"))
-        return real_save(doc, path)
+    def record(self, name, entry):
+        if len(self.parts) >= parts:
+            raise writer.output_os_error(self.journal_path,
+                                         OSError(errno.ENOSPC, "No space left"))
+        return real_record(self, name, entry)
 
-    writer.write_json_atomic = save
+    writer.PartLedger._record = record
     try:
         run_encode(options([data], out, **changes))
     finally:
-        writer.write_json_atomic = real_save
+        writer.PartLedger._record = real_record
 
 
 def test_resume_reuses_unchanged_parts_of_an_interrupted_single_file_run(data, tmp_path):
@@ -568,7 +570,7 @@ def test_sigkill_long_before_the_part_ends_loses_at_most_commit_every(data, tmp_
         proc.kill()
         proc.wait()
     assert not out.exists()
-    parts = json.loads((partial / "_manifest.json").read_text())["parts"]
+    parts = load_manifest(partial / "_manifest.json")["parts"]
     assert first["name"] in parts and first["end"] < 40  # long before the part's end
     summary = run_encode(options([data], out, resume=True, part_images=1000, commit_every=0.2))
     assert summary.reused >= 1

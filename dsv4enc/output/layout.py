@@ -31,8 +31,8 @@ from ..images.headers import inputs_digest
 from ..pausepoints import pause
 from .appending import GROWING_NAME
 from .update import STAMPS_FILE, Update
-from .parts import (LOCK_NAME, MANIFEST_FILE, MANIFEST_NAME, PART_FILE, TEMP_FILE, PartLedger,
-                    PartStore, Row, StreamingAssembler, output_os_error, read_manifest,
+from .parts import (JOURNAL_FILE, LOCK_NAME, MANIFEST_FILE, MANIFEST_NAME, PART_FILE, TEMP_FILE,
+                    PartLedger, PartStore, Row, StreamingAssembler, output_os_error, read_manifest,
                     rows_per_group, rows_to_table)
 
 if TYPE_CHECKING:
@@ -199,6 +199,7 @@ class OutputLayout:
                                  or (not self.folder_mode and temp.group(1) == self.out.name)):
             return True
         return manifests and bool(PART_FILE.fullmatch(name) or MANIFEST_FILE.fullmatch(name)
+                                  or JOURNAL_FILE.fullmatch(name)
                                   or name == GROWING_NAME or STAMPS_FILE.fullmatch(name))
 
     def _owned_and_foreign(self) -> tuple[list[Path], list[str]]:

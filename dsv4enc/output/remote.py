@@ -49,7 +49,7 @@ from typing import Any, Callable, Sequence, TypeVar
 from .. import storage
 from ..errors import DsvError, OutputError
 from .parts import LOCK_NAME, MANIFEST_FILE, PART_FILE, read_manifest
-from .read import MANIFEST_NAME
+from .read import MANIFEST_NAME, journal_path, load_manifest
 from .update import STAMPS_FILE
 
 log = logging.getLogger("dsv4enc")
@@ -109,6 +109,7 @@ class RemoteOutput:
         self.staged_out = str(self.local_out) + ("/" if self.folder_mode else "")
         self._uploaded: dict[str, tuple[int, int]] = {}  # part name -> (size, mtime_ns)
         self._manifests: dict[str, bytes] = {}  # manifest name -> content uploaded
+        self._seen: dict[str, tuple] = {}  # manifest name -> its files' state when uploaded
         self._lock_held = False
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -227,7 +228,7 @@ class RemoteOutput:
                 (self.local_parts / first).touch()  # foreign: the local checks name it
         for path in self.local_parts.iterdir():
             if MANIFEST_FILE.fullmatch(path.name) and self._mine(path.name):
-                self._manifests[path.name] = path.read_bytes()
+                self._manifests[path.name] = _whole_manifest(path) or b""
                 if self.overwrite:
                     self._replaced.add(path.name)
         if self.sharded and self.overwrite:
@@ -254,7 +255,7 @@ class RemoteOutput:
         for obj in objects:
             if MANIFEST_FILE.fullmatch(obj.key):
                 self._download(obj, self.local_parts / obj.key)
-                self._manifests[obj.key] = (self.local_parts / obj.key).read_bytes()
+                self._manifests[obj.key] = _whole_manifest(self.local_parts / obj.key) or b""
                 if self.overwrite:
                     self._replaced.add(obj.key)
             elif PART_FILE.fullmatch(obj.key) and self.resume:
@@ -360,11 +361,14 @@ class RemoteOutput:
             for manifest in sorted(self.local_parts.iterdir()):
                 if not MANIFEST_FILE.fullmatch(manifest.name) or not self._mine(manifest.name):
                     continue
-                try:
-                    content = manifest.read_bytes()
-                except FileNotFoundError:
+                state = _local_state(manifest)
+                if self._seen.get(manifest.name) == state:
+                    continue  # neither the manifest nor its journal changed since
+                content = _whole_manifest(manifest)
+                if content is None:
                     continue
                 if self._manifests.get(manifest.name) == content:
+                    self._seen[manifest.name] = state
                     continue
                 document = json.loads(content)
                 try:
@@ -378,6 +382,7 @@ class RemoteOutput:
                     continue  # the run removed its parts meanwhile (the final file is made)
                 storage.upload(storage.join(self.parts_url, manifest.name), content)
                 self._manifests[manifest.name] = content
+                self._seen[manifest.name] = state
 
     def _upload_part(self, name: str) -> None:
         path = self.local_parts / name
@@ -499,6 +504,30 @@ def _manifest_rank(name: str) -> int | None:
     """The rank of a rank's manifest name (``_manifest-rank001.json``), else None."""
     match = re.fullmatch(r"_manifest-rank(\d{3})\.json", name)
     return None if match is None else int(match.group(1))
+
+
+def _whole_manifest(path: Path) -> bytes | None:
+    """A local manifest with its journal applied, as the one object the store keeps (the
+    store has no journal: its manifest object is replaced whole); None when it is gone."""
+    try:
+        document = load_manifest(path)
+    except (OSError, ValueError):
+        return None
+    if isinstance(document, dict):
+        document.pop("journal", None)
+    return json.dumps(document, indent=1, sort_keys=True).encode()
+
+
+def _local_state(manifest: Path) -> tuple:
+    """What changes when a manifest is rewritten or its journal grows."""
+    state = []
+    for path in (manifest, journal_path(manifest)):
+        try:
+            st = path.stat()
+            state.append((st.st_ino, st.st_size, st.st_mtime_ns))
+        except OSError:
+            state.append(None)
+    return tuple(state)
 
 
 def _local_id(path: Path) -> tuple[int, int]:

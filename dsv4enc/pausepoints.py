@@ -13,7 +13,9 @@ Without those variables, as in every real run, a point costs one environment loo
 
 The points: ``commit`` (a part was committed: a kill now loses nothing before it) and
 ``encoded`` (a batch's rows were counted in the progress), and under ``--engine ray``
-``segment`` (an encoder actor is about to encode a segment; it reports its ``pid``).
+``segment`` (an encoder actor is about to encode a segment; it reports its ``pid``), and
+``upload`` (the child process that uploads a single-file output to object storage sent
+another chunk of it; it reports its ``pid`` and the bytes ``sent``).
 """
 
 from __future__ import annotations

@@ -8,7 +8,10 @@ order that keeps it crash-safe:
 - the manifest object, which lists the parts, is uploaded after every part it lists: it is
   the commit record (a part object no manifest lists is not part of the output);
 - a single-file output is uploaded as one complete object at the end, then the parts
-  (``OUT.partial/``) are deleted.
+  (``OUT.partial/``) are deleted. The upload is whole or absent
+  (``storage.upload_file_whole``): an interrupted or failed one leaves no object, and a
+  run whose output would outgrow what one upload can hold is refused before it encodes
+  (``OutputLayout.check_file_size``).
 
 Before a run, the output's dsv4enc objects are brought into the staging folder: its
 manifests always, its parts with ``--resume`` (so ``--resume`` reuses the committed ones), a
@@ -118,6 +121,12 @@ class RemoteOutput:
         # --overwrite: the earlier run's manifests, deleted before this run uploads a part
         # (a part object may take an old name: no old manifest may list it meanwhile).
         self._replaced: set[str] = set()
+
+    @property
+    def max_file_bytes(self) -> int | None:
+        """The largest single-file output this store takes in one upload (None: a folder
+        output, or no known limit)."""
+        return None if self.folder_mode else storage.max_object_bytes(self.url)
 
     @classmethod
     def for_out(cls, out: str, **settings) -> "RemoteOutput | None":
@@ -421,7 +430,7 @@ class RemoteOutput:
                 self.sync()
                 self._delete_unlisted(list(self._manifests))
             else:
-                storage.upload_file(self.local_out, self.url)
+                storage.upload_file_whole(self.local_out, self.url)  # whole, or none
                 for obj in storage.list_files(self.parts_url):
                     if _ours(obj.key):
                         _delete(obj.url)

@@ -5,6 +5,7 @@ starts, resumes or finishes; and the bytes a whole run writes for its output.
 
     python benchmarks/manifest_cost.py [--parts 10,1000,100000] [--commits 50]
     python benchmarks/manifest_cost.py --run 4000 [--part-images 2]
+    python benchmarks/manifest_cost.py --run 2000 --part-images 50 --update 1,5
 
 Bytes are this process's, from /proc/self/io: ``wchar`` (bytes handed to write calls) and
 ``write_bytes`` (bytes sent to the disk, less ``cancelled_write_bytes``).
@@ -57,35 +58,55 @@ def commit_cost(parts: list[int], commits: int, repeat: int) -> None:
               f"save median {statistics.median(saves) * 1e3:.1f} ms", flush=True)
 
 
-def run_cost(images: int, part_images: int) -> None:
-    """A real run of ``images`` small images into a folder, a part per ``part_images``,
-    committing after every segment; its bytes written against the output's size."""
+def noise_png(path: Path, seed: int) -> None:
     import numpy as np
     from PIL import Image
 
+    rng = np.random.default_rng(seed)
+    Image.fromarray(rng.integers(0, 256, (32, 32, 3), dtype=np.uint8)).save(path)
+
+
+def measured_run(what: str, data: Path, out: Path, part_images: int, **more) -> None:
+    """One run of ``data`` into the folder ``out``: its bytes written against the output's."""
     from dsv4enc.run.pipeline import EncodeOptions, run_encode
 
-    root = Path(tempfile.mkdtemp(prefix="dsv4enc-runcost-"))
-    data = root / "images"
-    data.mkdir()
-    rng = np.random.default_rng(0)
-    for i in range(images):
-        Image.fromarray(rng.integers(0, 256, (32, 32, 3), dtype=np.uint8)).save(
-            data / f"img{i:06d}.png")
-    out = root / "out"
     config = Path(__file__).resolve().parent.parent / "configs" / "tiny.json"
     wchar, disk = io_bytes()
     began = time.perf_counter()
-    run_encode(EncodeOptions(inputs=[str(data)], out=f"{out}/", config=str(config),
-                             random_init=True, device="cpu", part_images=part_images,
-                             commit_every=1e-6, workers=0, progress=False))
+    summary = run_encode(EncodeOptions(inputs=[str(data)], out=f"{out}/", config=str(config),
+                                       random_init=True, device="cpu", workers=0,
+                                       part_images=part_images, progress=False, **more))
     seconds = time.perf_counter() - began
     wchar, disk = io_bytes()[0] - wchar, io_bytes()[1] - disk
     size = sum(p.stat().st_size for p in out.iterdir())
     parts = sum(1 for p in out.glob("*.parquet"))
-    print(f"{images} images, {parts} parts, {seconds:.1f} s: output {size / 1e6:.1f} MB, "
-          f"wrote {wchar / 1e6:.1f} MB ({wchar / size:.2f}x; to disk {disk / 1e6:.1f} MB, "
-          f"{disk / size:.2f}x)", flush=True)
+    print(f"{what}: {summary.encoded} encoded, {summary.reused} reused, {parts} parts, "
+          f"{seconds:.1f} s: output {size / 1e6:.1f} MB, wrote {wchar / 1e6:.2f} MB "
+          f"({wchar / size:.1%}; to disk {disk / 1e6:.2f} MB, {disk / size:.1%})", flush=True)
+
+
+def run_cost(images: int, part_images: int, update: str | None) -> None:
+    """A real run of ``images`` small images into a folder, a part per ``part_images``;
+    without ``update`` committing after every segment, with ``update`` (``CHANGED,NEW``)
+    then an ``--update`` after that many images changed (in the middle) and added (after
+    the last)."""
+    root = Path(tempfile.mkdtemp(prefix="dsv4enc-runcost-"))
+    data = root / "images"
+    data.mkdir()
+    for i in range(images):
+        noise_png(data / f"img{i:06d}.png", i)
+    out = root / "out"
+    if update is None:
+        measured_run("run", data, out, part_images, commit_every=1e-6)
+        return
+    measured_run("first run", data, out, part_images)
+    changed, new = (int(v) for v in update.split(","))
+    for k in range(changed):
+        noise_png(data / f"img{images // 2 + k * part_images:06d}.png", 10**6 + k)
+    for k in range(new):
+        noise_png(data / f"img{images + k:06d}.png", 2 * 10**6 + k)
+    measured_run(f"update ({changed} changed, {new} new)", data, out, part_images,
+                 update=True)
 
 
 def main() -> None:
@@ -95,9 +116,10 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--run", type=int, default=0, help="images of a real run to measure")
     parser.add_argument("--part-images", type=int, default=2)
+    parser.add_argument("--update", help="CHANGED,NEW: measure an --update of the run")
     args = parser.parse_args()
     if args.run:
-        run_cost(args.run, args.part_images)
+        run_cost(args.run, args.part_images, args.update)
     else:
         commit_cost([int(v) for v in args.parts.split(",")], args.commits, args.repeat)
 

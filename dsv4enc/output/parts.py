@@ -598,6 +598,11 @@ class PartStore(PartLedger):
         self._record(name, {"file": file, "start": start, "end": end, "digest": digest,
                             "rows": table.num_rows, "transient": transient_errors(table)})
 
+    def adopt(self, name: str, entry: dict[str, Any]) -> None:
+        """Record a part whose file is already where the output keeps it (``entry``: as
+        ``commit`` records one; ``update.Update.keep_parts``)."""
+        self._record(name, entry)
+
     def part_files(self) -> list[Path]:
         """Committed part files in input order."""
         ordered = sorted(self.parts.values(), key=lambda p: (p["start"], p["file"]))

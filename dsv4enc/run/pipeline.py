@@ -307,6 +307,9 @@ def _plan_output(opts: EncodeOptions, setup: RunSetup, layout: OutputLayout, ran
         update.count_into(summary)
     todo, summary.reused = resume_filter(store, parts, resuming, writes=ranks.writes,
                                          agree=ranks.agree_on_todo)
+    if update is not None:  # a folder's unchanged parts are kept as they are
+        todo, kept = update.keep_parts(store, todo, planned)
+        summary.reused += kept
     # each row's input stamp, kept with the output for a later --update
     stamps = (row_stamps((p.item.key, p.stamp) for p in planned)
               if ranks.is_main and not ranks.sharded else None)

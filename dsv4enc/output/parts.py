@@ -1,7 +1,8 @@
 """Parquet output (SPEC §9): crash-safe part files, a manifest, and the final file.
 
 Work is committed in closed part files: each is written under a hidden temporary name, fsynced
-and renamed, then the manifest (also written by rename) records it. A kill at any moment
+and renamed, then the manifest records it (one synced line appended to its journal; the
+manifest itself is written whole, by rename, when a run starts, resumes or finishes). A kill at any moment
 leaves only whole parts behind, and ``--resume`` reuses them. A single-file ``--out`` of
 several ranks or in object storage is assembled from the parts at the end, again by rename,
 so it is never half-written (a local one of one process skips the part files:

@@ -230,6 +230,31 @@ def test_overwrite_keeps_foreign_files_in_a_partial_folder(data, tmp_path):
     assert not out.exists()
 
 
+def _entry(i: int) -> dict:
+    return {"file": f"part-{i:06d}.parquet", "start": i, "end": i + 1, "digest": "d",
+            "rows": 1, "transient": 0}
+
+
+def test_commits_go_to_the_journal_and_a_torn_line_or_a_stale_journal_is_not_read(tmp_path):
+    store = writer.PartStore(tmp_path, {"tool": "dsv4enc"})
+    store.create()
+    for i in range(2):
+        store.adopt(f"part-{i:06d}", _entry(i))
+    manifest, journal = tmp_path / "_manifest.json", tmp_path / "_manifest.journal"
+    assert json.loads(manifest.read_text())["parts"] == {}  # not rewritten per commit
+    assert set(load_manifest(manifest)["parts"]) == {"part-000000", "part-000001"}
+    line = json.dumps({"name": "part-000002", "part": _entry(2)}).encode()
+    with open(journal, "ab") as handle:
+        handle.write(line[:20])  # a commit cut short by a crash
+    assert set(load_manifest(manifest)["parts"]) == {"part-000000", "part-000001"}
+    old = journal.read_bytes()[:-20] + line + b"\n"  # whole, but of the manifest before
+    store.save()
+    assert not journal.exists()
+    assert set(json.loads(manifest.read_text())["parts"]) == {"part-000000", "part-000001"}
+    journal.write_bytes(old)  # left by a crash between the manifest's write and its unlink
+    assert set(load_manifest(manifest)["parts"]) == {"part-000000", "part-000001"}
+
+
 def test_a_manifest_is_recognised_by_its_content():
     doc = writer.manifest_document({"tool": "dsv4enc"}, {"part-000000": {
         "file": "part-000000.parquet", "start": 0, "end": 3}})

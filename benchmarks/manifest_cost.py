@@ -1,8 +1,14 @@
-"""What dsv4enc's manifest costs per committed part, the commit record of `--engine ray`
-(and of every run): one atomic JSON write (temporary file, fsync, rename) listing every part
-so far, timed with N parts already listed.
+"""What committing a part costs with N parts already committed: one line appended to the
+manifest's journal and synced (``PartLedger._record``), against writing the whole manifest
+(``PartLedger.save``: temporary file, fsync, rename), which a run now does only when it
+starts, resumes or finishes; and the bytes a whole run writes for its output.
 
-    python benchmarks/manifest_cost.py [--parts 100,1000,10000]
+    python benchmarks/manifest_cost.py [--parts 10,1000,100000] [--commits 50]
+    python benchmarks/manifest_cost.py --run 4000 [--part-images 2]
+    python benchmarks/manifest_cost.py --run 2000 --part-images 50 --update 1,5
+
+Bytes are this process's, from /proc/self/io: ``wchar`` (bytes handed to write calls) and
+``write_bytes`` (bytes sent to the disk, less ``cancelled_write_bytes``).
 """
 
 from __future__ import annotations
@@ -16,27 +22,106 @@ from pathlib import Path
 from dsv4enc.output.parts import PartStore
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--parts", default="100,1000,10000")
-    parser.add_argument("--repeat", type=int, default=20)
-    args = parser.parse_args()
+def io_bytes() -> tuple[int, int]:
+    """(wchar, write_bytes - cancelled_write_bytes) of this process so far."""
+    fields = dict(line.split(": ") for line in Path("/proc/self/io").read_text().splitlines())
+    return (int(fields["wchar"]),
+            int(fields["write_bytes"]) - int(fields["cancelled_write_bytes"]))
+
+
+def entry(i: int) -> dict:
+    return {"file": f"part-{i:06d}.parquet", "start": i * 1024, "end": (i + 1) * 1024,
+            "digest": "a" * 24 + "." + "b" * 24, "rows": 1024, "transient": 0}
+
+
+def commit_cost(parts: list[int], commits: int, repeat: int) -> None:
     folder = Path(tempfile.mkdtemp(prefix="dsv4enc-manifest-"))
-    settings = {"tool": "dsv4enc", "part_images": 1024, "config": {"k": 1} }
-    for n in (int(v) for v in args.parts.split(",")):
+    settings = {"tool": "dsv4enc", "part_images": 1024, "config": {"k": 1}}
+    for n in parts:
         store = PartStore(folder, settings)
-        store.parts = {f"part-{i:06d}": {"file": f"part-{i:06d}.parquet", "start": i * 1024,
-                                         "end": (i + 1) * 1024, "digest": "a" * 24 + "." + "b" * 24,
-                                         "rows": 1024, "transient": 0} for i in range(n)}
-        times = []
-        for _ in range(args.repeat):
+        store.parts = {f"part-{i:06d}": entry(i) for i in range(n)}
+        saves = []
+        for _ in range(repeat):
             began = time.perf_counter()
             store.save()
-            times.append(time.perf_counter() - began)
+            saves.append(time.perf_counter() - began)
         size = store.manifest_path.stat().st_size
-        print(f"{n:>6} parts listed ({n * 1024:,} images at 1024 a part): manifest "
-              f"{size / 1024:.0f} KiB, save median {statistics.median(times) * 1e3:.1f} ms "
-              f"(min {min(times) * 1e3:.1f})", flush=True)
+        times = []
+        wrote = io_bytes()[0]
+        for i in range(n, n + commits):
+            began = time.perf_counter()
+            store._record(f"part-{i:06d}", entry(i))
+            times.append(time.perf_counter() - began)
+        per_commit = (io_bytes()[0] - wrote) / commits
+        print(f"{n:>7} parts committed: commit median {statistics.median(times) * 1e3:.2f} ms, "
+              f"{per_commit:.0f} bytes written; whole manifest {size / 1024:.0f} KiB, "
+              f"save median {statistics.median(saves) * 1e3:.1f} ms", flush=True)
+
+
+def noise_png(path: Path, seed: int) -> None:
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    Image.fromarray(rng.integers(0, 256, (32, 32, 3), dtype=np.uint8)).save(path)
+
+
+def measured_run(what: str, data: Path, out: Path, part_images: int, **more) -> None:
+    """One run of ``data`` into the folder ``out``: its bytes written against the output's."""
+    from dsv4enc.run.pipeline import EncodeOptions, run_encode
+
+    config = Path(__file__).resolve().parent.parent / "configs" / "tiny.json"
+    wchar, disk = io_bytes()
+    began = time.perf_counter()
+    summary = run_encode(EncodeOptions(inputs=[str(data)], out=f"{out}/", config=str(config),
+                                       random_init=True, device="cpu", workers=0,
+                                       part_images=part_images, progress=False, **more))
+    seconds = time.perf_counter() - began
+    wchar, disk = io_bytes()[0] - wchar, io_bytes()[1] - disk
+    size = sum(p.stat().st_size for p in out.iterdir())
+    parts = sum(1 for p in out.glob("*.parquet"))
+    print(f"{what}: {summary.encoded} encoded, {summary.reused} reused, {parts} parts, "
+          f"{seconds:.1f} s: output {size / 1e6:.1f} MB, wrote {wchar / 1e6:.2f} MB "
+          f"({wchar / size:.1%}; to disk {disk / 1e6:.2f} MB, {disk / size:.1%})", flush=True)
+
+
+def run_cost(images: int, part_images: int, update: str | None) -> None:
+    """A real run of ``images`` small images into a folder, a part per ``part_images``;
+    without ``update`` committing after every segment, with ``update`` (``CHANGED,NEW``)
+    then an ``--update`` after that many images changed (in the middle) and added (after
+    the last)."""
+    root = Path(tempfile.mkdtemp(prefix="dsv4enc-runcost-"))
+    data = root / "images"
+    data.mkdir()
+    for i in range(images):
+        noise_png(data / f"img{i:06d}.png", i)
+    out = root / "out"
+    if update is None:
+        measured_run("run", data, out, part_images, commit_every=1e-6)
+        return
+    measured_run("first run", data, out, part_images)
+    changed, new = (int(v) for v in update.split(","))
+    for k in range(changed):
+        noise_png(data / f"img{images // 2 + k * part_images:06d}.png", 10**6 + k)
+    for k in range(new):
+        noise_png(data / f"img{images + k:06d}.png", 2 * 10**6 + k)
+    measured_run(f"update ({changed} changed, {new} new)", data, out, part_images,
+                 update=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--parts", default="10,1000,100000")
+    parser.add_argument("--commits", type=int, default=50)
+    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--run", type=int, default=0, help="images of a real run to measure")
+    parser.add_argument("--part-images", type=int, default=2)
+    parser.add_argument("--update", help="CHANGED,NEW: measure an --update of the run")
+    args = parser.parse_args()
+    if args.run:
+        run_cost(args.run, args.part_images, args.update)
+    else:
+        commit_cost([int(v) for v in args.parts.split(",")], args.commits, args.repeat)
 
 
 if __name__ == "__main__":

@@ -13,8 +13,10 @@ Without those variables, as in every real run, a point costs one environment loo
 
 The points: ``commit`` (a part was committed: a kill now loses nothing before it) and
 ``encoded`` (a batch's rows were counted in the progress), and under ``--engine ray``
-``segment`` (an encoder actor is about to encode a part; it reports its ``pid``) and
-``written`` (an encoder actor wrote a part's file, not yet reported or committed).
+``segment`` (an encoder actor is about to encode a part; it reports its ``pid``),
+``written`` (an encoder actor wrote a part's file, not yet reported or committed) and
+``upload`` (the child process that uploads a single-file output to object storage sent
+another chunk of it; it reports its ``pid`` and the bytes ``sent``).
 """
 
 from __future__ import annotations

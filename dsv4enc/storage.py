@@ -863,3 +863,81 @@ def remove_empty_prefix(url: str) -> None:
         retrying(lambda: fs.delete_dir(path), store=store_of(url))
     except FileNotFoundError:
         pass
+
+
+# ----------------------------------------------------------------------------- whole objects
+
+#: pyarrow's S3 output stream uploads parts of 10 MiB whatever it is given, and a multipart
+#: upload has at most 10,000 parts (apache/arrow#40420): the largest object it can write.
+S3_STREAM_MAX_BYTES = 10_000 * (10 << 20)
+
+
+def max_object_bytes(url: str) -> int | None:
+    """The largest object one upload can write at ``url`` (None: no limit known)."""
+    return S3_STREAM_MAX_BYTES if scheme_of(url) in ("s3", "s3a") else None
+
+
+def upload_file_whole(path: "str | os.PathLike", url: str) -> None:
+    """``upload_file`` for an object that must never be seen short (a single-file output).
+
+    pyarrow's output stream completes its multipart upload when it is closed, also when an
+    exception (a second Ctrl-C, a read error) unwinds through it (apache/arrow#40502), which
+    would publish the bytes sent so far under ``url``. So the stream is written by a child
+    process that closes it only once every byte was sent, and that otherwise exits without
+    closing it, or is killed by this one: the upload is never completed, and ``url`` keeps
+    no object (or the one it held). The store keeps the incomplete upload until a lifecycle
+    rule aborts it. Other schemes (fsspec's) are written here as ``upload_file`` does: a
+    child would not share, e.g., ``memory://``'s store."""
+    import subprocess
+    import sys
+
+    if scheme_of(url) not in _BUCKET_SCHEMES:
+        upload_file(path, url)
+        return
+
+    def attempt() -> None:
+        child = subprocess.Popen(
+            [sys.executable, "-c", "from dsv4enc.storage import upload_child; upload_child()",
+             os.fspath(path), url], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE)
+        try:
+            _, err = child.communicate()
+        except BaseException:
+            child.kill()  # before it could close the stream: no object
+            child.wait()
+            raise
+        if child.returncode != 0:
+            lines = err.decode("utf-8", "replace").strip().splitlines()
+            raise OSError(lines[-1] if lines else f"the upload stopped ({child.returncode})")
+
+    retrying(attempt, store=store_of(url))
+    _SEEN.pop(url, None)
+
+
+def upload_child() -> None:
+    """The child of ``upload_file_whole`` (argv: the file, the URL): a signal ends it at
+    once, an error before the last byte exits without closing the stream."""
+    import signal
+    import sys
+
+    from .pausepoints import pause
+
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, signal.SIG_DFL)  # die where it is: the stream stays open
+    path, url = sys.argv[1], sys.argv[2]
+    try:
+        fs, target = filesystem(url)
+        size, sent = os.path.getsize(path), 0
+        out = fs.open_output_stream(target)
+        with open(path, "rb") as source:
+            while chunk := source.read(8 << 20):
+                out.write(chunk)
+                sent += len(chunk)
+                pause("upload", url=url, sent=sent, size=size, pid=os.getpid())
+        if sent != size:
+            raise OSError(f"{path} changed while it was uploaded")
+        out.close()
+    except BaseException as exc:
+        sys.stderr.write(f"{type(exc).__name__}: {_first_line(exc)}\n")
+        sys.stderr.flush()
+        os._exit(1)  # never close the stream: its upload is not completed

@@ -19,6 +19,7 @@ from dsv4enc.cli import app
 from dsv4enc.tower.config import VisionConfig
 from dsv4enc.errors import WeightsError
 from dsv4enc.images.discover import discover, read_path_list
+from dsv4enc.output.read import load_manifest
 
 from helpers import CONFIGS, signal_after_first_part, write_image
 
@@ -323,7 +324,7 @@ def test_inspect_of_an_interrupted_run_shows_what_was_committed_and_what_is_left
     stopped = encode(str(folder), "--out", out_arg, *common)
     assert stopped.exit_code == 143, stopped.output
     parts = out.with_name(out.name + ".partial") if kind == "file" else out
-    manifest = json.loads((parts / "_manifest.json").read_text())
+    manifest = load_manifest(parts / "_manifest.json")
     done = sum(part["rows"] for part in manifest["parts"].values())
     assert 4 <= done < 13 and manifest["inputs"] == 13
     wanted = (f"{len(manifest['parts'])} part{'s' if len(manifest['parts']) > 1 else ''}, "

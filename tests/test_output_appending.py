@@ -22,6 +22,7 @@ from dsv4enc.output.appending import GROWING_NAME, AppendingStore
 from dsv4enc.errors import OutputError
 from dsv4enc.run.pipeline import EncodeOptions, run_encode
 from dsv4enc.output.parts import Row, output_schema, rows_per_group, rows_to_table
+from dsv4enc.output.read import load_manifest
 
 from helpers import CONFIGS, torch_threads
 
@@ -178,7 +179,8 @@ def unfinished(images, tmp_path, monkeypatch) -> Path:
         with pytest.raises(OutputError):
             run_encode(options(images, tmp_path / "e.parquet"))
     partial = tmp_path / "e.parquet.partial"
-    assert sorted(p.name for p in partial.iterdir()) == [GROWING_NAME, "_manifest.json"]
+    assert sorted(p.name for p in partial.iterdir()) == [GROWING_NAME, "_manifest.journal",
+                                                          "_manifest.json"]
     return partial
 
 
@@ -190,13 +192,15 @@ def column_bytes(path: Path) -> int:
 
 
 def journal(partial: Path) -> dict:
-    return json.loads((partial / "_manifest.json").read_text())
+    """The manifest with its journal's parts (what every reader of it sees)."""
+    return load_manifest(partial / "_manifest.json")
 
 
 def keep_only(partial: Path, names: set[str]) -> dict:
     """Make the journal list only ``names`` (the others: not committed before a kill)."""
     data = journal(partial)
     data["parts"] = {n: p for n, p in data["parts"].items() if n in names}
+    data.pop("journal")  # written whole: the journal no longer applies
     (partial / "_manifest.json").write_text(json.dumps(data))
     return data["parts"]
 

@@ -34,6 +34,7 @@ from typer.testing import CliRunner
 
 from dsv4enc.output import parts as writer
 from dsv4enc.output.update import STAMPS_FILE
+from dsv4enc.output.read import load_manifest
 from dsv4enc.cli import app
 from dsv4enc.errors import OutputError, UsageError
 from dsv4enc.output.layout import LOCK_NAME
@@ -229,6 +230,31 @@ def test_overwrite_keeps_foreign_files_in_a_partial_folder(data, tmp_path):
     assert not out.exists()
 
 
+def _entry(i: int) -> dict:
+    return {"file": f"part-{i:06d}.parquet", "start": i, "end": i + 1, "digest": "d",
+            "rows": 1, "transient": 0}
+
+
+def test_commits_go_to_the_journal_and_a_torn_line_or_a_stale_journal_is_not_read(tmp_path):
+    store = writer.PartStore(tmp_path, {"tool": "dsv4enc"})
+    store.create()
+    for i in range(2):
+        store.adopt(f"part-{i:06d}", _entry(i))
+    manifest, journal = tmp_path / "_manifest.json", tmp_path / "_manifest.journal"
+    assert json.loads(manifest.read_text())["parts"] == {}  # not rewritten per commit
+    assert set(load_manifest(manifest)["parts"]) == {"part-000000", "part-000001"}
+    line = json.dumps({"name": "part-000002", "part": _entry(2)}).encode()
+    with open(journal, "ab") as handle:
+        handle.write(line[:20])  # a commit cut short by a crash
+    assert set(load_manifest(manifest)["parts"]) == {"part-000000", "part-000001"}
+    old = journal.read_bytes()[:-20] + line + b"\n"  # whole, but of the manifest before
+    store.save()
+    assert not journal.exists()
+    assert set(json.loads(manifest.read_text())["parts"]) == {"part-000000", "part-000001"}
+    journal.write_bytes(old)  # left by a crash between the manifest's write and its unlink
+    assert set(load_manifest(manifest)["parts"]) == {"part-000000", "part-000001"}
+
+
 def test_a_manifest_is_recognised_by_its_content():
     doc = writer.manifest_document({"tool": "dsv4enc"}, {"part-000000": {
         "file": "part-000000.parquet", "start": 0, "end": 3}})
@@ -404,18 +430,19 @@ def test_resume_retries_a_broken_download_replaced_by_a_good_file(data, tmp_path
 
 def _fail_after_parts(data: Path, out: Path, parts: int, **changes) -> None:
     """Run until ``parts`` parts are recorded, then fail as a full disk would."""
-    real_save = writer.write_json_atomic
+    real_record = writer.PartLedger._record
 
-    def save(doc, path):
-        if len(doc["parts"]) > parts:
-            raise writer.output_os_error(path, OSError(errno.ENOSPC, "No space left"))
-        return real_save(doc, path)
+    def record(self, name, entry):
+        if len(self.parts) >= parts:
+            raise writer.output_os_error(self.journal_path,
+                                         OSError(errno.ENOSPC, "No space left"))
+        return real_record(self, name, entry)
 
-    writer.write_json_atomic = save
+    writer.PartLedger._record = record
     try:
         run_encode(options([data], out, **changes))
     finally:
-        writer.write_json_atomic = real_save
+        writer.PartLedger._record = real_record
 
 
 def test_resume_reuses_unchanged_parts_of_an_interrupted_single_file_run(data, tmp_path):
@@ -568,7 +595,7 @@ def test_sigkill_long_before_the_part_ends_loses_at_most_commit_every(data, tmp_
         proc.kill()
         proc.wait()
     assert not out.exists()
-    parts = json.loads((partial / "_manifest.json").read_text())["parts"]
+    parts = load_manifest(partial / "_manifest.json")["parts"]
     assert first["name"] in parts and first["end"] < 40  # long before the part's end
     summary = run_encode(options([data], out, resume=True, part_images=1000, commit_every=0.2))
     assert summary.reused >= 1

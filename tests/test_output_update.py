@@ -20,7 +20,7 @@ from typer.testing import CliRunner
 
 from dsv4enc.cli import app
 from dsv4enc.errors import UsageError
-from dsv4enc.output.read import output_files
+from dsv4enc.output.read import load_manifest, output_files
 from dsv4enc.output.update import STAGING_NAME, STAMPS_FILE, STAMPS_KEY
 from dsv4enc.run.pipeline import EncodeOptions, run_encode
 
@@ -97,6 +97,7 @@ def test_update_equals_a_clean_run_and_encodes_only_new_and_changed(kind, tmp_pa
     given = str(out) + ("/" if kind == "folder" else "")  # a folder output: the slash says so
     first = run_encode(options(images, given))
     assert first.encoded == N_OLD
+    first_files = {p.name for p in out.glob("*.parquet")} if kind == "folder" else set()
     grow_change_shrink(images)
     report = tmp_path / "summary.json"
     result = runner.invoke(app, ["encode", str(images), "--out", given, "--config", CONFIG,
@@ -110,7 +111,10 @@ def test_update_equals_a_clean_run_and_encodes_only_new_and_changed(kind, tmp_pa
     assert_clean(out, clean[1])
     if kind == "folder":  # the old generation's parts and stamps are gone, no staging left
         names = sorted(p.name for p in out.iterdir())
-        assert all(".g1." in n for n in names if n.endswith(".parquet")), names
+        listed = {p["file"] for p in load_manifest(out / "_manifest.json")["parts"].values()}
+        # the new generation, and old parts kept as they are: no other part file
+        assert {n for n in names if n.endswith(".parquet")} == listed, names
+        assert all(".g1." in n or n in first_files for n in listed), names
         assert len([n for n in names if STAMPS_FILE.fullmatch(n)]) == 1
         assert STAGING_NAME not in names
     else:
@@ -119,6 +123,35 @@ def test_update_equals_a_clean_run_and_encodes_only_new_and_changed(kind, tmp_pa
     again = run_encode(options(images, given, update=True))
     assert (again.encoded, again.reused, again.dropped) == (0, N_OLD + 2, 0)
     assert_clean(out, clean[1])
+
+
+def test_a_folder_update_keeps_its_unchanged_parts_as_they_are(tmp_path):
+    """Images added after the last and one changed: the parts that hold neither are kept as
+    they are (the same files, untouched), only the changed one and the new ones are written,
+    and the folder equals a clean run over the current inputs."""
+    images = old_images(tmp_path / "in")
+    out = tmp_path / "emb"
+    run_encode(options(images, f"{out}/"))
+    before = {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in out.glob("*.parquet")}
+    noise(images / "img004.png", 104, (20, 14))  # changed, in the second part (3-5)
+    for i in range(N_OLD, N_OLD + 2):  # new, sorting after every old image
+        noise(images / f"img{i:03d}.png", 200 + i)
+    summary = run_encode(options(images, f"{out}/", update=True))
+    assert (summary.encoded, summary.reused, summary.dropped) == (3, N_OLD - 1, 0)
+    after = {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in out.glob("*.parquet")}
+    kept = [name for name in after if name in before]
+    # whole parts of the old run's and this one's cut (the last one's rows, 9-10 of 9-12,
+    # are kept too where a segment ends after them)
+    assert {"part-000000.parquet", "part-000002.parquet"} <= set(kept)
+    assert "part-000001.parquet" not in kept  # it holds the changed image
+    assert all(after[name] == before[name] for name in kept)  # not even rewritten
+    assert all(".g1." in name for name in after if name not in kept)
+    clean_out = tmp_path / "clean.parquet"
+    run_encode(options(images, clean_out))
+    assert_clean(out, table_of(clean_out))
+    again = run_encode(options(images, f"{out}/", update=True))  # nothing changed since
+    assert (again.encoded, again.reused) == (0, N_OLD + 2)
+    assert_clean(out, table_of(clean_out))
 
 
 def test_update_of_a_bucket_output(s3, tmp_path, clean):
@@ -138,8 +171,9 @@ def test_update_of_a_bucket_output(s3, tmp_path, clean):
         if prefix == "up/":
             assert keys == ["up/e.parquet"]
             assert_clean(mirror / "e.parquet", clean[1])
-        else:  # the old generation's parts and stamps are gone from the bucket
-            assert all(".g1." in k for k in keys if k.endswith(".parquet")), keys
+        else:  # only the parts the manifest lists (new ones, unchanged old ones) are left
+            listed = {p["file"] for p in json.loads(s3.get("upf/_manifest.json"))["parts"].values()}
+            assert {k[len(prefix):] for k in keys if k.endswith(".parquet")} == listed, keys
             assert len([k for k in keys if STAMPS_FILE.fullmatch(k[len(prefix):])]) == 1
             assert_clean(mirror, clean[1])
 

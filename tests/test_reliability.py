@@ -32,6 +32,7 @@ from dsv4enc.output.appending import GROWING_NAME
 from dsv4enc.cli import app
 from dsv4enc.images.decode import Probe
 from dsv4enc.run.pipeline import EncodeOptions, Interrupted, run_encode
+from dsv4enc.output.read import load_manifest
 
 from helpers import CONFIGS, REPO_ROOT, Pauses, torch_threads
 
@@ -110,9 +111,10 @@ def start(images: Path, out: Path, *extra: str, env: dict | None = None) -> subp
 
 
 def committed(partial: Path) -> dict:
-    """The parts the manifest lists (it is replaced by rename: never seen half-written)."""
+    """The parts the manifest and its journal list (the manifest is replaced by rename, a
+    journal line that is not whole is not read: never seen half-written)."""
     try:
-        return json.loads((partial / "_manifest.json").read_text())["parts"]
+        return load_manifest(partial / "_manifest.json")["parts"]
     except FileNotFoundError:
         return {}
 
@@ -225,8 +227,9 @@ def test_sigint_exits_130_keeps_parts_and_a_damaged_part_is_encoded_again(
     assert "Traceback" not in run.stderr
     parts = check_left_behind(run)
     # A recorded part whose bytes are not in the file is not trusted.
-    data = json.loads((run.partial / "_manifest.json").read_text())
+    data = load_manifest(run.partial / "_manifest.json")
     data["parts"]["part-000000"]["offset"] = (run.partial / GROWING_NAME).stat().st_size
+    data.pop("journal")  # written whole: the journal no longer applies
     (run.partial / "_manifest.json").write_text(json.dumps(data))
     summary = run_encode(options(images, run.out, resume=True))
     # The signal commits the finished segments too: the last part may hold fewer than PART.

@@ -30,6 +30,7 @@ from dsv4enc.cli import app
 from dsv4enc.tower.config import VisionConfig
 from dsv4enc.errors import OutputError
 from dsv4enc.run.pipeline import EncodeOptions, run_encode
+from dsv4enc.output.read import load_manifest
 
 from helpers import REPO_ROOT
 
@@ -226,7 +227,7 @@ def enospc(*_args, **_kwargs):
 
 
 def manifest_parts(partial: Path) -> dict:
-    return json.loads((partial / "_manifest.json").read_text())["parts"]
+    return load_manifest(partial / "_manifest.json")["parts"]
 
 
 def resume_and_compare(images, out, ckpt, clean, reused: int) -> None:
@@ -287,29 +288,29 @@ def test_disk_full_writing_a_part_keeps_committed_parts_then_resume(
     assert list(parts) == ["part-000000"]
     if single_file == "joined":
         assert pq.read_table(partial / parts["part-000000"]["file"]).to_pylist() == clean[:PART]
-        assert sorted(p.name for p in partial.iterdir()) == ["_manifest.json",
-                                                             "part-000000.parquet"]
+        assert sorted(p.name for p in partial.iterdir()) == [
+            "_manifest.journal", "_manifest.json", "part-000000.parquet"]
     else:
         assert sorted(p.name for p in partial.iterdir()) == sorted(
-            ["_manifest.json", appending.GROWING_NAME])
+            ["_manifest.journal", "_manifest.json", appending.GROWING_NAME])
     assert not out.exists()
     resume_and_compare(images, out, ckpts["good"], clean, reused=PART)
 
 
 def test_disk_full_recording_a_part_then_resume(tmp_path, images, ckpts, clean, monkeypatch,
                                                 single_file):
-    """The part's bytes landed, but the manifest could not be updated: the part is not
-    trusted (it is encoded again)."""
-    real_save = writer.write_json_atomic
-    saves = []
+    """The part's bytes landed, but its journal line was torn by a full disk: the part is
+    not trusted (it is encoded again)."""
+    real_append = writer.PartLedger._append
 
-    def write_json_atomic(data, path):
-        saves.append(len(data["parts"]))
-        if len(data["parts"]) >= 2:
-            raise writer.output_os_error(path, OSError(errno.ENOSPC, "No space left"))
-        return real_save(data, path)
+    def append(self, line):
+        if self.parts:  # the second commit: half its line lands, then the disk is full
+            with open(self.journal_path, "ab") as journal:
+                journal.write(line[:len(line) // 2])
+            raise writer.output_os_error(self.journal_path, OSError(errno.ENOSPC, "No space"))
+        return real_append(self, line)
 
-    monkeypatch.setattr(writer, "write_json_atomic", write_json_atomic)
+    monkeypatch.setattr(writer.PartLedger, "_append", append)
     out = tmp_path / "e.parquet"
     with pytest.raises(OutputError, match="no space left"):
         run_encode(options(images, out, ckpts["good"]))

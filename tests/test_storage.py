@@ -584,3 +584,89 @@ def test_overwrite_of_a_folder_output_leaves_only_the_new_parts(s3, local_images
     manifest = json.loads(s3.get("ow/_manifest.json"))
     assert [p["file"] for p in manifest["parts"].values()] == [parts[0].split("/", 1)[1]]
     assert sorted(rows(read_object(s3, parts[0], tmp_path, "p.parquet"))) == sorted(SPECS)
+
+
+# --------------------------------------------------------------------------- whole or absent
+
+def test_a_killed_upload_leaves_no_object_and_its_retry_uploads_the_whole_file(
+        s3, tmp_path, monkeypatch):
+    """The upload's child process is killed after its first chunk (pyarrow would complete
+    the multipart upload on an exception: apache/arrow#40502): the key stays empty; the
+    retry sends the whole file."""
+    import threading
+
+    data = np.random.default_rng(0).bytes(20 << 20)  # three chunks of the upload
+    (tmp_path / "big.bin").write_bytes(data)
+    pauses = Pauses(tmp_path / "pauses", "upload")
+    for name, value in pauses.env().items():
+        monkeypatch.setenv(name, value)
+    failed = []
+    upload = threading.Thread(target=lambda: failed.extend(
+        _raised(storage.upload_file_whole, tmp_path / "big.bin", f"{s3.url}/w/big.bin")))
+    upload.start()
+    try:
+        first = pauses.wait("upload")
+        assert first["sent"] < len(data)
+        os.kill(first["pid"], signal.SIGKILL)
+        deadline = time.monotonic() + 600  # a hang guard, not a bet on speed
+        while (again := pauses.reached("upload")) is None or again["pid"] == first["pid"]:
+            assert time.monotonic() < deadline, "the upload was not tried again"
+            time.sleep(0.01)
+        assert s3.keys("w/") == []  # killed after a chunk: no short object
+    finally:
+        pauses.release()
+        upload.join()
+    assert not failed
+    assert s3.get("w/big.bin") == data
+
+
+def _raised(call, *args) -> list:
+    try:
+        call(*args)
+    except BaseException as exc:  # handed to the test's thread
+        return [exc]
+    return []
+
+
+def test_a_signal_during_the_final_upload_leaves_no_object(s3, tmp_path):
+    """SIGINT while the single file is uploaded (the run waits at the upload's first
+    chunk): exit 130 and no object under --out; --resume then publishes the whole file."""
+    folder, _ = noise_images(s3, "sig", 6, tmp_path)
+    out = f"{s3.url}/sigout/e.parquet"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT)}
+    env.pop("DSV4ENC_WEIGHTS", None)
+    pauses = Pauses(tmp_path / "pauses", "upload")
+    proc = subprocess.Popen([sys.executable, "-m", "dsv4enc", "encode", str(folder), "--out",
+                             out, *TINY, "--workers", "0", "-q"], env=pauses.env(env),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        pauses.wait("upload", proc=proc)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=600)  # a hang guard, not a bet on speed
+    finally:
+        proc.kill()
+        proc.wait()
+    assert proc.returncode == 130 and "Traceback" not in err, err
+    assert "--resume" in err and "staging" not in err
+    keys = s3.keys("sigout/")
+    assert "sigout/e.parquet" not in keys  # no short object: none at all
+    result = runner.invoke(app, ["encode", str(folder), "--out", out, *TINY, "--workers", "0",
+                                 "-q", "--resume"])
+    assert result.exit_code == 0, result.output
+    assert s3.keys("sigout/") == ["sigout/e.parquet"]
+    got = pq.read_table(read_object(s3, "sigout/e.parquet", tmp_path, "got.parquet"))
+    assert got.column("path").to_pylist() == [f"img{i:03d}.png" for i in range(6)]
+
+
+def test_a_single_file_larger_than_one_upload_is_refused_up_front(s3, tmp_path, monkeypatch):
+    folder, _ = noise_images(s3, "big", 4, tmp_path)
+    monkeypatch.setattr(storage, "S3_STREAM_MAX_BYTES", 1000)  # the tiny tower's rows: more
+    result = runner.invoke(app, ["encode", str(folder), "--out", f"{s3.url}/bigout/e.parquet",
+                                 *TINY, "--workers", "0", "-q"])
+    line = one_line_failure(result)
+    assert "s3://" in line and "folder" in line and "ending in /" in line
+    assert "staging" not in line
+    assert s3.keys("bigout/") == []  # refused before anything was written
+    folder_out = runner.invoke(app, ["encode", str(folder), "--out", f"{s3.url}/bigout/e/",
+                                     *TINY, "--workers", "0", "-q"])
+    assert folder_out.exit_code == 0, folder_out.output

@@ -9,7 +9,7 @@ part's Parquet file straight into it, all but the leading ``PAR1`` (``pwrite``; 
 end of the range is given back when no later range follows), syncs it, and only then records
 the part in the manifest, the journal: its input range and digest as for a part file, plus
 its byte range. A range ends with its part's own footer, so the journal entry stays a few
-numbers (a million images are ~10,000 parts, and the manifest is rewritten at each commit).
+numbers (a million images are ~10,000 parts, each one line of the manifest's journal).
 A kill at any moment leaves the journal naming only ranges that are whole on disk;
 ``--resume`` keeps the file, cuts it after the last recorded range and appends after that.
 The run ends by writing one footer (every recorded part's row groups, read from its range

@@ -31,9 +31,9 @@ from ..images.headers import inputs_digest
 from ..pausepoints import pause
 from .appending import GROWING_NAME
 from .update import STAMPS_FILE, Update
-from .parts import (LOCK_NAME, MANIFEST_FILE, MANIFEST_NAME, OUTPUT_COLUMNS, PART_FILE,
-                    TEMP_FILE, kept_columns, PartLedger, PartStore, Row, StreamingAssembler, output_os_error,
-                    read_manifest, rows_per_group, rows_to_table)
+from .parts import (JOURNAL_FILE, LOCK_NAME, MANIFEST_FILE, MANIFEST_NAME, OUTPUT_COLUMNS,
+                    PART_FILE, TEMP_FILE, PartLedger, PartStore, Row, StreamingAssembler,
+                    kept_columns, output_os_error, read_manifest, rows_per_group, rows_to_table)
 
 if TYPE_CHECKING:
     from .appending import AppendingStore
@@ -163,6 +163,9 @@ class OutputLayout:
         self.folder_mode = shard_output or out.endswith(("/", os.sep)) or self.out.is_dir()
         self.parts_dir = self.out if self.folder_mode else self.out.with_name(self.out.name + ".partial")
         self.lock = OutputLock(self.parts_dir, self.out)
+        #: The largest single file the output's store takes (an object storage --out's
+        #: ``RemoteOutput.max_file_bytes``; None: no limit)
+        self.max_file_bytes: int | None = None
         self._made: list[Path] = []  # folders this run created (removed again if left empty)
         self._prepared = False  # this process checked the output (rank 0 under torchrun)
 
@@ -199,6 +202,7 @@ class OutputLayout:
                                  or (not self.folder_mode and temp.group(1) == self.out.name)):
             return True
         return manifests and bool(PART_FILE.fullmatch(name) or MANIFEST_FILE.fullmatch(name)
+                                  or JOURNAL_FILE.fullmatch(name)
                                   or name == GROWING_NAME or STAMPS_FILE.fullmatch(name))
 
     def _owned_and_foreign(self) -> tuple[list[Path], list[str]]:
@@ -248,6 +252,17 @@ class OutputLayout:
                                       f"folder {raw}); choose an --out outside the inputs")
                 raise OutputError(f"--out {self.out} has an image name inside the input folder "
                                   f"{raw} (it would be read as an input); choose another --out")
+
+    def check_file_size(self, estimated: int) -> None:
+        """Refuse, before anything is encoded, a single file larger than its store takes
+        (``estimated``: the run's embedding bytes)."""
+        limit = self.max_file_bytes
+        if self.folder_mode or limit is None or estimated <= limit:
+            return
+        raise OutputError(f"--out {self.out} would be one object of about "
+                          f"{estimated / 1e9:.0f} GB, more than one upload to its store holds "
+                          f"({limit / 1e9:.0f} GB); write a folder output instead (an --out "
+                          "ending in /: one object per part)")
 
     def _check_kinds(self) -> None:
         out = self.out

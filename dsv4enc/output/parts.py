@@ -1,7 +1,8 @@
 """Parquet output (SPEC §9): crash-safe part files, a manifest, and the final file.
 
 Work is committed in closed part files: each is written under a hidden temporary name, fsynced
-and renamed, then the manifest (also written by rename) records it. A kill at any moment
+and renamed, then the manifest records it (one synced line appended to its journal; the
+manifest itself is written whole, by rename, when a run starts, resumes or finishes). A kill at any moment
 leaves only whole parts behind, and ``--resume`` reuses them. A single-file ``--out`` of
 several ranks or in object storage is assembled from the parts at the end, again by rename,
 so it is never half-written (a local one of one process skips the part files:
@@ -32,7 +33,8 @@ from ..errors import OutputError
 from ..images.sources import kept_values
 from ..storage import UNAVAILABLE as STORAGE_UNAVAILABLE
 from .parquet_join import JoinError, ParquetJoiner
-from .read import LAYOUTS, MANIFEST_NAME, embedding_format
+from .read import (JOURNAL_FORMAT, LAYOUTS, MANIFEST_NAME, embedding_format, journal_path,
+                   load_manifest)
 
 log = logging.getLogger("dsv4enc")
 
@@ -45,6 +47,8 @@ MANIFEST_VERSION = 2
 #: (``.gN``: the Nth generation of a folder output's parts, written by ``--update``)
 PART_FILE = re.compile(r"part-\d{6,}(?:_\d{6,})?(?:-rank\d{3})?(?:\.g\d+)?\.parquet")
 MANIFEST_FILE = re.compile(r"_manifest(?:-rank\d{3})?\.json")
+#: A manifest's journal of the parts committed since it was written whole (``read.journal_path``).
+JOURNAL_FILE = re.compile(r"_manifest(?:-rank\d{3})?\.journal")
 #: Errors that say nothing about the image (a time limit, a crashed or unstarted worker, a
 #: stop, a store that was not answering): a part holding one is encoded again on --resume,
 #: as a clean run would retry it.
@@ -466,7 +470,7 @@ def read_manifest(path: Path) -> dict | None:
     try:
         if not path.is_file() or path.stat().st_size > (256 << 20):
             return None
-        data = json.loads(path.read_text())
+        data = load_manifest(path)
     except (OSError, ValueError):
         return None
     return data if manifest_kind(data) is not None else None
@@ -492,17 +496,40 @@ class PartLedger:
         self.folder = folder
         self.settings = settings
         self.manifest_name = manifest_name
-        self.parts: dict[str, dict[str, Any]] = {}
+        self.parts = {}
         self.extra: dict[str, Any] = {}  # more top-level manifest entries (a store's own)
         self.changed = 0  # committed parts whose input files changed (found by ``committed``)
         self._recorded: dict[str, Any] = {"parts": {}}  # the manifest ``load_existing`` read
         self.segments: dict[str, Any] = {}  # the run's planned segments (``planning.Part``)
         self.commit_seconds: float | None = None  # join segments into parts for this long
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
+        self._journal: str | None = None  # the token of the manifest this run wrote whole
+
+    @property
+    def parts(self) -> dict[str, dict[str, Any]]:
+        """The committed parts by name (a commit adds one in place)."""
+        return self._parts
+
+    @parts.setter
+    def parts(self, parts: dict[str, dict[str, Any]]) -> None:
+        self._parts = dict(parts)
+        self._starts = {part["start"]: name for name, part in self._parts.items()
+                        if isinstance(part, dict) and "start" in part}
+
+    def committed_at(self, start: int) -> tuple[str, int] | None:
+        """The name and end of the committed part that starts at input ``start`` (safe on
+        any thread while parts are committed; no walk over the parts)."""
+        name = self._starts.get(start)
+        part = self._parts.get(name) if name is not None else None
+        return (name, part["end"]) if part is not None else None
 
     @property
     def manifest_path(self) -> Path:
         return self.folder / self.manifest_name
+
+    @property
+    def journal_path(self) -> Path:
+        return journal_path(self.manifest_path)
 
     def create(self) -> None:
         try:
@@ -514,7 +541,7 @@ class PartLedger:
     def load_existing(self) -> dict[str, Any]:
         """Read the manifest of an earlier run; returns its settings."""
         try:
-            data = json.loads(self.manifest_path.read_text())
+            data = load_manifest(self.manifest_path)
         except (OSError, ValueError) as exc:
             raise OutputError(f"cannot resume: unreadable manifest {self.manifest_path} ({exc})") from None
         kind = manifest_kind(data)
@@ -551,11 +578,13 @@ class PartLedger:
 
     def forget(self, names: Sequence[str]) -> None:
         """Drop recorded parts that are not reused, and their part files: a folder output
-        must not keep a stale part beside the rows that replace it."""
-        for name in names:
-            part = self.parts.pop(name, None)
-            if part is not None:
-                self._discard(part)
+        must not keep a stale part beside the rows that replace it. The manifest is written
+        whole first, so that it never lists a part whose file is gone."""
+        dropped = [self.parts[name] for name in names if name in self.parts]
+        self.parts = {name: part for name, part in self.parts.items() if name not in names}
+        self.save()
+        for part in dropped:
+            self._discard(part)
 
     def _discard(self, part: dict[str, Any]) -> None:
         """Delete a forgotten part's file (a range of the growing file needs nothing)."""
@@ -563,16 +592,55 @@ class PartLedger:
             (self.folder / part["file"]).unlink(missing_ok=True)
 
     def _record(self, name: str, entry: dict[str, Any]) -> None:
-        """Record a committed part in the manifest (several writer threads may call it)."""
+        """Record a committed part: one line appended to the journal and synced (several
+        writer threads may call it). A commit costs the same however many came before."""
         with self._lock:
-            parts = dict(self.parts)
-            parts[name] = entry
-            self.parts = parts  # readers on other threads see the old or the new dict whole
-            self.save()
+            if self._journal is not None:
+                line = json.dumps({"name": name, "part": entry}, sort_keys=True) + "\n"
+                self._append(line.encode())
+            self._parts[name] = entry  # in place: a copy would cost O(parts) per commit
+            self._starts[entry["start"]] = name
+            if self._journal is None:  # no manifest of this run's yet
+                self.save()
+
+    def _append(self, line: bytes) -> None:
+        """Append a line to the journal (its header first when it is new) and sync it; a
+        failed write is cut off again, so that the journal ends with a whole line."""
+        path = self.journal_path
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        except OSError as exc:
+            raise output_os_error(path, exc) from None
+        try:
+            size = os.fstat(fd).st_size
+            if size == 0:
+                line = json.dumps({"format": JOURNAL_FORMAT, "manifest": self._journal},
+                                  sort_keys=True).encode() + b"\n" + line
+            try:
+                view = memoryview(line)
+                while view:
+                    view = view[os.write(fd, view):]
+                os.fsync(fd)
+            except OSError as exc:
+                os.ftruncate(fd, size)
+                raise output_os_error(path, exc) from None
+        finally:
+            os.close(fd)
+        if size == 0:
+            fsync_dir(self.folder)
 
     def save(self) -> None:
-        write_json_atomic(manifest_document(self.settings, self.parts, **self.extra),
-                          self.manifest_path)
+        """Write the manifest whole (every committed part) under a new journal token, then
+        drop the journal it replaces: a crash between leaves a journal no manifest names."""
+        with self._lock:
+            token = secrets.token_hex(8)
+            write_json_atomic(manifest_document(self.settings, self.parts, journal=token,
+                                                **self.extra), self.manifest_path)
+            self._journal = token
+            try:
+                self.journal_path.unlink(missing_ok=True)
+            except OSError as exc:
+                raise output_os_error(self.journal_path, exc) from None
 
 
 class PartStore(PartLedger):
@@ -623,6 +691,11 @@ class PartStore(PartLedger):
             raise output_os_error(path, exc) from None
         self._record(name, entry)
 
+    def adopt(self, name: str, entry: dict[str, Any]) -> None:
+        """Record a part whose file is already where the output keeps it (``entry``: as
+        ``commit`` records one; ``update.Update.keep_parts``)."""
+        self._record(name, entry)
+
     def part_files(self) -> list[Path]:
         """Committed part files in input order."""
         ordered = sorted(self.parts.values(), key=lambda p: (p["start"], p["file"]))
@@ -666,16 +739,10 @@ class StreamingAssembler:
         with self._cond:
             self._cond.notify_all()
 
-    def _committed_at(self, position: int) -> tuple[str, int] | None:
-        for name, part in self.store.parts.items():
-            if part["start"] == position:
-                return name, part["end"]
-        return None
-
     def _wait_for(self, position: int) -> tuple[str, int] | None:
         """Wait until a part that starts at ``position`` is committed (None: aborted)."""
         with self._cond:
-            while (committed := self._committed_at(position)) is None and not self._aborted:
+            while (committed := self.store.committed_at(position)) is None and not self._aborted:
                 self._cond.wait(timeout=1.0)
             return None if self._aborted else committed
 

@@ -19,6 +19,8 @@ from ..errors import UsageError
 
 #: The manifest of a folder of parts (per rank under --shard-output: ``_manifest-rankNNN.json``).
 MANIFEST_NAME = "_manifest.json"
+#: What a manifest's journal starts with (docs/output-format.md#the-manifest-and-its-journal).
+JOURNAL_FORMAT = "dsv4enc-journal"
 
 #: Rows per Arrow batch while streaming, at most (a row of the full model is up to ~3 MB in
 #: float16: fewer of those, by ``BATCH_BYTES``).
@@ -35,7 +37,7 @@ def output_files(path: str | os.PathLike) -> list[Path]:
     manifest = path / MANIFEST_NAME
     if manifest.is_file():
         try:
-            parts = json.loads(manifest.read_text()).get("parts", {}).values()
+            parts = load_manifest(manifest).get("parts", {}).values()
             ordered = sorted(parts, key=lambda p: (p["start"], p["file"]))
             files = [path / p["file"] for p in ordered if (path / p["file"]).is_file()]
             listed = set(files)
@@ -45,6 +47,53 @@ def output_files(path: str | os.PathLike) -> list[Path]:
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
             pass
     return _parquet_under(path)
+
+
+def journal_path(manifest: Path) -> Path:
+    """The journal beside a manifest: ``_manifest.json`` -> ``_manifest.journal``."""
+    return manifest.with_suffix(".journal")
+
+
+def load_manifest(path: Path) -> Any:
+    """A manifest's JSON with the parts its journal committed since it was last written whole
+    (raises OSError, ValueError). Every reader of the committed parts goes through here.
+
+    A run appends one line per committed part to the journal (fsynced) instead of rewriting
+    the manifest, so that a commit costs the same at part 10 and at part 10^5; the manifest
+    is written whole only when a run starts, resumes or finishes. The journal applies when
+    its first line names the manifest's ``journal`` token (an older journal is stale); a
+    last line without its newline is a torn write, and ignored."""
+    data = json.loads(path.read_text())
+    if (isinstance(data, dict) and isinstance(data.get("parts"), dict)
+            and isinstance(data.get("journal"), str)):
+        data["parts"].update(journal_entries(journal_path(path), data["journal"]))
+    return data
+
+
+def journal_entries(path: Path, token: str) -> Iterator[tuple[str, dict]]:
+    """``(name, part)`` per whole line of the journal at ``path`` whose header names
+    ``token``, in commit order; nothing when it is missing or another manifest's."""
+    try:
+        handle = open(path, "rb")
+    except OSError:
+        return
+    with handle:
+        for number, line in enumerate(handle):
+            if not line.endswith(b"\n"):
+                return  # torn: the write of the last commit did not finish
+            try:
+                entry = json.loads(line)
+            except ValueError:
+                return
+            if not isinstance(entry, dict):
+                return
+            if number == 0:
+                if entry.get("format") != JOURNAL_FORMAT or entry.get("manifest") != token:
+                    return
+                continue
+            if not (isinstance(entry.get("name"), str) and isinstance(entry.get("part"), dict)):
+                return
+            yield entry["name"], entry["part"]
 
 
 def _parquet_under(folder: Path) -> list[Path]:

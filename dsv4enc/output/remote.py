@@ -8,7 +8,10 @@ order that keeps it crash-safe:
 - the manifest object, which lists the parts, is uploaded after every part it lists: it is
   the commit record (a part object no manifest lists is not part of the output);
 - a single-file output is uploaded as one complete object at the end, then the parts
-  (``OUT.partial/``) are deleted.
+  (``OUT.partial/``) are deleted. The upload is whole or absent
+  (``storage.upload_file_whole``): an interrupted or failed one leaves no object, and a
+  run whose output would outgrow what one upload can hold is refused before it encodes
+  (``OutputLayout.check_file_size``).
 
 Before a run, the output's dsv4enc objects are brought into the staging folder: its
 manifests always, its parts with ``--resume`` (so ``--resume`` reuses the committed ones), a
@@ -49,7 +52,7 @@ from typing import Any, Callable, Sequence, TypeVar
 from .. import storage
 from ..errors import DsvError, OutputError
 from .parts import LOCK_NAME, MANIFEST_FILE, PART_FILE, read_manifest
-from .read import MANIFEST_NAME
+from .read import MANIFEST_NAME, journal_path, load_manifest
 from .update import STAMPS_FILE
 
 log = logging.getLogger("dsv4enc")
@@ -110,6 +113,7 @@ class RemoteOutput:
         self._uploaded: dict[str, tuple[int, int]] = {}  # part name -> (size, mtime_ns)
         self._in_store: set[str] = set()  # parts their writers put in the store themselves
         self._manifests: dict[str, bytes] = {}  # manifest name -> content uploaded
+        self._seen: dict[str, tuple] = {}  # manifest name -> its files' state when uploaded
         self._lock_held = False
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -118,6 +122,12 @@ class RemoteOutput:
         # --overwrite: the earlier run's manifests, deleted before this run uploads a part
         # (a part object may take an old name: no old manifest may list it meanwhile).
         self._replaced: set[str] = set()
+
+    @property
+    def max_file_bytes(self) -> int | None:
+        """The largest single-file output this store takes in one upload (None: a folder
+        output, or no known limit)."""
+        return None if self.folder_mode else storage.max_object_bytes(self.url)
 
     @classmethod
     def for_out(cls, out: str, **settings) -> "RemoteOutput | None":
@@ -228,7 +238,7 @@ class RemoteOutput:
                 (self.local_parts / first).touch()  # foreign: the local checks name it
         for path in self.local_parts.iterdir():
             if MANIFEST_FILE.fullmatch(path.name) and self._mine(path.name):
-                self._manifests[path.name] = path.read_bytes()
+                self._manifests[path.name] = _whole_manifest(path) or b""
                 if self.overwrite:
                     self._replaced.add(path.name)
         if self.sharded and self.overwrite:
@@ -255,7 +265,7 @@ class RemoteOutput:
         for obj in objects:
             if MANIFEST_FILE.fullmatch(obj.key):
                 self._download(obj, self.local_parts / obj.key)
-                self._manifests[obj.key] = (self.local_parts / obj.key).read_bytes()
+                self._manifests[obj.key] = _whole_manifest(self.local_parts / obj.key) or b""
                 if self.overwrite:
                     self._replaced.add(obj.key)
             elif PART_FILE.fullmatch(obj.key) and self.resume:
@@ -361,11 +371,14 @@ class RemoteOutput:
             for manifest in sorted(self.local_parts.iterdir()):
                 if not MANIFEST_FILE.fullmatch(manifest.name) or not self._mine(manifest.name):
                     continue
-                try:
-                    content = manifest.read_bytes()
-                except FileNotFoundError:
+                state = _local_state(manifest)
+                if self._seen.get(manifest.name) == state:
+                    continue  # neither the manifest nor its journal changed since
+                content = _whole_manifest(manifest)
+                if content is None:
                     continue
                 if self._manifests.get(manifest.name) == content:
+                    self._seen[manifest.name] = state
                     continue
                 document = json.loads(content)
                 try:
@@ -379,6 +392,7 @@ class RemoteOutput:
                     continue  # the run removed its parts meanwhile (the final file is made)
                 storage.upload(storage.join(self.parts_url, manifest.name), content)
                 self._manifests[manifest.name] = content
+                self._seen[manifest.name] = state
 
     def adopt_part(self, name: str, path: Path) -> None:
         """Part file ``name`` was uploaded to the parts folder by the process that wrote it
@@ -433,7 +447,7 @@ class RemoteOutput:
                 self.sync()
                 self._delete_unlisted(list(self._manifests))
             else:
-                storage.upload_file(self.local_out, self.url)
+                storage.upload_file_whole(self.local_out, self.url)  # whole, or none
                 for obj in storage.list_files(self.parts_url):
                     if _ours(obj.key):
                         _delete(obj.url)
@@ -516,6 +530,30 @@ def _manifest_rank(name: str) -> int | None:
     """The rank of a rank's manifest name (``_manifest-rank001.json``), else None."""
     match = re.fullmatch(r"_manifest-rank(\d{3})\.json", name)
     return None if match is None else int(match.group(1))
+
+
+def _whole_manifest(path: Path) -> bytes | None:
+    """A local manifest with its journal applied, as the one object the store keeps (the
+    store has no journal: its manifest object is replaced whole); None when it is gone."""
+    try:
+        document = load_manifest(path)
+    except (OSError, ValueError):
+        return None
+    if isinstance(document, dict):
+        document.pop("journal", None)
+    return json.dumps(document, indent=1, sort_keys=True).encode()
+
+
+def _local_state(manifest: Path) -> tuple:
+    """What changes when a manifest is rewritten or its journal grows."""
+    state = []
+    for path in (manifest, journal_path(manifest)):
+        try:
+            st = path.stat()
+            state.append((st.st_ino, st.st_size, st.st_mtime_ns))
+        except OSError:
+            state.append(None)
+    return tuple(state)
 
 
 def _local_id(path: Path) -> tuple[int, int]:

@@ -8,13 +8,16 @@ what ``--resume`` checks). Where it keeps them:
   at the very end, so that the file and its stamps are replaced together, by one rename;
 - a folder: in a ``_stamps-HASH.bin`` file beside the parts (readers of a dataset folder pass
   over ``_`` names), which the manifest names (``"stamps"``) once every part is committed.
-  The manifest is rewritten at every commit; the stamps file is written once, at the end.
+  A commit appends to the manifest's journal; the stamps file is written once, at the end.
 
 An update plans the current inputs as a clean run would, then matches every input's stamp
 against the old rows' (``Update.match``): an input whose key and file are unchanged takes its
 old row, copied from the old output (``CarriedRows``, streaming: both are in input order); a
 new or changed one is encoded; the rows of inputs that are gone are left out. Rows are
-batch-invariant, so the result equals a clean run over the current inputs row for row.
+batch-invariant, so the result equals a clean run over the current inputs row for row. A
+folder's old part whose rows all stay, in one piece, in order and on the run's segment bounds,
+is kept as it is (``Update.keep_parts``: listed by the new manifest, never read or written), so
+an update writes only the parts that hold new, changed or gone inputs.
 
 Crash safety is ``--resume``'s: the update's parts are committed to a parts folder of their
 own (``OUT.partial`` beside a single file; a hidden ``.dsv4enc-update`` inside a folder
@@ -41,6 +44,7 @@ import numpy as np
 from ..errors import OutputError, UsageError
 from .parts import (MANIFEST_NAME, PART_FILE, TRANSIENT_ERRORS, PartStore, Row, fsync_dir,
                     manifest_document, read_manifest, temp_path, utf8_text, write_json_atomic)
+from ..images.headers import inputs_digest
 from .read import embedding_arrays, embedding_format
 
 log = logging.getLogger("dsv4enc")
@@ -153,6 +157,8 @@ class OldOutput:
         self.out, self.files, self.settings, self.stamps = out, files, settings, stamps
         self.folder = folder
         self.listed = listed  # a folder's part file names (the update's must differ)
+        #: a folder's part files in row order: (name, first row, rows)
+        self.parts: list[tuple[str, int, int]] = []
 
     @classmethod
     def find(cls, out: Path, folder_mode: bool) -> "OldOutput | None":
@@ -181,8 +187,12 @@ class OldOutput:
         parts = sorted(manifest["parts"].values(), key=lambda p: (p["start"], p["file"]))
         rows = sum(int(p.get("rows", 0)) for p in parts)
         stamps = _read_folder_stamps(out, manifest.get("stamps"), rows)
-        return cls(out, [out / p["file"] for p in parts], dict(manifest["settings"]), stamps,
-                   True, {p["file"] for p in parts})
+        found = cls(out, [out / p["file"] for p in parts], dict(manifest["settings"]), stamps,
+                    True, {p["file"] for p in parts})
+        first = np.cumsum([0] + [int(p.get("rows", 0)) for p in parts])
+        found.parts = [(p["file"], int(first[i]), int(p.get("rows", 0)))
+                       for i, p in enumerate(parts)]
+        return found
 
     def check(self, settings: dict) -> None:
         """Refuse in one line when this run's rows would differ from the old ones', or when
@@ -236,11 +246,16 @@ class CarriedRows:
                 yield handle, group, fmt
 
     def row(self, index: int, key: str) -> Row:
-        """Old row ``index`` (never below an index asked for before) as a Row for ``key``."""
+        """Old row ``index`` (never below an index asked for before) as a Row for ``key``.
+        Row groups before it are passed over unread (an update keeps whole parts as they
+        are: their rows are never asked for)."""
         while index >= self._end:
             handle, group, fmt = next(self._groups)
+            rows = handle.metadata.row_group(group).num_rows
+            self._start, self._end = self._end, self._end + rows
+            if index >= self._end:
+                continue
             table = handle.read_row_group(group)
-            self._start, self._end = self._end, self._end + table.num_rows
             self._arrays = embedding_arrays(table.column("embedding"), fmt)
             self._rows = table.drop_columns(["embedding"]).to_pylist()
         if index < self._start:
@@ -277,7 +292,7 @@ class Update:
         self.staging = self.old.out / STAGING_NAME
         recorded = read_manifest(self.staging / MANIFEST_NAME)
         if recorded is not None:
-            files = {p.get("file") for p in recorded["parts"].values()}
+            files = {p.get("file") for p in recorded["parts"].values() if not p.get("kept")}
             if recorded["settings"] != rows_settings or files & self.old.listed:
                 shutil.rmtree(self.staging, ignore_errors=True)
         elif self.staging.exists():
@@ -332,6 +347,35 @@ class Update:
                 out[index] = self._reader.row(old, planned[index].item.key)
         return out
 
+    def keep_parts(self, store: PartStore, todo: Sequence, planned: Sequence) -> tuple[list, int]:
+        """A folder's old parts whose rows this run takes unchanged and in one piece are kept
+        as they are: recorded in ``store`` by reference (``kept``), their segments dropped
+        from ``todo`` (``run/plan.Part``s). Only parts that hold changed, new or gone inputs
+        are written again. Returns the segments still to encode and the rows kept."""
+        if not self.old.folder or self.staging is None or not todo:
+            return list(todo), 0
+        new_of = {old: new for new, old in self.carried.items()}
+        at_start = {p.start: i for i, p in enumerate(todo)}
+        at_end = {p.end: i for i, p in enumerate(todo)}
+        dropped: set[int] = set()
+        kept = 0
+        for file, first, rows in self.old.parts:
+            start = new_of.get(first)
+            end = None if start is None else start + rows
+            if (rows == 0 or start not in at_start or end not in at_end
+                    or not (self.old.out / file).is_file()):
+                continue  # its rows moved off this run's segment bounds (or it is gone)
+            i, j = at_start[start], at_end[end]
+            if any(todo[k].end != todo[k + 1].start for k in range(i, j)) or not all(
+                    self.carried.get(start + k) == first + k for k in range(rows)):
+                continue  # not one run of segments, or not these rows in this order
+            store.adopt(todo[i].name, {"file": file, "start": start, "end": end,
+                                       "digest": inputs_digest(planned[start:end]),
+                                       "rows": rows, "transient": 0, "kept": True})
+            dropped.update(range(i, j + 1))
+            kept += rows
+        return [p for k, p in enumerate(todo) if k not in dropped], kept
+
     # -- the end --------------------------------------------------------------------------
     def finish_folder(self, store: PartStore, stamps: np.ndarray, options: dict) -> None:
         """Switch a folder output to the staged parts: stamps file and part files moved in,
@@ -340,10 +384,13 @@ class Update:
         data = _MAGIC + stamps.astype("<u8").tobytes()
         name = f"_stamps-{hashlib.blake2b(data, digest_size=8).hexdigest()}.bin"
         _write_bytes_atomic(out / name, data)
+        parts = {name: {k: v for k, v in part.items() if k != "kept"}
+                 for name, part in store.parts.items()}
         for part in store.parts.values():
-            os.replace(store.folder / part["file"], out / part["file"])
+            if not part.get("kept"):  # a kept part is in place already
+                os.replace(store.folder / part["file"], out / part["file"])
         fsync_dir(out)
-        write_json_atomic(manifest_document(store.settings, store.parts,
+        write_json_atomic(manifest_document(store.settings, parts,
                                             stamps={"file": name, "rows": len(stamps),
                                                     "options": options}),
                           out / MANIFEST_NAME)  # the switch

@@ -33,7 +33,7 @@ from ..output.layout import (OutputLayout, PartWriter, ResumeSettings, assembler
                              resume_filter)
 from ..output.update import Update, footer_entry, row_stamps, write_folder_stamps
 from .options import EncodeOptions, default_writer_threads, validate
-from .plan import Part, images_per_part, segment_tokens
+from .plan import Part, images_per_part, output_bytes, segment_tokens
 from .setup import RunSetup, run_batch_tokens
 from .progress import RunProgress
 from ..output.remote import RemoteOutput
@@ -171,8 +171,10 @@ def run_encode(opts: EncodeOptions, dist=None, setup: RunSetup | None = None,
             opts = replace(opts, out=remote.staged_out)
         layout = OutputLayout(opts.out, opts.shard_output)
         if remote is not None:
-            summary = remote.run(lambda: _run_encode(opts, dist, setup, stop, layout, stand_in,
-                                                     local=False), ranks.main_then_all)
+            layout.max_file_bytes = remote.max_file_bytes
+            summary = remote.run(lambda: _upload_stops_at_once(_run_encode(
+                opts, dist, setup, stop, layout, stand_in, local=False), stop, remote),
+                ranks.main_then_all)
         else:
             summary = _run_encode(opts, dist, setup, stop, layout, stand_in)
     finally:
@@ -285,6 +287,7 @@ def _plan_output(opts: EncodeOptions, setup: RunSetup, layout: OutputLayout, ran
     """The run's settings and schema, its store (the old output's under ``--update``), its
     parts, and which of them are still to encode (``--resume``, ``--update``)."""
     cfg, planned = ckpt.config, setup.planned
+    layout.check_file_size(output_bytes(cfg, opts, planned))  # before anything is encoded
     part_images = images_per_part(cfg, opts)
     settings = run_settings(cfg, ckpt.fingerprint, opts, dtype, part_images,
                             engine.device.type, engine.deterministic)
@@ -309,10 +312,25 @@ def _plan_output(opts: EncodeOptions, setup: RunSetup, layout: OutputLayout, ran
         update.count_into(summary)
     todo, summary.reused = resume_filter(store, parts, resuming, writes=ranks.writes,
                                          agree=ranks.agree_on_todo)
+    if update is not None:  # a folder's unchanged parts are kept as they are
+        todo, kept = update.keep_parts(store, todo, planned)
+        summary.reused += kept
     # each row's input stamp, kept with the output for a later --update
     stamps = (row_stamps((p.item.key, p.stamp) for p in planned)
               if ranks.is_main and not ranks.sharded else None)
     return OutputPlan(store, schema, parts, todo, update, stamps, resuming.row_options)
+
+
+def _upload_stops_at_once(summary: RunSummary, stop: StopSignals,
+                          remote: RemoteOutput) -> RunSummary:
+    """Once the run is done locally, a signal stops the upload of a single file at once:
+    until the store holds it, nothing is finished (the upload leaves no object, the parts
+    stay in the store for --resume)."""
+    if not remote.folder_mode:
+        stop.immediate = True
+        stop.hint = (f"{remote.given} was not uploaded; rerun the same command with "
+                     f"--resume to finish (it reuses the parts {remote.parts_url} holds)")
+    return summary
 
 
 def _write_output(opts: EncodeOptions, engine: Engine, setup: RunSetup, output: OutputPlan,

@@ -69,9 +69,21 @@ def images_per_part(cfg: VisionConfig, opts: EncodeOptions) -> int:
         return opts.part_images
     max_patches = (cfg.max_n_token * cfg.downsample_ratio ** 2 if opts.features == "vit"
                    else cfg.max_n_token)
-    row_bytes = cfg.output_width(opts.features) * (2 if opts.out_dtype == "float16" else 4)
-    per_image = row_bytes * (1 if opts.pool == "mean" else max_patches)
+    per_image = _row_bytes(cfg, opts) * (1 if opts.pool == "mean" else max_patches)
     return int(min(MAX_PART_IMAGES, max(16, PART_BYTES // per_image)))
+
+
+def _row_bytes(cfg: VisionConfig, opts: EncodeOptions) -> int:
+    return cfg.output_width(opts.features) * (2 if opts.out_dtype == "float16" else 4)
+
+
+def output_bytes(cfg: VisionConfig, opts: EncodeOptions, planned: Sequence[Planned]) -> int:
+    """About how many bytes the run's embeddings take (``planned``: every input's grid):
+    what a single-file output's store must take in one object."""
+    if opts.pool == "mean":
+        return _row_bytes(cfg, opts) * sum(1 for p in planned if p.error is None)
+    merged = 1 if opts.features == "vit" else cfg.downsample_ratio ** 2  # patches per row
+    return _row_bytes(cfg, opts) * sum(p.tokens // merged for p in planned)
 
 
 #: Segments (the unit a run encodes and may commit at) hold this many batches' worth of

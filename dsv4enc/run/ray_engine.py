@@ -370,6 +370,8 @@ def run_ray_encode(opts: EncodeOptions, ray_opts: RayEngineOptions | None = None
         if remote is not None:
             opts = replace(opts, out=remote.staged_out)
         layout = OutputLayout(opts.out, False)
+        if remote is not None:
+            layout.max_file_bytes = remote.max_file_bytes
         run = _RayRun(opts, ray_opts, layout, stop, remote)
         if remote is not None:
             return remote.run(lambda: run.run(local=False))
@@ -519,9 +521,10 @@ class _RayRun:
         from ..output.layout import open_store, resume_filter
         from ..output.parts import output_schema
         from .pipeline import resume_settings, run_settings
-        from .plan import images_per_part, segment_tokens
+        from .plan import images_per_part, output_bytes, segment_tokens
 
         opts, cfg = self.opts, described["config"]
+        self.layout.check_file_size(output_bytes(cfg, opts, setup.planned))
         part_images = images_per_part(cfg, opts)
         settings = run_settings(cfg, described["fingerprint"], opts,
                                 described["compute_dtype"], part_images, described["device"],

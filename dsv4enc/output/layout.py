@@ -561,6 +561,7 @@ class PartWriter:
         for thread in self._threads:
             thread.join()
         self.check()
+        self.store.compact()
 
 
 class Segment(Protocol):

@@ -642,6 +642,12 @@ class PartLedger:
             except OSError as exc:
                 raise output_os_error(self.journal_path, exc) from None
 
+    def compact(self) -> None:
+        """Fold the journal into the manifest once the run's commits are over, so that a
+        finished output is one manifest (written whole once, not at every commit)."""
+        if self._journal is not None and self.journal_path.exists():
+            self.save()
+
 
 class PartStore(PartLedger):
     """Parts as closed files in a folder, each listed by the manifest (its ``file``).

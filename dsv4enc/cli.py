@@ -423,12 +423,14 @@ def _encode_command(opts, storage_option: list[str] | None, quiet: bool,
 
                 summary = run_ray_encode(opts, ray_opts, stop)
             else:
-                # before torch is imported: decoding starts meanwhile
+                # before torch is imported: a bad input set fails fast
                 prefetch = start_prefetch(opts, stop)
-                if prefetch is not None and prefetch.on_cpu:
-                    prefer_jemalloc_pool()
                 from .run.pipeline import run_encode
                 from .run.dist import init_distributed
+                import torch
+
+                if opts.device == "cpu" or opts.device == "auto" and not torch.cuda.is_available():
+                    prefer_jemalloc_pool()
 
                 dist = init_distributed(opts.device, opts.timeout)
                 _own_process_settings(opts.device, dist)

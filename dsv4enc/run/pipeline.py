@@ -32,8 +32,9 @@ from ..output.layout import (OutputLayout, PartWriter, ResumeSettings, assembler
                              resume_filter)
 from ..output.update import Update, footer_entry, row_stamps, write_folder_stamps
 from .options import EncodeOptions, default_writer_threads, validate
-from .plan import Part, images_per_part, segment_tokens
-from .setup import RunSetup, run_batch_tokens
+from .plan import Part, cut_parts, images_per_part, segment_tokens
+from .setup import RunSetup, WindowSettings, run_batch_tokens
+from ..images.headers import input_stamps
 from .progress import RunProgress
 from ..output.remote import RemoteOutput
 from .stopping import StopSignals
@@ -204,7 +205,6 @@ def _run_encode(opts: EncodeOptions, dist, setup: RunSetup, stop: StopSignals,
     ranks.main_then_all(layout.create)
     cfg = ckpt.config
     batch_tokens = run_batch_tokens(opts, device.type) if stand_in is None else None
-    setup.keep_if_planned_for(cfg, device.type, batch_tokens)
     if ranks.is_main and not found.items:
         log.warning("no images found in %s (%d other files skipped); the output will have "
                     "no rows", ", ".join(opts.inputs) or opts.files_from, found.skipped)
@@ -212,7 +212,7 @@ def _run_encode(opts: EncodeOptions, dist, setup: RunSetup, stop: StopSignals,
                            opts.log_every)
     summary = RunSummary(out=str(opts.out), skipped=found.skipped,
                          unlisted=len(found.unlisted))
-    setup.decode_pool(cfg, device.type, opts)  # spawned now unless early: workers start meanwhile
+    setup.decode_pool(cfg, device.type, opts)  # spawned now: workers start meanwhile
     store = None
     try:
         stop.immediate = dist is None
@@ -220,24 +220,17 @@ def _run_encode(opts: EncodeOptions, dist, setup: RunSetup, stop: StopSignals,
         engine = (_tower_engine(ckpt, device, opts, ranks, batch_tokens) if stand_in is None
                   else stand_in.engine(device, opts))
         with progress:
-            planned = setup.headers(cfg, opts, ranks,
-                                    None if dist is not None else stop.requested,
-                                    announce=progress.status)
-            if dist is None and stop.signum is not None:
-                raise Interrupted(stop.signum, "nothing was encoded; rerun the same command")
-            summary.count_misnamed(planned)
             output = _plan_output(opts, setup, layout, ranks, engine, ckpt, device, dtype,
-                                  summary, local)
+                                  summary, local, stop, progress)
             store = output.store
             progress.announce(_opening_line(opts, len(found.items), device, dtype, cfg))
             if adopted:
                 progress.announce(adopted)
             carried = output.carried
-            progress.start(total=len(planned), done=summary.reused + sum(
+            progress.start(total=len(found.items), done=summary.reused + sum(
                                1 for p in output.todo for i in range(p.start, p.end)
-                               if i in carried),
-                           tokens=sum(planned[i].tokens for p in output.todo
-                                      for i in range(p.start, p.end) if i not in carried))
+                               if i in carried) if carried else summary.reused,
+                           tokens=None if output.todo else 0)
             _write_output(opts, engine, setup, output, layout, ranks, progress, summary, stop)
     except (DsvError, Interrupted) as exc:
         if isinstance(exc, storage.StoreDown) and store is not None and local:
@@ -257,18 +250,20 @@ def _run_encode(opts: EncodeOptions, dist, setup: RunSetup, stop: StopSignals,
 
 @dataclass
 class OutputPlan:
-    """What a run writes, once its headers are read: the part ledger (``store``), the
-    schema, every part and those still to encode (``todo``), an ``--update``'s ``Update``
-    (None otherwise), the input stamps kept for a later ``--update`` (None on ranks that
-    do not keep them) and the options that decide rows (``row_options``)."""
+    """What a run writes: the part ledger (``store``), the schema, every part and those
+    still to encode (``todo``, planned window by window as the run goes), an ``--update``'s
+    ``Update`` (None otherwise), whether this rank keeps the input stamps for a later
+    ``--update`` (``keeps_stamps``), the options that decide rows (``row_options``) and how
+    each window is planned (``windows``)."""
 
     store: PartLedger
     schema: pa.Schema
     parts: list[Part]
     todo: list[Part]
     update: Update | None
-    stamps: np.ndarray | None  # one uint64 per input (``output/update.row_stamps``)
+    keeps_stamps: bool
     row_options: dict
+    windows: WindowSettings
 
     @property
     def carried(self) -> dict[int, int]:
@@ -278,10 +273,12 @@ class OutputPlan:
 
 def _plan_output(opts: EncodeOptions, setup: RunSetup, layout: OutputLayout, ranks: Topology,
                  engine: Engine, ckpt: Checkpoint, device: torch.device, dtype: torch.dtype,
-                 summary: RunSummary, local: bool) -> OutputPlan:
+                 summary: RunSummary, local: bool, stop: StopSignals,
+                 progress: RunProgress) -> OutputPlan:
     """The run's settings and schema, its store (the old output's under ``--update``), its
-    parts, and which of them are still to encode (``--resume``, ``--update``)."""
-    cfg, planned = ckpt.config, setup.planned
+    parts (cut by input order alone), and which of them are still to encode (``--resume``
+    judges committed parts by their inputs' stamps; ``--update`` reads every header first)."""
+    cfg, planned = ckpt.config, setup.entries()
     part_images = images_per_part(cfg, opts)
     settings = run_settings(ckpt, opts, dtype, part_images, engine)
     if ranks.shard_output:
@@ -296,18 +293,25 @@ def _plan_output(opts: EncodeOptions, setup: RunSetup, layout: OutputLayout, ran
                        world_size=ranks.world_size,
                        rank=ranks.rank if ranks.dist is not None else None,
                        update=update, rows_settings=rows_settings)
-    parts = setup.cut_parts(part_images, ranks, opts.balance, cfg, segment_tokens=(
-        None if ranks.splits_images else  # greedy per part
-        segment_tokens(engine.batch_tokens, device.type)))
+    should_stop = None if ranks.dist is not None else stop.requested
     if update is not None:
+        setup.headers(cfg, opts, ranks, should_stop, announce=progress.status)
+        stop.check()  # headers left unread must not be matched as error rows
         update.match(planned, rows_settings)  # refuses other settings in one line
         update.count_into(summary)
+    elif resuming.resume and ranks.writes and store.manifest_path.is_file():
+        input_stamps(planned)  # what tells committed parts unchanged: no header is read
+    parts = cut_parts(planned, part_images)
     todo, summary.reused = resume_filter(store, parts, resuming, writes=ranks.writes,
                                          agree=ranks.agree_on_todo)
-    # each row's input stamp, kept with the output for a later --update
-    stamps = (row_stamps((p.item.key, p.stamp) for p in planned)
-              if ranks.is_main and not ranks.sharded else None)
-    return OutputPlan(store, schema, parts, todo, update, stamps, resuming.row_options)
+    windows = WindowSettings(
+        cfg, opts, ranks, engine.batch_tokens,
+        None if ranks.splits_images else segment_tokens(engine.batch_tokens, device.type),
+        ranks.rank if ranks.splits_images else 0, summary,
+        carried=update.carried if update is not None else (),
+        headers_read=update is not None, should_stop=should_stop)
+    return OutputPlan(store, schema, parts, todo, update, ranks.is_main and not ranks.sharded,
+                      resuming.row_options, windows)
 
 
 def _write_output(opts: EncodeOptions, engine: Engine, setup: RunSetup, output: OutputPlan,
@@ -315,16 +319,19 @@ def _write_output(opts: EncodeOptions, engine: Engine, setup: RunSetup, output: 
                   summary: RunSummary, stop: StopSignals) -> None:
     """Encode the parts to do into the output and finish it: the single file, the sharded
     manifest, a folder's stamps. A failed or stopped run leaves its committed parts."""
-    store, stamps, update = output.store, output.stamps, output.update
+    store, update = output.store, output.update
+    # each row's input stamp, kept with the output for a later --update: known once every
+    # window is planned (an empty run's now)
+    planned = setup.entries()
     assembler = assembler_for(store, layout, [p.name for p in output.parts], output.schema,
                               is_main=ranks.is_main, key_values=(
-                                  None if stamps is None
-                                  else footer_entry(stamps, output.row_options)))
+                                  footer_entry(row_stamps(()), output.row_options)
+                                  if output.keeps_stamps and not planned else None))
     writer = (PartWriter(store, output.schema, default_writer_threads(), assembler)
               if ranks.writes else None)
     runner = PartEncoder(engine, opts, ranks, progress, summary, stop, update)
     try:
-        _encode_parts(engine, runner, setup, output.todo, writer, store, layout, summary,
+        _encode_parts(engine, runner, setup, output, writer, store, layout, summary,
                       progress, stop, "--update" if opts.update else "--resume")
         stop.check()
         # A store that failed its last calls made rows of outages (transient): the run is
@@ -334,6 +341,13 @@ def _write_output(opts: EncodeOptions, engine: Engine, setup: RunSetup, output: 
         if failing:
             raise failing[0]
         ranks.barrier()
+        stamps = None
+        if output.keeps_stamps:
+            input_stamps(planned)  # those of parts an interrupted run committed, if not yet
+            stamps = row_stamps((p.item.key, p.stamp) for p in planned)
+            if assembler is not None and planned:
+                assembler.key_values = {**assembler.key_values,
+                                        **footer_entry(stamps, output.row_options)}
         _finish_output(assembler, store, layout, ranks, engine, summary, progress, stop)
         if layout.folder_mode and stamps is not None:  # the folder is complete
             if update is not None and update.staging is not None:
@@ -346,28 +360,34 @@ def _write_output(opts: EncodeOptions, engine: Engine, setup: RunSetup, output: 
         raise
 
 
-def _encode_parts(engine: Engine, runner: PartEncoder, setup: RunSetup, todo,
+def _encode_parts(engine: Engine, runner: PartEncoder, setup: RunSetup, output: OutputPlan,
                   writer: PartWriter | None, store, layout: OutputLayout, summary: RunSummary,
                   progress: RunProgress, stop: StopSignals, again: str = "--resume") -> None:
-    """Encode the parts still to do (their batches and decoded stream: the set-up's, early
-    or made now), handing each finished one to the writer; the writer is closed (its parts
-    committed) however the loop ends. ``again``: the flag that finishes the run after an
-    interruption."""
-    began = time.perf_counter()
-    planned = setup.planned
-    try:
-        batches = setup.plan_batches(todo, engine.batch_tokens, runner.opts.max_images,
-                                     runner.me, runner.carried)
-        if todo:
+    """Encode the parts still to do, window by window as they are planned (the decode
+    workers run ahead from the first window on), handing each finished one to the writer;
+    the writer is closed (its parts committed) however the loop ends. ``again``: the flag
+    that finishes the run after an interruption."""
+    began = [time.perf_counter()]
+    planned = setup.entries()
+    todo = output.todo
+
+    def on_window(k: int, window) -> None:
+        sizes = runner.batch_sizes(planned, window.batches)
+        progress.plan_tokens(window.tokens, last=k == len(todo) - 1)
+        if k == 0:
             progress.status("capturing CUDA graphs" if engine.graphs_enabled else "encoding")
-            engine.fit_budgets(runner.batch_sizes(planned, batches))
+            engine.fit_budgets(sizes)  # the first window's batches tell the graph budgets
             engine.prepare()
             progress.begin_encoding()
-            began = time.perf_counter()
-        decoded = setup.stream(runner.opts.max_images)  # started now unless early
+            began[0] = time.perf_counter()
+
+    try:
+        windows = setup.plan_windows(todo, output.windows)
+        decoded = setup.stream(runner.opts.max_images)  # decoding starts with the first window
         stop.hint = layout.encoding_hint(again)
         with stop.deferred():  # a signal stops the loop between batches
-            for name, start, end, digest, rows in runner.run(planned, todo, batches, decoded):
+            for name, start, end, digest, rows in runner.run(planned, windows.parts(on_window),
+                                                             decoded):
                 if writer is not None:
                     writer.put(name, rows, start, end, digest)
                 del rows  # only the writer holds a finished part meanwhile
@@ -377,7 +397,7 @@ def _encode_parts(engine: Engine, runner: PartEncoder, setup: RunSetup, todo,
                 writer.close()
             summary.write_s = writer.seconds
             stop.hint = layout.resume_hint(store, again)  # what was really committed
-        summary.encode_s = time.perf_counter() - began
+        summary.encode_s = time.perf_counter() - began[0]
         progress.end_encoding()
 
 

@@ -25,9 +25,9 @@ PROBE_POLL_S = 0.1  # how often the waiting thread checks for a stop and for lat
 STAT_THREADS = 16  # file stamps taken at once (a stat mostly waits on network shares)
 
 
-@dataclass
+@dataclass(slots=True)  # one per input of the run: no __dict__ each
 class Planned:
-    """One input after its header was read: its grid, or why it cannot be encoded."""
+    """One input, and once its header was read its grid, or why it cannot be encoded."""
 
     item: InputItem
     width: int | None = None

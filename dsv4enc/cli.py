@@ -389,7 +389,7 @@ def encode(
 def _encode_command(opts, storage_option: list[str] | None, quiet: bool,
                     summary_json: str | None, started: float | None = None,
                     ray_opts=None) -> None:
-    """``encode`` with its options built: storage and log settings, signals, the early start
+    """``encode`` with its options built: storage and log settings, signals, the listing
     (before torch is imported), the run, and what the command prints at its end.
     ``started``: when the command (or its process) started, on ``time.perf_counter``'s
     clock: the run's wall time counts from there."""
@@ -418,7 +418,7 @@ def _encode_command(opts, storage_option: list[str] | None, quiet: bool,
     own_process_pillow_settings()  # each open checks --max-pixels itself
     try:
         try:
-            if ray_opts is not None:  # encoder actors decode and encode; nothing starts early
+            if ray_opts is not None:  # encoder actors decode and encode
                 from .run.ray_engine import run_ray_encode
 
                 summary = run_ray_encode(opts, ray_opts, stop)

@@ -1,10 +1,11 @@
 """The encode run: inputs -> headers -> plan -> decode workers -> device -> Parquet parts.
 
 Offline, every image's patch grid is known from its header before any pixel is decoded, so
-the whole run is planned up front: items are cut into *parts* (consecutive input ranges, the
-unit of commit and resume), each part's images are packed into nearly full batches, and
-decode workers stream exactly those images, in that order, a bounded distance ahead of the
-device. Parts are written by a background thread. Under torchrun, each part's images are
+the run is planned a window ahead of the device: items are cut into *parts* (consecutive
+input ranges by input order alone, the unit of commit and resume), each part still to do is
+planned when the encoder comes near it (``run/setup.Windows``: its headers read, its images
+packed into nearly full batches), and decode workers stream exactly those images, in that
+order, a bounded distance ahead of the device. Parts are written by a background thread. Under torchrun, each part's images are
 shared among ranks by the greedy rule of SPEC §7 (or the tower is split, SPEC §8).
 """
 
@@ -14,7 +15,6 @@ import logging
 import time
 from dataclasses import dataclass, replace
 
-import numpy as np
 import pyarrow as pa
 import torch
 
@@ -141,9 +141,8 @@ def run_encode(opts: EncodeOptions, dist=None, setup: RunSetup | None = None,
                stop: StopSignals | None = None, stand_in=None) -> RunSummary:
     """Encode ``opts.inputs`` into ``opts.out``. Raises DsvError (setup) or Interrupted.
 
-    ``setup``: what ``prefetch.start_prefetch(opts)`` found and started for these same
-    options (the CLI's head start while torch was imported); this call owns and closes it
-    (and makes its own without one).
+    ``setup``: what ``setup.start_prefetch(opts)`` listed for these same options (before
+    torch was imported); this call owns and closes it (and makes its own without one).
     ``stop``: the caller's installed signal handling; by default this call installs its own
     (from the main thread) and restores the previous handlers when it returns.
     ``stand_in``: computes the rows instead of the tower (``hostbench.NullStage`` measures the

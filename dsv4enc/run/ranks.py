@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 
 def launched_ranks() -> int:
     """How many ranks torchrun started (1 for a plain launch), from the environment alone:
-    for what runs before the process group exists (the head start, signal handling)."""
+    for what runs before the process group exists (the listing, signal handling)."""
     return int(os.environ.get("WORLD_SIZE", "1") or 1)
 
 

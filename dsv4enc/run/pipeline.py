@@ -375,7 +375,9 @@ def _encode_parts(engine: Engine, runner: PartEncoder, setup: RunSetup, output: 
         progress.plan_tokens(window.tokens, last=k == len(todo) - 1)
         if k == 0:
             progress.status("capturing CUDA graphs" if engine.graphs_enabled else "encoding")
-            engine.fit_budgets(sizes)  # the first window's batches tell the graph budgets
+            # the first window's batches tell the graph budgets; a full batch's is one when
+            # later windows come, so that none of their batches is left to run eager
+            engine.fit_budgets(sizes + [engine.batch_tokens] * (len(todo) > 1))
             engine.prepare()
             progress.begin_encoding()
             began[0] = time.perf_counter()

@@ -10,6 +10,7 @@ runs the whole encode.
 
     python benchmarks/first_part.py --counts 1000 100000 1000000 [--root /tmp/dsv4enc_first_part]
     python benchmarks/first_part.py --counts 1000 100000 --code /path/to/other/checkout
+    python benchmarks/first_part.py --counts 1000 100000 --part-images 64
 
 ``--code``: the dsv4enc tree to run (PYTHONPATH), to compare two versions on one machine.
 """
@@ -98,16 +99,19 @@ def main() -> None:
     parser.add_argument("--root", type=Path, default=Path("/tmp/dsv4enc_first_part"))
     parser.add_argument("--code", type=Path, default=ROOT)
     parser.add_argument("--no-resume", action="store_true")
+    parser.add_argument("--part-images", type=int, default=None,
+                        help="--part-images of the runs (default: the config's, 1024 here)")
     args = parser.parse_args()
     results = []
     for count in args.counts:
         folder = make_inputs(args.root, count)
+        extra = ["--part-images", str(args.part_images)] if args.part_images else []
         with tempfile.TemporaryDirectory() as scratch:
             out = Path(scratch) / "e.parquet"
-            fresh, fresh_rss = first_commit(folder, out, args.code)
+            fresh, fresh_rss = first_commit(folder, out, args.code, *extra)
             row = {"inputs": count, "fresh_s": round(fresh, 2), "fresh_rss_mib": round(fresh_rss)}
             if not args.no_resume:
-                resumed, resumed_rss = first_commit(folder, out, args.code, "--resume")
+                resumed, resumed_rss = first_commit(folder, out, args.code, *extra, "--resume")
                 row.update(resume_s=round(resumed, 2), resume_rss_mib=round(resumed_rss))
         print(json.dumps(row), flush=True)
         results.append(row)

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Callable, Iterable, Protocol, Sequence
 
 from ..errors import AlreadyComplete, DsvError, OutputError, UsageError
 from ..images.items import is_image_name
-from ..images.headers import inputs_digest
+from ..images.headers import input_stamps, inputs_digest
 from ..pausepoints import pause
 from .appending import GROWING_NAME
 from .update import STAMPS_FILE, Update
@@ -627,12 +627,16 @@ def _reusable(store: PartLedger, parts: list[Segment]) -> set[tuple[int, int]]:
     --commit-every struck), each holding the same inputs as now (keys and stamps), without a
     transient error."""
     source = parts[0].source if parts else ()
+    recorded = sorted(((name, part["start"], part["end"]) for name, part in store.parts.items()
+                       if 0 <= part["start"] < part["end"] <= len(source)),
+                      key=lambda piece: piece[1])
+    # the stamps of what was committed, at once: the other inputs' come as they are planned
+    input_stamps([entry for _, start, end in recorded for entry in source[start:end]])
     chain = {p.start for p in parts}
     reused = set()
-    for name, part in sorted(store.parts.items(), key=lambda item: item[1]["start"]):
-        start, end = part["start"], part["end"]
-        if (start in chain and 0 <= start < end <= len(source)
-                and store.committed(name, start, end, inputs_digest(source[start:end]))):
+    for name, start, end in recorded:
+        if start in chain and store.committed(name, start, end,
+                                              inputs_digest(source[start:end])):
             reused.add((start, end))
             chain.add(end)
     return reused

@@ -298,8 +298,6 @@ def _plan_output(opts: EncodeOptions, setup: RunSetup, layout: OutputLayout, ran
         stop.check()  # headers left unread must not be matched as error rows
         update.match(planned, rows_settings)  # refuses other settings in one line
         update.count_into(summary)
-    elif resuming.resume and ranks.writes and store.manifest_path.is_file():
-        input_stamps(planned)  # what tells committed parts unchanged: no header is read
     parts = cut_parts(planned, part_images)
     todo, summary.reused = resume_filter(store, parts, resuming, writes=ranks.writes,
                                          agree=ranks.agree_on_todo)
@@ -342,7 +340,7 @@ def _write_output(opts: EncodeOptions, engine: Engine, setup: RunSetup, output: 
         ranks.barrier()
         stamps = None
         if output.keeps_stamps:
-            input_stamps(planned)  # those of parts an interrupted run committed, if not yet
+            input_stamps(planned)  # none left unless a part was neither planned nor judged
             stamps = row_stamps((p.item.key, p.stamp) for p in planned)
             if assembler is not None and planned:
                 assembler.key_values = {**assembler.key_values,

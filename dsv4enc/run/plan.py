@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Callable, Collection, Sequence
 
 from ..errors import UsageError
 from ..images.decode import Probe
-from ..images.headers import PROBE_TIMEOUT_S, Planned, input_stamps, inputs_digest, probe_all
+from ..images.headers import PROBE_TIMEOUT_S, Planned, inputs_digest, probe_all
 from ..images.items import InputItem
 from ..images.sources import clear_cache
 from ..tower.config import VisionConfig
@@ -25,16 +25,6 @@ PART_BYTES = 256 << 20  # upper bound of one part's embeddings in memory
 # Parts of small models are capped in images: writing a part's Parquet takes transient memory
 # several times its embeddings (float16 most), and up to four parts are in flight.
 MAX_PART_IMAGES = 1024
-
-
-def read_headers(items: Sequence[InputItem], cfg: VisionConfig, max_pixels: int,
-                 ranks: Topology | None = None,
-                 should_stop: Callable[[], bool] | None = None,
-                 timeout_s: float | None = PROBE_TIMEOUT_S) -> list[Planned]:
-    """Probe the headers of ``items`` (threads; ranks split the work and share results) and
-    plan their grids: ``probe_share`` then ``with_grids``."""
-    return with_grids(items, probe_share(items, max_pixels, ranks, should_stop, timeout_s),
-                      cfg, ranks)
 
 
 def probe_share(items: Sequence[InputItem], max_pixels: int, ranks: Topology | None = None,
@@ -179,16 +169,6 @@ def plan_segments(planned: Sequence[Planned], part: Part, ranks: Topology | None
     return [Part(part_name(first, size), first, last, range(first, last),
                  inputs_digest(planned[first:last]), planned, part_images=size)
             for first, last in _segments(planned, start, end, segment_tokens)]
-
-
-def plan_parts(planned: Sequence[Planned], part_images: int, ranks: Topology | None = None,
-               balance: str = "patches", cfg: VisionConfig | None = None,
-               segment_tokens: int | None = None) -> list[Part]:
-    """Every segment of the whole plan at once (its headers all read): ``cut_parts`` and
-    ``plan_segments`` of each range, for runs that plan whole (``--engine ray``)."""
-    input_stamps(planned)
-    return [segment for part in cut_parts(planned, part_images)
-            for segment in plan_segments(planned, part, ranks, balance, cfg, segment_tokens)]
 
 
 # ----------------------------------------------------------------------------- ranks (SPEC §7)

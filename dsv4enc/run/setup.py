@@ -25,8 +25,8 @@ from ..images.discover import Discovery, discover
 from ..images.headers import input_stamps
 from ..engine.defaults import default_batch_tokens
 from .options import EncodeOptions, decode_window, default_workers, validate
-from .plan import (Part, Planned, decode_order, plan_batches, plan_parts, plan_segments,
-                   probe_share, read_headers, with_grids)
+from .plan import (Part, Planned, cut_parts, decode_order, plan_batches, plan_segments,
+                   probe_share, with_grids)
 from .stopping import StopSignals, StoppedWaiting
 from .ranks import Topology, launched_ranks
 
@@ -212,17 +212,18 @@ class RunSetup:
         plan first (``--update``'s matching, ``--engine ray``); ``announce(text)`` says so."""
         planned = self.entries()
         announce(f"reading {len(planned)} image headers")
-        read = read_headers([p.item for p in planned], cfg, opts.max_pixels, ranks,
-                            should_stop, opts.decode_timeout)
-        planned[:] = read
+        items = [p.item for p in planned]
+        planned[:] = with_grids(items, probe_share(items, opts.max_pixels, ranks, should_stop,
+                                                   opts.decode_timeout), cfg, ranks)
         input_stamps(planned)
         return planned
 
     def cut_parts(self, part_images: int, ranks: Topology | None, balance: str,
                   cfg: VisionConfig, segment_tokens: int | None) -> list[Part]:
-        """Every segment of the whole plan (``plan.plan_parts``), its headers read."""
-        return plan_parts(self.planned, part_images, ranks, balance, cfg,
-                          segment_tokens=segment_tokens)
+        """Every segment of the whole plan, its headers read (``headers``)."""
+        return [segment for part in cut_parts(self.planned, part_images)
+                for segment in plan_segments(self.planned, part, ranks, balance, cfg,
+                                             segment_tokens)]
 
     def plan_windows(self, todo: list[Part], plan: "WindowSettings") -> Windows:
         """The windows of ``todo``, planned from now on (``WindowSettings``: how)."""

@@ -2,7 +2,7 @@
 the header probes of a run (threads with a time limit per probe), the inputs with their grids
 (``Planned``), and the stamps and digests that ``--resume`` compares.
 
-Torch-free: the early start reads headers while torch is imported."""
+Torch-free: the run's set-up that reads them imports no torch."""
 
 from __future__ import annotations
 

@@ -417,7 +417,7 @@ def _say_if_nothing_found(opts, summary) -> None:
 def _encode_command(opts, storage_option: list[str] | None, quiet: bool,
                     summary_json: str | None, started: float | None = None,
                     ray_opts=None) -> None:
-    """``encode`` with its options built: storage and log settings, signals, the early start
+    """``encode`` with its options built: storage and log settings, signals, the listing
     (before torch is imported), the run, and what the command prints at its end.
     ``started``: when the command (or its process) started, on ``time.perf_counter``'s
     clock: the run's wall time counts from there."""
@@ -446,17 +446,19 @@ def _encode_command(opts, storage_option: list[str] | None, quiet: bool,
     own_process_pillow_settings()  # each open checks --max-pixels itself
     try:
         try:
-            if ray_opts is not None:  # encoder actors decode and encode; nothing starts early
+            if ray_opts is not None:  # encoder actors decode and encode
                 from .run.ray_engine import run_ray_encode
 
                 summary = run_ray_encode(opts, ray_opts, stop)
             else:
-                # before torch is imported: decoding starts meanwhile
+                # before torch is imported: a bad input set fails fast
                 prefetch = start_prefetch(opts, stop)
-                if prefetch is not None and prefetch.on_cpu:
-                    prefer_jemalloc_pool()
                 from .run.pipeline import run_encode
                 from .run.dist import init_distributed
+                import torch
+
+                if opts.device == "cpu" or opts.device == "auto" and not torch.cuda.is_available():
+                    prefer_jemalloc_pool()
 
                 dist = init_distributed(opts.device, opts.timeout)
                 _own_process_settings(opts.device, dist)

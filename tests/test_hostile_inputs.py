@@ -498,8 +498,8 @@ def test_files_that_vanish_or_change_between_listing_and_decoding(tmp_path, ckpt
         (folder / name).parent.mkdir(exist_ok=True)
         (folder / name).write_bytes(photo)
 
-    # the run's set-up (prefetch.RunSetup) finds the inputs and reads their headers
-    real_discover, real_headers = prefetch.discover, prefetch.read_headers
+    # the run's set-up (prefetch.RunSetup) finds the inputs and probes their headers
+    real_discover, real_headers = prefetch.discover, prefetch.probe_share
 
     def discover(*args, **kwargs):
         found = real_discover(*args, **kwargs)
@@ -515,7 +515,7 @@ def test_files_that_vanish_or_change_between_listing_and_decoding(tmp_path, ckpt
         return planned
 
     monkeypatch.setattr(prefetch, "discover", discover)
-    monkeypatch.setattr(prefetch, "read_headers", read_headers)
+    monkeypatch.setattr(prefetch, "probe_share", read_headers)
     out = tmp_path / "e.parquet"
     summary = run_encode(EncodeOptions(inputs=[str(folder)], out=str(out), weights=str(ckpt),
                                        device="cpu", workers=1, decode_timeout=2.0,

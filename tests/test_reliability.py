@@ -322,7 +322,9 @@ def test_a_signal_while_reading_headers_stops_within_seconds(tmp_path, monkeypat
 
     monkeypatch.setattr(headers, "probe_image", slow_probe)
     out = tmp_path / "e.parquet"
-    opts = options(tmp_path, out, inputs=[], files_from=str(listing))
+    # one window of 2000 (the plan streams: with small parts, earlier windows would be
+    # encoded and committed meanwhile, and kept for --resume)
+    opts = options(tmp_path, out, inputs=[], files_from=str(listing), part_images=4096)
     handler = signal.getsignal(signal.SIGTERM)
     with pytest.raises(Interrupted) as caught:
         run_encode(opts)
@@ -398,7 +400,7 @@ def phase_runs(images, tmp_path_factory) -> dict[str, PhaseRun]:
     root = tmp_path_factory.mktemp("rel_phases")
     fifo = root / "listing.fifo"
     os.mkfifo(fifo)
-    many = root / "many.txt"  # more inputs than the head start plans: read_headers runs later
+    many = root / "many.txt"  # more inputs than one window: later windows are read meanwhile
     many.write_text("".join(f"{root}/empty{i:05d}.png\n" for i in range(5000)))
     for i in range(5000):  # they exist (a list of missing paths is refused before headers)
         (root / f"empty{i:05d}.png").touch()
@@ -410,7 +412,8 @@ def phase_runs(images, tmp_path_factory) -> dict[str, PhaseRun]:
                  probe),
         PhaseRun(root, "model loading", signal.SIGTERM, [str(images)],
                  "dsv4enc.run.pipeline:load_model"),
-        PhaseRun(root, "planning", signal.SIGINT, [str(images)], "dsv4enc.run.setup:plan_parts"),
+        PhaseRun(root, "planning", signal.SIGINT, [str(images)],
+                 "dsv4enc.run.setup:plan_segments"),
         PhaseRun(root, "assembling", signal.SIGTERM, [str(images)],
                  "dsv4enc.output.appending:AppendingStore.finish"),
     ]
@@ -489,10 +492,9 @@ def test_the_api_never_returns_a_non_finite_embedding(images):
 HUNG_DECODE_RUN = """
 import os, pathlib, sys
 from dsv4enc.run import encoding
-from dsv4enc.run import plan as planning
 from dsv4enc.run import setup as prefetch
 victim, ready, *argv = sys.argv[1:]
-real_read, real_submit = planning.read_headers, encoding.PartEncoder.submit_batch
+real_read, real_submit = prefetch.probe_share, encoding.PartEncoder.submit_batch
 
 def read_then_swap(*args, **kwargs):
     planned = real_read(*args, **kwargs)
@@ -504,7 +506,7 @@ def submit_batch(self, *args, **kwargs):
     pathlib.Path(ready).touch()
     return real_submit(self, *args, **kwargs)
 
-prefetch.read_headers = read_then_swap
+prefetch.probe_share = read_then_swap
 encoding.PartEncoder.submit_batch = submit_batch
 from dsv4enc.cli import main
 sys.argv = ["dsv4enc", *argv]

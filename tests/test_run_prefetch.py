@@ -1,5 +1,6 @@
-"""The head start: decode workers fed by a background thread, and a run planned and decoding
-before torch is imported. Each path must give exactly what the plain path gives."""
+"""The streaming set-up: decode workers fed by a background thread, the inputs listed before
+torch is imported, and the plan made a window at a time a bounded distance ahead of the
+encoder. Each path must give exactly what the plain path gives."""
 
 from __future__ import annotations
 
@@ -14,14 +15,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from dsv4enc.images.decode import DecodePool, decode_image
+from dsv4enc.images.decode import NOT_YET, DecodePool, decode_image
 from dsv4enc.run.options import EncodeOptions
 from dsv4enc.run.pipeline import run_encode
 from collections import Counter
 
 import dsv4enc.run.setup as run_setup
-from dsv4enc.run.plan import decode_order, images_per_part, plan_batches, plan_parts, segment_tokens
-from dsv4enc.run.setup import RunSetup, start_prefetch
+from dsv4enc.run.setup import WINDOWS_AHEAD, RunSetup, Window, Windows, start_prefetch
 
 from helpers import write_image
 
@@ -114,7 +114,26 @@ def test_an_error_in_the_task_source_reaches_the_consumer(images, tiny_cfg):
             next(stream)
 
 
-# --------------------------------------------------------------------------- prefetch
+def test_a_task_source_that_is_not_ready_yet_is_asked_again(images, tiny_cfg):
+    """A streaming plan's source says NOT_YET until its next window is planned: the pump
+    keeps delivering what it has and takes the rest once it comes."""
+    paths = sorted(images.glob("img*.png"))
+    gate = threading.Event()
+
+    def tasks():
+        yield 0, paths[0]
+        while not gate.is_set():
+            yield NOT_YET
+        yield from ((i, p) for i, p in enumerate(paths) if i)
+
+    with DecodePool(tiny_cfg, 1, timeout_s=60.0) as pool:
+        stream = pool.imap(tasks(), window=4)
+        assert next(stream)[0] == 0  # delivered while the source is not ready
+        gate.set()
+        assert [tag for tag, _ in stream] == list(range(1, len(paths)))
+
+
+# --------------------------------------------------------------------------- the streaming plan
 
 def options(images: Path, out: Path, ckpt: Path, **changes) -> EncodeOptions:
     base = dict(inputs=[str(images)], out=str(out), weights=str(ckpt), device="cpu",
@@ -126,109 +145,93 @@ def read(path: Path) -> pa.Table:
     return pq.read_table(path).replace_schema_metadata(None)
 
 
-def test_a_prefetched_run_equals_a_plain_run(images, tmp_path, tiny_ckpt, tiny_cfg):
+def test_the_listed_inputs_are_handed_on(images, tmp_path, tiny_ckpt, monkeypatch):
+    """What the command line lists before torch is imported is what the run encodes:
+    nothing is walked twice."""
     plain = options(images, tmp_path / "plain.parquet", tiny_ckpt)
     run_encode(plain)
     opts = replace(plain, out=str(tmp_path / "early.parquet"))
-    prefetch = start_prefetch(opts)
-    assert prefetch is not None and prefetch.pool is not None and prefetch.decoded is not None
-    assert prefetch.on_cpu and prefetch.early
-    parts = plan_parts(prefetch.planned, images_per_part(tiny_cfg, opts),
-                       segment_tokens=segment_tokens(256, "cpu"))
-    assert [p.name for p in prefetch.parts] == [p.name for p in parts]
-    assert prefetch.order == decode_order(plan_batches(prefetch.planned, parts, 256, 3))
-    summary = run_encode(opts, None, prefetch)
+    setup = start_prefetch(opts)
+    assert isinstance(setup, RunSetup) and len(setup.found.items) == len(SIZES) + 1
+
+    def made_again(*args, **kwargs):
+        raise AssertionError("listed again")
+
+    monkeypatch.setattr(run_setup, "discover", made_again)
+    summary = run_encode(opts, None, setup)
     assert summary.encoded == len(SIZES) and summary.failed == 1
-    assert prefetch.pool.workers == [] and prefetch.decoded is None  # closed by the run
+    assert setup.pool.workers == [] and setup.decoded is None  # closed by the run
     assert read(tmp_path / "early.parquet").equals(read(tmp_path / "plain.parquet"))
 
 
 @pytest.fixture
-def counted(monkeypatch) -> Counter:
-    """Calls of the set-up's seams: discovery, the worker default, headers, parts, batches
-    (with the decode order) and the decode pool's ``imap``."""
-    counts: Counter = Counter()
+def probed(monkeypatch) -> list[list[str]]:
+    """The keys of each call of the windows' probe seam (``plan.probe_share``)."""
+    calls: list[list[str]] = []
+    real = run_setup.probe_share
 
-    def count(owner, name):
-        real = getattr(owner, name)
+    def counting(items, *args, **kwargs):
+        calls.append([item.key for item in items])
+        return real(items, *args, **kwargs)
 
-        def counting(*args, **kwargs):
-            counts[name] += 1
-            return real(*args, **kwargs)
-
-        monkeypatch.setattr(owner, name, counting)
-
-    for name in ("discover", "default_workers", "read_headers", "plan_parts", "plan_batches",
-                 "decode_order"):
-        count(run_setup, name)
-    count(DecodePool, "imap")
-    return counts
+    monkeypatch.setattr(run_setup, "probe_share", counting)
+    return calls
 
 
-ONCE = {name: 1 for name in ("discover", "default_workers", "read_headers", "plan_parts",
-                             "plan_batches", "decode_order", "imap")}
+def test_each_window_is_probed_once_and_rows_equal_one_window(images, tmp_path, tiny_ckpt,
+                                                                 probed):
+    """Parts of 2 inputs: 4 windows, each probed once, in input order; the rows equal a run
+    planned in one window (rows are batch-invariant)."""
+    run_encode(options(images, tmp_path / "one.parquet", tiny_ckpt, part_images=1000))
+    assert len(probed) == 1
+    probed.clear()
+    summary = run_encode(options(images, tmp_path / "many.parquet", tiny_ckpt, part_images=2))
+    keys = sorted(p.name for p in images.iterdir())
+    assert probed == [keys[i:i + 2] for i in range(0, len(keys), 2)]
+    assert summary.encoded == len(SIZES) and summary.failed == 1
+    assert read(tmp_path / "many.parquet").equals(read(tmp_path / "one.parquet"))
 
 
-@pytest.mark.parametrize("early", ["planned", "inputs only", "none"])
-def test_discovery_plan_and_order_are_made_once(images, tmp_path, tiny_ckpt, counted, early):
-    """Whoever makes them first (the early start, else the run), the inputs are found, the
-    worker default computed, the headers read, the parts cut, the batches and decode order
-    planned and the stream started once each; the run uses what the early start made."""
-    plain = options(images, tmp_path / "plain.parquet", tiny_ckpt, workers=None)
-    run_encode(plain)
-    assert dict(counted) == ONCE
-    counted.clear()
-    opts = replace(plain, out=str(tmp_path / "o.parquet"))
-    setup = None
-    if early != "none":
-        setup = start_prefetch(opts if early == "planned" else replace(opts, resume=True))
-        assert setup.early == (early == "planned")
-    summary = run_encode(opts, None, setup)
-    assert summary.encoded == len(SIZES) and dict(counted) == ONCE
-    assert read(tmp_path / "o.parquet").equals(read(tmp_path / "plain.parquet"))
+def test_resume_reads_no_header_of_a_committed_part(images, tmp_path, tiny_ckpt, probed):
+    """--resume tells committed parts unchanged by their inputs' stamps: an unchanged
+    output probes nothing; a changed input costs the probes of its part alone."""
+    out = tmp_path / "out"
+    run_encode(options(images, f"{out}/", tiny_ckpt, part_images=2))
+    probed.clear()
+    assert run_encode(options(images, f"{out}/", tiny_ckpt, part_images=2,
+                              resume=True)).reused == len(SIZES) + 1
+    assert probed == []
+    keys = sorted(p.name for p in images.iterdir())
+    os.utime(images / keys[3], ns=(time.time_ns(), time.time_ns() + 10**9))
+    summary = run_encode(options(images, f"{out}/", tiny_ckpt, part_images=2, resume=True))
+    assert probed == [keys[2:4]] and summary.reused == len(SIZES) - 1
+    run_encode(options(images, tmp_path / "clean.parquet", tiny_ckpt, part_images=2))
+    assert pq.read_table(out).sort_by("path").replace_schema_metadata(None).equals(
+        read(tmp_path / "clean.parquet"))
 
 
-def test_the_early_plan_is_used_as_it_is(images, tmp_path, tiny_ckpt, monkeypatch):
-    """Nothing the early start made is made again or compared: planning in the run
-    would fail here."""
-    plain = options(images, tmp_path / "plain.parquet", tiny_ckpt)
-    run_encode(plain)
-    opts = replace(plain, out=str(tmp_path / "early.parquet"))
-    prefetch = start_prefetch(opts)
-    stream, parts = prefetch.decoded, prefetch.parts
-
-    def made_again(*args, **kwargs):
-        raise AssertionError("made again")
-
-    for name in ("discover", "read_headers", "plan_parts", "plan_batches", "decode_order"):
-        monkeypatch.setattr(run_setup, name, made_again)
-    monkeypatch.setattr(DecodePool, "imap", made_again)
-    monkeypatch.setattr(DecodePool, "__init__", made_again)
-    run_encode(opts, None, prefetch)
-    assert prefetch.parts is parts and stream is not None and prefetch.decoded is None
-    assert read(tmp_path / "early.parquet").equals(read(tmp_path / "plain.parquet"))
-
-
-@pytest.mark.parametrize("changes", [dict(resume=True), dict(workers=0), dict(device="mps"),
-                                     dict(weights="owner/not-a-local-folder")])
-def test_runs_that_could_differ_only_hand_on_their_inputs(images, tmp_path, tiny_ckpt, changes):
-    prefetch = start_prefetch(options(images, tmp_path / "o.parquet", tiny_ckpt, **changes))
-    assert isinstance(prefetch, RunSetup) and prefetch.pool is None
-    assert prefetch.on_cpu == ("device" not in changes)
-    assert len(prefetch.found.items) == len(SIZES) + 1
-
-
-def test_a_plan_for_another_device_is_dropped(images, tmp_path, tiny_ckpt, tiny_cfg):
-    """Planned for CUDA (its batch size, its worker count) but torch runs on the CPU: the
-    run makes its own plan and pool, and gives the plain run's rows."""
-    plain = options(images, tmp_path / "plain.parquet", tiny_ckpt, batch_tokens=None)
-    run_encode(plain)
-    early = replace(plain, out=str(tmp_path / "early.parquet"), device="cuda")
-    prefetch = start_prefetch(early)
-    assert prefetch.device_type == "cuda" and prefetch.pool is not None
-    run_encode(replace(early, device="cpu"), None, prefetch)
-    assert prefetch.pool.workers == []
-    assert read(tmp_path / "early.parquet").equals(read(tmp_path / "plain.parquet"))
+def test_windows_are_planned_a_bounded_distance_ahead():
+    """The planner reads at most WINDOWS_AHEAD windows beyond the one being encoded; the
+    decode source and the encoder each walk every window."""
+    read: list[int] = []
+    todo = [run_setup.Part(f"p{k}", k, k + 1, range(k, k + 1), "") for k in range(8)]
+    windows = Windows(todo, lambda part: read.append(part.start),
+                      lambda part, done: Window([part], [[[part.start]]],
+                                                [(part.start, None)], 1), alone=True)
+    try:
+        assert wait_until(lambda: len(read) == WINDOWS_AHEAD + 1)
+        time.sleep(0.2)
+        assert read == list(range(WINDOWS_AHEAD + 1))  # the bound holds while nothing moves
+        tasks = windows.tasks()
+        assert [next(tasks) for _ in range(2)] == [(0, None), (1, None)]
+        assert windows.window(3).segments == [todo[3]]
+        assert wait_until(lambda: len(read) == 3 + WINDOWS_AHEAD + 1)
+        time.sleep(0.2)
+        assert len(read) == 3 + WINDOWS_AHEAD + 1
+        windows.window(7)  # the encoder at the last window: every window is planned
+        assert [t for t in tasks if t is not NOT_YET] == [(k, None) for k in range(2, 8)]
+    finally:
+        windows.close()
 
 
 def test_no_prefetch_under_torchrun(images, tmp_path, tiny_ckpt, monkeypatch):

@@ -68,6 +68,25 @@ def test_one_definition_of_each_figure():
     assert format_duration(None) == "-:--:--" and format_duration(3725) == "1:02:05"
 
 
+def test_the_token_total_grows_window_by_window():
+    """The plan is made a window at a time: until the last window is planned, the token
+    total is of the windows planned so far (shown with a +) and the ETA counts images."""
+    progress = RunProgress("off")
+    progress.start(total=100, done=10)
+    progress.plan_tokens(600)
+    progress.advance(20, 200, 2)
+    counts = progress.snapshot()
+    counts.elapsed = 10.0
+    assert counts.total_tokens == 600 and not counts.tokens_known
+    assert counts.eta_s == 35.0  # 70 images to go at 2 img/s, not 400 tokens at 20 tokens/s
+    assert "tokens 200/600+," in counts.line()
+    progress.plan_tokens(400, last=True)
+    counts = progress.snapshot()
+    counts.elapsed = 10.0
+    assert counts.tokens_known and counts.eta_s == 40.0
+    assert "tokens 200/1,000," in counts.line()
+
+
 def test_log_lines_come_on_schedule(capsys):
     progress = RunProgress("log", log_every=0.05)
     began = time.perf_counter()

@@ -323,6 +323,10 @@ def _worker_main(conn, cfg: VisionConfig, max_pixels: int,
 
 _END = object()  # the last item an imap pump puts on its queue
 _POLL_S = 0.1  # how often a waiting pump thread checks whether it should stop
+#: What a task source of ``DecodePool.imap`` yields when its next task is not known yet (a
+#: streaming plan's next window): the pump keeps collecting and asks again. The source
+#: waits a little before yielding it, so that the pump does not spin.
+NOT_YET = object()
 _READY = "ready"  # a worker's first message: imports done, taking images
 STARTUP_LIMIT_S = 120.0  # a worker that is not up by then counts as crashed
 
@@ -497,14 +501,16 @@ class DecodePool:
         A background thread feeds the workers and collects their results, so decoding goes on
         while the caller is busy (e.g. running the model on the previous batch). At most
         ``window`` tasks are taken but not yet yielded (queued, decoding or decoded) at once,
-        so memory stays bounded whatever the consumer's speed.
+        so memory stays bounded whatever the consumer's speed. ``tasks`` may yield
+        ``NOT_YET`` when its next task is not known yet.
         """
         from .sources import attach_held
 
         # An input whose bytes were read ahead (``sources.HELD``) goes to its worker with them.
         tasks = ((tag, attach_held(source)) for tag, source in tasks)
         if not self.workers:
-            return ((tag, decode_image(path, self.cfg, self.max_pixels)) for tag, path in tasks)
+            return ((task[0], decode_image(task[1], self.cfg, self.max_pixels))
+                    for task in tasks if task is not NOT_YET)
         results: queue.SimpleQueue = queue.SimpleQueue()
         credits = threading.Semaphore(max(1, window))
         stop = threading.Event()
@@ -536,7 +542,7 @@ class DecodePool:
             while not stop.is_set():
                 while not exhausted and credits.acquire(blocking=False):
                     try:
-                        tag, path = next(source)
+                        task = next(source)
                     except StopIteration:
                         exhausted = True
                         credits.release()
@@ -545,6 +551,10 @@ class DecodePool:
                         exhausted, source_error = True, exc
                         credits.release()
                         break
+                    if task is NOT_YET:  # asked again at the next turn of the loop
+                        credits.release()
+                        break
+                    tag, path = task
                     tags[next_seq] = tag
                     waiting.append((next_seq, path))
                     next_seq += 1

@@ -2,7 +2,7 @@
 the header probes of a run (threads with a time limit per probe), the inputs with their grids
 (``Planned``), and the stamps and digests that ``--resume`` compares.
 
-Torch-free: the early start reads headers while torch is imported."""
+Torch-free: the run's set-up that reads them imports no torch."""
 
 from __future__ import annotations
 
@@ -25,9 +25,9 @@ PROBE_POLL_S = 0.1  # how often the waiting thread checks for a stop and for lat
 STAT_THREADS = 16  # file stamps taken at once (a stat mostly waits on network shares)
 
 
-@dataclass
+@dataclass(slots=True)  # one per input of the run: no __dict__ each
 class Planned:
-    """One input after its header was read: its grid, or why it cannot be encoded."""
+    """One input, and once its header was read its grid, or why it cannot be encoded."""
 
     item: InputItem
     width: int | None = None

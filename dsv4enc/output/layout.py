@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Callable, Iterable, Protocol, Sequence
 
 from ..errors import AlreadyComplete, DsvError, OutputError, UsageError
 from ..images.items import is_image_name
-from ..images.headers import inputs_digest
+from ..images.headers import input_stamps, inputs_digest
 from ..pausepoints import pause
 from .appending import GROWING_NAME
 from .update import STAMPS_FILE, Update
@@ -527,8 +527,7 @@ class PartWriter:
             self._name, self._start = name, start
         self._rows.extend(rows)
         self._end = end
-        source = self.store.segments[name].source
-        if (end % self.store.settings["part_images"] == 0 or end == len(source)
+        if (end % self.store.settings["part_images"] == 0 or end == len(self.store.source)
                 or time.monotonic() - self._since >= self.store.commit_seconds):
             self._flush()
 
@@ -541,9 +540,8 @@ class PartWriter:
     def _flush(self) -> None:
         """Commit the joined segments as one part (named after its first segment)."""
         if self._rows:
-            source = self.store.segments[self._name].source
             job = (self._name, self._rows, self._start, self._end,
-                   inputs_digest(source[self._start:self._end]))
+                   inputs_digest(self.store.source[self._start:self._end]))
             self._rows = []
             self._queue.put(job)
         self._since = time.monotonic()
@@ -565,13 +563,16 @@ class PartWriter:
 
 
 class Segment(Protocol):
-    """What resume needs of a run's segment (``run/plan.Part``): its name, its input range
+    """What resume needs of a run's part (``run/plan.Part``): its name, its input range
     and the whole plan (``images/headers.Planned`` entries) it was cut from."""
 
     name: str
     start: int
     end: int
     source: Sequence
+
+    def rest(self, start: int) -> "Segment":
+        """What is left of the part from ``start`` on."""
 
 
 @dataclass(frozen=True)
@@ -586,46 +587,51 @@ class ResumeSettings:
     row_options: dict = field(default_factory=dict)
 
 
-def _alone(todo_names, problem, ranges, names_of):
+def _alone(todo_ranges, problem):
     """The agreement of a single process: its own answer."""
-    return todo_names, problem
+    return todo_ranges, problem
 
 
 def resume_filter(store: PartLedger, parts: list[Segment], settings: ResumeSettings, *,
                   writes: bool = True, agree: Callable = _alone) -> tuple[list[Segment], int]:
     """Parts still to encode, and how many inputs the committed ones cover; with
-    ``settings.resume``, check settings and skip committed parts.
+    ``settings.resume``, check settings and skip committed parts. A part that is committed
+    in part (--commit-every) is to do from where its committed pieces end (``rest``).
 
-    ``writes``: this process writes parts (only those check the output). ``agree``: how the
-    processes agree on one list (``run/ranks.Topology.agree_on_todo``): every batch ends in
-    collectives, so all ranks walk the same parts. A problem on any rank stops every rank."""
+    Judged from the inputs' keys and stamps alone (``headers.inputs_digest``): no header of
+    a committed part is read. ``writes``: this process writes parts (only those check the
+    output). ``agree``: how the processes agree on one list of ranges to do
+    (``run/ranks.Topology.agree_on_todo``): every batch ends in collectives, so all ranks
+    walk the same parts. A problem on any rank stops every rank."""
     store.segments = {p.name: p for p in parts}
+    store.source = parts[0].source if parts else ()
     store.commit_seconds = settings.commit_every
     # How many images the run has in all: ``dsv4enc inspect`` of an interrupted run says
     # how many are left.
     store.extra["inputs"] = max((p.end for p in parts), default=0)
-    todo_names, problem = None, None
+    todo_ranges, problem = None, None
     if writes:
         try:
-            todo_names = _uncommitted(store, parts, settings)
+            todo_ranges = _uncommitted(store, parts, settings)
         except DsvError as exc:
             problem = exc
-    todo_names, problem = agree(
-        todo_names, problem,
-        ranges=lambda mine: [(p.start, p.end) for p in parts if p.name in mine],
-        names_of=lambda ranges: [p.name for p in parts if (p.start, p.end) in ranges])
+    todo_ranges, problem = agree(todo_ranges, problem)
     if problem is not None:
         raise problem
-    names = set(todo_names)
-    todo = [p for p in parts if p.name in names]
-    return todo, sum(p.end - p.start for p in parts if p.name not in names)
+    starts = [p.start for p in parts]
+    todo = []
+    for start, end in todo_ranges:
+        part = parts[bisect.bisect_right(starts, start) - 1]
+        todo.append(part if part.start == start else part.rest(start))
+    return todo, sum(p.end - p.start for p in parts) - sum(p.end - p.start for p in todo)
 
 
-def _uncommitted(store: PartLedger, parts: list[Segment], settings: ResumeSettings) -> list[str]:
+def _uncommitted(store: PartLedger, parts: list[Segment],
+                 settings: ResumeSettings) -> list[tuple[int, int]]:
     store.settings = {**store.settings, **settings.row_options}
     if not settings.resume or not store.manifest_path.is_file():
         store.create()
-        return [p.name for p in parts]
+        return [(p.start, p.end) for p in parts]
     previous = store.load_existing()
     for key, value in store.settings.items():
         if previous.get(key) != value:
@@ -662,27 +668,35 @@ def _settings_differ(key: str, then, now) -> str:
 
 
 def _reusable(store: PartLedger, parts: list[Segment]) -> set[tuple[int, int]]:
-    """Ranges of recorded parts that this run can keep: they start and end where this run's
-    segments do (parts are joined segments, cut wherever --commit-every struck), and hold
-    the same inputs as now, without a transient error."""
+    """Ranges of recorded parts that this run can keep: chains of consecutive pieces that
+    start where one of this run's parts does (parts are joined segments, cut wherever
+    --commit-every struck), each holding the same inputs as now (keys and stamps), without a
+    transient error."""
     source = parts[0].source if parts else ()
-    bounds = {p.start for p in parts} | {p.end for p in parts}
+    recorded = sorted(((name, part["start"], part["end"]) for name, part in store.parts.items()
+                       if 0 <= part["start"] < part["end"] <= len(source)),
+                      key=lambda piece: piece[1])
+    # the stamps of what was committed, at once: the other inputs' come as they are planned
+    input_stamps([entry for _, start, end in recorded for entry in source[start:end]])
+    chain = {p.start for p in parts}
     reused = set()
-    for name, part in store.parts.items():
-        start, end = part["start"], part["end"]
-        if (start in bounds and end in bounds and 0 <= start < end <= len(source)
-                and store.committed(name, start, end, inputs_digest(source[start:end]))):
+    for name, start, end in recorded:
+        if start in chain and store.committed(name, start, end,
+                                              inputs_digest(source[start:end])):
             reused.add((start, end))
+            chain.add(end)
     return reused
 
 
-def _not_covered(parts: list[Segment], reused: set[tuple[int, int]]) -> list[str]:
-    """Names of the segments that no reused range covers (both lists in input order)."""
-    starts = [p.start for p in parts]
-    covered: set[str] = set()
-    for start, end in reused:
-        i = bisect.bisect_left(starts, start)
-        while i < len(parts) and parts[i].end <= end:
-            covered.add(parts[i].name)
-            i += 1
-    return [p.name for p in parts if p.name not in covered]
+def _not_covered(parts: list[Segment], reused: set[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The ranges still to do: of each part, what follows the reused pieces that cover its
+    start (in input order; reused pieces start at part starts or where others end)."""
+    ends = {start: end for start, end in reused}
+    todo, covered = [], 0  # covered: where the reused pieces seen so far end
+    for p in parts:
+        at = max(p.start, covered)  # a piece begun in an earlier part may reach into this one
+        while at < p.end and at in ends:
+            at = covered = ends[at]
+        if at < p.end:
+            todo.append((at, p.end))
+    return todo

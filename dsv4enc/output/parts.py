@@ -500,7 +500,8 @@ class PartLedger:
         self.extra: dict[str, Any] = {}  # more top-level manifest entries (a store's own)
         self.changed = 0  # committed parts whose input files changed (found by ``committed``)
         self._recorded: dict[str, Any] = {"parts": {}}  # the manifest ``load_existing`` read
-        self.segments: dict[str, Any] = {}  # the run's planned segments (``planning.Part``)
+        self.segments: dict[str, Any] = {}  # the run's parts (``run/plan.Part``), by name
+        self.source: Sequence = ()  # the run's inputs (``headers.Planned``): part digests
         self.commit_seconds: float | None = None  # join segments into parts for this long
         self._lock = threading.RLock()
         self._journal: str | None = None  # the token of the manifest this run wrote whole

@@ -4,7 +4,7 @@ after another, with progress and stops agreed between ranks (``PartEncoder``).""
 from __future__ import annotations
 
 import time
-from typing import Iterator, Sequence
+from typing import Iterable, Iterator, Sequence
 
 import torch
 
@@ -16,7 +16,7 @@ from .options import EncodeOptions
 from ..engine.packing import output_grid
 from .plan import Part, Planned
 from .progress import RunProgress
-from .stopping import StopSignals
+from .stopping import StopSignals, StoppedWaiting
 from .summary import RunSummary
 from .ranks import Topology
 from ..output.parts import Row
@@ -111,13 +111,12 @@ class PartEncoder:
         loads.extend([0.0] * (rank + 1 - len(loads)))
         loads[rank] += load
 
-    def run(self, planned: Sequence[Planned], parts: list[Part],
-            batches: list[list[list[int]]],
+    def run(self, planned: Sequence[Planned], parts: Iterable[tuple[Part, list[list[list[int]]]]],
             decoded: Iterator[tuple[int, Decoded]]) -> Iterator[tuple]:
-        """Encode ``parts`` (``batches``: theirs, per rank) from ``decoded`` (this rank's
+        """Encode ``parts`` (each with its batches, per rank) from ``decoded`` (this rank's
         images in the batches' order); yields each finished part."""
         me = self.me
-        for part, plan in zip(parts, batches):
+        for part, plan in parts:
             rows = {i: error_row(planned[i]) for i in part.indices if planned[i].error}
             if self._counts_header_failures:
                 self._note(rows.values())
@@ -249,10 +248,6 @@ class PartEncoder:
         """Data parallel: rank 0 gets every rank's rows."""
         return self.ranks.exchange_rows(local, self.cfg.output_width(self.opts.features),
                                         self.opts.pool == "mean", self.engine.out_dtype)
-
-
-class StoppedWaiting(Exception):
-    """A signal arrived while the encoding loop waited for a decoded image."""
 
 
 STOP_POLL_S = 0.1  # how often a wait for a decoded image checks for a signal

@@ -1,10 +1,11 @@
 """The encode run: inputs -> headers -> plan -> decode workers -> device -> Parquet parts.
 
 Offline, every image's patch grid is known from its header before any pixel is decoded, so
-the whole run is planned up front: items are cut into *parts* (consecutive input ranges, the
-unit of commit and resume), each part's images are packed into nearly full batches, and
-decode workers stream exactly those images, in that order, a bounded distance ahead of the
-device. Parts are written by a background thread. Under torchrun, each part's images are
+the run is planned a window ahead of the device: items are cut into *parts* (consecutive
+input ranges by input order alone, the unit of commit and resume), each part still to do is
+planned when the encoder comes near it (``run/setup.Windows``: its headers read, its images
+packed into nearly full batches), and decode workers stream exactly those images, in that
+order, a bounded distance ahead of the device. Parts are written by a background thread. Under torchrun, each part's images are
 shared among ranks by the greedy rule of SPEC §7 (or the tower is split, SPEC §8).
 """
 
@@ -14,7 +15,6 @@ import logging
 import time
 from dataclasses import dataclass, replace
 
-import numpy as np
 import pyarrow as pa
 import torch
 
@@ -33,8 +33,9 @@ from ..output.layout import (OutputLayout, PartWriter, ResumeSettings, assembler
                              resume_filter)
 from ..output.update import Update, footer_entry, row_stamps, write_folder_stamps
 from .options import EncodeOptions, default_writer_threads, validate
-from .plan import Part, images_per_part, output_bytes, segment_tokens
-from .setup import RunSetup, run_batch_tokens
+from .plan import Part, cut_parts, images_per_part, output_bytes, segment_tokens
+from .setup import RunSetup, WindowSettings, run_batch_tokens
+from ..images.headers import input_stamps
 from .progress import RunProgress
 from ..output.remote import RemoteOutput
 from .stopping import StopSignals
@@ -144,9 +145,8 @@ def run_encode(opts: EncodeOptions, dist=None, setup: RunSetup | None = None,
                stop: StopSignals | None = None, stand_in=None) -> RunSummary:
     """Encode ``opts.inputs`` into ``opts.out``. Raises DsvError (setup) or Interrupted.
 
-    ``setup``: what ``prefetch.start_prefetch(opts)`` found and started for these same
-    options (the CLI's head start while torch was imported); this call owns and closes it
-    (and makes its own without one).
+    ``setup``: what ``setup.start_prefetch(opts)`` listed for these same options (before
+    torch was imported); this call owns and closes it (and makes its own without one).
     ``stop``: the caller's installed signal handling; by default this call installs its own
     (from the main thread) and restores the previous handlers when it returns.
     ``stand_in``: computes the rows instead of the tower (``hostbench.NullStage`` measures the
@@ -210,14 +210,13 @@ def _run_encode(opts: EncodeOptions, dist, setup: RunSetup, stop: StopSignals,
     ranks.main_then_all(layout.create)
     cfg = ckpt.config
     batch_tokens = run_batch_tokens(opts, device.type) if stand_in is None else None
-    setup.keep_if_planned_for(cfg, device.type, batch_tokens)
     if ranks.is_main and not found.items:
         log.warning(nothing_found(opts.inputs, opts.files_from, found.skipped))
     progress = RunProgress("auto" if opts.progress and ranks.is_main else "off",
                            opts.log_every)
     summary = RunSummary(out=str(opts.out), skipped=found.skipped,
                          unlisted=len(found.unlisted))
-    setup.decode_pool(cfg, device.type, opts)  # spawned now unless early: workers start meanwhile
+    setup.decode_pool(cfg, device.type, opts)  # spawned now: workers start meanwhile
     store = None
     try:
         stop.immediate = dist is None
@@ -225,24 +224,17 @@ def _run_encode(opts: EncodeOptions, dist, setup: RunSetup, stop: StopSignals,
         engine = (_tower_engine(ckpt, device, opts, ranks, batch_tokens) if stand_in is None
                   else stand_in.engine(device, opts))
         with progress:
-            planned = setup.headers(cfg, opts, ranks,
-                                    None if dist is not None else stop.requested,
-                                    announce=progress.status)
-            if dist is None and stop.signum is not None:
-                raise Interrupted(stop.signum, "nothing was encoded; rerun the same command")
-            summary.count_misnamed(planned)
             output = _plan_output(opts, setup, layout, ranks, engine, ckpt, device, dtype,
-                                  summary, local)
+                                  summary, local, stop, progress)
             store = output.store
             progress.announce(_opening_line(opts, len(found.items), device, dtype, cfg))
             if adopted:
                 progress.announce(adopted)
             carried = output.carried
-            progress.start(total=len(planned), done=summary.reused + sum(
+            progress.start(total=len(found.items), done=summary.reused + sum(
                                1 for p in output.todo for i in range(p.start, p.end)
-                               if i in carried),
-                           tokens=sum(planned[i].tokens for p in output.todo
-                                      for i in range(p.start, p.end) if i not in carried))
+                               if i in carried) if carried else summary.reused,
+                           tokens=None if output.todo else 0)
             _write_output(opts, engine, setup, output, layout, ranks, progress, summary, stop)
     except (DsvError, Interrupted) as exc:
         if isinstance(exc, storage.StoreDown) and store is not None and local:
@@ -262,18 +254,20 @@ def _run_encode(opts: EncodeOptions, dist, setup: RunSetup, stop: StopSignals,
 
 @dataclass
 class OutputPlan:
-    """What a run writes, once its headers are read: the part ledger (``store``), the
-    schema, every part and those still to encode (``todo``), an ``--update``'s ``Update``
-    (None otherwise), the input stamps kept for a later ``--update`` (None on ranks that
-    do not keep them) and the options that decide rows (``row_options``)."""
+    """What a run writes: the part ledger (``store``), the schema, every part and those
+    still to encode (``todo``, planned window by window as the run goes), an ``--update``'s
+    ``Update`` (None otherwise), whether this rank keeps the input stamps for a later
+    ``--update`` (``keeps_stamps``), the options that decide rows (``row_options``) and how
+    each window is planned (``windows``)."""
 
     store: PartLedger
     schema: pa.Schema
     parts: list[Part]
     todo: list[Part]
     update: Update | None
-    stamps: np.ndarray | None  # one uint64 per input (``output/update.row_stamps``)
+    keeps_stamps: bool
     row_options: dict
+    windows: WindowSettings
 
     @property
     def carried(self) -> dict[int, int]:
@@ -283,11 +277,12 @@ class OutputPlan:
 
 def _plan_output(opts: EncodeOptions, setup: RunSetup, layout: OutputLayout, ranks: Topology,
                  engine: Engine, ckpt: Checkpoint, device: torch.device, dtype: torch.dtype,
-                 summary: RunSummary, local: bool) -> OutputPlan:
+                 summary: RunSummary, local: bool, stop: StopSignals,
+                 progress: RunProgress) -> OutputPlan:
     """The run's settings and schema, its store (the old output's under ``--update``), its
-    parts, and which of them are still to encode (``--resume``, ``--update``)."""
-    cfg, planned = ckpt.config, setup.planned
-    layout.check_file_size(output_bytes(cfg, opts, planned))  # before anything is encoded
+    parts (cut by input order alone), and which of them are still to encode (``--resume``
+    judges committed parts by their inputs' stamps; ``--update`` reads every header first)."""
+    cfg, planned = ckpt.config, setup.entries()
     part_images = images_per_part(cfg, opts)
     settings = run_settings(cfg, ckpt.fingerprint, opts, dtype, part_images,
                             engine.device.type, engine.deterministic)
@@ -304,21 +299,28 @@ def _plan_output(opts: EncodeOptions, setup: RunSetup, layout: OutputLayout, ran
                        world_size=ranks.world_size,
                        rank=ranks.rank if ranks.dist is not None else None,
                        update=update, rows_settings=rows_settings)
-    parts = setup.cut_parts(part_images, ranks, opts.balance, cfg, segment_tokens=(
-        None if ranks.splits_images else  # greedy per part
-        segment_tokens(engine.batch_tokens, device.type)))
+    should_stop = None if ranks.dist is not None else stop.requested
     if update is not None:
+        setup.headers(cfg, opts, ranks, should_stop, announce=progress.status)
+        stop.check()  # headers left unread must not be matched as error rows
         update.match(planned, rows_settings)  # refuses other settings in one line
         update.count_into(summary)
+    parts = cut_parts(planned, part_images)
     todo, summary.reused = resume_filter(store, parts, resuming, writes=ranks.writes,
                                          agree=ranks.agree_on_todo)
     if update is not None:  # a folder's unchanged parts are kept as they are
         todo, kept = update.keep_parts(store, todo, planned)
         summary.reused += kept
-    # each row's input stamp, kept with the output for a later --update
-    stamps = (row_stamps((p.item.key, p.stamp) for p in planned)
-              if ranks.is_main and not ranks.sharded else None)
-    return OutputPlan(store, schema, parts, todo, update, stamps, resuming.row_options)
+    windows = WindowSettings(
+        cfg, opts, ranks, engine.batch_tokens,
+        None if ranks.splits_images else segment_tokens(engine.batch_tokens, device.type),
+        ranks.rank if ranks.splits_images else 0, summary,
+        carried=update.carried if update is not None else (),
+        headers_read=update is not None, should_stop=should_stop,
+        check_size=lambda first: layout.check_file_size(
+            output_bytes(cfg, opts, first) * len(planned) // max(1, len(first))))
+    return OutputPlan(store, schema, parts, todo, update, ranks.is_main and not ranks.sharded,
+                      resuming.row_options, windows)
 
 
 def _upload_stops_at_once(summary: RunSummary, stop: StopSignals,
@@ -338,16 +340,19 @@ def _write_output(opts: EncodeOptions, engine: Engine, setup: RunSetup, output: 
                   summary: RunSummary, stop: StopSignals) -> None:
     """Encode the parts to do into the output and finish it: the single file, the sharded
     manifest, a folder's stamps. A failed or stopped run leaves its committed parts."""
-    store, stamps, update = output.store, output.stamps, output.update
+    store, update = output.store, output.update
+    # each row's input stamp, kept with the output for a later --update: known once every
+    # window is planned (an empty run's now)
+    planned = setup.entries()
     assembler = assembler_for(store, layout, [p.name for p in output.parts], output.schema,
                               is_main=ranks.is_main, key_values=(
-                                  None if stamps is None
-                                  else footer_entry(stamps, output.row_options)))
+                                  footer_entry(row_stamps(()), output.row_options)
+                                  if output.keeps_stamps and not planned else None))
     writer = (PartWriter(store, output.schema, default_writer_threads(), assembler)
               if ranks.writes else None)
     runner = PartEncoder(engine, opts, ranks, progress, summary, stop, update)
     try:
-        _encode_parts(engine, runner, setup, output.todo, writer, store, layout, summary,
+        _encode_parts(engine, runner, setup, output, writer, store, layout, summary,
                       progress, stop, "--update" if opts.update else "--resume")
         stop.check()
         # A store that failed its last calls made rows of outages (transient): the run is
@@ -357,6 +362,13 @@ def _write_output(opts: EncodeOptions, engine: Engine, setup: RunSetup, output: 
         if failing:
             raise failing[0]
         ranks.barrier()
+        stamps = None
+        if output.keeps_stamps:
+            input_stamps(planned)  # none left unless a part was neither planned nor judged
+            stamps = row_stamps((p.item.key, p.stamp) for p in planned)
+            if assembler is not None and planned:
+                assembler.key_values = {**assembler.key_values,
+                                        **footer_entry(stamps, output.row_options)}
         _finish_output(assembler, store, layout, ranks, engine, summary, progress, stop)
         if layout.folder_mode and stamps is not None:  # the folder is complete
             if update is not None and update.staging is not None:
@@ -369,28 +381,36 @@ def _write_output(opts: EncodeOptions, engine: Engine, setup: RunSetup, output: 
         raise
 
 
-def _encode_parts(engine: Engine, runner: PartEncoder, setup: RunSetup, todo,
+def _encode_parts(engine: Engine, runner: PartEncoder, setup: RunSetup, output: OutputPlan,
                   writer: PartWriter | None, store, layout: OutputLayout, summary: RunSummary,
                   progress: RunProgress, stop: StopSignals, again: str = "--resume") -> None:
-    """Encode the parts still to do (their batches and decoded stream: the set-up's, early
-    or made now), handing each finished one to the writer; the writer is closed (its parts
-    committed) however the loop ends. ``again``: the flag that finishes the run after an
-    interruption."""
-    began = time.perf_counter()
-    planned = setup.planned
-    try:
-        batches = setup.plan_batches(todo, engine.batch_tokens, runner.opts.max_images,
-                                     runner.me, runner.carried)
-        if todo:
+    """Encode the parts still to do, window by window as they are planned (the decode
+    workers run ahead from the first window on), handing each finished one to the writer;
+    the writer is closed (its parts committed) however the loop ends. ``again``: the flag
+    that finishes the run after an interruption."""
+    began = [time.perf_counter()]
+    planned = setup.entries()
+    todo = output.todo
+
+    def on_window(k: int, window) -> None:
+        sizes = runner.batch_sizes(planned, window.batches)
+        progress.plan_tokens(window.tokens, last=k == len(todo) - 1)
+        if k == 0:
             progress.status("capturing CUDA graphs" if engine.graphs_enabled else "encoding")
-            engine.fit_budgets(runner.batch_sizes(planned, batches))
+            # the first window's batches tell the graph budgets; a full batch's is one when
+            # later windows come, so that none of their batches is left to run eager
+            engine.fit_budgets(sizes + [engine.batch_tokens] * (len(todo) > 1))
             engine.prepare()
             progress.begin_encoding()
-            began = time.perf_counter()
-        decoded = setup.stream(runner.opts.max_images)  # started now unless early
+            began[0] = time.perf_counter()
+
+    try:
+        windows = setup.plan_windows(todo, output.windows)
+        decoded = setup.stream(runner.opts.max_images)  # decoding starts with the first window
         stop.hint = layout.encoding_hint(again)
         with stop.deferred():  # a signal stops the loop between batches
-            for name, start, end, digest, rows in runner.run(planned, todo, batches, decoded):
+            for name, start, end, digest, rows in runner.run(planned, windows.parts(on_window),
+                                                             decoded):
                 if writer is not None:
                     writer.put(name, rows, start, end, digest)
                 del rows  # only the writer holds a finished part meanwhile
@@ -400,7 +420,7 @@ def _encode_parts(engine: Engine, runner: PartEncoder, setup: RunSetup, todo,
                 writer.close()
             summary.write_s = writer.seconds
             stop.hint = layout.resume_hint(store, again)  # what was really committed
-        summary.encode_s = time.perf_counter() - began
+        summary.encode_s = time.perf_counter() - began[0]
         progress.end_encoding()
 
 

@@ -1,6 +1,7 @@
-"""The run's plan, made before any pixel is decoded: every image's grid from its header
-(probed by ``images/headers``, shared between ranks here), the parts (consecutive input
-ranges: the unit of commit and resume) with their share per rank, and the batches."""
+"""The run's plan, made a window ahead of the encoder: the parts (consecutive input ranges
+cut by input order alone: the unit of commit and resume), and for each range to encode its
+images' grids from their headers (probed by ``images/headers``, shared between ranks here),
+its segments with their share per rank, and its batches."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from typing import TYPE_CHECKING, Callable, Collection, Sequence
 
 from ..errors import UsageError
 from ..images.decode import Probe
-from ..images.headers import PROBE_TIMEOUT_S, Planned, input_stamps, inputs_digest, probe_all
+from ..images.headers import PROBE_TIMEOUT_S, Planned, inputs_digest, probe_all
 from ..images.items import InputItem
 from ..images.sources import clear_cache
 from ..tower.config import VisionConfig
@@ -26,25 +27,32 @@ PART_BYTES = 256 << 20  # upper bound of one part's embeddings in memory
 MAX_PART_IMAGES = 1024
 
 
-def read_headers(items: Sequence[InputItem], cfg: VisionConfig, max_pixels: int,
-                 ranks: Topology | None = None,
-                 should_stop: Callable[[], bool] | None = None,
-                 timeout_s: float | None = PROBE_TIMEOUT_S) -> list[Planned]:
-    """Probe every header (threads; ranks split the work and share results) and plan grids.
+def probe_share(items: Sequence[InputItem], max_pixels: int, ranks: Topology | None = None,
+                should_stop: Callable[[], bool] | None = None,
+                timeout_s: float | None = PROBE_TIMEOUT_S) -> list[tuple[int, Probe]]:
+    """This rank's share of the probes of ``items`` (every ``world_size``-th one), as
+    ``(index, probe)``; no collective, so it may run on any thread.
 
-    A probe that takes longer than ``timeout_s`` becomes an error row and its thread is left
+    A probe that takes longer than ``timeout_s`` becomes an error and its thread is left
     behind (a daemon: it never delays the exit). When ``should_stop()`` turns true (a
-    signal), the headers not read yet are left as error rows and the caller is expected to
-    stop: reading a million headers takes minutes."""
+    signal), the headers not read yet are left as errors and the caller is expected to stop
+    without planning them."""
     rank, world = (ranks.rank, ranks.world_size) if ranks is not None else (0, 1)
     mine = list(range(rank, len(items), world))
     probes = probe_all([items[i] for i in mine], max_pixels, should_stop, timeout_s)
     clear_cache()  # table row groups read for the probes: the workers read their own
-    if world > 1:
-        shared = ranks.gather([(i, asdict(p)) for i, p in zip(mine, probes)])
+    return list(zip(mine, probes))
+
+
+def with_grids(items: Sequence[InputItem], share: list[tuple[int, Probe]], cfg: VisionConfig,
+               ranks: Topology | None = None) -> list[Planned]:
+    """Every item of ``items`` planned from the ranks' shares of probes (``share``: this
+    rank's; under data parallelism the ranks exchange theirs: a collective)."""
+    if ranks is not None and ranks.world_size > 1:
+        shared = ranks.gather([(i, asdict(p)) for i, p in share])
         by_index = {i: Probe(**p) for part in shared for i, p in part}
     else:
-        by_index = dict(zip(mine, probes))
+        by_index = dict(share)
     planned = []
     for index, item in enumerate(items):
         probe = by_index[index]
@@ -111,14 +119,20 @@ class Part:
     name: str
     start: int
     end: int
-    indices: list[int]  # the planned items this part covers (all of start..end unless sharded)
+    indices: Sequence[int]  # the planned items this part covers (all of start..end unless sharded)
     # ``inputs_digest`` of start..end: a resumed run reuses the part only for the same keys
-    # and the same input files (size, time, ...)
+    # and the same input files (size, time, ...); "" for a range not planned yet
     digest: str
     # the whole plan (shared, not copied): commits that join segments take digests from it
     source: Sequence[Planned] = field(default=(), repr=False, compare=False)
     # data parallel: every rank's share of start..end (failed items included), by rank
     shares: list[list[int]] | None = field(default=None, repr=False, compare=False)
+    part_images: int = field(default=0, repr=False, compare=False)  # the range's length
+
+    def rest(self, start: int) -> "Part":
+        """What is left of this range from ``start`` on (a resumed run's remainder)."""
+        return Part(part_name(start, self.part_images), start, self.end,
+                    range(start, self.end), "", self.source, part_images=self.part_images)
 
 
 def _segments(planned: Sequence[Planned], start: int, end: int,
@@ -137,33 +151,36 @@ def _segments(planned: Sequence[Planned], start: int, end: int,
     return cuts + [(first, end)] if end > first else cuts
 
 
-def plan_parts(planned: Sequence[Planned], part_images: int, ranks: Topology | None = None,
-               balance: str = "patches", cfg: VisionConfig | None = None,
-               segment_tokens: int | None = None) -> list[Part]:
-    """The segments a run encodes: consecutive input ranges within ``part_images`` ranges,
-    of at most ``segment_tokens`` patches each (whole ranges when None). The writer joins
-    consecutive segments into a committed part until the range ends or --commit-every
-    passes. When the ranks split the images (``ranks``, data parallel), each part is a whole
-    range and carries every rank's greedy share of it, computed here once; with
-    ``--shard-output`` a rank's part holds just its own share."""
-    input_stamps(planned)
-    parts = []
-    for start in range(0, len(planned), part_images):
-        end = min(start + part_images, len(planned))
-        digest = inputs_digest(planned[start:end])
-        if ranks is not None and ranks.splits_images:
-            shares = share_for_ranks(planned, list(range(start, end)), ranks.world_size,
-                                     balance, cfg)
-            name, indices = part_name(start, part_images), list(range(start, end))
-            if ranks.sharded:
-                name, indices = f"{name}-rank{ranks.rank:03d}", shares[ranks.rank]
-            parts.append(Part(name, start, end, indices, digest, planned, shares))
-            continue
-        for first, last in _segments(planned, start, end, segment_tokens):
-            parts.append(Part(part_name(first, part_images), first, last,
-                              list(range(first, last)), inputs_digest(planned[first:last]),
-                              planned))
-    return parts
+def cut_parts(planned: Sequence[Planned], part_images: int) -> list[Part]:
+    """The run's parts: consecutive ranges of ``part_images`` inputs, by input order alone,
+    so that their bounds are known before any header is read and stay the same on resume."""
+    return [Part(part_name(start, part_images), start, end, range(start, end), "", planned,
+                 part_images=part_images)
+            for start in range(0, len(planned), part_images)
+            for end in (min(start + part_images, len(planned)),)]
+
+
+def plan_segments(planned: Sequence[Planned], part: Part, ranks: Topology | None = None,
+                  balance: str = "patches", cfg: VisionConfig | None = None,
+                  segment_tokens: int | None = None) -> list[Part]:
+    """The segments a run encodes of ``part`` (a range to do, its headers read and its
+    inputs stamped): consecutive input ranges of at most ``segment_tokens`` patches each
+    (the whole range when None). The writer joins consecutive segments into a committed
+    part until the range ends or --commit-every passes. When the ranks split the images
+    (``ranks``, data parallel), the range is one segment that carries every rank's greedy
+    share of it; with ``--shard-output`` a rank's part holds just its own share."""
+    start, end, size = part.start, part.end, part.part_images
+    if ranks is not None and ranks.splits_images:
+        shares = share_for_ranks(planned, list(range(start, end)), ranks.world_size,
+                                 balance, cfg)
+        name, indices = part.name, range(start, end)
+        if ranks.sharded:
+            name, indices = f"{name}-rank{ranks.rank:03d}", shares[ranks.rank]
+        return [Part(name, start, end, indices, inputs_digest(planned[start:end]), planned,
+                     shares, part_images=size)]
+    return [Part(part_name(first, size), first, last, range(first, last),
+                 inputs_digest(planned[first:last]), planned, part_images=size)
+            for first, last in _segments(planned, start, end, segment_tokens)]
 
 
 # ----------------------------------------------------------------------------- ranks (SPEC §7)

@@ -5,11 +5,13 @@ has one definition, shared with the end-of-run summary:
 
 - *images*: images finished (encoded or failed; on ``--resume`` those of the earlier run
   too), out of all the run's images;
-- *tokens*: ViT patch tokens encoded by this run, out of those it has to encode;
+- *tokens*: ViT patch tokens encoded by this run, out of those it has to encode (the plan
+  is made a window at a time: until the last window is planned, out of those planned so
+  far, shown with a ``+``);
 - *img/s*, *tokens/s*: images and ViT patch tokens finished per second of the encoding loop
   (from the first batch on; start-up, header reading and graph capture are not in it);
-- *ETA*: the tokens still to encode at the current tokens/s (images, when no token is
-  known yet), so that a run of large images is not estimated from its small ones.
+- *ETA*: the tokens still to encode at the current tokens/s (images, until every token
+  to encode is known), so that a run of large images is not estimated from its small ones.
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ class ProgressCounts:
     tokens: int = 0
     failed: int = 0
     elapsed: float = 0.0
+    tokens_known: bool = True  # total_tokens counts every image to encode (all planned)
 
     @property
     def images_per_s(self) -> float:
@@ -63,19 +66,24 @@ class ProgressCounts:
 
     @property
     def eta_s(self) -> float | None:
-        if self.tokens and self.total_tokens:
+        if self.tokens and self.total_tokens and self.tokens_known:
             return max(self.total_tokens - self.tokens, 0) / self.tokens_per_s
         if self.images and self.total_images:
             todo = self.total_images - self.reused - self.images
             return max(todo, 0) / self.images_per_s
         return None
 
+    @property
+    def more(self) -> str:
+        """``+`` while the token total is of the windows planned so far."""
+        return "" if self.tokens_known else "+"
+
     def line(self) -> str:
         """The plain progress line of a log file."""
         done = self.reused + self.images
         share = 100 * done / self.total_images if self.total_images else 100.0
         return (f"images {done}/{self.total_images} ({share:.1f}%), "
-                f"tokens {self.tokens:,}/{self.total_tokens:,}, "
+                f"tokens {self.tokens:,}/{self.total_tokens:,}{self.more}, "
                 f"{self.images_per_s:.1f} img/s, {self.tokens_per_s:,.0f} tokens/s, "
                 f"{self.failed} failed, encoding for {format_duration(self.elapsed)}, "
                 f"eta {format_duration(self.eta_s)}")
@@ -152,14 +160,23 @@ class RunProgress:
         if self._progress is not None:
             self._progress.update(self._task, description=text)
 
-    def start(self, total: int, done: int = 0, tokens: int = 0) -> None:
+    def start(self, total: int, done: int = 0, tokens: int | None = None) -> None:
         """Switch to counting: ``total`` images, ``done`` of them finished by an earlier run,
-        ``tokens`` ViT tokens to encode in this one."""
+        ``tokens`` ViT tokens to encode in this one (None: told window by window,
+        ``plan_tokens``)."""
         with self._lock:
-            self.counts = ProgressCounts(total_images=total, total_tokens=tokens, reused=done)
+            self.counts = ProgressCounts(total_images=total, total_tokens=tokens or 0,
+                                         reused=done, tokens_known=tokens is not None)
         if self._progress is not None:
             self._progress.update(self._task, total=total, completed=done)
         self._refresh()
+
+    def plan_tokens(self, tokens: int, last: bool = False) -> None:
+        """A window was planned: its ``tokens`` join the total (``last``: the total is
+        complete)."""
+        with self._lock:
+            self.counts.total_tokens += tokens
+            self.counts.tokens_known = self.counts.tokens_known or last
 
     def begin_encoding(self) -> None:
         """The encoding loop starts now: rates are measured from here."""
@@ -210,7 +227,7 @@ class RunProgress:
         return (f"{c.reused + c.images}/{c.total_images} images  eta "
                 f"{format_duration(c.eta_s)}  {c.images_per_s:.1f} img/s  "
                 f"{c.tokens_per_s:,.0f} tokens/s  {c.failed} failed  "
-                f"{c.tokens:,}/{c.total_tokens:,} tokens  encoding for "
+                f"{c.tokens:,}/{c.total_tokens:,}{c.more} tokens  encoding for "
                 f"{format_duration(c.elapsed)}")
 
     def _refresh(self) -> None:

@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 
 def launched_ranks() -> int:
     """How many ranks torchrun started (1 for a plain launch), from the environment alone:
-    for what runs before the process group exists (the head start, signal handling)."""
+    for what runs before the process group exists (the listing, signal handling)."""
     return int(os.environ.get("WORLD_SIZE", "1") or 1)
 
 
@@ -121,22 +121,20 @@ class Topology:
         if self.dist is not None:
             self.dist.barrier()
 
-    def agree_on_todo(self, todo_names: list[str] | None, problem: DsvError | None,
-                      ranges: Callable[[set[str]], list[tuple[int, int]]],
-                      names_of: Callable[[set[tuple[int, int]]], list[str]],
-                      ) -> tuple[list[str] | None, DsvError | None]:
-        """Resume agreement: the parts every rank encodes, and a problem of any rank.
+    def agree_on_todo(self, todo: list[tuple[int, int]] | None, problem: DsvError | None,
+                      ) -> tuple[list[tuple[int, int]] | None, DsvError | None]:
+        """Resume agreement: the input ranges every rank encodes, and a problem of any rank.
 
         One manifest (rank 0's): rank 0 tells the others. One per rank (--shard-output):
         a range is redone by all when any rank lacks its part (every batch ends in
         collectives, so all ranks walk the same parts)."""
         if self.dist is None:
-            return todo_names, problem
+            return todo, problem
         if not self.shard_output:
-            return self.gather((todo_names, problem))[0]
-        everyone = self.gather((ranges(set(todo_names or ())), problem))
+            return self.gather((todo, problem))[0]
+        everyone = self.gather((todo, problem))
         problem = next((exc for _, exc in everyone if exc is not None), None)
-        return names_of({r for todo_ranges, _ in everyone for r in todo_ranges}), problem
+        return sorted({tuple(r) for ranges, _ in everyone for r in ranges or ()}), problem
 
     def agree_on_stop(self, signum: int | None, progress: list[int],
                       problem: Exception | None = None,

@@ -1,92 +1,191 @@
-"""A run's set-up (``RunSetup``): the inputs found, the plan, the decode pool and the decoded
-stream, made early (before torch is imported) when the run qualifies, else by the run itself
-when it needs them. One holder owns it and closes it once: ``run_encode`` closes the set-up it
-is given or makes.
+"""A run's set-up (``RunSetup``): the inputs found, their plan made a window at a time a
+bounded distance ahead of the encoder (``Windows``), the decode pool and the decoded stream.
+One holder owns it and closes it once: ``run_encode`` closes the set-up it is given or makes.
 
-Why early: importing torch takes a second or more of one core (and a GPU's start-up several
-more), during which the machine's other cores have nothing to do. The whole plan (headers, parts,
-batches) can be made without torch, so the CLI starts the decode workers on the plan's first
-images first and imports torch while they work: a short run then finds its first batches
-decoded when the model is ready. The plan assumes the device type torch will pick (the CPU
-when no GPU device node exists, else CUDA); ``run_encode`` drops it if torch decides
-otherwise (or the model's config or batch size differs), and else uses all of it: the inputs,
-headers, parts, batches, decode order, pool and stream are each made once, by the same
-``RunSetup`` method whoever calls it first.
-Only runs whose outcome cannot differ are started early: one process (no torchrun), a fresh
-output (no ``--resume`` or ``--update``), a checkpoint folder on disk (or ``--random-init``),
-and at most ``MAX_ITEMS`` inputs (the headers are read before the progress bar exists).
-Otherwise only the discovered inputs are handed on, so that nothing is walked or read from
-stdin twice.
+The run streams: once the inputs are listed (their keys: what the parts are cut from), each
+part still to encode (a range of inputs cut by input order alone, ``plan.cut_parts``) is
+planned when the encoder comes within ``WINDOWS_AHEAD`` parts of it: its inputs stamped,
+its headers read on the probe threads (``plan.probe_share``: the seam of the probes), its
+segments cut and balanced over the ranks, its batches packed, and its images handed to the
+decode workers. The first batch starts once the first window is planned, whatever the
+dataset's size; what is kept for every input is its item and its stamp.
 """
 
 from __future__ import annotations
 
-import glob
 import logging
-import os
-import sys
+import threading
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Collection, Iterator
+from typing import Any, Callable, Collection, Iterator, Sequence
 
 from ..tower.config import VisionConfig
-from ..images.decode import DecodePool, Decoded, DecodeStream
-from ..errors import DsvError
+from ..images.decode import NOT_YET, DecodePool, Decoded, DecodeStream
 from ..images.discover import Discovery, discover
+from ..images.headers import input_stamps
 from ..engine.defaults import default_batch_tokens
 from .options import EncodeOptions, decode_window, default_workers, validate
-from .plan import (Part, Planned, decode_order, images_per_part, plan_batches, plan_parts,
-                   read_headers, segment_tokens)
-from .stopping import StopSignals
+from .plan import (Part, Planned, cut_parts, decode_order, plan_batches, plan_segments,
+                   probe_share, with_grids)
+from .stopping import StopSignals, StoppedWaiting
 from .ranks import Topology, launched_ranks
 
 log = logging.getLogger(__name__)
 
-MAX_ITEMS = 4096
+#: Windows (parts to do) planned ahead of the one being encoded: enough that the decode
+#: workers never wait for a plan, few enough that memory holds only a few parts' plans.
+WINDOWS_AHEAD = 2
+_WAIT_S = 0.01  # how long the decode source waits for a window before it says NOT_YET
+
+
+@dataclass
+class Window:
+    """One part's plan: its segments, per segment and rank the batches, the decode tasks
+    (``(index, item)`` in this rank's decode order) and the patches its readable images
+    have (what the progress adds to its total)."""
+
+    segments: list[Part]
+    batches: list[list[list[int]]]
+    tasks: list[tuple[int, Any]]
+    tokens: int
+
+
+class Windows:
+    """The plan of the parts to do, one window (a part) at a time, at most
+    ``WINDOWS_AHEAD`` ahead of the encoder. A background thread reads each window
+    (``read(part)``: stamps and this rank's header probes, no collective) and, in one
+    process, plans it (``finish(part, read)``); under torchrun the encoder's thread plans
+    each window (a collective shares the probes) one window ahead of the one it encodes,
+    so that the ranks agree on every window. The decode source (``tasks``) and the encoder
+    (``parts``) each walk the windows; a window is dropped once both have passed it."""
+
+    def __init__(self, todo: list[Part], read: Callable[[Part], Any],
+                 finish: Callable[[Part, Any], Window], *, alone: bool,
+                 should_stop: Callable[[], bool] | None = None) -> None:
+        self.todo, self._read, self._finish, self._alone = todo, read, finish, alone
+        self._should_stop = should_stop
+        self._read_done: dict[int, Any] = {}
+        self._windows: dict[int, Window] = {}
+        self._encoding = self._decoding = 0  # the windows the encoder and the decoder are on
+        self._closed = False
+        self._error: BaseException | None = None
+        self._cond = threading.Condition()
+        self._thread = threading.Thread(target=self._run, name="dsv4enc-plan", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            for k, part in enumerate(self.todo):
+                with self._cond:
+                    while not self._closed and k > self._encoding + WINDOWS_AHEAD:
+                        self._cond.wait()
+                    if self._closed:
+                        return
+                done = self._read(part)
+                if self._should_stop is not None and self._should_stop():
+                    return  # headers left unread must not be planned as error rows
+                window = self._finish(part, done) if self._alone else None
+                with self._cond:
+                    if window is None:
+                        self._read_done[k] = done
+                    else:
+                        self._windows[k] = window
+                    self._cond.notify_all()
+        except BaseException as exc:  # raised on the encoder's thread
+            with self._cond:
+                self._error = exc
+                self._cond.notify_all()
+
+    def _wait(self, ready: Callable[[], Any], stop: bool = True) -> Any:
+        """``ready()`` once it is not None (the lock held), raising the planner's error;
+        ``StoppedWaiting`` when a signal arrives meanwhile (one process)."""
+        with self._cond:
+            while (value := ready()) is None:
+                if self._error is not None:
+                    raise self._error
+                if stop and self._should_stop is not None and self._should_stop():
+                    raise StoppedWaiting
+                self._cond.wait(0.1)
+            return value
+
+    def window(self, k: int) -> Window:
+        """Window ``k``, for the encoder (under torchrun planned here, with the next one)."""
+        with self._cond:
+            self._encoding = k
+            self._drop_passed()
+            self._cond.notify_all()
+        if not self._alone:
+            for j in (k, k + 1):
+                if j < len(self.todo) and j not in self._windows:
+                    done = self._wait(lambda: self._read_done.get(j), stop=False)
+                    window = self._finish(self.todo[j], done)
+                    with self._cond:
+                        self._windows[j] = window
+                        del self._read_done[j]
+                        self._cond.notify_all()
+        return self._wait(lambda: self._windows.get(k))
+
+    def _drop_passed(self) -> None:
+        for k in [k for k in self._windows if k < min(self._encoding, self._decoding)]:
+            del self._windows[k]
+
+    def parts(self, on_window: Callable[[int, Window], None]) -> Iterator[tuple[Part, list]]:
+        """``(segment, its batches per rank)`` in input order, window by window
+        (``on_window(k, window)`` first); ends early when a signal arrives while it waits."""
+        for k in range(len(self.todo)):
+            try:
+                window = self.window(k)
+            except StoppedWaiting:
+                return
+            on_window(k, window)
+            yield from zip(window.segments, window.batches)
+
+    def tasks(self) -> Iterator:
+        """The decode tasks of every window, in order; ``NOT_YET`` while the next window is
+        not planned (the decode pump asks again)."""
+        for k in range(len(self.todo)):
+            while True:
+                with self._cond:
+                    window = self._windows.get(k)
+                    if window is None and not self._closed and self._error is None:
+                        self._cond.wait(_WAIT_S)
+                        window = self._windows.get(k)
+                    if window is not None:
+                        self._decoding = k
+                        self._drop_passed()
+                        break
+                    if self._closed or self._error is not None:
+                        return
+                yield NOT_YET
+            yield from window.tasks
+        with self._cond:
+            self._decoding = len(self.todo)
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
 
 
 @dataclass
 class RunSetup:
-    """Inputs found (None until ``find_inputs``), the plan (headers, parts, batches and the
-    decode order), the decode pool and the decoded stream. Each is made once, by the method
-    that returns it: early by ``start_prefetch`` when the run qualifies, else by the run as
-    it goes. The run uses whatever the early start made (``keep_if_planned_for`` drops an
-    early plan only when it was made for another model config, device type or batch size)."""
+    """Inputs found (None until ``find_inputs``), every input's entry (``entries``: its
+    item, then its stamp and header once its window is planned), the windows of the parts
+    to do, the decode pool and the decoded stream. Each is made once, by the method that
+    returns it."""
 
     found: Discovery | None = None
-    device_type: str | None = None  # "cpu" (certain), "cuda" (likely) or None (unknown)
     # The run's clock (``time.perf_counter``) starts here: when the set-up was made, or what
     # its maker says (the command line: when the process started).
     started: float = field(default_factory=time.perf_counter)
-    cfg: VisionConfig | None = None
-    batch_tokens: int | None = None  # what the batches were planned with
     planned: list[Planned] | None = None
-    parts: list[Part] | None = None
-    batches: list[list[list[int]]] | None = None  # per part to do, per rank (``plan_batches``)
-    order: list[int] = field(default_factory=list)  # this process's decode order
+    windows: Windows | None = None
     pool: DecodePool | None = None
     decoded: Iterator[tuple[int, Decoded]] | None = None
 
-    @property
-    def on_cpu(self) -> bool:
-        """The run certainly runs on the CPU."""
-        return self.device_type == "cpu"
-
-    @property
-    def early(self) -> bool:
-        """The plan was made (and decoding started) before the run's model was loaded."""
-        return self.planned is not None and self.cfg is not None
-
-    def matches(self, cfg: VisionConfig, device_type: str, batch_tokens: int | None) -> bool:
-        """The early plan was made for this model config (the checkpoint's, once loaded),
-        the device type torch chose and the batch size the engine runs (None: unknown)."""
-        return (self.early and self.cfg == cfg and self.device_type == device_type
-                and batch_tokens is not None and self.batch_tokens == batch_tokens)
-
     def find_inputs(self, opts: EncodeOptions, stop: StopSignals | None) -> Discovery:
-        """The inputs, found now unless found early (``stop``: None under torchrun, where
-        the ranks stop together)."""
+        """The inputs, found now unless found already (``stop``: None under torchrun,
+        where the ranks stop together)."""
         if self.found is None:
             self.found = discover(opts.inputs, opts.files_from, opts.image_column,
                                   opts.key_column, stop,
@@ -94,20 +193,15 @@ class RunSetup:
                                   keep_columns=opts.keep_columns)
         return self.found
 
-    def keep_if_planned_for(self, cfg: VisionConfig, device_type: str,
-                            batch_tokens: int | None) -> None:
-        """Drop an early plan (and its pool and stream) made for another model config,
-        device type or batch size than the run's: the run plans again (and says so)."""
-        if self.early and not self.matches(cfg, device_type, batch_tokens):
-            log.info("the early plan was made for %s, the run is on %s: planning again",
-                     self.device_type, device_type)
-            self.close()
-            self.cfg = self.batch_tokens = self.planned = self.parts = self.batches = None
-            self.pool, self.order = None, []
+    def entries(self) -> list[Planned]:
+        """One entry per input, in input order (headers unread until its window is planned)."""
+        if self.planned is None:
+            self.planned = [Planned(item) for item in self.found.items]
+        return self.planned
 
     def decode_pool(self, cfg: VisionConfig, device_type: str, opts: EncodeOptions) -> DecodePool:
-        """The decode pool, of ``--workers`` or the device's default (spawned now unless
-        early: its workers start meanwhile)."""
+        """The decode pool, of ``--workers`` or the device's default (spawned now: its
+        workers start while the model loads)."""
         if self.pool is None:
             workers = default_workers(device_type) if opts.workers is None else opts.workers
             self.pool = DecodePool(cfg, workers, opts.max_pixels, opts.decode_timeout)
@@ -115,46 +209,44 @@ class RunSetup:
 
     def headers(self, cfg: VisionConfig, opts: EncodeOptions, ranks: Topology | None,
                 should_stop, announce) -> list[Planned]:
-        """Every input's header and grid (read now unless early; ``announce(text)`` says
-        so first)."""
-        if self.planned is None:
-            announce(f"reading {len(self.found.items)} image headers")
-            self.planned = read_headers(self.found.items, cfg, opts.max_pixels, ranks,
-                                        should_stop, opts.decode_timeout)
-        return self.planned
+        """Every input's header and grid at once, and its stamp, for what needs the whole
+        plan first (``--update``'s matching, ``--engine ray``); ``announce(text)`` says so."""
+        planned = self.entries()
+        announce(f"reading {len(planned)} image headers")
+        items = [p.item for p in planned]
+        planned[:] = with_grids(items, probe_share(items, opts.max_pixels, ranks, should_stop,
+                                                   opts.decode_timeout), cfg, ranks)
+        input_stamps(planned)
+        return planned
 
     def cut_parts(self, part_images: int, ranks: Topology | None, balance: str,
                   cfg: VisionConfig, segment_tokens: int | None) -> list[Part]:
-        """The parts (``plan_parts``), cut now unless early."""
-        if self.parts is None:
-            self.parts = plan_parts(self.planned, part_images, ranks, balance, cfg,
-                                    segment_tokens=segment_tokens)
-        return self.parts
+        """Every segment of the whole plan, its headers read (``headers``)."""
+        return [segment for part in cut_parts(self.planned, part_images)
+                for segment in plan_segments(self.planned, part, ranks, balance, cfg,
+                                             segment_tokens)]
 
-    def plan_batches(self, todo: list[Part], batch_tokens: int, max_images: int,
-                     rank: int = 0, carried: Collection[int] = ()) -> list[list[list[int]]]:
-        """Per part of ``todo``, per rank, its batches, and ``rank``'s decode order
-        (planned now unless early; an early plan is made for a fresh output, whose parts
-        are all to do). ``carried``: inputs whose rows ``--update`` carries over (in no
-        batch; an update is never planned early)."""
-        if self.batches is None:
-            self.batches = plan_batches(self.planned, todo, batch_tokens, max_images, carried)
-            self.batch_tokens = batch_tokens
-            self.order = decode_order(self.batches, rank)
-        elif len(todo) != len(self.batches):
-            raise RuntimeError("an early plan is for a fresh output: every part is to do")
-        return self.batches
+    def plan_windows(self, todo: list[Part], plan: "WindowSettings") -> Windows:
+        """The windows of ``todo``, planned from now on (``WindowSettings``: how)."""
+        if self.windows is None:
+            planned = self.entries()
+            self.windows = Windows(todo, lambda part: plan.read(planned, part),
+                                   lambda part, done: plan.finish(planned, part, done),
+                                   alone=plan.ranks.world_size == 1,
+                                   should_stop=plan.should_stop)
+        return self.windows
 
     def stream(self, max_images: int) -> Iterator[tuple[int, Decoded]]:
-        """The decoded images, in the plan's order (started now unless early)."""
+        """The decoded images, in the windows' order (started now)."""
         if self.decoded is None:
-            planned = self.planned
-            self.decoded = self.pool.imap(((i, planned[i].item) for i in self.order),
+            self.decoded = self.pool.imap(self.windows.tasks(),
                                           window=decode_window(self.pool.n_workers, max_images))
         return self.decoded
 
     def close(self) -> None:
-        """Stop the stream and the pool (idempotent)."""
+        """Stop the planner, the stream and the pool (idempotent)."""
+        if self.windows is not None:
+            self.windows.close()
         if isinstance(self.decoded, DecodeStream):
             self.decoded.close()
         self.decoded = None
@@ -162,74 +254,75 @@ class RunSetup:
             self.pool.close()
 
 
-def cuda_impossible() -> bool:
-    """True when torch certainly sees no GPU here, judged without importing torch: macOS
-    (no CUDA builds), or Linux without NVIDIA device nodes, WSL's /dev/dxg or ROCm's
-    /dev/kfd. Anything else counts as possible."""
-    if sys.platform == "darwin":
-        return True
-    if sys.platform.startswith("linux"):
-        return not (glob.glob("/dev/nvidia[0-9]*") or os.path.exists("/dev/dxg")
-                    or os.path.exists("/dev/kfd"))
-    return False
+@dataclass
+class WindowSettings:
+    """How a window is planned: the tower's config, the run's options and ranks, the
+    batches' and segments' sizes, the inputs ``--update`` carries over (whose headers were
+    all read first: ``headers_read``), the summary that counts misnamed images, and the
+    signal check of one process (None under torchrun)."""
 
+    cfg: VisionConfig
+    opts: EncodeOptions
+    ranks: Topology
+    batch_tokens: int
+    segment_tokens: int | None
+    me: int  # whose batches this process decodes
+    summary: Any
+    carried: Collection[int] = ()
+    headers_read: bool = False
+    should_stop: Callable[[], bool] | None = None
+    #: called once, with the first window's planned inputs: a single file's size is judged
+    #: from them before anything is encoded (the rest of the headers are not read yet)
+    check_size: Callable[[Sequence[Planned]], None] | None = None
 
-def expected_device_type(device: str) -> str | None:
-    """The device type ``--device`` will resolve to, judged without torch: "cpu" for certain,
-    "cuda" when asked for or when a GPU is present (torch has the last word), else None."""
-    if device == "cpu" or (device == "auto" and cuda_impossible()):
-        return "cpu"
-    if device == "auto" or device.startswith("cuda"):
-        return "cuda"
-    return None
+    def read(self, planned: Sequence[Planned], part: Part) -> Any:
+        """Stamp the part's inputs, then probe this rank's share of its headers (None when
+        they were read already). Any thread; no collective."""
+        input_stamps(planned[part.start:part.end])
+        if self.headers_read:
+            return None
+        items = [p.item for p in planned[part.start:part.end]]
+        return probe_share(items, self.opts.max_pixels, self.ranks, self.should_stop,
+                           self.opts.decode_timeout)
 
-
-def _early_config(opts: EncodeOptions) -> VisionConfig | None:
-    """The tower's config, if it can be read now; errors are left for the normal path to
-    report in its own order (output checks come before weights)."""
-    path = Path(opts.config) if opts.random_init else Path(opts.weights) / "config.json"
-    try:
-        return VisionConfig.from_file(path) if path.is_file() else None
-    except (DsvError, OSError, ValueError):
-        return None
+    def finish(self, planned: list[Planned], part: Part, share: Any) -> Window:
+        """Plan the part from its probes (``share``; a collective under torchrun): grids,
+        segments, batches, and this rank's decode tasks."""
+        start, end = part.start, part.end
+        if share is not None:
+            entries = with_grids([p.item for p in planned[start:end]], share, self.cfg,
+                                 self.ranks)
+            for entry, old in zip(entries, planned[start:end]):
+                entry.stamp = old.stamp
+            planned[start:end] = entries
+        self.summary.count_misnamed(planned[start:end])
+        if self.check_size is not None:
+            check, self.check_size = self.check_size, None
+            check(planned[start:end])
+        segments = plan_segments(planned, part, self.ranks, self.opts.balance, self.cfg,
+                                 self.segment_tokens)
+        batches = plan_batches(planned, segments, self.batch_tokens, self.opts.max_images,
+                               self.carried)
+        order = decode_order(batches, self.me)
+        tokens = sum(planned[i].tokens for i in range(start, end)
+                     if planned[i].error is None and i not in self.carried)
+        return Window(segments, batches, [(i, planned[i].item) for i in order], tokens)
 
 
 def run_batch_tokens(opts: EncodeOptions, device_type: str) -> int:
     """Patches per batch of a run on ``device_type``: ``--batch-tokens`` or the engine's
-    default (what the early plan and the run's engine both use)."""
+    default."""
     return opts.batch_tokens or default_batch_tokens(device_type)
 
 
 def start_prefetch(opts: EncodeOptions, stop: StopSignals | None = None) -> RunSetup | None:
-    """Discover the inputs and, when the run qualifies, plan it and start decoding: the
-    same ``RunSetup`` methods the run calls, so that what is made here is not made again.
-
-    Returns None under torchrun (each rank discovers for itself). Raises what discovery and
-    option checks raise (the same errors, in the same order, as ``run_encode``), and
-    ``Interrupted`` when ``stop`` records a signal meanwhile."""
+    """Check the options and list the inputs before torch is imported (the same errors, in
+    the same order, as ``run_encode``), so that a bad input set fails fast and nothing is
+    walked or read from stdin twice. Returns None under torchrun (each rank lists for
+    itself); raises ``Interrupted`` when ``stop`` records a signal meanwhile."""
     if launched_ranks() > 1:
         return None
     validate(opts)
-    setup = RunSetup(device_type=expected_device_type(opts.device))
-    found = setup.find_inputs(opts, stop)
-    device_type = setup.device_type
-    if (device_type is None or opts.resume or opts.update or opts.workers == 0
-            or len(found.items) > MAX_ITEMS or opts.weights is None and not opts.random_init):
-        return setup
-    cfg = _early_config(opts)
-    if cfg is None:
-        return setup
-    setup.cfg = cfg
-    planned = setup.headers(cfg, opts, None, stop.requested if stop is not None else None,
-                            announce=lambda text: None)
-    if stop is not None:
-        stop.check()  # headers left unread must not be planned as error rows
-    batch_tokens = run_batch_tokens(opts, device_type)
-    parts = setup.cut_parts(images_per_part(cfg, opts), None, opts.balance, cfg,
-                            segment_tokens(batch_tokens, device_type))
-    setup.plan_batches(parts, batch_tokens, opts.max_images)
-    setup.decode_pool(cfg, device_type, opts)
-    setup.stream(opts.max_images)
-    log.info("planned %d images in %d parts for %s; decoding started before the model loads",
-             len(planned), len(parts), device_type)
+    setup = RunSetup()
+    setup.find_inputs(opts, stop)
     return setup

@@ -73,3 +73,8 @@ class StopSignals:
         for signum, handler in self._previous.items():
             signal.signal(signum, handler)
         self._previous = {}
+
+
+class StoppedWaiting(Exception):
+    """A signal arrived while the encoding loop waited (for a decoded image, or for the
+    plan of the next window)."""

@@ -64,10 +64,12 @@ class RunSummary:
         return self.tokens / self.encode_s if self.encode_s else 0.0
 
     def count_misnamed(self, planned) -> None:
-        """Count the planned images whose name says another format than their content."""
+        """Count the planned images whose name says another format than their content (one
+        window of the plan after another)."""
         odd = [entry for entry in planned if entry.misnamed and entry.error is None]
-        self.misnamed = len(odd)
-        self.misnamed_example = f"{odd[0].item.key} is {odd[0].misnamed}" if odd else ""
+        self.misnamed += len(odd)
+        if odd and not self.misnamed_example:
+            self.misnamed_example = f"{odd[0].item.key} is {odd[0].misnamed}"
 
     def count_rows(self, rows) -> tuple[int, int, int]:
         """Count finished rows (``output.parts.Row``) as encoded or failed, each failure

@@ -160,7 +160,7 @@ def test_cli_rows_do_not_depend_on_batch_or_container(photos, tmp_path, dtype):
         _cli([folder], tmp_path / "all.parquet", config, dtype)["target.png"],
         _cli([folder], tmp_path / "small.parquet", config, dtype,
              "--batch-tokens", "1500")["target.png"],
-        _cli([shard], tmp_path / "tar.parquet", config, dtype)["target"],
+        _cli([shard], tmp_path / "tar.parquet", config, dtype)[f"{shard}/target"],
         _cli([table], tmp_path / "cell.parquet", config, dtype,
              "--key-column", "name")["target.png"],
     ]

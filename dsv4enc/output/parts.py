@@ -736,6 +736,7 @@ class StreamingAssembler:
         self.seconds = 0.0
         self.error: BaseException | None = None
         self._aborted = False
+        self._footer_ready = False  # ``key_values`` are final only once ``finish`` is called
         self._cond = threading.Condition()
         self._thread = threading.Thread(target=self._run, name="dsv4enc-assembler",
                                         daemon=True)
@@ -753,9 +754,16 @@ class StreamingAssembler:
                 self._cond.wait(timeout=1.0)
             return None if self._aborted else committed
 
+    def _wait_for_footer(self) -> None:
+        """Wait until ``finish`` (the run's row stamps go into the footer) or ``abort``."""
+        with self._cond:
+            while not self._footer_ready and not self._aborted:
+                self._cond.wait(timeout=1.0)
+
     def _run(self) -> None:
         try:
             if self.begin >= self.finish_at:  # nothing to join: an empty file of the schema
+                self._wait_for_footer()
                 schema = self._schema_with_key_values()
                 pq.write_table(schema.empty_table(), self.tmp, **parquet_options(schema))
             else:
@@ -789,6 +797,7 @@ class StreamingAssembler:
                 began = time.perf_counter()
                 joiner.append(path)
                 self.seconds += time.perf_counter() - began
+            self._wait_for_footer()
             if not self._aborted:
                 joiner.close(self.key_values)
         finally:
@@ -796,7 +805,9 @@ class StreamingAssembler:
 
     def _encode_again(self) -> None:
         """Parts that cannot be joined by copying (e.g. committed by a run whose pyarrow
-        wrote other file metadata): read each back and encode it into a new file."""
+        wrote other file metadata): read each back and encode it into a new file (its schema
+        holds the footer's metadata, so it starts once that is final)."""
+        self._wait_for_footer()
         schema = self._schema_with_key_values()
         with pq.ParquetWriter(self.tmp, schema, **parquet_options(schema)) as writer:
             for path in self._parts_in_order():
@@ -811,7 +822,11 @@ class StreamingAssembler:
         return self.schema.with_metadata({**(self.schema.metadata or {}), **self.key_values})
 
     def finish(self) -> None:
-        """Wait for the last part, then move the file into place (or raise its error)."""
+        """Write the footer (``key_values`` are final now) once the last part is joined, then
+        move the file into place (or raise its error)."""
+        with self._cond:
+            self._footer_ready = True
+            self._cond.notify_all()
         self._thread.join()
         if self.error is not None or self._aborted:
             self.tmp.unlink(missing_ok=True)

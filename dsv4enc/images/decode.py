@@ -507,7 +507,7 @@ class DecodePool:
         from .sources import attach_held
 
         # An input whose bytes were read ahead (``sources.HELD``) goes to its worker with them.
-        tasks = ((tag, attach_held(source)) for tag, source in tasks)
+        tasks = (task if task is NOT_YET else (task[0], attach_held(task[1])) for task in tasks)
         if not self.workers:
             return ((task[0], decode_image(task[1], self.cfg, self.max_pixels))
                     for task in tasks if task is not NOT_YET)

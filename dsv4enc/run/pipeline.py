@@ -57,43 +57,16 @@ def load_model(opts: EncodeOptions, dtype: torch.dtype) -> Checkpoint:
     return load_checkpoint(resolve_weights(opts.weights), dtype)
 
 
-def _tower_engine(ckpt: Checkpoint, device: torch.device, opts: EncodeOptions,
-                  ranks: Topology, batch_tokens: int) -> Engine:
-    """The tower on ``device`` (split over the ranks under tensor parallelism) and its
-    Engine."""
+def tower_engine(ckpt: Checkpoint, device: torch.device, opts: EncodeOptions,
+                 split=None) -> Engine:
+    """The tower on ``device`` in its Engine, as the options ask (for either engine);
+    ``split(model)``: the tower's shard of this rank (``Topology.split_tower``)."""
     return build_engine(ckpt, device, features=opts.features, attention=opts.attention,
                         out_dtype=resolve_out_dtype(opts.out_dtype),
-                        cuda_graphs=opts.cuda_graphs, batch_tokens=batch_tokens,
+                        cuda_graphs=opts.cuda_graphs,
+                        batch_tokens=run_batch_tokens(opts, device.type),
                         max_images=opts.max_images, deterministic=opts.deterministic,
-                        fused=opts.fused,
-                        split=lambda model: ranks.split_tower(model, opts.tp_mode))
-
-
-def _resumed_compute(opts: EncodeOptions, device: torch.device, dtype: torch.dtype,
-                     layout: OutputLayout, ranks: Topology, dist):
-    """``device``, ``dtype`` and the line that says so, after ``--resume`` adopted what the
-    interrupted run computed in where they were left to ``auto`` (``device.resume_compute``).
-    Every rank follows rank 0's record, so that the ranks compute alike."""
-    recorded = None
-    if opts.resume and ranks.writes:
-        recorded = layout.interrupted_settings(dist.rank if dist is not None else None)
-    if dist is not None:
-        recorded = ranks.gather(recorded)[0]
-    return resume_compute(device, dtype, opts.device, opts.dtype, recorded,
-                          device_fixed=dist is not None)
-
-
-def _opening_line(opts: EncodeOptions, inputs: int, device: torch.device, dtype: torch.dtype,
-                  cfg: VisionConfig) -> str:
-    """What the run is about to do: inputs, device, dtype (and why, for ``auto``), the
-    model variant and the output."""
-    shown = str(dtype).removeprefix("torch.")
-    if str(opts.dtype) == "auto" and device.type == "cpu":
-        shown += f" (--dtype auto: {auto_cpu_reason()})"
-    elif str(opts.dtype) == "auto":
-        shown += " (--dtype auto)"
-    return (f"encoding {inputs_phrase(inputs)} on {device.type} in {shown}; "
-            f"{model_and_output(opts, cfg)}")
+                        fused=opts.fused, split=split)
 
 
 def inputs_phrase(inputs: int) -> str:
@@ -467,23 +440,31 @@ class LocalParts:
 
     def prepare(self, opts: EncodeOptions, layout: OutputLayout, ranks: Topology,
                 remote: RemoteOutput | None) -> str | None:
-        """The device and dtype (as ``--resume`` adopts them), and the weights."""
+        """The device and dtype, as ``--resume`` adopts what the interrupted run computed in
+        where they were left to ``auto`` (``device.resume_compute``; every rank follows rank
+        0's record, so that the ranks compute alike), and the weights."""
         dist = self.dist
         device = resolve_device(opts.device, dist.device if dist is not None else None)
-        dtype = resolve_dtype(opts.dtype, device)
-        self.device, self.dtype, adopted = _resumed_compute(opts, device, dtype, layout,
-                                                            ranks, dist)
+        recorded = None
+        if opts.resume and ranks.writes:
+            recorded = layout.interrupted_settings(dist.rank if dist is not None else None)
+        if dist is not None:
+            recorded = ranks.gather(recorded)[0]
+        self.device, self.dtype, adopted = resume_compute(
+            device, resolve_dtype(opts.dtype, device), opts.device, opts.dtype, recorded,
+            device_fixed=dist is not None)
         self.opts, self.ranks, self.layout = opts, ranks, layout
         self.ckpt = load_model(opts, self.dtype) if self.stand_in is None \
             else self.stand_in.checkpoint
         return adopted
 
     def start(self, setup: RunSetup, progress: RunProgress) -> dict[str, Any]:
-        """The decode pool (its workers start while the tower is built) and the Engine."""
-        opts, ckpt, device = self.opts, self.ckpt, self.device
+        """The decode pool (its workers start while the tower is built) and the Engine (the
+        tower split over the ranks under tensor parallelism)."""
+        opts, ckpt, device, ranks = self.opts, self.ckpt, self.device, self.ranks
         setup.decode_pool(ckpt.config, device.type, opts)
         engine = self.engine = (
-            _tower_engine(ckpt, device, opts, self.ranks, run_batch_tokens(opts, device.type))
+            tower_engine(ckpt, device, opts, lambda model: ranks.split_tower(model, opts.tp_mode))
             if self.stand_in is None else self.stand_in.engine(device, opts))
         return {"config": ckpt.config, "fingerprint": ckpt.fingerprint,
                 "compute_dtype": self.dtype, "device": engine.device.type,
@@ -494,7 +475,13 @@ class LocalParts:
         return cut_parts(setup.entries(), part_images)  # their headers are read later
 
     def opening_line(self, inputs: int) -> str:
-        return _opening_line(self.opts, inputs, self.device, self.dtype, self.ckpt.config)
+        """Inputs, device, dtype (and why, for ``auto``), the model variant and the output."""
+        opts, device, shown = self.opts, self.device, str(self.dtype).removeprefix("torch.")
+        if str(opts.dtype) == "auto":
+            shown += (f" (--dtype auto: {auto_cpu_reason()})" if device.type == "cpu"
+                      else " (--dtype auto)")
+        return (f"encoding {inputs_phrase(inputs)} on {device.type} in {shown}; "
+                f"{model_and_output(opts, self.ckpt.config)}")
 
     def planned_tokens(self, setup: RunSetup, todo: list[Part]) -> int | None:
         return None if todo else 0  # each window adds its own

@@ -1,14 +1,15 @@
 """``dsv4enc encode --engine ray``: the local run's plan and output, with the encoding done by
 encoder actors on a Ray cluster (needs ``dsv4enc[ray]``).
 
-The driver (the ``dsv4enc encode`` process) does what the local run does around the model:
-it discovers the inputs (``images/discover``), reads their headers and cuts the same parts
-and segments (``run/plan``), checks and locks ``--out`` (``output/layout``, ``output/remote``
-for a bucket), and commits parts through the same ``PartWriter`` into the same part store,
+The driver (the ``dsv4enc encode`` process) runs the local run's skeleton
+(``pipeline.run_encode``, with ``RayParts`` as its engine): it discovers the inputs, reads
+their headers and cuts the same parts and segments (``run/plan``), checks and locks
+``--out`` (``output/layout``, ``output/remote`` for a bucket), and commits parts through the
+same ``PartWriter`` into the same part store,
 so the keys, rows, manifest, metadata and final file are the local run's. What changes is
 where a part is encoded and written: each goes to an encoder actor (``SegmentEncoder``),
-which loaded the weights once and holds the same Engine (``engine/factory.build_engine``,
-the local run's arguments) and the same fault-tolerant decode pool
+which loaded the weights once and holds the same Engine (``pipeline.tower_engine``, as
+the local run builds it) and the same fault-tolerant decode pool
 (``images/decode.DecodePool``). The actor reads the part's images itself (from a shared
 folder or a bucket: only item locators travel), writes the part file into the output's
 store itself (``output/parts.write_part``, as a torchrun rank of ``--shard-output`` does:
@@ -108,12 +109,11 @@ class SegmentEncoder:
     ``dtype``: the compute dtype (``auto`` resolves on the actor's own device)."""
 
     def __init__(self, opts: EncodeOptions, device_type: str, dtype: str) -> None:
-        from ..engine.device import resolve_device, resolve_dtype, resolve_out_dtype
-        from ..engine.factory import build_engine
+        from ..engine.device import resolve_device, resolve_dtype
         from ..images.decode import DecodePool, own_process_pillow_settings
         from ..process import own_process_settings
         from .encoding import BatchRows
-        from .pipeline import load_model
+        from .pipeline import load_model, tower_engine
 
         own_process_pillow_settings()
         device = resolve_device(device_type)
@@ -124,12 +124,7 @@ class SegmentEncoder:
         self.cfg = ckpt.config
         self.fingerprint = ckpt.fingerprint
         self.dtype = compute
-        self.engine = build_engine(ckpt, device, features=opts.features,
-                                   attention=opts.attention,
-                                   out_dtype=resolve_out_dtype(opts.out_dtype),
-                                   cuda_graphs=opts.cuda_graphs, batch_tokens=opts.batch_tokens,
-                                   max_images=opts.max_images, deterministic=opts.deterministic,
-                                   fused=opts.fused)
+        self.engine = tower_engine(ckpt, device, opts)
         del ckpt
         workers = default_workers(device.type) if opts.workers is None else opts.workers
         self.pool = DecodePool(self.cfg, workers, opts.max_pixels, opts.decode_timeout)

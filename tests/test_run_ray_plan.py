@@ -56,9 +56,9 @@ def test_a_call_is_a_parts_segments_cut_only_to_keep_every_actor_busy(tmp_path):
     (one part file, named after its first segment, with the range's digest, as the local
     run's writer joins them); fewer ranges than the calls wanted are cut at segment bounds;
     a segment already committed (--resume) splits its range."""
-    from dsv4enc.images.headers import Planned, inputs_digest
+    from dsv4enc.images.headers import Planned, input_stamps, inputs_digest
     from dsv4enc.images.items import InputItem
-    from dsv4enc.run.plan import plan_parts
+    from dsv4enc.run.plan import cut_parts, plan_segments
     from dsv4enc.run.ray_engine import part_calls
 
     planned = []
@@ -67,7 +67,9 @@ def test_a_call_is_a_parts_segments_cut_only_to_keep_every_actor_busy(tmp_path):
         bad = i == 5  # its header could not be read: no patches
         planned.append(Planned(InputItem(f"{i}.png", str(tmp_path / f"{i}.png")), 8, 8,
                                0 if bad else 2, 0 if bad else 2, error="broken" if bad else None))
-    segments = plan_parts(planned, 4, segment_tokens=8)  # about two images a segment
+    input_stamps(planned)
+    segments = [segment for part in cut_parts(planned, 4)  # about two images a segment
+                for segment in plan_segments(planned, part, segment_tokens=8)]
     assert [s.start for s in segments][:2] == [0, 2] and len(segments) > 3
 
     calls = part_calls(planned, segments, 4, 8, None, wanted=1)

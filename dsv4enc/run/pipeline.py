@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, replace
+from typing import Any, Callable, Protocol
 
 import pyarrow as pa
 import torch
@@ -56,43 +57,16 @@ def load_model(opts: EncodeOptions, dtype: torch.dtype) -> Checkpoint:
     return load_checkpoint(resolve_weights(opts.weights), dtype)
 
 
-def _tower_engine(ckpt: Checkpoint, device: torch.device, opts: EncodeOptions,
-                  ranks: Topology, batch_tokens: int) -> Engine:
-    """The tower on ``device`` (split over the ranks under tensor parallelism) and its
-    Engine."""
+def tower_engine(ckpt: Checkpoint, device: torch.device, opts: EncodeOptions,
+                 split=None) -> Engine:
+    """The tower on ``device`` in its Engine, as the options ask (for either engine);
+    ``split(model)``: the tower's shard of this rank (``Topology.split_tower``)."""
     return build_engine(ckpt, device, features=opts.features, attention=opts.attention,
                         out_dtype=resolve_out_dtype(opts.out_dtype),
-                        cuda_graphs=opts.cuda_graphs, batch_tokens=batch_tokens,
+                        cuda_graphs=opts.cuda_graphs,
+                        batch_tokens=run_batch_tokens(opts, device.type),
                         max_images=opts.max_images, deterministic=opts.deterministic,
-                        fused=opts.fused,
-                        split=lambda model: ranks.split_tower(model, opts.tp_mode))
-
-
-def _resumed_compute(opts: EncodeOptions, device: torch.device, dtype: torch.dtype,
-                     layout: OutputLayout, ranks: Topology, dist):
-    """``device``, ``dtype`` and the line that says so, after ``--resume`` adopted what the
-    interrupted run computed in where they were left to ``auto`` (``device.resume_compute``).
-    Every rank follows rank 0's record, so that the ranks compute alike."""
-    recorded = None
-    if opts.resume and ranks.writes:
-        recorded = layout.interrupted_settings(dist.rank if dist is not None else None)
-    if dist is not None:
-        recorded = ranks.gather(recorded)[0]
-    return resume_compute(device, dtype, opts.device, opts.dtype, recorded,
-                          device_fixed=dist is not None)
-
-
-def _opening_line(opts: EncodeOptions, inputs: int, device: torch.device, dtype: torch.dtype,
-                  cfg: VisionConfig) -> str:
-    """What the run is about to do: inputs, device, dtype (and why, for ``auto``), the
-    model variant and the output."""
-    shown = str(dtype).removeprefix("torch.")
-    if str(opts.dtype) == "auto" and device.type == "cpu":
-        shown += f" (--dtype auto: {auto_cpu_reason()})"
-    elif str(opts.dtype) == "auto":
-        shown += " (--dtype auto)"
-    return (f"encoding {inputs_phrase(inputs)} on {device.type} in {shown}; "
-            f"{model_and_output(opts, cfg)}")
+                        fused=opts.fused, split=split)
 
 
 def inputs_phrase(inputs: int) -> str:
@@ -141,8 +115,37 @@ def run_settings(cfg: VisionConfig, fingerprint: str, opts: EncodeOptions,
     }
 
 
+class PartSource(Protocol):
+    """What an engine puts behind the run skeleton (``run_encode``): ``LocalParts`` (the
+    tower in this process) or ``ray_engine.RayParts`` (encoder actors); the skeleton does
+    the rest once (the output's checks, store, resume, writer, assembly, summary, and what
+    a failure or a signal leaves). ``prepare``: what computes, before the output folder is
+    made (returns the line saying what ``--resume`` adopted, else None); ``start``: start
+    computing, and say with what (``config``, ``fingerprint``, ``compute_dtype``,
+    ``device``, ``batch_invariant``, ``batch_tokens``); ``cut``: the run's parts, by input
+    order; ``planned_tokens``: the progress total's patches now (None: window by window);
+    ``encode``: encode ``output.todo``, each finished part to ``writer``, calling
+    ``begin()`` before the first batch; ``finish``: the engine's counts into a finished
+    run's summary. ``written_elsewhere``: other processes write the part files."""
+
+    written_elsewhere: bool
+
+    def prepare(self, opts: EncodeOptions, layout: OutputLayout, ranks: Topology,
+                remote: RemoteOutput | None) -> str | None: ...
+    def start(self, setup: RunSetup, progress: RunProgress) -> dict[str, Any]: ...
+    def cut(self, setup: RunSetup, part_images: int, progress: RunProgress,
+            stop: StopSignals) -> list[Part]: ...
+    def opening_line(self, inputs: int) -> str: ...
+    def planned_tokens(self, setup: RunSetup, todo: list[Part]) -> int | None: ...
+    def encode(self, setup: RunSetup, output: "OutputPlan", writer: PartWriter | None,
+               run: "RunState", begin: Callable[[], None]) -> None: ...
+    def finish(self, summary: RunSummary, ranks: Topology) -> None: ...
+    def close(self) -> None: ...
+
+
 def run_encode(opts: EncodeOptions, dist=None, setup: RunSetup | None = None,
-               stop: StopSignals | None = None, stand_in=None) -> RunSummary:
+               stop: StopSignals | None = None, stand_in=None,
+               source: PartSource | None = None) -> RunSummary:
     """Encode ``opts.inputs`` into ``opts.out``. Raises DsvError (setup) or Interrupted.
 
     ``setup``: what ``setup.start_prefetch(opts)`` listed for these same options (before
@@ -151,13 +154,15 @@ def run_encode(opts: EncodeOptions, dist=None, setup: RunSetup | None = None,
     (from the main thread) and restores the previous handlers when it returns.
     ``stand_in``: computes the rows instead of the tower (``hostbench.NullStage`` measures the
     host side alone): its ``checkpoint`` stands for the weights (config and fingerprint), and
-    its ``engine(device, opts)`` for the Engine; no weights are loaded."""
+    its ``engine(device, opts)`` for the Engine; no weights are loaded. ``source``: the
+    engine (``LocalParts`` by default; closed by this call)."""
     own_stop = stop is None
     if stop is None:
         stop = StopSignals(immediate=dist is None)  # torchrun ranks stop together, later
         stop.install()
     layout = remote = None
     setup = setup if setup is not None else RunSetup()
+    source = source if source is not None else LocalParts(dist, stand_in)
     try:
         storage.set_outage_s(opts.storage_outage_s)
         # An object storage --out is built in a local staging folder and mirrored to the store
@@ -173,11 +178,12 @@ def run_encode(opts: EncodeOptions, dist=None, setup: RunSetup | None = None,
         if remote is not None:
             layout.max_file_bytes = remote.max_file_bytes
             summary = remote.run(lambda: _upload_stops_at_once(_run_encode(
-                opts, dist, setup, stop, layout, stand_in, local=False), stop, remote),
+                opts, dist, setup, stop, layout, source, remote), stop, remote),
                 ranks.main_then_all)
         else:
-            summary = _run_encode(opts, dist, setup, stop, layout, stand_in)
+            summary = _run_encode(opts, dist, setup, stop, layout, source)
     finally:
+        source.close()
         if layout is not None:
             layout.release()  # the output's lock, held from its checks to the end
         if remote is not None:
@@ -190,54 +196,61 @@ def run_encode(opts: EncodeOptions, dist=None, setup: RunSetup | None = None,
     return summary
 
 
+@dataclass
+class RunState:
+    """What a run's stages share: its options, ranks, output layout, progress, summary
+    and signal handling."""
+
+    opts: EncodeOptions
+    ranks: Topology
+    layout: OutputLayout
+    progress: RunProgress
+    summary: RunSummary
+    stop: StopSignals
+
+
 def _run_encode(opts: EncodeOptions, dist, setup: RunSetup, stop: StopSignals,
-                layout: OutputLayout, stand_in=None, local: bool = True) -> RunSummary:
-    """``local``: ``--out`` is a local path (not the staging of an object storage one)."""
+                layout: OutputLayout, source: PartSource,
+                remote: RemoteOutput | None = None) -> RunSummary:
+    """``remote``: the object storage ``--out`` whose staging ``layout`` is, else None."""
     started = setup.started  # the caller's start (the CLI's: the process's), else now
     validate(opts)
     if opts.update and dist is not None:
         raise UsageError("--update runs in one process: run it without torchrun")
-    device = resolve_device(opts.device, dist.device if dist is not None else None)
-    dtype = resolve_dtype(opts.dtype, device)
     ranks = Topology(dist, opts.shard_output)
     found = setup.find_inputs(opts, stop if dist is None else None)
     ranks.main_then_all(lambda: layout.prepare(opts.inputs, opts.files_from,
                                                overwrite=opts.overwrite, resume=opts.resume,
                                                update=opts.update))
-    device, dtype, adopted = _resumed_compute(opts, device, dtype, layout, ranks, dist)
-    ckpt = load_model(opts, dtype) if stand_in is None else stand_in.checkpoint
+    adopted = source.prepare(opts, layout, ranks, remote)
     stop.immediate = False  # until the try below, which discards an unused output folder
     ranks.main_then_all(layout.create)
-    cfg = ckpt.config
-    batch_tokens = run_batch_tokens(opts, device.type) if stand_in is None else None
     if ranks.is_main and not found.items:
         log.warning(nothing_found(opts.inputs, opts.files_from, found.skipped))
     progress = RunProgress("auto" if opts.progress and ranks.is_main else "off",
                            opts.log_every)
     summary = RunSummary(out=str(opts.out), skipped=found.skipped,
                          unlisted=len(found.unlisted))
-    setup.decode_pool(cfg, device.type, opts)  # spawned now: workers start meanwhile
+    run = RunState(opts, ranks, layout, progress, summary, stop)
     store = None
     try:
         stop.immediate = dist is None
         stop.check()
-        engine = (_tower_engine(ckpt, device, opts, ranks, batch_tokens) if stand_in is None
-                  else stand_in.engine(device, opts))
         with progress:
-            output = _plan_output(opts, setup, layout, ranks, engine, ckpt, device, dtype,
-                                  summary, local, stop, progress)
+            computes = source.start(setup, progress)
+            output = _plan_output(run, setup, source, computes, remote)
             store = output.store
-            progress.announce(_opening_line(opts, len(found.items), device, dtype, cfg))
+            progress.announce(source.opening_line(len(found.items)))
             if adopted:
                 progress.announce(adopted)
             carried = output.carried
             progress.start(total=len(found.items), done=summary.reused + sum(
                                1 for p in output.todo for i in range(p.start, p.end)
                                if i in carried) if carried else summary.reused,
-                           tokens=None if output.todo else 0)
-            _write_output(opts, engine, setup, output, layout, ranks, progress, summary, stop)
+                           tokens=source.planned_tokens(setup, output.todo))
+            _write_output(run, source, setup, output)
     except (DsvError, Interrupted) as exc:
-        if isinstance(exc, storage.StoreDown) and store is not None and local:
+        if isinstance(exc, storage.StoreDown) and store is not None and remote is None:
             exc.keep(len(store.parts), str(layout.parts_dir))
         if ranks.is_main:
             layout.discard_if_empty()  # so that a corrected rerun is not told to --resume
@@ -245,20 +258,16 @@ def _run_encode(opts: EncodeOptions, dist, setup: RunSetup, stop: StopSignals,
             summary.seconds = time.perf_counter() - started
             exc.summary = summary
         raise
-    stats = engine.stats
-    summary.h2d_s, summary.model_s = stats.h2d_s, stats.model_s
-    if not ranks.gathered:
-        summary.padded_tokens = stats.padded_tokens  # else summed over the ranks above
+    source.finish(summary, ranks)
     return summary  # its wall time is set by run_encode, once the decode workers are gone
 
 
 @dataclass
 class OutputPlan:
     """What a run writes: the part ledger (``store``), the schema, every part and those
-    still to encode (``todo``, planned window by window as the run goes), an ``--update``'s
-    ``Update`` (None otherwise), whether this rank keeps the input stamps for a later
-    ``--update`` (``keeps_stamps``), the options that decide rows (``row_options``) and how
-    each window is planned (``windows``)."""
+    still to encode (``todo``), an ``--update``'s ``Update`` (None otherwise), whether this
+    rank keeps the input stamps for a later ``--update`` (``keeps_stamps``), the options
+    that decide rows (``row_options``) and the settings the parts are computed with."""
 
     store: PartLedger
     schema: pa.Schema
@@ -267,7 +276,7 @@ class OutputPlan:
     update: Update | None
     keeps_stamps: bool
     row_options: dict
-    windows: WindowSettings
+    settings: dict
 
     @property
     def carried(self) -> dict[int, int]:
@@ -275,17 +284,16 @@ class OutputPlan:
         return self.update.carried if self.update is not None else {}
 
 
-def _plan_output(opts: EncodeOptions, setup: RunSetup, layout: OutputLayout, ranks: Topology,
-                 engine: Engine, ckpt: Checkpoint, device: torch.device, dtype: torch.dtype,
-                 summary: RunSummary, local: bool, stop: StopSignals,
-                 progress: RunProgress) -> OutputPlan:
+def _plan_output(run: RunState, setup: RunSetup, source: PartSource, computes: dict,
+                 remote: RemoteOutput | None) -> OutputPlan:
     """The run's settings and schema, its store (the old output's under ``--update``), its
     parts (cut by input order alone), and which of them are still to encode (``--resume``
     judges committed parts by their inputs' stamps; ``--update`` reads every header first)."""
-    cfg, planned = ckpt.config, setup.entries()
+    opts, ranks, layout, summary = run.opts, run.ranks, run.layout, run.summary
+    cfg = computes["config"]
     part_images = images_per_part(cfg, opts)
-    settings = run_settings(cfg, ckpt.fingerprint, opts, dtype, part_images,
-                            engine.device.type, engine.deterministic)
+    settings = run_settings(cfg, computes["fingerprint"], opts, computes["compute_dtype"],
+                            part_images, computes["device"], computes["batch_invariant"])
     if ranks.shard_output:
         settings["world_size"] = ranks.world_size
     schema = output_schema(cfg.output_width(opts.features), opts.out_dtype,
@@ -295,32 +303,28 @@ def _plan_output(opts: EncodeOptions, setup: RunSetup, layout: OutputLayout, ran
     rows_settings = {**settings, **resuming.row_options}
     # --update of an existing output (None: there is none yet, a plain run)
     update = Update.start(layout.out, layout.folder_mode) if opts.update else None
-    store = open_store(layout, settings, schema, local=local, is_main=ranks.is_main,
+    store = open_store(layout, settings, schema, local=remote is None, is_main=ranks.is_main,
                        world_size=ranks.world_size,
                        rank=ranks.rank if ranks.dist is not None else None,
-                       update=update, rows_settings=rows_settings)
-    should_stop = None if ranks.dist is not None else stop.requested
+                       update=update, rows_settings=rows_settings,
+                       written_elsewhere=source.written_elsewhere)
+    if source.written_elsewhere and remote is not None:
+        store.fetch = remote.adopt_part
+    planned = setup.entries()
     if update is not None:
-        setup.headers(cfg, opts, ranks, should_stop, announce=progress.status)
-        stop.check()  # headers left unread must not be matched as error rows
+        setup.headers(cfg, opts, ranks, None if ranks.dist is not None else run.stop.requested,
+                      announce=run.progress.status)
+        run.stop.check()  # headers left unread must not be matched as error rows
         update.match(planned, rows_settings)  # refuses other settings in one line
         update.count_into(summary)
-    parts = cut_parts(planned, part_images)
+    parts = source.cut(setup, part_images, run.progress, run.stop)
     todo, summary.reused = resume_filter(store, parts, resuming, writes=ranks.writes,
                                          agree=ranks.agree_on_todo)
     if update is not None:  # a folder's unchanged parts are kept as they are
         todo, kept = update.keep_parts(store, todo, planned)
         summary.reused += kept
-    windows = WindowSettings(
-        cfg, opts, ranks, engine.batch_tokens,
-        None if ranks.splits_images else segment_tokens(engine.batch_tokens, device.type),
-        ranks.rank if ranks.splits_images else 0, summary,
-        carried=update.carried if update is not None else (),
-        headers_read=update is not None, should_stop=should_stop,
-        check_size=lambda first: layout.check_file_size(
-            output_bytes(cfg, opts, first) * len(planned) // max(1, len(first))))
     return OutputPlan(store, schema, parts, todo, update, ranks.is_main and not ranks.sharded,
-                      resuming.row_options, windows)
+                      resuming.row_options, {**settings, "batch_tokens": computes["batch_tokens"]})
 
 
 def _upload_stops_at_once(summary: RunSummary, stop: StopSignals,
@@ -335,12 +339,11 @@ def _upload_stops_at_once(summary: RunSummary, stop: StopSignals,
     return summary
 
 
-def _write_output(opts: EncodeOptions, engine: Engine, setup: RunSetup, output: OutputPlan,
-                  layout: OutputLayout, ranks: Topology, progress: RunProgress,
-                  summary: RunSummary, stop: StopSignals) -> None:
+def _write_output(run: RunState, source: PartSource, setup: RunSetup,
+                  output: OutputPlan) -> None:
     """Encode the parts to do into the output and finish it: the single file, the sharded
     manifest, a folder's stamps. A failed or stopped run leaves its committed parts."""
-    store, update = output.store, output.update
+    store, update, ranks, layout = output.store, output.update, run.ranks, run.layout
     # each row's input stamp, kept with the output for a later --update: known once every
     # window is planned (an empty run's now)
     planned = setup.entries()
@@ -350,11 +353,9 @@ def _write_output(opts: EncodeOptions, engine: Engine, setup: RunSetup, output: 
                                   if output.keeps_stamps and not planned else None))
     writer = (PartWriter(store, output.schema, default_writer_threads(), assembler)
               if ranks.writes else None)
-    runner = PartEncoder(engine, opts, ranks, progress, summary, stop, update)
     try:
-        _encode_parts(engine, runner, setup, output, writer, store, layout, summary,
-                      progress, stop, "--update" if opts.update else "--resume")
-        stop.check()
+        _encode_parts(run, source, setup, output, writer)
+        run.stop.check()
         # A store that failed its last calls made rows of outages (transient): the run is
         # not complete while it does not answer
         failing = [exc for exc in ranks.gather(storage.failing_store(give_up=True))
@@ -369,7 +370,7 @@ def _write_output(opts: EncodeOptions, engine: Engine, setup: RunSetup, output: 
             if assembler is not None and planned:
                 assembler.key_values = {**assembler.key_values,
                                         **footer_entry(stamps, output.row_options)}
-        _finish_output(assembler, store, layout, ranks, engine, summary, progress, stop)
+        _finish_output(assembler, store, run, source)
         if layout.folder_mode and stamps is not None:  # the folder is complete
             if update is not None and update.staging is not None:
                 update.finish_folder(store, stamps, output.row_options)
@@ -381,69 +382,161 @@ def _write_output(opts: EncodeOptions, engine: Engine, setup: RunSetup, output: 
         raise
 
 
-def _encode_parts(engine: Engine, runner: PartEncoder, setup: RunSetup, output: OutputPlan,
-                  writer: PartWriter | None, store, layout: OutputLayout, summary: RunSummary,
-                  progress: RunProgress, stop: StopSignals, again: str = "--resume") -> None:
-    """Encode the parts still to do, window by window as they are planned (the decode
-    workers run ahead from the first window on), handing each finished one to the writer;
-    the writer is closed (its parts committed) however the loop ends. ``again``: the flag
-    that finishes the run after an interruption."""
+def _encode_parts(run: RunState, source: PartSource, setup: RunSetup, output: OutputPlan,
+                  writer: PartWriter | None) -> None:
+    """Encode the parts still to do (``source.encode``), handing each finished one to the
+    writer; the writer is closed (its parts committed) however that ends."""
     began = [time.perf_counter()]
-    planned = setup.entries()
-    todo = output.todo
+    layout, stop, summary, progress = run.layout, run.stop, run.summary, run.progress
+    again = "--update" if run.opts.update else "--resume"  # the flag that finishes the run
 
-    def on_window(k: int, window) -> None:
-        sizes = runner.batch_sizes(planned, window.batches)
-        progress.plan_tokens(window.tokens, last=k == len(todo) - 1)
-        if k == 0:
-            progress.status("capturing CUDA graphs" if engine.graphs_enabled else "encoding")
-            # the first window's batches tell the graph budgets; a full batch's is one when
-            # later windows come, so that none of their batches is left to run eager
-            engine.fit_budgets(sizes + [engine.batch_tokens] * (len(todo) > 1))
-            engine.prepare()
-            progress.begin_encoding()
-            began[0] = time.perf_counter()
+    def begin() -> None:
+        progress.begin_encoding()
+        began[0] = time.perf_counter()
 
     try:
-        windows = setup.plan_windows(todo, output.windows)
-        decoded = setup.stream(runner.opts.max_images)  # decoding starts with the first window
         stop.hint = layout.encoding_hint(again)
-        with stop.deferred():  # a signal stops the loop between batches
-            for name, start, end, digest, rows in runner.run(planned, windows.parts(on_window),
-                                                             decoded):
-                if writer is not None:
-                    writer.put(name, rows, start, end, digest)
-                del rows  # only the writer holds a finished part meanwhile
+        source.encode(setup, output, writer, run, begin)
     finally:
         if writer is not None:
             with stop.deferred():  # parts in the writer's hands get committed
                 writer.close()
             summary.write_s = writer.seconds
-            stop.hint = layout.resume_hint(store, again)  # what was really committed
+            stop.hint = layout.resume_hint(output.store, again)  # what was really committed
         summary.encode_s = time.perf_counter() - began[0]
         progress.end_encoding()
 
 
-def write_final_file(assembler, layout: OutputLayout, summary: RunSummary,
-                     progress: RunProgress, stop: StopSignals) -> None:
-    """Make the single file from the committed parts (for either engine) and remove the
-    parts; its time counts as writing."""
-    progress.status("writing the final file")
-    began = time.perf_counter()
-    assembler.finish()  # a signal meanwhile aborts it: the parts stay
-    stop.immediate = False  # the output is complete: nothing to stop
-    layout.remove_parts()
-    summary.write_s += time.perf_counter() - began
-
-
-def _finish_output(assembler, store, layout: OutputLayout, ranks: Topology, engine: Engine,
-                   summary: RunSummary, progress: RunProgress, stop: StopSignals) -> None:
-    """After every rank's parts are committed: the single file (assembled), or the sharded
-    output's merged manifest; and the counts summed over the ranks."""
+def _finish_output(assembler, store, run: RunState, source: PartSource) -> None:
+    """After every rank's parts are committed: the single file (assembled; its time counts
+    as writing, and the parts are removed), or the sharded output's merged manifest; and
+    the counts summed over the ranks."""
+    ranks, layout, summary = run.ranks, run.layout, run.summary
     if assembler is not None:
-        write_final_file(assembler, layout, summary, progress, stop)
+        run.progress.status("writing the final file")
+        began = time.perf_counter()
+        assembler.finish()  # a signal meanwhile aborts it: the parts stay
+        run.stop.immediate = False  # the output is complete: nothing to stop
+        layout.remove_parts()
+        summary.write_s += time.perf_counter() - began
     elif ranks.sharded:
         ranks.merge_manifests(store)
         ranks.sum_rank_counts(summary)
-    if ranks.gathered:
-        ranks.sum_rank_tokens(summary, engine.stats.padded_tokens)
+    elif source.written_elsewhere:
+        layout.remove_temporaries()  # what killed writers left, never committed
+
+
+class LocalParts:
+    """The local engine (``PartSource``): the tower's Engine in this process (on this rank
+    under torchrun), fed by the decode workers; the parts are planned a window at a time
+    (``run/setup.Windows``) and encoded by ``PartEncoder``. ``stand_in``: see
+    ``run_encode``."""
+
+    written_elsewhere = False
+
+    def __init__(self, dist=None, stand_in=None) -> None:
+        self.dist, self.stand_in = dist, stand_in
+        self.engine: Engine | None = None
+
+    def prepare(self, opts: EncodeOptions, layout: OutputLayout, ranks: Topology,
+                remote: RemoteOutput | None) -> str | None:
+        """The device and dtype, as ``--resume`` adopts what the interrupted run computed in
+        where they were left to ``auto`` (``device.resume_compute``; every rank follows rank
+        0's record, so that the ranks compute alike), and the weights."""
+        dist = self.dist
+        device = resolve_device(opts.device, dist.device if dist is not None else None)
+        recorded = None
+        if opts.resume and ranks.writes:
+            recorded = layout.interrupted_settings(dist.rank if dist is not None else None)
+        if dist is not None:
+            recorded = ranks.gather(recorded)[0]
+        self.device, self.dtype, adopted = resume_compute(
+            device, resolve_dtype(opts.dtype, device), opts.device, opts.dtype, recorded,
+            device_fixed=dist is not None)
+        self.opts, self.ranks, self.layout = opts, ranks, layout
+        self.ckpt = load_model(opts, self.dtype) if self.stand_in is None \
+            else self.stand_in.checkpoint
+        return adopted
+
+    def start(self, setup: RunSetup, progress: RunProgress) -> dict[str, Any]:
+        """The decode pool (its workers start while the tower is built) and the Engine (the
+        tower split over the ranks under tensor parallelism)."""
+        opts, ckpt, device, ranks = self.opts, self.ckpt, self.device, self.ranks
+        setup.decode_pool(ckpt.config, device.type, opts)
+        engine = self.engine = (
+            tower_engine(ckpt, device, opts, lambda model: ranks.split_tower(model, opts.tp_mode))
+            if self.stand_in is None else self.stand_in.engine(device, opts))
+        return {"config": ckpt.config, "fingerprint": ckpt.fingerprint,
+                "compute_dtype": self.dtype, "device": engine.device.type,
+                "batch_invariant": engine.deterministic, "batch_tokens": engine.batch_tokens}
+
+    def cut(self, setup: RunSetup, part_images: int, progress: RunProgress,
+            stop: StopSignals) -> list[Part]:
+        return cut_parts(setup.entries(), part_images)  # their headers are read later
+
+    def opening_line(self, inputs: int) -> str:
+        """Inputs, device, dtype (and why, for ``auto``), the model variant and the output."""
+        opts, device, shown = self.opts, self.device, str(self.dtype).removeprefix("torch.")
+        if str(opts.dtype) == "auto":
+            shown += (f" (--dtype auto: {auto_cpu_reason()})" if device.type == "cpu"
+                      else " (--dtype auto)")
+        return (f"encoding {inputs_phrase(inputs)} on {device.type} in {shown}; "
+                f"{model_and_output(opts, self.ckpt.config)}")
+
+    def planned_tokens(self, setup: RunSetup, todo: list[Part]) -> int | None:
+        return None if todo else 0  # each window adds its own
+
+    def encode(self, setup: RunSetup, output: OutputPlan, writer: PartWriter | None,
+               run: RunState, begin: Callable[[], None]) -> None:
+        """Encode the parts to do window by window as they are planned (the decode workers
+        run ahead from the first window on)."""
+        engine, opts, ranks, todo = self.engine, self.opts, self.ranks, output.todo
+        runner = PartEncoder(engine, opts, ranks, run.progress, run.summary, run.stop,
+                             output.update)
+        planned = setup.entries()
+
+        def on_window(k: int, window) -> None:
+            sizes = runner.batch_sizes(planned, window.batches)
+            run.progress.plan_tokens(window.tokens, last=k == len(todo) - 1)
+            if k == 0:
+                run.progress.status("capturing CUDA graphs" if engine.graphs_enabled
+                                    else "encoding")
+                # the first window's batches tell the graph budgets; a full batch's is one
+                # when later windows come, so that none of their batches is left to run eager
+                engine.fit_budgets(sizes + [engine.batch_tokens] * (len(todo) > 1))
+                engine.prepare()
+                begin()
+
+        windows = setup.plan_windows(todo, self._window_settings(setup, output, run))
+        decoded = setup.stream(opts.max_images)  # decoding starts with the first window
+        with run.stop.deferred():  # a signal stops the loop between batches
+            for name, start, end, digest, rows in runner.run(planned, windows.parts(on_window),
+                                                             decoded):
+                if writer is not None:
+                    writer.put(name, rows, start, end, digest)
+                del rows  # only the writer holds a finished part meanwhile
+
+    def _window_settings(self, setup: RunSetup, output: OutputPlan,
+                         run: RunState) -> WindowSettings:
+        """How each window is planned; a single file's size is judged from the first."""
+        opts, ranks, cfg = self.opts, self.ranks, self.ckpt.config
+        batch_tokens, inputs = self.engine.batch_tokens, len(setup.entries())
+        return WindowSettings(
+            cfg, opts, ranks, batch_tokens,
+            None if ranks.splits_images else segment_tokens(batch_tokens, self.device.type),
+            ranks.rank if ranks.splits_images else 0, run.summary, carried=output.carried,
+            headers_read=output.update is not None,
+            should_stop=None if ranks.dist is not None else run.stop.requested,
+            check_size=lambda first: self.layout.check_file_size(
+                output_bytes(cfg, opts, first) * inputs // max(1, len(first))))
+
+    def finish(self, summary: RunSummary, ranks: Topology) -> None:
+        stats = self.engine.stats
+        summary.h2d_s, summary.model_s = stats.h2d_s, stats.model_s
+        if ranks.gathered:
+            ranks.sum_rank_tokens(summary, stats.padded_tokens)
+        else:
+            summary.padded_tokens = stats.padded_tokens
+
+    def close(self) -> None:
+        pass

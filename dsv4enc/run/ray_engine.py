@@ -1,14 +1,15 @@
 """``dsv4enc encode --engine ray``: the local run's plan and output, with the encoding done by
 encoder actors on a Ray cluster (needs ``dsv4enc[ray]``).
 
-The driver (the ``dsv4enc encode`` process) does what the local run does around the model:
-it discovers the inputs (``images/discover``), reads their headers and cuts the same parts
-and segments (``run/plan``), checks and locks ``--out`` (``output/layout``, ``output/remote``
-for a bucket), and commits parts through the same ``PartWriter`` into the same part store,
+The driver (the ``dsv4enc encode`` process) runs the local run's skeleton
+(``pipeline.run_encode``, with ``RayParts`` as its engine): it discovers the inputs, reads
+their headers and cuts the same parts and segments (``run/plan``), checks and locks
+``--out`` (``output/layout``, ``output/remote`` for a bucket), and commits parts through the
+same ``PartWriter`` into the same part store,
 so the keys, rows, manifest, metadata and final file are the local run's. What changes is
 where a part is encoded and written: each goes to an encoder actor (``SegmentEncoder``),
-which loaded the weights once and holds the same Engine (``engine/factory.build_engine``,
-the local run's arguments) and the same fault-tolerant decode pool
+which loaded the weights once and holds the same Engine (``pipeline.tower_engine``, as
+the local run builds it) and the same fault-tolerant decode pool
 (``images/decode.DecodePool``). The actor reads the part's images itself (from a shared
 folder or a bucket: only item locators travel), writes the part file into the output's
 store itself (``output/parts.write_part``, as a torchrun rank of ``--shard-output`` does:
@@ -38,7 +39,6 @@ from dataclasses import dataclass, replace
 from typing import Any, Sequence
 
 from ..errors import DsvError, Interrupted, UsageError
-from ..images.discover import nothing_found
 from ..images.sources import attach_held
 from .options import EncodeOptions, available_cpus, decode_window, default_workers, validate
 
@@ -109,12 +109,11 @@ class SegmentEncoder:
     ``dtype``: the compute dtype (``auto`` resolves on the actor's own device)."""
 
     def __init__(self, opts: EncodeOptions, device_type: str, dtype: str) -> None:
-        from ..engine.device import resolve_device, resolve_dtype, resolve_out_dtype
-        from ..engine.factory import build_engine
+        from ..engine.device import resolve_device, resolve_dtype
         from ..images.decode import DecodePool, own_process_pillow_settings
         from ..process import own_process_settings
         from .encoding import BatchRows
-        from .pipeline import load_model
+        from .pipeline import load_model, tower_engine
 
         own_process_pillow_settings()
         device = resolve_device(device_type)
@@ -125,12 +124,7 @@ class SegmentEncoder:
         self.cfg = ckpt.config
         self.fingerprint = ckpt.fingerprint
         self.dtype = compute
-        self.engine = build_engine(ckpt, device, features=opts.features,
-                                   attention=opts.attention,
-                                   out_dtype=resolve_out_dtype(opts.out_dtype),
-                                   cuda_graphs=opts.cuda_graphs, batch_tokens=opts.batch_tokens,
-                                   max_images=opts.max_images, deterministic=opts.deterministic,
-                                   fused=opts.fused)
+        self.engine = tower_engine(ckpt, device, opts)
         del ckpt
         workers = default_workers(device.type) if opts.workers is None else opts.workers
         self.pool = DecodePool(self.cfg, workers, opts.max_pixels, opts.decode_timeout)
@@ -340,13 +334,11 @@ def actor_workers(opts: EncodeOptions, plan: ActorPlan) -> int:
 def run_ray_encode(opts: EncodeOptions, ray_opts: RayEngineOptions | None = None,
                    stop=None):
     """Encode ``opts.inputs`` into ``opts.out`` on Ray encoder actors; returns the
-    ``RunSummary``. Raises ``DsvError`` (setup) or ``Interrupted``, as ``run_encode``."""
-    from ..output.layout import OutputLayout
-    from ..output.remote import RemoteOutput
+    ``RunSummary``. Raises ``DsvError`` (setup) or ``Interrupted``, as ``run_encode``, whose
+    run skeleton it is (``RayParts`` behind it)."""
+    from .pipeline import run_encode
     from .ranks import launched_ranks
-    from .stopping import StopSignals
 
-    ray_opts = ray_opts or RayEngineOptions()
     validate(opts)
     if launched_ranks() > 1:
         raise UsageError("--engine ray runs from one process: launch it without torchrun")
@@ -359,56 +351,52 @@ def run_ray_encode(opts: EncodeOptions, ray_opts: RayEngineOptions | None = None
 
     if importlib.util.find_spec("ray") is None:
         raise UsageError("--engine ray needs Ray: pip install 'dsv4enc[ray]'")
-    own_stop = stop is None
-    if stop is None:
-        stop = StopSignals(immediate=True)
-        stop.install()
-    layout = remote = run = None
-    try:
-        remote = RemoteOutput.for_out(opts.out, writer=True, inputs=opts.inputs,
-                                      resume=opts.resume, overwrite=opts.overwrite)
-        if remote is not None:
-            opts = replace(opts, out=remote.staged_out)
-        layout = OutputLayout(opts.out, False)
-        if remote is not None:
-            layout.max_file_bytes = remote.max_file_bytes
-        run = _RayRun(opts, ray_opts, layout, stop, remote)
-        if remote is not None:
-            return remote.run(lambda: run.run(local=False))
-        return run.run(local=True)
-    finally:
-        if layout is not None:
-            layout.release()
-        if remote is not None:
-            remote.close()
-        if run is not None and run.cluster is not None:
-            run.cluster.close()
-        stop.immediate = False
-        if own_stop:
-            stop.restore()
+    return run_encode(opts, stop=stop, source=RayParts(ray_opts or RayEngineOptions()))
 
 
-class _RayRun:
-    """One run on Ray: Ray is started (or joined) only once the inputs and ``--out`` passed
-    their checks, so that a refused run says so at once."""
+class RayParts:
+    """The Ray engine behind the run skeleton (``pipeline.PartSource``): encoder actors
+    that each encode and write whole parts. Ray is started (or joined) only once the inputs
+    and ``--out`` passed their checks (``prepare``), so that a refused run says so at once;
+    the whole plan is made before the first call (``cut``: every header)."""
 
-    def __init__(self, opts: EncodeOptions, ray_opts: RayEngineOptions, layout, stop,
-                 remote=None) -> None:
-        """``remote``: the ``RemoteOutput`` of a bucket ``--out`` (``layout`` is then its
-        staging), else None."""
-        self.opts, self.ray_opts = opts, ray_opts
-        self.layout, self.stop, self.remote = layout, stop, remote
+    written_elsewhere = True
+
+    def __init__(self, ray_opts: RayEngineOptions) -> None:
+        self.ray_opts = ray_opts
         self.cluster: RayCluster | None = None
         self.ray = None
         self.actors: list = []
 
     # -- set-up ---------------------------------------------------------------------
-    def _start_actors(self, plan: ActorPlan, dtype: str) -> None:
+    def prepare(self, opts: EncodeOptions, layout, ranks, remote) -> str | None:
+        """Ray joined and the actor pool planned; ``--dtype``, and under ``--resume`` with
+        ``auto`` the interrupted run's on the same device kind (with the line that says
+        so)."""
+        self.opts, self.layout, self.remote = opts, layout, remote
+        self.cluster = RayCluster(self.ray_opts)
+        self.ray = self.cluster.ray
+        self.plan = plan_actors(opts, self.ray_opts, self.cluster)
+        recorded = layout.interrupted_settings() if opts.resume else None
+        self.dtype = opts.dtype
+        if (recorded and opts.dtype == "auto" and recorded.get("device") == self.plan.device_type
+                and recorded.get("compute_dtype")):
+            self.dtype = recorded["compute_dtype"]
+            return f"--resume: computing in {self.dtype}, as the interrupted run did"
+        return None
+
+    def start(self, setup, progress) -> dict[str, Any]:
+        plan = self.plan
+        progress.status(f"starting {plan.actors} encoder actor"
+                        f"{'s' if plan.actors > 1 else ''} on Ray")
         remote = self.ray.remote(SegmentEncoder).options(
             num_cpus=plan.cpus, num_gpus=plan.gpus, max_restarts=MAX_RESTARTS,
             max_task_retries=MAX_TASK_RETRIES)
         opts = replace(self.opts, workers=actor_workers(self.opts, plan))
-        self.actors = [remote.remote(opts, plan.device_type, dtype) for _ in range(plan.actors)]
+        self.actors = [remote.remote(opts, plan.device_type, self.dtype)
+                       for _ in range(plan.actors)]
+        self.described = self._describe()
+        return self.described
 
     def _describe(self) -> dict[str, Any]:
         """Every actor's settings once it is up (weights loaded); they must agree, and
@@ -429,6 +417,31 @@ class _RayRun:
                                "or weights): give every node the same weights and devices")
         return first
 
+    def cut(self, setup, part_images: int, progress, stop) -> list:
+        """Every header at once, the single file's size checked, and every segment."""
+        from .plan import output_bytes, segment_tokens
+
+        opts, described = self.opts, self.described
+        cfg = described["config"]
+        setup.headers(cfg, opts, None, stop.requested, announce=progress.status)
+        if stop.signum is not None:
+            raise Interrupted(stop.signum, "nothing was encoded; rerun the same command")
+        self.layout.check_file_size(output_bytes(cfg, opts, setup.planned))
+        return setup.cut_parts(part_images, None, opts.balance, cfg,
+                               segment_tokens(described["batch_tokens"], described["device"]))
+
+    def opening_line(self, inputs: int) -> str:
+        from .pipeline import inputs_phrase, model_and_output
+
+        plan, described = self.plan, self.described
+        each = (f"{plan.gpus:g} GPU" if plan.gpus else f"{plan.cpus:g} CPU") + " each"
+        return (f"encoding {inputs_phrase(inputs)} on {plan.actors} Ray "
+                f"actor{'s' if plan.actors != 1 else ''} ({each}, {described['device']}) in "
+                f"{described['compute_dtype']}; {model_and_output(self.opts, described['config'])}")
+
+    def planned_tokens(self, setup, todo) -> int:
+        return sum(setup.planned[i].tokens for p in todo for i in range(p.start, p.end))
+
     def _get(self, refs):
         """``ray.get``, a failed actor call turned into the run's own error."""
         ray = self.ray
@@ -445,102 +458,6 @@ class _RayRun:
                            "--resume") from None
 
     # -- the run ----------------------------------------------------------------------
-    def run(self, local: bool):
-        """The run: inputs and ``--out`` checked, Ray joined, actors started, the output
-        planned, written and finished. ``local``: ``--out`` is a local path (not the staging
-        of an object storage one)."""
-        from .setup import RunSetup
-        from .progress import RunProgress
-        from .summary import RunSummary
-
-        opts, layout, stop = self.opts, self.layout, self.stop
-        started = time.perf_counter()
-        setup = RunSetup()  # the local run's set-up path: inputs, headers and parts, once
-        found = setup.find_inputs(opts, stop)
-        layout.prepare(opts.inputs, opts.files_from, overwrite=opts.overwrite,
-                       resume=opts.resume)
-        self.cluster = RayCluster(self.ray_opts)
-        self.ray = self.cluster.ray
-        plan = plan_actors(opts, self.ray_opts, self.cluster)
-        dtype, adopted = self._compute_dtype(plan)
-        stop.immediate = False
-        layout.create()
-        if not found.items:
-            log.warning(nothing_found(opts.inputs, opts.files_from, found.skipped))
-        progress = RunProgress("auto" if opts.progress else "off", opts.log_every)
-        summary = RunSummary(out=str(opts.out), skipped=found.skipped,
-                             unlisted=len(found.unlisted))
-        try:
-            stop.immediate = True
-            with progress:
-                progress.status(f"starting {plan.actors} encoder actor"
-                                f"{'s' if plan.actors > 1 else ''} on Ray")
-                self._start_actors(plan, dtype)
-                described = self._describe()
-                cfg = described["config"]
-                planned = setup.headers(cfg, opts, None, stop.requested,
-                                        announce=progress.status)
-                if stop.signum is not None:
-                    raise Interrupted(stop.signum, "nothing was encoded; rerun the same command")
-                store, schema, parts, todo = self._plan_output(setup, described, local, summary)
-                progress.announce(_opening_line(opts, len(found.items), plan, described))
-                if adopted:
-                    progress.announce(adopted)
-                progress.start(total=len(planned), done=summary.reused,
-                               tokens=sum(planned[i].tokens for p in todo
-                                          for i in range(p.start, p.end)))
-                self._write_output(planned, parts, todo, store, schema, summary, progress,
-                                   described["batch_tokens"])
-        except (DsvError, Interrupted) as exc:
-            layout.discard_if_empty()
-            if isinstance(exc, Interrupted):
-                summary.seconds = time.perf_counter() - started
-                exc.summary = summary
-            raise
-        finally:
-            stop.immediate = False
-            self._stop_actors()
-        summary.seconds = time.perf_counter() - started
-        return summary
-
-    def _compute_dtype(self, plan: ActorPlan) -> tuple[str, str | None]:
-        """``--dtype``, and under ``--resume`` with ``auto`` the interrupted run's on the same
-        device kind (with the line that says so, else None)."""
-        opts = self.opts
-        recorded = self.layout.interrupted_settings() if opts.resume else None
-        if (recorded and opts.dtype == "auto" and recorded.get("device") == plan.device_type
-                and recorded.get("compute_dtype")):
-            dtype = recorded["compute_dtype"]
-            return dtype, f"--resume: computing in {dtype}, as the interrupted run did"
-        return opts.dtype, None
-
-    def _plan_output(self, setup, described: dict[str, Any], local: bool, summary):
-        """The output's settings and schema (from the actors' model), its store (part files
-        that the actors write, this process commits), its parts and those still to encode
-        (``--resume``): ``(store, schema, parts, todo)``."""
-        from ..output.layout import open_store, resume_filter
-        from ..output.parts import output_schema
-        from .pipeline import resume_settings, run_settings
-        from .plan import images_per_part, output_bytes, segment_tokens
-
-        opts, cfg = self.opts, described["config"]
-        self.layout.check_file_size(output_bytes(cfg, opts, setup.planned))
-        part_images = images_per_part(cfg, opts)
-        settings = run_settings(cfg, described["fingerprint"], opts,
-                                described["compute_dtype"], part_images, described["device"],
-                                described["batch_invariant"])
-        schema = output_schema(cfg.output_width(opts.features), opts.out_dtype, settings,
-                               pooled=opts.pool == "mean", layout=opts.layout,
-                               kept=setup.found.kept_fields)
-        store = open_store(self.layout, settings, schema, local=local, is_main=True,
-                           world_size=1, rank=None, written_elsewhere=True)
-        if self.remote is not None:
-            store.fetch = self.remote.adopt_part
-        parts = setup.cut_parts(part_images, None, opts.balance, cfg,
-                                segment_tokens(described["batch_tokens"], described["device"]))
-        todo, summary.reused = resume_filter(store, parts, resume_settings(opts))
-        return store, schema, parts, todo
-
     def _target(self) -> tuple[str, bool]:
         """Where the actors write their part files, and whether they drop them from the
         page cache: the bucket's parts folder (once the manifests that --overwrite
@@ -550,71 +467,36 @@ class _RayRun:
             return self.remote.parts_url, False
         return str(self.layout.parts_dir.resolve()), self.layout.folder_mode
 
-    def _write_output(self, planned, parts, todo, store, schema, summary, progress,
-                      batch_tokens: int) -> None:
-        """Encode the parts to do on the actors (each writes its parts), commit them in
-        input order, and assemble the single file; a failed or stopped run leaves its
-        committed parts."""
-        from ..output.layout import PartWriter, assembler_for
-        from .pipeline import write_final_file
-
-        layout, stop = self.layout, self.stop
-        assembler = assembler_for(store, layout, [p.name for p in parts], schema, is_main=True)
-        writer = PartWriter(store, schema, 1, assembler)
-        try:
-            calls = part_calls(planned, todo, store.settings["part_images"],
-                               batch_tokens, self.opts.max_images,
-                               CALLS_PER_ACTOR * len(self.actors))
-            self._encode(calls, planned, schema, writer, store, summary, progress)
-            stop.check()
-            if assembler is not None:
-                write_final_file(assembler, layout, summary, progress, stop)
-            else:
-                layout.remove_temporaries()  # what killed actors left, never committed
-        except BaseException:
-            if assembler is not None:
-                assembler.abort()
-            raise
-
-    def _stop_actors(self) -> None:
-        for actor in self.actors:  # (only once Ray was joined: actors need it)
-            try:
-                self.ray.kill(actor, no_restart=True)
-            except Exception:  # already gone
-                pass
-        self.actors = []
-
-    def _encode(self, calls: list[PartCall], planned, schema, writer, store, summary,
-                progress) -> None:
+    def encode(self, setup, output, writer, run, begin) -> None:
         """Send the parts to the actors, a bounded number ahead, and commit the files they
-        wrote in input order as their reports come back; the writer is closed (its parts
-        committed) however this ends."""
-        ray, stop = self.ray, self.stop
+        wrote in input order as their reports come back. Scheduled by hand on ``ray.wait``:
+        Ray's ``ActorPool`` allows one call in flight per actor, and an actor should have
+        its next part queued while it encodes one (``IN_FLIGHT_PER_ACTOR``)."""
+        ray, stop, planned = self.ray, run.stop, setup.planned
+        calls = part_calls(planned, output.todo, output.settings["part_images"],
+                           output.settings["batch_tokens"], self.opts.max_images,
+                           CALLS_PER_ACTOR * len(self.actors))
         folder, drop_cache = self._target()
-        began = time.perf_counter()
         in_flight: dict[Any, tuple[int, int]] = {}  # ref -> (call, actor)
         load = [0] * len(self.actors)
         reports: dict[int, dict] = {}
         window = IN_FLIGHT_PER_ACTOR * len(self.actors)
         sent = done = 0
-        stop.hint = self.layout.encoding_hint()
+        if calls:
+            run.progress.status("encoding")
+            begin()
         try:
-            if calls:
-                progress.status("encoding")
-                progress.begin_encoding()
-                began = time.perf_counter()
             with stop.deferred():
                 while done < len(calls):
                     while sent < len(calls) and sent - done < window:
                         actor = min(range(len(load)), key=load.__getitem__)
-                        ref = self.actors[actor].encode_part.remote(_with_held(calls[sent]), schema,
-                                                                    folder, drop_cache)
+                        ref = self.actors[actor].encode_part.remote(
+                            _with_held(calls[sent]), output.schema, folder, drop_cache)
                         in_flight[ref] = (sent, actor)
                         load[actor] += 1
                         sent += 1
                     while done in reports:
-                        self._commit(planned, calls[done], reports.pop(done), writer, summary,
-                                     progress)
+                        _commit(planned, calls[done], reports.pop(done), writer, run)
                         done += 1
                     if done == len(calls) or stop.requested():
                         break
@@ -629,28 +511,34 @@ class _RayRun:
                     ray.cancel(ref)
                 except Exception:
                     pass
-            with stop.deferred():
-                writer.close()
-            summary.write_s = writer.seconds
-            stop.hint = self.layout.resume_hint(store)
-            summary.encode_s = time.perf_counter() - began
-            progress.end_encoding()
 
-    def _commit(self, planned, call: PartCall, report: dict, writer, summary,
-                progress) -> None:
-        """A part an actor wrote: its entry to the writer (which commits it), its counts to
-        the summary and the progress."""
-        failed = report["failed"]
-        summary.count_rows(failed.values())
-        summary.encoded += report["encoded"]
-        dropped = sum(planned[i].tokens for i in failed if planned[i].error is None)
-        stats = report["stats"]
-        summary.tokens += stats.get("tokens", 0)
-        summary.merge_pad_tokens += stats.get("merge_pad_tokens", 0)
-        summary.decode_wait_s += stats.get("decode_wait_s", 0.0)
-        summary.model_s += stats.get("model_s", 0.0)
-        writer.put_written(call.name, report["entry"])
-        progress.advance(call.end - call.start, report["tokens"], len(failed), dropped)
+    def finish(self, summary, ranks) -> None:
+        pass  # the actors' counts were added part by part
+
+    def close(self) -> None:
+        for actor in self.actors:  # (only once Ray was joined: actors need it)
+            try:
+                self.ray.kill(actor, no_restart=True)
+            except Exception:  # already gone
+                pass
+        self.actors = []
+        if self.cluster is not None:
+            self.cluster.close()
+
+
+def _commit(planned, call: PartCall, report: dict, writer, run) -> None:
+    """A part an actor wrote: its entry to the writer (which commits it), its counts to
+    the summary and the progress."""
+    summary, failed, stats = run.summary, report["failed"], report["stats"]
+    summary.count_rows(failed.values())
+    summary.encoded += report["encoded"]
+    dropped = sum(planned[i].tokens for i in failed if planned[i].error is None)
+    summary.tokens += stats.get("tokens", 0)
+    summary.merge_pad_tokens += stats.get("merge_pad_tokens", 0)
+    summary.decode_wait_s += stats.get("decode_wait_s", 0.0)
+    summary.model_s += stats.get("model_s", 0.0)
+    writer.put_written(call.name, report["entry"])
+    run.progress.advance(call.end - call.start, report["tokens"], len(failed), dropped)
 
 
 def part_calls(planned, todo, part_images: int, batch_tokens: int, max_images: int | None,
@@ -691,16 +579,6 @@ def _with_held(call: PartCall) -> PartCall:
     """``call`` as it is sent: an item read ahead by its header probe goes with its bytes."""
     return replace(call, entries=[(index, key, attach_held(item), *rest)
                                   for index, key, item, *rest in call.entries])
-
-
-def _opening_line(opts: EncodeOptions, inputs: int, plan: ActorPlan,
-                  described: dict[str, Any]) -> str:
-    from .pipeline import inputs_phrase, model_and_output
-
-    each = (f"{plan.gpus:g} GPU" if plan.gpus else f"{plan.cpus:g} CPU") + " each"
-    return (f"encoding {inputs_phrase(inputs)} on {plan.actors} Ray "
-            f"actor{'s' if plan.actors != 1 else ''} ({each}, {described['device']}) in "
-            f"{described['compute_dtype']}; {model_and_output(opts, described['config'])}")
 
 
 def _first_line(exc: BaseException) -> str:

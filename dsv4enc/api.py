@@ -65,7 +65,7 @@ def image_source(image: Any) -> tuple[Any, str | None]:
     its path, and is named by its path; a path (``str`` or ``os.PathLike``) gives its text,
     which names it; bytes-like input gives ``bytes``; anything else is itself, unnamed. A key
     given with an input names it instead; an unnamed input's key is its position (``Encoder``:
-    the index; ``BatchEncoder``'s ``path`` column: ``#N``).
+    the index; ``batch.BatchEncoder``'s ``path`` column: ``#N``).
     """
     if isinstance(image, Mapping):
         data, named = image.get("bytes"), image.get("path")
@@ -399,7 +399,7 @@ class Encoder:
 
     def grid_for(self, size: tuple[int, int], features: str | None = None) -> tuple[int, int]:
         """``(grid_h, grid_w)`` of the embedding rows of an image of ``size`` = (width,
-        height) pixels (e.g. ``image.size``): reshape a result with it to get the 2D grid."""
+        height) pixels (e.g. ``PIL.Image.Image.size``): reshape a result with it to get the 2D grid."""
         from .tower.transform import plan_canvas
 
         canvas = plan_canvas(size[0], size[1], self.config)

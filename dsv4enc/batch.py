@@ -94,7 +94,7 @@ class BatchEncoder:
     (default True), ``fused``.
 
     A bad image is an error row; only what is no image's fault raises: a column that is
-    missing, or an embedding that is not finite in ``out_dtype`` (``EncodeError``, as
+    missing, or an embedding that is not finite in ``out_dtype`` (``api.EncodeError``, as
     ``dsv4enc encode`` fails its run: use ``out_dtype="float32"``).
 
     Pickling sends the recipe (weights, config and options), not the tensors: an unpickled
@@ -351,11 +351,11 @@ class BatchEncoder:
 
 def datasets_features(schema: "pa.Schema | BatchEncoder", features: Any = None):
     """The Hugging Face ``datasets.Features`` of ``BatchEncoder``'s rows (give
-    ``features=`` to ``Dataset.map``: a batch whose ``error`` or ``embedding`` cells are
+    ``features=`` to ``datasets.Dataset.map``: a batch whose ``error`` or ``embedding`` cells are
     all null then keeps the column's type). ``schema``: a ``BatchEncoder`` or its schema.
 
     ``features``: those of the columns the mapped dataset keeps beside the rows
-    (``ds.features`` when ``map`` is given no ``remove_columns``), which come first, as
+    (``datasets.Dataset.features`` when ``map`` is given no ``remove_columns``), which come first, as
     ``map`` orders them; an output column replaces a kept one of its name."""
     import datasets
 

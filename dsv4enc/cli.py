@@ -82,7 +82,7 @@ def write_interrupted_summary(path: str, exc: BaseException, out: str) -> None:
 
 def from_environment(ctx: typer.Context, name: str) -> bool:
     """Whether option ``name`` took its value from its environment variable. (By the source's
-    name: Typer 0.26+ carries its own Click, whose ``ParameterSource`` is not ``click``'s.)"""
+    name: Typer 0.26+ carries its own Click, whose ``click.core.ParameterSource`` is not ``click``'s.)"""
     source = ctx.get_parameter_source(name)
     return source is not None and source.name == "ENVIRONMENT"
 

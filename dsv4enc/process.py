@@ -1,5 +1,5 @@
 """Process-wide settings, made only in processes dsv4enc owns: the command line (each
-torchrun rank) and the benchmark. The library (``Encoder``, ``run_encode``) never makes them:
+torchrun rank) and the benchmark. The library (``api.Encoder``, ``run_encode``) never makes them:
 a program that imports dsv4enc keeps its allocator and its loggers as it set them.
 
 (Pillow's settings for owned processes, decode workers included, are

@@ -5,7 +5,7 @@ listed like a folder), ``stat``, ``open_input`` (a seekable file that reads byte
 ``read_range``/``read_bytes``, ``upload`` (one complete object) and ``exists``. Local paths
 never come here: ``is_url`` decides.
 
-File systems are pyarrow's (``pyarrow.fs.S3FileSystem``; ``FileSystem.from_uri`` for ``gs://``
+File systems are pyarrow's (``pyarrow.fs.S3FileSystem``; ``pyarrow.fs.FileSystem.from_uri`` for ``gs://``
 and ``hdfs://``) and, for any other scheme, fsspec's wrapped in ``pyarrow.fs.PyFileSystem``
 (``pip install dsv4enc[gcs]`` for gcsfs, ``fsspec`` ships http, memory, ...). No HTTP is spoken
 here.

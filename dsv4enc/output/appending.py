@@ -167,7 +167,7 @@ class RangeSink:
 class AppendingStore(PartLedger):
     """The journaled growing file of a single-file output (see the module's doc).
 
-    Also the run's finisher (as ``writer.StreamingAssembler`` is for part files): ``finish``
+    Also the run's finisher (as ``parts.StreamingAssembler`` is for part files): ``finish``
     writes the footer and renames the file to ``out``; ``abort`` keeps it for ``--resume``.
     """
 

@@ -4,7 +4,7 @@ interrupted run already finished.
 
 dsv4enc deletes or replaces only what is provably its own: a single-file ``--out`` that is a
 Parquet file with dsv4enc's metadata, and in a parts folder (``OUT.partial/`` or a folder
-``--out``) the manifests it recognises by their content (``writer.manifest_kind``), its part
+``--out``) the manifests it recognises by their content (``parts.manifest_kind``), its part
 file names, the growing file of a single file (``appending.GROWING_NAME``) and its temporary
 names. Anything else makes the run refuse in one line, before anything is written or
 deleted.

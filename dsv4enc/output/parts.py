@@ -1,4 +1,5 @@
-"""Parquet output (SPEC §9): crash-safe part files, a manifest, and the final file.
+"""Parquet output (docs/output-format.md, "Part files"): crash-safe part files, a manifest,
+and the final file.
 
 Work is committed in closed part files: each is written under a hidden temporary name, fsynced
 and renamed, then the manifest records it (one synced line appended to its journal; the
@@ -76,7 +77,7 @@ def prefer_jemalloc_pool() -> None:
         pass  # built without jemalloc (e.g. Windows): keep the default
 
 
-#: The columns every output has, in order (SPEC §9); kept table columns follow them.
+#: The columns every output has, in order (docs/output-format.md, "Output"); kept table columns follow them.
 OUTPUT_COLUMNS = ("path", "width", "height", "vit_h", "vit_w", "grid_h", "grid_w", "embedding",
                   "error")
 
@@ -85,11 +86,11 @@ def output_schema(width: int, out_dtype: str, metadata: dict[str, Any] | None = 
                   pooled: bool = False, layout: str = DEFAULT_LAYOUT,
                   kept: Sequence[pa.Field] = ()) -> pa.Schema:
     """The output schema; ``metadata`` goes under the ``dsv4enc`` key as JSON, with an
-    ``embedding`` entry that says how to read the column (``reading.embedding_format``).
+    ``embedding`` entry that says how to read the column (``read.embedding_format``).
     ``kept``: the input tables' columns the rows carry (``--keep-column``, the typed
     ``--key-column``), after the output's own columns.
 
-    ``layout`` (SPEC §9, measured in benchmarks/RESULTS.md): ``binary`` stores each image's
+    ``layout`` (docs/output-format.md, measured in benchmarks/RESULTS.md): ``binary`` stores each image's
     (rows, width) array as one binary cell, which Parquet writes and reads at memory speed;
     ``nested`` stores float lists, which tools can read as numbers but cost ~20x the CPU."""
     if layout not in LAYOUTS:
@@ -681,7 +682,7 @@ class PartStore(PartLedger):
     def commit_written(self, name: str, entry: dict[str, Any]) -> None:
         """Commit part ``name``, whose file another process wrote (``write_part``'s
         ``entry``): a staged file is renamed into place, one in a bucket is handed to
-        ``fetch`` (``RemoteOutput.adopt_part``), then the manifest records it."""
+        ``fetch`` (``remote.RemoteOutput.adopt_part``), then the manifest records it."""
         entry = dict(entry)
         staged, path = entry.pop("staged", None), self.folder / entry["file"]
         try:
@@ -713,7 +714,7 @@ class StreamingAssembler:
     """Builds the single output file from committed parts, in input order, while later parts
     are still being encoded, so the end of a run only closes the file.
 
-    The file is the parts' bytes joined (``parquet_concat.ParquetJoiner``): each committed
+    The file is the parts' bytes joined (``parquet_join.ParquetJoiner``): each committed
     part's row groups are copied as they are (``copy_file_range``), so a single file costs
     no second Parquet encode, only a copy. It goes into a hidden temporary in the parts
     folder (``OUT.partial``, beside ``out``: the same file system); ``finish`` writes its

@@ -105,7 +105,7 @@ def _parquet_under(folder: Path) -> list[Path]:
     return found
 
 
-#: The ``embedding`` column's layouts (SPEC §9). ``binary``: one cell per image holding its
+#: The ``embedding`` column's layouts (docs/output-format.md, "Output"). ``binary``: one cell per image holding its
 #: (rows, width) array's bytes, little-endian, C order. ``nested``: a list of fixed-size float
 #: lists (the only layout of earlier outputs; still written with ``--layout nested``).
 LAYOUTS = ("binary", "nested")
@@ -196,7 +196,7 @@ def embedding_views(column, fmt: EmbeddingFormat | None = None) -> list[np.ndarr
 
 def valid_mask(column) -> np.ndarray:
     """Which values of an Arrow array are not null, as a bool array, read from its validity
-    bitmap (``Array.is_valid`` would import ``pyarrow.compute``: 0.2 s of a short read)."""
+    bitmap (``pyarrow.Array.is_valid`` would import ``pyarrow.compute``: 0.2 s of a short read)."""
     validity = column.buffers()[0]
     if column.null_count == 0 or validity is None:
         return np.ones(len(column), dtype=bool)

@@ -11,7 +11,7 @@ order that keeps it crash-safe:
   (``OUT.partial/``) are deleted. The upload is whole or absent
   (``storage.upload_file_whole``): an interrupted or failed one leaves no object, and a
   run whose output would outgrow what one upload can hold is refused before it encodes
-  (``OutputLayout.check_file_size``).
+  (``layout.OutputLayout.check_file_size``).
 
 Before a run, the output's dsv4enc objects are brought into the staging folder: its
 manifests always, its parts with ``--resume`` (so ``--resume`` reuses the committed ones), a
@@ -22,7 +22,7 @@ Under torchrun with ``--shard-output`` every rank writes straight to the store: 
 its own staging folder (its parts and its ``_manifest-rankNNN.json``) with its own upload
 thread, and ``--resume`` brings each rank its own manifest and parts. Rank 0 checks the
 output and holds the lock; once every rank has uploaded all it committed, rank 0 uploads the
-merged ``_manifest.json`` (``Topology.merge_manifests``), so nothing funnels through it.
+merged ``_manifest.json`` (``run/ranks.Topology.merge_manifests``), so nothing funnels through it.
 
 A store that stops answering ends the run (``storage.StoreDown``); the clean-up then fails
 fast and quietly, and the one line says how many finished parts the store keeps.
@@ -140,7 +140,7 @@ class RemoteOutput:
     # -- whose files -------------------------------------------------------------------------
     @property
     def own_manifest(self) -> str:
-        """The manifest this rank mirrors (as ``OutputLayout.manifest_name`` names it)."""
+        """The manifest this rank mirrors (as ``layout.OutputLayout.manifest_name`` names it)."""
         return f"_manifest-rank{self.rank:03d}.json" if self.sharded else MANIFEST_NAME
 
     def _mine(self, name: str) -> bool:

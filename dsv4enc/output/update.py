@@ -1,7 +1,7 @@
 """``encode --update``: bring a finished output up to date with its inputs.
 
 An output remembers, per row, a stamp of the input it came from: an 8-byte hash of the row's
-key and of its file's stamp (size, modification time, inode and mode: ``run/plan.file_stamp``,
+key and of its file's stamp (size, modification time, inode and mode: ``images/headers.file_stamp``,
 what ``--resume`` checks). Where it keeps them:
 
 - a single file: in its footer, one key-value entry (``STAMPS_KEY``) written with the footer

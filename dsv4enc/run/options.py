@@ -36,7 +36,7 @@ class EncodeOptions:
     out_dtype: str = "float16"
     features: str = "aligner"
     pool: str = "none"
-    layout: str = "binary"  # the embedding column's layout (SPEC §9): binary or nested
+    layout: str = "binary"  # the embedding column's layout (docs/output-format.md): binary or nested
     batch_tokens: int | None = None
     max_images: int = DEFAULT_MAX_IMAGES
     workers: int | None = None

@@ -28,6 +28,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pyarrow as pa
 
+from .engine.defaults import Features, Pool
+from .errors import check_choice
+from .output import LAYOUTS, STORED_DTYPES, Layout, StoredDtype
 from .output.parts import OUTPUT_COLUMNS
 from .version import __version__
 
@@ -107,17 +110,13 @@ class BatchEncoder:
     def __init__(self, weights: str | os.PathLike | None = None, *,
                  config: str | os.PathLike | Mapping[str, Any] | None = None, seed: int = 0,
                  image_column: str = "image", key_column: str | None = None,
-                 device: str = "auto", dtype: str = "auto", features: str = "aligner",
-                 pool: str = "none", out_dtype: str = "float16", layout: str = "binary",
+                 device: str = "auto", dtype: str = "auto", features: Features = "aligner",
+                 pool: Pool = "none", out_dtype: StoredDtype = "float16", layout: Layout = "binary",
                  max_pixels: int | None = None, keep_columns: bool = True,
                  **options: Any) -> None:
         from .images.formats import DEFAULT_MAX_PIXELS
-        from .output.read import LAYOUTS
-
-        if out_dtype not in ("float16", "float32"):
-            raise ValueError(f"out_dtype must be 'float16' or 'float32', not {out_dtype!r}")
-        if layout not in LAYOUTS:
-            raise ValueError(f"layout must be one of {LAYOUTS}, not {layout!r}")
+        check_choice("out_dtype", out_dtype, STORED_DTYPES)
+        check_choice("layout", layout, LAYOUTS)
         if weights is None and config is None:
             weights = os.environ.get("DSV4ENC_WEIGHTS")
             if not weights:

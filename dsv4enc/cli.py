@@ -192,10 +192,10 @@ ENCODE_OPTIONS = {
                  "faster on its kind: bfloat16 on Intel with AMX and on AMD Zen 5, float32 on "
                  "other CPUs; --resume continues in the interrupted run's)."),
         features=typer.Option(
-            "aligner", "--features", metavar=choices("aligner", "vit"),
+            "aligner", "--features", metavar=choices(*defaults.CHOICES["features"]),
             help="aligner: LLM-width merged tokens; vit: per-patch ViT features."),
         pool=typer.Option(
-            "none", "--pool", metavar=choices("none", "mean"),
+            "none", "--pool", metavar=choices(*defaults.CHOICES["pool"]),
             help="none: every row; mean: one vector per image (retrieval, dedup)."),
     ),
     **_panel(
@@ -205,10 +205,10 @@ ENCODE_OPTIONS = {
             help="Output Parquet file, or a folder (ending in / or with --shard-output) for a "
                  "part-file dataset."),
         out_dtype=typer.Option(
-            "float16", "--out-dtype", metavar=choices("float16", "float32"),
+            "float16", "--out-dtype", metavar=choices(*defaults.CHOICES["out_dtype"]),
             help="Stored embedding dtype."),
         layout=typer.Option(
-            "binary", "--layout", metavar=choices("binary", "nested"),
+            "binary", "--layout", metavar=choices(*defaults.CHOICES["layout"]),
             help="embedding column: binary (one cell of raw bytes per image, ~20x cheaper to "
                  "write and read) or nested (float lists that SQL and dataframe tools read as "
                  "numbers)."),
@@ -279,12 +279,12 @@ ENCODE_OPTIONS = {
                  "torch.compile: equal to the eager tower to float rounding; compiling takes "
                  "tens of seconds at start."),
         tp_mode=typer.Option(
-            "data", "--tp-mode", metavar=choices("data", "weights"),
+            "data", "--tp-mode", metavar=choices(*defaults.CHOICES["tp_mode"]),
             help="torchrun: data (each rank encodes its images) or weights (the tower is split "
                  "across ranks; its all-reduce sums in another order, so rows are not "
                  "batch-invariant and differ in the last bits from one rank's)."),
         balance=typer.Option(
-            "patches", "--balance", metavar=choices("patches", "flops"),
+            "patches", "--balance", metavar=choices(*defaults.CHOICES["balance"]),
             help="torchrun load balancing cost: patches, or flops (counts the quadratic "
                  "attention term)."),
     ),

@@ -30,11 +30,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from .. import storage
-from ..errors import OutputError
+from ..errors import OutputError, check_choice
+from . import LAYOUTS
 from ..images.sources import kept_values
 from ..storage import UNAVAILABLE as STORAGE_UNAVAILABLE
 from .parquet_join import JoinError, ParquetJoiner
-from .read import (JOURNAL_FORMAT, LAYOUTS, MANIFEST_NAME, embedding_format, journal_path,
+from .read import (JOURNAL_FORMAT, MANIFEST_NAME, embedding_format, journal_path,
                    load_manifest)
 
 log = logging.getLogger("dsv4enc")
@@ -90,11 +91,10 @@ def output_schema(width: int, out_dtype: str, metadata: dict[str, Any] | None = 
     ``kept``: the input tables' columns the rows carry (``--keep-column``, the typed
     ``--key-column``), after the output's own columns.
 
-    ``layout`` (docs/output-format.md, measured in benchmarks/RESULTS.md): ``binary`` stores each image's
-    (rows, width) array as one binary cell, which Parquet writes and reads at memory speed;
+    ``layout`` (docs/output-format.md, measured in benchmarks/RESULTS.md): ``binary`` stores
+    each image's (rows, width) array as one binary cell, which Parquet writes and reads at memory speed;
     ``nested`` stores float lists, which tools can read as numbers but cost ~20x the CPU."""
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout must be one of {LAYOUTS}, not {layout!r}")
+    check_choice("layout", layout, LAYOUTS)
     if layout == "binary":
         embedding = pa.large_binary()  # 64-bit offsets: a part may hold over 2 GiB
     else:

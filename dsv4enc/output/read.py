@@ -105,12 +105,6 @@ def _parquet_under(folder: Path) -> list[Path]:
     return found
 
 
-#: The ``embedding`` column's layouts (docs/output-format.md, "Output"). ``binary``: one cell per image holding its
-#: (rows, width) array's bytes, little-endian, C order. ``nested``: a list of fixed-size float
-#: lists (the only layout of earlier outputs; still written with ``--layout nested``).
-LAYOUTS = ("binary", "nested")
-
-
 @dataclass(frozen=True)
 class EmbeddingFormat:
     """How to read an output's ``embedding`` column: its layout, stored dtype, row width and

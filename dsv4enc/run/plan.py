@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Callable, Collection, Sequence
 
 from ..errors import UsageError
+from .options import BALANCE_CHOICES
 from ..images.decode import Probe
 from ..images.headers import PROBE_TIMEOUT_S, Planned, inputs_digest, probe_all
 from ..images.items import InputItem
@@ -185,7 +186,7 @@ def plan_segments(planned: Sequence[Planned], part: Part, ranks: Topology | None
 
 # ----------------------------------------------------------------------------- ranks
 
-BALANCE_CHOICES = ("patches", "flops")
+
 
 
 def patch_cost(n_h: int, n_w: int) -> float:

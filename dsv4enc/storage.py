@@ -1,36 +1,11 @@
 """Object storage (``s3://``, ``gs://``, and what fsspec reaches) behind one small facade.
 
-Everything dsv4enc reads from or writes to a URL goes through here: ``list_files`` (a prefix
-listed like a folder), ``stat``, ``open_input`` (a seekable file that reads byte ranges),
-``read_range``/``read_bytes``, ``upload`` (one complete object) and ``exists``. Local paths
-never come here: ``is_url`` decides.
-
-File systems are pyarrow's (``pyarrow.fs.S3FileSystem``; ``pyarrow.fs.FileSystem.from_uri`` for ``gs://``
-and ``hdfs://``) and, for any other scheme, fsspec's wrapped in ``pyarrow.fs.PyFileSystem``
-(``pip install dsv4enc[gcs]`` for gcsfs, ``fsspec`` ships http, memory, ...). No HTTP is spoken
-here.
-
-Reading an input costs one request where it can: pyarrow's S3 client asks for an object's size
-(a HEAD) each time it opens one, so ``read_range``, ``read_head`` and ``read_object`` send a
-single ranged GET through botocore on ``s3://`` when botocore is installed (``dsv4enc[s3]``)
-and the storage options are ones it takes alike (``direct_options``); else they open the
-object with pyarrow (a HEAD and a GET).
-
-Credentials and endpoints come from the standard places: the environment
-(``AWS_ACCESS_KEY_ID``, ``AWS_PROFILE``, ``AWS_ENDPOINT_URL``, ...), the SDK's config files,
-and ``--storage-option key=value`` (``configure``; passed to the file system's constructor).
-Options reach decode worker processes through the environment variable ``DSV4ENC_STORAGE_OPTIONS``
-(never printed). Error messages name the URL and the kind of failure, never an option value.
-
-A file system is created once per process and scheme; worker processes make their own.
-
-A store that stops answering fails loudly (``StoreHealth``): each call is retried
-(``retrying``); a call whose retries are all spent on an outage (refused connections,
-timeouts, 5xx) marks its store as failing since the first of those failures, and any answer
-clears the mark. Once a store has failed for ``outage_s()`` (``--storage-outage-s``), it is
-down: calls fail at once (``StoreUnavailable``) instead of retrying, and ``check_stores``
-(the run's loop calls it) raises ``StoreDown``, one line naming the store and the cause.
-``stop_bound_s`` is how long after a store's last answer a run ends, from the retry policy.
+Everything dsv4enc reads from or writes to a URL goes through here; local paths never come
+here (``is_url`` decides). The file systems are pyarrow's, fsspec's for other schemes
+(wrapped in ``pyarrow.fs.PyFileSystem``), and botocore's client for an ``s3://`` read in one
+ranged GET where the options allow (``direct_options``). A store that stops answering fails
+loudly, within a bound the retry policy sets (``StoreHealth``). Messages name the URL and
+the kind of failure, never an option value.
 """
 
 from __future__ import annotations
@@ -115,9 +90,12 @@ def parse_option(text: str) -> tuple[str, object]:
 
 
 def configure(options: list[str] | tuple[str, ...] | None) -> None:
-    """Set this process's storage options (``--storage-option``) and pass them on to the
-    processes it starts. Drops file systems made with other options, and what earlier calls
-    learnt about the stores' health."""
+    """Set this process's storage options (``--storage-option key=value``, passed to the file
+    system's constructor) and pass them on to the processes it starts, through
+    ``DSV4ENC_STORAGE_OPTIONS`` (never printed). Credentials and endpoints otherwise come
+    from the standard places (``AWS_ACCESS_KEY_ID``, ``AWS_PROFILE``, ``AWS_ENDPOINT_URL``,
+    the SDK's config files). Drops file systems made with other options, and what earlier
+    calls learnt about the stores' health."""
     parsed = dict(parse_option(text) for text in options or ())
     if parsed:
         os.environ[_OPTIONS_ENV] = json.dumps(parsed)
@@ -428,8 +406,15 @@ _wall = time.time  # not ``time.time``: tests replace this module's ``time`` to 
 
 
 class StoreHealth:
-    """What this process knows of one store's health (see the module's doc): since when
-    every call to it has failed, and why. Thread-safe."""
+    """What this process knows of one store's health: since when every call to it has
+    failed, and why. Thread-safe.
+
+    Each call is retried (``retrying``); a call whose retries are all spent on an outage
+    (``outage_cause``: refused connections, timeouts, 5xx) marks its store as failing since
+    the first of those failures, and any answer clears the mark. Once a store has failed for
+    ``outage_s()`` (``--storage-outage-s``), it is down: calls fail at once
+    (``StoreUnavailable``) and ``check_stores`` (the run's loop calls it) raises
+    ``StoreDown``. ``stop_bound_s`` is how long after a store's last answer a run ends."""
 
     def __init__(self, store: str) -> None:
         self.store = store
@@ -779,7 +764,8 @@ _DIRECT: dict[int, object] = {}  # by process: a botocore S3 client, or None (py
 
 
 def direct_options(options: dict) -> bool:
-    """Whether reads with these storage options may go through botocore's S3 client."""
+    """Whether reads with these storage options may go through botocore's S3 client: one
+    ranged GET per read, where pyarrow's client sends a HEAD before each."""
     return set(options) <= DIRECT_OPTIONS
 
 

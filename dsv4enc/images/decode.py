@@ -288,7 +288,7 @@ def _worker_main(conn, cfg: VisionConfig, max_pixels: int,
     own_process_pillow_settings()
     # A photo's buffers (decoded, resized, padded, patch order: 2-3 MB each) are freed and
     # made again for every image; glibc's default returns them to the OS each time, and
-    # faulting them back in cost 8 ms per 1024x768 photo, a third of the worker's work.
+    # faulting them back in is a large share of the worker's work (benchmarks/RESULTS.md).
     keep_freed_memory_mapped(largest_mapped=WORKER_HEAP_LARGEST, keep_free=WORKER_HEAP_KEEP)
     # This process decodes one image at a time, so a process-wide filter is safe here: a
     # Pillow warning (corrupt EXIF, truncated data) makes that image an error row.

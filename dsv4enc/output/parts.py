@@ -67,9 +67,9 @@ def prefer_jemalloc_pool() -> None:
     """Make Arrow allocate from its jemalloc pool where this pyarrow has one.
 
     The default (mimalloc) gives each new writer thread fresh pages, and faulting them in
-    costs a short run about 0.1 s at its end (its last part and the final file are written
-    at once, by two threads); jemalloc keeps freed pages for reuse. In steady state mimalloc
-    encodes float16 Parquet about 1.6x faster, which matters where the writer can limit the
+    costs a short run time at its end (its last part and the final file are written at once,
+    by two threads); jemalloc keeps freed pages for reuse. In steady state mimalloc encodes
+    float16 Parquet faster (benchmarks/RESULTS.md), which matters where the writer can limit the
     rate (a GPU), so the command line calls this for CPU runs only. Process-wide: the library
     never calls it."""
     try:
@@ -270,7 +270,7 @@ def parquet_options(schema: pa.Schema) -> dict[str, Any]:
     """Writer settings. Embedding values are near-random floats: dictionary encoding,
     min/max statistics and compression cost several times the write time for a few percent
     of size, so they apply to the small columns only. 8 MiB data pages make the nested
-    layout's pages fewer (~15% faster to write and read, benchmarks/RESULTS.md); a binary
+    layout's pages fewer (faster to write and read, benchmarks/RESULTS.md); a binary
     cell is one page whatever the size."""
     small = [name for name in schema.names if name != "embedding"]
     compression = {name: "zstd" for name in small}
@@ -331,8 +331,8 @@ def drop_cached_pages(fd: int, offset: int = 0, length: int = 0) -> None:
 
     Why: every page of an output is written once and never read back by the run. Left in
     the cache, gigabytes of embeddings evict the user's cached files, and each new write
-    takes fresh pages, which cost more kernel time than pages freed a moment ago (on the
-    2-core test VM, 5-8 against 3-4 ms per 2.75 MB photo's rows; benchmarks/RESULTS.md).
+    takes fresh pages, which cost more kernel time than pages freed a moment ago
+    (benchmarks/RESULTS.md).
     Advice only: where it is not available or fails, nothing changes."""
     advise = getattr(os, "posix_fadvise", None)
     if advise is None:

@@ -205,7 +205,7 @@ def _read_only(array: np.ndarray) -> np.ndarray:
 
 def owned_copy(view: np.ndarray) -> np.ndarray:
     """A writable copy of a view in the machine's byte order (a plain copy where that is
-    already little-endian: 2x faster than ``astype``)."""
+    already little-endian: faster than ``astype``)."""
     return view.copy() if view.dtype.isnative else view.astype(view.dtype.newbyteorder("="))
 
 

@@ -217,8 +217,8 @@ def _pair_lut(single: np.ndarray) -> np.ndarray | None:
     """The lookup for two neighbouring bytes at once: entry ``a | b << 8`` holds the bf16
     bits of ``a`` in its low half and of ``b`` in its high half, so a uint16 view of the
     pixel bytes indexes it and a uint32 view of the output receives it. Half the lookups,
-    and half the index array that numpy's ``take`` first widens to 8 bytes per index: 5.2
-    -> 2.9 ms per 1024x768 photo, the same bits. Both views read memory little-endian;
+    and half the index array that numpy's ``take`` first widens to 8 bytes per index, for
+    the same bits. Both views read memory little-endian;
     on a big-endian host there is no pair table (None) and pixels are looked up one by one.
     """
     if sys.byteorder != "little":

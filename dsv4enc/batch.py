@@ -11,7 +11,7 @@ Spark UDF, or a plain loop. A batch is a table of images::
 
 What comes back is the batch's rows in ``dsv4enc encode``'s output schema and layout
 (``path``, ``width``, ``height``, ``vit_h``, ``vit_w``, ``grid_h``, ``grid_w``, ``embedding``,
-``error``; README "Output"), one row per input row, in input order, and of the kind it was
+``error``; docs/output-format.md, "Output"), one row per input row, in input order, and of the kind it was
 given, followed by the batch's other columns as they came (``keep_columns``). An image that
 cannot be read is a row whose ``error`` names the cause, as on the command line: a call never
 raises for a bad image. Rows are batch-invariant

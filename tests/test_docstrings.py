@@ -128,8 +128,8 @@ def heads(head: str, scope: Scope) -> list[object]:
     value = getattr(scope.module, head, imported(scope.module).get(head, MISSING))
     if value is not MISSING:
         found.append(value)
-    wing = scope.module.__name__.rpartition(".")[0] if not hasattr(scope.module, "__path__") \
-        else scope.module.__name__
+    wing = scope.module.__name__ if hasattr(scope.module, "__path__") else \
+        scope.module.__name__.rpartition(".")[0]
     for name in [f"{wing}.{head}"] + [m for m in MODULES if m.rpartition(".")[2] == head]:
         if name in MODULES:
             found.append(package_module(name))
@@ -149,13 +149,12 @@ class Scope(typing.NamedTuple):
 
 def resolves(span: str, scope: Scope) -> bool:
     span = span.removesuffix("()").removesuffix(".")
-    path, _, dotted = span.rpartition("/")
+    path, _, dotted = span.removeprefix("dsv4enc/").rpartition("/")
     parts = dotted.split(".")
-    if path:
-        module = package_module("dsv4enc." + ".".join(path.split("/") + parts[:1]))
-        if parts[0] == "__init__":
-            module = package_module("dsv4enc." + ".".join(path.split("/")[1:]).strip(".")) \
-                if path != "dsv4enc" else dsv4enc
+    if path or "/" in span:
+        folders = ["dsv4enc"] + (path.split("/") if path else [])
+        module_name = ".".join(folders + ([] if parts[0] == "__init__" else parts[:1]))
+        module = package_module(module_name)
         return module is not MISSING and resolve_rest(module, parts[1:])
     if parts[0] == "dsv4enc":
         return resolve_rest(dsv4enc, parts[1:])
@@ -241,10 +240,23 @@ def test_no_spec_references():
 
 
 @pytest.mark.parametrize("span, expected", [
-    ("output/parts.write_part", True), ("parts.write_part", True),
+    ("output/parts.write_part", True), ("parts.write_part", True), ("dsv4enc/__init__", True),
+    ("run/pipeline", True), ("dsv4enc.storage.stamp", True), ("torch.dtype", True),
     ("images/headers.Planned", True), ("run/ranks.Topology.agree_on_todo", True),
     ("writer.Row", False), ("parts.NoSuchThing", False), ("output/nothing", False),
 ])
 def test_the_rule_itself(span, expected):
     scope = Scope(importlib.import_module("dsv4enc.output.layout"), None, {})
     assert checked(span) and resolves(span, scope) is expected
+
+
+@pytest.mark.parametrize("span", ["_manifest.json", "OUT.partial/", "FOLDER/go", "owner/name",
+                                  "s3://", "(x - 0.5) / 0.5", "binary", "key_column"])
+def test_words_and_files_are_not_checked(span):
+    assert not checked(span)
+
+
+def test_a_bare_class_name_must_be_the_modules():
+    scope = Scope(importlib.import_module("dsv4enc.output.layout"), None, {})
+    assert checked("PartWriter") and resolves("PartWriter", scope)
+    assert checked("NoSuchWriter") and not resolves("NoSuchWriter", scope)

@@ -28,7 +28,7 @@ import torch
 from . import storage
 from .errors import check_choice
 from .tower.checkpoint import Checkpoint, load_checkpoint, random_checkpoint
-from .tower.config import VisionConfig
+from .tower.config import Attention, VisionConfig
 from .images.formats import DEFAULT_MAX_PIXELS
 from .images.decode import decode_image, describe_error, patches_tensor
 from .engine.defaults import DEFAULT_MAX_IMAGES, FEATURES, POOLS, Features, Pool
@@ -147,7 +147,7 @@ class Encoder:
                  features: Features = "aligner", pool: Pool = "none",
                  out_dtype: str | torch.dtype = torch.float32, batch_tokens: int | None = None,
                  max_images: int = DEFAULT_MAX_IMAGES, decode_threads: int | None = None,
-                 max_pixels: int = DEFAULT_MAX_PIXELS, attention: str = "auto",
+                 max_pixels: int = DEFAULT_MAX_PIXELS, attention: Attention = "auto",
                  cuda_graphs: bool | None = None, deterministic: bool = True,
                  fused: bool = False) -> None:
         self.checkpoint = checkpoint

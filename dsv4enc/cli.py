@@ -20,6 +20,7 @@ from .version import __version__
 from .errors import AlreadyComplete, DsvError
 from .run import options as defaults  # torch-free: the defaults, each defined once
 from .storage import OUTAGE_S, stop_bound_s
+from .tower.config import ATTENTION_BACKENDS
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Encode images with the DeepSeek-V4 or V4.1 vision tower and write "
@@ -263,7 +264,7 @@ ENCODE_OPTIONS = {
             None, "--workers",
             help="Decode processes (default from the CPU count; 0 decodes inline)."),
         attention=typer.Option(
-            "auto", "--attention", metavar=choices("auto", "flash", "varlen", "sdpa"),
+            "auto", "--attention", metavar=choices(*ATTENTION_BACKENDS),
             help="Attention backend."),
         cuda_graphs=typer.Option(
             None, "--cuda-graphs/--no-cuda-graphs",

@@ -12,6 +12,7 @@ from ..errors import UsageError
 from ..images.formats import DEFAULT_DECODE_TIMEOUT_S, DEFAULT_MAX_PIXELS
 from ..output import LAYOUTS, STORED_DTYPES, Layout, StoredDtype
 from ..storage import OUTAGE_S
+from ..tower.config import Attention
 
 COLLECTIVE_TIMEOUT_S = 300.0  # --timeout: how long a collective waits for a peer rank
 COMMIT_EVERY_S = 30.0  # --commit-every: seconds of encoding before finished work is committed
@@ -58,7 +59,7 @@ class EncodeOptions:
     update: bool = False  # encode what the output lacks, drop what is gone (output/update)
     max_pixels: int = DEFAULT_MAX_PIXELS
     decode_timeout: float = DEFAULT_DECODE_TIMEOUT_S
-    attention: str = "auto"
+    attention: Attention = "auto"
     cuda_graphs: bool | None = None
     deterministic: bool = True  # batch-invariant rows (Engine)
     fused: bool = False  # compiled elementwise kernels (fusion.py)

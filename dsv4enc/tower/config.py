@@ -5,9 +5,14 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, get_args
 
 from ..errors import ConfigError
+
+#: The attention kernels a tower may run with (``--attention``; ``tower/attention`` picks and
+#: checks them). Here, torch-free, so that the command line's --help lists them.
+Attention = Literal["auto", "flash", "varlen", "sdpa"]
+ATTENTION_BACKENDS: tuple[str, ...] = get_args(Attention)
 
 # Official flat key -> (field, nested vision_config key). hidden_size lives in text_config.
 _FLAT_TO_FIELD = {

@@ -26,11 +26,12 @@ import numpy as np
 import torch
 
 from . import storage
+from .errors import check_choice
 from .tower.checkpoint import Checkpoint, load_checkpoint, random_checkpoint
-from .tower.config import VisionConfig
+from .tower.config import Attention, VisionConfig
 from .images.formats import DEFAULT_MAX_PIXELS
 from .images.decode import decode_image, describe_error, patches_tensor
-from .engine.defaults import DEFAULT_MAX_IMAGES
+from .engine.defaults import DEFAULT_MAX_IMAGES, FEATURES, POOLS, Features, Pool
 from .engine.device import resolve_device, resolve_dtype, resolve_out_dtype
 from .engine.batching import BatchLoop
 from .engine.engine import Engine, NonFiniteOutput
@@ -65,7 +66,7 @@ def image_source(image: Any) -> tuple[Any, str | None]:
     its path, and is named by its path; a path (``str`` or ``os.PathLike``) gives its text,
     which names it; bytes-like input gives ``bytes``; anything else is itself, unnamed. A key
     given with an input names it instead; an unnamed input's key is its position (``Encoder``:
-    the index; ``BatchEncoder``'s ``path`` column: ``#N``).
+    the index; ``batch.BatchEncoder``'s ``path`` column: ``#N``).
     """
     if isinstance(image, Mapping):
         data, named = image.get("bytes"), image.get("path")
@@ -99,12 +100,6 @@ class _Prepared:
     @property
     def tokens(self) -> int:
         return self.n_h * self.n_w
-
-
-def _check_choice(name: str, value: str, allowed: tuple[str, ...]) -> str:
-    if value not in allowed:
-        raise ValueError(f"{name} must be one of {', '.join(map(repr, allowed))}, not {value!r}")
-    return value
 
 
 def _array_to_image(array: np.ndarray):
@@ -149,16 +144,16 @@ class Encoder:
     """
 
     def __init__(self, checkpoint: Checkpoint, device: str | torch.device = "auto", *,
-                 features: str = "aligner", pool: str = "none",
+                 features: Features = "aligner", pool: Pool = "none",
                  out_dtype: str | torch.dtype = torch.float32, batch_tokens: int | None = None,
                  max_images: int = DEFAULT_MAX_IMAGES, decode_threads: int | None = None,
-                 max_pixels: int = DEFAULT_MAX_PIXELS, attention: str = "auto",
+                 max_pixels: int = DEFAULT_MAX_PIXELS, attention: Attention = "auto",
                  cuda_graphs: bool | None = None, deterministic: bool = True,
                  fused: bool = False) -> None:
         self.checkpoint = checkpoint
         self.device = resolve_device(device)
-        self.features = _check_choice("features", features, ("aligner", "vit"))
-        self.pool = _check_choice("pool", pool, ("none", "mean"))
+        self.features = check_choice("features", features, FEATURES)
+        self.pool = check_choice("pool", pool, POOLS)
         self.out_dtype = resolve_out_dtype(out_dtype)
         if batch_tokens is not None and batch_tokens <= 0:
             raise ValueError(f"batch_tokens must be positive, got {batch_tokens}")
@@ -354,8 +349,8 @@ class Encoder:
 
     def _stream(self, images: Iterable[Any], features: str | None, pool: str | None,
                 batch_tokens: int | None, raise_errors: bool) -> Iterator[tuple[Any, Any]]:
-        features = _check_choice("features", features or self.features, ("aligner", "vit"))
-        pool = _check_choice("pool", pool or self.pool, ("none", "mean"))
+        features = check_choice("features", features or self.features, FEATURES)
+        pool = check_choice("pool", pool or self.pool, POOLS)
         capacity = batch_tokens or self.batch_tokens
         if capacity <= 0:
             raise ValueError(f"batch_tokens must be positive, got {capacity}")
@@ -399,7 +394,7 @@ class Encoder:
 
     def grid_for(self, size: tuple[int, int], features: str | None = None) -> tuple[int, int]:
         """``(grid_h, grid_w)`` of the embedding rows of an image of ``size`` = (width,
-        height) pixels (e.g. ``image.size``): reshape a result with it to get the 2D grid."""
+        height) pixels (e.g. ``PIL.Image.Image.size``): reshape a result with it to get the 2D grid."""
         from .tower.transform import plan_canvas
 
         canvas = plan_canvas(size[0], size[1], self.config)

@@ -11,7 +11,7 @@ Spark UDF, or a plain loop. A batch is a table of images::
 
 What comes back is the batch's rows in ``dsv4enc encode``'s output schema and layout
 (``path``, ``width``, ``height``, ``vit_h``, ``vit_w``, ``grid_h``, ``grid_w``, ``embedding``,
-``error``; README "Output"), one row per input row, in input order, and of the kind it was
+``error``; docs/output-format.md, "Output"), one row per input row, in input order, and of the kind it was
 given, followed by the batch's other columns as they came (``keep_columns``). An image that
 cannot be read is a row whose ``error`` names the cause, as on the command line: a call never
 raises for a bad image. Rows are batch-invariant
@@ -28,6 +28,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pyarrow as pa
 
+from .engine.defaults import Features, Pool
+from .errors import check_choice
+from .output import LAYOUTS, STORED_DTYPES, Layout, StoredDtype
 from .output.parts import OUTPUT_COLUMNS
 from .version import __version__
 
@@ -94,7 +97,7 @@ class BatchEncoder:
     (default True), ``fused``.
 
     A bad image is an error row; only what is no image's fault raises: a column that is
-    missing, or an embedding that is not finite in ``out_dtype`` (``EncodeError``, as
+    missing, or an embedding that is not finite in ``out_dtype`` (``api.EncodeError``, as
     ``dsv4enc encode`` fails its run: use ``out_dtype="float32"``).
 
     Pickling sends the recipe (weights, config and options), not the tensors: an unpickled
@@ -107,17 +110,13 @@ class BatchEncoder:
     def __init__(self, weights: str | os.PathLike | None = None, *,
                  config: str | os.PathLike | Mapping[str, Any] | None = None, seed: int = 0,
                  image_column: str = "image", key_column: str | None = None,
-                 device: str = "auto", dtype: str = "auto", features: str = "aligner",
-                 pool: str = "none", out_dtype: str = "float16", layout: str = "binary",
+                 device: str = "auto", dtype: str = "auto", features: Features = "aligner",
+                 pool: Pool = "none", out_dtype: StoredDtype = "float16", layout: Layout = "binary",
                  max_pixels: int | None = None, keep_columns: bool = True,
                  **options: Any) -> None:
         from .images.formats import DEFAULT_MAX_PIXELS
-        from .output.read import LAYOUTS
-
-        if out_dtype not in ("float16", "float32"):
-            raise ValueError(f"out_dtype must be 'float16' or 'float32', not {out_dtype!r}")
-        if layout not in LAYOUTS:
-            raise ValueError(f"layout must be one of {LAYOUTS}, not {layout!r}")
+        check_choice("out_dtype", out_dtype, STORED_DTYPES)
+        check_choice("layout", layout, LAYOUTS)
         if weights is None and config is None:
             weights = os.environ.get("DSV4ENC_WEIGHTS")
             if not weights:
@@ -351,11 +350,11 @@ class BatchEncoder:
 
 def datasets_features(schema: "pa.Schema | BatchEncoder", features: Any = None):
     """The Hugging Face ``datasets.Features`` of ``BatchEncoder``'s rows (give
-    ``features=`` to ``Dataset.map``: a batch whose ``error`` or ``embedding`` cells are
+    ``features=`` to ``datasets.Dataset.map``: a batch whose ``error`` or ``embedding`` cells are
     all null then keeps the column's type). ``schema``: a ``BatchEncoder`` or its schema.
 
     ``features``: those of the columns the mapped dataset keeps beside the rows
-    (``ds.features`` when ``map`` is given no ``remove_columns``), which come first, as
+    (``datasets.Dataset.features`` when ``map`` is given no ``remove_columns``), which come first, as
     ``map`` orders them; an output column replaces a kept one of its name."""
     import datasets
 

@@ -20,6 +20,7 @@ from .version import __version__
 from .errors import AlreadyComplete, DsvError
 from .run import options as defaults  # torch-free: the defaults, each defined once
 from .storage import OUTAGE_S, stop_bound_s
+from .tower.config import ATTENTION_BACKENDS
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Encode images with the DeepSeek-V4 or V4.1 vision tower and write "
@@ -82,7 +83,7 @@ def write_interrupted_summary(path: str, exc: BaseException, out: str) -> None:
 
 def from_environment(ctx: typer.Context, name: str) -> bool:
     """Whether option ``name`` took its value from its environment variable. (By the source's
-    name: Typer 0.26+ carries its own Click, whose ``ParameterSource`` is not ``click``'s.)"""
+    name: Typer 0.26+ carries its own Click, whose ``click.core.ParameterSource`` is not ``click``'s.)"""
     source = ctx.get_parameter_source(name)
     return source is not None and source.name == "ENVIRONMENT"
 
@@ -192,10 +193,10 @@ ENCODE_OPTIONS = {
                  "faster on its kind: bfloat16 on Intel with AMX and on AMD Zen 5, float32 on "
                  "other CPUs; --resume continues in the interrupted run's)."),
         features=typer.Option(
-            "aligner", "--features", metavar=choices("aligner", "vit"),
+            "aligner", "--features", metavar=choices(*defaults.CHOICES["features"]),
             help="aligner: LLM-width merged tokens; vit: per-patch ViT features."),
         pool=typer.Option(
-            "none", "--pool", metavar=choices("none", "mean"),
+            "none", "--pool", metavar=choices(*defaults.CHOICES["pool"]),
             help="none: every row; mean: one vector per image (retrieval, dedup)."),
     ),
     **_panel(
@@ -205,10 +206,10 @@ ENCODE_OPTIONS = {
             help="Output Parquet file, or a folder (ending in / or with --shard-output) for a "
                  "part-file dataset."),
         out_dtype=typer.Option(
-            "float16", "--out-dtype", metavar=choices("float16", "float32"),
+            "float16", "--out-dtype", metavar=choices(*defaults.CHOICES["out_dtype"]),
             help="Stored embedding dtype."),
         layout=typer.Option(
-            "binary", "--layout", metavar=choices("binary", "nested"),
+            "binary", "--layout", metavar=choices(*defaults.CHOICES["layout"]),
             help="embedding column: binary (one cell of raw bytes per image, ~20x cheaper to "
                  "write and read) or nested (float lists that SQL and dataframe tools read as "
                  "numbers)."),
@@ -263,7 +264,7 @@ ENCODE_OPTIONS = {
             None, "--workers",
             help="Decode processes (default from the CPU count; 0 decodes inline)."),
         attention=typer.Option(
-            "auto", "--attention", metavar=choices("auto", "flash", "varlen", "sdpa"),
+            "auto", "--attention", metavar=choices(*ATTENTION_BACKENDS),
             help="Attention backend."),
         cuda_graphs=typer.Option(
             None, "--cuda-graphs/--no-cuda-graphs",
@@ -279,12 +280,12 @@ ENCODE_OPTIONS = {
                  "torch.compile: equal to the eager tower to float rounding; compiling takes "
                  "tens of seconds at start."),
         tp_mode=typer.Option(
-            "data", "--tp-mode", metavar=choices("data", "weights"),
+            "data", "--tp-mode", metavar=choices(*defaults.CHOICES["tp_mode"]),
             help="torchrun: data (each rank encodes its images) or weights (the tower is split "
                  "across ranks; its all-reduce sums in another order, so rows are not "
                  "batch-invariant and differ in the last bits from one rank's)."),
         balance=typer.Option(
-            "patches", "--balance", metavar=choices("patches", "flops"),
+            "patches", "--balance", metavar=choices(*defaults.CHOICES["balance"]),
             help="torchrun load balancing cost: patches, or flops (counts the quadratic "
                  "attention term)."),
     ),

@@ -9,6 +9,14 @@ from __future__ import annotations
 import signal
 
 
+def check_choice(name: str, value: str, allowed: tuple[str, ...]) -> str:
+    """``value``, or a ValueError naming ``name``'s choices: the API's check of a choice (the
+    command line's is ``run/options.validate``, over the same tuples)."""
+    if value not in allowed:
+        raise ValueError(f"{name} must be one of {', '.join(map(repr, allowed))}, not {value!r}")
+    return value
+
+
 class DsvError(Exception):
     """A setup problem the user can fix. ``exit_code`` is what the CLI exits with."""
 

@@ -1,5 +1,5 @@
 """Process-wide settings, made only in processes dsv4enc owns: the command line (each
-torchrun rank) and the benchmark. The library (``Encoder``, ``run_encode``) never makes them:
+torchrun rank) and the benchmark. The library (``api.Encoder``, ``run_encode``) never makes them:
 a program that imports dsv4enc keeps its allocator and its loggers as it set them.
 
 (Pillow's settings for owned processes, decode workers included, are
@@ -22,8 +22,7 @@ _heap_tuned = False
 
 #: torch intra-op threads of a GPU run's main process (unless OMP_NUM_THREADS says otherwise).
 #: One: its CPU work is copies (patches are packed by numpy), and a second OpenMP thread
-#: spun after each copy: 2.2 ms of CPU per 1024x768 photo, 6% of the host's work
-#: (benchmarks/RESULTS.md, per-thread CPU of ``bench --host``).
+#: spins after each copy (measured in benchmarks/RESULTS.md).
 CUDA_HOST_THREADS = 1
 
 
@@ -35,10 +34,8 @@ def own_process_settings(device: "torch.device") -> None:
     logging.getLogger("torch.nn.attention.varlen").setLevel(logging.WARNING)
     keep_freed_memory_mapped()  # CUDA runs too: their host side allocates MBs per image
     if device.type == "cuda" and "OMP_NUM_THREADS" not in os.environ:
-        # A GPU run's main process only copies on the CPU (staging, pinning), beside one decode
-        # worker per core. torch's default pool (a thread per core) wakes every thread for
-        # each of those small copies, and idle OpenMP threads spin before they sleep: on a
-        # 16-core GPU host that took cores from the decode workers (benchmarks/RESULTS.md).
+        # Its CPU work is small copies beside one decode worker per core: torch's default
+        # pool would wake (and spin) a thread per core for each.
         torch.set_num_threads(min(torch.get_num_threads(), CUDA_HOST_THREADS))
 
 
@@ -46,13 +43,10 @@ def keep_freed_memory_mapped(largest_mapped: int = 1 << 30,
                              keep_free: int = (1 << 31) - 1) -> None:
     """On glibc, serve large CPU buffers from the heap and keep freed heap memory mapped.
 
-    By default every buffer above a few MB is a fresh mmap that the kernel faults in (and
-    zeroes) page by page, and freed heap tops are returned to the OS. A CPU forward allocates
-    and frees dozens of such tensors per layer, so the page faults alone cost several percent
-    of the forward; the host side of any run (packed batches, staging copies, rows, Parquet
-    buffers) allocates tens of MB per image, and faulting them in was a fifth of its CPU time
-    (benchmarks/RESULTS.md, ``bench --host``); a decode worker's image buffers cost it 8 ms
-    of kernel time per 1024x768 photo, as much as a third of its work.
+    Why: by default every buffer above a few MB is a fresh mmap that the kernel faults in
+    (and zeroes) page by page, and freed heap tops go back to the OS; a forward, the host
+    side of a run and a decode worker each allocate and free such buffers per image, and the
+    faults cost them a measurable share of their CPU (benchmarks/RESULTS.md).
 
     ``largest_mapped``: buffers up to this size come from the heap; ``keep_free``: freed
     memory at the heap's top is returned to the OS only beyond this. The defaults keep all of

@@ -1,4 +1,4 @@
-"""Ray Data: ``RayEncoder``, a callable class for ``Dataset.map_batches`` (needs
+"""Ray Data: ``RayEncoder``, a callable class for ``ray.data.Dataset.map_batches`` (needs
 ``dsv4enc[ray]``).
 
 Ray builds one instance per actor, so the weights are loaded once per actor, on the device

@@ -1,43 +1,20 @@
 """Object storage (``s3://``, ``gs://``, and what fsspec reaches) behind one small facade.
 
-Everything dsv4enc reads from or writes to a URL goes through here: ``list_files`` (a prefix
-listed like a folder), ``stat``, ``open_input`` (a seekable file that reads byte ranges),
-``read_range``/``read_bytes``, ``upload`` (one complete object) and ``exists``. Local paths
-never come here: ``is_url`` decides.
-
-File systems are pyarrow's (``pyarrow.fs.S3FileSystem``; ``FileSystem.from_uri`` for ``gs://``
-and ``hdfs://``) and, for any other scheme, fsspec's wrapped in ``pyarrow.fs.PyFileSystem``
-(``pip install dsv4enc[gcs]`` for gcsfs, ``fsspec`` ships http, memory, ...). No HTTP is spoken
-here.
-
-Reading an input costs one request where it can: pyarrow's S3 client asks for an object's size
-(a HEAD) each time it opens one, so ``read_range``, ``read_head`` and ``read_object`` send a
-single ranged GET through botocore on ``s3://`` when botocore is installed (``dsv4enc[s3]``)
-and the storage options are ones it takes alike (``direct_options``); else they open the
-object with pyarrow (a HEAD and a GET).
-
-Credentials and endpoints come from the standard places: the environment
-(``AWS_ACCESS_KEY_ID``, ``AWS_PROFILE``, ``AWS_ENDPOINT_URL``, ...), the SDK's config files,
-and ``--storage-option key=value`` (``configure``; passed to the file system's constructor).
-Options reach decode worker processes through the environment variable ``DSV4ENC_STORAGE_OPTIONS``
-(never printed). Error messages name the URL and the kind of failure, never an option value.
-
-A file system is created once per process and scheme; worker processes make their own.
-
-A store that stops answering fails loudly (``StoreHealth``): each call is retried
-(``retrying``); a call whose retries are all spent on an outage (refused connections,
-timeouts, 5xx) marks its store as failing since the first of those failures, and any answer
-clears the mark. Once a store has failed for ``outage_s()`` (``--storage-outage-s``), it is
-down: calls fail at once (``StoreUnavailable``) instead of retrying, and ``check_stores``
-(the run's loop calls it) raises ``StoreDown``, one line naming the store and the cause.
-``stop_bound_s`` is how long after a store's last answer a run ends, from the retry policy.
+Everything dsv4enc reads from or writes to a URL goes through here; local paths never come
+here (``is_url`` decides). The file systems are pyarrow's, fsspec's for other schemes
+(wrapped in ``pyarrow.fs.PyFileSystem``), and botocore's client for an ``s3://`` read in one
+ranged GET where the options allow (``direct_options``). A store that stops answering fails
+loudly, within a bound the retry policy sets (``StoreHealth``). Messages name the URL and
+the kind of failure, never an option value.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -68,7 +45,7 @@ SDK_SLACK_S = 1.0
 OUTAGE_S = 60.0
 _OUTAGE_ENV = "DSV4ENC_STORAGE_OUTAGE_S"
 #: The error of a row whose input could not be read because its store was not answering: a
-#: transient error (``writer.TRANSIENT_ERRORS``), its part is encoded again on --resume.
+#: transient error (``output/parts.TRANSIENT_ERRORS``), its part is encoded again on --resume.
 UNAVAILABLE = "storage unavailable"
 
 T = TypeVar("T")
@@ -113,9 +90,12 @@ def parse_option(text: str) -> tuple[str, object]:
 
 
 def configure(options: list[str] | tuple[str, ...] | None) -> None:
-    """Set this process's storage options (``--storage-option``) and pass them on to the
-    processes it starts. Drops file systems made with other options, and what earlier calls
-    learnt about the stores' health."""
+    """Set this process's storage options (``--storage-option key=value``, passed to the file
+    system's constructor) and pass them on to the processes it starts, through
+    ``DSV4ENC_STORAGE_OPTIONS`` (never printed). Credentials and endpoints otherwise come
+    from the standard places (``AWS_ACCESS_KEY_ID``, ``AWS_PROFILE``, ``AWS_ENDPOINT_URL``,
+    the SDK's config files). Drops file systems made with other options, and what earlier
+    calls learnt about the stores' health."""
     parsed = dict(parse_option(text) for text in options or ())
     if parsed:
         os.environ[_OPTIONS_ENV] = json.dumps(parsed)
@@ -274,21 +254,91 @@ def store_of(url: str) -> str:
     return f"{scheme_of(url)}://{_bucket(url)}"
 
 
+#: errno values of a store that is not answering, by what a message calls them.
+_OUTAGE_ERRNOS = {errno.ECONNREFUSED: "connection refused", errno.ETIMEDOUT: "timed out",
+                  errno.ECONNRESET: "connection lost", errno.ECONNABORTED: "connection lost",
+                  errno.EPIPE: "connection lost", errno.EHOSTUNREACH: "connection refused",
+                  errno.ENETUNREACH: "connection refused"}
+#: S3 error codes of a store that is busy or failing (botocore's ``Error.Code``).
+_BUSY_CODES = {"SlowDown": "slow down", "Throttling": "throttling",
+               "ThrottlingException": "throttling", "RequestLimitExceeded": "throttling",
+               "ServiceUnavailable": "service unavailable", "InternalError": "internal failure"}
+
+
+class ServerError(OSError):
+    """A store answered that it is failing or busy (an HTTP 5xx status, or a throttling
+    code): an outage, by its status rather than its message."""
+
+    def __init__(self, message: str, cause: str) -> None:
+        super().__init__(message)
+        self.cause = cause
+
+
 def outage_cause(exc: BaseException) -> str | None:
     """What an error says about a store that is not answering (``"connection refused"``,
     ``"timed out"``, ``"connection lost"``, ``"server error (HTTP 503)"``), or None when it is
-    not such an error (a missing object, denied access, a bad request, ...)."""
-    if isinstance(exc, StoreUnavailable):
-        return exc.cause
+    not such an error (a missing object, denied access, a bad request, ...).
+
+    By the error's kind first: its type, errno, or botocore's status and code, along its
+    ``__cause__`` chain. pyarrow's S3 and GCS clients raise a bare ``OSError`` whose only
+    account is its message, so those are read by their text (``_message_cause``)."""
     if isinstance(exc, FileNotFoundError) or setup_problem(exc) is not None:
         return None
-    text = str(exc).upper()
-    if (isinstance(exc, ConnectionRefusedError) or "CURLCODE: 7," in text
-            or "COULD NOT CONNECT" in text or "COULDN'T CONNECT" in text
+    seen: BaseException | None = exc
+    for _ in range(8):  # a chain's first links; a cycle would not end
+        if seen is None:
+            break
+        cause = _typed_cause(seen)
+        if cause is not None:
+            return cause
+        seen = seen.__cause__ or seen.__context__
+    return _message_cause(str(exc).upper())
+
+
+def _typed_cause(exc: BaseException) -> str | None:
+    if isinstance(exc, (StoreUnavailable, ServerError)):
+        return exc.cause
+    if isinstance(exc, ConnectionRefusedError):
+        return "connection refused"
+    if isinstance(exc, TimeoutError):
+        return "timed out"
+    if isinstance(exc, OSError) and exc.errno in _OUTAGE_ERRNOS:
+        return _OUTAGE_ERRNOS[exc.errno]
+    if isinstance(exc, ConnectionError):
+        return "connection lost"
+    boto = sys.modules.get("botocore.exceptions")  # only where botocore is in use
+    if boto is not None and isinstance(exc, boto.ClientError):
+        return _answer_cause(exc.response)
+    if boto is not None and isinstance(exc, (boto.ConnectTimeoutError, boto.ReadTimeoutError)):
+        return "timed out"
+    if boto is not None and isinstance(exc, boto.EndpointConnectionError):
+        return "connection refused"
+    if boto is not None and isinstance(exc, (boto.ConnectionError, boto.HTTPClientError)):
+        return "connection lost"
+    return None
+
+
+def _answer_cause(response: dict) -> str | None:
+    """The outage a store's error answer (botocore's ``response``) reports, or None."""
+    code = str(response.get("Error", {}).get("Code", ""))
+    status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+    if code in _BUSY_CODES:
+        return f"server error ({_BUSY_CODES[code]})"
+    if isinstance(status, int) and status >= 500:
+        return f"server error (HTTP {status})"
+    return None
+
+
+def _message_cause(text: str) -> str | None:
+    """The fallback for errors that carry only a message (pyarrow's ``OSError``): the phrases
+    of its AWS SDK and libcurl (``curlCode: 7`` refused, ``28`` timed out, ``52/55/56`` lost),
+    and of its S3 error names. tests/test_storage_outage.py checks them against the messages
+    of the installed pyarrow and of earlier ones."""
+    if ("CURLCODE: 7," in text or "COULD NOT CONNECT" in text or "COULDN'T CONNECT" in text
             or "CONNECTION REFUSED" in text or "FAILED TO CONNECT" in text):
         return "connection refused"
-    if (isinstance(exc, TimeoutError) or "CURLCODE: 28," in text or "TIMEOUT WAS REACHED" in text
-            or "TIMED OUT" in text or "REQUEST_TIMEOUT" in text):
+    if ("CURLCODE: 28," in text or "TIMEOUT WAS REACHED" in text or "TIMED OUT" in text
+            or "REQUEST_TIMEOUT" in text):
         return "timed out"
     status = re.search(r"HTTP (?:STATUS|RESPONSE CODE)[: ]*(5\d\d)", text)
     if status is not None:
@@ -296,8 +346,7 @@ def outage_cause(exc: BaseException) -> str | None:
     for name in ("SERVICE_UNAVAILABLE", "INTERNAL_FAILURE", "SLOW_DOWN", "THROTTLING"):
         if name in text:
             return f"server error ({name.lower().replace('_', ' ')})"
-    if (isinstance(exc, ConnectionError) or "NETWORK_CONNECTION" in text
-            or re.search(r"CURLCODE: (52|55|56),", text)):
+    if "NETWORK_CONNECTION" in text or re.search(r"CURLCODE: (52|55|56),", text):
         return "connection lost"
     return None
 
@@ -357,8 +406,15 @@ _wall = time.time  # not ``time.time``: tests replace this module's ``time`` to 
 
 
 class StoreHealth:
-    """What this process knows of one store's health (see the module's doc): since when
-    every call to it has failed, and why. Thread-safe."""
+    """What this process knows of one store's health: since when every call to it has
+    failed, and why. Thread-safe.
+
+    Each call is retried (``retrying``); a call whose retries are all spent on an outage
+    (``outage_cause``: refused connections, timeouts, 5xx) marks its store as failing since
+    the first of those failures, and any answer clears the mark. Once a store has failed for
+    ``outage_s()`` (``--storage-outage-s``), it is down: calls fail at once
+    (``StoreUnavailable``) and ``check_stores`` (the run's loop calls it) raises
+    ``StoreDown``. ``stop_bound_s`` is how long after a store's last answer a run ends."""
 
     def __init__(self, store: str) -> None:
         self.store = store
@@ -708,7 +764,8 @@ _DIRECT: dict[int, object] = {}  # by process: a botocore S3 client, or None (py
 
 
 def direct_options(options: dict) -> bool:
-    """Whether reads with these storage options may go through botocore's S3 client."""
+    """Whether reads with these storage options may go through botocore's S3 client: one
+    ranged GET per read, where pyarrow's client sends a HEAD before each."""
     return set(options) <= DIRECT_OPTIONS
 
 
@@ -775,8 +832,9 @@ def _get(client, url: str, offset: int, size: int | None) -> tuple[bytes, int]:
             return b"", int(error.get("ActualObjectSize") or 0)
         if code in ("AccessDenied", "403", "InvalidAccessKeyId", "SignatureDoesNotMatch"):
             raise PermissionError(f"{url}: {code}") from None
-        if isinstance(status, int) and status >= 500:
-            raise OSError(f"{url}: HTTP status {status}: {code}") from None
+        busy = _answer_cause(exc.response)
+        if busy is not None:
+            raise ServerError(f"{url}: {busy}: {code}", busy) from None
         raise OSError(f"{url}: {code}: {error.get('Message', '')}") from None
     except (boto.ConnectTimeoutError, boto.ReadTimeoutError) as exc:
         raise TimeoutError(f"{url}: timed out ({exc})") from None

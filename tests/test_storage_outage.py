@@ -7,11 +7,15 @@ pause point, never at a moment picked by timing."""
 
 from __future__ import annotations
 
+import errno
+import http.server
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
+import threading
 import time
 from contextlib import suppress
 from pathlib import Path
@@ -98,6 +102,87 @@ def test_outage_causes():
     assert storage.outage_cause(FileNotFoundError("s3://b/k: no such object")) is None
     assert storage.outage_cause(OSError("AWS Error ACCESS_DENIED during GetObject")) is None
     assert storage.outage_cause(OSError("AWS Error INVALID_ARGUMENT: bad range")) is None
+    # by kind: errno, and a store's answer as botocore reads it
+    assert storage.outage_cause(OSError(errno.ECONNREFUSED, "refused")) == "connection refused"
+    assert storage.outage_cause(OSError(errno.ETIMEDOUT, "no answer")) == "timed out"
+    wrapped = RuntimeError("read failed")
+    wrapped.__cause__ = ConnectionResetError()
+    assert storage.outage_cause(wrapped) == "connection lost"
+
+
+# ----------------------------------------------------- the messages of the installed clients
+
+class Busy(http.server.BaseHTTPRequestHandler):
+    """Answers every request with S3's 503 SlowDown."""
+
+    def reply(self) -> None:
+        body = (b"<?xml version='1.0' encoding='UTF-8'?><Error><Code>SlowDown</Code>"
+                b"<Message>Please reduce your request rate.</Message></Error>")
+        self.send_response(503)
+        self.send_header("Content-Type", "application/xml")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(body)
+
+    do_GET = do_HEAD = do_PUT = reply
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+@pytest.fixture
+def endpoints():
+    """Three local endpoints: one that refuses, one that never answers, one that is busy."""
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))  # bound, never listening: connections are refused
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)  # the kernel accepts; nothing ever answers
+    busy = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Busy)
+    thread = threading.Thread(target=busy.serve_forever, daemon=True)
+    thread.start()
+    yield {"refused": closed.getsockname()[1], "timed out": silent.getsockname()[1],
+           "server error": busy.server_address[1]}
+    busy.shutdown()
+    closed.close()
+    silent.close()
+
+
+def pyarrow_error(port: int) -> OSError:
+    import pyarrow.fs as pafs
+
+    fs = pafs.S3FileSystem(access_key="k", secret_key="s", scheme="http",
+                           endpoint_override=f"127.0.0.1:{port}", connect_timeout=0.5,
+                           request_timeout=0.5,
+                           retry_strategy=pafs.AwsStandardS3RetryStrategy(max_attempts=1))
+    with pytest.raises(OSError) as raised:
+        with fs.open_input_stream("a-bucket/k") as stream:
+            stream.read()
+    return raised.value
+
+
+def test_pyarrow_messages_name_their_outage(endpoints):
+    """pyarrow's S3 client gives only a message: the fallback reads the installed pyarrow's."""
+    assert storage.outage_cause(pyarrow_error(endpoints["refused"])) == "connection refused"
+    assert storage.outage_cause(pyarrow_error(endpoints["timed out"])) == "timed out"
+    assert storage.outage_cause(pyarrow_error(endpoints["server error"])).startswith(
+        "server error")
+
+
+def test_botocore_answers_are_read_by_their_status(endpoints):
+    botocore_session = pytest.importorskip("botocore.session")
+    import botocore.config
+
+    client = botocore_session.get_session().create_client(
+        "s3", endpoint_url=f"http://127.0.0.1:{endpoints['server error']}", region_name="us-east-1",
+        aws_access_key_id="k", aws_secret_access_key="s",
+        config=botocore.config.Config(retries={"max_attempts": 1, "mode": "standard"}))
+    with pytest.raises(Exception) as raised:
+        client.get_object(Bucket="a-bucket", Key="k")
+    assert storage.outage_cause(raised.value) == "server error (slow down)"
+    busy = storage.ServerError("s3://a-bucket/k: throttled", "server error (throttling)")
+    assert storage.outage_cause(busy) == "server error (throttling)"
 
 
 def test_a_store_that_keeps_failing_is_down_after_the_outage_time(clock):

@@ -78,7 +78,7 @@ class NullEngine:
         """No graphs: nothing to capture."""
 
     def patch_buffer(self, tokens: int, width: int, dtype: torch.dtype) -> torch.Tensor:
-        """As ``Engine.patch_buffer``: page-locked when CUDA is present."""
+        """As ``engine/engine.Engine.patch_buffer``: page-locked when CUDA is present."""
         return torch.empty(tokens, width, dtype=dtype, pin_memory=self._pin)
 
     def _stage(self, tensor: torch.Tensor) -> torch.Tensor:

@@ -101,7 +101,7 @@ def synthetic_images(folder: Path, spec: str, seed: int = 0) -> list[Path]:
 
 
 def resolve_images(images: str, workdir: Path, seed: int = 0) -> list[Path]:
-    """``images``: a folder of images, or "synthetic:SPEC" (see ``synthetic_images``)."""
+    """``images``: a folder of images, or "synthetic:..." (see ``synthetic_images``)."""
     if images.startswith("synthetic:"):
         spec = images.removeprefix("synthetic:")
         # One folder per spec: the end-to-end run encodes the whole folder.

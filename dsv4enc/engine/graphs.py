@@ -1,4 +1,4 @@
-"""Static-shape execution of packed batches (SPEC §6): token budgets, padding, CUDA graphs.
+"""Static-shape execution of packed batches: token budgets, padding, CUDA graphs.
 
 A *bucket* fixes every shape of one packed forward: T tokens (the budget), R aligner rows, B
 images and the ``max_seqlen`` handed to the attention kernel. A batch runs in the smallest

@@ -1,5 +1,5 @@
-"""Packing metadata (SPEC §5): many images in one forward. (Which images share a batch is
-planned in ``planning``: ``pack_bins``, ``part_batches``.)
+"""Packing metadata: many images in one forward. (Which images share a batch is
+planned in ``run/plan``: ``plan.pack_bins``, ``plan.part_batches``.)
 
 Everything here is host-side and cheap. A ``PackedBatch`` carries the concatenated patches,
 the span lengths (for ``cu_seqlens``), per-token (row, col) positions for the RoPE tables,

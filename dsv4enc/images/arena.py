@@ -138,7 +138,7 @@ class WorkerArena:
 
     def writer(self, slot: int | None):
         """``out`` for ``transform.image_to_patch_bits``: an array over ``slot`` when the
-        patches fit. ``writer.used`` says whether it was handed out."""
+        patches fit. Its ``used`` says whether it was handed out."""
         def out(shape: tuple[int, int]) -> np.ndarray | None:
             if slot is None or shape[0] * shape[1] * 2 > self.slot_bytes:
                 return None

@@ -88,7 +88,7 @@ def read_failure(exc: BaseException, source) -> tuple[str, float | None]:
 
 def _readable(source, stream: bool = False):
     """What PIL opens for ``source``: a path (str or PathLike) as is, ``bytes`` as a file
-    object, and an ``InputItem`` via ``sources.open_item`` (a container member's bytes, or a
+    object, and an ``items.InputItem`` via ``sources.open_item`` (a container member's bytes, or a
     stream over it when ``stream``)."""
     if isinstance(source, (bytes, bytearray, memoryview)):
         return io.BytesIO(source)
@@ -102,7 +102,7 @@ def _readable(source, stream: bool = False):
 def open_checked(source, max_pixels: int, stream: bool = False, name: str | None = None):
     """Open ``source`` with Pillow, refusing more than ``max_pixels`` pixels.
 
-    The limit is this call's own: Pillow's process-wide ``Image.MAX_IMAGE_PIXELS`` is never
+    The limit is this call's own: Pillow's process-wide ``PIL.Image.MAX_IMAGE_PIXELS`` is never
     changed here (encoders with different limits may run in threads of one process). Pillow
     still applies that global check first; its error becomes a refusal like ours."""
     from PIL import Image
@@ -165,7 +165,7 @@ def _require_regular_file(path) -> None:
 
 def probe_image(source, max_pixels: int = DEFAULT_MAX_PIXELS) -> Probe:
     """Read only the header: the stored size (no EXIF rotation). ``source``: a path, bytes,
-    or an ``InputItem`` (which may point into a container file).
+    or an ``items.InputItem`` (which may point into a container file).
 
     Probes run on threads, so nothing process-wide (warnings filters, Pillow settings) is
     touched. Only regular files are opened: a path (a table cell's too) that names a FIFO or
@@ -203,7 +203,7 @@ def probe_image(source, max_pixels: int = DEFAULT_MAX_PIXELS) -> Probe:
 def decode_image(source, cfg: VisionConfig, max_pixels: int = DEFAULT_MAX_PIXELS,
                  out=None) -> Decoded:
     """Decode, transform and patchify one image (first frame of animations). ``source``: a
-    path, bytes, or an ``InputItem`` (which may point into a container file). ``out``: as
+    path, bytes, or an ``items.InputItem`` (which may point into a container file). ``out``: as
     ``transform.image_to_patch_bits`` takes it (where to put the patches)."""
     from ..tower.transform import image_to_patch_bits
 
@@ -288,7 +288,7 @@ def _worker_main(conn, cfg: VisionConfig, max_pixels: int,
     own_process_pillow_settings()
     # A photo's buffers (decoded, resized, padded, patch order: 2-3 MB each) are freed and
     # made again for every image; glibc's default returns them to the OS each time, and
-    # faulting them back in cost 8 ms per 1024x768 photo, a third of the worker's work.
+    # faulting them back in is a large share of the worker's work (benchmarks/RESULTS.md).
     keep_freed_memory_mapped(largest_mapped=WORKER_HEAP_LARGEST, keep_free=WORKER_HEAP_KEEP)
     # This process decodes one image at a time, so a process-wide filter is safe here: a
     # Pillow warning (corrupt EXIF, truncated data) makes that image an error row.
@@ -495,7 +495,7 @@ class DecodePool:
     def imap(self, tasks: Iterable[tuple[Any, Any]],
              window: int = 64) -> Iterator[tuple[Any, Decoded]]:
         """Yield ``(tag, Decoded)`` for each ``(tag, source)`` task, in task order. A source is
-        what ``decode_image`` takes: a path, or an ``InputItem`` (picklable, small). With
+        what ``decode_image`` takes: a path, or an ``items.InputItem`` (picklable, small). With
         workers, the iterator is a ``DecodeStream`` (``close()`` stops it).
 
         A background thread feeds the workers and collects their results, so decoding goes on

@@ -33,7 +33,7 @@ class Stop(Protocol):
         """A signal arrived: end the walk early."""
 
     def check(self) -> None:
-        """Raise the run's ``Interrupted`` if a signal arrived."""
+        """Raise the run's ``errors.Interrupted`` if a signal arrived."""
 
 
 @dataclass
@@ -155,7 +155,7 @@ def discover(inputs: Iterable[str], files_from: str | None = None,
     UsageError; so is an input set with nothing in it. Paths from ``--files-from`` are taken
     as given: a missing one becomes an error row later. A folder that cannot be listed is
     logged as a warning and counted in ``Discovery.unlisted``. When ``stop`` records a
-    signal, the walk ends early and ``Interrupted`` is raised (a partial listing is never
+    signal, the walk ends early and ``errors.Interrupted`` is raised (a partial listing is never
     returned).
     """
     found = Discovery(items=[])
@@ -404,7 +404,7 @@ def key_under_root(root: str, key: str) -> str:
 
 
 def _output_text(key: str) -> str:
-    """``key`` as the output's ``path`` column holds it (``writer.utf8_text``: non-UTF-8 bytes
+    """``key`` as the output's ``path`` column holds it (``output/parts.utf8_text``: non-UTF-8 bytes
     of a file name escaped). The writer (and pyarrow) is imported only for such a name."""
     if key.isascii():
         return key

@@ -43,7 +43,7 @@ def formats_for(name: str | None) -> tuple[str, ...]:
 
 def image_name(source: Any, handle: Any) -> str | None:
     """The name whose extension decides the formats for ``handle``, what is opened for
-    ``source`` (a path, bytes, or an ``InputItem``): the file opened, else a tar member's
+    ``source`` (a path, bytes, or an ``items.InputItem``): the file opened, else a tar member's
     name; None for unnamed bytes (a table cell)."""
     if isinstance(handle, (str, os.PathLike)):
         return os.fsdecode(handle)

@@ -122,7 +122,7 @@ def probe_all(items: Sequence[InputItem], max_pixels: int,
     stops it at once.
 
     Not ``concurrent.futures``: a ``ThreadPoolExecutor``'s workers are joined when the
-    interpreter exits, so one stuck probe would hold the exit up, and a ``Future`` per header
+    interpreter exits, so one stuck probe would hold the exit up, and a ``concurrent.futures.Future`` per header
     costs about 1.6 kB (1.6 GB for a million inputs); the stamps below, which never hang
     for good, do use a ``ThreadPoolExecutor``."""
     probers = _Probers(items, max_pixels)

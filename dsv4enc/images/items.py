@@ -63,7 +63,7 @@ class Fetched:
 
 @dataclass(frozen=True)
 class Unreadable:
-    """A part of a container that cannot be read: reading it raises ``DamagedContainerError``
+    """A part of a container that cannot be read: reading it raises ``sources.DamagedContainerError``
     with ``reason``, so it becomes one error row."""
 
     reason: str

@@ -2,3 +2,14 @@
 resume, the joined single file, the remote output, reading back, ``inspect``). Takes plain
 values, never the run's options, topology or summary.
 """
+
+from typing import Literal, get_args
+
+#: The ``embedding`` column's layouts (docs/output-format.md, "Output"). ``binary``: one cell
+#: per image holding its (rows, width) array's bytes, little-endian, C order. ``nested``: a
+#: list of fixed-size float lists (the only layout of earlier outputs).
+Layout = Literal["binary", "nested"]
+LAYOUTS: tuple[str, ...] = get_args(Layout)
+#: The dtypes the ``embedding`` column may hold (``--out-dtype``).
+StoredDtype = Literal["float16", "float32"]
+STORED_DTYPES: tuple[str, ...] = get_args(StoredDtype)

@@ -1,8 +1,8 @@
 """A single-file output written once: each part's bytes are appended to one growing file.
 
 A local single-file ``--out`` of a one-process run does not keep parts as files: that would
-write every embedding byte twice (the part file, then its copy into the final file), and on
-a small VM writing fresh file data costs several milliseconds of kernel CPU per image.
+write every embedding byte twice (the part file, then its copy into the final file), and
+writing fresh file data costs kernel CPU per byte (benchmarks/RESULTS.md).
 Instead each writer thread reserves a byte range at the end of
 ``OUT.partial/_growing.parquet`` (a bound on the part's Parquet size), has pyarrow write the
 part's Parquet file straight into it, all but the leading ``PAR1`` (``pwrite``; the unused
@@ -167,7 +167,7 @@ class RangeSink:
 class AppendingStore(PartLedger):
     """The journaled growing file of a single-file output (see the module's doc).
 
-    Also the run's finisher (as ``writer.StreamingAssembler`` is for part files): ``finish``
+    Also the run's finisher (as ``parts.StreamingAssembler`` is for part files): ``finish``
     writes the footer and renames the file to ``out``; ``abort`` keeps it for ``--resume``.
     """
 

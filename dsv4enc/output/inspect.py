@@ -35,7 +35,7 @@ class OutputSummary:
     embedding_rows: int = 0
     width: int | None = None
     dtype: str | None = None
-    layout: str | None = None  # the embedding column's layout: binary or nested (SPEC §9)
+    layout: str | None = None  # the embedding column's layout: binary or nested (docs/output-format.md)
     pooled: bool = False
     grid_h: dict[str, float] = field(default_factory=dict)
     grid_w: dict[str, float] = field(default_factory=dict)

@@ -4,7 +4,7 @@ interrupted run already finished.
 
 dsv4enc deletes or replaces only what is provably its own: a single-file ``--out`` that is a
 Parquet file with dsv4enc's metadata, and in a parts folder (``OUT.partial/`` or a folder
-``--out``) the manifests it recognises by their content (``writer.manifest_kind``), its part
+``--out``) the manifests it recognises by their content (``parts.manifest_kind``), its part
 file names, the growing file of a single file (``appending.GROWING_NAME``) and its temporary
 names. Anything else makes the run refuse in one line, before anything is written or
 deleted.
@@ -30,7 +30,7 @@ from ..images.items import is_image_name
 from ..images.headers import input_stamps, inputs_digest
 from ..pausepoints import pause
 from .appending import GROWING_NAME
-from .update import STAMPS_FILE, Update
+from .update import STAMPS_FILE, Update, setting_refusal
 from .parts import (JOURNAL_FILE, LOCK_NAME, MANIFEST_FILE, MANIFEST_NAME, OUTPUT_COLUMNS,
                     PART_FILE, TEMP_FILE, PartLedger, PartStore, Row, StreamingAssembler,
                     kept_columns, output_os_error, read_manifest, rows_per_group, rows_to_table)
@@ -635,7 +635,9 @@ def _uncommitted(store: PartLedger, parts: list[Segment],
     previous = store.load_existing()
     for key, value in store.settings.items():
         if previous.get(key) != value:
-            raise UsageError(_settings_differ(key, previous.get(key), value))
+            raise UsageError(setting_refusal("cannot resume", "the interrupted run used", key,
+                                             previous.get(key), value, rerun=" to resume it",
+                                             again="start over"))
     store.load_parts()  # only now: a refused resume must not judge the parts' files
     reused = _reusable(store, parts)
     store.forget([name for name, part in store.parts.items()
@@ -651,22 +653,6 @@ def _uncommitted(store: PartLedger, parts: list[Segment],
 
 
 #: Settings a flag chooses, and that flag: a resume that differs only there names the flag.
-_FLAG_OF_SETTING = {"compute_dtype": "--dtype", "device": "--device",
-                    "out_dtype": "--out-dtype", "features": "--features", "pool": "--pool",
-                    "layout": "--layout", "max_pixels": "--max-pixels"}
-
-
-def _settings_differ(key: str, then, now) -> str:
-    """Why ``--resume`` is refused when setting ``key`` was ``then`` and is ``now``."""
-    flag = _FLAG_OF_SETTING.get(key)
-    if flag is not None and isinstance(then, (str, int)):
-        return (f"cannot resume: the interrupted run used {flag} {then}, this one {now}; "
-                f"rerun with {flag} {then} to resume it (or --overwrite to start over)")
-    shown = "weights" if key == "weights_fingerprint" else key.replace("_", " ")
-    return (f"cannot resume: {shown} differs from the interrupted run ({then!r} then, "
-            f"{now!r} now); use --overwrite to start over")
-
-
 def _reusable(store: PartLedger, parts: list[Segment]) -> set[tuple[int, int]]:
     """Ranges of recorded parts that this run can keep: chains of consecutive pieces that
     start where one of this run's parts does (parts are joined segments, cut wherever

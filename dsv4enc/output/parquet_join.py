@@ -1,7 +1,7 @@
 """Join Parquet files of one schema into one file by copying their bytes: no decode, no encode.
 
 A Parquet file is ``PAR1``, the column chunks of its row groups, a footer (Thrift compact
-``FileMetaData``), the footer's length and ``PAR1``. The joined file holds each input's
+FileMetaData), the footer's length and ``PAR1``. The joined file holds each input's
 column-chunk bytes unchanged, one after the other, and one footer listing every input's
 row groups, with their byte offsets moved by where the input's bytes landed. pyarrow cannot
 append row groups, so the footer is read and written here with a small Thrift compact
@@ -185,7 +185,7 @@ def _get(fields: list[list], field: int) -> list | None:
 # ----------------------------------------------------------------------------- joining
 
 def read_footer(handle: BinaryIO, size: int) -> tuple[list[list], int]:
-    """A Parquet file's decoded ``FileMetaData`` and where its footer starts."""
+    """A Parquet file's decoded FileMetaData and where its footer starts."""
     if size < 12:
         raise JoinError("not a Parquet file (too short)")
     handle.seek(size - 8)
@@ -223,7 +223,7 @@ def move_group(group: list[list], shift: int, ordinal: int) -> None:
 
 
 def with_key_values(footer: list[list], entries: dict[bytes, bytes] | None) -> list[list]:
-    """``footer`` (a decoded ``FileMetaData``) with ``entries`` added to (or replacing keys
+    """``footer`` (a decoded FileMetaData) with ``entries`` added to (or replacing keys
     of) its key-value metadata; fields stay in id order."""
     if not entries:
         return footer

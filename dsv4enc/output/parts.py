@@ -1,4 +1,5 @@
-"""Parquet output (SPEC §9): crash-safe part files, a manifest, and the final file.
+"""Parquet output (docs/output-format.md, "Part files"): crash-safe part files, a manifest,
+and the final file.
 
 Work is committed in closed part files: each is written under a hidden temporary name, fsynced
 and renamed, then the manifest records it (one synced line appended to its journal; the
@@ -29,11 +30,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from .. import storage
-from ..errors import OutputError
+from ..errors import OutputError, check_choice
+from . import LAYOUTS
 from ..images.sources import kept_values
 from ..storage import UNAVAILABLE as STORAGE_UNAVAILABLE
 from .parquet_join import JoinError, ParquetJoiner
-from .read import (JOURNAL_FORMAT, LAYOUTS, MANIFEST_NAME, embedding_format, journal_path,
+from .read import (JOURNAL_FORMAT, MANIFEST_NAME, embedding_format, journal_path,
                    load_manifest)
 
 log = logging.getLogger("dsv4enc")
@@ -65,9 +67,9 @@ def prefer_jemalloc_pool() -> None:
     """Make Arrow allocate from its jemalloc pool where this pyarrow has one.
 
     The default (mimalloc) gives each new writer thread fresh pages, and faulting them in
-    costs a short run about 0.1 s at its end (its last part and the final file are written
-    at once, by two threads); jemalloc keeps freed pages for reuse. In steady state mimalloc
-    encodes float16 Parquet about 1.6x faster, which matters where the writer can limit the
+    costs a short run time at its end (its last part and the final file are written at once,
+    by two threads); jemalloc keeps freed pages for reuse. In steady state mimalloc encodes
+    float16 Parquet faster (benchmarks/RESULTS.md), which matters where the writer can limit the
     rate (a GPU), so the command line calls this for CPU runs only. Process-wide: the library
     never calls it."""
     try:
@@ -76,7 +78,7 @@ def prefer_jemalloc_pool() -> None:
         pass  # built without jemalloc (e.g. Windows): keep the default
 
 
-#: The columns every output has, in order (SPEC §9); kept table columns follow them.
+#: The columns every output has, in order (docs/output-format.md, "Output"); kept table columns follow them.
 OUTPUT_COLUMNS = ("path", "width", "height", "vit_h", "vit_w", "grid_h", "grid_w", "embedding",
                   "error")
 
@@ -85,15 +87,14 @@ def output_schema(width: int, out_dtype: str, metadata: dict[str, Any] | None = 
                   pooled: bool = False, layout: str = DEFAULT_LAYOUT,
                   kept: Sequence[pa.Field] = ()) -> pa.Schema:
     """The output schema; ``metadata`` goes under the ``dsv4enc`` key as JSON, with an
-    ``embedding`` entry that says how to read the column (``reading.embedding_format``).
+    ``embedding`` entry that says how to read the column (``read.embedding_format``).
     ``kept``: the input tables' columns the rows carry (``--keep-column``, the typed
     ``--key-column``), after the output's own columns.
 
-    ``layout`` (SPEC §9, measured in benchmarks/RESULTS.md): ``binary`` stores each image's
-    (rows, width) array as one binary cell, which Parquet writes and reads at memory speed;
+    ``layout`` (docs/output-format.md, measured in benchmarks/RESULTS.md): ``binary`` stores
+    each image's (rows, width) array as one binary cell, which Parquet writes and reads at memory speed;
     ``nested`` stores float lists, which tools can read as numbers but cost ~20x the CPU."""
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout must be one of {LAYOUTS}, not {layout!r}")
+    check_choice("layout", layout, LAYOUTS)
     if layout == "binary":
         embedding = pa.large_binary()  # 64-bit offsets: a part may hold over 2 GiB
     else:
@@ -269,7 +270,7 @@ def parquet_options(schema: pa.Schema) -> dict[str, Any]:
     """Writer settings. Embedding values are near-random floats: dictionary encoding,
     min/max statistics and compression cost several times the write time for a few percent
     of size, so they apply to the small columns only. 8 MiB data pages make the nested
-    layout's pages fewer (~15% faster to write and read, benchmarks/RESULTS.md); a binary
+    layout's pages fewer (faster to write and read, benchmarks/RESULTS.md); a binary
     cell is one page whatever the size."""
     small = [name for name in schema.names if name != "embedding"]
     compression = {name: "zstd" for name in small}
@@ -330,8 +331,8 @@ def drop_cached_pages(fd: int, offset: int = 0, length: int = 0) -> None:
 
     Why: every page of an output is written once and never read back by the run. Left in
     the cache, gigabytes of embeddings evict the user's cached files, and each new write
-    takes fresh pages, which cost more kernel time than pages freed a moment ago (on the
-    2-core test VM, 5-8 against 3-4 ms per 2.75 MB photo's rows; benchmarks/RESULTS.md).
+    takes fresh pages, which cost more kernel time than pages freed a moment ago
+    (benchmarks/RESULTS.md).
     Advice only: where it is not available or fails, nothing changes."""
     advise = getattr(os, "posix_fadvise", None)
     if advise is None:
@@ -681,7 +682,7 @@ class PartStore(PartLedger):
     def commit_written(self, name: str, entry: dict[str, Any]) -> None:
         """Commit part ``name``, whose file another process wrote (``write_part``'s
         ``entry``): a staged file is renamed into place, one in a bucket is handed to
-        ``fetch`` (``RemoteOutput.adopt_part``), then the manifest records it."""
+        ``fetch`` (``remote.RemoteOutput.adopt_part``), then the manifest records it."""
         entry = dict(entry)
         staged, path = entry.pop("staged", None), self.folder / entry["file"]
         try:
@@ -713,7 +714,7 @@ class StreamingAssembler:
     """Builds the single output file from committed parts, in input order, while later parts
     are still being encoded, so the end of a run only closes the file.
 
-    The file is the parts' bytes joined (``parquet_concat.ParquetJoiner``): each committed
+    The file is the parts' bytes joined (``parquet_join.ParquetJoiner``): each committed
     part's row groups are copied as they are (``copy_file_range``), so a single file costs
     no second Parquet encode, only a copy. It goes into a hidden temporary in the parts
     folder (``OUT.partial``, beside ``out``: the same file system); ``finish`` writes its

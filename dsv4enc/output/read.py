@@ -105,12 +105,6 @@ def _parquet_under(folder: Path) -> list[Path]:
     return found
 
 
-#: The ``embedding`` column's layouts (SPEC §9). ``binary``: one cell per image holding its
-#: (rows, width) array's bytes, little-endian, C order. ``nested``: a list of fixed-size float
-#: lists (the only layout of earlier outputs; still written with ``--layout nested``).
-LAYOUTS = ("binary", "nested")
-
-
 @dataclass(frozen=True)
 class EmbeddingFormat:
     """How to read an output's ``embedding`` column: its layout, stored dtype, row width and
@@ -196,7 +190,7 @@ def embedding_views(column, fmt: EmbeddingFormat | None = None) -> list[np.ndarr
 
 def valid_mask(column) -> np.ndarray:
     """Which values of an Arrow array are not null, as a bool array, read from its validity
-    bitmap (``Array.is_valid`` would import ``pyarrow.compute``: 0.2 s of a short read)."""
+    bitmap (``pyarrow.Array.is_valid`` would import ``pyarrow.compute``: 0.2 s of a short read)."""
     validity = column.buffers()[0]
     if column.null_count == 0 or validity is None:
         return np.ones(len(column), dtype=bool)
@@ -211,7 +205,7 @@ def _read_only(array: np.ndarray) -> np.ndarray:
 
 def owned_copy(view: np.ndarray) -> np.ndarray:
     """A writable copy of a view in the machine's byte order (a plain copy where that is
-    already little-endian: 2x faster than ``astype``)."""
+    already little-endian: faster than ``astype``)."""
     return view.copy() if view.dtype.isnative else view.astype(view.dtype.newbyteorder("="))
 
 

@@ -11,28 +11,11 @@ order that keeps it crash-safe:
   (``OUT.partial/``) are deleted. The upload is whole or absent
   (``storage.upload_file_whole``): an interrupted or failed one leaves no object, and a
   run whose output would outgrow what one upload can hold is refused before it encodes
-  (``OutputLayout.check_file_size``).
+  (``layout.OutputLayout.check_file_size``).
 
-Before a run, the output's dsv4enc objects are brought into the staging folder: its
-manifests always, its parts with ``--resume`` (so ``--resume`` reuses the committed ones), a
-stand-in for a final file and for foreign objects, so that the local checks (``--overwrite``,
-``--resume``, "not a dsv4enc output") decide exactly as for a local path.
-
-Under torchrun with ``--shard-output`` every rank writes straight to the store: each mirrors
-its own staging folder (its parts and its ``_manifest-rankNNN.json``) with its own upload
-thread, and ``--resume`` brings each rank its own manifest and parts. Rank 0 checks the
-output and holds the lock; once every rank has uploaded all it committed, rank 0 uploads the
-merged ``_manifest.json`` (``Topology.merge_manifests``), so nothing funnels through it.
-
-A store that stops answering ends the run (``storage.StoreDown``); the clean-up then fails
-fast and quietly, and the one line says how many finished parts the store keeps.
-
-Locking: ``flock`` cannot work on a bucket. The run writes a lock object
-``PARTS/.dsv4enc.lock`` (pid, host, time; rewritten every ``HEARTBEAT_S``) and refuses to start
-when another run's lock is fresh. A lock whose holder is a dead process on this host, or that
-was not refreshed for ``STALE_S``, is taken over. Object stores have no atomic
-create-if-absent, so two runs started within the same second can both pass the check: start
-one run per output.
+Before a run the output's dsv4enc objects are brought into the staging folder
+(``RemoteOutput.pull``), so that the local checks decide exactly as for a local path; a lock
+object keeps two runs off one output (``RemoteOutput.lock_object``).
 """
 
 from __future__ import annotations
@@ -140,7 +123,7 @@ class RemoteOutput:
     # -- whose files -------------------------------------------------------------------------
     @property
     def own_manifest(self) -> str:
-        """The manifest this rank mirrors (as ``OutputLayout.manifest_name`` names it)."""
+        """The manifest this rank mirrors (as ``layout.OutputLayout.manifest_name`` names it)."""
         return f"_manifest-rank{self.rank:03d}.json" if self.sharded else MANIFEST_NAME
 
     def _mine(self, name: str) -> bool:
@@ -200,7 +183,17 @@ class RemoteOutput:
     def pull(self) -> None:
         """Check the inputs against the output, take the lock object, and bring the output's
         dsv4enc state into the staging folder (run on the writing rank only). A missing
-        bucket or a denied permission is one setup line."""
+        bucket or a denied permission is one setup line.
+
+        Brought in: its manifests always, its parts with ``--resume`` (so that ``--resume``
+        reuses the committed ones), a stand-in for a final file and for foreign objects, so
+        that ``--overwrite``, ``--resume`` and "not a dsv4enc output" decide as for a local
+        path. Under torchrun with ``--shard-output`` each rank mirrors its own staging folder
+        (its parts and its ``_manifest-rankNNN.json``) with its own upload thread, and once
+        every rank has uploaded all it committed rank 0 uploads the merged
+        ``_manifest.json`` (``run/ranks.Topology.merge_manifests``): nothing funnels through
+        one rank. A store that stops answering ends the run (``storage.StoreDown``); the
+        clean-up then fails fast and quietly."""
         if self._problem is not None:
             raise self._problem
         try:
@@ -309,11 +302,19 @@ class RemoteOutput:
             raise OutputError(storage.describe(url, exc)) from None
 
     # -- the lock object -------------------------------------------------------------------
-    def _lock_url(self) -> str:
+    @property
+    def lock_object(self) -> str:
+        """The lock's URL, ``PARTS/.dsv4enc.lock``: ``flock`` cannot work on a bucket.
+
+        It holds pid, host and time, rewritten every ``HEARTBEAT_S``; a run refuses to start
+        while another's is fresh, and takes over one whose holder is a dead process on this
+        host or that was not refreshed for ``STALE_S``. Object stores have no atomic
+        create-if-absent, so two runs started within the same second can both pass the
+        check: start one run per output."""
         return storage.join(self.parts_url, LOCK_NAME)
 
     def _take_lock(self) -> None:
-        url = self._lock_url()
+        url = self.lock_object
         try:
             held = json.loads(storage.read_bytes(url)) if storage.exists(url) else None
         except (OSError, ValueError):
@@ -330,12 +331,12 @@ class RemoteOutput:
     def _write_lock(self) -> None:
         body = json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
                            "time": time.time()}).encode()
-        storage.upload(self._lock_url(), body)
+        storage.upload(self.lock_object, body)
 
     def _release_lock(self) -> None:
         if self._lock_held:
             self._lock_held = False
-            _delete(self._lock_url())
+            _delete(self.lock_object)
 
     # -- during the run ----------------------------------------------------------------------
     def start(self) -> None:
@@ -515,8 +516,8 @@ class RemoteOutput:
                 self._release_lock()
         except OSError as exc:  # the store is down (said already) or the lock goes stale
             if storage.outage_cause(exc) is None:
-                log.warning("could not delete the lock object %s (%s)", self._lock_url(),
-                            storage.describe(self._lock_url(), exc))
+                log.warning("could not delete the lock object %s (%s)", self.lock_object,
+                            storage.describe(self.lock_object, exc))
         finally:
             shutil.rmtree(self.staging, ignore_errors=True)
 

@@ -1,7 +1,7 @@
 """``encode --update``: bring a finished output up to date with its inputs.
 
 An output remembers, per row, a stamp of the input it came from: an 8-byte hash of the row's
-key and of its file's stamp (size, modification time, inode and mode: ``run/plan.file_stamp``,
+key and of its file's stamp (size, modification time, inode and mode: ``images/headers.file_stamp``,
 what ``--resume`` checks). Where it keeps them:
 
 - a single file: in its footer, one key-value entry (``STAMPS_KEY``) written with the footer
@@ -60,12 +60,28 @@ _MAGIC = b"DSV4ENC-STAMPS1\n"
 #: Settings that decide how parts are cut, not what rows hold: an update may differ there.
 _NOT_ROWS = ("part_images",)
 #: The flag that chooses a setting, for the refusal's one line.
-_FLAG_OF_SETTING = {"compute_dtype": "--dtype", "device": "--device",
-                    "out_dtype": "--out-dtype", "features": "--features", "pool": "--pool",
-                    "layout": "--layout", "max_pixels": "--max-pixels",
-                    "image_column": "--image-column", "key_column": "--key-column",
-                    "keep_columns": "--keep-column",
-                    "weights_fingerprint": "--weights", "config": "--weights/--config"}
+#: The flag that sets each recorded setting whose value is the flag's argument.
+FLAG_OF_SETTING = {"compute_dtype": "--dtype", "device": "--device", "out_dtype": "--out-dtype",
+                   "features": "--features", "pool": "--pool", "layout": "--layout",
+                   "max_pixels": "--max-pixels", "image_column": "--image-column",
+                   "key_column": "--key-column"}
+#: How a refusal names the recorded settings whose value is no flag's argument.
+SHOWN_SETTING = {"keep_columns": "--keep-column", "weights_fingerprint": "the weights (--weights)",
+                 "config": "the model config (--weights/--config)"}
+
+
+def setting_refusal(refused: str, used: str, key: str, then: Any, now: Any, *,
+                    rerun: str = "", again: str) -> str:
+    """The one line that refuses a run whose setting ``key`` is ``now`` where the output it
+    continues has ``then``: ``refused`` opens it ("cannot resume"), ``used`` says whose the
+    old value was ("the interrupted run used"), ``rerun`` follows the flag that would agree
+    (" to resume it"), and ``again`` is what --overwrite does instead."""
+    flag = FLAG_OF_SETTING.get(key)
+    if flag is not None and isinstance(then, (str, int)) and isinstance(now, (str, int)):
+        return (f"{refused}: {used} {flag} {then}, this run asks for {now}; rerun with {flag} "
+                f"{then}{rerun} (or --overwrite to {again})")
+    shown = SHOWN_SETTING.get(key) or flag or key.replace("_", " ")
+    return f"{refused}: {shown} differs ({then!r} then, {now!r} now); use --overwrite to {again}"
 
 
 # ----------------------------------------------------------------------------- stamps
@@ -206,15 +222,8 @@ class OldOutput:
             then = self.settings.get(key)
             if key in _NOT_ROWS or then == now:
                 continue
-            flag = _FLAG_OF_SETTING.get(key)
-            if flag is not None and isinstance(then, (str, int)) and isinstance(now, (str, int)):
-                raise UsageError(f"cannot update {self.out}: it was made with {flag} {then}, "
-                                 f"this run asks for {now}; rerun with {flag} {then} (or "
-                                 "--overwrite to encode everything again)")
-            shown = flag or key.replace("_", " ")
-            raise UsageError(f"cannot update {self.out}: {shown} differs from the one it was "
-                             f"made with ({then!r} then, {now!r} now); use --overwrite to "
-                             "encode everything again")
+            raise UsageError(setting_refusal(f"cannot update {self.out}", "it was made with",
+                                             key, then, now, again="encode everything again"))
 
     def column(self, name: str) -> Iterable[Any]:
         """One small column's values, row by row, read a row group at a time."""

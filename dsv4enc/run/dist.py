@@ -1,4 +1,4 @@
-"""Running on many ranks (SPEC §7-8): the process group and row gathering (the tensor-parallel
+"""Running on many ranks: the process group and row gathering (the tensor-parallel
 weight slicing is a model transform: ``tower/tensor_parallel``, applied by ``run/ranks``).
 
 ``torch.distributed`` is touched here only, through a ``DistContext``; the run's collectives
@@ -174,7 +174,7 @@ def shutdown(ctx: DistContext | None) -> None:
 
 
 # --------------------------------------------------------------------------------------------
-# Data parallel: who encodes what (SPEC §7)
+# Data parallel: who encodes what
 
 
 def gather_rows(ctx: DistContext, local_rows: torch.Tensor,

@@ -215,7 +215,7 @@ class PartEncoder:
     def submit_batch(self, planned: Sequence[Planned], batch: list[int],
                      decoded: Iterator[tuple[int, Decoded]]) -> dict[int, Row]:
         """Take a batch's decoded images and start them on the engine. Returns the rows of
-        images that failed to decode; the others come from ``self.loop``."""
+        images that failed to decode; the others come from ``BatchRows.loop``."""
         rows: dict[int, Row] = {}
         ready: list[tuple[int, Decoded]] = []
         began = time.perf_counter()

@@ -5,15 +5,29 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Literal, get_args
 
-from ..engine.defaults import DEFAULT_MAX_IMAGES
+from ..engine.defaults import DEFAULT_MAX_IMAGES, FEATURES, POOLS, Features, Pool
 from ..errors import UsageError
 from ..images.formats import DEFAULT_DECODE_TIMEOUT_S, DEFAULT_MAX_PIXELS
+from ..output import LAYOUTS, STORED_DTYPES, Layout, StoredDtype
 from ..storage import OUTAGE_S
+from ..tower.config import Attention
 
 COLLECTIVE_TIMEOUT_S = 300.0  # --timeout: how long a collective waits for a peer rank
 COMMIT_EVERY_S = 30.0  # --commit-every: seconds of encoding before finished work is committed
 LOG_EVERY_S = 30.0  # --log-every: seconds between progress lines when stderr is not a terminal
+
+#: How the ranks share the tower: each encodes its own images, or the weights are split.
+TpMode = Literal["data", "weights"]
+#: What a rank's share of the images is balanced by.
+Balance = Literal["patches", "flops"]
+BALANCE_CHOICES: tuple[str, ...] = get_args(Balance)
+#: Each choice option's values, defined once: ``validate``, the command line's ``--help`` and
+#: the Python API (``api.Encoder``, ``batch.BatchEncoder``) read them.
+CHOICES: dict[str, tuple[str, ...]] = {
+    "out_dtype": STORED_DTYPES, "features": FEATURES, "pool": POOLS, "layout": LAYOUTS,
+    "tp_mode": get_args(TpMode), "balance": BALANCE_CHOICES}
 
 
 @dataclass
@@ -33,10 +47,10 @@ class EncodeOptions:
     seed: int = 0
     device: str = "auto"
     dtype: str = "auto"
-    out_dtype: str = "float16"
-    features: str = "aligner"
-    pool: str = "none"
-    layout: str = "binary"  # the embedding column's layout (SPEC §9): binary or nested
+    out_dtype: StoredDtype = "float16"
+    features: Features = "aligner"
+    pool: Pool = "none"
+    layout: Layout = "binary"  # the embedding column's layout (docs/output-format.md): binary or nested
     batch_tokens: int | None = None
     max_images: int = DEFAULT_MAX_IMAGES
     workers: int | None = None
@@ -45,13 +59,13 @@ class EncodeOptions:
     update: bool = False  # encode what the output lacks, drop what is gone (output/update)
     max_pixels: int = DEFAULT_MAX_PIXELS
     decode_timeout: float = DEFAULT_DECODE_TIMEOUT_S
-    attention: str = "auto"
+    attention: Attention = "auto"
     cuda_graphs: bool | None = None
     deterministic: bool = True  # batch-invariant rows (Engine)
     fused: bool = False  # compiled elementwise kernels (fusion.py)
     shard_output: bool = False
-    tp_mode: str = "data"
-    balance: str = "patches"
+    tp_mode: TpMode = "data"
+    balance: Balance = "patches"
     timeout: float = COLLECTIVE_TIMEOUT_S
     part_images: int | None = None
     commit_every: float = COMMIT_EVERY_S
@@ -84,11 +98,7 @@ def validate(opts: EncodeOptions) -> None:
     if opts.config and not opts.random_init:
         raise UsageError("--config only applies with --random-init (a checkpoint has its own "
                          "config.json)")
-    choices = {"out_dtype": ("float16", "float32"), "features": ("aligner", "vit"),
-               "pool": ("none", "mean"), "layout": ("binary", "nested"),
-               "tp_mode": ("data", "weights"),
-               "balance": ("patches", "flops")}
-    for name, allowed in choices.items():
+    for name, allowed in CHOICES.items():
         if getattr(opts, name) not in allowed:
             raise UsageError(f"--{name.replace('_', '-')} must be one of {', '.join(allowed)}")
     for name in ("batch_tokens", "max_images", "max_pixels", "part_images"):

@@ -6,7 +6,7 @@ input ranges by input order alone, the unit of commit and resume), each part sti
 planned when the encoder comes near it (``run/setup.Windows``: its headers read, its images
 packed into nearly full batches), and decode workers stream exactly those images, in that
 order, a bounded distance ahead of the device. Parts are written by a background thread. Under torchrun, each part's images are
-shared among ranks by the greedy rule of SPEC §7 (or the tower is split, SPEC §8).
+shared among ranks by ``plan.share_for_ranks``' greedy rule (or the tower is split, ``tower/tensor_parallel``).
 """
 
 from __future__ import annotations
@@ -152,7 +152,7 @@ def run_encode(opts: EncodeOptions, dist=None, setup: RunSetup | None = None,
     torch was imported); this call owns and closes it (and makes its own without one).
     ``stop``: the caller's installed signal handling; by default this call installs its own
     (from the main thread) and restores the previous handlers when it returns.
-    ``stand_in``: computes the rows instead of the tower (``hostbench.NullStage`` measures the
+    ``stand_in``: computes the rows instead of the tower (``bench/host.NullStage`` measures the
     host side alone): its ``checkpoint`` stands for the weights (config and fingerprint), and
     its ``engine(device, opts)`` for the Engine; no weights are loaded. ``source``: the
     engine (``LocalParts`` by default; closed by this call)."""

@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Callable, Collection, Sequence
 
 from ..errors import UsageError
+from .options import BALANCE_CHOICES
 from ..images.decode import Probe
 from ..images.headers import PROBE_TIMEOUT_S, Planned, inputs_digest, probe_all
 from ..images.items import InputItem
@@ -183,13 +184,13 @@ def plan_segments(planned: Sequence[Planned], part: Part, ranks: Topology | None
             for first, last in _segments(planned, start, end, segment_tokens)]
 
 
-# ----------------------------------------------------------------------------- ranks (SPEC §7)
+# ----------------------------------------------------------------------------- ranks
 
-BALANCE_CHOICES = ("patches", "flops")
+
 
 
 def patch_cost(n_h: int, n_w: int) -> float:
-    """Cost of an image: its patch count (the SPEC's default)."""
+    """Cost of an image: its patch count (the default ``--balance``)."""
     return float(n_h * n_w)
 
 
@@ -264,8 +265,8 @@ def rank_row_counts(assignment: Sequence[Sequence[int]],
 
 def share_for_ranks(planned: Sequence[Planned], indices: list[int], world_size: int,
                     balance: str, cfg: VisionConfig | None = None) -> list[list[int]]:
-    """Greedy assignment (SPEC §7) of ``indices`` to ranks; failed items cost nothing (they
-    go last, so they move no other item)."""
+    """Greedy assignment of ``indices`` to ranks by cost (``--balance``); failed items cost
+    nothing (they go last, so they move no other item)."""
     if balance == "flops" and cfg is not None:
         costs = [flops_cost(planned[i].n_h, planned[i].n_w, cfg) if planned[i].error is None
                  else 0 for i in indices]

@@ -1,13 +1,13 @@
 """How a run is spread over processes, and the one place that talks to the other ranks.
 
-A ``Topology`` is built once per run from the torchrun context (``sharding.DistContext``, or
+A ``Topology`` is built once per run from the torchrun context (``dist.DistContext``, or
 None for a plain launch) and the options. Its kind:
 
 - ``single``: one process, no collectives;
 - ``gathered``: data parallel, each rank encodes its greedy share of every part and rank 0
   gathers the rows and writes the output;
 - ``sharded``: data parallel with ``--shard-output``, each rank writes its own share;
-- ``tensor-parallel``: the tower is split over the ranks (SPEC §8), every rank makes every
+- ``tensor-parallel``: the tower is split over the ranks (``tower/tensor_parallel``), every rank makes every
   row and rank 0 writes them.
 
 Every collective of the run goes through it: output checks run on rank 0 then raised

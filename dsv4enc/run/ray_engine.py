@@ -15,7 +15,7 @@ folder or a bucket: only item locators travel), writes the part file into the ou
 store itself (``output/parts.write_part``, as a torchrun rank of ``--shard-output`` does:
 under a temporary name in a local folder, which every node must share, or uploaded whole to
 the bucket) and sends back only its manifest entry and counts. The driver never holds a
-row: it renames and records (``PartStore.commit_written``), and joins a single-file
+row: it renames and records (``output/parts.PartStore.commit_written``), and joins a single-file
 ``--out`` from the parts at the end, as the local run joins them.
 
 Exactly once: Ray computes, dsv4enc's manifest commits. The driver commits each part once,

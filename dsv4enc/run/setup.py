@@ -319,7 +319,7 @@ def start_prefetch(opts: EncodeOptions, stop: StopSignals | None = None) -> RunS
     """Check the options and list the inputs before torch is imported (the same errors, in
     the same order, as ``run_encode``), so that a bad input set fails fast and nothing is
     walked or read from stdin twice. Returns None under torchrun (each rank lists for
-    itself); raises ``Interrupted`` when ``stop`` records a signal meanwhile."""
+    itself); raises ``errors.Interrupted`` when ``stop`` records a signal meanwhile."""
     if launched_ranks() > 1:
         return None
     validate(opts)

@@ -26,8 +26,8 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import UsageError
+from .config import ATTENTION_BACKENDS
 
-BACKENDS = ("auto", "flash", "varlen", "sdpa")
 
 
 @dataclass
@@ -154,8 +154,9 @@ def select_attention(name: str, device: torch.device | str) -> tuple[str, Attent
     A forced backend that cannot run here is a UsageError with a one-line reason.
     """
     device = torch.device(device)
-    if name not in BACKENDS:
-        raise UsageError(f"unknown attention backend {name!r} (choose from {', '.join(BACKENDS)})")
+    if name not in ATTENTION_BACKENDS:
+        raise UsageError(f"unknown attention backend {name!r} (choose from "
+                         f"{', '.join(ATTENTION_BACKENDS)})")
     if name == "auto":
         name = available_backends(device)[0]
     if name in ("flash", "varlen") and device.type != "cuda":

@@ -1,4 +1,4 @@
-"""Checkpoint loading (SPEC §1-2): the tower's tensors only, from only the shards that hold them.
+"""Checkpoint loading: the tower's tensors only, from only the shards that hold them.
 
 A real DeepSeek-V4 checkpoint is hundreds of GB with FP8/int language-model tensors beside the
 tower's bf16 ones. We read ``model.safetensors.index.json`` when present (else scan each

@@ -1,13 +1,18 @@
-"""The tower's configuration (SPEC §1): one dataclass, read from either checkpoint layout."""
+"""The tower's configuration: one dataclass, read from either checkpoint layout."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, get_args
 
 from ..errors import ConfigError
+
+#: The attention kernels a tower may run with (``--attention``; ``tower/attention`` picks and
+#: checks them). Here, torch-free, so that the command line's --help lists them.
+Attention = Literal["auto", "flash", "varlen", "sdpa"]
+ATTENTION_BACKENDS: tuple[str, ...] = get_args(Attention)
 
 # Official flat key -> (field, nested vision_config key). hidden_size lives in text_config.
 _FLAT_TO_FIELD = {
@@ -24,7 +29,7 @@ _FLAT_TO_FIELD = {
 }
 
 # The checkpoints dsv4enc encodes for, by config.json ``model_type``. Both have the same tower;
-# the image geometry (SPEC §4) differs, and is chosen from this, never guessed from sizes.
+# the image geometry (``tower/transform``) differs, and is chosen from this, never guessed from sizes.
 DEEPSEEK_V4 = "deepseek_v4"
 DEEPSEEK_V41 = "deepseek_v41"
 MODEL_NAMES = {DEEPSEEK_V4: "DeepSeek-V4", DEEPSEEK_V41: "DeepSeek-V4.1"}
@@ -78,7 +83,7 @@ class VisionConfig:
     min_pixels: int
     max_wh_ratio: float | None
     hidden_size: int
-    model_type: str = DEEPSEEK_V4  # picks the image geometry (SPEC §4)
+    model_type: str = DEEPSEEK_V4  # picks the image geometry (tower/transform)
 
     def __post_init__(self) -> None:
         for name in ("n_layers", "dim", "n_heads", "inter_dim", "patch_size",

@@ -2,28 +2,10 @@
 functions, installed from outside so that ``model.py`` stays the eager reference.
 
 Fused: float32 RMSNorm (with the residual add before the second norm), RoPE on q and k, and
-SwiGLU. GEMMs and attention stay as they are (cuBLAS / MKL / oneDNN and the attention
-backend), so the fused tower computes the same math with fewer passes over memory: on CUDA
-each of these becomes one Triton kernel instead of five to eight ATen ones; on the CPU one
-inductor C++ loop.
-
-On the CPU compiled with ``dynamic=True``: one kernel serves every row count, so the
-per-image execution does not recompile per image, and a row's value never depends on which
-kernel a shape happened to get (rows stay batch-invariant). On CUDA with static shapes: the
-batch-invariant engine runs every batch in one bucket, so there is one shape to compile for,
-and kernels specialized to it ran faster than the shape-generic ones (RoPE 4.5x;
-benchmarks/RESULTS.md). A CUDA engine without the invariant path (``--no-deterministic``,
-tensor parallelism) meets many shapes, and keeps shape-generic kernels.
-
-Results equal the eager functions to float rounding (a fused kernel may keep a value in a
-register in float32 instead of rounding it to the compute dtype in between):
-``tests/test_tower_fusion.py`` holds them to it.
-
-Under ``ATEN_CPU_CAPABILITY`` (ATen's CPU kernels capped below what the CPU has, e.g. avx2
-on an AVX-512 machine), inductor follows the cap in its choice of instruction set but its
-shape-generic kernels came out wrong (NaN from SwiGLU on a Zen 5 capped to avx2, torch
-2.13), while the same kernels built for an explicit vector width are right: so the width is
-then set to the capped level's (``pin_cpu_vector_width``).
+SwiGLU; GEMMs and attention stay as they are, so the fused tower computes the same math with
+fewer passes over memory (one Triton kernel, or one inductor C++ loop, instead of several
+ATen ones). Results equal the eager functions to float rounding (a fused kernel may keep a
+value in float32 in a register): ``tests/test_tower_fusion.py`` holds them to it.
 """
 
 from __future__ import annotations
@@ -46,8 +28,13 @@ SIMD_BITS = {"AVX512": 512, "AVX2": 256, "DEFAULT": 0}
 
 
 def pin_cpu_vector_width() -> None:
-    """Under ``ATEN_CPU_CAPABILITY``, tell inductor the capped level's vector width (see the
-    module doc), unless the width was set already; elsewhere inductor chooses as it does."""
+    """Under ``ATEN_CPU_CAPABILITY``, tell inductor the capped level's vector width, unless
+    the width was set already; elsewhere inductor chooses as it does.
+
+    Why: with ATen's CPU kernels capped below what the CPU has (e.g. avx2 on an AVX-512
+    machine), inductor follows the cap in its instruction set, but its shape-generic kernels
+    came out wrong (NaN from SwiGLU on a Zen 5 capped to avx2, torch 2.13), while the same
+    kernels built for an explicit vector width are right."""
     from torch._inductor import config
 
     if config.cpp.simdlen is not None or not os.environ.get("ATEN_CPU_CAPABILITY"):
@@ -69,8 +56,14 @@ def fuse_elementwise(model: VisionTower, dynamic: bool = True) -> VisionTower:
     """Install compiled elementwise functions on every block of ``model`` (in place), for an
     Engine that runs batches of any shape (``dynamic``, shape-generic kernels) or every batch
     at one shape (``dynamic=False``: kernels specialized to it; ``engine.runs_one_shape`` says
-    which, and ``engine/factory.build_model`` asks it; see the module doc). The compile itself happens at the first forward (and takes tens of
-    seconds on a CPU). Raises UsageError when this torch cannot compile (no inductor, no C++
+    which, and ``engine/factory.build_model`` asks it). The compile itself happens at the
+    first forward (and takes tens of seconds on a CPU).
+
+    Shape-generic on the CPU: one kernel serves every row count, so nothing recompiles per
+    image and a row's value never depends on which kernel its shape got (rows stay
+    batch-invariant). Specialized on CUDA when the engine runs every batch at one shape: such
+    kernels ran faster (benchmarks/RESULTS.md); an engine that meets many shapes
+    (``--no-deterministic``, tensor parallelism) keeps shape-generic ones. Raises UsageError when this torch cannot compile (no inductor, no C++
     compiler found).
     """
     try:

@@ -1,4 +1,4 @@
-"""DeepSeek-V4 vision tower math (SPEC §2-3, §5): pure torch, no I/O, no distributed calls.
+"""DeepSeek-V4 vision tower math: pure torch, no I/O, no distributed calls.
 
 Parameter names are the checkpoint's (``vision.…``, ``aligner.…``). The attention kernel is
 injected (``VisionTower.attend``), and tensor parallelism is applied from outside by slicing
@@ -167,7 +167,7 @@ def grid_positions(n_h: int, n_w: int, device: torch.device | str = "cpu") -> to
 
 
 def rope_formula(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """``apply_rope`` written as SPEC §3 states it (the form a compiler fuses into one pass)."""
+    """``apply_rope`` written as the rotation formula (the form a compiler fuses into one pass)."""
     xf = x.float()
     a, b = xf.chunk(2, dim=-1)
     return torch.cat([a * cos - b * sin, b * cos + a * sin], dim=-1).to(x.dtype)

@@ -1,4 +1,4 @@
-"""Tensor parallelism as a model transform (SPEC §8): a tower sliced in place into one
+"""Tensor parallelism as a model transform: a tower sliced in place into one
 rank's shard, with combine hooks that sum the partial outputs over the ranks. The tower
 knows no ranks: ``run/ranks.Topology.split_tower`` applies this from outside with the rank,
 the world size and the all-reduce of its process group."""
@@ -63,8 +63,8 @@ def _shard_columns(linear: torch.nn.Linear, rank: int, world: int,
 
 def apply_tensor_parallel(model: VisionTower, rank: int, world_size: int,
                           all_reduce: AllReduce) -> bool:
-    """Slice ``model`` in place into rank ``rank``'s tensor-parallel shard of ``world_size``
-    (SPEC §8); ``all_reduce(tensor)`` sums a tensor over the ranks in place and returns it
+    """Slice ``model`` in place into rank ``rank``'s tensor-parallel shard of ``world_size``;
+    ``all_reduce(tensor)`` sums a tensor over the ranks in place and returns it
     (``run/dist.DistContext.all_reduce_sum``).
 
     wqkv (q, k, v each by heads), mlp.w1 (gate, up each by halves) and aligner.w1 keep

@@ -1,4 +1,4 @@
-"""The image transform (SPEC §4): bit-exact with the reference on 8-bit images.
+"""The image transform: bit-exact with the reference on 8-bit images.
 
 ``plan_canvas`` maps an image size to its canvas and patch grid without touching pixels, so
 grids can be known from image headers alone; ``image_to_patches`` does the pixel work.
@@ -47,7 +47,7 @@ def llm_grid(bh: int, bw: int, patch: int, ratio: int) -> tuple[int, int]:
 
 
 def count_llm_tokens(bh: int, bw: int, patch: int, ratio: int) -> int:
-    """LLM tokens the V4 reference spends on a (bh, bw) canvas (SPEC §4 step 4): reading
+    """LLM tokens the V4 reference spends on a (bh, bw) canvas: reading
     order plus an odd-row padding row, a parity term and a leading pad."""
     lh, lw = llm_grid(bh, bw, patch, ratio)
     tokens = lh * (lw + 1) + 2
@@ -66,7 +66,7 @@ def count_llm_tokens_v41(bh: int, bw: int, patch: int, ratio: int) -> int:
 
 
 def plan_canvas(width: int, height: int, cfg: VisionConfig) -> Canvas:
-    """Canvas and patch grid for an image of ``width`` x ``height`` pixels (SPEC §4 steps 2-6),
+    """Canvas and patch grid for an image of ``width`` x ``height`` pixels,
     with the geometry of ``cfg.model_type`` (V4 or V4.1).
 
     Raises ValueError for a size that has no canvas (zero area).
@@ -96,7 +96,7 @@ def plan_canvas(width: int, height: int, cfg: VisionConfig) -> Canvas:
 
 
 def _fit_budget_v4(W: float, H: float, bw: int, bh: int, cfg: VisionConfig) -> tuple[int, int]:
-    """V4 (SPEC §4 step 5): budget max_n_token - 3; re-solve with a shrinking budget until
+    """V4: budget max_n_token - 3; re-solve with a shrinking budget until
     the canvas fits. Returns (bw, bh)."""
     p, r = cfg.patch_size, cfg.downsample_ratio
     budget = cfg.max_n_token - 3
@@ -166,7 +166,7 @@ def max_image_tokens(cfg: VisionConfig) -> int:
     """Most patches one transformed image can have: r^2 * (budget - 3), where the budget is
     max_n_token - 3 for V4 and the full max_n_token for V4.1.
 
-    Why: the transform (SPEC §4) only returns a canvas whose LLM-token count is within the
+    Why: the transform only returns a canvas whose LLM-token count is within the
     budget, and that count (either variant's) is at least lh*(lw+1) + 2 = lh*lw + lh + 2 >=
     lh*lw + 3 (lh >= 1), so lh*lw <= budget - 3. The patch grid has n_h <= r*lh and
     n_w <= r*lw with lh = ceil(n_h/r), lw = ceil(n_w/r), hence N <= r^2 * (budget - 3).
@@ -217,8 +217,8 @@ def _pair_lut(single: np.ndarray) -> np.ndarray | None:
     """The lookup for two neighbouring bytes at once: entry ``a | b << 8`` holds the bf16
     bits of ``a`` in its low half and of ``b`` in its high half, so a uint16 view of the
     pixel bytes indexes it and a uint32 view of the output receives it. Half the lookups,
-    and half the index array that numpy's ``take`` first widens to 8 bytes per index: 5.2
-    -> 2.9 ms per 1024x768 photo, the same bits. Both views read memory little-endian;
+    and half the index array that numpy's ``take`` first widens to 8 bytes per index, for
+    the same bits. Both views read memory little-endian;
     on a big-endian host there is no pair table (None) and pixels are looked up one by one.
     """
     if sys.byteorder != "little":

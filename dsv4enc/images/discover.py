@@ -168,8 +168,10 @@ def stream_inputs(found: Discovery, inputs: Iterable[str], files_from: str | Non
                   stop: Stop | None = None, table_paths_roots: Iterable[str] = (),
                   keep_columns: Sequence[str] = ()) -> Iterator[InputItem]:
     """Expand folders and files (and an optional path list) into items, in input order, as
-    the listing reaches them: a folder is walked entry by entry (``iter_folder``), a path
-    list read line by line; a container (``.parquet``/``.arrow``/``.feather`` table, ``.tar``
+    the listing reaches them: a folder is walked entry by entry (``iter_folder``), a
+    prefix's objects taken in its listing's order (``storage.list_files``, which lists the
+    prefix whole), a path list's lines taken in order (the list is read whole: its refusal
+    when no path exists needs every line); a container (``.parquet``/``.arrow``/``.feather`` table, ``.tar``
     shard) is indexed when it is reached. Every key is unique (``UniqueKeys``).
 
     ``found`` counts what was passed over (``skipped``), the folders that could not be

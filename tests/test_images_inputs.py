@@ -222,3 +222,76 @@ def test_unreadable_files_from_is_a_usage_error(tmp_path):
     with pytest.raises(UsageError) as info:
         read_path_list(str(tmp_path / "no-such-list.txt"))
     assert "\n" not in str(info.value) and "--files-from" in str(info.value)
+
+
+# --------------------------------------------------------------------------- streaming
+
+TRICKY = ["a.png", "a/b.png", "a.b/c.png", "a-b.png", "a b/c.jpg", ".hidden.png", "..dots.png",
+          "x/.y/z.png", "é.webp", "e\u0301.png", "日本/a.jpg", "日本.jpeg", "A.PNG", "#1.png",
+          "a/b/c/d.png", "a/b.c.png", "ab/c.png", "a0.png", "a/0.png"]
+
+
+def test_streamed_walk_is_the_sorted_order(tmp_path):
+    """The walk yields as it goes, in the order of the paths sorted component by component
+    (each folder's entries by name): the folder "a" comes before "a.png", as the name "a"
+    sorts before "a.png", though as whole strings "a.png" < "a/b.png". It is the order the
+    keys' ``#N`` numbers and the parts' bounds were always cut from."""
+    from dsv4enc.images.discover import Discovery, iter_folder
+
+    for name in TRICKY:
+        touch(tmp_path / name)
+    touch(tmp_path / "a" / "notes.txt")
+    found = Discovery(items=[])
+    streamed = keys(iter_folder(tmp_path, found))
+    assert streamed == sorted(TRICKY, key=lambda k: k.split("/"))
+    assert found.skipped == 1
+    # the whole-list discovery gives the same keys in the same order
+    assert keys(discover([str(tmp_path)]).items) == streamed
+
+
+def test_first_inputs_come_before_the_listing_ends(tmp_path, monkeypatch):
+    """A folder that cannot be listed yet (its listing stands for a slow file system or a
+    bucket's later pages) does not hold back the inputs found before it."""
+    from dsv4enc.images import discover as discover_module
+    from dsv4enc.images.discover import Discovery, stream_inputs
+
+    for name in ["a/1.png", "a/2.png", "b/3.png", "z/4.png"]:
+        touch(tmp_path / name)
+    real = discover_module._list_folder
+    reached: list[str] = []
+
+    def listing(folder: str):
+        reached.append(Path(folder).name)
+        if Path(folder).name == "z":
+            raise AssertionError("the folder z was listed before the first inputs were taken")
+        return real(folder)
+
+    monkeypatch.setattr(discover_module, "_list_folder", listing)
+    found = Discovery(items=[])
+    stream = stream_inputs(found, [str(tmp_path)])
+    assert [next(stream).key, next(stream).key] == ["a/1.png", "a/2.png"]
+    assert "z" not in reached and not found.listed
+    monkeypatch.setattr(discover_module, "_list_folder", real)
+    assert keys(stream) == ["b/3.png", "z/4.png"]
+    assert found.listed
+
+
+def test_streamed_keys_are_unique_across_inputs(tmp_path, monkeypatch):
+    """The same file given three times: numbered as the inputs come, as a whole list is."""
+    from dsv4enc.images.discover import Discovery, stream_inputs
+
+    touch(tmp_path / "a.png")
+    monkeypatch.chdir(tmp_path)
+    found = Discovery(items=[])
+    assert keys(stream_inputs(found, ["a.png", "a.png", "a.png"])) == ["a.png", "a.png#2",
+                                                                     "a.png#3"]
+    assert keys(discover(["a.png", "a.png", "a.png"]).items) == ["a.png", "a.png#2", "a.png#3"]
+
+
+def test_missing_input_is_refused_before_anything_is_listed(tmp_path):
+    from dsv4enc.images.discover import Discovery, stream_inputs
+
+    touch(tmp_path / "d" / "a.png")
+    stream = stream_inputs(Discovery(items=[]), [str(tmp_path / "d"), str(tmp_path / "gone")])
+    with pytest.raises(UsageError, match="input not found"):
+        next(stream)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Callable, Iterable, Protocol, Sequence
+from typing import Callable, Iterable, Iterator, Protocol, Sequence
 
 from .. import storage
 from ..errors import UsageError
@@ -49,6 +49,7 @@ class Discovery:
     tables: int = 0
     kept_fields: list = field(default_factory=list)
     unlisted: list[tuple[str, str]] = field(default_factory=list)
+    listed: bool = False  # the listing has ended (every input found; the counts are final)
 
 
 def _list_folder(folder: str) -> list[os.DirEntry]:
@@ -57,22 +58,20 @@ def _list_folder(folder: str) -> list[os.DirEntry]:
         return sorted(scan, key=lambda e: e.name)
 
 
-def walk_folder(root: Path, unlisted: list[tuple[str, str]] | None = None,
+def iter_folder(root: Path, found: "Discovery",
                 should_stop: Callable[[], bool] | None = None,
-                containers: list[tuple[str, str]] | None = None,
-                ) -> tuple[list[InputItem], int]:
-    """Image files under ``root``, recursively, in sorted (depth-first) order; symlinked
-    folders are followed once each (a loop does not repeat files).
+                containers: list[tuple[str, str]] | None = None) -> Iterator[InputItem]:
+    """Image files under ``root``, recursively, as the walk reaches them: depth-first, each
+    folder's entries sorted by name (so keys come in pathlib order, component by component:
+    ``b/z.png`` before ``b-c.gif``); symlinked folders are followed once each (a loop does
+    not repeat files). Only the folders on the path being walked are held, never the tree.
 
     Iterative, so any depth works. A folder that cannot be listed (no permission, a path
-    past PATH_MAX) is appended to ``unlisted`` as ``(path, reason)``, not dropped.
-    ``should_stop`` is polled once per entry; when it turns true, the walk returns what it
-    found so far. Container files (``sources.container_kind``) are appended to ``containers``
-    as ``(path relative to root, path)`` when it is given, else counted as skipped. Returns
-    (items, non-image files skipped)."""
-    items: list[InputItem] = []
-    skipped = 0
-    unlisted = [] if unlisted is None else unlisted
+    past PATH_MAX) is appended to ``found.unlisted`` as ``(path, reason)``, not dropped;
+    other files are counted in ``found.skipped``. ``should_stop`` is polled once per entry;
+    when it turns true, the walk ends. Container files (``sources.container_kind``) are
+    appended to ``containers`` as ``(path relative to root, path)`` when it is given, else
+    counted as skipped."""
     seen_dirs: set[tuple[int, int]] = set()
     # Each frame: a folder's remaining entries (reversed, so pop() takes the next) and the
     # folder's path relative to ``root``.
@@ -86,14 +85,14 @@ def walk_folder(root: Path, unlisted: list[tuple[str, str]] | None = None,
             seen_dirs.add((info.st_dev, info.st_ino))
             entries = _list_folder(folder)
         except OSError as exc:
-            unlisted.append((folder, exc.strerror or describe_os_error(exc)))
+            found.unlisted.append((folder, exc.strerror or describe_os_error(exc)))
             return
         stack.append((entries[::-1], rel))
 
     enter(str(root), "")
     while stack:
         if should_stop is not None and should_stop():
-            break
+            return
         entries, rel = stack[-1]
         if not entries:
             stack.pop()
@@ -110,12 +109,22 @@ def walk_folder(root: Path, unlisted: list[tuple[str, str]] | None = None,
         elif is_file or entry.is_symlink():
             # A dangling link with an image name still gets its (error) row.
             if is_image_name(entry.name):
-                items.append(InputItem(key=child_rel, path=entry.path))
+                yield InputItem(key=child_rel, path=entry.path)
             elif containers is not None and container_kind(entry.name) is not None:
                 containers.append((child_rel, entry.path))
             else:
-                skipped += 1
-    return items, skipped
+                found.skipped += 1
+
+
+def walk_folder(root: Path, unlisted: list[tuple[str, str]] | None = None,
+                should_stop: Callable[[], bool] | None = None,
+                containers: list[tuple[str, str]] | None = None,
+                ) -> tuple[list[InputItem], int]:
+    """``iter_folder``'s images as a list, and how many non-image files were skipped
+    (``unlisted``: where the folders that could not be listed are appended)."""
+    found = Discovery(items=[], unlisted=[] if unlisted is None else unlisted)
+    items = list(iter_folder(root, found, should_stop, containers))
+    return items, found.skipped
 
 
 def describe_os_error(exc: OSError) -> str:
@@ -146,99 +155,167 @@ def discover(inputs: Iterable[str], files_from: str | None = None,
              stop: Stop | None = None,
              table_paths_roots: Iterable[str] = (),
              keep_columns: Sequence[str] = ()) -> Discovery:
-    """Expand folders and files (and an optional path list) into items, in input order.
-
-    Container files given as inputs (``.parquet``/``.arrow``/``.feather`` tables, ``.tar``
-    WebDataset shards) are expanded into their images (``sources``); ``image_column`` and
-    ``key_column`` apply to the tables; ``keep_columns`` (and ``key_column``) are the tables'
-    columns the rows carry (``Discovery.kept_fields``). A path that does not exist is a
-    UsageError; so is an input set with nothing in it. Paths from ``--files-from`` are taken
-    as given: a missing one becomes an error row later. A folder that cannot be listed is
-    logged as a warning and counted in ``Discovery.unlisted``. When ``stop`` records a
-    signal, the walk ends early and ``errors.Interrupted`` is raised (a partial listing is never
-    returned).
-    """
+    """Every item of ``stream_inputs`` at once, in ``Discovery.items`` (for what needs the
+    whole list first: ``--update``'s matching, ``--engine ray``, the Python API)."""
     found = Discovery(items=[])
+    found.items = list(stream_inputs(found, inputs, files_from, image_column, key_column,
+                                     stop, table_paths_roots, keep_columns))
+    return found
+
+
+def stream_inputs(found: Discovery, inputs: Iterable[str], files_from: str | None = None,
+                  image_column: str | None = None, key_column: str | None = None,
+                  stop: Stop | None = None, table_paths_roots: Iterable[str] = (),
+                  keep_columns: Sequence[str] = ()) -> Iterator[InputItem]:
+    """Expand folders and files (and an optional path list) into items, in input order, as
+    the listing reaches them: a folder is walked entry by entry (``iter_folder``), a
+    prefix's objects taken in its listing's order (``storage.list_files``, which lists the
+    prefix whole), a path list's lines taken in order (the list is read whole: its refusal
+    when no path exists needs every line); a container (``.parquet``/``.arrow``/``.feather`` table, ``.tar``
+    shard) is indexed when it is reached. Every key is unique (``UniqueKeys``).
+
+    ``found`` counts what was passed over (``skipped``), the folders that could not be
+    listed (``unlisted``, logged as warnings when the listing ends), the tables read, and,
+    once the listing has ended, the rows' kept table columns (``kept_fields``) and
+    ``listed`` = True; ``found.items`` is left alone. ``image_column`` and ``key_column``
+    apply to the tables; ``keep_columns`` (and ``key_column``) are the tables' columns the
+    rows carry. A path that does not exist is a UsageError (every path given is checked
+    before the first item); so is an input set with nothing in it (when the listing ends).
+    Paths from ``--files-from`` are taken as given: a missing one becomes an error row
+    later. When ``stop`` records a signal, the walk ends early and ``errors.Interrupted`` is
+    raised (a partial listing never ends normally)."""
     inputs = list(inputs)
-    named: list[str] = []  # inputs given by name (files, objects, list lines), not walked
-    walked = 0  # folders and prefixes: an empty one is a warning, not an error
-    roots = path_roots(table_paths_roots)
+    for raw in inputs:
+        check_path_input(raw)
+    state = _Listing(found, UniqueKeys(), path_roots(table_paths_roots),
+                     (image_column, key_column))
     prefix_roots = sum(storage.is_url(raw) or os.path.isdir(raw)  # see ``key_under_root``
                        for raw in inputs) > 1
     for raw in inputs:
         if stop is not None:
             stop.check()
-        if storage.is_url(raw):
-            listed = discover_url(raw, found, image_column, key_column, prefix_roots)
-            found.tables += listed == 1
-            walked += listed < 0
-            named += [raw] if listed >= 0 else []
-            continue
-        path = Path(raw)
-        kind = container_kind(raw)
-        if not path.is_dir():
-            named.append(raw)
-            if path.is_file():
-                refuse_compressed_tar(raw)
-        else:
-            walked += 1
-        if kind is not None and path.is_file():
-            items, skipped = container_items(raw, raw, image_column, key_column, roots)
-            found.items.extend(items)
-            found.skipped += skipped
-            found.tables += kind == "table"
-        elif path.is_dir():
-            shards: list[tuple[str, str]] = []
-            items, skipped = walk_folder(path, found.unlisted,
-                                         stop.requested if stop is not None else None, shards)
-            if prefix_roots:
-                items = [replace(i, key=key_under_root(raw, i.key)) for i in items]
-            found.items.extend(items)
-            found.skipped += skipped
-            found.tables += read_folder_containers(raw, shards, bool(items), found,
-                                                   prefix_roots, (image_column, key_column,
-                                                                  roots))
-        elif path.is_file() or path.is_symlink():
-            if is_image_name(raw):
-                found.items.append(InputItem(key=raw, path=raw))
-            else:
-                found.skipped += 1
-        elif path.exists():  # a FIFO, socket or device: never opened
-            if not is_image_name(raw):
-                raise UsageError(f"input {raw} is not a regular file or a folder")
-            found.items.append(InputItem(key=raw, path=raw))  # its row: "not a regular file"
-        else:
-            raise UsageError(f"input not found: {raw}")
+        for item in _input_items(raw, state, prefix_roots, stop):
+            yield state.keyed(item)
     if files_from is not None:
         lines = read_path_list(files_from)
         for line in lines:
             if is_image_name(line) and not Path(line).is_dir():
-                found.items.append(InputItem(key=line, path=line))
+                yield state.keyed(InputItem(key=line, path=line))
             else:
                 found.skipped += 1
         refuse_missing_list(files_from, lines)
-        named += lines
+        for line in lines:
+            state.name(line)
+    _end_listing(state, keep_columns, stop)
+
+
+def check_path_input(raw: str) -> None:
+    """Refuse a local input that cannot be read before anything is listed: a missing path,
+    a compressed tar, a FIFO, socket or device without an image name."""
+    if storage.is_url(raw):
+        return
+    path = Path(raw)
+    if path.is_dir():
+        return
+    if path.is_file():
+        refuse_compressed_tar(raw)
+    elif path.exists() and not path.is_symlink() and not is_image_name(raw):
+        raise UsageError(f"input {raw} is not a regular file or a folder")
+    elif not path.exists() and not path.is_symlink():
+        raise UsageError(f"input not found: {raw}")
+
+
+@dataclass
+class _Listing:
+    """What ``stream_inputs`` keeps while it lists: the counts, the keys given so far, the
+    tables' path roots and columns, the table files read (for their kept columns), how many
+    inputs were given by name (files, objects, list lines) and how many walked (folders and
+    prefixes: an empty one is a warning, not an error), and how many items came."""
+
+    found: Discovery
+    keys: "UniqueKeys"
+    roots: tuple[str, ...]
+    columns: tuple[str | None, str | None]
+    tables: dict = field(default_factory=dict)
+    named: int = 0
+    walked: int = 0
+    items: int = 0
+    shown: list[str] = field(default_factory=list)  # the first names given, for a message
+
+    def name(self, raw: str) -> None:
+        self.named += 1
+        if len(self.shown) < 3:
+            self.shown.append(raw)
+
+    def keyed(self, item: InputItem) -> InputItem:
+        self.items += 1
+        if isinstance(item.member, TableCell):
+            self.tables.setdefault(item.path)
+        return self.keys.unique(item)
+
+
+def _input_items(raw: str, state: _Listing, prefix_roots: bool,
+                 stop: Stop | None) -> Iterator[InputItem]:
+    """The items of one input, as they are found (keys not yet unique across inputs)."""
+    found = state.found
+    image_column, key_column = state.columns
+    if storage.is_url(raw):
+        yield from discover_url(raw, state, prefix_roots)
+        return
+    path = Path(raw)
+    kind = container_kind(raw)
+    if path.is_dir():
+        state.walked += 1
+    else:
+        state.name(raw)
+    if kind is not None and path.is_file():
+        items, skipped = container_items(raw, raw, image_column, key_column, state.roots)
+        found.skipped += skipped
+        found.tables += kind == "table"
+        yield from items
+    elif path.is_dir():
+        shards: list[tuple[str, str]] = []
+        images = 0
+        for item in iter_folder(path, found, stop.requested if stop is not None else None,
+                                shards):
+            images += 1
+            yield replace(item, key=key_under_root(raw, item.key)) if prefix_roots else item
+        if stop is not None:
+            stop.check()  # a walk cut short is not read for containers
+        yield from read_folder_containers(raw, shards, images > 0, state, prefix_roots)
+    elif is_image_name(raw):  # a file, a link, or a FIFO/socket/device (its row says so)
+        yield InputItem(key=raw, path=raw)
+    else:
+        found.skipped += 1
+
+
+def _end_listing(state: _Listing, keep_columns: Sequence[str], stop: Stop | None) -> None:
+    """The checks once every input is listed: the table flags need a table, an input set
+    of named files needs an image; then the unlisted folders are logged."""
+    found = state.found
+    image_column, key_column = state.columns
     if not found.tables and (image_column is not None or key_column is not None
                              or keep_columns):
         flag = ("--image-column" if image_column is not None else
                 "--key-column" if key_column is not None else "--keep-column")
         raise UsageError(f"{flag} applies to Parquet/Arrow inputs, and none was given")
-    found.kept_fields = kept_fields(found.items, keep_columns, key_column)
+    found.kept_fields = kept_fields(list(state.tables), keep_columns, key_column)
     if stop is not None:
         stop.check()
-    if named and not walked and not found.items:
-        shown = ", ".join(named[:3]) + (f" and {len(named) - 3} more" if len(named) > 3 else "")
+    if state.named and not state.walked and not state.items:
+        more = state.named - len(state.shown)
+        shown = ", ".join(state.shown) + (f" and {more} more" if more > 0 else "")
         raise UsageError(f"no image in the inputs given ({shown}): dsv4enc reads image files "
                          "(.jpg, .jpeg, .png, .webp, .bmp, .gif, .tif, .tiff), .tar shards and "
                          ".parquet/.arrow/.feather tables")
     warn_unlisted(found.unlisted)
-    found.items = unique_keys(found.items)
-    return found
+    found.listed = True
 
 
-def kept_fields(items: Sequence[InputItem], keep_columns: Sequence[str],
+def kept_fields(tables: Sequence[str], keep_columns: Sequence[str],
                 key_column: str | None) -> list:
-    """The fields of the table columns the rows carry: ``keep_columns`` (a name the output
+    """The fields of the table columns the rows carry (``tables``: the table files read):
+    ``keep_columns`` (a name the output
     has a column of is refused), then ``key_column`` in its own type unless kept already or
     named like an output column (its text is in ``path`` anyway)."""
     if not keep_columns and key_column is None:
@@ -254,7 +331,6 @@ def kept_fields(items: Sequence[InputItem], keep_columns: Sequence[str],
         names.append(key_column)
     if not names:
         return []
-    tables = dict.fromkeys(item.path for item in items if isinstance(item.member, TableCell))
     return table_fields(list(tables), names)
 
 
@@ -281,30 +357,31 @@ def refuse_missing_list(list_file: str, lines: list[str]) -> None:
     raise UsageError(text)
 
 
-def discover_url(raw: str, found: Discovery, image_column: str | None,
-                 key_column: str | None, prefix_roots: bool) -> int:
-    """Add the images of the URL ``raw`` to ``found``: a prefix is listed like a folder
-    (recursive, sorted, keys relative to it); an object is an image or a container. Returns
-    1 for a table, -1 for a prefix (read as a folder is: ``read_folder_containers``, which
-    counts its tables in ``found``), else 0. A URL with nothing under it is a UsageError, as
+def discover_url(raw: str, state: _Listing, prefix_roots: bool) -> Iterator[InputItem]:
+    """The images of the URL ``raw``: a prefix is listed like a folder (recursive, sorted,
+    keys relative to it; read for its containers as a folder is, ``read_folder_containers``);
+    an object is an image or a container. A URL with nothing under it is a UsageError, as
     for a path."""
+    found = state.found
+    image_column, key_column = state.columns
     what = storage.kind(raw)
     if what == "missing":
         raise UsageError(f"input not found: {raw}")
     if what == "file":
+        state.name(raw)
         refuse_compressed_tar(raw)
         kind = container_kind(raw)
         if kind is not None:
             items, skipped = container_items(raw, raw, image_column, key_column)
-            found.items.extend(items)
             found.skipped += skipped
-            return int(kind == "table")
-        if is_image_name(raw):
-            found.items.append(InputItem(key=raw, path=raw,
-                                         member=StoredObject(raw, storage.size_of(raw))))
+            found.tables += kind == "table"
+            yield from items
+        elif is_image_name(raw):
+            yield InputItem(key=raw, path=raw, member=StoredObject(raw, storage.size_of(raw)))
         else:
             found.skipped += 1
-        return 0
+        return
+    state.walked += 1
     shards: list[tuple[str, str]] = []
     images = 0
     for obj in storage.list_files(raw):
@@ -315,12 +392,9 @@ def discover_url(raw: str, found: Discovery, image_column: str | None,
                 found.skipped += 1
             continue
         key = key_under_root(raw, obj.key) if prefix_roots else obj.key
-        found.items.append(InputItem(key=key, path=obj.url, member=StoredObject(obj.url,
-                                                                                obj.size)))
         images += 1
-    found.tables += read_folder_containers(raw, shards, images > 0, found, prefix_roots,
-                                           (image_column, key_column, ()))
-    return -1
+        yield InputItem(key=key, path=obj.url, member=StoredObject(obj.url, obj.size))
+    yield from read_folder_containers(raw, shards, images > 0, state, prefix_roots)
 
 
 def container_items(raw: str, name: str, image_column: str | None = None,
@@ -336,33 +410,34 @@ def container_items(raw: str, name: str, image_column: str | None = None,
 
 
 def read_folder_containers(raw: str, containers: list[tuple[str, str]], has_images: bool,
-                           found: Discovery, prefix_roots: bool, table_args: tuple) -> int:
-    """The containers found in the folder or prefix ``raw`` (``(relative path, path)``): read
-    when the folder holds no image file, else passed over with a warning. Returns how many
-    tables were read (``--image-column``/``--key-column`` apply to them)."""
+                           state: _Listing, prefix_roots: bool) -> Iterator[InputItem]:
+    """The images of the containers found in the folder or prefix ``raw`` (``(relative
+    path, path)``): read when the folder holds no image file, else passed over with a
+    warning. Counts the tables read in ``state.found`` (``--image-column``/``--key-column``
+    apply to them)."""
     import logging
 
+    found = state.found
     if not containers:
-        return 0
+        return
     if has_images:
         found.skipped += len(containers)
         logging.getLogger("dsv4enc").warning(
             "%s: %d .tar shards or tables beside its images are not read (a folder with "
             "images is read for its images); pass them by name to encode them (e.g. %s)",
             raw, len(containers), containers[0][1])
-        return 0
-    tables = 0
-    image_column, key_column, roots = table_args
+        return
+    image_column, key_column = state.columns
+    roots = () if storage.is_url(raw) else state.roots
     for rel, path in containers:
         if written_by_dsv4enc(path):  # an output (or its parts) written beside the shards
             found.skipped += 1
             continue
         name = key_under_root(raw, rel) if prefix_roots else rel
         items, skipped = container_items(path, name, image_column, key_column, roots)
-        found.items.extend(items)
         found.skipped += skipped
-        tables += container_kind(path) == "table"
-    return tables
+        found.tables += container_kind(path) == "table"
+        yield from items
 
 
 def nothing_found(inputs: Iterable[str], files_from: str | None, skipped: int) -> str:
@@ -420,23 +495,36 @@ def _output_text(key: str) -> str:
 def unique_keys(items: list[InputItem]) -> list[InputItem]:
     """``items`` with every key unique as output text, in input order: the first item with a
     key keeps it, later ones get ``KEY#2``, ``KEY#3``, ... (the first number whose key no
-    other item has)."""
+    other item has: the whole list is known, as in a container)."""
     texts = [_output_text(item.key) for item in items]
     taken = set(texts)
     if len(taken) == len(texts):
         return items
-    seen: set[str] = set()
-    next_number: dict[str, int] = {}
-    unique = []
-    for item, text in zip(items, texts):
-        if text in seen:
-            number = next_number.get(text, 2)
-            while f"{text}#{number}" in taken:
+    keys = UniqueKeys(taken)
+    return [keys.unique(item, text) for item, text in zip(items, texts)]
+
+
+class UniqueKeys:
+    """Keys made unique as items come, in input order: the first item with a key keeps it,
+    a later one gets ``KEY#2``, ``KEY#3``, ... (the first number whose key is not taken:
+    by an earlier item, or by any in ``taken`` when the whole list is known). Holds one
+    text per key given (the run's keys, a few dozen bytes each)."""
+
+    def __init__(self, taken: set[str] | None = None) -> None:
+        self.taken = set() if taken is None else taken
+        self.seen: set[str] = set()
+        self.next_number: dict[str, int] = {}
+
+    def unique(self, item: InputItem, text: str | None = None) -> InputItem:
+        """``item``, renamed ``KEY#N`` if an earlier item had its key."""
+        text = _output_text(item.key) if text is None else text
+        if text in self.seen:
+            number = self.next_number.get(text, 2)
+            while f"{text}#{number}" in self.taken or f"{text}#{number}" in self.seen:
                 number += 1
-            next_number[text] = number + 1
+            self.next_number[text] = number + 1
             item = replace(item, key=f"{item.key}#{number}")
             text = f"{text}#{number}"
-            taken.add(text)
-        seen.add(text)
-        unique.append(item)
-    return unique
+            self.taken.add(text)
+        self.seen.add(text)
+        return item

@@ -124,8 +124,8 @@ class PartSource(Protocol):
     computing, and say with what (``config``, ``fingerprint``, ``compute_dtype``,
     ``device``, ``batch_invariant``, ``batch_tokens``); ``cut``: the run's parts, by input
     order; ``planned_tokens``: the progress total's patches now (None: window by window);
-    ``encode``: encode ``output.todo``, each finished part to ``writer``, calling
-    ``begin()`` before the first batch; ``finish``: the engine's counts into a finished
+    ``encode``: encode the output plan's parts to do, each finished part to ``writer``, calling
+    ``begin`` before the first batch; ``finish``: the engine's counts into a finished
     run's summary. ``written_elsewhere``: other processes write the part files."""
 
     written_elsewhere: bool

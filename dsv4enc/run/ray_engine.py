@@ -5,7 +5,7 @@ The driver (the ``dsv4enc encode`` process) runs the local run's skeleton
 (``pipeline.run_encode``, with ``RayParts`` as its engine): it discovers the inputs, reads
 their headers and cuts the same parts and segments (``run/plan``), checks and locks
 ``--out`` (``output/layout``, ``output/remote`` for a bucket), and commits parts through the
-same ``PartWriter`` into the same part store,
+same ``output/layout.PartWriter`` into the same part store,
 so the keys, rows, manifest, metadata and final file are the local run's. What changes is
 where a part is encoded and written: each goes to an encoder actor (``SegmentEncoder``),
 which loaded the weights once and holds the same Engine (``pipeline.tower_engine``, as
@@ -334,7 +334,7 @@ def actor_workers(opts: EncodeOptions, plan: ActorPlan) -> int:
 def run_ray_encode(opts: EncodeOptions, ray_opts: RayEngineOptions | None = None,
                    stop=None):
     """Encode ``opts.inputs`` into ``opts.out`` on Ray encoder actors; returns the
-    ``RunSummary``. Raises ``DsvError`` (setup) or ``Interrupted``, as ``run_encode``, whose
+    ``run/summary.RunSummary``. Raises ``DsvError`` (setup) or ``Interrupted``, as ``run_encode``, whose
     run skeleton it is (``RayParts`` behind it)."""
     from .pipeline import run_encode
     from .ranks import launched_ranks
@@ -470,7 +470,7 @@ class RayParts:
     def encode(self, setup, output, writer, run, begin) -> None:
         """Send the parts to the actors, a bounded number ahead, and commit the files they
         wrote in input order as their reports come back. Scheduled by hand on ``ray.wait``:
-        Ray's ``ActorPool`` allows one call in flight per actor, and an actor should have
+        Ray's ``ray.util.ActorPool`` allows one call in flight per actor, and an actor should have
         its next part queued while it encodes one (``IN_FLIGHT_PER_ACTOR``)."""
         ray, stop, planned = self.ray, run.stop, setup.planned
         calls = part_calls(planned, output.todo, output.settings["part_images"],

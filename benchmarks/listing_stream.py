@@ -1,0 +1,61 @@
+"""Time to the first inputs of a streamed listing, against the whole listing, and peak RSS.
+
+For each folder (``benchmarks/first_part.py``'s hard-linked PNG folders, made by it), a fresh
+process takes ``images/discover.stream_inputs`` to its first ``--first`` inputs (a part's
+worth) and reports the seconds, then (a second fresh process) takes the whole stream, keeping
+only a count, and then ``discover`` (the whole list) in a third; each reports its peak RSS
+(``ru_maxrss``).
+
+    python benchmarks/listing_stream.py --counts 1000 100000 1000000 [--root /tmp/dsv4enc_first_part]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+CHILD = r"""
+import json, resource, sys, time
+began = time.perf_counter()
+from dsv4enc.images.discover import Discovery, discover, stream_inputs
+folder, mode, first = sys.argv[1], sys.argv[2], int(sys.argv[3])
+n = 0
+if mode == "list":
+    n = len(discover([folder]).items)
+else:
+    found = Discovery(items=[])
+    for _ in stream_inputs(found, [folder]):
+        n += 1
+        if mode == "first" and n == first:
+            break
+print(json.dumps({"mode": mode, "inputs": n, "s": round(time.perf_counter() - began, 2),
+                  "rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024}))
+"""
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--counts", type=int, nargs="+", default=[1000, 100_000])
+    parser.add_argument("--root", type=Path, default=Path("/tmp/dsv4enc_first_part"))
+    parser.add_argument("--first", type=int, default=64)
+    args = parser.parse_args()
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    for count in args.counts:
+        folder = args.root / f"n{count}"
+        if not folder.is_dir():
+            sys.exit(f"{folder} is missing: make it with benchmarks/first_part.py")
+        for mode in ("first", "stream", "list"):
+            out = subprocess.run([sys.executable, "-c", CHILD, str(folder), mode,
+                                  str(args.first)], env=env, check=True, capture_output=True,
+                                 text=True).stdout
+            print(json.dumps({"count": count, **json.loads(out)}), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -190,25 +190,32 @@ def test_a_killed_driver_resumes_exactly_once(cluster, inputs, small_ckpt, local
     assert got == rows_of(local)
 
 
-def test_a_killed_actor_loses_and_doubles_nothing(cluster, inputs, small_ckpt, local,
-                                                  tmp_path):
-    """The actor is SIGKILLed as it starts its first segment: Ray restarts it and retries
-    the call; the output holds every image once, the local run's rows."""
-    out = tmp_path / "emb.parquet"
-    pauses = Pauses(tmp_path / "pauses", "segment")
-    proc = subprocess.Popen(command(inputs, out, small_ckpt, *ray_args(cluster)),
-                            env=pauses.env(ENV), stdout=subprocess.DEVNULL,
+def kill_the_first_actor_at(point: str, argv: list, tmp_path, check=lambda: None) -> None:
+    """Run ``argv``, SIGKILL the first actor that pauses at ``point`` (after ``check``),
+    let the restarted actor and the rest go on, and require the run to succeed."""
+    pauses = Pauses(tmp_path / "pauses", point)
+    proc = subprocess.Popen(argv, env=pauses.env(ENV), stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE)
     try:
-        first = pauses.wait("segment", 1, proc)
+        first = pauses.wait(point, 1, proc)
+        check()
         os.kill(first["pid"], signal.SIGKILL)
-        pauses.release()  # the restarted actor, and every later segment, go on
+        pauses.release()  # the restarted actor, and every later call, go on
         _, stderr = proc.communicate(timeout=900)
         assert proc.returncode == 0, stderr.decode()[-3000:]
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_a_killed_actor_loses_and_doubles_nothing(cluster, inputs, small_ckpt, local,
+                                                  tmp_path):
+    """The actor is SIGKILLed as it starts its first segment: Ray restarts it and retries
+    the call; the output holds every image once, the local run's rows."""
+    out = tmp_path / "emb.parquet"
+    kill_the_first_actor_at("segment", command(inputs, out, small_ckpt, *ray_args(cluster)),
+                            tmp_path)
     got = rows_of(out)
     assert len({r["path"] for r in got}) == len(got)
     assert got == rows_of(local)
@@ -220,21 +227,13 @@ def test_an_actor_killed_after_writing_its_part_commits_nothing_twice(
     SIGKILLed before it reports; the retried call writes the part again and only that one
     is committed. Every image once, the local run's rows, no temporary left."""
     out = tmp_path / "emb"
-    pauses = Pauses(tmp_path / "pauses", "written")
-    proc = subprocess.Popen(command(inputs, str(out) + "/", small_ckpt, *ray_args(cluster)),
-                            env=pauses.env(ENV), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE)
-    try:
-        first = pauses.wait("written", 1, proc)
-        assert any(name.endswith(".tmp") for name in os.listdir(out))  # staged, not committed
-        os.kill(first["pid"], signal.SIGKILL)
-        pauses.release()
-        _, stderr = proc.communicate(timeout=900)
-        assert proc.returncode == 0, stderr.decode()[-3000:]
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+
+    def staged_not_committed() -> None:
+        assert any(name.endswith(".tmp") for name in os.listdir(out))
+
+    kill_the_first_actor_at("written", command(inputs, str(out) + "/", small_ckpt,
+                                               *ray_args(cluster)), tmp_path,
+                            staged_not_committed)
     got = pq.read_table(out).to_pylist()
     assert len({r["path"] for r in got}) == len(got)
     assert got == rows_of(local)

@@ -31,9 +31,9 @@ from ..images.headers import input_stamps, inputs_digest
 from ..pausepoints import pause
 from .appending import GROWING_NAME
 from .update import STAMPS_FILE, Update, setting_refusal
-from .parts import (JOURNAL_FILE, LOCK_NAME, MANIFEST_FILE, MANIFEST_NAME, OUTPUT_COLUMNS,
-                    PART_FILE, TEMP_FILE, PartLedger, PartStore, Row, StreamingAssembler,
-                    kept_columns, output_os_error, read_manifest, rows_per_group, rows_to_table)
+from .parts import (JOURNAL_FILE, LOCK_NAME, MANIFEST_FILE, MANIFEST_NAME, PART_FILE,
+                    TEMP_FILE, PartLedger, PartStore, Row, StreamingAssembler, kept_columns,
+                    kept_fields, output_os_error, read_manifest, rows_per_group, rows_to_table)
 
 if TYPE_CHECKING:
     from .appending import AppendingStore
@@ -510,7 +510,7 @@ class PartWriter:
         """The kept table columns of inputs ``[start, end)`` (None when the schema has none),
         read from the input tables: a carried row's table is unchanged, so they are its old
         values too."""
-        if len(self.schema) == len(OUTPUT_COLUMNS):
+        if not kept_fields(self.schema):  # no input items to gather
             return None
         source = self.store.segments[name].source
         return kept_columns(self.schema, [planned.item for planned in source[start:end]])

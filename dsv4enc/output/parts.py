@@ -179,10 +179,15 @@ def _string_array(values: Sequence[str | None]) -> pa.Array:
         _validity(valid), pa.py_buffer(offsets), pa.py_buffer(b"".join(encoded))]).cast(pa.string())
 
 
+def kept_fields(schema: pa.Schema) -> list[pa.Field]:
+    """The fields of ``schema`` that carry input table columns (``--keep-column``)."""
+    return [field for field in schema if field.name not in OUTPUT_COLUMNS]
+
+
 def kept_columns(schema: pa.Schema, items: Sequence) -> dict[str, pa.Array] | None:
     """The values of ``schema``'s kept table columns for ``items`` (``images/items.
     InputItem``s, in row order); None when the schema keeps none."""
-    fields = [field for field in schema if field.name not in OUTPUT_COLUMNS]
+    fields = kept_fields(schema)
     return kept_values(items, fields) if fields else None
 
 

@@ -1,7 +1,7 @@
 """``dsv4enc bench --host`` (the run with a null model stage), one source tree against
 another, interleaved.
 
-Writes a folder of mixed-size PNGs and JPEGs (``torchrun_trees.write_images``, fixed seed),
+Writes a folder of mixed-size PNGs and JPEGs (``torchrun_trees.image_folder``, fixed seed),
 then runs ``python -m dsv4enc bench --host`` on it with each ``--tree`` first on PYTHONPATH,
 tree after tree within a round, the order flipping each round, so that load on a shared
 machine hits both alike. Reads the bench's own JSON rows (img/s, CPU seconds, images per
@@ -22,7 +22,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from torchrun_trees import write_images
+from torchrun_trees import image_folder
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -52,9 +52,7 @@ def main() -> None:
     trees = dict(t.split("=", 1) for t in a.tree)
     tmp = Path(tempfile.mkdtemp(prefix="dsv4enc-host-"))
     try:
-        images = tmp / "images"
-        images.mkdir()
-        write_images(images, a.images)
+        images, _ = image_folder(tmp, a.images)
         print(f"# {a.images} images, config {a.config.name}, {a.workers} decode workers",
               flush=True)
         print("| round | tree | load | img/s | CPU s | images per CPU-s | steady images per "

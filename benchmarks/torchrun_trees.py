@@ -50,6 +50,13 @@ def write_images(folder: Path, count: int, seed: int = 0) -> list[tuple[int, int
     return sizes
 
 
+def image_folder(tmp: Path, count: int) -> tuple[Path, list[tuple[int, int]]]:
+    """``tmp/images`` with ``count`` images of ``write_images``, and their sizes."""
+    images = tmp / "images"
+    images.mkdir()
+    return images, write_images(images, count)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -104,9 +111,7 @@ def main() -> None:
     trees = dict(t.split("=", 1) for t in a.tree)
     tmp = Path(tempfile.mkdtemp(prefix="dsv4enc-trees-"))
     try:
-        images = tmp / "images"
-        images.mkdir()
-        sizes = write_images(images, a.images)
+        images, sizes = image_folder(tmp, a.images)
         print(f"# {len(sizes)} images, {min(w * h for w, h in sizes)}-"
               f"{max(w * h for w, h in sizes)} pixels, weights {a.weights}", flush=True)
         print(f"| round | tree | processes | wall s | load | rank loads | imbalance | rows "

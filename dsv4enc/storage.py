@@ -3,7 +3,7 @@
 Everything dsv4enc reads from or writes to a URL goes through here; local paths never come
 here (``is_url`` decides). The file systems are pyarrow's, fsspec's for other schemes
 (wrapped in ``pyarrow.fs.PyFileSystem``), and botocore's client for an ``s3://`` read in one
-ranged GET where the options allow (``direct_options``). A store that stops answering fails
+ranged GET where the options allow (``DIRECT_OPTIONS``). A store that stops answering fails
 loudly, within a bound the retry policy sets (``StoreHealth``). Messages name the URL and
 the kind of failure, never an option value.
 """
@@ -11,14 +11,17 @@ the kind of failure, never an option value.
 from __future__ import annotations
 
 import errno
+import io
 import json
 import os
 import re
+import shutil
 import sys
 import threading
 import time
+from contextlib import suppress
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, TypeVar
+from typing import IO, TYPE_CHECKING, Callable, TypeVar
 
 from .errors import StorageError, UsageError
 
@@ -47,6 +50,8 @@ _OUTAGE_ENV = "DSV4ENC_STORAGE_OUTAGE_S"
 #: The error of a row whose input could not be read because its store was not answering: a
 #: transient error (``output/parts.TRANSIENT_ERRORS``), its part is encoded again on --resume.
 UNAVAILABLE = "storage unavailable"
+#: The chunk of a streamed copy to or from a store.
+COPY_BYTES = 8 << 20
 
 T = TypeVar("T")
 
@@ -93,9 +98,8 @@ def configure(options: list[str] | tuple[str, ...] | None) -> None:
     """Set this process's storage options (``--storage-option key=value``, passed to the file
     system's constructor) and pass them on to the processes it starts, through
     ``DSV4ENC_STORAGE_OPTIONS`` (never printed). Credentials and endpoints otherwise come
-    from the standard places (``AWS_ACCESS_KEY_ID``, ``AWS_PROFILE``, ``AWS_ENDPOINT_URL``,
-    the SDK's config files). Drops file systems made with other options, and what earlier
-    calls learnt about the stores' health."""
+    from the SDK's standard places (``AWS_ACCESS_KEY_ID``, ``AWS_ENDPOINT_URL``, ...). Drops
+    the file systems and the stores' health learnt under other options."""
     parsed = dict(parse_option(text) for text in options or ())
     if parsed:
         os.environ[_OPTIONS_ENV] = json.dumps(parsed)
@@ -139,23 +143,28 @@ _LOCK = threading.Lock()
 _FILESYSTEMS: dict[tuple[str, int], "pafs.FileSystem"] = {}
 
 
-def _endpoint(scheme: str) -> str | None:
-    for name in (f"AWS_ENDPOINT_URL_{scheme.upper()}", "AWS_ENDPOINT_URL"):
-        if os.environ.get(name):
-            return os.environ[name]
-    return None
+def _endpoint(options: dict) -> str | None:
+    """The S3 endpoint the options name (as botocore or as pyarrow calls it), else the
+    environment's."""
+    return (options.get("endpoint_url") or options.get("endpoint_override")
+            or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+            or None)
+
+
+def _env_region() -> str | None:
+    return os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
 
 
 def _s3(url: str, options: dict) -> "pafs.FileSystem":
     import pyarrow.fs as pafs
 
     kwargs = dict(options)
-    endpoint = kwargs.pop("endpoint_url", None) or kwargs.get("endpoint_override") \
-        or _endpoint("s3")
+    kwargs.pop("endpoint_url", None)
+    endpoint = _endpoint(options)
     if endpoint:
         kwargs["endpoint_override"] = endpoint
     if "region" not in kwargs:
-        region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
+        region = _env_region()
         if region:
             kwargs["region"] = region
         elif not endpoint:  # a real AWS bucket: ask where it lives
@@ -259,6 +268,9 @@ _OUTAGE_ERRNOS = {errno.ECONNREFUSED: "connection refused", errno.ETIMEDOUT: "ti
                   errno.ECONNRESET: "connection lost", errno.ECONNABORTED: "connection lost",
                   errno.EPIPE: "connection lost", errno.EHOSTUNREACH: "connection refused",
                   errno.ENETUNREACH: "connection refused"}
+#: The built-in error of each outage cause, as pyarrow's client would raise it.
+_OUTAGE_TYPES = {"connection refused": ConnectionRefusedError, "timed out": TimeoutError,
+                 "connection lost": ConnectionError}
 #: S3 error codes of a store that is busy or failing (botocore's ``Error.Code``).
 _BUSY_CODES = {"SlowDown": "slow down", "Throttling": "throttling",
                "ThrottlingException": "throttling", "RequestLimitExceeded": "throttling",
@@ -381,14 +393,9 @@ class StoreDown(StorageError):
             self.kept = "no part was finished; rerun the same command when it is back"
         self.args = (self._line(),)
 
-    def __reduce__(self):  # pickled between ranks with every field
-        return _store_down, (self.store, self.cause, self.seconds, self.kept, self.args)
-
-
-def _store_down(store: str, cause: str, seconds: float, kept: str, args: tuple) -> StoreDown:
-    exc = StoreDown(store, cause, seconds)
-    exc.kept, exc.args = kept, args
-    return exc
+    def __reduce__(self):  # pickled between ranks with every field (``kept`` and its line)
+        return StoreDown, (self.store, self.cause, self.seconds), {**self.__dict__,
+                                                                   "args": self.args}
 
 
 def down_error(url: str, exc: BaseException) -> StoreDown | None:
@@ -534,46 +541,37 @@ def stop_bound_s(outage: float | None = None, options: dict | None = None) -> fl
     return outage + 3 * attempt_bound_s(options)
 
 
-def retrying(what: Callable[[], T], attempts: int | None = None,
-             backoff_s: float | None = None, store: str | None = None) -> T:
+def retrying(what: Callable[[], T], *, store: str) -> T:
     """``what()``, tried again with exponential backoff (``BACKOFF_S``, doubled each time, up
     to ``ATTEMPTS`` tries) when it fails with an ``OSError`` that is not a setup problem or
     a missing object (those are raised at once). The SDK retries each request first.
 
-    ``store`` (``store_of``): its health record is kept. Once the store is down no attempt
-    is made (``StoreUnavailable`` at once, also between the attempts of a call in flight);
-    a call that spent its retries on an outage raises ``StoreUnavailable``."""
-    attempts = ATTEMPTS if attempts is None else attempts
-    backoff_s = BACKOFF_S if backoff_s is None else backoff_s
-    record = health(store) if store is not None else None
+    ``store`` (``store_of``) keeps its health record: once the store is down no attempt is
+    made (``StoreUnavailable`` at once, also between the attempts of a call in flight); a
+    call that spent its retries on an outage raises ``StoreUnavailable``."""
+    record = health(store)
     first_failure: float | None = None
-    for attempt in range(attempts):
-        if record is not None:
-            record.fail_fast()
+    for attempt in range(ATTEMPTS):
+        record.fail_fast()
         try:
             result = what()
-        except FileNotFoundError:
-            if record is not None:
-                record.answered()
-            raise
         except OSError as exc:
+            last = attempt == ATTEMPTS - 1
             cause = outage_cause(exc)
-            if cause is None or record is None:
-                if record is not None:
-                    record.answered()  # an answer, if not the one hoped for
-                if setup_problem(exc) is not None or attempt == attempts - 1:
+            if cause is None:
+                record.answered()  # an answer, if not the one hoped for
+                if last or isinstance(exc, FileNotFoundError) or setup_problem(exc) is not None:
                     raise
             else:
                 first_failure = first_failure or _wall()
-                if attempt == attempts - 1:
+                if last:
                     record.failed(cause, first_failure)
                     raise StoreUnavailable(store, cause, record.since or first_failure) \
                         from exc
         else:
-            if record is not None:
-                record.answered()
+            record.answered()
             return result
-        time.sleep(backoff_s * 2 ** attempt)
+        time.sleep(BACKOFF_S * 2 ** attempt)
     raise AssertionError("unreachable")
 
 
@@ -697,50 +695,44 @@ def _open(url: str):
 
 def read_range(url: str, offset: int, size: int) -> bytes:
     """``size`` bytes of the object from ``offset`` (one ranged request, retried)."""
-    client = _direct(url)
-    if client is not None:
-        return retrying(lambda: _get(client, url, offset, size)[0], store=store_of(url))
+    return _read(url, offset, size)[0]
 
-    def attempt() -> bytes:
-        with _open(url) as handle:
-            return handle.read_at(size, offset)
 
-    return retrying(attempt, store=store_of(url))
+def read_head(url: str, size: int) -> tuple[bytes, int]:
+    """The first ``size`` bytes of the object (fewer when it is smaller) and the object's
+    whole size, in one ranged request where the client allows (retried)."""
+    return _read(url, 0, size)
+
+
+def read_object(url: str) -> bytes:
+    """The whole object, in one request where the client allows (retried)."""
+    return _read(url, 0, None)[0]
 
 
 def read_bytes(url: str) -> bytes:
-    """The whole object (retried)."""
-    def attempt() -> bytes:
+    """The whole object, through the file system (retried)."""
+    return _read(url, 0, None, direct=False)[0]
+
+
+def _read(url: str, offset: int, size: int | None, direct: bool = True) -> tuple[bytes, int]:
+    """``size`` bytes from ``offset`` (None: to the end) and the object's size, retried: one
+    GET through botocore's client (``_direct``) where it serves, else the file system's."""
+    client = _direct(url) if direct else None
+    if client is not None:
+        return retrying(lambda: _get(client, url, offset, size), store=store_of(url))
+
+    def attempt() -> tuple[bytes, int]:
         with _open(url) as handle:
-            return handle.read()
+            total = handle.size()
+            if size is None:
+                return handle.read(), total
+            return handle.read_at(min(size, total), offset), total
 
     return retrying(attempt, store=store_of(url))
 
 
 def size_of(url: str) -> int:
     return stat(url).size
-
-
-def read_head(url: str, size: int) -> tuple[bytes, int]:
-    """The first ``size`` bytes of the object (fewer when it is smaller) and the object's
-    whole size, in one ranged request where the client allows (retried)."""
-    client = _direct(url)
-    if client is None:
-        def attempt() -> tuple[bytes, int]:
-            with _open(url) as handle:
-                total = handle.size()
-                return handle.read_at(min(size, total), 0), total
-
-        return retrying(attempt, store=store_of(url))
-    return retrying(lambda: _get(client, url, 0, size), store=store_of(url))
-
-
-def read_object(url: str) -> bytes:
-    """The whole object, in one request where the client allows (retried)."""
-    client = _direct(url)
-    if client is None:
-        return read_bytes(url)
-    return retrying(lambda: _get(client, url, 0, None)[0], store=store_of(url))
 
 
 def open_stream(url: str):
@@ -752,8 +744,9 @@ def open_stream(url: str):
 
 # ----------------------------------------------------------------------------- single GETs
 
-#: ``--storage-option`` keys that botocore takes as pyarrow's S3 client does; with any other
-#: option, reads go through pyarrow.
+#: ``--storage-option`` keys that botocore takes as pyarrow's S3 client does: with only
+#: these, an ``s3://`` read is one ranged GET through botocore, where pyarrow's client sends
+#: a HEAD before each; with any other option, reads go through pyarrow.
 DIRECT_OPTIONS = frozenset({"endpoint_url", "endpoint_override", "scheme", "region",
                             "access_key", "secret_key", "session_token", "anonymous",
                             "connect_timeout", "request_timeout"})
@@ -761,12 +754,6 @@ DIRECT_OPTIONS = frozenset({"endpoint_url", "endpoint_override", "scheme", "regi
 #: header probes' 16), so that none is closed and opened again per read.
 DIRECT_CONNECTIONS = 64
 _DIRECT: dict[int, object] = {}  # by process: a botocore S3 client, or None (pyarrow reads)
-
-
-def direct_options(options: dict) -> bool:
-    """Whether reads with these storage options may go through botocore's S3 client: one
-    ranged GET per read, where pyarrow's client sends a HEAD before each."""
-    return set(options) <= DIRECT_OPTIONS
 
 
 def _direct(url: str):
@@ -783,7 +770,7 @@ def _direct(url: str):
 
 
 def _make_direct(options: dict):
-    if not direct_options(options):
+    if not set(options) <= DIRECT_OPTIONS:
         return None
     try:
         import botocore
@@ -791,8 +778,7 @@ def _make_direct(options: dict):
         import botocore.session
     except ImportError:
         return None
-    endpoint = options.get("endpoint_url") or options.get("endpoint_override") \
-        or _endpoint("s3")
+    endpoint = _endpoint(options)
     if endpoint and "://" not in endpoint:
         endpoint = f"{options.get('scheme', 'https')}://{endpoint}"
     config = botocore.config.Config(
@@ -801,11 +787,9 @@ def _make_direct(options: dict):
         retries={"max_attempts": SDK_ATTEMPTS, "mode": "standard"},
         max_pool_connections=DIRECT_CONNECTIONS,
         signature_version=botocore.UNSIGNED if options.get("anonymous") else None)
-    region = options.get("region") or os.environ.get("AWS_REGION") \
-        or os.environ.get("AWS_DEFAULT_REGION")
     return botocore.session.get_session().create_client(
-        "s3", endpoint_url=endpoint, region_name=region, config=config,
-        aws_access_key_id=options.get("access_key"),
+        "s3", endpoint_url=endpoint, region_name=options.get("region") or _env_region(),
+        config=config, aws_access_key_id=options.get("access_key"),
         aws_secret_access_key=options.get("secret_key"),
         aws_session_token=options.get("session_token"))
 
@@ -825,7 +809,6 @@ def _get(client, url: str, offset: int, size: int | None) -> tuple[bytes, int]:
     except boto.ClientError as exc:
         error = exc.response.get("Error", {})
         code = str(error.get("Code", ""))
-        status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
         if code in ("NoSuchKey", "404"):
             raise FileNotFoundError(f"{url}: no such object") from None
         if code == "InvalidRange":  # from past the end (an empty object's every range)
@@ -836,13 +819,9 @@ def _get(client, url: str, offset: int, size: int | None) -> tuple[bytes, int]:
         if busy is not None:
             raise ServerError(f"{url}: {busy}: {code}", busy) from None
         raise OSError(f"{url}: {code}: {error.get('Message', '')}") from None
-    except (boto.ConnectTimeoutError, boto.ReadTimeoutError) as exc:
-        raise TimeoutError(f"{url}: timed out ({exc})") from None
-    except boto.EndpointConnectionError as exc:
-        raise ConnectionRefusedError(f"{url}: connection refused ({exc})") from None
-    except (boto.ConnectionError, boto.HTTPClientError, boto.ResponseStreamingError,
-            boto.IncompleteReadError) as exc:
-        raise ConnectionError(f"{url}: connection lost ({exc})") from None
+    except (boto.ConnectionError, boto.HTTPClientError, boto.IncompleteReadError) as exc:
+        cause = _typed_cause(exc) or "connection lost"
+        raise _OUTAGE_TYPES[cause](f"{url}: {cause} ({exc})") from None
     span = answer.get("ContentRange") or ""
     total = int(span.rsplit("/", 1)[1]) if "/" in span else offset + len(data)
     return data, total
@@ -863,27 +842,23 @@ def exists(url: str) -> bool:
 
 def upload(url: str, data: bytes) -> None:
     """Write ``data`` as the complete object ``url``: it appears whole or not at all."""
-    fs, path = filesystem(url)
-
-    def attempt() -> None:
-        with fs.open_output_stream(path) as out:
-            out.write(data)
-
-    retrying(attempt, store=store_of(url))
-    _SEEN.pop(url, None)
+    _put(url, lambda: io.BytesIO(data))
 
 
 def upload_file(path: "str | os.PathLike", url: str) -> None:
     """Copy the local file ``path`` to the object ``url``, streamed (a multipart upload for
     a large file): the object appears whole, when the upload completes, or not at all. No
     folder marker objects are made (``pyarrow.fs.copy_files`` would make them)."""
-    import shutil
+    _put(url, lambda: open(path, "rb"))
 
+
+def _put(url: str, source: Callable[[], IO[bytes]]) -> None:
+    # The source is opened first: a stream closed by an error would publish what it holds.
     fs, target = filesystem(url)
 
     def attempt() -> None:
-        with open(path, "rb") as source, fs.open_output_stream(target) as out:
-            shutil.copyfileobj(source, out, 8 << 20)
+        with source() as data, fs.open_output_stream(target) as out:
+            shutil.copyfileobj(data, out, COPY_BYTES)
 
     retrying(attempt, store=store_of(url))
     _SEEN.pop(url, None)
@@ -891,13 +866,11 @@ def upload_file(path: "str | os.PathLike", url: str) -> None:
 
 def download(url: str, path: "str | os.PathLike") -> None:
     """Copy the object ``url`` to the local file ``path``, streamed."""
-    import shutil
-
     fs, source = filesystem(url)
 
     def attempt() -> None:
         with fs.open_input_stream(source) as stream, open(path, "wb") as out:
-            shutil.copyfileobj(stream, out, 8 << 20)
+            shutil.copyfileobj(stream, out, COPY_BYTES)
 
     retrying(attempt, store=store_of(url))
 
@@ -905,10 +878,8 @@ def download(url: str, path: "str | os.PathLike") -> None:
 def delete(url: str) -> None:
     """Delete the object ``url`` (gone already is fine)."""
     fs, path = filesystem(url)
-    try:
+    with suppress(FileNotFoundError):
         retrying(lambda: fs.delete_file(path), store=store_of(url))
-    except FileNotFoundError:
-        pass
 
 
 def remove_empty_prefix(url: str) -> None:
@@ -917,10 +888,8 @@ def remove_empty_prefix(url: str) -> None:
     if list_files(url):
         return
     fs, path = filesystem(url)
-    try:
+    with suppress(FileNotFoundError):
         retrying(lambda: fs.delete_dir(path), store=store_of(url))
-    except FileNotFoundError:
-        pass
 
 
 # ----------------------------------------------------------------------------- whole objects
@@ -939,15 +908,13 @@ def upload_file_whole(path: "str | os.PathLike", url: str) -> None:
     """``upload_file`` for an object that must never be seen short (a single-file output).
 
     pyarrow's output stream completes its multipart upload when it is closed, also when an
-    exception (a second Ctrl-C, a read error) unwinds through it (apache/arrow#40502), which
-    would publish the bytes sent so far under ``url``. So the stream is written by a child
-    process that closes it only once every byte was sent, and that otherwise exits without
-    closing it, or is killed by this one: the upload is never completed, and ``url`` keeps
-    no object (or the one it held). The store keeps the incomplete upload until a lifecycle
-    rule aborts it. Other schemes (fsspec's) are written here as ``upload_file`` does: a
-    child would not share, e.g., ``memory://``'s store."""
+    exception unwinds through it (apache/arrow#40502). So a child process writes the stream
+    and closes it only once every byte was sent; on an error it exits without closing it,
+    and a signal here kills it: the upload is never completed, and ``url`` keeps no object
+    (or the one it held) until a lifecycle rule aborts the upload. Schemes without buckets
+    (fsspec's) are written here as ``upload_file`` does: a child would not share, e.g.,
+    ``memory://``'s store."""
     import subprocess
-    import sys
 
     if scheme_of(url) not in _BUCKET_SCHEMES:
         upload_file(path, url)
@@ -976,7 +943,6 @@ def upload_child() -> None:
     """The child of ``upload_file_whole`` (argv: the file, the URL): a signal ends it at
     once, an error before the last byte exits without closing the stream."""
     import signal
-    import sys
 
     from .pausepoints import pause
 
@@ -988,7 +954,7 @@ def upload_child() -> None:
         size, sent = os.path.getsize(path), 0
         out = fs.open_output_stream(target)
         with open(path, "rb") as source:
-            while chunk := source.read(8 << 20):
+            while chunk := source.read(COPY_BYTES):
                 out.write(chunk)
                 sent += len(chunk)
                 pause("upload", url=url, sent=sent, size=size, pid=os.getpid())

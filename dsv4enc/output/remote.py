@@ -1,21 +1,12 @@
 """``--out`` in object storage (``s3://bucket/out.parquet``, ``s3://bucket/out/``).
 
 Object stores have no rename, so a run's output is built in a local staging folder by the
-same code as any local output (parts, manifest, final file) and mirrored to the store in an
-order that keeps it crash-safe:
-
-- a part is committed by uploading the complete object (it is visible whole or not at all);
-- the manifest object, which lists the parts, is uploaded after every part it lists: it is
-  the commit record (a part object no manifest lists is not part of the output);
-- a single-file output is uploaded as one complete object at the end, then the parts
-  (``OUT.partial/``) are deleted. The upload is whole or absent
-  (``storage.upload_file_whole``): an interrupted or failed one leaves no object, and a
-  run whose output would outgrow what one upload can hold is refused before it encodes
-  (``layout.OutputLayout.check_file_size``).
-
-Before a run the output's dsv4enc objects are brought into the staging folder
-(``RemoteOutput.pull``), so that the local checks decide exactly as for a local path; a lock
-object keeps two runs off one output (``RemoteOutput.lock_object``).
+same code as any local output and mirrored to the store in an order that keeps it
+crash-safe: a part object is uploaded whole, the manifest object (the commit record) after
+every part it lists, and a single file as one object at the end, whole or absent
+(``storage.upload_file_whole``). Before the run, the output's dsv4enc objects are brought
+into the staging folder (``RemoteOutput.pull``), so that the local checks decide exactly as
+for a local path. docs/object-storage.md tells the whole protocol.
 """
 
 from __future__ import annotations
@@ -48,10 +39,6 @@ SYNC_S = 0.5
 STALE_S = 120.0
 
 
-def is_remote(out: str) -> bool:
-    return storage.is_url(out)
-
-
 class RemoteOutput:
     """The local staging of a URL ``--out`` and its mirroring to the store (see the module)."""
 
@@ -62,10 +49,9 @@ class RemoteOutput:
         """``out``: the URL; ``writer``: this process touches the store; ``inputs``,
         ``resume``, ``update``, ``overwrite``, ``shard_output``: the run's (--resume brings the
         committed parts into the staging, --update the finished output's rows too, --overwrite
-        replaces the earlier manifests); ``rank`` and
-        ``world_size``: this process's place among torchrun's ranks; ``gather(value)``:
-        every rank's ``value`` in rank order (``run/ranks.Topology.gather``; this process's
-        alone by default)."""
+        replaces the earlier manifests); ``rank`` and ``world_size``: this process's place
+        among torchrun's ranks; ``gather(value)``: every rank's ``value`` in rank order
+        (``run/ranks.Topology.gather``; this process's alone by default)."""
         self.given = out
         self.url = out.rstrip("/")
         self.inputs, self.resume, self.overwrite = list(inputs), resume, overwrite
@@ -116,53 +102,47 @@ class RemoteOutput:
     def for_out(cls, out: str, **settings) -> "RemoteOutput | None":
         """The remote output for a URL ``out`` (``settings``: as the constructor's), None
         for a local one."""
-        if not is_remote(out):
-            return None
-        return cls(out, **settings)
+        return cls(out, **settings) if storage.is_url(out) else None
 
     # -- whose files -------------------------------------------------------------------------
-    @property
-    def own_manifest(self) -> str:
-        """The manifest this rank mirrors (as ``layout.OutputLayout.manifest_name`` names it)."""
-        return f"_manifest-rank{self.rank:03d}.json" if self.sharded else MANIFEST_NAME
-
     def _mine(self, name: str) -> bool:
-        """Whether this rank mirrors the manifest or part ``name`` (every one, unless each
-        rank writes its own: then its own manifest and the parts named for its rank)."""
+        """Whether this rank mirrors the manifest or part ``name``: every one, unless each
+        rank writes its own (``layout.OutputLayout.manifest_name``, the parts named for it)."""
         if not self.sharded:
             return True
         if MANIFEST_FILE.fullmatch(name):
-            return name == self.own_manifest
+            return name == f"_manifest-rank{self.rank:03d}.json"
         return name.endswith(f"-rank{self.rank:03d}.parquet")
 
     def _every_rank(self, action: Callable[[], None]) -> None:
-        """``action()`` on every rank, then every rank raises the first rank's DsvError (a
+        """``action()`` on every rank, then every rank raises the first rank's error (a
         collective: no rank is left waiting for one that gave up)."""
         problem = None
         try:
             action()
         except DsvError as exc:
             problem = exc
+        except OSError as exc:
+            problem = self._failure(exc)
         everyone = self._gather(problem)
         problem = next((p for p in everyone if p is not None), None)
         if problem is not None:
             raise problem
 
     def run(self, encode: Callable[[], T],
-            main_then_all: Callable[[Callable[[], None]], None] | None = None) -> T:
+            main_then_all: Callable[[Callable[[], None]], None]) -> T:
         """``encode()`` (the run, writing to the staging folder) between ``pull`` and
         ``finish``; a failed or stopped run leaves its committed parts in the store. Messages
         name the store, not the staging folder. ``main_then_all(action)``: runs ``pull`` on
-        rank 0 and raises its error on every rank (``run/ranks.Topology``); by default
-        ``pull`` simply runs."""
+        rank 0 and raises its error on every rank (``run/ranks.Topology``)."""
         try:
-            if main_then_all is None:
-                self.pull()
-            else:
-                main_then_all(self.pull)
+            main_then_all(self.pull)
             if self.sharded:
                 self._every_rank(self.pull_own)
-            self.start()
+            if self.writer:  # mirror committed parts and manifests in the background
+                self._thread = threading.Thread(target=self._loop, name="dsv4enc-upload",
+                                                daemon=True)
+                self._thread.start()
             try:
                 summary = encode()
             except BaseException as exc:
@@ -182,18 +162,10 @@ class RemoteOutput:
     # -- before the run --------------------------------------------------------------------
     def pull(self) -> None:
         """Check the inputs against the output, take the lock object, and bring the output's
-        dsv4enc state into the staging folder (run on the writing rank only). A missing
-        bucket or a denied permission is one setup line.
-
-        Brought in: its manifests always, its parts with ``--resume`` (so that ``--resume``
-        reuses the committed ones), a stand-in for a final file and for foreign objects, so
-        that ``--overwrite``, ``--resume`` and "not a dsv4enc output" decide as for a local
-        path. Under torchrun with ``--shard-output`` each rank mirrors its own staging folder
-        (its parts and its ``_manifest-rankNNN.json``) with its own upload thread, and once
-        every rank has uploaded all it committed rank 0 uploads the merged
-        ``_manifest.json`` (``run/ranks.Topology.merge_manifests``): nothing funnels through
-        one rank. A store that stops answering ends the run (``storage.StoreDown``); the
-        clean-up then fails fast and quietly."""
+        dsv4enc state into the staging folder (on the writing rank): its manifests, its parts
+        with ``--resume`` or ``--update``, and empty stand-ins for the final file and for
+        foreign objects, so that ``--overwrite``, ``--resume`` and "not a dsv4enc output"
+        decide as for a local path. A missing bucket or a denied permission is one line."""
         if self._problem is not None:
             raise self._problem
         try:
@@ -206,7 +178,7 @@ class RemoteOutput:
         self._take_lock()
         if not self.folder_mode and storage.kind(self.url) == "file":
             if self.update:  # its rows are read: the file itself, not a stand-in
-                self._download_url(self.url, self.local_out)
+                self._download(self.url, self.local_out)
             else:
                 self._stand_in_final_file()
         objects = [o for o in storage.list_files(self.parts_url)
@@ -215,34 +187,26 @@ class RemoteOutput:
             return
         self.local_parts.mkdir(parents=True, exist_ok=True)
         for obj in objects:
-            first = obj.key.split("/", 1)[0]
-            if "/" not in obj.key and MANIFEST_FILE.fullmatch(obj.key):
-                self._download(obj, self.local_parts / obj.key)
-            elif "/" not in obj.key and STAMPS_FILE.fullmatch(obj.key):  # a finished folder's
-                self._download(obj, self.local_parts / obj.key)
-                self._uploaded[obj.key] = _local_id(self.local_parts / obj.key)
-            elif "/" not in obj.key and PART_FILE.fullmatch(obj.key):
+            top = "/" not in obj.key
+            if top and (MANIFEST_FILE.fullmatch(obj.key) or STAMPS_FILE.fullmatch(obj.key)):
+                self._fetch(obj)
+            elif top and PART_FILE.fullmatch(obj.key):
                 if (self.resume or self.update) and self._mine(obj.key):
-                    self._download(obj, self.local_parts / obj.key)
-                    self._uploaded[obj.key] = _local_id(self.local_parts / obj.key)
+                    self._fetch(obj)
                 else:  # an empty stand-in: the local checks see the name
                     (self.local_parts / obj.key).touch()
-            elif not first.startswith("."):
-                (self.local_parts / first).touch()  # foreign: the local checks name it
-        for path in self.local_parts.iterdir():
-            if MANIFEST_FILE.fullmatch(path.name) and self._mine(path.name):
-                self._manifests[path.name] = _whole_manifest(path) or b""
-                if self.overwrite:
-                    self._replaced.add(path.name)
+            elif not obj.key.startswith("."):  # foreign: the local checks name it
+                (self.local_parts / obj.key.split("/", 1)[0]).touch()
+        self._note_manifests()
         if self.sharded and self.overwrite:
             # Before any rank uploads a part, the manifests that list other ranks' parts go
             # (the merged one, those of ranks this run does not have): none may list a part
             # object that its rank replaces meanwhile. Each rank replaces its own manifest.
             for obj in objects:
-                rank = _manifest_rank(obj.key)
+                numbered = re.fullmatch(r"_manifest-rank(\d{3})\.json", obj.key)
                 if MANIFEST_FILE.fullmatch(obj.key) and (
-                        rank is None or rank >= self.world_size):
-                    _delete(obj.url)
+                        numbered is None or int(numbered.group(1)) >= self.world_size):
+                    storage.delete(obj.url)
 
     def pull_own(self) -> None:
         """--shard-output, every rank but 0 (whose ``pull`` did it): bring this rank's own
@@ -256,14 +220,26 @@ class RemoteOutput:
             raise storage.setup_error(self.url, exc) from None
         self.local_parts.mkdir(parents=True, exist_ok=True)
         for obj in objects:
-            if MANIFEST_FILE.fullmatch(obj.key):
-                self._download(obj, self.local_parts / obj.key)
-                self._manifests[obj.key] = _whole_manifest(self.local_parts / obj.key) or b""
+            if MANIFEST_FILE.fullmatch(obj.key) or (PART_FILE.fullmatch(obj.key)
+                                                    and self.resume):
+                self._fetch(obj)
+        self._note_manifests()
+
+    def _fetch(self, obj: storage.ObjectInfo) -> None:
+        """Bring a top-level object of the parts folder into the staging folder; a part or
+        stamps file counts as uploaded as long as it is unchanged."""
+        path = self.local_parts / obj.key
+        self._download(obj.url, path)
+        if not MANIFEST_FILE.fullmatch(obj.key):
+            self._uploaded[obj.key] = _local_id(path)
+
+    def _note_manifests(self) -> None:
+        """The store's manifests (this rank's), as the staging folder now holds them."""
+        for path in self.local_parts.iterdir():
+            if MANIFEST_FILE.fullmatch(path.name) and self._mine(path.name):
+                self._manifests[path.name] = _whole_manifest(path) or b""
                 if self.overwrite:
-                    self._replaced.add(obj.key)
-            elif PART_FILE.fullmatch(obj.key) and self.resume:
-                self._download(obj, self.local_parts / obj.key)
-                self._uploaded[obj.key] = _local_id(self.local_parts / obj.key)
+                    self._replaced.add(path.name)
 
     def _check_not_inputs(self) -> None:
         for raw in self.inputs:
@@ -292,10 +268,7 @@ class RemoteOutput:
         except Exception:  # not Parquet: a foreign object
             self.local_out.write_bytes(b"")
 
-    def _download(self, obj: storage.ObjectInfo, path: Path) -> None:
-        self._download_url(obj.url, path)
-
-    def _download_url(self, url: str, path: Path) -> None:
+    def _download(self, url: str, path: Path) -> None:
         try:
             storage.download(url, path)
         except OSError as exc:
@@ -304,13 +277,9 @@ class RemoteOutput:
     # -- the lock object -------------------------------------------------------------------
     @property
     def lock_object(self) -> str:
-        """The lock's URL, ``PARTS/.dsv4enc.lock``: ``flock`` cannot work on a bucket.
-
-        It holds pid, host and time, rewritten every ``HEARTBEAT_S``; a run refuses to start
-        while another's is fresh, and takes over one whose holder is a dead process on this
-        host or that was not refreshed for ``STALE_S``. Object stores have no atomic
-        create-if-absent, so two runs started within the same second can both pass the
-        check: start one run per output."""
+        """The lock's URL, ``PARTS/.dsv4enc.lock`` (``flock`` cannot work on a bucket): pid,
+        host and time, rewritten every ``HEARTBEAT_S``; a run refuses while another's is
+        fresh (``_stale``). Stores have no atomic create-if-absent: start one run per output."""
         return storage.join(self.parts_url, LOCK_NAME)
 
     def _take_lock(self) -> None:
@@ -336,16 +305,9 @@ class RemoteOutput:
     def _release_lock(self) -> None:
         if self._lock_held:
             self._lock_held = False
-            _delete(self.lock_object)
+            storage.delete(self.lock_object)
 
     # -- during the run ----------------------------------------------------------------------
-    def start(self) -> None:
-        """Mirror committed parts and manifests to the store in the background."""
-        if not self.writer:
-            return
-        self._thread = threading.Thread(target=self._loop, name="dsv4enc-upload", daemon=True)
-        self._thread.start()
-
     def _loop(self) -> None:
         """Sync and refresh the lock until the run ends. A failed round (after the
         retries) is logged once and tried again next round; the run's end syncs once more
@@ -381,14 +343,9 @@ class RemoteOutput:
                 if self._manifests.get(manifest.name) == content:
                     self._seen[manifest.name] = state
                     continue
-                document = json.loads(content)
                 try:
-                    for part in document.get("parts", {}).values():
-                        self._upload_part(part["file"])
-                    stamps = document.get("stamps")  # a finished folder's (``update``)
-                    if isinstance(stamps, dict) and STAMPS_FILE.fullmatch(
-                            str(stamps.get("file"))):
-                        self._upload_part(stamps["file"])
+                    for name in _listed_files(json.loads(content)):
+                        self._upload_part(name)
                 except FileNotFoundError:
                     continue  # the run removed its parts meanwhile (the final file is made)
                 storage.upload(storage.join(self.parts_url, manifest.name), content)
@@ -401,14 +358,14 @@ class RemoteOutput:
         staging folder only where the final file is joined from it."""
         self._in_store.add(name)
         if not self.folder_mode:
-            self._download_url(storage.join(self.parts_url, name), path)
+            self._download(storage.join(self.parts_url, name), path)
 
     def drop_replaced(self) -> None:
         """Delete the earlier run's manifests that ``--overwrite`` replaces: before any part
         object is uploaded (by this process, or by the actors that write their own parts),
         since a part object may take an old name."""
         for manifest in sorted(self._replaced):
-            _delete(storage.join(self.parts_url, manifest))
+            storage.delete(storage.join(self.parts_url, manifest))
             self._replaced.discard(manifest)
 
     def _upload_part(self, name: str) -> None:
@@ -438,7 +395,7 @@ class RemoteOutput:
             return
         try:
             if self.sharded:
-                self._every_rank(self._sync_or_fail)
+                self._every_rank(self.sync)
                 if self.is_main:
                     merged = self.local_parts / MANIFEST_NAME
                     storage.upload(storage.join(self.parts_url, MANIFEST_NAME),
@@ -451,15 +408,9 @@ class RemoteOutput:
                 storage.upload_file_whole(self.local_out, self.url)  # whole, or none
                 for obj in storage.list_files(self.parts_url):
                     if _ours(obj.key):
-                        _delete(obj.url)
+                        storage.delete(obj.url)
                 self._release_lock()
                 storage.remove_empty_prefix(self.parts_url)
-        except OSError as exc:
-            raise self._failure(exc) from None
-
-    def _sync_or_fail(self) -> None:
-        try:
-            self.sync()
         except OSError as exc:
             raise self._failure(exc) from None
 
@@ -479,7 +430,7 @@ class RemoteOutput:
             self.sync()
             for name in list(self._manifests):
                 if not (self.local_parts / name).exists():
-                    _delete(storage.join(self.parts_url, name))
+                    storage.delete(storage.join(self.parts_url, name))
         except OSError as exc:
             if not quiet:
                 log.error("%s", storage.describe(self.parts_url, exc))
@@ -497,16 +448,12 @@ class RemoteOutput:
     def _delete_unlisted(self, manifests: list[str]) -> None:
         """Part objects none of ``manifests`` (local names) lists (an earlier run's, replaced
         by this one's)."""
-        documents = [read_manifest(self.local_parts / name) or {"parts": {}}
-                     for name in manifests]
-        listed = {part["file"] for document in documents
-                  for part in document["parts"].values()}
-        listed |= {document["stamps"].get("file") for document in documents
-                   if isinstance(document.get("stamps"), dict)}  # a folder's row stamps
+        listed = {name for manifest in manifests
+                  for name in _listed_files(read_manifest(self.local_parts / manifest) or {})}
         for obj in storage.list_files(self.parts_url):
             if (PART_FILE.fullmatch(obj.key) or STAMPS_FILE.fullmatch(obj.key)) \
                     and obj.key not in listed:
-                _delete(obj.url)
+                storage.delete(obj.url)
 
     def close(self) -> None:
         """Release the lock object and remove the staging folder (this run's own)."""
@@ -527,10 +474,14 @@ class RemoteOutput:
         return text.replace(str(self.local_out), self.url)
 
 
-def _manifest_rank(name: str) -> int | None:
-    """The rank of a rank's manifest name (``_manifest-rank001.json``), else None."""
-    match = re.fullmatch(r"_manifest-rank(\d{3})\.json", name)
-    return None if match is None else int(match.group(1))
+def _listed_files(document: dict) -> list[str]:
+    """The part files a manifest document lists, and its row stamps file (a finished
+    folder's, ``update``)."""
+    files = [part["file"] for part in document.get("parts", {}).values()]
+    stamps = document.get("stamps")
+    if isinstance(stamps, dict) and STAMPS_FILE.fullmatch(str(stamps.get("file"))):
+        files.append(stamps["file"])
+    return files
 
 
 def _whole_manifest(path: Path) -> bytes | None:
@@ -565,10 +516,6 @@ def _local_id(path: Path) -> tuple[int, int]:
 def _ours(key: str) -> bool:
     return key == LOCK_NAME or bool(PART_FILE.fullmatch(key) or MANIFEST_FILE.fullmatch(key)
                                     or STAMPS_FILE.fullmatch(key))
-
-
-def _delete(url: str) -> None:
-    storage.delete(url)
 
 
 def _stale(held: dict) -> bool:

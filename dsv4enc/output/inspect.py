@@ -19,6 +19,7 @@ from ..tower.config import MODEL_NAMES, model_type_of
 from ..errors import UsageError
 from .read import MANIFEST_NAME, embedding_format, output_files, read_metadata
 
+#: Error messages shown, the commonest first (``inspect`` and a run's summary).
 TOP_ERRORS = 5
 _QUOTED = re.compile(r"'[^']*'|\"[^\"]*\"")
 
@@ -150,9 +151,9 @@ def summarize(path: str | os.PathLike) -> OutputSummary:
     files = output_files(path)
     if not files:
         raise UsageError(f"{path}: no Parquet files found")
-    out = OutputSummary(path=str(path), files=len(files))
+    out = OutputSummary(path=str(path))
     out.bytes_on_disk = sum(f.stat().st_size for f in files)
-    out.metadata = read_metadata(path)
+    out.metadata = read_metadata(files[0])
     out.model = model_of(out.metadata)
     _scan_files(out, files)
     if Path(path).is_dir():  # a folder output whose run was stopped: how far it got
@@ -219,7 +220,6 @@ def _size(n: int) -> str:
         if value < 1024 or unit == "TiB":
             return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
         value /= 1024
-    return f"{n} B"
 
 
 def _stat_text(stats: dict[str, float]) -> str:

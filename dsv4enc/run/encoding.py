@@ -63,16 +63,13 @@ class PartEncoder:
         ``plan.plan_batches``); under gathered data parallelism every rank's load is noted
         in the summary too."""
         if self.ranks.gathered:
+            loads = self.summary.rank_loads
             for plan in batches:
+                loads.extend([0.0] * (len(plan) - len(loads)))
                 for rank, share in enumerate(plan):
-                    self._add_rank_load(rank, sum(planned[i].tokens for b in share for i in b))
+                    loads[rank] += sum(planned[i].tokens for b in share for i in b)
         return [sum(planned[i].tokens for i in batch)
                 for plan in batches for batch in plan[self.me]]
-
-    def _add_rank_load(self, rank: int, load: float) -> None:
-        loads = self.summary.rank_loads
-        loads.extend([0.0] * (rank + 1 - len(loads)))
-        loads[rank] += load
 
     def run(self, planned: Sequence[Planned], parts: Iterable[tuple[Part, list[list[list[int]]]]],
             decoded: Iterator[tuple[int, Decoded]]) -> Iterator[tuple]:
@@ -110,7 +107,8 @@ class PartEncoder:
             rows.update(local)
             self._show_progress(self._gather_progress(None))
             ordered = [rows[i] for i in part.indices]
-            self.count([row for i, row in zip(part.indices, ordered) if i not in carried])
+            self.summary.count_rows([row for i, row in zip(part.indices, ordered)
+                                     if i not in carried])
             rows = None
             if self.ranks.writes:
                 yield part.name, part.start, part.end, part.digest, ordered
@@ -157,9 +155,6 @@ class PartEncoder:
                                            for k in range(4))
         if images:
             self.progress.advance(images, tokens, failed, dropped)
-
-    def count(self, rows: list[Row]) -> None:
-        self.summary.count_rows(rows)
 
     # -- one batch ---------------------------------------------------------------
     def _next_decoded(self, decoded: Iterator[tuple[int, Decoded]]) -> tuple[int, Decoded]:

@@ -113,8 +113,8 @@ class SegmentEncoder:
         self.dtype = compute
         self.engine = tower_engine(ckpt, device, opts)
         del ckpt
-        workers = default_workers(device.type) if opts.workers is None else opts.workers
-        self.pool = DecodePool(self.cfg, workers, opts.max_pixels, opts.decode_timeout)
+        # opts.workers: the driver's ``actor_workers``
+        self.pool = DecodePool(self.cfg, opts.workers, opts.max_pixels, opts.decode_timeout)
 
     def describe(self, probe: tuple[str, bytes] | None = None) -> dict[str, Any]:
         """What this actor computes with (the driver checks that every actor agrees).
@@ -197,10 +197,8 @@ class RayCluster:
     local one started for the run (and shut down at the end)."""
 
     def __init__(self, ray_opts: RayEngineOptions) -> None:
-        try:
-            import ray
-        except ImportError:
-            raise UsageError("--engine ray needs Ray: pip install 'dsv4enc[ray]'") from None
+        import ray  # there: ``run_ray_encode`` checked
+
         self.ray = ray
         # Ray's own log lines (its token notice, ...) are no louder than dsv4enc's: none but
         # errors under -q. (Importing ray set up its logger: the level is set after it.)
@@ -208,7 +206,6 @@ class RayCluster:
         self.ray_log_level = ray_log.level
         ray_log.setLevel(max(ray_log.getEffectiveLevel(), log.getEffectiveLevel()))
         self.address = ray_opts.resolved_address()
-        self.started_here = False
         self.joined = False
         if ray.is_initialized():  # an in-process caller's own Ray: used, left as it is
             return
@@ -236,7 +233,6 @@ class RayCluster:
         # Ray's temp folder (a bare ray.init() would try to join that one)
         self.ray.init(address="local", num_cpus=available_cpus(), object_store_memory=store,
                       include_dashboard=False, **common)
-        self.started_here = True
 
     def resources(self) -> tuple[float, float, int, float]:
         """(CPUs, GPUs, alive nodes with CPUs, the fewest CPUs of such a node)."""
@@ -301,9 +297,8 @@ def actor_workers(opts: EncodeOptions, plan: ActorPlan) -> int:
 
 def run_ray_encode(opts: EncodeOptions, ray_opts: RayEngineOptions | None = None,
                    stop=None):
-    """Encode ``opts.inputs`` into ``opts.out`` on Ray encoder actors; returns the
-    ``run/summary.RunSummary``. Raises ``DsvError`` (setup) or ``Interrupted``, as ``run_encode``, whose
-    run skeleton it is (``RayParts`` behind it)."""
+    """Encode ``opts.inputs`` into ``opts.out`` on Ray encoder actors: ``run_encode``'s run
+    with ``RayParts`` behind it (its summary, its errors)."""
     from .pipeline import run_encode
     from .ranks import launched_ranks
 

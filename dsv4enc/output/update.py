@@ -99,14 +99,6 @@ def footer_entry(stamps: np.ndarray, options: dict) -> dict[bytes, bytes]:
                                    sort_keys=True).encode()}
 
 
-def _decode(text: str, rows: int) -> np.ndarray | None:
-    try:
-        stamps = np.frombuffer(base64.b64decode(text), dtype="<u8").astype(np.uint64)
-    except (ValueError, TypeError):
-        return None
-    return stamps if len(stamps) == rows else None
-
-
 def write_folder_stamps(folder: Path, store, stamps: np.ndarray, options: dict) -> None:
     """At the end of a folder output's run: its stamps file, then the manifest naming it
     (an older stamps file goes once the manifest no longer names it)."""
@@ -186,11 +178,13 @@ class OldOutput:
             stamps = None
             try:
                 entry = json.loads(metadata[STAMPS_KEY])
-                rows = footer.num_rows
                 settings.update(entry.get("options") or {})
-                stamps = _decode(entry["stamps"], rows)
+                data = base64.b64decode(entry["stamps"])
+                stamps = np.frombuffer(data, dtype="<u8").astype(np.uint64)
             except (KeyError, ValueError, TypeError):
                 pass
+            if stamps is not None and len(stamps) != footer.num_rows:
+                stamps = None
             return cls(out, [out], settings, stamps, False, set())
         manifest = read_manifest(out / MANIFEST_NAME)
         if manifest is None:

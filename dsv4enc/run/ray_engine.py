@@ -373,12 +373,11 @@ class RayParts:
             raise UsageError(f"--engine ray: the encoder actors write their parts into --out, "
                              f"and --out {self.opts.out} is not this folder on node {blind}; "
                              "give --out a folder every node shares, or a bucket")
-        first = {k: v for k, v in described[0].items() if k not in ("pid", "host")}
-        for other in described[1:]:
-            if {k: v for k, v in other.items() if k not in ("pid", "host")} != first:
-                raise DsvError("the encoder actors disagree on their settings (device, dtype "
-                               "or weights): give every node the same weights and devices")
-        return first
+        settings = [{k: v for k, v in d.items() if k not in ("pid", "host")} for d in described]
+        if any(other != settings[0] for other in settings[1:]):
+            raise DsvError("the encoder actors disagree on their settings (device, dtype "
+                           "or weights): give every node the same weights and devices")
+        return settings[0]
 
     def cut(self, setup, part_images: int, progress, stop) -> list:
         """Every header at once, the single file's size checked, and every segment."""

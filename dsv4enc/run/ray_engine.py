@@ -140,7 +140,7 @@ class SegmentEncoder:
         URL in a bucket: ``output/parts.write_part``; ``drop_cache``: the parts are the
         output, never read back). Returns what the driver commits and counts, never the
         rows: the manifest ``entry``, the part's ``summary`` and its ``progress``
-        (``RunProgress.advance``'s arguments)."""
+        (``progress.RunProgress.advance``'s arguments)."""
         from ..output.parts import kept_columns, rows_per_group, rows_to_table, write_part
         from ..storage import is_url
         from ..pausepoints import pause

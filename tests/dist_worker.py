@@ -5,7 +5,7 @@ Each rank writes OUT/rank{R}.json: {check name: "ok" or what went wrong}, so tha
 reports every check, not only the first failure.
 
 Scenarios:
-  checks     gather_rows, restore_order, object gather, barrier, tensor-parallel forward.
+  checks     gather_rows, object gather, barrier, tensor-parallel forward.
   hang       rank 1 stays alive but never joins the collective; rank 0 must time out.
   exit       rank 1 exits right after a first collective; rank 0 must fail fast.
 """
@@ -28,7 +28,7 @@ from dsv4enc.errors import DistributedError
 from dsv4enc.tower.model import rope_tables
 from dsv4enc.engine.packing import pack
 from dsv4enc.run.plan import assign_greedy, rank_row_counts
-from dsv4enc.run.dist import gather_rows, init_distributed, restore_order, shutdown
+from dsv4enc.run.dist import gather_rows, init_distributed, shutdown
 from dsv4enc.tower.tensor_parallel import apply_tensor_parallel
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
@@ -66,16 +66,19 @@ def check_gather_all_empty(ctx) -> None:
 
 
 def run_plan(ctx, grids: list[tuple[int, int]]) -> None:
-    """The data-parallel flow for one round: plan, local rows, gather, restore order."""
+    """The data-parallel flow for one round: plan, local rows, gather, cut into images."""
     rows_per_image = [-(-h // 3) * -(-w // 3) for h, w in grids]
     assignment = assign_greedy([h * w for h, w in grids], ctx.world_size)
     mine = assignment[ctx.rank]
     local = torch.cat([image_rows(i, rows_per_image[i], 8, torch.float16) for i in mine]
                       or [torch.zeros(0, 8, dtype=torch.float16)])
     parts = gather_rows(ctx, local, rank_row_counts(assignment, rows_per_image))
-    images = restore_order(parts, assignment, rows_per_image)
-    assert len(images) == len(grids)
-    for i, rows in enumerate(images):
+    images = {}
+    for part, indices in zip(parts, assignment, strict=True):
+        sizes = [rows_per_image[i] for i in indices]
+        images.update(zip(indices, torch.split(part, sizes)))
+    assert sorted(images) == list(range(len(grids)))
+    for i, rows in images.items():
         assert torch.equal(rows, image_rows(i, rows_per_image[i], 8, torch.float16)), i
 
 

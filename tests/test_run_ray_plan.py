@@ -75,8 +75,8 @@ def test_a_call_is_a_parts_segments_cut_only_to_keep_every_actor_busy(tmp_path):
     assert [(c.name, c.start, c.end) for c in calls] == [
         ("part-000000", 0, 4), ("part-000001", 4, 8), ("part-000002", 8, 10)]
     assert calls[1].digest == inputs_digest(planned[4:8])
-    assert [e[0] for e in calls[1].entries] == [4, 5, 6, 7]  # every input, in input order
-    assert calls[1].entries[1][5] == "broken"  # a header's error travels with its entry
+    assert list(calls[1].planned) == [4, 5, 6, 7]  # every input, in input order
+    assert calls[1].planned[5].error == "broken"  # a header's error travels with its entry
     assert sorted(i for b in calls[1].batches for i in b) == [4, 6, 7]  # readable ones only
 
     cut = part_calls(planned, segments, 4, 8, None, wanted=6)

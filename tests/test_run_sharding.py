@@ -23,7 +23,7 @@ from dsv4enc.tower.config import VisionConfig
 from dsv4enc.errors import UsageError
 from dsv4enc.run.plan import (assign_greedy, cost_function, flops_cost, imbalance, patch_cost,
                               rank_loads, rank_row_counts)
-from dsv4enc.run.dist import DistContext, init_distributed, restore_order
+from dsv4enc.run.dist import DistContext, init_distributed
 from dsv4enc.tower.tensor_parallel import apply_tensor_parallel
 from dsv4enc.tower.transform import plan_canvas
 
@@ -108,18 +108,8 @@ def test_costs():
         cost_function("tokens", cfg)
 
 
-def test_restore_order():
-    rows_per_image = [2, 0, 3, 1]
-    images = [torch.full((n, 2), float(i)) for i, n in enumerate(rows_per_image)]
-    assignment = [[1, 2], [0, 3], []]
-    per_rank = [torch.cat([images[i] for i in a] or [torch.zeros(0, 2)]) for a in assignment]
-    assert rank_row_counts(assignment, rows_per_image) == [3, 3, 0]
-    restored = restore_order(per_rank, assignment, rows_per_image)
-    assert all(torch.equal(got, want) for got, want in zip(restored, images, strict=True))
-    with pytest.raises(ValueError, match="not in any rank"):
-        restore_order(per_rank[:2], [[1, 2], [0, 3]], [2, 0, 3, 1, 5])
-    with pytest.raises(ValueError, match="rank 1 sent 3 rows"):
-        restore_order(per_rank, [[1, 2], [0], [3]], rows_per_image)
+def test_rank_row_counts():
+    assert rank_row_counts([[1, 2], [0, 3], []], [2, 0, 3, 1]) == [3, 3, 0]
 
 
 # ---------------------------------------------------------------------- process group setup

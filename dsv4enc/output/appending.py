@@ -1,21 +1,15 @@
 """A single-file output written once: each part's bytes are appended to one growing file.
 
-A local single-file ``--out`` of a one-process run does not keep parts as files: that would
-write every embedding byte twice (the part file, then its copy into the final file), and
-writing fresh file data costs kernel CPU per byte (benchmarks/RESULTS.md).
-Instead each writer thread reserves a byte range at the end of
-``OUT.partial/_growing.parquet`` (a bound on the part's Parquet size), has pyarrow write the
-part's Parquet file straight into it, all but the leading ``PAR1`` (``pwrite``; the unused
-end of the range is given back when no later range follows), syncs it, and only then records
-the part in the manifest, the journal: its input range and digest as for a part file, plus
-its byte range. A range ends with its part's own footer, so the journal entry stays a few
-numbers (a million images are ~10,000 parts, each one line of the manifest's journal).
-A kill at any moment leaves the journal naming only ranges that are whole on disk;
-``--resume`` keeps the file, cuts it after the last recorded range and appends after that.
-The run ends by writing one footer (every recorded part's row groups, read from its range
-and moved to where it landed, in input order: Parquet allows row groups anywhere in the
-file, and readers skip the parts' own footers), syncing it and renaming the file to
-``out``, so ``out`` is never half-written.
+A local single-file ``--out`` of a one-process run keeps no part files, which would write
+every embedding byte twice. Each writer thread reserves a byte range at the end of
+``OUT.partial/_growing.parquet``, has pyarrow write the part's Parquet file straight into it
+but for the leading ``PAR1`` (``pwrite``), syncs it, and only then records the part in the
+manifest's journal: its input range and digest, as for a part file, and its byte range, which
+ends with the part's own footer. A kill leaves the journal naming only ranges that are whole
+on disk; ``--resume`` cuts the file after the last recorded range and appends after it. The
+run ends with one footer listing every part's row groups, moved to where they landed, in
+input order (readers skip the parts' own footers), then a sync and a rename to ``out``, so
+``out`` is never half-written.
 """
 
 from __future__ import annotations
@@ -32,8 +26,9 @@ import pyarrow.parquet as pq
 
 from ..errors import OutputError
 from .parquet_join import (FILE_NUM_ROWS, FILE_ROW_GROUPS, T_I64, T_LIST, T_STRUCT, MAGIC,
-                             JoinError, copy_range, move_group, CompactReader, schema_part,
-                             CompactWriter, read_footer, with_key_values)
+                             JoinError, copy_range, footer_bytes, move_group, CompactReader,
+                             row_groups, schema_part, CompactWriter, read_footer,
+                             with_key_values)
 from .parts import (MANIFEST_NAME, PartLedger, fsync_dir, is_journal_entry,
                      names_part_file, part_intact, drop_cached_pages, output_os_error,
                      parquet_options, transient_errors)
@@ -79,11 +74,6 @@ def _footer(data: pa.Buffer) -> tuple[list[list], int]:
     return read_footer(pa.BufferReader(data), data.size)
 
 
-def _row_groups(footer: list[list]) -> list[list]:
-    """The row groups a decoded footer lists."""
-    return next((field[2][1] for field in footer if field[0] == FILE_ROW_GROUPS), [])
-
-
 def _range_footer(fd: int, offset: int, length: int) -> list[list] | None:
     """The footer that closes the range ``[offset, offset + length)`` of a growing file (a
     part's Parquet file less its leading ``PAR1``: column chunks, footer, its length, PAR1),
@@ -116,9 +106,8 @@ def pwrite_all(fd: int, data: memoryview, offset: int) -> None:
 
 def group_room(table: pa.Table, row_group_size: int) -> int:
     """Bytes to reserve for a part: a little more than its Parquet file takes. Embeddings
-    are stored uncompressed, so their Arrow size bounds them (measured: 1.000-1.001x at real
-    width, the nested layout's levels included); each row group adds page headers,
-    statistics and its footer entry (a few KB). A part that needs more is still written,
+    are stored uncompressed, so their Arrow size bounds them; each row group adds page
+    headers, statistics and its footer entry (a few KB). A part that needs more is written
     through memory (``commit``); the slack of a range that another was reserved after stays
     in the file as an unreferenced gap."""
     groups = -(-max(table.num_rows, 1) // max(row_group_size, 1))
@@ -232,7 +221,7 @@ class AppendingStore(PartLedger):
         try:
             with open(path, "rb") as source:
                 footer, _ = read_footer(source, os.fstat(source.fileno()).st_size)
-            for group in _row_groups(footer):
+            for group in row_groups(footer):
                 move_group(group, 0, 0)  # raises JoinError where offsets lie outside
         except (OSError, JoinError):
             return False
@@ -367,17 +356,15 @@ class AppendingStore(PartLedger):
             if footer is None:
                 raise OutputError(f"cannot write {self.out}: the part at byte "
                                   f"{part['offset']} of {self.path} has no footer")
-            for group in _row_groups(footer):
+            for group in row_groups(footer):
                 # Its offsets count from its own file's start, where PAR1 preceded its bytes.
                 move_group(group, part["offset"] - len(MAGIC), len(groups))
                 groups.append(group)
         fields = _unpack(T_STRUCT, self.extra["footer"]) + [
             [FILE_NUM_ROWS, T_I64, sum(p["rows"] for p in ordered)],
             [FILE_ROW_GROUPS, T_LIST, (T_STRUCT, groups)]]
-        writer = CompactWriter()
-        writer.struct(with_key_values(sorted(fields, key=lambda field: field[0]),
-                                      self.key_values))
-        return bytes(writer.out) + struct.pack("<I", len(writer.out)) + MAGIC
+        return footer_bytes(with_key_values(sorted(fields, key=lambda field: field[0]),
+                                            self.key_values))
 
     def finish(self) -> None:
         """Write the footer after the last part, sync, and rename the file to ``out``."""

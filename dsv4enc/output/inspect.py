@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import re
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +19,7 @@ from ..tower.config import MODEL_NAMES, model_type_of
 from ..errors import UsageError
 from .read import MANIFEST_NAME, embedding_format, output_files, read_metadata
 
+#: Error messages shown, the commonest first (``inspect`` and a run's summary).
 TOP_ERRORS = 5
 _QUOTED = re.compile(r"'[^']*'|\"[^\"]*\"")
 
@@ -53,8 +54,6 @@ class OutputSummary:
     images_left: int | None = None
 
     def as_dict(self) -> dict[str, Any]:
-        from dataclasses import asdict
-
         return asdict(self)
 
 
@@ -104,15 +103,19 @@ def _manifests(folder: Path) -> list[dict]:
     return [manifest for manifest in found if manifest is not None]
 
 
-def _record_progress(out: OutputSummary, manifests: list[dict]) -> None:
-    """What the manifests say was committed, and how many images are left."""
+def _record_progress(out: OutputSummary, manifests: list[dict], unfinished: bool = False,
+                     ) -> None:
+    """What the manifests say was committed, and how many images are left (``unfinished``:
+    only when some are: a folder output whose run was stopped)."""
     parts = [part for manifest in manifests for part in manifest["parts"].values()]
-    out.parts = len(parts)
-    out.images_done = sum(int(part.get("rows") or 0) for part in parts)
+    done = sum(int(part.get("rows") or 0) for part in parts)
     totals = [m["inputs"] for m in manifests if isinstance(m.get("inputs"), int)]
+    if unfinished and not (totals and done < max(totals)):
+        return
+    out.interrupted, out.parts, out.images_done = True, len(parts), done
     if totals:
         out.images_total = max(totals)
-        out.images_left = max(0, out.images_total - out.images_done)
+        out.images_left = max(0, out.images_total - done)
 
 
 def _summarize_interrupted(path: str | os.PathLike, folder: Path) -> OutputSummary:
@@ -125,7 +128,7 @@ def _summarize_interrupted(path: str | os.PathLike, folder: Path) -> OutputSumma
     if not manifests:
         raise UsageError(f"{folder}: no dsv4enc manifest ({MANIFEST_NAME}) here: not an "
                          "interrupted dsv4enc run")
-    out = OutputSummary(path=str(path), interrupted=True)
+    out = OutputSummary(path=str(path))
     _record_progress(out, manifests)
     out.metadata = dict(manifests[0]["settings"])
     listed = sorted((part for manifest in manifests for part in manifest["parts"].values()
@@ -150,18 +153,13 @@ def summarize(path: str | os.PathLike) -> OutputSummary:
     files = output_files(path)
     if not files:
         raise UsageError(f"{path}: no Parquet files found")
-    out = OutputSummary(path=str(path), files=len(files))
+    out = OutputSummary(path=str(path))
     out.bytes_on_disk = sum(f.stat().st_size for f in files)
-    out.metadata = read_metadata(path)
+    out.metadata = read_metadata(files[0])
     out.model = model_of(out.metadata)
     _scan_files(out, files)
-    if Path(path).is_dir():  # a folder output whose run was stopped: how far it got
-        manifests = _manifests(Path(path))
-        totals = [m["inputs"] for m in manifests if isinstance(m.get("inputs"), int)]
-        done = sum(int(p.get("rows") or 0) for m in manifests for p in m["parts"].values())
-        if totals and done < max(totals):
-            out.interrupted = True
-            _record_progress(out, manifests)
+    if Path(path).is_dir():
+        _record_progress(out, _manifests(Path(path)), unfinished=True)
     return out
 
 
@@ -219,7 +217,6 @@ def _size(n: int) -> str:
         if value < 1024 or unit == "TiB":
             return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
         value /= 1024
-    return f"{n} B"
 
 
 def _stat_text(stats: dict[str, float]) -> str:

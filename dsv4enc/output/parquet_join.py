@@ -182,6 +182,19 @@ def _get(fields: list[list], field: int) -> list | None:
     return next((f for f in fields if f[0] == field), None)
 
 
+def row_groups(footer: list[list]) -> list[list]:
+    """The row groups a decoded footer lists."""
+    groups = _get(footer, FILE_ROW_GROUPS)
+    return groups[2][1] if groups else []
+
+
+def footer_bytes(footer: list[list]) -> bytes:
+    """A file's closing bytes: ``footer`` encoded, its length and ``PAR1``."""
+    writer = CompactWriter()
+    writer.struct(footer)
+    return bytes(writer.out) + struct.pack("<I", len(writer.out)) + MAGIC
+
+
 # ----------------------------------------------------------------------------- joining
 
 def read_footer(handle: BinaryIO, size: int) -> tuple[list[list], int]:
@@ -292,8 +305,7 @@ class ParquetJoiner:
             elif schema_part(footer) != schema_part(self._footer):
                 raise JoinError(f"{path} has another schema or metadata than the first file")
             shift = self._out.tell() - 4
-            groups = _get(footer, FILE_ROW_GROUPS)
-            for group in (groups[2][1] if groups else []):
+            for group in row_groups(footer):
                 move_group(group, shift, len(self._groups))
                 self._groups.append(group)
             rows = _get(footer, FILE_NUM_ROWS)
@@ -313,19 +325,8 @@ class ParquetJoiner:
             elif field == FILE_ROW_GROUPS:
                 value = (T_STRUCT, self._groups)
             footer.append([field, kind, value])
-        footer = with_key_values(footer, key_values)
-        writer = CompactWriter()
-        writer.struct(footer)
-        self._out.write(bytes(writer.out))
-        self._out.write(struct.pack("<I", len(writer.out)) + MAGIC)
+        self._out.write(footer_bytes(with_key_values(footer, key_values)))
         self._out.close()
 
     def abort(self) -> None:
         self._out.close()
-
-    @property
-    def rows(self) -> int:
-        return self._rows
-
-    def fileno(self) -> int:
-        return self._out.fileno()

@@ -226,8 +226,7 @@ def _binary_views(column, fmt: EmbeddingFormat) -> list[np.ndarray | None]:
 
 
 #: Bytes of embeddings per Arrow batch while streaming, when ``batch_rows`` is not given: a
-#: batch near the CPU's cache sizes reads several times faster than 16 rows of the full model
-#: (44 MB), whose fresh buffers are paged in anew for each batch (benchmarks/RESULTS.md).
+#: batch near the CPU's cache sizes reads faster than fresh buffers paged in for each batch.
 BATCH_BYTES = 8 << 20
 
 

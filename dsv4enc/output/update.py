@@ -1,30 +1,21 @@
 """``encode --update``: bring a finished output up to date with its inputs.
 
-An output remembers, per row, a stamp of the input it came from: an 8-byte hash of the row's
-key and of its file's stamp (size, modification time, inode and mode: ``images/headers.file_stamp``,
-what ``--resume`` checks). Where it keeps them:
+An output keeps, per row, an 8-byte stamp of its input: a hash of the key and of the file's
+stamp (``images/headers.file_stamp``, what ``--resume`` checks). A single file keeps them in
+its footer (``STAMPS_KEY``), so that the file and its stamps are replaced by one rename; a
+folder in a ``_stamps-HASH.bin`` file beside the parts, which the manifest names.
 
-- a single file: in its footer, one key-value entry (``STAMPS_KEY``) written with the footer
-  at the very end, so that the file and its stamps are replaced together, by one rename;
-- a folder: in a ``_stamps-HASH.bin`` file beside the parts (readers of a dataset folder pass
-  over ``_`` names), which the manifest names (``"stamps"``) once every part is committed.
-  A commit appends to the manifest's journal; the stamps file is written once, at the end.
+An update plans the current inputs as a clean run would and matches their stamps against the
+old rows' (``Update.match``): an unchanged input takes its old row (``CarriedRows``, read
+forward: both are in input order), a new or changed one is encoded, a gone one is left out.
+Rows are batch-invariant, so the result equals a clean run. A folder's old part whose rows all
+stay, in order and on the run's segment bounds, is kept as it is (``Update.keep_parts``).
 
-An update plans the current inputs as a clean run would, then matches every input's stamp
-against the old rows' (``Update.match``): an input whose key and file are unchanged takes its
-old row, copied from the old output (``CarriedRows``, streaming: both are in input order); a
-new or changed one is encoded; the rows of inputs that are gone are left out. Rows are
-batch-invariant, so the result equals a clean run over the current inputs row for row. A
-folder's old part whose rows all stay, in one piece, in order and on the run's segment bounds,
-is kept as it is (``Update.keep_parts``: listed by the new manifest, never read or written), so
-an update writes only the parts that hold new, changed or gone inputs.
-
-Crash safety is ``--resume``'s: the update's parts are committed to a parts folder of their
-own (``OUT.partial`` beside a single file; a hidden ``.dsv4enc-update`` inside a folder
-output, with part names of a new generation) and the old output is read, never changed,
-until the end. A single file is then renamed into place; a folder's new parts are moved in
-and its manifest replaced (the switch: one rename), then the old parts are deleted. An
-interrupted update rerun with ``--update`` keeps the parts it committed.
+Crash safety is ``--resume``'s: the update commits to a parts folder of its own
+(``OUT.partial`` beside a single file; ``STAGING_NAME`` inside a folder, with part names of a
+new generation) and reads the old output without changing it until the end: then a single
+file is renamed into place, and a folder's new parts are moved in and its manifest replaced
+(one rename) before the old parts go. An interrupted update, rerun, keeps what it committed.
 """
 
 from __future__ import annotations
@@ -59,7 +50,6 @@ STAGING_NAME = ".dsv4enc-update"
 _MAGIC = b"DSV4ENC-STAMPS1\n"
 #: Settings that decide how parts are cut, not what rows hold: an update may differ there.
 _NOT_ROWS = ("part_images",)
-#: The flag that chooses a setting, for the refusal's one line.
 #: The flag that sets each recorded setting whose value is the flag's argument.
 FLAG_OF_SETTING = {"compute_dtype": "--dtype", "device": "--device", "out_dtype": "--out-dtype",
                    "features": "--features", "pool": "--pool", "layout": "--layout",
@@ -109,24 +99,21 @@ def footer_entry(stamps: np.ndarray, options: dict) -> dict[bytes, bytes]:
                                    sort_keys=True).encode()}
 
 
-def _decode(text: str, rows: int) -> np.ndarray | None:
-    try:
-        stamps = np.frombuffer(base64.b64decode(text), dtype="<u8").astype(np.uint64)
-    except (ValueError, TypeError):
-        return None
-    return stamps if len(stamps) == rows else None
-
-
 def write_folder_stamps(folder: Path, store, stamps: np.ndarray, options: dict) -> None:
     """At the end of a folder output's run: its stamps file, then the manifest naming it
     (an older stamps file goes once the manifest no longer names it)."""
+    entry = _write_stamps(folder, stamps, options)
+    store.extra = {**store.extra, "stamps": entry}
+    store.save()
+    remove_other_stamps(folder, keep=entry["file"])
+
+
+def _write_stamps(folder: Path, stamps: np.ndarray, options: dict) -> dict[str, Any]:
+    """A folder output's stamps file, named by its content; returns the manifest's entry."""
     data = _MAGIC + stamps.astype("<u8").tobytes()
     name = f"_stamps-{hashlib.blake2b(data, digest_size=8).hexdigest()}.bin"
     _write_bytes_atomic(folder / name, data)
-    store.extra = {**store.extra, "stamps": {"file": name, "rows": len(stamps),
-                                             "options": options}}
-    store.save()
-    remove_other_stamps(folder, keep=name)
+    return {"file": name, "rows": len(stamps), "options": options}
 
 
 def remove_other_stamps(folder: Path, keep: str | None) -> None:
@@ -191,23 +178,24 @@ class OldOutput:
             stamps = None
             try:
                 entry = json.loads(metadata[STAMPS_KEY])
-                rows = footer.num_rows
                 settings.update(entry.get("options") or {})
-                stamps = _decode(entry["stamps"], rows)
+                data = base64.b64decode(entry["stamps"])
+                stamps = np.frombuffer(data, dtype="<u8").astype(np.uint64)
             except (KeyError, ValueError, TypeError):
                 pass
+            if stamps is not None and len(stamps) != footer.num_rows:
+                stamps = None
             return cls(out, [out], settings, stamps, False, set())
         manifest = read_manifest(out / MANIFEST_NAME)
         if manifest is None:
             return None
         parts = sorted(manifest["parts"].values(), key=lambda p: (p["start"], p["file"]))
-        rows = sum(int(p.get("rows", 0)) for p in parts)
-        stamps = _read_folder_stamps(out, manifest.get("stamps"), rows)
+        sizes = [int(p.get("rows", 0)) for p in parts]
+        stamps = _read_folder_stamps(out, manifest.get("stamps"), sum(sizes))
         found = cls(out, [out / p["file"] for p in parts], dict(manifest["settings"]), stamps,
                     True, {p["file"] for p in parts})
-        first = np.cumsum([0] + [int(p.get("rows", 0)) for p in parts])
-        found.parts = [(p["file"], int(first[i]), int(p.get("rows", 0)))
-                       for i, p in enumerate(parts)]
+        first = np.cumsum([0] + sizes)
+        found.parts = [(p["file"], int(first[i]), sizes[i]) for i, p in enumerate(parts)]
         return found
 
     def check(self, settings: dict) -> None:
@@ -390,24 +378,20 @@ class Update:
         """Switch a folder output to the staged parts: stamps file and part files moved in,
         then the manifest replaced (one rename), then the old parts and stamps deleted."""
         out = self.old.out
-        data = _MAGIC + stamps.astype("<u8").tobytes()
-        name = f"_stamps-{hashlib.blake2b(data, digest_size=8).hexdigest()}.bin"
-        _write_bytes_atomic(out / name, data)
+        entry = _write_stamps(out, stamps, options)
         parts = {name: {k: v for k, v in part.items() if k != "kept"}
                  for name, part in store.parts.items()}
         for part in store.parts.values():
             if not part.get("kept"):  # a kept part is in place already
                 os.replace(store.folder / part["file"], out / part["file"])
         fsync_dir(out)
-        write_json_atomic(manifest_document(store.settings, parts,
-                                            stamps={"file": name, "rows": len(stamps),
-                                                    "options": options}),
+        write_json_atomic(manifest_document(store.settings, parts, stamps=entry),
                           out / MANIFEST_NAME)  # the switch
         kept = {part["file"] for part in store.parts.values()}
         for old in self.old.listed - kept:
             if PART_FILE.fullmatch(old):
                 (out / old).unlink(missing_ok=True)
-        remove_other_stamps(out, keep=name)
+        remove_other_stamps(out, keep=entry["file"])
         shutil.rmtree(store.folder, ignore_errors=True)
 
     def count_into(self, summary) -> None:

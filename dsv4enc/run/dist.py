@@ -1,10 +1,6 @@
-"""Running on many ranks: the process group and row gathering (the tensor-parallel
-weight slicing is a model transform: ``tower/tensor_parallel``, applied by ``run/ranks``).
-
-``torch.distributed`` is touched here only, through a ``DistContext``; the run's collectives
-are called by ``run/ranks.Topology``, and the assignment of images to ranks (plain arithmetic)
-is in ``run/plan``. Launch with torchrun; a plain
-``python -m dsv4enc`` run has no context (``init_distributed`` returns None).
+"""Running on many ranks: the process group and row gathering. ``torch.distributed`` is
+touched here only, through a ``DistContext``, whose collectives ``run/ranks.Topology`` calls.
+Launch with torchrun; a plain launch has no context (``init_distributed`` returns None).
 
 Failures: a collective that times out, or whose peer died, raises ``DistributedError``
 naming this rank. Host-facing collectives (gather, object gather, barrier) wait on the host
@@ -33,10 +29,6 @@ log = logging.getLogger(__name__)
 
 # Newer torch calls it all_gather_single (all_gather_into_tensor is deprecated there).
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
-
-# --------------------------------------------------------------------------------------------
-# Process group
 
 
 @dataclass
@@ -173,17 +165,13 @@ def shutdown(ctx: DistContext | None) -> None:
         log.debug("rank %d: destroy_process_group failed: %s", ctx.rank, exc)
 
 
-# --------------------------------------------------------------------------------------------
-# Data parallel: who encodes what
-
-
 def gather_rows(ctx: DistContext, local_rows: torch.Tensor,
                 counts_per_rank: Sequence[int] | None = None) -> list[torch.Tensor]:
     """Every rank's output rows, on every rank, with ONE all-gather.
 
     local_rows: (n_local, width), this rank's images' rows concatenated in its assignment
-    order. counts_per_rank: n_local of every rank, known from the shared plan (see
-    ``rank_row_counts``); if None it is exchanged first (one extra small collective).
+    order. counts_per_rank: n_local of every rank, known from the shared plan; if None it
+    is exchanged first (one extra small collective).
     Rows are padded to the largest count for the transfer and cut back after. Returns
     ``world_size`` tensors (counts_per_rank[r], width) in the dtype of ``local_rows``, on
     its device. Ranks with zero rows are fine; when all have zero, nothing is sent.
@@ -205,24 +193,3 @@ def gather_rows(ctx: DistContext, local_rows: torch.Tensor,
     padded[:n_local] = local_rows
     everyone = ctx.all_gather(padded).to(local_rows.device)  # (world, most, width)
     return [everyone[r, :n] for r, n in enumerate(counts)]
-
-
-def restore_order(per_rank: Sequence[torch.Tensor], assignment: Sequence[Sequence[int]],
-                  rows_per_image: Sequence[int]) -> list[torch.Tensor]:
-    """Cut gathered rows back into images, in input order.
-
-    per_rank[r]: (rows of rank r, width), its images' rows concatenated in the order of
-    assignment[r]. Returns one (rows_per_image[i], width) tensor per image i.
-    """
-    out: list[torch.Tensor | None] = [None] * len(rows_per_image)
-    for rank, (rows, indices) in enumerate(zip(per_rank, assignment, strict=True)):
-        sizes = [rows_per_image[i] for i in indices]
-        if rows.shape[0] != sum(sizes):
-            raise ValueError(f"rank {rank} sent {rows.shape[0]} rows, its images have "
-                             f"{sum(sizes)}")
-        for i, part in zip(indices, torch.split(rows, sizes)):
-            out[i] = part
-    missing = [i for i, t in enumerate(out) if t is None]
-    if missing:
-        raise ValueError(f"images {missing[:5]} are not in any rank's assignment")
-    return out  # type: ignore[return-value]

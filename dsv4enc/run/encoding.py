@@ -23,46 +23,6 @@ from ..output.parts import Row
 from ..output.update import Update
 
 
-class BatchRows:
-    """Decoded images in, rows out, on the engine: what the local run's ``PartEncoder`` and
-    an ``--engine ray`` actor (``ray_engine.SegmentEncoder``) share. Each batch is started
-    with ``submit``; ``collect_ready`` and ``drain`` give the rows of finished ones by input
-    index. ``tokens`` and ``merge_pad_tokens`` count what was submitted."""
-
-    def __init__(self, engine: Engine, features: str, pool: str) -> None:
-        self.features = features
-        self.ratio = engine.cfg.downsample_ratio
-        # tags: (index, key, decoded image)
-        self.loop = BatchLoop(engine, pool, name_of=lambda tag: tag[1],
-                              remedy="rerun with --out-dtype float32", copy=False)
-        self.tokens = self.merge_pad_tokens = 0
-
-    def submit(self, ready: Sequence[tuple[int, str, Decoded]]) -> None:
-        """Start a batch of ``(index, key, decoded image)`` on the engine."""
-        packed = self.loop.submit(ready, [(patches_tensor(d), d.n_h, d.n_w) for _, _, d in ready])
-        for _, _, d in ready:  # packed: the decode pool's shared slots are free again
-            d.patches = None
-        self.tokens += packed.n_tokens
-        if self.features == "aligner":
-            self.merge_pad_tokens += packed.n_rows * self.ratio ** 2 - packed.n_tokens
-
-    def collect_ready(self) -> dict[int, Row]:
-        return self._rows(self.loop.collect_ready())
-
-    def drain(self) -> dict[int, Row]:
-        return self._rows(self.loop.drain())
-
-    def _rows(self, done: list[tuple[tuple[int, str, Decoded], torch.Tensor]],
-              ) -> dict[int, Row]:
-        """Rows of collected images (``BatchLoop`` tags and outputs), by input index."""
-        rows = {}
-        for (index, key, d), out in done:
-            grid_h, grid_w = output_grid(d.n_h, d.n_w, self.ratio, self.features)
-            rows[index] = Row(path=key, width=d.width, height=d.height, vit_h=d.n_h,
-                              vit_w=d.n_w, grid_h=grid_h, grid_w=grid_w, embedding=out.numpy())
-        return rows
-
-
 class PartEncoder:
     """Encodes the run's parts: walks parts -> batches, feeding decoded images to the engine
     through the batch loop, and yields finished parts as ``(name, start, end, digest, rows)``.
@@ -80,7 +40,10 @@ class PartEncoder:
         self.carried = update.carried if update is not None else {}  # input -> old row
         self.progress, self.summary, self.stop = progress, summary, stop
         self.cfg = engine.cfg
-        self.batches = BatchRows(engine, opts.features, opts.pool)
+        self.ratio = engine.cfg.downsample_ratio
+        # tags: (index, key, decoded image)
+        self.loop = BatchLoop(engine, opts.pool, name_of=lambda tag: tag[1],
+                              remedy="rerun with --out-dtype float32", copy=False)
         # Progress is counted where rows are made, then summed over ranks at each step: a
         # rank counts the rows it encoded (under TP every rank makes the same rows, so only
         # rank 0 counts), and header failures are counted by whoever owns the part's rows.
@@ -100,16 +63,13 @@ class PartEncoder:
         ``plan.plan_batches``); under gathered data parallelism every rank's load is noted
         in the summary too."""
         if self.ranks.gathered:
+            loads = self.summary.rank_loads
             for plan in batches:
+                loads.extend([0.0] * (len(plan) - len(loads)))
                 for rank, share in enumerate(plan):
-                    self._add_rank_load(rank, sum(planned[i].tokens for b in share for i in b))
+                    loads[rank] += sum(planned[i].tokens for b in share for i in b)
         return [sum(planned[i].tokens for i in batch)
                 for plan in batches for batch in plan[self.me]]
-
-    def _add_rank_load(self, rank: int, load: float) -> None:
-        loads = self.summary.rank_loads
-        loads.extend([0.0] * (rank + 1 - len(loads)))
-        loads[rank] += load
 
     def run(self, planned: Sequence[Planned], parts: Iterable[tuple[Part, list[list[list[int]]]]],
             decoded: Iterator[tuple[int, Decoded]]) -> Iterator[tuple]:
@@ -131,7 +91,7 @@ class PartEncoder:
                     local = self.submit_batch(planned, batch, decoded)
                 except StoppedWaiting:
                     return  # the part in progress is dropped; finished ones are committed
-                local.update(self.batches.collect_ready())
+                local.update(self._rows(self.loop.collect_ready()))
                 if self._counts_encoded:
                     self._note(local.values())
                 if self.ranks.gathered:
@@ -139,7 +99,7 @@ class PartEncoder:
                 rows.update(local)
                 if self._stop_agreed():
                     return
-            local = self.batches.drain()
+            local = self._rows(self.loop.drain())
             if self._counts_encoded:
                 self._note(local.values())
             if self.ranks.gathered:
@@ -147,7 +107,8 @@ class PartEncoder:
             rows.update(local)
             self._show_progress(self._gather_progress(None))
             ordered = [rows[i] for i in part.indices]
-            self.count([row for i, row in zip(part.indices, ordered) if i not in carried])
+            self.summary.count_rows([row for i, row in zip(part.indices, ordered)
+                                     if i not in carried])
             rows = None
             if self.ranks.writes:
                 yield part.name, part.start, part.end, part.digest, ordered
@@ -195,9 +156,6 @@ class PartEncoder:
         if images:
             self.progress.advance(images, tokens, failed, dropped)
 
-    def count(self, rows: list[Row]) -> None:
-        self.summary.count_rows(rows)
-
     # -- one batch ---------------------------------------------------------------
     def _next_decoded(self, decoded: Iterator[tuple[int, Decoded]]) -> tuple[int, Decoded]:
         """The next decoded image. One process: a signal that arrives while it waits (a slow
@@ -215,7 +173,7 @@ class PartEncoder:
     def submit_batch(self, planned: Sequence[Planned], batch: list[int],
                      decoded: Iterator[tuple[int, Decoded]]) -> dict[int, Row]:
         """Take a batch's decoded images and start them on the engine. Returns the rows of
-        images that failed to decode; the others come from ``BatchRows.loop``."""
+        images that failed to decode; the others come from ``loop``."""
         rows: dict[int, Row] = {}
         ready: list[tuple[int, Decoded]] = []
         began = time.perf_counter()
@@ -237,11 +195,23 @@ class PartEncoder:
         self.summary.decode_wait_s += time.perf_counter() - began
         if not ready:
             return rows
-        batches = self.batches
-        tokens, pad = batches.tokens, batches.merge_pad_tokens
-        batches.submit([(index, planned[index].item.key, d) for index, d in ready])
-        self.summary.tokens += batches.tokens - tokens
-        self.summary.merge_pad_tokens += batches.merge_pad_tokens - pad
+        packed = self.loop.submit([(index, planned[index].item.key, d) for index, d in ready],
+                                  [(patches_tensor(d), d.n_h, d.n_w) for _, d in ready])
+        for _, d in ready:  # packed: the decode pool's shared slots are free again
+            d.patches = None
+        self.summary.tokens += packed.n_tokens
+        if self.opts.features == "aligner":
+            self.summary.merge_pad_tokens += packed.n_rows * self.ratio ** 2 - packed.n_tokens
+        return rows
+
+    def _rows(self, done: list[tuple[tuple[int, str, Decoded], torch.Tensor]],
+              ) -> dict[int, Row]:
+        """Rows of collected images (``BatchLoop`` tags and outputs), by input index."""
+        rows = {}
+        for (index, key, d), out in done:
+            grid_h, grid_w = output_grid(d.n_h, d.n_w, self.ratio, self.opts.features)
+            rows[index] = Row(path=key, width=d.width, height=d.height, vit_h=d.n_h,
+                              vit_w=d.n_w, grid_h=grid_h, grid_w=grid_w, embedding=out.numpy())
         return rows
 
     def _exchange(self, local: dict[int, Row]) -> dict[int, Row]:

@@ -101,16 +101,13 @@ def validate(opts: EncodeOptions) -> None:
     for name, allowed in CHOICES.items():
         if getattr(opts, name) not in allowed:
             raise UsageError(f"--{name.replace('_', '-')} must be one of {', '.join(allowed)}")
-    for name in ("batch_tokens", "max_images", "max_pixels", "part_images"):
+    for name in ("batch_tokens", "max_images", "max_pixels", "part_images", "log_every",
+                 "commit_every"):
         value = getattr(opts, name)
         if value is not None and value <= 0:
             raise UsageError(f"--{name.replace('_', '-')} must be positive, got {value}")
     if opts.workers is not None and opts.workers < 0:
         raise UsageError(f"--workers must be 0 or more, got {opts.workers}")
-    if opts.log_every <= 0:
-        raise UsageError(f"--log-every must be positive, got {opts.log_every}")
-    if opts.commit_every <= 0:
-        raise UsageError(f"--commit-every must be positive, got {opts.commit_every}")
     if not opts.storage_outage_s > 0:
         raise UsageError(f"--storage-outage-s must be positive, got {opts.storage_outage_s:g}")
     if opts.decode_timeout <= 0 or opts.timeout <= 0:

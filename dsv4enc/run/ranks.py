@@ -1,18 +1,10 @@
 """How a run is spread over processes, and the one place that talks to the other ranks.
 
 A ``Topology`` is built once per run from the torchrun context (``dist.DistContext``, or
-None for a plain launch) and the options. Its kind:
-
-- ``single``: one process, no collectives;
-- ``gathered``: data parallel, each rank encodes its greedy share of every part and rank 0
-  gathers the rows and writes the output;
-- ``sharded``: data parallel with ``--shard-output``, each rank writes its own share;
-- ``tensor-parallel``: the tower is split over the ranks (``tower/tensor_parallel``), every rank makes every
-  row and rank 0 writes them.
-
-Every collective of the run goes through it: output checks run on rank 0 then raised
-everywhere (``main_then_all``), header sharing, resume agreement, stop agreement with
-progress, row exchange, the barrier before the final file, manifest merge and rank counts.
+None for a plain launch). Its kind: ``single`` (no collectives); ``gathered`` (data parallel:
+each rank encodes its share of every part, rank 0 gathers the rows and writes them);
+``sharded`` (``--shard-output``: each rank writes its own share); ``tensor-parallel`` (the
+tower split over the ranks, rank 0 writes). Every collective of the run goes through it.
 This module imports no torch: a plain launch never pays for it.
 """
 

@@ -1,31 +1,18 @@
 """``dsv4enc encode --engine ray``: the local run's plan and output, with the encoding done by
 encoder actors on a Ray cluster (needs ``dsv4enc[ray]``).
 
-The driver (the ``dsv4enc encode`` process) runs the local run's skeleton
-(``pipeline.run_encode``, with ``RayParts`` as its engine): it discovers the inputs, reads
-their headers and cuts the same parts and segments (``run/plan``), checks and locks
-``--out`` (``output/layout``, ``output/remote`` for a bucket), and commits parts through the
-same ``output/layout.PartWriter`` into the same part store,
-so the keys, rows, manifest, metadata and final file are the local run's. What changes is
-where a part is encoded and written: each goes to an encoder actor (``SegmentEncoder``),
-which loaded the weights once and holds the same Engine (``pipeline.tower_engine``, as
-the local run builds it) and the same fault-tolerant decode pool
-(``images/decode.DecodePool``). The actor reads the part's images itself (from a shared
-folder or a bucket: only item locators travel), writes the part file into the output's
-store itself (``output/parts.write_part``, as a torchrun rank of ``--shard-output`` does:
-under a temporary name in a local folder, which every node must share, or uploaded whole to
-the bucket) and sends back only its manifest entry and counts. The driver never holds a
-row: it renames and records (``output/parts.PartStore.commit_written``), and joins a single-file
-``--out`` from the parts at the end, as the local run joins them.
+The driver runs the local run's skeleton (``pipeline.run_encode``, with ``RayParts`` behind
+it): the same inputs, parts, checks of ``--out``, part store and final file. Each part goes to
+an encoder actor (``SegmentEncoder``: the local run's Engine, decode pool and
+``run/encoding.PartEncoder``), which reads the part's images itself (only item locators
+travel), writes the part file into the output's store (``output/parts.write_part``) and sends
+back only its manifest entry and counts; the driver commits the entries in input order
+(``output/parts.PartStore.commit_written``) and never holds a row.
 
-Exactly once: Ray computes, dsv4enc's manifest commits. The driver commits each part once,
-in input order, as the actors' reports come back (a report is taken once per part, whatever
-Ray retried), and ``--resume`` skips what the manifest lists (``resume_filter``), so a
-killed driver costs at most the parts not yet committed. A killed actor is restarted by
-Ray (``MAX_RESTARTS``) and its calls are retried (``MAX_TASK_RETRIES``): parts are pure
-functions of their inputs (batch-invariant rows), so a retried one gives the same bytes,
-and a file the killed actor wrote is under a temporary name no manifest lists (removed at
-the end). A bad image is an error row made by the decode pool, never a failed call.
+Exactly once: the driver commits each part once, whatever Ray retried, and ``--resume`` skips
+what the manifest lists. A killed actor is restarted (``MAX_RESTARTS``) and its calls retried
+(``MAX_TASK_RETRIES``): rows are batch-invariant, so a retried part gives the same bytes, and a
+file a killed actor wrote has a temporary name no manifest lists.
 """
 
 from __future__ import annotations
@@ -36,9 +23,10 @@ import socket
 import time
 import warnings
 from dataclasses import dataclass, replace
-from typing import Any, Sequence
+from typing import Any
 
 from ..errors import DsvError, Interrupted, UsageError
+from ..images.headers import Planned, inputs_digest
 from ..images.sources import attach_held
 from .options import EncodeOptions, available_cpus, decode_window, default_workers, validate
 
@@ -86,15 +74,15 @@ class RayEngineOptions:
 @dataclass
 class PartCall:
     """One part for an encoder actor: its ``name``, input range and ``digest`` (what the
-    manifest records), ``entries``: ``(index, key, item, width, height, error)`` of each of
-    its inputs in input order (``error``: its header's, else None), and ``batches``: the
-    indices per packed batch, as the local run packs them."""
+    manifest records), ``planned``: its inputs by index, in input order (``Planned``: a
+    header's error travels with it), and ``batches``: the indices per packed batch, as the
+    local run packs them."""
 
     name: str
     start: int
     end: int
     digest: str
-    entries: list[tuple]
+    planned: dict[int, Planned]
     batches: list[list[int]]
 
 
@@ -112,7 +100,6 @@ class SegmentEncoder:
         from ..engine.device import resolve_device, resolve_dtype
         from ..images.decode import DecodePool, own_process_pillow_settings
         from ..process import own_process_settings
-        from .encoding import BatchRows
         from .pipeline import load_model, tower_engine
 
         own_process_pillow_settings()
@@ -126,9 +113,8 @@ class SegmentEncoder:
         self.dtype = compute
         self.engine = tower_engine(ckpt, device, opts)
         del ckpt
-        workers = default_workers(device.type) if opts.workers is None else opts.workers
-        self.pool = DecodePool(self.cfg, workers, opts.max_pixels, opts.decode_timeout)
-        self.batches = BatchRows(self.engine, opts.features, opts.pool)
+        # opts.workers: the driver's ``actor_workers``
+        self.pool = DecodePool(self.cfg, opts.workers, opts.max_pixels, opts.decode_timeout)
 
     def describe(self, probe: tuple[str, bytes] | None = None) -> dict[str, Any]:
         """What this actor computes with (the driver checks that every actor agrees).
@@ -149,77 +135,59 @@ class SegmentEncoder:
 
     def encode_part(self, call: PartCall, schema, folder: str, drop_cache: bool,
                     ) -> dict[str, Any]:
-        """Encode one part and write its file into ``folder`` (the parts folder, under a
-        temporary name the driver renames, or its URL in a bucket: ``output/parts.
-        write_part``; ``drop_cache``: the parts are the output, never read back). Returns
-        what the driver commits and counts, never the rows: the manifest ``entry``, the
-        ``failed`` rows (no embedding) by index, how many rows were ``encoded`` and their
-        ViT ``tokens``, and the encoding's ``stats``."""
-        from ..output.parts import Row, kept_columns, rows_per_group, rows_to_table, write_part
+        """Encode one part (``PartEncoder``, as one local process does) and write its file
+        into ``folder`` (the parts folder, under a temporary name the driver renames, or its
+        URL in a bucket: ``output/parts.write_part``; ``drop_cache``: the parts are the
+        output, never read back). Returns what the driver commits and counts, never the
+        rows: the manifest ``entry``, the part's ``summary`` and its ``progress``
+        (``progress.RunProgress.advance``'s arguments)."""
+        from ..output.parts import kept_columns, rows_per_group, rows_to_table, write_part
         from ..storage import is_url
         from ..pausepoints import pause
+        from .encoding import PartEncoder
+        from .plan import Part
+        from .ranks import Topology
+        from .stopping import StopSignals
+        from .summary import RunSummary
 
-        pause("segment", pid=os.getpid(), images=[entry[0] for entry in call.entries])
-        rows, stats = self._rows([e for e in call.entries if e[5] is None], call.batches)
-        for index, key, _, width, height, error in call.entries:
-            if error is not None:  # its header could not be read
-                rows[index] = Row(path=key, width=width, height=height, error=error)
-        ordered = [rows[entry[0]] for entry in call.entries]
-        failed = {entry[0]: row for entry, row in zip(call.entries, ordered)
-                  if row.error is not None}
-        table = rows_to_table(ordered, schema, kept_columns(schema, [e[2] for e in call.entries]))
-        group_rows = rows_per_group(schema, ordered)
-        tokens = sum(row.vit_h * row.vit_w for row in ordered if row.error is None)
-        del rows, ordered  # the table holds what it needs of them
-        entry = write_part(folder, call.name, table, group_rows, call.start, call.end,
-                           call.digest, drop_cache=drop_cache, staged=not is_url(folder))
-        pause("written", pid=os.getpid(), name=call.name)
-        return {"entry": entry, "failed": failed, "encoded": table.num_rows - len(failed),
-                "tokens": tokens, "stats": stats}
-
-    def _rows(self, entries: Sequence[tuple], batches: Sequence[Sequence[int]]) -> tuple:
-        """Rows of a part's readable images. ``entries``: ``(index, key, item, width, height,
-        error)`` of its images whose header was read, by index; ``batches``: the indices per
-        packed batch, as the local run packs them. Returns ``(rows by index, stats)``; an
-        image that fails to decode is an error row with its header's size, as in the local
-        run."""
-        from ..output.parts import Row
-
-        by_index = {entry[0]: entry for entry in entries}
-        order = [i for batch in batches for i in batch]
-        stream = self.pool.imap(((i, by_index[i][2]) for i in order),
+        planned = call.planned
+        pause("segment", pid=os.getpid(), images=list(planned))
+        order = [i for batch in call.batches for i in batch]
+        stream = self.pool.imap(((i, planned[i].item) for i in order),
                                 window=decode_window(self.pool.n_workers, self.opts.max_images))
-        rows: dict[int, Row] = {}
-        encoder = self.batches
-        encoder.tokens = encoder.merge_pad_tokens = 0  # this part's
-        waited_s = 0.0
+        summary, progress = RunSummary(out=""), _Tally()
+        encoder = PartEncoder(self.engine, self.opts, Topology(), progress, summary,
+                              StopSignals(immediate=False))
+        part = Part(call.name, call.start, call.end, list(planned), call.digest)
         began = time.perf_counter()
         try:
-            for batch in batches:
-                ready = []
-                waited = time.perf_counter()
-                for expected in batch:
-                    index, d = next(stream)
-                    assert index == expected, "decode stream out of step with the plan"
-                    _, key, _, width, height, _ = by_index[index]
-                    if d.error is not None:
-                        rows[index] = Row(path=key, width=width, height=height, error=d.error)
-                    else:
-                        ready.append((index, key, d))
-                waited_s += time.perf_counter() - waited
-                if ready:
-                    encoder.submit(ready)
-                    rows.update(encoder.collect_ready())
-            rows.update(encoder.drain())
+            ((*_, rows),) = encoder.run(planned, [(part, [call.batches])], stream)
         finally:
             if hasattr(stream, "close"):
                 stream.close()
-        return rows, {"tokens": encoder.tokens, "merge_pad_tokens": encoder.merge_pad_tokens,
-                      "decode_wait_s": waited_s,
-                      "model_s": time.perf_counter() - began - waited_s}
+        summary.model_s = time.perf_counter() - began - summary.decode_wait_s
+        items = [entry.item for entry in planned.values()]
+        table = rows_to_table(rows, schema, kept_columns(schema, items))
+        group_rows = rows_per_group(schema, rows)
+        del rows  # the table holds what it needs of them
+        entry = write_part(folder, call.name, table, group_rows, call.start, call.end,
+                           call.digest, drop_cache=drop_cache, staged=not is_url(folder))
+        pause("written", pid=os.getpid(), name=call.name)
+        return {"entry": entry, "summary": summary, "progress": progress.counts}
 
     def close(self) -> None:
         self.pool.close()
+
+
+class _Tally:
+    """An actor's progress: ``PartEncoder``'s counts summed, for the driver's display."""
+
+    def __init__(self) -> None:
+        self.counts = [0, 0, 0, 0]
+
+    def advance(self, images: int, tokens: int, failed: int, dropped_tokens: int = 0) -> None:
+        for k, n in enumerate((images, tokens, failed, dropped_tokens)):
+            self.counts[k] += n
 
 
 # ----------------------------------------------------------------------------- the cluster
@@ -229,10 +197,8 @@ class RayCluster:
     local one started for the run (and shut down at the end)."""
 
     def __init__(self, ray_opts: RayEngineOptions) -> None:
-        try:
-            import ray
-        except ImportError:
-            raise UsageError("--engine ray needs Ray: pip install 'dsv4enc[ray]'") from None
+        import ray  # there: ``run_ray_encode`` checked
+
         self.ray = ray
         # Ray's own log lines (its token notice, ...) are no louder than dsv4enc's: none but
         # errors under -q. (Importing ray set up its logger: the level is set after it.)
@@ -240,7 +206,6 @@ class RayCluster:
         self.ray_log_level = ray_log.level
         ray_log.setLevel(max(ray_log.getEffectiveLevel(), log.getEffectiveLevel()))
         self.address = ray_opts.resolved_address()
-        self.started_here = False
         self.joined = False
         if ray.is_initialized():  # an in-process caller's own Ray: used, left as it is
             return
@@ -268,7 +233,6 @@ class RayCluster:
         # Ray's temp folder (a bare ray.init() would try to join that one)
         self.ray.init(address="local", num_cpus=available_cpus(), object_store_memory=store,
                       include_dashboard=False, **common)
-        self.started_here = True
 
     def resources(self) -> tuple[float, float, int, float]:
         """(CPUs, GPUs, alive nodes with CPUs, the fewest CPUs of such a node)."""
@@ -333,9 +297,8 @@ def actor_workers(opts: EncodeOptions, plan: ActorPlan) -> int:
 
 def run_ray_encode(opts: EncodeOptions, ray_opts: RayEngineOptions | None = None,
                    stop=None):
-    """Encode ``opts.inputs`` into ``opts.out`` on Ray encoder actors; returns the
-    ``run/summary.RunSummary``. Raises ``DsvError`` (setup) or ``Interrupted``, as ``run_encode``, whose
-    run skeleton it is (``RayParts`` behind it)."""
+    """Encode ``opts.inputs`` into ``opts.out`` on Ray encoder actors: ``run_encode``'s run
+    with ``RayParts`` behind it (its summary, its errors)."""
     from .pipeline import run_encode
     from .ranks import launched_ranks
 
@@ -410,12 +373,11 @@ class RayParts:
             raise UsageError(f"--engine ray: the encoder actors write their parts into --out, "
                              f"and --out {self.opts.out} is not this folder on node {blind}; "
                              "give --out a folder every node shares, or a bucket")
-        first = {k: v for k, v in described[0].items() if k not in ("pid", "host")}
-        for other in described[1:]:
-            if {k: v for k, v in other.items() if k not in ("pid", "host")} != first:
-                raise DsvError("the encoder actors disagree on their settings (device, dtype "
-                               "or weights): give every node the same weights and devices")
-        return first
+        settings = [{k: v for k, v in d.items() if k not in ("pid", "host")} for d in described]
+        if any(other != settings[0] for other in settings[1:]):
+            raise DsvError("the encoder actors disagree on their settings (device, dtype "
+                           "or weights): give every node the same weights and devices")
+        return settings[0]
 
     def cut(self, setup, part_images: int, progress, stop) -> list:
         """Every header at once, the single file's size checked, and every segment."""
@@ -496,7 +458,7 @@ class RayParts:
                         load[actor] += 1
                         sent += 1
                     while done in reports:
-                        _commit(planned, calls[done], reports.pop(done), writer, run)
+                        _commit(calls[done], reports.pop(done), writer, run)
                         done += 1
                     if done == len(calls) or stop.requested():
                         break
@@ -526,19 +488,20 @@ class RayParts:
             self.cluster.close()
 
 
-def _commit(planned, call: PartCall, report: dict, writer, run) -> None:
+def _commit(call: PartCall, report: dict, writer, run) -> None:
     """A part an actor wrote: its entry to the writer (which commits it), its counts to
     the summary and the progress."""
-    summary, failed, stats = run.summary, report["failed"], report["stats"]
-    summary.count_rows(failed.values())
-    summary.encoded += report["encoded"]
-    dropped = sum(planned[i].tokens for i in failed if planned[i].error is None)
-    summary.tokens += stats.get("tokens", 0)
-    summary.merge_pad_tokens += stats.get("merge_pad_tokens", 0)
-    summary.decode_wait_s += stats.get("decode_wait_s", 0.0)
-    summary.model_s += stats.get("model_s", 0.0)
+    summary, done = run.summary, report["summary"]
+    summary.encoded += done.encoded
+    summary.failed += done.failed
+    for message, count in done.errors.items():
+        summary.add_error(message, done.error_examples[message], count)
+    summary.tokens += done.tokens
+    summary.merge_pad_tokens += done.merge_pad_tokens
+    summary.decode_wait_s += done.decode_wait_s
+    summary.model_s += done.model_s
     writer.put_written(call.name, report["entry"])
-    run.progress.advance(call.end - call.start, report["tokens"], len(failed), dropped)
+    run.progress.advance(*report["progress"])
 
 
 def part_calls(planned, todo, part_images: int, batch_tokens: int, max_images: int | None,
@@ -547,7 +510,6 @@ def part_calls(planned, todo, part_images: int, batch_tokens: int, max_images: i
     ``part_images`` range go in one call, whose file is one part (named after its first
     segment, as the local run joins segments), and ranges are cut at segment bounds into
     about ``wanted`` calls when there are fewer, so that every actor has work."""
-    from ..images.headers import inputs_digest
     from .plan import part_batches
 
     runs: list[list] = []
@@ -566,19 +528,18 @@ def part_calls(planned, todo, part_images: int, batch_tokens: int, max_images: i
             group = run[k:k + step]
             start, end = group[0].start, group[-1].end
             indices = [i for segment in group for i in segment.indices]
-            entries = [(i, planned[i].item.key, planned[i].item, planned[i].width,
-                        planned[i].height, planned[i].error) for i in indices]
             digest = (group[0].digest if len(group) == 1
                       else inputs_digest(planned[start:end]))
-            calls.append(PartCall(group[0].name, start, end, digest, entries,
+            calls.append(PartCall(group[0].name, start, end, digest,
+                                  {i: planned[i] for i in indices},
                                   part_batches(planned, indices, batch_tokens, max_images)))
     return calls
 
 
 def _with_held(call: PartCall) -> PartCall:
     """``call`` as it is sent: an item read ahead by its header probe goes with its bytes."""
-    return replace(call, entries=[(index, key, attach_held(item), *rest)
-                                  for index, key, item, *rest in call.entries])
+    return replace(call, planned={i: replace(p, item=attach_held(p.item))
+                                  for i, p in call.planned.items()})
 
 
 def _first_line(exc: BaseException) -> str:

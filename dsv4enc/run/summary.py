@@ -16,11 +16,8 @@ from pathlib import Path
 from rich.markup import escape
 from rich.table import Table
 
-from ..output.inspect import error_group
+from ..output.inspect import TOP_ERRORS, error_group
 from .progress import stderr_console
-
-#: Error messages shown in the summary (the commonest first).
-TOP_ERRORS = 5
 
 
 @dataclass

@@ -47,6 +47,9 @@ SDK_SLACK_S = 1.0
 #: retries) before the run stops.
 OUTAGE_S = 60.0
 _OUTAGE_ENV = "DSV4ENC_STORAGE_OUTAGE_S"
+#: The environment variables that carry ``configure`` and ``set_outage_s`` to child
+#: processes (decode workers inherit them; Ray actors are handed them).
+SETTINGS_ENV = (_OPTIONS_ENV, _OUTAGE_ENV)
 #: The error of a row whose input could not be read because its store was not answering: a
 #: transient error (``output/parts.TRANSIENT_ERRORS``), its part is encoded again on --resume.
 UNAVAILABLE = "storage unavailable"

@@ -25,6 +25,7 @@ import warnings
 from dataclasses import dataclass, replace
 from typing import Any
 
+from .. import storage
 from ..errors import DsvError, Interrupted, UsageError
 from ..images.headers import Planned, inputs_digest
 from ..images.sources import attach_held
@@ -48,7 +49,7 @@ POLL_S = 0.1
 #: The environment variables an encoder actor gets from the driver (a remote cluster's
 #: workers do not inherit the driver's environment): storage options and endpoints, and the
 #: pause points a test asks for (``pausepoints``).
-FORWARDED_ENV = ("DSV4ENC_STORAGE_OPTIONS", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3",
+FORWARDED_ENV = (*storage.SETTINGS_ENV, "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3",
                  "AWS_REGION", "AWS_DEFAULT_REGION", "DSV4ENC_PAUSE_AT", "DSV4ENC_PAUSE_DIR")
 
 

@@ -266,8 +266,7 @@ class BatchEncoder:
             kind, names = "pandas", list(batch.columns)
             column = lambda name: batch[name].tolist()  # noqa: E731
         elif isinstance(batch, Mapping):
-            values = [batch[name] for name in batch.keys()] if len(batch) else []
-            kind = "numpy" if any(isinstance(v, np.ndarray) for v in values) else "lists"
+            kind = "numpy" if any(isinstance(v, np.ndarray) for v in batch.values()) else "lists"
             names = list(batch.keys())
             column = lambda name: list(batch[name])  # noqa: E731
         else:

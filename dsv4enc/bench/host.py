@@ -106,7 +106,6 @@ class NullStage:
     weights (the config's shape, no tensors) and a ``NullEngine`` for the run's options."""
 
     config: VisionConfig
-    batch_tokens: int | None = None
 
     @property
     def checkpoint(self) -> Checkpoint:
@@ -114,7 +113,7 @@ class NullStage:
 
     def engine(self, device: torch.device, opts: EncodeOptions) -> NullEngine:
         return NullEngine(self.config, opts.features, getattr(torch, opts.out_dtype),
-                          opts.batch_tokens or self.batch_tokens, opts.max_images)
+                          opts.batch_tokens, opts.max_images)
 
 
 def stage_inputs(batch: PackedBatch) -> tuple[torch.Tensor, ...]:

@@ -270,14 +270,13 @@ class Encoder:
                                    bytearray, memoryview, Mapping))
 
     def _engine(self, features: str) -> Engine:
-        engine = self.engines.get(features)
-        if engine is None:
-            engine = engine_for(self.model, features=features, attention=self.attention,
-                                out_dtype=self.out_dtype, cuda_graphs=self.cuda_graphs,
-                                batch_tokens=self.batch_tokens, max_images=self.max_images,
-                                deterministic=self.deterministic)
-            self.engines[features] = engine
-        return engine
+        if features not in self.engines:
+            self.engines[features] = engine_for(
+                self.model, features=features, attention=self.attention,
+                out_dtype=self.out_dtype, cuda_graphs=self.cuda_graphs,
+                batch_tokens=self.batch_tokens, max_images=self.max_images,
+                deterministic=self.deterministic)
+        return self.engines[features]
 
     def _prepare(self, index: int, entry: Any) -> _Prepared:
         """Split off the key and transform one input (runs on decode threads)."""
@@ -285,10 +284,7 @@ class Encoder:
 
         from .tower.transform import image_to_patches
 
-        if isinstance(entry, tuple) and len(entry) == 2:
-            key, image = entry
-        else:
-            key, image = None, entry
+        key, image = entry if isinstance(entry, tuple) and len(entry) == 2 else (None, entry)
         is_dict = isinstance(image, Mapping)  # Hugging Face Image feature with decode=False
         image, name = image_source(image)
         if key is None:
@@ -303,10 +299,9 @@ class Encoder:
                 patches, canvas = image_to_patches(image, self.config)
                 item.patches, item.n_h, item.n_w = patches, canvas.n_h, canvas.n_w
             elif isinstance(image, (str, bytes)):
-                source = image
-                if storage.is_url(source):  # an object in a store (s3://...): read it whole
-                    source = storage.read_bytes(source)
-                decoded = decode_image(source, self.config, self.max_pixels)
+                if storage.is_url(image):  # an object in a store (s3://...): read it whole
+                    image = storage.read_bytes(image)
+                decoded = decode_image(image, self.config, self.max_pixels)
                 if decoded.error is not None:
                     item.error = decoded.error
                 else:

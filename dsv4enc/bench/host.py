@@ -246,12 +246,10 @@ def run_host_bench(config_path: str, images: str = "synthetic:1024x768:256",
     costs, its decode workers' start and the last part's flush, cancel). One untimed short run
     first takes the process's one-time costs (imports, pyarrow's start), so that both timed
     runs of a kind find the process in the same state."""
-    from .throughput import resolve_images
+    from .throughput import check_outputs, resolve_images
     from ..run.pipeline import run_encode
 
-    unknown = set(outputs) - {"file", "folder"}
-    if unknown:
-        raise ValueError(f"outputs must be file or folder, not {', '.join(sorted(unknown))}")
+    check_outputs(outputs)
     cfg = VisionConfig.from_file(config_path)
     with tempfile.TemporaryDirectory(prefix="dsv4enc-host-") as scratch:
         base = Path(workdir) if workdir else Path(scratch)

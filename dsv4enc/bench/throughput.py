@@ -109,6 +109,13 @@ def resolve_images(images: str, workdir: Path, seed: int = 0) -> list[Path]:
     return paths
 
 
+def check_outputs(outputs: Sequence[str]) -> None:
+    """A ValueError naming the ``outputs`` (of ``--outputs``) that are neither file nor folder."""
+    unknown = set(outputs) - {"file", "folder"}
+    if unknown:
+        raise ValueError(f"outputs must be file or folder, not {', '.join(sorted(unknown))}")
+
+
 # ----------------------------------------------------------------------------- FLOPs, ceiling
 
 def sync(device: torch.device) -> None:
@@ -377,16 +384,12 @@ def run_bench(config_path: str, device: str = "auto", dtype: str = "auto",
     budget or several (default 32768 on CUDA, 8192 on CPU). ``cuda_graphs``: the settings to
     compare (None = engine default). ``naive_images``: limit the naive baseline to the first
     N images (its rate is per image of the same mix, so the ratio stays fair for a repeating
-    mix). ``e2e``: also time the full pipeline (``encode`` in this process).
-    ``cli``: also time ``dsv4enc encode`` in a fresh process (start-up included).
-    ``fused``: the settings of ``--fused`` to time (model rows, and e2e runs for each);
-    ``e2e_outputs``: "file" and/or "folder".
+    mix). ``e2e``, ``cli``: also time those modes. ``fused``: the settings of ``--fused`` to
+    time (model rows, and e2e runs for each); ``e2e_outputs``: "file" and/or "folder".
     Every row carries ``vs_naive`` (img/s over the naive loop's img/s) and, for model rows,
     ``ceiling_frac`` (achieved FLOP/s over the matmul ceiling).
     """
-    unknown = set(e2e_outputs) - {"file", "folder"}
-    if unknown:
-        raise ValueError(f"outputs must be file or folder, not {', '.join(sorted(unknown))}")
+    check_outputs(e2e_outputs)
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     cfg = VisionConfig.from_file(config_path)

@@ -1,10 +1,6 @@
-"""The Python API: ``Encoder`` turns images into embeddings in memory.
-
-It runs the same packed engine as the command line (many images per forward, CUDA graphs
-where available) and the same exact transform, but decodes in the calling process (optionally
-on a few threads) and returns torch tensors instead of writing Parquet::
-
-    from dsv4enc import Encoder
+"""The Python API: ``Encoder`` turns images into embeddings in memory, with the command line's
+packed engine and exact transform, decoding in the calling process (optionally on a few
+threads) and returning torch tensors::
 
     enc = Encoder.from_pretrained("/path/to/checkpoint", device="cpu", dtype="float32")
     embeddings = enc.encode([pil_image, "photo.jpg", png_bytes, uint8_array])
@@ -31,12 +27,14 @@ from .tower.checkpoint import Checkpoint, load_checkpoint, random_checkpoint
 from .tower.config import Attention, VisionConfig
 from .images.formats import DEFAULT_MAX_PIXELS
 from .images.decode import decode_image, describe_error, patches_tensor
-from .engine.defaults import DEFAULT_MAX_IMAGES, FEATURES, POOLS, Features, Pool
+from .engine.defaults import (DEFAULT_MAX_IMAGES, FEATURES, POOLS, Features, Pool,
+                              default_batch_tokens)
 from .engine.device import resolve_device, resolve_dtype, resolve_out_dtype
 from .engine.batching import BatchLoop
 from .engine.engine import Engine, NonFiniteOutput
 from .engine.factory import build_model, engine_for
 from .engine.packing import output_grid
+from .run.options import available_cpus
 from .run.plan import pack_bins
 from .output.read import read_embeddings
 
@@ -81,10 +79,6 @@ def image_source(image: Any) -> tuple[Any, str | None]:
     return image, None
 
 
-class _BadInput(Exception):
-    """Internal: this input cannot be encoded (the message is the reason)."""
-
-
 @dataclass
 class _Prepared:
     """One input, transformed: bf16 patches and the patch grid, or why it failed."""
@@ -108,14 +102,14 @@ def _array_to_image(array: np.ndarray):
     if array.dtype == np.uint16 and array.ndim == 2:
         return Image.fromarray(array)  # 16-bit gray: scaled to 8 bits like a 16-bit file
     if array.dtype != np.uint8:
-        raise _BadInput(f"array has dtype {array.dtype}; expected uint8 (HxW or HxWx3)")
+        raise ValueError(f"array has dtype {array.dtype}; expected uint8 (HxW or HxWx3)")
     if array.ndim == 3 and array.shape[2] == 1:
         array = array[:, :, 0]
     if array.ndim == 2:
         return Image.fromarray(np.ascontiguousarray(array), "L")
     if array.ndim == 3 and array.shape[2] in (3, 4):
         return Image.fromarray(np.ascontiguousarray(array), "RGB" if array.shape[2] == 3 else "RGBA")
-    raise _BadInput(f"array has shape {tuple(array.shape)}; expected HxW, HxWx1, HxWx3 or HxWx4")
+    raise ValueError(f"array has shape {tuple(array.shape)}; expected HxW, HxWx1, HxWx3 or HxWx4")
 
 
 class Encoder:
@@ -159,9 +153,6 @@ class Encoder:
             raise ValueError(f"batch_tokens must be positive, got {batch_tokens}")
         if max_images <= 0:
             raise ValueError(f"max_images must be positive, got {max_images}")
-        from .engine.defaults import default_batch_tokens
-        from .run.options import available_cpus
-
         self.batch_tokens = batch_tokens or default_batch_tokens(self.device.type)
         self.max_images = max_images
         if decode_threads is None:
@@ -279,14 +270,13 @@ class Encoder:
                                    bytearray, memoryview, Mapping))
 
     def _engine(self, features: str) -> Engine:
-        engine = self.engines.get(features)
-        if engine is None:
-            engine = engine_for(self.model, features=features, attention=self.attention,
-                                out_dtype=self.out_dtype, cuda_graphs=self.cuda_graphs,
-                                batch_tokens=self.batch_tokens, max_images=self.max_images,
-                                deterministic=self.deterministic)
-            self.engines[features] = engine
-        return engine
+        if features not in self.engines:
+            self.engines[features] = engine_for(
+                self.model, features=features, attention=self.attention,
+                out_dtype=self.out_dtype, cuda_graphs=self.cuda_graphs,
+                batch_tokens=self.batch_tokens, max_images=self.max_images,
+                deterministic=self.deterministic)
+        return self.engines[features]
 
     def _prepare(self, index: int, entry: Any) -> _Prepared:
         """Split off the key and transform one input (runs on decode threads)."""
@@ -294,10 +284,7 @@ class Encoder:
 
         from .tower.transform import image_to_patches
 
-        if isinstance(entry, tuple) and len(entry) == 2:
-            key, image = entry
-        else:
-            key, image = None, entry
+        key, image = entry if isinstance(entry, tuple) and len(entry) == 2 else (None, entry)
         is_dict = isinstance(image, Mapping)  # Hugging Face Image feature with decode=False
         image, name = image_source(image)
         if key is None:
@@ -306,16 +293,15 @@ class Encoder:
             return _Prepared(key, index, error="ValueError: dict holds neither 'bytes' nor 'path'")
         item = _Prepared(key, index)
         try:
-            if isinstance(image, Image.Image) or isinstance(image, np.ndarray):
-                if isinstance(image, np.ndarray):
-                    image = _array_to_image(image)
+            if isinstance(image, np.ndarray):
+                image = _array_to_image(image)
+            if isinstance(image, Image.Image):
                 patches, canvas = image_to_patches(image, self.config)
                 item.patches, item.n_h, item.n_w = patches, canvas.n_h, canvas.n_w
             elif isinstance(image, (str, bytes)):
-                source = image
-                if storage.is_url(source):  # an object in a store (s3://...): read it whole
-                    source = storage.read_bytes(source)
-                decoded = decode_image(source, self.config, self.max_pixels)
+                if storage.is_url(image):  # an object in a store (s3://...): read it whole
+                    image = storage.read_bytes(image)
+                decoded = decode_image(image, self.config, self.max_pixels)
                 if decoded.error is not None:
                     item.error = decoded.error
                 else:
@@ -325,8 +311,6 @@ class Encoder:
                 item.wrong_type = True
                 item.error = (f"TypeError: unsupported input {type(image).__name__} (expected "
                               "a PIL image, a uint8 array, a path, bytes or a {bytes, path} dict)")
-        except _BadInput as exc:
-            item.error = f"ValueError: {exc}"
         except Exception as exc:  # a broken image object is this item's error, not the run's
             item.error = describe_error(exc)
         return item

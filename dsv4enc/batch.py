@@ -1,22 +1,16 @@
 """One batch function for pipelines: ``BatchEncoder``.
 
 Built once (the weights are loaded once), then called once per batch by whatever drives the
-pipeline: Ray Data's ``map_batches``, Hugging Face ``datasets.map(batched=True)``, a Daft or
-Spark UDF, or a plain loop. A batch is a table of images::
-
-    from dsv4enc import BatchEncoder
+pipeline (Ray Data's ``map_batches``, ``datasets.map(batched=True)``, a Daft or Spark UDF, a
+plain loop)::
 
     embed = BatchEncoder("/path/to/checkpoint", image_column="image", key_column="id")
     out = embed(batch)        # pyarrow Table / RecordBatch, pandas DataFrame, dict of arrays
 
-What comes back is the batch's rows in ``dsv4enc encode``'s output schema and layout
-(``path``, ``width``, ``height``, ``vit_h``, ``vit_w``, ``grid_h``, ``grid_w``, ``embedding``,
-``error``; docs/output-format.md, "Output"), one row per input row, in input order, and of the kind it was
-given, followed by the batch's other columns as they came (``keep_columns``). An image that
-cannot be read is a row whose ``error`` names the cause, as on the command line: a call never
-raises for a bad image. Rows are batch-invariant
-(``deterministic=True``, the default): an image's bytes do not depend on what else is in its
-batch, so a pipeline's rows equal ``dsv4enc encode``'s for the same settings.
+``out`` holds the batch's rows in ``dsv4enc encode``'s output schema (docs/output-format.md),
+one per input row, in input order, of the kind given, then the batch's other columns
+(``keep_columns``). A bad image is an error row, never an exception. Rows are batch-invariant
+(``deterministic=True``, the default), so they equal ``dsv4enc encode``'s for the same settings.
 """
 
 from __future__ import annotations
@@ -32,7 +26,6 @@ from .engine.defaults import Features, Pool
 from .errors import check_choice
 from .output import LAYOUTS, STORED_DTYPES, Layout, StoredDtype
 from .output.parts import OUTPUT_COLUMNS
-from .version import __version__
 
 if TYPE_CHECKING:
     from .api import Encoder
@@ -41,8 +34,8 @@ __all__ = ["BatchEncoder", "datasets_features", "OUTPUT_COLUMNS"]
 
 _INT_COLUMNS = OUTPUT_COLUMNS[1:7]
 #: The recipe's entries that are BatchEncoder's own, not ``Encoder`` options.
-_NOT_ENCODER_OPTIONS = frozenset({"weights", "config", "seed", "device", "dtype", "max_pixels",
-                                  "image_column", "key_column", "layout", "keep_columns"})
+_NOT_ENCODER_OPTIONS = frozenset({"weights", "config", "seed", "max_pixels", "image_column",
+                                  "key_column", "layout", "keep_columns"})
 
 #: Whether this process was forked from one that imported this module (``datasets.map``
 #: with ``num_proc``, a fork ``multiprocessing`` pool). Set by the fork hook below, read and
@@ -133,16 +126,23 @@ class BatchEncoder:
         self.max_pixels = DEFAULT_MAX_PIXELS if max_pixels is None else max_pixels
         self.pid = os.getpid()  # the process the engine was built in
         self.encoder = self._build()
-        self.schema = self._schema()
+        from .output.parts import output_schema
+
+        self.schema = output_schema(self.encoder.width(), out_dtype, self.settings(),
+                                    pooled=pool == "mean", layout=layout)
 
     def _build(self) -> "Encoder":
         """The encoder (weights and engine) of the recipe, built in this process."""
+        from .api import Encoder
+
         _fork_safe_threads()
         recipe = self._recipe
-        return _load_encoder(recipe["weights"], recipe["config"], recipe["seed"],
-                             recipe["device"], recipe["dtype"], max_pixels=self.max_pixels,
-                             **{name: value for name, value in recipe.items()
-                                if name not in _NOT_ENCODER_OPTIONS})
+        options = {name: value for name, value in recipe.items()
+                   if name not in _NOT_ENCODER_OPTIONS}
+        options["max_pixels"] = self.max_pixels
+        if recipe["weights"] is not None:
+            return Encoder.from_pretrained(recipe["weights"], **options)
+        return Encoder.from_config(recipe["config"], seed=recipe["seed"], **options)
 
     def _own_encoder(self) -> "Encoder":
         """The encoder, rebuilt first when this object crossed a fork: a forked process builds
@@ -168,22 +168,12 @@ class BatchEncoder:
         """What the rows were computed with: the ``dsv4enc`` metadata of ``dsv4enc encode``
         (tool, version, config, weights fingerprint, dtypes, device, batch invariance,
         features, pool, layout)."""
-        enc = self.encoder
-        return {
-            "tool": "dsv4enc", "version": __version__, "config": enc.config.to_flat(),
-            "weights_fingerprint": enc.fingerprint,
-            "compute_dtype": str(enc.dtype).removeprefix("torch."),
-            "device": enc.device.type, "batch_invariant": bool(enc.deterministic),
-            "out_dtype": str(enc.out_dtype).removeprefix("torch."), "features": enc.features,
-            "pool": enc.pool, "layout": self.layout,
-        }
-
-    def _schema(self) -> pa.Schema:
-        from .output.parts import output_schema
+        from .run.pipeline import run_settings
 
         enc = self.encoder
-        return output_schema(enc.width(), str(enc.out_dtype).removeprefix("torch."),
-                             self.settings(), pooled=enc.pool == "mean", layout=self.layout)
+        return run_settings(enc.config, enc.fingerprint, enc.dtype, enc.device.type,
+                            bool(enc.deterministic), out_dtype=enc.out_dtype,
+                            features=enc.features, pool=enc.pool, layout=self.layout)
 
     def features(self, kept: Any = None):
         """The Hugging Face ``datasets.Features`` of the output, after the ``kept`` features
@@ -257,7 +247,6 @@ class BatchEncoder:
             row = rows[i]
             if isinstance(out, str):
                 row.error = out
-                row.vit_h = row.vit_w = None
             else:
                 row.grid_h, row.grid_w = output_grid(row.vit_h, row.vit_w, r, enc.features)
                 row.embedding = out.numpy()
@@ -277,8 +266,7 @@ class BatchEncoder:
             kind, names = "pandas", list(batch.columns)
             column = lambda name: batch[name].tolist()  # noqa: E731
         elif isinstance(batch, Mapping):
-            values = [batch[name] for name in batch.keys()] if len(batch) else []
-            kind = "numpy" if any(isinstance(v, np.ndarray) for v in values) else "lists"
+            kind = "numpy" if any(isinstance(v, np.ndarray) for v in batch.values()) else "lists"
             names = list(batch.keys())
             column = lambda name: list(batch[name])  # noqa: E731
         else:
@@ -365,14 +353,6 @@ def datasets_features(schema: "pa.Schema | BatchEncoder", features: Any = None):
         return out
     return datasets.Features({**{name: feature for name, feature in features.items()
                                  if name not in out}, **out})
-
-
-def _load_encoder(weights, config, seed, device, dtype, **options) -> "Encoder":
-    from .api import Encoder
-
-    if weights is not None:
-        return Encoder.from_pretrained(weights, device=device, dtype=dtype, **options)
-    return Encoder.from_config(config, seed=seed, device=device, dtype=dtype, **options)
 
 
 def _rebuild(recipe: dict[str, Any]) -> BatchEncoder:

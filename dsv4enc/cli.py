@@ -52,30 +52,24 @@ _process_started: float | None = None
 
 
 def fail(message: str, code: int = 1) -> None:
+    note(message, "[bold red]error:[/]")
+    raise typer.Exit(code)
+
+
+def note(message: str, label: str = "note:") -> None:
+    """One line on stderr that is neither an error nor progress (``label``: rich markup)."""
     from rich.markup import escape
 
     from .run.progress import stderr_console
 
     # escape: messages quote paths and backend errors, which may hold "[...]" (not markup)
-    stderr_console.print(f"[bold red]error:[/] {escape(message)}", highlight=False,
-                         soft_wrap=True)
-    raise typer.Exit(code)
-
-
-def note(message: str) -> None:
-    """One line on stderr that is neither an error nor progress."""
-    from rich.markup import escape
-
-    from .run.progress import stderr_console
-
-    stderr_console.print(f"note: {escape(message)}", highlight=False, soft_wrap=True)
+    stderr_console.print(f"{label} {escape(message)}", highlight=False, soft_wrap=True)
 
 
 def write_interrupted_summary(path: str, exc: BaseException, out: str) -> None:
     """--summary-json of a run a signal stopped: what it had done (nothing, if it stopped
     before encoding)."""
-    from .run.summary import RunSummary
-    from .run.summary import write_summary_json
+    from .run.summary import RunSummary, write_summary_json
 
     done = getattr(exc, "summary", None) or RunSummary(out=out)
     write_summary_json(path, done, "interrupted", getattr(exc, "exit_code", 1))
@@ -106,8 +100,13 @@ def main_options(
                         format="%(levelname)s %(name)s: %(message)s")
 
 
+#: ``encode --help``'s panel titles -> the names of their options, in order (``_panel``).
+ENCODE_PANELS: dict[str, tuple[str, ...]] = {}
+
+
 def _panel(title: str, **options):
     """Options of one ``encode --help`` panel (Typer's ``rich_help_panel``), by name."""
+    ENCODE_PANELS[title] = tuple(options)
     for option in options.values():
         option.rich_help_panel = title
     return options
@@ -311,17 +310,6 @@ ENCODE_OPTIONS = {
     ),
 }
 
-def _panels(options: dict) -> dict[str, tuple[str, ...]]:
-    """Panel title -> the names of its options, in order."""
-    panels: dict[str, list[str]] = {}
-    for name, option in options.items():
-        if option.rich_help_panel:
-            panels.setdefault(option.rich_help_panel, []).append(name)
-    return {title: tuple(names) for title, names in panels.items()}
-
-
-ENCODE_PANELS = _panels(ENCODE_OPTIONS)
-
 
 @command()
 def encode(
@@ -405,7 +393,6 @@ def encode(
     _encode_command(opts, storage_option, quiet, summary_json, started, ray_opts)
 
 
-
 def _say_if_nothing_found(opts, summary) -> None:
     """Under ``--quiet`` too, an empty run says so (the run's own warning is hidden there)."""
     if not (summary.encoded or summary.failed or summary.reused):
@@ -416,8 +403,7 @@ def _say_if_nothing_found(opts, summary) -> None:
 
 
 def _encode_command(opts, storage_option: list[str] | None, quiet: bool,
-                    summary_json: str | None, started: float | None = None,
-                    ray_opts=None) -> None:
+                    summary_json: str | None, started: float, ray_opts=None) -> None:
     """``encode`` with its options built: storage and log settings, signals, the listing
     (before torch is imported), the run, and what the command prints at its end.
     ``started``: when the command (or its process) started, on ``time.perf_counter``'s
@@ -464,8 +450,7 @@ def _encode_command(opts, storage_option: list[str] | None, quiet: bool,
                 dist = init_distributed(opts.device, opts.timeout)
                 _own_process_settings(opts.device, dist)
                 setup, prefetch = prefetch or RunSetup(), None  # the run owns it from here
-                if started is not None:  # the wall time counts start-up (torch's too)
-                    setup.started = started
+                setup.started = started  # the wall time counts start-up (torch's too)
                 summary = run_encode(opts, dist, setup, stop)
             from .run.summary import print_summary, write_summary_json
         finally:
@@ -600,26 +585,20 @@ def bench(
     --host: the host's capacity (decoding and writing, with a null model stage)."""
     import json
 
-    if host:
-        from .bench.host import host_bench_command
-
-        try:
-            host_bench_command(config, images, outputs.split(","), workers, json_out)
-        except (KeyError, ValueError) as exc:
-            fail(f"bad benchmark option: {exc}", 2)
-        except DsvError as exc:
-            fail(str(exc), exc.exit_code)
-        return
-
-    import torch
-
-    from .bench.throughput import parse_graphs, parse_on_off, print_results, run_bench
-
-    if threads:
-        torch.set_num_threads(threads)
     try:
+        if host:
+            from .bench.host import host_bench_command
+
+            host_bench_command(config, images, outputs.split(","), workers, json_out)
+            return
+        import torch
+
+        from .bench.throughput import parse_on_off, print_results, run_bench
+
+        if threads:
+            torch.set_num_threads(threads)
         budgets = [int(t) for t in batch_tokens.split(",")] if batch_tokens else None
-        rows = run_bench(config, device, dtype, images, budgets, parse_graphs(graphs),
+        rows = run_bench(config, device, dtype, images, budgets, parse_on_off(graphs, auto=True),
                          attention, features, max_images, repeat=repeat,
                          naive_images=naive_images, e2e=e2e, workers=workers,
                          workdir=workdir, cli=cli, fused=parse_on_off(fused),
@@ -635,12 +614,10 @@ def bench(
 
 
 def main() -> None:
-    """Console-script entry point.
-
-    Once a command has finished (its output committed, its workers and process group shut
-    down), the process ends with ``os._exit`` after flushing stdio and logging: tearing down
-    an interpreter that has imported torch takes about half a second, which is pure waste at
-    the end of a short batch job. In-process callers (tests, scripts) use ``app`` instead."""
+    """Console-script entry point. Once a command has finished (its output committed, its
+    workers and process group shut down), the process ends with ``os._exit`` after flushing
+    stdio and logging: tearing down an interpreter that has imported torch is slow, and
+    nothing is left to do. In-process callers (tests, scripts) use ``app`` instead."""
     global _process_started
     import time
 

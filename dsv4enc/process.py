@@ -1,9 +1,7 @@
 """Process-wide settings, made only in processes dsv4enc owns: the command line (each
 torchrun rank) and the benchmark. The library (``api.Encoder``, ``run_encode``) never makes them:
-a program that imports dsv4enc keeps its allocator and its loggers as it set them.
-
-(Pillow's settings for owned processes, decode workers included, are
-``decode.own_process_pillow_settings``.)
+a program that imports dsv4enc keeps its allocator and its loggers as it set them. (Pillow's
+are ``decode.own_process_pillow_settings``.)
 """
 
 from __future__ import annotations
@@ -41,18 +39,15 @@ def own_process_settings(device: "torch.device") -> None:
 
 def keep_freed_memory_mapped(largest_mapped: int = 1 << 30,
                              keep_free: int = (1 << 31) - 1) -> None:
-    """On glibc, serve large CPU buffers from the heap and keep freed heap memory mapped.
-
-    Why: by default every buffer above a few MB is a fresh mmap that the kernel faults in
-    (and zeroes) page by page, and freed heap tops go back to the OS; a forward, the host
-    side of a run and a decode worker each allocate and free such buffers per image, and the
-    faults cost them a measurable share of their CPU (benchmarks/RESULTS.md).
+    """On glibc, serve large CPU buffers from the heap and keep freed heap memory mapped:
+    otherwise every buffer above a few MB is a fresh mmap that the kernel faults in and zeroes
+    page by page, and a forward, a run's host side and a decode worker allocate such buffers
+    per image (the cost: benchmarks/RESULTS.md). Once per process.
 
     ``largest_mapped``: buffers up to this size come from the heap; ``keep_free``: freed
     memory at the heap's top is returned to the OS only beyond this. The defaults keep all of
-    it (the command line's process: peak memory stays mapped for the life of the process,
-    which is how an encoder runs anyway); a decode worker passes bounds, so that one huge
-    image does not leave its memory mapped. Once per process.
+    it (the command line's process); a decode worker passes bounds, so that one huge image
+    does not leave its memory mapped.
     """
     global _heap_tuned
     if _heap_tuned or not sys.platform.startswith("linux"):

@@ -1,24 +1,12 @@
-"""Ray Data: ``RayEncoder``, a callable class for ``ray.data.Dataset.map_batches`` (needs
-``dsv4enc[ray]``).
+"""Ray Data: ``RayEncoder``, a callable class for ``ray.data.Dataset.map_batches``, and
+``encode_dataset``, which makes that call with the right arguments (needs ``dsv4enc[ray]``;
+docs/api.md, "Ray Data").
 
 Ray builds one instance per actor, so the weights are loaded once per actor, on the device
-Ray gave it: CUDA when the actor holds a GPU (``num_gpus=1``), else the CPU. Each batch gives
-``dsv4enc encode``'s rows (``BatchEncoder``), as a pyarrow Table of the command's exact schema
-(string ``error`` and typed ``embedding`` even in a batch where they are all null), followed
-by the batch's other columns (``keep_columns=False`` drops them). A bad image
-is an error row, never a failed block, so no ``max_errored_blocks`` is needed (and none
-should be set: Ray drops a failed block's rows whole)::
-
-    import ray
-    from dsv4enc.ray import RayEncoder
-
-    ds = ray.data.from_items([{"image": p} for p in paths])
-    rows = ds.map_batches(RayEncoder, fn_constructor_kwargs={"weights": CKPT},
-                          batch_format="pyarrow", batch_size=64, num_gpus=1,
-                          compute=ray.data.ActorPoolStrategy(size=4))
-    rows.write_parquet("emb/")
-
-``encode_dataset(ds, ...)`` makes that call with the right arguments.
+Ray gave it. Each batch gives ``BatchEncoder``'s rows as a pyarrow Table of the command's
+exact schema (string ``error`` and typed ``embedding`` even in a batch where they are all
+null), then the batch's other columns. A bad image is an error row, never a failed block, so
+no ``max_errored_blocks`` should be set (Ray drops a failed block's rows whole).
 """
 
 from __future__ import annotations
@@ -84,9 +72,7 @@ def encode_dataset(ds, weights: Any = None, *, concurrency: int | tuple[int, int
 
     pool = (ActorPoolStrategy(min_size=concurrency[0], max_size=concurrency[1])
             if isinstance(concurrency, tuple) else ActorPoolStrategy(size=concurrency))
-    extra: dict[str, Any] = {}
-    if num_cpus is not None:
-        extra["num_cpus"] = num_cpus
+    cpus = {} if num_cpus is None else {"num_cpus": num_cpus}
     return ds.map_batches(RayEncoder, fn_constructor_kwargs={"weights": weights, **options},
                           batch_format="pyarrow", batch_size=batch_size, compute=pool,
-                          num_gpus=num_gpus, **extra)
+                          num_gpus=num_gpus, **cpus)

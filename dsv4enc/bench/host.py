@@ -1,17 +1,11 @@
 """Host capacity without a GPU (``dsv4enc bench --host``).
 
-The real encode pipeline (discover, read headers, plan, decode workers, transform, pack,
-stage the batch, write Parquet) runs with the tower replaced by ``NullStage``: an Engine
-stand-in whose rows have the right shape and dtype (zeros) and cost nothing to compute. What
-is left is the host's work per image, reported as images/s per host core, beside a
-one-thread cost of each stage measured on a sample of the same images.
-
-The stand-in does the host's share of the CUDA engine's work: its ``patch_buffer`` is where
-``pack`` puts a batch's patches (page-locked when CUDA is present, as the engine's: the
-patches' one copy on the host), it stages the batch's other inputs as the engine does before
-its transfer (pinned copies with CUDA, else one plain copy: the same bytes moved), and hands
-out each batch's rows in a fresh copy, as the pipeline copies rows out of the engine's
-page-locked output buffer.
+The real encode pipeline runs with the tower replaced by ``NullStage``: an Engine stand-in
+whose rows have the right shape and dtype (zeros) and cost nothing, and which does the host's
+share of the CUDA engine's work (its ``patch_buffer``, page-locked with CUDA; the staging
+copies of a batch's other inputs; a fresh copy of each batch's rows). What is left is the
+host's work per image, reported as images/s per host core, beside a one-thread cost of each
+stage measured on a sample of the same images.
 """
 
 from __future__ import annotations
@@ -20,7 +14,7 @@ import os
 import tempfile
 import time
 from collections import deque
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Sequence
 
@@ -81,16 +75,14 @@ class NullEngine:
         """As ``engine/engine.Engine.patch_buffer``: page-locked when CUDA is present."""
         return torch.empty(tokens, width, dtype=dtype, pin_memory=self._pin)
 
-    def _stage(self, tensor: torch.Tensor) -> torch.Tensor:
-        return tensor.pin_memory() if self._pin else tensor.clone()
-
     def submit(self, batch: PackedBatch) -> None:
         """Stage the batch's inputs (the host side of a transfer) and make its rows. The
         patches are already where the transfer reads them (``patch_buffer``): the engine's
         ``pin_memory`` of them is the tensor itself."""
         began = time.perf_counter()
+        copy = torch.Tensor.pin_memory if self._pin else torch.Tensor.clone
         for tensor in stage_inputs(batch):
-            self._stage(tensor)
+            copy(tensor)
         self.stats.h2d_s += time.perf_counter() - began
         rows = batch.n_rows if self.features == "aligner" else batch.n_tokens
         if self._zeros.shape[0] < rows:  # what the device would write into: made once
@@ -114,7 +106,6 @@ class NullStage:
     weights (the config's shape, no tensors) and a ``NullEngine`` for the run's options."""
 
     config: VisionConfig
-    batch_tokens: int | None = None
 
     @property
     def checkpoint(self) -> Checkpoint:
@@ -122,7 +113,7 @@ class NullStage:
 
     def engine(self, device: torch.device, opts: EncodeOptions) -> NullEngine:
         return NullEngine(self.config, opts.features, getattr(torch, opts.out_dtype),
-                          opts.batch_tokens or self.batch_tokens, opts.max_images)
+                          opts.batch_tokens, opts.max_images)
 
 
 def stage_inputs(batch: PackedBatch) -> tuple[torch.Tensor, ...]:
@@ -225,8 +216,6 @@ class HostResult:
         return self.images / self.cpu_s if self.cpu_s else 0.0
 
     def as_dict(self) -> dict:
-        from dataclasses import asdict
-
         return {**asdict(self), "img_per_cpu_s": self.img_per_cpu_s}
 
 
@@ -257,12 +246,10 @@ def run_host_bench(config_path: str, images: str = "synthetic:1024x768:256",
     costs, its decode workers' start and the last part's flush, cancel). One untimed short run
     first takes the process's one-time costs (imports, pyarrow's start), so that both timed
     runs of a kind find the process in the same state."""
-    from .throughput import resolve_images
+    from .throughput import check_outputs, resolve_images
     from ..run.pipeline import run_encode
 
-    unknown = set(outputs) - {"file", "folder"}
-    if unknown:
-        raise ValueError(f"outputs must be file or folder, not {', '.join(sorted(unknown))}")
+    check_outputs(outputs)
     cfg = VisionConfig.from_file(config_path)
     with tempfile.TemporaryDirectory(prefix="dsv4enc-host-") as scratch:
         base = Path(workdir) if workdir else Path(scratch)

@@ -1,19 +1,14 @@
-"""Throughput benchmark, run by ``dsv4enc bench`` (see ``dsv4enc bench --help``).
+"""Throughput benchmark, run by ``dsv4enc bench``: for one config and one image mix, in one
+process,
 
-For one config and one image mix it measures, in one process:
-
-- ``model``: the engine alone over pre-transformed, bin-packed batches (graphs on/off, per
-  batch-token budget): img/s, tokens/s, achieved FLOP/s (counted analytically, real tokens
-  only), fraction of the matmul ceiling, budget padding, and the time split;
-- ``naive``: one image at a time (decode, transform, per-image forward with attention on 3-D
-  (H, N, d) tensors), the baseline every ratio is against;
-- ``e2e`` (optional): the full encode pipeline to a Parquet file, called in this process;
-- ``cli`` (optional): ``dsv4enc encode`` in a fresh process, as a user runs it, timed
-  wall-clock with the interpreter's start and the torch import included.
-
-The matmul ceiling is the best rate of the model's own GEMM shapes (QKV, MLP in/out, aligner)
-at the batch's token count, in the compute dtype, timed in the same process; a large square
-product is reported beside it as the device peak.
+- ``model``: the engine alone over pre-transformed, bin-packed batches, per batch-token budget
+  and graph setting: img/s, tokens/s, FLOP/s (counted analytically, real tokens only), the
+  fraction of the matmul ceiling (the best rate of the model's own GEMM shapes at the batch's
+  token count, timed here; a large square product is the device peak), padding, time split;
+- ``naive``: one image at a time (decode, transform, per-image forward with 3-D attention),
+  the baseline every ratio is against;
+- ``e2e`` and ``cli`` (optional): the encode pipeline called in this process, and
+  ``dsv4enc encode`` in a fresh process (the interpreter's start and torch's import included).
 """
 
 from __future__ import annotations
@@ -112,6 +107,13 @@ def resolve_images(images: str, workdir: Path, seed: int = 0) -> list[Path]:
     if not paths:
         raise ValueError(f"no images found in {folder}")
     return paths
+
+
+def check_outputs(outputs: Sequence[str]) -> None:
+    """A ValueError naming the ``outputs`` (of ``--outputs``) that are neither file nor folder."""
+    unknown = set(outputs) - {"file", "folder"}
+    if unknown:
+        raise ValueError(f"outputs must be file or folder, not {', '.join(sorted(unknown))}")
 
 
 # ----------------------------------------------------------------------------- FLOPs, ceiling
@@ -382,16 +384,12 @@ def run_bench(config_path: str, device: str = "auto", dtype: str = "auto",
     budget or several (default 32768 on CUDA, 8192 on CPU). ``cuda_graphs``: the settings to
     compare (None = engine default). ``naive_images``: limit the naive baseline to the first
     N images (its rate is per image of the same mix, so the ratio stays fair for a repeating
-    mix). ``e2e``: also time the full pipeline (``encode`` in this process).
-    ``cli``: also time ``dsv4enc encode`` in a fresh process (start-up included).
-    ``fused``: the settings of ``--fused`` to time (model rows, and e2e runs for each);
-    ``e2e_outputs``: "file" and/or "folder".
+    mix). ``e2e``, ``cli``: also time those modes. ``fused``: the settings of ``--fused`` to
+    time (model rows, and e2e runs for each); ``e2e_outputs``: "file" and/or "folder".
     Every row carries ``vs_naive`` (img/s over the naive loop's img/s) and, for model rows,
     ``ceiling_frac`` (achieved FLOP/s over the matmul ceiling).
     """
-    unknown = set(e2e_outputs) - {"file", "folder"}
-    if unknown:
-        raise ValueError(f"outputs must be file or folder, not {', '.join(sorted(unknown))}")
+    check_outputs(e2e_outputs)
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     cfg = VisionConfig.from_file(config_path)
@@ -505,13 +503,8 @@ def print_results(rows: Sequence[dict], console=None) -> None:
     console.print(table)
 
 
-def parse_graphs(text: str) -> list[bool | None]:
-    """"auto,on,off" -> [None, True, False] (KeyError names a bad word)."""
-    names = {"auto": None, "on": True, "off": False}
-    return [names[t] for t in text.split(",")]
-
-
-def parse_on_off(text: str) -> list[bool]:
-    """"off,on" -> [False, True] (KeyError names a bad word)."""
-    names = {"on": True, "off": False}
+def parse_on_off(text: str, auto: bool = False) -> list[bool | None]:
+    """"off,on" -> [False, True], and with ``auto`` "auto" -> None (KeyError names a bad
+    word)."""
+    names = {"on": True, "off": False, **({"auto": None} if auto else {})}
     return [names[t] for t in text.split(",")]

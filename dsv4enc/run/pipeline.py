@@ -97,10 +97,11 @@ def resume_settings(opts: EncodeOptions) -> ResumeSettings:
                                        "keep_columns": list(opts.keep_columns) or None})
 
 
-def run_settings(cfg: VisionConfig, fingerprint: str, opts: EncodeOptions,
-                 dtype: torch.dtype | str, part_images: int, device_type: str,
-                 batch_invariant: bool) -> dict:
-    """What the output was computed with; ``--resume`` requires these to match.
+def run_settings(cfg: VisionConfig, fingerprint: str, dtype: torch.dtype | str,
+                 device_type: str, batch_invariant: bool, *, out_dtype: torch.dtype | str,
+                 features: str, pool: str, layout: str) -> dict:
+    """What the rows were computed with (a run adds its ``part_images``); ``--resume``
+    requires these to match.
 
     ``batch_invariant`` with ``device_type`` and ``dtype``: whether each row's bytes are
     independent of its batch, and on what they were computed (the guarantee holds per device
@@ -109,9 +110,8 @@ def run_settings(cfg: VisionConfig, fingerprint: str, opts: EncodeOptions,
         "tool": "dsv4enc", "version": __version__, "config": cfg.to_flat(),
         "weights_fingerprint": fingerprint, "compute_dtype": str(dtype).removeprefix("torch."),
         "device": device_type, "batch_invariant": batch_invariant,
-        "out_dtype": opts.out_dtype, "features": opts.features, "pool": opts.pool,
-        "layout": opts.layout,
-        "part_images": part_images,
+        "out_dtype": str(out_dtype).removeprefix("torch."), "features": features, "pool": pool,
+        "layout": layout,
     }
 
 
@@ -292,8 +292,10 @@ def _plan_output(run: RunState, setup: RunSetup, source: PartSource, computes: d
     opts, ranks, layout, summary = run.opts, run.ranks, run.layout, run.summary
     cfg = computes["config"]
     part_images = images_per_part(cfg, opts)
-    settings = run_settings(cfg, computes["fingerprint"], opts, computes["compute_dtype"],
-                            part_images, computes["device"], computes["batch_invariant"])
+    settings = {**run_settings(cfg, computes["fingerprint"], computes["compute_dtype"],
+                               computes["device"], computes["batch_invariant"],
+                               out_dtype=opts.out_dtype, features=opts.features,
+                               pool=opts.pool, layout=opts.layout), "part_images": part_images}
     if ranks.shard_output:
         settings["world_size"] = ranks.world_size
     schema = output_schema(cfg.output_width(opts.features), opts.out_dtype,

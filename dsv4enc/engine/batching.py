@@ -1,11 +1,6 @@
-"""The batch loop of the command line, the Python API and the benchmark.
-
-A caller hands over batches of images (already transformed into patches), each image with a
-tag of its own choosing; the loop packs a batch, starts it on the engine, and keeps one batch
-queued on the device while the caller prepares the next, so the device never waits for the
-host. Collected outputs are checked for inf and NaN (``engine.check_finite``: neither path
-ever returns them), mean-pooled when asked, and own their memory when they would otherwise
-be views of page-locked transfer buffers.
+"""The batch loop of the command line, the Python API and the benchmark: images (as patches,
+each with the caller's tag) packed, run with one batch queued on the device while the caller
+prepares the next, and their outputs checked for inf and NaN (``engine.check_finite``).
 """
 
 from __future__ import annotations
@@ -40,11 +35,6 @@ class BatchLoop:
         self._tags: deque[list[Any]] = deque()  # per batch in flight, its images' tags
         while engine.pending:  # left by an earlier loop that was abandoned mid-batch
             engine.collect()
-
-    @property
-    def in_flight(self) -> int:
-        """Batches submitted and not yet collected."""
-        return len(self._tags)
 
     def submit(self, tags: Sequence[Any], images: Sequence[Image]) -> PackedBatch:
         """Pack ``images`` into one batch and start it; returns the packed batch."""

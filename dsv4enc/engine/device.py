@@ -1,10 +1,7 @@
-"""Which device and dtypes a run computes in: the one answer for the command line, the
-Python API and the benchmark.
+"""Which device and dtypes a run computes in, for the command line, the API and the benchmark.
 
-``auto`` means CUDA when it is available (this rank's LOCAL_RANK device under torchrun),
-and bfloat16 on CUDA; on the CPU the dtype measured faster on this kind of CPU
-(``cpufeatures``' table: bfloat16 on Intel with AMX and on AMD Zen 5), float32 on other
-kinds. No timing decides it.
+``auto`` means CUDA when it is available (the rank's own device under torchrun), and
+bfloat16 on CUDA; on the CPU, the dtype ``cpufeatures`` chooses for this kind of CPU.
 """
 
 from __future__ import annotations
@@ -58,11 +55,7 @@ def resolve_dtype(name: str | torch.dtype, device: torch.device) -> torch.dtype:
 
 def resolve_out_dtype(name: str | torch.dtype) -> torch.dtype:
     """The dtype embeddings are returned in: a name or a ``torch.dtype`` of ``OUT_DTYPES``."""
-    if isinstance(name, torch.dtype):
-        if name not in OUT_DTYPES.values():
-            raise ValueError(f"unsupported out_dtype {name} (float32, float16, bfloat16)")
-        return name
-    text = str(name).removeprefix("torch.")
+    text = str(name).removeprefix("torch.")  # a torch.dtype's str and repr: "torch.float16"
     if text not in OUT_DTYPES:
         raise ValueError(f"unsupported out_dtype {name!r} (float32, float16, bfloat16)")
     return OUT_DTYPES[text]

@@ -1,15 +1,10 @@
-"""Runs packed batches through the tower on one device: attention backend chosen once,
-transfers, and (on CUDA) graph replay. Host in, host out.
-
-This is the only place that moves batches between host and device; ``batching.BatchLoop``
-(the command line's, the API's and the benchmark's loop) hands it ``PackedBatch`` objects and
-gets per-image embeddings back.
+"""Runs packed batches through the tower on one device, host in, host out: the attention
+backend chosen once, the transfers, and (on CUDA) graph replay.
 
 On CUDA a batch goes: pinned host copy -> H2D on a copy stream -> (graph buffers ->) forward
 on the compute stream -> cast to the output dtype -> D2H into pinned memory on a third
-stream. ``submit`` only enqueues that work, so a caller that submits batch k+1 before
-collecting batch k overlaps k+1's host staging and H2D with k's compute (``encode_many`` does
-exactly that); ``encode`` is the plain synchronous call.
+stream. ``submit`` only enqueues that work, so submitting batch k+1 before collecting batch k
+overlaps k+1's staging and H2D with k's compute (``Engine.encode_many``).
 """
 
 from __future__ import annotations
@@ -22,7 +17,7 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 
-from ..tower.attention import VarlenSpans, available_backends, select_attention
+from ..tower.attention import VarlenSpans, select_attention
 from ..errors import DsvError, UsageError
 from .graphs import GRAPH_BACKENDS, Bucket, BucketRunner, default_budgets, fit_budgets
 from ..tower.model import VisionTower, rope_tables
@@ -31,7 +26,6 @@ from .packing import PackedBatch
 from ..tower.transform import max_image_tokens
 
 log = logging.getLogger(__name__)
-
 
 
 @dataclass
@@ -50,7 +44,6 @@ class EngineStats:
     padded_tokens: int = 0  # tokens computed beyond the real ones (graph budgets)
     graph_batches: int = 0  # batches replayed from a captured graph
     variant_batches: int = 0  # batches run outside the batch-invariant path (see Engine)
-    static_batches: int = 0  # batches run in a bucket without a graph
     capture_s: float = 0.0
 
 
@@ -78,8 +71,6 @@ def resolve_attention(name: str, device: torch.device, dtype: torch.dtype):
             name = "sdpa"
         elif name in GRAPH_BACKENDS:
             raise UsageError(f"attention {name!r} needs bfloat16 or float16, not float32")
-    elif name == "auto":
-        name = available_backends(device)[0]
     return select_attention(name, device)
 
 
@@ -173,9 +164,7 @@ class Engine:
 
     def patch_buffer(self, tokens: int, width: int, dtype: torch.dtype) -> torch.Tensor:
         """Host memory for a batch's patches (``packing.pack`` fills it): page-locked on
-        CUDA, where the transfer reads it as it is (``pin_memory`` of a pinned tensor is the
-        tensor itself), so the patches are copied once on the host, not packed and then
-        pinned."""
+        CUDA, so that the transfer reads it as it is and the patches are copied once."""
         return torch.empty(tokens, width, dtype=dtype, pin_memory=self.device.type == "cuda")
 
     def _use_backend(self) -> None:
@@ -273,7 +262,6 @@ class Engine:
         s.real_tokens += job.batch.n_tokens
         s.padded_tokens += job.padded
         s.graph_batches += job.mode == "graph"
-        s.static_batches += job.mode == "static"
         self.last_finite = job.finite is None or bool(job.finite)
         return job.batch.split_rows(job.out)
 

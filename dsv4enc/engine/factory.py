@@ -1,8 +1,6 @@
-"""The one place that builds a tower for running: the weights on a device, split over the
-ranks when asked (tensor parallelism), its elementwise kernels fused when asked, and the
-Engine over it. The command line (``run/pipeline``), the API and ``bench`` all build here, so
-the order of those steps (split before fusion; fusion's shape choice from the engine's) is
-written once."""
+"""The one place that builds a tower for running, for the command line, the API and
+``bench``: the weights on a device, split over the ranks (before fusion) and fused when
+asked, and the Engine over it."""
 
 from __future__ import annotations
 

@@ -100,21 +100,14 @@ def fit_budgets(bin_tokens: Sequence[int], max_budgets: int = 4, quantum: int = 
 
 def row_bound(tokens: int, images: int, r: int = 3, max_aspect: float = 8.0) -> int:
     """Upper bound on aligner rows of any batch of <= ``images`` images, <= ``tokens`` patches,
-    each grid's long side at most ``max_aspect`` times its short side.
+    each grid's long side at most ``max_aspect`` (A) times its short side:
 
-    Proof. One image with an n_h x n_w grid (N = n_h*n_w) gives a*b rows, a = ceil(n_h/r),
-    b = ceil(n_w/r), and r*a <= n_h + r - 1, r*b <= n_w + r - 1, so
-        r^2 * rows <= (n_h + r-1)(n_w + r-1) = N + (r-1)(n_h + n_w) + (r-1)^2.
-    With s <= l the sides and t = sqrt(l/s) in [1, sqrt(A)] (A = max_aspect),
-    n_h + n_w = sqrt(N) * (t + 1/t) <= c * sqrt(N), c = sqrt(A) + 1/sqrt(A), since t + 1/t
-    grows for t >= 1. Over k <= B images with sum N_i <= T, Cauchy-Schwarz gives
-    sum sqrt(N_i) <= sqrt(k * T) <= sqrt(B * T). Hence
-        r^2 * sum rows <= T + (r-1) * c * sqrt(B*T) + B * (r-1)^2.
-    Also rows <= T (each row holds at least one real patch). A batch outside the aspect
-    assumption is still checked exactly (``BucketRunner.choose``): it takes a larger bucket
-    or runs eagerly, never overflows.
-    At real dims (T = 32768, B = 64) the bound is ~1.3 T/9: ~1100 spare rows, each ~13% of a
-    patch's ViT cost, i.e. under 0.5% of the batch.
+        r^2 * rows <= T + (r-1) * c * sqrt(B*T) + B * (r-1)^2,  c = sqrt(A) + 1/sqrt(A),
+
+    since one n_h x n_w grid gives r^2 * rows <= (n_h + r-1)(n_w + r-1), n_h + n_w <=
+    c * sqrt(n_h*n_w), and sum sqrt(N_i) <= sqrt(B*T) (Cauchy-Schwarz); also rows <= T. A batch
+    outside the aspect assumption is still checked exactly (``BucketRunner.choose``): it takes
+    a larger bucket or runs eagerly, never overflows.
     """
     c = math.sqrt(max_aspect) + 1.0 / math.sqrt(max_aspect)
     bound = (tokens + (r - 1) * c * math.sqrt(images * tokens) + images * (r - 1) ** 2) / r ** 2

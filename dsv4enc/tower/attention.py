@@ -29,7 +29,6 @@ from ..errors import UsageError
 from .config import ATTENTION_BACKENDS
 
 
-
 @dataclass
 class VarlenSpans:
     """Where each image's tokens lie in a packed batch.

@@ -42,6 +42,19 @@ def expected_shapes(cfg: VisionConfig) -> dict[str, tuple[int, ...]]:
     return {name: tuple(t.shape) for name, t in model.state_dict().items()}
 
 
+def checked_shapes(cfg: VisionConfig, located: dict[str, Path]) -> dict[str, tuple[int, ...]]:
+    """``expected_shapes(cfg)``, once ``located`` holds exactly those tower tensors."""
+    shapes = expected_shapes(cfg)
+    missing = sorted(set(shapes) - set(located))
+    if missing:
+        raise WeightsError(f"checkpoint is missing tower tensor {missing[0]}")
+    extra = sorted(set(located) - set(shapes))
+    if extra:
+        raise WeightsError(f"checkpoint has unexpected tower tensor {extra[0]} "
+                           "(does config.json match the weights?)")
+    return shapes
+
+
 @dataclass
 class Checkpoint:
     """A loaded tower: config, state dict in the compute dtype, and a weights fingerprint."""
@@ -90,14 +103,7 @@ def read_tower_tensors(located: dict[str, Path], cfg: VisionConfig, dtype: torch
     Returns the state dict and a fingerprint (blake2b over names, dtypes, shapes and bytes as
     stored, in name order: the same weights give the same fingerprint however they are
     sharded)."""
-    shapes = expected_shapes(cfg)
-    for name in sorted(shapes):
-        if name not in located:
-            raise WeightsError(f"checkpoint is missing tower tensor {name}")
-    extra = sorted(set(located) - set(shapes))
-    if extra:
-        raise WeightsError(f"checkpoint has unexpected tower tensor {extra[0]} "
-                           "(does config.json match the weights?)")
+    shapes = checked_shapes(cfg, located)
     by_file: dict[Path, list[str]] = {}
     for name in sorted(shapes):
         by_file.setdefault(located[name], []).append(name)

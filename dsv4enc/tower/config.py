@@ -169,9 +169,7 @@ class VisionConfig:
             names["hidden_size"] = "hidden_size"
             warn_unknown_vision_keys(raw, source)
         values["model_type"] = model_type_of(raw)
-        optional = {"max_wh_ratio": None}
-        for field, default in optional.items():
-            values.setdefault(field, default)
+        values.setdefault("max_wh_ratio", None)  # the one optional key
         missing = [names[f.name] for f in dataclasses.fields(cls) if f.name not in values]
         if missing:
             raise ConfigError(f"{source}: missing key {', '.join(missing)}")

@@ -63,9 +63,8 @@ def _shard_columns(linear: torch.nn.Linear, rank: int, world: int,
 
 def apply_tensor_parallel(model: VisionTower, rank: int, world_size: int,
                           all_reduce: AllReduce) -> bool:
-    """Slice ``model`` in place into rank ``rank``'s tensor-parallel shard of ``world_size``;
-    ``all_reduce(tensor)`` sums a tensor over the ranks in place and returns it
-    (``run/dist.DistContext.all_reduce_sum``).
+    """Slice ``model`` in place into rank ``rank``'s tensor-parallel shard of ``world_size``
+    (``all_reduce``: ``run/dist.DistContext.all_reduce_sum``).
 
     wqkv (q, k, v each by heads), mlp.w1 (gate, up each by halves) and aligner.w1 keep
     their share of output rows; wo, mlp.w2 and aligner.w2 keep their share of input columns

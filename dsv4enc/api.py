@@ -35,7 +35,7 @@ from .engine.defaults import DEFAULT_MAX_IMAGES, FEATURES, POOLS, Features, Pool
 from .engine.device import resolve_device, resolve_dtype, resolve_out_dtype
 from .engine.batching import BatchLoop
 from .engine.engine import Engine, NonFiniteOutput
-from .engine.factory import build_model, engine_for
+from .engine.factory import build_model
 from .engine.packing import output_grid
 from .run.plan import pack_bins
 from .output.read import read_embeddings
@@ -281,10 +281,10 @@ class Encoder:
     def _engine(self, features: str) -> Engine:
         engine = self.engines.get(features)
         if engine is None:
-            engine = engine_for(self.model, features=features, attention=self.attention,
-                                out_dtype=self.out_dtype, cuda_graphs=self.cuda_graphs,
-                                batch_tokens=self.batch_tokens, max_images=self.max_images,
-                                deterministic=self.deterministic)
+            engine = Engine(self.model, features=features, attention=self.attention,
+                            out_dtype=self.out_dtype, cuda_graphs=self.cuda_graphs,
+                            batch_tokens=self.batch_tokens, max_images=self.max_images,
+                            deterministic=self.deterministic)
             self.engines[features] = engine
         return engine
 

@@ -170,17 +170,6 @@ def bf16_blocker(answers: CpuAnswers) -> str | None:
     return None
 
 
-def usable_features(answers: CpuAnswers) -> set[str]:
-    """The ``NATIVE_BF16_FEATURES`` this process's kernels may use: none under a blocker,
-    and no AMX under a oneDNN cap below it."""
-    if bf16_blocker(answers) is not None:
-        return set()
-    usable = {name for name in NATIVE_BF16_FEATURES if answers.features.get(name, False)}
-    if answers.onednn_max_isa in ONEDNN_ISAS_WITHOUT_AMX:
-        usable.discard("amx_bf16")
-    return usable
-
-
 def cpu_decision(answers: CpuAnswers,
                  kinds: tuple[CpuKind, ...] = MEASURED_KINDS) -> tuple[torch.dtype, str]:
     """The compute dtype ``answers`` call for, and why in words: bfloat16 where this CPU's
@@ -188,7 +177,9 @@ def cpu_decision(answers: CpuAnswers,
     blocker = bf16_blocker(answers)
     if blocker is not None:
         return torch.float32, blocker
-    usable = usable_features(answers)
+    usable = {name for name in NATIVE_BF16_FEATURES if answers.features.get(name, False)}
+    if answers.onednn_max_isa in ONEDNN_ISAS_WITHOUT_AMX:
+        usable.discard("amx_bf16")  # the features this process's kernels may use
     kind = next((kind for kind in kinds if kind.matches(answers, usable)), None)
     if kind is None:
         shown = ", ".join(sorted(usable)) or "no usable bf16 feature"

@@ -67,11 +67,10 @@ def resume_compute(device: torch.device, dtype: torch.dtype, asked_device: str,
     """The device and compute dtype a ``--resume`` computes in, and the line that says so.
 
     Rows must not mix dtypes or device kinds within one output, so where the user left the
-    choice to ``auto`` (``asked_device``/``asked_dtype``), the interrupted run's recorded
-    ``device`` and ``compute_dtype`` (its manifest's settings, ``recorded``) replace what
-    ``auto`` picks now. Explicit flags are kept as given: the settings check then refuses a
-    mismatch and names the flag that would resume. ``device_fixed``: the device is not ours to
-    choose (a torchrun rank's own). Returns the line only when a recorded run was adopted."""
+    choice to ``auto`` (``asked_device``/``asked_dtype``), the interrupted run's ``device`` and
+    ``compute_dtype`` (``recorded``: its manifest's settings) replace what ``auto`` picks now;
+    explicit flags are kept, for the settings check to refuse. ``device_fixed``: a torchrun
+    rank's own device. Returns the line only when a recorded run was adopted."""
     if not recorded:
         return device, dtype, None
     adopted = []

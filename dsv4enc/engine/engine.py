@@ -13,7 +13,7 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Iterator, Sequence
+from typing import Any, Iterable, Iterator, Sequence
 
 import torch
 
@@ -44,7 +44,6 @@ class EngineStats:
     padded_tokens: int = 0  # tokens computed beyond the real ones (graph budgets)
     graph_batches: int = 0  # batches replayed from a captured graph
     variant_batches: int = 0  # batches run outside the batch-invariant path (see Engine)
-    capture_s: float = 0.0
 
 
 @dataclass
@@ -93,11 +92,9 @@ class Engine:
     ``graphs.fit_budgets`` picks better ones when every batch's size is known up front).
 
     ``deterministic`` (default on): an image's output bytes do not depend on the batch it
-    shares (other images, its position, the batch's size). On the CPU each image runs through
-    the tower alone (``model.by_spans``: kernels see its rows only); on CUDA every batch runs
-    in one fixed-shape bucket (one graph budget), so every kernel sees the same shapes. Under
-    tensor parallelism the all-reduce changes the summation order, so rows are not invariant
-    against a single rank.
+    shares. On the CPU each image runs through the tower alone (``model.by_spans``); on CUDA
+    every batch runs in one fixed-shape bucket. Under tensor parallelism the all-reduce sums
+    in another order, so rows are not invariant against a single rank.
     """
 
     def __init__(self, model: VisionTower, features: str = "aligner",
@@ -117,7 +114,6 @@ class Engine:
         self.last_finite = True  # every value of the last collected batch was finite
         self._pending: deque[_Pending] = deque()
         self.runner: BucketRunner | None = None
-        # Tensor parallelism installs all-reduce hooks: summation order differs from one rank.
         self.deterministic = deterministic and not model.tensor_parallel
         graphs = self._want_graphs(cuda_graphs)
         if runs_one_shape(model, deterministic):
@@ -189,7 +185,6 @@ class Engine:
             self._use_backend()
             with torch.cuda.device(self.device):
                 self.runner.capture_all()
-            self.stats.capture_s += self.runner.capture_s
 
     # -- eager reference path (any device) -------------------------------------------
     def to_device(self, batch: PackedBatch) -> dict:
@@ -345,18 +340,3 @@ class NonFiniteOutput(DsvError):
         super().__init__(message)
         self.position = position
         self.tag: Any = None
-
-
-def check_finite(engine: Engine, outputs: Sequence[torch.Tensor], key_of: Callable[[int], Any],
-                 remedy: str) -> None:
-    """Raise ``NonFiniteOutput`` naming (``key_of(position)``) the first of the last collected
-    batch's ``outputs`` that is not finite. The command line and the Python API both call
-    this: neither ever returns inf or NaN. Costs nothing when the engine's one reduction per
-    batch found every value finite; only then are images scanned one by one."""
-    if engine.last_finite:
-        return
-    name = str(engine.out_dtype).removeprefix("torch.")
-    for position, out in enumerate(outputs):
-        if not torch.isfinite(out).all():
-            raise NonFiniteOutput(position, f"embedding of {key_of(position)} is not finite "
-                                            f"in {name}; {remedy}")

@@ -38,16 +38,6 @@ def build_engine(ckpt: Checkpoint, device: torch.device, *, features: str = "ali
                  split: Callable[[VisionTower], object] | None = None) -> Engine:
     """``build_model`` and the Engine over it (the arguments as ``Engine``'s)."""
     model = build_model(ckpt, device, fused=fused, deterministic=deterministic, split=split)
-    return engine_for(model, features=features, attention=attention, out_dtype=out_dtype,
-                      cuda_graphs=cuda_graphs, batch_tokens=batch_tokens,
-                      max_images=max_images, deterministic=deterministic)
-
-
-def engine_for(model: VisionTower, *, features: str = "aligner", attention: str = "auto",
-               out_dtype: torch.dtype = torch.float32, cuda_graphs: bool | None = None,
-               batch_tokens: int | None = None, max_images: int = DEFAULT_MAX_IMAGES,
-               deterministic: bool = True) -> Engine:
-    """An Engine over a tower already built (the API keeps one tower for both features)."""
     return Engine(model, features=features, attention=attention, out_dtype=out_dtype,
                   cuda_graphs=cuda_graphs, batch_tokens=batch_tokens, max_images=max_images,
                   deterministic=deterministic)

@@ -12,8 +12,7 @@ bucket that holds it, padded up to the bucket's shapes:
 - only the first ``rows`` output rows are read back.
 
 ``BucketRunner`` does all of this with plain eager calls when ``capture`` is off (any device,
-any attention backend; this is what the CPU tests check against the plain packed forward)
-and with one captured CUDA graph per bucket when it is on.
+any attention backend) and with one captured CUDA graph per bucket when it is on.
 """
 
 from __future__ import annotations
@@ -47,15 +46,12 @@ def default_budgets(batch_tokens: int, min_tokens: int = 1024) -> list[int]:
 
 
 def fit_budgets(bin_tokens: Sequence[int], max_budgets: int = 4, quantum: int = 64) -> list[int]:
-    """Budgets that minimise padding for batches known up front (offline runs).
+    """At most ``max_budgets`` budgets that minimise the summed padding of batches known up
+    front (``bin_tokens``: every planned batch's token count, rounded up to ``quantum``), each
+    batch taking the smallest budget that holds it; the largest size is always one.
 
-    ``bin_tokens``: the token count of every planned batch. Counts are rounded up to
-    ``quantum`` (GEMM-friendly sizes, and it bounds the search), then at most ``max_budgets``
-    budgets are chosen among those sizes, the largest always included, minimising the summed
-    padding when each batch takes the smallest budget that holds it. An optimal budget set
-    never needs a value that is not some batch's size (lowering a budget to the largest size
-    it serves only removes padding), so a dynamic program over the m distinct sizes is exact,
-    O(max_budgets * m^2) with m <= max_size / quantum.
+    An optimal set only needs batch sizes as budgets (lowering a budget to the largest size it
+    serves only removes padding), so a dynamic program over the m distinct sizes is exact.
     """
     sizes: dict[int, int] = {}
     for n in bin_tokens:
@@ -144,8 +140,7 @@ class StagedInputs:
     def tensors(self) -> dict[str, torch.Tensor]:
         out = {"patches": self.patches, "positions": self.positions, "cu_seqlens": self.cu_seqlens}
         if self.merge_index is not None:
-            out["merge_index"] = self.merge_index
-            out["merge_mask"] = self.merge_mask
+            out["merge_index"], out["merge_mask"] = self.merge_index, self.merge_mask
         return out
 
     def replace(self, tensors: dict[str, torch.Tensor]) -> "StagedInputs":

@@ -12,6 +12,8 @@ from typing import Callable, Sequence
 
 import torch
 
+from ..tower.model import grid_positions
+
 
 def aligner_grid(n_h: int, n_w: int, r: int) -> tuple[int, int]:
     """Aligner grid (rows, cols) of an n_h x n_w patch grid: ceil(n_h/r) x ceil(n_w/r)."""
@@ -77,8 +79,6 @@ class PackedBatch:
 @functools.lru_cache(maxsize=256)
 def _grid_positions(n_h: int, n_w: int) -> torch.Tensor:
     """``model.grid_positions`` on the CPU, made once per grid (only ever copied from)."""
-    from ..tower.model import grid_positions  # local: packing stays importable without the model
-
     return grid_positions(n_h, n_w)
 
 

@@ -146,28 +146,20 @@ class VisionConfig:
         """Parse the flat official layout or the nested vision_config/text_config one."""
         if not isinstance(raw, dict):
             raise ConfigError(f"{source}: expected a JSON object")
-        values: dict[str, Any] = {}
+        # Each field's (object it is read from, key there, name in an error message).
         nested = raw.get("vision_config")
         if isinstance(nested, dict) and not any(k in raw for k in _FLAT_TO_FIELD):
-            for flat, (field, key) in _FLAT_TO_FIELD.items():
-                if key in nested:
-                    values[field] = nested[key]
             text = raw.get("text_config") or {}
-            if "hidden_size" in text:
-                values["hidden_size"] = text["hidden_size"]
-            elif "hidden_size" in raw:
-                values["hidden_size"] = raw["hidden_size"]
-            names = {field: f"vision_config.{key}" for _, (field, key) in _FLAT_TO_FIELD.items()}
-            names["hidden_size"] = "text_config.hidden_size"
+            where = {field: (nested, key, f"vision_config.{key}")
+                     for field, key in _FLAT_TO_FIELD.values()}
+            where["hidden_size"] = (text if "hidden_size" in text else raw, "hidden_size",
+                                    "text_config.hidden_size")
         else:
-            for flat, (field, _) in _FLAT_TO_FIELD.items():
-                if flat in raw:
-                    values[field] = raw[flat]
-            if "hidden_size" in raw:
-                values["hidden_size"] = raw["hidden_size"]
-            names = {field: flat for flat, (field, _) in _FLAT_TO_FIELD.items()}
-            names["hidden_size"] = "hidden_size"
+            where = {field: (raw, flat, flat) for flat, (field, _) in _FLAT_TO_FIELD.items()}
+            where["hidden_size"] = (raw, "hidden_size", "hidden_size")
             warn_unknown_vision_keys(raw, source)
+        values = {field: src[key] for field, (src, key, _) in where.items() if key in src}
+        names = {field: name for field, (_, _, name) in where.items()}
         values["model_type"] = model_type_of(raw)
         values.setdefault("max_wh_ratio", None)  # the one optional key
         missing = [names[f.name] for f in dataclasses.fields(cls) if f.name not in values]

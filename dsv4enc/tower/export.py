@@ -1,9 +1,8 @@
 """``dsv4enc extract``: a vision-only checkpoint cut out of a full one.
 
-The tower's tensors are copied as stored (same dtypes, same bytes) into one
-``model.safetensors``, one tensor at a time (memory stays at one tensor, not the whole tower),
-and ``config.json`` gets the vision keys in the official flat layout. Loading the result gives
-the same embeddings and the same weights fingerprint as the source.
+The tower's tensors are copied as stored, one at a time, into one ``model.safetensors``, and
+``config.json`` gets the vision keys in the official flat layout: the result gives the same
+embeddings and weights fingerprint as the source.
 """
 
 from __future__ import annotations

@@ -59,10 +59,9 @@ def by_spans(spans: Sequence[tuple[int, int]], fn: Callable[..., Any],
 
 
 # ---------------------------------------------------------------- elementwise work
-# The work between the GEMMs, as plain functions: the modules below call them through
-# attributes (``norm_fn``, ``rope_fn``, ``act_fn``, ``add_norm_fn``), so that a fused
-# (compiled) version can be installed from outside (``fusion.fuse_elementwise``) without
-# changing this reference math.
+# The work between the GEMMs, as plain functions that the modules below call through
+# attributes (``norm_fn``, ``rope_fn``, ``act_fn``, ``add_norm_fn``): ``fusion`` installs
+# compiled versions there, and this stays the reference math.
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``w * x * rsqrt(mean(x^2) + eps)`` in float32, cast back to x's dtype. x (T, D)."""
@@ -106,10 +105,9 @@ _ROPE_CACHE: dict[tuple[float, int, str], tuple[torch.Tensor, torch.Tensor]] = {
 def _rope_block(first: int, inv_freq: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """cos, sin (ROPE_BLOCK, rd/2) float32 of positions first.. first+ROPE_BLOCK-1.
 
-    The angle is the float32 product ``pos * inv_freq`` (as the reference computes it); its
-    cosine and sine are taken in float64 by numpy (single-threaded, per element) and rounded
-    once to float32, so every value is a fixed function of (position, frequency): no thread
-    split or vector tail of a batch-sized kernel can change a bit.
+    The angle is the float32 product ``pos * inv_freq`` (as the reference computes it); numpy
+    takes its cosine and sine per element in float64, rounded once to float32, so every value
+    is a fixed function of (position, frequency).
     """
     pos = np.arange(first, first + ROPE_BLOCK, dtype=np.float32)[:, None]
     angles = (pos * inv_freq[None, :]).astype(np.float64)

@@ -66,11 +66,8 @@ def count_llm_tokens_v41(bh: int, bw: int, patch: int, ratio: int) -> int:
 
 
 def plan_canvas(width: int, height: int, cfg: VisionConfig) -> Canvas:
-    """Canvas and patch grid for an image of ``width`` x ``height`` pixels,
-    with the geometry of ``cfg.model_type`` (V4 or V4.1).
-
-    Raises ValueError for a size that has no canvas (zero area).
-    """
+    """Canvas and patch grid for an image of ``width`` x ``height`` pixels, with the geometry
+    of ``cfg.model_type`` (V4 or V4.1). Raises ValueError for a size that has no canvas."""
     if width <= 0 or height <= 0:
         raise ValueError(f"image has no pixels ({width}x{height})")
     p = cfg.patch_size

@@ -90,11 +90,9 @@ class CpuAnswers:
 
 
 def cpu_capabilities() -> dict[str, bool]:
-    """torch's view of this CPU's bfloat16 features (``NATIVE_BF16_FEATURES``), by name.
-
-    Recent torch has ``torch.cpu.get_capabilities()``; older releases have one private
-    predicate per feature, whose names changed over time (AMX tiles stand in for AMX-BF16
-    there: every CPU with one has the other). A torch with none reports no feature."""
+    """torch's view of this CPU's bfloat16 features (``NATIVE_BF16_FEATURES``), by name:
+    ``torch.cpu.get_capabilities()``, else one private predicate per feature (AMX tiles stand
+    in for AMX-BF16: every CPU with one has the other); none where torch has neither."""
     get = getattr(torch.cpu, "get_capabilities", None)
     if get is not None:
         try:

@@ -30,11 +30,8 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class EngineStats:
-    """Seconds spent per stage and work done, for the summary and benchmarks.
-
-    On CUDA the stage times are CUDA-event intervals on their own streams (they overlap, so
-    they need not add up to wall time); on the CPU they are wall time.
-    """
+    """Seconds spent per stage and work done, for the summary and benchmarks: on CUDA the
+    stage times are CUDA-event intervals on their own streams (they overlap), else wall time."""
 
     h2d_s: float = 0.0
     model_s: float = 0.0

@@ -36,12 +36,9 @@ MODEL_NAMES = {DEEPSEEK_V4: "DeepSeek-V4", DEEPSEEK_V41: "DeepSeek-V4.1"}
 
 
 def model_type_of(raw: dict[str, Any]) -> str:
-    """The variant a config.json describes: ``deepseek_v41`` when its ``model_type`` says so,
-    ``deepseek_v4`` otherwise (older V4 configs carry none).
-
-    The top-level ``model_type`` decides, in both layouts; a nested layout without one falls
-    back to its sub-configs' (converted checkpoints name them e.g. ``deepseek_v41_vision``).
-    """
+    """The variant a config.json describes: ``deepseek_v41`` when its ``model_type`` says so
+    (the top-level one, else a nested layout's sub-configs', e.g. ``deepseek_v41_vision``),
+    ``deepseek_v4`` otherwise (older V4 configs carry none)."""
     candidates = [raw.get("model_type")]
     candidates += [sub.get("model_type") for sub in (raw.get("text_config"),
                                                        raw.get("vision_config"))

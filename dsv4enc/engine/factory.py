@@ -1,6 +1,6 @@
 """The one place that builds a tower for running, for the command line, the API and
 ``bench``: the weights on a device, split over the ranks (before fusion) and fused when
-asked, and the Engine over it."""
+asked; ``build_engine`` adds the Engine over it."""
 
 from __future__ import annotations
 

@@ -32,7 +32,7 @@ from .engine.defaults import (DEFAULT_MAX_IMAGES, FEATURES, POOLS, Features, Poo
 from .engine.device import resolve_device, resolve_dtype, resolve_out_dtype
 from .engine.batching import BatchLoop
 from .engine.engine import Engine, NonFiniteOutput
-from .engine.factory import build_model, engine_for
+from .engine.factory import build_model
 from .engine.packing import output_grid
 from .run.options import available_cpus
 from .run.plan import pack_bins
@@ -271,7 +271,7 @@ class Encoder:
 
     def _engine(self, features: str) -> Engine:
         if features not in self.engines:
-            self.engines[features] = engine_for(
+            self.engines[features] = Engine(
                 self.model, features=features, attention=self.attention,
                 out_dtype=self.out_dtype, cuda_graphs=self.cuda_graphs,
                 batch_tokens=self.batch_tokens, max_images=self.max_images,

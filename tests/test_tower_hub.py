@@ -5,6 +5,7 @@ Runs offline against a cache folder laid out as the Hub lays it out
 
 from __future__ import annotations
 
+import json
 import shutil
 import sys
 from pathlib import Path
@@ -15,7 +16,7 @@ from typer.testing import CliRunner
 
 from dsv4enc import Encoder
 from dsv4enc.tower import hub
-from dsv4enc.tower.checkpoint import INDEX_NAME, load_checkpoint
+from dsv4enc.tower.checkpoint import INDEX_NAME, load_checkpoint, tower_index
 from dsv4enc.cli import app
 from dsv4enc.errors import WeightsError
 
@@ -100,5 +101,7 @@ def test_hub_ids_versus_local_paths(tmp_path, monkeypatch):
     assert hub.resolve_weights("owner/name") == Path("owner/name")
     for local in ("./a/b", "/abs/path", "a/b/c", "a", "../x/y"):
         assert not hub.is_hub_id(local)
-    assert hub.tower_files({"weight_map": {"vision.x": "s1", "aligner.y": "s2", "embed": "s3"}}) \
-        == ["s1", "s2"]
+    index = tmp_path / "index.json"
+    weight_map = {"vision.x": "s1", "aligner.y": "s2", "embed": "s3"}
+    index.write_text(json.dumps({"weight_map": weight_map}))
+    assert tower_index(index) == {"vision.x": "s1", "aligner.y": "s2"}

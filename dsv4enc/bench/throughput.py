@@ -29,7 +29,8 @@ import torch
 
 from ..tower.attention import naive_sdpa_attention
 from ..engine.batching import BatchLoop
-from ..engine.factory import build_model, engine_for
+from ..engine.engine import Engine
+from ..engine.factory import build_model
 from ..engine.defaults import DEFAULT_MAX_IMAGES, default_batch_tokens
 from ..tower.checkpoint import random_checkpoint, random_state_dict, save_checkpoint
 from ..tower.config import VisionConfig
@@ -211,9 +212,8 @@ def bench_model(model: VisionTower, prep: Prepared, features: str, batch_tokens:
     """
     cfg, device = model.cfg, model.device
     batches = make_batches(prep, cfg, features, batch_tokens, max_images)
-    engine = engine_for(model, features=features, attention=attention, out_dtype=out_dtype,
-                        cuda_graphs=cuda_graphs, batch_tokens=batch_tokens,
-                        max_images=max_images)
+    engine = Engine(model, features=features, attention=attention, out_dtype=out_dtype,
+                    cuda_graphs=cuda_graphs, batch_tokens=batch_tokens, max_images=max_images)
     engine.fit_budgets([b.n_tokens for b in batches])  # as the encode pipeline does
     engine.prepare()
     loop = BatchLoop(engine, copy=False)  # the loop the encode pipeline and the API run

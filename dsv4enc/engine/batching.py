@@ -1,11 +1,6 @@
-"""The batch loop of the command line, the Python API and the benchmark.
-
-A caller hands over batches of images (already transformed into patches), each image with a
-tag of its own choosing; the loop packs a batch, starts it on the engine, and keeps one batch
-queued on the device while the caller prepares the next, so the device never waits for the
-host. Collected outputs are checked for inf and NaN (``engine.check_finite``: neither path
-ever returns them), mean-pooled when asked, and own their memory when they would otherwise
-be views of page-locked transfer buffers.
+"""The batch loop of the command line, the Python API and the benchmark: images (as patches,
+each with the caller's tag) packed, run with one batch queued on the device while the caller
+prepares the next, and their outputs checked for inf and NaN (never returned).
 """
 
 from __future__ import annotations
@@ -15,7 +10,7 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 
-from .engine import Engine, NonFiniteOutput, check_finite
+from .engine import Engine, NonFiniteOutput
 from .packing import PackedBatch, pack
 
 #: One image for ``BatchLoop.submit``: (patches, n_h, n_w), as ``packing.pack`` takes it.
@@ -41,11 +36,6 @@ class BatchLoop:
         while engine.pending:  # left by an earlier loop that was abandoned mid-batch
             engine.collect()
 
-    @property
-    def in_flight(self) -> int:
-        """Batches submitted and not yet collected."""
-        return len(self._tags)
-
     def submit(self, tags: Sequence[Any], images: Sequence[Image]) -> PackedBatch:
         """Pack ``images`` into one batch and start it; returns the packed batch."""
         cfg = self.engine.cfg
@@ -66,15 +56,19 @@ class BatchLoop:
 
     def collect(self) -> list[tuple[Any, torch.Tensor]]:
         """``(tag, output)`` of the oldest batch in flight, in its order (waits for the
-        device). Raises ``NonFiniteOutput`` (its ``tag`` set) for a non-finite output."""
+        device). Raises ``NonFiniteOutput`` (its ``tag`` set) for the first output that is not
+        finite; images are scanned one by one only when the engine's one reduction per batch
+        found such a value."""
         tags = self._tags.popleft()
         outputs = self.engine.collect()
-        try:
-            check_finite(self.engine, outputs, lambda position: self.name_of(tags[position]),
-                         self.remedy)
-        except NonFiniteOutput as exc:
-            exc.tag = tags[exc.position]
-            raise
+        if not self.engine.last_finite:
+            dtype = str(self.engine.out_dtype).removeprefix("torch.")
+            for position, out in enumerate(outputs):
+                if not torch.isfinite(out).all():
+                    exc = NonFiniteOutput(position, f"embedding of {self.name_of(tags[position])}"
+                                                    f" is not finite in {dtype}; {self.remedy}")
+                    exc.tag = tags[position]
+                    raise exc
         return [(tag, self.finish(out)) for tag, out in zip(tags, outputs)]
 
     def drain(self) -> list[tuple[Any, torch.Tensor]]:
@@ -100,7 +94,6 @@ class BatchLoop:
         if self.pool == "mean":  # in float32 whatever the output dtype, then cast back
             return out.float().mean(0).to(out.dtype)
         if self.copy or out.is_pinned():
-            # Own memory: not a view of the batch's buffer, and page-locked memory goes
-            # back to the allocator's cache rather than living as long as a row.
+            # Page-locked memory goes back to the allocator's cache instead of living as a row.
             return out.clone()
         return out

@@ -1,23 +1,15 @@
 """Which compute dtype ``--dtype auto`` means on the CPU: the faster one on this kind of CPU.
 
-Whether bfloat16 or float32 runs the tower's matmuls faster depends on the CPU, and not simply
-on whether it has bfloat16 instructions: AVX512-BF16 without AMX made bfloat16 the slower
-dtype on an Intel Xeon and the faster one on an AMD Zen 5. So ``auto`` looks this CPU's kind
-up in ``MEASURED_KINDS``, a table of the kinds whose float32 and bfloat16 matmul rates were
-measured (``benchmarks/cpu_dtype_rate.py --matmul``; figures in ``benchmarks/RESULTS.md``),
-and picks bfloat16 only where it measured more than ``CLEAR_WIN`` times faster: within that,
-float32 wins, being nearer the reference. An unmeasured kind, and any CPU without usable
-AMX-BF16 or AVX512-BF16 (where torch emulates bfloat16), computes in float32.
-
-A CPU's kind is what it *is*: its vendor and family and torch's answers on its bfloat16
+Having bfloat16 instructions is not enough for bfloat16 to be faster, so ``auto`` looks this
+CPU's kind up in ``MEASURED_KINDS`` (``benchmarks/cpu_dtype_rate.py --matmul`` measured them)
+and picks bfloat16 only where it is more than ``CLEAR_WIN`` times faster; anywhere else, and
+where torch emulates bfloat16, float32. A CPU's kind is its vendor, family and bfloat16
 features, less those the process forbids torch's kernels (``ATEN_CPU_CAPABILITY``,
-``ONEDNN_MAX_CPU_ISA``). Never how fast it is right now: nothing is timed, so the answer is
-the same in every process on one machine, idle or loaded (a run that is resumed must compute
-in the dtype it started with). It is made once per process.
+``ONEDNN_MAX_CPU_ISA``). Nothing is timed, so every process on one machine, idle or loaded,
+makes the same choice (a resumed run must compute in the dtype it started with).
 
-``choose_cpu_dtype`` and ``cpu_decision`` are the decision itself, with its inputs injected
-(testable anywhere); ``auto_cpu_dtype`` feeds it this machine's answers and
-``auto_cpu_reason`` says why, in words.
+``cpu_decision`` is the decision, its inputs injected; ``auto_cpu_dtype`` and
+``auto_cpu_reason`` apply it to this machine.
 """
 
 from __future__ import annotations
@@ -69,10 +61,9 @@ class CpuKind:
                 and (not self.families or answers.family in self.families))
 
 
-#: The measured kinds, first match wins. Speed-ups are 1024x4096 @ 4096x1024 matmuls on 2
-#: threads, torch 2.13, float32 and bfloat16 interleaved in one process (RESULTS.md, "--dtype
-#: auto on the CPU: the measured kinds"). Intel kinds are told apart by AMX, not by model
-#: number: hypervisors report other models, and hide AMX from some guests of AMX hardware.
+#: The measured kinds, first match wins (RESULTS.md, "--dtype auto on the CPU: the measured
+#: kinds"). Intel kinds are told apart by AMX, not by model number: hypervisors report other
+#: models, and hide AMX from some guests of AMX hardware.
 MEASURED_KINDS = (
     CpuKind("with AMX on this Intel CPU", "GenuineIntel", ("amx_bf16",), bf16_speedup=5.4),
     CpuKind("without AMX on this Intel CPU", "GenuineIntel", ("avx512_bf16",),
@@ -99,11 +90,9 @@ class CpuAnswers:
 
 
 def cpu_capabilities() -> dict[str, bool]:
-    """torch's view of this CPU's bfloat16 features (``NATIVE_BF16_FEATURES``), by name.
-
-    Recent torch has ``torch.cpu.get_capabilities()``; older releases have one private
-    predicate per feature, whose names changed over time (AMX tiles stand in for AMX-BF16
-    there: every CPU with one has the other). A torch with none reports no feature."""
+    """torch's view of this CPU's bfloat16 features (``NATIVE_BF16_FEATURES``), by name:
+    ``torch.cpu.get_capabilities()``, else one private predicate per feature (AMX tiles stand
+    in for AMX-BF16: every CPU with one has the other); none where torch has neither."""
     get = getattr(torch.cpu, "get_capabilities", None)
     if get is not None:
         try:
@@ -179,17 +168,6 @@ def bf16_blocker(answers: CpuAnswers) -> str | None:
     return None
 
 
-def usable_features(answers: CpuAnswers) -> set[str]:
-    """The ``NATIVE_BF16_FEATURES`` this process's kernels may use: none under a blocker,
-    and no AMX under a oneDNN cap below it."""
-    if bf16_blocker(answers) is not None:
-        return set()
-    usable = {name for name in NATIVE_BF16_FEATURES if answers.features.get(name, False)}
-    if answers.onednn_max_isa in ONEDNN_ISAS_WITHOUT_AMX:
-        usable.discard("amx_bf16")
-    return usable
-
-
 def cpu_decision(answers: CpuAnswers,
                  kinds: tuple[CpuKind, ...] = MEASURED_KINDS) -> tuple[torch.dtype, str]:
     """The compute dtype ``answers`` call for, and why in words: bfloat16 where this CPU's
@@ -197,7 +175,9 @@ def cpu_decision(answers: CpuAnswers,
     blocker = bf16_blocker(answers)
     if blocker is not None:
         return torch.float32, blocker
-    usable = usable_features(answers)
+    usable = {name for name in NATIVE_BF16_FEATURES if answers.features.get(name, False)}
+    if answers.onednn_max_isa in ONEDNN_ISAS_WITHOUT_AMX:
+        usable.discard("amx_bf16")  # the features this process's kernels may use
     kind = next((kind for kind in kinds if kind.matches(answers, usable)), None)
     if kind is None:
         shown = ", ".join(sorted(usable)) or "no usable bf16 feature"

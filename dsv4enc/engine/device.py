@@ -1,10 +1,7 @@
-"""Which device and dtypes a run computes in: the one answer for the command line, the
-Python API and the benchmark.
+"""Which device and dtypes a run computes in, for the command line, the API and the benchmark.
 
-``auto`` means CUDA when it is available (this rank's LOCAL_RANK device under torchrun),
-and bfloat16 on CUDA; on the CPU the dtype measured faster on this kind of CPU
-(``cpufeatures``' table: bfloat16 on Intel with AMX and on AMD Zen 5), float32 on other
-kinds. No timing decides it.
+``auto`` means CUDA when it is available (the rank's own device under torchrun), and
+bfloat16 on CUDA; on the CPU, the dtype ``cpufeatures`` chooses for this kind of CPU.
 """
 
 from __future__ import annotations
@@ -58,11 +55,7 @@ def resolve_dtype(name: str | torch.dtype, device: torch.device) -> torch.dtype:
 
 def resolve_out_dtype(name: str | torch.dtype) -> torch.dtype:
     """The dtype embeddings are returned in: a name or a ``torch.dtype`` of ``OUT_DTYPES``."""
-    if isinstance(name, torch.dtype):
-        if name not in OUT_DTYPES.values():
-            raise ValueError(f"unsupported out_dtype {name} (float32, float16, bfloat16)")
-        return name
-    text = str(name).removeprefix("torch.")
+    text = str(name).removeprefix("torch.")  # a torch.dtype's str and repr: "torch.float16"
     if text not in OUT_DTYPES:
         raise ValueError(f"unsupported out_dtype {name!r} (float32, float16, bfloat16)")
     return OUT_DTYPES[text]
@@ -74,11 +67,10 @@ def resume_compute(device: torch.device, dtype: torch.dtype, asked_device: str,
     """The device and compute dtype a ``--resume`` computes in, and the line that says so.
 
     Rows must not mix dtypes or device kinds within one output, so where the user left the
-    choice to ``auto`` (``asked_device``/``asked_dtype``), the interrupted run's recorded
-    ``device`` and ``compute_dtype`` (its manifest's settings, ``recorded``) replace what
-    ``auto`` picks now. Explicit flags are kept as given: the settings check then refuses a
-    mismatch and names the flag that would resume. ``device_fixed``: the device is not ours to
-    choose (a torchrun rank's own). Returns the line only when a recorded run was adopted."""
+    choice to ``auto`` (``asked_device``/``asked_dtype``), the interrupted run's ``device`` and
+    ``compute_dtype`` (``recorded``: its manifest's settings) replace what ``auto`` picks now;
+    explicit flags are kept, for the settings check to refuse. ``device_fixed``: a torchrun
+    rank's own device. Returns the line only when a recorded run was adopted."""
     if not recorded:
         return device, dtype, None
     adopted = []

@@ -1,15 +1,10 @@
-"""Runs packed batches through the tower on one device: attention backend chosen once,
-transfers, and (on CUDA) graph replay. Host in, host out.
-
-This is the only place that moves batches between host and device; ``batching.BatchLoop``
-(the command line's, the API's and the benchmark's loop) hands it ``PackedBatch`` objects and
-gets per-image embeddings back.
+"""Runs packed batches through the tower on one device, host in, host out: the attention
+backend chosen once, the transfers, and (on CUDA) graph replay.
 
 On CUDA a batch goes: pinned host copy -> H2D on a copy stream -> (graph buffers ->) forward
 on the compute stream -> cast to the output dtype -> D2H into pinned memory on a third
-stream. ``submit`` only enqueues that work, so a caller that submits batch k+1 before
-collecting batch k overlaps k+1's host staging and H2D with k's compute (``encode_many`` does
-exactly that); ``encode`` is the plain synchronous call.
+stream. ``submit`` only enqueues that work, so submitting batch k+1 before collecting batch k
+overlaps k+1's staging and H2D with k's compute (``Engine.encode_many``).
 """
 
 from __future__ import annotations
@@ -18,11 +13,11 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Iterator, Sequence
+from typing import Any, Iterable, Iterator, Sequence
 
 import torch
 
-from ..tower.attention import VarlenSpans, available_backends, select_attention
+from ..tower.attention import VarlenSpans, select_attention
 from ..errors import DsvError, UsageError
 from .graphs import GRAPH_BACKENDS, Bucket, BucketRunner, default_budgets, fit_budgets
 from ..tower.model import VisionTower, rope_tables
@@ -33,14 +28,10 @@ from ..tower.transform import max_image_tokens
 log = logging.getLogger(__name__)
 
 
-
 @dataclass
 class EngineStats:
-    """Seconds spent per stage and work done, for the summary and benchmarks.
-
-    On CUDA the stage times are CUDA-event intervals on their own streams (they overlap, so
-    they need not add up to wall time); on the CPU they are wall time.
-    """
+    """Seconds spent per stage and work done, for the summary and benchmarks: on CUDA the
+    stage times are CUDA-event intervals on their own streams (they overlap), else wall time."""
 
     h2d_s: float = 0.0
     model_s: float = 0.0
@@ -50,8 +41,6 @@ class EngineStats:
     padded_tokens: int = 0  # tokens computed beyond the real ones (graph budgets)
     graph_batches: int = 0  # batches replayed from a captured graph
     variant_batches: int = 0  # batches run outside the batch-invariant path (see Engine)
-    static_batches: int = 0  # batches run in a bucket without a graph
-    capture_s: float = 0.0
 
 
 @dataclass
@@ -78,8 +67,6 @@ def resolve_attention(name: str, device: torch.device, dtype: torch.dtype):
             name = "sdpa"
         elif name in GRAPH_BACKENDS:
             raise UsageError(f"attention {name!r} needs bfloat16 or float16, not float32")
-    elif name == "auto":
-        name = available_backends(device)[0]
     return select_attention(name, device)
 
 
@@ -102,11 +89,9 @@ class Engine:
     ``graphs.fit_budgets`` picks better ones when every batch's size is known up front).
 
     ``deterministic`` (default on): an image's output bytes do not depend on the batch it
-    shares (other images, its position, the batch's size). On the CPU each image runs through
-    the tower alone (``model.by_spans``: kernels see its rows only); on CUDA every batch runs
-    in one fixed-shape bucket (one graph budget), so every kernel sees the same shapes. Under
-    tensor parallelism the all-reduce changes the summation order, so rows are not invariant
-    against a single rank.
+    shares. On the CPU each image runs through the tower alone (``model.by_spans``); on CUDA
+    every batch runs in one fixed-shape bucket. Under tensor parallelism the all-reduce sums
+    in another order, so rows are not invariant against a single rank.
     """
 
     def __init__(self, model: VisionTower, features: str = "aligner",
@@ -126,7 +111,6 @@ class Engine:
         self.last_finite = True  # every value of the last collected batch was finite
         self._pending: deque[_Pending] = deque()
         self.runner: BucketRunner | None = None
-        # Tensor parallelism installs all-reduce hooks: summation order differs from one rank.
         self.deterministic = deterministic and not model.tensor_parallel
         graphs = self._want_graphs(cuda_graphs)
         if runs_one_shape(model, deterministic):
@@ -173,9 +157,7 @@ class Engine:
 
     def patch_buffer(self, tokens: int, width: int, dtype: torch.dtype) -> torch.Tensor:
         """Host memory for a batch's patches (``packing.pack`` fills it): page-locked on
-        CUDA, where the transfer reads it as it is (``pin_memory`` of a pinned tensor is the
-        tensor itself), so the patches are copied once on the host, not packed and then
-        pinned."""
+        CUDA, so that the transfer reads it as it is and the patches are copied once."""
         return torch.empty(tokens, width, dtype=dtype, pin_memory=self.device.type == "cuda")
 
     def _use_backend(self) -> None:
@@ -200,7 +182,6 @@ class Engine:
             self._use_backend()
             with torch.cuda.device(self.device):
                 self.runner.capture_all()
-            self.stats.capture_s += self.runner.capture_s
 
     # -- eager reference path (any device) -------------------------------------------
     def to_device(self, batch: PackedBatch) -> dict:
@@ -273,7 +254,6 @@ class Engine:
         s.real_tokens += job.batch.n_tokens
         s.padded_tokens += job.padded
         s.graph_batches += job.mode == "graph"
-        s.static_batches += job.mode == "static"
         self.last_finite = job.finite is None or bool(job.finite)
         return job.batch.split_rows(job.out)
 
@@ -357,18 +337,3 @@ class NonFiniteOutput(DsvError):
         super().__init__(message)
         self.position = position
         self.tag: Any = None
-
-
-def check_finite(engine: Engine, outputs: Sequence[torch.Tensor], key_of: Callable[[int], Any],
-                 remedy: str) -> None:
-    """Raise ``NonFiniteOutput`` naming (``key_of(position)``) the first of the last collected
-    batch's ``outputs`` that is not finite. The command line and the Python API both call
-    this: neither ever returns inf or NaN. Costs nothing when the engine's one reduction per
-    batch found every value finite; only then are images scanned one by one."""
-    if engine.last_finite:
-        return
-    name = str(engine.out_dtype).removeprefix("torch.")
-    for position, out in enumerate(outputs):
-        if not torch.isfinite(out).all():
-            raise NonFiniteOutput(position, f"embedding of {key_of(position)} is not finite "
-                                            f"in {name}; {remedy}")

@@ -1,8 +1,6 @@
-"""The one place that builds a tower for running: the weights on a device, split over the
-ranks when asked (tensor parallelism), its elementwise kernels fused when asked, and the
-Engine over it. The command line (``run/pipeline``), the API and ``bench`` all build here, so
-the order of those steps (split before fusion; fusion's shape choice from the engine's) is
-written once."""
+"""The one place that builds a tower for running, for the command line, the API and
+``bench``: the weights on a device, split over the ranks (before fusion) and fused when
+asked; ``build_engine`` adds the Engine over it."""
 
 from __future__ import annotations
 
@@ -40,16 +38,6 @@ def build_engine(ckpt: Checkpoint, device: torch.device, *, features: str = "ali
                  split: Callable[[VisionTower], object] | None = None) -> Engine:
     """``build_model`` and the Engine over it (the arguments as ``Engine``'s)."""
     model = build_model(ckpt, device, fused=fused, deterministic=deterministic, split=split)
-    return engine_for(model, features=features, attention=attention, out_dtype=out_dtype,
-                      cuda_graphs=cuda_graphs, batch_tokens=batch_tokens,
-                      max_images=max_images, deterministic=deterministic)
-
-
-def engine_for(model: VisionTower, *, features: str = "aligner", attention: str = "auto",
-               out_dtype: torch.dtype = torch.float32, cuda_graphs: bool | None = None,
-               batch_tokens: int | None = None, max_images: int = DEFAULT_MAX_IMAGES,
-               deterministic: bool = True) -> Engine:
-    """An Engine over a tower already built (the API keeps one tower for both features)."""
     return Engine(model, features=features, attention=attention, out_dtype=out_dtype,
                   cuda_graphs=cuda_graphs, batch_tokens=batch_tokens, max_images=max_images,
                   deterministic=deterministic)

@@ -12,8 +12,7 @@ bucket that holds it, padded up to the bucket's shapes:
 - only the first ``rows`` output rows are read back.
 
 ``BucketRunner`` does all of this with plain eager calls when ``capture`` is off (any device,
-any attention backend; this is what the CPU tests check against the plain packed forward)
-and with one captured CUDA graph per bucket when it is on.
+any attention backend) and with one captured CUDA graph per bucket when it is on.
 """
 
 from __future__ import annotations
@@ -47,15 +46,12 @@ def default_budgets(batch_tokens: int, min_tokens: int = 1024) -> list[int]:
 
 
 def fit_budgets(bin_tokens: Sequence[int], max_budgets: int = 4, quantum: int = 64) -> list[int]:
-    """Budgets that minimise padding for batches known up front (offline runs).
+    """At most ``max_budgets`` budgets that minimise the summed padding of batches known up
+    front (``bin_tokens``: every planned batch's token count, rounded up to ``quantum``), each
+    batch taking the smallest budget that holds it; the largest size is always one.
 
-    ``bin_tokens``: the token count of every planned batch. Counts are rounded up to
-    ``quantum`` (GEMM-friendly sizes, and it bounds the search), then at most ``max_budgets``
-    budgets are chosen among those sizes, the largest always included, minimising the summed
-    padding when each batch takes the smallest budget that holds it. An optimal budget set
-    never needs a value that is not some batch's size (lowering a budget to the largest size
-    it serves only removes padding), so a dynamic program over the m distinct sizes is exact,
-    O(max_budgets * m^2) with m <= max_size / quantum.
+    An optimal set only needs batch sizes as budgets (lowering a budget to the largest size it
+    serves only removes padding), so a dynamic program over the m distinct sizes is exact.
     """
     sizes: dict[int, int] = {}
     for n in bin_tokens:
@@ -100,21 +96,14 @@ def fit_budgets(bin_tokens: Sequence[int], max_budgets: int = 4, quantum: int = 
 
 def row_bound(tokens: int, images: int, r: int = 3, max_aspect: float = 8.0) -> int:
     """Upper bound on aligner rows of any batch of <= ``images`` images, <= ``tokens`` patches,
-    each grid's long side at most ``max_aspect`` times its short side.
+    each grid's long side at most ``max_aspect`` (A) times its short side:
 
-    Proof. One image with an n_h x n_w grid (N = n_h*n_w) gives a*b rows, a = ceil(n_h/r),
-    b = ceil(n_w/r), and r*a <= n_h + r - 1, r*b <= n_w + r - 1, so
-        r^2 * rows <= (n_h + r-1)(n_w + r-1) = N + (r-1)(n_h + n_w) + (r-1)^2.
-    With s <= l the sides and t = sqrt(l/s) in [1, sqrt(A)] (A = max_aspect),
-    n_h + n_w = sqrt(N) * (t + 1/t) <= c * sqrt(N), c = sqrt(A) + 1/sqrt(A), since t + 1/t
-    grows for t >= 1. Over k <= B images with sum N_i <= T, Cauchy-Schwarz gives
-    sum sqrt(N_i) <= sqrt(k * T) <= sqrt(B * T). Hence
-        r^2 * sum rows <= T + (r-1) * c * sqrt(B*T) + B * (r-1)^2.
-    Also rows <= T (each row holds at least one real patch). A batch outside the aspect
-    assumption is still checked exactly (``BucketRunner.choose``): it takes a larger bucket
-    or runs eagerly, never overflows.
-    At real dims (T = 32768, B = 64) the bound is ~1.3 T/9: ~1100 spare rows, each ~13% of a
-    patch's ViT cost, i.e. under 0.5% of the batch.
+        r^2 * rows <= T + (r-1) * c * sqrt(B*T) + B * (r-1)^2,  c = sqrt(A) + 1/sqrt(A),
+
+    since one n_h x n_w grid gives r^2 * rows <= (n_h + r-1)(n_w + r-1), n_h + n_w <=
+    c * sqrt(n_h*n_w), and sum sqrt(N_i) <= sqrt(B*T) (Cauchy-Schwarz); also rows <= T. A batch
+    outside the aspect assumption is still checked exactly (``BucketRunner.choose``): it takes
+    a larger bucket or runs eagerly, never overflows.
     """
     c = math.sqrt(max_aspect) + 1.0 / math.sqrt(max_aspect)
     bound = (tokens + (r - 1) * c * math.sqrt(images * tokens) + images * (r - 1) ** 2) / r ** 2
@@ -151,8 +140,7 @@ class StagedInputs:
     def tensors(self) -> dict[str, torch.Tensor]:
         out = {"patches": self.patches, "positions": self.positions, "cu_seqlens": self.cu_seqlens}
         if self.merge_index is not None:
-            out["merge_index"] = self.merge_index
-            out["merge_mask"] = self.merge_mask
+            out["merge_index"], out["merge_mask"] = self.merge_index, self.merge_mask
         return out
 
     def replace(self, tensors: dict[str, torch.Tensor]) -> "StagedInputs":

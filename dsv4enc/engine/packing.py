@@ -1,9 +1,7 @@
-"""Packing metadata: many images in one forward. (Which images share a batch is
-planned in ``run/plan``: ``plan.pack_bins``, ``plan.part_batches``.)
-
-Everything here is host-side and cheap. A ``PackedBatch`` carries the concatenated patches,
-the span lengths (for ``cu_seqlens``), per-token (row, col) positions for the RoPE tables,
-and the gather indices + mask that reproduce each image's pad-and-unfold merge.
+"""Many images in one forward, on the host (which images share a batch is planned in
+``run/plan``). A ``PackedBatch`` carries the concatenated patches, the span lengths (for
+``cu_seqlens``), per-token (row, col) positions for the RoPE tables, and the gather indices
+and mask that reproduce each image's pad-and-unfold merge.
 """
 
 from __future__ import annotations
@@ -13,6 +11,8 @@ from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import torch
+
+from ..tower.model import grid_positions
 
 
 def aligner_grid(n_h: int, n_w: int, r: int) -> tuple[int, int]:
@@ -79,8 +79,6 @@ class PackedBatch:
 @functools.lru_cache(maxsize=256)
 def _grid_positions(n_h: int, n_w: int) -> torch.Tensor:
     """``model.grid_positions`` on the CPU, made once per grid (only ever copied from)."""
-    from ..tower.model import grid_positions  # local: packing stays importable without the model
-
     return grid_positions(n_h, n_w)
 
 
@@ -91,13 +89,10 @@ PatchBuffer = Callable[[int, int, torch.dtype], torch.Tensor]
 def concat_patches(patches: Sequence[torch.Tensor], buffer: PatchBuffer | None = None,
                    ) -> torch.Tensor:
     """The images' patches one after another, in ``buffer(tokens, width, dtype)`` when
-    given (the engine's staging memory: page-locked on CUDA, so that this is the patches'
-    only copy on the host) or a new tensor.
+    given (the engine's staging memory) or a new tensor.
 
-    Copied as 16-bit integers by numpy: one plain copy per image on the calling thread.
-    (``torch.cat`` splits large copies over torch's intra-op threads, which then spin
-    waiting for more work: on a host that decodes on every other core, CPU taken from the
-    decode workers for nothing.)"""
+    Copied by numpy on the calling thread: ``torch.cat`` would split large copies over
+    torch's intra-op threads, which then spin and take CPU from the decode workers."""
     first = patches[0] if patches else None
     width = first.shape[1] if first is not None else 0
     tokens = sum(int(t.shape[0]) for t in patches)

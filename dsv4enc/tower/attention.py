@@ -7,9 +7,8 @@ of a packed batch::
 
 - ``flash``: ``flash_attn_varlen_func`` (the optional ``gpu`` extra).
 - ``varlen``: ``torch.nn.attention.varlen.varlen_attn`` on CUDA, where this torch has it.
-- ``sdpa``: ``scaled_dot_product_attention`` per span. On the CPU each span goes in as a 4-D
-  contiguous (1, H, N, d) tensor so PyTorch takes its fused kernel; 3-D inputs fall back to
-  the unfused math path (several times slower: benchmarks/RESULTS.md).
+- ``sdpa``: ``scaled_dot_product_attention`` per span, each a contiguous (1, H, N, d) tensor:
+  the layout PyTorch's fused CPU kernel takes (3-D inputs take the unfused math path).
 
 ``flash`` and ``varlen`` read only device tensors, so they can run inside a CUDA graph;
 ``sdpa`` needs the host-side span lengths.
@@ -27,7 +26,6 @@ import torch.nn.functional as F
 
 from ..errors import UsageError
 from .config import ATTENTION_BACKENDS
-
 
 
 @dataclass
@@ -75,10 +73,8 @@ def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 def naive_sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                          spans: VarlenSpans) -> torch.Tensor:
-    """Per-span SDPA on 3-D (H, N, d) views, as a first port of the reference would.
-
-    Only for the naive baseline in benchmarks; it takes PyTorch's unfused math path on CPU.
-    """
+    """Per-span SDPA on 3-D (H, N, d) views, as a first port of the reference would: the
+    benchmarks' naive baseline (PyTorch's unfused math path on the CPU)."""
     assert spans.lengths is not None
     out = torch.zeros_like(q)
     start = 0
@@ -149,10 +145,8 @@ def available_backends(device: torch.device) -> list[str]:
 
 
 def select_attention(name: str, device: torch.device | str) -> tuple[str, AttentionFn]:
-    """Choose the backend once: ``auto`` picks the fastest that runs on ``device``.
-
-    A forced backend that cannot run here is a UsageError with a one-line reason.
-    """
+    """Choose the backend once: ``auto`` picks the fastest that runs on ``device``; a forced
+    backend that cannot run here is a UsageError."""
     device = torch.device(device)
     if name not in ATTENTION_BACKENDS:
         raise UsageError(f"unknown attention backend {name!r} (choose from "

@@ -1,9 +1,8 @@
 """Checkpoint loading: the tower's tensors only, from only the shards that hold them.
 
-A real DeepSeek-V4 checkpoint is hundreds of GB with FP8/int language-model tensors beside the
-tower's bf16 ones. We read ``model.safetensors.index.json`` when present (else scan each
-file's header), open just the files holding ``vision.``/``aligner.`` tensors memory-mapped,
-and copy only those tensors.
+A full checkpoint holds hundreds of GB of language-model tensors beside the tower's: its index
+(else each file's header) names the files holding ``vision.``/``aligner.`` tensors, and only
+those tensors are read, memory-mapped.
 """
 
 from __future__ import annotations
@@ -42,6 +41,19 @@ def expected_shapes(cfg: VisionConfig) -> dict[str, tuple[int, ...]]:
     return {name: tuple(t.shape) for name, t in model.state_dict().items()}
 
 
+def checked_shapes(cfg: VisionConfig, located: dict[str, Path]) -> dict[str, tuple[int, ...]]:
+    """``expected_shapes(cfg)``, once ``located`` holds exactly those tower tensors."""
+    shapes = expected_shapes(cfg)
+    missing = sorted(set(shapes) - set(located))
+    if missing:
+        raise WeightsError(f"checkpoint is missing tower tensor {missing[0]}")
+    extra = sorted(set(located) - set(shapes))
+    if extra:
+        raise WeightsError(f"checkpoint has unexpected tower tensor {extra[0]} "
+                           "(does config.json match the weights?)")
+    return shapes
+
+
 @dataclass
 class Checkpoint:
     """A loaded tower: config, state dict in the compute dtype, and a weights fingerprint."""
@@ -52,16 +64,20 @@ class Checkpoint:
     source: str
 
 
+def tower_index(index_path: Path) -> dict[str, str]:
+    """Each tower tensor's file name, from the safetensors index at ``index_path``."""
+    try:
+        weight_map = json.loads(index_path.read_text())["weight_map"]
+        return {name: fname for name, fname in weight_map.items() if is_tower_tensor(name)}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise WeightsError(f"{index_path}: not a safetensors index ({exc})") from None
+
+
 def locate_tower_tensors(folder: Path) -> dict[str, Path]:
     """Map each tower tensor name to the safetensors file holding it."""
     index_path = folder / INDEX_NAME
     if index_path.is_file():
-        try:
-            weight_map = json.loads(index_path.read_text())["weight_map"]
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            raise WeightsError(f"{index_path}: not a safetensors index ({exc})") from None
-        return {name: folder / fname for name, fname in weight_map.items()
-                if is_tower_tensor(name)}
+        return {name: folder / fname for name, fname in tower_index(index_path).items()}
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise WeightsError(f"{folder}: no *.safetensors files and no {INDEX_NAME}")
@@ -88,16 +104,8 @@ def read_tower_tensors(located: dict[str, Path], cfg: VisionConfig, dtype: torch
     """Check names, shapes and dtypes, then read the tensors (cast to ``dtype``, norms float32).
 
     Returns the state dict and a fingerprint (blake2b over names, dtypes, shapes and bytes as
-    stored, in name order: the same weights give the same fingerprint however they are
-    sharded)."""
-    shapes = expected_shapes(cfg)
-    for name in sorted(shapes):
-        if name not in located:
-            raise WeightsError(f"checkpoint is missing tower tensor {name}")
-    extra = sorted(set(located) - set(shapes))
-    if extra:
-        raise WeightsError(f"checkpoint has unexpected tower tensor {extra[0]} "
-                           "(does config.json match the weights?)")
+    stored, in name order: the same however the weights are sharded)."""
+    shapes = checked_shapes(cfg, located)
     by_file: dict[Path, list[str]] = {}
     for name in sorted(shapes):
         by_file.setdefault(located[name], []).append(name)

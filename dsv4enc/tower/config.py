@@ -36,12 +36,9 @@ MODEL_NAMES = {DEEPSEEK_V4: "DeepSeek-V4", DEEPSEEK_V41: "DeepSeek-V4.1"}
 
 
 def model_type_of(raw: dict[str, Any]) -> str:
-    """The variant a config.json describes: ``deepseek_v41`` when its ``model_type`` says so,
-    ``deepseek_v4`` otherwise (older V4 configs carry none).
-
-    The top-level ``model_type`` decides, in both layouts; a nested layout without one falls
-    back to its sub-configs' (converted checkpoints name them e.g. ``deepseek_v41_vision``).
-    """
+    """The variant a config.json describes: ``deepseek_v41`` when its ``model_type`` says so
+    (the top-level one, else a nested layout's sub-configs', e.g. ``deepseek_v41_vision``),
+    ``deepseek_v4`` otherwise (older V4 configs carry none)."""
     candidates = [raw.get("model_type")]
     candidates += [sub.get("model_type") for sub in (raw.get("text_config"),
                                                        raw.get("vision_config"))
@@ -146,32 +143,22 @@ class VisionConfig:
         """Parse the flat official layout or the nested vision_config/text_config one."""
         if not isinstance(raw, dict):
             raise ConfigError(f"{source}: expected a JSON object")
-        values: dict[str, Any] = {}
+        # Each field's (object it is read from, key there, name in an error message).
         nested = raw.get("vision_config")
         if isinstance(nested, dict) and not any(k in raw for k in _FLAT_TO_FIELD):
-            for flat, (field, key) in _FLAT_TO_FIELD.items():
-                if key in nested:
-                    values[field] = nested[key]
             text = raw.get("text_config") or {}
-            if "hidden_size" in text:
-                values["hidden_size"] = text["hidden_size"]
-            elif "hidden_size" in raw:
-                values["hidden_size"] = raw["hidden_size"]
-            names = {field: f"vision_config.{key}" for _, (field, key) in _FLAT_TO_FIELD.items()}
-            names["hidden_size"] = "text_config.hidden_size"
+            where = {field: (nested, key, f"vision_config.{key}")
+                     for field, key in _FLAT_TO_FIELD.values()}
+            where["hidden_size"] = (text if "hidden_size" in text else raw, "hidden_size",
+                                    "text_config.hidden_size")
         else:
-            for flat, (field, _) in _FLAT_TO_FIELD.items():
-                if flat in raw:
-                    values[field] = raw[flat]
-            if "hidden_size" in raw:
-                values["hidden_size"] = raw["hidden_size"]
-            names = {field: flat for flat, (field, _) in _FLAT_TO_FIELD.items()}
-            names["hidden_size"] = "hidden_size"
+            where = {field: (raw, flat, flat) for flat, (field, _) in _FLAT_TO_FIELD.items()}
+            where["hidden_size"] = (raw, "hidden_size", "hidden_size")
             warn_unknown_vision_keys(raw, source)
+        values = {field: src[key] for field, (src, key, _) in where.items() if key in src}
+        names = {field: name for field, (_, _, name) in where.items()}
         values["model_type"] = model_type_of(raw)
-        optional = {"max_wh_ratio": None}
-        for field, default in optional.items():
-            values.setdefault(field, default)
+        values.setdefault("max_wh_ratio", None)  # the one optional key
         missing = [names[f.name] for f in dataclasses.fields(cls) if f.name not in values]
         if missing:
             raise ConfigError(f"{source}: missing key {', '.join(missing)}")

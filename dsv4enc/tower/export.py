@@ -1,21 +1,25 @@
 """``dsv4enc extract``: a vision-only checkpoint cut out of a full one.
 
-The tower's tensors are copied as stored (same dtypes, same bytes) into one
-``model.safetensors``, one tensor at a time (memory stays at one tensor, not the whole tower),
-and ``config.json`` gets the vision keys in the official flat layout. Loading the result gives
-the same embeddings and the same weights fingerprint as the source.
+The tower's tensors are copied as stored, one at a time, into one ``model.safetensors``, and
+``config.json`` gets the vision keys in the official flat layout: the result gives the same
+embeddings and weights fingerprint as the source.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-from .checkpoint import expected_shapes, locate_tower_tensors
+import torch
+from safetensors import safe_open
+
+from .checkpoint import checked_shapes, locate_tower_tensors
 from .config import VisionConfig
+from .hub import resolve_weights
 from ..errors import OutputError, WeightsError
 
 WEIGHTS_NAME = "model.safetensors"
@@ -32,8 +36,6 @@ class Extracted:
 
 
 def _source_folder(source: str | os.PathLike) -> Path:
-    from .hub import resolve_weights
-
     folder = resolve_weights(source)
     if not folder.is_dir():
         raise WeightsError(f"weights folder not found: {folder}")
@@ -57,20 +59,11 @@ def _prepare_out(out: Path, overwrite: bool) -> None:
 def extract_tower(source: str | os.PathLike, out: str | os.PathLike,
                   overwrite: bool = False) -> Extracted:
     """Write the tower of checkpoint ``source`` (a folder or a Hub id) to folder ``out``."""
-    from safetensors import safe_open
-
     folder = _source_folder(source)
     raw_config = json.loads((folder / "config.json").read_text())
     cfg = VisionConfig.from_file(folder / "config.json")
     located = locate_tower_tensors(folder)
-    shapes = expected_shapes(cfg)
-    missing = sorted(set(shapes) - set(located))
-    if missing:
-        raise WeightsError(f"checkpoint is missing tower tensor {missing[0]}")
-    extra = sorted(set(located) - set(shapes))
-    if extra:
-        raise WeightsError(f"checkpoint has unexpected tower tensor {extra[0]} "
-                           "(does config.json match the weights?)")
+    shapes = checked_shapes(cfg, located)
     out = Path(out)
     if out.resolve() == folder.resolve():
         raise OutputError("--out must differ from the source checkpoint folder")
@@ -109,7 +102,7 @@ def extract_tower(source: str | os.PathLike, out: str | os.PathLike,
                 handle.write(blob)
                 for name in names:
                     tensor = handles[located[name]].get_tensor(name)
-                    handle.write(tensor.contiguous().view(-1).view(_byte_dtype()).numpy().tobytes())
+                    handle.write(tensor.contiguous().view(-1).view(torch.uint8).numpy().tobytes())
                 handle.flush()
                 os.fsync(handle.fileno())
             os.replace(tmp, target)
@@ -132,13 +125,4 @@ _DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2}
 def _nbytes(dtype: str, shape: list[int], name: str) -> int:
     if dtype not in _DTYPE_BYTES:
         raise WeightsError(f"tower tensor {name} has unsupported dtype {dtype}")
-    count = 1
-    for dim in shape:
-        count *= dim
-    return count * _DTYPE_BYTES[dtype]
-
-
-def _byte_dtype():
-    import torch
-
-    return torch.uint8
+    return math.prod(shape) * _DTYPE_BYTES[dtype]

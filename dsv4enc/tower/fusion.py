@@ -2,10 +2,8 @@
 functions, installed from outside so that ``model.py`` stays the eager reference.
 
 Fused: float32 RMSNorm (with the residual add before the second norm), RoPE on q and k, and
-SwiGLU; GEMMs and attention stay as they are, so the fused tower computes the same math with
-fewer passes over memory (one Triton kernel, or one inductor C++ loop, instead of several
-ATen ones). Results equal the eager functions to float rounding (a fused kernel may keep a
-value in float32 in a register): ``tests/test_tower_fusion.py`` holds them to it.
+SwiGLU; GEMMs and attention stay as they are. Results equal the eager functions to float
+rounding (a fused kernel may keep a value in float32 in a register).
 """
 
 from __future__ import annotations
@@ -29,12 +27,9 @@ SIMD_BITS = {"AVX512": 512, "AVX2": 256, "DEFAULT": 0}
 
 def pin_cpu_vector_width() -> None:
     """Under ``ATEN_CPU_CAPABILITY``, tell inductor the capped level's vector width, unless
-    the width was set already; elsewhere inductor chooses as it does.
-
-    Why: with ATen's CPU kernels capped below what the CPU has (e.g. avx2 on an AVX-512
-    machine), inductor follows the cap in its instruction set, but its shape-generic kernels
-    came out wrong (NaN from SwiGLU on a Zen 5 capped to avx2, torch 2.13), while the same
-    kernels built for an explicit vector width are right."""
+    the width was set already: with ATen's CPU kernels capped below what the CPU has,
+    inductor's shape-generic kernels can come out wrong (NaN from SwiGLU on a Zen 5 capped to
+    avx2), while the same kernels built for an explicit vector width are right."""
     from torch._inductor import config
 
     if config.cpp.simdlen is not None or not os.environ.get("ATEN_CPU_CAPABILITY"):
@@ -53,18 +48,14 @@ def compiled(fn: Callable, dynamic: bool = True) -> Callable:
 
 
 def fuse_elementwise(model: VisionTower, dynamic: bool = True) -> VisionTower:
-    """Install compiled elementwise functions on every block of ``model`` (in place), for an
-    Engine that runs batches of any shape (``dynamic``, shape-generic kernels) or every batch
-    at one shape (``dynamic=False``: kernels specialized to it; ``engine.runs_one_shape`` says
-    which, and ``engine/factory.build_model`` asks it). The compile itself happens at the
-    first forward (and takes tens of seconds on a CPU).
+    """Install compiled elementwise functions on every block of ``model`` (in place); they
+    compile at the first forward.
 
-    Shape-generic on the CPU: one kernel serves every row count, so nothing recompiles per
-    image and a row's value never depends on which kernel its shape got (rows stay
-    batch-invariant). Specialized on CUDA when the engine runs every batch at one shape: such
-    kernels ran faster (benchmarks/RESULTS.md); an engine that meets many shapes
-    (``--no-deterministic``, tensor parallelism) keeps shape-generic ones. Raises UsageError when this torch cannot compile (no inductor, no C++
-    compiler found).
+    ``dynamic``: shape-generic kernels, for an Engine that meets batches of any shape (one
+    kernel serves every row count, so a row's value never depends on its batch); False:
+    kernels specialized to the one shape of an Engine that runs every batch at one shape
+    (``engine.runs_one_shape``, which ``engine/factory.build_model`` asks). Raises UsageError
+    when this torch cannot compile (no inductor, no C++ compiler found).
     """
     try:
         import torch._inductor  # noqa: F401  (the backend torch.compile uses)

@@ -9,7 +9,6 @@ them from there. Needs the optional ``huggingface_hub`` package: ``pip install '
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import re
@@ -17,7 +16,7 @@ import socket
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from .checkpoint import INDEX_NAME, is_tower_tensor
+from .checkpoint import INDEX_NAME, tower_index
 from ..errors import WeightsError
 
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -47,8 +46,7 @@ def hub_endpoint() -> str:
 def unreachable_reason(endpoint: str, timeout: float = CONNECT_TIMEOUT_S) -> str | None:
     """Why a TCP connection to ``endpoint`` (or to the proxy the environment names for it)
     cannot be made within ``timeout`` seconds; None when it can. One quick check instead of
-    huggingface_hub's retries (which take tens of seconds and print a warning each when
-    there is no network)."""
+    huggingface_hub's retries, which take long and print a warning each."""
     import urllib.request
 
     parts = urlsplit(endpoint)
@@ -119,15 +117,6 @@ def _one_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text}"[:300]
 
 
-def tower_files(index: dict) -> list[str]:
-    """Shard names that hold tower tensors, per the index's ``weight_map`` (sorted)."""
-    try:
-        weight_map = index["weight_map"]
-        return sorted({fname for name, fname in weight_map.items() if is_tower_tensor(name)})
-    except (KeyError, TypeError, AttributeError) as exc:
-        raise WeightsError(f"{INDEX_NAME}: not a safetensors index ({exc})") from None
-
-
 def resolve_weights(spec: str | os.PathLike) -> Path:
     """A local checkpoint folder for ``spec``: the folder itself, or a Hub snapshot folder
     holding config.json, the index and the tower's shards (fetched if not cached)."""
@@ -170,11 +159,7 @@ def _fetch(hub, spec: str, local_only: bool = False) -> Path:
         raise WeightsError(f"{repo}: the repository has no config.json")
     index_path = _download(hub, repo, INDEX_NAME, revision or None, local_only)
     if index_path is not None:
-        try:
-            index = json.loads(index_path.read_text())
-        except (OSError, ValueError) as exc:
-            raise WeightsError(f"{index_path}: not a safetensors index ({exc})") from None
-        files = tower_files(index)
+        files = sorted(set(tower_index(index_path).values()))
         if not files:
             raise WeightsError(f"{repo}: {INDEX_NAME} names no vision./aligner. tensors")
     else:

@@ -43,10 +43,9 @@ def by_spans(spans: Sequence[tuple[int, int]], fn: Callable[..., Any],
     """Apply ``fn`` to each (start, end) row range of ``tensors`` (sliced alike along dim 0)
     and write the results into one output, (T, ...).
 
-    Why: a kernel's blocking, vector tails and thread split depend on the shape it is given,
-    so a row's bits would depend on everything else in the batch. Given ranges that each hold
-    one image's rows, every kernel sees tensors that are a function of that image alone, and
-    the image's rows come out the same in any batch.
+    A kernel's blocking, vector tails and thread split depend on its input's shape: given one
+    image's rows per range, every kernel sees that image alone, and its rows come out the same
+    in any batch.
     """
     out: torch.Tensor | None = None
     for start, end in spans:
@@ -60,10 +59,9 @@ def by_spans(spans: Sequence[tuple[int, int]], fn: Callable[..., Any],
 
 
 # ---------------------------------------------------------------- elementwise work
-# The work between the GEMMs, as plain functions: the modules below call them through
-# attributes (``norm_fn``, ``rope_fn``, ``act_fn``, ``add_norm_fn``), so that a fused
-# (compiled) version can be installed from outside (``fusion.fuse_elementwise``) without
-# changing this reference math.
+# The work between the GEMMs, as plain functions that the modules below call through
+# attributes (``norm_fn``, ``rope_fn``, ``act_fn``, ``add_norm_fn``): ``fusion`` installs
+# compiled versions there, and this stays the reference math.
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``w * x * rsqrt(mean(x^2) + eps)`` in float32, cast back to x's dtype. x (T, D)."""
@@ -107,10 +105,9 @@ _ROPE_CACHE: dict[tuple[float, int, str], tuple[torch.Tensor, torch.Tensor]] = {
 def _rope_block(first: int, inv_freq: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """cos, sin (ROPE_BLOCK, rd/2) float32 of positions first.. first+ROPE_BLOCK-1.
 
-    The angle is the float32 product ``pos * inv_freq`` (as the reference computes it); its
-    cosine and sine are taken in float64 by numpy (single-threaded, per element) and rounded
-    once to float32, so every value is a fixed function of (position, frequency): no thread
-    split or vector tail of a batch-sized kernel can change a bit.
+    The angle is the float32 product ``pos * inv_freq`` (as the reference computes it); numpy
+    takes its cosine and sine per element in float64, rounded once to float32, so every value
+    is a fixed function of (position, frequency).
     """
     pos = np.arange(first, first + ROPE_BLOCK, dtype=np.float32)[:, None]
     angles = (pos * inv_freq[None, :]).astype(np.float64)
@@ -176,8 +173,7 @@ def rope_formula(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate x (T, H, d) in float32 with half-split pairs; cos, sin: (T, 1, d/2).
 
-    ``cat(a*cos - b*sin, b*cos + a*sin)``, each half written in place into one output buffer:
-    four passes over half-width tensors instead of six products/sums plus a concatenation.
+    ``cat(a*cos - b*sin, b*cos + a*sin)``, each half written in place into one output buffer.
     """
     xf = x.float()
     a, b = xf.chunk(2, dim=-1)
@@ -271,10 +267,8 @@ class VisionTransformer(nn.Module):
                 per_image: bool = False) -> torch.Tensor:
         """patches (T, 3*p*p) -> ViT features (T, D).
 
-        ``per_image``: run the whole ViT over one image's rows at a time (image after image,
-        every layer), instead of every layer over the packed batch. Every kernel then sees
-        tensors that are a function of that image alone, so its rows are bit-identical in any
-        batch (see ``by_spans``).
+        ``per_image``: run the whole ViT over one image's rows at a time, so that its rows are
+        bit-identical in any batch (``by_spans``).
         """
         if per_image:
             lengths = spans.lengths
@@ -371,9 +365,8 @@ class VisionTower(nn.Module):
         patches (T, 3*p*p); cos, sin (T, 1, rd) float32; spans over T; merge_index and
         merge_mask (R, r*r) into the packed ViT rows. Returns (R, hidden) aligner rows, or
         (T, D) ViT features when ``features == "vit"`` (merge arguments unused).
-        ``row_counts``: each image's aligner rows; given, every image runs alone (ViT and
-        aligner, see ``VisionTransformer.forward``), so its output is bit-identical in any
-        batch.
+        ``row_counts``: each image's aligner rows; given, every image runs alone through the
+        ViT and the aligner (``by_spans``).
         """
         per_image = row_counts is not None
         vit = self.vision(patches, cos, sin, spans, self.attend, per_image)

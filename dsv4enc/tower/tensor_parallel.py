@@ -1,7 +1,6 @@
-"""Tensor parallelism as a model transform: a tower sliced in place into one
-rank's shard, with combine hooks that sum the partial outputs over the ranks. The tower
-knows no ranks: ``run/ranks.Topology.split_tower`` applies this from outside with the rank,
-the world size and the all-reduce of its process group."""
+"""Tensor parallelism as a model transform: a tower sliced in place into one rank's shard, with
+combine hooks that sum the partial outputs over the ranks (``run/ranks.Topology.split_tower``
+applies it with the rank, the world size and its process group's all-reduce)."""
 
 from __future__ import annotations
 
@@ -18,23 +17,6 @@ log = logging.getLogger(__name__)
 AllReduce = Callable[[torch.Tensor], torch.Tensor]
 
 
-class _AllReduce:
-    """combine hook: sum the partial outputs over ranks, then add the layer's bias once.
-
-    The bias lives on the layer as the non-persistent buffer ``combine_bias`` (None when it
-    has none), so that ``model.to(...)`` moves it along with the weights.
-    """
-
-    def __init__(self, all_reduce: AllReduce, linear: torch.nn.Linear) -> None:
-        self.all_reduce = all_reduce
-        self.linear = linear
-
-    def __call__(self, partial: torch.Tensor) -> torch.Tensor:
-        total = self.all_reduce(partial.contiguous())
-        bias = self.linear.combine_bias
-        return total if bias is None else total + bias
-
-
 def _shard_rows(linear: torch.nn.Linear, groups: int, rank: int, world: int) -> None:
     """Keep this rank's share of every one of ``groups`` equal row blocks of the output
     (e.g. q|k|v by heads, gate|up by halves): weight (G*n, in) -> (G*n/world, in)."""
@@ -48,7 +30,7 @@ def _shard_rows(linear: torch.nn.Linear, groups: int, rank: int, world: int) -> 
 
 
 def _shard_columns(linear: torch.nn.Linear, rank: int, world: int,
-                   all_reduce: AllReduce) -> _AllReduce:
+                   all_reduce: AllReduce) -> Callable[[torch.Tensor], torch.Tensor]:
     """Keep this rank's block of input columns, and return the combine hook that sums the
     partial outputs. The bias moves out of the matmul: it is added once, after the sum."""
     share = linear.in_features // world
@@ -57,15 +39,20 @@ def _shard_columns(linear: torch.nn.Linear, rank: int, world: int,
     linear.in_features = share
     bias = None if linear.bias is None else linear.bias.data
     linear.bias = None
+    # A non-persistent buffer (None when there is no bias): ``model.to(...)`` moves it along.
     linear.register_buffer("combine_bias", bias, persistent=False)
-    return _AllReduce(all_reduce, linear)
+
+    def combine(partial: torch.Tensor) -> torch.Tensor:
+        total = all_reduce(partial.contiguous())
+        return total if linear.combine_bias is None else total + linear.combine_bias
+
+    return combine
 
 
 def apply_tensor_parallel(model: VisionTower, rank: int, world_size: int,
                           all_reduce: AllReduce) -> bool:
-    """Slice ``model`` in place into rank ``rank``'s tensor-parallel shard of ``world_size``;
-    ``all_reduce(tensor)`` sums a tensor over the ranks in place and returns it
-    (``run/dist.DistContext.all_reduce_sum``).
+    """Slice ``model`` in place into rank ``rank``'s tensor-parallel shard of ``world_size``
+    (``all_reduce``: ``run/dist.DistContext.all_reduce_sum``).
 
     wqkv (q, k, v each by heads), mlp.w1 (gate, up each by halves) and aligner.w1 keep
     their share of output rows; wo, mlp.w2 and aligner.w2 keep their share of input columns

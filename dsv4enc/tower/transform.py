@@ -66,11 +66,8 @@ def count_llm_tokens_v41(bh: int, bw: int, patch: int, ratio: int) -> int:
 
 
 def plan_canvas(width: int, height: int, cfg: VisionConfig) -> Canvas:
-    """Canvas and patch grid for an image of ``width`` x ``height`` pixels,
-    with the geometry of ``cfg.model_type`` (V4 or V4.1).
-
-    Raises ValueError for a size that has no canvas (zero area).
-    """
+    """Canvas and patch grid for an image of ``width`` x ``height`` pixels, with the geometry
+    of ``cfg.model_type`` (V4 or V4.1). Raises ValueError for a size that has no canvas."""
     if width <= 0 or height <= 0:
         raise ValueError(f"image has no pixels ({width}x{height})")
     p = cfg.patch_size
@@ -166,11 +163,9 @@ def max_image_tokens(cfg: VisionConfig) -> int:
     """Most patches one transformed image can have: r^2 * (budget - 3), where the budget is
     max_n_token - 3 for V4 and the full max_n_token for V4.1.
 
-    Why: the transform only returns a canvas whose LLM-token count is within the
-    budget, and that count (either variant's) is at least lh*(lw+1) + 2 = lh*lw + lh + 2 >=
-    lh*lw + 3 (lh >= 1), so lh*lw <= budget - 3. The patch grid has n_h <= r*lh and
-    n_w <= r*lw with lh = ceil(n_h/r), lw = ceil(n_w/r), hence N <= r^2 * (budget - 3).
-    V4.1 reaches it: a very wide image becomes one row of max_n_token - 3 cells.
+    A canvas's LLM-token count is within the budget and at least lh*lw + lh + 2 >= lh*lw + 3,
+    and n_h*n_w <= r^2 * lh*lw. V4.1 reaches it: a very wide image becomes one row of
+    max_n_token - 3 cells.
     """
     budget = cfg.max_n_token if cfg.is_v41 else cfg.max_n_token - 3
     return cfg.downsample_ratio ** 2 * (budget - 3)
@@ -216,10 +211,8 @@ NORMALIZED_BF16_BITS = _normalize_lut()  # (256,) uint16
 def _pair_lut(single: np.ndarray) -> np.ndarray | None:
     """The lookup for two neighbouring bytes at once: entry ``a | b << 8`` holds the bf16
     bits of ``a`` in its low half and of ``b`` in its high half, so a uint16 view of the
-    pixel bytes indexes it and a uint32 view of the output receives it. Half the lookups,
-    and half the index array that numpy's ``take`` first widens to 8 bytes per index, for
-    the same bits. Both views read memory little-endian;
-    on a big-endian host there is no pair table (None) and pixels are looked up one by one.
+    pixel bytes indexes it and a uint32 view of the output receives it (half the lookups).
+    Both views read memory little-endian: on a big-endian host there is no pair table (None).
     """
     if sys.byteorder != "little":
         return None
@@ -287,10 +280,7 @@ def bf16_bits_to_tensor(bits: np.ndarray) -> "torch.Tensor":
 
 
 def image_to_patches(image: Image.Image, cfg: VisionConfig) -> tuple["torch.Tensor", Canvas]:
-    """Transform a decoded image into bf16 patches.
-
-    Returns ``(patches, canvas)`` with patches of shape (n_h*n_w, 3*p*p), bfloat16, each
-    patch flattened channel-major (c, y, x), rows in raster order over the patch grid.
-    """
+    """Transform a decoded image into bf16 patches: ``(patches, canvas)``, patches
+    (n_h*n_w, 3*p*p) bfloat16 laid out as ``image_to_patch_bits`` lays them out."""
     bits, canvas = image_to_patch_bits(image, cfg)
     return bf16_bits_to_tensor(bits), canvas

@@ -25,7 +25,7 @@ import numpy as np
 
 from ..tower.config import VisionConfig
 from .formats import DEFAULT_MAX_PIXELS, image_name, misnamed, open_image
-from .arena import ArenaHandle, PatchArena, WorkerArena, default_slots, patch_slot_bytes
+from .arena import PatchArena, WorkerArena, default_slots, patch_slot_bytes
 from ..process import keep_freed_memory_mapped
 
 
@@ -119,12 +119,11 @@ def open_checked(source, max_pixels: int, stream: bool = False, name: str | None
                              f"Pillow's Image.MAX_IMAGE_PIXELS allow (possible decompression "
                              f"bomb): {exc}") from None
         raise
-    width, height = image.size
-    if width * height > max_pixels:
-        image.close()
-        raise ValueError(f"image has {width}x{height} = {width * height} pixels, more than "
-                         f"--max-pixels {max_pixels} (possible decompression bomb)")
     try:
+        width, height = image.size
+        if width * height > max_pixels:
+            raise ValueError(f"image has {width}x{height} = {width * height} pixels, more "
+                             f"than --max-pixels {max_pixels} (possible decompression bomb)")
         _check_declared_tiles(image, max_pixels)
     except ValueError:
         image.close()
@@ -174,12 +173,9 @@ def probe_image(source, max_pixels: int = DEFAULT_MAX_PIXELS) -> Probe:
     try:
         target = source
         if not isinstance(source, (str, os.PathLike, bytes, bytearray, memoryview)):
-            if getattr(source, "member", None) is None and hasattr(source, "path"):
-                target = source.path  # a plain file InputItem
-            else:
-                from .sources import open_item
+            from .sources import open_item
 
-                target = handle = open_item(source, stream=True)
+            target = handle = open_item(source, stream=True)  # a plain file item: its path
         if isinstance(target, (str, os.PathLike)):
             _require_regular_file(target)
         name = image_name(source, target)
@@ -191,9 +187,9 @@ def probe_image(source, max_pixels: int = DEFAULT_MAX_PIXELS) -> Probe:
             return Probe(error=f"image has no pixels ({width}x{height})")
         return Probe(width=width, height=height, misnamed=actual)
     except Exception as exc:  # any unreadable file is an error row, never a crash
-        from .sources import release_held
+        from .sources import HELD, held_key
 
-        release_held(source)  # never decoded: what its probe read ahead is not kept
+        HELD.take(held_key(source))  # never decoded: what its probe read ahead is not kept
         return Probe(error=read_failure(exc, source)[0])
     finally:
         if hasattr(handle, "close"):  # a stream over a container member: ours to close
@@ -238,11 +234,6 @@ WORKER_HEADROOM = 768 << 20
 # from it and stay mapped when freed, up to 512 MB; larger ones are mapped and given back.
 WORKER_HEAP_LARGEST = 64 << 20
 WORKER_HEAP_KEEP = 512 << 20
-
-
-def worker_memory_budget(max_pixels: int) -> int:
-    """Bytes one decode worker may allocate beyond its start-up footprint."""
-    return WORKER_BYTES_PER_PIXEL * max_pixels + WORKER_HEADROOM
 
 
 def _limit_memory(budget: int | None) -> None:
@@ -333,7 +324,7 @@ STARTUP_LIMIT_S = 120.0  # a worker that is not up by then counts as crashed
 
 class _Worker:
     def __init__(self, ctx, cfg: VisionConfig, max_pixels: int,
-                 memory_budget: int | None = None, arena: ArenaHandle | None = None) -> None:
+                 memory_budget: int | None = None, arena: PatchArena | None = None) -> None:
         self.conn, child = ctx.Pipe(duplex=True)
         self.proc = ctx.Process(target=_worker_main,
                                 args=(child, cfg, max_pixels, memory_budget, arena),
@@ -373,12 +364,16 @@ class DecodeStream:
     """What ``DecodePool.imap`` returns: an iterator of ``(tag, Decoded)`` in task order.
     ``close()`` (or closing the pool) stops its feeding thread, consumed or not."""
 
-    def __init__(self, pool: "DecodePool", results: queue.SimpleQueue,
-                 credits: threading.Semaphore, pump: threading.Thread,
-                 stop: threading.Event) -> None:
-        self._pool, self._results, self._credits = pool, results, credits
-        self._pump, self._stop = pump, stop
+    def __init__(self, pool: "DecodePool", tasks: Iterator, window: int) -> None:
+        self._pool, self._results = pool, queue.SimpleQueue()
+        self._credits = threading.Semaphore(max(1, window))
+        self._stop = threading.Event()
         self._done = False
+        self._pump = threading.Thread(target=pool._pump,
+                                      args=(tasks, self._results, self._credits, self._stop),
+                                      name="dsv4enc-decode", daemon=True)
+        pool._streams.append(self)
+        self._pump.start()  # now, not at the first next(): decoding starts while the caller sets up
 
     def __iter__(self) -> "DecodeStream":
         return self
@@ -409,7 +404,11 @@ class DecodeStream:
 
     def close(self) -> None:
         self._done = True
-        self._pool._stop_pump(self._pump, self._stop)
+        self._stop.set()
+        if self._pump is not threading.current_thread():
+            self._pump.join()
+        if self in self._pool._streams:
+            self._pool._streams.remove(self)
 
 
 class DecodePool:
@@ -430,8 +429,8 @@ class DecodePool:
         # Bytes a worker may allocate beyond its start-up footprint ("auto": from max_pixels;
         # None: no bound). Past it, the image in hand gets an error row and the worker is
         # replaced.
-        self.memory_budget = (worker_memory_budget(max_pixels) if memory_budget == "auto"
-                              else memory_budget)
+        self.memory_budget = (WORKER_BYTES_PER_PIXEL * max_pixels + WORKER_HEADROOM
+                              if memory_budget == "auto" else memory_budget)
         self._ctx = mp.get_context("spawn")  # fork is unsafe after torch/CUDA start threads
         # Shared slots for the workers' patches (``slots``: default, enough for the default
         # look-ahead plus a batch the consumer still holds; 0: none, all through the pipes).
@@ -442,13 +441,13 @@ class DecodePool:
         # worker processes); only the pool itself changes them.
         self.workers = [self._new_worker() for _ in range(workers)]
         self.replaced = 0
-        self._pumps: list[tuple[threading.Thread, threading.Event]] = []
+        self._streams: list[DecodeStream] = []
 
     def close(self) -> None:
         from .sources import HELD
 
-        for pump, stop in list(self._pumps):  # an abandoned imap's thread uses the workers
-            self._stop_pump(pump, stop)
+        for stream in list(self._streams):  # an abandoned imap's thread uses the workers
+            stream.close()
         HELD.clear()  # inputs read ahead for this run's decode
         for worker in self.workers:
             worker.stop(kill=worker.task is not None)
@@ -463,20 +462,15 @@ class DecodePool:
         self.close()
 
     def _new_worker(self) -> _Worker:
-        return _Worker(self._ctx, self.cfg, self.max_pixels, self.memory_budget,
-                       self.arena.handle() if self.arena is not None else None)
+        return _Worker(self._ctx, self.cfg, self.max_pixels, self.memory_budget, self.arena)
 
     def _replace(self, index: int) -> None:
         old = self.workers[index]
         old.stop(kill=True)  # returns once it is gone: it can no longer write to its slot
-        self._release_slot(old)
+        if old.slot is not None:
+            self.arena.give_back(old.slot)
         self.workers[index] = self._new_worker()
         self.replaced += 1
-
-    def _release_slot(self, worker: _Worker) -> None:
-        if worker.slot is not None:
-            self.arena.give_back(worker.slot)
-            worker.slot = None
 
     def _received(self, worker: _Worker, result: Decoded) -> Decoded:
         """A worker's result as the consumer gets it: patches written in the task's slot
@@ -511,21 +505,7 @@ class DecodePool:
         if not self.workers:
             return ((task[0], decode_image(task[1], self.cfg, self.max_pixels))
                     for task in tasks if task is not NOT_YET)
-        results: queue.SimpleQueue = queue.SimpleQueue()
-        credits = threading.Semaphore(max(1, window))
-        stop = threading.Event()
-        pump = threading.Thread(target=self._pump, args=(iter(tasks), results, credits, stop),
-                                name="dsv4enc-decode", daemon=True)
-        self._pumps.append((pump, stop))
-        pump.start()  # now, not at the first next(): decoding starts while the caller sets up
-        return DecodeStream(self, results, credits, pump, stop)
-
-    def _stop_pump(self, pump: threading.Thread, stop: threading.Event) -> None:
-        stop.set()
-        if pump is not threading.current_thread():
-            pump.join()
-        if (pump, stop) in self._pumps:
-            self._pumps.remove((pump, stop))
+        return DecodeStream(self, iter(tasks), window)
 
     def _pump(self, source: Iterator, results: queue.SimpleQueue, credits: threading.Semaphore,
               stop: threading.Event) -> None:
@@ -542,16 +522,11 @@ class DecodePool:
             while not stop.is_set():
                 while not exhausted and credits.acquire(blocking=False):
                     try:
-                        task = next(source)
-                    except StopIteration:
-                        exhausted = True
-                        credits.release()
-                        break
+                        task = next(source, _END)
                     except Exception as exc:  # after the images taken before it
-                        exhausted, source_error = True, exc
-                        credits.release()
-                        break
-                    if task is NOT_YET:  # asked again at the next turn of the loop
+                        task, source_error = _END, exc
+                    if task is _END or task is NOT_YET:  # NOT_YET: asked again at the next turn
+                        exhausted = task is _END
                         credits.release()
                         break
                     tag, path = task

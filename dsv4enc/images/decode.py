@@ -29,7 +29,6 @@ from .arena import PatchArena, WorkerArena, default_slots, patch_slot_bytes
 from ..process import keep_freed_memory_mapped
 
 
-
 @dataclass
 class Probe:
     """An image's stored size from its header, or why it could not be read."""
@@ -51,12 +50,10 @@ class Decoded:
     height: int | None = None
     error: str | None = None
     out_of_memory: bool = False  # the worker's memory bound was hit: it is replaced
-    # A store that was not answering: when its outage began there (wall time), for the
-    # health record of the process that collects the rows (``storage.note_row``).
+    # When the outage of a store that was not answering began (wall time), for the health
+    # record of the process that collects the rows (``storage.note_row``).
     unavailable_since: float | None = None
-    # Only on the way from a worker: the patches are in this slot of the pool's PatchArena
-    # (the pool turns it back into ``patches`` before anyone else sees the result).
-    slot: int | None = None
+    slot: int | None = None  # from a worker: the PatchArena slot that holds the patches
 
 
 def describe_error(exc: BaseException) -> str:
@@ -86,20 +83,19 @@ def read_failure(exc: BaseException, source) -> tuple[str, float | None]:
     return describe_error(exc), None
 
 
-def _readable(source, stream: bool = False):
-    """What PIL opens for ``source``: a path (str or PathLike) as is, ``bytes`` as a file
-    object, and an ``items.InputItem`` via ``sources.open_item`` (a container member's bytes, or a
-    stream over it when ``stream``)."""
+def _readable(source):
+    """What PIL opens for ``source``: a path (str or PathLike) or a file object as is,
+    ``bytes`` as a file object, and an ``items.InputItem`` via ``sources.open_item``."""
     if isinstance(source, (bytes, bytearray, memoryview)):
         return io.BytesIO(source)
     if isinstance(source, (str, os.PathLike)) or hasattr(source, "read"):
         return source
     from .sources import open_item
 
-    return _readable(open_item(source, stream=stream))
+    return _readable(open_item(source))
 
 
-def open_checked(source, max_pixels: int, stream: bool = False, name: str | None = None):
+def open_checked(source, max_pixels: int, name: str | None = None):
     """Open ``source`` with Pillow, refusing more than ``max_pixels`` pixels.
 
     The limit is this call's own: Pillow's process-wide ``PIL.Image.MAX_IMAGE_PIXELS`` is never
@@ -107,7 +103,7 @@ def open_checked(source, max_pixels: int, stream: bool = False, name: str | None
     still applies that global check first; its error becomes a refusal like ours."""
     from PIL import Image
 
-    handle = _readable(source, stream)
+    handle = _readable(source)
     try:  # only as an accepted format, the name's first (``imageformats``); ``name`` overrides
         image = open_image(handle, name if name is not None else image_name(source, handle))
     except BaseException as exc:
@@ -156,12 +152,6 @@ def own_process_pillow_settings() -> None:
     warnings.filterwarnings("error", module=r"PIL(\.|$)")
 
 
-def _require_regular_file(path) -> None:
-    """A FIFO or device named like an image could block an open (or a read) forever."""
-    if not stat.S_ISREG(os.stat(path).st_mode):
-        raise ValueError("not a regular file (a FIFO, socket or device)")
-
-
 def probe_image(source, max_pixels: int = DEFAULT_MAX_PIXELS) -> Probe:
     """Read only the header: the stored size (no EXIF rotation). ``source``: a path, bytes,
     or an ``items.InputItem`` (which may point into a container file).
@@ -176,10 +166,11 @@ def probe_image(source, max_pixels: int = DEFAULT_MAX_PIXELS) -> Probe:
             from .sources import open_item
 
             target = handle = open_item(source, stream=True)  # a plain file item: its path
-        if isinstance(target, (str, os.PathLike)):
-            _require_regular_file(target)
+        if isinstance(target, (str, os.PathLike)) and not stat.S_ISREG(os.stat(target).st_mode):
+            # A FIFO or a device named like an image could block an open (or a read) forever.
+            raise ValueError("not a regular file (a FIFO, socket or device)")
         name = image_name(source, target)
-        image = open_checked(target, max_pixels, stream=True, name=name)
+        image = open_checked(target, max_pixels, name=name)
         width, height = image.size
         actual = misnamed(image, name)
         image.close()
@@ -489,15 +480,13 @@ class DecodePool:
     def imap(self, tasks: Iterable[tuple[Any, Any]],
              window: int = 64) -> Iterator[tuple[Any, Decoded]]:
         """Yield ``(tag, Decoded)`` for each ``(tag, source)`` task, in task order. A source is
-        what ``decode_image`` takes: a path, or an ``items.InputItem`` (picklable, small). With
-        workers, the iterator is a ``DecodeStream`` (``close()`` stops it).
+        what ``decode_image`` takes: a path, or an ``items.InputItem`` (picklable, small).
+        ``tasks`` may yield ``NOT_YET`` when its next task is not known yet.
 
-        A background thread feeds the workers and collects their results, so decoding goes on
-        while the caller is busy (e.g. running the model on the previous batch). At most
-        ``window`` tasks are taken but not yet yielded (queued, decoding or decoded) at once,
-        so memory stays bounded whatever the consumer's speed. ``tasks`` may yield
-        ``NOT_YET`` when its next task is not known yet.
-        """
+        With workers, the iterator is a ``DecodeStream``: its thread feeds the workers and
+        collects their results while the caller is busy (running the model on the previous
+        batch), with at most ``window`` tasks taken but not yet yielded, so memory stays
+        bounded whatever the consumer's speed."""
         from .sources import attach_held
 
         # An input whose bytes were read ahead (``sources.HELD``) goes to its worker with them.

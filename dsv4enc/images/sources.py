@@ -91,15 +91,12 @@ class HeldInputs:
     within a byte budget (``HOLD_BYTES``): once it is spent nothing more is held, so the
     inputs read first, which are decoded first, keep theirs. Thread-safe."""
 
-    def __init__(self, max_bytes: int | None = None) -> None:
-        self.max_bytes = max_bytes
+    def __init__(self) -> None:
         self._held: dict[tuple[str, int], bytes] = {}
         self._bytes = 0
         self._lock = threading.Lock()
 
     def budget(self) -> int:
-        if self.max_bytes is not None:
-            return self.max_bytes
         try:
             return int(os.environ.get(_HOLD_ENV) or HOLD_BYTES)
         except ValueError:

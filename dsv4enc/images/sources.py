@@ -788,10 +788,6 @@ def path_roots(folders) -> tuple[str, ...]:
     return tuple(roots)
 
 
-def _inside(path: str, folder: str) -> bool:
-    return os.path.commonpath([path, folder]) == folder
-
-
 def cell_file(named: str, table: str, roots: tuple[str, ...] = ()) -> str:
     """The file a table's ``{bytes: null, path: named}`` cell may be read from, or
     ``RefusedPathError``: a relative ``named`` lies beside the table (never in the current
@@ -807,7 +803,7 @@ def cell_file(named: str, table: str, roots: tuple[str, ...] = ()) -> str:
         raise RefusedPathError(f"path cell {named!r} is not an image file name (.jpg, .png, ...)")
     real = os.path.realpath(candidate)
     allowed = (os.path.realpath(folder), *roots)
-    if not any(_inside(real, root) for root in allowed):
+    if not any(os.path.commonpath([real, root]) == root for root in allowed):
         raise RefusedPathError(f"path cell {named!r} is outside the table's folder {folder} "
                                f"(it resolves to {real}); --table-paths-root DIR allows more")
     if not stat.S_ISREG(os.stat(real).st_mode):

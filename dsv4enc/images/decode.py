@@ -165,7 +165,7 @@ def probe_image(source, max_pixels: int = DEFAULT_MAX_PIXELS) -> Probe:
         if not isinstance(source, (str, os.PathLike, bytes, bytearray, memoryview)):
             from .sources import open_item
 
-            target = handle = open_item(source, stream=True)  # a plain file item: its path
+            target = handle = open_item(source, stream=True)  # a plain file item gives its path
         if isinstance(target, (str, os.PathLike)) and not stat.S_ISREG(os.stat(target).st_mode):
             # A FIFO or a device named like an image could block an open (or a read) forever.
             raise ValueError("not a regular file (a FIFO, socket or device)")

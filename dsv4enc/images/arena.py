@@ -23,20 +23,19 @@ def patch_slot_bytes(cfg: VisionConfig) -> int:
 
 class PatchArena:
     """Shared memory that decode workers write patches into, so that an image's patches
-    (3.5 MB for a 1024x768 photo at real dims) never go through a pipe: pickling them in the
-    worker, reading and unpickling them in the pool cost about a tenth of the host's CPU per
-    image (benchmarks/RESULTS.md, ``bench --host``).
+    are not pickled through a pipe (a cost measured in benchmarks/RESULTS.md).
 
     One anonymous memory file (Linux ``memfd``) of ``slots`` equal slots, mapped by the pool
-    and by each worker (which inherits it at spawn). It has no name (nothing in /dev/shm), so
-    nothing can leak: the kernel frees it when the last process that holds it closes or
-    unmaps it, however that process ends (a killed worker, a killed run). Pages are committed
-    when first written, so the slot count costs address space, not memory.
+    and by each worker: pickled while a worker is spawned, it arrives there as that worker's
+    ``WorkerArena``. It has no name (nothing in /dev/shm), so nothing can leak: the kernel
+    frees it when the last process that holds it closes or unmaps it, however that process
+    ends. Pages are committed when first written, so the slot count costs address space, not
+    memory.
 
     The pool takes a free slot for each task it dispatches; the worker transforms straight
     into it; the pool hands the result on as a numpy array over the slot (``lease``), and the
     slot is free again once that array and every view of it are gone. With no free slot, or
-    an image larger than a slot, the worker sends its patches through the pipe as before.
+    an image larger than a slot, the worker sends its patches through the pipe.
     """
 
     def __init__(self, fd: int, slots: int, slot_bytes: int) -> None:
@@ -86,9 +85,11 @@ class PatchArena:
         weakref.finalize(flat, self.give_back, slot)
         return flat.reshape(shape)
 
-    def handle(self) -> "ArenaHandle":
-        """What a worker process is given at spawn to map the arena."""
-        return ArenaHandle(self.fd, self.slots, self.slot_bytes)
+    def __reduce__(self):
+        from multiprocessing import reduction
+
+        # Only while a process is being spawned: ``DupFd`` passes the descriptor to it.
+        return WorkerArena.attach, (reduction.DupFd(self.fd), self.slots, self.slot_bytes)
 
     def close(self) -> None:
         """Unmap (once no lease is left; until then the leases keep the mapping) and close:
@@ -103,19 +104,6 @@ class PatchArena:
         except BufferError:  # leases still in use: the mapping goes with the last of them
             pass
         os.close(self.fd)
-
-
-class ArenaHandle:
-    """A PatchArena's file descriptor as a spawned worker inherits it: pickled only while a
-    process is being spawned (``multiprocessing.reduction.DupFd`` passes the descriptor)."""
-
-    def __init__(self, fd: int, slots: int, slot_bytes: int) -> None:
-        self.fd, self.slots, self.slot_bytes = fd, slots, slot_bytes
-
-    def __reduce__(self):
-        from multiprocessing import reduction
-
-        return WorkerArena.attach, (reduction.DupFd(self.fd), self.slots, self.slot_bytes)
 
 
 class WorkerArena:

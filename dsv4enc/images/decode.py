@@ -25,9 +25,8 @@ import numpy as np
 
 from ..tower.config import VisionConfig
 from .formats import DEFAULT_MAX_PIXELS, image_name, misnamed, open_image
-from .arena import ArenaHandle, PatchArena, WorkerArena, default_slots, patch_slot_bytes
+from .arena import PatchArena, WorkerArena, default_slots, patch_slot_bytes
 from ..process import keep_freed_memory_mapped
-
 
 
 @dataclass
@@ -51,12 +50,10 @@ class Decoded:
     height: int | None = None
     error: str | None = None
     out_of_memory: bool = False  # the worker's memory bound was hit: it is replaced
-    # A store that was not answering: when its outage began there (wall time), for the
-    # health record of the process that collects the rows (``storage.note_row``).
+    # When the outage of a store that was not answering began (wall time), for the health
+    # record of the process that collects the rows (``storage.note_row``).
     unavailable_since: float | None = None
-    # Only on the way from a worker: the patches are in this slot of the pool's PatchArena
-    # (the pool turns it back into ``patches`` before anyone else sees the result).
-    slot: int | None = None
+    slot: int | None = None  # from a worker: the PatchArena slot that holds the patches
 
 
 def describe_error(exc: BaseException) -> str:
@@ -86,20 +83,19 @@ def read_failure(exc: BaseException, source) -> tuple[str, float | None]:
     return describe_error(exc), None
 
 
-def _readable(source, stream: bool = False):
-    """What PIL opens for ``source``: a path (str or PathLike) as is, ``bytes`` as a file
-    object, and an ``items.InputItem`` via ``sources.open_item`` (a container member's bytes, or a
-    stream over it when ``stream``)."""
+def _readable(source):
+    """What PIL opens for ``source``: a path (str or PathLike) or a file object as is,
+    ``bytes`` as a file object, and an ``items.InputItem`` via ``sources.open_item``."""
     if isinstance(source, (bytes, bytearray, memoryview)):
         return io.BytesIO(source)
     if isinstance(source, (str, os.PathLike)) or hasattr(source, "read"):
         return source
     from .sources import open_item
 
-    return _readable(open_item(source, stream=stream))
+    return _readable(open_item(source))
 
 
-def open_checked(source, max_pixels: int, stream: bool = False, name: str | None = None):
+def open_checked(source, max_pixels: int, name: str | None = None):
     """Open ``source`` with Pillow, refusing more than ``max_pixels`` pixels.
 
     The limit is this call's own: Pillow's process-wide ``PIL.Image.MAX_IMAGE_PIXELS`` is never
@@ -107,7 +103,7 @@ def open_checked(source, max_pixels: int, stream: bool = False, name: str | None
     still applies that global check first; its error becomes a refusal like ours."""
     from PIL import Image
 
-    handle = _readable(source, stream)
+    handle = _readable(source)
     try:  # only as an accepted format, the name's first (``imageformats``); ``name`` overrides
         image = open_image(handle, name if name is not None else image_name(source, handle))
     except BaseException as exc:
@@ -119,12 +115,11 @@ def open_checked(source, max_pixels: int, stream: bool = False, name: str | None
                              f"Pillow's Image.MAX_IMAGE_PIXELS allow (possible decompression "
                              f"bomb): {exc}") from None
         raise
-    width, height = image.size
-    if width * height > max_pixels:
-        image.close()
-        raise ValueError(f"image has {width}x{height} = {width * height} pixels, more than "
-                         f"--max-pixels {max_pixels} (possible decompression bomb)")
     try:
+        width, height = image.size
+        if width * height > max_pixels:
+            raise ValueError(f"image has {width}x{height} = {width * height} pixels, more "
+                             f"than --max-pixels {max_pixels} (possible decompression bomb)")
         _check_declared_tiles(image, max_pixels)
     except ValueError:
         image.close()
@@ -157,12 +152,6 @@ def own_process_pillow_settings() -> None:
     warnings.filterwarnings("error", module=r"PIL(\.|$)")
 
 
-def _require_regular_file(path) -> None:
-    """A FIFO or device named like an image could block an open (or a read) forever."""
-    if not stat.S_ISREG(os.stat(path).st_mode):
-        raise ValueError("not a regular file (a FIFO, socket or device)")
-
-
 def probe_image(source, max_pixels: int = DEFAULT_MAX_PIXELS) -> Probe:
     """Read only the header: the stored size (no EXIF rotation). ``source``: a path, bytes,
     or an ``items.InputItem`` (which may point into a container file).
@@ -174,16 +163,14 @@ def probe_image(source, max_pixels: int = DEFAULT_MAX_PIXELS) -> Probe:
     try:
         target = source
         if not isinstance(source, (str, os.PathLike, bytes, bytearray, memoryview)):
-            if getattr(source, "member", None) is None and hasattr(source, "path"):
-                target = source.path  # a plain file InputItem
-            else:
-                from .sources import open_item
+            from .sources import open_item
 
-                target = handle = open_item(source, stream=True)
-        if isinstance(target, (str, os.PathLike)):
-            _require_regular_file(target)
+            target = handle = open_item(source, stream=True)  # a plain file item gives its path
+        if isinstance(target, (str, os.PathLike)) and not stat.S_ISREG(os.stat(target).st_mode):
+            # A FIFO or a device named like an image could block an open (or a read) forever.
+            raise ValueError("not a regular file (a FIFO, socket or device)")
         name = image_name(source, target)
-        image = open_checked(target, max_pixels, stream=True, name=name)
+        image = open_checked(target, max_pixels, name=name)
         width, height = image.size
         actual = misnamed(image, name)
         image.close()
@@ -191,9 +178,9 @@ def probe_image(source, max_pixels: int = DEFAULT_MAX_PIXELS) -> Probe:
             return Probe(error=f"image has no pixels ({width}x{height})")
         return Probe(width=width, height=height, misnamed=actual)
     except Exception as exc:  # any unreadable file is an error row, never a crash
-        from .sources import release_held
+        from .sources import HELD, held_key
 
-        release_held(source)  # never decoded: what its probe read ahead is not kept
+        HELD.take(held_key(source))  # never decoded: what its probe read ahead is not kept
         return Probe(error=read_failure(exc, source)[0])
     finally:
         if hasattr(handle, "close"):  # a stream over a container member: ours to close
@@ -238,11 +225,6 @@ WORKER_HEADROOM = 768 << 20
 # from it and stay mapped when freed, up to 512 MB; larger ones are mapped and given back.
 WORKER_HEAP_LARGEST = 64 << 20
 WORKER_HEAP_KEEP = 512 << 20
-
-
-def worker_memory_budget(max_pixels: int) -> int:
-    """Bytes one decode worker may allocate beyond its start-up footprint."""
-    return WORKER_BYTES_PER_PIXEL * max_pixels + WORKER_HEADROOM
 
 
 def _limit_memory(budget: int | None) -> None:
@@ -333,7 +315,7 @@ STARTUP_LIMIT_S = 120.0  # a worker that is not up by then counts as crashed
 
 class _Worker:
     def __init__(self, ctx, cfg: VisionConfig, max_pixels: int,
-                 memory_budget: int | None = None, arena: ArenaHandle | None = None) -> None:
+                 memory_budget: int | None = None, arena: PatchArena | None = None) -> None:
         self.conn, child = ctx.Pipe(duplex=True)
         self.proc = ctx.Process(target=_worker_main,
                                 args=(child, cfg, max_pixels, memory_budget, arena),
@@ -373,12 +355,16 @@ class DecodeStream:
     """What ``DecodePool.imap`` returns: an iterator of ``(tag, Decoded)`` in task order.
     ``close()`` (or closing the pool) stops its feeding thread, consumed or not."""
 
-    def __init__(self, pool: "DecodePool", results: queue.SimpleQueue,
-                 credits: threading.Semaphore, pump: threading.Thread,
-                 stop: threading.Event) -> None:
-        self._pool, self._results, self._credits = pool, results, credits
-        self._pump, self._stop = pump, stop
+    def __init__(self, pool: "DecodePool", tasks: Iterator, window: int) -> None:
+        self._pool, self._results = pool, queue.SimpleQueue()
+        self._credits = threading.Semaphore(max(1, window))
+        self._stop = threading.Event()
         self._done = False
+        self._pump = threading.Thread(target=pool._pump,
+                                      args=(tasks, self._results, self._credits, self._stop),
+                                      name="dsv4enc-decode", daemon=True)
+        pool._streams.append(self)
+        self._pump.start()  # now, not at the first next(): decoding starts while the caller sets up
 
     def __iter__(self) -> "DecodeStream":
         return self
@@ -409,7 +395,11 @@ class DecodeStream:
 
     def close(self) -> None:
         self._done = True
-        self._pool._stop_pump(self._pump, self._stop)
+        self._stop.set()
+        if self._pump is not threading.current_thread():
+            self._pump.join()
+        if self in self._pool._streams:
+            self._pool._streams.remove(self)
 
 
 class DecodePool:
@@ -430,8 +420,8 @@ class DecodePool:
         # Bytes a worker may allocate beyond its start-up footprint ("auto": from max_pixels;
         # None: no bound). Past it, the image in hand gets an error row and the worker is
         # replaced.
-        self.memory_budget = (worker_memory_budget(max_pixels) if memory_budget == "auto"
-                              else memory_budget)
+        self.memory_budget = (WORKER_BYTES_PER_PIXEL * max_pixels + WORKER_HEADROOM
+                              if memory_budget == "auto" else memory_budget)
         self._ctx = mp.get_context("spawn")  # fork is unsafe after torch/CUDA start threads
         # Shared slots for the workers' patches (``slots``: default, enough for the default
         # look-ahead plus a batch the consumer still holds; 0: none, all through the pipes).
@@ -442,13 +432,13 @@ class DecodePool:
         # worker processes); only the pool itself changes them.
         self.workers = [self._new_worker() for _ in range(workers)]
         self.replaced = 0
-        self._pumps: list[tuple[threading.Thread, threading.Event]] = []
+        self._streams: list[DecodeStream] = []
 
     def close(self) -> None:
         from .sources import HELD
 
-        for pump, stop in list(self._pumps):  # an abandoned imap's thread uses the workers
-            self._stop_pump(pump, stop)
+        for stream in list(self._streams):  # an abandoned imap's thread uses the workers
+            stream.close()
         HELD.clear()  # inputs read ahead for this run's decode
         for worker in self.workers:
             worker.stop(kill=worker.task is not None)
@@ -463,20 +453,15 @@ class DecodePool:
         self.close()
 
     def _new_worker(self) -> _Worker:
-        return _Worker(self._ctx, self.cfg, self.max_pixels, self.memory_budget,
-                       self.arena.handle() if self.arena is not None else None)
+        return _Worker(self._ctx, self.cfg, self.max_pixels, self.memory_budget, self.arena)
 
     def _replace(self, index: int) -> None:
         old = self.workers[index]
         old.stop(kill=True)  # returns once it is gone: it can no longer write to its slot
-        self._release_slot(old)
+        if old.slot is not None:
+            self.arena.give_back(old.slot)
         self.workers[index] = self._new_worker()
         self.replaced += 1
-
-    def _release_slot(self, worker: _Worker) -> None:
-        if worker.slot is not None:
-            self.arena.give_back(worker.slot)
-            worker.slot = None
 
     def _received(self, worker: _Worker, result: Decoded) -> Decoded:
         """A worker's result as the consumer gets it: patches written in the task's slot
@@ -495,15 +480,13 @@ class DecodePool:
     def imap(self, tasks: Iterable[tuple[Any, Any]],
              window: int = 64) -> Iterator[tuple[Any, Decoded]]:
         """Yield ``(tag, Decoded)`` for each ``(tag, source)`` task, in task order. A source is
-        what ``decode_image`` takes: a path, or an ``items.InputItem`` (picklable, small). With
-        workers, the iterator is a ``DecodeStream`` (``close()`` stops it).
+        what ``decode_image`` takes: a path, or an ``items.InputItem`` (picklable, small).
+        ``tasks`` may yield ``NOT_YET`` when its next task is not known yet.
 
-        A background thread feeds the workers and collects their results, so decoding goes on
-        while the caller is busy (e.g. running the model on the previous batch). At most
-        ``window`` tasks are taken but not yet yielded (queued, decoding or decoded) at once,
-        so memory stays bounded whatever the consumer's speed. ``tasks`` may yield
-        ``NOT_YET`` when its next task is not known yet.
-        """
+        With workers, the iterator is a ``DecodeStream``: its thread feeds the workers and
+        collects their results while the caller is busy (running the model on the previous
+        batch), with at most ``window`` tasks taken but not yet yielded, so memory stays
+        bounded whatever the consumer's speed."""
         from .sources import attach_held
 
         # An input whose bytes were read ahead (``sources.HELD``) goes to its worker with them.
@@ -511,21 +494,7 @@ class DecodePool:
         if not self.workers:
             return ((task[0], decode_image(task[1], self.cfg, self.max_pixels))
                     for task in tasks if task is not NOT_YET)
-        results: queue.SimpleQueue = queue.SimpleQueue()
-        credits = threading.Semaphore(max(1, window))
-        stop = threading.Event()
-        pump = threading.Thread(target=self._pump, args=(iter(tasks), results, credits, stop),
-                                name="dsv4enc-decode", daemon=True)
-        self._pumps.append((pump, stop))
-        pump.start()  # now, not at the first next(): decoding starts while the caller sets up
-        return DecodeStream(self, results, credits, pump, stop)
-
-    def _stop_pump(self, pump: threading.Thread, stop: threading.Event) -> None:
-        stop.set()
-        if pump is not threading.current_thread():
-            pump.join()
-        if (pump, stop) in self._pumps:
-            self._pumps.remove((pump, stop))
+        return DecodeStream(self, iter(tasks), window)
 
     def _pump(self, source: Iterator, results: queue.SimpleQueue, credits: threading.Semaphore,
               stop: threading.Event) -> None:
@@ -542,16 +511,11 @@ class DecodePool:
             while not stop.is_set():
                 while not exhausted and credits.acquire(blocking=False):
                     try:
-                        task = next(source)
-                    except StopIteration:
-                        exhausted = True
-                        credits.release()
-                        break
+                        task = next(source, _END)
                     except Exception as exc:  # after the images taken before it
-                        exhausted, source_error = True, exc
-                        credits.release()
-                        break
-                    if task is NOT_YET:  # asked again at the next turn of the loop
+                        task, source_error = _END, exc
+                    if task is _END or task is NOT_YET:  # NOT_YET: asked again at the next turn
+                        exhausted = task is _END
                         credits.release()
                         break
                     tag, path = task

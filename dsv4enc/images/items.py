@@ -1,7 +1,7 @@
 """What one input is: an ``InputItem`` (its output key, the path the decoder opens, and a
 locator for an image inside a container or a store), and which names are image names.
 
-``inputs`` finds items, ``sources`` expands containers into items and reads them; both build
+``discover`` finds items, ``sources`` expands containers into items and reads them; both build
 on this module, which imports neither.
 """
 

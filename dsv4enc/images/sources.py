@@ -5,40 +5,28 @@ The main process reads only an index of each container (a tar's member headers; 
 row-group sizes and key column) and turns every image into an ``InputItem`` whose ``member``
 says where its bytes lie. Decode workers then read just that member: a tar member by offset
 and size, a table cell by row group (or record batch) and row, through a small per-process
-cache of recently read row groups. Locators are small frozen dataclasses, cheap to pickle to
-the workers.
+cache of recently read row groups.
 
-Every key of a container's image names its container (``member_key``), so it is the same
-whatever else is in the run: ``NAME/<name inside>``, where ``NAME`` is the container's own key
-(its path or URL as given, or its path under the folder it was found in: ``discover``). Tar
-shards follow the WebDataset convention: a member ``dir/sample.jpg`` belongs to the sample
-``__key__`` ``dir/sample`` (the member path up to the first dot of its file name), keyed
-``NAME/dir/sample``. When one sample holds several images (``s.jpg`` and ``s.png``, or
-``s.left.jpg`` and ``s.right.jpg``), each is keyed by its full member name instead
-(``NAME/s.jpg``), so keys stay unique. Compressed tars cannot be read member by member and are
-refused.
+Every key of a container's image is ``NAME/<name inside>`` (``member_key``), where ``NAME``
+is the container's own key (``discover``). A tar member ``dir/sample.jpg`` belongs to the
+WebDataset sample ``dir/sample`` (``split_key``), keyed ``NAME/dir/sample``; when one sample
+holds several images, each is keyed by its full member name (``NAME/dir/sample.jpg``).
+Compressed tars cannot be read member by member and are refused. Table rows are keyed by
+``--key-column`` when given (its value as it is); else ``NAME/<path>`` by the ``path`` field
+of a Hugging Face ``{bytes, path}`` image struct when it is set; else ``NAME#<row>`` (the row
+counted from 0 over the whole file).
 
 In a store, each input is read once where it can be: a tar shard is indexed by one streamed
 read, which keeps its image members' bytes; a header probe reads the first ``HEAD_BYTES`` of
 an object (or a member not kept) in one request, which for a small one is all of it. Those
-bytes are held (``HeldInputs``, bounded) until the decode task takes them (``attach_held``),
-so that the decode worker reads nothing.
+bytes are held (``HeldInputs``, bounded) until the decode task takes them (``attach_held``).
 
-Table rows are keyed by ``--key-column`` when given (its value as it is: the user's own ids);
-else ``NAME/<path>`` by the ``path`` field of a Hugging Face ``{bytes, path}`` image struct
-when it is set; else ``NAME#<row>`` (the row counted from 0 over the whole file).
-
-A damaged container never reads as complete. What can be read gets its rows; what cannot
-becomes an ``Unreadable`` item, one error row keyed ``<file>@<byte offset>`` where the damage
-starts: a tar region without a valid header (a bad checksum, a wrong size field before it; the
-index reads on at the next valid header, as GNU tar does), a tar or Arrow stream cut short (no
-end-of-archive / end-of-stream marker), a Parquet or Arrow file that does not open at all
-(``@0``). Rows of a Parquet row group that cannot be read are error rows of their own.
-
-A ``{bytes: null, path}`` cell names a file beside the table: relative paths resolve against
-the table's folder (never the current directory), the file must lie inside that folder (after
-symlinks and ``..``) or under a ``--table-paths-root``, have an image extension and be a
-regular file. Anything else is an error row.
+A damaged container never reads as complete. What cannot be read becomes an ``Unreadable``
+item, one error row keyed ``<file>@<byte offset>`` where the damage starts: a tar region
+without a valid header (the index reads on at the next valid header, as GNU tar does), a tar
+or Arrow stream cut short, a table that does not open at all (``@0``). Rows of a Parquet row
+group that cannot be read are error rows of their own. A ``{bytes: null, path}`` cell names a
+file beside the table (``cell_file`` says which files it may name).
 """
 
 from __future__ import annotations
@@ -103,15 +91,12 @@ class HeldInputs:
     within a byte budget (``HOLD_BYTES``): once it is spent nothing more is held, so the
     inputs read first, which are decoded first, keep theirs. Thread-safe."""
 
-    def __init__(self, max_bytes: int | None = None) -> None:
-        self.max_bytes = max_bytes
+    def __init__(self) -> None:
         self._held: dict[tuple[str, int], bytes] = {}
         self._bytes = 0
         self._lock = threading.Lock()
 
     def budget(self) -> int:
-        if self.max_bytes is not None:
-            return self.max_bytes
         try:
             return int(os.environ.get(_HOLD_ENV) or HOLD_BYTES)
         except ValueError:
@@ -163,11 +148,6 @@ def attach_held(source: Any) -> Any:
     return replace(source, member=Fetched(source.member.name, data))
 
 
-def release_held(source: Any) -> None:
-    """Drop what is held for ``source`` (a probe found it cannot be encoded)."""
-    HELD.take(held_key(source))
-
-
 def _read_ahead(item: InputItem) -> BinaryIO:
     """A file over an object's (or a tar member's) bytes in a store for a header probe: its
     first ``HEAD_BYTES`` in one request, held for the decode when that is all of it."""
@@ -188,29 +168,25 @@ def _read_ahead(item: InputItem) -> BinaryIO:
     return io.BufferedReader(_RangeFile(item.path, start, size, head), buffer_size=256 << 10)
 
 
-def _size(path: str) -> int:
-    return storage.size_of(path) if storage.is_url(path) else os.path.getsize(path)
-
-
-#: Names of compressed tar shards, and the compressor each names. Such a shard cannot be
-#: read member by member (by offset), so it is refused by name, in one line.
-COMPRESSED_TAR_NAMES = {".tar.gz": "gzip", ".tgz": "gzip", ".tar.bz2": "bzip2",
-                        ".tbz2": "bzip2", ".tbz": "bzip2", ".tar.xz": "xz", ".txz": "xz",
-                        ".tar.zst": "zstd", ".tar.zstd": "zstd", ".tzst": "zstd",
-                        ".tar.lz4": "lz4"}
-_DECOMPRESS = {"gzip": "gunzip -k", "bzip2": "bunzip2 -k", "xz": "unxz -k",
-               "zstd": "unzstd", "lz4": "unlz4"}
+#: Compressors a tar shard may be packed with: its name's endings, its leading bytes, and the
+#: command that undoes it. Such a shard cannot be read member by member (by offset).
+_COMPRESSORS = {
+    "gzip": ((".tar.gz", ".tgz"), b"\x1f\x8b", "gunzip -k"),
+    "bzip2": ((".tar.bz2", ".tbz2", ".tbz"), b"BZh", "bunzip2 -k"),
+    "xz": ((".tar.xz", ".txz"), b"\xfd7zXZ\x00", "unxz -k"),
+    "zstd": ((".tar.zst", ".tar.zstd", ".tzst"), b"\x28\xb5\x2f\xfd", "unzstd"),
+    "lz4": ((".tar.lz4",), b"\x04\x22\x4d\x18", "unlz4"),
+}
 
 
 def refuse_compressed_tar(raw: str) -> None:
     """A UsageError for a compressed tar shard given by name (``x.tar.gz``, ``x.tgz``, ...):
     dsv4enc reads shards member by member, by offset, which a compressed stream cannot do."""
-    lower = raw.lower()
-    for suffix, kind in COMPRESSED_TAR_NAMES.items():
-        if lower.endswith(suffix):
+    for kind, (suffixes, _, command) in _COMPRESSORS.items():
+        if raw.lower().endswith(suffixes):
             raise UsageError(f"{raw}: a {kind}-compressed tar shard; only uncompressed .tar "
                              f"shards are read (member by member), so decompress it first "
-                             f"({_DECOMPRESS[kind]} {raw}) and give the .tar")
+                             f"({command} {raw}) and give the .tar")
 
 
 def container_kind(path: str) -> str | None:
@@ -250,26 +226,26 @@ def split_key(name: str) -> tuple[str, str]:
     return key, ext if dot else ""
 
 
-#: Leading bytes of compressed files: such a "tar" cannot be read member by member.
-COMPRESSED_MAGIC = {b"\x1f\x8b": "gzip", b"BZh": "bzip2", b"\xfd7zXZ\x00": "xz",
-                    b"\x28\xb5\x2f\xfd": "zstd", b"\x04\x22\x4d\x18": "lz4"}
 _BLOCK = tarfile.BLOCKSIZE
 
 
 def _open_tar(raw: str) -> tuple[tarfile.TarFile | None, int, str | None]:
     """``(archive, file size, None)``, or ``(None, size, why)`` when not even the first header
     reads. A compressed file is a usage error: it needs decompressing, not an error row."""
-    url = storage.is_url(raw)
     try:
-        size = _size(raw)
-        # In a store, the shard is read once, in order (``_ShardStream``): its headers and
-        # the members' data (kept for the header probes and the decode) alike.
-        handle = io.BufferedReader(_ShardStream(raw), 1 << 20) if url else open(raw, "rb")
+        if storage.is_url(raw):
+            # In a store, the shard is read once, in order: its headers and the members' data
+            # (kept for the header probes and the decode) alike.
+            size = storage.size_of(raw)
+            handle = io.BufferedReader(_RangeFile(raw, 0, size, streamed=True), 1 << 20)
+        else:
+            size = os.path.getsize(raw)
+            handle = open(raw, "rb")
     except OSError as exc:
         return None, 0, f"cannot read it: {exc.strerror or exc}"
     try:
         head = handle.peek(8)[:8]
-        for magic, kind in COMPRESSED_MAGIC.items():
+        for kind, (_, magic, _) in _COMPRESSORS.items():
             if head.startswith(magic):
                 raise UsageError(f"{raw}: a {kind}-compressed tar; only uncompressed shards "
                                  "can be read member by member, decompress it first")
@@ -429,15 +405,27 @@ def expand_tar(raw: str, name: str | None = None) -> tuple[list[InputItem], int]
     return items, len(other_keys - keys_seen.keys())
 
 
+#: The last bytes a streamed ``_RangeFile`` keeps: a tar's end-of-archive blocks (its last
+#: record, 10 KiB as a rule) are read again from them, not by a request.
+_TAIL_BYTES = 64 << 10
+
+
 class _RangeFile(io.RawIOBase):
     """A read-only file over ``size`` bytes of a file or an object from ``start`` (for
     header probes: PIL reads only as much as it needs), the first of them in ``head``
-    already. In a store, each read past ``head`` is one ranged request."""
+    already. In a store, each read past ``head`` is one ranged request, unless ``streamed``:
+    then the object is read in order by one streamed request (``storage.open_stream``), a
+    seek forward reads past the bytes between, and only a read behind the stream's last
+    ``_TAIL_BYTES`` (a damaged region of a tar shard looked at again) is a ranged request."""
 
-    def __init__(self, path: str, start: int, size: int, head: bytes = b"") -> None:
+    def __init__(self, path: str, start: int, size: int, head: bytes = b"",
+                 streamed: bool = False) -> None:
         self._url = storage.is_url(path)
         self._path, self._file = path, None if self._url else open(path, "rb")
-        self._start, self._size, self._pos, self._head = start, size, 0, head
+        self._start, self._size, self._pos = start, size, 0
+        self._kept, self._kept_at = head, 0  # bytes read already, and where they start
+        self._stream = storage.open_stream(path) if streamed else None
+        self._at = 0  # where the stream is
 
     def readable(self) -> bool:
         return True
@@ -457,8 +445,11 @@ class _RangeFile(io.RawIOBase):
         n = max(0, min(len(buffer), self._size - self._pos))
         if n == 0:
             return 0
-        if self._pos + n <= len(self._head):
-            data = self._head[self._pos:self._pos + n]
+        skip = self._pos - self._kept_at
+        if 0 <= skip < len(self._kept):
+            data = self._kept[skip:skip + n]
+        elif self._stream is not None and self._pos >= self._at:
+            data = self._read_on(n)
         elif self._url:
             data = storage.read_range(self._path, self._start + self._pos, n)
         else:
@@ -468,69 +459,29 @@ class _RangeFile(io.RawIOBase):
         self._pos += len(data)
         return len(data)
 
-    def close(self) -> None:
-        if not self.closed and self._file is not None:
-            self._file.close()
-        super().close()
-
-
-#: The last bytes a shard's stream keeps: the end-of-archive blocks (a tar's last record,
-#: 10 KiB as a rule) are read again from them, not by a request.
-_TAIL_BYTES = 64 << 10
-
-
-class _ShardStream(io.RawIOBase):
-    """A tar shard in a store read in order by one streamed request (``storage.open_stream``):
-    a seek forward reads past the bytes between; a read behind the stream's last
-    ``_TAIL_BYTES`` (a damaged region looked at again) is a ranged request of its own."""
-
-    def __init__(self, url: str) -> None:
-        self._url, self._stream = url, storage.open_stream(url)
-        self._pos = self._at = 0  # where the reader is, where the stream is
-        self._tail = b""  # the stream's last bytes, up to ``_at``
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: _size(self._url)}[whence]
-        self._pos = max(0, base + offset)
-        return self._pos
-
-    def tell(self) -> int:
-        return self._pos
-
-    def readinto(self, buffer) -> int:
-        if self._pos >= self._at - len(self._tail) and self._pos < self._at:
-            start = self._pos - (self._at - len(self._tail))
-            data = self._tail[start:start + len(buffer)]
-        elif self._pos < self._at:
-            data = storage.read_range(self._url, self._pos, len(buffer))
-        else:
-            while self._at < self._pos:  # past what the reader skips
-                skipped = self._stream.read(min(1 << 20, self._pos - self._at))
-                if not skipped:
-                    return 0
-                self._keep(skipped)
-            data = self._stream.read(len(buffer))
-            self._keep(data)
-        buffer[:len(data)] = data
-        self._pos += len(data)
-        return len(data)
+    def _read_on(self, n: int) -> bytes:
+        """``n`` bytes from the stream at the reader's position, past what it skips."""
+        while self._at < self._pos:
+            skipped = self._stream.read(min(1 << 20, self._pos - self._at))
+            if not skipped:
+                return b""
+            self._keep(skipped)
+        data = self._stream.read(n)
+        self._keep(data)
+        return data
 
     def _keep(self, data: bytes) -> None:
         self._at += len(data)
-        if len(data) >= _TAIL_BYTES:
-            self._tail = data[-_TAIL_BYTES:]
-        elif data:
-            self._tail = (self._tail + data)[-_TAIL_BYTES:]
+        if len(data) < _TAIL_BYTES:
+            data = self._kept + data
+        self._kept = data[-_TAIL_BYTES:]
+        self._kept_at = self._at - len(self._kept)
 
     def close(self) -> None:
         if not self.closed:
-            self._stream.close()
+            for handle in (self._file, self._stream):
+                if handle is not None:
+                    handle.close()
         super().close()
 
 
@@ -538,13 +489,10 @@ def read_tar_member(path: str, member: TarMember) -> bytes:
     """The member's bytes, read by offset and size (no tar parsing)."""
     if storage.is_url(path):
         data = storage.read_range(path, member.offset, member.size)
-        if len(data) != member.size:
-            raise EOFError(f"tar member {member.name} is truncated ({len(data)} of "
-                           f"{member.size} bytes)")
-        return data
-    with open(path, "rb") as handle:
-        handle.seek(member.offset)
-        data = handle.read(member.size)
+    else:
+        with open(path, "rb") as handle:
+            handle.seek(member.offset)
+            data = handle.read(member.size)
     if len(data) != member.size:
         raise EOFError(f"tar member {member.name} is truncated ({len(data)} of "
                        f"{member.size} bytes)")
@@ -598,17 +546,11 @@ def written_by_dsv4enc(path: str) -> bool:
     the ``dsv4enc`` entry that ``output/parts.output_schema`` writes): a folder of shards may
     hold the output written beside them, whose embeddings are no images. Reads the footer."""
     import pyarrow as pa
-    import pyarrow.parquet as pq
 
     if not path.lower().endswith(".parquet"):
         return False
     try:
-        if storage.is_url(path):
-            with storage.open_input(path) as handle:
-                metadata = pq.read_schema(handle).metadata
-        else:
-            metadata = pq.read_schema(path).metadata
-        return b"dsv4enc" in (metadata or {})
+        return b"dsv4enc" in (TableReader(path).schema.metadata or {})
     except (OSError, pa.ArrowException):
         return False  # not readable: its error row says why
 
@@ -846,10 +788,6 @@ def path_roots(folders) -> tuple[str, ...]:
     return tuple(roots)
 
 
-def _inside(path: str, folder: str) -> bool:
-    return os.path.commonpath([path, folder]) == folder
-
-
 def cell_file(named: str, table: str, roots: tuple[str, ...] = ()) -> str:
     """The file a table's ``{bytes: null, path: named}`` cell may be read from, or
     ``RefusedPathError``: a relative ``named`` lies beside the table (never in the current
@@ -865,7 +803,7 @@ def cell_file(named: str, table: str, roots: tuple[str, ...] = ()) -> str:
         raise RefusedPathError(f"path cell {named!r} is not an image file name (.jpg, .png, ...)")
     real = os.path.realpath(candidate)
     allowed = (os.path.realpath(folder), *roots)
-    if not any(_inside(real, root) for root in allowed):
+    if not any(os.path.commonpath([real, root]) == root for root in allowed):
         raise RefusedPathError(f"path cell {named!r} is outside the table's folder {folder} "
                                f"(it resolves to {real}); --table-paths-root DIR allows more")
     if not stat.S_ISREG(os.stat(real).st_mode):

@@ -13,6 +13,7 @@ from __future__ import annotations
 import errno
 import io
 import json
+import logging
 import os
 import re
 import shutil
@@ -28,6 +29,7 @@ from .errors import StorageError, UsageError
 if TYPE_CHECKING:
     import pyarrow.fs as pafs
 
+log = logging.getLogger("dsv4enc")
 _URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 _OPTIONS_ENV = "DSV4ENC_STORAGE_OPTIONS"
 #: Schemes whose first path component is a bucket that must exist.
@@ -914,7 +916,8 @@ def upload_file_whole(path: "str | os.PathLike", url: str) -> None:
     exception unwinds through it (apache/arrow#40502). So a child process writes the stream
     and closes it only once every byte was sent; on an error it exits without closing it,
     and a signal here kills it: the upload is never completed, and ``url`` keeps no object
-    (or the one it held) until a lifecycle rule aborts the upload. Schemes without buckets
+    (or the one it held); the upload it left open is then aborted (``abort_uploads``).
+    Schemes without buckets
     (fsspec's) are written here as ``upload_file`` does: a child would not share, e.g.,
     ``memory://``'s store."""
     import subprocess
@@ -933,13 +936,34 @@ def upload_file_whole(path: "str | os.PathLike", url: str) -> None:
         except BaseException:
             child.kill()  # before it could close the stream: no object
             child.wait()
+            abort_uploads(url)
             raise
         if child.returncode != 0:
+            abort_uploads(url)
             lines = err.decode("utf-8", "replace").strip().splitlines()
             raise OSError(lines[-1] if lines else f"the upload stopped ({child.returncode})")
 
     retrying(attempt, store=store_of(url))
     _SEEN.pop(url, None)
+
+
+def abort_uploads(url: str) -> None:
+    """Abort the multipart uploads left open at the key ``url`` (by an ``upload_file_whole``
+    child that stopped before it completed its own), so that the store drops their parts.
+    Needs botocore's client (``s3://``); elsewhere, or when the store does not answer, they
+    are left to the bucket's lifecycle rule. The output's lock keeps other runs off the key."""
+    client = _direct(url)
+    if client is None:
+        return
+    bucket, _, key = url.split("://", 1)[1].partition("/")
+    try:
+        listed = client.list_multipart_uploads(Bucket=bucket, Prefix=key)
+        for upload in listed.get("Uploads", []):
+            if upload["Key"] == key:
+                client.abort_multipart_upload(Bucket=bucket, Key=key,
+                                              UploadId=upload["UploadId"])
+    except Exception as exc:  # noqa: BLE001 (the object is absent either way)
+        log.warning("could not abort the unfinished upload to %s: %s", url, _first_line(exc))
 
 
 def upload_child() -> None:

@@ -618,6 +618,8 @@ def test_a_killed_upload_leaves_no_object_and_its_retry_uploads_the_whole_file(
         upload.join()
     assert not failed
     assert s3.get("w/big.bin") == data
+    open_uploads = s3.client().list_multipart_uploads(Bucket=s3.name, Prefix="w/")
+    assert open_uploads.get("Uploads", []) == []  # the killed child's upload was aborted
 
 
 def _raised(call, *args) -> list:
@@ -650,6 +652,8 @@ def test_a_signal_during_the_final_upload_leaves_no_object(s3, tmp_path):
     assert "--resume" in err and "staging" not in err
     keys = s3.keys("sigout/")
     assert "sigout/e.parquet" not in keys  # no short object: none at all
+    open_uploads = s3.client().list_multipart_uploads(Bucket=s3.name, Prefix="sigout/")
+    assert open_uploads.get("Uploads", []) == []  # and no upload left open
     result = runner.invoke(app, ["encode", str(folder), "--out", out, *TINY, "--workers", "0",
                                  "-q", "--resume"])
     assert result.exit_code == 0, result.output

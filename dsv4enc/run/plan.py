@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Callable, Collection, Sequence
+from typing import TYPE_CHECKING, Callable, Collection, Iterator, Sequence
 
 from ..errors import UsageError
 from .options import BALANCE_CHOICES
@@ -152,13 +152,21 @@ def _segments(planned: Sequence[Planned], start: int, end: int,
     return cuts + [(first, end)] if end > first else cuts
 
 
-def cut_parts(planned: Sequence[Planned], part_images: int) -> list[Part]:
+def cut_parts(planned: list[Planned], part_images: int,
+              more: Callable[[int], object] = lambda count: None) -> Iterator[Part]:
     """The run's parts: consecutive ranges of ``part_images`` inputs, by input order alone,
-    so that their bounds are known before any header is read and stay the same on resume."""
-    return [Part(part_name(start, part_images), start, end, range(start, end), "", planned,
-                 part_images=part_images)
-            for start in range(0, len(planned), part_images)
-            for end in (min(start + part_images, len(planned)),)]
+    so that their bounds are known before any header is read and stay the same on resume.
+    Each comes as soon as its inputs are in ``planned``: ``more(count)`` lists inputs until
+    ``planned`` holds ``count`` of them or the listing has ended (by default it is whole)."""
+    start = 0
+    while True:
+        more(start + part_images)
+        end = min(start + part_images, len(planned))
+        if end <= start:
+            return
+        yield Part(part_name(start, part_images), start, end, range(start, end), "", planned,
+                   part_images=part_images)
+        start = end
 
 
 def plan_segments(planned: Sequence[Planned], part: Part, ranks: Topology | None = None,

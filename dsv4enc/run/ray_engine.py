@@ -20,7 +20,7 @@ row: it renames and records (``output/parts.PartStore.commit_written``), and joi
 
 Exactly once: Ray computes, dsv4enc's manifest commits. The driver commits each part once,
 in input order, as the actors' reports come back (a report is taken once per part, whatever
-Ray retried), and ``--resume`` skips what the manifest lists (``resume_filter``), so a
+Ray retried), and ``--resume`` skips what the manifest lists (``output/layout.Resume``), so a
 killed driver costs at most the parts not yet committed. A killed actor is restarted by
 Ray (``MAX_RESTARTS``) and its calls are retried (``MAX_TASK_RETRIES``): parts are pure
 functions of their inputs (batch-invariant rows), so a retried one gives the same bytes,

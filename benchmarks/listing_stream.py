@@ -43,7 +43,8 @@ elif mode == "setup":
         planned = setup.planned
     else:
         planned = setup.entries()
-    input_stamps(planned)
+    for start in range(0, len(planned), 1024):  # stamped a part at a time, as a run does
+        input_stamps(planned[start:start + 1024])
     n = len(planned)
 else:
     found = Discovery(items=[])
@@ -72,7 +73,7 @@ def main() -> None:
         for mode in args.modes:
             out = subprocess.run([sys.executable, "-c", CHILD, str(folder), mode,
                                   str(args.first)], env=env, check=True, capture_output=True,
-                                 text=True).stdout
+                                 text=True, cwd=args.code).stdout  # ``-c`` imports from there first
             print(json.dumps({"count": count, **json.loads(out)}), flush=True)
 
 

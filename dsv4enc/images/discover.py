@@ -116,17 +116,6 @@ def iter_folder(root: Path, found: "Discovery",
                 found.skipped += 1
 
 
-def walk_folder(root: Path, unlisted: list[tuple[str, str]] | None = None,
-                should_stop: Callable[[], bool] | None = None,
-                containers: list[tuple[str, str]] | None = None,
-                ) -> tuple[list[InputItem], int]:
-    """``iter_folder``'s images as a list, and how many non-image files were skipped
-    (``unlisted``: where the folders that could not be listed are appended)."""
-    found = Discovery(items=[], unlisted=[] if unlisted is None else unlisted)
-    items = list(iter_folder(root, found, should_stop, containers))
-    return items, found.skipped
-
-
 def describe_os_error(exc: OSError) -> str:
     return " ".join(str(exc).split()) or type(exc).__name__
 

@@ -649,9 +649,9 @@ class Resume:
         ranges, problem = self.agree(ranges, None)
         if problem is not None:
             raise problem
-        # How many images the run has so far: ``dsv4enc inspect`` of an interrupted run
-        # says how many are left.
-        self.store.extra["inputs"] = part.end
+        # How many images the run has (listed so far): ``dsv4enc inspect`` of an
+        # interrupted run says how many are left.
+        self.store.extra["inputs"] = len(self.store.source)
         return [part if start == part.start else part.rest(start) for start, _ in ranges]
 
     def _uncommitted(self, part: Segment) -> list[tuple[int, int]]:

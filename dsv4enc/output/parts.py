@@ -715,11 +715,6 @@ class PartStore(PartLedger):
         ``commit`` records one; ``update.Update.keep_parts``)."""
         self._record(name, entry)
 
-    def part_files(self) -> list[Path]:
-        """Committed part files in input order."""
-        ordered = sorted(self.parts.values(), key=lambda p: (p["start"], p["file"]))
-        return [self.folder / p["file"] for p in ordered]
-
 
 class StreamingAssembler:
     """Builds the single output file from committed parts, in input order, while later parts

@@ -35,7 +35,7 @@ from ..output.layout import (OutputLayout, PartWriter, Resume, ResumeSettings, a
 from ..output.update import Update, footer_entry, row_stamps, write_folder_stamps
 from .options import EncodeOptions, default_writer_threads, validate
 from .plan import Part, images_per_part, output_bytes, segment_tokens
-from .setup import RunSetup, WindowSettings, run_batch_tokens
+from .setup import LISTED_FIRST, RunSetup, WindowSettings, run_batch_tokens
 from ..images.headers import input_stamps
 from .progress import RunProgress
 from ..output.remote import RemoteOutput
@@ -317,7 +317,7 @@ def _plan_output(run: RunState, setup: RunSetup, source: PartSource, computes: d
     # Listed whole first: what judges the output's size up front (one object in a store)
     if layout.max_file_bytes is not None and not layout.folder_mode:
         setup.more(None)
-    setup.more(part_images)  # the first part: a short input set is listed whole now
+    setup.more(max(part_images, LISTED_FIRST))
     if ranks.is_main and not setup.planned:
         log.warning(nothing_found(opts.inputs, opts.files_from, setup.found.skipped))
     if update is not None:
@@ -520,13 +520,13 @@ class LocalParts:
 
         def on_window(k: int, window) -> None:
             sizes = runner.batch_sizes(planned, window.batches)
-            run.progress.plan_tokens(window.tokens, last=windows.is_last(k))
+            run.progress.plan_tokens(window.tokens, last=windows.count == k + 1)
             if k == 0:
                 run.progress.status("capturing CUDA graphs" if engine.graphs_enabled
                                     else "encoding")
                 # the first window's batches tell the graph budgets; a full batch's is one
                 # when later windows come, so that none of their batches is left to run eager
-                engine.fit_budgets(sizes + [engine.batch_tokens] * (not windows.is_last(0)))
+                engine.fit_budgets(sizes + [engine.batch_tokens] * (windows.count != 1))
                 engine.prepare()
                 begin()
 

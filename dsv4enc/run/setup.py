@@ -42,6 +42,9 @@ log = logging.getLogger(__name__)
 #: workers never wait for a plan, few enough that memory holds only a few parts' plans.
 WINDOWS_AHEAD = 2
 _WAIT_S = 0.01  # how long the decode source waits for a window before it says NOT_YET
+#: Inputs listed before the first window is planned (a few milliseconds of a folder walk):
+#: a smaller input set is listed whole, so its count is known from the start.
+LISTED_FIRST = 10_000
 
 
 @dataclass
@@ -167,10 +170,6 @@ class Windows:
                         self._cond.notify_all()
         window = self._wait(lambda: self._windows.get(k) or self._ended(k))
         return None if window is True else window
-
-    def is_last(self, k: int) -> bool:
-        """Window ``k`` is the last (False while that is not known yet)."""
-        return self.count == k + 1
 
     def _drop_passed(self) -> None:
         for k in [k for k in self._windows if k < min(self._encoding, self._decoding)]:

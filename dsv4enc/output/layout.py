@@ -562,13 +562,11 @@ class PartWriter:
 
 
 class Segment(Protocol):
-    """What resume needs of a run's part (``run/plan.Part``): its name, its input range
-    and the run's inputs (``images/headers.Planned`` entries) it was cut from."""
+    """What resume needs of a run's part (``run/plan.Part``): its name and input range."""
 
     name: str
     start: int
     end: int
-    source: Sequence
 
     def rest(self, start: int) -> "Segment":
         """What is left of the part from ``start`` on."""
@@ -592,19 +590,14 @@ def _alone(todo_ranges, problem):
 
 
 class Resume:
-    """Which parts are still to encode, judged part by part as the listing reaches them:
-    with ``ResumeSettings.resume``, the settings are checked once (here), and a part is kept
-    when the committed pieces that chain from its start (parts are joined segments, cut
-    wherever --commit-every struck) hold the same inputs as now, without a transient error.
-    A part committed in part is to do from where its committed pieces end (``rest``).
-
-    Judged from the inputs' keys and stamps alone (``headers.inputs_digest``): no header of
-    a committed part is read. ``source``: the run's inputs (it grows as they are listed;
-    a part is judged once its own are in). ``writes``: this process writes parts (only
-    those check the output). ``agree``: how the processes agree on the ranges to do
-    (``run/ranks.Topology.agree_on_todo``, once per part): every batch ends in
-    collectives, so all ranks walk the same parts. A problem on any rank stops every
-    rank."""
+    """Which parts are still to encode, judged part by part once their inputs are in
+    ``source`` (the run's inputs, growing as they are listed). With ``--resume`` the
+    settings are checked here, and a part is kept where the committed pieces that chain
+    from its start (joined segments, cut wherever --commit-every struck) hold the same
+    inputs as now (keys and stamps, ``headers.inputs_digest``: no header is read), without
+    a transient error; the rest of it is to do (``rest``). ``writes``: this process checks
+    the output; ``agree``: how the ranks agree on the ranges to do, once per part
+    (``run/ranks.Topology.agree_on_todo``); a problem on any rank stops every rank."""
 
     def __init__(self, store: PartLedger, source: Sequence, settings: ResumeSettings, *,
                  writes: bool = True, agree: Callable = _alone) -> None:
@@ -642,9 +635,8 @@ class Resume:
         self.starts = sorted(part["start"] for part in store.parts.values())
 
     def judge(self, part: Segment) -> list[Segment]:
-        """What of ``part`` is still to do (itself, its ``rest``, or nothing); recorded
-        pieces that start inside it and are not kept are forgotten now, before it is
-        encoded again."""
+        """What of ``part`` is still to do (itself, its ``rest``, or nothing); the recorded
+        pieces in it that are not kept are dropped before it is encoded again."""
         ranges = self._uncommitted(part) if self.writes else None
         ranges, problem = self.agree(ranges, None)
         if problem is not None:
@@ -673,7 +665,7 @@ class Resume:
         return [(at, part.end)] if at < part.end else []
 
     def _forget(self, start: int, end: int | None, kept: set[str]) -> None:
-        """Forget the recorded pieces that start in ``start..end`` (None: on) but ``kept``."""
+        """Drop the recorded pieces that start in ``start..end`` (None: on) but ``kept``."""
         first = bisect.bisect_left(self.starts, start)
         last = len(self.starts) if end is None else bisect.bisect_left(self.starts, end)
         names = [name for at in self.starts[first:last]
@@ -683,8 +675,8 @@ class Resume:
             self.store.drop(names)
 
     def end(self, inputs: int) -> None:
-        """The listing has ended at ``inputs``: the recorded pieces past it are forgotten,
-        and the parts whose input files changed are named."""
+        """The listing has ended at ``inputs``: drop the recorded pieces past it, and name
+        the parts whose input files changed."""
         self.store.extra["inputs"] = inputs
         if not self.resuming:
             return

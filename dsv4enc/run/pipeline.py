@@ -70,11 +70,9 @@ def tower_engine(ckpt: Checkpoint, device: torch.device, opts: EncodeOptions,
 
 
 def inputs_phrase(inputs: int, listed: bool = True) -> str:
-    """``1 input``, ``1,024 inputs``: the opening line's count (``inputs (1,024 listed so
-    far)`` while the listing goes on)."""
-    if not listed:
-        return f"inputs ({inputs:,} listed so far)"
-    return f"{inputs:,} input{'s' if inputs != 1 else ''}"
+    """``1 input``, ``1,024 inputs``: the opening line's count (``10,000+ inputs`` while
+    the listing goes on)."""
+    return f"{inputs:,}{'' if listed else '+'} input{'s' if inputs != 1 else ''}"
 
 
 def model_and_output(opts: EncodeOptions, cfg: VisionConfig) -> str:

@@ -124,8 +124,6 @@ class Part:
     # ``inputs_digest`` of start..end: a resumed run reuses the part only for the same keys
     # and the same input files (size, time, ...); "" for a range not planned yet
     digest: str
-    # the whole plan (shared, not copied): commits that join segments take digests from it
-    source: Sequence[Planned] = field(default=(), repr=False, compare=False)
     # data parallel: every rank's share of start..end (failed items included), by rank
     shares: list[list[int]] | None = field(default=None, repr=False, compare=False)
     part_images: int = field(default=0, repr=False, compare=False)  # the range's length
@@ -133,7 +131,7 @@ class Part:
     def rest(self, start: int) -> "Part":
         """What is left of this range from ``start`` on (a resumed run's remainder)."""
         return Part(part_name(start, self.part_images), start, self.end,
-                    range(start, self.end), "", self.source, part_images=self.part_images)
+                    range(start, self.end), "", part_images=self.part_images)
 
 
 def _segments(planned: Sequence[Planned], start: int, end: int,
@@ -164,7 +162,7 @@ def cut_parts(planned: list[Planned], part_images: int,
         end = min(start + part_images, len(planned))
         if end <= start:
             return
-        yield Part(part_name(start, part_images), start, end, range(start, end), "", planned,
+        yield Part(part_name(start, part_images), start, end, range(start, end), "",
                    part_images=part_images)
         start = end
 
@@ -185,10 +183,10 @@ def plan_segments(planned: Sequence[Planned], part: Part, ranks: Topology | None
         name, indices = part.name, range(start, end)
         if ranks.sharded:
             name, indices = f"{name}-rank{ranks.rank:03d}", shares[ranks.rank]
-        return [Part(name, start, end, indices, inputs_digest(planned[start:end]), planned,
-                     shares, part_images=size)]
+        return [Part(name, start, end, indices, inputs_digest(planned[start:end]), shares,
+                     part_images=size)]
     return [Part(part_name(first, size), first, last, range(first, last),
-                 inputs_digest(planned[first:last]), planned, part_images=size)
+                 inputs_digest(planned[first:last]), part_images=size)
             for first, last in _segments(planned, start, end, segment_tokens)]
 
 

@@ -60,17 +60,15 @@ class Window:
 
 
 class Windows:
-    """The plan of the parts to do, one window (a part) at a time, at most
-    ``WINDOWS_AHEAD`` ahead of the encoder. ``todo`` yields the parts to do as the listing
-    reaches them (``RunSetup.parts``: each judged by ``--resume`` once its inputs are
-    listed); how many there are is known once it ends. A background thread reads each
-    window (``read(part)``: stamps and this rank's header probes, no collective) and, in
-    one process, takes it from ``todo`` and plans it (``finish(part, read)``); under
-    torchrun the encoder's thread takes the parts from ``todo`` and plans each window (a
-    collective shares the probes, another agrees on what ``--resume`` keeps) one window
-    ahead of the one it encodes, so that the ranks agree on every window. The decode source
-    (``tasks``) and the encoder (``parts``) each walk the windows; a window is dropped once
-    both have passed it."""
+    """The plan of the parts to do (``todo``, yielded as the listing reaches them: their
+    ``count`` is known once it ends), one window (a part) at a time, at most
+    ``WINDOWS_AHEAD`` ahead of the encoder. A background thread reads each window
+    (``read(part)``: stamps and this rank's header probes, no collective) and, in one
+    process, takes it from ``todo`` and plans it (``finish(part, read)``); under torchrun
+    the encoder's thread takes the parts (``--resume``'s agreement is a collective) and
+    plans each window (a collective shares the probes) one ahead of the one it encodes, so
+    that the ranks agree on every window. The decode source (``tasks``) and the encoder
+    (``parts``) each walk the windows; a window is dropped once both have passed it."""
 
     def __init__(self, todo: Iterable[Part], read: Callable[[Part], Any],
                  finish: Callable[[Part, Any], Window], *, alone: bool,
@@ -233,11 +231,10 @@ class RunSetup:
 
     def find_inputs(self, opts: EncodeOptions, stop: StopSignals | None) -> Discovery:
         """Start listing the inputs unless started already (``stop``: None under torchrun,
-        where the ranks stop together), and take the first one: a missing path, an
-        unreadable path list or an input set with no image fails here. Inputs with table
-        columns (``--image-column``, ``--key-column``, ``--keep-column``) are listed whole:
-        the kept columns' types (the output's schema) and the flags' checks need every
-        table."""
+        where the ranks stop together), and take the first: a missing path, an unreadable
+        path list or an input set with no image fails here. With table columns
+        (``--image-column``, ``--key-column``, ``--keep-column``) every input is listed:
+        the output's schema (the kept columns' types) and the flags' checks need them all."""
         if self.found is None:
             self.found = Discovery()
             self.listing = stream_inputs(self.found, opts.inputs, opts.files_from,

@@ -34,7 +34,7 @@ from ..output.layout import (OutputLayout, PartWriter, Resume, ResumeSettings, a
                              open_store)
 from ..output.update import Update, footer_entry, row_stamps, write_folder_stamps
 from .options import EncodeOptions, default_writer_threads, validate
-from .plan import Part, images_per_part, output_bytes, segment_tokens
+from .plan import Part, cut_parts, images_per_part, output_bytes, segment_tokens
 from .setup import LISTED_FIRST, RunSetup, WindowSettings, run_batch_tokens
 from ..images.headers import input_stamps
 from .progress import RunProgress
@@ -492,7 +492,7 @@ class LocalParts:
 
     def cut(self, setup: RunSetup, part_images: int, progress: RunProgress,
             stop: StopSignals) -> Iterator[Part]:
-        return setup.parts(part_images)  # as they are listed; their headers are read later
+        return cut_parts(setup.planned, part_images, setup.more)  # as they are listed
 
     def opening_line(self, inputs: int) -> str:
         """Inputs, device, dtype (and why, for ``auto``), the model variant and the output."""
@@ -528,7 +528,13 @@ class LocalParts:
                 engine.prepare()
                 begin()
 
-        windows = setup.plan_windows(output.todo, self._window_settings(setup, output, run))
+        def list_ahead() -> bool:  # the planner's spare time lists on: the total is known
+            setup.more(len(setup.planned) + LISTED_FIRST)
+            run.progress.listed(len(setup.planned), setup.found.listed)
+            return not setup.found.listed
+
+        windows = setup.plan_windows(output.todo, self._window_settings(setup, output, run),
+                                     idle=list_ahead if ranks.world_size == 1 else None)
         decoded = setup.stream(opts.max_images)  # decoding starts with the first window
         with run.stop.deferred():  # a signal stops the loop between batches
             for name, start, end, digest, rows in runner.run(planned, windows.parts(on_window),

@@ -151,7 +151,7 @@ def _segments(planned: Sequence[Planned], start: int, end: int,
 
 
 def cut_parts(planned: list[Planned], part_images: int,
-              more: Callable[[int], object] = lambda count: None) -> Iterator[Part]:
+              more: Callable[[int], None] = lambda count: None) -> Iterator[Part]:
     """The run's parts: consecutive ranges of ``part_images`` inputs, by input order alone,
     so that their bounds are known before any header is read and stay the same on resume.
     Each comes as soon as its inputs are in ``planned``: ``more(count)`` lists inputs until

@@ -72,9 +72,11 @@ class Windows:
 
     def __init__(self, todo: Iterable[Part], read: Callable[[Part], Any],
                  finish: Callable[[Part, Any], Window], *, alone: bool,
-                 should_stop: Callable[[], bool] | None = None) -> None:
+                 should_stop: Callable[[], bool] | None = None,
+                 idle: Callable[[], bool] | None = None) -> None:
         self._todo, self._read, self._finish, self._alone = iter(todo), read, finish, alone
         self._should_stop = should_stop
+        self._idle = idle  # work while the encoder is far behind (False: no more of it)
         self._parts: dict[int, Part] = {}  # taken from ``todo``, not yet planned
         self.count: int | None = None  # how many windows, once ``todo`` has ended
         self._taken = 0
@@ -106,6 +108,9 @@ class Windows:
     def _run(self) -> None:
         try:
             for k in itertools.count():
+                while self._idle is not None and k > self._encoding + WINDOWS_AHEAD:
+                    if not self._idle():
+                        self._idle = None
                 with self._cond:
                     while not self._closed and k > self._encoding + WINDOWS_AHEAD:
                         self.blocked = True
@@ -245,19 +250,14 @@ class RunSetup:
             self.more(None if tables else 1)
         return self.found
 
-    def more(self, count: int | None) -> bool:
-        """List inputs until ``planned`` holds ``count`` (None: every input); False once
-        the listing has ended."""
+    def more(self, count: int | None) -> None:
+        """List inputs until ``planned`` holds ``count`` (None: every input) or the listing
+        has ended (``found.listed``)."""
         while (count is None or len(self.planned) < count) and not self.found.listed:
             item = next(self.listing, None)
             if item is None:
                 break  # listed, or cut short by the error it raised
             self.planned.append(Planned(item))
-        return not self.found.listed
-
-    def parts(self, part_images: int) -> Iterator[Part]:
-        """The run's parts (``plan.cut_parts``), each as soon as its inputs are listed."""
-        return cut_parts(self.planned, part_images, self.more)
 
     def decode_pool(self, cfg: VisionConfig, device_type: str, opts: EncodeOptions) -> DecodePool:
         """The decode pool, of ``--workers`` or the device's default (spawned now: its
@@ -288,14 +288,16 @@ class RunSetup:
                 for segment in plan_segments(self.planned, part, ranks, balance, cfg,
                                              segment_tokens)]
 
-    def plan_windows(self, todo: Iterable[Part], plan: "WindowSettings") -> Windows:
-        """The windows of ``todo``, planned from now on (``WindowSettings``: how)."""
+    def plan_windows(self, todo: Iterable[Part], plan: "WindowSettings",
+                     idle: Callable[[], bool] | None = None) -> Windows:
+        """The windows of ``todo``, planned from now on (``WindowSettings``: how; ``idle``:
+        what the planner does while it is far enough ahead, see ``Windows``)."""
         if self.windows is None:
             planned = self.planned
             self.windows = Windows(todo, lambda part: plan.read(planned, part),
                                    lambda part, done: plan.finish(planned, part, done),
                                    alone=plan.ranks.world_size == 1,
-                                   should_stop=plan.should_stop)
+                                   should_stop=plan.should_stop, idle=idle)
         return self.windows
 
     def stream(self, max_images: int) -> Iterator[tuple[int, Decoded]]:

@@ -78,7 +78,8 @@ def first_commit(folder: Path, out: Path, code: Path, *extra: str) -> tuple[floa
                              str(out), "--config", str(ROOT / "configs/tiny.json"),
                              "--random-init", "--device", "cpu", "--dtype", "float32",
                              "-q", *extra],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env,
+                            cwd=code)  # ``-m`` imports from the working folder first
     try:
         while not (pauses / "commit.1.json").exists():
             if proc.poll() is not None:

@@ -25,7 +25,6 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 import pyarrow as pa
@@ -222,11 +221,9 @@ def commit_parts(rows, schema, folder: Path, output: str, part_images: int) -> f
     store.create()
     spans = [(s, min(s + part_images, len(rows))) for s in range(0, len(rows), part_images)]
     names = [f"part-{s:06d}" for s, _ in spans]
-    store.segments = {n: SimpleNamespace(start=s, end=e, source=rows)
-                      for n, (s, e) in zip(names, spans)}
     cpu = time.process_time()
     assembler = (store if output == "appended" else
-                 StreamingAssembler(store, names, folder / "out.parquet", schema)
+                 StreamingAssembler(store, folder / "out.parquet", schema)
                  if output == "joined" else None)
     for name, (start, end) in zip(names, spans):
         table = rows_to_table(rows[start:end], schema)

@@ -499,12 +499,11 @@ def test_files_that_vanish_or_change_between_listing_and_decoding(tmp_path, ckpt
         (folder / name).write_bytes(photo)
 
     # the run's set-up (prefetch.RunSetup) finds the inputs and probes their headers
-    real_discover, real_headers = prefetch.discover, prefetch.probe_share
+    real_listing, real_headers = prefetch.stream_inputs, prefetch.probe_share
 
-    def discover(*args, **kwargs):
-        found = real_discover(*args, **kwargs)
+    def listing(*args, **kwargs):
+        yield from real_listing(*args, **kwargs)
         (folder / "gone_early.png").unlink()
-        return found
 
     def read_headers(*args, **kwargs):
         planned = real_headers(*args, **kwargs)
@@ -514,7 +513,7 @@ def test_files_that_vanish_or_change_between_listing_and_decoding(tmp_path, ckpt
         os.mkfifo(folder / "swapped.png")
         return planned
 
-    monkeypatch.setattr(prefetch, "discover", discover)
+    monkeypatch.setattr(prefetch, "stream_inputs", listing)
     monkeypatch.setattr(prefetch, "probe_share", read_headers)
     out = tmp_path / "e.parquet"
     summary = run_encode(EncodeOptions(inputs=[str(folder)], out=str(out), weights=str(ckpt),

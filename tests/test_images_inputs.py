@@ -13,7 +13,8 @@ import pytest
 
 from dsv4enc.images.decode import decode_image, probe_image
 from dsv4enc.errors import UsageError
-from dsv4enc.images.discover import InputItem, discover, is_image_name, read_path_list, walk_folder
+from dsv4enc.images.discover import (Discovery, InputItem, discover, is_image_name, iter_folder,
+                                     read_path_list)
 from dsv4enc.output.parts import utf8_text
 
 from helpers import write_image
@@ -58,6 +59,12 @@ def test_image_extensions_are_case_insensitive(name):
                                   "Makefile", "a.", "x.jpg/readme.md"])
 def test_other_names_are_not_images(name):
     assert not is_image_name(name)
+
+
+def walk_folder(root: Path) -> tuple[list[InputItem], int]:
+    """``iter_folder``'s images as a list, and how many other files were skipped."""
+    found = Discovery()
+    return list(iter_folder(root, found)), found.skipped
 
 
 def test_walk_keeps_upper_case_extensions(tmp_path):

@@ -138,7 +138,6 @@ def test_a_single_file_output_is_its_parts_bytes(tmp_path):
 def test_every_layout_round_trips_through_read_embeddings(tmp_path, layout, out_dtype, pooled):
     """Parts committed by the writer, read back as a folder and as the joined single file:
     the same arrays, bit for bit, in the stored dtype and shape; failed rows as None."""
-    from types import SimpleNamespace
 
     from dsv4enc import read_embeddings
     from dsv4enc.output.read import embedding_format
@@ -157,9 +156,8 @@ def test_every_layout_round_trips_through_read_embeddings(tmp_path, layout, out_
     store.create()
     spans = [(0, 4), (4, 5), (5, 9)]
     names = [f"part-{a:06d}" for a, _ in spans]
-    store.segments = {n: SimpleNamespace(start=a, end=b) for n, (a, b) in zip(names, spans)}
     out = tmp_path / "e.parquet"
-    assembler = StreamingAssembler(store, names, out, schema)
+    assembler = StreamingAssembler(store, out, schema)
     for name, (a, b) in zip(names, spans):
         store.commit(name, rows_to_table(rows[a:b], schema),
                      rows_per_group(schema, rows[a:b]), a, b, "d")
@@ -183,7 +181,7 @@ def test_an_empty_single_file_output_has_the_schema(tmp_path):
     schema = output_schema(8, "float16", {"tool": "dsv4enc"})
     store = PartStore(tmp_path / "parts", {"tool": "dsv4enc"})
     store.create()
-    assembler = StreamingAssembler(store, [], tmp_path / "e.parquet", schema)
+    assembler = StreamingAssembler(store, tmp_path / "e.parquet", schema)
     assembler.finish()
     table = pq.read_table(tmp_path / "e.parquet")
     assert table.num_rows == 0 and table.schema.equals(schema, check_metadata=True)
@@ -204,7 +202,6 @@ def test_joining_copies_by_hand_where_the_kernel_cannot(tmp_path, monkeypatch):
 def test_parts_that_cannot_be_joined_are_encoded_again(tmp_path, caplog):
     """A part whose file metadata differs (here: other key-value metadata) cannot be copied
     under one footer: the assembler encodes every part into the file instead."""
-    from types import SimpleNamespace
 
     from dsv4enc.output.parts import PartStore, StreamingAssembler, rows_per_group
 
@@ -212,10 +209,8 @@ def test_parts_that_cannot_be_joined_are_encoded_again(tmp_path, caplog):
     store = PartStore(tmp_path / "parts", {"tool": "dsv4enc"})
     store.create()
     rows = [Row(f"{i}.png", 1, 1, 1, 1, 1, 2, np.full((2, 8), i, np.float16)) for i in range(6)]
-    store.segments = {"part-000000": SimpleNamespace(start=0, end=3),
-                      "part-000003": SimpleNamespace(start=3, end=6)}
     out = tmp_path / "e.parquet"
-    assembler = StreamingAssembler(store, list(store.segments), out, schema)
+    assembler = StreamingAssembler(store, out, schema)
     for name, a, b in (("part-000000", 0, 3), ("part-000003", 3, 6)):
         table = rows_to_table(rows[a:b], schema)
         if a:

@@ -152,12 +152,12 @@ def test_the_listed_inputs_are_handed_on(images, tmp_path, tiny_ckpt, monkeypatc
     run_encode(plain)
     opts = replace(plain, out=str(tmp_path / "early.parquet"))
     setup = start_prefetch(opts)
-    assert isinstance(setup, RunSetup) and len(setup.found.items) == len(SIZES) + 1
+    assert isinstance(setup, RunSetup) and len(setup.planned) >= 1
 
     def made_again(*args, **kwargs):
         raise AssertionError("listed again")
 
-    monkeypatch.setattr(run_setup, "discover", made_again)
+    monkeypatch.setattr(run_setup, "stream_inputs", made_again)
     summary = run_encode(opts, None, setup)
     assert summary.encoded == len(SIZES) and summary.failed == 1
     assert setup.pool.workers == [] and setup.decoded is None  # closed by the run
@@ -219,14 +219,12 @@ def test_windows_are_planned_a_bounded_distance_ahead():
                       lambda part, done: Window([part], [[[part.start]]],
                                                 [(part.start, None)], 1), alone=True)
     try:
-        assert wait_until(lambda: len(read) == WINDOWS_AHEAD + 1)
-        time.sleep(0.2)
+        assert wait_until(lambda: windows.blocked)
         assert read == list(range(WINDOWS_AHEAD + 1))  # the bound holds while nothing moves
         tasks = windows.tasks()
         assert [next(tasks) for _ in range(2)] == [(0, None), (1, None)]
         assert windows.window(3).segments == [todo[3]]
-        assert wait_until(lambda: len(read) == 3 + WINDOWS_AHEAD + 1)
-        time.sleep(0.2)
+        assert wait_until(lambda: windows.blocked and len(read) >= 3 + WINDOWS_AHEAD + 1)
         assert len(read) == 3 + WINDOWS_AHEAD + 1
         windows.window(7)  # the encoder at the last window: every window is planned
         assert [t for t in tasks if t is not NOT_YET] == [(k, None) for k in range(2, 8)]

@@ -44,7 +44,7 @@ class Discovery:
     ``kept_fields``: the table columns the output rows carry (``pyarrow`` fields: the
     ``--keep-column`` ones, and the ``--key-column`` in its own type)."""
 
-    items: list[InputItem]
+    items: list[InputItem] = field(default_factory=list)
     skipped: int = 0
     tables: int = 0
     kept_fields: list = field(default_factory=list)
@@ -116,17 +116,6 @@ def iter_folder(root: Path, found: "Discovery",
                 found.skipped += 1
 
 
-def walk_folder(root: Path, unlisted: list[tuple[str, str]] | None = None,
-                should_stop: Callable[[], bool] | None = None,
-                containers: list[tuple[str, str]] | None = None,
-                ) -> tuple[list[InputItem], int]:
-    """``iter_folder``'s images as a list, and how many non-image files were skipped
-    (``unlisted``: where the folders that could not be listed are appended)."""
-    found = Discovery(items=[], unlisted=[] if unlisted is None else unlisted)
-    items = list(iter_folder(root, found, should_stop, containers))
-    return items, found.skipped
-
-
 def describe_os_error(exc: OSError) -> str:
     return " ".join(str(exc).split()) or type(exc).__name__
 
@@ -155,9 +144,8 @@ def discover(inputs: Iterable[str], files_from: str | None = None,
              stop: Stop | None = None,
              table_paths_roots: Iterable[str] = (),
              keep_columns: Sequence[str] = ()) -> Discovery:
-    """Every item of ``stream_inputs`` at once, in ``Discovery.items`` (for what needs the
-    whole list first: ``--update``'s matching, ``--engine ray``, the Python API)."""
-    found = Discovery(items=[])
+    """Every item of ``stream_inputs`` at once, in ``Discovery.items``."""
+    found = Discovery()
     found.items = list(stream_inputs(found, inputs, files_from, image_column, key_column,
                                      stop, table_paths_roots, keep_columns))
     return found
@@ -170,8 +158,8 @@ def stream_inputs(found: Discovery, inputs: Iterable[str], files_from: str | Non
     """Expand folders and files (and an optional path list) into items, in input order, as
     the listing reaches them: a folder is walked entry by entry (``iter_folder``), a
     prefix's objects taken in its listing's order (``storage.list_files``, which lists the
-    prefix whole), a path list's lines taken in order (the list is read whole: its refusal
-    when no path exists needs every line); a container (``.parquet``/``.arrow``/``.feather`` table, ``.tar``
+    prefix whole), a path list's lines taken in order (the list is read whole and refused
+    before its first line when none of its paths exists); a container (``.parquet``/``.arrow``/``.feather`` table, ``.tar``
     shard) is indexed when it is reached. Every key is unique (``UniqueKeys``).
 
     ``found`` counts what was passed over (``skipped``), the folders that could not be
@@ -198,12 +186,12 @@ def stream_inputs(found: Discovery, inputs: Iterable[str], files_from: str | Non
             yield state.keyed(item)
     if files_from is not None:
         lines = read_path_list(files_from)
+        refuse_missing_list(files_from, lines)
         for line in lines:
             if is_image_name(line) and not Path(line).is_dir():
                 yield state.keyed(InputItem(key=line, path=line))
             else:
                 found.skipped += 1
-        refuse_missing_list(files_from, lines)
         for line in lines:
             state.name(line)
     _end_listing(state, keep_columns, stop)

@@ -439,18 +439,18 @@ def open_store(layout: OutputLayout, settings: dict, schema, *, local: bool, is_
                      drop_cache=layout.folder_mode and local)
 
 
-def assembler_for(store: PartLedger, layout: OutputLayout, part_names: list[str], schema, *,
-                  is_main: bool, key_values: dict[bytes, bytes] | None = None):
+def assembler_for(store: PartLedger, layout: OutputLayout, schema, *, is_main: bool):
     """What makes the single file at the end: the appending store itself, a streaming
     assembler over the part files (the main process of a single-file output), or None (a
-    folder output, or another rank). ``key_values``: more footer metadata (row stamps)."""
+    folder output, or another rank). Its ``key_values`` take more footer metadata (row
+    stamps) until it finishes."""
     from .appending import AppendingStore
 
     if isinstance(store, AppendingStore):
-        store.key_values = dict(key_values or {})
+        store.key_values = {}
         return store
     if not layout.folder_mode and is_main:
-        return StreamingAssembler(store, part_names, layout.out, schema, key_values)
+        return StreamingAssembler(store, layout.out, schema)
     return None
 
 
@@ -512,8 +512,7 @@ class PartWriter:
         values too."""
         if not kept_fields(self.schema):  # no input items to gather
             return None
-        source = self.store.segments[name].source
-        return kept_columns(self.schema, [planned.item for planned in source[start:end]])
+        return kept_columns(self.schema, [planned.item for planned in self.store.source[start:end]])
 
     def put(self, name: str, rows: list[Row], start: int, end: int, digest: str) -> None:
         """A finished segment (or, under --shard-output, a whole part)."""
@@ -563,13 +562,11 @@ class PartWriter:
 
 
 class Segment(Protocol):
-    """What resume needs of a run's part (``run/plan.Part``): its name, its input range
-    and the whole plan (``images/headers.Planned`` entries) it was cut from."""
+    """What resume needs of a run's part (``run/plan.Part``): its name and input range."""
 
     name: str
     start: int
     end: int
-    source: Sequence
 
     def rest(self, start: int) -> "Segment":
         """What is left of the part from ``start`` on."""
@@ -592,97 +589,101 @@ def _alone(todo_ranges, problem):
     return todo_ranges, problem
 
 
-def resume_filter(store: PartLedger, parts: list[Segment], settings: ResumeSettings, *,
-                  writes: bool = True, agree: Callable = _alone) -> tuple[list[Segment], int]:
-    """Parts still to encode, and how many inputs the committed ones cover; with
-    ``settings.resume``, check settings and skip committed parts. A part that is committed
-    in part (--commit-every) is to do from where its committed pieces end (``rest``).
+class Resume:
+    """Which parts are still to encode, judged part by part once their inputs are in
+    ``source`` (the run's inputs, growing as they are listed). With ``--resume`` the
+    settings are checked here, and a part is kept where the committed pieces that chain
+    from its start (joined segments, cut wherever --commit-every struck) hold the same
+    inputs as now (keys and stamps, ``headers.inputs_digest``: no header is read), without
+    a transient error; the rest of it is to do (``rest``). ``writes``: this process checks
+    the output; ``agree``: how the ranks agree on the ranges to do, once per part
+    (``run/ranks.Topology.agree_on_todo``); a problem on any rank stops every rank."""
 
-    Judged from the inputs' keys and stamps alone (``headers.inputs_digest``): no header of
-    a committed part is read. ``writes``: this process writes parts (only those check the
-    output). ``agree``: how the processes agree on one list of ranges to do
-    (``run/ranks.Topology.agree_on_todo``): every batch ends in collectives, so all ranks
-    walk the same parts. A problem on any rank stops every rank."""
-    store.segments = {p.name: p for p in parts}
-    store.source = parts[0].source if parts else ()
-    store.commit_seconds = settings.commit_every
-    # How many images the run has in all: ``dsv4enc inspect`` of an interrupted run says
-    # how many are left.
-    store.extra["inputs"] = max((p.end for p in parts), default=0)
-    todo_ranges, problem = None, None
-    if writes:
-        try:
-            todo_ranges = _uncommitted(store, parts, settings)
-        except DsvError as exc:
-            problem = exc
-    todo_ranges, problem = agree(todo_ranges, problem)
-    if problem is not None:
-        raise problem
-    starts = [p.start for p in parts]
-    todo = []
-    for start, end in todo_ranges:
-        part = parts[bisect.bisect_right(starts, start) - 1]
-        todo.append(part if part.start == start else part.rest(start))
-    return todo, sum(p.end - p.start for p in parts) - sum(p.end - p.start for p in todo)
+    def __init__(self, store: PartLedger, source: Sequence, settings: ResumeSettings, *,
+                 writes: bool = True, agree: Callable = _alone) -> None:
+        self.store, self.writes, self.agree = store, writes, agree
+        store.source = source
+        store.commit_seconds = settings.commit_every
+        self.resuming = False
+        self.covered = 0  # where the reused pieces judged so far end
+        self.starts: list[int] = []  # where the recorded pieces start, in order
+        problem = None
+        if writes:
+            try:
+                self._open(settings)
+            except DsvError as exc:
+                problem = exc
+        _, problem = agree(None, problem)
+        if problem is not None:
+            raise problem
 
+    def _open(self, settings: ResumeSettings) -> None:
+        store = self.store
+        store.settings = {**store.settings, **settings.row_options}
+        if not settings.resume or not store.manifest_path.is_file():
+            store.create()
+            return
+        previous = store.load_existing()
+        for key, value in store.settings.items():
+            if previous.get(key) != value:
+                raise UsageError(setting_refusal("cannot resume", "the interrupted run used",
+                                                 key, previous.get(key), value,
+                                                 rerun=" to resume it", again="start over"))
+        store.load_parts()  # only now: a refused resume must not judge the parts' files
+        store.forget([])  # each part's stale pieces are dropped as it is judged
+        self.resuming = True
+        self.starts = sorted(part["start"] for part in store.parts.values())
 
-def _uncommitted(store: PartLedger, parts: list[Segment],
-                 settings: ResumeSettings) -> list[tuple[int, int]]:
-    store.settings = {**store.settings, **settings.row_options}
-    if not settings.resume or not store.manifest_path.is_file():
-        store.create()
-        return [(p.start, p.end) for p in parts]
-    previous = store.load_existing()
-    for key, value in store.settings.items():
-        if previous.get(key) != value:
-            raise UsageError(setting_refusal("cannot resume", "the interrupted run used", key,
-                                             previous.get(key), value, rerun=" to resume it",
-                                             again="start over"))
-    store.load_parts()  # only now: a refused resume must not judge the parts' files
-    reused = _reusable(store, parts)
-    store.forget([name for name, part in store.parts.items()
-                  if (part["start"], part["end"]) not in reused])
-    store.save()
-    todo = _not_covered(parts, reused)
-    if store.changed:
-        log.warning("%d finished part%s encoded again: %s input files changed (size, time or "
-                    "permissions) since the interrupted run", store.changed,
-                    "s are" if store.changed > 1 else " is", "their" if store.changed > 1
-                    else "its")
-    return todo
+    def judge(self, part: Segment) -> list[Segment]:
+        """What of ``part`` is still to do (itself, its ``rest``, or nothing); the recorded
+        pieces in it that are not kept are dropped before it is encoded again."""
+        ranges = self._uncommitted(part) if self.writes else None
+        ranges, problem = self.agree(ranges, None)
+        if problem is not None:
+            raise problem
+        # How many images the run has (listed so far): ``dsv4enc inspect`` of an
+        # interrupted run says how many are left.
+        self.store.extra["inputs"] = len(self.store.source)
+        return [part if start == part.start else part.rest(start) for start, _ in ranges]
 
+    def _uncommitted(self, part: Segment) -> list[tuple[int, int]]:
+        if not self.resuming:
+            return [(part.start, part.end)]
+        store, source = self.store, self.store.source
+        at = max(part.start, self.covered)  # a piece begun in an earlier part may reach here
+        kept = set()
+        while at < part.end and (piece := store.committed_at(at)) is not None:
+            name, end = piece
+            if end > len(source):
+                break  # reaches past the inputs listed: encoded again
+            input_stamps(source[at:end])
+            if not store.committed(name, at, end, inputs_digest(source[at:end])):
+                break
+            kept.add(name)
+            at = self.covered = end
+        self._forget(part.start, part.end, kept)
+        return [(at, part.end)] if at < part.end else []
 
-#: Settings a flag chooses, and that flag: a resume that differs only there names the flag.
-def _reusable(store: PartLedger, parts: list[Segment]) -> set[tuple[int, int]]:
-    """Ranges of recorded parts that this run can keep: chains of consecutive pieces that
-    start where one of this run's parts does (parts are joined segments, cut wherever
-    --commit-every struck), each holding the same inputs as now (keys and stamps), without a
-    transient error."""
-    source = parts[0].source if parts else ()
-    recorded = sorted(((name, part["start"], part["end"]) for name, part in store.parts.items()
-                       if 0 <= part["start"] < part["end"] <= len(source)),
-                      key=lambda piece: piece[1])
-    # the stamps of what was committed, at once: the other inputs' come as they are planned
-    input_stamps([entry for _, start, end in recorded for entry in source[start:end]])
-    chain = {p.start for p in parts}
-    reused = set()
-    for name, start, end in recorded:
-        if start in chain and store.committed(name, start, end,
-                                              inputs_digest(source[start:end])):
-            reused.add((start, end))
-            chain.add(end)
-    return reused
+    def _forget(self, start: int, end: int | None, kept: set[str]) -> None:
+        """Drop the recorded pieces that start in ``start..end`` (None: on) but ``kept``."""
+        first = bisect.bisect_left(self.starts, start)
+        last = len(self.starts) if end is None else bisect.bisect_left(self.starts, end)
+        names = [name for at in self.starts[first:last]
+                 if (piece := self.store.committed_at(at)) is not None
+                 and (name := piece[0]) not in kept]
+        if names:
+            self.store.drop(names)
 
-
-def _not_covered(parts: list[Segment], reused: set[tuple[int, int]]) -> list[tuple[int, int]]:
-    """The ranges still to do: of each part, what follows the reused pieces that cover its
-    start (in input order; reused pieces start at part starts or where others end)."""
-    ends = {start: end for start, end in reused}
-    todo, covered = [], 0  # covered: where the reused pieces seen so far end
-    for p in parts:
-        at = max(p.start, covered)  # a piece begun in an earlier part may reach into this one
-        while at < p.end and at in ends:
-            at = covered = ends[at]
-        if at < p.end:
-            todo.append((at, p.end))
-    return todo
+    def end(self, inputs: int) -> None:
+        """The listing has ended at ``inputs``: drop the recorded pieces past it, and name
+        the parts whose input files changed."""
+        self.store.extra["inputs"] = inputs
+        if not self.resuming:
+            return
+        self._forget(inputs, None, set())
+        store = self.store
+        if store.changed:
+            log.warning("%d finished part%s encoded again: %s input files changed (size, time "
+                        "or permissions) since the interrupted run", store.changed,
+                        "s are" if store.changed > 1 else " is",
+                        "their" if store.changed > 1 else "its")

@@ -506,7 +506,6 @@ class PartLedger:
         self.extra: dict[str, Any] = {}  # more top-level manifest entries (a store's own)
         self.changed = 0  # committed parts whose input files changed (found by ``committed``)
         self._recorded: dict[str, Any] = {"parts": {}}  # the manifest ``load_existing`` read
-        self.segments: dict[str, Any] = {}  # the run's parts (``run/plan.Part``), by name
         self.source: Sequence = ()  # the run's inputs (``headers.Planned``): part digests
         self.commit_seconds: float | None = None  # join segments into parts for this long
         self._lock = threading.RLock()
@@ -584,12 +583,19 @@ class PartLedger:
         return part.get("transient", 0) == 0
 
     def forget(self, names: Sequence[str]) -> None:
-        """Drop recorded parts that are not reused, and their part files: a folder output
-        must not keep a stale part beside the rows that replace it. The manifest is written
-        whole first, so that it never lists a part whose file is gone."""
-        dropped = [self.parts[name] for name in names if name in self.parts]
-        self.parts = {name: part for name, part in self.parts.items() if name not in names}
-        self.save()
+        """Drop recorded parts that are not reused (``drop``), once, as a resume starts: a
+        store may put its bytes in order then."""
+        self.drop(names)
+
+    def drop(self, names: Sequence[str]) -> None:
+        """Drop recorded parts that are not reused, and their part files, at any time
+        (commits may land meanwhile): a folder output must not keep a stale part beside the
+        rows that replace it. The manifest is written whole first, so that it never lists a
+        part whose file is gone."""
+        with self._lock:
+            dropped = [self.parts[name] for name in names if name in self.parts]
+            self.parts = {name: part for name, part in self.parts.items() if name not in names}
+            self.save()
         for part in dropped:
             self._discard(part)
 
@@ -709,11 +715,6 @@ class PartStore(PartLedger):
         ``commit`` records one; ``update.Update.keep_parts``)."""
         self._record(name, entry)
 
-    def part_files(self) -> list[Path]:
-        """Committed part files in input order."""
-        ordered = sorted(self.parts.values(), key=lambda p: (p["start"], p["file"]))
-        return [self.folder / p["file"] for p in ordered]
-
 
 class StreamingAssembler:
     """Builds the single output file from committed parts, in input order, while later parts
@@ -728,16 +729,14 @@ class StreamingAssembler:
     disk) is kept and raised by ``finish``; the committed parts stay for ``--resume``.
     """
 
-    def __init__(self, store: "PartStore", names: Sequence[str], out: Path,
-                 schema: pa.Schema, key_values: dict[bytes, bytes] | None = None) -> None:
-        """``names``: the run's segments (``store.segments``), reused or to be encoded; the
-        file holds their whole range, taken from whichever committed parts cover it.
-        ``key_values``: more key-value metadata for the file's footer (its rows' stamps)."""
+    def __init__(self, store: "PartStore", out: Path, schema: pa.Schema,
+                 key_values: dict[bytes, bytes] | None = None) -> None:
+        """The file holds the run's inputs from the first on, taken from whichever committed
+        parts cover them (every part is committed once ``finish`` is called: the file ends
+        where they do). ``key_values``: more key-value metadata for the file's footer (its
+        rows' stamps)."""
         self.store, self.out, self.schema = store, out, schema
         self.key_values = key_values or {}
-        spans = [(store.segments[name].start, store.segments[name].end) for name in names]
-        self.begin = min((a for a, _ in spans), default=0)
-        self.finish_at = max((b for _, b in spans), default=0)
         self.tmp = temp_path(out, store.folder)
         self.seconds = 0.0
         self.error: BaseException | None = None
@@ -754,9 +753,12 @@ class StreamingAssembler:
             self._cond.notify_all()
 
     def _wait_for(self, position: int) -> tuple[str, int] | None:
-        """Wait until a part that starts at ``position`` is committed (None: aborted)."""
+        """Wait until a part that starts at ``position`` is committed (None: aborted, or
+        the parts end there)."""
         with self._cond:
             while (committed := self.store.committed_at(position)) is None and not self._aborted:
+                if self._footer_ready:
+                    return None
                 self._cond.wait(timeout=1.0)
             return None if self._aborted else committed
 
@@ -768,7 +770,7 @@ class StreamingAssembler:
 
     def _run(self) -> None:
         try:
-            if self.begin >= self.finish_at:  # nothing to join: an empty file of the schema
+            if self._wait_for(0) is None:  # nothing to join: an empty file of the schema
                 self._wait_for_footer()
                 schema = self._schema_with_key_values()
                 pq.write_table(schema.empty_table(), self.tmp, **parquet_options(schema))
@@ -787,11 +789,8 @@ class StreamingAssembler:
 
     def _parts_in_order(self):
         """Committed parts' files in input order, each as soon as it is committed."""
-        position = self.begin
-        while position < self.finish_at:
-            committed = self._wait_for(position)
-            if committed is None:
-                return
+        position = 0
+        while (committed := self._wait_for(position)) is not None:
             name, position = committed
             yield self.store.folder / self.store.parts[name]["file"]
 

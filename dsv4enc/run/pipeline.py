@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Iterable, Iterator, Protocol
 
 import pyarrow as pa
 import torch
@@ -30,12 +30,12 @@ from .encoding import PartEncoder
 from ..engine.engine import Engine
 from ..errors import DsvError, Interrupted, UsageError
 from ..images.discover import nothing_found
-from ..output.layout import (OutputLayout, PartWriter, ResumeSettings, assembler_for, open_store,
-                             resume_filter)
+from ..output.layout import (OutputLayout, PartWriter, Resume, ResumeSettings, assembler_for,
+                             open_store)
 from ..output.update import Update, footer_entry, row_stamps, write_folder_stamps
 from .options import EncodeOptions, default_writer_threads, validate
 from .plan import Part, cut_parts, images_per_part, output_bytes, segment_tokens
-from .setup import RunSetup, WindowSettings, run_batch_tokens
+from .setup import LISTED_FIRST, RunSetup, WindowSettings, run_batch_tokens
 from ..images.headers import input_stamps
 from .progress import RunProgress
 from ..output.remote import RemoteOutput
@@ -69,9 +69,10 @@ def tower_engine(ckpt: Checkpoint, device: torch.device, opts: EncodeOptions,
                         fused=opts.fused, split=split)
 
 
-def inputs_phrase(inputs: int) -> str:
-    """``1 input``, ``1,024 inputs``: the opening line's count."""
-    return f"{inputs:,} input{'s' if inputs != 1 else ''}"
+def inputs_phrase(inputs: int, listed: bool = True) -> str:
+    """``1 input``, ``1,024 inputs``: the opening line's count (``10,000+ inputs`` while
+    the listing goes on)."""
+    return f"{inputs:,}{'' if listed else '+'} input{'s' if inputs != 1 else ''}"
 
 
 def model_and_output(opts: EncodeOptions, cfg: VisionConfig) -> str:
@@ -84,7 +85,7 @@ def model_and_output(opts: EncodeOptions, cfg: VisionConfig) -> str:
 # ----------------------------------------------------------------------------- the run
 
 def resume_settings(opts: EncodeOptions) -> ResumeSettings:
-    """How the run commits and resumes, for ``output/layout.resume_filter``: --resume,
+    """How the run commits and resumes, for ``output/layout.Resume``: --resume,
     --commit-every (each segment is a part under --shard-output), and the options that
     decide rows besides the run's settings (--decode-timeout is not one: a part with a
     timed-out row is encoded again anyway)."""
@@ -225,12 +226,9 @@ def _run_encode(opts: EncodeOptions, dist, setup: RunSetup, stop: StopSignals,
     adopted = source.prepare(opts, layout, ranks, remote)
     stop.immediate = False  # until the try below, which discards an unused output folder
     ranks.main_then_all(layout.create)
-    if ranks.is_main and not found.items:
-        log.warning(nothing_found(opts.inputs, opts.files_from, found.skipped))
     progress = RunProgress("auto" if opts.progress and ranks.is_main else "off",
                            opts.log_every)
-    summary = RunSummary(out=str(opts.out), skipped=found.skipped,
-                         unlisted=len(found.unlisted))
+    summary = RunSummary(out=str(opts.out))
     run = RunState(opts, ranks, layout, progress, summary, stop)
     store = None
     try:
@@ -240,11 +238,12 @@ def _run_encode(opts: EncodeOptions, dist, setup: RunSetup, stop: StopSignals,
             computes = source.start(setup, progress)
             output = _plan_output(run, setup, source, computes, remote)
             store = output.store
-            progress.announce(source.opening_line(len(found.items)))
+            progress.announce(source.opening_line(len(setup.planned)))
             if adopted:
                 progress.announce(adopted)
             carried = output.carried
-            progress.start(total=len(found.items), done=summary.reused + sum(
+            progress.start(total=len(setup.planned) if found.listed else None,
+                           done=summary.reused + sum(
                                1 for p in output.todo for i in range(p.start, p.end)
                                if i in carried) if carried else summary.reused,
                            tokens=source.planned_tokens(setup, output.todo))
@@ -258,21 +257,24 @@ def _run_encode(opts: EncodeOptions, dist, setup: RunSetup, stop: StopSignals,
             summary.seconds = time.perf_counter() - started
             exc.summary = summary
         raise
+    finally:  # counted as the listing went
+        summary.skipped, summary.unlisted = found.skipped, len(found.unlisted)
     source.finish(summary, ranks)
     return summary  # its wall time is set by run_encode, once the decode workers are gone
 
 
 @dataclass
 class OutputPlan:
-    """What a run writes: the part ledger (``store``), the schema, every part and those
-    still to encode (``todo``), an ``--update``'s ``Update`` (None otherwise), whether this
-    rank keeps the input stamps for a later ``--update`` (``keeps_stamps``), the options
-    that decide rows (``row_options``) and the settings the parts are computed with."""
+    """What a run writes: the part ledger (``store``), the schema, the parts still to
+    encode (``todo``: a list, or, for a run that streams, each part as the listing reaches
+    it and ``--resume`` judged it), an ``--update``'s ``Update`` (None otherwise), whether
+    this rank keeps the input stamps for a later ``--update`` (``keeps_stamps``), the
+    options that decide rows (``row_options``) and the settings the parts are computed
+    with."""
 
     store: PartLedger
     schema: pa.Schema
-    parts: list[Part]
-    todo: list[Part]
+    todo: Iterable[Part]
     update: Update | None
     keeps_stamps: bool
     row_options: dict
@@ -312,21 +314,43 @@ def _plan_output(run: RunState, setup: RunSetup, source: PartSource, computes: d
                        written_elsewhere=source.written_elsewhere)
     if source.written_elsewhere and remote is not None:
         store.fetch = remote.adopt_part
-    planned = setup.entries()
+    # Listed whole first: what judges the output's size up front (one object in a store)
+    if layout.max_file_bytes is not None and not layout.folder_mode:
+        setup.more(None)
+    setup.more(max(part_images, LISTED_FIRST))
+    if ranks.is_main and not setup.planned:
+        log.warning(nothing_found(opts.inputs, opts.files_from, setup.found.skipped))
     if update is not None:
         setup.headers(cfg, opts, ranks, None if ranks.dist is not None else run.stop.requested,
                       announce=run.progress.status)
         run.stop.check()  # headers left unread must not be matched as error rows
-        update.match(planned, rows_settings)  # refuses other settings in one line
+        update.match(setup.planned, rows_settings)  # refuses other settings in one line
         update.count_into(summary)
     parts = source.cut(setup, part_images, run.progress, run.stop)
-    todo, summary.reused = resume_filter(store, parts, resuming, writes=ranks.writes,
-                                         agree=ranks.agree_on_todo)
+    resume = Resume(store, setup.planned, resuming, writes=ranks.writes,
+                    agree=ranks.agree_on_todo)
+    todo = _judged(resume, parts, setup, run)
+    if update is not None or isinstance(parts, list):  # planned whole: its parts at once
+        todo = list(todo)
     if update is not None:  # a folder's unchanged parts are kept as they are
-        todo, kept = update.keep_parts(store, todo, planned)
+        todo, kept = update.keep_parts(store, todo, setup.planned)
         summary.reused += kept
-    return OutputPlan(store, schema, parts, todo, update, ranks.is_main and not ranks.sharded,
+    return OutputPlan(store, schema, todo, update, ranks.is_main and not ranks.sharded,
                       resuming.row_options, {**settings, "batch_tokens": computes["batch_tokens"]})
+
+
+def _judged(resume: Resume, parts: Iterable[Part], setup: RunSetup,
+            run: RunState) -> Iterator[Part]:
+    """What is still to do of each part, as ``--resume`` judges it once its inputs are
+    listed (the progress counts what it keeps and the inputs listed)."""
+    for part in parts:
+        todo = resume.judge(part)
+        kept = part.end - part.start - sum(p.end - p.start for p in todo)
+        run.summary.reused += kept
+        run.progress.listed(len(setup.planned), setup.found.listed, reused=kept)
+        yield from todo
+    resume.end(len(setup.planned))
+    run.progress.listed(len(setup.planned), True)
 
 
 def _upload_stops_at_once(summary: RunSummary, stop: StopSignals,
@@ -346,13 +370,8 @@ def _write_output(run: RunState, source: PartSource, setup: RunSetup,
     """Encode the parts to do into the output and finish it: the single file, the sharded
     manifest, a folder's stamps. A failed or stopped run leaves its committed parts."""
     store, update, ranks, layout = output.store, output.update, run.ranks, run.layout
-    # each row's input stamp, kept with the output for a later --update: known once every
-    # window is planned (an empty run's now)
-    planned = setup.entries()
-    assembler = assembler_for(store, layout, [p.name for p in output.parts], output.schema,
-                              is_main=ranks.is_main, key_values=(
-                                  footer_entry(row_stamps(()), output.row_options)
-                                  if output.keeps_stamps and not planned else None))
+    planned = setup.planned
+    assembler = assembler_for(store, layout, output.schema, is_main=ranks.is_main)
     writer = (PartWriter(store, output.schema, default_writer_threads(), assembler)
               if ranks.writes else None)
     try:
@@ -366,10 +385,10 @@ def _write_output(run: RunState, source: PartSource, setup: RunSetup,
             raise failing[0]
         ranks.barrier()
         stamps = None
-        if output.keeps_stamps:
+        if output.keeps_stamps:  # each row's input stamp, for a later --update
             input_stamps(planned)  # none left unless a part was neither planned nor judged
             stamps = row_stamps((p.item.key, p.stamp) for p in planned)
-            if assembler is not None and planned:
+            if assembler is not None:
                 assembler.key_values = {**assembler.key_values,
                                         **footer_entry(stamps, output.row_options)}
         _finish_output(assembler, store, run, source)
@@ -464,6 +483,7 @@ class LocalParts:
         """The decode pool (its workers start while the tower is built) and the Engine (the
         tower split over the ranks under tensor parallelism)."""
         opts, ckpt, device, ranks = self.opts, self.ckpt, self.device, self.ranks
+        self.setup = setup
         setup.decode_pool(ckpt.config, device.type, opts)
         engine = self.engine = (
             tower_engine(ckpt, device, opts, lambda model: ranks.split_tower(model, opts.tp_mode))
@@ -473,8 +493,8 @@ class LocalParts:
                 "batch_invariant": engine.deterministic, "batch_tokens": engine.batch_tokens}
 
     def cut(self, setup: RunSetup, part_images: int, progress: RunProgress,
-            stop: StopSignals) -> list[Part]:
-        return cut_parts(setup.entries(), part_images)  # their headers are read later
+            stop: StopSignals) -> Iterator[Part]:
+        return cut_parts(setup.planned, part_images, setup.more)  # as they are listed
 
     def opening_line(self, inputs: int) -> str:
         """Inputs, device, dtype (and why, for ``auto``), the model variant and the output."""
@@ -482,34 +502,41 @@ class LocalParts:
         if str(opts.dtype) == "auto":
             shown += (f" (--dtype auto: {auto_cpu_reason()})" if device.type == "cpu"
                       else " (--dtype auto)")
-        return (f"encoding {inputs_phrase(inputs)} on {device.type} in {shown}; "
+        return (f"encoding {inputs_phrase(inputs, self.setup.found.listed)} on {device.type} "
+                f"in {shown}; "
                 f"{model_and_output(opts, self.ckpt.config)}")
 
-    def planned_tokens(self, setup: RunSetup, todo: list[Part]) -> int | None:
-        return None if todo else 0  # each window adds its own
+    def planned_tokens(self, setup: RunSetup, todo: Iterable[Part]) -> int | None:
+        return None  # each window adds its own
 
     def encode(self, setup: RunSetup, output: OutputPlan, writer: PartWriter | None,
                run: RunState, begin: Callable[[], None]) -> None:
         """Encode the parts to do window by window as they are planned (the decode workers
         run ahead from the first window on)."""
-        engine, opts, ranks, todo = self.engine, self.opts, self.ranks, output.todo
+        engine, opts, ranks = self.engine, self.opts, self.ranks
         runner = PartEncoder(engine, opts, ranks, run.progress, run.summary, run.stop,
                              output.update)
-        planned = setup.entries()
+        planned = setup.planned
 
         def on_window(k: int, window) -> None:
             sizes = runner.batch_sizes(planned, window.batches)
-            run.progress.plan_tokens(window.tokens, last=k == len(todo) - 1)
+            run.progress.plan_tokens(window.tokens, last=windows.count == k + 1)
             if k == 0:
                 run.progress.status("capturing CUDA graphs" if engine.graphs_enabled
                                     else "encoding")
                 # the first window's batches tell the graph budgets; a full batch's is one
                 # when later windows come, so that none of their batches is left to run eager
-                engine.fit_budgets(sizes + [engine.batch_tokens] * (len(todo) > 1))
+                engine.fit_budgets(sizes + [engine.batch_tokens] * (windows.count != 1))
                 engine.prepare()
                 begin()
 
-        windows = setup.plan_windows(todo, self._window_settings(setup, output, run))
+        def list_ahead() -> bool:  # the planner's spare time lists on: the total is known
+            setup.more(len(setup.planned) + LISTED_FIRST)
+            run.progress.listed(len(setup.planned), setup.found.listed)
+            return not setup.found.listed
+
+        windows = setup.plan_windows(output.todo, self._window_settings(setup, output, run),
+                                     idle=list_ahead if ranks.world_size == 1 else None)
         decoded = setup.stream(opts.max_images)  # decoding starts with the first window
         with run.stop.deferred():  # a signal stops the loop between batches
             for name, start, end, digest, rows in runner.run(planned, windows.parts(on_window),
@@ -517,12 +544,15 @@ class LocalParts:
                 if writer is not None:
                     writer.put(name, rows, start, end, digest)
                 del rows  # only the writer holds a finished part meanwhile
+        if windows.count is not None:
+            run.progress.plan_tokens(0, last=True)  # the last window was not known as such
 
     def _window_settings(self, setup: RunSetup, output: OutputPlan,
                          run: RunState) -> WindowSettings:
-        """How each window is planned; a single file's size is judged from the first."""
-        opts, ranks, cfg = self.opts, self.ranks, self.ckpt.config
-        batch_tokens, inputs = self.engine.batch_tokens, len(setup.entries())
+        """How each window is planned; a single file's size is judged from the first (a
+        file with a size limit is listed whole first: ``_plan_output``)."""
+        opts, ranks, cfg, planned = self.opts, self.ranks, self.ckpt.config, setup.planned
+        batch_tokens = self.engine.batch_tokens
         return WindowSettings(
             cfg, opts, ranks, batch_tokens,
             None if ranks.splits_images else segment_tokens(batch_tokens, self.device.type),
@@ -530,7 +560,7 @@ class LocalParts:
             headers_read=output.update is not None,
             should_stop=None if ranks.dist is not None else run.stop.requested,
             check_size=lambda first: self.layout.check_file_size(
-                output_bytes(cfg, opts, first) * inputs // max(1, len(first))))
+                output_bytes(cfg, opts, first) * len(planned) // max(1, len(first))))
 
     def finish(self, summary: RunSummary, ranks: Topology) -> None:
         stats = self.engine.stats

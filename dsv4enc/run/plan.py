@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Callable, Collection, Sequence
+from typing import TYPE_CHECKING, Callable, Collection, Iterator, Sequence
 
 from ..errors import UsageError
 from .options import BALANCE_CHOICES
@@ -124,8 +124,6 @@ class Part:
     # ``inputs_digest`` of start..end: a resumed run reuses the part only for the same keys
     # and the same input files (size, time, ...); "" for a range not planned yet
     digest: str
-    # the whole plan (shared, not copied): commits that join segments take digests from it
-    source: Sequence[Planned] = field(default=(), repr=False, compare=False)
     # data parallel: every rank's share of start..end (failed items included), by rank
     shares: list[list[int]] | None = field(default=None, repr=False, compare=False)
     part_images: int = field(default=0, repr=False, compare=False)  # the range's length
@@ -133,7 +131,7 @@ class Part:
     def rest(self, start: int) -> "Part":
         """What is left of this range from ``start`` on (a resumed run's remainder)."""
         return Part(part_name(start, self.part_images), start, self.end,
-                    range(start, self.end), "", self.source, part_images=self.part_images)
+                    range(start, self.end), "", part_images=self.part_images)
 
 
 def _segments(planned: Sequence[Planned], start: int, end: int,
@@ -152,13 +150,21 @@ def _segments(planned: Sequence[Planned], start: int, end: int,
     return cuts + [(first, end)] if end > first else cuts
 
 
-def cut_parts(planned: Sequence[Planned], part_images: int) -> list[Part]:
+def cut_parts(planned: list[Planned], part_images: int,
+              more: Callable[[int], None] = lambda count: None) -> Iterator[Part]:
     """The run's parts: consecutive ranges of ``part_images`` inputs, by input order alone,
-    so that their bounds are known before any header is read and stay the same on resume."""
-    return [Part(part_name(start, part_images), start, end, range(start, end), "", planned,
-                 part_images=part_images)
-            for start in range(0, len(planned), part_images)
-            for end in (min(start + part_images, len(planned)),)]
+    so that their bounds are known before any header is read and stay the same on resume.
+    Each comes as soon as its inputs are in ``planned``: ``more(count)`` lists inputs until
+    ``planned`` holds ``count`` of them or the listing has ended (by default it is whole)."""
+    start = 0
+    while True:
+        more(start + part_images)
+        end = min(start + part_images, len(planned))
+        if end <= start:
+            return
+        yield Part(part_name(start, part_images), start, end, range(start, end), "",
+                   part_images=part_images)
+        start = end
 
 
 def plan_segments(planned: Sequence[Planned], part: Part, ranks: Topology | None = None,
@@ -177,10 +183,10 @@ def plan_segments(planned: Sequence[Planned], part: Part, ranks: Topology | None
         name, indices = part.name, range(start, end)
         if ranks.sharded:
             name, indices = f"{name}-rank{ranks.rank:03d}", shares[ranks.rank]
-        return [Part(name, start, end, indices, inputs_digest(planned[start:end]), planned,
-                     shares, part_images=size)]
+        return [Part(name, start, end, indices, inputs_digest(planned[start:end]), shares,
+                     part_images=size)]
     return [Part(part_name(first, size), first, last, range(first, last),
-                 inputs_digest(planned[first:last]), planned, part_images=size)
+                 inputs_digest(planned[first:last]), part_images=size)
             for first, last in _segments(planned, start, end, segment_tokens)]
 
 

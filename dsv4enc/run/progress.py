@@ -4,7 +4,8 @@ Every figure is counted per batch (under torchrun: summed over all ranks by the 
 has one definition, shared with the end-of-run summary:
 
 - *images*: images finished (encoded or failed; on ``--resume`` those of the earlier run
-  too), out of all the run's images;
+  too), out of all the run's images (until the listing has ended, out of those listed so
+  far, shown with a ``+``);
 - *tokens*: ViT patch tokens encoded by this run, out of those it has to encode (the plan
   is made a window at a time: until the last window is planned, out of those planned so
   far, shown with a ``+``);
@@ -55,6 +56,7 @@ class ProgressCounts:
     failed: int = 0
     elapsed: float = 0.0
     tokens_known: bool = True  # total_tokens counts every image to encode (all planned)
+    images_known: bool = True  # total_images counts every input (the listing has ended)
 
     @property
     def images_per_s(self) -> float:
@@ -68,7 +70,7 @@ class ProgressCounts:
     def eta_s(self) -> float | None:
         if self.tokens and self.total_tokens and self.tokens_known:
             return max(self.total_tokens - self.tokens, 0) / self.tokens_per_s
-        if self.images and self.total_images:
+        if self.images and self.total_images and self.images_known:
             todo = self.total_images - self.reused - self.images
             return max(todo, 0) / self.images_per_s
         return None
@@ -78,11 +80,18 @@ class ProgressCounts:
         """``+`` while the token total is of the windows planned so far."""
         return "" if self.tokens_known else "+"
 
+    @property
+    def of_images(self) -> str:
+        """``done/total`` images, ``+`` while the listing goes on."""
+        return (f"{self.reused + self.images}/{self.total_images}"
+                f"{'' if self.images_known else '+'}")
+
     def line(self) -> str:
         """The plain progress line of a log file."""
         done = self.reused + self.images
         share = 100 * done / self.total_images if self.total_images else 100.0
-        return (f"images {done}/{self.total_images} ({share:.1f}%), "
+        share_text = f" ({share:.1f}%)" if self.images_known else ""
+        return (f"images {self.of_images}{share_text}, "
                 f"tokens {self.tokens:,}/{self.total_tokens:,}{self.more}, "
                 f"{self.images_per_s:.1f} img/s, {self.tokens_per_s:,.0f} tokens/s, "
                 f"{self.failed} failed, encoding for {format_duration(self.elapsed)}, "
@@ -160,16 +169,28 @@ class RunProgress:
         if self._progress is not None:
             self._progress.update(self._task, description=text)
 
-    def start(self, total: int, done: int = 0, tokens: int | None = None) -> None:
-        """Switch to counting: ``total`` images, ``done`` of them finished by an earlier run,
-        ``tokens`` ViT tokens to encode in this one (None: told window by window,
-        ``plan_tokens``)."""
+    def start(self, total: int | None, done: int = 0, tokens: int | None = None) -> None:
+        """Switch to counting: ``total`` images (None: told as they are listed,
+        ``listed``), ``done`` of them finished by an earlier run, ``tokens`` ViT tokens to
+        encode in this one (None: told window by window, ``plan_tokens``)."""
         with self._lock:
-            self.counts = ProgressCounts(total_images=total, total_tokens=tokens or 0,
-                                         reused=done, tokens_known=tokens is not None)
+            self.counts = ProgressCounts(total_images=total or 0, total_tokens=tokens or 0,
+                                         reused=done, tokens_known=tokens is not None,
+                                         images_known=total is not None)
         if self._progress is not None:
             self._progress.update(self._task, total=total, completed=done)
         self._refresh()
+
+    def listed(self, inputs: int, ended: bool, reused: int = 0) -> None:
+        """``inputs`` are listed so far (``ended``: all of them), ``reused`` more of them
+        finished by an earlier run."""
+        with self._lock:
+            self.counts.total_images = inputs
+            self.counts.images_known = ended
+            self.counts.reused += reused
+        if self._progress is not None:
+            self._progress.update(self._task, total=inputs if ended else None,
+                                  advance=reused)
 
     def plan_tokens(self, tokens: int, last: bool = False) -> None:
         """A window was planned: its ``tokens`` join the total (``last``: the total is
@@ -224,7 +245,7 @@ class RunProgress:
         c = self.snapshot()
         if not c.total_images and not self._counting:
             return ""
-        return (f"{c.reused + c.images}/{c.total_images} images  eta "
+        return (f"{c.of_images} images  eta "
                 f"{format_duration(c.eta_s)}  {c.images_per_s:.1f} img/s  "
                 f"{c.tokens_per_s:,.0f} tokens/s  {c.failed} failed  "
                 f"{c.tokens:,}/{c.total_tokens:,}{c.more} tokens  encoding for "

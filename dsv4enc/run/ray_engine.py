@@ -10,9 +10,10 @@ back only its manifest entry and counts; the driver commits the entries in input
 (``output/parts.PartStore.commit_written``) and never holds a row.
 
 Exactly once: the driver commits each part once, whatever Ray retried, and ``--resume`` skips
-what the manifest lists. A killed actor is restarted (``MAX_RESTARTS``) and its calls retried
-(``MAX_TASK_RETRIES``): rows are batch-invariant, so a retried part gives the same bytes, and a
-file a killed actor wrote has a temporary name no manifest lists.
+what the manifest lists (``output/layout.Resume``). A killed actor is restarted
+(``MAX_RESTARTS``) and its calls retried (``MAX_TASK_RETRIES``): rows are batch-invariant, so
+a retried part gives the same bytes, and a file a killed actor wrote has a temporary name no
+manifest lists.
 """
 
 from __future__ import annotations

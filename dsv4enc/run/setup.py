@@ -2,27 +2,33 @@
 bounded distance ahead of the encoder (``Windows``), the decode pool and the decoded stream.
 One holder owns it and closes it once: ``run_encode`` closes the set-up it is given or makes.
 
-The run streams: once the inputs are listed (their keys: what the parts are cut from), each
-part still to encode (a range of inputs cut by input order alone, ``plan.cut_parts``) is
-planned when the encoder comes within ``WINDOWS_AHEAD`` parts of it: its inputs stamped,
-its headers read on the probe threads (``plan.probe_share``: the seam of the probes), its
-segments cut and balanced over the ranks, its batches packed, and its images handed to the
-decode workers. The first batch starts once the first window is planned, whatever the
-dataset's size; what is kept for every input is its item and its stamp.
+The run streams: the inputs are listed as the plan needs them (``RunSetup.more``), and
+each part (a range of inputs cut by input order alone, ``plan.cut_parts``) is known as soon
+as its inputs are listed, judged by ``--resume`` from their stamps, and, while it is still to
+encode, planned when the encoder comes within ``WINDOWS_AHEAD`` parts of it: its inputs
+stamped, its headers read on the probe threads (``plan.probe_share``: the seam of the
+probes), its segments cut and balanced over the ranks, its batches packed, and its images
+handed to the decode workers. The first batch starts once the first window is planned,
+while the listing goes on, whatever the dataset's size; what is kept for every input is its
+item and its stamp. What needs every input first lists them whole: ``--update``'s matching
+and ``--engine ray`` (``headers``), table columns (``find_inputs``) and a single file whose
+store limits its size (``run/pipeline``).
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Collection, Iterator, Sequence
+from typing import Any, Callable, Collection, Iterable, Iterator, Sequence
 
 from ..tower.config import VisionConfig
 from ..images.decode import NOT_YET, DecodePool, Decoded, DecodeStream
-from ..images.discover import Discovery, discover
+from ..images.discover import Discovery, stream_inputs
 from ..images.headers import input_stamps
+from ..images.items import InputItem
 from ..engine.defaults import default_batch_tokens
 from .options import EncodeOptions, decode_window, default_workers, validate
 from .plan import (Part, Planned, cut_parts, decode_order, plan_batches, plan_segments,
@@ -36,6 +42,9 @@ log = logging.getLogger(__name__)
 #: workers never wait for a plan, few enough that memory holds only a few parts' plans.
 WINDOWS_AHEAD = 2
 _WAIT_S = 0.01  # how long the decode source waits for a window before it says NOT_YET
+#: Inputs listed before the first window is planned (a few milliseconds of a folder walk):
+#: a smaller input set is listed whole, so its count is known from the start.
+LISTED_FIRST = 10_000
 
 
 @dataclass
@@ -51,36 +60,70 @@ class Window:
 
 
 class Windows:
-    """The plan of the parts to do, one window (a part) at a time, at most
+    """The plan of the parts to do (``todo``, yielded as the listing reaches them: their
+    ``count`` is known once it ends), one window (a part) at a time, at most
     ``WINDOWS_AHEAD`` ahead of the encoder. A background thread reads each window
     (``read(part)``: stamps and this rank's header probes, no collective) and, in one
-    process, plans it (``finish(part, read)``); under torchrun the encoder's thread plans
-    each window (a collective shares the probes) one window ahead of the one it encodes,
-    so that the ranks agree on every window. The decode source (``tasks``) and the encoder
+    process, takes it from ``todo`` and plans it (``finish(part, read)``); under torchrun
+    the encoder's thread takes the parts (``--resume``'s agreement is a collective) and
+    plans each window (a collective shares the probes) one ahead of the one it encodes, so
+    that the ranks agree on every window. The decode source (``tasks``) and the encoder
     (``parts``) each walk the windows; a window is dropped once both have passed it."""
 
-    def __init__(self, todo: list[Part], read: Callable[[Part], Any],
+    def __init__(self, todo: Iterable[Part], read: Callable[[Part], Any],
                  finish: Callable[[Part, Any], Window], *, alone: bool,
-                 should_stop: Callable[[], bool] | None = None) -> None:
-        self.todo, self._read, self._finish, self._alone = todo, read, finish, alone
+                 should_stop: Callable[[], bool] | None = None,
+                 idle: Callable[[], bool] | None = None) -> None:
+        self._todo, self._read, self._finish, self._alone = iter(todo), read, finish, alone
         self._should_stop = should_stop
+        self._idle = idle  # work while the encoder is far behind (False: no more of it)
+        self._parts: dict[int, Part] = {}  # taken from ``todo``, not yet planned
+        self.count: int | None = None  # how many windows, once ``todo`` has ended
+        self._taken = 0
         self._read_done: dict[int, Any] = {}
         self._windows: dict[int, Window] = {}
         self._encoding = self._decoding = 0  # the windows the encoder and the decoder are on
         self._closed = False
+        self.blocked = False  # the planner waits for the encoder to come nearer
         self._error: BaseException | None = None
         self._cond = threading.Condition()
         self._thread = threading.Thread(target=self._run, name="dsv4enc-plan", daemon=True)
         self._thread.start()
 
+    def _take(self, k: int) -> None:
+        """Take parts from ``todo`` until part ``k`` is taken or ``todo`` has ended."""
+        while self._taken <= k and self.count is None:
+            part = next(self._todo, None)
+            with self._cond:
+                if part is None:
+                    self.count = self._taken
+                else:
+                    self._parts[self._taken] = part
+                    self._taken += 1
+                self._cond.notify_all()
+
+    def _ended(self, k: int) -> bool:
+        return self.count is not None and k >= self.count
+
     def _run(self) -> None:
         try:
-            for k, part in enumerate(self.todo):
+            for k in itertools.count():
+                while self._idle is not None and k > self._encoding + WINDOWS_AHEAD:
+                    if not self._idle():
+                        self._idle = None
                 with self._cond:
                     while not self._closed and k > self._encoding + WINDOWS_AHEAD:
+                        self.blocked = True
+                        self._cond.notify_all()
                         self._cond.wait()
+                    self.blocked = False
                     if self._closed:
                         return
+                if self._alone:
+                    self._take(k)
+                part = self._wait(lambda: self._parts.get(k) or self._ended(k), stop=False)
+                if part is True:
+                    return
                 done = self._read(part)
                 if self._should_stop is not None and self._should_stop():
                     return  # headers left unread must not be planned as error rows
@@ -90,6 +133,7 @@ class Windows:
                         self._read_done[k] = done
                     else:
                         self._windows[k] = window
+                        del self._parts[k]
                     self._cond.notify_all()
         except BaseException as exc:  # raised on the encoder's thread
             with self._cond:
@@ -97,33 +141,38 @@ class Windows:
                 self._cond.notify_all()
 
     def _wait(self, ready: Callable[[], Any], stop: bool = True) -> Any:
-        """``ready()`` once it is not None (the lock held), raising the planner's error;
+        """``ready()`` once it is truthy (the lock held), raising the planner's error;
         ``StoppedWaiting`` when a signal arrives meanwhile (one process)."""
         with self._cond:
-            while (value := ready()) is None:
+            while not (value := ready()):
                 if self._error is not None:
                     raise self._error
+                if self._closed:
+                    raise StoppedWaiting
                 if stop and self._should_stop is not None and self._should_stop():
                     raise StoppedWaiting
                 self._cond.wait(0.1)
             return value
 
-    def window(self, k: int) -> Window:
-        """Window ``k``, for the encoder (under torchrun planned here, with the next one)."""
+    def window(self, k: int) -> Window | None:
+        """Window ``k``, for the encoder (under torchrun planned here, with the next one);
+        None past the last."""
         with self._cond:
             self._encoding = k
             self._drop_passed()
             self._cond.notify_all()
         if not self._alone:
+            self._take(k + WINDOWS_AHEAD)
             for j in (k, k + 1):
-                if j < len(self.todo) and j not in self._windows:
-                    done = self._wait(lambda: self._read_done.get(j), stop=False)
-                    window = self._finish(self.todo[j], done)
+                if not self._ended(j) and j not in self._windows:
+                    done = self._wait(lambda: j in self._read_done, stop=False)
+                    window = self._finish(self._parts[j], self._read_done[j])
                     with self._cond:
                         self._windows[j] = window
-                        del self._read_done[j]
+                        del self._read_done[j], self._parts[j]
                         self._cond.notify_all()
-        return self._wait(lambda: self._windows.get(k))
+        window = self._wait(lambda: self._windows.get(k) or self._ended(k))
+        return None if window is True else window
 
     def _drop_passed(self) -> None:
         for k in [k for k in self._windows if k < min(self._encoding, self._decoding)]:
@@ -132,10 +181,12 @@ class Windows:
     def parts(self, on_window: Callable[[int, Window], None]) -> Iterator[tuple[Part, list]]:
         """``(segment, its batches per rank)`` in input order, window by window
         (``on_window(k, window)`` first); ends early when a signal arrives while it waits."""
-        for k in range(len(self.todo)):
+        for k in itertools.count():
             try:
                 window = self.window(k)
             except StoppedWaiting:
+                return
+            if window is None:
                 return
             on_window(k, window)
             yield from zip(window.segments, window.batches)
@@ -143,7 +194,7 @@ class Windows:
     def tasks(self) -> Iterator:
         """The decode tasks of every window, in order; ``NOT_YET`` while the next window is
         not planned (the decode pump asks again)."""
-        for k in range(len(self.todo)):
+        for k in itertools.count():
             while True:
                 with self._cond:
                     window = self._windows.get(k)
@@ -154,12 +205,11 @@ class Windows:
                         self._decoding = k
                         self._drop_passed()
                         break
-                    if self._closed or self._error is not None:
+                    if self._closed or self._error is not None or self._ended(k):
+                        self._decoding = k
                         return
                 yield NOT_YET
             yield from window.tasks
-        with self._cond:
-            self._decoding = len(self.todo)
 
     def close(self) -> None:
         with self._cond:
@@ -169,35 +219,45 @@ class Windows:
 
 @dataclass
 class RunSetup:
-    """Inputs found (None until ``find_inputs``), every input's entry (``entries``: its
-    item, then its stamp and header once its window is planned), the windows of the parts
-    to do, the decode pool and the decoded stream. Each is made once, by the method that
-    returns it."""
+    """Inputs found (None until ``find_inputs``), every input's entry (``planned``: its
+    item, then its stamp and header once its window is planned; it grows as the listing
+    goes on), the windows of the parts to do, the decode pool and the decoded stream. Each
+    is made once, by the method that returns it."""
 
     found: Discovery | None = None
     # The run's clock (``time.perf_counter``) starts here: when the set-up was made, or what
     # its maker says (the command line: when the process started).
     started: float = field(default_factory=time.perf_counter)
-    planned: list[Planned] | None = None
+    planned: list[Planned] = field(default_factory=list)
     windows: Windows | None = None
     pool: DecodePool | None = None
     decoded: Iterator[tuple[int, Decoded]] | None = None
+    listing: Iterator[InputItem] | None = None
 
     def find_inputs(self, opts: EncodeOptions, stop: StopSignals | None) -> Discovery:
-        """The inputs, found now unless found already (``stop``: None under torchrun,
-        where the ranks stop together)."""
+        """Start listing the inputs unless started already (``stop``: None under torchrun,
+        where the ranks stop together), and take the first: a missing path, an unreadable
+        path list or an input set with no image fails here. With table columns
+        (``--image-column``, ``--key-column``, ``--keep-column``) every input is listed:
+        the output's schema (the kept columns' types) and the flags' checks need them all."""
         if self.found is None:
-            self.found = discover(opts.inputs, opts.files_from, opts.image_column,
-                                  opts.key_column, stop,
-                                  table_paths_roots=opts.table_paths_roots,
-                                  keep_columns=opts.keep_columns)
+            self.found = Discovery()
+            self.listing = stream_inputs(self.found, opts.inputs, opts.files_from,
+                                         opts.image_column, opts.key_column, stop,
+                                         table_paths_roots=opts.table_paths_roots,
+                                         keep_columns=opts.keep_columns)
+            tables = opts.image_column or opts.key_column or opts.keep_columns
+            self.more(None if tables else 1)
         return self.found
 
-    def entries(self) -> list[Planned]:
-        """One entry per input, in input order (headers unread until its window is planned)."""
-        if self.planned is None:
-            self.planned = [Planned(item) for item in self.found.items]
-        return self.planned
+    def more(self, count: int | None) -> None:
+        """List inputs until ``planned`` holds ``count`` (None: every input) or the listing
+        has ended (``found.listed``)."""
+        while (count is None or len(self.planned) < count) and not self.found.listed:
+            item = next(self.listing, None)
+            if item is None:
+                break  # listed, or cut short by the error it raised
+            self.planned.append(Planned(item))
 
     def decode_pool(self, cfg: VisionConfig, device_type: str, opts: EncodeOptions) -> DecodePool:
         """The decode pool, of ``--workers`` or the device's default (spawned now: its
@@ -209,9 +269,11 @@ class RunSetup:
 
     def headers(self, cfg: VisionConfig, opts: EncodeOptions, ranks: Topology | None,
                 should_stop, announce) -> list[Planned]:
-        """Every input's header and grid at once, and its stamp, for what needs the whole
-        plan first (``--update``'s matching, ``--engine ray``); ``announce(text)`` says so."""
-        planned = self.entries()
+        """Every input listed, its header and grid read at once, and its stamp, for what
+        needs the whole plan first (``--update``'s matching, ``--engine ray``);
+        ``announce(text)`` says so."""
+        self.more(None)
+        planned = self.planned
         announce(f"reading {len(planned)} image headers")
         items = [p.item for p in planned]
         planned[:] = with_grids(items, probe_share(items, opts.max_pixels, ranks, should_stop,
@@ -226,14 +288,16 @@ class RunSetup:
                 for segment in plan_segments(self.planned, part, ranks, balance, cfg,
                                              segment_tokens)]
 
-    def plan_windows(self, todo: list[Part], plan: "WindowSettings") -> Windows:
-        """The windows of ``todo``, planned from now on (``WindowSettings``: how)."""
+    def plan_windows(self, todo: Iterable[Part], plan: "WindowSettings",
+                     idle: Callable[[], bool] | None = None) -> Windows:
+        """The windows of ``todo``, planned from now on (``WindowSettings``: how; ``idle``:
+        what the planner does while it is far enough ahead, see ``Windows``)."""
         if self.windows is None:
-            planned = self.entries()
+            planned = self.planned
             self.windows = Windows(todo, lambda part: plan.read(planned, part),
                                    lambda part, done: plan.finish(planned, part, done),
                                    alone=plan.ranks.world_size == 1,
-                                   should_stop=plan.should_stop)
+                                   should_stop=plan.should_stop, idle=idle)
         return self.windows
 
     def stream(self, max_images: int) -> Iterator[tuple[int, Decoded]]:

@@ -22,7 +22,7 @@ import threading
 import time
 from contextlib import suppress
 from dataclasses import dataclass
-from typing import IO, TYPE_CHECKING, Callable, TypeVar
+from typing import IO, TYPE_CHECKING, Callable, Iterator, TypeVar
 
 from .errors import StorageError, UsageError
 
@@ -584,12 +584,14 @@ def retrying(what: Callable[[], T], *, store: str) -> T:
 
 @dataclass(frozen=True)
 class ObjectInfo:
-    """An object: its URL, its key relative to the listed prefix, size and modification time."""
+    """An object: its URL, its key relative to the listed prefix, size, modification time
+    and, where the listing gives it (S3's), its ETag."""
 
     url: str
     key: str
     size: int
     mtime_ns: int | None
+    etag: str | None = None
 
 
 #: What listings saw, by URL: ``stamp`` then needs no request per object.
@@ -644,6 +646,18 @@ def list_files(url: str) -> list[ObjectInfo]:
     """The objects under the prefix ``url``, recursively, sorted by key (a key is the object's
     path below the prefix, posix). A missing bucket or a denied permission is a
     ``StorageError``."""
+    return list(iter_files(url))
+
+
+def iter_files(url: str) -> Iterator[ObjectInfo]:
+    """``list_files`` as it is listed: on S3 (botocore's client) a page of up to 1,000
+    objects at a time, in the store's key order (UTF-8 bytes: the order of ``sorted``), so
+    that a caller starts on the first objects while the rest are listed; elsewhere the
+    whole listing, sorted."""
+    client = _direct(url)
+    if client is not None:
+        yield from _pages(client, url)
+        return
     import pyarrow.fs as pafs
 
     fs, path = filesystem(url)
@@ -661,7 +675,41 @@ def list_files(url: str) -> list[ObjectInfo]:
         if info.type == pafs.FileType.File and full.startswith(prefix):
             key = full[len(prefix):]
             found.append(_info(join(url, key), info, key))
-    return sorted(found, key=lambda o: o.key)
+    yield from sorted(found, key=lambda o: o.key)
+
+
+def _pages(client, url: str) -> Iterator[ObjectInfo]:
+    """The objects under the S3 prefix ``url``, one ``ListObjectsV2`` page at a time, each
+    page retried as a read is (``retrying``), folder markers (``dir/``) passed over."""
+    bucket, _, path = url.split("://", 1)[1].partition("/")
+    prefix = f"{path.strip('/')}/" if path.strip("/") else ""
+    args, first = {"Bucket": bucket, "Prefix": prefix}, True
+    while True:
+        try:
+            page = retrying(lambda: _boto(url, lambda: client.list_objects_v2(**args)),
+                            store=store_of(url))
+        except FileNotFoundError:  # no such bucket: the message of every other listing
+            page = {}
+        except OSError as exc:
+            raise setup_error(url, exc) from None
+        try:
+            if first and not page.get("Contents"):
+                _check_bucket(url)
+        except OSError as exc:
+            raise setup_error(url, exc) from None
+        first = False
+        for entry in page.get("Contents", []):
+            key = entry["Key"][len(prefix):]
+            if key and not key.endswith("/"):
+                modified = entry.get("LastModified")
+                mtime = int(modified.timestamp() * 1e9) if modified is not None else None
+                found = ObjectInfo(join(url, key), key, int(entry.get("Size") or 0), mtime,
+                                   str(entry.get("ETag") or "") or None)
+                _SEEN[found.url] = found
+                yield found
+        if not page.get("IsTruncated"):
+            return
+        args["ContinuationToken"] = page["NextContinuationToken"]
 
 
 def stat(url: str) -> ObjectInfo:
@@ -677,14 +725,14 @@ def stat(url: str) -> ObjectInfo:
 
 
 def stamp(url: str) -> str:
-    """What identifies this version of the object for ``--resume``: size and modification
-    time (an object is replaced whole, so a new upload changes the time), or why it
-    cannot be looked at."""
+    """What identifies this version of the object for ``--resume``: its size and its ETag
+    where the listing gave one, else its modification time (an object is replaced whole,
+    so a new upload changes both), or why it cannot be looked at."""
     try:
         info = stat(url)
     except OSError as exc:
         return f"unreadable {describe(url, exc)}"
-    return f"{info.size} {info.mtime_ns}"
+    return f"{info.size} {info.etag or info.mtime_ns}"
 
 
 def open_input(url: str):
@@ -799,25 +847,21 @@ def _make_direct(options: dict):
         aws_session_token=options.get("session_token"))
 
 
-def _get(client, url: str, offset: int, size: int | None) -> tuple[bytes, int]:
-    """One GET of ``size`` bytes from ``offset`` (None: to the end), and the object's size;
-    botocore's errors as the ``OSError`` that pyarrow's client would raise."""
+def _boto(url: str, call: Callable[[], T]) -> T:
+    """``call()`` of botocore's client, its errors as the ``OSError`` that pyarrow's client
+    would raise; an ``InvalidRange`` answer is left as botocore's ``ClientError``."""
     from botocore import exceptions as boto
 
-    bucket, _, key = url.split("://", 1)[1].partition("/")
-    end = "" if size is None else offset + size - 1
-    if size == 0:  # no range names zero bytes (S3 answers an invalid one with all)
-        return b"", offset
     try:
-        answer = client.get_object(Bucket=bucket, Key=key, Range=f"bytes={offset}-{end}")
-        data = answer["Body"].read()
+        return call()
     except boto.ClientError as exc:
         error = exc.response.get("Error", {})
         code = str(error.get("Code", ""))
-        if code in ("NoSuchKey", "404"):
-            raise FileNotFoundError(f"{url}: no such object") from None
-        if code == "InvalidRange":  # from past the end (an empty object's every range)
-            return b"", int(error.get("ActualObjectSize") or 0)
+        if code == "InvalidRange":
+            raise
+        if code in ("NoSuchKey", "404", "NoSuchBucket"):
+            what = "bucket" if code == "NoSuchBucket" else "object"
+            raise FileNotFoundError(f"{url}: no such {what}") from None
         if code in ("AccessDenied", "403", "InvalidAccessKeyId", "SignatureDoesNotMatch"):
             raise PermissionError(f"{url}: {code}") from None
         busy = _answer_cause(exc.response)
@@ -827,6 +871,25 @@ def _get(client, url: str, offset: int, size: int | None) -> tuple[bytes, int]:
     except (boto.ConnectionError, boto.HTTPClientError, boto.IncompleteReadError) as exc:
         cause = _typed_cause(exc) or "connection lost"
         raise _OUTAGE_TYPES[cause](f"{url}: {cause} ({exc})") from None
+
+
+def _get(client, url: str, offset: int, size: int | None) -> tuple[bytes, int]:
+    """One GET of ``size`` bytes from ``offset`` (None: to the end), and the object's size;
+    botocore's errors as the ``OSError`` that pyarrow's client would raise."""
+    from botocore import exceptions as boto
+
+    bucket, _, key = url.split("://", 1)[1].partition("/")
+    end = "" if size is None else offset + size - 1
+    if size == 0:  # no range names zero bytes (S3 answers an invalid one with all)
+        return b"", offset
+    def ranged() -> tuple[dict, bytes]:
+        answer = client.get_object(Bucket=bucket, Key=key, Range=f"bytes={offset}-{end}")
+        return answer, answer["Body"].read()
+
+    try:
+        answer, data = _boto(url, ranged)
+    except boto.ClientError as exc:  # from past the end (an empty object's every range)
+        return b"", int(exc.response.get("Error", {}).get("ActualObjectSize") or 0)
     span = answer.get("ContentRange") or ""
     total = int(span.rsplit("/", 1)[1]) if "/" in span else offset + len(data)
     return data, total

@@ -35,6 +35,26 @@ def test_listing_is_sorted_recursive_and_relative(s3):
     assert storage.kind(f"{s3.url}/nothing") == "missing"
 
 
+def test_a_prefix_is_listed_a_page_at_a_time(s3):
+    """Its first objects come once the first page (1,000 keys) is listed, before the next
+    page is asked for; in sorted order, folder markers passed over, stamped by ETag."""
+    from objectstore import RequestLog
+
+    client = s3.client()
+    keys = [f"{i:05d}.png" for i in range(1003)]
+    for key in keys:
+        client.put_object(Bucket=s3.name, Key=f"many/{key}", Body=b"x")
+    client.put_object(Bucket=s3.name, Key="many/sub/", Body=b"")
+    with RequestLog(s3) as log:
+        listing = storage.iter_files(f"{s3.url}/many")
+        first = next(listing)
+        lists_before_the_first = log.counts["GET"]
+        rest = list(listing)
+    assert lists_before_the_first == 1 and log.counts["GET"] == 2
+    assert [first.key, *(o.key for o in rest)] == keys
+    assert first.etag and storage.stamp(first.url) == f"1 {first.etag}"
+
+
 def test_ranges_upload_and_stamp(s3):
     url = s3.put("obj.bin", bytes(range(100)))
     assert storage.read_range(url, 10, 5) == bytes(range(10, 15))

@@ -157,8 +157,8 @@ def stream_inputs(found: Discovery, inputs: Iterable[str], files_from: str | Non
                   keep_columns: Sequence[str] = ()) -> Iterator[InputItem]:
     """Expand folders and files (and an optional path list) into items, in input order, as
     the listing reaches them: a folder is walked entry by entry (``iter_folder``), a
-    prefix's objects taken in its listing's order (``storage.list_files``, which lists the
-    prefix whole), a path list's lines taken in order (the list is read whole and refused
+    prefix's objects taken in its listing's order (``storage.iter_files``: on S3 a
+    page at a time), a path list's lines taken in order (the list is read whole and refused
     before its first line when none of its paths exists); a container (``.parquet``/``.arrow``/``.feather`` table, ``.tar``
     shard) is indexed when it is reached. Every key is unique (``UniqueKeys``).
 
@@ -372,7 +372,7 @@ def discover_url(raw: str, state: _Listing, prefix_roots: bool) -> Iterator[Inpu
     state.walked += 1
     shards: list[tuple[str, str]] = []
     images = 0
-    for obj in storage.list_files(raw):
+    for obj in storage.iter_files(raw):
         if not is_image_name(obj.key):
             if container_kind(obj.key) is not None:
                 shards.append((obj.key, obj.url))

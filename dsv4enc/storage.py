@@ -679,7 +679,7 @@ def iter_files(url: str) -> Iterator[ObjectInfo]:
 
 
 def _pages(client, url: str) -> Iterator[ObjectInfo]:
-    """The objects under the S3 prefix ``url``, one ``ListObjectsV2`` page at a time, each
+    """The objects under the S3 prefix ``url``, one ListObjectsV2 page at a time, each
     page retried as a read is (``retrying``), folder markers (``dir/``) passed over."""
     bucket, _, path = url.split("://", 1)[1].partition("/")
     prefix = f"{path.strip('/')}/" if path.strip("/") else ""
@@ -849,7 +849,7 @@ def _make_direct(options: dict):
 
 def _boto(url: str, call: Callable[[], T]) -> T:
     """``call()`` of botocore's client, its errors as the ``OSError`` that pyarrow's client
-    would raise; an ``InvalidRange`` answer is left as botocore's ``ClientError``."""
+    would raise; an InvalidRange answer is left as botocore's ClientError."""
     from botocore import exceptions as boto
 
     try:

@@ -155,8 +155,5 @@ def select_attention(name: str, device: torch.device | str) -> tuple[str, Attent
         name = available_backends(device)[0]
     if name in ("flash", "varlen") and device.type != "cuda":
         raise UsageError(f"attention {name!r} needs a CUDA device, not {device}")
-    if name == "flash":
-        return name, flash_attention_fn()
-    if name == "varlen":
-        return name, varlen_attention_fn()
-    return name, sdpa_attention
+    makers = {"flash": flash_attention_fn, "varlen": varlen_attention_fn}
+    return name, makers[name]() if name in makers else sdpa_attention

@@ -90,13 +90,29 @@ def locate_tower_tensors(folder: Path) -> dict[str, Path]:
 
 
 def _header_keys(path: Path) -> list[str]:
+    with open_safetensors(path) as handle:
+        return list(handle.keys())
+
+
+def open_safetensors(path: Path, named_for: str | None = None):
+    """``safe_open`` of ``path``, its failures as one-line WeightsErrors (``named_for``: the
+    tensor the index named the file for)."""
+    if not path.is_file():
+        hint = f" (named by the index for {named_for})" if named_for else ""
+        raise WeightsError(f"weights file not found: {path}{hint}")
     try:
-        with safe_open(str(path), framework="pt") as handle:
-            return list(handle.keys())
-    except FileNotFoundError:
-        raise WeightsError(f"weights file not found: {path}") from None
+        return safe_open(str(path), framework="pt")
     except Exception as exc:  # safetensors raises its own error types for bad headers
         raise WeightsError(f"{path}: not a readable safetensors file ({exc})") from None
+
+
+def checked_shape(handle, name: str, shapes: dict[str, tuple[int, ...]]) -> list[int]:
+    """The stored shape of tensor ``name`` in ``handle``, once it is ``shapes[name]``."""
+    shape = list(handle.get_slice(name).get_shape())
+    if tuple(shape) != shapes[name]:
+        raise WeightsError(f"tower tensor {name} has shape {shape}, "
+                           f"expected {list(shapes[name])}")
+    return shape
 
 
 def read_tower_tensors(located: dict[str, Path], cfg: VisionConfig, dtype: torch.dtype,
@@ -112,26 +128,18 @@ def read_tower_tensors(located: dict[str, Path], cfg: VisionConfig, dtype: torch
     tensor_digests: dict[str, bytes] = {}
     state: dict[str, torch.Tensor] = {}
     for path, names in sorted(by_file.items()):
-        if not path.is_file():
-            raise WeightsError(f"weights file not found: {path} (named by the index for {names[0]})")
-        try:
-            handle_cm = safe_open(str(path), framework="pt")
-        except Exception as exc:
-            raise WeightsError(f"{path}: not a readable safetensors file ({exc})") from None
-        with handle_cm as handle:
+        with open_safetensors(path, named_for=names[0]) as handle:
             available = set(handle.keys())
             for name in names:
                 if name not in available:
                     raise WeightsError(f"{path}: index names tower tensor {name}, "
                                        "but the file does not hold it")
-                shape = tuple(handle.get_slice(name).get_shape())
-                if shape != shapes[name]:
-                    raise WeightsError(f"tower tensor {name} has shape {list(shape)}, "
-                                       f"expected {list(shapes[name])}")
+                shape = tuple(checked_shape(handle, name, shapes))
                 try:
                     tensor = handle.get_tensor(name)
                 except Exception as exc:
-                    raise WeightsError(f"tower tensor {name} in {path}: cannot read ({exc})") from None
+                    raise WeightsError(f"tower tensor {name} in {path}: "
+                                       f"cannot read ({exc})") from None
                 if tensor.dtype not in FLOAT_DTYPES:
                     raise WeightsError(f"tower tensor {name} has unsupported dtype "
                                        f"{str(tensor.dtype).removeprefix('torch.')}")

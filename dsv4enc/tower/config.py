@@ -28,8 +28,8 @@ _FLAT_TO_FIELD = {
     "vision_max_wh_ratio": ("max_wh_ratio", "max_wh_ratio"),
 }
 
-# The checkpoints dsv4enc encodes for, by config.json ``model_type``. Both have the same tower;
-# the image geometry (``tower/transform``) differs, and is chosen from this, never guessed from sizes.
+# The checkpoints dsv4enc encodes for, by config.json ``model_type``. Both have the same
+# tower; the image geometry (``tower/transform``) differs, chosen from this, never from sizes.
 DEEPSEEK_V4 = "deepseek_v4"
 DEEPSEEK_V41 = "deepseek_v41"
 MODEL_NAMES = {DEEPSEEK_V4: "DeepSeek-V4", DEEPSEEK_V41: "DeepSeek-V4.1"}

@@ -15,9 +15,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
-from .checkpoint import checked_shapes, locate_tower_tensors
+from .checkpoint import (checked_shape, checked_shapes, locate_tower_tensors,
+                         open_safetensors)
 from .config import VisionConfig
 from .hub import resolve_weights
 from ..errors import OutputError, WeightsError
@@ -78,18 +78,12 @@ def extract_tower(source: str | os.PathLike, out: str | os.PathLike,
         for name in names:
             path = located[name]
             if path not in handles:
-                if not path.is_file():
-                    raise WeightsError(f"weights file not found: {path}")
-                handles[path] = safe_open(str(path), framework="pt")
-            info = handles[path].get_slice(name)
-            shape = list(info.get_shape())
-            if tuple(shape) != shapes[name]:
-                raise WeightsError(f"tower tensor {name} has shape {shape}, "
-                                   f"expected {list(shapes[name])}")
-            size = _nbytes(info.get_dtype(), shape, name)
-            header[name] = {"dtype": info.get_dtype(), "shape": shape,
-                            "data_offsets": [offset, offset + size]}
-            offset += size
+                handles[path] = open_safetensors(path)
+            shape = checked_shape(handles[path], name, shapes)
+            dtype = handles[path].get_slice(name).get_dtype()
+            end = offset + _nbytes(dtype, shape, name)
+            header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, end]}
+            offset = end
         blob = json.dumps(header, separators=(",", ":")).encode()
         blob += b" " * (-len(blob) % 8)  # data starts 8-byte aligned
 

@@ -48,15 +48,11 @@ def compiled(fn: Callable, dynamic: bool = True) -> Callable:
 
 
 def fuse_elementwise(model: VisionTower, dynamic: bool = True) -> VisionTower:
-    """Install compiled elementwise functions on every block of ``model`` (in place); they
-    compile at the first forward.
-
-    ``dynamic``: shape-generic kernels, for an Engine that meets batches of any shape (one
-    kernel serves every row count, so a row's value never depends on its batch); False:
-    kernels specialized to the one shape of an Engine that runs every batch at one shape
-    (``engine.runs_one_shape``, which ``engine/factory.build_model`` asks). Raises UsageError
-    when this torch cannot compile (no inductor, no C++ compiler found).
-    """
+    """Install compiled elementwise functions on every block of ``model`` (in place; they
+    compile at the first forward). ``dynamic``: one shape-generic kernel for every row count,
+    so a row's value never depends on its batch; False: kernels specialized to the one shape
+    of an Engine that runs every batch at one shape (``engine.runs_one_shape``). Raises
+    UsageError when this torch cannot compile (no inductor, no C++ compiler found)."""
     try:
         import torch._inductor  # noqa: F401  (the backend torch.compile uses)
     except Exception as exc:  # pragma: no cover - depends on the torch build

@@ -114,7 +114,8 @@ def _rope_block(first: int, inv_freq: np.ndarray) -> tuple[np.ndarray, np.ndarra
     return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
 
 
-def rope_table(cfg: VisionConfig, device: torch.device | str, positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_table(cfg: VisionConfig, device: torch.device | str,
+               positions: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-axis RoPE tables covering at least ``positions`` positions on ``device``.
 
     Returns cos, sin: (P, rd/2) float32, P >= positions a multiple of ROPE_BLOCK. Cached per

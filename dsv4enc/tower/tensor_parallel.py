@@ -54,14 +54,11 @@ def apply_tensor_parallel(model: VisionTower, rank: int, world_size: int,
     """Slice ``model`` in place into rank ``rank``'s tensor-parallel shard of ``world_size``
     (``all_reduce``: ``run/dist.DistContext.all_reduce_sum``).
 
-    wqkv (q, k, v each by heads), mlp.w1 (gate, up each by halves) and aligner.w1 keep
-    their share of output rows; wo, mlp.w2 and aligner.w2 keep their share of input columns
-    and get an all-reduce ``combine`` hook that adds their bias after the sum. Patch embed
-    and norms stay whole, so activations between blocks are full width, identical on every
-    rank. Returns False, leaving the model untouched, when the world size is 1 or does not
-    divide the heads, the MLP width and the aligner width (the caller then runs data
-    parallel).
-    """
+    wqkv (by heads), mlp.w1 (gate, up by halves) and aligner.w1 keep their share of output
+    rows; wo, mlp.w2 and aligner.w2 their share of input columns, with an all-reduce
+    ``combine`` hook that adds the bias after the sum. Patch embed and norms stay whole, so
+    activations between blocks are identical on every rank. Returns False, model untouched,
+    when the world size is 1 or does not divide the heads, MLP and aligner widths."""
     cfg, world = model.cfg, world_size
     if world == 1:
         return False

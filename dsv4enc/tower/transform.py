@@ -160,13 +160,9 @@ def _solve_resize_v41(W: float, H: float, p: int, r: int, b: int) -> tuple[int, 
 
 
 def max_image_tokens(cfg: VisionConfig) -> int:
-    """Most patches one transformed image can have: r^2 * (budget - 3), where the budget is
-    max_n_token - 3 for V4 and the full max_n_token for V4.1.
-
-    A canvas's LLM-token count is within the budget and at least lh*lw + lh + 2 >= lh*lw + 3,
-    and n_h*n_w <= r^2 * lh*lw. V4.1 reaches it: a very wide image becomes one row of
-    max_n_token - 3 cells.
-    """
+    """Most patches one transformed image can have: r^2 * (budget - 3), the budget being
+    max_n_token - 3 for V4 and max_n_token for V4.1. (A canvas spends at least lh*lw + 3 LLM
+    tokens and has n_h*n_w <= r^2 * lh*lw; a very wide V4.1 image reaches the bound.)"""
     budget = cfg.max_n_token if cfg.is_v41 else cfg.max_n_token - 3
     return cfg.downsample_ratio ** 2 * (budget - 3)
 

@@ -1,8 +1,7 @@
 """Domain errors: anything a user can fix (setup, options, weights, output path).
 
-The CLI turns these into a one-line message and a non-zero exit, never a traceback.
-Bad *images* are not errors of this kind: they become rows with an ``error`` value.
-"""
+The CLI turns these into a one-line message and a non-zero exit, never a traceback. Bad
+*images* are not errors of this kind: they become rows with an ``error`` value."""
 
 from __future__ import annotations
 
@@ -42,8 +41,7 @@ class OutputError(DsvError):
 
 
 class StorageError(DsvError):
-    """Object storage that cannot be used: a missing bucket, denied access, a store that
-    does not answer while the run is set up."""
+    """Object storage that cannot be used: a missing bucket, denied access, no answer at setup."""
 
 
 class AlreadyComplete(DsvError):

@@ -1,22 +1,21 @@
 """Pause points: places where a run waits for a test's go-ahead.
 
 A test that stops, signals, kills or observes a run midway must never bet that the machine
-is slow enough ("surely it is still encoding when its first part commits"): on a faster CPU
-the run is over before the test looks. Instead the test names the points it wants:
+is slow enough: on a faster CPU the run is over before the test looks. Instead it names the
+points it wants:
 
     DSV4ENC_PAUSE_AT=commit,encoded  DSV4ENC_PAUSE_DIR=/some/folder
 
-Each time the run reaches a named point, it writes ``FOLDER/POINT.N.json`` (N counts from 1
-per point; the JSON holds what the point reports, such as the images done) and then waits
-until ``FOLDER/POINT.N.go`` or ``FOLDER/go`` exists (``go`` releases every later pause too).
+At each named point the run writes ``FOLDER/POINT.N.json`` (N counts from 1 per point; the
+JSON holds what the point reports, such as the images done), then waits until
+``FOLDER/POINT.N.go`` or ``FOLDER/go`` exists (``go`` releases every later pause too).
 Without those variables, as in every real run, a point costs one environment lookup.
 
-The points: ``commit`` (a part was committed: a kill now loses nothing before it) and
-``encoded`` (a batch's rows were counted in the progress), and under ``--engine ray``
-``segment`` (an encoder actor is about to encode a part; it reports its ``pid``),
-``written`` (an encoder actor wrote a part's file, not yet reported or committed) and
-``upload`` (the child process that uploads a single-file output to object storage sent
-another chunk of it; it reports its ``pid`` and the bytes ``sent``).
+The points: ``commit`` (a part was committed: a kill now loses nothing before it),
+``encoded`` (a batch's rows were counted in the progress), ``upload`` (the child that uploads
+a single-file output to a store sent a chunk; it reports its ``pid`` and the bytes ``sent``),
+and under ``--engine ray`` ``segment`` (an encoder actor is about to encode a part; it reports
+its ``pid``) and ``written`` (an actor wrote a part's file, not yet reported or committed).
 """
 
 from __future__ import annotations

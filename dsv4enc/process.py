@@ -1,8 +1,7 @@
-"""Process-wide settings, made only in processes dsv4enc owns: the command line (each
-torchrun rank) and the benchmark. The library (``api.Encoder``, ``run_encode``) never makes them:
-a program that imports dsv4enc keeps its allocator and its loggers as it set them. (Pillow's
-are ``decode.own_process_pillow_settings``.)
-"""
+"""Process-wide settings, made only in processes dsv4enc owns: the command line (each torchrun
+rank) and the benchmark. The library (``api.Encoder``, ``run_encode``) never makes them: a
+program that imports dsv4enc keeps its allocator and loggers as it set them. (Pillow's are
+``decode.own_process_pillow_settings``.)"""
 
 from __future__ import annotations
 
@@ -17,10 +16,9 @@ if TYPE_CHECKING:  # decode workers import this module and must not import torch
 
 _heap_tuned = False
 
-
 #: torch intra-op threads of a GPU run's main process (unless OMP_NUM_THREADS says otherwise).
-#: One: its CPU work is copies (patches are packed by numpy), and a second OpenMP thread
-#: spins after each copy (measured in benchmarks/RESULTS.md).
+#: One: its CPU work is small copies (numpy packs the patches) beside one decode worker per
+#: core, and a second OpenMP thread spins after each copy (measured in benchmarks/RESULTS.md).
 CUDA_HOST_THREADS = 1
 
 
@@ -32,22 +30,19 @@ def own_process_settings(device: "torch.device") -> None:
     logging.getLogger("torch.nn.attention.varlen").setLevel(logging.WARNING)
     keep_freed_memory_mapped()  # CUDA runs too: their host side allocates MBs per image
     if device.type == "cuda" and "OMP_NUM_THREADS" not in os.environ:
-        # Its CPU work is small copies beside one decode worker per core: torch's default
-        # pool would wake (and spin) a thread per core for each.
         torch.set_num_threads(min(torch.get_num_threads(), CUDA_HOST_THREADS))
 
 
 def keep_freed_memory_mapped(largest_mapped: int = 1 << 30,
                              keep_free: int = (1 << 31) - 1) -> None:
-    """On glibc, serve large CPU buffers from the heap and keep freed heap memory mapped:
-    otherwise every buffer above a few MB is a fresh mmap that the kernel faults in and zeroes
-    page by page, and a forward, a run's host side and a decode worker allocate such buffers
-    per image (the cost: benchmarks/RESULTS.md). Once per process.
+    """On glibc, serve large CPU buffers from the heap and keep freed heap memory mapped, once
+    per process: otherwise each buffer above a few MB, allocated per image by a forward, a run's
+    host side and a decode worker, is a fresh mmap the kernel faults in and zeroes page by page
+    (the cost: benchmarks/RESULTS.md).
 
-    ``largest_mapped``: buffers up to this size come from the heap; ``keep_free``: freed
-    memory at the heap's top is returned to the OS only beyond this. The defaults keep all of
-    it (the command line's process); a decode worker passes bounds, so that one huge image
-    does not leave its memory mapped.
+    ``largest_mapped``: buffers up to this size come from the heap; ``keep_free``: freed memory
+    at the heap's top goes back to the OS only beyond this. The defaults keep it all (the
+    command line); a decode worker passes bounds, so that a huge image leaves no memory mapped.
     """
     global _heap_tuned
     if _heap_tuned or not sys.platform.startswith("linux"):

@@ -1,11 +1,10 @@
 """Object storage (``s3://``, ``gs://``, and what fsspec reaches) behind one small facade.
 
-Everything dsv4enc reads from or writes to a URL goes through here; local paths never come
-here (``is_url`` decides). The file systems are pyarrow's, fsspec's for other schemes
-(wrapped in ``pyarrow.fs.PyFileSystem``), and botocore's client for an ``s3://`` read in one
-ranged GET where the options allow (``DIRECT_OPTIONS``). A store that stops answering fails
-loudly, within a bound the retry policy sets (``StoreHealth``). Messages name the URL and
-the kind of failure, never an option value.
+Every URL dsv4enc reads or writes goes through here; local paths never do (``is_url``). The
+file systems are pyarrow's, or fsspec's in ``pyarrow.fs.PyFileSystem``; an ``s3://`` read is
+one ranged GET through botocore's client where the options allow (``DIRECT_OPTIONS``). A store
+that stops answering fails loudly, within a bound the retry policy sets (``StoreHealth``).
+Messages name the URL and the kind of failure, never an option value.
 """
 
 from __future__ import annotations
@@ -20,7 +19,7 @@ import shutil
 import sys
 import threading
 import time
-from contextlib import suppress
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from typing import IO, TYPE_CHECKING, Callable, Iterator, TypeVar
 
@@ -45,12 +44,10 @@ CONNECT_TIMEOUT_S = 1.0
 REQUEST_TIMEOUT_S = 3.0
 #: What the SDK spends between its tries and on its clocks' granularity, per try.
 SDK_SLACK_S = 1.0
-#: Default of ``--storage-outage-s``: how long every call to a store may fail (each after its
-#: retries) before the run stops.
+#: Default of ``--storage-outage-s``: how long every call to a store may fail before a run stops.
 OUTAGE_S = 60.0
 _OUTAGE_ENV = "DSV4ENC_STORAGE_OUTAGE_S"
-#: The environment variables that carry ``configure`` and ``set_outage_s`` to child
-#: processes (decode workers inherit them; Ray actors are handed them).
+#: What carries ``configure`` and ``set_outage_s`` to child processes (decode workers, Ray actors).
 SETTINGS_ENV = (_OPTIONS_ENV, _OUTAGE_ENV)
 #: The error of a row whose input could not be read because its store was not answering: a
 #: transient error (``output/parts.TRANSIENT_ERRORS``), its part is encoded again on --resume.
@@ -92,19 +89,16 @@ def parse_option(text: str) -> tuple[str, object]:
     if lowered in ("true", "false"):
         return key, lowered == "true"
     for kind in (int, float):
-        try:
+        with suppress(ValueError):
             return key, kind(value)
-        except ValueError:
-            pass
     return key, value
 
 
 def configure(options: list[str] | tuple[str, ...] | None) -> None:
-    """Set this process's storage options (``--storage-option key=value``, passed to the file
-    system's constructor) and pass them on to the processes it starts, through
-    ``DSV4ENC_STORAGE_OPTIONS`` (never printed). Credentials and endpoints otherwise come
-    from the SDK's standard places (``AWS_ACCESS_KEY_ID``, ``AWS_ENDPOINT_URL``, ...). Drops
-    the file systems and the stores' health learnt under other options."""
+    """Set the ``--storage-option key=value`` options (the file system's constructor's) of this
+    process and, through ``DSV4ENC_STORAGE_OPTIONS`` (never printed), of its children; drop the
+    file systems and stores' health learnt under other options. Credentials and endpoints
+    otherwise come from the SDK's standard places (``AWS_ACCESS_KEY_ID``, ...)."""
     parsed = dict(parse_option(text) for text in options or ())
     if parsed:
         os.environ[_OPTIONS_ENV] = json.dumps(parsed)
@@ -117,11 +111,10 @@ def configure(options: list[str] | tuple[str, ...] | None) -> None:
 
 
 def set_outage_s(seconds: float) -> None:
-    """``--storage-outage-s`` for this process and the processes it starts (a value that
-    is not positive is left to ``options.validate`` to refuse)."""
-    if not seconds > 0:
-        return
-    os.environ[_OUTAGE_ENV] = repr(float(seconds))
+    """``--storage-outage-s`` for this process and its children (a value that is not positive
+    is left to ``options.validate`` to refuse)."""
+    if seconds > 0:
+        os.environ[_OUTAGE_ENV] = repr(float(seconds))
 
 
 def outage_s() -> float:
@@ -149,11 +142,9 @@ _FILESYSTEMS: dict[tuple[str, int], "pafs.FileSystem"] = {}
 
 
 def _endpoint(options: dict) -> str | None:
-    """The S3 endpoint the options name (as botocore or as pyarrow calls it), else the
-    environment's."""
+    """The S3 endpoint the options name (botocore's or pyarrow's key), else the environment's."""
     return (options.get("endpoint_url") or options.get("endpoint_override")
-            or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
-            or None)
+            or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or None)
 
 
 def _env_region() -> str | None:
@@ -172,15 +163,12 @@ def _s3(url: str, options: dict) -> "pafs.FileSystem":
         region = _env_region()
         if region:
             kwargs["region"] = region
-        elif not endpoint:  # a real AWS bucket: ask where it lives
-            try:
+        elif not endpoint:  # a real AWS bucket: ask where it lives (else the SDK's default:
+            with suppress(OSError, ValueError):  # a wrong one fails with a clear line later)
                 kwargs["region"] = pafs.resolve_s3_region(_bucket(url))
-            except (OSError, ValueError):
-                pass  # the SDK's default; a wrong one fails with a clear line later
     # The SDK retries each request (3 tries, quick backoff); ``retrying`` adds slower rounds.
     # Its time limits are the SDK's defaults, set here so that ``stop_bound_s`` knows them.
-    kwargs.setdefault("retry_strategy",
-                      pafs.AwsStandardS3RetryStrategy(max_attempts=SDK_ATTEMPTS))
+    kwargs.setdefault("retry_strategy", pafs.AwsStandardS3RetryStrategy(max_attempts=SDK_ATTEMPTS))
     kwargs.setdefault("connect_timeout", CONNECT_TIMEOUT_S)
     kwargs.setdefault("request_timeout", REQUEST_TIMEOUT_S)
     return pafs.S3FileSystem(**kwargs)
@@ -196,15 +184,12 @@ def _make_filesystem(url: str) -> "pafs.FileSystem":
     scheme, options = scheme_of(url), _options()
     try:
         if scheme in ("s3", "s3a"):
-            try:
+            with suppress(ImportError):  # pyarrow built without S3: s3fs (dsv4enc[s3]) below
                 return _s3(url, options)
-            except ImportError:
-                pass  # pyarrow built without S3: s3fs (dsv4enc[s3]) below
         if scheme in ("gs", "gcs") and not options:
-            try:
+            # pyarrow built without GCS: fsspec's gcsfs below
+            with suppress(OSError, ValueError, NotImplementedError, ImportError):
                 return pafs.FileSystem.from_uri(url)[0]
-            except (OSError, ValueError, NotImplementedError, ImportError):
-                pass  # pyarrow built without GCS: fsspec's gcsfs below
         import fsspec
 
         return pafs.PyFileSystem(pafs.FSSpecHandler(fsspec.filesystem(
@@ -221,8 +206,7 @@ def _make_filesystem(url: str) -> "pafs.FileSystem":
 
 def filesystem(url: str) -> tuple["pafs.FileSystem", str]:
     """The file system for ``url`` (made once per process and scheme) and the path in it."""
-    scheme = scheme_of(url)
-    key = (scheme, os.getpid())
+    key = (scheme_of(url), os.getpid())
     with _LOCK:
         fs = _FILESYSTEMS.get(key)
         if fs is None:
@@ -238,8 +222,8 @@ def _first_line(exc: BaseException) -> str:
 
 
 def setup_problem(exc: BaseException) -> str | None:
-    """``"bucket not found"`` / ``"access denied"`` when ``exc`` says so: a setup error (one
-    line, exit 1), not a transient one."""
+    """``"bucket not found"`` / ``"access denied"`` when ``exc`` says so: a setup error, not a
+    transient one."""
     text = str(exc).upper()
     if "NO_SUCH_BUCKET" in text or "NOSUCHBUCKET" in text or "BUCKET DOES NOT EXIST" in text:
         return "bucket not found"
@@ -262,9 +246,17 @@ def setup_error(url: str, exc: BaseException) -> StorageError:
     return StorageError(describe(url, exc))
 
 
+@contextmanager
+def _setup_errors(url: str) -> Iterator[None]:
+    """The block's ``OSError`` raised as its ``setup_error``."""
+    try:
+        yield
+    except OSError as exc:
+        raise setup_error(url, exc) from None
+
+
 def store_of(url: str) -> str:
-    """The store a URL is in, as messages name it: ``s3://bucket`` (a scheme's first path
-    component, whatever the scheme)."""
+    """The store a URL is in, as messages name it: ``s3://bucket`` (whatever the scheme)."""
     return f"{scheme_of(url)}://{_bucket(url)}"
 
 
@@ -283,8 +275,7 @@ _BUSY_CODES = {"SlowDown": "slow down", "Throttling": "throttling",
 
 
 class ServerError(OSError):
-    """A store answered that it is failing or busy (an HTTP 5xx status, or a throttling
-    code): an outage, by its status rather than its message."""
+    """A store answered that it is failing or busy (HTTP 5xx, a throttling code): an outage."""
 
     def __init__(self, message: str, cause: str) -> None:
         super().__init__(message)
@@ -293,12 +284,10 @@ class ServerError(OSError):
 
 def outage_cause(exc: BaseException) -> str | None:
     """What an error says about a store that is not answering (``"connection refused"``,
-    ``"timed out"``, ``"connection lost"``, ``"server error (HTTP 503)"``), or None when it is
-    not such an error (a missing object, denied access, a bad request, ...).
-
-    By the error's kind first: its type, errno, or botocore's status and code, along its
-    ``__cause__`` chain. pyarrow's S3 and GCS clients raise a bare ``OSError`` whose only
-    account is its message, so those are read by their text (``_message_cause``)."""
+    ``"timed out"``, ``"connection lost"``, ``"server error (HTTP 503)"``), or None (a missing
+    object, denied access, a bad request, ...). Read from the kinds of the errors along its
+    ``__cause__`` chain (type, errno, botocore's status and code), else from its message:
+    pyarrow's S3 and GCS clients raise a bare ``OSError`` (``_message_cause``)."""
     if isinstance(exc, FileNotFoundError) or setup_problem(exc) is not None:
         return None
     seen: BaseException | None = exc
@@ -347,10 +336,9 @@ def _answer_cause(response: dict) -> str | None:
 
 
 def _message_cause(text: str) -> str | None:
-    """The fallback for errors that carry only a message (pyarrow's ``OSError``): the phrases
-    of its AWS SDK and libcurl (``curlCode: 7`` refused, ``28`` timed out, ``52/55/56`` lost),
-    and of its S3 error names. tests/test_storage_outage.py checks them against the messages
-    of the installed pyarrow and of earlier ones."""
+    """The cause in a message (pyarrow's ``OSError``): its AWS SDK's and libcurl's phrases
+    (``curlCode: 7`` refused, ``28`` timed out, ``52/55/56`` lost) and S3 error names, checked
+    against the messages of the installed pyarrow and earlier ones (test_storage_outage.py)."""
     if ("CURLCODE: 7," in text or "COULD NOT CONNECT" in text or "COULDN'T CONNECT" in text
             or "CONNECTION REFUSED" in text or "FAILED TO CONNECT" in text):
         return "connection refused"
@@ -399,8 +387,8 @@ class StoreDown(StorageError):
         self.args = (self._line(),)
 
     def __reduce__(self):  # pickled between ranks with every field (``kept`` and its line)
-        return StoreDown, (self.store, self.cause, self.seconds), {**self.__dict__,
-                                                                   "args": self.args}
+        state = {**self.__dict__, "args": self.args}
+        return StoreDown, (self.store, self.cause, self.seconds), state
 
 
 def down_error(url: str, exc: BaseException) -> StoreDown | None:
@@ -421,12 +409,10 @@ class StoreHealth:
     """What this process knows of one store's health: since when every call to it has
     failed, and why. Thread-safe.
 
-    Each call is retried (``retrying``); a call whose retries are all spent on an outage
-    (``outage_cause``: refused connections, timeouts, 5xx) marks its store as failing since
-    the first of those failures, and any answer clears the mark. Once a store has failed for
-    ``outage_s()`` (``--storage-outage-s``), it is down: calls fail at once
-    (``StoreUnavailable``) and ``check_stores`` (the run's loop calls it) raises
-    ``StoreDown``. ``stop_bound_s`` is how long after a store's last answer a run ends."""
+    A call whose retries (``retrying``) are all spent on an outage (``outage_cause``) marks
+    its store as failing since the first of those failures; any answer clears the mark. A
+    store that has failed for ``outage_s()`` is down: calls fail at once
+    (``StoreUnavailable``) and ``check_stores`` (the run's loop calls it) raises ``StoreDown``."""
 
     def __init__(self, store: str) -> None:
         self.store = store
@@ -444,8 +430,7 @@ class StoreHealth:
                 self._given_up = False
 
     def failed(self, cause: str, since: float | None = None) -> None:
-        """A call gave up on an outage whose first failure was at ``since`` (wall time;
-        default now)."""
+        """A call gave up on an outage that began at ``since`` (wall time; default now)."""
         since = _wall() if since is None else since
         with self._lock:
             if self.since is None or since < self.since:
@@ -474,9 +459,8 @@ class StoreHealth:
         raise StoreUnavailable(self.store, self.cause, self.since or _wall())
 
     def error(self, give_up: bool = True) -> StoreDown:
-        """The run's one line about this store. ``give_up``: the run stops on its account,
-        so from now on calls to it fail at once (the clean-up is quick), as for a store that
-        is down."""
+        """The run's one line about this store. ``give_up``: the run stops on its account, so
+        calls to it now fail at once (a quick clean-up), as for a store that is down."""
         with self._lock:
             if give_up and self.since is not None and not self._given_up:
                 self._given_up = True
@@ -529,8 +513,7 @@ def failing_store(give_up: bool = False) -> StoreDown | None:
 
 
 def attempt_bound_s(options: dict | None = None) -> float:
-    """The longest one attempt (the SDK's tries of one request) takes when the store does
-    not answer."""
+    """The longest one attempt (the SDK's tries of a request) takes when the store is silent."""
     options = _options() if options is None else options
     connect = float(options.get("connect_timeout") or CONNECT_TIMEOUT_S)
     request = float(options.get("request_timeout") or REQUEST_TIMEOUT_S)
@@ -547,13 +530,11 @@ def stop_bound_s(outage: float | None = None, options: dict | None = None) -> fl
 
 
 def retrying(what: Callable[[], T], *, store: str) -> T:
-    """``what()``, tried again with exponential backoff (``BACKOFF_S``, doubled each time, up
-    to ``ATTEMPTS`` tries) when it fails with an ``OSError`` that is not a setup problem or
-    a missing object (those are raised at once). The SDK retries each request first.
-
-    ``store`` (``store_of``) keeps its health record: once the store is down no attempt is
-    made (``StoreUnavailable`` at once, also between the attempts of a call in flight); a
-    call that spent its retries on an outage raises ``StoreUnavailable``."""
+    """``what()``, tried again after ``BACKOFF_S`` (doubled each time, up to ``ATTEMPTS`` tries)
+    when it fails with an ``OSError`` other than a setup problem or a missing object (raised at
+    once); the SDK retries each request first. Once ``store`` (``store_of``) is down, no more
+    attempts are made, not even within a call; a call that spent its retries on an outage,
+    or finds its store down, raises ``StoreUnavailable``."""
     record = health(store)
     first_failure: float | None = None
     for attempt in range(ATTEMPTS):
@@ -598,10 +579,9 @@ class ObjectInfo:
 _SEEN: dict[str, ObjectInfo] = {}
 
 
-def _info(url: str, info, key: str) -> ObjectInfo:
-    mtime = getattr(info, "mtime_ns", None)
-    found = ObjectInfo(url=url, key=key, size=int(info.size or 0), mtime_ns=mtime)
-    _SEEN[url] = found
+def _seen(url: str, key: str, size: int | None, mtime_ns: int | None,
+          etag: str | None = None) -> ObjectInfo:
+    found = _SEEN[url] = ObjectInfo(url, key, int(size or 0), mtime_ns, etag)
     return found
 
 
@@ -611,10 +591,10 @@ def kind(url: str) -> str:
     import pyarrow.fs as pafs
 
     fs, path = filesystem(url)
-    try:
+    with _setup_errors(url):
         info = retrying(lambda: fs.get_file_info(path), store=store_of(url))
         if info.type == pafs.FileType.File:
-            _info(url, info, url)
+            _seen(url, url, info.size, info.mtime_ns)
             return "file"
         if info.type == pafs.FileType.Directory:
             return "folder"
@@ -625,35 +605,29 @@ def kind(url: str) -> str:
         selector = pafs.FileSelector(path, recursive=False, allow_not_found=True)
         listed = retrying(lambda: fs.get_file_info(selector), store=store_of(url))
         return "folder" if listed else "missing"
-    except OSError as exc:
-        raise setup_error(url, exc) from None
 
 
 def _check_bucket(url: str) -> None:
     """A ``StorageError`` when the bucket of ``url`` does not exist."""
-    import pyarrow.fs as pafs
-
     if scheme_of(url) not in _BUCKET_SCHEMES:  # no buckets (memory://, ...): nothing to check
         return
     fs, _ = filesystem(url)
     bucket = _bucket(url)
     found = retrying(lambda: fs.get_file_info(bucket), store=store_of(url))
-    if found.type == pafs.FileType.NotFound:
+    if found.type.name == "NotFound":
         raise StorageError(f"{scheme_of(url)}://{bucket}: bucket not found")
 
 
 def list_files(url: str) -> list[ObjectInfo]:
-    """The objects under the prefix ``url``, recursively, sorted by key (a key is the object's
-    path below the prefix, posix). A missing bucket or a denied permission is a
-    ``StorageError``."""
+    """The objects under the prefix ``url``, recursively, sorted by key (its posix path below
+    the prefix). A missing bucket or a denied permission is a ``StorageError``."""
     return list(iter_files(url))
 
 
 def iter_files(url: str) -> Iterator[ObjectInfo]:
-    """``list_files`` as it is listed: on S3 (botocore's client) a page of up to 1,000
-    objects at a time, in the store's key order (UTF-8 bytes: the order of ``sorted``), so
-    that a caller starts on the first objects while the rest are listed; elsewhere the
-    whole listing, sorted."""
+    """``list_files`` as it is listed: on S3 (botocore's client) a page of up to 1,000 objects
+    at a time, in key order (UTF-8 bytes, as ``sorted``), so that a caller starts on the first
+    while the rest are listed; elsewhere the whole listing, sorted."""
     client = _direct(url)
     if client is not None:
         yield from _pages(client, url)
@@ -662,51 +636,43 @@ def iter_files(url: str) -> Iterator[ObjectInfo]:
 
     fs, path = filesystem(url)
     selector = pafs.FileSelector(path, recursive=True, allow_not_found=True)
-    try:
+    with _setup_errors(url):
         infos = retrying(lambda: fs.get_file_info(selector), store=store_of(url))
         if not infos:
             _check_bucket(url)
-    except OSError as exc:
-        raise setup_error(url, exc) from None
     prefix = f"{path.strip('/')}/"  # fsspec's paths may start with a slash, pyarrow's do not
     found = []
     for info in infos:
         full = info.path.lstrip("/")
         if info.type == pafs.FileType.File and full.startswith(prefix):
             key = full[len(prefix):]
-            found.append(_info(join(url, key), info, key))
+            found.append(_seen(join(url, key), key, info.size, info.mtime_ns))
     yield from sorted(found, key=lambda o: o.key)
 
 
 def _pages(client, url: str) -> Iterator[ObjectInfo]:
-    """The objects under the S3 prefix ``url``, one ListObjectsV2 page at a time, each
-    page retried as a read is (``retrying``), folder markers (``dir/``) passed over."""
+    """The objects under the S3 prefix ``url``, a retried ListObjectsV2 page at a time, folder
+    markers (``dir/``) passed over."""
     bucket, _, path = url.split("://", 1)[1].partition("/")
     prefix = f"{path.strip('/')}/" if path.strip("/") else ""
     args, first = {"Bucket": bucket, "Prefix": prefix}, True
     while True:
-        try:
-            page = retrying(lambda: _boto(url, lambda: client.list_objects_v2(**args)),
-                            store=store_of(url))
-        except FileNotFoundError:  # no such bucket: the message of every other listing
-            page = {}
-        except OSError as exc:
-            raise setup_error(url, exc) from None
-        try:
+        with _setup_errors(url):
+            try:
+                page = retrying(lambda: _boto(url, lambda: client.list_objects_v2(**args)),
+                                store=store_of(url))
+            except FileNotFoundError:  # no such bucket: the message of every other listing
+                page = {}
             if first and not page.get("Contents"):
                 _check_bucket(url)
-        except OSError as exc:
-            raise setup_error(url, exc) from None
         first = False
         for entry in page.get("Contents", []):
             key = entry["Key"][len(prefix):]
             if key and not key.endswith("/"):
                 modified = entry.get("LastModified")
                 mtime = int(modified.timestamp() * 1e9) if modified is not None else None
-                found = ObjectInfo(join(url, key), key, int(entry.get("Size") or 0), mtime,
-                                   str(entry.get("ETag") or "") or None)
-                _SEEN[found.url] = found
-                yield found
+                yield _seen(join(url, key), key, entry.get("Size"), mtime,
+                            str(entry.get("ETag") or "") or None)
         if not page.get("IsTruncated"):
             return
         args["ContinuationToken"] = page["NextContinuationToken"]
@@ -721,7 +687,7 @@ def stat(url: str) -> ObjectInfo:
     info = retrying(lambda: fs.get_file_info(path), store=store_of(url))
     if info.type.name != "File":
         raise FileNotFoundError(f"{url}: no such object")
-    return _info(url, info, url)
+    return _seen(url, url, info.size, info.mtime_ns)
 
 
 def stamp(url: str) -> str:
@@ -738,12 +704,8 @@ def stamp(url: str) -> str:
 def open_input(url: str):
     """A seekable, read-only file over the object (``pyarrow.NativeFile``): each read is a
     ranged request, so a reader takes only the bytes it needs."""
-    return retrying(lambda: _open(url), store=store_of(url))
-
-
-def _open(url: str):
     fs, path = filesystem(url)
-    return fs.open_input_file(path)
+    return retrying(lambda: fs.open_input_file(path), store=store_of(url))
 
 
 def read_range(url: str, offset: int, size: int) -> bytes:
@@ -773,9 +735,10 @@ def _read(url: str, offset: int, size: int | None, direct: bool = True) -> tuple
     client = _direct(url) if direct else None
     if client is not None:
         return retrying(lambda: _get(client, url, offset, size), store=store_of(url))
+    fs, path = filesystem(url)
 
     def attempt() -> tuple[bytes, int]:
-        with _open(url) as handle:
+        with fs.open_input_file(path) as handle:
             total = handle.size()
             if size is None:
                 return handle.read(), total
@@ -810,8 +773,7 @@ _DIRECT: dict[int, object] = {}  # by process: a botocore S3 client, or None (py
 
 
 def _direct(url: str):
-    """This process's botocore S3 client for ``s3://`` reads, or None (another scheme, no
-    botocore, or options only pyarrow takes)."""
+    """This process's botocore client for ``s3://`` reads, or None (other scheme or options)."""
     if scheme_of(url) not in ("s3", "s3a"):
         return None
     pid = os.getpid()
@@ -874,8 +836,7 @@ def _boto(url: str, call: Callable[[], T]) -> T:
 
 
 def _get(client, url: str, offset: int, size: int | None) -> tuple[bytes, int]:
-    """One GET of ``size`` bytes from ``offset`` (None: to the end), and the object's size;
-    botocore's errors as the ``OSError`` that pyarrow's client would raise."""
+    """One GET of ``size`` bytes from ``offset`` (None: to the end), and the object's size."""
     from botocore import exceptions as boto
 
     bucket, _, key = url.split("://", 1)[1].partition("/")
@@ -898,14 +859,10 @@ def _get(client, url: str, offset: int, size: int | None) -> tuple[bytes, int]:
 # ----------------------------------------------------------------------------- writing
 
 def exists(url: str) -> bool:
-    import pyarrow.fs as pafs
-
     fs, path = filesystem(url)
-    try:
+    with _setup_errors(url):
         found = retrying(lambda: fs.get_file_info(path), store=store_of(url))
-        return found.type != pafs.FileType.NotFound
-    except OSError as exc:
-        raise setup_error(url, exc) from None
+    return found.type.name != "NotFound"
 
 
 def upload(url: str, data: bytes) -> None:
@@ -914,31 +871,30 @@ def upload(url: str, data: bytes) -> None:
 
 
 def upload_file(path: "str | os.PathLike", url: str) -> None:
-    """Copy the local file ``path`` to the object ``url``, streamed (a multipart upload for
-    a large file): the object appears whole, when the upload completes, or not at all. No
-    folder marker objects are made (``pyarrow.fs.copy_files`` would make them)."""
+    """Copy the local file ``path`` to the object ``url``, streamed (multipart when large): it
+    appears whole or not at all, with no folder markers (``pyarrow.fs.copy_files`` makes them)."""
     _put(url, lambda: open(path, "rb"))
 
 
 def _put(url: str, source: Callable[[], IO[bytes]]) -> None:
     # The source is opened first: a stream closed by an error would publish what it holds.
     fs, target = filesystem(url)
-
-    def attempt() -> None:
-        with source() as data, fs.open_output_stream(target) as out:
-            shutil.copyfileobj(data, out, COPY_BYTES)
-
-    retrying(attempt, store=store_of(url))
+    _copy(url, source, lambda: fs.open_output_stream(target))
     _SEEN.pop(url, None)
 
 
 def download(url: str, path: "str | os.PathLike") -> None:
     """Copy the object ``url`` to the local file ``path``, streamed."""
     fs, source = filesystem(url)
+    _copy(url, lambda: fs.open_input_stream(source), lambda: open(path, "wb"))
+
+
+def _copy(url: str, source: Callable[[], IO[bytes]], target: Callable[[], IO[bytes]]) -> None:
+    """Stream ``source()`` into ``target()`` (opened in that order), retried on ``url``'s store."""
 
     def attempt() -> None:
-        with fs.open_input_stream(source) as stream, open(path, "wb") as out:
-            shutil.copyfileobj(stream, out, COPY_BYTES)
+        with source() as data, target() as out:
+            shutil.copyfileobj(data, out, COPY_BYTES)
 
     retrying(attempt, store=store_of(url))
 
@@ -978,11 +934,9 @@ def upload_file_whole(path: "str | os.PathLike", url: str) -> None:
     pyarrow's output stream completes its multipart upload when it is closed, also when an
     exception unwinds through it (apache/arrow#40502). So a child process writes the stream
     and closes it only once every byte was sent; on an error it exits without closing it,
-    and a signal here kills it: the upload is never completed, and ``url`` keeps no object
-    (or the one it held); the upload it left open is then aborted (``abort_uploads``).
-    Schemes without buckets
-    (fsspec's) are written here as ``upload_file`` does: a child would not share, e.g.,
-    ``memory://``'s store."""
+    and a signal here kills it: ``url`` keeps no object (or the one it held), and the upload
+    left open is aborted (``abort_uploads``). Schemes without buckets (fsspec's) are written
+    here as ``upload_file`` does: a child would not share, e.g., ``memory://``'s store."""
     import subprocess
 
     if scheme_of(url) not in _BUCKET_SCHEMES:
@@ -1011,10 +965,9 @@ def upload_file_whole(path: "str | os.PathLike", url: str) -> None:
 
 
 def abort_uploads(url: str) -> None:
-    """Abort the multipart uploads left open at the key ``url`` (by an ``upload_file_whole``
-    child that stopped before it completed its own), so that the store drops their parts.
-    Needs botocore's client (``s3://``); elsewhere, or when the store does not answer, they
-    are left to the bucket's lifecycle rule. The output's lock keeps other runs off the key."""
+    """Abort the multipart uploads an ``upload_file_whole`` child left open at the key ``url``,
+    so that the store drops their parts (the output's lock keeps other runs off the key). On
+    ``s3://`` only (botocore's client); elsewhere, or with no answer, a lifecycle rule must."""
     client = _direct(url)
     if client is None:
         return

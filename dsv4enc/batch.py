@@ -37,28 +37,20 @@ _INT_COLUMNS = OUTPUT_COLUMNS[1:7]
 _NOT_ENCODER_OPTIONS = frozenset({"weights", "config", "seed", "max_pixels", "image_column",
                                   "key_column", "layout", "keep_columns"})
 
-#: Whether this process was forked from one that imported this module (``datasets.map``
-#: with ``num_proc``, a fork ``multiprocessing`` pool). Set by the fork hook below, read and
-#: cleared by ``_fork_safe_threads``.
-_forked = False
-
-
-def _note_fork() -> None:
-    global _forked
-    _forked = True
-
-
-os.register_at_fork(after_in_child=_note_fork)
+#: The process whose torch threads ``_fork_safe_threads`` last set (or that imported this
+#: module): another pid is a forked child (``datasets.map`` with ``num_proc``, a fork
+#: ``multiprocessing`` pool).
+_threads_pid = os.getpid()
 
 
 def _fork_safe_threads() -> None:
-    """One torch intra-op thread in a forked child, set once per fork: a child forked from a
-    process whose OpenMP threads ran waits for good in its first parallel region (the fork
+    """One torch intra-op thread in a forked child, set once per process: a child forked from
+    a process whose OpenMP threads ran waits for good in its first parallel region (the fork
     copied no threads), while one thread runs inline. (A spawned worker is a fresh process
     and keeps torch's default.)"""
-    global _forked
-    if _forked:
-        _forked = False
+    global _threads_pid
+    if os.getpid() != _threads_pid:
+        _threads_pid = os.getpid()
         import torch
 
         torch.set_num_threads(1)
@@ -68,36 +60,30 @@ class BatchEncoder:
     """A batch function: a table of images in, ``dsv4enc encode``'s rows out.
 
     ``weights``: a checkpoint folder or Hub id (as ``--weights``; default ``DSV4ENC_WEIGHTS``);
-    or ``config`` (a config.json path or dict) with ``seed`` for random weights (as
-    ``--config ... --random-init``).
+    or ``config`` (a config.json path or dict) with ``seed`` for random weights.
 
     Columns in: ``image_column`` holds encoded image bytes, paths (local or object-store
-    URLs), Hugging Face ``{"bytes", "path"}`` dicts (``Image(decode=False)``), PIL images or
-    uint8 arrays; ``key_column`` (optional, any type, written as text) names each row's
-    ``path``. Without a key, a path names its row (a ``{bytes, path}`` dict: its ``path``),
-    and anything else is ``#N``, its position in the batch: give a key column when the
-    images are bytes. Bytes are read as any of the accepted formats, a path only as the
-    format its extension names, as on the command line.
+    URLs), ``{"bytes", "path"}`` dicts, PIL images or uint8 arrays; ``key_column`` (optional,
+    any type, written as text) names each row's ``path``. Without a key, a path names its row
+    (a dict: its ``path``), and anything else is ``#N``, its position in the batch. Bytes are
+    read as any accepted format, a path only as the format its extension names.
 
     ``keep_columns`` (default True): the batch's other columns (the key column too, with its
     type) follow the output columns, as they came; a column named as an output column is
     replaced by it. False: the output columns only.
 
-    Options as for ``dsv4enc encode``: ``features`` (aligner|vit), ``pool`` (none|mean),
-    ``out_dtype`` (float16, the default, or float32), ``layout`` (binary|nested),
-    ``max_pixels``; and as for ``Encoder``: ``device``, ``dtype``, ``batch_tokens``,
-    ``max_images``, ``decode_threads``, ``attention``, ``cuda_graphs``, ``deterministic``
-    (default True), ``fused``.
+    Options as for ``dsv4enc encode`` (``features``, ``pool``, ``out_dtype``: float16 by
+    default, ``layout``, ``max_pixels``) and as for ``Encoder`` (``device``, ``dtype``,
+    ``batch_tokens``, ``max_images``, ``decode_threads``, ``attention``, ``cuda_graphs``,
+    ``deterministic``, ``fused``).
 
-    A bad image is an error row; only what is no image's fault raises: a column that is
-    missing, or an embedding that is not finite in ``out_dtype`` (``api.EncodeError``, as
-    ``dsv4enc encode`` fails its run: use ``out_dtype="float32"``).
+    Only what is no image's fault raises: a missing column, or an embedding not finite in
+    ``out_dtype`` (``api.EncodeError``: use ``out_dtype="float32"``).
 
     Pickling sends the recipe (weights, config and options), not the tensors: an unpickled
-    copy loads its own weights, so a pipeline that ships the function to workers (``datasets``
-    with ``num_proc``, Spark) loads them once per worker, and ``datasets``' cache fingerprint
-    is cheap. In a forked process (``num_proc``, or this object crossing a fork) it builds
-    its own engine and runs torch on one thread. Not thread-safe: one per thread.
+    copy loads its own weights (once per worker of ``datasets`` with ``num_proc``, Spark), and
+    ``datasets``' cache fingerprint is cheap. In a forked process it builds its own engine and
+    runs torch on one thread. Not thread-safe: one per thread.
     """
 
     def __init__(self, weights: str | os.PathLike | None = None, *,
@@ -145,8 +131,8 @@ class BatchEncoder:
         return Encoder.from_config(recipe["config"], seed=recipe["seed"], **options)
 
     def _own_encoder(self) -> "Encoder":
-        """The encoder, rebuilt first when this object crossed a fork: a forked process builds
-        its own engine (never runs the parent's threads' or device's state)."""
+        """The encoder, rebuilt first when this object crossed a fork (a forked process never
+        runs the parent's threads' or device's state)."""
         if os.getpid() != self.pid:
             self.pid = os.getpid()
             self.encoder = self._build()
@@ -183,9 +169,7 @@ class BatchEncoder:
     # -- the call ----------------------------------------------------------------------
     def __call__(self, batch: Any) -> Any:
         """Encode one batch; returns its rows as the same kind of batch (see the class)."""
-        kind, images, keys = self.columns(batch)
-        table = self.encode_table(images, keys)
-        kept = self.kept_columns(batch)  # as they came, after the output's
+        kind, table, kept = self._encode(batch)
         if kind in ("table", "record_batch"):
             for name in kept:
                 table = table.append_column(name, batch.column(name))
@@ -198,9 +182,7 @@ class BatchEncoder:
     def table(self, batch: Any) -> pa.Table:
         """The batch's rows as a pyarrow Table, whatever kind of batch came in: the output
         columns (``self.schema``), then the kept columns, each as pyarrow reads it."""
-        kind, images, keys = self.columns(batch)
-        table = self.encode_table(images, keys)
-        kept = self.kept_columns(batch)
+        kind, table, kept = self._encode(batch)
         if kept and kind == "pandas":
             batch = pa.Table.from_pandas(batch[kept], preserve_index=False)
         for name in kept:
@@ -209,6 +191,11 @@ class BatchEncoder:
                 column = pa.array(column if getattr(column, "ndim", 2) == 1 else list(column))
             table = table.append_column(name, column)
         return table
+
+    def _encode(self, batch: Any) -> tuple[str, pa.Table, list[str]]:
+        """The batch's kind, its output columns, and the names of its kept columns."""
+        kind, images, keys = self.columns(batch)
+        return kind, self.encode_table(images, keys), self.kept_columns(batch)
 
     def kept_columns(self, batch: Any) -> list[str]:
         """The batch's columns that pass through to its rows (``keep_columns``): all but the
@@ -225,8 +212,7 @@ class BatchEncoder:
         """Rows (a pyarrow Table of ``self.schema``) for a list of images and their keys."""
         from .output.parts import rows_to_table
 
-        rows = self.rows(images, keys)
-        return rows_to_table(rows, self.schema).combine_chunks()
+        return rows_to_table(self.rows(images, keys), self.schema).combine_chunks()
 
     def rows(self, images: list[Any], keys: list[Any] | None = None) -> list:
         """``output.parts.Row`` objects, one per image in order (error rows included)."""
@@ -337,13 +323,12 @@ class BatchEncoder:
 
 
 def datasets_features(schema: "pa.Schema | BatchEncoder", features: Any = None):
-    """The Hugging Face ``datasets.Features`` of ``BatchEncoder``'s rows (give
-    ``features=`` to ``datasets.Dataset.map``: a batch whose ``error`` or ``embedding`` cells are
-    all null then keeps the column's type). ``schema``: a ``BatchEncoder`` or its schema.
+    """The Hugging Face ``datasets.Features`` of ``BatchEncoder``'s rows (give ``features=``
+    to ``datasets.Dataset.map``: a batch whose ``error`` or ``embedding`` cells are all null
+    then keeps the column's type). ``schema``: a ``BatchEncoder`` or its schema.
 
-    ``features``: those of the columns the mapped dataset keeps beside the rows
-    (``datasets.Dataset.features`` when ``map`` is given no ``remove_columns``), which come first, as
-    ``map`` orders them; an output column replaces a kept one of its name."""
+    ``features``: those of the columns the mapped dataset keeps beside the rows, which come
+    first, as ``map`` orders them; an output column replaces a kept one of its name."""
     import datasets
 
     if isinstance(schema, BatchEncoder):

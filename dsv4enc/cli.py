@@ -44,10 +44,9 @@ def choices(*values: str) -> str:
     return f"[{'|'.join(values)}]"
 
 
-#: When this process started, on ``time.perf_counter``'s clock: set by ``main`` (the
-#: process's own entry point, each torchrun rank's too), so that a run's wall time counts
-#: the interpreter's start and the imports. In-process callers (``app``) count from the
-#: command's start.
+#: When this process started, on ``time.perf_counter``'s clock: set by ``main`` (each
+#: torchrun rank's entry point too), so that a run's wall time counts the interpreter's start
+#: and the imports. In-process callers (``app``) count from the command's start.
 _process_started: float | None = None
 
 
@@ -73,13 +72,6 @@ def write_interrupted_summary(path: str, exc: BaseException, out: str) -> None:
 
     done = getattr(exc, "summary", None) or RunSummary(out=out)
     write_summary_json(path, done, "interrupted", getattr(exc, "exit_code", 1))
-
-
-def from_environment(ctx: typer.Context, name: str) -> bool:
-    """Whether option ``name`` took its value from its environment variable. (By the source's
-    name: Typer 0.26+ carries its own Click, whose ``click.core.ParameterSource`` is not ``click``'s.)"""
-    source = ctx.get_parameter_source(name)
-    return source is not None and source.name == "ENVIRONMENT"
 
 
 def version_callback(value: bool) -> None:
@@ -335,8 +327,11 @@ def encode(ctx: typer.Context, **given: Any) -> None:
     started = _process_started if _process_started is not None else time.perf_counter()
     from .run.options import EncodeOptions
 
-    if given["random_init"] and from_environment(ctx, "weights"):
-        given["weights"] = None  # $DSV4ENC_WEIGHTS is a default; --random-init asks for none
+    # $DSV4ENC_WEIGHTS is a default; --random-init asks for none. (The source is told by its
+    # name: Typer 0.26+ carries its own Click, whose ParameterSource is not click's.)
+    source = ctx.get_parameter_source("weights")
+    if given["random_init"] and source is not None and source.name == "ENVIRONMENT":
+        given["weights"] = None
     storage_option, summary_json, quiet, engine = (
         given.pop(name) for name in ("storage_option", "summary_json", "quiet", "engine"))
     ray_settings = {name: given.pop(f"ray_{name}")
@@ -378,11 +373,6 @@ def _encode_command(opts, storage_option: list[str] | None, quiet: bool,
     from .run.setup import RunSetup, start_prefetch
     from .run.stopping import StopSignals
 
-    try:
-        storage.configure(storage_option)  # decode workers inherit them (environment)
-        storage.set_outage_s(opts.storage_outage_s)
-    except DsvError as exc:
-        fail(str(exc), exc.exit_code)
     package_log = logging.getLogger("dsv4enc")
     log_level = package_log.level
     if quiet:  # warnings too: only errors (and the output path) are printed
@@ -394,6 +384,8 @@ def _encode_command(opts, storage_option: list[str] | None, quiet: bool,
     stop.install()
     own_process_pillow_settings()  # each open checks --max-pixels itself
     try:
+        storage.configure(storage_option)  # decode workers inherit them (environment)
+        storage.set_outage_s(opts.storage_outage_s)
         try:
             if ray_opts is not None:  # encoder actors decode and encode
                 from .run.ray_engine import run_ray_encode

@@ -1,16 +1,13 @@
-"""One batch function for pipelines: ``BatchEncoder``.
-
-Built once (the weights are loaded once), then called once per batch by whatever drives the
-pipeline (Ray Data's ``map_batches``, ``datasets.map(batched=True)``, a Daft or Spark UDF, a
-plain loop)::
+"""One batch function for pipelines: ``BatchEncoder``, built once (the weights are loaded
+once), then called once per batch (Ray Data's ``map_batches``, ``datasets.map(batched=True)``,
+a Daft or Spark UDF, a plain loop)::
 
     embed = BatchEncoder("/path/to/checkpoint", image_column="image", key_column="id")
     out = embed(batch)        # pyarrow Table / RecordBatch, pandas DataFrame, dict of arrays
 
 ``out`` holds the batch's rows in ``dsv4enc encode``'s output schema (docs/output-format.md),
-one per input row, in input order, of the kind given, then the batch's other columns
-(``keep_columns``). A bad image is an error row, never an exception. Rows are batch-invariant
-(``deterministic=True``, the default), so they equal ``dsv4enc encode``'s for the same settings.
+in input order, of the kind given, then the batch's other columns. Rows are batch-invariant,
+so they equal ``dsv4enc encode``'s for the same settings.
 """
 
 from __future__ import annotations
@@ -37,17 +34,15 @@ _INT_COLUMNS = OUTPUT_COLUMNS[1:7]
 _NOT_ENCODER_OPTIONS = frozenset({"weights", "config", "seed", "max_pixels", "image_column",
                                   "key_column", "layout", "keep_columns"})
 
-#: The process whose torch threads ``_fork_safe_threads`` last set (or that imported this
-#: module): another pid is a forked child (``datasets.map`` with ``num_proc``, a fork
-#: ``multiprocessing`` pool).
+#: The process that imported this module, or whose torch threads ``_fork_safe_threads`` set:
+#: another pid is a forked child (``datasets.map`` with ``num_proc``, a fork pool).
 _threads_pid = os.getpid()
 
 
 def _fork_safe_threads() -> None:
-    """One torch intra-op thread in a forked child, set once per process: a child forked from
-    a process whose OpenMP threads ran waits for good in its first parallel region (the fork
-    copied no threads), while one thread runs inline. (A spawned worker is a fresh process
-    and keeps torch's default.)"""
+    """One torch intra-op thread in a forked child: a child forked from a process whose OpenMP
+    threads ran waits for good in its first parallel region (the fork copied no threads),
+    while one thread runs inline."""
     global _threads_pid
     if os.getpid() != _threads_pid:
         _threads_pid = os.getpid()
@@ -68,9 +63,8 @@ class BatchEncoder:
     (a dict: its ``path``), and anything else is ``#N``, its position in the batch. Bytes are
     read as any accepted format, a path only as the format its extension names.
 
-    ``keep_columns`` (default True): the batch's other columns (the key column too, with its
-    type) follow the output columns, as they came; a column named as an output column is
-    replaced by it. False: the output columns only.
+    ``keep_columns`` (default True): the batch's other columns (the key column too) follow
+    the output columns, as they came; one named as an output column is replaced by it.
 
     Options as for ``dsv4enc encode`` (``features``, ``pool``, ``out_dtype``: float16 by
     default, ``layout``, ``max_pixels``) and as for ``Encoder`` (``device``, ``dtype``,
@@ -94,6 +88,7 @@ class BatchEncoder:
                  max_pixels: int | None = None, keep_columns: bool = True,
                  **options: Any) -> None:
         from .images.formats import DEFAULT_MAX_PIXELS
+
         check_choice("out_dtype", out_dtype, STORED_DTYPES)
         check_choice("layout", layout, LAYOUTS)
         if weights is None and config is None:
@@ -107,8 +102,7 @@ class BatchEncoder:
                             layout=layout, max_pixels=max_pixels,
                             keep_columns=keep_columns, **options)
         self.image_column, self.key_column = image_column, key_column
-        self.keep_columns = keep_columns
-        self.layout = layout
+        self.keep_columns, self.layout = keep_columns, layout
         self.max_pixels = DEFAULT_MAX_PIXELS if max_pixels is None else max_pixels
         self.pid = os.getpid()  # the process the engine was built in
         self.encoder = self._build()
@@ -151,9 +145,7 @@ class BatchEncoder:
         return self.encoder.device
 
     def settings(self) -> dict[str, Any]:
-        """What the rows were computed with: the ``dsv4enc`` metadata of ``dsv4enc encode``
-        (tool, version, config, weights fingerprint, dtypes, device, batch invariance,
-        features, pool, layout)."""
+        """What the rows were computed with: the ``dsv4enc`` metadata of ``dsv4enc encode``."""
         from .run.pipeline import run_settings
 
         enc = self.encoder
@@ -162,8 +154,7 @@ class BatchEncoder:
                             features=enc.features, pool=enc.pool, layout=self.layout)
 
     def features(self, kept: Any = None):
-        """The Hugging Face ``datasets.Features`` of the output, after the ``kept`` features
-        (``datasets_features``)."""
+        """``datasets_features`` of the output, after the ``kept`` features."""
         return datasets_features(self.schema, kept)
 
     # -- the call ----------------------------------------------------------------------
@@ -199,8 +190,7 @@ class BatchEncoder:
 
     def kept_columns(self, batch: Any) -> list[str]:
         """The batch's columns that pass through to its rows (``keep_columns``): all but the
-        image column and those named as an output column (the output's replaces them). The
-        key column is kept too, with its own type (``path`` holds its text)."""
+        image column and those named as an output column (the output's replaces them)."""
         if not self.keep_columns:
             return []
         names = batch.schema.names if isinstance(batch, (pa.Table, pa.RecordBatch)) else (
@@ -267,7 +257,7 @@ class BatchEncoder:
 
     def _prepare(self, index: int, image: Any, key: Any):
         """The row of one input so far (key, size, patch grid, or its error) and what to
-        decode (None when it already failed): the command line's header step."""
+        decode (None when it already failed)."""
         from PIL import Image
 
         from .api import image_source

@@ -29,8 +29,7 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
 
 def command(name: str | None = None, **settings):
     """``app.command`` with the docstring as help whose paragraphs are each one line, so that
-    rich wraps them at the terminal's width: typer keeps a docstring's own line breaks, and
-    a paragraph then breaks mid-sentence wherever the source did."""
+    rich wraps them at the terminal's width (typer keeps a docstring's own line breaks)."""
     def register(function):
         paragraphs = inspect.cleandoc(function.__doc__ or "").split("\n\n")
         settings.setdefault("help", "\n\n".join(" ".join(p.split()) for p in paragraphs))
@@ -66,8 +65,7 @@ def note(message: str, label: str = "note:") -> None:
 
 
 def write_interrupted_summary(path: str, exc: BaseException, out: str) -> None:
-    """--summary-json of a run a signal stopped: what it had done (nothing, if it stopped
-    before encoding)."""
+    """--summary-json of a run a signal stopped: what it had done (maybe nothing)."""
     from .run.summary import RunSummary, write_summary_json
 
     done = getattr(exc, "summary", None) or RunSummary(out=out)
@@ -362,9 +360,8 @@ def _say_if_nothing_found(opts, summary) -> None:
 def _encode_command(opts, storage_option: list[str] | None, quiet: bool,
                     summary_json: str | None, started: float, ray_opts=None) -> None:
     """``encode`` with its options built: storage and log settings, signals, the listing
-    (before torch is imported), the run, and what the command prints at its end.
-    ``started``: when the command (or its process) started, on ``time.perf_counter``'s
-    clock: the run's wall time counts from there."""
+    (before torch is imported), the run, and what the command prints at its end. ``started``:
+    when the command (or its process) started, on ``time.perf_counter``'s clock."""
     from . import storage
     from .errors import Interrupted
     from .images.decode import own_process_pillow_settings

@@ -309,8 +309,7 @@ class Encoder:
     def _prepared(self, images: Iterable[Any]) -> Iterator[_Prepared]:
         """``_prepare`` over the inputs in order, on threads when ``decode_threads`` > 0."""
         if self.decode_threads <= 0:
-            for index, entry in enumerate(images):
-                yield self._prepare(index, entry)
+            yield from (self._prepare(index, entry) for index, entry in enumerate(images))
             return
         ahead = 4 * self.decode_threads
         with ThreadPoolExecutor(self.decode_threads, thread_name_prefix="dsv4enc-decode") as pool:

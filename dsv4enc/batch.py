@@ -213,8 +213,7 @@ class BatchEncoder:
         rows: list[Row] = []
         todo: list[tuple[int, Any]] = []
         for i, image in enumerate(images):
-            key = None if keys is None else keys[i]
-            row, source = self._prepare(i, image, key)
+            row, source = self._prepare(i, image, None if keys is None else keys[i])
             rows.append(row)
             if source is not None:
                 todo.append((i, source))
@@ -336,9 +335,8 @@ def _rebuild(recipe: dict[str, Any]) -> BatchEncoder:
 
 
 def _is_pandas(batch: Any) -> bool:
-    module = type(batch).__module__
-    if not module.startswith("pandas"):
-        return False
+    if not type(batch).__module__.startswith("pandas"):
+        return False  # pandas is imported only for its own batches
     import pandas as pd
 
     return isinstance(batch, pd.DataFrame)

@@ -177,8 +177,7 @@ _ENCODE_PARAMETERS: dict[str, tuple[Any, Any]] = {
             0, "--seed",
             help="Seed for --random-init.")),
         dtype=(str, typer.Option(
-            "auto", "--dtype", metavar=choices("auto", "float32", "bfloat16",
-                                               "float16"),
+            "auto", "--dtype", metavar=choices("auto", "float32", "bfloat16", "float16"),
             help="Compute dtype (auto: bfloat16 on CUDA; on the CPU the dtype measured "
                  "faster on its kind: bfloat16 on Intel with AMX and on AMD Zen 5, float32 on "
                  "other CPUs; --resume continues in the interrupted run's).")),

@@ -21,13 +21,12 @@ if TYPE_CHECKING:
 
 
 def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        import importlib
+    if name not in _LAZY:
+        raise AttributeError(f"module 'dsv4enc' has no attribute {name!r}")
+    import importlib
 
-        value = getattr(importlib.import_module(_LAZY[name]), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'dsv4enc' has no attribute {name!r}")
+    value = globals()[name] = getattr(importlib.import_module(_LAZY[name]), name)
+    return value
 
 
 def __dir__() -> list[str]:

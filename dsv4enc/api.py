@@ -47,6 +47,7 @@ __all__ = ["Encoder", "EncodeError", "ImageInput", "image_source", "read_embeddi
 #: file path, the encoded file's bytes, or a Hugging Face ``{"bytes": ..., "path": ...}`` dict.
 ImageInput = Union["PIL.Image.Image", np.ndarray, str, os.PathLike, bytes, Mapping[str, Any]]
 
+
 class EncodeError(ValueError):
     """An input that cannot be encoded. ``index``: its position in the input; ``key``: its
     path (for paths) or the key given with it; ``reason``: what went wrong."""
@@ -61,11 +62,8 @@ def image_source(image: Any) -> tuple[Any, str | None]:
     """What to read of one input, and the name it carries (None: it has none).
 
     A ``{"bytes", "path"}`` dict (``datasets``' ``Image(decode=False)``) gives its bytes, else
-    its path, and is named by its path; a path (``str`` or ``os.PathLike``) gives its text,
-    which names it; bytes-like input gives ``bytes``; anything else is itself, unnamed. A key
-    given with an input names it instead; an unnamed input's key is its position (``Encoder``:
-    the index; ``batch.BatchEncoder``'s ``path`` column: ``#N``).
-    """
+    its path, and is named by its path; a path gives its text, which names it; bytes-like
+    input gives ``bytes``; anything else is itself, unnamed."""
     if isinstance(image, Mapping):
         data, named = image.get("bytes"), image.get("path")
         name = os.fspath(named) if isinstance(named, (str, os.PathLike)) and named else None
@@ -108,33 +106,37 @@ def _array_to_image(array: np.ndarray):
     if array.ndim == 2:
         return Image.fromarray(np.ascontiguousarray(array), "L")
     if array.ndim == 3 and array.shape[2] in (3, 4):
-        return Image.fromarray(np.ascontiguousarray(array), "RGB" if array.shape[2] == 3 else "RGBA")
-    raise ValueError(f"array has shape {tuple(array.shape)}; expected HxW, HxWx1, HxWx3 or HxWx4")
+        mode = "RGB" if array.shape[2] == 3 else "RGBA"
+        return Image.fromarray(np.ascontiguousarray(array), mode)
+    raise ValueError(f"array has shape {tuple(array.shape)}; expected HxW, HxWx1, HxWx3 or "
+                     "HxWx4")
+
+
+def _check_positive(name: str, value: int) -> int:
+    if value <= 0:
+        raise ValueError(f"{name} must be positive, got {value}")
+    return value
 
 
 class Encoder:
     """Embeddings of images from the DeepSeek-V4 vision tower, in memory.
 
     Build one with ``from_pretrained`` (a checkpoint folder or a Hub id) or ``from_config``
-    (random weights, for tests and demos). Options, also accepted by both constructors:
+    (random weights). Options, also taken by both:
 
     - ``features``: ``"aligner"`` (LLM-width rows, one per 3x3 patch block; default) or
-      ``"vit"`` (one row per patch, ViT width).
-    - ``pool``: ``"none"`` (every row; default) or ``"mean"`` (one vector per image).
+      ``"vit"`` (one row per patch, ViT width); ``pool``: ``"none"`` (every row; default) or
+      ``"mean"`` (one vector per image). Both can also be given per call.
     - ``out_dtype``: dtype of the returned tensors (default float32).
     - ``batch_tokens``: patches per packed forward (default 32768 on CUDA, 8192 on CPU);
-      ``max_images``: images per forward at most.
-    - ``decode_threads``: threads decoding and transforming images ahead of the device
-      (default: 0 on CPU, up to 8 on CUDA).
-    - ``max_pixels``: larger files are refused (decompression bombs); ``attention``,
-      ``cuda_graphs``: engine choices as on the command line.
-    - ``deterministic`` (default True): batch-invariant rows, as on the command line: an
-      image's bytes do not depend on the other images of the call or how it was given.
-    - ``fused`` (default False): compiled elementwise kernels, as ``--fused``.
+      ``max_images``: images per forward at most; ``decode_threads``: threads decoding
+      ahead of the device (default: 0 on CPU, up to 8 on CUDA).
+    - ``max_pixels``, ``attention``, ``cuda_graphs``, ``deterministic`` (default True: an
+      image's bytes do not depend on the other images of the call) and ``fused``: as on the
+      command line.
 
-    ``features`` and ``pool`` can also be given per call. Results are CPU tensors, in input
-    order, each ``(grid_h*grid_w, width)`` (``(width,)`` pooled), ``grid`` as in the Parquet
-    output. Not thread-safe: use one Encoder per thread.
+    Results are CPU tensors in input order, each ``(grid_h*grid_w, width)`` (``(width,)``
+    pooled). Not thread-safe: use one Encoder per thread.
     """
 
     def __init__(self, checkpoint: Checkpoint, device: str | torch.device = "auto", *,
@@ -149,12 +151,9 @@ class Encoder:
         self.features = check_choice("features", features, FEATURES)
         self.pool = check_choice("pool", pool, POOLS)
         self.out_dtype = resolve_out_dtype(out_dtype)
-        if batch_tokens is not None and batch_tokens <= 0:
-            raise ValueError(f"batch_tokens must be positive, got {batch_tokens}")
-        if max_images <= 0:
-            raise ValueError(f"max_images must be positive, got {max_images}")
-        self.batch_tokens = batch_tokens or default_batch_tokens(self.device.type)
-        self.max_images = max_images
+        self.batch_tokens = (default_batch_tokens(self.device.type) if batch_tokens is None
+                             else _check_positive("batch_tokens", batch_tokens))
+        self.max_images = _check_positive("max_images", max_images)
         if decode_threads is None:
             decode_threads = 0 if self.device.type == "cpu" else min(8, available_cpus())
         self.decode_threads = max(0, decode_threads)
@@ -169,14 +168,11 @@ class Encoder:
     @classmethod
     def from_pretrained(cls, path_or_hub_id: str | os.PathLike, device: str | torch.device = "auto",
                         dtype: str | torch.dtype = "auto", **options: Any) -> "Encoder":
-        """Load a checkpoint folder (either config layout; only the tower's tensors are read)
-        or a Hugging Face Hub id such as ``deepseek-ai/DeepSeek-V4-Flash-Vision-Exp``
-        (needs ``dsv4enc[hub]``; only the tower's shards are downloaded).
+        """Load a checkpoint folder (only the tower's tensors are read) or a Hugging Face Hub
+        id such as ``deepseek-ai/DeepSeek-V4-Flash-Vision-Exp`` (needs ``dsv4enc[hub]``).
 
-        ``dtype``: compute dtype, ``"auto"`` (bfloat16 on CUDA and on the CPU kinds measured
-        faster in it, Intel with AMX and AMD Zen 5; float32 on other CPUs), a name or a
-        ``torch.dtype``. ``options``: see the class docstring.
-        """
+        ``dtype``: compute dtype, ``"auto"`` (as ``--dtype auto``), a name or a
+        ``torch.dtype``. ``options``: see the class docstring."""
         from .tower.hub import resolve_weights
 
         resolved = resolve_device(device)
@@ -190,15 +186,13 @@ class Encoder:
                     dtype: str | torch.dtype = "auto", **options: Any) -> "Encoder":
         """A tower with random weights (seeded) of ``config``'s shape: a ``VisionConfig``, a
         config.json path, or a dict in either layout."""
-        if isinstance(config, VisionConfig):
-            cfg = config
-        elif isinstance(config, Mapping):
-            cfg = VisionConfig.from_dict(dict(config))
-        else:
-            cfg = VisionConfig.from_file(config)
+        if isinstance(config, Mapping):
+            config = VisionConfig.from_dict(dict(config))
+        elif not isinstance(config, VisionConfig):
+            config = VisionConfig.from_file(config)
         resolved = resolve_device(device)
         compute = resolve_dtype(dtype, resolved)
-        return cls(random_checkpoint(cfg, seed, compute), resolved, **options)
+        return cls(random_checkpoint(config, seed, compute), resolved, **options)
 
     # -- properties ----------------------------------------------------------------------
     @property
@@ -230,12 +224,11 @@ class Encoder:
                ) -> list[torch.Tensor] | torch.Tensor:
         """Embeddings of ``images``, one CPU tensor per image, in input order.
 
-        ``images``: a list (any iterable) of PIL images, uint8 arrays (HxW, HxWx3, HxWx4),
-        paths, encoded bytes, or ``{"bytes", "path"}`` dicts, or an (N, H, W, C) uint8 array;
-        or one such image, which returns one tensor. Raises ``EncodeError`` naming the first image that cannot be read (and
-        ``TypeError`` for an unsupported kind of input) before encoding anything after it,
-        and ``EncodeError`` naming an image whose embedding is not finite in ``out_dtype``
-        (float16 overflows past 65504): inf or NaN is never returned.
+        ``images``: an iterable of ``ImageInput``, or an (N, H, W, C) uint8 array; or one
+        image, which returns one tensor. Raises ``EncodeError`` naming the first image that
+        cannot be read (``TypeError`` for an unsupported kind of input) before encoding
+        anything after it, or one whose embedding is not finite in ``out_dtype`` (float16
+        overflows past 65504): inf or NaN is never returned.
         """
         if isinstance(images, np.ndarray) and images.ndim == 4:
             images = list(images)  # a stacked batch (N, H, W, C)
@@ -251,13 +244,11 @@ class Encoder:
         """Stream ``(key, embedding)`` pairs in input order, with bounded memory.
 
         Items are images as for ``encode``, or ``(key, image)`` tuples. The key is the given
-        one, else the path (as a string) for paths and ``{bytes, path}`` dicts with a path,
-        else the item's running index (``image_source``). An image
-        that cannot be read yields ``(key, error)`` with a one-line error string (the same text
-        as the Parquet ``error`` column) instead of a tensor; the stream goes on. An embedding
-        that is not finite in ``out_dtype`` raises ``EncodeError`` (as the command line fails
-        its run): a setting to change, not one image's fault.
-        Images are read only about ``2 * batch_tokens`` patches ahead of the device.
+        one, else the name ``image_source`` finds, else the item's index. An image that cannot
+        be read yields ``(key, error)``, the Parquet ``error`` column's text, and the stream
+        goes on; an embedding not finite in ``out_dtype`` raises ``EncodeError`` (a setting to
+        change, not one image's fault). Images are read about ``2 * batch_tokens`` patches
+        ahead of the device.
         """
         return self._stream(images, features, pool, batch_tokens, raise_errors=False)
 
@@ -318,8 +309,7 @@ class Encoder:
     def _prepared(self, images: Iterable[Any]) -> Iterator[_Prepared]:
         """``_prepare`` over the inputs in order, on threads when ``decode_threads`` > 0."""
         if self.decode_threads <= 0:
-            for index, entry in enumerate(images):
-                yield self._prepare(index, entry)
+            yield from (self._prepare(index, entry) for index, entry in enumerate(images))
             return
         ahead = 4 * self.decode_threads
         with ThreadPoolExecutor(self.decode_threads, thread_name_prefix="dsv4enc-decode") as pool:
@@ -335,9 +325,7 @@ class Encoder:
                 batch_tokens: int | None, raise_errors: bool) -> Iterator[tuple[Any, Any]]:
         features = check_choice("features", features or self.features, FEATURES)
         pool = check_choice("pool", pool or self.pool, POOLS)
-        capacity = batch_tokens or self.batch_tokens
-        if capacity <= 0:
-            raise ValueError(f"batch_tokens must be positive, got {capacity}")
+        capacity = _check_positive("batch_tokens", batch_tokens or self.batch_tokens)
         if self._is_single(images):
             raise TypeError("encode_iter takes an iterable of images, not one image")
         engine = self._engine(features)
@@ -378,7 +366,7 @@ class Encoder:
 
     def grid_for(self, size: tuple[int, int], features: str | None = None) -> tuple[int, int]:
         """``(grid_h, grid_w)`` of the embedding rows of an image of ``size`` = (width,
-        height) pixels (e.g. ``PIL.Image.Image.size``): reshape a result with it to get the 2D grid."""
+        height) pixels (``PIL.Image.Image.size``): a result reshaped with it is the 2D grid."""
         from .tower.transform import plan_canvas
 
         canvas = plan_canvas(size[0], size[1], self.config)

@@ -1,16 +1,13 @@
-"""One batch function for pipelines: ``BatchEncoder``.
-
-Built once (the weights are loaded once), then called once per batch by whatever drives the
-pipeline (Ray Data's ``map_batches``, ``datasets.map(batched=True)``, a Daft or Spark UDF, a
-plain loop)::
+"""One batch function for pipelines: ``BatchEncoder``, built once (the weights are loaded
+once), then called once per batch (Ray Data's ``map_batches``, ``datasets.map(batched=True)``,
+a Daft or Spark UDF, a plain loop)::
 
     embed = BatchEncoder("/path/to/checkpoint", image_column="image", key_column="id")
     out = embed(batch)        # pyarrow Table / RecordBatch, pandas DataFrame, dict of arrays
 
 ``out`` holds the batch's rows in ``dsv4enc encode``'s output schema (docs/output-format.md),
-one per input row, in input order, of the kind given, then the batch's other columns
-(``keep_columns``). A bad image is an error row, never an exception. Rows are batch-invariant
-(``deterministic=True``, the default), so they equal ``dsv4enc encode``'s for the same settings.
+in input order, of the kind given, then the batch's other columns. Rows are batch-invariant,
+so they equal ``dsv4enc encode``'s for the same settings.
 """
 
 from __future__ import annotations
@@ -37,28 +34,18 @@ _INT_COLUMNS = OUTPUT_COLUMNS[1:7]
 _NOT_ENCODER_OPTIONS = frozenset({"weights", "config", "seed", "max_pixels", "image_column",
                                   "key_column", "layout", "keep_columns"})
 
-#: Whether this process was forked from one that imported this module (``datasets.map``
-#: with ``num_proc``, a fork ``multiprocessing`` pool). Set by the fork hook below, read and
-#: cleared by ``_fork_safe_threads``.
-_forked = False
-
-
-def _note_fork() -> None:
-    global _forked
-    _forked = True
-
-
-os.register_at_fork(after_in_child=_note_fork)
+#: The process that imported this module, or whose torch threads ``_fork_safe_threads`` set:
+#: another pid is a forked child (``datasets.map`` with ``num_proc``, a fork pool).
+_threads_pid = os.getpid()
 
 
 def _fork_safe_threads() -> None:
-    """One torch intra-op thread in a forked child, set once per fork: a child forked from a
-    process whose OpenMP threads ran waits for good in its first parallel region (the fork
-    copied no threads), while one thread runs inline. (A spawned worker is a fresh process
-    and keeps torch's default.)"""
-    global _forked
-    if _forked:
-        _forked = False
+    """One torch intra-op thread in a forked child: a child forked from a process whose OpenMP
+    threads ran waits for good in its first parallel region (the fork copied no threads),
+    while one thread runs inline."""
+    global _threads_pid
+    if os.getpid() != _threads_pid:
+        _threads_pid = os.getpid()
         import torch
 
         torch.set_num_threads(1)
@@ -68,36 +55,29 @@ class BatchEncoder:
     """A batch function: a table of images in, ``dsv4enc encode``'s rows out.
 
     ``weights``: a checkpoint folder or Hub id (as ``--weights``; default ``DSV4ENC_WEIGHTS``);
-    or ``config`` (a config.json path or dict) with ``seed`` for random weights (as
-    ``--config ... --random-init``).
+    or ``config`` (a config.json path or dict) with ``seed`` for random weights.
 
     Columns in: ``image_column`` holds encoded image bytes, paths (local or object-store
-    URLs), Hugging Face ``{"bytes", "path"}`` dicts (``Image(decode=False)``), PIL images or
-    uint8 arrays; ``key_column`` (optional, any type, written as text) names each row's
-    ``path``. Without a key, a path names its row (a ``{bytes, path}`` dict: its ``path``),
-    and anything else is ``#N``, its position in the batch: give a key column when the
-    images are bytes. Bytes are read as any of the accepted formats, a path only as the
-    format its extension names, as on the command line.
+    URLs), ``{"bytes", "path"}`` dicts, PIL images or uint8 arrays; ``key_column`` (optional,
+    any type, written as text) names each row's ``path``. Without a key, a path names its row
+    (a dict: its ``path``), and anything else is ``#N``, its position in the batch. Bytes are
+    read as any accepted format, a path only as the format its extension names.
 
-    ``keep_columns`` (default True): the batch's other columns (the key column too, with its
-    type) follow the output columns, as they came; a column named as an output column is
-    replaced by it. False: the output columns only.
+    ``keep_columns`` (default True): the batch's other columns (the key column too) follow
+    the output columns, as they came; one named as an output column is replaced by it.
 
-    Options as for ``dsv4enc encode``: ``features`` (aligner|vit), ``pool`` (none|mean),
-    ``out_dtype`` (float16, the default, or float32), ``layout`` (binary|nested),
-    ``max_pixels``; and as for ``Encoder``: ``device``, ``dtype``, ``batch_tokens``,
-    ``max_images``, ``decode_threads``, ``attention``, ``cuda_graphs``, ``deterministic``
-    (default True), ``fused``.
+    Options as for ``dsv4enc encode`` (``features``, ``pool``, ``out_dtype``: float16 by
+    default, ``layout``, ``max_pixels``) and as for ``Encoder`` (``device``, ``dtype``,
+    ``batch_tokens``, ``max_images``, ``decode_threads``, ``attention``, ``cuda_graphs``,
+    ``deterministic``, ``fused``).
 
-    A bad image is an error row; only what is no image's fault raises: a column that is
-    missing, or an embedding that is not finite in ``out_dtype`` (``api.EncodeError``, as
-    ``dsv4enc encode`` fails its run: use ``out_dtype="float32"``).
+    Only what is no image's fault raises: a missing column, or an embedding not finite in
+    ``out_dtype`` (``api.EncodeError``: use ``out_dtype="float32"``).
 
     Pickling sends the recipe (weights, config and options), not the tensors: an unpickled
-    copy loads its own weights, so a pipeline that ships the function to workers (``datasets``
-    with ``num_proc``, Spark) loads them once per worker, and ``datasets``' cache fingerprint
-    is cheap. In a forked process (``num_proc``, or this object crossing a fork) it builds
-    its own engine and runs torch on one thread. Not thread-safe: one per thread.
+    copy loads its own weights (once per worker of ``datasets`` with ``num_proc``, Spark), and
+    ``datasets``' cache fingerprint is cheap. In a forked process it builds its own engine and
+    runs torch on one thread. Not thread-safe: one per thread.
     """
 
     def __init__(self, weights: str | os.PathLike | None = None, *,
@@ -108,6 +88,7 @@ class BatchEncoder:
                  max_pixels: int | None = None, keep_columns: bool = True,
                  **options: Any) -> None:
         from .images.formats import DEFAULT_MAX_PIXELS
+
         check_choice("out_dtype", out_dtype, STORED_DTYPES)
         check_choice("layout", layout, LAYOUTS)
         if weights is None and config is None:
@@ -121,8 +102,7 @@ class BatchEncoder:
                             layout=layout, max_pixels=max_pixels,
                             keep_columns=keep_columns, **options)
         self.image_column, self.key_column = image_column, key_column
-        self.keep_columns = keep_columns
-        self.layout = layout
+        self.keep_columns, self.layout = keep_columns, layout
         self.max_pixels = DEFAULT_MAX_PIXELS if max_pixels is None else max_pixels
         self.pid = os.getpid()  # the process the engine was built in
         self.encoder = self._build()
@@ -145,8 +125,8 @@ class BatchEncoder:
         return Encoder.from_config(recipe["config"], seed=recipe["seed"], **options)
 
     def _own_encoder(self) -> "Encoder":
-        """The encoder, rebuilt first when this object crossed a fork: a forked process builds
-        its own engine (never runs the parent's threads' or device's state)."""
+        """The encoder, rebuilt first when this object crossed a fork (a forked process never
+        runs the parent's threads' or device's state)."""
         if os.getpid() != self.pid:
             self.pid = os.getpid()
             self.encoder = self._build()
@@ -165,9 +145,7 @@ class BatchEncoder:
         return self.encoder.device
 
     def settings(self) -> dict[str, Any]:
-        """What the rows were computed with: the ``dsv4enc`` metadata of ``dsv4enc encode``
-        (tool, version, config, weights fingerprint, dtypes, device, batch invariance,
-        features, pool, layout)."""
+        """What the rows were computed with: the ``dsv4enc`` metadata of ``dsv4enc encode``."""
         from .run.pipeline import run_settings
 
         enc = self.encoder
@@ -176,16 +154,13 @@ class BatchEncoder:
                             features=enc.features, pool=enc.pool, layout=self.layout)
 
     def features(self, kept: Any = None):
-        """The Hugging Face ``datasets.Features`` of the output, after the ``kept`` features
-        (``datasets_features``)."""
+        """``datasets_features`` of the output, after the ``kept`` features."""
         return datasets_features(self.schema, kept)
 
     # -- the call ----------------------------------------------------------------------
     def __call__(self, batch: Any) -> Any:
         """Encode one batch; returns its rows as the same kind of batch (see the class)."""
-        kind, images, keys = self.columns(batch)
-        table = self.encode_table(images, keys)
-        kept = self.kept_columns(batch)  # as they came, after the output's
+        kind, table, kept = self._encode(batch)
         if kind in ("table", "record_batch"):
             for name in kept:
                 table = table.append_column(name, batch.column(name))
@@ -198,9 +173,7 @@ class BatchEncoder:
     def table(self, batch: Any) -> pa.Table:
         """The batch's rows as a pyarrow Table, whatever kind of batch came in: the output
         columns (``self.schema``), then the kept columns, each as pyarrow reads it."""
-        kind, images, keys = self.columns(batch)
-        table = self.encode_table(images, keys)
-        kept = self.kept_columns(batch)
+        kind, table, kept = self._encode(batch)
         if kept and kind == "pandas":
             batch = pa.Table.from_pandas(batch[kept], preserve_index=False)
         for name in kept:
@@ -210,10 +183,14 @@ class BatchEncoder:
             table = table.append_column(name, column)
         return table
 
+    def _encode(self, batch: Any) -> tuple[str, pa.Table, list[str]]:
+        """The batch's kind, its output columns, and the names of its kept columns."""
+        kind, images, keys = self.columns(batch)
+        return kind, self.encode_table(images, keys), self.kept_columns(batch)
+
     def kept_columns(self, batch: Any) -> list[str]:
         """The batch's columns that pass through to its rows (``keep_columns``): all but the
-        image column and those named as an output column (the output's replaces them). The
-        key column is kept too, with its own type (``path`` holds its text)."""
+        image column and those named as an output column (the output's replaces them)."""
         if not self.keep_columns:
             return []
         names = batch.schema.names if isinstance(batch, (pa.Table, pa.RecordBatch)) else (
@@ -225,8 +202,7 @@ class BatchEncoder:
         """Rows (a pyarrow Table of ``self.schema``) for a list of images and their keys."""
         from .output.parts import rows_to_table
 
-        rows = self.rows(images, keys)
-        return rows_to_table(rows, self.schema).combine_chunks()
+        return rows_to_table(self.rows(images, keys), self.schema).combine_chunks()
 
     def rows(self, images: list[Any], keys: list[Any] | None = None) -> list:
         """``output.parts.Row`` objects, one per image in order (error rows included)."""
@@ -237,8 +213,7 @@ class BatchEncoder:
         rows: list[Row] = []
         todo: list[tuple[int, Any]] = []
         for i, image in enumerate(images):
-            key = None if keys is None else keys[i]
-            row, source = self._prepare(i, image, key)
+            row, source = self._prepare(i, image, None if keys is None else keys[i])
             rows.append(row)
             if source is not None:
                 todo.append((i, source))
@@ -281,7 +256,7 @@ class BatchEncoder:
 
     def _prepare(self, index: int, image: Any, key: Any):
         """The row of one input so far (key, size, patch grid, or its error) and what to
-        decode (None when it already failed): the command line's header step."""
+        decode (None when it already failed)."""
         from PIL import Image
 
         from .api import image_source
@@ -337,13 +312,12 @@ class BatchEncoder:
 
 
 def datasets_features(schema: "pa.Schema | BatchEncoder", features: Any = None):
-    """The Hugging Face ``datasets.Features`` of ``BatchEncoder``'s rows (give
-    ``features=`` to ``datasets.Dataset.map``: a batch whose ``error`` or ``embedding`` cells are
-    all null then keeps the column's type). ``schema``: a ``BatchEncoder`` or its schema.
+    """The Hugging Face ``datasets.Features`` of ``BatchEncoder``'s rows (give ``features=``
+    to ``datasets.Dataset.map``: a batch whose ``error`` or ``embedding`` cells are all null
+    then keeps the column's type). ``schema``: a ``BatchEncoder`` or its schema.
 
-    ``features``: those of the columns the mapped dataset keeps beside the rows
-    (``datasets.Dataset.features`` when ``map`` is given no ``remove_columns``), which come first, as
-    ``map`` orders them; an output column replaces a kept one of its name."""
+    ``features``: those of the columns the mapped dataset keeps beside the rows, which come
+    first, as ``map`` orders them; an output column replaces a kept one of its name."""
     import datasets
 
     if isinstance(schema, BatchEncoder):
@@ -361,9 +335,8 @@ def _rebuild(recipe: dict[str, Any]) -> BatchEncoder:
 
 
 def _is_pandas(batch: Any) -> bool:
-    module = type(batch).__module__
-    if not module.startswith("pandas"):
-        return False
+    if not type(batch).__module__.startswith("pandas"):
+        return False  # pandas is imported only for its own batches
     import pandas as pd
 
     return isinstance(batch, pd.DataFrame)

@@ -12,7 +12,7 @@ import inspect
 import logging
 import os
 import sys
-from typing import List, Optional
+from typing import Any, List, Optional
 
 import typer
 
@@ -29,8 +29,7 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
 
 def command(name: str | None = None, **settings):
     """``app.command`` with the docstring as help whose paragraphs are each one line, so that
-    rich wraps them at the terminal's width: typer keeps a docstring's own line breaks, and
-    a paragraph then breaks mid-sentence wherever the source did."""
+    rich wraps them at the terminal's width (typer keeps a docstring's own line breaks)."""
     def register(function):
         paragraphs = inspect.cleandoc(function.__doc__ or "").split("\n\n")
         settings.setdefault("help", "\n\n".join(" ".join(p.split()) for p in paragraphs))
@@ -44,10 +43,9 @@ def choices(*values: str) -> str:
     return f"[{'|'.join(values)}]"
 
 
-#: When this process started, on ``time.perf_counter``'s clock: set by ``main`` (the
-#: process's own entry point, each torchrun rank's too), so that a run's wall time counts
-#: the interpreter's start and the imports. In-process callers (``app``) count from the
-#: command's start.
+#: When this process started, on ``time.perf_counter``'s clock: set by ``main`` (each
+#: torchrun rank's entry point too), so that a run's wall time counts the interpreter's start
+#: and the imports. In-process callers (``app``) count from the command's start.
 _process_started: float | None = None
 
 
@@ -67,19 +65,11 @@ def note(message: str, label: str = "note:") -> None:
 
 
 def write_interrupted_summary(path: str, exc: BaseException, out: str) -> None:
-    """--summary-json of a run a signal stopped: what it had done (nothing, if it stopped
-    before encoding)."""
+    """--summary-json of a run a signal stopped: what it had done (maybe nothing)."""
     from .run.summary import RunSummary, write_summary_json
 
     done = getattr(exc, "summary", None) or RunSummary(out=out)
     write_summary_json(path, done, "interrupted", getattr(exc, "exit_code", 1))
-
-
-def from_environment(ctx: typer.Context, name: str) -> bool:
-    """Whether option ``name`` took its value from its environment variable. (By the source's
-    name: Typer 0.26+ carries its own Click, whose ``click.core.ParameterSource`` is not ``click``'s.)"""
-    source = ctx.get_parameter_source(name)
-    return source is not None and source.name == "ENVIRONMENT"
 
 
 def version_callback(value: bool) -> None:
@@ -105,289 +95,253 @@ ENCODE_PANELS: dict[str, tuple[str, ...]] = {}
 
 
 def _panel(title: str, **options):
-    """Options of one ``encode --help`` panel (Typer's ``rich_help_panel``), by name."""
+    """Options of one ``encode --help`` panel (Typer's ``rich_help_panel``), by name: each
+    a (type, option) pair."""
     ENCODE_PANELS[title] = tuple(options)
-    for option in options.values():
+    for _, option in options.values():
         option.rich_help_panel = title
     return options
 
 
-#: ``encode``'s arguments and options, panel by panel in the order ``--help`` shows them: the
-#: signature of ``encode`` takes each from here, so that its help, default and panel are
-#: written once, in one table (tests/test_cli.py checks that every option is placed). INPUTS
-#: has Typer's own "Arguments" panel.
-ENCODE_OPTIONS = {
-    "inputs": typer.Argument(
+#: ``encode``'s parameters, name -> (type, Typer argument or option), panel by panel in the
+#: order ``--help`` shows them: ``encode``'s signature is built from here, so that each
+#: one's type, help, default and panel are written once (tests/test_cli.py checks that every
+#: option is placed). INPUTS has Typer's own "Arguments" panel.
+_ENCODE_PARAMETERS: dict[str, tuple[Any, Any]] = {
+    "inputs": (List[str], typer.Argument(
         None,
         help="Image folders (walked recursively, sorted), image files, Parquet/Arrow tables "
-             "(.parquet, .arrow, .feather) and WebDataset shards (.tar)."),
+             "(.parquet, .arrow, .feather) and WebDataset shards (.tar).")),
     **_panel(
         "Inputs",
-        files_from=typer.Option(
+        files_from=(Optional[str], typer.Option(
             None, "--files-from",
-            help="A file listing image paths, one per line ('-' for stdin)."),
-        image_column=typer.Option(
+            help="A file listing image paths, one per line ('-' for stdin).")),
+        image_column=(Optional[str], typer.Option(
             None, "--image-column",
             help="Table inputs: the column holding image bytes or {bytes, path} structs "
-                 "(default: the only such column)."),
-        key_column=typer.Option(
+                 "(default: the only such column).")),
+        key_column=(Optional[str], typer.Option(
             None, "--key-column",
             help="Table inputs: the column giving each row's output path (default: FILE/PATH "
                  "with a {bytes, path} struct's path, else FILE#ROW); the column is kept "
-                 "too, in its own type."),
-        keep_column=typer.Option(
+                 "too, in its own type.")),
+        keep_column=(Optional[List[str]], typer.Option(
             None, "--keep-column", metavar="NAME",
             help="Table inputs: copy the column NAME into the output rows, in its own type "
-                 "(null for rows not from a table; repeatable)."),
-        table_paths_root=typer.Option(
+                 "(null for rows not from a table; repeatable).")),
+        table_paths_root=(Optional[List[str]], typer.Option(
             None, "--table-paths-root", metavar="DIR",
             help="Table inputs: a {bytes: null, path} cell may name image files under DIR too "
                  "(repeatable). By default only files inside the table's own folder are read; "
-                 "relative paths resolve beside the table."),
-        max_pixels=typer.Option(
+                 "relative paths resolve beside the table.")),
+        max_pixels=(int, typer.Option(
             defaults.DEFAULT_MAX_PIXELS, "--max-pixels",
-            help="Images with more pixels are refused (decompression bombs); Pillow's default."),
-        decode_timeout=typer.Option(
+            help="Images with more pixels are refused (decompression bombs); Pillow's default.")),
+        decode_timeout=(float, typer.Option(
             defaults.DEFAULT_DECODE_TIMEOUT_S, "--decode-timeout",
             help="Seconds one image may take to decode, or its header to be read, before it is "
-                 "given up (an error row)."),
-        storage_option=typer.Option(
+                 "given up (an error row).")),
+        storage_option=(Optional[List[str]], typer.Option(
             None, "--storage-option", metavar="KEY=VALUE",
             help="Object storage (s3://, gs://, ...) inputs and --out: an option of the file "
                  "system (pyarrow S3FileSystem, or fsspec's), e.g. endpoint_override=host:9000, "
                  "anonymous=true (repeatable). Credentials and endpoints otherwise come from "
-                 "the environment and config files."),
-        storage_outage_s=typer.Option(
+                 "the environment and config files.")),
+        storage_outage_s=(float, typer.Option(
             OUTAGE_S, "--storage-outage-s", metavar="SECONDS", help="Object storage: how long a "
             "store may fail every call (refused connections, timeouts, 5xx; each after its "
             "retries) before the run stops in one line, exit 1, its finished parts kept for "
             f"--resume. The run ends within this plus {stop_bound_s(0.0, {}):g} s of the store's "
             f"last answer ({stop_bound_s(OUTAGE_S, {}):g} s by default), plus the batch in "
             "progress; inputs that failed meanwhile are transient rows, encoded again on "
-            "--resume."),
+            "--resume.")),
     ),
     **_panel(
         "Model",
-        weights=typer.Option(
+        weights=(Optional[str], typer.Option(
             None, "--weights", envvar="DSV4ENC_WEIGHTS",
             help="Checkpoint folder (config.json + safetensors) or a Hub id owner/name (needs "
                  # \[: a literal bracket, not rich markup
                  "the hub extra: pip install 'dsv4enc\\[hub]'); default: $DSV4ENC_WEIGHTS. Its "
                  "config.json's model_type picks the variant: deepseek_v4 (V4-Flash-Vision-Exp) "
-                 "or deepseek_v41 (V4.1-Flash), each with its own image geometry."),
-        config=typer.Option(
+                 "or deepseek_v41 (V4.1-Flash), each with its own image geometry.")),
+        config=(Optional[str], typer.Option(
             None, "--config",
             help="Model config JSON, for --random-init; its model_type (deepseek_v4 or "
-                 "deepseek_v41) picks the variant. The configs folder has both."),
-        random_init=typer.Option(
+                 "deepseek_v41) picks the variant. The configs folder has both.")),
+        random_init=(bool, typer.Option(
             False, "--random-init",
-            help="Use a random tower of --config's shape (demos, benchmarks)."),
-        seed=typer.Option(
+            help="Use a random tower of --config's shape (demos, benchmarks).")),
+        seed=(int, typer.Option(
             0, "--seed",
-            help="Seed for --random-init."),
-        dtype=typer.Option(
-            "auto", "--dtype", metavar=choices("auto", "float32", "bfloat16",
-                                               "float16"),
+            help="Seed for --random-init.")),
+        dtype=(str, typer.Option(
+            "auto", "--dtype", metavar=choices("auto", "float32", "bfloat16", "float16"),
             help="Compute dtype (auto: bfloat16 on CUDA; on the CPU the dtype measured "
                  "faster on its kind: bfloat16 on Intel with AMX and on AMD Zen 5, float32 on "
-                 "other CPUs; --resume continues in the interrupted run's)."),
-        features=typer.Option(
+                 "other CPUs; --resume continues in the interrupted run's).")),
+        features=(str, typer.Option(
             "aligner", "--features", metavar=choices(*defaults.CHOICES["features"]),
-            help="aligner: LLM-width merged tokens; vit: per-patch ViT features."),
-        pool=typer.Option(
+            help="aligner: LLM-width merged tokens; vit: per-patch ViT features.")),
+        pool=(str, typer.Option(
             "none", "--pool", metavar=choices(*defaults.CHOICES["pool"]),
-            help="none: every row; mean: one vector per image (retrieval, dedup)."),
+            help="none: every row; mean: one vector per image (retrieval, dedup).")),
     ),
     **_panel(
         "Output",
-        out=typer.Option(
+        out=(str, typer.Option(
             ..., "--out", "-o",
             help="Output Parquet file, or a folder (ending in / or with --shard-output) for a "
-                 "part-file dataset."),
-        out_dtype=typer.Option(
+                 "part-file dataset.")),
+        out_dtype=(str, typer.Option(
             "float16", "--out-dtype", metavar=choices(*defaults.CHOICES["out_dtype"]),
-            help="Stored embedding dtype."),
-        layout=typer.Option(
+            help="Stored embedding dtype.")),
+        layout=(str, typer.Option(
             "binary", "--layout", metavar=choices(*defaults.CHOICES["layout"]),
             help="embedding column: binary (one cell of raw bytes per image, ~20x cheaper to "
                  "write and read) or nested (float lists that SQL and dataframe tools read as "
-                 "numbers)."),
-        overwrite=typer.Option(
+                 "numbers).")),
+        overwrite=(bool, typer.Option(
             False, "--overwrite",
-            help="Replace an existing --out."),
-        resume=typer.Option(
+            help="Replace an existing --out.")),
+        resume=(bool, typer.Option(
             False, "--resume",
-            help="Continue an interrupted run, reusing its committed parts."),
-        update=typer.Option(
+            help="Continue an interrupted run, reusing its committed parts.")),
+        update=(bool, typer.Option(
             False, "--update",
             help="Bring a finished --out up to date: encode new and changed images, keep the "
                  "other rows, drop those of images gone (equal to a clean run); rerun it after "
-                 "a crash. No output yet: a plain run."),
-        shard_output=typer.Option(
+                 "a crash. No output yet: a plain run.")),
+        shard_output=(bool, typer.Option(
             False, "--shard-output",
-            help="torchrun: each rank writes its own parts under the --out folder."),
-        summary_json=typer.Option(
+            help="torchrun: each rank writes its own parts under the --out folder.")),
+        summary_json=(Optional[str], typer.Option(
             None, "--summary-json",
             help="Also write the run's summary here as JSON (at the end, or when a signal stops "
-                 "the run)."),
-        commit_every=typer.Option(
+                 "the run).")),
+        commit_every=(float, typer.Option(
             defaults.COMMIT_EVERY_S, "--commit-every",
             help="Seconds of encoding after which finished images are committed as a part (a "
-                 "kill loses about this much work)."),
-        part_images=typer.Option(
+                 "kill loses about this much work).")),
+        part_images=(Optional[int], typer.Option(
             None, "--part-images", hidden=True,
-            help="Images per committed part (default from the config; small values for tests)."),
+            help="Images per committed part (default from the config; small values for tests).")),
     ),
     **_panel(
         "Run control",
-        quiet=typer.Option(
+        quiet=(bool, typer.Option(
             False, "--quiet", "-q",
-            help="Print only errors and, at the end, the output path (on stdout)."),
-        log_every=typer.Option(
+            help="Print only errors and, at the end, the output path (on stdout).")),
+        log_every=(float, typer.Option(
             defaults.LOG_EVERY_S, "--log-every",
             help="Seconds between progress lines when stderr is not a terminal (logs of nohup, "
-                 "SLURM)."),
-        timeout=typer.Option(
+                 "SLURM).")),
+        timeout=(float, typer.Option(
             defaults.COLLECTIVE_TIMEOUT_S, "--timeout",
-            help="Seconds a collective may wait for a peer rank before the job fails."),
+            help="Seconds a collective may wait for a peer rank before the job fails.")),
     ),
     **_panel(
         "Engine",
-        device=typer.Option(
+        device=(str, typer.Option(
             "auto", "--device",
-            help="auto, cpu, cuda or cuda:N (under torchrun: each rank's LOCAL_RANK GPU)."),
-        batch_tokens=typer.Option(
+            help="auto, cpu, cuda or cuda:N (under torchrun: each rank's LOCAL_RANK GPU).")),
+        batch_tokens=(Optional[int], typer.Option(
             None, "--batch-tokens",
-            help="Patches per packed batch (default 32768 on CUDA, 8192 on CPU)."),
-        workers=typer.Option(
+            help="Patches per packed batch (default 32768 on CUDA, 8192 on CPU).")),
+        workers=(Optional[int], typer.Option(
             None, "--workers",
-            help="Decode processes (default from the CPU count; 0 decodes inline)."),
-        attention=typer.Option(
+            help="Decode processes (default from the CPU count; 0 decodes inline).")),
+        attention=(str, typer.Option(
             "auto", "--attention", metavar=choices(*ATTENTION_BACKENDS),
-            help="Attention backend."),
-        cuda_graphs=typer.Option(
+            help="Attention backend.")),
+        cuda_graphs=(Optional[bool], typer.Option(
             None, "--cuda-graphs/--no-cuda-graphs",
-            help="Replay captured CUDA graphs (default: on with CUDA)."),
-        deterministic=typer.Option(
+            help="Replay captured CUDA graphs (default: on with CUDA).")),
+        deterministic=(bool, typer.Option(
             True, "--deterministic/--no-deterministic",
             help="Batch-invariant rows: an image's bytes do not depend on what shares its "
                  "batch, the rank count, resume, or how it arrived (same device kind, dtype and "
-                 "software). Not with --tp-mode weights."),
-        fused=typer.Option(
+                 "software). Not with --tp-mode weights.")),
+        fused=(bool, typer.Option(
             False, "--fused/--no-fused",
             help="Fuse the elementwise work around the GEMMs (RMSNorm, RoPE, SwiGLU) with "
                  "torch.compile: equal to the eager tower to float rounding; compiling takes "
-                 "tens of seconds at start."),
-        tp_mode=typer.Option(
+                 "tens of seconds at start.")),
+        tp_mode=(str, typer.Option(
             "data", "--tp-mode", metavar=choices(*defaults.CHOICES["tp_mode"]),
             help="torchrun: data (each rank encodes its images) or weights (the tower is split "
                  "across ranks; its all-reduce sums in another order, so rows are not "
-                 "batch-invariant and differ in the last bits from one rank's)."),
-        balance=typer.Option(
+                 "batch-invariant and differ in the last bits from one rank's).")),
+        balance=(str, typer.Option(
             "patches", "--balance", metavar=choices(*defaults.CHOICES["balance"]),
             help="torchrun load balancing cost: patches, or flops (counts the quadratic "
-                 "attention term)."),
+                 "attention term).")),
     ),
     **_panel(
         "Ray",
-        engine=typer.Option(
+        engine=(str, typer.Option(
             "local", "--engine", metavar=choices("local", "ray"),
             help="ray: encoder actors on a Ray cluster encode, this process writes the same "
-                 "output (needs dsv4enc\\[ray]; inputs and weights readable on every node)."),
-        ray_address=typer.Option(
+                 "output (needs dsv4enc\\[ray]; inputs and weights readable on every node).")),
+        ray_address=(Optional[str], typer.Option(
             None, "--ray-address", envvar="RAY_ADDRESS",
-            help="The cluster to join (default: $RAY_ADDRESS, else a local Ray for the run)."),
-        ray_actors=typer.Option(
+            help="The cluster to join (default: $RAY_ADDRESS, else a local Ray for the run).")),
+        ray_actors=(Optional[int], typer.Option(
             None, "--ray-actors",
-            help="Encoder actors (default: one per GPU, else one per node)."),
-        ray_gpus_per_actor=typer.Option(
+            help="Encoder actors (default: one per GPU, else one per node).")),
+        ray_gpus_per_actor=(Optional[float], typer.Option(
             None, "--ray-gpus-per-actor",
             help="GPUs per actor (default: 1 when the cluster has GPUs and --device is not "
-                 "cpu)."),
-        ray_object_store_mb=typer.Option(
+                 "cpu).")),
+        ray_object_store_mb=(Optional[int], typer.Option(
             None, "--ray-object-store-mb", hidden=True,
-            help="The local Ray's object store (default: Ray's)."),
+            help="The local Ray's object store (default: Ray's).")),
     ),
 }
 
+#: ``encode``'s arguments and options by name (what ``--help`` shows of each).
+ENCODE_OPTIONS = {name: info for name, (_, info) in _ENCODE_PARAMETERS.items()}
+
+
+def _encode_signature(function):
+    """``function(ctx, **given)`` with the signature Typer reads its parameters from: the
+    context, then ``_ENCODE_PARAMETERS``."""
+    kind = inspect.Parameter.POSITIONAL_OR_KEYWORD
+    function.__signature__ = inspect.Signature([
+        inspect.Parameter("ctx", kind, annotation=typer.Context),
+        *(inspect.Parameter(name, kind, default=info, annotation=annotation)
+          for name, (annotation, info) in _ENCODE_PARAMETERS.items())])
+    return function
+
 
 @command()
-def encode(
-    ctx: typer.Context,
-    inputs: List[str] = ENCODE_OPTIONS["inputs"],
-    files_from: Optional[str] = ENCODE_OPTIONS["files_from"],
-    image_column: Optional[str] = ENCODE_OPTIONS["image_column"],
-    key_column: Optional[str] = ENCODE_OPTIONS["key_column"],
-    keep_column: Optional[List[str]] = ENCODE_OPTIONS["keep_column"],
-    table_paths_root: Optional[List[str]] = ENCODE_OPTIONS["table_paths_root"],
-    max_pixels: int = ENCODE_OPTIONS["max_pixels"],
-    decode_timeout: float = ENCODE_OPTIONS["decode_timeout"],
-    storage_option: Optional[List[str]] = ENCODE_OPTIONS["storage_option"],
-    storage_outage_s: float = ENCODE_OPTIONS["storage_outage_s"],
-    weights: Optional[str] = ENCODE_OPTIONS["weights"],
-    config: Optional[str] = ENCODE_OPTIONS["config"],
-    random_init: bool = ENCODE_OPTIONS["random_init"],
-    seed: int = ENCODE_OPTIONS["seed"],
-    dtype: str = ENCODE_OPTIONS["dtype"],
-    features: str = ENCODE_OPTIONS["features"],
-    pool: str = ENCODE_OPTIONS["pool"],
-    out: str = ENCODE_OPTIONS["out"],
-    out_dtype: str = ENCODE_OPTIONS["out_dtype"],
-    layout: str = ENCODE_OPTIONS["layout"],
-    overwrite: bool = ENCODE_OPTIONS["overwrite"],
-    resume: bool = ENCODE_OPTIONS["resume"],
-    update: bool = ENCODE_OPTIONS["update"],
-    shard_output: bool = ENCODE_OPTIONS["shard_output"],
-    summary_json: Optional[str] = ENCODE_OPTIONS["summary_json"],
-    commit_every: float = ENCODE_OPTIONS["commit_every"],
-    part_images: Optional[int] = ENCODE_OPTIONS["part_images"],
-    quiet: bool = ENCODE_OPTIONS["quiet"],
-    log_every: float = ENCODE_OPTIONS["log_every"],
-    timeout: float = ENCODE_OPTIONS["timeout"],
-    device: str = ENCODE_OPTIONS["device"],
-    batch_tokens: Optional[int] = ENCODE_OPTIONS["batch_tokens"],
-    workers: Optional[int] = ENCODE_OPTIONS["workers"],
-    attention: str = ENCODE_OPTIONS["attention"],
-    cuda_graphs: Optional[bool] = ENCODE_OPTIONS["cuda_graphs"],
-    deterministic: bool = ENCODE_OPTIONS["deterministic"],
-    fused: bool = ENCODE_OPTIONS["fused"],
-    tp_mode: str = ENCODE_OPTIONS["tp_mode"],
-    balance: str = ENCODE_OPTIONS["balance"],
-    engine: str = ENCODE_OPTIONS["engine"],
-    ray_address: Optional[str] = ENCODE_OPTIONS["ray_address"],
-    ray_actors: Optional[int] = ENCODE_OPTIONS["ray_actors"],
-    ray_gpus_per_actor: Optional[float] = ENCODE_OPTIONS["ray_gpus_per_actor"],
-    ray_object_store_mb: Optional[int] = ENCODE_OPTIONS["ray_object_store_mb"],
-) -> None:
+@_encode_signature
+def encode(ctx: typer.Context, **given: Any) -> None:
     """Encode images into a Parquet file of embeddings, one row per image."""
-    # Each parameter's help, default and panel: ENCODE_OPTIONS. The body builds the options
-    # and hands them to _encode_command.
     import time
 
     started = _process_started if _process_started is not None else time.perf_counter()
     from .run.options import EncodeOptions
 
-    if random_init and from_environment(ctx, "weights"):
-        weights = None  # $DSV4ENC_WEIGHTS is a default; --random-init asks for none
-    opts = EncodeOptions(
-        inputs=list(inputs or []), out=out, files_from=files_from, image_column=image_column,
-        key_column=key_column, keep_columns=tuple(keep_column or ()),
-        table_paths_roots=tuple(table_paths_root or ()), weights=weights,
-        config=config, random_init=random_init, seed=seed, device=device, dtype=dtype,
-        out_dtype=out_dtype, features=features, pool=pool, layout=layout,
-        batch_tokens=batch_tokens, workers=workers, overwrite=overwrite, resume=resume,
-        update=update, max_pixels=max_pixels, decode_timeout=decode_timeout,
-        attention=attention, cuda_graphs=cuda_graphs, deterministic=deterministic, fused=fused,
-        shard_output=shard_output, tp_mode=tp_mode, balance=balance, timeout=timeout,
-        part_images=part_images, commit_every=commit_every,
-        progress=not quiet, log_every=log_every, storage_outage_s=storage_outage_s)
+    # $DSV4ENC_WEIGHTS is a default; --random-init asks for none. (The source is told by its
+    # name: Typer 0.26+ carries its own Click, whose ParameterSource is not click's.)
+    source = ctx.get_parameter_source("weights")
+    if given["random_init"] and source is not None and source.name == "ENVIRONMENT":
+        given["weights"] = None
+    storage_option, summary_json, quiet, engine = (
+        given.pop(name) for name in ("storage_option", "summary_json", "quiet", "engine"))
+    ray_settings = {name: given.pop(f"ray_{name}")
+                    for name in ("address", "actors", "gpus_per_actor", "object_store_mb")}
+    opts = EncodeOptions(inputs=list(given.pop("inputs") or []),
+                         keep_columns=tuple(given.pop("keep_column") or ()),
+                         table_paths_roots=tuple(given.pop("table_paths_root") or ()),
+                         progress=not quiet, **given)
     ray_opts = None
     if engine == "ray":
         from .run.ray_engine import RayEngineOptions
 
-        ray_opts = RayEngineOptions(address=ray_address, actors=ray_actors,
-                                    gpus_per_actor=ray_gpus_per_actor,
-                                    object_store_mb=ray_object_store_mb)
+        ray_opts = RayEngineOptions(**ray_settings)
     elif engine != "local":
         fail("--engine must be one of local, ray", 2)
     _encode_command(opts, storage_option, quiet, summary_json, started, ray_opts)
@@ -405,9 +359,8 @@ def _say_if_nothing_found(opts, summary) -> None:
 def _encode_command(opts, storage_option: list[str] | None, quiet: bool,
                     summary_json: str | None, started: float, ray_opts=None) -> None:
     """``encode`` with its options built: storage and log settings, signals, the listing
-    (before torch is imported), the run, and what the command prints at its end.
-    ``started``: when the command (or its process) started, on ``time.perf_counter``'s
-    clock: the run's wall time counts from there."""
+    (before torch is imported), the run, and what the command prints at its end. ``started``:
+    when the command (or its process) started, on ``time.perf_counter``'s clock."""
     from . import storage
     from .errors import Interrupted
     from .images.decode import own_process_pillow_settings
@@ -416,11 +369,6 @@ def _encode_command(opts, storage_option: list[str] | None, quiet: bool,
     from .run.setup import RunSetup, start_prefetch
     from .run.stopping import StopSignals
 
-    try:
-        storage.configure(storage_option)  # decode workers inherit them (environment)
-        storage.set_outage_s(opts.storage_outage_s)
-    except DsvError as exc:
-        fail(str(exc), exc.exit_code)
     package_log = logging.getLogger("dsv4enc")
     log_level = package_log.level
     if quiet:  # warnings too: only errors (and the output path) are printed
@@ -432,6 +380,8 @@ def _encode_command(opts, storage_option: list[str] | None, quiet: bool,
     stop.install()
     own_process_pillow_settings()  # each open checks --max-pixels itself
     try:
+        storage.configure(storage_option)  # decode workers inherit them (environment)
+        storage.set_outage_s(opts.storage_outage_s)
         try:
             if ray_opts is not None:  # encoder actors decode and encode
                 from .run.ray_engine import run_ray_encode

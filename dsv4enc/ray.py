@@ -2,11 +2,10 @@
 ``encode_dataset``, which makes that call with the right arguments (needs ``dsv4enc[ray]``;
 docs/api.md, "Ray Data").
 
-Ray builds one instance per actor, so the weights are loaded once per actor, on the device
-Ray gave it. Each batch gives ``BatchEncoder``'s rows as a pyarrow Table of the command's
-exact schema (string ``error`` and typed ``embedding`` even in a batch where they are all
-null), then the batch's other columns. A bad image is an error row, never a failed block, so
-no ``max_errored_blocks`` should be set (Ray drops a failed block's rows whole).
+Each batch gives ``BatchEncoder``'s rows as a pyarrow Table of the command's exact schema
+(string ``error`` and typed ``embedding`` even in a batch where they are all null), then the
+batch's other columns. A bad image is an error row, never a failed block, so no
+``max_errored_blocks`` should be set (Ray drops a failed block's rows whole).
 """
 
 from __future__ import annotations
@@ -40,8 +39,7 @@ class RayEncoder:
     defaults to what Ray gave the actor (``ray_device``).
 
     The actor's process is dsv4enc's, so Pillow's settings are made as ``dsv4enc encode``
-    makes them (its warnings about corrupt data are errors, its global pixel limit is off:
-    ``max_pixels`` applies): rows, error rows included, are the command's rows.
+    makes them: rows, error rows included, are the command's rows.
     """
 
     def __init__(self, weights: Any = None, *, device: str | None = None,
@@ -56,8 +54,8 @@ class RayEncoder:
         return self.embed.schema
 
     def __call__(self, batch: Any) -> pa.Table:
-        """The batch's rows (any batch format Ray hands over), as a pyarrow Table: the output
-        columns, then the batch's other columns (``keep_columns``, ``BatchEncoder.table``)."""
+        """The batch's rows (any batch format Ray hands over) as a pyarrow Table
+        (``BatchEncoder.table``)."""
         return self.embed.table(batch)
 
 

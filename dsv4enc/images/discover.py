@@ -14,7 +14,9 @@ table); a warning names how many were passed over.
 
 from __future__ import annotations
 
+import logging
 import os
+import sys
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Iterable, Iterator, Protocol, Sequence
@@ -22,8 +24,10 @@ from typing import Callable, Iterable, Iterator, Protocol, Sequence
 from .. import storage
 from ..errors import UsageError
 from .items import InputItem, TableCell, is_image_name
-from .sources import (StoredObject, container_kind, expand_container, path_roots,
+from .sources import (StoredObject, container_kind, expand_table, expand_tar, path_roots,
                       refuse_compressed_tar, table_fields, written_by_dsv4enc)
+
+_log = logging.getLogger("dsv4enc")
 
 
 class Stop(Protocol):
@@ -62,16 +66,15 @@ def iter_folder(root: Path, found: "Discovery",
                 should_stop: Callable[[], bool] | None = None,
                 containers: list[tuple[str, str]] | None = None) -> Iterator[InputItem]:
     """Image files under ``root``, recursively, as the walk reaches them: depth-first, each
-    folder's entries sorted by name (so keys come in pathlib order, component by component:
-    ``b/z.png`` before ``b-c.gif``); symlinked folders are followed once each (a loop does
-    not repeat files). Only the folders on the path being walked are held, never the tree.
+    folder's entries sorted by name (keys come in pathlib order, component by component:
+    ``b/z.png`` before ``b-c.gif``); symlinked folders are followed once each (a loop does not
+    repeat files). Iterative (any depth works), holding only the folders on the walked path.
 
-    Iterative, so any depth works. A folder that cannot be listed (no permission, a path
-    past PATH_MAX) is appended to ``found.unlisted`` as ``(path, reason)``, not dropped;
-    other files are counted in ``found.skipped``. ``should_stop`` is polled once per entry;
-    when it turns true, the walk ends. Container files (``sources.container_kind``) are
-    appended to ``containers`` as ``(path relative to root, path)`` when it is given, else
-    counted as skipped."""
+    A folder that cannot be listed (no permission, a path past PATH_MAX) is appended to
+    ``found.unlisted`` as ``(path, reason)``. Container files (``sources.container_kind``) are
+    appended to ``containers`` as ``(path relative to root, path)`` when it is given; other
+    files are counted in ``found.skipped``. ``should_stop`` is polled once per entry: when it
+    turns true, the walk ends."""
     seen_dirs: set[tuple[int, int]] = set()
     # Each frame: a folder's remaining entries (reversed, so pop() takes the next) and the
     # folder's path relative to ``root``.
@@ -85,7 +88,8 @@ def iter_folder(root: Path, found: "Discovery",
             seen_dirs.add((info.st_dev, info.st_ino))
             entries = _list_folder(folder)
         except OSError as exc:
-            found.unlisted.append((folder, exc.strerror or describe_os_error(exc)))
+            reason = exc.strerror or " ".join(str(exc).split()) or type(exc).__name__
+            found.unlisted.append((folder, reason))
             return
         stack.append((entries[::-1], rel))
 
@@ -116,16 +120,10 @@ def iter_folder(root: Path, found: "Discovery",
                 found.skipped += 1
 
 
-def describe_os_error(exc: OSError) -> str:
-    return " ".join(str(exc).split()) or type(exc).__name__
-
-
 def read_path_list(list_file: str) -> list[str]:
     """The paths of a path list (``-`` is standard input): one per line, surrounding blanks
     stripped; blank lines and lines starting with ``#`` are comments (write ``./#name`` for
     a file whose name starts with ``#``)."""
-    import sys
-
     try:
         if list_file == "-":
             stdin = getattr(sys.stdin, "buffer", None)
@@ -156,22 +154,20 @@ def stream_inputs(found: Discovery, inputs: Iterable[str], files_from: str | Non
                   stop: Stop | None = None, table_paths_roots: Iterable[str] = (),
                   keep_columns: Sequence[str] = ()) -> Iterator[InputItem]:
     """Expand folders and files (and an optional path list) into items, in input order, as
-    the listing reaches them: a folder is walked entry by entry (``iter_folder``), a
-    prefix's objects taken in its listing's order (``storage.iter_files``: on S3 a
-    page at a time), a path list's lines taken in order (the list is read whole and refused
-    before its first line when none of its paths exists); a container (``.parquet``/``.arrow``/``.feather`` table, ``.tar``
-    shard) is indexed when it is reached. Every key is unique (``UniqueKeys``).
+    the listing reaches them: a folder is walked entry by entry (``iter_folder``), a prefix's
+    objects come in its listing's order (``storage.iter_files``: on S3 a page at a time), a
+    path list is read whole (refused before its first line when none of its paths exists) and
+    its lines taken in order; a container (a ``.parquet``/``.arrow``/``.feather`` table, a
+    ``.tar`` shard) is indexed when it is reached. Every key is unique (``UniqueKeys``).
 
-    ``found`` counts what was passed over (``skipped``), the folders that could not be
-    listed (``unlisted``, logged as warnings when the listing ends), the tables read, and,
-    once the listing has ended, the rows' kept table columns (``kept_fields``) and
-    ``listed`` = True; ``found.items`` is left alone. ``image_column`` and ``key_column``
-    apply to the tables; ``keep_columns`` (and ``key_column``) are the tables' columns the
-    rows carry. A path that does not exist is a UsageError (every path given is checked
-    before the first item); so is an input set with nothing in it (when the listing ends).
-    Paths from ``--files-from`` are taken as given: a missing one becomes an error row
-    later. When ``stop`` records a signal, the walk ends early and ``errors.Interrupted`` is
-    raised (a partial listing never ends normally)."""
+    ``found`` counts what was passed over (``skipped``), the folders that could not be listed
+    (``unlisted``, logged when the listing ends) and the tables read; once the listing has
+    ended, it holds the rows' kept table columns (``kept_fields``: ``keep_columns`` and
+    ``key_column``) and ``listed`` = True; ``found.items`` is left alone. A path that does not
+    exist is a UsageError (every path given is checked before the first item); so is an input
+    set with nothing in it. Paths from ``--files-from`` are taken as given: a missing one
+    becomes an error row later. When ``stop`` records a signal, the walk ends early and
+    ``errors.Interrupted`` is raised (a partial listing never ends normally)."""
     inputs = list(inputs)
     for raw in inputs:
         check_path_input(raw)
@@ -188,12 +184,11 @@ def stream_inputs(found: Discovery, inputs: Iterable[str], files_from: str | Non
         lines = read_path_list(files_from)
         refuse_missing_list(files_from, lines)
         for line in lines:
+            state.name(line)
             if is_image_name(line) and not Path(line).is_dir():
                 yield state.keyed(InputItem(key=line, path=line))
             else:
                 found.skipped += 1
-        for line in lines:
-            state.name(line)
     _end_listing(state, keep_columns, stop)
 
 
@@ -215,10 +210,10 @@ def check_path_input(raw: str) -> None:
 
 @dataclass
 class _Listing:
-    """What ``stream_inputs`` keeps while it lists: the counts, the keys given so far, the
-    tables' path roots and columns, the table files read (for their kept columns), how many
-    inputs were given by name (files, objects, list lines) and how many walked (folders and
-    prefixes: an empty one is a warning, not an error), and how many items came."""
+    """What ``stream_inputs`` keeps while it lists: the keys given so far, the tables' path
+    roots and columns, the table files read (for their kept columns), how many inputs were
+    given by name (files, objects, list lines) and how many walked (folders and prefixes: an
+    empty one is a warning, not an error), and how many items came."""
 
     found: Discovery
     keys: "UniqueKeys"
@@ -241,40 +236,66 @@ class _Listing:
             self.tables.setdefault(item.path)
         return self.keys.unique(item)
 
+    def container(self, path: str, name: str) -> list[InputItem]:
+        """The images of the container ``path`` keyed under ``name`` (``container_items``),
+        counted in ``found``."""
+        roots = () if storage.is_url(path) else self.roots
+        items, skipped = container_items(path, name, *self.columns, roots)
+        self.found.skipped += skipped
+        self.found.tables += container_kind(path) == "table"
+        return items
+
 
 def _input_items(raw: str, state: _Listing, prefix_roots: bool,
                  stop: Stop | None) -> Iterator[InputItem]:
-    """The items of one input, as they are found (keys not yet unique across inputs)."""
+    """The items of one input, as they are found (keys not yet unique across inputs): a file
+    or an object is an image or a container; a folder or a prefix is walked (recursive,
+    sorted, keys relative to it), then read for its containers (``read_folder_containers``).
+    A URL with nothing under it is a UsageError, as for a path."""
     found = state.found
-    image_column, key_column = state.columns
-    if storage.is_url(raw):
-        yield from discover_url(raw, state, prefix_roots)
-        return
-    path = Path(raw)
-    kind = container_kind(raw)
-    if path.is_dir():
-        state.walked += 1
-    else:
+    url = storage.is_url(raw)
+    what = storage.kind(raw) if url else "folder" if os.path.isdir(raw) else "file"
+    if what == "missing":
+        raise UsageError(f"input not found: {raw}")
+    if what == "file":
         state.name(raw)
-    if kind is not None and path.is_file():
-        items, skipped = container_items(raw, raw, image_column, key_column, state.roots)
-        found.skipped += skipped
-        found.tables += kind == "table"
-        yield from items
-    elif path.is_dir():
-        shards: list[tuple[str, str]] = []
-        images = 0
-        for item in iter_folder(path, found, stop.requested if stop is not None else None,
-                                shards):
-            images += 1
-            yield replace(item, key=key_under_root(raw, item.key)) if prefix_roots else item
-        if stop is not None:
-            stop.check()  # a walk cut short is not read for containers
-        yield from read_folder_containers(raw, shards, images > 0, state, prefix_roots)
-    elif is_image_name(raw):  # a file, a link, or a FIFO/socket/device (its row says so)
-        yield InputItem(key=raw, path=raw)
+        if url:
+            refuse_compressed_tar(raw)
+        if container_kind(raw) is not None and (url or os.path.isfile(raw)):
+            yield from state.container(raw, raw)
+        elif is_image_name(raw):  # a file, a link, or a FIFO/socket/device (its row says so)
+            member = StoredObject(raw, storage.size_of(raw)) if url else None
+            yield InputItem(key=raw, path=raw, member=member)
+        else:
+            found.skipped += 1
+        return
+    state.walked += 1
+    shards: list[tuple[str, str]] = []
+    images = 0
+    if url:
+        walk = _iter_prefix(raw, found, shards)
     else:
-        found.skipped += 1
+        walk = iter_folder(Path(raw), found, stop.requested if stop is not None else None,
+                           shards)
+    for item in walk:
+        images += 1
+        yield replace(item, key=key_under_root(raw, item.key)) if prefix_roots else item
+    if stop is not None and not url:
+        stop.check()  # a walk cut short is not read for containers
+    yield from read_folder_containers(raw, shards, images > 0, state, prefix_roots)
+
+
+def _iter_prefix(prefix: str, found: Discovery,
+                 containers: list[tuple[str, str]]) -> Iterator[InputItem]:
+    """The image objects under the URL ``prefix`` in its listing's order, keyed relative to
+    it; containers and other objects as ``iter_folder`` takes them."""
+    for obj in storage.iter_files(prefix):
+        if is_image_name(obj.key):
+            yield InputItem(key=obj.key, path=obj.url, member=StoredObject(obj.url, obj.size))
+        elif container_kind(obj.key) is not None:
+            containers.append((obj.key, obj.url))
+        else:
+            found.skipped += 1
 
 
 def _end_listing(state: _Listing, keep_columns: Sequence[str], stop: Stop | None) -> None:
@@ -303,9 +324,9 @@ def _end_listing(state: _Listing, keep_columns: Sequence[str], stop: Stop | None
 def kept_fields(tables: Sequence[str], keep_columns: Sequence[str],
                 key_column: str | None) -> list:
     """The fields of the table columns the rows carry (``tables``: the table files read):
-    ``keep_columns`` (a name the output
-    has a column of is refused), then ``key_column`` in its own type unless kept already or
-    named like an output column (its text is in ``path`` anyway)."""
+    ``keep_columns`` (a name the output has a column of is refused), then ``key_column`` in
+    its own type unless kept already or named like an output column (its text is in ``path``
+    anyway)."""
     if not keep_columns and key_column is None:
         return []
     from ..output.parts import OUTPUT_COLUMNS  # lazily: see ARCHITECTURE.md's one arrow
@@ -345,46 +366,6 @@ def refuse_missing_list(list_file: str, lines: list[str]) -> None:
     raise UsageError(text)
 
 
-def discover_url(raw: str, state: _Listing, prefix_roots: bool) -> Iterator[InputItem]:
-    """The images of the URL ``raw``: a prefix is listed like a folder (recursive, sorted,
-    keys relative to it; read for its containers as a folder is, ``read_folder_containers``);
-    an object is an image or a container. A URL with nothing under it is a UsageError, as
-    for a path."""
-    found = state.found
-    image_column, key_column = state.columns
-    what = storage.kind(raw)
-    if what == "missing":
-        raise UsageError(f"input not found: {raw}")
-    if what == "file":
-        state.name(raw)
-        refuse_compressed_tar(raw)
-        kind = container_kind(raw)
-        if kind is not None:
-            items, skipped = container_items(raw, raw, image_column, key_column)
-            found.skipped += skipped
-            found.tables += kind == "table"
-            yield from items
-        elif is_image_name(raw):
-            yield InputItem(key=raw, path=raw, member=StoredObject(raw, storage.size_of(raw)))
-        else:
-            found.skipped += 1
-        return
-    state.walked += 1
-    shards: list[tuple[str, str]] = []
-    images = 0
-    for obj in storage.iter_files(raw):
-        if not is_image_name(obj.key):
-            if container_kind(obj.key) is not None:
-                shards.append((obj.key, obj.url))
-            else:
-                found.skipped += 1
-            continue
-        key = key_under_root(raw, obj.key) if prefix_roots else obj.key
-        images += 1
-        yield InputItem(key=key, path=obj.url, member=StoredObject(obj.url, obj.size))
-    yield from read_folder_containers(raw, shards, images > 0, state, prefix_roots)
-
-
 def container_items(raw: str, name: str, image_column: str | None = None,
                     key_column: str | None = None, roots: tuple[str, ...] = (),
                     ) -> tuple[list[InputItem], int]:
@@ -392,8 +373,12 @@ def container_items(raw: str, name: str, image_column: str | None = None,
     given, or its path under the folder it was found in), and the entries passed over. Keys
     repeated inside the container get ``#2``, ``#3``, ... in the container's own order, so a
     key depends on the container alone, never on the run's other inputs. The one place that
-    keys a container's images: every way of finding a container calls it."""
-    items, skipped = expand_container(raw, image_column, key_column, roots, name)
+    keys a container's images: every way of finding a container calls it. ``roots``: see
+    ``TableCell``."""
+    if container_kind(raw) == "tar":
+        items, skipped = expand_tar(raw, name)
+    else:
+        items, skipped = expand_table(raw, image_column, key_column, roots, name), 0
     return unique_keys(items), skipped
 
 
@@ -401,31 +386,19 @@ def read_folder_containers(raw: str, containers: list[tuple[str, str]], has_imag
                            state: _Listing, prefix_roots: bool) -> Iterator[InputItem]:
     """The images of the containers found in the folder or prefix ``raw`` (``(relative
     path, path)``): read when the folder holds no image file, else passed over with a
-    warning. Counts the tables read in ``state.found`` (``--image-column``/``--key-column``
-    apply to them)."""
-    import logging
-
-    found = state.found
-    if not containers:
-        return
-    if has_images:
-        found.skipped += len(containers)
-        logging.getLogger("dsv4enc").warning(
+    warning."""
+    if has_images and containers:
+        state.found.skipped += len(containers)
+        _log.warning(
             "%s: %d .tar shards or tables beside its images are not read (a folder with "
             "images is read for its images); pass them by name to encode them (e.g. %s)",
             raw, len(containers), containers[0][1])
         return
-    image_column, key_column = state.columns
-    roots = () if storage.is_url(raw) else state.roots
     for rel, path in containers:
         if written_by_dsv4enc(path):  # an output (or its parts) written beside the shards
-            found.skipped += 1
-            continue
-        name = key_under_root(raw, rel) if prefix_roots else rel
-        items, skipped = container_items(path, name, image_column, key_column, roots)
-        found.skipped += skipped
-        found.tables += container_kind(path) == "table"
-        yield from items
+            state.found.skipped += 1
+        else:
+            yield from state.container(path, key_under_root(raw, rel) if prefix_roots else rel)
 
 
 def nothing_found(inputs: Iterable[str], files_from: str | None, skipped: int) -> str:
@@ -438,14 +411,11 @@ def nothing_found(inputs: Iterable[str], files_from: str | None, skipped: int) -
 def warn_unlisted(unlisted: list[tuple[str, str]], shown: int = 10) -> None:
     """One line per folder that could not be listed (the first ``shown``), logged as an
     error so that ``--quiet`` shows it too: images are missing from the run."""
-    import logging
-
-    log = logging.getLogger("dsv4enc")
     for folder, reason in unlisted[:shown]:
-        log.error("cannot list folder %s (%s): its images are not in this run",
-                    os.fsdecode(folder)[:300], reason)
+        _log.error("cannot list folder %s (%s): its images are not in this run",
+                   os.fsdecode(folder)[:300], reason)
     if len(unlisted) > shown:
-        log.error("%d more folders could not be listed", len(unlisted) - shown)
+        _log.error("%d more folders could not be listed", len(unlisted) - shown)
 
 
 # ----------------------------------------------------------------------------- keys

@@ -2,31 +2,27 @@
 tar shards.
 
 The main process reads only an index of each container (a tar's member headers; a table's
-row-group sizes and key column) and turns every image into an ``InputItem`` whose ``member``
-says where its bytes lie. Decode workers then read just that member: a tar member by offset
-and size, a table cell by row group (or record batch) and row, through a small per-process
-cache of recently read row groups.
+row-group sizes and key column) and gives each image an ``InputItem`` whose ``member`` says
+where its bytes lie; decode workers read just that: a tar member by offset and size, a table
+cell by row group (or record batch) and row, through a per-process cache of row groups.
 
-Every key of a container's image is ``NAME/<name inside>`` (``member_key``), where ``NAME``
-is the container's own key (``discover``). A tar member ``dir/sample.jpg`` belongs to the
-WebDataset sample ``dir/sample`` (``split_key``), keyed ``NAME/dir/sample``; when one sample
-holds several images, each is keyed by its full member name (``NAME/dir/sample.jpg``).
-Compressed tars cannot be read member by member and are refused. Table rows are keyed by
-``--key-column`` when given (its value as it is); else ``NAME/<path>`` by the ``path`` field
-of a Hugging Face ``{bytes, path}`` image struct when it is set; else ``NAME#<row>`` (the row
-counted from 0 over the whole file).
+Every key of a container's image is ``NAME/<name inside>`` (``member_key``), ``NAME`` the
+container's own key. A tar member ``dir/sample.jpg`` is keyed by its WebDataset sample
+(``split_key``), ``NAME/dir/sample``, or by its full name when the sample holds several
+images. Compressed tars are refused. A table row is keyed by its ``--key-column`` value as it
+is; else ``NAME/<path>`` by the ``path`` field of a Hugging Face ``{bytes, path}`` image struct
+when it is set; else ``NAME#<row>`` (the row counted from 0 over the whole file).
 
-In a store, each input is read once where it can be: a tar shard is indexed by one streamed
-read, which keeps its image members' bytes; a header probe reads the first ``HEAD_BYTES`` of
-an object (or a member not kept) in one request, which for a small one is all of it. Those
-bytes are held (``HeldInputs``, bounded) until the decode task takes them (``attach_held``).
+In a store, each input is read once where it can be: a tar shard by one streamed read, which
+keeps its image members' bytes; an object (or a member not kept) by a header probe of its
+first ``HEAD_BYTES`` in one request, all of a small one. Those bytes are held (``HeldInputs``,
+bounded) until the decode task takes them (``attach_held``).
 
-A damaged container never reads as complete. What cannot be read becomes an ``Unreadable``
-item, one error row keyed ``<file>@<byte offset>`` where the damage starts: a tar region
-without a valid header (the index reads on at the next valid header, as GNU tar does), a tar
-or Arrow stream cut short, a table that does not open at all (``@0``). Rows of a Parquet row
-group that cannot be read are error rows of their own. A ``{bytes: null, path}`` cell names a
-file beside the table (``cell_file`` says which files it may name).
+A damaged container never reads as complete: what cannot be read is an ``Unreadable`` item,
+one error row keyed ``<file>@<byte offset>`` where the damage starts (a tar region without a
+valid header, after which the index reads on as GNU tar does; a tar or Arrow stream cut short;
+a table that does not open, ``@0``). The rows of an unreadable Parquet row group are error rows
+of their own. A ``{bytes: null, path}`` cell names a file beside the table (``cell_file``).
 """
 
 from __future__ import annotations
@@ -197,21 +193,6 @@ def container_kind(path: str) -> str | None:
     if lower.endswith(TAR_EXTENSIONS):
         return "tar"
     return None
-
-
-def expand_container(raw: str, image_column: str | None = None, key_column: str | None = None,
-                     path_roots: tuple[str, ...] = (), name: str | None = None,
-                     ) -> tuple[list[InputItem], int]:
-    """The images in a container file, in file order, and how many entries were passed over
-    (tar samples without an image). ``name``: the container's own key, which its images'
-    keys start with (by default ``raw``, the path as given). ``path_roots``: see
-    ``TableCell``."""
-    kind = container_kind(raw)
-    if kind == "tar":
-        return expand_tar(raw, name)
-    if kind == "table":
-        return expand_table(raw, image_column, key_column, path_roots, name), 0
-    raise UsageError(f"{raw}: not a container file (.parquet, .arrow, .feather or .tar)")
 
 
 # ----------------------------------------------------------------------------- tar shards

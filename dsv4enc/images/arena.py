@@ -1,6 +1,5 @@
-"""Shared memory for decoded patches (``PatchArena``): decode workers write an image's
-patches into a slot of one anonymous memory file that the pool maps too, so the patches never
-go through a pipe. ``decode.DecodePool`` owns the arena and hands a slot to each task."""
+"""Shared memory for decoded patches (``PatchArena``), which ``decode.DecodePool`` owns and
+hands a slot of to each task."""
 
 from __future__ import annotations
 
@@ -26,16 +25,13 @@ class PatchArena:
     are not pickled through a pipe (a cost measured in benchmarks/RESULTS.md).
 
     One anonymous memory file (Linux ``memfd``) of ``slots`` equal slots, mapped by the pool
-    and by each worker: pickled while a worker is spawned, it arrives there as that worker's
-    ``WorkerArena``. It has no name (nothing in /dev/shm), so nothing can leak: the kernel
-    frees it when the last process that holds it closes or unmaps it, however that process
-    ends. Pages are committed when first written, so the slot count costs address space, not
-    memory.
-
-    The pool takes a free slot for each task it dispatches; the worker transforms straight
-    into it; the pool hands the result on as a numpy array over the slot (``lease``), and the
-    slot is free again once that array and every view of it are gone. With no free slot, or
-    an image larger than a slot, the worker sends its patches through the pipe.
+    and by each worker (pickled at a worker's spawn, it arrives as its ``WorkerArena``). With
+    no name (nothing in /dev/shm) it cannot leak: the kernel frees it with the last process
+    that holds it, however that ends. Pages are committed when first written: slots cost
+    address space, not memory. Each dispatched task takes a free slot, the worker transforms
+    into it, and the pool hands on an array over it (``lease``); the slot is free again once
+    that array and its views are gone. With no free slot, or an image larger than one, the
+    patches go through the pipe.
     """
 
     def __init__(self, fd: int, slots: int, slot_bytes: int) -> None:

@@ -1,15 +1,12 @@
 """Finding the images to encode: folders (recursive, sorted), files, and path lists.
 
 Each input becomes an ``InputItem`` whose ``key`` is the output's ``path`` column: relative to
-the folder it was found in (posix), or the path as given. An image inside a container (a tar
-shard, a table) is keyed under its container's own key, found the same way
-(``container_items``).
-
-A folder (or a prefix) that holds no image file but holds containers (``.tar`` shards,
-``.parquet``/``.arrow``/``.feather`` tables: the usual WebDataset layout) is read as those
-containers, except dsv4enc's own outputs (an output written beside the shards). In a folder
-with images, containers are not read (a ``metadata.parquet`` beside the images is no image
-table); a warning names how many were passed over.
+the folder it was found in (posix), or the path as given; an image inside a container (a tar
+shard, a table) is keyed under the container's own key, found the same way
+(``container_items``). A folder (or a prefix) with no image file but with containers (the
+usual WebDataset layout) is read as those containers, except dsv4enc's own outputs; in a
+folder with images, containers are not read (a ``metadata.parquet`` beside the images is no
+image table), and a warning names how many were passed over.
 """
 
 from __future__ import annotations
@@ -42,10 +39,9 @@ class Stop(Protocol):
 
 @dataclass
 class Discovery:
-    """Items in input order, how many non-image files were passed over, and the folders that
-    could not be listed (``(folder, reason)``: their contents are missing from the run);
-    ``tables``: how many tables were read (``--image-column``/``--key-column`` apply to them);
-    ``kept_fields``: the table columns the output rows carry (``pyarrow`` fields: the
+    """Items in input order, how many non-image files were passed over, the folders that could
+    not be listed (``(folder, reason)``: their contents are missing from the run), how many
+    tables were read, and the table columns the rows carry (``pyarrow`` fields: the
     ``--keep-column`` ones, and the ``--key-column`` in its own type)."""
 
     items: list[InputItem] = field(default_factory=list)
@@ -195,17 +191,15 @@ def stream_inputs(found: Discovery, inputs: Iterable[str], files_from: str | Non
 def check_path_input(raw: str) -> None:
     """Refuse a local input that cannot be read before anything is listed: a missing path,
     a compressed tar, a FIFO, socket or device without an image name."""
-    if storage.is_url(raw):
-        return
     path = Path(raw)
-    if path.is_dir():
+    if storage.is_url(raw) or path.is_dir():
         return
     if path.is_file():
         refuse_compressed_tar(raw)
-    elif path.exists() and not path.is_symlink() and not is_image_name(raw):
-        raise UsageError(f"input {raw} is not a regular file or a folder")
-    elif not path.exists() and not path.is_symlink():
+    elif not path.is_symlink() and not path.exists():
         raise UsageError(f"input not found: {raw}")
+    elif not path.is_symlink() and not is_image_name(raw):
+        raise UsageError(f"input {raw} is not a regular file or a folder")
 
 
 @dataclass
@@ -299,8 +293,8 @@ def _iter_prefix(prefix: str, found: Discovery,
 
 
 def _end_listing(state: _Listing, keep_columns: Sequence[str], stop: Stop | None) -> None:
-    """The checks once every input is listed: the table flags need a table, an input set
-    of named files needs an image; then the unlisted folders are logged."""
+    """The checks once every input is listed (the table flags need a table, named files an
+    image), then the unlisted folders logged."""
     found = state.found
     image_column, key_column = state.columns
     if not found.tables and (image_column is not None or key_column is not None
@@ -344,9 +338,9 @@ def kept_fields(tables: Sequence[str], keep_columns: Sequence[str],
 
 
 def refuse_missing_list(list_file: str, lines: list[str]) -> None:
-    """A UsageError when not one path of a ``--files-from`` list exists: no image could be
-    read, and the likely cause is where relative paths are taken from (the current folder,
-    not the list's). Stops at the first path that exists (one stat, usually)."""
+    """A UsageError when not one path of a ``--files-from`` list exists (the likely cause:
+    relative paths are taken from the current folder, not the list's). Stops at the first
+    path that exists (one stat, usually)."""
     local = [line for line in lines if not storage.is_url(line)]
     if not local or len(local) < len(lines) or any(os.path.lexists(line) for line in local):
         return
@@ -371,9 +365,8 @@ def container_items(raw: str, name: str, image_column: str | None = None,
                     ) -> tuple[list[InputItem], int]:
     """The images of the container ``raw`` keyed under ``name`` (its own key: the path as
     given, or its path under the folder it was found in), and the entries passed over. Keys
-    repeated inside the container get ``#2``, ``#3``, ... in the container's own order, so a
-    key depends on the container alone, never on the run's other inputs. The one place that
-    keys a container's images: every way of finding a container calls it. ``roots``: see
+    repeated inside it get ``#2``, ``#3``, ... in its own order, so a key depends on the
+    container alone. Every way of finding a container calls this. ``roots``: see
     ``TableCell``."""
     if container_kind(raw) == "tar":
         items, skipped = expand_tar(raw, name)
@@ -384,9 +377,8 @@ def container_items(raw: str, name: str, image_column: str | None = None,
 
 def read_folder_containers(raw: str, containers: list[tuple[str, str]], has_images: bool,
                            state: _Listing, prefix_roots: bool) -> Iterator[InputItem]:
-    """The images of the containers found in the folder or prefix ``raw`` (``(relative
-    path, path)``): read when the folder holds no image file, else passed over with a
-    warning."""
+    """The images of the containers (``(relative path, path)``) found in the folder or prefix
+    ``raw``: read when it holds no image file, else passed over with a warning."""
     if has_images and containers:
         state.found.skipped += len(containers)
         _log.warning(
@@ -419,26 +411,23 @@ def warn_unlisted(unlisted: list[tuple[str, str]], shown: int = 10) -> None:
 
 
 # ----------------------------------------------------------------------------- keys
-# Keys are unique within an output (one ``path`` per row; ``--resume`` matches parts by them):
-# - an image found in a folder is keyed by its path under that folder; when more than one
-#   folder is given, that path is prefixed with the folder as given (``key_under_root``);
-# - any key still taken by an earlier item (the same file given twice, a tar's repeated member
-#   name, two shards with the same sample key, a non-UTF-8 name whose escaped text is another
-#   file's name) gets ``#2``, ``#3``, ... (``unique_keys``).
+# Keys are unique within an output (one ``path`` per row; ``--resume`` matches parts by them).
+# An image in a folder is keyed by its path under it, prefixed with the folder as given when
+# several are (``key_under_root``); a key still taken by an earlier item (a file given twice,
+# a tar's repeated member name, two shards' same sample key, a non-UTF-8 name whose escaped
+# text is another file's name) gets ``#2``, ``#3``, ... (``unique_keys``).
 
 
 def key_under_root(root: str, key: str) -> str:
     """``key`` (a path under the folder ``root``) prefixed with the folder as given, in posix
     form (``data/`` and ``./data`` give ``data/``; ``.`` adds nothing)."""
     prefix = root.rstrip("/") if storage.is_url(root) else Path(root).as_posix().rstrip("/")
-    if prefix == ".":
-        return key
-    return f"{prefix}/{key}"
+    return key if prefix == "." else f"{prefix}/{key}"
 
 
 def _output_text(key: str) -> str:
-    """``key`` as the output's ``path`` column holds it (``output/parts.utf8_text``: non-UTF-8 bytes
-    of a file name escaped). The writer (and pyarrow) is imported only for such a name."""
+    """``key`` as the output's ``path`` column holds it (``output/parts.utf8_text``: a file
+    name's non-UTF-8 bytes escaped). The writer (and pyarrow) is imported only for such one."""
     if key.isascii():
         return key
     try:
@@ -451,9 +440,8 @@ def _output_text(key: str) -> str:
 
 
 def unique_keys(items: list[InputItem]) -> list[InputItem]:
-    """``items`` with every key unique as output text, in input order: the first item with a
-    key keeps it, later ones get ``KEY#2``, ``KEY#3``, ... (the first number whose key no
-    other item has: the whole list is known, as in a container)."""
+    """``items`` with every key unique as output text (``UniqueKeys``), the numbers added
+    taking no other item's key: the whole list is known, as in a container."""
     texts = [_output_text(item.key) for item in items]
     taken = set(texts)
     if len(taken) == len(texts):
@@ -463,10 +451,9 @@ def unique_keys(items: list[InputItem]) -> list[InputItem]:
 
 
 class UniqueKeys:
-    """Keys made unique as items come, in input order: the first item with a key keeps it,
-    a later one gets ``KEY#2``, ``KEY#3``, ... (the first number whose key is not taken:
-    by an earlier item, or by any in ``taken`` when the whole list is known). Holds one
-    text per key given (the run's keys, a few dozen bytes each)."""
+    """Keys made unique as items come, in input order: the first item with a key keeps it, a
+    later one gets ``KEY#2``, ``KEY#3``, ... (the first number whose key no earlier item has,
+    nor any in ``taken``). Holds one text per key given (a few dozen bytes each)."""
 
     def __init__(self, taken: set[str] | None = None) -> None:
         self.taken = set() if taken is None else taken

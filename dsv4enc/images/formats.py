@@ -1,14 +1,12 @@
 """The image formats dsv4enc reads, and opening an image only as one of them.
 
-Pillow recognizes some forty formats by their content, whatever a file is called. Some of them
-hand the data to another program (EPS goes to Ghostscript), and many are rarely met and little
-hardened (TGA, SGI, PCX, DDS, ICO, QOI, JPEG 2000, ...). So dsv4enc opens a file only as one
-of six raster formats: JPEG, PNG, WebP, BMP, GIF and TIFF. The format its extension stands
-for (``.jpg`` -> JPEG, ``.tif`` -> TIFF, ...) is tried first; a file whose content is another
-of the six (a JPEG named ``.png``: scraped datasets are full of them) is opened as what it is,
-and ``misnamed`` tells the caller so. Unnamed bytes (a table cell) may be any of the six.
-Header probes and decodes go through the same ``open_image``. Content of any other format is
-an error that names the format it is; no other format's reader is ever started.
+Pillow recognizes some forty formats by their content, whatever a file is called; some hand
+the data to another program (EPS to Ghostscript), many are rarely met and little hardened (TGA,
+SGI, PCX, DDS, ICO, QOI, JPEG 2000, ...). So probes and decodes (``open_image``) open a file
+only as JPEG, PNG, WebP, BMP, GIF or TIFF: the format its extension stands for first, else
+what its content is among the six (a JPEG named ``.png``, common in scraped datasets; then
+``misnamed`` says so). Unnamed bytes (a table cell) may be any of the six. Any other format is
+an error that names it; no other format's reader is ever started.
 """
 
 from __future__ import annotations
@@ -96,17 +94,14 @@ def misnamed(image, name: str | None) -> str | None:
     there is no name to disagree with."""
     allowed = formats_for(name)
     actual = _OPENED_AS.get(image.format, image.format)
-    if len(allowed) == 1 and actual not in allowed:
-        return actual
-    return None
+    return actual if len(allowed) == 1 and actual not in allowed else None
 
 
 def open_image(handle: str | os.PathLike | IO[bytes], name: str | None):
     """``PIL.Image.open(handle)`` restricted to the accepted formats, the one ``name`` stands
-    for first (``misnamed`` says whether the image is another).
-
-    Raises ``PIL.UnidentifiedImageError`` when the content is none of those formats; the
-    message says so for an empty file and names the format it is when Pillow recognizes it."""
+    for first (``misnamed`` says whether the image is another). ``PIL.UnidentifiedImageError``
+    when it is none of them: its message says so for an empty file, and names the format it
+    is when Pillow recognizes it."""
     from PIL import Image, UnidentifiedImageError
 
     allowed = formats_for(name)

@@ -1,8 +1,6 @@
 """What one input is: an ``InputItem`` (its output key, the path the decoder opens, and a
 locator for an image inside a container or a store), and which names are image names.
-
-``discover`` finds items, ``sources`` expands containers into items and reads them; both build
-on this module, which imports neither.
+``discover`` and ``sources`` build on this module, which imports neither.
 """
 
 from __future__ import annotations
@@ -42,10 +40,9 @@ class TableCell:
 
 @dataclass(frozen=True)
 class StoredObject:
-    """An image that is a whole object in a store (``InputItem.path`` is its URL): its header
-    probe reads its first bytes (all of them for a small one, then held for the decode:
-    ``sources.HeldInputs``), else the decode worker reads it whole. ``name`` is the URL, for
-    the format the name stands for; ``size`` as listed."""
+    """An image that is a whole object in a store (``InputItem.path`` is its URL; ``name``
+    too, for the format it stands for; ``size`` as listed). Its probe's first bytes, all of a
+    small one, are held for the decode (``sources.HeldInputs``), else the decode reads it."""
 
     name: str
     size: int
@@ -54,8 +51,7 @@ class StoredObject:
 @dataclass(frozen=True)
 class Fetched:
     """An input's bytes, read already (a small object's header read, a tar shard's streamed
-    members): a decode task carries them, so that the decode worker reads nothing. ``name``
-    is the locator's it replaces (the format the name stands for)."""
+    member), carried by its decode task; ``name``: the replaced locator's."""
 
     name: str | None
     data: bytes = field(repr=False)
@@ -63,22 +59,19 @@ class Fetched:
 
 @dataclass(frozen=True)
 class Unreadable:
-    """A part of a container that cannot be read: reading it raises ``sources.DamagedContainerError``
-    with ``reason``, so it becomes one error row."""
+    """A part of a container that cannot be read: its one error row says ``reason``
+    (``sources.DamagedContainerError``)."""
 
     reason: str
 
 
 @dataclass(frozen=True)
 class InputItem:
-    """One image to encode. ``path`` is what the decoder opens; ``key`` is the output name.
-
-    ``member`` locates the image inside a container file ``path`` (a ``TarMember`` or a
-    ``TableCell``), marks ``path`` as an object in a store (a ``StoredObject``, ``path`` its
-    URL) or a container's damaged part (``Unreadable``); None for a plain image file. A
-    decode task's item may carry its bytes instead (``Fetched``). ``sources.open_item``
-    reads it.
-    """
+    """One image to encode: ``key`` is the output name, ``path`` what the decoder opens.
+    ``member`` locates the image inside a container file ``path`` (``TarMember``,
+    ``TableCell``), marks ``path`` as an object in a store (``StoredObject``) or a container's
+    damaged part (``Unreadable``), or carries its bytes (``Fetched``, in a decode task); None
+    for a plain image file. ``sources.open_item`` reads it."""
 
     key: str
     path: str

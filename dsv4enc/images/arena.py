@@ -21,18 +21,14 @@ def patch_slot_bytes(cfg: VisionConfig) -> int:
 
 
 class PatchArena:
-    """Shared memory that decode workers write patches into, so that an image's patches
-    are not pickled through a pipe (a cost measured in benchmarks/RESULTS.md).
-
-    One anonymous memory file (Linux ``memfd``) of ``slots`` equal slots, mapped by the pool
-    and by each worker (pickled at a worker's spawn, it arrives as its ``WorkerArena``). With
-    no name (nothing in /dev/shm) it cannot leak: the kernel frees it with the last process
-    that holds it, however that ends. Pages are committed when first written: slots cost
-    address space, not memory. Each dispatched task takes a free slot, the worker transforms
-    into it, and the pool hands on an array over it (``lease``); the slot is free again once
-    that array and its views are gone. With no free slot, or an image larger than one, the
-    patches go through the pipe.
-    """
+    """Shared memory that decode workers write patches into, not pickled through a pipe (a cost
+    measured in benchmarks/RESULTS.md): one anonymous memory file (Linux ``memfd``) of
+    ``slots`` equal slots, mapped by the pool and by each worker (``WorkerArena``). It has no
+    name, so it cannot leak: the kernel frees it with the last process that holds it. Pages are
+    committed when first written (slots cost address space, not memory). Each task takes a free
+    slot, and the pool hands on an array over it (``lease``), free again once that array and
+    its views are gone. With no free slot, or an image larger than one, the patches go through
+    the pipe."""
 
     def __init__(self, fd: int, slots: int, slot_bytes: int) -> None:
         self.fd, self.slots, self.slot_bytes = fd, slots, slot_bytes
@@ -88,8 +84,7 @@ class PatchArena:
         return WorkerArena.attach, (reduction.DupFd(self.fd), self.slots, self.slot_bytes)
 
     def close(self) -> None:
-        """Unmap (once no lease is left; until then the leases keep the mapping) and close:
-        the memory is freed when the last mapping goes."""
+        """Unmap (once the leases, which keep the mapping, are gone) and close the memory file."""
         with self._lock:
             if self._map is None:
                 return
@@ -110,8 +105,7 @@ class WorkerArena:
 
     @classmethod
     def attach(cls, dup_fd, slots: int, slot_bytes: int) -> "WorkerArena | None":
-        """The mapping, or None if it cannot be made (the worker then uses its pipe: the
-        pool gives back a slot its worker did not use)."""
+        """The mapping, or None (the worker then sends its patches through the pipe)."""
         fd = dup_fd.detach()
         try:
             return cls(mmap.mmap(fd, slots * slot_bytes), slot_bytes)

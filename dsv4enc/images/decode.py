@@ -1,9 +1,8 @@
 """Reading images: header probes (size only) and full decodes in worker processes.
 
-Bad files never raise out of here: every probe and decode returns a result with ``error`` set
-instead. The ``DecodePool`` gives each image a time limit and replaces a worker that crashes
-or hangs, so one pathological file costs one error row, not the run.
-"""
+Bad files never raise out of here: a probe or decode returns a result with ``error`` set. The
+``DecodePool`` gives each image a time limit and replaces a worker that crashes or hangs, so
+one pathological file costs one error row, not the run."""
 
 from __future__ import annotations
 
@@ -53,9 +52,7 @@ class Decoded:
     height: int | None = None
     error: str | None = None
     out_of_memory: bool = False  # the worker's memory bound was hit: it is replaced
-    # When a store's outage began (wall time), for the health record of the process that
-    # collects the rows (``storage.note_row``).
-    unavailable_since: float | None = None
+    unavailable_since: float | None = None  # a store's outage began (``storage.note_row``)
     slot: int | None = None  # from a worker: the PatchArena slot that holds the patches
 
 
@@ -67,9 +64,8 @@ def describe_error(exc: BaseException) -> str:
 
 def read_failure(exc: BaseException, source) -> tuple[str, float | None]:
     """An image's error for ``exc``, and when its store's outage began (None: not one): an
-    input in a store that is not answering (``storage.StoreUnavailable``, or a read that failed
-    on an outage) gets a ``storage.UNAVAILABLE`` error, transient: its part is encoded again
-    on --resume. A missing object is an ordinary error."""
+    input in a store not answering (``storage.StoreUnavailable``, a read failed on an outage)
+    gets a transient ``storage.UNAVAILABLE`` error (encoded again on --resume)."""
     if isinstance(exc, storage.StoreUnavailable):
         return str(exc), exc.since
     url = getattr(source, "path", source)
@@ -136,9 +132,8 @@ def _check_pixels(image, max_pixels: int) -> None:
 
 def own_process_pillow_settings() -> None:
     """Pillow's process-wide settings, made once in a process dsv4enc owns (the command line,
-    a decode worker): its pixel check off (each open applies its own ``max_pixels``, maybe
-    above Pillow's default), and its warnings (corrupt data) raised as errors, so such an
-    image gets an error row in a worker and in the main process (``--workers 0``) alike."""
+    a decode worker): its pixel check off (each open applies its own ``max_pixels``), and its
+    warnings raised as errors, so a corrupt image is an error row with ``--workers 0`` too."""
     from PIL import Image
 
     Image.MAX_IMAGE_PIXELS = None
@@ -146,10 +141,9 @@ def own_process_pillow_settings() -> None:
 
 
 def probe_image(source, max_pixels: int = DEFAULT_MAX_PIXELS) -> Probe:
-    """Read only the header: the stored size (no EXIF rotation). ``source``: a path, bytes,
-    or an ``items.InputItem`` (which may point into a container file). Probes run on threads,
-    so nothing process-wide is touched; a path (a table cell's too) naming a FIFO or a device
-    is an error, not a wait. ``images.headers.probe_all`` bounds a probe's time."""
+    """Read only the header: the stored size (no EXIF rotation). ``source``: a path, bytes, or
+    an ``items.InputItem``. Runs on threads: touches nothing process-wide, and a path naming a
+    FIFO or a device is an error, not a wait (``headers.probe_all`` bounds its time)."""
     handle = None
     try:
         target = source
@@ -176,9 +170,8 @@ def probe_image(source, max_pixels: int = DEFAULT_MAX_PIXELS) -> Probe:
 
 def decode_image(source, cfg: VisionConfig, max_pixels: int = DEFAULT_MAX_PIXELS,
                  out=None) -> Decoded:
-    """Decode, transform and patchify one image (first frame of animations). ``source``: a
-    path, bytes, or an ``items.InputItem`` (which may point into a container file). ``out``: as
-    ``transform.image_to_patch_bits`` takes it (where to put the patches)."""
+    """Decode, transform and patchify one image (an animation's first frame). ``source``: as
+    for ``probe_image``; ``out``: as ``transform.image_to_patch_bits`` takes it."""
     from ..tower.transform import image_to_patch_bits
 
     try:
@@ -215,9 +208,8 @@ WORKER_HEAP_KEEP = 512 << 20
 
 
 def _limit_memory(budget: int | None) -> None:
-    """Cap this process's data segment (heap and private mappings: what decoding allocates)
-    at its current size plus ``budget``: an allocation past it raises MemoryError, which
-    becomes that image's error row. Linux only (elsewhere, no bound)."""
+    """Cap this process's data segment (what decoding allocates) at its current size plus
+    ``budget``: past it, an allocation raises MemoryError (that image's error row). Linux only."""
     if budget is None:
         return
     try:
@@ -237,8 +229,7 @@ def _limit_memory(budget: int | None) -> None:
 
 
 def _exit_with_parent() -> None:
-    """End this worker when its parent dies (SIGKILL, OOM killer) even in the middle of a
-    long decode: without the parent, its work has no reader."""
+    """End this worker when its parent dies (SIGKILL, OOM killer), even in a long decode."""
     parent = os.getppid()
 
     def watch() -> None:
@@ -352,8 +343,7 @@ class DecodeStream:
         return item
 
     def next_within(self, timeout_s: float) -> tuple[Any, Decoded] | None:
-        """Like ``next``, but None when no result comes within ``timeout_s`` (a caller that
-        must also watch for a signal polls with this)."""
+        """``next``, or None when no result comes within ``timeout_s`` (for a caller that polls)."""
         if self._done:
             raise StopIteration
         try:
@@ -379,12 +369,9 @@ class DecodeStream:
 
 
 class DecodePool:
-    """Decode images in worker processes, in order, with a bounded look-ahead.
-
-    ``workers=0`` decodes inline (no time limit). A worker that exceeds ``timeout_s`` on one
-    image is killed and replaced; a worker that dies is replaced; either way that image gets an
-    error and the run goes on.
-    """
+    """Decode images in worker processes, in order, with a bounded look-ahead (``workers=0``:
+    inline, no time limit); a worker that dies or exceeds ``timeout_s`` is replaced, its image
+    an error row."""
 
     def __init__(self, cfg: VisionConfig, workers: int, max_pixels: int = DEFAULT_MAX_PIXELS,
                  timeout_s: float | None = None,
@@ -393,13 +380,11 @@ class DecodePool:
         self.max_pixels = max_pixels
         self.timeout_s = timeout_s
         self.n_workers = workers
-        # Bytes a worker may allocate beyond its start-up footprint ("auto": from max_pixels;
-        # None: no bound); past it, the image in hand is an error row, the worker replaced.
+        # What a worker may allocate past its start-up footprint ("auto": from max_pixels).
         self.memory_budget = (WORKER_BYTES_PER_PIXEL * max_pixels + WORKER_HEADROOM
                               if memory_budget == "auto" else memory_budget)
         self._ctx = mp.get_context("spawn")  # fork is unsafe after torch/CUDA start threads
-        # Shared slots for the workers' patches (``slots``: default, enough for the default
-        # look-ahead plus a batch the consumer still holds; 0: none, all through the pipes).
+        # ``slots``: None for ``default_slots``; 0: none (patches go through the pipes).
         self.arena = (PatchArena.create(default_slots(workers) if slots is None else slots,
                                          patch_slot_bytes(cfg)) if workers > 0 else None)
         self._row_width = 3 * cfg.patch_size ** 2
@@ -451,13 +436,10 @@ class DecodePool:
 
     def imap(self, tasks: Iterable[tuple[Any, Any]],
              window: int = 64) -> Iterator[tuple[Any, Decoded]]:
-        """Yield ``(tag, Decoded)`` for each ``(tag, source)`` task, in task order. A source is
-        what ``decode_image`` takes: a path, or an ``items.InputItem`` (picklable, small).
-        ``tasks`` may yield ``NOT_YET`` when its next task is not known yet. With workers, a
-        ``DecodeStream``: its thread feeds the workers and collects their results while the
-        caller is busy, with at most ``window`` tasks taken but not yet yielded (bounded
-        memory whatever the consumer's speed)."""
-        # An input whose bytes were read ahead (``sources.HELD``) goes to its worker with them.
+        """Yield ``(tag, Decoded)`` for each ``(tag, source)`` task (``decode_image``'s source,
+        picklable), in task order; ``tasks`` may yield ``NOT_YET``. With workers, a
+        ``DecodeStream``, whose thread feeds them while the caller is busy, ``window`` tasks ahead
+        at most (memory stays bounded whatever the consumer's speed)."""
         tasks = (task if task is NOT_YET else (task[0], attach_held(task[1])) for task in tasks)
         if not self.workers:
             return ((task[0], decode_image(task[1], self.cfg, self.max_pixels))
@@ -466,9 +448,9 @@ class DecodePool:
 
     def _pump(self, source: Iterator, results: queue.SimpleQueue, credits: threading.Semaphore,
               stop: threading.Event) -> None:
-        """The feeding loop of ``imap``: takes tasks while it holds credits (one per task; the
-        consumer returns it on taking the result), dispatches, collects, and puts results on
-        ``results`` in task order, then ``_END`` (or the exception that stopped it)."""
+        """``imap``'s feeding loop: takes tasks while it holds credits (one per result not yet
+        taken), dispatches, collects, and queues results in order, then ``_END`` (or the exception
+        that stopped it)."""
         waiting: deque[tuple[int, Any]] = deque()
         tags: dict[int, Any] = {}
         done: dict[int, Decoded] = {}

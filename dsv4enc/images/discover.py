@@ -6,8 +6,7 @@ shard, a table) is keyed under the container's own key, found the same way
 (``container_items``). A folder (or a prefix) with no image file but with containers (the
 usual WebDataset layout) is read as those containers, except dsv4enc's own outputs; in a
 folder with images, containers are not read (a ``metadata.parquet`` beside the images is no
-image table), and a warning names how many were passed over.
-"""
+image table), and a warning names how many were passed over."""
 
 from __future__ import annotations
 
@@ -39,10 +38,9 @@ class Stop(Protocol):
 
 @dataclass
 class Discovery:
-    """Items in input order, how many non-image files were passed over, the folders that could
-    not be listed (``(folder, reason)``: their contents are missing from the run), how many
-    tables were read, and the table columns the rows carry (``pyarrow`` fields: the
-    ``--keep-column`` ones, and the ``--key-column`` in its own type)."""
+    """Items in input order, how many non-image files were passed over, the folders not listed
+    (``(folder, reason)``: missing from the run), how many tables were read, and the table
+    columns the rows carry (``pyarrow`` fields: ``--keep-column``'s, ``--key-column``'s)."""
 
     items: list[InputItem] = field(default_factory=list)
     skipped: int = 0
@@ -61,33 +59,26 @@ def _list_folder(folder: str) -> list[os.DirEntry]:
 def iter_folder(root: Path, found: "Discovery",
                 should_stop: Callable[[], bool] | None = None,
                 containers: list[tuple[str, str]] | None = None) -> Iterator[InputItem]:
-    """Image files under ``root``, recursively, as the walk reaches them: depth-first, each
-    folder's entries sorted by name (keys come in pathlib order, component by component:
-    ``b/z.png`` before ``b-c.gif``); symlinked folders are followed once each (a loop does not
-    repeat files). Iterative (any depth works), holding only the folders on the walked path.
-
-    A folder that cannot be listed (no permission, a path past PATH_MAX) is appended to
-    ``found.unlisted`` as ``(path, reason)``. Container files (``sources.container_kind``) are
-    appended to ``containers`` as ``(path relative to root, path)`` when it is given; other
-    files are counted in ``found.skipped``. ``should_stop`` is polled once per entry: when it
-    turns true, the walk ends."""
+    """Image files under ``root``, recursively, as the walk reaches them: depth-first, entries
+    sorted by name (keys in pathlib order: ``b/z.png`` before ``b-c.gif``), symlinked folders
+    followed once each; iterative, holding only the folders on the walked path. A folder that
+    cannot be listed (no permission, a path past PATH_MAX) is appended to ``found.unlisted`` as
+    ``(path, reason)``, a container file to ``containers`` (when given) as ``(path relative to
+    root, path)``; other files are counted in ``found.skipped``. ``should_stop`` is polled once
+    per entry: when it turns true, the walk ends."""
     seen_dirs: set[tuple[int, int]] = set()
-    # Each frame: a folder's remaining entries (reversed, so pop() takes the next) and the
-    # folder's path relative to ``root``.
+    # Frames: a folder's remaining entries (reversed: pop() takes the next), its path in root.
     stack: list[tuple[list[os.DirEntry], str]] = []
 
     def enter(folder: str, rel: str) -> None:
         try:
             info = os.stat(folder)
-            if (info.st_dev, info.st_ino) in seen_dirs:
-                return
-            seen_dirs.add((info.st_dev, info.st_ino))
-            entries = _list_folder(folder)
+            if (info.st_dev, info.st_ino) not in seen_dirs:
+                seen_dirs.add((info.st_dev, info.st_ino))
+                stack.append((_list_folder(folder)[::-1], rel))
         except OSError as exc:
             reason = exc.strerror or " ".join(str(exc).split()) or type(exc).__name__
             found.unlisted.append((folder, reason))
-            return
-        stack.append((entries[::-1], rel))
 
     enter(str(root), "")
     while stack:
@@ -117,9 +108,8 @@ def iter_folder(root: Path, found: "Discovery",
 
 
 def read_path_list(list_file: str) -> list[str]:
-    """The paths of a path list (``-`` is standard input): one per line, surrounding blanks
-    stripped; blank lines and lines starting with ``#`` are comments (write ``./#name`` for
-    a file whose name starts with ``#``)."""
+    """The paths of a path list (``-``: standard input), one per line, stripped; blank lines
+    and lines starting with ``#`` are skipped (``./#name`` names a file ``#name``)."""
     try:
         if list_file == "-":
             stdin = getattr(sys.stdin, "buffer", None)
@@ -150,20 +140,16 @@ def stream_inputs(found: Discovery, inputs: Iterable[str], files_from: str | Non
                   stop: Stop | None = None, table_paths_roots: Iterable[str] = (),
                   keep_columns: Sequence[str] = ()) -> Iterator[InputItem]:
     """Expand folders and files (and an optional path list) into items, in input order, as
-    the listing reaches them: a folder is walked entry by entry (``iter_folder``), a prefix's
-    objects come in its listing's order (``storage.iter_files``: on S3 a page at a time), a
-    path list is read whole (refused before its first line when none of its paths exists) and
-    its lines taken in order; a container (a ``.parquet``/``.arrow``/``.feather`` table, a
-    ``.tar`` shard) is indexed when it is reached. Every key is unique (``UniqueKeys``).
+    the listing reaches them: a folder walked entry by entry (``iter_folder``), a prefix's
+    objects in its listing's order (``storage.iter_files``: on S3 a page at a time), a path
+    list read whole (refused when none of its paths exists), a container (a table, a ``.tar``
+    shard) indexed when it is reached; keys made unique (``UniqueKeys``). ``found`` (its
+    ``items`` left alone) counts what was passed over and the tables read, gathers the folders
+    not listed (logged at the end), and at the end holds ``kept_fields`` and ``listed``.
 
-    ``found`` counts what was passed over (``skipped``), the folders that could not be listed
-    (``unlisted``, logged when the listing ends) and the tables read; once the listing has
-    ended, it holds the rows' kept table columns (``kept_fields``: ``keep_columns`` and
-    ``key_column``) and ``listed`` = True; ``found.items`` is left alone. A path that does not
-    exist is a UsageError (every path given is checked before the first item); so is an input
-    set with nothing in it. Paths from ``--files-from`` are taken as given: a missing one
-    becomes an error row later. When ``stop`` records a signal, the walk ends early and
-    ``errors.Interrupted`` is raised (a partial listing never ends normally)."""
+    A missing path is a UsageError before the first item; so is an input set with nothing in
+    it, at the end. Paths from ``--files-from`` are taken as given (a missing one is an error
+    row later). When ``stop`` records a signal, ``errors.Interrupted`` is raised."""
     inputs = list(inputs)
     for raw in inputs:
         check_path_input(raw)
@@ -204,10 +190,9 @@ def check_path_input(raw: str) -> None:
 
 @dataclass
 class _Listing:
-    """What ``stream_inputs`` keeps while it lists: the keys given so far, the tables' path
-    roots and columns, the table files read (for their kept columns), how many inputs were
-    given by name (files, objects, list lines) and how many walked (folders and prefixes: an
-    empty one is a warning, not an error), and how many items came."""
+    """What ``stream_inputs`` keeps while it lists: the keys given, the tables' path roots and
+    columns, the table files read, how many inputs were named (files, objects, list lines) and
+    walked (folders and prefixes: an empty one is a warning, not an error), and the items."""
 
     found: Discovery
     keys: "UniqueKeys"
@@ -231,8 +216,7 @@ class _Listing:
         return self.keys.unique(item)
 
     def container(self, path: str, name: str) -> list[InputItem]:
-        """The images of the container ``path`` keyed under ``name`` (``container_items``),
-        counted in ``found``."""
+        """The images of the container ``path`` under ``name``, counted in ``found``."""
         roots = () if storage.is_url(path) else self.roots
         items, skipped = container_items(path, name, *self.columns, roots)
         self.found.skipped += skipped
@@ -242,10 +226,9 @@ class _Listing:
 
 def _input_items(raw: str, state: _Listing, prefix_roots: bool,
                  stop: Stop | None) -> Iterator[InputItem]:
-    """The items of one input, as they are found (keys not yet unique across inputs): a file
-    or an object is an image or a container; a folder or a prefix is walked (recursive,
-    sorted, keys relative to it), then read for its containers (``read_folder_containers``).
-    A URL with nothing under it is a UsageError, as for a path."""
+    """The items of one input as they are found (keys not yet unique across inputs): a file or
+    an object is an image or a container; a folder or a prefix is walked, then read for its
+    containers (``read_folder_containers``). A missing URL is a UsageError, as for a path."""
     found = state.found
     url = storage.is_url(raw)
     what = storage.kind(raw) if url else "folder" if os.path.isdir(raw) else "file"
@@ -281,8 +264,7 @@ def _input_items(raw: str, state: _Listing, prefix_roots: bool,
 
 def _iter_prefix(prefix: str, found: Discovery,
                  containers: list[tuple[str, str]]) -> Iterator[InputItem]:
-    """The image objects under the URL ``prefix`` in its listing's order, keyed relative to
-    it; containers and other objects as ``iter_folder`` takes them."""
+    """The image objects under ``prefix``, keyed relative to it; the rest as in ``iter_folder``."""
     for obj in storage.iter_files(prefix):
         if is_image_name(obj.key):
             yield InputItem(key=obj.key, path=obj.url, member=StoredObject(obj.url, obj.size))
@@ -293,8 +275,7 @@ def _iter_prefix(prefix: str, found: Discovery,
 
 
 def _end_listing(state: _Listing, keep_columns: Sequence[str], stop: Stop | None) -> None:
-    """The checks once every input is listed (the table flags need a table, named files an
-    image), then the unlisted folders logged."""
+    """The checks once every input is listed, then the unlisted folders logged."""
     found = state.found
     image_column, key_column = state.columns
     if not found.tables and (image_column is not None or key_column is not None
@@ -318,9 +299,8 @@ def _end_listing(state: _Listing, keep_columns: Sequence[str], stop: Stop | None
 def kept_fields(tables: Sequence[str], keep_columns: Sequence[str],
                 key_column: str | None) -> list:
     """The fields of the table columns the rows carry (``tables``: the table files read):
-    ``keep_columns`` (a name the output has a column of is refused), then ``key_column`` in
-    its own type unless kept already or named like an output column (its text is in ``path``
-    anyway)."""
+    ``keep_columns`` (an output column's name is refused), then ``key_column`` in its own type
+    unless kept already or named like an output column (its text is in ``path`` anyway)."""
     if not keep_columns and key_column is None:
         return []
     from ..output.parts import OUTPUT_COLUMNS  # lazily: see ARCHITECTURE.md's one arrow
@@ -332,15 +312,12 @@ def kept_fields(tables: Sequence[str], keep_columns: Sequence[str],
     names = list(dict.fromkeys(keep_columns))
     if key_column is not None and key_column not in names and key_column not in OUTPUT_COLUMNS:
         names.append(key_column)
-    if not names:
-        return []
-    return table_fields(list(tables), names)
+    return table_fields(list(tables), names) if names else []
 
 
 def refuse_missing_list(list_file: str, lines: list[str]) -> None:
     """A UsageError when not one path of a ``--files-from`` list exists (the likely cause:
-    relative paths are taken from the current folder, not the list's). Stops at the first
-    path that exists (one stat, usually)."""
+    relative paths are taken from the current folder, not the list's); one stat, usually."""
     local = [line for line in lines if not storage.is_url(line)]
     if not local or len(local) < len(lines) or any(os.path.lexists(line) for line in local):
         return
@@ -364,10 +341,9 @@ def container_items(raw: str, name: str, image_column: str | None = None,
                     key_column: str | None = None, roots: tuple[str, ...] = (),
                     ) -> tuple[list[InputItem], int]:
     """The images of the container ``raw`` keyed under ``name`` (its own key: the path as
-    given, or its path under the folder it was found in), and the entries passed over. Keys
-    repeated inside it get ``#2``, ``#3``, ... in its own order, so a key depends on the
-    container alone. Every way of finding a container calls this. ``roots``: see
-    ``TableCell``."""
+    given, or its path under the folder it was found in), and the entries passed over. A key
+    repeated inside it gets ``#2``, ``#3``, ... in its own order: a key depends on the container
+    alone. Every way of finding a container calls this; ``roots``: see ``TableCell``."""
     if container_kind(raw) == "tar":
         items, skipped = expand_tar(raw, name)
     else:
@@ -440,8 +416,7 @@ def _output_text(key: str) -> str:
 
 
 def unique_keys(items: list[InputItem]) -> list[InputItem]:
-    """``items`` with every key unique as output text (``UniqueKeys``), the numbers added
-    taking no other item's key: the whole list is known, as in a container."""
+    """``items`` with unique keys (``UniqueKeys``), numbered past every key of the list."""
     texts = [_output_text(item.key) for item in items]
     taken = set(texts)
     if len(taken) == len(texts):
@@ -451,9 +426,9 @@ def unique_keys(items: list[InputItem]) -> list[InputItem]:
 
 
 class UniqueKeys:
-    """Keys made unique as items come, in input order: the first item with a key keeps it, a
-    later one gets ``KEY#2``, ``KEY#3``, ... (the first number whose key no earlier item has,
-    nor any in ``taken``). Holds one text per key given (a few dozen bytes each)."""
+    """Keys made unique as items come: the first item with a key keeps it, a later one gets
+    ``KEY#2``, ``KEY#3``, ... (the first number whose key no earlier item has, nor any in
+    ``taken``). Holds one text per key given (a few dozen bytes each)."""
 
     def __init__(self, taken: set[str] | None = None) -> None:
         self.taken = set() if taken is None else taken

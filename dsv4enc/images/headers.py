@@ -45,10 +45,9 @@ class Planned:
 # ----------------------------------------------------------------------------- probes
 
 class _Probers:
-    """The daemon threads of one ``probe_all``: each takes the next item, probes it and
-    queues the result. A probe past its time limit gets an error result (``give_up_late``)
-    and its thread, which cannot be killed, is abandoned (it exits if its probe ever returns)
-    and replaced."""
+    """The daemon threads of one ``probe_all``: each takes the next item, probes it and queues
+    the result. A probe past its time limit gets an error (``give_up_late``); its thread, which
+    cannot be killed, is abandoned (it exits if its probe returns) and replaced."""
 
     def __init__(self, items: Sequence[InputItem], max_pixels: int) -> None:
         self.items, self.max_pixels = items, max_pixels
@@ -113,14 +112,11 @@ def probe_all(items: Sequence[InputItem], max_pixels: int,
               should_stop: Callable[[], bool] | None = None,
               timeout_s: float | None = PROBE_TIMEOUT_S,
               threads: int = PROBE_THREADS) -> list[Probe]:
-    """``probe_image`` of every item, in order, on ``threads`` daemon threads. A probe still
-    running after ``timeout_s`` gets an error (``_Probers``); when ``should_stop()`` turns
-    true, the probes not done get an "interrupted" error. The calling thread only waits on a
-    queue (with a short timeout), so a signal handler that raises stops it at once.
-
-    Not ``concurrent.futures``: a ``ThreadPoolExecutor``'s workers are joined at interpreter
-    exit (one stuck probe would hold it up), and a Future per header weighs on a large run;
-    the stamps below, which never hang, do use one."""
+    """``probe_image`` of every item, in order, on ``threads`` daemon threads: one past
+    ``timeout_s`` gets an error (``_Probers``), and once ``should_stop()`` is true the ones not
+    done get an "interrupted" one. The calling thread waits on a queue with a short timeout, so
+    a signal handler that raises stops it at once. Not ``concurrent.futures``: its workers are
+    joined at exit (a stuck probe would hold it up), and a Future per header is heavy."""
     probers = _Probers(items, max_pixels)
     for _ in range(min(threads, len(items))):
         probers.spawn()
@@ -142,10 +138,9 @@ def probe_all(items: Sequence[InputItem], max_pixels: int,
 # ----------------------------------------------------------------------------- stamps and digests
 
 def file_stamp(path: str) -> str:
-    """What decides whether a file is the one encoded before: size, modification time (ns),
-    inode and mode (a file replaced, or made readable, reads differently; not the device,
-    which changes when a network share is remounted), or why it cannot be looked at; for an
-    object in a store, ``storage.stamp``."""
+    """What decides whether a file is the one encoded before: size, mtime (ns), inode and mode
+    (a file replaced, or made readable, differs; not the device, which a remount changes), or
+    why it cannot be looked at; for an object in a store, ``storage.stamp``."""
     if storage.is_url(path):
         return storage.stamp(path)
     try:
@@ -156,10 +151,9 @@ def file_stamp(path: str) -> str:
 
 
 def input_stamps(planned: Sequence[Planned]) -> None:
-    """Set each entry's ``stamp`` (once: a plan reused by the run keeps the stamps taken
-    before its first decode); an image in a container takes the container's stamp. Taken
-    before decoding starts, so a file changed afterwards never matches the stamp recorded
-    with its part: --resume encodes it again rather than trusting an old row."""
+    """Set each entry's ``stamp`` once, before decoding starts (a file changed afterwards never
+    matches the stamp recorded with its part: --resume encodes it again); an image in a
+    container takes the container's."""
     todo = [entry for entry in planned if entry.stamp is None]
     containers: dict[str, str] = {}
     for entry in todo:  # one stat per container file, however many images it holds

@@ -1,7 +1,6 @@
 """What one input is: an ``InputItem`` (its output key, the path the decoder opens, and a
 locator for an image inside a container or a store), and which names are image names.
-``discover`` and ``sources`` build on this module, which imports neither.
-"""
+``discover`` and ``sources`` build on this module, which imports neither."""
 
 from __future__ import annotations
 
@@ -28,9 +27,8 @@ class TarMember:
 
 @dataclass(frozen=True)
 class TableCell:
-    """An image in a table: ``column``'s cell at ``row`` of row group (Parquet) or record
-    batch (Arrow) ``group``. ``path_roots``: folders (real paths) besides the table's own that
-    a ``{bytes: null, path}`` cell may name files in."""
+    """An image in a table: ``column``'s cell at ``row`` of row group (or record batch)
+    ``group``; ``path_roots``: more folders (real paths) its ``{bytes: null, path}`` may name."""
 
     column: str
     group: int
@@ -40,9 +38,8 @@ class TableCell:
 
 @dataclass(frozen=True)
 class StoredObject:
-    """An image that is a whole object in a store (``InputItem.path`` is its URL; ``name``
-    too, for the format it stands for; ``size`` as listed). Its probe's first bytes, all of a
-    small one, are held for the decode (``sources.HeldInputs``), else the decode reads it."""
+    """A whole object in a store (``InputItem.path``, and ``name`` for its format, are its URL;
+    ``size`` as listed): its probe's bytes, all of a small one, are held for the decode."""
 
     name: str
     size: int
@@ -59,19 +56,17 @@ class Fetched:
 
 @dataclass(frozen=True)
 class Unreadable:
-    """A part of a container that cannot be read: its one error row says ``reason``
-    (``sources.DamagedContainerError``)."""
+    """A part of a container that cannot be read: its error row says ``reason``."""
 
     reason: str
 
 
 @dataclass(frozen=True)
 class InputItem:
-    """One image to encode: ``key`` is the output name, ``path`` what the decoder opens.
-    ``member`` locates the image inside a container file ``path`` (``TarMember``,
-    ``TableCell``), marks ``path`` as an object in a store (``StoredObject``) or a container's
-    damaged part (``Unreadable``), or carries its bytes (``Fetched``, in a decode task); None
-    for a plain image file. ``sources.open_item`` reads it."""
+    """One image to encode: ``key`` is the output name, ``path`` what the decoder opens;
+    ``member`` locates it in a container (``TarMember``, ``TableCell``), in a store
+    (``StoredObject``), marks a damaged part (``Unreadable``) or carries its bytes (``Fetched``);
+    None for a plain image file. ``sources.open_item`` reads it."""
 
     key: str
     path: str

@@ -12,16 +12,13 @@ images. Compressed tars are refused. A table row is keyed by its ``--key-column`
 is; else ``NAME/<path>`` by the ``path`` field of a Hugging Face ``{bytes, path}`` image struct
 when it is set; else ``NAME#<row>`` (the row counted from 0 over the whole file).
 
-In a store, each input is read once where it can be: a tar shard by one streamed read, an
-object (or a member not kept) by its header probe, and the bytes read are held for the decode
-(``HeldInputs``, ``attach_held``).
+In a store, each input is read once where it can be (a tar shard by one streamed read, an
+object by its header probe), the bytes held for the decode (``HeldInputs``).
 
 A damaged container never reads as complete: what cannot be read is an ``Unreadable`` item,
 one error row keyed ``<file>@<byte offset>`` where the damage starts (a tar region without a
 valid header, after which the index reads on as GNU tar does; a tar or Arrow stream cut short;
-a table that does not open, ``@0``). The rows of an unreadable Parquet row group are error rows
-of their own. A ``{bytes: null, path}`` cell names a file beside the table (``cell_file``).
-"""
+a table that does not open, ``@0``); an unreadable Parquet row group's rows are error rows."""
 
 from __future__ import annotations
 
@@ -62,8 +59,7 @@ class DamagedContainerError(ValueError):
 
 
 class RefusedPathError(ValueError):
-    """A table cell names a file dsv4enc does not read (outside the allowed folders, not an
-    image name, not a regular file)."""
+    """A table cell's file that dsv4enc does not read (see ``cell_file``)."""
 
 
 def member_key(container: str, name: str) -> str:
@@ -81,8 +77,7 @@ def damaged_item(raw: str, offset: int, reason: str, name: str | None = None) ->
 
 class HeldInputs:
     """Inputs' bytes read ahead of their decode, by ``(path, offset)`` (-1: a whole object),
-    within a byte budget (``HOLD_BYTES``): once it is spent nothing more is held, so the
-    inputs read first, which are decoded first, keep theirs. Thread-safe."""
+    within ``HOLD_BYTES``: the inputs read first, decoded first, keep theirs. Thread-safe."""
 
     def __init__(self) -> None:
         self._held: dict[tuple[str, int], bytes] = {}
@@ -136,9 +131,7 @@ def attach_held(source: Any) -> Any:
     """``source`` as a decode task sends it: an item whose bytes are held carries them
     (``Fetched``; no longer held here), anything else is left as it is."""
     data = HELD.take(held_key(source))
-    if data is None:
-        return source
-    return replace(source, member=Fetched(source.member.name, data))
+    return source if data is None else replace(source, member=Fetched(source.member.name, data))
 
 
 def _read_ahead(item: InputItem) -> BinaryIO:
@@ -285,8 +278,7 @@ def _tar_end_damage(handle: BinaryIO, end: int, size: int,
 
 def _tar_locator(info: tarfile.TarInfo, raw: str,
                  files: dict[str, TarMember]) -> TarMember | Unreadable:
-    """Where an image member's bytes are: its own data, a hard link's target's data, or why
-    they cannot be read (a symlink, a device, a sparse file)."""
+    """Where an image member's bytes are (its own data, a hard link target's), or why not."""
     if info.isreg() and not info.issparse():
         return TarMember(info.name, info.offset_data, info.size)
     if info.islnk():
@@ -317,9 +309,8 @@ def _keep_member(archive: tarfile.TarFile, raw: str, found: TarMember | Unreadab
 
 
 def expand_tar(raw: str, name: str | None = None) -> tuple[list[InputItem], int]:
-    """Index an uncompressed tar shard: its image members (by extension), keyed by sample
-    under ``name`` (the shard's key, by default ``raw``), in file order, with an error row
-    where the archive is damaged (see the module's doc)."""
+    """Index an uncompressed tar shard: its image members (by extension) in file order, keyed
+    by sample under ``name`` (by default ``raw``), and an error row where it is damaged."""
     name = name or raw
     archive, size, why = _open_tar(raw)
     if archive is None:
@@ -383,12 +374,10 @@ _TAIL_BYTES = 64 << 10
 
 
 class _RangeFile(io.RawIOBase):
-    """A read-only file over ``size`` bytes of a file or an object from ``start`` (PIL reads
-    only what it needs), the first of them in ``head`` already. In a store, each read past
-    ``head`` is one ranged request, unless ``streamed``: then one streamed request reads the
-    object in order (``storage.open_stream``), a seek forward reads past the bytes between,
-    and only a read behind its last ``_TAIL_BYTES`` (a tar's damaged region read again) is a
-    ranged request."""
+    """A read-only file over ``size`` bytes of a file or an object from ``start``, the first of
+    them in ``head`` already. In a store, each read past ``head`` is one ranged request, unless
+    ``streamed``: one request then streams the object (``storage.open_stream``), a seek forward
+    reads past the bytes between, and only a read behind its last ``_TAIL_BYTES`` is ranged."""
 
     def __init__(self, path: str, start: int, size: int, head: bytes = b"",
                  streamed: bool = False) -> None:
@@ -491,8 +480,7 @@ def image_column_kind(dtype: "pa.DataType") -> str | None:
 
 
 def choose_image_column(schema: "pa.Schema", wanted: str | None, source: str) -> str:
-    """The image column: ``wanted`` (checked), else the only bytes-like column, else one named
-    ``image``."""
+    """The image column: ``wanted`` (checked), else the only bytes-like one, else ``image``."""
     names = schema.names
     if wanted is not None:
         if wanted not in names:
@@ -527,10 +515,9 @@ def written_by_dsv4enc(path: str) -> bool:
 
 
 class TableReader:
-    """Read access to a Parquet file or an Arrow IPC file/stream, group by group. ``damage``:
-    ``(byte offset, reason)`` when an Arrow stream (or a file without its footer) ends before
-    its end-of-stream marker or breaks off inside a batch (the batches before it are read).
-    Opening raises when nothing can be read (no Parquet footer, no Arrow schema)."""
+    """Read access to a Parquet file or an Arrow IPC file/stream, group by group; opening
+    raises when nothing can be read. ``damage``: ``(byte offset, reason)`` when an Arrow stream
+    (or a file without its footer) breaks off before its end-of-stream marker."""
 
     def __init__(self, path: str) -> None:
         import pyarrow as pa
@@ -565,8 +552,7 @@ class TableReader:
         self.group_rows = [b.num_rows for b in self._batches]
 
     def _read_stream(self, source) -> None:
-        """The batches of an IPC stream up to its end-of-stream marker, or up to where it
-        breaks off (``damage``)."""
+        """An IPC stream's batches, up to its end marker or to where it breaks off (``damage``)."""
         import pyarrow as pa
 
         reader = pa.ipc.open_stream(source)
@@ -664,15 +650,11 @@ def kept_values(items: Sequence[InputItem], fields: Sequence["pa.Field"]) -> dic
     this process's row-group cache), null for an item that is no table row."""
     import pyarrow as pa
 
-    columns = {}
-    for field in fields:
-        values = []
-        for item in items:
-            cell = item.member
-            values.append(GROUP_CACHE.column(item.path, cell.group, field.name)[cell.row].as_py()
-                          if isinstance(cell, TableCell) else None)
-        columns[field.name] = pa.array(values, type=field.type)
-    return columns
+    def values(name: str) -> list:
+        return [GROUP_CACHE.column(item.path, item.member.group, name)[item.member.row].as_py()
+                if isinstance(item.member, TableCell) else None for item in items]
+
+    return {field.name: pa.array(values(field.name), type=field.type) for field in fields}
 
 
 class GroupCache:
@@ -754,9 +736,9 @@ def path_roots(folders) -> tuple[str, ...]:
 
 def cell_file(named: str, table: str, roots: tuple[str, ...] = ()) -> str:
     """The file a table's ``{bytes: null, path: named}`` cell may be read from, or
-    ``RefusedPathError``: a relative ``named`` lies beside the table (never in the current
-    folder); the file, symlinks and ``..`` resolved, must be inside the table's folder or one
-    of ``roots`` (real paths), have an image extension, and be a regular file."""
+    ``RefusedPathError``: a relative ``named`` lies beside the table; the file, symlinks and
+    ``..`` resolved, must be inside the table's folder or one of ``roots`` (real paths), have an
+    image extension, and be a regular file."""
     if storage.is_url(table):
         raise RefusedPathError(f"path cell {named!r}: a table in object storage must hold "
                                "the image bytes (path cells are read only beside local tables)")

@@ -1,6 +1,5 @@
-"""Shared memory for decoded patches (``PatchArena``): decode workers write an image's
-patches into a slot of one anonymous memory file that the pool maps too, so the patches never
-go through a pipe. ``decode.DecodePool`` owns the arena and hands a slot to each task."""
+"""Shared memory for decoded patches (``PatchArena``), which ``decode.DecodePool`` owns and
+hands a slot of to each task."""
 
 from __future__ import annotations
 
@@ -22,21 +21,14 @@ def patch_slot_bytes(cfg: VisionConfig) -> int:
 
 
 class PatchArena:
-    """Shared memory that decode workers write patches into, so that an image's patches
-    are not pickled through a pipe (a cost measured in benchmarks/RESULTS.md).
-
-    One anonymous memory file (Linux ``memfd``) of ``slots`` equal slots, mapped by the pool
-    and by each worker: pickled while a worker is spawned, it arrives there as that worker's
-    ``WorkerArena``. It has no name (nothing in /dev/shm), so nothing can leak: the kernel
-    frees it when the last process that holds it closes or unmaps it, however that process
-    ends. Pages are committed when first written, so the slot count costs address space, not
-    memory.
-
-    The pool takes a free slot for each task it dispatches; the worker transforms straight
-    into it; the pool hands the result on as a numpy array over the slot (``lease``), and the
-    slot is free again once that array and every view of it are gone. With no free slot, or
-    an image larger than a slot, the worker sends its patches through the pipe.
-    """
+    """Shared memory that decode workers write patches into, not pickled through a pipe (a cost
+    measured in benchmarks/RESULTS.md): one anonymous memory file (Linux ``memfd``) of
+    ``slots`` equal slots, mapped by the pool and by each worker (``WorkerArena``). It has no
+    name, so it cannot leak: the kernel frees it with the last process that holds it. Pages are
+    committed when first written (slots cost address space, not memory). Each task takes a free
+    slot, and the pool hands on an array over it (``lease``), free again once that array and
+    its views are gone. With no free slot, or an image larger than one, the patches go through
+    the pipe."""
 
     def __init__(self, fd: int, slots: int, slot_bytes: int) -> None:
         self.fd, self.slots, self.slot_bytes = fd, slots, slot_bytes
@@ -92,8 +84,7 @@ class PatchArena:
         return WorkerArena.attach, (reduction.DupFd(self.fd), self.slots, self.slot_bytes)
 
     def close(self) -> None:
-        """Unmap (once no lease is left; until then the leases keep the mapping) and close:
-        the memory is freed when the last mapping goes."""
+        """Unmap (once the leases, which keep the mapping, are gone) and close the memory file."""
         with self._lock:
             if self._map is None:
                 return
@@ -114,8 +105,7 @@ class WorkerArena:
 
     @classmethod
     def attach(cls, dup_fd, slots: int, slot_bytes: int) -> "WorkerArena | None":
-        """The mapping, or None if it cannot be made (the worker then uses its pipe: the
-        pool gives back a slot its worker did not use)."""
+        """The mapping, or None (the worker then sends its patches through the pipe)."""
         fd = dup_fd.detach()
         try:
             return cls(mmap.mmap(fd, slots * slot_bytes), slot_bytes)

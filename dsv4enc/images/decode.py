@@ -1,12 +1,12 @@
 """Reading images: header probes (size only) and full decodes in worker processes.
 
-Bad files never raise out of here: every probe and decode returns a result with ``error`` set
-instead. The ``DecodePool`` gives each image a time limit and replaces a worker that crashes
-or hangs, so one pathological file costs one error row, not the run.
-"""
+Bad files never raise out of here: a probe or decode returns a result with ``error`` set. The
+``DecodePool`` gives each image a time limit and replaces a worker that crashes or hangs, so
+one pathological file costs one error row, not the run."""
 
 from __future__ import annotations
 
+import contextlib
 import io
 import multiprocessing as mp
 import os
@@ -23,10 +23,12 @@ from typing import Any, Iterable, Iterator
 
 import numpy as np
 
-from ..tower.config import VisionConfig
-from .formats import DEFAULT_MAX_PIXELS, image_name, misnamed, open_image
-from .arena import PatchArena, WorkerArena, default_slots, patch_slot_bytes
+from .. import storage
 from ..process import keep_freed_memory_mapped
+from ..tower.config import VisionConfig
+from .arena import PatchArena, WorkerArena, default_slots, patch_slot_bytes
+from .formats import DEFAULT_MAX_PIXELS, image_name, misnamed, open_image
+from .sources import HELD, attach_held, held_key, open_item
 
 
 @dataclass
@@ -50,9 +52,7 @@ class Decoded:
     height: int | None = None
     error: str | None = None
     out_of_memory: bool = False  # the worker's memory bound was hit: it is replaced
-    # When the outage of a store that was not answering began (wall time), for the health
-    # record of the process that collects the rows (``storage.note_row``).
-    unavailable_since: float | None = None
+    unavailable_since: float | None = None  # a store's outage began (``storage.note_row``)
     slot: int | None = None  # from a worker: the PatchArena slot that holds the patches
 
 
@@ -63,13 +63,9 @@ def describe_error(exc: BaseException) -> str:
 
 
 def read_failure(exc: BaseException, source) -> tuple[str, float | None]:
-    """An image's error for ``exc``, and when its store's outage began (None: not one).
-
-    An input in a store that is not answering (``storage.StoreUnavailable``, or a read of an
-    open object that failed on an outage) gets a ``storage.UNAVAILABLE`` error, transient:
-    its part is encoded again on --resume. A missing object is an ordinary error."""
-    from .. import storage
-
+    """An image's error for ``exc``, and when its store's outage began (None: not one): an
+    input in a store not answering (``storage.StoreUnavailable``, a read failed on an outage)
+    gets a transient ``storage.UNAVAILABLE`` error (encoded again on --resume)."""
     if isinstance(exc, storage.StoreUnavailable):
         return str(exc), exc.since
     url = getattr(source, "path", source)
@@ -90,21 +86,17 @@ def _readable(source):
         return io.BytesIO(source)
     if isinstance(source, (str, os.PathLike)) or hasattr(source, "read"):
         return source
-    from .sources import open_item
-
     return _readable(open_item(source))
 
 
 def open_checked(source, max_pixels: int, name: str | None = None):
-    """Open ``source`` with Pillow, refusing more than ``max_pixels`` pixels.
-
-    The limit is this call's own: Pillow's process-wide ``PIL.Image.MAX_IMAGE_PIXELS`` is never
-    changed here (encoders with different limits may run in threads of one process). Pillow
-    still applies that global check first; its error becomes a refusal like ours."""
+    """Open ``source`` with Pillow, refusing more than ``max_pixels`` pixels: this call's own
+    limit, not the process-wide ``PIL.Image.MAX_IMAGE_PIXELS`` (encoders with other limits may
+    run in threads of one process), whose check, still applied first, is refused alike."""
     from PIL import Image
 
     handle = _readable(source)
-    try:  # only as an accepted format, the name's first (``imageformats``); ``name`` overrides
+    try:  # ``name`` overrides the name of what is opened
         image = open_image(handle, name if name is not None else image_name(source, handle))
     except BaseException as exc:
         if hasattr(handle, "close"):
@@ -116,23 +108,21 @@ def open_checked(source, max_pixels: int, name: str | None = None):
                              f"bomb): {exc}") from None
         raise
     try:
-        width, height = image.size
-        if width * height > max_pixels:
-            raise ValueError(f"image has {width}x{height} = {width * height} pixels, more "
-                             f"than --max-pixels {max_pixels} (possible decompression bomb)")
-        _check_declared_tiles(image, max_pixels)
+        _check_pixels(image, max_pixels)
     except ValueError:
         image.close()
         raise
     return image
 
 
-def _check_declared_tiles(image, max_pixels: int) -> None:
-    """A TIFF tile is allocated whole, however small the image: a 150-byte file that
-    declares 16384x16384 tiles costs 256 MB a band. Tiles past ``max_pixels`` are refused."""
-    tags = getattr(image, "tag_v2", None)
-    if tags is None:
-        return
+def _check_pixels(image, max_pixels: int) -> None:
+    """Refuse an image, or TIFF tiles, of more than ``max_pixels`` pixels (a tile is allocated
+    whole: a 150-byte file that declares 16384x16384 tiles costs 256 MB a band)."""
+    width, height = image.size
+    if width * height > max_pixels:
+        raise ValueError(f"image has {width}x{height} = {width * height} pixels, more "
+                         f"than --max-pixels {max_pixels} (possible decompression bomb)")
+    tags = getattr(image, "tag_v2", None) or {}
     tile_w, tile_h = tags.get(322), tags.get(323)  # TileWidth, TileLength
     if isinstance(tile_w, int) and isinstance(tile_h, int) and tile_w * tile_h > max_pixels:
         raise ValueError(f"TIFF declares {tile_w}x{tile_h} tiles = {tile_w * tile_h} pixels "
@@ -141,11 +131,9 @@ def _check_declared_tiles(image, max_pixels: int) -> None:
 
 
 def own_process_pillow_settings() -> None:
-    """Pillow's process-wide settings, made once in a process dsv4enc owns (the command
-    line, a decode worker), never per image: its pixel check off (every open applies its
-    own ``max_pixels``, which may be higher than Pillow's default), and its warnings
-    (corrupt data) raised as errors, so that such an image gets an error row whether it is
-    decoded in a worker or in the main process (``--workers 0``)."""
+    """Pillow's process-wide settings, made once in a process dsv4enc owns (the command line,
+    a decode worker): its pixel check off (each open applies its own ``max_pixels``), and its
+    warnings raised as errors, so a corrupt image is an error row with ``--workers 0`` too."""
     from PIL import Image
 
     Image.MAX_IMAGE_PIXELS = None
@@ -153,18 +141,13 @@ def own_process_pillow_settings() -> None:
 
 
 def probe_image(source, max_pixels: int = DEFAULT_MAX_PIXELS) -> Probe:
-    """Read only the header: the stored size (no EXIF rotation). ``source``: a path, bytes,
-    or an ``items.InputItem`` (which may point into a container file).
-
-    Probes run on threads, so nothing process-wide (warnings filters, Pillow settings) is
-    touched. Only regular files are opened: a path (a table cell's too) that names a FIFO or
-    a device is an error, not a wait. ``images.headers.probe_all`` bounds a probe's time."""
+    """Read only the header: the stored size (no EXIF rotation). ``source``: a path, bytes, or
+    an ``items.InputItem``. Runs on threads: touches nothing process-wide, and a path naming a
+    FIFO or a device is an error, not a wait (``headers.probe_all`` bounds its time)."""
     handle = None
     try:
         target = source
         if not isinstance(source, (str, os.PathLike, bytes, bytearray, memoryview)):
-            from .sources import open_item
-
             target = handle = open_item(source, stream=True)  # a plain file item gives its path
         if isinstance(target, (str, os.PathLike)) and not stat.S_ISREG(os.stat(target).st_mode):
             # A FIFO or a device named like an image could block an open (or a read) forever.
@@ -178,8 +161,6 @@ def probe_image(source, max_pixels: int = DEFAULT_MAX_PIXELS) -> Probe:
             return Probe(error=f"image has no pixels ({width}x{height})")
         return Probe(width=width, height=height, misnamed=actual)
     except Exception as exc:  # any unreadable file is an error row, never a crash
-        from .sources import HELD, held_key
-
         HELD.take(held_key(source))  # never decoded: what its probe read ahead is not kept
         return Probe(error=read_failure(exc, source)[0])
     finally:
@@ -189,9 +170,8 @@ def probe_image(source, max_pixels: int = DEFAULT_MAX_PIXELS) -> Probe:
 
 def decode_image(source, cfg: VisionConfig, max_pixels: int = DEFAULT_MAX_PIXELS,
                  out=None) -> Decoded:
-    """Decode, transform and patchify one image (first frame of animations). ``source``: a
-    path, bytes, or an ``items.InputItem`` (which may point into a container file). ``out``: as
-    ``transform.image_to_patch_bits`` takes it (where to put the patches)."""
+    """Decode, transform and patchify one image (an animation's first frame). ``source``: as
+    for ``probe_image``; ``out``: as ``transform.image_to_patch_bits`` takes it."""
     from ..tower.transform import image_to_patch_bits
 
     try:
@@ -216,9 +196,9 @@ def patches_tensor(decoded: Decoded):
     return bf16_bits_to_tensor(decoded.patches)
 
 
-#: A decode worker's memory bound, beyond what it holds once started: bytes per pixel that
-#: ``--max-pixels`` allows (the widest decoded modes, 4 bytes a pixel, with their 8-bit RGB
-#: copies fit), plus room for its cache of table row groups and the transform's canvas.
+#: A decode worker's memory bound beyond its start-up footprint: bytes per pixel --max-pixels
+#: allows (the widest modes, 4 bytes a pixel, with their 8-bit RGB copies fit), plus room for
+#: its cache of table row groups and the transform's canvas.
 WORKER_BYTES_PER_PIXEL = 16
 WORKER_HEADROOM = 768 << 20
 # A worker's heap (``_worker_main``): buffers up to 64 MB (a 20-megapixel photo's planes) come
@@ -228,9 +208,8 @@ WORKER_HEAP_KEEP = 512 << 20
 
 
 def _limit_memory(budget: int | None) -> None:
-    """Cap this process's data segment (heap and private mappings: what decoding allocates)
-    at its current size plus ``budget``: an allocation past it raises MemoryError, which
-    becomes that image's error row. Linux only (elsewhere, no bound)."""
+    """Cap this process's data segment (what decoding allocates) at its current size plus
+    ``budget``: past it, an allocation raises MemoryError (that image's error row). Linux only."""
     if budget is None:
         return
     try:
@@ -250,8 +229,7 @@ def _limit_memory(budget: int | None) -> None:
 
 
 def _exit_with_parent() -> None:
-    """End this worker when its parent dies (SIGKILL, OOM killer) even in the middle of a
-    long decode: without the parent, its work has no reader."""
+    """End this worker when its parent dies (SIGKILL, OOM killer), even in a long decode."""
     parent = os.getppid()
 
     def watch() -> None:
@@ -264,8 +242,8 @@ def _exit_with_parent() -> None:
 
 def _worker_main(conn, cfg: VisionConfig, max_pixels: int,
                  memory_budget: int | None = None, arena: WorkerArena | None = None) -> None:
-    # Ctrl-C in a terminal reaches the whole process group: the parent decides when to stop
-    # (between batches) and closes the pool, so a worker must not die with an image in hand.
+    # Ctrl-C reaches the whole process group: the parent decides when to stop (between
+    # batches), so a worker must not die with an image in hand.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     own_process_pillow_settings()
     # A photo's buffers (decoded, resized, padded, patch order: 2-3 MB each) are freed and
@@ -277,30 +255,21 @@ def _worker_main(conn, cfg: VisionConfig, max_pixels: int,
     warnings.simplefilter("error")
     _exit_with_parent()
     _limit_memory(memory_budget)
-    # A parent that is gone shows as EOF or as a reset connection (OSError): either way the
-    # worker ends quietly, with no traceback.
+    # A parent that is gone shows as EOF or a reset connection (OSError): the worker ends
+    # quietly. ``decode_image`` raises nothing.
     try:
         conn.send(_READY)  # the parent starts an image's clock only once the worker is up
-    except OSError:
-        return
-    while True:
-        try:
-            task = conn.recv()
-        except (EOFError, OSError, KeyboardInterrupt):
-            return
-        if task is None:
-            return
-        seq, source, slot = task
-        out = arena.writer(slot) if arena is not None else None
-        result = decode_image(source, cfg, max_pixels, out)
-        if out is not None and out.used and result.error is None:
-            result.patches, result.slot = None, slot  # the pool reads them from the slot
-        try:
+        while (task := conn.recv()) is not None:
+            seq, source, slot = task
+            out = arena.writer(slot) if arena is not None else None
+            result = decode_image(source, cfg, max_pixels, out)
+            if out is not None and out.used and result.error is None:
+                result.patches, result.slot = None, slot  # the pool reads them from the slot
             conn.send((seq, result))
-        except (OSError, KeyboardInterrupt):
-            return
-        if result.out_of_memory:
-            return  # the parent replaces this worker: a fresh heap for the next image
+            if result.out_of_memory:
+                return  # the parent replaces this worker: a fresh heap for the next image
+    except (EOFError, OSError, KeyboardInterrupt):
+        return
 
 
 _END = object()  # the last item an imap pump puts on its queue
@@ -340,10 +309,8 @@ class _Worker:
         if kill:
             self.proc.kill()
         else:
-            try:
+            with contextlib.suppress(OSError):
                 self.conn.send(None)
-            except OSError:
-                pass
         self.proc.join(timeout=5)
         if self.proc.is_alive():
             self.proc.kill()
@@ -376,8 +343,7 @@ class DecodeStream:
         return item
 
     def next_within(self, timeout_s: float) -> tuple[Any, Decoded] | None:
-        """Like ``next``, but None when no result comes within ``timeout_s`` (a caller that
-        must also watch for a signal polls with this)."""
+        """``next``, or None when no result comes within ``timeout_s`` (for a caller that polls)."""
         if self._done:
             raise StopIteration
         try:
@@ -403,12 +369,9 @@ class DecodeStream:
 
 
 class DecodePool:
-    """Decode images in worker processes, in order, with a bounded look-ahead.
-
-    ``workers=0`` decodes inline (no time limit). A worker that exceeds ``timeout_s`` on one
-    image is killed and replaced; a worker that dies is replaced; either way that image gets an
-    error and the run goes on.
-    """
+    """Decode images in worker processes, in order, with a bounded look-ahead (``workers=0``:
+    inline, no time limit); a worker that dies or exceeds ``timeout_s`` is replaced, its image
+    an error row."""
 
     def __init__(self, cfg: VisionConfig, workers: int, max_pixels: int = DEFAULT_MAX_PIXELS,
                  timeout_s: float | None = None,
@@ -417,26 +380,20 @@ class DecodePool:
         self.max_pixels = max_pixels
         self.timeout_s = timeout_s
         self.n_workers = workers
-        # Bytes a worker may allocate beyond its start-up footprint ("auto": from max_pixels;
-        # None: no bound). Past it, the image in hand gets an error row and the worker is
-        # replaced.
+        # What a worker may allocate past its start-up footprint ("auto": from max_pixels).
         self.memory_budget = (WORKER_BYTES_PER_PIXEL * max_pixels + WORKER_HEADROOM
                               if memory_budget == "auto" else memory_budget)
         self._ctx = mp.get_context("spawn")  # fork is unsafe after torch/CUDA start threads
-        # Shared slots for the workers' patches (``slots``: default, enough for the default
-        # look-ahead plus a batch the consumer still holds; 0: none, all through the pipes).
+        # ``slots``: None for ``default_slots``; 0: none (patches go through the pipes).
         self.arena = (PatchArena.create(default_slots(workers) if slots is None else slots,
                                          patch_slot_bytes(cfg)) if workers > 0 else None)
         self._row_width = 3 * cfg.patch_size ** 2
-        # ``arena`` and ``workers`` are public for inspection (tests read the slots and the
-        # worker processes); only the pool itself changes them.
+        # ``arena`` and ``workers`` are public for inspection; only the pool changes them.
         self.workers = [self._new_worker() for _ in range(workers)]
         self.replaced = 0
         self._streams: list[DecodeStream] = []
 
     def close(self) -> None:
-        from .sources import HELD
-
         for stream in list(self._streams):  # an abandoned imap's thread uses the workers
             stream.close()
         HELD.clear()  # inputs read ahead for this run's decode
@@ -479,17 +436,10 @@ class DecodePool:
 
     def imap(self, tasks: Iterable[tuple[Any, Any]],
              window: int = 64) -> Iterator[tuple[Any, Decoded]]:
-        """Yield ``(tag, Decoded)`` for each ``(tag, source)`` task, in task order. A source is
-        what ``decode_image`` takes: a path, or an ``items.InputItem`` (picklable, small).
-        ``tasks`` may yield ``NOT_YET`` when its next task is not known yet.
-
-        With workers, the iterator is a ``DecodeStream``: its thread feeds the workers and
-        collects their results while the caller is busy (running the model on the previous
-        batch), with at most ``window`` tasks taken but not yet yielded, so memory stays
-        bounded whatever the consumer's speed."""
-        from .sources import attach_held
-
-        # An input whose bytes were read ahead (``sources.HELD``) goes to its worker with them.
+        """Yield ``(tag, Decoded)`` for each ``(tag, source)`` task (``decode_image``'s source,
+        picklable), in task order; ``tasks`` may yield ``NOT_YET``. With workers, a
+        ``DecodeStream``, whose thread feeds them while the caller is busy, ``window`` tasks ahead
+        at most (memory stays bounded whatever the consumer's speed)."""
         tasks = (task if task is NOT_YET else (task[0], attach_held(task[1])) for task in tasks)
         if not self.workers:
             return ((task[0], decode_image(task[1], self.cfg, self.max_pixels))
@@ -498,9 +448,9 @@ class DecodePool:
 
     def _pump(self, source: Iterator, results: queue.SimpleQueue, credits: threading.Semaphore,
               stop: threading.Event) -> None:
-        """The feeding loop of ``imap``: takes tasks while it holds credits (one per task; the
-        consumer returns it on taking the result), dispatches, collects, and puts results on
-        ``results`` in task order, then ``_END`` (or the exception that stopped it)."""
+        """``imap``'s feeding loop: takes tasks while it holds credits (one per result not yet
+        taken), dispatches, collects, and queues results in order, then ``_END`` (or the exception
+        that stopped it)."""
         waiting: deque[tuple[int, Any]] = deque()
         tags: dict[int, Any] = {}
         done: dict[int, Decoded] = {}

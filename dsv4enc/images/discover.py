@@ -1,20 +1,18 @@
 """Finding the images to encode: folders (recursive, sorted), files, and path lists.
 
 Each input becomes an ``InputItem`` whose ``key`` is the output's ``path`` column: relative to
-the folder it was found in (posix), or the path as given. An image inside a container (a tar
-shard, a table) is keyed under its container's own key, found the same way
-(``container_items``).
-
-A folder (or a prefix) that holds no image file but holds containers (``.tar`` shards,
-``.parquet``/``.arrow``/``.feather`` tables: the usual WebDataset layout) is read as those
-containers, except dsv4enc's own outputs (an output written beside the shards). In a folder
-with images, containers are not read (a ``metadata.parquet`` beside the images is no image
-table); a warning names how many were passed over.
-"""
+the folder it was found in (posix), or the path as given; an image inside a container (a tar
+shard, a table) is keyed under the container's own key, found the same way
+(``container_items``). A folder (or a prefix) with no image file but with containers (the
+usual WebDataset layout) is read as those containers, except dsv4enc's own outputs; in a
+folder with images, containers are not read (a ``metadata.parquet`` beside the images is no
+image table), and a warning names how many were passed over."""
 
 from __future__ import annotations
 
+import logging
 import os
+import sys
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Iterable, Iterator, Protocol, Sequence
@@ -22,8 +20,10 @@ from typing import Callable, Iterable, Iterator, Protocol, Sequence
 from .. import storage
 from ..errors import UsageError
 from .items import InputItem, TableCell, is_image_name
-from .sources import (StoredObject, container_kind, expand_container, path_roots,
+from .sources import (StoredObject, container_kind, expand_table, expand_tar, path_roots,
                       refuse_compressed_tar, table_fields, written_by_dsv4enc)
+
+_log = logging.getLogger("dsv4enc")
 
 
 class Stop(Protocol):
@@ -38,11 +38,9 @@ class Stop(Protocol):
 
 @dataclass
 class Discovery:
-    """Items in input order, how many non-image files were passed over, and the folders that
-    could not be listed (``(folder, reason)``: their contents are missing from the run);
-    ``tables``: how many tables were read (``--image-column``/``--key-column`` apply to them);
-    ``kept_fields``: the table columns the output rows carry (``pyarrow`` fields: the
-    ``--keep-column`` ones, and the ``--key-column`` in its own type)."""
+    """Items in input order, how many non-image files were passed over, the folders not listed
+    (``(folder, reason)``: missing from the run), how many tables were read, and the table
+    columns the rows carry (``pyarrow`` fields: ``--keep-column``'s, ``--key-column``'s)."""
 
     items: list[InputItem] = field(default_factory=list)
     skipped: int = 0
@@ -61,33 +59,26 @@ def _list_folder(folder: str) -> list[os.DirEntry]:
 def iter_folder(root: Path, found: "Discovery",
                 should_stop: Callable[[], bool] | None = None,
                 containers: list[tuple[str, str]] | None = None) -> Iterator[InputItem]:
-    """Image files under ``root``, recursively, as the walk reaches them: depth-first, each
-    folder's entries sorted by name (so keys come in pathlib order, component by component:
-    ``b/z.png`` before ``b-c.gif``); symlinked folders are followed once each (a loop does
-    not repeat files). Only the folders on the path being walked are held, never the tree.
-
-    Iterative, so any depth works. A folder that cannot be listed (no permission, a path
-    past PATH_MAX) is appended to ``found.unlisted`` as ``(path, reason)``, not dropped;
-    other files are counted in ``found.skipped``. ``should_stop`` is polled once per entry;
-    when it turns true, the walk ends. Container files (``sources.container_kind``) are
-    appended to ``containers`` as ``(path relative to root, path)`` when it is given, else
-    counted as skipped."""
+    """Image files under ``root``, recursively, as the walk reaches them: depth-first, entries
+    sorted by name (keys in pathlib order: ``b/z.png`` before ``b-c.gif``), symlinked folders
+    followed once each; iterative, holding only the folders on the walked path. A folder that
+    cannot be listed (no permission, a path past PATH_MAX) is appended to ``found.unlisted`` as
+    ``(path, reason)``, a container file to ``containers`` (when given) as ``(path relative to
+    root, path)``; other files are counted in ``found.skipped``. ``should_stop`` is polled once
+    per entry: when it turns true, the walk ends."""
     seen_dirs: set[tuple[int, int]] = set()
-    # Each frame: a folder's remaining entries (reversed, so pop() takes the next) and the
-    # folder's path relative to ``root``.
+    # Frames: a folder's remaining entries (reversed: pop() takes the next), its path in root.
     stack: list[tuple[list[os.DirEntry], str]] = []
 
     def enter(folder: str, rel: str) -> None:
         try:
             info = os.stat(folder)
-            if (info.st_dev, info.st_ino) in seen_dirs:
-                return
-            seen_dirs.add((info.st_dev, info.st_ino))
-            entries = _list_folder(folder)
+            if (info.st_dev, info.st_ino) not in seen_dirs:
+                seen_dirs.add((info.st_dev, info.st_ino))
+                stack.append((_list_folder(folder)[::-1], rel))
         except OSError as exc:
-            found.unlisted.append((folder, exc.strerror or describe_os_error(exc)))
-            return
-        stack.append((entries[::-1], rel))
+            reason = exc.strerror or " ".join(str(exc).split()) or type(exc).__name__
+            found.unlisted.append((folder, reason))
 
     enter(str(root), "")
     while stack:
@@ -116,16 +107,9 @@ def iter_folder(root: Path, found: "Discovery",
                 found.skipped += 1
 
 
-def describe_os_error(exc: OSError) -> str:
-    return " ".join(str(exc).split()) or type(exc).__name__
-
-
 def read_path_list(list_file: str) -> list[str]:
-    """The paths of a path list (``-`` is standard input): one per line, surrounding blanks
-    stripped; blank lines and lines starting with ``#`` are comments (write ``./#name`` for
-    a file whose name starts with ``#``)."""
-    import sys
-
+    """The paths of a path list (``-``: standard input), one per line, stripped; blank lines
+    and lines starting with ``#`` are skipped (``./#name`` names a file ``#name``)."""
     try:
         if list_file == "-":
             stdin = getattr(sys.stdin, "buffer", None)
@@ -156,22 +140,16 @@ def stream_inputs(found: Discovery, inputs: Iterable[str], files_from: str | Non
                   stop: Stop | None = None, table_paths_roots: Iterable[str] = (),
                   keep_columns: Sequence[str] = ()) -> Iterator[InputItem]:
     """Expand folders and files (and an optional path list) into items, in input order, as
-    the listing reaches them: a folder is walked entry by entry (``iter_folder``), a
-    prefix's objects taken in its listing's order (``storage.iter_files``: on S3 a
-    page at a time), a path list's lines taken in order (the list is read whole and refused
-    before its first line when none of its paths exists); a container (``.parquet``/``.arrow``/``.feather`` table, ``.tar``
-    shard) is indexed when it is reached. Every key is unique (``UniqueKeys``).
+    the listing reaches them: a folder walked entry by entry (``iter_folder``), a prefix's
+    objects in its listing's order (``storage.iter_files``: on S3 a page at a time), a path
+    list read whole (refused when none of its paths exists), a container (a table, a ``.tar``
+    shard) indexed when it is reached; keys made unique (``UniqueKeys``). ``found`` (its
+    ``items`` left alone) counts what was passed over and the tables read, gathers the folders
+    not listed (logged at the end), and at the end holds ``kept_fields`` and ``listed``.
 
-    ``found`` counts what was passed over (``skipped``), the folders that could not be
-    listed (``unlisted``, logged as warnings when the listing ends), the tables read, and,
-    once the listing has ended, the rows' kept table columns (``kept_fields``) and
-    ``listed`` = True; ``found.items`` is left alone. ``image_column`` and ``key_column``
-    apply to the tables; ``keep_columns`` (and ``key_column``) are the tables' columns the
-    rows carry. A path that does not exist is a UsageError (every path given is checked
-    before the first item); so is an input set with nothing in it (when the listing ends).
-    Paths from ``--files-from`` are taken as given: a missing one becomes an error row
-    later. When ``stop`` records a signal, the walk ends early and ``errors.Interrupted`` is
-    raised (a partial listing never ends normally)."""
+    A missing path is a UsageError before the first item; so is an input set with nothing in
+    it, at the end. Paths from ``--files-from`` are taken as given (a missing one is an error
+    row later). When ``stop`` records a signal, ``errors.Interrupted`` is raised."""
     inputs = list(inputs)
     for raw in inputs:
         check_path_input(raw)
@@ -188,37 +166,33 @@ def stream_inputs(found: Discovery, inputs: Iterable[str], files_from: str | Non
         lines = read_path_list(files_from)
         refuse_missing_list(files_from, lines)
         for line in lines:
+            state.name(line)
             if is_image_name(line) and not Path(line).is_dir():
                 yield state.keyed(InputItem(key=line, path=line))
             else:
                 found.skipped += 1
-        for line in lines:
-            state.name(line)
     _end_listing(state, keep_columns, stop)
 
 
 def check_path_input(raw: str) -> None:
     """Refuse a local input that cannot be read before anything is listed: a missing path,
     a compressed tar, a FIFO, socket or device without an image name."""
-    if storage.is_url(raw):
-        return
     path = Path(raw)
-    if path.is_dir():
+    if storage.is_url(raw) or path.is_dir():
         return
     if path.is_file():
         refuse_compressed_tar(raw)
-    elif path.exists() and not path.is_symlink() and not is_image_name(raw):
-        raise UsageError(f"input {raw} is not a regular file or a folder")
-    elif not path.exists() and not path.is_symlink():
+    elif not path.is_symlink() and not path.exists():
         raise UsageError(f"input not found: {raw}")
+    elif not path.is_symlink() and not is_image_name(raw):
+        raise UsageError(f"input {raw} is not a regular file or a folder")
 
 
 @dataclass
 class _Listing:
-    """What ``stream_inputs`` keeps while it lists: the counts, the keys given so far, the
-    tables' path roots and columns, the table files read (for their kept columns), how many
-    inputs were given by name (files, objects, list lines) and how many walked (folders and
-    prefixes: an empty one is a warning, not an error), and how many items came."""
+    """What ``stream_inputs`` keeps while it lists: the keys given, the tables' path roots and
+    columns, the table files read, how many inputs were named (files, objects, list lines) and
+    walked (folders and prefixes: an empty one is a warning, not an error), and the items."""
 
     found: Discovery
     keys: "UniqueKeys"
@@ -241,45 +215,67 @@ class _Listing:
             self.tables.setdefault(item.path)
         return self.keys.unique(item)
 
+    def container(self, path: str, name: str) -> list[InputItem]:
+        """The images of the container ``path`` under ``name``, counted in ``found``."""
+        roots = () if storage.is_url(path) else self.roots
+        items, skipped = container_items(path, name, *self.columns, roots)
+        self.found.skipped += skipped
+        self.found.tables += container_kind(path) == "table"
+        return items
+
 
 def _input_items(raw: str, state: _Listing, prefix_roots: bool,
                  stop: Stop | None) -> Iterator[InputItem]:
-    """The items of one input, as they are found (keys not yet unique across inputs)."""
+    """The items of one input as they are found (keys not yet unique across inputs): a file or
+    an object is an image or a container; a folder or a prefix is walked, then read for its
+    containers (``read_folder_containers``). A missing URL is a UsageError, as for a path."""
     found = state.found
-    image_column, key_column = state.columns
-    if storage.is_url(raw):
-        yield from discover_url(raw, state, prefix_roots)
-        return
-    path = Path(raw)
-    kind = container_kind(raw)
-    if path.is_dir():
-        state.walked += 1
-    else:
+    url = storage.is_url(raw)
+    what = storage.kind(raw) if url else "folder" if os.path.isdir(raw) else "file"
+    if what == "missing":
+        raise UsageError(f"input not found: {raw}")
+    if what == "file":
         state.name(raw)
-    if kind is not None and path.is_file():
-        items, skipped = container_items(raw, raw, image_column, key_column, state.roots)
-        found.skipped += skipped
-        found.tables += kind == "table"
-        yield from items
-    elif path.is_dir():
-        shards: list[tuple[str, str]] = []
-        images = 0
-        for item in iter_folder(path, found, stop.requested if stop is not None else None,
-                                shards):
-            images += 1
-            yield replace(item, key=key_under_root(raw, item.key)) if prefix_roots else item
-        if stop is not None:
-            stop.check()  # a walk cut short is not read for containers
-        yield from read_folder_containers(raw, shards, images > 0, state, prefix_roots)
-    elif is_image_name(raw):  # a file, a link, or a FIFO/socket/device (its row says so)
-        yield InputItem(key=raw, path=raw)
+        if url:
+            refuse_compressed_tar(raw)
+        if container_kind(raw) is not None and (url or os.path.isfile(raw)):
+            yield from state.container(raw, raw)
+        elif is_image_name(raw):  # a file, a link, or a FIFO/socket/device (its row says so)
+            member = StoredObject(raw, storage.size_of(raw)) if url else None
+            yield InputItem(key=raw, path=raw, member=member)
+        else:
+            found.skipped += 1
+        return
+    state.walked += 1
+    shards: list[tuple[str, str]] = []
+    images = 0
+    if url:
+        walk = _iter_prefix(raw, found, shards)
     else:
-        found.skipped += 1
+        walk = iter_folder(Path(raw), found, stop.requested if stop is not None else None,
+                           shards)
+    for item in walk:
+        images += 1
+        yield replace(item, key=key_under_root(raw, item.key)) if prefix_roots else item
+    if stop is not None and not url:
+        stop.check()  # a walk cut short is not read for containers
+    yield from read_folder_containers(raw, shards, images > 0, state, prefix_roots)
+
+
+def _iter_prefix(prefix: str, found: Discovery,
+                 containers: list[tuple[str, str]]) -> Iterator[InputItem]:
+    """The image objects under ``prefix``, keyed relative to it; the rest as in ``iter_folder``."""
+    for obj in storage.iter_files(prefix):
+        if is_image_name(obj.key):
+            yield InputItem(key=obj.key, path=obj.url, member=StoredObject(obj.url, obj.size))
+        elif container_kind(obj.key) is not None:
+            containers.append((obj.key, obj.url))
+        else:
+            found.skipped += 1
 
 
 def _end_listing(state: _Listing, keep_columns: Sequence[str], stop: Stop | None) -> None:
-    """The checks once every input is listed: the table flags need a table, an input set
-    of named files needs an image; then the unlisted folders are logged."""
+    """The checks once every input is listed, then the unlisted folders logged."""
     found = state.found
     image_column, key_column = state.columns
     if not found.tables and (image_column is not None or key_column is not None
@@ -303,9 +299,8 @@ def _end_listing(state: _Listing, keep_columns: Sequence[str], stop: Stop | None
 def kept_fields(tables: Sequence[str], keep_columns: Sequence[str],
                 key_column: str | None) -> list:
     """The fields of the table columns the rows carry (``tables``: the table files read):
-    ``keep_columns`` (a name the output
-    has a column of is refused), then ``key_column`` in its own type unless kept already or
-    named like an output column (its text is in ``path`` anyway)."""
+    ``keep_columns`` (an output column's name is refused), then ``key_column`` in its own type
+    unless kept already or named like an output column (its text is in ``path`` anyway)."""
     if not keep_columns and key_column is None:
         return []
     from ..output.parts import OUTPUT_COLUMNS  # lazily: see ARCHITECTURE.md's one arrow
@@ -317,15 +312,12 @@ def kept_fields(tables: Sequence[str], keep_columns: Sequence[str],
     names = list(dict.fromkeys(keep_columns))
     if key_column is not None and key_column not in names and key_column not in OUTPUT_COLUMNS:
         names.append(key_column)
-    if not names:
-        return []
-    return table_fields(list(tables), names)
+    return table_fields(list(tables), names) if names else []
 
 
 def refuse_missing_list(list_file: str, lines: list[str]) -> None:
-    """A UsageError when not one path of a ``--files-from`` list exists: no image could be
-    read, and the likely cause is where relative paths are taken from (the current folder,
-    not the list's). Stops at the first path that exists (one stat, usually)."""
+    """A UsageError when not one path of a ``--files-from`` list exists (the likely cause:
+    relative paths are taken from the current folder, not the list's); one stat, usually."""
     local = [line for line in lines if not storage.is_url(line)]
     if not local or len(local) < len(lines) or any(os.path.lexists(line) for line in local):
         return
@@ -345,87 +337,36 @@ def refuse_missing_list(list_file: str, lines: list[str]) -> None:
     raise UsageError(text)
 
 
-def discover_url(raw: str, state: _Listing, prefix_roots: bool) -> Iterator[InputItem]:
-    """The images of the URL ``raw``: a prefix is listed like a folder (recursive, sorted,
-    keys relative to it; read for its containers as a folder is, ``read_folder_containers``);
-    an object is an image or a container. A URL with nothing under it is a UsageError, as
-    for a path."""
-    found = state.found
-    image_column, key_column = state.columns
-    what = storage.kind(raw)
-    if what == "missing":
-        raise UsageError(f"input not found: {raw}")
-    if what == "file":
-        state.name(raw)
-        refuse_compressed_tar(raw)
-        kind = container_kind(raw)
-        if kind is not None:
-            items, skipped = container_items(raw, raw, image_column, key_column)
-            found.skipped += skipped
-            found.tables += kind == "table"
-            yield from items
-        elif is_image_name(raw):
-            yield InputItem(key=raw, path=raw, member=StoredObject(raw, storage.size_of(raw)))
-        else:
-            found.skipped += 1
-        return
-    state.walked += 1
-    shards: list[tuple[str, str]] = []
-    images = 0
-    for obj in storage.iter_files(raw):
-        if not is_image_name(obj.key):
-            if container_kind(obj.key) is not None:
-                shards.append((obj.key, obj.url))
-            else:
-                found.skipped += 1
-            continue
-        key = key_under_root(raw, obj.key) if prefix_roots else obj.key
-        images += 1
-        yield InputItem(key=key, path=obj.url, member=StoredObject(obj.url, obj.size))
-    yield from read_folder_containers(raw, shards, images > 0, state, prefix_roots)
-
-
 def container_items(raw: str, name: str, image_column: str | None = None,
                     key_column: str | None = None, roots: tuple[str, ...] = (),
                     ) -> tuple[list[InputItem], int]:
     """The images of the container ``raw`` keyed under ``name`` (its own key: the path as
-    given, or its path under the folder it was found in), and the entries passed over. Keys
-    repeated inside the container get ``#2``, ``#3``, ... in the container's own order, so a
-    key depends on the container alone, never on the run's other inputs. The one place that
-    keys a container's images: every way of finding a container calls it."""
-    items, skipped = expand_container(raw, image_column, key_column, roots, name)
+    given, or its path under the folder it was found in), and the entries passed over. A key
+    repeated inside it gets ``#2``, ``#3``, ... in its own order: a key depends on the container
+    alone. Every way of finding a container calls this; ``roots``: see ``TableCell``."""
+    if container_kind(raw) == "tar":
+        items, skipped = expand_tar(raw, name)
+    else:
+        items, skipped = expand_table(raw, image_column, key_column, roots, name), 0
     return unique_keys(items), skipped
 
 
 def read_folder_containers(raw: str, containers: list[tuple[str, str]], has_images: bool,
                            state: _Listing, prefix_roots: bool) -> Iterator[InputItem]:
-    """The images of the containers found in the folder or prefix ``raw`` (``(relative
-    path, path)``): read when the folder holds no image file, else passed over with a
-    warning. Counts the tables read in ``state.found`` (``--image-column``/``--key-column``
-    apply to them)."""
-    import logging
-
-    found = state.found
-    if not containers:
-        return
-    if has_images:
-        found.skipped += len(containers)
-        logging.getLogger("dsv4enc").warning(
+    """The images of the containers (``(relative path, path)``) found in the folder or prefix
+    ``raw``: read when it holds no image file, else passed over with a warning."""
+    if has_images and containers:
+        state.found.skipped += len(containers)
+        _log.warning(
             "%s: %d .tar shards or tables beside its images are not read (a folder with "
             "images is read for its images); pass them by name to encode them (e.g. %s)",
             raw, len(containers), containers[0][1])
         return
-    image_column, key_column = state.columns
-    roots = () if storage.is_url(raw) else state.roots
     for rel, path in containers:
         if written_by_dsv4enc(path):  # an output (or its parts) written beside the shards
-            found.skipped += 1
-            continue
-        name = key_under_root(raw, rel) if prefix_roots else rel
-        items, skipped = container_items(path, name, image_column, key_column, roots)
-        found.skipped += skipped
-        found.tables += container_kind(path) == "table"
-        yield from items
+            state.found.skipped += 1
+        else:
+            yield from state.container(path, key_under_root(raw, rel) if prefix_roots else rel)
 
 
 def nothing_found(inputs: Iterable[str], files_from: str | None, skipped: int) -> str:
@@ -438,37 +379,31 @@ def nothing_found(inputs: Iterable[str], files_from: str | None, skipped: int) -
 def warn_unlisted(unlisted: list[tuple[str, str]], shown: int = 10) -> None:
     """One line per folder that could not be listed (the first ``shown``), logged as an
     error so that ``--quiet`` shows it too: images are missing from the run."""
-    import logging
-
-    log = logging.getLogger("dsv4enc")
     for folder, reason in unlisted[:shown]:
-        log.error("cannot list folder %s (%s): its images are not in this run",
-                    os.fsdecode(folder)[:300], reason)
+        _log.error("cannot list folder %s (%s): its images are not in this run",
+                   os.fsdecode(folder)[:300], reason)
     if len(unlisted) > shown:
-        log.error("%d more folders could not be listed", len(unlisted) - shown)
+        _log.error("%d more folders could not be listed", len(unlisted) - shown)
 
 
 # ----------------------------------------------------------------------------- keys
-# Keys are unique within an output (one ``path`` per row; ``--resume`` matches parts by them):
-# - an image found in a folder is keyed by its path under that folder; when more than one
-#   folder is given, that path is prefixed with the folder as given (``key_under_root``);
-# - any key still taken by an earlier item (the same file given twice, a tar's repeated member
-#   name, two shards with the same sample key, a non-UTF-8 name whose escaped text is another
-#   file's name) gets ``#2``, ``#3``, ... (``unique_keys``).
+# Keys are unique within an output (one ``path`` per row; ``--resume`` matches parts by them).
+# An image in a folder is keyed by its path under it, prefixed with the folder as given when
+# several are (``key_under_root``); a key still taken by an earlier item (a file given twice,
+# a tar's repeated member name, two shards' same sample key, a non-UTF-8 name whose escaped
+# text is another file's name) gets ``#2``, ``#3``, ... (``unique_keys``).
 
 
 def key_under_root(root: str, key: str) -> str:
     """``key`` (a path under the folder ``root``) prefixed with the folder as given, in posix
     form (``data/`` and ``./data`` give ``data/``; ``.`` adds nothing)."""
     prefix = root.rstrip("/") if storage.is_url(root) else Path(root).as_posix().rstrip("/")
-    if prefix == ".":
-        return key
-    return f"{prefix}/{key}"
+    return key if prefix == "." else f"{prefix}/{key}"
 
 
 def _output_text(key: str) -> str:
-    """``key`` as the output's ``path`` column holds it (``output/parts.utf8_text``: non-UTF-8 bytes
-    of a file name escaped). The writer (and pyarrow) is imported only for such a name."""
+    """``key`` as the output's ``path`` column holds it (``output/parts.utf8_text``: a file
+    name's non-UTF-8 bytes escaped). The writer (and pyarrow) is imported only for such one."""
     if key.isascii():
         return key
     try:
@@ -481,9 +416,7 @@ def _output_text(key: str) -> str:
 
 
 def unique_keys(items: list[InputItem]) -> list[InputItem]:
-    """``items`` with every key unique as output text, in input order: the first item with a
-    key keeps it, later ones get ``KEY#2``, ``KEY#3``, ... (the first number whose key no
-    other item has: the whole list is known, as in a container)."""
+    """``items`` with unique keys (``UniqueKeys``), numbered past every key of the list."""
     texts = [_output_text(item.key) for item in items]
     taken = set(texts)
     if len(taken) == len(texts):
@@ -493,10 +426,9 @@ def unique_keys(items: list[InputItem]) -> list[InputItem]:
 
 
 class UniqueKeys:
-    """Keys made unique as items come, in input order: the first item with a key keeps it,
-    a later one gets ``KEY#2``, ``KEY#3``, ... (the first number whose key is not taken:
-    by an earlier item, or by any in ``taken`` when the whole list is known). Holds one
-    text per key given (the run's keys, a few dozen bytes each)."""
+    """Keys made unique as items come: the first item with a key keeps it, a later one gets
+    ``KEY#2``, ``KEY#3``, ... (the first number whose key no earlier item has, nor any in
+    ``taken``). Holds one text per key given (a few dozen bytes each)."""
 
     def __init__(self, taken: set[str] | None = None) -> None:
         self.taken = set() if taken is None else taken

@@ -1,18 +1,15 @@
 """The image formats dsv4enc reads, and opening an image only as one of them.
 
-Pillow recognizes some forty formats by their content, whatever a file is called. Some of them
-hand the data to another program (EPS goes to Ghostscript), and many are rarely met and little
-hardened (TGA, SGI, PCX, DDS, ICO, QOI, JPEG 2000, ...). So dsv4enc opens a file only as one
-of six raster formats: JPEG, PNG, WebP, BMP, GIF and TIFF. The format its extension stands
-for (``.jpg`` -> JPEG, ``.tif`` -> TIFF, ...) is tried first; a file whose content is another
-of the six (a JPEG named ``.png``: scraped datasets are full of them) is opened as what it is,
-and ``misnamed`` tells the caller so. Unnamed bytes (a table cell) may be any of the six.
-Header probes and decodes go through the same ``open_image``. Content of any other format is
-an error that names the format it is; no other format's reader is ever started.
-"""
+Pillow recognizes some forty formats by content; some hand the data to another program (EPS
+to Ghostscript), many are rarely met and little hardened (TGA, SGI, PCX, DDS, ICO, QOI, ...).
+So ``open_image`` opens a file only as JPEG, PNG, WebP, BMP, GIF or TIFF: its extension's
+format first, else what its content is among the six (a JPEG named ``.png``, common in
+scraped datasets: ``misnamed`` says so); unnamed bytes may be any. Other content is an error
+that names its format; no other format's reader is ever started."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import stat
 from typing import IO, Any
@@ -32,19 +29,14 @@ _PREFIX_BYTES = 16  # what Pillow itself hands each format's content check
 
 
 def formats_for(name: str | None) -> tuple[str, ...]:
-    """The formats a file called ``name`` is tried as first: the one its extension stands
-    for, or every accepted format when there is no name or no accepted extension."""
-    if name:
-        fmt = EXTENSION_FORMATS.get(os.path.splitext(name)[1].lower())
-        if fmt is not None:
-            return (fmt,)
-    return ACCEPTED_FORMATS
+    """The formats tried first for a file called ``name``: its extension's, else all accepted."""
+    fmt = EXTENSION_FORMATS.get(os.path.splitext(name or "")[1].lower())
+    return (fmt,) if fmt is not None else ACCEPTED_FORMATS
 
 
 def image_name(source: Any, handle: Any) -> str | None:
-    """The name whose extension decides the formats for ``handle``, what is opened for
-    ``source`` (a path, bytes, or an ``items.InputItem``): the file opened, else a tar member's
-    name; None for unnamed bytes (a table cell)."""
+    """The name whose extension decides the formats for ``handle`` (what is opened for
+    ``source``): the file opened, else a tar member's name; None for unnamed bytes."""
     if isinstance(handle, (str, os.PathLike)):
         return os.fsdecode(handle)
     return getattr(getattr(source, "member", None), "name", None)
@@ -56,21 +48,18 @@ def _prefix(handle: str | os.PathLike | IO[bytes]) -> bytes | None:
         # Non-blocking: the path may have become a FIFO since Pillow opened it.
         fd = os.open(handle, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
         with os.fdopen(fd, "rb") as file:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
-                return None
-            return file.read(_PREFIX_BYTES)
+            return file.read(_PREFIX_BYTES) if stat.S_ISREG(os.fstat(fd).st_mode) else None
     handle.seek(0)
     prefix = handle.read(_PREFIX_BYTES)
     handle.seek(0)
     return prefix
 
 
-def detected_format(handle: str | os.PathLike | IO[bytes]) -> str | None:
-    """The Pillow format whose content check accepts ``handle``'s first bytes, if any. Only
-    the checks run (a few byte comparisons): no format's reader is started."""
+def detected_format(prefix: bytes | None) -> str | None:
+    """The Pillow format whose content check accepts an image's first bytes, if any. Only the
+    checks run (a few byte comparisons): no format's reader is started."""
     from PIL import Image
 
-    prefix = _prefix(handle)
     if not prefix:
         return None
     Image.init()
@@ -91,35 +80,24 @@ _OPENED_AS = {"MPO": "JPEG"}
 
 
 def misnamed(image, name: str | None) -> str | None:
-    """The format ``image`` (opened by ``open_image`` for ``name``) really is, when its name
-    stands for another one (a JPEG named ``.png``: ``"JPEG"``); None when they agree or when
-    there is no name to disagree with."""
+    """The format ``image`` (opened by ``open_image`` for ``name``) is, when its name stands for
+    another (a JPEG named ``.png``: ``"JPEG"``); else None."""
     allowed = formats_for(name)
     actual = _OPENED_AS.get(image.format, image.format)
-    if len(allowed) == 1 and actual not in allowed:
-        return actual
-    return None
+    return actual if len(allowed) == 1 and actual not in allowed else None
 
 
 def open_image(handle: str | os.PathLike | IO[bytes], name: str | None):
-    """``PIL.Image.open(handle)`` restricted to the accepted formats, the one ``name`` stands
-    for first (``misnamed`` says whether the image is another).
-
-    Raises ``PIL.UnidentifiedImageError`` when the content is none of those formats; the
-    message says so for an empty file and names the format it is when Pillow recognizes it."""
+    """``PIL.Image.open(handle)`` restricted to the accepted formats, ``name``'s first. Else
+    ``PIL.UnidentifiedImageError``, saying so for an empty file and naming a known format."""
     from PIL import Image, UnidentifiedImageError
 
     allowed = formats_for(name)
-    try:
-        return Image.open(handle, formats=list(allowed))
-    except UnidentifiedImageError:
-        pass
     others = [fmt for fmt in ACCEPTED_FORMATS if fmt not in allowed]
-    if others:  # content of another accepted format, whatever the name says
-        try:
-            return Image.open(handle, formats=others)
-        except UnidentifiedImageError:
-            pass
+    for formats in (list(allowed), others):  # others: whatever the name says
+        if formats:
+            with contextlib.suppress(UnidentifiedImageError):
+                return Image.open(handle, formats=formats)
     prefix = _prefix(handle)
     if prefix == b"":
         raise UnidentifiedImageError("empty file (0 bytes)")
@@ -127,7 +105,7 @@ def open_image(handle: str | os.PathLike | IO[bytes], name: str | None):
     if looks_like_tga(handle, prefix or b""):
         raise UnidentifiedImageError(f"the image is a TGA (Truevision Targa) file{_named(name)}"
                                      f" ({wanted})")
-    actual = detected_format(handle)
+    actual = detected_format(prefix)
     if actual is None or actual in ACCEPTED_FORMATS:  # damaged, or no image at all
         raise UnidentifiedImageError(f"cannot identify the image ({wanted})")
     raise UnidentifiedImageError(f"the image looks like {actual} data{_named(name)} ({wanted})")

@@ -1,8 +1,6 @@
 """Every input's header, read before any pixel is decoded, and what identifies the inputs:
 the header probes of a run (threads with a time limit per probe), the inputs with their grids
-(``Planned``), and the stamps and digests that ``--resume`` compares.
-
-Torch-free: the run's set-up that reads them imports no torch."""
+(``Planned``), and the stamps and digests that ``--resume`` compares. Torch-free."""
 
 from __future__ import annotations
 
@@ -15,6 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
+from .. import storage
 from .decode import Probe, probe_image
 from .formats import DEFAULT_DECODE_TIMEOUT_S
 from .items import InputItem
@@ -46,10 +45,9 @@ class Planned:
 # ----------------------------------------------------------------------------- probes
 
 class _Probers:
-    """The daemon threads of one ``probe_all``: each takes the next item, probes it and
-    queues the result. A probe past its time limit gets an error result from
-    ``give_up_late`` and its thread is replaced (a thread cannot be killed: the stuck one is
-    abandoned and exits if its probe ever returns)."""
+    """The daemon threads of one ``probe_all``: each takes the next item, probes it and queues
+    the result. A probe past its time limit gets an error (``give_up_late``); its thread, which
+    cannot be killed, is abandoned (it exits if its probe returns) and replaced."""
 
     def __init__(self, items: Sequence[InputItem], max_pixels: int) -> None:
         self.items, self.max_pixels = items, max_pixels
@@ -114,17 +112,11 @@ def probe_all(items: Sequence[InputItem], max_pixels: int,
               should_stop: Callable[[], bool] | None = None,
               timeout_s: float | None = PROBE_TIMEOUT_S,
               threads: int = PROBE_THREADS) -> list[Probe]:
-    """``probe_image`` of every item, in order, on ``threads`` daemon threads.
-
-    A probe still running after ``timeout_s`` gets an error (``_Probers``). When
-    ``should_stop()`` turns true, the probes not done get an "interrupted" error. The calling
-    thread only waits on a queue (with a short timeout), so a signal handler that raises
-    stops it at once.
-
-    Not ``concurrent.futures``: a ``ThreadPoolExecutor``'s workers are joined when the
-    interpreter exits, so one stuck probe would hold the exit up, and a
-    ``concurrent.futures.Future`` per header weighs on a large run; the stamps below, which
-    never hang, do use one."""
+    """``probe_image`` of every item, in order, on ``threads`` daemon threads: one past
+    ``timeout_s`` gets an error (``_Probers``), and once ``should_stop()`` is true the ones not
+    done get an "interrupted" one. The calling thread waits on a queue with a short timeout, so
+    a signal handler that raises stops it at once. Not ``concurrent.futures``: its workers are
+    joined at exit (a stuck probe would hold it up), and a Future per header is heavy."""
     probers = _Probers(items, max_pixels)
     for _ in range(min(threads, len(items))):
         probers.spawn()
@@ -146,12 +138,9 @@ def probe_all(items: Sequence[InputItem], max_pixels: int,
 # ----------------------------------------------------------------------------- stamps and digests
 
 def file_stamp(path: str) -> str:
-    """What decides whether a file is the one encoded before: size, modification time (ns),
-    inode and mode (a file replaced by another, or made readable, reads differently), or
-    why it cannot be looked at. Not the device: it changes when a network share is
-    remounted. An object in a store: its size and modification time (``storage.stamp``)."""
-    from .. import storage
-
+    """What decides whether a file is the one encoded before: size, mtime (ns), inode and mode
+    (a file replaced, or made readable, differs; not the device, which a remount changes), or
+    why it cannot be looked at; for an object in a store, ``storage.stamp``."""
     if storage.is_url(path):
         return storage.stamp(path)
     try:
@@ -162,11 +151,9 @@ def file_stamp(path: str) -> str:
 
 
 def input_stamps(planned: Sequence[Planned]) -> None:
-    """Set each entry's ``stamp`` (once: a plan reused by the run keeps the stamps taken
-    before its first decode). An image in a container takes the container's stamp.
-
-    Taken before decoding starts, so a file changed afterwards never matches the stamp
-    recorded with its part: --resume encodes it again rather than trusting an old row."""
+    """Set each entry's ``stamp`` once, before decoding starts (a file changed afterwards never
+    matches the stamp recorded with its part: --resume encodes it again); an image in a
+    container takes the container's."""
     todo = [entry for entry in planned if entry.stamp is None]
     containers: dict[str, str] = {}
     for entry in todo:  # one stat per container file, however many images it holds

@@ -1,9 +1,6 @@
 """What one input is: an ``InputItem`` (its output key, the path the decoder opens, and a
 locator for an image inside a container or a store), and which names are image names.
-
-``discover`` finds items, ``sources`` expands containers into items and reads them; both build
-on this module, which imports neither.
-"""
+``discover`` and ``sources`` build on this module, which imports neither."""
 
 from __future__ import annotations
 
@@ -30,9 +27,8 @@ class TarMember:
 
 @dataclass(frozen=True)
 class TableCell:
-    """An image in a table: ``column``'s cell at ``row`` of row group (Parquet) or record
-    batch (Arrow) ``group``. ``path_roots``: folders (real paths) besides the table's own that
-    a ``{bytes: null, path}`` cell may name files in."""
+    """An image in a table: ``column``'s cell at ``row`` of row group (or record batch)
+    ``group``; ``path_roots``: more folders (real paths) its ``{bytes: null, path}`` may name."""
 
     column: str
     group: int
@@ -42,10 +38,8 @@ class TableCell:
 
 @dataclass(frozen=True)
 class StoredObject:
-    """An image that is a whole object in a store (``InputItem.path`` is its URL): its header
-    probe reads its first bytes (all of them for a small one, then held for the decode:
-    ``sources.HeldInputs``), else the decode worker reads it whole. ``name`` is the URL, for
-    the format the name stands for; ``size`` as listed."""
+    """A whole object in a store (``InputItem.path``, and ``name`` for its format, are its URL;
+    ``size`` as listed): its probe's bytes, all of a small one, are held for the decode."""
 
     name: str
     size: int
@@ -54,8 +48,7 @@ class StoredObject:
 @dataclass(frozen=True)
 class Fetched:
     """An input's bytes, read already (a small object's header read, a tar shard's streamed
-    members): a decode task carries them, so that the decode worker reads nothing. ``name``
-    is the locator's it replaces (the format the name stands for)."""
+    member), carried by its decode task; ``name``: the replaced locator's."""
 
     name: str | None
     data: bytes = field(repr=False)
@@ -63,22 +56,17 @@ class Fetched:
 
 @dataclass(frozen=True)
 class Unreadable:
-    """A part of a container that cannot be read: reading it raises ``sources.DamagedContainerError``
-    with ``reason``, so it becomes one error row."""
+    """A part of a container that cannot be read: its error row says ``reason``."""
 
     reason: str
 
 
 @dataclass(frozen=True)
 class InputItem:
-    """One image to encode. ``path`` is what the decoder opens; ``key`` is the output name.
-
-    ``member`` locates the image inside a container file ``path`` (a ``TarMember`` or a
-    ``TableCell``), marks ``path`` as an object in a store (a ``StoredObject``, ``path`` its
-    URL) or a container's damaged part (``Unreadable``); None for a plain image file. A
-    decode task's item may carry its bytes instead (``Fetched``). ``sources.open_item``
-    reads it.
-    """
+    """One image to encode: ``key`` is the output name, ``path`` what the decoder opens;
+    ``member`` locates it in a container (``TarMember``, ``TableCell``), in a store
+    (``StoredObject``), marks a damaged part (``Unreadable``) or carries its bytes (``Fetched``);
+    None for a plain image file. ``sources.open_item`` reads it."""
 
     key: str
     path: str

@@ -1,33 +1,24 @@
-"""Images inside container files: Parquet/Arrow tables with an image column, and WebDataset
-tar shards.
+"""Images inside container files: Parquet/Arrow tables with an image column, WebDataset tars.
 
 The main process reads only an index of each container (a tar's member headers; a table's
-row-group sizes and key column) and turns every image into an ``InputItem`` whose ``member``
-says where its bytes lie. Decode workers then read just that member: a tar member by offset
-and size, a table cell by row group (or record batch) and row, through a small per-process
-cache of recently read row groups.
+row-group sizes and key column) and gives each image an ``InputItem`` whose ``member`` says
+where its bytes lie; decode workers read just that: a tar member by offset and size, a table
+cell by row group (or record batch) and row, through a per-process cache of row groups.
 
-Every key of a container's image is ``NAME/<name inside>`` (``member_key``), where ``NAME``
-is the container's own key (``discover``). A tar member ``dir/sample.jpg`` belongs to the
-WebDataset sample ``dir/sample`` (``split_key``), keyed ``NAME/dir/sample``; when one sample
-holds several images, each is keyed by its full member name (``NAME/dir/sample.jpg``).
-Compressed tars cannot be read member by member and are refused. Table rows are keyed by
-``--key-column`` when given (its value as it is); else ``NAME/<path>`` by the ``path`` field
-of a Hugging Face ``{bytes, path}`` image struct when it is set; else ``NAME#<row>`` (the row
-counted from 0 over the whole file).
+Every key of a container's image is ``NAME/<name inside>`` (``member_key``), ``NAME`` the
+container's own key. A tar member ``dir/sample.jpg`` is keyed by its WebDataset sample
+(``split_key``), ``NAME/dir/sample``, or by its full name when the sample holds several
+images. Compressed tars are refused. A table row is keyed by its ``--key-column`` value as it
+is; else ``NAME/<path>`` by the ``path`` field of a Hugging Face ``{bytes, path}`` image struct
+when it is set; else ``NAME#<row>`` (the row counted from 0 over the whole file).
 
-In a store, each input is read once where it can be: a tar shard is indexed by one streamed
-read, which keeps its image members' bytes; a header probe reads the first ``HEAD_BYTES`` of
-an object (or a member not kept) in one request, which for a small one is all of it. Those
-bytes are held (``HeldInputs``, bounded) until the decode task takes them (``attach_held``).
+In a store, each input is read once where it can be (a tar shard by one streamed read, an
+object by its header probe), the bytes held for the decode (``HeldInputs``).
 
-A damaged container never reads as complete. What cannot be read becomes an ``Unreadable``
-item, one error row keyed ``<file>@<byte offset>`` where the damage starts: a tar region
-without a valid header (the index reads on at the next valid header, as GNU tar does), a tar
-or Arrow stream cut short, a table that does not open at all (``@0``). Rows of a Parquet row
-group that cannot be read are error rows of their own. A ``{bytes: null, path}`` cell names a
-file beside the table (``cell_file`` says which files it may name).
-"""
+A damaged container never reads as complete: what cannot be read is an ``Unreadable`` item,
+one error row keyed ``<file>@<byte offset>`` where the damage starts (a tar region without a
+valid header, after which the index reads on as GNU tar does; a tar or Arrow stream cut short;
+a table that does not open, ``@0``); an unreadable Parquet row group's rows are error rows."""
 
 from __future__ import annotations
 
@@ -55,7 +46,7 @@ TAR_EXTENSIONS = (".tar",)
 #: Bytes of row-group columns a process keeps cached (at least the last one read is kept).
 CACHE_BYTES = 256 << 20
 #: What a header probe of an object in a store reads in its one request: an object (or tar
-#: member) no larger is read whole, and its decode needs no request of its own.
+#: member) no larger is read whole, and its decode reads nothing more.
 HEAD_BYTES = 512 << 10
 #: Bytes of inputs read ahead that a process holds for their decode (``HeldInputs``): past
 #: them, a decode reads its input itself. ``DSV4ENC_HOLD_BYTES`` sets it (0: hold none).
@@ -68,14 +59,12 @@ class DamagedContainerError(ValueError):
 
 
 class RefusedPathError(ValueError):
-    """A table cell names a file dsv4enc does not read (outside the allowed folders, not an
-    image name, not a regular file)."""
+    """A table cell's file that dsv4enc does not read (see ``cell_file``)."""
 
 
 def member_key(container: str, name: str) -> str:
     """The output key of the image ``name`` (a tar sample's key, a member's name, a table
-    cell's file name) inside the container whose own key is ``container``: each key names
-    its container, so no other input of the run changes it."""
+    cell's file name) inside the container keyed ``container``: no other input changes it."""
     return f"{container}/{name}"
 
 
@@ -88,8 +77,7 @@ def damaged_item(raw: str, offset: int, reason: str, name: str | None = None) ->
 
 class HeldInputs:
     """Inputs' bytes read ahead of their decode, by ``(path, offset)`` (-1: a whole object),
-    within a byte budget (``HOLD_BYTES``): once it is spent nothing more is held, so the
-    inputs read first, which are decoded first, keep theirs. Thread-safe."""
+    within ``HOLD_BYTES``: the inputs read first, decoded first, keep theirs. Thread-safe."""
 
     def __init__(self) -> None:
         self._held: dict[tuple[str, int], bytes] = {}
@@ -143,9 +131,7 @@ def attach_held(source: Any) -> Any:
     """``source`` as a decode task sends it: an item whose bytes are held carries them
     (``Fetched``; no longer held here), anything else is left as it is."""
     data = HELD.take(held_key(source))
-    if data is None:
-        return source
-    return replace(source, member=Fetched(source.member.name, data))
+    return source if data is None else replace(source, member=Fetched(source.member.name, data))
 
 
 def _read_ahead(item: InputItem) -> BinaryIO:
@@ -168,8 +154,8 @@ def _read_ahead(item: InputItem) -> BinaryIO:
     return io.BufferedReader(_RangeFile(item.path, start, size, head), buffer_size=256 << 10)
 
 
-#: Compressors a tar shard may be packed with: its name's endings, its leading bytes, and the
-#: command that undoes it. Such a shard cannot be read member by member (by offset).
+#: Compressors a tar shard may be packed with (it then cannot be read member by member): its
+#: name's endings, its leading bytes, and the command that undoes it.
 _COMPRESSORS = {
     "gzip": ((".tar.gz", ".tgz"), b"\x1f\x8b", "gunzip -k"),
     "bzip2": ((".tar.bz2", ".tbz2", ".tbz"), b"BZh", "bunzip2 -k"),
@@ -180,8 +166,7 @@ _COMPRESSORS = {
 
 
 def refuse_compressed_tar(raw: str) -> None:
-    """A UsageError for a compressed tar shard given by name (``x.tar.gz``, ``x.tgz``, ...):
-    dsv4enc reads shards member by member, by offset, which a compressed stream cannot do."""
+    """A UsageError for a compressed tar shard given by name (``x.tar.gz``, ``x.tgz``, ...)."""
     for kind, (suffixes, _, command) in _COMPRESSORS.items():
         if raw.lower().endswith(suffixes):
             raise UsageError(f"{raw}: a {kind}-compressed tar shard; only uncompressed .tar "
@@ -197,21 +182,6 @@ def container_kind(path: str) -> str | None:
     if lower.endswith(TAR_EXTENSIONS):
         return "tar"
     return None
-
-
-def expand_container(raw: str, image_column: str | None = None, key_column: str | None = None,
-                     path_roots: tuple[str, ...] = (), name: str | None = None,
-                     ) -> tuple[list[InputItem], int]:
-    """The images in a container file, in file order, and how many entries were passed over
-    (tar samples without an image). ``name``: the container's own key, which its images'
-    keys start with (by default ``raw``, the path as given). ``path_roots``: see
-    ``TableCell``."""
-    kind = container_kind(raw)
-    if kind == "tar":
-        return expand_tar(raw, name)
-    if kind == "table":
-        return expand_table(raw, image_column, key_column, path_roots, name), 0
-    raise UsageError(f"{raw}: not a container file (.parquet, .arrow, .feather or .tar)")
 
 
 # ----------------------------------------------------------------------------- tar shards
@@ -231,11 +201,10 @@ _BLOCK = tarfile.BLOCKSIZE
 
 def _open_tar(raw: str) -> tuple[tarfile.TarFile | None, int, str | None]:
     """``(archive, file size, None)``, or ``(None, size, why)`` when not even the first header
-    reads. A compressed file is a usage error: it needs decompressing, not an error row."""
+    reads. A compressed file is a UsageError (it needs decompressing, not an error row)."""
     try:
         if storage.is_url(raw):
-            # In a store, the shard is read once, in order: its headers and the members' data
-            # (kept for the header probes and the decode) alike.
+            # In a store, the shard is read once, in order: headers and members' data alike.
             size = storage.size_of(raw)
             handle = io.BufferedReader(_RangeFile(raw, 0, size, streamed=True), 1 << 20)
         else:
@@ -256,8 +225,8 @@ def _open_tar(raw: str) -> tuple[tarfile.TarFile | None, int, str | None]:
     except UsageError:
         handle.close()
         raise
-    # From here on, a damaged header is skipped block by block up to the next valid one (what
-    # GNU tar does); the gaps are reported below instead of ending the index silently.
+    # A damaged header is skipped block by block up to the next valid one (as GNU tar does);
+    # ``expand_tar`` reports the gaps instead of ending the index silently.
     archive.ignore_zeros = True
     return archive, size, None
 
@@ -295,9 +264,8 @@ def _gap_damage(raw: str, start: int, stop: int) -> int | None:
 
 def _tar_end_damage(handle: BinaryIO, end: int, size: int,
                     last: str | None) -> tuple[int, str] | None:
-    """Whether the archive (``handle``, open), whose last member's data ends at ``end``, ends
-    as a tar should: with its end-of-archive marker (zero blocks). ``(offset, reason)`` if
-    not."""
+    """``(offset, reason)`` unless the archive (``handle``), whose last member's data ends at
+    ``end``, ends as a tar should: with its end-of-archive marker (zero blocks)."""
     if end > size:
         return size, f"the file ends inside the data of member {last!r} (cut short?)"
     if end == size:
@@ -310,8 +278,7 @@ def _tar_end_damage(handle: BinaryIO, end: int, size: int,
 
 def _tar_locator(info: tarfile.TarInfo, raw: str,
                  files: dict[str, TarMember]) -> TarMember | Unreadable:
-    """Where an image member's bytes are: its own data, a hard link's target's data, or why
-    they cannot be read (a symlink, a device, a sparse file)."""
+    """Where an image member's bytes are (its own data, a hard link target's), or why not."""
     if info.isreg() and not info.issparse():
         return TarMember(info.name, info.offset_data, info.size)
     if info.islnk():
@@ -328,8 +295,8 @@ def _tar_locator(info: tarfile.TarInfo, raw: str,
 
 
 def _keep_member(archive: tarfile.TarFile, raw: str, found: TarMember | Unreadable) -> None:
-    """Hold an image member's bytes for its probe and decode (``HELD``) as the index passes
-    them, for a shard in a store while the budget lasts (else they are read by range)."""
+    """Hold an image member's bytes in a store's shard for its probe and decode (``HELD``) as
+    the index passes them, while the budget lasts (else they are read by range)."""
     if (not isinstance(found, TarMember) or not storage.is_url(raw)
             or found.offset != archive.fileobj.tell() or not HELD.room(found.size)):
         return
@@ -342,17 +309,15 @@ def _keep_member(archive: tarfile.TarFile, raw: str, found: TarMember | Unreadab
 
 
 def expand_tar(raw: str, name: str | None = None) -> tuple[list[InputItem], int]:
-    """Index an uncompressed tar shard: its image members (by extension), keyed by sample
-    under ``name`` (the shard's key, by default ``raw``), in file order, with an error row
-    where the archive is damaged (see the module's doc)."""
+    """Index an uncompressed tar shard: its image members (by extension) in file order, keyed
+    by sample under ``name`` (by default ``raw``), and an error row where it is damaged."""
     name = name or raw
     archive, size, why = _open_tar(raw)
     if archive is None:
         return [damaged_item(raw, 0, why, name)], 0
-    # (sample key, member name, locator), or (None, "", damaged item) where it is damaged.
-    entries: list[tuple[str | None, str, Any]] = []
+    items: list[InputItem] = []
+    samples: dict[str, list[tuple[int, str]]] = {}  # sample key -> (index, name) of its images
     files: dict[str, TarMember] = {}  # every regular member: targets of hard links
-    keys_seen: dict[str, int] = {}
     other_keys: set[str] = set()
     end, last = 0, None  # where the previous member's data ends: the next header starts there
     damage: tuple[int, str] | None = None
@@ -373,9 +338,9 @@ def expand_tar(raw: str, name: str | None = None) -> tuple[list[InputItem], int]
                 break
             bad = _gap_damage(raw, end, info.offset) if info.offset > end else None
             if bad is not None:  # zeros are fine: an end marker between joined archives
-                entries.append((None, "", damaged_item(raw, bad, (
+                items.append(damaged_item(raw, bad, (
                     f"no valid tar header up to byte {info.offset} (a damaged header, or a "
-                    "wrong size field before it); members there are lost"), name)))
+                    "wrong size field before it); members there are lost"), name))
             end, last = archive.offset, info.name
             if info.isreg() and not info.issparse():
                 files[PurePosixPath(info.name).as_posix()] = TarMember(
@@ -385,24 +350,22 @@ def expand_tar(raw: str, name: str | None = None) -> tuple[list[InputItem], int]
             if info.isdir() or base.startswith(".") or not key:
                 continue
             if is_image_name(base):
-                entries.append((key, info.name, _tar_locator(info, raw, files)))
-                _keep_member(archive, raw, entries[-1][2])
-                keys_seen[key] = keys_seen.get(key, 0) + 1
+                found = _tar_locator(info, raw, files)
+                _keep_member(archive, raw, found)
+                samples.setdefault(key, []).append((len(items), info.name))
+                items.append(InputItem(key=member_key(name, key), path=raw, member=found))
             else:
                 other_keys.add(key)
     if damage is None:  # in a store, the end is still in the stream's buffer, as a rule
         damage = _tar_end_damage(archive.fileobj, end, size, last)
     archive.fileobj.close()  # a file object given to tarfile is the caller's to close
     if damage is not None:
-        entries.append((None, "", damaged_item(raw, *damage, name)))
-    items = []
-    for key, member, found in entries:
-        if key is None:
-            items.append(found)
-        else:  # several images in one sample: each is keyed by its member name
-            local = key if keys_seen[key] == 1 else member
-            items.append(InputItem(key=member_key(name, local), path=raw, member=found))
-    return items, len(other_keys - keys_seen.keys())
+        items.append(damaged_item(raw, *damage, name))
+    for images in samples.values():
+        if len(images) > 1:  # several images in one sample: each is keyed by its member name
+            for index, member in images:
+                items[index] = replace(items[index], key=member_key(name, member))
+    return items, len(other_keys - samples.keys())
 
 
 #: The last bytes a streamed ``_RangeFile`` keeps: a tar's end-of-archive blocks (its last
@@ -411,12 +374,10 @@ _TAIL_BYTES = 64 << 10
 
 
 class _RangeFile(io.RawIOBase):
-    """A read-only file over ``size`` bytes of a file or an object from ``start`` (for
-    header probes: PIL reads only as much as it needs), the first of them in ``head``
-    already. In a store, each read past ``head`` is one ranged request, unless ``streamed``:
-    then the object is read in order by one streamed request (``storage.open_stream``), a
-    seek forward reads past the bytes between, and only a read behind the stream's last
-    ``_TAIL_BYTES`` (a damaged region of a tar shard looked at again) is a ranged request."""
+    """A read-only file over ``size`` bytes of a file or an object from ``start``, the first of
+    them in ``head`` already. In a store, each read past ``head`` is one ranged request, unless
+    ``streamed``: one request then streams the object (``storage.open_stream``), a seek forward
+    reads past the bytes between, and only a read behind its last ``_TAIL_BYTES`` is ranged."""
 
     def __init__(self, path: str, start: int, size: int, head: bytes = b"",
                  streamed: bool = False) -> None:
@@ -519,8 +480,7 @@ def image_column_kind(dtype: "pa.DataType") -> str | None:
 
 
 def choose_image_column(schema: "pa.Schema", wanted: str | None, source: str) -> str:
-    """The image column: ``wanted`` (checked), else the only bytes-like column, else one named
-    ``image``."""
+    """The image column: ``wanted`` (checked), else the only bytes-like one, else ``image``."""
     names = schema.names
     if wanted is not None:
         if wanted not in names:
@@ -542,9 +502,8 @@ def choose_image_column(schema: "pa.Schema", wanted: str | None, source: str) ->
 
 
 def written_by_dsv4enc(path: str) -> bool:
-    """Whether the Parquet file ``path`` is an output of dsv4enc (its schema's metadata holds
-    the ``dsv4enc`` entry that ``output/parts.output_schema`` writes): a folder of shards may
-    hold the output written beside them, whose embeddings are no images. Reads the footer."""
+    """Whether the Parquet file ``path`` is an output of dsv4enc (its footer's schema metadata
+    holds the entry ``output/parts.output_schema`` writes), which may lie beside the shards."""
     import pyarrow as pa
 
     if not path.lower().endswith(".parquet"):
@@ -556,11 +515,9 @@ def written_by_dsv4enc(path: str) -> bool:
 
 
 class TableReader:
-    """Read access to a Parquet file or an Arrow IPC file/stream, group by group.
-
-    ``damage``: ``(byte offset, reason)`` when an Arrow stream (or a file without its footer)
-    ends before its end-of-stream marker, or breaks off inside a batch; the batches before it
-    are read. Opening raises when nothing can be read (no Parquet footer, no Arrow schema)."""
+    """Read access to a Parquet file or an Arrow IPC file/stream, group by group; opening
+    raises when nothing can be read. ``damage``: ``(byte offset, reason)`` when an Arrow stream
+    (or a file without its footer) breaks off before its end-of-stream marker."""
 
     def __init__(self, path: str) -> None:
         import pyarrow as pa
@@ -595,8 +552,7 @@ class TableReader:
         self.group_rows = [b.num_rows for b in self._batches]
 
     def _read_stream(self, source) -> None:
-        """The batches of an IPC stream up to its end-of-stream marker, or up to where it
-        breaks off (``damage``)."""
+        """An IPC stream's batches, up to its end marker or to where it breaks off (``damage``)."""
         import pyarrow as pa
 
         reader = pa.ipc.open_stream(source)
@@ -629,9 +585,8 @@ class TableReader:
 
 def expand_table(raw: str, image_column: str | None = None, key_column: str | None = None,
                  path_roots: tuple[str, ...] = (), name: str | None = None) -> list[InputItem]:
-    """One item per row of a Parquet/Arrow file (only the key column is read here), keyed as
-    the module's doc says under ``name`` (the table's key, by default ``raw``), and an error
-    row where the file is damaged."""
+    """One item per row of a Parquet/Arrow file (only the key column is read), keyed under
+    ``name`` (the table's key, by default ``raw``), and an error row where it is damaged."""
     import pyarrow as pa
 
     name = name or raw
@@ -645,8 +600,7 @@ def expand_table(raw: str, image_column: str | None = None, key_column: str | No
                          f"(columns: {', '.join(table.schema.names)})")
     struct = image_column_kind(table.schema.field(column).type) == "struct"
     has_path = struct and table.schema.field(column).type.get_field_index("path") >= 0
-    items: list[InputItem] = []
-    row_number = 0
+    items: list[InputItem] = []  # one per row: its number is len(items)
     for group, n_rows in enumerate(table.group_rows):
         keys: list[Any] = [None] * n_rows
         unreadable = None
@@ -659,17 +613,15 @@ def expand_table(raw: str, image_column: str | None = None, key_column: str | No
                 keys = paths.field("path").to_pylist()
         except (OSError, pa.ArrowException) as exc:  # each row of the group is an error row
             unreadable = Unreadable(f"{raw}: row group {group} cannot be read ({exc})")
-        for row in range(n_rows):
-            key = keys[row]
+        for row, key in enumerate(keys):
             if isinstance(key, bytes):
                 key = key.decode("utf-8", "replace")
             if key is None or key == "":
-                key = f"{name}#{row_number}"
+                key = f"{name}#{len(items)}"
             else:
                 key = str(key) if key_column is not None else member_key(name, str(key))
             items.append(InputItem(key=key, path=raw, member=unreadable or TableCell(
                 column, group, row, path_roots)))
-            row_number += 1
     if table.damage is not None:
         items.append(damaged_item(raw, *table.damage, name))
     return items
@@ -694,20 +646,15 @@ def table_fields(paths: Sequence[str], names: Sequence[str]) -> list["pa.Field"]
 
 
 def kept_values(items: Sequence[InputItem], fields: Sequence["pa.Field"]) -> dict[str, "pa.Array"]:
-    """The columns ``fields`` for ``items``, in order: a table row's own cell (read by row
-    group through this process's cache), null for an item that is no table row (an image
-    file, a tar member, a damaged part)."""
+    """The columns ``fields`` for ``items``, in order: a table row's own cell (read through
+    this process's row-group cache), null for an item that is no table row."""
     import pyarrow as pa
 
-    columns = {}
-    for field in fields:
-        values = []
-        for item in items:
-            cell = item.member
-            values.append(GROUP_CACHE.column(item.path, cell.group, field.name)[cell.row].as_py()
-                          if isinstance(cell, TableCell) else None)
-        columns[field.name] = pa.array(values, type=field.type)
-    return columns
+    def values(name: str) -> list:
+        return [GROUP_CACHE.column(item.path, item.member.group, name)[item.member.row].as_py()
+                if isinstance(item.member, TableCell) else None for item in items]
+
+    return {field.name: pa.array(values(field.name), type=field.type) for field in fields}
 
 
 class GroupCache:
@@ -759,8 +706,7 @@ def clear_cache() -> None:
 
 def read_table_cell(path: str, cell: TableCell, stream: bool = False) -> bytes | str | BinaryIO:
     """A table cell's image: its bytes (with ``stream``, a file object over them that copies
-    nothing: header probes on many threads read only a few bytes of each), or (a struct with
-    only a path) the file it names."""
+    nothing, for header probes), or (a struct with only a path) the file it names."""
     array = GROUP_CACHE.column(path, cell.group, cell.column)
     value = array[cell.row]
     if not value.is_valid:
@@ -790,10 +736,9 @@ def path_roots(folders) -> tuple[str, ...]:
 
 def cell_file(named: str, table: str, roots: tuple[str, ...] = ()) -> str:
     """The file a table's ``{bytes: null, path: named}`` cell may be read from, or
-    ``RefusedPathError``: a relative ``named`` lies beside the table (never in the current
-    directory); the file must be inside the table's folder or one of ``roots`` (real paths)
-    once symlinks and ``..`` are resolved, have an image extension, and be a regular file (no
-    FIFO, device or /proc file)."""
+    ``RefusedPathError``: a relative ``named`` lies beside the table; the file, symlinks and
+    ``..`` resolved, must be inside the table's folder or one of ``roots`` (real paths), have an
+    image extension, and be a regular file."""
     if storage.is_url(table):
         raise RefusedPathError(f"path cell {named!r}: a table in object storage must hold "
                                "the image bytes (path cells are read only beside local tables)")
@@ -814,9 +759,8 @@ def cell_file(named: str, table: str, roots: tuple[str, ...] = ()) -> str:
 # ----------------------------------------------------------------------------- reading items
 
 def open_item(item: InputItem, stream: bool = False) -> str | bytes | BinaryIO:
-    """What to decode for ``item``: a file path, the bytes of a container member or an
-    object, or (with ``stream``, for header probes) a file object over them that the caller
-    closes."""
+    """What to decode for ``item``: a file path, the bytes of a container member or an object,
+    or (with ``stream``, for header probes) a file object over them that the caller closes."""
     member = getattr(item, "member", None)
     if member is None:
         return item.path

@@ -17,7 +17,7 @@ import numpy as np
 
 from ..tower.config import MODEL_NAMES, model_type_of
 from ..errors import UsageError
-from .read import MANIFEST_NAME, embedding_format, output_files, read_metadata
+from .read import MANIFEST_NAME, embedding_format, output_files, part_files, read_metadata
 
 #: Error messages shown, the commonest first (``inspect`` and a run's summary).
 TOP_ERRORS = 5
@@ -93,14 +93,9 @@ def interrupted_folder(path: str | os.PathLike) -> Path | None:
 
 def _manifests(folder: Path) -> list[dict]:
     """The dsv4enc manifests in ``folder`` (one, or one per rank under --shard-output)."""
-    from .parts import MANIFEST_FILE, read_manifest
+    from .parts import read_manifests
 
-    try:
-        names = sorted(entry.name for entry in os.scandir(folder))
-    except OSError:
-        return []
-    found = [read_manifest(folder / name) for name in names if MANIFEST_FILE.fullmatch(name)]
-    return [manifest for manifest in found if manifest is not None]
+    return list(read_manifests(folder).values())
 
 
 def _record_progress(out: OutputSummary, manifests: list[dict], unfinished: bool = False,
@@ -122,7 +117,7 @@ def _summarize_interrupted(path: str | os.PathLike, folder: Path) -> OutputSumma
     """An interrupted run's parts folder: the committed parts and images from its manifest,
     how many are left, and the usual figures over the part files it holds (a single file's
     parts are byte ranges of one growing file: only the manifest's figures then)."""
-    from .parts import PART_FILE
+    from .parts import names_part_file
 
     manifests = _manifests(folder)
     if not manifests:
@@ -131,11 +126,8 @@ def _summarize_interrupted(path: str | os.PathLike, folder: Path) -> OutputSumma
     out = OutputSummary(path=str(path))
     _record_progress(out, manifests)
     out.metadata = dict(manifests[0]["settings"])
-    listed = sorted((part for manifest in manifests for part in manifest["parts"].values()
-                     if isinstance(part.get("file"), str)),
-                    key=lambda part: (part["start"], part["file"]))
-    files = [folder / part["file"] for part in listed
-             if PART_FILE.fullmatch(part["file"]) and (folder / part["file"]).is_file()]
+    files = part_files(folder, [part for manifest in manifests
+                                for part in manifest["parts"].values() if names_part_file(part)])
     out.bytes_on_disk = sum(f.stat().st_size for f in folder.iterdir() if f.is_file())
     if files:
         _scan_files(out, files)

@@ -4,15 +4,15 @@ interrupted run already finished.
 
 dsv4enc deletes or replaces only what is provably its own: a single-file ``--out`` that is a
 Parquet file with dsv4enc's metadata, and in a parts folder (``OUT.partial/`` or a folder
-``--out``) the manifests it recognises by their content (``parts.manifest_kind``), its part
-file names, the growing file of a single file (``appending.GROWING_NAME``) and its temporary
-names. Anything else makes the run refuse in one line, before anything is written or
-deleted.
+``--out``) the manifests it recognises by content (``parts.manifest_kind``), its part file
+names, the growing file (``appending.GROWING_NAME``) and its temporaries. Anything else makes
+the run refuse in one line, before anything is written or deleted.
 """
 
 from __future__ import annotations
 
 import bisect
+import contextlib
 import errno
 import json
 import logging
@@ -33,14 +33,14 @@ from .appending import GROWING_NAME
 from .update import STAMPS_FILE, Update, setting_refusal
 from .parts import (JOURNAL_FILE, LOCK_NAME, MANIFEST_FILE, MANIFEST_NAME, PART_FILE,
                     TEMP_FILE, PartLedger, PartStore, Row, StreamingAssembler, kept_columns,
-                    kept_fields, output_os_error, read_manifest, rows_per_group, rows_to_table)
+                    kept_fields, output_os_error, read_manifest, read_manifests, rows_per_group,
+                    rows_to_table)
 
 if TYPE_CHECKING:
     from .appending import AppendingStore
 
 log = logging.getLogger("dsv4enc")
 
-#: The lock file in the parts folder (hidden: readers of a dataset folder pass over it).
 #: flock errors that mean "this file system does not lock", not "someone holds the lock".
 _NO_LOCKING = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS, errno.EINVAL}
 
@@ -101,10 +101,8 @@ class OutputLock:
         """Unlink the lock file (while still holding it), then let go."""
         if self._fd is None:
             return
-        try:
+        with contextlib.suppress(OSError):
             os.unlink(self.path)
-        except OSError:
-            pass
         os.close(self._fd)
         self._fd = None
 
@@ -184,13 +182,6 @@ class OutputLayout:
         return MANIFEST_NAME
 
     # -- what is ours -------------------------------------------------------------------
-    def _manifests(self) -> list[Path]:
-        """The dsv4enc manifests in the parts folder (recognised by content)."""
-        if not self.parts_dir.is_dir():
-            return []
-        return [path for path in sorted(self.parts_dir.iterdir())
-                if MANIFEST_FILE.fullmatch(path.name) and read_manifest(path) is not None]
-
     def _is_ours(self, name: str, manifests: bool) -> bool:
         """A name in the parts folder that dsv4enc wrote: its lock, its temporaries, and
         (where a dsv4enc manifest is present) its manifests and part files."""
@@ -210,7 +201,7 @@ class OutputLayout:
         others (hidden names are passed over: never deleted, never in the way)."""
         if not self.parts_dir.is_dir():
             return [], []
-        ours = bool(self._manifests())
+        ours = bool(read_manifests(self.parts_dir))
         owned, foreign = [], []
         for path in sorted(self.parts_dir.iterdir()):
             if self._is_ours(path.name, ours) and not path.is_dir():
@@ -223,9 +214,7 @@ class OutputLayout:
     def _remove(self, paths: Iterable[Path]) -> None:
         for path in paths:
             try:
-                path.unlink()
-            except FileNotFoundError:
-                pass
+                path.unlink(missing_ok=True)
             except OSError as exc:
                 raise output_os_error(path, exc) from None
 
@@ -298,7 +287,8 @@ class OutputLayout:
 
     def _check_existing(self, overwrite: bool, resume: bool, update: bool = False) -> None:
         out = self.out
-        has_parts = bool(self._manifests())
+        manifests = read_manifests(self.parts_dir)
+        has_parts = bool(manifests)
         owned, foreign = self._owned_and_foreign()
         where = f"--out folder {out}" if self.folder_mode else str(self.parts_dir)
         if foreign and not has_parts and self.folder_mode:
@@ -327,8 +317,8 @@ class OutputLayout:
         # Nobody else writes here (we hold the lock): a killed run's temporaries go, and so
         # do part files no manifest lists (renamed into place just before a kill), which a
         # folder output would otherwise show beside the rows that replace them.
-        listed = {part.get("file") for path in self._manifests()
-                  for part in (read_manifest(path) or {"parts": {}})["parts"].values()}
+        listed = {part.get("file") for manifest in manifests.values()
+                  for part in manifest["parts"].values()}
         self._remove(p for p in owned if TEMP_FILE.fullmatch(p.name)
                      or (PART_FILE.fullmatch(p.name) and p.name not in listed))
 
@@ -355,8 +345,7 @@ class OutputLayout:
     # -- the end of a run -----------------------------------------------------------------
     def remove_parts(self) -> None:
         """The single file is in place: delete the parts and manifest (dsv4enc's only)."""
-        owned, _ = self._owned_and_foreign()
-        self._remove(owned)
+        self._remove(self._owned_and_foreign()[0])
 
     def encoding_hint(self, again: str = "--resume") -> str:
         """The one-line hint of a run stopped while it encodes (``resume_hint`` replaces it
@@ -380,8 +369,7 @@ class OutputLayout:
     def remove_temporaries(self) -> None:
         """Remove what killed or cancelled writers left under temporary names in the parts
         folder (this run holds the lock: nobody else writes there)."""
-        owned, _ = self._owned_and_foreign()
-        self._remove(p for p in owned if TEMP_FILE.fullmatch(p.name))
+        self._remove(p for p in self._owned_and_foreign()[0] if TEMP_FILE.fullmatch(p.name))
 
     def discard_if_empty(self) -> None:
         """After a failed run, remove a single-file output's manifest, growing file and
@@ -389,7 +377,7 @@ class OutputLayout:
         if self.folder_mode:
             return
         owned, _ = self._owned_and_foreign()
-        recorded = any((read_manifest(path) or {}).get("parts") for path in self._manifests())
+        recorded = any(manifest["parts"] for manifest in read_manifests(self.parts_dir).values())
         if not recorded and not any(PART_FILE.fullmatch(p.name) for p in owned):
             self._remove(owned)
 
@@ -415,16 +403,14 @@ def open_store(layout: OutputLayout, settings: dict, schema, *, local: bool, is_
                world_size: int, rank: int | None, update: Update | None = None,
                rows_settings: dict | None = None, written_elsewhere: bool = False,
                ) -> PartLedger:
-    """Where this process commits its parts: output's own choice of store.
+    """Where this process commits its parts.
 
-    One process writing a local single file appends each part to it once (``appending``);
-    otherwise parts are files, joined at the end (the staging of an object storage output,
-    ``local=False``, uploads them as they commit; a local folder's parts drop their page
-    cache). ``rank``: this process's under torchrun (None outside), for --shard-output's
-    per-rank manifests. ``update`` (--update of a finished output; ``rows_settings``: the
-    settings that decide its rows): a folder's new parts go to its staging store.
-    ``written_elsewhere``: other processes write the part files (``--engine ray``'s actors),
-    this one commits them: part files, never the appending store."""
+    One process writing a local single file appends each part to it (``appending``), unless
+    ``written_elsewhere`` (``--engine ray``'s actors write the part files); otherwise parts are
+    files, joined at the end (``local=False``: the staging of an object storage output).
+    ``rank``: this process's under torchrun (None outside), for --shard-output's manifests.
+    ``update`` (``rows_settings``: the settings that decide its rows): --update's new parts
+    go to its staging store."""
     from . import appending
 
     staging = update.open_store(settings, rows_settings) if update is not None else None
@@ -441,9 +427,8 @@ def open_store(layout: OutputLayout, settings: dict, schema, *, local: bool, is_
 
 def assembler_for(store: PartLedger, layout: OutputLayout, schema, *, is_main: bool):
     """What makes the single file at the end: the appending store itself, a streaming
-    assembler over the part files (the main process of a single-file output), or None (a
-    folder output, or another rank). Its ``key_values`` take more footer metadata (row
-    stamps) until it finishes."""
+    assembler over the part files (the main process of a single-file output), or None. Its
+    ``key_values`` take more footer metadata (row stamps) until it finishes."""
     from .appending import AppendingStore
 
     if isinstance(store, AppendingStore):
@@ -455,15 +440,13 @@ def assembler_for(store: PartLedger, layout: OutputLayout, schema, *, is_main: b
 
 
 class PartWriter:
-    """Commits parts on background threads so the device never waits for Parquet.
+    """Commits parts on background threads (Parquet encoding releases the GIL) so the device
+    never waits for Parquet.
 
-    Encoding a part's nested float lists is CPU work that releases the GIL, so several
-    threads commit parts side by side on machines with cores to spare.
-
-    The run hands over finished segments; consecutive ones are joined into one part, which
-    is committed when its ``part_images`` range is done or ``store.commit_seconds`` have
-    passed since the last commit, whichever comes first (so a kill loses about that much
-    work at most). Without ``commit_seconds`` (--shard-output) each segment is a part."""
+    Consecutive finished segments are joined into one part, committed when its
+    ``part_images`` range is done or ``store.commit_seconds`` have passed since the last
+    commit (a kill loses about that much work). Without ``commit_seconds`` (--shard-output)
+    each segment is a part."""
 
     def __init__(self, store: PartStore | AppendingStore, schema, threads: int = 1,
                  assembler: StreamingAssembler | AppendingStore | None = None) -> None:
@@ -574,10 +557,9 @@ class Segment(Protocol):
 
 @dataclass(frozen=True)
 class ResumeSettings:
-    """How a run commits and resumes: ``resume`` (--resume or --update: committed parts
-    are kept), ``commit_every`` (seconds between commits of joined segments; None: each
-    segment is a part, as under --shard-output), and ``row_options`` (settings besides the
-    model's that decide rows: --resume requires them equal)."""
+    """How a run commits and resumes: ``resume`` (--resume or --update: committed parts are
+    kept), ``commit_every`` (``PartWriter``'s ``commit_seconds``), and ``row_options``
+    (settings besides the model's that decide rows: --resume requires them equal)."""
 
     resume: bool = False
     commit_every: float | None = None
@@ -591,13 +573,12 @@ def _alone(todo_ranges, problem):
 
 class Resume:
     """Which parts are still to encode, judged part by part once their inputs are in
-    ``source`` (the run's inputs, growing as they are listed). With ``--resume`` the
-    settings are checked here, and a part is kept where the committed pieces that chain
-    from its start (joined segments, cut wherever --commit-every struck) hold the same
-    inputs as now (keys and stamps, ``headers.inputs_digest``: no header is read), without
-    a transient error; the rest of it is to do (``rest``). ``writes``: this process checks
-    the output; ``agree``: how the ranks agree on the ranges to do, once per part
-    (``run/ranks.Topology.agree_on_todo``); a problem on any rank stops every rank."""
+    ``source`` (the run's inputs, growing as they are listed). With ``--resume`` the settings
+    are checked here, and a part is kept as far as the committed pieces chaining from its
+    start hold the same inputs as now (``headers.inputs_digest``: no header is read) and no
+    transient error; the rest is to do. ``writes``: this process checks the output;
+    ``agree``: how the ranks agree on the ranges to do (``run/ranks.Topology.agree_on_todo``);
+    a problem on any rank stops every rank."""
 
     def __init__(self, store: PartLedger, source: Sequence, settings: ResumeSettings, *,
                  writes: bool = True, agree: Callable = _alone) -> None:

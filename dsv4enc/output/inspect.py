@@ -114,9 +114,8 @@ def _record_progress(out: OutputSummary, manifests: list[dict], unfinished: bool
 
 
 def _summarize_interrupted(path: str | os.PathLike, folder: Path) -> OutputSummary:
-    """An interrupted run's parts folder: the committed parts and images from its manifest,
-    how many are left, and the usual figures over the part files it holds (a single file's
-    parts are byte ranges of one growing file: only the manifest's figures then)."""
+    """An interrupted run's parts folder: what its manifests committed, how many are left,
+    and the usual figures over the part files it holds (none for a growing file's ranges)."""
     from .parts import names_part_file
 
     manifests = _manifests(folder)

@@ -47,10 +47,9 @@ _NO_LOCKING = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS, errn
 
 class OutputLock:
     """An exclusive ``flock`` on ``LOCK_NAME`` in the parts folder, held for the whole run.
-
-    The file holds the holder's pid and host, for the refusal a second run prints. It is
-    unlinked (by its holder, still holding it) when the run ends; a run that locked the old
-    file meanwhile notices that its file is gone and locks the new one."""
+    The file holds the holder's pid and host, for the refusal a second run prints. Its holder
+    unlinks it (still holding it) when the run ends; a run that locked the old file meanwhile
+    notices that its file is gone and locks the new one."""
 
     def __init__(self, folder: Path, out: Path) -> None:
         self.path = folder / LOCK_NAME
@@ -198,7 +197,7 @@ class OutputLayout:
 
     def _owned_and_foreign(self) -> tuple[list[Path], list[str]]:
         """Files of the parts folder dsv4enc wrote (lock excepted), and the names of the
-        others (hidden names are passed over: never deleted, never in the way)."""
+        others (hidden ones are passed over: never deleted, never in the way)."""
         if not self.parts_dir.is_dir():
             return [], []
         ours = bool(read_manifests(self.parts_dir))
@@ -272,8 +271,7 @@ class OutputLayout:
                 resume: bool, update: bool = False) -> None:
         """Check ``--out`` against the inputs (``inputs``, ``files_from``) and what is there,
         take the lock (held until ``release``), and with ``overwrite`` delete the earlier
-        run's files: only those. ``update`` (--update) keeps what is there, as ``resume``
-        does."""
+        run's files: only those (``update`` keeps what is there, as ``resume`` does)."""
         self.check_not_inputs(inputs, files_from)
         self._check_kinds()
         self._prepared = True
@@ -403,14 +401,12 @@ def open_store(layout: OutputLayout, settings: dict, schema, *, local: bool, is_
                world_size: int, rank: int | None, update: Update | None = None,
                rows_settings: dict | None = None, written_elsewhere: bool = False,
                ) -> PartLedger:
-    """Where this process commits its parts.
-
-    One process writing a local single file appends each part to it (``appending``), unless
-    ``written_elsewhere`` (``--engine ray``'s actors write the part files); otherwise parts are
-    files, joined at the end (``local=False``: the staging of an object storage output).
-    ``rank``: this process's under torchrun (None outside), for --shard-output's manifests.
-    ``update`` (``rows_settings``: the settings that decide its rows): --update's new parts
-    go to its staging store."""
+    """Where this process commits its parts. One process writing a local single file appends
+    each part to it (``appending``), unless ``written_elsewhere`` (``--engine ray``'s actors
+    write the part files); otherwise parts are files, joined at the end (``local=False``: the
+    staging of an object storage output). ``rank``: this process's under torchrun (None
+    outside), for --shard-output's manifests. ``update`` (``rows_settings``: the settings
+    that decide its rows): --update's new parts go to its staging store."""
     from . import appending
 
     staging = update.open_store(settings, rows_settings) if update is not None else None
@@ -441,12 +437,9 @@ def assembler_for(store: PartLedger, layout: OutputLayout, schema, *, is_main: b
 
 class PartWriter:
     """Commits parts on background threads (Parquet encoding releases the GIL) so the device
-    never waits for Parquet.
-
-    Consecutive finished segments are joined into one part, committed when its
-    ``part_images`` range is done or ``store.commit_seconds`` have passed since the last
-    commit (a kill loses about that much work). Without ``commit_seconds`` (--shard-output)
-    each segment is a part."""
+    never waits for Parquet. Consecutive finished segments are joined into one part, committed
+    when its ``part_images`` range is done or ``store.commit_seconds`` have passed since the
+    last commit (a kill loses about that much work); without them each segment is a part."""
 
     def __init__(self, store: PartStore | AppendingStore, schema, threads: int = 1,
                  assembler: StreamingAssembler | AppendingStore | None = None) -> None:
@@ -491,8 +484,7 @@ class PartWriter:
 
     def _kept(self, name: str, start: int, end: int) -> dict | None:
         """The kept table columns of inputs ``[start, end)`` (None when the schema has none),
-        read from the input tables: a carried row's table is unchanged, so they are its old
-        values too."""
+        read from the input tables (a carried row's table is unchanged: its old values)."""
         if not kept_fields(self.schema):  # no input items to gather
             return None
         return kept_columns(self.schema, [planned.item for planned in self.store.source[start:end]])
@@ -576,9 +568,8 @@ class Resume:
     ``source`` (the run's inputs, growing as they are listed). With ``--resume`` the settings
     are checked here, and a part is kept as far as the committed pieces chaining from its
     start hold the same inputs as now (``headers.inputs_digest``: no header is read) and no
-    transient error; the rest is to do. ``writes``: this process checks the output;
-    ``agree``: how the ranks agree on the ranges to do (``run/ranks.Topology.agree_on_todo``);
-    a problem on any rank stops every rank."""
+    transient error. ``writes``: this process checks the output; ``agree``: how the ranks
+    agree on the ranges to do (``run/ranks.Topology.agree_on_todo``); a problem stops all."""
 
     def __init__(self, store: PartLedger, source: Sequence, settings: ResumeSettings, *,
                  writes: bool = True, agree: Callable = _alone) -> None:

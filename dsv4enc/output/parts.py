@@ -64,12 +64,10 @@ _NUMPY_FLOAT = {"float16": np.float16, "float32": np.float32}
 
 
 def prefer_jemalloc_pool() -> None:
-    """Make Arrow allocate from its jemalloc pool where this pyarrow has one.
-
-    mimalloc (the default) gives each new writer thread fresh pages, whose faults cost a short
-    run time at its end; jemalloc reuses freed pages. mimalloc encodes float16 Parquet faster
-    in steady state (benchmarks/RESULTS.md), so only CPU runs of the command line call this
-    (process-wide: the library never does)."""
+    """Make Arrow allocate from its jemalloc pool where this pyarrow has one: mimalloc (the
+    default) gives each new writer thread fresh pages, whose faults cost a short run time at
+    its end. mimalloc encodes float16 Parquet faster in steady state (benchmarks/RESULTS.md),
+    so only CPU runs of the command line call this (process-wide: the library never does)."""
     with contextlib.suppress(NotImplementedError, pa.ArrowNotImplementedError):
         pa.set_memory_pool(pa.jemalloc_memory_pool())  # not in every build (e.g. Windows)
 
@@ -85,10 +83,8 @@ def output_schema(width: int, out_dtype: str, metadata: dict[str, Any] | None = 
                   pooled: bool = False, layout: str = DEFAULT_LAYOUT,
                   kept: Sequence[pa.Field] = ()) -> pa.Schema:
     """The output schema; ``metadata`` goes under the ``dsv4enc`` key as JSON, with an
-    ``embedding`` entry that says how to read the column (``read.embedding_format``).
-    ``kept``: the input tables' columns the rows carry (``--keep-column``, the typed
-    ``--key-column``), after the output's own columns.
-
+    ``embedding`` entry that says how to read the column (``read.embedding_format``). ``kept``:
+    the input tables' columns the rows carry (``--keep-column``, the typed ``--key-column``).
     ``layout`` (benchmarks/RESULTS.md): ``binary`` stores each image's (rows, width) array as
     one binary cell, written and read at memory speed; ``nested`` stores float lists, which
     tools read as numbers at ~20x the CPU."""
@@ -183,8 +179,7 @@ def kept_columns(schema: pa.Schema, items: Sequence) -> dict[str, pa.Array] | No
 def rows_to_table(rows: Sequence[Row], schema: pa.Schema,
                   kept: dict[str, pa.Array] | None = None) -> pa.Table:
     """Build an Arrow table from rows; embeddings go in as one flat buffer, no Python floats.
-    ``kept``: the values of the schema's kept columns (``images/sources.kept_values``);
-    a kept column not given is null."""
+    ``kept``: the kept columns' values (``images/sources.kept_values``); one not given is null."""
     fmt = embedding_format(schema)
     embedding = (_binary_embeddings(rows, fmt) if fmt.layout == "binary"
                  else _nested_embeddings(rows, schema.field("embedding").type))
@@ -257,11 +252,10 @@ def _nested_embeddings(rows: Sequence[Row], emb_type: pa.DataType) -> pa.Array:
 
 
 def parquet_options(schema: pa.Schema) -> dict[str, Any]:
-    """Writer settings. Embedding values are near-random floats: dictionary encoding,
-    min/max statistics and compression cost several times the write time for a few percent
-    of size, so they apply to the small columns only. 8 MiB data pages make the nested
-    layout's pages fewer (faster to write and read, benchmarks/RESULTS.md); a binary
-    cell is one page whatever the size."""
+    """Writer settings. Embedding values are near-random floats: dictionary encoding, min/max
+    statistics and compression cost several times the write time for a few percent of size, so
+    they apply to the small columns only. 8 MiB data pages make the nested layout's pages fewer
+    (faster to write and read, benchmarks/RESULTS.md)."""
     small = [name for name in schema.names if name != "embedding"]
     compression = {name: "zstd" for name in small}
     compression["embedding"] = "none"
@@ -311,9 +305,8 @@ TEMP_FILE = re.compile(r"\.(.+?)\.(?:\d+-[0-9a-f]{8}\.)?tmp")
 
 def drop_cached_pages(fd: int, offset: int = 0, length: int = 0) -> None:
     """Tell the kernel that a written and synced range of a file (``length`` 0: to its end)
-    will not be read again, so its page-cache pages are freed at once (advice only).
-
-    Left in the cache, gigabytes of embeddings evict the user's cached files, and fresh pages
+    will not be read again, so its page-cache pages are freed at once (advice only). Left in
+    the cache, gigabytes of embeddings evict the user's cached files, and fresh pages
     cost more kernel time than pages freed a moment ago (benchmarks/RESULTS.md)."""
     if hasattr(os, "posix_fadvise"):
         with contextlib.suppress(OSError):
@@ -348,11 +341,9 @@ def write_part(folder: str | Path, name: str, table: pa.Table, row_group_size: i
     """Write part ``name``'s file into ``folder`` and return its manifest entry (file, input
     range, digest, rows, size, transient rows), which a ``PartLedger`` records to commit it.
     Whoever encoded the part writes it: a writer thread, a torchrun rank, a ray actor.
-
     ``staged``: the file keeps a hidden temporary name (the entry's ``staged``) until
     ``PartStore.commit_written`` renames it, so an unrecorded part never has a part name.
-    ``folder`` a URL: the file is uploaded to ``folder/FILE`` whole (the manifest that lists
-    it is the commit record)."""
+    ``folder`` a URL: the file is uploaded to ``folder/FILE`` whole."""
     file = f"{name}{suffix}.parquet"
     entry: dict[str, Any] = {"file": file, "start": start, "end": end, "digest": digest,
                              "rows": table.num_rows, "transient": transient_errors(table)}
@@ -451,8 +442,7 @@ def read_manifest(path: Path) -> dict | None:
 
 
 def read_manifests(folder: Path) -> dict[Path, dict]:
-    """The dsv4enc manifests in ``folder`` by path, in name order (one, or one per rank under
-    --shard-output)."""
+    """The dsv4enc manifests in ``folder`` by path, in name order (one, or one per rank)."""
     try:
         names = sorted(entry.name for entry in os.scandir(folder))
     except OSError:
@@ -471,9 +461,8 @@ def transient_errors(table: pa.Table) -> int:
 class PartLedger:
     """What every way of committing parts keeps: the manifest (``manifest_document``) with
     the run's ``settings`` (what must match for ``--resume``) and, per committed part, its
-    input range, ``digest`` (of its keys, then of its input files' sizes and times:
-    ``KEYS.FILES``), row count, transient errors, and where its bytes are (``PartStore``: a
-    part file; the appending store: a range of one growing file)."""
+    input range, ``digest`` (``KEYS.FILES``: of its keys, then of its input files' sizes and
+    times), row count, transient errors, and where its bytes are (a part file, or a range)."""
 
     def __init__(self, folder: Path, settings: dict[str, Any],
                  manifest_name: str = MANIFEST_NAME) -> None:
@@ -501,8 +490,7 @@ class PartLedger:
                         if isinstance(part, dict) and "start" in part}
 
     def committed_at(self, start: int) -> tuple[str, int] | None:
-        """The name and end of the committed part that starts at input ``start`` (safe on
-        any thread while parts are committed; no walk over the parts)."""
+        """The name and end of the committed part that starts at input ``start`` (any thread)."""
         name = self._starts.get(start)
         part = self._parts.get(name) if name is not None else None
         return (name, part["end"]) if part is not None else None
@@ -568,8 +556,7 @@ class PartLedger:
     def drop(self, names: Sequence[str]) -> None:
         """Drop recorded parts that are not reused, and their part files, at any time
         (commits may land meanwhile): a folder output must not keep a stale part beside the
-        rows that replace it. The manifest is written whole first: it never lists a part
-        whose file is gone."""
+        rows that replace it. The manifest is written whole first (never listing a gone file)."""
         with self._lock:
             dropped = [self.parts[name] for name in names if name in self.parts]
             self.parts = {name: part for name, part in self.parts.items() if name not in names}
@@ -630,8 +617,8 @@ class PartLedger:
                 raise output_os_error(self.journal_path, exc) from None
 
     def compact(self) -> None:
-        """Fold the journal into the manifest once the run's commits are over, so that a
-        finished output is one manifest (written whole once, not at every commit)."""
+        """Fold the journal into the manifest once commits are over: a finished output is one
+        manifest."""
         if self._journal is not None and self.journal_path.exists():
             self.save()
 
@@ -689,12 +676,10 @@ class PartStore(PartLedger):
 
 class StreamingAssembler:
     """Builds the single output file from committed parts, in input order, while later parts
-    are still being encoded, so the end of a run only closes the file.
-
-    Each part's row groups are copied as they are (``parquet_join.ParquetJoiner``): no second
-    Parquet encode. The file is a hidden temporary in the parts folder (the file system of
-    ``out``); ``finish`` writes its footer, fsyncs and renames it into place, or raises the
-    failed write (e.g. a full disk), keeping the committed parts for ``--resume``."""
+    are still being encoded, so the end of a run only closes the file. Each part's row groups
+    are copied as they are (``parquet_join.ParquetJoiner``): no second Parquet encode. The file
+    is a hidden temporary in the parts folder; ``finish`` writes its footer, fsyncs and renames
+    it into place, or raises the failed write (e.g. a full disk)."""
 
     def __init__(self, store: "PartStore", out: Path, schema: pa.Schema,
                  key_values: dict[bytes, bytes] | None = None) -> None:
@@ -718,8 +703,7 @@ class StreamingAssembler:
             self._cond.notify_all()
 
     def _wait_for(self, position: int) -> tuple[str, int] | None:
-        """Wait until a part that starts at ``position`` is committed (None: aborted, or
-        the parts end there)."""
+        """Wait for the committed part that starts at ``position`` (None: aborted, or none will)."""
         with self._cond:
             while (committed := self.store.committed_at(position)) is None and not self._aborted:
                 if self._footer_ready:
@@ -775,9 +759,8 @@ class StreamingAssembler:
             joiner.abort()
 
     def _encode_again(self) -> None:
-        """Parts that cannot be joined by copying (e.g. committed by a run whose pyarrow
-        wrote other file metadata): read each back and encode it into a new file (its schema
-        holds the footer's metadata, so it starts once that is final)."""
+        """Parts that cannot be joined by copying (e.g. another pyarrow's): read each back and
+        encode it into a new file, once the footer's metadata (in its schema) is final."""
         self._wait_for_footer()
         schema = self._schema_with_key_values()
         with pq.ParquetWriter(self.tmp, schema, **parquet_options(schema)) as writer:

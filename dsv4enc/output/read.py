@@ -58,9 +58,8 @@ def journal_path(manifest: Path) -> Path:
 
 def load_manifest(path: Path) -> Any:
     """A manifest's JSON with the parts its journal committed since it was last written whole
-    (raises OSError, ValueError). Every reader of the committed parts goes through here.
-
-    A run appends one synced line per committed part to the journal instead of rewriting the
+    (raises OSError, ValueError). Every reader of the committed parts goes through here. A run
+    appends one synced line per committed part to the journal instead of rewriting the
     manifest, so that a commit costs the same at part 10 and at part 10^5. The journal applies
     when its first line names the manifest's ``journal`` token (an older one is stale)."""
     data = json.loads(path.read_text())
@@ -155,9 +154,8 @@ def _metadata_of(schema) -> dict[str, Any]:
 
 def embedding_arrays(column, fmt: EmbeddingFormat | None = None) -> list[np.ndarray | None]:
     """One numpy array per row of an ``embedding`` Arrow column: (rows, width), or (width,)
-    for pooled vectors; None where the value is null. Copies, exact dtype.
-
-    ``fmt`` is needed for the binary layout (its cells do not say their dtype or width)."""
+    for pooled vectors; None where the value is null. Copies, exact dtype. ``fmt`` is needed
+    for the binary layout (its cells do not say their dtype or width)."""
     return [None if view is None else owned_copy(view)
             for view in embedding_views(column, fmt)]
 

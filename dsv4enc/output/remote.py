@@ -130,10 +130,9 @@ class RemoteOutput:
 
     def run(self, encode: Callable[[], T],
             main_then_all: Callable[[Callable[[], None]], None]) -> T:
-        """``encode()`` (the run, writing to the staging folder) between ``pull`` and
-        ``finish``; a failed run leaves its committed parts in the store. Messages name the
-        store. ``main_then_all(action)``: runs ``pull`` on rank 0 and raises its error on every
-        rank (``run/ranks.Topology``)."""
+        """``encode()`` (writing to the staging folder) between ``pull`` and ``finish``; a
+        failed run leaves its committed parts in the store. Messages name the store.
+        ``main_then_all(action)``: ``pull`` on rank 0, its error on every rank (``run/ranks``)."""
         try:
             main_then_all(self.pull)
             if self.sharded:
@@ -161,9 +160,8 @@ class RemoteOutput:
     # -- before the run --------------------------------------------------------------------
     def pull(self) -> None:
         """Check the inputs against the output, take the lock object, and bring the output's
-        dsv4enc state into the staging folder: its manifests, its parts with ``--resume`` or
-        ``--update``, and empty stand-ins for the final file and for foreign objects, so that
-        the local checks decide as for a local path."""
+        dsv4enc state into the staging folder (its manifests, its parts with ``--resume`` or
+        ``--update``, empty stand-ins for the final file and foreign objects) for the checks."""
         if self._problem is not None:
             raise self._problem
         try:
@@ -383,8 +381,7 @@ class RemoteOutput:
 
     def finish(self) -> None:
         """The run succeeded: upload what is left (the final file as one object), then delete
-        the store's parts no longer in the output. Sharded: every rank uploads its own, then
-        rank 0 the merged manifest."""
+        the store's parts no longer in the output (sharded: rank 0 uploads the merged manifest)."""
         self._stop_loop()
         if not self.writer:
             return

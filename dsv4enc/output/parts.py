@@ -60,7 +60,6 @@ ROW_GROUP_BYTES = 64 << 20
 DATA_PAGE_BYTES = 8 << 20
 DEFAULT_LAYOUT = "binary"
 _ARROW_FLOAT = {"float16": pa.float16(), "float32": pa.float32()}
-_NUMPY_FLOAT = {"float16": np.float16, "float32": np.float32}
 
 
 def prefer_jemalloc_pool() -> None:
@@ -182,7 +181,7 @@ def rows_to_table(rows: Sequence[Row], schema: pa.Schema,
     ``kept``: the kept columns' values (``images/sources.kept_values``); one not given is null."""
     fmt = embedding_format(schema)
     embedding = (_binary_embeddings(rows, fmt) if fmt.layout == "binary"
-                 else _nested_embeddings(rows, schema.field("embedding").type))
+                 else _nested_embeddings(rows, schema.field("embedding").type, fmt))
     columns = {
         "path": _string_array([utf8_text(r.path) for r in rows]),
         **{name: _int32_array([getattr(r, name) for r in rows]) for name in _INT_COLUMNS},
@@ -218,37 +217,31 @@ def _binary_embeddings(rows: Sequence[Row], fmt) -> pa.ChunkedArray:
     return pa.chunked_array(chunks, type=pa.large_binary())
 
 
-def _nested_embeddings(rows: Sequence[Row], emb_type: pa.DataType) -> pa.Array:
+def _nested_embeddings(rows: Sequence[Row], emb_type: pa.DataType, fmt) -> pa.Array:
     """The ``nested`` layout: list<fixed_size_list<float, width>> (fixed_size_list pooled)."""
-    pooled = pa.types.is_fixed_size_list(emb_type)
-    row_type = emb_type if pooled else emb_type.value_type
-    width = row_type.list_size
-    np_dtype = _NUMPY_FLOAT["float16" if row_type.value_type == pa.float16() else "float32"]
+    row_type = emb_type if fmt.pooled else emb_type.value_type
+    width, np_dtype = fmt.width, np.dtype(fmt.dtype)
     valid = np.array([r.embedding is not None for r in rows], dtype=bool)
-    if pooled:
+    if fmt.pooled:
         # One vector per row; failed rows hold zeros under a null mask.
         flat = np.zeros((len(rows), width), dtype=np_dtype)
         for i, r in enumerate(rows):
             if r.embedding is not None:
                 flat[i] = np.asarray(r.embedding, dtype=np_dtype).reshape(width)
         values = _numeric_array(flat.reshape(-1), row_type.value_type)
-        embedding = pa.Array.from_buffers(row_type, len(rows), [_validity(valid)],
-                                          children=[values])
-    else:
-        arrays = [np.asarray(r.embedding, dtype=np_dtype).reshape(-1, width)
-                  for r in rows if r.embedding is not None]
-        flat = np.concatenate(arrays).reshape(-1) if arrays else np.zeros(0, dtype=np_dtype)
-        # Built with the schema's own types (child field names included): a mismatch would
-        # make Table.from_arrays cast, i.e. copy, every value.
-        vectors = pa.Array.from_buffers(row_type, len(flat) // width, [None],
-                                        children=[_numeric_array(flat, row_type.value_type)])
-        counts = np.array([0 if r.embedding is None else len(r.embedding) for r in rows],
-                          dtype=np.int64)
-        offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
-        embedding = pa.Array.from_buffers(emb_type, len(rows),
-                                          [_validity(valid), pa.py_buffer(offsets)],
-                                          children=[vectors])
-    return embedding
+        return pa.Array.from_buffers(row_type, len(rows), [_validity(valid)], children=[values])
+    arrays = [np.asarray(r.embedding, dtype=np_dtype).reshape(-1, width)
+              for r in rows if r.embedding is not None]
+    flat = np.concatenate(arrays).reshape(-1) if arrays else np.zeros(0, dtype=np_dtype)
+    # Built with the schema's own types (child field names included): a mismatch would make
+    # Table.from_arrays cast, i.e. copy, every value.
+    vectors = pa.Array.from_buffers(row_type, len(flat) // width, [None],
+                                    children=[_numeric_array(flat, row_type.value_type)])
+    counts = np.array([0 if r.embedding is None else len(r.embedding) for r in rows],
+                      dtype=np.int64)
+    offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+    return pa.Array.from_buffers(emb_type, len(rows), [_validity(valid), pa.py_buffer(offsets)],
+                                 children=[vectors])
 
 
 def parquet_options(schema: pa.Schema) -> dict[str, Any]:

@@ -53,16 +53,14 @@ class RemoteOutput:
         this process's alone by default)."""
         self.given = out
         self.url = out.rstrip("/")
-        self.inputs, self.resume, self.overwrite = list(inputs), resume, overwrite
-        self.update = update
-        self.rank, self.world_size = rank, world_size
-        self.is_main = rank == 0
+        self.inputs, self.resume, self.update = list(inputs), resume, update
+        self.overwrite, self.writer = overwrite, writer
+        self.rank, self.world_size, self.is_main = rank, world_size, rank == 0
         self._gather = gather if gather is not None else (lambda value: [value])
         # --shard-output of torchrun ranks: every rank writes its own parts and manifest
         self.sharded = bool(shard_output) and world_size > 1
-        self.writer = writer
-        # Raised by ``pull``, which every rank waits for: rank 0 failing alone here would
-        # leave the other ranks waiting in a collective.
+        # Raised by ``pull``, which every rank waits for (rank 0 failing alone here would
+        # leave the other ranks waiting in a collective)
         self._problem: DsvError | None = None
         self.folder_mode = out.endswith("/") or bool(shard_output)
         if self.is_main and not self.folder_mode:
@@ -87,8 +85,7 @@ class RemoteOutput:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._lock_mutex = threading.Lock()
-        # --overwrite: the earlier run's manifests, deleted before this run uploads a part
-        # (a part object may take an old name: no old manifest may list it meanwhile).
+        # --overwrite: the earlier run's manifests, deleted before a part upload (``drop_replaced``)
         self._replaced: set[str] = set()
 
     @property

@@ -36,7 +36,7 @@ class OutputSummary:
     embedding_rows: int = 0
     width: int | None = None
     dtype: str | None = None
-    layout: str | None = None  # the embedding column's layout: binary or nested (docs/output-format.md)
+    layout: str | None = None  # the embedding layout: binary or nested (docs/output-format.md)
     pooled: bool = False
     grid_h: dict[str, float] = field(default_factory=dict)
     grid_w: dict[str, float] = field(default_factory=dict)
@@ -98,8 +98,7 @@ def _manifests(folder: Path) -> list[dict]:
     return list(read_manifests(folder).values())
 
 
-def _record_progress(out: OutputSummary, manifests: list[dict], unfinished: bool = False,
-                     ) -> None:
+def _record_progress(out: OutputSummary, manifests: list[dict], unfinished: bool = False) -> None:
     """What the manifests say was committed, and how many images are left (``unfinished``:
     only when some are: a folder output whose run was stopped)."""
     parts = [part for manifest in manifests for part in manifest["parts"].values()]
@@ -122,9 +121,8 @@ def _summarize_interrupted(path: str | os.PathLike, folder: Path) -> OutputSumma
     if not manifests:
         raise UsageError(f"{folder}: no dsv4enc manifest ({MANIFEST_NAME}) here: not an "
                          "interrupted dsv4enc run")
-    out = OutputSummary(path=str(path))
+    out = OutputSummary(path=str(path), metadata=dict(manifests[0]["settings"]))
     _record_progress(out, manifests)
-    out.metadata = dict(manifests[0]["settings"])
     files = part_files(folder, [part for manifest in manifests
                                 for part in manifest["parts"].values() if names_part_file(part)])
     out.bytes_on_disk = sum(f.stat().st_size for f in folder.iterdir() if f.is_file())
@@ -144,9 +142,8 @@ def summarize(path: str | os.PathLike) -> OutputSummary:
     files = output_files(path)
     if not files:
         raise UsageError(f"{path}: no Parquet files found")
-    out = OutputSummary(path=str(path))
-    out.bytes_on_disk = sum(f.stat().st_size for f in files)
-    out.metadata = read_metadata(files[0])
+    out = OutputSummary(path=str(path), bytes_on_disk=sum(f.stat().st_size for f in files),
+                        metadata=read_metadata(files[0]))
     out.model = model_of(out.metadata)
     _scan_files(out, files)
     if Path(path).is_dir():

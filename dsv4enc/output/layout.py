@@ -31,6 +31,7 @@ from ..images.headers import input_stamps, inputs_digest
 from ..pausepoints import pause
 from .appending import GROWING_NAME
 from .update import STAMPS_FILE, Update, setting_refusal
+from .read import read_metadata
 from .parts import (JOURNAL_FILE, LOCK_NAME, MANIFEST_FILE, MANIFEST_NAME, PART_FILE,
                     TEMP_FILE, PartLedger, PartStore, Row, StreamingAssembler, kept_columns,
                     kept_fields, output_os_error, read_manifest, read_manifests, rows_per_group,
@@ -140,11 +141,8 @@ def _inside(path: str, folder: str) -> bool:
 
 def is_dsv4enc_parquet(path: Path) -> bool:
     """A Parquet file whose footer carries dsv4enc's metadata (read from the footer only)."""
-    import pyarrow.parquet as pq
-
     try:
-        metadata = pq.read_schema(path).metadata or {}
-        return json.loads(metadata.get(b"dsv4enc", b"{}")).get("tool") == "dsv4enc"
+        return read_metadata(path).get("tool") == "dsv4enc"
     except Exception:  # not Parquet, unreadable, ...: not provably ours
         return False
 

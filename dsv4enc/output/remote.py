@@ -332,16 +332,14 @@ class RemoteOutput:
                 content = _whole_manifest(manifest)
                 if content is None:
                     continue
-                if self._manifests.get(manifest.name) == content:
-                    self._seen[manifest.name] = state
-                    continue
-                try:
-                    for name in _listed_files(json.loads(content)):
-                        self._upload_part(name)
-                except FileNotFoundError:
-                    continue  # the run removed its parts meanwhile (the final file is made)
-                storage.upload(storage.join(self.parts_url, manifest.name), content)
-                self._manifests[manifest.name] = content
+                if self._manifests.get(manifest.name) != content:
+                    try:
+                        for name in _listed_files(json.loads(content)):
+                            self._upload_part(name)
+                    except FileNotFoundError:
+                        continue  # the run removed its parts meanwhile (the final file is made)
+                    storage.upload(storage.join(self.parts_url, manifest.name), content)
+                    self._manifests[manifest.name] = content
                 self._seen[manifest.name] = state
 
     def adopt_part(self, name: str, path: Path) -> None:

@@ -45,8 +45,7 @@ class OutputSummary:
     errors: list[tuple[str, int, str]] = field(default_factory=list)  # (kind, count, example path)
     metadata: dict[str, Any] = field(default_factory=dict)
     model: str | None = None  # the checkpoint variant, e.g. "DeepSeek-V4.1 (deepseek_v41)"
-    # An interrupted run (``OUT.partial/``, or a folder output not finished): what its
-    # manifests record as committed, and how many of the run's images are left.
+    # An interrupted run (``OUT.partial/``, or an unfinished folder): what its manifests record
     interrupted: bool = False
     parts: int | None = None  # committed parts
     images_done: int | None = None
@@ -152,8 +151,7 @@ def summarize(path: str | os.PathLike) -> OutputSummary:
 
 
 def _scan_files(out: OutputSummary, files: list[Path]) -> None:
-    """Rows, failures, layout and grid figures of ``files`` into ``out`` (small columns
-    only, never the embeddings)."""
+    """Rows, failures, layout and grid figures of ``files`` into ``out`` (never the embeddings)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 

@@ -158,8 +158,7 @@ class OutputLayout:
         self.folder_mode = shard_output or out.endswith(("/", os.sep)) or self.out.is_dir()
         self.parts_dir = self.out if self.folder_mode else self.out.with_name(self.out.name + ".partial")
         self.lock = OutputLock(self.parts_dir, self.out)
-        #: The largest single file the output's store takes (an object storage --out's
-        #: ``RemoteOutput.max_file_bytes``; None: no limit)
+        #: The largest single file the store takes (``RemoteOutput.max_file_bytes``; None: any)
         self.max_file_bytes: int | None = None
         self._made: list[Path] = []  # folders this run created (removed again if left empty)
         self._prepared = False  # this process checked the output (rank 0 under torchrun)
@@ -168,8 +167,7 @@ class OutputLayout:
         """The settings the interrupted run recorded in this output's manifest (what
         ``--resume`` adopts for ``--dtype auto``), or None when there is no such run."""
         recorded = read_manifest(self.parts_dir / self.manifest_name(rank))
-        settings = recorded.get("settings") if recorded else None
-        return settings if isinstance(settings, dict) else None
+        return recorded["settings"] if recorded else None  # a dict: ``manifest_kind`` checks
 
     def manifest_name(self, rank: int | None = None) -> str:
         """Each rank keeps its own manifest under --shard-output (``rank``: this process's,
@@ -310,9 +308,8 @@ class OutputLayout:
         if overwrite:
             self._remove(owned)
             return
-        # Nobody else writes here (we hold the lock): a killed run's temporaries go, and so
-        # do part files no manifest lists (renamed into place just before a kill), which a
-        # folder output would otherwise show beside the rows that replace them.
+        # We hold the lock: a killed run's temporaries go, and so do part files no manifest
+        # lists (renamed just before a kill), which a folder would show beside their rows.
         listed = {part.get("file") for manifest in manifests.values()
                   for part in manifest["parts"].values()}
         self._remove(p for p in owned if TEMP_FILE.fullmatch(p.name)
@@ -329,8 +326,7 @@ class OutputLayout:
         self._made = missing  # innermost first
 
     def create(self) -> None:
-        """Check the parts folder is writable (the lock file proves it where locking works).
-        Called once inputs and weights are known good."""
+        """Check the parts folder is writable (once inputs and weights are known good)."""
         try:
             probe = self.parts_dir / f".dsv4enc-write-test.{os.getpid()}"
             probe.write_bytes(b"")
@@ -363,8 +359,7 @@ class OutputLayout:
                 f"{again} to finish")
 
     def remove_temporaries(self) -> None:
-        """Remove what killed or cancelled writers left under temporary names in the parts
-        folder (this run holds the lock: nobody else writes there)."""
+        """Remove what killed or cancelled writers left under temporary names (we hold the lock)."""
         self._remove(p for p in self._owned_and_foreign()[0] if TEMP_FILE.fullmatch(p.name))
 
     def discard_if_empty(self) -> None:
@@ -611,8 +606,7 @@ class Resume:
         ranges, problem = self.agree(ranges, None)
         if problem is not None:
             raise problem
-        # How many images the run has (listed so far): ``dsv4enc inspect`` of an
-        # interrupted run says how many are left.
+        # The images listed so far: ``dsv4enc inspect`` of an interrupted run says what is left
         self.store.extra["inputs"] = len(self.store.source)
         return [part if start == part.start else part.rest(start) for start, _ in ranges]
 

@@ -45,15 +45,13 @@ MANIFEST_FORMAT = "dsv4enc-parts"
 #: The run's lock in the parts folder (a flock locally, a lock object in a bucket).
 LOCK_NAME = ".dsv4enc.lock"
 MANIFEST_VERSION = 2
-#: Names dsv4enc gives its files in a parts folder (``--out`` folder or ``OUT.partial``).
-#: (``.gN``: the Nth generation of a folder output's parts, written by ``--update``)
+#: Names dsv4enc gives its files in a parts folder (``.gN``: the Nth generation, ``--update``).
 PART_FILE = re.compile(r"part-\d{6,}(?:_\d{6,})?(?:-rank\d{3})?(?:\.g\d+)?\.parquet")
 MANIFEST_FILE = re.compile(r"_manifest(?:-rank\d{3})?\.json")
 #: A manifest's journal of the parts committed since it was written whole (``read.journal_path``).
 JOURNAL_FILE = re.compile(r"_manifest(?:-rank\d{3})?\.journal")
 #: Errors that say nothing about the image (a time limit, a crashed or unstarted worker, a
-#: stop, a store that was not answering): a part holding one is encoded again on --resume,
-#: as a clean run would retry it.
+#: stop, a store not answering): a part holding one is encoded again on --resume.
 TRANSIENT_ERRORS = ("decode timed out", "header read timed out", "decoder crashed",
                     "decode worker failed", "interrupted before", STORAGE_UNAVAILABLE)
 ROW_GROUP_BYTES = 64 << 20
@@ -73,8 +71,7 @@ def prefer_jemalloc_pool() -> None:
 
 #: The int32 columns of every output, in order.
 _INT_COLUMNS = ("width", "height", "vit_h", "vit_w", "grid_h", "grid_w")
-#: The columns every output has, in order (docs/output-format.md, "Output"); kept table columns
-#: follow them.
+#: The columns every output has, in order (docs/output-format.md), before the kept ones.
 OUTPUT_COLUMNS = ("path", *_INT_COLUMNS, "embedding", "error")
 
 
@@ -378,8 +375,7 @@ def write_json_atomic(data: Any, path: Path) -> None:
 
 
 def part_intact(path: Path, rows: int | None) -> bool:
-    """A committed part can be reused: it exists and its footer reads back with the row count
-    the manifest recorded (a damaged or replaced file is encoded again, not trusted)."""
+    """A committed part can be reused: its footer reads back with the recorded row count."""
     try:
         return path.is_file() and pq.read_metadata(path).num_rows == rows
     except Exception:  # pyarrow raises ArrowInvalid, OSError, ... for a damaged file
@@ -388,8 +384,7 @@ def part_intact(path: Path, rows: int | None) -> bool:
 
 def manifest_document(settings: dict[str, Any], parts: dict[str, dict[str, Any]],
                       **extra: Any) -> dict:
-    """A manifest's content: its format tag, the run's settings and the committed parts
-    (and what else its store keeps there, e.g. the growing file's footer)."""
+    """A manifest's content: format tag, the run's settings, the committed parts, ``extra``."""
     return {"format": MANIFEST_FORMAT, "version": MANIFEST_VERSION, "settings": settings,
             "parts": parts, **extra}
 
@@ -423,8 +418,7 @@ def manifest_kind(data: Any) -> str | None:
 
 
 def read_manifest(path: Path) -> dict | None:
-    """The manifest at ``path`` if it is one of dsv4enc's (see ``manifest_kind``), else None.
-    Only regular files of a sane size are read."""
+    """The manifest at ``path`` if it is dsv4enc's (``manifest_kind``), sane in size; else None."""
     try:
         if not path.is_file() or path.stat().st_size > (256 << 20):
             return None

@@ -90,14 +90,12 @@ class RemoteOutput:
 
     @property
     def max_file_bytes(self) -> int | None:
-        """The largest single-file output this store takes in one upload (None: a folder
-        output, or no known limit)."""
+        """The largest single file this store takes in one upload (None: a folder, or no limit)."""
         return None if self.folder_mode else storage.max_object_bytes(self.url)
 
     @classmethod
     def for_out(cls, out: str, **settings) -> "RemoteOutput | None":
-        """The remote output for a URL ``out`` (``settings``: as the constructor's), None
-        for a local one."""
+        """The remote output for a URL ``out`` (``settings``: the constructor's), None if local."""
         return cls(out, **settings) if storage.is_url(out) else None
 
     # -- whose files -------------------------------------------------------------------------
@@ -192,9 +190,8 @@ class RemoteOutput:
                 (self.local_parts / obj.key.split("/", 1)[0]).touch()
         self._note_manifests()
         if self.sharded and self.overwrite:
-            # Before any rank uploads a part, the manifests that list other ranks' parts go
-            # (the merged one, those of ranks this run does not have): none may list a part
-            # object that its rank replaces meanwhile. Each rank replaces its own manifest.
+            # Before any rank uploads a part, the manifests no rank of this run replaces go (the
+            # merged one, those of ranks it lacks): none may list a part replaced meanwhile.
             for obj in objects:
                 numbered = re.fullmatch(r"_manifest-rank(\d{3})\.json", obj.key)
                 if MANIFEST_FILE.fullmatch(obj.key) and (
@@ -502,8 +499,7 @@ def _ours(key: str) -> bool:
 
 
 def _stale(held: dict) -> bool:
-    """Whether a lock object's holder is gone: a dead process on this host, or no refresh
-    for ``STALE_S``."""
+    """Whether a lock object's holder is gone: a dead process on this host, or stale ``STALE_S``."""
     if time.time() - float(held.get("time", 0)) > STALE_S:
         return True
     if held.get("host") == socket.gethostname():

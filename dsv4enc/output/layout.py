@@ -216,8 +216,7 @@ class OutputLayout:
     # -- checks -------------------------------------------------------------------------
     def check_not_inputs(self, inputs: Iterable[str], files_from: str | None) -> None:
         """Refuse an ``--out`` that is an input, holds one, or would be read as one."""
-        out = os.path.realpath(self.out)
-        parts = os.path.realpath(self.parts_dir)
+        out, parts = os.path.realpath(self.out), os.path.realpath(self.parts_dir)
         sources = [*inputs, *([files_from] if files_from not in (None, "-") else [])]
         for raw in sources:
             if not os.path.lexists(raw):
@@ -567,8 +566,7 @@ class Resume:
     def __init__(self, store: PartLedger, source: Sequence, settings: ResumeSettings, *,
                  writes: bool = True, agree: Callable = _alone) -> None:
         self.store, self.writes, self.agree = store, writes, agree
-        store.source = source
-        store.commit_seconds = settings.commit_every
+        store.source, store.commit_seconds = source, settings.commit_every
         self.resuming = False
         self.covered = 0  # where the reused pieces judged so far end
         self.starts: list[int] = []  # where the recorded pieces start, in order

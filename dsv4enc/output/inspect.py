@@ -17,7 +17,7 @@ import numpy as np
 
 from ..tower.config import MODEL_NAMES, model_type_of
 from ..errors import UsageError
-from .read import MANIFEST_NAME, embedding_format, output_files, read_metadata
+from .read import MANIFEST_NAME, embedding_format, output_files, part_files, read_metadata
 
 #: Error messages shown, the commonest first (``inspect`` and a run's summary).
 TOP_ERRORS = 5
@@ -36,7 +36,7 @@ class OutputSummary:
     embedding_rows: int = 0
     width: int | None = None
     dtype: str | None = None
-    layout: str | None = None  # the embedding column's layout: binary or nested (docs/output-format.md)
+    layout: str | None = None  # the embedding layout: binary or nested (docs/output-format.md)
     pooled: bool = False
     grid_h: dict[str, float] = field(default_factory=dict)
     grid_w: dict[str, float] = field(default_factory=dict)
@@ -45,8 +45,7 @@ class OutputSummary:
     errors: list[tuple[str, int, str]] = field(default_factory=list)  # (kind, count, example path)
     metadata: dict[str, Any] = field(default_factory=dict)
     model: str | None = None  # the checkpoint variant, e.g. "DeepSeek-V4.1 (deepseek_v41)"
-    # An interrupted run (``OUT.partial/``, or a folder output not finished): what its
-    # manifests record as committed, and how many of the run's images are left.
+    # An interrupted run (``OUT.partial/``, or an unfinished folder): what its manifests record
     interrupted: bool = False
     parts: int | None = None  # committed parts
     images_done: int | None = None
@@ -93,18 +92,12 @@ def interrupted_folder(path: str | os.PathLike) -> Path | None:
 
 def _manifests(folder: Path) -> list[dict]:
     """The dsv4enc manifests in ``folder`` (one, or one per rank under --shard-output)."""
-    from .parts import MANIFEST_FILE, read_manifest
+    from .parts import read_manifests
 
-    try:
-        names = sorted(entry.name for entry in os.scandir(folder))
-    except OSError:
-        return []
-    found = [read_manifest(folder / name) for name in names if MANIFEST_FILE.fullmatch(name)]
-    return [manifest for manifest in found if manifest is not None]
+    return list(read_manifests(folder).values())
 
 
-def _record_progress(out: OutputSummary, manifests: list[dict], unfinished: bool = False,
-                     ) -> None:
+def _record_progress(out: OutputSummary, manifests: list[dict], unfinished: bool = False) -> None:
     """What the manifests say was committed, and how many images are left (``unfinished``:
     only when some are: a folder output whose run was stopped)."""
     parts = [part for manifest in manifests for part in manifest["parts"].values()]
@@ -119,23 +112,18 @@ def _record_progress(out: OutputSummary, manifests: list[dict], unfinished: bool
 
 
 def _summarize_interrupted(path: str | os.PathLike, folder: Path) -> OutputSummary:
-    """An interrupted run's parts folder: the committed parts and images from its manifest,
-    how many are left, and the usual figures over the part files it holds (a single file's
-    parts are byte ranges of one growing file: only the manifest's figures then)."""
-    from .parts import PART_FILE
+    """An interrupted run's parts folder: what its manifests committed, how many are left,
+    and the usual figures over the part files it holds (none for a growing file's ranges)."""
+    from .parts import names_part_file
 
     manifests = _manifests(folder)
     if not manifests:
         raise UsageError(f"{folder}: no dsv4enc manifest ({MANIFEST_NAME}) here: not an "
                          "interrupted dsv4enc run")
-    out = OutputSummary(path=str(path))
+    out = OutputSummary(path=str(path), metadata=dict(manifests[0]["settings"]))
     _record_progress(out, manifests)
-    out.metadata = dict(manifests[0]["settings"])
-    listed = sorted((part for manifest in manifests for part in manifest["parts"].values()
-                     if isinstance(part.get("file"), str)),
-                    key=lambda part: (part["start"], part["file"]))
-    files = [folder / part["file"] for part in listed
-             if PART_FILE.fullmatch(part["file"]) and (folder / part["file"]).is_file()]
+    files = part_files(folder, [part for manifest in manifests
+                                for part in manifest["parts"].values() if names_part_file(part)])
     out.bytes_on_disk = sum(f.stat().st_size for f in folder.iterdir() if f.is_file())
     if files:
         _scan_files(out, files)
@@ -153,9 +141,8 @@ def summarize(path: str | os.PathLike) -> OutputSummary:
     files = output_files(path)
     if not files:
         raise UsageError(f"{path}: no Parquet files found")
-    out = OutputSummary(path=str(path))
-    out.bytes_on_disk = sum(f.stat().st_size for f in files)
-    out.metadata = read_metadata(files[0])
+    out = OutputSummary(path=str(path), bytes_on_disk=sum(f.stat().st_size for f in files),
+                        metadata=read_metadata(files[0]))
     out.model = model_of(out.metadata)
     _scan_files(out, files)
     if Path(path).is_dir():
@@ -164,8 +151,7 @@ def summarize(path: str | os.PathLike) -> OutputSummary:
 
 
 def _scan_files(out: OutputSummary, files: list[Path]) -> None:
-    """Rows, failures, layout and grid figures of ``files`` into ``out`` (small columns
-    only, never the embeddings)."""
+    """Rows, failures, layout and grid figures of ``files`` into ``out`` (never the embeddings)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 

@@ -4,15 +4,15 @@ interrupted run already finished.
 
 dsv4enc deletes or replaces only what is provably its own: a single-file ``--out`` that is a
 Parquet file with dsv4enc's metadata, and in a parts folder (``OUT.partial/`` or a folder
-``--out``) the manifests it recognises by their content (``parts.manifest_kind``), its part
-file names, the growing file of a single file (``appending.GROWING_NAME``) and its temporary
-names. Anything else makes the run refuse in one line, before anything is written or
-deleted.
+``--out``) the manifests it recognises by content (``parts.manifest_kind``), its part file
+names, the growing file (``appending.GROWING_NAME``) and its temporaries. Anything else makes
+the run refuse in one line, before anything is written or deleted.
 """
 
 from __future__ import annotations
 
 import bisect
+import contextlib
 import errno
 import json
 import logging
@@ -31,26 +31,26 @@ from ..images.headers import input_stamps, inputs_digest
 from ..pausepoints import pause
 from .appending import GROWING_NAME
 from .update import STAMPS_FILE, Update, setting_refusal
+from .read import read_metadata
 from .parts import (JOURNAL_FILE, LOCK_NAME, MANIFEST_FILE, MANIFEST_NAME, PART_FILE,
                     TEMP_FILE, PartLedger, PartStore, Row, StreamingAssembler, kept_columns,
-                    kept_fields, output_os_error, read_manifest, rows_per_group, rows_to_table)
+                    kept_fields, output_os_error, read_manifest, read_manifests, rows_per_group,
+                    rows_to_table)
 
 if TYPE_CHECKING:
     from .appending import AppendingStore
 
 log = logging.getLogger("dsv4enc")
 
-#: The lock file in the parts folder (hidden: readers of a dataset folder pass over it).
 #: flock errors that mean "this file system does not lock", not "someone holds the lock".
 _NO_LOCKING = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS, errno.EINVAL}
 
 
 class OutputLock:
     """An exclusive ``flock`` on ``LOCK_NAME`` in the parts folder, held for the whole run.
-
-    The file holds the holder's pid and host, for the refusal a second run prints. It is
-    unlinked (by its holder, still holding it) when the run ends; a run that locked the old
-    file meanwhile notices that its file is gone and locks the new one."""
+    The file holds the holder's pid and host, for the refusal a second run prints. Its holder
+    unlinks it (still holding it) when the run ends; a run that locked the old file meanwhile
+    notices that its file is gone and locks the new one."""
 
     def __init__(self, folder: Path, out: Path) -> None:
         self.path = folder / LOCK_NAME
@@ -101,10 +101,8 @@ class OutputLock:
         """Unlink the lock file (while still holding it), then let go."""
         if self._fd is None:
             return
-        try:
+        with contextlib.suppress(OSError):
             os.unlink(self.path)
-        except OSError:
-            pass
         os.close(self._fd)
         self._fd = None
 
@@ -143,11 +141,8 @@ def _inside(path: str, folder: str) -> bool:
 
 def is_dsv4enc_parquet(path: Path) -> bool:
     """A Parquet file whose footer carries dsv4enc's metadata (read from the footer only)."""
-    import pyarrow.parquet as pq
-
     try:
-        metadata = pq.read_schema(path).metadata or {}
-        return json.loads(metadata.get(b"dsv4enc", b"{}")).get("tool") == "dsv4enc"
+        return read_metadata(path).get("tool") == "dsv4enc"
     except Exception:  # not Parquet, unreadable, ...: not provably ours
         return False
 
@@ -163,8 +158,7 @@ class OutputLayout:
         self.folder_mode = shard_output or out.endswith(("/", os.sep)) or self.out.is_dir()
         self.parts_dir = self.out if self.folder_mode else self.out.with_name(self.out.name + ".partial")
         self.lock = OutputLock(self.parts_dir, self.out)
-        #: The largest single file the output's store takes (an object storage --out's
-        #: ``RemoteOutput.max_file_bytes``; None: no limit)
+        #: The largest single file the store takes (``RemoteOutput.max_file_bytes``; None: any)
         self.max_file_bytes: int | None = None
         self._made: list[Path] = []  # folders this run created (removed again if left empty)
         self._prepared = False  # this process checked the output (rank 0 under torchrun)
@@ -173,8 +167,7 @@ class OutputLayout:
         """The settings the interrupted run recorded in this output's manifest (what
         ``--resume`` adopts for ``--dtype auto``), or None when there is no such run."""
         recorded = read_manifest(self.parts_dir / self.manifest_name(rank))
-        settings = recorded.get("settings") if recorded else None
-        return settings if isinstance(settings, dict) else None
+        return recorded["settings"] if recorded else None  # a dict: ``manifest_kind`` checks
 
     def manifest_name(self, rank: int | None = None) -> str:
         """Each rank keeps its own manifest under --shard-output (``rank``: this process's,
@@ -184,13 +177,6 @@ class OutputLayout:
         return MANIFEST_NAME
 
     # -- what is ours -------------------------------------------------------------------
-    def _manifests(self) -> list[Path]:
-        """The dsv4enc manifests in the parts folder (recognised by content)."""
-        if not self.parts_dir.is_dir():
-            return []
-        return [path for path in sorted(self.parts_dir.iterdir())
-                if MANIFEST_FILE.fullmatch(path.name) and read_manifest(path) is not None]
-
     def _is_ours(self, name: str, manifests: bool) -> bool:
         """A name in the parts folder that dsv4enc wrote: its lock, its temporaries, and
         (where a dsv4enc manifest is present) its manifests and part files."""
@@ -207,10 +193,10 @@ class OutputLayout:
 
     def _owned_and_foreign(self) -> tuple[list[Path], list[str]]:
         """Files of the parts folder dsv4enc wrote (lock excepted), and the names of the
-        others (hidden names are passed over: never deleted, never in the way)."""
+        others (hidden ones are passed over: never deleted, never in the way)."""
         if not self.parts_dir.is_dir():
             return [], []
-        ours = bool(self._manifests())
+        ours = bool(read_manifests(self.parts_dir))
         owned, foreign = [], []
         for path in sorted(self.parts_dir.iterdir()):
             if self._is_ours(path.name, ours) and not path.is_dir():
@@ -223,17 +209,14 @@ class OutputLayout:
     def _remove(self, paths: Iterable[Path]) -> None:
         for path in paths:
             try:
-                path.unlink()
-            except FileNotFoundError:
-                pass
+                path.unlink(missing_ok=True)
             except OSError as exc:
                 raise output_os_error(path, exc) from None
 
     # -- checks -------------------------------------------------------------------------
     def check_not_inputs(self, inputs: Iterable[str], files_from: str | None) -> None:
         """Refuse an ``--out`` that is an input, holds one, or would be read as one."""
-        out = os.path.realpath(self.out)
-        parts = os.path.realpath(self.parts_dir)
+        out, parts = os.path.realpath(self.out), os.path.realpath(self.parts_dir)
         sources = [*inputs, *([files_from] if files_from not in (None, "-") else [])]
         for raw in sources:
             if not os.path.lexists(raw):
@@ -283,8 +266,7 @@ class OutputLayout:
                 resume: bool, update: bool = False) -> None:
         """Check ``--out`` against the inputs (``inputs``, ``files_from``) and what is there,
         take the lock (held until ``release``), and with ``overwrite`` delete the earlier
-        run's files: only those. ``update`` (--update) keeps what is there, as ``resume``
-        does."""
+        run's files: only those (``update`` keeps what is there, as ``resume`` does)."""
         self.check_not_inputs(inputs, files_from)
         self._check_kinds()
         self._prepared = True
@@ -298,7 +280,8 @@ class OutputLayout:
 
     def _check_existing(self, overwrite: bool, resume: bool, update: bool = False) -> None:
         out = self.out
-        has_parts = bool(self._manifests())
+        manifests = read_manifests(self.parts_dir)
+        has_parts = bool(manifests)
         owned, foreign = self._owned_and_foreign()
         where = f"--out folder {out}" if self.folder_mode else str(self.parts_dir)
         if foreign and not has_parts and self.folder_mode:
@@ -324,11 +307,10 @@ class OutputLayout:
         if overwrite:
             self._remove(owned)
             return
-        # Nobody else writes here (we hold the lock): a killed run's temporaries go, and so
-        # do part files no manifest lists (renamed into place just before a kill), which a
-        # folder output would otherwise show beside the rows that replace them.
-        listed = {part.get("file") for path in self._manifests()
-                  for part in (read_manifest(path) or {"parts": {}})["parts"].values()}
+        # We hold the lock: a killed run's temporaries go, and so do part files no manifest
+        # lists (renamed just before a kill), which a folder would show beside their rows.
+        listed = {part.get("file") for manifest in manifests.values()
+                  for part in manifest["parts"].values()}
         self._remove(p for p in owned if TEMP_FILE.fullmatch(p.name)
                      or (PART_FILE.fullmatch(p.name) and p.name not in listed))
 
@@ -343,8 +325,7 @@ class OutputLayout:
         self._made = missing  # innermost first
 
     def create(self) -> None:
-        """Check the parts folder is writable (the lock file proves it where locking works).
-        Called once inputs and weights are known good."""
+        """Check the parts folder is writable (once inputs and weights are known good)."""
         try:
             probe = self.parts_dir / f".dsv4enc-write-test.{os.getpid()}"
             probe.write_bytes(b"")
@@ -355,8 +336,7 @@ class OutputLayout:
     # -- the end of a run -----------------------------------------------------------------
     def remove_parts(self) -> None:
         """The single file is in place: delete the parts and manifest (dsv4enc's only)."""
-        owned, _ = self._owned_and_foreign()
-        self._remove(owned)
+        self._remove(self._owned_and_foreign()[0])
 
     def encoding_hint(self, again: str = "--resume") -> str:
         """The one-line hint of a run stopped while it encodes (``resume_hint`` replaces it
@@ -378,10 +358,8 @@ class OutputLayout:
                 f"{again} to finish")
 
     def remove_temporaries(self) -> None:
-        """Remove what killed or cancelled writers left under temporary names in the parts
-        folder (this run holds the lock: nobody else writes there)."""
-        owned, _ = self._owned_and_foreign()
-        self._remove(p for p in owned if TEMP_FILE.fullmatch(p.name))
+        """Remove what killed or cancelled writers left under temporary names (we hold the lock)."""
+        self._remove(p for p in self._owned_and_foreign()[0] if TEMP_FILE.fullmatch(p.name))
 
     def discard_if_empty(self) -> None:
         """After a failed run, remove a single-file output's manifest, growing file and
@@ -389,7 +367,7 @@ class OutputLayout:
         if self.folder_mode:
             return
         owned, _ = self._owned_and_foreign()
-        recorded = any((read_manifest(path) or {}).get("parts") for path in self._manifests())
+        recorded = any(manifest["parts"] for manifest in read_manifests(self.parts_dir).values())
         if not recorded and not any(PART_FILE.fullmatch(p.name) for p in owned):
             self._remove(owned)
 
@@ -415,16 +393,12 @@ def open_store(layout: OutputLayout, settings: dict, schema, *, local: bool, is_
                world_size: int, rank: int | None, update: Update | None = None,
                rows_settings: dict | None = None, written_elsewhere: bool = False,
                ) -> PartLedger:
-    """Where this process commits its parts: output's own choice of store.
-
-    One process writing a local single file appends each part to it once (``appending``);
-    otherwise parts are files, joined at the end (the staging of an object storage output,
-    ``local=False``, uploads them as they commit; a local folder's parts drop their page
-    cache). ``rank``: this process's under torchrun (None outside), for --shard-output's
-    per-rank manifests. ``update`` (--update of a finished output; ``rows_settings``: the
-    settings that decide its rows): a folder's new parts go to its staging store.
-    ``written_elsewhere``: other processes write the part files (``--engine ray``'s actors),
-    this one commits them: part files, never the appending store."""
+    """Where this process commits its parts. One process writing a local single file appends
+    each part to it (``appending``), unless ``written_elsewhere`` (``--engine ray``'s actors
+    write the part files); otherwise parts are files, joined at the end (``local=False``: the
+    staging of an object storage output). ``rank``: this process's under torchrun (None
+    outside), for --shard-output's manifests. ``update`` (``rows_settings``: the settings
+    that decide its rows): --update's new parts go to its staging store."""
     from . import appending
 
     staging = update.open_store(settings, rows_settings) if update is not None else None
@@ -441,9 +415,8 @@ def open_store(layout: OutputLayout, settings: dict, schema, *, local: bool, is_
 
 def assembler_for(store: PartLedger, layout: OutputLayout, schema, *, is_main: bool):
     """What makes the single file at the end: the appending store itself, a streaming
-    assembler over the part files (the main process of a single-file output), or None (a
-    folder output, or another rank). Its ``key_values`` take more footer metadata (row
-    stamps) until it finishes."""
+    assembler over the part files (the main process of a single-file output), or None. Its
+    ``key_values`` take more footer metadata (row stamps) until it finishes."""
     from .appending import AppendingStore
 
     if isinstance(store, AppendingStore):
@@ -455,15 +428,10 @@ def assembler_for(store: PartLedger, layout: OutputLayout, schema, *, is_main: b
 
 
 class PartWriter:
-    """Commits parts on background threads so the device never waits for Parquet.
-
-    Encoding a part's nested float lists is CPU work that releases the GIL, so several
-    threads commit parts side by side on machines with cores to spare.
-
-    The run hands over finished segments; consecutive ones are joined into one part, which
-    is committed when its ``part_images`` range is done or ``store.commit_seconds`` have
-    passed since the last commit, whichever comes first (so a kill loses about that much
-    work at most). Without ``commit_seconds`` (--shard-output) each segment is a part."""
+    """Commits parts on background threads (Parquet encoding releases the GIL) so the device
+    never waits for Parquet. Consecutive finished segments are joined into one part, committed
+    when its ``part_images`` range is done or ``store.commit_seconds`` have passed since the
+    last commit (a kill loses about that much work); without them each segment is a part."""
 
     def __init__(self, store: PartStore | AppendingStore, schema, threads: int = 1,
                  assembler: StreamingAssembler | AppendingStore | None = None) -> None:
@@ -508,8 +476,7 @@ class PartWriter:
 
     def _kept(self, name: str, start: int, end: int) -> dict | None:
         """The kept table columns of inputs ``[start, end)`` (None when the schema has none),
-        read from the input tables: a carried row's table is unchanged, so they are its old
-        values too."""
+        read from the input tables (a carried row's table is unchanged: its old values)."""
         if not kept_fields(self.schema):  # no input items to gather
             return None
         return kept_columns(self.schema, [planned.item for planned in self.store.source[start:end]])
@@ -574,10 +541,9 @@ class Segment(Protocol):
 
 @dataclass(frozen=True)
 class ResumeSettings:
-    """How a run commits and resumes: ``resume`` (--resume or --update: committed parts
-    are kept), ``commit_every`` (seconds between commits of joined segments; None: each
-    segment is a part, as under --shard-output), and ``row_options`` (settings besides the
-    model's that decide rows: --resume requires them equal)."""
+    """How a run commits and resumes: ``resume`` (--resume or --update: committed parts are
+    kept), ``commit_every`` (``PartWriter``'s ``commit_seconds``), and ``row_options``
+    (settings besides the model's that decide rows: --resume requires them equal)."""
 
     resume: bool = False
     commit_every: float | None = None
@@ -591,19 +557,16 @@ def _alone(todo_ranges, problem):
 
 class Resume:
     """Which parts are still to encode, judged part by part once their inputs are in
-    ``source`` (the run's inputs, growing as they are listed). With ``--resume`` the
-    settings are checked here, and a part is kept where the committed pieces that chain
-    from its start (joined segments, cut wherever --commit-every struck) hold the same
-    inputs as now (keys and stamps, ``headers.inputs_digest``: no header is read), without
-    a transient error; the rest of it is to do (``rest``). ``writes``: this process checks
-    the output; ``agree``: how the ranks agree on the ranges to do, once per part
-    (``run/ranks.Topology.agree_on_todo``); a problem on any rank stops every rank."""
+    ``source`` (the run's inputs, growing as they are listed). With ``--resume`` the settings
+    are checked here, and a part is kept as far as the committed pieces chaining from its
+    start hold the same inputs as now (``headers.inputs_digest``: no header is read) and no
+    transient error. ``writes``: this process checks the output; ``agree``: how the ranks
+    agree on the ranges to do (``run/ranks.Topology.agree_on_todo``); a problem stops all."""
 
     def __init__(self, store: PartLedger, source: Sequence, settings: ResumeSettings, *,
                  writes: bool = True, agree: Callable = _alone) -> None:
         self.store, self.writes, self.agree = store, writes, agree
-        store.source = source
-        store.commit_seconds = settings.commit_every
+        store.source, store.commit_seconds = source, settings.commit_every
         self.resuming = False
         self.covered = 0  # where the reused pieces judged so far end
         self.starts: list[int] = []  # where the recorded pieces start, in order
@@ -641,8 +604,7 @@ class Resume:
         ranges, problem = self.agree(ranges, None)
         if problem is not None:
             raise problem
-        # How many images the run has (listed so far): ``dsv4enc inspect`` of an
-        # interrupted run says how many are left.
+        # The images listed so far: ``dsv4enc inspect`` of an interrupted run says what is left
         self.store.extra["inputs"] = len(self.store.source)
         return [part if start == part.start else part.rest(start) for start, _ in ranges]
 

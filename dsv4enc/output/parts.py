@@ -1,17 +1,17 @@
 """Parquet output (docs/output-format.md, "Part files"): crash-safe part files, a manifest,
 and the final file.
 
-Work is committed in closed part files: each is written under a hidden temporary name, fsynced
-and renamed, then the manifest records it (one synced line appended to its journal; the
-manifest itself is written whole, by rename, when a run starts, resumes or finishes). A kill at any moment
-leaves only whole parts behind, and ``--resume`` reuses them. A single-file ``--out`` of
-several ranks or in object storage is assembled from the parts at the end, again by rename,
-so it is never half-written (a local one of one process skips the part files:
-``appending.py``). ``PartLedger`` is the manifest bookkeeping both share.
+Each part is written under a hidden temporary name, fsynced and renamed, then the manifest
+records it (one synced line appended to its journal; the manifest is written whole when a run
+starts, resumes or finishes). A kill leaves only whole parts, which ``--resume`` reuses. A
+single-file ``--out`` of several ranks or in object storage is assembled from the parts at the
+end, by rename (a local one of one process skips the part files: ``appending.py``).
+``PartLedger`` is the manifest bookkeeping both share.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import logging
@@ -45,73 +45,54 @@ MANIFEST_FORMAT = "dsv4enc-parts"
 #: The run's lock in the parts folder (a flock locally, a lock object in a bucket).
 LOCK_NAME = ".dsv4enc.lock"
 MANIFEST_VERSION = 2
-#: Names dsv4enc gives its files in a parts folder (``--out`` folder or ``OUT.partial``).
-#: (``.gN``: the Nth generation of a folder output's parts, written by ``--update``)
+#: Names dsv4enc gives its files in a parts folder (``.gN``: the Nth generation, ``--update``).
 PART_FILE = re.compile(r"part-\d{6,}(?:_\d{6,})?(?:-rank\d{3})?(?:\.g\d+)?\.parquet")
 MANIFEST_FILE = re.compile(r"_manifest(?:-rank\d{3})?\.json")
 #: A manifest's journal of the parts committed since it was written whole (``read.journal_path``).
 JOURNAL_FILE = re.compile(r"_manifest(?:-rank\d{3})?\.journal")
 #: Errors that say nothing about the image (a time limit, a crashed or unstarted worker, a
-#: stop, a store that was not answering): a part holding one is encoded again on --resume,
-#: as a clean run would retry it.
+#: stop, a store not answering): a part holding one is encoded again on --resume.
 TRANSIENT_ERRORS = ("decode timed out", "header read timed out", "decoder crashed",
                     "decode worker failed", "interrupted before", STORAGE_UNAVAILABLE)
 ROW_GROUP_BYTES = 64 << 20
 DATA_PAGE_BYTES = 8 << 20
 DEFAULT_LAYOUT = "binary"
 _ARROW_FLOAT = {"float16": pa.float16(), "float32": pa.float32()}
-_NUMPY_FLOAT = {"float16": np.float16, "float32": np.float32}
 
 
 def prefer_jemalloc_pool() -> None:
-    """Make Arrow allocate from its jemalloc pool where this pyarrow has one.
-
-    The default (mimalloc) gives each new writer thread fresh pages, and faulting them in
-    costs a short run time at its end (its last part and the final file are written at once,
-    by two threads); jemalloc keeps freed pages for reuse. In steady state mimalloc encodes
-    float16 Parquet faster (benchmarks/RESULTS.md), which matters where the writer can limit the
-    rate (a GPU), so the command line calls this for CPU runs only. Process-wide: the library
-    never calls it."""
-    try:
-        pa.set_memory_pool(pa.jemalloc_memory_pool())
-    except (NotImplementedError, pa.ArrowNotImplementedError):
-        pass  # built without jemalloc (e.g. Windows): keep the default
+    """Make Arrow allocate from its jemalloc pool where this pyarrow has one: mimalloc (the
+    default) gives each new writer thread fresh pages, whose faults cost a short run time at
+    its end. mimalloc encodes float16 Parquet faster in steady state (benchmarks/RESULTS.md),
+    so only CPU runs of the command line call this (process-wide: the library never does)."""
+    with contextlib.suppress(NotImplementedError, pa.ArrowNotImplementedError):
+        pa.set_memory_pool(pa.jemalloc_memory_pool())  # not in every build (e.g. Windows)
 
 
-#: The columns every output has, in order (docs/output-format.md, "Output"); kept table columns follow them.
-OUTPUT_COLUMNS = ("path", "width", "height", "vit_h", "vit_w", "grid_h", "grid_w", "embedding",
-                  "error")
+#: The int32 columns of every output, in order.
+_INT_COLUMNS = ("width", "height", "vit_h", "vit_w", "grid_h", "grid_w")
+#: The columns every output has, in order (docs/output-format.md), before the kept ones.
+OUTPUT_COLUMNS = ("path", *_INT_COLUMNS, "embedding", "error")
 
 
 def output_schema(width: int, out_dtype: str, metadata: dict[str, Any] | None = None,
                   pooled: bool = False, layout: str = DEFAULT_LAYOUT,
                   kept: Sequence[pa.Field] = ()) -> pa.Schema:
     """The output schema; ``metadata`` goes under the ``dsv4enc`` key as JSON, with an
-    ``embedding`` entry that says how to read the column (``read.embedding_format``).
-    ``kept``: the input tables' columns the rows carry (``--keep-column``, the typed
-    ``--key-column``), after the output's own columns.
-
-    ``layout`` (docs/output-format.md, measured in benchmarks/RESULTS.md): ``binary`` stores
-    each image's (rows, width) array as one binary cell, which Parquet writes and reads at memory speed;
-    ``nested`` stores float lists, which tools can read as numbers but cost ~20x the CPU."""
+    ``embedding`` entry that says how to read the column (``read.embedding_format``). ``kept``:
+    the input tables' columns the rows carry (``--keep-column``, the typed ``--key-column``).
+    ``layout`` (benchmarks/RESULTS.md): ``binary`` stores each image's (rows, width) array as
+    one binary cell, written and read at memory speed; ``nested`` stores float lists, which
+    tools read as numbers at ~20x the CPU."""
     check_choice("layout", layout, LAYOUTS)
     if layout == "binary":
         embedding = pa.large_binary()  # 64-bit offsets: a part may hold over 2 GiB
     else:
         row = pa.list_(_ARROW_FLOAT[out_dtype], width)
         embedding = row if pooled else pa.list_(row)
-    fields = [
-        pa.field("path", pa.string(), nullable=False),
-        pa.field("width", pa.int32()),
-        pa.field("height", pa.int32()),
-        pa.field("vit_h", pa.int32()),
-        pa.field("vit_w", pa.int32()),
-        pa.field("grid_h", pa.int32()),
-        pa.field("grid_w", pa.int32()),
-        pa.field("embedding", embedding),
-        pa.field("error", pa.string()),
-        *kept,
-    ]
+    fields = [pa.field("path", pa.string(), nullable=False),
+              *(pa.field(name, pa.int32()) for name in _INT_COLUMNS),
+              pa.field("embedding", embedding), pa.field("error", pa.string()), *kept]
     described = {"layout": layout, "dtype": out_dtype, "width": width, "pooled": pooled,
                  "shape": [width] if pooled else ["grid_h*grid_w", width],
                  "byte_order": "little"}
@@ -194,15 +175,13 @@ def kept_columns(schema: pa.Schema, items: Sequence) -> dict[str, pa.Array] | No
 def rows_to_table(rows: Sequence[Row], schema: pa.Schema,
                   kept: dict[str, pa.Array] | None = None) -> pa.Table:
     """Build an Arrow table from rows; embeddings go in as one flat buffer, no Python floats.
-    ``kept``: the values of the schema's kept columns (``images/sources.kept_values``);
-    a kept column not given is null."""
+    ``kept``: the kept columns' values (``images/sources.kept_values``); one not given is null."""
     fmt = embedding_format(schema)
     embedding = (_binary_embeddings(rows, fmt) if fmt.layout == "binary"
-                 else _nested_embeddings(rows, schema.field("embedding").type))
+                 else _nested_embeddings(rows, schema.field("embedding").type, fmt))
     columns = {
         "path": _string_array([utf8_text(r.path) for r in rows]),
-        **{name: _int32_array([getattr(r, name) for r in rows])
-           for name in ("width", "height", "vit_h", "vit_w", "grid_h", "grid_w")},
+        **{name: _int32_array([getattr(r, name) for r in rows]) for name in _INT_COLUMNS},
         "embedding": embedding,
         "error": _string_array([r.error for r in rows]),
     }
@@ -217,12 +196,9 @@ _NULL_CELL = np.zeros(1, dtype=np.uint8)  # validity bitmap of a one-row null ch
 
 
 def _binary_embeddings(rows: Sequence[Row], fmt) -> pa.ChunkedArray:
-    """One large_binary cell per row: the embedding's bytes (stored dtype, little-endian,
-    C order), null for failed rows.
-
-    Zero-copy: each row is a one-value chunk whose data buffer is the row's own array (cast
-    only if it is not already in the stored dtype), so the Parquet writer's copy into its
-    pages is the only one; a concatenated buffer would cost a copy and fresh pages."""
+    """One large_binary cell per row: the embedding's bytes (stored dtype, little-endian, C
+    order), null for failed rows. Zero-copy: each row is a one-value chunk over its own array
+    (cast only if not in the stored dtype), so the Parquet writer's copy is the only one."""
     dtype = fmt.numpy_dtype
     shape = (fmt.width,) if fmt.pooled else (-1, fmt.width)
     chunks = []
@@ -238,45 +214,38 @@ def _binary_embeddings(rows: Sequence[Row], fmt) -> pa.ChunkedArray:
     return pa.chunked_array(chunks, type=pa.large_binary())
 
 
-def _nested_embeddings(rows: Sequence[Row], emb_type: pa.DataType) -> pa.Array:
+def _nested_embeddings(rows: Sequence[Row], emb_type: pa.DataType, fmt) -> pa.Array:
     """The ``nested`` layout: list<fixed_size_list<float, width>> (fixed_size_list pooled)."""
-    pooled = pa.types.is_fixed_size_list(emb_type)
-    row_type = emb_type if pooled else emb_type.value_type
-    width = row_type.list_size
-    np_dtype = _NUMPY_FLOAT["float16" if row_type.value_type == pa.float16() else "float32"]
+    row_type = emb_type if fmt.pooled else emb_type.value_type
+    width, np_dtype = fmt.width, np.dtype(fmt.dtype)
     valid = np.array([r.embedding is not None for r in rows], dtype=bool)
-    if pooled:
+    if fmt.pooled:
         # One vector per row; failed rows hold zeros under a null mask.
         flat = np.zeros((len(rows), width), dtype=np_dtype)
         for i, r in enumerate(rows):
             if r.embedding is not None:
                 flat[i] = np.asarray(r.embedding, dtype=np_dtype).reshape(width)
         values = _numeric_array(flat.reshape(-1), row_type.value_type)
-        embedding = pa.Array.from_buffers(row_type, len(rows), [_validity(valid)],
-                                          children=[values])
-    else:
-        arrays = [np.asarray(r.embedding, dtype=np_dtype).reshape(-1, width)
-                  for r in rows if r.embedding is not None]
-        flat = np.concatenate(arrays).reshape(-1) if arrays else np.zeros(0, dtype=np_dtype)
-        # Built with the schema's own types (child field names included): a mismatch would
-        # make Table.from_arrays cast, i.e. copy, every value.
-        vectors = pa.Array.from_buffers(row_type, len(flat) // width, [None],
-                                        children=[_numeric_array(flat, row_type.value_type)])
-        counts = np.array([0 if r.embedding is None else len(r.embedding) for r in rows],
-                          dtype=np.int64)
-        offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
-        embedding = pa.Array.from_buffers(emb_type, len(rows),
-                                          [_validity(valid), pa.py_buffer(offsets)],
-                                          children=[vectors])
-    return embedding
+        return pa.Array.from_buffers(row_type, len(rows), [_validity(valid)], children=[values])
+    arrays = [np.asarray(r.embedding, dtype=np_dtype).reshape(-1, width)
+              for r in rows if r.embedding is not None]
+    flat = np.concatenate(arrays).reshape(-1) if arrays else np.zeros(0, dtype=np_dtype)
+    # Built with the schema's own types (child field names included): a mismatch would make
+    # Table.from_arrays cast, i.e. copy, every value.
+    vectors = pa.Array.from_buffers(row_type, len(flat) // width, [None],
+                                    children=[_numeric_array(flat, row_type.value_type)])
+    counts = np.array([0 if r.embedding is None else len(r.embedding) for r in rows],
+                      dtype=np.int64)
+    offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+    return pa.Array.from_buffers(emb_type, len(rows), [_validity(valid), pa.py_buffer(offsets)],
+                                 children=[vectors])
 
 
 def parquet_options(schema: pa.Schema) -> dict[str, Any]:
-    """Writer settings. Embedding values are near-random floats: dictionary encoding,
-    min/max statistics and compression cost several times the write time for a few percent
-    of size, so they apply to the small columns only. 8 MiB data pages make the nested
-    layout's pages fewer (faster to write and read, benchmarks/RESULTS.md); a binary
-    cell is one page whatever the size."""
+    """Writer settings. Embedding values are near-random floats: dictionary encoding, min/max
+    statistics and compression cost several times the write time for a few percent of size, so
+    they apply to the small columns only. 8 MiB data pages make the nested layout's pages fewer
+    (faster to write and read, benchmarks/RESULTS.md)."""
     small = [name for name in schema.names if name != "embedding"]
     compression = {name: "zstd" for name in small}
     compression["embedding"] = "none"
@@ -286,11 +255,9 @@ def parquet_options(schema: pa.Schema) -> dict[str, Any]:
 
 def rows_per_group(schema: pa.Schema, rows: Sequence[Row]) -> int:
     """Rows per row group so that groups hold about ROW_GROUP_BYTES of embeddings, or a
-    quarter of that for nested float16.
-
-    Writing a row group takes transient memory in proportion to its values: Parquet keeps
-    float16 as 2-byte fixed-length binaries, which the writer handles at ~15 bytes per value
-    (float32: ~8), so a float16 group the size of a float32 one would cost ~4x the memory."""
+    quarter of that for nested float16: Parquet keeps float16 as 2-byte fixed-length binaries,
+    which the writer handles at ~15 bytes per value (float32: ~8), so a float16 group the size
+    of a float32 one would cost ~4x the transient memory."""
     sizes = [r.embedding.nbytes for r in rows if r.embedding is not None]
     mean = (sum(sizes) / len(sizes)) if sizes else 1
     fmt = embedding_format(schema)
@@ -299,16 +266,12 @@ def rows_per_group(schema: pa.Schema, rows: Sequence[Row]) -> int:
 
 
 def fsync_dir(folder: Path) -> None:
-    try:
+    with contextlib.suppress(OSError):
         fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def output_os_error(path: Path, exc: OSError) -> OutputError:
@@ -332,20 +295,12 @@ TEMP_FILE = re.compile(r"\.(.+?)\.(?:\d+-[0-9a-f]{8}\.)?tmp")
 
 def drop_cached_pages(fd: int, offset: int = 0, length: int = 0) -> None:
     """Tell the kernel that a written and synced range of a file (``length`` 0: to its end)
-    will not be read again, so its page-cache pages are freed at once.
-
-    Why: every page of an output is written once and never read back by the run. Left in
-    the cache, gigabytes of embeddings evict the user's cached files, and each new write
-    takes fresh pages, which cost more kernel time than pages freed a moment ago
-    (benchmarks/RESULTS.md).
-    Advice only: where it is not available or fails, nothing changes."""
-    advise = getattr(os, "posix_fadvise", None)
-    if advise is None:
-        return
-    try:
-        advise(fd, offset, length, os.POSIX_FADV_DONTNEED)
-    except OSError:
-        pass
+    will not be read again, so its page-cache pages are freed at once (advice only). Left in
+    the cache, gigabytes of embeddings evict the user's cached files, and fresh pages
+    cost more kernel time than pages freed a moment ago (benchmarks/RESULTS.md)."""
+    if hasattr(os, "posix_fadvise"):
+        with contextlib.suppress(OSError):
+            os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)
 
 
 def _write_synced(table: pa.Table, path: Path, row_group_size: int, drop_cache: bool) -> None:
@@ -373,16 +328,12 @@ def write_table_atomic(table: pa.Table, path: Path, row_group_size: int,
 def write_part(folder: str | Path, name: str, table: pa.Table, row_group_size: int,
                start: int, end: int, digest: str, *, suffix: str = "",
                drop_cache: bool = False, staged: bool = False) -> dict[str, Any]:
-    """Write part ``name``'s file into ``folder`` and return its manifest entry (file,
-    input range, digest, rows, size, transient rows); the part is committed once a
-    ``PartLedger`` records the entry. Whoever encoded the part writes it: a local run's
-    writer threads, a torchrun rank, an ``--engine ray`` actor.
-
-    ``staged``: the file keeps a hidden temporary name (the entry's ``staged``), which
-    ``PartStore.commit_written`` renames into place, so that a part the committing
-    process never records is never under a part name. ``folder`` a URL: the file is
-    uploaded to ``folder/FILE``, whole or not at all (object stores have no rename; the
-    manifest that lists it is the commit record)."""
+    """Write part ``name``'s file into ``folder`` and return its manifest entry (file, input
+    range, digest, rows, size, transient rows), which a ``PartLedger`` records to commit it.
+    Whoever encoded the part writes it: a writer thread, a torchrun rank, a ray actor.
+    ``staged``: the file keeps a hidden temporary name (the entry's ``staged``) until
+    ``PartStore.commit_written`` renames it, so an unrecorded part never has a part name.
+    ``folder`` a URL: the file is uploaded to ``folder/FILE`` whole."""
     file = f"{name}{suffix}.parquet"
     entry: dict[str, Any] = {"file": file, "start": start, "end": end, "digest": digest,
                              "rows": table.num_rows, "transient": transient_errors(table)}
@@ -424,8 +375,7 @@ def write_json_atomic(data: Any, path: Path) -> None:
 
 
 def part_intact(path: Path, rows: int | None) -> bool:
-    """A committed part can be reused: it exists and its footer reads back with the row count
-    the manifest recorded (a damaged or replaced file is encoded again, not trusted)."""
+    """A committed part can be reused: its footer reads back with the recorded row count."""
     try:
         return path.is_file() and pq.read_metadata(path).num_rows == rows
     except Exception:  # pyarrow raises ArrowInvalid, OSError, ... for a damaged file
@@ -434,8 +384,7 @@ def part_intact(path: Path, rows: int | None) -> bool:
 
 def manifest_document(settings: dict[str, Any], parts: dict[str, dict[str, Any]],
                       **extra: Any) -> dict:
-    """A manifest's content: its format tag, the run's settings and the committed parts
-    (and what else its store keeps there, e.g. the growing file's footer)."""
+    """A manifest's content: format tag, the run's settings, the committed parts, ``extra``."""
     return {"format": MANIFEST_FORMAT, "version": MANIFEST_VERSION, "settings": settings,
             "parts": parts, **extra}
 
@@ -453,10 +402,8 @@ def is_journal_entry(part: dict) -> bool:
 
 def manifest_kind(data: Any) -> str | None:
     """``"current"`` for a manifest of this format, ``"legacy"`` for one an earlier dsv4enc
-    wrote (no format tag), None for anything else (a file that merely has the name).
-
-    Either kind must list only dsv4enc part names: that is what makes its folder's part
-    files provably dsv4enc's."""
+    wrote (no format tag), None for anything else. Either kind lists only dsv4enc part names:
+    that makes its folder's part files provably dsv4enc's."""
     if not isinstance(data, dict) or not isinstance(data.get("parts"), dict):
         return None
     settings = data.get("settings")
@@ -471,8 +418,7 @@ def manifest_kind(data: Any) -> str | None:
 
 
 def read_manifest(path: Path) -> dict | None:
-    """The manifest at ``path`` if it is one of dsv4enc's (see ``manifest_kind``), else None.
-    Only regular files of a sane size are read."""
+    """The manifest at ``path`` if it is dsv4enc's (``manifest_kind``), sane in size; else None."""
     try:
         if not path.is_file() or path.stat().st_size > (256 << 20):
             return None
@@ -480,6 +426,17 @@ def read_manifest(path: Path) -> dict | None:
     except (OSError, ValueError):
         return None
     return data if manifest_kind(data) is not None else None
+
+
+def read_manifests(folder: Path) -> dict[Path, dict]:
+    """The dsv4enc manifests in ``folder`` by path, in name order (one, or one per rank)."""
+    try:
+        names = sorted(entry.name for entry in os.scandir(folder))
+    except OSError:
+        return {}
+    found = {folder / name: read_manifest(folder / name) for name in names
+             if MANIFEST_FILE.fullmatch(name)}
+    return {path: data for path, data in found.items() if data is not None}
 
 
 def transient_errors(table: pa.Table) -> int:
@@ -491,11 +448,8 @@ def transient_errors(table: pa.Table) -> int:
 class PartLedger:
     """What every way of committing parts keeps: the manifest (``manifest_document``) with
     the run's ``settings`` (what must match for ``--resume``) and, per committed part, its
-    input range, ``digest`` (of its keys, then of its input files' sizes and times:
-    ``KEYS.FILES``), row count and how many rows hold a transient error; plus where the
-    part's bytes are, which each store says (``PartStore``: a part file; the appending
-    store: a range of one growing file).
-    """
+    input range, ``digest`` (``KEYS.FILES``: of its keys, then of its input files' sizes and
+    times), row count, transient errors, and where its bytes are (a part file, or a range)."""
 
     def __init__(self, folder: Path, settings: dict[str, Any],
                  manifest_name: str = MANIFEST_NAME) -> None:
@@ -523,8 +477,7 @@ class PartLedger:
                         if isinstance(part, dict) and "start" in part}
 
     def committed_at(self, start: int) -> tuple[str, int] | None:
-        """The name and end of the committed part that starts at input ``start`` (safe on
-        any thread while parts are committed; no walk over the parts)."""
+        """The name and end of the committed part that starts at input ``start`` (any thread)."""
         name = self._starts.get(start)
         part = self._parts.get(name) if name is not None else None
         return (name, part["end"]) if part is not None else None
@@ -590,19 +543,14 @@ class PartLedger:
     def drop(self, names: Sequence[str]) -> None:
         """Drop recorded parts that are not reused, and their part files, at any time
         (commits may land meanwhile): a folder output must not keep a stale part beside the
-        rows that replace it. The manifest is written whole first, so that it never lists a
-        part whose file is gone."""
+        rows that replace it. The manifest is written whole first (never listing a gone file)."""
         with self._lock:
             dropped = [self.parts[name] for name in names if name in self.parts]
             self.parts = {name: part for name, part in self.parts.items() if name not in names}
             self.save()
         for part in dropped:
-            self._discard(part)
-
-    def _discard(self, part: dict[str, Any]) -> None:
-        """Delete a forgotten part's file (a range of the growing file needs nothing)."""
-        if names_part_file(part):
-            (self.folder / part["file"]).unlink(missing_ok=True)
+            if names_part_file(part):  # a range of the growing file needs nothing
+                (self.folder / part["file"]).unlink(missing_ok=True)
 
     def _record(self, name: str, entry: dict[str, Any]) -> None:
         """Record a committed part: one line appended to the journal and synced (several
@@ -656,26 +604,23 @@ class PartLedger:
                 raise output_os_error(self.journal_path, exc) from None
 
     def compact(self) -> None:
-        """Fold the journal into the manifest once the run's commits are over, so that a
-        finished output is one manifest (written whole once, not at every commit)."""
+        """Fold the journal into the manifest once commits are over: a finished output is one
+        manifest."""
         if self._journal is not None and self.journal_path.exists():
             self.save()
 
 
 class PartStore(PartLedger):
     """Parts as closed files in a folder, each listed by the manifest (its ``file``).
-
     ``drop_cache``: the parts are the output itself (a local folder), never read back by the
-    run, so their pages leave the page cache once synced; not for parts that are joined
-    into a single file or uploaded, which are read again at once."""
+    run, so their pages leave the page cache once synced."""
 
     def __init__(self, folder: Path, settings: dict[str, Any],
                  manifest_name: str = MANIFEST_NAME, drop_cache: bool = False) -> None:
         super().__init__(folder, settings, manifest_name)
         self.drop_cache = drop_cache
         self.file_suffix = ""  # before ``.parquet`` in part file names (``update``: ``.gN``)
-        # ``fetch(file, path)``: takes note of a part that another process wrote to the
-        # output's bucket (``commit_written``), bringing it to ``path`` where it is needed
+        # ``fetch(file, path)``: a part another process wrote to the bucket (``commit_written``)
         self.fetch: Callable[[str, Path], None] | None = None
 
     def _intact_parts(self, data: dict) -> dict[str, dict[str, Any]]:
@@ -718,23 +663,15 @@ class PartStore(PartLedger):
 
 class StreamingAssembler:
     """Builds the single output file from committed parts, in input order, while later parts
-    are still being encoded, so the end of a run only closes the file.
-
-    The file is the parts' bytes joined (``parquet_join.ParquetJoiner``): each committed
-    part's row groups are copied as they are (``copy_file_range``), so a single file costs
-    no second Parquet encode, only a copy. It goes into a hidden temporary in the parts
-    folder (``OUT.partial``, beside ``out``: the same file system); ``finish`` writes its
-    footer, fsyncs it and renames it into place, so ``out`` is never half-written, and a
-    killed run's temporary is left where dsv4enc cleans up. A failed write (e.g. a full
-    disk) is kept and raised by ``finish``; the committed parts stay for ``--resume``.
-    """
+    are still being encoded, so the end of a run only closes the file. Each part's row groups
+    are copied as they are (``parquet_join.ParquetJoiner``): no second Parquet encode. The file
+    is a hidden temporary in the parts folder; ``finish`` writes its footer, fsyncs and renames
+    it into place, or raises the failed write (e.g. a full disk)."""
 
     def __init__(self, store: "PartStore", out: Path, schema: pa.Schema,
                  key_values: dict[bytes, bytes] | None = None) -> None:
-        """The file holds the run's inputs from the first on, taken from whichever committed
-        parts cover them (every part is committed once ``finish`` is called: the file ends
-        where they do). ``key_values``: more key-value metadata for the file's footer (its
-        rows' stamps)."""
+        """The file holds the committed parts from input 0 on, up to where they end once
+        ``finish`` is called. ``key_values``: more footer metadata (its rows' stamps)."""
         self.store, self.out, self.schema = store, out, schema
         self.key_values = key_values or {}
         self.tmp = temp_path(out, store.folder)
@@ -753,8 +690,7 @@ class StreamingAssembler:
             self._cond.notify_all()
 
     def _wait_for(self, position: int) -> tuple[str, int] | None:
-        """Wait until a part that starts at ``position`` is committed (None: aborted, or
-        the parts end there)."""
+        """Wait for the committed part that starts at ``position`` (None: aborted, or none will)."""
         with self._cond:
             while (committed := self.store.committed_at(position)) is None and not self._aborted:
                 if self._footer_ready:
@@ -788,20 +724,21 @@ class StreamingAssembler:
             self.error = exc
 
     def _parts_in_order(self):
-        """Committed parts' files in input order, each as soon as it is committed."""
+        """Committed parts' files in input order, each as soon as it is committed; the time
+        the caller takes over each counts in ``seconds``."""
         position = 0
         while (committed := self._wait_for(position)) is not None:
             name, position = committed
+            began = time.perf_counter()
             yield self.store.folder / self.store.parts[name]["file"]
+            self.seconds += time.perf_counter() - began
 
     def _join(self) -> None:
         """Copy the committed parts, in input order, as they land; then write the footer."""
         joiner = ParquetJoiner(self.tmp)
         try:
             for path in self._parts_in_order():
-                began = time.perf_counter()
                 joiner.append(path)
-                self.seconds += time.perf_counter() - began
             self._wait_for_footer()
             if not self._aborted:
                 joiner.close(self.key_values)
@@ -809,19 +746,16 @@ class StreamingAssembler:
             joiner.abort()
 
     def _encode_again(self) -> None:
-        """Parts that cannot be joined by copying (e.g. committed by a run whose pyarrow
-        wrote other file metadata): read each back and encode it into a new file (its schema
-        holds the footer's metadata, so it starts once that is final)."""
+        """Parts that cannot be joined by copying (e.g. another pyarrow's): read each back and
+        encode it into a new file, once the footer's metadata (in its schema) is final."""
         self._wait_for_footer()
         schema = self._schema_with_key_values()
         with pq.ParquetWriter(self.tmp, schema, **parquet_options(schema)) as writer:
             for path in self._parts_in_order():
-                began = time.perf_counter()
                 handle = pq.ParquetFile(path)
                 for group in range(handle.num_row_groups):
                     writer.write_table(handle.read_row_group(group).replace_schema_metadata(
                         schema.metadata))
-                self.seconds += time.perf_counter() - began
 
     def _schema_with_key_values(self) -> pa.Schema:
         return self.schema.with_metadata({**(self.schema.metadata or {}), **self.key_values})

@@ -11,7 +11,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterable, Iterator, Sequence
 
 import numpy as np
 
@@ -37,16 +37,18 @@ def output_files(path: str | os.PathLike) -> list[Path]:
     manifest = path / MANIFEST_NAME
     if manifest.is_file():
         try:
-            parts = load_manifest(manifest).get("parts", {}).values()
-            ordered = sorted(parts, key=lambda p: (p["start"], p["file"]))
-            files = [path / p["file"] for p in ordered if (path / p["file"]).is_file()]
-            listed = set(files)
-            # Rank manifests (--shard-output before the merge) may list more parts.
-            others = [f for f in _parquet_under(path) if f not in listed]
-            return files + others
+            files = part_files(path, load_manifest(manifest).get("parts", {}).values())
+            listed = set(files)  # rank manifests (before the merge) may list more parts
+            return files + [f for f in _parquet_under(path) if f not in listed]
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
             pass
     return _parquet_under(path)
+
+
+def part_files(folder: Path, parts: Iterable[dict]) -> list[Path]:
+    """The files of manifest ``parts`` that are in ``folder``, in input order."""
+    ordered = sorted(parts, key=lambda p: (p["start"], p["file"]))
+    return [folder / p["file"] for p in ordered if (folder / p["file"]).is_file()]
 
 
 def journal_path(manifest: Path) -> Path:
@@ -56,13 +58,10 @@ def journal_path(manifest: Path) -> Path:
 
 def load_manifest(path: Path) -> Any:
     """A manifest's JSON with the parts its journal committed since it was last written whole
-    (raises OSError, ValueError). Every reader of the committed parts goes through here.
-
-    A run appends one line per committed part to the journal (fsynced) instead of rewriting
-    the manifest, so that a commit costs the same at part 10 and at part 10^5; the manifest
-    is written whole only when a run starts, resumes or finishes. The journal applies when
-    its first line names the manifest's ``journal`` token (an older journal is stale); a
-    last line without its newline is a torn write, and ignored."""
+    (raises OSError, ValueError). Every reader of the committed parts goes through here. A run
+    appends one synced line per committed part to the journal instead of rewriting the
+    manifest, so that a commit costs the same at part 10 and at part 10^5. The journal applies
+    when its first line names the manifest's ``journal`` token (an older one is stale)."""
     data = json.loads(path.read_text())
     if (isinstance(data, dict) and isinstance(data.get("parts"), dict)
             and isinstance(data.get("journal"), str)):
@@ -72,7 +71,8 @@ def load_manifest(path: Path) -> Any:
 
 def journal_entries(path: Path, token: str) -> Iterator[tuple[str, dict]]:
     """``(name, part)`` per whole line of the journal at ``path`` whose header names
-    ``token``, in commit order; nothing when it is missing or another manifest's."""
+    ``token``, in commit order; nothing when it is missing or another manifest's. A last line
+    without its newline is a torn write, and ignored."""
     try:
         handle = open(path, "rb")
     except OSError:
@@ -154,9 +154,8 @@ def _metadata_of(schema) -> dict[str, Any]:
 
 def embedding_arrays(column, fmt: EmbeddingFormat | None = None) -> list[np.ndarray | None]:
     """One numpy array per row of an ``embedding`` Arrow column: (rows, width), or (width,)
-    for pooled vectors; None where the value is null. Copies, exact dtype.
-
-    ``fmt`` is needed for the binary layout (its cells do not say their dtype or width)."""
+    for pooled vectors; None where the value is null. Copies, exact dtype. ``fmt`` is needed
+    for the binary layout (its cells do not say their dtype or width)."""
     return [None if view is None else owned_copy(view)
             for view in embedding_views(column, fmt)]
 
@@ -242,11 +241,10 @@ def read_embeddings(path: str | os.PathLike, columns: Sequence[str] | None = Non
 
     ``errors="skip"`` (default) passes over rows whose image failed; ``errors="include"``
     yields them too, with ``None`` for the embedding and grid (dicts: the stored nulls).
-    ``copy=False`` yields read-only views of the batch Parquet was read into instead of
-    copies (no copy made: faster); each view keeps its whole batch's memory alive while it
-    is kept. Memory stays at one batch (``batch_rows`` rows; default: about ``BATCH_BYTES``
-    of embeddings, at most ``BATCH_ROWS`` rows) and what the caller keeps, whatever the
-    file's size. Files are read through a memory map.
+    ``copy=False`` yields read-only views of the batch instead of copies (faster; each view
+    keeps its whole batch alive). Memory stays at one batch (``batch_rows`` rows; default:
+    about ``BATCH_BYTES`` of embeddings, at most ``BATCH_ROWS`` rows), memory-mapped, and what
+    the caller keeps, whatever the file's size.
     """
     import pyarrow.parquet as pq
 

@@ -1,16 +1,16 @@
 """``--out`` in object storage (``s3://bucket/out.parquet``, ``s3://bucket/out/``).
 
 Object stores have no rename, so a run's output is built in a local staging folder by the
-same code as any local output and mirrored to the store in an order that keeps it
-crash-safe: a part object is uploaded whole, the manifest object (the commit record) after
-every part it lists, and a single file as one object at the end, whole or absent
-(``storage.upload_file_whole``). Before the run, the output's dsv4enc objects are brought
-into the staging folder (``RemoteOutput.pull``), so that the local checks decide exactly as
-for a local path. docs/object-storage.md tells the whole protocol.
+same code as any local output and mirrored to the store in a crash-safe order: a part object
+whole, the manifest object (the commit record) after every part it lists, and a single file
+as one object at the end (``storage.upload_file_whole``). Before the run, the output's dsv4enc
+objects are brought into the staging folder (``RemoteOutput.pull``), so that the local checks
+decide as for a local path. docs/object-storage.md tells the whole protocol.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -46,24 +46,21 @@ class RemoteOutput:
                  resume: bool = False, update: bool = False, overwrite: bool = False,
                  shard_output: bool = False, rank: int = 0, world_size: int = 1,
                  gather: Callable[[Any], list[Any]] | None = None) -> None:
-        """``out``: the URL; ``writer``: this process touches the store; ``inputs``,
-        ``resume``, ``update``, ``overwrite``, ``shard_output``: the run's (--resume brings the
-        committed parts into the staging, --update the finished output's rows too, --overwrite
-        replaces the earlier manifests); ``rank`` and ``world_size``: this process's place
-        among torchrun's ranks; ``gather(value)``: every rank's ``value`` in rank order
-        (``run/ranks.Topology.gather``; this process's alone by default)."""
+        """``out``: the URL; ``writer``: this process touches the store (rank 0, or every rank
+        sharded); ``inputs``, ``resume``, ``update``, ``overwrite``, ``shard_output``: the
+        run's; ``rank``, ``world_size``: this process's place among torchrun's ranks;
+        ``gather(value)``: every rank's ``value`` in rank order (``run/ranks.Topology.gather``;
+        this process's alone by default)."""
         self.given = out
         self.url = out.rstrip("/")
-        self.inputs, self.resume, self.overwrite = list(inputs), resume, overwrite
-        self.update = update
-        self.rank, self.world_size = rank, world_size
-        self.is_main = rank == 0
+        self.inputs, self.resume, self.update = list(inputs), resume, update
+        self.overwrite, self.writer = overwrite, writer
+        self.rank, self.world_size, self.is_main = rank, world_size, rank == 0
         self._gather = gather if gather is not None else (lambda value: [value])
         # --shard-output of torchrun ranks: every rank writes its own parts and manifest
         self.sharded = bool(shard_output) and world_size > 1
-        self.writer = writer  # this process touches the store (rank 0, or every rank sharded)
-        # Raised by ``pull``, which every rank waits for: rank 0 failing alone here would
-        # leave the other ranks waiting in a collective.
+        # Raised by ``pull``, which every rank waits for (rank 0 failing alone here would
+        # leave the other ranks waiting in a collective)
         self._problem: DsvError | None = None
         self.folder_mode = out.endswith("/") or bool(shard_output)
         if self.is_main and not self.folder_mode:
@@ -88,26 +85,23 @@ class RemoteOutput:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._lock_mutex = threading.Lock()
-        # --overwrite: the earlier run's manifests, deleted before this run uploads a part
-        # (a part object may take an old name: no old manifest may list it meanwhile).
+        # --overwrite: the earlier run's manifests, deleted before a part upload (``drop_replaced``)
         self._replaced: set[str] = set()
 
     @property
     def max_file_bytes(self) -> int | None:
-        """The largest single-file output this store takes in one upload (None: a folder
-        output, or no known limit)."""
+        """The largest single file this store takes in one upload (None: a folder, or no limit)."""
         return None if self.folder_mode else storage.max_object_bytes(self.url)
 
     @classmethod
     def for_out(cls, out: str, **settings) -> "RemoteOutput | None":
-        """The remote output for a URL ``out`` (``settings``: as the constructor's), None
-        for a local one."""
+        """The remote output for a URL ``out`` (``settings``: the constructor's), None if local."""
         return cls(out, **settings) if storage.is_url(out) else None
 
     # -- whose files -------------------------------------------------------------------------
     def _mine(self, name: str) -> bool:
-        """Whether this rank mirrors the manifest or part ``name``: every one, unless each
-        rank writes its own (``layout.OutputLayout.manifest_name``, the parts named for it)."""
+        """Whether this rank mirrors the manifest or part ``name``: every one, unless each rank
+        writes its own (``layout.OutputLayout.manifest_name``)."""
         if not self.sharded:
             return True
         if MANIFEST_FILE.fullmatch(name):
@@ -131,10 +125,9 @@ class RemoteOutput:
 
     def run(self, encode: Callable[[], T],
             main_then_all: Callable[[Callable[[], None]], None]) -> T:
-        """``encode()`` (the run, writing to the staging folder) between ``pull`` and
-        ``finish``; a failed or stopped run leaves its committed parts in the store. Messages
-        name the store, not the staging folder. ``main_then_all(action)``: runs ``pull`` on
-        rank 0 and raises its error on every rank (``run/ranks.Topology``)."""
+        """``encode()`` (writing to the staging folder) between ``pull`` and ``finish``; a
+        failed run leaves its committed parts in the store. Messages name the store.
+        ``main_then_all(action)``: ``pull`` on rank 0, its error on every rank (``run/ranks``)."""
         try:
             main_then_all(self.pull)
             if self.sharded:
@@ -162,10 +155,8 @@ class RemoteOutput:
     # -- before the run --------------------------------------------------------------------
     def pull(self) -> None:
         """Check the inputs against the output, take the lock object, and bring the output's
-        dsv4enc state into the staging folder (on the writing rank): its manifests, its parts
-        with ``--resume`` or ``--update``, and empty stand-ins for the final file and for
-        foreign objects, so that ``--overwrite``, ``--resume`` and "not a dsv4enc output"
-        decide as for a local path. A missing bucket or a denied permission is one line."""
+        dsv4enc state into the staging folder (its manifests, its parts with ``--resume`` or
+        ``--update``, empty stand-ins for the final file and foreign objects) for the checks."""
         if self._problem is not None:
             raise self._problem
         try:
@@ -199,9 +190,8 @@ class RemoteOutput:
                 (self.local_parts / obj.key.split("/", 1)[0]).touch()
         self._note_manifests()
         if self.sharded and self.overwrite:
-            # Before any rank uploads a part, the manifests that list other ranks' parts go
-            # (the merged one, those of ranks this run does not have): none may list a part
-            # object that its rank replaces meanwhile. Each rank replaces its own manifest.
+            # Before any rank uploads a part, the manifests no rank of this run replaces go (the
+            # merged one, those of ranks it lacks): none may list a part replaced meanwhile.
             for obj in objects:
                 numbered = re.fullmatch(r"_manifest-rank(\d{3})\.json", obj.key)
                 if MANIFEST_FILE.fullmatch(obj.key) and (
@@ -277,9 +267,9 @@ class RemoteOutput:
     # -- the lock object -------------------------------------------------------------------
     @property
     def lock_object(self) -> str:
-        """The lock's URL, ``PARTS/.dsv4enc.lock`` (``flock`` cannot work on a bucket): pid,
-        host and time, rewritten every ``HEARTBEAT_S``; a run refuses while another's is
-        fresh (``_stale``). Stores have no atomic create-if-absent: start one run per output."""
+        """The lock's URL in the parts folder: pid, host and time, rewritten every
+        ``HEARTBEAT_S``; a run refuses while another's is fresh (``_stale``). Stores have no
+        atomic create-if-absent: start one run per output."""
         return storage.join(self.parts_url, LOCK_NAME)
 
     def _take_lock(self) -> None:
@@ -309,9 +299,8 @@ class RemoteOutput:
 
     # -- during the run ----------------------------------------------------------------------
     def _loop(self) -> None:
-        """Sync and refresh the lock until the run ends. A failed round (after the
-        retries) is logged once and tried again next round; the run's end syncs once more
-        and fails if that fails too."""
+        """Sync and refresh the lock until the run ends. A failed round is logged once and
+        tried again; the run's end syncs once more and fails if that fails too."""
         beat = time.monotonic()
         while not self._stop.wait(SYNC_S):
             try:
@@ -340,30 +329,26 @@ class RemoteOutput:
                 content = _whole_manifest(manifest)
                 if content is None:
                     continue
-                if self._manifests.get(manifest.name) == content:
-                    self._seen[manifest.name] = state
-                    continue
-                try:
-                    for name in _listed_files(json.loads(content)):
-                        self._upload_part(name)
-                except FileNotFoundError:
-                    continue  # the run removed its parts meanwhile (the final file is made)
-                storage.upload(storage.join(self.parts_url, manifest.name), content)
-                self._manifests[manifest.name] = content
+                if self._manifests.get(manifest.name) != content:
+                    try:
+                        for name in _listed_files(json.loads(content)):
+                            self._upload_part(name)
+                    except FileNotFoundError:
+                        continue  # the run removed its parts meanwhile (the final file is made)
+                    storage.upload(storage.join(self.parts_url, manifest.name), content)
+                    self._manifests[manifest.name] = content
                 self._seen[manifest.name] = state
 
     def adopt_part(self, name: str, path: Path) -> None:
-        """Part file ``name`` was uploaded to the parts folder by the process that wrote it
-        (an ``--engine ray`` actor): never uploaded again; brought to ``path`` in the
-        staging folder only where the final file is joined from it."""
+        """Part file ``name`` was uploaded by the process that wrote it (a ray actor): never
+        uploaded again; brought to ``path`` only where the final file is joined from it."""
         self._in_store.add(name)
         if not self.folder_mode:
             self._download(storage.join(self.parts_url, name), path)
 
     def drop_replaced(self) -> None:
-        """Delete the earlier run's manifests that ``--overwrite`` replaces: before any part
-        object is uploaded (by this process, or by the actors that write their own parts),
-        since a part object may take an old name."""
+        """Delete the earlier run's manifests that ``--overwrite`` replaces, before any part
+        object is uploaded (by this process or the actors): a part may take an old name."""
         for manifest in sorted(self._replaced):
             storage.delete(storage.join(self.parts_url, manifest))
             self._replaced.discard(manifest)
@@ -388,8 +373,7 @@ class RemoteOutput:
 
     def finish(self) -> None:
         """The run succeeded: upload what is left (the final file as one object), then delete
-        the store's parts that are no longer part of the output. Sharded: every rank uploads
-        its own, then (once all have) rank 0 the merged manifest."""
+        the store's parts no longer in the output (sharded: rank 0 uploads the merged manifest)."""
         self._stop_loop()
         if not self.writer:
             return
@@ -421,8 +405,8 @@ class RemoteOutput:
 
     def abandon(self, quiet: bool = False) -> None:
         """The run failed or was stopped: its committed parts go to the store (for
-        ``--resume``); a manifest that the run removed locally (nothing committed) goes too.
-        ``quiet``: the store is down (the run's one line says so); nothing more is said."""
+        ``--resume``), and a manifest the run removed locally is deleted there. ``quiet``: the
+        store is down (the run's one line says so)."""
         self._stop_loop()
         if not self.writer:
             return
@@ -439,15 +423,12 @@ class RemoteOutput:
         """How many finished parts the store's manifests (this rank's) list."""
         count = 0
         for content in self._manifests.values():
-            try:
+            with contextlib.suppress(ValueError, AttributeError):
                 count += len(json.loads(content).get("parts", {}))
-            except (ValueError, AttributeError):
-                pass
         return count
 
     def _delete_unlisted(self, manifests: list[str]) -> None:
-        """Part objects none of ``manifests`` (local names) lists (an earlier run's, replaced
-        by this one's)."""
+        """Delete the part objects none of ``manifests`` (local names) lists."""
         listed = {name for manifest in manifests
                   for name in _listed_files(read_manifest(self.local_parts / manifest) or {})}
         for obj in storage.list_files(self.parts_url):
@@ -475,8 +456,7 @@ class RemoteOutput:
 
 
 def _listed_files(document: dict) -> list[str]:
-    """The part files a manifest document lists, and its row stamps file (a finished
-    folder's, ``update``)."""
+    """The part files a manifest document lists, and its row stamps file (``update``)."""
     files = [part["file"] for part in document.get("parts", {}).values()]
     stamps = document.get("stamps")
     if isinstance(stamps, dict) and STAMPS_FILE.fullmatch(str(stamps.get("file"))):
@@ -485,8 +465,8 @@ def _listed_files(document: dict) -> list[str]:
 
 
 def _whole_manifest(path: Path) -> bytes | None:
-    """A local manifest with its journal applied, as the one object the store keeps (the
-    store has no journal: its manifest object is replaced whole); None when it is gone."""
+    """A local manifest with its journal applied, as the one object the store keeps (it has
+    no journal); None when it is gone."""
     try:
         document = load_manifest(path)
     except (OSError, ValueError):
@@ -519,8 +499,7 @@ def _ours(key: str) -> bool:
 
 
 def _stale(held: dict) -> bool:
-    """Whether a lock object's holder is gone: a dead process on this host, or no refresh
-    for ``STALE_S``."""
+    """Whether a lock object's holder is gone: a dead process on this host, or stale ``STALE_S``."""
     if time.time() - float(held.get("time", 0)) > STALE_S:
         return True
     if held.get("host") == socket.gethostname():

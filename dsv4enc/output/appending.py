@@ -15,6 +15,7 @@ input order (readers skip the parts' own footers), then a sync and a rename to `
 from __future__ import annotations
 
 import base64
+import copy
 import logging
 import os
 import struct
@@ -25,10 +26,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from ..errors import OutputError
-from .parquet_join import (FILE_NUM_ROWS, FILE_ROW_GROUPS, T_I64, T_LIST, T_STRUCT, MAGIC,
-                             JoinError, copy_range, footer_bytes, move_group, CompactReader,
-                             row_groups, schema_part, CompactWriter, read_footer,
-                             with_key_values)
+from .parquet_join import (FILE_NUM_ROWS, FILE_ROW_GROUPS, GROUP_NUM_ROWS, T_I64, T_LIST,
+                           T_STRUCT, MAGIC, CompactReader, CompactWriter, JoinError, copy_range,
+                           footer_bytes, group_span, move_group, read_footer, row_groups,
+                           schema_part, with_key_values)
 from .parts import (MANIFEST_NAME, PartLedger, fsync_dir, is_journal_entry,
                      names_part_file, part_intact, drop_cached_pages, output_os_error,
                      parquet_options, transient_errors)
@@ -68,6 +69,23 @@ def serialize(table: pa.Table, row_group_size: int) -> pa.Buffer:
     pq.write_table(table, sink, row_group_size=row_group_size,
                    **parquet_options(table.schema))
     return sink.getvalue()
+
+
+def _field(fields: list[list], field: int) -> Any:
+    return next(value for key, _, value in fields if key == field)
+
+
+def _joinable_footer(path: Path) -> list[list] | None:
+    """The decoded footer of the Parquet file at ``path`` where its row groups can be moved
+    (no page indexes: their offsets lie outside); else None."""
+    try:
+        with open(path, "rb") as source:
+            footer, _ = read_footer(source, os.fstat(source.fileno()).st_size)
+        for group in row_groups(footer):
+            move_group(group, 0, 0)  # raises JoinError where offsets lie outside
+    except (OSError, JoinError):
+        return None
+    return footer
 
 
 def _footer(data: pa.Buffer) -> tuple[list[list], int]:
@@ -218,14 +236,34 @@ class AppendingStore(PartLedger):
         path = self.folder / part["file"]
         if not part_intact(path, part.get("rows")):
             return False
+        footer = _joinable_footer(path)
+        return footer is not None and self._fits(footer)
+
+    def file_groups(self, path: Path, ignore: bytes) -> list[tuple[int, list]] | None:
+        """The row groups (rows, decoded group) of the finished file at ``path`` where their
+        bytes can join this file's: the same footer but for its rows and its key-value entry
+        ``ignore`` (an update's stamps); else None."""
+        footer = _joinable_footer(path)
+        blank = {ignore: b""}
+        if footer is None or (with_key_values(schema_part(footer), blank)
+                              != with_key_values(_unpack(T_STRUCT, self.extra["footer"]), blank)):
+            return None
+        return [(_field(group, GROUP_NUM_ROWS), group) for group in row_groups(footer)]
+
+    def copy_groups(self, name: str, path: Path, groups: list[list], entry: dict) -> None:
+        """Append ``groups`` (of the file at ``path``, from ``file_groups``) by copying their
+        bytes, closed by a footer of their own, and journal them as part ``name`` (``entry``:
+        its inputs, as ``commit`` records them): rows never decoded."""
+        spans = [group_span(group) for group in groups]
+        low, high = min(start for start, _ in spans), max(end for _, end in spans)
+        moved = copy.deepcopy(groups)
+        for ordinal, group in enumerate(moved):
+            move_group(group, len(MAGIC) - low, ordinal)
         try:
-            with open(path, "rb") as source:
-                footer, _ = read_footer(source, os.fstat(source.fileno()).st_size)
-            for group in row_groups(footer):
-                move_group(group, 0, 0)  # raises JoinError where offsets lie outside
-        except (OSError, JoinError):
-            return False
-        return self._fits(footer)
+            self._append_copy(name, path, low, high - low, footer_bytes(
+                self._footer_of(moved, entry["rows"])), entry)
+        except JoinError as exc:
+            raise OutputError(f"cannot update {self.out}: {path}: {exc}") from None
 
     def forget(self, names: Sequence[str]) -> None:
         """Drop the parts this run does not reuse, cut the file after the last range still
@@ -256,25 +294,36 @@ class AppendingStore(PartLedger):
         """Copy a part file of the earlier design into the growing file and journal it, then
         delete the file (its bytes are recorded here now)."""
         path = self.folder / part["file"]
+        entry = {key: part[key] for key in ("start", "end", "digest", "rows", "transient")
+                 if key in part}
         try:
-            with open(path, "rb") as source, open(self.path, "r+b") as target:
+            with open(path, "rb") as source:
                 size = os.fstat(source.fileno()).st_size
                 read_footer(source, size)  # a damaged file raises JoinError here
-                length = size - len(MAGIC)
-                target.seek(self._end)
-                copy_range(source, target, len(MAGIC), length)
-                target.flush()
-                _sync_data(target.fileno())
+            self._append_copy(name, path, len(MAGIC), size - len(MAGIC), b"", entry)
         except JoinError as exc:  # checked by _joinable: only if changed since
             raise OutputError(f"cannot resume: {path}: {exc}; use --overwrite to start "
                               "over") from None
         except OSError as exc:
             raise output_os_error(self.path, exc) from None
-        entry = {key: part[key] for key in ("start", "end", "digest", "rows", "transient")
-                 if key in part}
+        path.unlink(missing_ok=True)
+
+    def _append_copy(self, name: str, path: Path, offset: int, count: int, tail: bytes,
+                     entry: dict[str, Any]) -> None:
+        """Append ``count`` bytes at ``offset`` of ``path``, then ``tail``, sync, and journal
+        them as part ``name`` (before any commit: nothing else is appended meanwhile)."""
+        try:
+            with open(path, "rb") as source, open(self.path, "r+b") as target:
+                target.seek(self._end)
+                copy_range(source, target, offset, count)
+                target.write(tail)
+                target.flush()
+                _sync_data(target.fileno())
+        except OSError as exc:
+            raise output_os_error(self.path, exc) from None
+        length = count + len(tail)
         self._record(name, {**entry, "offset": self._end, "length": length})
         self._end += length
-        path.unlink(missing_ok=True)
 
     # -- committing ------------------------------------------------------------------
     def commit(self, name: str, table: pa.Table, row_group_size: int, start: int, end: int,
@@ -360,11 +409,13 @@ class AppendingStore(PartLedger):
                 # Its offsets count from its own file's start, where PAR1 preceded its bytes.
                 move_group(group, part["offset"] - len(MAGIC), len(groups))
                 groups.append(group)
+        return footer_bytes(with_key_values(
+            self._footer_of(groups, sum(p["rows"] for p in ordered)), self.key_values))
+
+    def _footer_of(self, groups: list[list], rows: int) -> list[list]:
         fields = _unpack(T_STRUCT, self.extra["footer"]) + [
-            [FILE_NUM_ROWS, T_I64, sum(p["rows"] for p in ordered)],
-            [FILE_ROW_GROUPS, T_LIST, (T_STRUCT, groups)]]
-        return footer_bytes(with_key_values(sorted(fields, key=lambda field: field[0]),
-                                            self.key_values))
+            [FILE_NUM_ROWS, T_I64, rows], [FILE_ROW_GROUPS, T_LIST, (T_STRUCT, groups)]]
+        return sorted(fields, key=lambda field: field[0])
 
     def finish(self) -> None:
         """Write the footer after the last part, sync, and rename the file to ``out``."""

@@ -26,9 +26,10 @@ T_STOP, T_TRUE, T_FALSE, T_BYTE, T_I16, T_I32, T_I64, T_DOUBLE, T_BINARY, T_LIST
 
 # Field ids of parquet.thrift that hold file offsets or need joining.
 FILE_NUM_ROWS, FILE_ROW_GROUPS, FILE_KEY_VALUES = 3, 4, 5
-GROUP_COLUMNS, GROUP_FILE_OFFSET, GROUP_ORDINAL = 1, 5, 7
+GROUP_COLUMNS, GROUP_NUM_ROWS, GROUP_FILE_OFFSET, GROUP_ORDINAL = 1, 3, 5, 7
 CHUNK_FILE_OFFSET, CHUNK_META = 2, 3
 CHUNK_INDEX_FIELDS = (4, 5, 6, 7)  # offset/column index offsets and lengths
+META_SIZE, META_DATA_PAGE, META_DICTIONARY_PAGE = 7, 9, 11  # total_compressed_size, offsets
 META_OFFSETS = (9, 10, 11)  # data, index and dictionary page offsets
 META_BLOOM = (14, 15)
 
@@ -233,6 +234,16 @@ def move_group(group: list[list], shift: int, ordinal: int) -> None:
                         raise JoinError("a file with bloom filters cannot be joined by copying")
                     if meta[0] in META_OFFSETS:
                         meta[2] += shift
+
+
+def group_span(group: list[list]) -> tuple[int, int]:
+    """Where a row group's column chunks lie in its file: (first byte, end)."""
+    spans = []
+    for chunk in _get(group, GROUP_COLUMNS)[2][1]:
+        meta = {field[0]: field[2] for field in _get(chunk, CHUNK_META)[2]}
+        start = min(meta[k] for k in (META_DATA_PAGE, META_DICTIONARY_PAGE) if meta.get(k))
+        spans.append((start, start + meta[META_SIZE]))
+    return min(start for start, _ in spans), max(end for _, end in spans)
 
 
 def with_key_values(footer: list[list], entries: dict[bytes, bytes] | None) -> list[list]:

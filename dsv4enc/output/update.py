@@ -345,10 +345,16 @@ class Update:
         return out
 
     def keep_parts(self, store: PartStore, todo: Sequence, planned: Sequence) -> tuple[list, int]:
-        """A folder's old parts whose rows this run takes unchanged and in one piece are kept
-        as they are: recorded in ``store`` by reference (``kept``), their segments dropped
-        from ``todo`` (``run/plan.Part``s). Only parts that hold changed, new or gone inputs
-        are written again. Returns the segments still to encode and the rows kept."""
+        """Old parts whose rows this run takes unchanged, in order and on its segment bounds,
+        are kept as they are, their segments dropped from ``todo`` (``run/plan.Part``s): a
+        folder's part file by reference (``kept``), a single file's row groups copied by
+        bytes into the file ``store`` appends to (never decoded). Only parts that hold
+        changed, new or gone inputs are written again. Returns the segments still to encode
+        and the rows kept."""
+        from .appending import AppendingStore
+
+        if not self.old.folder and isinstance(store, AppendingStore):
+            return self._copy_groups(store, todo, planned)
         if not self.old.folder or self.staging is None or not todo:
             return list(todo), 0
         new_of = {old: new for new, old in self.carried.items()}
@@ -372,6 +378,29 @@ class Update:
             dropped.update(range(i, j + 1))
             kept += rows
         return [p for k, p in enumerate(todo) if k not in dropped], kept
+
+    def _copy_groups(self, store, todo: Sequence,
+                     planned: Sequence) -> tuple[list, int]:
+        """A single file's segments whose rows are old rows unchanged and in order, from one
+        row-group bound of the old file to another: those row groups' bytes are copied."""
+        groups = store.file_groups(self.old.out, STAMPS_KEY)
+        if groups is None:  # another footer (pyarrow, --part-images): its rows are carried
+            return list(todo), 0
+        bounds = {int(row): g for g, row in enumerate(np.cumsum([0] + [n for n, _ in groups]))}
+        left, kept = [], 0
+        for part in todo:
+            first, rows = self.carried.get(part.start), part.end - part.start
+            if first not in bounds or first + rows not in bounds or not all(
+                    self.carried.get(part.start + k) == first + k for k in range(rows)):
+                left.append(part)
+                continue
+            store.copy_groups(part.name, self.old.out,
+                              [g for _, g in groups[bounds[first]:bounds[first + rows]]],
+                              {"start": part.start, "end": part.end, "rows": rows,
+                               "digest": inputs_digest(planned[part.start:part.end]),
+                               "transient": 0})
+            kept += rows
+        return left, kept
 
     # -- the end --------------------------------------------------------------------------
     def finish_folder(self, store: PartStore, stamps: np.ndarray, options: dict) -> None:

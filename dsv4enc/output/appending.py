@@ -1,15 +1,12 @@
 """A single-file output written once: each part's bytes are appended to one growing file.
 
-A local single-file ``--out`` of a one-process run keeps no part files, which would write
-every embedding byte twice. Each writer thread reserves a byte range at the end of
-``OUT.partial/_growing.parquet``, has pyarrow write the part's Parquet file straight into it
-but for the leading ``PAR1`` (``pwrite``), syncs it, and only then records the part in the
-manifest's journal: its input range and digest, as for a part file, and its byte range, which
-ends with the part's own footer. A kill leaves the journal naming only ranges that are whole
-on disk; ``--resume`` cuts the file after the last recorded range and appends after it. The
-run ends with one footer listing every part's row groups, moved to where they landed, in
-input order (readers skip the parts' own footers), then a sync and a rename to ``out``, so
-``out`` is never half-written.
+A local single-file ``--out`` of a one-process run keeps no part files (they would write every
+embedding byte twice). Each writer thread reserves a byte range at the end of
+``OUT.partial/_growing.parquet``, has pyarrow write the part's Parquet file into it but for the
+leading ``PAR1``, syncs it, and only then journals the part: its inputs, as for a part file, and
+its byte range, which ends with the part's own footer. ``--resume`` cuts the file after the last
+recorded range. The run ends with one footer listing every part's row groups, moved to where
+they landed, in input order, then a sync and a rename to ``out``: never half-written.
 """
 
 from __future__ import annotations
@@ -26,10 +23,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from ..errors import OutputError
-from .parquet_join import (FILE_NUM_ROWS, FILE_ROW_GROUPS, GROUP_NUM_ROWS, T_I64, T_LIST,
-                           T_STRUCT, MAGIC, CompactReader, CompactWriter, JoinError, copy_range,
-                           footer_bytes, group_span, move_group, read_footer, row_groups,
-                           schema_part, with_key_values)
+from .parquet_join import (GROUP_NUM_ROWS, MAGIC, CompactReader, CompactWriter, JoinError,
+                           copy_range, footer_bytes, group_span, move_group, read_footer,
+                           row_groups, schema_part, whole_footer, with_key_values)
 from .parts import (MANIFEST_NAME, PartLedger, fsync_dir, is_journal_entry,
                      names_part_file, part_intact, drop_cached_pages, output_os_error,
                      parquet_options, transient_errors)
@@ -46,33 +42,20 @@ AVAILABLE = hasattr(os, "pwrite") and hasattr(os, "pread")
 _sync_data = getattr(os, "fdatasync", os.fsync)
 
 
-def _pack(kind: int, value: Any) -> str:
-    """Thrift compact bytes of ``value`` as text for the JSON journal."""
+def _pack(fields: list[list]) -> str:
+    """A Thrift compact struct as text for the JSON journal."""
     writer = CompactWriter()
-    if kind == T_STRUCT:
-        writer.struct(value)
-    else:
-        writer.value(kind, value)
+    writer.struct(fields)
     return base64.b64encode(bytes(writer.out)).decode("ascii")
 
 
-def _unpack(kind: int, text: str) -> Any:
-    reader = CompactReader(base64.b64decode(text))
-    return reader.struct() if kind == T_STRUCT else reader.value(kind)
-
-
 def serialize(table: pa.Table, row_group_size: int) -> pa.Buffer:
-    """``table`` as a Parquet file in memory, with the settings of a part file: for the
-    schema's probe and a part that outgrew its reservation only (a growing buffer costs
-    fresh pages, more CPU than writing the file)."""
+    """``table`` as a Parquet file in memory, as a part file would hold it: only for the
+    schema's probe and a part that outgrew its reservation (a growing buffer costs CPU)."""
     sink = pa.BufferOutputStream()
     pq.write_table(table, sink, row_group_size=row_group_size,
                    **parquet_options(table.schema))
     return sink.getvalue()
-
-
-def _field(fields: list[list], field: int) -> Any:
-    return next(value for key, _, value in fields if key == field)
 
 
 def _joinable_footer(path: Path) -> list[list] | None:
@@ -88,14 +71,9 @@ def _joinable_footer(path: Path) -> list[list] | None:
     return footer
 
 
-def _footer(data: pa.Buffer) -> tuple[list[list], int]:
-    return read_footer(pa.BufferReader(data), data.size)
-
-
 def _range_footer(fd: int, offset: int, length: int) -> list[list] | None:
-    """The footer that closes the range ``[offset, offset + length)`` of a growing file (a
-    part's Parquet file less its leading ``PAR1``: column chunks, footer, its length, PAR1),
-    decoded; None where the range does not end with one."""
+    """The decoded footer that closes the range ``[offset, offset + length)`` of a growing
+    file (a part's Parquet file less its leading ``PAR1``); None where there is none."""
     end = offset + length
     try:
         tail = os.pread(fd, 8, end - 8)
@@ -107,15 +85,6 @@ def _range_footer(fd: int, offset: int, length: int) -> list[list] | None:
         return None
 
 
-def _size_if_parquet_start(path: Path) -> int:
-    """The size of the file at ``path`` if it starts with ``PAR1``, else 0."""
-    try:
-        with open(path, "rb") as handle:
-            return os.fstat(handle.fileno()).st_size if handle.read(len(MAGIC)) == MAGIC else 0
-    except OSError:
-        return 0
-
-
 def pwrite_all(fd: int, data: memoryview, offset: int) -> None:
     while data:
         written = os.pwrite(fd, data[:_MAX_WRITE], offset)
@@ -125,9 +94,8 @@ def pwrite_all(fd: int, data: memoryview, offset: int) -> None:
 def group_room(table: pa.Table, row_group_size: int) -> int:
     """Bytes to reserve for a part: a little more than its Parquet file takes. Embeddings
     are stored uncompressed, so their Arrow size bounds them; each row group adds page
-    headers, statistics and its footer entry (a few KB). A part that needs more is written
-    through memory (``commit``); the slack of a range that another was reserved after stays
-    in the file as an unreferenced gap."""
+    headers, statistics and its footer entry (a few KB). A part that needs more goes through
+    memory (``commit``); the slack of a range reserved before another stays as a gap."""
     groups = -(-max(table.num_rows, 1) // max(row_group_size, 1))
     return int(table.nbytes * 1.01) + (256 << 10) + (32 << 10) * groups
 
@@ -138,9 +106,8 @@ class _NoRoom(Exception):
 
 class RangeSink:
     """A write-only file for pyarrow's Parquet writer that puts byte ``i`` of the file it is
-    given at ``base + i - 4`` of the growing file: the leading ``PAR1`` is dropped, so the
-    column chunks start at ``base``; past ``room`` bytes it raises ``_NoRoom``. No copy in
-    between: each page goes from Arrow's buffer to the file (``pwrite``)."""
+    given at ``base + i - 4`` of the growing file (the leading ``PAR1`` is dropped), straight
+    from Arrow's buffer; past ``room`` bytes it raises ``_NoRoom``."""
 
     def __init__(self, fd: int, base: int, room: int) -> None:
         self.fd, self.base, self.room = fd, base, room
@@ -172,11 +139,8 @@ class RangeSink:
 
 
 class AppendingStore(PartLedger):
-    """The journaled growing file of a single-file output (see the module's doc).
-
-    Also the run's finisher (as ``parts.StreamingAssembler`` is for part files): ``finish``
-    writes the footer and renames the file to ``out``; ``abort`` keeps it for ``--resume``.
-    """
+    """The journaled growing file of a single-file output (see the module's doc), and the
+    run's finisher (as ``parts.StreamingAssembler`` is for part files)."""
 
     def __init__(self, folder: Path, settings: dict[str, Any], schema: pa.Schema, out: Path,
                  manifest_name: str = MANIFEST_NAME) -> None:
@@ -185,8 +149,9 @@ class AppendingStore(PartLedger):
         # What every part's footer holds besides its row groups (schema, key-value metadata,
         # writer): the same for every table of this schema, an empty one included. Kept in
         # the journal, so that a resume by another pyarrow (other footers) starts over.
-        probe, _ = _footer(serialize(schema.empty_table(), 1))
-        self.extra = {"footer": _pack(T_STRUCT, schema_part(probe))}
+        data = serialize(schema.empty_table(), 1)
+        probe, _ = read_footer(pa.BufferReader(data), data.size)
+        self.extra = {"footer": _pack(schema_part(probe))}
         self._fd: int | None = None
         self._end = len(MAGIC)  # where the next part's bytes go
         #: more key-value metadata for the final footer (its rows' stamps: ``update``)
@@ -202,21 +167,21 @@ class AppendingStore(PartLedger):
         self._cut()
 
     def _intact_parts(self, data: dict) -> dict[str, dict[str, Any]]:
-        """Journal entries whose range is in the file, and part files an earlier dsv4enc
-        committed that can be joined (copied into the growing file by ``forget``). Changes
-        nothing: the run may yet refuse to resume."""
-        size = _size_if_parquet_start(self.path)
+        """Journal entries whose range is in the file, and joinable part files of an earlier
+        dsv4enc (``forget`` copies them in). Changes nothing: the run may yet refuse."""
         same_footer = data.get("footer") == self.extra["footer"]
         if not same_footer and any(is_journal_entry(p) for p in data["parts"].values()):
             log.warning("the finished parts in %s were written with other Parquet metadata "
                         "(another pyarrow?): they are encoded again", self.folder)
+        fd, size = None, 0  # its size where it starts with PAR1 (else none of it is recorded)
         try:
-            fd = os.open(self.path, os.O_RDONLY) if size else None
+            fd = os.open(self.path, os.O_RDONLY)
+            size = os.fstat(fd).st_size if os.pread(fd, len(MAGIC), 0) == MAGIC else 0
         except OSError:
-            fd = None
+            pass
         try:
             return {name: part for name, part in data["parts"].items()
-                    if (is_journal_entry(part) and same_footer and fd is not None
+                    if (is_journal_entry(part) and same_footer and size
                         and len(MAGIC) <= part["offset"]
                         and part["offset"] + part["length"] <= size
                         and self._part_footer(part, fd) is not None)
@@ -227,12 +192,15 @@ class AppendingStore(PartLedger):
 
     def _fits(self, footer: list[list]) -> bool:
         """A part's footer holds what the output's does besides its row groups (schema,
-        key-value metadata, writer): its row groups can join the file's."""
-        return _pack(T_STRUCT, schema_part(footer)) == self.extra["footer"]
+        key-value metadata, writer)."""
+        return _pack(schema_part(footer)) == self.extra["footer"]
+
+    def _schema(self) -> list[list]:
+        """The footer fields every part's has but for its row groups (``extra``)."""
+        return CompactReader(base64.b64decode(self.extra["footer"])).struct()
 
     def _joinable(self, part: dict[str, Any]) -> bool:
-        """A part file that reads back whole and whose bytes can join this file's: the same
-        footer besides its row groups (the same pyarrow wrote it), no page indexes."""
+        """A part file that reads back whole and whose bytes can join this file's."""
         path = self.folder / part["file"]
         if not part_intact(path, part.get("rows")):
             return False
@@ -240,28 +208,27 @@ class AppendingStore(PartLedger):
         return footer is not None and self._fits(footer)
 
     def file_groups(self, path: Path, ignore: bytes) -> list[tuple[int, list]] | None:
-        """The row groups (rows, decoded group) of the finished file at ``path`` where their
-        bytes can join this file's: the same footer but for its rows and its key-value entry
-        ``ignore`` (an update's stamps); else None."""
+        """The (rows, decoded row group) of the finished file at ``path`` if their bytes can
+        join this file's: the same footer but for its rows and its entry ``ignore``."""
         footer = _joinable_footer(path)
         blank = {ignore: b""}
         if footer is None or (with_key_values(schema_part(footer), blank)
-                              != with_key_values(_unpack(T_STRUCT, self.extra["footer"]), blank)):
+                              != with_key_values(self._schema(), blank)):
             return None
-        return [(_field(group, GROUP_NUM_ROWS), group) for group in row_groups(footer)]
+        return [(next(f[2] for f in group if f[0] == GROUP_NUM_ROWS), group)
+                for group in row_groups(footer)]
 
     def copy_groups(self, name: str, path: Path, groups: list[list], entry: dict) -> None:
-        """Append ``groups`` (of the file at ``path``, from ``file_groups``) by copying their
-        bytes, closed by a footer of their own, and journal them as part ``name`` (``entry``:
-        its inputs, as ``commit`` records them): rows never decoded."""
+        """Append ``groups`` (``file_groups`` of ``path``) by copying their bytes, closed by a
+        footer of their own, and journal them as part ``name`` (``entry``: its inputs)."""
         spans = [group_span(group) for group in groups]
         low, high = min(start for start, _ in spans), max(end for _, end in spans)
         moved = copy.deepcopy(groups)
         for ordinal, group in enumerate(moved):
             move_group(group, len(MAGIC) - low, ordinal)
         try:
-            self._append_copy(name, path, low, high - low, footer_bytes(
-                self._footer_of(moved, entry["rows"])), entry)
+            footer = whole_footer(self._schema(), moved, entry["rows"])
+            self._append_copy(name, path, low, high - low, footer_bytes(footer), entry)
         except JoinError as exc:
             raise OutputError(f"cannot update {self.out}: {path}: {exc}") from None
 
@@ -275,10 +242,8 @@ class AppendingStore(PartLedger):
                 self._import(name, part)
 
     def _cut(self) -> None:
-        """Open the file and truncate it after the last recorded range: a torn or forgotten
-        part's tail goes (bytes of one that lie before a recorded range stay unreferenced).
-        A file that does not start with ``PAR1`` (or none) starts anew: nothing of it is
-        recorded then."""
+        """Open the file and truncate it after the last recorded range (a torn or forgotten
+        part's tail goes); one that does not start with ``PAR1`` starts anew."""
         self._end = max((p["offset"] + p["length"] for p in self.parts.values()
                          if is_journal_entry(p)), default=len(MAGIC))
         try:
@@ -291,8 +256,7 @@ class AppendingStore(PartLedger):
             raise output_os_error(self.path, exc) from None
 
     def _import(self, name: str, part: dict[str, Any]) -> None:
-        """Copy a part file of the earlier design into the growing file and journal it, then
-        delete the file (its bytes are recorded here now)."""
+        """Copy a part file of the earlier design into the growing file, then delete it."""
         path = self.folder / part["file"]
         entry = {key: part[key] for key in ("start", "end", "digest", "rows", "transient")
                  if key in part}
@@ -310,8 +274,8 @@ class AppendingStore(PartLedger):
 
     def _append_copy(self, name: str, path: Path, offset: int, count: int, tail: bytes,
                      entry: dict[str, Any]) -> None:
-        """Append ``count`` bytes at ``offset`` of ``path``, then ``tail``, sync, and journal
-        them as part ``name`` (before any commit: nothing else is appended meanwhile)."""
+        """Append ``count`` bytes at ``offset`` of ``path`` and ``tail``, sync, and journal
+        them as part ``name`` (only before the run commits: nothing else appends then)."""
         try:
             with open(path, "rb") as source, open(self.path, "r+b") as target:
                 target.seek(self._end)
@@ -328,8 +292,7 @@ class AppendingStore(PartLedger):
     # -- committing ------------------------------------------------------------------
     def commit(self, name: str, table: pa.Table, row_group_size: int, start: int, end: int,
                digest: str) -> None:
-        """Append one part (several writer threads may commit at once; parts land in the
-        file in any order)."""
+        """Append one part (writer threads commit at once, parts land in any order)."""
         room = group_room(table, row_group_size)
         base = self._reserve(room)
         try:
@@ -370,8 +333,7 @@ class AppendingStore(PartLedger):
             return base
 
     def _give_back(self, base: int, room: int, used: int) -> None:
-        """Return the unused end of a reservation when no later one follows it (else it
-        stays a gap no footer refers to: a little slack per part)."""
+        """Return the unused end of a reservation when no later one follows it."""
         with self._lock:
             if self._end == base + room:
                 self._end = base + used
@@ -387,8 +349,7 @@ class AppendingStore(PartLedger):
         """A part was committed (nothing to do: its bytes are already in the file)."""
 
     def _part_footer(self, part: dict[str, Any], fd: int | None = None) -> list[list] | None:
-        """The footer a recorded part's range ends with, if it fits this output's; else
-        None."""
+        """The footer a recorded part's range ends with, if it fits this output's."""
         footer = _range_footer(self._fd if fd is None else fd, part["offset"], part["length"])
         return footer if footer is not None and self._fits(footer) else None
 
@@ -409,13 +370,9 @@ class AppendingStore(PartLedger):
                 # Its offsets count from its own file's start, where PAR1 preceded its bytes.
                 move_group(group, part["offset"] - len(MAGIC), len(groups))
                 groups.append(group)
-        return footer_bytes(with_key_values(
-            self._footer_of(groups, sum(p["rows"] for p in ordered)), self.key_values))
-
-    def _footer_of(self, groups: list[list], rows: int) -> list[list]:
-        fields = _unpack(T_STRUCT, self.extra["footer"]) + [
-            [FILE_NUM_ROWS, T_I64, rows], [FILE_ROW_GROUPS, T_LIST, (T_STRUCT, groups)]]
-        return sorted(fields, key=lambda field: field[0])
+        footer = whole_footer(self._schema(), groups,
+                              sum(p["rows"] for p in ordered))
+        return footer_bytes(with_key_values(footer, self.key_values))
 
     def finish(self) -> None:
         """Write the footer after the last part, sync, and rename the file to ``out``."""
@@ -428,11 +385,10 @@ class AppendingStore(PartLedger):
         except OSError as exc:
             raise output_os_error(self.out, exc) from None
 
-    def abort(self) -> None:
-        """Stop without producing ``out``: the file and journal stay for ``--resume``."""
-        self.close()
-
     def close(self) -> None:
+        """Stop without producing ``out``: the file and journal stay for ``--resume``."""
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
+
+    abort = close

@@ -1,14 +1,11 @@
 """Join Parquet files of one schema into one file by copying their bytes: no decode, no encode.
 
 A Parquet file is ``PAR1``, the column chunks of its row groups, a footer (Thrift compact
-FileMetaData), the footer's length and ``PAR1``. The joined file holds each input's
-column-chunk bytes unchanged, one after the other, and one footer listing every input's
-row groups, with their byte offsets moved by where the input's bytes landed. pyarrow cannot
-append row groups, so the footer is read and written here with a small Thrift compact
-codec (generic: fields it does not know are kept as they are).
-
-Only files without page indexes or bloom filters are joined (their offsets live outside the
-footer): dsv4enc writes neither, and ``ParquetJoiner.append`` refuses a file that has them.
+FileMetaData), the footer's length and ``PAR1``. The joined file holds each input's column
+chunks unchanged and one footer listing every input's row groups, their offsets moved by where
+the bytes landed. pyarrow cannot append row groups, so the footer is read and written here
+with a small generic Thrift compact codec (fields it does not know are kept as they are).
+Files with page indexes or bloom filters (offsets outside the footer) are refused.
 """
 
 from __future__ import annotations
@@ -247,8 +244,8 @@ def group_span(group: list[list]) -> tuple[int, int]:
 
 
 def with_key_values(footer: list[list], entries: dict[bytes, bytes] | None) -> list[list]:
-    """``footer`` (a decoded FileMetaData) with ``entries`` added to (or replacing keys
-    of) its key-value metadata; fields stay in id order."""
+    """``footer`` (a decoded FileMetaData) with ``entries`` added to (or replacing keys of)
+    its key-value metadata, in field id order."""
     if not entries:
         return footer
     kept = []
@@ -265,6 +262,12 @@ def with_key_values(footer: list[list], entries: dict[bytes, bytes] | None) -> l
 def schema_part(footer: list[list]) -> list[list]:
     """What must agree between joined files: everything but the row groups and row count."""
     return [f for f in footer if f[0] not in (FILE_NUM_ROWS, FILE_ROW_GROUPS)]
+
+
+def whole_footer(schema: list[list], groups: list[list], rows: int) -> list[list]:
+    """A FileMetaData of ``schema`` (a footer's ``schema_part``) listing ``groups``."""
+    fields = schema + [[FILE_NUM_ROWS, T_I64, rows], [FILE_ROW_GROUPS, T_LIST, (T_STRUCT, groups)]]
+    return sorted(fields, key=lambda field: field[0])
 
 
 def copy_range(source: BinaryIO, target: BinaryIO, offset: int, count: int) -> None:
@@ -295,8 +298,8 @@ def copy_range(source: BinaryIO, target: BinaryIO, offset: int, count: int) -> N
 
 
 class ParquetJoiner:
-    """Writes one Parquet file made of whole files appended in turn (``append``), then its
-    footer (``close``). All files must share one schema and key-value metadata."""
+    """Writes one Parquet file of whole files of one schema and key-value metadata appended
+    in turn (``append``), then its footer (``close``)."""
 
     def __init__(self, path: Path) -> None:
         self.path = Path(path)
@@ -324,18 +327,11 @@ class ParquetJoiner:
             copy_range(source, self._out, 4, start - 4)
 
     def close(self, key_values: dict[bytes, bytes] | None = None) -> None:
-        """Write the joined footer and close the file (no file appended: an error);
-        ``key_values`` join the footer's key-value metadata."""
+        """Write the joined footer, with ``key_values`` added, and close the file."""
         if self._footer is None:
             self._out.close()
             raise JoinError("no file to join")
-        footer = []
-        for field, kind, value in self._footer:
-            if field == FILE_NUM_ROWS:
-                value = self._rows
-            elif field == FILE_ROW_GROUPS:
-                value = (T_STRUCT, self._groups)
-            footer.append([field, kind, value])
+        footer = whole_footer(schema_part(self._footer), self._groups, self._rows)
         self._out.write(footer_bytes(with_key_values(footer, key_values)))
         self._out.close()
 

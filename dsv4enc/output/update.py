@@ -1,21 +1,19 @@
 """``encode --update``: bring a finished output up to date with its inputs.
 
 An output keeps, per row, an 8-byte stamp of its input: a hash of the key and of the file's
-stamp (``images/headers.file_stamp``, what ``--resume`` checks). A single file keeps them in
-its footer (``STAMPS_KEY``), so that the file and its stamps are replaced by one rename; a
-folder in a ``_stamps-HASH.bin`` file beside the parts, which the manifest names.
+stamp (``images/headers.file_stamp``). A single file keeps them in its footer (``STAMPS_KEY``:
+one rename replaces both); a folder in a ``_stamps-HASH.bin`` file its manifest names.
 
-An update plans the current inputs as a clean run would and matches their stamps against the
-old rows' (``Update.match``): an unchanged input takes its old row (``CarriedRows``, read
-forward: both are in input order), a new or changed one is encoded, a gone one is left out.
-Rows are batch-invariant, so the result equals a clean run. A folder's old part whose rows all
-stay, in order and on the run's segment bounds, is kept as it is (``Update.keep_parts``).
+An update matches the current inputs' stamps against the old rows' (``Update.match``): an
+unchanged input takes its old row (``CarriedRows``, read forward), a new or changed one is
+encoded, a gone one is left out. Rows are batch-invariant, so the result equals a clean run.
+An old part whose rows all stay, in order and on the run's segment bounds, is kept as it is
+(``Update.keep_parts``): a folder's file by reference, a single file's row groups by bytes.
 
-Crash safety is ``--resume``'s: the update commits to a parts folder of its own
-(``OUT.partial`` beside a single file; ``STAGING_NAME`` inside a folder, with part names of a
-new generation) and reads the old output without changing it until the end: then a single
-file is renamed into place, and a folder's new parts are moved in and its manifest replaced
-(one rename) before the old parts go. An interrupted update, rerun, keeps what it committed.
+Crash safety is ``--resume``'s: the update commits to a parts folder of its own (``OUT.partial``
+beside a single file; ``STAGING_NAME`` in a folder, with part names of a new generation) and
+leaves the old output as it is until the end: then a single file is renamed into place, and a
+folder's new parts are moved in and its manifest replaced (one rename) before the old go.
 """
 
 from __future__ import annotations
@@ -63,9 +61,9 @@ SHOWN_SETTING = {"keep_columns": "--keep-column", "weights_fingerprint": "the we
 def setting_refusal(refused: str, used: str, key: str, then: Any, now: Any, *,
                     rerun: str = "", again: str) -> str:
     """The one line that refuses a run whose setting ``key`` is ``now`` where the output it
-    continues has ``then``: ``refused`` opens it ("cannot resume"), ``used`` says whose the
-    old value was ("the interrupted run used"), ``rerun`` follows the flag that would agree
-    (" to resume it"), and ``again`` is what --overwrite does instead."""
+    continues has ``then``: ``refused`` opens it ("cannot resume"), ``used`` names the old
+    value's ("the interrupted run used"), ``rerun`` follows the flag that would agree, and
+    ``again`` is what --overwrite does instead."""
     flag = FLAG_OF_SETTING.get(key)
     if flag is not None and isinstance(then, (str, int)) and isinstance(now, (str, int)):
         return (f"{refused}: {used} {flag} {then}, this run asks for {now}; rerun with {flag} "
@@ -86,13 +84,9 @@ def row_stamps(entries: Iterable[tuple[str, str | None]]) -> np.ndarray:
                         for key, stamp in entries), dtype=np.uint64)
 
 
-def key_hashes(keys: Iterable[str]) -> np.ndarray:
-    return np.fromiter((_hash8(utf8_text(key).encode()) for key in keys), dtype=np.uint64)
-
-
 def footer_entry(stamps: np.ndarray, options: dict) -> dict[bytes, bytes]:
-    """The footer key-value entry of a single-file output: its rows' stamps (base64 of
-    little-endian uint64) and the row options the schema's metadata does not hold."""
+    """A single file's footer entry: its rows' stamps (base64 of little-endian uint64) and
+    the row options the schema's metadata does not hold."""
     data = stamps.astype("<u8").tobytes()
     return {STAMPS_KEY: json.dumps({"version": 1, "rows": len(stamps), "options": options,
                                     "stamps": base64.b64encode(data).decode("ascii")},
@@ -100,8 +94,8 @@ def footer_entry(stamps: np.ndarray, options: dict) -> dict[bytes, bytes]:
 
 
 def write_folder_stamps(folder: Path, store, stamps: np.ndarray, options: dict) -> None:
-    """At the end of a folder output's run: its stamps file, then the manifest naming it
-    (an older stamps file goes once the manifest no longer names it)."""
+    """At the end of a folder output's run: its stamps file, then the manifest naming it,
+    then any older stamps file."""
     entry = _write_stamps(folder, stamps, options)
     store.extra = {**store.extra, "stamps": entry}
     store.save()
@@ -152,8 +146,8 @@ def _read_folder_stamps(folder: Path, entry: Any, rows: int) -> np.ndarray | Non
 # ----------------------------------------------------------------------------- the old output
 
 class OldOutput:
-    """A finished output as an update sees it: its files in row order, the settings it was
-    made with, and its rows' stamps."""
+    """A finished output as an update sees it: its files in row order, its settings, and its
+    rows' stamps."""
 
     def __init__(self, out: Path, files: list[Path], settings: dict, stamps: np.ndarray | None,
                  folder: bool, listed: set[str]) -> None:
@@ -215,45 +209,41 @@ class OldOutput:
 
     def column(self, name: str) -> Iterable[Any]:
         """One small column's values, row by row, read a row group at a time."""
-        import pyarrow.parquet as pq
+        for handle, group in _row_groups(self.files):
+            yield from handle.read_row_group(group, columns=[name]).column(0).to_pylist()
 
-        for path in self.files:
-            handle = pq.ParquetFile(path)
-            for group in range(handle.num_row_groups):
-                yield from handle.read_row_group(group, columns=[name]).column(0).to_pylist()
+
+def _row_groups(files: Sequence[Path]) -> Iterable[tuple[Any, int]]:
+    """(Parquet file, row group) of ``files``, in order."""
+    import pyarrow.parquet as pq
+
+    for path in files:
+        handle = pq.ParquetFile(path)
+        for group in range(handle.num_row_groups):
+            yield handle, group
 
 
 class CarriedRows:
     """Old rows read forward, one row group at a time (never the whole output)."""
 
     def __init__(self, files: Sequence[Path]) -> None:
-        self._groups = self._walk(files)
+        self._groups = _row_groups(files)
         self._start = self._end = 0
         self._rows: list[dict] = []
         self._arrays: list = []
 
-    @staticmethod
-    def _walk(files: Sequence[Path]):
-        import pyarrow.parquet as pq
-
-        for path in files:
-            handle = pq.ParquetFile(path)
-            fmt = embedding_format(handle.schema_arrow)
-            for group in range(handle.num_row_groups):
-                yield handle, group, fmt
-
     def row(self, index: int, key: str) -> Row:
-        """Old row ``index`` (never below an index asked for before) as a Row for ``key``.
-        Row groups before it are passed over unread (an update keeps whole parts as they
-        are: their rows are never asked for)."""
+        """Old row ``index`` (never below an index asked for before) as a Row for ``key``;
+        row groups before it are passed over unread (the parts an update keeps)."""
         while index >= self._end:
-            handle, group, fmt = next(self._groups)
+            handle, group = next(self._groups)
             rows = handle.metadata.row_group(group).num_rows
             self._start, self._end = self._end, self._end + rows
             if index >= self._end:
                 continue
             table = handle.read_row_group(group)
-            self._arrays = embedding_arrays(table.column("embedding"), fmt)
+            self._arrays = embedding_arrays(table.column("embedding"),
+                                            embedding_format(handle.schema_arrow))
             self._rows = table.drop_columns(["embedding"]).to_pylist()
         if index < self._start:
             raise AssertionError("old rows asked for out of order")
@@ -282,8 +272,7 @@ class Update:
     # -- the store ------------------------------------------------------------------------
     def open_store(self, settings: dict, rows_settings: dict) -> PartStore | None:
         """A folder output's staging store (None for a single file: its own store serves).
-        A staging folder left by an update with other settings, or whose part names an
-        earlier switch took, is a stale cache: it goes."""
+        A staging folder of other settings, or whose part names a switch took, goes."""
         if not self.old.folder:
             return None
         self.staging = self.old.out / STAGING_NAME
@@ -302,9 +291,9 @@ class Update:
 
     # -- matching -------------------------------------------------------------------------
     def match(self, planned: Sequence, settings: dict) -> None:
-        """Check the settings, then decide which inputs take their old row: same key, same
-        file stamp, readable now, an old row without a transient error, and in input order
-        (a reordered input list re-encodes what would need a backward read)."""
+        """Check the settings, then decide which inputs take their old row: same key and
+        file stamp, readable now, an old row without a transient error, in input order (a
+        reordered input list re-encodes what would need a backward read)."""
         if not settings.get("batch_invariant", True):
             raise UsageError("--update copies rows beside new ones, which equals a clean run "
                              "only with batch-invariant rows: drop --no-deterministic "
@@ -325,7 +314,8 @@ class Update:
             if planned[j].error is None and not transient[i] and i > last:
                 self.carried[int(j)] = i
                 last = i
-        keys_now = key_hashes(p.item.key for p in planned)
+        keys_now = np.fromiter((_hash8(utf8_text(p.item.key).encode()) for p in planned),
+                               dtype=np.uint64, count=len(planned))
         keys_old = np.fromiter((_hash8(path.encode()) for path in self.old.column("path")),
                                dtype=np.uint64, count=len(old))
         self.new = int((~np.isin(keys_now, keys_old)).sum())
@@ -346,11 +336,9 @@ class Update:
 
     def keep_parts(self, store: PartStore, todo: Sequence, planned: Sequence) -> tuple[list, int]:
         """Old parts whose rows this run takes unchanged, in order and on its segment bounds,
-        are kept as they are, their segments dropped from ``todo`` (``run/plan.Part``s): a
-        folder's part file by reference (``kept``), a single file's row groups copied by
-        bytes into the file ``store`` appends to (never decoded). Only parts that hold
-        changed, new or gone inputs are written again. Returns the segments still to encode
-        and the rows kept."""
+        are kept, their segments dropped from ``todo`` (``run/plan.Part``s): a folder's part
+        file by reference (``kept``), a single file's row groups copied by bytes (never
+        decoded). Returns the segments still to encode and the rows kept."""
         from .appending import AppendingStore
 
         if not self.old.folder and isinstance(store, AppendingStore):
@@ -382,7 +370,7 @@ class Update:
     def _copy_groups(self, store, todo: Sequence,
                      planned: Sequence) -> tuple[list, int]:
         """A single file's segments whose rows are old rows unchanged and in order, from one
-        row-group bound of the old file to another: those row groups' bytes are copied."""
+        row-group bound of the old file to another, copy those row groups."""
         groups = store.file_groups(self.old.out, STAMPS_KEY)
         if groups is None:  # another footer (pyarrow, --part-images): its rows are carried
             return list(todo), 0
@@ -404,8 +392,8 @@ class Update:
 
     # -- the end --------------------------------------------------------------------------
     def finish_folder(self, store: PartStore, stamps: np.ndarray, options: dict) -> None:
-        """Switch a folder output to the staged parts: stamps file and part files moved in,
-        then the manifest replaced (one rename), then the old parts and stamps deleted."""
+        """Switch a folder output to the staged parts: stamps and part files moved in, the
+        manifest replaced (one rename), then the old parts and stamps deleted."""
         out = self.old.out
         entry = _write_stamps(out, stamps, options)
         parts = {name: {k: v for k, v in part.items() if k != "kept"}

@@ -1,12 +1,10 @@
 """A single-file output written once: each part's bytes are appended to one growing file.
 
-A local single-file ``--out`` of a one-process run keeps no part files (they would write every
-embedding byte twice). Each writer thread reserves a byte range at the end of
-``OUT.partial/_growing.parquet``, has pyarrow write the part's Parquet file into it but for the
-leading ``PAR1``, syncs it, and only then journals the part: its inputs, as for a part file, and
-its byte range, which ends with the part's own footer. ``--resume`` cuts the file after the last
-recorded range. The run ends with one footer listing every part's row groups, moved to where
-they landed, in input order, then a sync and a rename to ``out``: never half-written.
+A local single-file ``--out`` of one process keeps no part files (they would write every byte
+twice). Each writer thread reserves a byte range at the end of ``OUT.partial/_growing.parquet``,
+has pyarrow write the part's Parquet file into it but for the leading ``PAR1``, syncs it, then
+journals the part: its inputs and its byte range, which ends with the part's own footer. The
+run ends with one footer listing every part's row groups in input order, a sync and a rename.
 """
 
 from __future__ import annotations
@@ -161,7 +159,6 @@ class AppendingStore(PartLedger):
     def path(self) -> Path:
         return self.folder / GROWING_NAME
 
-    # -- opening ---------------------------------------------------------------------
     def create(self) -> None:
         super().create()
         self._cut()
@@ -207,20 +204,28 @@ class AppendingStore(PartLedger):
         footer = _joinable_footer(path)
         return footer is not None and self._fits(footer)
 
-    def file_groups(self, path: Path, ignore: bytes) -> list[tuple[int, list]] | None:
-        """The (rows, decoded row group) of the finished file at ``path`` if their bytes can
-        join this file's: the same footer but for its rows and its entry ``ignore``."""
+    def file_parts(self, path: Path, ignore: bytes) -> list[list]:
+        """The parts of a file this store finished (``[row groups, rows]``, in row order)
+        whose bytes can join this file's: the same footer but for its rows and its entry
+        ``ignore``. A part's row groups lie one after the other, its own footer after them."""
         footer = _joinable_footer(path)
         blank = {ignore: b""}
         if footer is None or (with_key_values(schema_part(footer), blank)
                               != with_key_values(self._schema(), blank)):
-            return None
-        return [(next(f[2] for f in group if f[0] == GROUP_NUM_ROWS), group)
-                for group in row_groups(footer)]
+            return []
+        parts, end = [], -1
+        for group in row_groups(footer):
+            low, high = group_span(group)
+            if low != end:
+                parts.append([[], 0])
+            parts[-1][0].append(group)
+            parts[-1][1] += next(f[2] for f in group if f[0] == GROUP_NUM_ROWS)
+            end = high
+        return parts
 
     def copy_groups(self, name: str, path: Path, groups: list[list], entry: dict) -> None:
-        """Append ``groups`` (``file_groups`` of ``path``) by copying their bytes, closed by a
-        footer of their own, and journal them as part ``name`` (``entry``: its inputs)."""
+        """Append ``groups`` (of ``file_parts`` of ``path``) by copying their bytes, closed by
+        a footer of their own, and journal them as part ``name`` (``entry``: its inputs)."""
         spans = [group_span(group) for group in groups]
         low, high = min(start for start, _ in spans), max(end for _, end in spans)
         moved = copy.deepcopy(groups)
@@ -289,25 +294,24 @@ class AppendingStore(PartLedger):
         self._record(name, {**entry, "offset": self._end, "length": length})
         self._end += length
 
-    # -- committing ------------------------------------------------------------------
     def commit(self, name: str, table: pa.Table, row_group_size: int, start: int, end: int,
                digest: str) -> None:
         """Append one part (writer threads commit at once, parts land in any order)."""
         room = group_room(table, row_group_size)
         base = self._reserve(room)
         try:
-            sink = RangeSink(self._fd, base, room)
-            pq.write_table(table, pa.PythonFile(sink, mode="w"), row_group_size=row_group_size,
-                           **parquet_options(table.schema))
-            length = sink.pos - len(MAGIC)  # column chunks, footer, its length, PAR1
-        except _NoRoom:  # more than ``group_room`` guessed: the part goes through memory instead
-            self._give_back(base, room, 0)
-            data = serialize(table, row_group_size)
-            length = data.size - len(MAGIC)
-            base = self._reserve(length)
-            room = length
-            self._write(memoryview(data)[len(MAGIC):], base)
-            del data
+            try:
+                sink = RangeSink(self._fd, base, room)
+                pq.write_table(table, pa.PythonFile(sink, mode="w"),
+                               row_group_size=row_group_size, **parquet_options(table.schema))
+                length = sink.pos - len(MAGIC)  # column chunks, footer, its length, PAR1
+            except _NoRoom:  # more than ``group_room`` guessed: it goes through memory instead
+                self._give_back(base, room, 0)
+                data = serialize(table, row_group_size)
+                room = length = data.size - len(MAGIC)
+                base = self._reserve(length)
+                pwrite_all(self._fd, memoryview(data)[len(MAGIC):], base)
+                del data
         except OSError as exc:
             raise output_os_error(self.path, exc) from None
         footer = _range_footer(self._fd, base, length)
@@ -338,13 +342,6 @@ class AppendingStore(PartLedger):
             if self._end == base + room:
                 self._end = base + used
 
-    def _write(self, data: memoryview, offset: int) -> None:
-        try:
-            pwrite_all(self._fd, data, offset)
-        except OSError as exc:
-            raise output_os_error(self.path, exc) from None
-
-    # -- the end of the run ----------------------------------------------------------
     def notify(self) -> None:
         """A part was committed (nothing to do: its bytes are already in the file)."""
 

@@ -1,11 +1,10 @@
 """Join Parquet files of one schema into one file by copying their bytes: no decode, no encode.
 
-A Parquet file is ``PAR1``, the column chunks of its row groups, a footer (Thrift compact
-FileMetaData), the footer's length and ``PAR1``. The joined file holds each input's column
-chunks unchanged and one footer listing every input's row groups, their offsets moved by where
-the bytes landed. pyarrow cannot append row groups, so the footer is read and written here
-with a small generic Thrift compact codec (fields it does not know are kept as they are).
-Files with page indexes or bloom filters (offsets outside the footer) are refused.
+A Parquet file is ``PAR1``, its row groups' column chunks, a footer (Thrift compact
+FileMetaData), its length and ``PAR1``. The joined file holds the inputs' column chunks as they
+are and one footer listing their row groups, offsets moved to where the bytes landed, written
+with a small generic Thrift compact codec (pyarrow cannot append row groups). Files with page
+indexes or bloom filters (offsets outside the footer) are refused.
 """
 
 from __future__ import annotations
@@ -34,8 +33,6 @@ META_BLOOM = (14, 15)
 class JoinError(ValueError):
     """A file that cannot be joined by copying (damaged, another schema, page indexes)."""
 
-
-# ----------------------------------------------------------------------------- compact codec
 
 class CompactReader:
     def __init__(self, data: bytes) -> None:
@@ -193,8 +190,6 @@ def footer_bytes(footer: list[list]) -> bytes:
     return bytes(writer.out) + struct.pack("<I", len(writer.out)) + MAGIC
 
 
-# ----------------------------------------------------------------------------- joining
-
 def read_footer(handle: BinaryIO, size: int) -> tuple[list[list], int]:
     """A Parquet file's decoded FileMetaData and where its footer starts."""
     if size < 12:
@@ -248,15 +243,11 @@ def with_key_values(footer: list[list], entries: dict[bytes, bytes] | None) -> l
     its key-value metadata, in field id order."""
     if not entries:
         return footer
-    kept = []
-    for field in footer:
-        if field[0] == FILE_KEY_VALUES:
-            kept = [kv for kv in field[2][1]
-                    if (_get(kv, 1) or [0, 0, b""])[2] not in entries]
-    pairs = kept + [[[1, T_BINARY, key], [2, T_BINARY, value]] for key, value in entries.items()]
+    old = (_get(footer, FILE_KEY_VALUES) or [0, 0, (T_STRUCT, [])])[2][1]
+    pairs = [kv for kv in old if (_get(kv, 1) or [0, 0, b""])[2] not in entries]
+    pairs += [[[1, T_BINARY, key], [2, T_BINARY, value]] for key, value in entries.items()]
     fields = [f for f in footer if f[0] != FILE_KEY_VALUES]
-    fields.append([FILE_KEY_VALUES, T_LIST, (T_STRUCT, pairs)])
-    return sorted(fields, key=lambda field: field[0])
+    return sorted(fields + [[FILE_KEY_VALUES, T_LIST, (T_STRUCT, pairs)]], key=lambda f: f[0])
 
 
 def schema_part(footer: list[list]) -> list[list]:
@@ -322,8 +313,7 @@ class ParquetJoiner:
             for group in row_groups(footer):
                 move_group(group, shift, len(self._groups))
                 self._groups.append(group)
-            rows = _get(footer, FILE_NUM_ROWS)
-            self._rows += rows[2] if rows else 0
+            self._rows += (_get(footer, FILE_NUM_ROWS) or [0, 0, 0])[2]
             copy_range(source, self._out, 4, start - 4)
 
     def close(self, key_values: dict[bytes, bytes] | None = None) -> None:

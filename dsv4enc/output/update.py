@@ -72,8 +72,6 @@ def setting_refusal(refused: str, used: str, key: str, then: Any, now: Any, *,
     return f"{refused}: {shown} differs ({then!r} then, {now!r} now); use --overwrite to {again}"
 
 
-# ----------------------------------------------------------------------------- stamps
-
 def _hash8(text: bytes) -> int:
     return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little")
 
@@ -143,8 +141,6 @@ def _read_folder_stamps(folder: Path, entry: Any, rows: int) -> np.ndarray | Non
     return np.frombuffer(data, dtype="<u8", offset=len(_MAGIC)).astype(np.uint64)
 
 
-# ----------------------------------------------------------------------------- the old output
-
 class OldOutput:
     """A finished output as an update sees it: its files in row order, its settings, and its
     rows' stamps."""
@@ -202,10 +198,10 @@ class OldOutput:
                 "with --overwrite once, then --update works")
         for key, now in settings.items():
             then = self.settings.get(key)
-            if key in _NOT_ROWS or then == now:
-                continue
-            raise UsageError(setting_refusal(f"cannot update {self.out}", "it was made with",
-                                             key, then, now, again="encode everything again"))
+            if key not in _NOT_ROWS and then != now:
+                raise UsageError(setting_refusal(f"cannot update {self.out}",
+                                                 "it was made with", key, then, now,
+                                                 again="encode everything again"))
 
     def column(self, name: str) -> Iterable[Any]:
         """One small column's values, row by row, read a row group at a time."""
@@ -269,7 +265,6 @@ class Update:
         old = OldOutput.find(out, folder_mode)
         return cls(old) if old is not None else None
 
-    # -- the store ------------------------------------------------------------------------
     def open_store(self, settings: dict, rows_settings: dict) -> PartStore | None:
         """A folder output's staging store (None for a single file: its own store serves).
         A staging folder of other settings, or whose part names a switch took, goes."""
@@ -277,11 +272,8 @@ class Update:
             return None
         self.staging = self.old.out / STAGING_NAME
         recorded = read_manifest(self.staging / MANIFEST_NAME)
-        if recorded is not None:
-            files = {p.get("file") for p in recorded["parts"].values() if not p.get("kept")}
-            if recorded["settings"] != rows_settings or files & self.old.listed:
-                shutil.rmtree(self.staging, ignore_errors=True)
-        elif self.staging.exists():
+        if recorded is None or recorded["settings"] != rows_settings or self.old.listed & {
+                p.get("file") for p in recorded["parts"].values() if not p.get("kept")}:
             shutil.rmtree(self.staging, ignore_errors=True)
         store = PartStore(self.staging, settings)
         generations = [int(m.group(1) or 0) for name in self.old.listed
@@ -289,7 +281,6 @@ class Update:
         store.file_suffix = f".g{max(generations, default=0) + 1}"
         return store
 
-    # -- matching -------------------------------------------------------------------------
     def match(self, planned: Sequence, settings: dict) -> None:
         """Check the settings, then decide which inputs take their old row: same key and
         file stamp, readable now, an old row without a transient error, in input order (a
@@ -327,12 +318,8 @@ class Update:
 
     def rows(self, indices: Sequence[int], planned: Sequence) -> dict[int, Row]:
         """The carried rows among ``indices`` (ascending), copied from the old output."""
-        out = {}
-        for index in indices:
-            old = self.carried.get(index)
-            if old is not None:
-                out[index] = self._reader.row(old, planned[index].item.key)
-        return out
+        return {index: self._reader.row(self.carried[index], planned[index].item.key)
+                for index in indices if index in self.carried}
 
     def keep_parts(self, store: PartStore, todo: Sequence, planned: Sequence) -> tuple[list, int]:
         """Old parts whose rows this run takes unchanged, in order and on its segment bounds,
@@ -341,56 +328,39 @@ class Update:
         decoded). Returns the segments still to encode and the rows kept."""
         from .appending import AppendingStore
 
-        if not self.old.folder and isinstance(store, AppendingStore):
-            return self._copy_groups(store, todo, planned)
-        if not self.old.folder or self.staging is None or not todo:
+        single = not self.old.folder and isinstance(store, AppendingStore)
+        if not todo or not (single or self.staging is not None):
             return list(todo), 0
+        units = self.old.parts
+        if single:  # another footer (pyarrow, --part-images): no parts, its rows are carried
+            parts = store.file_parts(self.old.out, STAMPS_KEY)
+            first = np.cumsum([0] + [rows for _, rows in parts])
+            units = [(groups, int(first[k]), rows) for k, (groups, rows) in enumerate(parts)]
         new_of = {old: new for new, old in self.carried.items()}
         at_start = {p.start: i for i, p in enumerate(todo)}
         at_end = {p.end: i for i, p in enumerate(todo)}
         dropped: set[int] = set()
         kept = 0
-        for file, first, rows in self.old.parts:
+        for unit, first, rows in units:
             start = new_of.get(first)
             end = None if start is None else start + rows
             if (rows == 0 or start not in at_start or end not in at_end
-                    or not (self.old.out / file).is_file()):
+                    or not (single or (self.old.out / unit).is_file())):
                 continue  # its rows moved off this run's segment bounds (or it is gone)
             i, j = at_start[start], at_end[end]
             if any(todo[k].end != todo[k + 1].start for k in range(i, j)) or not all(
                     self.carried.get(start + k) == first + k for k in range(rows)):
                 continue  # not one run of segments, or not these rows in this order
-            store.adopt(todo[i].name, {"file": file, "start": start, "end": end,
-                                       "digest": inputs_digest(planned[start:end]),
-                                       "rows": rows, "transient": 0, "kept": True})
+            entry = {"start": start, "end": end, "digest": inputs_digest(planned[start:end]),
+                     "rows": rows, "transient": 0}
+            if single:
+                store.copy_groups(todo[i].name, self.old.out, unit, entry)
+            else:
+                store.adopt(todo[i].name, {"file": unit, **entry, "kept": True})
             dropped.update(range(i, j + 1))
             kept += rows
         return [p for k, p in enumerate(todo) if k not in dropped], kept
 
-    def _copy_groups(self, store, todo: Sequence,
-                     planned: Sequence) -> tuple[list, int]:
-        """A single file's segments whose rows are old rows unchanged and in order, from one
-        row-group bound of the old file to another, copy those row groups."""
-        groups = store.file_groups(self.old.out, STAMPS_KEY)
-        if groups is None:  # another footer (pyarrow, --part-images): its rows are carried
-            return list(todo), 0
-        bounds = {int(row): g for g, row in enumerate(np.cumsum([0] + [n for n, _ in groups]))}
-        left, kept = [], 0
-        for part in todo:
-            first, rows = self.carried.get(part.start), part.end - part.start
-            if first not in bounds or first + rows not in bounds or not all(
-                    self.carried.get(part.start + k) == first + k for k in range(rows)):
-                left.append(part)
-                continue
-            store.copy_groups(part.name, self.old.out,
-                              [g for _, g in groups[bounds[first]:bounds[first + rows]]],
-                              {"start": part.start, "end": part.end, "rows": rows,
-                               "digest": inputs_digest(planned[part.start:part.end]),
-                               "transient": 0})
-            kept += rows
-        return left, kept
-
-    # -- the end --------------------------------------------------------------------------
     def finish_folder(self, store: PartStore, stamps: np.ndarray, options: dict) -> None:
         """Switch a folder output to the staged parts: stamps and part files moved in, the
         manifest replaced (one rename), then the old parts and stamps deleted."""

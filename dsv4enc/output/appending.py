@@ -4,13 +4,13 @@ A local single-file ``--out`` of one process keeps no part files (they would wri
 twice). Each writer thread reserves a byte range at the end of ``OUT.partial/_growing.parquet``,
 has pyarrow write the part's Parquet file into it but for the leading ``PAR1``, syncs it, then
 journals the part: its inputs and its byte range, which ends with the part's own footer. The
-run ends with one footer listing every part's row groups in input order, a sync and a rename.
+run ends with one footer listing every part's row groups in input order, a sync and a rename
+(``out`` is never half-written).
 """
 
 from __future__ import annotations
 
 import base64
-import copy
 import logging
 import os
 import struct
@@ -90,10 +90,9 @@ def pwrite_all(fd: int, data: memoryview, offset: int) -> None:
 
 
 def group_room(table: pa.Table, row_group_size: int) -> int:
-    """Bytes to reserve for a part: a little more than its Parquet file takes. Embeddings
-    are stored uncompressed, so their Arrow size bounds them; each row group adds page
-    headers, statistics and its footer entry (a few KB). A part that needs more goes through
-    memory (``commit``); the slack of a range reserved before another stays as a gap."""
+    """Bytes to reserve for a part: a little more than its Parquet file (embeddings are stored
+    uncompressed, so their Arrow size bounds them; each row group adds a few KB). A part that
+    needs more goes through memory; the slack of a range reserved before another is a gap."""
     groups = -(-max(table.num_rows, 1) // max(row_group_size, 1))
     return int(table.nbytes * 1.01) + (256 << 10) + (32 << 10) * groups
 
@@ -103,9 +102,8 @@ class _NoRoom(Exception):
 
 
 class RangeSink:
-    """A write-only file for pyarrow's Parquet writer that puts byte ``i`` of the file it is
-    given at ``base + i - 4`` of the growing file (the leading ``PAR1`` is dropped), straight
-    from Arrow's buffer; past ``room`` bytes it raises ``_NoRoom``."""
+    """A write-only file for pyarrow's Parquet writer that puts byte ``i`` it is given at
+    ``base + i - 4`` of the growing file (no leading ``PAR1``); past ``room``: ``_NoRoom``."""
 
     def __init__(self, fd: int, base: int, room: int) -> None:
         self.fd, self.base, self.room = fd, base, room
@@ -144,9 +142,8 @@ class AppendingStore(PartLedger):
                  manifest_name: str = MANIFEST_NAME) -> None:
         super().__init__(folder, settings, manifest_name)
         self.schema, self.out = schema, out
-        # What every part's footer holds besides its row groups (schema, key-value metadata,
-        # writer): the same for every table of this schema, an empty one included. Kept in
-        # the journal, so that a resume by another pyarrow (other footers) starts over.
+        # What every part's footer holds but its row groups, the same for any table of this
+        # schema: in the journal, so that a resume by another pyarrow starts over.
         data = serialize(schema.empty_table(), 1)
         probe, _ = read_footer(pa.BufferReader(data), data.size)
         self.extra = {"footer": _pack(schema_part(probe))}
@@ -188,8 +185,7 @@ class AppendingStore(PartLedger):
                 os.close(fd)
 
     def _fits(self, footer: list[list]) -> bool:
-        """A part's footer holds what the output's does besides its row groups (schema,
-        key-value metadata, writer)."""
+        """A part's footer holds what the output's does but its row groups."""
         return _pack(schema_part(footer)) == self.extra["footer"]
 
     def _schema(self) -> list[list]:
@@ -199,9 +195,7 @@ class AppendingStore(PartLedger):
     def _joinable(self, part: dict[str, Any]) -> bool:
         """A part file that reads back whole and whose bytes can join this file's."""
         path = self.folder / part["file"]
-        if not part_intact(path, part.get("rows")):
-            return False
-        footer = _joinable_footer(path)
+        footer = _joinable_footer(path) if part_intact(path, part.get("rows")) else None
         return footer is not None and self._fits(footer)
 
     def file_parts(self, path: Path, ignore: bytes) -> list[list]:
@@ -224,15 +218,13 @@ class AppendingStore(PartLedger):
         return parts
 
     def copy_groups(self, name: str, path: Path, groups: list[list], entry: dict) -> None:
-        """Append ``groups`` (of ``file_parts`` of ``path``) by copying their bytes, closed by
-        a footer of their own, and journal them as part ``name`` (``entry``: its inputs)."""
-        spans = [group_span(group) for group in groups]
-        low, high = min(start for start, _ in spans), max(end for _, end in spans)
-        moved = copy.deepcopy(groups)
-        for ordinal, group in enumerate(moved):
+        """Append ``groups`` (a part of ``file_parts`` of ``path``, moved in place) by copying
+        their bytes, closed by a footer of their own, and journal them as part ``name``."""
+        low, high = group_span(groups[0])[0], group_span(groups[-1])[1]
+        for ordinal, group in enumerate(groups):
             move_group(group, len(MAGIC) - low, ordinal)
         try:
-            footer = whole_footer(self._schema(), moved, entry["rows"])
+            footer = whole_footer(self._schema(), groups, entry["rows"])
             self._append_copy(name, path, low, high - low, footer_bytes(footer), entry)
         except JoinError as exc:
             raise OutputError(f"cannot update {self.out}: {path}: {exc}") from None

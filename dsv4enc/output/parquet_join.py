@@ -17,8 +17,8 @@ from typing import Any, BinaryIO
 MAGIC = b"PAR1"
 
 # Thrift compact protocol type ids.
-T_STOP, T_TRUE, T_FALSE, T_BYTE, T_I16, T_I32, T_I64, T_DOUBLE, T_BINARY, T_LIST, T_SET, T_MAP, T_STRUCT = (
-    0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12)
+(T_STOP, T_TRUE, T_FALSE, T_BYTE, T_I16, T_I32, T_I64, T_DOUBLE, T_BINARY, T_LIST, T_SET, T_MAP,
+ T_STRUCT) = range(13)
 
 # Field ids of parquet.thrift that hold file offsets or need joining.
 FILE_NUM_ROWS, FILE_ROW_GROUPS, FILE_KEY_VALUES = 3, 4, 5
@@ -262,9 +262,8 @@ def whole_footer(schema: list[list], groups: list[list], rows: int) -> list[list
 
 
 def copy_range(source: BinaryIO, target: BinaryIO, offset: int, count: int) -> None:
-    """Append ``count`` bytes at ``offset`` of ``source`` to ``target``: in the kernel where
-    it can (``copy_file_range``: no trip through user space, a reflink on file systems that
-    share extents), the rest through a buffer."""
+    """Append ``count`` bytes at ``offset`` of ``source`` to ``target``: in the kernel where it
+    can (``copy_file_range``: a reflink where the file system shares extents), else by hand."""
     target.flush()
     done = 0
     if hasattr(os, "copy_file_range"):

@@ -1,19 +1,18 @@
 """``encode --update``: bring a finished output up to date with its inputs.
 
-An output keeps, per row, an 8-byte stamp of its input: a hash of the key and of the file's
-stamp (``images/headers.file_stamp``). A single file keeps them in its footer (``STAMPS_KEY``:
-one rename replaces both); a folder in a ``_stamps-HASH.bin`` file its manifest names.
+Each row keeps an 8-byte stamp of its input, a hash of its key and ``images/headers.file_stamp``:
+a single file in its footer (``STAMPS_KEY``: one rename replaces both), a folder in a
+``_stamps-HASH.bin`` file its manifest names. An update matches the inputs' stamps against the
+old rows' (``Update.match``): an unchanged input takes its old row (``CarriedRows``, read
+forward), a new or changed one is encoded, a gone one left out; rows are batch-invariant, so
+the result equals a clean run. An old part whose rows all stay, in order and on the run's
+segment bounds, is kept (``Update.keep_parts``): a folder's file by reference, a single file's
+row groups by bytes.
 
-An update matches the current inputs' stamps against the old rows' (``Update.match``): an
-unchanged input takes its old row (``CarriedRows``, read forward), a new or changed one is
-encoded, a gone one is left out. Rows are batch-invariant, so the result equals a clean run.
-An old part whose rows all stay, in order and on the run's segment bounds, is kept as it is
-(``Update.keep_parts``): a folder's file by reference, a single file's row groups by bytes.
-
-Crash safety is ``--resume``'s: the update commits to a parts folder of its own (``OUT.partial``
-beside a single file; ``STAGING_NAME`` in a folder, with part names of a new generation) and
-leaves the old output as it is until the end: then a single file is renamed into place, and a
-folder's new parts are moved in and its manifest replaced (one rename) before the old go.
+Crash safety is ``--resume``'s: the update commits to parts of its own (``OUT.partial`` beside a
+single file; ``STAGING_NAME`` in a folder, with part names of a new generation) and changes the
+old output only at the end: a single file is renamed into place; a folder's new parts are moved
+in and its manifest replaced (one rename) before the old parts go.
 """
 
 from __future__ import annotations
@@ -42,8 +41,7 @@ log = logging.getLogger("dsv4enc")
 STAMPS_KEY = b"dsv4enc.rows"
 #: A folder output's stamps file (the manifest's ``stamps`` entry names the current one).
 STAMPS_FILE = re.compile(r"_stamps-[0-9a-f]{16}\.bin")
-#: Where a folder output's update commits its parts until the switch (hidden: dataset
-#: readers and dsv4enc's own checks pass over it).
+#: Where a folder output's update commits its parts until the switch (hidden from readers).
 STAGING_NAME = ".dsv4enc-update"
 _MAGIC = b"DSV4ENC-STAMPS1\n"
 #: Settings that decide how parts are cut, not what rows hold: an update may differ there.
@@ -142,8 +140,7 @@ def _read_folder_stamps(folder: Path, entry: Any, rows: int) -> np.ndarray | Non
 
 
 class OldOutput:
-    """A finished output as an update sees it: its files in row order, its settings, and its
-    rows' stamps."""
+    """A finished output as an update sees it: its files in row order, settings and stamps."""
 
     def __init__(self, out: Path, files: list[Path], settings: dict, stamps: np.ndarray | None,
                  folder: bool, listed: set[str]) -> None:
@@ -170,11 +167,10 @@ class OldOutput:
                 entry = json.loads(metadata[STAMPS_KEY])
                 settings.update(entry.get("options") or {})
                 data = base64.b64decode(entry["stamps"])
-                stamps = np.frombuffer(data, dtype="<u8").astype(np.uint64)
+                if len(data) == 8 * footer.num_rows:
+                    stamps = np.frombuffer(data, dtype="<u8").astype(np.uint64)
             except (KeyError, ValueError, TypeError):
                 pass
-            if stamps is not None and len(stamps) != footer.num_rows:
-                stamps = None
             return cls(out, [out], settings, stamps, False, set())
         manifest = read_manifest(out / MANIFEST_NAME)
         if manifest is None:
@@ -189,8 +185,7 @@ class OldOutput:
         return found
 
     def check(self, settings: dict) -> None:
-        """Refuse in one line when this run's rows would differ from the old ones', or when
-        the old output recorded no stamps."""
+        """Refuse in one line a run whose rows would differ, or an output without stamps."""
         if self.stamps is None:
             raise UsageError(
                 f"cannot update {self.out}: it does not record its input files per row (made "
@@ -233,8 +228,8 @@ class CarriedRows:
         row groups before it are passed over unread (the parts an update keeps)."""
         while index >= self._end:
             handle, group = next(self._groups)
-            rows = handle.metadata.row_group(group).num_rows
-            self._start, self._end = self._end, self._end + rows
+            self._start = self._end
+            self._end += handle.metadata.row_group(group).num_rows
             if index >= self._end:
                 continue
             table = handle.read_row_group(group)
@@ -323,9 +318,8 @@ class Update:
 
     def keep_parts(self, store: PartStore, todo: Sequence, planned: Sequence) -> tuple[list, int]:
         """Old parts whose rows this run takes unchanged, in order and on its segment bounds,
-        are kept, their segments dropped from ``todo`` (``run/plan.Part``s): a folder's part
-        file by reference (``kept``), a single file's row groups copied by bytes (never
-        decoded). Returns the segments still to encode and the rows kept."""
+        are kept (a folder's file by reference, a single file's row groups copied by bytes),
+        their segments dropped from ``todo``. Returns the segments left and the rows kept."""
         from .appending import AppendingStore
 
         single = not self.old.folder and isinstance(store, AppendingStore)
@@ -339,8 +333,7 @@ class Update:
         new_of = {old: new for new, old in self.carried.items()}
         at_start = {p.start: i for i, p in enumerate(todo)}
         at_end = {p.end: i for i, p in enumerate(todo)}
-        dropped: set[int] = set()
-        kept = 0
+        dropped, kept = set(), 0
         for unit, first, rows in units:
             start = new_of.get(first)
             end = None if start is None else start + rows

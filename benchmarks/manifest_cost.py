@@ -5,7 +5,7 @@ starts, resumes or finishes; and the bytes a whole run writes for its output.
 
     python benchmarks/manifest_cost.py [--parts 10,1000,100000] [--commits 50]
     python benchmarks/manifest_cost.py --run 4000 [--part-images 2]
-    python benchmarks/manifest_cost.py --run 2000 --part-images 50 --update 1,5
+    python benchmarks/manifest_cost.py --run 2000 --part-images 50 --update 1,5 [--out-kind file]
 
 Bytes are this process's, from /proc/self/io: ``wchar`` (bytes handed to write calls) and
 ``write_bytes`` (bytes sent to the disk, less ``cancelled_write_bytes``).
@@ -67,35 +67,44 @@ def noise_png(path: Path, seed: int) -> None:
 
 
 def measured_run(what: str, data: Path, out: Path, part_images: int, **more) -> None:
-    """One run of ``data`` into the folder ``out``: its bytes written against the output's."""
+    """One run of ``data`` into ``out`` (a folder, or a single file where it ends with
+    ``.parquet``): its bytes written against the output's."""
     from dsv4enc.run.pipeline import EncodeOptions, run_encode
 
     config = Path(__file__).resolve().parent.parent / "configs" / "tiny.json"
     wchar, disk = io_bytes()
     began = time.perf_counter()
-    summary = run_encode(EncodeOptions(inputs=[str(data)], out=f"{out}/", config=str(config),
+    folder = out.suffix != ".parquet"
+    summary = run_encode(EncodeOptions(inputs=[str(data)], out=f"{out}/" if folder else str(out),
+                                       config=str(config),
                                        random_init=True, device="cpu", workers=0,
                                        part_images=part_images, progress=False, **more))
     seconds = time.perf_counter() - began
     wchar, disk = io_bytes()[0] - wchar, io_bytes()[1] - disk
-    size = sum(p.stat().st_size for p in out.iterdir())
-    parts = sum(1 for p in out.glob("*.parquet"))
-    print(f"{what}: {summary.encoded} encoded, {summary.reused} reused, {parts} parts, "
+    if folder:
+        size = sum(p.stat().st_size for p in out.iterdir())
+        parts = f"{sum(1 for p in out.glob('*.parquet'))} parts"
+    else:
+        import pyarrow.parquet as pq
+
+        size = out.stat().st_size
+        parts = f"{pq.read_metadata(out).num_row_groups} row groups"
+    print(f"{what}: {summary.encoded} encoded, {summary.reused} reused, {parts}, "
           f"{seconds:.1f} s: output {size / 1e6:.1f} MB, wrote {wchar / 1e6:.2f} MB "
           f"({wchar / size:.1%}; to disk {disk / 1e6:.2f} MB, {disk / size:.1%})", flush=True)
 
 
-def run_cost(images: int, part_images: int, update: str | None) -> None:
-    """A real run of ``images`` small images into a folder, a part per ``part_images``;
-    without ``update`` committing after every segment, with ``update`` (``CHANGED,NEW``)
-    then an ``--update`` after that many images changed (in the middle) and added (after
-    the last)."""
+def run_cost(images: int, part_images: int, update: str | None, kind: str = "folder") -> None:
+    """A real run of ``images`` small images into a folder (``kind``: or a single file), a
+    part per ``part_images``; without ``update`` committing after every segment, with
+    ``update`` (``CHANGED,NEW``) then an ``--update`` after that many images changed (in the
+    middle) and added (after the last)."""
     root = Path(tempfile.mkdtemp(prefix="dsv4enc-runcost-"))
     data = root / "images"
     data.mkdir()
     for i in range(images):
         noise_png(data / f"img{i:06d}.png", i)
-    out = root / "out"
+    out = root / ("out.parquet" if kind == "file" else "out")
     if update is None:
         measured_run("run", data, out, part_images, commit_every=1e-6)
         return
@@ -117,9 +126,11 @@ def main() -> None:
     parser.add_argument("--run", type=int, default=0, help="images of a real run to measure")
     parser.add_argument("--part-images", type=int, default=2)
     parser.add_argument("--update", help="CHANGED,NEW: measure an --update of the run")
+    parser.add_argument("--out-kind", choices=("folder", "file"), default="folder",
+                        help="the run's output: a folder or a single file")
     args = parser.parse_args()
     if args.run:
-        run_cost(args.run, args.part_images, args.update)
+        run_cost(args.run, args.part_images, args.update, args.out_kind)
     else:
         commit_cost([int(v) for v in args.parts.split(",")], args.commits, args.repeat)
 

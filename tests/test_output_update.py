@@ -154,6 +154,36 @@ def test_a_folder_update_keeps_its_unchanged_parts_as_they_are(tmp_path):
     assert_clean(out, table_of(clean_out))
 
 
+def test_a_single_file_update_copies_its_unchanged_parts_by_bytes(tmp_path, monkeypatch):
+    """As a folder's: the old parts that hold no changed image have their row groups copied
+    by bytes, neither encoded nor read row by row (``CarriedRows``), and the file equals a
+    clean run over the current inputs; an update that changed nothing copies every part."""
+    from dsv4enc.output import update as update_module
+
+    images = old_images(tmp_path / "in")
+    out = tmp_path / "e.parquet"
+    run_encode(options(images, out))
+    noise(images / "img004.png", 104, (20, 14))  # changed, in the second part (3-5)
+    for i in range(N_OLD, N_OLD + 2):  # new, sorting after every old image
+        noise(images / f"img{i:03d}.png", 200 + i)
+    carried = []
+    row = update_module.CarriedRows.row
+    monkeypatch.setattr(update_module.CarriedRows, "row",
+                        lambda self, index, key: carried.append(index) or row(self, index, key))
+    summary = run_encode(options(images, out, update=True))
+    assert (summary.encoded, summary.reused, summary.dropped) == (3, N_OLD - 1, 0)
+    # the changed part's other rows, and the last old one, in a part with the new ones
+    assert sorted(carried) == [3, 5, 9]
+    clean_out = tmp_path / "clean.parquet"
+    run_encode(options(images, clean_out))
+    assert_clean(out, table_of(clean_out))
+    assert pq.read_table(out).equals(pq.read_table(clean_out))
+    carried.clear()
+    again = run_encode(options(images, out, update=True))  # nothing changed since
+    assert (again.encoded, again.reused, carried) == (0, N_OLD + 2, [])
+    assert pq.read_table(out).equals(pq.read_table(clean_out))
+
+
 def test_update_of_a_bucket_output(s3, tmp_path, clean):
     images = old_images(tmp_path / "in")
     for out, key in ((f"{s3.url}/up/e.parquet", "up/e.parquet"), (f"{s3.url}/upf/", None)):

@@ -1,15 +1,11 @@
 """A single-file output written once: each part's bytes are appended to one growing file.
 
-A local single-file ``--out`` of a one-process run keeps no part files, which would write
-every embedding byte twice. Each writer thread reserves a byte range at the end of
-``OUT.partial/_growing.parquet``, has pyarrow write the part's Parquet file straight into it
-but for the leading ``PAR1`` (``pwrite``), syncs it, and only then records the part in the
-manifest's journal: its input range and digest, as for a part file, and its byte range, which
-ends with the part's own footer. A kill leaves the journal naming only ranges that are whole
-on disk; ``--resume`` cuts the file after the last recorded range and appends after it. The
-run ends with one footer listing every part's row groups, moved to where they landed, in
-input order (readers skip the parts' own footers), then a sync and a rename to ``out``, so
-``out`` is never half-written.
+A local single-file ``--out`` of one process keeps no part files (they would write every byte
+twice). Each writer thread reserves a byte range at the end of ``OUT.partial/_growing.parquet``,
+has pyarrow write the part's Parquet file into it but for the leading ``PAR1``, syncs it, then
+journals the part: its inputs and its byte range, which ends with the part's own footer. The
+run ends with one footer listing every part's row groups in input order, a sync and a rename
+(``out`` is never half-written).
 """
 
 from __future__ import annotations
@@ -25,10 +21,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from ..errors import OutputError
-from .parquet_join import (FILE_NUM_ROWS, FILE_ROW_GROUPS, T_I64, T_LIST, T_STRUCT, MAGIC,
-                             JoinError, copy_range, footer_bytes, move_group, CompactReader,
-                             row_groups, schema_part, CompactWriter, read_footer,
-                             with_key_values)
+from .parquet_join import (GROUP_NUM_ROWS, MAGIC, CompactReader, CompactWriter, JoinError,
+                           copy_range, footer_bytes, group_span, move_group, read_footer,
+                           row_groups, schema_part, whole_footer, with_key_values)
 from .parts import (MANIFEST_NAME, PartLedger, fsync_dir, is_journal_entry,
                      names_part_file, part_intact, drop_cached_pages, output_os_error,
                      parquet_options, transient_errors)
@@ -45,39 +40,38 @@ AVAILABLE = hasattr(os, "pwrite") and hasattr(os, "pread")
 _sync_data = getattr(os, "fdatasync", os.fsync)
 
 
-def _pack(kind: int, value: Any) -> str:
-    """Thrift compact bytes of ``value`` as text for the JSON journal."""
+def _pack(fields: list[list]) -> str:
+    """A Thrift compact struct as text for the JSON journal."""
     writer = CompactWriter()
-    if kind == T_STRUCT:
-        writer.struct(value)
-    else:
-        writer.value(kind, value)
+    writer.struct(fields)
     return base64.b64encode(bytes(writer.out)).decode("ascii")
 
 
-def _unpack(kind: int, text: str) -> Any:
-    reader = CompactReader(base64.b64decode(text))
-    return reader.struct() if kind == T_STRUCT else reader.value(kind)
-
-
 def serialize(table: pa.Table, row_group_size: int) -> pa.Buffer:
-    """``table`` as a Parquet file in memory, with the settings of a part file: for the
-    schema's probe and a part that outgrew its reservation only (a growing buffer costs
-    fresh pages, more CPU than writing the file)."""
+    """``table`` as a Parquet file in memory, as a part file would hold it: only for the
+    schema's probe and a part that outgrew its reservation (a growing buffer costs CPU)."""
     sink = pa.BufferOutputStream()
     pq.write_table(table, sink, row_group_size=row_group_size,
                    **parquet_options(table.schema))
     return sink.getvalue()
 
 
-def _footer(data: pa.Buffer) -> tuple[list[list], int]:
-    return read_footer(pa.BufferReader(data), data.size)
+def _joinable_footer(path: Path) -> list[list] | None:
+    """The decoded footer of the Parquet file at ``path`` where its row groups can be moved
+    (no page indexes: their offsets lie outside); else None."""
+    try:
+        with open(path, "rb") as source:
+            footer, _ = read_footer(source, os.fstat(source.fileno()).st_size)
+        for group in row_groups(footer):
+            move_group(group, 0, 0)  # raises JoinError where offsets lie outside
+    except (OSError, JoinError):
+        return None
+    return footer
 
 
 def _range_footer(fd: int, offset: int, length: int) -> list[list] | None:
-    """The footer that closes the range ``[offset, offset + length)`` of a growing file (a
-    part's Parquet file less its leading ``PAR1``: column chunks, footer, its length, PAR1),
-    decoded; None where the range does not end with one."""
+    """The decoded footer that closes the range ``[offset, offset + length)`` of a growing
+    file (a part's Parquet file less its leading ``PAR1``); None where there is none."""
     end = offset + length
     try:
         tail = os.pread(fd, 8, end - 8)
@@ -89,15 +83,6 @@ def _range_footer(fd: int, offset: int, length: int) -> list[list] | None:
         return None
 
 
-def _size_if_parquet_start(path: Path) -> int:
-    """The size of the file at ``path`` if it starts with ``PAR1``, else 0."""
-    try:
-        with open(path, "rb") as handle:
-            return os.fstat(handle.fileno()).st_size if handle.read(len(MAGIC)) == MAGIC else 0
-    except OSError:
-        return 0
-
-
 def pwrite_all(fd: int, data: memoryview, offset: int) -> None:
     while data:
         written = os.pwrite(fd, data[:_MAX_WRITE], offset)
@@ -105,11 +90,9 @@ def pwrite_all(fd: int, data: memoryview, offset: int) -> None:
 
 
 def group_room(table: pa.Table, row_group_size: int) -> int:
-    """Bytes to reserve for a part: a little more than its Parquet file takes. Embeddings
-    are stored uncompressed, so their Arrow size bounds them; each row group adds page
-    headers, statistics and its footer entry (a few KB). A part that needs more is written
-    through memory (``commit``); the slack of a range that another was reserved after stays
-    in the file as an unreferenced gap."""
+    """Bytes to reserve for a part: a little more than its Parquet file (embeddings are stored
+    uncompressed, so their Arrow size bounds them; each row group adds a few KB). A part that
+    needs more goes through memory; the slack of a range reserved before another is a gap."""
     groups = -(-max(table.num_rows, 1) // max(row_group_size, 1))
     return int(table.nbytes * 1.01) + (256 << 10) + (32 << 10) * groups
 
@@ -119,10 +102,8 @@ class _NoRoom(Exception):
 
 
 class RangeSink:
-    """A write-only file for pyarrow's Parquet writer that puts byte ``i`` of the file it is
-    given at ``base + i - 4`` of the growing file: the leading ``PAR1`` is dropped, so the
-    column chunks start at ``base``; past ``room`` bytes it raises ``_NoRoom``. No copy in
-    between: each page goes from Arrow's buffer to the file (``pwrite``)."""
+    """A write-only file for pyarrow's Parquet writer that puts byte ``i`` it is given at
+    ``base + i - 4`` of the growing file (no leading ``PAR1``); past ``room``: ``_NoRoom``."""
 
     def __init__(self, fd: int, base: int, room: int) -> None:
         self.fd, self.base, self.room = fd, base, room
@@ -154,21 +135,18 @@ class RangeSink:
 
 
 class AppendingStore(PartLedger):
-    """The journaled growing file of a single-file output (see the module's doc).
-
-    Also the run's finisher (as ``parts.StreamingAssembler`` is for part files): ``finish``
-    writes the footer and renames the file to ``out``; ``abort`` keeps it for ``--resume``.
-    """
+    """The journaled growing file of a single-file output (see the module's doc), and the
+    run's finisher (as ``parts.StreamingAssembler`` is for part files)."""
 
     def __init__(self, folder: Path, settings: dict[str, Any], schema: pa.Schema, out: Path,
                  manifest_name: str = MANIFEST_NAME) -> None:
         super().__init__(folder, settings, manifest_name)
         self.schema, self.out = schema, out
-        # What every part's footer holds besides its row groups (schema, key-value metadata,
-        # writer): the same for every table of this schema, an empty one included. Kept in
-        # the journal, so that a resume by another pyarrow (other footers) starts over.
-        probe, _ = _footer(serialize(schema.empty_table(), 1))
-        self.extra = {"footer": _pack(T_STRUCT, schema_part(probe))}
+        # What every part's footer holds but its row groups, the same for any table of this
+        # schema: in the journal, so that a resume by another pyarrow starts over.
+        data = serialize(schema.empty_table(), 1)
+        probe, _ = read_footer(pa.BufferReader(data), data.size)
+        self.extra = {"footer": _pack(schema_part(probe))}
         self._fd: int | None = None
         self._end = len(MAGIC)  # where the next part's bytes go
         #: more key-value metadata for the final footer (its rows' stamps: ``update``)
@@ -178,27 +156,26 @@ class AppendingStore(PartLedger):
     def path(self) -> Path:
         return self.folder / GROWING_NAME
 
-    # -- opening ---------------------------------------------------------------------
     def create(self) -> None:
         super().create()
         self._cut()
 
     def _intact_parts(self, data: dict) -> dict[str, dict[str, Any]]:
-        """Journal entries whose range is in the file, and part files an earlier dsv4enc
-        committed that can be joined (copied into the growing file by ``forget``). Changes
-        nothing: the run may yet refuse to resume."""
-        size = _size_if_parquet_start(self.path)
+        """Journal entries whose range is in the file, and joinable part files of an earlier
+        dsv4enc (``forget`` copies them in). Changes nothing: the run may yet refuse."""
         same_footer = data.get("footer") == self.extra["footer"]
         if not same_footer and any(is_journal_entry(p) for p in data["parts"].values()):
             log.warning("the finished parts in %s were written with other Parquet metadata "
                         "(another pyarrow?): they are encoded again", self.folder)
+        fd, size = None, 0  # its size where it starts with PAR1 (else none of it is recorded)
         try:
-            fd = os.open(self.path, os.O_RDONLY) if size else None
+            fd = os.open(self.path, os.O_RDONLY)
+            size = os.fstat(fd).st_size if os.pread(fd, len(MAGIC), 0) == MAGIC else 0
         except OSError:
-            fd = None
+            pass
         try:
             return {name: part for name, part in data["parts"].items()
-                    if (is_journal_entry(part) and same_footer and fd is not None
+                    if (is_journal_entry(part) and same_footer and size
                         and len(MAGIC) <= part["offset"]
                         and part["offset"] + part["length"] <= size
                         and self._part_footer(part, fd) is not None)
@@ -208,24 +185,49 @@ class AppendingStore(PartLedger):
                 os.close(fd)
 
     def _fits(self, footer: list[list]) -> bool:
-        """A part's footer holds what the output's does besides its row groups (schema,
-        key-value metadata, writer): its row groups can join the file's."""
-        return _pack(T_STRUCT, schema_part(footer)) == self.extra["footer"]
+        """A part's footer holds what the output's does but its row groups."""
+        return _pack(schema_part(footer)) == self.extra["footer"]
+
+    def _schema(self) -> list[list]:
+        """The footer fields every part's has but for its row groups (``extra``)."""
+        return CompactReader(base64.b64decode(self.extra["footer"])).struct()
 
     def _joinable(self, part: dict[str, Any]) -> bool:
-        """A part file that reads back whole and whose bytes can join this file's: the same
-        footer besides its row groups (the same pyarrow wrote it), no page indexes."""
+        """A part file that reads back whole and whose bytes can join this file's."""
         path = self.folder / part["file"]
-        if not part_intact(path, part.get("rows")):
-            return False
+        footer = _joinable_footer(path) if part_intact(path, part.get("rows")) else None
+        return footer is not None and self._fits(footer)
+
+    def file_parts(self, path: Path, ignore: bytes) -> list[list]:
+        """The parts of a file this store finished (``[row groups, rows]``, in row order)
+        whose bytes can join this file's: the same footer but for its rows and its entry
+        ``ignore``. A part's row groups lie one after the other, its own footer after them."""
+        footer = _joinable_footer(path)
+        blank = {ignore: b""}
+        if footer is None or (with_key_values(schema_part(footer), blank)
+                              != with_key_values(self._schema(), blank)):
+            return []
+        parts, end = [], -1
+        for group in row_groups(footer):
+            low, high = group_span(group)
+            if low != end:
+                parts.append([[], 0])
+            parts[-1][0].append(group)
+            parts[-1][1] += next(f[2] for f in group if f[0] == GROUP_NUM_ROWS)
+            end = high
+        return parts
+
+    def copy_groups(self, name: str, path: Path, groups: list[list], entry: dict) -> None:
+        """Append ``groups`` (a part of ``file_parts`` of ``path``, moved in place) by copying
+        their bytes, closed by a footer of their own, and journal them as part ``name``."""
+        low, high = group_span(groups[0])[0], group_span(groups[-1])[1]
+        for ordinal, group in enumerate(groups):
+            move_group(group, len(MAGIC) - low, ordinal)
         try:
-            with open(path, "rb") as source:
-                footer, _ = read_footer(source, os.fstat(source.fileno()).st_size)
-            for group in row_groups(footer):
-                move_group(group, 0, 0)  # raises JoinError where offsets lie outside
-        except (OSError, JoinError):
-            return False
-        return self._fits(footer)
+            footer = whole_footer(self._schema(), groups, entry["rows"])
+            self._append_copy(name, path, low, high - low, footer_bytes(footer), entry)
+        except JoinError as exc:
+            raise OutputError(f"cannot update {self.out}: {path}: {exc}") from None
 
     def forget(self, names: Sequence[str]) -> None:
         """Drop the parts this run does not reuse, cut the file after the last range still
@@ -237,10 +239,8 @@ class AppendingStore(PartLedger):
                 self._import(name, part)
 
     def _cut(self) -> None:
-        """Open the file and truncate it after the last recorded range: a torn or forgotten
-        part's tail goes (bytes of one that lie before a recorded range stay unreferenced).
-        A file that does not start with ``PAR1`` (or none) starts anew: nothing of it is
-        recorded then."""
+        """Open the file and truncate it after the last recorded range (a torn or forgotten
+        part's tail goes); one that does not start with ``PAR1`` starts anew."""
         self._end = max((p["offset"] + p["length"] for p in self.parts.values()
                          if is_journal_entry(p)), default=len(MAGIC))
         try:
@@ -253,49 +253,57 @@ class AppendingStore(PartLedger):
             raise output_os_error(self.path, exc) from None
 
     def _import(self, name: str, part: dict[str, Any]) -> None:
-        """Copy a part file of the earlier design into the growing file and journal it, then
-        delete the file (its bytes are recorded here now)."""
+        """Copy a part file of the earlier design into the growing file, then delete it."""
         path = self.folder / part["file"]
+        entry = {key: part[key] for key in ("start", "end", "digest", "rows", "transient")
+                 if key in part}
         try:
-            with open(path, "rb") as source, open(self.path, "r+b") as target:
+            with open(path, "rb") as source:
                 size = os.fstat(source.fileno()).st_size
                 read_footer(source, size)  # a damaged file raises JoinError here
-                length = size - len(MAGIC)
-                target.seek(self._end)
-                copy_range(source, target, len(MAGIC), length)
-                target.flush()
-                _sync_data(target.fileno())
+            self._append_copy(name, path, len(MAGIC), size - len(MAGIC), b"", entry)
         except JoinError as exc:  # checked by _joinable: only if changed since
             raise OutputError(f"cannot resume: {path}: {exc}; use --overwrite to start "
                               "over") from None
         except OSError as exc:
             raise output_os_error(self.path, exc) from None
-        entry = {key: part[key] for key in ("start", "end", "digest", "rows", "transient")
-                 if key in part}
-        self._record(name, {**entry, "offset": self._end, "length": length})
-        self._end += length
         path.unlink(missing_ok=True)
 
-    # -- committing ------------------------------------------------------------------
+    def _append_copy(self, name: str, path: Path, offset: int, count: int, tail: bytes,
+                     entry: dict[str, Any]) -> None:
+        """Append ``count`` bytes at ``offset`` of ``path`` and ``tail``, sync, and journal
+        them as part ``name`` (only before the run commits: nothing else appends then)."""
+        try:
+            with open(path, "rb") as source, open(self.path, "r+b") as target:
+                target.seek(self._end)
+                copy_range(source, target, offset, count)
+                target.write(tail)
+                target.flush()
+                _sync_data(target.fileno())
+        except OSError as exc:
+            raise output_os_error(self.path, exc) from None
+        length = count + len(tail)
+        self._record(name, {**entry, "offset": self._end, "length": length})
+        self._end += length
+
     def commit(self, name: str, table: pa.Table, row_group_size: int, start: int, end: int,
                digest: str) -> None:
-        """Append one part (several writer threads may commit at once; parts land in the
-        file in any order)."""
+        """Append one part (writer threads commit at once, parts land in any order)."""
         room = group_room(table, row_group_size)
         base = self._reserve(room)
         try:
-            sink = RangeSink(self._fd, base, room)
-            pq.write_table(table, pa.PythonFile(sink, mode="w"), row_group_size=row_group_size,
-                           **parquet_options(table.schema))
-            length = sink.pos - len(MAGIC)  # column chunks, footer, its length, PAR1
-        except _NoRoom:  # more than ``group_room`` guessed: the part goes through memory instead
-            self._give_back(base, room, 0)
-            data = serialize(table, row_group_size)
-            length = data.size - len(MAGIC)
-            base = self._reserve(length)
-            room = length
-            self._write(memoryview(data)[len(MAGIC):], base)
-            del data
+            try:
+                sink = RangeSink(self._fd, base, room)
+                pq.write_table(table, pa.PythonFile(sink, mode="w"),
+                               row_group_size=row_group_size, **parquet_options(table.schema))
+                length = sink.pos - len(MAGIC)  # column chunks, footer, its length, PAR1
+            except _NoRoom:  # more than ``group_room`` guessed: it goes through memory instead
+                self._give_back(base, room, 0)
+                data = serialize(table, row_group_size)
+                room = length = data.size - len(MAGIC)
+                base = self._reserve(length)
+                pwrite_all(self._fd, memoryview(data)[len(MAGIC):], base)
+                del data
         except OSError as exc:
             raise output_os_error(self.path, exc) from None
         footer = _range_footer(self._fd, base, length)
@@ -321,25 +329,16 @@ class AppendingStore(PartLedger):
             return base
 
     def _give_back(self, base: int, room: int, used: int) -> None:
-        """Return the unused end of a reservation when no later one follows it (else it
-        stays a gap no footer refers to: a little slack per part)."""
+        """Return the unused end of a reservation when no later one follows it."""
         with self._lock:
             if self._end == base + room:
                 self._end = base + used
 
-    def _write(self, data: memoryview, offset: int) -> None:
-        try:
-            pwrite_all(self._fd, data, offset)
-        except OSError as exc:
-            raise output_os_error(self.path, exc) from None
-
-    # -- the end of the run ----------------------------------------------------------
     def notify(self) -> None:
         """A part was committed (nothing to do: its bytes are already in the file)."""
 
     def _part_footer(self, part: dict[str, Any], fd: int | None = None) -> list[list] | None:
-        """The footer a recorded part's range ends with, if it fits this output's; else
-        None."""
+        """The footer a recorded part's range ends with, if it fits this output's."""
         footer = _range_footer(self._fd if fd is None else fd, part["offset"], part["length"])
         return footer if footer is not None and self._fits(footer) else None
 
@@ -360,11 +359,9 @@ class AppendingStore(PartLedger):
                 # Its offsets count from its own file's start, where PAR1 preceded its bytes.
                 move_group(group, part["offset"] - len(MAGIC), len(groups))
                 groups.append(group)
-        fields = _unpack(T_STRUCT, self.extra["footer"]) + [
-            [FILE_NUM_ROWS, T_I64, sum(p["rows"] for p in ordered)],
-            [FILE_ROW_GROUPS, T_LIST, (T_STRUCT, groups)]]
-        return footer_bytes(with_key_values(sorted(fields, key=lambda field: field[0]),
-                                            self.key_values))
+        footer = whole_footer(self._schema(), groups,
+                              sum(p["rows"] for p in ordered))
+        return footer_bytes(with_key_values(footer, self.key_values))
 
     def finish(self) -> None:
         """Write the footer after the last part, sync, and rename the file to ``out``."""
@@ -377,11 +374,10 @@ class AppendingStore(PartLedger):
         except OSError as exc:
             raise output_os_error(self.out, exc) from None
 
-    def abort(self) -> None:
-        """Stop without producing ``out``: the file and journal stay for ``--resume``."""
-        self.close()
-
     def close(self) -> None:
+        """Stop without producing ``out``: the file and journal stay for ``--resume``."""
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
+
+    abort = close

@@ -1,14 +1,10 @@
 """Join Parquet files of one schema into one file by copying their bytes: no decode, no encode.
 
-A Parquet file is ``PAR1``, the column chunks of its row groups, a footer (Thrift compact
-FileMetaData), the footer's length and ``PAR1``. The joined file holds each input's
-column-chunk bytes unchanged, one after the other, and one footer listing every input's
-row groups, with their byte offsets moved by where the input's bytes landed. pyarrow cannot
-append row groups, so the footer is read and written here with a small Thrift compact
-codec (generic: fields it does not know are kept as they are).
-
-Only files without page indexes or bloom filters are joined (their offsets live outside the
-footer): dsv4enc writes neither, and ``ParquetJoiner.append`` refuses a file that has them.
+A Parquet file is ``PAR1``, its row groups' column chunks, a footer (Thrift compact
+FileMetaData), its length and ``PAR1``. The joined file holds the inputs' column chunks as they
+are and one footer listing their row groups, offsets moved to where the bytes landed, written
+with a small generic Thrift compact codec (pyarrow cannot append row groups). Files with page
+indexes or bloom filters (offsets outside the footer) are refused.
 """
 
 from __future__ import annotations
@@ -21,14 +17,15 @@ from typing import Any, BinaryIO
 MAGIC = b"PAR1"
 
 # Thrift compact protocol type ids.
-T_STOP, T_TRUE, T_FALSE, T_BYTE, T_I16, T_I32, T_I64, T_DOUBLE, T_BINARY, T_LIST, T_SET, T_MAP, T_STRUCT = (
-    0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12)
+(T_STOP, T_TRUE, T_FALSE, T_BYTE, T_I16, T_I32, T_I64, T_DOUBLE, T_BINARY, T_LIST, T_SET, T_MAP,
+ T_STRUCT) = range(13)
 
 # Field ids of parquet.thrift that hold file offsets or need joining.
 FILE_NUM_ROWS, FILE_ROW_GROUPS, FILE_KEY_VALUES = 3, 4, 5
-GROUP_COLUMNS, GROUP_FILE_OFFSET, GROUP_ORDINAL = 1, 5, 7
+GROUP_COLUMNS, GROUP_NUM_ROWS, GROUP_FILE_OFFSET, GROUP_ORDINAL = 1, 3, 5, 7
 CHUNK_FILE_OFFSET, CHUNK_META = 2, 3
 CHUNK_INDEX_FIELDS = (4, 5, 6, 7)  # offset/column index offsets and lengths
+META_SIZE, META_DATA_PAGE, META_DICTIONARY_PAGE = 7, 9, 11  # total_compressed_size, offsets
 META_OFFSETS = (9, 10, 11)  # data, index and dictionary page offsets
 META_BLOOM = (14, 15)
 
@@ -36,8 +33,6 @@ META_BLOOM = (14, 15)
 class JoinError(ValueError):
     """A file that cannot be joined by copying (damaged, another schema, page indexes)."""
 
-
-# ----------------------------------------------------------------------------- compact codec
 
 class CompactReader:
     def __init__(self, data: bytes) -> None:
@@ -195,8 +190,6 @@ def footer_bytes(footer: list[list]) -> bytes:
     return bytes(writer.out) + struct.pack("<I", len(writer.out)) + MAGIC
 
 
-# ----------------------------------------------------------------------------- joining
-
 def read_footer(handle: BinaryIO, size: int) -> tuple[list[list], int]:
     """A Parquet file's decoded FileMetaData and where its footer starts."""
     if size < 12:
@@ -235,20 +228,26 @@ def move_group(group: list[list], shift: int, ordinal: int) -> None:
                         meta[2] += shift
 
 
+def group_span(group: list[list]) -> tuple[int, int]:
+    """Where a row group's column chunks lie in its file: (first byte, end)."""
+    spans = []
+    for chunk in _get(group, GROUP_COLUMNS)[2][1]:
+        meta = {field[0]: field[2] for field in _get(chunk, CHUNK_META)[2]}
+        start = min(meta[k] for k in (META_DATA_PAGE, META_DICTIONARY_PAGE) if meta.get(k))
+        spans.append((start, start + meta[META_SIZE]))
+    return min(start for start, _ in spans), max(end for _, end in spans)
+
+
 def with_key_values(footer: list[list], entries: dict[bytes, bytes] | None) -> list[list]:
-    """``footer`` (a decoded FileMetaData) with ``entries`` added to (or replacing keys
-    of) its key-value metadata; fields stay in id order."""
+    """``footer`` (a decoded FileMetaData) with ``entries`` added to (or replacing keys of)
+    its key-value metadata, in field id order."""
     if not entries:
         return footer
-    kept = []
-    for field in footer:
-        if field[0] == FILE_KEY_VALUES:
-            kept = [kv for kv in field[2][1]
-                    if (_get(kv, 1) or [0, 0, b""])[2] not in entries]
-    pairs = kept + [[[1, T_BINARY, key], [2, T_BINARY, value]] for key, value in entries.items()]
+    old = (_get(footer, FILE_KEY_VALUES) or [0, 0, (T_STRUCT, [])])[2][1]
+    pairs = [kv for kv in old if (_get(kv, 1) or [0, 0, b""])[2] not in entries]
+    pairs += [[[1, T_BINARY, key], [2, T_BINARY, value]] for key, value in entries.items()]
     fields = [f for f in footer if f[0] != FILE_KEY_VALUES]
-    fields.append([FILE_KEY_VALUES, T_LIST, (T_STRUCT, pairs)])
-    return sorted(fields, key=lambda field: field[0])
+    return sorted(fields + [[FILE_KEY_VALUES, T_LIST, (T_STRUCT, pairs)]], key=lambda f: f[0])
 
 
 def schema_part(footer: list[list]) -> list[list]:
@@ -256,10 +255,15 @@ def schema_part(footer: list[list]) -> list[list]:
     return [f for f in footer if f[0] not in (FILE_NUM_ROWS, FILE_ROW_GROUPS)]
 
 
+def whole_footer(schema: list[list], groups: list[list], rows: int) -> list[list]:
+    """A FileMetaData of ``schema`` (a footer's ``schema_part``) listing ``groups``."""
+    fields = schema + [[FILE_NUM_ROWS, T_I64, rows], [FILE_ROW_GROUPS, T_LIST, (T_STRUCT, groups)]]
+    return sorted(fields, key=lambda field: field[0])
+
+
 def copy_range(source: BinaryIO, target: BinaryIO, offset: int, count: int) -> None:
-    """Append ``count`` bytes at ``offset`` of ``source`` to ``target``: in the kernel where
-    it can (``copy_file_range``: no trip through user space, a reflink on file systems that
-    share extents), the rest through a buffer."""
+    """Append ``count`` bytes at ``offset`` of ``source`` to ``target``: in the kernel where it
+    can (``copy_file_range``: a reflink where the file system shares extents), else by hand."""
     target.flush()
     done = 0
     if hasattr(os, "copy_file_range"):
@@ -284,8 +288,8 @@ def copy_range(source: BinaryIO, target: BinaryIO, offset: int, count: int) -> N
 
 
 class ParquetJoiner:
-    """Writes one Parquet file made of whole files appended in turn (``append``), then its
-    footer (``close``). All files must share one schema and key-value metadata."""
+    """Writes one Parquet file of whole files of one schema and key-value metadata appended
+    in turn (``append``), then its footer (``close``)."""
 
     def __init__(self, path: Path) -> None:
         self.path = Path(path)
@@ -308,23 +312,15 @@ class ParquetJoiner:
             for group in row_groups(footer):
                 move_group(group, shift, len(self._groups))
                 self._groups.append(group)
-            rows = _get(footer, FILE_NUM_ROWS)
-            self._rows += rows[2] if rows else 0
+            self._rows += (_get(footer, FILE_NUM_ROWS) or [0, 0, 0])[2]
             copy_range(source, self._out, 4, start - 4)
 
     def close(self, key_values: dict[bytes, bytes] | None = None) -> None:
-        """Write the joined footer and close the file (no file appended: an error);
-        ``key_values`` join the footer's key-value metadata."""
+        """Write the joined footer, with ``key_values`` added, and close the file."""
         if self._footer is None:
             self._out.close()
             raise JoinError("no file to join")
-        footer = []
-        for field, kind, value in self._footer:
-            if field == FILE_NUM_ROWS:
-                value = self._rows
-            elif field == FILE_ROW_GROUPS:
-                value = (T_STRUCT, self._groups)
-            footer.append([field, kind, value])
+        footer = whole_footer(schema_part(self._footer), self._groups, self._rows)
         self._out.write(footer_bytes(with_key_values(footer, key_values)))
         self._out.close()
 

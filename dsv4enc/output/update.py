@@ -1,21 +1,18 @@
 """``encode --update``: bring a finished output up to date with its inputs.
 
-An output keeps, per row, an 8-byte stamp of its input: a hash of the key and of the file's
-stamp (``images/headers.file_stamp``, what ``--resume`` checks). A single file keeps them in
-its footer (``STAMPS_KEY``), so that the file and its stamps are replaced by one rename; a
-folder in a ``_stamps-HASH.bin`` file beside the parts, which the manifest names.
-
-An update plans the current inputs as a clean run would and matches their stamps against the
+Each row keeps an 8-byte stamp of its input, a hash of its key and ``images/headers.file_stamp``:
+a single file in its footer (``STAMPS_KEY``: one rename replaces both), a folder in a
+``_stamps-HASH.bin`` file its manifest names. An update matches the inputs' stamps against the
 old rows' (``Update.match``): an unchanged input takes its old row (``CarriedRows``, read
-forward: both are in input order), a new or changed one is encoded, a gone one is left out.
-Rows are batch-invariant, so the result equals a clean run. A folder's old part whose rows all
-stay, in order and on the run's segment bounds, is kept as it is (``Update.keep_parts``).
+forward), a new or changed one is encoded, a gone one left out; rows are batch-invariant, so
+the result equals a clean run. An old part whose rows all stay, in order and on the run's
+segment bounds, is kept (``Update.keep_parts``): a folder's file by reference, a single file's
+row groups by bytes.
 
-Crash safety is ``--resume``'s: the update commits to a parts folder of its own
-(``OUT.partial`` beside a single file; ``STAGING_NAME`` inside a folder, with part names of a
-new generation) and reads the old output without changing it until the end: then a single
-file is renamed into place, and a folder's new parts are moved in and its manifest replaced
-(one rename) before the old parts go. An interrupted update, rerun, keeps what it committed.
+Crash safety is ``--resume``'s: the update commits to parts of its own (``OUT.partial`` beside a
+single file; ``STAGING_NAME`` in a folder, with part names of a new generation) and changes the
+old output only at the end: a single file is renamed into place; a folder's new parts are moved
+in and its manifest replaced (one rename) before the old parts go.
 """
 
 from __future__ import annotations
@@ -44,8 +41,7 @@ log = logging.getLogger("dsv4enc")
 STAMPS_KEY = b"dsv4enc.rows"
 #: A folder output's stamps file (the manifest's ``stamps`` entry names the current one).
 STAMPS_FILE = re.compile(r"_stamps-[0-9a-f]{16}\.bin")
-#: Where a folder output's update commits its parts until the switch (hidden: dataset
-#: readers and dsv4enc's own checks pass over it).
+#: Where a folder output's update commits its parts until the switch (hidden from readers).
 STAGING_NAME = ".dsv4enc-update"
 _MAGIC = b"DSV4ENC-STAMPS1\n"
 #: Settings that decide how parts are cut, not what rows hold: an update may differ there.
@@ -63,9 +59,9 @@ SHOWN_SETTING = {"keep_columns": "--keep-column", "weights_fingerprint": "the we
 def setting_refusal(refused: str, used: str, key: str, then: Any, now: Any, *,
                     rerun: str = "", again: str) -> str:
     """The one line that refuses a run whose setting ``key`` is ``now`` where the output it
-    continues has ``then``: ``refused`` opens it ("cannot resume"), ``used`` says whose the
-    old value was ("the interrupted run used"), ``rerun`` follows the flag that would agree
-    (" to resume it"), and ``again`` is what --overwrite does instead."""
+    continues has ``then``: ``refused`` opens it ("cannot resume"), ``used`` names the old
+    value's ("the interrupted run used"), ``rerun`` follows the flag that would agree, and
+    ``again`` is what --overwrite does instead."""
     flag = FLAG_OF_SETTING.get(key)
     if flag is not None and isinstance(then, (str, int)) and isinstance(now, (str, int)):
         return (f"{refused}: {used} {flag} {then}, this run asks for {now}; rerun with {flag} "
@@ -73,8 +69,6 @@ def setting_refusal(refused: str, used: str, key: str, then: Any, now: Any, *,
     shown = SHOWN_SETTING.get(key) or flag or key.replace("_", " ")
     return f"{refused}: {shown} differs ({then!r} then, {now!r} now); use --overwrite to {again}"
 
-
-# ----------------------------------------------------------------------------- stamps
 
 def _hash8(text: bytes) -> int:
     return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little")
@@ -86,13 +80,9 @@ def row_stamps(entries: Iterable[tuple[str, str | None]]) -> np.ndarray:
                         for key, stamp in entries), dtype=np.uint64)
 
 
-def key_hashes(keys: Iterable[str]) -> np.ndarray:
-    return np.fromiter((_hash8(utf8_text(key).encode()) for key in keys), dtype=np.uint64)
-
-
 def footer_entry(stamps: np.ndarray, options: dict) -> dict[bytes, bytes]:
-    """The footer key-value entry of a single-file output: its rows' stamps (base64 of
-    little-endian uint64) and the row options the schema's metadata does not hold."""
+    """A single file's footer entry: its rows' stamps (base64 of little-endian uint64) and
+    the row options the schema's metadata does not hold."""
     data = stamps.astype("<u8").tobytes()
     return {STAMPS_KEY: json.dumps({"version": 1, "rows": len(stamps), "options": options,
                                     "stamps": base64.b64encode(data).decode("ascii")},
@@ -100,8 +90,8 @@ def footer_entry(stamps: np.ndarray, options: dict) -> dict[bytes, bytes]:
 
 
 def write_folder_stamps(folder: Path, store, stamps: np.ndarray, options: dict) -> None:
-    """At the end of a folder output's run: its stamps file, then the manifest naming it
-    (an older stamps file goes once the manifest no longer names it)."""
+    """At the end of a folder output's run: its stamps file, then the manifest naming it,
+    then any older stamps file."""
     entry = _write_stamps(folder, stamps, options)
     store.extra = {**store.extra, "stamps": entry}
     store.save()
@@ -149,11 +139,8 @@ def _read_folder_stamps(folder: Path, entry: Any, rows: int) -> np.ndarray | Non
     return np.frombuffer(data, dtype="<u8", offset=len(_MAGIC)).astype(np.uint64)
 
 
-# ----------------------------------------------------------------------------- the old output
-
 class OldOutput:
-    """A finished output as an update sees it: its files in row order, the settings it was
-    made with, and its rows' stamps."""
+    """A finished output as an update sees it: its files in row order, settings and stamps."""
 
     def __init__(self, out: Path, files: list[Path], settings: dict, stamps: np.ndarray | None,
                  folder: bool, listed: set[str]) -> None:
@@ -180,11 +167,10 @@ class OldOutput:
                 entry = json.loads(metadata[STAMPS_KEY])
                 settings.update(entry.get("options") or {})
                 data = base64.b64decode(entry["stamps"])
-                stamps = np.frombuffer(data, dtype="<u8").astype(np.uint64)
+                if len(data) == 8 * footer.num_rows:
+                    stamps = np.frombuffer(data, dtype="<u8").astype(np.uint64)
             except (KeyError, ValueError, TypeError):
                 pass
-            if stamps is not None and len(stamps) != footer.num_rows:
-                stamps = None
             return cls(out, [out], settings, stamps, False, set())
         manifest = read_manifest(out / MANIFEST_NAME)
         if manifest is None:
@@ -199,8 +185,7 @@ class OldOutput:
         return found
 
     def check(self, settings: dict) -> None:
-        """Refuse in one line when this run's rows would differ from the old ones', or when
-        the old output recorded no stamps."""
+        """Refuse in one line a run whose rows would differ, or an output without stamps."""
         if self.stamps is None:
             raise UsageError(
                 f"cannot update {self.out}: it does not record its input files per row (made "
@@ -208,52 +193,48 @@ class OldOutput:
                 "with --overwrite once, then --update works")
         for key, now in settings.items():
             then = self.settings.get(key)
-            if key in _NOT_ROWS or then == now:
-                continue
-            raise UsageError(setting_refusal(f"cannot update {self.out}", "it was made with",
-                                             key, then, now, again="encode everything again"))
+            if key not in _NOT_ROWS and then != now:
+                raise UsageError(setting_refusal(f"cannot update {self.out}",
+                                                 "it was made with", key, then, now,
+                                                 again="encode everything again"))
 
     def column(self, name: str) -> Iterable[Any]:
         """One small column's values, row by row, read a row group at a time."""
-        import pyarrow.parquet as pq
+        for handle, group in _row_groups(self.files):
+            yield from handle.read_row_group(group, columns=[name]).column(0).to_pylist()
 
-        for path in self.files:
-            handle = pq.ParquetFile(path)
-            for group in range(handle.num_row_groups):
-                yield from handle.read_row_group(group, columns=[name]).column(0).to_pylist()
+
+def _row_groups(files: Sequence[Path]) -> Iterable[tuple[Any, int]]:
+    """(Parquet file, row group) of ``files``, in order."""
+    import pyarrow.parquet as pq
+
+    for path in files:
+        handle = pq.ParquetFile(path)
+        for group in range(handle.num_row_groups):
+            yield handle, group
 
 
 class CarriedRows:
     """Old rows read forward, one row group at a time (never the whole output)."""
 
     def __init__(self, files: Sequence[Path]) -> None:
-        self._groups = self._walk(files)
+        self._groups = _row_groups(files)
         self._start = self._end = 0
         self._rows: list[dict] = []
         self._arrays: list = []
 
-    @staticmethod
-    def _walk(files: Sequence[Path]):
-        import pyarrow.parquet as pq
-
-        for path in files:
-            handle = pq.ParquetFile(path)
-            fmt = embedding_format(handle.schema_arrow)
-            for group in range(handle.num_row_groups):
-                yield handle, group, fmt
-
     def row(self, index: int, key: str) -> Row:
-        """Old row ``index`` (never below an index asked for before) as a Row for ``key``.
-        Row groups before it are passed over unread (an update keeps whole parts as they
-        are: their rows are never asked for)."""
+        """Old row ``index`` (never below an index asked for before) as a Row for ``key``;
+        row groups before it are passed over unread (the parts an update keeps)."""
         while index >= self._end:
-            handle, group, fmt = next(self._groups)
-            rows = handle.metadata.row_group(group).num_rows
-            self._start, self._end = self._end, self._end + rows
+            handle, group = next(self._groups)
+            self._start = self._end
+            self._end += handle.metadata.row_group(group).num_rows
             if index >= self._end:
                 continue
             table = handle.read_row_group(group)
-            self._arrays = embedding_arrays(table.column("embedding"), fmt)
+            self._arrays = embedding_arrays(table.column("embedding"),
+                                            embedding_format(handle.schema_arrow))
             self._rows = table.drop_columns(["embedding"]).to_pylist()
         if index < self._start:
             raise AssertionError("old rows asked for out of order")
@@ -279,20 +260,15 @@ class Update:
         old = OldOutput.find(out, folder_mode)
         return cls(old) if old is not None else None
 
-    # -- the store ------------------------------------------------------------------------
     def open_store(self, settings: dict, rows_settings: dict) -> PartStore | None:
         """A folder output's staging store (None for a single file: its own store serves).
-        A staging folder left by an update with other settings, or whose part names an
-        earlier switch took, is a stale cache: it goes."""
+        A staging folder of other settings, or whose part names a switch took, goes."""
         if not self.old.folder:
             return None
         self.staging = self.old.out / STAGING_NAME
         recorded = read_manifest(self.staging / MANIFEST_NAME)
-        if recorded is not None:
-            files = {p.get("file") for p in recorded["parts"].values() if not p.get("kept")}
-            if recorded["settings"] != rows_settings or files & self.old.listed:
-                shutil.rmtree(self.staging, ignore_errors=True)
-        elif self.staging.exists():
+        if recorded is None or recorded["settings"] != rows_settings or self.old.listed & {
+                p.get("file") for p in recorded["parts"].values() if not p.get("kept")}:
             shutil.rmtree(self.staging, ignore_errors=True)
         store = PartStore(self.staging, settings)
         generations = [int(m.group(1) or 0) for name in self.old.listed
@@ -300,11 +276,10 @@ class Update:
         store.file_suffix = f".g{max(generations, default=0) + 1}"
         return store
 
-    # -- matching -------------------------------------------------------------------------
     def match(self, planned: Sequence, settings: dict) -> None:
-        """Check the settings, then decide which inputs take their old row: same key, same
-        file stamp, readable now, an old row without a transient error, and in input order
-        (a reordered input list re-encodes what would need a backward read)."""
+        """Check the settings, then decide which inputs take their old row: same key and
+        file stamp, readable now, an old row without a transient error, in input order (a
+        reordered input list re-encodes what would need a backward read)."""
         if not settings.get("batch_invariant", True):
             raise UsageError("--update copies rows beside new ones, which equals a clean run "
                              "only with batch-invariant rows: drop --no-deterministic "
@@ -325,7 +300,8 @@ class Update:
             if planned[j].error is None and not transient[i] and i > last:
                 self.carried[int(j)] = i
                 last = i
-        keys_now = key_hashes(p.item.key for p in planned)
+        keys_now = np.fromiter((_hash8(utf8_text(p.item.key).encode()) for p in planned),
+                               dtype=np.uint64, count=len(planned))
         keys_old = np.fromiter((_hash8(path.encode()) for path in self.old.column("path")),
                                dtype=np.uint64, count=len(old))
         self.new = int((~np.isin(keys_now, keys_old)).sum())
@@ -337,46 +313,50 @@ class Update:
 
     def rows(self, indices: Sequence[int], planned: Sequence) -> dict[int, Row]:
         """The carried rows among ``indices`` (ascending), copied from the old output."""
-        out = {}
-        for index in indices:
-            old = self.carried.get(index)
-            if old is not None:
-                out[index] = self._reader.row(old, planned[index].item.key)
-        return out
+        return {index: self._reader.row(self.carried[index], planned[index].item.key)
+                for index in indices if index in self.carried}
 
     def keep_parts(self, store: PartStore, todo: Sequence, planned: Sequence) -> tuple[list, int]:
-        """A folder's old parts whose rows this run takes unchanged and in one piece are kept
-        as they are: recorded in ``store`` by reference (``kept``), their segments dropped
-        from ``todo`` (``run/plan.Part``s). Only parts that hold changed, new or gone inputs
-        are written again. Returns the segments still to encode and the rows kept."""
-        if not self.old.folder or self.staging is None or not todo:
+        """Old parts whose rows this run takes unchanged, in order and on its segment bounds,
+        are kept (a folder's file by reference, a single file's row groups copied by bytes),
+        their segments dropped from ``todo``. Returns the segments left and the rows kept."""
+        from .appending import AppendingStore
+
+        single = not self.old.folder and isinstance(store, AppendingStore)
+        if not todo or not (single or self.staging is not None):
             return list(todo), 0
+        units = self.old.parts
+        if single:  # another footer (pyarrow, --part-images): no parts, its rows are carried
+            parts = store.file_parts(self.old.out, STAMPS_KEY)
+            first = np.cumsum([0] + [rows for _, rows in parts])
+            units = [(groups, int(first[k]), rows) for k, (groups, rows) in enumerate(parts)]
         new_of = {old: new for new, old in self.carried.items()}
         at_start = {p.start: i for i, p in enumerate(todo)}
         at_end = {p.end: i for i, p in enumerate(todo)}
-        dropped: set[int] = set()
-        kept = 0
-        for file, first, rows in self.old.parts:
+        dropped, kept = set(), 0
+        for unit, first, rows in units:
             start = new_of.get(first)
             end = None if start is None else start + rows
             if (rows == 0 or start not in at_start or end not in at_end
-                    or not (self.old.out / file).is_file()):
+                    or not (single or (self.old.out / unit).is_file())):
                 continue  # its rows moved off this run's segment bounds (or it is gone)
             i, j = at_start[start], at_end[end]
             if any(todo[k].end != todo[k + 1].start for k in range(i, j)) or not all(
                     self.carried.get(start + k) == first + k for k in range(rows)):
                 continue  # not one run of segments, or not these rows in this order
-            store.adopt(todo[i].name, {"file": file, "start": start, "end": end,
-                                       "digest": inputs_digest(planned[start:end]),
-                                       "rows": rows, "transient": 0, "kept": True})
+            entry = {"start": start, "end": end, "digest": inputs_digest(planned[start:end]),
+                     "rows": rows, "transient": 0}
+            if single:
+                store.copy_groups(todo[i].name, self.old.out, unit, entry)
+            else:
+                store.adopt(todo[i].name, {"file": unit, **entry, "kept": True})
             dropped.update(range(i, j + 1))
             kept += rows
         return [p for k, p in enumerate(todo) if k not in dropped], kept
 
-    # -- the end --------------------------------------------------------------------------
     def finish_folder(self, store: PartStore, stamps: np.ndarray, options: dict) -> None:
-        """Switch a folder output to the staged parts: stamps file and part files moved in,
-        then the manifest replaced (one rename), then the old parts and stamps deleted."""
+        """Switch a folder output to the staged parts: stamps and part files moved in, the
+        manifest replaced (one rename), then the old parts and stamps deleted."""
         out = self.old.out
         entry = _write_stamps(out, stamps, options)
         parts = {name: {k: v for k, v in part.items() if k != "kept"}

@@ -24,22 +24,17 @@ from ..output.update import Update
 
 
 class PartEncoder:
-    """Encodes the run's parts: walks parts -> batches, feeding decoded images to the engine
-    through the batch loop, and yields finished parts as ``(name, start, end, digest, rows)``.
-    Under torchrun every batch ends in collectives (``Topology``): stop agreement with the
-    progress, and the row exchange of gathered data parallelism."""
+    """Encodes the run's parts batch by batch through the batch loop, yielding finished parts
+    as ``(name, start, end, digest, rows)``. Under torchrun every batch ends in collectives
+    (``Topology``): stop agreement with the progress, and gathered data parallelism's rows."""
 
     def __init__(self, engine: Engine, opts: EncodeOptions, ranks: Topology,
                  progress: RunProgress, summary: RunSummary, stop: StopSignals,
                  update: Update | None = None) -> None:
         """``update``: an ``--update``'s ``output/update.Update``, whose ``carried`` inputs
-        take their old rows instead of being decoded and encoded (they are in no batch:
-        ``plan.plan_batches``)."""
-        self.engine, self.opts, self.ranks = engine, opts, ranks
-        self.update = update
-        self.carried = update.carried if update is not None else {}  # input -> old row
+        take their old rows (they are in no batch: ``plan.plan_batches``)."""
+        self.engine, self.opts, self.ranks, self.update = engine, opts, ranks, update
         self.progress, self.summary, self.stop = progress, summary, stop
-        self.cfg = engine.cfg
         self.ratio = engine.cfg.downsample_ratio
         # tags: (index, key, decoded image)
         self.loop = BatchLoop(engine, opts.pool, name_of=lambda tag: tag[1],
@@ -84,27 +79,17 @@ class PartEncoder:
                        else {})
             rows.update(carried)
             self.summary.reused += len(carried)
-            steps = max(len(share) for share in plan)
-            for step in range(steps):
+            for step in range(max(len(share) for share in plan)):
                 batch = plan[me][step] if step < len(plan[me]) else []
                 try:
                     local = self.submit_batch(planned, batch, decoded)
                 except StoppedWaiting:
                     return  # the part in progress is dropped; finished ones are committed
                 local.update(self._rows(self.loop.collect_ready()))
-                if self._counts_encoded:
-                    self._note(local.values())
-                if self.ranks.gathered:
-                    local = self._exchange(local)
-                rows.update(local)
+                rows.update(self._finished(local))
                 if self._stop_agreed():
                     return
-            local = self._rows(self.loop.drain())
-            if self._counts_encoded:
-                self._note(local.values())
-            if self.ranks.gathered:
-                local = self._exchange(local)
-            rows.update(local)
+            rows.update(self._finished(self._rows(self.loop.drain())))
             self._show_progress(self._gather_progress(None))
             ordered = [rows[i] for i in part.indices]
             self.summary.count_rows([row for i, row in zip(part.indices, ordered)
@@ -177,14 +162,13 @@ class PartEncoder:
         rows: dict[int, Row] = {}
         ready: list[tuple[int, Decoded]] = []
         began = time.perf_counter()
-        alone = self.ranks.dist is None
         for expected in batch:
             index, result = self._next_decoded(decoded)
             assert index == expected, "decode stream out of step with the plan"
             path = planned[index].item.path
             if storage.is_url(path):  # what the decoder found, for the store's health
                 storage.note_row(path, result.error, result.unavailable_since)
-                if alone:  # one process stops at once; ranks agree after the batch
+                if self.ranks.dist is None:  # one process stops at once; ranks agree later
                     storage.check_stores()
             if result.error is not None:
                 rows[index] = error_row(planned[index], result.error)
@@ -214,9 +198,14 @@ class PartEncoder:
                               vit_w=d.n_w, grid_h=grid_h, grid_w=grid_w, embedding=out.numpy())
         return rows
 
-    def _exchange(self, local: dict[int, Row]) -> dict[int, Row]:
-        """Data parallel: rank 0 gets every rank's rows."""
-        return self.ranks.exchange_rows(local, self.cfg.output_width(self.opts.features),
+    def _finished(self, local: dict[int, Row]) -> dict[int, Row]:
+        """This rank's finished rows counted; under gathered data parallelism rank 0 gets
+        every rank's."""
+        if self._counts_encoded:
+            self._note(local.values())
+        if not self.ranks.gathered:
+            return local
+        return self.ranks.exchange_rows(local, self.engine.cfg.output_width(self.opts.features),
                                         self.opts.pool == "mean", self.engine.out_dtype)
 
 

@@ -32,12 +32,9 @@ def probe_share(items: Sequence[InputItem], max_pixels: int, ranks: Topology | N
                 should_stop: Callable[[], bool] | None = None,
                 timeout_s: float | None = PROBE_TIMEOUT_S) -> list[tuple[int, Probe]]:
     """This rank's share of the probes of ``items`` (every ``world_size``-th one), as
-    ``(index, probe)``; no collective, so it may run on any thread.
-
-    A probe that takes longer than ``timeout_s`` becomes an error and its thread is left
-    behind (a daemon: it never delays the exit). When ``should_stop()`` turns true (a
-    signal), the headers not read yet are left as errors and the caller is expected to stop
-    without planning them."""
+    ``(index, probe)``; no collective, so any thread may run it. A probe slower than
+    ``timeout_s`` becomes an error (its daemon thread is left behind). Once ``should_stop()``
+    (a signal), the headers not read yet are errors: the caller stops without planning them."""
     rank, world = (ranks.rank, ranks.world_size) if ranks is not None else (0, 1)
     mine = list(range(rank, len(items), world))
     probes = probe_all([items[i] for i in mine], max_pixels, should_stop, timeout_s)
@@ -70,10 +67,8 @@ def with_grids(items: Sequence[InputItem], share: list[tuple[int, Probe]], cfg: 
 
 
 def images_per_part(cfg: VisionConfig, opts: EncodeOptions) -> int:
-    """Images per part so a part's embeddings stay under PART_BYTES even at the largest grid.
-
-    Depends on the config and output settings only, so that a resumed run cuts the same parts.
-    """
+    """Images per part so a part's embeddings stay under PART_BYTES even at the largest grid;
+    from the config and output settings only, so that a resumed run cuts the same parts."""
     if opts.part_images:
         return opts.part_images
     max_patches = (cfg.max_n_token * cfg.downsample_ratio ** 2 if opts.features == "vit"
@@ -152,10 +147,9 @@ def _segments(planned: Sequence[Planned], start: int, end: int,
 
 def cut_parts(planned: list[Planned], part_images: int,
               more: Callable[[int], None] = lambda count: None) -> Iterator[Part]:
-    """The run's parts: consecutive ranges of ``part_images`` inputs, by input order alone,
-    so that their bounds are known before any header is read and stay the same on resume.
-    Each comes as soon as its inputs are in ``planned``: ``more(count)`` lists inputs until
-    ``planned`` holds ``count`` of them or the listing has ended (by default it is whole)."""
+    """The run's parts: consecutive ranges of ``part_images`` inputs, by input order alone
+    (their bounds known before any header is read, the same on resume), each as soon as
+    ``more(count)`` has listed its inputs into ``planned`` (by default it is whole)."""
     start = 0
     while True:
         more(start + part_images)
@@ -170,12 +164,11 @@ def cut_parts(planned: list[Planned], part_images: int,
 def plan_segments(planned: Sequence[Planned], part: Part, ranks: Topology | None = None,
                   balance: str = "patches", cfg: VisionConfig | None = None,
                   segment_tokens: int | None = None) -> list[Part]:
-    """The segments a run encodes of ``part`` (a range to do, its headers read and its
-    inputs stamped): consecutive input ranges of at most ``segment_tokens`` patches each
-    (the whole range when None). The writer joins consecutive segments into a committed
-    part until the range ends or --commit-every passes. When the ranks split the images
-    (``ranks``, data parallel), the range is one segment that carries every rank's greedy
-    share of it; with ``--shard-output`` a rank's part holds just its own share."""
+    """The segments a run encodes of ``part`` (its headers read, its inputs stamped):
+    consecutive ranges of at most ``segment_tokens`` patches (None: the whole range), which the
+    writer joins into a committed part until the range ends or --commit-every passes. When the
+    ranks split the images, the range is one segment carrying every rank's greedy share (with
+    ``--shard-output`` a rank's part holds just its own)."""
     start, end, size = part.start, part.end, part.part_images
     if ranks is not None and ranks.splits_images:
         shares = share_for_ranks(planned, list(range(start, end)), ranks.world_size,
@@ -191,9 +184,6 @@ def plan_segments(planned: Sequence[Planned], part: Part, ranks: Topology | None
 
 
 # ----------------------------------------------------------------------------- ranks
-
-
-
 
 def patch_cost(n_h: int, n_w: int) -> float:
     """Cost of an image: its patch count (the default ``--balance``)."""
@@ -233,12 +223,9 @@ def cost_function(balance: str, cfg: VisionConfig) -> Callable[[int, int], float
 
 
 def assign_greedy(costs: Sequence[float], world_size: int) -> list[list[int]]:
-    """Greedy longest-first assignment of images to ranks.
-
-    Images by cost descending (ties: lower index first), each to the rank with the least
-    load so far (ties: lowest rank). Returns one list of image indices per rank, ascending.
-    Deterministic, so every rank computes the same plan from the same costs.
-    """
+    """Greedy longest-first assignment of images to ranks: by cost descending (ties: lower
+    index first), each to the least loaded rank (ties: lowest rank). One ascending list of
+    image indices per rank; deterministic, so every rank computes the same plan."""
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     heap = [(0.0, rank) for rank in range(world_size)]  # (load, rank): ties pop lowest rank
@@ -273,22 +260,16 @@ def share_for_ranks(planned: Sequence[Planned], indices: list[int], world_size: 
                     balance: str, cfg: VisionConfig | None = None) -> list[list[int]]:
     """Greedy assignment of ``indices`` to ranks by cost (``--balance``); failed items cost
     nothing (they go last, so they move no other item)."""
-    if balance == "flops" and cfg is not None:
-        costs = [flops_cost(planned[i].n_h, planned[i].n_w, cfg) if planned[i].error is None
-                 else 0 for i in indices]
-    else:
-        costs = [planned[i].tokens if planned[i].error is None else 0 for i in indices]
+    cost = cost_function(balance, cfg) if cfg is not None else patch_cost
+    costs = [cost(planned[i].n_h, planned[i].n_w) if planned[i].error is None else 0
+             for i in indices]
     return [[indices[j] for j in share] for share in assign_greedy(costs, world_size)]
 
 
 def pack_bins(costs: Sequence[int], capacity: int, max_items: int | None = None) -> list[list[int]]:
-    """First-fit-decreasing bin packing.
-
-    Returns bins of item indices (each bin's indices ascending), every bin's cost sum at most
-    ``capacity`` and item count at most ``max_items``; an item larger than ``capacity`` gets
-    a bin of its own. Bins come out ordered by their smallest index, so that work flows
-    roughly in input order.
-    """
+    """First-fit-decreasing bin packing: bins of item indices (ascending), each of cost at
+    most ``capacity`` and ``max_items`` items (an item over ``capacity`` alone), ordered by their
+    smallest index so that work flows roughly in input order."""
     order = sorted(range(len(costs)), key=lambda i: (-costs[i], i))
     bins: list[list[int]] = []
     loads: list[int] = []
@@ -319,10 +300,9 @@ def part_batches(planned: Sequence[Planned], indices: Sequence[int], batch_token
 
 def plan_batches(planned: Sequence[Planned], parts: Sequence[Part], batch_tokens: int,
                  max_images: int | None, carried: Collection[int] = ()) -> list[list[list[int]]]:
-    """Per part, per rank, the batches (lists of item indices) it is encoded in; one share
-    (the part's indices) without data parallelism. Every rank plans every rank's batches,
-    so that all take the same number of steps (each step ends in collectives). Inputs in
-    ``carried`` (rows that ``--update`` copies from the old output) are in no batch."""
+    """Per part, per rank (one share without data parallelism), the batches it is encoded
+    in. Every rank plans every rank's batches, so that all take the same number of steps
+    (each ends in collectives). ``carried`` (rows ``--update`` copies) are in no batch."""
     skip = set(carried)
     return [[part_batches(planned, [i for i in share if i not in skip], batch_tokens, max_images)
              for share in (part.shares if part.shares is not None else [part.indices])]

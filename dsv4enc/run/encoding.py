@@ -39,9 +39,9 @@ class PartEncoder:
         # tags: (index, key, decoded image)
         self.loop = BatchLoop(engine, opts.pool, name_of=lambda tag: tag[1],
                               remedy="rerun with --out-dtype float32", copy=False)
-        # Progress is counted where rows are made, then summed over ranks at each step: a
-        # rank counts the rows it encoded (under TP every rank makes the same rows, so only
-        # rank 0 counts), and header failures are counted by whoever owns the part's rows.
+        # Progress is counted where rows are made and summed over ranks at each step: under
+        # TP every rank makes the same rows (rank 0 counts them); header failures are
+        # counted by whoever owns the part's rows.
         self._counts_encoded = ranks.is_main or ranks.splits_images
         self._counts_header_failures = ranks.is_main or ranks.sharded
         # not yet shown: images, tokens, failed, and the planned tokens of images that then
@@ -54,9 +54,8 @@ class PartEncoder:
         return self.ranks.rank if self.ranks.splits_images else 0
 
     def batch_sizes(self, planned: Sequence[Planned], batches: list[list[list[int]]]) -> list[int]:
-        """This rank's batch sizes in tokens (``batches``: per part, per rank; see
-        ``plan.plan_batches``); under gathered data parallelism every rank's load is noted
-        in the summary too."""
+        """This rank's batch sizes in tokens (``batches``: per part, per rank); under
+        gathered data parallelism every rank's load is noted in the summary too."""
         if self.ranks.gathered:
             loads = self.summary.rank_loads
             for plan in batches:
@@ -90,7 +89,7 @@ class PartEncoder:
                 if self._stop_agreed():
                     return
             rows.update(self._finished(self._rows(self.loop.drain())))
-            self._show_progress(self._gather_progress(None))
+            self._share_progress()
             ordered = [rows[i] for i in part.indices]
             self.summary.count_rows([row for i, row in zip(part.indices, ordered)
                                      if i not in carried])
@@ -108,8 +107,7 @@ class PartEncoder:
             down = None
         except storage.StoreDown as exc:
             down = exc
-        reports = self._gather_progress(self.stop.signum, down)
-        self._show_progress(reports)
+        reports = self._share_progress(self.stop.signum, down)
         problem = next((exc for _, _, exc in reports if exc is not None), None)
         if problem is not None:
             raise problem
@@ -127,19 +125,17 @@ class PartEncoder:
             else:
                 self._pending[2] += 1
 
-    def _gather_progress(self, signum: int | None, problem: Exception | None = None,
-                         ) -> list[tuple[int | None, list[int], Exception | None]]:
-        """(signal, progress not yet shown, problem) of every rank; this rank's alone
-        without torchrun."""
+    def _share_progress(self, signum: int | None = None, problem: Exception | None = None,
+                        ) -> list[tuple[int | None, list[int], Exception | None]]:
+        """(signal, progress not yet shown, problem) of every rank (this rank's alone without
+        torchrun); their progress shown."""
         pending, self._pending = self._pending, [0, 0, 0, 0]
-        return self.ranks.agree_on_stop(signum, pending, problem)
-
-    def _show_progress(self, reports: list[tuple[int | None, list[int], Exception | None]],
-                       ) -> None:
+        reports = self.ranks.agree_on_stop(signum, pending, problem)
         images, tokens, failed, dropped = (sum(counts[k] for _, counts, _ in reports)
                                            for k in range(4))
         if images:
             self.progress.advance(images, tokens, failed, dropped)
+        return reports
 
     # -- one batch ---------------------------------------------------------------
     def _next_decoded(self, decoded: Iterator[tuple[int, Decoded]]) -> tuple[int, Decoded]:

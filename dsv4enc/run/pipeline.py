@@ -205,7 +205,6 @@ def _run_encode(opts: EncodeOptions, ranks: Topology, setup: RunSetup, stop: Sto
                 layout: OutputLayout, source: PartSource,
                 remote: RemoteOutput | None = None) -> RunSummary:
     """``remote``: the object storage ``--out`` whose staging ``layout`` is, else None."""
-    started = setup.started  # the caller's start (the CLI's: the process's), else now
     alone = ranks.dist is None
     validate(opts)
     if opts.update and not alone:
@@ -245,7 +244,7 @@ def _run_encode(opts: EncodeOptions, ranks: Topology, setup: RunSetup, stop: Sto
         if ranks.is_main:
             layout.discard_if_empty()  # so that a corrected rerun is not told to --resume
         if isinstance(exc, Interrupted):  # what was done, for --summary-json
-            summary.seconds = time.perf_counter() - started
+            summary.seconds = time.perf_counter() - setup.started  # from the caller's start
             exc.summary = summary
         raise
     finally:  # counted as the listing went
@@ -277,9 +276,8 @@ class OutputPlan:
 
 def _plan_output(run: RunState, setup: RunSetup, source: PartSource, computes: dict,
                  remote: RemoteOutput | None) -> OutputPlan:
-    """The run's settings and schema, its store (the old output's under ``--update``), its
-    parts (cut by input order alone), and which of them are still to encode (``--resume``
-    judges committed parts by their inputs' stamps; ``--update`` reads every header first)."""
+    """The run's settings, schema and store (the old output's under ``--update``), and its
+    parts still to encode (``--resume`` judges committed parts by their inputs' stamps)."""
     opts, ranks, layout, summary = run.opts, run.ranks, run.layout, run.summary
     cfg, alone = computes["config"], ranks.dist is None
     part_images = images_per_part(cfg, opts)
@@ -343,9 +341,8 @@ def _judged(resume: Resume, parts: Iterable[Part], setup: RunSetup,
 
 def _upload_stops_at_once(summary: RunSummary, stop: StopSignals,
                           remote: RemoteOutput) -> RunSummary:
-    """Once the run is done locally, a signal stops the upload of a single file at once:
-    until the store holds it, nothing is finished (the upload leaves no object, the parts
-    stay in the store for --resume)."""
+    """Once the run is done locally, a signal stops a single file's upload at once (it leaves
+    no object; the parts stay in the store for --resume)."""
     if not remote.folder_mode:
         stop.immediate = True
         stop.hint = (f"{remote.given} was not uploaded; rerun the same command with "
@@ -355,8 +352,10 @@ def _upload_stops_at_once(summary: RunSummary, stop: StopSignals,
 
 def _write_output(run: RunState, source: PartSource, setup: RunSetup,
                   output: OutputPlan) -> None:
-    """Encode the parts to do into the output and finish it: the single file, the sharded
-    manifest, a folder's stamps. A failed or stopped run leaves its committed parts."""
+    """Encode the parts to do into the output and, once every rank's are committed, finish
+    it: the single file (its assembly counts as writing), the sharded output's manifest and
+    counts summed over the ranks, a folder's stamps. A failed or stopped run leaves its
+    committed parts."""
     store, update, ranks, layout = output.store, output.update, run.ranks, run.layout
     assembler = assembler_for(store, layout, output.schema, is_main=ranks.is_main)
     writer = (PartWriter(store, output.schema, default_writer_threads(), assembler)
@@ -378,7 +377,18 @@ def _write_output(run: RunState, source: PartSource, setup: RunSetup,
             if assembler is not None:
                 assembler.key_values = {**assembler.key_values,
                                         **footer_entry(stamps, output.row_options)}
-        _finish_output(assembler, store, run, source)
+        if assembler is not None:
+            run.progress.status("writing the final file")
+            began = time.perf_counter()
+            assembler.finish()  # a signal meanwhile aborts it: the parts stay
+            run.stop.immediate = False  # the output is complete: nothing to stop
+            layout.remove_parts()
+            run.summary.write_s += time.perf_counter() - began
+        elif ranks.sharded:
+            ranks.merge_manifests(store)
+            ranks.sum_rank_counts(run.summary)
+        elif source.written_elsewhere:
+            layout.remove_temporaries()  # what killed writers left, never committed
         if layout.folder_mode and stamps is not None:  # the folder is complete
             if update is not None and update.staging is not None:
                 update.finish_folder(store, stamps, output.row_options)
@@ -415,29 +425,10 @@ def _encode_parts(run: RunState, source: PartSource, setup: RunSetup, output: Ou
         progress.end_encoding()
 
 
-def _finish_output(assembler, store, run: RunState, source: PartSource) -> None:
-    """After every rank's parts are committed: the single file assembled (its time counts as
-    writing), or the sharded output's merged manifest and counts summed over the ranks."""
-    ranks, layout, summary = run.ranks, run.layout, run.summary
-    if assembler is not None:
-        run.progress.status("writing the final file")
-        began = time.perf_counter()
-        assembler.finish()  # a signal meanwhile aborts it: the parts stay
-        run.stop.immediate = False  # the output is complete: nothing to stop
-        layout.remove_parts()
-        summary.write_s += time.perf_counter() - began
-    elif ranks.sharded:
-        ranks.merge_manifests(store)
-        ranks.sum_rank_counts(summary)
-    elif source.written_elsewhere:
-        layout.remove_temporaries()  # what killed writers left, never committed
-
-
 class LocalParts:
-    """The local engine (``PartSource``): the tower's Engine in this process (on this rank
-    under torchrun), fed by the decode workers; the parts are planned a window at a time
-    (``run/setup.Windows``) and encoded by ``PartEncoder``. ``stand_in``: see
-    ``run_encode``."""
+    """The local engine (``PartSource``): the tower's Engine in this process (this rank under
+    torchrun), the parts planned a window at a time (``run/setup.Windows``) and encoded by
+    ``PartEncoder``. ``stand_in``: see ``run_encode``."""
 
     written_elsewhere = False
 
@@ -447,16 +438,14 @@ class LocalParts:
 
     def prepare(self, opts: EncodeOptions, layout: OutputLayout, ranks: Topology,
                 remote: RemoteOutput | None) -> str | None:
-        """The device and dtype, as ``--resume`` adopts what the interrupted run computed in
-        where they were left to ``auto`` (``device.resume_compute``; every rank follows rank
-        0's record, so that the ranks compute alike), and the weights."""
+        """The device and dtype (``--resume`` adopts the interrupted run's where they are
+        ``auto``: ``device.resume_compute``, rank 0's record for every rank), and the weights."""
         dist = self.dist
         device = resolve_device(opts.device, dist.device if dist is not None else None)
         recorded = None
         if opts.resume and ranks.writes:
             recorded = layout.interrupted_settings(dist.rank if dist is not None else None)
-        if dist is not None:
-            recorded = ranks.gather(recorded)[0]
+        recorded = ranks.gather(recorded)[0]
         self.device, self.dtype, adopted = resume_compute(
             device, resolve_dtype(opts.dtype, device), opts.device, opts.dtype, recorded,
             device_fixed=dist is not None)
@@ -496,8 +485,7 @@ class LocalParts:
 
     def encode(self, setup: RunSetup, output: OutputPlan, writer: PartWriter | None,
                run: RunState, begin: Callable[[], None]) -> None:
-        """Encode the parts to do window by window as they are planned (the decode workers
-        run ahead from the first window on)."""
+        """Encode the parts to do window by window as they are planned."""
         engine, opts, ranks = self.engine, self.opts, self.ranks
         runner = PartEncoder(engine, opts, ranks, run.progress, run.summary, run.stop,
                              output.update)
@@ -520,7 +508,16 @@ class LocalParts:
             run.progress.listed(len(setup.planned), setup.found.listed)
             return not setup.found.listed
 
-        windows = setup.plan_windows(output.todo, self._window_settings(setup, output, run),
+        cfg, batch_tokens = self.ckpt.config, engine.batch_tokens
+        plan = WindowSettings(  # a single file's size is judged from the first window
+            cfg, opts, ranks, batch_tokens,
+            None if ranks.splits_images else segment_tokens(batch_tokens, self.device.type),
+            runner.me, run.summary, carried=output.carried,
+            headers_read=output.update is not None,
+            should_stop=None if ranks.dist is not None else run.stop.requested,
+            check_size=lambda first: self.layout.check_file_size(
+                output_bytes(cfg, opts, first) * len(planned) // max(1, len(first))))
+        windows = setup.plan_windows(output.todo, plan,
                                      idle=list_ahead if ranks.world_size == 1 else None)
         decoded = setup.stream(opts.max_images)  # decoding starts with the first window
         with run.stop.deferred():  # a signal stops the loop between batches
@@ -531,21 +528,6 @@ class LocalParts:
                 del rows  # only the writer holds a finished part meanwhile
         if windows.count is not None:
             run.progress.plan_tokens(0, last=True)  # the last window was not known as such
-
-    def _window_settings(self, setup: RunSetup, output: OutputPlan,
-                         run: RunState) -> WindowSettings:
-        """How each window is planned; a single file's size is judged from the first (a
-        file with a size limit is listed whole first: ``_plan_output``)."""
-        opts, ranks, cfg, planned = self.opts, self.ranks, self.ckpt.config, setup.planned
-        batch_tokens = self.engine.batch_tokens
-        return WindowSettings(
-            cfg, opts, ranks, batch_tokens,
-            None if ranks.splits_images else segment_tokens(batch_tokens, self.device.type),
-            ranks.rank if ranks.splits_images else 0, run.summary, carried=output.carried,
-            headers_read=output.update is not None,
-            should_stop=None if ranks.dist is not None else run.stop.requested,
-            check_size=lambda first: self.layout.check_file_size(
-                output_bytes(cfg, opts, first) * len(planned) // max(1, len(first))))
 
     def finish(self, summary: RunSummary, ranks: Topology) -> None:
         stats = self.engine.stats

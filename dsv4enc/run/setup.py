@@ -142,9 +142,8 @@ class Windows:
             while not (value := ready()):
                 if self._error is not None:
                     raise self._error
-                if self._closed:
-                    raise StoppedWaiting
-                if stop and self._should_stop is not None and self._should_stop():
+                signalled = stop and self._should_stop is not None and self._should_stop()
+                if self._closed or signalled:
                     raise StoppedWaiting
                 self._cond.wait(0.1)
             return value
@@ -219,8 +218,7 @@ class RunSetup:
     windows, the decode pool and the decoded stream; each made once, by its method."""
 
     found: Discovery | None = None
-    # The run's clock (``time.perf_counter``) starts here: when the set-up was made, or what
-    # its maker says (the command line: when the process started).
+    # the run's clock starts when the set-up was made, or when its maker says (the CLI's process)
     started: float = field(default_factory=time.perf_counter)
     planned: list[Planned] = field(default_factory=list)
     windows: Windows | None = None
@@ -252,8 +250,8 @@ class RunSetup:
             self.planned.append(Planned(item))
 
     def decode_pool(self, cfg: VisionConfig, device_type: str, opts: EncodeOptions) -> DecodePool:
-        """The decode pool, of ``--workers`` or the device's default (spawned now: its
-        workers start while the model loads)."""
+        """The decode pool, of ``--workers`` or the device's default (its workers start now,
+        while the model loads)."""
         if self.pool is None:
             workers = default_workers(device_type) if opts.workers is None else opts.workers
             self.pool = DecodePool(cfg, workers, opts.max_pixels, opts.decode_timeout)
@@ -261,9 +259,8 @@ class RunSetup:
 
     def headers(self, cfg: VisionConfig, opts: EncodeOptions, ranks: Topology | None,
                 should_stop, announce) -> list[Planned]:
-        """Every input listed, its header and grid read at once, and its stamp, for what
-        needs the whole plan first (``--update``'s matching, ``--engine ray``);
-        ``announce(text)`` says so."""
+        """Every input listed, its header, grid and stamp read at once, for what needs the whole
+        plan first (``--update``'s matching, ``--engine ray``); ``announce(text)`` says so."""
         self.more(None)
         planned = self.planned
         announce(f"reading {len(planned)} image headers")

@@ -31,10 +31,9 @@ MAX_PART_IMAGES = 1024
 def probe_share(items: Sequence[InputItem], max_pixels: int, ranks: Topology | None = None,
                 should_stop: Callable[[], bool] | None = None,
                 timeout_s: float | None = PROBE_TIMEOUT_S) -> list[tuple[int, Probe]]:
-    """This rank's share of the probes of ``items`` (every ``world_size``-th one), as
-    ``(index, probe)``; no collective, so any thread may run it. A probe slower than
-    ``timeout_s`` becomes an error (its daemon thread is left behind). Once ``should_stop()``
-    (a signal), the headers not read yet are errors: the caller stops without planning them."""
+    """This rank's share of the probes of ``items`` (every ``world_size``-th), as ``(index,
+    probe)``; no collective (any thread). A probe slower than ``timeout_s`` is an error (its
+    daemon thread left behind); once ``should_stop()``, unread ones are errors not to plan."""
     rank, world = (ranks.rank, ranks.world_size) if ranks is not None else (0, 1)
     mine = list(range(rank, len(items), world))
     probes = probe_all([items[i] for i in mine], max_pixels, should_stop, timeout_s)
@@ -103,9 +102,9 @@ def segment_tokens(batch_tokens: int, device_type: str) -> int:
 
 
 def part_name(start: int, part_images: int) -> str:
-    """The name of the part (or segment) that starts at input ``start``: ``part-NNNNNN`` at
-    the start of the NNNNNNth ``part_images`` range, ``part-NNNNNN_OOOOOO`` at offset
-    OOOOOO inside it (names sort in input order; a part committed early by time is one)."""
+    """The name of the part (or segment) at input ``start``: ``part-NNNNNN`` at the start of
+    the NNNNNNth range, ``part-NNNNNN_OOOOOO`` at offset OOOOOO inside it (names sort in input
+    order; a part committed early by time is one)."""
     number, offset = divmod(start, part_images)
     return f"part-{number:06d}" + (f"_{offset:06d}" if offset else "")
 
@@ -206,9 +205,8 @@ def image_flops(cfg: VisionConfig, n_h: int, n_w: int, features: str = "aligner"
 
 
 def flops_cost(n_h: int, n_w: int, cfg: VisionConfig) -> float:
-    """Cost of an image in "patch equivalents": forward FLOPs (``image_flops``) divided by
-    the FLOPs of one patch through the ViT's linear layers, so it is near the patch count
-    when attention and the aligner are negligible and grows with N^2 for large images."""
+    """Cost of an image in "patch equivalents": forward FLOPs (``image_flops``) over one
+    patch's through the ViT's linear layers (near the patch count, growing with N^2)."""
     per_patch = 2.0 * cfg.dim * (4 * cfg.dim + 3 * cfg.inter_dim) * cfg.n_layers
     return image_flops(cfg, n_h, n_w) / per_patch
 
@@ -234,9 +232,7 @@ def assign_greedy(costs: Sequence[float], world_size: int) -> list[list[int]]:
         load, rank = heapq.heappop(heap)
         assignment[rank].append(i)
         heapq.heappush(heap, (load + costs[i], rank))
-    for indices in assignment:
-        indices.sort()
-    return assignment
+    return [sorted(indices) for indices in assignment]
 
 
 def rank_loads(costs: Sequence[float], assignment: Sequence[Sequence[int]]) -> list[float]:
@@ -268,12 +264,11 @@ def share_for_ranks(planned: Sequence[Planned], indices: list[int], world_size: 
 
 def pack_bins(costs: Sequence[int], capacity: int, max_items: int | None = None) -> list[list[int]]:
     """First-fit-decreasing bin packing: bins of item indices (ascending), each of cost at
-    most ``capacity`` and ``max_items`` items (an item over ``capacity`` alone), ordered by their
+    most ``capacity`` (a larger item alone) and at most ``max_items`` items, ordered by their
     smallest index so that work flows roughly in input order."""
-    order = sorted(range(len(costs)), key=lambda i: (-costs[i], i))
     bins: list[list[int]] = []
     loads: list[int] = []
-    for i in order:
+    for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
         cost = costs[i]
         for b, load in enumerate(loads):
             if load + cost <= capacity and (max_items is None or len(bins[b]) < max_items):
@@ -283,10 +278,7 @@ def pack_bins(costs: Sequence[int], capacity: int, max_items: int | None = None)
         else:
             bins.append([i])
             loads.append(cost)
-    for b in bins:
-        b.sort()
-    bins.sort(key=lambda b: b[0])
-    return bins
+    return sorted((sorted(b) for b in bins), key=lambda b: b[0])
 
 
 def part_batches(planned: Sequence[Planned], indices: Sequence[int], batch_tokens: int,

@@ -82,8 +82,7 @@ class Windows:
         self.blocked = False  # the planner waits for the encoder to come nearer
         self._error: BaseException | None = None
         self._cond = threading.Condition()
-        self._thread = threading.Thread(target=self._run, name="dsv4enc-plan", daemon=True)
-        self._thread.start()
+        threading.Thread(target=self._run, name="dsv4enc-plan", daemon=True).start()
 
     def _take(self, k: int) -> None:
         """Take parts from ``todo`` until part ``k`` is taken or ``todo`` has ended."""

@@ -2,15 +2,13 @@
 bounded distance ahead of the encoder (``Windows``), the decode pool and the decoded stream.
 ``run_encode`` closes the set-up it is given or makes, once.
 
-The run streams: the inputs are listed as the plan needs them (``RunSetup.more``); each part
+The run streams: inputs are listed as the plan needs them (``RunSetup.more``); each part
 (``plan.cut_parts``) is judged by ``--resume`` from its inputs' stamps once they are listed
-and, while still to encode, planned when the encoder comes within ``WINDOWS_AHEAD`` parts of
-it: its inputs stamped, its headers read on the probe threads (``plan.probe_share``), its
-segments balanced over the ranks, its batches packed, its images handed to the decode
-workers. So the first batch starts while the listing goes on, and each input keeps only its
-item and stamp. What needs every input first lists them whole: ``--update``'s matching and
-``--engine ray`` (``headers``), table columns (``find_inputs``) and a single file whose store
-limits its size (``run/pipeline``).
+and, while still to do, planned within ``WINDOWS_AHEAD`` parts of the encoder
+(``WindowSettings``), so the first batch starts while the listing goes on; each input keeps
+only its item and stamp. What needs every input first lists them whole: ``--update``'s
+matching and ``--engine ray`` (``headers``), table columns (``find_inputs``) and a single
+file whose store limits its size (``run/pipeline``).
 """
 
 from __future__ import annotations

@@ -24,29 +24,24 @@ from ..output.update import Update
 
 
 class PartEncoder:
-    """Encodes the run's parts: walks parts -> batches, feeding decoded images to the engine
-    through the batch loop, and yields finished parts as ``(name, start, end, digest, rows)``.
-    Under torchrun every batch ends in collectives (``Topology``): stop agreement with the
-    progress, and the row exchange of gathered data parallelism."""
+    """Encodes the run's parts batch by batch through the batch loop, yielding finished parts
+    as ``(name, start, end, digest, rows)``. Under torchrun every batch ends in collectives
+    (``Topology``): stop agreement with the progress, and gathered data parallelism's rows."""
 
     def __init__(self, engine: Engine, opts: EncodeOptions, ranks: Topology,
                  progress: RunProgress, summary: RunSummary, stop: StopSignals,
                  update: Update | None = None) -> None:
         """``update``: an ``--update``'s ``output/update.Update``, whose ``carried`` inputs
-        take their old rows instead of being decoded and encoded (they are in no batch:
-        ``plan.plan_batches``)."""
-        self.engine, self.opts, self.ranks = engine, opts, ranks
-        self.update = update
-        self.carried = update.carried if update is not None else {}  # input -> old row
+        take their old rows (they are in no batch: ``plan.plan_batches``)."""
+        self.engine, self.opts, self.ranks, self.update = engine, opts, ranks, update
         self.progress, self.summary, self.stop = progress, summary, stop
-        self.cfg = engine.cfg
         self.ratio = engine.cfg.downsample_ratio
         # tags: (index, key, decoded image)
         self.loop = BatchLoop(engine, opts.pool, name_of=lambda tag: tag[1],
                               remedy="rerun with --out-dtype float32", copy=False)
-        # Progress is counted where rows are made, then summed over ranks at each step: a
-        # rank counts the rows it encoded (under TP every rank makes the same rows, so only
-        # rank 0 counts), and header failures are counted by whoever owns the part's rows.
+        # Progress is counted where rows are made and summed over ranks at each step: under
+        # TP every rank makes the same rows (rank 0 counts them); header failures are
+        # counted by whoever owns the part's rows.
         self._counts_encoded = ranks.is_main or ranks.splits_images
         self._counts_header_failures = ranks.is_main or ranks.sharded
         # not yet shown: images, tokens, failed, and the planned tokens of images that then
@@ -59,9 +54,8 @@ class PartEncoder:
         return self.ranks.rank if self.ranks.splits_images else 0
 
     def batch_sizes(self, planned: Sequence[Planned], batches: list[list[list[int]]]) -> list[int]:
-        """This rank's batch sizes in tokens (``batches``: per part, per rank; see
-        ``plan.plan_batches``); under gathered data parallelism every rank's load is noted
-        in the summary too."""
+        """This rank's batch sizes in tokens (``batches``: per part, per rank); under
+        gathered data parallelism every rank's load is noted in the summary too."""
         if self.ranks.gathered:
             loads = self.summary.rank_loads
             for plan in batches:
@@ -84,28 +78,18 @@ class PartEncoder:
                        else {})
             rows.update(carried)
             self.summary.reused += len(carried)
-            steps = max(len(share) for share in plan)
-            for step in range(steps):
+            for step in range(max(len(share) for share in plan)):
                 batch = plan[me][step] if step < len(plan[me]) else []
                 try:
                     local = self.submit_batch(planned, batch, decoded)
                 except StoppedWaiting:
                     return  # the part in progress is dropped; finished ones are committed
                 local.update(self._rows(self.loop.collect_ready()))
-                if self._counts_encoded:
-                    self._note(local.values())
-                if self.ranks.gathered:
-                    local = self._exchange(local)
-                rows.update(local)
+                rows.update(self._finished(local))
                 if self._stop_agreed():
                     return
-            local = self._rows(self.loop.drain())
-            if self._counts_encoded:
-                self._note(local.values())
-            if self.ranks.gathered:
-                local = self._exchange(local)
-            rows.update(local)
-            self._show_progress(self._gather_progress(None))
+            rows.update(self._finished(self._rows(self.loop.drain())))
+            self._share_progress()
             ordered = [rows[i] for i in part.indices]
             self.summary.count_rows([row for i, row in zip(part.indices, ordered)
                                      if i not in carried])
@@ -123,8 +107,7 @@ class PartEncoder:
             down = None
         except storage.StoreDown as exc:
             down = exc
-        reports = self._gather_progress(self.stop.signum, down)
-        self._show_progress(reports)
+        reports = self._share_progress(self.stop.signum, down)
         problem = next((exc for _, _, exc in reports if exc is not None), None)
         if problem is not None:
             raise problem
@@ -142,19 +125,17 @@ class PartEncoder:
             else:
                 self._pending[2] += 1
 
-    def _gather_progress(self, signum: int | None, problem: Exception | None = None,
-                         ) -> list[tuple[int | None, list[int], Exception | None]]:
-        """(signal, progress not yet shown, problem) of every rank; this rank's alone
-        without torchrun."""
+    def _share_progress(self, signum: int | None = None, problem: Exception | None = None,
+                        ) -> list[tuple[int | None, list[int], Exception | None]]:
+        """(signal, progress not yet shown, problem) of every rank (this rank's alone without
+        torchrun); their progress shown."""
         pending, self._pending = self._pending, [0, 0, 0, 0]
-        return self.ranks.agree_on_stop(signum, pending, problem)
-
-    def _show_progress(self, reports: list[tuple[int | None, list[int], Exception | None]],
-                       ) -> None:
+        reports = self.ranks.agree_on_stop(signum, pending, problem)
         images, tokens, failed, dropped = (sum(counts[k] for _, counts, _ in reports)
                                            for k in range(4))
         if images:
             self.progress.advance(images, tokens, failed, dropped)
+        return reports
 
     # -- one batch ---------------------------------------------------------------
     def _next_decoded(self, decoded: Iterator[tuple[int, Decoded]]) -> tuple[int, Decoded]:
@@ -177,14 +158,13 @@ class PartEncoder:
         rows: dict[int, Row] = {}
         ready: list[tuple[int, Decoded]] = []
         began = time.perf_counter()
-        alone = self.ranks.dist is None
         for expected in batch:
             index, result = self._next_decoded(decoded)
             assert index == expected, "decode stream out of step with the plan"
             path = planned[index].item.path
             if storage.is_url(path):  # what the decoder found, for the store's health
                 storage.note_row(path, result.error, result.unavailable_since)
-                if alone:  # one process stops at once; ranks agree after the batch
+                if self.ranks.dist is None:  # one process stops at once; ranks agree later
                     storage.check_stores()
             if result.error is not None:
                 rows[index] = error_row(planned[index], result.error)
@@ -214,9 +194,14 @@ class PartEncoder:
                               vit_w=d.n_w, grid_h=grid_h, grid_w=grid_w, embedding=out.numpy())
         return rows
 
-    def _exchange(self, local: dict[int, Row]) -> dict[int, Row]:
-        """Data parallel: rank 0 gets every rank's rows."""
-        return self.ranks.exchange_rows(local, self.cfg.output_width(self.opts.features),
+    def _finished(self, local: dict[int, Row]) -> dict[int, Row]:
+        """This rank's finished rows counted; under gathered data parallelism rank 0 gets
+        every rank's."""
+        if self._counts_encoded:
+            self._note(local.values())
+        if not self.ranks.gathered:
+            return local
+        return self.ranks.exchange_rows(local, self.engine.cfg.output_width(self.opts.features),
                                         self.opts.pool == "mean", self.engine.out_dtype)
 
 

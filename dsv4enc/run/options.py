@@ -50,7 +50,7 @@ class EncodeOptions:
     out_dtype: StoredDtype = "float16"
     features: Features = "aligner"
     pool: Pool = "none"
-    layout: Layout = "binary"  # the embedding column's layout (docs/output-format.md): binary or nested
+    layout: Layout = "binary"  # the embedding column's layout (docs/output-format.md)
     batch_tokens: int | None = None
     max_images: int = DEFAULT_MAX_IMAGES
     workers: int | None = None
@@ -124,8 +124,7 @@ def available_cpus() -> int:
 
 
 def default_writer_threads() -> int:
-    cpus = available_cpus()
-    return max(1, min(4, cpus // 4))
+    return max(1, min(4, available_cpus() // 4))
 
 
 def default_workers(device_type: str, cpus: int | None = None) -> int:

@@ -3,10 +3,10 @@
 Offline, every image's patch grid is known from its header before any pixel is decoded, so
 the run is planned a window ahead of the device: items are cut into *parts* (consecutive
 input ranges by input order alone, the unit of commit and resume), each part still to do is
-planned when the encoder comes near it (``run/setup.Windows``: its headers read, its images
-packed into nearly full batches), and decode workers stream exactly those images, in that
-order, a bounded distance ahead of the device. Parts are written by a background thread. Under torchrun, each part's images are
-shared among ranks by ``plan.share_for_ranks``' greedy rule (or the tower is split, ``tower/tensor_parallel``).
+planned when the encoder comes near it (``run/setup.Windows``), and decode workers stream
+exactly those images, in that order, a bounded distance ahead of the device. A background
+thread writes the parts. Under torchrun each part's images are shared among ranks
+(``plan.share_for_ranks``), or the tower is split (``tower/tensor_parallel``).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import torch
 
 from .. import storage
 from ..version import __version__
+from ..engine.defaults import default_batch_tokens
 from ..engine.factory import build_engine
 from ..tower.checkpoint import Checkpoint, load_checkpoint, random_checkpoint
 from ..tower.config import VisionConfig
@@ -35,7 +36,7 @@ from ..output.layout import (OutputLayout, PartWriter, Resume, ResumeSettings, a
 from ..output.update import Update, footer_entry, row_stamps, write_folder_stamps
 from .options import EncodeOptions, default_writer_threads, validate
 from .plan import Part, cut_parts, images_per_part, output_bytes, segment_tokens
-from .setup import LISTED_FIRST, RunSetup, WindowSettings, run_batch_tokens
+from .setup import LISTED_FIRST, RunSetup, WindowSettings
 from ..images.headers import input_stamps
 from .progress import RunProgress
 from ..output.remote import RemoteOutput
@@ -64,7 +65,7 @@ def tower_engine(ckpt: Checkpoint, device: torch.device, opts: EncodeOptions,
     return build_engine(ckpt, device, features=opts.features, attention=opts.attention,
                         out_dtype=resolve_out_dtype(opts.out_dtype),
                         cuda_graphs=opts.cuda_graphs,
-                        batch_tokens=run_batch_tokens(opts, device.type),
+                        batch_tokens=opts.batch_tokens or default_batch_tokens(device.type),
                         max_images=opts.max_images, deterministic=opts.deterministic,
                         fused=opts.fused, split=split)
 
@@ -85,10 +86,9 @@ def model_and_output(opts: EncodeOptions, cfg: VisionConfig) -> str:
 # ----------------------------------------------------------------------------- the run
 
 def resume_settings(opts: EncodeOptions) -> ResumeSettings:
-    """How the run commits and resumes, for ``output/layout.Resume``: --resume,
-    --commit-every (each segment is a part under --shard-output), and the options that
-    decide rows besides the run's settings (--decode-timeout is not one: a part with a
-    timed-out row is encoded again anyway)."""
+    """How the run commits and resumes (``output/layout.Resume``): --resume, --commit-every
+    (each segment is a part under --shard-output), and the options that decide rows besides
+    the run's settings (not --decode-timeout: a part with a timed-out row is redone anyway)."""
     return ResumeSettings(resume=opts.resume or opts.update,
                           commit_every=None if opts.shard_output else opts.commit_every,
                           row_options={"max_pixels": opts.max_pixels,
@@ -102,32 +102,26 @@ def run_settings(cfg: VisionConfig, fingerprint: str, dtype: torch.dtype | str,
                  device_type: str, batch_invariant: bool, *, out_dtype: torch.dtype | str,
                  features: str, pool: str, layout: str) -> dict:
     """What the rows were computed with (a run adds its ``part_images``); ``--resume``
-    requires these to match.
-
-    ``batch_invariant`` with ``device_type`` and ``dtype``: whether each row's bytes are
-    independent of its batch, and on what they were computed (the guarantee holds per device
-    kind, dtype and software stack, so resume keeps them equal too)."""
-    return {
-        "tool": "dsv4enc", "version": __version__, "config": cfg.to_flat(),
-        "weights_fingerprint": fingerprint, "compute_dtype": str(dtype).removeprefix("torch."),
-        "device": device_type, "batch_invariant": batch_invariant,
-        "out_dtype": str(out_dtype).removeprefix("torch."), "features": features, "pool": pool,
-        "layout": layout,
-    }
+    requires these to match. ``batch_invariant``: whether each row's bytes are independent
+    of its batch, a guarantee per device kind, dtype and software stack (so those match too)."""
+    return {"tool": "dsv4enc", "version": __version__, "config": cfg.to_flat(),
+            "weights_fingerprint": fingerprint,
+            "compute_dtype": str(dtype).removeprefix("torch."), "device": device_type,
+            "batch_invariant": batch_invariant, "out_dtype": str(out_dtype).removeprefix("torch."),
+            "features": features, "pool": pool, "layout": layout}
 
 
 class PartSource(Protocol):
-    """What an engine puts behind the run skeleton (``run_encode``): ``LocalParts`` (the
-    tower in this process) or ``ray_engine.RayParts`` (encoder actors); the skeleton does
-    the rest once (the output's checks, store, resume, writer, assembly, summary, and what
-    a failure or a signal leaves). ``prepare``: what computes, before the output folder is
-    made (returns the line saying what ``--resume`` adopted, else None); ``start``: start
-    computing, and say with what (``config``, ``fingerprint``, ``compute_dtype``,
-    ``device``, ``batch_invariant``, ``batch_tokens``); ``cut``: the run's parts, by input
-    order; ``planned_tokens``: the progress total's patches now (None: window by window);
-    ``encode``: encode the output plan's parts to do, each finished part to ``writer``, calling
-    ``begin`` before the first batch; ``finish``: the engine's counts into a finished
-    run's summary. ``written_elsewhere``: other processes write the part files."""
+    """What an engine puts behind the run skeleton (``run_encode``, which does the rest once:
+    the output's checks, store, resume, writer, assembly, summary, failures and signals):
+    ``LocalParts`` (the tower in this process) or ``ray_engine.RayParts`` (encoder actors).
+    ``prepare``: what computes, before the output folder is made (returns the line saying
+    what ``--resume`` adopted, else None); ``start``: start computing and say with what
+    (``config``, ``fingerprint``, ``compute_dtype``, ``device``, ``batch_invariant``,
+    ``batch_tokens``); ``cut``: the parts, by input order; ``planned_tokens``: the progress
+    total's patches now (None: window by window); ``encode``: each part to do to ``writer``,
+    ``begin`` called before the first batch; ``finish``: the engine's counts into the summary.
+    ``written_elsewhere``: other processes write the part files."""
 
     written_elsewhere: bool
 
@@ -149,14 +143,12 @@ def run_encode(opts: EncodeOptions, dist=None, setup: RunSetup | None = None,
                source: PartSource | None = None) -> RunSummary:
     """Encode ``opts.inputs`` into ``opts.out``. Raises DsvError (setup) or Interrupted.
 
-    ``setup``: what ``setup.start_prefetch(opts)`` listed for these same options (before
-    torch was imported); this call owns and closes it (and makes its own without one).
-    ``stop``: the caller's installed signal handling; by default this call installs its own
-    (from the main thread) and restores the previous handlers when it returns.
-    ``stand_in``: computes the rows instead of the tower (``bench/host.NullStage`` measures the
-    host side alone): its ``checkpoint`` stands for the weights (config and fingerprint), and
-    its ``engine(device, opts)`` for the Engine; no weights are loaded. ``source``: the
-    engine (``LocalParts`` by default; closed by this call)."""
+    ``setup``: what ``setup.start_prefetch(opts)`` listed (before torch was imported); this
+    call closes it, and makes its own without one. ``stop``: the caller's signal handling; by
+    default this call installs its own (main thread) and restores the previous handlers.
+    ``stand_in``: computes the rows instead of the tower (``bench/host.NullStage``: the host
+    side alone): its ``checkpoint`` stands for the weights, its ``engine(device, opts)`` for
+    the Engine. ``source``: the engine (``LocalParts`` by default; closed by this call)."""
     own_stop = stop is None
     if stop is None:
         stop = StopSignals(immediate=dist is None)  # torchrun ranks stop together, later
@@ -173,16 +165,16 @@ def run_encode(opts: EncodeOptions, dist=None, setup: RunSetup | None = None,
                                       overwrite=opts.overwrite,
                                       shard_output=opts.shard_output, rank=ranks.rank,
                                       world_size=ranks.world_size, gather=ranks.gather)
-        if remote is not None:
+        if remote is None:
+            layout = OutputLayout(opts.out, opts.shard_output)
+            summary = _run_encode(opts, ranks, setup, stop, layout, source)
+        else:
             opts = replace(opts, out=remote.staged_out)
-        layout = OutputLayout(opts.out, opts.shard_output)
-        if remote is not None:
+            layout = OutputLayout(opts.out, opts.shard_output)
             layout.max_file_bytes = remote.max_file_bytes
             summary = remote.run(lambda: _upload_stops_at_once(_run_encode(
-                opts, dist, setup, stop, layout, source, remote), stop, remote),
+                opts, ranks, setup, stop, layout, source, remote), stop, remote),
                 ranks.main_then_all)
-        else:
-            summary = _run_encode(opts, dist, setup, stop, layout, source)
     finally:
         source.close()
         if layout is not None:
@@ -199,8 +191,7 @@ def run_encode(opts: EncodeOptions, dist=None, setup: RunSetup | None = None,
 
 @dataclass
 class RunState:
-    """What a run's stages share: its options, ranks, output layout, progress, summary
-    and signal handling."""
+    """What a run's stages share."""
 
     opts: EncodeOptions
     ranks: Topology
@@ -210,16 +201,15 @@ class RunState:
     stop: StopSignals
 
 
-def _run_encode(opts: EncodeOptions, dist, setup: RunSetup, stop: StopSignals,
+def _run_encode(opts: EncodeOptions, ranks: Topology, setup: RunSetup, stop: StopSignals,
                 layout: OutputLayout, source: PartSource,
                 remote: RemoteOutput | None = None) -> RunSummary:
     """``remote``: the object storage ``--out`` whose staging ``layout`` is, else None."""
-    started = setup.started  # the caller's start (the CLI's: the process's), else now
+    alone = ranks.dist is None
     validate(opts)
-    if opts.update and dist is not None:
+    if opts.update and not alone:
         raise UsageError("--update runs in one process: run it without torchrun")
-    ranks = Topology(dist, opts.shard_output)
-    found = setup.find_inputs(opts, stop if dist is None else None)
+    found = setup.find_inputs(opts, stop if alone else None)
     ranks.main_then_all(lambda: layout.prepare(opts.inputs, opts.files_from,
                                                overwrite=opts.overwrite, resume=opts.resume,
                                                update=opts.update))
@@ -232,7 +222,7 @@ def _run_encode(opts: EncodeOptions, dist, setup: RunSetup, stop: StopSignals,
     run = RunState(opts, ranks, layout, progress, summary, stop)
     store = None
     try:
-        stop.immediate = dist is None
+        stop.immediate = alone
         stop.check()
         with progress:
             computes = source.start(setup, progress)
@@ -254,7 +244,7 @@ def _run_encode(opts: EncodeOptions, dist, setup: RunSetup, stop: StopSignals,
         if ranks.is_main:
             layout.discard_if_empty()  # so that a corrected rerun is not told to --resume
         if isinstance(exc, Interrupted):  # what was done, for --summary-json
-            summary.seconds = time.perf_counter() - started
+            summary.seconds = time.perf_counter() - setup.started  # from the caller's start
             exc.summary = summary
         raise
     finally:  # counted as the listing went
@@ -265,12 +255,10 @@ def _run_encode(opts: EncodeOptions, dist, setup: RunSetup, stop: StopSignals,
 
 @dataclass
 class OutputPlan:
-    """What a run writes: the part ledger (``store``), the schema, the parts still to
-    encode (``todo``: a list, or, for a run that streams, each part as the listing reaches
-    it and ``--resume`` judged it), an ``--update``'s ``Update`` (None otherwise), whether
-    this rank keeps the input stamps for a later ``--update`` (``keeps_stamps``), the
-    options that decide rows (``row_options``) and the settings the parts are computed
-    with."""
+    """What a run writes. ``todo``: the parts still to encode (a list, or, for a run that
+    streams, each part as the listing reaches it and ``--resume`` judged it); ``update``: an
+    ``--update``'s ``Update``, else None; ``keeps_stamps``: whether this rank keeps the input
+    stamps for a later ``--update``."""
 
     store: PartLedger
     schema: pa.Schema
@@ -288,11 +276,10 @@ class OutputPlan:
 
 def _plan_output(run: RunState, setup: RunSetup, source: PartSource, computes: dict,
                  remote: RemoteOutput | None) -> OutputPlan:
-    """The run's settings and schema, its store (the old output's under ``--update``), its
-    parts (cut by input order alone), and which of them are still to encode (``--resume``
-    judges committed parts by their inputs' stamps; ``--update`` reads every header first)."""
+    """The run's settings, schema and store (the old output's under ``--update``), and its
+    parts still to encode (``--resume`` judges committed parts by their inputs' stamps)."""
     opts, ranks, layout, summary = run.opts, run.ranks, run.layout, run.summary
-    cfg = computes["config"]
+    cfg, alone = computes["config"], ranks.dist is None
     part_images = images_per_part(cfg, opts)
     settings = {**run_settings(cfg, computes["fingerprint"], computes["compute_dtype"],
                                computes["device"], computes["batch_invariant"],
@@ -308,8 +295,7 @@ def _plan_output(run: RunState, setup: RunSetup, source: PartSource, computes: d
     # --update of an existing output (None: there is none yet, a plain run)
     update = Update.start(layout.out, layout.folder_mode) if opts.update else None
     store = open_store(layout, settings, schema, local=remote is None, is_main=ranks.is_main,
-                       world_size=ranks.world_size,
-                       rank=ranks.rank if ranks.dist is not None else None,
+                       world_size=ranks.world_size, rank=None if alone else ranks.rank,
                        update=update, rows_settings=rows_settings,
                        written_elsewhere=source.written_elsewhere)
     if source.written_elsewhere and remote is not None:
@@ -321,7 +307,7 @@ def _plan_output(run: RunState, setup: RunSetup, source: PartSource, computes: d
     if ranks.is_main and not setup.planned:
         log.warning(nothing_found(opts.inputs, opts.files_from, setup.found.skipped))
     if update is not None:
-        setup.headers(cfg, opts, ranks, None if ranks.dist is not None else run.stop.requested,
+        setup.headers(cfg, opts, ranks, run.stop.requested if alone else None,
                       announce=run.progress.status)
         run.stop.check()  # headers left unread must not be matched as error rows
         update.match(setup.planned, rows_settings)  # refuses other settings in one line
@@ -355,9 +341,8 @@ def _judged(resume: Resume, parts: Iterable[Part], setup: RunSetup,
 
 def _upload_stops_at_once(summary: RunSummary, stop: StopSignals,
                           remote: RemoteOutput) -> RunSummary:
-    """Once the run is done locally, a signal stops the upload of a single file at once:
-    until the store holds it, nothing is finished (the upload leaves no object, the parts
-    stay in the store for --resume)."""
+    """Once the run is done locally, a signal stops a single file's upload at once (it leaves
+    no object; the parts stay in the store for --resume)."""
     if not remote.folder_mode:
         stop.immediate = True
         stop.hint = (f"{remote.given} was not uploaded; rerun the same command with "
@@ -367,10 +352,11 @@ def _upload_stops_at_once(summary: RunSummary, stop: StopSignals,
 
 def _write_output(run: RunState, source: PartSource, setup: RunSetup,
                   output: OutputPlan) -> None:
-    """Encode the parts to do into the output and finish it: the single file, the sharded
-    manifest, a folder's stamps. A failed or stopped run leaves its committed parts."""
+    """Encode the parts to do into the output and, once every rank's are committed, finish
+    it: the single file (its assembly counts as writing), the sharded output's manifest and
+    counts summed over the ranks, a folder's stamps. A failed or stopped run leaves its
+    committed parts."""
     store, update, ranks, layout = output.store, output.update, run.ranks, run.layout
-    planned = setup.planned
     assembler = assembler_for(store, layout, output.schema, is_main=ranks.is_main)
     writer = (PartWriter(store, output.schema, default_writer_threads(), assembler)
               if ranks.writes else None)
@@ -386,12 +372,23 @@ def _write_output(run: RunState, source: PartSource, setup: RunSetup,
         ranks.barrier()
         stamps = None
         if output.keeps_stamps:  # each row's input stamp, for a later --update
-            input_stamps(planned)  # none left unless a part was neither planned nor judged
-            stamps = row_stamps((p.item.key, p.stamp) for p in planned)
+            input_stamps(setup.planned)  # none left unless a part was neither planned nor judged
+            stamps = row_stamps((p.item.key, p.stamp) for p in setup.planned)
             if assembler is not None:
                 assembler.key_values = {**assembler.key_values,
                                         **footer_entry(stamps, output.row_options)}
-        _finish_output(assembler, store, run, source)
+        if assembler is not None:
+            run.progress.status("writing the final file")
+            began = time.perf_counter()
+            assembler.finish()  # a signal meanwhile aborts it: the parts stay
+            run.stop.immediate = False  # the output is complete: nothing to stop
+            layout.remove_parts()
+            run.summary.write_s += time.perf_counter() - began
+        elif ranks.sharded:
+            ranks.merge_manifests(store)
+            ranks.sum_rank_counts(run.summary)
+        elif source.written_elsewhere:
+            layout.remove_temporaries()  # what killed writers left, never committed
         if layout.folder_mode and stamps is not None:  # the folder is complete
             if update is not None and update.staging is not None:
                 update.finish_folder(store, stamps, output.row_options)
@@ -428,30 +425,10 @@ def _encode_parts(run: RunState, source: PartSource, setup: RunSetup, output: Ou
         progress.end_encoding()
 
 
-def _finish_output(assembler, store, run: RunState, source: PartSource) -> None:
-    """After every rank's parts are committed: the single file (assembled; its time counts
-    as writing, and the parts are removed), or the sharded output's merged manifest; and
-    the counts summed over the ranks."""
-    ranks, layout, summary = run.ranks, run.layout, run.summary
-    if assembler is not None:
-        run.progress.status("writing the final file")
-        began = time.perf_counter()
-        assembler.finish()  # a signal meanwhile aborts it: the parts stay
-        run.stop.immediate = False  # the output is complete: nothing to stop
-        layout.remove_parts()
-        summary.write_s += time.perf_counter() - began
-    elif ranks.sharded:
-        ranks.merge_manifests(store)
-        ranks.sum_rank_counts(summary)
-    elif source.written_elsewhere:
-        layout.remove_temporaries()  # what killed writers left, never committed
-
-
 class LocalParts:
-    """The local engine (``PartSource``): the tower's Engine in this process (on this rank
-    under torchrun), fed by the decode workers; the parts are planned a window at a time
-    (``run/setup.Windows``) and encoded by ``PartEncoder``. ``stand_in``: see
-    ``run_encode``."""
+    """The local engine (``PartSource``): the tower's Engine in this process (this rank under
+    torchrun), the parts planned a window at a time (``run/setup.Windows``) and encoded by
+    ``PartEncoder``. ``stand_in``: see ``run_encode``."""
 
     written_elsewhere = False
 
@@ -461,16 +438,14 @@ class LocalParts:
 
     def prepare(self, opts: EncodeOptions, layout: OutputLayout, ranks: Topology,
                 remote: RemoteOutput | None) -> str | None:
-        """The device and dtype, as ``--resume`` adopts what the interrupted run computed in
-        where they were left to ``auto`` (``device.resume_compute``; every rank follows rank
-        0's record, so that the ranks compute alike), and the weights."""
+        """The device and dtype (``--resume`` adopts the interrupted run's where they are
+        ``auto``: ``device.resume_compute``, rank 0's record for every rank), and the weights."""
         dist = self.dist
         device = resolve_device(opts.device, dist.device if dist is not None else None)
         recorded = None
         if opts.resume and ranks.writes:
             recorded = layout.interrupted_settings(dist.rank if dist is not None else None)
-        if dist is not None:
-            recorded = ranks.gather(recorded)[0]
+        recorded = ranks.gather(recorded)[0]
         self.device, self.dtype, adopted = resume_compute(
             device, resolve_dtype(opts.dtype, device), opts.device, opts.dtype, recorded,
             device_fixed=dist is not None)
@@ -503,16 +478,14 @@ class LocalParts:
             shown += (f" (--dtype auto: {auto_cpu_reason()})" if device.type == "cpu"
                       else " (--dtype auto)")
         return (f"encoding {inputs_phrase(inputs, self.setup.found.listed)} on {device.type} "
-                f"in {shown}; "
-                f"{model_and_output(opts, self.ckpt.config)}")
+                f"in {shown}; {model_and_output(opts, self.ckpt.config)}")
 
     def planned_tokens(self, setup: RunSetup, todo: Iterable[Part]) -> int | None:
         return None  # each window adds its own
 
     def encode(self, setup: RunSetup, output: OutputPlan, writer: PartWriter | None,
                run: RunState, begin: Callable[[], None]) -> None:
-        """Encode the parts to do window by window as they are planned (the decode workers
-        run ahead from the first window on)."""
+        """Encode the parts to do window by window as they are planned."""
         engine, opts, ranks = self.engine, self.opts, self.ranks
         runner = PartEncoder(engine, opts, ranks, run.progress, run.summary, run.stop,
                              output.update)
@@ -535,7 +508,16 @@ class LocalParts:
             run.progress.listed(len(setup.planned), setup.found.listed)
             return not setup.found.listed
 
-        windows = setup.plan_windows(output.todo, self._window_settings(setup, output, run),
+        cfg, batch_tokens = self.ckpt.config, engine.batch_tokens
+        plan = WindowSettings(  # a single file's size is judged from the first window
+            cfg, opts, ranks, batch_tokens,
+            None if ranks.splits_images else segment_tokens(batch_tokens, self.device.type),
+            runner.me, run.summary, carried=output.carried,
+            headers_read=output.update is not None,
+            should_stop=None if ranks.dist is not None else run.stop.requested,
+            check_size=lambda first: self.layout.check_file_size(
+                output_bytes(cfg, opts, first) * len(planned) // max(1, len(first))))
+        windows = setup.plan_windows(output.todo, plan,
                                      idle=list_ahead if ranks.world_size == 1 else None)
         decoded = setup.stream(opts.max_images)  # decoding starts with the first window
         with run.stop.deferred():  # a signal stops the loop between batches
@@ -546,21 +528,6 @@ class LocalParts:
                 del rows  # only the writer holds a finished part meanwhile
         if windows.count is not None:
             run.progress.plan_tokens(0, last=True)  # the last window was not known as such
-
-    def _window_settings(self, setup: RunSetup, output: OutputPlan,
-                         run: RunState) -> WindowSettings:
-        """How each window is planned; a single file's size is judged from the first (a
-        file with a size limit is listed whole first: ``_plan_output``)."""
-        opts, ranks, cfg, planned = self.opts, self.ranks, self.ckpt.config, setup.planned
-        batch_tokens = self.engine.batch_tokens
-        return WindowSettings(
-            cfg, opts, ranks, batch_tokens,
-            None if ranks.splits_images else segment_tokens(batch_tokens, self.device.type),
-            ranks.rank if ranks.splits_images else 0, run.summary, carried=output.carried,
-            headers_read=output.update is not None,
-            should_stop=None if ranks.dist is not None else run.stop.requested,
-            check_size=lambda first: self.layout.check_file_size(
-                output_bytes(cfg, opts, first) * len(planned) // max(1, len(first))))
 
     def finish(self, summary: RunSummary, ranks: Topology) -> None:
         stats = self.engine.stats

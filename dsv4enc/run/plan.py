@@ -31,13 +31,9 @@ MAX_PART_IMAGES = 1024
 def probe_share(items: Sequence[InputItem], max_pixels: int, ranks: Topology | None = None,
                 should_stop: Callable[[], bool] | None = None,
                 timeout_s: float | None = PROBE_TIMEOUT_S) -> list[tuple[int, Probe]]:
-    """This rank's share of the probes of ``items`` (every ``world_size``-th one), as
-    ``(index, probe)``; no collective, so it may run on any thread.
-
-    A probe that takes longer than ``timeout_s`` becomes an error and its thread is left
-    behind (a daemon: it never delays the exit). When ``should_stop()`` turns true (a
-    signal), the headers not read yet are left as errors and the caller is expected to stop
-    without planning them."""
+    """This rank's share of the probes of ``items`` (every ``world_size``-th), as ``(index,
+    probe)``; no collective (any thread). A probe slower than ``timeout_s`` is an error (its
+    daemon thread left behind); once ``should_stop()``, unread ones are errors not to plan."""
     rank, world = (ranks.rank, ranks.world_size) if ranks is not None else (0, 1)
     mine = list(range(rank, len(items), world))
     probes = probe_all([items[i] for i in mine], max_pixels, should_stop, timeout_s)
@@ -70,10 +66,8 @@ def with_grids(items: Sequence[InputItem], share: list[tuple[int, Probe]], cfg: 
 
 
 def images_per_part(cfg: VisionConfig, opts: EncodeOptions) -> int:
-    """Images per part so a part's embeddings stay under PART_BYTES even at the largest grid.
-
-    Depends on the config and output settings only, so that a resumed run cuts the same parts.
-    """
+    """Images per part so a part's embeddings stay under PART_BYTES even at the largest grid;
+    from the config and output settings only, so that a resumed run cuts the same parts."""
     if opts.part_images:
         return opts.part_images
     max_patches = (cfg.max_n_token * cfg.downsample_ratio ** 2 if opts.features == "vit"
@@ -108,9 +102,9 @@ def segment_tokens(batch_tokens: int, device_type: str) -> int:
 
 
 def part_name(start: int, part_images: int) -> str:
-    """The name of the part (or segment) that starts at input ``start``: ``part-NNNNNN`` at
-    the start of the NNNNNNth ``part_images`` range, ``part-NNNNNN_OOOOOO`` at offset
-    OOOOOO inside it (names sort in input order; a part committed early by time is one)."""
+    """The name of the part (or segment) at input ``start``: ``part-NNNNNN`` at the start of
+    the NNNNNNth range, ``part-NNNNNN_OOOOOO`` at offset OOOOOO inside it (names sort in input
+    order; a part committed early by time is one)."""
     number, offset = divmod(start, part_images)
     return f"part-{number:06d}" + (f"_{offset:06d}" if offset else "")
 
@@ -152,10 +146,9 @@ def _segments(planned: Sequence[Planned], start: int, end: int,
 
 def cut_parts(planned: list[Planned], part_images: int,
               more: Callable[[int], None] = lambda count: None) -> Iterator[Part]:
-    """The run's parts: consecutive ranges of ``part_images`` inputs, by input order alone,
-    so that their bounds are known before any header is read and stay the same on resume.
-    Each comes as soon as its inputs are in ``planned``: ``more(count)`` lists inputs until
-    ``planned`` holds ``count`` of them or the listing has ended (by default it is whole)."""
+    """The run's parts: consecutive ranges of ``part_images`` inputs, by input order alone
+    (their bounds known before any header is read, the same on resume), each as soon as
+    ``more(count)`` has listed its inputs into ``planned`` (by default it is whole)."""
     start = 0
     while True:
         more(start + part_images)
@@ -170,12 +163,11 @@ def cut_parts(planned: list[Planned], part_images: int,
 def plan_segments(planned: Sequence[Planned], part: Part, ranks: Topology | None = None,
                   balance: str = "patches", cfg: VisionConfig | None = None,
                   segment_tokens: int | None = None) -> list[Part]:
-    """The segments a run encodes of ``part`` (a range to do, its headers read and its
-    inputs stamped): consecutive input ranges of at most ``segment_tokens`` patches each
-    (the whole range when None). The writer joins consecutive segments into a committed
-    part until the range ends or --commit-every passes. When the ranks split the images
-    (``ranks``, data parallel), the range is one segment that carries every rank's greedy
-    share of it; with ``--shard-output`` a rank's part holds just its own share."""
+    """The segments a run encodes of ``part`` (its headers read, its inputs stamped):
+    consecutive ranges of at most ``segment_tokens`` patches (None: the whole range), which the
+    writer joins into a committed part until the range ends or --commit-every passes. When the
+    ranks split the images, the range is one segment carrying every rank's greedy share (with
+    ``--shard-output`` a rank's part holds just its own)."""
     start, end, size = part.start, part.end, part.part_images
     if ranks is not None and ranks.splits_images:
         shares = share_for_ranks(planned, list(range(start, end)), ranks.world_size,
@@ -191,9 +183,6 @@ def plan_segments(planned: Sequence[Planned], part: Part, ranks: Topology | None
 
 
 # ----------------------------------------------------------------------------- ranks
-
-
-
 
 def patch_cost(n_h: int, n_w: int) -> float:
     """Cost of an image: its patch count (the default ``--balance``)."""
@@ -216,9 +205,8 @@ def image_flops(cfg: VisionConfig, n_h: int, n_w: int, features: str = "aligner"
 
 
 def flops_cost(n_h: int, n_w: int, cfg: VisionConfig) -> float:
-    """Cost of an image in "patch equivalents": forward FLOPs (``image_flops``) divided by
-    the FLOPs of one patch through the ViT's linear layers, so it is near the patch count
-    when attention and the aligner are negligible and grows with N^2 for large images."""
+    """Cost of an image in "patch equivalents": forward FLOPs (``image_flops``) over one
+    patch's through the ViT's linear layers (near the patch count, growing with N^2)."""
     per_patch = 2.0 * cfg.dim * (4 * cfg.dim + 3 * cfg.inter_dim) * cfg.n_layers
     return image_flops(cfg, n_h, n_w) / per_patch
 
@@ -233,12 +221,9 @@ def cost_function(balance: str, cfg: VisionConfig) -> Callable[[int, int], float
 
 
 def assign_greedy(costs: Sequence[float], world_size: int) -> list[list[int]]:
-    """Greedy longest-first assignment of images to ranks.
-
-    Images by cost descending (ties: lower index first), each to the rank with the least
-    load so far (ties: lowest rank). Returns one list of image indices per rank, ascending.
-    Deterministic, so every rank computes the same plan from the same costs.
-    """
+    """Greedy longest-first assignment of images to ranks: by cost descending (ties: lower
+    index first), each to the least loaded rank (ties: lowest rank). One ascending list of
+    image indices per rank; deterministic, so every rank computes the same plan."""
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     heap = [(0.0, rank) for rank in range(world_size)]  # (load, rank): ties pop lowest rank
@@ -247,9 +232,7 @@ def assign_greedy(costs: Sequence[float], world_size: int) -> list[list[int]]:
         load, rank = heapq.heappop(heap)
         assignment[rank].append(i)
         heapq.heappush(heap, (load + costs[i], rank))
-    for indices in assignment:
-        indices.sort()
-    return assignment
+    return [sorted(indices) for indices in assignment]
 
 
 def rank_loads(costs: Sequence[float], assignment: Sequence[Sequence[int]]) -> list[float]:
@@ -273,26 +256,19 @@ def share_for_ranks(planned: Sequence[Planned], indices: list[int], world_size: 
                     balance: str, cfg: VisionConfig | None = None) -> list[list[int]]:
     """Greedy assignment of ``indices`` to ranks by cost (``--balance``); failed items cost
     nothing (they go last, so they move no other item)."""
-    if balance == "flops" and cfg is not None:
-        costs = [flops_cost(planned[i].n_h, planned[i].n_w, cfg) if planned[i].error is None
-                 else 0 for i in indices]
-    else:
-        costs = [planned[i].tokens if planned[i].error is None else 0 for i in indices]
+    cost = cost_function(balance, cfg) if cfg is not None else patch_cost
+    costs = [cost(planned[i].n_h, planned[i].n_w) if planned[i].error is None else 0
+             for i in indices]
     return [[indices[j] for j in share] for share in assign_greedy(costs, world_size)]
 
 
 def pack_bins(costs: Sequence[int], capacity: int, max_items: int | None = None) -> list[list[int]]:
-    """First-fit-decreasing bin packing.
-
-    Returns bins of item indices (each bin's indices ascending), every bin's cost sum at most
-    ``capacity`` and item count at most ``max_items``; an item larger than ``capacity`` gets
-    a bin of its own. Bins come out ordered by their smallest index, so that work flows
-    roughly in input order.
-    """
-    order = sorted(range(len(costs)), key=lambda i: (-costs[i], i))
+    """First-fit-decreasing bin packing: bins of item indices (ascending), each of cost at
+    most ``capacity`` (a larger item alone) and at most ``max_items`` items, ordered by their
+    smallest index so that work flows roughly in input order."""
     bins: list[list[int]] = []
     loads: list[int] = []
-    for i in order:
+    for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
         cost = costs[i]
         for b, load in enumerate(loads):
             if load + cost <= capacity and (max_items is None or len(bins[b]) < max_items):
@@ -302,10 +278,7 @@ def pack_bins(costs: Sequence[int], capacity: int, max_items: int | None = None)
         else:
             bins.append([i])
             loads.append(cost)
-    for b in bins:
-        b.sort()
-    bins.sort(key=lambda b: b[0])
-    return bins
+    return sorted((sorted(b) for b in bins), key=lambda b: b[0])
 
 
 def part_batches(planned: Sequence[Planned], indices: Sequence[int], batch_tokens: int,
@@ -319,10 +292,9 @@ def part_batches(planned: Sequence[Planned], indices: Sequence[int], batch_token
 
 def plan_batches(planned: Sequence[Planned], parts: Sequence[Part], batch_tokens: int,
                  max_images: int | None, carried: Collection[int] = ()) -> list[list[list[int]]]:
-    """Per part, per rank, the batches (lists of item indices) it is encoded in; one share
-    (the part's indices) without data parallelism. Every rank plans every rank's batches,
-    so that all take the same number of steps (each step ends in collectives). Inputs in
-    ``carried`` (rows that ``--update`` copies from the old output) are in no batch."""
+    """Per part, per rank (one share without data parallelism), the batches it is encoded
+    in. Every rank plans every rank's batches, so that all take the same number of steps
+    (each ends in collectives). ``carried`` (rows ``--update`` copies) are in no batch."""
     skip = set(carried)
     return [[part_batches(planned, [i for i in share if i not in skip], batch_tokens, max_images)
              for share in (part.shares if part.shares is not None else [part.indices])]

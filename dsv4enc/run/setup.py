@@ -1,18 +1,14 @@
 """A run's set-up (``RunSetup``): the inputs found, their plan made a window at a time a
 bounded distance ahead of the encoder (``Windows``), the decode pool and the decoded stream.
-One holder owns it and closes it once: ``run_encode`` closes the set-up it is given or makes.
+``run_encode`` closes the set-up it is given or makes, once.
 
-The run streams: the inputs are listed as the plan needs them (``RunSetup.more``), and
-each part (a range of inputs cut by input order alone, ``plan.cut_parts``) is known as soon
-as its inputs are listed, judged by ``--resume`` from their stamps, and, while it is still to
-encode, planned when the encoder comes within ``WINDOWS_AHEAD`` parts of it: its inputs
-stamped, its headers read on the probe threads (``plan.probe_share``: the seam of the
-probes), its segments cut and balanced over the ranks, its batches packed, and its images
-handed to the decode workers. The first batch starts once the first window is planned,
-while the listing goes on, whatever the dataset's size; what is kept for every input is its
-item and its stamp. What needs every input first lists them whole: ``--update``'s matching
-and ``--engine ray`` (``headers``), table columns (``find_inputs``) and a single file whose
-store limits its size (``run/pipeline``).
+The run streams: inputs are listed as the plan needs them (``RunSetup.more``); each part
+(``plan.cut_parts``) is judged by ``--resume`` from its inputs' stamps once they are listed
+and, while still to do, planned within ``WINDOWS_AHEAD`` parts of the encoder
+(``WindowSettings``), so the first batch starts while the listing goes on; each input keeps
+only its item and stamp. What needs every input first lists them whole: ``--update``'s
+matching and ``--engine ray`` (``headers``), table columns (``find_inputs``) and a single
+file whose store limits its size (``run/pipeline``).
 """
 
 from __future__ import annotations
@@ -29,7 +25,6 @@ from ..images.decode import NOT_YET, DecodePool, Decoded, DecodeStream
 from ..images.discover import Discovery, stream_inputs
 from ..images.headers import input_stamps
 from ..images.items import InputItem
-from ..engine.defaults import default_batch_tokens
 from .options import EncodeOptions, decode_window, default_workers, validate
 from .plan import (Part, Planned, cut_parts, decode_order, plan_batches, plan_segments,
                    probe_share, with_grids)
@@ -49,9 +44,8 @@ LISTED_FIRST = 10_000
 
 @dataclass
 class Window:
-    """One part's plan: its segments, per segment and rank the batches, the decode tasks
-    (``(index, item)`` in this rank's decode order) and the patches its readable images
-    have (what the progress adds to its total)."""
+    """One part's plan: per segment and rank the batches, the decode tasks (``(index, item)``
+    in this rank's decode order) and its readable images' patches (for the progress total)."""
 
     segments: list[Part]
     batches: list[list[list[int]]]
@@ -60,15 +54,14 @@ class Window:
 
 
 class Windows:
-    """The plan of the parts to do (``todo``, yielded as the listing reaches them: their
-    ``count`` is known once it ends), one window (a part) at a time, at most
-    ``WINDOWS_AHEAD`` ahead of the encoder. A background thread reads each window
-    (``read(part)``: stamps and this rank's header probes, no collective) and, in one
-    process, takes it from ``todo`` and plans it (``finish(part, read)``); under torchrun
-    the encoder's thread takes the parts (``--resume``'s agreement is a collective) and
-    plans each window (a collective shares the probes) one ahead of the one it encodes, so
-    that the ranks agree on every window. The decode source (``tasks``) and the encoder
-    (``parts``) each walk the windows; a window is dropped once both have passed it."""
+    """The plan of the parts to do (``todo``, yielded as the listing reaches them; ``count``
+    is known once it ends), a window (a part) at a time, at most ``WINDOWS_AHEAD`` ahead of
+    the encoder. A background thread reads each window (``read(part)``: stamps and this
+    rank's header probes, no collective) and, in one process, takes it from ``todo`` and
+    plans it (``finish(part, read)``); under torchrun, where both are collectives, the
+    encoder's thread takes the parts and plans each window one ahead of the one it encodes.
+    The decode source (``tasks``) and the encoder (``parts``) each walk the windows; a window
+    is dropped once both have passed it."""
 
     def __init__(self, todo: Iterable[Part], read: Callable[[Part], Any],
                  finish: Callable[[Part, Any], Window], *, alone: bool,
@@ -87,8 +80,7 @@ class Windows:
         self.blocked = False  # the planner waits for the encoder to come nearer
         self._error: BaseException | None = None
         self._cond = threading.Condition()
-        self._thread = threading.Thread(target=self._run, name="dsv4enc-plan", daemon=True)
-        self._thread.start()
+        threading.Thread(target=self._run, name="dsv4enc-plan", daemon=True).start()
 
     def _take(self, k: int) -> None:
         """Take parts from ``todo`` until part ``k`` is taken or ``todo`` has ended."""
@@ -147,9 +139,8 @@ class Windows:
             while not (value := ready()):
                 if self._error is not None:
                     raise self._error
-                if self._closed:
-                    raise StoppedWaiting
-                if stop and self._should_stop is not None and self._should_stop():
+                signalled = stop and self._should_stop is not None and self._should_stop()
+                if self._closed or signalled:
                     raise StoppedWaiting
                 self._cond.wait(0.1)
             return value
@@ -165,7 +156,7 @@ class Windows:
             self._take(k + WINDOWS_AHEAD)
             for j in (k, k + 1):
                 if not self._ended(j) and j not in self._windows:
-                    done = self._wait(lambda: j in self._read_done, stop=False)
+                    self._wait(lambda: j in self._read_done, stop=False)
                     window = self._finish(self._parts[j], self._read_done[j])
                     with self._cond:
                         self._windows[j] = window
@@ -219,14 +210,12 @@ class Windows:
 
 @dataclass
 class RunSetup:
-    """Inputs found (None until ``find_inputs``), every input's entry (``planned``: its
-    item, then its stamp and header once its window is planned; it grows as the listing
-    goes on), the windows of the parts to do, the decode pool and the decoded stream. Each
-    is made once, by the method that returns it."""
+    """Inputs found (None until ``find_inputs``), every input's entry listed so far
+    (``planned``: its item, then its stamp and header once its window is planned), the
+    windows, the decode pool and the decoded stream; each made once, by its method."""
 
     found: Discovery | None = None
-    # The run's clock (``time.perf_counter``) starts here: when the set-up was made, or what
-    # its maker says (the command line: when the process started).
+    # the run's clock starts when the set-up was made, or when its maker says (the CLI's process)
     started: float = field(default_factory=time.perf_counter)
     planned: list[Planned] = field(default_factory=list)
     windows: Windows | None = None
@@ -235,11 +224,9 @@ class RunSetup:
     listing: Iterator[InputItem] | None = None
 
     def find_inputs(self, opts: EncodeOptions, stop: StopSignals | None) -> Discovery:
-        """Start listing the inputs unless started already (``stop``: None under torchrun,
-        where the ranks stop together), and take the first: a missing path, an unreadable
-        path list or an input set with no image fails here. With table columns
-        (``--image-column``, ``--key-column``, ``--keep-column``) every input is listed:
-        the output's schema (the kept columns' types) and the flags' checks need them all."""
+        """Start listing the inputs unless started (``stop``: None under torchrun), and take
+        the first: a missing path, an unreadable path list or no image fails here. With table
+        columns every input is listed: the schema (kept columns' types) and checks need all."""
         if self.found is None:
             self.found = Discovery()
             self.listing = stream_inputs(self.found, opts.inputs, opts.files_from,
@@ -260,8 +247,8 @@ class RunSetup:
             self.planned.append(Planned(item))
 
     def decode_pool(self, cfg: VisionConfig, device_type: str, opts: EncodeOptions) -> DecodePool:
-        """The decode pool, of ``--workers`` or the device's default (spawned now: its
-        workers start while the model loads)."""
+        """The decode pool, of ``--workers`` or the device's default (its workers start now,
+        while the model loads)."""
         if self.pool is None:
             workers = default_workers(device_type) if opts.workers is None else opts.workers
             self.pool = DecodePool(cfg, workers, opts.max_pixels, opts.decode_timeout)
@@ -269,9 +256,8 @@ class RunSetup:
 
     def headers(self, cfg: VisionConfig, opts: EncodeOptions, ranks: Topology | None,
                 should_stop, announce) -> list[Planned]:
-        """Every input listed, its header and grid read at once, and its stamp, for what
-        needs the whole plan first (``--update``'s matching, ``--engine ray``);
-        ``announce(text)`` says so."""
+        """Every input listed, its header, grid and stamp read at once, for what needs the whole
+        plan first (``--update``'s matching, ``--engine ray``); ``announce(text)`` says so."""
         self.more(None)
         planned = self.planned
         announce(f"reading {len(planned)} image headers")
@@ -320,10 +306,9 @@ class RunSetup:
 
 @dataclass
 class WindowSettings:
-    """How a window is planned: the tower's config, the run's options and ranks, the
-    batches' and segments' sizes, the inputs ``--update`` carries over (whose headers were
-    all read first: ``headers_read``), the summary that counts misnamed images, and the
-    signal check of one process (None under torchrun)."""
+    """How a window is planned. ``carried``: the inputs ``--update`` carries over (its
+    headers were all read first: ``headers_read``); ``summary`` counts misnamed images;
+    ``should_stop``: the signal check of one process (None under torchrun)."""
 
     cfg: VisionConfig
     opts: EncodeOptions
@@ -373,17 +358,10 @@ class WindowSettings:
         return Window(segments, batches, [(i, planned[i].item) for i in order], tokens)
 
 
-def run_batch_tokens(opts: EncodeOptions, device_type: str) -> int:
-    """Patches per batch of a run on ``device_type``: ``--batch-tokens`` or the engine's
-    default."""
-    return opts.batch_tokens or default_batch_tokens(device_type)
-
-
 def start_prefetch(opts: EncodeOptions, stop: StopSignals | None = None) -> RunSetup | None:
-    """Check the options and list the inputs before torch is imported (the same errors, in
-    the same order, as ``run_encode``), so that a bad input set fails fast and nothing is
-    walked or read from stdin twice. Returns None under torchrun (each rank lists for
-    itself); raises ``errors.Interrupted`` when ``stop`` records a signal meanwhile."""
+    """Check the options and list the inputs before torch is imported (the errors and their
+    order of ``run_encode``): a bad input set fails fast, and nothing is listed twice. None
+    under torchrun (each rank lists for itself); ``errors.Interrupted`` on a signal."""
     if launched_ranks() > 1:
         return None
     validate(opts)

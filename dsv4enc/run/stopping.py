@@ -20,10 +20,8 @@ BEFORE_ENCODING_HINT = "stopped before encoding began; rerun the same command"
 
 
 class StopSignals:
-    """Records SIGINT/SIGTERM for the run (installed from the main thread only).
-
-    ``immediate``: the first signal raises ``Interrupted(signum, hint)`` from the handler;
-    otherwise (inside ``deferred()``) it only sets ``signum`` for the loop to see."""
+    """Records SIGINT/SIGTERM for the run (installed from the main thread only). ``immediate``:
+    the first signal raises ``Interrupted(signum, hint)``; else it only sets ``signum``."""
 
     def __init__(self, immediate: bool = True, hint: str = BEFORE_ENCODING_HINT) -> None:
         self.signum: int | None = None
@@ -31,12 +29,8 @@ class StopSignals:
         self.hint = hint
         self._previous: dict[int, object] = {}
 
-    @property
-    def installed(self) -> bool:
-        return bool(self._previous)
-
     def install(self) -> None:
-        if self.installed or threading.current_thread() is not threading.main_thread():
+        if self._previous or threading.current_thread() is not threading.main_thread():
             return
         for signum in (signal.SIGINT, signal.SIGTERM):
             self._previous[signum] = signal.signal(signum, self._handle)
@@ -51,8 +45,7 @@ class StopSignals:
             raise Interrupted(self.signum, self.hint)
 
     def _handle(self, signum, frame) -> None:
-        first = self.signum is None
-        if not first:
+        if self.signum is not None:
             if signum == signal.SIGINT:
                 raise KeyboardInterrupt  # a second Ctrl-C stops at once
             return

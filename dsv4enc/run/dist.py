@@ -77,9 +77,7 @@ class DistContext:
         """One picklable object from every rank, in rank order (pickled through all_gather,
         so that it shares the host-side timeout; torch's own version blocks without one)."""
         payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
-        sizes = self.all_gather(torch.tensor([payload.numel()], dtype=torch.int64))
-        counts = [int(n) for n in sizes.view(-1).tolist()]
-        parts = gather_rows(self, payload.view(-1, 1), counts)
+        parts = gather_rows(self, payload.view(-1, 1))  # the sizes exchanged first
         return [pickle.loads(p.cpu().numpy().tobytes()) for p in parts]
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:

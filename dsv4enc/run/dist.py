@@ -66,9 +66,7 @@ class DistContext:
 
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
         """Same-shape tensors from every rank: (n, ...) -> (world_size, n, ...), rank order.
-
-        Moved as raw bytes, so any dtype works on any backend (bf16 and fp16 included).
-        """
+        Moved as raw bytes, so any dtype works on any backend (bf16 and fp16 included)."""
         local = tensor.to(self.device).contiguous()
         flat = local.reshape(1, -1).view(torch.uint8)  # (1, numel * itemsize)
         out = torch.empty(self.world_size, flat.shape[1], dtype=torch.uint8, device=self.device)
@@ -79,17 +77,13 @@ class DistContext:
         """One picklable object from every rank, in rank order (pickled through all_gather,
         so that it shares the host-side timeout; torch's own version blocks without one)."""
         payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
-        sizes = self.all_gather(torch.tensor([payload.numel()], dtype=torch.int64))
-        counts = [int(n) for n in sizes.view(-1).tolist()]
-        parts = gather_rows(self, payload.view(-1, 1), counts)
+        parts = gather_rows(self, payload.view(-1, 1))  # the sizes exchanged first
         return [pickle.loads(p.cpu().numpy().tobytes()) for p in parts]
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum ``tensor`` over ranks in place and return it (the tensor-parallel combine).
-
-        Works under ``torch.inference_mode`` (the collective is outside autograd). On NCCL
-        it is enqueued on the stream without a host wait (see the module docstring).
-        """
+        Works under ``torch.inference_mode`` (the collective is outside autograd); on NCCL
+        it is enqueued on the stream without a host wait (see the module docstring)."""
         try:
             dist.all_reduce(tensor)
         except RuntimeError as exc:
@@ -114,13 +108,10 @@ def _env_int(name: str, default: int | None = None) -> int:
 
 
 def init_distributed(device_arg: str, timeout_s: float) -> DistContext | None:
-    """Join the torchrun job described by the environment.
-
-    Returns None when there is no job to join: WORLD_SIZE unset (plain launch) or 1 (a
-    single rank needs no process group; the caller runs the plain single-process path).
-    ``device_arg``: "auto", "cuda" or "cpu". Under torchrun every rank on CUDA uses
-    cuda:LOCAL_RANK with NCCL, so an explicit "cuda:N" is a UsageError; on CPU, gloo.
-    """
+    """Join the torchrun job described by the environment; None when WORLD_SIZE is unset
+    or 1 (a single rank needs no process group). ``device_arg``: "auto", "cuda" or "cpu":
+    every rank on CUDA uses cuda:LOCAL_RANK with NCCL (an explicit "cuda:N" is a
+    UsageError); on CPU, gloo."""
     world_size = _env_int("WORLD_SIZE", 1)
     if world_size <= 1:
         return None
@@ -130,11 +121,9 @@ def init_distributed(device_arg: str, timeout_s: float) -> DistContext | None:
     if device_arg not in ("auto", "cuda", "cpu"):
         raise UsageError(f"under torchrun, --device must be auto, cuda or cpu (each rank "
                          f"uses cuda:LOCAL_RANK), not {device_arg!r}")
-    kind = device_arg if device_arg != "auto" else \
-        ("cuda" if torch.cuda.is_available() else "cpu")
-    if kind == "cuda":
-        if not torch.cuda.is_available():
-            raise UsageError("--device cuda, but CUDA is not available")
+    if device_arg == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda, but CUDA is not available")
+    if device_arg != "cpu" and torch.cuda.is_available():
         if local_rank >= torch.cuda.device_count():
             raise UsageError(f"rank {rank}: LOCAL_RANK {local_rank} but only "
                              f"{torch.cuda.device_count()} CUDA device(s) on this node")
@@ -167,15 +156,13 @@ def shutdown(ctx: DistContext | None) -> None:
 
 def gather_rows(ctx: DistContext, local_rows: torch.Tensor,
                 counts_per_rank: Sequence[int] | None = None) -> list[torch.Tensor]:
-    """Every rank's output rows, on every rank, with ONE all-gather.
+    """Every rank's output rows, on every rank, with ONE all-gather (padded to the largest
+    count for the transfer, cut back after).
 
-    local_rows: (n_local, width), this rank's images' rows concatenated in its assignment
-    order. counts_per_rank: n_local of every rank, known from the shared plan; if None it
-    is exchanged first (one extra small collective).
-    Rows are padded to the largest count for the transfer and cut back after. Returns
-    ``world_size`` tensors (counts_per_rank[r], width) in the dtype of ``local_rows``, on
-    its device. Ranks with zero rows are fine; when all have zero, nothing is sent.
-    """
+    local_rows: (n_local, width), this rank's rows in its assignment order. counts_per_rank:
+    n_local of every rank, known from the shared plan (None: exchanged first, one extra
+    small collective). Returns ``world_size`` tensors (counts_per_rank[r], width) in the
+    dtype and on the device of ``local_rows``; when every rank has zero, nothing is sent."""
     n_local, width = local_rows.shape
     if counts_per_rank is None:
         gathered = ctx.all_gather(torch.tensor([n_local], dtype=torch.int64))

@@ -4,13 +4,12 @@ Every figure is counted per batch (under torchrun: summed over all ranks by the 
 has one definition, shared with the end-of-run summary:
 
 - *images*: images finished (encoded or failed; on ``--resume`` those of the earlier run
-  too), out of all the run's images (until the listing has ended, out of those listed so
-  far, shown with a ``+``);
-- *tokens*: ViT patch tokens encoded by this run, out of those it has to encode (the plan
-  is made a window at a time: until the last window is planned, out of those planned so
-  far, shown with a ``+``);
-- *img/s*, *tokens/s*: images and ViT patch tokens finished per second of the encoding loop
-  (from the first batch on; start-up, header reading and graph capture are not in it);
+  too), out of all the run's images (out of those listed so far, with a ``+``, until the
+  listing has ended);
+- *tokens*: ViT patch tokens encoded by this run, out of those it has to encode (out of
+  those planned so far, with a ``+``, until the last window is planned);
+- *img/s*, *tokens/s*: images and tokens finished per second of the encoding loop (from
+  the first batch on; start-up, header reading and graph capture are not in it);
 - *ETA*: the tokens still to encode at the current tokens/s (images, until every token
   to encode is known), so that a run of large images is not estimated from its small ones.
 """
@@ -24,16 +23,13 @@ from dataclasses import dataclass
 
 from rich.console import Console
 from rich.markup import escape
-from rich.progress import BarColumn, Progress, ProgressColumn, TextColumn
+from rich.progress import BarColumn, Progress, RenderableColumn, TextColumn
 from rich.text import Text
 
 from ..pausepoints import armed, pause
 from .options import LOG_EVERY_S
 
 stderr_console = Console(stderr=True)
-
-#: Seconds between two plain progress lines when stderr is not a terminal.
-DEFAULT_LOG_EVERY_S = LOG_EVERY_S
 
 
 def format_duration(seconds: float | None) -> str:
@@ -71,8 +67,7 @@ class ProgressCounts:
         if self.tokens and self.total_tokens and self.tokens_known:
             return max(self.total_tokens - self.tokens, 0) / self.tokens_per_s
         if self.images and self.total_images and self.images_known:
-            todo = self.total_images - self.reused - self.images
-            return max(todo, 0) / self.images_per_s
+            return max(self.total_images - self.reused - self.images, 0) / self.images_per_s
         return None
 
     @property
@@ -99,13 +94,11 @@ class ProgressCounts:
 
 
 class RunProgress:
-    """Progress of one run on stderr.
+    """Progress of one run on stderr. ``mode``: ``bar`` (a rich bar, for a terminal),
+    ``log`` (a plain line every ``log_every`` seconds, for nohup/SLURM logs), ``off`` (other
+    ranks, ``--quiet``), or ``auto`` (``bar`` when stderr is a terminal, else ``log``)."""
 
-    ``mode``: ``bar`` (a rich bar, for a terminal), ``log`` (a plain line every ``log_every``
-    seconds, for nohup/SLURM logs), ``off`` (other ranks, ``--quiet``), or ``auto`` (``bar``
-    when stderr is a terminal, else ``log``)."""
-
-    def __init__(self, mode: str = "auto", log_every: float = DEFAULT_LOG_EVERY_S) -> None:
+    def __init__(self, mode: str = "auto", log_every: float = LOG_EVERY_S) -> None:
         if mode == "auto":
             mode = "bar" if _stderr_is_terminal() else "log"
         self.mode = mode
@@ -119,20 +112,15 @@ class RunProgress:
         self._task = None
         self._ticker: threading.Thread | None = None
         self._closed = threading.Event()
-        self._lines = 0  # progress lines printed (log mode)
         self._frozen: float | None = None  # encoding seconds, once the loop is over
-
-    @property
-    def enabled(self) -> bool:
-        return self.mode != "off"
 
     def __enter__(self) -> "RunProgress":
         self._began = time.perf_counter()
         if self.mode == "bar":
             self._progress = Progress(
                 TextColumn("[bold]{task.description}"), BarColumn(bar_width=16),
-                _FiguresColumn(self), console=stderr_console, transient=False,
-                refresh_per_second=4)
+                RenderableColumn(self), console=stderr_console, transient=False,
+                refresh_per_second=4)  # the figures: ``__rich__``, drawn at each refresh
             self._progress.__enter__()
             self._task = self._progress.add_task("starting", total=None)
         elif self.mode == "log":
@@ -148,9 +136,9 @@ class RunProgress:
             self._ticker.join()
             self._ticker = None
             if self._counting:  # where the log's progress ended (a short run's only line)
-                self._print(self.snapshot().line())
+                _print(self.snapshot().line())
         if self._progress is not None:
-            self._refresh()
+            self._progress.refresh()
             self._progress.__exit__(*exc)
             self._progress = None
 
@@ -160,7 +148,7 @@ class RunProgress:
         if self.mode == "bar":
             stderr_console.print(f"dsv4enc: {escape(text)}", highlight=False, soft_wrap=True)
         elif self.mode == "log":
-            print(f"dsv4enc: {text}", file=sys.stderr, flush=True)
+            _print(text)
 
     def status(self, text: str) -> None:
         """What the run is doing before (or instead of) encoding."""
@@ -179,7 +167,7 @@ class RunProgress:
                                          images_known=total is not None)
         if self._progress is not None:
             self._progress.update(self._task, total=total, completed=done)
-        self._refresh()
+            self._progress.refresh()
 
     def listed(self, inputs: int, ended: bool, reused: int = 0) -> None:
         """``inputs`` are listed so far (``ended``: all of them), ``reused`` more of them
@@ -193,8 +181,7 @@ class RunProgress:
                                   advance=reused)
 
     def plan_tokens(self, tokens: int, last: bool = False) -> None:
-        """A window was planned: its ``tokens`` join the total (``last``: the total is
-        complete)."""
+        """A window was planned: its ``tokens`` join the total (``last``: it is complete)."""
         with self._lock:
             self.counts.total_tokens += tokens
             self.counts.tokens_known = self.counts.tokens_known or last
@@ -204,13 +191,10 @@ class RunProgress:
         with self._lock:
             self._counting = True
             self._began = time.perf_counter()
-            self._status = "encoding"
-        if self._progress is not None:
-            self._progress.update(self._task, description="encoding")
+        self.status("encoding")
 
     def end_encoding(self) -> None:
-        """The encoding loop is over: rates and time stop here (writing the final file and
-        the like come after)."""
+        """The encoding loop is over: rates and time stop here, before the final file."""
         with self._lock:
             if self._counting:
                 self._frozen = time.perf_counter() - self._began
@@ -225,7 +209,7 @@ class RunProgress:
             self.counts.total_tokens -= dropped_tokens
         if self._progress is not None:
             self._progress.update(self._task, advance=images)
-        self._refresh()
+            self._progress.refresh()  # per batch: a bar that moves 4 times a second lags
         if armed("encoded"):  # a test stops the run here, after the rows it counted
             counts = self.snapshot()
             pause("encoded", done=counts.reused + counts.images, total=counts.total_images)
@@ -239,21 +223,17 @@ class RunProgress:
                 counts.elapsed = time.perf_counter() - self._began
             return counts
 
-    def bar_figures(self) -> str:
-        """The bar's text, computed when it is drawn (so time and ETA move between batches);
-        the most telling first, as a narrow terminal cuts the end."""
+    def __rich__(self) -> Text:
+        """The bar's figures, computed when it is drawn (so time and ETA move between
+        batches); the most telling first, as a narrow terminal cuts the end."""
         c = self.snapshot()
         if not c.total_images and not self._counting:
-            return ""
-        return (f"{c.of_images} images  eta "
-                f"{format_duration(c.eta_s)}  {c.images_per_s:.1f} img/s  "
-                f"{c.tokens_per_s:,.0f} tokens/s  {c.failed} failed  "
-                f"{c.tokens:,}/{c.total_tokens:,}{c.more} tokens  encoding for "
-                f"{format_duration(c.elapsed)}")
-
-    def _refresh(self) -> None:
-        if self._progress is not None:
-            self._progress.refresh()  # per batch: a bar that moves 4 times a second lags
+            return Text("")
+        return Text(f"{c.of_images} images  eta "
+                    f"{format_duration(c.eta_s)}  {c.images_per_s:.1f} img/s  "
+                    f"{c.tokens_per_s:,.0f} tokens/s  {c.failed} failed  "
+                    f"{c.tokens:,}/{c.total_tokens:,}{c.more} tokens  encoding for "
+                    f"{format_duration(c.elapsed)}")
 
     def _tick(self) -> None:
         while not self._closed.wait(self.log_every):
@@ -263,22 +243,11 @@ class RunProgress:
                 text = self.snapshot().line()
             else:
                 text = f"{status} ({format_duration(time.perf_counter() - self._began)})"
-            self._print(text)
-
-    def _print(self, text: str) -> None:
-        self._lines += 1
-        print(f"dsv4enc: {text}", file=sys.stderr, flush=True)
+            _print(text)
 
 
-class _FiguresColumn(ProgressColumn):
-    """The run's figures (``RunProgress.bar_figures``) as a bar column."""
-
-    def __init__(self, run: RunProgress) -> None:
-        super().__init__()
-        self.run = run
-
-    def render(self, task) -> Text:
-        return Text(self.run.bar_figures())
+def _print(text: str) -> None:
+    print(f"dsv4enc: {text}", file=sys.stderr, flush=True)
 
 
 def _stderr_is_terminal() -> bool:

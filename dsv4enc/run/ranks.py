@@ -1,9 +1,9 @@
 """How a run is spread over processes, and the one place that talks to the other ranks.
 
 A ``Topology`` is built once per run from the torchrun context (``dist.DistContext``, or
-None for a plain launch). Its kind: ``single`` (no collectives); ``gathered`` (data parallel:
+None for a plain launch): a single process (no collectives); ``gathered`` (data parallel:
 each rank encodes its share of every part, rank 0 gathers the rows and writes them);
-``sharded`` (``--shard-output``: each rank writes its own share); ``tensor-parallel`` (the
+``sharded`` (``--shard-output``: each rank writes its own share); or tensor parallel (the
 tower split over the ranks, rank 0 writes). Every collective of the run goes through it.
 This module imports no torch: a plain launch never pays for it.
 """
@@ -37,14 +37,6 @@ class Topology:
 
     # -- who does what ---------------------------------------------------------------
     @property
-    def kind(self) -> str:
-        if self.dist is None:
-            return "single"
-        if self.tensor_parallel:
-            return "tensor-parallel"
-        return "sharded" if self.shard_output else "gathered"
-
-    @property
     def rank(self) -> int:
         return 0 if self.dist is None else self.dist.rank
 
@@ -64,21 +56,20 @@ class Topology:
     @property
     def splits_images(self) -> bool:
         """Whether each rank encodes a share of the images (data parallel)."""
-        return self.kind in ("gathered", "sharded")
+        return self.dist is not None and not self.tensor_parallel
 
     @property
     def gathered(self) -> bool:
-        return self.kind == "gathered"
+        return self.splits_images and not self.shard_output
 
     @property
     def sharded(self) -> bool:
-        return self.kind == "sharded"
+        return self.splits_images and self.shard_output
 
     # -- set-up ----------------------------------------------------------------------
     def split_tower(self, model, tp_mode: str) -> None:
-        """Tensor parallelism (``--tp-mode weights``): slice ``model`` into this rank's
-        shard; when the world size does not divide the tower it stays whole (data
-        parallel)."""
+        """``--tp-mode weights``: slice ``model`` into this rank's shard (it stays whole, data
+        parallel, where the world size does not divide the tower)."""
         if self.dist is not None and tp_mode == "weights":
             from ..tower.tensor_parallel import apply_tensor_parallel
 
@@ -93,9 +84,8 @@ class Topology:
 
     def main_then_all(self, action: Callable[[], None]) -> None:
         """Run ``action`` (an output check) on rank 0 only, then let every rank raise the
-        DsvError it raised, so that no rank is left waiting in a collective for a rank 0 that
-        gave up (and reports a dead peer instead of the real reason). Also the ranks'
-        barrier."""
+        DsvError it raised, so that no rank waits in a collective for a rank 0 that gave up
+        (and reports a dead peer instead of the real reason). Also the ranks' barrier."""
         if self.dist is None:
             action()
             return
@@ -116,15 +106,14 @@ class Topology:
     def agree_on_todo(self, todo: list[tuple[int, int]] | None, problem: DsvError | None,
                       ) -> tuple[list[tuple[int, int]] | None, DsvError | None]:
         """Resume agreement: the input ranges every rank encodes, and a problem of any rank.
-
-        One manifest (rank 0's): rank 0 tells the others. One per rank (--shard-output):
-        a range is redone by all when any rank lacks its part (every batch ends in
+        One manifest (rank 0's): rank 0 tells the others. One per rank (--shard-output): a
+        range is redone by all when any rank lacks its part (every batch ends in
         collectives, so all ranks walk the same parts)."""
         if self.dist is None:
             return todo, problem
-        if not self.shard_output:
-            return self.gather((todo, problem))[0]
         everyone = self.gather((todo, problem))
+        if not self.shard_output:
+            return everyone[0]
         problem = next((exc for _, exc in everyone if exc is not None), None)
         return sorted({tuple(r) for ranges, _ in everyone for r in ranges or ()}), problem
 
@@ -156,14 +145,11 @@ class Topology:
         per_rank = gather_rows(self.dist, flat.to(self.dist.device), counts)
         rows: dict[int, Row] = {}
         for rank_meta, block in zip(metas, per_rank):
-            block = block.cpu()
-            offset = 0
-            for index, fields, n in rank_meta:
+            pieces = block.cpu().split([n for _, _, n in rank_meta])
+            for (index, fields, n), emb in zip(rank_meta, pieces):
                 row = Row(**fields)
                 if n:
-                    emb = block[offset:offset + n]
                     row.embedding = (emb.reshape(width) if pooled else emb).numpy()
-                    offset += n
                 rows[index] = row
         return rows
 
@@ -179,22 +165,18 @@ class Topology:
 
     def sum_rank_counts(self, summary: RunSummary) -> None:
         """--shard-output: each rank counted only its own rows; the summary shows them all."""
-        counts = self.gather((summary.encoded, summary.failed, summary.tokens,
-                              summary.errors, summary.error_examples))
-        summary.encoded = sum(c[0] for c in counts)
-        summary.failed = sum(c[1] for c in counts)
-        summary.rank_loads = [float(c[2]) for c in counts]
-        summary.tokens = sum(c[2] for c in counts)
+        encoded, failed, tokens, errors, examples = zip(*self.gather((
+            summary.encoded, summary.failed, summary.tokens, summary.errors,
+            summary.error_examples)))
+        summary.encoded, summary.failed, summary.tokens = map(sum, (encoded, failed, tokens))
+        summary.rank_loads = [float(n) for n in tokens]
         summary.errors, summary.error_examples = {}, {}
-        for _, _, _, errors, examples in counts:
-            for message, n in errors.items():
-                summary.add_error(message, examples[message], n)
+        for rank_errors, rank_examples in zip(errors, examples):
+            for message, n in rank_errors.items():
+                summary.add_error(message, rank_examples[message], n)
 
     def sum_rank_tokens(self, summary: RunSummary, padded_tokens: int) -> None:
-        """Gathered data parallel: every rank encoded its own share of the tokens; count
-        them all."""
+        """Gathered data parallel: count every rank's share of the tokens."""
         counts = self.gather((summary.tokens, padded_tokens, summary.merge_pad_tokens))
-        summary.tokens = sum(c[0] for c in counts)
-        summary.padded_tokens = sum(c[1] for c in counts)
-        summary.merge_pad_tokens = sum(c[2] for c in counts)
+        summary.tokens, summary.padded_tokens, summary.merge_pad_tokens = map(sum, zip(*counts))
 

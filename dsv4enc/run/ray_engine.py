@@ -1,28 +1,27 @@
 """``dsv4enc encode --engine ray``: the local run's plan and output, with the encoding done by
 encoder actors on a Ray cluster (needs ``dsv4enc[ray]``).
 
-The driver runs the local run's skeleton (``pipeline.run_encode``, with ``RayParts`` behind
-it): the same inputs, parts, checks of ``--out``, part store and final file. Each part goes to
-an encoder actor (``SegmentEncoder``: the local run's Engine, decode pool and
+The driver runs the local run's skeleton (``pipeline.run_encode`` with ``RayParts`` behind it).
+Each part goes to an encoder actor (``SegmentEncoder``: the local run's Engine, decode pool and
 ``run/encoding.PartEncoder``), which reads the part's images itself (only item locators
-travel), writes the part file into the output's store (``output/parts.write_part``) and sends
-back only its manifest entry and counts; the driver commits the entries in input order
-(``output/parts.PartStore.commit_written``) and never holds a row.
+travel), writes the part file (``output/parts.write_part``) and sends back only its manifest
+entry and counts; the driver commits the entries in input order and never holds a row.
 
-Exactly once: the driver commits each part once, whatever Ray retried, and ``--resume`` skips
-what the manifest lists (``output/layout.Resume``). A killed actor is restarted
-(``MAX_RESTARTS``) and its calls retried (``MAX_TASK_RETRIES``): rows are batch-invariant, so
-a retried part gives the same bytes, and a file a killed actor wrote has a temporary name no
-manifest lists.
+Exactly once: the driver commits each part once, whatever Ray retried. A killed actor is
+restarted (``MAX_RESTARTS``) and its calls retried (``MAX_TASK_RETRIES``): rows are
+batch-invariant, so a retried part gives the same bytes, and a file a killed actor wrote has a
+temporary name no manifest lists.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 import socket
 import time
 import warnings
+from contextlib import suppress
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -34,9 +33,8 @@ from .options import EncodeOptions, available_cpus, decode_window, default_worke
 
 log = logging.getLogger("dsv4enc")
 
-#: How often Ray restarts a dead encoder actor, and retries a call it was running, before
-#: the run fails (its committed parts kept for --resume): a few, so that one actor crash is
-#: absorbed but a segment that kills every actor it reaches does not loop forever.
+#: How often Ray restarts a dead encoder actor, and retries its call, before the run fails:
+#: one crash is absorbed, but a segment that kills every actor it reaches does not loop.
 MAX_RESTARTS = 4
 MAX_TASK_RETRIES = 4
 #: Parts in flight per actor: one encoding, one queued behind it (so an actor never waits
@@ -47,9 +45,8 @@ IN_FLIGHT_PER_ACTOR = 2
 CALLS_PER_ACTOR = 4
 #: How long a wait for a part's report runs before the driver looks for a signal.
 POLL_S = 0.1
-#: The environment variables an encoder actor gets from the driver (a remote cluster's
-#: workers do not inherit the driver's environment): storage options and endpoints, and the
-#: pause points a test asks for (``pausepoints``).
+#: The environment an encoder actor gets from the driver (a remote cluster's workers do not
+#: inherit it): storage options and endpoints, and a test's pause points (``pausepoints``).
 FORWARDED_ENV = (*storage.SETTINGS_ENV, "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3",
                  "AWS_REGION", "AWS_DEFAULT_REGION", "DSV4ENC_PAUSE_AT", "DSV4ENC_PAUSE_DIR")
 
@@ -57,11 +54,10 @@ FORWARDED_ENV = (*storage.SETTINGS_ENV, "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3
 @dataclass
 class RayEngineOptions:
     """``--ray-address`` and the actor pool. ``address``: None is ``RAY_ADDRESS``, else a local
-    Ray started for the run (and shut down after it). ``actors``: default one per GPU when
-    the actors get GPUs, else one per node. ``gpus_per_actor``: default 1 when the cluster
-    has GPUs and ``--device`` is not cpu, else 0. ``cpus_per_actor``: default the cluster's
-    CPUs shared among the actors. ``object_store_mb``: the local Ray's object store (default
-    Ray's)."""
+    Ray started (and shut down) for the run. ``actors``: default one per GPU when the actors
+    get GPUs, else one per node. ``gpus_per_actor``: default 1 when the cluster has GPUs and
+    ``--device`` is not cpu, else 0. ``cpus_per_actor``: default the cluster's CPUs shared
+    among the actors. ``object_store_mb``: the local Ray's object store (default Ray's)."""
 
     address: str | None = None
     actors: int | None = None
@@ -69,16 +65,12 @@ class RayEngineOptions:
     cpus_per_actor: float | None = None
     object_store_mb: int | None = None
 
-    def resolved_address(self) -> str | None:
-        return self.address or os.environ.get("RAY_ADDRESS") or None
-
 
 @dataclass
 class PartCall:
     """One part for an encoder actor: its ``name``, input range and ``digest`` (what the
-    manifest records), ``planned``: its inputs by index, in input order (``Planned``: a
-    header's error travels with it), and ``batches``: the indices per packed batch, as the
-    local run packs them."""
+    manifest records), ``planned``: its inputs by index in input order (a header's error
+    travels with its entry), ``batches``: the indices per batch, as the local run packs them."""
 
     name: str
     start: int
@@ -91,11 +83,8 @@ class PartCall:
 # ----------------------------------------------------------------------------- the actor
 
 class SegmentEncoder:
-    """An encoder actor: built once per actor (the weights loaded once, the decode pool
-    started once), then called once per part (``encode_part``).
-
-    ``opts``: the run's options (the actor reads the model, engine and decode settings from
-    them, as the local run does); ``device_type``: what Ray gave it (``cuda`` with a GPU);
+    """An encoder actor: the weights loaded and the decode pool started once, then called
+    once per part (``encode_part``). ``device_type``: what Ray gave it (``cuda`` with a GPU);
     ``dtype``: the compute dtype (``auto`` resolves on the actor's own device)."""
 
     def __init__(self, opts: EncodeOptions, device_type: str, dtype: str) -> None:
@@ -107,12 +96,11 @@ class SegmentEncoder:
         own_process_pillow_settings()
         device = resolve_device(device_type)
         own_process_settings(device)
-        compute = resolve_dtype(dtype, device)
-        ckpt = load_model(opts, compute)
+        self.dtype = resolve_dtype(dtype, device)
+        ckpt = load_model(opts, self.dtype)
         self.opts = opts
         self.cfg = ckpt.config
         self.fingerprint = ckpt.fingerprint
-        self.dtype = compute
         self.engine = tower_engine(ckpt, device, opts)
         del ckpt
         # opts.workers: the driver's ``actor_workers``
@@ -123,12 +111,10 @@ class SegmentEncoder:
         ``probe``: a file of the driver's in a local ``--out`` and its content; ``sees_out``
         says whether this actor reads the same there (it writes its parts beside it)."""
         engine = self.engine
-        sees = True
-        if probe is not None:
-            try:
-                sees = open(probe[0], "rb").read() == probe[1]
-            except OSError:
-                sees = False
+        try:
+            sees = probe is None or open(probe[0], "rb").read() == probe[1]
+        except OSError:
+            sees = False
         return {"config": self.cfg, "fingerprint": self.fingerprint,
                 "compute_dtype": str(self.dtype).removeprefix("torch."),
                 "device": engine.device.type, "batch_invariant": bool(engine.deterministic),
@@ -138,11 +124,10 @@ class SegmentEncoder:
     def encode_part(self, call: PartCall, schema, folder: str, drop_cache: bool,
                     ) -> dict[str, Any]:
         """Encode one part (``PartEncoder``, as one local process does) and write its file
-        into ``folder`` (the parts folder, under a temporary name the driver renames, or its
-        URL in a bucket: ``output/parts.write_part``; ``drop_cache``: the parts are the
-        output, never read back). Returns what the driver commits and counts, never the
-        rows: the manifest ``entry``, the part's ``summary`` and its ``progress``
-        (``progress.RunProgress.advance``'s arguments)."""
+        into ``folder`` (a local one under a temporary name the driver renames, or a bucket's
+        URL; ``drop_cache``: the parts are the output, never read back). Returns the manifest ``entry``, the part's
+        ``summary`` and its ``progress`` (``progress.RunProgress.advance``'s arguments),
+        never the rows."""
         from ..output.parts import kept_columns, rows_per_group, rows_to_table, write_part
         from ..storage import is_url
         from ..pausepoints import pause
@@ -154,8 +139,7 @@ class SegmentEncoder:
 
         planned = call.planned
         pause("segment", pid=os.getpid(), images=list(planned))
-        order = [i for batch in call.batches for i in batch]
-        stream = self.pool.imap(((i, planned[i].item) for i in order),
+        stream = self.pool.imap(((i, planned[i].item) for batch in call.batches for i in batch),
                                 window=decode_window(self.pool.n_workers, self.opts.max_images))
         summary, progress = RunSummary(out=""), _Tally()
         encoder = PartEncoder(self.engine, self.opts, Topology(), progress, summary,
@@ -165,8 +149,7 @@ class SegmentEncoder:
         try:
             ((*_, rows),) = encoder.run(planned, [(part, [call.batches])], stream)
         finally:
-            if hasattr(stream, "close"):
-                stream.close()
+            stream.close()  # a DecodeStream, or a generator without decode workers
         summary.model_s = time.perf_counter() - began - summary.decode_wait_s
         items = [entry.item for entry in planned.values()]
         table = rows_to_table(rows, schema, kept_columns(schema, items))
@@ -177,9 +160,6 @@ class SegmentEncoder:
         pause("written", pid=os.getpid(), name=call.name)
         return {"entry": entry, "summary": summary, "progress": progress.counts}
 
-    def close(self) -> None:
-        self.pool.close()
-
 
 class _Tally:
     """An actor's progress: ``PartEncoder``'s counts summed, for the driver's display."""
@@ -188,8 +168,7 @@ class _Tally:
         self.counts = [0, 0, 0, 0]
 
     def advance(self, images: int, tokens: int, failed: int, dropped_tokens: int = 0) -> None:
-        for k, n in enumerate((images, tokens, failed, dropped_tokens)):
-            self.counts[k] += n
+        self.counts = [a + b for a, b in zip(self.counts, (images, tokens, failed, dropped_tokens))]
 
 
 # ----------------------------------------------------------------------------- the cluster
@@ -207,7 +186,7 @@ class RayCluster:
         ray_log = logging.getLogger("ray")
         self.ray_log_level = ray_log.level
         ray_log.setLevel(max(ray_log.getEffectiveLevel(), log.getEffectiveLevel()))
-        self.address = ray_opts.resolved_address()
+        self.address = ray_opts.address or os.environ.get("RAY_ADDRESS") or None
         self.joined = False
         if ray.is_initialized():  # an in-process caller's own Ray: used, left as it is
             return
@@ -219,22 +198,19 @@ class RayCluster:
             with warnings.catch_warnings():
                 if log.getEffectiveLevel() > logging.WARNING:  # -q: Ray's warnings too
                     warnings.simplefilter("ignore")
-                self._init(ray_opts, common)
+                if self.address:
+                    ray.init(address=self.address, **common)
+                else:
+                    store = ray_opts.object_store_mb << 20 if ray_opts.object_store_mb else None
+                    # address="local": a new Ray even where an earlier one left its address
+                    # file in Ray's temp folder (a bare ray.init() would try to join that one)
+                    ray.init(address="local", num_cpus=available_cpus(),
+                             object_store_memory=store, include_dashboard=False, **common)
         except (ConnectionError, RuntimeError, ValueError) as exc:
             where = f"the Ray cluster at {self.address}" if self.address else "a local Ray"
             raise DsvError(f"cannot start or join {where}: {' '.join(str(exc).split())}"
                            ) from None
         self.joined = True
-
-    def _init(self, ray_opts: RayEngineOptions, common: dict[str, Any]) -> None:
-        if self.address:
-            self.ray.init(address=self.address, **common)
-            return
-        store = ray_opts.object_store_mb << 20 if ray_opts.object_store_mb else None
-        # address="local": a new Ray even where an earlier one left its address file in
-        # Ray's temp folder (a bare ray.init() would try to join that one)
-        self.ray.init(address="local", num_cpus=available_cpus(), object_store_memory=store,
-                      include_dashboard=False, **common)
 
     def resources(self) -> tuple[float, float, int, float]:
         """(CPUs, GPUs, alive nodes with CPUs, the fewest CPUs of such a node)."""
@@ -265,12 +241,11 @@ def plan_actors(opts: EncodeOptions, ray_opts: RayEngineOptions,
                 cluster: RayCluster) -> ActorPlan:
     """The actor pool for ``--device`` on this cluster (``RayEngineOptions``' defaults)."""
     cpus, gpus, nodes, node_cpus = cluster.resources()
-    wants_gpu = opts.device != "cpu"
     if opts.device.startswith("cuda") and not gpus and not ray_opts.gpus_per_actor:
         raise UsageError(f"--device {opts.device}: the Ray cluster has no GPUs")
     per_gpu = ray_opts.gpus_per_actor
     if per_gpu is None:
-        per_gpu = 1.0 if wants_gpu and gpus >= 1 else 0.0
+        per_gpu = 1.0 if opts.device != "cpu" and gpus >= 1 else 0.0
     if per_gpu < 0:
         raise UsageError("--ray-gpus-per-actor must be 0 or more")
     if per_gpu and opts.device == "cpu":
@@ -312,8 +287,6 @@ def run_ray_encode(opts: EncodeOptions, ray_opts: RayEngineOptions | None = None
                          "writes one output from its driver")
     if opts.update:
         raise UsageError("--update runs on the local engine: drop --engine ray for it")
-    import importlib.util
-
     if importlib.util.find_spec("ray") is None:
         raise UsageError("--engine ray needs Ray: pip install 'dsv4enc[ray]'")
     return run_encode(opts, stop=stop, source=RayParts(ray_opts or RayEngineOptions()))
@@ -335,9 +308,8 @@ class RayParts:
 
     # -- set-up ---------------------------------------------------------------------
     def prepare(self, opts: EncodeOptions, layout, ranks, remote) -> str | None:
-        """Ray joined and the actor pool planned; ``--dtype``, and under ``--resume`` with
-        ``auto`` the interrupted run's on the same device kind (with the line that says
-        so)."""
+        """Ray joined and the actor pool planned; ``--dtype``, or under ``--resume`` with
+        ``auto`` the interrupted run's on the same device kind (and the line that says so)."""
         self.opts, self.layout, self.remote = opts, layout, remote
         self.cluster = RayCluster(self.ray_opts)
         self.ray = self.cluster.ray
@@ -360,12 +332,8 @@ class RayParts:
         opts = replace(self.opts, workers=actor_workers(self.opts, plan))
         self.actors = [remote.remote(opts, plan.device_type, self.dtype)
                        for _ in range(plan.actors)]
-        self.described = self._describe()
-        return self.described
-
-    def _describe(self) -> dict[str, Any]:
-        """Every actor's settings once it is up (weights loaded); they must agree, and
-        each must see a local ``--out`` (it writes its parts there)."""
+        # every actor's settings once it is up (weights loaded): they must agree, and each
+        # must see a local --out (it writes its parts there)
         layout, probe = self.layout, None
         if self.remote is None and layout.lock.held:
             probe = (str(layout.lock.path.resolve()), layout.lock.path.read_bytes())
@@ -379,7 +347,8 @@ class RayParts:
         if any(other != settings[0] for other in settings[1:]):
             raise DsvError("the encoder actors disagree on their settings (device, dtype "
                            "or weights): give every node the same weights and devices")
-        return settings[0]
+        self.described = settings[0]
+        return self.described
 
     def cut(self, setup, part_images: int, progress, stop) -> list:
         """Every header at once, the single file's size checked, and every segment."""
@@ -415,32 +384,27 @@ class RayParts:
             cause = getattr(exc, "cause", None)
             if isinstance(cause, (DsvError, Interrupted)):
                 raise cause from None
-            raise DsvError(f"an encoder actor failed: {_first_line(cause or exc)}") from None
+            raise DsvError(f"an encoder actor failed: {_last_line(cause or exc)}") from None
         except ray.exceptions.RayActorError as exc:
             raise DsvError(f"an encoder actor died {MAX_RESTARTS + 1} times "
-                           f"({_first_line(exc)}); finished parts are kept: rerun with "
+                           f"({_last_line(exc)}); finished parts are kept: rerun with "
                            "--resume") from None
 
     # -- the run ----------------------------------------------------------------------
-    def _target(self) -> tuple[str, bool]:
-        """Where the actors write their part files, and whether they drop them from the
-        page cache: the bucket's parts folder (once the manifests that --overwrite
-        replaces are gone), else the local parts folder."""
-        if self.remote is not None:
-            self.remote.drop_replaced()
-            return self.remote.parts_url, False
-        return str(self.layout.parts_dir.resolve()), self.layout.folder_mode
-
     def encode(self, setup, output, writer, run, begin) -> None:
         """Send the parts to the actors, a bounded number ahead, and commit the files they
         wrote in input order as their reports come back. Scheduled by hand on ``ray.wait``:
-        Ray's ``ray.util.ActorPool`` allows one call in flight per actor, and an actor should have
-        its next part queued while it encodes one (``IN_FLIGHT_PER_ACTOR``)."""
-        ray, stop, planned = self.ray, run.stop, setup.planned
-        calls = part_calls(planned, output.todo, output.settings["part_images"],
+        Ray's ActorPool allows one call in flight per actor, and an actor should have its
+        next part queued while it encodes one (``IN_FLIGHT_PER_ACTOR``)."""
+        ray, stop = self.ray, run.stop
+        calls = part_calls(setup.planned, output.todo, output.settings["part_images"],
                            output.settings["batch_tokens"], self.opts.max_images,
                            CALLS_PER_ACTOR * len(self.actors))
-        folder, drop_cache = self._target()
+        if self.remote is not None:  # once the manifests that --overwrite replaces are gone
+            self.remote.drop_replaced()
+            folder, drop_cache = self.remote.parts_url, False
+        else:
+            folder, drop_cache = str(self.layout.parts_dir.resolve()), self.layout.folder_mode
         in_flight: dict[Any, tuple[int, int]] = {}  # ref -> (call, actor)
         load = [0] * len(self.actors)
         reports: dict[int, dict] = {}
@@ -451,40 +415,34 @@ class RayParts:
             begin()
         try:
             with stop.deferred():
-                while done < len(calls):
+                while done < len(calls) and not stop.requested():
                     while sent < len(calls) and sent - done < window:
-                        actor = min(range(len(load)), key=load.__getitem__)
+                        actor = load.index(min(load))
                         ref = self.actors[actor].encode_part.remote(
                             _with_held(calls[sent]), output.schema, folder, drop_cache)
                         in_flight[ref] = (sent, actor)
                         load[actor] += 1
                         sent += 1
-                    while done in reports:
-                        _commit(calls[done], reports.pop(done), writer, run)
-                        done += 1
-                    if done == len(calls) or stop.requested():
-                        break
                     ready, _ = ray.wait(list(in_flight), num_returns=1, timeout=POLL_S)
                     for ref in ready:
                         call, actor = in_flight.pop(ref)
                         load[actor] -= 1
                         reports[call] = self._get(ref)
+                    while done in reports:
+                        _commit(calls[done], reports.pop(done), writer, run)
+                        done += 1
         finally:
             for ref in in_flight:  # stopped early: the actors are killed next anyway
-                try:
+                with suppress(Exception):
                     ray.cancel(ref)
-                except Exception:
-                    pass
 
     def finish(self, summary, ranks) -> None:
         pass  # the actors' counts were added part by part
 
     def close(self) -> None:
         for actor in self.actors:  # (only once Ray was joined: actors need it)
-            try:
+            with suppress(Exception):  # already gone
                 self.ray.kill(actor, no_restart=True)
-            except Exception:  # already gone
-                pass
         self.actors = []
         if self.cluster is not None:
             self.cluster.close()
@@ -494,14 +452,10 @@ def _commit(call: PartCall, report: dict, writer, run) -> None:
     """A part an actor wrote: its entry to the writer (which commits it), its counts to
     the summary and the progress."""
     summary, done = run.summary, report["summary"]
-    summary.encoded += done.encoded
-    summary.failed += done.failed
+    for name in ("encoded", "failed", "tokens", "merge_pad_tokens", "decode_wait_s", "model_s"):
+        setattr(summary, name, getattr(summary, name) + getattr(done, name))
     for message, count in done.errors.items():
         summary.add_error(message, done.error_examples[message], count)
-    summary.tokens += done.tokens
-    summary.merge_pad_tokens += done.merge_pad_tokens
-    summary.decode_wait_s += done.decode_wait_s
-    summary.model_s += done.model_s
     writer.put_written(call.name, report["entry"])
     run.progress.advance(*report["progress"])
 
@@ -516,9 +470,8 @@ def part_calls(planned, todo, part_images: int, batch_tokens: int, max_images: i
 
     runs: list[list] = []
     for segment in todo:
-        last = runs[-1][-1] if runs else None
-        if (last is not None and last.end == segment.start
-                and last.start // part_images == segment.start // part_images):
+        if (runs and runs[-1][-1].end == segment.start
+                and runs[-1][-1].start // part_images == segment.start // part_images):
             runs[-1].append(segment)
         else:
             runs.append([segment])
@@ -544,6 +497,7 @@ def _with_held(call: PartCall) -> PartCall:
                                   for i, p in call.planned.items()})
 
 
-def _first_line(exc: BaseException) -> str:
+def _last_line(exc: BaseException) -> str:
+    """The last line of ``exc``'s text: a Ray error's traceback ends in its message."""
     text = str(exc).strip().splitlines()
     return text[-1] if text else type(exc).__name__

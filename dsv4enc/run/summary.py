@@ -1,9 +1,8 @@
 """What a run did (``RunSummary``), and its end-of-run report: a small table on stderr, and
 ``--summary-json`` for pipelines.
 
-Rates have the progress display's definitions (``progress`` module docstring): images and
-tokens per second of the encoding loop. The whole run's wall time is shown beside them,
-under its own name, so that start-up is visible without muddying the rates.
+Rates have the progress display's definitions (``progress`` module docstring); the whole
+run's wall time is shown beside them, so that start-up is visible without muddying the rates.
 """
 
 from __future__ import annotations
@@ -68,20 +67,15 @@ class RunSummary:
         if odd and not self.misnamed_example:
             self.misnamed_example = f"{odd[0].item.key} is {odd[0].misnamed}"
 
-    def count_rows(self, rows) -> tuple[int, int, int]:
+    def count_rows(self, rows) -> None:
         """Count finished rows (``output.parts.Row``) as encoded or failed, each failure
-        under its message; returns (encoded, failed, ViT tokens of the encoded ones)."""
-        encoded = failed = tokens = 0
+        under its message."""
         for row in rows:
             if row.error is None:
-                encoded += 1
-                tokens += row.vit_h * row.vit_w
+                self.encoded += 1
             else:
-                failed += 1
+                self.failed += 1
                 self.add_error(row.error, row.path)
-        self.encoded += encoded
-        self.failed += failed
-        return encoded, failed, tokens
 
     def add_error(self, message: str, path: str, count: int = 1) -> None:
         """Count a failed image under its message, the paths in it elided."""
@@ -134,10 +128,11 @@ def print_summary(summary) -> None:
     table.add_row("time split", f"decode wait {s.decode_wait_s:.1f}s / H2D {s.h2d_s:.1f}s / "
                   f"model {s.model_s:.1f}s / write {s.write_s:.1f}s")
     table.add_row("padding waste", f"{100 * s.padding_waste:.1f}% of real tokens")
-    if s.rank_loads and len(s.rank_loads) > 1:
+    if len(s.rank_loads) > 1:
         mean = sum(s.rank_loads) / len(s.rank_loads)
+        imbalance = max(s.rank_loads) / mean if mean else 1
         loads = ", ".join(f"{load:,.0f}" for load in s.rank_loads)
-        table.add_row("rank loads", f"{loads} (imbalance {max(s.rank_loads) / mean if mean else 1:.3f})")
+        table.add_row("rank loads", f"{loads} (imbalance {imbalance:.3f})")
     for message, count, example in top_errors(s):
         table.add_row("error", escape(f"{count} x {message} (e.g. {example})"))
     more = len(s.errors) - TOP_ERRORS
@@ -154,8 +149,7 @@ def summary_dict(summary, status: str = "completed", exit_code: int = 0) -> dict
     s = summary
     by_type: dict[str, dict] = {}
     for message, count, example in top_errors(s, limit=None):
-        kind = message.split(":", 1)[0]
-        entry = by_type.setdefault(kind, {"count": 0, "example": example})
+        entry = by_type.setdefault(message.split(":", 1)[0], {"count": 0, "example": example})
         entry["count"] += count
     return {
         "status": status, "exit_code": exit_code, "output": s.out,

@@ -117,8 +117,6 @@ def stage_inputs(batch: PackedBatch) -> tuple[torch.Tensor, ...]:
     return batch.positions, batch.merge_index, batch.merge_mask
 
 
-# ----------------------------------------------------------------------------- stage costs
-
 @dataclass
 class StageCosts:
     """One thread's CPU milliseconds per image for each host stage, over a sample (CPU time,
@@ -133,17 +131,15 @@ class StageCosts:
 
 def stage_costs(paths: Sequence[Path], cfg: VisionConfig, features: str = "aligner",
                 max_pixels: int | None = None) -> StageCosts:
-    """Time decode (with ``decode.open_checked``'s checks), ``transform.image_to_patch_bits``,
-    ``packing.pack`` into a staging buffer and one copy of each other input on ``paths``, in
-    this thread's CPU time with one torch thread."""
+    """This thread's CPU time, with one torch thread, for decode (``decode.open_checked``),
+    ``transform.image_to_patch_bits``, ``packing.pack`` and staging copies on ``paths``."""
     from ..images.decode import open_checked
     from ..images.formats import DEFAULT_MAX_PIXELS
     from ..engine.packing import pack
     from ..tower.transform import bf16_bits_to_tensor, image_to_patch_bits
 
     limit = max_pixels or DEFAULT_MAX_PIXELS
-    costs = StageCosts(images=len(paths))
-    items = []
+    items, decode_s, transform_s = [], 0.0, 0.0
     clock = time.thread_time
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # all of the work in this thread, where its clock counts it
@@ -155,8 +151,8 @@ def stage_costs(paths: Sequence[Path], cfg: VisionConfig, features: str = "align
                 loaded = clock()
                 bits, canvas = image_to_patch_bits(image, cfg)
             done = clock()
-            costs.decode_ms += (loaded - began) * 1e3
-            costs.transform_ms += (done - loaded) * 1e3
+            decode_s += loaded - began
+            transform_s += done - loaded
             items.append((bf16_bits_to_tensor(bits), canvas.n_h, canvas.n_w))
         buffer = NullEngine(cfg).patch_buffer
         # Once untimed: in a run, a batch's memory is an earlier batch's, already faulted in.
@@ -169,15 +165,10 @@ def stage_costs(paths: Sequence[Path], cfg: VisionConfig, features: str = "align
         staged = clock()
     finally:
         torch.set_num_threads(threads)
-    costs.pack_ms = (packed - began) * 1e3
-    costs.stage_ms = (staged - packed) * 1e3
-    n = max(len(paths), 1)
-    for name in ("decode_ms", "transform_ms", "pack_ms", "stage_ms"):
-        setattr(costs, name, getattr(costs, name) / n)
-    return costs
+    ms = 1e3 / max(len(paths), 1)  # seconds in all -> milliseconds per image
+    return StageCosts(decode_s * ms, transform_s * ms, (packed - began) * ms,
+                      (staged - packed) * ms, len(paths))
 
-
-# ----------------------------------------------------------------------------- the bench
 
 @dataclass
 class HostResult:

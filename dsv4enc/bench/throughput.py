@@ -15,7 +15,6 @@ import contextlib
 import functools
 import gc
 import itertools
-import logging
 import os
 import platform
 import tempfile
@@ -41,7 +40,6 @@ from ..run.plan import image_flops, pack_bins
 from ..process import keep_freed_memory_mapped, own_process_settings
 from ..tower.transform import image_to_patches
 
-log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 #: The CPU mix: 24 photo-like sizes from 300x300 to 2000x1500, mixed orientations.
@@ -51,12 +49,9 @@ MIX_SIZES = [(300, 300), (400, 300), (350, 500), (500, 375), (640, 480), (480, 6
              (1600, 1200), (1920, 1080), (1080, 1920), (1500, 2000), (2000, 1500), (1800, 1200)]
 
 
-# ----------------------------------------------------------------------------- images
-
 def photo_like(width: int, height: int, rng: np.random.Generator) -> np.ndarray:
-    """(height, width, 3) uint8: smooth colour fields with a few soft blobs (built at 1/8
-    resolution, then upsampled) plus sensor-like noise, so JPEG sizes and decode costs look
-    like photos rather than flat or white-noise images."""
+    """(height, width, 3) uint8: smooth colours and soft blobs (made at 1/8 size, upsampled)
+    plus sensor-like noise, so JPEG sizes and decode costs look like photos'."""
     from PIL import Image
 
     lw, lh = max(2, width // 8), max(2, height // 8)
@@ -118,8 +113,6 @@ def check_outputs(outputs: Sequence[str]) -> None:
         raise ValueError(f"outputs must be file or folder, not {', '.join(sorted(unknown))}")
 
 
-# ----------------------------------------------------------------------------- FLOPs, ceiling
-
 def sync(device: torch.device | None) -> None:
     """Wait for the device's queued work (CUDA); nothing on the CPU or without a device."""
     if device is not None and device.type == "cuda":
@@ -128,8 +121,7 @@ def sync(device: torch.device | None) -> None:
 
 def fastest(fn: Callable[[], T], repeat: int,
             device: torch.device | None = None) -> tuple[float, T | None]:
-    """Seconds and result of the fastest of ``repeat`` calls of ``fn``, each timed between
-    two ``sync`` of ``device``."""
+    """Seconds and result of the fastest of ``repeat`` calls of ``fn``, ``device`` synced."""
     best, result = float("inf"), None
     for _ in range(repeat):
         sync(device)
@@ -188,13 +180,10 @@ def matmul_ceiling(cfg: VisionConfig, tokens: int, dtype: torch.dtype,
     return rates
 
 
-# ----------------------------------------------------------------------------- measurements
-
 @dataclass
 class Prepared:
     """Images transformed once, outside every timed region."""
 
-    paths: list[Path]
     items: list[tuple[torch.Tensor, int, int]]  # (patches, n_h, n_w)
     flops: float
     tokens: int
@@ -209,13 +198,7 @@ def prepare_images(paths: Sequence[Path], cfg: VisionConfig, features: str) -> P
             patches, canvas = image_to_patches(image, cfg)
         items.append((patches, canvas.n_h, canvas.n_w))
     flops = sum(image_flops(cfg, h, w, features) for _, h, w in items)
-    return Prepared(list(paths), items, flops, sum(h * w for _, h, w in items))
-
-
-def make_batches(prep: Prepared, cfg: VisionConfig, features: str, batch_tokens: int,
-                 max_images: int) -> list[PackedBatch]:
-    bins = pack_bins([h * w for _, h, w in prep.items], batch_tokens, max_images)
-    return [pack([prep.items[i] for i in b], cfg.downsample_ratio, features) for b in bins]
+    return Prepared(items, flops, sum(h * w for _, h, w in items))
 
 
 def encode_all(loop: BatchLoop, batches: Sequence[PackedBatch]) -> None:
@@ -229,11 +212,11 @@ def encode_all(loop: BatchLoop, batches: Sequence[PackedBatch]) -> None:
 def bench_model(model: VisionTower, prep: Prepared, features: str, batch_tokens: int,
                 cuda_graphs: bool | None, attention: str, max_images: int, repeat: int,
                 out_dtype: torch.dtype, fused: bool = False) -> dict:
-    """Engine-only throughput over the prepared images. CUDA: best of ``repeat`` whole passes
-    (one batch in flight, so transfers overlap compute); CPU: ``summed_minima`` per batch
-    (the naive loop is timed the same way, per image)."""
+    """Engine-only throughput over the prepared images: on CUDA the best of ``repeat`` whole
+    passes (one batch in flight, so transfers overlap compute), else ``summed_minima``."""
     cfg, device = model.cfg, model.device
-    batches = make_batches(prep, cfg, features, batch_tokens, max_images)
+    bins = pack_bins([h * w for _, h, w in prep.items], batch_tokens, max_images)
+    batches = [pack([prep.items[i] for i in b], cfg.downsample_ratio, features) for b in bins]
     engine = Engine(model, features=features, attention=attention, out_dtype=out_dtype,
                     cuda_graphs=cuda_graphs, batch_tokens=batch_tokens, max_images=max_images)
     engine.fit_budgets([b.n_tokens for b in batches])  # as the encode pipeline does
@@ -273,8 +256,7 @@ def bench_model(model: VisionTower, prep: Prepared, features: str, batch_tokens:
 
 def bench_naive(model: VisionTower, paths: Sequence[Path], features: str,
                 out_dtype: torch.dtype, repeat: int = 1) -> dict:
-    """One image at a time: decode, transform, per-image forward with 3-D attention, timed
-    by ``summed_minima`` over ``repeat`` rounds."""
+    """One image at a time (decode, transform, forward with 3-D attention): ``summed_minima``."""
     from PIL import Image
 
     cfg, device = model.cfg, model.device
@@ -330,9 +312,8 @@ def bench_e2e(config_path: str, paths: Sequence[Path], device: str, dtype: str,
 def bench_cli(cfg: VisionConfig, paths: Sequence[Path], device: str, dtype: str,
               batch_tokens: int, workdir: Path, workers: int | None,
               seed: int = 0, repeat: int = 1, weights: Path | None = None) -> dict:
-    """``dsv4enc encode`` as a user runs it, best of ``repeat`` runs: a fresh process each, so
-    the time includes the interpreter's start, importing torch and loading the weights
-    (``weights``, or random ones of ``cfg`` saved once to ``workdir``)."""
+    """``dsv4enc encode`` as a user runs it, best of ``repeat``: a fresh process each time, its
+    start, imports and loading ``weights`` (or random ones saved to ``workdir``) timed too."""
     import subprocess
     import sys
 
@@ -359,8 +340,6 @@ def bench_cli(cfg: VisionConfig, paths: Sequence[Path], device: str, dtype: str,
     return {"mode": "cli", "batch_tokens": batch_tokens, "images": len(paths),
             "seconds": best, "img_s": len(paths) / best}
 
-
-# ----------------------------------------------------------------------------- driver
 
 def run_bench(config_path: str, device: str = "auto", dtype: str = "auto",
               images: str = "synthetic:mix", batch_tokens: Sequence[int] | int | None = None,
@@ -429,19 +408,16 @@ def run_bench(config_path: str, device: str = "auto", dtype: str = "auto",
                                   budgets[-1], base, workers, seed, repeat))
     for row in rows:
         row["vs_naive"] = row["img_s"] / naive["img_s"]
-    meta = {"mode": "meta", "device": _device_name(dev), "device_type": dev.type,
+    threads = torch.get_num_threads()
+    name = (torch.cuda.get_device_name(dev) if dev.type == "cuda"
+            else f"{platform.processor() or platform.machine()} ({threads} threads)")
+    meta = {"mode": "meta", "device": name, "device_type": dev.type,
             "dtype": str(dt).removeprefix("torch."), "config": Path(config_path).name,
             "images": len(prep.items), "tokens": prep.tokens,
             "gflop_per_image": prep.flops / len(prep.items) / 1e9,
-            "threads": torch.get_num_threads(), "torch": torch.__version__,
+            "threads": threads, "torch": torch.__version__,
             **{f"matmul_{k}": v for k, v in ceiling.items()}}
     return [meta] + rows
-
-
-def _device_name(dev: torch.device) -> str:
-    if dev.type == "cuda":
-        return torch.cuda.get_device_name(dev)
-    return f"{platform.processor() or platform.machine()} ({torch.get_num_threads()} threads)"
 
 
 def print_results(rows: Sequence[dict], console=None) -> None:
@@ -484,7 +460,6 @@ def print_results(rows: Sequence[dict], console=None) -> None:
 
 
 def parse_on_off(text: str, auto: bool = False) -> list[bool | None]:
-    """"off,on" -> [False, True], and with ``auto`` "auto" -> None (KeyError names a bad
-    word)."""
+    """"off,on" -> [False, True]; with ``auto``, "auto" -> None (KeyError names a bad word)."""
     names = {"on": True, "off": False, **({"auto": None} if auto else {})}
     return [names[t] for t in text.split(",")]

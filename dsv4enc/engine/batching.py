@@ -36,8 +36,7 @@ class BatchLoop:
 
     def submit(self, tags: Sequence[Any], images: Sequence[Image]) -> PackedBatch:
         """Pack ``images`` into one batch and start it; returns the packed batch."""
-        cfg = self.engine.cfg
-        packed = pack(list(images), cfg.downsample_ratio, self.engine.features,
+        packed = pack(list(images), self.engine.cfg.downsample_ratio, self.engine.features,
                       getattr(self.engine, "patch_buffer", None))
         self.submit_packed(tags, packed)
         return packed

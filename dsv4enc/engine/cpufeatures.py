@@ -108,7 +108,7 @@ def _ask(predicate: str) -> bool:
     cpu_module = getattr(torch._C, "_cpu", None)
     query = getattr(torch.cpu, predicate, None) or getattr(cpu_module, predicate, None)
     try:
-        return bool(query()) if query is not None else False
+        return query is not None and bool(query())
     except Exception:  # noqa: BLE001 - not known: not native
         return False
 
@@ -123,9 +123,8 @@ def kernel_level() -> str:
 
 
 def cpu_identity() -> tuple[str, int, int]:
-    """This CPU's vendor, family and model as the OS reports them (Linux's /proc/cpuinfo,
-    Windows' processor string); ``("", 0, 0)`` where it does not say, which no measured
-    kind matches."""
+    """This CPU's vendor, family and model as the OS reports them (/proc/cpuinfo, Windows'
+    processor string); ``("", 0, 0)``, which no measured kind matches, where it does not say."""
     fields: dict[str, str] = {}
     try:
         with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as info:

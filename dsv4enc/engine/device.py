@@ -1,7 +1,6 @@
-"""Which device and dtypes a run computes in, for the command line, the API and the benchmark.
-
-``auto`` means CUDA when it is available (the rank's own device under torchrun), and
-bfloat16 on CUDA; on the CPU, the dtype ``cpufeatures`` chooses for this kind of CPU."""
+"""Which device and dtypes a run computes in, for the command line, the API and the benchmark:
+``auto`` means CUDA when it is available (the rank's own device under torchrun), and bfloat16
+on CUDA; on the CPU, the dtype ``cpufeatures`` chooses for this kind of CPU."""
 
 from __future__ import annotations
 

@@ -1,10 +1,9 @@
 """Runs packed batches through the tower on one device, host in, host out: the attention
-backend chosen once, the transfers, and (on CUDA) graph replay.
-
-On CUDA a batch goes: pinned host copy -> H2D on a copy stream -> (graph buffers ->) forward
-on the compute stream -> cast to the output dtype -> D2H into pinned memory on a third
-stream. ``submit`` only enqueues that work, so submitting batch k+1 before collecting batch k
-overlaps k+1's staging and H2D with k's compute (``Engine.encode_many``)."""
+backend chosen once, the transfers, and (on CUDA) graph replay. On CUDA a batch goes: pinned
+host copy -> H2D on a copy stream -> (graph buffers ->) forward on the compute stream -> cast
+to the output dtype -> D2H into pinned memory on a third stream. ``submit`` only enqueues
+that work, so submitting batch k+1 before collecting batch k overlaps k+1's staging and H2D
+with k's compute (``Engine.encode_many``)."""
 
 from __future__ import annotations
 
@@ -56,9 +55,8 @@ class _Pending:
 
 
 def resolve_attention(name: str, device: torch.device, dtype: torch.dtype):
-    """The attention backend for ``device`` and compute ``dtype`` (name, function). The flash
-    kernels behind ``flash`` and ``varlen`` take only fp16/bf16: in float32 ``auto`` picks SDPA
-    and a forced one is a UsageError."""
+    """The attention backend (name, function) for ``device`` and compute ``dtype``: in float32
+    ``auto`` is SDPA and a forced ``flash`` or ``varlen`` (fp16/bf16 kernels) a UsageError."""
     if device.type == "cuda" and dtype == torch.float32:
         if name == "auto":
             name = "sdpa"
@@ -68,9 +66,8 @@ def resolve_attention(name: str, device: torch.device, dtype: torch.dtype):
 
 
 def runs_one_shape(model: VisionTower, deterministic: bool) -> bool:
-    """Whether an Engine over ``model`` runs every batch at one shape: the batch-invariant
-    path on CUDA (one bucket that holds any single image). Tensor parallelism turns the
-    invariant path off (its all-reduces sum in another order than one rank does)."""
+    """Whether an Engine over ``model`` runs every batch at one shape: the batch-invariant path
+    on CUDA (one bucket for any single image), off under tensor parallelism (see Engine)."""
     return deterministic and not model.tensor_parallel and model.device.type == "cuda"
 
 
@@ -81,12 +78,11 @@ class Engine:
     ``cuda_graphs``: None = on when the device is CUDA and the attention backend can be
     captured (flash, varlen); True on a CPU device is a UsageError; with SDPA it falls back
     to eager with a log line. ``batch_tokens`` / ``max_images``: the largest batch the caller
-    will submit. ``budgets``: the graph token budgets (default: powers of two from
-    ``min_budget`` up to ``batch_tokens``; see ``fit_budgets``).
-
-    ``deterministic``: an image's output bytes do not depend on the batch it shares: on the
-    CPU each image runs through the tower alone (``model.by_spans``), on CUDA every batch in
-    one fixed-shape bucket. Not under tensor parallelism (its all-reduces sum in another order)."""
+    will submit. ``budgets``: graph token budgets (default: powers of two from ``min_budget``
+    up to ``batch_tokens``). ``deterministic``: an image's output bytes do not depend on the
+    batch it shares (on the CPU each image runs through the tower alone, ``model.by_spans``;
+    on CUDA every batch in one fixed-shape bucket), except under tensor parallelism, whose
+    all-reduces sum in another order."""
 
     def __init__(self, model: VisionTower, features: str = "aligner",
                  attention: str = "auto", out_dtype: torch.dtype = torch.float32, *,
@@ -119,11 +115,9 @@ class Engine:
             self._d2h_stream = torch.cuda.Stream(self.device)
 
     def _want_graphs(self, cuda_graphs: bool | None) -> bool:
-        if cuda_graphs is False:
-            return False
-        if self.device.type != "cuda":
-            if cuda_graphs:
-                raise UsageError(f"CUDA graphs need a CUDA device, not {self.device}")
+        if cuda_graphs and self.device.type != "cuda":
+            raise UsageError(f"CUDA graphs need a CUDA device, not {self.device}")
+        if cuda_graphs is False or self.device.type != "cuda":
             return False
         if self.attention_name not in GRAPH_BACKENDS:
             # Asked for explicitly: say so louder than when it is just the default.
@@ -174,7 +168,6 @@ class Engine:
             with torch.cuda.device(self.device):
                 self.runner.capture_all()
 
-    # -- eager path (any device) -----------------------------------------------------
     @torch.inference_mode()
     def forward(self, batch: PackedBatch) -> torch.Tensor:
         """Eager packed forward on the device. Returns (R, width) in the compute dtype."""
@@ -194,7 +187,6 @@ class Engine:
                                          dev.get("merge_mask"), features=self.features,
                                          row_counts=row_counts)
 
-    # -- public encode API -----------------------------------------------------------
     def encode(self, batch: PackedBatch) -> list[torch.Tensor]:
         """Encode one packed batch; one host tensor (rows, width) per image, in out_dtype."""
         if self._pending:
@@ -242,7 +234,6 @@ class Engine:
         self.last_finite = job.finite is None or bool(job.finite)
         return job.batch.split_rows(job.out)
 
-    # -- CUDA path --------------------------------------------------------------------
     def _host_inputs(self, batch: PackedBatch, bucket: Bucket | None):
         """Host tensors to transfer: bucket-padded (static path) or exact (eager path)."""
         if bucket is not None:

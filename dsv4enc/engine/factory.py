@@ -16,10 +16,9 @@ from .engine import Engine, runs_one_shape
 def build_model(ckpt: Checkpoint, device: torch.device | None = None, *, fused: bool = False,
                 deterministic: bool = True,
                 split: Callable[[VisionTower], object] | None = None) -> VisionTower:
-    """The tower of ``ckpt`` on ``device``. ``split(model)``: splits its weights over the
-    ranks (tensor parallelism), before anything else sees it. ``fused``: compiled elementwise
-    kernels (``tower/fusion``), specialized to one shape when an Engine made with
-    ``deterministic`` runs every batch at one shape."""
+    """The tower of ``ckpt`` on ``device``. ``split(model)``: splits its weights over the ranks
+    (tensor parallelism) first. ``fused``: compiled elementwise kernels (``tower/fusion``), of
+    one shape when an Engine with ``deterministic`` runs every batch at one shape."""
     model = build_tower(ckpt, device) if device is not None else build_tower(ckpt)
     if split is not None:
         split(model)

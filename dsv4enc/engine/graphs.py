@@ -2,26 +2,26 @@
 
 A *bucket* fixes every shape of one packed forward: T tokens (the budget), R aligner rows, B
 images and the ``max_seqlen`` handed to the attention kernel. A batch runs in the smallest
-bucket that holds it, padded up to the bucket's shapes:
+bucket that holds it, padded up to the bucket's shapes, and the padding cannot leak:
 
-- tokens past the real ones lie outside every span: the B+1 ``cu_seqlens`` slots past the real
-  images repeat the last offset (zero-length sequences), so attention never reads or writes
-  them, and all other ops are row-wise, so whatever those rows hold stays in those rows;
+- the B+1 ``cu_seqlens`` slots past the real images repeat the last offset (zero-length
+  sequences), so attention never reads or writes the tokens past the real ones, and all
+  other ops are row-wise, so whatever those rows hold stays in those rows;
 - merge rows past the real ones point at row 0 (always a real token) with an all-False mask,
-  and ``merge_gather`` selects with ``where``, so even NaN garbage cannot leak into them;
+  and ``merge_gather`` selects with ``where``, so even NaN garbage stays out of them;
 - only the first ``rows`` output rows are read back.
 
-``BucketRunner`` does all of this with plain eager calls when ``capture`` is off (any device,
-any attention backend) and with one captured CUDA graph per bucket when it is on."""
+``BucketRunner`` runs the buckets eagerly (any device, any attention backend) or, with
+``capture``, as one captured CUDA graph each."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import math
 import time
 from collections import Counter
-from dataclasses import dataclass
 from typing import Sequence
 
 import torch
@@ -65,10 +65,9 @@ def fit_budgets(bin_tokens: Sequence[int], max_budgets: int = 4, quantum: int = 
     def pad(i: int, j: int) -> int:
         return vals[j] * (pre_c[j + 1] - pre_c[i]) - (pre_s[j + 1] - pre_s[i])
 
-    inf = float("inf")
     k_max = min(max_budgets, m)
     # best[k][j]: least padding of sizes 0..j with k budgets, the largest being vals[j].
-    best = [[inf] * m for _ in range(k_max + 1)]
+    best = [[float("inf")] * m for _ in range(k_max + 1)]
     choice = [[-1] * m for _ in range(k_max + 1)]
     best[1] = [pad(0, j) for j in range(m)]
     for k in range(2, k_max + 1):
@@ -100,7 +99,7 @@ def row_bound(tokens: int, images: int, r: int = 3, max_aspect: float = 8.0) -> 
     return max(1, min(tokens, math.floor(bound)))
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class Bucket:
     """Fixed shapes of one static forward."""
 
@@ -110,7 +109,7 @@ class Bucket:
     max_seqlen: int  # handed to the attention kernel; every real image must fit
 
 
-@dataclass
+@dataclasses.dataclass
 class StagedInputs:
     """A batch laid out for one bucket (host or device tensors, same fields).
 
@@ -127,14 +126,11 @@ class StagedInputs:
     lengths: tuple[int, ...]
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        out = {"patches": self.patches, "positions": self.positions, "cu_seqlens": self.cu_seqlens}
-        if self.merge_index is not None:
-            out["merge_index"], out["merge_mask"] = self.merge_index, self.merge_mask
-        return out
+        """The tensor fields by name (the merge plan only for aligner features)."""
+        return {k: v for k, v in vars(self).items() if isinstance(v, torch.Tensor)}
 
     def replace(self, tensors: dict[str, torch.Tensor]) -> "StagedInputs":
-        return StagedInputs(tensors["patches"], tensors["positions"], tensors["cu_seqlens"],
-                            tensors.get("merge_index"), tensors.get("merge_mask"), self.lengths)
+        return dataclasses.replace(self, **tensors)
 
 
 class BucketRunner:
@@ -155,10 +151,9 @@ class BucketRunner:
         self.capture = capture
         cfg = model.cfg
         self.r = cfg.downsample_ratio
-        seq_cap = max_seqlen or max(budgets)
-        # Every coordinate is below an image's token count, so below seq_cap: build the RoPE
+        # Every coordinate is below an image's token count, so below max_seqlen: build the RoPE
         # tables that far now (a graph capture cannot grow them).
-        self.max_position = seq_cap
+        seq_cap = self.max_position = max_seqlen or max(budgets)
         rope_table(cfg, self.device, seq_cap + 1)
         self.buckets = [
             Bucket(tokens=t,
@@ -181,7 +176,6 @@ class BucketRunner:
         self.outputs: dict[int, torch.Tensor] = {}
         self.capture_s = 0.0
 
-    # -- planning (host) ----------------------------------------------------------
     def choose(self, batch: PackedBatch) -> Bucket | None:
         """Smallest bucket that holds the batch's tokens, rows, images and longest image."""
         rows = batch.n_rows if self.features == "aligner" else batch.n_tokens
@@ -201,7 +195,6 @@ class BucketRunner:
             mask = torch.cat([batch.merge_mask, torch.zeros(pad, dtype=torch.bool)])
         return StagedInputs(batch.patches, batch.positions, cu, index, mask, lengths)
 
-    # -- device work ----------------------------------------------------------------
     @torch.inference_mode()
     def load(self, staged: StagedInputs) -> None:
         """Copy staged (device) inputs into the static buffers."""

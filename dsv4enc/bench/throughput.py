@@ -51,7 +51,7 @@ MIX_SIZES = [(300, 300), (400, 300), (350, 500), (500, 375), (640, 480), (480, 6
 
 def photo_like(width: int, height: int, rng: np.random.Generator) -> np.ndarray:
     """(height, width, 3) uint8: smooth colours and soft blobs (made at 1/8 size, upsampled)
-    plus sensor-like noise, so JPEG sizes and decode costs look like photos'."""
+    plus sensor-like noise, so that JPEG sizes and decode costs are those of photos."""
     from PIL import Image
 
     lw, lh = max(2, width // 8), max(2, height // 8)

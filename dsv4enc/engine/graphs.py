@@ -280,8 +280,7 @@ class BucketRunner:
         if bucket is None:
             return None
         staged = self.stage(batch, bucket)
-        dev = staged.replace({k: v.to(self.device) for k, v in staged.tensors().items()})
-        self.load(dev)
+        self.load(staged.replace({k: v.to(self.device) for k, v in staged.tensors().items()}))
         out = self.run(bucket, staged.lengths)
         rows = batch.n_rows if self.features == "aligner" else batch.n_tokens
         return out[:rows].clone()

@@ -15,7 +15,7 @@ $PY - "$WORK/images" "$N" <<'PYEOF'
 import sys
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
-from dsv4enc.bench import synthetic_images
+from dsv4enc.bench.throughput import synthetic_images
 folder, n = Path(sys.argv[1]), int(sys.argv[2])
 with ProcessPoolExecutor(16) as pool:  # each worker writes its own share of the images
     list(pool.map(synthetic_images, [folder / f"s{i}" for i in range(16)],

@@ -1,12 +1,9 @@
-"""Host capacity without a GPU (``dsv4enc bench --host``).
-
-The real encode pipeline runs with the tower replaced by ``NullStage``: an Engine stand-in
-whose rows have the right shape and dtype (zeros) and cost nothing, and which does the host's
-share of the CUDA engine's work (its ``patch_buffer``, page-locked with CUDA; the staging
-copies of a batch's other inputs; a fresh copy of each batch's rows). What is left is the
-host's work per image, reported as images/s per host core, beside a one-thread cost of each
-stage measured on a sample of the same images.
-"""
+"""Host capacity without a GPU (``dsv4enc bench --host``): the real encode pipeline with the
+tower replaced by ``NullStage``, whose rows (zeros of the right shape and dtype) cost nothing
+but which does the host's share of the CUDA engine's work (a page-locked ``patch_buffer``
+with CUDA, the staging copies of a batch's other inputs, a fresh copy of each batch's rows).
+What is left is the host's work per image, as images/s per core, beside a one-thread cost
+of each stage measured on a sample of the same images."""
 
 from __future__ import annotations
 
@@ -37,9 +34,8 @@ NULL_FINGERPRINT = "null-stage (no model: rows are zeros)"
 
 class NullEngine:
     """The Engine's interface (``submit``/``collect`` in order, ``stats``, ``cfg``...) with no
-    model: each image's rows are zeros of the output width in ``out_dtype``.
-
-    ``batch_tokens`` defaults to the CUDA engine's, so batches are planned as on a GPU."""
+    model: each image's rows are zeros of the output width in ``out_dtype``. ``batch_tokens``
+    defaults to the CUDA engine's, so batches are planned as on a GPU."""
 
     graphs_enabled = False
     deterministic = True
@@ -76,9 +72,8 @@ class NullEngine:
         return torch.empty(tokens, width, dtype=dtype, pin_memory=self._pin)
 
     def submit(self, batch: PackedBatch) -> None:
-        """Stage the batch's inputs (the host side of a transfer) and make its rows. The
-        patches are already where the transfer reads them (``patch_buffer``): the engine's
-        ``pin_memory`` of them is the tensor itself."""
+        """Stage the batch's inputs (the host side of a transfer) and make its rows; the
+        patches are already where the transfer reads them (``patch_buffer``)."""
         began = time.perf_counter()
         copy = torch.Tensor.pin_memory if self._pin else torch.Tensor.clone
         for tensor in stage_inputs(batch):
@@ -122,8 +117,6 @@ def stage_inputs(batch: PackedBatch) -> tuple[torch.Tensor, ...]:
     return batch.positions, batch.merge_index, batch.merge_mask
 
 
-# ----------------------------------------------------------------------------- stage costs
-
 @dataclass
 class StageCosts:
     """One thread's CPU milliseconds per image for each host stage, over a sample (CPU time,
@@ -138,18 +131,15 @@ class StageCosts:
 
 def stage_costs(paths: Sequence[Path], cfg: VisionConfig, features: str = "aligner",
                 max_pixels: int | None = None) -> StageCosts:
-    """Time decode, transform, pack and staging on ``paths`` in this thread's CPU time, with
-    one torch thread, as the pipeline does them: ``decode.open_checked``'s checks,
-    ``transform.image_to_patch_bits``, ``packing.pack`` into a staging buffer, one copy of
-    each other input tensor."""
+    """This thread's CPU time, with one torch thread, for decode (``decode.open_checked``),
+    ``transform.image_to_patch_bits``, ``packing.pack`` and staging copies on ``paths``."""
     from ..images.decode import open_checked
     from ..images.formats import DEFAULT_MAX_PIXELS
     from ..engine.packing import pack
     from ..tower.transform import bf16_bits_to_tensor, image_to_patch_bits
 
     limit = max_pixels or DEFAULT_MAX_PIXELS
-    costs = StageCosts(images=len(paths))
-    items = []
+    items, decode_s, transform_s = [], 0.0, 0.0
     clock = time.thread_time
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # all of the work in this thread, where its clock counts it
@@ -161,8 +151,8 @@ def stage_costs(paths: Sequence[Path], cfg: VisionConfig, features: str = "align
                 loaded = clock()
                 bits, canvas = image_to_patch_bits(image, cfg)
             done = clock()
-            costs.decode_ms += (loaded - began) * 1e3
-            costs.transform_ms += (done - loaded) * 1e3
+            decode_s += loaded - began
+            transform_s += done - loaded
             items.append((bf16_bits_to_tensor(bits), canvas.n_h, canvas.n_w))
         buffer = NullEngine(cfg).patch_buffer
         # Once untimed: in a run, a batch's memory is an earlier batch's, already faulted in.
@@ -175,15 +165,10 @@ def stage_costs(paths: Sequence[Path], cfg: VisionConfig, features: str = "align
         staged = clock()
     finally:
         torch.set_num_threads(threads)
-    costs.pack_ms = (packed - began) * 1e3
-    costs.stage_ms = (staged - packed) * 1e3
-    n = max(len(paths), 1)
-    for name in ("decode_ms", "transform_ms", "pack_ms", "stage_ms"):
-        setattr(costs, name, getattr(costs, name) / n)
-    return costs
+    ms = 1e3 / max(len(paths), 1)  # seconds in all -> milliseconds per image
+    return StageCosts(decode_s * ms, transform_s * ms, (packed - began) * ms,
+                      (staged - packed) * ms, len(paths))
 
-
-# ----------------------------------------------------------------------------- the bench
 
 @dataclass
 class HostResult:
@@ -238,14 +223,11 @@ def run_host_bench(config_path: str, images: str = "synthetic:1024x768:256",
     """Encode ``images`` (a folder, or ``synthetic:WxH:N`` / ``synthetic:mix[:N]`` JPEGs made
     once in ``workdir``) with the null stage, once per output kind in ``outputs``.
 
-    ``workers``: decode workers (default: as for a CUDA run on this host). ``options``: more
-    ``EncodeOptions`` fields (e.g. ``{"out_dtype": "float32"}``). ``steady``: also measure
-    the steady state, what each further image costs once a run is going: each output kind
-    runs once more on an eighth of the images, and the difference of the two runs' CPU
-    seconds over the difference of their images is ``steady_img_per_cpu_s`` (a run's fixed
-    costs, its decode workers' start and the last part's flush, cancel). One untimed short run
-    first takes the process's one-time costs (imports, pyarrow's start), so that both timed
-    runs of a kind find the process in the same state."""
+    ``workers``: decode workers (default: as for a CUDA run here). ``options``: more
+    ``EncodeOptions`` fields. ``steady``: each kind also runs on an eighth of the images, and
+    the two runs' difference in images over their difference in CPU seconds is
+    ``steady_img_per_cpu_s`` (fixed costs, the workers' start and the last flush, cancel). An
+    untimed short run first takes the process's one-time costs (imports, pyarrow's start)."""
     from .throughput import check_outputs, resolve_images
     from ..run.pipeline import run_encode
 
@@ -263,11 +245,10 @@ def run_host_bench(config_path: str, images: str = "synthetic:1024x768:256",
             target = f"{out}/" if kind == "folder" else str(out)  # the slash makes a folder
             source = ([str(paths[0].parent)] if len(inputs) == len(paths)
                       else [str(p) for p in inputs])
-            opts = EncodeOptions(inputs=source, out=target, config=config_path,
-                                 random_init=True, device="cpu", dtype="float32",
-                                 out_dtype="float16", workers=n_workers, overwrite=True,
-                                 progress=False)
-            opts = replace(opts, **(options or {}))
+            opts = replace(EncodeOptions(inputs=source, out=target, config=config_path,
+                                         random_init=True, device="cpu", dtype="float32",
+                                         out_dtype="float16", workers=n_workers,
+                                         overwrite=True, progress=False), **(options or {}))
             cpu0, began = _cpu_seconds(), time.perf_counter()
             summary = run_encode(opts, stand_in=NullStage(cfg))
             return summary, time.perf_counter() - began, _cpu_seconds() - cpu0, out
@@ -294,8 +275,7 @@ def run_host_bench(config_path: str, images: str = "synthetic:1024x768:256",
 
 
 def print_host_results(results: Sequence[HostResult], console=None) -> None:
-    """One paragraph per run (narrow terminals keep every figure), then the one-thread stage
-    costs."""
+    """One paragraph per run (narrow terminals keep every figure), then the stage costs."""
     from rich.console import Console
 
     console = console or Console()

@@ -1,35 +1,34 @@
-"""Throughput benchmark, run by ``dsv4enc bench``: for one config and one image mix, in one
-process,
+"""Throughput benchmark, run by ``dsv4enc bench``: one config and one image mix, in one process.
 
 - ``model``: the engine alone over pre-transformed, bin-packed batches, per batch-token budget
-  and graph setting: img/s, tokens/s, FLOP/s (counted analytically, real tokens only), the
-  fraction of the matmul ceiling (the best rate of the model's own GEMM shapes at the batch's
-  token count, timed here; a large square product is the device peak), padding, time split;
+  and graph setting: img/s, tokens/s, FLOP/s (analytic, real tokens only), the fraction of the
+  matmul ceiling (the best rate of the model's own GEMM shapes at the batch's token count; a
+  large square product is the device peak), padding, time split;
 - ``naive``: one image at a time (decode, transform, per-image forward with 3-D attention),
   the baseline every ratio is against;
-- ``e2e`` and ``cli`` (optional): the encode pipeline called in this process, and
-  ``dsv4enc encode`` in a fresh process (the interpreter's start and torch's import included).
-"""
+- ``e2e`` and ``cli`` (optional): the encode pipeline in this process, and ``dsv4enc encode``
+  in a fresh process (the interpreter's start and torch's import included)."""
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
-import logging
+import itertools
 import os
 import platform
 import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence, TypeVar
 
 import numpy as np
 import torch
 
 from ..tower.attention import naive_sdpa_attention
 from ..engine.batching import BatchLoop
-from ..engine.engine import Engine
+from ..engine.engine import Engine, EngineStats
 from ..engine.factory import build_model
 from ..engine.defaults import DEFAULT_MAX_IMAGES, default_batch_tokens
 from ..tower.checkpoint import random_checkpoint, random_state_dict, save_checkpoint
@@ -41,7 +40,7 @@ from ..run.plan import image_flops, pack_bins
 from ..process import keep_freed_memory_mapped, own_process_settings
 from ..tower.transform import image_to_patches
 
-log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 #: The CPU mix: 24 photo-like sizes from 300x300 to 2000x1500, mixed orientations.
 MIX_SIZES = [(300, 300), (400, 300), (350, 500), (500, 375), (640, 480), (480, 640),
@@ -50,12 +49,9 @@ MIX_SIZES = [(300, 300), (400, 300), (350, 500), (500, 375), (640, 480), (480, 6
              (1600, 1200), (1920, 1080), (1080, 1920), (1500, 2000), (2000, 1500), (1800, 1200)]
 
 
-# ----------------------------------------------------------------------------- images
-
 def photo_like(width: int, height: int, rng: np.random.Generator) -> np.ndarray:
-    """(height, width, 3) uint8: smooth colour fields with a few soft blobs (built at 1/8
-    resolution, then upsampled) plus sensor-like noise, so JPEG sizes and decode costs look
-    like photos rather than flat or white-noise images."""
+    """(height, width, 3) uint8: smooth colours and soft blobs (made at 1/8 size, upsampled)
+    plus sensor-like noise, so that JPEG sizes and decode costs are those of photos."""
     from PIL import Image
 
     lw, lh = max(2, width // 8), max(2, height // 8)
@@ -117,12 +113,41 @@ def check_outputs(outputs: Sequence[str]) -> None:
         raise ValueError(f"outputs must be file or folder, not {', '.join(sorted(unknown))}")
 
 
-# ----------------------------------------------------------------------------- FLOPs, ceiling
-
-def sync(device: torch.device) -> None:
-    """Wait for the device's queued work (CUDA); nothing on the CPU."""
-    if device.type == "cuda":
+def sync(device: torch.device | None) -> None:
+    """Wait for the device's queued work (CUDA); nothing on the CPU or without a device."""
+    if device is not None and device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def fastest(fn: Callable[[], T], repeat: int,
+            device: torch.device | None = None) -> tuple[float, T | None]:
+    """Seconds and result of the fastest of ``repeat`` calls of ``fn``, ``device`` synced."""
+    best, result = float("inf"), None
+    for _ in range(repeat):
+        sync(device)
+        began = time.perf_counter()
+        out = fn()
+        sync(device)
+        wall = time.perf_counter() - began
+        if wall < best:
+            best, result = wall, out
+    return best, result
+
+
+def summed_minima(fn: Callable[[Any], T], items: Sequence[Any], repeat: int,
+                  device: torch.device) -> tuple[float, list[T]]:
+    """Each item's best time of ``fn(item)`` over ``repeat`` rounds, summed, and the last
+    round's results. On a shared machine a busy core inflates whole passes at random;
+    per-item minima estimate the machine's own speed much more stably."""
+    best = [float("inf")] * len(items)
+    results: list[T] = []
+    for _ in range(max(1, repeat)):
+        results = []
+        for i, item in enumerate(items):
+            seconds, out = fastest(functools.partial(fn, item), 1, device)
+            best[i] = min(best[i], seconds)
+            results.append(out)
+    return sum(best), results
 
 
 def best_time(fn: Callable[[], object], device: torch.device, repeat: int,
@@ -130,14 +155,7 @@ def best_time(fn: Callable[[], object], device: torch.device, repeat: int,
     """Best of ``repeat`` timed calls after ``warmup`` untimed ones, seconds."""
     for _ in range(warmup):
         fn()
-    best = float("inf")
-    for _ in range(repeat):
-        sync(device)
-        began = time.perf_counter()
-        fn()
-        sync(device)
-        best = min(best, time.perf_counter() - began)
-    return best
+    return fastest(fn, repeat, device)[0]
 
 
 def matmul_ceiling(cfg: VisionConfig, tokens: int, dtype: torch.dtype,
@@ -162,13 +180,10 @@ def matmul_ceiling(cfg: VisionConfig, tokens: int, dtype: torch.dtype,
     return rates
 
 
-# ----------------------------------------------------------------------------- measurements
-
 @dataclass
 class Prepared:
     """Images transformed once, outside every timed region."""
 
-    paths: list[Path]
     items: list[tuple[torch.Tensor, int, int]]  # (patches, n_h, n_w)
     flops: float
     tokens: int
@@ -183,13 +198,7 @@ def prepare_images(paths: Sequence[Path], cfg: VisionConfig, features: str) -> P
             patches, canvas = image_to_patches(image, cfg)
         items.append((patches, canvas.n_h, canvas.n_w))
     flops = sum(image_flops(cfg, h, w, features) for _, h, w in items)
-    return Prepared(list(paths), items, flops, sum(h * w for _, h, w in items))
-
-
-def make_batches(prep: Prepared, cfg: VisionConfig, features: str, batch_tokens: int,
-                 max_images: int) -> list[PackedBatch]:
-    bins = pack_bins([h * w for _, h, w in prep.items], batch_tokens, max_images)
-    return [pack([prep.items[i] for i in b], cfg.downsample_ratio, features) for b in bins]
+    return Prepared(items, flops, sum(h * w for _, h, w in items))
 
 
 def encode_all(loop: BatchLoop, batches: Sequence[PackedBatch]) -> None:
@@ -203,44 +212,30 @@ def encode_all(loop: BatchLoop, batches: Sequence[PackedBatch]) -> None:
 def bench_model(model: VisionTower, prep: Prepared, features: str, batch_tokens: int,
                 cuda_graphs: bool | None, attention: str, max_images: int, repeat: int,
                 out_dtype: torch.dtype, fused: bool = False) -> dict:
-    """Engine-only throughput over the prepared images.
-
-    CUDA: best of ``repeat`` whole passes (one batch in flight, so transfers overlap compute).
-    CPU: each batch's best time over ``repeat`` passes, summed; on a shared machine a busy
-    core inflates whole passes at random, and per-batch minima estimate the machine's own
-    speed much more stably (the naive loop is timed the same way, per image).
-    """
+    """Engine-only throughput over the prepared images: on CUDA the best of ``repeat`` whole
+    passes (one batch in flight, so transfers overlap compute), else ``summed_minima``."""
     cfg, device = model.cfg, model.device
-    batches = make_batches(prep, cfg, features, batch_tokens, max_images)
+    bins = pack_bins([h * w for _, h, w in prep.items], batch_tokens, max_images)
+    batches = [pack([prep.items[i] for i in b], cfg.downsample_ratio, features) for b in bins]
     engine = Engine(model, features=features, attention=attention, out_dtype=out_dtype,
                     cuda_graphs=cuda_graphs, batch_tokens=batch_tokens, max_images=max_images)
     engine.fit_budgets([b.n_tokens for b in batches])  # as the encode pipeline does
     engine.prepare()
     loop = BatchLoop(engine, copy=False)  # the loop the encode pipeline and the API run
     encode_all(loop, batches[:1])  # warm-up (kernels, allocator)
-    engine.stats = type(engine.stats)()
+    engine.stats = EngineStats()
     if device.type == "cuda":
-        best, best_stats = float("inf"), None
-        for _ in range(max(1, repeat)):
-            engine.stats = type(engine.stats)()
-            sync(device)
-            began = time.perf_counter()
+        def one_pass() -> EngineStats:
+            engine.stats = EngineStats()
             encode_all(loop, batches)
-            sync(device)
-            wall = time.perf_counter() - began
-            if wall < best:
-                best, best_stats = wall, engine.stats
-        s = best_stats
+            return engine.stats
+
+        best, s = fastest(one_pass, max(1, repeat), device)
         model_s = s.model_s
     else:
-        per_batch = [float("inf")] * len(batches)
-        for _ in range(max(1, repeat)):
-            for i, batch in enumerate(batches):
-                began = time.perf_counter()
-                encode_all(loop, [batch])
-                per_batch[i] = min(per_batch[i], time.perf_counter() - began)
+        best = model_s = summed_minima(lambda batch: encode_all(loop, [batch]), batches,
+                                       repeat, device)[0]
         s = engine.stats
-        best = model_s = sum(per_batch)
     row = {
         "mode": "model", "graphs": engine.graphs_enabled, "attention": engine.attention_name,
         "fused": fused, "batch_tokens": batch_tokens, "images": len(prep.items),
@@ -261,10 +256,7 @@ def bench_model(model: VisionTower, prep: Prepared, features: str, batch_tokens:
 
 def bench_naive(model: VisionTower, paths: Sequence[Path], features: str,
                 out_dtype: torch.dtype, repeat: int = 1) -> dict:
-    """One image at a time: decode, transform, per-image forward with 3-D attention.
-
-    Each image's best time over ``repeat`` rounds, summed (as ``bench_model`` on the CPU).
-    """
+    """One image at a time (decode, transform, forward with 3-D attention): ``summed_minima``."""
     from PIL import Image
 
     cfg, device = model.cfg, model.device
@@ -282,19 +274,9 @@ def bench_naive(model: VisionTower, paths: Sequence[Path], features: str,
     model.attend = naive_sdpa_attention
     try:
         one(paths[0])  # warm-up
-        per_image = [float("inf")] * len(paths)
-        grids = []
-        for _ in range(max(1, repeat)):
-            grids = []
-            for i, path in enumerate(paths):
-                sync(device)
-                began = time.perf_counter()
-                grids.append(one(path))
-                sync(device)
-                per_image[i] = min(per_image[i], time.perf_counter() - began)
+        wall, grids = summed_minima(one, paths, repeat, device)
     finally:
         model.attend = saved
-    wall = sum(per_image)
     tokens = sum(h * w for h, w in grids)
     flops = sum(image_flops(cfg, h, w, features) for h, w in grids)
     return {"mode": "naive", "graphs": False, "attention": "sdpa-3d", "images": len(paths),
@@ -307,8 +289,7 @@ def bench_e2e(config_path: str, paths: Sequence[Path], device: str, dtype: str,
               max_images: int, workers: int | None, repeat: int = 1, output: str = "file",
               fused: bool = False) -> dict:
     """The full ``encode`` pipeline (start-up, decode workers, engine, Parquet) on the folder
-    holding ``paths``, to one Parquet file (``output="file"``) or a folder of parts
-    (``"folder"``); the best of ``repeat`` runs."""
+    holding ``paths``, to one file or a folder of parts (``output``); best of ``repeat`` runs."""
     from ..run.pipeline import EncodeOptions, run_encode  # only this mode needs the pipeline
 
     out = workdir / ("bench.parquet" if output == "file" else "bench_parts/")
@@ -317,13 +298,7 @@ def bench_e2e(config_path: str, paths: Sequence[Path], device: str, dtype: str,
                          out_dtype="float16", batch_tokens=batch_tokens, max_images=max_images,
                          attention=attention, cuda_graphs=cuda_graphs, overwrite=True,
                          progress=False, workers=workers, fused=fused)
-    best, summary = float("inf"), None
-    for _ in range(max(1, repeat)):
-        began = time.perf_counter()
-        result = run_encode(opts)
-        wall = time.perf_counter() - began
-        if wall < best:
-            best, summary = wall, result
+    best, summary = fastest(lambda: run_encode(opts), max(1, repeat))
     n = summary.encoded
     return {"mode": "e2e", "output": output, "graphs": cuda_graphs, "attention": attention,
             "fused": fused, "batch_tokens": batch_tokens, "images": n, "seconds": best,
@@ -337,10 +312,8 @@ def bench_e2e(config_path: str, paths: Sequence[Path], device: str, dtype: str,
 def bench_cli(cfg: VisionConfig, paths: Sequence[Path], device: str, dtype: str,
               batch_tokens: int, workdir: Path, workers: int | None,
               seed: int = 0, repeat: int = 1, weights: Path | None = None) -> dict:
-    """``dsv4enc encode`` as a user runs it: a fresh process per run, so the wall-clock
-    time includes the interpreter's start, importing torch and loading the weights
-    (``weights``, or random ones of ``cfg`` saved once to ``workdir`` in the checkpoint
-    format). The best of ``repeat`` runs."""
+    """``dsv4enc encode`` as a user runs it, best of ``repeat``: a fresh process each time, its
+    start, imports and loading ``weights`` (or random ones saved to ``workdir``) timed too."""
     import subprocess
     import sys
 
@@ -356,19 +329,17 @@ def bench_cli(cfg: VisionConfig, paths: Sequence[Path], device: str, dtype: str,
     package_root = str(Path(__file__).resolve().parents[2])  # runs from a working tree too
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         [package_root, *filter(None, [os.environ.get("PYTHONPATH")])])}
-    best = float("inf")
-    for _ in range(max(1, repeat)):
-        began = time.perf_counter()
+
+    def once() -> None:
         done = subprocess.run(command, env=env, capture_output=True, text=True)
-        best = min(best, time.perf_counter() - began)
         if done.returncode != 0:
             raise RuntimeError(f"dsv4enc encode failed ({done.returncode}): "
                                f"{done.stderr.strip()[-2000:]}")
+
+    best = fastest(once, max(1, repeat))[0]
     return {"mode": "cli", "batch_tokens": batch_tokens, "images": len(paths),
             "seconds": best, "img_s": len(paths) / best}
 
-
-# ----------------------------------------------------------------------------- driver
 
 def run_bench(config_path: str, device: str = "auto", dtype: str = "auto",
               images: str = "synthetic:mix", batch_tokens: Sequence[int] | int | None = None,
@@ -378,17 +349,14 @@ def run_bench(config_path: str, device: str = "auto", dtype: str = "auto",
               seed: int = 0, workdir: str | None = None, cli: bool = False,
               fused: Sequence[bool] = (False,),
               e2e_outputs: Sequence[str] = ("file",)) -> list[dict]:
-    """Run the benchmark; returns one dict per measurement (see module doc).
+    """Run the benchmark; one dict per measurement (see module doc), each with ``vs_naive``
+    (img/s over the naive loop's) and ``ceiling_frac`` (FLOP/s over the matmul ceiling).
 
     ``images``: a folder or "synthetic:mix[:N]" / "synthetic:WxH:N". ``batch_tokens``: one
-    budget or several (default 32768 on CUDA, 8192 on CPU). ``cuda_graphs``: the settings to
-    compare (None = engine default). ``naive_images``: limit the naive baseline to the first
-    N images (its rate is per image of the same mix, so the ratio stays fair for a repeating
-    mix). ``e2e``, ``cli``: also time those modes. ``fused``: the settings of ``--fused`` to
-    time (model rows, and e2e runs for each); ``e2e_outputs``: "file" and/or "folder".
-    Every row carries ``vs_naive`` (img/s over the naive loop's img/s) and, for model rows,
-    ``ceiling_frac`` (achieved FLOP/s over the matmul ceiling).
-    """
+    budget or several (default: the device's). ``cuda_graphs``, ``fused``: the settings to
+    compare (None = engine default; fused for model and e2e rows). ``naive_images``: the naive
+    baseline on the first N images only (its rate is per image, so the ratio stays fair for a
+    repeating mix). ``e2e``, ``cli``: also time those modes; ``e2e_outputs``: file, folder."""
     check_outputs(e2e_outputs)
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
@@ -407,21 +375,16 @@ def run_bench(config_path: str, device: str = "auto", dtype: str = "auto",
         paths = resolve_images(images, base, seed)
         prep = prepare_images(paths, cfg, features)
         ceiling = matmul_ceiling(cfg, max(budgets), dt, dev)
-        # The naive loop first, with the default allocator, as a plain first port would run;
-        # the command line's CPU heap tuning (process.py) is part of what the engine rows
-        # measure.
+        # The naive loop first, with the default allocator, as a plain first port would run:
+        # the command line's CPU heap tuning (process.py) is part of what engine rows measure.
         naive = bench_naive(model, paths[:naive_images] if naive_images else paths, features,
                             out_dtype, repeat)
         if dev.type == "cpu":
             keep_freed_memory_mapped()  # as the command line does before its engine runs
-        for bt in budgets:
-            for graphs in cuda_graphs:
-                if graphs and dev.type != "cuda":
-                    continue
-                for fuse in fused:
-                    rows.append(bench_model(fused_model if fuse else model, prep, features,
-                                            bt, graphs, attention, max_images, repeat,
-                                            out_dtype, fuse))
+        for bt, graphs, fuse in itertools.product(budgets, cuda_graphs, fused):
+            if not graphs or dev.type == "cuda":
+                rows.append(bench_model(fused_model if fuse else model, prep, features, bt,
+                                        graphs, attention, max_images, repeat, out_dtype, fuse))
         rows.append(naive)
         # Once more at the end, keeping the best: a ceiling measured while the machine was
         # busy would flatter every fraction.
@@ -436,29 +399,25 @@ def run_bench(config_path: str, device: str = "auto", dtype: str = "auto",
             gc.collect()
             if dev.type == "cuda":
                 torch.cuda.empty_cache()
-            for fuse in fused:
-                for output in e2e_outputs:
-                    rows.append(bench_e2e(config_path, paths, device, dtype, budgets[-1],
-                                          cuda_graphs[0], attention, base, max_images,
-                                          workers, repeat, output, fuse))
+            for fuse, output in itertools.product(fused, e2e_outputs):
+                rows.append(bench_e2e(config_path, paths, device, dtype, budgets[-1],
+                                      cuda_graphs[0], attention, base, max_images, workers,
+                                      repeat, output, fuse))
         if cli:
             rows.append(bench_cli(cfg, paths, dev.type, str(dt).removeprefix("torch."),
                                   budgets[-1], base, workers, seed, repeat))
     for row in rows:
         row["vs_naive"] = row["img_s"] / naive["img_s"]
-    meta = {"mode": "meta", "device": _device_name(dev), "device_type": dev.type,
+    threads = torch.get_num_threads()
+    name = (torch.cuda.get_device_name(dev) if dev.type == "cuda"
+            else f"{platform.processor() or platform.machine()} ({threads} threads)")
+    meta = {"mode": "meta", "device": name, "device_type": dev.type,
             "dtype": str(dt).removeprefix("torch."), "config": Path(config_path).name,
             "images": len(prep.items), "tokens": prep.tokens,
             "gflop_per_image": prep.flops / len(prep.items) / 1e9,
-            "threads": torch.get_num_threads(), "torch": torch.__version__,
+            "threads": threads, "torch": torch.__version__,
             **{f"matmul_{k}": v for k, v in ceiling.items()}}
     return [meta] + rows
-
-
-def _device_name(dev: torch.device) -> str:
-    if dev.type == "cuda":
-        return torch.cuda.get_device_name(dev)
-    return f"{platform.processor() or platform.machine()} ({torch.get_num_threads()} threads)"
 
 
 def print_results(rows: Sequence[dict], console=None) -> None:
@@ -478,33 +437,29 @@ def print_results(rows: Sequence[dict], console=None) -> None:
              f"{meta.get('gflop_per_image', 0):.1f} GFLOP/image; matmul ceiling "
              f"{meta.get('matmul_ceiling', 0) / scale:.1f} {unit} "
              f"(square {meta.get('matmul_square', 0) / scale:.1f})")
+    numbers = (("budget", "batch_tokens", "d"), ("img/s", "img_s", ".2f"),
+               ("tokens/s", "tokens_s", ",.0f"), (unit, "flop_s", ".1f"),
+               ("ceiling", "ceiling_frac", ".0%"), ("peak", "peak_frac", ".0%"),
+               ("padding", "padding", ".1%"), ("h2d s", "h2d_s", ".3f"),
+               ("model s", "model_s", ".3f"), ("d2h s", "d2h_s", ".3f"),
+               ("idle", "device_idle", ".0%"), ("vs naive", "vs_naive", ".2f"))
     table = Table(title=title)
-    for name in ("mode", "graphs", "fused", "attention", "budget", "img/s", "tokens/s", unit,
-                 "ceiling", "peak", "padding", "h2d s", "model s", "d2h s", "idle", "vs naive"):
+    for name in ("mode", "graphs", "fused", "attention"):
         table.add_column(name, justify="left" if name in ("mode", "attention") else "right")
-
-    def fmt(value, spec):
-        return "-" if value is None else format(value, spec)
-
+    for name, _, _ in numbers:
+        table.add_column(name, justify="right")
     for r in rows:
         if r.get("mode") == "meta":
             continue
-        mode = r["mode"] + (f" ({r['output']})" if r.get("output") else "")
-        table.add_row(mode, str(r.get("graphs", "-")), str(r.get("fused", "-")),
-                      str(r.get("attention", "-")),
-                      fmt(r.get("batch_tokens"), "d"), fmt(r.get("img_s"), ".2f"),
-                      fmt(r.get("tokens_s"), ",.0f"),
-                      fmt(r["flop_s"] / scale if r.get("flop_s") else None, ".1f"),
-                      fmt(r.get("ceiling_frac"), ".0%"), fmt(r.get("peak_frac"), ".0%"),
-                      fmt(r.get("padding"), ".1%"),
-                      fmt(r.get("h2d_s"), ".3f"), fmt(r.get("model_s"), ".3f"),
-                      fmt(r.get("d2h_s"), ".3f"), fmt(r.get("device_idle"), ".0%"),
-                      fmt(r.get("vs_naive"), ".2f"))
+        shown = {**r, "flop_s": r["flop_s"] / scale if r.get("flop_s") else None}
+        table.add_row(r["mode"] + (f" ({r['output']})" if r.get("output") else ""),
+                      *(str(r.get(key, "-")) for key in ("graphs", "fused", "attention")),
+                      *("-" if shown.get(key) is None else format(shown[key], spec)
+                        for _, key, spec in numbers))
     console.print(table)
 
 
 def parse_on_off(text: str, auto: bool = False) -> list[bool | None]:
-    """"off,on" -> [False, True], and with ``auto`` "auto" -> None (KeyError names a bad
-    word)."""
+    """"off,on" -> [False, True]; with ``auto``, "auto" -> None (KeyError names a bad word)."""
     names = {"on": True, "off": False, **({"auto": None} if auto else {})}
     return [names[t] for t in text.split(",")]

@@ -1,7 +1,6 @@
 """The batch loop of the command line, the Python API and the benchmark: images (as patches,
 each with the caller's tag) packed, run with one batch queued on the device while the caller
-prepares the next, and their outputs checked for inf and NaN (never returned).
-"""
+prepares the next, and their outputs checked for inf and NaN (never returned)."""
 
 from __future__ import annotations
 
@@ -21,11 +20,10 @@ class BatchLoop:
     """Packs, submits and collects batches on ``engine``, one batch in flight ahead.
 
     ``pool``: ``"mean"`` returns one vector per image, ``"none"`` every row. ``name_of(tag)``
-    names an image in the error raised for a non-finite output, followed by ``remedy``
-    (what the user can change). ``copy``: always return outputs that own their memory (the
-    API hands them to users); otherwise only outputs in page-locked memory are copied, and
-    the others stay views of their batch's output (the command line writes and drops them).
-    """
+    names an image in the error for a non-finite output, followed by ``remedy`` (what the
+    user can change). ``copy``: outputs always own their memory (the API hands them to
+    users); otherwise only page-locked ones are copied, the others stay views of their
+    batch's output (the command line writes and drops them)."""
 
     def __init__(self, engine: Engine, pool: str = "none", *,
                  name_of: Callable[[Any], Any] = str, remedy: str = "",
@@ -38,8 +36,7 @@ class BatchLoop:
 
     def submit(self, tags: Sequence[Any], images: Sequence[Image]) -> PackedBatch:
         """Pack ``images`` into one batch and start it; returns the packed batch."""
-        cfg = self.engine.cfg
-        packed = pack(list(images), cfg.downsample_ratio, self.engine.features,
+        packed = pack(list(images), self.engine.cfg.downsample_ratio, self.engine.features,
                       getattr(self.engine, "patch_buffer", None))
         self.submit_packed(tags, packed)
         return packed
@@ -55,10 +52,9 @@ class BatchLoop:
         return self.collect() if len(self._tags) > 1 else []
 
     def collect(self) -> list[tuple[Any, torch.Tensor]]:
-        """``(tag, output)`` of the oldest batch in flight, in its order (waits for the
-        device). Raises ``NonFiniteOutput`` (its ``tag`` set) for the first output that is not
-        finite; images are scanned one by one only when the engine's one reduction per batch
-        found such a value."""
+        """``(tag, output)`` of the oldest batch in flight, in its order (waits for the device).
+        Raises ``NonFiniteOutput`` (its ``tag`` set) for the first non-finite output; images
+        are scanned only when the engine's one reduction per batch found such a value."""
         tags = self._tags.popleft()
         outputs = self.engine.collect()
         if not self.engine.last_finite:

@@ -6,15 +6,12 @@ and picks bfloat16 only where it is more than ``CLEAR_WIN`` times faster; anywhe
 where torch emulates bfloat16, float32. A CPU's kind is its vendor, family and bfloat16
 features, less those the process forbids torch's kernels (``ATEN_CPU_CAPABILITY``,
 ``ONEDNN_MAX_CPU_ISA``). Nothing is timed, so every process on one machine, idle or loaded,
-makes the same choice (a resumed run must compute in the dtype it started with).
-
-``cpu_decision`` is the decision, its inputs injected; ``auto_cpu_dtype`` and
-``auto_cpu_reason`` apply it to this machine.
-"""
+makes the same choice (a resumed run must compute in the dtype it started with)."""
 
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 import os
 import platform
@@ -111,7 +108,7 @@ def _ask(predicate: str) -> bool:
     cpu_module = getattr(torch._C, "_cpu", None)
     query = getattr(torch.cpu, predicate, None) or getattr(cpu_module, predicate, None)
     try:
-        return bool(query()) if query is not None else False
+        return query is not None and bool(query())
     except Exception:  # noqa: BLE001 - not known: not native
         return False
 
@@ -126,15 +123,12 @@ def kernel_level() -> str:
 
 
 def cpu_identity() -> tuple[str, int, int]:
-    """This CPU's vendor, family and model as the OS reports them (Linux's /proc/cpuinfo,
-    Windows' processor string); ``("", 0, 0)`` where it does not say, which no measured
-    kind matches."""
+    """This CPU's vendor, family and model as the OS reports them (/proc/cpuinfo, Windows'
+    processor string); ``("", 0, 0)``, which no measured kind matches, where it does not say."""
+    fields: dict[str, str] = {}
     try:
         with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as info:
-            fields: dict[str, str] = {}
-            for line in info:
-                if not line.strip():
-                    break  # the first processor's block is enough
+            for line in itertools.takewhile(str.strip, info):  # the first processor's block
                 key, _, value = line.partition(":")
                 fields.setdefault(key.strip(), value.strip())
         return (fields.get("vendor_id", ""), _number(fields.get("cpu family")),
@@ -204,11 +198,9 @@ _PINNABLE = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 def _pinned() -> torch.dtype | None:
     pinned = os.environ.get(PIN_VARIABLE, "").strip()
-    if not pinned:
-        return None
-    if pinned not in _PINNABLE:
+    if pinned and pinned not in _PINNABLE:
         raise UsageError(f"{PIN_VARIABLE}={pinned!r}: use float32 or bfloat16")
-    return _PINNABLE[pinned]
+    return _PINNABLE.get(pinned)
 
 
 @functools.cache

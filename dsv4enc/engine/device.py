@@ -1,8 +1,6 @@
-"""Which device and dtypes a run computes in, for the command line, the API and the benchmark.
-
-``auto`` means CUDA when it is available (the rank's own device under torchrun), and
-bfloat16 on CUDA; on the CPU, the dtype ``cpufeatures`` chooses for this kind of CPU.
-"""
+"""Which device and dtypes a run computes in, for the command line, the API and the benchmark:
+``auto`` means CUDA when it is available (the rank's own device under torchrun), and bfloat16
+on CUDA; on the CPU, the dtype ``cpufeatures`` chooses for this kind of CPU."""
 
 from __future__ import annotations
 
@@ -64,13 +62,12 @@ def resolve_out_dtype(name: str | torch.dtype) -> torch.dtype:
 def resume_compute(device: torch.device, dtype: torch.dtype, asked_device: str,
                    asked_dtype: str, recorded: Mapping[str, Any] | None,
                    device_fixed: bool = False) -> tuple[torch.device, torch.dtype, str | None]:
-    """The device and compute dtype a ``--resume`` computes in, and the line that says so.
-
-    Rows must not mix dtypes or device kinds within one output, so where the user left the
-    choice to ``auto`` (``asked_device``/``asked_dtype``), the interrupted run's ``device`` and
-    ``compute_dtype`` (``recorded``: its manifest's settings) replace what ``auto`` picks now;
-    explicit flags are kept, for the settings check to refuse. ``device_fixed``: a torchrun
-    rank's own device. Returns the line only when a recorded run was adopted."""
+    """The device and compute dtype a ``--resume`` computes in, and the line that says so
+    (None unless a recorded choice was adopted). Rows must not mix dtypes or device kinds in
+    one output, so where the user left the choice to ``auto`` (``asked_device``/``asked_dtype``)
+    the interrupted run's settings (``recorded``, from its manifest) replace what ``auto``
+    picks now; explicit flags stay, for the settings check to refuse. ``device_fixed``: a
+    torchrun rank's own device."""
     if not recorded:
         return device, dtype, None
     adopted = []

@@ -1,11 +1,9 @@
 """Runs packed batches through the tower on one device, host in, host out: the attention
-backend chosen once, the transfers, and (on CUDA) graph replay.
-
-On CUDA a batch goes: pinned host copy -> H2D on a copy stream -> (graph buffers ->) forward
-on the compute stream -> cast to the output dtype -> D2H into pinned memory on a third
-stream. ``submit`` only enqueues that work, so submitting batch k+1 before collecting batch k
-overlaps k+1's staging and H2D with k's compute (``Engine.encode_many``).
-"""
+backend chosen once, the transfers, and (on CUDA) graph replay. On CUDA a batch goes: pinned
+host copy -> H2D on a copy stream -> (graph buffers ->) forward on the compute stream -> cast
+to the output dtype -> D2H into pinned memory on a third stream. ``submit`` only enqueues
+that work, so submitting batch k+1 before collecting batch k overlaps k+1's staging and H2D
+with k's compute (``Engine.encode_many``)."""
 
 from __future__ import annotations
 
@@ -50,18 +48,15 @@ class _Pending:
     batch: PackedBatch
     out: torch.Tensor  # (rows, width) out_dtype, host (pinned on CUDA)
     padded: int = 0
-    mode: str = "eager"  # "graph", "static" or "eager"
+    graph: bool = False  # replayed from a captured graph
     events: dict[str, torch.cuda.Event] = field(default_factory=dict)
     seconds: float = 0.0  # CPU: model wall time
     finite: torch.Tensor | None = None  # () bool, host: every output value is finite
 
 
 def resolve_attention(name: str, device: torch.device, dtype: torch.dtype):
-    """The attention backend for ``device`` and compute ``dtype`` (name, function).
-
-    The flash kernels behind ``flash`` and ``varlen`` take only fp16/bf16, so in float32
-    ``auto`` picks SDPA and a forced one is a UsageError.
-    """
+    """The attention backend (name, function) for ``device`` and compute ``dtype``: in float32
+    ``auto`` is SDPA and a forced ``flash`` or ``varlen`` (fp16/bf16 kernels) a UsageError."""
     if device.type == "cuda" and dtype == torch.float32:
         if name == "auto":
             name = "sdpa"
@@ -71,9 +66,8 @@ def resolve_attention(name: str, device: torch.device, dtype: torch.dtype):
 
 
 def runs_one_shape(model: VisionTower, deterministic: bool) -> bool:
-    """Whether an Engine over ``model`` runs every batch at one shape: the batch-invariant
-    path on CUDA (one bucket that holds any single image). Tensor parallelism turns the
-    invariant path off (its all-reduces sum in another order than one rank does)."""
+    """Whether an Engine over ``model`` runs every batch at one shape: the batch-invariant path
+    on CUDA (one bucket for any single image), off under tensor parallelism (see Engine)."""
     return deterministic and not model.tensor_parallel and model.device.type == "cuda"
 
 
@@ -84,15 +78,11 @@ class Engine:
     ``cuda_graphs``: None = on when the device is CUDA and the attention backend can be
     captured (flash, varlen); True on a CPU device is a UsageError; with SDPA it falls back
     to eager with a log line. ``batch_tokens`` / ``max_images``: the largest batch the caller
-    will submit (the top graph budget and the image slots of every graph). ``budgets``: the
-    graph token budgets (default: powers of two from ``min_budget`` up to ``batch_tokens``;
-    ``graphs.fit_budgets`` picks better ones when every batch's size is known up front).
-
-    ``deterministic`` (default on): an image's output bytes do not depend on the batch it
-    shares. On the CPU each image runs through the tower alone (``model.by_spans``); on CUDA
-    every batch runs in one fixed-shape bucket. Under tensor parallelism the all-reduce sums
-    in another order, so rows are not invariant against a single rank.
-    """
+    will submit. ``budgets``: graph token budgets (default: powers of two from ``min_budget``
+    up to ``batch_tokens``). ``deterministic``: an image's output bytes do not depend on the
+    batch it shares (on the CPU each image runs through the tower alone, ``model.by_spans``;
+    on CUDA every batch in one fixed-shape bucket), except under tensor parallelism, whose
+    all-reduces sum in another order."""
 
     def __init__(self, model: VisionTower, features: str = "aligner",
                  attention: str = "auto", out_dtype: torch.dtype = torch.float32, *,
@@ -116,22 +106,18 @@ class Engine:
         if runs_one_shape(model, deterministic):
             # One bucket that holds any single image: every batch runs at the same shapes.
             top = max(self.batch_tokens, max_image_tokens(model.cfg))
-            self.runner = BucketRunner(model, features, [top], max_images,
-                                       max_seqlen=max_image_tokens(model.cfg), capture=graphs)
+            self.runner = self._bucket_runner([top], capture=graphs)
         elif graphs:
-            budgets = list(budgets) if budgets else default_budgets(self.batch_tokens, min_budget)
-            self.runner = BucketRunner(model, features, budgets, max_images,
-                                       max_seqlen=max_image_tokens(model.cfg), capture=True)
+            self.runner = self._bucket_runner(
+                list(budgets) if budgets else default_budgets(self.batch_tokens, min_budget))
         if self.device.type == "cuda":
             self._h2d_stream = torch.cuda.Stream(self.device)
             self._d2h_stream = torch.cuda.Stream(self.device)
 
     def _want_graphs(self, cuda_graphs: bool | None) -> bool:
-        if cuda_graphs is False:
-            return False
-        if self.device.type != "cuda":
-            if cuda_graphs:
-                raise UsageError(f"CUDA graphs need a CUDA device, not {self.device}")
+        if cuda_graphs and self.device.type != "cuda":
+            raise UsageError(f"CUDA graphs need a CUDA device, not {self.device}")
+        if cuda_graphs is False or self.device.type != "cuda":
             return False
         if self.attention_name not in GRAPH_BACKENDS:
             # Asked for explicitly: say so louder than when it is just the default.
@@ -140,6 +126,10 @@ class Engine:
                     self.attention_name)
             return False
         return True
+
+    def _bucket_runner(self, budgets: Sequence[int], capture: bool = True) -> BucketRunner:
+        return BucketRunner(self.model, self.features, budgets, self.max_images,
+                            max_seqlen=max_image_tokens(self.model.cfg), capture=capture)
 
     @property
     def cfg(self):
@@ -168,47 +158,35 @@ class Engine:
     def fit_budgets(self, bin_tokens: Sequence[int], max_budgets: int = 6) -> None:
         """Offline, every batch's size is known before capture: pick the graph budgets that
         pad least (``graphs.fit_budgets``) instead of powers of two. No-op once captured."""
-        runner = self.runner
-        if (runner is None or not runner.capture or runner.graphs or not bin_tokens
-                or self.deterministic):
-            return
-        budgets = fit_budgets(bin_tokens, max_budgets)
-        self.runner = BucketRunner(self.model, self.features, budgets, self.max_images,
-                                   max_seqlen=max_image_tokens(self.model.cfg), capture=True)
+        if self.graphs_enabled and bin_tokens and not (self.runner.graphs or self.deterministic):
+            self.runner = self._bucket_runner(fit_budgets(bin_tokens, max_budgets))
 
     def prepare(self) -> None:
         """Capture the CUDA graphs now (else it happens at the first submit)."""
-        if self.runner is not None and self.runner.capture and not self.runner.graphs:
+        if self.graphs_enabled and not self.runner.graphs:
             self._use_backend()
             with torch.cuda.device(self.device):
                 self.runner.capture_all()
-
-    # -- eager reference path (any device) -------------------------------------------
-    def to_device(self, batch: PackedBatch) -> dict:
-        """Device tensors of a batch: patches, RoPE tables, spans, merge plan."""
-        dev = self.device
-        non_blocking = dev.type == "cuda"
-        positions = batch.positions.to(dev, non_blocking=non_blocking)
-        cos, sin = rope_tables(positions, self.cfg, max((max(g) for g in batch.grids), default=0))
-        return {
-            "patches": batch.patches.to(dev, non_blocking=non_blocking),
-            "cos": cos,
-            "sin": sin,
-            "spans": VarlenSpans.from_lengths(batch.lengths, dev),
-            "merge_index": batch.merge_index.to(dev, non_blocking=non_blocking),
-            "merge_mask": batch.merge_mask.to(dev, non_blocking=non_blocking),
-        }
 
     @torch.inference_mode()
     def forward(self, batch: PackedBatch) -> torch.Tensor:
         """Eager packed forward on the device. Returns (R, width) in the compute dtype."""
         self._use_backend()
-        inputs = self.to_device(batch)
-        if self.deterministic and self.device.type != "cuda":
-            inputs["row_counts"] = batch.row_counts
-        return self.model.forward_packed(features=self.features, **inputs)
+        dev = {k: v.to(self.device) for k, v in self._host_inputs(batch, None)[0].items()}
+        by_image = self.deterministic and self.device.type != "cuda"
+        return self._eager(batch, dev, batch.row_counts if by_image else None)
 
-    # -- public encode API -----------------------------------------------------------
+    def _eager(self, batch: PackedBatch, dev: dict[str, torch.Tensor],
+               row_counts: Sequence[int] | None = None) -> torch.Tensor:
+        """The packed forward of ``batch`` over its exact (unpadded) ``dev`` tensors."""
+        cos, sin = rope_tables(dev["positions"], self.cfg,
+                               max((max(g) for g in batch.grids), default=0))
+        spans = VarlenSpans(dev["cu_seqlens"], max(batch.lengths, default=0),
+                            tuple(batch.lengths))
+        return self.model.forward_packed(dev["patches"], cos, sin, spans, dev.get("merge_index"),
+                                         dev.get("merge_mask"), features=self.features,
+                                         row_counts=row_counts)
+
     def encode(self, batch: PackedBatch) -> list[torch.Tensor]:
         """Encode one packed batch; one host tensor (rows, width) per image, in out_dtype."""
         if self._pending:
@@ -217,8 +195,8 @@ class Engine:
         return self.collect()
 
     def encode_many(self, batches: Iterable[PackedBatch]) -> Iterator[list[torch.Tensor]]:
-        """Encode batches in order, one batch in flight ahead (overlaps transfers with
-        compute on CUDA). Yields each batch's per-image outputs, in order."""
+        """Each batch's per-image outputs, in order, one batch in flight ahead (on CUDA its
+        transfers overlap the compute of the one before)."""
         for batch in batches:
             self.submit(batch)
             if len(self._pending) > 1:
@@ -241,10 +219,9 @@ class Engine:
     def collect(self) -> list[torch.Tensor]:
         """Wait for the oldest submitted batch; its per-image host tensors (rows, width)."""
         job = self._pending.popleft()
-        s = self.stats
-        if job.events:
-            job.events["done"].synchronize()
-            ev = job.events
+        s, ev = self.stats, job.events
+        if ev:
+            ev["done"].synchronize()
             s.h2d_s += ev["h2d0"].elapsed_time(ev["h2d1"]) / 1e3
             s.model_s += ev["m0"].elapsed_time(ev["m1"]) / 1e3
             s.d2h_s += ev["m1"].elapsed_time(ev["done"]) / 1e3
@@ -253,11 +230,10 @@ class Engine:
         s.batches += 1
         s.real_tokens += job.batch.n_tokens
         s.padded_tokens += job.padded
-        s.graph_batches += job.mode == "graph"
+        s.graph_batches += job.graph
         self.last_finite = job.finite is None or bool(job.finite)
         return job.batch.split_rows(job.out)
 
-    # -- CUDA path --------------------------------------------------------------------
     def _host_inputs(self, batch: PackedBatch, bucket: Bucket | None):
         """Host tensors to transfer: bucket-padded (static path) or exact (eager path)."""
         if bucket is not None:
@@ -301,13 +277,7 @@ class Engine:
                 # A copy always: a graph's output buffer is overwritten by the next replay.
                 out = runner.run(bucket, staged.lengths)[:rows].to(self.out_dtype, copy=True)
             else:
-                cos, sin = rope_tables(dev["positions"], self.cfg,
-                                       max((max(g) for g in batch.grids), default=0))
-                spans = VarlenSpans(dev["cu_seqlens"], max(batch.lengths, default=0),
-                                    tuple(batch.lengths))
-                out = self.model.forward_packed(dev["patches"], cos, sin, spans,
-                                                dev.get("merge_index"), dev.get("merge_mask"),
-                                                features=self.features).to(self.out_dtype)
+                out = self._eager(batch, dev).to(self.out_dtype)
             # One reduction on the device instead of a scan of every row on the host.
             finite = torch.isfinite(out).all()
         ev["m1"].record(compute)
@@ -322,10 +292,9 @@ class Engine:
         finite.record_stream(self._d2h_stream)
         if bucket is None:
             self.stats.variant_batches += self.deterministic
-            return _Pending(batch, host_out, 0, "eager", ev, finite=host_finite)
-        mode = "graph" if bucket.tokens in runner.graphs else "static"
-        return _Pending(batch, host_out, bucket.tokens - batch.n_tokens, mode, ev,
-                        finite=host_finite)
+            return _Pending(batch, host_out, 0, False, ev, finite=host_finite)
+        return _Pending(batch, host_out, bucket.tokens - batch.n_tokens,
+                        bucket.tokens in runner.graphs, ev, finite=host_finite)
 
 
 class NonFiniteOutput(DsvError):

@@ -1,6 +1,5 @@
-"""The one place that builds a tower for running, for the command line, the API and
-``bench``: the weights on a device, split over the ranks (before fusion) and fused when
-asked; ``build_engine`` adds the Engine over it."""
+"""The one place that builds a tower for running (command line, API, ``bench``): the weights
+on a device, split over the ranks (before fusion), fused when asked; and the Engine over it."""
 
 from __future__ import annotations
 
@@ -17,15 +16,14 @@ from .engine import Engine, runs_one_shape
 def build_model(ckpt: Checkpoint, device: torch.device | None = None, *, fused: bool = False,
                 deterministic: bool = True,
                 split: Callable[[VisionTower], object] | None = None) -> VisionTower:
-    """The tower of ``ckpt`` on ``device``. ``split(model)``: splits its weights over the
-    ranks (tensor parallelism), before anything else sees it. ``fused``: compiled elementwise
-    kernels (``tower/fusion``), specialized to one shape when an Engine made with
-    ``deterministic`` runs every batch at one shape."""
+    """The tower of ``ckpt`` on ``device``. ``split(model)``: splits its weights over the ranks
+    (tensor parallelism) first. ``fused``: compiled elementwise kernels (``tower/fusion``), of
+    one shape when an Engine with ``deterministic`` runs every batch at one shape."""
     model = build_tower(ckpt, device) if device is not None else build_tower(ckpt)
     if split is not None:
         split(model)
-    if fused:
-        from ..tower.fusion import fuse_elementwise  # torch.compile's import is slow: only when asked
+    if fused:  # torch.compile's import is slow: only when asked
+        from ..tower.fusion import fuse_elementwise
 
         fuse_elementwise(model, dynamic=not runs_one_shape(model, deterministic))
     return model
@@ -34,7 +32,8 @@ def build_model(ckpt: Checkpoint, device: torch.device | None = None, *, fused: 
 def build_engine(ckpt: Checkpoint, device: torch.device, *, features: str = "aligner",
                  attention: str = "auto", out_dtype: torch.dtype = torch.float32,
                  cuda_graphs: bool | None = None, batch_tokens: int | None = None,
-                 max_images: int = DEFAULT_MAX_IMAGES, deterministic: bool = True, fused: bool = False,
+                 max_images: int = DEFAULT_MAX_IMAGES, deterministic: bool = True,
+                 fused: bool = False,
                  split: Callable[[VisionTower], object] | None = None) -> Engine:
     """``build_model`` and the Engine over it (the arguments as ``Engine``'s)."""
     model = build_model(ckpt, device, fused=fused, deterministic=deterministic, split=split)

@@ -2,25 +2,26 @@
 
 A *bucket* fixes every shape of one packed forward: T tokens (the budget), R aligner rows, B
 images and the ``max_seqlen`` handed to the attention kernel. A batch runs in the smallest
-bucket that holds it, padded up to the bucket's shapes:
+bucket that holds it, padded up to the bucket's shapes, and the padding cannot leak:
 
-- tokens past the real ones lie outside every span: the B+1 ``cu_seqlens`` slots past the real
-  images repeat the last offset (zero-length sequences), so attention never reads or writes
-  them, and all other ops are row-wise, so whatever those rows hold stays in those rows;
+- the B+1 ``cu_seqlens`` slots past the real images repeat the last offset (zero-length
+  sequences), so attention never reads or writes the tokens past the real ones, and all
+  other ops are row-wise, so whatever those rows hold stays in those rows;
 - merge rows past the real ones point at row 0 (always a real token) with an all-False mask,
-  and ``merge_gather`` selects with ``where``, so even NaN garbage cannot leak into them;
+  and ``merge_gather`` selects with ``where``, so even NaN garbage stays out of them;
 - only the first ``rows`` output rows are read back.
 
-``BucketRunner`` does all of this with plain eager calls when ``capture`` is off (any device,
-any attention backend) and with one captured CUDA graph per bucket when it is on.
-"""
+``BucketRunner`` runs the buckets eagerly (any device, any attention backend) or, with
+``capture``, as one captured CUDA graph each."""
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import logging
 import math
 import time
-from dataclasses import dataclass
+from collections import Counter
 from typing import Sequence
 
 import torch
@@ -51,35 +52,24 @@ def fit_budgets(bin_tokens: Sequence[int], max_budgets: int = 4, quantum: int = 
     batch taking the smallest budget that holds it; the largest size is always one.
 
     An optimal set only needs batch sizes as budgets (lowering a budget to the largest size it
-    serves only removes padding), so a dynamic program over the m distinct sizes is exact.
-    """
-    sizes: dict[int, int] = {}
-    for n in bin_tokens:
-        if n > 0:
-            q = -(-n // quantum) * quantum
-            sizes[q] = sizes.get(q, 0) + 1
+    serves only removes padding), so a dynamic program over the m distinct sizes is exact."""
+    sizes = Counter(-(-n // quantum) * quantum for n in bin_tokens if n > 0)
     if not sizes:
         return []
     vals = sorted(sizes)
-    cnt = [sizes[v] for v in vals]
     m = len(vals)
     # pad(i, j): padding of the sizes i..j (inclusive) served by budget vals[j].
-    pre_c = [0] * (m + 1)
-    pre_s = [0] * (m + 1)
-    for i in range(m):
-        pre_c[i + 1] = pre_c[i] + cnt[i]
-        pre_s[i + 1] = pre_s[i] + cnt[i] * vals[i]
+    pre_c = [0, *itertools.accumulate(sizes[v] for v in vals)]
+    pre_s = [0, *itertools.accumulate(sizes[v] * v for v in vals)]
 
     def pad(i: int, j: int) -> int:
         return vals[j] * (pre_c[j + 1] - pre_c[i]) - (pre_s[j + 1] - pre_s[i])
 
-    inf = float("inf")
     k_max = min(max_budgets, m)
     # best[k][j]: least padding of sizes 0..j with k budgets, the largest being vals[j].
-    best = [[inf] * m for _ in range(k_max + 1)]
+    best = [[float("inf")] * m for _ in range(k_max + 1)]
     choice = [[-1] * m for _ in range(k_max + 1)]
-    for j in range(m):
-        best[1][j] = pad(0, j)
+    best[1] = [pad(0, j) for j in range(m)]
     for k in range(2, k_max + 1):
         for j in range(m):
             for i in range(j):
@@ -103,14 +93,13 @@ def row_bound(tokens: int, images: int, r: int = 3, max_aspect: float = 8.0) -> 
     since one n_h x n_w grid gives r^2 * rows <= (n_h + r-1)(n_w + r-1), n_h + n_w <=
     c * sqrt(n_h*n_w), and sum sqrt(N_i) <= sqrt(B*T) (Cauchy-Schwarz); also rows <= T. A batch
     outside the aspect assumption is still checked exactly (``BucketRunner.choose``): it takes
-    a larger bucket or runs eagerly, never overflows.
-    """
+    a larger bucket or runs eagerly, never overflows."""
     c = math.sqrt(max_aspect) + 1.0 / math.sqrt(max_aspect)
     bound = (tokens + (r - 1) * c * math.sqrt(images * tokens) + images * (r - 1) ** 2) / r ** 2
     return max(1, min(tokens, math.floor(bound)))
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class Bucket:
     """Fixed shapes of one static forward."""
 
@@ -120,15 +109,14 @@ class Bucket:
     max_seqlen: int  # handed to the attention kernel; every real image must fit
 
 
-@dataclass
+@dataclasses.dataclass
 class StagedInputs:
     """A batch laid out for one bucket (host or device tensors, same fields).
 
     patches (n, 3*p*p) and positions (n, 2) hold the n real tokens only (the bucket's tail
     rows are never read by a real row, so they are not copied); cu_seqlens (B+1,) int32 and
     merge_index / merge_mask (R, r*r) are full-size with the padding already filled in.
-    lengths: real span lengths then zeros, B entries (host; SDPA needs them).
-    """
+    lengths: real span lengths then zeros, B entries (host; SDPA needs them)."""
 
     patches: torch.Tensor
     positions: torch.Tensor
@@ -138,14 +126,11 @@ class StagedInputs:
     lengths: tuple[int, ...]
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        out = {"patches": self.patches, "positions": self.positions, "cu_seqlens": self.cu_seqlens}
-        if self.merge_index is not None:
-            out["merge_index"], out["merge_mask"] = self.merge_index, self.merge_mask
-        return out
+        """The tensor fields by name (the merge plan only for aligner features)."""
+        return {k: v for k, v in vars(self).items() if isinstance(v, torch.Tensor)}
 
     def replace(self, tensors: dict[str, torch.Tensor]) -> "StagedInputs":
-        return StagedInputs(tensors["patches"], tensors["positions"], tensors["cu_seqlens"],
-                            tensors.get("merge_index"), tensors.get("merge_mask"), self.lengths)
+        return dataclasses.replace(self, **tensors)
 
 
 class BucketRunner:
@@ -153,8 +138,7 @@ class BucketRunner:
 
     One set of static input buffers, sized for the largest bucket, is shared by all buckets
     (each reads a prefix). With ``capture``, every bucket's forward is captured once, largest
-    first, into one shared memory pool (smaller graphs reuse the largest one's scratch).
-    """
+    first, into one shared memory pool (smaller graphs reuse the largest one's scratch)."""
 
     def __init__(self, model: VisionTower, features: str, budgets: Sequence[int],
                  max_images: int, max_seqlen: int | None = None, capture: bool = False,
@@ -167,10 +151,9 @@ class BucketRunner:
         self.capture = capture
         cfg = model.cfg
         self.r = cfg.downsample_ratio
-        seq_cap = max_seqlen or max(budgets)
-        # Every coordinate is below an image's token count, so below seq_cap: build the RoPE
+        # Every coordinate is below an image's token count, so below max_seqlen: build the RoPE
         # tables that far now (a graph capture cannot grow them).
-        self.max_position = seq_cap
+        seq_cap = self.max_position = max_seqlen or max(budgets)
         rope_table(cfg, self.device, seq_cap + 1)
         self.buckets = [
             Bucket(tokens=t,
@@ -193,16 +176,12 @@ class BucketRunner:
         self.outputs: dict[int, torch.Tensor] = {}
         self.capture_s = 0.0
 
-    # -- planning (host) ----------------------------------------------------------
     def choose(self, batch: PackedBatch) -> Bucket | None:
         """Smallest bucket that holds the batch's tokens, rows, images and longest image."""
         rows = batch.n_rows if self.features == "aligner" else batch.n_tokens
         longest = max(batch.lengths, default=0)
-        for b in self.buckets:
-            if (batch.n_tokens <= b.tokens and rows <= b.rows and len(batch.lengths) <= b.images
-                    and longest <= b.max_seqlen):
-                return b
-        return None
+        return next((b for b in self.buckets if batch.n_tokens <= b.tokens and rows <= b.rows
+                     and len(batch.lengths) <= b.images and longest <= b.max_seqlen), None)
 
     def stage(self, batch: PackedBatch, bucket: Bucket) -> StagedInputs:
         """Host tensors of ``batch`` padded to ``bucket`` (see StagedInputs)."""
@@ -210,16 +189,12 @@ class BucketRunner:
         cu = torch.zeros(bucket.images + 1, dtype=torch.int32)
         cu[1:] = torch.cumsum(torch.tensor(lengths, dtype=torch.int64), 0).to(torch.int32)
         index = mask = None
-        if self.features == "aligner":
-            rr = self.r * self.r
-            n = batch.merge_index.shape[0]
-            index = torch.zeros(bucket.rows, rr, dtype=torch.int64)
-            index[:n] = batch.merge_index
-            mask = torch.zeros(bucket.rows, rr, dtype=torch.bool)
-            mask[:n] = batch.merge_mask
+        if self.features == "aligner":  # zero index, False mask: see the module doc
+            pad = (bucket.rows - batch.merge_index.shape[0], self.r * self.r)
+            index = torch.cat([batch.merge_index, torch.zeros(pad, dtype=torch.int64)])
+            mask = torch.cat([batch.merge_mask, torch.zeros(pad, dtype=torch.bool)])
         return StagedInputs(batch.patches, batch.positions, cu, index, mask, lengths)
 
-    # -- device work ----------------------------------------------------------------
     @torch.inference_mode()
     def load(self, staged: StagedInputs) -> None:
         """Copy staged (device) inputs into the static buffers."""
@@ -246,11 +221,10 @@ class BucketRunner:
 
     @torch.inference_mode()
     def run(self, bucket: Bucket, lengths: tuple[int, ...]) -> torch.Tensor:
-        """Forward of what ``load`` put in the buffers. Returns the bucket's full output
-        (R or T rows); only the batch's first rows are meaningful. With graphs the tensor is
-        the graph's static output, valid until the next ``run`` of any bucket (the graphs
-        share one pool, so another graph's scratch may overlay it): copy what you need first,
-        on the same stream."""
+        """Forward of what ``load`` put in the buffers: the bucket's full output (R or T rows),
+        of which the batch's first rows are meaningful. With graphs it is the graph's static
+        output, valid until the next ``run`` of any bucket (the graphs share one pool, so
+        another graph's scratch may overlay it): copy what you need first, on the same stream."""
         graph = self.graphs.get(bucket.tokens)
         if graph is not None:
             graph.replay()
@@ -258,10 +232,8 @@ class BucketRunner:
         return self._forward(bucket, lengths)
 
     def capture_all(self) -> None:
-        """Capture one graph per bucket (largest first, one shared pool); logs the cost.
-
-        On any capture error, logs it and leaves the runner eager (same results, no graphs).
-        """
+        """Capture one graph per bucket (largest first, one shared pool); logs the cost. On any
+        capture error, logs it and leaves the runner eager (same results, no graphs)."""
         if not self.capture or self.graphs:
             return
         began = time.perf_counter()
@@ -303,15 +275,12 @@ class BucketRunner:
 
     def encode_host(self, batch: PackedBatch) -> torch.Tensor | None:
         """Whole static path for a host-side caller (tests, CPU): choose, stage, load, run.
-
-        Returns (rows, width) in the compute dtype, or None when no bucket holds the batch.
-        """
+        Returns (rows, width) in the compute dtype, or None when no bucket holds the batch."""
         bucket = self.choose(batch)
         if bucket is None:
             return None
         staged = self.stage(batch, bucket)
-        dev = staged.replace({k: v.to(self.device) for k, v in staged.tensors().items()})
-        self.load(dev)
+        self.load(staged.replace({k: v.to(self.device) for k, v in staged.tensors().items()}))
         out = self.run(bucket, staged.lengths)
         rows = batch.n_rows if self.features == "aligner" else batch.n_tokens
         return out[:rows].clone()

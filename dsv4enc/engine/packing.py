@@ -1,8 +1,7 @@
 """Many images in one forward, on the host (which images share a batch is planned in
 ``run/plan``). A ``PackedBatch`` carries the concatenated patches, the span lengths (for
 ``cu_seqlens``), per-token (row, col) positions for the RoPE tables, and the gather indices
-and mask that reproduce each image's pad-and-unfold merge.
-"""
+and mask that reproduce each image's pad-and-unfold merge."""
 
 from __future__ import annotations
 
@@ -26,12 +25,9 @@ def output_grid(n_h: int, n_w: int, r: int, features: str) -> tuple[int, int]:
 
 
 def merge_plan(n_h: int, n_w: int, r: int, base: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Gather plan of one image's merge.
-
-    Returns index (R, r*r) int64 into packed ViT rows (offset by ``base``) and mask (R, r*r)
-    bool, False where the source patch lies past the image's edge (its index then points at
-    the image's first row, a real row, and is zeroed by the mask).
-    """
+    """Gather plan of one image's merge: index (R, r*r) int64 into packed ViT rows (offset by
+    ``base``) and mask (R, r*r) bool, False where the source patch lies past the image's edge
+    (its index then points at the image's first row, a real row, and the mask zeroes it)."""
     index, mask = _merge_plan_at_zero(n_h, n_w, r)
     return index + base, mask.clone()
 
@@ -88,15 +84,12 @@ PatchBuffer = Callable[[int, int, torch.dtype], torch.Tensor]
 
 def concat_patches(patches: Sequence[torch.Tensor], buffer: PatchBuffer | None = None,
                    ) -> torch.Tensor:
-    """The images' patches one after another, in ``buffer(tokens, width, dtype)`` when
-    given (the engine's staging memory) or a new tensor.
-
-    Copied by numpy on the calling thread: ``torch.cat`` would split large copies over
-    torch's intra-op threads, which then spin and take CPU from the decode workers."""
-    first = patches[0] if patches else None
-    width = first.shape[1] if first is not None else 0
+    """The images' patches one after another, in ``buffer(tokens, width, dtype)`` when given
+    (the engine's staging memory) or a new tensor. Copied by numpy on the calling thread:
+    ``torch.cat`` would split large copies over torch's intra-op threads, which then spin and
+    take CPU from the decode workers."""
+    width, dtype = (patches[0].shape[1], patches[0].dtype) if patches else (0, torch.bfloat16)
     tokens = sum(int(t.shape[0]) for t in patches)
-    dtype = first.dtype if first is not None else torch.bfloat16
     out = (buffer(tokens, width, dtype) if buffer is not None
            else torch.empty(tokens, width, dtype=dtype))
     if any(t.dtype != out.dtype or t.device.type != "cpu" for t in patches):

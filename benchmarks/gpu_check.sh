@@ -87,7 +87,7 @@ step() {
 
 step env 60 $PY - <<EOF
 import platform, torch
-from dsv4enc.attention import available_backends
+from dsv4enc.tower.attention import available_backends
 print("python", platform.python_version(), "torch", torch.__version__,
       "cuda", torch.version.cuda, "available", torch.cuda.is_available())
 if torch.cuda.is_available():
@@ -110,8 +110,8 @@ else
     echo "golden: skipped (no $GOLDEN)" >>"$SUMMARY"
 fi
 
-TESTS="tests/test_attention.py tests/test_graphs.py tests/test_engine.py"
-[ -f "$GOLDEN/expected.json" ] && [ -f tests/test_golden.py ] && TESTS="$TESTS tests/test_golden.py"
+TESTS="tests/test_tower_attention.py tests/test_engine_graphs.py tests/test_engine_engine.py"
+[ -f "$GOLDEN/expected.json" ] && [ -f tests/test_tower_golden.py ] && TESTS="$TESTS tests/test_tower_golden.py"
 step pytest 90 $PY -m pytest -q -x -p no:cacheprovider $TESTS
 
 step invariance 70 $PY benchmarks/device_check.py --device "$DEVICE" --sections invariance \

@@ -182,6 +182,10 @@ def test_a_single_file_update_copies_its_unchanged_parts_by_bytes(tmp_path, monk
     again = run_encode(options(images, out, update=True))  # nothing changed since
     assert (again.encoded, again.reused, carried) == (0, N_OLD + 2, [])
     assert pq.read_table(out).equals(pq.read_table(clean_out))
+    # other parts (and so another footer): nothing to copy, every row is carried
+    other = run_encode(options(images, out, update=True, part_images=PART + 1))
+    assert (other.encoded, other.reused, len(carried)) == (0, N_OLD + 2, N_OLD + 2)
+    assert pq.read_table(out).equals(pq.read_table(clean_out))
 
 
 def test_update_of_a_bucket_output(s3, tmp_path, clean):

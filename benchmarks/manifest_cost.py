@@ -8,7 +8,9 @@ starts, resumes or finishes; and the bytes a whole run writes for its output.
     python benchmarks/manifest_cost.py --run 2000 --part-images 50 --update 1,5 [--out-kind file]
 
 Bytes are this process's, from /proc/self/io: ``wchar`` (bytes handed to write calls) and
-``write_bytes`` (bytes sent to the disk, less ``cancelled_write_bytes``).
+``write_bytes`` (bytes sent to the disk, less ``cancelled_write_bytes``). A single file's update
+copies its kept parts' bytes into the new file (``copy_file_range``: counted in ``wchar``, and
+written to the disk unless the file system shares extents, as XFS and btrfs do).
 """
 
 from __future__ import annotations

@@ -182,6 +182,44 @@ def test_a_single_file_update_copies_its_unchanged_parts_by_bytes(tmp_path, monk
     again = run_encode(options(images, out, update=True))  # nothing changed since
     assert (again.encoded, again.reused, carried) == (0, N_OLD + 2, [])
     assert pq.read_table(out).equals(pq.read_table(clean_out))
+    # other parts (and so another footer): nothing to copy, every row is carried
+    other = run_encode(options(images, out, update=True, part_images=PART + 1))
+    assert (other.encoded, other.reused, len(carried)) == (0, N_OLD + 2, N_OLD + 2)
+    assert pq.read_table(out).equals(pq.read_table(clean_out))
+
+
+def test_an_interrupted_single_file_update_keeps_the_parts_it_copied(tmp_path, monkeypatch):
+    """The copied parts are committed like encoded ones: an update that fails at its first
+    commit leaves them journaled, and the rerun reuses them (it copies and carries no more)."""
+    from dsv4enc.errors import OutputError
+    from dsv4enc.output import update as update_module
+    from dsv4enc.output.appending import AppendingStore
+
+    images = old_images(tmp_path / "in")
+    out = tmp_path / "e.parquet"
+    run_encode(options(images, out))
+    noise(images / "img004.png", 104, (20, 14))  # changed, in the second part (3-5)
+
+    def full(*args, **kwargs):
+        raise OutputError("no space left on device")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(AppendingStore, "commit", full)
+        with pytest.raises(OutputError):
+            run_encode(options(images, out, update=True))
+    journal = load_manifest(out.with_name("e.parquet.partial") / "_manifest.json")["parts"]
+    assert sorted(part["start"] for part in journal.values()) == [0, 6, 9]
+    carried, copied = [], []
+    row, copy = update_module.CarriedRows.row, AppendingStore.copy_groups
+    monkeypatch.setattr(update_module.CarriedRows, "row",
+                        lambda self, index, key: carried.append(index) or row(self, index, key))
+    monkeypatch.setattr(AppendingStore, "copy_groups",
+                        lambda self, name, *rest: copied.append(name) or copy(self, name, *rest))
+    summary = run_encode(options(images, out, update=True))
+    assert (summary.encoded, summary.reused, sorted(carried), copied) == (1, N_OLD - 1, [3, 5], [])
+    clean_out = tmp_path / "clean.parquet"
+    run_encode(options(images, clean_out))
+    assert pq.read_table(out).equals(pq.read_table(clean_out))
 
 
 def test_update_of_a_bucket_output(s3, tmp_path, clean):

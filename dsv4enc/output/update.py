@@ -30,8 +30,9 @@ from typing import Any, Iterable, Sequence
 import numpy as np
 
 from ..errors import OutputError, UsageError
-from .parts import (MANIFEST_NAME, PART_FILE, TRANSIENT_ERRORS, PartStore, Row, fsync_dir,
-                    manifest_document, read_manifest, temp_path, utf8_text, write_json_atomic)
+from .parts import (MANIFEST_NAME, PART_FILE, TRANSIENT_ERRORS, PartLedger, PartStore, Row,
+                    fsync_dir, manifest_document, read_manifest, temp_path, utf8_text,
+                    write_json_atomic)
 from ..images.headers import inputs_digest
 from .read import embedding_arrays, embedding_format
 
@@ -205,7 +206,6 @@ class OldOutput:
 
 
 def _row_groups(files: Sequence[Path]) -> Iterable[tuple[Any, int]]:
-    """(Parquet file, row group) of ``files``, in order."""
     import pyarrow.parquet as pq
 
     for path in files:
@@ -316,7 +316,7 @@ class Update:
         return {index: self._reader.row(self.carried[index], planned[index].item.key)
                 for index in indices if index in self.carried}
 
-    def keep_parts(self, store: PartStore, todo: Sequence, planned: Sequence) -> tuple[list, int]:
+    def keep_parts(self, store: PartLedger, todo: Sequence, planned: Sequence) -> tuple[list, int]:
         """Old parts whose rows this run takes unchanged, in order and on its segment bounds,
         are kept (a folder's file by reference, a single file's row groups copied by bytes),
         their segments dropped from ``todo``. Returns the segments left and the rows kept."""

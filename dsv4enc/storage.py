@@ -163,8 +163,8 @@ def _s3(url: str, options: dict) -> "pafs.FileSystem":
         region = _env_region()
         if region:
             kwargs["region"] = region
-        elif not endpoint:  # a real AWS bucket: ask where it lives (else the SDK's default:
-            with suppress(OSError, ValueError):  # a wrong one fails with a clear line later)
+        elif not endpoint:  # a real AWS bucket: ask where it lives
+            with suppress(OSError, ValueError):  # else the SDK's default; a wrong one fails clearly
                 kwargs["region"] = pafs.resolve_s3_region(_bucket(url))
     # The SDK retries each request (3 tries, quick backoff); ``retrying`` adds slower rounds.
     # Its time limits are the SDK's defaults, set here so that ``stop_bound_s`` knows them.
@@ -248,7 +248,7 @@ def setup_error(url: str, exc: BaseException) -> StorageError:
 
 @contextmanager
 def _setup_errors(url: str) -> Iterator[None]:
-    """The block's ``OSError`` raised as its ``setup_error``."""
+    """An ``OSError`` in the block raised as the ``StorageError`` of ``setup_error``."""
     try:
         yield
     except OSError as exc:
@@ -612,10 +612,9 @@ def _check_bucket(url: str) -> None:
     if scheme_of(url) not in _BUCKET_SCHEMES:  # no buckets (memory://, ...): nothing to check
         return
     fs, _ = filesystem(url)
-    bucket = _bucket(url)
-    found = retrying(lambda: fs.get_file_info(bucket), store=store_of(url))
+    found = retrying(lambda: fs.get_file_info(_bucket(url)), store=store_of(url))
     if found.type.name == "NotFound":
-        raise StorageError(f"{scheme_of(url)}://{bucket}: bucket not found")
+        raise StorageError(f"{store_of(url)}: bucket not found")
 
 
 def list_files(url: str) -> list[ObjectInfo]:
@@ -655,7 +654,7 @@ def _pages(client, url: str) -> Iterator[ObjectInfo]:
     markers (``dir/``) passed over."""
     bucket, _, path = url.split("://", 1)[1].partition("/")
     prefix = f"{path.strip('/')}/" if path.strip("/") else ""
-    args, first = {"Bucket": bucket, "Prefix": prefix}, True
+    args = {"Bucket": bucket, "Prefix": prefix}
     while True:
         with _setup_errors(url):
             try:
@@ -663,9 +662,8 @@ def _pages(client, url: str) -> Iterator[ObjectInfo]:
                                 store=store_of(url))
             except FileNotFoundError:  # no such bucket: the message of every other listing
                 page = {}
-            if first and not page.get("Contents"):
+            if "ContinuationToken" not in args and not page.get("Contents"):  # the first page
                 _check_bucket(url)
-        first = False
         for entry in page.get("Contents", []):
             key = entry["Key"][len(prefix):]
             if key and not key.endswith("/"):
@@ -714,8 +712,7 @@ def read_range(url: str, offset: int, size: int) -> bytes:
 
 
 def read_head(url: str, size: int) -> tuple[bytes, int]:
-    """The first ``size`` bytes of the object (fewer when it is smaller) and the object's
-    whole size, in one ranged request where the client allows (retried)."""
+    """The first ``size`` bytes (fewer if smaller) and the object's size: one GET where it can."""
     return _read(url, 0, size)
 
 
@@ -773,7 +770,8 @@ _DIRECT: dict[int, object] = {}  # by process: a botocore S3 client, or None (py
 
 
 def _direct(url: str):
-    """This process's botocore client for ``s3://`` reads, or None (other scheme or options)."""
+    """This process's botocore S3 client for ``s3://`` reads, or None (another scheme, no
+    botocore, or options only pyarrow takes)."""
     if scheme_of(url) not in ("s3", "s3a"):
         return None
     pid = os.getpid()

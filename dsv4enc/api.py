@@ -59,11 +59,10 @@ class EncodeError(ValueError):
 
 
 def image_source(image: Any) -> tuple[Any, str | None]:
-    """What to read of one input, and the name it carries (None: it has none).
-
-    A ``{"bytes", "path"}`` dict (``datasets``' ``Image(decode=False)``) gives its bytes, else
-    its path, and is named by its path; a path gives its text, which names it; bytes-like
-    input gives ``bytes``; anything else is itself, unnamed."""
+    """What to read of one input, and the name it carries (None: it has none): a ``{"bytes",
+    "path"}`` dict (``datasets``' ``Image(decode=False)``) gives its bytes, else its path, and
+    is named by its path; a path gives and names its text; bytes-like input gives ``bytes``;
+    anything else is itself, unnamed."""
     if isinstance(image, Mapping):
         data, named = image.get("bytes"), image.get("path")
         name = os.fspath(named) if isinstance(named, (str, os.PathLike)) and named else None
@@ -157,10 +156,8 @@ class Encoder:
         if decode_threads is None:
             decode_threads = 0 if self.device.type == "cpu" else min(8, available_cpus())
         self.decode_threads = max(0, decode_threads)
-        self.max_pixels = max_pixels
-        self.attention = attention
-        self.cuda_graphs = cuda_graphs
-        self.deterministic = deterministic
+        self.max_pixels, self.attention = max_pixels, attention
+        self.cuda_graphs, self.deterministic = cuda_graphs, deterministic
         self.model = build_model(checkpoint, self.device, fused=fused, deterministic=deterministic)
         self.engines: dict[str, Engine] = {}  # per features, built on first use (read-only)
 
@@ -170,9 +167,8 @@ class Encoder:
                         dtype: str | torch.dtype = "auto", **options: Any) -> "Encoder":
         """Load a checkpoint folder (only the tower's tensors are read) or a Hugging Face Hub
         id such as ``deepseek-ai/DeepSeek-V4-Flash-Vision-Exp`` (needs ``dsv4enc[hub]``).
-
-        ``dtype``: compute dtype, ``"auto"`` (as ``--dtype auto``), a name or a
-        ``torch.dtype``. ``options``: see the class docstring."""
+        ``dtype``: compute dtype, ``"auto"`` (as ``--dtype auto``), a name or a ``torch.dtype``;
+        ``options``: see the class docstring."""
         from .tower.hub import resolve_weights
 
         resolved = resolve_device(device)
@@ -228,8 +224,7 @@ class Encoder:
         image, which returns one tensor. Raises ``EncodeError`` naming the first image that
         cannot be read (``TypeError`` for an unsupported kind of input) before encoding
         anything after it, or one whose embedding is not finite in ``out_dtype`` (float16
-        overflows past 65504): inf or NaN is never returned.
-        """
+        overflows past 65504): inf or NaN is never returned."""
         if isinstance(images, np.ndarray) and images.ndim == 4:
             images = list(images)  # a stacked batch (N, H, W, C)
         elif self._is_single(images):
@@ -248,8 +243,7 @@ class Encoder:
         be read yields ``(key, error)``, the Parquet ``error`` column's text, and the stream
         goes on; an embedding not finite in ``out_dtype`` raises ``EncodeError`` (a setting to
         change, not one image's fault). Images are read about ``2 * batch_tokens`` patches
-        ahead of the device.
-        """
+        ahead of the device."""
         return self._stream(images, features, pool, batch_tokens, raise_errors=False)
 
     # -- internals ---------------------------------------------------------------------
@@ -293,9 +287,8 @@ class Encoder:
                 if storage.is_url(image):  # an object in a store (s3://...): read it whole
                     image = storage.read_bytes(image)
                 decoded = decode_image(image, self.config, self.max_pixels)
-                if decoded.error is not None:
-                    item.error = decoded.error
-                else:
+                item.error = decoded.error
+                if decoded.error is None:
                     item.patches = patches_tensor(decoded)
                     item.n_h, item.n_w = decoded.n_h, decoded.n_w
             else:

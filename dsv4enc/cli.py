@@ -103,10 +103,9 @@ def _panel(title: str, **options):
     return options
 
 
-#: ``encode``'s parameters, name -> (type, Typer argument or option), panel by panel in the
-#: order ``--help`` shows them: ``encode``'s signature is built from here, so that each
-#: one's type, help, default and panel are written once (tests/test_cli.py checks that every
-#: option is placed). INPUTS has Typer's own "Arguments" panel.
+#: ``encode``'s parameters, name -> (type, Typer argument or option), in ``--help``'s order:
+#: its signature is built from here, so each one's type, help, default and panel are written
+#: once (tests/test_cli.py checks that every option is placed). INPUTS: Typer's "Arguments".
 _ENCODE_PARAMETERS: dict[str, tuple[Any, Any]] = {
     "inputs": (List[str], typer.Argument(
         None,
@@ -347,15 +346,6 @@ def encode(ctx: typer.Context, **given: Any) -> None:
     _encode_command(opts, storage_option, quiet, summary_json, started, ray_opts)
 
 
-def _say_if_nothing_found(opts, summary) -> None:
-    """Under ``--quiet`` too, an empty run says so (the run's own warning is hidden there)."""
-    if not (summary.encoded or summary.failed or summary.reused):
-        from .images.discover import nothing_found
-
-        line = nothing_found(opts.inputs, opts.files_from, summary.skipped)
-        typer.echo(f"WARNING dsv4enc: {line}", err=True)
-
-
 def _encode_command(opts, storage_option: list[str] | None, quiet: bool,
                     summary_json: str | None, started: float, ray_opts=None) -> None:
     """``encode`` with its options built: storage and log settings, signals, the listing
@@ -409,7 +399,12 @@ def _encode_command(opts, storage_option: list[str] | None, quiet: bool,
             if summary_json:
                 write_summary_json(summary_json, summary)
             if quiet:
-                _say_if_nothing_found(opts, summary)
+                if not (summary.encoded or summary.failed or summary.reused):
+                    from .images.discover import nothing_found
+
+                    # an empty run says so under --quiet too (the run's own warning is hidden)
+                    line = nothing_found(opts.inputs, opts.files_from, summary.skipped)
+                    typer.echo(f"WARNING dsv4enc: {line}", err=True)
                 typer.echo(summary.out)
             else:
                 print_summary(summary)
@@ -564,10 +559,9 @@ def bench(
 
 
 def main() -> None:
-    """Console-script entry point. Once a command has finished (its output committed, its
-    workers and process group shut down), the process ends with ``os._exit`` after flushing
-    stdio and logging: tearing down an interpreter that has imported torch is slow, and
-    nothing is left to do. In-process callers (tests, scripts) use ``app`` instead."""
+    """Console-script entry point: once the command has finished (output committed, workers
+    shut down), ``os._exit`` after flushing stdio and logging, as tearing down an interpreter
+    that imported torch is slow. In-process callers (tests, scripts) use ``app`` instead."""
     global _process_started
     import time
 

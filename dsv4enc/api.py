@@ -20,11 +20,13 @@ from typing import TYPE_CHECKING, Any, Iterable, Iterator, Mapping, Union
 
 import numpy as np
 import torch
+from PIL import Image
 
 from . import storage
 from .errors import check_choice
 from .tower.checkpoint import Checkpoint, load_checkpoint, random_checkpoint
 from .tower.config import Attention, VisionConfig
+from .tower.transform import image_to_patches, plan_canvas
 from .images.formats import DEFAULT_MAX_PIXELS
 from .images.decode import decode_image, describe_error, patches_tensor
 from .engine.defaults import (DEFAULT_MAX_IMAGES, FEATURES, POOLS, Features, Pool,
@@ -94,8 +96,6 @@ class _Prepared:
 
 
 def _array_to_image(array: np.ndarray):
-    from PIL import Image
-
     if array.dtype == np.uint16 and array.ndim == 2:
         return Image.fromarray(array)  # 16-bit gray: scaled to 8 bits like a 16-bit file
     if array.dtype != np.uint8:
@@ -249,8 +249,6 @@ class Encoder:
     # -- internals ---------------------------------------------------------------------
     @staticmethod
     def _is_single(images: Any) -> bool:
-        from PIL import Image
-
         return isinstance(images, (Image.Image, np.ndarray, str, os.PathLike, bytes,
                                    bytearray, memoryview, Mapping))
 
@@ -265,10 +263,6 @@ class Encoder:
 
     def _prepare(self, index: int, entry: Any) -> _Prepared:
         """Split off the key and transform one input (runs on decode threads)."""
-        from PIL import Image
-
-        from .tower.transform import image_to_patches
-
         key, image = entry if isinstance(entry, tuple) and len(entry) == 2 else (None, entry)
         is_dict = isinstance(image, Mapping)  # Hugging Face Image feature with decode=False
         image, name = image_source(image)
@@ -360,8 +354,6 @@ class Encoder:
     def grid_for(self, size: tuple[int, int], features: str | None = None) -> tuple[int, int]:
         """``(grid_h, grid_w)`` of the embedding rows of an image of ``size`` = (width,
         height) pixels (``PIL.Image.Image.size``): a result reshaped with it is the 2D grid."""
-        from .tower.transform import plan_canvas
-
         canvas = plan_canvas(size[0], size[1], self.config)
         return output_grid(canvas.n_h, canvas.n_w, self.config.downsample_ratio,
                            features or self.features)

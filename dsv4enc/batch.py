@@ -19,10 +19,12 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pyarrow as pa
 
+from . import storage
 from .engine.defaults import Features, Pool
 from .errors import check_choice
+from .images.formats import DEFAULT_MAX_PIXELS
 from .output import LAYOUTS, STORED_DTYPES, Layout, StoredDtype
-from .output.parts import OUTPUT_COLUMNS
+from .output.parts import OUTPUT_COLUMNS, Row, output_schema, rows_to_table
 
 if TYPE_CHECKING:
     from .api import Encoder
@@ -87,8 +89,6 @@ class BatchEncoder:
                  pool: Pool = "none", out_dtype: StoredDtype = "float16", layout: Layout = "binary",
                  max_pixels: int | None = None, keep_columns: bool = True,
                  **options: Any) -> None:
-        from .images.formats import DEFAULT_MAX_PIXELS
-
         check_choice("out_dtype", out_dtype, STORED_DTYPES)
         check_choice("layout", layout, LAYOUTS)
         if weights is None and config is None:
@@ -106,8 +106,6 @@ class BatchEncoder:
         self.max_pixels = DEFAULT_MAX_PIXELS if max_pixels is None else max_pixels
         self.pid = os.getpid()  # the process the engine was built in
         self.encoder = self._build()
-        from .output.parts import output_schema
-
         self.schema = output_schema(self.encoder.width(), out_dtype, self.settings(),
                                     pooled=pool == "mean", layout=layout)
 
@@ -198,14 +196,11 @@ class BatchEncoder:
 
     def encode_table(self, images: list[Any], keys: list[Any] | None = None) -> pa.Table:
         """Rows (a pyarrow Table of ``self.schema``) for a list of images and their keys."""
-        from .output.parts import rows_to_table
-
         return rows_to_table(self.rows(images, keys), self.schema).combine_chunks()
 
     def rows(self, images: list[Any], keys: list[Any] | None = None) -> list:
         """``output.parts.Row`` objects, one per image in order (error rows included)."""
         from .engine.packing import output_grid
-        from .output.parts import Row
 
         enc = self._own_encoder()
         rows: list[Row] = []
@@ -242,10 +237,8 @@ class BatchEncoder:
         decode (None when it already failed)."""
         from PIL import Image
 
-        from . import storage
         from .api import image_source
         from .images.decode import describe_error, probe_image
-        from .output.parts import Row
         from .tower.transform import plan_canvas
 
         source, name = image_source(image)

@@ -9,9 +9,11 @@ error, 130/143 interrupted by SIGINT/SIGTERM (finished parts kept).
 from __future__ import annotations
 
 import inspect
+import json
 import logging
 import os
 import sys
+import time
 from typing import Any, List, Optional
 
 import typer
@@ -43,9 +45,8 @@ def choices(*values: str) -> str:
     return f"[{'|'.join(values)}]"
 
 
-#: When this process started, on ``time.perf_counter``'s clock: set by ``main`` (each
-#: torchrun rank's entry point too), so that a run's wall time counts the interpreter's start
-#: and the imports. In-process callers (``app``) count from the command's start.
+#: When this process started (``time.perf_counter``'s clock), set by ``main`` (each torchrun
+#: rank's too) so that a run's wall time counts the interpreter's start and the imports.
 _process_started: float | None = None
 
 
@@ -318,8 +319,6 @@ def _encode_signature(function):
 @_encode_signature
 def encode(ctx: typer.Context, **given: Any) -> None:
     """Encode images into a Parquet file of embeddings, one row per image."""
-    import time
-
     started = _process_started if _process_started is not None else time.perf_counter()
     from .run.options import EncodeOptions
 
@@ -470,8 +469,6 @@ def inspect_command(
     as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON."),
 ) -> None:
     """Summarize an output: rows, failures, widths, dtype, grids, metadata, size on disk."""
-    import json
-
     from .output.inspect import render, summarize
 
     try:
@@ -528,8 +525,6 @@ def bench(
     The engine: img/s, tokens/s, FLOP/s, the fraction of the matmul ceiling measured in the
     same process, padding waste, the time split, and the speed-up over a naive loop. With
     --host: the host's capacity (decoding and writing, with a null model stage)."""
-    import json
-
     try:
         if host:
             from .bench.host import host_bench_command
@@ -563,8 +558,6 @@ def main() -> None:
     shut down), ``os._exit`` after flushing stdio and logging, as tearing down an interpreter
     that imported torch is slow. In-process callers (tests, scripts) use ``app`` instead."""
     global _process_started
-    import time
-
     from .process import process_age
 
     age = process_age()

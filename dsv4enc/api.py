@@ -20,11 +20,13 @@ from typing import TYPE_CHECKING, Any, Iterable, Iterator, Mapping, Union
 
 import numpy as np
 import torch
+from PIL import Image
 
 from . import storage
 from .errors import check_choice
 from .tower.checkpoint import Checkpoint, load_checkpoint, random_checkpoint
 from .tower.config import Attention, VisionConfig
+from .tower.transform import image_to_patches, plan_canvas
 from .images.formats import DEFAULT_MAX_PIXELS
 from .images.decode import decode_image, describe_error, patches_tensor
 from .engine.defaults import (DEFAULT_MAX_IMAGES, FEATURES, POOLS, Features, Pool,
@@ -59,11 +61,10 @@ class EncodeError(ValueError):
 
 
 def image_source(image: Any) -> tuple[Any, str | None]:
-    """What to read of one input, and the name it carries (None: it has none).
-
-    A ``{"bytes", "path"}`` dict (``datasets``' ``Image(decode=False)``) gives its bytes, else
-    its path, and is named by its path; a path gives its text, which names it; bytes-like
-    input gives ``bytes``; anything else is itself, unnamed."""
+    """What to read of one input, and the name it carries (None: it has none): a ``{"bytes",
+    "path"}`` dict (``datasets``' ``Image(decode=False)``) gives its bytes, else its path, and
+    is named by its path; a path gives and names its text; bytes-like input gives ``bytes``;
+    anything else is itself, unnamed."""
     if isinstance(image, Mapping):
         data, named = image.get("bytes"), image.get("path")
         name = os.fspath(named) if isinstance(named, (str, os.PathLike)) and named else None
@@ -95,8 +96,6 @@ class _Prepared:
 
 
 def _array_to_image(array: np.ndarray):
-    from PIL import Image
-
     if array.dtype == np.uint16 and array.ndim == 2:
         return Image.fromarray(array)  # 16-bit gray: scaled to 8 bits like a 16-bit file
     if array.dtype != np.uint8:
@@ -157,10 +156,8 @@ class Encoder:
         if decode_threads is None:
             decode_threads = 0 if self.device.type == "cpu" else min(8, available_cpus())
         self.decode_threads = max(0, decode_threads)
-        self.max_pixels = max_pixels
-        self.attention = attention
-        self.cuda_graphs = cuda_graphs
-        self.deterministic = deterministic
+        self.max_pixels, self.attention = max_pixels, attention
+        self.cuda_graphs, self.deterministic = cuda_graphs, deterministic
         self.model = build_model(checkpoint, self.device, fused=fused, deterministic=deterministic)
         self.engines: dict[str, Engine] = {}  # per features, built on first use (read-only)
 
@@ -170,9 +167,8 @@ class Encoder:
                         dtype: str | torch.dtype = "auto", **options: Any) -> "Encoder":
         """Load a checkpoint folder (only the tower's tensors are read) or a Hugging Face Hub
         id such as ``deepseek-ai/DeepSeek-V4-Flash-Vision-Exp`` (needs ``dsv4enc[hub]``).
-
-        ``dtype``: compute dtype, ``"auto"`` (as ``--dtype auto``), a name or a
-        ``torch.dtype``. ``options``: see the class docstring."""
+        ``dtype``: compute dtype, ``"auto"`` (as ``--dtype auto``), a name or a ``torch.dtype``;
+        ``options``: see the class docstring."""
         from .tower.hub import resolve_weights
 
         resolved = resolve_device(device)
@@ -228,8 +224,7 @@ class Encoder:
         image, which returns one tensor. Raises ``EncodeError`` naming the first image that
         cannot be read (``TypeError`` for an unsupported kind of input) before encoding
         anything after it, or one whose embedding is not finite in ``out_dtype`` (float16
-        overflows past 65504): inf or NaN is never returned.
-        """
+        overflows past 65504): inf or NaN is never returned."""
         if isinstance(images, np.ndarray) and images.ndim == 4:
             images = list(images)  # a stacked batch (N, H, W, C)
         elif self._is_single(images):
@@ -248,15 +243,12 @@ class Encoder:
         be read yields ``(key, error)``, the Parquet ``error`` column's text, and the stream
         goes on; an embedding not finite in ``out_dtype`` raises ``EncodeError`` (a setting to
         change, not one image's fault). Images are read about ``2 * batch_tokens`` patches
-        ahead of the device.
-        """
+        ahead of the device."""
         return self._stream(images, features, pool, batch_tokens, raise_errors=False)
 
     # -- internals ---------------------------------------------------------------------
     @staticmethod
     def _is_single(images: Any) -> bool:
-        from PIL import Image
-
         return isinstance(images, (Image.Image, np.ndarray, str, os.PathLike, bytes,
                                    bytearray, memoryview, Mapping))
 
@@ -271,10 +263,6 @@ class Encoder:
 
     def _prepare(self, index: int, entry: Any) -> _Prepared:
         """Split off the key and transform one input (runs on decode threads)."""
-        from PIL import Image
-
-        from .tower.transform import image_to_patches
-
         key, image = entry if isinstance(entry, tuple) and len(entry) == 2 else (None, entry)
         is_dict = isinstance(image, Mapping)  # Hugging Face Image feature with decode=False
         image, name = image_source(image)
@@ -293,9 +281,8 @@ class Encoder:
                 if storage.is_url(image):  # an object in a store (s3://...): read it whole
                     image = storage.read_bytes(image)
                 decoded = decode_image(image, self.config, self.max_pixels)
-                if decoded.error is not None:
-                    item.error = decoded.error
-                else:
+                item.error = decoded.error
+                if decoded.error is None:
                     item.patches = patches_tensor(decoded)
                     item.n_h, item.n_w = decoded.n_h, decoded.n_w
             else:
@@ -367,8 +354,6 @@ class Encoder:
     def grid_for(self, size: tuple[int, int], features: str | None = None) -> tuple[int, int]:
         """``(grid_h, grid_w)`` of the embedding rows of an image of ``size`` = (width,
         height) pixels (``PIL.Image.Image.size``): a result reshaped with it is the 2D grid."""
-        from .tower.transform import plan_canvas
-
         canvas = plan_canvas(size[0], size[1], self.config)
         return output_grid(canvas.n_h, canvas.n_w, self.config.downsample_ratio,
                            features or self.features)

@@ -13,16 +13,18 @@ so they equal ``dsv4enc encode``'s for the same settings.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pyarrow as pa
 
+from . import storage
 from .engine.defaults import Features, Pool
 from .errors import check_choice
+from .images.formats import DEFAULT_MAX_PIXELS
 from .output import LAYOUTS, STORED_DTYPES, Layout, StoredDtype
-from .output.parts import OUTPUT_COLUMNS
+from .output.parts import OUTPUT_COLUMNS, Row, output_schema, rows_to_table
 
 if TYPE_CHECKING:
     from .api import Encoder
@@ -87,8 +89,6 @@ class BatchEncoder:
                  pool: Pool = "none", out_dtype: StoredDtype = "float16", layout: Layout = "binary",
                  max_pixels: int | None = None, keep_columns: bool = True,
                  **options: Any) -> None:
-        from .images.formats import DEFAULT_MAX_PIXELS
-
         check_choice("out_dtype", out_dtype, STORED_DTYPES)
         check_choice("layout", layout, LAYOUTS)
         if weights is None and config is None:
@@ -106,8 +106,6 @@ class BatchEncoder:
         self.max_pixels = DEFAULT_MAX_PIXELS if max_pixels is None else max_pixels
         self.pid = os.getpid()  # the process the engine was built in
         self.encoder = self._build()
-        from .output.parts import output_schema
-
         self.schema = output_schema(self.encoder.width(), out_dtype, self.settings(),
                                     pooled=pool == "mean", layout=layout)
 
@@ -193,21 +191,16 @@ class BatchEncoder:
         image column and those named as an output column (the output's replaces them)."""
         if not self.keep_columns:
             return []
-        names = batch.schema.names if isinstance(batch, (pa.Table, pa.RecordBatch)) else (
-            list(batch.columns) if _is_pandas(batch) else list(batch.keys()))
-        return [name for name in names
+        return [name for name in _batch_columns(batch)[1]
                 if name != self.image_column and name not in OUTPUT_COLUMNS]
 
     def encode_table(self, images: list[Any], keys: list[Any] | None = None) -> pa.Table:
         """Rows (a pyarrow Table of ``self.schema``) for a list of images and their keys."""
-        from .output.parts import rows_to_table
-
         return rows_to_table(self.rows(images, keys), self.schema).combine_chunks()
 
     def rows(self, images: list[Any], keys: list[Any] | None = None) -> list:
         """``output.parts.Row`` objects, one per image in order (error rows included)."""
         from .engine.packing import output_grid
-        from .output.parts import Row
 
         enc = self._own_encoder()
         rows: list[Row] = []
@@ -220,33 +213,18 @@ class BatchEncoder:
         r = enc.config.downsample_ratio
         for i, out in enc.encode_iter(todo):
             row = rows[i]
-            if isinstance(out, str):
+            if isinstance(out, str):  # a row that failed before has no grid yet
                 row.error = out
+                row.vit_h = row.vit_w = None
             else:
                 row.grid_h, row.grid_w = output_grid(row.vit_h, row.vit_w, r, enc.features)
                 row.embedding = out.numpy()
-        for row in rows:
-            if row.error is not None:
-                row.vit_h = row.vit_w = row.grid_h = row.grid_w = None
         return rows
 
     # -- internals ---------------------------------------------------------------------
     def columns(self, batch: Any) -> tuple[str, list[Any], list[Any] | None]:
         """(kind, image values, key values) of a batch."""
-        if isinstance(batch, (pa.Table, pa.RecordBatch)):
-            kind = "table" if isinstance(batch, pa.Table) else "record_batch"
-            names = batch.schema.names
-            column = lambda name: batch.column(name).to_pylist()  # noqa: E731
-        elif _is_pandas(batch):
-            kind, names = "pandas", list(batch.columns)
-            column = lambda name: batch[name].tolist()  # noqa: E731
-        elif isinstance(batch, Mapping):
-            kind = "numpy" if any(isinstance(v, np.ndarray) for v in batch.values()) else "lists"
-            names = list(batch.keys())
-            column = lambda name: list(batch[name])  # noqa: E731
-        else:
-            raise TypeError(f"a batch is a pyarrow Table or RecordBatch, a pandas DataFrame "
-                            f"or a dict of columns, not {type(batch).__name__}")
+        kind, names, column = _batch_columns(batch)
         for name in (self.image_column, self.key_column):
             if name is not None and name not in names:
                 raise KeyError(f"the batch has no column {name!r} (columns: "
@@ -261,47 +239,40 @@ class BatchEncoder:
 
         from .api import image_source
         from .images.decode import describe_error, probe_image
-        from .output.parts import Row
+        from .tower.transform import plan_canvas
 
         source, name = image_source(image)
         if isinstance(key, bytes):
             key = key.decode("utf-8", "replace")
         row = Row(path=(name or f"#{index}") if key is None or key == "" else str(key))
         column = self.image_column
-        if image is None:
-            row.error = f"ValueError: row has no image (null {column!r})"
-            return row, None
         if source is None:
-            row.error = f"ValueError: row has no image ({column!r} holds neither bytes nor a path)"
+            held = f"null {column!r}" if image is None else (
+                f"{column!r} holds neither bytes nor a path")
+            row.error = f"ValueError: row has no image ({held})"
             return row, None
-        try:
-            if isinstance(source, Image.Image):
-                width, height = source.size
-            elif isinstance(source, np.ndarray):
-                if source.ndim < 2:
-                    return row, source  # the encoder names what is wrong with it
-                height, width = source.shape[:2]
-            elif isinstance(source, (str, bytes)):
-                from . import storage
-
+        if isinstance(source, Image.Image):
+            width, height = source.size
+        elif isinstance(source, np.ndarray) and source.ndim >= 2:
+            height, width = source.shape[:2]
+        elif not isinstance(source, (str, bytes)):
+            return row, source  # not an image, or no image's shape: the encoder's error row
+        else:
+            try:
                 if isinstance(source, str) and storage.is_url(source):
                     source = storage.read_bytes(source)  # an object in a store: whole, once
                 probe = probe_image(source, self.max_pixels)
-                if probe.error is not None:
-                    row.error = probe.error
-                    return row, None
-                width, height = probe.width, probe.height
-            else:
-                return row, source  # not a kind of image: the encoder's TypeError row
-        except Exception as exc:  # a store that cannot be read: this row's error
-            row.error = describe_error(exc)
-            return row, None
+            except Exception as exc:  # a store that cannot be read: this row's error
+                row.error = describe_error(exc)
+                return row, None
+            if probe.error is not None:
+                row.error = probe.error
+                return row, None
+            width, height = probe.width, probe.height
         row.width, row.height = width, height
         if width <= 0 or height <= 0:
             row.error = f"image has no pixels ({width}x{height})"
             return row, None
-        from .tower.transform import plan_canvas
-
         try:
             canvas = plan_canvas(width, height, self.encoder.config)
         except ValueError as exc:
@@ -332,6 +303,20 @@ def datasets_features(schema: "pa.Schema | BatchEncoder", features: Any = None):
 def _rebuild(recipe: dict[str, Any]) -> BatchEncoder:
     recipe = dict(recipe)
     return BatchEncoder(recipe.pop("weights"), **recipe)
+
+
+def _batch_columns(batch: Any) -> tuple[str, list[str], Callable[[str], list[Any]]]:
+    """A batch's kind, its column names, and a function giving one column's values."""
+    if isinstance(batch, (pa.Table, pa.RecordBatch)):
+        kind = "table" if isinstance(batch, pa.Table) else "record_batch"
+        return kind, batch.schema.names, lambda name: batch.column(name).to_pylist()
+    if _is_pandas(batch):
+        return "pandas", list(batch.columns), lambda name: batch[name].tolist()
+    if isinstance(batch, Mapping):
+        kind = "numpy" if any(isinstance(v, np.ndarray) for v in batch.values()) else "lists"
+        return kind, list(batch.keys()), lambda name: list(batch[name])
+    raise TypeError(f"a batch is a pyarrow Table or RecordBatch, a pandas DataFrame "
+                    f"or a dict of columns, not {type(batch).__name__}")
 
 
 def _is_pandas(batch: Any) -> bool:

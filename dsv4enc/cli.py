@@ -9,9 +9,11 @@ error, 130/143 interrupted by SIGINT/SIGTERM (finished parts kept).
 from __future__ import annotations
 
 import inspect
+import json
 import logging
 import os
 import sys
+import time
 from typing import Any, List, Optional
 
 import typer
@@ -43,9 +45,8 @@ def choices(*values: str) -> str:
     return f"[{'|'.join(values)}]"
 
 
-#: When this process started, on ``time.perf_counter``'s clock: set by ``main`` (each
-#: torchrun rank's entry point too), so that a run's wall time counts the interpreter's start
-#: and the imports. In-process callers (``app``) count from the command's start.
+#: When this process started (``time.perf_counter``'s clock), set by ``main`` (each torchrun
+#: rank's too) so that a run's wall time counts the interpreter's start and the imports.
 _process_started: float | None = None
 
 
@@ -103,10 +104,9 @@ def _panel(title: str, **options):
     return options
 
 
-#: ``encode``'s parameters, name -> (type, Typer argument or option), panel by panel in the
-#: order ``--help`` shows them: ``encode``'s signature is built from here, so that each
-#: one's type, help, default and panel are written once (tests/test_cli.py checks that every
-#: option is placed). INPUTS has Typer's own "Arguments" panel.
+#: ``encode``'s parameters, name -> (type, Typer argument or option), in ``--help``'s order:
+#: its signature is built from here, so each one's type, help, default and panel are written
+#: once (tests/test_cli.py checks that every option is placed). INPUTS: Typer's "Arguments".
 _ENCODE_PARAMETERS: dict[str, tuple[Any, Any]] = {
     "inputs": (List[str], typer.Argument(
         None,
@@ -319,8 +319,6 @@ def _encode_signature(function):
 @_encode_signature
 def encode(ctx: typer.Context, **given: Any) -> None:
     """Encode images into a Parquet file of embeddings, one row per image."""
-    import time
-
     started = _process_started if _process_started is not None else time.perf_counter()
     from .run.options import EncodeOptions
 
@@ -345,15 +343,6 @@ def encode(ctx: typer.Context, **given: Any) -> None:
     elif engine != "local":
         fail("--engine must be one of local, ray", 2)
     _encode_command(opts, storage_option, quiet, summary_json, started, ray_opts)
-
-
-def _say_if_nothing_found(opts, summary) -> None:
-    """Under ``--quiet`` too, an empty run says so (the run's own warning is hidden there)."""
-    if not (summary.encoded or summary.failed or summary.reused):
-        from .images.discover import nothing_found
-
-        line = nothing_found(opts.inputs, opts.files_from, summary.skipped)
-        typer.echo(f"WARNING dsv4enc: {line}", err=True)
 
 
 def _encode_command(opts, storage_option: list[str] | None, quiet: bool,
@@ -409,7 +398,12 @@ def _encode_command(opts, storage_option: list[str] | None, quiet: bool,
             if summary_json:
                 write_summary_json(summary_json, summary)
             if quiet:
-                _say_if_nothing_found(opts, summary)
+                if not (summary.encoded or summary.failed or summary.reused):
+                    from .images.discover import nothing_found
+
+                    # an empty run says so under --quiet too (the run's own warning is hidden)
+                    line = nothing_found(opts.inputs, opts.files_from, summary.skipped)
+                    typer.echo(f"WARNING dsv4enc: {line}", err=True)
                 typer.echo(summary.out)
             else:
                 print_summary(summary)
@@ -475,8 +469,6 @@ def inspect_command(
     as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON."),
 ) -> None:
     """Summarize an output: rows, failures, widths, dtype, grids, metadata, size on disk."""
-    import json
-
     from .output.inspect import render, summarize
 
     try:
@@ -533,8 +525,6 @@ def bench(
     The engine: img/s, tokens/s, FLOP/s, the fraction of the matmul ceiling measured in the
     same process, padding waste, the time split, and the speed-up over a naive loop. With
     --host: the host's capacity (decoding and writing, with a null model stage)."""
-    import json
-
     try:
         if host:
             from .bench.host import host_bench_command
@@ -564,13 +554,10 @@ def bench(
 
 
 def main() -> None:
-    """Console-script entry point. Once a command has finished (its output committed, its
-    workers and process group shut down), the process ends with ``os._exit`` after flushing
-    stdio and logging: tearing down an interpreter that has imported torch is slow, and
-    nothing is left to do. In-process callers (tests, scripts) use ``app`` instead."""
+    """Console-script entry point: once the command has finished (output committed, workers
+    shut down), ``os._exit`` after flushing stdio and logging, as tearing down an interpreter
+    that imported torch is slow. In-process callers (tests, scripts) use ``app`` instead."""
     global _process_started
-    import time
-
     from .process import process_age
 
     age = process_age()

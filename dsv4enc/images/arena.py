@@ -23,12 +23,11 @@ def patch_slot_bytes(cfg: VisionConfig) -> int:
 class PatchArena:
     """Shared memory that decode workers write patches into, not pickled through a pipe (a cost
     measured in benchmarks/RESULTS.md): one anonymous memory file (Linux ``memfd``) of
-    ``slots`` equal slots, mapped by the pool and by each worker (``WorkerArena``). It has no
-    name, so it cannot leak: the kernel frees it with the last process that holds it. Pages are
+    ``slots`` equal slots, mapped by the pool and by each worker (``WorkerArena``). Nameless, it
+    cannot leak: the kernel frees it with the last process that holds it; its pages are
     committed when first written (slots cost address space, not memory). Each task takes a free
-    slot, and the pool hands on an array over it (``lease``), free again once that array and
-    its views are gone. With no free slot, or an image larger than one, the patches go through
-    the pipe."""
+    slot; the pool hands on an array over it (``lease``), free again once that array and its
+    views are gone. With no free slot, or an image larger than one, patches go through the pipe."""
 
     def __init__(self, fd: int, slots: int, slot_bytes: int) -> None:
         self.fd, self.slots, self.slot_bytes = fd, slots, slot_bytes

@@ -179,8 +179,7 @@ def decode_image(source, cfg: VisionConfig, max_pixels: int = DEFAULT_MAX_PIXELS
             width, height = image.size
             image.load()
             bits, canvas = image_to_patch_bits(image, cfg, out)
-        return Decoded(patches=bits, n_h=canvas.n_h, n_w=canvas.n_w, width=width,
-                       height=height)
+        return Decoded(patches=bits, n_h=canvas.n_h, n_w=canvas.n_w, width=width, height=height)
     except MemoryError as exc:  # numpy's and Pillow's allocation failures alike
         return Decoded(error=f"MemoryError: decoding needs more memory than is available "
                        f"({describe_error(exc)})", out_of_memory=True)
@@ -275,8 +274,7 @@ def _worker_main(conn, cfg: VisionConfig, max_pixels: int,
 _END = object()  # the last item an imap pump puts on its queue
 _POLL_S = 0.1  # how often a waiting pump thread checks whether it should stop
 #: What a task source of ``DecodePool.imap`` yields when its next task is not known yet (a
-#: streaming plan's next window): the pump keeps collecting and asks again. The source
-#: waits a little before yielding it, so that the pump does not spin.
+#: streaming plan's next window): the pump collects and asks again (the source waits first).
 NOT_YET = object()
 _READY = "ready"  # a worker's first message: imports done, taking images
 STARTUP_LIMIT_S = 120.0  # a worker that is not up by then counts as crashed
@@ -286,9 +284,8 @@ class _Worker:
     def __init__(self, ctx, cfg: VisionConfig, max_pixels: int,
                  memory_budget: int | None = None, arena: PatchArena | None = None) -> None:
         self.conn, child = ctx.Pipe(duplex=True)
-        self.proc = ctx.Process(target=_worker_main,
-                                args=(child, cfg, max_pixels, memory_budget, arena),
-                                daemon=True)
+        self.proc = ctx.Process(target=_worker_main, daemon=True,
+                                args=(child, cfg, max_pixels, memory_budget, arena))
         self.proc.start()
         child.close()
         self.spawned = time.monotonic()
@@ -370,15 +367,12 @@ class DecodeStream:
 
 class DecodePool:
     """Decode images in worker processes, in order, with a bounded look-ahead (``workers=0``:
-    inline, no time limit); a worker that dies or exceeds ``timeout_s`` is replaced, its image
-    an error row."""
+    inline, untimed); a worker that dies or passes ``timeout_s`` is replaced (an error row)."""
 
     def __init__(self, cfg: VisionConfig, workers: int, max_pixels: int = DEFAULT_MAX_PIXELS,
                  timeout_s: float | None = None,
                  memory_budget: int | str | None = "auto", slots: int | None = None) -> None:
-        self.cfg = cfg
-        self.max_pixels = max_pixels
-        self.timeout_s = timeout_s
+        self.cfg, self.max_pixels, self.timeout_s = cfg, max_pixels, timeout_s
         self.n_workers = workers
         # What a worker may allocate past its start-up footprint ("auto": from max_pixels).
         self.memory_budget = (WORKER_BYTES_PER_PIXEL * max_pixels + WORKER_HEADROOM
@@ -448,9 +442,8 @@ class DecodePool:
 
     def _pump(self, source: Iterator, results: queue.SimpleQueue, credits: threading.Semaphore,
               stop: threading.Event) -> None:
-        """``imap``'s feeding loop: takes tasks while it holds credits (one per result not yet
-        taken), dispatches, collects, and queues results in order, then ``_END`` (or the exception
-        that stopped it)."""
+        """``imap``'s feeding loop: takes tasks while it holds credits (one per untaken result),
+        dispatches, collects, and queues results in order, then ``_END`` (or what stopped it)."""
         waiting: deque[tuple[int, Any]] = deque()
         tags: dict[int, Any] = {}
         done: dict[int, Decoded] = {}

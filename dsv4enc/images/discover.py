@@ -125,8 +125,7 @@ def read_path_list(list_file: str) -> list[str]:
 
 def discover(inputs: Iterable[str], files_from: str | None = None,
              image_column: str | None = None, key_column: str | None = None,
-             stop: Stop | None = None,
-             table_paths_roots: Iterable[str] = (),
+             stop: Stop | None = None, table_paths_roots: Iterable[str] = (),
              keep_columns: Sequence[str] = ()) -> Discovery:
     """Every item of ``stream_inputs`` at once, in ``Discovery.items``."""
     found = Discovery()
@@ -153,8 +152,7 @@ def stream_inputs(found: Discovery, inputs: Iterable[str], files_from: str | Non
     inputs = list(inputs)
     for raw in inputs:
         check_path_input(raw)
-    state = _Listing(found, UniqueKeys(), path_roots(table_paths_roots),
-                     (image_column, key_column))
+    state = _Listing(found, UniqueKeys(), path_roots(table_paths_roots), (image_column, key_column))
     prefix_roots = sum(storage.is_url(raw) or os.path.isdir(raw)  # see ``key_under_root``
                        for raw in inputs) > 1
     for raw in inputs:
@@ -252,8 +250,7 @@ def _input_items(raw: str, state: _Listing, prefix_roots: bool,
     if url:
         walk = _iter_prefix(raw, found, shards)
     else:
-        walk = iter_folder(Path(raw), found, stop.requested if stop is not None else None,
-                           shards)
+        walk = iter_folder(Path(raw), found, stop.requested if stop is not None else None, shards)
     for item in walk:
         images += 1
         yield replace(item, key=key_under_root(raw, item.key)) if prefix_roots else item
@@ -278,8 +275,7 @@ def _end_listing(state: _Listing, keep_columns: Sequence[str], stop: Stop | None
     """The checks once every input is listed, then the unlisted folders logged."""
     found = state.found
     image_column, key_column = state.columns
-    if not found.tables and (image_column is not None or key_column is not None
-                             or keep_columns):
+    if not found.tables and (image_column is not None or key_column is not None or keep_columns):
         flag = ("--image-column" if image_column is not None else
                 "--key-column" if key_column is not None else "--keep-column")
         raise UsageError(f"{flag} applies to Parquet/Arrow inputs, and none was given")
@@ -296,8 +292,7 @@ def _end_listing(state: _Listing, keep_columns: Sequence[str], stop: Stop | None
     found.listed = True
 
 
-def kept_fields(tables: Sequence[str], keep_columns: Sequence[str],
-                key_column: str | None) -> list:
+def kept_fields(tables: Sequence[str], keep_columns: Sequence[str], key_column: str | None) -> list:
     """The fields of the table columns the rows carry (``tables``: the table files read):
     ``keep_columns`` (an output column's name is refused), then ``key_column`` in its own type
     unless kept already or named like an output column (its text is in ``path`` anyway)."""
@@ -340,10 +335,9 @@ def refuse_missing_list(list_file: str, lines: list[str]) -> None:
 def container_items(raw: str, name: str, image_column: str | None = None,
                     key_column: str | None = None, roots: tuple[str, ...] = (),
                     ) -> tuple[list[InputItem], int]:
-    """The images of the container ``raw`` keyed under ``name`` (its own key: the path as
-    given, or its path under the folder it was found in), and the entries passed over. A key
-    repeated inside it gets ``#2``, ``#3``, ... in its own order: a key depends on the container
-    alone. Every way of finding a container calls this; ``roots``: see ``TableCell``."""
+    """The images of the container ``raw`` keyed under ``name`` (its path as given, or under its
+    folder), and the entries passed over; a key repeated inside it gets ``#2``, ``#3``, ... in
+    its order, so it depends on the container alone. Every way of finding a container calls this."""
     if container_kind(raw) == "tar":
         items, skipped = expand_tar(raw, name)
     else:
@@ -426,9 +420,8 @@ def unique_keys(items: list[InputItem]) -> list[InputItem]:
 
 
 class UniqueKeys:
-    """Keys made unique as items come: the first item with a key keeps it, a later one gets
-    ``KEY#2``, ``KEY#3``, ... (the first number whose key no earlier item has, nor any in
-    ``taken``). Holds one text per key given (a few dozen bytes each)."""
+    """Keys made unique as items come: the first with a key keeps it, a later one gets ``KEY#2``,
+    ``KEY#3``, ... (the first not taken by an earlier item or ``taken``); one text held per key."""
 
     def __init__(self, taken: set[str] | None = None) -> None:
         self.taken = set() if taken is None else taken

@@ -45,9 +45,8 @@ class Planned:
 # ----------------------------------------------------------------------------- probes
 
 class _Probers:
-    """The daemon threads of one ``probe_all``: each takes the next item, probes it and queues
-    the result. A probe past its time limit gets an error (``give_up_late``); its thread, which
-    cannot be killed, is abandoned (it exits if its probe returns) and replaced."""
+    """The daemon threads of one ``probe_all``, each probing the next item; a probe past its time
+    limit gets an error (``give_up_late``), its thread (unkillable) abandoned and replaced."""
 
     def __init__(self, items: Sequence[InputItem], max_pixels: int) -> None:
         self.items, self.max_pixels = items, max_pixels
@@ -152,8 +151,7 @@ def file_stamp(path: str) -> str:
 
 def input_stamps(planned: Sequence[Planned]) -> None:
     """Set each entry's ``stamp`` once, before decoding starts (a file changed afterwards never
-    matches the stamp recorded with its part: --resume encodes it again); an image in a
-    container takes the container's."""
+    matches its part's stamp: --resume encodes it again); a container's image takes its stamp."""
     todo = [entry for entry in planned if entry.stamp is None]
     containers: dict[str, str] = {}
     for entry in todo:  # one stat per container file, however many images it holds

@@ -235,10 +235,7 @@ def _first_nonzero(handle: BinaryIO, start: int, stop: int) -> int | None:
     """The offset of the first non-zero byte in ``[start, stop)`` of the open file, if any."""
     handle.seek(start)
     at = start
-    while at < stop:
-        chunk = handle.read(min(1 << 20, stop - at))
-        if not chunk:
-            return None
+    while at < stop and (chunk := handle.read(min(1 << 20, stop - at))):
         stripped = chunk.lstrip(b"\0")
         if stripped:
             return at + len(chunk) - len(stripped)
@@ -735,10 +732,9 @@ def path_roots(folders) -> tuple[str, ...]:
 
 
 def cell_file(named: str, table: str, roots: tuple[str, ...] = ()) -> str:
-    """The file a table's ``{bytes: null, path: named}`` cell may be read from, or
-    ``RefusedPathError``: a relative ``named`` lies beside the table; the file, symlinks and
-    ``..`` resolved, must be inside the table's folder or one of ``roots`` (real paths), have an
-    image extension, and be a regular file."""
+    """The file a table's ``{bytes: null, path: named}`` cell may be read from (a relative one
+    lies beside the table), or ``RefusedPathError``: resolved, it must lie in the table's folder
+    or one of ``roots`` (real paths), have an image extension, and be a regular file."""
     if storage.is_url(table):
         raise RefusedPathError(f"path cell {named!r}: a table in object storage must hold "
                                "the image bytes (path cells are read only beside local tables)")

@@ -27,7 +27,7 @@ from dsv4enc.tower.config import VisionConfig
 from dsv4enc.errors import DistributedError
 from dsv4enc.tower.model import rope_tables
 from dsv4enc.engine.packing import pack
-from dsv4enc.run.plan import assign_greedy, rank_row_counts
+from dsv4enc.run.plan import assign_greedy
 from dsv4enc.run.dist import gather_rows, init_distributed, shutdown
 from dsv4enc.tower.tensor_parallel import apply_tensor_parallel
 
@@ -72,7 +72,7 @@ def run_plan(ctx, grids: list[tuple[int, int]]) -> None:
     mine = assignment[ctx.rank]
     local = torch.cat([image_rows(i, rows_per_image[i], 8, torch.float16) for i in mine]
                       or [torch.zeros(0, 8, dtype=torch.float16)])
-    parts = gather_rows(ctx, local, rank_row_counts(assignment, rows_per_image))
+    parts = gather_rows(ctx, local, [sum(rows_per_image[i] for i in a) for a in assignment])
     images = {}
     for part, indices in zip(parts, assignment, strict=True):
         sizes = [rows_per_image[i] for i in indices]

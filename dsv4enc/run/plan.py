@@ -235,21 +235,10 @@ def assign_greedy(costs: Sequence[float], world_size: int) -> list[list[int]]:
     return [sorted(indices) for indices in assignment]
 
 
-def rank_loads(costs: Sequence[float], assignment: Sequence[Sequence[int]]) -> list[float]:
-    """Total cost per rank."""
-    return [float(sum(costs[i] for i in indices)) for indices in assignment]
-
-
 def imbalance(loads: Sequence[float]) -> float:
     """max / mean of the per-rank loads (1.0 is perfect; 1.0 when there is no work)."""
     mean = sum(loads) / len(loads) if loads else 0.0
     return max(loads) / mean if mean > 0 else 1.0
-
-
-def rank_row_counts(assignment: Sequence[Sequence[int]],
-                    rows_per_image: Sequence[int]) -> list[int]:
-    """Output rows each rank contributes: the sum of its images' row counts."""
-    return [sum(rows_per_image[i] for i in indices) for indices in assignment]
 
 
 def share_for_ranks(planned: Sequence[Planned], indices: list[int], world_size: int,

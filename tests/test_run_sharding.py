@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from dsv4enc.tower.checkpoint import build_tower, random_checkpoint
 from dsv4enc.tower.config import VisionConfig
 from dsv4enc.errors import UsageError
-from dsv4enc.run.plan import assign_greedy, cost_function, flops_cost, imbalance, patch_cost
+from dsv4enc.run.plan import assign_greedy, cost_function, flops_cost, patch_cost
 from dsv4enc.run.dist import DistContext, init_distributed
 from dsv4enc.tower.tensor_parallel import apply_tensor_parallel
 from dsv4enc.tower.transform import plan_canvas
@@ -29,6 +29,12 @@ from dsv4enc.tower.transform import plan_canvas
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = Path(__file__).resolve().parent / "dist_worker.py"
 WORKER_TIMEOUT_S = 2.0  # the collective timeout dist_worker.py uses
+
+
+def imbalance(loads) -> float:
+    """max / mean of the per-rank loads (1.0 is perfect; 1.0 when there is no work)."""
+    mean = sum(loads) / len(loads) if loads else 0.0
+    return max(loads) / mean if mean > 0 else 1.0
 
 
 def rank_loads(costs, assignment) -> list[float]:

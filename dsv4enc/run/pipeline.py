@@ -1,12 +1,10 @@
 """The encode run: inputs -> headers -> plan -> decode workers -> device -> Parquet parts.
 
-Offline, every image's patch grid is known from its header before any pixel is decoded, so
-the run is planned a window ahead of the device: items are cut into *parts* (consecutive
-input ranges by input order alone, the unit of commit and resume), each part still to do is
-planned when the encoder comes near it (``run/setup.Windows``), and decode workers stream
-exactly those images, in that order, a bounded distance ahead of the device. A background
-thread writes the parts. Under torchrun each part's images are shared among ranks
-(``plan.share_for_ranks``), or the tower is split (``tower/tensor_parallel``).
+Every image's patch grid is known from its header before any pixel is decoded, so each part
+still to do (``plan.cut_parts``) is planned a window ahead of the device (``run/setup.Windows``)
+and the decode workers stream exactly its images, in that order; a background thread writes
+the parts. Under torchrun the ranks share each part's images (``plan.share_for_ranks``) or
+split the tower (``tower/tensor_parallel``).
 """
 
 from __future__ import annotations
@@ -48,8 +46,6 @@ from ..output.parts import PartLedger, output_schema
 log = logging.getLogger("dsv4enc")
 
 
-# ----------------------------------------------------------------------------- set-up
-
 def load_model(opts: EncodeOptions, dtype: torch.dtype) -> Checkpoint:
     if opts.random_init:
         return random_checkpoint(VisionConfig.from_file(opts.config), opts.seed, dtype)
@@ -71,8 +67,7 @@ def tower_engine(ckpt: Checkpoint, device: torch.device, opts: EncodeOptions,
 
 
 def inputs_phrase(inputs: int, listed: bool = True) -> str:
-    """``1 input``, ``1,024 inputs``: the opening line's count (``10,000+ inputs`` while
-    the listing goes on)."""
+    """The opening line's count: ``1 input``, ``1,024 inputs`` (``10,000+`` while listing)."""
     return f"{inputs:,}{'' if listed else '+'} input{'s' if inputs != 1 else ''}"
 
 
@@ -82,8 +77,6 @@ def model_and_output(opts: EncodeOptions, cfg: VisionConfig) -> str:
     return (f"{cfg.model_type} tower of {cfg.n_layers} layers, {opts.features} features, "
             f"{model}; to {opts.out}")
 
-
-# ----------------------------------------------------------------------------- the run
 
 def resume_settings(opts: EncodeOptions) -> ResumeSettings:
     """How the run commits and resumes (``output/layout.Resume``): --resume, --commit-every
@@ -112,16 +105,15 @@ def run_settings(cfg: VisionConfig, fingerprint: str, dtype: torch.dtype | str,
 
 
 class PartSource(Protocol):
-    """What an engine puts behind the run skeleton (``run_encode``, which does the rest once:
-    the output's checks, store, resume, writer, assembly, summary, failures and signals):
-    ``LocalParts`` (the tower in this process) or ``ray_engine.RayParts`` (encoder actors).
-    ``prepare``: what computes, before the output folder is made (returns the line saying
-    what ``--resume`` adopted, else None); ``start``: start computing and say with what
-    (``config``, ``fingerprint``, ``compute_dtype``, ``device``, ``batch_invariant``,
-    ``batch_tokens``); ``cut``: the parts, by input order; ``planned_tokens``: the progress
-    total's patches now (None: window by window); ``encode``: each part to do to ``writer``,
-    ``begin`` called before the first batch; ``finish``: the engine's counts into the summary.
-    ``written_elsewhere``: other processes write the part files."""
+    """What an engine puts behind the run skeleton (``run_encode`` does the rest once: the
+    output's checks, store, resume, writer, assembly, summary, failures and signals):
+    ``LocalParts`` or ``ray_engine.RayParts``. ``prepare``: what computes, before the output
+    folder is made (returns the line saying what ``--resume`` adopted, else None); ``start``:
+    start computing and say with what (``config``, ``fingerprint``, ``compute_dtype``,
+    ``device``, ``batch_invariant``, ``batch_tokens``); ``cut``: the parts, by input order;
+    ``planned_tokens``: the progress total's patches now (None: window by window); ``encode``:
+    each part to do to ``writer``, ``begin`` called before the first batch; ``finish``: the
+    engine's counts into the summary. ``written_elsewhere``: other processes write the parts."""
 
     written_elsewhere: bool
 
@@ -143,12 +135,12 @@ def run_encode(opts: EncodeOptions, dist=None, setup: RunSetup | None = None,
                source: PartSource | None = None) -> RunSummary:
     """Encode ``opts.inputs`` into ``opts.out``. Raises DsvError (setup) or Interrupted.
 
-    ``setup``: what ``setup.start_prefetch(opts)`` listed (before torch was imported); this
-    call closes it, and makes its own without one. ``stop``: the caller's signal handling; by
-    default this call installs its own (main thread) and restores the previous handlers.
-    ``stand_in``: computes the rows instead of the tower (``bench/host.NullStage``: the host
-    side alone): its ``checkpoint`` stands for the weights, its ``engine(device, opts)`` for
-    the Engine. ``source``: the engine (``LocalParts`` by default; closed by this call)."""
+    ``setup``: what ``setup.start_prefetch(opts)`` listed before torch was imported (made
+    here without one); ``source``: the engine (``LocalParts`` by default); both closed here.
+    ``stop``: the caller's signal handling (by default installed here, from the main thread,
+    and the previous handlers restored). ``stand_in``: computes the rows instead of the tower
+    (``bench/host.NullStage``), its ``checkpoint`` for the weights, ``engine(device, opts)``
+    for the Engine."""
     own_stop = stop is None
     if stop is None:
         stop = StopSignals(immediate=dist is None)  # torchrun ranks stop together, later
@@ -255,10 +247,9 @@ def _run_encode(opts: EncodeOptions, ranks: Topology, setup: RunSetup, stop: Sto
 
 @dataclass
 class OutputPlan:
-    """What a run writes. ``todo``: the parts still to encode (a list, or, for a run that
-    streams, each part as the listing reaches it and ``--resume`` judged it); ``update``: an
-    ``--update``'s ``Update``, else None; ``keeps_stamps``: whether this rank keeps the input
-    stamps for a later ``--update``."""
+    """What a run writes. ``todo``: the parts still to encode (a list, or, streaming, each
+    part as ``--resume`` judges it); ``update``: an ``--update``'s ``Update``, else None;
+    ``keeps_stamps``: whether this rank keeps the input stamps for a later ``--update``."""
 
     store: PartLedger
     schema: pa.Schema
@@ -352,10 +343,9 @@ def _upload_stops_at_once(summary: RunSummary, stop: StopSignals,
 
 def _write_output(run: RunState, source: PartSource, setup: RunSetup,
                   output: OutputPlan) -> None:
-    """Encode the parts to do into the output and, once every rank's are committed, finish
-    it: the single file (its assembly counts as writing), the sharded output's manifest and
-    counts summed over the ranks, a folder's stamps. A failed or stopped run leaves its
-    committed parts."""
+    """Encode the parts to do and, once every rank's are committed, finish the output: the
+    single file (its assembly counts as writing), the sharded manifest and counts summed over
+    the ranks, a folder's stamps. A failed or stopped run leaves its committed parts."""
     store, update, ranks, layout = output.store, output.update, run.ranks, run.layout
     assembler = assembler_for(store, layout, output.schema, is_main=ranks.is_main)
     writer = (PartWriter(store, output.schema, default_writer_threads(), assembler)
@@ -442,10 +432,9 @@ class LocalParts:
         ``auto``: ``device.resume_compute``, rank 0's record for every rank), and the weights."""
         dist = self.dist
         device = resolve_device(opts.device, dist.device if dist is not None else None)
-        recorded = None
-        if opts.resume and ranks.writes:
-            recorded = layout.interrupted_settings(dist.rank if dist is not None else None)
-        recorded = ranks.gather(recorded)[0]
+        rank = dist.rank if dist is not None else None
+        recorded = ranks.gather(layout.interrupted_settings(rank)
+                                if opts.resume and ranks.writes else None)[0]
         self.device, self.dtype, adopted = resume_compute(
             device, resolve_dtype(opts.dtype, device), opts.device, opts.dtype, recorded,
             device_fixed=dist is not None)

@@ -235,12 +235,6 @@ def assign_greedy(costs: Sequence[float], world_size: int) -> list[list[int]]:
     return [sorted(indices) for indices in assignment]
 
 
-def imbalance(loads: Sequence[float]) -> float:
-    """max / mean of the per-rank loads (1.0 is perfect; 1.0 when there is no work)."""
-    mean = sum(loads) / len(loads) if loads else 0.0
-    return max(loads) / mean if mean > 0 else 1.0
-
-
 def share_for_ranks(planned: Sequence[Planned], indices: list[int], world_size: int,
                     balance: str, cfg: VisionConfig | None = None) -> list[list[int]]:
     """Greedy assignment of ``indices`` to ranks by cost (``--balance``); failed items cost

@@ -1,14 +1,11 @@
 """A run's set-up (``RunSetup``): the inputs found, their plan made a window at a time a
 bounded distance ahead of the encoder (``Windows``), the decode pool and the decoded stream.
-``run_encode`` closes the set-up it is given or makes, once.
 
-The run streams: inputs are listed as the plan needs them (``RunSetup.more``); each part
-(``plan.cut_parts``) is judged by ``--resume`` from its inputs' stamps once they are listed
-and, while still to do, planned within ``WINDOWS_AHEAD`` parts of the encoder
-(``WindowSettings``), so the first batch starts while the listing goes on; each input keeps
-only its item and stamp. What needs every input first lists them whole: ``--update``'s
-matching and ``--engine ray`` (``headers``), table columns (``find_inputs``) and a single
-file whose store limits its size (``run/pipeline``).
+The run streams: inputs are listed as the plan needs them (``RunSetup.more``); each part is
+judged by ``--resume`` once its inputs are listed and, while still to do, planned within
+``WINDOWS_AHEAD`` parts of the encoder, so the first batch starts while the listing goes on.
+What needs every input first lists them whole: ``--update``'s matching and ``--engine ray``
+(``headers``), table columns (``find_inputs``) and a single file whose store limits its size.
 """
 
 from __future__ import annotations
@@ -54,14 +51,12 @@ class Window:
 
 
 class Windows:
-    """The plan of the parts to do (``todo``, yielded as the listing reaches them; ``count``
-    is known once it ends), a window (a part) at a time, at most ``WINDOWS_AHEAD`` ahead of
-    the encoder. A background thread reads each window (``read(part)``: stamps and this
-    rank's header probes, no collective) and, in one process, takes it from ``todo`` and
-    plans it (``finish(part, read)``); under torchrun, where both are collectives, the
-    encoder's thread takes the parts and plans each window one ahead of the one it encodes.
-    The decode source (``tasks``) and the encoder (``parts``) each walk the windows; a window
-    is dropped once both have passed it."""
+    """The plan of the parts to do (``todo``; ``count`` is known once it ends), a window (a
+    part) at a time, at most ``WINDOWS_AHEAD`` ahead of the encoder. A background thread reads
+    each window (``read(part)``: stamps and this rank's header probes, no collective) and, in
+    one process, takes and plans it (``finish(part, read)``); under torchrun, where both are
+    collectives, the encoder's thread does them one window ahead. The decode source (``tasks``)
+    and the encoder (``parts``) each walk the windows; one is dropped once both passed it."""
 
     def __init__(self, todo: Iterable[Part], read: Callable[[Part], Any],
                  finish: Callable[[Part, Any], Window], *, alone: bool,

@@ -1,10 +1,10 @@
 """SIGINT and SIGTERM: stop any phase of a run within moments, with exit code 128 + signal.
 
-Two kinds of phase. Before encoding starts (discovery, header probes, planning, model
-loading), nothing is in progress that must finish, so the first signal raises ``Interrupted``
-at once, wherever the main thread is (a blocked wait included). While parts are encoded and
-committed, the signal is only recorded (``deferred``): the loop stops between batches and the
-finished parts are kept for ``--resume``. A second Ctrl-C always stops at once.
+Before encoding starts (discovery, header probes, planning, model loading) nothing must
+finish, so the first signal raises ``Interrupted`` at once, wherever the main thread is (a
+blocked wait included). While parts are encoded and committed it is only recorded
+(``deferred``): the loop stops between batches and the finished parts are kept for
+``--resume``. A second Ctrl-C always stops at once.
 """
 
 from __future__ import annotations
@@ -69,5 +69,4 @@ class StopSignals:
 
 
 class StoppedWaiting(Exception):
-    """A signal arrived while the encoding loop waited (for a decoded image, or for the
-    plan of the next window)."""
+    """A signal arrived while the encoding loop waited (for a decoded image or a plan)."""

@@ -48,12 +48,11 @@ class DistContext:
         return self.rank == 0
 
     def _failed(self, what: str, exc: BaseException) -> DistributedError:
-        text = str(exc)
-        if "timed out" in text.lower() or "timeout" in text.lower():
+        if "timed out" in str(exc).lower() or "timeout" in str(exc).lower():
             return DistributedError(f"rank {self.rank}: {what} timed out after "
                                     f"{self.timeout:g}s (a peer rank may have died)")
         # First sentence, without gloo's "[file.cc:line]" prefix.
-        first = re.sub(r"^\[[^\]]*\]\s*", "", text.strip().split("\n")[0]).split(". ")[0]
+        first = re.sub(r"^\[[^\]]*\]\s*", "", _first_line(exc)).split(". ")[0]
         return DistributedError(f"rank {self.rank}: {what} failed (a peer rank may have "
                                 f"died): {first[:200] or type(exc).__name__}")
 
@@ -81,9 +80,8 @@ class DistContext:
         return [pickle.loads(p.cpu().numpy().tobytes()) for p in parts]
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Sum ``tensor`` over ranks in place and return it (the tensor-parallel combine).
-        Works under ``torch.inference_mode`` (the collective is outside autograd); on NCCL
-        it is enqueued on the stream without a host wait (see the module docstring)."""
+        """Sum ``tensor`` over ranks in place and return it (the tensor-parallel combine);
+        fine under ``torch.inference_mode``. On NCCL: no host wait (the module docstring)."""
         try:
             dist.all_reduce(tensor)
         except RuntimeError as exc:
@@ -131,17 +129,21 @@ def init_distributed(device_arg: str, timeout_s: float) -> DistContext | None:
         torch.cuda.set_device(device)
     else:
         device, backend = torch.device("cpu"), "gloo"
-    ctx = DistContext(rank, world_size, local_rank, local_world_size, device, backend,
-                      float(timeout_s))
     try:
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s),
                                 rank=rank, world_size=world_size,
                                 device_id=device if backend == "nccl" else None)
     except (RuntimeError, ValueError) as exc:  # rendezvous timeout, unreachable store
         raise DistributedError(f"rank {rank}: could not join the process group "
-                               f"({str(exc).strip().splitlines()[0] if str(exc) else exc!r})"
-                               ) from exc
-    return ctx
+                               f"({_first_line(exc)})") from exc
+    return DistContext(rank, world_size, local_rank, local_world_size, device, backend,
+                       float(timeout_s))
+
+
+def _first_line(exc: BaseException) -> str:
+    """The first line of ``exc``'s text, or its type's name when it has none."""
+    lines = str(exc).strip().splitlines()
+    return lines[0] if lines else type(exc).__name__
 
 
 def shutdown(ctx: DistContext | None) -> None:
@@ -157,17 +159,15 @@ def shutdown(ctx: DistContext | None) -> None:
 def gather_rows(ctx: DistContext, local_rows: torch.Tensor,
                 counts_per_rank: Sequence[int] | None = None) -> list[torch.Tensor]:
     """Every rank's output rows, on every rank, with ONE all-gather (padded to the largest
-    count for the transfer, cut back after).
-
-    local_rows: (n_local, width), this rank's rows in its assignment order. counts_per_rank:
-    n_local of every rank, known from the shared plan (None: exchanged first, one extra
-    small collective). Returns ``world_size`` tensors (counts_per_rank[r], width) in the
-    dtype and on the device of ``local_rows``; when every rank has zero, nothing is sent."""
+    count for the transfer, cut back after). local_rows: (n_local, width), this rank's rows
+    in its assignment order. counts_per_rank: n_local of every rank, known from the shared
+    plan (None: exchanged first, one extra small collective). Returns ``world_size`` tensors
+    (counts_per_rank[r], width) in the dtype and on the device of ``local_rows``; when every
+    rank has zero, nothing is sent."""
     n_local, width = local_rows.shape
     if counts_per_rank is None:
-        gathered = ctx.all_gather(torch.tensor([n_local], dtype=torch.int64))
-        counts_per_rank = [int(n) for n in gathered.view(-1).tolist()]
-    counts = list(counts_per_rank)
+        counts_per_rank = ctx.all_gather(torch.tensor([n_local], dtype=torch.int64)).view(-1)
+    counts = [int(n) for n in counts_per_rank]
     if len(counts) != ctx.world_size or counts[ctx.rank] != n_local:
         # A plan mismatch would silently misplace rows on every rank; fail loudly here.
         raise ValueError(f"rank {ctx.rank}: holds {n_local} rows, but the plan says "

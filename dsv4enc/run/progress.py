@@ -143,8 +143,7 @@ class RunProgress:
             self._progress = None
 
     def announce(self, text: str) -> None:
-        """One line about the run (what it will do, what it adopted), whatever the mode but
-        ``off``; not a progress line."""
+        """One line about the run (what it will do, what it adopted), in every mode but ``off``."""
         if self.mode == "bar":
             stderr_console.print(f"dsv4enc: {escape(text)}", highlight=False, soft_wrap=True)
         elif self.mode == "log":
@@ -239,11 +238,8 @@ class RunProgress:
         while not self._closed.wait(self.log_every):
             with self._lock:
                 counting, status = self._counting, self._status
-            if counting:
-                text = self.snapshot().line()
-            else:
-                text = f"{status} ({format_duration(time.perf_counter() - self._began)})"
-            _print(text)
+            _print(self.snapshot().line() if counting
+                   else f"{status} ({format_duration(time.perf_counter() - self._began)})")
 
 
 def _print(text: str) -> None:

@@ -73,9 +73,8 @@ class Topology:
         if self.dist is not None and tp_mode == "weights":
             from ..tower.tensor_parallel import apply_tensor_parallel
 
-            self.tensor_parallel = apply_tensor_parallel(model, self.dist.rank,
-                                                         self.dist.world_size,
-                                                         self.dist.all_reduce_sum)
+            self.tensor_parallel = apply_tensor_parallel(
+                model, self.dist.rank, self.dist.world_size, self.dist.all_reduce_sum)
 
     # -- collectives -----------------------------------------------------------------
     def gather(self, value: Any) -> list[Any]:
@@ -86,9 +85,6 @@ class Topology:
         """Run ``action`` (an output check) on rank 0 only, then let every rank raise the
         DsvError it raised, so that no rank waits in a collective for a rank 0 that gave up
         (and reports a dead peer instead of the real reason). Also the ranks' barrier."""
-        if self.dist is None:
-            action()
-            return
         problem = None
         if self.is_main:
             try:
@@ -109,8 +105,6 @@ class Topology:
         One manifest (rank 0's): rank 0 tells the others. One per rank (--shard-output): a
         range is redone by all when any rank lacks its part (every batch ends in
         collectives, so all ranks walk the same parts)."""
-        if self.dist is None:
-            return todo, problem
         everyone = self.gather((todo, problem))
         if not self.shard_output:
             return everyone[0]

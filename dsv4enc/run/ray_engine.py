@@ -23,13 +23,19 @@ import time
 import warnings
 from contextlib import suppress
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 from .. import storage
 from ..errors import DsvError, Interrupted, UsageError
 from ..images.headers import Planned, inputs_digest
 from ..images.sources import attach_held
+from ..pausepoints import pause
 from .options import EncodeOptions, available_cpus, decode_window, default_workers, validate
+from .plan import Part, output_bytes, part_batches, segment_tokens
+from .ranks import Topology, launched_ranks
+from .stopping import StopSignals
+from .summary import RunSummary
 
 log = logging.getLogger("dsv4enc")
 
@@ -112,7 +118,7 @@ class SegmentEncoder:
         says whether this actor reads the same there (it writes its parts beside it)."""
         engine = self.engine
         try:
-            sees = probe is None or open(probe[0], "rb").read() == probe[1]
+            sees = probe is None or Path(probe[0]).read_bytes() == probe[1]
         except OSError:
             sees = False
         return {"config": self.cfg, "fingerprint": self.fingerprint,
@@ -125,17 +131,11 @@ class SegmentEncoder:
                     ) -> dict[str, Any]:
         """Encode one part (``PartEncoder``, as one local process does) and write its file
         into ``folder`` (a local one under a temporary name the driver renames, or a bucket's
-        URL; ``drop_cache``: the parts are the output, never read back). Returns the manifest ``entry``, the part's
-        ``summary`` and its ``progress`` (``progress.RunProgress.advance``'s arguments),
-        never the rows."""
+        URL; ``drop_cache``: the parts are the output, never read back). Returns the manifest
+        ``entry``, the part's ``summary`` and its ``progress`` (``progress.RunProgress.advance``'s
+        arguments), never the rows."""
         from ..output.parts import kept_columns, rows_per_group, rows_to_table, write_part
-        from ..storage import is_url
-        from ..pausepoints import pause
         from .encoding import PartEncoder
-        from .plan import Part
-        from .ranks import Topology
-        from .stopping import StopSignals
-        from .summary import RunSummary
 
         planned = call.planned
         pause("segment", pid=os.getpid(), images=list(planned))
@@ -156,7 +156,7 @@ class SegmentEncoder:
         group_rows = rows_per_group(schema, rows)
         del rows  # the table holds what it needs of them
         entry = write_part(folder, call.name, table, group_rows, call.start, call.end,
-                           call.digest, drop_cache=drop_cache, staged=not is_url(folder))
+                           call.digest, drop_cache=drop_cache, staged=not storage.is_url(folder))
         pause("written", pid=os.getpid(), name=call.name)
         return {"entry": entry, "summary": summary, "progress": progress.counts}
 
@@ -277,7 +277,6 @@ def run_ray_encode(opts: EncodeOptions, ray_opts: RayEngineOptions | None = None
     """Encode ``opts.inputs`` into ``opts.out`` on Ray encoder actors: ``run_encode``'s run
     with ``RayParts`` behind it (its summary, its errors)."""
     from .pipeline import run_encode
-    from .ranks import launched_ranks
 
     validate(opts)
     if launched_ranks() > 1:
@@ -352,8 +351,6 @@ class RayParts:
 
     def cut(self, setup, part_images: int, progress, stop) -> list:
         """Every header at once, the single file's size checked, and every segment."""
-        from .plan import output_bytes, segment_tokens
-
         opts, described = self.opts, self.described
         cfg = described["config"]
         setup.headers(cfg, opts, None, stop.requested, announce=progress.status)
@@ -466,8 +463,6 @@ def part_calls(planned, todo, part_images: int, batch_tokens: int, max_images: i
     ``part_images`` range go in one call, whose file is one part (named after its first
     segment, as the local run joins segments), and ranges are cut at segment bounds into
     about ``wanted`` calls when there are fewer, so that every actor has work."""
-    from .plan import part_batches
-
     runs: list[list] = []
     for segment in todo:
         if (runs and runs[-1][-1].end == segment.start

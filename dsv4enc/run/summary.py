@@ -102,18 +102,18 @@ def print_summary(summary) -> None:
     table = Table(title=f"dsv4enc: {escape(s.out)}", show_header=False, title_justify="left")
     table.add_column(style="bold")
     table.add_column()
-    table.add_row("encoded", str(s.encoded))
-    table.add_row("failed", str(s.failed))
-    table.add_row("skipped (not images)", str(s.skipped))
-    if getattr(s, "unlisted", 0):
+    for label, count in (("encoded", s.encoded), ("failed", s.failed),
+                         ("skipped (not images)", s.skipped)):
+        table.add_row(label, str(count))
+    if s.unlisted:
         table.add_row("folders not listed", f"{s.unlisted} (their images are missing; see the "
                       "lines above)")
-    if getattr(s, "misnamed", 0):
+    if s.misnamed:
         table.add_row("misnamed", escape(
             f"{s.misnamed} image{'s' if s.misnamed != 1 else ''} whose name says another "
             f"format, read as what {'they are' if s.misnamed != 1 else 'it is'} "
             f"(e.g. {s.misnamed_example})"))
-    if getattr(s, "update", False):
+    if s.update:
         table.add_row("reused from the output", str(s.reused))
         table.add_row("dropped (inputs gone)", str(s.dropped))
     elif s.reused:
@@ -147,23 +147,20 @@ def summary_dict(summary, status: str = "completed", exit_code: int = 0) -> dict
     """What ``--summary-json`` holds: counts, failures by type and message (with an example
     path each), timings and the output path."""
     s = summary
+    messages = [{"message": m, "count": n, "example": e} for m, n, e in top_errors(s, None)]
     by_type: dict[str, dict] = {}
-    for message, count, example in top_errors(s, limit=None):
-        entry = by_type.setdefault(message.split(":", 1)[0], {"count": 0, "example": example})
-        entry["count"] += count
+    for m in messages:
+        entry = by_type.setdefault(m["message"].split(":", 1)[0],
+                                   {"count": 0, "example": m["example"]})
+        entry["count"] += m["count"]
     return {
         "status": status, "exit_code": exit_code, "output": s.out,
         "images": {"encoded": s.encoded, "failed": s.failed, "skipped_not_images": s.skipped,
-                   "reused": s.reused, "dropped": getattr(s, "dropped", 0),
-                   "folders_not_listed": getattr(s, "unlisted", 0),
-                   "misnamed": getattr(s, "misnamed", 0)},
-        "misnamed_example": getattr(s, "misnamed_example", ""),
+                   "reused": s.reused, "dropped": s.dropped, "folders_not_listed": s.unlisted,
+                   "misnamed": s.misnamed},
+        "misnamed_example": s.misnamed_example,
         "tokens": s.tokens,
-        "failures": {
-            "by_type": by_type,
-            "messages": [{"message": m, "count": n, "example": e}
-                         for m, n, e in top_errors(s, limit=None)],
-        },
+        "failures": {"by_type": by_type, "messages": messages},
         "seconds": {"wall": s.seconds, "encoding": s.encode_s, "decode_wait": s.decode_wait_s,
                     "h2d": s.h2d_s, "model": s.model_s, "write": s.write_s},
         "rates": {"images_per_s": s.images_per_s, "tokens_per_s": s.tokens_per_s},

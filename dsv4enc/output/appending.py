@@ -11,6 +11,7 @@ run ends with one footer listing every part's row groups in input order, a sync 
 from __future__ import annotations
 
 import base64
+import io
 import logging
 import os
 import struct
@@ -21,7 +22,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from ..errors import OutputError
-from .parquet_join import (GROUP_NUM_ROWS, MAGIC, CompactReader, CompactWriter, JoinError,
+from .parquet_join import (GROUP_NUM_ROWS, MAGIC, CompactReader, JoinError,
                            copy_range, footer_bytes, group_span, move_group, read_footer,
                            row_groups, schema_part, whole_footer, with_key_values)
 from .parts import (MANIFEST_NAME, PartLedger, fsync_dir, is_journal_entry,
@@ -42,9 +43,7 @@ _sync_data = getattr(os, "fdatasync", os.fsync)
 
 def _pack(fields: list[list]) -> str:
     """A Thrift compact struct as text for the JSON journal."""
-    writer = CompactWriter()
-    writer.struct(fields)
-    return base64.b64encode(bytes(writer.out)).decode("ascii")
+    return base64.b64encode(footer_bytes(fields)[:-8]).decode("ascii")  # less length and PAR1
 
 
 def serialize(table: pa.Table, row_group_size: int) -> pa.Buffer:
@@ -91,8 +90,7 @@ def pwrite_all(fd: int, data: memoryview, offset: int) -> None:
 
 def group_room(table: pa.Table, row_group_size: int) -> int:
     """Bytes to reserve for a part: a little more than its Parquet file (embeddings are stored
-    uncompressed, so their Arrow size bounds them; each row group adds a few KB). A part that
-    needs more goes through memory; the slack of a range reserved before another is a gap."""
+    uncompressed, so their Arrow size bounds them; each row group adds a few KB)."""
     groups = -(-max(table.num_rows, 1) // max(row_group_size, 1))
     return int(table.nbytes * 1.01) + (256 << 10) + (32 << 10) * groups
 
@@ -101,14 +99,13 @@ class _NoRoom(Exception):
     """A part's Parquet bytes outgrew its reservation."""
 
 
-class RangeSink:
+class RangeSink(io.RawIOBase):
     """A write-only file for pyarrow's Parquet writer that puts byte ``i`` it is given at
     ``base + i - 4`` of the growing file (no leading ``PAR1``); past ``room``: ``_NoRoom``."""
 
     def __init__(self, fd: int, base: int, room: int) -> None:
         self.fd, self.base, self.room = fd, base, room
         self.pos = 0  # bytes given so far (its ``tell``: the offsets its footer holds)
-        self.closed = False
 
     def write(self, data) -> int:
         view = memoryview(data).cast("B")
@@ -126,12 +123,6 @@ class RangeSink:
 
     def writable(self) -> bool:
         return True
-
-    def flush(self) -> None:
-        pass
-
-    def close(self) -> None:
-        self.closed = True
 
 
 class AppendingStore(PartLedger):
@@ -176,17 +167,16 @@ class AppendingStore(PartLedger):
         try:
             return {name: part for name, part in data["parts"].items()
                     if (is_journal_entry(part) and same_footer and size
-                        and len(MAGIC) <= part["offset"]
-                        and part["offset"] + part["length"] <= size
+                        and len(MAGIC) <= part["offset"] <= size - part["length"]
                         and self._part_footer(part, fd) is not None)
                     or (names_part_file(part) and self._joinable(part))}
         finally:
             if fd is not None:
                 os.close(fd)
 
-    def _fits(self, footer: list[list]) -> bool:
+    def _fits(self, footer: list[list] | None) -> bool:
         """A part's footer holds what the output's does but its row groups."""
-        return _pack(schema_part(footer)) == self.extra["footer"]
+        return footer is not None and _pack(schema_part(footer)) == self.extra["footer"]
 
     def _schema(self) -> list[list]:
         """The footer fields every part's has but for its row groups (``extra``)."""
@@ -195,8 +185,7 @@ class AppendingStore(PartLedger):
     def _joinable(self, part: dict[str, Any]) -> bool:
         """A part file that reads back whole and whose bytes can join this file's."""
         path = self.folder / part["file"]
-        footer = _joinable_footer(path) if part_intact(path, part.get("rows")) else None
-        return footer is not None and self._fits(footer)
+        return part_intact(path, part.get("rows")) and self._fits(_joinable_footer(path))
 
     def file_parts(self, path: Path, ignore: bytes) -> list[list]:
         """The parts of a file this store finished (``[row groups, rows]``, in row order)
@@ -230,8 +219,7 @@ class AppendingStore(PartLedger):
             raise OutputError(f"cannot update {self.out}: {path}: {exc}") from None
 
     def forget(self, names: Sequence[str]) -> None:
-        """Drop the parts this run does not reuse, cut the file after the last range still
-        recorded, and copy in the reused part files of the earlier design."""
+        """Drop the parts this run does not reuse, cut the file, copy in reused part files."""
         super().forget(names)
         self._cut()
         for name, part in list(self.parts.items()):
@@ -304,16 +292,13 @@ class AppendingStore(PartLedger):
                 base = self._reserve(length)
                 pwrite_all(self._fd, memoryview(data)[len(MAGIC):], base)
                 del data
-        except OSError as exc:
-            raise output_os_error(self.path, exc) from None
-        footer = _range_footer(self._fd, base, length)
-        if footer is None:
-            raise OutputError(f"cannot write {self.out}: the Parquet writer wrote no footer")
-        if not self._fits(footer):
-            raise OutputError(f"cannot write {self.out}: a part's Parquet footer differs from "
-                              "the output's")
-        self._give_back(base, room, length)
-        try:
+            footer = _range_footer(self._fd, base, length)
+            if footer is None:
+                raise OutputError(f"cannot write {self.out}: the Parquet writer wrote no footer")
+            if not self._fits(footer):
+                raise OutputError(f"cannot write {self.out}: a part's Parquet footer differs "
+                                  "from the output's")
+            self._give_back(base, room, length)
             _sync_data(self._fd)  # the bytes are on disk before the journal names them
         except OSError as exc:
             raise output_os_error(self.path, exc) from None
@@ -340,7 +325,7 @@ class AppendingStore(PartLedger):
     def _part_footer(self, part: dict[str, Any], fd: int | None = None) -> list[list] | None:
         """The footer a recorded part's range ends with, if it fits this output's."""
         footer = _range_footer(self._fd if fd is None else fd, part["offset"], part["length"])
-        return footer if footer is not None and self._fits(footer) else None
+        return footer if self._fits(footer) else None
 
     def _final_footer(self) -> bytes:
         """One footer for every recorded part's row groups, in input order."""
@@ -359,8 +344,7 @@ class AppendingStore(PartLedger):
                 # Its offsets count from its own file's start, where PAR1 preceded its bytes.
                 move_group(group, part["offset"] - len(MAGIC), len(groups))
                 groups.append(group)
-        footer = whole_footer(self._schema(), groups,
-                              sum(p["rows"] for p in ordered))
+        footer = whole_footer(self._schema(), groups, sum(p["rows"] for p in ordered))
         return footer_bytes(with_key_values(footer, self.key_values))
 
     def finish(self) -> None:

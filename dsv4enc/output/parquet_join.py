@@ -66,45 +66,37 @@ class CompactReader:
     def value(self, kind: int) -> Any:
         if kind in (T_TRUE, T_FALSE):  # a bool field's value is its type
             return kind == T_TRUE
-        if kind == T_BYTE:
-            return self.byte()
-        if kind in (T_I16, T_I32, T_I64):
-            return self.zigzag()
-        if kind == T_DOUBLE:
-            return self.take(8)
-        if kind == T_BINARY:
-            return self.take(self.varint())
         if kind in (T_LIST, T_SET):
-            head = self.byte()
-            size, element = head >> 4, head & 0x0F
+            size, element = divmod(self.byte(), 16)
             if size == 15:
                 size = self.varint()
-            if element in (T_TRUE, T_FALSE):  # bools in a collection are one byte each
-                return element, [self.byte() for _ in range(size)]
-            return element, [self.value(element) for _ in range(size)]
+            each = T_BYTE if element in (T_TRUE, T_FALSE) else element  # bools: a byte each
+            return element, [self.value(each) for _ in range(size)]
         if kind == T_MAP:
             size = self.varint()
             if not size:
                 return 0, 0, []
-            types = self.byte()
-            key, val = types >> 4, types & 0x0F
+            key, val = divmod(self.byte(), 16)
             return key, val, [(self.value(key), self.value(val)) for _ in range(size)]
-        if kind == T_STRUCT:
-            return self.struct()
-        raise JoinError(f"unknown Thrift type {kind} in a Parquet footer")
+        if kind not in self.READ:
+            raise JoinError(f"unknown Thrift type {kind} in a Parquet footer")
+        return self.READ[kind](self)
 
     def struct(self) -> list[list]:
         """A struct as ``[[field_id, type, value], ...]`` in stored order."""
         fields, last = [], 0
         while True:
-            head = self.byte()
-            kind = head & 0x0F
+            delta, kind = divmod(self.byte(), 16)
             if kind == T_STOP:
                 return fields
-            delta = head >> 4
             field = last + delta if delta else self.zigzag()
             fields.append([field, kind, self.value(kind)])
             last = field
+
+    #: How each Thrift type of a fixed shape is read.
+    READ = {T_BYTE: byte, T_I16: zigzag, T_I32: zigzag, T_I64: zigzag,
+            T_DOUBLE: lambda self: self.take(8), T_BINARY: lambda self: self.take(self.varint()),
+            T_STRUCT: struct}
 
 
 class CompactWriter:
@@ -121,29 +113,14 @@ class CompactWriter:
         self.varint((n << 1) ^ (n >> 63))
 
     def value(self, kind: int, value: Any) -> None:
-        if kind in (T_TRUE, T_FALSE):
-            return
-        if kind == T_BYTE:
-            self.out.append(value)
-        elif kind in (T_I16, T_I32, T_I64):
-            self.zigzag(value)
-        elif kind == T_DOUBLE:
-            self.out += value
-        elif kind == T_BINARY:
-            self.varint(len(value))
-            self.out += value
-        elif kind in (T_LIST, T_SET):
+        if kind in (T_LIST, T_SET):
             element, items = value
-            if len(items) < 15:
-                self.out.append((len(items) << 4) | element)
-            else:
-                self.out.append(0xF0 | element)
+            self.out.append((min(len(items), 15) << 4) | element)
+            if len(items) >= 15:
                 self.varint(len(items))
+            each = T_BYTE if element in (T_TRUE, T_FALSE) else element  # bools: a byte each
             for item in items:
-                if element in (T_TRUE, T_FALSE):
-                    self.out.append(item)
-                else:
-                    self.value(element, item)
+                self.value(each, item)
         elif kind == T_MAP:
             key, val, items = value
             self.varint(len(items))
@@ -152,10 +129,14 @@ class CompactWriter:
                 for k, v in items:
                     self.value(key, k)
                     self.value(val, v)
-        elif kind == T_STRUCT:
-            self.struct(value)
-        else:
+        elif kind not in self.WRITE:
             raise JoinError(f"unknown Thrift type {kind}")
+        else:
+            self.WRITE[kind](self, value)
+
+    def binary(self, value: bytes) -> None:
+        self.varint(len(value))
+        self.out += value
 
     def struct(self, fields: list[list]) -> None:
         last = 0
@@ -172,15 +153,21 @@ class CompactWriter:
             last = field
         self.out.append(T_STOP)
 
+    #: How each Thrift type of a fixed shape is written (a bool field's value is its type).
+    WRITE = {T_TRUE: lambda self, value: None, T_FALSE: lambda self, value: None,
+             T_BYTE: lambda self, value: self.out.append(value), T_I16: zigzag, T_I32: zigzag,
+             T_I64: zigzag, T_DOUBLE: lambda self, value: self.out.extend(value), T_BINARY: binary,
+             T_STRUCT: struct}
 
-def _get(fields: list[list], field: int) -> list | None:
-    return next((f for f in fields if f[0] == field), None)
+
+
+def _value(fields: list[list], field: int, default: Any = None) -> Any:
+    return next((f[2] for f in fields if f[0] == field), default)
 
 
 def row_groups(footer: list[list]) -> list[list]:
     """The row groups a decoded footer lists."""
-    groups = _get(footer, FILE_ROW_GROUPS)
-    return groups[2][1] if groups else []
+    return _value(footer, FILE_ROW_GROUPS, (T_STRUCT, []))[1]
 
 
 def footer_bytes(footer: list[list]) -> bytes:
@@ -214,7 +201,7 @@ def move_group(group: list[list], shift: int, ordinal: int) -> None:
             field[2] += shift
         elif field[0] == GROUP_ORDINAL:
             field[2] = ordinal
-    for chunk in _get(group, GROUP_COLUMNS)[2][1]:
+    for chunk in _value(group, GROUP_COLUMNS)[1]:
         for field in chunk:
             if field[0] in CHUNK_INDEX_FIELDS:
                 raise JoinError("a file with page indexes cannot be joined by copying")
@@ -231,20 +218,19 @@ def move_group(group: list[list], shift: int, ordinal: int) -> None:
 def group_span(group: list[list]) -> tuple[int, int]:
     """Where a row group's column chunks lie in its file: (first byte, end)."""
     spans = []
-    for chunk in _get(group, GROUP_COLUMNS)[2][1]:
-        meta = {field[0]: field[2] for field in _get(chunk, CHUNK_META)[2]}
+    for chunk in _value(group, GROUP_COLUMNS)[1]:
+        meta = {field[0]: field[2] for field in _value(chunk, CHUNK_META)}
         start = min(meta[k] for k in (META_DATA_PAGE, META_DICTIONARY_PAGE) if meta.get(k))
         spans.append((start, start + meta[META_SIZE]))
     return min(start for start, _ in spans), max(end for _, end in spans)
 
 
 def with_key_values(footer: list[list], entries: dict[bytes, bytes] | None) -> list[list]:
-    """``footer`` (a decoded FileMetaData) with ``entries`` added to (or replacing keys of)
-    its key-value metadata, in field id order."""
+    """``footer`` with ``entries`` added to (or replacing keys of) its key-value metadata."""
     if not entries:
         return footer
-    old = (_get(footer, FILE_KEY_VALUES) or [0, 0, (T_STRUCT, [])])[2][1]
-    pairs = [kv for kv in old if (_get(kv, 1) or [0, 0, b""])[2] not in entries]
+    old = _value(footer, FILE_KEY_VALUES, (T_STRUCT, []))[1]
+    pairs = [kv for kv in old if _value(kv, 1, b"") not in entries]
     pairs += [[[1, T_BINARY, key], [2, T_BINARY, value]] for key, value in entries.items()]
     fields = [f for f in footer if f[0] != FILE_KEY_VALUES]
     return sorted(fields + [[FILE_KEY_VALUES, T_LIST, (T_STRUCT, pairs)]], key=lambda f: f[0])
@@ -302,8 +288,7 @@ class ParquetJoiner:
     def append(self, path: Path) -> None:
         """Copy ``path``'s row groups (their bytes, as they are) to the end of the file."""
         with open(path, "rb") as source:
-            size = os.fstat(source.fileno()).st_size
-            footer, start = read_footer(source, size)
+            footer, start = read_footer(source, os.fstat(source.fileno()).st_size)
             if self._footer is None:
                 self._footer = footer
             elif schema_part(footer) != schema_part(self._footer):
@@ -312,7 +297,7 @@ class ParquetJoiner:
             for group in row_groups(footer):
                 move_group(group, shift, len(self._groups))
                 self._groups.append(group)
-            self._rows += (_get(footer, FILE_NUM_ROWS) or [0, 0, 0])[2]
+            self._rows += _value(footer, FILE_NUM_ROWS, 0)
             copy_range(source, self._out, 4, start - 4)
 
     def close(self, key_values: dict[bytes, bytes] | None = None) -> None:

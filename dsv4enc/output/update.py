@@ -102,18 +102,7 @@ def write_folder_stamps(folder: Path, store, stamps: np.ndarray, options: dict) 
 def _write_stamps(folder: Path, stamps: np.ndarray, options: dict) -> dict[str, Any]:
     """A folder output's stamps file, named by its content; returns the manifest's entry."""
     data = _MAGIC + stamps.astype("<u8").tobytes()
-    name = f"_stamps-{hashlib.blake2b(data, digest_size=8).hexdigest()}.bin"
-    _write_bytes_atomic(folder / name, data)
-    return {"file": name, "rows": len(stamps), "options": options}
-
-
-def remove_other_stamps(folder: Path, keep: str | None) -> None:
-    for path in folder.iterdir():
-        if STAMPS_FILE.fullmatch(path.name) and path.name != keep:
-            path.unlink(missing_ok=True)
-
-
-def _write_bytes_atomic(path: Path, data: bytes) -> None:
+    path = folder / f"_stamps-{hashlib.blake2b(data, digest_size=8).hexdigest()}.bin"
     tmp = temp_path(path)
     try:
         with open(tmp, "wb") as handle:
@@ -121,10 +110,17 @@ def _write_bytes_atomic(path: Path, data: bytes) -> None:
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(tmp, path)
-        fsync_dir(path.parent)
+        fsync_dir(folder)
     except OSError as exc:
         tmp.unlink(missing_ok=True)
         raise OutputError(f"cannot write {path}: {exc.strerror or exc}") from None
+    return {"file": path.name, "rows": len(stamps), "options": options}
+
+
+def remove_other_stamps(folder: Path, keep: str | None) -> None:
+    for path in folder.iterdir():
+        if STAMPS_FILE.fullmatch(path.name) and path.name != keep:
+            path.unlink(missing_ok=True)
 
 
 def _read_folder_stamps(folder: Path, entry: Any, rows: int) -> np.ndarray | None:
@@ -144,12 +140,11 @@ class OldOutput:
     """A finished output as an update sees it: its files in row order, settings and stamps."""
 
     def __init__(self, out: Path, files: list[Path], settings: dict, stamps: np.ndarray | None,
-                 folder: bool, listed: set[str]) -> None:
+                 folder: bool, parts: Sequence[tuple[str, int, int]] = ()) -> None:
         self.out, self.files, self.settings, self.stamps = out, files, settings, stamps
         self.folder = folder
-        self.listed = listed  # a folder's part file names (the update's must differ)
-        #: a folder's part files in row order: (name, first row, rows)
-        self.parts: list[tuple[str, int, int]] = []
+        self.parts = list(parts)  # a folder's part files in row order: (name, first row, rows)
+        self.listed = {name for name, _, _ in self.parts}  # (the update's names must differ)
 
     @classmethod
     def find(cls, out: Path, folder_mode: bool) -> "OldOutput | None":
@@ -172,18 +167,16 @@ class OldOutput:
                     stamps = np.frombuffer(data, dtype="<u8").astype(np.uint64)
             except (KeyError, ValueError, TypeError):
                 pass
-            return cls(out, [out], settings, stamps, False, set())
+            return cls(out, [out], settings, stamps, False)
         manifest = read_manifest(out / MANIFEST_NAME)
         if manifest is None:
             return None
         parts = sorted(manifest["parts"].values(), key=lambda p: (p["start"], p["file"]))
         sizes = [int(p.get("rows", 0)) for p in parts]
         stamps = _read_folder_stamps(out, manifest.get("stamps"), sum(sizes))
-        found = cls(out, [out / p["file"] for p in parts], dict(manifest["settings"]), stamps,
-                    True, {p["file"] for p in parts})
         first = np.cumsum([0] + sizes)
-        found.parts = [(p["file"], int(first[i]), sizes[i]) for i, p in enumerate(parts)]
-        return found
+        return cls(out, [out / p["file"] for p in parts], dict(manifest["settings"]), stamps,
+                   True, [(p["file"], int(first[i]), sizes[i]) for i, p in enumerate(parts)])
 
     def check(self, settings: dict) -> None:
         """Refuse in one line a run whose rows would differ, or an output without stamps."""
@@ -195,9 +188,8 @@ class OldOutput:
         for key, now in settings.items():
             then = self.settings.get(key)
             if key not in _NOT_ROWS and then != now:
-                raise UsageError(setting_refusal(f"cannot update {self.out}",
-                                                 "it was made with", key, then, now,
-                                                 again="encode everything again"))
+                raise UsageError(setting_refusal(f"cannot update {self.out}", "it was made with",
+                                                 key, then, now, again="encode everything again"))
 
     def column(self, name: str) -> Iterable[Any]:
         """One small column's values, row by row, read a row group at a time."""
@@ -335,8 +327,8 @@ class Update:
         at_end = {p.end: i for i, p in enumerate(todo)}
         dropped, kept = set(), 0
         for unit, first, rows in units:
-            start = new_of.get(first)
-            end = None if start is None else start + rows
+            start = new_of.get(first, -1)  # -1: its first row is not carried
+            end = start + rows
             if (rows == 0 or start not in at_start or end not in at_end
                     or not (single or (self.old.out / unit).is_file())):
                 continue  # its rows moved off this run's segment bounds (or it is gone)
@@ -355,8 +347,7 @@ class Update:
         return [p for k, p in enumerate(todo) if k not in dropped], kept
 
     def finish_folder(self, store: PartStore, stamps: np.ndarray, options: dict) -> None:
-        """Switch a folder output to the staged parts: stamps and part files moved in, the
-        manifest replaced (one rename), then the old parts and stamps deleted."""
+        """Switch a folder output to the staged parts (in the order the module's doc says)."""
         out = self.old.out
         entry = _write_stamps(out, stamps, options)
         parts = {name: {k: v for k, v in part.items() if k != "kept"}
@@ -367,8 +358,7 @@ class Update:
         fsync_dir(out)
         write_json_atomic(manifest_document(store.settings, parts, stamps=entry),
                           out / MANIFEST_NAME)  # the switch
-        kept = {part["file"] for part in store.parts.values()}
-        for old in self.old.listed - kept:
+        for old in self.old.listed - {part["file"] for part in parts.values()}:
             if PART_FILE.fullmatch(old):
                 (out / old).unlink(missing_ok=True)
         remove_other_stamps(out, keep=entry["file"])

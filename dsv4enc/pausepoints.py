@@ -15,8 +15,7 @@ The points: ``commit`` (a part was committed: a kill now loses nothing before it
 ``encoded`` (a batch's rows were counted in the progress), ``upload`` (the child that uploads
 a single-file output to a store sent a chunk; it reports its ``pid`` and the bytes ``sent``),
 and under ``--engine ray`` ``segment`` (an encoder actor is about to encode a part; it reports
-its ``pid``) and ``written`` (an actor wrote a part's file, not yet reported or committed).
-"""
+its ``pid``) and ``written`` (an actor wrote a part's file, not yet reported or committed)."""
 
 from __future__ import annotations
 

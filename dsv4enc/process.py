@@ -42,8 +42,7 @@ def keep_freed_memory_mapped(largest_mapped: int = 1 << 30,
 
     ``largest_mapped``: buffers up to this size come from the heap; ``keep_free``: freed memory
     at the heap's top goes back to the OS only beyond this. The defaults keep it all (the
-    command line); a decode worker passes bounds, so that a huge image leaves no memory mapped.
-    """
+    command line); a decode worker passes bounds, so that a huge image leaves no memory mapped."""
     global _heap_tuned
     if _heap_tuned or not sys.platform.startswith("linux"):
         return

@@ -285,9 +285,8 @@ class ServerError(OSError):
 def outage_cause(exc: BaseException) -> str | None:
     """What an error says about a store that is not answering (``"connection refused"``,
     ``"timed out"``, ``"connection lost"``, ``"server error (HTTP 503)"``), or None (a missing
-    object, denied access, a bad request, ...). Read from the kinds of the errors along its
-    ``__cause__`` chain (type, errno, botocore's status and code), else from its message:
-    pyarrow's S3 and GCS clients raise a bare ``OSError`` (``_message_cause``)."""
+    object, denied access, a bad request, ...): by the errors' kinds along its ``__cause__``
+    chain, else by the message of pyarrow's bare ``OSError`` (``_message_cause``)."""
     if isinstance(exc, FileNotFoundError) or setup_problem(exc) is not None:
         return None
     seen: BaseException | None = exc
@@ -406,13 +405,13 @@ _wall = time.time  # not ``time.time``: tests replace this module's ``time`` to 
 
 
 class StoreHealth:
-    """What this process knows of one store's health: since when every call to it has
-    failed, and why. Thread-safe.
+    """What this process knows of one store's health: since when every call to it has failed,
+    and why. Thread-safe.
 
-    A call whose retries (``retrying``) are all spent on an outage (``outage_cause``) marks
-    its store as failing since the first of those failures; any answer clears the mark. A
-    store that has failed for ``outage_s()`` is down: calls fail at once
-    (``StoreUnavailable``) and ``check_stores`` (the run's loop calls it) raises ``StoreDown``."""
+    A call whose retries (``retrying``) are all spent on an outage (``outage_cause``) marks its
+    store as failing since the first of those failures; any answer clears the mark. A store
+    that has failed for ``outage_s()`` is down: calls fail at once (``StoreUnavailable``) and
+    ``check_stores`` raises ``StoreDown``."""
 
     def __init__(self, store: str) -> None:
         self.store = store
@@ -521,10 +520,9 @@ def attempt_bound_s(options: dict | None = None) -> float:
 
 
 def stop_bound_s(outage: float | None = None, options: dict | None = None) -> float:
-    """How long after a store's last answer a run that needs it ends: its first failure is
-    seen within one attempt, the store is down ``outage`` seconds later, the attempts in
-    flight then end within one more, and the clean-up fails at once (one more attempt at
-    most), plus the batch in progress."""
+    """How long after a store's last answer a run that needs it ends: its first failure is seen
+    within one attempt, the store is down ``outage`` s later, the attempts in flight end within
+    one more, and the clean-up fails at once (one more at most), plus the batch in progress."""
     outage = outage_s() if outage is None else outage
     return outage + 3 * attempt_bound_s(options)
 
@@ -532,9 +530,8 @@ def stop_bound_s(outage: float | None = None, options: dict | None = None) -> fl
 def retrying(what: Callable[[], T], *, store: str) -> T:
     """``what()``, tried again after ``BACKOFF_S`` (doubled each time, up to ``ATTEMPTS`` tries)
     when it fails with an ``OSError`` other than a setup problem or a missing object (raised at
-    once); the SDK retries each request first. Once ``store`` (``store_of``) is down, no more
-    attempts are made, not even within a call; a call that spent its retries on an outage,
-    or finds its store down, raises ``StoreUnavailable``."""
+    once); the SDK retries each request first. A call that spent its retries on an outage, or
+    finds ``store`` (``store_of``) down, even between its tries, raises ``StoreUnavailable``."""
     record = health(store)
     first_failure: float | None = None
     for attempt in range(ATTEMPTS):
@@ -689,9 +686,8 @@ def stat(url: str) -> ObjectInfo:
 
 
 def stamp(url: str) -> str:
-    """What identifies this version of the object for ``--resume``: its size and its ETag
-    where the listing gave one, else its modification time (an object is replaced whole,
-    so a new upload changes both), or why it cannot be looked at."""
+    """What identifies this version of the object for ``--resume``: its size and the listing's
+    ETag, else its modification time (a new upload changes both), or why it cannot be looked at."""
     try:
         info = stat(url)
     except OSError as exc:

@@ -1,9 +1,7 @@
 """Host capacity without a GPU (``dsv4enc bench --host``): the real encode pipeline with the
-tower replaced by ``NullStage``, whose rows (zeros of the right shape and dtype) cost nothing
-but which does the host's share of the CUDA engine's work (a page-locked ``patch_buffer``
-with CUDA, the staging copies of a batch's other inputs, a fresh copy of each batch's rows).
-What is left is the host's work per image, as images/s per core, beside a one-thread cost
-of each stage measured on a sample of the same images."""
+tower replaced by ``NullStage``, whose rows (zeros) cost nothing but which does the host's
+share of the CUDA engine's work (page-locked patches with CUDA, staging copies, a fresh copy
+of each batch's rows). Reports images/s per core and each stage's one-thread cost."""
 
 from __future__ import annotations
 
@@ -33,9 +31,8 @@ NULL_FINGERPRINT = "null-stage (no model: rows are zeros)"
 
 
 class NullEngine:
-    """The Engine's interface (``submit``/``collect`` in order, ``stats``, ``cfg``...) with no
-    model: each image's rows are zeros of the output width in ``out_dtype``. ``batch_tokens``
-    defaults to the CUDA engine's, so batches are planned as on a GPU."""
+    """The Engine's interface with no model: each image's rows are zeros of the output width
+    in ``out_dtype``. ``batch_tokens`` defaults to the CUDA engine's, as on a GPU."""
 
     graphs_enabled = False
     deterministic = True
@@ -53,7 +50,7 @@ class NullEngine:
         self.stats = EngineStats()
         self.last_finite = True
         self._pin = torch.cuda.is_available()
-        self._pending: deque[tuple[PackedBatch, int]] = deque()
+        self._pending: deque[PackedBatch] = deque()
         self._zeros = np.zeros((0, self.width), _NUMPY_DTYPES[out_dtype])
 
     @property
@@ -72,25 +69,23 @@ class NullEngine:
         return torch.empty(tokens, width, dtype=dtype, pin_memory=self._pin)
 
     def submit(self, batch: PackedBatch) -> None:
-        """Stage the batch's inputs (the host side of a transfer) and make its rows; the
-        patches are already where the transfer reads them (``patch_buffer``)."""
+        """Stage the batch's other inputs (the host side of a transfer) and make its rows."""
         began = time.perf_counter()
         copy = torch.Tensor.pin_memory if self._pin else torch.Tensor.clone
         for tensor in stage_inputs(batch):
             copy(tensor)
         self.stats.h2d_s += time.perf_counter() - began
-        rows = batch.n_rows if self.features == "aligner" else batch.n_tokens
-        if self._zeros.shape[0] < rows:  # what the device would write into: made once
-            self._zeros = np.zeros((rows, self.width), _NUMPY_DTYPES[self.out_dtype])
-        self._pending.append((batch, rows))
+        if self._zeros.shape[0] < batch.n_rows:  # what the device would write into: made once
+            self._zeros = np.zeros((batch.n_rows, self.width), _NUMPY_DTYPES[self.out_dtype])
+        self._pending.append(batch)
 
     def collect(self) -> list[torch.Tensor]:
         """The oldest submitted batch's rows, one tensor per image (a fresh numpy copy, as
         ``pipeline`` makes of the engine's page-locked output)."""
-        batch, rows = self._pending.popleft()
+        batch = self._pending.popleft()
         self.stats.batches += 1
         self.stats.real_tokens += batch.n_tokens
-        out = torch.from_numpy(self._zeros[:rows].copy())
+        out = torch.from_numpy(self._zeros[:batch.n_rows].copy())
         return batch.split_rows(out if self.out_dtype != torch.bfloat16
                                 else out.view(torch.bfloat16))
 
@@ -138,7 +133,6 @@ def stage_costs(paths: Sequence[Path], cfg: VisionConfig, features: str = "align
     from ..engine.packing import pack
     from ..tower.transform import bf16_bits_to_tensor, image_to_patch_bits
 
-    limit = max_pixels or DEFAULT_MAX_PIXELS
     items, decode_s, transform_s = [], 0.0, 0.0
     clock = time.thread_time
     threads = torch.get_num_threads()
@@ -146,7 +140,7 @@ def stage_costs(paths: Sequence[Path], cfg: VisionConfig, features: str = "align
     try:
         for path in paths:
             began = clock()
-            with open_checked(str(path), limit) as image:
+            with open_checked(str(path), max_pixels or DEFAULT_MAX_PIXELS) as image:
                 image.load()
                 loaded = clock()
                 bits, canvas = image_to_patch_bits(image, cfg)
@@ -200,14 +194,10 @@ class HostResult:
         capacity per core, less sensitive than wall time to other load on the machine."""
         return self.images / self.cpu_s if self.cpu_s else 0.0
 
-    def as_dict(self) -> dict:
-        return {**asdict(self), "img_per_cpu_s": self.img_per_cpu_s}
-
 
 def _cpu_seconds() -> float:
     """CPU seconds used so far by this process and its waited-for children."""
-    times = os.times()
-    return times.user + times.system + times.children_user + times.children_system
+    return sum(os.times()[:4])  # user, system, and the children's user and system
 
 
 def _size(path: Path) -> int:
@@ -220,14 +210,12 @@ def run_host_bench(config_path: str, images: str = "synthetic:1024x768:256",
                    outputs: Sequence[str] = ("file", "folder"), workers: int | None = None,
                    workdir: str | None = None, sample: int = 8,
                    options: dict | None = None, steady: bool = True) -> list[HostResult]:
-    """Encode ``images`` (a folder, or ``synthetic:WxH:N`` / ``synthetic:mix[:N]`` JPEGs made
-    once in ``workdir``) with the null stage, once per output kind in ``outputs``.
-
-    ``workers``: decode workers (default: as for a CUDA run here). ``options``: more
-    ``EncodeOptions`` fields. ``steady``: each kind also runs on an eighth of the images, and
-    the two runs' difference in images over their difference in CPU seconds is
-    ``steady_img_per_cpu_s`` (fixed costs, the workers' start and the last flush, cancel). An
-    untimed short run first takes the process's one-time costs (imports, pyarrow's start)."""
+    """Encode ``images`` (as ``throughput.resolve_images``, made once in ``workdir``) with the
+    null stage, once per output kind in ``outputs``. ``workers``: decode workers (default: as
+    for a CUDA run here). ``options``: more ``EncodeOptions`` fields. ``steady``: each kind
+    also runs on an eighth of the images; the extra images over the extra CPU seconds are
+    ``steady_img_per_cpu_s`` (fixed costs cancel). An untimed short run first takes the
+    process's one-time costs (imports, pyarrow's start)."""
     from .throughput import check_outputs, resolve_images
     from ..run.pipeline import run_encode
 
@@ -256,12 +244,12 @@ def run_host_bench(config_path: str, images: str = "synthetic:1024x768:256",
         if short:
             timed(outputs[0] if outputs else "folder", short, "host-warmup")
         results = []
+        cores = available_cpus()
         for kind in outputs:
             short_cpu = timed(kind, short, "host-short")[2] if short else None
             summary, total, cpu, out = timed(kind, paths, "host")
             done = summary.encoded + summary.failed
             loop = summary.encode_s
-            cores = available_cpus()
             steady_rate = (None if short_cpu is None or cpu <= short_cpu
                            else (done - len(short)) / (cpu - short_cpu))
             results.append(HostResult(
@@ -315,5 +303,6 @@ def host_bench_command(config_path: str, images: str, outputs: Sequence[str],
     print_host_results(results)
     if json_out:
         with open(json_out, "w") as handle:
-            json.dump([r.as_dict() for r in results], handle, indent=1)
+            json.dump([{**asdict(r), "img_per_cpu_s": r.img_per_cpu_s} for r in results],
+                      handle, indent=1)
     return results

@@ -1,11 +1,9 @@
 """Throughput benchmark, run by ``dsv4enc bench``: one config and one image mix, in one process.
 
-- ``model``: the engine alone over pre-transformed, bin-packed batches, per batch-token budget
-  and graph setting: img/s, tokens/s, FLOP/s (analytic, real tokens only), the fraction of the
-  matmul ceiling (the best rate of the model's own GEMM shapes at the batch's token count; a
-  large square product is the device peak), padding, time split;
-- ``naive``: one image at a time (decode, transform, per-image forward with 3-D attention),
-  the baseline every ratio is against;
+- ``model``: the engine alone over pre-transformed, bin-packed batches, per budget and graph
+  setting: img/s, tokens/s, FLOP/s (analytic, real tokens only) against ``matmul_ceiling``,
+  padding, time split;
+- ``naive``: one image at a time with 3-D attention, the baseline every ratio is against;
 - ``e2e`` and ``cli`` (optional): the encode pipeline in this process, and ``dsv4enc encode``
   in a fresh process (the interpreter's start and torch's import included)."""
 
@@ -351,12 +349,10 @@ def run_bench(config_path: str, device: str = "auto", dtype: str = "auto",
               e2e_outputs: Sequence[str] = ("file",)) -> list[dict]:
     """Run the benchmark; one dict per measurement (see module doc), each with ``vs_naive``
     (img/s over the naive loop's) and ``ceiling_frac`` (FLOP/s over the matmul ceiling).
-
-    ``images``: a folder or "synthetic:mix[:N]" / "synthetic:WxH:N". ``batch_tokens``: one
-    budget or several (default: the device's). ``cuda_graphs``, ``fused``: the settings to
-    compare (None = engine default; fused for model and e2e rows). ``naive_images``: the naive
-    baseline on the first N images only (its rate is per image, so the ratio stays fair for a
-    repeating mix). ``e2e``, ``cli``: also time those modes; ``e2e_outputs``: file, folder."""
+    ``images``: as ``resolve_images``. ``batch_tokens``: one budget or several (default: the
+    device's). ``cuda_graphs``, ``fused``: the settings to compare (None = engine default).
+    ``naive_images``: the naive baseline on the first N images only (its rate is per image,
+    so the ratio stays fair for a repeating mix). ``e2e``, ``cli``: also time those modes."""
     check_outputs(e2e_outputs)
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
@@ -430,8 +426,7 @@ def print_results(rows: Sequence[dict], console=None) -> None:
         if not console.is_terminal:  # logs and pipes: do not squeeze the table to 80 columns
             console = Console(width=170)
     meta = next((r for r in rows if r.get("mode") == "meta"), {})
-    gpu = meta.get("device_type") == "cuda"
-    unit, scale = ("TFLOP/s", 1e12) if gpu else ("GFLOP/s", 1e9)
+    unit, scale = ("TFLOP/s", 1e12) if meta.get("device_type") == "cuda" else ("GFLOP/s", 1e9)
     title = (f"{meta.get('config', '?')} on {meta.get('device', '?')}, {meta.get('dtype', '?')}: "
              f"{meta.get('images', '?')} images, {meta.get('tokens', '?')} patches, "
              f"{meta.get('gflop_per_image', 0):.1f} GFLOP/image; matmul ceiling "
@@ -444,10 +439,8 @@ def print_results(rows: Sequence[dict], console=None) -> None:
                ("model s", "model_s", ".3f"), ("d2h s", "d2h_s", ".3f"),
                ("idle", "device_idle", ".0%"), ("vs naive", "vs_naive", ".2f"))
     table = Table(title=title)
-    for name in ("mode", "graphs", "fused", "attention"):
+    for name in ("mode", "graphs", "fused", "attention", *(name for name, _, _ in numbers)):
         table.add_column(name, justify="left" if name in ("mode", "attention") else "right")
-    for name, _, _ in numbers:
-        table.add_column(name, justify="right")
     for r in rows:
         if r.get("mode") == "meta":
             continue

@@ -20,10 +20,9 @@ class BatchLoop:
     """Packs, submits and collects batches on ``engine``, one batch in flight ahead.
 
     ``pool``: ``"mean"`` returns one vector per image, ``"none"`` every row. ``name_of(tag)``
-    names an image in the error for a non-finite output, followed by ``remedy`` (what the
-    user can change). ``copy``: outputs always own their memory (the API hands them to
-    users); otherwise only page-locked ones are copied, the others stay views of their
-    batch's output (the command line writes and drops them)."""
+    names an image in the error for a non-finite output, then ``remedy``. ``copy``: outputs
+    always own their memory (the API hands them to users); otherwise only page-locked ones
+    are copied, the others stay views of their batch's output (the command line drops them)."""
 
     def __init__(self, engine: Engine, pool: str = "none", *,
                  name_of: Callable[[Any], Any] = str, remedy: str = "",
@@ -47,8 +46,7 @@ class BatchLoop:
         self._tags.append(list(tags))
 
     def collect_ready(self) -> list[tuple[Any, torch.Tensor]]:
-        """The oldest batch's outputs once a newer one is queued behind it, else nothing:
-        one batch stays on the device while the caller prepares the next."""
+        """The oldest batch's outputs once a newer one is queued behind it, else nothing."""
         return self.collect() if len(self._tags) > 1 else []
 
     def collect(self) -> list[tuple[Any, torch.Tensor]]:
@@ -76,8 +74,7 @@ class BatchLoop:
 
     def run(self, batches: Iterable[tuple[Sequence[Any], Sequence[Image]]],
             ) -> Iterator[list[tuple[Any, torch.Tensor]]]:
-        """Encode ``(tags, images)`` batches in order, one in flight ahead (each is packed
-        while the one before it runs); yields each batch's ``(tag, output)`` list."""
+        """Encode ``(tags, images)`` batches, one in flight ahead; yields ``collect``'s lists."""
         for tags, images in batches:
             self.submit(tags, images)
             if len(self._tags) > 1:

@@ -87,9 +87,8 @@ class CpuAnswers:
 
 
 def cpu_capabilities() -> dict[str, bool]:
-    """torch's view of this CPU's bfloat16 features (``NATIVE_BF16_FEATURES``), by name:
-    ``torch.cpu.get_capabilities()``, else one private predicate per feature (AMX tiles stand
-    in for AMX-BF16: every CPU with one has the other); none where torch has neither."""
+    """torch's view of this CPU's ``NATIVE_BF16_FEATURES``: ``torch.cpu.get_capabilities()``,
+    else a private predicate per feature (AMX tiles stand in for AMX-BF16: CPUs have both)."""
     get = getattr(torch.cpu, "get_capabilities", None)
     if get is not None:
         try:
@@ -114,8 +113,7 @@ def _ask(predicate: str) -> bool:
 
 
 def kernel_level() -> str:
-    """The instruction level ATen dispatches its CPU kernels at ("AVX512", "AVX2", ...);
-    "" when this torch cannot say (then only the features decide)."""
+    """The level ATen dispatches its CPU kernels at ("AVX512", "AVX2", ...); "" when unknown."""
     try:
         return str(torch.backends.cpu.get_cpu_capability()).upper()
     except Exception:  # noqa: BLE001 - older torch: not known
@@ -145,8 +143,7 @@ def _number(text: str | None) -> int:
 
 
 def machine_answers() -> CpuAnswers:
-    """This process's ``CpuAnswers``: torch's feature queries and kernel level, the oneDNN
-    cap from the environment, and the OS's vendor, family and model."""
+    """This process's ``CpuAnswers``: torch's queries, the oneDNN cap, the OS's CPU identity."""
     isa = os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or ""
     return CpuAnswers(cpu_capabilities(), kernel_level(), isa.strip().upper(), *cpu_identity())
 

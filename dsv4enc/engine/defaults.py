@@ -1,5 +1,4 @@
-"""The engine's defaults that the torch-free early start also needs (so this module imports
-nothing)."""
+"""The engine's defaults that the torch-free early start needs (this module imports nothing)."""
 
 from typing import Literal, get_args
 

@@ -12,9 +12,6 @@ from ..tower.checkpoint import COMPUTE_DTYPES
 from .cpufeatures import auto_cpu_dtype
 from ..errors import UsageError
 
-#: Dtypes an embedding can be returned in (the command line writes float32 or float16).
-OUT_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
 
 def resolve_device(name: str | torch.device,
                    rank_device: torch.device | None = None) -> torch.device:
@@ -52,22 +49,21 @@ def resolve_dtype(name: str | torch.dtype, device: torch.device) -> torch.dtype:
 
 
 def resolve_out_dtype(name: str | torch.dtype) -> torch.dtype:
-    """The dtype embeddings are returned in: a name or a ``torch.dtype`` of ``OUT_DTYPES``."""
+    """The dtype embeddings are returned in: a ``COMPUTE_DTYPES`` name or ``torch.dtype``."""
     text = str(name).removeprefix("torch.")  # a torch.dtype's str and repr: "torch.float16"
-    if text not in OUT_DTYPES:
+    if text not in COMPUTE_DTYPES:
         raise ValueError(f"unsupported out_dtype {name!r} (float32, float16, bfloat16)")
-    return OUT_DTYPES[text]
+    return COMPUTE_DTYPES[text]
 
 
 def resume_compute(device: torch.device, dtype: torch.dtype, asked_device: str,
                    asked_dtype: str, recorded: Mapping[str, Any] | None,
                    device_fixed: bool = False) -> tuple[torch.device, torch.dtype, str | None]:
     """The device and compute dtype a ``--resume`` computes in, and the line that says so
-    (None unless a recorded choice was adopted). Rows must not mix dtypes or device kinds in
-    one output, so where the user left the choice to ``auto`` (``asked_device``/``asked_dtype``)
-    the interrupted run's settings (``recorded``, from its manifest) replace what ``auto``
-    picks now; explicit flags stay, for the settings check to refuse. ``device_fixed``: a
-    torchrun rank's own device."""
+    (None unless a recorded choice was adopted). Rows must not mix dtypes or device kinds, so
+    where ``asked_device``/``asked_dtype`` are ``auto`` the interrupted run's (``recorded``)
+    replace what ``auto`` picks now; explicit flags stay, for the settings check to refuse.
+    ``device_fixed``: a torchrun rank's own device."""
     if not recorded:
         return device, dtype, None
     adopted = []

@@ -1,23 +1,21 @@
-"""Runs packed batches through the tower on one device, host in, host out: the attention
-backend chosen once, the transfers, and (on CUDA) graph replay. On CUDA a batch goes: pinned
-host copy -> H2D on a copy stream -> (graph buffers ->) forward on the compute stream -> cast
-to the output dtype -> D2H into pinned memory on a third stream. ``submit`` only enqueues
-that work, so submitting batch k+1 before collecting batch k overlaps k+1's staging and H2D
-with k's compute (``Engine.encode_many``)."""
+"""Runs packed batches through the tower on one device, host in, host out. On CUDA a batch
+goes: pinned host copy -> H2D on a copy stream -> (graph buffers ->) forward on the compute
+stream -> cast -> D2H into pinned memory on a third stream. ``submit`` only enqueues that
+work, so batch k+1's staging and H2D overlap batch k's compute (``Engine.encode_many``)."""
 
 from __future__ import annotations
 
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Iterable, Iterator, Sequence
 
 import torch
 
 from ..tower.attention import VarlenSpans, select_attention
 from ..errors import DsvError, UsageError
-from .graphs import GRAPH_BACKENDS, Bucket, BucketRunner, default_budgets, fit_budgets
+from .graphs import GRAPH_BACKENDS, BucketRunner, default_budgets, fit_budgets
 from ..tower.model import VisionTower, rope_tables
 from .defaults import DEFAULT_MAX_IMAGES, default_batch_tokens
 from .packing import PackedBatch
@@ -74,15 +72,13 @@ def runs_one_shape(model: VisionTower, deterministic: bool) -> bool:
 class Engine:
     """Encodes PackedBatches with a VisionTower.
 
-    ``features``: "aligner" or "vit". ``out_dtype``: dtype of the returned rows.
     ``cuda_graphs``: None = on when the device is CUDA and the attention backend can be
     captured (flash, varlen); True on a CPU device is a UsageError; with SDPA it falls back
     to eager with a log line. ``batch_tokens`` / ``max_images``: the largest batch the caller
-    will submit. ``budgets``: graph token budgets (default: powers of two from ``min_budget``
-    up to ``batch_tokens``). ``deterministic``: an image's output bytes do not depend on the
-    batch it shares (on the CPU each image runs through the tower alone, ``model.by_spans``;
-    on CUDA every batch in one fixed-shape bucket), except under tensor parallelism, whose
-    all-reduces sum in another order."""
+    will submit. ``budgets``: graph token budgets (default: ``graphs.default_budgets``).
+    ``deterministic``: an image's output bytes do not depend on the batch it shares (on the
+    CPU each image runs through the tower alone; on CUDA every batch in one fixed-shape
+    bucket), except under tensor parallelism, whose all-reduces sum in another order."""
 
     def __init__(self, model: VisionTower, features: str = "aligner",
                  attention: str = "auto", out_dtype: torch.dtype = torch.float32, *,
@@ -146,8 +142,7 @@ class Engine:
         return len(self._pending)
 
     def patch_buffer(self, tokens: int, width: int, dtype: torch.dtype) -> torch.Tensor:
-        """Host memory for a batch's patches (``packing.pack`` fills it): page-locked on
-        CUDA, so that the transfer reads it as it is and the patches are copied once."""
+        """Host memory for ``packing.pack`` to fill: page-locked on CUDA (copied once)."""
         return torch.empty(tokens, width, dtype=dtype, pin_memory=self.device.type == "cuda")
 
     def _use_backend(self) -> None:
@@ -172,20 +167,20 @@ class Engine:
     def forward(self, batch: PackedBatch) -> torch.Tensor:
         """Eager packed forward on the device. Returns (R, width) in the compute dtype."""
         self._use_backend()
-        dev = {k: v.to(self.device) for k, v in self._host_inputs(batch, None)[0].items()}
-        by_image = self.deterministic and self.device.type != "cuda"
-        return self._eager(batch, dev, batch.row_counts if by_image else None)
+        host = self._host_inputs(batch)
+        return self._eager(batch, {k: v.to(self.device) for k, v in host.items()})
 
-    def _eager(self, batch: PackedBatch, dev: dict[str, torch.Tensor],
-               row_counts: Sequence[int] | None = None) -> torch.Tensor:
-        """The packed forward of ``batch`` over its exact (unpadded) ``dev`` tensors."""
+    def _eager(self, batch: PackedBatch, dev: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The packed forward of ``batch`` over its exact (unpadded) ``dev`` tensors; image by
+        image on the CPU when ``deterministic``."""
         cos, sin = rope_tables(dev["positions"], self.cfg,
                                max((max(g) for g in batch.grids), default=0))
         spans = VarlenSpans(dev["cu_seqlens"], max(batch.lengths, default=0),
                             tuple(batch.lengths))
+        by_image = self.deterministic and self.device.type != "cuda"
         return self.model.forward_packed(dev["patches"], cos, sin, spans, dev.get("merge_index"),
                                          dev.get("merge_mask"), features=self.features,
-                                         row_counts=row_counts)
+                                         row_counts=batch.row_counts if by_image else None)
 
     def encode(self, batch: PackedBatch) -> list[torch.Tensor]:
         """Encode one packed batch; one host tensor (rows, width) per image, in out_dtype."""
@@ -195,8 +190,7 @@ class Engine:
         return self.collect()
 
     def encode_many(self, batches: Iterable[PackedBatch]) -> Iterator[list[torch.Tensor]]:
-        """Each batch's per-image outputs, in order, one batch in flight ahead (on CUDA its
-        transfers overlap the compute of the one before)."""
+        """Each batch's per-image outputs, in order, one batch in flight ahead."""
         for batch in batches:
             self.submit(batch)
             if len(self._pending) > 1:
@@ -234,16 +228,13 @@ class Engine:
         self.last_finite = job.finite is None or bool(job.finite)
         return job.batch.split_rows(job.out)
 
-    def _host_inputs(self, batch: PackedBatch, bucket: Bucket | None):
-        """Host tensors to transfer: bucket-padded (static path) or exact (eager path)."""
-        if bucket is not None:
-            staged = self.runner.stage(batch, bucket)
-            return staged.tensors(), staged
+    def _host_inputs(self, batch: PackedBatch) -> dict[str, torch.Tensor]:
+        """The eager path's host tensors to transfer, exact (not padded to a bucket)."""
         host = {"patches": batch.patches, "positions": batch.positions,
                 "cu_seqlens": VarlenSpans.from_lengths(batch.lengths, "cpu").cu_seqlens}
         if self.features == "aligner":
             host["merge_index"], host["merge_mask"] = batch.merge_index, batch.merge_mask
-        return host, None
+        return host
 
     def _submit_cuda(self, batch: PackedBatch) -> _Pending:
         self._use_backend()
@@ -254,7 +245,8 @@ class Engine:
                     "batch of %d tokens, %d images fits no bucket: eager%s", batch.n_tokens,
                     len(batch.lengths), " (its rows are not batch-invariant)"
                     if self.deterministic else "")
-        host, staged = self._host_inputs(batch, bucket)
+        staged = runner.stage(batch, bucket) if bucket is not None else None
+        host = staged.tensors() if staged is not None else self._host_inputs(batch)
         # Pinned copies (the caching host allocator keeps each block until its copy is done).
         pinned = {k: v.pin_memory() for k, v in host.items()}
         ev = {k: torch.cuda.Event(enable_timing=True) for k in ("h2d0", "h2d1", "m0", "m1", "done")}
@@ -272,10 +264,10 @@ class Engine:
         ev["m0"].record(compute)
         with torch.inference_mode():
             if bucket is not None:
-                runner.load(staged.replace(dev))
-                rows = batch.n_rows if self.features == "aligner" else batch.n_tokens
+                runner.load(replace(staged, **dev))
+                out = runner.run(bucket, staged.lengths)[:batch.n_rows]
                 # A copy always: a graph's output buffer is overwritten by the next replay.
-                out = runner.run(bucket, staged.lengths)[:rows].to(self.out_dtype, copy=True)
+                out = out.to(self.out_dtype, copy=True)
             else:
                 out = self._eager(batch, dev).to(self.out_dtype)
             # One reduction on the device instead of a scan of every row on the host.
@@ -298,9 +290,8 @@ class Engine:
 
 
 class NonFiniteOutput(DsvError):
-    """An embedding holds inf or NaN, almost always a value past the output dtype's range
-    (float16 ends at 65504). ``position``: the output's place in its batch; ``tag``: the
-    caller's tag for that image (set by ``batching.BatchLoop``)."""
+    """An embedding holds inf or NaN, almost always past the output dtype's range (float16 ends
+    at 65504). ``position``: its place in its batch; ``tag``: its ``batching.BatchLoop`` tag."""
 
     def __init__(self, position: int, message: str) -> None:
         super().__init__(message)

@@ -9,10 +9,7 @@ bucket that holds it, padded up to the bucket's shapes, and the padding cannot l
   other ops are row-wise, so whatever those rows hold stays in those rows;
 - merge rows past the real ones point at row 0 (always a real token) with an all-False mask,
   and ``merge_gather`` selects with ``where``, so even NaN garbage stays out of them;
-- only the first ``rows`` output rows are read back.
-
-``BucketRunner`` runs the buckets eagerly (any device, any attention backend) or, with
-``capture``, as one captured CUDA graph each."""
+- only the first ``rows`` output rows are read back."""
 
 from __future__ import annotations
 
@@ -49,10 +46,9 @@ def default_budgets(batch_tokens: int, min_tokens: int = 1024) -> list[int]:
 def fit_budgets(bin_tokens: Sequence[int], max_budgets: int = 4, quantum: int = 64) -> list[int]:
     """At most ``max_budgets`` budgets that minimise the summed padding of batches known up
     front (``bin_tokens``: every planned batch's token count, rounded up to ``quantum``), each
-    batch taking the smallest budget that holds it; the largest size is always one.
-
-    An optimal set only needs batch sizes as budgets (lowering a budget to the largest size it
-    serves only removes padding), so a dynamic program over the m distinct sizes is exact."""
+    batch taking the smallest budget that holds it; the largest size is always one. An optimal
+    set only needs batch sizes as budgets (lowering a budget to the largest size it serves
+    only removes padding), so a dynamic program over the m distinct sizes is exact."""
     sizes = Counter(-(-n // quantum) * quantum for n in bin_tokens if n > 0)
     if not sizes:
         return []
@@ -129,16 +125,11 @@ class StagedInputs:
         """The tensor fields by name (the merge plan only for aligner features)."""
         return {k: v for k, v in vars(self).items() if isinstance(v, torch.Tensor)}
 
-    def replace(self, tensors: dict[str, torch.Tensor]) -> "StagedInputs":
-        return dataclasses.replace(self, **tensors)
-
 
 class BucketRunner:
-    """Runs packed batches in fixed-shape buckets, eagerly or as captured CUDA graphs.
-
-    One set of static input buffers, sized for the largest bucket, is shared by all buckets
-    (each reads a prefix). With ``capture``, every bucket's forward is captured once, largest
-    first, into one shared memory pool (smaller graphs reuse the largest one's scratch)."""
+    """Runs packed batches in fixed-shape buckets, eagerly or as captured CUDA graphs: one set
+    of input buffers for the largest bucket, of which each reads a prefix, and with ``capture``
+    one graph per bucket in one shared pool (smaller graphs reuse the largest one's scratch)."""
 
     def __init__(self, model: VisionTower, features: str, budgets: Sequence[int],
                  max_images: int, max_seqlen: int | None = None, capture: bool = False,
@@ -186,8 +177,7 @@ class BucketRunner:
     def stage(self, batch: PackedBatch, bucket: Bucket) -> StagedInputs:
         """Host tensors of ``batch`` padded to ``bucket`` (see StagedInputs)."""
         lengths = tuple(batch.lengths) + (0,) * (bucket.images - len(batch.lengths))
-        cu = torch.zeros(bucket.images + 1, dtype=torch.int32)
-        cu[1:] = torch.cumsum(torch.tensor(lengths, dtype=torch.int64), 0).to(torch.int32)
+        cu = VarlenSpans.from_lengths(lengths, "cpu").cu_seqlens
         index = mask = None
         if self.features == "aligner":  # zero index, False mask: see the module doc
             pad = (bucket.rows - batch.merge_index.shape[0], self.r * self.r)
@@ -197,7 +187,7 @@ class BucketRunner:
 
     @torch.inference_mode()
     def load(self, staged: StagedInputs) -> None:
-        """Copy staged (device) inputs into the static buffers."""
+        """Copy staged inputs (host or device) into the static buffers."""
         n = staged.patches.shape[0]
         self.patches[:n].copy_(staged.patches)
         self.positions[:n].copy_(staged.positions)
@@ -221,10 +211,9 @@ class BucketRunner:
 
     @torch.inference_mode()
     def run(self, bucket: Bucket, lengths: tuple[int, ...]) -> torch.Tensor:
-        """Forward of what ``load`` put in the buffers: the bucket's full output (R or T rows),
-        of which the batch's first rows are meaningful. With graphs it is the graph's static
-        output, valid until the next ``run`` of any bucket (the graphs share one pool, so
-        another graph's scratch may overlay it): copy what you need first, on the same stream."""
+        """Forward of what ``load`` put in the buffers: the bucket's R or T rows, the batch's
+        first. With graphs, the graph's static output, valid until the next ``run`` of any
+        bucket (another graph's scratch may overlay it): copy it first, on the same stream."""
         graph = self.graphs.get(bucket.tokens)
         if graph is not None:
             graph.replay()
@@ -232,8 +221,7 @@ class BucketRunner:
         return self._forward(bucket, lengths)
 
     def capture_all(self) -> None:
-        """Capture one graph per bucket (largest first, one shared pool); logs the cost. On any
-        capture error, logs it and leaves the runner eager (same results, no graphs)."""
+        """Capture one graph per bucket (largest first, one pool); on an error, stay eager."""
         if not self.capture or self.graphs:
             return
         began = time.perf_counter()
@@ -265,9 +253,9 @@ class BucketRunner:
             self.graphs.clear()
             self.outputs.clear()
             self.capture = False
-            torch.cuda.synchronize(self.device)
             return
-        torch.cuda.synchronize(self.device)
+        finally:
+            torch.cuda.synchronize(self.device)
         self.capture_s = time.perf_counter() - began
         used = free_before - torch.cuda.mem_get_info(self.device)[0]
         log.info("captured %d CUDA graphs in %.2f s, %.0f MiB of device memory",
@@ -280,7 +268,5 @@ class BucketRunner:
         if bucket is None:
             return None
         staged = self.stage(batch, bucket)
-        self.load(staged.replace({k: v.to(self.device) for k, v in staged.tensors().items()}))
-        out = self.run(bucket, staged.lengths)
-        rows = batch.n_rows if self.features == "aligner" else batch.n_tokens
-        return out[:rows].clone()
+        self.load(staged)
+        return self.run(bucket, staged.lengths)[:batch.n_rows].clone()

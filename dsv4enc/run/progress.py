@@ -100,7 +100,10 @@ class RunProgress:
 
     def __init__(self, mode: str = "auto", log_every: float = LOG_EVERY_S) -> None:
         if mode == "auto":
-            mode = "bar" if _stderr_is_terminal() else "log"
+            try:
+                mode = "bar" if sys.stderr.isatty() else "log"
+            except (AttributeError, ValueError):  # no stderr, or a closed one
+                mode = "log"
         self.mode = mode
         self.log_every = log_every
         self.counts = ProgressCounts()
@@ -244,10 +247,3 @@ class RunProgress:
 
 def _print(text: str) -> None:
     print(f"dsv4enc: {text}", file=sys.stderr, flush=True)
-
-
-def _stderr_is_terminal() -> bool:
-    try:
-        return sys.stderr.isatty()
-    except (AttributeError, ValueError):
-        return False

@@ -104,9 +104,7 @@ class SegmentEncoder:
         own_process_settings(device)
         self.dtype = resolve_dtype(dtype, device)
         ckpt = load_model(opts, self.dtype)
-        self.opts = opts
-        self.cfg = ckpt.config
-        self.fingerprint = ckpt.fingerprint
+        self.opts, self.cfg, self.fingerprint = opts, ckpt.config, ckpt.fingerprint
         self.engine = tower_engine(ckpt, device, opts)
         del ckpt
         # opts.workers: the driver's ``actor_workers``
@@ -129,11 +127,10 @@ class SegmentEncoder:
 
     def encode_part(self, call: PartCall, schema, folder: str, drop_cache: bool,
                     ) -> dict[str, Any]:
-        """Encode one part (``PartEncoder``, as one local process does) and write its file
-        into ``folder`` (a local one under a temporary name the driver renames, or a bucket's
-        URL; ``drop_cache``: the parts are the output, never read back). Returns the manifest
-        ``entry``, the part's ``summary`` and its ``progress`` (``progress.RunProgress.advance``'s
-        arguments), never the rows."""
+        """Encode one part (``PartEncoder``) and write its file into ``folder`` (a local one, under
+        a temporary name the driver renames, or a bucket's URL; ``drop_cache``: never read
+        back). Returns the manifest ``entry``, the part's ``summary`` and its ``progress``
+        (``progress.RunProgress.advance``'s arguments), never the rows."""
         from ..output.parts import kept_columns, rows_per_group, rows_to_table, write_part
         from .encoding import PartEncoder
 
@@ -191,25 +188,22 @@ class RayCluster:
         if ray.is_initialized():  # an in-process caller's own Ray: used, left as it is
             return
         env = {name: os.environ[name] for name in FORWARDED_ENV if os.environ.get(name)}
-        common: dict[str, Any] = dict(log_to_driver=False, logging_level=logging.WARNING,
-                                      configure_logging=False,
-                                      runtime_env={"env_vars": env} if env else None)
+        if self.address:
+            joining: dict[str, Any] = {"address": self.address}
+        else:  # address="local": a new Ray even where an earlier one left its address file
+            # in Ray's temp folder (a bare ray.init() would try to join that one)
+            store = ray_opts.object_store_mb << 20 if ray_opts.object_store_mb else None
+            joining = dict(address="local", num_cpus=available_cpus(),
+                           object_store_memory=store, include_dashboard=False)
         try:
             with warnings.catch_warnings():
                 if log.getEffectiveLevel() > logging.WARNING:  # -q: Ray's warnings too
                     warnings.simplefilter("ignore")
-                if self.address:
-                    ray.init(address=self.address, **common)
-                else:
-                    store = ray_opts.object_store_mb << 20 if ray_opts.object_store_mb else None
-                    # address="local": a new Ray even where an earlier one left its address
-                    # file in Ray's temp folder (a bare ray.init() would try to join that one)
-                    ray.init(address="local", num_cpus=available_cpus(),
-                             object_store_memory=store, include_dashboard=False, **common)
+                ray.init(**joining, log_to_driver=False, logging_level=logging.WARNING,
+                         configure_logging=False, runtime_env={"env_vars": env} if env else None)
         except (ConnectionError, RuntimeError, ValueError) as exc:
             where = f"the Ray cluster at {self.address}" if self.address else "a local Ray"
-            raise DsvError(f"cannot start or join {where}: {' '.join(str(exc).split())}"
-                           ) from None
+            raise DsvError(f"cannot start or join {where}: {' '.join(str(exc).split())}") from None
         self.joined = True
 
     def resources(self) -> tuple[float, float, int, float]:
@@ -262,9 +256,8 @@ def plan_actors(opts: EncodeOptions, ray_opts: RayEngineOptions,
 
 
 def actor_workers(opts: EncodeOptions, plan: ActorPlan) -> int:
-    """Decode processes per actor: ``--workers``, else as a local run on a machine of the
-    actor's CPUs (``default_workers``'s rule: one per CPU but one beside a GPU, a quarter
-    of them on the CPU), so that the actors of one node share its cores."""
+    """Decode processes per actor: ``--workers``, else ``default_workers``'s rule for a machine
+    of the actor's CPUs, so that the actors of one node share its cores."""
     if opts.workers is not None:
         return opts.workers
     return default_workers(plan.device_type, cpus=max(1, int(plan.cpus)))
@@ -302,7 +295,6 @@ class RayParts:
     def __init__(self, ray_opts: RayEngineOptions) -> None:
         self.ray_opts = ray_opts
         self.cluster: RayCluster | None = None
-        self.ray = None
         self.actors: list = []
 
     # -- set-up ---------------------------------------------------------------------
@@ -311,7 +303,6 @@ class RayParts:
         ``auto`` the interrupted run's on the same device kind (and the line that says so)."""
         self.opts, self.layout, self.remote = opts, layout, remote
         self.cluster = RayCluster(self.ray_opts)
-        self.ray = self.cluster.ray
         self.plan = plan_actors(opts, self.ray_opts, self.cluster)
         recorded = layout.interrupted_settings() if opts.resume else None
         self.dtype = opts.dtype
@@ -325,7 +316,7 @@ class RayParts:
         plan = self.plan
         progress.status(f"starting {plan.actors} encoder actor"
                         f"{'s' if plan.actors > 1 else ''} on Ray")
-        remote = self.ray.remote(SegmentEncoder).options(
+        remote = self.cluster.ray.remote(SegmentEncoder).options(
             num_cpus=plan.cpus, num_gpus=plan.gpus, max_restarts=MAX_RESTARTS,
             max_task_retries=MAX_TASK_RETRIES)
         opts = replace(self.opts, workers=actor_workers(self.opts, plan))
@@ -374,7 +365,7 @@ class RayParts:
 
     def _get(self, refs):
         """``ray.get``, a failed actor call turned into the run's own error."""
-        ray = self.ray
+        ray = self.cluster.ray
         try:
             return ray.get(refs)
         except ray.exceptions.RayTaskError as exc:
@@ -389,11 +380,10 @@ class RayParts:
 
     # -- the run ----------------------------------------------------------------------
     def encode(self, setup, output, writer, run, begin) -> None:
-        """Send the parts to the actors, a bounded number ahead, and commit the files they
-        wrote in input order as their reports come back. Scheduled by hand on ``ray.wait``:
-        Ray's ActorPool allows one call in flight per actor, and an actor should have its
-        next part queued while it encodes one (``IN_FLIGHT_PER_ACTOR``)."""
-        ray, stop = self.ray, run.stop
+        """Send the parts to the actors, ``IN_FLIGHT_PER_ACTOR`` each, and commit the files
+        they wrote in input order. By hand on ``ray.wait``: Ray's ActorPool allows one call in
+        flight per actor, and an actor should have its next part queued while it encodes one."""
+        ray, stop = self.cluster.ray, run.stop
         calls = part_calls(setup.planned, output.todo, output.settings["part_images"],
                            output.settings["batch_tokens"], self.opts.max_images,
                            CALLS_PER_ACTOR * len(self.actors))
@@ -403,28 +393,23 @@ class RayParts:
         else:
             folder, drop_cache = str(self.layout.parts_dir.resolve()), self.layout.folder_mode
         in_flight: dict[Any, tuple[int, int]] = {}  # ref -> (call, actor)
-        load = [0] * len(self.actors)
         reports: dict[int, dict] = {}
-        window = IN_FLIGHT_PER_ACTOR * len(self.actors)
-        sent = done = 0
+        window, sent, done = IN_FLIGHT_PER_ACTOR * len(self.actors), 0, 0
         if calls:
-            run.progress.status("encoding")
-            begin()
+            begin()  # which sets the status to "encoding" too
         try:
             with stop.deferred():
                 while done < len(calls) and not stop.requested():
                     while sent < len(calls) and sent - done < window:
-                        actor = load.index(min(load))
+                        busy = [a for _, a in in_flight.values()]
+                        actor = min(range(len(self.actors)), key=busy.count)  # the least busy
                         ref = self.actors[actor].encode_part.remote(
                             _with_held(calls[sent]), output.schema, folder, drop_cache)
                         in_flight[ref] = (sent, actor)
-                        load[actor] += 1
                         sent += 1
                     ready, _ = ray.wait(list(in_flight), num_returns=1, timeout=POLL_S)
                     for ref in ready:
-                        call, actor = in_flight.pop(ref)
-                        load[actor] -= 1
-                        reports[call] = self._get(ref)
+                        reports[in_flight.pop(ref)[0]] = self._get(ref)
                     while done in reports:
                         _commit(calls[done], reports.pop(done), writer, run)
                         done += 1
@@ -439,7 +424,7 @@ class RayParts:
     def close(self) -> None:
         for actor in self.actors:  # (only once Ray was joined: actors need it)
             with suppress(Exception):  # already gone
-                self.ray.kill(actor, no_restart=True)
+                self.cluster.ray.kill(actor, no_restart=True)
         self.actors = []
         if self.cluster is not None:
             self.cluster.close()
@@ -478,8 +463,7 @@ def part_calls(planned, todo, part_images: int, batch_tokens: int, max_images: i
             group = run[k:k + step]
             start, end = group[0].start, group[-1].end
             indices = [i for segment in group for i in segment.indices]
-            digest = (group[0].digest if len(group) == 1
-                      else inputs_digest(planned[start:end]))
+            digest = group[0].digest if len(group) == 1 else inputs_digest(planned[start:end])
             calls.append(PartCall(group[0].name, start, end, digest,
                                   {i: planned[i] for i in indices},
                                   part_batches(planned, indices, batch_tokens, max_images)))

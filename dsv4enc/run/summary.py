@@ -60,16 +60,14 @@ class RunSummary:
         return self.tokens / self.encode_s if self.encode_s else 0.0
 
     def count_misnamed(self, planned) -> None:
-        """Count the planned images whose name says another format than their content (one
-        window of the plan after another)."""
+        """Count one window's planned images whose name says another format than their content."""
         odd = [entry for entry in planned if entry.misnamed and entry.error is None]
         self.misnamed += len(odd)
         if odd and not self.misnamed_example:
             self.misnamed_example = f"{odd[0].item.key} is {odd[0].misnamed}"
 
     def count_rows(self, rows) -> None:
-        """Count finished rows (``output.parts.Row``) as encoded or failed, each failure
-        under its message."""
+        """Count finished rows (``output.parts.Row``) as encoded or failed (under its message)."""
         for row in rows:
             if row.error is None:
                 self.encoded += 1

@@ -5,9 +5,8 @@ a Daft or Spark UDF, a plain loop)::
     embed = BatchEncoder("/path/to/checkpoint", image_column="image", key_column="id")
     out = embed(batch)        # pyarrow Table / RecordBatch, pandas DataFrame, dict of arrays
 
-``out`` holds the batch's rows in ``dsv4enc encode``'s output schema (docs/output-format.md),
-in input order, of the kind given, then the batch's other columns. Rows are batch-invariant,
-so they equal ``dsv4enc encode``'s for the same settings.
+``out``: ``dsv4enc encode``'s rows for the batch (docs/output-format.md), batch-invariant, in
+input order and of the kind given, then the batch's other columns.
 """
 
 from __future__ import annotations
@@ -301,8 +300,7 @@ def datasets_features(schema: "pa.Schema | BatchEncoder", features: Any = None):
 
 
 def _rebuild(recipe: dict[str, Any]) -> BatchEncoder:
-    recipe = dict(recipe)
-    return BatchEncoder(recipe.pop("weights"), **recipe)
+    return BatchEncoder(**recipe)
 
 
 def _batch_columns(batch: Any) -> tuple[str, list[str], Callable[[str], list[Any]]]:

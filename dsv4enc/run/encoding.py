@@ -39,9 +39,8 @@ class PartEncoder:
         # tags: (index, key, decoded image)
         self.loop = BatchLoop(engine, opts.pool, name_of=lambda tag: tag[1],
                               remedy="rerun with --out-dtype float32", copy=False)
-        # Progress is counted where rows are made and summed over ranks at each step: under
-        # TP every rank makes the same rows (rank 0 counts them); header failures are
-        # counted by whoever owns the part's rows.
+        # Progress is counted where rows are made, summed over ranks at each step (under TP
+        # every rank makes the same rows: rank 0 counts them; header failures: their owner).
         self._counts_encoded = ranks.is_main or ranks.splits_images
         self._counts_header_failures = ranks.is_main or ranks.sharded
         # not yet shown: images, tokens, failed, and the planned tokens of images that then

@@ -89,10 +89,9 @@ def output_bytes(cfg: VisionConfig, opts: EncodeOptions, planned: Sequence[Plann
     return _row_bytes(cfg, opts) * sum(p.tokens // merged for p in planned)
 
 
-#: Segments (the unit a run encodes and may commit at) hold this many batches' worth of
-#: patches: enough for nearly full batches, few enough that a commit comes soon after
-#: --commit-every seconds (CPU batches are slow and unpadded, so one each; GPU ones fast and
-#: padded to graph budgets).
+#: Batches' worth of patches per segment (the unit a run encodes and may commit at): enough
+#: for nearly full batches, few enough that a commit comes soon after --commit-every (CPU
+#: batches are slow and unpadded: one; GPU ones fast and padded to graph budgets).
 SEGMENT_BATCHES = {"cpu": 1, "cuda": 8}
 
 

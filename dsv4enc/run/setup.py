@@ -141,8 +141,7 @@ class Windows:
             return value
 
     def window(self, k: int) -> Window | None:
-        """Window ``k``, for the encoder (under torchrun planned here, with the next one);
-        None past the last."""
+        """Window ``k`` (under torchrun planned here, with the next one); None past the last."""
         with self._cond:
             self._encoding = k
             self._drop_passed()
@@ -322,12 +321,12 @@ class WindowSettings:
     def read(self, planned: Sequence[Planned], part: Part) -> Any:
         """Stamp the part's inputs, then probe this rank's share of its headers (None when
         they were read already). Any thread; no collective."""
-        input_stamps(planned[part.start:part.end])
+        inputs = planned[part.start:part.end]
+        input_stamps(inputs)
         if self.headers_read:
             return None
-        items = [p.item for p in planned[part.start:part.end]]
-        return probe_share(items, self.opts.max_pixels, self.ranks, self.should_stop,
-                           self.opts.decode_timeout)
+        return probe_share([p.item for p in inputs], self.opts.max_pixels, self.ranks,
+                           self.should_stop, self.opts.decode_timeout)
 
     def finish(self, planned: list[Planned], part: Part, share: Any) -> Window:
         """Plan the part from its probes (``share``; a collective under torchrun): grids,

@@ -143,12 +143,10 @@ class PartEncoder:
         Under torchrun every rank waits, and the ranks agree on stopping after the batch."""
         if self.ranks.dist is not None or not isinstance(decoded, DecodeStream):
             return next(decoded)
-        while True:
-            item = decoded.next_within(STOP_POLL_S)
-            if item is not None:
-                return item
+        while (item := decoded.next_within(STOP_POLL_S)) is None:
             if self.stop.requested():
                 raise StoppedWaiting
+        return item
 
     def submit_batch(self, planned: Sequence[Planned], batch: list[int],
                      decoded: Iterator[tuple[int, Decoded]]) -> dict[int, Row]:
@@ -183,8 +181,7 @@ class PartEncoder:
             self.summary.merge_pad_tokens += packed.n_rows * self.ratio ** 2 - packed.n_tokens
         return rows
 
-    def _rows(self, done: list[tuple[tuple[int, str, Decoded], torch.Tensor]],
-              ) -> dict[int, Row]:
+    def _rows(self, done: list[tuple[tuple[int, str, Decoded], torch.Tensor]]) -> dict[int, Row]:
         """Rows of collected images (``BatchLoop`` tags and outputs), by input index."""
         rows = {}
         for (index, key, d), out in done:

@@ -281,8 +281,3 @@ def plan_batches(planned: Sequence[Planned], parts: Sequence[Part], batch_tokens
     return [[part_batches(planned, [i for i in share if i not in skip], batch_tokens, max_images)
              for share in (part.shares if part.shares is not None else [part.indices])]
             for part in parts]
-
-
-def decode_order(batches: Sequence[Sequence[Sequence[Sequence[int]]]], rank: int = 0) -> list[int]:
-    """Item indices in the order ``rank`` decodes them: part by part, batch by batch."""
-    return [i for plan in batches for batch in plan[rank] for i in batch]

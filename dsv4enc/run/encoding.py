@@ -73,8 +73,7 @@ class PartEncoder:
             rows = {i: error_row(planned[i]) for i in part.indices if planned[i].error}
             if self._counts_header_failures:
                 self._note(rows.values())
-            carried = (self.update.rows(part.indices, planned) if self.update is not None
-                       else {})
+            carried = self.update.rows(part.indices, planned) if self.update is not None else {}
             rows.update(carried)
             self.summary.reused += len(carried)
             for step in range(max(len(share) for share in plan)):

@@ -209,8 +209,7 @@ def _run_encode(opts: EncodeOptions, ranks: Topology, setup: RunSetup, stop: Sto
     adopted = source.prepare(opts, layout, ranks, remote)
     stop.immediate = False  # until the try below, which discards an unused output folder
     ranks.main_then_all(layout.create)
-    progress = RunProgress("auto" if opts.progress and ranks.is_main else "off",
-                           opts.log_every)
+    progress = RunProgress("auto" if opts.progress and ranks.is_main else "off", opts.log_every)
     summary = RunSummary(out=str(opts.out))
     run = RunState(opts, ranks, layout, progress, summary, stop)
     store = None
@@ -305,8 +304,7 @@ def _plan_output(run: RunState, setup: RunSetup, source: PartSource, computes: d
         update.match(setup.planned, rows_settings)  # refuses other settings in one line
         update.count_into(summary)
     parts = source.cut(setup, part_images, run.progress, run.stop)
-    resume = Resume(store, setup.planned, resuming, writes=ranks.writes,
-                    agree=ranks.agree_on_todo)
+    resume = Resume(store, setup.planned, resuming, writes=ranks.writes, agree=ranks.agree_on_todo)
     todo = _judged(resume, parts, setup, run)
     if update is not None or isinstance(parts, list):  # planned whole: its parts at once
         todo = list(todo)

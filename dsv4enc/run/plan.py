@@ -53,8 +53,7 @@ def with_grids(items: Sequence[InputItem], share: list[tuple[int, Probe]], cfg: 
     planned = []
     for index, item in enumerate(items):
         probe = by_index[index]
-        entry = Planned(item, probe.width, probe.height, error=probe.error,
-                        misnamed=probe.misnamed)
+        entry = Planned(item, probe.width, probe.height, error=probe.error, misnamed=probe.misnamed)
         if probe.error is None:
             try:
                 canvas = plan_canvas(probe.width, probe.height, cfg)
@@ -169,8 +168,7 @@ def plan_segments(planned: Sequence[Planned], part: Part, ranks: Topology | None
     ``--shard-output`` a rank's part holds just its own)."""
     start, end, size = part.start, part.end, part.part_images
     if ranks is not None and ranks.splits_images:
-        shares = share_for_ranks(planned, list(range(start, end)), ranks.world_size,
-                                 balance, cfg)
+        shares = share_for_ranks(planned, list(range(start, end)), ranks.world_size, balance, cfg)
         name, indices = part.name, range(start, end)
         if ranks.sharded:
             name, indices = f"{name}-rank{ranks.rank:03d}", shares[ranks.rank]

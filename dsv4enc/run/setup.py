@@ -23,8 +23,7 @@ from ..images.discover import Discovery, stream_inputs
 from ..images.headers import input_stamps
 from ..images.items import InputItem
 from .options import EncodeOptions, decode_window, validate
-from .plan import (Part, Planned, cut_parts, plan_batches, plan_segments, probe_share,
-                   with_grids)
+from .plan import Part, Planned, cut_parts, plan_batches, plan_segments, probe_share, with_grids
 from .stopping import StopSignals, StoppedWaiting
 from .ranks import Topology, launched_ranks
 
@@ -320,8 +319,7 @@ class WindowSettings:
         segments, batches, and this rank's decode tasks."""
         start, end = part.start, part.end
         if share is not None:
-            entries = with_grids([p.item for p in planned[start:end]], share, self.cfg,
-                                 self.ranks)
+            entries = with_grids([p.item for p in planned[start:end]], share, self.cfg, self.ranks)
             for entry, old in zip(entries, planned[start:end]):
                 entry.stamp = old.stamp
             planned[start:end] = entries

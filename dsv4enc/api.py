@@ -173,8 +173,7 @@ class Encoder:
 
         resolved = resolve_device(device)
         compute = resolve_dtype(dtype, resolved)
-        ckpt = load_checkpoint(resolve_weights(path_or_hub_id), compute)
-        return cls(ckpt, resolved, **options)
+        return cls(load_checkpoint(resolve_weights(path_or_hub_id), compute), resolved, **options)
 
     @classmethod
     def from_config(cls, config: VisionConfig | str | os.PathLike | Mapping[str, Any],
@@ -298,12 +297,11 @@ class Encoder:
         if self.decode_threads <= 0:
             yield from (self._prepare(index, entry) for index, entry in enumerate(images))
             return
-        ahead = 4 * self.decode_threads
         with ThreadPoolExecutor(self.decode_threads, thread_name_prefix="dsv4enc-decode") as pool:
             futures: deque = deque()
             for index, entry in enumerate(images):
                 futures.append(pool.submit(self._prepare, index, entry))
-                if len(futures) >= ahead:
+                if len(futures) >= 4 * self.decode_threads:  # decoded ahead of the device
                     yield futures.popleft().result()
             while futures:
                 yield futures.popleft().result()

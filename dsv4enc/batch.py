@@ -5,9 +5,8 @@ a Daft or Spark UDF, a plain loop)::
     embed = BatchEncoder("/path/to/checkpoint", image_column="image", key_column="id")
     out = embed(batch)        # pyarrow Table / RecordBatch, pandas DataFrame, dict of arrays
 
-``out`` holds the batch's rows in ``dsv4enc encode``'s output schema (docs/output-format.md),
-in input order, of the kind given, then the batch's other columns. Rows are batch-invariant,
-so they equal ``dsv4enc encode``'s for the same settings.
+``out``: ``dsv4enc encode``'s rows for the batch (docs/output-format.md), batch-invariant, in
+input order and of the kind given, then the batch's other columns.
 """
 
 from __future__ import annotations
@@ -96,10 +95,9 @@ class BatchEncoder:
             if not weights:
                 raise ValueError("give weights (a checkpoint folder or Hub id) or config= "
                                  "(random weights); DSV4ENC_WEIGHTS is not set")
-        self._recipe = dict(weights=weights, config=config, seed=seed,
-                            image_column=image_column, key_column=key_column, device=device,
-                            dtype=dtype, features=features, pool=pool, out_dtype=out_dtype,
-                            layout=layout, max_pixels=max_pixels,
+        self._recipe = dict(weights=weights, config=config, seed=seed, image_column=image_column,
+                            key_column=key_column, device=device, dtype=dtype, features=features,
+                            pool=pool, out_dtype=out_dtype, layout=layout, max_pixels=max_pixels,
                             keep_columns=keep_columns, **options)
         self.image_column, self.key_column = image_column, key_column
         self.keep_columns, self.layout = keep_columns, layout
@@ -203,17 +201,14 @@ class BatchEncoder:
         from .engine.packing import output_grid
 
         enc = self._own_encoder()
-        rows: list[Row] = []
-        todo: list[tuple[int, Any]] = []
-        for i, image in enumerate(images):
-            row, source = self._prepare(i, image, None if keys is None else keys[i])
-            rows.append(row)
-            if source is not None:
-                todo.append((i, source))
+        prepared = [self._prepare(i, image, None if keys is None else keys[i])
+                    for i, image in enumerate(images)]
+        rows = [row for row, _ in prepared]
+        todo = [(i, source) for i, (_, source) in enumerate(prepared) if source is not None]
         r = enc.config.downsample_ratio
         for i, out in enc.encode_iter(todo):
             row = rows[i]
-            if isinstance(out, str):  # a row that failed before has no grid yet
+            if isinstance(out, str):  # no patch grid (a row that failed earlier has none)
                 row.error = out
                 row.vit_h = row.vit_w = None
             else:
@@ -301,8 +296,7 @@ def datasets_features(schema: "pa.Schema | BatchEncoder", features: Any = None):
 
 
 def _rebuild(recipe: dict[str, Any]) -> BatchEncoder:
-    recipe = dict(recipe)
-    return BatchEncoder(recipe.pop("weights"), **recipe)
+    return BatchEncoder(**recipe)
 
 
 def _batch_columns(batch: Any) -> tuple[str, list[str], Callable[[str], list[Any]]]:

@@ -19,7 +19,7 @@ from typing import Any, List, Optional
 import typer
 
 from .version import __version__
-from .errors import AlreadyComplete, DsvError
+from .errors import AlreadyComplete, DsvError, Interrupted
 from .run import options as defaults  # torch-free: the defaults, each defined once
 from .storage import OUTAGE_S, stop_bound_s
 from .tower.config import ATTENTION_BACKENDS
@@ -351,7 +351,6 @@ def _encode_command(opts, storage_option: list[str] | None, quiet: bool,
     (before torch is imported), the run, and what the command prints at its end. ``started``:
     when the command (or its process) started, on ``time.perf_counter``'s clock."""
     from . import storage
-    from .errors import Interrupted
     from .images.decode import own_process_pillow_settings
     from .output.parts import prefer_jemalloc_pool
     from .run.ranks import launched_ranks

@@ -39,9 +39,8 @@ class PartEncoder:
         # tags: (index, key, decoded image)
         self.loop = BatchLoop(engine, opts.pool, name_of=lambda tag: tag[1],
                               remedy="rerun with --out-dtype float32", copy=False)
-        # Progress is counted where rows are made and summed over ranks at each step: under
-        # TP every rank makes the same rows (rank 0 counts them); header failures are
-        # counted by whoever owns the part's rows.
+        # Progress is counted where rows are made, summed over ranks at each step (under TP
+        # every rank makes the same rows: rank 0 counts them; header failures: their owner).
         self._counts_encoded = ranks.is_main or ranks.splits_images
         self._counts_header_failures = ranks.is_main or ranks.sharded
         # not yet shown: images, tokens, failed, and the planned tokens of images that then
@@ -74,8 +73,7 @@ class PartEncoder:
             rows = {i: error_row(planned[i]) for i in part.indices if planned[i].error}
             if self._counts_header_failures:
                 self._note(rows.values())
-            carried = (self.update.rows(part.indices, planned) if self.update is not None
-                       else {})
+            carried = self.update.rows(part.indices, planned) if self.update is not None else {}
             rows.update(carried)
             self.summary.reused += len(carried)
             for step in range(max(len(share) for share in plan)):
@@ -144,12 +142,10 @@ class PartEncoder:
         Under torchrun every rank waits, and the ranks agree on stopping after the batch."""
         if self.ranks.dist is not None or not isinstance(decoded, DecodeStream):
             return next(decoded)
-        while True:
-            item = decoded.next_within(STOP_POLL_S)
-            if item is not None:
-                return item
+        while (item := decoded.next_within(STOP_POLL_S)) is None:
             if self.stop.requested():
                 raise StoppedWaiting
+        return item
 
     def submit_batch(self, planned: Sequence[Planned], batch: list[int],
                      decoded: Iterator[tuple[int, Decoded]]) -> dict[int, Row]:
@@ -184,8 +180,7 @@ class PartEncoder:
             self.summary.merge_pad_tokens += packed.n_rows * self.ratio ** 2 - packed.n_tokens
         return rows
 
-    def _rows(self, done: list[tuple[tuple[int, str, Decoded], torch.Tensor]],
-              ) -> dict[int, Row]:
+    def _rows(self, done: list[tuple[tuple[int, str, Decoded], torch.Tensor]]) -> dict[int, Row]:
         """Rows of collected images (``BatchLoop`` tags and outputs), by input index."""
         rows = {}
         for (index, key, d), out in done:

@@ -86,8 +86,7 @@ def validate(opts: EncodeOptions) -> None:
         raise UsageError(f"--update and {other} contradict each other; choose one (--update "
                          "also finishes an interrupted update)")
     if opts.update and opts.shard_output:
-        raise UsageError("--update writes one output from one process; leave out "
-                         "--shard-output")
+        raise UsageError("--update writes one output from one process; leave out --shard-output")
     if opts.random_init and opts.weights:
         raise UsageError("--random-init and --weights contradict each other; choose one")
     if opts.random_init and not opts.config:

@@ -28,11 +28,12 @@ from ..engine.device import resolve_device, resolve_dtype, resolve_out_dtype, re
 from .encoding import PartEncoder
 from ..engine.engine import Engine
 from ..errors import DsvError, Interrupted, UsageError
+from ..images.decode import DecodePool
 from ..images.discover import nothing_found
 from ..output.layout import (OutputLayout, PartWriter, Resume, ResumeSettings, assembler_for,
                              open_store)
 from ..output.update import Update, footer_entry, row_stamps, write_folder_stamps
-from .options import EncodeOptions, default_writer_threads, validate
+from .options import EncodeOptions, default_workers, default_writer_threads, validate
 from .plan import Part, cut_parts, images_per_part, output_bytes, segment_tokens
 from .setup import LISTED_FIRST, RunSetup, WindowSettings
 from ..images.headers import input_stamps
@@ -208,8 +209,7 @@ def _run_encode(opts: EncodeOptions, ranks: Topology, setup: RunSetup, stop: Sto
     adopted = source.prepare(opts, layout, ranks, remote)
     stop.immediate = False  # until the try below, which discards an unused output folder
     ranks.main_then_all(layout.create)
-    progress = RunProgress("auto" if opts.progress and ranks.is_main else "off",
-                           opts.log_every)
+    progress = RunProgress("auto" if opts.progress and ranks.is_main else "off", opts.log_every)
     summary = RunSummary(out=str(opts.out))
     run = RunState(opts, ranks, layout, progress, summary, stop)
     store = None
@@ -304,8 +304,7 @@ def _plan_output(run: RunState, setup: RunSetup, source: PartSource, computes: d
         update.match(setup.planned, rows_settings)  # refuses other settings in one line
         update.count_into(summary)
     parts = source.cut(setup, part_images, run.progress, run.stop)
-    resume = Resume(store, setup.planned, resuming, writes=ranks.writes,
-                    agree=ranks.agree_on_todo)
+    resume = Resume(store, setup.planned, resuming, writes=ranks.writes, agree=ranks.agree_on_todo)
     todo = _judged(resume, parts, setup, run)
     if update is not None or isinstance(parts, list):  # planned whole: its parts at once
         todo = list(todo)
@@ -448,7 +447,8 @@ class LocalParts:
         tower split over the ranks under tensor parallelism)."""
         opts, ckpt, device, ranks = self.opts, self.ckpt, self.device, self.ranks
         self.setup = setup
-        setup.decode_pool(ckpt.config, device.type, opts)
+        workers = default_workers(device.type) if opts.workers is None else opts.workers
+        setup.pool = DecodePool(ckpt.config, workers, opts.max_pixels, opts.decode_timeout)
         engine = self.engine = (
             tower_engine(ckpt, device, opts, lambda model: ranks.split_tower(model, opts.tp_mode))
             if self.stand_in is None else self.stand_in.engine(device, opts))
@@ -506,12 +506,11 @@ class LocalParts:
             should_stop=None if ranks.dist is not None else run.stop.requested,
             check_size=lambda first: self.layout.check_file_size(
                 output_bytes(cfg, opts, first) * len(planned) // max(1, len(first))))
-        windows = setup.plan_windows(output.todo, plan,
+        windows = setup.plan_windows(output.todo, plan, opts.max_images,
                                      idle=list_ahead if ranks.world_size == 1 else None)
-        decoded = setup.stream(opts.max_images)  # decoding starts with the first window
         with run.stop.deferred():  # a signal stops the loop between batches
             for name, start, end, digest, rows in runner.run(planned, windows.parts(on_window),
-                                                             decoded):
+                                                             setup.decoded):
                 if writer is not None:
                     writer.put(name, rows, start, end, digest)
                 del rows  # only the writer holds a finished part meanwhile

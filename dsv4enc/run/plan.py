@@ -53,8 +53,7 @@ def with_grids(items: Sequence[InputItem], share: list[tuple[int, Probe]], cfg: 
     planned = []
     for index, item in enumerate(items):
         probe = by_index[index]
-        entry = Planned(item, probe.width, probe.height, error=probe.error,
-                        misnamed=probe.misnamed)
+        entry = Planned(item, probe.width, probe.height, error=probe.error, misnamed=probe.misnamed)
         if probe.error is None:
             try:
                 canvas = plan_canvas(probe.width, probe.height, cfg)
@@ -89,10 +88,9 @@ def output_bytes(cfg: VisionConfig, opts: EncodeOptions, planned: Sequence[Plann
     return _row_bytes(cfg, opts) * sum(p.tokens // merged for p in planned)
 
 
-#: Segments (the unit a run encodes and may commit at) hold this many batches' worth of
-#: patches: enough for nearly full batches, few enough that a commit comes soon after
-#: --commit-every seconds (CPU batches are slow and unpadded, so one each; GPU ones fast and
-#: padded to graph budgets).
+#: Batches' worth of patches per segment (the unit a run encodes and may commit at): enough
+#: for nearly full batches, few enough that a commit comes soon after --commit-every (CPU
+#: batches are slow and unpadded: one; GPU ones fast and padded to graph budgets).
 SEGMENT_BATCHES = {"cpu": 1, "cuda": 8}
 
 
@@ -170,8 +168,7 @@ def plan_segments(planned: Sequence[Planned], part: Part, ranks: Topology | None
     ``--shard-output`` a rank's part holds just its own)."""
     start, end, size = part.start, part.end, part.part_images
     if ranks is not None and ranks.splits_images:
-        shares = share_for_ranks(planned, list(range(start, end)), ranks.world_size,
-                                 balance, cfg)
+        shares = share_for_ranks(planned, list(range(start, end)), ranks.world_size, balance, cfg)
         name, indices = part.name, range(start, end)
         if ranks.sharded:
             name, indices = f"{name}-rank{ranks.rank:03d}", shares[ranks.rank]
@@ -282,8 +279,3 @@ def plan_batches(planned: Sequence[Planned], parts: Sequence[Part], batch_tokens
     return [[part_batches(planned, [i for i in share if i not in skip], batch_tokens, max_images)
              for share in (part.shares if part.shares is not None else [part.indices])]
             for part in parts]
-
-
-def decode_order(batches: Sequence[Sequence[Sequence[Sequence[int]]]], rank: int = 0) -> list[int]:
-    """Item indices in the order ``rank`` decodes them: part by part, batch by batch."""
-    return [i for plan in batches for batch in plan[rank] for i in batch]

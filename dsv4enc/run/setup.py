@@ -22,9 +22,8 @@ from ..images.decode import NOT_YET, DecodePool, Decoded, DecodeStream
 from ..images.discover import Discovery, stream_inputs
 from ..images.headers import input_stamps
 from ..images.items import InputItem
-from .options import EncodeOptions, decode_window, default_workers, validate
-from .plan import (Part, Planned, cut_parts, decode_order, plan_batches, plan_segments,
-                   probe_share, with_grids)
+from .options import EncodeOptions, decode_window, validate
+from .plan import Part, Planned, cut_parts, plan_batches, plan_segments, probe_share, with_grids
 from .stopping import StopSignals, StoppedWaiting
 from .ranks import Topology, launched_ranks
 
@@ -141,8 +140,7 @@ class Windows:
             return value
 
     def window(self, k: int) -> Window | None:
-        """Window ``k``, for the encoder (under torchrun planned here, with the next one);
-        None past the last."""
+        """Window ``k`` (under torchrun planned here, with the next one); None past the last."""
         with self._cond:
             self._encoding = k
             self._drop_passed()
@@ -206,8 +204,8 @@ class Windows:
 @dataclass
 class RunSetup:
     """Inputs found (None until ``find_inputs``), every input's entry listed so far
-    (``planned``: its item, then its stamp and header once its window is planned), the
-    windows, the decode pool and the decoded stream; each made once, by its method."""
+    (``planned``: its item, then its stamp and header once its window is planned), the decode
+    pool, and the windows and the decoded stream (``plan_windows``); ``close`` stops them."""
 
     found: Discovery | None = None
     # the run's clock starts when the set-up was made, or when its maker says (the CLI's process)
@@ -241,14 +239,6 @@ class RunSetup:
                 break  # listed, or cut short by the error it raised
             self.planned.append(Planned(item))
 
-    def decode_pool(self, cfg: VisionConfig, device_type: str, opts: EncodeOptions) -> DecodePool:
-        """The decode pool, of ``--workers`` or the device's default (its workers start now,
-        while the model loads)."""
-        if self.pool is None:
-            workers = default_workers(device_type) if opts.workers is None else opts.workers
-            self.pool = DecodePool(cfg, workers, opts.max_pixels, opts.decode_timeout)
-        return self.pool
-
     def headers(self, cfg: VisionConfig, opts: EncodeOptions, ranks: Topology | None,
                 should_stop, announce) -> list[Planned]:
         """Every input listed, its header, grid and stamp read at once, for what needs the whole
@@ -269,24 +259,19 @@ class RunSetup:
                 for segment in plan_segments(self.planned, part, ranks, balance, cfg,
                                              segment_tokens)]
 
-    def plan_windows(self, todo: Iterable[Part], plan: "WindowSettings",
+    def plan_windows(self, todo: Iterable[Part], plan: "WindowSettings", max_images: int,
                      idle: Callable[[], bool] | None = None) -> Windows:
         """The windows of ``todo``, planned from now on (``WindowSettings``: how; ``idle``:
-        what the planner does while it is far enough ahead, see ``Windows``)."""
-        if self.windows is None:
-            planned = self.planned
-            self.windows = Windows(todo, lambda part: plan.read(planned, part),
-                                   lambda part, done: plan.finish(planned, part, done),
-                                   alone=plan.ranks.world_size == 1,
-                                   should_stop=plan.should_stop, idle=idle)
+        what the planner does while it is far enough ahead, see ``Windows``), and ``decoded``,
+        their images in order (the pool decodes from the first window on)."""
+        planned = self.planned
+        self.windows = Windows(todo, lambda part: plan.read(planned, part),
+                               lambda part, done: plan.finish(planned, part, done),
+                               alone=plan.ranks.world_size == 1,
+                               should_stop=plan.should_stop, idle=idle)
+        self.decoded = self.pool.imap(self.windows.tasks(),
+                                      window=decode_window(self.pool.n_workers, max_images))
         return self.windows
-
-    def stream(self, max_images: int) -> Iterator[tuple[int, Decoded]]:
-        """The decoded images, in the windows' order (started now)."""
-        if self.decoded is None:
-            self.decoded = self.pool.imap(self.windows.tasks(),
-                                          window=decode_window(self.pool.n_workers, max_images))
-        return self.decoded
 
     def close(self) -> None:
         """Stop the planner, the stream and the pool (idempotent)."""
@@ -322,20 +307,19 @@ class WindowSettings:
     def read(self, planned: Sequence[Planned], part: Part) -> Any:
         """Stamp the part's inputs, then probe this rank's share of its headers (None when
         they were read already). Any thread; no collective."""
-        input_stamps(planned[part.start:part.end])
+        inputs = planned[part.start:part.end]
+        input_stamps(inputs)
         if self.headers_read:
             return None
-        items = [p.item for p in planned[part.start:part.end]]
-        return probe_share(items, self.opts.max_pixels, self.ranks, self.should_stop,
-                           self.opts.decode_timeout)
+        return probe_share([p.item for p in inputs], self.opts.max_pixels, self.ranks,
+                           self.should_stop, self.opts.decode_timeout)
 
     def finish(self, planned: list[Planned], part: Part, share: Any) -> Window:
         """Plan the part from its probes (``share``; a collective under torchrun): grids,
         segments, batches, and this rank's decode tasks."""
         start, end = part.start, part.end
         if share is not None:
-            entries = with_grids([p.item for p in planned[start:end]], share, self.cfg,
-                                 self.ranks)
+            entries = with_grids([p.item for p in planned[start:end]], share, self.cfg, self.ranks)
             for entry, old in zip(entries, planned[start:end]):
                 entry.stamp = old.stamp
             planned[start:end] = entries
@@ -347,10 +331,11 @@ class WindowSettings:
                                  self.segment_tokens)
         batches = plan_batches(planned, segments, self.batch_tokens, self.opts.max_images,
                                self.carried)
-        order = decode_order(batches, self.me)
+        tasks = [(i, planned[i].item)  # this rank's decode order: part by part, batch by batch
+                 for plan in batches for batch in plan[self.me] for i in batch]
         tokens = sum(planned[i].tokens for i in range(start, end)
                      if planned[i].error is None and i not in self.carried)
-        return Window(segments, batches, [(i, planned[i].item) for i in order], tokens)
+        return Window(segments, batches, tasks, tokens)
 
 
 def start_prefetch(opts: EncodeOptions, stop: StopSignals | None = None) -> RunSetup | None:

@@ -1,10 +1,9 @@
 """SIGINT and SIGTERM: stop any phase of a run within moments, with exit code 128 + signal.
 
-Before encoding starts (discovery, header probes, planning, model loading) nothing must
-finish, so the first signal raises ``Interrupted`` at once, wherever the main thread is (a
-blocked wait included). While parts are encoded and committed it is only recorded
-(``deferred``): the loop stops between batches and the finished parts are kept for
-``--resume``. A second Ctrl-C always stops at once.
+Before encoding starts (discovery, header probes, planning, model loading) nothing must finish:
+the first signal raises ``Interrupted`` at once, wherever the main thread is (a blocked wait
+included). While parts are encoded and committed it is only recorded (``deferred``): the loop
+stops between batches, its finished parts kept for ``--resume``. A second Ctrl-C stops at once.
 """
 
 from __future__ import annotations

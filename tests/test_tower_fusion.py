@@ -110,14 +110,17 @@ def test_the_vector_width_follows_a_capped_aten_level(monkeypatch):
 
     from dsv4enc.tower.fusion import SIMD_BITS, pin_cpu_vector_width
 
-    monkeypatch.setattr(config.cpp, "simdlen", None)
-    monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
-    pin_cpu_vector_width()
-    assert config.cpp.simdlen is None
-    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
-    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
-    pin_cpu_vector_width()
-    assert config.cpp.simdlen == SIMD_BITS["AVX2"] == 256
-    monkeypatch.setattr(config.cpp, "simdlen", 128)
-    pin_cpu_vector_width()
-    assert config.cpp.simdlen == 128
+    # config.patch, not monkeypatch: monkeypatch's undo deletes an inductor setting for good
+    # (the config's proxy reads a restored attribute as a deleted one), which broke every
+    # later compile in the session.
+    with config.patch({"cpp.simdlen": None}):
+        monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
+        pin_cpu_vector_width()
+        assert config.cpp.simdlen is None
+        monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
+        monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+        pin_cpu_vector_width()
+        assert config.cpp.simdlen == SIMD_BITS["AVX2"] == 256
+        config.cpp.simdlen = 128
+        pin_cpu_vector_width()
+        assert config.cpp.simdlen == 128

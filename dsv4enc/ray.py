@@ -48,10 +48,7 @@ class RayEncoder:
 
         own_process_pillow_settings()
         self.embed = BatchEncoder(weights, device=device or ray_device(), **options)
-
-    @property
-    def schema(self) -> pa.Schema:
-        return self.embed.schema
+        self.schema: pa.Schema = self.embed.schema
 
     def __call__(self, batch: Any) -> pa.Table:
         """The batch's rows (any batch format Ray hands over) as a pyarrow Table

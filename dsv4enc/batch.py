@@ -241,10 +241,9 @@ class BatchEncoder:
         if isinstance(key, bytes):
             key = key.decode("utf-8", "replace")
         row = Row(path=(name or f"#{index}") if key is None or key == "" else str(key))
-        column = self.image_column
         if source is None:
-            held = f"null {column!r}" if image is None else (
-                f"{column!r} holds neither bytes nor a path")
+            held = f"null {self.image_column!r}" if image is None else (
+                f"{self.image_column!r} holds neither bytes nor a path")
             row.error = f"ValueError: row has no image ({held})"
             return row, None
         if isinstance(source, Image.Image):

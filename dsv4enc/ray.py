@@ -51,8 +51,7 @@ class RayEncoder:
         self.schema: pa.Schema = self.embed.schema
 
     def __call__(self, batch: Any) -> pa.Table:
-        """The batch's rows (any batch format Ray hands over) as a pyarrow Table
-        (``BatchEncoder.table``)."""
+        """The batch's rows, of any format Ray hands over, as ``BatchEncoder.table`` gives."""
         return self.embed.table(batch)
 
 

@@ -16,7 +16,7 @@ import os
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterable, Iterator, Mapping, Union
+from typing import Any, Iterable, Iterator, Mapping, Union
 
 import numpy as np
 import torch
@@ -40,14 +40,11 @@ from .run.options import available_cpus
 from .run.plan import pack_bins
 from .output.read import read_embeddings
 
-if TYPE_CHECKING:
-    import PIL.Image
-
 __all__ = ["Encoder", "EncodeError", "ImageInput", "image_source", "read_embeddings"]
 
 #: What ``Encoder.encode`` takes per image: a PIL image, an HxW / HxWx{1,3,4} uint8 array, a
 #: file path, the encoded file's bytes, or a Hugging Face ``{"bytes": ..., "path": ...}`` dict.
-ImageInput = Union["PIL.Image.Image", np.ndarray, str, os.PathLike, bytes, Mapping[str, Any]]
+ImageInput = Union[Image.Image, np.ndarray, str, os.PathLike, bytes, Mapping[str, Any]]
 
 
 class EncodeError(ValueError):
@@ -145,7 +142,8 @@ class Encoder:
                  max_pixels: int = DEFAULT_MAX_PIXELS, attention: Attention = "auto",
                  cuda_graphs: bool | None = None, deterministic: bool = True,
                  fused: bool = False) -> None:
-        self.checkpoint = checkpoint
+        self.checkpoint, self.config = checkpoint, checkpoint.config
+        self.fingerprint = checkpoint.fingerprint  # as ``encode`` writes it to the metadata
         self.device = resolve_device(device)
         self.features = check_choice("features", features, FEATURES)
         self.pool = check_choice("pool", pool, POOLS)
@@ -159,6 +157,7 @@ class Encoder:
         self.max_pixels, self.attention = max_pixels, attention
         self.cuda_graphs, self.deterministic = cuda_graphs, deterministic
         self.model = build_model(checkpoint, self.device, fused=fused, deterministic=deterministic)
+        self.dtype: torch.dtype = self.model.dtype  # the compute dtype
         self.engines: dict[str, Engine] = {}  # per features, built on first use (read-only)
 
     # -- construction ------------------------------------------------------------------
@@ -190,20 +189,6 @@ class Encoder:
         return cls(random_checkpoint(config, seed, compute), resolved, **options)
 
     # -- properties ----------------------------------------------------------------------
-    @property
-    def config(self) -> VisionConfig:
-        return self.checkpoint.config
-
-    @property
-    def fingerprint(self) -> str:
-        """The weights fingerprint, as written to the Parquet metadata by ``encode``."""
-        return self.checkpoint.fingerprint
-
-    @property
-    def dtype(self) -> torch.dtype:
-        """The compute dtype."""
-        return self.model.dtype
-
     def width(self, features: str | None = None) -> int:
         """Width of one embedding row for ``features`` (default: this encoder's)."""
         return self.config.output_width(features or self.features)

@@ -11,6 +11,7 @@ input order and of the kind given, then the batch's other columns.
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
@@ -130,7 +131,7 @@ class BatchEncoder:
 
     # -- what it is -------------------------------------------------------------------
     def __reduce__(self):
-        return (_rebuild, (self._recipe,))
+        return functools.partial(BatchEncoder, **self._recipe), ()
 
     def __repr__(self) -> str:
         return (f"BatchEncoder({self.encoder!r}, image_column={self.image_column!r}, "
@@ -240,10 +241,9 @@ class BatchEncoder:
         if isinstance(key, bytes):
             key = key.decode("utf-8", "replace")
         row = Row(path=(name or f"#{index}") if key is None or key == "" else str(key))
-        column = self.image_column
         if source is None:
-            held = f"null {column!r}" if image is None else (
-                f"{column!r} holds neither bytes nor a path")
+            held = f"null {self.image_column!r}" if image is None else (
+                f"{self.image_column!r} holds neither bytes nor a path")
             row.error = f"ValueError: row has no image ({held})"
             return row, None
         if isinstance(source, Image.Image):
@@ -293,10 +293,6 @@ def datasets_features(schema: "pa.Schema | BatchEncoder", features: Any = None):
         return out
     return datasets.Features({**{name: feature for name, feature in features.items()
                                  if name not in out}, **out})
-
-
-def _rebuild(recipe: dict[str, Any]) -> BatchEncoder:
-    return BatchEncoder(**recipe)
 
 
 def _batch_columns(batch: Any) -> tuple[str, list[str], Callable[[str], list[Any]]]:

@@ -347,9 +347,8 @@ def encode(ctx: typer.Context, **given: Any) -> None:
 
 def _encode_command(opts, storage_option: list[str] | None, quiet: bool,
                     summary_json: str | None, started: float, ray_opts=None) -> None:
-    """``encode`` with its options built: storage and log settings, signals, the listing
-    (before torch is imported), the run, and what the command prints at its end. ``started``:
-    when the command (or its process) started, on ``time.perf_counter``'s clock."""
+    """``encode`` with its options built: storage and log settings, signals, the listing (before
+    torch is imported), the run, its last lines. ``started``: on ``time.perf_counter``'s clock."""
     from . import storage
     from .images.decode import own_process_pillow_settings
     from .output.parts import prefer_jemalloc_pool
@@ -439,10 +438,9 @@ def _own_process_settings(device: str, dist) -> None:
     from .process import own_process_settings
 
     try:
-        resolved = resolve_device(device, dist.device if dist is not None else None)
+        own_process_settings(resolve_device(device, dist.device if dist is not None else None))
     except DsvError:
-        return  # the run reports it, after checking the options in their order
-    own_process_settings(resolved)
+        pass  # the run reports it, after checking the options in their order
 
 
 @command()

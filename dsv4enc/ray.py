@@ -48,14 +48,10 @@ class RayEncoder:
 
         own_process_pillow_settings()
         self.embed = BatchEncoder(weights, device=device or ray_device(), **options)
-
-    @property
-    def schema(self) -> pa.Schema:
-        return self.embed.schema
+        self.schema: pa.Schema = self.embed.schema
 
     def __call__(self, batch: Any) -> pa.Table:
-        """The batch's rows (any batch format Ray hands over) as a pyarrow Table
-        (``BatchEncoder.table``)."""
+        """The batch's rows, of any format Ray hands over, as ``BatchEncoder.table`` gives."""
         return self.embed.table(batch)
 
 

@@ -118,11 +118,9 @@ def _still_linked(fd: int, path: Path) -> bool:
 def _write_holder(fd: int) -> None:
     text = json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
                        "since": time.strftime("%Y-%m-%d %H:%M:%S %Z")})
-    try:
+    with contextlib.suppress(OSError):  # the lock works without it; the refusal names no pid
         os.ftruncate(fd, 0)
         os.pwrite(fd, text.encode() + b"\n", 0)
-    except OSError:
-        pass  # the lock works without it; the refusal then names no pid
 
 
 def _holder(fd: int) -> str:
@@ -156,7 +154,8 @@ class OutputLayout:
         self.out = Path(out)
         self.shard_output = shard_output
         self.folder_mode = shard_output or out.endswith(("/", os.sep)) or self.out.is_dir()
-        self.parts_dir = self.out if self.folder_mode else self.out.with_name(self.out.name + ".partial")
+        self.parts_dir = (self.out if self.folder_mode
+                          else self.out.with_name(self.out.name + ".partial"))
         self.lock = OutputLock(self.parts_dir, self.out)
         #: The largest single file the store takes (``RemoteOutput.max_file_bytes``; None: any)
         self.max_file_bytes: int | None = None
@@ -216,7 +215,8 @@ class OutputLayout:
     # -- checks -------------------------------------------------------------------------
     def check_not_inputs(self, inputs: Iterable[str], files_from: str | None) -> None:
         """Refuse an ``--out`` that is an input, holds one, or would be read as one."""
-        out, parts = os.path.realpath(self.out), os.path.realpath(self.parts_dir)
+        out = os.path.realpath(self.out)
+        parts = os.path.realpath(self.parts_dir)
         sources = [*inputs, *([files_from] if files_from not in (None, "-") else [])]
         for raw in sources:
             if not os.path.lexists(raw):
@@ -316,8 +316,8 @@ class OutputLayout:
 
     def _make_parts_dir(self) -> None:
         """Create the parts folder (and missing parents), remembering what was created."""
-        missing = [self.parts_dir, *self.parts_dir.parents]
-        missing = [folder for folder in missing if not folder.exists()]
+        missing = [folder for folder in [self.parts_dir, *self.parts_dir.parents]
+                   if not folder.exists()]
         try:
             self.parts_dir.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
@@ -405,9 +405,8 @@ def open_store(layout: OutputLayout, settings: dict, schema, *, local: bool, is_
     if staging is not None:
         return staging
 
-    single_file = not layout.folder_mode and is_main
-    if single_file and local and world_size == 1 and appending.AVAILABLE \
-            and not written_elsewhere:
+    if (not layout.folder_mode and is_main and local and world_size == 1
+            and appending.AVAILABLE and not written_elsewhere):
         return appending.AppendingStore(layout.parts_dir, settings, schema, layout.out)
     return PartStore(layout.parts_dir, settings, layout.manifest_name(rank),
                      drop_cache=layout.folder_mode and local)
@@ -462,7 +461,7 @@ class PartWriter:
                     self.store.commit_written(name, entry)
                 else:
                     name, rows, start, end, digest = job
-                    table = rows_to_table(rows, self.schema, self._kept(name, start, end))
+                    table = rows_to_table(rows, self.schema, self._kept(start, end))
                     group_rows = rows_per_group(self.schema, rows)
                     del job, rows  # the table holds what it needs of them: let the rest go
                     self.store.commit(name, table, group_rows, start, end, digest)
@@ -473,13 +472,6 @@ class PartWriter:
                 self.error = exc
             with self._lock:
                 self.seconds += time.perf_counter() - began
-
-    def _kept(self, name: str, start: int, end: int) -> dict | None:
-        """The kept table columns of inputs ``[start, end)`` (None when the schema has none),
-        read from the input tables (a carried row's table is unchanged: its old values)."""
-        if not kept_fields(self.schema):  # no input items to gather
-            return None
-        return kept_columns(self.schema, [planned.item for planned in self.store.source[start:end]])
 
     def put(self, name: str, rows: list[Row], start: int, end: int, digest: str) -> None:
         """A finished segment (or, under --shard-output, a whole part)."""
@@ -511,6 +503,13 @@ class PartWriter:
             self._rows = []
             self._queue.put(job)
         self._since = time.monotonic()
+
+    def _kept(self, start: int, end: int) -> dict | None:
+        """The kept table columns of inputs ``[start, end)`` (None when the schema has none),
+        read from the input tables (a carried row's table is unchanged: its old values)."""
+        if not kept_fields(self.schema):  # no input items to gather
+            return None
+        return kept_columns(self.schema, [p.item for p in self.store.source[start:end]])
 
     def check(self) -> None:
         if self.error is not None:
@@ -566,7 +565,8 @@ class Resume:
     def __init__(self, store: PartLedger, source: Sequence, settings: ResumeSettings, *,
                  writes: bool = True, agree: Callable = _alone) -> None:
         self.store, self.writes, self.agree = store, writes, agree
-        store.source, store.commit_seconds = source, settings.commit_every
+        store.source = source
+        store.commit_seconds = settings.commit_every
         self.resuming = False
         self.covered = 0  # where the reused pieces judged so far end
         self.starts: list[int] = []  # where the recorded pieces start, in order

@@ -215,10 +215,8 @@ def progress_text(summary: OutputSummary) -> str:
     """An interrupted run's committed parts and images, and how many are left."""
     parts = f"{summary.parts} part{'s' if summary.parts != 1 else ''}"
     done = f"{summary.images_done} image{'s' if summary.images_done != 1 else ''} done"
-    if summary.images_total is None:
-        left = "how many are left is not recorded"
-    else:
-        left = f"{summary.images_left} of {summary.images_total} left"
+    left = ("how many are left is not recorded" if summary.images_total is None
+            else f"{summary.images_left} of {summary.images_total} left")
     return f"{parts}, {done}, {left}; rerun the same command with --resume to finish"
 
 

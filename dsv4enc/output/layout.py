@@ -47,10 +47,9 @@ _NO_LOCKING = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS, errn
 
 
 class OutputLock:
-    """An exclusive ``flock`` on ``LOCK_NAME`` in the parts folder, held for the whole run.
-    The file holds the holder's pid and host, for the refusal a second run prints. Its holder
-    unlinks it (still holding it) when the run ends; a run that locked the old file meanwhile
-    notices that its file is gone and locks the new one."""
+    """An exclusive ``flock`` on ``LOCK_NAME`` in the parts folder for the whole run; the file
+    names its holder's pid and host (for a second run's refusal). The holder unlinks it, still
+    holding it, at the end; a run that locked the old file meanwhile then locks the new one."""
 
     def __init__(self, folder: Path, out: Path) -> None:
         self.path = folder / LOCK_NAME
@@ -146,9 +145,8 @@ def is_dsv4enc_parquet(path: Path) -> bool:
 
 
 class OutputLayout:
-    """Where parts go (a ``.partial`` folder beside a single-file ``--out``, or the ``--out``
-    folder itself), the checks before anything is computed, the lock, and the clean-up that
-    touches only dsv4enc's own files."""
+    """Where parts go (``OUT.partial/`` beside a single-file ``--out``, or the ``--out`` folder),
+    the checks before anything is computed, the lock, and the clean-up of dsv4enc's files only."""
 
     def __init__(self, out: str, shard_output: bool) -> None:
         self.out = Path(out)
@@ -413,9 +411,8 @@ def open_store(layout: OutputLayout, settings: dict, schema, *, local: bool, is_
 
 
 def assembler_for(store: PartLedger, layout: OutputLayout, schema, *, is_main: bool):
-    """What makes the single file at the end: the appending store itself, a streaming
-    assembler over the part files (the main process of a single-file output), or None. Its
-    ``key_values`` take more footer metadata (row stamps) until it finishes."""
+    """What makes the single file at the end: the appending store, a ``StreamingAssembler`` (a
+    single-file output's main process), or None; its ``key_values`` take more footer metadata."""
     from .appending import AppendingStore
 
     if isinstance(store, AppendingStore):

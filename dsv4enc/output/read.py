@@ -69,9 +69,8 @@ def load_manifest(path: Path) -> Any:
 
 
 def journal_entries(path: Path, token: str) -> Iterator[tuple[str, dict]]:
-    """``(name, part)`` per whole line of the journal at ``path`` whose header names
-    ``token``, in commit order; nothing when it is missing or another manifest's. A last line
-    without its newline is a torn write, and ignored."""
+    """``(name, part)`` per whole line of the journal at ``path``, in commit order, if its header
+    names ``token`` (else nothing); a last line without its newline is a torn write, ignored."""
     try:
         handle = open(path, "rb")
     except OSError:

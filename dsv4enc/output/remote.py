@@ -210,8 +210,7 @@ class RemoteOutput:
             raise storage.setup_error(self.url, exc) from None
         self.local_parts.mkdir(parents=True, exist_ok=True)
         for obj in objects:
-            if MANIFEST_FILE.fullmatch(obj.key) or (PART_FILE.fullmatch(obj.key)
-                                                    and self.resume):
+            if MANIFEST_FILE.fullmatch(obj.key) or (self.resume and PART_FILE.fullmatch(obj.key)):
                 self._fetch(obj)
         self._note_manifests()
 
@@ -402,9 +401,9 @@ class RemoteOutput:
         return down if down is not None else OutputError(storage.describe(self.url, exc))
 
     def abandon(self, quiet: bool = False) -> None:
-        """The run failed or was stopped: its committed parts go to the store (for
-        ``--resume``), and a manifest the run removed locally is deleted there. ``quiet``: the
-        store is down (the run's one line says so)."""
+        """The run failed or stopped: its committed parts go to the store (``--resume``), a
+        manifest it removed locally is deleted there. ``quiet``: the store is down (the run
+        says so)."""
         self._stop_loop()
         if not self.writer:
             return

@@ -215,10 +215,8 @@ def progress_text(summary: OutputSummary) -> str:
     """An interrupted run's committed parts and images, and how many are left."""
     parts = f"{summary.parts} part{'s' if summary.parts != 1 else ''}"
     done = f"{summary.images_done} image{'s' if summary.images_done != 1 else ''} done"
-    if summary.images_total is None:
-        left = "how many are left is not recorded"
-    else:
-        left = f"{summary.images_left} of {summary.images_total} left"
+    left = ("how many are left is not recorded" if summary.images_total is None
+            else f"{summary.images_left} of {summary.images_total} left")
     return f"{parts}, {done}, {left}; rerun the same command with --resume to finish"
 
 
@@ -261,12 +259,12 @@ def render(summary: OutputSummary, console=None) -> None:
         table.add_row("tower", f"{config.get('vision_n_layers')} layers, dim "
                       f"{config.get('vision_dim')}, {config.get('vision_n_heads')} heads, patch "
                       f"{config.get('vision_patch_size')}, merge "
-                      f"{config.get('vision_downsample_ratio')}, hidden {config.get('hidden_size')}")
+                      f"{config.get('vision_downsample_ratio')}, hidden "
+                      f"{config.get('hidden_size')}")
     files = f"{summary.files} file{'s' if summary.files != 1 else ''}"
     if summary.interrupted and not summary.files:  # one growing file's committed ranges
-        table.add_row("on disk", f"{_size(summary.bytes_on_disk)} in the parts folder")
-    else:
-        table.add_row("on disk", f"{_size(summary.bytes_on_disk)} in {files}")
+        files = "the parts folder"
+    table.add_row("on disk", f"{_size(summary.bytes_on_disk)} in {files}")
     console.print(table)
     if summary.errors:
         errs = Table(title="top errors", title_justify="left")

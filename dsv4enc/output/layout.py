@@ -47,10 +47,9 @@ _NO_LOCKING = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS, errn
 
 
 class OutputLock:
-    """An exclusive ``flock`` on ``LOCK_NAME`` in the parts folder, held for the whole run.
-    The file holds the holder's pid and host, for the refusal a second run prints. Its holder
-    unlinks it (still holding it) when the run ends; a run that locked the old file meanwhile
-    notices that its file is gone and locks the new one."""
+    """An exclusive ``flock`` on ``LOCK_NAME`` in the parts folder for the whole run; the file
+    names its holder's pid and host (for a second run's refusal). The holder unlinks it, still
+    holding it, at the end; a run that locked the old file meanwhile then locks the new one."""
 
     def __init__(self, folder: Path, out: Path) -> None:
         self.path = folder / LOCK_NAME
@@ -118,11 +117,9 @@ def _still_linked(fd: int, path: Path) -> bool:
 def _write_holder(fd: int) -> None:
     text = json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
                        "since": time.strftime("%Y-%m-%d %H:%M:%S %Z")})
-    try:
+    with contextlib.suppress(OSError):  # the lock works without it; the refusal names no pid
         os.ftruncate(fd, 0)
         os.pwrite(fd, text.encode() + b"\n", 0)
-    except OSError:
-        pass  # the lock works without it; the refusal then names no pid
 
 
 def _holder(fd: int) -> str:
@@ -148,15 +145,15 @@ def is_dsv4enc_parquet(path: Path) -> bool:
 
 
 class OutputLayout:
-    """Where parts go (a ``.partial`` folder beside a single-file ``--out``, or the ``--out``
-    folder itself), the checks before anything is computed, the lock, and the clean-up that
-    touches only dsv4enc's own files."""
+    """Where parts go (``OUT.partial/`` beside a single-file ``--out``, or the ``--out`` folder),
+    the checks before anything is computed, the lock, and the clean-up of dsv4enc's files only."""
 
     def __init__(self, out: str, shard_output: bool) -> None:
         self.out = Path(out)
         self.shard_output = shard_output
         self.folder_mode = shard_output or out.endswith(("/", os.sep)) or self.out.is_dir()
-        self.parts_dir = self.out if self.folder_mode else self.out.with_name(self.out.name + ".partial")
+        self.parts_dir = (self.out if self.folder_mode
+                          else self.out.with_name(self.out.name + ".partial"))
         self.lock = OutputLock(self.parts_dir, self.out)
         #: The largest single file the store takes (``RemoteOutput.max_file_bytes``; None: any)
         self.max_file_bytes: int | None = None
@@ -216,7 +213,8 @@ class OutputLayout:
     # -- checks -------------------------------------------------------------------------
     def check_not_inputs(self, inputs: Iterable[str], files_from: str | None) -> None:
         """Refuse an ``--out`` that is an input, holds one, or would be read as one."""
-        out, parts = os.path.realpath(self.out), os.path.realpath(self.parts_dir)
+        out = os.path.realpath(self.out)
+        parts = os.path.realpath(self.parts_dir)
         sources = [*inputs, *([files_from] if files_from not in (None, "-") else [])]
         for raw in sources:
             if not os.path.lexists(raw):
@@ -316,8 +314,8 @@ class OutputLayout:
 
     def _make_parts_dir(self) -> None:
         """Create the parts folder (and missing parents), remembering what was created."""
-        missing = [self.parts_dir, *self.parts_dir.parents]
-        missing = [folder for folder in missing if not folder.exists()]
+        missing = [folder for folder in [self.parts_dir, *self.parts_dir.parents]
+                   if not folder.exists()]
         try:
             self.parts_dir.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
@@ -405,18 +403,16 @@ def open_store(layout: OutputLayout, settings: dict, schema, *, local: bool, is_
     if staging is not None:
         return staging
 
-    single_file = not layout.folder_mode and is_main
-    if single_file and local and world_size == 1 and appending.AVAILABLE \
-            and not written_elsewhere:
+    if (not layout.folder_mode and is_main and local and world_size == 1
+            and appending.AVAILABLE and not written_elsewhere):
         return appending.AppendingStore(layout.parts_dir, settings, schema, layout.out)
     return PartStore(layout.parts_dir, settings, layout.manifest_name(rank),
                      drop_cache=layout.folder_mode and local)
 
 
 def assembler_for(store: PartLedger, layout: OutputLayout, schema, *, is_main: bool):
-    """What makes the single file at the end: the appending store itself, a streaming
-    assembler over the part files (the main process of a single-file output), or None. Its
-    ``key_values`` take more footer metadata (row stamps) until it finishes."""
+    """What makes the single file at the end: the appending store, a ``StreamingAssembler`` (a
+    single-file output's main process), or None; its ``key_values`` take more footer metadata."""
     from .appending import AppendingStore
 
     if isinstance(store, AppendingStore):
@@ -462,7 +458,7 @@ class PartWriter:
                     self.store.commit_written(name, entry)
                 else:
                     name, rows, start, end, digest = job
-                    table = rows_to_table(rows, self.schema, self._kept(name, start, end))
+                    table = rows_to_table(rows, self.schema, self._kept(start, end))
                     group_rows = rows_per_group(self.schema, rows)
                     del job, rows  # the table holds what it needs of them: let the rest go
                     self.store.commit(name, table, group_rows, start, end, digest)
@@ -473,13 +469,6 @@ class PartWriter:
                 self.error = exc
             with self._lock:
                 self.seconds += time.perf_counter() - began
-
-    def _kept(self, name: str, start: int, end: int) -> dict | None:
-        """The kept table columns of inputs ``[start, end)`` (None when the schema has none),
-        read from the input tables (a carried row's table is unchanged: its old values)."""
-        if not kept_fields(self.schema):  # no input items to gather
-            return None
-        return kept_columns(self.schema, [planned.item for planned in self.store.source[start:end]])
 
     def put(self, name: str, rows: list[Row], start: int, end: int, digest: str) -> None:
         """A finished segment (or, under --shard-output, a whole part)."""
@@ -511,6 +500,13 @@ class PartWriter:
             self._rows = []
             self._queue.put(job)
         self._since = time.monotonic()
+
+    def _kept(self, start: int, end: int) -> dict | None:
+        """The kept table columns of inputs ``[start, end)`` (None when the schema has none),
+        read from the input tables (a carried row's table is unchanged: its old values)."""
+        if not kept_fields(self.schema):  # no input items to gather
+            return None
+        return kept_columns(self.schema, [p.item for p in self.store.source[start:end]])
 
     def check(self) -> None:
         if self.error is not None:
@@ -566,7 +562,8 @@ class Resume:
     def __init__(self, store: PartLedger, source: Sequence, settings: ResumeSettings, *,
                  writes: bool = True, agree: Callable = _alone) -> None:
         self.store, self.writes, self.agree = store, writes, agree
-        store.source, store.commit_seconds = source, settings.commit_every
+        store.source = source
+        store.commit_seconds = settings.commit_every
         self.resuming = False
         self.covered = 0  # where the reused pieces judged so far end
         self.starts: list[int] = []  # where the recorded pieces start, in order

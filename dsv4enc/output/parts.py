@@ -4,9 +4,8 @@ and the final file.
 Each part is written under a hidden temporary name, fsynced and renamed, then the manifest
 records it (one synced line appended to its journal; the manifest is written whole when a run
 starts, resumes or finishes). A kill leaves only whole parts, which ``--resume`` reuses. A
-single-file ``--out`` of several ranks or in object storage is assembled from the parts at the
-end, by rename (a local one of one process skips the part files: ``appending.py``).
-``PartLedger`` is the manifest bookkeeping both share.
+single-file ``--out`` is joined from the parts (one local process skips the part files:
+``appending.py``); ``PartLedger`` is the manifest bookkeeping both share.
 """
 
 from __future__ import annotations
@@ -61,10 +60,9 @@ _ARROW_FLOAT = {"float16": pa.float16(), "float32": pa.float32()}
 
 
 def prefer_jemalloc_pool() -> None:
-    """Make Arrow allocate from its jemalloc pool where this pyarrow has one: mimalloc (the
-    default) gives each new writer thread fresh pages, whose faults cost a short run time at
-    its end. mimalloc encodes float16 Parquet faster in steady state (benchmarks/RESULTS.md),
-    so only CPU runs of the command line call this (process-wide: the library never does)."""
+    """Allocate from Arrow's jemalloc pool where there is one: mimalloc (the default) gives each
+    new writer thread fresh pages, whose faults slow a short run's end, but it encodes float16
+    faster in steady state (benchmarks/RESULTS.md): only the CLI's CPU runs call this."""
     with contextlib.suppress(NotImplementedError, pa.ArrowNotImplementedError):
         pa.set_memory_pool(pa.jemalloc_memory_pool())  # not in every build (e.g. Windows)
 
@@ -217,7 +215,8 @@ def _binary_embeddings(rows: Sequence[Row], fmt) -> pa.ChunkedArray:
 def _nested_embeddings(rows: Sequence[Row], emb_type: pa.DataType, fmt) -> pa.Array:
     """The ``nested`` layout: list<fixed_size_list<float, width>> (fixed_size_list pooled)."""
     row_type = emb_type if fmt.pooled else emb_type.value_type
-    width, np_dtype = fmt.width, np.dtype(fmt.dtype)
+    width = fmt.width
+    np_dtype = np.dtype(fmt.dtype)
     valid = np.array([r.embedding is not None for r in rows], dtype=bool)
     if fmt.pooled:
         # One vector per row; failed rows hold zeros under a null mask.
@@ -242,22 +241,20 @@ def _nested_embeddings(rows: Sequence[Row], emb_type: pa.DataType, fmt) -> pa.Ar
 
 
 def parquet_options(schema: pa.Schema) -> dict[str, Any]:
-    """Writer settings. Embedding values are near-random floats: dictionary encoding, min/max
-    statistics and compression cost several times the write time for a few percent of size, so
-    they apply to the small columns only. 8 MiB data pages make the nested layout's pages fewer
-    (faster to write and read, benchmarks/RESULTS.md)."""
+    """Writer settings. Embeddings are near-random floats: dictionary encoding, statistics and
+    compression cost several times the write time for a few percent of size, so only the small
+    columns get them. 8 MiB data pages: fewer nested pages, faster to write and read
+    (benchmarks/RESULTS.md)."""
     small = [name for name in schema.names if name != "embedding"]
-    compression = {name: "zstd" for name in small}
-    compression["embedding"] = "none"
+    compression = {**{name: "zstd" for name in small}, "embedding": "none"}
     return {"compression": compression, "use_dictionary": small, "write_statistics": small,
             "data_page_size": DATA_PAGE_BYTES}
 
 
 def rows_per_group(schema: pa.Schema, rows: Sequence[Row]) -> int:
-    """Rows per row group so that groups hold about ROW_GROUP_BYTES of embeddings, or a
-    quarter of that for nested float16: Parquet keeps float16 as 2-byte fixed-length binaries,
-    which the writer handles at ~15 bytes per value (float32: ~8), so a float16 group the size
-    of a float32 one would cost ~4x the transient memory."""
+    """Rows per row group for about ROW_GROUP_BYTES of embeddings (a quarter for nested float16:
+    Parquet keeps float16 as 2-byte fixed-length binaries, which the writer handles at ~15 bytes
+    per value, float32 ~8, so a group the size of a float32 one costs ~4x transient memory)."""
     sizes = [r.embedding.nbytes for r in rows if r.embedding is not None]
     mean = (sum(sizes) / len(sizes)) if sizes else 1
     fmt = embedding_format(schema)
@@ -279,8 +276,7 @@ def output_os_error(path: Path, exc: OSError) -> OutputError:
     if exc.errno == errno.ENOSPC:
         return OutputError(f"no space left on device writing {path}; committed parts are kept, "
                            "free space and rerun with --resume")
-    reason = exc.strerror or str(exc)
-    return OutputError(f"cannot write {path}: {reason}")
+    return OutputError(f"cannot write {path}: {exc.strerror or exc}")
 
 
 def temp_path(path: Path, folder: Path | None = None) -> Path:
@@ -294,10 +290,9 @@ TEMP_FILE = re.compile(r"\.(.+?)\.(?:\d+-[0-9a-f]{8}\.)?tmp")
 
 
 def drop_cached_pages(fd: int, offset: int = 0, length: int = 0) -> None:
-    """Tell the kernel that a written and synced range of a file (``length`` 0: to its end)
-    will not be read again, so its page-cache pages are freed at once (advice only). Left in
-    the cache, gigabytes of embeddings evict the user's cached files, and fresh pages
-    cost more kernel time than pages freed a moment ago (benchmarks/RESULTS.md)."""
+    """Advise the kernel to free the page cache of a written, synced range (``length`` 0: to
+    the end): left there, gigabytes of embeddings evict the user's cached files, and fresh
+    pages cost more kernel time than pages freed a moment ago (benchmarks/RESULTS.md)."""
     if hasattr(os, "posix_fadvise"):
         with contextlib.suppress(OSError):
             os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)
@@ -328,11 +323,10 @@ def write_table_atomic(table: pa.Table, path: Path, row_group_size: int,
 def write_part(folder: str | Path, name: str, table: pa.Table, row_group_size: int,
                start: int, end: int, digest: str, *, suffix: str = "",
                drop_cache: bool = False, staged: bool = False) -> dict[str, Any]:
-    """Write part ``name``'s file into ``folder`` and return its manifest entry (file, input
-    range, digest, rows, size, transient rows), which a ``PartLedger`` records to commit it.
-    Whoever encoded the part writes it: a writer thread, a torchrun rank, a ray actor.
-    ``staged``: the file keeps a hidden temporary name (the entry's ``staged``) until
-    ``PartStore.commit_written`` renames it, so an unrecorded part never has a part name.
+    """Write part ``name``'s file into ``folder`` (a writer thread, a torchrun rank or a ray
+    actor does) and return the manifest entry a ``PartLedger`` records to commit it. ``staged``:
+    the file keeps a hidden temporary name (the entry's ``staged``) until
+    ``PartStore.commit_written`` renames it: an unrecorded part never has a part name.
     ``folder`` a URL: the file is uploaded to ``folder/FILE`` whole."""
     file = f"{name}{suffix}.parquet"
     entry: dict[str, Any] = {"file": file, "start": start, "end": end, "digest": digest,
@@ -358,7 +352,8 @@ def write_part(folder: str | Path, name: str, table: pa.Table, row_group_size: i
     except OSError as exc:
         tmp.unlink(missing_ok=True)
         raise output_os_error(path, exc) from None
-    entry["size"], entry["staged"] = tmp.stat().st_size, tmp.name
+    entry["size"] = tmp.stat().st_size
+    entry["staged"] = tmp.name
     return entry
 
 
@@ -502,7 +497,8 @@ class PartLedger:
         try:
             data = load_manifest(self.manifest_path)
         except (OSError, ValueError) as exc:
-            raise OutputError(f"cannot resume: unreadable manifest {self.manifest_path} ({exc})") from None
+            raise OutputError(f"cannot resume: unreadable manifest {self.manifest_path} "
+                              f"({exc})") from None
         kind = manifest_kind(data)
         if kind is None:
             raise OutputError(f"cannot resume: {self.manifest_path} is not a dsv4enc manifest")
@@ -640,7 +636,8 @@ class PartStore(PartLedger):
         ``entry``): a staged file is renamed into place, one in a bucket is handed to
         ``fetch`` (``remote.RemoteOutput.adopt_part``), then the manifest records it."""
         entry = dict(entry)
-        staged, path = entry.pop("staged", None), self.folder / entry["file"]
+        staged = entry.pop("staged", None)
+        path = self.folder / entry["file"]
         try:
             if staged is not None:
                 os.replace(self.folder / staged, path)
@@ -662,11 +659,10 @@ class PartStore(PartLedger):
 
 
 class StreamingAssembler:
-    """Builds the single output file from committed parts, in input order, while later parts
-    are still being encoded, so the end of a run only closes the file. Each part's row groups
-    are copied as they are (``parquet_join.ParquetJoiner``): no second Parquet encode. The file
-    is a hidden temporary in the parts folder; ``finish`` writes its footer, fsyncs and renames
-    it into place, or raises the failed write (e.g. a full disk)."""
+    """Builds the single output file from committed parts in input order while later parts
+    are still encoded, so a run's end only closes the file. Row groups are copied as they are
+    (``parquet_join.ParquetJoiner``: no second encode) into a hidden temporary in the parts
+    folder; ``finish`` writes its footer, fsyncs and renames it, or raises the failed write."""
 
     def __init__(self, store: "PartStore", out: Path, schema: pa.Schema,
                  key_values: dict[bytes, bytes] | None = None) -> None:

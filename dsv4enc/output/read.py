@@ -58,10 +58,9 @@ def journal_path(manifest: Path) -> Path:
 
 def load_manifest(path: Path) -> Any:
     """A manifest's JSON with the parts its journal committed since it was last written whole
-    (raises OSError, ValueError). Every reader of the committed parts goes through here. A run
-    appends one synced line per committed part to the journal instead of rewriting the
-    manifest, so that a commit costs the same at part 10 and at part 10^5. The journal applies
-    when its first line names the manifest's ``journal`` token (an older one is stale)."""
+    (raises OSError, ValueError); every reader of the committed parts goes through here. A run
+    appends one synced line per part to the journal, so a commit costs the same at part 10 and
+    10^5; the journal applies when its header names the manifest's ``journal`` token."""
     data = json.loads(path.read_text())
     if (isinstance(data, dict) and isinstance(data.get("parts"), dict)
             and isinstance(data.get("journal"), str)):
@@ -70,9 +69,8 @@ def load_manifest(path: Path) -> Any:
 
 
 def journal_entries(path: Path, token: str) -> Iterator[tuple[str, dict]]:
-    """``(name, part)`` per whole line of the journal at ``path`` whose header names
-    ``token``, in commit order; nothing when it is missing or another manifest's. A last line
-    without its newline is a torn write, and ignored."""
+    """``(name, part)`` per whole line of the journal at ``path``, in commit order, if its header
+    names ``token`` (else nothing); a last line without its newline is a torn write, ignored."""
     try:
         handle = open(path, "rb")
     except OSError:
@@ -216,7 +214,8 @@ def _binary_views(column, fmt: EmbeddingFormat) -> list[np.ndarray | None]:
     _, offsets_buf, data_buf = column.buffers()
     offsets = np.frombuffer(offsets_buf, dtype=offset_type)[
         column.offset:column.offset + len(column) + 1]
-    data = np.frombuffer(data_buf, dtype=np.uint8) if data_buf is not None else np.zeros(0, np.uint8)
+    data = (np.frombuffer(data_buf, dtype=np.uint8) if data_buf is not None
+            else np.zeros(0, np.uint8))
     valid = valid_mask(column)
     stored = fmt.numpy_dtype
     shape = (fmt.width,) if fmt.pooled else (-1, fmt.width)

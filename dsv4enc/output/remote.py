@@ -55,7 +55,8 @@ class RemoteOutput:
         self.url = out.rstrip("/")
         self.inputs, self.resume, self.update = list(inputs), resume, update
         self.overwrite, self.writer = overwrite, writer
-        self.rank, self.world_size, self.is_main = rank, world_size, rank == 0
+        self.rank, self.world_size = rank, world_size
+        self.is_main = rank == 0
         self._gather = gather if gather is not None else (lambda value: [value])
         # --shard-output of torchrun ranks: every rank writes its own parts and manifest
         self.sharded = bool(shard_output) and world_size > 1
@@ -118,8 +119,7 @@ class RemoteOutput:
             problem = exc
         except OSError as exc:
             problem = self._failure(exc)
-        everyone = self._gather(problem)
-        problem = next((p for p in everyone if p is not None), None)
+        problem = next((p for p in self._gather(problem) if p is not None), None)
         if problem is not None:
             raise problem
 
@@ -210,8 +210,7 @@ class RemoteOutput:
             raise storage.setup_error(self.url, exc) from None
         self.local_parts.mkdir(parents=True, exist_ok=True)
         for obj in objects:
-            if MANIFEST_FILE.fullmatch(obj.key) or (PART_FILE.fullmatch(obj.key)
-                                                    and self.resume):
+            if MANIFEST_FILE.fullmatch(obj.key) or (self.resume and PART_FILE.fullmatch(obj.key)):
                 self._fetch(obj)
         self._note_manifests()
 
@@ -251,11 +250,9 @@ class RemoteOutput:
             with storage.open_input(self.url) as handle:
                 schema = pq.read_schema(handle)
             pq.write_table(schema.empty_table(), self.local_out)
-        except OSError as exc:
-            if storage.setup_problem(exc):
+        except Exception as exc:  # not Parquet (a foreign object), unless the store failed
+            if isinstance(exc, OSError) and storage.setup_problem(exc):
                 raise storage.setup_error(self.url, exc) from None
-            self.local_out.write_bytes(b"")
-        except Exception:  # not Parquet: a foreign object
             self.local_out.write_bytes(b"")
 
     def _download(self, url: str, path: Path) -> None:
@@ -404,9 +401,9 @@ class RemoteOutput:
         return down if down is not None else OutputError(storage.describe(self.url, exc))
 
     def abandon(self, quiet: bool = False) -> None:
-        """The run failed or was stopped: its committed parts go to the store (for
-        ``--resume``), and a manifest the run removed locally is deleted there. ``quiet``: the
-        store is down (the run's one line says so)."""
+        """The run failed or stopped: its committed parts go to the store (``--resume``), a
+        manifest it removed locally is deleted there. ``quiet``: the store is down (the run
+        says so)."""
         self._stop_loop()
         if not self.writer:
             return

@@ -202,8 +202,7 @@ def _pinned() -> torch.dtype | None:
 def auto_cpu_dtype() -> torch.dtype:
     """The compute dtype ``auto`` means on this process's CPU (decided once, then cached):
     ``PIN_VARIABLE`` when set, else ``choose_cpu_dtype`` on this machine's answers."""
-    pinned = _pinned()
-    return pinned if pinned is not None else choose_cpu_dtype(machine_answers())
+    return _pinned() or choose_cpu_dtype(machine_answers())
 
 
 def auto_cpu_reason() -> str:

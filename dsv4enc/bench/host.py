@@ -72,7 +72,8 @@ class NullEngine:
         """Stage the batch's other inputs (the host side of a transfer) and make its rows."""
         began = time.perf_counter()
         copy = torch.Tensor.pin_memory if self._pin else torch.Tensor.clone
-        for tensor in stage_inputs(batch):
+        # All but the patches, which ``pack`` wrote into the engine's ``patch_buffer``.
+        for tensor in (batch.positions, batch.merge_index, batch.merge_mask):
             copy(tensor)
         self.stats.h2d_s += time.perf_counter() - began
         if self._zeros.shape[0] < batch.n_rows:  # what the device would write into: made once
@@ -104,12 +105,6 @@ class NullStage:
     def engine(self, device: torch.device, opts: EncodeOptions) -> NullEngine:
         return NullEngine(self.config, opts.features, getattr(torch, opts.out_dtype),
                           opts.batch_tokens, opts.max_images)
-
-
-def stage_inputs(batch: PackedBatch) -> tuple[torch.Tensor, ...]:
-    """The inputs the engine copies into page-locked memory before a transfer: all but the
-    patches, which ``pack`` wrote into the engine's ``patch_buffer``."""
-    return batch.positions, batch.merge_index, batch.merge_mask
 
 
 @dataclass
@@ -154,7 +149,7 @@ def stage_costs(paths: Sequence[Path], cfg: VisionConfig, features: str = "align
         began = clock()
         batch = pack(items, cfg.downsample_ratio, features, buffer)
         packed = clock()
-        for tensor in stage_inputs(batch):
+        for tensor in (batch.positions, batch.merge_index, batch.merge_mask):
             tensor.clone()
         staged = clock()
     finally:

@@ -81,12 +81,10 @@ def synthetic_images(folder: Path, spec: str, seed: int = 0) -> list[Path]:
         sizes = [(w, h)] * (int(count) if count else 16)
     folder.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed)
-    paths = []
-    for i, (w, h) in enumerate(sizes):
-        path = folder / f"img{i:04d}_{w}x{h}.jpg"
+    paths = [folder / f"img{i:04d}_{w}x{h}.jpg" for i, (w, h) in enumerate(sizes)]
+    for path, (w, h) in zip(paths, sizes):
         if not path.exists():
             Image.fromarray(photo_like(w, h, rng)).save(path, quality=90)
-        paths.append(path)
     return paths
 
 

@@ -129,13 +129,11 @@ def cpu_identity() -> tuple[str, int, int]:
             for line in itertools.takewhile(str.strip, info):  # the first processor's block
                 key, _, value = line.partition(":")
                 fields.setdefault(key.strip(), value.strip())
-        return (fields.get("vendor_id", ""), _number(fields.get("cpu family")),
-                _number(fields.get("model")))
-    except OSError:
-        pass
-    # Windows: "Intel64 Family 6 Model 167 Stepping 1, GenuineIntel"
-    found = re.search(r"Family (\d+) Model (\d+).*, *(\w+)", platform.processor() or "")
-    return (found[3], int(found[1]), int(found[2])) if found else ("", 0, 0)
+    except OSError:  # Windows: "Intel64 Family 6 Model 167 Stepping 1, GenuineIntel"
+        found = re.search(r"Family (\d+) Model (\d+).*, *(\w+)", platform.processor() or "")
+        return (found[3], int(found[1]), int(found[2])) if found else ("", 0, 0)
+    return (fields.get("vendor_id", ""), _number(fields.get("cpu family")),
+            _number(fields.get("model")))
 
 
 def _number(text: str | None) -> int:
@@ -204,8 +202,7 @@ def _pinned() -> torch.dtype | None:
 def auto_cpu_dtype() -> torch.dtype:
     """The compute dtype ``auto`` means on this process's CPU (decided once, then cached):
     ``PIN_VARIABLE`` when set, else ``choose_cpu_dtype`` on this machine's answers."""
-    pinned = _pinned()
-    return pinned if pinned is not None else choose_cpu_dtype(machine_answers())
+    return _pinned() or choose_cpu_dtype(machine_answers())
 
 
 def auto_cpu_reason() -> str:

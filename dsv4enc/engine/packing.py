@@ -6,6 +6,7 @@ and mask that reproduce each image's pad-and-unfold merge."""
 from __future__ import annotations
 
 import functools
+import itertools
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -109,23 +110,18 @@ def pack(items: Sequence[tuple[torch.Tensor, int, int]], r: int,
     """Pack ``(patches (n_h*n_w, 3*p*p), n_h, n_w)`` items into one PackedBatch; the patches
     go into ``patch_buffer(tokens, width, dtype)`` when given (``concat_patches``)."""
     lengths = [n_h * n_w for _, n_h, n_w in items]
-    indices, masks, row_counts = [], [], []
-    base = 0
-    for _, n_h, n_w in items:
-        if features == "aligner":
-            index, mask = _merge_plan_at_zero(n_h, n_w, r)
-            indices.append(index + base)
-            masks.append(mask)  # torch.cat below copies it
-            row_counts.append(index.shape[0])
-        else:
-            row_counts.append(n_h * n_w)
-        base += n_h * n_w
+    grids = [(n_h, n_w) for _, n_h, n_w in items]
+    plans = [_merge_plan_at_zero(h, w, r) for h, w in grids] if features == "aligner" else []
+    starts = itertools.accumulate(lengths, initial=0)
+    indices = [index + base for (index, _), base in zip(plans, starts)]
+    masks = [mask for _, mask in plans]  # torch.cat below copies them
+    row_counts = [len(index) for index, _ in plans] if features == "aligner" else list(lengths)
     rr = r * r
     return PackedBatch(
         patches=concat_patches([p for p, _, _ in items], patch_buffer),
         positions=torch.cat([_grid_positions(n_h, n_w) for _, n_h, n_w in items]),
         lengths=lengths,
-        grids=[(n_h, n_w) for _, n_h, n_w in items],
+        grids=grids,
         merge_index=torch.cat(indices) if indices else torch.zeros(0, rr, dtype=torch.int64),
         merge_mask=torch.cat(masks) if masks else torch.zeros(0, rr, dtype=torch.bool),
         row_counts=row_counts,

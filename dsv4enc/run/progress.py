@@ -128,8 +128,7 @@ class RunProgress:
             self._task = self._progress.add_task("starting", total=None)
         elif self.mode == "log":
             self._closed.clear()
-            self._ticker = threading.Thread(target=self._tick, name="dsv4enc-progress",
-                                            daemon=True)
+            self._ticker = threading.Thread(target=self._tick, name="dsv4enc-progress", daemon=True)
             self._ticker.start()
         return self
 

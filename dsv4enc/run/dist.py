@@ -95,12 +95,10 @@ class DistContext:
 
 def _env_int(name: str, default: int | None = None) -> int:
     raw = os.environ.get(name)
-    if raw is None:
-        if default is None:
-            raise UsageError(f"{name} is not set (launch with torchrun)")
-        return default
+    if raw is None and default is None:
+        raise UsageError(f"{name} is not set (launch with torchrun)")
     try:
-        return int(raw)
+        return default if raw is None else int(raw)
     except ValueError:
         raise UsageError(f"environment variable {name}={raw!r} is not an integer") from None
 

@@ -95,12 +95,10 @@ class DistContext:
 
 def _env_int(name: str, default: int | None = None) -> int:
     raw = os.environ.get(name)
-    if raw is None:
-        if default is None:
-            raise UsageError(f"{name} is not set (launch with torchrun)")
-        return default
+    if raw is None and default is None:
+        raise UsageError(f"{name} is not set (launch with torchrun)")
     try:
-        return int(raw)
+        return default if raw is None else int(raw)
     except ValueError:
         raise UsageError(f"environment variable {name}={raw!r} is not an integer") from None
 
@@ -159,11 +157,10 @@ def shutdown(ctx: DistContext | None) -> None:
 def gather_rows(ctx: DistContext, local_rows: torch.Tensor,
                 counts_per_rank: Sequence[int] | None = None) -> list[torch.Tensor]:
     """Every rank's output rows, on every rank, with ONE all-gather (padded to the largest
-    count for the transfer, cut back after). local_rows: (n_local, width), this rank's rows
-    in its assignment order. counts_per_rank: n_local of every rank, known from the shared
-    plan (None: exchanged first, one extra small collective). Returns ``world_size`` tensors
-    (counts_per_rank[r], width) in the dtype and on the device of ``local_rows``; when every
-    rank has zero, nothing is sent."""
+    count, cut back after). local_rows: (n_local, width), this rank's rows in assignment order.
+    counts_per_rank: every rank's n_local, from the shared plan (None: exchanged first, one
+    more small collective). Returns ``world_size`` tensors (counts_per_rank[r], width) in the
+    dtype and on the device of ``local_rows`` (nothing is sent when every rank has zero)."""
     n_local, width = local_rows.shape
     if counts_per_rank is None:
         counts_per_rank = ctx.all_gather(torch.tensor([n_local], dtype=torch.int64)).view(-1)

@@ -128,8 +128,7 @@ class RunProgress:
             self._task = self._progress.add_task("starting", total=None)
         elif self.mode == "log":
             self._closed.clear()
-            self._ticker = threading.Thread(target=self._tick, name="dsv4enc-progress",
-                                            daemon=True)
+            self._ticker = threading.Thread(target=self._tick, name="dsv4enc-progress", daemon=True)
             self._ticker.start()
         return self
 
@@ -156,8 +155,7 @@ class RunProgress:
         """What the run is doing before (or instead of) encoding."""
         with self._lock:
             self._status = text
-        if self._progress is not None:
-            self._progress.update(self._task, description=text)
+        self._bar(description=text)
 
     def start(self, total: int | None, done: int = 0, tokens: int | None = None) -> None:
         """Switch to counting: ``total`` images (None: told as they are listed,
@@ -167,9 +165,7 @@ class RunProgress:
             self.counts = ProgressCounts(total_images=total or 0, total_tokens=tokens or 0,
                                          reused=done, tokens_known=tokens is not None,
                                          images_known=total is not None)
-        if self._progress is not None:
-            self._progress.update(self._task, total=total, completed=done)
-            self._progress.refresh()
+        self._bar(total=total, completed=done, refresh=True)
 
     def listed(self, inputs: int, ended: bool, reused: int = 0) -> None:
         """``inputs`` are listed so far (``ended``: all of them), ``reused`` more of them
@@ -178,9 +174,7 @@ class RunProgress:
             self.counts.total_images = inputs
             self.counts.images_known = ended
             self.counts.reused += reused
-        if self._progress is not None:
-            self._progress.update(self._task, total=inputs if ended else None,
-                                  advance=reused)
+        self._bar(total=inputs if ended else None, advance=reused)
 
     def plan_tokens(self, tokens: int, last: bool = False) -> None:
         """A window was planned: its ``tokens`` join the total (``last``: it is complete)."""
@@ -209,9 +203,7 @@ class RunProgress:
             self.counts.tokens += tokens
             self.counts.failed += failed
             self.counts.total_tokens -= dropped_tokens
-        if self._progress is not None:
-            self._progress.update(self._task, advance=images)
-            self._progress.refresh()  # per batch: a bar that moves 4 times a second lags
+        self._bar(advance=images, refresh=True)  # per batch: a bar that moves 4 times a second lags
         if armed("encoded"):  # a test stops the run here, after the rows it counted
             counts = self.snapshot()
             pause("encoded", done=counts.reused + counts.images, total=counts.total_images)
@@ -236,6 +228,10 @@ class RunProgress:
                     f"{c.tokens_per_s:,.0f} tokens/s  {c.failed} failed  "
                     f"{c.tokens:,}/{c.total_tokens:,}{c.more} tokens  encoding for "
                     f"{format_duration(c.elapsed)}")
+
+    def _bar(self, **changes) -> None:
+        if self._progress is not None:
+            self._progress.update(self._task, **changes)
 
     def _tick(self) -> None:
         while not self._closed.wait(self.log_every):

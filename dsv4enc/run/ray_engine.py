@@ -125,8 +125,7 @@ class SegmentEncoder:
                 "batch_tokens": engine.batch_tokens, "pid": os.getpid(), "sees_out": sees,
                 "host": socket.gethostname()}
 
-    def encode_part(self, call: PartCall, schema, folder: str, drop_cache: bool,
-                    ) -> dict[str, Any]:
+    def encode_part(self, call: PartCall, schema, folder: str, drop_cache: bool) -> dict[str, Any]:
         """Encode one part (``PartEncoder``) and write its file into ``folder`` (a local one, under
         a temporary name the driver renames, or a bucket's URL; ``drop_cache``: never read
         back). Returns the manifest ``entry``, the part's ``summary`` and its ``progress``
@@ -231,8 +230,7 @@ class ActorPlan:
     device_type: str
 
 
-def plan_actors(opts: EncodeOptions, ray_opts: RayEngineOptions,
-                cluster: RayCluster) -> ActorPlan:
+def plan_actors(opts: EncodeOptions, ray_opts: RayEngineOptions, cluster: RayCluster) -> ActorPlan:
     """The actor pool for ``--device`` on this cluster (``RayEngineOptions``' defaults)."""
     cpus, gpus, nodes, node_cpus = cluster.resources()
     if opts.device.startswith("cuda") and not gpus and not ray_opts.gpus_per_actor:
@@ -265,8 +263,7 @@ def actor_workers(opts: EncodeOptions, plan: ActorPlan) -> int:
 
 # ----------------------------------------------------------------------------- the driver
 
-def run_ray_encode(opts: EncodeOptions, ray_opts: RayEngineOptions | None = None,
-                   stop=None):
+def run_ray_encode(opts: EncodeOptions, ray_opts: RayEngineOptions | None = None, stop=None):
     """Encode ``opts.inputs`` into ``opts.out`` on Ray encoder actors: ``run_encode``'s run
     with ``RayParts`` behind it (its summary, its errors)."""
     from .pipeline import run_encode

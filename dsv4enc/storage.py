@@ -225,11 +225,10 @@ def setup_problem(exc: BaseException) -> str | None:
     """``"bucket not found"`` / ``"access denied"`` when ``exc`` says so: a setup error, not a
     transient one."""
     text = str(exc).upper()
-    if "NO_SUCH_BUCKET" in text or "NOSUCHBUCKET" in text or "BUCKET DOES NOT EXIST" in text:
+    if re.search("NO_SUCH_BUCKET|NOSUCHBUCKET|BUCKET DOES NOT EXIST", text):
         return "bucket not found"
-    if ("ACCESS_DENIED" in text or "ACCESSDENIED" in text or "FORBIDDEN" in text
-            or "INVALIDACCESSKEYID" in text or "SIGNATUREDOESNOTMATCH" in text
-            or isinstance(exc, PermissionError)):
+    if isinstance(exc, PermissionError) or re.search(
+            "ACCESS_DENIED|ACCESSDENIED|FORBIDDEN|INVALIDACCESSKEYID|SIGNATUREDOESNOTMATCH", text):
         return "access denied (check the credentials and the bucket's permissions)"
     return None
 
@@ -338,11 +337,10 @@ def _message_cause(text: str) -> str | None:
     """The cause in a message (pyarrow's ``OSError``): its AWS SDK's and libcurl's phrases
     (``curlCode: 7`` refused, ``28`` timed out, ``52/55/56`` lost) and S3 error names, checked
     against the messages of the installed pyarrow and earlier ones (test_storage_outage.py)."""
-    if ("CURLCODE: 7," in text or "COULD NOT CONNECT" in text or "COULDN'T CONNECT" in text
-            or "CONNECTION REFUSED" in text or "FAILED TO CONNECT" in text):
+    if re.search(r"CURLCODE: 7,|COULD NOT CONNECT|COULDN'T CONNECT|CONNECTION REFUSED"
+                 r"|FAILED TO CONNECT", text):
         return "connection refused"
-    if ("CURLCODE: 28," in text or "TIMEOUT WAS REACHED" in text or "TIMED OUT" in text
-            or "REQUEST_TIMEOUT" in text):
+    if re.search(r"CURLCODE: 28,|TIMEOUT WAS REACHED|TIMED OUT|REQUEST_TIMEOUT", text):
         return "timed out"
     status = re.search(r"HTTP (?:STATUS|RESPONSE CODE)[: ]*(5\d\d)", text)
     if status is not None:
@@ -350,7 +348,7 @@ def _message_cause(text: str) -> str | None:
     for name in ("SERVICE_UNAVAILABLE", "INTERNAL_FAILURE", "SLOW_DOWN", "THROTTLING"):
         if name in text:
             return f"server error ({name.lower().replace('_', ' ')})"
-    if "NETWORK_CONNECTION" in text or re.search(r"CURLCODE: (52|55|56),", text):
+    if re.search(r"NETWORK_CONNECTION|CURLCODE: (52|55|56),", text):
         return "connection lost"
     return None
 

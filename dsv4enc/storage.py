@@ -523,10 +523,9 @@ def stop_bound_s(outage: float | None = None, options: dict | None = None) -> fl
 
 
 def retrying(what: Callable[[], T], *, store: str) -> T:
-    """``what()``, tried again after ``BACKOFF_S`` (doubled each time, up to ``ATTEMPTS`` tries)
-    when it fails with an ``OSError`` other than a setup problem or a missing object (raised at
-    once); the SDK retries each request first. A call that spent its retries on an outage, or
-    finds ``store`` (``store_of``) down, even between its tries, raises ``StoreUnavailable``."""
+    """``what()``, tried again after ``BACKOFF_S`` (doubled, ``ATTEMPTS`` tries in all) on an
+    ``OSError`` but a setup problem or a missing object (the SDK retries first). Spending them on
+    an outage, or finding ``store`` down (between tries too), raises ``StoreUnavailable``."""
     record = health(store)
     first_failure: float | None = None
     for attempt in range(ATTEMPTS):
@@ -915,11 +914,10 @@ def max_object_bytes(url: str) -> int | None:
 def upload_file_whole(path: "str | os.PathLike", url: str) -> None:
     """``upload_file`` for an object that must never be seen short (a single-file output):
     pyarrow's output stream completes its multipart upload when it is closed, also when an
-    exception unwinds through it (apache/arrow#40502). So a child process writes the stream
-    and closes it only once every byte was sent; on an error it exits without closing it,
-    and a signal here kills it: ``url`` keeps no object (or the one it held), and the upload
-    left open is aborted (``abort_uploads``). Schemes without buckets (fsspec's) are written
-    here as ``upload_file`` does: a child would not share, e.g., ``memory://``'s store."""
+    exception unwinds through it (apache/arrow#40502). So a child process writes the stream and
+    closes it only once every byte was sent; an error exits it, a signal here kills it: ``url``
+    keeps no object (or the one it held) and the open upload is aborted (``abort_uploads``).
+    Schemes without buckets (fsspec's) are written here: a child would not share ``memory://``."""
     import subprocess
 
     if scheme_of(url) not in _BUCKET_SCHEMES:

@@ -743,9 +743,8 @@ def open_stream(url: str):
 
 # ----------------------------------------------------------------------------- single GETs
 
-#: ``--storage-option`` keys that botocore takes as pyarrow's S3 client does: with only
-#: these, an ``s3://`` read is one ranged GET through botocore, where pyarrow's client sends
-#: a HEAD before each; with any other option, reads go through pyarrow.
+#: ``--storage-option`` keys botocore takes as pyarrow does: with only these, an ``s3://`` read
+#: is one ranged GET through botocore (pyarrow sends a HEAD before each), else pyarrow's.
 DIRECT_OPTIONS = frozenset({"endpoint_url", "endpoint_override", "scheme", "region",
                             "access_key", "secret_key", "session_token", "anonymous",
                             "connect_timeout", "request_timeout"})

@@ -1,7 +1,5 @@
-"""Domain errors: anything a user can fix (setup, options, weights, output path).
-
-The CLI turns these into a one-line message and a non-zero exit, never a traceback. Bad
-*images* are not errors of this kind: they become rows with an ``error`` value."""
+"""Domain errors: anything a user can fix (setup, options, weights, output path), which the CLI
+prints as one line and a non-zero exit. Bad *images* are rows with an ``error`` value instead."""
 
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
 """Pause points: places where a run waits for a test's go-ahead.
 
 A test that stops, signals, kills or observes a run midway must never bet that the machine
-is slow enough: on a faster CPU the run is over before the test looks. Instead it names the
-points it wants:
+is slow enough (on a faster CPU the run is over before the test looks); it names the points:
 
     DSV4ENC_PAUSE_AT=commit,encoded  DSV4ENC_PAUSE_DIR=/some/folder
 
@@ -37,15 +36,13 @@ _lock = threading.Lock()
 
 
 def armed(point: str) -> bool:
-    """Whether the environment asks the run to wait at ``point`` (so that a caller computes
-    the point's facts only then)."""
+    """Whether the environment asks the run to wait at ``point`` (a caller computes facts then)."""
     names = os.environ.get(POINTS_VARIABLE)
     return bool(names) and point in names.split(",")
 
 
 def pause(point: str, **facts: Any) -> None:
-    """Wait at ``point`` when the environment asks for it (see the module's docstring);
-    ``facts`` go into the file that says the point was reached."""
+    """Wait at ``point`` when the environment asks for it, ``facts`` in its ``.json`` file."""
     if not armed(point):
         return
     folder = Path(os.environ[FOLDER_VARIABLE])

@@ -1,7 +1,6 @@
-"""Process-wide settings, made only in processes dsv4enc owns: the command line (each torchrun
-rank) and the benchmark. The library (``api.Encoder``, ``run_encode``) never makes them: a
-program that imports dsv4enc keeps its allocator and loggers as it set them. (Pillow's are
-``decode.own_process_pillow_settings``.)"""
+"""Process-wide settings, made only in processes dsv4enc owns (the command line, each torchrun
+rank, the benchmark), never by the library (``api.Encoder``, ``run_encode``): a program that
+imports dsv4enc keeps its allocator, loggers and Pillow (``decode.own_process_pillow_settings``)."""
 
 from __future__ import annotations
 
@@ -36,13 +35,11 @@ def own_process_settings(device: "torch.device") -> None:
 def keep_freed_memory_mapped(largest_mapped: int = 1 << 30,
                              keep_free: int = (1 << 31) - 1) -> None:
     """On glibc, serve large CPU buffers from the heap and keep freed heap memory mapped, once
-    per process: otherwise each buffer above a few MB, allocated per image by a forward, a run's
-    host side and a decode worker, is a fresh mmap the kernel faults in and zeroes page by page
-    (the cost: benchmarks/RESULTS.md).
-
-    ``largest_mapped``: buffers up to this size come from the heap; ``keep_free``: freed memory
-    at the heap's top goes back to the OS only beyond this. The defaults keep it all (the
-    command line); a decode worker passes bounds, so that a huge image leaves no memory mapped."""
+    per process: otherwise each buffer above a few MB (per image, in a forward, a run's host
+    side and a decode worker) is a fresh mmap faulted in and zeroed page by page (the cost:
+    benchmarks/RESULTS.md). Buffers up to ``largest_mapped`` come from the heap; freed memory at
+    its top goes back to the OS beyond ``keep_free``. The defaults keep it all (the command
+    line); a decode worker passes bounds, so that a huge image leaves no memory mapped."""
     global _heap_tuned
     if _heap_tuned or not sys.platform.startswith("linux"):
         return

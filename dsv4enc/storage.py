@@ -95,10 +95,9 @@ def parse_option(text: str) -> tuple[str, object]:
 
 
 def configure(options: list[str] | tuple[str, ...] | None) -> None:
-    """Set the ``--storage-option key=value`` options (the file system's constructor's) of this
-    process and, through ``DSV4ENC_STORAGE_OPTIONS`` (never printed), of its children; drop the
-    file systems and stores' health learnt under other options. Credentials and endpoints
-    otherwise come from the SDK's standard places (``AWS_ACCESS_KEY_ID``, ...)."""
+    """Set ``--storage-option`` (the file system's constructor's keys) for this process and,
+    through ``DSV4ENC_STORAGE_OPTIONS`` (never printed), its children; drop what was learnt
+    under other options. Credentials otherwise come from the SDK's places (``AWS_*``)."""
     parsed = dict(parse_option(text) for text in options or ())
     if parsed:
         os.environ[_OPTIONS_ENV] = json.dumps(parsed)
@@ -111,8 +110,8 @@ def configure(options: list[str] | tuple[str, ...] | None) -> None:
 
 
 def set_outage_s(seconds: float) -> None:
-    """``--storage-outage-s`` for this process and its children (a value that is not positive
-    is left to ``options.validate`` to refuse)."""
+    """``--storage-outage-s`` for this process and its children (``options.validate`` refuses
+    one that is not positive)."""
     if seconds > 0:
         os.environ[_OUTAGE_ENV] = repr(float(seconds))
 
@@ -225,11 +224,10 @@ def setup_problem(exc: BaseException) -> str | None:
     """``"bucket not found"`` / ``"access denied"`` when ``exc`` says so: a setup error, not a
     transient one."""
     text = str(exc).upper()
-    if "NO_SUCH_BUCKET" in text or "NOSUCHBUCKET" in text or "BUCKET DOES NOT EXIST" in text:
+    if re.search("NO_SUCH_BUCKET|NOSUCHBUCKET|BUCKET DOES NOT EXIST", text):
         return "bucket not found"
-    if ("ACCESS_DENIED" in text or "ACCESSDENIED" in text or "FORBIDDEN" in text
-            or "INVALIDACCESSKEYID" in text or "SIGNATUREDOESNOTMATCH" in text
-            or isinstance(exc, PermissionError)):
+    if isinstance(exc, PermissionError) or re.search(
+            "ACCESS_DENIED|ACCESSDENIED|FORBIDDEN|INVALIDACCESSKEYID|SIGNATUREDOESNOTMATCH", text):
         return "access denied (check the credentials and the bucket's permissions)"
     return None
 
@@ -283,9 +281,8 @@ class ServerError(OSError):
 
 
 def outage_cause(exc: BaseException) -> str | None:
-    """What an error says about a store that is not answering (``"connection refused"``,
-    ``"timed out"``, ``"connection lost"``, ``"server error (HTTP 503)"``), or None (a missing
-    object, denied access, a bad request, ...): by the errors' kinds along its ``__cause__``
+    """Why a store is not answering (``"timed out"``, ``"server error (HTTP 503)"``, ...), or
+    None (a missing object, denied access, ...): by the errors' kinds along the ``__cause__``
     chain, else by the message of pyarrow's bare ``OSError`` (``_message_cause``)."""
     if isinstance(exc, FileNotFoundError) or setup_problem(exc) is not None:
         return None
@@ -338,11 +335,10 @@ def _message_cause(text: str) -> str | None:
     """The cause in a message (pyarrow's ``OSError``): its AWS SDK's and libcurl's phrases
     (``curlCode: 7`` refused, ``28`` timed out, ``52/55/56`` lost) and S3 error names, checked
     against the messages of the installed pyarrow and earlier ones (test_storage_outage.py)."""
-    if ("CURLCODE: 7," in text or "COULD NOT CONNECT" in text or "COULDN'T CONNECT" in text
-            or "CONNECTION REFUSED" in text or "FAILED TO CONNECT" in text):
+    if re.search(r"CURLCODE: 7,|COULD NOT CONNECT|COULDN'T CONNECT|CONNECTION REFUSED"
+                 r"|FAILED TO CONNECT", text):
         return "connection refused"
-    if ("CURLCODE: 28," in text or "TIMEOUT WAS REACHED" in text or "TIMED OUT" in text
-            or "REQUEST_TIMEOUT" in text):
+    if re.search(r"CURLCODE: 28,|TIMEOUT WAS REACHED|TIMED OUT|REQUEST_TIMEOUT", text):
         return "timed out"
     status = re.search(r"HTTP (?:STATUS|RESPONSE CODE)[: ]*(5\d\d)", text)
     if status is not None:
@@ -350,7 +346,7 @@ def _message_cause(text: str) -> str | None:
     for name in ("SERVICE_UNAVAILABLE", "INTERNAL_FAILURE", "SLOW_DOWN", "THROTTLING"):
         if name in text:
             return f"server error ({name.lower().replace('_', ' ')})"
-    if "NETWORK_CONNECTION" in text or re.search(r"CURLCODE: (52|55|56),", text):
+    if re.search(r"NETWORK_CONNECTION|CURLCODE: (52|55|56),", text):
         return "connection lost"
     return None
 
@@ -405,8 +401,7 @@ _wall = time.time  # not ``time.time``: tests replace this module's ``time`` to 
 
 
 class StoreHealth:
-    """What this process knows of one store's health: since when every call to it has failed,
-    and why. Thread-safe.
+    """Since when every call of this process to one store has failed, and why. Thread-safe.
 
     A call whose retries (``retrying``) are all spent on an outage (``outage_cause``) marks its
     store as failing since the first of those failures; any answer clears the mark. A store
@@ -528,10 +523,9 @@ def stop_bound_s(outage: float | None = None, options: dict | None = None) -> fl
 
 
 def retrying(what: Callable[[], T], *, store: str) -> T:
-    """``what()``, tried again after ``BACKOFF_S`` (doubled each time, up to ``ATTEMPTS`` tries)
-    when it fails with an ``OSError`` other than a setup problem or a missing object (raised at
-    once); the SDK retries each request first. A call that spent its retries on an outage, or
-    finds ``store`` (``store_of``) down, even between its tries, raises ``StoreUnavailable``."""
+    """``what()``, tried again after ``BACKOFF_S`` (doubled, ``ATTEMPTS`` tries in all) on an
+    ``OSError`` but a setup problem or a missing object (the SDK retries first). Spending them on
+    an outage, or finding ``store`` down (between tries too), raises ``StoreUnavailable``."""
     record = health(store)
     first_failure: float | None = None
     for attempt in range(ATTEMPTS):
@@ -562,8 +556,7 @@ def retrying(what: Callable[[], T], *, store: str) -> T:
 
 @dataclass(frozen=True)
 class ObjectInfo:
-    """An object: its URL, its key relative to the listed prefix, size, modification time
-    and, where the listing gives it (S3's), its ETag."""
+    """An object: its URL, its key below the listed prefix, size, mtime and S3's ETag."""
 
     url: str
     key: str
@@ -621,9 +614,8 @@ def list_files(url: str) -> list[ObjectInfo]:
 
 
 def iter_files(url: str) -> Iterator[ObjectInfo]:
-    """``list_files`` as it is listed: on S3 (botocore's client) a page of up to 1,000 objects
-    at a time, in key order (UTF-8 bytes, as ``sorted``), so that a caller starts on the first
-    while the rest are listed; elsewhere the whole listing, sorted."""
+    """``list_files`` as it is listed: on S3 (botocore's client) by pages of 1,000 in key order
+    (UTF-8 bytes, as ``sorted``), a caller starting on the first; elsewhere all at once."""
     client = _direct(url)
     if client is not None:
         yield from _pages(client, url)
@@ -647,8 +639,7 @@ def iter_files(url: str) -> Iterator[ObjectInfo]:
 
 
 def _pages(client, url: str) -> Iterator[ObjectInfo]:
-    """The objects under the S3 prefix ``url``, a retried ListObjectsV2 page at a time, folder
-    markers (``dir/``) passed over."""
+    """The objects under the S3 prefix ``url`` by retried ListObjectsV2 pages, less ``dir/``."""
     bucket, _, path = url.split("://", 1)[1].partition("/")
     prefix = f"{path.strip('/')}/" if path.strip("/") else ""
     args = {"Bucket": bucket, "Prefix": prefix}
@@ -745,17 +736,15 @@ def size_of(url: str) -> int:
 
 
 def open_stream(url: str):
-    """A file over the object read once from its start (one streamed GET after pyarrow's
-    HEAD): ``read`` only, for a reader that goes through the object in order."""
+    """A file over the object, ``read`` once in order (one streamed GET after pyarrow's HEAD)."""
     fs, path = filesystem(url)
     return retrying(lambda: fs.open_input_stream(path), store=store_of(url))
 
 
 # ----------------------------------------------------------------------------- single GETs
 
-#: ``--storage-option`` keys that botocore takes as pyarrow's S3 client does: with only
-#: these, an ``s3://`` read is one ranged GET through botocore, where pyarrow's client sends
-#: a HEAD before each; with any other option, reads go through pyarrow.
+#: ``--storage-option`` keys botocore takes as pyarrow does: with only these, an ``s3://`` read
+#: is one ranged GET through botocore (pyarrow sends a HEAD before each), else pyarrow's.
 DIRECT_OPTIONS = frozenset({"endpoint_url", "endpoint_override", "scheme", "region",
                             "access_key", "secret_key", "session_token", "anonymous",
                             "connect_timeout", "request_timeout"})
@@ -901,8 +890,7 @@ def delete(url: str) -> None:
 
 
 def remove_empty_prefix(url: str) -> None:
-    """Remove the folder marker some clients leave at the prefix ``url`` (pyarrow keeps a
-    ``prefix/`` object when the last object under it is deleted), when nothing is under it."""
+    """Remove the ``prefix/`` marker pyarrow leaves at ``url`` once nothing is under it."""
     if list_files(url):
         return
     fs, path = filesystem(url)
@@ -923,14 +911,12 @@ def max_object_bytes(url: str) -> int | None:
 
 
 def upload_file_whole(path: "str | os.PathLike", url: str) -> None:
-    """``upload_file`` for an object that must never be seen short (a single-file output).
-
+    """``upload_file`` for an object that must never be seen short (a single-file output):
     pyarrow's output stream completes its multipart upload when it is closed, also when an
-    exception unwinds through it (apache/arrow#40502). So a child process writes the stream
-    and closes it only once every byte was sent; on an error it exits without closing it,
-    and a signal here kills it: ``url`` keeps no object (or the one it held), and the upload
-    left open is aborted (``abort_uploads``). Schemes without buckets (fsspec's) are written
-    here as ``upload_file`` does: a child would not share, e.g., ``memory://``'s store."""
+    exception unwinds through it (apache/arrow#40502). So a child process writes the stream and
+    closes it only once every byte was sent; an error exits it, a signal here kills it: ``url``
+    keeps no object (or the one it held) and the open upload is aborted (``abort_uploads``).
+    Schemes without buckets (fsspec's) are written here: a child would not share ``memory://``."""
     import subprocess
 
     if scheme_of(url) not in _BUCKET_SCHEMES:
@@ -959,9 +945,8 @@ def upload_file_whole(path: "str | os.PathLike", url: str) -> None:
 
 
 def abort_uploads(url: str) -> None:
-    """Abort the multipart uploads an ``upload_file_whole`` child left open at the key ``url``,
-    so that the store drops their parts (the output's lock keeps other runs off the key). On
-    ``s3://`` only (botocore's client); elsewhere, or with no answer, a lifecycle rule must."""
+    """Abort the multipart uploads an ``upload_file_whole`` child left open at ``url`` (the
+    output's lock keeps other runs off it): on ``s3://`` only, elsewhere a lifecycle rule must."""
     client = _direct(url)
     if client is None:
         return

@@ -247,10 +247,9 @@ def _input_items(raw: str, state: _Listing, prefix_roots: bool,
     state.walked += 1
     shards: list[tuple[str, str]] = []
     images = 0
-    if url:
-        walk = _iter_prefix(raw, found, shards)
-    else:
-        walk = iter_folder(Path(raw), found, stop.requested if stop is not None else None, shards)
+    should_stop = stop.requested if stop is not None else None
+    walk = (_iter_prefix(raw, found, shards) if url
+            else iter_folder(Path(raw), found, should_stop, shards))
     for item in walk:
         images += 1
         yield replace(item, key=key_under_root(raw, item.key)) if prefix_roots else item
@@ -398,8 +397,6 @@ def key_under_root(root: str, key: str) -> str:
 def _output_text(key: str) -> str:
     """``key`` as the output's ``path`` column holds it (``output/parts.utf8_text``: a file
     name's non-UTF-8 bytes escaped). The writer (and pyarrow) is imported only for such one."""
-    if key.isascii():
-        return key
     try:
         key.encode("utf-8")
         return key

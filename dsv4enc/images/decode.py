@@ -125,9 +125,8 @@ def _check_pixels(image, max_pixels: int) -> None:
     tags = getattr(image, "tag_v2", None) or {}
     tile_w, tile_h = tags.get(322), tags.get(323)  # TileWidth, TileLength
     if isinstance(tile_w, int) and isinstance(tile_h, int) and tile_w * tile_h > max_pixels:
-        raise ValueError(f"TIFF declares {tile_w}x{tile_h} tiles = {tile_w * tile_h} pixels "
-                         f"each, more than --max-pixels {max_pixels} (possible decompression "
-                         "bomb)")
+        raise ValueError(f"TIFF declares {tile_w}x{tile_h} tiles = {tile_w * tile_h} pixels each, "
+                         f"more than --max-pixels {max_pixels} (possible decompression bomb)")
 
 
 def own_process_pillow_settings() -> None:
@@ -217,9 +216,7 @@ def _limit_memory(budget: int | None) -> None:
             used = next(int(line.split()[1]) * 1024 for line in status
                         if line.startswith("VmData:"))
         soft, hard = resource.getrlimit(resource.RLIMIT_DATA)
-        limit = used + budget
-        if hard != resource.RLIM_INFINITY:
-            limit = min(limit, hard)
+        limit = used + budget if hard == resource.RLIM_INFINITY else min(used + budget, hard)
         if soft == resource.RLIM_INFINITY or soft > limit:
             resource.setrlimit(resource.RLIMIT_DATA, (limit, hard))
     except (ImportError, OSError, StopIteration, ValueError):
@@ -330,9 +327,8 @@ class DecodeStream:
         return self
 
     def __next__(self) -> tuple[Any, Decoded]:
-        item = None
-        while item is None:
-            item = self.next_within(3600.0)
+        while (item := self.next_within(3600.0)) is None:
+            pass
         return item
 
     def next_within(self, timeout_s: float) -> tuple[Any, Decoded] | None:

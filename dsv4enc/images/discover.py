@@ -350,10 +350,9 @@ def read_folder_containers(raw: str, containers: list[tuple[str, str]], has_imag
     ``raw``: read when it holds no image file, else passed over with a warning."""
     if has_images and containers:
         state.found.skipped += len(containers)
-        _log.warning(
-            "%s: %d .tar shards or tables beside its images are not read (a folder with "
-            "images is read for its images); pass them by name to encode them (e.g. %s)",
-            raw, len(containers), containers[0][1])
+        _log.warning("%s: %d .tar shards or tables beside its images are not read (a folder with "
+                     "images is read for its images); pass them by name to encode them (e.g. %s)",
+                     raw, len(containers), containers[0][1])
         return
     for rel, path in containers:
         if written_by_dsv4enc(path):  # an output (or its parts) written beside the shards

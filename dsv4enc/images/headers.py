@@ -120,9 +120,7 @@ def probe_all(items: Sequence[InputItem], max_pixels: int,
         probers.spawn()
     checked = time.monotonic()
     try:
-        while probers.remaining:
-            if should_stop is not None and should_stop():
-                break
+        while probers.remaining and (should_stop is None or not should_stop()):
             probers.collect(PROBE_POLL_S)  # all that are done: the timing checks once per poll
             if timeout_s is not None and time.monotonic() - checked >= PROBE_POLL_S:
                 checked = time.monotonic()

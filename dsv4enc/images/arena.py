@@ -3,6 +3,7 @@ hands a slot of to each task."""
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import threading
@@ -40,15 +41,14 @@ class PatchArena:
         """A new arena, or None where there is no memfd (not Linux) or it cannot be made."""
         if slots <= 0 or slot_bytes <= 0 or not hasattr(os, "memfd_create"):
             return None
+        fd = None
         try:
             fd = os.memfd_create("dsv4enc-patches", os.MFD_CLOEXEC)
-        except OSError:
-            return None
-        try:
             os.ftruncate(fd, slots * slot_bytes)
             return cls(fd, slots, slot_bytes)
         except (OSError, ValueError):
-            os.close(fd)
+            if fd is not None:
+                os.close(fd)
             return None
 
     @property
@@ -89,10 +89,8 @@ class PatchArena:
                 return
             mapping, self._map = self._map, None
             self._free.clear()
-        try:
+        with contextlib.suppress(BufferError):  # leases in use: it goes with the last of them
             mapping.close()
-        except BufferError:  # leases still in use: the mapping goes with the last of them
-            pass
         os.close(self.fd)
 
 

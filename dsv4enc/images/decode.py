@@ -125,9 +125,8 @@ def _check_pixels(image, max_pixels: int) -> None:
     tags = getattr(image, "tag_v2", None) or {}
     tile_w, tile_h = tags.get(322), tags.get(323)  # TileWidth, TileLength
     if isinstance(tile_w, int) and isinstance(tile_h, int) and tile_w * tile_h > max_pixels:
-        raise ValueError(f"TIFF declares {tile_w}x{tile_h} tiles = {tile_w * tile_h} pixels "
-                         f"each, more than --max-pixels {max_pixels} (possible decompression "
-                         "bomb)")
+        raise ValueError(f"TIFF declares {tile_w}x{tile_h} tiles = {tile_w * tile_h} pixels each, "
+                         f"more than --max-pixels {max_pixels} (possible decompression bomb)")
 
 
 def own_process_pillow_settings() -> None:
@@ -153,10 +152,9 @@ def probe_image(source, max_pixels: int = DEFAULT_MAX_PIXELS) -> Probe:
             # A FIFO or a device named like an image could block an open (or a read) forever.
             raise ValueError("not a regular file (a FIFO, socket or device)")
         name = image_name(source, target)
-        image = open_checked(target, max_pixels, name=name)
-        width, height = image.size
-        actual = misnamed(image, name)
-        image.close()
+        with open_checked(target, max_pixels, name=name) as image:
+            width, height = image.size
+            actual = misnamed(image, name)
         if width <= 0 or height <= 0:
             return Probe(error=f"image has no pixels ({width}x{height})")
         return Probe(width=width, height=height, misnamed=actual)
@@ -218,9 +216,7 @@ def _limit_memory(budget: int | None) -> None:
             used = next(int(line.split()[1]) * 1024 for line in status
                         if line.startswith("VmData:"))
         soft, hard = resource.getrlimit(resource.RLIMIT_DATA)
-        limit = used + budget
-        if hard != resource.RLIM_INFINITY:
-            limit = min(limit, hard)
+        limit = used + budget if hard == resource.RLIM_INFINITY else min(used + budget, hard)
         if soft == resource.RLIM_INFINITY or soft > limit:
             resource.setrlimit(resource.RLIMIT_DATA, (limit, hard))
     except (ImportError, OSError, StopIteration, ValueError):
@@ -249,13 +245,11 @@ def _worker_main(conn, cfg: VisionConfig, max_pixels: int,
     # made again for every image; glibc's default returns them to the OS each time, and
     # faulting them back in is a large share of the worker's work (benchmarks/RESULTS.md).
     keep_freed_memory_mapped(largest_mapped=WORKER_HEAP_LARGEST, keep_free=WORKER_HEAP_KEEP)
-    # This process decodes one image at a time, so a process-wide filter is safe here: a
-    # Pillow warning (corrupt EXIF, truncated data) makes that image an error row.
+    # One image at a time: any warning (corrupt EXIF, truncated data) is that image's error row.
     warnings.simplefilter("error")
     _exit_with_parent()
     _limit_memory(memory_budget)
-    # A parent that is gone shows as EOF or a reset connection (OSError): the worker ends
-    # quietly. ``decode_image`` raises nothing.
+    # A parent gone shows as EOF or a reset connection (OSError): the worker ends quietly.
     try:
         conn.send(_READY)  # the parent starts an image's clock only once the worker is up
         while (task := conn.recv()) is not None:
@@ -281,11 +275,10 @@ STARTUP_LIMIT_S = 120.0  # a worker that is not up by then counts as crashed
 
 
 class _Worker:
-    def __init__(self, ctx, cfg: VisionConfig, max_pixels: int,
-                 memory_budget: int | None = None, arena: PatchArena | None = None) -> None:
-        self.conn, child = ctx.Pipe(duplex=True)
-        self.proc = ctx.Process(target=_worker_main, daemon=True,
-                                args=(child, cfg, max_pixels, memory_budget, arena))
+    def __init__(self, pool: "DecodePool") -> None:
+        self.conn, child = pool._ctx.Pipe(duplex=True)
+        self.proc = pool._ctx.Process(target=_worker_main, daemon=True, args=(
+            child, pool.cfg, pool.max_pixels, pool.memory_budget, pool.arena))
         self.proc.start()
         child.close()
         self.spawned = time.monotonic()
@@ -334,9 +327,8 @@ class DecodeStream:
         return self
 
     def __next__(self) -> tuple[Any, Decoded]:
-        item = None
-        while item is None:
-            item = self.next_within(3600.0)
+        while (item := self.next_within(3600.0)) is None:
+            pass
         return item
 
     def next_within(self, timeout_s: float) -> tuple[Any, Decoded] | None:
@@ -347,12 +339,9 @@ class DecodeStream:
             item = self._results.get(timeout=timeout_s)
         except queue.Empty:
             return None
-        if item is _END:
+        if item is _END or isinstance(item, BaseException):
             self.close()
-            raise StopIteration
-        if isinstance(item, BaseException):
-            self.close()
-            raise item
+            raise StopIteration if item is _END else item
         self._credits.release()
         return item
 
@@ -383,7 +372,7 @@ class DecodePool:
                                          patch_slot_bytes(cfg)) if workers > 0 else None)
         self._row_width = 3 * cfg.patch_size ** 2
         # ``arena`` and ``workers`` are public for inspection; only the pool changes them.
-        self.workers = [self._new_worker() for _ in range(workers)]
+        self.workers = [_Worker(self) for _ in range(workers)]
         self.replaced = 0
         self._streams: list[DecodeStream] = []
 
@@ -403,15 +392,12 @@ class DecodePool:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def _new_worker(self) -> _Worker:
-        return _Worker(self._ctx, self.cfg, self.max_pixels, self.memory_budget, self.arena)
-
     def _replace(self, index: int) -> None:
         old = self.workers[index]
         old.stop(kill=True)  # returns once it is gone: it can no longer write to its slot
         if old.slot is not None:
             self.arena.give_back(old.slot)
-        self.workers[index] = self._new_worker()
+        self.workers[index] = _Worker(self)
         self.replaced += 1
 
     def _received(self, worker: _Worker, result: Decoded) -> Decoded:
@@ -461,9 +447,8 @@ class DecodePool:
                         exhausted = task is _END
                         credits.release()
                         break
-                    tag, path = task
-                    tags[next_seq] = tag
-                    waiting.append((next_seq, path))
+                    tags[next_seq] = task[0]
+                    waiting.append((next_seq, task[1]))
                     next_seq += 1
                 self._dispatch(waiting, done)
                 while next_out in done:
@@ -496,8 +481,6 @@ class DecodePool:
     def _collect(self, done: dict[int, Decoded], max_wait: float) -> None:
         """Wait up to ``max_wait`` s (less if a deadline comes first) for workers' messages."""
         busy = [(i, w) for i, w in enumerate(self.workers) if w.task is not None]
-        if not busy:
-            return
         deadlines = [d for _, w in busy if (d := w.deadline(self.timeout_s)) is not None]
         timeout = max(0.0, min([max_wait, *(d - time.monotonic() for d in deadlines)]))
         ready = set(wait_ready([w.conn for _, w in busy] + [w.proc.sentinel for _, w in busy],
@@ -505,7 +488,7 @@ class DecodePool:
         for index, worker in busy:
             seq, start = worker.task
             if worker.conn in ready:
-                try:
+                with contextlib.suppress(EOFError, OSError):
                     message = worker.conn.recv()
                     if message == _READY:
                         worker.ready = True
@@ -517,8 +500,6 @@ class DecodePool:
                     if result.out_of_memory:
                         self._replace(index)  # it exits: its memory bound was reached
                     continue
-                except (EOFError, OSError):
-                    pass
             deadline = worker.deadline(self.timeout_s)
             if worker.conn in ready or worker.proc.sentinel in ready or not worker.proc.is_alive():
                 worker.proc.join(timeout=1.0)  # its pipe can close before it is reaped

@@ -247,10 +247,9 @@ def _input_items(raw: str, state: _Listing, prefix_roots: bool,
     state.walked += 1
     shards: list[tuple[str, str]] = []
     images = 0
-    if url:
-        walk = _iter_prefix(raw, found, shards)
-    else:
-        walk = iter_folder(Path(raw), found, stop.requested if stop is not None else None, shards)
+    should_stop = stop.requested if stop is not None else None
+    walk = (_iter_prefix(raw, found, shards) if url
+            else iter_folder(Path(raw), found, should_stop, shards))
     for item in walk:
         images += 1
         yield replace(item, key=key_under_root(raw, item.key)) if prefix_roots else item
@@ -351,10 +350,9 @@ def read_folder_containers(raw: str, containers: list[tuple[str, str]], has_imag
     ``raw``: read when it holds no image file, else passed over with a warning."""
     if has_images and containers:
         state.found.skipped += len(containers)
-        _log.warning(
-            "%s: %d .tar shards or tables beside its images are not read (a folder with "
-            "images is read for its images); pass them by name to encode them (e.g. %s)",
-            raw, len(containers), containers[0][1])
+        _log.warning("%s: %d .tar shards or tables beside its images are not read (a folder with "
+                     "images is read for its images); pass them by name to encode them (e.g. %s)",
+                     raw, len(containers), containers[0][1])
         return
     for rel, path in containers:
         if written_by_dsv4enc(path):  # an output (or its parts) written beside the shards
@@ -398,8 +396,6 @@ def key_under_root(root: str, key: str) -> str:
 def _output_text(key: str) -> str:
     """``key`` as the output's ``path`` column holds it (``output/parts.utf8_text``: a file
     name's non-UTF-8 bytes escaped). The writer (and pyarrow) is imported only for such one."""
-    if key.isascii():
-        return key
     try:
         key.encode("utf-8")
         return key

@@ -65,12 +65,10 @@ def detected_format(prefix: bytes | None) -> str | None:
     Image.init()
     for fmt in Image.ID:
         accept = Image.OPEN[fmt][1]
-        try:
+        with contextlib.suppress(Exception):  # a check that needs more bytes than a short file has
             result = accept(prefix) if accept is not None else False
-        except Exception:  # a check that needs more bytes than a short file has
-            result = False
-        if result and not isinstance(result, str):  # a str is Pillow's "maybe, but" warning
-            return fmt
+            if result and not isinstance(result, str):  # a str is Pillow's "maybe, but" warning
+                return fmt
     return None
 
 

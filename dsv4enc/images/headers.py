@@ -4,6 +4,7 @@ the header probes of a run (threads with a time limit per probe), the inputs wit
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import threading
@@ -83,12 +84,10 @@ class _Probers:
     def collect(self, wait_s: float) -> None:
         """Take every finished probe, waiting up to ``wait_s`` for the first."""
         got = []
-        try:
+        with contextlib.suppress(queue.Empty):
             got.append(self._finished.get(timeout=wait_s))
             while True:
                 got.append(self._finished.get_nowait())
-        except queue.Empty:
-            pass
         for index, probe in got:
             if self.results[index] is None:  # None: not given up already
                 self.results[index] = probe
@@ -121,9 +120,7 @@ def probe_all(items: Sequence[InputItem], max_pixels: int,
         probers.spawn()
     checked = time.monotonic()
     try:
-        while probers.remaining:
-            if should_stop is not None and should_stop():
-                break
+        while probers.remaining and (should_stop is None or not should_stop()):
             probers.collect(PROBE_POLL_S)  # all that are done: the timing checks once per poll
             if timeout_s is not None and time.monotonic() - checked >= PROBE_POLL_S:
                 checked = time.monotonic()

@@ -138,8 +138,7 @@ def _read_ahead(item: InputItem) -> BinaryIO:
     """A file over an object's (or a tar member's) bytes in a store for a header probe: its
     first ``HEAD_BYTES`` in one request, held for the decode when that is all of it."""
     key = held_key(item)
-    held = HELD.peek(key)
-    if held is not None:
+    if (held := HELD.peek(key)) is not None:
         return io.BytesIO(held)
     member = item.member
     if isinstance(member, TarMember):
@@ -219,12 +218,11 @@ def _open_tar(raw: str) -> tuple[tarfile.TarFile | None, int, str | None]:
                 raise UsageError(f"{raw}: a {kind}-compressed tar; only uncompressed shards "
                                  "can be read member by member, decompress it first")
         archive = tarfile.open(fileobj=handle, mode="r:")
-    except (tarfile.TarError, OSError) as exc:
+    except (tarfile.TarError, OSError, UsageError) as exc:
         handle.close()
+        if isinstance(exc, UsageError):
+            raise
         return None, size, f"not a tar file, or its first header is damaged ({exc})"
-    except UsageError:
-        handle.close()
-        raise
     # A damaged header is skipped block by block up to the next valid one (as GNU tar does);
     # ``expand_tar`` reports the gaps instead of ending the index silently.
     archive.ignore_zeros = True
@@ -444,13 +442,9 @@ class _RangeFile(io.RawIOBase):
 
 
 def read_tar_member(path: str, member: TarMember) -> bytes:
-    """The member's bytes, read by offset and size (no tar parsing)."""
-    if storage.is_url(path):
-        data = storage.read_range(path, member.offset, member.size)
-    else:
-        with open(path, "rb") as handle:
-            handle.seek(member.offset)
-            data = handle.read(member.size)
+    """The member's bytes, read by offset and size (no tar parsing): one read, one request."""
+    with _RangeFile(path, member.offset, member.size) as handle:
+        data = handle.read(member.size)
     if len(data) != member.size:
         raise EOFError(f"tar member {member.name} is truncated ({len(data)} of "
                        f"{member.size} bytes)")
@@ -710,11 +704,9 @@ def read_table_cell(path: str, cell: TableCell, stream: bool = False) -> bytes |
         raise ValueError(f"row has no image (null {cell.column!r})")
     data = value if image_column_kind(array.type) == "bytes" else value["bytes"]
     if data.is_valid:
-        if stream:
-            import pyarrow as pa
+        import pyarrow as pa
 
-            return pa.BufferReader(data.as_buffer())
-        return data.as_py()
+        return pa.BufferReader(data.as_buffer()) if stream else data.as_py()
     named = value["path"].as_py() if array.type.get_field_index("path") >= 0 else None
     if not named:
         raise ValueError(f"row has no image ({cell.column!r} holds neither bytes nor a path)")
@@ -723,12 +715,11 @@ def read_table_cell(path: str, cell: TableCell, stream: bool = False) -> bytes |
 
 def path_roots(folders) -> tuple[str, ...]:
     """``--table-paths-root`` folders as real paths; each must be an existing folder."""
-    roots = []
+    folders = list(folders)
     for folder in folders:
         if not os.path.isdir(folder):
             raise UsageError(f"--table-paths-root {folder}: not a folder")
-        roots.append(os.path.realpath(folder))
-    return tuple(roots)
+    return tuple(os.path.realpath(folder) for folder in folders)
 
 
 def cell_file(named: str, table: str, roots: tuple[str, ...] = ()) -> str:
@@ -764,8 +755,7 @@ def open_item(item: InputItem, stream: bool = False) -> str | bytes | BinaryIO:
         return io.BytesIO(member.data) if stream else member.data
     if stream and held_key(item) is not None:  # a header probe in a store
         return _read_ahead(item)
-    held = HELD.take(held_key(item))  # a decode in the process that read ahead
-    if held is not None:
+    if (held := HELD.take(held_key(item))) is not None:  # a decode in the process that read ahead
         return held
     if isinstance(member, TarMember):
         if stream:

@@ -250,6 +250,7 @@ def _worker_main(conn, cfg: VisionConfig, max_pixels: int,
     _exit_with_parent()
     _limit_memory(memory_budget)
     # A parent gone shows as EOF or a reset connection (OSError): the worker ends quietly.
+    # ``decode_image`` raises nothing, so nothing else needs catching here.
     try:
         conn.send(_READY)  # the parent starts an image's clock only once the worker is up
         while (task := conn.recv()) is not None:

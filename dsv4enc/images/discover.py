@@ -396,6 +396,8 @@ def key_under_root(root: str, key: str) -> str:
 def _output_text(key: str) -> str:
     """``key`` as the output's ``path`` column holds it (``output/parts.utf8_text``: a file
     name's non-UTF-8 bytes escaped). The writer (and pyarrow) is imported only for such one."""
+    if key.isascii():  # the common case, once per key of a listing of millions: no encode
+        return key
     try:
         key.encode("utf-8")
         return key

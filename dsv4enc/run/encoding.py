@@ -126,9 +126,9 @@ class PartEncoder:
     def _share_progress(self, signum: int | None = None, problem: Exception | None = None,
                         ) -> list[tuple[int | None, list[int], Exception | None]]:
         """(signal, progress not yet shown, problem) of every rank (this rank's alone without
-        torchrun); their progress shown."""
+        torchrun), in one collective per batch; their progress shown."""
         pending, self._pending = self._pending, [0, 0, 0, 0]
-        reports = self.ranks.agree_on_stop(signum, pending, problem)
+        reports = self.ranks.gather((signum, pending, problem))
         images, tokens, failed, dropped = (sum(counts[k] for _, counts, _ in reports)
                                            for k in range(4))
         if images:

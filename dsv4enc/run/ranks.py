@@ -111,14 +111,6 @@ class Topology:
         problem = next((exc for _, exc in everyone if exc is not None), None)
         return sorted({tuple(r) for ranges, _ in everyone for r in ranges or ()}), problem
 
-    def agree_on_stop(self, signum: int | None, progress: list[int],
-                      problem: Exception | None = None,
-                      ) -> list[tuple[int | None, list[int], Exception | None]]:
-        """(signal, progress not yet shown, problem) of every rank: one collective per batch
-        agrees on stopping (a signal, or a problem such as a store that is down: every rank
-        raises it) and brings every rank's progress to rank 0."""
-        return self.gather((signum, progress, problem))
-
     def exchange_rows(self, local: dict[int, Any], width: int, pooled: bool,
                       empty_dtype) -> dict[int, Any]:
         """Data parallel: every rank sends its rows; rank 0 gets them all (one padded

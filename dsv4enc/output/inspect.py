@@ -90,13 +90,6 @@ def interrupted_folder(path: str | os.PathLike) -> Path | None:
     return None
 
 
-def _manifests(folder: Path) -> list[dict]:
-    """The dsv4enc manifests in ``folder`` (one, or one per rank under --shard-output)."""
-    from .parts import read_manifests
-
-    return list(read_manifests(folder).values())
-
-
 def _record_progress(out: OutputSummary, manifests: list[dict], unfinished: bool = False) -> None:
     """What the manifests say was committed, and how many images are left (``unfinished``:
     only when some are: a folder output whose run was stopped)."""
@@ -114,9 +107,9 @@ def _record_progress(out: OutputSummary, manifests: list[dict], unfinished: bool
 def _summarize_interrupted(path: str | os.PathLike, folder: Path) -> OutputSummary:
     """An interrupted run's parts folder: what its manifests committed, how many are left,
     and the usual figures over the part files it holds (none for a growing file's ranges)."""
-    from .parts import names_part_file
+    from .parts import names_part_file, read_manifests
 
-    manifests = _manifests(folder)
+    manifests = list(read_manifests(folder).values())  # one, or one per rank
     if not manifests:
         raise UsageError(f"{folder}: no dsv4enc manifest ({MANIFEST_NAME}) here: not an "
                          "interrupted dsv4enc run")
@@ -135,6 +128,8 @@ def _summarize_interrupted(path: str | os.PathLike, folder: Path) -> OutputSumma
 def summarize(path: str | os.PathLike) -> OutputSummary:
     """Summarize a dsv4enc output: a Parquet file or a folder of part files; or what an
     interrupted run committed (``OUT.partial/``, or ``OUT`` when only that exists)."""
+    from .parts import read_manifests
+
     partial = interrupted_folder(path)
     if partial is not None:
         return _summarize_interrupted(path, partial)
@@ -146,7 +141,7 @@ def summarize(path: str | os.PathLike) -> OutputSummary:
     out.model = model_of(out.metadata)
     _scan_files(out, files)
     if Path(path).is_dir():
-        _record_progress(out, _manifests(Path(path)), unfinished=True)
+        _record_progress(out, list(read_manifests(Path(path)).values()), unfinished=True)
     return out
 
 

@@ -188,12 +188,12 @@ class OutputLayout:
                                   or JOURNAL_FILE.fullmatch(name)
                                   or name == GROWING_NAME or STAMPS_FILE.fullmatch(name))
 
-    def _owned_and_foreign(self) -> tuple[list[Path], list[str]]:
-        """Files of the parts folder dsv4enc wrote (lock excepted), and the names of the
-        others (hidden ones are passed over: never deleted, never in the way)."""
+    def _owned_and_foreign(self, manifests: dict | None = None) -> tuple[list[Path], list[str]]:
+        """Files of the parts folder dsv4enc wrote (lock excepted), and the names of the others
+        (hidden ones are neither: never deleted, never in the way); ``manifests``: if read."""
         if not self.parts_dir.is_dir():
             return [], []
-        ours = bool(read_manifests(self.parts_dir))
+        ours = bool(read_manifests(self.parts_dir) if manifests is None else manifests)
         owned, foreign = [], []
         for path in sorted(self.parts_dir.iterdir()):
             if self._is_ours(path.name, ours) and not path.is_dir():
@@ -279,10 +279,9 @@ class OutputLayout:
     def _check_existing(self, overwrite: bool, resume: bool, update: bool = False) -> None:
         out = self.out
         manifests = read_manifests(self.parts_dir)
-        has_parts = bool(manifests)
-        owned, foreign = self._owned_and_foreign()
+        owned, foreign = self._owned_and_foreign(manifests)
         where = f"--out folder {out}" if self.folder_mode else str(self.parts_dir)
-        if foreign and not has_parts and self.folder_mode:
+        if foreign and not manifests and self.folder_mode:
             raise OutputError(f"--out folder {out} is not empty and holds no dsv4enc output; "
                               "choose another path")
         if foreign:
@@ -293,13 +292,13 @@ class OutputLayout:
         if not resume and not overwrite and not update:  # --update: keep all, like --resume
             if not self.folder_mode and out.exists():
                 raise OutputError(f"{out} already exists; pass --overwrite to replace it")
-            if has_parts and self.folder_mode:
+            if manifests and self.folder_mode:
                 raise OutputError(f"--out folder {out} already holds dsv4enc output; pass "
                                   "--resume to finish it or --overwrite to replace it")
-            if has_parts:
+            if manifests:
                 raise OutputError(f"an unfinished run left {self.parts_dir}; pass --resume to "
                                   "continue it or --overwrite to start over")
-        if resume and not has_parts and not self.folder_mode and out.is_file():
+        if resume and not manifests and not self.folder_mode and out.is_file():
             raise AlreadyComplete(f"{out} is already complete; nothing to resume "
                                   "(pass --overwrite to encode again)")
         if overwrite:
@@ -364,8 +363,9 @@ class OutputLayout:
         temporaries if no part was committed (committed parts are kept for --resume)."""
         if self.folder_mode:
             return
-        owned, _ = self._owned_and_foreign()
-        recorded = any(manifest["parts"] for manifest in read_manifests(self.parts_dir).values())
+        manifests = read_manifests(self.parts_dir)
+        owned, _ = self._owned_and_foreign(manifests)
+        recorded = any(manifest["parts"] for manifest in manifests.values())
         if not recorded and not any(PART_FILE.fullmatch(p.name) for p in owned):
             self._remove(owned)
 

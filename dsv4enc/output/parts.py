@@ -531,11 +531,6 @@ class PartLedger:
             return False
         return part.get("transient", 0) == 0
 
-    def forget(self, names: Sequence[str]) -> None:
-        """Drop recorded parts that are not reused (``drop``), once, as a resume starts: a
-        store may put its bytes in order then."""
-        self.drop(names)
-
     def drop(self, names: Sequence[str]) -> None:
         """Drop recorded parts that are not reused, and their part files, at any time
         (commits may land meanwhile): a folder output must not keep a stale part beside the
@@ -547,6 +542,8 @@ class PartLedger:
         for part in dropped:
             if names_part_file(part):  # a range of the growing file needs nothing
                 (self.folder / part["file"]).unlink(missing_ok=True)
+
+    forget = drop  # called once, as a resume starts: a store may put its bytes in order then
 
     def _record(self, name: str, entry: dict[str, Any]) -> None:
         """Record a committed part: one line appended to the journal and synced (several

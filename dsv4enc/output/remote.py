@@ -285,9 +285,8 @@ class RemoteOutput:
         self._lock_held = True
 
     def _write_lock(self) -> None:
-        body = json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
-                           "time": time.time()}).encode()
-        storage.upload(self.lock_object, body)
+        holder = {"pid": os.getpid(), "host": socket.gethostname(), "time": time.time()}
+        storage.upload(self.lock_object, json.dumps(holder).encode())
 
     def _release_lock(self) -> None:
         if self._lock_held:

@@ -215,13 +215,12 @@ def _open_tar(raw: str) -> tuple[tarfile.TarFile | None, int, str | None]:
         head = handle.peek(8)[:8]
         for kind, (_, magic, _) in _COMPRESSORS.items():
             if head.startswith(magic):
+                handle.close()
                 raise UsageError(f"{raw}: a {kind}-compressed tar; only uncompressed shards "
                                  "can be read member by member, decompress it first")
         archive = tarfile.open(fileobj=handle, mode="r:")
-    except (tarfile.TarError, OSError, UsageError) as exc:
+    except (tarfile.TarError, OSError) as exc:
         handle.close()
-        if isinstance(exc, UsageError):
-            raise
         return None, size, f"not a tar file, or its first header is damaged ({exc})"
     # A damaged header is skipped block by block up to the next valid one (as GNU tar does);
     # ``expand_tar`` reports the gaps instead of ending the index silently.

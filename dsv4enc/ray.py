@@ -36,11 +36,9 @@ def ray_device() -> str:
 class RayEncoder:
     """The batch function of ``BatchEncoder`` as a Ray actor class: built once per actor
     (weights loaded once), called per batch. Takes ``BatchEncoder``'s arguments; ``device``
-    defaults to what Ray gave the actor (``ray_device``).
-
-    The actor's process is dsv4enc's, so Pillow's settings are made as ``dsv4enc encode``
-    makes them: rows, error rows included, are the command's rows.
-    """
+    defaults to what Ray gave the actor (``ray_device``). The actor's process is dsv4enc's, so
+    Pillow's settings are made as ``dsv4enc encode`` makes them: its rows, error rows included,
+    are the command's."""
 
     def __init__(self, weights: Any = None, *, device: str | None = None,
                  **options: Any) -> None:

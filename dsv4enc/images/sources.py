@@ -178,9 +178,7 @@ def container_kind(path: str) -> str | None:
     lower = path.lower()
     if lower.endswith(TABLE_EXTENSIONS):
         return "table"
-    if lower.endswith(TAR_EXTENSIONS):
-        return "tar"
-    return None
+    return "tar" if lower.endswith(TAR_EXTENSIONS) else None
 
 
 # ----------------------------------------------------------------------------- tar shards

@@ -8,6 +8,7 @@ error, 130/143 interrupted by SIGINT/SIGTERM (finished parts kept).
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import json
 import logging
@@ -437,10 +438,8 @@ def _own_process_settings(device: str, dist) -> None:
     from .engine.device import resolve_device
     from .process import own_process_settings
 
-    try:
+    with contextlib.suppress(DsvError):  # the run reports it, after checking the options
         own_process_settings(resolve_device(device, dist.device if dist is not None else None))
-    except DsvError:
-        pass  # the run reports it, after checking the options in their order
 
 
 @command()
@@ -557,8 +556,7 @@ def main() -> None:
     global _process_started
     from .process import process_age
 
-    age = process_age()
-    if age is not None:
+    if (age := process_age()) is not None:
         _process_started = time.perf_counter() - age
     try:
         app()
@@ -570,8 +568,6 @@ def main() -> None:
         code = 1
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
-        try:
+        with contextlib.suppress(OSError, ValueError):  # a closed pipe: nothing more to say
             stream.flush()
-        except (OSError, ValueError):  # a closed pipe: nothing more can be said
-            pass
     os._exit(code or 0)

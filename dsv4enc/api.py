@@ -7,8 +7,7 @@ threads) and returning torch tensors::
     for key, emb in enc.encode_iter(paths):       # streams, bounded memory
         ...
 
-``read_embeddings`` (re-exported here) streams an encode run's Parquet output back as numpy.
-"""
+``read_embeddings`` (re-exported here) streams an encode run's Parquet output back as numpy."""
 
 from __future__ import annotations
 

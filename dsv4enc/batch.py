@@ -6,8 +6,7 @@ a Daft or Spark UDF, a plain loop)::
     out = embed(batch)        # pyarrow Table / RecordBatch, pandas DataFrame, dict of arrays
 
 ``out``: ``dsv4enc encode``'s rows for the batch (docs/output-format.md), batch-invariant, in
-input order and of the kind given, then the batch's other columns.
-"""
+input order and of the kind given, then the batch's other columns."""
 
 from __future__ import annotations
 

@@ -3,8 +3,7 @@
 Domain errors (setup, options, weights, output) become one line on stderr and a non-zero
 exit, never a traceback. Exit codes: 0 the run completed (even if some images failed or no
 image was found) or ``--resume`` found the output already complete, 1 setup error, 2 usage
-error, 130/143 interrupted by SIGINT/SIGTERM (finished parts kept).
-"""
+error, 130/143 interrupted by SIGINT/SIGTERM (finished parts kept)."""
 
 from __future__ import annotations
 

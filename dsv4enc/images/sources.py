@@ -22,6 +22,7 @@ a table that does not open, ``@0``); an unreadable Parquet row group's rows are 
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import stat
@@ -292,12 +293,10 @@ def _keep_member(archive: tarfile.TarFile, raw: str, found: TarMember | Unreadab
     if (not isinstance(found, TarMember) or not storage.is_url(raw)
             or found.offset != archive.fileobj.tell() or not HELD.room(found.size)):
         return
-    try:
+    with contextlib.suppress(OSError):  # the index reads on and reports the damage
         data = archive.fileobj.read(found.size)
-    except OSError:
-        return  # the index reads on and reports the damage
-    if len(data) == found.size:
-        HELD.hold((raw, found.offset), data)
+        if len(data) == found.size:
+            HELD.hold((raw, found.offset), data)
 
 
 def expand_tar(raw: str, name: str | None = None) -> tuple[list[InputItem], int]:

@@ -7,8 +7,7 @@ threads) and returning torch tensors::
     for key, emb in enc.encode_iter(paths):       # streams, bounded memory
         ...
 
-``read_embeddings`` (re-exported here) streams an encode run's Parquet output back as numpy.
-"""
+``read_embeddings`` (re-exported here) streams an encode run's Parquet output back as numpy."""
 
 from __future__ import annotations
 
@@ -127,13 +126,11 @@ class Encoder:
     - ``batch_tokens``: patches per packed forward (default 32768 on CUDA, 8192 on CPU);
       ``max_images``: images per forward at most; ``decode_threads``: threads decoding
       ahead of the device (default: 0 on CPU, up to 8 on CUDA).
-    - ``max_pixels``, ``attention``, ``cuda_graphs``, ``deterministic`` (default True: an
-      image's bytes do not depend on the other images of the call) and ``fused``: as on the
-      command line.
+    - ``max_pixels``, ``attention``, ``cuda_graphs``, ``deterministic`` (default True: an image's
+      bytes do not depend on the other images of the call) and ``fused``: as on the command line.
 
     Results are CPU tensors in input order, each ``(grid_h*grid_w, width)`` (``(width,)``
-    pooled). Not thread-safe: use one Encoder per thread.
-    """
+    pooled). Not thread-safe: use one Encoder per thread."""
 
     def __init__(self, checkpoint: Checkpoint, device: str | torch.device = "auto", *,
                  features: Features = "aligner", pool: Pool = "none",

@@ -6,8 +6,7 @@ a Daft or Spark UDF, a plain loop)::
     out = embed(batch)        # pyarrow Table / RecordBatch, pandas DataFrame, dict of arrays
 
 ``out``: ``dsv4enc encode``'s rows for the batch (docs/output-format.md), batch-invariant, in
-input order and of the kind given, then the batch's other columns.
-"""
+input order and of the kind given, then the batch's other columns."""
 
 from __future__ import annotations
 
@@ -79,8 +78,7 @@ class BatchEncoder:
     Pickling sends the recipe (weights, config and options), not the tensors: an unpickled
     copy loads its own weights (once per worker of ``datasets`` with ``num_proc``, Spark), and
     ``datasets``' cache fingerprint is cheap. In a forked process it builds its own engine and
-    runs torch on one thread. Not thread-safe: one per thread.
-    """
+    runs torch on one thread. Not thread-safe: one per thread."""
 
     def __init__(self, weights: str | os.PathLike | None = None, *,
                  config: str | os.PathLike | Mapping[str, Any] | None = None, seed: int = 0,

@@ -3,11 +3,11 @@
 Domain errors (setup, options, weights, output) become one line on stderr and a non-zero
 exit, never a traceback. Exit codes: 0 the run completed (even if some images failed or no
 image was found) or ``--resume`` found the output already complete, 1 setup error, 2 usage
-error, 130/143 interrupted by SIGINT/SIGTERM (finished parts kept).
-"""
+error, 130/143 interrupted by SIGINT/SIGTERM (finished parts kept)."""
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import json
 import logging
@@ -437,10 +437,8 @@ def _own_process_settings(device: str, dist) -> None:
     from .engine.device import resolve_device
     from .process import own_process_settings
 
-    try:
+    with contextlib.suppress(DsvError):  # the run reports it, after checking the options
         own_process_settings(resolve_device(device, dist.device if dist is not None else None))
-    except DsvError:
-        pass  # the run reports it, after checking the options in their order
 
 
 @command()
@@ -557,8 +555,7 @@ def main() -> None:
     global _process_started
     from .process import process_age
 
-    age = process_age()
-    if age is not None:
+    if (age := process_age()) is not None:
         _process_started = time.perf_counter() - age
     try:
         app()
@@ -570,8 +567,6 @@ def main() -> None:
         code = 1
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
-        try:
+        with contextlib.suppress(OSError, ValueError):  # a closed pipe: nothing more to say
             stream.flush()
-        except (OSError, ValueError):  # a closed pipe: nothing more can be said
-            pass
     os._exit(code or 0)

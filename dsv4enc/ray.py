@@ -5,8 +5,7 @@ docs/api.md, "Ray Data").
 Each batch gives ``BatchEncoder``'s rows as a pyarrow Table of the command's exact schema
 (string ``error`` and typed ``embedding`` even in a batch where they are all null), then the
 batch's other columns. A bad image is an error row, never a failed block, so no
-``max_errored_blocks`` should be set (Ray drops a failed block's rows whole).
-"""
+``max_errored_blocks`` should be set (Ray drops a failed block's rows whole)."""
 
 from __future__ import annotations
 
@@ -20,9 +19,8 @@ __all__ = ["RayEncoder", "encode_dataset", "ray_device"]
 
 
 def ray_device() -> str:
-    """``cuda`` when Ray gave this worker (a task or actor) a GPU, else ``cpu`` (Ray hides
-    the GPUs it did not give: CUDA_VISIBLE_DEVICES holds only this worker's); ``auto``
-    outside a Ray worker."""
+    """``cuda`` when Ray gave this worker (a task or actor) a GPU, else ``cpu`` (Ray hides the
+    GPUs it did not give: CUDA_VISIBLE_DEVICES holds only this worker's); ``auto`` outside one."""
     import ray
 
     if not ray.is_initialized():
@@ -36,11 +34,9 @@ def ray_device() -> str:
 class RayEncoder:
     """The batch function of ``BatchEncoder`` as a Ray actor class: built once per actor
     (weights loaded once), called per batch. Takes ``BatchEncoder``'s arguments; ``device``
-    defaults to what Ray gave the actor (``ray_device``).
-
-    The actor's process is dsv4enc's, so Pillow's settings are made as ``dsv4enc encode``
-    makes them: rows, error rows included, are the command's rows.
-    """
+    defaults to what Ray gave the actor (``ray_device``). The actor's process is dsv4enc's, so
+    Pillow's settings are made as ``dsv4enc encode`` makes them: its rows, error rows included,
+    are the command's."""
 
     def __init__(self, weights: Any = None, *, device: str | None = None,
                  **options: Any) -> None:

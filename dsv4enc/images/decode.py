@@ -209,7 +209,7 @@ def _limit_memory(budget: int | None) -> None:
     ``budget``: past it, an allocation raises MemoryError (that image's error row). Linux only."""
     if budget is None:
         return
-    try:
+    with contextlib.suppress(ImportError, OSError, StopIteration, ValueError):
         import resource
 
         with open("/proc/self/status") as status:
@@ -219,8 +219,6 @@ def _limit_memory(budget: int | None) -> None:
         limit = used + budget if hard == resource.RLIM_INFINITY else min(used + budget, hard)
         if soft == resource.RLIM_INFINITY or soft > limit:
             resource.setrlimit(resource.RLIMIT_DATA, (limit, hard))
-    except (ImportError, OSError, StopIteration, ValueError):
-        pass
 
 
 def _exit_with_parent() -> None:

@@ -22,6 +22,7 @@ a table that does not open, ``@0``); an unreadable Parquet row group's rows are 
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import stat
@@ -178,9 +179,7 @@ def container_kind(path: str) -> str | None:
     lower = path.lower()
     if lower.endswith(TABLE_EXTENSIONS):
         return "table"
-    if lower.endswith(TAR_EXTENSIONS):
-        return "tar"
-    return None
+    return "tar" if lower.endswith(TAR_EXTENSIONS) else None
 
 
 # ----------------------------------------------------------------------------- tar shards
@@ -215,13 +214,12 @@ def _open_tar(raw: str) -> tuple[tarfile.TarFile | None, int, str | None]:
         head = handle.peek(8)[:8]
         for kind, (_, magic, _) in _COMPRESSORS.items():
             if head.startswith(magic):
+                handle.close()
                 raise UsageError(f"{raw}: a {kind}-compressed tar; only uncompressed shards "
                                  "can be read member by member, decompress it first")
         archive = tarfile.open(fileobj=handle, mode="r:")
-    except (tarfile.TarError, OSError, UsageError) as exc:
+    except (tarfile.TarError, OSError) as exc:
         handle.close()
-        if isinstance(exc, UsageError):
-            raise
         return None, size, f"not a tar file, or its first header is damaged ({exc})"
     # A damaged header is skipped block by block up to the next valid one (as GNU tar does);
     # ``expand_tar`` reports the gaps instead of ending the index silently.
@@ -295,12 +293,10 @@ def _keep_member(archive: tarfile.TarFile, raw: str, found: TarMember | Unreadab
     if (not isinstance(found, TarMember) or not storage.is_url(raw)
             or found.offset != archive.fileobj.tell() or not HELD.room(found.size)):
         return
-    try:
+    with contextlib.suppress(OSError):  # the index reads on and reports the damage
         data = archive.fileobj.read(found.size)
-    except OSError:
-        return  # the index reads on and reports the damage
-    if len(data) == found.size:
-        HELD.hold((raw, found.offset), data)
+        if len(data) == found.size:
+            HELD.hold((raw, found.offset), data)
 
 
 def expand_tar(raw: str, name: str | None = None) -> tuple[list[InputItem], int]:

@@ -60,9 +60,7 @@ T = TypeVar("T")
 
 def is_url(path: object) -> bool:
     """Whether ``path`` names an object store location (``scheme://...``, not ``file://``)."""
-    if not isinstance(path, str):
-        return False
-    match = _URL.match(path)
+    match = _URL.match(path) if isinstance(path, str) else None
     return match is not None and match.group(1).lower() != "file"
 
 
@@ -78,8 +76,7 @@ def join(url: str, name: str) -> str:
 # ----------------------------------------------------------------------------- options
 
 def parse_option(text: str) -> tuple[str, object]:
-    """``key=value`` from ``--storage-option``: ``true``/``false`` become booleans, integers
-    and decimals numbers, anything else stays text."""
+    """``key=value`` from ``--storage-option``: ``true``/``false`` and numbers converted."""
     key, sep, value = text.partition("=")
     key = key.strip()
     if not sep or not key:
@@ -153,8 +150,7 @@ def _env_region() -> str | None:
 def _s3(url: str, options: dict) -> "pafs.FileSystem":
     import pyarrow.fs as pafs
 
-    kwargs = dict(options)
-    kwargs.pop("endpoint_url", None)
+    kwargs = {key: value for key, value in options.items() if key != "endpoint_url"}
     endpoint = _endpoint(options)
     if endpoint:
         kwargs["endpoint_override"] = endpoint
@@ -221,8 +217,7 @@ def _first_line(exc: BaseException) -> str:
 
 
 def setup_problem(exc: BaseException) -> str | None:
-    """``"bucket not found"`` / ``"access denied"`` when ``exc`` says so: a setup error, not a
-    transient one."""
+    """``"bucket not found"`` / ``"access denied"`` when ``exc`` says so (not transient)."""
     text = str(exc).upper()
     if re.search("NO_SUCH_BUCKET|NOSUCHBUCKET|BUCKET DOES NOT EXIST", text):
         return "bucket not found"
@@ -281,9 +276,8 @@ class ServerError(OSError):
 
 
 def outage_cause(exc: BaseException) -> str | None:
-    """Why a store is not answering (``"timed out"``, ``"server error (HTTP 503)"``, ...), or
-    None (a missing object, denied access, ...): by the errors' kinds along the ``__cause__``
-    chain, else by the message of pyarrow's bare ``OSError`` (``_message_cause``)."""
+    """Why a store is not answering (``"timed out"``, ...), or None (a missing object, ...): by
+    the errors' kinds along the ``__cause__`` chain, else by the message (``_message_cause``)."""
     if isinstance(exc, FileNotFoundError) or setup_problem(exc) is not None:
         return None
     seen: BaseException | None = exc
@@ -687,8 +681,7 @@ def stamp(url: str) -> str:
 
 
 def open_input(url: str):
-    """A seekable, read-only file over the object (``pyarrow.NativeFile``): each read is a
-    ranged request, so a reader takes only the bytes it needs."""
+    """A seekable file over the object (``pyarrow.NativeFile``), each read a ranged request."""
     fs, path = filesystem(url)
     return retrying(lambda: fs.open_input_file(path), store=store_of(url))
 
@@ -755,8 +748,7 @@ _DIRECT: dict[int, object] = {}  # by process: a botocore S3 client, or None (py
 
 
 def _direct(url: str):
-    """This process's botocore S3 client for ``s3://`` reads, or None (another scheme, no
-    botocore, or options only pyarrow takes)."""
+    """This process's botocore S3 client for ``s3://`` reads, or None (then pyarrow reads)."""
     if scheme_of(url) not in ("s3", "s3a"):
         return None
     pid = os.getpid()
@@ -771,7 +763,6 @@ def _make_direct(options: dict):
     if not set(options) <= DIRECT_OPTIONS:
         return None
     try:
-        import botocore
         import botocore.config
         import botocore.session
     except ImportError:
@@ -844,8 +835,7 @@ def _get(client, url: str, offset: int, size: int | None) -> tuple[bytes, int]:
 def exists(url: str) -> bool:
     fs, path = filesystem(url)
     with _setup_errors(url):
-        found = retrying(lambda: fs.get_file_info(path), store=store_of(url))
-    return found.type.name != "NotFound"
+        return retrying(lambda: fs.get_file_info(path), store=store_of(url)).type.name != "NotFound"
 
 
 def upload(url: str, data: bytes) -> None:

@@ -32,8 +32,7 @@ def own_process_settings(device: "torch.device") -> None:
         torch.set_num_threads(min(torch.get_num_threads(), CUDA_HOST_THREADS))
 
 
-def keep_freed_memory_mapped(largest_mapped: int = 1 << 30,
-                             keep_free: int = (1 << 31) - 1) -> None:
+def keep_freed_memory_mapped(largest_mapped: int = 1 << 30, keep_free: int = (1 << 31) - 1) -> None:
     """On glibc, serve large CPU buffers from the heap and keep freed heap memory mapped, once
     per process: else each buffer above a few MB (per image, on a run's host side and in decode
     workers) is a fresh mmap faulted in and zeroed page by page (benchmarks/RESULTS.md). Up to

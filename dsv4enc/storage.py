@@ -1,10 +1,10 @@
 """Object storage (``s3://``, ``gs://``, and what fsspec reaches) behind one small facade.
 
-Every URL dsv4enc reads or writes goes through here; local paths never do (``is_url``). The
-file systems are pyarrow's, or fsspec's in ``pyarrow.fs.PyFileSystem``; an ``s3://`` read is
-one ranged GET through botocore's client where the options allow (``DIRECT_OPTIONS``). A store
-that stops answering fails loudly, within a bound the retry policy sets (``StoreHealth``).
-Messages name the URL and the kind of failure, never an option value.
+Every URL dsv4enc reads or writes goes through here; local paths never do (``is_url``). The file
+systems are pyarrow's, or fsspec's in ``pyarrow.fs.PyFileSystem``; an ``s3://`` read is one ranged
+GET through botocore's client where the options allow (``DIRECT_OPTIONS``). A store that stops
+answering fails loudly, within a bound the retry policy sets (``StoreHealth``). Messages name the
+URL and the kind of failure, never an option value.
 """
 
 from __future__ import annotations
@@ -107,8 +107,7 @@ def configure(options: list[str] | tuple[str, ...] | None) -> None:
 
 
 def set_outage_s(seconds: float) -> None:
-    """``--storage-outage-s`` for this process and its children (``options.validate`` refuses
-    one that is not positive)."""
+    """``--storage-outage-s`` (positive: ``options.validate``) for this process and its children."""
     if seconds > 0:
         os.environ[_OUTAGE_ENV] = repr(float(seconds))
 
@@ -537,8 +536,7 @@ def retrying(what: Callable[[], T], *, store: str) -> T:
                 first_failure = first_failure or _wall()
                 if last:
                     record.failed(cause, first_failure)
-                    raise StoreUnavailable(store, cause, record.since or first_failure) \
-                        from exc
+                    raise StoreUnavailable(store, cause, record.since or first_failure) from exc
         else:
             record.answered()
             return result
@@ -945,8 +943,7 @@ def abort_uploads(url: str) -> None:
         listed = client.list_multipart_uploads(Bucket=bucket, Prefix=key)
         for upload in listed.get("Uploads", []):
             if upload["Key"] == key:
-                client.abort_multipart_upload(Bucket=bucket, Key=key,
-                                              UploadId=upload["UploadId"])
+                client.abort_multipart_upload(Bucket=bucket, Key=key, UploadId=upload["UploadId"])
     except Exception as exc:  # noqa: BLE001 (the object is absent either way)
         log.warning("could not abort the unfinished upload to %s: %s", url, _first_line(exc))
 

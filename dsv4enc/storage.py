@@ -160,8 +160,7 @@ def _s3(url: str, options: dict) -> "pafs.FileSystem":
         elif not endpoint:  # a real AWS bucket: ask where it lives
             with suppress(OSError, ValueError):  # else the SDK's default; a wrong one fails clearly
                 kwargs["region"] = pafs.resolve_s3_region(_bucket(url))
-    # The SDK retries each request (3 tries, quick backoff); ``retrying`` adds slower rounds.
-    # Its time limits are the SDK's defaults, set here so that ``stop_bound_s`` knows them.
+    # The SDK's own tries (quick backoff) and default timeouts, set for ``stop_bound_s`` to know.
     kwargs.setdefault("retry_strategy", pafs.AwsStandardS3RetryStrategy(max_attempts=SDK_ATTEMPTS))
     kwargs.setdefault("connect_timeout", CONNECT_TIMEOUT_S)
     kwargs.setdefault("request_timeout", REQUEST_TIMEOUT_S)
@@ -739,8 +738,7 @@ def open_stream(url: str):
 DIRECT_OPTIONS = frozenset({"endpoint_url", "endpoint_override", "scheme", "region",
                             "access_key", "secret_key", "session_token", "anonymous",
                             "connect_timeout", "request_timeout"})
-#: Connections the botocore client keeps open: more than a process's reading threads (the
-#: header probes' 16), so that none is closed and opened again per read.
+#: Connections botocore keeps open: above the header probes' 16 threads, so none reopens per read.
 DIRECT_CONNECTIONS = 64
 _DIRECT: dict[int, object] = {}  # by process: a botocore S3 client, or None (pyarrow reads)
 

@@ -7,8 +7,7 @@ import signal
 
 
 def check_choice(name: str, value: str, allowed: tuple[str, ...]) -> str:
-    """``value``, or a ValueError naming ``name``'s choices: the API's check of a choice (the
-    command line's is ``run/options.validate``, over the same tuples)."""
+    """``value``, or a ValueError with ``name``'s choices (the CLI's: ``run/options.validate``)."""
     if value not in allowed:
         raise ValueError(f"{name} must be one of {', '.join(map(repr, allowed))}, not {value!r}")
     return value

@@ -5,10 +5,9 @@ is slow enough (on a faster CPU the run is over before the test looks); it names
 
     DSV4ENC_PAUSE_AT=commit,encoded  DSV4ENC_PAUSE_DIR=/some/folder
 
-At each named point the run writes ``FOLDER/POINT.N.json`` (N counts from 1 per point; the
-JSON holds what the point reports, such as the images done), then waits until
-``FOLDER/POINT.N.go`` or ``FOLDER/go`` exists (``go`` releases every later pause too).
-Without those variables, as in every real run, a point costs one environment lookup.
+At each named point the run writes ``FOLDER/POINT.N.json`` (N counts from 1 per point; it holds
+what the point reports), then waits until ``FOLDER/POINT.N.go`` or ``FOLDER/go`` exists (``go``
+releases every later pause too). Without those variables (every real run) a point costs one lookup.
 
 The points: ``commit`` (a part was committed: a kill now loses nothing before it),
 ``encoded`` (a batch's rows were counted in the progress), ``upload`` (the child that uploads

@@ -32,14 +32,12 @@ def own_process_settings(device: "torch.device") -> None:
         torch.set_num_threads(min(torch.get_num_threads(), CUDA_HOST_THREADS))
 
 
-def keep_freed_memory_mapped(largest_mapped: int = 1 << 30,
-                             keep_free: int = (1 << 31) - 1) -> None:
+def keep_freed_memory_mapped(largest_mapped: int = 1 << 30, keep_free: int = (1 << 31) - 1) -> None:
     """On glibc, serve large CPU buffers from the heap and keep freed heap memory mapped, once
-    per process: otherwise each buffer above a few MB (per image, in a forward, a run's host
-    side and a decode worker) is a fresh mmap faulted in and zeroed page by page (the cost:
-    benchmarks/RESULTS.md). Buffers up to ``largest_mapped`` come from the heap; freed memory at
-    its top goes back to the OS beyond ``keep_free``. The defaults keep it all (the command
-    line); a decode worker passes bounds, so that a huge image leaves no memory mapped."""
+    per process: else each buffer above a few MB (per image, on a run's host side and in decode
+    workers) is a fresh mmap faulted in and zeroed page by page (benchmarks/RESULTS.md). Up to
+    ``largest_mapped`` they come from the heap; beyond ``keep_free``, freed memory at its top goes
+    back to the OS. The command line keeps all; a decode worker passes bounds, for huge images."""
     global _heap_tuned
     if _heap_tuned or not sys.platform.startswith("linux"):
         return
@@ -54,8 +52,7 @@ def keep_freed_memory_mapped(largest_mapped: int = 1 << 30,
 
 
 def process_age() -> float | None:
-    """Seconds since this process was created (the kernel's record: interpreter start and
-    imports included), or None where it cannot be read (no ``/proc``)."""
+    """Seconds since the kernel created this process (imports included), or None (no /proc)."""
     import time
 
     try:

@@ -1,10 +1,10 @@
 """Object storage (``s3://``, ``gs://``, and what fsspec reaches) behind one small facade.
 
-Every URL dsv4enc reads or writes goes through here; local paths never do (``is_url``). The
-file systems are pyarrow's, or fsspec's in ``pyarrow.fs.PyFileSystem``; an ``s3://`` read is
-one ranged GET through botocore's client where the options allow (``DIRECT_OPTIONS``). A store
-that stops answering fails loudly, within a bound the retry policy sets (``StoreHealth``).
-Messages name the URL and the kind of failure, never an option value.
+Every URL dsv4enc reads or writes goes through here; local paths never do (``is_url``). The file
+systems are pyarrow's, or fsspec's in ``pyarrow.fs.PyFileSystem``; an ``s3://`` read is one ranged
+GET through botocore's client where the options allow (``DIRECT_OPTIONS``). A store that stops
+answering fails loudly, within a bound the retry policy sets (``StoreHealth``). Messages name the
+URL and the kind of failure, never an option value.
 """
 
 from __future__ import annotations
@@ -60,9 +60,7 @@ T = TypeVar("T")
 
 def is_url(path: object) -> bool:
     """Whether ``path`` names an object store location (``scheme://...``, not ``file://``)."""
-    if not isinstance(path, str):
-        return False
-    match = _URL.match(path)
+    match = _URL.match(path) if isinstance(path, str) else None
     return match is not None and match.group(1).lower() != "file"
 
 
@@ -78,8 +76,7 @@ def join(url: str, name: str) -> str:
 # ----------------------------------------------------------------------------- options
 
 def parse_option(text: str) -> tuple[str, object]:
-    """``key=value`` from ``--storage-option``: ``true``/``false`` become booleans, integers
-    and decimals numbers, anything else stays text."""
+    """``key=value`` from ``--storage-option``: ``true``/``false`` and numbers converted."""
     key, sep, value = text.partition("=")
     key = key.strip()
     if not sep or not key:
@@ -110,8 +107,7 @@ def configure(options: list[str] | tuple[str, ...] | None) -> None:
 
 
 def set_outage_s(seconds: float) -> None:
-    """``--storage-outage-s`` for this process and its children (``options.validate`` refuses
-    one that is not positive)."""
+    """``--storage-outage-s`` (positive: ``options.validate``) for this process and its children."""
     if seconds > 0:
         os.environ[_OUTAGE_ENV] = repr(float(seconds))
 
@@ -153,8 +149,7 @@ def _env_region() -> str | None:
 def _s3(url: str, options: dict) -> "pafs.FileSystem":
     import pyarrow.fs as pafs
 
-    kwargs = dict(options)
-    kwargs.pop("endpoint_url", None)
+    kwargs = {key: value for key, value in options.items() if key != "endpoint_url"}
     endpoint = _endpoint(options)
     if endpoint:
         kwargs["endpoint_override"] = endpoint
@@ -165,8 +160,7 @@ def _s3(url: str, options: dict) -> "pafs.FileSystem":
         elif not endpoint:  # a real AWS bucket: ask where it lives
             with suppress(OSError, ValueError):  # else the SDK's default; a wrong one fails clearly
                 kwargs["region"] = pafs.resolve_s3_region(_bucket(url))
-    # The SDK retries each request (3 tries, quick backoff); ``retrying`` adds slower rounds.
-    # Its time limits are the SDK's defaults, set here so that ``stop_bound_s`` knows them.
+    # The SDK's own tries (quick backoff) and default timeouts, set for ``stop_bound_s`` to know.
     kwargs.setdefault("retry_strategy", pafs.AwsStandardS3RetryStrategy(max_attempts=SDK_ATTEMPTS))
     kwargs.setdefault("connect_timeout", CONNECT_TIMEOUT_S)
     kwargs.setdefault("request_timeout", REQUEST_TIMEOUT_S)
@@ -221,8 +215,7 @@ def _first_line(exc: BaseException) -> str:
 
 
 def setup_problem(exc: BaseException) -> str | None:
-    """``"bucket not found"`` / ``"access denied"`` when ``exc`` says so: a setup error, not a
-    transient one."""
+    """``"bucket not found"`` / ``"access denied"`` when ``exc`` says so (not transient)."""
     text = str(exc).upper()
     if re.search("NO_SUCH_BUCKET|NOSUCHBUCKET|BUCKET DOES NOT EXIST", text):
         return "bucket not found"
@@ -281,9 +274,8 @@ class ServerError(OSError):
 
 
 def outage_cause(exc: BaseException) -> str | None:
-    """Why a store is not answering (``"timed out"``, ``"server error (HTTP 503)"``, ...), or
-    None (a missing object, denied access, ...): by the errors' kinds along the ``__cause__``
-    chain, else by the message of pyarrow's bare ``OSError`` (``_message_cause``)."""
+    """Why a store is not answering (``"timed out"``, ...), or None (a missing object, ...): by
+    the errors' kinds along the ``__cause__`` chain, else by the message (``_message_cause``)."""
     if isinstance(exc, FileNotFoundError) or setup_problem(exc) is not None:
         return None
     seen: BaseException | None = exc
@@ -543,8 +535,7 @@ def retrying(what: Callable[[], T], *, store: str) -> T:
                 first_failure = first_failure or _wall()
                 if last:
                     record.failed(cause, first_failure)
-                    raise StoreUnavailable(store, cause, record.since or first_failure) \
-                        from exc
+                    raise StoreUnavailable(store, cause, record.since or first_failure) from exc
         else:
             record.answered()
             return result
@@ -687,8 +678,7 @@ def stamp(url: str) -> str:
 
 
 def open_input(url: str):
-    """A seekable, read-only file over the object (``pyarrow.NativeFile``): each read is a
-    ranged request, so a reader takes only the bytes it needs."""
+    """A seekable file over the object (``pyarrow.NativeFile``), each read a ranged request."""
     fs, path = filesystem(url)
     return retrying(lambda: fs.open_input_file(path), store=store_of(url))
 
@@ -748,15 +738,13 @@ def open_stream(url: str):
 DIRECT_OPTIONS = frozenset({"endpoint_url", "endpoint_override", "scheme", "region",
                             "access_key", "secret_key", "session_token", "anonymous",
                             "connect_timeout", "request_timeout"})
-#: Connections the botocore client keeps open: more than a process's reading threads (the
-#: header probes' 16), so that none is closed and opened again per read.
+#: Connections botocore keeps open: above the header probes' 16 threads, so none reopens per read.
 DIRECT_CONNECTIONS = 64
 _DIRECT: dict[int, object] = {}  # by process: a botocore S3 client, or None (pyarrow reads)
 
 
 def _direct(url: str):
-    """This process's botocore S3 client for ``s3://`` reads, or None (another scheme, no
-    botocore, or options only pyarrow takes)."""
+    """This process's botocore S3 client for ``s3://`` reads, or None (then pyarrow reads)."""
     if scheme_of(url) not in ("s3", "s3a"):
         return None
     pid = os.getpid()
@@ -771,7 +759,6 @@ def _make_direct(options: dict):
     if not set(options) <= DIRECT_OPTIONS:
         return None
     try:
-        import botocore
         import botocore.config
         import botocore.session
     except ImportError:
@@ -844,8 +831,7 @@ def _get(client, url: str, offset: int, size: int | None) -> tuple[bytes, int]:
 def exists(url: str) -> bool:
     fs, path = filesystem(url)
     with _setup_errors(url):
-        found = retrying(lambda: fs.get_file_info(path), store=store_of(url))
-    return found.type.name != "NotFound"
+        return retrying(lambda: fs.get_file_info(path), store=store_of(url)).type.name != "NotFound"
 
 
 def upload(url: str, data: bytes) -> None:
@@ -955,8 +941,7 @@ def abort_uploads(url: str) -> None:
         listed = client.list_multipart_uploads(Bucket=bucket, Prefix=key)
         for upload in listed.get("Uploads", []):
             if upload["Key"] == key:
-                client.abort_multipart_upload(Bucket=bucket, Key=key,
-                                              UploadId=upload["UploadId"])
+                client.abort_multipart_upload(Bucket=bucket, Key=key, UploadId=upload["UploadId"])
     except Exception as exc:  # noqa: BLE001 (the object is absent either way)
         log.warning("could not abort the unfinished upload to %s: %s", url, _first_line(exc))
 

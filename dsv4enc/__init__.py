@@ -2,8 +2,7 @@
 
 ``from dsv4enc import Encoder, read_embeddings`` is the Python API (``dsv4enc.api``), and
 ``BatchEncoder`` the batch function for pipelines (``dsv4enc.batch``); all are imported on
-first use, so ``import dsv4enc`` stays light.
-"""
+first use, so ``import dsv4enc`` stays light."""
 
 from typing import TYPE_CHECKING, Any
 

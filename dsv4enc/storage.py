@@ -4,8 +4,7 @@ Every URL dsv4enc reads or writes goes through here; local paths never do (``is_
 systems are pyarrow's, or fsspec's in ``pyarrow.fs.PyFileSystem``; an ``s3://`` read is one ranged
 GET through botocore's client where the options allow (``DIRECT_OPTIONS``). A store that stops
 answering fails loudly, within a bound the retry policy sets (``StoreHealth``). Messages name the
-URL and the kind of failure, never an option value.
-"""
+URL and the kind of failure, never an option value."""
 
 from __future__ import annotations
 

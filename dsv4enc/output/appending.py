@@ -5,8 +5,7 @@ twice). Each writer thread reserves a byte range at the end of ``OUT.partial/_gr
 has pyarrow write the part's Parquet file into it but for the leading ``PAR1``, syncs it, then
 journals the part: its inputs and its byte range, which ends with the part's own footer. The
 run ends with one footer listing every part's row groups in input order, a sync and a rename
-(``out`` is never half-written).
-"""
+(``out`` is never half-written)."""
 
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
 """``dsv4enc inspect``: what an output file (or dataset folder) holds, without loading it.
 
 Reads the Parquet footers for row counts, sizes and the ``dsv4enc`` metadata, and streams
-only the small columns (grid sizes, errors), never the embeddings.
-"""
+only the small columns (grid sizes, errors), never the embeddings."""
 
 from __future__ import annotations
 

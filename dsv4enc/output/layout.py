@@ -6,8 +6,7 @@ dsv4enc deletes or replaces only what is provably its own: a single-file ``--out
 Parquet file with dsv4enc's metadata, and in a parts folder (``OUT.partial/`` or a folder
 ``--out``) the manifests it recognises by content (``parts.manifest_kind``), its part file
 names, the growing file (``appending.GROWING_NAME``) and its temporaries. Anything else makes
-the run refuse in one line, before anything is written or deleted.
-"""
+the run refuse in one line, before anything is written or deleted."""
 
 from __future__ import annotations
 

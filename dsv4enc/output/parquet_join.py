@@ -4,8 +4,7 @@ A Parquet file is ``PAR1``, its row groups' column chunks, a footer (Thrift comp
 FileMetaData), its length and ``PAR1``. The joined file holds the inputs' column chunks as they
 are and one footer listing their row groups, offsets moved to where the bytes landed, written
 with a small generic Thrift compact codec (pyarrow cannot append row groups). Files with page
-indexes or bloom filters (offsets outside the footer) are refused.
-"""
+indexes or bloom filters (offsets outside the footer) are refused."""
 
 from __future__ import annotations
 

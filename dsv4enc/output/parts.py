@@ -5,8 +5,7 @@ Each part is written under a hidden temporary name, fsynced and renamed, then th
 records it (one synced line appended to its journal; the manifest is written whole when a run
 starts, resumes or finishes). A kill leaves only whole parts, which ``--resume`` reuses. A
 single-file ``--out`` is joined from the parts (one local process skips the part files:
-``appending.py``); ``PartLedger`` is the manifest bookkeeping both share.
-"""
+``appending.py``); ``PartLedger`` is the manifest bookkeeping both share."""
 
 from __future__ import annotations
 

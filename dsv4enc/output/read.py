@@ -2,8 +2,7 @@
 
 Works on a single Parquet file and on a dataset folder of part files (in input order when the
 folder has dsv4enc's ``_manifest.json``, else in sorted file order). Only a few rows are in
-memory at a time; values come back exactly as stored (float16 stays float16).
-"""
+memory at a time; values come back exactly as stored (float16 stays float16)."""
 
 from __future__ import annotations
 
@@ -243,8 +242,7 @@ def read_embeddings(path: str | os.PathLike, columns: Sequence[str] | None = Non
     ``copy=False`` yields read-only views of the batch instead of copies (faster; each view
     keeps its whole batch alive). Memory stays at one batch (``batch_rows`` rows; default:
     about ``BATCH_BYTES`` of embeddings, at most ``BATCH_ROWS`` rows), memory-mapped, and what
-    the caller keeps, whatever the file's size.
-    """
+    the caller keeps, whatever the file's size."""
     import pyarrow.parquet as pq
 
     if errors not in ("skip", "include"):

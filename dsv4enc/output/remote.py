@@ -5,8 +5,7 @@ same code as any local output and mirrored to the store in a crash-safe order: a
 whole, the manifest object (the commit record) after every part it lists, and a single file
 as one object at the end (``storage.upload_file_whole``). Before the run, the output's dsv4enc
 objects are brought into the staging folder (``RemoteOutput.pull``), so that the local checks
-decide as for a local path. docs/object-storage.md tells the whole protocol.
-"""
+decide as for a local path. docs/object-storage.md tells the whole protocol."""
 
 from __future__ import annotations
 

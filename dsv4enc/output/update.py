@@ -12,8 +12,7 @@ row groups by bytes.
 Crash safety is ``--resume``'s: the update commits to parts of its own (``OUT.partial`` beside a
 single file; ``STAGING_NAME`` in a folder, with part names of a new generation) and changes the
 old output only at the end: a single file is renamed into place; a folder's new parts are moved
-in and its manifest replaced (one rename) before the old parts go.
-"""
+in and its manifest replaced (one rename) before the old parts go."""
 
 from __future__ import annotations
 

@@ -1,3 +1,2 @@
 """run: what ties the stages together (options, the plan, the one set-up path, the
-pipeline, encoding parts, ranks and collectives, signals, progress, the summary).
-"""
+pipeline, encoding parts, ranks and collectives, signals, progress, the summary)."""

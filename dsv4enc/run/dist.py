@@ -7,8 +7,7 @@ naming this rank. Host-facing collectives (gather, object gather, barrier) wait 
 with the run's timeout, on NCCL too. The tensor-parallel all-reduce inside the forward does
 not: on NCCL it stays stream-ordered (a host wait per layer would stall the GPU and break
 CUDA graph capture), so a hang there is caught by NCCL's watchdog, which aborts the process
-after the same timeout and lets torchrun stop the others.
-"""
+after the same timeout and lets torchrun stop the others."""
 
 from __future__ import annotations
 

@@ -4,8 +4,7 @@ Every image's patch grid is known from its header before any pixel is decoded, s
 still to do (``plan.cut_parts``) is planned a window ahead of the device (``run/setup.Windows``)
 and the decode workers stream exactly its images, in that order; a background thread writes
 the parts. Under torchrun the ranks share each part's images (``plan.share_for_ranks``) or
-split the tower (``tower/tensor_parallel``).
-"""
+split the tower (``tower/tensor_parallel``)."""
 
 from __future__ import annotations
 

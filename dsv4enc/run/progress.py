@@ -11,8 +11,7 @@ has one definition, shared with the end-of-run summary:
 - *img/s*, *tokens/s*: images and tokens finished per second of the encoding loop (from
   the first batch on; start-up, header reading and graph capture are not in it);
 - *ETA*: the tokens still to encode at the current tokens/s (images, until every token
-  to encode is known), so that a run of large images is not estimated from its small ones.
-"""
+  to encode is known), so that a run of large images is not estimated from its small ones."""
 
 from __future__ import annotations
 

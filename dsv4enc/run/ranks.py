@@ -5,8 +5,7 @@ None for a plain launch): a single process (no collectives); ``gathered`` (data 
 each rank encodes its share of every part, rank 0 gathers the rows and writes them);
 ``sharded`` (``--shard-output``: each rank writes its own share); or tensor parallel (the
 tower split over the ranks, rank 0 writes). Every collective of the run goes through it.
-This module imports no torch: a plain launch never pays for it.
-"""
+This module imports no torch: a plain launch never pays for it."""
 
 from __future__ import annotations
 

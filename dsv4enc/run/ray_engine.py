@@ -10,8 +10,7 @@ entry and counts; the driver commits the entries in input order and never holds 
 Exactly once: the driver commits each part once, whatever Ray retried. A killed actor is
 restarted (``MAX_RESTARTS``) and its calls retried (``MAX_TASK_RETRIES``): rows are
 batch-invariant, so a retried part gives the same bytes, and a file a killed actor wrote has a
-temporary name no manifest lists.
-"""
+temporary name no manifest lists."""
 
 from __future__ import annotations
 

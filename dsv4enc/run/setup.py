@@ -5,8 +5,7 @@ The run streams: inputs are listed as the plan needs them (``RunSetup.more``); e
 judged by ``--resume`` once its inputs are listed and, while still to do, planned within
 ``WINDOWS_AHEAD`` parts of the encoder, so the first batch starts while the listing goes on.
 What needs every input first lists them whole: ``--update``'s matching and ``--engine ray``
-(``headers``), table columns (``find_inputs``) and a single file whose store limits its size.
-"""
+(``headers``), table columns (``find_inputs``) and a single file whose store limits its size."""
 
 from __future__ import annotations
 

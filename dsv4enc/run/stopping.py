@@ -3,8 +3,7 @@
 Before encoding starts (discovery, header probes, planning, model loading) nothing must finish:
 the first signal raises ``Interrupted`` at once, wherever the main thread is (a blocked wait
 included). While parts are encoded and committed it is only recorded (``deferred``): the loop
-stops between batches, its finished parts kept for ``--resume``. A second Ctrl-C stops at once.
-"""
+stops between batches, its finished parts kept for ``--resume``. A second Ctrl-C stops at once."""
 
 from __future__ import annotations
 

@@ -2,8 +2,7 @@
 ``--summary-json`` for pipelines.
 
 Rates have the progress display's definitions (``progress`` module docstring); the whole
-run's wall time is shown beside them, so that start-up is visible without muddying the rates.
-"""
+run's wall time is shown beside them, so that start-up is visible without muddying the rates."""
 
 from __future__ import annotations
 

@@ -11,8 +11,7 @@ of a packed batch::
   the layout PyTorch's fused CPU kernel takes (3-D inputs take the unfused math path).
 
 ``flash`` and ``varlen`` read only device tensors, so they can run inside a CUDA graph;
-``sdpa`` needs the host-side span lengths.
-"""
+``sdpa`` needs the host-side span lengths."""
 
 from __future__ import annotations
 
@@ -34,8 +33,7 @@ class VarlenSpans:
 
     cu_seqlens: (B+1,) int32 on the compute device, cumulative token offsets.
     max_seqlen: an upper bound on any span's length.
-    lengths: the span lengths on the host, or None inside a CUDA graph.
-    """
+    lengths: the span lengths on the host, or None inside a CUDA graph."""
 
     cu_seqlens: torch.Tensor
     max_seqlen: int

@@ -2,8 +2,7 @@
 
 A full checkpoint holds hundreds of GB of language-model tensors beside the tower's: its index
 (else each file's header) names the files holding ``vision.``/``aligner.`` tensors, and only
-those tensors are read, memory-mapped.
-"""
+those tensors are read, memory-mapped."""
 
 from __future__ import annotations
 
@@ -174,8 +173,7 @@ def random_state_dict(cfg: VisionConfig, seed: int = 0,
     """A random tower in the checkpoint's storage format (bf16 weights, float32 norms).
 
     Weights are N(0, 1/fan_in) so activations keep their scale through the layers; norm
-    weights are near one.
-    """
+    weights are near one."""
     gen = torch.Generator().manual_seed(seed)
     state = {}
     for name, shape in expected_shapes(cfg).items():
@@ -211,8 +209,7 @@ def save_checkpoint(folder: str | Path, cfg: VisionConfig, state: dict[str, torc
                     extra: dict[str, torch.Tensor] | None = None, shards: int = 1) -> None:
     """Write a checkpoint in the official flat layout (with an index when ``shards`` > 1).
 
-    ``extra`` tensors (e.g. language-model decoys) are written beside the tower's.
-    """
+    ``extra`` tensors (e.g. language-model decoys) are written beside the tower's."""
     from safetensors.torch import save_file
 
     folder = Path(folder)

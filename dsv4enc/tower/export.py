@@ -2,8 +2,7 @@
 
 The tower's tensors are copied as stored, one at a time, into one ``model.safetensors``, and
 ``config.json`` gets the vision keys in the official flat layout: the result gives the same
-embeddings and weights fingerprint as the source.
-"""
+embeddings and weights fingerprint as the source."""
 
 from __future__ import annotations
 

@@ -3,8 +3,7 @@ functions, installed from outside so that ``model.py`` stays the eager reference
 
 Fused: float32 RMSNorm (with the residual add before the second norm), RoPE on q and k, and
 SwiGLU; GEMMs and attention stay as they are. Results equal the eager functions to float
-rounding (a fused kernel may keep a value in float32 in a register).
-"""
+rounding (a fused kernel may keep a value in float32 in a register)."""
 
 from __future__ import annotations
 

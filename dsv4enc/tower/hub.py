@@ -4,8 +4,7 @@ Only what the tower needs is fetched: ``config.json`` and ``model.safetensors.in
 first, then just the shards the index names for ``vision.``/``aligner.`` tensors (a repository
 without an index must hold a single ``model.safetensors``). Files land in the usual Hub cache
 (``HF_HUB_CACHE`` / ``HF_HOME``), so a second run, or one with ``HF_HUB_OFFLINE=1``, reads
-them from there. Needs the optional ``huggingface_hub`` package: ``pip install 'dsv4enc[hub]'``.
-"""
+them from there. Needs the optional ``huggingface_hub`` package: ``pip install 'dsv4enc[hub]'``."""
 
 from __future__ import annotations
 

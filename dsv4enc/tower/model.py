@@ -6,8 +6,7 @@ weights and setting each module's ``combine`` hook (default: identity), so the s
 whole or sharded.
 
 Shapes: T packed tokens (patches), D = dim, H heads of d = D/H, rd = d/2 RoPE angles,
-r = downsample ratio, R aligner rows.
-"""
+r = downsample ratio, R aligner rows."""
 
 from __future__ import annotations
 
@@ -45,8 +44,7 @@ def by_spans(spans: Sequence[tuple[int, int]], fn: Callable[..., Any],
 
     A kernel's blocking, vector tails and thread split depend on its input's shape: given one
     image's rows per range, every kernel sees that image alone, and its rows come out the same
-    in any batch.
-    """
+    in any batch."""
     out: torch.Tensor | None = None
     for start, end in spans:
         result = fn(*(t[start:end] for t in tensors))
@@ -107,8 +105,7 @@ def _rope_block(first: int, inv_freq: np.ndarray) -> tuple[np.ndarray, np.ndarra
 
     The angle is the float32 product ``pos * inv_freq`` (as the reference computes it); numpy
     takes its cosine and sine per element in float64, rounded once to float32, so every value
-    is a fixed function of (position, frequency).
-    """
+    is a fixed function of (position, frequency)."""
     pos = np.arange(first, first + ROPE_BLOCK, dtype=np.float32)[:, None]
     angles = (pos * inv_freq[None, :]).astype(np.float64)
     return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
@@ -120,8 +117,7 @@ def rope_table(cfg: VisionConfig, device: torch.device | str,
 
     Returns cos, sin: (P, rd/2) float32, P >= positions a multiple of ROPE_BLOCK. Cached per
     (theta, rope dim, device); call it before a CUDA graph capture with the largest position
-    the graph may meet, since a capture cannot grow it.
-    """
+    the graph may meet, since a capture cannot grow it."""
     device = torch.device(device)
     key = (float(cfg.rope_theta), cfg.rope_dim, str(device))
     cached = _ROPE_CACHE.get(key)
@@ -146,8 +142,7 @@ def rope_tables(positions: torch.Tensor, cfg: VisionConfig,
     with angles concat(row * inv_freq, col * inv_freq), gathered from the per-axis tables
     (``rope_table``): a token's values depend on its position only, never on the batch.
     ``max_position``: an upper bound on every coordinate, when known (it saves a device
-    sync, and a CUDA graph must pass it).
-    """
+    sync, and a CUDA graph must pass it)."""
     if max_position is None:
         max_position = int(positions.max()) if positions.numel() else 0
     cos_t, sin_t = rope_table(cfg, positions.device, max_position + 1)
@@ -174,8 +169,7 @@ def rope_formula(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate x (T, H, d) in float32 with half-split pairs; cos, sin: (T, 1, d/2).
 
-    ``cat(a*cos - b*sin, b*cos + a*sin)``, each half written in place into one output buffer.
-    """
+    ``cat(a*cos - b*sin, b*cos + a*sin)``, each half written in place into one output buffer."""
     xf = x.float()
     a, b = xf.chunk(2, dim=-1)
     out = torch.empty(xf.shape, dtype=torch.float32, device=xf.device)
@@ -269,8 +263,7 @@ class VisionTransformer(nn.Module):
         """patches (T, 3*p*p) -> ViT features (T, D).
 
         ``per_image``: run the whole ViT over one image's rows at a time, so that its rows are
-        bit-identical in any batch (``by_spans``).
-        """
+        bit-identical in any batch (``by_spans``)."""
         if per_image:
             lengths = spans.lengths
             if lengths is None:
@@ -313,8 +306,7 @@ def merge_gather(vit: torch.Tensor, index: torch.Tensor, mask: torch.Tensor) -> 
     """Packed merge by gathering. vit (T, D); index, mask: (R, r*r) -> (R, D*r*r).
 
     Masked positions (past an image's edge) become exact zeros; ``where`` rather than a
-    multiply, so that padding rows holding garbage (inside a CUDA graph) cannot leak NaN.
-    """
+    multiply, so that padding rows holding garbage (inside a CUDA graph) cannot leak NaN."""
     R, rr = index.shape
     gathered = vit.index_select(0, index.reshape(-1)).view(R, rr, -1)
     gathered = torch.where(mask.unsqueeze(-1), gathered, torch.zeros((), dtype=vit.dtype,
@@ -367,8 +359,7 @@ class VisionTower(nn.Module):
         merge_mask (R, r*r) into the packed ViT rows. Returns (R, hidden) aligner rows, or
         (T, D) ViT features when ``features == "vit"`` (merge arguments unused).
         ``row_counts``: each image's aligner rows; given, every image runs alone through the
-        ViT and the aligner (``by_spans``).
-        """
+        ViT and the aligner (``by_spans``)."""
         per_image = row_counts is not None
         vit = self.vision(patches, cos, sin, spans, self.attend, per_image)
         if features == "vit":

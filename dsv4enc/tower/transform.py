@@ -3,8 +3,7 @@
 ``plan_canvas`` maps an image size to its canvas and patch grid without touching pixels, so
 grids can be known from image headers alone; ``image_to_patches`` does the pixel work.
 The pixel work is numpy only (bf16 bits made by round-to-nearest-even, as torch rounds), so
-decode workers never import torch.
-"""
+decode workers never import torch."""
 
 from __future__ import annotations
 
@@ -208,8 +207,7 @@ def _pair_lut(single: np.ndarray) -> np.ndarray | None:
     """The lookup for two neighbouring bytes at once: entry ``a | b << 8`` holds the bf16
     bits of ``a`` in its low half and of ``b`` in its high half, so a uint16 view of the
     pixel bytes indexes it and a uint32 view of the output receives it (half the lookups).
-    Both views read memory little-endian: on a big-endian host there is no pair table (None).
-    """
+    Both views read memory little-endian: on a big-endian host there is no pair table (None)."""
     if sys.byteorder != "little":
         return None
     wide = single.astype(np.uint32)
@@ -224,8 +222,7 @@ def normalize_patch_pixels(patch_pixels: np.ndarray, out: np.ndarray | None = No
     """bf16 bits (uint16) of 8-bit pixels, by lookup: ``NORMALIZED_BF16_BITS[patch_pixels]``.
 
     ``patch_pixels``: uint8 (n, k), C-contiguous; ``out``: uint16 (n, k) to fill (else a new
-    array). Rows of even length go through the pair table (``NORMALIZED_BF16_PAIRS``).
-    """
+    array). Rows of even length go through the pair table (``NORMALIZED_BF16_PAIRS``)."""
     if out is None:
         out = np.empty(patch_pixels.shape, dtype=np.uint16)
     pairs = NORMALIZED_BF16_PAIRS
@@ -247,8 +244,7 @@ def image_to_patch_bits(image: Image.Image, cfg: VisionConfig,
     Returns ``(bits, canvas)``: uint16 of shape (n_h*n_w, 3*p*p), each patch flattened
     channel-major (c, y, x), rows in raster order over the patch grid. ``out(shape)`` may
     give the uint16 array to write them into (a decode worker's shared-memory slot: no copy
-    afterwards); when it gives None, or there is no ``out``, a new array is made.
-    """
+    afterwards); when it gives None, or there is no ``out``, a new array is made."""
     rgb = to_rgb(image)
     canvas = plan_canvas(rgb.width, rgb.height, cfg)
     size = (canvas.width, canvas.height)

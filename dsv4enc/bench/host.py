@@ -70,9 +70,9 @@ class NullEngine:
         return torch.empty(tokens, width, dtype=dtype, pin_memory=self._pin)
 
     def transform(self, pixels: np.ndarray) -> torch.Tensor:
-        """The host's share of ``Engine.transform``: the pixels' page-locked copy (a plain one
-        without CUDA). The patches stand on the meta device: the GPU makes them, and the batch
-        is joined there, at no host cost."""
+        """The host's share of ``engine/engine.Engine.transform``: the pixels' page-locked
+        copy (a plain one without CUDA). The patches stand on the meta device: the GPU makes
+        them, and the batch is joined there, at no host cost."""
         began = time.perf_counter()
         host = torch.from_numpy(pixels)
         host.pin_memory() if self._pin else host.clone()

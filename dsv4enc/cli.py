@@ -48,6 +48,8 @@ def choices(*values: str) -> str:
 #: When this process started (``time.perf_counter``'s clock), set by ``main`` (each torchrun
 #: rank's too) so that a run's wall time counts the interpreter's start and the imports.
 _process_started: float | None = None
+#: Whether the command owns this process (``main``): only then may a hung stop end it.
+_owns_process = False
 
 
 def fail(message: str, code: int = 1) -> None:
@@ -354,7 +356,7 @@ def _encode_command(opts, storage_option: list[str] | None, quiet: bool,
     from .output.parts import prefer_jemalloc_pool
     from .run.ranks import launched_ranks
     from .run.setup import RunSetup, start_prefetch
-    from .run.stopping import StopSignals
+    from .run.stopping import FORCE_EXIT_S, StopSignals
 
     package_log = logging.getLogger("dsv4enc")
     log_level = package_log.level
@@ -363,7 +365,9 @@ def _encode_command(opts, storage_option: list[str] | None, quiet: bool,
     dist = prefetch = None
     # SIGINT/SIGTERM from here on stop every phase promptly (exit 130/143). Under torchrun
     # they are only recorded: the ranks agree on stopping between batches.
-    stop = StopSignals(immediate=launched_ranks() <= 1)
+    # In a process of its own (``main``), a stop that hangs ends the process after a grace.
+    stop = StopSignals(immediate=launched_ranks() <= 1,
+                       force_exit_s=FORCE_EXIT_S if _owns_process else None)
     stop.install()
     own_process_pillow_settings()  # each open checks --max-pixels itself
     try:
@@ -552,9 +556,10 @@ def main() -> None:
     """Console-script entry point: once the command has finished (output committed, workers
     shut down), ``os._exit`` after flushing stdio and logging, as tearing down an interpreter
     that imported torch is slow. In-process callers (tests, scripts) use ``app`` instead."""
-    global _process_started
+    global _process_started, _owns_process
     from .process import process_age
 
+    _owns_process = True
     if (age := process_age()) is not None:
         _process_started = time.perf_counter() - age
     try:

@@ -130,6 +130,10 @@ _ENCODE_PARAMETERS: dict[str, tuple[Any, Any]] = {
             None, "--keep-column", metavar="NAME",
             help="Table inputs: copy the column NAME into the output rows, in its own type "
                  "(null for rows not from a table; repeatable).")),
+        keep_member=(Optional[List[str]], typer.Option(
+            None, "--keep-member", metavar=choices(*defaults.SIDECAR_MEMBERS),
+            help="Tar shards: copy each sample's .txt/.json/.cls member's text into a column of "
+                 "that name (repeatable).")),
         table_paths_root=(Optional[List[str]], typer.Option(
             None, "--table-paths-root", metavar="DIR",
             help="Table inputs: a {bytes: null, path} cell may name image files under DIR too "
@@ -333,6 +337,7 @@ def encode(ctx: typer.Context, **given: Any) -> None:
                     for name in ("address", "actors", "gpus_per_actor", "object_store_mb")}
     opts = EncodeOptions(inputs=list(given.pop("inputs") or []),
                          keep_columns=tuple(given.pop("keep_column") or ()),
+                         keep_members=tuple(given.pop("keep_member") or ()),
                          table_paths_roots=tuple(given.pop("table_paths_root") or ()),
                          progress=not quiet, **given)
     ray_opts = None

@@ -21,7 +21,7 @@ from .. import storage
 from ..errors import UsageError
 from .items import InputItem, TableCell, is_image_name
 from .sources import (StoredObject, container_kind, expand_table, expand_tar, path_roots,
-                      refuse_compressed_tar, table_fields, written_by_dsv4enc)
+                      refuse_compressed_tar, sidecar_fields, table_fields, written_by_dsv4enc)
 
 _log = logging.getLogger("dsv4enc")
 
@@ -39,12 +39,14 @@ class Stop(Protocol):
 @dataclass
 class Discovery:
     """Items in input order, how many non-image files were passed over, the folders not listed
-    (``(folder, reason)``: missing from the run), how many tables were read, and the table
-    columns the rows carry (``pyarrow`` fields: ``--keep-column``'s, ``--key-column``'s)."""
+    (``(folder, reason)``: missing from the run), how many tables and tar shards were read, and
+    the input columns the rows carry (``pyarrow`` fields: ``--keep-column``'s, ``--key-column``'s,
+    ``--keep-member``'s)."""
 
     items: list[InputItem] = field(default_factory=list)
     skipped: int = 0
     tables: int = 0
+    shards: int = 0
     kept_fields: list = field(default_factory=list)
     unlisted: list[tuple[str, str]] = field(default_factory=list)
     listed: bool = False  # the listing has ended (every input found; the counts are final)
@@ -126,18 +128,19 @@ def read_path_list(list_file: str) -> list[str]:
 def discover(inputs: Iterable[str], files_from: str | None = None,
              image_column: str | None = None, key_column: str | None = None,
              stop: Stop | None = None, table_paths_roots: Iterable[str] = (),
-             keep_columns: Sequence[str] = ()) -> Discovery:
+             keep_columns: Sequence[str] = (), keep_members: Sequence[str] = ()) -> Discovery:
     """Every item of ``stream_inputs`` at once, in ``Discovery.items``."""
     found = Discovery()
     found.items = list(stream_inputs(found, inputs, files_from, image_column, key_column,
-                                     stop, table_paths_roots, keep_columns))
+                                     stop, table_paths_roots, keep_columns, keep_members))
     return found
 
 
 def stream_inputs(found: Discovery, inputs: Iterable[str], files_from: str | None = None,
                   image_column: str | None = None, key_column: str | None = None,
                   stop: Stop | None = None, table_paths_roots: Iterable[str] = (),
-                  keep_columns: Sequence[str] = ()) -> Iterator[InputItem]:
+                  keep_columns: Sequence[str] = (),
+                  keep_members: Sequence[str] = ()) -> Iterator[InputItem]:
     """Expand folders and files (and an optional path list) into items, in input order, as
     the listing reaches them: a folder walked entry by entry (``iter_folder``), a prefix's
     objects in its listing's order (``storage.iter_files``: on S3 a page at a time), a path
@@ -145,6 +148,7 @@ def stream_inputs(found: Discovery, inputs: Iterable[str], files_from: str | Non
     shard) indexed when it is reached; keys made unique (``UniqueKeys``). ``found`` (its
     ``items`` left alone) counts what was passed over and the tables read, gathers the folders
     not listed (logged at the end), and at the end holds ``kept_fields`` and ``listed``.
+    ``keep_members``: the sidecar members a tar sample's images carry (``expand_tar``).
 
     A missing path is a UsageError before the first item; so is an input set with nothing in
     it, at the end. Paths from ``--files-from`` are taken as given (a missing one is an error
@@ -152,7 +156,8 @@ def stream_inputs(found: Discovery, inputs: Iterable[str], files_from: str | Non
     inputs = list(inputs)
     for raw in inputs:
         check_path_input(raw)
-    state = _Listing(found, UniqueKeys(), path_roots(table_paths_roots), (image_column, key_column))
+    state = _Listing(found, UniqueKeys(), path_roots(table_paths_roots), (image_column, key_column),
+                     tuple(keep_members))
     prefix_roots = sum(storage.is_url(raw) or os.path.isdir(raw)  # see ``key_under_root``
                        for raw in inputs) > 1
     for raw in inputs:
@@ -196,6 +201,7 @@ class _Listing:
     keys: "UniqueKeys"
     roots: tuple[str, ...]
     columns: tuple[str | None, str | None]
+    members: tuple[str, ...] = ()
     tables: dict = field(default_factory=dict)
     named: int = 0
     walked: int = 0
@@ -216,9 +222,10 @@ class _Listing:
     def container(self, path: str, name: str) -> list[InputItem]:
         """The images of the container ``path`` under ``name``, counted in ``found``."""
         roots = () if storage.is_url(path) else self.roots
-        items, skipped = container_items(path, name, *self.columns, roots)
+        items, skipped = container_items(path, name, *self.columns, roots, self.members)
         self.found.skipped += skipped
         self.found.tables += container_kind(path) == "table"
+        self.found.shards += container_kind(path) == "tar"
         return items
 
 
@@ -277,8 +284,12 @@ def _end_listing(state: _Listing, keep_columns: Sequence[str], stop: Stop | None
     if not found.tables and (image_column is not None or key_column is not None or keep_columns):
         flag = ("--image-column" if image_column is not None else
                 "--key-column" if key_column is not None else "--keep-column")
-        raise UsageError(f"{flag} applies to Parquet/Arrow inputs, and none was given")
-    found.kept_fields = kept_fields(list(state.tables), keep_columns, key_column)
+        hint = ("; a .tar shard's sidecar members (.txt, .json, .cls) are kept with "
+                "--keep-member" if found.shards and flag == "--keep-column" else "")
+        raise UsageError(f"{flag} applies to Parquet/Arrow inputs, and none was given{hint}")
+    if state.members and not found.shards:
+        raise UsageError("--keep-member applies to WebDataset .tar shards, and none was given")
+    found.kept_fields = kept_fields(list(state.tables), keep_columns, key_column, state.members)
     if stop is not None:
         stop.check()
     if state.named and not state.walked and not state.items:
@@ -291,11 +302,13 @@ def _end_listing(state: _Listing, keep_columns: Sequence[str], stop: Stop | None
     found.listed = True
 
 
-def kept_fields(tables: Sequence[str], keep_columns: Sequence[str], key_column: str | None) -> list:
-    """The fields of the table columns the rows carry (``tables``: the table files read):
+def kept_fields(tables: Sequence[str], keep_columns: Sequence[str], key_column: str | None,
+                keep_members: Sequence[str] = ()) -> list:
+    """The fields of the input columns the rows carry (``tables``: the table files read):
     ``keep_columns`` (an output column's name is refused), then ``key_column`` in its own type
-    unless kept already or named like an output column (its text is in ``path`` anyway)."""
-    if not keep_columns and key_column is None:
+    unless kept already or named like an output column (its text is in ``path`` anyway), then
+    the sidecar members ``keep_members`` as strings (a kept column's name is refused)."""
+    if not keep_columns and key_column is None and not keep_members:
         return []
     from ..output.parts import OUTPUT_COLUMNS  # lazily: see ARCHITECTURE.md's one arrow
 
@@ -306,7 +319,11 @@ def kept_fields(tables: Sequence[str], keep_columns: Sequence[str], key_column: 
     names = list(dict.fromkeys(keep_columns))
     if key_column is not None and key_column not in names and key_column not in OUTPUT_COLUMNS:
         names.append(key_column)
-    return table_fields(list(tables), names) if names else []
+    for ext in keep_members:
+        if ext in names:
+            raise UsageError(f"--keep-member {ext}: a kept table column is named {ext!r} too; "
+                             "keep one of them")
+    return [*(table_fields(list(tables), names) if names else []), *sidecar_fields(keep_members)]
 
 
 def refuse_missing_list(list_file: str, lines: list[str]) -> None:
@@ -333,12 +350,13 @@ def refuse_missing_list(list_file: str, lines: list[str]) -> None:
 
 def container_items(raw: str, name: str, image_column: str | None = None,
                     key_column: str | None = None, roots: tuple[str, ...] = (),
-                    ) -> tuple[list[InputItem], int]:
+                    keep_members: Sequence[str] = ()) -> tuple[list[InputItem], int]:
     """The images of the container ``raw`` keyed under ``name`` (its path as given, or under its
     folder), and the entries passed over; a key repeated inside it gets ``#2``, ``#3``, ... in
-    its order, so it depends on the container alone. Every way of finding a container calls this."""
+    its order, so it depends on the container alone. Every way of finding a container calls this.
+    ``keep_members``: a tar sample's sidecar members its images carry (``expand_tar``)."""
     if container_kind(raw) == "tar":
-        items, skipped = expand_tar(raw, name)
+        items, skipped = expand_tar(raw, name, keep_members)
     else:
         items, skipped = expand_table(raw, image_column, key_column, roots, name), 0
     return unique_keys(items), skipped

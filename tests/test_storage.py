@@ -212,10 +212,13 @@ def test_a_prefix_of_shards_is_read_as_its_shards(s3, local_images, tmp_path):
     s3.put("wds/train-00000.tar", shard.read_bytes())
     s3.put("wds/more/train-00001.tar", shard.read_bytes())
     s3.put("wds/stats.json", b"{}")
+    s3.put("wds/._train-00000.tar", b"macOS resource fork")  # hidden: left out, as in a folder
     found = discover([f"{s3.url}/wds/"])
     assert [i.key for i in found.items] == ["more/train-00001.tar/000000",
                                             "train-00000.tar/000000"]
     assert found.skipped == 1
+    assert [i.key for i in discover([f"{s3.url}/wds/"], exclude=["more"]).items] == [
+        "train-00000.tar/000000"]
 
 
 def test_parquet_image_column_in_a_bucket(s3, local_images, small_ckpt, tmp_path):

@@ -14,6 +14,7 @@ import logging
 import os
 import sys
 from dataclasses import dataclass, field, replace
+from fnmatch import fnmatchcase
 from pathlib import Path
 from typing import Callable, Iterable, Iterator, Protocol, Sequence
 
@@ -52,6 +53,27 @@ class Discovery:
     listed: bool = False  # the listing has ended (every input found; the counts are final)
 
 
+@dataclass(frozen=True)
+class Exclusions:
+    """The entries a folder's (or a prefix's) walk leaves out: hidden ones (a name starting
+    with ``.``: ``.git``, ``.DS_Store``, the macOS ``._*`` resource files), and those an
+    ``--exclude`` glob matches by name or by path under the walked folder (``fnmatchcase``:
+    ``*`` matches ``/`` too). A left-out folder is not walked."""
+
+    globs: tuple[str, ...] = ()
+
+    def skips(self, name: str, rel: str) -> bool:
+        """Whether the entry ``name``, at ``rel`` under the walked folder, is left out."""
+        return name.startswith(".") or any(fnmatchcase(name, glob) or fnmatchcase(rel, glob)
+                                           for glob in self.globs)
+
+    def skips_key(self, key: str) -> bool:
+        """Whether an object keyed ``key`` under a walked prefix is left out: it, or a folder
+        on its way."""
+        parts = key.split("/")
+        return any(self.skips(part, "/".join(parts[:i + 1])) for i, part in enumerate(parts))
+
+
 def _list_folder(folder: str) -> list[os.DirEntry]:
     """A folder's entries, sorted by name. Raises OSError when it cannot be listed."""
     with os.scandir(folder) as scan:
@@ -60,14 +82,16 @@ def _list_folder(folder: str) -> list[os.DirEntry]:
 
 def iter_folder(root: Path, found: "Discovery",
                 should_stop: Callable[[], bool] | None = None,
-                containers: list[tuple[str, str]] | None = None) -> Iterator[InputItem]:
+                containers: list[tuple[str, str]] | None = None,
+                exclusions: Exclusions = Exclusions()) -> Iterator[InputItem]:
     """Image files under ``root``, recursively, as the walk reaches them: depth-first, entries
     sorted by name (keys in pathlib order: ``b/z.png`` before ``b-c.gif``), symlinked folders
     followed once each; iterative, holding only the folders on the walked path. A folder that
     cannot be listed (no permission, a path past PATH_MAX) is appended to ``found.unlisted`` as
     ``(path, reason)``, a container file to ``containers`` (when given) as ``(path relative to
-    root, path)``; other files are counted in ``found.skipped``. ``should_stop`` is polled once
-    per entry: when it turns true, the walk ends."""
+    root, path)``; other files are counted in ``found.skipped``; what ``exclusions`` leaves
+    out is passed over. ``should_stop`` is polled once per entry: when it turns true, the
+    walk ends."""
     seen_dirs: set[tuple[int, int]] = set()
     # Frames: a folder's remaining entries (reversed: pop() takes the next), its path in root.
     stack: list[tuple[list[os.DirEntry], str]] = []
@@ -92,6 +116,8 @@ def iter_folder(root: Path, found: "Discovery",
             continue
         entry = entries.pop()
         child_rel = f"{rel}/{entry.name}" if rel else entry.name
+        if exclusions.skips(entry.name, child_rel):
+            continue
         try:
             is_dir = entry.is_dir(follow_symlinks=True)
             is_file = not is_dir and entry.is_file(follow_symlinks=True)
@@ -128,19 +154,21 @@ def read_path_list(list_file: str) -> list[str]:
 def discover(inputs: Iterable[str], files_from: str | None = None,
              image_column: str | None = None, key_column: str | None = None,
              stop: Stop | None = None, table_paths_roots: Iterable[str] = (),
-             keep_columns: Sequence[str] = (), keep_members: Sequence[str] = ()) -> Discovery:
+             keep_columns: Sequence[str] = (), keep_members: Sequence[str] = (),
+             exclude: Sequence[str] = ()) -> Discovery:
     """Every item of ``stream_inputs`` at once, in ``Discovery.items``."""
     found = Discovery()
     found.items = list(stream_inputs(found, inputs, files_from, image_column, key_column,
-                                     stop, table_paths_roots, keep_columns, keep_members))
+                                     stop, table_paths_roots, keep_columns, keep_members,
+                                     exclude))
     return found
 
 
 def stream_inputs(found: Discovery, inputs: Iterable[str], files_from: str | None = None,
                   image_column: str | None = None, key_column: str | None = None,
                   stop: Stop | None = None, table_paths_roots: Iterable[str] = (),
-                  keep_columns: Sequence[str] = (),
-                  keep_members: Sequence[str] = ()) -> Iterator[InputItem]:
+                  keep_columns: Sequence[str] = (), keep_members: Sequence[str] = (),
+                  exclude: Sequence[str] = ()) -> Iterator[InputItem]:
     """Expand folders and files (and an optional path list) into items, in input order, as
     the listing reaches them: a folder walked entry by entry (``iter_folder``), a prefix's
     objects in its listing's order (``storage.iter_files``: on S3 a page at a time), a path
@@ -149,6 +177,8 @@ def stream_inputs(found: Discovery, inputs: Iterable[str], files_from: str | Non
     ``items`` left alone) counts what was passed over and the tables read, gathers the folders
     not listed (logged at the end), and at the end holds ``kept_fields`` and ``listed``.
     ``keep_members``: the sidecar members a tar sample's images carry (``expand_tar``).
+    A folder's or a prefix's walk leaves out hidden entries and those ``exclude``'s globs
+    match (``Exclusions``); inputs given by name and list lines are taken as given.
 
     A missing path is a UsageError before the first item; so is an input set with nothing in
     it, at the end. Paths from ``--files-from`` are taken as given (a missing one is an error
@@ -157,7 +187,7 @@ def stream_inputs(found: Discovery, inputs: Iterable[str], files_from: str | Non
     for raw in inputs:
         check_path_input(raw)
     state = _Listing(found, UniqueKeys(), path_roots(table_paths_roots), (image_column, key_column),
-                     tuple(keep_members))
+                     tuple(keep_members), Exclusions(tuple(exclude)))
     prefix_roots = sum(storage.is_url(raw) or os.path.isdir(raw)  # see ``key_under_root``
                        for raw in inputs) > 1
     for raw in inputs:
@@ -202,6 +232,7 @@ class _Listing:
     roots: tuple[str, ...]
     columns: tuple[str | None, str | None]
     members: tuple[str, ...] = ()
+    exclusions: Exclusions = Exclusions()
     tables: dict = field(default_factory=dict)
     named: int = 0
     walked: int = 0
@@ -255,8 +286,8 @@ def _input_items(raw: str, state: _Listing, prefix_roots: bool,
     shards: list[tuple[str, str]] = []
     images = 0
     should_stop = stop.requested if stop is not None else None
-    walk = (_iter_prefix(raw, found, shards) if url
-            else iter_folder(Path(raw), found, should_stop, shards))
+    walk = (_iter_prefix(raw, found, shards, state.exclusions) if url
+            else iter_folder(Path(raw), found, should_stop, shards, state.exclusions))
     for item in walk:
         images += 1
         yield replace(item, key=key_under_root(raw, item.key)) if prefix_roots else item
@@ -265,10 +296,12 @@ def _input_items(raw: str, state: _Listing, prefix_roots: bool,
     yield from read_folder_containers(raw, shards, images > 0, state, prefix_roots)
 
 
-def _iter_prefix(prefix: str, found: Discovery,
-                 containers: list[tuple[str, str]]) -> Iterator[InputItem]:
+def _iter_prefix(prefix: str, found: Discovery, containers: list[tuple[str, str]],
+                 exclusions: Exclusions = Exclusions()) -> Iterator[InputItem]:
     """The image objects under ``prefix``, keyed relative to it; the rest as in ``iter_folder``."""
     for obj in storage.iter_files(prefix):
+        if exclusions.skips_key(obj.key):
+            continue
         if is_image_name(obj.key):
             yield InputItem(key=obj.key, path=obj.url, member=StoredObject(obj.url, obj.size))
         elif container_kind(obj.key) is not None:

@@ -42,6 +42,7 @@ class EncodeOptions:
     key_column: str | None = None
     keep_columns: tuple[str, ...] = ()  # table columns copied into the output rows
     keep_members: tuple[str, ...] = ()  # tar samples' sidecar members copied into the rows
+    exclude: tuple[str, ...] = ()  # globs of files and folders a folder's walk leaves out
     table_paths_roots: tuple[str, ...] = ()  # folders table path cells may name files in
     weights: str | None = None
     config: str | None = None

@@ -226,7 +226,8 @@ class RunSetup:
                                          opts.image_column, opts.key_column, stop,
                                          table_paths_roots=opts.table_paths_roots,
                                          keep_columns=opts.keep_columns,
-                                         keep_members=opts.keep_members)
+                                         keep_members=opts.keep_members,
+                                         exclude=opts.exclude)
             kept = opts.image_column or opts.key_column or opts.keep_columns or opts.keep_members
             self.more(None if kept else 1)
         return self.found

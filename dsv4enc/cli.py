@@ -87,12 +87,16 @@ def note(message: str, label: str = "note:") -> None:
     stderr_console.print(f"{label} {escape(message)}", highlight=False, soft_wrap=True)
 
 
-def write_interrupted_summary(path: str, exc: BaseException, out: str) -> None:
-    """--summary-json of a run a signal stopped: what it had done (maybe nothing)."""
+def write_stopped_summary(path: str, exc: BaseException, out: str, status: str) -> None:
+    """--summary-json of a run that did not complete (``status``: ``"interrupted"`` by a
+    signal, or ``"error"`` with the line it ended with): what it had done (maybe nothing). A
+    summary that cannot be written leaves the run's own error line as it is."""
     from .run.summary import RunSummary, write_summary_json
 
     done = getattr(exc, "summary", None) or RunSummary(out=out)
-    write_summary_json(path, done, "interrupted", getattr(exc, "exit_code", 1))
+    with contextlib.suppress(OSError):
+        write_summary_json(path, done, status, getattr(exc, "exit_code", 1),
+                           str(exc) if status == "error" else None)
 
 
 def version_callback(value: bool) -> None:
@@ -427,8 +431,8 @@ def _encode_command(opts, storage_option: list[str] | None, quiet: bool,
                 if opts.resume and summary.reused and not summary.encoded + summary.failed:
                     note(f"{summary.out} was already complete; nothing to resume")
     except Interrupted as exc:
-        if summary_json and (dist is None or dist.is_main):
-            write_interrupted_summary(summary_json, exc, opts.out)
+        if summary_json and _writes_reports(dist):
+            write_stopped_summary(summary_json, exc, opts.out, "interrupted")
         fail(str(exc), exc.exit_code)
     except AlreadyComplete as exc:  # the same outcome as a finished folder's --resume
         if dist is None or dist.is_main:
@@ -437,6 +441,8 @@ def _encode_command(opts, storage_option: list[str] | None, quiet: bool,
             else:
                 note(str(exc))
     except DsvError as exc:
+        if summary_json and _writes_reports(dist):
+            write_stopped_summary(summary_json, exc, opts.out, "error")
         fail(str(exc), exc.exit_code)
     except KeyboardInterrupt:
         fail("interrupted", 130)
@@ -449,6 +455,14 @@ def _encode_command(opts, storage_option: list[str] | None, quiet: bool,
             shutdown(dist)
         stop.restore()
         package_log.setLevel(log_level)  # in-process callers (tests) run more commands
+
+
+def _writes_reports(dist) -> bool:
+    """Whether this process writes the run's reports: the main rank, or (before the ranks
+    have joined) the process torchrun launched as rank 0, or the only one."""
+    from .run.ranks import launched_rank
+
+    return dist.is_main if dist is not None else launched_rank() == 0
 
 
 def _own_process_settings(device: str, dist) -> None:

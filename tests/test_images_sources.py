@@ -762,10 +762,16 @@ def test_kept_tar_members_come_out_as_columns_beside_their_rows(tmp_path, images
         caption, None, "two views", "two views"]
     assert keys_of(found.items) == keys_of(discover([str(shard)]).items)  # keys unchanged
     out = tmp_path / "out.parquet"
-    run(str(shard.parent), str(images["c.webp"]), "--keep-member", "txt", "--keep-member",
-        "json", "--keep-member", "cls", "--out", str(out), "--weights", str(ckpt))
+    table = tmp_path / "t.parquet"  # a table's rows: its kept column, no member
+    pq.write_table(pa.table({"img": [images["d.png"].read_bytes()], "caption": ["from t"]}),
+                   table)
+    run(str(shard.parent), str(images["c.webp"]), str(table), "--keep-member", "txt",
+        "--keep-member", "json", "--keep-member", "cls", "--keep-column", "caption", "--out",
+        str(out), "--weights", str(ckpt))
     got = pq.read_table(out)
-    assert got.schema.names[-3:] == ["txt", "json", "cls"]
+    assert got.schema.names[-4:] == ["caption", "txt", "json", "cls"]
+    assert [r["txt"] for r in got.to_pylist() if r["caption"] == "from t"] == [None]
+    assert {r["caption"] for r in got.to_pylist() if r["txt"]} == {None}
     assert all(got.schema.field(n).type == pa.string() for n in ("txt", "json", "cls"))
     rows = {r["path"].rpartition("train-00000.tar/")[2] or r["path"]: r
             for r in got.select(["path", "txt", "json", "cls", "error"]).to_pylist()}

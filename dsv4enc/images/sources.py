@@ -47,6 +47,9 @@ TAR_EXTENSIONS = (".tar",)
 #: by extension: each becomes a string column of that name (a ``.json`` member's raw text).
 SidecarMember = Literal["txt", "json", "cls"]
 SIDECAR_MEMBERS: tuple[str, ...] = get_args(SidecarMember)
+#: The field metadata that marks a kept sidecar member's column (a table may have a column of
+#: the same name, which is no table column's value for the rows of a shard, and vice versa).
+SIDECAR_FIELD = {b"dsv4enc": b"tar sidecar member"}
 
 #: Bytes of row-group columns a process keeps cached (at least the last one read is kept).
 CACHE_BYTES = 256 << 20
@@ -669,7 +672,8 @@ def sidecar_fields(keep_members: Sequence[str]) -> list["pa.Field"]:
     """The string columns of the kept sidecar members ``keep_members``, in order."""
     import pyarrow as pa
 
-    return [pa.field(ext, pa.string()) for ext in dict.fromkeys(keep_members)]
+    return [pa.field(ext, pa.string(), metadata=SIDECAR_FIELD)
+            for ext in dict.fromkeys(keep_members)]
 
 
 def kept_values(items: Sequence[InputItem], fields: Sequence["pa.Field"]) -> dict[str, "pa.Array"]:
@@ -678,14 +682,15 @@ def kept_values(items: Sequence[InputItem], fields: Sequence["pa.Field"]) -> dic
     cache), else null."""
     import pyarrow as pa
 
-    def value(item: InputItem, name: str) -> Any:
-        if item.sidecars:
-            return dict(item.sidecars).get(name)
+    def value(item: InputItem, field: "pa.Field") -> Any:
+        if field.metadata == SIDECAR_FIELD:
+            return dict(item.sidecars).get(field.name)
         if isinstance(item.member, TableCell):
-            return GROUP_CACHE.column(item.path, item.member.group, name)[item.member.row].as_py()
+            cells = GROUP_CACHE.column(item.path, item.member.group, field.name)
+            return cells[item.member.row].as_py()
         return None
 
-    return {field.name: pa.array([value(item, field.name) for item in items], type=field.type)
+    return {field.name: pa.array([value(item, field) for item in items], type=field.type)
             for field in fields}
 
 

@@ -263,11 +263,10 @@ _ENCODE_PARAMETERS: dict[str, tuple[Any, Any]] = {
             help="Batch-invariant rows: an image's bytes do not depend on what shares its "
                  "batch, the rank count, resume, or how it arrived (same device kind, dtype and "
                  "software). Not with --tp-mode weights.")),
-        fused=(bool, typer.Option(
-            False, "--fused/--no-fused",
-            help="Fuse the elementwise work around the GEMMs (RMSNorm, RoPE, SwiGLU) with "
-                 "torch.compile: equal to the eager tower to float rounding; compiling takes "
-                 "tens of seconds at start.")),
+        fused=(Optional[bool], typer.Option(
+            None, "--fused/--no-fused",
+            help="Fuse RMSNorm, RoPE and SwiGLU with torch.compile (default: on with CUDA); "
+                 "rows equal the eager tower's to float rounding.")),
         tp_mode=(str, typer.Option(
             "data", "--tp-mode", metavar=choices(*defaults.CHOICES["tp_mode"]),
             help="torchrun: data (each rank encodes its images) or weights (the tower is split "

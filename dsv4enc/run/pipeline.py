@@ -96,7 +96,8 @@ def resume_settings(opts: EncodeOptions) -> ResumeSettings:
                                        "image_column": opts.image_column,
                                        "key_column": opts.key_column,
                                        # None when none: what earlier outputs recorded
-                                       "keep_columns": list(opts.keep_columns) or None})
+                                       "keep_columns": list(opts.keep_columns) or None,
+                                       "keep_members": list(opts.keep_members) or None})
 
 
 def run_settings(cfg: VisionConfig, fingerprint: str, dtype: torch.dtype | str,

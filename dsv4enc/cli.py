@@ -264,11 +264,10 @@ _ENCODE_PARAMETERS: dict[str, tuple[Any, Any]] = {
             help="Batch-invariant rows: an image's bytes do not depend on what shares its "
                  "batch, the rank count, resume, or how it arrived (same device kind, dtype and "
                  "software). Not with --tp-mode weights.")),
-        fused=(bool, typer.Option(
-            False, "--fused/--no-fused",
-            help="Fuse the elementwise work around the GEMMs (RMSNorm, RoPE, SwiGLU) with "
-                 "torch.compile: equal to the eager tower to float rounding; compiling takes "
-                 "tens of seconds at start.")),
+        fused=(Optional[bool], typer.Option(
+            None, "--fused/--no-fused",
+            help="Fuse RMSNorm, RoPE and SwiGLU with torch.compile (default: on with CUDA); "
+                 "rows equal the eager tower's to float rounding.")),
         tp_mode=(str, typer.Option(
             "data", "--tp-mode", metavar=choices(*defaults.CHOICES["tp_mode"]),
             help="torchrun: data (each rank encodes its images) or weights (the tower is split "
@@ -525,8 +524,8 @@ def _echoed(rows, as_json: bool):
 
 @command(short_help="Time the engine, or with --host the host side alone.")
 def bench(
-    config: str = typer.Option(..., "--config", help="Model config JSON (a random tower of "
-                               "this shape is timed)."),
+    config: Optional[str] = typer.Option(None, "--config", help="Model config JSON (a random "
+                                         "tower of this shape is timed)."),
     device: str = typer.Option("auto", "--device", help="auto, cpu, cuda or cuda:N."),
     dtype: str = typer.Option("auto", "--dtype", help="auto, float32, bfloat16 or float16."),
     images: str = typer.Option("synthetic:mix", "--images", help="A folder of images, or "
@@ -561,13 +560,27 @@ def bench(
     workers: Optional[int] = typer.Option(None, "--workers", help="Decode processes of the "
                                           "--host, --e2e and --cli runs (default: as "
                                           "'encode' picks; --host: as for a CUDA run)."),
+    dtype_check: bool = typer.Option(False, "--dtype-check", help="Time float32 and bfloat16 "
+                                     "matmuls on this CPU and say what --dtype auto picks."),
 ) -> None:
     """Time the engine, or with --host the host side alone.
 
     The engine: img/s, tokens/s, FLOP/s, the fraction of the matmul ceiling measured in the
     same process, padding waste, the time split, and the speed-up over a naive loop. With
-    --host: the host's capacity (decoding and writing, with a null model stage)."""
+    --host: the host's capacity (decoding and writing, with a null model stage). With
+    --dtype-check: this CPU's float32 and bfloat16 rates and what --dtype auto picks."""
+    if threads:
+        import torch
+
+        torch.set_num_threads(threads)
+    if config is None and not dtype_check:
+        fail("bench needs --config (or --dtype-check)", 2)
     try:
+        if dtype_check:
+            from .bench.dtype_check import dtype_check_command
+
+            dtype_check_command(json_out)
+            return
         if host:
             from .bench.host import host_bench_command
 
@@ -577,8 +590,6 @@ def bench(
 
         from .bench.throughput import parse_on_off, print_results, run_bench
 
-        if threads:
-            torch.set_num_threads(threads)
         budgets = [int(t) for t in batch_tokens.split(",")] if batch_tokens else None
         rows = run_bench(config, device, dtype, images, budgets, parse_on_off(graphs, auto=True),
                          attention, features, max_images, repeat=repeat,

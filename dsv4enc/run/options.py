@@ -62,7 +62,7 @@ class EncodeOptions:
     attention: Attention = "auto"
     cuda_graphs: bool | None = None
     deterministic: bool = True  # batch-invariant rows (Engine)
-    fused: bool = False  # compiled elementwise kernels (fusion.py)
+    fused: bool | None = None  # compiled elementwise kernels (None: engine/defaults by device)
     shard_output: bool = False
     tp_mode: TpMode = "data"
     balance: Balance = "patches"

@@ -225,11 +225,12 @@ def run_host_bench(config_path: str, images: str = "synthetic:1024x768:256",
                    transforms: Sequence[str] = ("host",)) -> list[HostResult]:
     """Encode ``images`` (as ``throughput.resolve_images``, made once in ``workdir``) with the
     null stage, once per output kind in ``outputs`` and per ``--transform`` in ``transforms``
-    (``device``: the workers decode only, and the host stages the pixels for the GPU). ``workers``: decode workers (default: as
-    for a CUDA run here). ``options``: more ``EncodeOptions`` fields. ``steady``: each kind
-    also runs on an eighth of the images; the extra images over the extra CPU seconds are
-    ``steady_img_per_cpu_s`` (fixed costs cancel). An untimed short run first takes the
-    process's one-time costs (imports, pyarrow's start)."""
+    (``device``: the workers decode only, and the host stages the pixels for the GPU).
+    ``workers``: decode workers (default: as for a CUDA run here). ``options``: more
+    ``EncodeOptions`` fields. ``steady``: each run also runs on an eighth of the images; the
+    extra images over the extra CPU seconds are ``steady_img_per_cpu_s`` (fixed costs
+    cancel). An untimed short run first takes the process's one-time costs (imports,
+    pyarrow's start)."""
     from .throughput import check_outputs, resolve_images
     from ..run.pipeline import run_encode
 
@@ -268,7 +269,8 @@ def run_host_bench(config_path: str, images: str = "synthetic:1024x768:256",
             steady_rate = (None if short_cpu is None or cpu <= short_cpu
                            else (done - len(short)) / (cpu - short_cpu))
             results.append(HostResult(
-                output=kind, transform=transform, images=done, cores=cores, workers=n_workers, seconds=loop,
+                output=kind, transform=transform, images=done, cores=cores, workers=n_workers,
+                seconds=loop,
                 img_s=done / total, img_s_per_core=done / total / cores,
                 loop_img_s=done / loop if loop else 0.0, decode_wait_s=summary.decode_wait_s,
                 stage_s=summary.h2d_s, write_s=summary.write_s, total_s=total, cpu_s=cpu,
@@ -285,7 +287,8 @@ def print_host_results(results: Sequence[HostResult], console=None) -> None:
     console.print("[bold]host capacity[/bold] (null stage: the model costs nothing)")
     for r in results:
         console.print(
-            f"{r.output}, transform on the {r.transform}: {r.images} images in {r.total_s:.2f} s = {r.img_s:.1f} img/s, "
+            f"{r.output}, transform on the {r.transform}: {r.images} images in "
+            f"{r.total_s:.2f} s = {r.img_s:.1f} img/s, "
             f"{r.img_s_per_core:.1f} img/s per core ({r.cores} cores, {r.workers} decode "
             f"worker{'s' if r.workers != 1 else ''}); {r.cpu_s:.2f} CPU-s = "
             f"{r.img_per_cpu_s:.1f} images per CPU-second\n"

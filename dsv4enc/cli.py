@@ -293,6 +293,9 @@ _ENCODE_PARAMETERS: dict[str, tuple[Any, Any]] = {
             None, "--fused/--no-fused",
             help="Fuse RMSNorm, RoPE and SwiGLU with torch.compile (default: on with CUDA); "
                  "rows equal the eager tower's to float rounding.")),
+        transform=(str, typer.Option(
+            "auto", "--transform", metavar=choices(*defaults.CHOICES["transform"]),
+            help="Where images are resized (same bytes): auto is device on CUDA, host on CPU.")),
         tp_mode=(str, typer.Option(
             "data", "--tp-mode", metavar=choices(*defaults.CHOICES["tp_mode"]),
             help="torchrun: data (each rank encodes its images) or weights (the tower split "

@@ -23,6 +23,7 @@ a table that does not open, ``@0``); an unreadable Parquet row group's rows are 
 from __future__ import annotations
 
 import contextlib
+import errno
 import io
 import os
 import stat
@@ -189,6 +190,43 @@ def container_kind(path: str) -> str | None:
     return "tar" if lower.endswith(TAR_EXTENSIONS) else None
 
 
+# ----------------------------------------------------------------------------- regular files
+
+NOT_REGULAR = "not a regular file (a FIFO, socket or device)"
+
+
+class NotRegularFile(OSError):
+    """A local path that names a FIFO, socket or device: opening or reading it could wait
+    forever, so a container there is an error row at once."""
+
+    def __init__(self) -> None:
+        super().__init__(errno.EINVAL, NOT_REGULAR)
+
+    def __str__(self) -> str:
+        return NOT_REGULAR
+
+
+def require_regular(path: str) -> None:
+    """Raise ``NotRegularFile`` unless the local ``path`` (links followed) is a regular file."""
+    if not stat.S_ISREG(os.stat(path).st_mode):
+        raise NotRegularFile()
+
+
+def open_regular(path: str) -> BinaryIO:
+    """``open(path, "rb")`` of a regular file only (else ``NotRegularFile``): opened without
+    blocking (a FIFO's open waits for a writer), checked on the open file (a path swapped
+    meanwhile is seen), then made blocking again for plain reads."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise NotRegularFile()
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return os.fdopen(fd, "rb")
+
+
 # ----------------------------------------------------------------------------- tar shards
 
 def split_key(name: str) -> tuple[str, str]:
@@ -214,7 +252,7 @@ def _open_tar(raw: str) -> tuple[tarfile.TarFile | None, int, str | None]:
             handle = io.BufferedReader(_RangeFile(raw, 0, size, streamed=True), 1 << 20)
         else:
             size = os.path.getsize(raw)
-            handle = open(raw, "rb")
+            handle = open_regular(raw)
     except OSError as exc:
         return None, 0, f"cannot read it: {exc.strerror or exc}"
     try:
@@ -404,7 +442,7 @@ class _RangeFile(io.RawIOBase):
     def __init__(self, path: str, start: int, size: int, head: bytes = b"",
                  streamed: bool = False) -> None:
         self._url = storage.is_url(path)
-        self._path, self._file = path, None if self._url else open(path, "rb")
+        self._path, self._file = path, None if self._url else open_regular(path)
         self._start, self._size, self._pos = start, size, 0
         self._kept, self._kept_at = head, 0  # bytes read already, and where they start
         self._stream = storage.open_stream(path) if streamed else None
@@ -474,7 +512,7 @@ def read_tar_member(path: str, member: TarMember) -> bytes:
     if storage.is_url(path):
         data = storage.read_range(path, member.offset, member.size)
     else:
-        with open(path, "rb") as handle:
+        with open_regular(path) as handle:
             handle.seek(member.offset)
             data = handle.read(member.size)
     if len(data) != member.size:
@@ -518,8 +556,9 @@ def choose_image_column(schema: "pa.Schema", wanted: str | None, source: str) ->
     if "image" in candidates:
         return "image"
     if not candidates:
-        raise UsageError(f"{source}: no column holds image bytes (columns: {', '.join(names)}); "
-                         "pass --image-column")
+        # --image-column could name no other: a column it names must hold bytes too
+        raise UsageError(f"{source}: no column holds image bytes or {{bytes, path}} structs "
+                         f"(columns: {', '.join(names)}); give a table with such a column")
     raise UsageError(f"{source}: several columns hold bytes ({', '.join(candidates)}); "
                      "choose one with --image-column")
 
@@ -550,6 +589,8 @@ class TableReader:
         self.parquet = path.lower().endswith(".parquet")
         self.damage: tuple[int, str] | None = None
         url = storage.is_url(path)
+        if not url:  # a memory map or Parquet reader of a FIFO would wait in its open
+            require_regular(path)
         if self.parquet:
             # In a store, each row group's column chunk is one ranged read.
             self._file = (pq.ParquetFile(storage.open_input(path)) if url

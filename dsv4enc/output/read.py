@@ -113,14 +113,16 @@ def _visible(relative: str) -> bool:
 
 
 def _read_manifest(fs, path: str) -> dict | None:
-    """The manifest at ``path`` in ``fs``, its journal applied; None if it is not one."""
+    """The manifest at ``path`` in ``fs``, its journal applied; None if it is not dsv4enc's
+    (another tool's ``_manifest.json`` leaves the folder read as plain Parquet files)."""
     try:
         data = load_manifest(path, fs)
     except (OSError, ValueError):
         return None
     if not isinstance(data, dict) or not isinstance(data.get("parts"), dict):
         return None
-    return data
+    settings = data.get("settings")
+    return data if isinstance(settings, dict) and settings.get("tool") == "dsv4enc" else None
 
 
 def output_files(path: str | os.PathLike) -> list[Path]:
@@ -314,6 +316,27 @@ def _binary_views(column, fmt: EmbeddingFormat) -> list[np.ndarray | None]:
 #: Bytes of embeddings per Arrow batch while streaming, when ``batch_rows`` is not given: a
 #: batch near the CPU's cache sizes reads faster than fresh buffers paged in for each batch.
 BATCH_BYTES = 8 << 20
+#: With ``copy=True``, rows of at least this many bytes are read one per batch, so that the
+#: buffer Arrow decodes a row into holds that row alone and can be handed over, not copied.
+OWN_BATCH_BYTES = 1 << 20
+
+
+def sole_row_array(column, row: np.ndarray | None) -> np.ndarray | None:
+    """``row``, the view of a one-row binary ``embedding`` column's cell, made writable where
+    the column's data buffer holds this row alone (not a slice of a larger one) and may be
+    written: a buffer Arrow decoded for this batch, which nothing reads once the batch is
+    dropped. None where the row must be copied to be the caller's own."""
+    import pyarrow as pa
+
+    if row is None or len(column) != 1 or not (pa.types.is_binary(column.type)
+                                               or pa.types.is_large_binary(column.type)):
+        return None
+    data = column.buffers()[2]
+    if (data is None or not data.is_mutable or data.parent is not None
+            or row.nbytes != data.size or not row.dtype.isnative):
+        return None
+    row.flags.writeable = True  # the buffer is the row's alone: nothing else sees the writes
+    return row
 
 
 def read_embeddings(path: str | os.PathLike, columns: Sequence[str] | None = None, *,
@@ -330,10 +353,13 @@ def read_embeddings(path: str | os.PathLike, columns: Sequence[str] | None = Non
 
     ``errors="skip"`` (default) passes over rows whose image failed; ``errors="include"``
     yields them too, with ``None`` for the embedding and grid (dicts: the stored nulls).
-    ``copy=False`` yields read-only views of the batch instead of copies (faster; each view
-    keeps its whole batch alive). Memory stays at one batch (``batch_rows`` rows; default:
-    about ``BATCH_BYTES`` of embeddings, at most ``BATCH_ROWS`` rows), memory-mapped, and what
-    the caller keeps, whatever the file's size."""
+    Embeddings are the caller's own (writable, sharing memory with nothing): copies, or for a
+    row of ``OWN_BATCH_BYTES`` or more, read in a batch of its own, the buffer Arrow decoded
+    it into. ``copy=False`` yields read-only views of the batch instead of copies (faster for
+    small rows; each view keeps its whole batch alive). Memory stays at one batch
+    (``batch_rows`` rows; default: about ``BATCH_BYTES`` of embeddings, at most
+    ``BATCH_ROWS`` rows, one where ``copy`` and a row holds ``OWN_BATCH_BYTES``),
+    memory-mapped, and what the caller keeps, whatever the file's size."""
     if errors not in ("skip", "include"):
         raise ValueError(f"errors must be 'skip' or 'include', not {errors!r}")
     wanted = list(columns) if columns is not None else None
@@ -349,14 +375,14 @@ def read_embeddings(path: str | os.PathLike, columns: Sequence[str] | None = Non
             raise UsageError(f"{found.name(file)}: no column {unknown[0]!r} "
                              f"(columns: {', '.join(names)})")
         fmt = embedding_format(handle.schema_arrow) if "embedding" in need else None
-        rows = batch_rows or _rows_per_batch(handle, "embedding" in need)
+        rows = batch_rows or _rows_per_batch(handle, "embedding" in need, copy)
         for batch in handle.iter_batches(batch_size=rows, columns=need):
             yield from _batch_rows(batch, need, wanted, fmt, errors == "skip", copy)
 
 
-def _rows_per_batch(handle, embeddings: bool) -> int:
+def _rows_per_batch(handle, embeddings: bool, copy: bool) -> int:
     """Rows per batch that hold about BATCH_BYTES of embeddings (the first row group's
-    mean), at most BATCH_ROWS."""
+    mean), at most BATCH_ROWS; one where rows of OWN_BATCH_BYTES are to be copied."""
     meta = handle.metadata
     if not embeddings or meta.num_row_groups == 0 or meta.row_group(0).num_rows == 0:
         return BATCH_ROWS
@@ -366,6 +392,8 @@ def _rows_per_batch(handle, embeddings: bool) -> int:
     if column is None:
         return BATCH_ROWS
     per_row = column.total_uncompressed_size / group.num_rows
+    if copy and per_row >= OWN_BATCH_BYTES:
+        return 1
     return max(1, min(BATCH_ROWS, int(BATCH_BYTES // max(per_row, 1))))
 
 
@@ -373,9 +401,14 @@ def _batch_rows(batch, need: list[str], wanted: list[str] | None, fmt, skip: boo
                 copy: bool) -> Iterator[Any]:
     """One Arrow batch's rows, as ``read_embeddings`` yields them. Each embedding is copied
     only when its row is yielded: a caller that drops each row holds one or two copies, whose
-    memory the allocator reuses, instead of a batch of fresh ones."""
+    memory the allocator reuses, instead of a batch of fresh ones. A batch of one large row
+    hands its buffer over instead (``sole_row_array``): one copy in all, Arrow's decode."""
     data = {name: batch.column(name) for name in need}
     views = embedding_views(data["embedding"], fmt) if "embedding" in data else None
+    if copy and views is not None and len(views) == 1:
+        handed = sole_row_array(data["embedding"], views[0])
+        if handed is not None:
+            views, copy = [handed], False
     failed = valid_mask(data["error"]) if skip else None
     plain = {n: data[n].to_pylist() for n in need if n != "embedding"}
     for i in range(batch.num_rows):

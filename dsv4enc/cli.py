@@ -226,7 +226,7 @@ _ENCODE_PARAMETERS: dict[str, tuple[Any, Any]] = {
                  "kill loses about this much work).")),
         part_images=(Optional[int], typer.Option(
             None, "--part-images", hidden=True,
-            help="Images per committed part (default from the config; small values for tests).")),
+            help="Images a committed part holds on average (default from the config).")),
     ),
     **_panel(
         "Run control",

@@ -93,7 +93,7 @@ class PartEncoder:
                                      if i not in carried])
             rows = None
             if self.ranks.writes:
-                yield part.name, part.start, part.end, part.digest, ordered
+                yield part.name, part.start, part.end, part.digest, part.closes, ordered
             ordered = None
 
     def _stop_agreed(self) -> bool:

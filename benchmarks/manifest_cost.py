@@ -7,6 +7,7 @@ starts, resumes or finishes; and the bytes a whole run writes for its output.
     python benchmarks/manifest_cost.py --run 4000 [--part-images 2]
     python benchmarks/manifest_cost.py --run 2005 --part-images 50 --update 1,5 [--out-kind file]
         [--new-at first,middle,last]
+    python benchmarks/manifest_cost.py --cut 300000 [--part-images 50]
 
 Bytes are this process's, from /proc/self/io: ``wchar`` (bytes handed to write calls) and
 ``write_bytes`` (bytes sent to the disk, less ``cancelled_write_bytes``). A single file's update
@@ -145,6 +146,19 @@ def same_rows(a: Path, b: Path) -> bool:
     return rows(a) == rows(b)
 
 
+def cut_cost(keys: int, part_images: int) -> None:
+    """The CPU time of cutting ``keys`` listed keys into parts (``run/plan.cut_parts``)."""
+    from dsv4enc.images.headers import Planned
+    from dsv4enc.images.items import InputItem
+    from dsv4enc.run.plan import cut_parts
+
+    planned = [Planned(InputItem(f"folder/sub/img{i:08d}.jpg", "x")) for i in range(keys)]
+    began = time.process_time()
+    parts = sum(1 for _ in cut_parts(planned, part_images))
+    print(f"--part-images {part_images}: {parts} parts of {keys} keys, "
+          f"{time.process_time() - began:.2f} s CPU", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--parts", default="10,1000,100000")
@@ -157,8 +171,11 @@ def main() -> None:
                         help="the run's output: a folder or a single file")
     parser.add_argument("--new-at", default="last",
                         help="where the new images sort: first, middle, last (comma-separated)")
+    parser.add_argument("--cut", type=int, default=0, help="keys to cut into parts, timed")
     args = parser.parse_args()
-    if args.run:
+    if args.cut:
+        cut_cost(args.cut, args.part_images)
+    elif args.run:
         for new_at in args.new_at.split(","):
             run_cost(args.run, args.part_images, args.update, args.out_kind, new_at)
     else:

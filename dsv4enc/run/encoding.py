@@ -4,17 +4,17 @@ after another, with progress and stops agreed between ranks (``PartEncoder``).""
 from __future__ import annotations
 
 import time
-from typing import Iterable, Iterator, Sequence
+from typing import Collection, Iterable, Iterator, Sequence
 
 import torch
 
 from .. import storage
 from ..engine.batching import BatchLoop
-from ..images.decode import Decoded, DecodeStream, patches_tensor
+from ..images.decode import Decoded, DecodeStream, describe_error, patches_tensor
 from ..engine.engine import Engine
 from .options import EncodeOptions
 from ..engine.packing import output_grid
-from .plan import Part, Planned
+from .plan import Part, Planned, part_name
 from .progress import RunProgress
 from .stopping import StopSignals, StoppedWaiting
 from .summary import RunSummary
@@ -67,7 +67,9 @@ class PartEncoder:
     def run(self, planned: Sequence[Planned], parts: Iterable[tuple[Part, list[list[list[int]]]]],
             decoded: Iterator[tuple[int, Decoded]]) -> Iterator[tuple]:
         """Encode ``parts`` (each with its batches, per rank) from ``decoded`` (this rank's
-        images in the batches' order); yields each finished part."""
+        images in the batches' order); yields each finished part. Under gathered data
+        parallelism a part is one segment of every rank's share, so rank 0 yields its
+        finished prefix after each step: the writer commits it by --commit-every."""
         me = self.me
         for part, plan in parts:
             rows = {i: error_row(planned[i]) for i in part.indices if planned[i].error}
@@ -76,6 +78,7 @@ class PartEncoder:
             carried = self.update.rows(part.indices, planned) if self.update is not None else {}
             rows.update(carried)
             self.summary.reused += len(carried)
+            done = part.start  # rows before it were yielded (gathered pieces)
             for step in range(max(len(share) for share in plan)):
                 batch = plan[me][step] if step < len(plan[me]) else []
                 try:
@@ -86,15 +89,40 @@ class PartEncoder:
                 rows.update(self._finished(local))
                 if self._stop_agreed():
                     return
+                if self.ranks.gathered and self.ranks.writes:
+                    piece, done = self._piece(part, rows, done, carried)
+                    if piece is not None:
+                        yield piece
             rows.update(self._finished(self._rows(self.loop.drain())))
             self._share_progress()
-            ordered = [rows[i] for i in part.indices]
-            self.summary.count_rows([row for i, row in zip(part.indices, ordered)
-                                     if i not in carried])
+            piece, done = self._piece(part, rows, done, carried, last=True)
             rows = None
-            if self.ranks.writes:
-                yield part.name, part.start, part.end, part.digest, part.closes, ordered
-            ordered = None
+            if self.ranks.writes and piece is not None:
+                yield piece
+            piece = None
+
+    def _piece(self, part: Part, rows: dict[int, Row], done: int, carried: Collection[int],
+               last: bool = False) -> tuple[tuple | None, int]:
+        """The rows of ``part`` finished from input ``done`` on without a gap (all of them
+        when ``last``), taken out of ``rows`` and counted, as ``(name, start, end, digest,
+        closes, rows)`` (None when there are none; ``closes``: it ends the plan's part), and
+        where the next piece starts. A whole part keeps its name and digest; a piece is named
+        for its start (``plan.part_name``)."""
+        if last:
+            end = part.end
+        else:  # a gathered part covers start..end: its indices are that range
+            end = done
+            while end < part.end and end in rows:
+                end += 1
+        if end == done:
+            return None, done
+        indices = part.indices if (done, end) == (part.start, part.end) else range(done, end)
+        ordered = [rows.pop(i) for i in indices]
+        self.summary.count_rows([row for i, row in zip(indices, ordered) if i not in carried])
+        closes = end == part.part_end
+        if (done, end) == (part.start, part.end):
+            return (part.name, part.start, part.end, part.digest, closes, ordered), end
+        return (part_name(done, part.part_images), done, end, "", closes, ordered), end
 
     def _stop_agreed(self) -> bool:
         """Whether any rank was signalled; also brings every rank's progress to rank 0 (the
@@ -163,22 +191,46 @@ class PartEncoder:
                 if self.ranks.dist is None:  # one process stops at once; ranks agree later
                     storage.check_stores()
             if result.error is not None:
-                rows[index] = error_row(planned[index], result.error)
-                if self._counts_encoded:
-                    self._pending[3] += planned[index].tokens
+                self._failed(rows, index, planned[index], result.error)
             else:
                 ready.append((index, result))
         self.summary.decode_wait_s += time.perf_counter() - began
-        if not ready:
+        images = self._patches(planned, ready, rows)
+        if not images:
             return rows
-        packed = self.loop.submit([(index, planned[index].item.key, d) for index, d in ready],
-                                  [(patches_tensor(d), d.n_h, d.n_w) for _, d in ready])
+        packed = self.loop.submit([(index, planned[index].item.key, d) for index, d, _ in images],
+                                  [(patches, d.n_h, d.n_w) for _, d, patches in images])
         for _, d in ready:  # packed: the decode pool's shared slots are free again
             d.patches = None
         self.summary.tokens += packed.n_tokens
         if self.opts.features == "aligner":
             self.summary.merge_pad_tokens += packed.n_rows * self.ratio ** 2 - packed.n_tokens
         return rows
+
+    def _failed(self, rows: dict[int, Row], index: int, entry: Planned, error: str) -> None:
+        """Input ``index``'s error row (``entry``: its plan), its tokens no longer awaited."""
+        rows[index] = error_row(entry, error)
+        if self._counts_encoded:
+            self._pending[3] += entry.tokens
+
+    def _patches(self, planned: Sequence[Planned], ready: list[tuple[int, Decoded]],
+                 rows: dict[int, Row]) -> list[tuple[int, Decoded, torch.Tensor]]:
+        """``(index, decoded, patches)`` of the decoded images: their patches as decoded, or
+        made from their pixels on the engine's device (``Engine.transform``). An image whose
+        transform fails (the device's memory) is an error row, as a failed decode is."""
+        images = []
+        for index, d in ready:
+            try:
+                patches = (self.engine.transform(d.pixels) if d.pixels is not None
+                           else patches_tensor(d))
+            except (RuntimeError, MemoryError, ValueError) as exc:
+                self._failed(rows, index, planned[index],
+                             f"transform failed: {describe_error(exc)}")
+                continue
+            finally:
+                d.pixels = None  # copied: the decode pool's shared slot is free again
+            images.append((index, d, patches))
+        return images
 
     def _rows(self, done: list[tuple[tuple[int, str, Decoded], torch.Tensor]]) -> dict[int, Row]:
         """Rows of collected images (``BatchLoop`` tags and outputs), by input index."""

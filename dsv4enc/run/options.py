@@ -7,9 +7,11 @@ import os
 from dataclasses import dataclass
 from typing import Literal, get_args
 
-from ..engine.defaults import DEFAULT_MAX_IMAGES, FEATURES, POOLS, Features, Pool
+from ..engine.defaults import (DEFAULT_MAX_IMAGES, FEATURES, POOLS, TRANSFORMS, Features,
+                               Pool, Transform)
 from ..errors import UsageError
 from ..images.formats import DEFAULT_DECODE_TIMEOUT_S, DEFAULT_MAX_PIXELS
+from ..images.sources import SIDECAR_MEMBERS
 from ..output import LAYOUTS, STORED_DTYPES, Layout, StoredDtype
 from ..storage import OUTAGE_S
 from ..tower.config import Attention
@@ -27,7 +29,7 @@ BALANCE_CHOICES: tuple[str, ...] = get_args(Balance)
 #: the Python API (``api.Encoder``, ``batch.BatchEncoder``) read them.
 CHOICES: dict[str, tuple[str, ...]] = {
     "out_dtype": STORED_DTYPES, "features": FEATURES, "pool": POOLS, "layout": LAYOUTS,
-    "tp_mode": get_args(TpMode), "balance": BALANCE_CHOICES}
+    "tp_mode": get_args(TpMode), "balance": BALANCE_CHOICES, "transform": TRANSFORMS}
 
 
 @dataclass
@@ -40,6 +42,8 @@ class EncodeOptions:
     image_column: str | None = None
     key_column: str | None = None
     keep_columns: tuple[str, ...] = ()  # table columns copied into the output rows
+    keep_members: tuple[str, ...] = ()  # tar samples' sidecar members copied into the rows
+    exclude: tuple[str, ...] = ()  # globs of files and folders a folder's walk leaves out
     table_paths_roots: tuple[str, ...] = ()  # folders table path cells may name files in
     weights: str | None = None
     config: str | None = None
@@ -62,7 +66,8 @@ class EncodeOptions:
     attention: Attention = "auto"
     cuda_graphs: bool | None = None
     deterministic: bool = True  # batch-invariant rows (Engine)
-    fused: bool = False  # compiled elementwise kernels (fusion.py)
+    fused: bool | None = None  # compiled elementwise kernels (None: engine/defaults by device)
+    transform: Transform = "auto"  # where images are resized (engine/defaults.transform_on_device)
     shard_output: bool = False
     tp_mode: TpMode = "data"
     balance: Balance = "patches"
@@ -100,6 +105,10 @@ def validate(opts: EncodeOptions) -> None:
     for name, allowed in CHOICES.items():
         if getattr(opts, name) not in allowed:
             raise UsageError(f"--{name.replace('_', '-')} must be one of {', '.join(allowed)}")
+    for ext in opts.keep_members:
+        if ext not in SIDECAR_MEMBERS:
+            raise UsageError(f"--keep-member must be one of {', '.join(SIDECAR_MEMBERS)}, "
+                             f"got {ext}")
     for name in ("batch_tokens", "max_images", "max_pixels", "part_images", "log_every",
                  "commit_every"):
         value = getattr(opts, name)

@@ -228,7 +228,9 @@ def _run_encode(opts: EncodeOptions, ranks: Topology, setup: RunSetup, stop: Sto
             computes = source.start(setup, progress)
             output = _plan_output(run, setup, source, computes, remote)
             store = output.store
-            progress.announce(source.opening_line(len(setup.planned)))
+            line = source.opening_line(len(setup.planned))
+            # the output as given: a URL, not the staging folder its run writes in
+            progress.announce(remote.translate(line) if remote is not None else line)
             if adopted:
                 progress.announce(adopted)
             carried = output.carried
@@ -523,10 +525,10 @@ class LocalParts:
         windows = setup.plan_windows(output.todo, plan, opts.max_images,
                                      idle=list_ahead if ranks.world_size == 1 else None)
         with run.stop.deferred():  # a signal stops the loop between batches
-            for name, start, end, digest, rows in runner.run(planned, windows.parts(on_window),
-                                                             setup.decoded):
+            for name, start, end, digest, closes, rows in runner.run(
+                    planned, windows.parts(on_window), setup.decoded):
                 if writer is not None:
-                    writer.put(name, rows, start, end, digest)
+                    writer.put(name, rows, start, end, digest, closes=closes)
                 del rows  # only the writer holds a finished part meanwhile
         if windows.count is not None:
             run.progress.plan_tokens(0, last=True)  # the last window was not known as such

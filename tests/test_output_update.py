@@ -317,6 +317,7 @@ def test_update_with_other_settings_is_refused_in_one_line(finished, change, nam
         change = ["--dtype", "bfloat16" if made == "float32" else "float32"]
     line = one_line_error(cli(images, out, "--update", *change), 2)
     assert "cannot update" in line and named in line
+    assert "--overwrite in place of --update" in line  # beside --update it is refused
     assert out.stat().st_mtime_ns == stamp and not out.with_name("e.parquet.partial").exists()
 
 

@@ -59,17 +59,19 @@ SHOWN_SETTING = {"keep_columns": "--keep-column", "keep_members": "--keep-member
 
 
 def setting_refusal(refused: str, used: str, key: str, then: Any, now: Any, *,
-                    rerun: str = "", again: str) -> str:
+                    rerun: str = "", again: str, given: str) -> str:
     """The one line that refuses a run whose setting ``key`` is ``now`` where the output it
     continues has ``then``: ``refused`` opens it ("cannot resume"), ``used`` names the old
     value's ("the interrupted run used"), ``rerun`` follows the flag that would agree, and
-    ``again`` is what --overwrite does instead."""
+    ``again`` is what --overwrite does instead of ``given`` (the run's flag, which
+    --overwrite contradicts)."""
     flag = FLAG_OF_SETTING.get(key)
+    instead = f"--overwrite in place of {given} to {again}"
     if flag is not None and isinstance(then, (str, int)) and isinstance(now, (str, int)):
         return (f"{refused}: {used} {flag} {then}, this run asks for {now}; rerun with {flag} "
-                f"{then}{rerun} (or --overwrite to {again})")
+                f"{then}{rerun} (or {instead})")
     shown = SHOWN_SETTING.get(key) or flag or key.replace("_", " ")
-    return f"{refused}: {shown} differs ({then!r} then, {now!r} now); use --overwrite to {again}"
+    return f"{refused}: {shown} differs ({then!r} then, {now!r} now); use {instead}"
 
 
 def _hash8(text: bytes) -> int:
@@ -185,12 +187,13 @@ class OldOutput:
             raise UsageError(
                 f"cannot update {self.out}: it does not record its input files per row (made "
                 "by an earlier dsv4enc, or an unfinished run: finish it with --resume); rerun "
-                "with --overwrite once, then --update works")
+                "once with --overwrite in place of --update, then --update works")
         for key, now in settings.items():
             then = self.settings.get(key)
             if key not in CUT_SETTINGS and then != now:
                 raise UsageError(setting_refusal(f"cannot update {self.out}", "it was made with",
-                                                 key, then, now, again="encode everything again"))
+                                                 key, then, now, again="encode everything again",
+                                                 given="--update"))
 
     def column(self, name: str) -> Iterable[Any]:
         """One small column's values, row by row, read a row group at a time."""

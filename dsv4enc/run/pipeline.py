@@ -91,6 +91,7 @@ def resume_settings(opts: EncodeOptions) -> ResumeSettings:
     (each segment is a part under --shard-output), and the options that decide rows besides
     the run's settings (not --decode-timeout: a part with a timed-out row is redone anyway)."""
     return ResumeSettings(resume=opts.resume or opts.update,
+                          flag="--update" if opts.update else "--resume",
                           commit_every=None if opts.shard_output else opts.commit_every,
                           row_options={"max_pixels": opts.max_pixels,
                                        "image_column": opts.image_column,
@@ -242,8 +243,9 @@ def _run_encode(opts: EncodeOptions, ranks: Topology, setup: RunSetup, stop: Sto
             _write_output(run, source, setup, output)
     except (DsvError, Interrupted) as exc:
         again = finishing_flag(opts)
-        if isinstance(exc, storage.StoreDown) and store is not None and remote is None:
-            exc.keep(len(store.parts), str(layout.parts_dir), again)
+        if isinstance(exc, storage.StoreDown):  # a store output's parts: RemoteOutput.run
+            local = store is not None and remote is None
+            exc.keep(len(store.parts) if local else None, str(layout.parts_dir), again)
         elif again != "--resume":
             advise(exc, again)
         if ranks.is_main:

@@ -6,9 +6,10 @@
 ``--matmul``: float32 and bfloat16 matmuls of the encoder's shape (1024x4096 @ 4096x1024),
 interleaved round by round in one process, so that both see the same machine; prints each
 round's GFLOP/s, the bfloat16/float32 ratio of the medians, this CPU's kind (vendor, family,
-model, bf16 features) and what ``--dtype auto`` picks on it. ``--busy N`` keeps N other
-processes spinning meanwhile (a loaded machine). These figures are what
-``engine/cpufeatures.MEASURED_KINDS`` is built from.
+model, bf16 features) and what ``--dtype auto`` picks on it (``dsv4enc bench --dtype-check``
+times the same products and says it in words). ``--busy N`` keeps N other processes spinning
+meanwhile (a loaded machine). These figures are what ``engine/cpufeatures.MEASURED_KINDS`` is
+built from.
 
 The tower at a config's real dimensions (random weights), per compute dtype:
 
@@ -30,7 +31,6 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -40,6 +40,7 @@ from pathlib import Path
 
 import torch
 
+from dsv4enc.bench.dtype_check import MATMUL_SHAPE, matmul_rates
 from dsv4enc.bench.throughput import synthetic_images
 from dsv4enc.tower.checkpoint import COMPUTE_DTYPES, build_tower, random_checkpoint
 from dsv4enc.tower.config import VisionConfig
@@ -55,29 +56,6 @@ def _seconds_per_image(engine: Engine, items: list) -> float:
     for patches, n_h, n_w in items:
         engine.encode(pack([(patches, n_h, n_w)], engine.cfg.downsample_ratio))
     return (time.perf_counter() - began) / len(items)
-
-
-def _gflops(a: torch.Tensor, b: torch.Tensor, repeat: int) -> float:
-    a @ b
-    began = time.perf_counter()
-    for _ in range(repeat):
-        a @ b
-    return 2 * a.shape[0] * a.shape[1] * b.shape[1] * repeat / (time.perf_counter() - began) / 1e9
-
-
-def matmul_rates(rounds: int, repeat: int, shape: tuple[int, int, int]) -> dict:
-    """float32 and bfloat16 GFLOP/s of an (M, K) @ (K, N) matmul, interleaved by round."""
-    m, k, n = shape
-    generator = torch.Generator().manual_seed(0)
-    operands = {name: (torch.randn(m, k, generator=generator).to(dtype),
-                       torch.randn(k, n, generator=generator).to(dtype))
-                for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16))}
-    rates: dict[str, list[float]] = {name: [] for name in operands}
-    for _ in range(rounds):
-        for name, (a, b) in operands.items():
-            rates[name].append(round(_gflops(a, b, repeat), 1))
-    ratio = statistics.median(rates["bfloat16"]) / statistics.median(rates["float32"])
-    return {"shape": f"{m}x{k} @ {k}x{n}", "gflop_s": rates, "bf16_over_fp32": round(ratio, 2)}
 
 
 def matmul_main(a: argparse.Namespace) -> None:
@@ -103,7 +81,7 @@ def main() -> None:
     p.add_argument("--matmul", action="store_true", help="time bare matmuls, both dtypes")
     p.add_argument("--rounds", type=int, default=4, help="--matmul: interleaved rounds")
     p.add_argument("--repeat", type=int, default=5, help="--matmul: products per timing")
-    p.add_argument("--shape", default="1024,4096,1024", help="--matmul: M,K,N")
+    p.add_argument("--shape", default=",".join(map(str, MATMUL_SHAPE)), help="--matmul: M,K,N")
     p.add_argument("--busy", type=int, default=0, help="--matmul: spinning processes")
     p.add_argument("--config")
     p.add_argument("--dtype", default="float32", choices=sorted(COMPUTE_DTYPES))

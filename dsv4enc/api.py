@@ -138,7 +138,7 @@ class Encoder:
                  max_images: int = DEFAULT_MAX_IMAGES, decode_threads: int | None = None,
                  max_pixels: int = DEFAULT_MAX_PIXELS, attention: Attention = "auto",
                  cuda_graphs: bool | None = None, deterministic: bool = True,
-                 fused: bool = False) -> None:
+                 fused: bool | None = None) -> None:
         self.checkpoint, self.config = checkpoint, checkpoint.config
         self.fingerprint = checkpoint.fingerprint  # as ``encode`` writes it to the metadata
         self.device = resolve_device(device)

@@ -17,6 +17,7 @@ import time
 from typing import Any, List, Optional
 
 import typer
+from typer.core import TyperCommand, TyperGroup
 
 from .version import __version__
 from .errors import AlreadyComplete, DsvError, Interrupted
@@ -24,7 +25,27 @@ from .run import options as defaults  # torch-free: the defaults, each defined o
 from .storage import OUTAGE_S, stop_bound_s
 from .tower.config import ATTENTION_BACKENDS
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+class _BareFlags:
+    """A command whose --help shows no type for a flag: it takes no value (Typer would show
+    ``<bool>``, which reads as if ``--version true`` were asked for)."""
+
+    def get_params(self, ctx):
+        params = super().get_params(ctx)
+        for param in params:
+            if getattr(param, "is_flag", False) and param.metavar is None:
+                param.metavar = ""
+        return params
+
+
+class BareFlagsGroup(_BareFlags, TyperGroup):
+    """The ``dsv4enc`` group (its own options: ``--version``, ``--verbose``)."""
+
+
+class BareFlagsCommand(_BareFlags, TyperCommand):
+    """Each ``dsv4enc`` command."""
+
+
+app = typer.Typer(cls=BareFlagsGroup, add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Encode images with the DeepSeek-V4 or V4.1 vision tower and write "
                   "Parquet.")
 
@@ -35,6 +56,7 @@ def command(name: str | None = None, **settings):
     def register(function):
         paragraphs = inspect.cleandoc(function.__doc__ or "").split("\n\n")
         settings.setdefault("help", "\n\n".join(" ".join(p.split()) for p in paragraphs))
+        settings.setdefault("cls", BareFlagsCommand)
         return app.command(name, **settings)(function)
     return register
 
@@ -48,6 +70,8 @@ def choices(*values: str) -> str:
 #: When this process started (``time.perf_counter``'s clock), set by ``main`` (each torchrun
 #: rank's too) so that a run's wall time counts the interpreter's start and the imports.
 _process_started: float | None = None
+#: Whether the command owns this process (``main``): only then may a hung stop end it.
+_owns_process = False
 
 
 def fail(message: str, code: int = 1) -> None:
@@ -65,12 +89,16 @@ def note(message: str, label: str = "note:") -> None:
     stderr_console.print(f"{label} {escape(message)}", highlight=False, soft_wrap=True)
 
 
-def write_interrupted_summary(path: str, exc: BaseException, out: str) -> None:
-    """--summary-json of a run a signal stopped: what it had done (maybe nothing)."""
+def write_stopped_summary(path: str, exc: BaseException, out: str, status: str) -> None:
+    """--summary-json of a run that did not complete (``status``: ``"interrupted"`` by a
+    signal, or ``"error"`` with the line it ended with): what it had done (maybe nothing). A
+    summary that cannot be written leaves the run's own error line as it is."""
     from .run.summary import RunSummary, write_summary_json
 
     done = getattr(exc, "summary", None) or RunSummary(out=out)
-    write_summary_json(path, done, "interrupted", getattr(exc, "exit_code", 1))
+    with contextlib.suppress(OSError):
+        write_summary_json(path, done, status, getattr(exc, "exit_code", 1),
+                           str(exc) if status == "error" else None)
 
 
 def version_callback(value: bool) -> None:
@@ -117,24 +145,30 @@ _ENCODE_PARAMETERS: dict[str, tuple[Any, Any]] = {
         files_from=(Optional[str], typer.Option(
             None, "--files-from",
             help="A file listing image paths, one per line ('-' for stdin).")),
+        exclude=(Optional[List[str]], typer.Option(
+            None, "--exclude", metavar="GLOB",
+            help="Folders: leave out entries whose name or path matches GLOB (repeatable); "
+                 "hidden ones always.")),
         image_column=(Optional[str], typer.Option(
             None, "--image-column",
             help="Table inputs: the column holding image bytes or {bytes, path} structs "
                  "(default: the only such column).")),
         key_column=(Optional[str], typer.Option(
             None, "--key-column",
-            help="Table inputs: the column giving each row's output path (default: FILE/PATH "
-                 "with a {bytes, path} struct's path, else FILE#ROW); the column is kept "
-                 "too, in its own type.")),
+            help="Table inputs: the column naming each row's path (default: FILE/PATH or "
+                 "FILE#ROW); kept too, in its own type.")),
         keep_column=(Optional[List[str]], typer.Option(
             None, "--keep-column", metavar="NAME",
             help="Table inputs: copy the column NAME into the output rows, in its own type "
                  "(null for rows not from a table; repeatable).")),
+        keep_member=(Optional[List[str]], typer.Option(
+            None, "--keep-member", metavar="EXT",
+            help=f"Tar shards: copy each sample's EXT member ({', '.join(defaults.SIDECAR_MEMBERS)})"
+                 " as text into a column EXT (repeatable).")),
         table_paths_root=(Optional[List[str]], typer.Option(
             None, "--table-paths-root", metavar="DIR",
-            help="Table inputs: a {bytes: null, path} cell may name image files under DIR too "
-                 "(repeatable). By default only files inside the table's own folder are read; "
-                 "relative paths resolve beside the table.")),
+            help="Table inputs: {bytes: null, path} cells may name image files under DIR too "
+                 "(default: the table's folder only; repeatable).")),
         max_pixels=(int, typer.Option(
             defaults.DEFAULT_MAX_PIXELS, "--max-pixels",
             help="Images with more pixels are refused (decompression bombs); Pillow's default.")),
@@ -149,30 +183,24 @@ _ENCODE_PARAMETERS: dict[str, tuple[Any, Any]] = {
                  "anonymous=true (repeatable). Credentials and endpoints otherwise come from "
                  "the environment and config files.")),
         storage_outage_s=(float, typer.Option(
-            OUTAGE_S, "--storage-outage-s", metavar="SECONDS", help="Object storage: how long a "
-            "store may fail every call (refused connections, timeouts, 5xx; each after its "
-            "retries) before the run stops in one line, exit 1, its finished parts kept for "
-            f"--resume. The run ends within this plus {stop_bound_s(0.0, {}):g} s of the store's "
-            f"last answer ({stop_bound_s(OUTAGE_S, {}):g} s by default), plus the batch in "
-            "progress; inputs that failed meanwhile are transient rows, encoded again on "
-            "--resume.")),
+            OUTAGE_S, "--storage-outage-s", metavar="SECONDS", help="Object storage: seconds a "
+            "store may fail every call before the run stops (exit 1, parts kept for --resume): "
+            f"within this plus {stop_bound_s(0.0, {}):g} s of the store's last answer "
+            f"({stop_bound_s(OUTAGE_S, {}):g} s by default).")),
     ),
     **_panel(
         "Model",
         weights=(Optional[str], typer.Option(
             None, "--weights", envvar="DSV4ENC_WEIGHTS",
-            help="Checkpoint folder (config.json + safetensors) or a Hub id owner/name (needs "
-                 # \[: a literal bracket, not rich markup
-                 "the hub extra: pip install 'dsv4enc\\[hub]'); default: $DSV4ENC_WEIGHTS. Its "
-                 "config.json's model_type picks the variant: deepseek_v4 (V4-Flash-Vision-Exp) "
-                 "or deepseek_v41 (V4.1-Flash), each with its own image geometry.")),
+            # \[: a literal bracket, not rich markup
+            help="Checkpoint folder or Hub id owner/name (pip install 'dsv4enc\\[hub]'); its "
+                 "config.json's model_type, deepseek_v4 or deepseek_v41, picks the variant.")),
         config=(Optional[str], typer.Option(
             None, "--config",
-            help="Model config JSON, for --random-init; its model_type (deepseek_v4 or "
-                 "deepseek_v41) picks the variant. The configs folder has both.")),
+            help="Model config JSON for --random-init (configs/ has both variants).")),
         random_init=(bool, typer.Option(
             False, "--random-init",
-            help="Use a random tower of --config's shape (demos, benchmarks).")),
+            help="A random tower of --config's shape (demos, benchmarks).")),
         seed=(int, typer.Option(
             0, "--seed",
             help="Seed for --random-init.")),
@@ -199,9 +227,8 @@ _ENCODE_PARAMETERS: dict[str, tuple[Any, Any]] = {
             help="Stored embedding dtype.")),
         layout=(str, typer.Option(
             "binary", "--layout", metavar=choices(*defaults.CHOICES["layout"]),
-            help="embedding column: binary (one cell of raw bytes per image, ~20x cheaper to "
-                 "write and read) or nested (float lists that SQL and dataframe tools read as "
-                 "numbers).")),
+            help="embedding column: binary (raw bytes, ~20x cheaper) or nested (float lists "
+                 "that SQL tools read).")),
         overwrite=(bool, typer.Option(
             False, "--overwrite",
             help="Replace an existing --out.")),
@@ -228,11 +255,10 @@ _ENCODE_PARAMETERS: dict[str, tuple[Any, Any]] = {
                  "the run).")),
         commit_every=(float, typer.Option(
             defaults.COMMIT_EVERY_S, "--commit-every",
-            help="Seconds of encoding after which finished images are committed as a part (a "
-                 "kill loses about this much work).")),
+            help="Seconds of encoding between commits (a kill loses about this much).")),
         part_images=(Optional[int], typer.Option(
-            None, "--part-images", hidden=True,
-            help="Images per committed part (default from the config; small values for tests).")),
+            None, "--part-images",
+            help="Inputs per part file of a folder output (default: from the model config).")),
     ),
     **_panel(
         "Run control",
@@ -266,23 +292,19 @@ _ENCODE_PARAMETERS: dict[str, tuple[Any, Any]] = {
             help="Replay captured CUDA graphs (default: on with CUDA).")),
         deterministic=(bool, typer.Option(
             True, "--deterministic/--no-deterministic",
-            help="Batch-invariant rows: an image's bytes do not depend on what shares its "
-                 "batch, the rank count, resume, or how it arrived (same device kind, dtype and "
-                 "software). Not with --tp-mode weights.")),
-        fused=(bool, typer.Option(
-            False, "--fused/--no-fused",
-            help="Fuse the elementwise work around the GEMMs (RMSNorm, RoPE, SwiGLU) with "
-                 "torch.compile: equal to the eager tower to float rounding; compiling takes "
-                 "tens of seconds at start.")),
+            help="Batch-invariant rows: an image's bytes do not depend on its batch, ranks "
+                 "or resume. Not with --tp-mode weights.")),
+        fused=(Optional[bool], typer.Option(
+            None, "--fused/--no-fused",
+            help="Fuse RMSNorm, RoPE and SwiGLU with torch.compile (default: on with CUDA); "
+                 "rows equal the eager tower's to float rounding.")),
         tp_mode=(str, typer.Option(
             "data", "--tp-mode", metavar=choices(*defaults.CHOICES["tp_mode"]),
-            help="torchrun: data (each rank encodes its images) or weights (the tower is split "
-                 "across ranks; its all-reduce sums in another order, so rows are not "
-                 "batch-invariant and differ in the last bits from one rank's).")),
+            help="torchrun: data (each rank encodes its images) or weights (the tower split "
+                 "across ranks; rows not batch-invariant).")),
         balance=(str, typer.Option(
             "patches", "--balance", metavar=choices(*defaults.CHOICES["balance"]),
-            help="torchrun load balancing cost: patches, or flops (counts the quadratic "
-                 "attention term).")),
+            help="torchrun load balance by patches, or flops (attention's quadratic term).")),
     ),
     **_panel(
         "Ray",
@@ -339,6 +361,8 @@ def encode(ctx: typer.Context, **given: Any) -> None:
                     for name in ("address", "actors", "gpus_per_actor", "object_store_mb")}
     opts = EncodeOptions(inputs=list(given.pop("inputs") or []),
                          keep_columns=tuple(given.pop("keep_column") or ()),
+                         keep_members=tuple(given.pop("keep_member") or ()),
+                         exclude=tuple(given.pop("exclude") or ()),
                          table_paths_roots=tuple(given.pop("table_paths_root") or ()),
                          progress=not quiet, **given)
     ray_opts = None
@@ -360,7 +384,7 @@ def _encode_command(opts, storage_option: list[str] | None, quiet: bool,
     from .output.parts import prefer_jemalloc_pool
     from .run.ranks import launched_ranks
     from .run.setup import RunSetup, start_prefetch
-    from .run.stopping import StopSignals
+    from .run.stopping import FORCE_EXIT_S, StopSignals
 
     package_log = logging.getLogger("dsv4enc")
     log_level = package_log.level
@@ -369,7 +393,9 @@ def _encode_command(opts, storage_option: list[str] | None, quiet: bool,
     dist = prefetch = None
     # SIGINT/SIGTERM from here on stop every phase promptly (exit 130/143). Under torchrun
     # they are only recorded: the ranks agree on stopping between batches.
-    stop = StopSignals(immediate=launched_ranks() <= 1)
+    # In a process of its own (``main``), a stop that hangs ends the process after a grace.
+    stop = StopSignals(immediate=launched_ranks() <= 1,
+                       force_exit_s=FORCE_EXIT_S if _owns_process else None)
     stop.install()
     own_process_pillow_settings()  # each open checks --max-pixels itself
     try:
@@ -418,8 +444,8 @@ def _encode_command(opts, storage_option: list[str] | None, quiet: bool,
                 if opts.resume and summary.reused and not summary.encoded + summary.failed:
                     note(f"{summary.out} was already complete; nothing to resume")
     except Interrupted as exc:
-        if summary_json and (dist is None or dist.is_main):
-            write_interrupted_summary(summary_json, exc, opts.out)
+        if summary_json and _writes_reports(dist):
+            write_stopped_summary(summary_json, exc, opts.out, "interrupted")
         fail(str(exc), exc.exit_code)
     except AlreadyComplete as exc:  # the same outcome as a finished folder's --resume
         if dist is None or dist.is_main:
@@ -428,6 +454,8 @@ def _encode_command(opts, storage_option: list[str] | None, quiet: bool,
             else:
                 note(str(exc))
     except DsvError as exc:
+        if summary_json and _writes_reports(dist):
+            write_stopped_summary(summary_json, exc, opts.out, "error")
         fail(str(exc), exc.exit_code)
     except KeyboardInterrupt:
         fail("interrupted", 130)
@@ -440,6 +468,14 @@ def _encode_command(opts, storage_option: list[str] | None, quiet: bool,
             shutdown(dist)
         stop.restore()
         package_log.setLevel(log_level)  # in-process callers (tests) run more commands
+
+
+def _writes_reports(dist) -> bool:
+    """Whether this process writes the run's reports: the main rank, or (before the ranks
+    have joined) the process torchrun launched as rank 0, or the only one."""
+    from .run.ranks import launched_rank
+
+    return dist.is_main if dist is not None else launched_rank() == 0
 
 
 def _own_process_settings(device: str, dist) -> None:
@@ -488,8 +524,8 @@ def inspect_command(
 
 @command(short_help="Time the engine, or with --host the host side alone.")
 def bench(
-    config: str = typer.Option(..., "--config", help="Model config JSON (a random tower of "
-                               "this shape is timed)."),
+    config: Optional[str] = typer.Option(None, "--config", help="Model config JSON (a random "
+                                         "tower of this shape is timed)."),
     device: str = typer.Option("auto", "--device", help="auto, cpu, cuda or cuda:N."),
     dtype: str = typer.Option("auto", "--dtype", help="auto, float32, bfloat16 or float16."),
     images: str = typer.Option("synthetic:mix", "--images", help="A folder of images, or "
@@ -524,13 +560,27 @@ def bench(
     workers: Optional[int] = typer.Option(None, "--workers", help="Decode processes of the "
                                           "--host, --e2e and --cli runs (default: as "
                                           "'encode' picks; --host: as for a CUDA run)."),
+    dtype_check: bool = typer.Option(False, "--dtype-check", help="Time float32 and bfloat16 "
+                                     "matmuls on this CPU and say what --dtype auto picks."),
 ) -> None:
     """Time the engine, or with --host the host side alone.
 
     The engine: img/s, tokens/s, FLOP/s, the fraction of the matmul ceiling measured in the
     same process, padding waste, the time split, and the speed-up over a naive loop. With
-    --host: the host's capacity (decoding and writing, with a null model stage)."""
+    --host: the host's capacity (decoding and writing, with a null model stage). With
+    --dtype-check: this CPU's float32 and bfloat16 rates and what --dtype auto picks."""
+    if threads:
+        import torch
+
+        torch.set_num_threads(threads)
+    if config is None and not dtype_check:
+        fail("bench needs --config (or --dtype-check)", 2)
     try:
+        if dtype_check:
+            from .bench.dtype_check import dtype_check_command
+
+            dtype_check_command(json_out)
+            return
         if host:
             from .bench.host import host_bench_command
 
@@ -540,8 +590,6 @@ def bench(
 
         from .bench.throughput import parse_on_off, print_results, run_bench
 
-        if threads:
-            torch.set_num_threads(threads)
         budgets = [int(t) for t in batch_tokens.split(",")] if batch_tokens else None
         rows = run_bench(config, device, dtype, images, budgets, parse_on_off(graphs, auto=True),
                          attention, features, max_images, repeat=repeat,
@@ -562,9 +610,10 @@ def main() -> None:
     """Console-script entry point: once the command has finished (output committed, workers
     shut down), ``os._exit`` after flushing stdio and logging, as tearing down an interpreter
     that imported torch is slow. In-process callers (tests, scripts) use ``app`` instead."""
-    global _process_started
+    global _process_started, _owns_process
     from .process import process_age
 
+    _owns_process = True
     if (age := process_age()) is not None:
         _process_started = time.perf_counter() - age
     try:

@@ -13,6 +13,16 @@ def check_choice(name: str, value: str, allowed: tuple[str, ...]) -> str:
     return value
 
 
+RESUME_ADVICE = "rerun with --resume"  # how an error's line advises finishing the run
+
+
+def advise(exc: Exception, again: str) -> None:
+    """Make ``exc``'s line advise ``again`` where it says ``RESUME_ADVICE`` (an interrupted
+    ``--update`` is finished by ``--update``: ``--resume`` would be refused beside it)."""
+    if exc.args and isinstance(exc.args[0], str):
+        exc.args = (exc.args[0].replace(RESUME_ADVICE, f"rerun with {again}"), *exc.args[1:])
+
+
 class DsvError(Exception):
     """A setup problem the user can fix. ``exit_code`` is what the CLI exits with."""
 

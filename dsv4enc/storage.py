@@ -356,20 +356,21 @@ class StoreDown(StorageError):
 
     def __init__(self, store: str, cause: str, seconds: float) -> None:
         self.store, self.cause, self.seconds = store, cause, seconds
-        self.kept = "finished parts are kept; rerun with --resume when it is back"
+        self.again = "--resume"  # the flag that finishes the run (an --update's: --update)
+        self.kept = "finished parts are kept"
         super().__init__(self._line())
 
     def _line(self) -> str:
+        # --resume (or --update) also starts afresh where nothing was kept: it always works
         return (f"{self.store}: the store stopped answering ({self.cause}) for "
-                f"{self.seconds:.0f} s; {self.kept}")
+                f"{self.seconds:.0f} s; {self.kept}; rerun with {self.again} when it is back")
 
-    def keep(self, parts: int, where: str) -> None:
-        """Say what the run leaves: ``parts`` finished parts kept in ``where``."""
-        if parts:
-            self.kept = (f"{parts} finished part{'s are' if parts != 1 else ' is'} kept in "
-                         f"{where}; rerun with --resume when it is back")
-        else:
-            self.kept = "no part was finished; rerun the same command when it is back"
+    def keep(self, parts: int, where: str, again: str | None = None) -> None:
+        """Say what the run leaves: ``parts`` finished parts kept in ``where``; ``again``:
+        the flag that finishes the run (by default the one set before)."""
+        self.again = again or self.again
+        self.kept = (f"{parts} finished part{'s are' if parts != 1 else ' is'} kept in {where}"
+                     if parts else "no part was finished")
         self.args = (self._line(),)
 
     def __reduce__(self):  # pickled between ranks with every field (``kept`` and its line)

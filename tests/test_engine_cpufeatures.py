@@ -57,9 +57,12 @@ KINDS = [
      "faster with AMX on this Intel CPU"),
     # AMD Zen 5 (family 26) with AVX512-BF16: bfloat16 about 5x as fast (measured)
     (AMD, 26, dict(avx512_bf16=True), "", torch.bfloat16, "faster on this AMD Zen 5 CPU"),
-    # AMD Zen 4 (family 25) with AVX512-BF16: not measured, float32
-    (AMD, 25, dict(avx512_bf16=True), "", torch.float32,
-     "not measured on this CPU kind (AuthenticAMD family 25 model 143, avx512_bf16)"),
+    # AMD Zen 4 (family 25) with AVX512-BF16: bfloat16 2.9x as fast (measured)
+    (AMD, 25, dict(avx512_bf16=True), "", torch.bfloat16, "faster on this AMD Zen 4 CPU"),
+    # an AMD family not measured: float32, and the reason names the check
+    (AMD, 27, dict(avx512_bf16=True), "", torch.float32,
+     "not measured on this CPU kind (AuthenticAMD family 27 model 143, avx512_bf16; "
+     "dsv4enc bench --dtype-check times both)"),
     # a vendor or an OS that does not say: not measured, float32
     ("", 0, dict(avx512_bf16=True, amx_bf16=True), "", torch.float32, "not measured"),
     ("CentaurHauls", 7, dict(avx512_bf16=True), "", torch.float32, "not measured"),
@@ -74,6 +77,47 @@ def test_the_table_picks_the_measured_faster_dtype(vendor, family, features, isa
     assert dtype == expected and why in reason, (dtype, reason)
     assert choose_cpu_dtype(faked) == expected
     assert choose_cpu_dtype(answers("", isa, vendor, family, **features)) == expected
+
+
+def fake_cpuinfo(vendor: str, family: int, model: int, flags: str) -> str:
+    """Two processors' blocks of a Linux /proc/cpuinfo."""
+    block = (f"processor\t: {{}}\nvendor_id\t: {vendor}\ncpu family\t: {family}\n"
+             f"model\t\t: {model}\nmodel name\t: a CPU\nflags\t\t: fpu avx2 {flags}\n\n")
+    return block.format(0) + block.format(1)
+
+
+# (the CPU as Linux describes it, what auto picks there)
+MACHINES = [
+    ((AMD, 25, 17, "avx512f avx512_bf16"), torch.bfloat16),  # Zen 4 (EPYC Genoa)
+    ((AMD, 25, 1, ""), torch.float32),  # Zen 3 (EPYC Milan): no AVX512-BF16
+    ((AMD, 26, 2, "avx512f avx512_bf16"), torch.bfloat16),  # Zen 5 (EPYC Turin)
+    ((INTEL, 6, 143, "avx512f avx512_bf16 amx_bf16 amx_tile"), torch.bfloat16),  # SPR
+    ((INTEL, 6, 85, "avx512f avx512_bf16"), torch.float32),  # Cooper Lake: no AMX
+    ((INTEL, 6, 85, "avx512f"), torch.float32),  # Cascade Lake: no bf16 at all
+]
+
+
+@pytest.mark.parametrize("described, expected", MACHINES)
+def test_machines_by_their_cpuinfo(monkeypatch, tmp_path, described, expected):
+    """The whole decision on a faked machine: its /proc/cpuinfo, and torch's answers as torch
+    gives them on that CPU (the bf16 features among its flags, AVX512 kernels)."""
+    vendor, family, model, flags = described
+    info = tmp_path / "cpuinfo"
+    info.write_text(fake_cpuinfo(vendor, family, model, flags))
+    monkeypatch.setattr(cpufeatures, "CPUINFO", str(info))
+    monkeypatch.setattr(cpufeatures, "cpu_capabilities",
+                        lambda: {name: name in flags.split() for name in NATIVE_BF16_FEATURES})
+    monkeypatch.setattr(cpufeatures, "kernel_level", lambda: "AVX512")
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    monkeypatch.delenv("DNNL_MAX_CPU_ISA", raising=False)
+    monkeypatch.delenv(PIN_VARIABLE, raising=False)
+    assert cpu_identity() == (vendor, family, model)
+    auto_cpu_dtype.cache_clear()
+    try:
+        assert auto_cpu_dtype() == expected, auto_cpu_reason()
+        assert ("faster" in auto_cpu_reason()) == (expected == torch.bfloat16)
+    finally:
+        auto_cpu_dtype.cache_clear()
 
 
 def test_the_table_follows_its_measurements():

@@ -21,6 +21,7 @@ import signal
 import struct
 import subprocess
 import sys
+import tarfile
 import tempfile
 import threading
 import time
@@ -820,6 +821,44 @@ def test_a_fifo_container_passed_directly_is_refused(tmp_path):
                     "--config", str(REPO_ROOT / "configs" / "tiny.json"), "--random-init")
     assert result.exit_code == 2
     assert "not a regular file or a folder" in result.output
+
+
+def test_fifos_in_input_folders_never_block(tmp_path):
+    """FIFOs named like a tar shard, a table and images, as themselves and behind links, in
+    input folders: each is passed over or an error row at once (a tar shard or table is opened
+    only when it is a regular file), and the real images around them are encoded."""
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    shards = tmp_path / "shards"  # a folder of containers only: they are read
+    shards.mkdir()
+    with tarfile.open(shards / "real.tar", "w") as tar:
+        data = encoded(noise(20, 10), "PNG")
+        info = tarfile.TarInfo("x.png")
+        info.size = len(data)
+        tar.addfile(info, io.BytesIO(data))
+    os.mkfifo(shards / "fifo.tar")
+    for name in ("link.tar", "link.parquet"):
+        (shards / name).symlink_to(fifo)
+    images = tmp_path / "images"
+    images.mkdir()
+    (images / "real.png").write_bytes(encoded(noise(20, 10), "PNG"))
+    os.mkfifo(images / "fifo.png")
+    (images / "link.jpg").symlink_to(fifo)
+    out = tmp_path / "e.parquet"
+    proc = subprocess.run(
+        [sys.executable, "-m", "dsv4enc", "encode", "shards", "images", "--out",
+         str(out), "--config", str(REPO_ROOT / "configs" / "tiny.json"), "--random-init",
+         "--device", "cpu", "--workers", "1", "-q"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=240,
+        env={**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr
+    rows = {r["path"]: r["error"]
+            for r in pq.read_table(out, columns=["path", "error"]).to_pylist()}
+    assert rows["shards/real.tar/x"] is None and rows["images/real.png"] is None, rows
+    refused = {key: error for key, error in rows.items() if error is not None}
+    assert {key.split("@")[0] for key in refused} == {
+        "shards/link.tar", "shards/link.parquet", "images/link.jpg"}, rows  # FIFOs: passed over
+    assert all("not a regular file" in error for error in refused.values()), refused
 
 
 def test_header_probes_are_bounded_in_time(tmp_path, monkeypatch):

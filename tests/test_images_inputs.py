@@ -75,6 +75,25 @@ def test_walk_keeps_upper_case_extensions(tmp_path):
     assert skipped == 2
 
 
+def test_hidden_entries_and_excluded_globs_are_left_out_of_a_walk(tmp_path):
+    """A folder's walk passes over hidden files and folders (macOS ``._*`` resource files,
+    ``.git``) and what an --exclude glob matches by name or by path under the folder (a
+    matched folder is not walked); a file given by name is taken as given."""
+    for name in ("a.jpg", "._a.jpg", ".hidden.png", ".git/x.png", "raw/b.png", "keep/raw.png",
+                 "keep/c.png", "keep/c.tmp.png", "sub/raw/d.png"):
+        touch(tmp_path / "data" / name)
+    root = str(tmp_path / "data")
+    assert keys(discover([root]).items) == ["a.jpg", "keep/c.png", "keep/c.tmp.png",
+                                            "keep/raw.png", "raw/b.png", "sub/raw/d.png"]
+    found = discover([root], exclude=["*.tmp.png", "raw"])
+    assert keys(found.items) == ["a.jpg", "keep/c.png", "keep/raw.png"]
+    assert found.skipped == 0  # left out, not counted as "not images"
+    assert keys(discover([root], exclude=["sub/*"]).items) == [
+        "a.jpg", "keep/c.png", "keep/c.tmp.png", "keep/raw.png", "raw/b.png"]
+    hidden = str(tmp_path / "data" / "._a.jpg")
+    assert keys(discover([hidden], exclude=["*.jpg"]).items) == [hidden]
+
+
 # --------------------------------------------------------------------------- order and keys
 
 def test_sorted_recursive_order(tmp_path):
@@ -250,7 +269,8 @@ def test_streamed_walk_is_the_sorted_order(tmp_path):
     touch(tmp_path / "a" / "notes.txt")
     found = Discovery(items=[])
     streamed = keys(iter_folder(tmp_path, found))
-    assert streamed == sorted(TRICKY, key=lambda k: k.split("/"))
+    visible = [k for k in TRICKY if not any(part.startswith(".") for part in k.split("/"))]
+    assert streamed == sorted(visible, key=lambda k: k.split("/"))  # hidden ones left out
     assert found.skipped == 1
     # the whole-list discovery gives the same keys in the same order
     assert keys(discover([str(tmp_path)]).items) == streamed

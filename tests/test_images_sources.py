@@ -231,8 +231,9 @@ def test_column_choice_errors(tmp_path, images):
     with pytest.raises(UsageError, match="no key column 'k'"):
         discover([str(path)], image_column="img", key_column="k")
     pq.write_table(pa.table({"n": [1]}), tmp_path / "none.parquet")
-    with pytest.raises(UsageError, match="pass --image-column"):
+    with pytest.raises(UsageError, match="no column holds image bytes") as refused:
         discover([str(tmp_path / "none.parquet")])
+    assert "--image-column" not in str(refused.value)  # it would be refused for any column
     with pytest.raises(UsageError, match="--image-column applies"):
         discover([str(images["a.jpg"])], image_column="img")
     result = runner.invoke(app, ["encode", str(path), "--out", str(tmp_path / "o.parquet"),
@@ -738,3 +739,61 @@ def test_kept_columns_and_the_typed_key_join_back_to_the_table(tmp_path, images,
     pq.write_table(table.set_column(0, "id", pa.array(["7", "8", "9"])), other)
     with pytest.raises(UsageError, match="'id' is int64 in one table and string in"):
         discover([str(path), str(other)], key_column="id")
+
+
+def test_kept_tar_members_come_out_as_columns_beside_their_rows(tmp_path, images, ckpt):
+    """--keep-member carries a sample's .txt, .json and .cls text into string columns (the
+    JSON as its raw text; every image of a sample has its sample's); keys stay as they are,
+    and a sample without the member, or an image from no shard, has null there."""
+    shard = tmp_path / "wds" / "train-00000.tar"
+    shard.parent.mkdir()
+    caption = "a cat — on a mat\n"
+    with tarfile.open(shard, "w") as archive:
+        add_bytes(archive, "000000.cls", b"3")  # before its image: as webdataset sorts them
+        add_bytes(archive, "000000.jpg", images["a.jpg"].read_bytes())
+        add_bytes(archive, "000000.json", b'{"w": 64,  "tags": ["x"]}')
+        add_bytes(archive, "000000.txt", caption.encode())
+        add_bytes(archive, "000001.png", images["b.png"].read_bytes())  # no sidecars
+        add_bytes(archive, "000002.left.png", images["d.png"].read_bytes())
+        add_bytes(archive, "000002.right.gif", images["e.gif"].read_bytes())
+        add_bytes(archive, "000002.txt", b"two views")
+        add_bytes(archive, "000002.seg.txt", b"not the .txt member")
+    found = discover([str(shard)], keep_members=("txt",))
+    assert [dict(item.sidecars).get("txt") for item in found.items] == [
+        caption, None, "two views", "two views"]
+    assert keys_of(found.items) == keys_of(discover([str(shard)]).items)  # keys unchanged
+    out = tmp_path / "out.parquet"
+    table = tmp_path / "t.parquet"  # a table's rows: its kept column, no member
+    pq.write_table(pa.table({"img": [images["d.png"].read_bytes()], "caption": ["from t"]}),
+                   table)
+    run(str(shard.parent), str(images["c.webp"]), str(table), "--keep-member", "txt",
+        "--keep-member", "json", "--keep-member", "cls", "--keep-column", "caption", "--out",
+        str(out), "--weights", str(ckpt))
+    got = pq.read_table(out)
+    assert got.schema.names[-4:] == ["caption", "txt", "json", "cls"]
+    assert [r["txt"] for r in got.to_pylist() if r["caption"] == "from t"] == [None]
+    assert {r["caption"] for r in got.to_pylist() if r["txt"]} == {None}
+    assert all(got.schema.field(n).type == pa.string() for n in ("txt", "json", "cls"))
+    rows = {r["path"].rpartition("train-00000.tar/")[2] or r["path"]: r
+            for r in got.select(["path", "txt", "json", "cls", "error"]).to_pylist()}
+    first = rows["000000"]
+    assert (first["txt"], first["json"], first["cls"]) == (caption, '{"w": 64,  "tags": ["x"]}',
+                                                           "3")
+    assert first["error"] is None
+    assert rows["000001"]["txt"] is None
+    assert {rows[f"000002.{n}"]["txt"] for n in ("left.png", "right.gif")} == {"two views"}
+    assert rows[str(images["c.webp"])]["txt"] is None  # not from a shard
+    folder = tmp_path / "folder/"  # a part-file output carries them too
+    run(str(shard), "--keep-member", "txt", "--out", str(folder), "--weights", str(ckpt))
+    assert next(read_embeddings(str(folder), columns=["path", "txt"]))["txt"] == caption
+    refusals = {("--keep-member", "jpg"): "--keep-member must be one of txt, json, cls"}
+    for (flag, value), message in refusals.items():
+        result = runner.invoke(app, ["encode", str(shard), flag, value, "--out",
+                                     str(tmp_path / "r.parquet"), "--weights", str(ckpt)])
+        assert result.exit_code == 2 and message in result.output, result.output
+    result = runner.invoke(app, ["encode", str(images["c.webp"]), "--keep-member", "txt",
+                                 "--out", str(tmp_path / "r.parquet"), "--weights", str(ckpt)])
+    assert result.exit_code == 2 and "--keep-member applies to WebDataset" in result.output
+    result = runner.invoke(app, ["encode", str(shard), "--keep-column", "txt", "--out",
+                                 str(tmp_path / "r.parquet"), "--weights", str(ckpt)])
+    assert result.exit_code == 2 and "kept with --keep-member" in result.output, result.output

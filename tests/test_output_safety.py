@@ -663,3 +663,42 @@ def test_the_interrupt_message_says_what_was_committed(tmp_path):
     assert line.endswith("--resume to finish")
     folder = OutputLayout(f"{tmp_path / 'out'}/", shard_output=False)
     assert "--resume" in folder.resume_hint(PartStore(folder.parts_dir, {}))
+
+
+@pytest.mark.parametrize("kind", ["file", "folder"])
+def test_a_stopped_overwrite_advises_a_command_that_runs(data, tmp_path, monkeypatch, kind):
+    """A run given --overwrite and stopped after its first part: its line says to rerun with
+    --resume in place of --overwrite (the two contradict), and that command finishes."""
+    from helpers import signal_after_first_part
+
+    out = str(tmp_path / "o.parquet") if kind == "file" else f"{tmp_path / 'o'}/"
+    signal_after_first_part(monkeypatch)
+    stopped = encode(str(data), "--out", out, "--overwrite")
+    line = one_line_error(stopped, 143)
+    assert "rerun the same command with --resume in place of --overwrite" in line, line
+    monkeypatch.undo()
+    finished = encode(str(data), "--out", out, "--resume")
+    assert finished.exit_code == 0, finished.output
+
+
+def test_an_update_stopped_by_a_full_disk_advises_update(data, tmp_path, monkeypatch):
+    """Advice to finish with --resume would be refused beside --update: an update's says
+    --update (``errors.advise``), as its stop line does."""
+    from dsv4enc.errors import advise
+
+    out = tmp_path / "o.parquet"
+    assert encode(str(data), "--out", str(out)).exit_code == 0
+    noise_png(data / "new.png", 99)
+
+    def full(*args, **kwargs):
+        raise writer.output_os_error(tmp_path, OSError(errno.ENOSPC, "No space left on device"))
+
+    monkeypatch.setattr(writer.PartStore, "commit", full)
+    from dsv4enc.output import appending
+    monkeypatch.setattr(appending.AppendingStore, "commit", full)
+    line = one_line_error(encode(str(data), "--out", str(out), "--update"))
+    assert "no space left" in line and "rerun with --update" in line, line
+    assert "--resume" not in line, line
+    exc = OutputError("free space and rerun with --resume")
+    advise(exc, "--update")
+    assert str(exc) == "free space and rerun with --update"

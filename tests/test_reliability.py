@@ -201,6 +201,35 @@ def test_sigkill_then_resume_equals_a_clean_run(interrupted, images, clean):
     assert not run.partial.exists()
 
 
+def test_a_stop_that_hangs_ends_the_process_after_the_grace(images, clean, tmp_path):
+    """SIGTERM while the writer is held at a pause point that is never released (as a hung
+    commit or worker would hold the stop): the process still ends, 143, in one line that
+    says so and how to go on; what it committed is kept, and --resume finishes."""
+    from dsv4enc.run.stopping import FORCE_EXIT_S
+
+    out = tmp_path / "e.parquet"
+    pauses = Pauses(tmp_path / "pauses", "commit")
+    proc = start(images, out, env=pauses.env())
+    try:
+        pauses.wait("commit", proc=proc)
+        sent = time.monotonic()
+        proc.send_signal(signal.SIGTERM)  # never released: the stop cannot finish by itself
+        _, stderr = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 143, stderr
+    assert time.monotonic() - sent >= FORCE_EXIT_S  # it was the grace that ended it
+    lines = [line for line in stderr.strip().splitlines()
+             if not line.startswith(("dsv4enc: encoding ", "dsv4enc: images "))]
+    assert len(lines) == 1 and "SIGTERM" in lines[0] and "--resume" in lines[0], stderr
+    assert f"did not stop within {FORCE_EXIT_S:g} s" in lines[0], stderr
+    assert committed(out.with_name("e.parquet.partial")), "the committed part was not kept"
+    run_encode(options(images, out, resume=True))
+    assert_same_rows(rows(out), clean)
+
+
 def test_sigterm_exits_143_with_a_resume_hint_then_resume_completes(interrupted, images,
                                                                      clean):
     run = interrupted[signal.SIGTERM]

@@ -20,7 +20,7 @@ from typer.testing import CliRunner
 from dsv4enc.cli import app
 from dsv4enc.run.progress import ProgressCounts, RunProgress, format_duration
 
-from helpers import signal_after_first_part, write_image
+from helpers import CONFIGS, signal_after_first_part, write_image
 
 runner = CliRunner()
 LINE = re.compile(r"^dsv4enc: images (\d+)/(\d+) \([\d.]+%\), tokens ([\d,]+)/([\d,]+), "
@@ -85,6 +85,36 @@ def test_the_token_total_grows_window_by_window():
     counts.elapsed = 10.0
     assert counts.tokens_known and counts.eta_s == 40.0
     assert "tokens 200/1,000," in counts.line()
+
+
+def test_the_bar_fits_an_80_column_terminal_without_wrapping_a_figure(monkeypatch):
+    """On a terminal of 80 columns the bar is one line each time it is drawn: the figures
+    that do not fit whole are left out, the most telling (images, ETA, rate) kept."""
+    import io
+
+    from rich.console import Console
+
+    from dsv4enc.run import progress as progress_module
+    from dsv4enc.run.progress import fitted
+
+    fields = ["1,234/123,456 images", "eta 1:02:03", "12.5 img/s", "45,678 tokens/s"]
+    assert fitted(fields, 80) == "  ".join(fields)
+    assert fitted(fields, 45) == "1,234/123,456 images  eta 1:02:03  12.5 img/s"
+    assert fitted(fields, 44) == "1,234/123,456 images  eta 1:02:03"
+    screen = io.StringIO()
+    monkeypatch.setattr(progress_module, "stderr_console",
+                        Console(file=screen, width=80, force_terminal=True, color_system=None))
+    with RunProgress("bar") as progress:
+        progress.start(total=123_456, tokens=98_765_432)
+        progress.begin_encoding()
+        progress.advance(1_234, 456_789, 12)
+    drawn = [re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", line).rstrip()
+             for line in re.split(r"[\r\n]", screen.getvalue())]
+    drawn = [line for line in drawn if line]
+    assert drawn and all(len(line) <= 80 for line in drawn)
+    # every line drawn is a whole bar: none starts with the wrapped rest of a figure
+    assert all(line.startswith(("starting", "encoding")) for line in drawn), drawn
+    assert "1234/123456 images  eta " in drawn[-1]
 
 
 def test_log_lines_come_on_schedule(capsys):
@@ -255,12 +285,37 @@ def test_summary_json_when_a_signal_stops_the_run(folder, tmp_path, small_ckpt, 
 
 def test_summary_json_of_a_run_stopped_before_encoding(tmp_path):
     """A signal during discovery or model loading: the JSON still says what happened."""
-    from dsv4enc.cli import write_interrupted_summary
+    from dsv4enc.cli import write_stopped_summary
     from dsv4enc.errors import Interrupted
 
     report = tmp_path / "summary.json"
-    write_interrupted_summary(str(report), Interrupted(signal.SIGTERM, "rerun"), "e.parquet")
+    write_stopped_summary(str(report), Interrupted(signal.SIGTERM, "rerun"), "e.parquet",
+                          "interrupted")
     data = json.loads(report.read_text())
     assert data["status"] == "interrupted" and data["exit_code"] == 143
     assert data["output"] == "e.parquet" and data["images"]["encoded"] == 0
     assert data["rates"] == {"images_per_s": 0.0, "tokens_per_s": 0.0}
+    assert "error" not in data
+
+
+def test_summary_json_of_a_setup_error(tmp_path):
+    """A run that fails to set up writes ``{"status": "error", ...}`` with its one line (and
+    its exit code) for a pipeline to read; the run's own line on stderr is as without it."""
+    report = tmp_path / "reports" / "summary.json"
+    out = tmp_path / "e.parquet"
+    out.write_bytes(b"not dsv4enc's")
+    result = CliRunner().invoke(app, ["encode", str(tmp_path / "missing"), "--out", str(out),
+                                      "--config", str(CONFIGS / "tiny.json"),
+                                      "--random-init", "--summary-json", str(report)])
+    assert result.exit_code == 2 and "input not found" in result.output
+    data = json.loads(report.read_text())
+    assert data["status"] == "error" and data["exit_code"] == 2
+    assert data["error"].startswith("input not found") and data["images"]["encoded"] == 0
+    image = write_image(tmp_path / "a.png", (20, 20))
+    result = CliRunner().invoke(app, ["encode", str(image), "--out", str(out), "--config",
+                                      str(CONFIGS / "tiny.json"), "--random-init",
+                                      "--summary-json", str(report)])
+    assert result.exit_code == 1, result.output
+    data = json.loads(report.read_text())
+    assert data["status"] == "error" and data["exit_code"] == 1
+    assert "choose another --out" in data["error"] and data["output"] == str(out)

@@ -70,6 +70,7 @@ def inputs(tmp_path_factory) -> list[str]:
         write_image(folder / rel, size, mode)
     (folder / "d" / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\n broken")
     (folder / "k.jpg").write_bytes((folder / "a.jpg").read_bytes()[:200])
+    (folder / "l.png").write_bytes((folder / "a.jpg").read_bytes())  # a JPEG: misnamed
     shard = root / "shard.tar"
     with tarfile.open(shard, "w") as tar:
         for i, size in enumerate([(70, 50), (20, 100)]):
@@ -79,6 +80,9 @@ def inputs(tmp_path_factory) -> list[str]:
             info = tarfile.TarInfo(f"{i:04d}.png")
             info.size = len(data)
             tar.addfile(info, io.BytesIO(data))
+            caption = tarfile.TarInfo(f"{i:04d}.txt")  # a sidecar --keep-member carries
+            caption.size = len(f"caption {i}")
+            tar.addfile(caption, io.BytesIO(f"caption {i}".encode()))
     write_image(root / "cell.jpg", (45, 45))
     table = pa.table({"image": [(root / "cell.jpg").read_bytes(), b"not an image"],
                       "id": ["cell-0", "cell-1"]})
@@ -89,7 +93,7 @@ def inputs(tmp_path_factory) -> list[str]:
 def command(inputs, out, ckpt, *extra) -> list[str]:
     return [sys.executable, "-m", "dsv4enc", "encode", *inputs, "--out", str(out),
             "--weights", str(ckpt), "--device", "cpu", "--dtype", "float32", "-q",
-            "--key-column", "id", "--part-images", "3", *extra]
+            "--key-column", "id", "--keep-member", "txt", "--part-images", "3", *extra]
 
 
 def run(args, env=None, **kwargs) -> subprocess.CompletedProcess:
@@ -125,8 +129,11 @@ def test_ray_engine_writes_the_local_runs_output(cluster, inputs, small_ckpt, lo
     assert pq.read_schema(out).metadata == pq.read_schema(local).metadata
     errors = {r["path"] for r in got if r["error"]}
     assert {"d/broken.png", "k.jpg", "cell-1"} <= errors
-    done = json.loads(summary.read_text())["images"]
+    assert [r["txt"] for r in got if "shard.tar/" in r["path"]] == ["caption 0", "caption 1"]
+    report = json.loads(summary.read_text())
+    done = report["images"]
     assert done["encoded"] + done["failed"] == len(want)
+    assert done["misnamed"] == 1 and report["misnamed_example"] == "l.png is JPEG"
     # a folder output: parts and a manifest that read_embeddings and inspect read
     from dsv4enc import read_embeddings
 

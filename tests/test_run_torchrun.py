@@ -12,6 +12,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -24,13 +25,14 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
+from dsv4enc.output.read import load_manifest
 from dsv4enc.tower.checkpoint import random_state_dict, save_checkpoint
 from dsv4enc.tower.config import VisionConfig
 from dsv4enc.run.pipeline import EncodeOptions, run_encode
 from dsv4enc.run.plan import assign_greedy, flops_cost
 from dsv4enc.tower.transform import plan_canvas
 
-from helpers import CONFIGS, table_rows, write_image
+from helpers import CONFIGS, Pauses, table_rows, write_image
 
 pytestmark = pytest.mark.slow
 
@@ -419,6 +421,40 @@ def test_dead_rank_fails_the_job(work, folders, ckpt):
         text[-3000:]
     assert not out.exists()
     assert ended - began < LAUNCH_TIMEOUT_S
+
+
+def test_killed_rank_leaves_committed_pieces_that_resume_reuses(work, folders, ckpt, reference):
+    """Gathered ranks commit every --commit-every, not once per part: rank 1 SIGKILLed once
+    rank 0 has committed (a pause point) leaves those rows, and --resume encodes only the rest."""
+    out, marker = work / "killed.parquet", work / "killed"
+    pauses = Pauses(work / "killed_pauses", "commit")
+    args = [str(folders["imgs"]), "--out", str(out), "--weights", str(ckpt), *COMMON,
+            "--workers", "0", "--timeout", str(DIE_TIMEOUT_S), "--batch-tokens", "400",
+            "--commit-every", "0.001"]  # one part (the default size): pieces of it
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
+           "--master-addr=127.0.0.1", f"--master-port={free_port()}", str(LAUNCHER), "pid",
+           str(marker), *args]
+    proc = subprocess.Popen(cmd, cwd=work, env=pauses.env(_env()), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        first = pauses.wait("commit", proc=proc, hang_guard_s=LAUNCH_TIMEOUT_S)
+        os.kill(int(Path(f"{marker}.rank1.pid").read_text()), signal.SIGKILL)
+        pauses.release()
+        _, stderr = proc.communicate(timeout=LAUNCH_TIMEOUT_S)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode != 0, stderr[-3000:]
+    assert not out.exists()
+    parts = load_manifest(work / "killed.parquet.partial" / "_manifest.json")["parts"]
+    kept = sum(p["end"] - p["start"] for p in parts.values())
+    want = rows_of(reference)
+    assert first["start"] == 0 and 1 <= kept < len(want), (first, parts)
+    resumed = ok(torchrun(["-m", "dsv4enc", "encode", *args, "--resume"], work))
+    reused = re.search(r"reused from earlier run\s*\S\s*([\d,]+)", resumed.stderr)
+    assert reused and int(reused.group(1).replace(",", "")) == kept, resumed.stderr[-3000:]
+    assert_same_rows(rows_of(out), want)
 
 
 def test_shard_output_resumes_when_ranks_committed_different_parts(work, sequence, reference):

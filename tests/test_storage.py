@@ -180,6 +180,29 @@ def test_tar_shard_in_a_bucket(s3, local_images, small_ckpt, tmp_path):
                                    rtol=1e-5, atol=1e-5)
 
 
+def test_a_shard_in_a_bucket_keeps_its_sidecar_members(s3, local_images, tmp_path):
+    """--keep-member reads a bucket's shard as a local one: the sidecars' text (before and
+    after their image) from the shard's one stream, the images' bytes readable as before."""
+    shard = tmp_path / "train-00000.tar"
+    with tarfile.open(shard, "w") as archive:
+        for i, name in enumerate(SPECS):
+            for member, data in ((f"{i:06d}.txt", f"caption {i}".encode()),
+                                 (f"{i:06d}.{name.rsplit('.', 1)[1]}",
+                                  (local_images / name).read_bytes()),
+                                 (f"{i:06d}.json", b'{"i": %d}' % i)):
+                info = tarfile.TarInfo(member)
+                info.size = len(data)
+                archive.addfile(info, io.BytesIO(data))
+    url = s3.put("wds/train-00000.tar", shard.read_bytes())
+    local = discover([str(shard)], keep_members=("txt", "json")).items
+    remote = discover([url], keep_members=("txt", "json")).items
+    assert [i.sidecars for i in remote] == [i.sidecars for i in local] == [
+        (("txt", f"caption {i}"), ("json", f'{{"i": {i}}}')) for i in range(len(SPECS))]
+    for item, name in zip(remote, SPECS):
+        data = sources.open_item(item)
+        assert bytes(data) == (local_images / name).read_bytes()
+
+
 def test_a_prefix_of_shards_is_read_as_its_shards(s3, local_images, tmp_path):
     """As a local folder: a prefix with no image but .tar shards is read as those shards,
     each key under the shard's path below the prefix."""
@@ -189,10 +212,13 @@ def test_a_prefix_of_shards_is_read_as_its_shards(s3, local_images, tmp_path):
     s3.put("wds/train-00000.tar", shard.read_bytes())
     s3.put("wds/more/train-00001.tar", shard.read_bytes())
     s3.put("wds/stats.json", b"{}")
+    s3.put("wds/._train-00000.tar", b"macOS resource fork")  # hidden: left out, as in a folder
     found = discover([f"{s3.url}/wds/"])
     assert [i.key for i in found.items] == ["more/train-00001.tar/000000",
                                             "train-00000.tar/000000"]
     assert found.skipped == 1
+    assert [i.key for i in discover([f"{s3.url}/wds/"], exclude=["more"]).items] == [
+        "train-00000.tar/000000"]
 
 
 def test_parquet_image_column_in_a_bucket(s3, local_images, small_ckpt, tmp_path):

@@ -217,6 +217,11 @@ def test_a_store_that_keeps_failing_is_down_after_the_outage_time(clock):
     down.value.keep(3, f"{STORE}/out")
     assert str(down.value).endswith(f"3 finished parts are kept in {STORE}/out; rerun with "
                                     "--resume when it is back")
+    # nothing kept: --resume still works (it starts afresh), and the same command may not
+    down.value.keep(0, f"{STORE}/out")
+    assert str(down.value).endswith("no part was finished; rerun with --resume when it is back")
+    down.value.keep(0, f"{STORE}/out", "--update")  # an --update is finished by --update
+    assert str(down.value).endswith("rerun with --update when it is back")
     made = len(calls)
     with pytest.raises(storage.StoreUnavailable):  # down: at once, no attempt, no sleep
         storage.retrying(failing, store=STORE)

@@ -124,3 +124,20 @@ def test_the_vector_width_follows_a_capped_aten_level(monkeypatch):
         config.cpp.simdlen = 128
         pin_cpu_vector_width()
         assert config.cpp.simdlen == 128
+
+
+def test_fused_is_the_default_on_cuda_and_not_on_the_cpu():
+    """``--fused`` unset follows the device; ``--fused``/``--no-fused`` force it."""
+    from dsv4enc.engine.defaults import resolve_fused
+
+    assert resolve_fused(None, "cuda") and not resolve_fused(None, "cpu")
+    assert resolve_fused(True, "cpu") and not resolve_fused(False, "cuda")
+
+
+def test_an_unset_fused_builds_the_eager_tower_on_the_cpu():
+    from dsv4enc.engine.factory import build_model
+    from dsv4enc.tower.model import swiglu
+
+    state = random_checkpoint(load_config("tiny"), seed=2, dtype=torch.float32)
+    model = build_model(state, torch.device("cpu"))
+    assert all(b.mlp.act_fn is swiglu for b in model.vision.blocks)

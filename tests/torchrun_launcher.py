@@ -15,6 +15,9 @@ by wrapping the pipeline.
       "@interrupt" gets SIGINT on rank 0 as soon as its first part is handed to the writer;
       ["@rm", PATH] is no run: rank 0 deletes PATH (code 0, or 1 if it was not there).
       Each rank writes RESULTS_DIR/rank{R}.json: [{"argv", "code", "stderr"}, ...].
+  torchrun ... torchrun_launcher.py pid MARKER ENCODE-ARGS...
+      ``dsv4enc encode ENCODE-ARGS``, each rank having written its process id to
+      MARKER.rank{R}.pid (so that a test can kill one rank at a pause point).
   torchrun ... torchrun_launcher.py timed MARKER ENCODE-ARGS...
       ``dsv4enc encode ENCODE-ARGS`` through the console script's entry point
       (``cli.main``), each rank having written MARKER.rank{R}.json: {"launched": the time
@@ -153,6 +156,9 @@ def main() -> None:
     mode, rest = sys.argv[1], sys.argv[2:]
     if mode == "die":
         die_after_first_batch(rest[0])
+        sys.exit(run_cli(["encode", *rest[1:]]))
+    if mode == "pid":
+        Path(f"{rest[0]}.rank{os.environ.get('RANK', '0')}.pid").write_text(str(os.getpid()))
         sys.exit(run_cli(["encode", *rest[1:]]))
     if mode == "sequence":
         sequence(*rest)

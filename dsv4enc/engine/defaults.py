@@ -18,5 +18,16 @@ def default_batch_tokens(device_type: str) -> int:
     return DEFAULT_BATCH_TOKENS.get(device_type, DEFAULT_BATCH_TOKENS["cpu"])
 
 
+#: Whether the elementwise work around the GEMMs is fused (``--fused``) when the caller does not
+#: say, by device kind: on CUDA it is faster from the first minute and its compile is cached; on
+#: the CPU compiling costs more than a small job gains (benchmarks/RESULTS.md).
+FUSED_BY_DEFAULT = {"cuda": True, "cpu": False}
+
+
+def resolve_fused(fused: bool | None, device_type: str) -> bool:
+    """``fused`` as asked, or (None) the default for a device of this kind."""
+    return FUSED_BY_DEFAULT.get(device_type, False) if fused is None else fused
+
+
 #: Images per packed batch at most, when the caller gives no limit.
 DEFAULT_MAX_IMAGES = 64

@@ -14,6 +14,7 @@ import logging
 import os
 import sys
 from dataclasses import dataclass, field, replace
+from fnmatch import fnmatchcase
 from pathlib import Path
 from typing import Callable, Iterable, Iterator, Protocol, Sequence
 
@@ -21,7 +22,7 @@ from .. import storage
 from ..errors import UsageError
 from .items import InputItem, TableCell, is_image_name
 from .sources import (StoredObject, container_kind, expand_table, expand_tar, path_roots,
-                      refuse_compressed_tar, table_fields, written_by_dsv4enc)
+                      refuse_compressed_tar, sidecar_fields, table_fields, written_by_dsv4enc)
 
 _log = logging.getLogger("dsv4enc")
 
@@ -39,15 +40,38 @@ class Stop(Protocol):
 @dataclass
 class Discovery:
     """Items in input order, how many non-image files were passed over, the folders not listed
-    (``(folder, reason)``: missing from the run), how many tables were read, and the table
-    columns the rows carry (``pyarrow`` fields: ``--keep-column``'s, ``--key-column``'s)."""
+    (``(folder, reason)``: missing from the run), how many tables and tar shards were read, and
+    the input columns the rows carry (``pyarrow`` fields: ``--keep-column``'s, ``--key-column``'s,
+    ``--keep-member``'s)."""
 
     items: list[InputItem] = field(default_factory=list)
     skipped: int = 0
     tables: int = 0
+    shards: int = 0
     kept_fields: list = field(default_factory=list)
     unlisted: list[tuple[str, str]] = field(default_factory=list)
     listed: bool = False  # the listing has ended (every input found; the counts are final)
+
+
+@dataclass(frozen=True)
+class Exclusions:
+    """The entries a folder's (or a prefix's) walk leaves out: hidden ones (a name starting
+    with ``.``: ``.git``, ``.DS_Store``, the macOS ``._*`` resource files), and those an
+    ``--exclude`` glob matches by name or by path under the walked folder (``fnmatchcase``:
+    ``*`` matches ``/`` too). A left-out folder is not walked."""
+
+    globs: tuple[str, ...] = ()
+
+    def skips(self, name: str, rel: str) -> bool:
+        """Whether the entry ``name``, at ``rel`` under the walked folder, is left out."""
+        return name.startswith(".") or any(fnmatchcase(name, glob) or fnmatchcase(rel, glob)
+                                           for glob in self.globs)
+
+    def skips_key(self, key: str) -> bool:
+        """Whether an object keyed ``key`` under a walked prefix is left out: it, or a folder
+        on its way."""
+        parts = key.split("/")
+        return any(self.skips(part, "/".join(parts[:i + 1])) for i, part in enumerate(parts))
 
 
 def _list_folder(folder: str) -> list[os.DirEntry]:
@@ -58,14 +82,16 @@ def _list_folder(folder: str) -> list[os.DirEntry]:
 
 def iter_folder(root: Path, found: "Discovery",
                 should_stop: Callable[[], bool] | None = None,
-                containers: list[tuple[str, str]] | None = None) -> Iterator[InputItem]:
+                containers: list[tuple[str, str]] | None = None,
+                exclusions: Exclusions = Exclusions()) -> Iterator[InputItem]:
     """Image files under ``root``, recursively, as the walk reaches them: depth-first, entries
     sorted by name (keys in pathlib order: ``b/z.png`` before ``b-c.gif``), symlinked folders
     followed once each; iterative, holding only the folders on the walked path. A folder that
     cannot be listed (no permission, a path past PATH_MAX) is appended to ``found.unlisted`` as
     ``(path, reason)``, a container file to ``containers`` (when given) as ``(path relative to
-    root, path)``; other files are counted in ``found.skipped``. ``should_stop`` is polled once
-    per entry: when it turns true, the walk ends."""
+    root, path)``; other files are counted in ``found.skipped``; what ``exclusions`` leaves
+    out is passed over. ``should_stop`` is polled once per entry: when it turns true, the
+    walk ends."""
     seen_dirs: set[tuple[int, int]] = set()
     # Frames: a folder's remaining entries (reversed: pop() takes the next), its path in root.
     stack: list[tuple[list[os.DirEntry], str]] = []
@@ -90,6 +116,8 @@ def iter_folder(root: Path, found: "Discovery",
             continue
         entry = entries.pop()
         child_rel = f"{rel}/{entry.name}" if rel else entry.name
+        if exclusions.skips(entry.name, child_rel):
+            continue
         try:
             is_dir = entry.is_dir(follow_symlinks=True)
             is_file = not is_dir and entry.is_file(follow_symlinks=True)
@@ -126,18 +154,21 @@ def read_path_list(list_file: str) -> list[str]:
 def discover(inputs: Iterable[str], files_from: str | None = None,
              image_column: str | None = None, key_column: str | None = None,
              stop: Stop | None = None, table_paths_roots: Iterable[str] = (),
-             keep_columns: Sequence[str] = ()) -> Discovery:
+             keep_columns: Sequence[str] = (), keep_members: Sequence[str] = (),
+             exclude: Sequence[str] = ()) -> Discovery:
     """Every item of ``stream_inputs`` at once, in ``Discovery.items``."""
     found = Discovery()
     found.items = list(stream_inputs(found, inputs, files_from, image_column, key_column,
-                                     stop, table_paths_roots, keep_columns))
+                                     stop, table_paths_roots, keep_columns, keep_members,
+                                     exclude))
     return found
 
 
 def stream_inputs(found: Discovery, inputs: Iterable[str], files_from: str | None = None,
                   image_column: str | None = None, key_column: str | None = None,
                   stop: Stop | None = None, table_paths_roots: Iterable[str] = (),
-                  keep_columns: Sequence[str] = ()) -> Iterator[InputItem]:
+                  keep_columns: Sequence[str] = (), keep_members: Sequence[str] = (),
+                  exclude: Sequence[str] = ()) -> Iterator[InputItem]:
     """Expand folders and files (and an optional path list) into items, in input order, as
     the listing reaches them: a folder walked entry by entry (``iter_folder``), a prefix's
     objects in its listing's order (``storage.iter_files``: on S3 a page at a time), a path
@@ -145,6 +176,9 @@ def stream_inputs(found: Discovery, inputs: Iterable[str], files_from: str | Non
     shard) indexed when it is reached; keys made unique (``UniqueKeys``). ``found`` (its
     ``items`` left alone) counts what was passed over and the tables read, gathers the folders
     not listed (logged at the end), and at the end holds ``kept_fields`` and ``listed``.
+    ``keep_members``: the sidecar members a tar sample's images carry (``expand_tar``).
+    A folder's or a prefix's walk leaves out hidden entries and those ``exclude``'s globs
+    match (``Exclusions``); inputs given by name and list lines are taken as given.
 
     A missing path is a UsageError before the first item; so is an input set with nothing in
     it, at the end. Paths from ``--files-from`` are taken as given (a missing one is an error
@@ -152,7 +186,8 @@ def stream_inputs(found: Discovery, inputs: Iterable[str], files_from: str | Non
     inputs = list(inputs)
     for raw in inputs:
         check_path_input(raw)
-    state = _Listing(found, UniqueKeys(), path_roots(table_paths_roots), (image_column, key_column))
+    state = _Listing(found, UniqueKeys(), path_roots(table_paths_roots), (image_column, key_column),
+                     tuple(keep_members), Exclusions(tuple(exclude)))
     prefix_roots = sum(storage.is_url(raw) or os.path.isdir(raw)  # see ``key_under_root``
                        for raw in inputs) > 1
     for raw in inputs:
@@ -196,6 +231,8 @@ class _Listing:
     keys: "UniqueKeys"
     roots: tuple[str, ...]
     columns: tuple[str | None, str | None]
+    members: tuple[str, ...] = ()
+    exclusions: Exclusions = Exclusions()
     tables: dict = field(default_factory=dict)
     named: int = 0
     walked: int = 0
@@ -216,9 +253,10 @@ class _Listing:
     def container(self, path: str, name: str) -> list[InputItem]:
         """The images of the container ``path`` under ``name``, counted in ``found``."""
         roots = () if storage.is_url(path) else self.roots
-        items, skipped = container_items(path, name, *self.columns, roots)
+        items, skipped = container_items(path, name, *self.columns, roots, self.members)
         self.found.skipped += skipped
         self.found.tables += container_kind(path) == "table"
+        self.found.shards += container_kind(path) == "tar"
         return items
 
 
@@ -248,8 +286,8 @@ def _input_items(raw: str, state: _Listing, prefix_roots: bool,
     shards: list[tuple[str, str]] = []
     images = 0
     should_stop = stop.requested if stop is not None else None
-    walk = (_iter_prefix(raw, found, shards) if url
-            else iter_folder(Path(raw), found, should_stop, shards))
+    walk = (_iter_prefix(raw, found, shards, state.exclusions) if url
+            else iter_folder(Path(raw), found, should_stop, shards, state.exclusions))
     for item in walk:
         images += 1
         yield replace(item, key=key_under_root(raw, item.key)) if prefix_roots else item
@@ -258,10 +296,12 @@ def _input_items(raw: str, state: _Listing, prefix_roots: bool,
     yield from read_folder_containers(raw, shards, images > 0, state, prefix_roots)
 
 
-def _iter_prefix(prefix: str, found: Discovery,
-                 containers: list[tuple[str, str]]) -> Iterator[InputItem]:
+def _iter_prefix(prefix: str, found: Discovery, containers: list[tuple[str, str]],
+                 exclusions: Exclusions = Exclusions()) -> Iterator[InputItem]:
     """The image objects under ``prefix``, keyed relative to it; the rest as in ``iter_folder``."""
     for obj in storage.iter_files(prefix):
+        if exclusions.skips_key(obj.key):
+            continue
         if is_image_name(obj.key):
             yield InputItem(key=obj.key, path=obj.url, member=StoredObject(obj.url, obj.size))
         elif container_kind(obj.key) is not None:
@@ -277,8 +317,12 @@ def _end_listing(state: _Listing, keep_columns: Sequence[str], stop: Stop | None
     if not found.tables and (image_column is not None or key_column is not None or keep_columns):
         flag = ("--image-column" if image_column is not None else
                 "--key-column" if key_column is not None else "--keep-column")
-        raise UsageError(f"{flag} applies to Parquet/Arrow inputs, and none was given")
-    found.kept_fields = kept_fields(list(state.tables), keep_columns, key_column)
+        hint = ("; a .tar shard's sidecar members (.txt, .json, .cls) are kept with "
+                "--keep-member" if found.shards and flag == "--keep-column" else "")
+        raise UsageError(f"{flag} applies to Parquet/Arrow inputs, and none was given{hint}")
+    if state.members and not found.shards:
+        raise UsageError("--keep-member applies to WebDataset .tar shards, and none was given")
+    found.kept_fields = kept_fields(list(state.tables), keep_columns, key_column, state.members)
     if stop is not None:
         stop.check()
     if state.named and not state.walked and not state.items:
@@ -291,11 +335,13 @@ def _end_listing(state: _Listing, keep_columns: Sequence[str], stop: Stop | None
     found.listed = True
 
 
-def kept_fields(tables: Sequence[str], keep_columns: Sequence[str], key_column: str | None) -> list:
-    """The fields of the table columns the rows carry (``tables``: the table files read):
+def kept_fields(tables: Sequence[str], keep_columns: Sequence[str], key_column: str | None,
+                keep_members: Sequence[str] = ()) -> list:
+    """The fields of the input columns the rows carry (``tables``: the table files read):
     ``keep_columns`` (an output column's name is refused), then ``key_column`` in its own type
-    unless kept already or named like an output column (its text is in ``path`` anyway)."""
-    if not keep_columns and key_column is None:
+    unless kept already or named like an output column (its text is in ``path`` anyway), then
+    the sidecar members ``keep_members`` as strings (a kept column's name is refused)."""
+    if not keep_columns and key_column is None and not keep_members:
         return []
     from ..output.parts import OUTPUT_COLUMNS  # lazily: see ARCHITECTURE.md's one arrow
 
@@ -306,7 +352,11 @@ def kept_fields(tables: Sequence[str], keep_columns: Sequence[str], key_column: 
     names = list(dict.fromkeys(keep_columns))
     if key_column is not None and key_column not in names and key_column not in OUTPUT_COLUMNS:
         names.append(key_column)
-    return table_fields(list(tables), names) if names else []
+    for ext in keep_members:
+        if ext in names:
+            raise UsageError(f"--keep-member {ext}: a kept table column is named {ext!r} too; "
+                             "keep one of them")
+    return [*(table_fields(list(tables), names) if names else []), *sidecar_fields(keep_members)]
 
 
 def refuse_missing_list(list_file: str, lines: list[str]) -> None:
@@ -333,12 +383,13 @@ def refuse_missing_list(list_file: str, lines: list[str]) -> None:
 
 def container_items(raw: str, name: str, image_column: str | None = None,
                     key_column: str | None = None, roots: tuple[str, ...] = (),
-                    ) -> tuple[list[InputItem], int]:
+                    keep_members: Sequence[str] = ()) -> tuple[list[InputItem], int]:
     """The images of the container ``raw`` keyed under ``name`` (its path as given, or under its
     folder), and the entries passed over; a key repeated inside it gets ``#2``, ``#3``, ... in
-    its order, so it depends on the container alone. Every way of finding a container calls this."""
+    its order, so it depends on the container alone. Every way of finding a container calls this.
+    ``keep_members``: a tar sample's sidecar members its images carry (``expand_tar``)."""
     if container_kind(raw) == "tar":
-        items, skipped = expand_tar(raw, name)
+        items, skipped = expand_tar(raw, name, keep_members)
     else:
         items, skipped = expand_table(raw, image_column, key_column, roots, name), 0
     return unique_keys(items), skipped

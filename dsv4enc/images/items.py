@@ -66,8 +66,10 @@ class InputItem:
     """One image to encode: ``key`` is the output name, ``path`` what the decoder opens;
     ``member`` locates it in a container (``TarMember``, ``TableCell``), in a store
     (``StoredObject``), marks a damaged part (``Unreadable``) or carries its bytes (``Fetched``);
-    None for a plain image file. ``sources.open_item`` reads it."""
+    None for a plain image file. ``sources.open_item`` reads it. ``sidecars``: the text of its
+    tar sample's kept members (``--keep-member``), as ``(extension, text)`` pairs."""
 
     key: str
     path: str
     member: TarMember | TableCell | StoredObject | Fetched | Unreadable | None = None
+    sidecars: tuple[tuple[str, str], ...] = ()

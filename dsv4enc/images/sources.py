@@ -23,6 +23,7 @@ a table that does not open, ``@0``); an unreadable Parquet row group's rows are 
 from __future__ import annotations
 
 import contextlib
+import errno
 import io
 import os
 import stat
@@ -31,7 +32,7 @@ import threading
 from collections import OrderedDict
 from dataclasses import replace
 from pathlib import PurePosixPath
-from typing import TYPE_CHECKING, Any, BinaryIO, Sequence
+from typing import TYPE_CHECKING, Any, BinaryIO, Literal, Sequence, get_args
 
 from .. import storage
 from ..errors import UsageError
@@ -43,6 +44,13 @@ if TYPE_CHECKING:
 
 TABLE_EXTENSIONS = (".parquet", ".arrow", ".feather")
 TAR_EXTENSIONS = (".tar",)
+#: The sidecar members of a WebDataset sample that ``--keep-member`` carries into its rows,
+#: by extension: each becomes a string column of that name (a ``.json`` member's raw text).
+SidecarMember = Literal["txt", "json", "cls"]
+SIDECAR_MEMBERS: tuple[str, ...] = get_args(SidecarMember)
+#: The field metadata that marks a kept sidecar member's column (a table may have a column of
+#: the same name, which is no table column's value for the rows of a shard, and vice versa).
+SIDECAR_FIELD = {b"dsv4enc": b"tar sidecar member"}
 
 #: Bytes of row-group columns a process keeps cached (at least the last one read is kept).
 CACHE_BYTES = 256 << 20
@@ -182,6 +190,43 @@ def container_kind(path: str) -> str | None:
     return "tar" if lower.endswith(TAR_EXTENSIONS) else None
 
 
+# ----------------------------------------------------------------------------- regular files
+
+NOT_REGULAR = "not a regular file (a FIFO, socket or device)"
+
+
+class NotRegularFile(OSError):
+    """A local path that names a FIFO, socket or device: opening or reading it could wait
+    forever, so a container there is an error row at once."""
+
+    def __init__(self) -> None:
+        super().__init__(errno.EINVAL, NOT_REGULAR)
+
+    def __str__(self) -> str:
+        return NOT_REGULAR
+
+
+def require_regular(path: str) -> None:
+    """Raise ``NotRegularFile`` unless the local ``path`` (links followed) is a regular file."""
+    if not stat.S_ISREG(os.stat(path).st_mode):
+        raise NotRegularFile()
+
+
+def open_regular(path: str) -> BinaryIO:
+    """``open(path, "rb")`` of a regular file only (else ``NotRegularFile``): opened without
+    blocking (a FIFO's open waits for a writer), checked on the open file (a path swapped
+    meanwhile is seen), then made blocking again for plain reads."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise NotRegularFile()
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return os.fdopen(fd, "rb")
+
+
 # ----------------------------------------------------------------------------- tar shards
 
 def split_key(name: str) -> tuple[str, str]:
@@ -207,7 +252,7 @@ def _open_tar(raw: str) -> tuple[tarfile.TarFile | None, int, str | None]:
             handle = io.BufferedReader(_RangeFile(raw, 0, size, streamed=True), 1 << 20)
         else:
             size = os.path.getsize(raw)
-            handle = open(raw, "rb")
+            handle = open_regular(raw)
     except OSError as exc:
         return None, 0, f"cannot read it: {exc.strerror or exc}"
     try:
@@ -299,9 +344,26 @@ def _keep_member(archive: tarfile.TarFile, raw: str, found: TarMember | Unreadab
             HELD.hold((raw, found.offset), data)
 
 
-def expand_tar(raw: str, name: str | None = None) -> tuple[list[InputItem], int]:
+def _sidecar_text(archive: tarfile.TarFile, info: tarfile.TarInfo) -> str | None:
+    """A sidecar member's bytes as text (UTF-8; other bytes as backslash escapes), read as the
+    index passes it (in a store, from the shard's one stream); None when it cannot be read."""
+    handle = archive.fileobj
+    try:
+        handle.seek(info.offset_data)
+        data = handle.read(info.size)
+    except OSError:
+        return None  # the index reads on and reports the damage
+    if len(data) != info.size:
+        return None
+    return data.decode("utf-8", "backslashreplace")
+
+
+def expand_tar(raw: str, name: str | None = None,
+               keep_members: Sequence[str] = ()) -> tuple[list[InputItem], int]:
     """Index an uncompressed tar shard: its image members (by extension) in file order, keyed
-    by sample under ``name`` (by default ``raw``), and an error row where it is damaged."""
+    by sample under ``name`` (by default ``raw``), and an error row where it is damaged.
+    ``keep_members``: the extensions of the sidecar members whose text each image of the
+    sample carries (``InputItem.sidecars``; the last of a repeated name counts)."""
     name = name or raw
     archive, size, why = _open_tar(raw)
     if archive is None:
@@ -310,6 +372,7 @@ def expand_tar(raw: str, name: str | None = None) -> tuple[list[InputItem], int]
     samples: dict[str, list[tuple[int, str]]] = {}  # sample key -> (index, name) of its images
     files: dict[str, TarMember] = {}  # every regular member: targets of hard links
     other_keys: set[str] = set()
+    sidecars: dict[str, dict[str, str]] = {}  # sample key -> kept extension -> text
     end, last = 0, None  # where the previous member's data ends: the next header starts there
     damage: tuple[int, str] | None = None
     with archive:
@@ -337,7 +400,7 @@ def expand_tar(raw: str, name: str | None = None) -> tuple[list[InputItem], int]
                 files[PurePosixPath(info.name).as_posix()] = TarMember(
                     info.name, info.offset_data, info.size)
             base = PurePosixPath(info.name).name
-            key, _ = split_key(info.name)
+            key, ext = split_key(info.name)
             if info.isdir() or base.startswith(".") or not key:
                 continue
             if is_image_name(base):
@@ -347,15 +410,21 @@ def expand_tar(raw: str, name: str | None = None) -> tuple[list[InputItem], int]
                 items.append(InputItem(key=member_key(name, key), path=raw, member=found))
             else:
                 other_keys.add(key)
+                if ext in keep_members and info.isreg() and not info.issparse():
+                    if (text := _sidecar_text(archive, info)) is not None:
+                        sidecars.setdefault(key, {})[ext] = text
     if damage is None:  # in a store, the end is still in the stream's buffer, as a rule
         damage = _tar_end_damage(archive.fileobj, end, size, last)
     archive.fileobj.close()  # a file object given to tarfile is the caller's to close
     if damage is not None:
         items.append(damaged_item(raw, *damage, name))
-    for images in samples.values():
-        if len(images) > 1:  # several images in one sample: each is keyed by its member name
-            for index, member in images:
+    for key, images in samples.items():
+        kept = tuple(sidecars.get(key, {}).items())
+        for index, member in images:
+            if len(images) > 1:  # several images in one sample: each keyed by its member name
                 items[index] = replace(items[index], key=member_key(name, member))
+            if kept:
+                items[index] = replace(items[index], sidecars=kept)
     return items, len(other_keys - samples.keys())
 
 
@@ -373,7 +442,7 @@ class _RangeFile(io.RawIOBase):
     def __init__(self, path: str, start: int, size: int, head: bytes = b"",
                  streamed: bool = False) -> None:
         self._url = storage.is_url(path)
-        self._path, self._file = path, None if self._url else open(path, "rb")
+        self._path, self._file = path, None if self._url else open_regular(path)
         self._start, self._size, self._pos = start, size, 0
         self._kept, self._kept_at = head, 0  # bytes read already, and where they start
         self._stream = storage.open_stream(path) if streamed else None
@@ -443,7 +512,7 @@ def read_tar_member(path: str, member: TarMember) -> bytes:
     if storage.is_url(path):
         data = storage.read_range(path, member.offset, member.size)
     else:
-        with open(path, "rb") as handle:
+        with open_regular(path) as handle:
             handle.seek(member.offset)
             data = handle.read(member.size)
     if len(data) != member.size:
@@ -487,8 +556,9 @@ def choose_image_column(schema: "pa.Schema", wanted: str | None, source: str) ->
     if "image" in candidates:
         return "image"
     if not candidates:
-        raise UsageError(f"{source}: no column holds image bytes (columns: {', '.join(names)}); "
-                         "pass --image-column")
+        # --image-column could name no other: a column it names must hold bytes too
+        raise UsageError(f"{source}: no column holds image bytes or {{bytes, path}} structs "
+                         f"(columns: {', '.join(names)}); give a table with such a column")
     raise UsageError(f"{source}: several columns hold bytes ({', '.join(candidates)}); "
                      "choose one with --image-column")
 
@@ -519,6 +589,8 @@ class TableReader:
         self.parquet = path.lower().endswith(".parquet")
         self.damage: tuple[int, str] | None = None
         url = storage.is_url(path)
+        if not url:  # a memory map or Parquet reader of a FIFO would wait in its open
+            require_regular(path)
         if self.parquet:
             # In a store, each row group's column chunk is one ranged read.
             self._file = (pq.ParquetFile(storage.open_input(path)) if url
@@ -637,16 +709,30 @@ def table_fields(paths: Sequence[str], names: Sequence[str]) -> list["pa.Field"]
     return [fields[name].with_nullable(True) for name in names if name in fields]
 
 
-def kept_values(items: Sequence[InputItem], fields: Sequence["pa.Field"]) -> dict[str, "pa.Array"]:
-    """The columns ``fields`` for ``items``, in order: a table row's own cell (read through
-    this process's row-group cache), null for an item that is no table row."""
+def sidecar_fields(keep_members: Sequence[str]) -> list["pa.Field"]:
+    """The string columns of the kept sidecar members ``keep_members``, in order."""
     import pyarrow as pa
 
-    def values(name: str) -> list:
-        return [GROUP_CACHE.column(item.path, item.member.group, name)[item.member.row].as_py()
-                if isinstance(item.member, TableCell) else None for item in items]
+    return [pa.field(ext, pa.string(), metadata=SIDECAR_FIELD)
+            for ext in dict.fromkeys(keep_members)]
 
-    return {field.name: pa.array(values(field.name), type=field.type) for field in fields}
+
+def kept_values(items: Sequence[InputItem], fields: Sequence["pa.Field"]) -> dict[str, "pa.Array"]:
+    """The columns ``fields`` for ``items``, in order: a tar sample's kept sidecar text
+    (``InputItem.sidecars``), a table row's own cell (read through this process's row-group
+    cache), else null."""
+    import pyarrow as pa
+
+    def value(item: InputItem, field: "pa.Field") -> Any:
+        if field.metadata == SIDECAR_FIELD:
+            return dict(item.sidecars).get(field.name)
+        if isinstance(item.member, TableCell):
+            cells = GROUP_CACHE.column(item.path, item.member.group, field.name)
+            return cells[item.member.row].as_py()
+        return None
+
+    return {field.name: pa.array([value(item, field) for item in items], type=field.type)
+            for field in fields}
 
 
 class GroupCache:

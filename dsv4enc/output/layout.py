@@ -143,6 +143,11 @@ def is_dsv4enc_parquet(path: Path) -> bool:
         return False
 
 
+#: How the refusal of an existing output names the two ways to continue it.
+_UPDATE_OR_RESUME = ("--update to bring it up to date with the inputs, or --resume to finish "
+                     "an interrupted run")
+
+
 class OutputLayout:
     """Where parts go (``OUT.partial/`` beside a single-file ``--out``, or the ``--out`` folder),
     the checks before anything is computed, the lock, and the clean-up of dsv4enc's files only."""
@@ -290,10 +295,11 @@ class OutputLayout:
                               "away or choose another --out")
         if not resume and not overwrite and not update:  # --update: keep all, like --resume
             if not self.folder_mode and out.exists():
-                raise OutputError(f"{out} already exists; pass --overwrite to replace it")
+                raise OutputError(f"{out} already exists; pass --overwrite to replace it, "
+                                  f"{_UPDATE_OR_RESUME}")
             if manifests and self.folder_mode:
                 raise OutputError(f"--out folder {out} already holds dsv4enc output; pass "
-                                  "--resume to finish it or --overwrite to replace it")
+                                  f"--overwrite to replace it, {_UPDATE_OR_RESUME}")
             if manifests:
                 raise OutputError(f"an unfinished run left {self.parts_dir}; pass --resume to "
                                   "continue it or --overwrite to start over")

@@ -28,7 +28,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from .. import storage
-from ..errors import OutputError, check_choice
+from ..errors import RESUME_ADVICE, OutputError, check_choice
 from . import LAYOUTS
 from ..images.sources import kept_values
 from ..images.decode import is_transient
@@ -270,7 +270,7 @@ def output_os_error(path: Path, exc: OSError) -> OutputError:
     """A one-line OutputError for a failed write (full disk, permissions, ...)."""
     if exc.errno == errno.ENOSPC:
         return OutputError(f"no space left on device writing {path}; committed parts are kept, "
-                           "free space and rerun with --resume")
+                           f"free space and {RESUME_ADVICE}")
     return OutputError(f"cannot write {path}: {exc.strerror or exc}")
 
 

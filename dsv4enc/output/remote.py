@@ -143,7 +143,8 @@ class RemoteOutput:
             self.finish()
         except BaseException as exc:
             if isinstance(exc, storage.StoreDown):
-                exc.keep(self._kept_parts(), self.parts_url)
+                exc.keep(self._kept_parts(), self.parts_url,
+                         "--update" if self.update else "--resume")
             if exc.args and isinstance(exc.args[0], str):
                 exc.args = (self.translate(exc.args[0]), *exc.args[1:])
             raise

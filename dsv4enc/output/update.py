@@ -66,7 +66,8 @@ FLAG_OF_SETTING = {"compute_dtype": "--dtype", "device": "--device", "out_dtype"
                    "max_pixels": "--max-pixels", "image_column": "--image-column",
                    "key_column": "--key-column"}
 #: How a refusal names the recorded settings whose value is no flag's argument.
-SHOWN_SETTING = {"keep_columns": "--keep-column", "weights_fingerprint": "the weights (--weights)",
+SHOWN_SETTING = {"keep_columns": "--keep-column", "keep_members": "--keep-member",
+                 "weights_fingerprint": "the weights (--weights)",
                  "config": "the model config (--weights/--config)"}
 
 

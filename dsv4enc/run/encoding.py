@@ -4,7 +4,7 @@ after another, with progress and stops agreed between ranks (``PartEncoder``).""
 from __future__ import annotations
 
 import time
-from typing import Iterable, Iterator, Sequence
+from typing import Collection, Iterable, Iterator, Sequence
 
 import torch
 
@@ -14,7 +14,7 @@ from ..images.decode import Decoded, DecodeStream, patches_tensor
 from ..engine.engine import Engine
 from .options import EncodeOptions
 from ..engine.packing import output_grid
-from .plan import Part, Planned
+from .plan import Part, Planned, part_name
 from .progress import RunProgress
 from .stopping import StopSignals, StoppedWaiting
 from .summary import RunSummary
@@ -67,7 +67,9 @@ class PartEncoder:
     def run(self, planned: Sequence[Planned], parts: Iterable[tuple[Part, list[list[list[int]]]]],
             decoded: Iterator[tuple[int, Decoded]]) -> Iterator[tuple]:
         """Encode ``parts`` (each with its batches, per rank) from ``decoded`` (this rank's
-        images in the batches' order); yields each finished part."""
+        images in the batches' order); yields each finished part. Under gathered data
+        parallelism a part is one segment of every rank's share, so rank 0 yields its
+        finished prefix after each step: the writer commits it by --commit-every."""
         me = self.me
         for part, plan in parts:
             # a carried error row is the old output's, even where its header fails again now
@@ -78,6 +80,7 @@ class PartEncoder:
                 self._note(rows.values())
             rows.update(carried)
             self.summary.reused += len(carried)
+            done = part.start  # rows before it were yielded (gathered pieces)
             for step in range(max(len(share) for share in plan)):
                 batch = plan[me][step] if step < len(plan[me]) else []
                 try:
@@ -88,15 +91,38 @@ class PartEncoder:
                 rows.update(self._finished(local))
                 if self._stop_agreed():
                     return
+                if self.ranks.gathered and self.ranks.writes:
+                    piece, done = self._piece(part, rows, done, carried)
+                    if piece is not None:
+                        yield piece
             rows.update(self._finished(self._rows(self.loop.drain())))
             self._share_progress()
-            ordered = [rows[i] for i in part.indices]
-            self.summary.count_rows([row for i, row in zip(part.indices, ordered)
-                                     if i not in carried])
+            piece, done = self._piece(part, rows, done, carried, last=True)
             rows = None
-            if self.ranks.writes:
-                yield part.name, part.start, part.end, part.digest, ordered
-            ordered = None
+            if self.ranks.writes and piece is not None:
+                yield piece
+            piece = None
+
+    def _piece(self, part: Part, rows: dict[int, Row], done: int, carried: Collection[int],
+               last: bool = False) -> tuple[tuple | None, int]:
+        """The rows of ``part`` finished from input ``done`` on without a gap (all of them
+        when ``last``), taken out of ``rows`` and counted, as ``(name, start, end, digest,
+        rows)`` (None when there are none), and where the next piece starts. A whole part
+        keeps its name and digest; a piece is named for its start (``plan.part_name``)."""
+        if last:
+            end = part.end
+        else:  # a gathered part covers start..end: its indices are that range
+            end = done
+            while end < part.end and end in rows:
+                end += 1
+        if end == done:
+            return None, done
+        indices = part.indices if (done, end) == (part.start, part.end) else range(done, end)
+        ordered = [rows.pop(i) for i in indices]
+        self.summary.count_rows([row for i, row in zip(indices, ordered) if i not in carried])
+        if (done, end) == (part.start, part.end):
+            return (part.name, part.start, part.end, part.digest, ordered), end
+        return (part_name(done, part.part_images), done, end, "", ordered), end
 
     def _stop_agreed(self) -> bool:
         """Whether any rank was signalled; also brings every rank's progress to rank 0 (the

@@ -10,6 +10,7 @@ from typing import Literal, get_args
 from ..engine.defaults import DEFAULT_MAX_IMAGES, FEATURES, POOLS, Features, Pool
 from ..errors import UsageError
 from ..images.formats import DEFAULT_DECODE_TIMEOUT_S, DEFAULT_MAX_PIXELS
+from ..images.sources import SIDECAR_MEMBERS
 from ..output import LAYOUTS, STORED_DTYPES, Layout, StoredDtype
 from ..storage import OUTAGE_S
 from ..tower.config import Attention
@@ -41,6 +42,8 @@ class EncodeOptions:
     image_column: str | None = None
     key_column: str | None = None
     keep_columns: tuple[str, ...] = ()  # table columns copied into the output rows
+    keep_members: tuple[str, ...] = ()  # tar samples' sidecar members copied into the rows
+    exclude: tuple[str, ...] = ()  # globs of files and folders a folder's walk leaves out
     table_paths_roots: tuple[str, ...] = ()  # folders table path cells may name files in
     weights: str | None = None
     config: str | None = None
@@ -66,7 +69,7 @@ class EncodeOptions:
     attention: Attention = "auto"
     cuda_graphs: bool | None = None
     deterministic: bool = True  # batch-invariant rows (Engine)
-    fused: bool = False  # compiled elementwise kernels (fusion.py)
+    fused: bool | None = None  # compiled elementwise kernels (None: engine/defaults by device)
     shard_output: bool = False
     tp_mode: TpMode = "data"
     balance: Balance = "patches"
@@ -111,6 +114,10 @@ def validate(opts: EncodeOptions) -> None:
     for name, allowed in CHOICES.items():
         if getattr(opts, name) not in allowed:
             raise UsageError(f"--{name.replace('_', '-')} must be one of {', '.join(allowed)}")
+    for ext in opts.keep_members:
+        if ext not in SIDECAR_MEMBERS:
+            raise UsageError(f"--keep-member must be one of {', '.join(SIDECAR_MEMBERS)}, "
+                             f"got {ext}")
     for name in ("batch_tokens", "max_images", "max_pixels", "part_images", "log_every",
                  "commit_every"):
         value = getattr(opts, name)

@@ -28,7 +28,7 @@ from ..engine.cpufeatures import auto_cpu_reason
 from ..engine.device import resolve_device, resolve_dtype, resolve_out_dtype, resume_compute
 from .encoding import PartEncoder
 from ..engine.engine import Engine
-from ..errors import DsvError, Interrupted, UsageError
+from ..errors import DsvError, Interrupted, UsageError, advise
 from ..images.decode import DecodePool
 from ..images.discover import nothing_found
 from ..images.items import is_image_name
@@ -83,6 +83,14 @@ def model_and_output(opts: EncodeOptions, cfg: VisionConfig) -> str:
             f"{model}; to {opts.out}")
 
 
+def finishing_flag(opts: EncodeOptions) -> str:
+    """The flag that finishes an interrupted run, as its error lines advise it: ``--update``
+    for an update, else ``--resume`` (in place of ``--overwrite``, which it contradicts)."""
+    if opts.update:
+        return "--update"
+    return "--resume in place of --overwrite" if opts.overwrite else "--resume"
+
+
 def resume_settings(opts: EncodeOptions) -> ResumeSettings:
     """How the run commits and resumes (``output/layout.Resume``): --resume, --commit-every
     (each segment is a part under --shard-output), and the options that decide rows besides
@@ -93,7 +101,8 @@ def resume_settings(opts: EncodeOptions) -> ResumeSettings:
                                        "image_column": opts.image_column,
                                        "key_column": opts.key_column,
                                        # None when none: what earlier outputs recorded
-                                       "keep_columns": list(opts.keep_columns) or None})
+                                       "keep_columns": list(opts.keep_columns) or None,
+                                       "keep_members": list(opts.keep_members) or None})
 
 
 def run_settings(cfg: VisionConfig, fingerprint: str, dtype: torch.dtype | str,
@@ -175,8 +184,8 @@ def run_encode(opts: EncodeOptions, dist=None, setup: RunSetup | None = None,
             layout = OutputLayout(opts.out, opts.shard_output)
             layout.max_file_bytes = remote.max_file_bytes
             summary = remote.run(lambda: _upload_stops_at_once(_run_encode(
-                opts, ranks, setup, stop, layout, source, remote), stop, remote),
-                ranks.main_then_all)
+                opts, ranks, setup, stop, layout, source, remote), stop, remote,
+                finishing_flag(opts)), ranks.main_then_all)
     finally:
         source.close()
         if layout is not None:
@@ -242,8 +251,11 @@ def _run_encode(opts: EncodeOptions, ranks: Topology, setup: RunSetup, stop: Sto
                            tokens=source.planned_tokens(setup, output.todo))
             _write_output(run, source, setup, output)
     except (DsvError, Interrupted) as exc:
+        again = finishing_flag(opts)
         if isinstance(exc, storage.StoreDown) and store is not None and remote is None:
-            exc.keep(len(store.parts), str(layout.parts_dir))
+            exc.keep(len(store.parts), str(layout.parts_dir), again)
+        elif again != "--resume":
+            advise(exc, again)
         if ranks.is_main:
             layout.discard_if_empty()  # so that a corrected rerun is not told to --resume
         if isinstance(exc, Interrupted):  # what was done, for --summary-json
@@ -324,6 +336,8 @@ def _plan_output(run: RunState, setup: RunSetup, source: PartSource, computes: d
         store.fetch = remote.adopt_part
     parts = source.cut(setup, part_images, run.progress, run.stop)
     resume = Resume(store, setup.planned, resuming, writes=ranks.writes, agree=ranks.agree_on_todo)
+    # the output holds a manifest now: a stop says how to go on from what it records
+    run.stop.hint = layout.resume_hint(store, finishing_flag(opts))
     todo = _judged(resume, parts, setup, run)
     if update is not None or isinstance(parts, list):  # planned whole: its parts at once
         todo = list(todo)
@@ -356,13 +370,13 @@ def _judged(resume: Resume, parts: Iterable[Part], setup: RunSetup,
 
 
 def _upload_stops_at_once(summary: RunSummary, stop: StopSignals,
-                          remote: RemoteOutput) -> RunSummary:
+                          remote: RemoteOutput, again: str) -> RunSummary:
     """Once the run is done locally, a signal stops a single file's upload at once (it leaves
-    no object; the parts stay in the store for --resume)."""
+    no object; the parts stay in the store for ``again``, the flag that finishes the run)."""
     if not remote.folder_mode:
         stop.immediate = True
         stop.hint = (f"{remote.given} was not uploaded; rerun the same command with "
-                     f"--resume to finish (it reuses the parts {remote.parts_url} holds)")
+                     f"{again} to finish (it reuses the parts {remote.parts_url} holds)")
     return summary
 
 
@@ -421,7 +435,7 @@ def _encode_parts(run: RunState, source: PartSource, setup: RunSetup, output: Ou
     writer; the writer is closed (its parts committed) however that ends."""
     began = [time.perf_counter()]
     layout, stop, summary, progress = run.layout, run.stop, run.summary, run.progress
-    again = "--update" if run.opts.update else "--resume"  # the flag that finishes the run
+    again = finishing_flag(run.opts)
 
     def begin() -> None:
         progress.begin_encoding()

@@ -20,8 +20,9 @@ import threading
 import time
 from dataclasses import dataclass
 
-from rich.console import Console
+from rich.console import Console, ConsoleOptions, RenderResult
 from rich.markup import escape
+from rich.measure import Measurement
 from rich.progress import BarColumn, Progress, RenderableColumn, TextColumn
 from rich.text import Text
 
@@ -79,6 +80,13 @@ class ProgressCounts:
         """``done/total`` images, ``+`` while the listing goes on."""
         return (f"{self.reused + self.images}/{self.total_images}"
                 f"{'' if self.images_known else '+'}")
+
+    def fields(self) -> list[str]:
+        """The bar's figures, the most telling first."""
+        return [f"{self.of_images} images", f"eta {format_duration(self.eta_s)}",
+                f"{self.images_per_s:.1f} img/s", f"{self.tokens_per_s:,.0f} tokens/s",
+                f"{self.failed} failed", f"{self.tokens:,}/{self.total_tokens:,}{self.more} tokens",
+                f"encoding for {format_duration(self.elapsed)}"]
 
     def line(self) -> str:
         """The plain progress line of a log file."""
@@ -216,17 +224,19 @@ class RunProgress:
                 counts.elapsed = time.perf_counter() - self._began
             return counts
 
-    def __rich__(self) -> Text:
-        """The bar's figures, computed when it is drawn (so time and ETA move between
-        batches); the most telling first, as a narrow terminal cuts the end."""
+    def _fields(self) -> list[str]:
         c = self.snapshot()
-        if not c.total_images and not self._counting:
-            return Text("")
-        return Text(f"{c.of_images} images  eta "
-                    f"{format_duration(c.eta_s)}  {c.images_per_s:.1f} img/s  "
-                    f"{c.tokens_per_s:,.0f} tokens/s  {c.failed} failed  "
-                    f"{c.tokens:,}/{c.total_tokens:,}{c.more} tokens  encoding for "
-                    f"{format_duration(c.elapsed)}")
+        return c.fields() if c.total_images or self._counting else []
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        """The bar's figures, computed when it is drawn (so time and ETA move between
+        batches): as many whole ones, the most telling first, as fit the line (a narrow
+        terminal drops the last ones instead of wrapping one)."""
+        yield Text(fitted(self._fields(), options.max_width), no_wrap=True, overflow="crop")
+
+    def __rich_measure__(self, console: Console, options: ConsoleOptions) -> Measurement:
+        fields = self._fields()
+        return Measurement(len(fields[0]) if fields else 0, len(_GAP.join(fields)))
 
     def _bar(self, **changes) -> None:
         if self._progress is not None:
@@ -238,6 +248,20 @@ class RunProgress:
                 counting, status = self._counting, self._status
             _print(self.snapshot().line() if counting
                    else f"{status} ({format_duration(time.perf_counter() - self._began)})")
+
+
+_GAP = "  "  # between two of the bar's figures
+
+
+def fitted(fields: list[str], width: int) -> str:
+    """The first ``fields`` that fit ``width`` columns whole, joined by ``_GAP``."""
+    shown = ""
+    for field in fields:
+        joined = f"{shown}{_GAP}{field}" if shown else field
+        if len(joined) > width:
+            break
+        shown = joined
+    return shown
 
 
 def _print(text: str) -> None:

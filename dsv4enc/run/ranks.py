@@ -26,6 +26,12 @@ def launched_ranks() -> int:
     return int(os.environ.get("WORLD_SIZE", "1") or 1)
 
 
+def launched_rank() -> int:
+    """This process's rank as torchrun launched it (0 for a plain launch), from the
+    environment alone, as ``launched_ranks``."""
+    return int(os.environ.get("RANK", "0") or 0)
+
+
 class Topology:
     """The run's ranks (see the module's doc). ``dist``: the torchrun context or None."""
 

@@ -434,6 +434,7 @@ def _commit(call: PartCall, report: dict, writer, run) -> None:
         setattr(summary, name, getattr(summary, name) + getattr(done, name))
     for message, count in done.errors.items():
         summary.add_error(message, done.error_examples[message], count)
+    summary.count_misnamed(list(call.planned.values()))  # the driver read every header
     writer.put_written(call.name, report["entry"])
     run.progress.advance(*report["progress"])
 

@@ -218,15 +218,18 @@ class RunSetup:
     def find_inputs(self, opts: EncodeOptions, stop: StopSignals | None) -> Discovery:
         """Start listing the inputs unless started (``stop``: None under torchrun), and take
         the first: a missing path, an unreadable path list or no image fails here. With table
-        columns every input is listed: the schema (kept columns' types) and checks need all."""
+        columns or kept members every input is listed: the schema (kept columns' types) and
+        checks need all."""
         if self.found is None:
             self.found = Discovery()
             self.listing = stream_inputs(self.found, opts.inputs, opts.files_from,
                                          opts.image_column, opts.key_column, stop,
                                          table_paths_roots=opts.table_paths_roots,
-                                         keep_columns=opts.keep_columns)
-            tables = opts.image_column or opts.key_column or opts.keep_columns
-            self.more(None if tables else 1)
+                                         keep_columns=opts.keep_columns,
+                                         keep_members=opts.keep_members,
+                                         exclude=opts.exclude)
+            kept = opts.image_column or opts.key_column or opts.keep_columns or opts.keep_members
+            self.more(None if kept else 1)
         return self.found
 
     def more(self, count: int | None) -> None:

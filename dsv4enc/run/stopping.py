@@ -3,11 +3,16 @@
 Before encoding starts (discovery, header probes, planning, model loading) nothing must finish:
 the first signal raises ``Interrupted`` at once, wherever the main thread is (a blocked wait
 included). While parts are encoded and committed it is only recorded (``deferred``): the loop
-stops between batches, its finished parts kept for ``--resume``. A second Ctrl-C stops at once."""
+stops between batches, its finished parts kept for ``--resume``. A second Ctrl-C stops at once.
+In a process the command owns, a run still going ``FORCE_EXIT_S`` after the first signal (a
+hung worker, a peer rank gone) is ended there, its committed parts kept."""
 
 from __future__ import annotations
 
+import multiprocessing
+import os
 import signal
+import sys
 import threading
 from contextlib import contextmanager
 from typing import Iterator
@@ -15,17 +20,25 @@ from typing import Iterator
 from ..errors import Interrupted
 
 BEFORE_ENCODING_HINT = "stopped before encoding began; rerun the same command"
+#: Seconds a run may take to stop after a signal before the process ends at once (a signal
+#: ends any run within 10 s; committed parts survive a kill).
+FORCE_EXIT_S = 8.0
 
 
 class StopSignals:
     """Records SIGINT/SIGTERM for the run (installed from the main thread only). ``immediate``:
-    the first signal raises ``Interrupted(signum, hint)``; else it only sets ``signum``."""
+    the first signal raises ``Interrupted(signum, hint)``; else it only sets ``signum``.
+    ``force_exit_s``: the process's own command only (never an in-process caller's): the
+    seconds after the first signal at which the process exits, however far the stop got."""
 
-    def __init__(self, immediate: bool = True, hint: str = BEFORE_ENCODING_HINT) -> None:
+    def __init__(self, immediate: bool = True, hint: str = BEFORE_ENCODING_HINT,
+                 force_exit_s: float | None = None) -> None:
         self.signum: int | None = None
         self.immediate = immediate
         self.hint = hint
+        self.force_exit_s = force_exit_s
         self._previous: dict[int, object] = {}
+        self._deadline: threading.Timer | None = None
 
     def install(self) -> None:
         if self._previous or threading.current_thread() is not threading.main_thread():
@@ -48,8 +61,25 @@ class StopSignals:
                 raise KeyboardInterrupt  # a second Ctrl-C stops at once
             return
         self.signum = signum
+        if self.force_exit_s is not None:
+            self._deadline = threading.Timer(self.force_exit_s, self._force_exit)
+            self._deadline.daemon = True
+            self._deadline.start()
         if self.immediate:
             raise Interrupted(signum, self.hint)
+
+    def _force_exit(self) -> None:
+        """The run did not stop in time: say so in its one line and end the process (its
+        decode workers first, which a hung one would outlive)."""
+        line = (f"error: {Interrupted(self.signum, self.hint)} (the run did not stop within "
+                f"{self.force_exit_s:g} s of the signal: ended at once)")
+        for child in multiprocessing.active_children():
+            child.kill()
+        try:
+            sys.stderr.write(line + "\n")
+            sys.stderr.flush()
+        finally:
+            os._exit(128 + self.signum)
 
     @contextmanager
     def deferred(self) -> Iterator[None]:
@@ -61,6 +91,9 @@ class StopSignals:
             self.immediate = previous
 
     def restore(self) -> None:
+        """The previous handlers back; a stop under way has ended (no forced exit)."""
+        if self._deadline is not None:
+            self._deadline.cancel()
         for signum, handler in self._previous.items():
             signal.signal(signum, handler)
         self._previous = {}

@@ -164,9 +164,11 @@ def dry_run_line(summary) -> str:
             f"{s.dropped:,} dropped{dropped_shown(s)}; nothing was written")
 
 
-def summary_dict(summary, status: str = "completed", exit_code: int = 0) -> dict:
+def summary_dict(summary, status: str = "completed", exit_code: int = 0,
+                 error: str | None = None) -> dict:
     """What ``--summary-json`` holds: counts, failures by type and message (with an example
-    path each), timings and the output path."""
+    path each), timings and the output path; ``error``: the line a run that failed ended
+    with (status ``"error"``)."""
     s = summary
     messages = [{"message": m, "count": n, "example": e} for m, n, e in top_errors(s, None)]
     by_type: dict[str, dict] = {}
@@ -176,6 +178,7 @@ def summary_dict(summary, status: str = "completed", exit_code: int = 0) -> dict
         entry["count"] += m["count"]
     return {
         "status": status, "exit_code": exit_code, "output": s.out,
+        **({"error": error} if error is not None else {}),
         "images": {"encoded": s.encoded, "failed": s.failed, "skipped_not_images": s.skipped,
                    "reused": s.reused, "reused_failed": s.reused_failed, "dropped": s.dropped,
                    "folders_not_listed": s.unlisted, "misnamed": s.misnamed},
@@ -193,10 +196,10 @@ def summary_dict(summary, status: str = "completed", exit_code: int = 0) -> dict
 
 
 def write_summary_json(path: str | os.PathLike, summary, status: str = "completed",
-                       exit_code: int = 0) -> None:
+                       exit_code: int = 0, error: str | None = None) -> None:
     """Write ``summary_dict`` to ``path`` (atomically: a reader never sees half a file)."""
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_name(f".{target.name}.tmp")
-    tmp.write_text(json.dumps(summary_dict(summary, status, exit_code), indent=1) + "\n")
+    tmp.write_text(json.dumps(summary_dict(summary, status, exit_code, error), indent=1) + "\n")
     os.replace(tmp, target)

@@ -14,6 +14,7 @@ from typing import Callable
 import torch
 
 from ..errors import UsageError
+from .compile_cache import use_compile_cache
 from .model import VisionTower, add_rms_norm, rms_norm, rope_formula, swiglu
 
 log = logging.getLogger(__name__)
@@ -51,12 +52,14 @@ def fuse_elementwise(model: VisionTower, dynamic: bool = True) -> VisionTower:
     compile at the first forward). ``dynamic``: one shape-generic kernel for every row count,
     so a row's value never depends on its batch; False: kernels specialized to the one shape
     of an Engine that runs every batch at one shape (``engine.runs_one_shape``). Raises
-    UsageError when this torch cannot compile (no inductor, no C++ compiler found)."""
+    UsageError when this torch cannot compile (no inductor, no C++ compiler found). What
+    inductor builds is kept in this tower's folder of ``compile_cache``."""
     try:
         import torch._inductor  # noqa: F401  (the backend torch.compile uses)
     except Exception as exc:  # pragma: no cover - depends on the torch build
         raise UsageError(f"--fused needs torch.compile's inductor backend ({exc})") from None
     pin_cpu_vector_width()
+    use_compile_cache(model.cfg, model.device, model.dtype)
     norm, add_norm, rope, act = (compiled(f, dynamic) for f in (rms_norm, add_rms_norm,
                                                                 rope_formula, swiglu))
     model.vision.norm.norm_fn = norm

@@ -3,7 +3,9 @@
 ``plan_canvas`` maps an image size to its canvas and patch grid without touching pixels, so
 grids can be known from image headers alone; ``image_to_patches`` does the pixel work.
 The pixel work is numpy only (bf16 bits made by round-to-nearest-even, as torch rounds), so
-decode workers never import torch."""
+decode workers never import torch. ``pixels_to_patches`` is the same transform as torch ops
+on any device (``tower/resample``: Pillow's resize and pad, exactly), from the 8-bit pixels
+that ``image_pixels`` takes of a decoded image."""
 
 from __future__ import annotations
 
@@ -184,6 +186,15 @@ def to_rgb(image: Image.Image) -> Image.Image:
     return image.convert("RGB")
 
 
+def image_pixels(image: Image.Image) -> np.ndarray:
+    """The 8-bit pixels (h, w, c) of a decoded image that ``pixels_to_patches`` takes: one
+    channel for a grey image (its RGB is the grey value thrice, and the pad fill is grey),
+    else the three of ``to_rgb``. uint8, C-contiguous."""
+    if image.mode == "L":
+        return np.asarray(image, dtype=np.uint8)[..., None]
+    return np.asarray(to_rgb(image), dtype=np.uint8)
+
+
 def float32_to_bf16_bits(values: np.ndarray) -> np.ndarray:
     """bfloat16 bit patterns (uint16) of finite float32 values, rounded to nearest even."""
     bits = np.ascontiguousarray(values, dtype=np.float32).view(np.uint32)
@@ -276,3 +287,39 @@ def image_to_patches(image: Image.Image, cfg: VisionConfig) -> tuple["torch.Tens
     (n_h*n_w, 3*p*p) bfloat16 laid out as ``image_to_patch_bits`` lays them out."""
     bits, canvas = image_to_patch_bits(image, cfg)
     return bf16_bits_to_tensor(bits), canvas
+
+
+def pixels_to_patches(pixels: "torch.Tensor", cfg: VisionConfig) -> tuple["torch.Tensor", Canvas]:
+    """``image_to_patches`` as torch ops on ``pixels``' device, bit for bit: uint8 pixels
+    (h, w, c), c 1 (grey) or 3, as ``image_pixels`` gives them -> ``(patches, canvas)``,
+    patches (n_h*n_w, 3*p*p) bfloat16 on the same device."""
+    import torch
+
+    from .resample import pad, resize
+
+    height, width, channels = (int(n) for n in pixels.shape)
+    canvas = plan_canvas(width, height, cfg)
+    size = (canvas.width, canvas.height)
+    fitted = (resize(pixels, size) if canvas.stretch
+              else pad(pixels, size, PAD_FILL[:channels]))  # (bh, bw, c)
+    p = cfg.patch_size
+    patch_pixels = (fitted.expand(-1, -1, 3).permute(2, 0, 1)  # (3, bh, bw)
+                    .reshape(3, canvas.n_h, p, canvas.n_w, p)
+                    .permute(1, 3, 0, 2, 4)  # (n_h, n_w, 3, p, p)
+                    .reshape(canvas.n_patches, 3 * p * p))
+    table = _normalize_table(pixels.device)
+    return table[patch_pixels.to(torch.int64)].view(torch.bfloat16), canvas
+
+
+_TABLES: dict = {}  # device -> NORMALIZED_BF16_BITS as an int16 tensor there
+
+
+def _normalize_table(device: "torch.device") -> "torch.Tensor":
+    """``NORMALIZED_BF16_BITS`` on ``device`` (int16, (256,)), copied there once."""
+    import torch
+
+    table = _TABLES.get(device)
+    if table is None:
+        table = _TABLES[device] = torch.from_numpy(
+            NORMALIZED_BF16_BITS.view(np.int16)).to(device)
+    return table

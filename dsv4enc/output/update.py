@@ -223,9 +223,12 @@ def recover_switch(out: Path) -> None:
 
 
 def _is_dsv4enc_name(name: str) -> bool:
+    """A name dsv4enc gives a file of a folder output (a temporary of one too)."""
+    temp = TEMP_FILE.fullmatch(name)
     return bool(PART_FILE.fullmatch(name) or MANIFEST_FILE.fullmatch(name)
                 or JOURNAL_FILE.fullmatch(name) or STAMPS_FILE.fullmatch(name)
-                or TEMP_FILE.fullmatch(name) or name in (LOCK_NAME, STAGING_SUFFIX))
+                or name in (LOCK_NAME, STAGING_SUFFIX)
+                or temp is not None and _is_dsv4enc_name(temp.group(1)))
 
 
 def remove_old_output(folder: Path, out: Path) -> None:

@@ -321,8 +321,13 @@ def _plan_output(run: RunState, setup: RunSetup, source: PartSource, computes: d
         run.stop.check()  # headers left unread must not be matched as error rows
         update.match(setup.planned, rows_settings, opts.retry_errors)  # or refuses, in a line
         update.count_into(summary)
-        if not (opts.dry_run or opts.prune):
-            update.check_drop(PRUNE_SHARE, given_one_by_one(opts))
+        if not opts.prune:
+            try:
+                update.check_drop(PRUNE_SHARE, given_one_by_one(opts))
+            except UsageError:
+                if not opts.dry_run:
+                    raise
+                summary.needs_prune = True
     if opts.dry_run:
         summary.dry_run = True
         summary.reused = len(update.carried) if update is not None else 0

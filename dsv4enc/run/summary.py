@@ -35,6 +35,7 @@ class RunSummary:
     reused_failed: int = 0  # --update: error rows carried as they were (among ``reused``)
     update: bool = False  # an --update of an existing output (``reused``: its rows kept)
     dry_run: bool = False  # --dry-run: ``encoded``, ``reused``, ``dropped`` would be; none was
+    needs_prune: bool = False  # --dry-run: the update would be refused without --prune
     seconds: float = 0.0
     tokens: int = 0
     padded_tokens: int = 0
@@ -161,7 +162,8 @@ def dry_run_line(summary) -> str:
     s = summary
     return (f"dry run for {s.out}: {s.encoded:,} to encode, {s.reused:,} reused"
             f"{f' ({failed_images(s.reused_failed)})' if s.reused_failed else ''}, "
-            f"{s.dropped:,} dropped{dropped_shown(s)}; nothing was written")
+            f"{s.dropped:,} dropped{dropped_shown(s)}; nothing was written"
+            f"{' (the update needs --prune to drop them)' if s.needs_prune else ''}")
 
 
 def summary_dict(summary, status: str = "completed", exit_code: int = 0,

@@ -7,7 +7,9 @@ One file of ``--images`` rows shaped like a 1024x768 photo's aligner output (336
 float16: 2.75 MB a row; 48 images make 132 MB) is written the way ``dsv4enc encode`` writes
 its default binary layout (``rows_to_table``, ``parquet_options``, ``rows_per_group``), read
 once to warm the page cache, then read back by ``read_embeddings`` in fresh processes, each
-iterating the whole file once (``copy=True``, and ``copy=False`` where the tree has it).
+iterating the whole file once (``copy=True``, and ``copy=False`` where the tree has it);
+with ``--warm``, once untimed and once timed, so that pyarrow's import and first use (about
+36 ms of CPU, a quarter of a 132 MB read) are not counted.
 ``--trees`` names source trees to import dsv4enc from, one fresh process each per repeat,
 interleaved, so that an old and a new reader see the same machine. "per core" divides the
 bytes by the process's CPU time (all its threads), "wall" by the elapsed time. One JSON line
@@ -35,10 +37,12 @@ from layouts import synthetic_rows  # noqa: E402 - the same synthetic rows as la
 READ_ONCE = """
 import inspect, json, sys, time
 from dsv4enc.output.read import read_embeddings
-path, copy = sys.argv[1], sys.argv[2] == "1"
+path, copy, warm = sys.argv[1], sys.argv[2] == "1", sys.argv[3] == "1"
 kwargs = {} if copy else {"copy": False}
 if not copy and "copy" not in inspect.signature(read_embeddings).parameters:
     print(json.dumps({"skipped": "no copy= in this tree"})); raise SystemExit
+for _ in (read_embeddings(path, **kwargs) if warm else ()):
+    pass
 wall, cpu, total = time.perf_counter(), time.process_time(), 0
 for _, embedding, _ in read_embeddings(path, **kwargs):
     total += embedding.nbytes
@@ -55,10 +59,11 @@ def write_file(path: Path, images: int, rows: int, width: int) -> None:
                    **parquet_options(schema))
 
 
-def read_once(tree: str, path: Path, copy: bool) -> dict:
+def read_once(tree: str, path: Path, copy: bool, warm: bool = False) -> dict:
     env = {**os.environ, "PYTHONPATH": os.path.abspath(tree)}
     # cwd: ``python -c`` puts the working directory first on sys.path, ahead of the tree
-    done = subprocess.run([sys.executable, "-c", READ_ONCE, str(path), "1" if copy else "0"],
+    done = subprocess.run([sys.executable, "-c", READ_ONCE, str(path), "1" if copy else "0",
+                           "1" if warm else "0"],
                           env=env, cwd=path.parent, capture_output=True, text=True,
                           check=True)
     result = json.loads(done.stdout)
@@ -76,6 +81,8 @@ def main() -> None:
     p.add_argument("--width", type=int, default=4096)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--trees", nargs="+", default=["."], help="source trees to read with")
+    p.add_argument("--warm", action="store_true", help="time a second read in each process "
+                   "(pyarrow's import and first use not counted)")
     a = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "emb.parquet"
@@ -87,8 +94,9 @@ def main() -> None:
         for repeat in range(a.repeats):
             for tree in a.trees:
                 for copy in (True, False):
-                    result = read_once(tree, path, copy)
+                    result = read_once(tree, path, copy, a.warm)
                     print(json.dumps({"repeat": repeat, "tree": tree, "copy": copy,
+                                      "warm": a.warm,
                                       "file_mb": round(path.stat().st_size / 1e6, 1),
                                       **result}), flush=True)
 

@@ -7,6 +7,7 @@ error, 130/143 interrupted by SIGINT/SIGTERM (finished parts kept)."""
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import inspect
 import json
@@ -298,6 +299,9 @@ _ENCODE_PARAMETERS: dict[str, tuple[Any, Any]] = {
             None, "--fused/--no-fused",
             help="Fuse RMSNorm, RoPE and SwiGLU with torch.compile (default: on with CUDA); "
                  "rows equal the eager tower's to float rounding.")),
+        transform=(str, typer.Option(
+            "auto", "--transform", metavar=choices(*defaults.CHOICES["transform"]),
+            help="Where images are resized (same bytes): auto is device on CUDA, host on CPU.")),
         tp_mode=(str, typer.Option(
             "data", "--tp-mode", metavar=choices(*defaults.CHOICES["tp_mode"]),
             help="torchrun: data (each rank encodes its images) or weights (the tower split "
@@ -506,20 +510,66 @@ def extract(
 
 @command("inspect")
 def inspect_command(
-    output: str = typer.Argument(..., help="An output Parquet file or dataset folder."),
-    as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON."),
+    output: str = typer.Argument(..., help="An output Parquet file or dataset folder (a path "
+                                 "or a URL)."),
+    as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON (with "
+                                 "--errors: JSON lines)."),
+    errors: bool = typer.Option(False, "--errors", help="Print every failed row: its path "
+                                "and error."),
+    errors_list: Optional[str] = typer.Option(None, "--errors-list", metavar="FILE",
+                                              help="Write the failed rows' paths to FILE, "
+                                              "a list for encode --files-from."),
+    storage_option: Optional[List[str]] = typer.Option(None, "--storage-option",
+                                                       metavar="KEY=VALUE", help="An option "
+                                                       "of the store's file system, as "
+                                                       "encode takes it (repeatable)."),
 ) -> None:
     """Summarize an output: rows, failures, widths, dtype, grids, metadata, size on disk."""
-    from .output.inspect import render, summarize
-
     try:
-        summary = summarize(output)
+        if errors or errors_list:
+            _inspect_errors(output, storage_option, as_json, errors, errors_list)
+            return
+        from .output.inspect import render, summarize
+
+        summary = summarize(output, storage_option)
     except DsvError as exc:
         fail(str(exc), exc.exit_code)
+    except OSError as exc:
+        fail(_read_failure(output, exc))
     if as_json:
         typer.echo(json.dumps(summary.as_dict(), indent=1))
     else:
         render(summary)
+
+
+def _read_failure(output: str, exc: OSError) -> str:
+    from .storage import describe
+
+    return f"cannot read {describe(output, exc)}"
+
+
+def _inspect_errors(output: str, storage_option: list[str] | None, as_json: bool,
+                    show: bool, errors_list: str | None) -> None:
+    """``inspect --errors`` (every failed row on stdout) and ``--errors-list FILE``."""
+    from .output.inspect import failed_rows, inspected, write_errors_list
+
+    rows = failed_rows(inspected(output, storage_option))
+    if show:
+        rows = _echoed(rows, as_json)
+    if errors_list is None:
+        collections.deque(rows, maxlen=0)
+        return
+    written, unlisted = write_errors_list(rows, errors_list)
+    note(f"wrote {written} failed path{'s' if written != 1 else ''} to {errors_list}"
+         + (f"; {unlisted} left out (a newline, or blanks at an end, fit no line)"
+            if unlisted else ""))
+
+
+def _echoed(rows, as_json: bool):
+    """``rows`` (path, error), each printed as it passes: tab-separated, or a JSON line."""
+    for path, error in rows:
+        typer.echo(json.dumps({"path": path, "error": error}) if as_json else f"{path}\t{error}")
+        yield path, error
 
 
 @command(short_help="Time the engine, or with --host the host side alone.")

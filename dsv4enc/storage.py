@@ -1,6 +1,7 @@
 """Object storage (``s3://``, ``gs://``, and what fsspec reaches) behind one small facade.
 
-Every URL dsv4enc reads or writes goes through here; local paths never do (``is_url``). The file
+Every URL dsv4enc reads or writes goes through here; local paths do only through ``locate``,
+which gives a reader one file system for either (``is_url``). The file
 systems are pyarrow's, or fsspec's in ``pyarrow.fs.PyFileSystem``; an ``s3://`` read is one ranged
 GET through botocore's client where the options allow (``DIRECT_OPTIONS``). A store that stops
 answering fails loudly, within a bound the retry policy sets (``StoreHealth``). Messages name the
@@ -20,7 +21,7 @@ import threading
 import time
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
-from typing import IO, TYPE_CHECKING, Callable, Iterator, TypeVar
+from typing import IO, TYPE_CHECKING, Callable, Iterable, Iterator, Mapping, TypeVar
 
 from .errors import StorageError, UsageError
 
@@ -133,6 +134,8 @@ def _options() -> dict:
 
 _LOCK = threading.Lock()
 _FILESYSTEMS: dict[tuple[str, int], "pafs.FileSystem"] = {}
+#: File systems made with a call's own options (``locate``), by scheme, process and options.
+_OPTIONED: dict[tuple[str, int, str], "pafs.FileSystem"] = {}
 
 
 def _endpoint(options: dict) -> str | None:
@@ -170,10 +173,10 @@ def _bucket(url: str) -> str:
     return url.split("://", 1)[1].split("/", 1)[0]
 
 
-def _make_filesystem(url: str) -> "pafs.FileSystem":
+def _make_filesystem(url: str, options: dict | None = None) -> "pafs.FileSystem":
     import pyarrow.fs as pafs
 
-    scheme, options = scheme_of(url), _options()
+    scheme, options = scheme_of(url), _options() if options is None else options
     try:
         if scheme in ("s3", "s3a"):
             with suppress(ImportError):  # pyarrow built without S3: s3fs (dsv4enc[s3]) below
@@ -204,6 +207,40 @@ def filesystem(url: str) -> tuple["pafs.FileSystem", str]:
         if fs is None:
             fs = _FILESYSTEMS[key] = _make_filesystem(url)
     return fs, url.split("://", 1)[1].rstrip("/")
+
+
+def options_of(given: "Mapping[str, object] | Iterable[str] | None") -> dict | None:
+    """Storage options as a dict: a mapping as it is, ``KEY=VALUE`` texts (``--storage-option``)
+    parsed by ``parse_option``; None (or empty) for none given."""
+    if not given:
+        return None
+    if isinstance(given, Mapping):
+        return dict(given)
+    return dict(parse_option(text) for text in given)
+
+
+def locate(location: "str | os.PathLike",
+           options: "Mapping[str, object] | Iterable[str] | None" = None
+           ) -> tuple["pafs.FileSystem", str]:
+    """The pyarrow file system that reads ``location`` and its path there: a URL's (``options``
+    for this call, else ``configure``'s), or the local one, which memory-maps what it opens.
+    A URL stays a string throughout (``pathlib`` would make ``s3://b`` into ``s3:/b``)."""
+    import pyarrow.fs as pafs
+
+    text = os.fspath(location)
+    if not is_url(text):
+        if text.lower().startswith("file://"):
+            text = text[len("file://"):]
+        return pafs.LocalFileSystem(use_mmap=True), os.path.abspath(text)
+    parsed = options_of(options)
+    if parsed is None:
+        return filesystem(text)
+    key = (scheme_of(text), os.getpid(), json.dumps(parsed, sort_keys=True, default=str))
+    with _LOCK:
+        fs = _OPTIONED.get(key)
+        if fs is None:
+            fs = _OPTIONED[key] = _make_filesystem(text, parsed)
+    return fs, text.split("://", 1)[1].rstrip("/")
 
 
 # ----------------------------------------------------------------------------- errors

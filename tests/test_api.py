@@ -194,6 +194,9 @@ def test_pool_mean_and_out_dtype(small_ckpt, pictures, small_cfg):
     for p, f in zip(pooled, full):
         assert f.dtype == torch.float16 and f.ndim == 2
         assert torch.equal(p, f.float().mean(0).half())
+    # out_dtype is the Encoder's (as the README says), features and pool are per call too
+    with pytest.raises(TypeError, match="out_dtype"):
+        enc.encode(pictures[:1], out_dtype="float32")
     vit = enc.encode(pictures[:1], features="vit", pool="none")[0]
     assert vit.shape[1] == small_cfg.dim
     with Image.open(pictures[0]) as image:

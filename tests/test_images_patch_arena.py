@@ -245,3 +245,83 @@ def test_nothing_is_left_when_the_main_process_is_killed(tmp_path):
     assert processes_gone([worker])
     if os.path.isdir("/dev/shm"):
         assert set(os.listdir("/dev/shm")) == shm_before
+
+
+# --------------------------------------------------------------------------- pixels for the device
+
+def assert_same_pixels(got, path: str, cfg) -> None:
+    """A decode for the transform on the device: the image's pixels, and the grid a host
+    decode plans, whose patches ``transform.pixels_to_patches`` makes bit for bit."""
+    from dsv4enc.tower.transform import pixels_to_patches
+
+    want = decode_image(path, cfg)
+    assert got.error is None and got.patches is None and got.pixels.dtype == np.uint8
+    assert (got.n_h, got.n_w, got.width, got.height) == (want.n_h, want.n_w, want.width,
+                                                        want.height)
+    assert got.pixels.shape[:2] == (got.height, got.width)
+    patches, _ = pixels_to_patches(torch.from_numpy(got.pixels), cfg)
+    assert np.array_equal(patches.view(torch.int16).numpy().view(np.uint16), want.patches)
+
+
+@linux_only
+def test_pixels_for_the_device_come_through_shared_slots(paths, tiny_cfg):
+    with DecodePool(tiny_cfg, 2, timeout_s=60.0, pixels=True) as pool:
+        slots = pool.arena.slots
+        results = list(pool.imap(list(enumerate(paths)), window=4))
+        for (_, got), path in zip(results, paths):
+            assert in_slot(got.pixels)
+            assert_same_pixels(got, path, tiny_cfg)
+        del results, got
+        gc.collect()
+        assert pool.arena.free == slots
+
+
+def test_pixels_for_the_device_inline_and_through_pipes(paths, tiny_cfg, tmp_path):
+    bad = tmp_path / "bad.png"
+    bad.write_bytes(b"not an image")
+    for workers, slots in ((0, None), (1, 0)):
+        with DecodePool(tiny_cfg, workers, timeout_s=60.0, slots=slots, pixels=True) as pool:
+            results = list(pool.imap(list(enumerate([*paths, str(bad)]))))
+            for (_, got), path in zip(results, paths):
+                assert_same_pixels(got, path, tiny_cfg)
+            assert results[-1][1].error and results[-1][1].pixels is None  # still one error
+
+
+def test_a_photo_larger_than_a_slot_is_transformed_by_its_decoder(paths, tiny_cfg, monkeypatch):
+    import dsv4enc.images.decode as decode
+
+    monkeypatch.setattr(decode, "patch_slot_bytes", lambda cfg: 60 * 60 * 3)
+    with DecodePool(tiny_cfg, 0, pixels=True) as pool:  # inline: the patched bound applies
+        for (_, got), path in zip(pool.imap(list(enumerate(paths))), paths):
+            width, height = got.width, got.height
+            if width * height * 3 <= 60 * 60 * 3:
+                assert_same_pixels(got, path, tiny_cfg)
+            else:
+                assert got.pixels is None
+                assert_same(got, path, tiny_cfg)
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_a_run_with_the_transform_on_the_device_gives_the_same_file(paths, tmp_path, tiny_ckpt,
+                                                                    workers):
+    """``--transform device`` on the CPU: the same rows, bit for bit, as Pillow's path; a bad
+    file is one error row in both."""
+    import pyarrow.parquet as pq
+
+    from dsv4enc.run.options import EncodeOptions
+    from dsv4enc.run.pipeline import run_encode
+
+    folder = Path(paths[0]).parent
+    write_image(folder / "grey.png", (45, 20), "L")
+    (folder / "broken.png").write_bytes(b"not an image")
+
+    def encode(transform: str):
+        out = tmp_path / f"{transform}-{workers}.parquet"
+        opts = EncodeOptions(inputs=[str(folder)], out=str(out), weights=str(tiny_ckpt),
+                             device="cpu", dtype="float32", batch_tokens=2048, max_images=3,
+                             workers=workers, progress=False, transform=transform)
+        summary = run_encode(opts)
+        assert (summary.encoded, summary.failed) == (len(paths) + 1, 1)
+        return pq.read_table(out).replace_schema_metadata(None)
+
+    assert encode("device").equals(encode("host"))

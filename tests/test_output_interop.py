@@ -282,6 +282,29 @@ def test_vit_features_in_a_dataset_folder(setup):
     assert dataset.read(columns=["path"]).num_rows == len(SPECS) + 1
 
 
+def test_datasets_loads_a_folder_output_by_a_glob_of_its_parts(setup, tmp_path):
+    """As the docs say: ``load_dataset("parquet", data_files="OUT/*.parquet")`` reads a
+    finished folder output's rows (error rows too), the part files alone; ``data_dir=`` would
+    also read the manifest beside them, which is no Parquet."""
+    datasets = pytest.importorskip("datasets")
+    folder = encode(setup, "hf_parts/", "--part-images", "2")
+    assert (folder / "_manifest.json").is_file() and len(output_files(folder)) == 3
+    ds = datasets.load_dataset("parquet", data_files=f"{folder}/*.parquet", split="train",
+                               cache_dir=str(tmp_path / "hf-cache"))
+    got = {row["path"]: row for row in ds}
+    want = {row["path"]: row for row in read_embeddings(folder, ["path", "embedding", "error"],
+                                                         errors="include")}
+    assert set(got) == set(want) and len(ds) == len(want) == len(SPECS) + 1
+    meta = json.loads(pq.read_schema(output_files(folder)[0]).metadata[b"dsv4enc"])["embedding"]
+    for path, row in want.items():
+        assert got[path]["error"] == row["error"]
+        if row["embedding"] is None:
+            assert got[path]["embedding"] is None
+        else:
+            cell = np.frombuffer(got[path]["embedding"], meta["dtype"]).reshape(-1, meta["width"])
+            np.testing.assert_array_equal(cell, row["embedding"])
+
+
 def test_inspect_file_and_folder(setup, emb_file, layout):
     _, cfg = setup
     summary = summarize(emb_file)

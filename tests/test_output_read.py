@@ -15,7 +15,8 @@ import pytest
 from dsv4enc import read_embeddings
 from dsv4enc.output.parts import (Row, output_schema, parquet_options, rows_per_group,
                                   rows_to_table)
-from dsv4enc.output.read import BATCH_ROWS, valid_mask
+from dsv4enc.output.read import (BATCH_ROWS, OWN_BATCH_BYTES, EmbeddingFormat, embedding_views,
+                                 sole_row_array, valid_mask)
 
 
 def write_output(path: Path, layout: str, pooled: bool, width: int, images: int,
@@ -91,7 +92,7 @@ def test_kept_views_stay_valid(tmp_path):
 
 @pytest.mark.parametrize("layout", ["binary", "nested"])
 def test_every_batch_size_reads_the_same_rows(tmp_path, layout):
-    """The default batch (about BATCH_BYTES of embeddings: 3 rows of these 2.75 MB ones) and
+    """The default batch (one row of these 2.75 MB ones with copies, 3 with views) and
     explicit ones yield the same rows."""
     path = tmp_path / "emb.parquet"
     written = write_output(path, layout, False, width=4096, images=7, rows=336)
@@ -111,3 +112,43 @@ def test_valid_mask_matches_arrow():
             part = values.slice(start, length)
             assert valid_mask(part).tolist() == part.is_valid().to_pylist()
     assert valid_mask(pa.array([1, 2, 3])).tolist() == [True, True, True]
+
+
+def test_large_rows_are_handed_over_not_copied(tmp_path):
+    """Rows of OWN_BATCH_BYTES or more are read one per batch and yielded as the buffer Arrow
+    decoded them into: writable, sharing memory with no other row, and the caller's to keep
+    or change (a changed row leaves the file's rows and a second read as they were)."""
+    path = tmp_path / "emb.parquet"
+    written = write_output(path, "binary", False, width=4096, images=6, rows=160)
+    assert min(e.nbytes for e in written.values() if e is not None) >= OWN_BATCH_BYTES
+    kept = [(p, e) for p, e, _ in read_embeddings(path)]
+    gc.collect()
+    [np.ones(1 << 18) for _ in range(20)]  # reuse freed memory, if any was freed
+    assert [p for p, _ in kept] == [n for n, e in written.items() if e is not None]
+    for i, (name, emb) in enumerate(kept):
+        assert emb.tobytes() == written[name].tobytes() and emb.flags.writeable
+        assert not emb.flags.owndata  # Arrow's buffer, not a copy of it
+        assert not any(np.shares_memory(emb, other) for _, other in kept[i + 1:])
+    kept[0][1][:] = 0
+    again = next(read_embeddings(path))[1]
+    assert again.tobytes() == written[kept[0][0]].tobytes()
+    assert kept[1][1].tobytes() == written[kept[1][0]].tobytes()
+
+
+def test_only_a_buffer_that_is_the_rows_alone_is_handed_over():
+    """A row is handed over only where its column is one row whose data buffer Arrow made
+    for it and nothing else: not a slice of a longer column, not read-only memory."""
+    fmt = EmbeddingFormat("binary", "float16", 2, pooled=False)
+    row = np.arange(8, dtype=np.float16).tobytes()
+    built = pa.array([row], pa.large_binary())  # Arrow's own buffer, for this row alone
+    if not built.buffers()[2].is_mutable:
+        pytest.skip("this pyarrow builds immutable buffers")
+    handed = sole_row_array(built, embedding_views(built, fmt)[0])
+    assert handed is not None and handed.flags.writeable and handed.shape == (4, 2)
+    longer = pa.array([row, row], pa.large_binary())
+    for column in (longer, longer.slice(1, 1)):
+        assert sole_row_array(column, embedding_views(column, fmt)[0]) is None
+    frozen = pa.Array.from_buffers(pa.large_binary(), 1, [None, built.buffers()[1],
+                                                          pa.py_buffer(row)])
+    assert sole_row_array(frozen, embedding_views(frozen, fmt)[0]) is None
+    assert sole_row_array(built, None) is None

@@ -18,6 +18,7 @@ import torch
 
 from ..tower.checkpoint import Checkpoint
 from ..tower.config import VisionConfig
+from ..tower.transform import plan_canvas
 from ..engine.engine import EngineStats
 from ..engine.defaults import DEFAULT_BATCH_TOKENS, DEFAULT_MAX_IMAGES
 from ..run.options import EncodeOptions, available_cpus, default_workers
@@ -67,6 +68,18 @@ class NullEngine:
     def patch_buffer(self, tokens: int, width: int, dtype: torch.dtype) -> torch.Tensor:
         """As ``engine/engine.Engine.patch_buffer``: page-locked when CUDA is present."""
         return torch.empty(tokens, width, dtype=dtype, pin_memory=self._pin)
+
+    def transform(self, pixels: np.ndarray) -> torch.Tensor:
+        """The host's share of ``engine/engine.Engine.transform``: the pixels' page-locked
+        copy (a plain one without CUDA). The patches stand on the meta device: the GPU makes
+        them, and the batch is joined there, at no host cost."""
+        began = time.perf_counter()
+        host = torch.from_numpy(pixels)
+        host.pin_memory() if self._pin else host.clone()
+        self.stats.h2d_s += time.perf_counter() - began
+        canvas = plan_canvas(pixels.shape[1], pixels.shape[0], self.cfg)
+        return torch.empty(canvas.n_patches, self.cfg.patch_dim, dtype=torch.bfloat16,
+                           device="meta")
 
     def submit(self, batch: PackedBatch) -> None:
         """Stage the batch's other inputs (the host side of a transfer) and make its rows."""

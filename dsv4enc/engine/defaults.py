@@ -29,5 +29,23 @@ def resolve_fused(fused: bool | None, device_type: str) -> bool:
     return FUSED_BY_DEFAULT.get(device_type, False) if fused is None else fused
 
 
+#: Where the image transform (resize, pad, patchify, normalize) runs: ``host`` is Pillow in
+#: the decode workers; ``device`` is ``tower/resample`` on the engine's device, fed the decoded
+#: pixels; ``auto`` picks by device kind (``TRANSFORM_ON_DEVICE``).
+Transform = Literal["auto", "host", "device"]
+TRANSFORMS: tuple[str, ...] = get_args(Transform)
+#: ``auto``'s choice by device kind: on CUDA the transform costs the GPU microseconds and the
+#: host its largest share of an image; on the CPU, Pillow is faster than torch's integer ops
+#: (benchmarks/RESULTS.md), and the device's cores are the host's anyway.
+TRANSFORM_ON_DEVICE = {"cuda": True, "cpu": False}
+
+
+def transform_on_device(transform: str, device_type: str) -> bool:
+    """Whether ``--transform`` (``TRANSFORMS``) puts the transform on a device of this kind."""
+    if transform == "auto":
+        return TRANSFORM_ON_DEVICE.get(device_type, False)
+    return transform == "device"
+
+
 #: Images per packed batch at most, when the caller gives no limit.
 DEFAULT_MAX_IMAGES = 64

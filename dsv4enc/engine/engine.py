@@ -11,6 +11,7 @@ from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import Any, Iterable, Iterator, Sequence
 
+import numpy as np
 import torch
 
 from ..tower.attention import VarlenSpans, select_attention
@@ -19,7 +20,7 @@ from .graphs import GRAPH_BACKENDS, BucketRunner, default_budgets, fit_budgets
 from ..tower.model import VisionTower, rope_tables
 from .defaults import DEFAULT_MAX_IMAGES, default_batch_tokens
 from .packing import PackedBatch
-from ..tower.transform import max_image_tokens
+from ..tower.transform import max_image_tokens, pixels_to_patches
 
 log = logging.getLogger(__name__)
 
@@ -109,6 +110,7 @@ class Engine:
         if self.device.type == "cuda":
             self._h2d_stream = torch.cuda.Stream(self.device)
             self._d2h_stream = torch.cuda.Stream(self.device)
+            self._transform_stream = torch.cuda.Stream(self.device)
 
     def _want_graphs(self, cuda_graphs: bool | None) -> bool:
         if cuda_graphs and self.device.type != "cuda":
@@ -144,6 +146,25 @@ class Engine:
     def patch_buffer(self, tokens: int, width: int, dtype: torch.dtype) -> torch.Tensor:
         """Host memory for ``packing.pack`` to fill: page-locked on CUDA (copied once)."""
         return torch.empty(tokens, width, dtype=dtype, pin_memory=self.device.type == "cuda")
+
+    @torch.inference_mode()
+    def transform(self, pixels: np.ndarray) -> torch.Tensor:
+        """One image's bf16 patches (n_h*n_w, 3*p*p) made on this engine's device from its
+        decoded pixels (uint8 (h, w, c), ``transform.image_pixels``): the host path's bytes.
+        On CUDA the work runs on a side stream (beside the batch in flight), and the current
+        stream, where the batch is packed and run, waits for it."""
+        host = torch.from_numpy(pixels)
+        if self.device.type != "cuda":
+            return pixels_to_patches(host, self.cfg)[0]
+        current = torch.cuda.current_stream(self.device)
+        with torch.cuda.stream(self._transform_stream):
+            # Page-locked first: the copy is then asynchronous, and the caller's pixels (a
+            # decode worker's shared slot) are free again at once.
+            patches = pixels_to_patches(host.pin_memory().to(self.device, non_blocking=True),
+                                        self.cfg)[0]
+        current.wait_stream(self._transform_stream)
+        patches.record_stream(current)  # made on the side stream, used on the current one
+        return patches
 
     def _use_backend(self) -> None:
         # Engines may share a model (e.g. an SDPA reference beside a graph engine): put this
@@ -248,7 +269,8 @@ class Engine:
         staged = runner.stage(batch, bucket) if bucket is not None else None
         host = staged.tensors() if staged is not None else self._host_inputs(batch)
         # Pinned copies (the caching host allocator keeps each block until its copy is done).
-        pinned = {k: v.pin_memory() for k, v in host.items()}
+        # (Patches made on the device by ``transform`` are there already.)
+        pinned = {k: v if v.is_cuda else v.pin_memory() for k, v in host.items()}
         ev = {k: torch.cuda.Event(enable_timing=True) for k in ("h2d0", "h2d1", "m0", "m1", "done")}
         compute = torch.cuda.current_stream(self.device)
         # Allocate the device copies on the copy stream (their first writer), and mark them

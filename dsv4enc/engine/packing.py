@@ -86,10 +86,14 @@ PatchBuffer = Callable[[int, int, torch.dtype], torch.Tensor]
 def concat_patches(patches: Sequence[torch.Tensor], buffer: PatchBuffer | None = None,
                    ) -> torch.Tensor:
     """The images' patches one after another, in ``buffer(tokens, width, dtype)`` when given
-    (the engine's staging memory) or a new tensor. Copied by numpy on the calling thread:
+    (the engine's staging memory) or a new tensor; patches made on a device are joined there
+    instead (any on the host go there too). Copied by numpy on the calling thread:
     ``torch.cat`` would split large copies over torch's intra-op threads, which then spin and
     take CPU from the decode workers."""
     width, dtype = (patches[0].shape[1], patches[0].dtype) if patches else (0, torch.bfloat16)
+    device = next((t.device for t in patches if t.device.type != "cpu"), None)
+    if device is not None:  # made on the device (``Engine.transform``): joined there
+        return torch.cat([t.to(device) for t in patches])
     tokens = sum(int(t.shape[0]) for t in patches)
     out = (buffer(tokens, width, dtype) if buffer is not None
            else torch.empty(tokens, width, dtype=dtype))

@@ -65,10 +65,10 @@ class PatchArena:
         with self._lock:
             self._free.append(slot)
 
-    def lease(self, slot: int, shape: tuple[int, int]) -> np.ndarray:
-        """The uint16 patches a worker wrote in ``slot``, as an array over the slot (no
-        copy); the slot is given back when the array and all views of it are gone."""
-        flat = np.frombuffer(self._map, np.uint16, count=shape[0] * shape[1],
+    def lease(self, slot: int, shape: tuple[int, ...], dtype=np.uint16) -> np.ndarray:
+        """What a worker wrote in ``slot`` (uint16 patches, or uint8 pixels), as an array over
+        the slot (no copy); the slot is given back when the array and all views of it are gone."""
+        flat = np.frombuffer(self._map, dtype, count=int(np.prod(shape)),
                              offset=slot * self.slot_bytes)
         # Views of ``flat`` (reshapes, dtype views, torch.from_numpy) all keep ``flat``
         # itself alive: numpy stops collapsing a view's base at an array over a foreign
@@ -112,13 +112,15 @@ class WorkerArena:
             os.close(fd)  # the mapping keeps the memory file
 
     def writer(self, slot: int | None):
-        """``out`` for ``transform.image_to_patch_bits``: an array over ``slot`` when the
-        patches fit. Its ``used`` says whether it was handed out."""
-        def out(shape: tuple[int, int]) -> np.ndarray | None:
-            if slot is None or shape[0] * shape[1] * 2 > self.slot_bytes:
+        """``out`` for ``transform.image_to_patch_bits`` (and ``decode.decode_image``'s pixels):
+        an array of ``shape`` and ``dtype`` over ``slot`` when it fits. Its ``used`` says whether
+        it was handed out."""
+        def out(shape: tuple[int, ...], dtype=np.uint16) -> np.ndarray | None:
+            count = int(np.prod(shape))
+            if slot is None or count * np.dtype(dtype).itemsize > self.slot_bytes:
                 return None
             out.used = True
-            return np.frombuffer(self.mapping, np.uint16, count=shape[0] * shape[1],
+            return np.frombuffer(self.mapping, dtype, count=count,
                                  offset=slot * self.slot_bytes).reshape(shape)
         out.used = False
         return out

@@ -45,9 +45,11 @@ class Probe:
 
 @dataclass
 class Decoded:
-    """A transformed image: patches (n_h*n_w, 3*p*p) as the uint16 bits of bfloat16."""
+    """A transformed image: patches (n_h*n_w, 3*p*p) as the uint16 bits of bfloat16; or,
+    decoded for the transform on the device, its 8-bit ``pixels`` (h, w, c) instead."""
 
     patches: np.ndarray | None = None
+    pixels: np.ndarray | None = None  # uint8 (h, w, c): ``transform.image_pixels``
     n_h: int = 0
     n_w: int = 0
     width: int | None = None
@@ -56,6 +58,7 @@ class Decoded:
     out_of_memory: bool = False  # the worker's memory bound was hit: it is replaced
     unavailable_since: float | None = None  # a store's outage began (``storage.note_row``)
     slot: int | None = None  # from a worker: the PatchArena slot that holds the patches
+    shape: tuple[int, ...] | None = None  # from a worker: the slot holds pixels of this shape
 
 
 #: Errors that say nothing about the image (a time limit, a crashed or unstarted worker, a
@@ -204,15 +207,22 @@ def probe_image(source, max_pixels: int = DEFAULT_MAX_PIXELS) -> Probe:
 
 
 def decode_image(source, cfg: VisionConfig, max_pixels: int = DEFAULT_MAX_PIXELS,
-                 out=None) -> Decoded:
+                 out=None, pixels: bool = False) -> Decoded:
     """Decode, transform and patchify one image (an animation's first frame). ``source``: as
-    for ``probe_image``; ``out``: as ``transform.image_to_patch_bits`` takes it."""
-    from ..tower.transform import image_to_patch_bits
+    for ``probe_image``; ``out``: as ``transform.image_to_patch_bits`` takes it. ``pixels``:
+    leave the transform to the device: the decoded pixels instead of patches, when they are
+    no larger than the largest image's patches (``pixels_fit``; a larger photo is transformed
+    here, to the same bytes, so that what a worker hands on stays bounded)."""
+    from ..tower.transform import image_pixels, image_to_patch_bits, plan_canvas
 
     try:
         with open_checked(source, max_pixels) as image:
             width, height = image.size
             image.load()
+            if pixels and pixels_fit(width * height * 3, cfg):
+                canvas = plan_canvas(width, height, cfg)  # no canvas: an error, as on the host
+                return Decoded(pixels=_into(image_pixels(image), out), n_h=canvas.n_h,
+                               n_w=canvas.n_w, width=width, height=height)
             bits, canvas = image_to_patch_bits(image, cfg, out)
         return Decoded(patches=bits, n_h=canvas.n_h, n_w=canvas.n_w, width=width, height=height)
     except MemoryError as exc:  # numpy's and Pillow's allocation failures alike
@@ -221,6 +231,22 @@ def decode_image(source, cfg: VisionConfig, max_pixels: int = DEFAULT_MAX_PIXELS
     except Exception as exc:
         error, since = read_failure(exc, source)
         return Decoded(error=error, unavailable_since=since)
+
+
+def pixels_fit(size: int, cfg: VisionConfig) -> bool:
+    """Whether ``size`` bytes of pixels fit where the largest image's patches do (a
+    ``PatchArena`` slot)."""
+    return size <= patch_slot_bytes(cfg)
+
+
+def _into(array: np.ndarray, out) -> np.ndarray:
+    """``array`` copied into the memory ``out(shape, dtype)`` gives (a worker's arena slot),
+    or itself where there is none (a copy if it is read-only: torch takes writable arrays)."""
+    target = out(array.shape, array.dtype) if out is not None else None
+    if target is None:
+        return array if array.flags.writeable else array.copy()
+    target[...] = array
+    return target
 
 
 def patches_tensor(decoded: Decoded):
@@ -271,7 +297,8 @@ def _exit_with_parent() -> None:
 
 
 def _worker_main(conn, cfg: VisionConfig, max_pixels: int,
-                 memory_budget: int | None = None, arena: WorkerArena | None = None) -> None:
+                 memory_budget: int | None = None, arena: WorkerArena | None = None,
+                 pixels: bool = False) -> None:
     # Ctrl-C reaches the whole process group: the parent decides when to stop (between
     # batches), so a worker must not die with an image in hand.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -291,9 +318,11 @@ def _worker_main(conn, cfg: VisionConfig, max_pixels: int,
         while (task := conn.recv()) is not None:
             seq, source, slot = task
             out = arena.writer(slot) if arena is not None else None
-            result = decode_image(source, cfg, max_pixels, out)
+            result = decode_image(source, cfg, max_pixels, out, pixels)
             if out is not None and out.used and result.error is None:
-                result.patches, result.slot = None, slot  # the pool reads them from the slot
+                # The pool reads them from the slot (pixels by their shape).
+                result.shape = None if result.pixels is None else result.pixels.shape
+                result.patches, result.pixels, result.slot = None, None, slot
             conn.send((seq, result))
             if result.out_of_memory:
                 return  # the parent replaces this worker: a fresh heap for the next image
@@ -314,7 +343,7 @@ class _Worker:
     def __init__(self, pool: "DecodePool") -> None:
         self.conn, child = pool._ctx.Pipe(duplex=True)
         self.proc = pool._ctx.Process(target=_worker_main, daemon=True, args=(
-            child, pool.cfg, pool.max_pixels, pool.memory_budget, pool.arena))
+            child, pool.cfg, pool.max_pixels, pool.memory_budget, pool.arena, pool.pixels))
         self.proc.start()
         child.close()
         self.spawned = time.monotonic()
@@ -396,8 +425,11 @@ class DecodePool:
 
     def __init__(self, cfg: VisionConfig, workers: int, max_pixels: int = DEFAULT_MAX_PIXELS,
                  timeout_s: float | None = None,
-                 memory_budget: int | str | None = "auto", slots: int | None = None) -> None:
+                 memory_budget: int | str | None = "auto", slots: int | None = None,
+                 pixels: bool = False) -> None:
+        """``pixels``: decode for the transform on the device (``decode_image``)."""
         self.cfg, self.max_pixels, self.timeout_s = cfg, max_pixels, timeout_s
+        self.pixels = pixels
         self.n_workers = workers
         # What a worker may allocate past its start-up footprint ("auto": from max_pixels).
         self.memory_budget = (WORKER_BYTES_PER_PIXEL * max_pixels + WORKER_HEADROOM
@@ -441,8 +473,12 @@ class DecodePool:
         become an array over it (a lease); an unused slot is free again."""
         slot, worker.slot = worker.slot, None
         if result.slot is not None and slot == result.slot:
-            result.patches = self.arena.lease(slot, (result.n_h * result.n_w, self._row_width))
-            result.slot = None
+            if result.shape is not None:
+                result.pixels = self.arena.lease(slot, result.shape, np.uint8)
+            else:
+                result.patches = self.arena.lease(slot, (result.n_h * result.n_w,
+                                                         self._row_width))
+            result.slot = result.shape = None
             return result
         if slot is not None:
             self.arena.give_back(slot)
@@ -458,7 +494,8 @@ class DecodePool:
         at most (memory stays bounded whatever the consumer's speed)."""
         tasks = (task if task is NOT_YET else (task[0], attach_held(task[1])) for task in tasks)
         if not self.workers:
-            return ((task[0], decode_image(task[1], self.cfg, self.max_pixels))
+            return ((task[0], decode_image(task[1], self.cfg, self.max_pixels,
+                                           pixels=self.pixels))
                     for task in tasks if task is not NOT_YET)
         return DecodeStream(self, iter(tasks), window)
 

@@ -9,14 +9,14 @@ import os
 import re
 from collections import Counter
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 
+from .. import storage
 from ..tower.config import MODEL_NAMES, model_type_of
 from ..errors import UsageError
-from .read import MANIFEST_NAME, embedding_format, output_files, part_files, read_metadata
+from .read import MANIFEST_NAME, OutputFiles, embedding_format, find_output, metadata_of
 
 #: Error messages shown, the commonest first (``inspect`` and a run's summary).
 TOP_ERRORS = 5
@@ -77,15 +77,21 @@ def _stats(values: np.ndarray) -> dict[str, float]:
             "mean": round(float(values.mean()), 2), "max": int(values.max())}
 
 
-def interrupted_folder(path: str | os.PathLike) -> Path | None:
+def interrupted_folder(path: str | os.PathLike, storage_options: Any = None) -> str | None:
     """The parts folder of an interrupted run that ``path`` names: ``OUT.partial/`` itself,
-    or ``OUT`` when only ``OUT.partial/`` exists; else None."""
-    path = Path(path)
-    if path.is_dir() and path.name.endswith(".partial"):
-        return path
-    beside = path.with_name(path.name + ".partial")
-    if not path.exists() and beside.is_dir():
-        return beside
+    or ``OUT.partial`` when only that exists (as ``path`` is written); else None."""
+    import pyarrow.fs as pafs
+
+    text = os.fspath(path)
+    fs, root = storage.locate(text, storage_options)
+    try:
+        if root.endswith(".partial"):
+            return text if fs.get_file_info(root).type == pafs.FileType.Directory else None
+        there, beside = fs.get_file_info([root, root + ".partial"])
+    except OSError as exc:
+        raise storage.setup_error(text, exc) from None
+    if there.type == pafs.FileType.NotFound and beside.type == pafs.FileType.Directory:
+        return text.rstrip("/") + ".partial"
     return None
 
 
@@ -103,67 +109,130 @@ def _record_progress(out: OutputSummary, manifests: list[dict], unfinished: bool
         out.images_left = max(0, out.images_total - done)
 
 
-def _summarize_interrupted(path: str | os.PathLike, folder: Path) -> OutputSummary:
-    """An interrupted run's parts folder: what its manifests committed, how many are left,
-    and the usual figures over the part files it holds (none for a growing file's ranges)."""
-    from .parts import names_part_file, read_manifests
-
-    manifests = list(read_manifests(folder).values())  # one, or one per rank
-    if not manifests:
-        raise UsageError(f"{folder}: no dsv4enc manifest ({MANIFEST_NAME}) here: not an "
-                         "interrupted dsv4enc run")
-    out = OutputSummary(path=str(path), metadata=dict(manifests[0]["settings"]))
-    _record_progress(out, manifests)
-    files = part_files(folder, [part for manifest in manifests
-                                for part in manifest["parts"].values() if names_part_file(part)])
-    out.bytes_on_disk = sum(f.stat().st_size for f in folder.iterdir() if f.is_file())
-    if files:
-        _scan_files(out, files)
-        out.metadata = read_metadata(files[0]) or out.metadata
+def _summarize_interrupted(path: str, found: OutputFiles) -> OutputSummary:
+    """An interrupted run's parts folder: what its manifests (their journals applied)
+    committed, how many are left, and the usual figures over its committed part files
+    (none for a growing file's ranges)."""
+    if not found.manifests:
+        raise UsageError(f"{found.location}: no dsv4enc manifest ({MANIFEST_NAME}) here: not "
+                         "an interrupted dsv4enc run")
+    settings = found.manifests[0].get("settings")
+    out = OutputSummary(path=path, metadata=dict(settings) if isinstance(settings, dict) else {})
+    _record_progress(out, found.manifests)
+    out.bytes_on_disk = found.folder_bytes
+    if found.paths:
+        _scan_files(out, found)
+        out.metadata = _metadata(found) or out.metadata
     out.model = model_of(out.metadata)
     return out
 
 
-def summarize(path: str | os.PathLike) -> OutputSummary:
-    """Summarize a dsv4enc output: a Parquet file or a folder of part files; or what an
-    interrupted run committed (``OUT.partial/``, or ``OUT`` when only that exists)."""
-    from .parts import read_manifests
+def _metadata(found: OutputFiles) -> dict[str, Any]:
+    return metadata_of(found.open(found.paths[0]).schema_arrow)
 
-    partial = interrupted_folder(path)
+
+def summarize(path: str | os.PathLike, storage_options: Any = None) -> OutputSummary:
+    """Summarize a dsv4enc output, local or at a URL: a Parquet file or a folder of part
+    files (its committed parts); or what an interrupted run committed (``OUT.partial/``, or
+    ``OUT`` when only that exists)."""
+    text = os.fspath(path)
+    partial = interrupted_folder(text, storage_options)
     if partial is not None:
-        return _summarize_interrupted(path, partial)
-    files = output_files(path)
-    if not files:
-        raise UsageError(f"{path}: no Parquet files found")
-    out = OutputSummary(path=str(path), bytes_on_disk=sum(f.stat().st_size for f in files),
-                        metadata=read_metadata(files[0]))
+        return _summarize_interrupted(text, find_output(partial, storage_options))
+    found = find_output(text, storage_options)
+    if not found.paths:
+        raise UsageError(f"{text}: no Parquet files found")
+    out = OutputSummary(path=text, bytes_on_disk=sum(found.sizes), metadata=_metadata(found))
     out.model = model_of(out.metadata)
-    _scan_files(out, files)
-    if Path(path).is_dir():
-        _record_progress(out, list(read_manifests(Path(path)).values()), unfinished=True)
+    _scan_files(out, found)
+    if found.manifests:
+        _record_progress(out, found.manifests, unfinished=True)
     return out
 
 
-def _scan_files(out: OutputSummary, files: list[Path]) -> None:
-    """Rows, failures, layout and grid figures of ``files`` into ``out`` (never the embeddings)."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
+def inspected(path: str | os.PathLike, storage_options: Any = None) -> OutputFiles:
+    """The committed files ``inspect`` reads: an interrupted run's parts folder, else the
+    output's (``find_output``)."""
+    partial = interrupted_folder(path, storage_options)
+    return find_output(partial if partial is not None else path, storage_options)
 
-    out.files = len(files)
+
+def list_line(path: str) -> str | None:
+    """``path`` as a line of a ``--files-from`` list (``./#name`` for a name starting with
+    ``#``), or None where no line can hold it (a newline, or blanks at either end)."""
+    if "\n" in path or "\r" in path or path != path.strip() or not path:
+        return None
+    return f"./{path}" if path.startswith("#") else path
+
+
+def write_errors_list(rows: Iterator[tuple[str, str]], target: str) -> tuple[int, int]:
+    """Write the paths of failed ``rows`` to the new file ``target`` as a ``--files-from``
+    list; return how many were written and how many no line can hold. An existing file is
+    refused (a UsageError): it may be someone else's."""
+    written = unlisted = 0
+    try:
+        handle = open(target, "x", encoding="utf-8", errors="surrogateescape")
+    except FileExistsError:
+        raise UsageError(f"--errors-list {target} exists: name a new file") from None
+    except OSError as exc:
+        raise UsageError(f"cannot write --errors-list {target}: {exc.strerror or exc}") from None
+    with handle:
+        for path, _ in rows:
+            line = list_line(path)
+            if line is None:
+                unlisted += 1
+                continue
+            handle.write(line + "\n")
+            written += 1
+    return written, unlisted
+
+
+def _open_output(found: OutputFiles, file: str):
+    """A part of ``found``, checked to be dsv4enc output (a UsageError in one line if not)."""
+    handle = found.open(file)
+    missing = [c for c in ("grid_h", "grid_w", "embedding", "error")
+               if c not in handle.schema_arrow.names]
+    if missing:
+        raise UsageError(f"{found.name(file)}: not dsv4enc output (no column {missing[0]!r})")
+    return handle
+
+
+def failed_rows(found: OutputFiles) -> Iterator[tuple[str, str]]:
+    """``(path, error)`` of every failed row of the output, in its order (reads only those
+    two columns, and only the row groups that hold a failure)."""
+    for file in found.paths:
+        handle = _open_output(found, file)
+        for group in _groups_with_errors(handle):
+            table = handle.read_row_group(group, columns=["path", "error"])
+            table = table.filter(table.column("error").is_valid())
+            yield from zip(table.column("path").to_pylist(), table.column("error").to_pylist())
+
+
+def _groups_with_errors(handle) -> list[int]:
+    """The row groups whose ``error`` column is not all null (by their statistics, where the
+    footer holds them)."""
+    meta = handle.metadata
+    index = handle.schema_arrow.get_field_index("error")
+    groups = []
+    for group in range(meta.num_row_groups):
+        column = meta.row_group(group).column(index)
+        stats = column.statistics
+        if stats is None or not stats.has_null_count or stats.null_count < column.num_values:
+            groups.append(group)
+    return groups
+
+
+def _scan_files(out: OutputSummary, found: OutputFiles) -> None:
+    """Rows, failures, layout and grid figures of ``found``'s files into ``out`` (never the
+    embeddings)."""
+    out.files = len(found.paths)
     heights, widths = [], []
     grids: Counter = Counter()
     errors: Counter = Counter()
     examples: dict[str, str] = {}
-    for file in files:
-        try:
-            handle = pq.ParquetFile(file)
-        except (OSError, pa.ArrowException) as exc:
-            raise UsageError(f"{file}: not a readable Parquet file ({exc})") from None
-        schema = handle.schema_arrow
-        missing = [c for c in ("grid_h", "grid_w", "embedding", "error") if c not in schema.names]
-        if missing:
-            raise UsageError(f"{file}: not dsv4enc output (no column {missing[0]!r})")
-        fmt = embedding_format(schema)
+    for file in found.paths:
+        handle = _open_output(found, file)
+        fmt = embedding_format(handle.schema_arrow)
         out.layout, out.pooled, out.width, out.dtype = fmt.layout, fmt.pooled, fmt.width, fmt.dtype
         out.rows += handle.metadata.num_rows
         for batch in handle.iter_batches(batch_size=65536,

@@ -33,7 +33,7 @@ from . import LAYOUTS
 from ..images.sources import kept_values
 from ..images.decode import is_transient
 from .parquet_join import JoinError, ParquetJoiner
-from .read import (JOURNAL_FORMAT, MANIFEST_NAME, embedding_format, journal_path,
+from .read import (JOURNAL_FORMAT, MANIFEST_FILE, MANIFEST_NAME, embedding_format, journal_path,
                    load_manifest)
 
 log = logging.getLogger("dsv4enc")
@@ -45,7 +45,6 @@ LOCK_NAME = ".dsv4enc.lock"
 MANIFEST_VERSION = 2
 #: Names dsv4enc gives its files in a parts folder (``.gN``: the Nth generation, ``--update``).
 PART_FILE = re.compile(r"part-\d{6,}(?:_\d{6,})?(?:-rank\d{3})?(?:\.g\d+)?\.parquet")
-MANIFEST_FILE = re.compile(r"_manifest(?:-rank\d{3})?\.json")
 #: A manifest's journal of the parts committed since it was written whole (``read.journal_path``).
 JOURNAL_FILE = re.compile(r"_manifest(?:-rank\d{3})?\.journal")
 ROW_GROUP_BYTES = 64 << 20
@@ -544,7 +543,10 @@ class PartLedger:
         writer threads may call it). A commit costs the same however many came before."""
         with self._lock:
             if self._journal is not None:
-                line = json.dumps({"name": name, "part": entry}, sort_keys=True) + "\n"
+                # The images listed so far ride along: ``inspect`` of a killed run says how
+                # many are left (the manifest was written whole before the listing ended)
+                listed = {"inputs": self.extra["inputs"]} if "inputs" in self.extra else {}
+                line = json.dumps({"name": name, "part": entry, **listed}, sort_keys=True) + "\n"
                 self._append(line.encode())
             self._parts[name] = entry  # in place: a copy would cost O(parts) per commit
             self._starts[entry["start"]] = name

@@ -8,16 +8,20 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Sequence
 
 import numpy as np
 
+from .. import storage
 from ..errors import UsageError
 
 #: The manifest of a folder of parts (per rank under --shard-output: ``_manifest-rankNNN.json``).
 MANIFEST_NAME = "_manifest.json"
+#: A manifest's name: the run's, or one rank's under --shard-output (before the merge).
+MANIFEST_FILE = re.compile(r"_manifest(?:-rank\d{3})?\.json")
 #: What a manifest's journal starts with (docs/output-format.md#the-manifest-and-its-journal).
 JOURNAL_FORMAT = "dsv4enc-journal"
 
@@ -26,28 +30,108 @@ JOURNAL_FORMAT = "dsv4enc-journal"
 BATCH_ROWS = 16
 
 
-def output_files(path: str | os.PathLike) -> list[Path]:
-    """The Parquet files of an output: the file itself, or a folder's part files in order."""
-    path = Path(path)
-    if path.is_file():
-        return [path]
-    if not path.is_dir():
-        raise UsageError(f"no such file or folder: {path}")
-    manifest = path / MANIFEST_NAME
-    if manifest.is_file():
+@dataclass(frozen=True)
+class OutputFiles:
+    """An output's Parquet files in input order, on the file system that reads them (local:
+    memory-mapped; a store's: ranged reads), as ``find_output`` found them."""
+
+    location: str  # as given: a local path or a URL (never through pathlib)
+    fs: Any  # pyarrow.fs.FileSystem
+    root: str  # the output's path in ``fs``
+    paths: list[str]  # the Parquet files' paths in ``fs``
+    sizes: list[int]  # their sizes in bytes
+    manifests: list[dict]  # a folder's manifests, their journals applied (none: a single file)
+    folder_bytes: int = 0  # every file's bytes under a folder (a single file: its own)
+
+    def name(self, path: str) -> str:
+        """``path`` as messages show it: under ``location`` as the user wrote it."""
+        below = path[len(self.root):].strip("/")
+        return f"{self.location.rstrip('/')}/{below}" if below else self.location
+
+    def open(self, path: str):
+        """A ``pyarrow.parquet.ParquetFile`` over ``path`` (a store's: ranged reads, the
+        column chunks asked for fetched together)."""
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        remote = self.fs.type_name != "local"  # a local file is memory-mapped: no copies
         try:
-            files = part_files(path, load_manifest(manifest).get("parts", {}).values())
-            listed = set(files)  # rank manifests (before the merge) may list more parts
-            return files + [f for f in _parquet_under(path) if f not in listed]
-        except (OSError, ValueError, KeyError, TypeError, AttributeError):
-            pass
-    return _parquet_under(path)
+            return pq.ParquetFile(self.fs.open_input_file(path), pre_buffer=remote)
+        except (OSError, pa.ArrowException) as exc:
+            raise UsageError(f"{self.name(path)}: not a readable Parquet file ({exc})") from None
+
+
+def find_output(location: str | os.PathLike, storage_options: Any = None) -> OutputFiles:
+    """The Parquet files of the output at ``location`` (a local path or a URL: ``s3://``,
+    ``gs://``, any fsspec scheme; ``storage_options`` as ``--storage-option`` takes them): the
+    file itself, or a folder's committed part files in input order. A folder with manifests
+    shows only the parts they list (a part file not yet committed is skipped); without one,
+    every ``.parquet`` file below it in sorted order (names starting with ``.`` or ``_`` skipped)."""
+    import pyarrow.fs as pafs
+
+    text = os.fspath(location)
+    fs, root = storage.locate(text, storage_options)
+    try:
+        info = fs.get_file_info(root)
+    except OSError as exc:
+        raise storage.setup_error(text, exc) from None
+    if info.type == pafs.FileType.File:
+        return OutputFiles(text, fs, root, [root], [info.size], [], info.size)
+    if info.type != pafs.FileType.Directory:
+        raise UsageError(f"no such file or folder: {text}")
+    try:
+        found = fs.get_file_info(pafs.FileSelector(root, recursive=True))
+    except OSError as exc:
+        raise storage.setup_error(text, exc) from None
+    listed = {f.path: f for f in found if f.type == pafs.FileType.File}
+    manifests = [data for data in (_read_manifest(fs, path) for path in sorted(
+        p for p in listed if MANIFEST_FILE.fullmatch(p[len(root):].strip("/")))) if data]
+    if manifests:
+        parts = [part for data in manifests for part in data["parts"].values()
+                 if isinstance(part, dict) and isinstance(part.get("file"), str)]
+        paths = [f"{root}/{name}" for name in _ordered_files(parts)]
+        paths = [p for p in paths if p in listed]
+    else:
+        paths = sorted((p for p in listed if _visible(p[len(root):].strip("/"))),
+                       key=lambda p: p[len(root):].strip("/").split("/"))
+    return OutputFiles(text, fs, root, paths, [listed[p].size for p in paths], manifests,
+                       sum(f.size for f in listed.values()))
+
+
+def _ordered_files(parts: Iterable[dict]) -> list[str]:
+    """The file names of manifest ``parts`` (one file once), in input order."""
+    names: dict[str, None] = {}
+    for part in sorted(parts, key=lambda p: (p.get("start", 0), p["file"])):
+        names.setdefault(part["file"], None)
+    return list(names)
+
+
+def _visible(relative: str) -> bool:
+    """A Parquet file that readers of a folder take: no part of its path hidden (``.``, ``_``)."""
+    names = relative.split("/")
+    return names[-1].endswith(".parquet") and not any(n.startswith((".", "_")) for n in names)
+
+
+def _read_manifest(fs, path: str) -> dict | None:
+    """The manifest at ``path`` in ``fs``, its journal applied; None if it is not one."""
+    try:
+        data = load_manifest(path, fs)
+    except (OSError, ValueError):
+        return None
+    if not isinstance(data, dict) or not isinstance(data.get("parts"), dict):
+        return None
+    return data
+
+
+def output_files(path: str | os.PathLike) -> list[Path]:
+    """The Parquet files of a local output (``find_output``), under ``path`` as given."""
+    found = find_output(path)
+    return [Path(found.name(p)) for p in found.paths]
 
 
 def part_files(folder: Path, parts: Iterable[dict]) -> list[Path]:
-    """The files of manifest ``parts`` that are in ``folder``, in input order."""
-    ordered = sorted(parts, key=lambda p: (p["start"], p["file"]))
-    return [folder / p["file"] for p in ordered if (folder / p["file"]).is_file()]
+    """The files of manifest ``parts`` that are in the local ``folder``, in input order."""
+    return [folder / name for name in _ordered_files(parts) if (folder / name).is_file()]
 
 
 def journal_path(manifest: Path) -> Path:
@@ -55,51 +139,55 @@ def journal_path(manifest: Path) -> Path:
     return manifest.with_suffix(".journal")
 
 
-def load_manifest(path: Path) -> Any:
+def _read_bytes(path: str | os.PathLike, fs=None) -> bytes:
+    if fs is None:
+        return Path(path).read_bytes()
+    with fs.open_input_stream(os.fspath(path)) as handle:
+        return handle.read()
+
+
+def load_manifest(path: str | os.PathLike, fs=None) -> Any:
     """A manifest's JSON with the parts its journal committed since it was last written whole
     (raises OSError, ValueError); every reader of the committed parts goes through here. A run
     appends one synced line per part to the journal, so a commit costs the same at part 10 and
-    10^5; the journal applies when its header names the manifest's ``journal`` token."""
-    data = json.loads(path.read_text())
+    10^5; the journal applies when its header names the manifest's ``journal`` token, and its
+    last line's ``inputs`` (the images listed by then) replaces the manifest's. ``fs``: the
+    pyarrow file system ``path`` is in (None: local)."""
+    data = json.loads(_read_bytes(path, fs))
     if (isinstance(data, dict) and isinstance(data.get("parts"), dict)
             and isinstance(data.get("journal"), str)):
-        data["parts"].update(journal_entries(journal_path(path), data["journal"]))
+        journal = os.fspath(path)[:-len(".json")] + ".journal"
+        for entry in journal_entries(journal, data["journal"], fs):
+            data["parts"][entry["name"]] = entry["part"]
+            if isinstance(entry.get("inputs"), int):
+                data["inputs"] = entry["inputs"]
     return data
 
 
-def journal_entries(path: Path, token: str) -> Iterator[tuple[str, dict]]:
-    """``(name, part)`` per whole line of the journal at ``path``, in commit order, if its header
-    names ``token`` (else nothing); a last line without its newline is a torn write, ignored."""
+def journal_entries(path: str | os.PathLike, token: str, fs=None) -> Iterator[dict]:
+    """The entries (``name``, ``part``, maybe ``inputs``) of the journal at ``path``, one per
+    whole line, in commit order, if its header names ``token`` (else none); a last line
+    without its newline is a torn write, ignored."""
     try:
-        handle = open(path, "rb")
+        data = _read_bytes(path, fs)
     except OSError:
         return
-    with handle:
-        for number, line in enumerate(handle):
-            if not line.endswith(b"\n"):
-                return  # torn: the write of the last commit did not finish
-            try:
-                entry = json.loads(line)
-            except ValueError:
+    for number, line in enumerate(data.splitlines(keepends=True)):
+        if not line.endswith(b"\n"):
+            return  # torn: the write of the last commit did not finish
+        try:
+            entry = json.loads(line)
+        except ValueError:
+            return
+        if not isinstance(entry, dict):
+            return
+        if number == 0:
+            if entry.get("format") != JOURNAL_FORMAT or entry.get("manifest") != token:
                 return
-            if not isinstance(entry, dict):
-                return
-            if number == 0:
-                if entry.get("format") != JOURNAL_FORMAT or entry.get("manifest") != token:
-                    return
-                continue
-            if not (isinstance(entry.get("name"), str) and isinstance(entry.get("part"), dict)):
-                return
-            yield entry["name"], entry["part"]
-
-
-def _parquet_under(folder: Path) -> list[Path]:
-    found = []
-    for root, dirs, files in os.walk(folder):
-        dirs[:] = sorted(d for d in dirs if not d.startswith((".", "_")))
-        found.extend(Path(root) / f for f in sorted(files)
-                     if f.endswith(".parquet") and not f.startswith((".", "_")))
-    return found
+            continue
+        if not (isinstance(entry.get("name"), str) and isinstance(entry.get("part"), dict)):
+            return
+        yield entry
 
 
 @dataclass(frozen=True)
@@ -126,7 +214,7 @@ def embedding_format(schema) -> EmbeddingFormat:
     import pyarrow as pa
 
     kind = schema.field("embedding").type
-    described = _metadata_of(schema).get("embedding")
+    described = metadata_of(schema).get("embedding")
     if pa.types.is_binary(kind) or pa.types.is_large_binary(kind):
         if not isinstance(described, dict):
             raise UsageError("binary embedding column without dsv4enc metadata naming its "
@@ -140,7 +228,8 @@ def embedding_format(schema) -> EmbeddingFormat:
     return EmbeddingFormat("nested", _FLOAT_NAMES[str(row.value_type)], row.list_size, pooled)
 
 
-def _metadata_of(schema) -> dict[str, Any]:
+def metadata_of(schema) -> dict[str, Any]:
+    """The ``dsv4enc`` metadata of an Arrow schema (a dict; {} if it has none)."""
     raw = (schema.metadata or {}).get(b"dsv4enc")
     try:
         data = json.loads(raw) if raw else {}
@@ -225,12 +314,35 @@ def _binary_views(column, fmt: EmbeddingFormat) -> list[np.ndarray | None]:
 #: Bytes of embeddings per Arrow batch while streaming, when ``batch_rows`` is not given: a
 #: batch near the CPU's cache sizes reads faster than fresh buffers paged in for each batch.
 BATCH_BYTES = 8 << 20
+#: With ``copy=True``, rows of at least this many bytes are read one per batch, so that the
+#: buffer Arrow decodes a row into holds that row alone and can be handed over, not copied.
+OWN_BATCH_BYTES = 1 << 20
+
+
+def sole_row_array(column, row: np.ndarray | None) -> np.ndarray | None:
+    """``row``, the view of a one-row binary ``embedding`` column's cell, made writable where
+    the column's data buffer holds this row alone (not a slice of a larger one) and may be
+    written: a buffer Arrow decoded for this batch, which nothing reads once the batch is
+    dropped. None where the row must be copied to be the caller's own."""
+    import pyarrow as pa
+
+    if row is None or len(column) != 1 or not (pa.types.is_binary(column.type)
+                                               or pa.types.is_large_binary(column.type)):
+        return None
+    data = column.buffers()[2]
+    if (data is None or not data.is_mutable or data.parent is not None
+            or row.nbytes != data.size or not row.dtype.isnative):
+        return None
+    row.flags.writeable = True  # the buffer is the row's alone: nothing else sees the writes
+    return row
 
 
 def read_embeddings(path: str | os.PathLike, columns: Sequence[str] | None = None, *,
                     errors: str = "skip", batch_rows: int | None = None,
-                    copy: bool = True) -> Iterator[Any]:
-    """Stream the rows of a dsv4enc output (a Parquet file or a dataset folder).
+                    copy: bool = True, storage_options: Any = None) -> Iterator[Any]:
+    """Stream the rows of a dsv4enc output (a Parquet file or a dataset folder), local or at a
+    URL (``s3://``, ``gs://``, any fsspec scheme; ``storage_options``: a dict of the file
+    system's options, or ``KEY=VALUE`` texts as ``--storage-option`` takes them).
 
     Without ``columns``: yields ``(path, embedding, (grid_h, grid_w))`` per row, where
     ``embedding`` is a numpy array of shape (grid_h*grid_w, width) in the stored dtype (or
@@ -239,33 +351,36 @@ def read_embeddings(path: str | os.PathLike, columns: Sequence[str] | None = Non
 
     ``errors="skip"`` (default) passes over rows whose image failed; ``errors="include"``
     yields them too, with ``None`` for the embedding and grid (dicts: the stored nulls).
-    ``copy=False`` yields read-only views of the batch instead of copies (faster; each view
-    keeps its whole batch alive). Memory stays at one batch (``batch_rows`` rows; default:
-    about ``BATCH_BYTES`` of embeddings, at most ``BATCH_ROWS`` rows), memory-mapped, and what
-    the caller keeps, whatever the file's size."""
-    import pyarrow.parquet as pq
-
+    Embeddings are the caller's own (writable, sharing memory with nothing): copies, or for a
+    row of ``OWN_BATCH_BYTES`` or more, read in a batch of its own, the buffer Arrow decoded
+    it into. ``copy=False`` yields read-only views of the batch instead of copies (faster for
+    small rows; each view keeps its whole batch alive). Memory stays at one batch
+    (``batch_rows`` rows; default: about ``BATCH_BYTES`` of embeddings, at most
+    ``BATCH_ROWS`` rows, one where ``copy`` and a row holds ``OWN_BATCH_BYTES``),
+    memory-mapped, and what the caller keeps, whatever the file's size."""
     if errors not in ("skip", "include"):
         raise ValueError(f"errors must be 'skip' or 'include', not {errors!r}")
     wanted = list(columns) if columns is not None else None
     need = (wanted or ["path", "grid_h", "grid_w", "embedding"]).copy()
     if errors == "skip" and "error" not in need:
         need.append("error")
-    for file in output_files(path):
-        handle = pq.ParquetFile(file, memory_map=True)
+    found = find_output(path, storage_options)
+    for file in found.paths:
+        handle = found.open(file)
         names = handle.schema_arrow.names
         unknown = [c for c in need if c not in names]
         if unknown:
-            raise UsageError(f"{file}: no column {unknown[0]!r} (columns: {', '.join(names)})")
+            raise UsageError(f"{found.name(file)}: no column {unknown[0]!r} "
+                             f"(columns: {', '.join(names)})")
         fmt = embedding_format(handle.schema_arrow) if "embedding" in need else None
-        rows = batch_rows or _rows_per_batch(handle, "embedding" in need)
+        rows = batch_rows or _rows_per_batch(handle, "embedding" in need, copy)
         for batch in handle.iter_batches(batch_size=rows, columns=need):
             yield from _batch_rows(batch, need, wanted, fmt, errors == "skip", copy)
 
 
-def _rows_per_batch(handle, embeddings: bool) -> int:
+def _rows_per_batch(handle, embeddings: bool, copy: bool) -> int:
     """Rows per batch that hold about BATCH_BYTES of embeddings (the first row group's
-    mean), at most BATCH_ROWS."""
+    mean), at most BATCH_ROWS; one where rows of OWN_BATCH_BYTES are to be copied."""
     meta = handle.metadata
     if not embeddings or meta.num_row_groups == 0 or meta.row_group(0).num_rows == 0:
         return BATCH_ROWS
@@ -275,6 +390,8 @@ def _rows_per_batch(handle, embeddings: bool) -> int:
     if column is None:
         return BATCH_ROWS
     per_row = column.total_uncompressed_size / group.num_rows
+    if copy and per_row >= OWN_BATCH_BYTES:
+        return 1
     return max(1, min(BATCH_ROWS, int(BATCH_BYTES // max(per_row, 1))))
 
 
@@ -282,9 +399,14 @@ def _batch_rows(batch, need: list[str], wanted: list[str] | None, fmt, skip: boo
                 copy: bool) -> Iterator[Any]:
     """One Arrow batch's rows, as ``read_embeddings`` yields them. Each embedding is copied
     only when its row is yielded: a caller that drops each row holds one or two copies, whose
-    memory the allocator reuses, instead of a batch of fresh ones."""
+    memory the allocator reuses, instead of a batch of fresh ones. A batch of one large row
+    hands its buffer over instead (``sole_row_array``): one copy in all, Arrow's decode."""
     data = {name: batch.column(name) for name in need}
     views = embedding_views(data["embedding"], fmt) if "embedding" in data else None
+    if copy and views is not None and len(views) == 1:
+        handed = sole_row_array(data["embedding"], views[0])
+        if handed is not None:
+            views, copy = [handed], False
     failed = valid_mask(data["error"]) if skip else None
     plain = {n: data[n].to_pylist() for n in need if n != "embedding"}
     for i in range(batch.num_rows):
@@ -300,11 +422,9 @@ def _batch_rows(batch, need: list[str], wanted: list[str] | None, fmt, skip: boo
         yield plain["path"][i], embedding, grid
 
 
-def read_metadata(path: str | os.PathLike) -> dict[str, Any]:
+def read_metadata(path: str | os.PathLike, storage_options: Any = None) -> dict[str, Any]:
     """The ``dsv4enc`` metadata of an output (its first file's), or {} if there is none."""
-    import pyarrow.parquet as pq
-
-    files = output_files(path)
-    if not files:
+    found = find_output(path, storage_options)
+    if not found.paths:
         return {}
-    return _metadata_of(pq.read_schema(files[0]))
+    return metadata_of(found.open(found.paths[0]).schema_arrow)

@@ -10,7 +10,7 @@ import torch
 
 from .. import storage
 from ..engine.batching import BatchLoop
-from ..images.decode import Decoded, DecodeStream, patches_tensor
+from ..images.decode import Decoded, DecodeStream, describe_error, patches_tensor
 from ..engine.engine import Engine
 from .options import EncodeOptions
 from ..engine.packing import output_grid
@@ -191,22 +191,46 @@ class PartEncoder:
                 if self.ranks.dist is None:  # one process stops at once; ranks agree later
                     storage.check_stores()
             if result.error is not None:
-                rows[index] = error_row(planned[index], result.error)
-                if self._counts_encoded:
-                    self._pending[3] += planned[index].tokens
+                self._failed(rows, index, planned[index], result.error)
             else:
                 ready.append((index, result))
         self.summary.decode_wait_s += time.perf_counter() - began
-        if not ready:
+        images = self._patches(planned, ready, rows)
+        if not images:
             return rows
-        packed = self.loop.submit([(index, planned[index].item.key, d) for index, d in ready],
-                                  [(patches_tensor(d), d.n_h, d.n_w) for _, d in ready])
+        packed = self.loop.submit([(index, planned[index].item.key, d) for index, d, _ in images],
+                                  [(patches, d.n_h, d.n_w) for _, d, patches in images])
         for _, d in ready:  # packed: the decode pool's shared slots are free again
             d.patches = None
         self.summary.tokens += packed.n_tokens
         if self.opts.features == "aligner":
             self.summary.merge_pad_tokens += packed.n_rows * self.ratio ** 2 - packed.n_tokens
         return rows
+
+    def _failed(self, rows: dict[int, Row], index: int, entry: Planned, error: str) -> None:
+        """Input ``index``'s error row (``entry``: its plan), its tokens no longer awaited."""
+        rows[index] = error_row(entry, error)
+        if self._counts_encoded:
+            self._pending[3] += entry.tokens
+
+    def _patches(self, planned: Sequence[Planned], ready: list[tuple[int, Decoded]],
+                 rows: dict[int, Row]) -> list[tuple[int, Decoded, torch.Tensor]]:
+        """``(index, decoded, patches)`` of the decoded images: their patches as decoded, or
+        made from their pixels on the engine's device (``Engine.transform``). An image whose
+        transform fails (the device's memory) is an error row, as a failed decode is."""
+        images = []
+        for index, d in ready:
+            try:
+                patches = (self.engine.transform(d.pixels) if d.pixels is not None
+                           else patches_tensor(d))
+            except (RuntimeError, MemoryError, ValueError) as exc:
+                self._failed(rows, index, planned[index],
+                             f"transform failed: {describe_error(exc)}")
+                continue
+            finally:
+                d.pixels = None  # copied: the decode pool's shared slot is free again
+            images.append((index, d, patches))
+        return images
 
     def _rows(self, done: list[tuple[tuple[int, str, Decoded], torch.Tensor]]) -> dict[int, Row]:
         """Rows of collected images (``BatchLoop`` tags and outputs), by input index."""

@@ -7,7 +7,8 @@ import os
 from dataclasses import dataclass
 from typing import Literal, get_args
 
-from ..engine.defaults import DEFAULT_MAX_IMAGES, FEATURES, POOLS, Features, Pool
+from ..engine.defaults import (DEFAULT_MAX_IMAGES, FEATURES, POOLS, TRANSFORMS, Features,
+                               Pool, Transform)
 from ..errors import UsageError
 from ..images.formats import DEFAULT_DECODE_TIMEOUT_S, DEFAULT_MAX_PIXELS
 from ..images.sources import SIDECAR_MEMBERS
@@ -29,7 +30,7 @@ BALANCE_CHOICES: tuple[str, ...] = get_args(Balance)
 #: the Python API (``api.Encoder``, ``batch.BatchEncoder``) read them.
 CHOICES: dict[str, tuple[str, ...]] = {
     "out_dtype": STORED_DTYPES, "features": FEATURES, "pool": POOLS, "layout": LAYOUTS,
-    "tp_mode": get_args(TpMode), "balance": BALANCE_CHOICES}
+    "tp_mode": get_args(TpMode), "balance": BALANCE_CHOICES, "transform": TRANSFORMS}
 
 
 @dataclass
@@ -70,6 +71,7 @@ class EncodeOptions:
     cuda_graphs: bool | None = None
     deterministic: bool = True  # batch-invariant rows (Engine)
     fused: bool | None = None  # compiled elementwise kernels (None: engine/defaults by device)
+    transform: Transform = "auto"  # where images are resized (engine/defaults.transform_on_device)
     shard_output: bool = False
     tp_mode: TpMode = "data"
     balance: Balance = "patches"

@@ -20,7 +20,7 @@ import torch
 
 from .. import storage
 from ..version import __version__
-from ..engine.defaults import default_batch_tokens
+from ..engine.defaults import default_batch_tokens, transform_on_device
 from ..engine.factory import build_engine
 from ..tower.checkpoint import Checkpoint, load_checkpoint, random_checkpoint
 from ..tower.config import VisionConfig
@@ -493,7 +493,8 @@ class LocalParts:
         opts, ckpt, device, ranks = self.opts, self.ckpt, self.device, self.ranks
         self.setup = setup
         workers = default_workers(device.type) if opts.workers is None else opts.workers
-        setup.pool = DecodePool(ckpt.config, workers, opts.max_pixels, opts.decode_timeout)
+        setup.pool = DecodePool(ckpt.config, workers, opts.max_pixels, opts.decode_timeout,
+                                pixels=transform_on_device(opts.transform, device.type))
         engine = self.engine = (
             tower_engine(ckpt, device, opts, lambda model: ranks.split_tower(model, opts.tp_mode))
             if self.stand_in is None else self.stand_in.engine(device, opts))

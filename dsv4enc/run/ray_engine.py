@@ -93,6 +93,7 @@ class SegmentEncoder:
     ``dtype``: the compute dtype (``auto`` resolves on the actor's own device)."""
 
     def __init__(self, opts: EncodeOptions, device_type: str, dtype: str) -> None:
+        from ..engine.defaults import transform_on_device
         from ..engine.device import resolve_device, resolve_dtype
         from ..images.decode import DecodePool, own_process_pillow_settings
         from ..process import own_process_settings
@@ -107,7 +108,8 @@ class SegmentEncoder:
         self.engine = tower_engine(ckpt, device, opts)
         del ckpt
         # opts.workers: the driver's ``actor_workers``
-        self.pool = DecodePool(self.cfg, opts.workers, opts.max_pixels, opts.decode_timeout)
+        self.pool = DecodePool(self.cfg, opts.workers, opts.max_pixels, opts.decode_timeout,
+                               pixels=transform_on_device(opts.transform, device.type))
 
     def describe(self, probe: tuple[str, bytes] | None = None) -> dict[str, Any]:
         """What this actor computes with (the driver checks that every actor agrees).

@@ -1,0 +1,248 @@
+"""Training from an output: torch datasets over its rows, local or at a URL.
+
+``EmbeddingDataset`` is map-style: a row by its index (the output's order, failed rows
+skipped) or by its key (``path``). ``EmbeddingIterableDataset`` streams the rows, its row
+groups split between the ranks (``torch.distributed``, or ``rank``/``world_size``) and each
+rank's DataLoader workers, so that each row is seen exactly once an epoch, in a seeded
+shuffle if asked (``set_epoch`` for a new order). ``collate_embeddings`` pads rows of
+different lengths into one batch. Locally the files are memory-mapped; at a URL (``s3://``,
+``gs://``, fsspec) only the row groups read are fetched, by ranged reads.
+
+An item is a dict: ``path``, ``embedding`` (a tensor in the stored dtype: (grid_h*grid_w,
+width), or (width,) for a pooled output), ``grid_h``, ``grid_w``, and the ``columns`` asked
+for (Python values)."""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+import os
+from collections import OrderedDict
+from dataclasses import replace
+from typing import Any, Iterator, Sequence
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset, IterableDataset, get_worker_info
+
+from . import storage
+from .errors import UsageError
+from .output.read import (EmbeddingFormat, OutputFiles, embedding_format, embedding_views,
+                          find_output, owned_copy, valid_mask)
+
+__all__ = ["EmbeddingDataset", "EmbeddingIterableDataset", "collate_embeddings"]
+
+#: The columns of every item (``columns`` adds to them).
+ITEM_COLUMNS = ("path", "grid_h", "grid_w", "embedding")
+#: Row groups a map-style dataset keeps read (each holds a few rows of a real-width output).
+CACHED_GROUPS = 2
+
+
+class _Rows:
+    """An output's row groups, in order: where each starts among all rows, and the reading of
+    one (the columns of an item, the failed rows dropped or kept). Pickled without its open
+    files, so that each DataLoader worker opens its own."""
+
+    def __init__(self, location: str | os.PathLike, columns: Sequence[str], errors: str,
+                 storage_options: Any) -> None:
+        if errors not in ("skip", "include"):
+            raise ValueError(f"errors must be 'skip' or 'include', not {errors!r}")
+        self.found: OutputFiles = find_output(location, storage_options)
+        self.options = storage_options
+        self.pid = os.getpid()
+        self.columns = list(dict.fromkeys([*ITEM_COLUMNS, *columns, "error"]))
+        self.skip = errors == "skip"
+        self.groups: list[tuple[int, int]] = []  # (file, row group) in output order
+        sizes = []
+        for file, path in enumerate(self.found.paths):
+            meta = self.handle(file).metadata
+            for group in range(meta.num_row_groups):
+                self.groups.append((file, group))
+                sizes.append(meta.row_group(group).num_rows)
+        self.starts = np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)])
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_handles": {}, "pid": None}
+
+    def handle(self, file: int):
+        if self.pid != os.getpid():  # a forked DataLoader worker: a file system of its own
+            fs, _ = storage.locate(self.found.location, self.options)
+            self.found, self.pid, self._handles = replace(self.found, fs=fs), os.getpid(), {}
+        handles = self.__dict__.setdefault("_handles", {})
+        if file not in handles:
+            handles[file] = self.found.open(self.found.paths[file])
+            missing = [c for c in self.columns if c not in handles[file].schema_arrow.names]
+            if missing:
+                raise UsageError(f"{self.found.name(self.found.paths[file])}: no column "
+                               f"{missing[0]!r}")
+        return handles[file]
+
+    def read(self, unit: int, columns: Sequence[str] | None = None):
+        """Row group ``unit`` (its ``columns``; default: an item's) as an Arrow table."""
+        file, group = self.groups[unit]
+        return self.handle(file).read_row_group(group, columns=list(columns or self.columns))
+
+    def kept(self, table) -> np.ndarray:
+        """The positions in a group's table of the rows an item is made of."""
+        if not self.skip:
+            return np.arange(table.num_rows)
+        return np.flatnonzero(~valid_mask(table.column("error").combine_chunks()))
+
+    def items(self, table, rows: Sequence[int]) -> Iterator[dict]:
+        """The items of ``table``'s ``rows``: each embedding copied (a worker hands each row
+        to the loader alone, never its whole group)."""
+        fmt: EmbeddingFormat = embedding_format(table.schema)
+        views = embedding_views(table.column("embedding"), fmt)
+        plain = {n: table.column(n).to_pylist() for n in self.columns
+                 if n not in ("embedding", "error")}
+        errors = table.column("error").to_pylist()
+        for row in rows:
+            item = {n: values[row] for n, values in plain.items()}
+            view = views[row]
+            item["embedding"] = None if view is None else torch.from_numpy(owned_copy(view))
+            if not self.skip:
+                item["error"] = errors[row]
+            yield item
+
+
+class EmbeddingDataset(Dataset):
+    """Map-style: ``dataset[i]`` is the i-th row of the output (failed rows skipped unless
+    ``errors="include"``), ``dataset["key"]`` the row whose ``path`` is ``key``. Each read
+    takes the row's whole row group (a few rows at the real width); the last ``CACHED_GROUPS``
+    are kept, so neighbouring indices cost one read. ``columns``: more columns per item."""
+
+    def __init__(self, location: str | os.PathLike, columns: Sequence[str] = (), *,
+                 errors: str = "skip", storage_options: Any = None) -> None:
+        self._rows = _Rows(location, columns, errors, storage_options)
+        self._index = self._positions()  # each item's row among all of the output's rows
+        self._keys: dict[str, int] | None = None
+        self._cache: OrderedDict[int, Any] = OrderedDict()
+
+    def _positions(self) -> np.ndarray:
+        rows = self._rows
+        if not rows.skip:
+            return np.arange(rows.starts[-1], dtype=np.int64)
+        kept = [rows.starts[unit] + rows.kept(rows.read(unit, ["error"]))
+                for unit in range(len(rows.groups))]
+        return np.concatenate(kept).astype(np.int64) if kept else np.zeros(0, np.int64)
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_cache": OrderedDict()}
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    def __getitem__(self, index: int | str) -> dict:
+        position = self._index[self.index_of(index) if isinstance(index, str) else index]
+        unit = bisect.bisect_right(self._rows.starts, position) - 1
+        table = self._group(unit)
+        return next(self._rows.items(table, [int(position - self._rows.starts[unit])]))
+
+    def index_of(self, key: str) -> int:
+        """The index of the row whose ``path`` is ``key`` (a KeyError if there is none, or
+        if its image failed and failed rows are skipped)."""
+        if self._keys is None:
+            paths = [path for unit in range(len(self._rows.groups))
+                     for path in self._rows.read(unit, ["path"]).column("path").to_pylist()]
+            self._keys = {paths[position]: i for i, position in enumerate(self._index.tolist())}
+        return self._keys[key]
+
+    def _group(self, unit: int):
+        if unit in self._cache:
+            self._cache.move_to_end(unit)
+        else:
+            self._cache[unit] = self._rows.read(unit)
+            while len(self._cache) > CACHED_GROUPS:
+                self._cache.popitem(last=False)
+        return self._cache[unit]
+
+
+class EmbeddingIterableDataset(IterableDataset):
+    """The rows of an output, split by row group between the ranks (``rank``/``world_size``;
+    default: ``torch.distributed``'s, else one rank) and, within a rank, its DataLoader
+    workers: every row exactly once an epoch over all of them (a rank's share differs from
+    another's by at most one row group's rows). ``shuffle``: the row groups, and the rows in each,
+    in an order drawn from ``seed`` and the epoch (``set_epoch``), the same on every rank.
+    One row group is in memory at a time."""
+
+    def __init__(self, location: str | os.PathLike, columns: Sequence[str] = (), *,
+                 errors: str = "skip", shuffle: bool = False, seed: int = 0,
+                 rank: int | None = None, world_size: int | None = None,
+                 storage_options: Any = None) -> None:
+        self._rows = _Rows(location, columns, errors, storage_options)
+        self.shuffle, self.seed, self.epoch = shuffle, seed, 0
+        self.rank, self.world_size = rank, world_size
+
+    def set_epoch(self, epoch: int) -> None:
+        """The epoch whose order ``shuffle`` draws (call it before each epoch's loop)."""
+        self.epoch = epoch
+
+    def _share(self) -> tuple[int, int]:
+        """This reader's slot among all (rank, worker) readers, and their number."""
+        rank, world = self.rank, self.world_size
+        if rank is None or world is None:
+            ready = torch.distributed.is_available() and torch.distributed.is_initialized()
+            rank = torch.distributed.get_rank() if ready else 0
+            world = torch.distributed.get_world_size() if ready else 1
+        if not 0 <= rank < world:
+            raise ValueError(f"rank {rank} is not in a world of {world}")
+        worker = get_worker_info()
+        workers, wid = (1, 0) if worker is None else (worker.num_workers, worker.id)
+        return rank * workers + wid, world * workers
+
+    def __iter__(self) -> Iterator[dict]:
+        slot, readers = self._share()
+        units = np.arange(len(self._rows.groups))
+        if self.shuffle:
+            units = np.random.default_rng([self.seed, self.epoch]).permutation(units)
+        for unit in _deal(units.tolist(), np.diff(self._rows.starts), readers)[slot]:
+            table = self._rows.read(unit)
+            rows = self._rows.kept(table)
+            if self.shuffle:
+                rows = np.random.default_rng([self.seed, self.epoch, unit]).permutation(rows)
+            yield from self._rows.items(table, rows.tolist())
+
+
+def _deal(units: list[int], rows: np.ndarray, readers: int) -> list[list[int]]:
+    """``units`` (row groups, in order) dealt to ``readers``: each to the one with the fewest
+    rows so far (the lowest slot first), so that shares differ by at most one group's rows.
+    Every reader deals the same, so each unit goes to exactly one."""
+    shares: list[list[int]] = [[] for _ in range(readers)]
+    heap = [(0, slot) for slot in range(readers)]
+    for unit in units:
+        held, slot = heapq.heappop(heap)
+        shares[slot].append(unit)
+        heapq.heappush(heap, (held + int(rows[unit]), slot))
+    return shares
+
+
+def collate_embeddings(items: Sequence[dict]) -> dict[str, Any]:
+    """A batch of items of different lengths: ``embedding`` (batch, longest, width) padded with
+    zeros, ``mask`` (batch, longest; True on a row's own vectors) and ``lengths`` (batch,); a
+    pooled output's vectors stacked to (batch, width). Other keys: lists, one value per item.
+    Failed rows (``errors="include"``) are left out of the tensors: ``lengths`` 0. The batch
+    is filled through numpy (a plain copy; torch's half-precision copies on the CPU are
+    several times slower)."""
+    if not items:
+        raise ValueError("an empty batch")
+    batch: dict[str, Any] = {key: [item[key] for item in items]
+                             for key in items[0] if key != "embedding"}
+    embeddings = [None if item["embedding"] is None else item["embedding"].numpy()
+                  for item in items]
+    sample = next((e for e in embeddings if e is not None), None)
+    if sample is None:
+        batch["embedding"] = None
+        return batch
+    pooled = sample.ndim == 1  # one vector per image
+    lengths = np.array([0 if e is None else 1 if pooled else e.shape[0] for e in embeddings])
+    shape = (len(items), sample.shape[0]) if pooled else (len(items), int(lengths.max()),
+                                                          sample.shape[1])
+    padded = np.zeros(shape, dtype=sample.dtype)
+    for i, embedding in enumerate(embeddings):
+        if embedding is not None:
+            padded[i, :len(embedding)] = embedding
+    batch["embedding"] = torch.from_numpy(padded)
+    batch["lengths"] = torch.from_numpy(lengths)
+    if not pooled:
+        batch["mask"] = torch.arange(padded.shape[1])[None, :] < batch["lengths"][:, None]
+    return batch

@@ -1,0 +1,138 @@
+"""``dsv4enc.dataset``: the map-style dataset gives ``read_embeddings``' rows by index and by
+key; the iterable one, split over 2 ranks x 2 DataLoader workers, gives every row of a
+1,000-row output exactly once an epoch, shuffled by seed and epoch; the collate pads."""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from dsv4enc import read_embeddings
+from dsv4enc.dataset import EmbeddingDataset, EmbeddingIterableDataset, collate_embeddings
+from dsv4enc.output.parts import Row, output_schema, parquet_options, rows_to_table
+
+ROWS, FILES, WIDTH = 1000, 3, 8
+
+
+def write_output(folder: Path, layout: str = "binary", pooled: bool = False) -> Path:
+    """A folder output of ROWS rows over FILES part files in row groups of 1 to 13 rows,
+    every 37th image failed, rows of 1 to 5 vectors."""
+    rng = np.random.default_rng(7)
+    folder.mkdir()
+    schema = output_schema(WIDTH, "float16", {}, pooled=pooled, layout=layout)
+    bounds = np.linspace(0, ROWS, FILES + 1).astype(int)
+    for part, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:])):
+        rows = []
+        for i in range(lo, hi):
+            name = f"img/{i:04d}.jpg"
+            if i % 37 == 5:
+                rows.append(Row(path=name, error="decode failed: truncated file"))
+                continue
+            shape = (WIDTH,) if pooled else (1 + i % 5, WIDTH)
+            emb = rng.standard_normal(shape).astype(np.float16)
+            rows.append(Row(path=name, width=64, height=48, vit_h=4, vit_w=4, grid_h=1,
+                            grid_w=1 if pooled else shape[0], embedding=emb))
+        table = rows_to_table(rows, schema)
+        writer = pq.ParquetWriter(folder / f"part-{part:06d}.parquet", schema,
+                                  **parquet_options(schema))
+        at = 0
+        while at < table.num_rows:  # row groups of uneven sizes
+            size = 1 + (at * 7 + part) % 13
+            writer.write_table(table.slice(at, size), row_group_size=size)
+            at += size
+        writer.close()
+    return folder
+
+
+@pytest.fixture(scope="module")
+def output(tmp_path_factory) -> Path:
+    return write_output(tmp_path_factory.mktemp("dataset") / "out")
+
+
+def expected(output) -> dict[str, np.ndarray]:
+    return {path: emb for path, emb, _ in read_embeddings(output)}
+
+
+def test_by_index_and_by_key_equal_read_embeddings(output):
+    dataset = EmbeddingDataset(output)
+    want = list(read_embeddings(output))
+    assert len(dataset) == len(want) == ROWS - len(range(5, ROWS, 37))
+    for i in [0, 1, 17, 500, len(want) - 1, 3, 2]:
+        item = dataset[i]
+        path, emb, grid = want[i]
+        assert item["path"] == path and (item["grid_h"], item["grid_w"]) == grid
+        assert item["embedding"].dtype == torch.float16
+        np.testing.assert_array_equal(item["embedding"].numpy(), emb)
+    for path, emb, _ in want[::97]:
+        np.testing.assert_array_equal(dataset[path]["embedding"].numpy(), emb)
+        assert dataset.index_of(path) == [p for p, _, _ in want].index(path)
+    with pytest.raises(KeyError):
+        dataset["img/0005.jpg"]  # failed: skipped
+    included = EmbeddingDataset(output, columns=["vit_h"], errors="include")
+    assert len(included) == ROWS
+    failed = included["img/0005.jpg"]
+    assert failed["embedding"] is None and failed["error"].startswith("decode failed")
+    assert included["img/0000.jpg"]["vit_h"] == 4
+
+
+def loaded(output, rank: int, epoch: int, shuffle: bool = True) -> list[str]:
+    dataset = EmbeddingIterableDataset(output, shuffle=shuffle, seed=3, rank=rank, world_size=2)
+    dataset.set_epoch(epoch)
+    loader = DataLoader(dataset, batch_size=7, num_workers=2, collate_fn=collate_embeddings)
+    return [path for batch in loader for path in batch["path"]]
+
+
+def test_two_ranks_two_workers_see_every_row_once(output):
+    want = expected(output)
+    for epoch in (0, 1):
+        seen = [loaded(output, rank, epoch) for rank in (0, 1)]
+        counts = Counter(seen[0] + seen[1])
+        assert set(counts) == set(want) and set(counts.values()) == {1}
+        assert abs(len(seen[0]) - len(seen[1])) <= 2 * 13  # a row group per worker, at most
+        if epoch == 0:
+            first = seen
+    assert first != seen  # another epoch, another order
+    assert loaded(output, 0, 1) == seen[0]  # the same seed and epoch: the same order
+    plain = loaded(output, 0, 0, shuffle=False) + loaded(output, 1, 0, shuffle=False)
+    assert sorted(plain) == sorted(want) and plain != sorted(plain)  # by group, not by row
+
+
+def test_rows_from_the_loader_equal_read_embeddings(output):
+    want = expected(output)
+    loader = DataLoader(EmbeddingIterableDataset(output, shuffle=True), batch_size=5,
+                        collate_fn=collate_embeddings)
+    for batch in loader:
+        for i, path in enumerate(batch["path"]):
+            length = int(batch["lengths"][i])
+            assert batch["mask"][i].sum() == length
+            np.testing.assert_array_equal(batch["embedding"][i, :length].numpy(), want[path])
+            assert not batch["embedding"][i, length:].any()
+
+
+def test_the_torch_distributed_rank_is_used(output):
+    """Without ``rank``/``world_size``, a process group's rank and size split the rows."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
+    try:
+        assert len(list(EmbeddingIterableDataset(output))) == len(expected(output))
+    finally:
+        dist.destroy_process_group()
+    with pytest.raises(ValueError, match="rank 2"):
+        list(EmbeddingIterableDataset(output, rank=2, world_size=2))
+
+
+@pytest.mark.parametrize("layout", ["binary", "nested"])
+def test_pooled_and_nested_outputs(tmp_path, layout):
+    folder = write_output(tmp_path / "pooled", layout=layout, pooled=True)
+    want = expected(folder)
+    batch = collate_embeddings([EmbeddingDataset(folder)[i] for i in range(4)])
+    assert batch["embedding"].shape == (4, WIDTH)
+    for path, vector in zip(batch["path"], batch["embedding"]):
+        np.testing.assert_array_equal(vector.numpy(), want[path])

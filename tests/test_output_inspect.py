@@ -1,0 +1,109 @@
+"""``dsv4enc inspect``: ``--errors`` lists every failed row (``--json``: JSON lines),
+``--errors-list FILE`` writes their paths as a ``--files-from`` list that an ``--update``
+turns into rows once the files are fixed; a killed run's output shows its committed parts
+(its journal's, never a part file not committed), ``interrupted: true`` and the images left."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from dsv4enc import read_embeddings
+from dsv4enc.cli import app
+from dsv4enc.output.inspect import list_line
+from dsv4enc.output.read import load_manifest
+
+from helpers import REPO_ROOT, Pauses, write_image
+
+runner = CliRunner()
+
+
+def run(*args: str):
+    return runner.invoke(app, list(args))
+
+
+def encode(*args: str, weights: Path):
+    result = run("encode", *args, "--weights", str(weights), "--workers", "0", "--device",
+                 "cpu", "-q")
+    assert result.exit_code == 0, result.output
+    return result
+
+
+def test_every_failure_listed_then_retried_with_files_from_and_update(tmp_path, small_ckpt):
+    """A batch whose every image came truncated: all its failures are listed, as text and
+    JSON lines; the list, once the files are fixed, goes back through ``--update``."""
+    folder = tmp_path / "imgs"
+    folder.mkdir()
+    names = [folder / f"{i}.jpg" for i in range(3)] + [folder / "#odd.jpg"]
+    for path in names:
+        path.write_bytes(b"\xff\xd8 truncated")
+    given = tmp_path / "all.txt"
+    given.write_text("".join(f"{list_line(str(p))}\n" for p in names))
+    out = tmp_path / "out"
+    encode("--files-from", str(given), "--out", f"{out}/", weights=small_ckpt)
+    listed = run("inspect", str(out), "--errors")
+    assert listed.exit_code == 0, listed.output
+    lines = listed.stdout.splitlines()
+    assert [line.split("\t")[0] for line in lines] == [str(p) for p in names]
+    as_json = [json.loads(line) for line in run("inspect", str(out), "--errors",
+                                                "--json").stdout.splitlines()]
+    assert [(r["path"], r["error"]) for r in as_json] == [tuple(l.split("\t")) for l in lines]
+    retry = tmp_path / "failed.txt"
+    wrote = run("inspect", str(out), "--errors-list", str(retry))
+    assert wrote.exit_code == 0 and "wrote 4 failed paths" in wrote.output
+    assert retry.read_text().splitlines()[-1] == f"{folder}/#odd.jpg"  # absolute: as given
+    again = run("inspect", str(out), "--errors-list", str(retry))
+    assert again.exit_code == 2 and "exists" in again.output  # never overwritten
+    for i, path in enumerate(names):
+        write_image(path, (40 + i, 30))
+    encode("--files-from", str(retry), "--out", f"{out}/", "--update", weights=small_ckpt)
+    got = {p: e for p, e, _ in read_embeddings(out, errors="include")}
+    assert sorted(got) == sorted(str(p) for p in names)
+    assert all(e is not None for e in got.values())
+    assert run("inspect", str(out), "--errors").stdout == ""
+
+
+def test_list_lines():
+    assert list_line("a/b.jpg") == "a/b.jpg" and list_line("#x.jpg") == "./#x.jpg"
+    assert list_line("a\nb.jpg") is None and list_line(" lead.jpg") is None
+
+
+def test_a_killed_run_shows_its_journal_not_its_stray_files(tmp_path, small_ckpt):
+    """SIGKILLed while paused after its second commit; then a part file is there that no
+    commit lists (as a part written just before a kill is): inspect reports the journal's
+    parts and rows, ``interrupted: true`` and the images left, and readers skip the stray."""
+    folder = tmp_path / "imgs"
+    for i in range(12):
+        write_image(folder / f"{i:02d}.png", (20 + i, 20))
+    out = tmp_path / "out"
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}
+    pauses = Pauses(tmp_path / "pauses", "commit")
+    proc = subprocess.Popen([sys.executable, "-m", "dsv4enc", "encode", str(folder), "--out",
+                             f"{out}/", "--weights", str(small_ckpt), "--part-images", "2",
+                             "--workers", "0", "--device", "cpu", "-q"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=pauses.env(env))
+    try:
+        pauses.release("commit", 1)
+        pauses.wait("commit", 2, proc=proc)
+    finally:
+        proc.kill()
+        proc.wait()
+    parts = load_manifest(out / "_manifest.json")["parts"]
+    assert len(parts) == 2
+    files = sorted(out.glob("part-*.parquet"))
+    shutil.copy(files[0], out / "part-000009.parquet")  # no commit names it
+    data = json.loads(run("inspect", str(out), "--json").stdout)
+    done = sum(p["rows"] for p in parts.values())
+    assert data["interrupted"] and (data["parts"], data["images_done"]) == (2, done)
+    assert data["rows"] == done and data["files"] == 2
+    assert (data["images_total"], data["images_left"]) == (12, 12 - done)
+    assert len(list(read_embeddings(out))) == done
+    text = run("inspect", str(out)).stdout
+    assert f"2 parts, {done} images done, {12 - done} of 12 left" in " ".join(text.split())

@@ -9,8 +9,10 @@ the page cache. Each reader then runs in a fresh process and takes every row onc
 ``read_embeddings`` (copies, as a loop that keeps its rows gets them), the iterable dataset
 in the process (``workers 0``, shuffled), the same through a DataLoader with ``--workers``
 worker processes and ``collate_embeddings`` (batches of 8), and the map-style dataset by
-index in a shuffled order. "per core" divides the bytes by the CPU time of the process and
-its children, "wall" by the elapsed time. One JSON line per read.
+index in a shuffled order; each for ``--epochs`` epochs in one process (the DataLoader's
+workers persistent), timed one by one. "per core" divides the bytes by the CPU time of the
+process and its children (the workers' once they have ended), "wall" by the elapsed time.
+One JSON line per epoch.
 """
 
 from __future__ import annotations
@@ -36,40 +38,54 @@ from torch.utils.data import DataLoader
 from dsv4enc.dataset import EmbeddingDataset, EmbeddingIterableDataset, collate_embeddings
 from dsv4enc.output.read import read_embeddings
 def cpu():
-    own, kids = os.times()[:2], os.times()[2:4]
-    return sum(own) + sum(kids)
-wall, start, rows, total = time.perf_counter(), cpu(), 0, 0
-if reader == "read_embeddings":
-    for _, embedding, _ in read_embeddings(path):
-        rows, total = rows + 1, total + embedding.nbytes
-elif reader == "iterable":
-    loader = DataLoader(EmbeddingIterableDataset(path, shuffle=True), batch_size=8,
-                        num_workers=workers, collate_fn=collate_embeddings)
-    for batch in loader:
-        rows += len(batch["path"])
-        total += int(batch["lengths"].sum()) * batch["embedding"].shape[-1] * 2
-else:
-    dataset = EmbeddingDataset(path)
-    for i in np.random.default_rng(0).permutation(len(dataset)).tolist():
-        item = dataset[i]
-        rows, total = rows + 1, total + item["embedding"].numel() * 2
-print(json.dumps({"rows": rows, "bytes": total, "wall_s": time.perf_counter() - wall,
-                  "cpu_s": cpu() - start}))
+    times = os.times()
+    return times[0] + times[1] + times[2] + times[3]
+def epoch(state):
+    rows = total = 0
+    if reader == "read_embeddings":
+        for _, embedding, _ in read_embeddings(path):
+            rows, total = rows + 1, total + embedding.nbytes
+    elif reader == "iterable":
+        state["data"].set_epoch(state["epoch"])
+        for batch in state["loader"]:
+            rows += len(batch["path"])
+            total += int(batch["lengths"].sum()) * batch["embedding"].shape[-1] * 2
+    else:
+        data = state["data"]
+        for i in np.random.default_rng(state["epoch"]).permutation(len(data)).tolist():
+            item = data[i]
+            rows, total = rows + 1, total + item["embedding"].numel() * 2
+    return rows, total
+state = {"epoch": 0}
+if reader == "iterable":
+    state["data"] = EmbeddingIterableDataset(path, shuffle=True)
+    state["loader"] = DataLoader(state["data"], batch_size=8, num_workers=workers,
+                                 persistent_workers=workers > 0, collate_fn=collate_embeddings)
+elif reader == "map":
+    state["data"] = EmbeddingDataset(path)
+for number in range(EPOCHS):
+    state["epoch"] = number
+    wall, start = time.perf_counter(), cpu()
+    rows, total = epoch(state)
+    print(json.dumps({"epoch": number, "rows": rows, "bytes": total,
+                      "wall_s": time.perf_counter() - wall, "cpu_s": cpu() - start}))
 """
 
 READERS = (("read_embeddings", 0), ("iterable", 0), ("iterable", None), ("map", 0))
 
 
-def read_once(path: Path, reader: str, workers: int) -> dict:
+def read_once(path: Path, reader: str, workers: int, epochs: int) -> list[dict]:
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-    done = subprocess.run([sys.executable, "-c", READ_ONCE, str(path), reader, str(workers)],
+    code = f"EPOCHS = {epochs}\n{READ_ONCE}"
+    done = subprocess.run([sys.executable, "-c", code, str(path), reader, str(workers)],
                           env=env, cwd=path.parent, capture_output=True, text=True, check=True)
-    result = json.loads(done.stdout)
-    mb = result["bytes"] / 1e6
-    result.update(mb=round(mb, 1), mb_s_wall=round(mb / result["wall_s"]),
-                  mb_s_per_core=round(mb / result["cpu_s"]),
-                  rows_s_wall=round(result["rows"] / result["wall_s"], 1))
-    return result
+    results = [json.loads(line) for line in done.stdout.splitlines()]
+    for result in results:
+        mb = result["bytes"] / 1e6
+        result.update(mb=round(mb, 1), mb_s_wall=round(mb / result["wall_s"]),
+                      mb_s_per_core=round(mb / max(result["cpu_s"], 1e-3)),
+                      rows_s_wall=round(result["rows"] / result["wall_s"], 1))
+    return results
 
 
 def main() -> None:
@@ -79,6 +95,8 @@ def main() -> None:
     p.add_argument("--width", type=int, default=4096)
     p.add_argument("--workers", type=int, default=2, help="DataLoader workers")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--epochs", type=int, default=2, help="epochs per process (the first "
+                   "starts the workers and warms the allocator)")
     a = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "emb.parquet"
@@ -89,9 +107,9 @@ def main() -> None:
         for repeat in range(a.repeats):
             for reader, workers in READERS:
                 workers = a.workers if workers is None else workers
-                result = read_once(path, reader, workers)
-                print(json.dumps({"repeat": repeat, "reader": reader, "workers": workers,
-                                  **result}), flush=True)
+                for result in read_once(path, reader, workers, a.epochs):
+                    print(json.dumps({"repeat": repeat, "reader": reader, "workers": workers,
+                                      **result}), flush=True)
 
 
 if __name__ == "__main__":

@@ -11,11 +11,14 @@ Two sections, one process:
   achieved TFLOP/s is reported against the FLOPs counted analytically.
 - ``elementwise``: RMSNorm, add + RMSNorm, RoPE and SwiGLU at a full batch's shape, eager and
   compiled (shape-generic and shape-specialized kernels), in GB/s moved.
-- ``attention``: the same q, k, v through every attention kernel this torch offers: the packed
-  ``varlen`` kernel the engine uses, and ``scaled_dot_product_attention`` on a (B, H, N, d)
-  batch with each SDPA backend forced (flash, cuDNN, memory-efficient). Equal lengths only
-  (batched SDPA needs them), so it shows what a kernel could give, not what the packed
-  path gets for mixed sizes.
+- ``attention``: the same q, k, v through every attention kernel this torch offers: each
+  ``--attention`` choice side by side (the packed ``varlen`` kernel, ``grouped``: one batched
+  SDPA per length, ``sdpa``: SDPA per image), and ``scaled_dot_product_attention`` on a
+  (B, H, N, d) batch with each SDPA backend forced (flash, cuDNN, memory-efficient). Equal
+  lengths (most photos land on one canvas), then ``--mixed`` lengths for the engine's
+  choices. Each batched candidate also reports whether image 0 alone gives other values.
+
+``--attention auto,grouped``: the attention choices the breakdown and fused sections run.
 """
 
 from __future__ import annotations
@@ -28,7 +31,8 @@ from pathlib import Path
 
 import torch
 
-from dsv4enc.tower.attention import VarlenSpans, available_backends, select_attention
+from dsv4enc.tower.attention import (VarlenSpans, available_backends, grouped_attention,
+                                    select_attention)
 from dsv4enc.bench.throughput import best_time, sync
 from dsv4enc.tower.checkpoint import build_tower, random_checkpoint
 from dsv4enc.tower.config import VisionConfig
@@ -61,7 +65,7 @@ def equal_batch(cfg: VisionConfig, n_images: int, seed: int = 0):
 
 
 def breakdown(cfg: VisionConfig, device: torch.device, dtype: torch.dtype, n_images: int,
-              fused: bool) -> None:
+              fused: bool, attention: str = "auto") -> None:
     from torch.profiler import ProfilerActivity, profile
 
     model = build_tower(random_checkpoint(cfg, 0, dtype), device)
@@ -71,7 +75,7 @@ def breakdown(cfg: VisionConfig, device: torch.device, dtype: torch.dtype, n_ima
 
         fuse_elementwise(model, dynamic=not runs_one_shape(model, True))
     batch, canvas = equal_batch(cfg, n_images)
-    engine = Engine(model, "aligner", "auto", torch.float16, cuda_graphs=False,
+    engine = Engine(model, "aligner", attention, torch.float16, cuda_graphs=False,
                     batch_tokens=batch.n_tokens, max_images=n_images)
     engine.prepare()
     wall = best_time(lambda: engine.encode(batch), device, repeat=3, warmup=2)
@@ -98,7 +102,7 @@ def breakdown(cfg: VisionConfig, device: torch.device, dtype: torch.dtype, n_ima
     total_flops = n_images * image_flops(cfg, canvas.n_h, canvas.n_w)
     flops = {"attention": attn_flops, "gemm": total_flops - attn_flops, "other": 0.0}
     busy = sum(per_class.values()) / 1e6
-    tag = "fused" if fused else "eager"
+    tag = f"{'fused' if fused else 'eager'} {engine.attention_name}"
     print(f"--- breakdown {tag}: {n_images} images x {N} patches, wall {wall * 1e3:.1f} ms "
           f"({n_images / wall:.1f} img/s, {total_flops / wall / 1e12:.1f} TFLOP/s), "
           f"kernels {busy * 1e3:.1f} ms")
@@ -122,11 +126,16 @@ def breakdown(cfg: VisionConfig, device: torch.device, dtype: torch.dtype, n_ima
 
 
 def fn_first_alone(name: str, candidates: dict, qb, kb, vb, out) -> int | None:
-    """For a batched SDPA candidate: how many of image 0's output values change when it is
-    the only image in the call (None for the other candidates)."""
+    """For a batched candidate (SDPA on (B, H, N, d), ``grouped``): how many of image 0's
+    output values change when it is the only image in the call (None for the others)."""
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
+    n = qb.shape[2]
+    if name.startswith("grouped"):
+        q0, k0, v0 = (t[0].transpose(0, 1) for t in (qb, kb, vb))  # (N, H, d)
+        alone = grouped_attention(q0, k0, v0, VarlenSpans.from_lengths([n], q0.device))
+        return int((alone != out[:n]).sum())
     if not name.startswith("sdpa ") or "(B, H, N, d)" not in name:
         return None
     backend = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": getattr(SDPBackend,
@@ -134,7 +143,6 @@ def fn_first_alone(name: str, candidates: dict, qb, kb, vb, out) -> int | None:
                "math": SDPBackend.MATH}[name.split()[1]]
     with sdpa_kernel([backend]):
         alone = F.scaled_dot_product_attention(qb[:1], kb[:1], vb[:1])
-    n = alone.shape[2]
     first = out[:n].view(n, *alone.shape[1:2], alone.shape[3])  # (N, H, d) rows of image 0
     return int((alone[0].transpose(0, 1) != first).sum())
 
@@ -152,7 +160,7 @@ def attention_kernels(cfg: VisionConfig, device: torch.device, dtype: torch.dtyp
     flops = n_images * 4.0 * N * N * H * d
     spans = VarlenSpans.from_lengths([N] * n_images, device)
     candidates = {}
-    for name in available_backends(device):
+    for name in [*available_backends(device), "grouped"]:
         _, fn = select_attention(name, device)
         candidates[f"{name} (packed)"] = lambda fn=fn: fn(q, k, v, spans)
     cudnn_varlen = getattr(torch.ops.aten, "_cudnn_attention_forward", None)
@@ -309,6 +317,34 @@ def elementwise(cfg: VisionConfig, device: torch.device, dtype: torch.dtype,
         print(f"  elementwise {name:12s} (x{calls}/forward): " + "; ".join(line))
 
 
+#: Photo sizes of the mixed batch: most on the 1024x768 canvas, as in a photo folder.
+MIXED_SIZES = [(1024, 768)] * 6 + [(768, 1024), (1024, 768), (800, 600), (1920, 1080),
+                                   (640, 480)]
+
+
+def attention_mixed(cfg: VisionConfig, device: torch.device, dtype: torch.dtype) -> None:
+    """Each ``--attention`` choice on one packed batch of mixed sizes (``MIXED_SIZES``)."""
+    H, d = cfg.n_heads, cfg.dim // cfg.n_heads
+    lengths = [plan_canvas(w, h, cfg).n_patches for w, h in MIXED_SIZES]
+    gen = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(sum(lengths), H, d, generator=gen).to(device, dtype)
+               for _ in range(3))
+    flops = sum(4.0 * n * n * H * d for n in lengths)
+    spans = VarlenSpans.from_lengths(lengths, device)
+    reference = None
+    for name in [*available_backends(device), "grouped"]:
+        _, fn = select_attention(name, device)
+        out = fn(q, k, v, spans)
+        reference = out.float() if reference is None else reference
+        err = ((out.float() - reference).norm() / reference.norm()).item()
+        seconds = best_time(lambda: fn(q, k, v, spans), device, repeat=5, warmup=2)
+        rate = flops / seconds / 1e12
+        print(f"  mixed attention {name:10s} {seconds * 1e3:7.2f} ms  {rate:6.1f} TFLOP/s  "
+              f"rel diff {err:.1e}  ({len(lengths)} images, {len(set(lengths))} lengths)")
+        ROWS.append({"section": "mixed", "kernel": name, "seconds": seconds, "tflop_s": rate,
+                     "rel_diff": err, "lengths": lengths})
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--device", default="cuda")
@@ -316,7 +352,9 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--images", type=int, default=11, help="images per batch (11 x 2961 "
                    "patches fill a 32768-token budget)")
-    p.add_argument("--sections", default="elementwise,attention,breakdown,fused")
+    p.add_argument("--sections", default="elementwise,attention,mixed,breakdown,fused")
+    p.add_argument("--attention", default="auto,grouped",
+                   help="the attention choices the breakdown and fused sections run")
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
     device, dtype = torch.device(a.device), getattr(torch, a.dtype)
@@ -329,10 +367,13 @@ def main(argv=None) -> int:
             elementwise(cfg, device, dtype, a.images)
         if "attention" in sections:
             attention_kernels(cfg, device, dtype, a.images)
-        if "breakdown" in sections:
-            breakdown(cfg, device, dtype, a.images, fused=False)
-        if "fused" in sections:
-            breakdown(cfg, device, dtype, a.images, fused=True)
+        if "mixed" in sections:
+            attention_mixed(cfg, device, dtype)
+        for attention in a.attention.split(","):
+            if "breakdown" in sections:
+                breakdown(cfg, device, dtype, a.images, False, attention)
+            if "fused" in sections:
+                breakdown(cfg, device, dtype, a.images, True, attention)
     if a.json:
         Path(a.json).write_text(json.dumps(ROWS, indent=1))
     return 0

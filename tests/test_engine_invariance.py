@@ -68,15 +68,26 @@ def _batches(grid):
     ]
 
 
+@pytest.mark.parametrize("attention", ["sdpa", "grouped"])
 @pytest.mark.parametrize("grid", TARGETS, ids=["large", "tiny"])
 @pytest.mark.parametrize("features", ["aligner", "vit"])
-def test_image_bytes_do_not_depend_on_its_batch(tower, features, grid):
+def test_image_bytes_do_not_depend_on_its_batch(tower, features, grid, attention):
     outs = []
-    for items, at in _batches(grid):
-        engine = Engine(tower, features, out_dtype=torch.float32)
+    for items, at in _batches(grid) + [([_patches(grid, 0)] * 3 + [_patches((5, 7), 9)], 1)]:
+        engine = Engine(tower, features, attention, out_dtype=torch.float32)
         outs.append(engine.encode(pack(items, CFG.downsample_ratio, features))[at])
     for other in outs[1:]:
         assert torch.equal(outs[0], other)
+
+
+@pytest.mark.parametrize("features", ["aligner", "vit"])
+def test_grouped_attention_rows_equal_the_simple_paths_in_one_packed_pass(tower, features):
+    """Without the per-image pass, one packed forward: the grouped kernel changes no bit."""
+    items = [_patches(g, i) for i, g in enumerate(OTHERS[:3] + OTHERS[:3] + [TARGETS[0]])]
+    batch = pack(items, CFG.downsample_ratio, features)
+    want = Engine(tower, features, "sdpa", deterministic=False).encode(batch)
+    got = Engine(tower, features, "grouped", deterministic=False).encode(batch)
+    assert len(got) == len(items) and all(torch.equal(g, w) for g, w in zip(got, want))
 
 
 def test_rope_tables_do_not_depend_on_the_batch():

@@ -125,3 +125,62 @@ def test_the_datasets_read_a_bucket_output(s3, outputs):
     loader = DataLoader(EmbeddingIterableDataset(url, shuffle=True), batch_size=2,
                         num_workers=2, collate_fn=collate_embeddings)
     assert sorted(p for batch in loader for p in batch["path"]) == sorted(want)
+
+
+class CountedMemory:
+    """fsspec's memory file system under a scheme of its own, counting the bytes read."""
+
+    read = 0
+
+    @classmethod
+    def register(cls) -> str:
+        import io
+
+        import fsspec
+        from fsspec.implementations.memory import MemoryFileSystem
+
+        class Counted(io.BytesIO):
+            def read(self, size=-1):
+                data = super().read(size)
+                cls.read += len(data)
+                return data
+
+        class CountingFileSystem(MemoryFileSystem):
+            protocol = "countedmem"
+
+            def _open(self, path, mode="rb", **kwargs):
+                handle = super()._open(path, mode, **kwargs)
+                return Counted(handle.getvalue()) if "r" in mode else handle
+
+        fsspec.register_implementation("countedmem", CountingFileSystem, clobber=True)
+        return "countedmem"
+
+
+def test_only_what_is_asked_for_is_fetched(tmp_path):
+    """Of a 3.4 MB output, the small columns (``inspect --errors``, ``columns=``) and one
+    row by key take a small share of its bytes: footers, column chunks, one row group."""
+    import fsspec
+    import pyarrow.parquet as pq
+
+    from dsv4enc.dataset import EmbeddingDataset
+    from dsv4enc.output.parts import Row, output_schema, parquet_options, rows_to_table
+
+    rng = np.random.default_rng(1)
+    rows_ = [Row(path=f"{i:02d}.jpg", width=8, height=8, vit_h=1, vit_w=1, grid_h=12,
+                 grid_w=28, embedding=rng.standard_normal((336, 256)).astype(np.float16))
+             for i in range(20)]
+    schema = output_schema(256, "float16", {})
+    pq.write_table(rows_to_table(rows_, schema), tmp_path / "e.parquet", row_group_size=2,
+                   **parquet_options(schema))
+    size = (tmp_path / "e.parquet").stat().st_size
+    scheme = CountedMemory.register()
+    fsspec.filesystem(scheme).pipe("/few/e.parquet", (tmp_path / "e.parquet").read_bytes())
+    url = f"{scheme}://few/e.parquet"
+    assert [r["path"] for r in read_embeddings(url, columns=["path"])] == [r.path for r in rows_]
+    assert invoke("inspect", url, "--errors") == ""
+    assert 0 < CountedMemory.read < size / 10, (CountedMemory.read, size)
+    dataset = EmbeddingDataset(url)
+    CountedMemory.read = 0
+    item = dataset[3]
+    assert item["embedding"].numpy().tobytes() == rows_[3].embedding.tobytes()
+    assert CountedMemory.read < size / 4, (CountedMemory.read, size)

@@ -129,33 +129,41 @@ class StageCosts:
     transform_ms: float = 0.0  # resize/pad, patchify, normalize to bf16 bits
     pack_ms: float = 0.0  # patches into the staging buffer, positions and merge plans
     stage_ms: float = 0.0  # copy the batch's other inputs for the transfer (pin)
-    images: int = 0
+    images: int = 0  # the sample's images that decoded, which the costs are per
+    failed: int = 0  # the sample's images that did not (an error row in a run), not timed
 
 
 def stage_costs(paths: Sequence[Path], cfg: VisionConfig, features: str = "aligner",
                 max_pixels: int | None = None) -> StageCosts:
     """This thread's CPU time, with one torch thread, for decode (``decode.open_checked``),
-    ``transform.image_to_patch_bits``, ``packing.pack`` and staging copies on ``paths``."""
+    ``transform.image_to_patch_bits``, ``packing.pack`` and staging copies on ``paths``; a
+    file that fails to decode (an error row in a run) is counted as failed, not timed."""
     from ..images.decode import open_checked
     from ..images.formats import DEFAULT_MAX_PIXELS
     from ..engine.packing import pack
     from ..tower.transform import bf16_bits_to_tensor, image_to_patch_bits
 
-    items, decode_s, transform_s = [], 0.0, 0.0
+    items, decode_s, transform_s, failed = [], 0.0, 0.0, 0
     clock = time.thread_time
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # all of the work in this thread, where its clock counts it
     try:
         for path in paths:
             began = clock()
-            with open_checked(str(path), max_pixels or DEFAULT_MAX_PIXELS) as image:
-                image.load()
-                loaded = clock()
-                bits, canvas = image_to_patch_bits(image, cfg)
+            try:
+                with open_checked(str(path), max_pixels or DEFAULT_MAX_PIXELS) as image:
+                    image.load()
+                    loaded = clock()
+                    bits, canvas = image_to_patch_bits(image, cfg)
+            except Exception:  # noqa: BLE001 - as in a run: the file's error row, not a crash
+                failed += 1
+                continue
             done = clock()
             decode_s += loaded - began
             transform_s += done - loaded
             items.append((bf16_bits_to_tensor(bits), canvas.n_h, canvas.n_w))
+        if not items:
+            return StageCosts(failed=failed)
         buffer = NullEngine(cfg).patch_buffer
         # Once untimed: in a run, a batch's memory is an earlier batch's, already faulted in.
         pack(items, cfg.downsample_ratio, features, buffer)
@@ -167,9 +175,9 @@ def stage_costs(paths: Sequence[Path], cfg: VisionConfig, features: str = "align
         staged = clock()
     finally:
         torch.set_num_threads(threads)
-    ms = 1e3 / max(len(paths), 1)  # seconds in all -> milliseconds per image
+    ms = 1e3 / len(items)  # seconds in all -> milliseconds per image
     return StageCosts(decode_s * ms, transform_s * ms, (packed - began) * ms,
-                      (staged - packed) * ms, len(paths))
+                      (staged - packed) * ms, len(items), failed)
 
 
 @dataclass
@@ -177,7 +185,7 @@ class HostResult:
     """One host-bench run: throughput, per core, and where the time went."""
 
     output: str  # "file" or "folder"
-    images: int
+    images: int  # encoded and failed, as the run's summary counts them
     cores: int
     workers: int
     seconds: float  # the encoding loop (decode wait, pack, stage, rows, hand-off to writers)
@@ -191,6 +199,7 @@ class HostResult:
     cpu_s: float  # CPU seconds of this process and its decode workers over the call
     out_bytes: int
     costs: StageCosts = field(default_factory=StageCosts)
+    failed: int = 0  # of ``images``: error rows (a file that could not be decoded)
     # Images per CPU-second of the images beyond a shorter run's (``run_host_bench(steady=)``):
     # what a long run's images cost each, start-up excluded. None: not measured.
     steady_img_per_cpu_s: float | None = None
@@ -266,7 +275,7 @@ def run_host_bench(config_path: str, images: str = "synthetic:1024x768:256",
                 loop_img_s=done / loop if loop else 0.0, decode_wait_s=summary.decode_wait_s,
                 stage_s=summary.h2d_s, write_s=summary.write_s, total_s=total, cpu_s=cpu,
                 out_bytes=_size(out), costs=costs, steady_img_per_cpu_s=steady_rate,
-                steady_base=len(short)))
+                steady_base=len(short), failed=summary.failed))
         return results
 
 
@@ -278,7 +287,8 @@ def print_host_results(results: Sequence[HostResult], console=None) -> None:
     console.print("[bold]host capacity[/bold] (null stage: the model costs nothing)")
     for r in results:
         console.print(
-            f"{r.output}: {r.images} images in {r.total_s:.2f} s = {r.img_s:.1f} img/s, "
+            f"{r.output}: {r.images} images{_failed_note(r.failed, ' (', ': error rows)')} in "
+            f"{r.total_s:.2f} s = {r.img_s:.1f} img/s, "
             f"{r.img_s_per_core:.1f} img/s per core ({r.cores} cores, {r.workers} decode "
             f"worker{'s' if r.workers != 1 else ''}); {r.cpu_s:.2f} CPU-s = "
             f"{r.img_per_cpu_s:.1f} images per CPU-second\n"
@@ -289,13 +299,19 @@ def print_host_results(results: Sequence[HostResult], console=None) -> None:
             console.print(f"  steady state: {r.steady_img_per_cpu_s:.1f} images per CPU-second "
                           f"(the {r.images}-image run less a {r.steady_base}-image one: "
                           "start-up costs cancel)")
-    if results:
+    if results and results[0].costs.images:
         c = results[0].costs
         per_image = c.decode_ms + c.transform_ms + c.pack_ms + c.stage_ms
-        console.print(f"one thread's CPU time per image ({c.images} sampled): decode "
+        console.print(f"one thread's CPU time per image ({c.images} sampled"
+                      f"{_failed_note(c.failed, '; ', ', not timed')}): decode "
                       f"{c.decode_ms:.1f} ms, transform {c.transform_ms:.1f} ms, pack "
                       f"{c.pack_ms:.2f} ms, stage {c.stage_ms:.2f} ms: "
                       f"{1e3 / max(per_image, 1e-9):.0f} img/s per core before writing")
+
+
+def _failed_note(failed: int, before: str, after: str) -> str:
+    """``{before}2 failed{after}`` where images failed, else nothing."""
+    return f"{before}{failed} failed{after}" if failed else ""
 
 
 def host_bench_command(config_path: str, images: str, outputs: Sequence[str],

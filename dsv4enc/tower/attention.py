@@ -9,9 +9,14 @@ of a packed batch::
 - ``varlen``: ``torch.nn.attention.varlen.varlen_attn`` on CUDA, where this torch has it.
 - ``sdpa``: ``scaled_dot_product_attention`` per span, each a contiguous (1, H, N, d) tensor:
   the layout PyTorch's fused CPU kernel takes (3-D inputs take the unfused math path).
+- ``grouped``: the spans of each length as one batched SDPA over a (B, H, N, d) tensor, so
+  that many photos on the same canvas take one large kernel instead of B small ones; a span
+  with a length of its own runs alone, as in ``sdpa``. An image gets the same kernel at the
+  same N whatever shares its batch (B only counts the kernel's independent (image, head)
+  problems), which keeps rows batch-invariant; a varlen kernel for the rest would not.
 
 ``flash`` and ``varlen`` read only device tensors, so they can run inside a CUDA graph;
-``sdpa`` needs the host-side span lengths."""
+``sdpa`` and ``grouped`` need the host-side span lengths."""
 
 from __future__ import annotations
 
@@ -66,6 +71,35 @@ def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         o = F.scaled_dot_product_attention(qs, ks, vs)
         out[start:end] = o[0].transpose(0, 1)
         start = end
+    return out
+
+
+def length_groups(lengths: Sequence[int]) -> dict[int, list[int]]:
+    """The start offset of every non-empty span, grouped by its length (in order of first
+    appearance; starts in span order)."""
+    groups: dict[int, list[int]] = {}
+    start = 0
+    for n in lengths:
+        if n:
+            groups.setdefault(n, []).append(start)
+        start += n
+    return groups
+
+
+def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      spans: VarlenSpans) -> torch.Tensor:
+    """One batched SDPA per span length. q, k, v: (T, H, d) -> (T, H, d), each span's rows in
+    place; tokens outside every span get zeros."""
+    if spans.lengths is None:
+        raise RuntimeError("grouped attention needs host-side span lengths")
+    out = torch.zeros_like(q) if sum(spans.lengths) < q.shape[0] else torch.empty_like(q)
+    for n, starts in length_groups(spans.lengths).items():
+        # (B, H, N, d), contiguous: one copy per tensor, the layout of sdpa's per-span calls.
+        qs, ks, vs = (torch.stack([t[s:s + n].transpose(0, 1) for s in starts])
+                      for t in (q, k, v))
+        o = F.scaled_dot_product_attention(qs, ks, vs).transpose(1, 2)  # (B, N, H, d)
+        for i, s in enumerate(starts):
+            out[s:s + n] = o[i]
     return out
 
 
@@ -154,4 +188,5 @@ def select_attention(name: str, device: torch.device | str) -> tuple[str, Attent
     if name in ("flash", "varlen") and device.type != "cuda":
         raise UsageError(f"attention {name!r} needs a CUDA device, not {device}")
     makers = {"flash": flash_attention_fn, "varlen": varlen_attention_fn}
-    return name, makers[name]() if name in makers else sdpa_attention
+    host_side = {"sdpa": sdpa_attention, "grouped": grouped_attention}
+    return name, makers[name]() if name in makers else host_side[name]

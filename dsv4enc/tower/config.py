@@ -11,7 +11,7 @@ from ..errors import ConfigError
 
 #: The attention kernels a tower may run with (``--attention``; ``tower/attention`` picks and
 #: checks them). Here, torch-free, so that the command line's --help lists them.
-Attention = Literal["auto", "flash", "varlen", "sdpa"]
+Attention = Literal["auto", "flash", "varlen", "sdpa", "grouped"]
 ATTENTION_BACKENDS: tuple[str, ...] = get_args(Attention)
 
 # Official flat key -> (field, nested vision_config key). hidden_size lives in text_config.

@@ -255,7 +255,7 @@ _ENCODE_PARAMETERS: dict[str, tuple[Any, Any]] = {
             help="Seconds of encoding between commits (a kill loses about this much).")),
         part_images=(Optional[int], typer.Option(
             None, "--part-images",
-            help="Inputs per part file of a folder output (default: from the model config).")),
+            help="Inputs a part file holds on average (default: from the model config).")),
     ),
     **_panel(
         "Run control",

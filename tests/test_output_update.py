@@ -133,17 +133,21 @@ def test_a_folder_update_keeps_its_unchanged_parts_as_they_are(tmp_path):
     out = tmp_path / "emb"
     run_encode(options(images, f"{out}/"))
     before = {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in out.glob("*.parquet")}
-    noise(images / "img004.png", 104, (20, 14))  # changed, in the second part (3-5)
+    # the keys cut parts 0-1, 2-3, 4-5, 6-8 and 9 (tests/test_run_parts.py pins the rule)
+    assert sorted(before) == ["part-000000.parquet", "part-000000_000002.parquet",
+                              "part-000001_000001.parquet", "part-000002.parquet",
+                              "part-000003.parquet"]
+    noise(images / "img004.png", 104, (20, 14))  # changed, in the third part (4-5)
     for i in range(N_OLD, N_OLD + 2):  # new, sorting after every old image
         noise(images / f"img{i:03d}.png", 200 + i)
     summary = run_encode(options(images, f"{out}/", update=True))
     assert (summary.encoded, summary.reused, summary.dropped) == (3, N_OLD - 1, 0)
     after = {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in out.glob("*.parquet")}
     kept = [name for name in after if name in before]
-    # whole parts of the old run's and this one's cut (the last one's rows, 9-10 of 9-12,
-    # are kept too where a segment ends after them)
-    assert {"part-000000.parquet", "part-000002.parquet"} <= set(kept)
-    assert "part-000001.parquet" not in kept  # it holds the changed image
+    # whole parts of the old run's and this one's cut (the last one, 9, is now cut 9-10)
+    assert sorted(kept) == ["part-000000.parquet", "part-000000_000002.parquet",
+                            "part-000002.parquet"]
+    assert "part-000001_000001.parquet" not in kept  # it holds the changed image
     assert all(after[name] == before[name] for name in kept)  # not even rewritten
     assert all(".g1." in name for name in after if name not in kept)
     clean_out = tmp_path / "clean.parquet"
@@ -163,7 +167,7 @@ def test_a_single_file_update_copies_its_unchanged_parts_by_bytes(tmp_path, monk
     images = old_images(tmp_path / "in")
     out = tmp_path / "e.parquet"
     run_encode(options(images, out))
-    noise(images / "img004.png", 104, (20, 14))  # changed, in the second part (3-5)
+    noise(images / "img004.png", 104, (20, 14))  # changed, in the third part (4-5)
     for i in range(N_OLD, N_OLD + 2):  # new, sorting after every old image
         noise(images / f"img{i:03d}.png", 200 + i)
     carried = []
@@ -172,8 +176,8 @@ def test_a_single_file_update_copies_its_unchanged_parts_by_bytes(tmp_path, monk
                         lambda self, index, key: carried.append(index) or row(self, index, key))
     summary = run_encode(options(images, out, update=True))
     assert (summary.encoded, summary.reused, summary.dropped) == (3, N_OLD - 1, 0)
-    # the changed part's other rows, and the last old one, in a part with the new ones
-    assert sorted(carried) == [3, 5, 9]
+    # the changed part's other row, and the last old one, now in a part with a new one
+    assert sorted(carried) == [5, 9]
     clean_out = tmp_path / "clean.parquet"
     run_encode(options(images, clean_out))
     assert_clean(out, table_of(clean_out))
@@ -198,7 +202,7 @@ def test_an_interrupted_single_file_update_keeps_the_parts_it_copied(tmp_path, m
     images = old_images(tmp_path / "in")
     out = tmp_path / "e.parquet"
     run_encode(options(images, out))
-    noise(images / "img004.png", 104, (20, 14))  # changed, in the second part (3-5)
+    noise(images / "img004.png", 104, (20, 14))  # changed, in the third part (4-5)
 
     def full(*args, **kwargs):
         raise OutputError("no space left on device")
@@ -208,7 +212,7 @@ def test_an_interrupted_single_file_update_keeps_the_parts_it_copied(tmp_path, m
         with pytest.raises(OutputError):
             run_encode(options(images, out, update=True))
     journal = load_manifest(out.with_name("e.parquet.partial") / "_manifest.json")["parts"]
-    assert sorted(part["start"] for part in journal.values()) == [0, 6, 9]
+    assert sorted(part["start"] for part in journal.values()) == [0, 2, 6, 9]
     carried, copied = [], []
     row, copy = update_module.CarriedRows.row, AppendingStore.copy_groups
     monkeypatch.setattr(update_module.CarriedRows, "row",
@@ -216,7 +220,7 @@ def test_an_interrupted_single_file_update_keeps_the_parts_it_copied(tmp_path, m
     monkeypatch.setattr(AppendingStore, "copy_groups",
                         lambda self, name, *rest: copied.append(name) or copy(self, name, *rest))
     summary = run_encode(options(images, out, update=True))
-    assert (summary.encoded, summary.reused, sorted(carried), copied) == (1, N_OLD - 1, [3, 5], [])
+    assert (summary.encoded, summary.reused, sorted(carried), copied) == (1, N_OLD - 1, [5], [])
     clean_out = tmp_path / "clean.parquet"
     run_encode(options(images, clean_out))
     assert pq.read_table(out).equals(pq.read_table(clean_out))

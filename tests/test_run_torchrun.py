@@ -32,7 +32,7 @@ from dsv4enc.run.pipeline import EncodeOptions, run_encode
 from dsv4enc.run.plan import assign_greedy, flops_cost
 from dsv4enc.tower.transform import plan_canvas
 
-from helpers import CONFIGS, Pauses, table_rows, write_image
+from helpers import CONFIGS, Pauses, parts_of, table_rows, write_image
 
 pytestmark = pytest.mark.slow
 
@@ -208,9 +208,10 @@ def expected_loads(want: list[dict], cfg: VisionConfig, balance: str = "patches"
         canvas = plan_canvas(r["width"], r["height"], cfg) if r["width"] else None
         grids.append((canvas.n_h, canvas.n_w) if canvas else (0, 0))
     loads = [0.0, 0.0]
-    step = part_images or len(grids)
-    for start in range(0, len(grids), step):
-        chunk = grids[start:start + step]
+    parts = (parts_of([r["path"] for r in want], part_images) if part_images
+             else [(0, len(grids))])
+    for start, end in parts:  # the parts the keys cut
+        chunk = grids[start:end]
         costs = [flops_cost(h, w, cfg) if balance == "flops" and h else float(h * w)
                  for h, w in chunk]
         for rank, share in enumerate(assign_greedy(costs, 2)):

@@ -622,7 +622,7 @@ def test_overwrite_of_a_folder_output_leaves_only_the_new_parts(s3, local_images
     encode(url, "--out", out, "--weights", str(small_ckpt), "--part-images", "1")
     assert len([k for k in s3.keys("ow/") if k.endswith(".parquet")]) == 3
     s3.put("ow/.hidden-note", b"kept")  # hidden names are never in the way, never deleted
-    encode(url, "--out", out, "--weights", str(small_ckpt), "--part-images", "3",
+    encode(url, "--out", out, "--weights", str(small_ckpt), "--part-images", "100",
            "--overwrite")
     keys = s3.keys("ow/")
     parts = [k for k in keys if k.endswith(".parquet")]

@@ -44,8 +44,9 @@ STAMPS_FILE = re.compile(r"_stamps-[0-9a-f]{16}\.bin")
 #: Where a folder output's update commits its parts until the switch (hidden from readers).
 STAGING_NAME = ".dsv4enc-update"
 _MAGIC = b"DSV4ENC-STAMPS1\n"
-#: Settings that decide how parts are cut, not what rows hold: an update may differ there.
-_NOT_ROWS = ("part_images",)
+#: Settings that decide how parts are cut, not what rows hold: an update or a resumed run
+#: may differ there (committed parts are judged by their inputs, wherever they were cut).
+CUT_SETTINGS = ("part_images",)
 #: The flag that sets each recorded setting whose value is the flag's argument.
 FLAG_OF_SETTING = {"compute_dtype": "--dtype", "device": "--device", "out_dtype": "--out-dtype",
                    "features": "--features", "pool": "--pool", "layout": "--layout",
@@ -187,7 +188,7 @@ class OldOutput:
                 "with --overwrite once, then --update works")
         for key, now in settings.items():
             then = self.settings.get(key)
-            if key not in _NOT_ROWS and then != now:
+            if key not in CUT_SETTINGS and then != now:
                 raise UsageError(setting_refusal(f"cannot update {self.out}", "it was made with",
                                                  key, then, now, again="encode everything again"))
 

@@ -523,10 +523,10 @@ class LocalParts:
         windows = setup.plan_windows(output.todo, plan, opts.max_images,
                                      idle=list_ahead if ranks.world_size == 1 else None)
         with run.stop.deferred():  # a signal stops the loop between batches
-            for name, start, end, digest, rows in runner.run(planned, windows.parts(on_window),
-                                                             setup.decoded):
+            for name, start, end, digest, closes, rows in runner.run(
+                    planned, windows.parts(on_window), setup.decoded):
                 if writer is not None:
-                    writer.put(name, rows, start, end, digest)
+                    writer.put(name, rows, start, end, digest, closes=closes)
                 del rows  # only the writer holds a finished part meanwhile
         if windows.count is not None:
             run.progress.plan_tokens(0, last=True)  # the last window was not known as such

@@ -502,9 +502,11 @@ class Update:
                 for index in indices if index in self.carried}
 
     def keep_parts(self, store: PartLedger, todo: Sequence, planned: Sequence) -> tuple[list, int]:
-        """Old parts whose rows this run takes unchanged, in order and on its segment bounds,
-        are kept (a folder's file linked as it is, a single file's row groups copied by bytes),
-        their segments dropped from ``todo``. Returns the segments left and the rows kept."""
+        """Old parts whose rows this run takes unchanged and in order, alone or run together
+        (the pieces of one part that a commit by time cut), from one of this run's part
+        bounds to another, are kept (a folder's file linked as it is, a single file's row
+        groups copied by bytes), their parts dropped from ``todo``. Returns the parts left
+        and the rows kept."""
         from .appending import AppendingStore
 
         single = not self.old.folder and isinstance(store, AppendingStore)
@@ -519,26 +521,42 @@ class Update:
         at_start = {p.start: i for i, p in enumerate(todo)}
         at_end = {p.end: i for i, p in enumerate(todo)}
         dropped, kept = set(), 0
+        run: list[tuple[Any, int, int]] = []  # the units taken so far: (unit, start, end)
         for unit, first, rows in units:
             start = new_of.get(first, -1)  # -1: its first row is not carried
-            end = start + rows
-            if (rows == 0 or start not in at_start or end not in at_end
-                    or not (single or (self.old.out / unit).is_file())):
-                continue  # its rows moved off this run's segment bounds (or it is gone)
-            i, j = at_start[start], at_end[end]
-            if any(todo[k].end != todo[k + 1].start for k in range(i, j)) or not all(
-                    self.carried.get(start + k) == first + k for k in range(rows)):
-                continue  # not one run of segments, or not these rows in this order
+            if not (rows and self._takes_whole(first, start, rows)
+                    and (single or (self.old.out / unit).is_file())):
+                run = []  # some of its rows are not taken as they are (or it is gone)
+                continue
+            if run and run[-1][2] != start:
+                run = []  # new inputs come between it and the run before
+            if run or start in at_start:
+                run.append((unit, start, start + rows))
+            if run and start + rows in at_end:
+                i, j = at_start[run[0][1]], at_end[start + rows]
+                if all(todo[k].end == todo[k + 1].start for k in range(i, j)):
+                    kept += self._keep(store, todo[i], run, planned, single)
+                    dropped.update(range(i, j + 1))
+                run = []
+        return [p for k, p in enumerate(todo) if k not in dropped], kept
+
+    def _takes_whole(self, first: int, start: int, rows: int) -> bool:
+        """Whether this run takes old rows ``first..first+rows`` as its ``start..``, in order."""
+        return start >= 0 and all(self.carried.get(start + k) == first + k for k in range(rows))
+
+    def _keep(self, store: PartLedger, part, run: list, planned: Sequence, single: bool) -> int:
+        """Keep the old units of ``run``, which begins where this run's ``part`` does (each
+        under the name of the range it starts); returns their rows."""
+        for unit, start, end in run:
+            name = part.name if start == part.start else part.rest(start).name
             entry = {"start": start, "end": end, "digest": inputs_digest(planned[start:end]),
-                     "rows": rows, "transient": 0}
+                     "rows": end - start, "transient": 0}
             if single:
-                store.copy_groups(todo[i].name, self.old.out, unit, entry)
+                store.copy_groups(name, self.old.out, unit, entry)
             else:  # linked into the staging folder: the new output holds it too
                 _link(self.old.out / unit, store.folder / unit)
-                store.adopt(todo[i].name, {"file": unit, **entry})
-            dropped.update(range(i, j + 1))
-            kept += rows
-        return [p for k, p in enumerate(todo) if k not in dropped], kept
+                store.adopt(name, {"file": unit, **entry})
+        return run[-1][2] - run[0][1]
 
     def finish_folder(self, store: PartStore, stamps: np.ndarray, options: dict) -> None:
         """Complete the staging folder (its stamps, its manifest written whole, the output's

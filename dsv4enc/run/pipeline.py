@@ -240,7 +240,9 @@ def _run_encode(opts: EncodeOptions, ranks: Topology, setup: RunSetup, stop: Sto
             if output is None:  # --dry-run
                 return summary
             store = output.store
-            progress.announce(source.opening_line(len(setup.planned)))
+            line = source.opening_line(len(setup.planned))
+            # the output as given: a URL, not the staging folder its run writes in
+            progress.announce(remote.translate(line) if remote is not None else line)
             if adopted:
                 progress.announce(adopted)
             carried = output.carried

@@ -348,21 +348,51 @@ def pack_bins(costs: Sequence[int], capacity: int, max_items: int | None = None)
     return sorted((sorted(b) for b in bins), key=lambda b: b[0])
 
 
+#: Under ``pack_in_order`` an item joins one of the last this many batches opened, so that a
+#: batch's images lie close together in input order.
+OPEN_BINS = 4
+
+
+def pack_in_order(costs: Sequence[int], capacity: int, max_items: int | None = None,
+                  open_bins: int = OPEN_BINS) -> list[list[int]]:
+    """Bins like ``pack_bins``'s, filled in input order: each item goes to the first of the
+    last ``open_bins`` bins it fits in, else opens one. The bins' work flows in input order
+    (an item is never more than ``open_bins`` bins from its neighbours), at a little more
+    padding than first-fit-decreasing."""
+    bins: list[list[int]] = []
+    loads: list[int] = []
+    for i, cost in enumerate(costs):
+        for b in range(max(0, len(bins) - open_bins), len(bins)):
+            if loads[b] + cost <= capacity and (max_items is None or len(bins[b]) < max_items):
+                bins[b].append(i)
+                loads[b] += cost
+                break
+        else:
+            bins.append([i])
+            loads.append(cost)
+    return bins
+
+
 def part_batches(planned: Sequence[Planned], indices: Sequence[int], batch_tokens: int,
-                 max_images: int | None) -> list[list[int]]:
+                 max_images: int | None, in_order: bool = False) -> list[list[int]]:
     """The batches (lists of item indices) that ``indices`` are encoded in: the readable
-    items, packed first-fit-decreasing by patch count."""
+    items, packed first-fit-decreasing by patch count (``in_order``: ``pack_in_order``)."""
     good = [i for i in indices if planned[i].error is None]
-    bins = pack_bins([planned[i].tokens for i in good], batch_tokens, max_images)
+    pack = pack_in_order if in_order else pack_bins
+    bins = pack([planned[i].tokens for i in good], batch_tokens, max_images)
     return [[good[j] for j in b] for b in bins]
 
 
 def plan_batches(planned: Sequence[Planned], parts: Sequence[Part], batch_tokens: int,
-                 max_images: int | None, carried: Collection[int] = ()) -> list[list[list[int]]]:
+                 max_images: int | None, carried: Collection[int] = (),
+                 in_order: bool = False) -> list[list[list[int]]]:
     """Per part, per rank (one share without data parallelism), the batches it is encoded
     in. Every rank plans every rank's batches, so that all take the same number of steps
-    (each ends in collectives). ``carried`` (rows ``--update`` copies) are in no batch."""
+    (each ends in collectives). ``carried`` (rows ``--update`` copies) are in no batch.
+    ``in_order``: batches filled in input order (``pack_in_order``), so that a part encoded
+    whole by several ranks finishes from its start on and is committed in pieces as it goes."""
     skip = set(carried)
-    return [[part_batches(planned, [i for i in share if i not in skip], batch_tokens, max_images)
+    return [[part_batches(planned, [i for i in share if i not in skip], batch_tokens,
+                          max_images, in_order)
              for share in (part.shares if part.shares is not None else [part.indices])]
             for part in parts]

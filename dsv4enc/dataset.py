@@ -40,8 +40,8 @@ CACHED_GROUPS = 2
 
 class _Rows:
     """An output's row groups, in order: where each starts among all rows, and the reading of
-    one (the columns of an item, the failed rows dropped or kept). Pickled without its open
-    files, so that each DataLoader worker opens its own."""
+    one (the columns of an item, the failed rows dropped or kept). A DataLoader worker opens
+    the files again, on a file system of its own: it is pickled without them, or forked."""
 
     def __init__(self, location: str | os.PathLike, columns: Sequence[str], errors: str,
                  storage_options: Any) -> None:
@@ -54,7 +54,7 @@ class _Rows:
         self.skip = errors == "skip"
         self.groups: list[tuple[int, int]] = []  # (file, row group) in output order
         sizes = []
-        for file, path in enumerate(self.found.paths):
+        for file in range(len(self.found.paths)):
             meta = self.handle(file).metadata
             for group in range(meta.num_row_groups):
                 self.groups.append((file, group))

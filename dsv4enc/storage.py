@@ -50,7 +50,7 @@ _OUTAGE_ENV = "DSV4ENC_STORAGE_OUTAGE_S"
 #: What carries ``configure`` and ``set_outage_s`` to child processes (decode workers, Ray actors).
 SETTINGS_ENV = (_OPTIONS_ENV, _OUTAGE_ENV)
 #: The error of a row whose input could not be read because its store was not answering: a
-#: transient error (``output/parts.TRANSIENT_ERRORS``), its part is encoded again on --resume.
+#: transient error (``images/decode.TRANSIENT_ERRORS``), its part is encoded again on --resume.
 UNAVAILABLE = "storage unavailable"
 #: The chunk of a streamed copy to or from a store.
 COPY_BYTES = 8 << 20

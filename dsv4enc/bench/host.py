@@ -1,10 +1,13 @@
 """Host capacity without a GPU (``dsv4enc bench --host``): the real encode pipeline with the
 tower replaced by ``NullStage``, whose rows (zeros) cost nothing but which does the host's
 share of the CUDA engine's work (page-locked patches with CUDA, staging copies, a fresh copy
-of each batch's rows). Reports images/s per core and each stage's one-thread cost."""
+of each batch's rows). With the transform on the device, the workers only decode and the
+host stages the pixels for the upload (``NullEngine.transform``). Reports images/s per core
+and images per CPU-second per output kind and placement, and each stage's one-thread cost."""
 
 from __future__ import annotations
 
+import itertools
 import os
 import tempfile
 import time
@@ -20,7 +23,7 @@ from ..tower.checkpoint import Checkpoint
 from ..tower.config import VisionConfig
 from ..tower.transform import plan_canvas
 from ..engine.engine import EngineStats
-from ..engine.defaults import DEFAULT_BATCH_TOKENS, DEFAULT_MAX_IMAGES
+from ..engine.defaults import DEFAULT_BATCH_TOKENS, DEFAULT_MAX_IMAGES, TRANSFORMS
 from ..run.options import EncodeOptions, available_cpus, default_workers
 from ..engine.packing import PackedBatch
 
@@ -185,6 +188,7 @@ class HostResult:
     """One host-bench run: throughput, per core, and where the time went."""
 
     output: str  # "file" or "folder"
+    transform: str  # where images were transformed: "host" (Pillow) or "device" (not here)
     images: int  # encoded and failed, as the run's summary counts them
     cores: int
     workers: int
@@ -226,13 +230,16 @@ def _size(path: Path) -> int:
 def run_host_bench(config_path: str, images: str = "synthetic:1024x768:256",
                    outputs: Sequence[str] = ("file", "folder"), workers: int | None = None,
                    workdir: str | None = None, sample: int = 8,
-                   options: dict | None = None, steady: bool = True) -> list[HostResult]:
+                   options: dict | None = None, steady: bool = True,
+                   transforms: Sequence[str] = ("host",)) -> list[HostResult]:
     """Encode ``images`` (as ``throughput.resolve_images``, made once in ``workdir``) with the
-    null stage, once per output kind in ``outputs``. ``workers``: decode workers (default: as
-    for a CUDA run here). ``options``: more ``EncodeOptions`` fields. ``steady``: each kind
-    also runs on an eighth of the images; the extra images over the extra CPU seconds are
-    ``steady_img_per_cpu_s`` (fixed costs cancel). An untimed short run first takes the
-    process's one-time costs (imports, pyarrow's start)."""
+    null stage, once per output kind in ``outputs`` and per ``--transform`` in ``transforms``
+    (``device``: the workers decode only, and the host stages the pixels for the GPU).
+    ``workers``: decode workers (default: as for a CUDA run here). ``options``: more
+    ``EncodeOptions`` fields. ``steady``: each run also runs on an eighth of the images; the
+    extra images over the extra CPU seconds are ``steady_img_per_cpu_s`` (fixed costs
+    cancel). An untimed short run first takes the process's one-time costs (imports,
+    pyarrow's start)."""
     from .throughput import check_outputs, resolve_images
     from ..run.pipeline import run_encode
 
@@ -245,7 +252,7 @@ def run_host_bench(config_path: str, images: str = "synthetic:1024x768:256",
         costs = stage_costs(paths[:sample], cfg, (options or {}).get("features", "aligner"))
         short = paths[:len(paths) // 8] if steady and len(paths) >= 16 else []
 
-        def timed(kind: str, inputs: Sequence[Path], name: str):
+        def timed(kind: str, inputs: Sequence[Path], name: str, transform: str = "host"):
             out = base / (f"{name}-folder" if kind == "folder" else f"{name}.parquet")
             target = f"{out}/" if kind == "folder" else str(out)  # the slash makes a folder
             source = ([str(paths[0].parent)] if len(inputs) == len(paths)
@@ -253,7 +260,8 @@ def run_host_bench(config_path: str, images: str = "synthetic:1024x768:256",
             opts = replace(EncodeOptions(inputs=source, out=target, config=config_path,
                                          random_init=True, device="cpu", dtype="float32",
                                          out_dtype="float16", workers=n_workers,
-                                         overwrite=True, progress=False), **(options or {}))
+                                         overwrite=True, progress=False,
+                                         transform=transform), **(options or {}))
             cpu0, began = _cpu_seconds(), time.perf_counter()
             summary = run_encode(opts, stand_in=NullStage(cfg))
             return summary, time.perf_counter() - began, _cpu_seconds() - cpu0, out
@@ -262,15 +270,16 @@ def run_host_bench(config_path: str, images: str = "synthetic:1024x768:256",
             timed(outputs[0] if outputs else "folder", short, "host-warmup")
         results = []
         cores = available_cpus()
-        for kind in outputs:
-            short_cpu = timed(kind, short, "host-short")[2] if short else None
-            summary, total, cpu, out = timed(kind, paths, "host")
+        for kind, transform in itertools.product(outputs, transforms):
+            short_cpu = timed(kind, short, "host-short", transform)[2] if short else None
+            summary, total, cpu, out = timed(kind, paths, "host", transform)
             done = summary.encoded + summary.failed
             loop = summary.encode_s
             steady_rate = (None if short_cpu is None or cpu <= short_cpu
                            else (done - len(short)) / (cpu - short_cpu))
             results.append(HostResult(
-                output=kind, images=done, cores=cores, workers=n_workers, seconds=loop,
+                output=kind, transform=transform, images=done, cores=cores, workers=n_workers,
+                seconds=loop,
                 img_s=done / total, img_s_per_core=done / total / cores,
                 loop_img_s=done / loop if loop else 0.0, decode_wait_s=summary.decode_wait_s,
                 stage_s=summary.h2d_s, write_s=summary.write_s, total_s=total, cpu_s=cpu,
@@ -287,7 +296,8 @@ def print_host_results(results: Sequence[HostResult], console=None) -> None:
     console.print("[bold]host capacity[/bold] (null stage: the model costs nothing)")
     for r in results:
         console.print(
-            f"{r.output}: {r.images} images{_failed_note(r.failed, ' (', ': error rows)')} in "
+            f"{r.output}, transform on the {r.transform}: {r.images} images"
+            f"{_failed_note(r.failed, ' (', ': error rows)')} in "
             f"{r.total_s:.2f} s = {r.img_s:.1f} img/s, "
             f"{r.img_s_per_core:.1f} img/s per core ({r.cores} cores, {r.workers} decode "
             f"worker{'s' if r.workers != 1 else ''}); {r.cpu_s:.2f} CPU-s = "
@@ -316,14 +326,16 @@ def _failed_note(failed: int, before: str, after: str) -> str:
 
 def host_bench_command(config_path: str, images: str, outputs: Sequence[str],
                        workers: int | None, json_out: str | None = None) -> list[HostResult]:
-    """``dsv4enc bench --host``: run, print the table, and write the rows to ``json_out``.
-    The process is the command's: it makes the settings of the GPU run it stands for."""
+    """``dsv4enc bench --host``: run with the transform on the host and on the device, print
+    the table, and write the rows to ``json_out``. The process is the command's: it makes the
+    settings of the GPU run it stands for."""
     import json
 
     from ..process import own_process_settings
 
     own_process_settings(torch.device("cuda"))
-    results = run_host_bench(config_path, images, outputs, workers)
+    placements = [choice for choice in TRANSFORMS if choice != "auto"]  # host, then device
+    results = run_host_bench(config_path, images, outputs, workers, transforms=placements)
     print_host_results(results)
     if json_out:
         with open(json_out, "w") as handle:

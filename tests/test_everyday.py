@@ -163,8 +163,10 @@ def test_help_shows_flags_choices_and_usage():
     assert result.exit_code == 0
     text = result.output
     assert re.search(r"Usage: .*encode \[OPTIONS\] \[INPUTS\]\.\.\.", text, re.IGNORECASE)
+    from dsv4enc.tower.config import ATTENTION_BACKENDS
+
     for choices in ("[none|mean]", "[aligner|vit]", "[float16|float32]",
-                    "[auto|float32|bfloat16|float16]", "[auto|flash|varlen|sdpa]",
+                    "[auto|float32|bfloat16|float16]", f"[{'|'.join(ATTENTION_BACKENDS)}]",
                     "[data|weights]", "[patches|flops]"):
         assert choices in text, choices
     assert "--log-every" in text and "--summary-json" in text

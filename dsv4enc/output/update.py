@@ -249,7 +249,7 @@ def remove_old_output(folder: Path, out: Path) -> None:
         folder.rmdir()
 
 
-def _link(source: Path, target: Path) -> None:
+def link_or_copy(source: Path, target: Path) -> None:
     """``target`` as a hard link to ``source`` (a copy where the file system has none)."""
     tmp = temp_path(target)
     try:
@@ -557,7 +557,7 @@ class Update:
             if single:
                 store.copy_groups(name, self.old.out, unit, entry)
             else:  # linked into the staging folder: the new output holds it too
-                _link(self.old.out / unit, store.folder / unit)
+                link_or_copy(self.old.out / unit, store.folder / unit)
                 store.adopt(name, {"file": unit, **entry})
         return run[-1][2] - run[0][1]
 

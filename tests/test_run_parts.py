@@ -5,12 +5,20 @@ or removed anywhere move only the boundaries near them."""
 from __future__ import annotations
 
 import hashlib
+from pathlib import Path
 
+import numpy as np
+import pyarrow.parquet as pq
 import pytest
+from PIL import Image
 
 from dsv4enc.images.headers import Planned
 from dsv4enc.images.items import InputItem
+from dsv4enc.output.read import output_files
+from dsv4enc.run.pipeline import EncodeOptions, run_encode
 from dsv4enc.run.plan import cut_parts, key_hashes, part_sizes
+
+from helpers import CONFIGS
 
 
 def planned_of(keys: list[str]) -> list[Planned]:
@@ -117,49 +125,76 @@ def test_a_boundary_depends_only_on_the_keys_within_reach():
     assert end in {e for _, e in bounds(changed, part_images)}
 
 
+def noise(path: Path, seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    Image.fromarray(rng.integers(0, 256, (12, 16, 3), dtype=np.uint8)).save(path)
+
+
+def encode(images: Path, out: str, **more):
+    base = dict(inputs=[str(images)], out=out, config=str(CONFIGS / "tiny.json"),
+                random_init=True, device="cpu", part_images=4, batch_tokens=1500, workers=0,
+                progress=False)
+    return run_encode(EncodeOptions(**{**base, **more}))
+
+
+def rows(out: Path) -> list[dict]:
+    return [row for path in output_files(out) for row in pq.read_table(path).to_pylist()]
+
+
+def files(out: Path) -> dict[str, tuple[int, int]]:
+    """The folder's part files, each with its inode and time (a file kept as it is keeps both)."""
+    return {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in out.glob("*.parquet")}
+
+
 @pytest.mark.parametrize("new", [["a-new0.png", "a-new1.png"],  # sorting first
                                  ["img000017-new.png", "img000018-new.png"]])  # in the middle
 def test_an_update_after_an_insertion_keeps_the_parts_away_from_it(new, tmp_path):
     """A folder output's ``--update`` after images added before most others: the old part
     files that are whole parts of the new cut stay as they are (not even rewritten), nearly
     all of them, and the folder equals a clean run row for row."""
-    import numpy as np
-    import pyarrow.parquet as pq
-    from PIL import Image
-
-    from dsv4enc.output.read import output_files
-    from dsv4enc.run.pipeline import EncodeOptions, run_encode
-
-    from helpers import CONFIGS
-
-    def noise(path, seed: int) -> None:
-        rng = np.random.default_rng(seed)
-        Image.fromarray(rng.integers(0, 256, (12, 16, 3), dtype=np.uint8)).save(path)
-
-    def run(out: str, **more) -> object:
-        return run_encode(EncodeOptions(
-            inputs=[str(images)], out=out, config=str(CONFIGS / "tiny.json"), random_init=True,
-            device="cpu", part_images=4, batch_tokens=1500, workers=0, progress=False, **more))
-
-    def rows(out) -> list[dict]:
-        return [row for path in output_files(out) for row in pq.read_table(path).to_pylist()]
-
     images = tmp_path / "in"
     images.mkdir()
     old_keys = names(36)
     for i, key in enumerate(old_keys):
         noise(images / key, i)
     out = tmp_path / "emb"
-    run(f"{out}/")
-    before = {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in out.glob("*.parquet")}
+    encode(images, f"{out}/")
+    before = files(out)
     for k, key in enumerate(new):
         noise(images / key, 100 + k)
-    summary = run(f"{out}/", update=True)
+    summary = encode(images, f"{out}/", update=True)
     assert (summary.encoded, summary.reused) == (2, 36)
-    after = {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in out.glob("*.parquet")}
+    after = files(out)
     kept = [name for name in after if after[name] == before.get(name)]
     new_keys = sorted(old_keys + new)
     unchanged = set(key_parts(old_keys, 4)) & set(key_parts(new_keys, 4))
     assert len(kept) == len(unchanged) >= len(before) - 3
-    run(str(tmp_path / "clean.parquet"))
+    encode(images, str(tmp_path / "clean.parquet"))
+    assert rows(out) == rows(tmp_path / "clean.parquet")
+
+
+def test_an_update_keeps_the_pieces_that_commits_by_time_cut(tmp_path):
+    """An output committed in pieces (a commit after each image's segment, as
+    ``--commit-every`` cuts parts on a slow device): after images are added first, the
+    pieces of every part the insertion left as it was are kept as they are, and the folder
+    equals a clean run."""
+    images = tmp_path / "in"
+    images.mkdir()
+    old_keys = names(24)
+    for i, key in enumerate(old_keys):
+        noise(images / key, i)
+    out = tmp_path / "emb"
+    encode(images, f"{out}/", commit_every=1e-6, batch_tokens=1)  # a piece per image
+    before = files(out)
+    assert len(before) == 24
+    for k in range(2):
+        noise(images / f"a-new{k}.png", 100 + k)
+    summary = encode(images, f"{out}/", update=True)
+    assert (summary.encoded, summary.reused) == (2, 24)
+    after = files(out)
+    kept = [name for name in after if after[name] == before.get(name)]
+    unchanged = set(key_parts(old_keys, 4)) & set(key_parts(sorted(old_keys + ["a-new0.png",
+                                                                               "a-new1.png"]), 4))
+    assert len(kept) == sum(len(part) for part in unchanged) >= 24 - 3 * 7
+    encode(images, str(tmp_path / "clean.parquet"))
     assert rows(out) == rows(tmp_path / "clean.parquet")

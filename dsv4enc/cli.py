@@ -240,9 +240,15 @@ _ENCODE_PARAMETERS: dict[str, tuple[Any, Any]] = {
             help="Continue an interrupted run, reusing its committed parts.")),
         update=(bool, typer.Option(
             False, "--update",
-            help="Bring a finished --out up to date: encode new and changed images, keep the "
-                 "other rows, drop those of images gone (equal to a clean run); rerun it after "
-                 "a crash. No output yet: a plain run.")),
+            help="Bring a finished --out up to date: encode new and changed images and failed "
+                 "reads, keep the other rows, drop those of images gone.")),
+        prune=(bool, typer.Option(
+            False, "--prune",
+            help=f"Let --update drop more than {defaults.PRUNE_SHARE:.0%} of the rows.")),
+        retry_errors=(bool, typer.Option(
+            False, "--retry-errors", help="--update: encode every error row again.")),
+        dry_run=(bool, typer.Option(
+            False, "--dry-run", help="Say what would be encoded, reused, dropped.")),
         shard_output=(bool, typer.Option(
             False, "--shard-output",
             help="torchrun: each rank writes its own parts under the --out folder.")),
@@ -427,7 +433,11 @@ def _encode_command(opts, storage_option: list[str] | None, quiet: bool,
         if dist is None or dist.is_main:
             if summary_json:
                 write_summary_json(summary_json, summary)
-            if quiet:
+            if summary.dry_run:
+                from .run.summary import dry_run_line
+
+                typer.echo(dry_run_line(summary))
+            elif quiet:
                 if not (summary.encoded or summary.failed or summary.reused):
                     from .images.discover import nothing_found
 

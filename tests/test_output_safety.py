@@ -467,8 +467,10 @@ def test_resume_with_another_max_pixels_is_refused(data, tmp_path):
     out = tmp_path / "out"
     finish_folder(data, out, max_pixels=100)  # every image is refused: error rows
     before = snapshot(out)
-    with pytest.raises(UsageError, match="cannot resume: the interrupted run used --max-pixels 100.*rerun with --max-pixels 100"):
+    with pytest.raises(UsageError, match="cannot resume: the interrupted run used --max-pixels 100.*rerun with --max-pixels 100") as refused:
         run_encode(options([data], f"{out}/", resume=True))
+    # --overwrite beside --resume would be refused: the advice says to put it in its place
+    assert "(or --overwrite in place of --resume to start over)" in str(refused.value)
     assert snapshot(out) == before
     summary = run_encode(options([data], f"{out}/", resume=True, max_pixels=100))
     assert summary.reused == N_IMAGES

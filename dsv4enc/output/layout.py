@@ -543,11 +543,12 @@ class Segment(Protocol):
 
 @dataclass(frozen=True)
 class ResumeSettings:
-    """How a run commits and resumes: ``resume`` (--resume or --update: committed parts are
-    kept), ``commit_every`` (``PartWriter``'s ``commit_seconds``), and ``row_options``
+    """How a run commits and resumes: ``resume`` (--resume or --update, the run's ``flag``:
+    committed parts are kept), ``commit_every`` (``PartWriter``'s ``commit_seconds``), and ``row_options``
     (settings besides the model's that decide rows: --resume requires them equal)."""
 
     resume: bool = False
+    flag: str = "--resume"  # the run's flag that keeps committed parts (or --update)
     commit_every: float | None = None
     row_options: dict = field(default_factory=dict)
 
@@ -594,7 +595,8 @@ class Resume:
             if key not in CUT_SETTINGS and previous.get(key) != value:
                 raise UsageError(setting_refusal("cannot resume", "the interrupted run used",
                                                  key, previous.get(key), value,
-                                                 rerun=" to resume it", again="start over"))
+                                                 rerun=" to resume it", again="start over",
+                                                 given=settings.flag))
         store.load_parts()  # only now: a refused resume must not judge the parts' files
         store.forget([])  # each part's stale pieces are dropped as it is judged
         self.resuming = True

@@ -152,8 +152,7 @@ class RemoteOutput:
                 self.remove_stale_staging()
         except BaseException as exc:
             if isinstance(exc, storage.StoreDown):
-                exc.keep(self._kept_parts(), self.parts_url,
-                         "--update" if self.update else "--resume")
+                exc.keep(self._kept_parts(), self.parts_url)  # its flag told by the run
             if exc.args and isinstance(exc.args[0], str):
                 exc.args = (self.translate(exc.args[0]), *exc.args[1:])
             raise

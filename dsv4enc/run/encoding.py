@@ -72,10 +72,12 @@ class PartEncoder:
         finished prefix after each step: the writer commits it by --commit-every."""
         me = self.me
         for part, plan in parts:
-            rows = {i: error_row(planned[i]) for i in part.indices if planned[i].error}
+            # a carried error row is the old output's, even where its header fails again now
+            carried = self.update.rows(part.indices, planned) if self.update is not None else {}
+            rows = {i: error_row(planned[i]) for i in part.indices
+                    if planned[i].error and i not in carried}
             if self._counts_header_failures:
                 self._note(rows.values())
-            carried = self.update.rows(part.indices, planned) if self.update is not None else {}
             rows.update(carried)
             self.summary.reused += len(carried)
             done = part.start  # rows before it were yielded (gathered pieces)

@@ -64,6 +64,14 @@ def coefficients(in_size: int, out_size: int) -> tuple[torch.Tensor, torch.Tenso
     return torch.from_numpy(index), torch.from_numpy(fixed)
 
 
+@functools.lru_cache(maxsize=512)
+def coefficients_on(in_size: int, out_size: int, device: torch.device,
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``coefficients`` copied to ``device`` once: a copy from pageable host memory would
+    wait for the device's queue at every image."""
+    return tuple(t.to(device) for t in coefficients(in_size, out_size))
+
+
 def resample_axis(pixels: torch.Tensor, out_size: int, dim: int,
                   at_once: bool | None = None) -> torch.Tensor:
     """One pass of Pillow's resize along ``dim`` (0: rows, 1: columns) of uint8 pixels
@@ -72,8 +80,7 @@ def resample_axis(pixels: torch.Tensor, out_size: int, dim: int,
     output pixel's whole window in one go (a few kernels per pass, for a GPU), else one filter
     tap at a time (less memory traffic, for a CPU); None: at once off the CPU. Integer sums
     are exact in any order: both give the same bytes."""
-    index, weights = coefficients(int(pixels.shape[dim]), out_size)
-    index, weights = index.to(pixels.device), weights.to(pixels.device)
+    index, weights = coefficients_on(int(pixels.shape[dim]), out_size, pixels.device)
     if at_once is None:
         at_once = pixels.device.type != "cpu"
     acc = (_sums_at_once if at_once else _sums_by_tap)(pixels, index, weights, dim)
@@ -149,8 +156,9 @@ def pad(pixels: torch.Tensor, size: tuple[int, int], fill: tuple[int, ...]) -> t
     inner = contained_size(width, height, size)
     if inner == size:
         return resize(pixels, size)
-    out = torch.tensor(fill, dtype=torch.uint8, device=pixels.device).expand(
-        size[1], size[0], pixels.shape[2]).clone()
+    out = torch.empty(size[1], size[0], len(fill), dtype=torch.uint8, device=pixels.device)
+    for channel, value in enumerate(fill):  # scalar fills: nothing copied to the device
+        out[..., channel] = value
     if min(inner) == 0:  # ``contain`` gives an empty image: only the fill shows
         return out
     resized = resize(pixels, inner)

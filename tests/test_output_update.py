@@ -595,6 +595,15 @@ def keys_by_reader(out: Path) -> dict[str, list[str]]:
     return {reader: sorted(keys) for reader, keys in seen.items()}
 
 
+def assert_readers_see(out: Path, expected: dict[str, list[str]]) -> None:
+    """Every reader sees the ``expected`` keys, and ``dsv4enc inspect`` as many finished rows."""
+    from dsv4enc.output.inspect import summarize
+
+    assert keys_by_reader(out) == expected
+    shown = summarize(out)
+    assert (shown.rows, shown.interrupted) == (len(expected["read_embeddings"]), False)
+
+
 @pytest.mark.parametrize("point", ["encoded", "commit", "switch", "switched"])
 def test_an_update_stopped_anywhere_shows_readers_the_old_rows_or_the_new(point, tmp_path,
                                                                           clean):
@@ -618,16 +627,16 @@ def test_an_update_stopped_anywhere_shows_readers_the_old_rows_or_the_new(point,
     expected = {reader: new for reader in old} if point == "switched" else old
     try:
         pauses.wait(point, proc=proc)
-        assert keys_by_reader(out) == expected
+        assert_readers_see(out, expected)
         proc.kill()
         proc.wait(timeout=60)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    assert keys_by_reader(out) == expected
+    assert_readers_see(out, expected)
     run_encode(options(images, f"{out}/", update=True, prune=True))
-    assert keys_by_reader(out) == {reader: new for reader in old}
+    assert_readers_see(out, {reader: new for reader in old})
     assert_clean(out, clean[1])
     assert sorted(os.listdir(tmp_path)) == ["emb", "in", "pauses"]  # nothing left beside it
 

@@ -15,6 +15,10 @@ Sections (``--sections``, comma-separated):
   the throughput cost of the invariant path against the plain one.
 - ``fused``: the compiled elementwise path (``--fused``) against the eager tower (graphs on
   where possible), its rows' batch invariance, and its speed against eager.
+- ``transform``: the transform on the device (``--transform device``) against Pillow's path,
+  bit for bit (limit 0 differing values), over photo sizes, a grey image and a wide (stretched)
+  one; and its device time per 1024x768 image (``Engine.transform``: the page-locked copy,
+  the upload and the transform) against the model's per image (limit 5%).
 
 Prints one line per check and writes them to ``--json``; exits 1 if any check failed.
 """
@@ -310,6 +314,48 @@ def fused_section(cfg: VisionConfig, device: torch.device, dtype: torch.dtype, n
                    "ok": True, "info": True})
 
 
+def transform_section(cfg: VisionConfig, device: torch.device, dtype: torch.dtype,
+                      n_images: int, batch_tokens: int) -> None:
+    import numpy as np
+    from PIL import Image
+
+    from dsv4enc.tower.transform import image_pixels, pixels_to_patches
+
+    rng = np.random.default_rng(7)
+    sizes = [(1024, 768), (768, 1024), (4000, 3000), (640, 480), (37, 23), (3000, 200)]
+    images = [Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8))
+              for w, h in sizes]
+    images.append(images[0].convert("L"))
+    differing = 0
+    for image in images:
+        want, _ = image_to_patches(image, cfg)
+        got, _ = pixels_to_patches(torch.from_numpy(image_pixels(image).copy()).to(device), cfg)
+        differing += int((got.cpu().view(torch.int16) != want.view(torch.int16)).sum())
+    check(f"transform on {device.type} == Pillow's ({len(images)} images, values differing)",
+          float(differing), 0)
+    model = build_tower(random_checkpoint(cfg, 0, dtype), device)
+    engine = Engine(model, "aligner", "auto", torch.float16, batch_tokens=batch_tokens,
+                    max_images=64)
+    photo = image_pixels(images[0]).copy()  # writable, as a decode slot is
+    for _ in range(3):  # warm-up: coefficient tables, kernels, the page-locked pool
+        engine.transform(photo)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    began = time.perf_counter()
+    made = [engine.transform(photo) for _ in range(n_images)]
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    transform_s = (time.perf_counter() - began) / n_images
+    canvas = plan_canvas(1024, 768, cfg)
+    items = [(patches, canvas.n_h, canvas.n_w) for patches in made]
+    batches = batches_of(items, cfg, batch_tokens, 64)
+    model_s = _timed_pass(engine, batches, device) / n_images
+    print(f"INFO transform on {device.type}: {transform_s * 1e3:.3f} ms per 1024x768 image, "
+          f"model {model_s * 1e3:.3f} ms per image", flush=True)
+    check(f"transform time / model time per 1024x768 image ({transform_s * 1e3:.3f} ms / "
+          f"{model_s * 1e3:.3f} ms)", transform_s / model_s, 0.05)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--device", default="cuda")
@@ -336,6 +382,8 @@ def main(argv=None) -> int:
         fused_section(cfg, device, getattr(torch, a.dtype), a.images, a.batch_tokens)
     if "invariance" in sections:
         invariance_section(cfg, device, a.images, a.batch_tokens)
+    if "transform" in sections:
+        transform_section(cfg, device, getattr(torch, a.dtype), a.images, a.batch_tokens)
     failed = [c["name"] for c in CHECKS if not c["ok"]]
     print(f"{len(CHECKS) - len(failed)}/{len(CHECKS)} checks passed"
           + (f"; failed: {'; '.join(failed)}" if failed else ""), flush=True)

@@ -25,6 +25,8 @@
 #   invariance  one image alone == in mixed batches, bit for bit (bf16, one graph bucket),
 #               and what the invariant path costs against the plain one
 #   fused       --fused == eager under CUDA graphs, batch-invariant rows
+#   transform   the transform on the device == Pillow's, bit for bit, and its device time
+#               per 1024x768 image against the model's (--transform device)
 #   host        `dsv4enc bench --host` on this machine's cores (null device stage)
 #   graphs      CUDA graphs == eager at real dims (random bf16 tower), oversize batch eager
 #   backends    each attention backend == SDPA, and vs a float32 reference, at real dims
@@ -153,6 +155,10 @@ step invariance 70 $PY benchmarks/device_check.py --device "$DEVICE" --sections 
 step fused 90 $PY benchmarks/device_check.py --device "$DEVICE" --sections fused \
     --config "$CONFIG" --dtype "$DTYPE" --images "$CHECK_IMAGES" \
     --batch-tokens "$CHECK_TOKENS" --json "$OUT/checks_fused.json"
+
+step transform 60 $PY benchmarks/device_check.py --device "$DEVICE" --sections transform \
+    --config "$CONFIG" --dtype "$DTYPE" --images "$CHECK_IMAGES" \
+    --batch-tokens "$CHECK_TOKENS" --json "$OUT/checks_transform.json"
 
 step host 70 $PY -m dsv4enc bench --host --config "$CONFIG" --images "$HOST_IMAGES" \
     --json "$OUT/host.json"

@@ -5,7 +5,9 @@ starts, resumes or finishes; and the bytes a whole run writes for its output.
 
     python benchmarks/manifest_cost.py [--parts 10,1000,100000] [--commits 50]
     python benchmarks/manifest_cost.py --run 4000 [--part-images 2]
-    python benchmarks/manifest_cost.py --run 2000 --part-images 50 --update 1,5 [--out-kind file]
+    python benchmarks/manifest_cost.py --run 2005 --part-images 50 --update 1,5 [--out-kind file]
+        [--new-at first,middle,last]
+    python benchmarks/manifest_cost.py --cut 300000 [--part-images 50]
 
 Bytes are this process's, from /proc/self/io: ``wchar`` (bytes handed to write calls) and
 ``write_bytes`` (bytes sent to the disk, less ``cancelled_write_bytes``). A single file's update
@@ -96,11 +98,19 @@ def measured_run(what: str, data: Path, out: Path, part_images: int, **more) -> 
           f"({wchar / size:.1%}; to disk {disk / 1e6:.2f} MB, {disk / size:.1%})", flush=True)
 
 
-def run_cost(images: int, part_images: int, update: str | None, kind: str = "folder") -> None:
+#: Where ``--new-at`` puts the new images in input order: the name of the k-th of ``images``.
+NEW_NAMES = {"first": lambda images, k: f"a-new{k:03d}.png",  # before every img*.png
+             "middle": lambda images, k: f"img{images // 2:06d}-new{k:03d}.png",
+             "last": lambda images, k: f"img{images + k:06d}.png"}
+
+
+def run_cost(images: int, part_images: int, update: str | None, kind: str = "folder",
+             new_at: str = "last") -> None:
     """A real run of ``images`` small images into a folder (``kind``: or a single file), a
     part per ``part_images``; without ``update`` committing after every segment, with
-    ``update`` (``CHANGED,NEW``) then an ``--update`` after that many images changed (in the
-    middle) and added (after the last)."""
+    ``update`` (``CHANGED,NEW``) then an ``--update`` after that many images changed (from
+    the first third on) and added (``new_at``: sorting first, in the middle or last), checked
+    against a clean run of the same images."""
     root = Path(tempfile.mkdtemp(prefix="dsv4enc-runcost-"))
     data = root / "images"
     data.mkdir()
@@ -110,14 +120,43 @@ def run_cost(images: int, part_images: int, update: str | None, kind: str = "fol
     if update is None:
         measured_run("run", data, out, part_images, commit_every=1e-6)
         return
-    measured_run("first run", data, out, part_images)
+    # no commit by time: the parts are the plan's, whatever the machine's load
+    measured_run("first run", data, out, part_images, commit_every=1e9)
     changed, new = (int(v) for v in update.split(","))
     for k in range(changed):
-        noise_png(data / f"img{images // 2 + k * part_images:06d}.png", 10**6 + k)
+        noise_png(data / f"img{images // 3 + k * part_images:06d}.png", 10**6 + k)
     for k in range(new):
-        noise_png(data / f"img{images + k:06d}.png", 2 * 10**6 + k)
-    measured_run(f"update ({changed} changed, {new} new)", data, out, part_images,
-                 update=True)
+        noise_png(data / NEW_NAMES[new_at](images, k), 2 * 10**6 + k)
+    measured_run(f"update ({changed} changed, {new} new {new_at})", data, out, part_images,
+                 update=True, commit_every=1e9)
+    clean = root / ("clean.parquet" if kind == "file" else "clean")
+    measured_run("clean run", data, clean, part_images, commit_every=1e9)
+    print(f"update equals the clean run: {'yes' if same_rows(out, clean) else 'NO'}", flush=True)
+
+
+def same_rows(a: Path, b: Path) -> bool:
+    """Whether two outputs hold the same rows, in the same order, byte for byte."""
+    from dsv4enc.output.read import read_embeddings
+
+    def rows(out: Path) -> list:
+        return [(row["path"], row["error"], None if row["embedding"] is None
+                 else row["embedding"].tobytes())
+                for row in read_embeddings(out, ["path", "error", "embedding"],
+                                           errors="include")]
+    return rows(a) == rows(b)
+
+
+def cut_cost(keys: int, part_images: int) -> None:
+    """The CPU time of cutting ``keys`` listed keys into parts (``run/plan.cut_parts``)."""
+    from dsv4enc.images.headers import Planned
+    from dsv4enc.images.items import InputItem
+    from dsv4enc.run.plan import cut_parts
+
+    planned = [Planned(InputItem(f"folder/sub/img{i:08d}.jpg", "x")) for i in range(keys)]
+    began = time.process_time()
+    parts = sum(1 for _ in cut_parts(planned, part_images))
+    print(f"--part-images {part_images}: {parts} parts of {keys} keys, "
+          f"{time.process_time() - began:.2f} s CPU", flush=True)
 
 
 def main() -> None:
@@ -130,9 +169,15 @@ def main() -> None:
     parser.add_argument("--update", help="CHANGED,NEW: measure an --update of the run")
     parser.add_argument("--out-kind", choices=("folder", "file"), default="folder",
                         help="the run's output: a folder or a single file")
+    parser.add_argument("--new-at", default="last",
+                        help="where the new images sort: first, middle, last (comma-separated)")
+    parser.add_argument("--cut", type=int, default=0, help="keys to cut into parts, timed")
     args = parser.parse_args()
-    if args.run:
-        run_cost(args.run, args.part_images, args.update, args.out_kind)
+    if args.cut:
+        cut_cost(args.cut, args.part_images)
+    elif args.run:
+        for new_at in args.new_at.split(","):
+            run_cost(args.run, args.part_images, args.update, args.out_kind, new_at)
     else:
         commit_cost([int(v) for v in args.parts.split(",")], args.commits, args.repeat)
 

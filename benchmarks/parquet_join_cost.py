@@ -127,7 +127,7 @@ def loadavg() -> float:
 
 
 def default_part_images(cfg: VisionConfig, dtype: str, pooled: bool) -> int:
-    """The run's own part size (``run/plan.images_per_part``) for this config."""
+    """The run's longest part (twice ``run/plan.images_per_part``, less one) for this config."""
     per_image = cfg.hidden_size * (2 if dtype == "float16" else 4) * (1 if pooled
                                                                       else cfg.max_n_token)
     return int(min(MAX_PART_IMAGES, max(16, PART_BYTES // per_image)))

@@ -30,8 +30,8 @@ class _BareFlags:
     """A command whose --help shows no type for a flag: it takes no value (Typer would show
     ``<bool>``, which reads as if ``--version true`` were asked for)."""
 
-    def get_params(self, ctx):
-        params = super().get_params(ctx)
+    def get_params(self, ctx: Any) -> list:
+        params = super().get_params(ctx)  # type: ignore[misc]  (the Typer class beside it)
         for param in params:
             if getattr(param, "is_flag", False) and param.metavar is None:
                 param.metavar = ""
@@ -46,7 +46,8 @@ class BareFlagsCommand(_BareFlags, TyperCommand):
     """Each ``dsv4enc`` command."""
 
 
-app = typer.Typer(cls=BareFlagsGroup, add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+app = typer.Typer(cls=BareFlagsGroup, add_completion=False, no_args_is_help=True,
+                  pretty_exceptions_enable=False,
                   help="Encode images with the DeepSeek-V4 or V4.1 vision tower and write "
                   "Parquet.")
 
@@ -164,8 +165,9 @@ _ENCODE_PARAMETERS: dict[str, tuple[Any, Any]] = {
                  "(null for rows not from a table; repeatable).")),
         keep_member=(Optional[List[str]], typer.Option(
             None, "--keep-member", metavar="EXT",
-            help=f"Tar shards: copy each sample's EXT member ({', '.join(defaults.SIDECAR_MEMBERS)})"
-                 " as text into a column EXT (repeatable).")),
+            help="Tar shards: copy each sample's EXT member "
+                 f"({', '.join(defaults.SIDECAR_MEMBERS)}) as text into a column EXT "
+                 "(repeatable).")),
         table_paths_root=(Optional[List[str]], typer.Option(
             None, "--table-paths-root", metavar="DIR",
             help="Table inputs: {bytes: null, path} cells may name image files under DIR too "
@@ -238,9 +240,15 @@ _ENCODE_PARAMETERS: dict[str, tuple[Any, Any]] = {
             help="Continue an interrupted run, reusing its committed parts.")),
         update=(bool, typer.Option(
             False, "--update",
-            help="Bring a finished --out up to date: encode new and changed images, keep the "
-                 "other rows, drop those of images gone (equal to a clean run); rerun it after "
-                 "a crash. No output yet: a plain run.")),
+            help="Bring a finished --out up to date: encode new and changed images and failed "
+                 "reads, keep the other rows, drop those of images gone.")),
+        prune=(bool, typer.Option(
+            False, "--prune",
+            help=f"Let --update drop more than {defaults.PRUNE_SHARE:.0%} of the rows.")),
+        retry_errors=(bool, typer.Option(
+            False, "--retry-errors", help="--update: encode every error row again.")),
+        dry_run=(bool, typer.Option(
+            False, "--dry-run", help="Say what would be encoded, reused, dropped.")),
         shard_output=(bool, typer.Option(
             False, "--shard-output",
             help="torchrun: each rank writes its own parts under the --out folder.")),
@@ -253,7 +261,7 @@ _ENCODE_PARAMETERS: dict[str, tuple[Any, Any]] = {
             help="Seconds of encoding between commits (a kill loses about this much).")),
         part_images=(Optional[int], typer.Option(
             None, "--part-images",
-            help="Inputs per part file of a folder output (default: from the model config).")),
+            help="Inputs a part file holds on average (default: from the model config).")),
     ),
     **_panel(
         "Run control",
@@ -425,7 +433,11 @@ def _encode_command(opts, storage_option: list[str] | None, quiet: bool,
         if dist is None or dist.is_main:
             if summary_json:
                 write_summary_json(summary_json, summary)
-            if quiet:
+            if summary.dry_run:
+                from .run.summary import dry_run_line
+
+                typer.echo(dry_run_line(summary))
+            elif quiet:
                 if not (summary.encoded or summary.failed or summary.reused):
                     from .images.discover import nothing_found
 

@@ -27,8 +27,8 @@ from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
 from . import storage
 from .errors import UsageError
-from .output.read import (EmbeddingFormat, OutputFiles, embedding_format, embedding_views,
-                          find_output, owned_copy, valid_mask)
+from .output.read import (BATCH_BYTES, OWN_BATCH_BYTES, OutputFiles, embedding_format,
+                          embedding_views, find_output, owned_copy, sole_row_array, valid_mask)
 
 __all__ = ["EmbeddingDataset", "EmbeddingIterableDataset", "collate_embeddings"]
 
@@ -40,8 +40,8 @@ CACHED_GROUPS = 2
 
 class _Rows:
     """An output's row groups, in order: where each starts among all rows, and the reading of
-    one (the columns of an item, the failed rows dropped or kept). Pickled without its open
-    files, so that each DataLoader worker opens its own."""
+    one (the columns of an item, the failed rows dropped or kept). A DataLoader worker opens
+    the files again, on a file system of its own: it is pickled without them, or forked."""
 
     def __init__(self, location: str | os.PathLike, columns: Sequence[str], errors: str,
                  storage_options: Any) -> None:
@@ -54,7 +54,7 @@ class _Rows:
         self.skip = errors == "skip"
         self.groups: list[tuple[int, int]] = []  # (file, row group) in output order
         sizes = []
-        for file, path in enumerate(self.found.paths):
+        for file in range(len(self.found.paths)):
             meta = self.handle(file).metadata
             for group in range(meta.num_row_groups):
                 self.groups.append((file, group))
@@ -77,10 +77,10 @@ class _Rows:
                                f"{missing[0]!r}")
         return handles[file]
 
-    def read(self, unit: int, columns: Sequence[str] | None = None):
-        """Row group ``unit`` (its ``columns``; default: an item's) as an Arrow table."""
+    def read(self, unit: int, columns: Sequence[str]):
+        """The ``columns`` of row group ``unit``, as an Arrow table."""
         file, group = self.groups[unit]
-        return self.handle(file).read_row_group(group, columns=list(columns or self.columns))
+        return self.handle(file).read_row_group(group, columns=list(columns))
 
     def kept(self, table) -> np.ndarray:
         """The positions in a group's table of the rows an item is made of."""
@@ -88,28 +88,54 @@ class _Rows:
             return np.arange(table.num_rows)
         return np.flatnonzero(~valid_mask(table.column("error").combine_chunks()))
 
-    def items(self, table, rows: Sequence[int]) -> Iterator[dict]:
-        """The items of ``table``'s ``rows``: each embedding copied (a worker hands each row
-        to the loader alone, never its whole group)."""
-        fmt: EmbeddingFormat = embedding_format(table.schema)
-        views = embedding_views(table.column("embedding"), fmt)
-        plain = {n: table.column(n).to_pylist() for n in self.columns
-                 if n not in ("embedding", "error")}
-        errors = table.column("error").to_pylist()
-        for row in rows:
+    def group_items(self, unit: int) -> list[dict]:
+        """Every row of row group ``unit`` as an item (a failed row's ``embedding`` None, its
+        ``error`` kept), each embedding its own: read a batch at a time, a large row alone in
+        its batch, whose decoded buffer is handed over rather than copied."""
+        file, group = self.groups[unit]
+        handle = self.handle(file)
+        items: list[dict] = []
+        for batch in handle.iter_batches(batch_size=_batch_rows(handle, group),
+                                         row_groups=[group], columns=self.columns):
+            items.extend(self._items(batch))
+        return items
+
+    def _items(self, batch) -> Iterator[dict]:
+        column = batch.column("embedding")
+        views = embedding_views(column, embedding_format(batch.schema))
+        handed = sole_row_array(column, views[0]) if len(views) == 1 else None
+        plain = {n: batch.column(n).to_pylist() for n in self.columns if n != "embedding"}
+        for row, view in enumerate(views):
             item = {n: values[row] for n, values in plain.items()}
-            view = views[row]
-            item["embedding"] = None if view is None else torch.from_numpy(owned_copy(view))
-            if not self.skip:
-                item["error"] = errors[row]
+            own = handed if handed is not None else None if view is None else owned_copy(view)
+            item["embedding"] = None if own is None else torch.from_numpy(own)
             yield item
+
+    def finish(self, item: dict) -> dict | None:
+        """``item`` as the datasets give it: None for a failed row that is skipped; its
+        ``error`` only where failed rows are kept."""
+        if self.skip:
+            return None if item.pop("error") is not None else item
+        return item
+
+
+def _batch_rows(handle, group: int) -> int:
+    """Rows per batch that hold about ``BATCH_BYTES`` of embeddings in row group ``group``;
+    one where a row holds ``OWN_BATCH_BYTES`` (its buffer is then handed over)."""
+    meta = handle.metadata.row_group(group)
+    stored = sum(meta.column(i).total_uncompressed_size for i in range(meta.num_columns)
+                 if meta.column(i).path_in_schema.split(".")[0] == "embedding")
+    per_row = stored / max(meta.num_rows, 1)
+    if per_row >= OWN_BATCH_BYTES:
+        return 1
+    return max(1, int(BATCH_BYTES // max(per_row, 1)))
 
 
 class EmbeddingDataset(Dataset):
     """Map-style: ``dataset[i]`` is the i-th row of the output (failed rows skipped unless
     ``errors="include"``), ``dataset["key"]`` the row whose ``path`` is ``key``. Each read
     takes the row's whole row group (a few rows at the real width); the last ``CACHED_GROUPS``
-    are kept, so neighbouring indices cost one read. ``columns``: more columns per item."""
+    are kept, so neighbouring indices cost one read (and a copy of the row). ``columns``: more columns per item."""
 
     def __init__(self, location: str | os.PathLike, columns: Sequence[str] = (), *,
                  errors: str = "skip", storage_options: Any = None) -> None:
@@ -135,8 +161,11 @@ class EmbeddingDataset(Dataset):
     def __getitem__(self, index: int | str) -> dict:
         position = self._index[self.index_of(index) if isinstance(index, str) else index]
         unit = bisect.bisect_right(self._rows.starts, position) - 1
-        table = self._group(unit)
-        return next(self._rows.items(table, [int(position - self._rows.starts[unit])]))
+        kept = self._group(unit)[int(position - self._rows.starts[unit])]
+        item = {**kept}  # the cached row stays as read: the caller gets a copy to change
+        if item["embedding"] is not None:
+            item["embedding"] = torch.from_numpy(item["embedding"].numpy().copy())
+        return self._rows.finish(item)
 
     def index_of(self, key: str) -> int:
         """The index of the row whose ``path`` is ``key`` (a KeyError if there is none, or
@@ -151,7 +180,7 @@ class EmbeddingDataset(Dataset):
         if unit in self._cache:
             self._cache.move_to_end(unit)
         else:
-            self._cache[unit] = self._rows.read(unit)
+            self._cache[unit] = self._rows.group_items(unit)
             while len(self._cache) > CACHED_GROUPS:
                 self._cache.popitem(last=False)
         return self._cache[unit]
@@ -196,11 +225,13 @@ class EmbeddingIterableDataset(IterableDataset):
         if self.shuffle:
             units = np.random.default_rng([self.seed, self.epoch]).permutation(units)
         for unit in _deal(units.tolist(), np.diff(self._rows.starts), readers)[slot]:
-            table = self._rows.read(unit)
-            rows = self._rows.kept(table)
+            items = [item for item in map(self._rows.finish, self._rows.group_items(unit))
+                     if item is not None]
             if self.shuffle:
-                rows = np.random.default_rng([self.seed, self.epoch, unit]).permutation(rows)
-            yield from self._rows.items(table, rows.tolist())
+                order = np.random.default_rng([self.seed, self.epoch, unit]).permutation(
+                    len(items))
+                items = [items[i] for i in order.tolist()]
+            yield from items
 
 
 def _deal(units: list[int], rows: np.ndarray, readers: int) -> list[list[int]]:

@@ -12,8 +12,10 @@ releases every later pause too). Without those variables (every real run) a poin
 The points: ``commit`` (a part was committed: a kill now loses nothing before it),
 ``encoded`` (a batch's rows were counted in the progress), ``upload`` (the child that uploads
 a single-file output to a store sent a chunk; it reports its ``pid`` and the bytes ``sent``),
-and under ``--engine ray`` ``segment`` (an encoder actor is about to encode a part; it reports
-its ``pid``) and ``written`` (an actor wrote a part's file, not yet reported or committed)."""
+under ``--engine ray`` ``segment`` (an encoder actor is about to encode a part; it reports
+its ``pid``) and ``written`` (an actor wrote a part's file, not yet reported or committed),
+and at the end of a folder output's ``--update`` ``switch`` (the new output is complete
+beside the old one) and ``switched`` (it took the old one's place; the old is not yet removed)."""
 
 from __future__ import annotations
 

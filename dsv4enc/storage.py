@@ -50,7 +50,7 @@ _OUTAGE_ENV = "DSV4ENC_STORAGE_OUTAGE_S"
 #: What carries ``configure`` and ``set_outage_s`` to child processes (decode workers, Ray actors).
 SETTINGS_ENV = (_OPTIONS_ENV, _OUTAGE_ENV)
 #: The error of a row whose input could not be read because its store was not answering: a
-#: transient error (``output/parts.TRANSIENT_ERRORS``), its part is encoded again on --resume.
+#: transient error (``images/decode.TRANSIENT_ERRORS``), its part is encoded again on --resume.
 UNAVAILABLE = "storage unavailable"
 #: The chunk of a streamed copy to or from a store.
 COPY_BYTES = 8 << 20
@@ -402,12 +402,13 @@ class StoreDown(StorageError):
         return (f"{self.store}: the store stopped answering ({self.cause}) for "
                 f"{self.seconds:.0f} s; {self.kept}; rerun with {self.again} when it is back")
 
-    def keep(self, parts: int, where: str, again: str | None = None) -> None:
-        """Say what the run leaves: ``parts`` finished parts kept in ``where``; ``again``:
-        the flag that finishes the run (by default the one set before)."""
+    def keep(self, parts: int | None, where: str, again: str | None = None) -> None:
+        """Say what the run leaves: ``parts`` finished parts kept in ``where`` (None: not
+        known here); ``again``: the flag that finishes the run (by default the one set before)."""
         self.again = again or self.again
-        self.kept = (f"{parts} finished part{'s are' if parts != 1 else ' is'} kept in {where}"
-                     if parts else "no part was finished")
+        if parts is not None:
+            self.kept = (f"{parts} finished part{'s are' if parts != 1 else ' is'} kept in "
+                         f"{where}" if parts else "no part was finished")
         self.args = (self._line(),)
 
     def __reduce__(self):  # pickled between ranks with every field (``kept`` and its line)

@@ -152,6 +152,17 @@ def load_config(name: str) -> VisionConfig:
     return VisionConfig.from_file(CONFIGS / f"{name}.json")
 
 
+def parts_of(keys: Sequence[str], part_images: int) -> list[tuple[int, int]]:
+    """The input ranges ``(start, end)`` of the parts a run cuts ``keys`` (in input order)
+    into at ``--part-images part_images``."""
+    from dsv4enc.images.headers import Planned
+    from dsv4enc.images.items import InputItem
+    from dsv4enc.run.plan import cut_parts
+
+    return [(p.start, p.end)
+            for p in cut_parts([Planned(InputItem(key, key)) for key in keys], part_images)]
+
+
 def all_items(groups: Iterable[Iterable[int]]) -> list[int]:
     """Flatten bins of indices (for packing checks)."""
     return [i for group in groups for i in group]

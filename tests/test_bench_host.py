@@ -70,6 +70,25 @@ def test_host_bench_reports_sane_fields(tmp_path):
     assert (tmp_path / "host.parquet").is_file() and (tmp_path / "host-folder").is_dir()
 
 
+@pytest.mark.parametrize("folder_output", [False, True])
+def test_null_stage_rows_are_the_same_with_the_transform_on_the_device(tmp_path, make_images,
+                                                                        folder_output):
+    """The device placement's host work: the workers ship pixels, the null engine stages them
+    and its patches stand on the meta device; the rows are those of the host placement."""
+    images = tmp_path / "images"
+    make_images(folder=images)
+    (images / "broken.jpg").write_bytes(b"not an image")
+    slash = "/" if folder_output else ""
+    tables = []
+    for transform in ("host", "device"):
+        out = tmp_path / f"{transform}{'' if folder_output else '.parquet'}"
+        summary = run_encode(_options(images, f"{out}{slash}", transform=transform),
+                             stand_in=NullStage(VisionConfig.from_file(TINY)))
+        assert summary.failed == 1 and summary.encoded > 0
+        tables.append(pq.read_table(out).sort_by("path").replace_schema_metadata(None))
+    assert tables[0].equals(tables[1])
+
+
 def test_host_bench_refuses_an_unknown_output_kind(tmp_path):
     with pytest.raises(ValueError, match="file or folder"):
         run_host_bench(TINY, "synthetic:320x240:1", outputs=("disk",), workdir=str(tmp_path))
@@ -91,8 +110,10 @@ def test_cli_bench_host(tmp_path):
     assert result.exit_code == 0, result.output
     assert "img/s" in result.output
     rows = json.loads(report.read_text())
-    assert [row["output"] for row in rows] == ["folder"] and rows[0]["images"] == 3
-    assert np.isfinite(rows[0]["img_s_per_core"])
+    assert [(row["output"], row["transform"]) for row in rows] == [("folder", "host"),
+                                                                   ("folder", "device")]
+    assert all(row["images"] == 3 and np.isfinite(row["img_s_per_core"]) for row in rows)
+    assert "transform on the device" in result.output
 
 
 def test_host_bench_steady_state_subtracts_a_shorter_run(tmp_path):

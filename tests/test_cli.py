@@ -510,6 +510,21 @@ def test_encode_help_groups_its_options_into_panels():
     assert "Time the engine, or with --host the host side alone." in top.output
 
 
+def test_flags_show_no_value_type_and_documented_options_are_shown():
+    """A flag takes no value, so --help shows none for it (Typer would print ``<bool>``, as
+    if ``--version true`` were asked for), in every command's help; --part-images, which the
+    docs name, is shown."""
+    for args in (["--help"], ["encode", "--help"], ["inspect", "--help"], ["bench", "--help"],
+                 ["extract", "--help"]):
+        result = runner.invoke(app, args, env={"COLUMNS": "100"}, terminal_width=100)
+        assert result.exit_code == 0 and "--help" in result.output
+        assert "<bool>" not in result.output and "BOOLEAN" not in result.output, args
+    encode_help = runner.invoke(app, ["encode", "--help"], env={"COLUMNS": "100"},
+                                terminal_width=100).output
+    assert "--part-images" in encode_help and "--exclude" in encode_help
+    assert "--keep-member" in encode_help
+
+
 def test_version_module_and_console_script():
     proc = subprocess.run([sys.executable, "-m", "dsv4enc", "--version"], capture_output=True,
                           text=True, timeout=60)

@@ -136,3 +136,47 @@ def test_pooled_and_nested_outputs(tmp_path, layout):
     assert batch["embedding"].shape == (4, WIDTH)
     for path, vector in zip(batch["path"], batch["embedding"]):
         np.testing.assert_array_equal(vector.numpy(), want[path])
+
+
+#: One torchrun rank: the iterable dataset with no rank given (the process group's), through
+#: 2 DataLoader workers; the paths it saw, in RESULTS/rank{R}.json.
+RANK_SCRIPT = """
+import json, os, sys
+import torch.distributed as dist
+from torch.utils.data import DataLoader
+from dsv4enc.dataset import EmbeddingIterableDataset, collate_embeddings
+dist.init_process_group("gloo")
+data = EmbeddingIterableDataset(sys.argv[1], shuffle=True, seed=5)
+seen = [p for b in DataLoader(data, batch_size=4, num_workers=2, collate_fn=collate_embeddings)
+        for p in b["path"]]
+with open(os.path.join(sys.argv[2], f"rank{dist.get_rank()}.json"), "w") as f:
+    json.dump(seen, f)
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.slow
+def test_under_torchrun_two_ranks_two_workers_see_every_row_once(output, tmp_path):
+    import json
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    from helpers import REPO_ROOT
+
+    script = tmp_path / "rank.py"
+    script.write_text(RANK_SCRIPT)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
+                           "--master-addr=127.0.0.1", f"--master-port={port}", str(script),
+                           str(output), str(tmp_path)], env=env, cwd=tmp_path,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    seen = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert seen[0] and seen[1]
+    counts = Counter(seen[0] + seen[1])
+    assert set(counts) == set(expected(output)) and set(counts.values()) == {1}

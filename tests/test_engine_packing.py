@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from dsv4enc.tower.model import merge_gather, merge_image
 from dsv4enc.engine.packing import aligner_grid, merge_plan, output_grid, pack
-from dsv4enc.run.plan import pack_bins
+from dsv4enc.run.plan import OPEN_BINS, pack_bins, pack_in_order
 
 from helpers import all_items, packed_forward, rel_err
 
@@ -193,3 +193,32 @@ def test_pack_bins_orders_bins_by_first_index_and_handles_empty():
     assert pack_bins([], 10) == []
     bins = pack_bins([3, 9, 2, 8, 1], 10)
     assert [b[0] for b in bins] == sorted(b[0] for b in bins)
+
+
+@given(costs=st.lists(st.integers(1, 3000), max_size=60),
+       capacity=st.integers(1, 8192),
+       max_items=st.one_of(st.none(), st.integers(1, 8)))
+def test_pack_in_order_keeps_each_item_near_its_neighbours(costs, capacity, max_items):
+    """Each item once, within capacity (or alone), bins ordered by their first item, and an
+    item never lands more than OPEN_BINS - 1 bins before the latest bin used before it: the
+    batches finish roughly in input order (a gathered part is committed from its start)."""
+    bins = pack_in_order(costs, capacity, max_items)
+    assert sorted(all_items(bins)) == list(range(len(costs)))
+    assert [b[0] for b in bins] == sorted(b[0] for b in bins)
+    for b in bins:
+        assert b == sorted(b) and (max_items is None or len(b) <= max_items)
+        assert sum(costs[i] for i in b) <= capacity or len(b) == 1
+    bin_of = {i: k for k, b in enumerate(bins) for i in b}
+    latest = -1
+    for i in range(len(costs)):
+        assert bin_of[i] >= latest - (OPEN_BINS - 1)
+        latest = max(latest, bin_of[i])
+
+
+def test_pack_in_order_fills_bins_nearly_as_well():
+    """The realistic mix of ``test_pack_bins_fills_bins_nearly_full``: a few more bins."""
+    rng = random.Random(0)
+    costs = [rng.choice([784, 975, 1610, 2592, 2976]) + rng.randint(-200, 200)
+             for _ in range(300)]
+    lower = math.ceil(sum(costs) / 16384)
+    assert len(pack_in_order(costs, 16384)) <= lower * 1.1 + 1

@@ -21,7 +21,7 @@ from dsv4enc.errors import WeightsError
 from dsv4enc.images.discover import discover, read_path_list
 from dsv4enc.output.read import load_manifest
 
-from helpers import CONFIGS, signal_after_first_part, write_image
+from helpers import CONFIGS, parts_of, signal_after_first_part, write_image
 
 runner = CliRunner()
 
@@ -163,8 +163,10 @@ def test_help_shows_flags_choices_and_usage():
     assert result.exit_code == 0
     text = result.output
     assert re.search(r"Usage: .*encode \[OPTIONS\] \[INPUTS\]\.\.\.", text, re.IGNORECASE)
+    from dsv4enc.tower.config import ATTENTION_BACKENDS
+
     for choices in ("[none|mean]", "[aligner|vit]", "[float16|float32]",
-                    "[auto|float32|bfloat16|float16]", "[auto|flash|varlen|sdpa]",
+                    "[auto|float32|bfloat16|float16]", f"[{'|'.join(ATTENTION_BACKENDS)}]",
                     "[data|weights]", "[patches|flops]"):
         assert choices in text, choices
     assert "--log-every" in text and "--summary-json" in text
@@ -326,10 +328,11 @@ def test_inspect_of_an_interrupted_run_shows_what_was_committed_and_what_is_left
     parts = out.with_name(out.name + ".partial") if kind == "file" else out
     manifest = load_manifest(parts / "_manifest.json")
     done = sum(part["rows"] for part in manifest["parts"].values())
-    assert 4 <= done < 13 and manifest["inputs"] == 13
+    first = parts_of([f"{i:02d}.png" for i in range(13)], 4)[0][1]  # committed at least
+    assert first <= done < 13 and manifest["inputs"] == 13
     wanted = (f"{len(manifest['parts'])} part{'s' if len(manifest['parts']) > 1 else ''}, "
-              f"{done} images done, {13 - done} of 13 left; rerun the same command with "
-              "--resume to finish")
+              f"{done} image{'s' if done > 1 else ''} done, {13 - done} of 13 left; rerun "
+              "the same command with --resume to finish")
     for target in ([out, parts] if kind == "file" else [out]):
         shown = runner.invoke(app, ["inspect", str(target)], terminal_width=250)
         assert shown.exit_code == 0, shown.output

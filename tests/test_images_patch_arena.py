@@ -325,3 +325,35 @@ def test_a_run_with_the_transform_on_the_device_gives_the_same_file(paths, tmp_p
         return pq.read_table(out).replace_schema_metadata(None)
 
     assert encode("device").equals(encode("host"))
+
+
+def test_an_image_whose_device_transform_fails_is_one_error_row(paths, tmp_path, tiny_ckpt,
+                                                               monkeypatch):
+    """The device's memory can run out for one image: that image is an error row, the others
+    are encoded as with the host's transform."""
+    import pyarrow.parquet as pq
+
+    from dsv4enc.engine.engine import Engine
+    from dsv4enc.run.options import EncodeOptions
+    from dsv4enc.run.pipeline import run_encode
+
+    transform = Engine.transform
+
+    def fails_on_one(self, pixels):
+        if pixels.shape[1] == SIZES[2][0]:
+            raise RuntimeError("CUDA out of memory (simulated)")
+        return transform(self, pixels)
+
+    monkeypatch.setattr(Engine, "transform", fails_on_one)
+    tables = {}
+    for placement in ("host", "device"):
+        out = tmp_path / f"{placement}.parquet"
+        run_encode(EncodeOptions(inputs=[str(Path(paths[0]).parent)], out=str(out),
+                                 weights=str(tiny_ckpt), device="cpu", dtype="float32",
+                                 workers=0, progress=False, transform=placement))
+        tables[placement] = pq.read_table(out).to_pylist()
+    failed = [row for row in tables["device"] if row["error"]]
+    assert len(failed) == 1 and "out of memory" in failed[0]["error"]
+    assert failed[0]["path"] == Path(paths[2]).name
+    assert ([row for row in tables["device"] if not row["error"]]
+            == [row for row in tables["host"] if row["path"] != failed[0]["path"]])

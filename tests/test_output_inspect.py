@@ -107,3 +107,20 @@ def test_a_killed_run_shows_its_journal_not_its_stray_files(tmp_path, small_ckpt
     assert len(list(read_embeddings(out))) == done
     text = run("inspect", str(out)).stdout
     assert f"2 parts, {done} images done, {12 - done} of 12 left" in " ".join(text.split())
+
+
+def test_a_folder_without_a_dsv4enc_manifest_reads_its_parquet_files(tmp_path, small_ckpt):
+    """Another tool's ``_manifest.json`` does not hide a folder's files; a dsv4enc manifest
+    lists the committed ones."""
+    folder = tmp_path / "imgs"
+    for i in range(3):
+        write_image(folder / f"{i}.png", (20 + i, 20))
+    out = tmp_path / "out"
+    encode(str(folder), "--out", f"{out}/", "--part-images", "1", weights=small_ckpt)
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    for part in sorted(out.glob("part-*.parquet")):
+        shutil.copy(part, plain / part.name)
+    (plain / "_manifest.json").write_text(json.dumps({"parts": {"x": {"file": "x"}}}))
+    assert [p for p, _, _ in read_embeddings(plain)] == [p for p, _, _ in read_embeddings(out)]
+    assert len(list(read_embeddings(out))) == 3

@@ -40,11 +40,13 @@ from dsv4enc.errors import OutputError, UsageError
 from dsv4enc.output.layout import LOCK_NAME
 from dsv4enc.run.pipeline import EncodeOptions, run_encode
 
-from helpers import CONFIGS, REPO_ROOT, Pauses, table_rows
+from helpers import CONFIGS, REPO_ROOT, Pauses, parts_of, table_rows
 
 CONFIG = str(CONFIGS / "tiny.json")
 PART = 3
 N_IMAGES = 8
+#: The parts the images' keys (img0.png ... img7.png) are cut into
+PARTS = parts_of([f"img{i}.png" for i in range(N_IMAGES)], PART)
 COMMON = ["--config", CONFIG, "--random-init", "--device", "cpu", "--part-images", str(PART),
           "--batch-tokens", "1500", "--workers", "0", "-q"]
 runner = CliRunner()
@@ -192,8 +194,9 @@ def test_overwrite_of_a_folder_output_keeps_what_dsv4enc_did_not_write(data, tmp
     ours = sorted(p.name for p in out.iterdir())
     stamps = [name for name in ours if STAMPS_FILE.fullmatch(name)]  # for --update
     assert len(stamps) == 1
-    assert [name for name in ours if name not in stamps] == [
-        "_manifest.json", "part-000000.parquet", "part-000001.parquet", "part-000002.parquet"]
+    assert [name for name in ours if name not in stamps] == [  # parts cut by the keys
+        "_manifest.json", "part-000000.parquet", "part-000000_000002.parquet",
+        "part-000001_000001.parquet", "part-000002_000001.parquet"]
     # A user's files in the output folder: the run refuses before deleting anything.
     (out / "README.txt").write_text("mine")
     (out / "extra.parquet").write_bytes(b"mine too")
@@ -408,7 +411,8 @@ def test_resume_encodes_a_changed_input_again(data, tmp_path, caplog):
     os.utime(changed, ns=(time.time_ns(), time.time_ns() + 10**9))
     with caplog.at_level(logging.WARNING, logger="dsv4enc"):
         summary = run_encode(options([data], f"{out}/", resume=True))
-    assert summary.reused == N_IMAGES - PART and summary.encoded == PART
+    (start, end), = [(start, end) for start, end in PARTS if start <= 4 < end]
+    assert summary.reused == N_IMAGES - (end - start) and summary.encoded == end - start
     assert "1 finished part is encoded again" in caplog.text
     clean = tmp_path / "clean.parquet"
     run_encode(options([data], clean))
@@ -416,11 +420,12 @@ def test_resume_encodes_a_changed_input_again(data, tmp_path, caplog):
 
 
 def test_resume_retries_a_broken_download_replaced_by_a_good_file(data, tmp_path):
-    (data / "img2.png").write_bytes(b"\x89PNG\r\n\x1a\n truncated download")
+    assert PARTS[0][1] >= 2  # img1 is in the first part
+    (data / "img1.png").write_bytes(b"\x89PNG\r\n\x1a\n truncated download")
     out = tmp_path / "e.parquet"
     with pytest.raises(OutputError, match="no space"):
-        _fail_after_parts(data, out, 1)  # part 0 is kept, with img2's error row
-    noise_png(data / "img2.png", 2)  # the download is repaired
+        _fail_after_parts(data, out, 1)  # part 0 is kept, with img1's error row
+    noise_png(data / "img1.png", 1)  # the download is repaired
     summary = run_encode(options([data], out, resume=True))
     assert summary.reused == 0 and summary.failed == 0
     clean = tmp_path / "clean.parquet"
@@ -452,7 +457,7 @@ def test_resume_reuses_unchanged_parts_of_an_interrupted_single_file_run(data, t
     noise_png(data / "img1.png", 77)  # in part 0
     os.utime(data / "img1.png", ns=(time.time_ns(), time.time_ns() + 10**9))
     summary = run_encode(options([data], out, resume=True))
-    assert summary.reused == PART  # part 1 only
+    assert summary.reused == PARTS[1][1] - PARTS[1][0]  # part 1 only
     clean = tmp_path / "clean.parquet"
     run_encode(options([data], clean))
     assert rows(out) == rows(clean)
@@ -462,8 +467,10 @@ def test_resume_with_another_max_pixels_is_refused(data, tmp_path):
     out = tmp_path / "out"
     finish_folder(data, out, max_pixels=100)  # every image is refused: error rows
     before = snapshot(out)
-    with pytest.raises(UsageError, match="cannot resume: the interrupted run used --max-pixels 100.*rerun with --max-pixels 100"):
+    with pytest.raises(UsageError, match="cannot resume: the interrupted run used --max-pixels 100.*rerun with --max-pixels 100") as refused:
         run_encode(options([data], f"{out}/", resume=True))
+    # --overwrite beside --resume would be refused: the advice says to put it in its place
+    assert "(or --overwrite in place of --resume to start over)" in str(refused.value)
     assert snapshot(out) == before
     summary = run_encode(options([data], f"{out}/", resume=True, max_pixels=100))
     assert summary.reused == N_IMAGES
@@ -475,7 +482,7 @@ def test_resume_encodes_again_a_part_with_a_timed_out_row(data, tmp_path):
     finish_folder(data, out)
     manifest = out / "_manifest.json"
     doc = json.loads(manifest.read_text())
-    part = doc["parts"]["part-000001"]
+    part = next(p for p in doc["parts"].values() if p["start"] == PARTS[1][0])  # the second
     table = pq.read_table(out / part["file"])
     errors = table.column("error").to_pylist()
     errors[0] = "decode timed out after 120s"
@@ -486,7 +493,7 @@ def test_resume_encodes_again_a_part_with_a_timed_out_row(data, tmp_path):
     part["transient"] = 1
     manifest.write_text(json.dumps(doc))
     summary = run_encode(options([data], f"{out}/", resume=True))
-    assert summary.reused == N_IMAGES - PART
+    assert summary.reused == N_IMAGES - (PARTS[1][1] - PARTS[1][0])
     assert all(r["error"] is None for r in pq.read_table(out).to_pylist())
 
 

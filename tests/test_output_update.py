@@ -21,7 +21,7 @@ from typer.testing import CliRunner
 from dsv4enc.cli import app
 from dsv4enc.errors import UsageError
 from dsv4enc.output.read import load_manifest, output_files
-from dsv4enc.output.update import STAGING_NAME, STAMPS_FILE, STAMPS_KEY
+from dsv4enc.output.update import STAMPS_FILE, STAMPS_KEY
 from dsv4enc.run.pipeline import EncodeOptions, run_encode
 
 from helpers import CONFIGS, REPO_ROOT, Pauses, torch_threads
@@ -103,7 +103,7 @@ def test_update_equals_a_clean_run_and_encodes_only_new_and_changed(kind, tmp_pa
     result = runner.invoke(app, ["encode", str(images), "--out", given, "--config", CONFIG,
                                  "--random-init", "--device", "cpu", "--workers", "0",
                                  "--part-images", str(PART), "--batch-tokens", "1500",
-                                 "--update", "--summary-json", str(report)])
+                                 "--update", "--prune", "--summary-json", str(report)])
     assert result.exit_code == 0, result.output
     counts = json.loads(report.read_text())["images"]
     assert (counts["encoded"], counts["reused"], counts["dropped"]) == (4, 8, 1)
@@ -116,11 +116,11 @@ def test_update_equals_a_clean_run_and_encodes_only_new_and_changed(kind, tmp_pa
         assert {n for n in names if n.endswith(".parquet")} == listed, names
         assert all(".g1." in n or n in first_files for n in listed), names
         assert len([n for n in names if STAMPS_FILE.fullmatch(n)]) == 1
-        assert STAGING_NAME not in names
+        assert sorted(os.listdir(tmp_path)) == ["emb", "in", "summary.json"]  # no staging
     else:
         assert not out.with_name("e.parquet.partial").exists()
     # Nothing changed since: everything is kept, nothing encoded, and still a clean run's rows.
-    again = run_encode(options(images, given, update=True))
+    again = run_encode(options(images, given, update=True))  # nothing dropped: no --prune
     assert (again.encoded, again.reused, again.dropped) == (0, N_OLD + 2, 0)
     assert_clean(out, clean[1])
 
@@ -133,17 +133,21 @@ def test_a_folder_update_keeps_its_unchanged_parts_as_they_are(tmp_path):
     out = tmp_path / "emb"
     run_encode(options(images, f"{out}/"))
     before = {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in out.glob("*.parquet")}
-    noise(images / "img004.png", 104, (20, 14))  # changed, in the second part (3-5)
+    # the keys cut parts 0-1, 2-3, 4-5, 6-8 and 9 (tests/test_run_parts.py pins the rule)
+    assert sorted(before) == ["part-000000.parquet", "part-000000_000002.parquet",
+                              "part-000001_000001.parquet", "part-000002.parquet",
+                              "part-000003.parquet"]
+    noise(images / "img004.png", 104, (20, 14))  # changed, in the third part (4-5)
     for i in range(N_OLD, N_OLD + 2):  # new, sorting after every old image
         noise(images / f"img{i:03d}.png", 200 + i)
     summary = run_encode(options(images, f"{out}/", update=True))
     assert (summary.encoded, summary.reused, summary.dropped) == (3, N_OLD - 1, 0)
     after = {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in out.glob("*.parquet")}
     kept = [name for name in after if name in before]
-    # whole parts of the old run's and this one's cut (the last one's rows, 9-10 of 9-12,
-    # are kept too where a segment ends after them)
-    assert {"part-000000.parquet", "part-000002.parquet"} <= set(kept)
-    assert "part-000001.parquet" not in kept  # it holds the changed image
+    # whole parts of the old run's and this one's cut (the last one, 9, is now cut 9-10)
+    assert sorted(kept) == ["part-000000.parquet", "part-000000_000002.parquet",
+                            "part-000002.parquet"]
+    assert "part-000001_000001.parquet" not in kept  # it holds the changed image
     assert all(after[name] == before[name] for name in kept)  # not even rewritten
     assert all(".g1." in name for name in after if name not in kept)
     clean_out = tmp_path / "clean.parquet"
@@ -163,7 +167,7 @@ def test_a_single_file_update_copies_its_unchanged_parts_by_bytes(tmp_path, monk
     images = old_images(tmp_path / "in")
     out = tmp_path / "e.parquet"
     run_encode(options(images, out))
-    noise(images / "img004.png", 104, (20, 14))  # changed, in the second part (3-5)
+    noise(images / "img004.png", 104, (20, 14))  # changed, in the third part (4-5)
     for i in range(N_OLD, N_OLD + 2):  # new, sorting after every old image
         noise(images / f"img{i:03d}.png", 200 + i)
     carried = []
@@ -172,8 +176,8 @@ def test_a_single_file_update_copies_its_unchanged_parts_by_bytes(tmp_path, monk
                         lambda self, index, key: carried.append(index) or row(self, index, key))
     summary = run_encode(options(images, out, update=True))
     assert (summary.encoded, summary.reused, summary.dropped) == (3, N_OLD - 1, 0)
-    # the changed part's other rows, and the last old one, in a part with the new ones
-    assert sorted(carried) == [3, 5, 9]
+    # the changed part's other row, and the last old one, now in a part with a new one
+    assert sorted(carried) == [5, 9]
     clean_out = tmp_path / "clean.parquet"
     run_encode(options(images, clean_out))
     assert_clean(out, table_of(clean_out))
@@ -198,7 +202,7 @@ def test_an_interrupted_single_file_update_keeps_the_parts_it_copied(tmp_path, m
     images = old_images(tmp_path / "in")
     out = tmp_path / "e.parquet"
     run_encode(options(images, out))
-    noise(images / "img004.png", 104, (20, 14))  # changed, in the second part (3-5)
+    noise(images / "img004.png", 104, (20, 14))  # changed, in the third part (4-5)
 
     def full(*args, **kwargs):
         raise OutputError("no space left on device")
@@ -208,7 +212,7 @@ def test_an_interrupted_single_file_update_keeps_the_parts_it_copied(tmp_path, m
         with pytest.raises(OutputError):
             run_encode(options(images, out, update=True))
     journal = load_manifest(out.with_name("e.parquet.partial") / "_manifest.json")["parts"]
-    assert sorted(part["start"] for part in journal.values()) == [0, 6, 9]
+    assert sorted(part["start"] for part in journal.values()) == [0, 2, 6, 9]
     carried, copied = [], []
     row, copy = update_module.CarriedRows.row, AppendingStore.copy_groups
     monkeypatch.setattr(update_module.CarriedRows, "row",
@@ -216,7 +220,7 @@ def test_an_interrupted_single_file_update_keeps_the_parts_it_copied(tmp_path, m
     monkeypatch.setattr(AppendingStore, "copy_groups",
                         lambda self, name, *rest: copied.append(name) or copy(self, name, *rest))
     summary = run_encode(options(images, out, update=True))
-    assert (summary.encoded, summary.reused, sorted(carried), copied) == (1, N_OLD - 1, [3, 5], [])
+    assert (summary.encoded, summary.reused, sorted(carried), copied) == (1, N_OLD - 1, [5], [])
     clean_out = tmp_path / "clean.parquet"
     run_encode(options(images, clean_out))
     assert pq.read_table(out).equals(pq.read_table(clean_out))
@@ -229,7 +233,7 @@ def test_update_of_a_bucket_output(s3, tmp_path, clean):
     grow_change_shrink(images)
     local = tmp_path / "got"
     for out, prefix in ((f"{s3.url}/up/e.parquet", "up/"), (f"{s3.url}/upf/", "upf/")):
-        summary = run_encode(options(images, out, update=True))
+        summary = run_encode(options(images, out, update=True, prune=True))
         assert (summary.encoded, summary.reused, summary.dropped) == (4, 8, 1)
         keys = s3.keys(prefix)
         mirror = local / prefix
@@ -261,7 +265,7 @@ def test_an_update_killed_midway_keeps_the_old_output_and_finishes_with_update(k
     proc = subprocess.Popen(
         [sys.executable, "-m", "dsv4enc", "encode", str(images), "--out", given,
          "--config", CONFIG, "--random-init", "--device", "cpu", "--workers", "0",
-         "--part-images", str(PART), "--batch-tokens", "1500", "--update", "-q"],
+         "--part-images", str(PART), "--batch-tokens", "1500", "--update", "--prune", "-q"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True)
     try:
         pauses.wait("commit", proc=proc)  # one part of the update committed, then the kill
@@ -273,7 +277,7 @@ def test_an_update_killed_midway_keeps_the_old_output_and_finishes_with_update(k
             proc.wait()
     assert proc.returncode == -signal.SIGKILL
     assert table_of(out) == before  # the old output is whole, untouched
-    summary = run_encode(options(images, given, update=True))
+    summary = run_encode(options(images, given, update=True, prune=True))
     assert summary.reused >= PART and summary.encoded < 4 + PART
     assert summary.encoded + summary.reused == N_OLD + 2 and summary.dropped == 1
     assert_clean(out, clean[1])
@@ -313,6 +317,7 @@ def test_update_with_other_settings_is_refused_in_one_line(finished, change, nam
         change = ["--dtype", "bfloat16" if made == "float32" else "float32"]
     line = one_line_error(cli(images, out, "--update", *change), 2)
     assert "cannot update" in line and named in line
+    assert "--overwrite in place of --update" in line  # beside --update it is refused
     assert out.stat().st_mtime_ns == stamp and not out.with_name("e.parquet.partial").exists()
 
 
@@ -411,3 +416,269 @@ def test_update_of_tables_with_kept_columns_equals_a_clean_run(tmp_path):
     assert [r["caption"] for r in table_of(out)] == [f"c{s}-{i}" for s in (1, 2) for i in range(3)]
     with pytest.raises(UsageError, match="--keep-column"):  # other kept columns: other rows
         run_encode(options(tmp_path, out, inputs=both, update=True, key_column="id"))
+
+
+# --------------------------------------------------------------- what an update may drop
+
+def copy_of(out: Path, folder: Path) -> Path:
+    import shutil
+
+    folder.mkdir(parents=True, exist_ok=True)
+    return Path(shutil.copy2(out, folder / out.name))
+
+
+def test_an_update_given_part_of_the_inputs_is_refused_in_one_line(finished, tmp_path):
+    """One image given where the output holds a folder's ten: every row would go. Refused in
+    one line naming the counts and --prune, nothing written; --dry-run says the three counts;
+    with --prune it is done."""
+    images, shared = finished
+    out = copy_of(shared, tmp_path)
+    stamp = out.stat().st_mtime_ns
+    one = str(images / "img003.png")
+    line = one_line_error(cli(one, out, "--update"), 2)
+    assert "would drop 10 of the 10 rows" in line and "--prune" in line, line
+    assert "img000.png" in line  # the first paths it would drop
+    assert out.stat().st_mtime_ns == stamp and sorted(os.listdir(tmp_path)) == ["e.parquet"]
+    result = cli(one, out, "--update", "--dry-run")
+    assert result.exit_code == 0, result.output
+    assert "1 to encode, 0 reused, 10 dropped (img000.png, img001.png, img002.png and 7 more)" \
+        "; nothing was written (the update needs --prune to drop them)" in result.output
+    assert out.stat().st_mtime_ns == stamp and sorted(os.listdir(tmp_path)) == ["e.parquet"]
+    result = cli(one, out, "--update", "--prune")
+    assert result.exit_code == 0, result.output
+    assert [r["path"] for r in table_of(out)] == [one]
+
+
+def test_an_update_that_drops_a_share_above_the_limit_needs_prune(tmp_path):
+    """A folder given whole with one image of ten gone drops 10% of the rows: refused without
+    --prune (the summary then names the dropped path); none gone: no --prune needed."""
+    images = old_images(tmp_path / "in")
+    out = tmp_path / "e.parquet"
+    run_encode(options(images, out))
+    (images / "img005.png").unlink()
+    with pytest.raises(UsageError, match="would drop 1 of the 10 rows .*more than 1%"):
+        run_encode(options(images, out, update=True))
+    result = runner.invoke(app, ["encode", str(images), "--out", str(out), "--config", CONFIG,
+                                 "--random-init", "--device", "cpu", "--workers", "0",
+                                 "--part-images", str(PART), "--update", "--prune"])
+    assert result.exit_code == 0, result.output
+    assert "1 (img005.png)" in result.output  # the summary's dropped line
+    assert len(table_of(out)) == N_OLD - 1
+
+
+def test_dry_run_of_a_new_output_writes_nothing(finished, tmp_path):
+    images, _ = finished
+    for out in (tmp_path / "new.parquet", tmp_path / "folder"):
+        result = cli(images, out, "--dry-run", *(["--update"] if out.suffix else []))
+        assert result.exit_code == 0, result.output
+        assert f"dry run for {out}: 10 to encode, 0 reused, 0 dropped; nothing was written" \
+            in result.output.replace("\n", "")
+    assert os.listdir(tmp_path) == []
+    line = one_line_error(cli(images, tmp_path / "x.parquet", "--dry-run", "--overwrite"), 2)
+    assert "--dry-run" in line
+
+
+# --------------------------------------------------------------- error rows: retried or reused
+
+def test_transient_and_permanent_errors_are_told_apart():
+    from dsv4enc.images.decode import is_transient
+
+    for error in ("FileNotFoundError: [Errno 2] No such file or directory: '/x/a.png'",
+                  "FileNotFoundError: s3://b/a.png: no such object",
+                  "OSError: [Errno 5] Input/output error", "TimeoutError: read timed out",
+                  "PermissionError: [Errno 13] Permission denied: 'a.png'",
+                  "decode timed out after 30 s", "storage unavailable: s3://b: refused"):
+        assert is_transient(error), error
+    for error in (None, "UnidentifiedImageError: cannot identify image file 'a.png'",
+                  "OSError: image file is truncated (3 bytes not processed)",
+                  "ValueError: image has 9x9 = 81 pixels, more than --max-pixels 10",
+                  "SyntaxError: broken PNG file"):
+        assert not is_transient(error), error
+
+
+def test_update_encodes_a_row_whose_file_was_missing_once_it_is_back(tmp_path, monkeypatch):
+    """An image moved away between its header probe and its decode is a FileNotFoundError
+    row; once it is back (the same file: same stamp), --update encodes it, and the output
+    equals a clean run. A corrupt image's row is carried as it was: reused, not failed again,
+    unless --retry-errors asks."""
+    from dsv4enc.images import decode
+
+    images = old_images(tmp_path / "in")
+    (images / "img006.png").write_bytes(b"\x89PNG\r\n\x1a\n not a png")  # corrupt: permanent
+    away = tmp_path / "away.png"
+    real = decode.decode_image
+
+    def vanishing(source, *args, **kwargs):
+        if str(getattr(source, "path", source)).endswith("img004.png"):
+            os.rename(images / "img004.png", away)
+        return real(source, *args, **kwargs)
+
+    out = tmp_path / "e.parquet"
+    with monkeypatch.context() as patch:
+        patch.setattr(decode, "decode_image", vanishing)
+        first = run_encode(options(images, out))
+    errors = {r["path"]: r["error"] for r in table_of(out) if r["error"]}
+    assert sorted(errors) == ["img004.png", "img006.png"], errors
+    assert errors["img004.png"].startswith("FileNotFoundError") and first.failed == 2
+    os.rename(away, images / "img004.png")  # back, unchanged
+    summary = run_encode(options(images, out, update=True))
+    assert (summary.encoded, summary.failed, summary.reused, summary.reused_failed) == (
+        1, 0, N_OLD - 1, 1)
+    clean = tmp_path / "clean.parquet"
+    run_encode(options(images, clean))
+    assert table_of(out) == table_of(clean)
+    retried = run_encode(options(images, out, update=True, retry_errors=True))
+    assert (retried.encoded, retried.failed, retried.reused) == (0, 1, N_OLD - 1)
+    assert table_of(out) == table_of(clean)
+
+
+# --------------------------------------------------------------- a damaged output
+
+def test_update_of_a_folder_with_a_part_deleted_and_one_cut_short_repairs_it(tmp_path, caplog):
+    images = old_images(tmp_path / "in")
+    out = tmp_path / "emb"
+    run_encode(options(images, f"{out}/"))
+    parts = sorted(load_manifest(out / "_manifest.json")["parts"].values(),
+                   key=lambda part: part["start"])
+    assert len(parts) >= 3
+    gone, cut = out / parts[1]["file"], out / parts[2]["file"]
+    gone.unlink()
+    cut.write_bytes(cut.read_bytes()[: cut.stat().st_size // 2])
+    damaged_rows = parts[1]["rows"] + parts[2]["rows"]
+    result = runner.invoke(app, ["encode", str(images), "--out", f"{out}/", "--config", CONFIG,
+                                 "--random-init", "--device", "cpu", "--workers", "0",
+                                 "--part-images", str(PART), "--update"])
+    assert result.exit_code == 0, result.output
+    assert gone.name in caplog.text and f"encodes their {damaged_rows} rows again" in caplog.text
+    clean = tmp_path / "clean.parquet"
+    run_encode(options(images, clean))
+    assert_clean(out, table_of(clean))
+    assert not cut.exists()  # the damaged part's file went with the old generation
+
+
+def test_update_of_a_damaged_output_it_cannot_repair_is_refused_in_one_line(finished, tmp_path):
+    images, shared = finished
+    cut = copy_of(shared, tmp_path / "file")
+    cut.write_bytes(cut.read_bytes()[: cut.stat().st_size // 2])
+    line = one_line_error(cli(images, cut, "--update"), 1)  # no footer: not provably ours
+    assert str(cut) in line and "not a dsv4enc output" in line
+    folder = tmp_path / "emb"
+    run_encode(options(images, f"{folder}/"))
+    next(folder.glob("_stamps-*.bin")).unlink()
+    line = one_line_error(cli(images, f"{folder}/", "--update"), 2)
+    assert "does not record its input files" in line
+
+
+# --------------------------------------------------------------- what readers see meanwhile
+
+def keys_by_reader(out: Path) -> dict[str, list[str]]:
+    """The keys of the rows each documented reader of a folder output sees (those installed)."""
+    import contextlib
+
+    import pyarrow.dataset as ds
+
+    from dsv4enc.output.read import read_embeddings
+
+    seen = {"read_embeddings": [row["path"] for row in read_embeddings(out, ["path"],
+                                                                       errors="include")],
+            "pyarrow.dataset": ds.dataset(out, format="parquet").to_table(
+                columns=["path"]).column("path").to_pylist()}
+    with contextlib.suppress(ImportError):
+        import duckdb
+
+        seen["duckdb"] = [key for (key,) in duckdb.sql(
+            f"SELECT path FROM read_parquet('{out}/*.parquet')").fetchall()]
+    with contextlib.suppress(ImportError):
+        import polars as pl
+
+        seen["polars"] = pl.read_parquet(f"{out}/*.parquet", columns=["path"])["path"].to_list()
+    return {reader: sorted(keys) for reader, keys in seen.items()}
+
+
+def assert_readers_see(out: Path, expected: dict[str, list[str]]) -> None:
+    """Every reader sees the ``expected`` keys, and ``dsv4enc inspect`` as many finished rows."""
+    from dsv4enc.output.inspect import summarize
+
+    assert keys_by_reader(out) == expected
+    shown = summarize(out)
+    assert (shown.rows, shown.interrupted) == (len(expected["read_embeddings"]), False)
+
+
+@pytest.mark.parametrize("point", ["encoded", "commit", "switch", "switched"])
+def test_an_update_stopped_anywhere_shows_readers_the_old_rows_or_the_new(point, tmp_path,
+                                                                          clean):
+    """Paused at each of its pause points, then SIGKILLed there: every reader of the folder
+    sees exactly the old output's rows, or exactly the new ones (never both, never a mix);
+    the rerun finishes the update."""
+    images = old_images(tmp_path / "in")
+    out = tmp_path / "emb"
+    run_encode(options(images, f"{out}/"))
+    old = keys_by_reader(out)
+    assert old["pyarrow.dataset"] == sorted(f"img{i:03d}.png" for i in range(N_OLD))
+    grow_change_shrink(images)
+    new = sorted(row["path"] for row in clean[1])
+    pauses = Pauses(tmp_path / "pauses", point)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT), **pauses.env()}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dsv4enc", "encode", str(images), "--out", f"{out}/",
+         "--config", CONFIG, "--random-init", "--device", "cpu", "--workers", "0",
+         "--part-images", str(PART), "--batch-tokens", "1500", "--update", "--prune", "-q"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True)
+    expected = {reader: new for reader in old} if point == "switched" else old
+    try:
+        pauses.wait(point, proc=proc)
+        assert_readers_see(out, expected)
+        proc.kill()
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert_readers_see(out, expected)
+    run_encode(options(images, f"{out}/", update=True, prune=True))
+    assert_readers_see(out, {reader: new for reader in old})
+    assert_clean(out, clean[1])
+    assert sorted(os.listdir(tmp_path)) == ["emb", "in", "pauses"]  # nothing left beside it
+
+
+def test_a_switch_in_two_renames_where_there_is_no_exchange(tmp_path, monkeypatch, clean):
+    """Without an atomic exchange the old output is moved aside, then the new one in; a stop
+    between the two leaves the old one aside, which the next update puts back first. A
+    hidden file of the user's in the output stays in it."""
+    from dsv4enc.output import update as update_module
+
+    images = old_images(tmp_path / "in")
+    out = tmp_path / "emb"
+    run_encode(options(images, f"{out}/"))
+    (out / ".notes").write_text("mine")
+    grow_change_shrink(images)
+    monkeypatch.setattr(update_module, "exchange", lambda a, b: False)
+    os.rename(out, update_module.old_folder(out))  # as a stop between the two renames leaves it
+    summary = run_encode(options(images, f"{out}/", update=True, prune=True))
+    assert (summary.encoded, summary.reused, summary.dropped) == (4, 8, 1)
+    assert_clean(out, clean[1])
+    assert (out / ".notes").read_text() == "mine"
+    assert sorted(os.listdir(tmp_path)) == ["emb", "in"]
+
+
+def test_the_share_an_update_may_drop_and_inputs_given_one_by_one(finished, tmp_path):
+    """1 row of 1,000 may go when a folder is given; none when files are given one by one
+    (image files, or a --files-from list)."""
+    from dsv4enc.output.update import OldOutput, Update
+    from dsv4enc.run.options import PRUNE_SHARE
+    from dsv4enc.run.pipeline import given_one_by_one
+
+    update = Update(OldOutput(tmp_path / "e.parquet", [], {}, None, False))
+    update.dropped, update.rows_before, update.dropped_paths = 1, 1000, ["a.png"]
+    update.check_drop(PRUNE_SHARE, one_by_one=False)
+    with pytest.raises(UsageError, match="drop 1 of the 1,000 rows .*among the files given"):
+        update.check_drop(PRUNE_SHARE, one_by_one=True)
+    update.dropped = 11
+    with pytest.raises(UsageError, match="more than 1%"):
+        update.check_drop(PRUNE_SHARE, one_by_one=False)
+    images, _ = finished
+    one = str(images / "img001.png")
+    assert given_one_by_one(options(images, "o", inputs=[one, str(images / "img002.png")]))
+    assert given_one_by_one(options(images, "o", inputs=[], files_from=one))
+    assert not given_one_by_one(options(images, "o"))  # the folder
+    assert not given_one_by_one(options(images, "o", inputs=[str(images), one]))

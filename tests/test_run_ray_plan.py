@@ -52,10 +52,10 @@ def test_impossible_requests_are_usage_errors():
 
 
 def test_a_call_is_a_parts_segments_cut_only_to_keep_every_actor_busy(tmp_path):
-    """``part_calls``: the consecutive segments of one --part-images range are one call
-    (one part file, named after its first segment, with the range's digest, as the local
-    run's writer joins them); fewer ranges than the calls wanted are cut at segment bounds;
-    a segment already committed (--resume) splits its range."""
+    """``part_calls``: the consecutive segments of one part are one call (one part file,
+    named after its first segment, with the part's digest, as the local run's writer joins
+    them); fewer parts than the calls wanted are cut at segment bounds; a segment already
+    committed (--resume) splits its part."""
     from dsv4enc.images.headers import Planned, inputs_digest
     from dsv4enc.images.items import InputItem
     from dsv4enc.run.plan import cut_parts, plan_segments
@@ -67,22 +67,25 @@ def test_a_call_is_a_parts_segments_cut_only_to_keep_every_actor_busy(tmp_path):
         bad = i == 5  # its header could not be read: no patches
         planned.append(Planned(InputItem(f"{i}.png", str(tmp_path / f"{i}.png")), 8, 8,
                                0 if bad else 2, 0 if bad else 2, error="broken" if bad else None))
-    segments = [segment for part in cut_parts(planned, 4)  # about two images a segment
+    parts = list(cut_parts(planned, 4))
+    assert [(p.start, p.end) for p in parts] == [(0, 1), (1, 4), (4, 8), (8, 10)]  # by keys
+    segments = [segment for part in parts  # about two images a segment
                 for segment in plan_segments(planned, part, segment_tokens=8)]
-    assert [s.start for s in segments][:2] == [0, 2] and len(segments) > 3
+    assert [(s.start, s.end) for s in segments][1:3] == [(1, 3), (3, 4)]
 
-    calls = part_calls(planned, segments, 4, 8, None, wanted=1)
+    calls = part_calls(planned, segments, 8, None, wanted=1)
     assert [(c.name, c.start, c.end) for c in calls] == [
-        ("part-000000", 0, 4), ("part-000001", 4, 8), ("part-000002", 8, 10)]
-    assert calls[1].digest == inputs_digest(planned[4:8])
-    assert list(calls[1].planned) == [4, 5, 6, 7]  # every input, in input order
-    assert calls[1].planned[5].error == "broken"  # a header's error travels with its entry
-    assert sorted(i for b in calls[1].batches for i in b) == [4, 6, 7]  # readable ones only
+        ("part-000000", 0, 1), ("part-000000_000001", 1, 4), ("part-000001", 4, 8),
+        ("part-000002", 8, 10)]
+    assert calls[2].digest == inputs_digest(planned[4:8])
+    assert list(calls[2].planned) == [4, 5, 6, 7]  # every input, in input order
+    assert calls[2].planned[5].error == "broken"  # a header's error travels with its entry
+    assert sorted(i for b in calls[2].batches for i in b) == [4, 6, 7]  # readable ones only
 
-    cut = part_calls(planned, segments, 4, 8, None, wanted=6)
+    cut = part_calls(planned, segments, 8, None, wanted=len(segments))
     assert [(c.start, c.end) for c in cut] == [(s.start, s.end) for s in segments]
     assert [c.digest for c in cut] == [s.digest for s in segments]
 
-    resumed = part_calls(planned, segments[1:], 4, 8, None, wanted=1)
+    resumed = part_calls(planned, segments[2:], 8, None, wanted=1)
     assert [(c.name, c.start, c.end) for c in resumed][:2] == [
-        ("part-000000_000002", 2, 4), ("part-000001", 4, 8)]
+        ("part-000000_000003", 3, 4), ("part-000001", 4, 8)]

@@ -32,12 +32,14 @@ from dsv4enc.errors import OutputError
 from dsv4enc.run.pipeline import EncodeOptions, run_encode
 from dsv4enc.output.read import load_manifest
 
-from helpers import REPO_ROOT
+from helpers import REPO_ROOT, parts_of
 
 runner = CliRunner()
 IS_ROOT = hasattr(os, "geteuid") and os.geteuid() == 0
 N_IMAGES = 12
 PART = 3
+#: The parts the images' keys are cut into
+PARTS = parts_of([f"im{i:02d}.png" for i in range(N_IMAGES)], PART)
 
 
 # --------------------------------------------------------------------------- fixtures
@@ -287,14 +289,15 @@ def test_disk_full_writing_a_part_keeps_committed_parts_then_resume(
     parts = manifest_parts(partial)
     assert list(parts) == ["part-000000"]
     if single_file == "joined":
-        assert pq.read_table(partial / parts["part-000000"]["file"]).to_pylist() == clean[:PART]
+        first = pq.read_table(partial / parts["part-000000"]["file"]).to_pylist()
+        assert first == clean[:PARTS[0][1]]
         assert sorted(p.name for p in partial.iterdir()) == [
             "_manifest.journal", "_manifest.json", "part-000000.parquet"]
     else:
         assert sorted(p.name for p in partial.iterdir()) == sorted(
             ["_manifest.journal", "_manifest.json", appending.GROWING_NAME])
     assert not out.exists()
-    resume_and_compare(images, out, ckpts["good"], clean, reused=PART)
+    resume_and_compare(images, out, ckpts["good"], clean, reused=PARTS[0][1])
 
 
 def test_disk_full_recording_a_part_then_resume(tmp_path, images, ckpts, clean, monkeypatch,
@@ -318,10 +321,10 @@ def test_disk_full_recording_a_part_then_resume(tmp_path, images, ckpts, clean, 
     partial = out.with_name("e.parquet.partial")
     assert list(manifest_parts(partial)) == ["part-000000"]
     if single_file == "joined":
-        assert (partial / "part-000001.parquet").is_file()  # on disk, but not recorded
+        assert (partial / "part-000001_000001.parquet").is_file()  # on disk, but not recorded
     else:  # its bytes follow the recorded range, unrecorded
         assert (partial / appending.GROWING_NAME).stat().st_size > recorded_end(partial)
-    resume_and_compare(images, out, ckpts["good"], clean, reused=PART)
+    resume_and_compare(images, out, ckpts["good"], clean, reused=PARTS[0][1])
 
 
 def test_disk_full_writing_the_final_file_then_resume(tmp_path, images, ckpts, clean,
@@ -345,5 +348,5 @@ def test_disk_full_writing_the_final_file_then_resume(tmp_path, images, ckpts, c
     monkeypatch.undo()
     assert not out.exists() and not out.with_name(".e.parquet.tmp").exists()
     partial = out.with_name("e.parquet.partial")
-    assert len(manifest_parts(partial)) == -(-N_IMAGES // PART)
+    assert len(manifest_parts(partial)) == len(PARTS)
     resume_and_compare(images, out, ckpts["good"], clean, reused=N_IMAGES)

@@ -32,7 +32,7 @@ from dsv4enc.run.pipeline import EncodeOptions, run_encode
 from dsv4enc.run.plan import assign_greedy, flops_cost
 from dsv4enc.tower.transform import plan_canvas
 
-from helpers import CONFIGS, Pauses, table_rows, write_image
+from helpers import CONFIGS, Pauses, parts_of, table_rows, write_image
 
 pytestmark = pytest.mark.slow
 
@@ -208,9 +208,10 @@ def expected_loads(want: list[dict], cfg: VisionConfig, balance: str = "patches"
         canvas = plan_canvas(r["width"], r["height"], cfg) if r["width"] else None
         grids.append((canvas.n_h, canvas.n_w) if canvas else (0, 0))
     loads = [0.0, 0.0]
-    step = part_images or len(grids)
-    for start in range(0, len(grids), step):
-        chunk = grids[start:start + step]
+    parts = (parts_of([r["path"] for r in want], part_images) if part_images
+             else [(0, len(grids))])
+    for start, end in parts:  # the parts the keys cut
+        chunk = grids[start:end]
         costs = [flops_cost(h, w, cfg) if balance == "flops" and h else float(h * w)
                  for h, w in chunk]
         for rank, share in enumerate(assign_greedy(costs, 2)):
@@ -455,6 +456,35 @@ def test_killed_rank_leaves_committed_pieces_that_resume_reuses(work, folders, c
     reused = re.search(r"reused from earlier run\s*\S\s*([\d,]+)", resumed.stderr)
     assert reused and int(reused.group(1).replace(",", "")) == kept, resumed.stderr[-3000:]
     assert_same_rows(rows_of(out), want)
+
+
+def test_sigterm_ends_ranks_whose_stop_is_held_up(work, folders, ckpt, reference):
+    """SIGTERM to torchrun while rank 0's writer is held at a commit pause point that is never
+    released (as a hung commit would hold the stop): the ranks still end, after the grace
+    (``stopping.FORCE_EXIT_S``), rank 0 in one line that says so; --resume then finishes."""
+    out = work / "held.parquet"
+    pauses = Pauses(work / "held_pauses", "commit")
+    args = [str(folders["imgs"]), "--out", str(out), "--weights", str(ckpt), *FAST,
+            "--batch-tokens", "400", "--commit-every", "0.001"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
+           "--master-addr=127.0.0.1", f"--master-port={free_port()}", "-m", "dsv4enc",
+           "encode", *args]
+    proc = subprocess.Popen(cmd, cwd=work, env=pauses.env(_env()), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        pauses.wait("commit", proc=proc, hang_guard_s=LAUNCH_TIMEOUT_S)
+        proc.send_signal(signal.SIGTERM)  # the launcher passes it to both ranks
+        _, stderr = proc.communicate(timeout=LAUNCH_TIMEOUT_S)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode != 0, stderr[-3000:]
+    assert re.search(r"error: interrupted by SIGTERM; .*--resume.* \(the run did not stop "
+                     r"within [\d.]+ s of the signal: ended at once\)", stderr), stderr[-3000:]
+    assert not out.exists()
+    ok(torchrun(["-m", "dsv4enc", "encode", *args, "--resume"], work))
+    assert_same_rows(rows_of(out), rows_of(reference))
 
 
 def test_shard_output_resumes_when_ranks_committed_different_parts(work, sequence, reference):

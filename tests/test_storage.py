@@ -337,18 +337,40 @@ def test_sigkill_then_resume_on_the_bucket(s3, tmp_path):
     for part in parts.values():  # the manifest lists only parts that were uploaded whole
         assert f"res/e.parquet.partial/{part['file']}" in keys
     assert len(parts) < total // 3, "the run finished before it was killed"
+    stale = staging_of(proc.pid)  # what the kill left in the temporary folder, marked
+    assert stale is not None and (stale / "e.parquet.partial").is_dir()
     again = runner.invoke(app, ["encode", url, "--out", out, *TINY, "--workers", "0", "-q"])
     assert again.exit_code == 1 and "--resume" in again.output
     assert str(tempfile_root()) not in again.output  # the store is named, not the staging
-    result = runner.invoke(app, ["encode", url, "--out", out, *TINY, "--workers", "1", "-q",
+    result = runner.invoke(app, ["encode", url, "--out", out, *TINY, "--workers", "1",
                                  "--resume", "--summary-json", str(tmp_path / "s.json")])
     assert result.exit_code == 0, result.output
+    opening = next(line for line in result.output.splitlines() if "dsv4enc: encoding" in line)
+    assert opening.endswith(f"; to {out}"), opening  # the URL, not the staging folder
+    assert str(tempfile_root()) not in result.output
+    assert not stale.exists()  # the killed run's staging went once the output was resumed
     summary = json.loads((tmp_path / "s.json").read_text())
     assert summary["images"]["reused"] == sum(p["rows"] for p in parts.values()) > 0
     assert s3.keys("res/") == ["res/e.parquet"]
     resumed = pq.read_table(read_object(s3, "res/e.parquet", tmp_path, "r.parquet")).to_pylist()
     assert [r["path"] for r in resumed] == [f"img{i:03d}.png" for i in range(total)]
     assert all(r["error"] is None for r in resumed)
+
+
+def staging_of(pid: int):
+    """The staging folder that process ``pid`` marked as its own, or None."""
+    import tempfile
+    from pathlib import Path
+
+    from dsv4enc.output.remote import STAGING_MARK, STAGING_PREFIX
+
+    for folder in Path(tempfile.gettempdir()).glob(f"{STAGING_PREFIX}*"):
+        try:
+            if json.loads((folder / STAGING_MARK).read_text())["pid"] == pid:
+                return folder
+        except (OSError, ValueError, KeyError):
+            continue
+    return None
 
 
 def tempfile_root() -> str:
@@ -622,7 +644,7 @@ def test_overwrite_of_a_folder_output_leaves_only_the_new_parts(s3, local_images
     encode(url, "--out", out, "--weights", str(small_ckpt), "--part-images", "1")
     assert len([k for k in s3.keys("ow/") if k.endswith(".parquet")]) == 3
     s3.put("ow/.hidden-note", b"kept")  # hidden names are never in the way, never deleted
-    encode(url, "--out", out, "--weights", str(small_ckpt), "--part-images", "3",
+    encode(url, "--out", out, "--weights", str(small_ckpt), "--part-images", "100",
            "--overwrite")
     keys = s3.keys("ow/")
     parts = [k for k in keys if k.endswith(".parquet")]

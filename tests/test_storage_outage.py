@@ -27,7 +27,7 @@ from typer.testing import CliRunner
 from dsv4enc import storage
 from dsv4enc.images import decode
 from dsv4enc.cli import app
-from dsv4enc.output.parts import TRANSIENT_ERRORS
+from dsv4enc.images.decode import TRANSIENT_ERRORS
 
 from helpers import REPO_ROOT, Pauses
 from objectstore import manifest_parts, noise_images, tiny_run_options

@@ -15,7 +15,8 @@ from PIL import Image, ImageOps
 
 from dsv4enc.tower.checkpoint import load_checkpoint
 from dsv4enc.tower.config import VisionConfig
-from dsv4enc.tower.resample import coefficients, pad, resize, vertical_first
+from dsv4enc.tower.resample import (coefficients, pad, resample_axis, resize,
+                                    vertical_first)
 from dsv4enc.tower.transform import (PAD_FILL, image_pixels, image_to_patches, plan_canvas,
                                      pixels_to_patches)
 
@@ -76,6 +77,15 @@ def test_pass_order_edges_equal_pillow():
         for image in (pixels, noise(w, h)):
             assert np.array_equal(resize(torch.from_numpy(image), size).numpy(),
                                   pillow_resize(image, size)), ((w, h), size)
+
+
+@pytest.mark.parametrize("dim", [0, 1])
+def test_windows_at_once_equal_tap_by_tap(dim):
+    """The GPU's way (each window gathered at once) and the CPU's (tap by tap) on the CPU."""
+    pixels = torch.from_numpy(noise(90, 70, seed=3))
+    for out_size in (1, 7, 33, 69, 91, 250):
+        assert torch.equal(resample_axis(pixels, out_size, dim, at_once=True),
+                           resample_axis(pixels, out_size, dim, at_once=False))
 
 
 def test_pass_order_follows_the_installed_pillow():

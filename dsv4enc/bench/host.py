@@ -1,10 +1,13 @@
 """Host capacity without a GPU (``dsv4enc bench --host``): the real encode pipeline with the
 tower replaced by ``NullStage``, whose rows (zeros) cost nothing but which does the host's
 share of the CUDA engine's work (page-locked patches with CUDA, staging copies, a fresh copy
-of each batch's rows). Reports images/s per core and each stage's one-thread cost."""
+of each batch's rows). With the transform on the device, the workers only decode and the
+host stages the pixels for the upload (``NullEngine.transform``). Reports images/s per core
+and images per CPU-second per output kind and placement, and each stage's one-thread cost."""
 
 from __future__ import annotations
 
+import itertools
 import os
 import tempfile
 import time
@@ -20,7 +23,7 @@ from ..tower.checkpoint import Checkpoint
 from ..tower.config import VisionConfig
 from ..tower.transform import plan_canvas
 from ..engine.engine import EngineStats
-from ..engine.defaults import DEFAULT_BATCH_TOKENS, DEFAULT_MAX_IMAGES
+from ..engine.defaults import DEFAULT_BATCH_TOKENS, DEFAULT_MAX_IMAGES, TRANSFORMS
 from ..run.options import EncodeOptions, available_cpus, default_workers
 from ..engine.packing import PackedBatch
 
@@ -129,33 +132,41 @@ class StageCosts:
     transform_ms: float = 0.0  # resize/pad, patchify, normalize to bf16 bits
     pack_ms: float = 0.0  # patches into the staging buffer, positions and merge plans
     stage_ms: float = 0.0  # copy the batch's other inputs for the transfer (pin)
-    images: int = 0
+    images: int = 0  # the sample's images that decoded, which the costs are per
+    failed: int = 0  # the sample's images that did not (an error row in a run), not timed
 
 
 def stage_costs(paths: Sequence[Path], cfg: VisionConfig, features: str = "aligner",
                 max_pixels: int | None = None) -> StageCosts:
     """This thread's CPU time, with one torch thread, for decode (``decode.open_checked``),
-    ``transform.image_to_patch_bits``, ``packing.pack`` and staging copies on ``paths``."""
+    ``transform.image_to_patch_bits``, ``packing.pack`` and staging copies on ``paths``; a
+    file that fails to decode (an error row in a run) is counted as failed, not timed."""
     from ..images.decode import open_checked
     from ..images.formats import DEFAULT_MAX_PIXELS
     from ..engine.packing import pack
     from ..tower.transform import bf16_bits_to_tensor, image_to_patch_bits
 
-    items, decode_s, transform_s = [], 0.0, 0.0
+    items, decode_s, transform_s, failed = [], 0.0, 0.0, 0
     clock = time.thread_time
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # all of the work in this thread, where its clock counts it
     try:
         for path in paths:
             began = clock()
-            with open_checked(str(path), max_pixels or DEFAULT_MAX_PIXELS) as image:
-                image.load()
-                loaded = clock()
-                bits, canvas = image_to_patch_bits(image, cfg)
+            try:
+                with open_checked(str(path), max_pixels or DEFAULT_MAX_PIXELS) as image:
+                    image.load()
+                    loaded = clock()
+                    bits, canvas = image_to_patch_bits(image, cfg)
+            except Exception:  # noqa: BLE001 - as in a run: the file's error row, not a crash
+                failed += 1
+                continue
             done = clock()
             decode_s += loaded - began
             transform_s += done - loaded
             items.append((bf16_bits_to_tensor(bits), canvas.n_h, canvas.n_w))
+        if not items:
+            return StageCosts(failed=failed)
         buffer = NullEngine(cfg).patch_buffer
         # Once untimed: in a run, a batch's memory is an earlier batch's, already faulted in.
         pack(items, cfg.downsample_ratio, features, buffer)
@@ -167,9 +178,9 @@ def stage_costs(paths: Sequence[Path], cfg: VisionConfig, features: str = "align
         staged = clock()
     finally:
         torch.set_num_threads(threads)
-    ms = 1e3 / max(len(paths), 1)  # seconds in all -> milliseconds per image
+    ms = 1e3 / len(items)  # seconds in all -> milliseconds per image
     return StageCosts(decode_s * ms, transform_s * ms, (packed - began) * ms,
-                      (staged - packed) * ms, len(paths))
+                      (staged - packed) * ms, len(items), failed)
 
 
 @dataclass
@@ -177,7 +188,8 @@ class HostResult:
     """One host-bench run: throughput, per core, and where the time went."""
 
     output: str  # "file" or "folder"
-    images: int
+    transform: str  # where images were transformed: "host" (Pillow) or "device" (not here)
+    images: int  # encoded and failed, as the run's summary counts them
     cores: int
     workers: int
     seconds: float  # the encoding loop (decode wait, pack, stage, rows, hand-off to writers)
@@ -191,6 +203,7 @@ class HostResult:
     cpu_s: float  # CPU seconds of this process and its decode workers over the call
     out_bytes: int
     costs: StageCosts = field(default_factory=StageCosts)
+    failed: int = 0  # of ``images``: error rows (a file that could not be decoded)
     # Images per CPU-second of the images beyond a shorter run's (``run_host_bench(steady=)``):
     # what a long run's images cost each, start-up excluded. None: not measured.
     steady_img_per_cpu_s: float | None = None
@@ -217,13 +230,16 @@ def _size(path: Path) -> int:
 def run_host_bench(config_path: str, images: str = "synthetic:1024x768:256",
                    outputs: Sequence[str] = ("file", "folder"), workers: int | None = None,
                    workdir: str | None = None, sample: int = 8,
-                   options: dict | None = None, steady: bool = True) -> list[HostResult]:
+                   options: dict | None = None, steady: bool = True,
+                   transforms: Sequence[str] = ("host",)) -> list[HostResult]:
     """Encode ``images`` (as ``throughput.resolve_images``, made once in ``workdir``) with the
-    null stage, once per output kind in ``outputs``. ``workers``: decode workers (default: as
-    for a CUDA run here). ``options``: more ``EncodeOptions`` fields. ``steady``: each kind
-    also runs on an eighth of the images; the extra images over the extra CPU seconds are
-    ``steady_img_per_cpu_s`` (fixed costs cancel). An untimed short run first takes the
-    process's one-time costs (imports, pyarrow's start)."""
+    null stage, once per output kind in ``outputs`` and per ``--transform`` in ``transforms``
+    (``device``: the workers decode only, and the host stages the pixels for the GPU).
+    ``workers``: decode workers (default: as for a CUDA run here). ``options``: more
+    ``EncodeOptions`` fields. ``steady``: each run also runs on an eighth of the images; the
+    extra images over the extra CPU seconds are ``steady_img_per_cpu_s`` (fixed costs
+    cancel). An untimed short run first takes the process's one-time costs (imports,
+    pyarrow's start)."""
     from .throughput import check_outputs, resolve_images
     from ..run.pipeline import run_encode
 
@@ -236,7 +252,7 @@ def run_host_bench(config_path: str, images: str = "synthetic:1024x768:256",
         costs = stage_costs(paths[:sample], cfg, (options or {}).get("features", "aligner"))
         short = paths[:len(paths) // 8] if steady and len(paths) >= 16 else []
 
-        def timed(kind: str, inputs: Sequence[Path], name: str):
+        def timed(kind: str, inputs: Sequence[Path], name: str, transform: str = "host"):
             out = base / (f"{name}-folder" if kind == "folder" else f"{name}.parquet")
             target = f"{out}/" if kind == "folder" else str(out)  # the slash makes a folder
             source = ([str(paths[0].parent)] if len(inputs) == len(paths)
@@ -244,7 +260,8 @@ def run_host_bench(config_path: str, images: str = "synthetic:1024x768:256",
             opts = replace(EncodeOptions(inputs=source, out=target, config=config_path,
                                          random_init=True, device="cpu", dtype="float32",
                                          out_dtype="float16", workers=n_workers,
-                                         overwrite=True, progress=False), **(options or {}))
+                                         overwrite=True, progress=False,
+                                         transform=transform), **(options or {}))
             cpu0, began = _cpu_seconds(), time.perf_counter()
             summary = run_encode(opts, stand_in=NullStage(cfg))
             return summary, time.perf_counter() - began, _cpu_seconds() - cpu0, out
@@ -253,20 +270,21 @@ def run_host_bench(config_path: str, images: str = "synthetic:1024x768:256",
             timed(outputs[0] if outputs else "folder", short, "host-warmup")
         results = []
         cores = available_cpus()
-        for kind in outputs:
-            short_cpu = timed(kind, short, "host-short")[2] if short else None
-            summary, total, cpu, out = timed(kind, paths, "host")
+        for kind, transform in itertools.product(outputs, transforms):
+            short_cpu = timed(kind, short, "host-short", transform)[2] if short else None
+            summary, total, cpu, out = timed(kind, paths, "host", transform)
             done = summary.encoded + summary.failed
             loop = summary.encode_s
             steady_rate = (None if short_cpu is None or cpu <= short_cpu
                            else (done - len(short)) / (cpu - short_cpu))
             results.append(HostResult(
-                output=kind, images=done, cores=cores, workers=n_workers, seconds=loop,
+                output=kind, transform=transform, images=done, cores=cores, workers=n_workers,
+                seconds=loop,
                 img_s=done / total, img_s_per_core=done / total / cores,
                 loop_img_s=done / loop if loop else 0.0, decode_wait_s=summary.decode_wait_s,
                 stage_s=summary.h2d_s, write_s=summary.write_s, total_s=total, cpu_s=cpu,
                 out_bytes=_size(out), costs=costs, steady_img_per_cpu_s=steady_rate,
-                steady_base=len(short)))
+                steady_base=len(short), failed=summary.failed))
         return results
 
 
@@ -278,7 +296,9 @@ def print_host_results(results: Sequence[HostResult], console=None) -> None:
     console.print("[bold]host capacity[/bold] (null stage: the model costs nothing)")
     for r in results:
         console.print(
-            f"{r.output}: {r.images} images in {r.total_s:.2f} s = {r.img_s:.1f} img/s, "
+            f"{r.output}, transform on the {r.transform}: {r.images} images"
+            f"{_failed_note(r.failed, ' (', ': error rows)')} in "
+            f"{r.total_s:.2f} s = {r.img_s:.1f} img/s, "
             f"{r.img_s_per_core:.1f} img/s per core ({r.cores} cores, {r.workers} decode "
             f"worker{'s' if r.workers != 1 else ''}); {r.cpu_s:.2f} CPU-s = "
             f"{r.img_per_cpu_s:.1f} images per CPU-second\n"
@@ -289,25 +309,33 @@ def print_host_results(results: Sequence[HostResult], console=None) -> None:
             console.print(f"  steady state: {r.steady_img_per_cpu_s:.1f} images per CPU-second "
                           f"(the {r.images}-image run less a {r.steady_base}-image one: "
                           "start-up costs cancel)")
-    if results:
+    if results and results[0].costs.images:
         c = results[0].costs
         per_image = c.decode_ms + c.transform_ms + c.pack_ms + c.stage_ms
-        console.print(f"one thread's CPU time per image ({c.images} sampled): decode "
+        console.print(f"one thread's CPU time per image ({c.images} sampled"
+                      f"{_failed_note(c.failed, '; ', ', not timed')}): decode "
                       f"{c.decode_ms:.1f} ms, transform {c.transform_ms:.1f} ms, pack "
                       f"{c.pack_ms:.2f} ms, stage {c.stage_ms:.2f} ms: "
                       f"{1e3 / max(per_image, 1e-9):.0f} img/s per core before writing")
 
 
+def _failed_note(failed: int, before: str, after: str) -> str:
+    """``{before}2 failed{after}`` where images failed, else nothing."""
+    return f"{before}{failed} failed{after}" if failed else ""
+
+
 def host_bench_command(config_path: str, images: str, outputs: Sequence[str],
                        workers: int | None, json_out: str | None = None) -> list[HostResult]:
-    """``dsv4enc bench --host``: run, print the table, and write the rows to ``json_out``.
-    The process is the command's: it makes the settings of the GPU run it stands for."""
+    """``dsv4enc bench --host``: run with the transform on the host and on the device, print
+    the table, and write the rows to ``json_out``. The process is the command's: it makes the
+    settings of the GPU run it stands for."""
     import json
 
     from ..process import own_process_settings
 
     own_process_settings(torch.device("cuda"))
-    results = run_host_bench(config_path, images, outputs, workers)
+    placements = [choice for choice in TRANSFORMS if choice != "auto"]  # host, then device
+    results = run_host_bench(config_path, images, outputs, workers, transforms=placements)
     print_host_results(results)
     if json_out:
         with open(json_out, "w") as handle:

@@ -178,23 +178,34 @@ def matmul_ceiling(cfg: VisionConfig, tokens: int, dtype: torch.dtype,
 
 @dataclass
 class Prepared:
-    """Images transformed once, outside every timed region."""
+    """Images transformed once, outside every timed region; those that failed, apart."""
 
     items: list[tuple[torch.Tensor, int, int]]  # (patches, n_h, n_w)
     flops: float
     tokens: int
+    paths: list[Path]  # the images of ``items``, in order
+    failed: dict[str, str]  # path -> its error, as encode's error row words it
 
 
 def prepare_images(paths: Sequence[Path], cfg: VisionConfig, features: str) -> Prepared:
-    from PIL import Image
+    """Decode and transform ``paths`` as ``encode`` does (``decode.decode_image``): a file that
+    fails is counted with its error, not timed. A UsageError when none can be decoded."""
+    from ..errors import UsageError
+    from ..images.decode import decode_image, patches_tensor
 
-    items = []
+    items, good, failed = [], [], {}
     for path in paths:
-        with Image.open(path) as image:
-            patches, canvas = image_to_patches(image, cfg)
-        items.append((patches, canvas.n_h, canvas.n_w))
+        decoded = decode_image(path, cfg)
+        if decoded.error is not None:
+            failed[str(path)] = decoded.error
+            continue
+        items.append((patches_tensor(decoded), decoded.n_h, decoded.n_w))
+        good.append(path)
+    if not items:
+        first, error = next(iter(failed.items()))
+        raise UsageError(f"no image could be decoded ({len(paths)} tried; {first}: {error})")
     flops = sum(image_flops(cfg, h, w, features) for _, h, w in items)
-    return Prepared(items, flops, sum(h * w for _, h, w in items))
+    return Prepared(items, flops, sum(h * w for _, h, w in items), good, failed)
 
 
 def encode_all(loop: BatchLoop, batches: Sequence[PackedBatch]) -> None:
@@ -297,7 +308,8 @@ def bench_e2e(config_path: str, paths: Sequence[Path], device: str, dtype: str,
     best, summary = fastest(lambda: run_encode(opts), max(1, repeat))
     n = summary.encoded
     return {"mode": "e2e", "output": output, "graphs": cuda_graphs, "attention": attention,
-            "fused": fused, "batch_tokens": batch_tokens, "images": n, "seconds": best,
+            "fused": fused, "batch_tokens": batch_tokens, "images": n,
+            "failed": summary.failed, "seconds": best,
             "img_s": n / best, "tokens_s": summary.tokens / best, "padding": summary.padding_waste,
             "encode_s": summary.encode_s, "steady_img_s": n / max(summary.encode_s, 1e-9),
             "device_idle": max(0.0, 1 - summary.model_s / max(summary.encode_s, 1e-9)),
@@ -371,8 +383,8 @@ def run_bench(config_path: str, device: str = "auto", dtype: str = "auto",
         ceiling = matmul_ceiling(cfg, max(budgets), dt, dev)
         # The naive loop first, with the default allocator, as a plain first port would run:
         # the command line's CPU heap tuning (process.py) is part of what engine rows measure.
-        naive = bench_naive(model, paths[:naive_images] if naive_images else paths, features,
-                            out_dtype, repeat)
+        timed = prep.paths[:naive_images] if naive_images else prep.paths
+        naive = bench_naive(model, timed, features, out_dtype, repeat)
         if dev.type == "cpu":
             keep_freed_memory_mapped()  # as the command line does before its engine runs
         for bt, graphs, fuse in itertools.product(budgets, cuda_graphs, fused):
@@ -407,7 +419,7 @@ def run_bench(config_path: str, device: str = "auto", dtype: str = "auto",
             else f"{platform.processor() or platform.machine()} ({threads} threads)")
     meta = {"mode": "meta", "device": name, "device_type": dev.type,
             "dtype": str(dt).removeprefix("torch."), "config": Path(config_path).name,
-            "images": len(prep.items), "tokens": prep.tokens,
+            "images": len(prep.items), "failed": len(prep.failed), "tokens": prep.tokens,
             "gflop_per_image": prep.flops / len(prep.items) / 1e9,
             "threads": threads, "torch": torch.__version__,
             **{f"matmul_{k}": v for k, v in ceiling.items()}}
@@ -426,7 +438,8 @@ def print_results(rows: Sequence[dict], console=None) -> None:
     meta = next((r for r in rows if r.get("mode") == "meta"), {})
     unit, scale = ("TFLOP/s", 1e12) if meta.get("device_type") == "cuda" else ("GFLOP/s", 1e9)
     title = (f"{meta.get('config', '?')} on {meta.get('device', '?')}, {meta.get('dtype', '?')}: "
-             f"{meta.get('images', '?')} images, {meta.get('tokens', '?')} patches, "
+             f"{meta.get('images', '?')} images{_failed_note(meta.get('failed'))}, "
+             f"{meta.get('tokens', '?')} patches, "
              f"{meta.get('gflop_per_image', 0):.1f} GFLOP/image; matmul ceiling "
              f"{meta.get('matmul_ceiling', 0) / scale:.1f} {unit} "
              f"(square {meta.get('matmul_square', 0) / scale:.1f})")
@@ -448,6 +461,11 @@ def print_results(rows: Sequence[dict], console=None) -> None:
                       *("-" if shown.get(key) is None else format(shown[key], spec)
                         for _, key, spec in numbers))
     console.print(table)
+
+
+def _failed_note(failed: int | None) -> str:
+    """`` (2 failed, not timed)`` where images failed to decode, else nothing."""
+    return f" ({failed} failed, not timed)" if failed else ""
 
 
 def parse_on_off(text: str, auto: bool = False) -> list[bool | None]:

@@ -7,10 +7,12 @@ one pathological file costs one error row, not the run."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import io
 import multiprocessing as mp
 import os
 import queue
+import re
 import signal
 import stat
 import threading
@@ -57,6 +59,41 @@ class Decoded:
     unavailable_since: float | None = None  # a store's outage began (``storage.note_row``)
     slot: int | None = None  # from a worker: the PatchArena slot that holds the patches
     shape: tuple[int, ...] | None = None  # from a worker: the slot holds pixels of this shape
+
+
+#: Errors that say nothing about the image (a time limit, a crashed or unstarted worker, a
+#: stop, a store not answering): a part holding one is encoded again on --resume.
+TRANSIENT_ERRORS = ("decode timed out", "header read timed out", "decoder crashed",
+                    "decode worker failed", "interrupted before", storage.UNAVAILABLE)
+#: Exception types of a read that may succeed later on the same file (it was moved away, a
+#: disk or network stalled); ``describe_error`` opens an error row with the type's name.
+TRANSIENT_TYPES = frozenset({"FileNotFoundError", "TimeoutError", "ConnectionError",
+                             "ConnectionResetError", "ConnectionAbortedError",
+                             "BrokenPipeError", "InterruptedError", "BlockingIOError",
+                             "PermissionError"})
+#: OS error numbers of such reads, for an ``OSError`` row (``[Errno N]``): Pillow raises a
+#: bare ``OSError`` without a number for a truncated or corrupt file, which stays permanent.
+TRANSIENT_ERRNOS = frozenset(getattr(errno, name) for name in (
+    "ENOENT", "EIO", "ETIMEDOUT", "EAGAIN", "ESTALE", "EBUSY", "EINTR", "EACCES", "EPERM",
+    "ENXIO", "ENODEV", "ENOMEDIUM", "ECONNRESET", "ECONNREFUSED", "EHOSTUNREACH",
+    "ENETDOWN", "ENETUNREACH", "EREMOTEIO") if hasattr(errno, name))
+_ERROR_TYPE = re.compile(r"(\w+): (?:\[Errno (\d+)\])?")
+
+
+def is_transient(error: str | None) -> bool:
+    """Whether an error row may become an embedding when its unchanged file is read again
+    (not found, I/O, time limits, a store or worker failing; ``--update`` encodes it again),
+    rather than saying what the file is (corrupt, unsupported, too large: permanent)."""
+    if error is None:
+        return False
+    if error.startswith(TRANSIENT_ERRORS):
+        return True
+    opened = _ERROR_TYPE.match(error)
+    if opened is None:
+        return False
+    number = opened.group(2)
+    return opened.group(1) in TRANSIENT_TYPES or (number is not None
+                                                   and int(number) in TRANSIENT_ERRNOS)
 
 
 def describe_error(exc: BaseException) -> str:

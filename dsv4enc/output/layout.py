@@ -29,7 +29,7 @@ from ..images.items import is_image_name
 from ..images.headers import input_stamps, inputs_digest
 from ..pausepoints import pause
 from .appending import GROWING_NAME
-from .update import STAMPS_FILE, Update, setting_refusal
+from .update import CUT_SETTINGS, STAMPS_FILE, Update, setting_refusal
 from .read import read_metadata
 from .parts import (JOURNAL_FILE, LOCK_NAME, MANIFEST_FILE, MANIFEST_NAME, PART_FILE,
                     TEMP_FILE, PartLedger, PartStore, Row, StreamingAssembler, kept_columns,
@@ -431,8 +431,8 @@ def assembler_for(store: PartLedger, layout: OutputLayout, schema, *, is_main: b
 class PartWriter:
     """Commits parts on background threads (Parquet encoding releases the GIL) so the device
     never waits for Parquet. Consecutive finished segments are joined into one part, committed
-    when its ``part_images`` range is done or ``store.commit_seconds`` have passed since the
-    last commit (a kill loses about that much work); without them each segment is a part."""
+    when the plan's part ends or ``store.commit_seconds`` have passed since the last commit (a
+    kill loses about that much work); without them each segment is a part."""
 
     def __init__(self, store: PartStore | AppendingStore, schema, threads: int = 1,
                  assembler: StreamingAssembler | AppendingStore | None = None) -> None:
@@ -475,8 +475,10 @@ class PartWriter:
             with self._lock:
                 self.seconds += time.perf_counter() - began
 
-    def put(self, name: str, rows: list[Row], start: int, end: int, digest: str) -> None:
-        """A finished segment (or, under --shard-output, a whole part)."""
+    def put(self, name: str, rows: list[Row], start: int, end: int, digest: str, *,
+            closes: bool) -> None:
+        """A finished segment (or, under --shard-output, a whole part); ``closes``: it ends
+        its part (what was joined is committed now)."""
         self.check()
         if self.store.commit_seconds is None:
             self._queue.put((name, rows, start, end, digest))
@@ -487,8 +489,7 @@ class PartWriter:
             self._name, self._start = name, start
         self._rows.extend(rows)
         self._end = end
-        if (end % self.store.settings["part_images"] == 0 or end == len(self.store.source)
-                or time.monotonic() - self._since >= self.store.commit_seconds):
+        if closes or time.monotonic() - self._since >= self.store.commit_seconds:
             self._flush()
 
     def put_written(self, name: str, entry: dict) -> None:
@@ -542,11 +543,12 @@ class Segment(Protocol):
 
 @dataclass(frozen=True)
 class ResumeSettings:
-    """How a run commits and resumes: ``resume`` (--resume or --update: committed parts are
-    kept), ``commit_every`` (``PartWriter``'s ``commit_seconds``), and ``row_options``
+    """How a run commits and resumes: ``resume`` (--resume or --update, the run's ``flag``:
+    committed parts are kept), ``commit_every`` (``PartWriter``'s ``commit_seconds``), and ``row_options``
     (settings besides the model's that decide rows: --resume requires them equal)."""
 
     resume: bool = False
+    flag: str = "--resume"  # the run's flag that keeps committed parts (or --update)
     commit_every: float | None = None
     row_options: dict = field(default_factory=dict)
 
@@ -590,10 +592,11 @@ class Resume:
             return
         previous = store.load_existing()
         for key, value in store.settings.items():
-            if previous.get(key) != value:
+            if key not in CUT_SETTINGS and previous.get(key) != value:
                 raise UsageError(setting_refusal("cannot resume", "the interrupted run used",
                                                  key, previous.get(key), value,
-                                                 rerun=" to resume it", again="start over"))
+                                                 rerun=" to resume it", again="start over",
+                                                 given=settings.flag))
         store.load_parts()  # only now: a refused resume must not judge the parts' files
         store.forget([])  # each part's stale pieces are dropped as it is judged
         self.resuming = True

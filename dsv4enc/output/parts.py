@@ -31,7 +31,7 @@ from .. import storage
 from ..errors import RESUME_ADVICE, OutputError, check_choice
 from . import LAYOUTS
 from ..images.sources import kept_values
-from ..storage import UNAVAILABLE as STORAGE_UNAVAILABLE
+from ..images.decode import is_transient
 from .parquet_join import JoinError, ParquetJoiner
 from .read import (JOURNAL_FORMAT, MANIFEST_FILE, MANIFEST_NAME, embedding_format, journal_path,
                    load_manifest)
@@ -47,10 +47,6 @@ MANIFEST_VERSION = 2
 PART_FILE = re.compile(r"part-\d{6,}(?:_\d{6,})?(?:-rank\d{3})?(?:\.g\d+)?\.parquet")
 #: A manifest's journal of the parts committed since it was written whole (``read.journal_path``).
 JOURNAL_FILE = re.compile(r"_manifest(?:-rank\d{3})?\.journal")
-#: Errors that say nothing about the image (a time limit, a crashed or unstarted worker, a
-#: stop, a store not answering): a part holding one is encoded again on --resume.
-TRANSIENT_ERRORS = ("decode timed out", "header read timed out", "decoder crashed",
-                    "decode worker failed", "interrupted before", STORAGE_UNAVAILABLE)
 ROW_GROUP_BYTES = 64 << 20
 DATA_PAGE_BYTES = 8 << 20
 DEFAULT_LAYOUT = "binary"
@@ -433,9 +429,8 @@ def read_manifests(folder: Path) -> dict[Path, dict]:
 
 
 def transient_errors(table: pa.Table) -> int:
-    """Rows of a part whose error is one of TRANSIENT_ERRORS."""
-    return sum(1 for error in table.column("error").to_pylist()
-               if error is not None and error.startswith(TRANSIENT_ERRORS))
+    """Rows of a part whose error is transient (``images/decode.is_transient``)."""
+    return sum(1 for error in table.column("error").to_pylist() if is_transient(error))
 
 
 class PartLedger:

@@ -113,14 +113,16 @@ def _visible(relative: str) -> bool:
 
 
 def _read_manifest(fs, path: str) -> dict | None:
-    """The manifest at ``path`` in ``fs``, its journal applied; None if it is not one."""
+    """The manifest at ``path`` in ``fs``, its journal applied; None if it is not dsv4enc's
+    (another tool's ``_manifest.json`` leaves the folder read as plain Parquet files)."""
     try:
         data = load_manifest(path, fs)
     except (OSError, ValueError):
         return None
     if not isinstance(data, dict) or not isinstance(data.get("parts"), dict):
         return None
-    return data
+    settings = data.get("settings")
+    return data if isinstance(settings, dict) and settings.get("tool") == "dsv4enc" else None
 
 
 def output_files(path: str | os.PathLike) -> list[Path]:

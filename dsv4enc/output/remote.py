@@ -36,6 +36,11 @@ HEARTBEAT_S = 30.0
 SYNC_S = 0.5
 #: A lock not refreshed for this long belongs to a run that is gone.
 STALE_S = 120.0
+#: Staging folders are ``STAGING_PREFIX`` + a random tail in the temporary folder, marked by
+#: ``STAGING_MARK`` (the output's URL, the host and the process): only a marked folder of this
+#: output whose process is gone is removed by a later run (``remove_stale_staging``).
+STAGING_PREFIX = "dsv4enc-staging-"
+STAGING_MARK = ".dsv4enc-staging.json"
 
 
 class RemoteOutput:
@@ -69,7 +74,9 @@ class RemoteOutput:
             except DsvError as exc:
                 self._problem = exc
         self.parts_url = self.url if self.folder_mode else self.url + ".partial"
-        self.staging = Path(tempfile.mkdtemp(prefix="dsv4enc-staging-"))
+        self.staging = Path(tempfile.mkdtemp(prefix=STAGING_PREFIX))
+        mark = {"url": self.url, "host": socket.gethostname(), "pid": os.getpid()}
+        (self.staging / STAGING_MARK).write_text(json.dumps(mark))
         name = self.url.rsplit("/", 1)[-1] or "out"
         self.local_out = self.staging / name
         self.local_parts = self.local_out if self.folder_mode else \
@@ -141,10 +148,11 @@ class RemoteOutput:
                 self.abandon(quiet=isinstance(exc, storage.StoreDown))
                 raise
             self.finish()
+            if self.writer:  # the output is committed: a killed run's staging is of no use
+                self.remove_stale_staging()
         except BaseException as exc:
             if isinstance(exc, storage.StoreDown):
-                exc.keep(self._kept_parts(), self.parts_url,
-                         "--update" if self.update else "--resume")
+                exc.keep(self._kept_parts(), self.parts_url)  # its flag told by the run
             if exc.args and isinstance(exc.args[0], str):
                 exc.args = (self.translate(exc.args[0]), *exc.args[1:])
             raise
@@ -167,6 +175,8 @@ class RemoteOutput:
     def _pull(self) -> None:
         self._check_not_inputs()
         self._take_lock()
+        if self.resume or self.update:  # the store has what the killed run committed
+            self.remove_stale_staging()
         if not self.folder_mode and storage.kind(self.url) == "file":
             if self.update:  # its rows are read: the file itself, not a stand-in
                 self._download(self.url, self.local_out)
@@ -445,10 +455,39 @@ class RemoteOutput:
         finally:
             shutil.rmtree(self.staging, ignore_errors=True)
 
+    def remove_stale_staging(self) -> None:
+        """Remove the staging folders that earlier runs of this output left when they were
+        killed: marked for its URL on this host by a process that is gone (this run holds
+        the output's lock; a live rank's folder stays). Unmarked folders are never touched."""
+        with contextlib.suppress(OSError):
+            for folder in self.staging.parent.glob(f"{STAGING_PREFIX}*"):
+                try:
+                    mark = json.loads((folder / STAGING_MARK).read_text())
+                except (OSError, ValueError):
+                    continue
+                if (folder != self.staging and isinstance(mark, dict)
+                        and mark.get("url") == self.url
+                        and mark.get("host") == socket.gethostname()
+                        and not _process_alive(mark.get("pid"))):
+                    shutil.rmtree(folder, ignore_errors=True)
+
     def translate(self, text: str) -> str:
         """A message about the staging folder, told about the store instead."""
         text = text.replace(str(self.local_parts), self.parts_url)
         return text.replace(str(self.local_out), self.url)
+
+
+def _process_alive(pid: Any) -> bool:
+    """Whether process ``pid`` of this host may still run (True when it cannot be told)."""
+    if os.name != "posix" or not isinstance(pid, int) or pid <= 0:
+        return True  # (os.kill ends a process on Windows: never asked there)
+    try:
+        os.kill(pid, 0)  # signal 0: only whether it exists
+    except ProcessLookupError:
+        return False
+    except OSError:  # another user's process
+        return True
+    return True
 
 
 def _listed_files(document: dict) -> list[str]:

@@ -6,17 +6,21 @@ a single file in its footer (``STAMPS_KEY``: one rename replaces both), a folder
 old rows' (``Update.match``): an unchanged input takes its old row (``CarriedRows``, read
 forward), a new or changed one is encoded, a gone one left out; rows are batch-invariant, so
 the result equals a clean run. An old part whose rows all stay, in order and on the run's
-segment bounds, is kept (``Update.keep_parts``): a folder's file by reference, a single file's
+segment bounds, is kept (``Update.keep_parts``): a folder's file linked as it is, a single file's
 row groups by bytes.
 
 Crash safety is ``--resume``'s: the update commits to parts of its own (``OUT.partial`` beside a
-single file; ``STAGING_NAME`` in a folder, with part names of a new generation) and changes the
-old output only at the end: a single file is renamed into place; a folder's new parts are moved
-in and its manifest replaced (one rename) before the old parts go."""
+single file; for a folder, a hidden sibling folder ``.NAME.dsv4enc-update`` that no reader of
+the output looks in, with part names of a new generation and the kept parts linked in) and
+changes the old output only at the end: a single file is renamed into place; a folder is
+exchanged with the sibling in one atomic step (``switch``), then the old one is removed."""
 
 from __future__ import annotations
 
 import base64
+import contextlib
+import ctypes
+import errno
 import hashlib
 import json
 import logging
@@ -29,9 +33,11 @@ from typing import Any, Iterable, Sequence
 import numpy as np
 
 from ..errors import OutputError, UsageError
-from .parts import (MANIFEST_NAME, PART_FILE, TRANSIENT_ERRORS, PartLedger, PartStore, Row,
-                    fsync_dir, manifest_document, read_manifest, temp_path, utf8_text,
-                    write_json_atomic)
+from ..pausepoints import pause
+from .parts import (JOURNAL_FILE, LOCK_NAME, MANIFEST_FILE, MANIFEST_NAME, PART_FILE, TEMP_FILE,
+                    PartLedger, PartStore, Row, fsync_dir, manifest_document, output_os_error,
+                    part_intact, read_manifest, temp_path, utf8_text, write_json_atomic)
+from ..images.decode import is_transient
 from ..images.headers import inputs_digest
 from .read import embedding_arrays, embedding_format
 
@@ -41,11 +47,20 @@ log = logging.getLogger("dsv4enc")
 STAMPS_KEY = b"dsv4enc.rows"
 #: A folder output's stamps file (the manifest's ``stamps`` entry names the current one).
 STAMPS_FILE = re.compile(r"_stamps-[0-9a-f]{16}\.bin")
-#: Where a folder output's update commits its parts until the switch (hidden from readers).
-STAGING_NAME = ".dsv4enc-update"
+#: A folder output's update builds the new output in the sibling folder ``.NAME`` + this until
+#: the switch (earlier versions: a folder of this name inside the output, removed when seen).
+STAGING_SUFFIX = ".dsv4enc-update"
+#: Where the old output waits to be removed when the switch is made in two renames.
+OLD_SUFFIX = ".dsv4enc-old"
+#: The manifest entry of an update's staging folder: the stamps file of the output it updates
+#: (a staging folder of another output's state, or an old output a switch left, is not reused).
+UPDATE_OF = "update_of"
 _MAGIC = b"DSV4ENC-STAMPS1\n"
-#: Settings that decide how parts are cut, not what rows hold: an update may differ there.
-_NOT_ROWS = ("part_images",)
+#: How many of the dropped rows' paths a refusal and the summary show.
+DROPPED_SHOWN = 3
+#: Settings that decide how parts are cut, not what rows hold: an update or a resumed run
+#: may differ there (committed parts are judged by their inputs, wherever they were cut).
+CUT_SETTINGS = ("part_images",)
 #: The flag that sets each recorded setting whose value is the flag's argument.
 FLAG_OF_SETTING = {"compute_dtype": "--dtype", "device": "--device", "out_dtype": "--out-dtype",
                    "features": "--features", "pool": "--pool", "layout": "--layout",
@@ -58,21 +73,43 @@ SHOWN_SETTING = {"keep_columns": "--keep-column", "keep_members": "--keep-member
 
 
 def setting_refusal(refused: str, used: str, key: str, then: Any, now: Any, *,
-                    rerun: str = "", again: str) -> str:
+                    rerun: str = "", again: str, given: str) -> str:
     """The one line that refuses a run whose setting ``key`` is ``now`` where the output it
     continues has ``then``: ``refused`` opens it ("cannot resume"), ``used`` names the old
     value's ("the interrupted run used"), ``rerun`` follows the flag that would agree, and
-    ``again`` is what --overwrite does instead."""
+    ``again`` is what --overwrite does instead of ``given`` (the run's flag, which
+    --overwrite contradicts)."""
     flag = FLAG_OF_SETTING.get(key)
+    instead = f"--overwrite in place of {given} to {again}"
     if flag is not None and isinstance(then, (str, int)) and isinstance(now, (str, int)):
         return (f"{refused}: {used} {flag} {then}, this run asks for {now}; rerun with {flag} "
-                f"{then}{rerun} (or --overwrite to {again})")
+                f"{then}{rerun} (or {instead})")
     shown = SHOWN_SETTING.get(key) or flag or key.replace("_", " ")
-    return f"{refused}: {shown} differs ({then!r} then, {now!r} now); use --overwrite to {again}"
+    return f"{refused}: {shown} differs ({then!r} then, {now!r} now); use {instead}"
 
 
 def _hash8(text: bytes) -> int:
     return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little")
+
+
+def _key_hash(path: str | None) -> int:
+    """An old row's key hash (0 for a damaged part's row, whose key is not known)."""
+    return _hash8(path.encode()) if path is not None else 0
+
+
+#: A damaged part's rows in ``OldOutput.column``, where a value may be None.
+_MISSING: Any = object()
+#: What an old row is to the matching (``Update.match``): an embedding, an error row that the
+#: same file gives again, one whose read may succeed now, and a row of a damaged part.
+_ROW, _FAILED, _RETRY, _UNREADABLE = range(4)
+
+
+def _row_kind(error: str | None, retry_errors: bool) -> int:
+    if error is None:
+        return _ROW
+    if error is _MISSING:
+        return _UNREADABLE
+    return _RETRY if retry_errors or is_transient(error) else _FAILED
 
 
 def row_stamps(entries: Iterable[tuple[str, str | None]]) -> np.ndarray:
@@ -136,15 +173,118 @@ def _read_folder_stamps(folder: Path, entry: Any, rows: int) -> np.ndarray | Non
     return np.frombuffer(data, dtype="<u8", offset=len(_MAGIC)).astype(np.uint64)
 
 
-class OldOutput:
-    """A finished output as an update sees it: its files in row order, settings and stamps."""
+def staging_folder(out: Path) -> Path:
+    """Where an update of the folder output ``out`` builds the new output."""
+    return out.parent / f".{out.name}{STAGING_SUFFIX}"
 
-    def __init__(self, out: Path, files: list[Path], settings: dict, stamps: np.ndarray | None,
-                 folder: bool, parts: Sequence[tuple[str, int, int]] = ()) -> None:
-        self.out, self.files, self.settings, self.stamps = out, files, settings, stamps
-        self.folder = folder
-        self.parts = list(parts)  # a folder's part files in row order: (name, first row, rows)
+
+def old_folder(out: Path) -> Path:
+    return out.parent / f".{out.name}{OLD_SUFFIX}"
+
+
+_AT_FDCWD, _RENAME_EXCHANGE = -100, 2  # <fcntl.h>, <linux/fs.h>
+
+
+def exchange(a: Path, b: Path) -> bool:
+    """Exchange two folders in one atomic step (Linux's ``renameat2`` with
+    ``RENAME_EXCHANGE``); False where the system or the file system cannot."""
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError, TypeError):  # not glibc 2.28+ (musl, macOS, Windows)
+        return False
+    renameat2.argtypes = (ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p,
+                          ctypes.c_uint)
+    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP):
+        return False
+    raise OSError(code, os.strerror(code), str(b))
+
+
+def switch(new: Path, out: Path) -> Path:
+    """Put the complete folder ``new`` at ``out``; returns where the old output is now. One
+    atomic exchange where the system has it: every reader sees the old output or the new.
+    Else two renames, the old output first moved aside (``old_folder``): a reader between
+    them finds no output, never a mix of both, and ``recover_switch`` undoes a stop there."""
+    if exchange(new, out):
+        fsync_dir(out.parent)
+        return new
+    aside = old_folder(out)
+    os.rename(out, aside)
+    os.rename(new, out)
+    fsync_dir(out.parent)
+    return aside
+
+
+def recover_switch(out: Path) -> None:
+    """Before an update of ``out``: a switch stopped between its two renames left no output
+    there; the old one goes back (the update then switches again)."""
+    aside = old_folder(out)
+    if not os.path.lexists(out) and aside.is_dir():
+        os.rename(aside, out)
+
+
+def _is_dsv4enc_name(name: str) -> bool:
+    """A name dsv4enc gives a file of a folder output (a temporary of one too)."""
+    temp = TEMP_FILE.fullmatch(name)
+    return bool(PART_FILE.fullmatch(name) or MANIFEST_FILE.fullmatch(name)
+                or JOURNAL_FILE.fullmatch(name) or STAMPS_FILE.fullmatch(name)
+                or name in (LOCK_NAME, STAGING_SUFFIX)
+                or temp is not None and _is_dsv4enc_name(temp.group(1)))
+
+
+def remove_old_output(folder: Path, out: Path) -> None:
+    """Remove a folder an update left (an old output, or a staging folder not reused): its
+    dsv4enc files; anything else in it (a hidden file of the user's) is moved to ``out``."""
+    for path in folder.iterdir():
+        if not _is_dsv4enc_name(path.name):
+            if not os.path.lexists(out / path.name):
+                os.rename(path, out / path.name)
+        elif path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
+    with contextlib.suppress(OSError):  # something of the user's could not be moved: kept
+        folder.rmdir()
+
+
+def link_or_copy(source: Path, target: Path) -> None:
+    """``target`` as a hard link to ``source`` (a copy where the file system has none)."""
+    tmp = temp_path(target)
+    try:
+        try:
+            os.link(source, tmp)
+        except OSError:
+            shutil.copy2(source, tmp)
+        os.replace(tmp, target)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise output_os_error(target, exc) from None
+
+
+class OldOutput:
+    """A finished output as an update sees it: its parts in row order, settings and stamps.
+    A folder's part file that is gone or cut short (``parts.part_intact``) is ``damaged``: its
+    rows are never carried, so the update encodes their inputs again (a repair)."""
+
+    def __init__(self, out: Path, units: Sequence[tuple[str, int, int]], settings: dict,
+                 stamps: np.ndarray | None, folder: bool, damaged: Iterable[str] = ()) -> None:
+        self.out, self.settings, self.stamps, self.folder = out, settings, stamps, folder
+        self.parts = list(units)  # its files in row order: (name, first row, rows)
+        self.damaged = set(damaged)  # the names of those whose rows cannot be read
         self.listed = {name for name, _, _ in self.parts}  # (the update's names must differ)
+        self.stamps_file: str | None = None  # a folder's: names its state (``UPDATE_OF``)
+
+    @property
+    def files(self) -> list[tuple[Path | None, int]]:
+        """Each part's file (None: damaged) and rows, in row order."""
+        return [(None if name in self.damaged else self.out / name if self.folder else self.out,
+                 rows) for name, _, rows in self.parts]
+
+    @property
+    def damaged_rows(self) -> int:
+        return sum(rows for name, _, rows in self.parts if name in self.damaged)
 
     @classmethod
     def find(cls, out: Path, folder_mode: bool) -> "OldOutput | None":
@@ -167,7 +307,7 @@ class OldOutput:
                     stamps = np.frombuffer(data, dtype="<u8").astype(np.uint64)
             except (KeyError, ValueError, TypeError):
                 pass
-            return cls(out, [out], settings, stamps, False)
+            return cls(out, [(out.name, 0, footer.num_rows)], settings, stamps, False)
         manifest = read_manifest(out / MANIFEST_NAME)
         if manifest is None:
             return None
@@ -175,8 +315,12 @@ class OldOutput:
         sizes = [int(p.get("rows", 0)) for p in parts]
         stamps = _read_folder_stamps(out, manifest.get("stamps"), sum(sizes))
         first = np.cumsum([0] + sizes)
-        return cls(out, [out / p["file"] for p in parts], dict(manifest["settings"]), stamps,
-                   True, [(p["file"], int(first[i]), sizes[i]) for i, p in enumerate(parts)])
+        damaged = [p["file"] for p in parts if not part_intact(out / p["file"], p.get("rows"))]
+        found = cls(out, [(p["file"], int(first[i]), sizes[i]) for i, p in enumerate(parts)],
+                    dict(manifest["settings"]), stamps, True, damaged)
+        if stamps is not None:
+            found.stamps_file = manifest["stamps"]["file"]
+        return found
 
     def check(self, settings: dict) -> None:
         """Refuse in one line a run whose rows would differ, or an output without stamps."""
@@ -184,46 +328,64 @@ class OldOutput:
             raise UsageError(
                 f"cannot update {self.out}: it does not record its input files per row (made "
                 "by an earlier dsv4enc, or an unfinished run: finish it with --resume); rerun "
-                "with --overwrite once, then --update works")
+                "once with --overwrite in place of --update, then --update works")
         for key, now in settings.items():
             then = self.settings.get(key)
-            if key not in _NOT_ROWS and then != now:
+            if key not in CUT_SETTINGS and then != now:
                 raise UsageError(setting_refusal(f"cannot update {self.out}", "it was made with",
-                                                 key, then, now, again="encode everything again"))
+                                                 key, then, now, again="encode everything again",
+                                                 given="--update"))
+        if self.damaged:
+            shown = ", ".join(sorted(self.damaged)[:3])
+            log.warning("%s: %d part file%s missing or cut short (%s); the update encodes "
+                        "%s %d rows again", self.out, len(self.damaged),
+                        "s are" if len(self.damaged) > 1 else " is", shown,
+                        "their" if len(self.damaged) > 1 else "its", self.damaged_rows)
 
-    def column(self, name: str) -> Iterable[Any]:
-        """One small column's values, row by row, read a row group at a time."""
-        for handle, group in _row_groups(self.files):
-            yield from handle.read_row_group(group, columns=[name]).column(0).to_pylist()
+    def column(self, name: str, missing: Any = None) -> Iterable[Any]:
+        """One small column's values, row by row, read a row group at a time (``missing``
+        for each row of a damaged part)."""
+        for handle, group, rows in _row_groups(self.files):
+            if handle is None:
+                yield from [missing] * rows
+            else:
+                yield from handle.read_row_group(group, columns=[name]).column(0).to_pylist()
 
 
-def _row_groups(files: Sequence[Path]) -> Iterable[tuple[Any, int]]:
+def _row_groups(files: Sequence[tuple[Path | None, int]]) -> Iterable[tuple[Any, int, int]]:
+    """(file handle, row group, rows) in row order; a damaged part's rows as one
+    (None, 0, rows)."""
     import pyarrow.parquet as pq
 
-    for path in files:
+    for path, rows in files:
+        if path is None:
+            yield None, 0, rows
+            continue
         handle = pq.ParquetFile(path)
         for group in range(handle.num_row_groups):
-            yield handle, group
+            yield handle, group, handle.metadata.row_group(group).num_rows
 
 
 class CarriedRows:
     """Old rows read forward, one row group at a time (never the whole output)."""
 
-    def __init__(self, files: Sequence[Path]) -> None:
+    def __init__(self, files: Sequence[tuple[Path | None, int]]) -> None:
         self._groups = _row_groups(files)
         self._start = self._end = 0
         self._rows: list[dict] = []
         self._arrays: list = []
 
     def row(self, index: int, key: str) -> Row:
-        """Old row ``index`` (never below an index asked for before) as a Row for ``key``;
-        row groups before it are passed over unread (the parts an update keeps)."""
+        """Old row ``index`` (never below an index asked for before, never in a damaged part)
+        as a Row for ``key``; row groups before it are passed over unread (kept parts)."""
         while index >= self._end:
-            handle, group = next(self._groups)
+            handle, group, rows = next(self._groups)
             self._start = self._end
-            self._end += handle.metadata.row_group(group).num_rows
+            self._end += rows
             if index >= self._end:
                 continue
+            if handle is None:
+                raise AssertionError("a row of a damaged part asked for")
             table = handle.read_row_group(group)
             self._arrays = embedding_arrays(table.column("embedding"),
                                             embedding_format(handle.schema_arrow))
@@ -242,7 +404,8 @@ class Update:
     def __init__(self, old: OldOutput) -> None:
         self.old = old
         self.carried: dict[int, int] = {}  # input index -> old row index
-        self.new = self.changed = self.dropped = 0
+        self.new = self.changed = self.dropped = self.carried_failed = self.rows_before = 0
+        self.dropped_paths: list[str] = []  # the first DROPPED_SHOWN of them
         self._reader: CarriedRows | None = None
         self.staging: Path | None = None
 
@@ -253,34 +416,45 @@ class Update:
         return cls(old) if old is not None else None
 
     def open_store(self, settings: dict, rows_settings: dict) -> PartStore | None:
-        """A folder output's staging store (None for a single file: its own store serves).
-        A staging folder of other settings, or whose part names a switch took, goes."""
+        """A folder output's staging store (None for a single file: its own store serves),
+        reused when an interrupted update of this same output state left it; what an earlier
+        switch or update left beside or inside the output goes."""
         if not self.old.folder:
             return None
-        self.staging = self.old.out / STAGING_NAME
-        recorded = read_manifest(self.staging / MANIFEST_NAME)
-        if recorded is None or recorded["settings"] != rows_settings or self.old.listed & {
-                p.get("file") for p in recorded["parts"].values() if not p.get("kept")}:
-            shutil.rmtree(self.staging, ignore_errors=True)
+        out = self.old.out
+        self.staging = staging_folder(out)
+        try:
+            shutil.rmtree(out / STAGING_SUFFIX, ignore_errors=True)  # earlier versions' staging
+            if os.path.isdir(old_folder(out)):
+                remove_old_output(old_folder(out), out)
+            recorded = read_manifest(self.staging / MANIFEST_NAME)
+            if os.path.isdir(self.staging) and (
+                    recorded is None or recorded["settings"] != rows_settings
+                    or recorded.get(UPDATE_OF) != self.old.stamps_file):
+                remove_old_output(self.staging, out)
+        except OSError as exc:
+            raise output_os_error(self.staging, exc) from None
         store = PartStore(self.staging, settings)
+        store.extra[UPDATE_OF] = self.old.stamps_file
         generations = [int(m.group(1) or 0) for name in self.old.listed
                        if (m := re.search(r"(?:\.g(\d+))?\.parquet$", name))]
         store.file_suffix = f".g{max(generations, default=0) + 1}"
         return store
 
-    def match(self, planned: Sequence, settings: dict) -> None:
+    def match(self, planned: Sequence, settings: dict, retry_errors: bool = False) -> None:
         """Check the settings, then decide which inputs take their old row: same key and
-        file stamp, readable now, an old row without a transient error, in input order (a
-        reordered input list re-encodes what would need a backward read)."""
+        file stamp, in input order (a reordered input list re-encodes what would need a
+        backward read), and an old row that is an embedding of an input readable now, or
+        a permanent error (``images/decode.is_transient``; ``retry_errors``: no error row)."""
         if not settings.get("batch_invariant", True):
             raise UsageError("--update copies rows beside new ones, which equals a clean run "
                              "only with batch-invariant rows: drop --no-deterministic "
                              "(and --tp-mode weights)")
         self.old.check(settings)
         old = self.old.stamps
-        transient = np.fromiter((error is not None and error.startswith(TRANSIENT_ERRORS)
-                                 for error in self.old.column("error")), dtype=bool,
-                                count=len(old))
+        kinds = np.fromiter((_row_kind(error, retry_errors)
+                             for error in self.old.column("error", _MISSING)),
+                            dtype=np.int8, count=len(old))
         now = row_stamps((p.item.key, p.stamp) for p in planned)
         order = np.argsort(old, kind="stable")
         ranked = old[order]
@@ -289,19 +463,41 @@ class Update:
         last = -1
         for j in np.flatnonzero(found):
             i = int(order[where[j]])
-            if planned[j].error is None and not transient[i] and i > last:
+            kind = kinds[i]
+            if i > last and (kind == _FAILED or kind == _ROW and planned[j].error is None):
                 self.carried[int(j)] = i
                 last = i
+        self.carried_failed = int(sum(kinds[i] == _FAILED for i in self.carried.values()))
         keys_now = np.fromiter((_hash8(utf8_text(p.item.key).encode()) for p in planned),
                                dtype=np.uint64, count=len(planned))
-        keys_old = np.fromiter((_hash8(path.encode()) for path in self.old.column("path")),
+        keys_old = np.fromiter((_key_hash(path) for path in self.old.column("path")),
                                dtype=np.uint64, count=len(old))
-        self.new = int((~np.isin(keys_now, keys_old)).sum())
+        known = kinds != _UNREADABLE  # a damaged part's keys are not known: not dropped
+        self.new = int((~np.isin(keys_now, keys_old[known])).sum())
         self.changed = len(planned) - len(self.carried) - self.new
-        self.dropped = int((~np.isin(keys_old, keys_now)).sum())
+        gone = known & ~np.isin(keys_old, keys_now)
+        self.dropped = int(gone.sum())
+        self.rows_before = len(old)
+        if self.dropped:  # a second read of the path column, only when rows go
+            first = set(np.flatnonzero(gone)[:DROPPED_SHOWN].tolist())
+            self.dropped_paths = [path for i, path in enumerate(self.old.column("path"))
+                                  if i in first]
         log.info("update of %s: %d rows kept, %d new inputs, %d changed, %d gone",
                  self.old.out, len(self.carried), self.new, self.changed, self.dropped)
         self._reader = CarriedRows(self.old.files)
+
+    def check_drop(self, share: float, one_by_one: bool) -> None:
+        """Refuse in one line an update that drops more than ``share`` of the output's rows,
+        or any row when the inputs were given one file at a time (``one_by_one``): an input
+        list given in part would drop the rest (``--prune`` allows it: not called)."""
+        if not self.dropped or not one_by_one and self.dropped <= share * self.rows_before:
+            return
+        share = "" if one_by_one else f"more than {share:.0%}: "
+        given = "files" if one_by_one else "inputs"
+        raise UsageError(f"--update would drop {self.dropped:,} of the {self.rows_before:,} "
+                         f"rows of {self.old.out} ({share}their images are not among the "
+                         f"{given} given, e.g. {', '.join(self.dropped_paths)}); pass --prune "
+                         "to drop them, or give every input (--dry-run shows the counts)")
 
     def rows(self, indices: Sequence[int], planned: Sequence) -> dict[int, Row]:
         """The carried rows among ``indices`` (ascending), copied from the old output."""
@@ -309,9 +505,11 @@ class Update:
                 for index in indices if index in self.carried}
 
     def keep_parts(self, store: PartLedger, todo: Sequence, planned: Sequence) -> tuple[list, int]:
-        """Old parts whose rows this run takes unchanged, in order and on its segment bounds,
-        are kept (a folder's file by reference, a single file's row groups copied by bytes),
-        their segments dropped from ``todo``. Returns the segments left and the rows kept."""
+        """Old parts whose rows this run takes unchanged and in order, alone or run together
+        (the pieces of one part that a commit by time cut), from one of this run's part
+        bounds to another, are kept (a folder's file linked as it is, a single file's row
+        groups copied by bytes), their parts dropped from ``todo``. Returns the parts left
+        and the rows kept."""
         from .appending import AppendingStore
 
         single = not self.old.folder and isinstance(store, AppendingStore)
@@ -326,44 +524,67 @@ class Update:
         at_start = {p.start: i for i, p in enumerate(todo)}
         at_end = {p.end: i for i, p in enumerate(todo)}
         dropped, kept = set(), 0
+        run: list[tuple[Any, int, int]] = []  # the units taken so far: (unit, start, end)
         for unit, first, rows in units:
             start = new_of.get(first, -1)  # -1: its first row is not carried
-            end = start + rows
-            if (rows == 0 or start not in at_start or end not in at_end
-                    or not (single or (self.old.out / unit).is_file())):
-                continue  # its rows moved off this run's segment bounds (or it is gone)
-            i, j = at_start[start], at_end[end]
-            if any(todo[k].end != todo[k + 1].start for k in range(i, j)) or not all(
-                    self.carried.get(start + k) == first + k for k in range(rows)):
-                continue  # not one run of segments, or not these rows in this order
-            entry = {"start": start, "end": end, "digest": inputs_digest(planned[start:end]),
-                     "rows": rows, "transient": 0}
-            if single:
-                store.copy_groups(todo[i].name, self.old.out, unit, entry)
-            else:
-                store.adopt(todo[i].name, {"file": unit, **entry, "kept": True})
-            dropped.update(range(i, j + 1))
-            kept += rows
+            if not (rows and self._takes_whole(first, start, rows)
+                    and (single or (self.old.out / unit).is_file())):
+                run = []  # some of its rows are not taken as they are (or it is gone)
+                continue
+            if run and run[-1][2] != start:
+                run = []  # new inputs come between it and the run before
+            if run or start in at_start:
+                run.append((unit, start, start + rows))
+            if run and start + rows in at_end:
+                i, j = at_start[run[0][1]], at_end[start + rows]
+                if all(todo[k].end == todo[k + 1].start for k in range(i, j)):
+                    kept += self._keep(store, todo[i], run, planned, single)
+                    dropped.update(range(i, j + 1))
+                run = []
         return [p for k, p in enumerate(todo) if k not in dropped], kept
 
+    def _takes_whole(self, first: int, start: int, rows: int) -> bool:
+        """Whether this run takes old rows ``first..first+rows`` as its ``start..``, in order."""
+        return start >= 0 and all(self.carried.get(start + k) == first + k for k in range(rows))
+
+    def _keep(self, store: PartLedger, part, run: list, planned: Sequence, single: bool) -> int:
+        """Keep the old units of ``run``, which begins where this run's ``part`` does (each
+        under the name of the range it starts); returns their rows."""
+        for unit, start, end in run:
+            name = part.name if start == part.start else part.rest(start).name
+            entry = {"start": start, "end": end, "digest": inputs_digest(planned[start:end]),
+                     "rows": end - start, "transient": 0}
+            if single:
+                store.copy_groups(name, self.old.out, unit, entry)
+            else:  # linked into the staging folder: the new output holds it too
+                link_or_copy(self.old.out / unit, store.folder / unit)
+                store.adopt(name, {"file": unit, **entry})
+        return run[-1][2] - run[0][1]
+
     def finish_folder(self, store: PartStore, stamps: np.ndarray, options: dict) -> None:
-        """Switch a folder output to the staged parts (in the order the module's doc says)."""
-        out = self.old.out
-        entry = _write_stamps(out, stamps, options)
-        parts = {name: {k: v for k, v in part.items() if k != "kept"}
-                 for name, part in store.parts.items()}
-        for part in store.parts.values():
-            if not part.get("kept"):  # a kept part is in place already
-                os.replace(store.folder / part["file"], out / part["file"])
-        fsync_dir(out)
-        write_json_atomic(manifest_document(store.settings, parts, stamps=entry),
-                          out / MANIFEST_NAME)  # the switch
-        for old in self.old.listed - {part["file"] for part in parts.values()}:
-            if PART_FILE.fullmatch(old):
-                (out / old).unlink(missing_ok=True)
-        remove_other_stamps(out, keep=entry["file"])
-        shutil.rmtree(store.folder, ignore_errors=True)
+        """Complete the staging folder (its stamps, its manifest written whole, the output's
+        lock linked in), switch it with the output, then remove the old output."""
+        out, staging = self.old.out, store.folder
+        entry = _write_stamps(staging, stamps, options)
+        extra = {k: v for k, v in store.extra.items() if k not in (UPDATE_OF, "stamps")}
+        write_json_atomic(manifest_document(store.settings, store.parts, stamps=entry, **extra),
+                          staging / MANIFEST_NAME)
+        try:
+            store.journal_path.unlink(missing_ok=True)
+            remove_other_stamps(staging, keep=entry["file"])
+            with contextlib.suppress(OSError):  # the same lock, held: no run starts meanwhile
+                os.link(out / LOCK_NAME, staging / LOCK_NAME)
+            fsync_dir(staging)
+            pause("switch", out=str(out))
+            old = switch(staging, out)
+            pause("switched", out=str(out))
+            remove_old_output(old, out)
+        except OSError as exc:
+            raise output_os_error(out, exc) from None
 
     def count_into(self, summary) -> None:
+        """The update's own counts (``run/summary.RunSummary``): rows dropped, the first of
+        their paths, and the error rows carried (reused, not failed again)."""
         summary.update = True
-        summary.dropped = self.dropped
+        summary.dropped, summary.dropped_paths = self.dropped, list(self.dropped_paths)
+        summary.reused_failed = self.carried_failed

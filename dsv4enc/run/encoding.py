@@ -72,10 +72,12 @@ class PartEncoder:
         finished prefix after each step: the writer commits it by --commit-every."""
         me = self.me
         for part, plan in parts:
-            rows = {i: error_row(planned[i]) for i in part.indices if planned[i].error}
+            # a carried error row is the old output's, even where its header fails again now
+            carried = self.update.rows(part.indices, planned) if self.update is not None else {}
+            rows = {i: error_row(planned[i]) for i in part.indices
+                    if planned[i].error and i not in carried}
             if self._counts_header_failures:
                 self._note(rows.values())
-            carried = self.update.rows(part.indices, planned) if self.update is not None else {}
             rows.update(carried)
             self.summary.reused += len(carried)
             done = part.start  # rows before it were yielded (gathered pieces)
@@ -105,8 +107,9 @@ class PartEncoder:
                last: bool = False) -> tuple[tuple | None, int]:
         """The rows of ``part`` finished from input ``done`` on without a gap (all of them
         when ``last``), taken out of ``rows`` and counted, as ``(name, start, end, digest,
-        rows)`` (None when there are none), and where the next piece starts. A whole part
-        keeps its name and digest; a piece is named for its start (``plan.part_name``)."""
+        closes, rows)`` (None when there are none; ``closes``: it ends the plan's part), and
+        where the next piece starts. A whole part keeps its name and digest; a piece is named
+        for its start (``plan.part_name``)."""
         if last:
             end = part.end
         else:  # a gathered part covers start..end: its indices are that range
@@ -118,9 +121,10 @@ class PartEncoder:
         indices = part.indices if (done, end) == (part.start, part.end) else range(done, end)
         ordered = [rows.pop(i) for i in indices]
         self.summary.count_rows([row for i, row in zip(indices, ordered) if i not in carried])
+        closes = end == part.part_end
         if (done, end) == (part.start, part.end):
-            return (part.name, part.start, part.end, part.digest, ordered), end
-        return (part_name(done, part.part_images), done, end, "", ordered), end
+            return (part.name, part.start, part.end, part.digest, closes, ordered), end
+        return (part_name(done, part.part_images), done, end, "", closes, ordered), end
 
     def _stop_agreed(self) -> bool:
         """Whether any rank was signalled; also brings every rank's progress to rank 0 (the

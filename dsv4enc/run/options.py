@@ -19,6 +19,7 @@ from ..tower.config import Attention
 COLLECTIVE_TIMEOUT_S = 300.0  # --timeout: how long a collective waits for a peer rank
 COMMIT_EVERY_S = 30.0  # --commit-every: seconds of encoding before finished work is committed
 LOG_EVERY_S = 30.0  # --log-every: seconds between progress lines when stderr is not a terminal
+PRUNE_SHARE = 0.01  # the share of an output's rows --update may drop without --prune
 
 #: How the ranks share the tower: each encodes its own images, or the weights are split.
 TpMode = Literal["data", "weights"]
@@ -61,6 +62,9 @@ class EncodeOptions:
     overwrite: bool = False
     resume: bool = False
     update: bool = False  # encode what the output lacks, drop what is gone (output/update)
+    prune: bool = False  # --update may drop more than PRUNE_SHARE of the rows
+    retry_errors: bool = False  # --update encodes every error row again, not the transient only
+    dry_run: bool = False  # say what would be encoded, reused and dropped; write nothing
     max_pixels: int = DEFAULT_MAX_PIXELS
     decode_timeout: float = DEFAULT_DECODE_TIMEOUT_S
     attention: Attention = "auto"
@@ -90,6 +94,13 @@ def validate(opts: EncodeOptions) -> None:
         other = "--overwrite" if opts.overwrite else "--resume"
         raise UsageError(f"--update and {other} contradict each other; choose one (--update "
                          "also finishes an interrupted update)")
+    if (opts.prune or opts.retry_errors) and not opts.update:
+        flag = "--prune" if opts.prune else "--retry-errors"
+        raise UsageError(f"{flag} applies to --update only")
+    if opts.dry_run and (opts.resume or opts.overwrite):
+        other = "--overwrite" if opts.overwrite else "--resume"
+        raise UsageError(f"--dry-run shows what a new run or an --update would do; leave out "
+                         f"{other}")
     if opts.update and opts.shard_output:
         raise UsageError("--update writes one output from one process; leave out --shard-output")
     if opts.random_init and opts.weights:

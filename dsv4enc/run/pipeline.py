@@ -9,8 +9,10 @@ split the tower (``tower/tensor_parallel``)."""
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Protocol
 
 import pyarrow as pa
@@ -29,10 +31,13 @@ from ..engine.engine import Engine
 from ..errors import DsvError, Interrupted, UsageError, advise
 from ..images.decode import DecodePool
 from ..images.discover import nothing_found
+from ..images.items import is_image_name
 from ..output.layout import (OutputLayout, PartWriter, Resume, ResumeSettings, assembler_for,
                              open_store)
-from ..output.update import Update, footer_entry, row_stamps, write_folder_stamps
-from .options import EncodeOptions, default_workers, default_writer_threads, validate
+from ..output.update import (Update, footer_entry, recover_switch, row_stamps,
+                              write_folder_stamps)
+from .options import (PRUNE_SHARE, EncodeOptions, default_workers, default_writer_threads,
+                      validate)
 from .plan import Part, cut_parts, images_per_part, output_bytes, segment_tokens
 from .setup import LISTED_FIRST, RunSetup, WindowSettings
 from ..images.headers import input_stamps
@@ -91,6 +96,7 @@ def resume_settings(opts: EncodeOptions) -> ResumeSettings:
     (each segment is a part under --shard-output), and the options that decide rows besides
     the run's settings (not --decode-timeout: a part with a timed-out row is redone anyway)."""
     return ResumeSettings(resume=opts.resume or opts.update,
+                          flag="--update" if opts.update else "--resume",
                           commit_every=None if opts.shard_output else opts.commit_every,
                           row_options={"max_pixels": opts.max_pixels,
                                        "image_column": opts.image_column,
@@ -166,7 +172,12 @@ def run_encode(opts: EncodeOptions, dist=None, setup: RunSetup | None = None,
                                       overwrite=opts.overwrite,
                                       shard_output=opts.shard_output, rank=ranks.rank,
                                       world_size=ranks.world_size, gather=ranks.gather)
+        if remote is not None and opts.dry_run:  # its pull and finish write to the store
+            raise UsageError("--dry-run needs a local --out (an object storage output is "
+                             "synced when the run ends)")
         if remote is None:
+            if opts.update:  # an update's switch stopped halfway left the output aside
+                recover_switch(Path(opts.out))
             layout = OutputLayout(opts.out, opts.shard_output)
             summary = _run_encode(opts, ranks, setup, stop, layout, source)
         else:
@@ -227,8 +238,12 @@ def _run_encode(opts: EncodeOptions, ranks: Topology, setup: RunSetup, stop: Sto
         with progress:
             computes = source.start(setup, progress)
             output = _plan_output(run, setup, source, computes, remote)
+            if output is None:  # --dry-run
+                return summary
             store = output.store
-            progress.announce(source.opening_line(len(setup.planned)))
+            line = source.opening_line(len(setup.planned))
+            # the output as given: a URL, not the staging folder its run writes in
+            progress.announce(remote.translate(line) if remote is not None else line)
             if adopted:
                 progress.announce(adopted)
             carried = output.carried
@@ -240,8 +255,9 @@ def _run_encode(opts: EncodeOptions, ranks: Topology, setup: RunSetup, stop: Sto
             _write_output(run, source, setup, output)
     except (DsvError, Interrupted) as exc:
         again = finishing_flag(opts)
-        if isinstance(exc, storage.StoreDown) and store is not None and remote is None:
-            exc.keep(len(store.parts), str(layout.parts_dir), again)
+        if isinstance(exc, storage.StoreDown):  # a store output's parts: RemoteOutput.run
+            local = store is not None and remote is None
+            exc.keep(len(store.parts) if local else None, str(layout.parts_dir), again)
         elif again != "--resume":
             advise(exc, again)
         if ranks.is_main:
@@ -277,9 +293,10 @@ class OutputPlan:
 
 
 def _plan_output(run: RunState, setup: RunSetup, source: PartSource, computes: dict,
-                 remote: RemoteOutput | None) -> OutputPlan:
+                 remote: RemoteOutput | None) -> OutputPlan | None:
     """The run's settings, schema and store (the old output's under ``--update``), and its
-    parts still to encode (``--resume`` judges committed parts by their inputs' stamps)."""
+    parts still to encode (``--resume`` judges committed parts by their inputs' stamps).
+    None for ``--dry-run``: its counts are in the summary, and nothing was written."""
     opts, ranks, layout, summary = run.opts, run.ranks, run.layout, run.summary
     cfg, alone = computes["config"], ranks.dist is None
     part_images = images_per_part(cfg, opts)
@@ -296,24 +313,36 @@ def _plan_output(run: RunState, setup: RunSetup, source: PartSource, computes: d
     rows_settings = {**settings, **resuming.row_options}
     # --update of an existing output (None: there is none yet, a plain run)
     update = Update.start(layout.out, layout.folder_mode) if opts.update else None
+    # Listed whole first: what judges the output's size up front (one object in a store)
+    if opts.dry_run or layout.max_file_bytes is not None and not layout.folder_mode:
+        setup.more(None)
+    setup.more(max(part_images, LISTED_FIRST))
+    if ranks.is_main and not setup.planned:
+        log.warning(nothing_found(opts.inputs, opts.files_from, setup.found.skipped))
+    if update is not None:  # matched before anything is written: a refusal leaves no trace
+        setup.headers(cfg, opts, ranks, run.stop.requested if alone else None,
+                      announce=run.progress.status)
+        run.stop.check()  # headers left unread must not be matched as error rows
+        update.match(setup.planned, rows_settings, opts.retry_errors)  # or refuses, in a line
+        update.count_into(summary)
+        if not opts.prune:
+            try:
+                update.check_drop(PRUNE_SHARE, given_one_by_one(opts))
+            except UsageError:
+                if not opts.dry_run:
+                    raise
+                summary.needs_prune = True
+    if opts.dry_run:
+        summary.dry_run = True
+        summary.reused = len(update.carried) if update is not None else 0
+        summary.encoded = len(setup.planned) - summary.reused
+        return None
     store = open_store(layout, settings, schema, local=remote is None, is_main=ranks.is_main,
                        world_size=ranks.world_size, rank=None if alone else ranks.rank,
                        update=update, rows_settings=rows_settings,
                        written_elsewhere=source.written_elsewhere)
     if source.written_elsewhere and remote is not None:
         store.fetch = remote.adopt_part
-    # Listed whole first: what judges the output's size up front (one object in a store)
-    if layout.max_file_bytes is not None and not layout.folder_mode:
-        setup.more(None)
-    setup.more(max(part_images, LISTED_FIRST))
-    if ranks.is_main and not setup.planned:
-        log.warning(nothing_found(opts.inputs, opts.files_from, setup.found.skipped))
-    if update is not None:
-        setup.headers(cfg, opts, ranks, run.stop.requested if alone else None,
-                      announce=run.progress.status)
-        run.stop.check()  # headers left unread must not be matched as error rows
-        update.match(setup.planned, rows_settings)  # refuses other settings in one line
-        update.count_into(summary)
     parts = source.cut(setup, part_images, run.progress, run.stop)
     resume = Resume(store, setup.planned, resuming, writes=ranks.writes, agree=ranks.agree_on_todo)
     # the output holds a manifest now: a stop says how to go on from what it records
@@ -326,6 +355,13 @@ def _plan_output(run: RunState, setup: RunSetup, source: PartSource, computes: d
         summary.reused += kept
     return OutputPlan(store, schema, todo, update, ranks.is_main and not ranks.sharded,
                       resuming.row_options, {**settings, "batch_tokens": computes["batch_tokens"]})
+
+
+def given_one_by_one(opts: EncodeOptions) -> bool:
+    """Whether the inputs were named one file at a time (image files, or a --files-from list),
+    where ``--update`` may drop no row unless ``--prune`` says so."""
+    return opts.files_from is not None or all(
+        os.path.isfile(name) and is_image_name(name) for name in opts.inputs)
 
 
 def _judged(resume: Resume, parts: Iterable[Part], setup: RunSetup,
@@ -523,10 +559,10 @@ class LocalParts:
         windows = setup.plan_windows(output.todo, plan, opts.max_images,
                                      idle=list_ahead if ranks.world_size == 1 else None)
         with run.stop.deferred():  # a signal stops the loop between batches
-            for name, start, end, digest, rows in runner.run(planned, windows.parts(on_window),
-                                                             setup.decoded):
+            for name, start, end, digest, closes, rows in runner.run(
+                    planned, windows.parts(on_window), setup.decoded):
                 if writer is not None:
-                    writer.put(name, rows, start, end, digest)
+                    writer.put(name, rows, start, end, digest, closes=closes)
                 del rows  # only the writer holds a finished part meanwhile
         if windows.count is not None:
             run.progress.plan_tokens(0, last=True)  # the last window was not known as such

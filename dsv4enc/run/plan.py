@@ -1,13 +1,23 @@
 """The run's plan, made a window ahead of the encoder: the parts (consecutive input ranges
-cut by input order alone: the unit of commit and resume), and for each range to encode its
-images' grids from their headers (probed by ``images/headers``, shared between ranks here),
-its segments with their share per rank, and its batches."""
+cut where the inputs' keys say: the unit of commit and resume), and for each range to encode
+its images' grids from their headers (probed by ``images/headers``, shared between ranks
+here), its segments with their share per rank, and its batches.
+
+A part ends after an input whose key hashes lower than every key within ``part_images // 2``
+inputs on either side (content-defined boundaries, as backup tools chunk files): a boundary
+depends on the keys near it alone, so inputs added or removed anywhere move only the
+boundaries around them, and ``--update`` writes again only the parts there. A part holds at
+least ``part_images // 4`` inputs (but the last) and at most ``2 * part_images - 1`` (cut
+there when no key says so); it holds about ``part_images`` on average."""
 
 from __future__ import annotations
 
+import hashlib
 import heapq
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Callable, Collection, Iterator, Sequence
+
+import numpy as np
 
 from ..errors import UsageError
 from .options import BALANCE_CHOICES
@@ -65,14 +75,16 @@ def with_grids(items: Sequence[InputItem], share: list[tuple[int, Probe]], cfg: 
 
 
 def images_per_part(cfg: VisionConfig, opts: EncodeOptions) -> int:
-    """Images per part so a part's embeddings stay under PART_BYTES even at the largest grid;
-    from the config and output settings only, so that a resumed run cuts the same parts."""
+    """The parts' target size (``--part-images``, or so that the longest part's embeddings
+    stay under PART_BYTES even at the largest grid); from the config and output settings
+    only, so that a resumed run cuts the same parts."""
     if opts.part_images:
         return opts.part_images
     max_patches = (cfg.max_n_token * cfg.downsample_ratio ** 2 if opts.features == "vit"
                    else cfg.max_n_token)
     per_image = _row_bytes(cfg, opts) * (1 if opts.pool == "mean" else max_patches)
-    return int(min(MAX_PART_IMAGES, max(16, PART_BYTES // per_image)))
+    longest = int(min(MAX_PART_IMAGES, max(16, PART_BYTES // per_image)))
+    return (longest + 1) // 2  # the longest part: 2 * target - 1
 
 
 def _row_bytes(cfg: VisionConfig, opts: EncodeOptions) -> int:
@@ -100,9 +112,9 @@ def segment_tokens(batch_tokens: int, device_type: str) -> int:
 
 
 def part_name(start: int, part_images: int) -> str:
-    """The name of the part (or segment) at input ``start``: ``part-NNNNNN`` at the start of
-    the NNNNNNth range, ``part-NNNNNN_OOOOOO`` at offset OOOOOO inside it (names sort in input
-    order; a part committed early by time is one)."""
+    """The name of the part (or segment) that starts at input ``start``: ``part-NNNNNN`` where
+    ``start`` is NNNNNN times ``part_images``, ``part-NNNNNN_OOOOOO`` OOOOOO inputs further
+    (one name per start; names sort in input order)."""
     number, offset = divmod(start, part_images)
     return f"part-{number:06d}" + (f"_{offset:06d}" if offset else "")
 
@@ -118,12 +130,22 @@ class Part:
     digest: str
     # data parallel: every rank's share of start..end (failed items included), by rank
     shares: list[list[int]] | None = field(default=None, repr=False, compare=False)
-    part_images: int = field(default=0, repr=False, compare=False)  # the range's length
+    part_images: int = field(default=0, repr=False, compare=False)  # the parts' target size
+    part_end: int = field(default=0, repr=False, compare=False)  # where the part ends (a segment's)
+
+    def __post_init__(self) -> None:
+        self.part_end = self.part_end or self.end
+
+    @property
+    def closes(self) -> bool:
+        """Whether this range ends its part (the writer commits what it joined up to here)."""
+        return self.end == self.part_end
 
     def rest(self, start: int) -> "Part":
         """What is left of this range from ``start`` on (a resumed run's remainder)."""
         return Part(part_name(start, self.part_images), start, self.end,
-                    range(start, self.end), "", part_images=self.part_images)
+                    range(start, self.end), "", part_images=self.part_images,
+                    part_end=self.part_end)
 
 
 def _segments(planned: Sequence[Planned], start: int, end: int,
@@ -142,17 +164,82 @@ def _segments(planned: Sequence[Planned], start: int, end: int,
     return cuts + [(first, end)] if end > first else cuts
 
 
+def part_sizes(part_images: int) -> tuple[int, int, int]:
+    """``(shortest, longest, reach)`` of the parts cut for a target of ``part_images``: the
+    fewest and most inputs a part holds (the last excepted) and how many keys on either side
+    a boundary's key must hash lower than."""
+    return max(1, part_images // 4), 2 * part_images - 1, part_images // 2
+
+
+def key_hashes(keys: Sequence[str]) -> np.ndarray:
+    """Each key's 64-bit hash (BLAKE2b of its UTF-8 bytes: the same on every machine)."""
+    return np.fromiter((int.from_bytes(hashlib.blake2b(
+        key.encode("utf-8", "surrogatepass"), digest_size=8).digest(), "little")
+        for key in keys), dtype=np.uint64, count=len(keys))
+
+
+class _Hashes:
+    """The inputs' key hashes from ``first`` on (those before it are dropped as the cut
+    passes them): each key is hashed once."""
+
+    def __init__(self, planned: Sequence[Planned]) -> None:
+        self.planned = planned
+        self.first = 0
+        self.values = np.empty(0, dtype=np.uint64)
+
+    def span(self, start: int, end: int) -> np.ndarray:
+        """The hashes of inputs ``start..end`` (``start`` never below an earlier call's)."""
+        have = self.first + len(self.values)
+        if end > have:
+            more = key_hashes([p.item.key for p in self.planned[have:end]])
+            self.values = np.concatenate([self.values, more])
+        self.values = self.values[start - self.first:]
+        self.first = start
+        return self.values[:end - start]
+
+
+_HIGHEST = np.iinfo(np.uint64).max
+
+
+def lowest_in_reach(hashes: np.ndarray, reach: int) -> np.ndarray:
+    """Whether each of ``hashes[reach:-reach]`` is lower than every hash within ``reach``
+    places on either side (one bool each)."""
+    windows = np.lib.stride_tricks.sliding_window_view(hashes, 2 * reach + 1)
+    middle = windows[:, reach]
+    return ((middle < windows[:, :reach].min(axis=1, initial=_HIGHEST))
+            & (middle < windows[:, reach + 1:].min(axis=1, initial=_HIGHEST)))
+
+
+def _part_end(hashes: _Hashes, start: int, count: int, part_images: int) -> int:
+    """Where the part that starts at ``start`` ends, of ``count`` inputs listed (every
+    input up to the longest part's end and ``reach`` keys past it, or all there are)."""
+    shortest, longest, reach = part_sizes(part_images)
+    last = min(start + longest, count)  # no key says where: the longest part (or the rest)
+    first = start + shortest - 1  # the first input a part may end after
+    if first >= last - 1:
+        return last
+    # the keys within reach of inputs first..last-1; past the list's ends, the highest hash
+    low, high = max(0, first - reach), min(count, last - 1 + reach)
+    padded = np.concatenate([np.full(low - (first - reach), _HIGHEST, np.uint64),
+                             hashes.span(low, high),
+                             np.full(last - 1 + reach - high, _HIGHEST, np.uint64)])
+    found = np.flatnonzero(lowest_in_reach(padded, reach))
+    return first + int(found[0]) + 1 if len(found) else last
+
+
 def cut_parts(planned: list[Planned], part_images: int,
               more: Callable[[int], None] = lambda count: None) -> Iterator[Part]:
-    """The run's parts: consecutive ranges of ``part_images`` inputs, by input order alone
-    (their bounds known before any header is read, the same on resume), each as soon as
+    """The run's parts: consecutive ranges cut where their keys say (the module's doc; their
+    bounds known before any header is read, the same on resume), each as soon as
     ``more(count)`` has listed its inputs into ``planned`` (by default it is whole)."""
+    _, longest, reach = part_sizes(part_images)
+    hashes = _Hashes(planned)
     start = 0
     while True:
-        more(start + part_images)
-        end = min(start + part_images, len(planned))
-        if end <= start:
+        more(start + longest + reach)
+        if start >= len(planned):
             return
+        end = _part_end(hashes, start, len(planned), part_images)
         yield Part(part_name(start, part_images), start, end, range(start, end), "",
                    part_images=part_images)
         start = end
@@ -173,9 +260,9 @@ def plan_segments(planned: Sequence[Planned], part: Part, ranks: Topology | None
         if ranks.sharded:
             name, indices = f"{name}-rank{ranks.rank:03d}", shares[ranks.rank]
         return [Part(name, start, end, indices, inputs_digest(planned[start:end]), shares,
-                     part_images=size)]
+                     part_images=size, part_end=part.part_end)]
     return [Part(part_name(first, size), first, last, range(first, last),
-                 inputs_digest(planned[first:last]), part_images=size)
+                 inputs_digest(planned[first:last]), part_images=size, part_end=part.part_end)
             for first, last in _segments(planned, start, end, segment_tokens)]
 
 
@@ -261,21 +348,51 @@ def pack_bins(costs: Sequence[int], capacity: int, max_items: int | None = None)
     return sorted((sorted(b) for b in bins), key=lambda b: b[0])
 
 
+#: Under ``pack_in_order`` an item joins one of the last this many batches opened, so that a
+#: batch's images lie close together in input order.
+OPEN_BINS = 4
+
+
+def pack_in_order(costs: Sequence[int], capacity: int, max_items: int | None = None,
+                  open_bins: int = OPEN_BINS) -> list[list[int]]:
+    """Bins like ``pack_bins``'s, filled in input order: each item goes to the first of the
+    last ``open_bins`` bins it fits in, else opens one. The bins' work flows in input order
+    (an item is never more than ``open_bins`` bins from its neighbours), at a little more
+    padding than first-fit-decreasing."""
+    bins: list[list[int]] = []
+    loads: list[int] = []
+    for i, cost in enumerate(costs):
+        for b in range(max(0, len(bins) - open_bins), len(bins)):
+            if loads[b] + cost <= capacity and (max_items is None or len(bins[b]) < max_items):
+                bins[b].append(i)
+                loads[b] += cost
+                break
+        else:
+            bins.append([i])
+            loads.append(cost)
+    return bins
+
+
 def part_batches(planned: Sequence[Planned], indices: Sequence[int], batch_tokens: int,
-                 max_images: int | None) -> list[list[int]]:
+                 max_images: int | None, in_order: bool = False) -> list[list[int]]:
     """The batches (lists of item indices) that ``indices`` are encoded in: the readable
-    items, packed first-fit-decreasing by patch count."""
+    items, packed first-fit-decreasing by patch count (``in_order``: ``pack_in_order``)."""
     good = [i for i in indices if planned[i].error is None]
-    bins = pack_bins([planned[i].tokens for i in good], batch_tokens, max_images)
+    pack = pack_in_order if in_order else pack_bins
+    bins = pack([planned[i].tokens for i in good], batch_tokens, max_images)
     return [[good[j] for j in b] for b in bins]
 
 
 def plan_batches(planned: Sequence[Planned], parts: Sequence[Part], batch_tokens: int,
-                 max_images: int | None, carried: Collection[int] = ()) -> list[list[list[int]]]:
+                 max_images: int | None, carried: Collection[int] = (),
+                 in_order: bool = False) -> list[list[list[int]]]:
     """Per part, per rank (one share without data parallelism), the batches it is encoded
     in. Every rank plans every rank's batches, so that all take the same number of steps
-    (each ends in collectives). ``carried`` (rows ``--update`` copies) are in no batch."""
+    (each ends in collectives). ``carried`` (rows ``--update`` copies) are in no batch.
+    ``in_order``: batches filled in input order (``pack_in_order``), so that a part encoded
+    whole by several ranks finishes from its start on and is committed in pieces as it goes."""
     skip = set(carried)
-    return [[part_batches(planned, [i for i in share if i not in skip], batch_tokens, max_images)
+    return [[part_batches(planned, [i for i in share if i not in skip], batch_tokens,
+                          max_images, in_order)
              for share in (part.shares if part.shares is not None else [part.indices])]
             for part in parts]

@@ -382,7 +382,7 @@ class RayParts:
         they wrote in input order. By hand on ``ray.wait``: Ray's ActorPool allows one call in
         flight per actor, and an actor should have its next part queued while it encodes one."""
         ray, stop = self.cluster.ray, run.stop
-        calls = part_calls(setup.planned, output.todo, output.settings["part_images"],
+        calls = part_calls(setup.planned, output.todo,
                            output.settings["batch_tokens"], self.opts.max_images,
                            CALLS_PER_ACTOR * len(self.actors))
         if self.remote is not None:  # once the manifests that --overwrite replaces are gone
@@ -441,16 +441,16 @@ def _commit(call: PartCall, report: dict, writer, run) -> None:
     run.progress.advance(*report["progress"])
 
 
-def part_calls(planned, todo, part_images: int, batch_tokens: int, max_images: int | None,
+def part_calls(planned, todo, batch_tokens: int, max_images: int | None,
                wanted: int) -> list[PartCall]:
-    """The calls that encode the segments ``todo``: the consecutive segments of one
-    ``part_images`` range go in one call, whose file is one part (named after its first
-    segment, as the local run joins segments), and ranges are cut at segment bounds into
-    about ``wanted`` calls when there are fewer, so that every actor has work."""
+    """The calls that encode the segments ``todo``: the consecutive segments of one part go
+    in one call, whose file is one part (named after its first segment, as the local run
+    joins segments), and parts are cut at segment bounds into about ``wanted`` calls when
+    there are fewer, so that every actor has work."""
     runs: list[list] = []
     for segment in todo:
         if (runs and runs[-1][-1].end == segment.start
-                and runs[-1][-1].start // part_images == segment.start // part_images):
+                and runs[-1][-1].part_end == segment.part_end):
             runs[-1].append(segment)
         else:
             runs.append([segment])

@@ -332,7 +332,7 @@ class WindowSettings:
         segments = plan_segments(planned, part, self.ranks, self.opts.balance, self.cfg,
                                  self.segment_tokens)
         batches = plan_batches(planned, segments, self.batch_tokens, self.opts.max_images,
-                               self.carried)
+                               self.carried, in_order=self.ranks.gathered)
         tasks = [(i, planned[i].item)  # this rank's decode order: part by part, batch by batch
                  for plan in batches for batch in plan[self.me] for i in batch]
         tokens = sum(planned[i].tokens for i in range(start, end)

@@ -31,7 +31,11 @@ class RunSummary:
     misnamed_example: str = ""  # the first of them, e.g. "a.png is JPEG"
     reused: int = 0
     dropped: int = 0  # --update: rows of inputs that are gone
+    dropped_paths: list[str] = field(default_factory=list)  # the first few of them
+    reused_failed: int = 0  # --update: error rows carried as they were (among ``reused``)
     update: bool = False  # an --update of an existing output (``reused``: its rows kept)
+    dry_run: bool = False  # --dry-run: ``encoded``, ``reused``, ``dropped`` would be; none was
+    needs_prune: bool = False  # --dry-run: the update would be refused without --prune
     seconds: float = 0.0
     tokens: int = 0
     padded_tokens: int = 0
@@ -111,8 +115,9 @@ def print_summary(summary) -> None:
             f"format, read as what {'they are' if s.misnamed != 1 else 'it is'} "
             f"(e.g. {s.misnamed_example})"))
     if s.update:
-        table.add_row("reused from the output", str(s.reused))
-        table.add_row("dropped (inputs gone)", str(s.dropped))
+        failed = f" ({failed_images(s.reused_failed)} among them)" if s.reused_failed else ""
+        table.add_row("reused from the output", f"{s.reused}{failed}")
+        table.add_row("dropped (inputs gone)", escape(f"{s.dropped}{dropped_shown(s)}"))
     elif s.reused:
         table.add_row("reused from earlier run", str(s.reused))
     table.add_row("wall time", f"{s.seconds:.1f}s (the whole run, start-up included)")
@@ -140,6 +145,27 @@ def print_summary(summary) -> None:
     stderr_console.print(table)
 
 
+def dropped_shown(summary) -> str:
+    """`` (a.png, b.png and 19 more)``: the first dropped rows' paths, or "" for none."""
+    if not summary.dropped_paths:
+        return ""
+    more = summary.dropped - len(summary.dropped_paths)
+    return f" ({', '.join(summary.dropped_paths)}{f' and {more:,} more' if more > 0 else ''})"
+
+
+def failed_images(count: int) -> str:
+    return f"{count:,} failed image{'s' if count != 1 else ''}"
+
+
+def dry_run_line(summary) -> str:
+    """What ``--dry-run`` prints: the three counts, and the first dropped paths."""
+    s = summary
+    return (f"dry run for {s.out}: {s.encoded:,} to encode, {s.reused:,} reused"
+            f"{f' ({failed_images(s.reused_failed)})' if s.reused_failed else ''}, "
+            f"{s.dropped:,} dropped{dropped_shown(s)}; nothing was written"
+            f"{' (the update needs --prune to drop them)' if s.needs_prune else ''}")
+
+
 def summary_dict(summary, status: str = "completed", exit_code: int = 0,
                  error: str | None = None) -> dict:
     """What ``--summary-json`` holds: counts, failures by type and message (with an example
@@ -156,8 +182,10 @@ def summary_dict(summary, status: str = "completed", exit_code: int = 0,
         "status": status, "exit_code": exit_code, "output": s.out,
         **({"error": error} if error is not None else {}),
         "images": {"encoded": s.encoded, "failed": s.failed, "skipped_not_images": s.skipped,
-                   "reused": s.reused, "dropped": s.dropped, "folders_not_listed": s.unlisted,
-                   "misnamed": s.misnamed},
+                   "reused": s.reused, "reused_failed": s.reused_failed, "dropped": s.dropped,
+                   "folders_not_listed": s.unlisted, "misnamed": s.misnamed},
+        "dropped_examples": s.dropped_paths,
+        "dry_run": s.dry_run,
         "misnamed_example": s.misnamed_example,
         "tokens": s.tokens,
         "failures": {"by_type": by_type, "messages": messages},

@@ -64,20 +64,52 @@ def coefficients(in_size: int, out_size: int) -> tuple[torch.Tensor, torch.Tenso
     return torch.from_numpy(index), torch.from_numpy(fixed)
 
 
-def resample_axis(pixels: torch.Tensor, out_size: int, dim: int) -> torch.Tensor:
+@functools.lru_cache(maxsize=512)
+def coefficients_on(in_size: int, out_size: int, device: torch.device,
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``coefficients`` copied to ``device`` once: a copy from pageable host memory would
+    wait for the device's queue at every image."""
+    return tuple(t.to(device) for t in coefficients(in_size, out_size))
+
+
+def resample_axis(pixels: torch.Tensor, out_size: int, dim: int,
+                  at_once: bool | None = None) -> torch.Tensor:
     """One pass of Pillow's resize along ``dim`` (0: rows, 1: columns) of uint8 pixels
-    (h, w, c); returns uint8 with ``out_size`` along ``dim``. Sums in int32 as Pillow's C
-    code does (its weights are made so that no sum overflows)."""
-    index, weights = coefficients(int(pixels.shape[dim]), out_size)
-    index, weights = index.to(pixels.device), weights.to(pixels.device)
-    shape = [1, 1, 1]
-    shape[dim] = out_size
-    acc = torch.full([out_size if d == dim else n for d, n in enumerate(pixels.shape)],
-                     1 << (PRECISION_BITS - 1), dtype=torch.int32, device=pixels.device)
-    for tap in range(index.shape[1]):
-        taken = pixels.index_select(dim, index[:, tap]).to(torch.int32)
-        acc += taken * weights[:, tap].view(shape)
+    (h, w, c); returns uint8 with ``out_size`` along ``dim``. Sums in int32, as Pillow's C
+    code does (its weights are made so that no sum overflows). ``at_once``: gather every
+    output pixel's whole window in one go (a few kernels per pass, for a GPU), else one filter
+    tap at a time (less memory traffic, for a CPU); None: at once off the CPU. Integer sums
+    are exact in any order: both give the same bytes."""
+    index, weights = coefficients_on(int(pixels.shape[dim]), out_size, pixels.device)
+    if at_once is None:
+        at_once = pixels.device.type != "cpu"
+    acc = (_sums_at_once if at_once else _sums_by_tap)(pixels, index, weights, dim)
     return (acc >> PRECISION_BITS).clamp_(0, 255).to(torch.uint8)
+
+
+def _sums_at_once(pixels: torch.Tensor, index: torch.Tensor, weights: torch.Tensor,
+                  dim: int) -> torch.Tensor:
+    """``resample_axis``'s int32 sums, every window gathered at once: (.., out, ksize, ..)."""
+    out_size, taps = index.shape
+    shape = list(pixels.shape)
+    shape[dim:dim + 1] = [out_size, taps]
+    window = pixels.index_select(dim, index.reshape(-1)).to(torch.int32).view(shape)
+    tap_weights = weights.view([out_size, taps] + [1] * (len(shape) - dim - 2))
+    acc = (window * tap_weights).sum(dim + 1, dtype=torch.int32)
+    return acc.add_(1 << (PRECISION_BITS - 1))  # Pillow's sums start at a half unit
+
+
+def _sums_by_tap(pixels: torch.Tensor, index: torch.Tensor, weights: torch.Tensor,
+                 dim: int) -> torch.Tensor:
+    """``resample_axis``'s int32 sums, one filter tap after another."""
+    out_size = index.shape[0]
+    shape = [out_size if d == dim else n for d, n in enumerate(pixels.shape)]
+    acc = torch.full(shape, 1 << (PRECISION_BITS - 1), dtype=torch.int32,
+                     device=pixels.device)
+    along = [out_size if d == dim else 1 for d in range(len(shape))]
+    for tap in range(index.shape[1]):
+        acc += pixels.index_select(dim, index[:, tap]).to(torch.int32) * weights[:, tap].view(along)
+    return acc
 
 
 #: Pillow 13 chose the order of the two passes by size; earlier Pillows always went horizontal
@@ -124,8 +156,9 @@ def pad(pixels: torch.Tensor, size: tuple[int, int], fill: tuple[int, ...]) -> t
     inner = contained_size(width, height, size)
     if inner == size:
         return resize(pixels, size)
-    out = torch.tensor(fill, dtype=torch.uint8, device=pixels.device).expand(
-        size[1], size[0], pixels.shape[2]).clone()
+    out = torch.empty(size[1], size[0], len(fill), dtype=torch.uint8, device=pixels.device)
+    for channel, value in enumerate(fill):  # scalar fills: nothing copied to the device
+        out[..., channel] = value
     if min(inner) == 0:  # ``contain`` gives an empty image: only the fill shows
         return out
     resized = resize(pixels, inner)

@@ -10,8 +10,9 @@ Sections (``--sections``, comma-separated):
 - ``backends``: every attention backend against SDPA, whole tower, and each bf16 variant
   against a float32 SDPA reference.
 - ``invariance``: batch-invariant rows (``Engine(deterministic=True)``, the default): one
-  image alone and in three mixed batches must give the same bits (limit 0 differing values),
-  per compute dtype; and the throughput cost of the invariant path against the plain one.
+  image alone and in four mixed batches (one beside copies of itself) must give the same bits
+  (limit 0 differing values), per compute dtype, with ``--attention`` auto and grouped; and
+  the throughput cost of the invariant path against the plain one.
 - ``fused``: the compiled elementwise path (``--fused``) against the eager tower (graphs on
   where possible), its rows' batch invariance, and its speed against eager.
 - ``transform``: the transform on the device (``--transform device``) against Pillow's path,
@@ -38,7 +39,7 @@ from dsv4enc.bench.throughput import MIX_SIZES
 from dsv4enc.tower.checkpoint import build_tower, load_checkpoint, random_checkpoint
 from dsv4enc.tower.config import VisionConfig
 from dsv4enc.engine.engine import Engine
-from dsv4enc.engine.graphs import BucketRunner, default_budgets
+from dsv4enc.engine.graphs import GRAPH_BACKENDS, BucketRunner, default_budgets
 from dsv4enc.engine.packing import pack
 from dsv4enc.run.plan import pack_bins
 from dsv4enc.tower.transform import image_to_patches, plan_canvas
@@ -65,7 +66,7 @@ def backends_for(device: torch.device, dtype: torch.dtype) -> list[str]:
     names = available_backends(device)
     if device.type == "cuda" and dtype == torch.float32:
         names = ["sdpa"]  # the flash kernels take fp16/bf16 only
-    return names
+    return [*names, "grouped"]
 
 
 # ----------------------------------------------------------------------------- golden
@@ -136,7 +137,7 @@ def graphs_section(cfg: VisionConfig, device: torch.device, dtype: torch.dtype,
     tag = str(dtype).removeprefix("torch.")
     limit = 1e-5 if dtype == torch.float32 else 2e-2
     if device.type == "cuda":
-        backends = [b for b in backends_for(device, dtype) if b != "sdpa"]
+        backends = [b for b in backends_for(device, dtype) if b in GRAPH_BACKENDS]
         if not backends:
             print("SKIP graphs: no graph-capable attention backend", flush=True)
             return
@@ -234,18 +235,22 @@ def invariance_section(cfg: VisionConfig, device: torch.device, n_images: int,
         model = build_tower(random_checkpoint(cfg, 0, dtype), device)
         items = random_items(cfg, n_images, seed=3)
         target = items[0]
-        engine = Engine(model, "aligner", "auto", torch.float32, batch_tokens=batch_tokens,
-                        max_images=16)
-        alone = engine.encode(pack([target], cfg.downsample_ratio))[0]
+        # The last mix holds the target beside copies of itself: one length group for
+        # --attention grouped.
         mixes = [[target] + items[1:4], items[4:9] + [target],
-                 items[9:11] + [target] + items[11:13]]
-        differing = 0
-        for mix in mixes:
-            at = next(i for i, item in enumerate(mix) if item is target)
-            got = engine.encode(pack(mix, cfg.downsample_ratio))[at]
-            differing += int((got != alone).sum()) if got.shape == alone.shape else alone.numel()
-        check(f"invariance {tag} {engine.attention_name}: one image alone vs 3 mixed batches "
-              f"(values differing)", float(differing), 0)
+                 items[9:11] + [target] + items[11:13], [target] * 3 + items[1:2]]
+        for attention in ("auto", "grouped"):
+            engine = Engine(model, "aligner", attention, torch.float32,
+                            batch_tokens=batch_tokens, max_images=16)
+            alone = engine.encode(pack([target], cfg.downsample_ratio))[0]
+            differing = 0
+            for mix in mixes:
+                at = next(i for i, item in enumerate(mix) if item is target)
+                got = engine.encode(pack(mix, cfg.downsample_ratio))[at]
+                differing += (int((got != alone).sum()) if got.shape == alone.shape
+                              else alone.numel())
+            check(f"invariance {tag} {engine.attention_name}: one image alone vs "
+                  f"{len(mixes)} mixed batches (values differing)", float(differing), 0)
         batches = batches_of(items, cfg, batch_tokens, 16)
         seconds = {}
         for deterministic in (False, True):

@@ -4,19 +4,26 @@
 #   OUT=gpu_out GOLDEN=shared/golden bash benchmarks/gpu_check.sh
 #
 # Steps, most important first, each under `timeout` and inside a global deadline
-# (BUDGET_S, default 540 s; a step that would start too late is skipped), each logged and
-# continued on failure:
+# (BUDGET_S, default 480 s; a step that would start too late is skipped), each logged and
+# continued on failure; a step stopped by its timeout prints its last line of output (for
+# pytest, the test that was running):
 #   env         torch / GPU / backends
 #   golden      golden parity, float32 and bfloat16, every backend, graphs on (GOLDEN dir;
 #               skipped with a message when absent)
-#   pytest      the CUDA tests (attention, graphs, engine; golden if GOLDEN exists)
-#   invariance  one image alone == in mixed batches, bit for bit (bf16, one graph bucket),
-#               and what the invariant path costs against the plain one
+#   pytest      the device tests (marked cuda) but those marked slow (attention, graphs,
+#               engine, fusion, transform), one line per test (-vv)
+#   start       `dsv4enc encode` with default options twice, each a new process: start-up
+#               (everything outside the encoding loop) and loop rate, cold (empty compile
+#               cache) and warm (benchmarks/start_cost.py)
+#   profile     device time split into GEMM / attention / other, eager and fused, for
+#               --attention auto and grouped, and every attention kernel on the same q, k, v,
+#               equal and mixed lengths (benchmarks/gpu_profile.py)
 #   bench       model-only throughput at real dims (bf16, 1024x768 photos), eager and
 #               --fused, against the matmul ceiling; then the encode pipeline end to end,
 #               single file and folder output (device idle, steady rate)
-#   profile     device time split into GEMM / attention / other, eager and fused, and every
-#               attention kernel on the same q, k, v (benchmarks/gpu_profile.py)
+#   pytest_slow the device tests marked slow
+#   invariance  one image alone == in mixed batches, bit for bit (bf16, one graph bucket),
+#               and what the invariant path costs against the plain one
 #   fused       --fused == eager under CUDA graphs, batch-invariant rows
 #   transform   the transform on the device == Pillow's, bit for bit, and its device time
 #               per 1024x768 image against the model's (--transform device)
@@ -24,7 +31,8 @@
 #   graphs      CUDA graphs == eager at real dims (random bf16 tower), oversize batch eager
 #   backends    each attention backend == SDPA, and vs a float32 reference, at real dims
 # Files written to $OUT (at most 7): gpu_check.log (everything), summary.txt, checks.json,
-# bench.json, profile.json, host.json.
+# bench.json, profile.json, host.json, start.json. The steps after bench rarely fit one budget:
+# a second call runs them, e.g. STEPS=pytest_slow,invariance,fused,host,graphs,backends.
 set -u
 cd "$(dirname "$0")/.."
 
@@ -32,7 +40,7 @@ OUT=${OUT:-./gpu_out}
 GOLDEN=${GOLDEN:-shared/golden}
 DEVICE=${DEVICE:-cuda}
 QUICK=${QUICK:-0}          # 1: tiny config and few images (CPU smoke run)
-BUDGET_S=${BUDGET_S:-540}  # the whole script ends within this many seconds (plus kill grace)
+BUDGET_S=${BUDGET_S:-480}  # the whole script ends within this many seconds (plus kill grace)
 STEPS=${STEPS:-all}        # or a comma-separated subset of the step names, e.g. bench,profile
 BENCH_GRAPHS=${BENCH_GRAPHS:-}    # the bench step's --graphs settings (default on,off; off on CPU)
 PY=${PYTHON:-python3}
@@ -50,10 +58,12 @@ if [ "$QUICK" = 1 ]; then
     CONFIG=configs/tiny.json; DTYPE=float32; CHECK_IMAGES=6; CHECK_TOKENS=8192
     BENCH_IMAGES=synthetic:640x480:6; BENCH_TOKENS=4096; REPEAT=1; NAIVE=2; PROFILE_IMAGES=2
     HOST_IMAGES=synthetic:1024x768:16; BENCH_GRAPHS=${BENCH_GRAPHS:-off}
+    START_IMAGES=8; START_SIZE=96x64; PROFILE_ATTENTION=auto
 else
     CONFIG=configs/deepseek-v4-flash.json; DTYPE=bfloat16; CHECK_IMAGES=24; CHECK_TOKENS=32768
     BENCH_IMAGES=synthetic:1024x768:384; BENCH_TOKENS=32768; REPEAT=2; NAIVE=4
     PROFILE_IMAGES=11; HOST_IMAGES=synthetic:1024x768:512; BENCH_GRAPHS=${BENCH_GRAPHS:-on,off}
+    START_IMAGES=256; START_SIZE=1024x768; PROFILE_ATTENTION=auto,grouped
 fi
 
 # step NAME LIMIT_S CMD...: run CMD with a timeout that also respects the global deadline.
@@ -75,12 +85,12 @@ step() {
     [ "$limit" -gt "$left" ] && limit=$left
     echo "=== $name (limit ${limit}s): $*" | tee -a "$LOG"
     began=$(date +%s)
-    timeout -k 10 "$limit" "$@" 2>&1 | tee -a "$LOG"
+    timeout -k 10 "$limit" "$@" 2>&1 | tee "$WORK/step.out" | tee -a "$LOG"
     rc=${PIPESTATUS[0]}
     local took=$(( $(date +%s) - began ))
     case $rc in
         0) status=ok ;;
-        124|137) status="TIMEOUT after ${took}s" ;;
+        124|137) status="TIMEOUT after ${took}s, running: $(tail -n 1 "$WORK/step.out" | cut -c1-200)" ;;
         *) status="FAILED (exit $rc)" ;;
     esac
     echo "=== $name: $status in ${took}s" | tee -a "$LOG"
@@ -112,21 +122,35 @@ else
     echo "golden: skipped (no $GOLDEN)" >>"$SUMMARY"
 fi
 
+# The device tests (marked cuda), the slow ones in a step of their own; a CPU smoke run
+# stands a few CPU tests in for them.
 TESTS="tests/test_tower_attention.py tests/test_engine_graphs.py tests/test_engine_engine.py"
-[ -f "$GOLDEN/expected.json" ] && [ -f tests/test_tower_golden.py ] && TESTS="$TESTS tests/test_tower_golden.py"
-step pytest 90 $PY -m pytest -q -x -p no:cacheprovider $TESTS
+TESTS="$TESTS tests/test_tower_fusion.py tests/test_tower_resample.py"
+if [ "$DEVICE" = cpu ]; then
+    FAST_TESTS="tests/test_tower_attention.py tests/test_engine_graphs.py"; FAST_MARK="not slow"
+    SLOW_TESTS="tests/test_tower_fusion.py"; SLOW_MARK="slow"
+else
+    FAST_TESTS=$TESTS; FAST_MARK="cuda and not slow"; SLOW_TESTS=$TESTS; SLOW_MARK="cuda and slow"
+fi
+step pytest 100 $PY -m pytest -vv -rfEs -p no:cacheprovider -m "$FAST_MARK" $FAST_TESTS
 
-step invariance 70 $PY benchmarks/device_check.py --device "$DEVICE" --sections invariance \
-    --config "$CONFIG" --images "$CHECK_IMAGES" --batch-tokens "$CHECK_TOKENS" \
-    --json "$OUT/checks_invariance.json"
+step start 120 $PY benchmarks/start_cost.py --device "$DEVICE" --config "$CONFIG" \
+    --images "$START_IMAGES" --size "$START_SIZE" --variants default --json "$OUT/start.json"
+
+step profile 90 $PY benchmarks/gpu_profile.py --device "$DEVICE" --config "$CONFIG" \
+    --dtype "$DTYPE" --images "$PROFILE_IMAGES" --attention "$PROFILE_ATTENTION" \
+    --json "$OUT/profile.json"
 
 step bench 240 $PY -m dsv4enc bench --config "$CONFIG" --device "$DEVICE" --dtype "$DTYPE" \
     --images "$BENCH_IMAGES" --batch-tokens "$BENCH_TOKENS" --graphs "$BENCH_GRAPHS" --fused off,on \
     --repeat "$REPEAT" --naive-images "$NAIVE" --e2e --outputs file,folder \
     --workdir "$WORK" --json "$OUT/bench.json"
 
-step profile 90 $PY benchmarks/gpu_profile.py --device "$DEVICE" --config "$CONFIG" \
-    --dtype "$DTYPE" --images "$PROFILE_IMAGES" --json "$OUT/profile.json"
+step pytest_slow 120 $PY -m pytest -vv -rfEs -p no:cacheprovider -m "$SLOW_MARK" $SLOW_TESTS
+
+step invariance 70 $PY benchmarks/device_check.py --device "$DEVICE" --sections invariance \
+    --config "$CONFIG" --images "$CHECK_IMAGES" --batch-tokens "$CHECK_TOKENS" \
+    --json "$OUT/checks_invariance.json"
 
 step fused 90 $PY benchmarks/device_check.py --device "$DEVICE" --sections fused \
     --config "$CONFIG" --dtype "$DTYPE" --images "$CHECK_IMAGES" \
@@ -193,9 +217,15 @@ if (out / "host.json").exists():
               f"{r['img_per_cpu_s']:.1f} images per CPU-second"
               + (f", steady {r['steady_img_per_cpu_s']:.1f}"
                  if r.get("steady_img_per_cpu_s") else ""))
+if (out / "start.json").exists():
+    for r in json.loads((out / "start.json").read_text()):
+        print(f"start.json: {r['variant']} {r['run']}: start-up {r['start_s']:.1f} s, loop "
+              f"{r['loop_img_per_s']:.1f} img/s, whole run {r['wall_s']:.1f} s")
 if (out / "profile.json").exists():
     for r in json.loads((out / "profile.json").read_text()):
-        if r["section"] == "breakdown":
+        if r["section"] == "mixed":
+            print(f"profile.json: mixed lengths, attention {r['kernel']} {r['tflop_s']:.0f} TFLOP/s")
+        elif r["section"] == "breakdown":
             print(f"profile.json: {r['variant']} {r['img_s']:.1f} img/s, {r['tflop_s']:.0f} TFLOP/s; "
                   + ", ".join(f"{c} {r[c + '_s'] / max(r['kernels_s'], 1e-12):.0%}"
                               + (f" at {r[c + '_tflop_s']:.0f} TFLOP/s" if r.get(c + '_tflop_s') else "")

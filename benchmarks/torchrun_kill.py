@@ -60,9 +60,8 @@ def rank_pid(parent: int, rank: int) -> int | None:
                             .rsplit(")", 1)[1].split()[1])
         except (OSError, ValueError, IndexError):
             continue
-        if chain == parent and f"RANK={rank}".encode() in environ \
-                and b"LOCAL_RANK=" in b"\0".join(environ) and int(entry.name) != parent:
-            return int(entry.name)
+        if chain == parent and int(entry.name) != parent and f"RANK={rank}".encode() in environ:
+            return int(entry.name)  # (environ's entries are whole: LOCAL_RANK=... is another)
     return None
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Iterable, Mapping, Sequence
 
 import numpy as np
+import pytest
 import torch
 from PIL import Image
 
@@ -294,3 +295,9 @@ def signal_after_first_part(monkeypatch, signum: int | None = None) -> None:
 
     monkeypatch.setattr(PartEncoder, "run", run)
 
+
+def needs_cuda(test):
+    """A test that runs only where CUDA is available, marked ``cuda`` (``gpu_check.sh`` selects
+    the device tests by that mark)."""
+    return pytest.mark.cuda(pytest.mark.skipif(not torch.cuda.is_available(),
+                                               reason="needs CUDA")(test))

@@ -12,10 +12,10 @@ from dsv4enc.tower.checkpoint import build_tower, random_checkpoint
 from dsv4enc.engine.engine import Engine
 from dsv4enc.engine.packing import pack
 
-from helpers import CONFIGS, load_config, random_patch_items, rel_err
+from helpers import CONFIGS, load_config, needs_cuda, random_patch_items, rel_err
 
 GRIDS = [(5, 7), (3, 3), (10, 4), (1, 1), (2, 9), (7, 7)]
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+cuda = needs_cuda
 
 
 def _items(grids, cfg, seed=0):
@@ -122,6 +122,7 @@ def test_image_flops_counts_matmuls_attention_and_aligner():
     assert image_flops(cfg, 48, 64, "vit") == pytest.approx(want - aligner)
 
 
+@pytest.mark.slow  # compiles the fused tower
 def test_bench_smoke(tmp_path):
     from dsv4enc.bench.throughput import print_results, run_bench
 
@@ -138,6 +139,7 @@ def test_bench_smoke(tmp_path):
     print_results(rows)
 
 
+@pytest.mark.slow  # runs the command in a process of its own
 def test_bench_end_to_end_rows_in_process_and_as_a_command(tmp_path):
     from dsv4enc.bench.throughput import run_bench
 

@@ -21,7 +21,7 @@ from dsv4enc.engine.graphs import BucketRunner, default_budgets, fit_budgets, ro
 from dsv4enc.engine.packing import aligner_grid, pack
 from dsv4enc.tower.transform import max_image_tokens, plan_canvas
 
-from helpers import load_config, packed_forward, rel_err
+from helpers import load_config, needs_cuda, packed_forward, rel_err
 
 GRIDS = [(5, 7), (3, 3), (10, 4), (1, 1), (2, 9), (7, 7)]
 
@@ -182,7 +182,7 @@ def test_engine_submit_collect_in_order(tower):
 
 # ----------------------------------------------------------------------------- CUDA graphs
 
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+cuda = needs_cuda
 
 
 @cuda

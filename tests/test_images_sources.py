@@ -797,3 +797,33 @@ def test_kept_tar_members_come_out_as_columns_beside_their_rows(tmp_path, images
     result = runner.invoke(app, ["encode", str(shard), "--keep-column", "txt", "--out",
                                  str(tmp_path / "r.parquet"), "--weights", str(ckpt)])
     assert result.exit_code == 2 and "kept with --keep-member" in result.output, result.output
+
+
+def test_kept_members_through_update_and_resume_settings(tmp_path, images, ckpt):
+    """An --update keeps the kept members of the rows it carries and adds the new shard's,
+    equal to a clean run; a run that asks for other members is refused in one line."""
+    shards = tmp_path / "wds"
+    shards.mkdir()
+
+    def shard(n: int, names: list[str]) -> None:
+        with tarfile.open(shards / f"train-{n:05d}.tar", "w") as archive:
+            for i, name in enumerate(names):
+                add_bytes(archive, f"{i:06d}.{name.split('.')[1]}", images[name].read_bytes())
+                add_bytes(archive, f"{i:06d}.txt", f"shard {n} sample {i}".encode())
+
+    shard(0, ["a.jpg", "b.png"])
+    out, clean = tmp_path / "out/", tmp_path / "clean/"
+    args = ("--keep-member", "txt", "--weights", str(ckpt))
+    run(str(shards), "--out", str(out), *args)
+    shard(1, ["c.webp"])
+    run(str(shards), "--out", str(out), "--update", *args)
+    run(str(shards), "--out", str(clean), *args)
+    columns = ["path", "txt", "embedding", "error"]
+    assert [r["txt"] for r in read_embeddings(str(out), columns)] == [
+        "shard 0 sample 0", "shard 0 sample 1", "shard 1 sample 0"]
+    for got, want in zip(read_embeddings(str(out), columns), read_embeddings(str(clean), columns)):
+        assert got["path"] == want["path"] and got["txt"] == want["txt"]
+        assert np.array_equal(got["embedding"], want["embedding"])
+    result = runner.invoke(app, ["encode", str(shards), "--out", str(out), "--update",
+                                 "--weights", str(ckpt), "--device", "cpu", "--workers", "0"])
+    assert result.exit_code == 2 and "--keep-member" in result.output, result.output

@@ -595,6 +595,15 @@ def keys_by_reader(out: Path) -> dict[str, list[str]]:
     return {reader: sorted(keys) for reader, keys in seen.items()}
 
 
+def assert_readers_see(out: Path, expected: dict[str, list[str]]) -> None:
+    """Every reader sees the ``expected`` keys, and ``dsv4enc inspect`` as many finished rows."""
+    from dsv4enc.output.inspect import summarize
+
+    assert keys_by_reader(out) == expected
+    shown = summarize(out)
+    assert (shown.rows, shown.interrupted) == (len(expected["read_embeddings"]), False)
+
+
 @pytest.mark.parametrize("point", ["encoded", "commit", "switch", "switched"])
 def test_an_update_stopped_anywhere_shows_readers_the_old_rows_or_the_new(point, tmp_path,
                                                                           clean):
@@ -618,16 +627,16 @@ def test_an_update_stopped_anywhere_shows_readers_the_old_rows_or_the_new(point,
     expected = {reader: new for reader in old} if point == "switched" else old
     try:
         pauses.wait(point, proc=proc)
-        assert keys_by_reader(out) == expected
+        assert_readers_see(out, expected)
         proc.kill()
         proc.wait(timeout=60)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    assert keys_by_reader(out) == expected
+    assert_readers_see(out, expected)
     run_encode(options(images, f"{out}/", update=True, prune=True))
-    assert keys_by_reader(out) == {reader: new for reader in old}
+    assert_readers_see(out, {reader: new for reader in old})
     assert_clean(out, clean[1])
     assert sorted(os.listdir(tmp_path)) == ["emb", "in", "pauses"]  # nothing left beside it
 
@@ -650,3 +659,26 @@ def test_a_switch_in_two_renames_where_there_is_no_exchange(tmp_path, monkeypatc
     assert_clean(out, clean[1])
     assert (out / ".notes").read_text() == "mine"
     assert sorted(os.listdir(tmp_path)) == ["emb", "in"]
+
+
+def test_the_share_an_update_may_drop_and_inputs_given_one_by_one(finished, tmp_path):
+    """1 row of 1,000 may go when a folder is given; none when files are given one by one
+    (image files, or a --files-from list)."""
+    from dsv4enc.output.update import OldOutput, Update
+    from dsv4enc.run.options import PRUNE_SHARE
+    from dsv4enc.run.pipeline import given_one_by_one
+
+    update = Update(OldOutput(tmp_path / "e.parquet", [], {}, None, False))
+    update.dropped, update.rows_before, update.dropped_paths = 1, 1000, ["a.png"]
+    update.check_drop(PRUNE_SHARE, one_by_one=False)
+    with pytest.raises(UsageError, match="drop 1 of the 1,000 rows .*among the files given"):
+        update.check_drop(PRUNE_SHARE, one_by_one=True)
+    update.dropped = 11
+    with pytest.raises(UsageError, match="more than 1%"):
+        update.check_drop(PRUNE_SHARE, one_by_one=False)
+    images, _ = finished
+    one = str(images / "img001.png")
+    assert given_one_by_one(options(images, "o", inputs=[one, str(images / "img002.png")]))
+    assert given_one_by_one(options(images, "o", inputs=[], files_from=one))
+    assert not given_one_by_one(options(images, "o"))  # the folder
+    assert not given_one_by_one(options(images, "o", inputs=[str(images), one]))

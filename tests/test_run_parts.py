@@ -198,3 +198,21 @@ def test_an_update_keeps_the_pieces_that_commits_by_time_cut(tmp_path):
     assert len(kept) == sum(len(part) for part in unchanged) >= 24 - 3 * 7
     encode(images, str(tmp_path / "clean.parquet"))
     assert rows(out) == rows(tmp_path / "clean.parquet")
+
+
+def test_resume_keeps_parts_cut_another_way(tmp_path):
+    """Committed parts are judged by their inputs, wherever they were cut: a run resumed
+    with another part size (or over parts an earlier dsv4enc cut by position) keeps them all,
+    and equals a clean run."""
+    images = tmp_path / "in"
+    images.mkdir()
+    for i, key in enumerate(names(20)):
+        noise(images / key, i)
+    out = tmp_path / "emb"
+    encode(images, f"{out}/", part_images=3)
+    before = files(out)
+    summary = encode(images, f"{out}/", part_images=7, resume=True)
+    assert (summary.encoded, summary.reused) == (0, 20)
+    assert files(out) == before
+    encode(images, str(tmp_path / "clean.parquet"))
+    assert rows(out) == rows(tmp_path / "clean.parquet")

@@ -458,6 +458,35 @@ def test_killed_rank_leaves_committed_pieces_that_resume_reuses(work, folders, c
     assert_same_rows(rows_of(out), want)
 
 
+def test_sigterm_ends_ranks_whose_stop_is_held_up(work, folders, ckpt, reference):
+    """SIGTERM to torchrun while rank 0's writer is held at a commit pause point that is never
+    released (as a hung commit would hold the stop): the ranks still end, after the grace
+    (``stopping.FORCE_EXIT_S``), rank 0 in one line that says so; --resume then finishes."""
+    out = work / "held.parquet"
+    pauses = Pauses(work / "held_pauses", "commit")
+    args = [str(folders["imgs"]), "--out", str(out), "--weights", str(ckpt), *FAST,
+            "--batch-tokens", "400", "--commit-every", "0.001"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
+           "--master-addr=127.0.0.1", f"--master-port={free_port()}", "-m", "dsv4enc",
+           "encode", *args]
+    proc = subprocess.Popen(cmd, cwd=work, env=pauses.env(_env()), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        pauses.wait("commit", proc=proc, hang_guard_s=LAUNCH_TIMEOUT_S)
+        proc.send_signal(signal.SIGTERM)  # the launcher passes it to both ranks
+        _, stderr = proc.communicate(timeout=LAUNCH_TIMEOUT_S)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode != 0, stderr[-3000:]
+    assert re.search(r"error: interrupted by SIGTERM; .*--resume.* \(the run did not stop "
+                     r"within [\d.]+ s of the signal: ended at once\)", stderr), stderr[-3000:]
+    assert not out.exists()
+    ok(torchrun(["-m", "dsv4enc", "encode", *args, "--resume"], work))
+    assert_same_rows(rows_of(out), rows_of(reference))
+
+
 def test_shard_output_resumes_when_ranks_committed_different_parts(work, sequence, reference):
     """Each rank keeps its own manifest; when one rank lacks a part the others have, every
     rank must still walk the same parts (their collectives pair up), and the gap is filled."""

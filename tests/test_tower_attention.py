@@ -12,9 +12,9 @@ from dsv4enc.tower.attention import (VarlenSpans, available_backends, grouped_at
 from dsv4enc.engine.engine import resolve_attention
 from dsv4enc.errors import UsageError
 
-from helpers import rel_err
+from helpers import needs_cuda, rel_err
 
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+cuda = needs_cuda
 
 LENGTHS = [17, 1, 64, 33]
 WITH_EMPTY = [0, 17, 0, 1, 64, 0, 33, 0, 0]  # empty spans first, between and at the end

@@ -14,7 +14,7 @@ from dsv4enc.engine.engine import Engine
 from dsv4enc.tower.fusion import fuse_elementwise
 from dsv4enc.engine.packing import pack
 
-from helpers import load_config, random_patch_items, rel_err
+from helpers import load_config, needs_cuda, random_patch_items, rel_err
 
 GRIDS = [(5, 7), (3, 3), (10, 4), (2, 9), (7, 7)]
 
@@ -141,3 +141,20 @@ def test_an_unset_fused_builds_the_eager_tower_on_the_cpu():
     state = random_checkpoint(load_config("tiny"), seed=2, dtype=torch.float32)
     model = build_model(state, torch.device("cpu"))
     assert all(b.mlp.act_fn is swiglu for b in model.vision.blocks)
+
+
+@needs_cuda
+@pytest.mark.slow
+def test_the_default_cuda_tower_is_fused_batch_invariant_and_near_eager():
+    from dsv4enc.engine.factory import build_engine
+
+    state = random_checkpoint(load_config("tiny"), seed=2, dtype=torch.bfloat16)
+    cuda = torch.device("cuda")
+    fused = build_engine(state, cuda)  # the default: fused on CUDA
+    eager = build_engine(state, cuda, fused=False)
+    assert fused.model.vision.blocks[0].mlp.act_fn is not eager.model.vision.blocks[0].mlp.act_fn
+    items = random_patch_items(GRIDS, fused.cfg.patch_dim, seed=1)
+    got = fused.encode(pack(items, 3))
+    want = eager.encode(pack(items, 3))
+    assert all(rel_err(g, w) < 2e-2 for g, w in zip(got, want))
+    assert torch.equal(fused.encode(pack(items[:1], 3))[0], got[0])

@@ -144,6 +144,7 @@ def test_pixels_to_patches_equals_the_golden_patches(golden):
         assert torch.equal(bits(patches), bits(ref.reshape(patches.shape))), case.name
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_pixels_to_patches_on_cuda_equals_the_cpu(tiny_cfg):
     for w, h in [(37, 23), (1024, 768), (300, 5000)]:

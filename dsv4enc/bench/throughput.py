@@ -371,7 +371,7 @@ def run_bench(config_path: str, device: str = "auto", dtype: str = "auto",
         or [default_batch_tokens(dev.type)]
     out_dtype = torch.float16
     state = random_checkpoint(cfg, seed, dt)
-    model = build_model(state, dev)
+    model = build_model(state, dev, fused=False)
     fused_model = build_model(state, dev, fused=True) if any(fused) else None
     del state
     rows: list[dict] = []

@@ -125,7 +125,7 @@ class PartSource(Protocol):
     ``LocalParts`` or ``ray_engine.RayParts``. ``prepare``: what computes, before the output
     folder is made (returns the line saying what ``--resume`` adopted, else None); ``start``:
     start computing and say with what (``config``, ``fingerprint``, ``compute_dtype``,
-    ``device``, ``batch_invariant``, ``batch_tokens``); ``cut``: the parts, by input order;
+    ``device``, ``batch_invariant``, ``batch_tokens``); ``cut``: the parts, in input order;
     ``planned_tokens``: the progress total's patches now (None: window by window); ``encode``:
     each part to do to ``writer``, ``begin`` called before the first batch; ``finish``: the
     engine's counts into the summary. ``written_elsewhere``: other processes write the parts."""

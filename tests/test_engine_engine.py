@@ -153,3 +153,19 @@ def test_bench_end_to_end_rows_in_process_and_as_a_command(tmp_path):
     by_mode = {r["mode"]: r for r in rows}
     assert by_mode["cli"]["images"] == 3 and by_mode["cli"]["seconds"] > 0
     assert pq.read_table(tmp_path / "bench-cli.parquet").num_rows == 3
+
+
+def test_transform_placement_and_a_bad_choice_in_one_line(tmp_path):
+    from typer.testing import CliRunner
+
+    from dsv4enc.cli import app
+    from dsv4enc.engine.defaults import transform_on_device
+
+    assert transform_on_device("auto", "cuda") and not transform_on_device("auto", "cpu")
+    assert transform_on_device("device", "cpu") and not transform_on_device("host", "cuda")
+    result = CliRunner().invoke(app, ["encode", str(tmp_path), "--out", str(tmp_path / "o.parquet"),
+                                      "--config", str(CONFIGS / "tiny.json"), "--random-init",
+                                      "--transform", "gpu"])
+    assert result.exit_code == 2, result.output
+    assert "--transform must be one of auto, host, device" in result.output
+    assert "Traceback" not in result.output

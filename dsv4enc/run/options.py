@@ -3,7 +3,6 @@ machine. Torch-free, so that the CLI can plan and start decoding before torch is
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Literal, get_args
 
@@ -11,6 +10,7 @@ from ..engine.defaults import (DEFAULT_FEATURES, DEFAULT_MAX_IMAGES, DEFAULT_POO
                                Features, Pool, Transform)
 from ..engine.settings import CHOICES as ENGINE_CHOICES, SETTINGS, EngineSettings
 from ..errors import SettingsError, UsageError
+from ..process import available_cpus
 from ..images.formats import DEFAULT_DECODE_TIMEOUT_S, DEFAULT_MAX_PIXELS
 from ..images.sources import SIDECAR_MEMBERS
 from ..output import (DEFAULT_LAYOUT, DEFAULT_STORED_DTYPE, LAYOUTS, STORED_DTYPES, Layout,
@@ -143,13 +143,6 @@ def validate(opts: EncodeOptions) -> None:
 def engine_settings(opts: EncodeOptions) -> EngineSettings:
     """The engine's settings among the options."""
     return EngineSettings(**{name: getattr(opts, name) for name in SETTINGS})
-
-
-def available_cpus() -> int:
-    """CPUs this process may run on (its affinity mask, where the OS has one)."""
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
 
 
 def default_writer_threads() -> int:

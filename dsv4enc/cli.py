@@ -247,6 +247,9 @@ _ENCODE_PARAMETERS: dict[str, tuple[Any, Any]] = {
             help=f"Let --update drop more than {defaults.PRUNE_SHARE:.0%} of the rows.")),
         retry_errors=(bool, typer.Option(
             False, "--retry-errors", help="--update: encode every error row again.")),
+        keep_unlisted=(bool, typer.Option(
+            False, "--keep-unlisted",
+            help="--update: encode only the inputs given; keep every other row as it is.")),
         dry_run=(bool, typer.Option(
             False, "--dry-run", help="Say what would be encoded, reused, dropped.")),
         shard_output=(bool, typer.Option(

@@ -389,8 +389,7 @@ def _encode_command(opts, storage_option: list[str] | None, quiet: bool,
     """``encode`` with its options built: storage and log settings, signals, the listing (before
     torch is imported), the run, its last lines. ``started``: on ``time.perf_counter``'s clock."""
     from . import storage
-    from .images.decode import own_process_pillow_settings
-    from .output.parts import prefer_jemalloc_pool
+    from .process import own_process_pillow_settings, prefer_jemalloc_pool
     from .run.ranks import launched_ranks
     from .run.setup import RunSetup, start_prefetch
     from .run.stopping import FORCE_EXIT_S, StopSignals

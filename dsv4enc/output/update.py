@@ -32,11 +32,12 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
+from ..columns import utf8_text
 from ..errors import OutputError, UsageError
 from ..pausepoints import pause
 from .parts import (JOURNAL_FILE, LOCK_NAME, MANIFEST_FILE, MANIFEST_NAME, PART_FILE, TEMP_FILE,
                     PartLedger, PartStore, Row, fsync_dir, manifest_document, output_os_error,
-                    part_intact, read_manifest, temp_path, utf8_text, write_json_atomic)
+                    part_intact, read_manifest, temp_path, write_json_atomic)
 from ..images.decode import is_transient
 from ..images.headers import Planned, inputs_digest
 from ..images.items import InputItem

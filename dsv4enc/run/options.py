@@ -3,13 +3,13 @@ machine. Torch-free, so that the CLI can plan and start decoding before torch is
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Literal, get_args
 
 from ..engine.defaults import (DEFAULT_MAX_IMAGES, FEATURES, POOLS, TRANSFORMS, Features,
                                Pool, Transform)
 from ..errors import UsageError
+from ..process import available_cpus
 from ..images.formats import DEFAULT_DECODE_TIMEOUT_S, DEFAULT_MAX_PIXELS
 from ..images.sources import SIDECAR_MEMBERS
 from ..output import LAYOUTS, STORED_DTYPES, Layout, StoredDtype
@@ -137,13 +137,6 @@ def validate(opts: EncodeOptions) -> None:
         raise UsageError("timeouts must be positive")
     if opts.shard_output and opts.tp_mode == "weights":
         raise UsageError("--shard-output applies to --tp-mode data only")
-
-
-def available_cpus() -> int:
-    """CPUs this process may run on (its affinity mask, where the OS has one)."""
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
 
 
 def default_writer_threads() -> int:

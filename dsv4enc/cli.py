@@ -566,7 +566,9 @@ def _inspect_errors(output: str, storage_option: list[str] | None, as_json: bool
     written, unlisted = write_errors_list(rows, errors_list)
     note(f"wrote {written} failed path{'s' if written != 1 else ''} to {errors_list}"
          + (f"; {unlisted} left out (a newline, or blanks at an end, fit no line)"
-            if unlisted else ""))
+            if unlisted else "")
+         + (f"; once fixed, retry them with encode --files-from {errors_list} --update "
+            "--keep-unlisted, run where the paths start" if written else ""))
 
 
 def _echoed(rows, as_json: bool):

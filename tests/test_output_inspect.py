@@ -97,7 +97,8 @@ def test_some_failures_retried_from_their_list_keep_every_other_row(tmp_path, sm
     before = _rows(out)
     assert sorted(p for p, row in before.items() if row[0]) == ["2.png", "sub/5.png"]
     failed = tmp_path / "failed.txt"
-    assert run("inspect", str(out), "--errors-list", str(failed)).exit_code == 0
+    listed = run("inspect", str(out), "--errors-list", str(failed))
+    assert listed.exit_code == 0 and "--keep-unlisted" in listed.output
     assert failed.read_text().splitlines() == ["2.png", "sub/5.png"]
     for path in broken:
         path.unlink()
@@ -119,6 +120,17 @@ def test_some_failures_retried_from_their_list_keep_every_other_row(tmp_path, sm
     assert after == _rows(clean)
     again = encode(str(folder), "--out", str(out), "--update", "--dry-run", weights=small_ckpt)
     assert "0 to encode, 6 reused, 0 dropped" in " ".join(again.output.split())
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--keep-unlisted"], "--keep-unlisted applies to --update only"),
+    (["--update", "--keep-unlisted", "--prune"], "choose one")])
+def test_keep_unlisted_is_refused_without_update_or_with_prune(tmp_path, flags, says):
+    write_image(tmp_path / "a.png", (20, 20))
+    result = run("encode", str(tmp_path / "a.png"), "--out", str(tmp_path / "o.parquet"),
+                 "--config", str(REPO_ROOT / "configs" / "tiny.json"), "--random-init", *flags)
+    assert result.exit_code == 2 and says in result.output
+    assert not (tmp_path / "o.parquet").exists()
 
 
 def test_list_lines():

@@ -252,6 +252,9 @@ _ENCODE_PARAMETERS: dict[str, tuple[Any, Any]] = {
             help=f"Let --update drop more than {defaults.PRUNE_SHARE:.0%} of the rows.")),
         retry_errors=(bool, typer.Option(
             False, "--retry-errors", help="--update: encode every error row again.")),
+        keep_unlisted=(bool, typer.Option(
+            False, "--keep-unlisted",
+            help="--update: encode only the inputs given; keep every other row as it is.")),
         dry_run=(bool, typer.Option(
             False, "--dry-run", help="Say what would be encoded, reused, dropped.")),
         shard_output=(bool, typer.Option(
@@ -569,7 +572,9 @@ def _inspect_errors(output: str, storage_option: list[str] | None, as_json: bool
     written, unlisted = write_errors_list(rows, errors_list)
     note(f"wrote {written} failed path{'s' if written != 1 else ''} to {errors_list}"
          + (f"; {unlisted} left out (a newline, or blanks at an end, fit no line)"
-            if unlisted else ""))
+            if unlisted else "")
+         + (f"; once fixed, retry them with encode --files-from {errors_list} --update "
+            "--keep-unlisted, run where the paths start" if written else ""))
 
 
 def _echoed(rows, as_json: bool):

@@ -69,6 +69,7 @@ class EncodeOptions:
     update: bool = False  # encode what the output lacks, drop what is gone (output/update)
     prune: bool = False  # --update may drop more than PRUNE_SHARE of the rows
     retry_errors: bool = False  # --update encodes every error row again, not the transient only
+    keep_unlisted: bool = False  # --update keeps the rows of inputs not given, as they are
     dry_run: bool = False  # say what would be encoded, reused and dropped; write nothing
     max_pixels: int = DEFAULT_MAX_PIXELS
     decode_timeout: float = DEFAULT_DECODE_TIMEOUT_S
@@ -99,9 +100,12 @@ def validate(opts: EncodeOptions) -> None:
         other = "--overwrite" if opts.overwrite else "--resume"
         raise UsageError(f"--update and {other} contradict each other; choose one (--update "
                          "also finishes an interrupted update)")
-    if (opts.prune or opts.retry_errors) and not opts.update:
-        flag = "--prune" if opts.prune else "--retry-errors"
+    if (opts.prune or opts.retry_errors or opts.keep_unlisted) and not opts.update:
+        flag = ("--prune" if opts.prune else "--retry-errors" if opts.retry_errors
+                else "--keep-unlisted")
         raise UsageError(f"{flag} applies to --update only")
+    if opts.keep_unlisted and opts.prune:
+        raise UsageError("--keep-unlisted keeps every row that --prune would drop; choose one")
     if opts.dry_run and (opts.resume or opts.overwrite):
         other = "--overwrite" if opts.overwrite else "--resume"
         raise UsageError(f"--dry-run shows what a new run or an --update would do; leave out "

@@ -302,8 +302,11 @@ def _plan_output(run: RunState, setup: RunSetup, source: PartSource, computes: d
     if ranks.is_main and not setup.planned:
         log.warning(nothing_found(opts.inputs, opts.files_from, setup.found.skipped))
     if update is not None:  # matched before anything is written: a refusal leaves no trace
+        if opts.keep_unlisted:
+            setup.more(None)
+            setup.planned[:] = update.with_unlisted(setup.planned)
         setup.headers(cfg, opts, ranks, run.stop.requested if alone else None,
-                      announce=run.progress.status)
+                      announce=run.progress.status, skip=update.unlisted)
         run.stop.check()  # headers left unread must not be matched as error rows
         update.match(setup.planned, rows_settings, opts.retry_errors)  # or refuses, in a line
         update.count_into(summary)
@@ -394,6 +397,8 @@ def _write_output(run: RunState, source: PartSource, setup: RunSetup,
         if output.keeps_stamps:  # each row's input stamp, for a later --update
             input_stamps(setup.planned)  # none left unless a part was neither planned nor judged
             stamps = row_stamps((p.item.key, p.stamp) for p in setup.planned)
+            if update is not None:
+                update.restamp(stamps)
             if assembler is not None:
                 assembler.key_values = {**assembler.key_values,
                                         **footer_entry(stamps, output.row_options)}

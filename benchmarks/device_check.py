@@ -41,7 +41,7 @@ from dsv4enc.tower.config import VisionConfig
 from dsv4enc.engine.engine import Engine
 from dsv4enc.engine.graphs import GRAPH_BACKENDS, BucketRunner, default_budgets
 from dsv4enc.engine.packing import pack
-from dsv4enc.run.plan import pack_bins
+from dsv4enc.engine.bins import pack_bins
 from dsv4enc.tower.transform import image_to_patches, plan_canvas
 
 CHECKS: list[dict] = []

@@ -18,7 +18,7 @@ from dsv4enc.tower.checkpoint import build_tower, random_checkpoint
 from dsv4enc.tower.config import VisionConfig
 from dsv4enc.engine.engine import Engine
 from dsv4enc.engine.packing import pack
-from dsv4enc.run.plan import pack_bins
+from dsv4enc.engine.bins import pack_bins
 from dsv4enc.tower.transform import plan_canvas
 
 #: Photo sizes of a typical mix (width, height): each gives its grid through the transform.

@@ -23,6 +23,7 @@ from PIL import Image
 
 from . import storage
 from .errors import check_choice
+from .process import available_cpus
 from .tower.checkpoint import Checkpoint, load_checkpoint, random_checkpoint
 from .tower.config import Attention, VisionConfig
 from .tower.transform import image_to_patches, plan_canvas
@@ -32,11 +33,10 @@ from .engine.defaults import (DEFAULT_MAX_IMAGES, FEATURES, POOLS, Features, Poo
                               default_batch_tokens)
 from .engine.device import resolve_device, resolve_dtype, resolve_out_dtype
 from .engine.batching import BatchLoop
+from .engine.bins import pack_bins
 from .engine.engine import Engine, NonFiniteOutput
 from .engine.factory import build_model
 from .engine.packing import output_grid
-from .run.options import available_cpus
-from .run.plan import pack_bins
 from .output.read import read_embeddings
 
 __all__ = ["Encoder", "EncodeError", "ImageInput", "image_source", "read_embeddings"]

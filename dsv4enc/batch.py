@@ -19,18 +19,18 @@ import numpy as np
 import pyarrow as pa
 
 from . import storage
+from .columns import INT_COLUMNS, OUTPUT_COLUMNS
 from .engine.defaults import Features, Pool
 from .errors import check_choice
 from .images.formats import DEFAULT_MAX_PIXELS
 from .output import LAYOUTS, STORED_DTYPES, Layout, StoredDtype
-from .output.parts import OUTPUT_COLUMNS, Row, output_schema, rows_to_table
+from .output.parts import Row, output_schema, rows_to_table, run_settings
 
 if TYPE_CHECKING:
     from .api import Encoder
 
 __all__ = ["BatchEncoder", "datasets_features", "OUTPUT_COLUMNS"]
 
-_INT_COLUMNS = OUTPUT_COLUMNS[1:7]
 #: The recipe's entries that are BatchEncoder's own, not ``Encoder`` options.
 _NOT_ENCODER_OPTIONS = frozenset({"weights", "config", "seed", "max_pixels", "image_column",
                                   "key_column", "layout", "keep_columns"})
@@ -141,8 +141,6 @@ class BatchEncoder:
 
     def settings(self) -> dict[str, Any]:
         """What the rows were computed with: the ``dsv4enc`` metadata of ``dsv4enc encode``."""
-        from .run.pipeline import run_settings
-
         enc = self.encoder
         return run_settings(enc.config, enc.fingerprint, enc.dtype, enc.device.type,
                             bool(enc.deterministic), out_dtype=enc.out_dtype,
@@ -333,7 +331,7 @@ def _as_kind(table: pa.Table, kind: str) -> Any:
         return columns
     out: dict[str, np.ndarray] = {}
     for name, values in columns.items():
-        if name in _INT_COLUMNS and None not in values:
+        if name in INT_COLUMNS and None not in values:
             out[name] = np.asarray(values, dtype=np.int32)
         else:
             array = np.empty(len(values), dtype=object)

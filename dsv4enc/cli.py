@@ -247,6 +247,9 @@ _ENCODE_PARAMETERS: dict[str, tuple[Any, Any]] = {
             help=f"Let --update drop more than {defaults.PRUNE_SHARE:.0%} of the rows.")),
         retry_errors=(bool, typer.Option(
             False, "--retry-errors", help="--update: encode every error row again.")),
+        keep_unlisted=(bool, typer.Option(
+            False, "--keep-unlisted",
+            help="--update: encode only the inputs given; keep every other row as it is.")),
         dry_run=(bool, typer.Option(
             False, "--dry-run", help="Say what would be encoded, reused, dropped.")),
         shard_output=(bool, typer.Option(
@@ -386,8 +389,7 @@ def _encode_command(opts, storage_option: list[str] | None, quiet: bool,
     """``encode`` with its options built: storage and log settings, signals, the listing (before
     torch is imported), the run, its last lines. ``started``: on ``time.perf_counter``'s clock."""
     from . import storage
-    from .images.decode import own_process_pillow_settings
-    from .output.parts import prefer_jemalloc_pool
+    from .process import own_process_pillow_settings, prefer_jemalloc_pool
     from .run.ranks import launched_ranks
     from .run.setup import RunSetup, start_prefetch
     from .run.stopping import FORCE_EXIT_S, StopSignals

@@ -1,13 +1,16 @@
 """Process-wide settings, made only in processes dsv4enc owns (the command line, each torchrun
 rank, the benchmark), never by the library (``api.Encoder``, ``run_encode``): a program that
-imports dsv4enc keeps its allocator, loggers and Pillow (``decode.own_process_pillow_settings``)."""
+imports dsv4enc keeps its allocator, loggers and Pillow (``own_process_pillow_settings``); and
+the CPUs this process may run on."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import os
 import sys
+import warnings
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # decode workers import this module and must not import torch
@@ -63,3 +66,30 @@ def process_age() -> float | None:
     except (OSError, ValueError, IndexError, AttributeError):
         return None
     return age if age >= 0 else None
+
+
+def own_process_pillow_settings() -> None:
+    """Pillow's process-wide settings, made once in a process dsv4enc owns (the command line,
+    a decode worker): its pixel check off (each open applies its own ``max_pixels``), and its
+    warnings raised as errors, so a corrupt image is an error row with ``--workers 0`` too."""
+    from PIL import Image
+
+    Image.MAX_IMAGE_PIXELS = None
+    warnings.filterwarnings("error", module=r"PIL(\.|$)")
+
+
+def prefer_jemalloc_pool() -> None:
+    """Allocate from Arrow's jemalloc pool where there is one: mimalloc (the default) gives each
+    new writer thread fresh pages, whose faults slow a short run's end, but it encodes float16
+    faster in steady state (benchmarks/RESULTS.md): only the CLI's CPU runs call this."""
+    import pyarrow as pa
+
+    with contextlib.suppress(NotImplementedError, pa.ArrowNotImplementedError):
+        pa.set_memory_pool(pa.jemalloc_memory_pool())  # not in every build (e.g. Windows)
+
+
+def available_cpus() -> int:
+    """CPUs this process may run on (its affinity mask, where the OS has one)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1

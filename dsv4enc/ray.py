@@ -40,7 +40,7 @@ class RayEncoder:
 
     def __init__(self, weights: Any = None, *, device: str | None = None,
                  **options: Any) -> None:
-        from .images.decode import own_process_pillow_settings
+        from .process import own_process_pillow_settings
 
         own_process_pillow_settings()
         self.embed = BatchEncoder(weights, device=device or ray_device(), **options)

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from dsv4enc.tower.model import merge_gather, merge_image
 from dsv4enc.engine.packing import aligner_grid, merge_plan, output_grid, pack
-from dsv4enc.run.plan import OPEN_BINS, pack_bins, pack_in_order
+from dsv4enc.engine.bins import OPEN_BINS, pack_bins, pack_in_order
 
 from helpers import all_items, packed_forward, rel_err
 

@@ -15,7 +15,7 @@ from dsv4enc.images.decode import decode_image, probe_image
 from dsv4enc.errors import UsageError
 from dsv4enc.images.discover import (Discovery, InputItem, discover, is_image_name, iter_folder,
                                      read_path_list)
-from dsv4enc.output.parts import utf8_text
+from dsv4enc.columns import utf8_text
 
 from helpers import write_image
 

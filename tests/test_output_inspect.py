@@ -70,6 +70,57 @@ def test_every_failure_listed_then_retried_with_files_from_and_update(tmp_path, 
     assert run("inspect", str(out), "--errors").stdout == ""
 
 
+def _rows(out: Path) -> dict[str, tuple]:
+    """Each row of ``out`` by path: its error, then its other columns (embedding as bytes)."""
+    names = ["path", "error", "embedding", "grid_h", "grid_w", "width", "height"]
+    return {row["path"]: tuple(v.tobytes() if k == "embedding" and v is not None else v
+                               for k, v in row.items() if k != "path")
+            for row in read_embeddings(out, names, errors="include")}
+
+
+@pytest.mark.parametrize("target", ["out/", "out.parquet"])
+def test_some_failures_retried_from_their_list_keep_every_other_row(tmp_path, small_ckpt,
+                                                                   monkeypatch, target):
+    """A folder where 2 of 6 images came corrupt: once they are fixed, the errors list goes
+    back through ``--files-from ... --update --keep-unlisted`` run inside the folder (so each
+    line is its row's key): the 2 rows become embeddings, the 4 others keep their bytes, and
+    the output equals a clean run's. Without the flag the partial list is refused, naming
+    it; a dry run writes nothing; a later ``--update`` of the folder encodes nothing."""
+    folder = tmp_path / "imgs"
+    for i in range(6):
+        write_image(folder / ("sub" if i % 2 else "") / f"{i}.png", (24 + 4 * i, 20))
+    broken = [folder / "2.png", folder / "sub" / "5.png"]
+    for path in broken:
+        path.write_bytes(b"\x89PNG truncated")
+    out = tmp_path / target
+    encode(str(folder), "--out", str(out), "--part-images", "2", weights=small_ckpt)
+    before = _rows(out)
+    assert sorted(p for p, row in before.items() if row[0]) == ["2.png", "sub/5.png"]
+    failed = tmp_path / "failed.txt"
+    assert run("inspect", str(out), "--errors-list", str(failed)).exit_code == 0
+    assert failed.read_text().splitlines() == ["2.png", "sub/5.png"]
+    for path in broken:
+        path.unlink()
+        write_image(path, (30, 26))
+    monkeypatch.chdir(folder)
+    retry = ["--files-from", str(failed), "--out", str(out), "--update"]
+    refused = run("encode", *retry, "--weights", str(small_ckpt), "--device", "cpu", "-q")
+    assert refused.exit_code == 2 and "--keep-unlisted" in refused.output
+    dry = encode(*retry, "--keep-unlisted", "--dry-run", weights=small_ckpt)
+    assert "2 to encode, 4 reused, 0 dropped; nothing was written" in " ".join(dry.output.split())
+    assert _rows(out) == before
+    encode(*retry, "--keep-unlisted", weights=small_ckpt)
+    after = _rows(out)
+    assert list(after) == list(before) and all(row[0] is None for row in after.values())
+    assert all(after[p] == row for p, row in before.items() if row[0] is None)
+    monkeypatch.chdir(tmp_path)
+    clean = tmp_path / ("clean/" if target.endswith("/") else "clean.parquet")
+    encode(str(folder), "--out", str(clean), weights=small_ckpt)
+    assert after == _rows(clean)
+    again = encode(str(folder), "--out", str(out), "--update", "--dry-run", weights=small_ckpt)
+    assert "0 to encode, 6 reused, 0 dropped" in " ".join(again.output.split())
+
+
 def test_list_lines():
     assert list_line("a/b.jpg") == "a/b.jpg" and list_line("#x.jpg") == "./#x.jpg"
     assert list_line("a\nb.jpg") is None and list_line(" lead.jpg") is None

@@ -24,7 +24,8 @@ from ..tower.config import VisionConfig
 from ..tower.transform import plan_canvas
 from ..engine.engine import EngineStats
 from ..engine.defaults import DEFAULT_BATCH_TOKENS, DEFAULT_MAX_IMAGES, TRANSFORMS
-from ..run.options import EncodeOptions, available_cpus, default_workers
+from ..process import available_cpus
+from ..run.options import EncodeOptions, default_workers
 from ..engine.packing import PackedBatch
 
 #: numpy dtypes of the output dtypes (bfloat16 rows are carried as their 16-bit patterns).

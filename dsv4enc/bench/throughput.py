@@ -34,7 +34,8 @@ from ..tower.config import VisionConfig
 from ..engine.device import resolve_device, resolve_dtype
 from ..tower.model import VisionTower
 from ..engine.packing import PackedBatch, pack
-from ..run.plan import image_flops, pack_bins
+from ..engine.bins import pack_bins
+from ..run.plan import image_flops
 from ..process import keep_freed_memory_mapped, own_process_settings
 from ..tower.transform import image_to_patches
 

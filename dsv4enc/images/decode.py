@@ -26,7 +26,7 @@ from typing import Any, Iterable, Iterator
 import numpy as np
 
 from .. import storage
-from ..process import keep_freed_memory_mapped
+from ..process import keep_freed_memory_mapped, own_process_pillow_settings
 from ..tower.config import VisionConfig
 from .arena import PatchArena, WorkerArena, default_slots, patch_slot_bytes
 from .formats import DEFAULT_MAX_PIXELS, image_name, misnamed, open_image
@@ -160,16 +160,6 @@ def _check_pixels(image, max_pixels: int) -> None:
     if isinstance(tile_w, int) and isinstance(tile_h, int) and tile_w * tile_h > max_pixels:
         raise ValueError(f"TIFF declares {tile_w}x{tile_h} tiles = {tile_w * tile_h} pixels each, "
                          f"more than --max-pixels {max_pixels} (possible decompression bomb)")
-
-
-def own_process_pillow_settings() -> None:
-    """Pillow's process-wide settings, made once in a process dsv4enc owns (the command line,
-    a decode worker): its pixel check off (each open applies its own ``max_pixels``), and its
-    warnings raised as errors, so a corrupt image is an error row with ``--workers 0`` too."""
-    from PIL import Image
-
-    Image.MAX_IMAGE_PIXELS = None
-    warnings.filterwarnings("error", module=r"PIL(\.|$)")
 
 
 def probe_image(source, max_pixels: int = DEFAULT_MAX_PIXELS) -> Probe:

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Callable, Iterable, Iterator, Protocol, Sequence
 
 from .. import storage
+from ..columns import OUTPUT_COLUMNS, utf8_text
 from ..errors import UsageError
 from .items import InputItem, TableCell, is_image_name
 from .sources import (StoredObject, container_kind, expand_table, expand_tar, path_roots,
@@ -343,8 +344,6 @@ def kept_fields(tables: Sequence[str], keep_columns: Sequence[str], key_column: 
     the sidecar members ``keep_members`` as strings (a kept column's name is refused)."""
     if not keep_columns and key_column is None and not keep_members:
         return []
-    from ..output.parts import OUTPUT_COLUMNS  # lazily: see ARCHITECTURE.md's one arrow
-
     for name in keep_columns:
         if name in OUTPUT_COLUMNS:
             raise UsageError(f"--keep-column {name}: the output has a {name!r} column of its "
@@ -445,17 +444,11 @@ def key_under_root(root: str, key: str) -> str:
 
 
 def _output_text(key: str) -> str:
-    """``key`` as the output's ``path`` column holds it (``output/parts.utf8_text``: a file
-    name's non-UTF-8 bytes escaped). The writer (and pyarrow) is imported only for such one."""
+    """``key`` as the output's ``path`` column holds it (``columns.utf8_text``: a file
+    name's non-UTF-8 bytes escaped)."""
     if key.isascii():  # the common case, once per key of a listing of millions: no encode
         return key
-    try:
-        key.encode("utf-8")
-        return key
-    except UnicodeEncodeError:
-        from ..output.parts import utf8_text
-
-        return utf8_text(key)
+    return utf8_text(key)
 
 
 def unique_keys(items: list[InputItem]) -> list[InputItem]:

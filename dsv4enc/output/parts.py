@@ -20,20 +20,27 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from .. import storage
+from ..columns import INT_COLUMNS, OUTPUT_COLUMNS, utf8_text
 from ..errors import RESUME_ADVICE, OutputError, check_choice
 from . import LAYOUTS
 from ..images.sources import kept_values
 from ..images.decode import is_transient
 from .parquet_join import JoinError, ParquetJoiner
+from ..version import __version__
 from .read import (JOURNAL_FORMAT, MANIFEST_FILE, MANIFEST_NAME, embedding_format, journal_path,
                    load_manifest)
+
+if TYPE_CHECKING:
+    import torch
+
+    from ..tower.config import VisionConfig
 
 log = logging.getLogger("dsv4enc")
 
@@ -52,20 +59,6 @@ DEFAULT_LAYOUT = "binary"
 _ARROW_FLOAT = {"float16": pa.float16(), "float32": pa.float32()}
 
 
-def prefer_jemalloc_pool() -> None:
-    """Allocate from Arrow's jemalloc pool where there is one: mimalloc (the default) gives each
-    new writer thread fresh pages, whose faults slow a short run's end, but it encodes float16
-    faster in steady state (benchmarks/RESULTS.md): only the CLI's CPU runs call this."""
-    with contextlib.suppress(NotImplementedError, pa.ArrowNotImplementedError):
-        pa.set_memory_pool(pa.jemalloc_memory_pool())  # not in every build (e.g. Windows)
-
-
-#: The int32 columns of every output, in order.
-_INT_COLUMNS = ("width", "height", "vit_h", "vit_w", "grid_h", "grid_w")
-#: The columns every output has, in order (docs/output-format.md), before the kept ones.
-OUTPUT_COLUMNS = ("path", *_INT_COLUMNS, "embedding", "error")
-
-
 def output_schema(width: int, out_dtype: str, metadata: dict[str, Any] | None = None,
                   pooled: bool = False, layout: str = DEFAULT_LAYOUT,
                   kept: Sequence[pa.Field] = ()) -> pa.Schema:
@@ -82,7 +75,7 @@ def output_schema(width: int, out_dtype: str, metadata: dict[str, Any] | None = 
         row = pa.list_(_ARROW_FLOAT[out_dtype], width)
         embedding = row if pooled else pa.list_(row)
     fields = [pa.field("path", pa.string(), nullable=False),
-              *(pa.field(name, pa.int32()) for name in _INT_COLUMNS),
+              *(pa.field(name, pa.int32()) for name in INT_COLUMNS),
               pa.field("embedding", embedding), pa.field("error", pa.string()), *kept]
     described = {"layout": layout, "dtype": out_dtype, "width": width, "pooled": pooled,
                  "shape": [width] if pooled else ["grid_h*grid_w", width],
@@ -90,6 +83,19 @@ def output_schema(width: int, out_dtype: str, metadata: dict[str, Any] | None = 
     meta = {b"dsv4enc": json.dumps({**(metadata or {}), "embedding": described},
                                    sort_keys=True).encode()}
     return pa.schema(fields, metadata=meta)
+
+
+def run_settings(cfg: VisionConfig, fingerprint: str, dtype: torch.dtype | str,
+                 device_type: str, batch_invariant: bool, *, out_dtype: torch.dtype | str,
+                 features: str, pool: str, layout: str) -> dict:
+    """What the rows were computed with (a run adds its ``part_images``); ``--resume``
+    requires these to match. ``batch_invariant``: whether each row's bytes are independent
+    of its batch, a guarantee per device kind, dtype and software stack (so those match too)."""
+    return {"tool": "dsv4enc", "version": __version__, "config": cfg.to_flat(),
+            "weights_fingerprint": fingerprint,
+            "compute_dtype": str(dtype).removeprefix("torch."), "device": device_type,
+            "batch_invariant": batch_invariant, "out_dtype": str(out_dtype).removeprefix("torch."),
+            "features": features, "pool": pool, "layout": layout}
 
 
 @dataclass
@@ -105,19 +111,6 @@ class Row:
     grid_w: int | None = None
     embedding: np.ndarray | None = None
     error: str | None = None
-
-
-def utf8_text(name: str) -> str:
-    """``name`` as valid UTF-8 text for the ``path`` column: bytes of a file name that are not
-    UTF-8 (held by Python as surrogates) become backslash escapes, e.g. ``caf\\xe9.png``."""
-    try:
-        name.encode("utf-8")
-        return name
-    except UnicodeEncodeError:
-        try:
-            return name.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
-        except UnicodeEncodeError:
-            return name.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 # Arrays are built from numpy buffers with ``Array.from_buffers``: ``pa.array`` would import
@@ -172,7 +165,7 @@ def rows_to_table(rows: Sequence[Row], schema: pa.Schema,
                  else _nested_embeddings(rows, schema.field("embedding").type, fmt))
     columns = {
         "path": _string_array([utf8_text(r.path) for r in rows]),
-        **{name: _int32_array([getattr(r, name) for r in rows]) for name in _INT_COLUMNS},
+        **{name: _int32_array([getattr(r, name) for r in rows]) for name in INT_COLUMNS},
         "embedding": embedding,
         "error": _string_array([r.error for r in rows]),
     }

@@ -3,13 +3,13 @@ machine. Torch-free, so that the CLI can plan and start decoding before torch is
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Literal, get_args
 
 from ..engine.defaults import (DEFAULT_MAX_IMAGES, FEATURES, POOLS, TRANSFORMS, Features,
                                Pool, Transform)
 from ..errors import UsageError
+from ..process import available_cpus
 from ..images.formats import DEFAULT_DECODE_TIMEOUT_S, DEFAULT_MAX_PIXELS
 from ..images.sources import SIDECAR_MEMBERS
 from ..output import LAYOUTS, STORED_DTYPES, Layout, StoredDtype
@@ -64,6 +64,7 @@ class EncodeOptions:
     update: bool = False  # encode what the output lacks, drop what is gone (output/update)
     prune: bool = False  # --update may drop more than PRUNE_SHARE of the rows
     retry_errors: bool = False  # --update encodes every error row again, not the transient only
+    keep_unlisted: bool = False  # --update keeps the rows of inputs not given, as they are
     dry_run: bool = False  # say what would be encoded, reused and dropped; write nothing
     max_pixels: int = DEFAULT_MAX_PIXELS
     decode_timeout: float = DEFAULT_DECODE_TIMEOUT_S
@@ -94,9 +95,12 @@ def validate(opts: EncodeOptions) -> None:
         other = "--overwrite" if opts.overwrite else "--resume"
         raise UsageError(f"--update and {other} contradict each other; choose one (--update "
                          "also finishes an interrupted update)")
-    if (opts.prune or opts.retry_errors) and not opts.update:
-        flag = "--prune" if opts.prune else "--retry-errors"
+    if (opts.prune or opts.retry_errors or opts.keep_unlisted) and not opts.update:
+        flag = ("--prune" if opts.prune else "--retry-errors" if opts.retry_errors
+                else "--keep-unlisted")
         raise UsageError(f"{flag} applies to --update only")
+    if opts.keep_unlisted and opts.prune:
+        raise UsageError("--keep-unlisted keeps every row that --prune would drop; choose one")
     if opts.dry_run and (opts.resume or opts.overwrite):
         other = "--overwrite" if opts.overwrite else "--resume"
         raise UsageError(f"--dry-run shows what a new run or an --update would do; leave out "
@@ -133,13 +137,6 @@ def validate(opts: EncodeOptions) -> None:
         raise UsageError("timeouts must be positive")
     if opts.shard_output and opts.tp_mode == "weights":
         raise UsageError("--shard-output applies to --tp-mode data only")
-
-
-def available_cpus() -> int:
-    """CPUs this process may run on (its affinity mask, where the OS has one)."""
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
 
 
 def default_writer_threads() -> int:

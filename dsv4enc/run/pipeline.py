@@ -19,7 +19,6 @@ import pyarrow as pa
 import torch
 
 from .. import storage
-from ..version import __version__
 from ..engine.defaults import default_batch_tokens, transform_on_device
 from ..engine.factory import build_engine
 from ..tower.checkpoint import Checkpoint, load_checkpoint, random_checkpoint
@@ -46,7 +45,7 @@ from ..output.remote import RemoteOutput
 from .stopping import StopSignals
 from .summary import RunSummary
 from .ranks import Topology
-from ..output.parts import PartLedger, output_schema
+from ..output.parts import PartLedger, output_schema, run_settings
 
 log = logging.getLogger("dsv4enc")
 
@@ -104,19 +103,6 @@ def resume_settings(opts: EncodeOptions) -> ResumeSettings:
                                        # None when none: what earlier outputs recorded
                                        "keep_columns": list(opts.keep_columns) or None,
                                        "keep_members": list(opts.keep_members) or None})
-
-
-def run_settings(cfg: VisionConfig, fingerprint: str, dtype: torch.dtype | str,
-                 device_type: str, batch_invariant: bool, *, out_dtype: torch.dtype | str,
-                 features: str, pool: str, layout: str) -> dict:
-    """What the rows were computed with (a run adds its ``part_images``); ``--resume``
-    requires these to match. ``batch_invariant``: whether each row's bytes are independent
-    of its batch, a guarantee per device kind, dtype and software stack (so those match too)."""
-    return {"tool": "dsv4enc", "version": __version__, "config": cfg.to_flat(),
-            "weights_fingerprint": fingerprint,
-            "compute_dtype": str(dtype).removeprefix("torch."), "device": device_type,
-            "batch_invariant": batch_invariant, "out_dtype": str(out_dtype).removeprefix("torch."),
-            "features": features, "pool": pool, "layout": layout}
 
 
 class PartSource(Protocol):
@@ -320,8 +306,11 @@ def _plan_output(run: RunState, setup: RunSetup, source: PartSource, computes: d
     if ranks.is_main and not setup.planned:
         log.warning(nothing_found(opts.inputs, opts.files_from, setup.found.skipped))
     if update is not None:  # matched before anything is written: a refusal leaves no trace
+        if opts.keep_unlisted:
+            setup.more(None)
+            setup.planned[:] = update.with_unlisted(setup.planned)
         setup.headers(cfg, opts, ranks, run.stop.requested if alone else None,
-                      announce=run.progress.status)
+                      announce=run.progress.status, skip=update.unlisted)
         run.stop.check()  # headers left unread must not be matched as error rows
         update.match(setup.planned, rows_settings, opts.retry_errors)  # or refuses, in a line
         update.count_into(summary)
@@ -412,6 +401,8 @@ def _write_output(run: RunState, source: PartSource, setup: RunSetup,
         if output.keeps_stamps:  # each row's input stamp, for a later --update
             input_stamps(setup.planned)  # none left unless a part was neither planned nor judged
             stamps = row_stamps((p.item.key, p.stamp) for p in setup.planned)
+            if update is not None:
+                update.restamp(stamps)
             if assembler is not None:
                 assembler.key_values = {**assembler.key_values,
                                         **footer_entry(stamps, output.row_options)}

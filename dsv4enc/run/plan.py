@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Callable, Collection, Iterator, Sequence
 
 import numpy as np
 
+from ..engine.bins import pack_bins, pack_in_order
 from ..errors import UsageError
 from .options import BALANCE_CHOICES
 from ..images.decode import Probe
@@ -327,50 +328,6 @@ def share_for_ranks(planned: Sequence[Planned], indices: list[int], world_size: 
     costs = [cost(planned[i].n_h, planned[i].n_w) if planned[i].error is None else 0
              for i in indices]
     return [[indices[j] for j in share] for share in assign_greedy(costs, world_size)]
-
-
-def pack_bins(costs: Sequence[int], capacity: int, max_items: int | None = None) -> list[list[int]]:
-    """First-fit-decreasing bin packing: bins of item indices (ascending), each of cost at
-    most ``capacity`` (a larger item alone) and at most ``max_items`` items, ordered by their
-    smallest index so that work flows roughly in input order."""
-    bins: list[list[int]] = []
-    loads: list[int] = []
-    for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
-        cost = costs[i]
-        for b, load in enumerate(loads):
-            if load + cost <= capacity and (max_items is None or len(bins[b]) < max_items):
-                bins[b].append(i)
-                loads[b] += cost
-                break
-        else:
-            bins.append([i])
-            loads.append(cost)
-    return sorted((sorted(b) for b in bins), key=lambda b: b[0])
-
-
-#: Under ``pack_in_order`` an item joins one of the last this many batches opened, so that a
-#: batch's images lie close together in input order.
-OPEN_BINS = 4
-
-
-def pack_in_order(costs: Sequence[int], capacity: int, max_items: int | None = None,
-                  open_bins: int = OPEN_BINS) -> list[list[int]]:
-    """Bins like ``pack_bins``'s, filled in input order: each item goes to the first of the
-    last ``open_bins`` bins it fits in, else opens one. The bins' work flows in input order
-    (an item is never more than ``open_bins`` bins from its neighbours), at a little more
-    padding than first-fit-decreasing."""
-    bins: list[list[int]] = []
-    loads: list[int] = []
-    for i, cost in enumerate(costs):
-        for b in range(max(0, len(bins) - open_bins), len(bins)):
-            if loads[b] + cost <= capacity and (max_items is None or len(bins[b]) < max_items):
-                bins[b].append(i)
-                loads[b] += cost
-                break
-        else:
-            bins.append([i])
-            loads.append(cost)
-    return bins
 
 
 def part_batches(planned: Sequence[Planned], indices: Sequence[int], batch_tokens: int,

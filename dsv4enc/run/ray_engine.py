@@ -30,7 +30,8 @@ from ..errors import DsvError, Interrupted, UsageError
 from ..images.headers import Planned, inputs_digest
 from ..images.sources import attach_held
 from ..pausepoints import pause
-from .options import EncodeOptions, available_cpus, decode_window, default_workers, validate
+from ..process import available_cpus
+from .options import EncodeOptions, decode_window, default_workers, validate
 from .plan import Part, output_bytes, part_batches, segment_tokens
 from .ranks import Topology, launched_ranks
 from .stopping import StopSignals
@@ -95,8 +96,8 @@ class SegmentEncoder:
     def __init__(self, opts: EncodeOptions, device_type: str, dtype: str) -> None:
         from ..engine.defaults import transform_on_device
         from ..engine.device import resolve_device, resolve_dtype
-        from ..images.decode import DecodePool, own_process_pillow_settings
-        from ..process import own_process_settings
+        from ..images.decode import DecodePool
+        from ..process import own_process_pillow_settings, own_process_settings
         from .pipeline import load_model, tower_engine
 
         own_process_pillow_settings()

@@ -29,7 +29,7 @@ import pyarrow.parquet as pq
 from .. import storage
 from ..columns import INT_COLUMNS, OUTPUT_COLUMNS, utf8_text
 from ..errors import RESUME_ADVICE, OutputError, check_choice
-from . import LAYOUTS
+from . import DEFAULT_LAYOUT, LAYOUTS
 from ..images.sources import kept_values
 from ..images.decode import is_transient
 from .parquet_join import JoinError, ParquetJoiner
@@ -55,7 +55,6 @@ PART_FILE = re.compile(r"part-\d{6,}(?:_\d{6,})?(?:-rank\d{3})?(?:\.g\d+)?\.parq
 JOURNAL_FILE = re.compile(r"_manifest(?:-rank\d{3})?\.journal")
 ROW_GROUP_BYTES = 64 << 20
 DATA_PAGE_BYTES = 8 << 20
-DEFAULT_LAYOUT = "binary"
 _ARROW_FLOAT = {"float16": pa.float16(), "float32": pa.float32()}
 
 

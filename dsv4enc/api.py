@@ -269,9 +269,8 @@ class Encoder:
                 patches, canvas = image_to_patches(image, self.config)
                 item.patches, item.n_h, item.n_w = patches, canvas.n_h, canvas.n_w
             elif isinstance(image, (str, bytes)):
-                if storage.is_url(image):  # an object in a store (s3://...): read it whole
-                    image = storage.read_bytes(image)
-                decoded = decode_image(image, self.config, self.max_pixels)
+                decoded = decode_image(storage.whole_if_stored(image), self.config,
+                                       self.max_pixels)
                 item.error = decoded.error
                 if decoded.error is None:
                     item.patches = patches_tensor(decoded)

@@ -252,8 +252,7 @@ class BatchEncoder:
             return row, source  # not an image, or no image's shape: the encoder's error row
         else:
             try:
-                if isinstance(source, str) and storage.is_url(source):
-                    source = storage.read_bytes(source)  # an object in a store: whole, once
+                source = storage.whole_if_stored(source)  # an object in a store: read once
                 probe = probe_image(source, self.max_pixels)
             except Exception as exc:  # a store that cannot be read: this row's error
                 row.error = describe_error(exc)

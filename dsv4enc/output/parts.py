@@ -16,7 +16,6 @@ import logging
 import os
 import re
 import secrets
-import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -313,19 +312,14 @@ def write_part(folder: str | Path, name: str, table: pa.Table, row_group_size: i
     actor does) and return the manifest entry a ``PartLedger`` records to commit it. ``staged``:
     the file keeps a hidden temporary name (the entry's ``staged``) until
     ``PartStore.commit_written`` renames it: an unrecorded part never has a part name.
-    ``folder`` a URL: the file is uploaded to ``folder/FILE`` whole."""
+    ``folder`` a URL: the file is uploaded to ``folder/FILE`` whole (never staged)."""
     file = f"{name}{suffix}.parquet"
     entry: dict[str, Any] = {"file": file, "start": start, "end": end, "digest": digest,
                              "rows": table.num_rows, "transient": transient_errors(table)}
-    if storage.is_url(folder):
-        tmp = temp_path(Path(tempfile.gettempdir()) / file)  # read once, by the upload
-        try:
-            pq.write_table(table, tmp, row_group_size=row_group_size,
-                           **parquet_options(table.schema))
-            entry["size"] = tmp.stat().st_size
-            storage.upload_file(tmp, storage.join(str(folder), file))
-        finally:
-            tmp.unlink(missing_ok=True)
+    uploaded = storage.upload_written(folder, file, lambda tmp: pq.write_table(
+        table, tmp, row_group_size=row_group_size, **parquet_options(table.schema)))
+    if uploaded is not None:
+        entry["size"] = uploaded
         return entry
     path = Path(folder) / file
     if not staged:

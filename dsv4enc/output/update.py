@@ -1,6 +1,6 @@
 """``encode --update``: bring a finished output up to date with its inputs.
 
-Each row keeps an 8-byte stamp of its input, a hash of its key and ``images/headers.file_stamp``:
+Each row keeps an 8-byte stamp of its input, a hash of its key and ``storage.stamp``:
 a single file in its footer (``STAMPS_KEY``: one rename replaces both), a folder in a
 ``_stamps-HASH.bin`` file its manifest names. An update matches the inputs' stamps against the
 old rows' (``Update.match``): an unchanged input takes its old row (``CarriedRows``, read

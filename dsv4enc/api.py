@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Iterable, Iterator, Mapping, Union
 
 import numpy as np
@@ -22,15 +22,16 @@ import torch
 from PIL import Image
 
 from . import storage
-from .errors import check_choice
+from .errors import check_choice, check_positive
 from .process import available_cpus
 from .tower.checkpoint import Checkpoint, load_checkpoint, random_checkpoint
 from .tower.config import Attention, VisionConfig
 from .tower.transform import image_to_patches, plan_canvas
 from .images.formats import DEFAULT_MAX_PIXELS
 from .images.decode import decode_image, describe_error, patches_tensor
-from .engine.defaults import (DEFAULT_MAX_IMAGES, FEATURES, POOLS, Features, Pool,
-                              default_batch_tokens)
+from .engine.defaults import (DEFAULT_FEATURES, DEFAULT_MAX_IMAGES, DEFAULT_POOL, FEATURES,
+                              POOLS, Features, Pool)
+from .engine.settings import EngineSettings
 from .engine.device import resolve_device, resolve_dtype, resolve_out_dtype
 from .engine.batching import BatchLoop
 from .engine.bins import pack_bins
@@ -107,12 +108,6 @@ def _array_to_image(array: np.ndarray):
                      "HxWx4")
 
 
-def _check_positive(name: str, value: int) -> int:
-    if value <= 0:
-        raise ValueError(f"{name} must be positive, got {value}")
-    return value
-
-
 class Encoder:
     """Embeddings of images from the DeepSeek-V4 vision tower, in memory.
 
@@ -133,7 +128,7 @@ class Encoder:
     pooled). Not thread-safe: use one Encoder per thread."""
 
     def __init__(self, checkpoint: Checkpoint, device: str | torch.device = "auto", *,
-                 features: Features = "aligner", pool: Pool = "none",
+                 features: Features = DEFAULT_FEATURES, pool: Pool = DEFAULT_POOL,
                  out_dtype: str | torch.dtype = torch.float32, batch_tokens: int | None = None,
                  max_images: int = DEFAULT_MAX_IMAGES, decode_threads: int | None = None,
                  max_pixels: int = DEFAULT_MAX_PIXELS, attention: Attention = "auto",
@@ -142,17 +137,16 @@ class Encoder:
         self.checkpoint, self.config = checkpoint, checkpoint.config
         self.fingerprint = checkpoint.fingerprint  # as ``encode`` writes it to the metadata
         self.device = resolve_device(device)
-        self.features = check_choice("features", features, FEATURES)
+        self.settings = EngineSettings(
+            features=features, attention=attention, cuda_graphs=cuda_graphs,
+            batch_tokens=batch_tokens, max_images=max_images, deterministic=deterministic,
+            fused=fused).check().for_device(self.device.type)
         self.pool = check_choice("pool", pool, POOLS)
         self.out_dtype = resolve_out_dtype(out_dtype)
-        self.batch_tokens = (default_batch_tokens(self.device.type) if batch_tokens is None
-                             else _check_positive("batch_tokens", batch_tokens))
-        self.max_images = _check_positive("max_images", max_images)
         if decode_threads is None:
             decode_threads = 0 if self.device.type == "cpu" else min(8, available_cpus())
         self.decode_threads = max(0, decode_threads)
-        self.max_pixels, self.attention = max_pixels, attention
-        self.cuda_graphs, self.deterministic = cuda_graphs, deterministic
+        self.max_pixels = max_pixels
         self.model = build_model(checkpoint, self.device, fused=fused, deterministic=deterministic)
         self.dtype: torch.dtype = self.model.dtype  # the compute dtype
         self.engines: dict[str, Engine] = {}  # per features, built on first use (read-only)
@@ -186,6 +180,24 @@ class Encoder:
         return cls(random_checkpoint(config, seed, compute), resolved, **options)
 
     # -- properties ----------------------------------------------------------------------
+    @property
+    def features(self) -> str:
+        """The rows an image gives when a call names none (``settings.features``)."""
+        return self.settings.features
+
+    @property
+    def batch_tokens(self) -> int:
+        """Patches per packed forward when a call names none (``settings.batch_tokens``)."""
+        return self.settings.batch_tokens
+
+    @property
+    def max_images(self) -> int:
+        return self.settings.max_images
+
+    @property
+    def deterministic(self) -> bool:
+        return self.settings.deterministic
+
     def width(self, features: str | None = None) -> int:
         """Width of one embedding row for ``features`` (default: this encoder's)."""
         return self.config.output_width(features or self.features)
@@ -236,10 +248,8 @@ class Encoder:
     def _engine(self, features: str) -> Engine:
         if features not in self.engines:
             self.engines[features] = Engine(
-                self.model, features=features, attention=self.attention,
-                out_dtype=self.out_dtype, cuda_graphs=self.cuda_graphs,
-                batch_tokens=self.batch_tokens, max_images=self.max_images,
-                deterministic=self.deterministic)
+                self.model, out_dtype=self.out_dtype,
+                settings=replace(self.settings, features=features))
         return self.engines[features]
 
     def _prepare(self, index: int, entry: Any) -> _Prepared:
@@ -259,9 +269,8 @@ class Encoder:
                 patches, canvas = image_to_patches(image, self.config)
                 item.patches, item.n_h, item.n_w = patches, canvas.n_h, canvas.n_w
             elif isinstance(image, (str, bytes)):
-                if storage.is_url(image):  # an object in a store (s3://...): read it whole
-                    image = storage.read_bytes(image)
-                decoded = decode_image(image, self.config, self.max_pixels)
+                decoded = decode_image(storage.whole_if_stored(image), self.config,
+                                       self.max_pixels)
                 item.error = decoded.error
                 if decoded.error is None:
                     item.patches = patches_tensor(decoded)
@@ -292,7 +301,7 @@ class Encoder:
                 batch_tokens: int | None, raise_errors: bool) -> Iterator[tuple[Any, Any]]:
         features = check_choice("features", features or self.features, FEATURES)
         pool = check_choice("pool", pool or self.pool, POOLS)
-        capacity = _check_positive("batch_tokens", batch_tokens or self.batch_tokens)
+        capacity = check_positive("batch_tokens", batch_tokens or self.batch_tokens)
         if self._is_single(images):
             raise TypeError("encode_iter takes an iterable of images, not one image")
         engine = self._engine(features)

@@ -20,10 +20,11 @@ import pyarrow as pa
 
 from . import storage
 from .columns import INT_COLUMNS, OUTPUT_COLUMNS
-from .engine.defaults import Features, Pool
+from .engine.defaults import DEFAULT_FEATURES, DEFAULT_POOL, Features, Pool
 from .errors import check_choice
 from .images.formats import DEFAULT_MAX_PIXELS
-from .output import LAYOUTS, STORED_DTYPES, Layout, StoredDtype
+from .output import (DEFAULT_LAYOUT, DEFAULT_STORED_DTYPE, LAYOUTS, STORED_DTYPES, Layout,
+                     StoredDtype)
 from .output.parts import Row, output_schema, rows_to_table, run_settings
 
 if TYPE_CHECKING:
@@ -83,8 +84,9 @@ class BatchEncoder:
     def __init__(self, weights: str | os.PathLike | None = None, *,
                  config: str | os.PathLike | Mapping[str, Any] | None = None, seed: int = 0,
                  image_column: str = "image", key_column: str | None = None,
-                 device: str = "auto", dtype: str = "auto", features: Features = "aligner",
-                 pool: Pool = "none", out_dtype: StoredDtype = "float16", layout: Layout = "binary",
+                 device: str = "auto", dtype: str = "auto", features: Features = DEFAULT_FEATURES,
+                 pool: Pool = DEFAULT_POOL, out_dtype: StoredDtype = DEFAULT_STORED_DTYPE,
+                 layout: Layout = DEFAULT_LAYOUT,
                  max_pixels: int | None = None, keep_columns: bool = True,
                  **options: Any) -> None:
         check_choice("out_dtype", out_dtype, STORED_DTYPES)
@@ -250,8 +252,7 @@ class BatchEncoder:
             return row, source  # not an image, or no image's shape: the encoder's error row
         else:
             try:
-                if isinstance(source, str) and storage.is_url(source):
-                    source = storage.read_bytes(source)  # an object in a store: whole, once
+                source = storage.whole_if_stored(source)  # an object in a store: read once
                 probe = probe_image(source, self.max_pixels)
             except Exception as exc:  # a store that cannot be read: this row's error
                 row.error = describe_error(exc)

@@ -22,9 +22,12 @@ from typer.core import TyperCommand, TyperGroup
 
 from .version import __version__
 from .errors import AlreadyComplete, DsvError, Interrupted
+from .engine.settings import ATTENTIONS, EngineSettings
 from .run import options as defaults  # torch-free: the defaults, each defined once
 from .storage import OUTAGE_S, stop_bound_s
-from .tower.config import ATTENTION_BACKENDS
+
+#: The engine's defaults (``engine/settings``), which its options show.
+ENGINE_DEFAULTS = EngineSettings()
 
 class _BareFlags:
     """A command whose --help shows no type for a flag: it takes no value (Typer would show
@@ -213,10 +216,11 @@ _ENCODE_PARAMETERS: dict[str, tuple[Any, Any]] = {
                  "faster on its kind: bfloat16 on Intel with AMX and on AMD Zen 5, float32 on "
                  "other CPUs; --resume continues in the interrupted run's).")),
         features=(str, typer.Option(
-            "aligner", "--features", metavar=choices(*defaults.CHOICES["features"]),
+            ENGINE_DEFAULTS.features, "--features",
+            metavar=choices(*defaults.CHOICES["features"]),
             help="aligner: LLM-width merged tokens; vit: per-patch ViT features.")),
         pool=(str, typer.Option(
-            "none", "--pool", metavar=choices(*defaults.CHOICES["pool"]),
+            defaults.DEFAULT_POOL, "--pool", metavar=choices(*defaults.CHOICES["pool"]),
             help="none: every row; mean: one vector per image (retrieval, dedup).")),
     ),
     **_panel(
@@ -226,10 +230,11 @@ _ENCODE_PARAMETERS: dict[str, tuple[Any, Any]] = {
             help="Output Parquet file, or a folder (ending in / or with --shard-output) for a "
                  "part-file dataset.")),
         out_dtype=(str, typer.Option(
-            "float16", "--out-dtype", metavar=choices(*defaults.CHOICES["out_dtype"]),
+            defaults.DEFAULT_STORED_DTYPE, "--out-dtype",
+            metavar=choices(*defaults.CHOICES["out_dtype"]),
             help="Stored embedding dtype.")),
         layout=(str, typer.Option(
-            "binary", "--layout", metavar=choices(*defaults.CHOICES["layout"]),
+            defaults.DEFAULT_LAYOUT, "--layout", metavar=choices(*defaults.CHOICES["layout"]),
             help="embedding column: binary (raw bytes, ~20x cheaper) or nested (float lists "
                  "that SQL tools read).")),
         overwrite=(bool, typer.Option(
@@ -247,6 +252,9 @@ _ENCODE_PARAMETERS: dict[str, tuple[Any, Any]] = {
             help=f"Let --update drop more than {defaults.PRUNE_SHARE:.0%} of the rows.")),
         retry_errors=(bool, typer.Option(
             False, "--retry-errors", help="--update: encode every error row again.")),
+        keep_unlisted=(bool, typer.Option(
+            False, "--keep-unlisted",
+            help="--update: encode only the inputs given; keep every other row as it is.")),
         dry_run=(bool, typer.Option(
             False, "--dry-run", help="Say what would be encoded, reused, dropped.")),
         shard_output=(bool, typer.Option(
@@ -282,27 +290,28 @@ _ENCODE_PARAMETERS: dict[str, tuple[Any, Any]] = {
             "auto", "--device",
             help="auto, cpu, cuda or cuda:N (under torchrun: each rank's LOCAL_RANK GPU).")),
         batch_tokens=(Optional[int], typer.Option(
-            None, "--batch-tokens",
+            ENGINE_DEFAULTS.batch_tokens, "--batch-tokens",
             help="Patches per packed batch (default 32768 on CUDA, 8192 on CPU).")),
         workers=(Optional[int], typer.Option(
             None, "--workers",
             help="Decode processes (default from the CPU count; 0 decodes inline).")),
         attention=(str, typer.Option(
-            "auto", "--attention", metavar=choices(*ATTENTION_BACKENDS),
+            ENGINE_DEFAULTS.attention, "--attention", metavar=choices(*ATTENTIONS),
             help="Attention backend.")),
         cuda_graphs=(Optional[bool], typer.Option(
-            None, "--cuda-graphs/--no-cuda-graphs",
+            ENGINE_DEFAULTS.cuda_graphs, "--cuda-graphs/--no-cuda-graphs",
             help="Replay captured CUDA graphs (default: on with CUDA).")),
         deterministic=(bool, typer.Option(
-            True, "--deterministic/--no-deterministic",
+            ENGINE_DEFAULTS.deterministic, "--deterministic/--no-deterministic",
             help="Batch-invariant rows: an image's bytes do not depend on its batch, ranks "
                  "or resume. Not with --tp-mode weights.")),
         fused=(Optional[bool], typer.Option(
-            None, "--fused/--no-fused",
+            ENGINE_DEFAULTS.fused, "--fused/--no-fused",
             help="Fuse RMSNorm, RoPE and SwiGLU with torch.compile (default: on with CUDA); "
                  "rows equal the eager tower's to float rounding.")),
         transform=(str, typer.Option(
-            "auto", "--transform", metavar=choices(*defaults.CHOICES["transform"]),
+            ENGINE_DEFAULTS.transform, "--transform",
+            metavar=choices(*defaults.CHOICES["transform"]),
             help="Where images are resized (same bytes): auto is device on CUDA, host on CPU.")),
         tp_mode=(str, typer.Option(
             "data", "--tp-mode", metavar=choices(*defaults.CHOICES["tp_mode"]),
@@ -315,7 +324,7 @@ _ENCODE_PARAMETERS: dict[str, tuple[Any, Any]] = {
     **_panel(
         "Ray",
         engine=(str, typer.Option(
-            "local", "--engine", metavar=choices("local", "ray"),
+            defaults.ENGINES[0], "--engine", metavar=choices(*defaults.ENGINES),
             help="ray: encoder actors on a Ray cluster encode, this process writes the same "
                  "output (needs dsv4enc\\[ray]; inputs and weights readable on every node).")),
         ray_address=(Optional[str], typer.Option(
@@ -376,8 +385,8 @@ def encode(ctx: typer.Context, **given: Any) -> None:
         from .run.ray_engine import RayEngineOptions
 
         ray_opts = RayEngineOptions(**ray_settings)
-    elif engine != "local":
-        fail("--engine must be one of local, ray", 2)
+    elif engine not in defaults.ENGINES:
+        fail(f"--engine must be one of {', '.join(defaults.ENGINES)}", 2)
     _encode_command(opts, storage_option, quiet, summary_json, started, ray_opts)
 
 
@@ -563,7 +572,9 @@ def _inspect_errors(output: str, storage_option: list[str] | None, as_json: bool
     written, unlisted = write_errors_list(rows, errors_list)
     note(f"wrote {written} failed path{'s' if written != 1 else ''} to {errors_list}"
          + (f"; {unlisted} left out (a newline, or blanks at an end, fit no line)"
-            if unlisted else ""))
+            if unlisted else "")
+         + (f"; once fixed, retry them with encode --files-from {errors_list} --update "
+            "--keep-unlisted, run where the paths start" if written else ""))
 
 
 def _echoed(rows, as_json: bool):
@@ -586,7 +597,8 @@ def bench(
                                                "token budgets to time."),
     graphs: str = typer.Option("auto", "--graphs", help="Comma-separated: auto, on, off."),
     attention: str = typer.Option("auto", "--attention", help="auto, flash, varlen or sdpa."),
-    features: str = typer.Option("aligner", "--features", help="aligner or vit."),
+    features: str = typer.Option(ENGINE_DEFAULTS.features, "--features",
+                                 help="aligner or vit."),
     max_images: int = typer.Option(defaults.DEFAULT_MAX_IMAGES, "--max-images",
                                    help="Images per batch at most."),
     repeat: int = typer.Option(2, "--repeat", help="Rounds per measurement (best is kept)."),

@@ -6,13 +6,6 @@ from __future__ import annotations
 import signal
 
 
-def check_choice(name: str, value: str, allowed: tuple[str, ...]) -> str:
-    """``value``, or a ValueError with ``name``'s choices (the CLI's: ``run/options.validate``)."""
-    if value not in allowed:
-        raise ValueError(f"{name} must be one of {', '.join(map(repr, allowed))}, not {value!r}")
-    return value
-
-
 RESUME_ADVICE = "rerun with --resume"  # how an error's line advises finishing the run
 
 
@@ -33,6 +26,27 @@ class UsageError(DsvError):
     """Options that make no sense (alone or together)."""
 
     exit_code = 2
+
+
+class SettingsError(UsageError, ValueError):
+    """A setting out of its range or choices: one line on the command line, and a
+    ``ValueError`` to the Python API's callers."""
+
+
+def check_choice(name: str, value: str, allowed: tuple[str, ...]) -> str:
+    """``value``, or a SettingsError with ``name``'s choices (the CLI's own check:
+    ``run/options.validate``)."""
+    if value not in allowed:
+        raise SettingsError(f"{name} must be one of {', '.join(map(repr, allowed))}, "
+                            f"not {value!r}")
+    return value
+
+
+def check_positive(name: str, value: int) -> int:
+    """``value``, or a SettingsError when it is not positive."""
+    if value <= 0:
+        raise SettingsError(f"{name} must be positive, got {value}")
+    return value
 
 
 class ConfigError(DsvError):

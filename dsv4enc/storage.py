@@ -64,6 +64,20 @@ def is_url(path: object) -> bool:
     return match is not None and match.group(1).lower() != "file"
 
 
+def is_remote_output(out: str) -> bool:
+    """Whether ``--out`` names a place in a store (written through a local staging folder)."""
+    return is_url(out)
+
+
+def lies_within(location: str, prefix: str) -> bool:
+    """Whether the URL ``location`` is the URL ``prefix`` or lies under it (a trailing slash
+    aside); a local path lies within no URL, nor a URL within a local path."""
+    if not (is_url(location) and is_url(prefix)):
+        return False
+    location, prefix = location.rstrip("/"), prefix.rstrip("/")
+    return location == prefix or location.startswith(prefix + "/")
+
+
 def scheme_of(url: str) -> str:
     return url.split("://", 1)[0].lower()
 
@@ -510,14 +524,33 @@ def reset_health() -> None:
         _HEALTH.clear()
 
 
-def note_row(url: str, error: str | None, since: float | None = None) -> None:
-    """What a decode worker found reading ``url`` (an input in a store), for this process's
-    health record: an answer, or (``since``: when its outage began) a store not answering."""
-    record = health(store_of(url))
+def note_row(location: str, error: str | None, since: float | None = None) -> bool:
+    """What a decode worker found reading ``location``, for this process's health record of its
+    store: an answer, or (``since``: when its outage began) a store not answering. Returns
+    whether ``location`` is in a store (a local path is noted nowhere)."""
+    if not is_url(location):
+        return False
+    record = health(store_of(location))
     if error is None:
         record.answered()
     elif since is not None and error.startswith(UNAVAILABLE):
         record.failed(error.rsplit(": ", 1)[-1], since)
+    return True
+
+
+def read_outage(location: object, exc: BaseException) -> tuple[str, float | None] | None:
+    """An input row's error for a read of ``location`` that failed with ``exc`` on an outage
+    of its store (a transient ``UNAVAILABLE`` one), and when the outage began; None for any
+    other failure, and for a local path. The store's health record learns of it."""
+    if not isinstance(exc, OSError) or not is_url(location):
+        return None
+    cause = outage_cause(exc)
+    if cause is None:
+        return None
+    store = store_of(location)
+    record = health(store)
+    record.failed(cause)
+    return f"{UNAVAILABLE}: {store}: {cause}", record.since
 
 
 def check_stores() -> None:
@@ -705,14 +738,28 @@ def stat(url: str) -> ObjectInfo:
     return _seen(url, url, info.size, info.mtime_ns)
 
 
-def stamp(url: str) -> str:
-    """What identifies this version of the object for ``--resume``: its size and the listing's
-    ETag, else its modification time (a new upload changes both), or why it cannot be looked at."""
+def stamp(location: str) -> str:
+    """What decides whether an input is the one encoded before (``--resume``), or why it cannot
+    be looked at. A local file: size, mtime (ns), inode and mode (a file replaced, or made
+    readable, differs; not the device, which a remount changes). An object: its size and the
+    listing's ETag, else its modification time (a new upload changes both)."""
+    if not is_url(location):
+        try:
+            st = os.stat(location)
+        except OSError as exc:
+            return f"unreadable {exc.errno}"
+        return f"{st.st_size} {st.st_mtime_ns} {st.st_ino} {st.st_mode:o}"
     try:
-        info = stat(url)
+        info = stat(location)
     except OSError as exc:
-        return f"unreadable {describe(url, exc)}"
+        return f"unreadable {describe(location, exc)}"
     return f"{info.size} {info.etag or info.mtime_ns}"
+
+
+def whole_if_stored(source: "str | bytes") -> "str | bytes":
+    """What a decoder opens for ``source`` (a path, a URL or bytes): an object in a store read
+    whole, in one request where the client allows; a local path or bytes as they are."""
+    return read_bytes(source) if isinstance(source, str) and is_url(source) else source
 
 
 def open_input(url: str):
@@ -881,6 +928,27 @@ def upload_file(path: "str | os.PathLike", url: str) -> None:
     """Copy the local file ``path`` to the object ``url``, streamed (multipart when large): it
     appears whole or not at all, with no folder markers (``pyarrow.fs.copy_files`` makes them)."""
     _put(url, lambda: open(path, "rb"))
+
+
+def upload_written(folder: "str | os.PathLike", name: str,
+                   write: Callable[[str], None]) -> int | None:
+    """When ``folder`` is a URL: ``write(path)`` fills a hidden local temporary file, uploaded
+    whole as the object ``folder/name`` (read once, then removed); returns its size. A local
+    ``folder`` gets nothing (None): its caller writes the file in place."""
+    if not is_url(folder):
+        return None
+    import tempfile
+
+    handle, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp")
+    os.close(handle)
+    try:
+        write(tmp)
+        size = os.path.getsize(tmp)
+        upload_file(tmp, join(str(folder), name))
+    finally:
+        with suppress(FileNotFoundError):
+            os.unlink(tmp)
+    return size
 
 
 def _put(url: str, source: Callable[[], IO[bytes]]) -> None:

@@ -70,6 +70,110 @@ def test_every_failure_listed_then_retried_with_files_from_and_update(tmp_path, 
     assert run("inspect", str(out), "--errors").stdout == ""
 
 
+def _rows(out: Path) -> dict[str, tuple]:
+    """Each row of ``out`` by path: its error, then its other columns (embedding as bytes)."""
+    names = ["path", "error", "embedding", "grid_h", "grid_w", "width", "height"]
+    return {row["path"]: tuple(v.tobytes() if k == "embedding" and v is not None else v
+                               for k, v in row.items() if k != "path")
+            for row in read_embeddings(out, names, errors="include")}
+
+
+@pytest.mark.parametrize("target", ["out/", "out.parquet"])
+def test_some_failures_retried_from_their_list_keep_every_other_row(tmp_path, small_ckpt,
+                                                                   monkeypatch, target):
+    """A folder where 2 of 6 images came corrupt: once they are fixed, the errors list goes
+    back through ``--files-from ... --update --keep-unlisted`` run inside the folder (so each
+    line is its row's key): the 2 rows become embeddings, the 4 others keep their bytes, and
+    the output equals a clean run's. Without the flag the partial list is refused, naming
+    it; a dry run writes nothing; a later ``--update`` of the folder encodes nothing."""
+    folder = tmp_path / "imgs"
+    for i in range(6):
+        write_image(folder / ("sub" if i % 2 else "") / f"{i}.png", (24 + 4 * i, 20))
+    broken = [folder / "2.png", folder / "sub" / "5.png"]
+    for path in broken:
+        path.write_bytes(b"\x89PNG truncated")
+    out = tmp_path / target
+    encode(str(folder), "--out", str(out), "--part-images", "2", weights=small_ckpt)
+    before = _rows(out)
+    assert sorted(p for p, row in before.items() if row[0]) == ["2.png", "sub/5.png"]
+    failed = tmp_path / "failed.txt"
+    listed = run("inspect", str(out), "--errors-list", str(failed))
+    assert listed.exit_code == 0 and "--keep-unlisted" in listed.output
+    assert failed.read_text().splitlines() == ["2.png", "sub/5.png"]
+    for path in broken:
+        path.unlink()
+        write_image(path, (30, 26))
+    monkeypatch.chdir(folder)
+    retry = ["--files-from", str(failed), "--out", str(out), "--update"]
+    refused = run("encode", *retry, "--weights", str(small_ckpt), "--device", "cpu", "-q")
+    assert refused.exit_code == 2 and "--keep-unlisted" in refused.output
+    dry = encode(*retry, "--keep-unlisted", "--dry-run", weights=small_ckpt)
+    assert "2 to encode, 4 reused, 0 dropped; nothing was written" in " ".join(dry.output.split())
+    assert _rows(out) == before
+    encode(*retry, "--keep-unlisted", weights=small_ckpt)
+    after = _rows(out)
+    assert list(after) == list(before) and all(row[0] is None for row in after.values())
+    assert all(after[p] == row for p, row in before.items() if row[0] is None)
+    monkeypatch.chdir(tmp_path)
+    clean = tmp_path / ("clean/" if target.endswith("/") else "clean.parquet")
+    encode(str(folder), "--out", str(clean), weights=small_ckpt)
+    assert after == _rows(clean)
+    again = encode(str(folder), "--out", str(out), "--update", "--dry-run", weights=small_ckpt)
+    assert "0 to encode, 6 reused, 0 dropped" in " ".join(again.output.split())
+
+
+def test_a_killed_keep_unlisted_update_finishes_when_run_again(tmp_path, small_ckpt):
+    """Killed after the update's first commit: the old output is whole; the same command
+    again reuses the committed part and ends equal to a clean run."""
+    folder = tmp_path / "imgs"
+    names = [f"{i}.png" for i in range(8)]
+    broken = names[1::2]  # one in each part of two
+    for name in names:
+        write_image(folder / name, (20 + 2 * int(name[0]), 20))
+    for name in broken:
+        (folder / name).write_bytes(b"\x89PNG truncated")
+    out = tmp_path / "out"
+    encode(str(folder), "--out", f"{out}/", "--part-images", "2", weights=small_ckpt)
+    before = _rows(out)
+    failed = tmp_path / "failed.txt"
+    assert run("inspect", str(out), "--errors-list", str(failed)).exit_code == 0
+    for name in broken:
+        (folder / name).unlink()
+        write_image(folder / name, (28, 24))
+    command = [sys.executable, "-m", "dsv4enc", "encode", "--files-from", str(failed),
+               "--out", f"{out}/", "--weights", str(small_ckpt), "--part-images", "2",
+               "--workers", "0", "--device", "cpu", "-q", "--update", "--keep-unlisted"]
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}
+    pauses = Pauses(tmp_path / "pauses", "commit")
+    proc = subprocess.Popen(command, cwd=folder, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, env=pauses.env(env))
+    try:
+        pauses.wait("commit", proc=proc)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert _rows(out) == before  # nothing switched yet
+    again = subprocess.run(command + ["--summary-json", str(tmp_path / "s.json")], cwd=folder,
+                           env=env, capture_output=True, text=True)
+    assert again.returncode == 0, again.stderr
+    images = json.loads((tmp_path / "s.json").read_text())["images"]
+    assert images["encoded"] < len(broken) and images["dropped"] == 0
+    clean = tmp_path / "clean"
+    encode(str(folder), "--out", f"{clean}/", weights=small_ckpt)
+    assert _rows(out) == _rows(clean)
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--keep-unlisted"], "--keep-unlisted applies to --update only"),
+    (["--update", "--keep-unlisted", "--prune"], "choose one")])
+def test_keep_unlisted_is_refused_without_update_or_with_prune(tmp_path, flags, says):
+    write_image(tmp_path / "a.png", (20, 20))
+    result = run("encode", str(tmp_path / "a.png"), "--out", str(tmp_path / "o.parquet"),
+                 "--config", str(REPO_ROOT / "configs" / "tiny.json"), "--random-init", *flags)
+    assert result.exit_code == 2 and says in result.output
+    assert not (tmp_path / "o.parquet").exists()
+
+
 def test_list_lines():
     assert list_line("a/b.jpg") == "a/b.jpg" and list_line("#x.jpg") == "./#x.jpg"
     assert list_line("a\nb.jpg") is None and list_line(" lead.jpg") is None

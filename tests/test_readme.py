@@ -212,6 +212,16 @@ def _files(*names: str) -> Callable[[PageRun], None]:
     return check
 
 
+def _output_format_promises(run: PageRun) -> None:
+    # the errors list, retried once the broken image was fixed, left no failed row
+    _files("inspect.json", "failed.txt")(run)
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(run.folder / "emb.parquet", columns=["path", "error"])
+    assert "nested/broken.jpg" in table["path"].to_pylist()
+    assert table["error"].null_count == len(table)
+
+
 #: What each page's blocks leave behind, beyond running without an error.
 PROMISES: dict[str, Callable[[PageRun], None]] = {
     "docs/api.md": _api_promises,
@@ -219,7 +229,7 @@ PROMISES: dict[str, Callable[[PageRun], None]] = {
                                   "emb-vision-only.parquet"),
     "docs/inputs.md": _files("mixed.parquet", "table-emb.parquet"),
     "docs/many-gpus.md": _files("emb-2ranks.parquet"),
-    "docs/output-format.md": _files("inspect.json"),
+    "docs/output-format.md": _output_format_promises,
     "docs/resume-and-safety.md": _files("parts/_manifest.json", "photos.parquet"),
 }
 

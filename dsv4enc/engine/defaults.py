@@ -5,9 +5,11 @@ from typing import Literal, get_args
 #: What a row holds: the aligner's merged rows or the ViT's per-patch features.
 Features = Literal["aligner", "vit"]
 FEATURES: tuple[str, ...] = get_args(Features)
+DEFAULT_FEATURES: Features = "aligner"
 #: How an image's rows are stored: all of them, or their mean.
 Pool = Literal["none", "mean"]
 POOLS: tuple[str, ...] = get_args(Pool)
+DEFAULT_POOL: Pool = "none"
 
 #: Tokens per batch when the caller gives none: enough to fill an H200, a few images on a CPU.
 DEFAULT_BATCH_TOKENS = {"cuda": 32768, "cpu": 8192}

@@ -18,7 +18,7 @@ from ..tower.attention import VarlenSpans, select_attention
 from ..errors import DsvError, UsageError
 from .graphs import GRAPH_BACKENDS, BucketRunner, default_budgets, fit_budgets
 from ..tower.model import VisionTower, rope_tables
-from .defaults import DEFAULT_MAX_IMAGES, default_batch_tokens
+from .settings import EngineSettings
 from .packing import PackedBatch
 from ..tower.transform import max_image_tokens, pixels_to_patches
 
@@ -73,34 +73,39 @@ def runs_one_shape(model: VisionTower, deterministic: bool) -> bool:
 class Engine:
     """Encodes PackedBatches with a VisionTower.
 
-    ``cuda_graphs``: None = on when the device is CUDA and the attention backend can be
-    captured (flash, varlen); True on a CPU device is a UsageError; with SDPA it falls back
-    to eager with a log line. ``batch_tokens`` / ``max_images``: the largest batch the caller
+    ``settings``: an ``EngineSettings`` (``features``, ``attention`` and ``options``, its
+    fields by name, replace its values where not None). ``cuda_graphs``: None = on when the
+    device is CUDA and the attention backend can be captured (flash, varlen); True on a CPU
+    device is a UsageError; with SDPA it falls back to eager with a log line. ``batch_tokens`` / ``max_images``: the largest batch the caller
     will submit. ``budgets``: graph token budgets (default: ``graphs.default_budgets``).
     ``deterministic``: an image's output bytes do not depend on the batch it shares (on the
     CPU each image runs through the tower alone; on CUDA every batch in one fixed-shape
     bucket), except under tensor parallelism, whose all-reduces sum in another order."""
 
-    def __init__(self, model: VisionTower, features: str = "aligner",
-                 attention: str = "auto", out_dtype: torch.dtype = torch.float32, *,
-                 cuda_graphs: bool | None = None, batch_tokens: int | None = None,
-                 max_images: int = DEFAULT_MAX_IMAGES, budgets: Sequence[int] | None = None,
-                 min_budget: int = 1024, deterministic: bool = True) -> None:
+    def __init__(self, model: VisionTower, features: str | None = None,
+                 attention: str | None = None, out_dtype: torch.dtype = torch.float32, *,
+                 settings: EngineSettings | None = None, budgets: Sequence[int] | None = None,
+                 min_budget: int = 1024, **options: Any) -> None:
+        given = dict(features=features, attention=attention, **options)
+        settings = replace(settings or EngineSettings(),
+                           **{name: value for name, value in given.items() if value is not None})
+        self.settings = settings = settings.for_device(model.device.type)
         self.model = model
         self.device = model.device
-        self.features = features
+        self.features = settings.features
         self.out_dtype = out_dtype
-        self.attention_name, self._attend = resolve_attention(attention, self.device, model.dtype)
+        self.attention_name, self._attend = resolve_attention(settings.attention, self.device,
+                                                              model.dtype)
         model.attend = self._attend
-        self.batch_tokens = batch_tokens or default_batch_tokens(self.device.type)
-        self.max_images = max_images
+        self.batch_tokens: int = settings.batch_tokens
+        self.max_images = settings.max_images
         self.stats = EngineStats()
         self.last_finite = True  # every value of the last collected batch was finite
         self._pending: deque[_Pending] = deque()
         self.runner: BucketRunner | None = None
-        self.deterministic = deterministic and not model.tensor_parallel
-        graphs = self._want_graphs(cuda_graphs)
-        if runs_one_shape(model, deterministic):
+        self.deterministic = settings.deterministic and not model.tensor_parallel
+        graphs = self._want_graphs(settings.cuda_graphs)
+        if runs_one_shape(model, settings.deterministic):
             # One bucket that holds any single image: every batch runs at the same shapes.
             top = max(self.batch_tokens, max_image_tokens(model.cfg))
             self.runner = self._bucket_runner([top], capture=graphs)

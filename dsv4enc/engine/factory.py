@@ -4,15 +4,17 @@ on a device, split over the ranks (before fusion), fused when asked; and the Eng
 from __future__ import annotations
 
 import logging
-from typing import Callable
+from dataclasses import replace
+from typing import Any, Callable
 
 import torch
 
 from ..errors import UsageError
 from ..tower.checkpoint import Checkpoint, build_tower
-from .defaults import DEFAULT_MAX_IMAGES, resolve_fused
+from .defaults import resolve_fused
 from ..tower.model import VisionTower
 from .engine import Engine, runs_one_shape
+from .settings import EngineSettings
 
 log = logging.getLogger(__name__)
 
@@ -39,14 +41,12 @@ def build_model(ckpt: Checkpoint, device: torch.device | None = None, *,
     return model
 
 
-def build_engine(ckpt: Checkpoint, device: torch.device, *, features: str = "aligner",
-                 attention: str = "auto", out_dtype: torch.dtype = torch.float32,
-                 cuda_graphs: bool | None = None, batch_tokens: int | None = None,
-                 max_images: int = DEFAULT_MAX_IMAGES, deterministic: bool = True,
-                 fused: bool | None = None,
-                 split: Callable[[VisionTower], object] | None = None) -> Engine:
-    """``build_model`` and the Engine over it (the arguments as ``Engine``'s)."""
-    model = build_model(ckpt, device, fused=fused, deterministic=deterministic, split=split)
-    return Engine(model, features=features, attention=attention, out_dtype=out_dtype,
-                  cuda_graphs=cuda_graphs, batch_tokens=batch_tokens, max_images=max_images,
-                  deterministic=deterministic)
+def build_engine(ckpt: Checkpoint, device: torch.device, settings: EngineSettings | None = None,
+                 *, out_dtype: torch.dtype = torch.float32,
+                 split: Callable[[VisionTower], object] | None = None, **options: Any) -> Engine:
+    """``build_model`` and the Engine over it, as ``settings`` ask (``options``: its fields by
+    name, in its place or replacing its values)."""
+    settings = replace(settings or EngineSettings(), **options)
+    model = build_model(ckpt, device, fused=settings.fused, deterministic=settings.deterministic,
+                        split=split)
+    return Engine(model, out_dtype=out_dtype, settings=settings)

@@ -108,15 +108,8 @@ def read_failure(exc: BaseException, source) -> tuple[str, float | None]:
     gets a transient ``storage.UNAVAILABLE`` error (encoded again on --resume)."""
     if isinstance(exc, storage.StoreUnavailable):
         return str(exc), exc.since
-    url = getattr(source, "path", source)
-    if isinstance(exc, OSError) and storage.is_url(url):
-        cause = storage.outage_cause(exc)
-        if cause is not None:
-            store = storage.store_of(url)
-            record = storage.health(store)
-            record.failed(cause)
-            return f"{storage.UNAVAILABLE}: {store}: {cause}", record.since
-    return describe_error(exc), None
+    outage = storage.read_outage(getattr(source, "path", source), exc)
+    return outage if outage is not None else (describe_error(exc), None)
 
 
 def _readable(source):

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import os
 import threading
 import time
 import queue
@@ -133,19 +132,6 @@ def probe_all(items: Sequence[InputItem], max_pixels: int,
 
 # ----------------------------------------------------------------------------- stamps and digests
 
-def file_stamp(path: str) -> str:
-    """What decides whether a file is the one encoded before: size, mtime (ns), inode and mode
-    (a file replaced, or made readable, differs; not the device, which a remount changes), or
-    why it cannot be looked at; for an object in a store, ``storage.stamp``."""
-    if storage.is_url(path):
-        return storage.stamp(path)
-    try:
-        st = os.stat(path)
-    except OSError as exc:
-        return f"unreadable {exc.errno}"
-    return f"{st.st_size} {st.st_mtime_ns} {st.st_ino} {st.st_mode:o}"
-
-
 def input_stamps(planned: Sequence[Planned]) -> None:
     """Set each entry's ``stamp`` once, before decoding starts (a file changed afterwards never
     matches its part's stamp: --resume encodes it again); a container's image takes its stamp."""
@@ -154,11 +140,11 @@ def input_stamps(planned: Sequence[Planned]) -> None:
     for entry in todo:  # one stat per container file, however many images it holds
         if entry.item.member is not None:
             if entry.item.path not in containers:
-                containers[entry.item.path] = file_stamp(entry.item.path)
+                containers[entry.item.path] = storage.stamp(entry.item.path)
             entry.stamp = containers[entry.item.path]
     files = [entry for entry in todo if entry.item.member is None]
     with ThreadPoolExecutor(max_workers=STAT_THREADS) as pool:
-        for entry, stamp in zip(files, pool.map(lambda e: file_stamp(e.item.path), files,
+        for entry, stamp in zip(files, pool.map(lambda e: storage.stamp(e.item.path), files,
                                                 chunksize=256)):
             entry.stamp = stamp
 

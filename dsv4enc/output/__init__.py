@@ -9,6 +9,9 @@ from typing import Literal, get_args
 #: list of fixed-size float lists (the only layout of earlier outputs).
 Layout = Literal["binary", "nested"]
 LAYOUTS: tuple[str, ...] = get_args(Layout)
+DEFAULT_LAYOUT: Layout = "binary"
 #: The dtypes the ``embedding`` column may hold (``--out-dtype``).
 StoredDtype = Literal["float16", "float32"]
 STORED_DTYPES: tuple[str, ...] = get_args(StoredDtype)
+#: What ``dsv4enc encode`` and ``BatchEncoder`` store when not told.
+DEFAULT_STORED_DTYPE: StoredDtype = "float16"

@@ -16,7 +16,6 @@ import logging
 import os
 import re
 import secrets
-import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -30,7 +29,7 @@ import pyarrow.parquet as pq
 from .. import storage
 from ..columns import INT_COLUMNS, OUTPUT_COLUMNS, utf8_text
 from ..errors import RESUME_ADVICE, OutputError, check_choice
-from . import LAYOUTS
+from . import DEFAULT_LAYOUT, LAYOUTS
 from ..images.sources import kept_values
 from ..images.decode import is_transient
 from .parquet_join import JoinError, ParquetJoiner
@@ -56,7 +55,6 @@ PART_FILE = re.compile(r"part-\d{6,}(?:_\d{6,})?(?:-rank\d{3})?(?:\.g\d+)?\.parq
 JOURNAL_FILE = re.compile(r"_manifest(?:-rank\d{3})?\.journal")
 ROW_GROUP_BYTES = 64 << 20
 DATA_PAGE_BYTES = 8 << 20
-DEFAULT_LAYOUT = "binary"
 _ARROW_FLOAT = {"float16": pa.float16(), "float32": pa.float32()}
 
 
@@ -314,19 +312,14 @@ def write_part(folder: str | Path, name: str, table: pa.Table, row_group_size: i
     actor does) and return the manifest entry a ``PartLedger`` records to commit it. ``staged``:
     the file keeps a hidden temporary name (the entry's ``staged``) until
     ``PartStore.commit_written`` renames it: an unrecorded part never has a part name.
-    ``folder`` a URL: the file is uploaded to ``folder/FILE`` whole."""
+    ``folder`` a URL: the file is uploaded to ``folder/FILE`` whole (never staged)."""
     file = f"{name}{suffix}.parquet"
     entry: dict[str, Any] = {"file": file, "start": start, "end": end, "digest": digest,
                              "rows": table.num_rows, "transient": transient_errors(table)}
-    if storage.is_url(folder):
-        tmp = temp_path(Path(tempfile.gettempdir()) / file)  # read once, by the upload
-        try:
-            pq.write_table(table, tmp, row_group_size=row_group_size,
-                           **parquet_options(table.schema))
-            entry["size"] = tmp.stat().st_size
-            storage.upload_file(tmp, storage.join(str(folder), file))
-        finally:
-            tmp.unlink(missing_ok=True)
+    uploaded = storage.upload_written(folder, file, lambda tmp: pq.write_table(
+        table, tmp, row_group_size=row_group_size, **parquet_options(table.schema)))
+    if uploaded is not None:
+        entry["size"] = uploaded
         return entry
     path = Path(folder) / file
     if not staged:

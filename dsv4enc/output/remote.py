@@ -103,7 +103,7 @@ class RemoteOutput:
     @classmethod
     def for_out(cls, out: str, **settings) -> "RemoteOutput | None":
         """The remote output for a URL ``out`` (``settings``: the constructor's), None if local."""
-        return cls(out, **settings) if storage.is_url(out) else None
+        return cls(out, **settings) if storage.is_remote_output(out) else None
 
     # -- whose files -------------------------------------------------------------------------
     def _mine(self, name: str) -> bool:
@@ -242,12 +242,9 @@ class RemoteOutput:
 
     def _check_not_inputs(self) -> None:
         for raw in self.inputs:
-            if not storage.is_url(raw):
-                continue
-            source = raw.rstrip("/")
             for place in {self.url, self.parts_url}:
-                if source == place or source.startswith(place + "/") or \
-                        (self.folder_mode and place.startswith(source + "/")):
+                if storage.lies_within(raw, place) or \
+                        (self.folder_mode and storage.lies_within(place, raw)):
                     raise OutputError(f"--out {self.url} overlaps the input {raw}; choose an "
                                       "--out outside the inputs")
 

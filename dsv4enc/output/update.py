@@ -1,6 +1,6 @@
 """``encode --update``: bring a finished output up to date with its inputs.
 
-Each row keeps an 8-byte stamp of its input, a hash of its key and ``images/headers.file_stamp``:
+Each row keeps an 8-byte stamp of its input, a hash of its key and ``storage.stamp``:
 a single file in its footer (``STAMPS_KEY``: one rename replaces both), a folder in a
 ``_stamps-HASH.bin`` file its manifest names. An update matches the inputs' stamps against the
 old rows' (``Update.match``): an unchanged input takes its old row (``CarriedRows``, read
@@ -39,7 +39,8 @@ from .parts import (JOURNAL_FILE, LOCK_NAME, MANIFEST_FILE, MANIFEST_NAME, PART_
                     PartLedger, PartStore, Row, fsync_dir, manifest_document, output_os_error,
                     part_intact, read_manifest, temp_path, write_json_atomic)
 from ..images.decode import is_transient
-from ..images.headers import inputs_digest
+from ..images.headers import Planned, inputs_digest
+from ..images.items import InputItem
 from .read import embedding_arrays, embedding_format
 
 log = logging.getLogger("dsv4enc")
@@ -407,6 +408,7 @@ class Update:
         self.carried: dict[int, int] = {}  # input index -> old row index
         self.new = self.changed = self.dropped = self.carried_failed = self.rows_before = 0
         self.dropped_paths: list[str] = []  # the first DROPPED_SHOWN of them
+        self.unlisted: dict[int, int] = {}  # --keep-unlisted: input index -> old row kept as is
         self._reader: CarriedRows | None = None
         self.staging: Path | None = None
 
@@ -441,6 +443,31 @@ class Update:
         store.file_suffix = f".g{max(generations, default=0) + 1}"
         return store
 
+    def with_unlisted(self, planned: Sequence[Planned]) -> list[Planned]:
+        """``--keep-unlisted``: the old rows in their order, each in the place of the input
+        given with its key (``planned``), or else kept as it is (``unlisted``: never read,
+        stamped or encoded); the inputs given that no old row has follow, in their order."""
+        if self.old.damaged:
+            raise UsageError(f"--keep-unlisted cannot keep the rows of {self.old.out}'s "
+                             "damaged parts: rerun the original inputs with --update to "
+                             "repair it first")
+        given = {utf8_text(p.item.key): p for p in planned}
+        merged: list[Planned] = []
+        for row, key in enumerate(self.old.column("path")):
+            entry = given.pop(key, None)
+            if entry is None:
+                self.unlisted[len(merged)] = row
+                entry = Planned(InputItem(key=key, path=key), stamp=f"kept {row}")
+            merged.append(entry)
+        return merged + list(given.values())
+
+    def restamp(self, stamps: np.ndarray) -> None:
+        """The kept rows' stamps (``with_unlisted``) are their old ones: a later update
+        matches them against their files as before."""
+        if self.unlisted:
+            now, old = zip(*self.unlisted.items())
+            stamps[list(now)] = self.old.stamps[list(old)]
+
     def match(self, planned: Sequence, settings: dict, retry_errors: bool = False) -> None:
         """Check the settings, then decide which inputs take their old row: same key and
         file stamp, in input order (a reordered input list re-encodes what would need a
@@ -467,7 +494,9 @@ class Update:
             if i > last and (kind == _FAILED or kind == _ROW and planned[j].error is None):
                 self.carried[int(j)] = i
                 last = i
-        self.carried_failed = int(sum(kinds[i] == _FAILED for i in self.carried.values()))
+        self.carried.update(self.unlisted)
+        self.carried = dict(sorted(self.carried.items()))
+        self.carried_failed = int(sum(kinds[i] != _ROW for i in self.carried.values()))
         keys_now = np.fromiter((_hash8(utf8_text(p.item.key).encode()) for p in planned),
                                dtype=np.uint64, count=len(planned))
         keys_old = np.fromiter((_key_hash(path) for path in self.old.column("path")),
@@ -497,7 +526,8 @@ class Update:
         raise UsageError(f"--update would drop {self.dropped:,} of the {self.rows_before:,} "
                          f"rows of {self.old.out} ({share}their images are not among the "
                          f"{given} given, e.g. {', '.join(self.dropped_paths)}); pass --prune "
-                         "to drop them, or give every input (--dry-run shows the counts)")
+                         "to drop them, --keep-unlisted to keep them and encode only the "
+                         "inputs given, or give every input (--dry-run shows the counts)")
 
     def rows(self, indices: Sequence[int], planned: Sequence) -> dict[int, Row]:
         """The carried rows among ``indices`` (ascending), copied from the old output."""

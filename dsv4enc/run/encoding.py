@@ -188,10 +188,10 @@ class PartEncoder:
             index, result = self._next_decoded(decoded)
             assert index == expected, "decode stream out of step with the plan"
             path = planned[index].item.path
-            if storage.is_url(path):  # what the decoder found, for the store's health
-                storage.note_row(path, result.error, result.unavailable_since)
-                if self.ranks.dist is None:  # one process stops at once; ranks agree later
-                    storage.check_stores()
+            # what the decoder found, for the store's health (an input in a store)
+            if storage.note_row(path, result.error, result.unavailable_since) \
+                    and self.ranks.dist is None:  # one process stops at once; ranks agree later
+                storage.check_stores()
             if result.error is not None:
                 self._failed(rows, index, planned[index], result.error)
             else:

@@ -6,13 +6,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, get_args
 
-from ..engine.defaults import (DEFAULT_MAX_IMAGES, FEATURES, POOLS, TRANSFORMS, Features,
-                               Pool, Transform)
-from ..errors import UsageError
+from ..engine.defaults import (DEFAULT_FEATURES, DEFAULT_MAX_IMAGES, DEFAULT_POOL, POOLS,
+                               Features, Pool, Transform)
+from ..engine.settings import CHOICES as ENGINE_CHOICES, SETTINGS, EngineSettings
+from ..errors import SettingsError, UsageError
 from ..process import available_cpus
 from ..images.formats import DEFAULT_DECODE_TIMEOUT_S, DEFAULT_MAX_PIXELS
 from ..images.sources import SIDECAR_MEMBERS
-from ..output import LAYOUTS, STORED_DTYPES, Layout, StoredDtype
+from ..output import (DEFAULT_LAYOUT, DEFAULT_STORED_DTYPE, LAYOUTS, STORED_DTYPES, Layout,
+                      StoredDtype)
 from ..storage import OUTAGE_S
 from ..tower.config import Attention
 
@@ -29,8 +31,11 @@ BALANCE_CHOICES: tuple[str, ...] = get_args(Balance)
 #: Each choice option's values, defined once: ``validate``, the command line's ``--help`` and
 #: the Python API (``api.Encoder``, ``batch.BatchEncoder``) read them.
 CHOICES: dict[str, tuple[str, ...]] = {
-    "out_dtype": STORED_DTYPES, "features": FEATURES, "pool": POOLS, "layout": LAYOUTS,
-    "tp_mode": get_args(TpMode), "balance": BALANCE_CHOICES, "transform": TRANSFORMS}
+    "out_dtype": STORED_DTYPES, "pool": POOLS, "layout": LAYOUTS,
+    "tp_mode": get_args(TpMode), "balance": BALANCE_CHOICES, **ENGINE_CHOICES}
+#: ``--engine``: this process encodes, or encoder actors on a Ray cluster do.
+EngineKind = Literal["local", "ray"]
+ENGINES: tuple[str, ...] = get_args(EngineKind)
 
 
 @dataclass
@@ -52,10 +57,10 @@ class EncodeOptions:
     seed: int = 0
     device: str = "auto"
     dtype: str = "auto"
-    out_dtype: StoredDtype = "float16"
-    features: Features = "aligner"
-    pool: Pool = "none"
-    layout: Layout = "binary"  # the embedding column's layout (docs/output-format.md)
+    out_dtype: StoredDtype = DEFAULT_STORED_DTYPE
+    features: Features = DEFAULT_FEATURES
+    pool: Pool = DEFAULT_POOL
+    layout: Layout = DEFAULT_LAYOUT  # the embedding column's layout (docs/output-format.md)
     batch_tokens: int | None = None
     max_images: int = DEFAULT_MAX_IMAGES
     workers: int | None = None
@@ -64,6 +69,7 @@ class EncodeOptions:
     update: bool = False  # encode what the output lacks, drop what is gone (output/update)
     prune: bool = False  # --update may drop more than PRUNE_SHARE of the rows
     retry_errors: bool = False  # --update encodes every error row again, not the transient only
+    keep_unlisted: bool = False  # --update keeps the rows of inputs not given, as they are
     dry_run: bool = False  # say what would be encoded, reused and dropped; write nothing
     max_pixels: int = DEFAULT_MAX_PIXELS
     decode_timeout: float = DEFAULT_DECODE_TIMEOUT_S
@@ -94,9 +100,12 @@ def validate(opts: EncodeOptions) -> None:
         other = "--overwrite" if opts.overwrite else "--resume"
         raise UsageError(f"--update and {other} contradict each other; choose one (--update "
                          "also finishes an interrupted update)")
-    if (opts.prune or opts.retry_errors) and not opts.update:
-        flag = "--prune" if opts.prune else "--retry-errors"
+    if (opts.prune or opts.retry_errors or opts.keep_unlisted) and not opts.update:
+        flag = ("--prune" if opts.prune else "--retry-errors" if opts.retry_errors
+                else "--keep-unlisted")
         raise UsageError(f"{flag} applies to --update only")
+    if opts.keep_unlisted and opts.prune:
+        raise UsageError("--keep-unlisted keeps every row that --prune would drop; choose one")
     if opts.dry_run and (opts.resume or opts.overwrite):
         other = "--overwrite" if opts.overwrite else "--resume"
         raise UsageError(f"--dry-run shows what a new run or an --update would do; leave out "
@@ -115,7 +124,7 @@ def validate(opts: EncodeOptions) -> None:
                          "config.json)")
     for name, allowed in CHOICES.items():
         if getattr(opts, name) not in allowed:
-            raise UsageError(f"--{name.replace('_', '-')} must be one of {', '.join(allowed)}")
+            raise SettingsError(f"--{name.replace('_', '-')} must be one of {', '.join(allowed)}")
     for ext in opts.keep_members:
         if ext not in SIDECAR_MEMBERS:
             raise UsageError(f"--keep-member must be one of {', '.join(SIDECAR_MEMBERS)}, "
@@ -124,7 +133,7 @@ def validate(opts: EncodeOptions) -> None:
                  "commit_every"):
         value = getattr(opts, name)
         if value is not None and value <= 0:
-            raise UsageError(f"--{name.replace('_', '-')} must be positive, got {value}")
+            raise SettingsError(f"--{name.replace('_', '-')} must be positive, got {value}")
     if opts.workers is not None and opts.workers < 0:
         raise UsageError(f"--workers must be 0 or more, got {opts.workers}")
     if not opts.storage_outage_s > 0:
@@ -133,6 +142,11 @@ def validate(opts: EncodeOptions) -> None:
         raise UsageError("timeouts must be positive")
     if opts.shard_output and opts.tp_mode == "weights":
         raise UsageError("--shard-output applies to --tp-mode data only")
+
+
+def engine_settings(opts: EncodeOptions) -> EngineSettings:
+    """The engine's settings among the options."""
+    return EngineSettings(**{name: getattr(opts, name) for name in SETTINGS})
 
 
 def default_writer_threads() -> int:

@@ -19,7 +19,7 @@ import pyarrow as pa
 import torch
 
 from .. import storage
-from ..engine.defaults import default_batch_tokens, transform_on_device
+from ..engine.defaults import transform_on_device
 from ..engine.factory import build_engine
 from ..tower.checkpoint import Checkpoint, load_checkpoint, random_checkpoint
 from ..tower.config import VisionConfig
@@ -36,7 +36,7 @@ from ..output.layout import (OutputLayout, PartWriter, Resume, ResumeSettings, a
 from ..output.update import (Update, footer_entry, recover_switch, row_stamps,
                               write_folder_stamps)
 from .options import (PRUNE_SHARE, EncodeOptions, default_workers, default_writer_threads,
-                      validate)
+                      engine_settings, validate)
 from .plan import Part, cut_parts, images_per_part, output_bytes, segment_tokens
 from .setup import LISTED_FIRST, RunSetup, WindowSettings
 from ..images.headers import input_stamps
@@ -62,12 +62,8 @@ def tower_engine(ckpt: Checkpoint, device: torch.device, opts: EncodeOptions,
                  split=None) -> Engine:
     """The tower on ``device`` in its Engine, as the options ask (for either engine);
     ``split(model)``: the tower's shard of this rank (``Topology.split_tower``)."""
-    return build_engine(ckpt, device, features=opts.features, attention=opts.attention,
-                        out_dtype=resolve_out_dtype(opts.out_dtype),
-                        cuda_graphs=opts.cuda_graphs,
-                        batch_tokens=opts.batch_tokens or default_batch_tokens(device.type),
-                        max_images=opts.max_images, deterministic=opts.deterministic,
-                        fused=opts.fused, split=split)
+    return build_engine(ckpt, device, engine_settings(opts),
+                        out_dtype=resolve_out_dtype(opts.out_dtype), split=split)
 
 
 def inputs_phrase(inputs: int, listed: bool = True) -> str:
@@ -306,8 +302,11 @@ def _plan_output(run: RunState, setup: RunSetup, source: PartSource, computes: d
     if ranks.is_main and not setup.planned:
         log.warning(nothing_found(opts.inputs, opts.files_from, setup.found.skipped))
     if update is not None:  # matched before anything is written: a refusal leaves no trace
+        if opts.keep_unlisted:
+            setup.more(None)
+            setup.planned[:] = update.with_unlisted(setup.planned)
         setup.headers(cfg, opts, ranks, run.stop.requested if alone else None,
-                      announce=run.progress.status)
+                      announce=run.progress.status, skip=update.unlisted)
         run.stop.check()  # headers left unread must not be matched as error rows
         update.match(setup.planned, rows_settings, opts.retry_errors)  # or refuses, in a line
         update.count_into(summary)
@@ -398,6 +397,8 @@ def _write_output(run: RunState, source: PartSource, setup: RunSetup,
         if output.keeps_stamps:  # each row's input stamp, for a later --update
             input_stamps(setup.planned)  # none left unless a part was neither planned nor judged
             stamps = row_stamps((p.item.key, p.stamp) for p in setup.planned)
+            if update is not None:
+                update.restamp(stamps)
             if assembler is not None:
                 assembler.key_values = {**assembler.key_values,
                                         **footer_entry(stamps, output.row_options)}

@@ -154,7 +154,7 @@ class SegmentEncoder:
         group_rows = rows_per_group(schema, rows)
         del rows  # the table holds what it needs of them
         entry = write_part(folder, call.name, table, group_rows, call.start, call.end,
-                           call.digest, drop_cache=drop_cache, staged=not storage.is_url(folder))
+                           call.digest, drop_cache=drop_cache, staged=True)
         pause("written", pid=os.getpid(), name=call.name)
         return {"entry": entry, "summary": summary, "progress": progress.counts}
 

@@ -242,15 +242,19 @@ class RunSetup:
             self.planned.append(Planned(item))
 
     def headers(self, cfg: VisionConfig, opts: EncodeOptions, ranks: Topology | None,
-                should_stop, announce) -> list[Planned]:
+                should_stop, announce, skip: Collection[int] = ()) -> list[Planned]:
         """Every input listed, its header, grid and stamp read at once, for what needs the whole
-        plan first (``--update``'s matching, ``--engine ray``); ``announce(text)`` says so."""
+        plan first (``--update``'s matching, ``--engine ray``); ``announce(text)`` says so.
+        ``skip``: the entries left as they are (rows ``--keep-unlisted`` keeps, never read)."""
         self.more(None)
         planned = self.planned
-        announce(f"reading {len(planned)} image headers")
-        items = [p.item for p in planned]
-        planned[:] = with_grids(items, probe_share(items, opts.max_pixels, ranks, should_stop,
-                                                   opts.decode_timeout), cfg, ranks)
+        read = [i for i in range(len(planned)) if i not in skip]
+        announce(f"reading {len(read)} image headers")
+        items = [planned[i].item for i in read]
+        entries = with_grids(items, probe_share(items, opts.max_pixels, ranks, should_stop,
+                                                opts.decode_timeout), cfg, ranks)
+        for i, entry in zip(read, entries):
+            planned[i] = entry
         input_stamps(planned)
         return planned
 

@@ -15,6 +15,7 @@ import logging
 import os
 import sys
 import time
+from dataclasses import fields
 from typing import Any, List, Optional
 
 import typer
@@ -131,7 +132,7 @@ ENCODE_PANELS: dict[str, tuple[str, ...]] = {}
 def _panel(title: str, **options):
     """Options of one ``encode --help`` panel (Typer's ``rich_help_panel``), by name: each
     a (type, option) pair."""
-    ENCODE_PANELS[title] = tuple(options)
+    ENCODE_PANELS[title] = ENCODE_PANELS.get(title, ()) + tuple(options)
     for _, option in options.values():
         option.rich_help_panel = title
     return options
@@ -342,6 +343,27 @@ _ENCODE_PARAMETERS: dict[str, tuple[Any, Any]] = {
             help="The local Ray's object store (default: Ray's).")),
     ),
 }
+
+
+
+def settings_options() -> dict[str, tuple[Any, Any]]:
+    """An ``Engine`` panel option for each engine setting with a ``help`` in its field's
+    metadata (``engine/settings``): its flag from its name (a flag pair for a yes/no
+    setting), its default and help from the field."""
+    options = {}
+    for setting in fields(EngineSettings):
+        if "help" not in setting.metadata:
+            continue
+        flag = f"--{setting.name.replace('_', '-')}"
+        kind = type(setting.default)
+        if kind is bool:
+            flag = f"{flag}/--no-{flag[2:]}"
+        options[setting.name] = (kind, typer.Option(setting.default, flag,
+                                                    help=setting.metadata["help"]))
+    return options
+
+
+_ENCODE_PARAMETERS.update(_panel("Engine", **settings_options()))
 
 #: ``encode``'s arguments and options by name (what ``--help`` shows of each).
 ENCODE_OPTIONS = {name: info for name, (_, info) in _ENCODE_PARAMETERS.items()}

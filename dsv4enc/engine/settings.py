@@ -29,7 +29,8 @@ class EngineSettings:
     (``tower/config.ATTENTION_BACKENDS``); ``cuda_graphs``: replay captured CUDA graphs;
     ``batch_tokens``/``max_images``: the largest packed batch (``for_device`` fills in
     ``batch_tokens``); ``deterministic``: batch-invariant rows; ``fused``: compiled elementwise
-    kernels; ``transform``: where images are resized (``defaults.transform_on_device``)."""
+    kernels; ``transform``: where images are resized (``defaults.transform_on_device``).
+    A field with a ``help`` in its metadata is an ``encode`` option of its own name too."""
 
     features: Features = DEFAULT_FEATURES
     attention: Attention = "auto"

@@ -379,7 +379,7 @@ def encode(ctx: typer.Context, **given: Any) -> None:
                          keep_members=tuple(given.pop("keep_member") or ()),
                          exclude=tuple(given.pop("exclude") or ()),
                          table_paths_roots=tuple(given.pop("table_paths_root") or ()),
-                         progress=not quiet, **given)
+                         progress=not quiet, engine=EngineSettings.take(given), **given)
     ray_opts = None
     if engine == "ray":
         from .run.ray_engine import RayEngineOptions
@@ -599,7 +599,7 @@ def bench(
     attention: str = typer.Option("auto", "--attention", help="auto, flash, varlen or sdpa."),
     features: str = typer.Option(ENGINE_DEFAULTS.features, "--features",
                                  help="aligner or vit."),
-    max_images: int = typer.Option(defaults.DEFAULT_MAX_IMAGES, "--max-images",
+    max_images: int = typer.Option(ENGINE_DEFAULTS.max_images, "--max-images",
                                    help="Images per batch at most."),
     repeat: int = typer.Option(2, "--repeat", help="Rounds per measurement (best is kept)."),
     naive_images: Optional[int] = typer.Option(None, "--naive-images", help="Images for the "

@@ -261,12 +261,12 @@ def test_commits_go_to_the_journal_and_a_torn_line_or_a_stale_journal_is_not_rea
 def test_a_manifest_is_recognised_by_its_content():
     doc = writer.manifest_document({"tool": "dsv4enc"}, {"part-000000": {
         "file": "part-000000.parquet", "start": 0, "end": 3}})
-    assert writer.manifest_kind(doc) == "current"
-    assert writer.manifest_kind({"settings": {"tool": "dsv4enc"}, "parts": {}}) == "legacy"
+    assert writer.is_manifest(doc)
     for foreign in ({"a": 1}, [], {"settings": {}, "parts": {}},
+                    {"settings": {"tool": "dsv4enc"}, "parts": {}},  # before 0.1.0: no format
                     {**doc, "parts": {"x": {"file": "../data/img0.png"}}},
                     {**doc, "format": "something else"}):
-        assert writer.manifest_kind(foreign) is None
+        assert not writer.is_manifest(foreign)
 
 
 # --------------------------------------------------------------------------- 2. one run at a time
@@ -497,18 +497,21 @@ def test_resume_encodes_again_a_part_with_a_timed_out_row(data, tmp_path):
     assert all(r["error"] is None for r in pq.read_table(out).to_pylist())
 
 
-def test_resume_refuses_a_manifest_of_an_earlier_version(data, tmp_path):
-    """An earlier dsv4enc recorded no input sizes and times: its parts cannot be checked."""
+@pytest.mark.parametrize("flag", ["resume", "overwrite", "update"])
+def test_an_output_from_before_0_1_0_is_refused_in_one_line(data, tmp_path, flag):
+    """A manifest without this format's tag (what dsv4enc wrote before 0.1.0) is not read:
+    the run is refused, naming it, and the output is left as it was."""
     out = tmp_path / "out"
     finish_folder(data, out)
     manifest = out / "_manifest.json"
     doc = json.loads(manifest.read_text())
     del doc["format"], doc["version"]
     manifest.write_text(json.dumps(doc))
-    with pytest.raises(OutputError, match="earlier dsv4enc.*--overwrite"):
-        run_encode(options([data], f"{out}/", resume=True))
-    run_encode(options([data], f"{out}/", overwrite=True))  # still dsv4enc's: replaceable
-    assert json.loads(manifest.read_text())["format"] == writer.MANIFEST_FORMAT
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    line = one_line_error(encode(str(data), "--out", f"{out}/", f"--{flag}"))
+    assert line.endswith(f"{manifest} was written by a dsv4enc before 0.1.0, whose outputs "
+                         "this version does not read; move it away or choose another --out")
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
 
 
 def tar_of(images: list[Path], path: Path) -> Path:

@@ -120,8 +120,8 @@ class NullStage:
         return Checkpoint(self.config, {}, NULL_FINGERPRINT, "null stage")
 
     def engine(self, device: torch.device, opts: EncodeOptions) -> NullEngine:
-        return NullEngine(self.config, opts.features, getattr(torch, opts.out_dtype),
-                          opts.batch_tokens, opts.max_images)
+        return NullEngine(self.config, opts.engine.features, getattr(torch, opts.out_dtype),
+                          opts.engine.batch_tokens, opts.engine.max_images)
 
 
 @dataclass

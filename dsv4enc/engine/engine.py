@@ -76,8 +76,9 @@ class Engine:
     ``settings``: an ``EngineSettings`` (``features``, ``attention`` and ``options``, its
     fields by name, replace its values where not None). ``cuda_graphs``: None = on when the
     device is CUDA and the attention backend can be captured (flash, varlen); True on a CPU
-    device is a UsageError; with SDPA it falls back to eager with a log line. ``batch_tokens`` / ``max_images``: the largest batch the caller
-    will submit. ``budgets``: graph token budgets (default: ``graphs.default_budgets``).
+    device is a UsageError; with SDPA it falls back to eager with a log line.
+    ``batch_tokens`` / ``max_images``: the largest batch the caller will submit.
+    ``budgets``: graph token budgets (default: ``graphs.default_budgets``).
     ``deterministic``: an image's output bytes do not depend on the batch it shares (on the
     CPU each image runs through the tower alone; on CUDA every batch in one fixed-shape
     bucket), except under tensor parallelism, whose all-reduces sum in another order."""

@@ -4,7 +4,7 @@ interrupted run already finished.
 
 dsv4enc deletes or replaces only what is provably its own: a single-file ``--out`` that is a
 Parquet file with dsv4enc's metadata, and in a parts folder (``OUT.partial/`` or a folder
-``--out``) the manifests it recognises by content (``parts.manifest_kind``), its part file
+``--out``) the manifests it recognises by content (``parts.is_manifest``), its part file
 names, the growing file (``appending.GROWING_NAME``) and its temporaries. Anything else makes
 the run refuse in one line, before anything is written or deleted."""
 
@@ -33,8 +33,8 @@ from .update import CUT_SETTINGS, STAMPS_FILE, Update, setting_refusal
 from .read import read_metadata
 from .parts import (JOURNAL_FILE, LOCK_NAME, MANIFEST_FILE, MANIFEST_NAME, PART_FILE,
                     TEMP_FILE, PartLedger, PartStore, Row, StreamingAssembler, kept_columns,
-                    kept_fields, output_os_error, read_manifest, read_manifests, rows_per_group,
-                    rows_to_table)
+                    kept_fields, output_os_error, pre_release_manifest, read_manifest,
+                    read_manifests, rows_per_group, rows_to_table)
 
 if TYPE_CHECKING:
     from .appending import AppendingStore
@@ -168,7 +168,7 @@ class OutputLayout:
         """The settings the interrupted run recorded in this output's manifest (what
         ``--resume`` adopts for ``--dtype auto``), or None when there is no such run."""
         recorded = read_manifest(self.parts_dir / self.manifest_name(rank))
-        return recorded["settings"] if recorded else None  # a dict: ``manifest_kind`` checks
+        return recorded["settings"] if recorded else None  # a dict: ``is_manifest`` checks
 
     def manifest_name(self, rank: int | None = None) -> str:
         """Each rank keeps its own manifest under --shard-output (``rank``: this process's,
@@ -282,6 +282,10 @@ class OutputLayout:
 
     def _check_existing(self, overwrite: bool, resume: bool, update: bool = False) -> None:
         out = self.out
+        older = pre_release_manifest(self.parts_dir)
+        if older is not None:
+            raise OutputError(f"{older} was written by a dsv4enc before 0.1.0, whose outputs "
+                              "this version does not read; move it away or choose another --out")
         manifests = read_manifests(self.parts_dir)
         owned, foreign = self._owned_and_foreign(manifests)
         where = f"--out folder {out}" if self.folder_mode else str(self.parts_dir)

@@ -270,8 +270,8 @@ def temp_path(path: Path, folder: Path | None = None) -> Path:
     return (folder or path.parent) / f".{path.name}.{os.getpid()}-{secrets.token_hex(4)}.tmp"
 
 
-#: ``temp_path`` names (and the ``.NAME.tmp`` of earlier versions); group 1 is NAME.
-TEMP_FILE = re.compile(r"\.(.+?)\.(?:\d+-[0-9a-f]{8}\.)?tmp")
+#: ``temp_path`` names; group 1 is NAME.
+TEMP_FILE = re.compile(r"\.(.+?)\.\d+-[0-9a-f]{8}\.tmp")
 
 
 def drop_cached_pages(fd: int, offset: int = 0, length: int = 0) -> None:
@@ -375,32 +375,46 @@ def is_journal_entry(part: dict) -> bool:
             and isinstance(part.get("length"), int))
 
 
-def manifest_kind(data: Any) -> str | None:
-    """``"current"`` for a manifest of this format, ``"legacy"`` for one an earlier dsv4enc
-    wrote (no format tag), None for anything else. Either kind lists only dsv4enc part names:
-    that makes its folder's part files provably dsv4enc's."""
-    if not isinstance(data, dict) or not isinstance(data.get("parts"), dict):
-        return None
-    settings = data.get("settings")
-    if not isinstance(settings, dict) or settings.get("tool") != "dsv4enc":
-        return None
+def is_manifest(data: Any) -> bool:
+    """``data`` is a manifest of this format, which lists only dsv4enc part names: that makes
+    its folder's part files provably dsv4enc's."""
+    if not (is_dsv4enc_document(data) and isinstance(data.get("parts"), dict)):
+        return False
     for part in data["parts"].values():
         if not (isinstance(part, dict) and (names_part_file(part) or is_journal_entry(part))):
-            return None
-    if data.get("format") == MANIFEST_FORMAT and data.get("version") == MANIFEST_VERSION:
-        return "current"
-    return "legacy" if "format" not in data else None
+            return False
+    return data.get("format") == MANIFEST_FORMAT and data.get("version") == MANIFEST_VERSION
+
+
+def is_dsv4enc_document(data: Any) -> bool:
+    """``data`` names dsv4enc as the tool of its settings (a manifest of any version)."""
+    settings = data.get("settings") if isinstance(data, dict) else None
+    return isinstance(settings, dict) and settings.get("tool") == "dsv4enc"
+
+
+def pre_release_manifest(folder: Path) -> Path | None:
+    """A manifest in ``folder`` that a dsv4enc before 0.1.0 wrote (dsv4enc's, of another
+    format), or None: such an output is refused, not read."""
+    for path in sorted(folder.glob("_manifest*.json")):
+        try:
+            data = load_manifest(path)
+        except (OSError, ValueError):
+            continue
+        if (MANIFEST_FILE.fullmatch(path.name) and is_dsv4enc_document(data)
+                and (data.get("format"), data.get("version")) != (MANIFEST_FORMAT, MANIFEST_VERSION)):
+            return path
+    return None
 
 
 def read_manifest(path: Path) -> dict | None:
-    """The manifest at ``path`` if it is dsv4enc's (``manifest_kind``), sane in size; else None."""
+    """The manifest at ``path`` if it is dsv4enc's (``is_manifest``), sane in size; else None."""
     try:
         if not path.is_file() or path.stat().st_size > (256 << 20):
             return None
         data = load_manifest(path)
     except (OSError, ValueError):
         return None
-    return data if manifest_kind(data) is not None else None
+    return data if is_manifest(data) else None
 
 
 def read_manifests(folder: Path) -> dict[Path, dict]:
@@ -478,13 +492,8 @@ class PartLedger:
         except (OSError, ValueError) as exc:
             raise OutputError(f"cannot resume: unreadable manifest {self.manifest_path} "
                               f"({exc})") from None
-        kind = manifest_kind(data)
-        if kind is None:
+        if not is_manifest(data):
             raise OutputError(f"cannot resume: {self.manifest_path} is not a dsv4enc manifest")
-        if kind == "legacy":
-            raise OutputError(f"cannot resume: {self.manifest_path} was written by an earlier "
-                              "dsv4enc that did not record its input files' sizes and times; "
-                              "use --overwrite to start over")
         self._recorded = data
         return data["settings"]
 

@@ -50,7 +50,7 @@ STAMPS_KEY = b"dsv4enc.rows"
 #: A folder output's stamps file (the manifest's ``stamps`` entry names the current one).
 STAMPS_FILE = re.compile(r"_stamps-[0-9a-f]{16}\.bin")
 #: A folder output's update builds the new output in the sibling folder ``.NAME`` + this until
-#: the switch (earlier versions: a folder of this name inside the output, removed when seen).
+#: the switch.
 STAGING_SUFFIX = ".dsv4enc-update"
 #: Where the old output waits to be removed when the switch is made in two renames.
 OLD_SUFFIX = ".dsv4enc-old"
@@ -232,7 +232,7 @@ def _is_dsv4enc_name(name: str) -> bool:
     temp = TEMP_FILE.fullmatch(name)
     return bool(PART_FILE.fullmatch(name) or MANIFEST_FILE.fullmatch(name)
                 or JOURNAL_FILE.fullmatch(name) or STAMPS_FILE.fullmatch(name)
-                or name in (LOCK_NAME, STAGING_SUFFIX)
+                or name == LOCK_NAME
                 or temp is not None and _is_dsv4enc_name(temp.group(1)))
 
 
@@ -421,13 +421,12 @@ class Update:
     def open_store(self, settings: dict, rows_settings: dict) -> PartStore | None:
         """A folder output's staging store (None for a single file: its own store serves),
         reused when an interrupted update of this same output state left it; what an earlier
-        switch or update left beside or inside the output goes."""
+        switch or update left beside the output goes."""
         if not self.old.folder:
             return None
         out = self.old.out
         self.staging = staging_folder(out)
         try:
-            shutil.rmtree(out / STAGING_SUFFIX, ignore_errors=True)  # earlier versions' staging
             if os.path.isdir(old_folder(out)):
                 remove_old_output(old_folder(out), out)
             recorded = read_manifest(self.staging / MANIFEST_NAME)

@@ -205,7 +205,7 @@ class PartEncoder:
         for _, d in ready:  # packed: the decode pool's shared slots are free again
             d.patches = None
         self.summary.tokens += packed.n_tokens
-        if self.opts.features == "aligner":
+        if self.opts.engine.features == "aligner":
             self.summary.merge_pad_tokens += packed.n_rows * self.ratio ** 2 - packed.n_tokens
         return rows
 
@@ -238,7 +238,7 @@ class PartEncoder:
         """Rows of collected images (``BatchLoop`` tags and outputs), by input index."""
         rows = {}
         for (index, key, d), out in done:
-            grid_h, grid_w = output_grid(d.n_h, d.n_w, self.ratio, self.opts.features)
+            grid_h, grid_w = output_grid(d.n_h, d.n_w, self.ratio, self.opts.engine.features)
             rows[index] = Row(path=key, width=d.width, height=d.height, vit_h=d.n_h,
                               vit_w=d.n_w, grid_h=grid_h, grid_w=grid_w, embedding=out.numpy())
         return rows
@@ -250,8 +250,9 @@ class PartEncoder:
             self._note(local.values())
         if not self.ranks.gathered:
             return local
-        return self.ranks.exchange_rows(local, self.engine.cfg.output_width(self.opts.features),
-                                        self.opts.pool == "mean", self.engine.out_dtype)
+        width = self.engine.cfg.output_width(self.opts.engine.features)
+        return self.ranks.exchange_rows(local, width, self.opts.pool == "mean",
+                                        self.engine.out_dtype)
 
 
 STOP_POLL_S = 0.1  # how often a wait for a decoded image checks for a signal

@@ -3,11 +3,10 @@ machine. Torch-free, so that the CLI can plan and start decoding before torch is
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal, get_args
+from dataclasses import MISSING, dataclass, field, fields, replace
+from typing import Any, Literal, get_args
 
-from ..engine.defaults import (DEFAULT_FEATURES, DEFAULT_MAX_IMAGES, DEFAULT_POOL, POOLS,
-                               Features, Pool, Transform)
+from ..engine.defaults import DEFAULT_POOL, POOLS, Pool
 from ..engine.settings import CHOICES as ENGINE_CHOICES, SETTINGS, EngineSettings
 from ..errors import SettingsError, UsageError
 from ..process import available_cpus
@@ -16,7 +15,6 @@ from ..images.sources import SIDECAR_MEMBERS
 from ..output import (DEFAULT_LAYOUT, DEFAULT_STORED_DTYPE, LAYOUTS, STORED_DTYPES, Layout,
                       StoredDtype)
 from ..storage import OUTAGE_S
-from ..tower.config import Attention
 
 COLLECTIVE_TIMEOUT_S = 300.0  # --timeout: how long a collective waits for a peer rank
 COMMIT_EVERY_S = 30.0  # --commit-every: seconds of encoding before finished work is committed
@@ -38,7 +36,7 @@ EngineKind = Literal["local", "ray"]
 ENGINES: tuple[str, ...] = get_args(EngineKind)
 
 
-@dataclass
+@dataclass(init=False)
 class EncodeOptions:
     """Everything ``dsv4enc encode`` can be asked to do (the CLI maps its flags onto this)."""
 
@@ -58,11 +56,8 @@ class EncodeOptions:
     device: str = "auto"
     dtype: str = "auto"
     out_dtype: StoredDtype = DEFAULT_STORED_DTYPE
-    features: Features = DEFAULT_FEATURES
     pool: Pool = DEFAULT_POOL
     layout: Layout = DEFAULT_LAYOUT  # the embedding column's layout (docs/output-format.md)
-    batch_tokens: int | None = None
-    max_images: int = DEFAULT_MAX_IMAGES
     workers: int | None = None
     overwrite: bool = False
     resume: bool = False
@@ -73,11 +68,6 @@ class EncodeOptions:
     dry_run: bool = False  # say what would be encoded, reused and dropped; write nothing
     max_pixels: int = DEFAULT_MAX_PIXELS
     decode_timeout: float = DEFAULT_DECODE_TIMEOUT_S
-    attention: Attention = "auto"
-    cuda_graphs: bool | None = None
-    deterministic: bool = True  # batch-invariant rows (Engine)
-    fused: bool | None = None  # compiled elementwise kernels (None: engine/defaults by device)
-    transform: Transform = "auto"  # where images are resized (engine/defaults.transform_on_device)
     shard_output: bool = False
     tp_mode: TpMode = "data"
     balance: Balance = "patches"
@@ -88,6 +78,23 @@ class EncodeOptions:
     log_every: float = LOG_EVERY_S
     # how long every call to an object store may fail before the run stops (storage.py)
     storage_outage_s: float = OUTAGE_S
+    engine: EngineSettings = field(default_factory=EngineSettings)  # how the tower is run
+
+    def __init__(self, inputs: list[str], out: str, **given: Any) -> None:
+        """The options by name; the engine's (``engine/settings.SETTINGS``) may be given by
+        name too, in ``engine``'s place or replacing its values."""
+        flat = {name: given.pop(name) for name in SETTINGS if name in given}
+        given["engine"] = replace(given.get("engine") or EngineSettings(), **flat)
+        self.inputs, self.out = inputs, out
+        for option in fields(self)[2:]:
+            if option.name in given:
+                setattr(self, option.name, given.pop(option.name))
+            elif option.default_factory is not MISSING:
+                setattr(self, option.name, option.default_factory())
+            else:
+                setattr(self, option.name, option.default)
+        if given:
+            raise TypeError(f"EncodeOptions takes no option {', '.join(given)}")
 
 
 def validate(opts: EncodeOptions) -> None:
@@ -123,15 +130,16 @@ def validate(opts: EncodeOptions) -> None:
         raise UsageError("--config only applies with --random-init (a checkpoint has its own "
                          "config.json)")
     for name, allowed in CHOICES.items():
-        if getattr(opts, name) not in allowed:
-            raise SettingsError(f"--{name.replace('_', '-')} must be one of {', '.join(allowed)}")
+        if option(opts, name) not in allowed:
+            raise SettingsError(f"--{name.replace('_', '-')} must be one of "
+                                f"{', '.join(allowed)}")
     for ext in opts.keep_members:
         if ext not in SIDECAR_MEMBERS:
             raise UsageError(f"--keep-member must be one of {', '.join(SIDECAR_MEMBERS)}, "
                              f"got {ext}")
     for name in ("batch_tokens", "max_images", "max_pixels", "part_images", "log_every",
                  "commit_every"):
-        value = getattr(opts, name)
+        value = option(opts, name)
         if value is not None and value <= 0:
             raise SettingsError(f"--{name.replace('_', '-')} must be positive, got {value}")
     if opts.workers is not None and opts.workers < 0:
@@ -144,9 +152,9 @@ def validate(opts: EncodeOptions) -> None:
         raise UsageError("--shard-output applies to --tp-mode data only")
 
 
-def engine_settings(opts: EncodeOptions) -> EngineSettings:
-    """The engine's settings among the options."""
-    return EngineSettings(**{name: getattr(opts, name) for name in SETTINGS})
+def option(opts: EncodeOptions, name: str) -> Any:
+    """The option ``name``, the engine's among ``opts.engine``."""
+    return getattr(opts.engine if name in SETTINGS else opts, name)
 
 
 def default_writer_threads() -> int:

@@ -36,7 +36,7 @@ from ..output.layout import (OutputLayout, PartWriter, Resume, ResumeSettings, a
 from ..output.update import (Update, footer_entry, recover_switch, row_stamps,
                               write_folder_stamps)
 from .options import (PRUNE_SHARE, EncodeOptions, default_workers, default_writer_threads,
-                      engine_settings, validate)
+                      validate)
 from .plan import Part, cut_parts, images_per_part, output_bytes, segment_tokens
 from .setup import LISTED_FIRST, RunSetup, WindowSettings
 from ..images.headers import input_stamps
@@ -62,7 +62,7 @@ def tower_engine(ckpt: Checkpoint, device: torch.device, opts: EncodeOptions,
                  split=None) -> Engine:
     """The tower on ``device`` in its Engine, as the options ask (for either engine);
     ``split(model)``: the tower's shard of this rank (``Topology.split_tower``)."""
-    return build_engine(ckpt, device, engine_settings(opts),
+    return build_engine(ckpt, device, opts.engine,
                         out_dtype=resolve_out_dtype(opts.out_dtype), split=split)
 
 
@@ -74,7 +74,7 @@ def inputs_phrase(inputs: int, listed: bool = True) -> str:
 def model_and_output(opts: EncodeOptions, cfg: VisionConfig) -> str:
     """The opening line's end, for either engine: the model variant and the output."""
     model = "random weights" if opts.random_init else str(opts.weights)
-    return (f"{cfg.model_type} tower of {cfg.n_layers} layers, {opts.features} features, "
+    return (f"{cfg.model_type} tower of {cfg.n_layers} layers, {opts.engine.features} features, "
             f"{model}; to {opts.out}")
 
 
@@ -284,11 +284,11 @@ def _plan_output(run: RunState, setup: RunSetup, source: PartSource, computes: d
     part_images = images_per_part(cfg, opts)
     settings = {**run_settings(cfg, computes["fingerprint"], computes["compute_dtype"],
                                computes["device"], computes["batch_invariant"],
-                               out_dtype=opts.out_dtype, features=opts.features,
+                               out_dtype=opts.out_dtype, features=opts.engine.features,
                                pool=opts.pool, layout=opts.layout), "part_images": part_images}
     if ranks.shard_output:
         settings["world_size"] = ranks.world_size
-    schema = output_schema(cfg.output_width(opts.features), opts.out_dtype,
+    schema = output_schema(cfg.output_width(opts.engine.features), opts.out_dtype,
                            settings, pooled=opts.pool == "mean", layout=opts.layout,
                            kept=setup.found.kept_fields)
     resuming = resume_settings(opts)
@@ -485,7 +485,7 @@ class LocalParts:
         self.setup = setup
         workers = default_workers(device.type) if opts.workers is None else opts.workers
         setup.pool = DecodePool(ckpt.config, workers, opts.max_pixels, opts.decode_timeout,
-                                pixels=transform_on_device(opts.transform, device.type))
+                                pixels=transform_on_device(opts.engine.transform, device.type))
         engine = self.engine = (
             tower_engine(ckpt, device, opts, lambda model: ranks.split_tower(model, opts.tp_mode))
             if self.stand_in is None else self.stand_in.engine(device, opts))
@@ -543,7 +543,7 @@ class LocalParts:
             should_stop=None if ranks.dist is not None else run.stop.requested,
             check_size=lambda first: self.layout.check_file_size(
                 output_bytes(cfg, opts, first) * len(planned) // max(1, len(first))))
-        windows = setup.plan_windows(output.todo, plan, opts.max_images,
+        windows = setup.plan_windows(output.todo, plan, opts.engine.max_images,
                                      idle=list_ahead if ranks.world_size == 1 else None)
         with run.stop.deferred():  # a signal stops the loop between batches
             for name, start, end, digest, closes, rows in runner.run(

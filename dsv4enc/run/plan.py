@@ -81,7 +81,7 @@ def images_per_part(cfg: VisionConfig, opts: EncodeOptions) -> int:
     only, so that a resumed run cuts the same parts."""
     if opts.part_images:
         return opts.part_images
-    max_patches = (cfg.max_n_token * cfg.downsample_ratio ** 2 if opts.features == "vit"
+    max_patches = (cfg.max_n_token * cfg.downsample_ratio ** 2 if opts.engine.features == "vit"
                    else cfg.max_n_token)
     per_image = _row_bytes(cfg, opts) * (1 if opts.pool == "mean" else max_patches)
     longest = int(min(MAX_PART_IMAGES, max(16, PART_BYTES // per_image)))
@@ -89,7 +89,7 @@ def images_per_part(cfg: VisionConfig, opts: EncodeOptions) -> int:
 
 
 def _row_bytes(cfg: VisionConfig, opts: EncodeOptions) -> int:
-    return cfg.output_width(opts.features) * (2 if opts.out_dtype == "float16" else 4)
+    return cfg.output_width(opts.engine.features) * (2 if opts.out_dtype == "float16" else 4)
 
 
 def output_bytes(cfg: VisionConfig, opts: EncodeOptions, planned: Sequence[Planned]) -> int:
@@ -97,7 +97,7 @@ def output_bytes(cfg: VisionConfig, opts: EncodeOptions, planned: Sequence[Plann
     what a single-file output's store must take in one object."""
     if opts.pool == "mean":
         return _row_bytes(cfg, opts) * sum(1 for p in planned if p.error is None)
-    merged = 1 if opts.features == "vit" else cfg.downsample_ratio ** 2  # patches per row
+    merged = 1 if opts.engine.features == "vit" else cfg.downsample_ratio ** 2  # patches per row
     return _row_bytes(cfg, opts) * sum(p.tokens // merged for p in planned)
 
 

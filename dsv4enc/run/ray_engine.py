@@ -110,7 +110,7 @@ class SegmentEncoder:
         del ckpt
         # opts.workers: the driver's ``actor_workers``
         self.pool = DecodePool(self.cfg, opts.workers, opts.max_pixels, opts.decode_timeout,
-                               pixels=transform_on_device(opts.transform, device.type))
+                               pixels=transform_on_device(opts.engine.transform, device.type))
 
     def describe(self, probe: tuple[str, bytes] | None = None) -> dict[str, Any]:
         """What this actor computes with (the driver checks that every actor agrees).
@@ -138,7 +138,8 @@ class SegmentEncoder:
         planned = call.planned
         pause("segment", pid=os.getpid(), images=list(planned))
         stream = self.pool.imap(((i, planned[i].item) for batch in call.batches for i in batch),
-                                window=decode_window(self.pool.n_workers, self.opts.max_images))
+                                window=decode_window(self.pool.n_workers,
+                                                    self.opts.engine.max_images))
         summary, progress = RunSummary(out=""), _Tally()
         encoder = PartEncoder(self.engine, self.opts, Topology(), progress, summary,
                               StopSignals(immediate=False))
@@ -384,7 +385,7 @@ class RayParts:
         flight per actor, and an actor should have its next part queued while it encodes one."""
         ray, stop = self.cluster.ray, run.stop
         calls = part_calls(setup.planned, output.todo,
-                           output.settings["batch_tokens"], self.opts.max_images,
+                           output.settings["batch_tokens"], self.opts.engine.max_images,
                            CALLS_PER_ACTOR * len(self.actors))
         if self.remote is not None:  # once the manifests that --overwrite replaces are gone
             self.remote.drop_replaced()

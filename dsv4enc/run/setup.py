@@ -335,7 +335,7 @@ class WindowSettings:
             check(planned[start:end])
         segments = plan_segments(planned, part, self.ranks, self.opts.balance, self.cfg,
                                  self.segment_tokens)
-        batches = plan_batches(planned, segments, self.batch_tokens, self.opts.max_images,
+        batches = plan_batches(planned, segments, self.batch_tokens, self.opts.engine.max_images,
                                self.carried, in_order=self.ranks.gathered)
         tasks = [(i, planned[i].item)  # this rank's decode order: part by part, batch by batch
                  for plan in batches for batch in plan[self.me] for i in batch]

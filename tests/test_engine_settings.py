@@ -1,0 +1,51 @@
+"""The engine's settings as one object: checked in one dialect, batch_tokens resolved once,
+embedded in the command line's options."""
+
+import dataclasses
+
+import pytest
+
+from dsv4enc.engine.defaults import DEFAULT_BATCH_TOKENS
+from dsv4enc.engine.settings import SETTINGS, EngineSettings
+from dsv4enc.errors import SettingsError, UsageError
+from dsv4enc.run.options import EncodeOptions, validate
+
+
+def test_settings_are_frozen_and_checked_in_one_dialect():
+    settings = EngineSettings()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        settings.features = "vit"  # type: ignore[misc]
+    for bad in (EngineSettings(features="cls"), EngineSettings(batch_tokens=0),
+                EngineSettings(max_images=-1), EngineSettings(transform="gpu")):
+        with pytest.raises(SettingsError) as caught:
+            bad.check()
+        # the command line prints it as one usage line; the API's callers catch a ValueError
+        assert isinstance(caught.value, UsageError) and isinstance(caught.value, ValueError)
+
+
+def test_batch_tokens_default_resolved_once_by_device_kind():
+    assert EngineSettings().for_device("cpu").batch_tokens == DEFAULT_BATCH_TOKENS["cpu"]
+    assert EngineSettings().for_device("cuda").batch_tokens == DEFAULT_BATCH_TOKENS["cuda"]
+    given = EngineSettings(batch_tokens=700)
+    assert given.for_device("cuda") is given
+
+
+def test_encode_options_embed_the_settings():
+    opts = EncodeOptions(inputs=["x"], out="o.parquet", features="vit", batch_tokens=512)
+    assert opts.engine == EngineSettings(features="vit", batch_tokens=512)
+    assert not any(hasattr(opts, name) for name in SETTINGS)
+    again = dataclasses.replace(opts, deterministic=False)
+    assert again.engine == EngineSettings(features="vit", batch_tokens=512, deterministic=False)
+    given = {"features": "vit", "fused": True, "seed": 3}
+    assert EngineSettings.take(given) == EngineSettings(features="vit", fused=True)
+    assert given == {"seed": 3}
+    with pytest.raises(TypeError, match="no option"):
+        EncodeOptions(inputs=["x"], out="o.parquet", bogus=1)
+
+
+def test_validate_reads_the_engine_settings():
+    base = dict(inputs=["x"], out="o.parquet", random_init=True, config="c.json")
+    with pytest.raises(SettingsError, match="--features must be one of aligner, vit"):
+        validate(EncodeOptions(**base, features="cls"))
+    with pytest.raises(SettingsError, match="--batch-tokens must be positive, got 0"):
+        validate(EncodeOptions(**base, batch_tokens=0))

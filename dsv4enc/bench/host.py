@@ -23,7 +23,8 @@ from ..tower.checkpoint import Checkpoint
 from ..tower.config import VisionConfig
 from ..tower.transform import plan_canvas
 from ..engine.engine import EngineStats
-from ..engine.defaults import DEFAULT_BATCH_TOKENS, DEFAULT_MAX_IMAGES, TRANSFORMS
+from ..engine.defaults import TRANSFORMS
+from ..engine.settings import EngineSettings
 from ..process import available_cpus
 from ..run.options import EncodeOptions, default_workers
 from ..engine.packing import PackedBatch
@@ -37,21 +38,22 @@ NULL_FINGERPRINT = "null-stage (no model: rows are zeros)"
 
 class NullEngine:
     """The Engine's interface with no model: each image's rows are zeros of the output width
-    in ``out_dtype``. ``batch_tokens`` defaults to the CUDA engine's, as on a GPU."""
+    in ``out_dtype``, as ``settings`` ask (``batch_tokens`` defaults to the CUDA engine's, as
+    on a GPU)."""
 
     graphs_enabled = False
     deterministic = True
 
-    def __init__(self, cfg: VisionConfig, features: str = "aligner",
-                 out_dtype: torch.dtype = torch.float16, batch_tokens: int | None = None,
-                 max_images: int = DEFAULT_MAX_IMAGES) -> None:
+    def __init__(self, cfg: VisionConfig, settings: EngineSettings = EngineSettings(),
+                 out_dtype: torch.dtype = torch.float16) -> None:
         self.cfg = cfg
         self.device = torch.device("cpu")
-        self.features = features
+        self.settings = settings.for_device("cuda")
+        self.features = settings.features
         self.out_dtype = out_dtype
-        self.width = cfg.output_width(features)
-        self.batch_tokens = batch_tokens or DEFAULT_BATCH_TOKENS["cuda"]
-        self.max_images = max_images
+        self.width = cfg.output_width(settings.features)
+        self.batch_tokens: int = self.settings.batch_tokens
+        self.max_images = settings.max_images
         self.stats = EngineStats()
         self.last_finite = True
         self._pin = torch.cuda.is_available()
@@ -120,8 +122,7 @@ class NullStage:
         return Checkpoint(self.config, {}, NULL_FINGERPRINT, "null stage")
 
     def engine(self, device: torch.device, opts: EncodeOptions) -> NullEngine:
-        return NullEngine(self.config, opts.engine.features, getattr(torch, opts.out_dtype),
-                          opts.engine.batch_tokens, opts.engine.max_images)
+        return NullEngine(self.config, opts.engine, getattr(torch, opts.out_dtype))
 
 
 @dataclass

@@ -27,6 +27,7 @@ from ..engine.cpufeatures import auto_cpu_reason
 from ..engine.device import resolve_device, resolve_dtype, resolve_out_dtype, resume_compute
 from .encoding import PartEncoder
 from ..engine.engine import Engine
+from ..engine.settings import EngineSettings
 from ..errors import DsvError, Interrupted, UsageError, advise
 from ..images.decode import DecodePool
 from ..images.discover import nothing_found
@@ -107,7 +108,7 @@ class PartSource(Protocol):
     ``LocalParts`` or ``ray_engine.RayParts``. ``prepare``: what computes, before the output
     folder is made (returns the line saying what ``--resume`` adopted, else None); ``start``:
     start computing and say with what (``config``, ``fingerprint``, ``compute_dtype``,
-    ``device``, ``batch_invariant``, ``batch_tokens``); ``cut``: the parts, in input order;
+    ``device``, ``batch_invariant``, ``engine``: its ``EngineSettings``, resolved); ``cut``: the parts, in input order;
     ``planned_tokens``: the progress total's patches now (None: window by window); ``encode``:
     each part to do to ``writer``, ``begin`` called before the first batch; ``finish``: the
     engine's counts into the summary. ``written_elsewhere``: other processes write the parts."""
@@ -266,7 +267,7 @@ class OutputPlan:
     update: Update | None
     keeps_stamps: bool
     row_options: dict
-    settings: dict
+    engine: EngineSettings  # the engine's, resolved (its batch_tokens plan the batches)
 
     @property
     def carried(self) -> dict[int, int]:
@@ -339,7 +340,7 @@ def _plan_output(run: RunState, setup: RunSetup, source: PartSource, computes: d
         todo, kept = update.keep_parts(store, todo, setup.planned)
         summary.reused += kept
     return OutputPlan(store, schema, todo, update, ranks.is_main and not ranks.sharded,
-                      resuming.row_options, {**settings, "batch_tokens": computes["batch_tokens"]})
+                      resuming.row_options, computes["engine"])
 
 
 def given_one_by_one(opts: EncodeOptions) -> bool:
@@ -491,7 +492,7 @@ class LocalParts:
             if self.stand_in is None else self.stand_in.engine(device, opts))
         return {"config": ckpt.config, "fingerprint": ckpt.fingerprint,
                 "compute_dtype": self.dtype, "device": engine.device.type,
-                "batch_invariant": engine.deterministic, "batch_tokens": engine.batch_tokens}
+                "batch_invariant": engine.deterministic, "engine": engine.settings}
 
     def cut(self, setup: RunSetup, part_images: int, progress: RunProgress,
             stop: StopSignals) -> Iterator[Part]:

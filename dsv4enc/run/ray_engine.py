@@ -124,7 +124,7 @@ class SegmentEncoder:
         return {"config": self.cfg, "fingerprint": self.fingerprint,
                 "compute_dtype": str(self.dtype).removeprefix("torch."),
                 "device": engine.device.type, "batch_invariant": bool(engine.deterministic),
-                "batch_tokens": engine.batch_tokens, "pid": os.getpid(), "sees_out": sees,
+                "engine": engine.settings, "pid": os.getpid(), "sees_out": sees,
                 "host": socket.gethostname()}
 
     def encode_part(self, call: PartCall, schema, folder: str, drop_cache: bool) -> dict[str, Any]:
@@ -349,7 +349,7 @@ class RayParts:
             raise Interrupted(stop.signum, "nothing was encoded; rerun the same command")
         self.layout.check_file_size(output_bytes(cfg, opts, setup.planned))
         return setup.cut_parts(part_images, None, opts.balance, cfg,
-                               segment_tokens(described["batch_tokens"], described["device"]))
+                               segment_tokens(described["engine"].batch_tokens, described["device"]))
 
     def opening_line(self, inputs: int) -> str:
         from .pipeline import inputs_phrase, model_and_output
@@ -385,7 +385,7 @@ class RayParts:
         flight per actor, and an actor should have its next part queued while it encodes one."""
         ray, stop = self.cluster.ray, run.stop
         calls = part_calls(setup.planned, output.todo,
-                           output.settings["batch_tokens"], self.opts.engine.max_images,
+                           output.engine.batch_tokens, output.engine.max_images,
                            CALLS_PER_ACTOR * len(self.actors))
         if self.remote is not None:  # once the manifests that --overwrite replaces are gone
             self.remote.drop_replaced()

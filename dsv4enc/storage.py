@@ -1,7 +1,9 @@
 """Object storage (``s3://``, ``gs://``, and what fsspec reaches) behind one small facade.
 
-Every URL dsv4enc reads or writes goes through here; local paths do only through ``locate``,
-which gives a reader one file system for either (``is_url``). The file
+Every URL dsv4enc reads or writes goes through here, and every choice between a local path and
+a URL is made here (``is_url``): what is at a location (``examine``), its stamp, how it is read
+(``open_input``, ``reads_are_requests``) and written (``upload_written``); ``locate`` gives a
+reader one file system for either. The file
 systems are pyarrow's, or fsspec's in ``pyarrow.fs.PyFileSystem``; an ``s3://`` read is one ranged
 GET through botocore's client where the options allow (``DIRECT_OPTIONS``). A store that stops
 answering fails loudly, within a bound the retry policy sets (``StoreHealth``). Messages name the
@@ -76,6 +78,40 @@ def lies_within(location: str, prefix: str) -> bool:
         return False
     location, prefix = location.rstrip("/"), prefix.rstrip("/")
     return location == prefix or location.startswith(prefix + "/")
+
+
+def local_path(location: str) -> str | None:
+    """The local path ``location`` names (``file://`` taken off), None for a URL."""
+    if is_url(location):
+        return None
+    return location[len("file://"):] if location.lower().startswith("file://") else location
+
+
+def local_paths(locations: Iterable[str]) -> list[str]:
+    """The local paths among ``locations``, as given (URLs left out)."""
+    return [location for location in locations if not is_url(location)]
+
+
+def may_be_folder(location: str) -> bool:
+    """Whether ``location`` may name a folder: a local folder, or any URL (a prefix and an
+    object are told apart only by asking the store, ``kind``)."""
+    return is_url(location) or os.path.isdir(location)
+
+
+def reads_are_requests(location: str) -> bool:
+    """Whether each read of ``location`` is a request to a store: bytes read once are then
+    worth holding (and a file worth streaming once), rather than read again."""
+    return is_url(location)
+
+
+def posix_text(location: str) -> str:
+    """``location`` as posix text without a trailing slash: a URL as given (``pathlib`` would
+    make ``s3://b`` into ``s3:/b``), a local path in ``pathlib``'s form (``./data``: ``data``)."""
+    if is_url(location):
+        return location.rstrip("/")
+    from pathlib import Path
+
+    return Path(location).as_posix().rstrip("/")
 
 
 def scheme_of(url: str) -> str:
@@ -242,10 +278,9 @@ def locate(location: "str | os.PathLike",
     import pyarrow.fs as pafs
 
     text = os.fspath(location)
-    if not is_url(text):
-        if text.lower().startswith("file://"):
-            text = text[len("file://"):]
-        return pafs.LocalFileSystem(use_mmap=True), os.path.abspath(text)
+    local = local_path(text)
+    if local is not None:
+        return pafs.LocalFileSystem(use_mmap=True), os.path.abspath(local)
     parsed = options_of(options)
     if parsed is None:
         return filesystem(text)
@@ -637,6 +672,32 @@ def _seen(url: str, key: str, size: int | None, mtime_ns: int | None,
     return found
 
 
+@dataclass(frozen=True)
+class Found:
+    """What an input names: its ``kind`` (``"file"``, ``"folder"`` or ``"missing"``); ``size``:
+    an object's, from the store's answer (None for a local file: read when it is opened);
+    ``regular``: a regular file or an object (a container is read only from one); ``listing``:
+    a prefix's objects as the store lists them (``iter_files``), None for a local folder."""
+
+    kind: str
+    size: int | None = None
+    regular: bool = False
+    listing: Iterator[ObjectInfo] | None = None
+
+
+def examine(location: str) -> Found:
+    """What is at ``location``: a local path is a folder or else a file (links and special
+    files included: their rows say what they are); a URL is asked (``kind``)."""
+    if not is_url(location):
+        if os.path.isdir(location):
+            return Found("folder")
+        return Found("file", regular=os.path.isfile(location))
+    what = kind(location)
+    if what == "file":
+        return Found(what, size_of(location), regular=True)
+    return Found(what, listing=iter_files(location) if what == "folder" else None)
+
+
 def kind(url: str) -> str:
     """``"file"``, ``"folder"`` (a prefix with objects under it, or a bucket) or
     ``"missing"``. A missing bucket or a denied permission is a ``StorageError``."""
@@ -763,7 +824,13 @@ def whole_if_stored(source: "str | bytes") -> "str | bytes":
 
 
 def open_input(url: str):
-    """A seekable file over the object (``pyarrow.NativeFile``), each read a ranged request."""
+    """A seekable file over the object (``pyarrow.NativeFile``), each read a ranged request; a
+    local path's memory-mapped."""
+    path = local_path(url)
+    if path is not None:
+        import pyarrow as pa
+
+        return pa.memory_map(path, "r")
     fs, path = filesystem(url)
     return retrying(lambda: fs.open_input_file(path), store=store_of(url))
 

@@ -189,7 +189,7 @@ def stream_inputs(found: Discovery, inputs: Iterable[str], files_from: str | Non
         check_path_input(raw)
     state = _Listing(found, UniqueKeys(), path_roots(table_paths_roots), (image_column, key_column),
                      tuple(keep_members), Exclusions(tuple(exclude)))
-    prefix_roots = sum(storage.is_url(raw) or os.path.isdir(raw)  # see ``key_under_root``
+    prefix_roots = sum(storage.may_be_folder(raw)  # see ``key_under_root``
                        for raw in inputs) > 1
     for raw in inputs:
         if stop is not None:
@@ -211,9 +211,9 @@ def stream_inputs(found: Discovery, inputs: Iterable[str], files_from: str | Non
 def check_path_input(raw: str) -> None:
     """Refuse a local input that cannot be read before anything is listed: a missing path,
     a compressed tar, a FIFO, socket or device without an image name."""
-    path = Path(raw)
-    if storage.is_url(raw) or path.is_dir():
+    if storage.may_be_folder(raw):
         return
+    path = Path(raw)
     if path.is_file():
         refuse_compressed_tar(raw)
     elif not path.is_symlink() and not path.exists():
@@ -253,8 +253,8 @@ class _Listing:
 
     def container(self, path: str, name: str) -> list[InputItem]:
         """The images of the container ``path`` under ``name``, counted in ``found``."""
-        roots = () if storage.is_url(path) else self.roots
-        items, skipped = container_items(path, name, *self.columns, roots, self.members)
+        # a table in a store reads no path cell (``sources.cell_file``): roots are for local ones
+        items, skipped = container_items(path, name, *self.columns, self.roots, self.members)
         self.found.skipped += skipped
         self.found.tables += container_kind(path) == "table"
         self.found.shards += container_kind(path) == "tar"
@@ -266,19 +266,17 @@ def _input_items(raw: str, state: _Listing, prefix_roots: bool,
     """The items of one input as they are found (keys not yet unique across inputs): a file or
     an object is an image or a container; a folder or a prefix is walked, then read for its
     containers (``read_folder_containers``). A missing URL is a UsageError, as for a path."""
-    found = state.found
-    url = storage.is_url(raw)
-    what = storage.kind(raw) if url else "folder" if os.path.isdir(raw) else "file"
-    if what == "missing":
+    found, at = state.found, storage.examine(raw)
+    if at.kind == "missing":
         raise UsageError(f"input not found: {raw}")
-    if what == "file":
+    if at.kind == "file":
         state.name(raw)
-        if url:
+        if at.regular:  # a local one was refused before anything was listed already
             refuse_compressed_tar(raw)
-        if container_kind(raw) is not None and (url or os.path.isfile(raw)):
+        if container_kind(raw) is not None and at.regular:
             yield from state.container(raw, raw)
         elif is_image_name(raw):  # a file, a link, or a FIFO/socket/device (its row says so)
-            member = StoredObject(raw, storage.size_of(raw)) if url else None
+            member = StoredObject(raw, at.size) if at.size is not None else None
             yield InputItem(key=raw, path=raw, member=member)
         else:
             found.skipped += 1
@@ -287,20 +285,22 @@ def _input_items(raw: str, state: _Listing, prefix_roots: bool,
     shards: list[tuple[str, str]] = []
     images = 0
     should_stop = stop.requested if stop is not None else None
-    walk = (_iter_prefix(raw, found, shards, state.exclusions) if url
+    walk = (_iter_prefix(at.listing, found, shards, state.exclusions) if at.listing is not None
             else iter_folder(Path(raw), found, should_stop, shards, state.exclusions))
     for item in walk:
         images += 1
         yield replace(item, key=key_under_root(raw, item.key)) if prefix_roots else item
-    if stop is not None and not url:
-        stop.check()  # a walk cut short is not read for containers
+    if stop is not None and at.listing is None:
+        stop.check()  # a folder's walk cut short is not read for containers
     yield from read_folder_containers(raw, shards, images > 0, state, prefix_roots)
 
 
-def _iter_prefix(prefix: str, found: Discovery, containers: list[tuple[str, str]],
+def _iter_prefix(listing: Iterable[storage.ObjectInfo], found: Discovery,
+                 containers: list[tuple[str, str]],
                  exclusions: Exclusions = Exclusions()) -> Iterator[InputItem]:
-    """The image objects under ``prefix``, keyed relative to it; the rest as in ``iter_folder``."""
-    for obj in storage.iter_files(prefix):
+    """The image objects of a prefix's ``listing``, keyed relative to it; the rest as in
+    ``iter_folder``."""
+    for obj in listing:
         if exclusions.skips_key(obj.key):
             continue
         if is_image_name(obj.key):
@@ -361,7 +361,7 @@ def kept_fields(tables: Sequence[str], keep_columns: Sequence[str], key_column: 
 def refuse_missing_list(list_file: str, lines: list[str]) -> None:
     """A UsageError when not one path of a ``--files-from`` list exists (the likely cause:
     relative paths are taken from the current folder, not the list's); one stat, usually."""
-    local = [line for line in lines if not storage.is_url(line)]
+    local = storage.local_paths(lines)
     if not local or len(local) < len(lines) or any(os.path.lexists(line) for line in local):
         return
     where = "standard input" if list_file == "-" else list_file
@@ -439,7 +439,7 @@ def warn_unlisted(unlisted: list[tuple[str, str]], shown: int = 10) -> None:
 def key_under_root(root: str, key: str) -> str:
     """``key`` (a path under the folder ``root``) prefixed with the folder as given, in posix
     form (``data/`` and ``./data`` give ``data/``; ``.`` adds nothing)."""
-    prefix = root.rstrip("/") if storage.is_url(root) else Path(root).as_posix().rstrip("/")
+    prefix = storage.posix_text(root)
     return key if prefix == "." else f"{prefix}/{key}"
 
 

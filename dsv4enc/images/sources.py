@@ -131,7 +131,7 @@ def held_key(item: Any) -> tuple[str, int] | None:
     member = getattr(item, "member", None)
     if isinstance(member, StoredObject):
         return item.path, -1
-    if isinstance(member, TarMember) and storage.is_url(item.path):
+    if isinstance(member, TarMember) and storage.reads_are_requests(item.path):
         return item.path, member.offset
     return None
 
@@ -246,7 +246,7 @@ def _open_tar(raw: str) -> tuple[tarfile.TarFile | None, int, str | None]:
     """``(archive, file size, None)``, or ``(None, size, why)`` when not even the first header
     reads. A compressed file is a UsageError (it needs decompressing, not an error row)."""
     try:
-        if storage.is_url(raw):
+        if storage.reads_are_requests(raw):
             # In a store, the shard is read once, in order: headers and members' data alike.
             size = storage.size_of(raw)
             handle = io.BufferedReader(_RangeFile(raw, 0, size, streamed=True), 1 << 20)
@@ -335,7 +335,7 @@ def _tar_locator(info: tarfile.TarInfo, raw: str,
 def _keep_member(archive: tarfile.TarFile, raw: str, found: TarMember | Unreadable) -> None:
     """Hold an image member's bytes in a store's shard for its probe and decode (``HELD``) as
     the index passes them, while the budget lasts (else they are read by range)."""
-    if (not isinstance(found, TarMember) or not storage.is_url(raw)
+    if (not isinstance(found, TarMember) or not storage.reads_are_requests(raw)
             or found.offset != archive.fileobj.tell() or not HELD.room(found.size)):
         return
     with contextlib.suppress(OSError):  # the index reads on and reports the damage
@@ -441,7 +441,7 @@ class _RangeFile(io.RawIOBase):
 
     def __init__(self, path: str, start: int, size: int, head: bytes = b"",
                  streamed: bool = False) -> None:
-        self._url = storage.is_url(path)
+        self._url = storage.reads_are_requests(path)
         self._path, self._file = path, None if self._url else open_regular(path)
         self._start, self._size, self._pos = start, size, 0
         self._kept, self._kept_at = head, 0  # bytes read already, and where they start
@@ -509,7 +509,7 @@ class _RangeFile(io.RawIOBase):
 def read_tar_member(path: str, member: TarMember) -> bytes:
     """The member's bytes, read by offset and size (no tar parsing): one read, one request,
     into the bytes returned (no copy on the way)."""
-    if storage.is_url(path):
+    if storage.reads_are_requests(path):
         data = storage.read_range(path, member.offset, member.size)
     else:
         with open_regular(path) as handle:
@@ -588,18 +588,17 @@ class TableReader:
         self.path = path
         self.parquet = path.lower().endswith(".parquet")
         self.damage: tuple[int, str] | None = None
-        url = storage.is_url(path)
-        if not url:  # a memory map or Parquet reader of a FIFO would wait in its open
-            require_regular(path)
+        local = storage.local_path(path)
+        if local is not None:  # a memory map or Parquet reader of a FIFO would wait in its open
+            require_regular(local)
         if self.parquet:
-            # In a store, each row group's column chunk is one ranged read.
-            self._file = (pq.ParquetFile(storage.open_input(path)) if url
-                          else pq.ParquetFile(path, memory_map=True))
+            # In a store, each row group's column chunk is one ranged read; a file is mapped.
+            self._file = pq.ParquetFile(storage.open_input(path))
             self.schema = self._file.schema_arrow
             meta = self._file.metadata
             self.group_rows = [meta.row_group(g).num_rows for g in range(meta.num_row_groups)]
             return
-        source = storage.open_input(path) if url else pa.memory_map(path, "r")
+        source = storage.open_input(path)
         try:
             reader = pa.ipc.open_file(source)
             self._batches = [reader.get_batch(i) for i in range(reader.num_record_batches)]
@@ -813,7 +812,7 @@ def cell_file(named: str, table: str, roots: tuple[str, ...] = ()) -> str:
     """The file a table's ``{bytes: null, path: named}`` cell may be read from (a relative one
     lies beside the table), or ``RefusedPathError``: resolved, it must lie in the table's folder
     or one of ``roots`` (real paths), have an image extension, and be a regular file."""
-    if storage.is_url(table):
+    if storage.local_path(table) is None:
         raise RefusedPathError(f"path cell {named!r}: a table in object storage must hold "
                                "the image bytes (path cells are read only beside local tables)")
     folder = os.path.dirname(os.path.abspath(table))

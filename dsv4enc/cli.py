@@ -345,13 +345,12 @@ _ENCODE_PARAMETERS: dict[str, tuple[Any, Any]] = {
 }
 
 
-
-def settings_options() -> dict[str, tuple[Any, Any]]:
-    """An ``Engine`` panel option for each engine setting with a ``help`` in its field's
+def settings_options(settings: type = EngineSettings) -> dict[str, tuple[Any, Any]]:
+    """An option of the Engine panel for each engine setting with a ``help`` in its field's
     metadata (``engine/settings``): its flag from its name (a flag pair for a yes/no
     setting), its default and help from the field."""
     options = {}
-    for setting in fields(EngineSettings):
+    for setting in fields(settings):
         if "help" not in setting.metadata:
             continue
         flag = f"--{setting.name.replace('_', '-')}"

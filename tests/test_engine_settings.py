@@ -49,3 +49,17 @@ def test_validate_reads_the_engine_settings():
         validate(EncodeOptions(**base, features="cls"))
     with pytest.raises(SettingsError, match="--batch-tokens must be positive, got 0"):
         validate(EncodeOptions(**base, batch_tokens=0))
+
+
+def test_a_setting_with_help_is_an_encode_option():
+    from dsv4enc.cli import settings_options
+
+    assert settings_options() == {}  # every setting's option is written out in cli.py
+
+    @dataclasses.dataclass(frozen=True)
+    class Grown(EngineSettings):
+        pinned: bool = dataclasses.field(default=True, metadata={"help": "Stage in pinned memory."})
+
+    (name, (kind, option)), = settings_options(Grown).items()
+    assert (name, kind, option.default) == ("pinned", bool, True)
+    assert option.param_decls == ("--pinned/--no-pinned",) and option.help.startswith("Stage")

@@ -22,7 +22,7 @@ import torch
 from PIL import Image
 
 from . import storage
-from .errors import check_choice, check_positive
+from .errors import SettingsError, check_choice, check_positive
 from .process import available_cpus
 from .tower.checkpoint import Checkpoint, load_checkpoint, random_checkpoint
 from .tower.config import Attention, VisionConfig
@@ -123,6 +123,9 @@ class Encoder:
       ahead of the device (default: 0 on CPU, up to 8 on CUDA).
     - ``max_pixels``, ``attention``, ``cuda_graphs``, ``deterministic`` (default True: an image's
       bytes do not depend on the other images of the call) and ``fused``: as on the command line.
+    - ``settings``: the engine's settings as one ``engine/settings.EngineSettings``, in place
+      of ``features``, ``batch_tokens``, ``max_images``, ``attention``, ``cuda_graphs``,
+      ``deterministic`` and ``fused`` (give those by name or this, not both).
 
     Results are CPU tensors in input order, each ``(grid_h*grid_w, width)`` (``(width,)``
     pooled). Not thread-safe: use one Encoder per thread."""
@@ -133,21 +136,25 @@ class Encoder:
                  max_images: int = DEFAULT_MAX_IMAGES, decode_threads: int | None = None,
                  max_pixels: int = DEFAULT_MAX_PIXELS, attention: Attention = "auto",
                  cuda_graphs: bool | None = None, deterministic: bool = True,
-                 fused: bool | None = None) -> None:
+                 fused: bool | None = None, settings: EngineSettings | None = None) -> None:
         self.checkpoint, self.config = checkpoint, checkpoint.config
         self.fingerprint = checkpoint.fingerprint  # as ``encode`` writes it to the metadata
         self.device = resolve_device(device)
-        self.settings = EngineSettings(
+        named = EngineSettings(
             features=features, attention=attention, cuda_graphs=cuda_graphs,
             batch_tokens=batch_tokens, max_images=max_images, deterministic=deterministic,
-            fused=fused).check().for_device(self.device.type)
+            fused=fused)
+        if settings is not None and named != EngineSettings():
+            raise SettingsError("give the engine's settings by name or as settings=, not both")
+        self.settings = (settings or named).check().for_device(self.device.type)
         self.pool = check_choice("pool", pool, POOLS)
         self.out_dtype = resolve_out_dtype(out_dtype)
         if decode_threads is None:
             decode_threads = 0 if self.device.type == "cpu" else min(8, available_cpus())
         self.decode_threads = max(0, decode_threads)
         self.max_pixels = max_pixels
-        self.model = build_model(checkpoint, self.device, fused=fused, deterministic=deterministic)
+        self.model = build_model(checkpoint, self.device, fused=self.settings.fused,
+                                 deterministic=self.settings.deterministic)
         self.dtype: torch.dtype = self.model.dtype  # the compute dtype
         self.engines: dict[str, Engine] = {}  # per features, built on first use (read-only)
 

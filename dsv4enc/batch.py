@@ -71,7 +71,7 @@ class BatchEncoder:
     Options as for ``dsv4enc encode`` (``features``, ``pool``, ``out_dtype``: float16 by
     default, ``layout``, ``max_pixels``) and as for ``Encoder`` (``device``, ``dtype``,
     ``batch_tokens``, ``max_images``, ``decode_threads``, ``attention``, ``cuda_graphs``,
-    ``deterministic``, ``fused``).
+    ``deterministic``, ``fused``, or ``settings``: those of the engine as one object).
 
     Only what is no image's fault raises: a missing column, or an embedding not finite in
     ``out_dtype`` (``api.EncodeError``: use ``out_dtype="float32"``).

@@ -63,3 +63,14 @@ def test_a_setting_with_help_is_an_encode_option():
     (name, (kind, option)), = settings_options(Grown).items()
     assert (name, kind, option.default) == ("pinned", bool, True)
     assert option.param_decls == ("--pinned/--no-pinned",) and option.help.startswith("Stage")
+
+
+def test_the_api_takes_the_settings_as_one_object(tiny_cfg):
+    from dsv4enc.api import Encoder
+
+    settings = EngineSettings(features="vit", batch_tokens=512, max_images=2)
+    enc = Encoder.from_config(tiny_cfg, device="cpu", dtype="float32", settings=settings)
+    assert enc.settings == settings and (enc.features, enc.batch_tokens) == ("vit", 512)
+    with pytest.raises(SettingsError, match="not both"):
+        Encoder.from_config(tiny_cfg, device="cpu", dtype="float32", settings=settings,
+                            features="vit")

@@ -23,7 +23,7 @@ from ..tower.checkpoint import Checkpoint
 from ..tower.config import VisionConfig
 from ..tower.transform import plan_canvas
 from ..engine.engine import EngineStats
-from ..engine.defaults import TRANSFORMS
+from ..engine.defaults import DEFAULT_FEATURES, TRANSFORMS
 from ..engine.settings import EngineSettings
 from ..process import available_cpus
 from ..run.options import EncodeOptions, default_workers
@@ -138,7 +138,7 @@ class StageCosts:
     failed: int = 0  # the sample's images that did not (an error row in a run), not timed
 
 
-def stage_costs(paths: Sequence[Path], cfg: VisionConfig, features: str = "aligner",
+def stage_costs(paths: Sequence[Path], cfg: VisionConfig, features: str = DEFAULT_FEATURES,
                 max_pixels: int | None = None) -> StageCosts:
     """This thread's CPU time, with one torch thread, for decode (``decode.open_checked``),
     ``transform.image_to_patch_bits``, ``packing.pack`` and staging copies on ``paths``; a
@@ -251,7 +251,7 @@ def run_host_bench(config_path: str, images: str = "synthetic:1024x768:256",
         base = Path(workdir) if workdir else Path(scratch)
         paths = resolve_images(images, base)
         n_workers = default_workers("cuda") if workers is None else workers
-        costs = stage_costs(paths[:sample], cfg, (options or {}).get("features", "aligner"))
+        costs = stage_costs(paths[:sample], cfg, (options or {}).get("features", DEFAULT_FEATURES))
         short = paths[:len(paths) // 8] if steady and len(paths) >= 16 else []
 
         def timed(kind: str, inputs: Sequence[Path], name: str, transform: str = "host"):

@@ -28,7 +28,7 @@ from ..tower.attention import naive_sdpa_attention
 from ..engine.batching import BatchLoop
 from ..engine.engine import Engine, EngineStats
 from ..engine.factory import build_model
-from ..engine.defaults import DEFAULT_MAX_IMAGES, default_batch_tokens
+from ..engine.defaults import DEFAULT_FEATURES, DEFAULT_MAX_IMAGES, default_batch_tokens
 from ..tower.checkpoint import random_checkpoint, random_state_dict, save_checkpoint
 from ..tower.config import VisionConfig
 from ..engine.device import resolve_device, resolve_dtype
@@ -353,7 +353,8 @@ def bench_cli(cfg: VisionConfig, paths: Sequence[Path], device: str, dtype: str,
 def run_bench(config_path: str, device: str = "auto", dtype: str = "auto",
               images: str = "synthetic:mix", batch_tokens: Sequence[int] | int | None = None,
               cuda_graphs: Sequence[bool | None] = (None,), attention: str = "auto",
-              features: str = "aligner", max_images: int = DEFAULT_MAX_IMAGES, repeat: int = 2,
+              features: str = DEFAULT_FEATURES, max_images: int = DEFAULT_MAX_IMAGES,
+              repeat: int = 2,
               naive_images: int | None = None, e2e: bool = False, workers: int | None = None,
               seed: int = 0, workdir: str | None = None, cli: bool = False,
               fused: Sequence[bool] = (False,),

@@ -13,6 +13,7 @@ from typing import Callable, Sequence
 import torch
 
 from ..tower.model import grid_positions
+from .defaults import DEFAULT_FEATURES
 
 
 def aligner_grid(n_h: int, n_w: int, r: int) -> tuple[int, int]:
@@ -109,7 +110,7 @@ def concat_patches(patches: Sequence[torch.Tensor], buffer: PatchBuffer | None =
 
 
 def pack(items: Sequence[tuple[torch.Tensor, int, int]], r: int,
-         features: str = "aligner",
+         features: str = DEFAULT_FEATURES,
          patch_buffer: PatchBuffer | None = None) -> PackedBatch:
     """Pack ``(patches (n_h*n_w, 3*p*p), n_h, n_w)`` items into one PackedBatch; the patches
     go into ``patch_buffer(tokens, width, dtype)`` when given (``concat_patches``)."""

@@ -275,16 +275,20 @@ def test_a_refused_resume_changes_nothing(unfinished, images):
     assert {p.name: p.read_bytes() for p in unfinished.iterdir()} == before
 
 
-def test_resume_over_part_files_encodes_them_again(images, folder_rows, tmp_path):
+def test_resume_from_part_files_copies_the_committed_ones_in(images, folder_rows, tmp_path):
     """A ``.partial`` folder of part files and their manifest (what a run that joins part
-    files leaves, e.g. under torchrun), resumed by one local process: the growing file holds
-    only its own ranges, so those parts are encoded again, and the part files go."""
+    files leaves, e.g. under torchrun): its committed parts are copied in, not encoded
+    again."""
     folder = tmp_path / "emb"
     run_encode(options(images, f"{folder}/"))
     partial = tmp_path / "e.parquet.partial"
     shutil.copytree(folder, partial)
+    names = sorted(journal(partial)["parts"])
+    kept = keep_only(partial, set(names[::2]))  # every other part was committed
+    for name in names[1::2]:  # the others' files were never renamed into place
+        (partial / f"{name}.parquet").unlink()
     summary = run_encode(options(images, tmp_path / "e.parquet", resume=True))
-    assert summary.reused == 0
+    assert summary.reused == sum(p["rows"] for p in kept.values())
     assert rows_of(tmp_path / "e.parquet") == folder_rows
     assert not partial.exists()
 

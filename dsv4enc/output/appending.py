@@ -25,7 +25,8 @@ from .parquet_join import (GROUP_NUM_ROWS, MAGIC, CompactReader, JoinError,
                            copy_range, footer_bytes, group_span, move_group, read_footer,
                            row_groups, schema_part, whole_footer, with_key_values)
 from .parts import (MANIFEST_NAME, PartLedger, fsync_dir, is_journal_entry,
-                     drop_cached_pages, output_os_error, parquet_options, transient_errors)
+                     names_part_file, part_intact, drop_cached_pages, output_os_error,
+                     parquet_options, transient_errors)
 
 log = logging.getLogger("dsv4enc")
 
@@ -150,8 +151,8 @@ class AppendingStore(PartLedger):
         self._cut()
 
     def _intact_parts(self, data: dict) -> dict[str, dict[str, Any]]:
-        """Journal entries whose range is in the file (a part file, which another way of
-        committing left, is encoded again). Changes nothing: the run may yet refuse."""
+        """Journal entries whose range is in the file, and joinable part files that a run joining
+        part files left (``forget`` copies them in). Changes nothing: the run may yet refuse."""
         same_footer = data.get("footer") == self.extra["footer"]
         if not same_footer and any(is_journal_entry(p) for p in data["parts"].values()):
             log.warning("the finished parts in %s were written with other Parquet metadata "
@@ -166,7 +167,8 @@ class AppendingStore(PartLedger):
             return {name: part for name, part in data["parts"].items()
                     if (is_journal_entry(part) and same_footer and size
                         and len(MAGIC) <= part["offset"] <= size - part["length"]
-                        and self._part_footer(part, fd) is not None)}
+                        and self._part_footer(part, fd) is not None)
+                    or (names_part_file(part) and self._joinable(part))}
         finally:
             if fd is not None:
                 os.close(fd)
@@ -178,6 +180,11 @@ class AppendingStore(PartLedger):
     def _schema(self) -> list[list]:
         """The footer fields every part's has but for its row groups (``extra``)."""
         return CompactReader(base64.b64decode(self.extra["footer"])).struct()
+
+    def _joinable(self, part: dict[str, Any]) -> bool:
+        """A part file that reads back whole and whose bytes can join this file's."""
+        path = self.folder / part["file"]
+        return part_intact(path, part.get("rows")) and self._fits(_joinable_footer(path))
 
     def file_parts(self, path: Path, ignore: bytes) -> list[list]:
         """The parts of a file this store finished (``[row groups, rows]``, in row order)
@@ -211,9 +218,12 @@ class AppendingStore(PartLedger):
             raise OutputError(f"cannot update {self.out}: {path}: {exc}") from None
 
     def forget(self, names: Sequence[str]) -> None:
-        """Drop the parts this run does not reuse and cut the file after the last one kept."""
+        """Drop the parts this run does not reuse, cut the file, copy in reused part files."""
         super().forget(names)
         self._cut()
+        for name, part in list(self.parts.items()):
+            if names_part_file(part):
+                self._import(name, part)
 
     def _cut(self) -> None:
         """Open the file and truncate it after the last recorded range (a torn or forgotten
@@ -228,6 +238,24 @@ class AppendingStore(PartLedger):
                 os.pwrite(self._fd, MAGIC, 0)
         except OSError as exc:
             raise output_os_error(self.path, exc) from None
+
+    def _import(self, name: str, part: dict[str, Any]) -> None:
+        """Copy a committed part file (a run that joins part files left it: torchrun, Ray,
+        a folder-style partial) into the growing file, then delete it."""
+        path = self.folder / part["file"]
+        entry = {key: part[key] for key in ("start", "end", "digest", "rows", "transient")
+                 if key in part}
+        try:
+            with open(path, "rb") as source:
+                size = os.fstat(source.fileno()).st_size
+                read_footer(source, size)  # a damaged file raises JoinError here
+            self._append_copy(name, path, len(MAGIC), size - len(MAGIC), b"", entry)
+        except JoinError as exc:  # checked by _joinable: only if changed since
+            raise OutputError(f"cannot resume: {path}: {exc}; use --overwrite to start "
+                              "over") from None
+        except OSError as exc:
+            raise output_os_error(self.path, exc) from None
+        path.unlink(missing_ok=True)
 
     def _append_copy(self, name: str, path: Path, offset: int, count: int, tail: bytes,
                      entry: dict[str, Any]) -> None:

@@ -23,30 +23,47 @@ MATMUL_SHAPE = (1024, 4096, 1024)
 COMPARED = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
+#: Seconds the whole check may spend timing: a dtype this CPU runs without native support
+#: (bfloat16 under an AVX2-only kernel level) can be 100x slower, and the check still ends.
+TIMING_BUDGET_S = 20.0
+#: A first product slower than this is timed alone (its repeats would add nothing but time).
+SLOW_PRODUCT_S = 1.0
+
+
 def _gflops(a: torch.Tensor, b: torch.Tensor, repeat: int) -> float:
-    """GFLOP/s of ``repeat`` products ``a @ b``, after one untimed product."""
+    """GFLOP/s of ``repeat`` products ``a @ b`` after one more (the first one's own rate when
+    it takes over ``SLOW_PRODUCT_S``)."""
+    flop = 2 * a.shape[0] * a.shape[1] * b.shape[1]
+    began = time.perf_counter()
     a @ b
+    first = time.perf_counter() - began
+    if first > SLOW_PRODUCT_S:
+        return flop / first / 1e9
     began = time.perf_counter()
     for _ in range(repeat):
         a @ b
-    return 2 * a.shape[0] * a.shape[1] * b.shape[1] * repeat / (time.perf_counter() - began) / 1e9
+    return flop * repeat / (time.perf_counter() - began) / 1e9
 
 
 def matmul_rates(rounds: int, repeat: int, shape: tuple[int, int, int]) -> dict:
     """float32 and bfloat16 GFLOP/s of an (M, K) @ (K, N) matmul, interleaved round by round
-    so that both dtypes see the same machine; the ratio is of the rounds' medians."""
+    so that both dtypes see the same machine (fewer rounds past ``TIMING_BUDGET_S``); the
+    ratio is of the rounds' medians."""
     m, k, n = shape
     generator = torch.Generator().manual_seed(0)
     operands = {name: (torch.randn(m, k, generator=generator).to(dtype),
                        torch.randn(k, n, generator=generator).to(dtype))
                 for name, dtype in COMPARED.items()}
     rates: dict[str, list[float]] = {name: [] for name in operands}
+    began = time.perf_counter()
     for _ in range(rounds):
         for name, (a, b) in operands.items():
             rates[name].append(_gflops(a, b, repeat))
+        if time.perf_counter() - began > TIMING_BUDGET_S:
+            break  # at least one round of each
     ratio = statistics.median(rates["bfloat16"]) / statistics.median(rates["float32"])
     shown = {name: [round(rate, 1) for rate in by_round] for name, by_round in rates.items()}
-    return {"shape": f"{m}x{k} @ {k}x{n}", "gflop_s": shown, "bf16_over_fp32": round(ratio, 2)}
+    return {"shape": f"{m}x{k} @ {k}x{n}", "gflop_s": shown, "bf16_over_fp32": float(f"{ratio:.3g}")}
 
 
 @dataclass

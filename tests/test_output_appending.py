@@ -18,7 +18,8 @@ from PIL import Image
 
 from dsv4enc import read_embeddings
 from dsv4enc.output import parts as writer
-from dsv4enc.output.appending import GROWING_NAME, AppendingStore
+from dsv4enc.output.appending import AppendingStore
+from dsv4enc.output.files import GROWING_NAME
 from dsv4enc.errors import OutputError
 from dsv4enc.run.pipeline import EncodeOptions, run_encode
 from dsv4enc.output.parts import Row, output_schema, rows_per_group, rows_to_table

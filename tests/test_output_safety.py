@@ -33,11 +33,11 @@ from PIL import Image
 from typer.testing import CliRunner
 
 from dsv4enc.output import parts as writer
-from dsv4enc.output.update import STAMPS_FILE
+from dsv4enc.output.files import STAMPS_FILE
 from dsv4enc.output.read import load_manifest
 from dsv4enc.cli import app
 from dsv4enc.errors import OutputError, UsageError
-from dsv4enc.output.layout import LOCK_NAME
+from dsv4enc.output.files import LOCK_NAME
 from dsv4enc.run.pipeline import EncodeOptions, run_encode
 
 from helpers import CONFIGS, REPO_ROOT, Pauses, parts_of, table_rows

@@ -21,7 +21,8 @@ from typer.testing import CliRunner
 from dsv4enc.cli import app
 from dsv4enc.errors import UsageError
 from dsv4enc.output.read import load_manifest, output_files
-from dsv4enc.output.update import STAMPS_FILE, STAMPS_KEY
+from dsv4enc.output.files import STAMPS_FILE
+from dsv4enc.output.update import STAMPS_KEY
 from dsv4enc.run.pipeline import EncodeOptions, run_encode
 
 from helpers import CONFIGS, REPO_ROOT, Pauses, torch_threads

@@ -28,7 +28,7 @@ from PIL import Image
 from typer.testing import CliRunner
 
 from dsv4enc.images import headers
-from dsv4enc.output.appending import GROWING_NAME
+from dsv4enc.output.files import GROWING_NAME
 from dsv4enc.cli import app
 from dsv4enc.images.decode import Probe
 from dsv4enc.run.pipeline import EncodeOptions, Interrupted, run_encode

@@ -17,7 +17,7 @@ from PIL import Image
 
 from dsv4enc.engine.cpufeatures import PIN_VARIABLE
 from dsv4enc.engine.device import resume_compute
-from dsv4enc.output.parts import LOCK_NAME
+from dsv4enc.output.files import LOCK_NAME
 
 from helpers import CONFIGS, REPO_ROOT, Pauses
 

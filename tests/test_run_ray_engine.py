@@ -21,7 +21,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from dsv4enc.output.read import MANIFEST_NAME
+from dsv4enc.output.files import MANIFEST_NAME
 
 from helpers import Pauses, write_image
 

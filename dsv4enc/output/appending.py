@@ -24,14 +24,13 @@ from ..errors import OutputError
 from .parquet_join import (GROUP_NUM_ROWS, MAGIC, CompactReader, JoinError,
                            copy_range, footer_bytes, group_span, move_group, read_footer,
                            row_groups, schema_part, whole_footer, with_key_values)
-from .parts import (MANIFEST_NAME, PartLedger, fsync_dir, is_journal_entry,
+from .files import GROWING_NAME, MANIFEST_NAME
+from .parts import (PartLedger, fsync_dir, is_journal_entry,
                      names_part_file, part_intact, drop_cached_pages, output_os_error,
                      parquet_options, transient_errors)
 
 log = logging.getLogger("dsv4enc")
 
-#: The growing file's name in the parts folder (dsv4enc's where a dsv4enc manifest is).
-GROWING_NAME = "_growing.parquet"
 #: Linux writes at most this many bytes per ``pwrite`` call.
 _MAX_WRITE = 0x7FFFF000
 #: Positioned writes are POSIX; elsewhere (Windows) a single file is joined from part files.

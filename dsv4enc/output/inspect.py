@@ -16,7 +16,8 @@ import numpy as np
 from .. import storage
 from ..tower.config import MODEL_NAMES, model_type_of
 from ..errors import UsageError
-from .read import MANIFEST_NAME, OutputFiles, embedding_format, find_output, metadata_of
+from .files import MANIFEST_NAME, PARTIAL
+from .read import OutputFiles, embedding_format, find_output, metadata_of
 
 #: Error messages shown, the commonest first (``inspect`` and a run's summary).
 TOP_ERRORS = 5
@@ -85,13 +86,13 @@ def interrupted_folder(path: str | os.PathLike, storage_options: Any = None) -> 
     text = os.fspath(path)
     fs, root = storage.locate(text, storage_options)
     try:
-        if root.endswith(".partial"):
+        if root.endswith(PARTIAL):
             return text if fs.get_file_info(root).type == pafs.FileType.Directory else None
-        there, beside = fs.get_file_info([root, root + ".partial"])
+        there, beside = fs.get_file_info([root, root + PARTIAL])
     except OSError as exc:
         raise storage.setup_error(text, exc) from None
     if there.type == pafs.FileType.NotFound and beside.type == pafs.FileType.Directory:
-        return text.rstrip("/") + ".partial"
+        return text.rstrip("/") + PARTIAL
     return None
 
 

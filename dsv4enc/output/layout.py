@@ -28,11 +28,11 @@ from ..errors import AlreadyComplete, DsvError, OutputError, UsageError
 from ..images.items import is_image_name
 from ..images.headers import input_stamps, inputs_digest
 from ..pausepoints import pause
-from .appending import GROWING_NAME
-from .update import CUT_SETTINGS, STAMPS_FILE, Update, setting_refusal
+from .files import (LOCK_NAME, PART_FILE, PARTIAL, is_output_file, manifest_name,
+                    temporary_of, write_probe)
+from .update import CUT_SETTINGS, Update, setting_refusal
 from .read import read_metadata
-from .parts import (JOURNAL_FILE, LOCK_NAME, MANIFEST_FILE, MANIFEST_NAME, PART_FILE,
-                    TEMP_FILE, PartLedger, PartStore, Row, StreamingAssembler, kept_columns,
+from .parts import (PartLedger, PartStore, Row, StreamingAssembler, kept_columns,
                     kept_fields, output_os_error, pre_release_manifest, read_manifest,
                     read_manifests, rows_per_group, rows_to_table)
 
@@ -157,7 +157,7 @@ class OutputLayout:
         self.shard_output = shard_output
         self.folder_mode = shard_output or out.endswith(("/", os.sep)) or self.out.is_dir()
         self.parts_dir = (self.out if self.folder_mode
-                          else self.out.with_name(self.out.name + ".partial"))
+                          else self.out.with_name(self.out.name + PARTIAL))
         self.lock = OutputLock(self.parts_dir, self.out)
         #: The largest single file the store takes (``RemoteOutput.max_file_bytes``; None: any)
         self.max_file_bytes: int | None = None
@@ -173,24 +173,17 @@ class OutputLayout:
     def manifest_name(self, rank: int | None = None) -> str:
         """Each rank keeps its own manifest under --shard-output (``rank``: this process's,
         None outside torchrun); merged at the end."""
-        if self.shard_output and rank is not None:
-            return MANIFEST_NAME.replace(".json", f"-rank{rank:03d}.json")
-        return MANIFEST_NAME
+        return manifest_name(rank if self.shard_output else None)
 
     # -- what is ours -------------------------------------------------------------------
     def _is_ours(self, name: str, manifests: bool) -> bool:
         """A name in the parts folder that dsv4enc wrote: its lock, its temporaries, and
         (where a dsv4enc manifest is present) its manifests and part files."""
-        if name == LOCK_NAME:
+        became = temporary_of(name)
+        if name == LOCK_NAME or became is not None and (
+                is_output_file(became) or not self.folder_mode and became == self.out.name):
             return True
-        temp = TEMP_FILE.fullmatch(name)
-        if temp is not None and (PART_FILE.fullmatch(temp.group(1))
-                                 or MANIFEST_FILE.fullmatch(temp.group(1))
-                                 or (not self.folder_mode and temp.group(1) == self.out.name)):
-            return True
-        return manifests and bool(PART_FILE.fullmatch(name) or MANIFEST_FILE.fullmatch(name)
-                                  or JOURNAL_FILE.fullmatch(name)
-                                  or name == GROWING_NAME or STAMPS_FILE.fullmatch(name))
+        return manifests and is_output_file(name)
 
     def _owned_and_foreign(self, manifests: dict | None = None) -> tuple[list[Path], list[str]]:
         """Files of the parts folder dsv4enc wrote (lock excepted), and the names of the others
@@ -317,7 +310,7 @@ class OutputLayout:
         # lists (renamed just before a kill), which a folder would show beside their rows.
         listed = {part.get("file") for manifest in manifests.values()
                   for part in manifest["parts"].values()}
-        self._remove(p for p in owned if TEMP_FILE.fullmatch(p.name)
+        self._remove(p for p in owned if temporary_of(p.name)
                      or (PART_FILE.fullmatch(p.name) and p.name not in listed))
 
     def _make_parts_dir(self) -> None:
@@ -333,7 +326,7 @@ class OutputLayout:
     def create(self) -> None:
         """Check the parts folder is writable (once inputs and weights are known good)."""
         try:
-            probe = self.parts_dir / f".dsv4enc-write-test.{os.getpid()}"
+            probe = write_probe(self.parts_dir)
             probe.write_bytes(b"")
             probe.unlink()
         except OSError as exc:
@@ -365,7 +358,7 @@ class OutputLayout:
 
     def remove_temporaries(self) -> None:
         """Remove what killed or cancelled writers left under temporary names (we hold the lock)."""
-        self._remove(p for p in self._owned_and_foreign()[0] if TEMP_FILE.fullmatch(p.name))
+        self._remove(p for p in self._owned_and_foreign()[0] if temporary_of(p.name))
 
     def discard_if_empty(self) -> None:
         """After a failed run, remove a single-file output's manifest, growing file and

@@ -14,7 +14,6 @@ import errno
 import json
 import logging
 import os
-import re
 import secrets
 import threading
 import time
@@ -34,8 +33,8 @@ from ..images.sources import kept_values
 from ..images.decode import is_transient
 from .parquet_join import JoinError, ParquetJoiner
 from ..version import __version__
-from .read import (JOURNAL_FORMAT, MANIFEST_FILE, MANIFEST_NAME, embedding_format, journal_path,
-                   load_manifest)
+from .files import MANIFEST_FILE, MANIFEST_NAME, PART_FILE, journal_path, part_file, temp_path
+from .read import JOURNAL_FORMAT, embedding_format, load_manifest
 
 if TYPE_CHECKING:
     import torch
@@ -46,13 +45,7 @@ log = logging.getLogger("dsv4enc")
 
 #: What a manifest says it is: dsv4enc recognises its own manifests by content, not by name.
 MANIFEST_FORMAT = "dsv4enc-parts"
-#: The run's lock in the parts folder (a flock locally, a lock object in a bucket).
-LOCK_NAME = ".dsv4enc.lock"
 MANIFEST_VERSION = 2
-#: Names dsv4enc gives its files in a parts folder (``.gN``: the Nth generation, ``--update``).
-PART_FILE = re.compile(r"part-\d{6,}(?:_\d{6,})?(?:-rank\d{3})?(?:\.g\d+)?\.parquet")
-#: A manifest's journal of the parts committed since it was written whole (``read.journal_path``).
-JOURNAL_FILE = re.compile(r"_manifest(?:-rank\d{3})?\.journal")
 ROW_GROUP_BYTES = 64 << 20
 DATA_PAGE_BYTES = 8 << 20
 _ARROW_FLOAT = {"float16": pa.float16(), "float32": pa.float32()}
@@ -264,16 +257,6 @@ def output_os_error(path: Path, exc: OSError) -> OutputError:
     return OutputError(f"cannot write {path}: {exc.strerror or exc}")
 
 
-def temp_path(path: Path, folder: Path | None = None) -> Path:
-    """A hidden temporary name for ``path`` (in ``folder``, default beside it), unique to this
-    process and call: ``.NAME.PID-RANDOM.tmp``. Two runs never write the same temporary."""
-    return (folder or path.parent) / f".{path.name}.{os.getpid()}-{secrets.token_hex(4)}.tmp"
-
-
-#: ``temp_path`` names; group 1 is NAME.
-TEMP_FILE = re.compile(r"\.(.+?)\.\d+-[0-9a-f]{8}\.tmp")
-
-
 def drop_cached_pages(fd: int, offset: int = 0, length: int = 0) -> None:
     """Advise the kernel to free the page cache of a written, synced range (``length`` 0: to
     the end): left there, gigabytes of embeddings evict the user's cached files, and fresh
@@ -306,14 +289,14 @@ def write_table_atomic(table: pa.Table, path: Path, row_group_size: int,
 
 
 def write_part(folder: str | Path, name: str, table: pa.Table, row_group_size: int,
-               start: int, end: int, digest: str, *, suffix: str = "",
+               start: int, end: int, digest: str, *, generation: int = 0,
                drop_cache: bool = False, staged: bool = False) -> dict[str, Any]:
     """Write part ``name``'s file into ``folder`` (a writer thread, a torchrun rank or a ray
     actor does) and return the manifest entry a ``PartLedger`` records to commit it. ``staged``:
     the file keeps a hidden temporary name (the entry's ``staged``) until
     ``PartStore.commit_written`` renames it: an unrecorded part never has a part name.
     ``folder`` a URL: the file is uploaded to ``folder/FILE`` whole (never staged)."""
-    file = f"{name}{suffix}.parquet"
+    file = part_file(name, generation)
     entry: dict[str, Any] = {"file": file, "start": start, "end": end, "digest": digest,
                              "rows": table.num_rows, "transient": transient_errors(table)}
     uploaded = storage.upload_written(folder, file, lambda tmp: pq.write_table(
@@ -395,12 +378,12 @@ def is_dsv4enc_document(data: Any) -> bool:
 def pre_release_manifest(folder: Path) -> Path | None:
     """A manifest in ``folder`` that a dsv4enc before 0.1.0 wrote (dsv4enc's, of another
     format), or None: such an output is refused, not read."""
-    for path in sorted(folder.glob("_manifest*.json")):
+    for path in manifest_paths(folder):
         try:
             data = load_manifest(path)
         except (OSError, ValueError):
             continue
-        if (MANIFEST_FILE.fullmatch(path.name) and is_dsv4enc_document(data)
+        if (is_dsv4enc_document(data)
                 and (data.get("format"), data.get("version")) != (MANIFEST_FORMAT, MANIFEST_VERSION)):
             return path
     return None
@@ -417,14 +400,18 @@ def read_manifest(path: Path) -> dict | None:
     return data if is_manifest(data) else None
 
 
-def read_manifests(folder: Path) -> dict[Path, dict]:
-    """The dsv4enc manifests in ``folder`` by path, in name order (one, or one per rank)."""
+def manifest_paths(folder: Path) -> list[Path]:
+    """The manifests' paths in ``folder``, in name order (one, or one per rank)."""
     try:
         names = sorted(entry.name for entry in os.scandir(folder))
     except OSError:
-        return {}
-    found = {folder / name: read_manifest(folder / name) for name in names
-             if MANIFEST_FILE.fullmatch(name)}
+        return []
+    return [folder / name for name in names if MANIFEST_FILE.fullmatch(name)]
+
+
+def read_manifests(folder: Path) -> dict[Path, dict]:
+    """The dsv4enc manifests in ``folder`` by path, in name order."""
+    found = {path: read_manifest(path) for path in manifest_paths(folder)}
     return {path: data for path, data in found.items() if data is not None}
 
 
@@ -603,7 +590,7 @@ class PartStore(PartLedger):
                  manifest_name: str = MANIFEST_NAME, drop_cache: bool = False) -> None:
         super().__init__(folder, settings, manifest_name)
         self.drop_cache = drop_cache
-        self.file_suffix = ""  # before ``.parquet`` in part file names (``update``: ``.gN``)
+        self.generation = 0  # of its part file names (``files.part_file``; ``update``'s: 1 on)
         # ``fetch(file, path)``: a part another process wrote to the bucket (``commit_written``)
         self.fetch: Callable[[str, Path], None] | None = None
 
@@ -616,7 +603,7 @@ class PartStore(PartLedger):
                digest: str) -> None:
         """Write one part (several writer threads may commit at once)."""
         self._record(name, write_part(self.folder, name, table, row_group_size, start, end,
-                                      digest, suffix=self.file_suffix,
+                                      digest, generation=self.generation,
                                       drop_cache=self.drop_cache))
 
     def commit_written(self, name: str, entry: dict[str, Any]) -> None:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Sequence
@@ -17,11 +16,8 @@ import numpy as np
 
 from .. import storage
 from ..errors import UsageError
+from .files import MANIFEST_FILE, journal_path
 
-#: The manifest of a folder of parts (per rank under --shard-output: ``_manifest-rankNNN.json``).
-MANIFEST_NAME = "_manifest.json"
-#: A manifest's name: the run's, or one rank's under --shard-output (before the merge).
-MANIFEST_FILE = re.compile(r"_manifest(?:-rank\d{3})?\.json")
 #: What a manifest's journal starts with (docs/output-format.md#the-manifest-and-its-journal).
 JOURNAL_FORMAT = "dsv4enc-journal"
 
@@ -136,11 +132,6 @@ def part_files(folder: Path, parts: Iterable[dict]) -> list[Path]:
     return [folder / name for name in _ordered_files(parts) if (folder / name).is_file()]
 
 
-def journal_path(manifest: Path) -> Path:
-    """The journal beside a manifest: ``_manifest.json`` -> ``_manifest.journal``."""
-    return manifest.with_suffix(".journal")
-
-
 def _read_bytes(path: str | os.PathLike, fs=None) -> bytes:
     if fs is None:
         return Path(path).read_bytes()
@@ -158,8 +149,7 @@ def load_manifest(path: str | os.PathLike, fs=None) -> Any:
     data = json.loads(_read_bytes(path, fs))
     if (isinstance(data, dict) and isinstance(data.get("parts"), dict)
             and isinstance(data.get("journal"), str)):
-        journal = os.fspath(path)[:-len(".json")] + ".journal"
-        for entry in journal_entries(journal, data["journal"], fs):
+        for entry in journal_entries(journal_path(os.fspath(path)), data["journal"], fs):
             data["parts"][entry["name"]] = entry["part"]
             if isinstance(entry.get("inputs"), int):
                 data["inputs"] = entry["inputs"]

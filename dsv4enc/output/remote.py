@@ -13,7 +13,6 @@ import contextlib
 import json
 import logging
 import os
-import re
 import shutil
 import socket
 import tempfile
@@ -24,9 +23,10 @@ from typing import Any, Callable, Sequence, TypeVar
 
 from .. import storage
 from ..errors import DsvError, OutputError
-from .parts import LOCK_NAME, MANIFEST_FILE, PART_FILE, read_manifest
-from .read import MANIFEST_NAME, journal_path, load_manifest
-from .update import STAMPS_FILE
+from .files import (LOCK_NAME, MANIFEST_FILE, MANIFEST_NAME, PART_FILE, PARTIAL, STAMPS_FILE,
+                    is_ours, journal_path, rank_of)
+from .parts import read_manifest
+from .read import load_manifest
 
 log = logging.getLogger("dsv4enc")
 T = TypeVar("T")
@@ -73,14 +73,14 @@ class RemoteOutput:
                 self.folder_mode = storage.kind(out) == "folder"
             except DsvError as exc:
                 self._problem = exc
-        self.parts_url = self.url if self.folder_mode else self.url + ".partial"
+        self.parts_url = self.url if self.folder_mode else self.url + PARTIAL
         self.staging = Path(tempfile.mkdtemp(prefix=STAGING_PREFIX))
         mark = {"url": self.url, "host": socket.gethostname(), "pid": os.getpid()}
         (self.staging / STAGING_MARK).write_text(json.dumps(mark))
         name = self.url.rsplit("/", 1)[-1] or "out"
         self.local_out = self.staging / name
         self.local_parts = self.local_out if self.folder_mode else \
-            self.staging / f"{name}.partial"
+            self.staging / f"{name}{PARTIAL}"
         #: The ``--out`` the run writes to instead: the staging folder's output.
         self.staged_out = str(self.local_out) + ("/" if self.folder_mode else "")
         self._uploaded: dict[str, tuple[int, int]] = {}  # part name -> (size, mtime_ns)
@@ -108,12 +108,8 @@ class RemoteOutput:
     # -- whose files -------------------------------------------------------------------------
     def _mine(self, name: str) -> bool:
         """Whether this rank mirrors the manifest or part ``name``: every one, unless each rank
-        writes its own (``layout.OutputLayout.manifest_name``)."""
-        if not self.sharded:
-            return True
-        if MANIFEST_FILE.fullmatch(name):
-            return name == f"_manifest-rank{self.rank:03d}.json"
-        return name.endswith(f"-rank{self.rank:03d}.parquet")
+        writes its own (``files.rank_of``)."""
+        return not self.sharded or rank_of(name) == self.rank
 
     def _every_rank(self, action: Callable[[], None]) -> None:
         """``action()`` on every rank, then every rank raises the first rank's error (a
@@ -203,9 +199,8 @@ class RemoteOutput:
             # Before any rank uploads a part, the manifests no rank of this run replaces go (the
             # merged one, those of ranks it lacks): none may list a part replaced meanwhile.
             for obj in objects:
-                numbered = re.fullmatch(r"_manifest-rank(\d{3})\.json", obj.key)
-                if MANIFEST_FILE.fullmatch(obj.key) and (
-                        numbered is None or int(numbered.group(1)) >= self.world_size):
+                rank = rank_of(obj.key)
+                if MANIFEST_FILE.fullmatch(obj.key) and (rank is None or rank >= self.world_size):
                     storage.delete(obj.url)
 
     def pull_own(self) -> None:
@@ -394,7 +389,7 @@ class RemoteOutput:
             else:
                 storage.upload_file_whole(self.local_out, self.url)  # whole, or none
                 for obj in storage.list_files(self.parts_url):
-                    if _ours(obj.key):
+                    if is_ours(obj.key):
                         storage.delete(obj.url)
                 self._release_lock()
                 storage.remove_empty_prefix(self.parts_url)
@@ -523,11 +518,6 @@ def _local_state(manifest: Path) -> tuple:
 def _local_id(path: Path) -> tuple[int, int]:
     st = path.stat()
     return st.st_size, st.st_mtime_ns
-
-
-def _ours(key: str) -> bool:
-    return key == LOCK_NAME or bool(PART_FILE.fullmatch(key) or MANIFEST_FILE.fullmatch(key)
-                                    or STAMPS_FILE.fullmatch(key))
 
 
 def _stale(held: dict) -> bool:

@@ -25,7 +25,6 @@ import hashlib
 import json
 import logging
 import os
-import re
 import shutil
 from pathlib import Path
 from typing import Any, Iterable, Sequence
@@ -35,9 +34,10 @@ import numpy as np
 from ..columns import utf8_text
 from ..errors import OutputError, UsageError
 from ..pausepoints import pause
-from .parts import (JOURNAL_FILE, LOCK_NAME, MANIFEST_FILE, MANIFEST_NAME, PART_FILE, TEMP_FILE,
-                    PartLedger, PartStore, Row, fsync_dir, manifest_document, output_os_error,
-                    part_intact, read_manifest, temp_path, write_json_atomic)
+from .files import (LOCK_NAME, MANIFEST_NAME, STAMPS_FILE, generation, is_ours, old_folder,
+                    stamps_name, staging_folder, temp_path)
+from .parts import (PartLedger, PartStore, Row, fsync_dir, manifest_document, output_os_error,
+                    part_intact, read_manifest, write_json_atomic)
 from ..images.decode import is_transient
 from ..images.headers import Planned, inputs_digest
 from ..images.items import InputItem
@@ -47,13 +47,6 @@ log = logging.getLogger("dsv4enc")
 
 #: The footer entry of a single-file output that holds its rows' stamps (JSON).
 STAMPS_KEY = b"dsv4enc.rows"
-#: A folder output's stamps file (the manifest's ``stamps`` entry names the current one).
-STAMPS_FILE = re.compile(r"_stamps-[0-9a-f]{16}\.bin")
-#: A folder output's update builds the new output in the sibling folder ``.NAME`` + this until
-#: the switch.
-STAGING_SUFFIX = ".dsv4enc-update"
-#: Where the old output waits to be removed when the switch is made in two renames.
-OLD_SUFFIX = ".dsv4enc-old"
 #: The manifest entry of an update's staging folder: the stamps file of the output it updates
 #: (a staging folder of another output's state, or an old output a switch left, is not reused).
 UPDATE_OF = "update_of"
@@ -141,7 +134,7 @@ def write_folder_stamps(folder: Path, store, stamps: np.ndarray, options: dict) 
 def _write_stamps(folder: Path, stamps: np.ndarray, options: dict) -> dict[str, Any]:
     """A folder output's stamps file, named by its content; returns the manifest's entry."""
     data = _MAGIC + stamps.astype("<u8").tobytes()
-    path = folder / f"_stamps-{hashlib.blake2b(data, digest_size=8).hexdigest()}.bin"
+    path = folder / stamps_name(data)
     tmp = temp_path(path)
     try:
         with open(tmp, "wb") as handle:
@@ -173,15 +166,6 @@ def _read_folder_stamps(folder: Path, entry: Any, rows: int) -> np.ndarray | Non
     if not data.startswith(_MAGIC) or len(data) != len(_MAGIC) + 8 * rows:
         return None
     return np.frombuffer(data, dtype="<u8", offset=len(_MAGIC)).astype(np.uint64)
-
-
-def staging_folder(out: Path) -> Path:
-    """Where an update of the folder output ``out`` builds the new output."""
-    return out.parent / f".{out.name}{STAGING_SUFFIX}"
-
-
-def old_folder(out: Path) -> Path:
-    return out.parent / f".{out.name}{OLD_SUFFIX}"
 
 
 _AT_FDCWD, _RENAME_EXCHANGE = -100, 2  # <fcntl.h>, <linux/fs.h>
@@ -227,20 +211,11 @@ def recover_switch(out: Path) -> None:
         os.rename(aside, out)
 
 
-def _is_dsv4enc_name(name: str) -> bool:
-    """A name dsv4enc gives a file of a folder output (a temporary of one too)."""
-    temp = TEMP_FILE.fullmatch(name)
-    return bool(PART_FILE.fullmatch(name) or MANIFEST_FILE.fullmatch(name)
-                or JOURNAL_FILE.fullmatch(name) or STAMPS_FILE.fullmatch(name)
-                or name == LOCK_NAME
-                or temp is not None and _is_dsv4enc_name(temp.group(1)))
-
-
 def remove_old_output(folder: Path, out: Path) -> None:
     """Remove a folder an update left (an old output, or a staging folder not reused): its
     dsv4enc files; anything else in it (a hidden file of the user's) is moved to ``out``."""
     for path in folder.iterdir():
-        if not _is_dsv4enc_name(path.name):
+        if not is_ours(path.name):
             if not os.path.lexists(out / path.name):
                 os.rename(path, out / path.name)
         elif path.is_dir() and not path.is_symlink():
@@ -438,9 +413,7 @@ class Update:
             raise output_os_error(self.staging, exc) from None
         store = PartStore(self.staging, settings)
         store.extra[UPDATE_OF] = self.old.stamps_file
-        generations = [int(m.group(1) or 0) for name in self.old.listed
-                       if (m := re.search(r"(?:\.g(\d+))?\.parquet$", name))]
-        store.file_suffix = f".g{max(generations, default=0) + 1}"
+        store.generation = max(map(generation, self.old.listed), default=0) + 1
         return store
 
     def with_unlisted(self, planned: Sequence[Planned]) -> list[Planned]:

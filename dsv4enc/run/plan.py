@@ -26,6 +26,7 @@ from .options import BALANCE_CHOICES
 from ..images.decode import Probe
 from ..images.headers import PROBE_TIMEOUT_S, Planned, inputs_digest, probe_all
 from ..images.items import InputItem
+from ..output import files
 from ..images.sources import clear_cache
 from ..tower.config import VisionConfig
 from ..tower.transform import plan_canvas
@@ -118,7 +119,7 @@ def part_name(start: int, part_images: int) -> str:
     ``start`` is NNNNNN times ``part_images``, ``part-NNNNNN_OOOOOO`` OOOOOO inputs further
     (one name per start; names sort in input order)."""
     number, offset = divmod(start, part_images)
-    return f"part-{number:06d}" + (f"_{offset:06d}" if offset else "")
+    return files.part_name(number, offset)
 
 
 @dataclass
@@ -260,7 +261,7 @@ def plan_segments(planned: Sequence[Planned], part: Part, ranks: Topology | None
         shares = share_for_ranks(planned, list(range(start, end)), ranks.world_size, balance, cfg)
         name, indices = part.name, range(start, end)
         if ranks.sharded:
-            name, indices = f"{name}-rank{ranks.rank:03d}", shares[ranks.rank]
+            name, indices = files.rank_name(name, ranks.rank), shares[ranks.rank]
         return [Part(name, start, end, indices, inputs_digest(planned[start:end]), shares,
                      part_images=size, part_end=part.part_end)]
     return [Part(part_name(first, size), first, last, range(first, last),

@@ -146,7 +146,8 @@ class Topology:
 
     def merge_manifests(self, store: PartStore) -> None:
         """--shard-output: rank 0 lists every rank's parts in one manifest."""
-        from ..output.parts import MANIFEST_NAME, manifest_document, write_json_atomic
+        from ..output.files import MANIFEST_NAME
+        from ..output.parts import manifest_document, write_json_atomic
 
         everything = self.gather(store.parts)
         if self.is_main:

@@ -257,6 +257,6 @@ def test_words_and_files_are_not_checked(span):
 
 
 def test_a_bare_class_name_must_be_the_modules():
-    scope = Scope(importlib.import_module("dsv4enc.output.layout"), None, {})
+    scope = Scope(importlib.import_module("dsv4enc.output.commit"), None, {})
     assert checked("PartWriter") and resolves("PartWriter", scope)
     assert checked("NoSuchWriter") and not resolves("NoSuchWriter", scope)

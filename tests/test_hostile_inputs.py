@@ -452,7 +452,7 @@ def test_a_non_utf8_name_and_its_escaped_text_get_distinct_keys(tmp_path, ckpt):
 def test_resume_uses_the_same_unique_keys(tmp_path, ckpt, monkeypatch):
     """A run over two folders (one given twice: ``#2`` keys) stopped after its first part
     resumes with the same keys: that part is reused, the output has every key once."""
-    from dsv4enc.output import layout as output
+    from dsv4enc.output import commit as output
 
     for folder in ("train", "val"):
         for i in range(2):

@@ -274,7 +274,7 @@ def test_a_manifest_is_recognised_by_its_content():
 HOLD_LOCK = """
 import sys, time
 from pathlib import Path
-from dsv4enc.output.layout import OutputLock
+from dsv4enc.output.lock import OutputLock
 lock = OutputLock(Path(sys.argv[1]), Path(sys.argv[2]))
 lock.acquire()
 print("locked", flush=True)

@@ -32,8 +32,9 @@ from ..errors import DsvError, Interrupted, UsageError, advise
 from ..images.decode import DecodePool
 from ..images.discover import nothing_found
 from ..images.items import is_image_name
-from ..output.layout import (OutputLayout, PartWriter, Resume, ResumeSettings, assembler_for,
-                             open_store)
+from ..output.commit import PartWriter
+from ..output.layout import OutputLayout, assembler_for, open_store
+from ..output.resume import Resume, ResumeSettings
 from ..output.update import (Update, footer_entry, recover_switch, row_stamps,
                               write_folder_stamps)
 from .options import (PRUNE_SHARE, EncodeOptions, default_workers, default_writer_threads,
@@ -88,7 +89,7 @@ def finishing_flag(opts: EncodeOptions) -> str:
 
 
 def resume_settings(opts: EncodeOptions) -> ResumeSettings:
-    """How the run commits and resumes (``output/layout.Resume``): --resume, --commit-every
+    """How the run commits and resumes (``output/resume.Resume``): --resume, --commit-every
     (each segment is a part under --shard-output), and the options that decide rows besides
     the run's settings (not --decode-timeout: a part with a timed-out row is redone anyway)."""
     return ResumeSettings(resume=opts.resume or opts.update,

@@ -24,6 +24,7 @@ from PIL import Image
 from typer.testing import CliRunner
 
 from dsv4enc.output import appending
+from dsv4enc.output import parquet_join
 from dsv4enc.output import parts as writer
 from dsv4enc.tower.checkpoint import random_state_dict, save_checkpoint
 from dsv4enc.cli import app
@@ -337,7 +338,7 @@ def test_disk_full_writing_the_final_file_then_resume(tmp_path, images, ckpts, c
         real_finish = appending.AppendingStore.finish
 
         def finish(self):
-            monkeypatch.setattr(appending, "pwrite_all", enospc)
+            monkeypatch.setattr(parquet_join, "pwrite_all", enospc)
             return real_finish(self)
 
         monkeypatch.setattr(appending.AppendingStore, "finish", finish)

@@ -13,7 +13,6 @@ import base64
 import io
 import logging
 import os
-import struct
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -21,9 +20,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from ..errors import OutputError
-from .parquet_join import (GROUP_NUM_ROWS, MAGIC, CompactReader, JoinError,
-                           copy_range, footer_bytes, group_span, move_group, read_footer,
-                           row_groups, schema_part, whole_footer, with_key_values)
+from .parquet_join import (GROUP_NUM_ROWS, MAGIC, JoinError, ParquetJoiner, footer_at,
+                           footer_bytes, group_span, move_group, pwrite_all, read_footer,
+                           row_groups, schema_part, sync_data, whole_footer, with_key_values)
 from .files import GROWING_NAME, MANIFEST_NAME
 from .parts import (PartLedger, fsync_dir, is_journal_entry,
                      names_part_file, part_intact, drop_cached_pages, output_os_error,
@@ -31,12 +30,8 @@ from .parts import (PartLedger, fsync_dir, is_journal_entry,
 
 log = logging.getLogger("dsv4enc")
 
-#: Linux writes at most this many bytes per ``pwrite`` call.
-_MAX_WRITE = 0x7FFFF000
 #: Positioned writes are POSIX; elsewhere (Windows) a single file is joined from part files.
 AVAILABLE = hasattr(os, "pwrite") and hasattr(os, "pread")
-#: Syncs a file's data (and its size); macOS has no ``fdatasync``.
-_sync_data = getattr(os, "fdatasync", os.fsync)
 
 
 def _pack(fields: list[list]) -> str:
@@ -64,26 +59,6 @@ def _joinable_footer(path: Path) -> list[list] | None:
     except (OSError, JoinError):
         return None
     return footer
-
-
-def _range_footer(fd: int, offset: int, length: int) -> list[list] | None:
-    """The decoded footer that closes the range ``[offset, offset + length)`` of a growing
-    file (a part's Parquet file less its leading ``PAR1``); None where there is none."""
-    end = offset + length
-    try:
-        tail = os.pread(fd, 8, end - 8)
-        size = struct.unpack("<I", tail[:4])[0] if len(tail) == 8 else 0
-        if tail[4:] != MAGIC or not 0 < size <= length - 8:
-            return None
-        return CompactReader(os.pread(fd, size, end - 8 - size)).struct()
-    except (OSError, IndexError, ValueError, struct.error, JoinError):
-        return None
-
-
-def pwrite_all(fd: int, data: memoryview, offset: int) -> None:
-    while data:
-        written = os.pwrite(fd, data[:_MAX_WRITE], offset)
-        data, offset = data[written:], offset + written
 
 
 def group_room(table: pa.Table, row_group_size: int) -> int:
@@ -125,7 +100,8 @@ class RangeSink(io.RawIOBase):
 
 class AppendingStore(PartLedger):
     """The journaled growing file of a single-file output (see the module's doc), and the
-    run's finisher (as ``parts.StreamingAssembler`` is for part files)."""
+    run's finisher (as ``parts.StreamingAssembler`` is for part files); its bytes are joined
+    by a ``ParquetJoiner``."""
 
     def __init__(self, folder: Path, settings: dict[str, Any], schema: pa.Schema, out: Path,
                  manifest_name: str = MANIFEST_NAME) -> None:
@@ -134,10 +110,9 @@ class AppendingStore(PartLedger):
         # What every part's footer holds but its row groups, the same for any table of this
         # schema: in the journal, so that a resume by another pyarrow starts over.
         data = serialize(schema.empty_table(), 1)
-        probe, _ = read_footer(pa.BufferReader(data), data.size)
-        self.extra = {"footer": _pack(schema_part(probe))}
-        self._fd: int | None = None
-        self._end = len(MAGIC)  # where the next part's bytes go
+        self._shared = schema_part(read_footer(pa.BufferReader(data), data.size)[0])
+        self.extra = {"footer": _pack(self._shared)}
+        self.file: ParquetJoiner | None = None
         #: more key-value metadata for the final footer (its rows' stamps: ``update``)
         self.key_values: dict[bytes, bytes] = {}
 
@@ -174,11 +149,7 @@ class AppendingStore(PartLedger):
 
     def _fits(self, footer: list[list] | None) -> bool:
         """A part's footer holds what the output's does but its row groups."""
-        return footer is not None and _pack(schema_part(footer)) == self.extra["footer"]
-
-    def _schema(self) -> list[list]:
-        """The footer fields every part's has but for its row groups (``extra``)."""
-        return CompactReader(base64.b64decode(self.extra["footer"])).struct()
+        return footer is not None and schema_part(footer) == self._shared
 
     def _joinable(self, part: dict[str, Any]) -> bool:
         """A part file that reads back whole and whose bytes can join this file's."""
@@ -192,7 +163,7 @@ class AppendingStore(PartLedger):
         footer = _joinable_footer(path)
         blank = {ignore: b""}
         if footer is None or (with_key_values(schema_part(footer), blank)
-                              != with_key_values(self._schema(), blank)):
+                              != with_key_values(self._shared, blank)):
             return []
         parts, end = [], -1
         for group in row_groups(footer):
@@ -211,7 +182,7 @@ class AppendingStore(PartLedger):
         for ordinal, group in enumerate(groups):
             move_group(group, len(MAGIC) - low, ordinal)
         try:
-            footer = whole_footer(self._schema(), groups, entry["rows"])
+            footer = whole_footer(self._shared, groups, entry["rows"])
             self._append_copy(name, path, low, high - low, footer_bytes(footer), entry)
         except JoinError as exc:
             raise OutputError(f"cannot update {self.out}: {path}: {exc}") from None
@@ -225,16 +196,13 @@ class AppendingStore(PartLedger):
                 self._import(name, part)
 
     def _cut(self) -> None:
-        """Open the file and truncate it after the last recorded range (a torn or forgotten
-        part's tail goes); one that does not start with ``PAR1`` starts anew."""
-        self._end = max((p["offset"] + p["length"] for p in self.parts.values()
-                         if is_journal_entry(p)), default=len(MAGIC))
+        """Open the file cut after the last recorded range (a torn or forgotten part's tail
+        goes); one that does not start with ``PAR1`` starts anew."""
+        end = max((p["offset"] + p["length"] for p in self.parts.values()
+                   if is_journal_entry(p)), default=None)
+        self.close()
         try:
-            if self._fd is None:
-                self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-            os.ftruncate(self._fd, self._end)
-            if os.pread(self._fd, len(MAGIC), 0) != MAGIC:
-                os.pwrite(self._fd, MAGIC, 0)
+            self.file = ParquetJoiner(self.path, self._shared, end)
         except OSError as exc:
             raise output_os_error(self.path, exc) from None
 
@@ -261,97 +229,69 @@ class AppendingStore(PartLedger):
         """Append ``count`` bytes at ``offset`` of ``path`` and ``tail``, sync, and journal
         them as part ``name`` (only before the run commits: nothing else appends then)."""
         try:
-            with open(path, "rb") as source, open(self.path, "r+b") as target:
-                target.seek(self._end)
-                copy_range(source, target, offset, count)
-                target.write(tail)
-                target.flush()
-                _sync_data(target.fileno())
+            base = self.file.copy(path, offset, count, tail)
+            sync_data(self.file.fd)
         except OSError as exc:
             raise output_os_error(self.path, exc) from None
-        length = count + len(tail)
-        self._record(name, {**entry, "offset": self._end, "length": length})
-        self._end += length
+        self._record(name, {**entry, "offset": base, "length": count + len(tail)})
 
     def commit(self, name: str, table: pa.Table, row_group_size: int, start: int, end: int,
                digest: str) -> None:
         """Append one part (writer threads commit at once, parts land in any order)."""
         room = group_room(table, row_group_size)
-        base = self._reserve(room)
+        file = self.file
+        base = file.reserve(room)
         try:
             try:
-                sink = RangeSink(self._fd, base, room)
+                sink = RangeSink(file.fd, base, room)
                 pq.write_table(table, pa.PythonFile(sink, mode="w"),
                                row_group_size=row_group_size, **parquet_options(table.schema))
                 length = sink.pos - len(MAGIC)  # column chunks, footer, its length, PAR1
             except _NoRoom:  # more than ``group_room`` guessed: it goes through memory instead
-                self._give_back(base, room, 0)
+                file.give_back(base, room, 0)
                 data = serialize(table, row_group_size)
                 room = length = data.size - len(MAGIC)
-                base = self._reserve(length)
-                pwrite_all(self._fd, memoryview(data)[len(MAGIC):], base)
+                base = file.reserve(length)
+                pwrite_all(file.fd, memoryview(data)[len(MAGIC):], base)
                 del data
-            footer = _range_footer(self._fd, base, length)
+            footer = footer_at(file.fd, base, length)
             if footer is None:
                 raise OutputError(f"cannot write {self.out}: the Parquet writer wrote no footer")
             if not self._fits(footer):
                 raise OutputError(f"cannot write {self.out}: a part's Parquet footer differs "
                                   "from the output's")
-            self._give_back(base, room, length)
-            _sync_data(self._fd)  # the bytes are on disk before the journal names them
+            file.give_back(base, room, length)
+            sync_data(file.fd)  # the bytes are on disk before the journal names them
         except OSError as exc:
             raise output_os_error(self.path, exc) from None
-        drop_cached_pages(self._fd, base, length)  # never read back: free the cache now
+        drop_cached_pages(file.fd, base, length)  # never read back: free the cache now
         self._record(name, {"start": start, "end": end, "digest": digest,
                             "rows": table.num_rows, "transient": transient_errors(table),
                             "offset": base, "length": length})
-
-    def _reserve(self, size: int) -> int:
-        """Claim ``size`` bytes at the end of the file for one part; returns where."""
-        with self._lock:
-            base, self._end = self._end, self._end + size
-            return base
-
-    def _give_back(self, base: int, room: int, used: int) -> None:
-        """Return the unused end of a reservation when no later one follows it."""
-        with self._lock:
-            if self._end == base + room:
-                self._end = base + used
 
     def notify(self) -> None:
         """A part was committed (nothing to do: its bytes are already in the file)."""
 
     def _part_footer(self, part: dict[str, Any], fd: int | None = None) -> list[list] | None:
         """The footer a recorded part's range ends with, if it fits this output's."""
-        footer = _range_footer(self._fd if fd is None else fd, part["offset"], part["length"])
+        footer = footer_at(self.file.fd if fd is None else fd, part["offset"], part["length"])
         return footer if self._fits(footer) else None
 
-    def _final_footer(self) -> bytes:
-        """One footer for every recorded part's row groups, in input order."""
+    def finish(self) -> None:
+        """Write one footer for every recorded part's row groups, in input order, after the
+        last part, sync, and rename the file to ``out``."""
         ordered = sorted(self.parts.values(), key=lambda p: p["start"])
         for before, after in zip(ordered, ordered[1:]):
             if before["end"] != after["start"]:
                 raise OutputError(f"cannot write {self.out}: rows {before['end']} to "
                                   f"{after['start']} were not committed")
-        groups: list[list] = []
-        for part in ordered:
-            footer = self._part_footer(part)
+        footers = [(self._part_footer(part), part["offset"]) for part in ordered]
+        for footer, offset in footers:
             if footer is None:
-                raise OutputError(f"cannot write {self.out}: the part at byte "
-                                  f"{part['offset']} of {self.path} has no footer")
-            for group in row_groups(footer):
-                # Its offsets count from its own file's start, where PAR1 preceded its bytes.
-                move_group(group, part["offset"] - len(MAGIC), len(groups))
-                groups.append(group)
-        footer = whole_footer(self._schema(), groups, sum(p["rows"] for p in ordered))
-        return footer_bytes(with_key_values(footer, self.key_values))
-
-    def finish(self) -> None:
-        """Write the footer after the last part, sync, and rename the file to ``out``."""
+                raise OutputError(f"cannot write {self.out}: the part at byte {offset} of "
+                                  f"{self.path} has no footer")
         try:
-            pwrite_all(self._fd, memoryview(self._final_footer()), self._end)
-            os.fsync(self._fd)
-            self.close()
+            self.file.close(self.key_values, footers)
             os.replace(self.path, self.out)
             fsync_dir(self.out.parent)
         except OSError as exc:
@@ -359,8 +299,7 @@ class AppendingStore(PartLedger):
 
     def close(self) -> None:
         """Stop without producing ``out``: the file and journal stay for ``--resume``."""
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
+        if self.file is not None:
+            self.file.abort()
 
     abort = close

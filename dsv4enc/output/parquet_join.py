@@ -8,8 +8,10 @@ indexes or bloom filters (offsets outside the footer) are refused."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import struct
+import threading
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -246,67 +248,128 @@ def whole_footer(schema: list[list], groups: list[list], rows: int) -> list[list
     return sorted(fields, key=lambda field: field[0])
 
 
-def copy_range(source: BinaryIO, target: BinaryIO, offset: int, count: int) -> None:
-    """Append ``count`` bytes at ``offset`` of ``source`` to ``target``: in the kernel where it
-    can (``copy_file_range``: a reflink where the file system shares extents), else by hand."""
-    target.flush()
-    done = 0
-    if hasattr(os, "copy_file_range"):
-        try:
-            while done < count:
-                n = os.copy_file_range(source.fileno(), target.fileno(), count - done,
-                                       offset + done)
-                if n == 0:
-                    break
-                done += n
-        except OSError:
-            pass  # e.g. not supported between these files: copy the rest by hand
-    target.seek(0, os.SEEK_END)
-    source.seek(offset + done)
-    left = count - done
-    while left > 0:
-        block = source.read(min(left, 8 << 20))
-        if not block:
-            raise JoinError("a file ended early")
-        target.write(block)
-        left -= len(block)
+#: Linux writes at most this many bytes per ``pwrite`` call.
+_MAX_WRITE = 0x7FFFF000
+#: Syncs a file's data (and its size); macOS has no ``fdatasync``.
+sync_data = getattr(os, "fdatasync", os.fsync)
+
+
+def pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+    while data:
+        written = os.pwrite(fd, data[:_MAX_WRITE], offset)
+        data, offset = data[written:], offset + written
+
+
+def footer_at(fd: int, offset: int, length: int) -> list[list] | None:
+    """The decoded footer that closes the range ``[offset, offset + length)`` of a joined
+    file (a part's Parquet file less its leading ``PAR1``); None where there is none."""
+    end = offset + length
+    try:
+        tail = os.pread(fd, 8, end - 8)
+        size = struct.unpack("<I", tail[:4])[0] if len(tail) == 8 else 0
+        if tail[4:] != MAGIC or not 0 < size <= length - 8:
+            return None
+        return CompactReader(os.pread(fd, size, end - 8 - size)).struct()
+    except (OSError, IndexError, ValueError, struct.error, JoinError):
+        return None
 
 
 class ParquetJoiner:
-    """Writes one Parquet file of whole files of one schema and key-value metadata appended
-    in turn (``append``), then its footer (``close``)."""
+    """One Parquet file built of parts' bytes: each part's column chunks where they landed,
+    and one footer (``close``) listing their row groups in input order. A part is copied in
+    whole (``append``: a file's chunks; ``copy``: any byte range, with a footer of its own
+    after it), or written in place by its writer into a range it ``reserve``-d (several
+    threads at once). ``schema``: the footer fields every part must share (None: the first
+    appended file's)."""
 
-    def __init__(self, path: Path) -> None:
-        self.path = Path(path)
-        self._out = open(self.path, "wb")
-        self._out.write(MAGIC)
-        self._footer: list[list] | None = None
-        self._groups: list[list] = []
-        self._rows = 0
+    def __init__(self, path: Path, schema: list[list] | None = None, end: int | None = None,
+                 ) -> None:
+        """Open ``path`` and cut it at ``end`` (None, or a file that does not start with
+        ``PAR1``: anew)."""
+        self.path, self.schema = Path(path), schema
+        self.fd: int | None = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            if end is None or os.pread(self.fd, len(MAGIC), 0) != MAGIC:
+                end = len(MAGIC)
+                os.pwrite(self.fd, MAGIC, 0)
+            os.ftruncate(self.fd, end)
+        except OSError:
+            self.abort()
+            raise
+        self.end = end  # where the next part's bytes go
+        self.parts: list[tuple[list[list], int]] = []  # ``append``'s: (footer, where it begins)
+        self._lock = threading.Lock()
+
+    def reserve(self, size: int) -> int:
+        """Claim ``size`` bytes at the end of the file for one part; returns where."""
+        with self._lock:
+            base, self.end = self.end, self.end + size
+            return base
+
+    def give_back(self, base: int, room: int, used: int) -> None:
+        """Return the unused end of a reservation when no later one follows it."""
+        with self._lock:
+            if self.end == base + room:
+                self.end = base + used
+
+    def fits(self, footer: list[list] | None) -> bool:
+        """A part's footer holds what every part's does, but its row groups."""
+        return footer is not None and (self.schema is None
+                                       or schema_part(footer) == self.schema)
+
+    def copy(self, source: Path, offset: int, count: int, tail: bytes = b"") -> int:
+        """Append ``count`` bytes at ``offset`` of ``source``, then ``tail``; returns
+        where they begin. In the kernel where it can (``copy_file_range``: a reflink where the
+        file system shares extents), else by hand."""
+        base, done = self.reserve(count + len(tail)), 0
+        with open(source, "rb") as handle:
+            with contextlib.suppress(OSError, AttributeError):  # by hand, e.g. across devices
+                while done < count and (n := os.copy_file_range(
+                        handle.fileno(), self.fd, count - done, offset + done, base + done)):
+                    done += n
+            while done < count:
+                block = os.pread(handle.fileno(), min(count - done, 8 << 20), offset + done)
+                if not block:
+                    raise JoinError("a file ended early")
+                pwrite_all(self.fd, memoryview(block), base + done)
+                done += len(block)
+        pwrite_all(self.fd, memoryview(tail), base + count)
+        return base
 
     def append(self, path: Path) -> None:
-        """Copy ``path``'s row groups (their bytes, as they are) to the end of the file."""
+        """Copy the row groups of the Parquet file ``path`` (their bytes, as they are)."""
         with open(path, "rb") as source:
             footer, start = read_footer(source, os.fstat(source.fileno()).st_size)
-            if self._footer is None:
-                self._footer = footer
-            elif schema_part(footer) != schema_part(self._footer):
-                raise JoinError(f"{path} has another schema or metadata than the first file")
-            shift = self._out.tell() - 4
-            for group in row_groups(footer):
-                move_group(group, shift, len(self._groups))
-                self._groups.append(group)
-            self._rows += _value(footer, FILE_NUM_ROWS, 0)
-            copy_range(source, self._out, 4, start - 4)
+        if self.schema is None:
+            self.schema = schema_part(footer)
+        elif not self.fits(footer):
+            raise JoinError(f"{path} has another schema or metadata than the first file")
+        for group in row_groups(footer):
+            move_group(group, 0, 0)  # raises JoinError where offsets lie outside
+        self.parts.append((footer, self.copy(path, len(MAGIC), start - len(MAGIC))))
 
-    def close(self, key_values: dict[bytes, bytes] | None = None) -> None:
-        """Write the joined footer, with ``key_values`` added, and close the file."""
-        if self._footer is None:
-            self._out.close()
+    def close(self, key_values: dict[bytes, bytes] | None = None,
+              parts: list[tuple[list[list], int]] | None = None) -> None:
+        """Write one footer, with ``key_values`` added, listing the row groups of ``parts``
+        (decoded part footers, each with where its part begins; default: those appended),
+        in their order; then sync and close the file."""
+        if self.schema is None:
             raise JoinError("no file to join")
-        footer = whole_footer(schema_part(self._footer), self._groups, self._rows)
-        self._out.write(footer_bytes(with_key_values(footer, key_values)))
-        self._out.close()
+        groups: list[list] = []
+        rows = 0
+        for footer, begins in self.parts if parts is None else parts:
+            for group in row_groups(footer):
+                # Its offsets count from its own file's start, where PAR1 preceded its bytes.
+                move_group(group, begins - len(MAGIC), len(groups))
+                groups.append(group)
+            rows += _value(footer, FILE_NUM_ROWS, 0)
+        footer = with_key_values(whole_footer(self.schema, groups, rows), key_values)
+        pwrite_all(self.fd, memoryview(footer_bytes(footer)), self.end)
+        os.fsync(self.fd)
+        self.abort()
 
     def abort(self) -> None:
-        self._out.close()
+        """Close the file as it is."""
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None

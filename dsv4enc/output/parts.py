@@ -16,7 +16,6 @@ import logging
 import os
 import secrets
 import threading
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Sequence
@@ -635,9 +634,10 @@ class PartStore(PartLedger):
 
 class StreamingAssembler:
     """Builds the single output file from committed parts in input order while later parts
-    are still encoded, so a run's end only closes the file. Row groups are copied as they are
-    (``parquet_join.ParquetJoiner``: no second encode) into a hidden temporary in the parts
-    folder; ``finish`` writes its footer, fsyncs and renames it, or raises the failed write."""
+    are still encoded, so a run's end only closes the file: each commit (``notify``, on the
+    writer's thread) copies in the parts that now continue the file, their row groups as
+    they are (``parquet_join.ParquetJoiner``: no second encode), into a hidden temporary in
+    the parts folder; ``finish`` writes its footer, syncs and renames it."""
 
     def __init__(self, store: "PartStore", out: Path, schema: pa.Schema,
                  key_values: dict[bytes, bytes] | None = None) -> None:
@@ -646,115 +646,69 @@ class StreamingAssembler:
         self.store, self.out, self.schema = store, out, schema
         self.key_values = key_values or {}
         self.tmp = temp_path(out, store.folder)
-        self.seconds = 0.0
-        self.error: BaseException | None = None
-        self._aborted = False
-        self._footer_ready = False  # ``key_values`` are final only once ``finish`` is called
-        self._cond = threading.Condition()
-        self._thread = threading.Thread(target=self._run, name="dsv4enc-assembler",
-                                        daemon=True)
-        self._thread.start()
+        self._position = 0  # where the parts copied so far end
+        self._error: OutputError | None = None  # a failed copy, raised by ``finish``
+        self._lock = threading.Lock()
+        try:  # None once a part cannot be joined: ``finish`` encodes the parts again
+            self._joiner: ParquetJoiner | None = ParquetJoiner(self.tmp)
+        except OSError as exc:
+            raise output_os_error(self.out, exc) from None
 
     def notify(self) -> None:
-        """A part was committed: wake the assembler."""
-        with self._cond:
-            self._cond.notify_all()
-
-    def _wait_for(self, position: int) -> tuple[str, int] | None:
-        """Wait for the committed part that starts at ``position`` (None: aborted, or none will)."""
-        with self._cond:
-            while (committed := self.store.committed_at(position)) is None and not self._aborted:
-                if self._footer_ready:
-                    return None
-                self._cond.wait(timeout=1.0)
-            return None if self._aborted else committed
-
-    def _wait_for_footer(self) -> None:
-        """Wait until ``finish`` (the run's row stamps go into the footer) or ``abort``."""
-        with self._cond:
-            while not self._footer_ready and not self._aborted:
-                self._cond.wait(timeout=1.0)
-
-    def _run(self) -> None:
-        try:
-            if self._wait_for(0) is None:  # nothing to join: an empty file of the schema
-                self._wait_for_footer()
-                schema = self._schema_with_key_values()
-                pq.write_table(schema.empty_table(), self.tmp, **parquet_options(schema))
-            else:
+        """A part was committed: copy in the parts that now continue the file."""
+        with self._lock:
+            while (self._joiner is not None
+                   and (committed := self.store.committed_at(self._position)) is not None):
+                name, end = committed
                 try:
-                    self._join()
-                except JoinError as exc:
-                    log.warning("encoding the parts into %s again: %s", self.out, exc)
-                    self._encode_again()
-            with open(self.tmp, "rb+") as handle:
-                os.fsync(handle.fileno())
-        except OSError as exc:
-            self.error = output_os_error(self.out, exc)
-        except BaseException as exc:  # re-raised by finish()
-            self.error = exc
-
-    def _parts_in_order(self):
-        """Committed parts' files in input order, each as soon as it is committed; the time
-        the caller takes over each counts in ``seconds``."""
-        position = 0
-        while (committed := self._wait_for(position)) is not None:
-            name, position = committed
-            began = time.perf_counter()
-            yield self.store.folder / self.store.parts[name]["file"]
-            self.seconds += time.perf_counter() - began
-
-    def _join(self) -> None:
-        """Copy the committed parts, in input order, as they land; then write the footer."""
-        joiner = ParquetJoiner(self.tmp)
-        try:
-            for path in self._parts_in_order():
-                joiner.append(path)
-            self._wait_for_footer()
-            if not self._aborted:
-                joiner.close(self.key_values)
-        finally:
-            joiner.abort()
+                    self._joiner.append(self.store.folder / self.store.parts[name]["file"])
+                except (JoinError, OSError) as exc:  # the parts stay committed: told by finish
+                    self._joiner.abort()
+                    self._joiner = None
+                    if isinstance(exc, JoinError):
+                        log.warning("encoding the parts into %s again: %s", self.out, exc)
+                    else:
+                        self._error = output_os_error(self.out, exc)
+                self._position = end
 
     def _encode_again(self) -> None:
-        """Parts that cannot be joined by copying (e.g. another pyarrow's): read each back and
-        encode it into a new file, once the footer's metadata (in its schema) is final."""
-        self._wait_for_footer()
-        schema = self._schema_with_key_values()
+        """Parts that cannot be joined by copying (e.g. another pyarrow's), or none: read each
+        back and encode it into a new file, the footer's metadata in its schema."""
+        schema = self.schema.with_metadata({**(self.schema.metadata or {}), **self.key_values})
         with pq.ParquetWriter(self.tmp, schema, **parquet_options(schema)) as writer:
-            for path in self._parts_in_order():
-                handle = pq.ParquetFile(path)
+            position = 0
+            while (committed := self.store.committed_at(position)) is not None:
+                name, position = committed
+                handle = pq.ParquetFile(self.store.folder / self.store.parts[name]["file"])
                 for group in range(handle.num_row_groups):
                     writer.write_table(handle.read_row_group(group).replace_schema_metadata(
                         schema.metadata))
-
-    def _schema_with_key_values(self) -> pa.Schema:
-        return self.schema.with_metadata({**(self.schema.metadata or {}), **self.key_values})
+        with open(self.tmp, "rb+") as handle:
+            os.fsync(handle.fileno())
 
     def finish(self) -> None:
-        """Write the footer (``key_values`` are final now) once the last part is joined, then
-        move the file into place (or raise its error)."""
-        with self._cond:
-            self._footer_ready = True
-            self._cond.notify_all()
-        self._thread.join()
-        if self.error is not None or self._aborted:
-            self.tmp.unlink(missing_ok=True)
-            if self.error is not None:
-                raise self.error
-            return
+        """Copy in what is left, write the footer (``key_values`` are final now), and move the
+        file into place (or raise the failed write)."""
         try:
+            self.notify()
+            if self._error is not None:
+                raise self._error
+            if self._joiner is not None and self._joiner.schema is not None:
+                self._joiner.close(self.key_values)
+            else:
+                self.abort()
+                self._encode_again()
             os.replace(self.tmp, self.out)
             fsync_dir(self.out.parent)
         except OSError as exc:
-            self.tmp.unlink(missing_ok=True)
             raise output_os_error(self.out, exc) from None
+        finally:
+            self.abort()
 
     def abort(self) -> None:
         """Stop without producing ``out`` (interrupted or failed run)."""
-        with self._cond:
-            self._aborted = True
-            self._cond.notify_all()
-        self._thread.join()
+        with self._lock:
+            if self._joiner is not None:
+                self._joiner.abort()
+                self._joiner = None
         self.tmp.unlink(missing_ok=True)
-

@@ -1,6 +1,6 @@
 """What committing a part costs with N parts already committed: one line appended to the
-manifest's journal and synced (``PartLedger._record``), against writing the whole manifest
-(``PartLedger.save``: temporary file, fsync, rename), which a run now does only when it
+manifest's journal and synced (``PartStore._record``), against writing the whole manifest
+(``PartStore.save``: temporary file, fsync, rename), which a run now does only when it
 starts, resumes or finishes; and the bytes a whole run writes for its output.
 
     python benchmarks/manifest_cost.py [--parts 10,1000,100000] [--commits 50]

@@ -435,7 +435,7 @@ def test_resume_retries_a_broken_download_replaced_by_a_good_file(data, tmp_path
 
 def _fail_after_parts(data: Path, out: Path, parts: int, **changes) -> None:
     """Run until ``parts`` parts are recorded, then fail as a full disk would."""
-    real_record = writer.PartLedger._record
+    real_record = writer.PartStore._record
 
     def record(self, name, entry):
         if len(self.parts) >= parts:
@@ -443,11 +443,11 @@ def _fail_after_parts(data: Path, out: Path, parts: int, **changes) -> None:
                                          OSError(errno.ENOSPC, "No space left"))
         return real_record(self, name, entry)
 
-    writer.PartLedger._record = record
+    writer.PartStore._record = record
     try:
         run_encode(options([data], out, **changes))
     finally:
-        writer.PartLedger._record = real_record
+        writer.PartStore._record = real_record
 
 
 def test_resume_reuses_unchanged_parts_of_an_interrupted_single_file_run(data, tmp_path):

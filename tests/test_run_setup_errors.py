@@ -305,7 +305,7 @@ def test_disk_full_recording_a_part_then_resume(tmp_path, images, ckpts, clean, 
                                                 single_file):
     """The part's bytes landed, but its journal line was torn by a full disk: the part is
     not trusted (it is encoded again)."""
-    real_append = writer.PartLedger._append
+    real_append = writer.PartStore._append
 
     def append(self, line):
         if self.parts:  # the second commit: half its line lands, then the disk is full
@@ -314,7 +314,7 @@ def test_disk_full_recording_a_part_then_resume(tmp_path, images, ckpts, clean, 
             raise writer.output_os_error(self.journal_path, OSError(errno.ENOSPC, "No space"))
         return real_append(self, line)
 
-    monkeypatch.setattr(writer.PartLedger, "_append", append)
+    monkeypatch.setattr(writer.PartStore, "_append", append)
     out = tmp_path / "e.parquet"
     with pytest.raises(OutputError, match="no space left"):
         run_encode(options(images, out, ckpts["good"]))

@@ -24,7 +24,7 @@ from .parquet_join import (GROUP_NUM_ROWS, MAGIC, JoinError, ParquetJoiner, foot
                            footer_bytes, group_span, move_group, pwrite_all, read_footer,
                            row_groups, schema_part, sync_data, whole_footer, with_key_values)
 from .files import GROWING_NAME, MANIFEST_NAME
-from .parts import (PartLedger, fsync_dir, is_journal_entry,
+from .parts import (PartStore, fsync_dir, is_journal_entry,
                      names_part_file, part_intact, drop_cached_pages, output_os_error,
                      parquet_options, transient_errors)
 
@@ -98,7 +98,7 @@ class RangeSink(io.RawIOBase):
         return True
 
 
-class AppendingStore(PartLedger):
+class AppendingStore(PartStore):
     """The journaled growing file of a single-file output (see the module's doc), and the
     run's finisher (as ``parts.StreamingAssembler`` is for part files); its bytes are joined
     by a ``ParquetJoiner``."""

@@ -20,7 +20,7 @@ from .files import (LOCK_NAME, PART_FILE, PARTIAL, is_output_file, manifest_name
 from .lock import OutputLock
 from .update import Update
 from .read import read_metadata
-from .parts import (PartLedger, PartStore, StreamingAssembler, output_os_error,
+from .parts import (PartStore, StreamingAssembler, output_os_error,
                     pre_release_manifest, read_manifest, read_manifests)
 
 
@@ -237,7 +237,7 @@ class OutputLayout:
         return (f"finished parts are kept in {self.parts_dir}; rerun the same command with "
                 f"{again} to finish")
 
-    def resume_hint(self, store: PartLedger, again: str = "--resume") -> str:
+    def resume_hint(self, store: PartStore, again: str = "--resume") -> str:
         """What an interrupted run leaves, for its one-line message (``again``: the flag
         that finishes it, --resume or --update)."""
         if not store.parts:
@@ -286,7 +286,7 @@ class OutputLayout:
 def open_store(layout: OutputLayout, settings: dict, schema, *, local: bool, is_main: bool,
                world_size: int, rank: int | None, update: Update | None = None,
                rows_settings: dict | None = None, written_elsewhere: bool = False,
-               ) -> PartLedger:
+               ) -> PartStore:
     """Where this process commits its parts. One process writing a local single file appends
     each part to it (``appending``), unless ``written_elsewhere`` (``--engine ray``'s actors
     write the part files); otherwise parts are files, joined at the end (``local=False``: the
@@ -306,7 +306,7 @@ def open_store(layout: OutputLayout, settings: dict, schema, *, local: bool, is_
                      drop_cache=layout.folder_mode and local)
 
 
-def assembler_for(store: PartLedger, layout: OutputLayout, schema, *, is_main: bool):
+def assembler_for(store: PartStore, layout: OutputLayout, schema, *, is_main: bool):
     """What makes the single file at the end: the appending store, a ``StreamingAssembler`` (a
     single-file output's main process), or None; its ``key_values`` take more footer metadata."""
     from .appending import AppendingStore

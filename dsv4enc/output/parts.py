@@ -5,7 +5,7 @@ Each part is written under a hidden temporary name, fsynced and renamed, then th
 records it (one synced line appended to its journal; the manifest is written whole when a run
 starts, resumes or finishes). A kill leaves only whole parts, which ``--resume`` reuses. A
 single-file ``--out`` is joined from the parts (one local process skips the part files:
-``appending.py``); ``PartLedger`` is the manifest bookkeeping both share."""
+``appending.py``, a ``PartStore`` that keeps the manifest the same way)."""
 
 from __future__ import annotations
 
@@ -291,7 +291,7 @@ def write_part(folder: str | Path, name: str, table: pa.Table, row_group_size: i
                start: int, end: int, digest: str, *, generation: int = 0,
                drop_cache: bool = False, staged: bool = False) -> dict[str, Any]:
     """Write part ``name``'s file into ``folder`` (a writer thread, a torchrun rank or a ray
-    actor does) and return the manifest entry a ``PartLedger`` records to commit it. ``staged``:
+    actor does) and return the manifest entry a ``PartStore`` records to commit it. ``staged``:
     the file keeps a hidden temporary name (the entry's ``staged``) until
     ``PartStore.commit_written`` renames it: an unrecorded part never has a part name.
     ``folder`` a URL: the file is uploaded to ``folder/FILE`` whole (never staged)."""
@@ -419,14 +419,17 @@ def transient_errors(table: pa.Table) -> int:
     return sum(1 for error in table.column("error").to_pylist() if is_transient(error))
 
 
-class PartLedger:
-    """What every way of committing parts keeps: the manifest (``manifest_document``) with
-    the run's ``settings`` (what must match for ``--resume``) and, per committed part, its
-    input range, ``digest`` (``KEYS.FILES``: of its keys, then of its input files' sizes and
-    times), row count, transient errors, and where its bytes are (a part file, or a range)."""
+class PartStore:
+    """Parts as closed files in a folder, and the manifest (``manifest_document``) that every
+    way of committing parts keeps: the run's ``settings`` (what must match for ``--resume``)
+    and, per committed part, its input range, ``digest`` (``KEYS.FILES``: of its keys, then
+    of its input files' sizes and times), row count, transient errors, and where its bytes
+    are (its ``file``, or a range of ``appending.AppendingStore``'s growing file).
+    ``drop_cache``: the parts are the output itself (a local folder), never read back by the
+    run, so their pages leave the page cache once synced."""
 
     def __init__(self, folder: Path, settings: dict[str, Any],
-                 manifest_name: str = MANIFEST_NAME) -> None:
+                 manifest_name: str = MANIFEST_NAME, drop_cache: bool = False) -> None:
         self.folder = folder
         self.settings = settings
         self.manifest_name = manifest_name
@@ -438,6 +441,10 @@ class PartLedger:
         self.commit_seconds: float | None = None  # join segments into parts for this long
         self._lock = threading.RLock()
         self._journal: str | None = None  # the token of the manifest this run wrote whole
+        self.drop_cache = drop_cache
+        self.generation = 0  # of its part file names (``files.part_file``; ``update``'s: 1 on)
+        # ``fetch(file, path)``: a part another process wrote to the bucket (``commit_written``)
+        self.fetch: Callable[[str, Path], None] | None = None
 
     @property
     def parts(self) -> dict[str, dict[str, Any]]:
@@ -490,7 +497,9 @@ class PartLedger:
 
     def _intact_parts(self, data: dict) -> dict[str, dict[str, Any]]:
         """The recorded parts whose bytes are still there, whole (the rest is re-encoded)."""
-        raise NotImplementedError
+        return {name: part for name, part in data["parts"].items()
+                if names_part_file(part) and part_intact(self.folder / part["file"],
+                                                           part.get("rows"))}
 
     def committed(self, name: str, start: int, end: int, digest: str) -> bool:
         """Part ``name`` was committed for exactly these inputs, as they are now: the same
@@ -579,24 +588,6 @@ class PartLedger:
         if self._journal is not None and self.journal_path.exists():
             self.save()
 
-
-class PartStore(PartLedger):
-    """Parts as closed files in a folder, each listed by the manifest (its ``file``).
-    ``drop_cache``: the parts are the output itself (a local folder), never read back by the
-    run, so their pages leave the page cache once synced."""
-
-    def __init__(self, folder: Path, settings: dict[str, Any],
-                 manifest_name: str = MANIFEST_NAME, drop_cache: bool = False) -> None:
-        super().__init__(folder, settings, manifest_name)
-        self.drop_cache = drop_cache
-        self.generation = 0  # of its part file names (``files.part_file``; ``update``'s: 1 on)
-        # ``fetch(file, path)``: a part another process wrote to the bucket (``commit_written``)
-        self.fetch: Callable[[str, Path], None] | None = None
-
-    def _intact_parts(self, data: dict) -> dict[str, dict[str, Any]]:
-        return {name: part for name, part in data["parts"].items()
-                if names_part_file(part) and part_intact(self.folder / part["file"],
-                                                           part.get("rows"))}
 
     def commit(self, name: str, table: pa.Table, row_group_size: int, start: int, end: int,
                digest: str) -> None:

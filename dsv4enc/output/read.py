@@ -127,11 +127,6 @@ def output_files(path: str | os.PathLike) -> list[Path]:
     return [Path(found.name(p)) for p in found.paths]
 
 
-def part_files(folder: Path, parts: Iterable[dict]) -> list[Path]:
-    """The files of manifest ``parts`` that are in the local ``folder``, in input order."""
-    return [folder / name for name in _ordered_files(parts) if (folder / name).is_file()]
-
-
 def _read_bytes(path: str | os.PathLike, fs=None) -> bytes:
     if fs is None:
         return Path(path).read_bytes()

@@ -477,7 +477,7 @@ def _process_alive(pid: Any) -> bool:
         os.kill(pid, 0)  # signal 0: only whether it exists
     except ProcessLookupError:
         return False
-    except OSError:  # another user's process
+    except (OSError, OverflowError):  # another user's process
         return True
     return True
 
@@ -521,15 +521,9 @@ def _local_id(path: Path) -> tuple[int, int]:
 
 
 def _stale(held: dict) -> bool:
-    """Whether a lock object's holder is gone: a dead process on this host, or stale ``STALE_S``."""
-    if time.time() - float(held.get("time", 0)) > STALE_S:
-        return True
-    if held.get("host") == socket.gethostname():
-        try:
-            os.kill(int(held.get("pid", 0)), 0)
-        except ProcessLookupError:
-            return True
-        except (PermissionError, ValueError, OverflowError):
-            return False
-        return int(held.get("pid", 0)) == os.getpid()
-    return False
+    """Whether a lock object's holder is gone: this process, a dead one on this host, or
+    stale ``STALE_S``."""
+    pid = held.get("pid")
+    return (time.time() - float(held.get("time", 0)) > STALE_S
+            or held.get("host") == socket.gethostname()
+            and (pid == os.getpid() or not _process_alive(pid)))

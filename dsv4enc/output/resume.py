@@ -9,7 +9,7 @@ from typing import Callable, Protocol, Sequence
 
 from ..errors import DsvError, UsageError
 from ..images.headers import input_stamps, inputs_digest
-from .parts import PartLedger
+from .parts import PartStore
 from .update import CUT_SETTINGS, setting_refusal
 
 log = logging.getLogger("dsv4enc")
@@ -52,7 +52,7 @@ class Resume:
     transient error. ``writes``: this process checks the output; ``agree``: how the ranks
     agree on the ranges to do (``run/ranks.Topology.agree_on_todo``); a problem stops all."""
 
-    def __init__(self, store: PartLedger, source: Sequence, settings: ResumeSettings, *,
+    def __init__(self, store: PartStore, source: Sequence, settings: ResumeSettings, *,
                  writes: bool = True, agree: Callable = _alone) -> None:
         self.store, self.writes, self.agree = store, writes, agree
         store.source = source

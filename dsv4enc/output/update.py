@@ -36,7 +36,7 @@ from ..errors import OutputError, UsageError
 from ..pausepoints import pause
 from .files import (LOCK_NAME, MANIFEST_NAME, STAMPS_FILE, generation, is_ours, old_folder,
                     stamps_name, staging_folder, temp_path)
-from .parts import (PartLedger, PartStore, Row, fsync_dir, manifest_document, output_os_error,
+from .parts import (PartStore, Row, fsync_dir, manifest_document, output_os_error,
                     part_intact, read_manifest, write_json_atomic)
 from ..images.decode import is_transient
 from ..images.headers import Planned, inputs_digest
@@ -507,7 +507,7 @@ class Update:
         return {index: self._reader.row(self.carried[index], planned[index].item.key)
                 for index in indices if index in self.carried}
 
-    def keep_parts(self, store: PartLedger, todo: Sequence, planned: Sequence) -> tuple[list, int]:
+    def keep_parts(self, store: PartStore, todo: Sequence, planned: Sequence) -> tuple[list, int]:
         """Old parts whose rows this run takes unchanged and in order, alone or run together
         (the pieces of one part that a commit by time cut), from one of this run's part
         bounds to another, are kept (a folder's file linked as it is, a single file's row
@@ -550,7 +550,7 @@ class Update:
         """Whether this run takes old rows ``first..first+rows`` as its ``start..``, in order."""
         return start >= 0 and all(self.carried.get(start + k) == first + k for k in range(rows))
 
-    def _keep(self, store: PartLedger, part, run: list, planned: Sequence, single: bool) -> int:
+    def _keep(self, store: PartStore, part, run: list, planned: Sequence, single: bool) -> int:
         """Keep the old units of ``run``, which begins where this run's ``part`` does (each
         under the name of the range it starts); returns their rows."""
         for unit, start, end in run:

@@ -47,7 +47,7 @@ from ..output.remote import RemoteOutput
 from .stopping import StopSignals
 from .summary import RunSummary
 from .ranks import Topology
-from ..output.parts import PartLedger, output_schema, run_settings
+from ..output.parts import PartStore, output_schema, run_settings
 
 log = logging.getLogger("dsv4enc")
 
@@ -262,7 +262,7 @@ class OutputPlan:
     part as ``--resume`` judges it); ``update``: an ``--update``'s ``Update``, else None;
     ``keeps_stamps``: whether this rank keeps the input stamps for a later ``--update``."""
 
-    store: PartLedger
+    store: PartStore
     schema: pa.Schema
     todo: Iterable[Part]
     update: Update | None

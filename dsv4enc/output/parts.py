@@ -33,7 +33,7 @@ from ..images.decode import is_transient
 from .parquet_join import JoinError, ParquetJoiner
 from ..version import __version__
 from .files import MANIFEST_FILE, MANIFEST_NAME, PART_FILE, journal_path, part_file, temp_path
-from .read import JOURNAL_FORMAT, embedding_format, load_manifest
+from .read import JOURNAL_FORMAT, embedding_format, is_dsv4enc_document, load_manifest
 
 if TYPE_CHECKING:
     import torch
@@ -265,26 +265,42 @@ def drop_cached_pages(fd: int, offset: int = 0, length: int = 0) -> None:
             os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)
 
 
-def _write_synced(table: pa.Table, path: Path, row_group_size: int, drop_cache: bool) -> None:
-    pq.write_table(table, path, row_group_size=row_group_size, **parquet_options(table.schema))
+def synced(path: Path, drop_cache: bool = False) -> None:
+    """Sync a written file (``drop_cache``: the run will not read it again, so its pages
+    leave the cache: ``drop_cached_pages``)."""
     with open(path, "rb+") as handle:
         os.fsync(handle.fileno())
         if drop_cache:
             drop_cached_pages(handle.fileno())
 
 
-def write_table_atomic(table: pa.Table, path: Path, row_group_size: int,
-                       drop_cache: bool = False) -> None:
-    """Write ``table`` to ``path`` via a hidden temporary file, fsync, and rename.
-    ``drop_cache``: the run will not read the file again (``drop_cached_pages``)."""
+def write_atomic(path: Path, data: bytes | Callable[[Path], None]) -> None:
+    """Write ``data`` (or have ``data(tmp)`` write) a synced file under a hidden temporary
+    name, then rename it to ``path``: a reader sees the old file or the new one whole, and a
+    failed write leaves nothing."""
     tmp = temp_path(path)
     try:
-        _write_synced(table, tmp, row_group_size, drop_cache)
+        if callable(data):
+            data(tmp)
+        else:
+            tmp.write_bytes(data)
+            synced(tmp)
         os.replace(tmp, path)
         fsync_dir(path.parent)
     except OSError as exc:
         tmp.unlink(missing_ok=True)
         raise output_os_error(path, exc) from None
+
+
+def _write_synced(table: pa.Table, path: Path, row_group_size: int, drop_cache: bool) -> None:
+    pq.write_table(table, path, row_group_size=row_group_size, **parquet_options(table.schema))
+    synced(path, drop_cache)
+
+
+def write_table_atomic(table: pa.Table, path: Path, row_group_size: int,
+                       drop_cache: bool = False) -> None:
+    """Write ``table`` to ``path`` (``write_atomic``)."""
+    write_atomic(path, lambda tmp: _write_synced(table, tmp, row_group_size, drop_cache))
 
 
 def write_part(folder: str | Path, name: str, table: pa.Table, row_group_size: int,
@@ -320,15 +336,8 @@ def write_part(folder: str | Path, name: str, table: pa.Table, row_group_size: i
 
 
 def write_json_atomic(data: Any, path: Path) -> None:
-    tmp = temp_path(path)
-    try:
-        tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
-        with open(tmp, "rb+") as handle:
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except OSError as exc:
-        tmp.unlink(missing_ok=True)
-        raise output_os_error(path, exc) from None
+    """Write ``data`` as JSON to ``path`` (``write_atomic``)."""
+    write_atomic(path, json.dumps(data, indent=1, sort_keys=True).encode())
 
 
 def part_intact(path: Path, rows: int | None) -> bool:
@@ -366,12 +375,6 @@ def is_manifest(data: Any) -> bool:
         if not (isinstance(part, dict) and (names_part_file(part) or is_journal_entry(part))):
             return False
     return data.get("format") == MANIFEST_FORMAT and data.get("version") == MANIFEST_VERSION
-
-
-def is_dsv4enc_document(data: Any) -> bool:
-    """``data`` names dsv4enc as the tool of its settings (a manifest of any version)."""
-    settings = data.get("settings") if isinstance(data, dict) else None
-    return isinstance(settings, dict) and settings.get("tool") == "dsv4enc"
 
 
 def pre_release_manifest(folder: Path) -> Path | None:
@@ -674,8 +677,7 @@ class StreamingAssembler:
                 for group in range(handle.num_row_groups):
                     writer.write_table(handle.read_row_group(group).replace_schema_metadata(
                         schema.metadata))
-        with open(self.tmp, "rb+") as handle:
-            os.fsync(handle.fileno())
+        synced(self.tmp)
 
     def finish(self) -> None:
         """Copy in what is left, write the footer (``key_values`` are final now), and move the

@@ -115,10 +115,7 @@ def _read_manifest(fs, path: str) -> dict | None:
         data = load_manifest(path, fs)
     except (OSError, ValueError):
         return None
-    if not isinstance(data, dict) or not isinstance(data.get("parts"), dict):
-        return None
-    settings = data.get("settings")
-    return data if isinstance(settings, dict) and settings.get("tool") == "dsv4enc" else None
+    return data if is_dsv4enc_document(data) and isinstance(data.get("parts"), dict) else None
 
 
 def output_files(path: str | os.PathLike) -> list[Path]:
@@ -149,6 +146,12 @@ def load_manifest(path: str | os.PathLike, fs=None) -> Any:
             if isinstance(entry.get("inputs"), int):
                 data["inputs"] = entry["inputs"]
     return data
+
+
+def is_dsv4enc_document(data: Any) -> bool:
+    """``data`` names dsv4enc as the tool of its settings (a manifest of any version)."""
+    settings = data.get("settings") if isinstance(data, dict) else None
+    return isinstance(settings, dict) and settings.get("tool") == "dsv4enc"
 
 
 def journal_entries(path: str | os.PathLike, token: str, fs=None) -> Iterator[dict]:

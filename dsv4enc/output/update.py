@@ -32,12 +32,12 @@ from typing import Any, Iterable, Sequence
 import numpy as np
 
 from ..columns import utf8_text
-from ..errors import OutputError, UsageError
+from ..errors import UsageError
 from ..pausepoints import pause
 from .files import (LOCK_NAME, MANIFEST_NAME, STAMPS_FILE, generation, is_ours, old_folder,
                     stamps_name, staging_folder, temp_path)
 from .parts import (PartStore, Row, fsync_dir, manifest_document, output_os_error,
-                    part_intact, read_manifest, write_json_atomic)
+                    part_intact, read_manifest, write_atomic, write_json_atomic)
 from ..images.decode import is_transient
 from ..images.headers import Planned, inputs_digest
 from ..images.items import InputItem
@@ -135,17 +135,7 @@ def _write_stamps(folder: Path, stamps: np.ndarray, options: dict) -> dict[str, 
     """A folder output's stamps file, named by its content; returns the manifest's entry."""
     data = _MAGIC + stamps.astype("<u8").tobytes()
     path = folder / stamps_name(data)
-    tmp = temp_path(path)
-    try:
-        with open(tmp, "wb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-        fsync_dir(folder)
-    except OSError as exc:
-        tmp.unlink(missing_ok=True)
-        raise OutputError(f"cannot write {path}: {exc.strerror or exc}") from None
+    write_atomic(path, data)
     return {"file": path.name, "rows": len(stamps), "options": options}
 
 

@@ -433,11 +433,8 @@ class RayParts:
 def _commit(call: PartCall, report: dict, writer, run) -> None:
     """A part an actor wrote: its entry to the writer (which commits it), its counts to
     the summary and the progress."""
-    summary, done = run.summary, report["summary"]
-    for name in ("encoded", "failed", "tokens", "merge_pad_tokens", "decode_wait_s", "model_s"):
-        setattr(summary, name, getattr(summary, name) + getattr(done, name))
-    for message, count in done.errors.items():
-        summary.add_error(message, done.error_examples[message], count)
+    summary = run.summary
+    summary.add(report["summary"])
     summary.count_misnamed(list(call.planned.values()))  # the driver read every header
     writer.put_written(call.name, report["entry"])
     run.progress.advance(*report["progress"])

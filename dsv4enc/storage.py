@@ -133,7 +133,7 @@ def configure(options: list[str] | tuple[str, ...] | None) -> None:
     """Set ``--storage-option`` (the file system's constructor's keys) for this process and,
     through ``DSV4ENC_STORAGE_OPTIONS`` (never printed), its children; drop what was learnt
     under other options. Credentials otherwise come from the SDK's places (``AWS_*``)."""
-    parsed = dict(parse_option(text) for text in options or ())
+    parsed = options_of(options)
     if parsed:
         os.environ[_OPTIONS_ENV] = json.dumps(parsed)
     else:
@@ -171,9 +171,8 @@ def _options() -> dict:
 # ----------------------------------------------------------------------------- file systems
 
 _LOCK = threading.Lock()
-_FILESYSTEMS: dict[tuple[str, int], "pafs.FileSystem"] = {}
-#: File systems made with a call's own options (``locate``), by scheme, process and options.
-_OPTIONED: dict[tuple[str, int, str], "pafs.FileSystem"] = {}
+#: File systems by scheme, process and options (``configure``'s, or a ``locate`` call's own).
+_FILESYSTEMS: dict[tuple[str, int, str], "pafs.FileSystem"] = {}
 
 
 def _endpoint(options: dict) -> str | None:
@@ -211,10 +210,10 @@ def _bucket(url: str) -> str:
     return url.split("://", 1)[1].split("/", 1)[0]
 
 
-def _make_filesystem(url: str, options: dict | None = None) -> "pafs.FileSystem":
+def _make_filesystem(url: str, options: dict) -> "pafs.FileSystem":
     import pyarrow.fs as pafs
 
-    scheme, options = scheme_of(url), _options() if options is None else options
+    scheme = scheme_of(url)
     try:
         if scheme in ("s3", "s3a"):
             with suppress(ImportError):  # pyarrow built without S3: s3fs (dsv4enc[s3]) below
@@ -237,13 +236,15 @@ def _make_filesystem(url: str, options: dict | None = None) -> "pafs.FileSystem"
                          f"{type(exc).__name__}: {_first_line(exc)}") from None
 
 
-def filesystem(url: str) -> tuple["pafs.FileSystem", str]:
-    """The file system for ``url`` (made once per process and scheme) and the path in it."""
-    key = (scheme_of(url), os.getpid())
+def filesystem(url: str, options: dict | None = None) -> tuple["pafs.FileSystem", str]:
+    """The file system for ``url`` (made once per process, scheme and options: ``options``,
+    else ``configure``'s) and the path in it."""
+    options = _options() if options is None else options
+    key = (scheme_of(url), os.getpid(), json.dumps(options, sort_keys=True, default=str))
     with _LOCK:
         fs = _FILESYSTEMS.get(key)
         if fs is None:
-            fs = _FILESYSTEMS[key] = _make_filesystem(url)
+            fs = _FILESYSTEMS[key] = _make_filesystem(url, options)
     return fs, url.split("://", 1)[1].rstrip("/")
 
 
@@ -269,15 +270,7 @@ def locate(location: "str | os.PathLike",
     local = local_path(text)
     if local is not None:
         return pafs.LocalFileSystem(use_mmap=True), os.path.abspath(local)
-    parsed = options_of(options)
-    if parsed is None:
-        return filesystem(text)
-    key = (scheme_of(text), os.getpid(), json.dumps(parsed, sort_keys=True, default=str))
-    with _LOCK:
-        fs = _OPTIONED.get(key)
-        if fs is None:
-            fs = _OPTIONED[key] = _make_filesystem(text, parsed)
-    return fs, text.split("://", 1)[1].rstrip("/")
+    return filesystem(text, options_of(options))
 
 
 # ----------------------------------------------------------------------------- errors

@@ -1,12 +1,5 @@
-"""Finding the images to encode: folders (recursive, sorted), files, and path lists.
-
-Each input becomes an ``InputItem`` whose ``key`` is the output's ``path`` column: relative to
-the folder it was found in (posix), or the path as given; an image inside a container (a tar
-shard, a table) is keyed under the container's own key, found the same way
-(``container_items``). A folder (or a prefix) with no image file but with containers (the
-usual WebDataset layout) is read as those containers, except dsv4enc's own outputs; in a
-folder with images, containers are not read (a ``metadata.parquet`` beside the images is no
-image table), and a warning names how many were passed over."""
+"""Finding the images to encode: folders and prefixes (recursive, sorted), files, containers
+and path lists, each keyed as the output's ``path`` column holds it (docs/inputs.md)."""
 
 from __future__ import annotations
 
@@ -68,6 +61,7 @@ class Exclusions:
         return name.startswith(".") or any(fnmatchcase(name, glob) or fnmatchcase(rel, glob)
                                            for glob in self.globs)
 
+
 def iter_folder(root: str | Path, found: "Discovery",
                 should_stop: Callable[[], bool] | None = None,
                 containers: list[tuple[str, str]] | None = None,
@@ -123,17 +117,13 @@ def stream_inputs(found: Discovery, inputs: Iterable[str], files_from: str | Non
                   keep_columns: Sequence[str] = (), keep_members: Sequence[str] = (),
                   exclude: Sequence[str] = ()) -> Iterator[InputItem]:
     """Expand folders and files (and an optional path list) into items, in input order, as
-    the listing reaches them: a folder walked entry by entry (``iter_folder``), a prefix's
-    objects in its listing's order (``storage.iter_files``: on S3 a page at a time), a path
-    list read whole (refused when none of its paths exists), a container (a table, a ``.tar``
-    shard) indexed when it is reached; keys made unique (``UniqueKeys``). ``found`` (its
+    the listing reaches them: each input examined once, a folder or a prefix walked
+    (``iter_folder``), a path list read whole (refused when none of its paths exists), a
+    container indexed when it is reached; keys made unique (``UniqueKeys``). ``found`` (its
     ``items`` left alone) counts what was passed over and the tables read, gathers the folders
     not listed (logged at the end), and at the end holds ``kept_fields`` and ``listed``.
-    ``keep_members``: the sidecar members a tar sample's images carry (``expand_tar``).
-    A folder's or a prefix's walk leaves out hidden entries and those ``exclude``'s globs
-    match (``Exclusions``); inputs given by name and list lines are taken as given.
 
-    A missing path is a UsageError before the first item; so is an input set with nothing in
+    A missing input is a UsageError before the first item; so is an input set with nothing in
     it, at the end. Paths from ``--files-from`` are taken as given (a missing one is an error
     row later). When ``stop`` records a signal, ``errors.Interrupted`` is raised."""
     places = []

@@ -1,24 +1,11 @@
-"""Images inside container files: Parquet/Arrow tables with an image column, WebDataset tars.
+"""Images inside container files (WebDataset tars, Parquet/Arrow tables), and reading an item.
 
 The main process reads only an index of each container (a tar's member headers; a table's
 row-group sizes and key column) and gives each image an ``InputItem`` whose ``member`` says
-where its bytes lie; decode workers read just that: a tar member by offset and size, a table
-cell by row group (or record batch) and row, through a per-process cache of row groups.
-
-Every key of a container's image is ``NAME/<name inside>`` (``member_key``), ``NAME`` the
-container's own key. A tar member ``dir/sample.jpg`` is keyed by its WebDataset sample
-(``split_key``), ``NAME/dir/sample``, or by its full name when the sample holds several
-images. Compressed tars are refused. A table row is keyed by its ``--key-column`` value as it
-is; else ``NAME/<path>`` by the ``path`` field of a Hugging Face ``{bytes, path}`` image struct
-when it is set; else ``NAME#<row>`` (the row counted from 0 over the whole file).
-
-In a store, each input is read once where it can be (a tar shard by one streamed read, an
-object by its header probe), the bytes held for the decode (``HeldInputs``).
-
-A damaged container never reads as complete: what cannot be read is an ``Unreadable`` item,
-one error row keyed ``<file>@<byte offset>`` where the damage starts (a tar region without a
-valid header, after which the index reads on as GNU tar does; a tar or Arrow stream cut short;
-a table that does not open, ``@0``); an unreadable Parquet row group's rows are error rows."""
+where its bytes lie; decode workers read just that, a table cell through a per-process cache
+of row groups. docs/inputs.md tells how the images are keyed and which error rows a damaged
+container gives. In a store, each input is read once where it can be (a tar shard by one
+streamed read, an object by its header probe), the bytes held for the decode (``HeldInputs``)."""
 
 from __future__ import annotations
 

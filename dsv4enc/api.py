@@ -14,21 +14,20 @@ from __future__ import annotations
 import os
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
-from typing import Any, Iterable, Iterator, Mapping, Union
+from dataclasses import replace
+from typing import Any, Callable, Iterable, Iterator, Mapping, Union
 
 import numpy as np
 import torch
 from PIL import Image
 
-from . import storage
 from .errors import SettingsError, check_choice, check_positive
 from .process import available_cpus
 from .tower.checkpoint import Checkpoint, load_checkpoint, random_checkpoint
 from .tower.config import Attention, VisionConfig
-from .tower.transform import image_to_patches, plan_canvas
+from .tower.transform import plan_canvas
 from .images.formats import DEFAULT_MAX_PIXELS
-from .images.decode import decode_image, describe_error, patches_tensor
+from .images.prepare import Prepared, image_source, prepare
 from .engine.defaults import (DEFAULT_FEATURES, DEFAULT_MAX_IMAGES, DEFAULT_POOL, FEATURES,
                               POOLS, Features, Pool)
 from .engine.settings import EngineSettings
@@ -57,78 +56,12 @@ class EncodeError(ValueError):
         self.index, self.key, self.reason = index, key, reason
 
 
-def image_source(image: Any) -> tuple[Any, str | None]:
-    """What to read of one input, and the name it carries (None: it has none): a ``{"bytes",
-    "path"}`` dict (``datasets``' ``Image(decode=False)``) gives its bytes, else its path, and
-    is named by its path; a path gives and names its text; bytes-like input gives ``bytes``;
-    anything else is itself, unnamed."""
-    if isinstance(image, Mapping):
-        data, named = image.get("bytes"), image.get("path")
-        name = os.fspath(named) if isinstance(named, (str, os.PathLike)) and named else None
-        return (image_source(data)[0] if data is not None else
-                image_source(named)[0] if named is not None else None), name
-    if isinstance(image, (str, os.PathLike)):
-        path = os.fspath(image)
-        return path, path
-    if isinstance(image, (bytearray, memoryview)):
-        return bytes(image), None
-    return image, None
-
-
-@dataclass
-class _Prepared:
-    """One input, transformed: bf16 patches and the patch grid, or why it failed."""
-
-    key: Any
-    index: int
-    patches: torch.Tensor | None = None
-    n_h: int = 0
-    n_w: int = 0
-    error: str | None = None
-    wrong_type: bool = False  # the input is of a kind encode does not take
-
-    @property
-    def tokens(self) -> int:
-        return self.n_h * self.n_w
-
-
-def _array_to_image(array: np.ndarray):
-    if array.dtype == np.uint16 and array.ndim == 2:
-        return Image.fromarray(array)  # 16-bit gray: scaled to 8 bits like a 16-bit file
-    if array.dtype != np.uint8:
-        raise ValueError(f"array has dtype {array.dtype}; expected uint8 (HxW or HxWx3)")
-    if array.ndim == 3 and array.shape[2] == 1:
-        array = array[:, :, 0]
-    if array.ndim == 2:
-        return Image.fromarray(np.ascontiguousarray(array), "L")
-    if array.ndim == 3 and array.shape[2] in (3, 4):
-        mode = "RGB" if array.shape[2] == 3 else "RGBA"
-        return Image.fromarray(np.ascontiguousarray(array), mode)
-    raise ValueError(f"array has shape {tuple(array.shape)}; expected HxW, HxWx1, HxWx3 or "
-                     "HxWx4")
-
-
 class Encoder:
-    """Embeddings of images from the DeepSeek-V4 vision tower, in memory.
-
-    Build one with ``from_pretrained`` (a checkpoint folder or a Hub id) or ``from_config``
-    (random weights). Options, also taken by both:
-
-    - ``features``: ``"aligner"`` (LLM-width rows, one per 3x3 patch block; default) or
-      ``"vit"`` (one row per patch, ViT width); ``pool``: ``"none"`` (every row; default) or
-      ``"mean"`` (one vector per image). Both can also be given per call.
-    - ``out_dtype``: dtype of the returned tensors (default float32).
-    - ``batch_tokens``: patches per packed forward (default 32768 on CUDA, 8192 on CPU);
-      ``max_images``: images per forward at most; ``decode_threads``: threads decoding
-      ahead of the device (default: 0 on CPU, up to 8 on CUDA).
-    - ``max_pixels``, ``attention``, ``cuda_graphs``, ``deterministic`` (default True: an image's
-      bytes do not depend on the other images of the call) and ``fused``: as on the command line.
-    - ``settings``: the engine's settings as one ``engine/settings.EngineSettings``, in place
-      of ``features``, ``batch_tokens``, ``max_images``, ``attention``, ``cuda_graphs``,
-      ``deterministic`` and ``fused`` (give those by name or this, not both).
-
-    Results are CPU tensors in input order, each ``(grid_h*grid_w, width)`` (``(width,)``
-    pooled). Not thread-safe: use one Encoder per thread."""
+    """Embeddings of images from the DeepSeek-V4 vision tower, in memory: build one with
+    ``from_pretrained`` or ``from_config`` (random weights); their options are docs/api.md's.
+    ``settings``: the engine's settings as one ``engine/settings.EngineSettings``, in place of
+    those given by name. Results are CPU tensors in input order, each ``(grid_h*grid_w,
+    width)`` (``(width,)`` pooled). Not thread-safe: use one Encoder per thread."""
 
     def __init__(self, checkpoint: Checkpoint, device: str | torch.device = "auto", *,
                  features: Features = DEFAULT_FEATURES, pool: Pool = DEFAULT_POOL,
@@ -164,13 +97,12 @@ class Encoder:
                         dtype: str | torch.dtype = "auto", **options: Any) -> "Encoder":
         """Load a checkpoint folder (only the tower's tensors are read) or a Hugging Face Hub
         id such as ``deepseek-ai/DeepSeek-V4-Flash-Vision-Exp`` (needs ``dsv4enc[hub]``).
-        ``dtype``: compute dtype, ``"auto"`` (as ``--dtype auto``), a name or a ``torch.dtype``;
-        ``options``: see the class docstring."""
+        ``dtype``: compute dtype, ``"auto"`` (as ``--dtype auto``), a name or a ``torch.dtype``."""
         from .tower.hub import resolve_weights
 
         resolved = resolve_device(device)
-        compute = resolve_dtype(dtype, resolved)
-        return cls(load_checkpoint(resolve_weights(path_or_hub_id), compute), resolved, **options)
+        return cls(load_checkpoint(resolve_weights(path_or_hub_id),
+                                   resolve_dtype(dtype, resolved)), resolved, **options)
 
     @classmethod
     def from_config(cls, config: VisionConfig | str | os.PathLike | Mapping[str, Any],
@@ -183,8 +115,8 @@ class Encoder:
         elif not isinstance(config, VisionConfig):
             config = VisionConfig.from_file(config)
         resolved = resolve_device(device)
-        compute = resolve_dtype(dtype, resolved)
-        return cls(random_checkpoint(config, seed, compute), resolved, **options)
+        return cls(random_checkpoint(config, seed, resolve_dtype(dtype, resolved)), resolved,
+                   **options)
 
     # -- properties ----------------------------------------------------------------------
     @property
@@ -259,62 +191,43 @@ class Encoder:
                 settings=replace(self.settings, features=features))
         return self.engines[features]
 
-    def _prepare(self, index: int, entry: Any) -> _Prepared:
-        """Split off the key and transform one input (runs on decode threads)."""
+    def _prepare(self, index: int, entry: Any) -> Prepared:
+        """Split off the key and prepare one input (runs on decode threads)."""
         key, image = entry if isinstance(entry, tuple) and len(entry) == 2 else (None, entry)
-        is_dict = isinstance(image, Mapping)  # Hugging Face Image feature with decode=False
-        image, name = image_source(image)
-        if key is None:
-            key = index if name is None else name
-        if is_dict and image is None:
-            return _Prepared(key, index, error="ValueError: dict holds neither 'bytes' nor 'path'")
-        item = _Prepared(key, index)
-        try:
-            if isinstance(image, np.ndarray):
-                image = _array_to_image(image)
-            if isinstance(image, Image.Image):
-                patches, canvas = image_to_patches(image, self.config)
-                item.patches, item.n_h, item.n_w = patches, canvas.n_h, canvas.n_w
-            elif isinstance(image, (str, bytes)):
-                decoded = decode_image(storage.whole_if_stored(image), self.config,
-                                       self.max_pixels)
-                item.error = decoded.error
-                if decoded.error is None:
-                    item.patches = patches_tensor(decoded)
-                    item.n_h, item.n_w = decoded.n_h, decoded.n_w
-            else:
-                item.wrong_type = True
-                item.error = (f"TypeError: unsupported input {type(image).__name__} (expected "
-                              "a PIL image, a uint8 array, a path, bytes or a {bytes, path} dict)")
-        except Exception as exc:  # a broken image object is this item's error, not the run's
-            item.error = describe_error(exc)
-        return item
+        source, name = image_source(image)
+        item = Prepared(key if key is not None else name if name is not None else index, index)
+        if isinstance(image, Mapping) and source is None:  # datasets' Image(decode=False)
+            return item.failed("ValueError: dict holds neither 'bytes' nor 'path'")
+        return prepare(source, self.config, self.max_pixels, item)
 
-    def _prepared(self, images: Iterable[Any]) -> Iterator[_Prepared]:
-        """``_prepare`` over the inputs in order, on threads when ``decode_threads`` > 0."""
+    def prepared(self, entries: Iterable[Any],
+                 prepare_one: Callable[[int, Any], Prepared]) -> Iterator[Prepared]:
+        """``prepare_one(index, entry)`` over ``entries`` in order, on threads when
+        ``decode_threads`` > 0."""
         if self.decode_threads <= 0:
-            yield from (self._prepare(index, entry) for index, entry in enumerate(images))
+            yield from (prepare_one(index, entry) for index, entry in enumerate(entries))
             return
         with ThreadPoolExecutor(self.decode_threads, thread_name_prefix="dsv4enc-decode") as pool:
             futures: deque = deque()
-            for index, entry in enumerate(images):
-                futures.append(pool.submit(self._prepare, index, entry))
+            for index, entry in enumerate(entries):
+                futures.append(pool.submit(prepare_one, index, entry))
                 if len(futures) >= 4 * self.decode_threads:  # decoded ahead of the device
                     yield futures.popleft().result()
             while futures:
                 yield futures.popleft().result()
 
-    def _stream(self, images: Iterable[Any], features: str | None, pool: str | None,
-                batch_tokens: int | None, raise_errors: bool) -> Iterator[tuple[Any, Any]]:
+    def stream(self, items: Iterable[Prepared], features: str | None = None,
+               pool: str | None = None, batch_tokens: int | None = None,
+               raise_errors: bool = False) -> Iterator[tuple[Prepared, Any]]:
+        """``(item, embedding or error text)`` of prepared ``items``, in order, encoded in
+        nearly full packed batches about ``2 * batch_tokens`` patches at a time."""
         features = check_choice("features", features or self.features, FEATURES)
         pool = check_choice("pool", pool or self.pool, POOLS)
         capacity = check_positive("batch_tokens", batch_tokens or self.batch_tokens)
-        if self._is_single(images):
-            raise TypeError("encode_iter takes an iterable of images, not one image")
         engine = self._engine(features)
-        window: list[_Prepared] = []
+        window: list[Prepared] = []
         tokens = 0
-        for item in self._prepared(images):
+        for item in items:
             if item.error is not None and raise_errors:
                 if item.wrong_type:
                     raise TypeError(str(EncodeError(item.index, item.key,
@@ -324,12 +237,20 @@ class Encoder:
             tokens += item.tokens
             ready = sum(1 for w in window if w.error is None)
             if tokens >= 2 * capacity or ready >= 2 * self.max_images:
-                yield from self._flush(engine, window, features, pool, capacity)
+                yield from self._flush(engine, window, pool, capacity)
                 window, tokens = [], 0
-        yield from self._flush(engine, window, features, pool, capacity)
+        yield from self._flush(engine, window, pool, capacity)
 
-    def _flush(self, engine: Engine, window: list[_Prepared], features: str, pool: str,
-               capacity: int) -> Iterator[tuple[Any, Any]]:
+    def _stream(self, images: Iterable[Any], features: str | None, pool: str | None,
+                batch_tokens: int | None, raise_errors: bool) -> Iterator[tuple[Any, Any]]:
+        if self._is_single(images):
+            raise TypeError("encode_iter takes an iterable of images, not one image")
+        for item, out in self.stream(self.prepared(images, self._prepare), features, pool,
+                                     batch_tokens, raise_errors):
+            yield item.key, out
+
+    def _flush(self, engine: Engine, window: list[Prepared], pool: str,
+               capacity: int) -> Iterator[tuple[Prepared, Any]]:
         """Encode the window's images in nearly full packed batches; yield all in order."""
         loop = BatchLoop(engine, pool, name_of=lambda item: "this image",
                          remedy="use out_dtype='float32'")
@@ -341,11 +262,11 @@ class Encoder:
                                               for j in b]) for b in bins)
             try:
                 for done in loop.run(batches):
-                    results.update((item.index, out) for item, out in done)
+                    results.update((id(item), out) for item, out in done)
             except NonFiniteOutput as exc:
                 raise EncodeError(exc.tag.index, exc.tag.key, str(exc)) from None
         for w in window:
-            yield w.key, (w.error if w.error is not None else results.pop(w.index))
+            yield w, (w.error if w.error is not None else results.pop(id(w)))
 
     def grid_for(self, size: tuple[int, int], features: str | None = None) -> tuple[int, int]:
         """``(grid_h, grid_w)`` of the embedding rows of an image of ``size`` = (width,

@@ -18,11 +18,11 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pyarrow as pa
 
-from . import storage
 from .columns import INT_COLUMNS, OUTPUT_COLUMNS
 from .engine.defaults import DEFAULT_FEATURES, DEFAULT_POOL, Features, Pool
 from .errors import check_choice
 from .images.formats import DEFAULT_MAX_PIXELS
+from .images.prepare import Prepared, image_source, prepare
 from .output import (DEFAULT_LAYOUT, DEFAULT_STORED_DTYPE, LAYOUTS, STORED_DTYPES, Layout,
                      StoredDtype)
 from .output.parts import Row, output_schema, rows_to_table, run_settings
@@ -54,32 +54,15 @@ def _fork_safe_threads() -> None:
 
 
 class BatchEncoder:
-    """A batch function: a table of images in, ``dsv4enc encode``'s rows out.
-
-    ``weights``: a checkpoint folder or Hub id (as ``--weights``; default ``DSV4ENC_WEIGHTS``);
-    or ``config`` (a config.json path or dict) with ``seed`` for random weights.
-
-    Columns in: ``image_column`` holds encoded image bytes, paths (local or object-store
-    URLs), ``{"bytes", "path"}`` dicts, PIL images or uint8 arrays; ``key_column`` (optional,
-    any type, written as text) names each row's ``path``. Without a key, a path names its row
-    (a dict: its ``path``), and anything else is ``#N``, its position in the batch. Bytes are
-    read as any accepted format, a path only as the format its extension names.
-
-    ``keep_columns`` (default True): the batch's other columns (the key column too) follow
-    the output columns, as they came; one named as an output column is replaced by it.
-
-    Options as for ``dsv4enc encode`` (``features``, ``pool``, ``out_dtype``: float16 by
-    default, ``layout``, ``max_pixels``) and as for ``Encoder`` (``device``, ``dtype``,
-    ``batch_tokens``, ``max_images``, ``decode_threads``, ``attention``, ``cuda_graphs``,
-    ``deterministic``, ``fused``, or ``settings``: those of the engine as one object).
-
-    Only what is no image's fault raises: a missing column, or an embedding not finite in
-    ``out_dtype`` (``api.EncodeError``: use ``out_dtype="float32"``).
+    """A batch function: a table of images in, ``dsv4enc encode``'s rows out (docs/api.md:
+    its columns in and out, and its options, those of ``dsv4enc encode`` and ``Encoder``).
+    ``weights``: a checkpoint folder or Hub id (default ``DSV4ENC_WEIGHTS``), or ``config``
+    with ``seed`` for random weights. Only what is no image's fault raises: a missing column,
+    or an embedding not finite in ``out_dtype`` (``api.EncodeError``).
 
     Pickling sends the recipe (weights, config and options), not the tensors: an unpickled
-    copy loads its own weights (once per worker of ``datasets`` with ``num_proc``, Spark), and
-    ``datasets``' cache fingerprint is cheap. In a forked process it builds its own engine and
-    runs torch on one thread. Not thread-safe: one per thread."""
+    copy loads its own weights, and ``datasets``' cache fingerprint is cheap. In a forked
+    process it builds its own engine and runs torch on one thread. Not thread-safe."""
 
     def __init__(self, weights: str | os.PathLike | None = None, *,
                  config: str | os.PathLike | Mapping[str, Any] | None = None, seed: int = 0,
@@ -200,19 +183,16 @@ class BatchEncoder:
         from .engine.packing import output_grid
 
         enc = self._own_encoder()
-        prepared = [self._prepare(i, image, None if keys is None else keys[i])
-                    for i, image in enumerate(images)]
-        rows = [row for row, _ in prepared]
-        todo = [(i, source) for i, (_, source) in enumerate(prepared) if source is not None]
-        r = enc.config.downsample_ratio
-        for i, out in enc.encode_iter(todo):
-            row = rows[i]
-            if isinstance(out, str):  # no patch grid (a row that failed earlier has none)
-                row.error = out
-                row.vit_h = row.vit_w = None
-            else:
-                row.grid_h, row.grid_w = output_grid(row.vit_h, row.vit_w, r, enc.features)
+        rows = []
+        for item, out in enc.stream(enc.prepared(
+                images, lambda i, image: self._prepare(i, image, None if keys is None else keys[i]))):
+            row = Row(path=item.key, width=item.width, height=item.height, error=item.error)
+            if item.error is None:
+                row.vit_h, row.vit_w = item.n_h, item.n_w
+                row.grid_h, row.grid_w = output_grid(item.n_h, item.n_w,
+                                                     enc.config.downsample_ratio, enc.features)
                 row.embedding = out.numpy()
+            rows.append(row)
         return rows
 
     # -- internals ---------------------------------------------------------------------
@@ -226,52 +206,17 @@ class BatchEncoder:
         keys = column(self.key_column) if self.key_column is not None else None
         return kind, column(self.image_column), keys
 
-    def _prepare(self, index: int, image: Any, key: Any):
-        """The row of one input so far (key, size, patch grid, or its error) and what to
-        decode (None when it already failed)."""
-        from PIL import Image
-
-        from .api import image_source
-        from .images.decode import describe_error, probe_image
-        from .tower.transform import plan_canvas
-
+    def _prepare(self, index: int, image: Any, key: Any) -> Prepared:
+        """One input prepared, keyed by its ``path`` text (runs on the encoder's threads)."""
         source, name = image_source(image)
         if isinstance(key, bytes):
             key = key.decode("utf-8", "replace")
-        row = Row(path=(name or f"#{index}") if key is None or key == "" else str(key))
+        item = Prepared((name or f"#{index}") if key is None or key == "" else str(key), index)
         if source is None:
             held = f"null {self.image_column!r}" if image is None else (
                 f"{self.image_column!r} holds neither bytes nor a path")
-            row.error = f"ValueError: row has no image ({held})"
-            return row, None
-        if isinstance(source, Image.Image):
-            width, height = source.size
-        elif isinstance(source, np.ndarray) and source.ndim >= 2:
-            height, width = source.shape[:2]
-        elif not isinstance(source, (str, bytes)):
-            return row, source  # not an image, or no image's shape: the encoder's error row
-        else:
-            try:
-                source = storage.whole_if_stored(source)  # an object in a store: read once
-                probe = probe_image(source, self.max_pixels)
-            except Exception as exc:  # a store that cannot be read: this row's error
-                row.error = describe_error(exc)
-                return row, None
-            if probe.error is not None:
-                row.error = probe.error
-                return row, None
-            width, height = probe.width, probe.height
-        row.width, row.height = width, height
-        if width <= 0 or height <= 0:
-            row.error = f"image has no pixels ({width}x{height})"
-            return row, None
-        try:
-            canvas = plan_canvas(width, height, self.encoder.config)
-        except ValueError as exc:
-            row.error = f"ValueError: {exc}"
-            return row, None
-        row.vit_h, row.vit_w = canvas.n_h, canvas.n_w
-        return row, source
+            return item.failed(f"ValueError: row has no image ({held})")
+        return prepare(source, self.encoder.config, self.max_pixels, item)
 
 
 def datasets_features(schema: "pa.Schema | BatchEncoder", features: Any = None):

@@ -100,11 +100,8 @@ def check_dtypes(rounds: int = 4, repeat: int = 5,
         statistics.median(rates["gflop_s"]["float32"]),
         statistics.median(rates["gflop_s"]["bfloat16"]), rates["bf16_over_fp32"],
         answers.described(), dict(answers.features), answers.kernel_level or "unknown",
-        _name(auto_cpu_dtype()), auto_cpu_reason(), _name(table_dtype))
-
-
-def _name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
+        str(auto_cpu_dtype()).removeprefix("torch."), auto_cpu_reason(),
+        str(table_dtype).removeprefix("torch."))
 
 
 def check_lines(check: DtypeCheck) -> list[str]:

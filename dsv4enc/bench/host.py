@@ -12,7 +12,7 @@ import os
 import tempfile
 import time
 from collections import deque
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Sequence
 
@@ -28,6 +28,8 @@ from ..engine.settings import EngineSettings
 from ..process import available_cpus
 from ..run.options import EncodeOptions, default_workers
 from ..engine.packing import PackedBatch
+from ..errors import UsageError
+from .throughput import check_outputs, failed_note, prepare_images, resolve_images
 
 #: numpy dtypes of the output dtypes (bfloat16 rows are carried as their 16-bit patterns).
 _NUMPY_DTYPES = {torch.float32: np.float32, torch.float16: np.float16, torch.bfloat16: np.int16}
@@ -53,10 +55,11 @@ class NullEngine:
         self.out_dtype = out_dtype
         self.width = cfg.output_width(settings.features)
         self.batch_tokens: int = self.settings.batch_tokens
-        self.max_images = settings.max_images
         self.stats = EngineStats()
         self.last_finite = True
         self._pin = torch.cuda.is_available()
+        # The host side of a transfer: a page-locked copy with CUDA, a plain one without.
+        self._stage = torch.Tensor.pin_memory if self._pin else torch.Tensor.clone
         self._pending: deque[PackedBatch] = deque()
         self._zeros = np.zeros((0, self.width), _NUMPY_DTYPES[out_dtype])
 
@@ -80,8 +83,7 @@ class NullEngine:
         copy (a plain one without CUDA). The patches stand on the meta device: the GPU makes
         them, and the batch is joined there, at no host cost."""
         began = time.perf_counter()
-        host = torch.from_numpy(pixels)
-        host.pin_memory() if self._pin else host.clone()
+        self._stage(torch.from_numpy(pixels))
         self.stats.h2d_s += time.perf_counter() - began
         canvas = plan_canvas(pixels.shape[1], pixels.shape[0], self.cfg)
         return torch.empty(canvas.n_patches, self.cfg.patch_dim, dtype=torch.bfloat16,
@@ -90,10 +92,9 @@ class NullEngine:
     def submit(self, batch: PackedBatch) -> None:
         """Stage the batch's other inputs (the host side of a transfer) and make its rows."""
         began = time.perf_counter()
-        copy = torch.Tensor.pin_memory if self._pin else torch.Tensor.clone
         # All but the patches, which ``pack`` wrote into the engine's ``patch_buffer``.
         for tensor in (batch.positions, batch.merge_index, batch.merge_mask):
-            copy(tensor)
+            self._stage(tensor)
         self.stats.h2d_s += time.perf_counter() - began
         if self._zeros.shape[0] < batch.n_rows:  # what the device would write into: made once
             self._zeros = np.zeros((batch.n_rows, self.width), _NUMPY_DTYPES[self.out_dtype])
@@ -138,51 +139,34 @@ class StageCosts:
     failed: int = 0  # the sample's images that did not (an error row in a run), not timed
 
 
-def stage_costs(paths: Sequence[Path], cfg: VisionConfig, features: str = DEFAULT_FEATURES,
-                max_pixels: int | None = None) -> StageCosts:
-    """This thread's CPU time, with one torch thread, for decode (``decode.open_checked``),
-    ``transform.image_to_patch_bits``, ``packing.pack`` and staging copies on ``paths``; a
+def stage_costs(paths: Sequence[Path], cfg: VisionConfig,
+                features: str = DEFAULT_FEATURES) -> StageCosts:
+    """This thread's CPU time, with one torch thread, for decode and transform
+    (``throughput.prepare_images``), ``packing.pack`` and staging copies on ``paths``; a
     file that fails to decode (an error row in a run) is counted as failed, not timed."""
-    from ..images.decode import open_checked
-    from ..images.formats import DEFAULT_MAX_PIXELS
     from ..engine.packing import pack
-    from ..tower.transform import bf16_bits_to_tensor, image_to_patch_bits
 
-    items, decode_s, transform_s, failed = [], 0.0, 0.0, 0
     clock = time.thread_time
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # all of the work in this thread, where its clock counts it
     try:
-        for path in paths:
-            began = clock()
-            try:
-                with open_checked(str(path), max_pixels or DEFAULT_MAX_PIXELS) as image:
-                    image.load()
-                    loaded = clock()
-                    bits, canvas = image_to_patch_bits(image, cfg)
-            except Exception:  # noqa: BLE001 - as in a run: the file's error row, not a crash
-                failed += 1
-                continue
-            done = clock()
-            decode_s += loaded - began
-            transform_s += done - loaded
-            items.append((bf16_bits_to_tensor(bits), canvas.n_h, canvas.n_w))
-        if not items:
-            return StageCosts(failed=failed)
+        prep = prepare_images(paths, cfg, features)
         buffer = NullEngine(cfg).patch_buffer
         # Once untimed: in a run, a batch's memory is an earlier batch's, already faulted in.
-        pack(items, cfg.downsample_ratio, features, buffer)
+        pack(prep.items, cfg.downsample_ratio, features, buffer)
         began = clock()
-        batch = pack(items, cfg.downsample_ratio, features, buffer)
+        batch = pack(prep.items, cfg.downsample_ratio, features, buffer)
         packed = clock()
         for tensor in (batch.positions, batch.merge_index, batch.merge_mask):
             tensor.clone()
         staged = clock()
+    except UsageError:  # not one image decoded
+        return StageCosts(failed=len(paths))
     finally:
         torch.set_num_threads(threads)
-    ms = 1e3 / len(items)  # seconds in all -> milliseconds per image
-    return StageCosts(decode_s * ms, transform_s * ms, (packed - began) * ms,
-                      (staged - packed) * ms, len(items), failed)
+    ms = 1e3 / len(prep.items)  # seconds in all -> milliseconds per image
+    return StageCosts(prep.decode_s * ms, prep.transform_s * ms, (packed - began) * ms,
+                      (staged - packed) * ms, len(prep.items), len(prep.failed))
 
 
 @dataclass
@@ -231,18 +215,15 @@ def _size(path: Path) -> int:
 
 def run_host_bench(config_path: str, images: str = "synthetic:1024x768:256",
                    outputs: Sequence[str] = ("file", "folder"), workers: int | None = None,
-                   workdir: str | None = None, sample: int = 8,
-                   options: dict | None = None, steady: bool = True,
+                   workdir: str | None = None, sample: int = 8, steady: bool = True,
                    transforms: Sequence[str] = ("host",)) -> list[HostResult]:
     """Encode ``images`` (as ``throughput.resolve_images``, made once in ``workdir``) with the
     null stage, once per output kind in ``outputs`` and per ``--transform`` in ``transforms``
     (``device``: the workers decode only, and the host stages the pixels for the GPU).
-    ``workers``: decode workers (default: as for a CUDA run here). ``options``: more
-    ``EncodeOptions`` fields. ``steady``: each run also runs on an eighth of the images; the
-    extra images over the extra CPU seconds are ``steady_img_per_cpu_s`` (fixed costs
-    cancel). An untimed short run first takes the process's one-time costs (imports,
-    pyarrow's start)."""
-    from .throughput import check_outputs, resolve_images
+    ``workers``: decode workers (default: as for a CUDA run here). ``steady``: each run also
+    runs on an eighth of the images; the extra images over the extra CPU seconds are
+    ``steady_img_per_cpu_s`` (fixed costs cancel). An untimed short run first takes the
+    process's one-time costs (imports, pyarrow's start)."""
     from ..run.pipeline import run_encode
 
     check_outputs(outputs)
@@ -251,7 +232,7 @@ def run_host_bench(config_path: str, images: str = "synthetic:1024x768:256",
         base = Path(workdir) if workdir else Path(scratch)
         paths = resolve_images(images, base)
         n_workers = default_workers("cuda") if workers is None else workers
-        costs = stage_costs(paths[:sample], cfg, (options or {}).get("features", DEFAULT_FEATURES))
+        costs = stage_costs(paths[:sample], cfg)
         short = paths[:len(paths) // 8] if steady and len(paths) >= 16 else []
 
         def timed(kind: str, inputs: Sequence[Path], name: str, transform: str = "host"):
@@ -259,11 +240,10 @@ def run_host_bench(config_path: str, images: str = "synthetic:1024x768:256",
             target = f"{out}/" if kind == "folder" else str(out)  # the slash makes a folder
             source = ([str(paths[0].parent)] if len(inputs) == len(paths)
                       else [str(p) for p in inputs])
-            opts = replace(EncodeOptions(inputs=source, out=target, config=config_path,
-                                         random_init=True, device="cpu", dtype="float32",
-                                         out_dtype="float16", workers=n_workers,
-                                         overwrite=True, progress=False,
-                                         transform=transform), **(options or {}))
+            opts = EncodeOptions(inputs=source, out=target, config=config_path,
+                                 random_init=True, device="cpu", dtype="float32",
+                                 out_dtype="float16", workers=n_workers, overwrite=True,
+                                 progress=False, transform=transform)
             cpu0, began = _cpu_seconds(), time.perf_counter()
             summary = run_encode(opts, stand_in=NullStage(cfg))
             return summary, time.perf_counter() - began, _cpu_seconds() - cpu0, out
@@ -299,7 +279,7 @@ def print_host_results(results: Sequence[HostResult], console=None) -> None:
     for r in results:
         console.print(
             f"{r.output}, transform on the {r.transform}: {r.images} images"
-            f"{_failed_note(r.failed, ' (', ': error rows)')} in "
+            f"{failed_note(r.failed, ' (', ': error rows)')} in "
             f"{r.total_s:.2f} s = {r.img_s:.1f} img/s, "
             f"{r.img_s_per_core:.1f} img/s per core ({r.cores} cores, {r.workers} decode "
             f"worker{'s' if r.workers != 1 else ''}); {r.cpu_s:.2f} CPU-s = "
@@ -315,15 +295,10 @@ def print_host_results(results: Sequence[HostResult], console=None) -> None:
         c = results[0].costs
         per_image = c.decode_ms + c.transform_ms + c.pack_ms + c.stage_ms
         console.print(f"one thread's CPU time per image ({c.images} sampled"
-                      f"{_failed_note(c.failed, '; ', ', not timed')}): decode "
+                      f"{failed_note(c.failed, '; ', ', not timed')}): decode "
                       f"{c.decode_ms:.1f} ms, transform {c.transform_ms:.1f} ms, pack "
                       f"{c.pack_ms:.2f} ms, stage {c.stage_ms:.2f} ms: "
                       f"{1e3 / max(per_image, 1e-9):.0f} img/s per core before writing")
-
-
-def _failed_note(failed: int, before: str, after: str) -> str:
-    """``{before}2 failed{after}`` where images failed, else nothing."""
-    return f"{before}{failed} failed{after}" if failed else ""
 
 
 def host_bench_command(config_path: str, images: str, outputs: Sequence[str],

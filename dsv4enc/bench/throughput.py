@@ -17,7 +17,7 @@ import os
 import platform
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence, TypeVar
 
@@ -37,7 +37,7 @@ from ..engine.packing import PackedBatch, pack
 from ..engine.bins import pack_bins
 from ..run.plan import image_flops
 from ..process import keep_freed_memory_mapped, own_process_settings
-from ..tower.transform import image_to_patches
+from ..tower.transform import bf16_bits_to_tensor, image_to_patch_bits, image_to_patches
 
 T = TypeVar("T")
 
@@ -181,32 +181,47 @@ def matmul_ceiling(cfg: VisionConfig, tokens: int, dtype: torch.dtype,
 class Prepared:
     """Images transformed once, outside every timed region; those that failed, apart."""
 
-    items: list[tuple[torch.Tensor, int, int]]  # (patches, n_h, n_w)
-    flops: float
-    tokens: int
-    paths: list[Path]  # the images of ``items``, in order
-    failed: dict[str, str]  # path -> its error, as encode's error row words it
+    #: (patches, n_h, n_w) of each image that decoded
+    items: list[tuple[torch.Tensor, int, int]] = field(default_factory=list)
+    paths: list[Path] = field(default_factory=list)  # the images of ``items``, in order
+    failed: dict[str, str] = field(default_factory=dict)  # path -> its error row's words
+    flops: float = 0.0
+    decode_s: float = 0.0  # this thread's CPU seconds opening and decoding ``items``
+    transform_s: float = 0.0  # and transforming them
+
+    @property
+    def tokens(self) -> int:
+        return sum(h * w for _, h, w in self.items)
 
 
 def prepare_images(paths: Sequence[Path], cfg: VisionConfig, features: str) -> Prepared:
-    """Decode and transform ``paths`` as ``encode`` does (``decode.decode_image``): a file that
-    fails is counted with its error, not timed. A UsageError when none can be decoded."""
+    """Decode (``decode.open_checked``) and transform ``paths`` as ``encode`` does, timed on
+    this thread's clock: a file that fails is counted with its error (an error row in a run),
+    not timed. A UsageError when none can be decoded."""
     from ..errors import UsageError
-    from ..images.decode import decode_image, patches_tensor
+    from ..images.decode import open_checked, read_failure
+    from ..images.formats import DEFAULT_MAX_PIXELS
 
-    items, good, failed = [], [], {}
+    prep, clock = Prepared(), time.thread_time
     for path in paths:
-        decoded = decode_image(path, cfg)
-        if decoded.error is not None:
-            failed[str(path)] = decoded.error
+        began = clock()
+        try:
+            with open_checked(path, DEFAULT_MAX_PIXELS) as image:
+                image.load()
+                loaded = clock()
+                bits, canvas = image_to_patch_bits(image, cfg)
+        except Exception as exc:  # noqa: BLE001 - as in a run: the file's error row, not a crash
+            prep.failed[str(path)] = read_failure(exc, path)[0]
             continue
-        items.append((patches_tensor(decoded), decoded.n_h, decoded.n_w))
-        good.append(path)
-    if not items:
-        first, error = next(iter(failed.items()))
+        prep.decode_s += loaded - began
+        prep.transform_s += clock() - loaded
+        prep.items.append((bf16_bits_to_tensor(bits), canvas.n_h, canvas.n_w))
+        prep.paths.append(path)
+    if not prep.items:
+        first, error = next(iter(prep.failed.items()))
         raise UsageError(f"no image could be decoded ({len(paths)} tried; {first}: {error})")
-    flops = sum(image_flops(cfg, h, w, features) for _, h, w in items)
-    return Prepared(items, flops, sum(h * w for _, h, w in items), good, failed)
+    prep.flops = sum(image_flops(cfg, h, w, features) for _, h, w in prep.items)
+    return prep
 
 
 def encode_all(loop: BatchLoop, batches: Sequence[PackedBatch]) -> None:
@@ -440,7 +455,8 @@ def print_results(rows: Sequence[dict], console=None) -> None:
     meta = next((r for r in rows if r.get("mode") == "meta"), {})
     unit, scale = ("TFLOP/s", 1e12) if meta.get("device_type") == "cuda" else ("GFLOP/s", 1e9)
     title = (f"{meta.get('config', '?')} on {meta.get('device', '?')}, {meta.get('dtype', '?')}: "
-             f"{meta.get('images', '?')} images{_failed_note(meta.get('failed'))}, "
+             f"{meta.get('images', '?')} images"
+             f"{failed_note(meta.get('failed'), ' (', ', not timed)')}, "
              f"{meta.get('tokens', '?')} patches, "
              f"{meta.get('gflop_per_image', 0):.1f} GFLOP/image; matmul ceiling "
              f"{meta.get('matmul_ceiling', 0) / scale:.1f} {unit} "
@@ -465,9 +481,9 @@ def print_results(rows: Sequence[dict], console=None) -> None:
     console.print(table)
 
 
-def _failed_note(failed: int | None) -> str:
-    """`` (2 failed, not timed)`` where images failed to decode, else nothing."""
-    return f" ({failed} failed, not timed)" if failed else ""
+def failed_note(failed: int | None, before: str, after: str) -> str:
+    """``{before}2 failed{after}`` where images failed to decode, else nothing."""
+    return f"{before}{failed} failed{after}" if failed else ""
 
 
 def parse_on_off(text: str, auto: bool = False) -> list[bool | None]:

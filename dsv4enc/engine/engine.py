@@ -190,13 +190,6 @@ class Engine:
             with torch.cuda.device(self.device):
                 self.runner.capture_all()
 
-    @torch.inference_mode()
-    def forward(self, batch: PackedBatch) -> torch.Tensor:
-        """Eager packed forward on the device. Returns (R, width) in the compute dtype."""
-        self._use_backend()
-        host = self._host_inputs(batch)
-        return self._eager(batch, {k: v.to(self.device) for k, v in host.items()})
-
     def _eager(self, batch: PackedBatch, dev: dict[str, torch.Tensor]) -> torch.Tensor:
         """The packed forward of ``batch`` over its exact (unpadded) ``dev`` tensors; image by
         image on the CPU when ``deterministic``."""
@@ -229,7 +222,9 @@ class Engine:
         """Start encoding ``batch``; its result comes from a later ``collect``, in order."""
         if self.device.type != "cuda":
             began = time.perf_counter()
-            out = self.forward(batch).to(self.out_dtype)
+            self._use_backend()
+            with torch.inference_mode():
+                out = self._eager(batch, self._host_inputs(batch)).to(self.out_dtype)
             self._pending.append(_Pending(batch, out, seconds=time.perf_counter() - began,
                                           finite=torch.isfinite(out).all()))
             return

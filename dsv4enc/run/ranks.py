@@ -157,15 +157,11 @@ class Topology:
 
     def sum_rank_counts(self, summary: RunSummary) -> None:
         """--shard-output: each rank counted only its own rows; the summary shows them all."""
-        encoded, failed, tokens, errors, examples = zip(*self.gather((
-            summary.encoded, summary.failed, summary.tokens, summary.errors,
-            summary.error_examples)))
-        summary.encoded, summary.failed, summary.tokens = map(sum, (encoded, failed, tokens))
-        summary.rank_loads = [float(n) for n in tokens]
-        summary.errors, summary.error_examples = {}, {}
-        for rank_errors, rank_examples in zip(errors, examples):
-            for message, n in rank_errors.items():
-                summary.add_error(message, rank_examples[message], n)
+        everyone = self.gather(summary)
+        summary.rank_loads = [float(done.tokens) for done in everyone]
+        for rank, done in enumerate(everyone):
+            if rank != self.rank:
+                summary.add(done, times=False)
 
     def sum_rank_tokens(self, summary: RunSummary, padded_tokens: int) -> None:
         """Gathered data parallel: count every rank's share of the tokens."""

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from rich.markup import escape
@@ -18,13 +18,18 @@ from ..output.inspect import TOP_ERRORS, error_group
 from .progress import stderr_console
 
 
+#: The fields that add up over ranks and encoder actors (``RunSummary.add``): the work's
+#: counts, and the time an encoder spent (each actor's own, summed).
+COUNT, TIME = {"adds": "count"}, {"adds": "time"}
+
+
 @dataclass
 class RunSummary:
     """What a run did, for the summary line and for callers."""
 
     out: str
-    encoded: int = 0
-    failed: int = 0
+    encoded: int = field(default=0, metadata=COUNT)
+    failed: int = field(default=0, metadata=COUNT)
     skipped: int = 0
     unlisted: int = 0  # folders that could not be listed (their images are missing)
     misnamed: int = 0  # images whose name says another format (read as what they are)
@@ -37,12 +42,12 @@ class RunSummary:
     dry_run: bool = False  # --dry-run: ``encoded``, ``reused``, ``dropped`` would be; none was
     needs_prune: bool = False  # --dry-run: the update would be refused without --prune
     seconds: float = 0.0
-    tokens: int = 0
+    tokens: int = field(default=0, metadata=COUNT)
     padded_tokens: int = 0
-    merge_pad_tokens: int = 0
-    decode_wait_s: float = 0.0
+    merge_pad_tokens: int = field(default=0, metadata=COUNT)
+    decode_wait_s: float = field(default=0.0, metadata=TIME)
     h2d_s: float = 0.0
-    model_s: float = 0.0
+    model_s: float = field(default=0.0, metadata=TIME)
     write_s: float = 0.0
     encode_s: float = 0.0  # the encoding loop alone: no start-up, header reading or capture
     errors: dict[str, int] = field(default_factory=dict)  # message (paths elided) -> count
@@ -77,6 +82,15 @@ class RunSummary:
             else:
                 self.failed += 1
                 self.add_error(row.error, row.path)
+
+    def add(self, other: "RunSummary", times: bool = True) -> None:
+        """Add the work ``other`` counted (another rank's or actor's) to this summary:
+        its counts, its errors, and (``times``) its encoding times."""
+        for name in fields(self):
+            if name.metadata.get("adds") == "count" or times and name.metadata.get("adds"):
+                setattr(self, name.name, getattr(self, name.name) + getattr(other, name.name))
+        for message, count in other.errors.items():
+            self.add_error(message, other.error_examples[message], count)
 
     def add_error(self, message: str, path: str, count: int = 1) -> None:
         """Count a failed image under its message, the paths in it elided."""

@@ -21,7 +21,6 @@ of a packed batch::
 from __future__ import annotations
 
 import importlib.util
-import inspect
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -55,22 +54,27 @@ class VarlenSpans:
 AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, VarlenSpans], torch.Tensor]
 
 
+def image_spans(lengths: Sequence[int]) -> list[tuple[int, int]]:
+    """(start, end) row range of each image packed back to back; empty images are left out."""
+    spans, start = [], 0
+    for n in lengths:
+        if n:
+            spans.append((start, start + n))
+        start += n
+    return spans
+
+
 def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    spans: VarlenSpans) -> torch.Tensor:
     """Per-span SDPA. q, k, v: (T, H, d) -> (T, H, d). Tokens outside every span get zeros."""
     if spans.lengths is None:
         raise RuntimeError("sdpa attention needs host-side span lengths")
     out = torch.zeros_like(q) if sum(spans.lengths) < q.shape[0] else torch.empty_like(q)
-    start = 0
-    for n in spans.lengths:
-        if n == 0:
-            continue
-        end = start + n
+    for start, end in image_spans(spans.lengths):
         # (N, H, d) -> (1, H, N, d), contiguous: the layout the fused CPU kernel takes.
         qs, ks, vs = (t[start:end].transpose(0, 1).unsqueeze(0).contiguous() for t in (q, k, v))
         o = F.scaled_dot_product_attention(qs, ks, vs)
         out[start:end] = o[0].transpose(0, 1)
-        start = end
     return out
 
 
@@ -78,11 +82,8 @@ def length_groups(lengths: Sequence[int]) -> dict[int, list[int]]:
     """The start offset of every non-empty span, grouped by its length (in order of first
     appearance; starts in span order)."""
     groups: dict[int, list[int]] = {}
-    start = 0
-    for n in lengths:
-        if n:
-            groups.setdefault(n, []).append(start)
-        start += n
+    for start, end in image_spans(lengths):
+        groups.setdefault(end - start, []).append(start)
     return groups
 
 
@@ -109,15 +110,11 @@ def naive_sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     benchmarks' naive baseline (PyTorch's unfused math path on the CPU)."""
     assert spans.lengths is not None
     out = torch.zeros_like(q)
-    start = 0
-    for n in spans.lengths:
-        end = start + n
-        if n:
-            o = F.scaled_dot_product_attention(q[start:end].transpose(0, 1),
-                                               k[start:end].transpose(0, 1),
-                                               v[start:end].transpose(0, 1))
-            out[start:end] = o.transpose(0, 1)
-        start = end
+    for start, end in image_spans(spans.lengths):
+        o = F.scaled_dot_product_attention(q[start:end].transpose(0, 1),
+                                           k[start:end].transpose(0, 1),
+                                           v[start:end].transpose(0, 1))
+        out[start:end] = o.transpose(0, 1)
     return out
 
 
@@ -135,14 +132,10 @@ def varlen_attention_fn() -> AttentionFn:
     if varlen_attn is None:
         raise UsageError("attention 'varlen' needs torch.nn.attention.varlen "
                          f"(not in torch {torch.__version__})")
-    # Default scale is d^-0.5, which is ours; older releases lack the keyword.
-    params = inspect.signature(varlen_attn).parameters
+    # Default scale is d^-0.5, which is ours; the default mask is none (not causal).
 
     def attend(q, k, v, spans):
         cu = spans.cu_seqlens
-        if "is_causal" in params:
-            return varlen_attn(q, k, v, cu, cu, spans.max_seqlen, spans.max_seqlen,
-                               is_causal=False)
         return varlen_attn(q, k, v, cu, cu, spans.max_seqlen, spans.max_seqlen)
 
     return attend

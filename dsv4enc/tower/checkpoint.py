@@ -82,15 +82,9 @@ def locate_tower_tensors(folder: Path) -> dict[str, Path]:
         raise WeightsError(f"{folder}: no *.safetensors files and no {INDEX_NAME}")
     located: dict[str, Path] = {}
     for path in files:
-        for name in _header_keys(path):
-            if is_tower_tensor(name):
-                located[name] = path
+        with open_safetensors(path) as handle:
+            located.update((name, path) for name in handle.keys() if is_tower_tensor(name))
     return located
-
-
-def _header_keys(path: Path) -> list[str]:
-    with open_safetensors(path) as handle:
-        return list(handle.keys())
 
 
 def open_safetensors(path: Path, named_for: str | None = None):
@@ -152,19 +146,23 @@ def read_tower_tensors(located: dict[str, Path], cfg: VisionConfig, dtype: torch
     return state, digest.hexdigest()
 
 
-def load_checkpoint(path: str | Path, dtype: torch.dtype = torch.float32) -> Checkpoint:
-    """Read config and tower tensors from a checkpoint folder."""
+def checkpoint_folder(path: str | Path) -> Path:
+    """``path`` as a checkpoint folder, once it is a folder holding a config.json."""
     folder = Path(path)
     if not folder.exists():
         raise WeightsError(f"weights folder not found: {folder}")
     if not folder.is_dir():
         raise WeightsError(f"weights path is not a folder: {folder}")
-    config_path = folder / "config.json"
-    if not config_path.is_file():
+    if not (folder / "config.json").is_file():
         raise WeightsError(f"{folder}: no config.json")
-    cfg = VisionConfig.from_file(config_path)  # ConfigError names the file and the key
-    located = locate_tower_tensors(folder)
-    state, fingerprint = read_tower_tensors(located, cfg, dtype)
+    return folder
+
+
+def load_checkpoint(path: str | Path, dtype: torch.dtype = torch.float32) -> Checkpoint:
+    """Read config and tower tensors from a checkpoint folder."""
+    folder = checkpoint_folder(path)
+    cfg = VisionConfig.from_file(folder / "config.json")  # ConfigError names file and key
+    state, fingerprint = read_tower_tensors(locate_tower_tensors(folder), cfg, dtype)
     return Checkpoint(cfg, state, fingerprint, str(folder))
 
 

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint import (checked_shape, checked_shapes, locate_tower_tensors,
-                         open_safetensors)
+from .checkpoint import (checked_shape, checked_shapes, checkpoint_folder,
+                         locate_tower_tensors, open_safetensors)
 from .config import VisionConfig
 from .hub import resolve_weights
 from ..errors import OutputError, WeightsError
@@ -34,15 +34,6 @@ class Extracted:
     source: str
 
 
-def _source_folder(source: str | os.PathLike) -> Path:
-    folder = resolve_weights(source)
-    if not folder.is_dir():
-        raise WeightsError(f"weights folder not found: {folder}")
-    if not (folder / "config.json").is_file():
-        raise WeightsError(f"{folder}: no config.json")
-    return folder
-
-
 def _prepare_out(out: Path, overwrite: bool) -> None:
     if out.exists() and not out.is_dir():
         raise OutputError(f"--out {out} is a file, not a folder")
@@ -58,7 +49,7 @@ def _prepare_out(out: Path, overwrite: bool) -> None:
 def extract_tower(source: str | os.PathLike, out: str | os.PathLike,
                   overwrite: bool = False) -> Extracted:
     """Write the tower of checkpoint ``source`` (a folder or a Hub id) to folder ``out``."""
-    folder = _source_folder(source)
+    folder = checkpoint_folder(resolve_weights(source))
     raw_config = json.loads((folder / "config.json").read_text())
     cfg = VisionConfig.from_file(folder / "config.json")
     located = locate_tower_tensors(folder)

@@ -17,7 +17,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .attention import AttentionFn, VarlenSpans, sdpa_attention
+from .attention import AttentionFn, VarlenSpans, image_spans, sdpa_attention
 from .config import VisionConfig
 
 RMS_EPS = 1e-6
@@ -25,16 +25,6 @@ RMS_EPS = 1e-6
 
 def _identity(x: torch.Tensor) -> torch.Tensor:
     return x
-
-
-def image_spans(lengths: Sequence[int]) -> list[tuple[int, int]]:
-    """(start, end) row range of each image packed back to back; empty images are left out."""
-    spans, start = [], 0
-    for n in lengths:
-        if n:
-            spans.append((start, start + n))
-        start += n
-    return spans
 
 
 def by_spans(spans: Sequence[tuple[int, int]], fn: Callable[..., Any],

@@ -9,6 +9,7 @@ that ``image_pixels`` takes of a decoded image."""
 
 from __future__ import annotations
 
+import functools
 import math
 import sys
 from dataclasses import dataclass
@@ -311,15 +312,9 @@ def pixels_to_patches(pixels: "torch.Tensor", cfg: VisionConfig) -> tuple["torch
     return table[patch_pixels.to(torch.int64)].view(torch.bfloat16), canvas
 
 
-_TABLES: dict = {}  # device -> NORMALIZED_BF16_BITS as an int16 tensor there
-
-
+@functools.cache
 def _normalize_table(device: "torch.device") -> "torch.Tensor":
     """``NORMALIZED_BF16_BITS`` on ``device`` (int16, (256,)), copied there once."""
     import torch
 
-    table = _TABLES.get(device)
-    if table is None:
-        table = _TABLES[device] = torch.from_numpy(
-            NORMALIZED_BF16_BITS.view(np.int16)).to(device)
-    return table
+    return torch.from_numpy(NORMALIZED_BF16_BITS.view(np.int16)).to(device)

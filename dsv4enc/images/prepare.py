@@ -1,0 +1,120 @@
+"""One in-memory input made ready for the engine (``api.Encoder``, ``batch.BatchEncoder``): what
+to read of it (``image_source``), then its size, patch grid and patches, or why it failed, as
+the error row's text (``prepare``)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Mapping
+
+import numpy as np
+from PIL import Image
+
+from .. import storage
+from ..tower.config import VisionConfig
+from ..tower.transform import image_to_patches, plan_canvas
+from .decode import decode_image, describe_error, patches_tensor, probe_image
+
+if TYPE_CHECKING:
+    import torch
+
+#: What ``prepare`` takes, besides paths and bytes.
+EXPECTED = "a PIL image, a uint8 array, a path, bytes or a {bytes, path} dict"
+
+
+def image_source(image: Any) -> tuple[Any, str | None]:
+    """What to read of one input, and the name it carries (None: it has none): a ``{"bytes",
+    "path"}`` dict (``datasets``' ``Image(decode=False)``) gives its bytes, else its path, and
+    is named by its path; a path gives and names its text; bytes-like input gives ``bytes``;
+    anything else is itself, unnamed."""
+    if isinstance(image, Mapping):
+        data, named = image.get("bytes"), image.get("path")
+        name = os.fspath(named) if isinstance(named, (str, os.PathLike)) and named else None
+        return (image_source(data)[0] if data is not None else
+                image_source(named)[0] if named is not None else None), name
+    if isinstance(image, (str, os.PathLike)):
+        path = os.fspath(image)
+        return path, path
+    if isinstance(image, (bytearray, memoryview)):
+        return bytes(image), None
+    return image, None
+
+
+@dataclass
+class Prepared:
+    """One input: its stored size (None where unknown), bf16 patches ``(n_h*n_w, 3*p*p)`` and
+    the patch grid, or ``error``; ``key`` and ``index``: the caller's."""
+
+    key: Any = None
+    index: int = 0
+    width: int | None = None
+    height: int | None = None
+    patches: "torch.Tensor | None" = None
+    n_h: int = 0
+    n_w: int = 0
+    error: str | None = None
+    wrong_type: bool = False  # the input is of a kind ``prepare`` does not take
+
+    @property
+    def tokens(self) -> int:
+        return self.n_h * self.n_w
+
+    def failed(self, error: str) -> "Prepared":
+        self.error, self.patches, self.n_h, self.n_w = error, None, 0, 0
+        return self
+
+
+def array_to_image(array: np.ndarray) -> Image.Image:
+    """A uint8 HxW, HxWx1, HxWx3 or HxWx4 array (or 16-bit grey) as a PIL image."""
+    if array.dtype == np.uint16 and array.ndim == 2:
+        return Image.fromarray(array)  # 16-bit gray: scaled to 8 bits like a 16-bit file
+    if array.dtype != np.uint8:
+        raise ValueError(f"array has dtype {array.dtype}; expected uint8 (HxW or HxWx3)")
+    if array.ndim == 3 and array.shape[2] == 1:
+        array = array[:, :, 0]
+    if array.ndim == 2:
+        return Image.fromarray(np.ascontiguousarray(array), "L")
+    if array.ndim == 3 and array.shape[2] in (3, 4):
+        mode = "RGB" if array.shape[2] == 3 else "RGBA"
+        return Image.fromarray(np.ascontiguousarray(array), mode)
+    raise ValueError(f"array has shape {tuple(array.shape)}; expected HxW, HxWx1, HxWx3 or "
+                     "HxWx4")
+
+
+def prepare(source: Any, cfg: VisionConfig, max_pixels: int, item: Prepared) -> Prepared:
+    """``item`` with ``source`` (what ``image_source`` gives) read, its size and grid checked
+    first (a path or bytes: its header, an object in a store read once), then transformed.
+    A broken input of any kind is ``item``'s error, never an exception."""
+    try:
+        if isinstance(source, (str, bytes)):
+            source = storage.whole_if_stored(source)
+            probe = probe_image(source, max_pixels)
+            if probe.error is not None:
+                return item.failed(probe.error)
+            item.width, item.height = probe.width, probe.height
+        elif isinstance(source, Image.Image):
+            item.width, item.height = source.size
+        elif isinstance(source, np.ndarray) and source.ndim >= 2:
+            item.height, item.width = source.shape[:2]
+        if item.width is not None and (item.width <= 0 or item.height <= 0):
+            return item.failed(f"image has no pixels ({item.width}x{item.height})")
+        if item.width is not None:
+            plan_canvas(item.width, item.height, cfg)  # no canvas: the error before decoding
+        if isinstance(source, np.ndarray):
+            source = array_to_image(source)
+        if isinstance(source, Image.Image):
+            item.patches, canvas = image_to_patches(source, cfg)
+        elif isinstance(source, (str, bytes)):
+            canvas = decode_image(source, cfg, max_pixels)
+            if canvas.error is not None:
+                return item.failed(canvas.error)
+            item.patches = patches_tensor(canvas)
+        else:
+            item.wrong_type = True
+            return item.failed(f"TypeError: unsupported input {type(source).__name__} "
+                               f"(expected {EXPECTED})")
+        item.n_h, item.n_w = canvas.n_h, canvas.n_w
+    except Exception as exc:  # a broken image object is this item's error, not the run's
+        item.failed(describe_error(exc))
+    return item

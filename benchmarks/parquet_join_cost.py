@@ -7,7 +7,7 @@ them (``output/parts.write_part``: the run's schema, row groups and Parquet opti
 real config's width, then joined into one file, in turns:
 
 - ``join``: ``ParquetJoiner.append`` of each part in input order, ``close`` with the footer's
-  key-value metadata, fsync (what ``StreamingAssembler._join`` does);
+  key-value metadata, fsync (what ``StreamingAssembler`` does, a part per commit);
 - ``writer``: ``pq.ParquetWriter`` with the schema (key-value metadata included) and
   ``parquet_options``, each part's row groups read back (``read_row_group``) and written,
   fsync (what the assembler falls back to for parts it cannot join).

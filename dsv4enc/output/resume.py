@@ -7,10 +7,10 @@ import logging
 from dataclasses import dataclass, field
 from typing import Callable, Protocol, Sequence
 
-from ..errors import DsvError, UsageError
+from ..errors import DsvError
 from ..images.headers import input_stamps, inputs_digest
 from .parts import PartStore
-from .update import CUT_SETTINGS, setting_refusal
+from .update import check_settings
 
 log = logging.getLogger("dsv4enc")
 
@@ -77,12 +77,8 @@ class Resume:
             store.create()
             return
         previous = store.load_existing()
-        for key, value in store.settings.items():
-            if key not in CUT_SETTINGS and previous.get(key) != value:
-                raise UsageError(setting_refusal("cannot resume", "the interrupted run used",
-                                                 key, previous.get(key), value,
-                                                 rerun=" to resume it", again="start over",
-                                                 given=settings.flag))
+        check_settings(previous, store.settings, "cannot resume", "the interrupted run used",
+                       rerun=" to resume it", again="start over", given=settings.flag)
         store.load_parts()  # only now: a refused resume must not judge the parts' files
         store.forget([])  # each part's stale pieces are dropped as it is judged
         self.resuming = True

@@ -67,20 +67,26 @@ SHOWN_SETTING = {"keep_columns": "--keep-column", "keep_members": "--keep-member
                  "config": "the model config (--weights/--config)"}
 
 
-def setting_refusal(refused: str, used: str, key: str, then: Any, now: Any, *,
-                    rerun: str = "", again: str, given: str) -> str:
-    """The one line that refuses a run whose setting ``key`` is ``now`` where the output it
-    continues has ``then``: ``refused`` opens it ("cannot resume"), ``used`` names the old
-    value's ("the interrupted run used"), ``rerun`` follows the flag that would agree, and
-    ``again`` is what --overwrite does instead of ``given`` (the run's flag, which
-    --overwrite contradicts)."""
+def check_settings(recorded: dict, settings: dict, refused: str, used: str, *,
+                   rerun: str = "", again: str, given: str) -> None:
+    """Refuse in one line (a UsageError) a run whose ``settings`` differ from those the output
+    it continues ``recorded``, but where parts are cut: ``refused`` opens the line ("cannot
+    resume"), ``used`` names the old value's ("the interrupted run used"), ``rerun`` follows
+    the flag that would agree, and ``again`` is what --overwrite does instead of ``given``
+    (the run's flag, which --overwrite contradicts)."""
+    changed = [key for key, now in settings.items()
+               if key not in CUT_SETTINGS and recorded.get(key) != now]
+    if not changed:
+        return
+    key = changed[0]
+    then, now = recorded.get(key), settings[key]
     flag = FLAG_OF_SETTING.get(key)
     instead = f"--overwrite in place of {given} to {again}"
     if flag is not None and isinstance(then, (str, int)) and isinstance(now, (str, int)):
-        return (f"{refused}: {used} {flag} {then}, this run asks for {now}; rerun with {flag} "
-                f"{then}{rerun} (or {instead})")
+        raise UsageError(f"{refused}: {used} {flag} {then}, this run asks for {now}; rerun "
+                         f"with {flag} {then}{rerun} (or {instead})")
     shown = SHOWN_SETTING.get(key) or flag or key.replace("_", " ")
-    return f"{refused}: {shown} differs ({then!r} then, {now!r} now); use {instead}"
+    raise UsageError(f"{refused}: {shown} differs ({then!r} then, {now!r} now); use {instead}")
 
 
 def _hash8(text: bytes) -> int:
@@ -296,12 +302,8 @@ class OldOutput:
                 f"cannot update {self.out}: it does not record its input files per row (made "
                 "by an earlier dsv4enc, or an unfinished run: finish it with --resume); rerun "
                 "once with --overwrite in place of --update, then --update works")
-        for key, now in settings.items():
-            then = self.settings.get(key)
-            if key not in CUT_SETTINGS and then != now:
-                raise UsageError(setting_refusal(f"cannot update {self.out}", "it was made with",
-                                                 key, then, now, again="encode everything again",
-                                                 given="--update"))
+        check_settings(self.settings, settings, f"cannot update {self.out}", "it was made with",
+                       again="encode everything again", given="--update")
         if self.damaged:
             shown = ", ".join(sorted(self.damaged)[:3])
             log.warning("%s: %d part file%s missing or cut short (%s); the update encodes "

@@ -6,7 +6,7 @@ from typing import Literal, get_args
 
 #: The ``embedding`` column's layouts (docs/output-format.md, "Output"). ``binary``: one cell
 #: per image holding its (rows, width) array's bytes, little-endian, C order. ``nested``: a
-#: list of fixed-size float lists (the only layout of earlier outputs).
+#: list of fixed-size float lists.
 Layout = Literal["binary", "nested"]
 LAYOUTS: tuple[str, ...] = get_args(Layout)
 DEFAULT_LAYOUT: Layout = "binary"

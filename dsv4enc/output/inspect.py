@@ -49,7 +49,7 @@ class OutputSummary:
     interrupted: bool = False
     parts: int | None = None  # committed parts
     images_done: int | None = None
-    images_total: int | None = None  # None: not recorded (stopped before its listing was)
+    images_total: int | None = None  # None: not recorded (stopped before it planned a part)
     images_left: int | None = None
 
     def as_dict(self) -> dict[str, Any]:

@@ -22,7 +22,7 @@ class PartWriter:
     when the plan's part ends or ``store.commit_seconds`` have passed since the last commit (a
     kill loses about that much work); without them each segment is a part."""
 
-    def __init__(self, store: PartStore | AppendingStore, schema, threads: int = 1,
+    def __init__(self, store: PartStore, schema, threads: int = 1,
                  assembler: StreamingAssembler | AppendingStore | None = None) -> None:
         self.store = store
         self.schema = schema

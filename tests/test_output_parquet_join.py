@@ -221,3 +221,29 @@ def test_parts_that_cannot_be_joined_are_encoded_again(tmp_path, caplog):
         assembler.finish()
     assert pq.read_table(out).equals(rows_to_table(rows, schema))
     assert "again" in caplog.text
+
+
+def test_a_part_dropped_after_it_was_copied_in_leaves_the_file(tmp_path):
+    """A resume copies in a kept part, then finds its inputs changed: the part is dropped
+    and encoded again, and the single file holds the new rows, not the copied ones."""
+    from dsv4enc.output.parts import PartStore, StreamingAssembler, rows_per_group
+
+    schema = output_schema(8, "float16", {"tool": "dsv4enc"})
+    store = PartStore(tmp_path / "parts", {"tool": "dsv4enc"})
+    store.create()
+    old = [Row(f"{i}.png", 1, 1, 1, 1, 1, 2, np.full((2, 8), -i, np.float16)) for i in range(3)]
+    new = [Row(f"{i}.png", 1, 1, 1, 1, 1, 2, np.full((2, 8), i, np.float16)) for i in range(6)]
+
+    def commit(rows, a, b):
+        store.commit(f"part-{a:06d}", rows_to_table(rows[a:b], schema),
+                     rows_per_group(schema, rows[a:b]), a, b, "d")
+
+    commit(old, 0, 3)
+    assembler = StreamingAssembler(store, tmp_path / "e.parquet", schema)
+    assembler.notify()  # the kept part is copied in
+    store.drop(["part-000000"])
+    for a, b in ((0, 3), (3, 6)):
+        commit(new, a, b)
+        assembler.notify()
+    assembler.finish()
+    assert pq.read_table(tmp_path / "e.parquet").equals(rows_to_table(new, schema))

@@ -640,9 +640,14 @@ class StreamingAssembler:
         self.store, self.out, self.schema = store, out, schema
         self.key_values = key_values or {}
         self.tmp = temp_path(out, store.folder)
-        self._position = 0  # where the parts copied so far end
         self._error: OutputError | None = None  # a failed copy, raised by ``finish``
         self._lock = threading.Lock()
+        self._start()
+
+    def _start(self) -> None:
+        """Begin the file, empty."""
+        self._position = 0  # where the parts copied so far end
+        self._copied: list[tuple[str, dict]] = []  # their names and manifest entries
         try:  # None once a part cannot be joined: ``finish`` encodes the parts again
             self._joiner: ParquetJoiner | None = ParquetJoiner(self.tmp)
         except OSError as exc:
@@ -654,8 +659,10 @@ class StreamingAssembler:
             while (self._joiner is not None
                    and (committed := self.store.committed_at(self._position)) is not None):
                 name, end = committed
+                entry = self.store.parts[name]
                 try:
-                    self._joiner.append(self.store.folder / self.store.parts[name]["file"])
+                    self._joiner.append(self.store.folder / entry["file"])
+                    self._copied.append((name, entry))
                 except (JoinError, OSError) as exc:  # the parts stay committed: told by finish
                     self._joiner.abort()
                     self._joiner = None
@@ -684,6 +691,10 @@ class StreamingAssembler:
         file into place (or raise the failed write)."""
         try:
             self.notify()
+            if any(self.store.parts.get(name) is not entry for name, entry in self._copied):
+                self.abort()  # a part copied in was dropped since (its inputs changed): anew
+                self._start()
+                self.notify()
             if self._error is not None:
                 raise self._error
             if self._joiner is not None and self._joiner.schema is not None:

@@ -20,7 +20,7 @@ from .files import (LOCK_NAME, PART_FILE, PARTIAL, is_output_file, manifest_name
 from .lock import OutputLock
 from .update import Update
 from .read import read_metadata
-from .parts import (PartStore, StreamingAssembler, output_os_error,
+from .parts import (PartStore, StreamingAssembler, listed_files, output_os_error,
                     pre_release_manifest, read_manifest, read_manifests)
 
 
@@ -202,8 +202,7 @@ class OutputLayout:
             return
         # We hold the lock: a killed run's temporaries go, and so do part files no manifest
         # lists (renamed just before a kill), which a folder would show beside their rows.
-        listed = {part.get("file") for manifest in manifests.values()
-                  for part in manifest["parts"].values()}
+        listed = {name for manifest in manifests.values() for name in listed_files(manifest)}
         self._remove(p for p in owned if temporary_of(p.name)
                      or (PART_FILE.fullmatch(p.name) and p.name not in listed))
 

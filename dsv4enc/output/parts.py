@@ -32,7 +32,8 @@ from ..images.sources import kept_values
 from ..images.decode import is_transient
 from .parquet_join import JoinError, ParquetJoiner
 from ..version import __version__
-from .files import MANIFEST_FILE, MANIFEST_NAME, PART_FILE, journal_path, part_file, temp_path
+from .files import (MANIFEST_FILE, MANIFEST_NAME, PART_FILE, STAMPS_FILE, journal_path, part_file,
+                    temp_path)
 from .read import JOURNAL_FORMAT, embedding_format, is_dsv4enc_document, load_manifest
 
 if TYPE_CHECKING:
@@ -400,6 +401,15 @@ def read_manifest(path: Path) -> dict | None:
     except (OSError, ValueError):
         return None
     return data if is_manifest(data) else None
+
+
+def listed_files(document: dict) -> list[str]:
+    """The part files a manifest document lists, and its row stamps file (``update``)."""
+    files = [part["file"] for part in document.get("parts", {}).values() if "file" in part]
+    stamps = document.get("stamps")
+    if isinstance(stamps, dict) and STAMPS_FILE.fullmatch(str(stamps.get("file"))):
+        files.append(stamps["file"])
+    return files
 
 
 def manifest_paths(folder: Path) -> list[Path]:

@@ -25,7 +25,7 @@ from .. import storage
 from ..errors import DsvError, OutputError
 from .files import (LOCK_NAME, MANIFEST_FILE, MANIFEST_NAME, PART_FILE, PARTIAL, STAMPS_FILE,
                     is_ours, journal_path, rank_of)
-from .parts import read_manifest
+from .parts import listed_files, read_manifest
 from .read import load_manifest
 
 log = logging.getLogger("dsv4enc")
@@ -329,7 +329,7 @@ class RemoteOutput:
                     continue
                 if self._manifests.get(manifest.name) != content:
                     try:
-                        for name in _listed_files(json.loads(content)):
+                        for name in listed_files(json.loads(content)):
                             self._upload_part(name)
                     except FileNotFoundError:
                         continue  # the run removed its parts meanwhile (the final file is made)
@@ -428,7 +428,7 @@ class RemoteOutput:
     def _delete_unlisted(self, manifests: list[str]) -> None:
         """Delete the part objects none of ``manifests`` (local names) lists."""
         listed = {name for manifest in manifests
-                  for name in _listed_files(read_manifest(self.local_parts / manifest) or {})}
+                  for name in listed_files(read_manifest(self.local_parts / manifest) or {})}
         for obj in storage.list_files(self.parts_url):
             if (PART_FILE.fullmatch(obj.key) or STAMPS_FILE.fullmatch(obj.key)) \
                     and obj.key not in listed:
@@ -480,15 +480,6 @@ def _process_alive(pid: Any) -> bool:
     except (OSError, OverflowError):  # another user's process
         return True
     return True
-
-
-def _listed_files(document: dict) -> list[str]:
-    """The part files a manifest document lists, and its row stamps file (``update``)."""
-    files = [part["file"] for part in document.get("parts", {}).values()]
-    stamps = document.get("stamps")
-    if isinstance(stamps, dict) and STAMPS_FILE.fullmatch(str(stamps.get("file"))):
-        files.append(stamps["file"])
-    return files
 
 
 def _whole_manifest(path: Path) -> bytes | None:

@@ -1,12 +1,15 @@
-"""Object storage (``s3://``, ``gs://``, and what fsspec reaches) behind one small facade.
+"""Object storage (``s3://``, ``gs://``, and what fsspec reaches) and local files behind one
+small facade.
 
 Every URL dsv4enc reads or writes goes through here, and every choice between a local path and
-a URL is made here (``is_url``): what is at a location (``examine``), its stamp, how it is read
-(``open_input``, ``reads_are_requests``) and written (``upload_written``); ``locate`` gives a
-reader one file system for either. The file
-systems are pyarrow's, or fsspec's in ``pyarrow.fs.PyFileSystem``; an ``s3://`` read is one ranged
-GET through botocore's client where the options allow (``DIRECT_OPTIONS``). A store that stops
-answering fails loudly, within a bound the retry policy sets (``StoreHealth``). Messages name the
+a URL is made here (``is_url``): what is at a location (``examine``, asked once), how it is
+listed (``walk``: a folder by ``os.scandir``, a prefix by its store's pages), stamped
+(``stamp``), read (``open_input``, memory-mapped where local; ``read_range``, ``open_range``,
+``open_whole``; a local file only when regular) and written (``upload_written``); ``locate``
+gives a reader one file system for either. The file systems are pyarrow's, or fsspec's in
+``pyarrow.fs.PyFileSystem``; an ``s3://`` read is one ranged GET through botocore's client
+where the options allow (``DIRECT_OPTIONS``). A store that stops answering fails loudly, within
+a bound the retry policy sets (``StoreHealth``). Messages name the
 URL and the kind of failure, never an option value."""
 
 from __future__ import annotations
@@ -23,7 +26,8 @@ import threading
 import time
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
-from typing import IO, TYPE_CHECKING, Callable, Iterable, Iterator, Mapping, TypeVar
+from stat import S_ISREG
+from typing import IO, TYPE_CHECKING, BinaryIO, Callable, Iterable, Iterator, Mapping, TypeVar
 
 from .errors import StorageError, UsageError
 
@@ -92,26 +96,10 @@ def local_paths(locations: Iterable[str]) -> list[str]:
     return [location for location in locations if not is_url(location)]
 
 
-def may_be_folder(location: str) -> bool:
-    """Whether ``location`` may name a folder: a local folder, or any URL (a prefix and an
-    object are told apart only by asking the store, ``kind``)."""
-    return is_url(location) or os.path.isdir(location)
-
-
 def reads_are_requests(location: str) -> bool:
     """Whether each read of ``location`` is a request to a store: bytes read once are then
     worth holding (and a file worth streaming once), rather than read again."""
     return is_url(location)
-
-
-def posix_text(location: str) -> str:
-    """``location`` as posix text without a trailing slash: a URL as given (``pathlib`` would
-    make ``s3://b`` into ``s3:/b``), a local path in ``pathlib``'s form (``./data``: ``data``)."""
-    if is_url(location):
-        return location.rstrip("/")
-    from pathlib import Path
-
-    return Path(location).as_posix().rstrip("/")
 
 
 def scheme_of(url: str) -> str:
@@ -145,7 +133,7 @@ def configure(options: list[str] | tuple[str, ...] | None) -> None:
     """Set ``--storage-option`` (the file system's constructor's keys) for this process and,
     through ``DSV4ENC_STORAGE_OPTIONS`` (never printed), its children; drop what was learnt
     under other options. Credentials otherwise come from the SDK's places (``AWS_*``)."""
-    parsed = dict(parse_option(text) for text in options or ())
+    parsed = options_of(options)
     if parsed:
         os.environ[_OPTIONS_ENV] = json.dumps(parsed)
     else:
@@ -183,9 +171,8 @@ def _options() -> dict:
 # ----------------------------------------------------------------------------- file systems
 
 _LOCK = threading.Lock()
-_FILESYSTEMS: dict[tuple[str, int], "pafs.FileSystem"] = {}
-#: File systems made with a call's own options (``locate``), by scheme, process and options.
-_OPTIONED: dict[tuple[str, int, str], "pafs.FileSystem"] = {}
+#: File systems by scheme, process and options (``configure``'s, or a ``locate`` call's own).
+_FILESYSTEMS: dict[tuple[str, int, str], "pafs.FileSystem"] = {}
 
 
 def _endpoint(options: dict) -> str | None:
@@ -223,10 +210,10 @@ def _bucket(url: str) -> str:
     return url.split("://", 1)[1].split("/", 1)[0]
 
 
-def _make_filesystem(url: str, options: dict | None = None) -> "pafs.FileSystem":
+def _make_filesystem(url: str, options: dict) -> "pafs.FileSystem":
     import pyarrow.fs as pafs
 
-    scheme, options = scheme_of(url), _options() if options is None else options
+    scheme = scheme_of(url)
     try:
         if scheme in ("s3", "s3a"):
             with suppress(ImportError):  # pyarrow built without S3: s3fs (dsv4enc[s3]) below
@@ -249,13 +236,15 @@ def _make_filesystem(url: str, options: dict | None = None) -> "pafs.FileSystem"
                          f"{type(exc).__name__}: {_first_line(exc)}") from None
 
 
-def filesystem(url: str) -> tuple["pafs.FileSystem", str]:
-    """The file system for ``url`` (made once per process and scheme) and the path in it."""
-    key = (scheme_of(url), os.getpid())
+def filesystem(url: str, options: dict | None = None) -> tuple["pafs.FileSystem", str]:
+    """The file system for ``url`` (made once per process, scheme and options: ``options``,
+    else ``configure``'s) and the path in it."""
+    options = _options() if options is None else options
+    key = (scheme_of(url), os.getpid(), json.dumps(options, sort_keys=True, default=str))
     with _LOCK:
         fs = _FILESYSTEMS.get(key)
         if fs is None:
-            fs = _FILESYSTEMS[key] = _make_filesystem(url)
+            fs = _FILESYSTEMS[key] = _make_filesystem(url, options)
     return fs, url.split("://", 1)[1].rstrip("/")
 
 
@@ -281,15 +270,7 @@ def locate(location: "str | os.PathLike",
     local = local_path(text)
     if local is not None:
         return pafs.LocalFileSystem(use_mmap=True), os.path.abspath(local)
-    parsed = options_of(options)
-    if parsed is None:
-        return filesystem(text)
-    key = (scheme_of(text), os.getpid(), json.dumps(parsed, sort_keys=True, default=str))
-    with _LOCK:
-        fs = _OPTIONED.get(key)
-        if fs is None:
-            fs = _OPTIONED[key] = _make_filesystem(text, parsed)
-    return fs, text.split("://", 1)[1].rstrip("/")
+    return filesystem(text, options_of(options))
 
 
 # ----------------------------------------------------------------------------- errors
@@ -653,11 +634,12 @@ def retrying(what: Callable[[], T], *, store: str) -> T:
 
 @dataclass(frozen=True)
 class ObjectInfo:
-    """An object: its URL, its key below the listed prefix, size, mtime and S3's ETag."""
+    """A listed object or local file: where it is read (``url``), its key below the listed
+    location, size (None for a local file), mtime and S3's ETag."""
 
     url: str
     key: str
-    size: int
+    size: int | None
     mtime_ns: int | None
     etag: str | None = None
 
@@ -674,28 +656,36 @@ def _seen(url: str, key: str, size: int | None, mtime_ns: int | None,
 
 @dataclass(frozen=True)
 class Found:
-    """What an input names: its ``kind`` (``"file"``, ``"folder"`` or ``"missing"``); ``size``:
-    an object's, from the store's answer (None for a local file: read when it is opened);
-    ``regular``: a regular file or an object (a container is read only from one); ``listing``:
-    a prefix's objects as the store lists them (``iter_files``), None for a local folder."""
+    """What an input names, asked once: ``kind`` (``"file"``, ``"folder"`` or ``"missing"``);
+    ``size``: an object's, from the store's answer (None for a local file: read when opened);
+    ``regular``: a regular file or an object (a container is read only from one); ``link``: a
+    local symbolic link; ``remote``: each read is a request to a store (bytes read once are
+    worth holding, a file worth streaming once); ``posix``: the location as posix text without
+    a trailing slash (a URL as given: ``pathlib`` would make ``s3://b`` into ``s3:/b``)."""
 
+    location: str
     kind: str
+    posix: str
     size: int | None = None
     regular: bool = False
-    listing: Iterator[ObjectInfo] | None = None
+    link: bool = False
+    remote: bool = False
 
 
 def examine(location: str) -> Found:
-    """What is at ``location``: a local path is a folder or else a file (links and special
-    files included: their rows say what they are); a URL is asked (``kind``)."""
+    """What is at ``location``: a local path is a folder, a file (links and special files
+    included: their rows say what they are) or missing; a URL is asked (``kind``)."""
     if not is_url(location):
+        from pathlib import Path
+
+        posix = Path(location).as_posix().rstrip("/")
         if os.path.isdir(location):
-            return Found("folder")
-        return Found("file", regular=os.path.isfile(location))
-    what = kind(location)
-    if what == "file":
-        return Found(what, size_of(location), regular=True)
-    return Found(what, listing=iter_files(location) if what == "folder" else None)
+            return Found(location, "folder", posix)
+        return Found(location, "file" if os.path.lexists(location) else "missing", posix,
+                     regular=os.path.isfile(location), link=os.path.islink(location))
+    what, posix = kind(location), location.rstrip("/")
+    size = stat(location).size if what == "file" else None
+    return Found(location, what, posix, size, regular=what == "file", remote=True)
 
 
 def kind(url: str) -> str:
@@ -823,21 +813,27 @@ def whole_if_stored(source: "str | bytes") -> "str | bytes":
     return read_bytes(source) if isinstance(source, str) and is_url(source) else source
 
 
-def open_input(url: str):
-    """A seekable file over the object (``pyarrow.NativeFile``), each read a ranged request; a
-    local path's memory-mapped."""
-    path = local_path(url)
+def open_input(location: str):
+    """A seekable file (``pyarrow.NativeFile``) over an object, each read a ranged request, or
+    over a local regular file, memory-mapped (a map of a FIFO would wait in its open)."""
+    path = local_path(location)
     if path is not None:
         import pyarrow as pa
 
+        require_regular(path)
         return pa.memory_map(path, "r")
-    fs, path = filesystem(url)
-    return retrying(lambda: fs.open_input_file(path), store=store_of(url))
+    fs, path = filesystem(location)
+    return retrying(lambda: fs.open_input_file(path), store=store_of(location))
 
 
-def read_range(url: str, offset: int, size: int) -> bytes:
-    """``size`` bytes of the object from ``offset`` (one ranged request, retried)."""
-    return _read(url, offset, size)[0]
+def read_range(location: str, offset: int, size: int) -> bytes:
+    """``size`` bytes of a local regular file or an object from ``offset``: one read (one
+    ranged request, retried), into the bytes returned."""
+    if is_url(location):
+        return _read(location, offset, size)[0]
+    with open_regular(location) as handle:
+        handle.seek(offset)
+        return handle.read(size)
 
 
 def read_head(url: str, size: int) -> tuple[bytes, int]:
@@ -873,14 +869,209 @@ def _read(url: str, offset: int, size: int | None, direct: bool = True) -> tuple
     return retrying(attempt, store=store_of(url))
 
 
-def size_of(url: str) -> int:
-    return stat(url).size
-
-
 def open_stream(url: str):
     """A file over the object, ``read`` once in order (one streamed GET after pyarrow's HEAD)."""
     fs, path = filesystem(url)
     return retrying(lambda: fs.open_input_stream(path), store=store_of(url))
+
+
+def open_whole(location: str) -> tuple[BinaryIO, int]:
+    """A buffered file over all of a local regular file or an object, read in order, and its
+    size: an object is read by one streamed request (``open_range``'s ``streamed``)."""
+    if not is_url(location):
+        handle = open_regular(location)
+        return handle, os.fstat(handle.fileno()).st_size
+    size = stat(location).size
+    return open_range(location, 0, size, streamed=True, buffer_size=1 << 20), size
+
+
+def open_range(location: str, start: int, size: int, head: bytes = b"",
+               streamed: bool = False, buffer_size: int = 64 << 10) -> BinaryIO:
+    """A buffered, seekable file over ``size`` bytes of ``location`` from ``start`` (``_Range``)."""
+    return io.BufferedReader(_Range(location, start, size, head, streamed), buffer_size)
+
+
+#: The last bytes a streamed ``_Range`` keeps: a tar's end-of-archive blocks (its last record,
+#: 10 KiB as a rule) are read again from them, not by a request.
+_TAIL_BYTES = 64 << 10
+
+
+class _Range(io.RawIOBase):
+    """A read-only file over ``size`` bytes of a file or an object from ``start``, the first of
+    them in ``head`` already. In a store, each read past ``head`` is one ranged request, unless
+    ``streamed``: one request then streams the object (``open_stream``), a seek forward reads
+    past the bytes between, and only a read behind its last ``_TAIL_BYTES`` is ranged."""
+
+    def __init__(self, location: str, start: int, size: int, head: bytes = b"",
+                 streamed: bool = False) -> None:
+        remote = is_url(location)
+        self._location, self._file = location, None if remote else open_regular(location)
+        self._start, self._size, self._pos = start, size, 0
+        self._kept, self._kept_at = head, 0  # bytes read already, and where they start
+        self._stream = open_stream(location) if streamed and remote else None
+        self._at = 0  # where the stream is
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._size}[whence]
+        self._pos = max(0, base + offset)
+        return self._pos
+
+    def tell(self) -> int:
+        return self._pos
+
+    def readinto(self, buffer) -> int:
+        n = max(0, min(len(buffer), self._size - self._pos))
+        if n == 0:
+            return 0
+        skip = self._pos - self._kept_at
+        if 0 <= skip < len(self._kept):
+            data = self._kept[skip:skip + n]
+        elif self._stream is not None and self._pos >= self._at:
+            data = self._read_on(n)
+        elif self._file is None:
+            data = read_range(self._location, self._start + self._pos, n)
+        else:
+            self._file.seek(self._start + self._pos)
+            data = self._file.read(n)
+        buffer[:len(data)] = data
+        self._pos += len(data)
+        return len(data)
+
+    def _read_on(self, n: int) -> bytes:
+        """``n`` bytes from the stream at the reader's position, past what it skips."""
+        while self._at < self._pos:
+            skipped = self._stream.read(min(1 << 20, self._pos - self._at))
+            if not skipped:
+                return b""
+            self._keep(skipped)
+        data = self._stream.read(n)
+        self._keep(data)
+        return data
+
+    def _keep(self, data: bytes) -> None:
+        self._at += len(data)
+        if len(data) < _TAIL_BYTES:
+            data = self._kept + data
+        self._kept = data[-_TAIL_BYTES:]
+        self._kept_at = self._at - len(self._kept)
+
+    def close(self) -> None:
+        if not self.closed:
+            for handle in (self._file, self._stream):
+                if handle is not None:
+                    handle.close()
+        super().close()
+
+
+# ----------------------------------------------------------------------------- local files
+
+NOT_REGULAR = "not a regular file (a FIFO, socket or device)"
+
+
+class NotRegularFile(OSError):
+    """A local path that names a FIFO, socket or device: opening or reading it could wait
+    forever, so a container there is an error row at once."""
+
+    def __init__(self) -> None:
+        super().__init__(errno.EINVAL, NOT_REGULAR)
+
+    def __str__(self) -> str:
+        return NOT_REGULAR
+
+
+def require_regular(path: str) -> None:
+    """Raise ``NotRegularFile`` unless the local ``path`` (links followed) is a regular file."""
+    if not S_ISREG(os.stat(path).st_mode):
+        raise NotRegularFile()
+
+
+def open_regular(path: str) -> BinaryIO:
+    """``open(path, "rb")`` of a regular file only (else ``NotRegularFile``): opened without
+    blocking (a FIFO's open waits for a writer), checked on the open file (a path swapped
+    meanwhile is seen), then made blocking again for plain reads."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    try:
+        if not S_ISREG(os.fstat(fd).st_mode):
+            raise NotRegularFile()
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return os.fdopen(fd, "rb")
+
+
+def walk(location: str, skips: Callable[[str, str], bool], unlisted: list[tuple[str, str]],
+         should_stop: Callable[[], bool] | None = None) -> Iterator[ObjectInfo]:
+    """The files under a local folder or a prefix, as they are listed: a prefix's objects in
+    its listing's order (``iter_files``), a folder's files and links (``_walk_folder``, whose
+    ``size`` is None); ``url`` is where each is read, ``key`` its posix path below
+    ``location``. What ``skips(name, path below location)`` holds for is left out, with every
+    file under it. ``should_stop`` is polled once per entry: when it turns true, the walk ends."""
+    listing = (_walk_folder(location, skips, unlisted) if not is_url(location)
+               else (info for info in iter_files(location) if not _skips_key(skips, info.key)))
+    for info in listing:
+        if should_stop is not None and should_stop():
+            return
+        yield info
+
+
+def _skips_key(skips: Callable[[str, str], bool], key: str) -> bool:
+    """Whether ``skips`` leaves the object ``key`` out: it, or a folder on its way."""
+    parts = key.split("/")
+    return any(skips(part, "/".join(parts[:i + 1])) for i, part in enumerate(parts))
+
+
+def _list_folder(folder: str) -> list[os.DirEntry]:
+    """A folder's entries, sorted by name. Raises OSError when it cannot be listed."""
+    with os.scandir(folder) as scan:
+        return sorted(scan, key=lambda e: e.name)
+
+
+def _walk_folder(root: str, skips: Callable[[str, str], bool],
+                 unlisted: list[tuple[str, str]]) -> Iterator[ObjectInfo]:
+    """``walk`` of a local folder: depth-first, entries sorted by name (keys in pathlib order:
+    ``b/z.png`` before ``b-c.gif``), symlinked folders followed once each; iterative, holding
+    only the folders on the walked path. A folder that cannot be listed (no permission, a path
+    past PATH_MAX) is appended to ``unlisted`` as ``(path, reason)``."""
+    seen_dirs: set[tuple[int, int]] = set()
+    # Frames: a folder's remaining entries (reversed: pop() takes the next), its path in root.
+    stack: list[tuple[list[os.DirEntry], str]] = []
+
+    def enter(folder: str, rel: str) -> None:
+        try:
+            info = os.stat(folder)
+            if (info.st_dev, info.st_ino) not in seen_dirs:
+                seen_dirs.add((info.st_dev, info.st_ino))
+                stack.append((_list_folder(folder)[::-1], rel))
+        except OSError as exc:
+            reason = exc.strerror or " ".join(str(exc).split()) or type(exc).__name__
+            unlisted.append((folder, reason))
+
+    enter(root, "")
+    while stack:
+        entries, rel = stack[-1]
+        if not entries:
+            stack.pop()
+            continue
+        entry = entries.pop()
+        child_rel = f"{rel}/{entry.name}" if rel else entry.name
+        if skips(entry.name, child_rel):
+            continue
+        try:
+            is_dir = entry.is_dir(follow_symlinks=True)
+            is_file = not is_dir and entry.is_file(follow_symlinks=True)
+        except OSError:
+            is_dir = is_file = False
+        if is_dir:
+            enter(entry.path, child_rel)
+        elif is_file or entry.is_symlink():  # a dangling link still gets its (error) row
+            yield ObjectInfo(entry.path, child_rel, None, None)
 
 
 # ----------------------------------------------------------------------------- single GETs

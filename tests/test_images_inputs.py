@@ -279,12 +279,12 @@ def test_streamed_walk_is_the_sorted_order(tmp_path):
 def test_first_inputs_come_before_the_listing_ends(tmp_path, monkeypatch):
     """A folder that cannot be listed yet (its listing stands for a slow file system or a
     bucket's later pages) does not hold back the inputs found before it."""
-    from dsv4enc.images import discover as discover_module
+    from dsv4enc import storage
     from dsv4enc.images.discover import Discovery, stream_inputs
 
     for name in ["a/1.png", "a/2.png", "b/3.png", "z/4.png"]:
         touch(tmp_path / name)
-    real = discover_module._list_folder
+    real = storage._list_folder
     reached: list[str] = []
 
     def listing(folder: str):
@@ -293,12 +293,12 @@ def test_first_inputs_come_before_the_listing_ends(tmp_path, monkeypatch):
             raise AssertionError("the folder z was listed before the first inputs were taken")
         return real(folder)
 
-    monkeypatch.setattr(discover_module, "_list_folder", listing)
+    monkeypatch.setattr(storage, "_list_folder", listing)
     found = Discovery(items=[])
     stream = stream_inputs(found, [str(tmp_path)])
     assert [next(stream).key, next(stream).key] == ["a/1.png", "a/2.png"]
     assert "z" not in reached and not found.listed
-    monkeypatch.setattr(discover_module, "_list_folder", real)
+    monkeypatch.setattr(storage, "_list_folder", real)
     assert keys(stream) == ["b/3.png", "z/4.png"]
     assert found.listed
 

@@ -30,7 +30,7 @@ from ..process import keep_freed_memory_mapped, own_process_pillow_settings
 from ..tower.config import VisionConfig
 from .arena import PatchArena, WorkerArena, default_slots, patch_slot_bytes
 from .formats import DEFAULT_MAX_PIXELS, image_name, misnamed, open_image
-from .sources import HELD, NOT_REGULAR, attach_held, held_key, open_item
+from .sources import HELD, attach_held, held_key, open_item
 
 
 @dataclass
@@ -173,7 +173,7 @@ def probe_image(source, max_pixels: int = DEFAULT_MAX_PIXELS) -> Probe:
             target = handle = open_item(source, stream=True)  # a plain file item gives its path
         if isinstance(target, (str, os.PathLike)) and not stat.S_ISREG(os.stat(target).st_mode):
             # A FIFO or a device named like an image could block an open (or a read) forever.
-            raise ValueError(NOT_REGULAR)
+            raise ValueError(storage.NOT_REGULAR)
         name = image_name(source, target)
         with open_checked(target, max_pixels, name=name) as image:
             width, height = image.size

@@ -1,12 +1,5 @@
-"""Finding the images to encode: folders (recursive, sorted), files, and path lists.
-
-Each input becomes an ``InputItem`` whose ``key`` is the output's ``path`` column: relative to
-the folder it was found in (posix), or the path as given; an image inside a container (a tar
-shard, a table) is keyed under the container's own key, found the same way
-(``container_items``). A folder (or a prefix) with no image file but with containers (the
-usual WebDataset layout) is read as those containers, except dsv4enc's own outputs; in a
-folder with images, containers are not read (a ``metadata.parquet`` beside the images is no
-image table), and a warning names how many were passed over."""
+"""Finding the images to encode: folders and prefixes (recursive, sorted), files, containers
+and path lists, each keyed as the output's ``path`` column holds it (docs/inputs.md)."""
 
 from __future__ import annotations
 
@@ -68,72 +61,25 @@ class Exclusions:
         return name.startswith(".") or any(fnmatchcase(name, glob) or fnmatchcase(rel, glob)
                                            for glob in self.globs)
 
-    def skips_key(self, key: str) -> bool:
-        """Whether an object keyed ``key`` under a walked prefix is left out: it, or a folder
-        on its way."""
-        parts = key.split("/")
-        return any(self.skips(part, "/".join(parts[:i + 1])) for i, part in enumerate(parts))
 
-
-def _list_folder(folder: str) -> list[os.DirEntry]:
-    """A folder's entries, sorted by name. Raises OSError when it cannot be listed."""
-    with os.scandir(folder) as scan:
-        return sorted(scan, key=lambda e: e.name)
-
-
-def iter_folder(root: Path, found: "Discovery",
+def iter_folder(root: str | Path, found: "Discovery",
                 should_stop: Callable[[], bool] | None = None,
                 containers: list[tuple[str, str]] | None = None,
                 exclusions: Exclusions = Exclusions()) -> Iterator[InputItem]:
-    """Image files under ``root``, recursively, as the walk reaches them: depth-first, entries
-    sorted by name (keys in pathlib order: ``b/z.png`` before ``b-c.gif``), symlinked folders
-    followed once each; iterative, holding only the folders on the walked path. A folder that
-    cannot be listed (no permission, a path past PATH_MAX) is appended to ``found.unlisted`` as
-    ``(path, reason)``, a container file to ``containers`` (when given) as ``(path relative to
-    root, path)``; other files are counted in ``found.skipped``; what ``exclusions`` leaves
-    out is passed over. ``should_stop`` is polled once per entry: when it turns true, the
-    walk ends."""
-    seen_dirs: set[tuple[int, int]] = set()
-    # Frames: a folder's remaining entries (reversed: pop() takes the next), its path in root.
-    stack: list[tuple[list[os.DirEntry], str]] = []
-
-    def enter(folder: str, rel: str) -> None:
-        try:
-            info = os.stat(folder)
-            if (info.st_dev, info.st_ino) not in seen_dirs:
-                seen_dirs.add((info.st_dev, info.st_ino))
-                stack.append((_list_folder(folder)[::-1], rel))
-        except OSError as exc:
-            reason = exc.strerror or " ".join(str(exc).split()) or type(exc).__name__
-            found.unlisted.append((folder, reason))
-
-    enter(str(root), "")
-    while stack:
-        if should_stop is not None and should_stop():
-            return
-        entries, rel = stack[-1]
-        if not entries:
-            stack.pop()
-            continue
-        entry = entries.pop()
-        child_rel = f"{rel}/{entry.name}" if rel else entry.name
-        if exclusions.skips(entry.name, child_rel):
-            continue
-        try:
-            is_dir = entry.is_dir(follow_symlinks=True)
-            is_file = not is_dir and entry.is_file(follow_symlinks=True)
-        except OSError:
-            is_dir = is_file = False
-        if is_dir:
-            enter(entry.path, child_rel)
-        elif is_file or entry.is_symlink():
-            # A dangling link with an image name still gets its (error) row.
-            if is_image_name(entry.name):
-                yield InputItem(key=child_rel, path=entry.path)
-            elif containers is not None and container_kind(entry.name) is not None:
-                containers.append((child_rel, entry.path))
-            else:
-                found.skipped += 1
+    """Image files under the folder or prefix ``root`` as the walk reaches them
+    (``storage.walk``), keyed relative to it; an object in a store is a ``StoredObject``. A
+    folder that cannot be listed is appended to ``found.unlisted`` as ``(path, reason)``, a
+    container file to ``containers`` (when given) as ``(path relative to root, path)``; other
+    files are counted in ``found.skipped``; what ``exclusions`` leaves out is passed over.
+    ``should_stop`` is polled once per entry: when it turns true, the walk ends."""
+    for entry in storage.walk(str(root), exclusions.skips, found.unlisted, should_stop):
+        if is_image_name(entry.key):
+            member = StoredObject(entry.url, entry.size) if entry.size is not None else None
+            yield InputItem(key=entry.key, path=entry.url, member=member)
+        elif containers is not None and container_kind(entry.key) is not None:
+            containers.append((entry.key, entry.url))
+        else:
+            found.skipped += 1
 
 
 def read_path_list(list_file: str) -> list[str]:
@@ -171,30 +117,28 @@ def stream_inputs(found: Discovery, inputs: Iterable[str], files_from: str | Non
                   keep_columns: Sequence[str] = (), keep_members: Sequence[str] = (),
                   exclude: Sequence[str] = ()) -> Iterator[InputItem]:
     """Expand folders and files (and an optional path list) into items, in input order, as
-    the listing reaches them: a folder walked entry by entry (``iter_folder``), a prefix's
-    objects in its listing's order (``storage.iter_files``: on S3 a page at a time), a path
-    list read whole (refused when none of its paths exists), a container (a table, a ``.tar``
-    shard) indexed when it is reached; keys made unique (``UniqueKeys``). ``found`` (its
+    the listing reaches them: each input examined once, a folder or a prefix walked
+    (``iter_folder``), a path list read whole (refused when none of its paths exists), a
+    container indexed when it is reached; keys made unique (``UniqueKeys``). ``found`` (its
     ``items`` left alone) counts what was passed over and the tables read, gathers the folders
     not listed (logged at the end), and at the end holds ``kept_fields`` and ``listed``.
-    ``keep_members``: the sidecar members a tar sample's images carry (``expand_tar``).
-    A folder's or a prefix's walk leaves out hidden entries and those ``exclude``'s globs
-    match (``Exclusions``); inputs given by name and list lines are taken as given.
 
-    A missing path is a UsageError before the first item; so is an input set with nothing in
+    A missing input is a UsageError before the first item; so is an input set with nothing in
     it, at the end. Paths from ``--files-from`` are taken as given (a missing one is an error
     row later). When ``stop`` records a signal, ``errors.Interrupted`` is raised."""
-    inputs = list(inputs)
+    places = []
     for raw in inputs:
-        check_path_input(raw)
+        place = storage.examine(raw)
+        check_path_input(place)
+        places.append(place)
     state = _Listing(found, UniqueKeys(), path_roots(table_paths_roots), (image_column, key_column),
                      tuple(keep_members), Exclusions(tuple(exclude)))
-    prefix_roots = sum(storage.may_be_folder(raw)  # see ``key_under_root``
-                       for raw in inputs) > 1
-    for raw in inputs:
+    prefix_roots = sum(place.remote or place.kind == "folder"  # see ``key_under_root``
+                       for place in places) > 1
+    for place in places:
         if stop is not None:
             stop.check()
-        for item in _input_items(raw, state, prefix_roots, stop):
+        for item in _input_items(place, state, prefix_roots, stop):
             yield state.keyed(item)
     if files_from is not None:
         lines = read_path_list(files_from)
@@ -208,17 +152,15 @@ def stream_inputs(found: Discovery, inputs: Iterable[str], files_from: str | Non
     _end_listing(state, keep_columns, stop)
 
 
-def check_path_input(raw: str) -> None:
-    """Refuse a local input that cannot be read before anything is listed: a missing path,
-    a compressed tar, a FIFO, socket or device without an image name."""
-    if storage.may_be_folder(raw):
-        return
-    path = Path(raw)
-    if path.is_file():
-        refuse_compressed_tar(raw)
-    elif not path.is_symlink() and not path.exists():
+def check_path_input(place: storage.Found) -> None:
+    """Refuse an input that cannot be read before anything is listed: a missing path or
+    object, a compressed tar, a FIFO, socket or device without an image name."""
+    raw = place.location
+    if place.kind == "missing":
         raise UsageError(f"input not found: {raw}")
-    elif not path.is_symlink() and not is_image_name(raw):
+    if place.regular:
+        refuse_compressed_tar(raw)
+    elif place.kind == "file" and not place.link and not is_image_name(raw):
         raise UsageError(f"input {raw} is not a regular file or a folder")
 
 
@@ -261,22 +203,18 @@ class _Listing:
         return items
 
 
-def _input_items(raw: str, state: _Listing, prefix_roots: bool,
+def _input_items(place: storage.Found, state: _Listing, prefix_roots: bool,
                  stop: Stop | None) -> Iterator[InputItem]:
     """The items of one input as they are found (keys not yet unique across inputs): a file or
     an object is an image or a container; a folder or a prefix is walked, then read for its
-    containers (``read_folder_containers``). A missing URL is a UsageError, as for a path."""
-    found, at = state.found, storage.examine(raw)
-    if at.kind == "missing":
-        raise UsageError(f"input not found: {raw}")
-    if at.kind == "file":
+    containers (``read_folder_containers``)."""
+    found, raw = state.found, place.location
+    if place.kind == "file":
         state.name(raw)
-        if at.regular:  # a local one was refused before anything was listed already
-            refuse_compressed_tar(raw)
-        if container_kind(raw) is not None and at.regular:
+        if container_kind(raw) is not None and place.regular:
             yield from state.container(raw, raw)
         elif is_image_name(raw):  # a file, a link, or a FIFO/socket/device (its row says so)
-            member = StoredObject(raw, at.size) if at.size is not None else None
+            member = StoredObject(raw, place.size) if place.size is not None else None
             yield InputItem(key=raw, path=raw, member=member)
         else:
             found.skipped += 1
@@ -284,31 +222,14 @@ def _input_items(raw: str, state: _Listing, prefix_roots: bool,
     state.walked += 1
     shards: list[tuple[str, str]] = []
     images = 0
+    root = place.posix if prefix_roots and place.posix != "." else None
     should_stop = stop.requested if stop is not None else None
-    walk = (_iter_prefix(at.listing, found, shards, state.exclusions) if at.listing is not None
-            else iter_folder(Path(raw), found, should_stop, shards, state.exclusions))
-    for item in walk:
+    for item in iter_folder(raw, found, should_stop, shards, state.exclusions):
         images += 1
-        yield replace(item, key=key_under_root(raw, item.key)) if prefix_roots else item
-    if stop is not None and at.listing is None:
-        stop.check()  # a folder's walk cut short is not read for containers
-    yield from read_folder_containers(raw, shards, images > 0, state, prefix_roots)
-
-
-def _iter_prefix(listing: Iterable[storage.ObjectInfo], found: Discovery,
-                 containers: list[tuple[str, str]],
-                 exclusions: Exclusions = Exclusions()) -> Iterator[InputItem]:
-    """The image objects of a prefix's ``listing``, keyed relative to it; the rest as in
-    ``iter_folder``."""
-    for obj in listing:
-        if exclusions.skips_key(obj.key):
-            continue
-        if is_image_name(obj.key):
-            yield InputItem(key=obj.key, path=obj.url, member=StoredObject(obj.url, obj.size))
-        elif container_kind(obj.key) is not None:
-            containers.append((obj.key, obj.url))
-        else:
-            found.skipped += 1
+        yield replace(item, key=key_under_root(root, item.key))
+    if stop is not None:
+        stop.check()  # a walk cut short is not read for containers
+    yield from read_folder_containers(raw, shards, images > 0, state, root)
 
 
 def _end_listing(state: _Listing, keep_columns: Sequence[str], stop: Stop | None) -> None:
@@ -395,7 +316,7 @@ def container_items(raw: str, name: str, image_column: str | None = None,
 
 
 def read_folder_containers(raw: str, containers: list[tuple[str, str]], has_images: bool,
-                           state: _Listing, prefix_roots: bool) -> Iterator[InputItem]:
+                           state: _Listing, root: str | None) -> Iterator[InputItem]:
     """The images of the containers (``(relative path, path)``) found in the folder or prefix
     ``raw``: read when it holds no image file, else passed over with a warning."""
     if has_images and containers:
@@ -408,7 +329,7 @@ def read_folder_containers(raw: str, containers: list[tuple[str, str]], has_imag
         if written_by_dsv4enc(path):  # an output (or its parts) written beside the shards
             state.found.skipped += 1
         else:
-            yield from state.container(path, key_under_root(raw, rel) if prefix_roots else rel)
+            yield from state.container(path, key_under_root(root, rel))
 
 
 def nothing_found(inputs: Iterable[str], files_from: str | None, skipped: int) -> str:
@@ -436,11 +357,10 @@ def warn_unlisted(unlisted: list[tuple[str, str]], shown: int = 10) -> None:
 # text is another file's name) gets ``#2``, ``#3``, ... (``unique_keys``).
 
 
-def key_under_root(root: str, key: str) -> str:
-    """``key`` (a path under the folder ``root``) prefixed with the folder as given, in posix
-    form (``data/`` and ``./data`` give ``data/``; ``.`` adds nothing)."""
-    prefix = storage.posix_text(root)
-    return key if prefix == "." else f"{prefix}/{key}"
+def key_under_root(root: str | None, key: str) -> str:
+    """``key`` (a path under a walked folder) prefixed with ``root``, the folder as given in
+    posix form (``storage.Found.posix``: ``data/`` and ``./data`` give ``data``), when several are."""
+    return key if root is None else f"{root}/{key}"
 
 
 def _output_text(key: str) -> str:

@@ -1,29 +1,15 @@
-"""Images inside container files: Parquet/Arrow tables with an image column, WebDataset tars.
+"""Images inside container files (WebDataset tars, Parquet/Arrow tables), and reading an item.
 
 The main process reads only an index of each container (a tar's member headers; a table's
 row-group sizes and key column) and gives each image an ``InputItem`` whose ``member`` says
-where its bytes lie; decode workers read just that: a tar member by offset and size, a table
-cell by row group (or record batch) and row, through a per-process cache of row groups.
-
-Every key of a container's image is ``NAME/<name inside>`` (``member_key``), ``NAME`` the
-container's own key. A tar member ``dir/sample.jpg`` is keyed by its WebDataset sample
-(``split_key``), ``NAME/dir/sample``, or by its full name when the sample holds several
-images. Compressed tars are refused. A table row is keyed by its ``--key-column`` value as it
-is; else ``NAME/<path>`` by the ``path`` field of a Hugging Face ``{bytes, path}`` image struct
-when it is set; else ``NAME#<row>`` (the row counted from 0 over the whole file).
-
-In a store, each input is read once where it can be (a tar shard by one streamed read, an
-object by its header probe), the bytes held for the decode (``HeldInputs``).
-
-A damaged container never reads as complete: what cannot be read is an ``Unreadable`` item,
-one error row keyed ``<file>@<byte offset>`` where the damage starts (a tar region without a
-valid header, after which the index reads on as GNU tar does; a tar or Arrow stream cut short;
-a table that does not open, ``@0``); an unreadable Parquet row group's rows are error rows."""
+where its bytes lie; decode workers read just that, a table cell through a per-process cache
+of row groups. docs/inputs.md tells how the images are keyed and which error rows a damaged
+container gives. In a store, each input is read once where it can be (a tar shard by one
+streamed read, an object by its header probe), the bytes held for the decode (``HeldInputs``)."""
 
 from __future__ import annotations
 
 import contextlib
-import errno
 import io
 import os
 import stat
@@ -159,7 +145,7 @@ def _read_ahead(item: InputItem) -> BinaryIO:
     if len(head) >= size:
         HELD.hold(key, head)
         return io.BytesIO(head)
-    return io.BufferedReader(_RangeFile(item.path, start, size, head), buffer_size=256 << 10)
+    return storage.open_range(item.path, start, size, head, buffer_size=256 << 10)
 
 
 #: Compressors a tar shard may be packed with (it then cannot be read member by member): its
@@ -190,43 +176,6 @@ def container_kind(path: str) -> str | None:
     return "tar" if lower.endswith(TAR_EXTENSIONS) else None
 
 
-# ----------------------------------------------------------------------------- regular files
-
-NOT_REGULAR = "not a regular file (a FIFO, socket or device)"
-
-
-class NotRegularFile(OSError):
-    """A local path that names a FIFO, socket or device: opening or reading it could wait
-    forever, so a container there is an error row at once."""
-
-    def __init__(self) -> None:
-        super().__init__(errno.EINVAL, NOT_REGULAR)
-
-    def __str__(self) -> str:
-        return NOT_REGULAR
-
-
-def require_regular(path: str) -> None:
-    """Raise ``NotRegularFile`` unless the local ``path`` (links followed) is a regular file."""
-    if not stat.S_ISREG(os.stat(path).st_mode):
-        raise NotRegularFile()
-
-
-def open_regular(path: str) -> BinaryIO:
-    """``open(path, "rb")`` of a regular file only (else ``NotRegularFile``): opened without
-    blocking (a FIFO's open waits for a writer), checked on the open file (a path swapped
-    meanwhile is seen), then made blocking again for plain reads."""
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise NotRegularFile()
-        os.set_blocking(fd, True)
-    except BaseException:
-        os.close(fd)
-        raise
-    return os.fdopen(fd, "rb")
-
-
 # ----------------------------------------------------------------------------- tar shards
 
 def split_key(name: str) -> tuple[str, str]:
@@ -246,13 +195,8 @@ def _open_tar(raw: str) -> tuple[tarfile.TarFile | None, int, str | None]:
     """``(archive, file size, None)``, or ``(None, size, why)`` when not even the first header
     reads. A compressed file is a UsageError (it needs decompressing, not an error row)."""
     try:
-        if storage.reads_are_requests(raw):
-            # In a store, the shard is read once, in order: headers and members' data alike.
-            size = storage.size_of(raw)
-            handle = io.BufferedReader(_RangeFile(raw, 0, size, streamed=True), 1 << 20)
-        else:
-            size = os.path.getsize(raw)
-            handle = open_regular(raw)
+        # In a store, the shard is read once, in order: headers and members' data alike.
+        handle, size = storage.open_whole(raw)
     except OSError as exc:
         return None, 0, f"cannot read it: {exc.strerror or exc}"
     try:
@@ -284,10 +228,12 @@ def _first_nonzero(handle: BinaryIO, start: int, stop: int) -> int | None:
     return None
 
 
-def _gap_damage(raw: str, start: int, stop: int) -> int | None:
-    """Where the bytes between two members (``[start, stop)``) hold something other than
-    zero blocks and pax global headers (which tarfile reads without yielding a member)."""
-    with _RangeFile(raw, 0, stop) as handle:
+def _gap_damage(handle: BinaryIO, start: int, stop: int) -> int | None:
+    """Where the bytes between two members (``[start, stop)``) of the open archive hold
+    something other than zero blocks and pax global headers (which tarfile reads without
+    yielding a member); the file is left where it was."""
+    at = handle.tell()
+    try:
         while start < stop:
             handle.seek(start)
             try:
@@ -298,6 +244,8 @@ def _gap_damage(raw: str, start: int, stop: int) -> int | None:
                 break
             start += _BLOCK + -(-info.size // _BLOCK) * _BLOCK
         return _first_nonzero(handle, start, stop) if start < stop else None
+    finally:
+        handle.seek(at)
 
 
 def _tar_end_damage(handle: BinaryIO, end: int, size: int,
@@ -390,7 +338,7 @@ def expand_tar(raw: str, name: str | None = None,
                 break
             if info is None:
                 break
-            bad = _gap_damage(raw, end, info.offset) if info.offset > end else None
+            bad = _gap_damage(archive.fileobj, end, info.offset) if info.offset > end else None
             if bad is not None:  # zeros are fine: an end marker between joined archives
                 items.append(damaged_item(raw, bad, (
                     f"no valid tar header up to byte {info.offset} (a damaged header, or a "
@@ -428,93 +376,10 @@ def expand_tar(raw: str, name: str | None = None,
     return items, len(other_keys - samples.keys())
 
 
-#: The last bytes a streamed ``_RangeFile`` keeps: a tar's end-of-archive blocks (its last
-#: record, 10 KiB as a rule) are read again from them, not by a request.
-_TAIL_BYTES = 64 << 10
-
-
-class _RangeFile(io.RawIOBase):
-    """A read-only file over ``size`` bytes of a file or an object from ``start``, the first of
-    them in ``head`` already. In a store, each read past ``head`` is one ranged request, unless
-    ``streamed``: one request then streams the object (``storage.open_stream``), a seek forward
-    reads past the bytes between, and only a read behind its last ``_TAIL_BYTES`` is ranged."""
-
-    def __init__(self, path: str, start: int, size: int, head: bytes = b"",
-                 streamed: bool = False) -> None:
-        self._url = storage.reads_are_requests(path)
-        self._path, self._file = path, None if self._url else open_regular(path)
-        self._start, self._size, self._pos = start, size, 0
-        self._kept, self._kept_at = head, 0  # bytes read already, and where they start
-        self._stream = storage.open_stream(path) if streamed else None
-        self._at = 0  # where the stream is
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._size}[whence]
-        self._pos = max(0, base + offset)
-        return self._pos
-
-    def tell(self) -> int:
-        return self._pos
-
-    def readinto(self, buffer) -> int:
-        n = max(0, min(len(buffer), self._size - self._pos))
-        if n == 0:
-            return 0
-        skip = self._pos - self._kept_at
-        if 0 <= skip < len(self._kept):
-            data = self._kept[skip:skip + n]
-        elif self._stream is not None and self._pos >= self._at:
-            data = self._read_on(n)
-        elif self._url:
-            data = storage.read_range(self._path, self._start + self._pos, n)
-        else:
-            self._file.seek(self._start + self._pos)
-            data = self._file.read(n)
-        buffer[:len(data)] = data
-        self._pos += len(data)
-        return len(data)
-
-    def _read_on(self, n: int) -> bytes:
-        """``n`` bytes from the stream at the reader's position, past what it skips."""
-        while self._at < self._pos:
-            skipped = self._stream.read(min(1 << 20, self._pos - self._at))
-            if not skipped:
-                return b""
-            self._keep(skipped)
-        data = self._stream.read(n)
-        self._keep(data)
-        return data
-
-    def _keep(self, data: bytes) -> None:
-        self._at += len(data)
-        if len(data) < _TAIL_BYTES:
-            data = self._kept + data
-        self._kept = data[-_TAIL_BYTES:]
-        self._kept_at = self._at - len(self._kept)
-
-    def close(self) -> None:
-        if not self.closed:
-            for handle in (self._file, self._stream):
-                if handle is not None:
-                    handle.close()
-        super().close()
-
-
 def read_tar_member(path: str, member: TarMember) -> bytes:
     """The member's bytes, read by offset and size (no tar parsing): one read, one request,
     into the bytes returned (no copy on the way)."""
-    if storage.reads_are_requests(path):
-        data = storage.read_range(path, member.offset, member.size)
-    else:
-        with open_regular(path) as handle:
-            handle.seek(member.offset)
-            data = handle.read(member.size)
+    data = storage.read_range(path, member.offset, member.size)
     if len(data) != member.size:
         raise EOFError(f"tar member {member.name} is truncated ({len(data)} of "
                        f"{member.size} bytes)")
@@ -588,9 +453,6 @@ class TableReader:
         self.path = path
         self.parquet = path.lower().endswith(".parquet")
         self.damage: tuple[int, str] | None = None
-        local = storage.local_path(path)
-        if local is not None:  # a memory map or Parquet reader of a FIFO would wait in its open
-            require_regular(local)
         if self.parquet:
             # In a store, each row group's column chunk is one ranged read; a file is mapped.
             self._file = pq.ParquetFile(storage.open_input(path))
@@ -845,8 +707,7 @@ def open_item(item: InputItem, stream: bool = False) -> str | bytes | BinaryIO:
         return held
     if isinstance(member, TarMember):
         if stream:
-            return io.BufferedReader(_RangeFile(item.path, member.offset, member.size),
-                                     buffer_size=64 << 10)
+            return storage.open_range(item.path, member.offset, member.size)
         return read_tar_member(item.path, member)
     if isinstance(member, TableCell):
         return read_table_cell(item.path, member, stream)

@@ -87,7 +87,9 @@ class EncodeOptions:
         given["engine"] = replace(given.get("engine") or EngineSettings(), **flat)
         self.inputs, self.out = inputs, out
         for option in fields(self)[2:]:
-            if option.name in given:
+            if option.name in given and isinstance(option.default, tuple):  # a list given
+                setattr(self, option.name, tuple(given.pop(option.name) or ()))
+            elif option.name in given:
                 setattr(self, option.name, given.pop(option.name))
             elif option.default_factory is not MISSING:
                 setattr(self, option.name, option.default_factory())

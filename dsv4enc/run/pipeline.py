@@ -67,6 +67,13 @@ def tower_engine(ckpt: Checkpoint, device: torch.device, opts: EncodeOptions,
                         out_dtype=resolve_out_dtype(opts.out_dtype), split=split)
 
 
+def decode_pool(opts: EncodeOptions, cfg: VisionConfig, device: torch.device,
+                workers: int) -> DecodePool:
+    """The decode workers of a run's engine on ``device`` (for either engine)."""
+    return DecodePool(cfg, workers, opts.max_pixels, opts.decode_timeout,
+                      pixels=transform_on_device(opts.engine.transform, device.type))
+
+
 def inputs_phrase(inputs: int, listed: bool = True) -> str:
     """The opening line's count: ``1 input``, ``1,024 inputs`` (``10,000+`` while listing)."""
     return f"{inputs:,}{'' if listed else '+'} input{'s' if inputs != 1 else ''}"
@@ -102,13 +109,31 @@ def resume_settings(opts: EncodeOptions) -> ResumeSettings:
                                        "keep_members": list(opts.keep_members) or None})
 
 
+@dataclass(frozen=True)
+class Computing:
+    """What computes a run's rows, as ``PartSource.start`` says once it is up: the output
+    records it (``output/parts.run_settings``) and ``--resume`` compares it."""
+
+    config: VisionConfig
+    fingerprint: str
+    compute_dtype: str  # e.g. "bfloat16"
+    device: str  # the device's kind
+    batch_invariant: bool
+    engine: EngineSettings  # resolved for the device (its batch_tokens plan the batches)
+
+    @classmethod
+    def of(cls, ckpt: Checkpoint, dtype: torch.dtype, engine: Engine) -> "Computing":
+        """What ``engine``, running ``ckpt`` in ``dtype``, computes with."""
+        return cls(ckpt.config, ckpt.fingerprint, str(dtype).removeprefix("torch."),
+                   engine.device.type, bool(engine.deterministic), engine.settings)
+
+
 class PartSource(Protocol):
     """What an engine puts behind the run skeleton (``run_encode`` does the rest once: the
     output's checks, store, resume, writer, assembly, summary, failures and signals):
     ``LocalParts`` or ``ray_engine.RayParts``. ``prepare``: what computes, before the output
     folder is made (returns the line saying what ``--resume`` adopted, else None); ``start``:
-    start computing and say with what (``config``, ``fingerprint``, ``compute_dtype``,
-    ``device``, ``batch_invariant``, ``engine``: its ``EngineSettings``, resolved); ``cut``: the parts, in input order;
+    start computing and say with what (``Computing``); ``cut``: the parts, in input order;
     ``planned_tokens``: the progress total's patches now (None: window by window); ``encode``:
     each part to do to ``writer``, ``begin`` called before the first batch; ``finish``: the
     engine's counts into the summary. ``written_elsewhere``: other processes write the parts."""
@@ -117,7 +142,7 @@ class PartSource(Protocol):
 
     def prepare(self, opts: EncodeOptions, layout: OutputLayout, ranks: Topology,
                 remote: RemoteOutput | None) -> str | None: ...
-    def start(self, setup: RunSetup, progress: RunProgress) -> dict[str, Any]: ...
+    def start(self, setup: RunSetup, progress: RunProgress) -> Computing: ...
     def cut(self, setup: RunSetup, part_images: int, progress: RunProgress,
             stop: StopSignals) -> list[Part]: ...
     def opening_line(self, inputs: int) -> str: ...
@@ -158,14 +183,14 @@ def run_encode(opts: EncodeOptions, dist=None, setup: RunSetup | None = None,
         if remote is not None and opts.dry_run:  # its pull and finish write to the store
             raise UsageError("--dry-run needs a local --out (an object storage output is "
                              "synced when the run ends)")
+        if remote is not None:
+            opts = replace(opts, out=remote.staged_out)
+        elif opts.update:  # an update's switch stopped halfway left the output aside
+            recover_switch(Path(opts.out))
+        layout = OutputLayout(opts.out, opts.shard_output)
         if remote is None:
-            if opts.update:  # an update's switch stopped halfway left the output aside
-                recover_switch(Path(opts.out))
-            layout = OutputLayout(opts.out, opts.shard_output)
             summary = _run_encode(opts, ranks, setup, stop, layout, source)
         else:
-            opts = replace(opts, out=remote.staged_out)
-            layout = OutputLayout(opts.out, opts.shard_output)
             layout.max_file_bytes = remote.max_file_bytes
             summary = remote.run(lambda: _upload_stops_at_once(_run_encode(
                 opts, ranks, setup, stop, layout, source, remote), stop, remote,
@@ -275,16 +300,16 @@ class OutputPlan:
         return self.update.carried if self.update is not None else {}
 
 
-def _plan_output(run: RunState, setup: RunSetup, source: PartSource, computes: dict,
+def _plan_output(run: RunState, setup: RunSetup, source: PartSource, computes: Computing,
                  remote: RemoteOutput | None) -> OutputPlan | None:
     """The run's settings, schema and store (the old output's under ``--update``), and its
     parts still to encode (``--resume`` judges committed parts by their inputs' stamps).
     None for ``--dry-run``: its counts are in the summary, and nothing was written."""
     opts, ranks, layout, summary = run.opts, run.ranks, run.layout, run.summary
-    cfg, alone = computes["config"], ranks.dist is None
+    cfg, alone = computes.config, ranks.dist is None
     part_images = images_per_part(cfg, opts)
-    settings = {**run_settings(cfg, computes["fingerprint"], computes["compute_dtype"],
-                               computes["device"], computes["batch_invariant"],
+    settings = {**run_settings(cfg, computes.fingerprint, computes.compute_dtype,
+                               computes.device, computes.batch_invariant,
                                out_dtype=opts.out_dtype, features=opts.engine.features,
                                pool=opts.pool, layout=opts.layout), "part_images": part_images}
     if ranks.shard_output:
@@ -340,7 +365,7 @@ def _plan_output(run: RunState, setup: RunSetup, source: PartSource, computes: d
         todo, kept = update.keep_parts(store, todo, setup.planned)
         summary.reused += kept
     return OutputPlan(store, schema, todo, update, ranks.is_main and not ranks.sharded,
-                      resuming.row_options, computes["engine"])
+                      resuming.row_options, computes.engine)
 
 
 def given_one_by_one(opts: EncodeOptions) -> bool:
@@ -479,20 +504,17 @@ class LocalParts:
             else self.stand_in.checkpoint
         return adopted
 
-    def start(self, setup: RunSetup, progress: RunProgress) -> dict[str, Any]:
+    def start(self, setup: RunSetup, progress: RunProgress) -> Computing:
         """The decode pool (its workers start while the tower is built) and the Engine (the
         tower split over the ranks under tensor parallelism)."""
         opts, ckpt, device, ranks = self.opts, self.ckpt, self.device, self.ranks
         self.setup = setup
         workers = default_workers(device.type) if opts.workers is None else opts.workers
-        setup.pool = DecodePool(ckpt.config, workers, opts.max_pixels, opts.decode_timeout,
-                                pixels=transform_on_device(opts.engine.transform, device.type))
+        setup.pool = decode_pool(opts, ckpt.config, device, workers)
         engine = self.engine = (
             tower_engine(ckpt, device, opts, lambda model: ranks.split_tower(model, opts.tp_mode))
             if self.stand_in is None else self.stand_in.engine(device, opts))
-        return {"config": ckpt.config, "fingerprint": ckpt.fingerprint,
-                "compute_dtype": self.dtype, "device": engine.device.type,
-                "batch_invariant": engine.deterministic, "engine": engine.settings}
+        return Computing.of(ckpt, self.dtype, engine)
 
     def cut(self, setup: RunSetup, part_images: int, progress: RunProgress,
             stop: StopSignals) -> Iterator[Part]:

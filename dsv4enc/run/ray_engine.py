@@ -94,38 +94,29 @@ class SegmentEncoder:
     ``dtype``: the compute dtype (``auto`` resolves on the actor's own device)."""
 
     def __init__(self, opts: EncodeOptions, device_type: str, dtype: str) -> None:
-        from ..engine.defaults import transform_on_device
         from ..engine.device import resolve_device, resolve_dtype
-        from ..images.decode import DecodePool
         from ..process import own_process_pillow_settings, own_process_settings
-        from .pipeline import load_model, tower_engine
+        from .pipeline import Computing, decode_pool, load_model, tower_engine
 
         own_process_pillow_settings()
         device = resolve_device(device_type)
         own_process_settings(device)
-        self.dtype = resolve_dtype(dtype, device)
-        ckpt = load_model(opts, self.dtype)
-        self.opts, self.cfg, self.fingerprint = opts, ckpt.config, ckpt.fingerprint
-        self.engine = tower_engine(ckpt, device, opts)
-        del ckpt
-        # opts.workers: the driver's ``actor_workers``
-        self.pool = DecodePool(self.cfg, opts.workers, opts.max_pixels, opts.decode_timeout,
-                               pixels=transform_on_device(opts.engine.transform, device.type))
+        compute = resolve_dtype(dtype, device)
+        ckpt = load_model(opts, compute)
+        self.opts, self.engine = opts, tower_engine(ckpt, device, opts)
+        self.computing = Computing.of(ckpt, compute, self.engine)
+        self.pool = decode_pool(opts, ckpt.config, device, opts.workers)  # ``actor_workers``
 
-    def describe(self, probe: tuple[str, bytes] | None = None) -> dict[str, Any]:
-        """What this actor computes with (the driver checks that every actor agrees).
-        ``probe``: a file of the driver's in a local ``--out`` and its content; ``sees_out``
-        says whether this actor reads the same there (it writes its parts beside it)."""
-        engine = self.engine
+    def describe(self, probe: tuple[str, bytes] | None = None) -> tuple[Any, bool, str]:
+        """What this actor computes with (``pipeline.Computing``: the driver checks that every
+        actor agrees), whether it sees a local ``--out`` as the driver does (``probe``: a file
+        of the driver's there and its content; the actor writes its parts beside it), and
+        its host's name."""
         try:
             sees = probe is None or Path(probe[0]).read_bytes() == probe[1]
         except OSError:
             sees = False
-        return {"config": self.cfg, "fingerprint": self.fingerprint,
-                "compute_dtype": str(self.dtype).removeprefix("torch."),
-                "device": engine.device.type, "batch_invariant": bool(engine.deterministic),
-                "engine": engine.settings, "pid": os.getpid(), "sees_out": sees,
-                "host": socket.gethostname()}
+        return self.computing, sees, socket.gethostname()
 
     def encode_part(self, call: PartCall, schema, folder: str, drop_cache: bool) -> dict[str, Any]:
         """Encode one part (``PartEncoder``) and write its file into ``folder`` (a local one, under
@@ -312,7 +303,7 @@ class RayParts:
             return f"--resume: computing in {self.dtype}, as the interrupted run did"
         return None
 
-    def start(self, setup, progress) -> dict[str, Any]:
+    def start(self, setup, progress):
         plan = self.plan
         progress.status(f"starting {plan.actors} encoder actor"
                         f"{'s' if plan.actors > 1 else ''} on Ray")
@@ -328,12 +319,12 @@ class RayParts:
         if self.remote is None and layout.lock.held:
             probe = (str(layout.lock.path.resolve()), layout.lock.path.read_bytes())
         described = self._get([a.describe.remote(probe) for a in self.actors])
-        blind = next((d["host"] for d in described if not d.pop("sees_out")), None)
+        blind = next((host for _, sees, host in described if not sees), None)
         if blind is not None:
             raise UsageError(f"--engine ray: the encoder actors write their parts into --out, "
                              f"and --out {self.opts.out} is not this folder on node {blind}; "
                              "give --out a folder every node shares, or a bucket")
-        settings = [{k: v for k, v in d.items() if k not in ("pid", "host")} for d in described]
+        settings = [computing for computing, _, _ in described]
         if any(other != settings[0] for other in settings[1:]):
             raise DsvError("the encoder actors disagree on their settings (device, dtype "
                            "or weights): give every node the same weights and devices")
@@ -343,13 +334,13 @@ class RayParts:
     def cut(self, setup, part_images: int, progress, stop) -> list:
         """Every header at once, the single file's size checked, and every segment."""
         opts, described = self.opts, self.described
-        cfg = described["config"]
+        cfg = described.config
         setup.headers(cfg, opts, None, stop.requested, announce=progress.status)
         if stop.signum is not None:
             raise Interrupted(stop.signum, "nothing was encoded; rerun the same command")
         self.layout.check_file_size(output_bytes(cfg, opts, setup.planned))
         return setup.cut_parts(part_images, None, opts.balance, cfg,
-                               segment_tokens(described["engine"].batch_tokens, described["device"]))
+                               segment_tokens(described.engine.batch_tokens, described.device))
 
     def opening_line(self, inputs: int) -> str:
         from .pipeline import inputs_phrase, model_and_output
@@ -357,8 +348,8 @@ class RayParts:
         plan, described = self.plan, self.described
         each = (f"{plan.gpus:g} GPU" if plan.gpus else f"{plan.cpus:g} CPU") + " each"
         return (f"encoding {inputs_phrase(inputs)} on {plan.actors} Ray "
-                f"actor{'s' if plan.actors != 1 else ''} ({each}, {described['device']}) in "
-                f"{described['compute_dtype']}; {model_and_output(self.opts, described['config'])}")
+                f"actor{'s' if plan.actors != 1 else ''} ({each}, {described.device}) in "
+                f"{described.compute_dtype}; {model_and_output(self.opts, described.config)}")
 
     def planned_tokens(self, setup, todo) -> int:
         return sum(setup.planned[i].tokens for p in todo for i in range(p.start, p.end))

@@ -57,26 +57,11 @@ class EncodeError(ValueError):
 
 
 class Encoder:
-    """Embeddings of images from the DeepSeek-V4 vision tower, in memory.
-
-    Build one with ``from_pretrained`` (a checkpoint folder or a Hub id) or ``from_config``
-    (random weights). Options, also taken by both:
-
-    - ``features``: ``"aligner"`` (LLM-width rows, one per 3x3 patch block; default) or
-      ``"vit"`` (one row per patch, ViT width); ``pool``: ``"none"`` (every row; default) or
-      ``"mean"`` (one vector per image). Both can also be given per call.
-    - ``out_dtype``: dtype of the returned tensors (default float32).
-    - ``batch_tokens``: patches per packed forward (default 32768 on CUDA, 8192 on CPU);
-      ``max_images``: images per forward at most; ``decode_threads``: threads decoding
-      ahead of the device (default: 0 on CPU, up to 8 on CUDA).
-    - ``max_pixels``, ``attention``, ``cuda_graphs``, ``deterministic`` (default True: an image's
-      bytes do not depend on the other images of the call) and ``fused``: as on the command line.
-    - ``settings``: the engine's settings as one ``engine/settings.EngineSettings``, in place
-      of ``features``, ``batch_tokens``, ``max_images``, ``attention``, ``cuda_graphs``,
-      ``deterministic`` and ``fused`` (give those by name or this, not both).
-
-    Results are CPU tensors in input order, each ``(grid_h*grid_w, width)`` (``(width,)``
-    pooled). Not thread-safe: use one Encoder per thread."""
+    """Embeddings of images from the DeepSeek-V4 vision tower, in memory: build one with
+    ``from_pretrained`` or ``from_config`` (random weights); their options are docs/api.md's.
+    ``settings``: the engine's settings as one ``engine/settings.EngineSettings``, in place of
+    those given by name. Results are CPU tensors in input order, each ``(grid_h*grid_w,
+    width)`` (``(width,)`` pooled). Not thread-safe: use one Encoder per thread."""
 
     def __init__(self, checkpoint: Checkpoint, device: str | torch.device = "auto", *,
                  features: Features = DEFAULT_FEATURES, pool: Pool = DEFAULT_POOL,
@@ -112,13 +97,12 @@ class Encoder:
                         dtype: str | torch.dtype = "auto", **options: Any) -> "Encoder":
         """Load a checkpoint folder (only the tower's tensors are read) or a Hugging Face Hub
         id such as ``deepseek-ai/DeepSeek-V4-Flash-Vision-Exp`` (needs ``dsv4enc[hub]``).
-        ``dtype``: compute dtype, ``"auto"`` (as ``--dtype auto``), a name or a ``torch.dtype``;
-        ``options``: see the class docstring."""
+        ``dtype``: compute dtype, ``"auto"`` (as ``--dtype auto``), a name or a ``torch.dtype``."""
         from .tower.hub import resolve_weights
 
         resolved = resolve_device(device)
-        compute = resolve_dtype(dtype, resolved)
-        return cls(load_checkpoint(resolve_weights(path_or_hub_id), compute), resolved, **options)
+        return cls(load_checkpoint(resolve_weights(path_or_hub_id),
+                                   resolve_dtype(dtype, resolved)), resolved, **options)
 
     @classmethod
     def from_config(cls, config: VisionConfig | str | os.PathLike | Mapping[str, Any],
@@ -131,8 +115,8 @@ class Encoder:
         elif not isinstance(config, VisionConfig):
             config = VisionConfig.from_file(config)
         resolved = resolve_device(device)
-        compute = resolve_dtype(dtype, resolved)
-        return cls(random_checkpoint(config, seed, compute), resolved, **options)
+        return cls(random_checkpoint(config, seed, resolve_dtype(dtype, resolved)), resolved,
+                   **options)
 
     # -- properties ----------------------------------------------------------------------
     @property

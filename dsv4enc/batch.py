@@ -54,32 +54,15 @@ def _fork_safe_threads() -> None:
 
 
 class BatchEncoder:
-    """A batch function: a table of images in, ``dsv4enc encode``'s rows out.
-
-    ``weights``: a checkpoint folder or Hub id (as ``--weights``; default ``DSV4ENC_WEIGHTS``);
-    or ``config`` (a config.json path or dict) with ``seed`` for random weights.
-
-    Columns in: ``image_column`` holds encoded image bytes, paths (local or object-store
-    URLs), ``{"bytes", "path"}`` dicts, PIL images or uint8 arrays; ``key_column`` (optional,
-    any type, written as text) names each row's ``path``. Without a key, a path names its row
-    (a dict: its ``path``), and anything else is ``#N``, its position in the batch. Bytes are
-    read as any accepted format, a path only as the format its extension names.
-
-    ``keep_columns`` (default True): the batch's other columns (the key column too) follow
-    the output columns, as they came; one named as an output column is replaced by it.
-
-    Options as for ``dsv4enc encode`` (``features``, ``pool``, ``out_dtype``: float16 by
-    default, ``layout``, ``max_pixels``) and as for ``Encoder`` (``device``, ``dtype``,
-    ``batch_tokens``, ``max_images``, ``decode_threads``, ``attention``, ``cuda_graphs``,
-    ``deterministic``, ``fused``, or ``settings``: those of the engine as one object).
-
-    Only what is no image's fault raises: a missing column, or an embedding not finite in
-    ``out_dtype`` (``api.EncodeError``: use ``out_dtype="float32"``).
+    """A batch function: a table of images in, ``dsv4enc encode``'s rows out (docs/api.md:
+    its columns in and out, and its options, those of ``dsv4enc encode`` and ``Encoder``).
+    ``weights``: a checkpoint folder or Hub id (default ``DSV4ENC_WEIGHTS``), or ``config``
+    with ``seed`` for random weights. Only what is no image's fault raises: a missing column,
+    or an embedding not finite in ``out_dtype`` (``api.EncodeError``).
 
     Pickling sends the recipe (weights, config and options), not the tensors: an unpickled
-    copy loads its own weights (once per worker of ``datasets`` with ``num_proc``, Spark), and
-    ``datasets``' cache fingerprint is cheap. In a forked process it builds its own engine and
-    runs torch on one thread. Not thread-safe: one per thread."""
+    copy loads its own weights, and ``datasets``' cache fingerprint is cheap. In a forked
+    process it builds its own engine and runs torch on one thread. Not thread-safe."""
 
     def __init__(self, weights: str | os.PathLike | None = None, *,
                  config: str | os.PathLike | Mapping[str, Any] | None = None, seed: int = 0,

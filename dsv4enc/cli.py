@@ -16,14 +16,14 @@ import os
 import sys
 import time
 from dataclasses import fields
-from typing import Any, List, Optional
+from typing import Any, List, Literal, Optional, get_args, get_origin, get_type_hints
 
 import typer
 from typer.core import TyperCommand, TyperGroup
 
 from .version import __version__
 from .errors import AlreadyComplete, DsvError, Interrupted
-from .engine.settings import ATTENTIONS, EngineSettings
+from .engine.settings import EngineSettings
 from .run import options as defaults  # torch-free: the defaults, each defined once
 from .storage import OUTAGE_S, stop_bound_s
 
@@ -129,18 +129,46 @@ def main_options(
 ENCODE_PANELS: dict[str, tuple[str, ...]] = {}
 
 
+#: The fields an ``encode`` option may be named for, with their types.
+_FIELDS = {f.name: (f, hints[f.name]) for settings in (defaults.EncodeOptions, EngineSettings)
+           for hints in [get_type_hints(settings)] for f in fields(settings)}
+
+
+def option(*flags: str, **settings: Any) -> tuple[Any, Any]:
+    """An ``encode`` option named for a field of ``EncodeOptions`` or ``EngineSettings``: its
+    type and default are the field's, a choice's values its metavar (``_panel`` reads them)."""
+    return None, typer.Option(None, *flags, **settings)
+
+
+def _typed(name: str, option: Any) -> tuple[Any, Any]:
+    """``option`` (made by ``option``) with its field's default, and its type as Typer takes
+    it: a choice is text, several values a list."""
+    field, kind = _FIELDS[name]
+    option.default = field.default
+    if get_origin(kind) is Literal:
+        option.metavar = option.metavar or choices(*get_args(kind))
+        return str, option
+    if get_origin(kind) is tuple:
+        return Optional[List[get_args(kind)[0]]], option
+    given = [arg for arg in get_args(kind) if arg is not type(None)]
+    return (Optional[given[0]] if len(given) < len(get_args(kind)) else kind), option
+
+
 def _panel(title: str, **options):
     """Options of one ``encode --help`` panel (Typer's ``rich_help_panel``), by name: each
-    a (type, option) pair."""
+    a (type, option) pair, or what ``option`` made."""
     ENCODE_PANELS[title] = ENCODE_PANELS.get(title, ()) + tuple(options)
-    for _, option in options.values():
-        option.rich_help_panel = title
+    for name, (kind, made) in options.items():
+        made.rich_help_panel = title
+        if kind is None:
+            options[name] = _typed(name, made)
     return options
 
 
 #: ``encode``'s parameters, name -> (type, Typer argument or option), in ``--help``'s order:
-#: its signature is built from here, so each one's type, help, default and panel are written
-#: once (tests/test_cli.py checks that every option is placed). INPUTS: Typer's "Arguments".
+#: its signature is built from here, so each one's help and panel are written once, its type
+#: and default where its field has them (tests/test_cli.py checks that every option is
+#: placed). INPUTS: Typer's "Arguments".
 _ENCODE_PARAMETERS: dict[str, tuple[Any, Any]] = {
     "inputs": (List[str], typer.Argument(
         None,
@@ -148,41 +176,40 @@ _ENCODE_PARAMETERS: dict[str, tuple[Any, Any]] = {
              "(.parquet, .arrow, .feather) and WebDataset shards (.tar).")),
     **_panel(
         "Inputs",
-        files_from=(Optional[str], typer.Option(
-            None, "--files-from",
-            help="A file listing image paths, one per line ('-' for stdin).")),
-        exclude=(Optional[List[str]], typer.Option(
-            None, "--exclude", metavar="GLOB",
+        files_from=option(
+            "--files-from", help="A file listing image paths, one per line ('-' for stdin)."),
+        exclude=option(
+            "--exclude", metavar="GLOB",
             help="Folders: leave out entries whose name or path matches GLOB (repeatable); "
-                 "hidden ones always.")),
-        image_column=(Optional[str], typer.Option(
-            None, "--image-column",
+                 "hidden ones always."),
+        image_column=option(
+            "--image-column",
             help="Table inputs: the column holding image bytes or {bytes, path} structs "
-                 "(default: the only such column).")),
-        key_column=(Optional[str], typer.Option(
-            None, "--key-column",
+                 "(default: the only such column)."),
+        key_column=option(
+            "--key-column",
             help="Table inputs: the column naming each row's path (default: FILE/PATH or "
-                 "FILE#ROW); kept too, in its own type.")),
-        keep_column=(Optional[List[str]], typer.Option(
-            None, "--keep-column", metavar="NAME",
+                 "FILE#ROW); kept too, in its own type."),
+        keep_columns=option(
+            "--keep-column", metavar="NAME",
             help="Table inputs: copy the column NAME into the output rows, in its own type "
-                 "(null for rows not from a table; repeatable).")),
-        keep_member=(Optional[List[str]], typer.Option(
-            None, "--keep-member", metavar="EXT",
+                 "(null for rows not from a table; repeatable)."),
+        keep_members=option(
+            "--keep-member", metavar="EXT",
             help="Tar shards: copy each sample's EXT member "
                  f"({', '.join(defaults.SIDECAR_MEMBERS)}) as text into a column EXT "
-                 "(repeatable).")),
-        table_paths_root=(Optional[List[str]], typer.Option(
-            None, "--table-paths-root", metavar="DIR",
+                 "(repeatable)."),
+        table_paths_roots=option(
+            "--table-paths-root", metavar="DIR",
             help="Table inputs: {bytes: null, path} cells may name image files under DIR too "
-                 "(default: the table's folder only; repeatable).")),
-        max_pixels=(int, typer.Option(
-            defaults.DEFAULT_MAX_PIXELS, "--max-pixels",
-            help="Images with more pixels are refused (decompression bombs); Pillow's default.")),
-        decode_timeout=(float, typer.Option(
-            defaults.DEFAULT_DECODE_TIMEOUT_S, "--decode-timeout",
+                 "(default: the table's folder only; repeatable)."),
+        max_pixels=option(
+            "--max-pixels",
+            help="Images with more pixels are refused (decompression bombs); Pillow's default."),
+        decode_timeout=option(
+            "--decode-timeout",
             help="Seconds one image may take to decode, or its header to be read, before it is "
-                 "given up (an error row).")),
+                 "given up (an error row)."),
         storage_option=(Optional[List[str]], typer.Option(
             None, "--storage-option", metavar="KEY=VALUE",
             help="Object storage (s3://, gs://, ...) inputs and --out: an option of the file "
@@ -197,32 +224,25 @@ _ENCODE_PARAMETERS: dict[str, tuple[Any, Any]] = {
     ),
     **_panel(
         "Model",
-        weights=(Optional[str], typer.Option(
-            None, "--weights", envvar="DSV4ENC_WEIGHTS",
+        weights=option(
+            "--weights", envvar="DSV4ENC_WEIGHTS",
             # \[: a literal bracket, not rich markup
             help="Checkpoint folder or Hub id owner/name (pip install 'dsv4enc\\[hub]'); its "
-                 "config.json's model_type, deepseek_v4 or deepseek_v41, picks the variant.")),
-        config=(Optional[str], typer.Option(
-            None, "--config",
-            help="Model config JSON for --random-init (configs/ has both variants).")),
-        random_init=(bool, typer.Option(
-            False, "--random-init",
-            help="A random tower of --config's shape (demos, benchmarks).")),
-        seed=(int, typer.Option(
-            0, "--seed",
-            help="Seed for --random-init.")),
-        dtype=(str, typer.Option(
-            "auto", "--dtype", metavar=choices("auto", "float32", "bfloat16", "float16"),
+                 "config.json's model_type, deepseek_v4 or deepseek_v41, picks the variant."),
+        config=option(
+            "--config", help="Model config JSON for --random-init (configs/ has both variants)."),
+        random_init=option(
+            "--random-init", help="A random tower of --config's shape (demos, benchmarks)."),
+        seed=option("--seed", help="Seed for --random-init."),
+        dtype=option(
+            "--dtype", metavar=choices("auto", "float32", "bfloat16", "float16"),
             help="Compute dtype (auto: bfloat16 on CUDA; on the CPU the dtype measured "
                  "faster on its kind: bfloat16 on Intel with AMX and on AMD Zen 5, float32 on "
-                 "other CPUs; --resume continues in the interrupted run's).")),
-        features=(str, typer.Option(
-            ENGINE_DEFAULTS.features, "--features",
-            metavar=choices(*defaults.CHOICES["features"]),
-            help="aligner: LLM-width merged tokens; vit: per-patch ViT features.")),
-        pool=(str, typer.Option(
-            defaults.DEFAULT_POOL, "--pool", metavar=choices(*defaults.CHOICES["pool"]),
-            help="none: every row; mean: one vector per image (retrieval, dedup).")),
+                 "other CPUs; --resume continues in the interrupted run's)."),
+        features=option(
+            "--features", help="aligner: LLM-width merged tokens; vit: per-patch ViT features."),
+        pool=option(
+            "--pool", help="none: every row; mean: one vector per image (retrieval, dedup)."),
     ),
     **_panel(
         "Output",
@@ -230,97 +250,85 @@ _ENCODE_PARAMETERS: dict[str, tuple[Any, Any]] = {
             ..., "--out", "-o",
             help="Output Parquet file, or a folder (ending in / or with --shard-output) for a "
                  "part-file dataset.")),
-        out_dtype=(str, typer.Option(
-            defaults.DEFAULT_STORED_DTYPE, "--out-dtype",
-            metavar=choices(*defaults.CHOICES["out_dtype"]),
-            help="Stored embedding dtype.")),
-        layout=(str, typer.Option(
-            defaults.DEFAULT_LAYOUT, "--layout", metavar=choices(*defaults.CHOICES["layout"]),
+        out_dtype=option("--out-dtype", help="Stored embedding dtype."),
+        layout=option(
+            "--layout",
             help="embedding column: binary (raw bytes, ~20x cheaper) or nested (float lists "
-                 "that SQL tools read).")),
-        overwrite=(bool, typer.Option(
-            False, "--overwrite",
-            help="Replace an existing --out.")),
-        resume=(bool, typer.Option(
-            False, "--resume",
-            help="Continue an interrupted run, reusing its committed parts.")),
-        update=(bool, typer.Option(
-            False, "--update",
+                 "that SQL tools read)."),
+        overwrite=option("--overwrite", help="Replace an existing --out."),
+        resume=option("--resume", help="Continue an interrupted run, reusing its committed parts."),
+        update=option(
+            "--update",
             help="Bring a finished --out up to date: encode new and changed images and failed "
-                 "reads, keep the other rows, drop those of images gone.")),
-        prune=(bool, typer.Option(
-            False, "--prune",
-            help=f"Let --update drop more than {defaults.PRUNE_SHARE:.0%} of the rows.")),
-        retry_errors=(bool, typer.Option(
-            False, "--retry-errors", help="--update: encode every error row again.")),
-        keep_unlisted=(bool, typer.Option(
-            False, "--keep-unlisted",
-            help="--update: encode only the inputs given; keep every other row as it is.")),
-        dry_run=(bool, typer.Option(
-            False, "--dry-run", help="Say what would be encoded, reused, dropped.")),
-        shard_output=(bool, typer.Option(
-            False, "--shard-output",
-            help="torchrun: each rank writes its own parts under the --out folder.")),
+                 "reads, keep the other rows, drop those of images gone."),
+        prune=option(
+            "--prune", help=f"Let --update drop more than {defaults.PRUNE_SHARE:.0%} of the rows."),
+        retry_errors=option(
+            "--retry-errors", help="--update: encode every error row again."),
+        keep_unlisted=option(
+            "--keep-unlisted",
+            help="--update: encode only the inputs given; keep every other row as it is."),
+        dry_run=option(
+            "--dry-run", help="Say what would be encoded, reused, dropped."),
+        shard_output=option(
+            "--shard-output",
+            help="torchrun: each rank writes its own parts under the --out folder."),
         summary_json=(Optional[str], typer.Option(
             None, "--summary-json",
             help="Also write the run's summary here as JSON (at the end, or when a signal stops "
                  "the run).")),
-        commit_every=(float, typer.Option(
-            defaults.COMMIT_EVERY_S, "--commit-every",
-            help="Seconds of encoding between commits (a kill loses about this much).")),
-        part_images=(Optional[int], typer.Option(
-            None, "--part-images",
-            help="Inputs a part file holds on average (default: from the model config).")),
+        commit_every=option(
+            "--commit-every",
+            help="Seconds of encoding between commits (a kill loses about this much)."),
+        part_images=option(
+            "--part-images",
+            help="Inputs a part file holds on average (default: from the model config)."),
     ),
     **_panel(
         "Run control",
         quiet=(bool, typer.Option(
             False, "--quiet", "-q",
             help="Print only errors and, at the end, the output path (on stdout).")),
-        log_every=(float, typer.Option(
-            defaults.LOG_EVERY_S, "--log-every",
+        log_every=option(
+            "--log-every",
             help="Seconds between progress lines when stderr is not a terminal (logs of nohup, "
-                 "SLURM).")),
-        timeout=(float, typer.Option(
-            defaults.COLLECTIVE_TIMEOUT_S, "--timeout",
-            help="Seconds a collective may wait for a peer rank before the job fails.")),
+                 "SLURM)."),
+        timeout=option(
+            "--timeout",
+            help="Seconds a collective may wait for a peer rank before the job fails."),
     ),
     **_panel(
         "Engine",
-        device=(str, typer.Option(
-            "auto", "--device",
-            help="auto, cpu, cuda or cuda:N (under torchrun: each rank's LOCAL_RANK GPU).")),
-        batch_tokens=(Optional[int], typer.Option(
-            ENGINE_DEFAULTS.batch_tokens, "--batch-tokens",
-            help="Patches per packed batch (default 32768 on CUDA, 8192 on CPU).")),
-        workers=(Optional[int], typer.Option(
-            None, "--workers",
-            help="Decode processes (default from the CPU count; 0 decodes inline).")),
-        attention=(str, typer.Option(
-            ENGINE_DEFAULTS.attention, "--attention", metavar=choices(*ATTENTIONS),
-            help="Attention backend.")),
-        cuda_graphs=(Optional[bool], typer.Option(
-            ENGINE_DEFAULTS.cuda_graphs, "--cuda-graphs/--no-cuda-graphs",
-            help="Replay captured CUDA graphs (default: on with CUDA).")),
-        deterministic=(bool, typer.Option(
-            ENGINE_DEFAULTS.deterministic, "--deterministic/--no-deterministic",
+        device=option(
+            "--device",
+            help="auto, cpu, cuda or cuda:N (under torchrun: each rank's LOCAL_RANK GPU)."),
+        batch_tokens=option(
+            "--batch-tokens",
+            help="Patches per packed batch (default 32768 on CUDA, 8192 on CPU)."),
+        workers=option(
+            "--workers", help="Decode processes (default from the CPU count; 0 decodes inline)."),
+        attention=option("--attention", help="Attention backend."),
+        cuda_graphs=option(
+            "--cuda-graphs/--no-cuda-graphs",
+            help="Replay captured CUDA graphs (default: on with CUDA)."),
+        deterministic=option(
+            "--deterministic/--no-deterministic",
             help="Batch-invariant rows: an image's bytes do not depend on its batch, ranks "
-                 "or resume. Not with --tp-mode weights.")),
-        fused=(Optional[bool], typer.Option(
-            ENGINE_DEFAULTS.fused, "--fused/--no-fused",
+                 "or resume. Not with --tp-mode weights."),
+        fused=option(
+            "--fused/--no-fused",
             help="Fuse RMSNorm, RoPE and SwiGLU with torch.compile (default: on with CUDA); "
-                 "rows equal the eager tower's to float rounding.")),
-        transform=(str, typer.Option(
-            ENGINE_DEFAULTS.transform, "--transform",
-            metavar=choices(*defaults.CHOICES["transform"]),
-            help="Where images are resized (same bytes): auto is device on CUDA, host on CPU.")),
-        tp_mode=(str, typer.Option(
-            "data", "--tp-mode", metavar=choices(*defaults.CHOICES["tp_mode"]),
+                 "rows equal the eager tower's to float rounding."),
+        transform=option(
+            "--transform",
+            help="Where images are resized (same bytes): auto is device on CUDA, host on CPU."),
+        tp_mode=option(
+            "--tp-mode",
             help="torchrun: data (each rank encodes its images) or weights (the tower split "
-                 "across ranks; rows not batch-invariant).")),
-        balance=(str, typer.Option(
-            "patches", "--balance", metavar=choices(*defaults.CHOICES["balance"]),
-            help="torchrun load balance by patches, or flops (attention's quadratic term).")),
+                 "across ranks; rows not batch-invariant)."),
+        balance=option(
+            "--balance",
+            help="torchrun load balance by patches, or flops (attention's quadratic term)."),
     ),
     **_panel(
         "Ray",
@@ -395,12 +403,7 @@ def encode(ctx: typer.Context, **given: Any) -> None:
         given.pop(name) for name in ("storage_option", "summary_json", "quiet", "engine"))
     ray_settings = {name: given.pop(f"ray_{name}")
                     for name in ("address", "actors", "gpus_per_actor", "object_store_mb")}
-    opts = EncodeOptions(inputs=list(given.pop("inputs") or []),
-                         keep_columns=tuple(given.pop("keep_column") or ()),
-                         keep_members=tuple(given.pop("keep_member") or ()),
-                         exclude=tuple(given.pop("exclude") or ()),
-                         table_paths_roots=tuple(given.pop("table_paths_root") or ()),
-                         progress=not quiet, engine=EngineSettings.take(given), **given)
+    opts = EncodeOptions(inputs=list(given.pop("inputs") or []), progress=not quiet, **given)
     ray_opts = None
     if engine == "ray":
         from .run.ray_engine import RayEngineOptions
@@ -566,17 +569,13 @@ def inspect_command(
     except DsvError as exc:
         fail(str(exc), exc.exit_code)
     except OSError as exc:
-        fail(_read_failure(output, exc))
+        from .storage import describe
+
+        fail(f"cannot read {describe(output, exc)}")
     if as_json:
         typer.echo(json.dumps(summary.as_dict(), indent=1))
     else:
         render(summary)
-
-
-def _read_failure(output: str, exc: OSError) -> str:
-    from .storage import describe
-
-    return f"cannot read {describe(output, exc)}"
 
 
 def _inspect_errors(output: str, storage_option: list[str] | None, as_json: bool,

@@ -183,14 +183,14 @@ def run_encode(opts: EncodeOptions, dist=None, setup: RunSetup | None = None,
         if remote is not None and opts.dry_run:  # its pull and finish write to the store
             raise UsageError("--dry-run needs a local --out (an object storage output is "
                              "synced when the run ends)")
+        if remote is not None:
+            opts = replace(opts, out=remote.staged_out)
+        elif opts.update:  # an update's switch stopped halfway left the output aside
+            recover_switch(Path(opts.out))
+        layout = OutputLayout(opts.out, opts.shard_output)
         if remote is None:
-            if opts.update:  # an update's switch stopped halfway left the output aside
-                recover_switch(Path(opts.out))
-            layout = OutputLayout(opts.out, opts.shard_output)
             summary = _run_encode(opts, ranks, setup, stop, layout, source)
         else:
-            opts = replace(opts, out=remote.staged_out)
-            layout = OutputLayout(opts.out, opts.shard_output)
             layout.max_file_bytes = remote.max_file_bytes
             summary = remote.run(lambda: _upload_stops_at_once(_run_encode(
                 opts, ranks, setup, stop, layout, source, remote), stop, remote,

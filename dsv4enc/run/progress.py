@@ -1,17 +1,10 @@
 """Progress on stderr: a bar on a terminal, a plain line every few seconds in a log file.
 
 Every figure is counted per batch (under torchrun: summed over all ranks by the caller) and
-has one definition, shared with the end-of-run summary:
-
-- *images*: images finished (encoded or failed; on ``--resume`` those of the earlier run
-  too), out of all the run's images (out of those listed so far, with a ``+``, until the
-  listing has ended);
-- *tokens*: ViT patch tokens encoded by this run, out of those it has to encode (out of
-  those planned so far, with a ``+``, until the last window is planned);
-- *img/s*, *tokens/s*: images and tokens finished per second of the encoding loop (from
-  the first batch on; start-up, header reading and graph capture are not in it);
-- *ETA*: the tokens still to encode at the current tokens/s (images, until every token
-  to encode is known), so that a run of large images is not estimated from its small ones."""
+has one definition, shared with the end-of-run summary (README.md, "Progress and the
+summary"): rates are per second of the encoding loop, and the ETA is the tokens left at that
+rate (images, until every token to encode is known), so that a run of large images is not
+estimated from its small ones. A ``+`` marks a total of what is listed or planned so far."""
 
 from __future__ import annotations
 

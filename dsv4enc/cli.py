@@ -569,17 +569,13 @@ def inspect_command(
     except DsvError as exc:
         fail(str(exc), exc.exit_code)
     except OSError as exc:
-        fail(_read_failure(output, exc))
+        from .storage import describe
+
+        fail(f"cannot read {describe(output, exc)}")
     if as_json:
         typer.echo(json.dumps(summary.as_dict(), indent=1))
     else:
         render(summary)
-
-
-def _read_failure(output: str, exc: OSError) -> str:
-    from .storage import describe
-
-    return f"cannot read {describe(output, exc)}"
 
 
 def _inspect_errors(output: str, storage_option: list[str] | None, as_json: bool,

@@ -1,16 +1,7 @@
-"""Training from an output: torch datasets over its rows, local or at a URL.
-
-``EmbeddingDataset`` is map-style: a row by its index (the output's order, failed rows
-skipped) or by its key (``path``). ``EmbeddingIterableDataset`` streams the rows, its row
-groups split between the ranks (``torch.distributed``, or ``rank``/``world_size``) and each
-rank's DataLoader workers, so that each row is seen exactly once an epoch, in a seeded
-shuffle if asked (``set_epoch`` for a new order). ``collate_embeddings`` pads rows of
-different lengths into one batch. Locally the files are memory-mapped; at a URL (``s3://``,
-``gs://``, fsspec) only the row groups read are fetched, by ranged reads.
-
-An item is a dict: ``path``, ``embedding`` (a tensor in the stored dtype: (grid_h*grid_w,
-width), or (width,) for a pooled output), ``grid_h``, ``grid_w``, and the ``columns`` asked
-for (Python values)."""
+"""Training from an output (docs/training.md): torch datasets over its rows, local or at a
+URL, and ``collate_embeddings``, which pads rows of different lengths into one batch.
+Locally the files are memory-mapped; at a URL (``s3://``, ``gs://``, fsspec) only the row
+groups read are fetched, by ranged reads."""
 
 from __future__ import annotations
 
@@ -132,10 +123,10 @@ def _batch_rows(handle, group: int) -> int:
 
 
 class EmbeddingDataset(Dataset):
-    """Map-style: ``dataset[i]`` is the i-th row of the output (failed rows skipped unless
-    ``errors="include"``), ``dataset["key"]`` the row whose ``path`` is ``key``. Each read
-    takes the row's whole row group (a few rows at the real width); the last ``CACHED_GROUPS``
-    are kept, so neighbouring indices cost one read (and a copy of the row). ``columns``: more columns per item."""
+    """Map-style: ``dataset[i]`` is the i-th row of the output, ``dataset["key"]`` the row
+    whose ``path`` is ``key`` (failed rows skipped unless ``errors="include"``). Each read
+    takes the row's whole row group; the last ``CACHED_GROUPS`` are kept, so neighbouring
+    indices cost one read (and a copy of the row)."""
 
     def __init__(self, location: str | os.PathLike, columns: Sequence[str] = (), *,
                  errors: str = "skip", storage_options: Any = None) -> None:
@@ -188,11 +179,9 @@ class EmbeddingDataset(Dataset):
 
 class EmbeddingIterableDataset(IterableDataset):
     """The rows of an output, split by row group between the ranks (``rank``/``world_size``;
-    default: ``torch.distributed``'s, else one rank) and, within a rank, its DataLoader
-    workers: every row exactly once an epoch over all of them (a rank's share differs from
-    another's by at most one row group's rows). ``shuffle``: the row groups, and the rows in each,
-    in an order drawn from ``seed`` and the epoch (``set_epoch``), the same on every rank.
-    One row group is in memory at a time."""
+    default: ``torch.distributed``'s, else one rank) and their DataLoader workers: every row
+    exactly once an epoch, in an order drawn from ``seed`` and the epoch (``set_epoch``) when
+    ``shuffle``. One row group is in memory at a time."""
 
     def __init__(self, location: str | os.PathLike, columns: Sequence[str] = (), *,
                  errors: str = "skip", shuffle: bool = False, seed: int = 0,

@@ -1,10 +1,6 @@
-"""Ray Data: ``RayEncoder``, a callable class for ``ray.data.Dataset.map_batches``, and
-``encode_dataset``, which makes that call with the right arguments (needs ``dsv4enc[ray]``;
-docs/api.md, "Ray Data").
-
-Each batch gives ``BatchEncoder``'s rows as a pyarrow Table of the command's exact schema
-(string ``error`` and typed ``embedding`` even in a batch where they are all null), then the
-batch's other columns. A bad image is an error row, never a failed block, so no
+"""Ray Data (docs/api.md, "Ray Data"): ``RayEncoder``, a callable class for
+``ray.data.Dataset.map_batches``, and ``encode_dataset``, which makes that call with the right
+arguments (needs ``dsv4enc[ray]``). A bad image is an error row, never a failed block, so no
 ``max_errored_blocks`` should be set (Ray drops a failed block's rows whole)."""
 
 from __future__ import annotations

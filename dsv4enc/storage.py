@@ -9,8 +9,8 @@ listed (``walk``: a folder by ``os.scandir``, a prefix by its store's pages), st
 gives a reader one file system for either. The file systems are pyarrow's, or fsspec's in
 ``pyarrow.fs.PyFileSystem``; an ``s3://`` read is one ranged GET through botocore's client
 where the options allow (``DIRECT_OPTIONS``). A store that stops answering fails loudly, within
-a bound the retry policy sets (``StoreHealth``). Messages name the
-URL and the kind of failure, never an option value."""
+a bound the retry policy sets (``StoreHealth``). Messages name the URL and the kind of
+failure, never an option value."""
 
 from __future__ import annotations
 
@@ -898,17 +898,16 @@ _TAIL_BYTES = 64 << 10
 
 class _Range(io.RawIOBase):
     """A read-only file over ``size`` bytes of a file or an object from ``start``, the first of
-    them in ``head`` already. In a store, each read past ``head`` is one ranged request, unless
-    ``streamed``: one request then streams the object (``open_stream``), a seek forward reads
-    past the bytes between, and only a read behind its last ``_TAIL_BYTES`` is ranged."""
+    them in ``head`` already. Each read past ``head`` is one ``read_range`` (in a store, one
+    ranged request), unless ``streamed``: one request then streams the object
+    (``open_stream``), a seek forward reads past the bytes between, and only a read behind its
+    last ``_TAIL_BYTES`` is ranged."""
 
     def __init__(self, location: str, start: int, size: int, head: bytes = b"",
                  streamed: bool = False) -> None:
-        remote = is_url(location)
-        self._location, self._file = location, None if remote else open_regular(location)
-        self._start, self._size, self._pos = start, size, 0
+        self._location, self._start, self._size, self._pos = location, start, size, 0
         self._kept, self._kept_at = head, 0  # bytes read already, and where they start
-        self._stream = open_stream(location) if streamed and remote else None
+        self._stream = open_stream(location) if streamed and is_url(location) else None
         self._at = 0  # where the stream is
 
     def readable(self) -> bool:
@@ -934,11 +933,8 @@ class _Range(io.RawIOBase):
             data = self._kept[skip:skip + n]
         elif self._stream is not None and self._pos >= self._at:
             data = self._read_on(n)
-        elif self._file is None:
-            data = read_range(self._location, self._start + self._pos, n)
         else:
-            self._file.seek(self._start + self._pos)
-            data = self._file.read(n)
+            data = read_range(self._location, self._start + self._pos, n)
         buffer[:len(data)] = data
         self._pos += len(data)
         return len(data)
@@ -962,10 +958,8 @@ class _Range(io.RawIOBase):
         self._kept_at = self._at - len(self._kept)
 
     def close(self) -> None:
-        if not self.closed:
-            for handle in (self._file, self._stream):
-                if handle is not None:
-                    handle.close()
+        if not self.closed and self._stream is not None:
+            self._stream.close()
         super().close()
 
 

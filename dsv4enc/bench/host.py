@@ -1,9 +1,7 @@
 """Host capacity without a GPU (``dsv4enc bench --host``): the real encode pipeline with the
 tower replaced by ``NullStage``, whose rows (zeros) cost nothing but which does the host's
-share of the CUDA engine's work (page-locked patches with CUDA, staging copies, a fresh copy
-of each batch's rows). With the transform on the device, the workers only decode and the
-host stages the pixels for the upload (``NullEngine.transform``). Reports images/s per core
-and images per CPU-second per output kind and placement, and each stage's one-thread cost."""
+share of the CUDA engine's work (page-locked copies with CUDA, staging, a fresh copy of each
+batch's rows)."""
 
 from __future__ import annotations
 

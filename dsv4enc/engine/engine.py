@@ -78,15 +78,15 @@ class Engine:
     device is CUDA and the attention backend can be captured (flash, varlen); True on a CPU
     device is a UsageError; with SDPA it falls back to eager with a log line.
     ``batch_tokens`` / ``max_images``: the largest batch the caller will submit.
-    ``budgets``: graph token budgets (default: ``graphs.default_budgets``).
+    ``min_budget``: the smallest graph token budget (``graphs.default_budgets``).
     ``deterministic``: an image's output bytes do not depend on the batch it shares (on the
     CPU each image runs through the tower alone; on CUDA every batch in one fixed-shape
     bucket), except under tensor parallelism, whose all-reduces sum in another order."""
 
     def __init__(self, model: VisionTower, features: str | None = None,
                  attention: str | None = None, out_dtype: torch.dtype = torch.float32, *,
-                 settings: EngineSettings | None = None, budgets: Sequence[int] | None = None,
-                 min_budget: int = 1024, **options: Any) -> None:
+                 settings: EngineSettings | None = None, min_budget: int = 1024,
+                 **options: Any) -> None:
         given = dict(features=features, attention=attention, **options)
         settings = replace(settings or EngineSettings(),
                            **{name: value for name, value in given.items() if value is not None})
@@ -111,8 +111,7 @@ class Engine:
             top = max(self.batch_tokens, max_image_tokens(model.cfg))
             self.runner = self._bucket_runner([top], capture=graphs)
         elif graphs:
-            self.runner = self._bucket_runner(
-                list(budgets) if budgets else default_budgets(self.batch_tokens, min_budget))
+            self.runner = self._bucket_runner(default_budgets(self.batch_tokens, min_budget))
         if self.device.type == "cuda":
             self._h2d_stream = torch.cuda.Stream(self.device)
             self._d2h_stream = torch.cuda.Stream(self.device)

@@ -187,15 +187,10 @@ class BucketRunner:
 
     @torch.inference_mode()
     def load(self, staged: StagedInputs) -> None:
-        """Copy staged inputs (host or device) into the static buffers."""
-        n = staged.patches.shape[0]
-        self.patches[:n].copy_(staged.patches)
-        self.positions[:n].copy_(staged.positions)
-        self.cu_seqlens.copy_(staged.cu_seqlens)
-        if staged.merge_index is not None:
-            rows = staged.merge_index.shape[0]
-            self.merge_index[:rows].copy_(staged.merge_index)
-            self.merge_mask[:rows].copy_(staged.merge_mask)
+        """Copy staged inputs (host or device) into the prefixes of the static buffers of the
+        same names."""
+        for name, tensor in staged.tensors().items():
+            getattr(self, name)[:tensor.shape[0]].copy_(tensor)
 
     def _forward(self, bucket: Bucket, lengths: tuple[int, ...] | None) -> torch.Tensor:
         """The static-shape forward over the buffers' prefixes: (R, width) or (T, D)."""

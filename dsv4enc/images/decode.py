@@ -194,15 +194,15 @@ def decode_image(source, cfg: VisionConfig, max_pixels: int = DEFAULT_MAX_PIXELS
     """Decode, transform and patchify one image (an animation's first frame). ``source``: as
     for ``probe_image``; ``out``: as ``transform.image_to_patch_bits`` takes it. ``pixels``:
     leave the transform to the device: the decoded pixels instead of patches, when they are
-    no larger than the largest image's patches (``pixels_fit``; a larger photo is transformed
-    here, to the same bytes, so that what a worker hands on stays bounded)."""
+    no larger than the largest image's patches (a ``PatchArena`` slot; a larger photo is
+    transformed here, to the same bytes, so that what a worker hands on stays bounded)."""
     from ..tower.transform import image_pixels, image_to_patch_bits, plan_canvas
 
     try:
         with open_checked(source, max_pixels) as image:
             width, height = image.size
             image.load()
-            if pixels and pixels_fit(width * height * 3, cfg):
+            if pixels and width * height * 3 <= patch_slot_bytes(cfg):
                 canvas = plan_canvas(width, height, cfg)  # no canvas: an error, as on the host
                 return Decoded(pixels=_into(image_pixels(image), out), n_h=canvas.n_h,
                                n_w=canvas.n_w, width=width, height=height)
@@ -214,12 +214,6 @@ def decode_image(source, cfg: VisionConfig, max_pixels: int = DEFAULT_MAX_PIXELS
     except Exception as exc:
         error, since = read_failure(exc, source)
         return Decoded(error=error, unavailable_since=since)
-
-
-def pixels_fit(size: int, cfg: VisionConfig) -> bool:
-    """Whether ``size`` bytes of pixels fit where the largest image's patches do (a
-    ``PatchArena`` slot)."""
-    return size <= patch_slot_bytes(cfg)
 
 
 def _into(array: np.ndarray, out) -> np.ndarray:

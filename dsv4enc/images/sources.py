@@ -638,11 +638,6 @@ class GroupCache:
 GROUP_CACHE = GroupCache()
 
 
-def clear_cache() -> None:
-    """Drop this process's cached row groups (the main process, once headers are read)."""
-    GROUP_CACHE.clear()
-
-
 def read_table_cell(path: str, cell: TableCell, stream: bool = False) -> bytes | str | BinaryIO:
     """A table cell's image: its bytes (with ``stream``, a file object over them that copies
     nothing, for header probes), or (a struct with only a path) the file it names."""

@@ -8,7 +8,7 @@ from typing import Any, Literal, get_args
 
 from ..engine.defaults import DEFAULT_POOL, POOLS, Pool
 from ..engine.settings import CHOICES as ENGINE_CHOICES, SETTINGS, EngineSettings
-from ..errors import SettingsError, UsageError
+from ..errors import SettingsError, UsageError, check_positive
 from ..process import available_cpus
 from ..images.formats import DEFAULT_DECODE_TIMEOUT_S, DEFAULT_MAX_PIXELS
 from ..images.sources import SIDECAR_MEMBERS
@@ -141,9 +141,8 @@ def validate(opts: EncodeOptions) -> None:
                              f"got {ext}")
     for name in ("batch_tokens", "max_images", "max_pixels", "part_images", "log_every",
                  "commit_every"):
-        value = option(opts, name)
-        if value is not None and value <= 0:
-            raise SettingsError(f"--{name.replace('_', '-')} must be positive, got {value}")
+        if option(opts, name) is not None:
+            check_positive(f"--{name.replace('_', '-')}", option(opts, name))
     if opts.workers is not None and opts.workers < 0:
         raise UsageError(f"--workers must be 0 or more, got {opts.workers}")
     if not opts.storage_outage_s > 0:

@@ -27,7 +27,7 @@ from ..images.decode import Probe
 from ..images.headers import PROBE_TIMEOUT_S, Planned, inputs_digest, probe_all
 from ..images.items import InputItem
 from ..output import files
-from ..images.sources import clear_cache
+from ..images.sources import GROUP_CACHE
 from ..tower.config import VisionConfig
 from ..tower.transform import plan_canvas
 
@@ -50,7 +50,7 @@ def probe_share(items: Sequence[InputItem], max_pixels: int, ranks: Topology | N
     rank, world = (ranks.rank, ranks.world_size) if ranks is not None else (0, 1)
     mine = list(range(rank, len(items), world))
     probes = probe_all([items[i] for i in mine], max_pixels, should_stop, timeout_s)
-    clear_cache()  # table row groups read for the probes: the workers read their own
+    GROUP_CACHE.clear()  # table row groups read for the probes: the workers read their own
     return list(zip(mine, probes))
 
 

@@ -118,10 +118,11 @@ class SegmentEncoder:
             sees = False
         return self.computing, sees, socket.gethostname()
 
-    def encode_part(self, call: PartCall, schema, folder: str, drop_cache: bool) -> dict[str, Any]:
+    def encode_part(self, call: PartCall, schema, folder: str,
+                    drop_cache: bool) -> tuple[dict, RunSummary, list[int]]:
         """Encode one part (``PartEncoder``) and write its file into ``folder`` (a local one, under
         a temporary name the driver renames, or a bucket's URL; ``drop_cache``: never read
-        back). Returns the manifest ``entry``, the part's ``summary`` and its ``progress``
+        back). Returns the manifest entry, the part's summary and its progress
         (``progress.RunProgress.advance``'s arguments), never the rows."""
         from ..output.parts import kept_columns, rows_per_group, rows_to_table, write_part
         from .encoding import PartEncoder
@@ -148,7 +149,7 @@ class SegmentEncoder:
         entry = write_part(folder, call.name, table, group_rows, call.start, call.end,
                            call.digest, drop_cache=drop_cache, staged=True)
         pause("written", pid=os.getpid(), name=call.name)
-        return {"entry": entry, "summary": summary, "progress": progress.counts}
+        return entry, summary, progress.counts
 
 
 class _Tally:
@@ -384,7 +385,7 @@ class RayParts:
         else:
             folder, drop_cache = str(self.layout.parts_dir.resolve()), self.layout.folder_mode
         in_flight: dict[Any, tuple[int, int]] = {}  # ref -> (call, actor)
-        reports: dict[int, dict] = {}
+        reports: dict[int, tuple] = {}
         window, sent, done = IN_FLIGHT_PER_ACTOR * len(self.actors), 0, 0
         if calls:
             begin()  # which sets the status to "encoding" too
@@ -421,14 +422,14 @@ class RayParts:
             self.cluster.close()
 
 
-def _commit(call: PartCall, report: dict, writer, run) -> None:
-    """A part an actor wrote: its entry to the writer (which commits it), its counts to
-    the summary and the progress."""
-    summary = run.summary
-    summary.add(report["summary"])
-    summary.count_misnamed(list(call.planned.values()))  # the driver read every header
-    writer.put_written(call.name, report["entry"])
-    run.progress.advance(*report["progress"])
+def _commit(call: PartCall, report: tuple, writer, run) -> None:
+    """A part an actor wrote (``SegmentEncoder.encode_part``'s report): its entry to the writer
+    (which commits it), its counts to the summary and the progress."""
+    entry, done, progress = report
+    run.summary.add(done)
+    run.summary.count_misnamed(list(call.planned.values()))  # the driver read every header
+    writer.put_written(call.name, entry)
+    run.progress.advance(*progress)
 
 
 def part_calls(planned, todo, batch_tokens: int, max_images: int | None,

@@ -1,8 +1,6 @@
-"""``dsv4enc extract``: a vision-only checkpoint cut out of a full one.
-
-The tower's tensors are copied as stored, one at a time, into one ``model.safetensors``, and
-``config.json`` gets the vision keys in the official flat layout: the result gives the same
-embeddings and weights fingerprint as the source."""
+"""``dsv4enc extract``: a vision-only checkpoint cut out of a full one, its tower's tensors
+copied as stored, one at a time (never the whole tower in memory): it gives the source's
+embeddings and weights fingerprint."""
 
 from __future__ import annotations
 

@@ -1,10 +1,6 @@
-"""Weights from the Hugging Face Hub: ``--weights owner/name`` (optionally ``owner/name@rev``).
-
-Only what the tower needs is fetched: ``config.json`` and ``model.safetensors.index.json``
-first, then just the shards the index names for ``vision.``/``aligner.`` tensors (a repository
-without an index must hold a single ``model.safetensors``). Files land in the usual Hub cache
-(``HF_HUB_CACHE`` / ``HF_HOME``), so a second run, or one with ``HF_HUB_OFFLINE=1``, reads
-them from there. Needs the optional ``huggingface_hub`` package: ``pip install 'dsv4enc[hub]'``."""
+"""Weights from the Hugging Face Hub (``--weights owner/name``, optionally ``@revision``):
+only ``config.json``, the index and the shards it names for the tower's tensors are fetched,
+into the usual Hub cache, which a second run or ``HF_HUB_OFFLINE=1`` reads them from."""
 
 from __future__ import annotations
 

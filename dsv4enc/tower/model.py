@@ -181,9 +181,10 @@ class Attention(nn.Module):
         self.combine: Callable[[torch.Tensor], torch.Tensor] = _identity
         self.rope_fn: Callable[..., torch.Tensor] = apply_rope
 
-    def project(self, x: torch.Tensor, cos: torch.Tensor,
-                sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x (T, D) -> q, k, v (T, h, d), q and k rotated."""
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                spans: VarlenSpans, attend: AttentionFn) -> torch.Tensor:
+        """x (T, D) -> q, k, v (T, h, d), q and k rotated -> attended -> (T, D) through wo
+        (summed across TP ranks)."""
         T = x.shape[0]
         qkv = self.wqkv(x)  # (T, 3*h*d): q heads, k heads, v heads
         width = qkv.shape[1] // 3
@@ -191,16 +192,8 @@ class Attention(nn.Module):
         # q and k are adjacent columns: rotate them as one (T, 2h, d) tensor (half the ops).
         qk = self.rope_fn(qkv[:, :2 * width].view(T, 2 * heads, self.head_dim), cos, sin)
         v = qkv[:, 2 * width:].view(T, heads, self.head_dim)
-        return qk[:, :heads], qk[:, heads:], v
-
-    def output(self, attended: torch.Tensor) -> torch.Tensor:
-        """Attention output (T, h, d) -> (T, D) through wo (summed across TP ranks)."""
-        return self.combine(self.wo(attended.reshape(attended.shape[0], -1)))
-
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                spans: VarlenSpans, attend: AttentionFn) -> torch.Tensor:
-        q, k, v = self.project(x, cos, sin)
-        return self.output(attend(q, k, v, spans))
+        attended = attend(qk[:, :heads], qk[:, heads:], v, spans)
+        return self.combine(self.wo(attended.reshape(T, -1)))
 
 
 class MLP(nn.Module):

@@ -73,7 +73,6 @@ def plan_canvas(width: int, height: int, cfg: VisionConfig) -> Canvas:
     if width <= 0 or height <= 0:
         raise ValueError(f"image has no pixels ({width}x{height})")
     p = cfg.patch_size
-    orig_w, orig_h = width, height
     W, H = width, height
     if cfg.max_wh_ratio is not None and W > H * cfg.max_wh_ratio:
         W = H * cfg.max_wh_ratio
@@ -82,14 +81,14 @@ def plan_canvas(width: int, height: int, cfg: VisionConfig) -> Canvas:
         W = int(W * k)
         H = int(H * k)
     if W <= 0 or H <= 0:  # only with max_wh_ratio < 1: the cap can leave under a pixel
-        raise ValueError(f"image size {orig_w}x{orig_h} gives an empty canvas")
+        raise ValueError(f"image size {width}x{height} gives an empty canvas")
     bw = math.ceil(W / p) * p
     bh = math.ceil(H / p) * p
     fit = _fit_budget_v41 if cfg.is_v41 else _fit_budget_v4
     bw, bh = fit(W, H, bw, bh, cfg)
     if bw <= 0 or bh <= 0:
-        raise ValueError(f"image size {orig_w}x{orig_h} gives an empty canvas")
-    stretch = cfg.max_wh_ratio is not None and orig_w >= cfg.max_wh_ratio * orig_h
+        raise ValueError(f"image size {width}x{height} gives an empty canvas")
+    stretch = cfg.max_wh_ratio is not None and width >= cfg.max_wh_ratio * height
     return Canvas(width=int(bw), height=int(bh), n_w=int(bw) // p, n_h=int(bh) // p,
                   stretch=stretch)
 

@@ -183,9 +183,9 @@ class BatchEncoder:
         from .engine.packing import output_grid
 
         enc = self._own_encoder()
+        keyed = [(image, None if keys is None else keys[i]) for i, image in enumerate(images)]
         rows = []
-        for item, out in enc.stream(enc.prepared(
-                images, lambda i, image: self._prepare(i, image, None if keys is None else keys[i]))):
+        for item, out in enc.stream(enc.prepared(keyed, self._prepare)):
             row = Row(path=item.key, width=item.width, height=item.height, error=item.error)
             if item.error is None:
                 row.vit_h, row.vit_w = item.n_h, item.n_w
@@ -206,8 +206,10 @@ class BatchEncoder:
         keys = column(self.key_column) if self.key_column is not None else None
         return kind, column(self.image_column), keys
 
-    def _prepare(self, index: int, image: Any, key: Any) -> Prepared:
-        """One input prepared, keyed by its ``path`` text (runs on the encoder's threads)."""
+    def _prepare(self, index: int, entry: tuple[Any, Any]) -> Prepared:
+        """One input (an image and its key) prepared, keyed by its ``path`` text (runs on the
+        encoder's threads)."""
+        image, key = entry
         source, name = image_source(image)
         if isinstance(key, bytes):
             key = key.decode("utf-8", "replace")

@@ -129,9 +129,13 @@ def main_options(
 ENCODE_PANELS: dict[str, tuple[str, ...]] = {}
 
 
-#: The fields an ``encode`` option may be named for, with their types.
-_FIELDS = {f.name: (f, hints[f.name]) for settings in (defaults.EncodeOptions, EngineSettings)
-           for hints in [get_type_hints(settings)] for f in fields(settings)}
+def _named_fields() -> dict[str, tuple[Any, Any]]:
+    """The fields an ``encode`` option may be named for, each with its type."""
+    found = {}
+    for settings in (defaults.EncodeOptions, EngineSettings):
+        hints = get_type_hints(settings)
+        found.update((field.name, (field, hints[field.name])) for field in fields(settings))
+    return found
 
 
 def option(*flags: str, **settings: Any) -> tuple[Any, Any]:
@@ -140,28 +144,28 @@ def option(*flags: str, **settings: Any) -> tuple[Any, Any]:
     return None, typer.Option(None, *flags, **settings)
 
 
-def _typed(name: str, option: Any) -> tuple[Any, Any]:
-    """``option`` (made by ``option``) with its field's default, and its type as Typer takes
-    it: a choice is text, several values a list."""
-    field, kind = _FIELDS[name]
-    option.default = field.default
+def _typed(made: Any, field: Any, kind: Any) -> tuple[Any, Any]:
+    """An option ``option`` made, with its ``field``'s default, and the field's type ``kind``
+    as Typer takes it: a choice is text, several values a list."""
+    made.default = field.default
     if get_origin(kind) is Literal:
-        option.metavar = option.metavar or choices(*get_args(kind))
-        return str, option
+        made.metavar = made.metavar or choices(*get_args(kind))
+        return str, made
     if get_origin(kind) is tuple:
-        return Optional[List[get_args(kind)[0]]], option
+        return Optional[List[get_args(kind)[0]]], made
     given = [arg for arg in get_args(kind) if arg is not type(None)]
-    return (Optional[given[0]] if len(given) < len(get_args(kind)) else kind), option
+    return (Optional[given[0]] if len(given) < len(get_args(kind)) else kind), made
 
 
 def _panel(title: str, **options):
     """Options of one ``encode --help`` panel (Typer's ``rich_help_panel``), by name: each
     a (type, option) pair, or what ``option`` made."""
     ENCODE_PANELS[title] = ENCODE_PANELS.get(title, ()) + tuple(options)
+    named = _named_fields()
     for name, (kind, made) in options.items():
         made.rich_help_panel = title
         if kind is None:
-            options[name] = _typed(name, made)
+            options[name] = _typed(made, *named[name])
     return options
 
 

@@ -1,19 +1,13 @@
-"""``encode --update``: bring a finished output up to date with its inputs.
+"""``encode --update``: bring a finished output up to date with its inputs
+(docs/resume-and-safety.md tells what it guarantees and where it builds the new output).
 
-Each row keeps an 8-byte stamp of its input, a hash of its key and ``storage.stamp``:
-a single file in its footer (``STAMPS_KEY``: one rename replaces both), a folder in a
-``_stamps-HASH.bin`` file its manifest names. An update matches the inputs' stamps against the
-old rows' (``Update.match``): an unchanged input takes its old row (``CarriedRows``, read
-forward), a new or changed one is encoded, a gone one left out; rows are batch-invariant, so
-the result equals a clean run. An old part whose rows all stay, in order and on the run's
-segment bounds, is kept (``Update.keep_parts``): a folder's file linked as it is, a single file's
-row groups by bytes.
-
-Crash safety is ``--resume``'s: the update commits to parts of its own (``OUT.partial`` beside a
-single file; for a folder, a hidden sibling folder ``.NAME.dsv4enc-update`` that no reader of
-the output looks in, with part names of a new generation and the kept parts linked in) and
-changes the old output only at the end: a single file is renamed into place; a folder is
-exchanged with the sibling in one atomic step (``switch``), then the old one is removed."""
+Each row keeps an 8-byte stamp of its input, a hash of its key and ``storage.stamp``. An
+update matches the inputs' stamps against the old rows' (``Update.match``): an unchanged
+input takes its old row (``CarriedRows``, read forward), a new or changed one is encoded, a
+gone one left out; rows are batch-invariant, so the result equals a clean run. An old part
+whose rows all stay, in order and on the run's segment bounds, is kept
+(``Update.keep_parts``). A folder's new output is exchanged with the old one at the end in
+one atomic step (``switch``)."""
 
 from __future__ import annotations
 

@@ -61,6 +61,7 @@ class Prepared:
         return self.n_h * self.n_w
 
     def failed(self, error: str) -> "Prepared":
+        """This input with ``error`` in place of its patches and grid (its size kept)."""
         self.error, self.patches, self.n_h, self.n_w = error, None, 0, 0
         return self
 

@@ -282,8 +282,8 @@ class ParquetJoiner:
     threads at once). ``schema``: the footer fields every part must share (None: the first
     appended file's)."""
 
-    def __init__(self, path: Path, schema: list[list] | None = None, end: int | None = None,
-                 ) -> None:
+    def __init__(self, path: Path, schema: list[list] | None = None,
+                 end: int | None = None) -> None:
         """Open ``path`` and cut it at ``end`` (None, or a file that does not start with
         ``PAR1``: anew)."""
         self.path, self.schema = Path(path), schema

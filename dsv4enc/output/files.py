@@ -18,7 +18,7 @@ MANIFEST_NAME = "_manifest.json"
 MANIFEST_FILE = re.compile(r"_manifest(?:-rank(\d{3}))?\.json")
 #: A manifest's journal of the parts committed since it was written whole.
 JOURNAL_FILE = re.compile(r"_manifest(?:-rank\d{3})?\.journal")
-#: A part file: ``part-N[_OFFSET][-rankR][.gG].parquet`` (``.gG``: the Gth generation, ``--update``).
+#: A part file: ``part-N[_OFFSET][-rankR][.gG].parquet`` (``.gG``: an ``--update``'s generation).
 PART_FILE = re.compile(r"part-\d{6,}(?:_\d{6,})?(?:-rank(\d{3}))?(?:\.g(\d+))?\.parquet")
 #: The growing single file of one local process (``appending.AppendingStore``).
 GROWING_NAME = "_growing.parquet"

@@ -9,14 +9,13 @@ from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from ..errors import check_choice, check_positive
-from ..tower.config import ATTENTION_BACKENDS, Attention
+from ..tower.config import Attention
 from .defaults import (DEFAULT_FEATURES, DEFAULT_MAX_IMAGES, FEATURES, TRANSFORMS, Features,
                        Transform, default_batch_tokens)
 
 #: Each choice setting's values (``EngineSettings.check``, ``--help``); the attention backend
 #: is checked where it is chosen (``tower/attention.select_attention``), against these.
 CHOICES: dict[str, tuple[str, ...]] = {"features": FEATURES, "transform": TRANSFORMS}
-ATTENTIONS: tuple[str, ...] = ATTENTION_BACKENDS
 #: The settings that must be positive when given.
 POSITIVE = ("batch_tokens", "max_images")
 

@@ -281,7 +281,9 @@ def progress_text(summary: OutputSummary) -> str:
     done = f"{summary.images_done} image{'s' if summary.images_done != 1 else ''} done"
     left = ("how many are left is not recorded" if summary.images_total is None
             else f"{summary.images_left} of {summary.images_total} left")
-    return f"{parts}, {done}, {left}; rerun the same command with --resume to finish"
+    # The manifest does not record --overwrite, which --resume contradicts: name both.
+    return (f"{parts}, {done}, {left}; rerun the same command with --resume to finish "
+            "(in place of --overwrite, if it had one)")
 
 
 def render(summary: OutputSummary, console=None) -> None:

@@ -158,17 +158,3 @@ def test_the_default_cuda_tower_is_fused_batch_invariant_and_near_eager():
     want = eager.encode(pack(items, 3))
     assert all(rel_err(g, w) < 2e-2 for g, w in zip(got, want))
     assert torch.equal(fused.encode(pack(items[:1], 3))[0], got[0])
-
-
-def test_the_vector_isa_check_runs_ahead_only_for_the_cpu():
-    """The check inductor's CPU kernels need runs on its own thread, and gives inductor's own
-    answer; other devices start nothing."""
-    from torch._inductor.cpu_vec_isa import valid_vec_isa_list
-
-    from dsv4enc.tower.fusion import start_vector_isa_check
-
-    assert start_vector_isa_check(torch.device("meta")) is None
-    thread = start_vector_isa_check(torch.device("cpu"))
-    assert thread is not None and thread.daemon
-    thread.join()
-    assert valid_vec_isa_list() == valid_vec_isa_list.__wrapped__()

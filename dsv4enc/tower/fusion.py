@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 from typing import Callable
 
 import torch
@@ -42,23 +41,6 @@ def pin_cpu_vector_width() -> None:
                  SIMD_BITS[level], os.environ["ATEN_CPU_CAPABILITY"])
 
 
-def start_vector_isa_check(device: torch.device) -> threading.Thread | None:
-    """On a CPU device, run inductor's check of which vector ISAs this machine can build and
-    load (a build and a child process per ISA, over a second even when the kernels come from
-    the cache) on a daemon thread, so that it overlaps the engine's start and dynamo's
-    tracing instead of holding up the first batch; the thread, else None. Inductor caches
-    each ISA's answer for the process, so its first kernel load finds them computed (one
-    still being checked it waits for on that ISA's file lock and checks again); the answers
-    are the ones inductor would compute there itself."""
-    if device.type != "cpu":
-        return None
-    from torch._inductor.cpu_vec_isa import valid_vec_isa_list
-
-    thread = threading.Thread(target=valid_vec_isa_list, name="dsv4enc-vec-isa", daemon=True)
-    thread.start()
-    return thread
-
-
 def compiled(fn: Callable, dynamic: bool = True) -> Callable:
     """``fn`` compiled by inductor (no graph breaks allowed): for any row count
     (``dynamic``), or specialized to each shape it meets."""
@@ -78,7 +60,6 @@ def fuse_elementwise(model: VisionTower, dynamic: bool = True) -> VisionTower:
         raise UsageError(f"--fused needs torch.compile's inductor backend ({exc})") from None
     pin_cpu_vector_width()
     use_compile_cache(model.cfg, model.device, model.dtype)
-    start_vector_isa_check(model.device)
     norm, add_norm, rope, act = (compiled(f, dynamic) for f in (rms_norm, add_rms_norm,
                                                                 rope_formula, swiglu))
     model.vision.norm.norm_fn = norm

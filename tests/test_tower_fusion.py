@@ -158,3 +158,30 @@ def test_the_default_cuda_tower_is_fused_batch_invariant_and_near_eager():
     want = eager.encode(pack(items, 3))
     assert all(rel_err(g, w) < 2e-2 for g, w in zip(got, want))
     assert torch.equal(fused.encode(pack(items[:1], 3))[0], got[0])
+
+
+def test_the_vector_isa_probe_runs_once_per_cache_folder(tmp_path, monkeypatch):
+    """Inductor's probe of the CPU's vector ISAs runs where the folder has no record of it;
+    with the record, ``cpp.vec_isa_ok`` is set without probing. A user's setting, or another
+    device, is left alone."""
+    import torch._inductor.cpu_vec_isa as cpu_vec_isa
+    from torch._inductor import config
+
+    from dsv4enc.tower.fusion import trust_vector_isas
+
+    cpu = torch.device("cpu")
+    with config.patch({"cpp.vec_isa_ok": None}):
+        trust_vector_isas(tmp_path, torch.device("meta"))
+        assert config.cpp.vec_isa_ok is None and not list(tmp_path.iterdir())
+        trust_vector_isas(tmp_path, cpu)
+        if not list(tmp_path.iterdir()):  # an ISA this CPU reports failed inductor's probe
+            assert config.cpp.vec_isa_ok is None
+            return
+        assert config.cpp.vec_isa_ok is True
+    monkeypatch.setattr(cpu_vec_isa, "valid_vec_isa_list", lambda: pytest.fail("probed"))
+    with config.patch({"cpp.vec_isa_ok": None}):
+        trust_vector_isas(tmp_path, cpu)
+        assert config.cpp.vec_isa_ok is True
+    with config.patch({"cpp.vec_isa_ok": False}):
+        trust_vector_isas(tmp_path, cpu)
+        assert config.cpp.vec_isa_ok is False

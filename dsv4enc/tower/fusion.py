@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import logging
 import os
+import platform
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -41,6 +43,39 @@ def pin_cpu_vector_width() -> None:
                  SIMD_BITS[level], os.environ["ATEN_CPU_CAPABILITY"])
 
 
+#: The file, in a tower's compile-cache folder, that says inductor's probe found every vector
+#: ISA this CPU reports building and loading on this host (named after it: a shared home
+#: may hold hosts with other compilers).
+ISA_RECORD = "vec_isa_ok-{host}"
+
+
+def trust_vector_isas(folder: Path | None, device: torch.device) -> None:
+    """On the CPU, set inductor's ``cpp.vec_isa_ok`` once its own probe has found, on this
+    host, that every vector ISA the CPU reports builds and loads: the probe (a build and a
+    child Python per ISA, over a second even when every kernel comes from the cache) then
+    runs once per cache folder instead of in every process, and inductor picks the same
+    ISA from the same list. The setting is part of inductor's cache key, so the run that
+    probes sets it too; nothing is set where the user set it, there is no folder, or an
+    ISA failed the probe. The setting stays for the process, as the probe's answer would."""
+    from torch._inductor import config
+    from torch._inductor.cpu_vec_isa import valid_vec_isa_list
+
+    if device.type != "cpu" or folder is None or config.cpp.vec_isa_ok is not None:
+        return
+    record = folder / ISA_RECORD.format(host=platform.node() or "host")
+    if not record.exists():
+        probed = [str(isa) for isa in valid_vec_isa_list()]
+        with config.patch({"cpp.vec_isa_ok": True}):
+            reported = [str(isa) for isa in valid_vec_isa_list.__wrapped__()]
+        if probed != reported:
+            return
+        try:
+            record.touch()
+        except OSError:  # a read-only cache: probe again next time
+            pass
+    config.cpp.vec_isa_ok = True
+
+
 def compiled(fn: Callable, dynamic: bool = True) -> Callable:
     """``fn`` compiled by inductor (no graph breaks allowed): for any row count
     (``dynamic``), or specialized to each shape it meets."""
@@ -59,7 +94,7 @@ def fuse_elementwise(model: VisionTower, dynamic: bool = True) -> VisionTower:
     except Exception as exc:  # pragma: no cover - depends on the torch build
         raise UsageError(f"--fused needs torch.compile's inductor backend ({exc})") from None
     pin_cpu_vector_width()
-    use_compile_cache(model.cfg, model.device, model.dtype)
+    trust_vector_isas(use_compile_cache(model.cfg, model.device, model.dtype), model.device)
     norm, add_norm, rope, act = (compiled(f, dynamic) for f in (rms_norm, add_rms_norm,
                                                                 rope_formula, swiglu))
     model.vision.norm.norm_fn = norm

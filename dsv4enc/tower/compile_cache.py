@@ -2,7 +2,8 @@
 same machine loads its kernels instead of compiling them again.
 
 Inductor keeps its FX graph cache, autotuning results and (on CUDA) Triton kernels under one
-folder, ``$TORCHINDUCTOR_CACHE_DIR``. dsv4enc points it at ``cache_root()/inductor/KEY``,
+folder, ``$TORCHINDUCTOR_CACHE_DIR`` (on the CPU, ``tower/fusion`` adds its note of the
+vector ISA probe there). dsv4enc points it at ``cache_root()/inductor/KEY``,
 where KEY names the torch version, the device, the compute dtype and a digest of the tower's
 config: a new torch, GPU or config gets a folder of its own and compiles afresh, never
 loading another's artifacts (inductor's own keys would refuse them too; the folder keeps

@@ -29,9 +29,11 @@ SPECS = [("a.jpg", (64, 48), "RGB"), ("b.png", (30, 90), "RGBA"), ("c.png", (120
 
 @pytest.fixture(scope="module")
 def local_ray():
-    """A small local Ray: 2 CPUs, a 200 MB object store, no dashboard."""
+    """A small local Ray: 2 CPUs, a 200 MB object store, no dashboard; its workers run torch on
+    one thread, as this process does (conftest: a row's bytes may depend on the count)."""
     ray.init(address="local", num_cpus=2, object_store_memory=200 << 20,
-             include_dashboard=False, log_to_driver=False, configure_logging=False)
+             include_dashboard=False, log_to_driver=False, configure_logging=False,
+             runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
     ctx = ray.data.DataContext.get_current()
     ctx.enable_progress_bars = False
     yield

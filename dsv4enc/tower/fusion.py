@@ -57,16 +57,25 @@ def trust_vector_isas(folder: Path | None, device: torch.device) -> None:
     ISA from the same list. The setting is part of inductor's cache key, so the run that
     probes sets it too; nothing is set where the user set it, there is no folder, or an
     ISA failed the probe. The setting stays for the process, as the probe's answer would."""
+    if device.type != "cpu" or folder is None:
+        return
     from torch._inductor import config
-    from torch._inductor.cpu_vec_isa import valid_vec_isa_list
 
-    if device.type != "cpu" or folder is None or config.cpp.vec_isa_ok is not None:
+    try:  # inductor's internals: where this torch has them otherwise, it probes as it would
+        from torch._inductor.cpu_vec_isa import valid_vec_isa_list
+
+        if config.cpp.vec_isa_ok is not None:  # the user's own setting
+            return
+    except (ImportError, AttributeError):
         return
     record = folder / ISA_RECORD.format(host=platform.node() or "host")
     if not record.exists():
+        unprobed = getattr(valid_vec_isa_list, "__wrapped__", None)  # its cached answer's source
+        if unprobed is None:
+            return
         probed = [str(isa) for isa in valid_vec_isa_list()]
         with config.patch({"cpp.vec_isa_ok": True}):
-            reported = [str(isa) for isa in valid_vec_isa_list.__wrapped__()]
+            reported = [str(isa) for isa in unprobed()]
         if probed != reported:
             return
         try:

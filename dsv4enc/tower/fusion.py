@@ -50,7 +50,7 @@ ISA_RECORD = "vec_isa_ok-{host}"
 
 
 def trust_vector_isas(folder: Path | None, device: torch.device) -> None:
-    """On the CPU, set inductor's ``cpp.vec_isa_ok`` once its own probe has found, on this
+    """On the CPU, set inductor's cpp.vec_isa_ok option once its own probe has found, on this
     host, that every vector ISA the CPU reports builds and loads: the probe (a build and a
     child Python per ISA, over a second even when every kernel comes from the cache) then
     runs once per cache folder instead of in every process, and inductor picks the same

@@ -52,7 +52,7 @@ class Decoded:
     pixels: np.ndarray | None = None  # uint8 (h, w, c): ``transform.image_pixels``
     n_h: int = 0
     n_w: int = 0
-    width: int | None = None
+    width: int | None = None  # the stored size; kept on an error after the header
     height: int | None = None
     error: str | None = None
     out_of_memory: bool = False  # the worker's memory bound was hit: it is replaced
@@ -162,6 +162,13 @@ def _check_pixels(image, max_pixels: int) -> None:
                          f"more than --max-pixels {max_pixels} (possible decompression bomb)")
 
 
+def regular_only(target: Any) -> Any:
+    """``target``, unless a path naming a FIFO or a device (ValueError): its open could block."""
+    if isinstance(target, (str, os.PathLike)) and not stat.S_ISREG(os.stat(target).st_mode):
+        raise ValueError(storage.NOT_REGULAR)
+    return target
+
+
 def probe_image(source, max_pixels: int = DEFAULT_MAX_PIXELS) -> Probe:
     """Read only the header: the stored size (no EXIF rotation). ``source``: a path, bytes, or
     an ``items.InputItem``. Runs on threads: touches nothing process-wide, and a path naming a
@@ -171,11 +178,8 @@ def probe_image(source, max_pixels: int = DEFAULT_MAX_PIXELS) -> Probe:
         target = source
         if not isinstance(source, (str, os.PathLike, bytes, bytearray, memoryview)):
             target = handle = open_item(source, stream=True)  # a plain file item gives its path
-        if isinstance(target, (str, os.PathLike)) and not stat.S_ISREG(os.stat(target).st_mode):
-            # A FIFO or a device named like an image could block an open (or a read) forever.
-            raise ValueError(storage.NOT_REGULAR)
         name = image_name(source, target)
-        with open_checked(target, max_pixels, name=name) as image:
+        with open_checked(regular_only(target), max_pixels, name=name) as image:
             width, height = image.size
             actual = misnamed(image, name)
         if width <= 0 or height <= 0:
@@ -198,22 +202,25 @@ def decode_image(source, cfg: VisionConfig, max_pixels: int = DEFAULT_MAX_PIXELS
     transformed here, to the same bytes, so that what a worker hands on stays bounded)."""
     from ..tower.transform import image_pixels, image_to_patch_bits, plan_canvas
 
+    width = height = None  # the stored size, once the header is read
     try:
         with open_checked(source, max_pixels) as image:
             width, height = image.size
+            if width <= 0 or height <= 0:  # no size in the row, as a header probe gives none
+                return Decoded(error=f"image has no pixels ({width}x{height})")
+            canvas = plan_canvas(width, height, cfg)  # no canvas: an error before decoding
             image.load()
             if pixels and width * height * 3 <= patch_slot_bytes(cfg):
-                canvas = plan_canvas(width, height, cfg)  # no canvas: an error, as on the host
                 return Decoded(pixels=_into(image_pixels(image), out), n_h=canvas.n_h,
                                n_w=canvas.n_w, width=width, height=height)
             bits, canvas = image_to_patch_bits(image, cfg, out)
         return Decoded(patches=bits, n_h=canvas.n_h, n_w=canvas.n_w, width=width, height=height)
     except MemoryError as exc:  # numpy's and Pillow's allocation failures alike
         return Decoded(error=f"MemoryError: decoding needs more memory than is available "
-                       f"({describe_error(exc)})", out_of_memory=True)
+                       f"({describe_error(exc)})", out_of_memory=True, width=width, height=height)
     except Exception as exc:
         error, since = read_failure(exc, source)
-        return Decoded(error=error, unavailable_since=since)
+        return Decoded(error=error, unavailable_since=since, width=width, height=height)
 
 
 def _into(array: np.ndarray, out) -> np.ndarray:

@@ -14,7 +14,7 @@ from PIL import Image
 from .. import storage
 from ..tower.config import VisionConfig
 from ..tower.transform import image_to_patches, plan_canvas
-from .decode import decode_image, describe_error, patches_tensor, probe_image
+from .decode import decode_image, describe_error, patches_tensor, regular_only
 
 if TYPE_CHECKING:
     import torch
@@ -72,49 +72,41 @@ def array_to_image(array: np.ndarray) -> Image.Image:
         return Image.fromarray(array)  # 16-bit gray: scaled to 8 bits like a 16-bit file
     if array.dtype != np.uint8:
         raise ValueError(f"array has dtype {array.dtype}; expected uint8 (HxW or HxWx3)")
-    if array.ndim == 3 and array.shape[2] == 1:
-        array = array[:, :, 0]
-    if array.ndim == 2:
-        return Image.fromarray(np.ascontiguousarray(array), "L")
+    if array.ndim == 2 or (array.ndim == 3 and array.shape[2] == 1):
+        return Image.fromarray(np.ascontiguousarray(array.reshape(array.shape[:2])), "L")
     if array.ndim == 3 and array.shape[2] in (3, 4):
-        mode = "RGB" if array.shape[2] == 3 else "RGBA"
-        return Image.fromarray(np.ascontiguousarray(array), mode)
+        return Image.fromarray(np.ascontiguousarray(array), "RGBA"[:array.shape[2]])  # RGB(A)
     raise ValueError(f"array has shape {tuple(array.shape)}; expected HxW, HxWx1, HxWx3 or "
                      "HxWx4")
 
 
 def prepare(source: Any, cfg: VisionConfig, max_pixels: int, item: Prepared) -> Prepared:
     """``item`` with ``source`` (what ``image_source`` gives) read, its size and grid checked
-    first (a path or bytes: its header, an object in a store read once), then transformed.
-    A broken input of any kind is ``item``'s error, never an exception."""
+    first (a path or bytes: in its one decode; an object in a store read once), then
+    transformed. A broken input of any kind is ``item``'s error, never an exception."""
     try:
         if isinstance(source, (str, bytes)):
-            source = storage.whole_if_stored(source)
-            probe = probe_image(source, max_pixels)
-            if probe.error is not None:
-                return item.failed(probe.error)
-            item.width, item.height = probe.width, probe.height
-        elif isinstance(source, Image.Image):
+            decoded = decode_image(regular_only(storage.whole_if_stored(source)), cfg, max_pixels)
+            item.width, item.height = decoded.width, decoded.height  # an error row keeps them
+            if decoded.error is not None:
+                return item.failed(decoded.error)
+            item.patches, item.n_h, item.n_w = patches_tensor(decoded), decoded.n_h, decoded.n_w
+            return item
+        if isinstance(source, Image.Image):
             item.width, item.height = source.size
         elif isinstance(source, np.ndarray) and source.ndim >= 2:
             item.height, item.width = source.shape[:2]
         if item.width is not None and (item.width <= 0 or item.height <= 0):
             return item.failed(f"image has no pixels ({item.width}x{item.height})")
         if item.width is not None:
-            plan_canvas(item.width, item.height, cfg)  # no canvas: the error before decoding
+            plan_canvas(item.width, item.height, cfg)  # no canvas: the error before the transform
         if isinstance(source, np.ndarray):
             source = array_to_image(source)
-        if isinstance(source, Image.Image):
-            item.patches, canvas = image_to_patches(source, cfg)
-        elif isinstance(source, (str, bytes)):
-            canvas = decode_image(source, cfg, max_pixels)
-            if canvas.error is not None:
-                return item.failed(canvas.error)
-            item.patches = patches_tensor(canvas)
-        else:
+        if not isinstance(source, Image.Image):
             item.wrong_type = True
             return item.failed(f"TypeError: unsupported input {type(source).__name__} "
                                f"(expected {EXPECTED})")
+        item.patches, canvas = image_to_patches(source, cfg)
         item.n_h, item.n_w = canvas.n_h, canvas.n_w
     except Exception as exc:  # a broken image object is this item's error, not the run's
         item.failed(describe_error(exc))

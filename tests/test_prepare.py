@@ -1,0 +1,104 @@
+"""``images.prepare``: one input of the Python API read once (a path opened once, bytes parsed
+once), its header's size kept on an error row, and the checks in their order (no pixels, too
+many pixels, no canvas, then the decode)."""
+
+from __future__ import annotations
+
+import builtins
+import io
+import os
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from PIL import Image
+
+from dsv4enc import Encoder
+from dsv4enc.images.decode import decode_image, probe_image
+from dsv4enc.images.prepare import Prepared, prepare
+
+from helpers import write_image
+
+
+@pytest.fixture
+def opens(monkeypatch) -> dict[str, list]:
+    """Every ``PIL.Image.open`` call (what it was given) and every ``open`` of a path."""
+    seen: dict[str, list] = {"images": [], "files": []}
+    pil_open, file_open = Image.open, builtins.open
+
+    def image_open(fp, *args, **kwargs):
+        seen["images"].append(fp)
+        return pil_open(fp, *args, **kwargs)
+
+    def any_open(file, *args, **kwargs):
+        seen["files"].append(os.fspath(file) if isinstance(file, (str, os.PathLike)) else file)
+        return file_open(file, *args, **kwargs)
+
+    monkeypatch.setattr(Image, "open", image_open)
+    monkeypatch.setattr(builtins, "open", any_open)
+    return seen
+
+
+def _truncated(path: Path, size: tuple[int, int], keep: int) -> Path:
+    """A PNG of ``size`` whose header is whole and whose pixel data is cut after ``keep`` bytes."""
+    write_image(path, size)
+    path.write_bytes(path.read_bytes()[:keep])
+    return path
+
+
+def test_encode_opens_a_local_file_once_and_parses_bytes_once(small_ckpt, tmp_path, opens):
+    path = write_image(tmp_path / "a.png", (64, 48))
+    data = path.read_bytes()
+    encoder = Encoder.from_pretrained(small_ckpt, device="cpu", dtype=torch.float32)
+    opens["images"].clear()
+    opens["files"].clear()
+    from_path = encoder.encode([str(path)])[0]
+    assert opens["files"].count(str(path)) == 1
+    assert len(opens["images"]) == 1
+    opens["images"].clear()
+    assert torch.equal(encoder.encode([data])[0], from_path)
+    assert len(opens["images"]) == 1 and isinstance(opens["images"][0], io.BytesIO)
+
+
+def test_a_broken_files_row_keeps_its_header_size(small_cfg, tmp_path, opens):
+    path = _truncated(tmp_path / "cut.png", (300, 200), keep=400)
+    header = probe_image(str(path))
+    want = decode_image(str(path), small_cfg)
+    assert header.error is None and want.error is not None
+    assert (want.width, want.height) == (header.width, header.height) == (300, 200)
+    for source in (str(path), path.read_bytes()):
+        opens["images"].clear()
+        item = prepare(source, small_cfg, 10 ** 6, Prepared())
+        assert (item.width, item.height, item.error) == (300, 200, want.error)
+        assert item.patches is None and item.tokens == 0
+        assert len(opens["images"]) == 1
+
+
+def test_checks_run_in_order_pixels_canvas_then_decode(tiny_cfg, tmp_path):
+    """A header over the pixel limit is refused before its canvas is planned, and a size
+    without a canvas before the (broken) pixels are read; the latter keeps its size."""
+    no_canvas = replace(tiny_cfg, max_wh_ratio=0.05, min_pixels=1)  # 1000x1: an empty canvas
+    path = str(_truncated(tmp_path / "wide.png", (1000, 1), keep=60))
+    assert decode_image(path, tiny_cfg).error is not None  # its pixels are broken
+    for pixels in (False, True):
+        canvas = decode_image(path, no_canvas, pixels=pixels)
+        assert canvas.error == "ValueError: image size 1000x1 gives an empty canvas"
+        assert (canvas.width, canvas.height) == (1000, 1)
+    item = prepare(path, no_canvas, 10 ** 6, Prepared())
+    assert (item.width, item.height, item.error) == (1000, 1, canvas.error)
+    item = prepare(path, no_canvas, 999, Prepared())
+    assert item.error.startswith("ValueError: image has 1000x1 = 1000 pixels, more than")
+    assert item.width is None and item.error == probe_image(path, 999).error
+
+
+def test_a_fifo_or_a_missing_path_is_an_error_not_a_wait(small_cfg, tmp_path):
+    fifo = tmp_path / "pipe.png"
+    os.mkfifo(fifo)
+    missing = str(tmp_path / "missing.png")
+    item = prepare(str(fifo), small_cfg, 10 ** 6, Prepared())
+    assert item.error == "ValueError: not a regular file (a FIFO, socket or device)"
+    assert item.error == probe_image(str(fifo)).error
+    item = prepare(missing, small_cfg, 10 ** 6, Prepared())
+    assert item.error.startswith("FileNotFoundError: ") and item.width is None
+    assert item.error == probe_image(missing).error

@@ -186,13 +186,15 @@ class RequestLog:
     """The S3 server's own request log, counted: moto's server is werkzeug's, which logs one
     ``"METHOD /path HTTP/1.1" status size`` record per request it answers on the
     ``werkzeug`` logger. Within ``with RequestLog(bucket) as log:``, ``log.counts`` holds
-    the requests to ``bucket`` by method (those of every process: the server counts them)."""
+    the requests to ``bucket`` by method (those of every process: the server counts them),
+    ``log.requests`` each one's method and path."""
 
     def __init__(self, bucket: S3Bucket) -> None:
         import collections
 
         self.prefix = f"/{bucket.name}"
         self.counts: collections.Counter = collections.Counter()
+        self.requests: list[tuple[str, str]] = []  # (method, path below the bucket)
         self._handler = logging.Handler(logging.INFO)
         self._handler.emit = self._record
         self._saved: tuple[int, bool] | None = None
@@ -205,6 +207,7 @@ class RequestLog:
         line = re.sub(r"\x1b\[[0-9;]*m", "", str(record.args[0])).split()
         if len(line) >= 2 and line[1].startswith(self.prefix):
             self.counts[line[0]] += 1
+            self.requests.append((line[0], line[1][len(self.prefix):]))
 
     def reads(self) -> int:
         """GET and HEAD requests so far."""

@@ -290,6 +290,53 @@ def test_folder_output_in_a_bucket(s3, local_images, small_ckpt, tmp_path, monke
     assert s3.keys("emb/") == keys
 
 
+def test_a_bucket_folder_output_stages_no_part_and_resumes_without_reading_one(
+        s3, local_images, small_ckpt, tmp_path, monkeypatch):
+    """A folder output's parts go straight to the bucket (the staging folder holds only the
+    manifest and the stamps); --resume judges the committed parts by the listing's sizes, with
+    no GET of a part, and encodes again the one whose object was replaced by other bytes."""
+    from objectstore import RequestLog
+
+    from dsv4enc.output.files import PART_FILE
+    from dsv4enc.output.remote import RemoteOutput
+
+    url = upload_folder(s3, local_images, "in")
+    out = f"{s3.url}/direct/"
+    staged: list[list[str]] = []
+    finish = RemoteOutput.finish
+
+    def looked_at_finish(self) -> None:
+        staged.append(sorted(p.name for p in self.local_parts.iterdir()))
+        finish(self)
+
+    monkeypatch.setattr(RemoteOutput, "finish", looked_at_finish)
+    encode(url, "--out", out, "--weights", str(small_ckpt), "--part-images", "1")
+    assert staged and "_manifest.json" in staged[0]
+    assert not [name for name in staged[0] if PART_FILE.fullmatch(name)], staged[0]
+    first = rows(out)
+    parts = sorted(k for k in s3.keys("direct/") if PART_FILE.fullmatch(k.split("/", 1)[1]))
+    assert len(parts) == 3
+    with RequestLog(s3) as log:
+        result = runner.invoke(app, ["encode", url, "--out", out, "--weights", str(small_ckpt),
+                                     "--part-images", "1", "--resume", "--workers", "0",
+                                     "--device", "cpu", "-q", "--summary-json",
+                                     str(tmp_path / "s.json")])
+    assert result.exit_code == 0, result.output
+    assert json.loads((tmp_path / "s.json").read_text())["images"]["reused"] == 3
+    assert not [path for method, path in log.requests
+                if method == "GET" and any(path.startswith(f"/{key}") for key in parts)]
+    s3.put(parts[0], s3.get(parts[0])[:-1])  # cut short: not the committed object
+    result = runner.invoke(app, ["encode", url, "--out", out, "--weights", str(small_ckpt),
+                                 "--part-images", "1", "--resume", "--workers", "0",
+                                 "--device", "cpu", "-q", "--summary-json",
+                                 str(tmp_path / "s.json")])
+    assert result.exit_code == 0, result.output
+    assert json.loads((tmp_path / "s.json").read_text())["images"]["reused"] == 2
+    again = rows(out)
+    assert sorted(again) == sorted(first)
+    assert all(np.array_equal(first[key], again[key]) for key in first)
+
+
 # --------------------------------------------------------------------------- kill and resume
 
 import contextlib

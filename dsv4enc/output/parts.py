@@ -26,7 +26,7 @@ import pyarrow.parquet as pq
 
 from .. import storage
 from ..columns import INT_COLUMNS, OUTPUT_COLUMNS, utf8_text
-from ..errors import RESUME_ADVICE, OutputError, check_choice
+from ..errors import RESUME_ADVICE, DsvError, OutputError, check_choice
 from . import DEFAULT_LAYOUT, LAYOUTS
 from ..images.sources import kept_values
 from ..images.decode import is_transient
@@ -315,8 +315,11 @@ def write_part(folder: str | Path, name: str, table: pa.Table, row_group_size: i
     file = part_file(name, generation)
     entry: dict[str, Any] = {"file": file, "start": start, "end": end, "digest": digest,
                              "rows": table.num_rows, "transient": transient_errors(table)}
-    uploaded = storage.upload_written(folder, file, lambda tmp: pq.write_table(
-        table, tmp, row_group_size=row_group_size, **parquet_options(table.schema)))
+    try:
+        uploaded = storage.upload_written(folder, file, lambda tmp: pq.write_table(
+            table, tmp, row_group_size=row_group_size, **parquet_options(table.schema)))
+    except OSError as exc:
+        raise store_failure(str(folder), exc) from None
     if uploaded is not None:
         entry["size"] = uploaded
         return entry
@@ -334,6 +337,13 @@ def write_part(folder: str | Path, name: str, table: pa.Table, row_group_size: i
     entry["size"] = tmp.stat().st_size
     entry["staged"] = tmp.name
     return entry
+
+
+def store_failure(url: str, exc: OSError) -> DsvError:
+    """The one-line error of a failed call to the store of ``url``: ``storage.StoreDown`` when
+    it stopped answering (the run then says where its committed parts are kept)."""
+    down = storage.down_error(url, exc)
+    return down if down is not None else OutputError(storage.describe(url, exc))
 
 
 def write_json_atomic(data: Any, path: Path) -> None:
@@ -456,8 +466,14 @@ class PartStore:
         self._journal: str | None = None  # the token of the manifest this run wrote whole
         self.drop_cache = drop_cache
         self.generation = 0  # of its part file names (``files.part_file``; ``update``'s: 1 on)
-        # ``fetch(file, path)``: a part another process wrote to the bucket (``commit_written``)
+        # ``fetch(file, path)``: a part uploaded to the bucket whole (``commit_written``)
         self.fetch: Callable[[str, Path], None] | None = None
+        #: Where ``commit`` writes part files: ``folder``, or the bucket folder of an object
+        #: storage folder output (``remote.RemoteOutput.attach``), which stages none of them.
+        self.part_folder: str | Path = folder
+        #: The committed part files that stay in that bucket folder, not in ``folder``, by
+        #: name: their listed sizes (``--resume`` judges them by these, never reads them).
+        self.stored: dict[str, int] = {}
 
     @property
     def parts(self) -> dict[str, dict[str, Any]]:
@@ -511,8 +527,14 @@ class PartStore:
     def _intact_parts(self, data: dict) -> dict[str, dict[str, Any]]:
         """The recorded parts whose bytes are still there, whole (the rest is re-encoded)."""
         return {name: part for name, part in data["parts"].items()
-                if names_part_file(part) and part_intact(self.folder / part["file"],
-                                                           part.get("rows"))}
+                if names_part_file(part) and self._intact(part)}
+
+    def _intact(self, part: dict[str, Any]) -> bool:
+        """A part in the bucket is whole if it has the recorded size (each object is uploaded
+        whole, before any manifest lists it); a local one if its footer reads back."""
+        if part["file"] in self.stored:
+            return self.stored[part["file"]] == part.get("size")
+        return part_intact(self.folder / part["file"], part.get("rows"))
 
     def committed(self, name: str, start: int, end: int, digest: str) -> bool:
         """Part ``name`` was committed for exactly these inputs, as they are now: the same
@@ -604,15 +626,16 @@ class PartStore:
 
     def commit(self, name: str, table: pa.Table, row_group_size: int, start: int, end: int,
                digest: str) -> None:
-        """Write one part (several writer threads may commit at once)."""
-        self._record(name, write_part(self.folder, name, table, row_group_size, start, end,
-                                      digest, generation=self.generation,
-                                      drop_cache=self.drop_cache))
+        """Write one part to ``part_folder`` (several writer threads may commit at once)."""
+        self.commit_written(name, write_part(self.part_folder, name, table, row_group_size,
+                                             start, end, digest, generation=self.generation,
+                                             drop_cache=self.drop_cache))
 
     def commit_written(self, name: str, entry: dict[str, Any]) -> None:
-        """Commit part ``name``, whose file another process wrote (``write_part``'s
-        ``entry``): a staged file is renamed into place, one in a bucket is handed to
-        ``fetch`` (``remote.RemoteOutput.adopt_part``), then the manifest records it."""
+        """Commit part ``name``, whose file ``write_part`` wrote (here, on another rank or in
+        an actor; ``entry``: what it returned): a staged file is renamed into place, one in a
+        bucket is handed to ``fetch`` (``remote.RemoteOutput.adopt_part``), then the manifest
+        records it."""
         entry = dict(entry)
         staged = entry.pop("staged", None)
         path = self.folder / entry["file"]

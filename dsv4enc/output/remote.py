@@ -1,11 +1,13 @@
 """``--out`` in object storage (``s3://bucket/out.parquet``, ``s3://bucket/out/``).
 
-Object stores have no rename, so a run's output is built in a local staging folder by the
-same code as any local output and mirrored to the store in a crash-safe order: a part object
-whole, the manifest object (the commit record) after every part it lists, and a single file
-as one object at the end (``storage.upload_file_whole``). Before the run, the output's dsv4enc
-objects are brought into the staging folder (``RemoteOutput.pull``), so that the local checks
-decide as for a local path. docs/object-storage.md tells the whole protocol."""
+Object stores have no rename or append, so a run's manifest is kept in a local staging folder
+by the same code as any local output and mirrored to the store in a crash-safe order: a part
+object whole, the manifest object (the commit record) after every part it lists, and a single
+file as one object at the end (``storage.upload_file_whole``). A folder output's parts are
+uploaded by their writers (``attach``) and never staged; a single file's are staged, for its
+join. Before the run, the output's dsv4enc objects are brought into the staging folder, or
+named there (``RemoteOutput.pull``), so that the local checks decide as for a local path.
+docs/object-storage.md tells the whole protocol."""
 
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ from .. import storage
 from ..errors import DsvError, OutputError
 from .files import (LOCK_NAME, MANIFEST_FILE, MANIFEST_NAME, PART_FILE, PARTIAL, STAMPS_FILE,
                     is_ours, journal_path, rank_of)
-from .parts import listed_files, read_manifest
+from .parts import PartStore, listed_files, read_manifest, store_failure
 from .read import load_manifest
 
 log = logging.getLogger("dsv4enc")
@@ -94,6 +96,8 @@ class RemoteOutput:
         self._lock_mutex = threading.Lock()
         # --overwrite: the earlier run's manifests, deleted before a part upload (``drop_replaced``)
         self._replaced: set[str] = set()
+        # --resume of a folder: the committed parts left in the store, by name: their sizes
+        self._stored: dict[str, int] = {}
 
     @property
     def max_file_bytes(self) -> int | None:
@@ -120,7 +124,7 @@ class RemoteOutput:
         except DsvError as exc:
             problem = exc
         except OSError as exc:
-            problem = self._failure(exc)
+            problem = store_failure(self.url, exc)
         problem = next((p for p in self._gather(problem) if p is not None), None)
         if problem is not None:
             raise problem
@@ -188,6 +192,8 @@ class RemoteOutput:
             if top and (MANIFEST_FILE.fullmatch(obj.key) or STAMPS_FILE.fullmatch(obj.key)):
                 self._fetch(obj)
             elif top and PART_FILE.fullmatch(obj.key):
+                if self._mine(obj.key) and self._stays(obj):
+                    continue
                 if (self.resume or self.update) and self._mine(obj.key):
                     self._fetch(obj)
                 else:  # an empty stand-in: the local checks see the name
@@ -215,9 +221,32 @@ class RemoteOutput:
             raise storage.setup_error(self.url, exc) from None
         self.local_parts.mkdir(parents=True, exist_ok=True)
         for obj in objects:
-            if MANIFEST_FILE.fullmatch(obj.key) or (self.resume and PART_FILE.fullmatch(obj.key)):
+            if MANIFEST_FILE.fullmatch(obj.key) or (self.resume and PART_FILE.fullmatch(obj.key)
+                                                     and not self._stays(obj)):
                 self._fetch(obj)
         self._note_manifests()
+
+    def _stays(self, obj: storage.ObjectInfo) -> bool:
+        """Whether a part object of a folder output that ``--resume`` reuses stays in the store,
+        unread (``PartStore.stored``): a single file joins its parts here, ``--update`` reads
+        their rows."""
+        if not (self.folder_mode and self.resume and not self.update):
+            return False
+        self._stored[obj.key] = obj.size
+        self._in_store.add(obj.key)
+        return True
+
+    def attach(self, store: PartStore, written_elsewhere: bool) -> None:
+        """Tie the run's ``store`` to the bucket: a part that an actor uploaded
+        (``written_elsewhere``) is adopted, and a folder output's parts are written straight to
+        the store by the writer, each object whole, so the staging folder never holds them
+        (an ``--update`` stages its new parts until its switch)."""
+        if written_elsewhere or (self.folder_mode and not self.update):
+            store.fetch = self.adopt_part
+        if self.folder_mode and not self.update:
+            store.part_folder, store.stored = self.parts_url, self._stored
+            if self.writer:  # before the first part object: one may take an old name
+                self.drop_replaced()
 
     def _fetch(self, obj: storage.ObjectInfo) -> None:
         """Bring a top-level object of the parts folder into the staging folder; a part or
@@ -338,8 +367,9 @@ class RemoteOutput:
                 self._seen[manifest.name] = state
 
     def adopt_part(self, name: str, path: Path) -> None:
-        """Part file ``name`` was uploaded by the process that wrote it (a ray actor): never
-        uploaded again; brought to ``path`` only where the final file is joined from it."""
+        """Part file ``name`` was uploaded by the process that wrote it (the writer or a ray
+        actor): never uploaded again; brought to ``path`` only where the final file is joined
+        from it."""
         self._in_store.add(name)
         if not self.folder_mode:
             self._download(storage.join(self.parts_url, name), path)
@@ -394,12 +424,7 @@ class RemoteOutput:
                 self._release_lock()
                 storage.remove_empty_prefix(self.parts_url)
         except OSError as exc:
-            raise self._failure(exc) from None
-
-    def _failure(self, exc: OSError) -> DsvError:
-        """The one-line error of a failed call to the store."""
-        down = storage.down_error(self.url, exc)
-        return down if down is not None else OutputError(storage.describe(self.url, exc))
+            raise store_failure(self.url, exc) from None
 
     def abandon(self, quiet: bool = False) -> None:
         """The run failed or stopped: its committed parts go to the store (``--resume``), a

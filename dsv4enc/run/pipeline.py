@@ -353,8 +353,8 @@ def _plan_output(run: RunState, setup: RunSetup, source: PartSource, computes: C
                        world_size=ranks.world_size, rank=None if alone else ranks.rank,
                        update=update, rows_settings=rows_settings,
                        written_elsewhere=source.written_elsewhere)
-    if source.written_elsewhere and remote is not None:
-        store.fetch = remote.adopt_part
+    if remote is not None:
+        remote.attach(store, source.written_elsewhere)
     parts = source.cut(setup, part_images, run.progress, run.stop)
     resume = Resume(store, setup.planned, resuming, writes=ranks.writes, agree=ranks.agree_on_todo)
     # the output holds a manifest now: a stop says how to go on from what it records

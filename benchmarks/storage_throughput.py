@@ -33,9 +33,11 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def start_server(port: int) -> subprocess.Popen:
+def start_server(port: int, log=None) -> subprocess.Popen:
+    """moto's S3 server on 127.0.0.1:``port``; ``log``: a file for its request lines."""
     proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p",
-                             str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                             str(port)], stdout=subprocess.DEVNULL,
+                            stderr=log if log is not None else subprocess.DEVNULL)
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         try:

@@ -251,6 +251,40 @@ def test_update_of_a_bucket_output(s3, tmp_path, clean):
             assert_clean(mirror, clean[1])
 
 
+def test_an_update_of_a_bucket_folder_reads_its_parts_in_place(s3, tmp_path, clean,
+                                                               monkeypatch):
+    """No part object of the old output is downloaded (its columns are read in ranges where
+    rows are needed), and the parts kept are never uploaded again."""
+    from objectstore import RequestLog
+
+    from dsv4enc import storage
+    from dsv4enc.output.files import PART_FILE
+
+    images = old_images(tmp_path / "in")
+    out = f"{s3.url}/inplace/"
+    run_encode(options(images, out))
+    before = {k for k in s3.keys("inplace/") if PART_FILE.fullmatch(k.split("/", 1)[1])}
+    grow_change_shrink(images)
+    downloads: list[str] = []
+    download = storage.download
+    monkeypatch.setattr(storage, "download",
+                        lambda url, path: (downloads.append(url), download(url, path))[-1])
+    with RequestLog(s3) as log:
+        summary = run_encode(options(images, out, update=True, prune=True))
+    assert (summary.encoded, summary.reused, summary.dropped) == (4, 8, 1)
+    assert not [url for url in downloads if PART_FILE.fullmatch(url.rsplit("/", 1)[1])]
+    after = {k for k in s3.keys("inplace/") if PART_FILE.fullmatch(k.split("/", 1)[1])}
+    kept = before & after
+    assert kept, "no old part was kept whole"
+    assert not [path for method, path in log.requests
+                if method == "PUT" and path.lstrip("/") in kept]
+    mirror = tmp_path / "mirror"
+    mirror.mkdir()
+    for key in s3.keys("inplace/"):
+        (mirror / key.split("/", 1)[1]).write_bytes(s3.get(key))
+    assert_clean(mirror, clean[1])
+
+
 @pytest.mark.parametrize("kind", ["file", "folder"])
 def test_an_update_killed_midway_keeps_the_old_output_and_finishes_with_update(kind, tmp_path,
                                                                                clean):

@@ -18,7 +18,7 @@ import secrets
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -359,6 +359,17 @@ def part_intact(path: Path, rows: int | None) -> bool:
         return False
 
 
+def part_kept(part: dict[str, Any], folder: Path,
+              stored: "Mapping[str, storage.ObjectInfo]") -> bool:
+    """A committed part's bytes are all there: an object of the recorded size in the bucket
+    (``stored``: the listed objects by name; each is uploaded whole, before any manifest lists
+    it), or a file in ``folder`` whose footer reads back (``part_intact``)."""
+    found = stored.get(part["file"])
+    if found is not None:
+        return found.size == part.get("size")
+    return part_intact(folder / part["file"], part.get("rows"))
+
+
 def manifest_document(settings: dict[str, Any], parts: dict[str, dict[str, Any]],
                       **extra: Any) -> dict:
     """A manifest's content: format tag, the run's settings, the committed parts, ``extra``."""
@@ -471,9 +482,9 @@ class PartStore:
         #: Where ``commit`` writes part files: ``folder``, or the bucket folder of an object
         #: storage folder output (``remote.RemoteOutput.attach``), which stages none of them.
         self.part_folder: str | Path = folder
-        #: The committed part files that stay in that bucket folder, not in ``folder``, by
-        #: name: their listed sizes (``--resume`` judges them by these, never reads them).
-        self.stored: dict[str, int] = {}
+        #: The committed part files that stay in that bucket folder, not in ``folder``, as
+        #: listed, by name (``--resume`` judges them by their sizes, never reads them).
+        self.stored: Mapping[str, storage.ObjectInfo] = {}
 
     @property
     def parts(self) -> dict[str, dict[str, Any]]:
@@ -527,14 +538,7 @@ class PartStore:
     def _intact_parts(self, data: dict) -> dict[str, dict[str, Any]]:
         """The recorded parts whose bytes are still there, whole (the rest is re-encoded)."""
         return {name: part for name, part in data["parts"].items()
-                if names_part_file(part) and self._intact(part)}
-
-    def _intact(self, part: dict[str, Any]) -> bool:
-        """A part in the bucket is whole if it has the recorded size (each object is uploaded
-        whole, before any manifest lists it); a local one if its footer reads back."""
-        if part["file"] in self.stored:
-            return self.stored[part["file"]] == part.get("size")
-        return part_intact(self.folder / part["file"], part.get("rows"))
+                if names_part_file(part) and part_kept(part, self.folder, self.stored)}
 
     def committed(self, name: str, start: int, end: int, digest: str) -> bool:
         """Part ``name`` was committed for exactly these inputs, as they are now: the same

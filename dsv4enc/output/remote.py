@@ -96,8 +96,8 @@ class RemoteOutput:
         self._lock_mutex = threading.Lock()
         # --overwrite: the earlier run's manifests, deleted before a part upload (``drop_replaced``)
         self._replaced: set[str] = set()
-        # --resume of a folder: the committed parts left in the store, by name: their sizes
-        self._stored: dict[str, int] = {}
+        #: --resume or --update of a folder: the part objects left in the store, by name
+        self.stored: dict[str, storage.ObjectInfo] = {}
 
     @property
     def max_file_bytes(self) -> int | None:
@@ -227,12 +227,12 @@ class RemoteOutput:
         self._note_manifests()
 
     def _stays(self, obj: storage.ObjectInfo) -> bool:
-        """Whether a part object of a folder output that ``--resume`` reuses stays in the store,
-        unread (``PartStore.stored``): a single file joins its parts here, ``--update`` reads
-        their rows."""
-        if not (self.folder_mode and self.resume and not self.update):
+        """Whether a part object of a folder output that ``--resume`` or ``--update`` reuses
+        stays in the store (``stored``): judged by its size, read in place where its rows are
+        (a single file's parts are brought here: the file is joined from them)."""
+        if not (self.folder_mode and (self.resume or self.update)):
             return False
-        self._stored[obj.key] = obj.size
+        self.stored[obj.key] = obj
         self._in_store.add(obj.key)
         return True
 
@@ -244,7 +244,7 @@ class RemoteOutput:
         if written_elsewhere or (self.folder_mode and not self.update):
             store.fetch = self.adopt_part
         if self.folder_mode and not self.update:
-            store.part_folder, store.stored = self.parts_url, self._stored
+            store.part_folder, store.stored = self.parts_url, self.stored
             if self.writer:  # before the first part object: one may take an old name
                 self.drop_replaced()
 

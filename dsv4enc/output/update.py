@@ -21,17 +21,18 @@ import logging
 import os
 import shutil
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
+from .. import storage
 from ..columns import utf8_text
 from ..errors import UsageError
 from ..pausepoints import pause
 from .files import (LOCK_NAME, MANIFEST_NAME, STAMPS_FILE, generation, is_ours, old_folder,
                     stamps_name, staging_folder, temp_path)
 from .parts import (PartStore, Row, fsync_dir, manifest_document, output_os_error,
-                    part_intact, read_manifest, write_atomic, write_json_atomic)
+                    part_kept, read_manifest, write_atomic, write_json_atomic)
 from ..images.decode import is_transient
 from ..images.headers import Planned, inputs_digest
 from ..images.items import InputItem
@@ -232,12 +233,15 @@ def link_or_copy(source: Path, target: Path) -> None:
 
 class OldOutput:
     """A finished output as an update sees it: its parts in row order, settings and stamps.
-    A folder's part file that is gone or cut short (``parts.part_intact``) is ``damaged``: its
-    rows are never carried, so the update encodes their inputs again (a repair)."""
+    A folder's part file that is gone or cut short (``parts.part_kept``) is ``damaged``: its
+    rows are never carried, so the update encodes their inputs again (a repair). ``stored``:
+    the part objects of a bucket folder, read where they are (``remote.RemoteOutput.stored``)."""
 
     def __init__(self, out: Path, units: Sequence[tuple[str, int, int]], settings: dict,
-                 stamps: np.ndarray | None, folder: bool, damaged: Iterable[str] = ()) -> None:
+                 stamps: np.ndarray | None, folder: bool, damaged: Iterable[str] = (),
+                 stored: Mapping[str, Any] | None = None) -> None:
         self.out, self.settings, self.stamps, self.folder = out, settings, stamps, folder
+        self.stored = stored or {}
         self.parts = list(units)  # its files in row order: (name, first row, rows)
         self.damaged = set(damaged)  # the names of those whose rows cannot be read
         self.listed = {name for name, _, _ in self.parts}  # (the update's names must differ)
@@ -246,15 +250,27 @@ class OldOutput:
     @property
     def files(self) -> list[tuple[Path | None, int]]:
         """Each part's file (None: damaged) and rows, in row order."""
-        return [(None if name in self.damaged else self.out / name if self.folder else self.out,
-                 rows) for name, _, rows in self.parts]
+        return [(None if name in self.damaged else self.where(name), rows)
+                for name, _, rows in self.parts]
+
+    def where(self, name: str) -> str | Path:
+        """Where part file ``name`` is read: its object in the bucket, or its local file (a
+        single file's only part: the file)."""
+        if name in self.stored:
+            return self.stored[name].url
+        return self.out / name if self.folder else self.out
+
+    def present(self, name: str) -> bool:
+        """Whether part file ``name`` is still there (a folder's)."""
+        return name in self.stored or (self.out / name).is_file()
 
     @property
     def damaged_rows(self) -> int:
         return sum(rows for name, _, rows in self.parts if name in self.damaged)
 
     @classmethod
-    def find(cls, out: Path, folder_mode: bool) -> "OldOutput | None":
+    def find(cls, out: Path, folder_mode: bool,
+             stored: Mapping[str, Any] | None = None) -> "OldOutput | None":
         """The finished output at ``out``, or None when there is none yet (a plain run)."""
         import pyarrow.parquet as pq
 
@@ -282,9 +298,9 @@ class OldOutput:
         sizes = [int(p.get("rows", 0)) for p in parts]
         stamps = _read_folder_stamps(out, manifest.get("stamps"), sum(sizes))
         first = np.cumsum([0] + sizes)
-        damaged = [p["file"] for p in parts if not part_intact(out / p["file"], p.get("rows"))]
+        damaged = [p["file"] for p in parts if not part_kept(p, out, stored or {})]
         found = cls(out, [(p["file"], int(first[i]), sizes[i]) for i, p in enumerate(parts)],
-                    dict(manifest["settings"]), stamps, True, damaged)
+                    dict(manifest["settings"]), stamps, True, damaged, stored)
         if stamps is not None:
             found.stamps_file = manifest["stamps"]["file"]
         return found
@@ -315,16 +331,17 @@ class OldOutput:
                 yield from handle.read_row_group(group, columns=[name]).column(0).to_pylist()
 
 
-def _row_groups(files: Sequence[tuple[Path | None, int]]) -> Iterable[tuple[Any, int, int]]:
+def _row_groups(files: Sequence[tuple[str | Path | None, int]]
+                ) -> Iterable[tuple[Any, int, int]]:
     """(file handle, row group, rows) in row order; a damaged part's rows as one
-    (None, 0, rows)."""
+    (None, 0, rows). An object is read in ranges: only the columns asked for travel."""
     import pyarrow.parquet as pq
 
     for path, rows in files:
         if path is None:
             yield None, 0, rows
             continue
-        handle = pq.ParquetFile(path)
+        handle = pq.ParquetFile(storage.open_input(str(path)))
         for group in range(handle.num_row_groups):
             yield handle, group, handle.metadata.row_group(group).num_rows
 
@@ -332,7 +349,7 @@ def _row_groups(files: Sequence[tuple[Path | None, int]]) -> Iterable[tuple[Any,
 class CarriedRows:
     """Old rows read forward, one row group at a time (never the whole output)."""
 
-    def __init__(self, files: Sequence[tuple[Path | None, int]]) -> None:
+    def __init__(self, files: Sequence[tuple[str | Path | None, int]]) -> None:
         self._groups = _row_groups(files)
         self._start = self._end = 0
         self._rows: list[dict] = []
@@ -374,9 +391,11 @@ class Update:
         self.staging: Path | None = None
 
     @classmethod
-    def start(cls, out: Path, folder_mode: bool) -> "Update | None":
-        """The update of ``out``, or None when there is no finished output there yet."""
-        old = OldOutput.find(out, folder_mode)
+    def start(cls, out: Path, folder_mode: bool,
+              stored: Mapping[str, Any] | None = None) -> "Update | None":
+        """The update of ``out`` (``stored``: as ``OldOutput`` takes it), or None when there
+        is no finished output there yet."""
+        old = OldOutput.find(out, folder_mode, stored)
         return cls(old) if old is not None else None
 
     def open_store(self, settings: dict, rows_settings: dict) -> PartStore | None:
@@ -517,7 +536,7 @@ class Update:
         for unit, first, rows in units:
             start = new_of.get(first, -1)  # -1: its first row is not carried
             if not (rows and self._takes_whole(first, start, rows)
-                    and (single or (self.old.out / unit).is_file())):
+                    and (single or self.old.present(unit))):
                 run = []  # some of its rows are not taken as they are (or it is gone)
                 continue
             if run and run[-1][2] != start:
@@ -545,8 +564,9 @@ class Update:
                      "rows": end - start, "transient": 0}
             if single:
                 store.copy_groups(name, self.old.out, unit, entry)
-            else:  # linked into the staging folder: the new output holds it too
-                link_or_copy(self.old.out / unit, store.folder / unit)
+            else:  # linked into the staging folder (an object stays): the new output holds it
+                if unit not in self.old.stored:
+                    link_or_copy(self.old.out / unit, store.folder / unit)
                 store.adopt(name, {"file": unit, **entry})
         return run[-1][2] - run[0][1]
 

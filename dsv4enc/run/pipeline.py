@@ -321,7 +321,8 @@ def _plan_output(run: RunState, setup: RunSetup, source: PartSource, computes: C
     resuming = resume_settings(opts)
     rows_settings = {**settings, **resuming.row_options}
     # --update of an existing output (None: there is none yet, a plain run)
-    update = Update.start(layout.out, layout.folder_mode) if opts.update else None
+    update = Update.start(layout.out, layout.folder_mode,
+                          remote.stored if remote is not None else None) if opts.update else None
     # Listed whole first: what judges the output's size up front (one object in a store)
     if opts.dry_run or layout.max_file_bytes is not None and not layout.folder_mode:
         setup.more(None)

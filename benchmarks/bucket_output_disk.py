@@ -5,7 +5,9 @@ Starts moto's S3 server (``moto[server]``, the dev extra) on 127.0.0.1, uploads 
 images, then runs ``dsv4enc encode s3://…/in/ --out s3://…/out/`` (the tiny config, random
 weights, on the CPU) in a subprocess whose ``TMPDIR`` is a fresh folder, sampling that
 folder's bytes every few milliseconds (the staging folder and any upload in flight). Then it
-runs the same command with ``--resume`` and counts the server's GET requests for part objects.
+runs the same command with ``--resume`` and counts the server's GET requests for part objects,
+then adds ``--new`` inputs and runs it with ``--update`` (the peak again, and the part objects
+it uploads).
 Run it from the tree to measure (``PYTHONPATH`` names the tree whose dsv4enc runs):
 
     PYTHONPATH=. python benchmarks/bucket_output_disk.py --images synthetic:256x256:300 \
@@ -27,14 +29,16 @@ from storage_throughput import free_port, start_server
 
 
 def folder_bytes(folder: Path) -> int:
-    total = 0
+    """The bytes of the files under ``folder``, a file with several links once."""
+    sizes = {}
     for root, _, files in os.walk(folder):
         for name in files:
             try:
-                total += os.lstat(os.path.join(root, name)).st_size
+                st = os.lstat(os.path.join(root, name))
             except OSError:
-                pass  # removed while it was looked at
-    return total
+                continue  # removed while it was looked at
+            sizes[st.st_dev, st.st_ino] = st.st_size
+    return sum(sizes.values())
 
 
 def encode(command: list[str], env: dict, tmp: Path) -> int:
@@ -54,6 +58,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--images", default="synthetic:256x256:300")
     parser.add_argument("--part-images", type=int, default=10)
+    parser.add_argument("--new", type=int, default=5, help="new inputs for the --update")
     args = parser.parse_args()
 
     import boto3
@@ -96,6 +101,18 @@ def main() -> None:
                   f"the bucket; the run's TMPDIR peaked at {peak / 1e6:.3f} MB "
                   f"({peak / output:.1%} of the output); --resume sent {part_gets} GETs "
                   f"for part objects")
+            for path in paths[:args.new]:  # new inputs that sort first: "new-..." < "img..."
+                client.upload_file(str(path), "bench", f"in/new-{path.name}")
+            log.flush()
+            before = Path(log.name).read_text(errors="replace").count("\n")
+            peak = encode([*command, "--update"], env, base / "tmp")
+            lines = Path(log.name).read_text(errors="replace").splitlines()[before:]
+            puts = sum(1 for line in lines  # werkzeug colours some lines
+                       if re.search(r'"(\x1b\[[0-9;]*m)*PUT /bench/out/part-[^ ?]*'
+                                    r'\.parquet', line))
+            print(f"--update with {args.new} new inputs sorting first: TMPDIR peaked at "
+                  f"{peak / 1e6:.3f} MB ({peak / output:.1%} of the output); {puts} part "
+                  f"objects uploaded")
     finally:
         server.kill()
         server.wait()

@@ -8,6 +8,7 @@ starts, resumes or finishes; and the bytes a whole run writes for its output.
     python benchmarks/manifest_cost.py --run 2005 --part-images 50 --update 1,5 [--out-kind file]
         [--new-at first,middle,last]
     python benchmarks/manifest_cost.py --cut 300000 [--part-images 50]
+    python benchmarks/manifest_cost.py --mirror [--parts 1000,10000,100000]
 
 Bytes are this process's, from /proc/self/io: ``wchar`` (bytes handed to write calls) and
 ``write_bytes`` (bytes sent to the disk, less ``cancelled_write_bytes``). A single file's update
@@ -159,6 +160,37 @@ def cut_cost(keys: int, part_images: int) -> None:
           f"{time.process_time() - began:.2f} s CPU", flush=True)
 
 
+def mirror_cost(parts: list[int], repeat: int) -> None:
+    """What one sync of an object storage output spends on its manifest with N parts committed
+    (the manifest made whole from the file and its journal, then read for the parts it lists),
+    and the share of the time the upload thread spends on it: looking every ``SYNC_S``, or
+    spaced out to ``SYNC_SHARE`` (``remote.next_sync``). The upload itself is not counted."""
+    import json
+
+    from dsv4enc.output.read import load_manifest
+    from dsv4enc.output.remote import SYNC_S, SYNC_SHARE, next_sync
+
+    folder = Path(tempfile.mkdtemp(prefix="dsv4enc-manifest-"))
+    for n in parts:
+        store = PartStore(folder, {"tool": "dsv4enc", "part_images": 1024})
+        store.parts = {f"part-{i:06d}": entry(i) for i in range(n)}
+        store.save()
+        store._record(f"part-{n:06d}", entry(n))  # one journal line: the usual state
+        times = []
+        for _ in range(repeat):
+            began = time.process_time()
+            document = load_manifest(store.manifest_path)
+            document.pop("journal", None)
+            content = json.dumps(document, indent=1, sort_keys=True).encode()
+            json.loads(content)
+            times.append(time.process_time() - began)
+        spent = statistics.median(times)
+        every = spent + max(SYNC_S, next_sync(spent, 0.0))  # the thread looks every SYNC_S
+        print(f"{n:>7} parts: manifest {len(content) / 1e6:.1f} MB, {spent:.3f} s CPU per sync; "
+              f"share of the time every {SYNC_S} s {spent / (spent + SYNC_S):.0%}, spaced out "
+              f"{spent / every:.0%} (one sync every {every:.1f} s)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--parts", default="10,1000,100000")
@@ -172,8 +204,12 @@ def main() -> None:
     parser.add_argument("--new-at", default="last",
                         help="where the new images sort: first, middle, last (comma-separated)")
     parser.add_argument("--cut", type=int, default=0, help="keys to cut into parts, timed")
+    parser.add_argument("--mirror", action="store_true",
+                        help="an object storage output's manifest cost per sync, for --parts")
     args = parser.parse_args()
-    if args.cut:
+    if args.mirror:
+        mirror_cost([int(v) for v in args.parts.split(",")], args.repeat)
+    elif args.cut:
         cut_cost(args.cut, args.part_images)
     elif args.run:
         for new_at in args.new_at.split(","):

@@ -36,6 +36,9 @@ T = TypeVar("T")
 #: Seconds between the lock object's refreshes and between looks at the staging folder.
 HEARTBEAT_S = 30.0
 SYNC_S = 0.5
+#: The most of the time the upload thread syncs: a manifest object is written whole, so a sync
+#: costs in proportion to the parts committed, and at 10^5 of them it is spaced out (``next_sync``).
+SYNC_SHARE = 0.1
 #: A lock not refreshed for this long belongs to a run that is gone.
 STALE_S = 120.0
 #: Staging folders are ``STAGING_PREFIX`` + a random tail in the temporary folder, marked by
@@ -328,10 +331,11 @@ class RemoteOutput:
     def _loop(self) -> None:
         """Sync and refresh the lock until the run ends. A failed round is logged once and
         tried again; the run's end syncs once more and fails if that fails too."""
-        beat = time.monotonic()
+        beat = due = time.monotonic()
         while not self._stop.wait(SYNC_S):
             try:
-                self.sync()
+                if time.monotonic() >= due:
+                    due = next_sync(self.sync(), time.monotonic())
                 if self._lock_held and time.monotonic() - beat > HEARTBEAT_S:
                     self._write_lock()
                     beat = time.monotonic()
@@ -341,12 +345,14 @@ class RemoteOutput:
                                 self.parts_url, storage.describe(self.parts_url, exc))
                 self._error = exc
 
-    def sync(self) -> None:
+    def sync(self) -> float:
         """Upload each part a local manifest lists that is not in the store yet, then that
-        manifest: the store's manifest never lists a part it lacks."""
+        manifest: the store's manifest never lists a part it lacks. Returns the seconds it
+        spent on anything but part uploads (what grows with the parts committed)."""
+        began, uploading = time.monotonic(), 0.0
         with self._lock_mutex:
             if not self.local_parts.is_dir():
-                return
+                return 0.0
             for manifest in sorted(self.local_parts.iterdir()):
                 if not MANIFEST_FILE.fullmatch(manifest.name) or not self._mine(manifest.name):
                     continue
@@ -359,12 +365,13 @@ class RemoteOutput:
                 if self._manifests.get(manifest.name) != content:
                     try:
                         for name in listed_files(json.loads(content)):
-                            self._upload_part(name)
+                            uploading += self._upload_part(name)
                     except FileNotFoundError:
                         continue  # the run removed its parts meanwhile (the final file is made)
                     storage.upload(storage.join(self.parts_url, manifest.name), content)
                     self._manifests[manifest.name] = content
                 self._seen[manifest.name] = state
+        return time.monotonic() - began - uploading
 
     def adopt_part(self, name: str, path: Path) -> None:
         """Part file ``name`` was uploaded by the process that wrote it (the writer or a ray
@@ -381,16 +388,19 @@ class RemoteOutput:
             storage.delete(storage.join(self.parts_url, manifest))
             self._replaced.discard(manifest)
 
-    def _upload_part(self, name: str) -> None:
+    def _upload_part(self, name: str) -> float:
+        """Upload a staged part unless the store has it; returns the seconds the upload took."""
         if name in self._in_store:
-            return
+            return 0.0
         path = self.local_parts / name
         ident = _local_id(path)
         if self._uploaded.get(name) == ident:
-            return
+            return 0.0
+        began = time.monotonic()
         self.drop_replaced()
         storage.upload_file(path, storage.join(self.parts_url, name))
         self._uploaded[name] = ident
+        return time.monotonic() - began
 
     # -- the end of the run ----------------------------------------------------------------
     def _stop_loop(self) -> None:
@@ -492,6 +502,13 @@ class RemoteOutput:
         """A message about the staging folder, told about the store instead."""
         text = text.replace(str(self.local_parts), self.parts_url)
         return text.replace(str(self.local_out), self.url)
+
+
+def next_sync(spent: float, ended: float) -> float:
+    """When (monotonic seconds) the next sync may start after one that ended at ``ended`` and
+    spent ``spent`` seconds on its manifests: the upload thread (and the GIL its JSON holds)
+    busy with them at most ``SYNC_SHARE`` of the time. The run's end syncs once more, at once."""
+    return ended + spent * (1 - SYNC_SHARE) / SYNC_SHARE
 
 
 def _process_alive(pid: Any) -> bool:

@@ -54,6 +54,17 @@ def encode(command: list[str], env: dict, tmp: Path) -> int:
     return peak
 
 
+def part_requests(log, method: str, run) -> tuple[int, int]:
+    """The ``method`` requests for part objects that the server logged while ``run()`` ran,
+    and what ``run()`` returned."""
+    log.flush()
+    before = Path(log.name).read_text(errors="replace").count("\n")
+    returned = run()
+    lines = Path(log.name).read_text(errors="replace").splitlines()[before:]
+    pattern = rf'"(\x1b\[[0-9;]*m)*{method} /bench/out/part-[^ ?]*\.parquet'  # some coloured
+    return sum(1 for line in lines if re.search(pattern, line)), returned
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--images", default="synthetic:256x256:300")
@@ -90,26 +101,16 @@ def main() -> None:
             listed = client.list_objects_v2(Bucket="bench", Prefix="out/part-")
             parts = [o for o in listed.get("Contents", [])]
             output = sum(o["Size"] for o in parts)
-            log.flush()
-            before = Path(log.name).read_text(errors="replace").count("\n")
-            encode([*command, "--resume"], env, base / "tmp")
-            lines = Path(log.name).read_text(errors="replace").splitlines()[before:]
-            part_gets = sum(1 for line in lines  # werkzeug colours some lines
-                            if re.search(r'"(\x1b\[[0-9;]*m)*GET /bench/out/part-[^ ?]*'
-                                         r'\.parquet', line))
+            part_gets, _ = part_requests(log, "GET", lambda: encode(
+                [*command, "--resume"], env, base / "tmp"))
             print(f"{len(paths)} images, {len(parts)} part objects, {output / 1e6:.2f} MB in "
                   f"the bucket; the run's TMPDIR peaked at {peak / 1e6:.3f} MB "
                   f"({peak / output:.1%} of the output); --resume sent {part_gets} GETs "
                   f"for part objects")
             for path in paths[:args.new]:  # new inputs that sort first: "new-..." < "img..."
                 client.upload_file(str(path), "bench", f"in/new-{path.name}")
-            log.flush()
-            before = Path(log.name).read_text(errors="replace").count("\n")
-            peak = encode([*command, "--update"], env, base / "tmp")
-            lines = Path(log.name).read_text(errors="replace").splitlines()[before:]
-            puts = sum(1 for line in lines  # werkzeug colours some lines
-                       if re.search(r'"(\x1b\[[0-9;]*m)*PUT /bench/out/part-[^ ?]*'
-                                    r'\.parquet', line))
+            puts, peak = part_requests(log, "PUT", lambda: encode(
+                [*command, "--update"], env, base / "tmp"))
             print(f"--update with {args.new} new inputs sorting first: TMPDIR peaked at "
                   f"{peak / 1e6:.3f} MB ({peak / output:.1%} of the output); {puts} part "
                   f"objects uploaded")

@@ -316,22 +316,21 @@ def test_a_bucket_folder_output_stages_no_part_and_resumes_without_reading_one(
     first = rows(out)
     parts = sorted(k for k in s3.keys("direct/") if PART_FILE.fullmatch(k.split("/", 1)[1]))
     assert len(parts) == 3
-    with RequestLog(s3) as log:
+
+    def resumed() -> int:
         result = runner.invoke(app, ["encode", url, "--out", out, "--weights", str(small_ckpt),
                                      "--part-images", "1", "--resume", "--workers", "0",
                                      "--device", "cpu", "-q", "--summary-json",
                                      str(tmp_path / "s.json")])
-    assert result.exit_code == 0, result.output
-    assert json.loads((tmp_path / "s.json").read_text())["images"]["reused"] == 3
+        assert result.exit_code == 0, result.output
+        return json.loads((tmp_path / "s.json").read_text())["images"]["reused"]
+
+    with RequestLog(s3) as log:
+        assert resumed() == 3
     assert not [path for method, path in log.requests
                 if method == "GET" and any(path.startswith(f"/{key}") for key in parts)]
     s3.put(parts[0], s3.get(parts[0])[:-1])  # cut short: not the committed object
-    result = runner.invoke(app, ["encode", url, "--out", out, "--weights", str(small_ckpt),
-                                 "--part-images", "1", "--resume", "--workers", "0",
-                                 "--device", "cpu", "-q", "--summary-json",
-                                 str(tmp_path / "s.json")])
-    assert result.exit_code == 0, result.output
-    assert json.loads((tmp_path / "s.json").read_text())["images"]["reused"] == 2
+    assert resumed() == 2
     again = rows(out)
     assert sorted(again) == sorted(first)
     assert all(np.array_equal(first[key], again[key]) for key in first)

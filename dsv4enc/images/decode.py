@@ -28,6 +28,7 @@ import numpy as np
 from .. import storage
 from ..process import keep_freed_memory_mapped, own_process_pillow_settings
 from ..tower.config import VisionConfig
+from ..tower.transform import no_pixels
 from .arena import PatchArena, WorkerArena, default_slots, patch_slot_bytes
 from .formats import DEFAULT_MAX_PIXELS, image_name, misnamed, open_image
 from .sources import HELD, attach_held, held_key, open_item
@@ -182,8 +183,8 @@ def probe_image(source, max_pixels: int = DEFAULT_MAX_PIXELS) -> Probe:
         with open_checked(regular_only(target), max_pixels, name=name) as image:
             width, height = image.size
             actual = misnamed(image, name)
-        if width <= 0 or height <= 0:
-            return Probe(error=f"image has no pixels ({width}x{height})")
+        if (error := no_pixels(width, height)) is not None:
+            return Probe(error=error)
         return Probe(width=width, height=height, misnamed=actual)
     except Exception as exc:  # any unreadable file is an error row, never a crash
         HELD.take(held_key(source))  # never decoded: what its probe read ahead is not kept
@@ -206,8 +207,8 @@ def decode_image(source, cfg: VisionConfig, max_pixels: int = DEFAULT_MAX_PIXELS
     try:
         with open_checked(source, max_pixels) as image:
             width, height = image.size
-            if width <= 0 or height <= 0:  # no size in the row, as a header probe gives none
-                return Decoded(error=f"image has no pixels ({width}x{height})")
+            if (error := no_pixels(width, height)) is not None:  # no size, as a probe gives
+                return Decoded(error=error)
             canvas = plan_canvas(width, height, cfg)  # no canvas: an error before decoding
             image.load()
             if pixels and width * height * 3 <= patch_slot_bytes(cfg):

@@ -13,7 +13,7 @@ from PIL import Image
 
 from .. import storage
 from ..tower.config import VisionConfig
-from ..tower.transform import image_to_patches, plan_canvas
+from ..tower.transform import image_to_patches, no_pixels, plan_canvas
 from .decode import decode_image, describe_error, patches_tensor, regular_only
 
 if TYPE_CHECKING:
@@ -96,9 +96,9 @@ def prepare(source: Any, cfg: VisionConfig, max_pixels: int, item: Prepared) -> 
             item.width, item.height = source.size
         elif isinstance(source, np.ndarray) and source.ndim >= 2:
             item.height, item.width = source.shape[:2]
-        if item.width is not None and (item.width <= 0 or item.height <= 0):
-            return item.failed(f"image has no pixels ({item.width}x{item.height})")
         if item.width is not None:
+            if (error := no_pixels(item.width, item.height)) is not None:
+                return item.failed(error)
             plan_canvas(item.width, item.height, cfg)  # no canvas: the error before the transform
         if isinstance(source, np.ndarray):
             source = array_to_image(source)

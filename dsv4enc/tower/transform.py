@@ -67,11 +67,16 @@ def count_llm_tokens_v41(bh: int, bw: int, patch: int, ratio: int) -> int:
     return lh * (lw + 1) + 2
 
 
+def no_pixels(width: int, height: int) -> str | None:
+    """The error of a stored size with no pixels (a side of 0 or less), else None."""
+    return f"image has no pixels ({width}x{height})" if width <= 0 or height <= 0 else None
+
+
 def plan_canvas(width: int, height: int, cfg: VisionConfig) -> Canvas:
     """Canvas and patch grid for an image of ``width`` x ``height`` pixels, with the geometry
     of ``cfg.model_type`` (V4 or V4.1). Raises ValueError for a size that has no canvas."""
-    if width <= 0 or height <= 0:
-        raise ValueError(f"image has no pixels ({width}x{height})")
+    if (error := no_pixels(width, height)) is not None:
+        raise ValueError(error)
     p = cfg.patch_size
     W, H = width, height
     if cfg.max_wh_ratio is not None and W > H * cfg.max_wh_ratio:

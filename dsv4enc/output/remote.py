@@ -195,7 +195,7 @@ class RemoteOutput:
             if top and (MANIFEST_FILE.fullmatch(obj.key) or STAMPS_FILE.fullmatch(obj.key)):
                 self._fetch(obj)
             elif top and PART_FILE.fullmatch(obj.key):
-                if self._mine(obj.key) and self._stays(obj):
+                if self._mine(obj.key) and self._leave_in_store(obj):
                     continue
                 if (self.resume or self.update) and self._mine(obj.key):
                     self._fetch(obj)
@@ -225,14 +225,15 @@ class RemoteOutput:
         self.local_parts.mkdir(parents=True, exist_ok=True)
         for obj in objects:
             if MANIFEST_FILE.fullmatch(obj.key) or (self.resume and PART_FILE.fullmatch(obj.key)
-                                                     and not self._stays(obj)):
+                                                     and not self._leave_in_store(obj)):
                 self._fetch(obj)
         self._note_manifests()
 
-    def _stays(self, obj: storage.ObjectInfo) -> bool:
-        """Whether a part object of a folder output that ``--resume`` or ``--update`` reuses
-        stays in the store (``stored``): judged by its size, read in place where its rows are
-        (a single file's parts are brought here: the file is joined from them)."""
+    def _leave_in_store(self, obj: storage.ObjectInfo) -> bool:
+        """Record a part object that ``--resume`` or ``--update`` of a folder reuses in
+        ``stored`` and return True: it stays in the store, judged by its size and read in place
+        where its rows are. False (nothing recorded) where it must be brought here: a single
+        file's parts, which the file is joined from, or a run that reuses none."""
         if not (self.folder_mode and (self.resume or self.update)):
             return False
         self.stored[obj.key] = obj
@@ -244,9 +245,10 @@ class RemoteOutput:
         (``written_elsewhere``) is adopted, and a folder output's parts are written straight to
         the store by the writer, each object whole, so the staging folder never holds them
         (an ``--update`` stages its new parts until its switch)."""
-        if written_elsewhere or (self.folder_mode and not self.update):
+        writes_to_store = self.folder_mode and not self.update
+        if written_elsewhere or writes_to_store:
             store.fetch = self.adopt_part
-        if self.folder_mode and not self.update:
+        if writes_to_store:
             store.part_folder, store.stored = self.parts_url, self.stored
             if self.writer:  # before the first part object: one may take an old name
                 self.drop_replaced()

@@ -239,7 +239,7 @@ class OldOutput:
 
     def __init__(self, out: Path, units: Sequence[tuple[str, int, int]], settings: dict,
                  stamps: np.ndarray | None, folder: bool, damaged: Iterable[str] = (),
-                 stored: Mapping[str, Any] | None = None) -> None:
+                 stored: Mapping[str, storage.ObjectInfo] | None = None) -> None:
         self.out, self.settings, self.stamps, self.folder = out, settings, stamps, folder
         self.stored = stored or {}
         self.parts = list(units)  # its files in row order: (name, first row, rows)
@@ -270,7 +270,7 @@ class OldOutput:
 
     @classmethod
     def find(cls, out: Path, folder_mode: bool,
-             stored: Mapping[str, Any] | None = None) -> "OldOutput | None":
+             stored: Mapping[str, storage.ObjectInfo] | None = None) -> "OldOutput | None":
         """The finished output at ``out``, or None when there is none yet (a plain run)."""
         import pyarrow.parquet as pq
 
@@ -392,7 +392,7 @@ class Update:
 
     @classmethod
     def start(cls, out: Path, folder_mode: bool,
-              stored: Mapping[str, Any] | None = None) -> "Update | None":
+              stored: Mapping[str, storage.ObjectInfo] | None = None) -> "Update | None":
         """The update of ``out`` (``stored``: as ``OldOutput`` takes it), or None when there
         is no finished output there yet."""
         old = OldOutput.find(out, folder_mode, stored)

@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from ..errors import OutputError
 from .parquet_join import (GROUP_NUM_ROWS, MAGIC, JoinError, ParquetJoiner, footer_at,
@@ -26,7 +25,7 @@ from .parquet_join import (GROUP_NUM_ROWS, MAGIC, JoinError, ParquetJoiner, foot
 from .files import GROWING_NAME, MANIFEST_NAME
 from .parts import (PartStore, fsync_dir, is_journal_entry,
                      names_part_file, part_intact, drop_cached_pages, output_os_error,
-                     parquet_options, transient_errors)
+                     transient_errors, write_parquet)
 
 log = logging.getLogger("dsv4enc")
 
@@ -43,8 +42,7 @@ def serialize(table: pa.Table, row_group_size: int) -> pa.Buffer:
     """``table`` as a Parquet file in memory, as a part file would hold it: only for the
     schema's probe and a part that outgrew its reservation (a growing buffer costs CPU)."""
     sink = pa.BufferOutputStream()
-    pq.write_table(table, sink, row_group_size=row_group_size,
-                   **parquet_options(table.schema))
+    write_parquet(table, sink, row_group_size)
     return sink.getvalue()
 
 
@@ -244,8 +242,7 @@ class AppendingStore(PartStore):
         try:
             try:
                 sink = RangeSink(file.fd, base, room)
-                pq.write_table(table, pa.PythonFile(sink, mode="w"),
-                               row_group_size=row_group_size, **parquet_options(table.schema))
+                write_parquet(table, pa.PythonFile(sink, mode="w"), row_group_size)
                 length = sink.pos - len(MAGIC)  # column chunks, footer, its length, PAR1
             except _NoRoom:  # more than ``group_room`` guessed: it goes through memory instead
                 file.give_back(base, room, 0)

@@ -229,6 +229,12 @@ def parquet_options(schema: pa.Schema) -> dict[str, Any]:
             "data_page_size": DATA_PAGE_BYTES}
 
 
+def write_parquet(table: pa.Table, where: Any, row_group_size: int) -> None:
+    """Write ``table`` as a part's Parquet file to ``where`` (a path or a writable stream),
+    with the writer settings every part has (``parquet_options``)."""
+    pq.write_table(table, where, row_group_size=row_group_size, **parquet_options(table.schema))
+
+
 def rows_per_group(schema: pa.Schema, rows: Sequence[Row]) -> int:
     """Rows per row group for about ROW_GROUP_BYTES of embeddings (a quarter for nested float16:
     Parquet keeps float16 as 2-byte fixed-length binaries, which the writer handles at ~15 bytes
@@ -294,7 +300,7 @@ def write_atomic(path: Path, data: bytes | Callable[[Path], None]) -> None:
 
 
 def _write_synced(table: pa.Table, path: Path, row_group_size: int, drop_cache: bool) -> None:
-    pq.write_table(table, path, row_group_size=row_group_size, **parquet_options(table.schema))
+    write_parquet(table, path, row_group_size)
     synced(path, drop_cache)
 
 
@@ -316,8 +322,8 @@ def write_part(folder: str | Path, name: str, table: pa.Table, row_group_size: i
     entry: dict[str, Any] = {"file": file, "start": start, "end": end, "digest": digest,
                              "rows": table.num_rows, "transient": transient_errors(table)}
     try:
-        uploaded = storage.upload_written(folder, file, lambda tmp: pq.write_table(
-            table, tmp, row_group_size=row_group_size, **parquet_options(table.schema)))
+        uploaded = storage.upload_written(
+            folder, file, lambda tmp: write_parquet(table, tmp, row_group_size))
     except OSError as exc:
         raise store_failure(str(folder), exc) from None
     if uploaded is not None:

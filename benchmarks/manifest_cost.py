@@ -9,6 +9,7 @@ starts, resumes or finishes; and the bytes a whole run writes for its output.
         [--new-at first,middle,last]
     python benchmarks/manifest_cost.py --cut 300000 [--part-images 50]
     python benchmarks/manifest_cost.py --mirror [--parts 1000,10000,100000]
+    python benchmarks/manifest_cost.py --plan 100000 [--part-images 50]
 
 Bytes are this process's, from /proc/self/io: ``wchar`` (bytes handed to write calls) and
 ``write_bytes`` (bytes sent to the disk, less ``cancelled_write_bytes``). A single file's update
@@ -160,6 +161,32 @@ def cut_cost(keys: int, part_images: int) -> None:
           f"{time.process_time() - began:.2f} s CPU", flush=True)
 
 
+def plan_change(keys: int, part_images: int, new: int = 5) -> None:
+    """What an update with ``new`` inputs sorting first and one changed input (a third of the
+    way in) costs at plan level: the parts of the new cut (``run/plan.cut_parts``) whose key
+    range the old cut lacks, or that hold the changed input, and their rows."""
+    from dsv4enc.images.headers import Planned
+    from dsv4enc.images.items import InputItem
+    from dsv4enc.run.plan import cut_parts
+
+    def ranges(names: list[str]) -> list[tuple[str, str, int]]:
+        planned = [Planned(InputItem(name, "x")) for name in names]
+        return [(names[p.start], names[p.end - 1], p.end - p.start)
+                for p in cut_parts(planned, part_images)]
+
+    old = [f"folder/sub/img{i:08d}.jpg" for i in range(keys)]
+    changed = old[keys // 3]
+    began = time.process_time()
+    before = {(first, last) for first, last, _ in ranges(old)}
+    after = ranges(sorted(old + [f"folder/sub/a-new-{k}.jpg" for k in range(new)]))
+    redone = [(first, last, rows) for first, last, rows in after
+              if (first, last) not in before or first <= changed <= last]
+    rows = sum(r for _, _, r in redone)
+    print(f"{keys} inputs, {new} new sorting first, 1 changed: {len(redone)} of {len(after)} "
+          f"parts encoded or cut anew, {rows} rows ({rows / (keys + new):.3%}); "
+          f"{time.process_time() - began:.2f} s CPU for both cuts", flush=True)
+
+
 def mirror_cost(parts: list[int], repeat: int) -> None:
     """What one sync of an object storage output spends on its manifest with N parts committed
     (the manifest made whole from the file and its journal, then read for the parts it lists),
@@ -204,10 +231,14 @@ def main() -> None:
     parser.add_argument("--new-at", default="last",
                         help="where the new images sort: first, middle, last (comma-separated)")
     parser.add_argument("--cut", type=int, default=0, help="keys to cut into parts, timed")
+    parser.add_argument("--plan", type=int, default=0,
+                        help="inputs: an update's new and changed parts at plan level")
     parser.add_argument("--mirror", action="store_true",
                         help="an object storage output's manifest cost per sync, for --parts")
     args = parser.parse_args()
-    if args.mirror:
+    if args.plan:
+        plan_change(args.plan, args.part_images)
+    elif args.mirror:
         mirror_cost([int(v) for v in args.parts.split(",")], args.repeat)
     elif args.cut:
         cut_cost(args.cut, args.part_images)

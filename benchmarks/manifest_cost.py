@@ -8,7 +8,7 @@ starts, resumes or finishes; and the bytes a whole run writes for its output.
     python benchmarks/manifest_cost.py --run 2005 --part-images 50 --update 1,5 [--out-kind file]
         [--new-at first,middle,last]
     python benchmarks/manifest_cost.py --cut 300000 [--part-images 50]
-    python benchmarks/manifest_cost.py --mirror [--parts 1000,10000,100000]
+    python benchmarks/manifest_cost.py --mirror [--parts 1000,10000,100000] [--commits 50]
     python benchmarks/manifest_cost.py --plan 100000 [--part-images 50]
 
 Bytes are this process's, from /proc/self/io: ``wchar`` (bytes handed to write calls) and
@@ -187,35 +187,65 @@ def plan_change(keys: int, part_images: int, new: int = 5) -> None:
           f"{time.process_time() - began:.2f} s CPU for both cuts", flush=True)
 
 
-def mirror_cost(parts: list[int], repeat: int) -> None:
-    """What one sync of an object storage output spends on its manifest with N parts committed
-    (the manifest made whole from the file and its journal, then read for the parts it lists),
-    and the share of the time the upload thread spends on it: looking every ``SYNC_S``, or
-    spaced out to ``SYNC_SHARE`` (``remote.next_sync``). The upload itself is not counted."""
+def mirror_cost(parts: list[int], commits: int) -> None:
+    """What a sync of an object storage output costs with N parts committed: ``commits``
+    commits, each followed by a sync (``remote.RemoteOutput.sync``, against moto's S3 server
+    on 127.0.0.1): the bytes of the commit record it uploads and the CPU it takes, next to
+    what building the whole manifest object for each sync would take (the record written
+    whole). Part uploads are not counted (the parts are recorded as in the store)."""
     import json
+    import os
 
+    import boto3
+
+    from dsv4enc import storage
     from dsv4enc.output.read import load_manifest
-    from dsv4enc.output.remote import SYNC_S, SYNC_SHARE, next_sync
+    from dsv4enc.output.remote import RemoteOutput
+    from storage_throughput import free_port, start_server
 
-    folder = Path(tempfile.mkdtemp(prefix="dsv4enc-manifest-"))
-    for n in parts:
-        store = PartStore(folder, {"tool": "dsv4enc", "part_images": 1024})
-        store.parts = {f"part-{i:06d}": entry(i) for i in range(n)}
-        store.save()
-        store._record(f"part-{n:06d}", entry(n))  # one journal line: the usual state
-        times = []
-        for _ in range(repeat):
-            began = time.process_time()
-            document = load_manifest(store.manifest_path)
-            document.pop("journal", None)
-            content = json.dumps(document, indent=1, sort_keys=True).encode()
-            json.loads(content)
-            times.append(time.process_time() - began)
-        spent = statistics.median(times)
-        every = spent + max(SYNC_S, next_sync(spent, 0.0))  # the thread looks every SYNC_S
-        print(f"{n:>7} parts: manifest {len(content) / 1e6:.1f} MB, {spent:.3f} s CPU per sync; "
-              f"share of the time every {SYNC_S} s {spent / (spent + SYNC_S):.0%}, spaced out "
-              f"{spent / every:.0%} (one sync every {every:.1f} s)")
+    port = free_port()
+    server = start_server(port)
+    os.environ.update(AWS_ENDPOINT_URL=f"http://127.0.0.1:{port}", AWS_ACCESS_KEY_ID="bench",
+                      AWS_SECRET_ACCESS_KEY="bench", AWS_DEFAULT_REGION="us-east-1")
+    boto3.client("s3", endpoint_url=os.environ["AWS_ENDPOINT_URL"]).create_bucket(Bucket="bench")
+    sent: list[int] = []
+    upload = storage.upload
+    storage.upload = lambda url, data: (sent.append(len(data)), upload(url, data))[1]
+    try:
+        for n in parts:
+            remote = RemoteOutput(f"s3://bench/m{n}/", writer=True)
+            remote.pull()
+            store = PartStore(remote.local_parts, {"tool": "dsv4enc", "part_images": 1024})
+            store.parts = {f"part-{i:06d}": entry(i) for i in range(n)}
+            store.create()
+            for i in range(n + commits):
+                remote.adopt_part(entry(i)["file"], remote.local_parts / entry(i)["file"])
+            sent.clear()
+            remote.sync()  # the manifest, whole: as a run starts
+            base = sum(sent)
+            cpu, sizes, whole = [], [], []
+            for i in range(n, n + commits):
+                store.adopt(f"part-{i:06d}", entry(i))
+                sent.clear()
+                began = time.process_time()
+                remote.sync()
+                cpu.append(time.process_time() - began)
+                sizes.append(sum(sent))
+                began = time.process_time()
+                document = load_manifest(store.manifest_path)
+                json.dumps(document, indent=1, sort_keys=True).encode()
+                whole.append(time.process_time() - began)
+            remote.close()
+            print(f"{n:>7} parts (manifest {base / 1e6:.2f} MB, uploaded once): a sync of one "
+                  f"commit uploads {statistics.median(sizes):.0f} B (median; at most "
+                  f"{max(sizes) / 1e3:.1f} kB, a merge) in {statistics.median(cpu) * 1e3:.1f} ms "
+                  f"CPU; the whole manifest for each sync would take "
+                  f"{statistics.median(whole) * 1e3:.1f} ms CPU to build, and upload "
+                  f"{base / 1e6:.2f} MB", flush=True)
+    finally:
+        storage.upload = upload
+        server.kill()
+        server.wait()
 
 
 def main() -> None:
@@ -234,12 +264,12 @@ def main() -> None:
     parser.add_argument("--plan", type=int, default=0,
                         help="inputs: an update's new and changed parts at plan level")
     parser.add_argument("--mirror", action="store_true",
-                        help="an object storage output's manifest cost per sync, for --parts")
+                        help="an object storage output's commit record cost per sync")
     args = parser.parse_args()
     if args.plan:
         plan_change(args.plan, args.part_images)
     elif args.mirror:
-        mirror_cost([int(v) for v in args.parts.split(",")], args.repeat)
+        mirror_cost([int(v) for v in args.parts.split(",")], args.commits)
     elif args.cut:
         cut_cost(args.cut, args.part_images)
     elif args.run:

@@ -170,12 +170,17 @@ def noise_images(s3: "S3Bucket", prefix: str, count: int, tmp_path) -> tuple:
 
 
 def manifest_parts(s3: "S3Bucket", key: str) -> dict:
-    """The parts the manifest object ``key`` lists; {} while it is not uploaded yet."""
-    import json
+    """The parts the commit record of the manifest object ``key`` lists (the manifest, its
+    journal's segments applied, as every reader reads it); {} while it is not uploaded yet."""
+    from dsv4enc import storage
+    from dsv4enc.output.read import load_manifest
 
+    folder = key.rsplit("/", 1)[0] + "/"
+    fs, path = storage.filesystem(f"{s3.url}/{key}")
+    segments = [storage.filesystem(f"{s3.url}/{k}")[1] for k in s3.keys(folder)]
     try:
-        return json.loads(s3.get(key))["parts"]
-    except Exception:  # not uploaded yet
+        return load_manifest(path, fs, segments)["parts"]
+    except Exception:  # not uploaded yet (or a segment merged meanwhile: ask again)
         return {}
 
 

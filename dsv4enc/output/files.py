@@ -9,7 +9,7 @@ import os
 import re
 import secrets
 from pathlib import Path
-from typing import TypeVar
+from typing import Iterable, TypeVar
 
 P = TypeVar("P", str, Path)
 
@@ -18,6 +18,9 @@ MANIFEST_NAME = "_manifest.json"
 MANIFEST_FILE = re.compile(r"_manifest(?:-rank(\d{3}))?\.json")
 #: A manifest's journal of the parts committed since it was written whole.
 JOURNAL_FILE = re.compile(r"_manifest(?:-rank\d{3})?\.journal")
+#: A bucket's journal segment (an object store has no append): the lines of syncs FIRST to
+#: LAST (numbered from 1) of the journal of the manifest STEM.json whose token is TOKEN.
+SEGMENT_FILE = re.compile(r"(_manifest(?:-rank\d{3})?)\.([0-9a-f]{16})\.(\d{8})-(\d{8})\.journal")
 #: A part file: ``part-N[_OFFSET][-rankR][.gG].parquet`` (``.gG``: an ``--update``'s generation).
 PART_FILE = re.compile(r"part-\d{6,}(?:_\d{6,})?(?:-rank(\d{3}))?(?:\.g(\d+))?\.parquet")
 #: The growing single file of one local process (``appending.AppendingStore``).
@@ -62,7 +65,11 @@ def manifest_name(rank: int | None = None) -> str:
 
 
 def rank_of(name: str) -> int | None:
-    """The rank whose own manifest or part file ``name`` is (None: the run's, or neither)."""
+    """The rank whose own manifest, journal segment or part file ``name`` is (None: the
+    run's, or neither)."""
+    segment = SEGMENT_FILE.fullmatch(name)
+    if segment:
+        name = segment.group(1) + ".json"
     found = MANIFEST_FILE.fullmatch(name) or PART_FILE.fullmatch(name)
     return int(found.group(1)) if found and found.group(1) else None
 
@@ -70,6 +77,32 @@ def rank_of(name: str) -> int | None:
 def journal_path(manifest: P) -> P:
     """The journal beside a manifest: ``_manifest.json`` -> ``_manifest.journal``."""
     return type(manifest)(os.fspath(manifest)[:-len(".json")] + ".journal")
+
+
+def segment_name(manifest: str, token: str, first: int, last: int) -> str:
+    """The journal segment of syncs ``first`` to ``last`` of the manifest named ``manifest``
+    (``_manifest.json``) under journal ``token``."""
+    return f"{manifest[:-len('.json')]}.{token}.{first:08d}-{last:08d}.journal"
+
+
+def segment_chain(manifest: str, token: str, names: Iterable[str]) -> list[str]:
+    """Of the object ``names`` (paths or keys), the segments that hold the journal of the
+    manifest named ``manifest`` under ``token``, in order: from sync 1 on, each time the one
+    reaching furthest (a merged segment is written before the ones it replaces are deleted);
+    what follows a gap is not taken."""
+    stem, spans = manifest[:-len(".json")], {}
+    for name in names:
+        found = SEGMENT_FILE.fullmatch(name.rsplit("/", 1)[-1])
+        if found and found.group(1) == stem and found.group(2) == token:
+            first, last = int(found.group(3)), int(found.group(4))
+            if last > spans.get(first, (0, ""))[0]:
+                spans[first] = (last, name)
+    chain, following = [], 1
+    while following in spans:
+        last, name = spans[following]
+        chain.append(name)
+        following = last + 1
+    return chain
 
 
 def stamps_name(data: bytes) -> str:
@@ -99,10 +132,10 @@ def old_folder(out: Path) -> Path:
 
 
 def is_output_file(name: str) -> bool:
-    """A name dsv4enc gives a file of an output folder: a part, manifest, journal, stamps or
-    the growing file."""
+    """A name dsv4enc gives a file of an output folder: a part, manifest, journal (or a
+    bucket's journal segment), stamps or the growing file."""
     return name == GROWING_NAME or any(pattern.fullmatch(name) for pattern in (
-        PART_FILE, MANIFEST_FILE, JOURNAL_FILE, STAMPS_FILE))
+        PART_FILE, MANIFEST_FILE, JOURNAL_FILE, SEGMENT_FILE, STAMPS_FILE))
 
 
 def temporary_of(name: str) -> str | None:

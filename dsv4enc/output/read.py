@@ -16,7 +16,7 @@ import numpy as np
 
 from .. import storage
 from ..errors import UsageError
-from .files import MANIFEST_FILE, journal_path
+from .files import MANIFEST_FILE, journal_path, segment_chain
 
 #: What a manifest's journal starts with (docs/output-format.md#the-manifest-and-its-journal).
 JOURNAL_FORMAT = "dsv4enc-journal"
@@ -24,6 +24,9 @@ JOURNAL_FORMAT = "dsv4enc-journal"
 #: Rows per Arrow batch while streaming, at most (a row of the full model is up to ~3 MB in
 #: float16: fewer of those, by ``BATCH_BYTES``).
 BATCH_ROWS = 16
+#: Listings of a folder a reader makes at most while a running bucket output merges the
+#: journal segments it reads (each merge replaces segments; a reader reads the survivors).
+LISTINGS = 3
 
 
 @dataclass(frozen=True)
@@ -75,13 +78,19 @@ def find_output(location: str | os.PathLike, storage_options: Any = None) -> Out
         return OutputFiles(text, fs, root, [root], [info.size], [], info.size)
     if info.type != pafs.FileType.Directory:
         raise UsageError(f"no such file or folder: {text}")
-    try:
-        found = fs.get_file_info(pafs.FileSelector(root, recursive=True))
-    except OSError as exc:
-        raise storage.setup_error(text, exc) from None
-    listed = {f.path: f for f in found if f.type == pafs.FileType.File}
-    manifests = [data for data in (_read_manifest(fs, path) for path in sorted(
-        p for p in listed if MANIFEST_FILE.fullmatch(p[len(root):].strip("/")))) if data]
+    for attempt in range(LISTINGS):
+        try:
+            found = fs.get_file_info(pafs.FileSelector(root, recursive=True))
+            listed = {f.path: f for f in found if f.type == pafs.FileType.File}
+            manifests = [data for data in (_read_manifest(fs, path, listed) for path in sorted(
+                p for p in listed if MANIFEST_FILE.fullmatch(p[len(root):].strip("/")))) if data]
+            break
+        except SegmentGone:
+            if attempt == LISTINGS - 1:
+                raise UsageError(f"{text}: its journal kept changing while it was read; "
+                                 "read it again") from None
+        except OSError as exc:
+            raise storage.setup_error(text, exc) from None
     if manifests:
         parts = [part for data in manifests for part in data["parts"].values()
                  if isinstance(part, dict) and isinstance(part.get("file"), str)]
@@ -108,11 +117,14 @@ def _visible(relative: str) -> bool:
     return names[-1].endswith(".parquet") and not any(n.startswith((".", "_")) for n in names)
 
 
-def _read_manifest(fs, path: str) -> dict | None:
-    """The manifest at ``path`` in ``fs``, its journal applied; None if it is not dsv4enc's
-    (another tool's ``_manifest.json`` leaves the folder read as plain Parquet files)."""
+def _read_manifest(fs, path: str, listed: Iterable[str]) -> dict | None:
+    """The manifest at ``path`` in ``fs``, its journal applied (``listed``: the folder's
+    paths); None if it is not dsv4enc's (another tool's ``_manifest.json`` leaves the folder
+    read as plain Parquet files). Raises ``SegmentGone``: list the folder again."""
     try:
-        data = load_manifest(path, fs)
+        data = load_manifest(path, fs, listed)
+    except SegmentGone:
+        raise
     except (OSError, ValueError):
         return None
     return data if is_dsv4enc_document(data) and isinstance(data.get("parts"), dict) else None
@@ -131,21 +143,42 @@ def _read_bytes(path: str | os.PathLike, fs=None) -> bytes:
         return handle.read()
 
 
-def load_manifest(path: str | os.PathLike, fs=None) -> Any:
+def load_manifest(path: str | os.PathLike, fs=None, listed: Iterable[str] = ()) -> Any:
     """A manifest's JSON with the parts its journal committed since it was last written whole
     (raises OSError, ValueError); every reader of the committed parts goes through here. A run
     appends one synced line per part to the journal, so a commit costs the same at part 10 and
     10^5; the journal applies when its header names the manifest's ``journal`` token, and its
     last line's ``inputs`` (the images listed by then) replaces the manifest's. ``fs``: the
-    pyarrow file system ``path`` is in (None: local)."""
+    pyarrow file system ``path`` is in (None: local); ``listed``: the paths in its folder, in a
+    bucket, where the journal is segments (``files.segment_chain``; a chained segment deleted
+    meanwhile, by a merge, raises ``SegmentGone``: list again)."""
     data = json.loads(_read_bytes(path, fs))
     if (isinstance(data, dict) and isinstance(data.get("parts"), dict)
             and isinstance(data.get("journal"), str)):
-        for entry in journal_entries(journal_path(os.fspath(path)), data["journal"], fs):
+        token = data["journal"]
+        journals = [_read_journal(journal_path(os.fspath(path)), fs)]
+        for segment in segment_chain(os.path.basename(os.fspath(path)), token, listed):
+            data_of = _read_journal(segment, fs)
+            if data_of is None:
+                raise SegmentGone(f"{segment}: deleted while it was read (merged)")
+            journals.append(data_of)
+        for entry in (e for journal in journals for e in journal_entries(journal, token)):
             data["parts"][entry["name"]] = entry["part"]
             if isinstance(entry.get("inputs"), int):
                 data["inputs"] = entry["inputs"]
     return data
+
+
+class SegmentGone(FileNotFoundError):
+    """A journal segment in a bucket was replaced by a merged one while a reader read it."""
+
+
+def _read_journal(path: str, fs) -> bytes | None:
+    """A journal's bytes; None where it is missing (an empty journal)."""
+    try:
+        return _read_bytes(path, fs)
+    except FileNotFoundError:
+        return None
 
 
 def is_dsv4enc_document(data: Any) -> bool:
@@ -154,15 +187,11 @@ def is_dsv4enc_document(data: Any) -> bool:
     return isinstance(settings, dict) and settings.get("tool") == "dsv4enc"
 
 
-def journal_entries(path: str | os.PathLike, token: str, fs=None) -> Iterator[dict]:
-    """The entries (``name``, ``part``, maybe ``inputs``) of the journal at ``path``, one per
-    whole line, in commit order, if its header names ``token`` (else none); a last line
+def journal_entries(data: bytes | None, token: str) -> Iterator[dict]:
+    """The entries (``name``, ``part``, maybe ``inputs``) of a journal's bytes ``data``, one
+    per whole line, in commit order, if its header names ``token`` (else none); a last line
     without its newline is a torn write, ignored."""
-    try:
-        data = _read_bytes(path, fs)
-    except OSError:
-        return
-    for number, line in enumerate(data.splitlines(keepends=True)):
+    for number, line in enumerate((data or b"").splitlines(keepends=True)):
         if not line.endswith(b"\n"):
             return  # torn: the write of the last commit did not finish
         try:

@@ -2,8 +2,10 @@
 
 Object stores have no rename or append, so a run's manifest is kept in a local staging folder
 by the same code as any local output and mirrored to the store in a crash-safe order: a part
-object whole, the manifest object (the commit record) after every part it lists, and a single
-file as one object at the end (``storage.upload_file_whole``). A folder output's parts are
+object whole, then the commit record that lists it, and a single file as one object at the end
+(``storage.upload_file_whole``). The commit record is the manifest object, uploaded when the
+run writes its manifest whole, and its journal's new lines, one segment object per sync
+(``Mirror``): a sync costs its new commits, however many came before. A folder output's parts are
 uploaded by their writers (``attach``) and never staged; a single file's are staged, for its
 join. Before the run, the output's dsv4enc objects are brought into the staging folder, or
 named there (``RemoteOutput.pull``), so that the local checks decide as for a local path.
@@ -20,15 +22,16 @@ import socket
 import tempfile
 import threading
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence, TypeVar
 
 from .. import storage
 from ..errors import DsvError, OutputError
-from .files import (LOCK_NAME, MANIFEST_FILE, MANIFEST_NAME, PART_FILE, PARTIAL, STAMPS_FILE,
-                    is_ours, journal_path, rank_of)
+from .files import (LOCK_NAME, MANIFEST_FILE, MANIFEST_NAME, PART_FILE, PARTIAL, SEGMENT_FILE,
+                    STAMPS_FILE, is_ours, journal_path, rank_of, segment_name)
 from .parts import PartStore, listed_files, read_manifest, store_failure
-from .read import load_manifest
+from .read import journal_entries, load_manifest
 
 log = logging.getLogger("dsv4enc")
 T = TypeVar("T")
@@ -36,8 +39,8 @@ T = TypeVar("T")
 #: Seconds between the lock object's refreshes and between looks at the staging folder.
 HEARTBEAT_S = 30.0
 SYNC_S = 0.5
-#: The most of the time the upload thread syncs: a manifest object is written whole, so a sync
-#: costs in proportion to the parts committed, and at 10^5 of them it is spaced out (``next_sync``).
+#: The most of the time the upload thread syncs: a sync that uploads a manifest whole (a run's
+#: start, resume or end) or merges segments costs in proportion to what they hold (``next_sync``).
 SYNC_SHARE = 0.1
 #: A lock not refreshed for this long belongs to a run that is gone.
 STALE_S = 120.0
@@ -90,7 +93,7 @@ class RemoteOutput:
         self.staged_out = str(self.local_out) + ("/" if self.folder_mode else "")
         self._uploaded: dict[str, tuple[int, int]] = {}  # part name -> (size, mtime_ns)
         self._in_store: set[str] = set()  # parts their writers put in the store themselves
-        self._manifests: dict[str, bytes] = {}  # manifest name -> content uploaded
+        self._mirrors: dict[str, Mirror] = {}  # manifest name -> what the store holds of it
         self._seen: dict[str, tuple] = {}  # manifest name -> its files' state when uploaded
         self._lock_held = False
         self._stop = threading.Event()
@@ -193,12 +196,14 @@ class RemoteOutput:
         for obj in objects:
             top = "/" not in obj.key
             if top and (MANIFEST_FILE.fullmatch(obj.key) or STAMPS_FILE.fullmatch(obj.key)):
-                self._fetch(obj)
+                self._fetch(obj, objects)
+            elif top and SEGMENT_FILE.fullmatch(obj.key):
+                self._note_segment(obj.key)
             elif top and PART_FILE.fullmatch(obj.key):
                 if self._mine(obj.key) and self._leave_in_store(obj):
                     continue
                 if (self.resume or self.update) and self._mine(obj.key):
-                    self._fetch(obj)
+                    self._fetch(obj, objects)
                 else:  # an empty stand-in: the local checks see the name
                     (self.local_parts / obj.key).touch()
             elif not obj.key.startswith("."):  # foreign: the local checks name it
@@ -226,7 +231,9 @@ class RemoteOutput:
         for obj in objects:
             if MANIFEST_FILE.fullmatch(obj.key) or (self.resume and PART_FILE.fullmatch(obj.key)
                                                      and not self._leave_in_store(obj)):
-                self._fetch(obj)
+                self._fetch(obj, objects)
+            elif SEGMENT_FILE.fullmatch(obj.key):
+                self._note_segment(obj.key)
         self._note_manifests()
 
     def _leave_in_store(self, obj: storage.ObjectInfo) -> bool:
@@ -253,19 +260,41 @@ class RemoteOutput:
             if self.writer:  # before the first part object: one may take an old name
                 self.drop_replaced()
 
-    def _fetch(self, obj: storage.ObjectInfo) -> None:
-        """Bring a top-level object of the parts folder into the staging folder; a part or
-        stamps file counts as uploaded as long as it is unchanged."""
+    def _fetch(self, obj: storage.ObjectInfo, objects: Sequence[storage.ObjectInfo]) -> None:
+        """Bring a top-level object of the parts folder into the staging folder: a manifest
+        with its journal's segments (among ``objects``, the listing) applied; a part or stamps
+        file, which counts as uploaded as long as it is unchanged."""
         path = self.local_parts / obj.key
-        self._download(obj.url, path)
         if not MANIFEST_FILE.fullmatch(obj.key):
+            self._download(obj.url, path)
             self._uploaded[obj.key] = _local_id(path)
+            return
+        fs, where = storage.filesystem(obj.url)
+        listed = [storage.filesystem(o.url)[1] for o in objects if SEGMENT_FILE.fullmatch(o.key)]
+        try:
+            document = load_manifest(where, fs, listed)
+        except ValueError:  # another tool's object under that name: the local checks judge it
+            self._download(obj.url, path)
+            return
+        path.write_text(json.dumps(document, indent=1, sort_keys=True))
+
+    def _mirror(self, manifest: str) -> "Mirror":
+        return self._mirrors.setdefault(manifest, Mirror(manifest))
+
+    def _note_segment(self, key: str) -> None:
+        """A journal segment the store holds before the run: this rank's replace it."""
+        manifest = SEGMENT_FILE.fullmatch(key).group(1) + ".json"
+        if self._mine(manifest):
+            self._mirror(manifest).stale.add(key)
 
     def _note_manifests(self) -> None:
-        """The store's manifests (this rank's), as the staging folder now holds them."""
+        """The store's manifests (this rank's), as the staging folder now holds them: in step
+        with the store until the run writes them again."""
         for path in self.local_parts.iterdir():
             if MANIFEST_FILE.fullmatch(path.name) and self._mine(path.name):
-                self._manifests[path.name] = _whole_manifest(path) or b""
+                mirror, document = self._mirror(path.name), read_manifest(path) or {}
+                mirror.base, mirror.token = _local_state(path)[0], document.get("journal")
+                mirror.parts = len(document.get("parts", {}))
                 if self.overwrite:
                     self._replaced.add(path.name)
 
@@ -348,9 +377,10 @@ class RemoteOutput:
                 self._error = exc
 
     def sync(self) -> float:
-        """Upload each part a local manifest lists that is not in the store yet, then that
-        manifest: the store's manifest never lists a part it lacks. Returns the seconds it
-        spent on anything but part uploads (what grows with the parts committed)."""
+        """Upload each part a local manifest lists that is not in the store yet, then the
+        record that lists it: the manifest object when the run wrote it whole, else its
+        journal's new lines as a segment (``Mirror``); the store's record never lists a part
+        it lacks. Returns the seconds it spent on anything but part uploads."""
         began, uploading = time.monotonic(), 0.0
         with self._lock_mutex:
             if not self.local_parts.is_dir():
@@ -359,21 +389,61 @@ class RemoteOutput:
                 if not MANIFEST_FILE.fullmatch(manifest.name) or not self._mine(manifest.name):
                     continue
                 state = _local_state(manifest)
-                if self._seen.get(manifest.name) == state:
-                    continue  # neither the manifest nor its journal changed since
-                content = _whole_manifest(manifest)
-                if content is None:
-                    continue
-                if self._manifests.get(manifest.name) != content:
-                    try:
-                        for name in listed_files(json.loads(content)):
-                            uploading += self._upload_part(name)
-                    except FileNotFoundError:
-                        continue  # the run removed its parts meanwhile (the final file is made)
-                    storage.upload(storage.join(self.parts_url, manifest.name), content)
-                    self._manifests[manifest.name] = content
+                if self._seen.get(manifest.name) == state or state[0] is None:
+                    continue  # neither the manifest nor its journal changed since, or it is gone
+                mirror = self._mirror(manifest.name)
+                try:
+                    if state[0] != mirror.base:
+                        uploading += self._upload_base(manifest, mirror, state[0])
+                    uploading += self._upload_journal(manifest, mirror)
+                except FileNotFoundError:
+                    continue  # the run removed its parts meanwhile (the final file is made)
                 self._seen[manifest.name] = state
         return time.monotonic() - began - uploading
+
+    def _upload_base(self, manifest: Path, mirror: "Mirror", state: tuple) -> float:
+        """Upload a manifest the run wrote whole (the parts it lists first), then delete the
+        segments of the journal it replaces; returns the seconds the part uploads took."""
+        content = manifest.read_bytes()
+        document = json.loads(content)
+        uploading = sum(self._upload_part(name) for name in listed_files(document))
+        storage.upload(storage.join(self.parts_url, manifest.name), content)
+        replaced = mirror.objects()
+        mirror.restart(state, document.get("journal"), len(document.get("parts", {})))
+        for key in replaced:
+            storage.delete(storage.join(self.parts_url, key))
+        return uploading
+
+    def _upload_journal(self, manifest: Path, mirror: "Mirror") -> float:
+        """Upload the journal's whole lines written since the last sync as one segment (the
+        parts they list first), then merge the newest segments while two cover as many
+        syncs; returns the seconds the part uploads took."""
+        read = _journal_bytes(manifest, mirror.token, mirror.read)
+        if read is None:
+            return 0.0
+        header, start, data = read
+        entries = list(journal_entries(header + data, mirror.token or ""))
+        uploading = sum(self._upload_part(e["part"]["file"]) for e in entries
+                        if isinstance(e["part"].get("file"), str))
+        first = mirror.segments[-1][1] + 1 if mirror.segments else 1
+        self._put_segment(mirror, (first, first, start, start + len(data)), header + data)
+        mirror.read, mirror.parts = start + len(data), mirror.parts + len(entries)
+        while mirror.mergeable():
+            (a, _, begin, _), (_, b, _, end) = mirror.segments[-2:]
+            read = _journal_bytes(manifest, mirror.token, begin, end)
+            if read is None:
+                break  # the run wrote its manifest whole meanwhile: the next sync uploads it
+            old = [mirror.name(span) for span in mirror.segments[-2:]]
+            del mirror.segments[-2:]
+            self._put_segment(mirror, (a, b, begin, end), read[0] + read[2])
+            for key in old:
+                storage.delete(storage.join(self.parts_url, key))
+        return uploading
+
+    def _put_segment(self, mirror: "Mirror", span: tuple[int, int, int, int],
+                     data: bytes) -> None:
+        storage.upload(storage.join(self.parts_url, mirror.name(span)), data)
+        mirror.segments.append(span)
 
     def adopt_part(self, name: str, path: Path) -> None:
         """Part file ``name`` was uploaded by the process that wrote it (the writer or a ray
@@ -427,7 +497,7 @@ class RemoteOutput:
                     self._delete_unlisted([MANIFEST_NAME])
             elif self.folder_mode:
                 self.sync()
-                self._delete_unlisted(list(self._manifests))
+                self._delete_unlisted(list(self._mirrors))
             else:
                 storage.upload_file_whole(self.local_out, self.url)  # whole, or none
                 for obj in storage.list_files(self.parts_url):
@@ -447,28 +517,26 @@ class RemoteOutput:
             return
         try:
             self.sync()
-            for name in list(self._manifests):
+            for name, mirror in self._mirrors.items():
                 if not (self.local_parts / name).exists():
-                    storage.delete(storage.join(self.parts_url, name))
+                    for key in [name, *mirror.objects()]:
+                        storage.delete(storage.join(self.parts_url, key))
         except OSError as exc:
             if not quiet:
                 log.error("%s", storage.describe(self.parts_url, exc))
 
     def _kept_parts(self) -> int:
         """How many finished parts the store's manifests (this rank's) list."""
-        count = 0
-        for content in self._manifests.values():
-            with contextlib.suppress(ValueError, AttributeError):
-                count += len(json.loads(content).get("parts", {}))
-        return count
+        return sum(mirror.parts for mirror in self._mirrors.values())
 
     def _delete_unlisted(self, manifests: list[str]) -> None:
-        """Delete the part objects none of ``manifests`` (local names) lists."""
+        """Delete the part objects none of ``manifests`` (local names) lists, and the journal
+        segments: a finished output's manifests are whole."""
         listed = {name for manifest in manifests
                   for name in listed_files(read_manifest(self.local_parts / manifest) or {})}
         for obj in storage.list_files(self.parts_url):
             if (PART_FILE.fullmatch(obj.key) or STAMPS_FILE.fullmatch(obj.key)) \
-                    and obj.key not in listed:
+                    and obj.key not in listed or SEGMENT_FILE.fullmatch(obj.key):
                 storage.delete(obj.url)
 
     def close(self) -> None:
@@ -526,16 +594,62 @@ def _process_alive(pid: Any) -> bool:
     return True
 
 
-def _whole_manifest(path: Path) -> bytes | None:
-    """A local manifest with its journal applied, as the one object the store keeps (it has
-    no journal); None when it is gone."""
-    try:
-        document = load_manifest(path)
-    except (OSError, ValueError):
+@dataclass
+class Mirror:
+    """What the store holds of one local manifest: the manifest as the run last wrote it
+    whole (its ``journal`` token), then the journal's lines as segments, each of the lines one
+    or more syncs added (``files.segment_name``). Two segments that cover as many syncs are
+    merged into one, so a reader reads O(log syncs) of them and a line is uploaded
+    O(log syncs) times."""
+
+    manifest: str  # its name (``_manifest.json``)
+    base: tuple | None = None  # the local manifest's file state when it was uploaded
+    token: str | None = None  # its journal token
+    parts: int = 0  # the parts the store's record lists
+    read: int = 0  # bytes of the local journal uploaded
+    #: the segments, oldest first: first and last sync, and the journal's bytes they hold
+    segments: list[tuple[int, int, int, int]] = field(default_factory=list)
+    stale: set[str] = field(default_factory=set)  # segments the store held before the run
+
+    def name(self, span: tuple[int, int, int, int]) -> str:
+        return segment_name(self.manifest, self.token or "", span[0], span[1])
+
+    def objects(self) -> list[str]:
+        """The segment objects of this manifest in the store, stale ones too."""
+        return sorted(self.stale) + [self.name(span) for span in self.segments]
+
+    def mergeable(self) -> bool:
+        if len(self.segments) < 2:
+            return False
+        (a, b, _, _), (c, d, _, _) = self.segments[-2:]
+        return b - a == d - c
+
+    def restart(self, base: tuple, token: Any, parts: int) -> None:
+        """The store now holds the manifest written whole at ``base`` (under ``token``)."""
+        self.base, self.token, self.parts = base, token if isinstance(token, str) else None, parts
+        self.read, self.segments, self.stale = 0, [], set()
+
+
+def _journal_bytes(manifest: Path, token: str | None, start: int,
+                   end: int | None = None) -> tuple[bytes, int, bytes] | None:
+    """The header of ``manifest``'s local journal and its whole lines from byte ``start`` (at
+    least past the header) to ``end`` (None: the last whole line), with where they begin;
+    None where there are none, or the journal is not ``token``'s (the manifest was written
+    whole since)."""
+    if token is None:
         return None
-    if isinstance(document, dict):
-        document.pop("journal", None)
-    return json.dumps(document, indent=1, sort_keys=True).encode()
+    try:
+        with open(journal_path(manifest), "rb") as journal:
+            header = journal.readline()
+            if not header.endswith(b"\n") or json.loads(header).get("manifest") != token:
+                return None
+            start = max(start, len(header))
+            journal.seek(start)
+            data = journal.read() if end is None else journal.read(end - start)
+    except (FileNotFoundError, ValueError):
+        return None
+    data = data[:data.rfind(b"\n") + 1]
+    return (header, start, data) if data else None
 
 
 def _local_state(manifest: Path) -> tuple:

@@ -99,3 +99,28 @@ def test_a_sync_uploads_only_its_new_commits_and_readers_see_each_commit(s3, mon
         assert set(recorded) == set(store.parts) and len(recorded) == syncs
     finally:
         remote.close()
+
+
+def test_a_reader_lists_again_when_a_segment_was_merged_away(tmp_path, monkeypatch):
+    """``find_output`` lists the folder again when a segment it listed was replaced by a
+    merged one before it was read, and says so in one line if that keeps happening."""
+    from dsv4enc.errors import UsageError
+    from dsv4enc.output import read
+
+    (tmp_path / "_manifest.json").write_text(json.dumps(
+        {"settings": {"tool": "dsv4enc"}, "journal": TOKEN, "parts": {}}))
+    real, calls = read.load_manifest, []
+
+    def merged_meanwhile(path, fs=None, listed=()):
+        calls.append(path)
+        if len(calls) < gone_for:
+            raise SegmentGone(f"{path}: merged")
+        return real(path, fs, listed)
+
+    monkeypatch.setattr(read, "load_manifest", merged_meanwhile)
+    gone_for = 2
+    assert find_output(tmp_path).manifests[0]["parts"] == {} and len(calls) == 2
+    calls.clear()
+    gone_for = read.LISTINGS + 1
+    with pytest.raises(UsageError, match="kept changing while it was read"):
+        find_output(tmp_path)

@@ -336,17 +336,6 @@ def test_a_bucket_folder_output_stages_no_part_and_resumes_without_reading_one(
     assert all(np.array_equal(first[key], again[key]) for key in first)
 
 
-def test_the_upload_thread_spaces_out_syncs_as_the_manifest_grows():
-    """A sync's manifest work grows with the parts committed: the next one waits so that it
-    takes at most SYNC_SHARE of the time; a sync with nothing to do is followed at once."""
-    from dsv4enc.output.remote import SYNC_SHARE, next_sync
-
-    assert next_sync(0.0, 12.0) == 12.0
-    for spent in (0.01, 0.8, 8.0):
-        gap = next_sync(spent, 12.0) - 12.0
-        assert spent / (spent + gap) == pytest.approx(SYNC_SHARE)
-
-
 # --------------------------------------------------------------------------- kill and resume
 
 import contextlib

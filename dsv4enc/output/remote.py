@@ -36,12 +36,10 @@ from .read import journal_entries, load_manifest
 log = logging.getLogger("dsv4enc")
 T = TypeVar("T")
 
-#: Seconds between the lock object's refreshes and between looks at the staging folder.
+#: Seconds between the lock object's refreshes and between syncs (a sync costs its new
+#: commits: the manifest is uploaded whole only when the run writes it whole).
 HEARTBEAT_S = 30.0
 SYNC_S = 0.5
-#: The most of the time the upload thread syncs: a sync that uploads a manifest whole (a run's
-#: start, resume or end) or merges segments costs in proportion to what they hold (``next_sync``).
-SYNC_SHARE = 0.1
 #: A lock not refreshed for this long belongs to a run that is gone.
 STALE_S = 120.0
 #: Staging folders are ``STAGING_PREFIX`` + a random tail in the temporary folder, marked by
@@ -362,11 +360,10 @@ class RemoteOutput:
     def _loop(self) -> None:
         """Sync and refresh the lock until the run ends. A failed round is logged once and
         tried again; the run's end syncs once more and fails if that fails too."""
-        beat = due = time.monotonic()
+        beat = time.monotonic()
         while not self._stop.wait(SYNC_S):
             try:
-                if time.monotonic() >= due:
-                    due = next_sync(self.sync(), time.monotonic())
+                self.sync()
                 if self._lock_held and time.monotonic() - beat > HEARTBEAT_S:
                     self._write_lock()
                     beat = time.monotonic()
@@ -376,15 +373,14 @@ class RemoteOutput:
                                 self.parts_url, storage.describe(self.parts_url, exc))
                 self._error = exc
 
-    def sync(self) -> float:
+    def sync(self) -> None:
         """Upload each part a local manifest lists that is not in the store yet, then the
         record that lists it: the manifest object when the run wrote it whole, else its
         journal's new lines as a segment (``Mirror``); the store's record never lists a part
-        it lacks. Returns the seconds it spent on anything but part uploads."""
-        began, uploading = time.monotonic(), 0.0
+        it lacks."""
         with self._lock_mutex:
             if not self.local_parts.is_dir():
-                return 0.0
+                return
             for manifest in sorted(self.local_parts.iterdir()):
                 if not MANIFEST_FILE.fullmatch(manifest.name) or not self._mine(manifest.name):
                     continue
@@ -394,39 +390,41 @@ class RemoteOutput:
                 mirror = self._mirror(manifest.name)
                 try:
                     if state[0] != mirror.base:
-                        uploading += self._upload_base(manifest, mirror, state[0])
-                    uploading += self._upload_journal(manifest, mirror)
+                        self._upload_base(manifest, mirror, state[0])
+                    self._upload_journal(manifest, mirror)
                 except FileNotFoundError:
                     continue  # the run removed its parts meanwhile (the final file is made)
                 self._seen[manifest.name] = state
-        return time.monotonic() - began - uploading
 
-    def _upload_base(self, manifest: Path, mirror: "Mirror", state: tuple) -> float:
+    def _upload_base(self, manifest: Path, mirror: "Mirror", state: tuple) -> None:
         """Upload a manifest the run wrote whole (the parts it lists first), then delete the
-        segments of the journal it replaces; returns the seconds the part uploads took."""
+        segments of the journal it replaces."""
         content = manifest.read_bytes()
         document = json.loads(content)
-        uploading = sum(self._upload_part(name) for name in listed_files(document))
+        for name in listed_files(document):
+            self._upload_part(name)
         storage.upload(storage.join(self.parts_url, manifest.name), content)
         replaced = mirror.objects()
         mirror.restart(state, document.get("journal"), len(document.get("parts", {})))
         for key in replaced:
             storage.delete(storage.join(self.parts_url, key))
-        return uploading
 
-    def _upload_journal(self, manifest: Path, mirror: "Mirror") -> float:
+    def _upload_journal(self, manifest: Path, mirror: "Mirror") -> None:
         """Upload the journal's whole lines written since the last sync as one segment (the
         parts they list first), then merge the newest segments while two cover as many
-        syncs; returns the seconds the part uploads took."""
+        syncs."""
         read = _journal_bytes(manifest, mirror.token, mirror.read)
         if read is None:
-            return 0.0
+            return
         header, start, data = read
         entries = list(journal_entries(header + data, mirror.token or ""))
-        uploading = sum(self._upload_part(e["part"]["file"]) for e in entries
-                        if isinstance(e["part"].get("file"), str))
+        for entry in entries:
+            if isinstance(entry["part"].get("file"), str):
+                self._upload_part(entry["part"]["file"])
         first = mirror.segments[-1][1] + 1 if mirror.segments else 1
-        self._put_segment(mirror, (first, first, start, start + len(data)), header + data)
+        span = (first, first, start, start + len(data))
+        storage.upload(storage.join(self.parts_url, mirror.name(span)), header + data)
+        mirror.segments.append(span)
         mirror.read, mirror.parts = start + len(data), mirror.parts + len(entries)
         while mirror.mergeable():
             (a, _, begin, _), (_, b, _, end) = mirror.segments[-2:]
@@ -434,16 +432,11 @@ class RemoteOutput:
             if read is None:
                 break  # the run wrote its manifest whole meanwhile: the next sync uploads it
             old = [mirror.name(span) for span in mirror.segments[-2:]]
-            del mirror.segments[-2:]
-            self._put_segment(mirror, (a, b, begin, end), read[0] + read[2])
-            for key in old:
-                storage.delete(storage.join(self.parts_url, key))
-        return uploading
-
-    def _put_segment(self, mirror: "Mirror", span: tuple[int, int, int, int],
-                     data: bytes) -> None:
-        storage.upload(storage.join(self.parts_url, mirror.name(span)), data)
-        mirror.segments.append(span)
+            span = (a, b, begin, end)
+            storage.upload(storage.join(self.parts_url, mirror.name(span)), read[0] + read[2])
+            mirror.segments[-2:] = [span]  # only once the merged one is stored
+            for key in old:  # one left by a failed delete is passed over: a reader takes the
+                storage.delete(storage.join(self.parts_url, key))  # furthest-reaching
 
     def adopt_part(self, name: str, path: Path) -> None:
         """Part file ``name`` was uploaded by the process that wrote it (the writer or a ray
@@ -460,19 +453,16 @@ class RemoteOutput:
             storage.delete(storage.join(self.parts_url, manifest))
             self._replaced.discard(manifest)
 
-    def _upload_part(self, name: str) -> float:
-        """Upload a staged part unless the store has it; returns the seconds the upload took."""
+    def _upload_part(self, name: str) -> None:
+        """Upload a staged part unless the store has it."""
         if name in self._in_store:
-            return 0.0
+            return
         path = self.local_parts / name
         ident = _local_id(path)
-        if self._uploaded.get(name) == ident:
-            return 0.0
-        began = time.monotonic()
-        self.drop_replaced()
-        storage.upload_file(path, storage.join(self.parts_url, name))
-        self._uploaded[name] = ident
-        return time.monotonic() - began
+        if self._uploaded.get(name) != ident:
+            self.drop_replaced()
+            storage.upload_file(path, storage.join(self.parts_url, name))
+            self._uploaded[name] = ident
 
     # -- the end of the run ----------------------------------------------------------------
     def _stop_loop(self) -> None:
@@ -572,13 +562,6 @@ class RemoteOutput:
         """A message about the staging folder, told about the store instead."""
         text = text.replace(str(self.local_parts), self.parts_url)
         return text.replace(str(self.local_out), self.url)
-
-
-def next_sync(spent: float, ended: float) -> float:
-    """When (monotonic seconds) the next sync may start after one that ended at ``ended`` and
-    spent ``spent`` seconds on its manifests: the upload thread (and the GIL its JSON holds)
-    busy with them at most ``SYNC_SHARE`` of the time. The run's end syncs once more, at once."""
-    return ended + spent * (1 - SYNC_SHARE) / SYNC_SHARE
 
 
 def _process_alive(pid: Any) -> bool:

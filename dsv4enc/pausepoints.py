@@ -14,8 +14,10 @@ The points: ``commit`` (a part was committed: a kill now loses nothing before it
 a single-file output to a store sent a chunk; it reports its ``pid`` and the bytes ``sent``),
 under ``--engine ray`` ``segment`` (an encoder actor is about to encode a part; it reports
 its ``pid``) and ``written`` (an actor wrote a part's file, not yet reported or committed),
-and at the end of a folder output's ``--update`` ``switch`` (the new output is complete
-beside the old one) and ``switched`` (it took the old one's place; the old is not yet removed)."""
+at the end of a folder output's ``--update`` ``switch`` (the new output is complete
+beside the old one) and ``switched`` (it took the old one's place; the old is not yet removed),
+and ``lock`` (a bucket output's run found a stale lock object and is about to take it over;
+it reports its ``pid``)."""
 
 from __future__ import annotations
 

@@ -283,7 +283,7 @@ def _first_line(exc: BaseException) -> str:
 def setup_problem(exc: BaseException) -> str | None:
     """``"bucket not found"`` / ``"access denied"`` when ``exc`` says so (not transient)."""
     text = str(exc).upper()
-    if re.search("NO_SUCH_BUCKET|NOSUCHBUCKET|BUCKET DOES NOT EXIST", text):
+    if re.search("NO_SUCH_BUCKET|NOSUCHBUCKET|NO SUCH BUCKET|BUCKET DOES NOT EXIST", text):
         return "bucket not found"
     if isinstance(exc, PermissionError) or re.search(
             "ACCESS_DENIED|ACCESSDENIED|FORBIDDEN|INVALIDACCESSKEYID|SIGNATUREDOESNOTMATCH", text):
@@ -616,7 +616,8 @@ def retrying(what: Callable[[], T], *, store: str) -> T:
             cause = outage_cause(exc)
             if cause is None:
                 record.answered()  # an answer, if not the one hoped for
-                if last or isinstance(exc, FileNotFoundError) or setup_problem(exc) is not None:
+                if last or isinstance(exc, (FileNotFoundError, FileExistsError)) \
+                        or setup_problem(exc) is not None:
                     raise
             else:
                 first_failure = first_failure or _wall()
@@ -1224,6 +1225,54 @@ def _copy(url: str, source: Callable[[], IO[bytes]], target: Callable[[], IO[byt
             shutil.copyfileobj(data, out, COPY_BYTES)
 
     retrying(attempt, store=store_of(url))
+
+
+class Changed(FileExistsError):
+    """A conditional write found the object other than the condition said (``put_if``)."""
+
+
+def put_if(url: str, data: bytes, etag: str | None = None) -> str | None:
+    """Write ``data`` as the object ``url`` only if there is none (``etag`` None) or it is
+    still the one with ``etag``, as one atomic request (S3's conditional writes); returns the
+    new object's ETag. Raises ``Changed`` when the condition fails. None: the store cannot
+    make the write conditional (a scheme or options botocore's client does not serve, or a
+    store that refuses the condition), and nothing was written."""
+    client = _direct(url)
+    if client is None:
+        return None
+    from botocore import exceptions as boto
+
+    bucket, _, key = url.split("://", 1)[1].partition("/")
+    condition = {"IfMatch": etag} if etag else {"IfNoneMatch": "*"}
+
+    def put() -> str | None:
+        try:
+            return client.put_object(Bucket=bucket, Key=key, Body=data, **condition)["ETag"]
+        except boto.ClientError as exc:
+            code = str(exc.response.get("Error", {}).get("Code", ""))
+            if code in ("PreconditionFailed", "ConditionalRequestConflict"):
+                raise Changed(f"{url}: changed by another writer") from None
+            if code in ("NotImplemented", "InvalidArgument", "InvalidRequest"):
+                return None  # a store without conditional writes (some S3-compatible ones)
+            raise
+
+    found = retrying(lambda: _boto(url, put), store=store_of(url))
+    _SEEN.pop(url, None)
+    return found
+
+
+def read_tagged(url: str) -> tuple[bytes, str | None]:
+    """The whole object and its ETag (None where ``put_if`` cannot write there)."""
+    client = _direct(url)
+    if client is None:
+        return read_bytes(url), None
+    bucket, _, key = url.split("://", 1)[1].partition("/")
+
+    def get() -> tuple[bytes, str]:
+        answer = client.get_object(Bucket=bucket, Key=key)
+        return answer["Body"].read(), answer["ETag"]
+
+    return retrying(lambda: _boto(url, get), store=store_of(url))
 
 
 def delete(url: str) -> None:

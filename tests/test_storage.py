@@ -654,6 +654,87 @@ def test_a_fresh_lock_object_of_another_host_refuses(s3, local_images, small_ckp
     assert s3.keys("busy/") == ["busy/e.parquet"]
 
 
+def test_a_conditional_write_creates_once_and_replaces_only_what_it_read(s3):
+    """The bucket lock's one atomic step (S3's conditional writes): create if absent, or
+    replace the object only while it is the one read."""
+    url = f"{s3.url}/c/.dsv4enc.lock"
+    first = storage.put_if(url, b"a")
+    with pytest.raises(storage.Changed):
+        storage.put_if(url, b"b")  # there is one: no second creator
+    assert storage.read_tagged(url) == (b"a", first)
+    second = storage.put_if(url, b"c", first)
+    with pytest.raises(storage.Changed):
+        storage.put_if(url, b"d", first)  # replaced since that read
+    assert storage.read_tagged(url) == (b"c", second)
+
+
+HOLD_LOCK = """
+import sys
+from dsv4enc.output.remote import RemoteOutput
+remote = RemoteOutput(sys.argv[1], writer=True)
+try:
+    remote.pull()
+except Exception as exc:
+    print(exc, flush=True)
+    sys.exit(3)
+print("held", flush=True)
+sys.stdin.readline()
+remote.close()
+"""
+
+
+def test_of_two_runs_taking_over_a_stale_lock_one_refuses(s3, tmp_path):
+    """Two runs find the same stale lock object; the first pauses between that look and its
+    write, the second takes the lock over meanwhile: the first then refuses in one line,
+    naming the second, instead of writing the output beside it."""
+    out = f"{s3.url}/race/"
+    gone = {"pid": 4242, "host": "node7.example", "time": time.time() - 3600}
+    s3.put("race/.dsv4enc.lock", json.dumps(gone).encode())
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    pauses = Pauses(tmp_path / "pauses", "lock")
+    first = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, out], env=pauses.env(env),
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    second = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, out], env=env,
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        pauses.wait("lock", proc=first)
+        assert second.stdout.readline() == "held\n"
+        pauses.release()
+        refusal = first.communicate(timeout=120)[0]
+        assert first.returncode == 3, refusal
+        assert f"being written by pid {second.pid}" in refusal and "delete that object" in refusal
+        assert json.loads(s3.get("race/.dsv4enc.lock"))["pid"] == second.pid
+        second.communicate("\n", timeout=120)
+        assert second.returncode == 0 and "race/.dsv4enc.lock" not in s3.keys("race/")
+    finally:
+        for proc in (first, second):
+            proc.kill()
+            proc.wait()
+
+
+def test_a_run_whose_lock_was_taken_over_stops_and_leaves_it(s3):
+    """A lock that another run replaced (this one could not refresh it in time) is found at
+    the next refresh: the run stops at its next commit with one line, and its end neither
+    uploads nor deletes the other run's lock."""
+    from dsv4enc.errors import OutputError
+    from dsv4enc.output.remote import RemoteOutput
+
+    remote = RemoteOutput(f"{s3.url}/taken/", writer=True)
+    try:
+        remote.pull()
+        other = {"pid": 4242, "host": "node7.example", "time": time.time(), "token": "x"}
+        s3.put("taken/.dsv4enc.lock", json.dumps(other).encode())
+        remote.lock.refresh()
+        with pytest.raises(OutputError, match="another run .pid 4242 on host node7.example"):
+            remote.adopt_part("part-000000.parquet", Path("unused"))
+        with pytest.raises(OutputError, match="took over the lock object"):
+            remote.finish()
+        remote.abandon()
+    finally:
+        remote.close()
+    assert json.loads(s3.get("taken/.dsv4enc.lock")) == other
+
+
 def test_any_fsspec_scheme_works_through_fsspec(local_images, small_ckpt, tmp_path):
     """A scheme pyarrow has no client for goes through fsspec (here its in-process memory
     file system: one process, so no decode workers)."""

@@ -1,5 +1,6 @@
-"""The lock that keeps two runs off one local output: a ``flock`` on ``files.LOCK_NAME`` in
-the parts folder, held for the whole run."""
+"""The lock that keeps two runs off one output, held for the whole run: a ``flock`` on
+``files.LOCK_NAME`` in a local parts folder (``OutputLock``), a lock object of that name in a
+bucket's (``BucketLock``)."""
 
 from __future__ import annotations
 
@@ -8,11 +9,15 @@ import errno
 import json
 import logging
 import os
+import secrets
 import socket
 import time
 from pathlib import Path
+from typing import Any
 
+from .. import storage
 from ..errors import OutputError
+from ..pausepoints import pause
 from .files import LOCK_NAME
 from .parts import output_os_error
 
@@ -105,3 +110,124 @@ def _holder(fd: int) -> str:
         return f" (pid {int(data['pid'])} on {data['host']}, since {data['since']})"
     except (OSError, ValueError, KeyError, TypeError):
         return ""
+
+
+#: A lock object not refreshed for this long belongs to a run that is gone.
+STALE_S = 120.0
+#: Seconds between a lock object's refreshes.
+HEARTBEAT_S = 30.0
+#: Conditional writes a run tries before it gives up taking a lock object that keeps changing.
+TAKE_TRIES = 4
+
+
+class BucketLock:
+    """The lock object ``url`` of a bucket output: its holder's pid, host, time and a token of
+    its own, rewritten every ``HEARTBEAT_S`` (``refresh``). A run refuses while another's is
+    fresh and takes over a stale one (``stale``). On S3 the lock is created, refreshed and
+    taken over by conditional writes (``storage.put_if``): of two runs that start at once one
+    refuses, and a run whose lock another took over knows it (``lost``). Where the store
+    cannot write conditionally, it is looked at, then written."""
+
+    def __init__(self, url: str, out: str) -> None:
+        self.url, self.out = url, out
+        self.held = False
+        self.lost: dict | None = None  # the holder that took this run's lock over
+        self._token = secrets.token_hex(8)
+        self._etag: str | None = None  # of the object this run wrote last (conditional stores)
+
+    def take(self) -> None:
+        """Create the lock object, or take over a stale one; refuse while another run's is
+        fresh (raises ``OutputError``)."""
+        replacing = None  # the ETag of the stale lock taken over; None: create
+        for _ in range(TAKE_TRIES):
+            try:
+                self._etag = storage.put_if(self.url, self._holder(), replacing)
+            except storage.Changed:  # there is one, or another run took the stale one first
+                held, replacing = self._read()
+                if held.get("token") != self._token:  # (ours: an answer lost on the way)
+                    self._refuse_unless_gone(held)
+                    pause("lock", pid=os.getpid())  # tests: another run may take it first
+                    continue
+                self._etag = replacing
+            if self._etag is None:  # no conditional writes here: look, then write
+                self._refuse_unless_gone(self._read()[0])
+                storage.upload(self.url, self._holder())
+            self.held = True
+            return
+        raise OutputError(f"--out {self.out}: the lock object {self.url} changed at every "
+                          "try; if no other run is starting, try again")
+
+    def refresh(self) -> None:
+        """Rewrite the lock with the time; on S3 only if it is still this run's, else ``lost``
+        names the run that took it over (and the lock is this run's no more)."""
+        if not self.held:
+            return
+        if self._etag is None:
+            storage.upload(self.url, self._holder())
+            return
+        try:
+            self._etag = storage.put_if(self.url, self._holder(), self._etag)
+        except storage.Changed:
+            held, etag = self._read()
+            if held.get("token") == self._token:  # this refresh's answer was lost on the way
+                self._etag = etag
+            else:
+                self.lost, self.held = held, False
+
+    def release(self) -> None:
+        """Delete the lock object if it is still this run's."""
+        if self.held:
+            self.held = False
+            if self._etag is None or self._read()[0].get("token") == self._token:
+                storage.delete(self.url)
+
+    def check(self) -> None:
+        """Raise the line that ends a run whose lock another run took over (``refresh``)."""
+        if self.lost is not None:
+            raise OutputError(
+                f"--out {self.out}: another run (pid {self.lost.get('pid')} on host "
+                f"{self.lost.get('host')}) took over the lock object {self.url} while this run "
+                "could not refresh it; this run stops, its committed parts stay for that run")
+
+    def _holder(self) -> bytes:
+        return json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
+                           "time": time.time(), "token": self._token}).encode()
+
+    def _read(self) -> tuple[dict, str | None]:
+        """The lock object's holder ({} where there is none, or it is unreadable) and ETag."""
+        try:
+            data, etag = storage.read_tagged(self.url)
+            held = json.loads(data)
+        except (OSError, ValueError):
+            return {}, None
+        return (held if isinstance(held, dict) else {}), etag
+
+    def _refuse_unless_gone(self, held: dict) -> None:
+        if held and not stale(held):
+            age = time.time() - float(held.get("time", 0))
+            raise OutputError(
+                f"--out {self.out} is being written by pid {held.get('pid')} on host "
+                f"{held.get('host')} (lock object {self.url}, refreshed {age:.0f} s ago); if no "
+                "run is writing it, delete that object")
+
+
+def stale(held: dict[str, Any]) -> bool:
+    """Whether a lock object's holder is gone: this process, a dead one on this host, or
+    stale ``STALE_S``."""
+    pid = held.get("pid")
+    return (time.time() - float(held.get("time", 0)) > STALE_S
+            or held.get("host") == socket.gethostname()
+            and (pid == os.getpid() or not process_alive(pid)))
+
+
+def process_alive(pid: Any) -> bool:
+    """Whether process ``pid`` of this host may still run (True when it cannot be told)."""
+    if os.name != "posix" or not isinstance(pid, int) or pid <= 0:
+        return True  # (os.kill ends a process on Windows: never asked there)
+    try:
+        os.kill(pid, 0)  # signal 0: only whether it exists
+    except ProcessLookupError:
+        return False
+    except (OSError, OverflowError):  # another user's process
+        return True
+    return True

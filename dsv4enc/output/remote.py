@@ -30,18 +30,16 @@ from .. import storage
 from ..errors import DsvError, OutputError
 from .files import (LOCK_NAME, MANIFEST_FILE, MANIFEST_NAME, PART_FILE, PARTIAL, SEGMENT_FILE,
                     STAMPS_FILE, is_ours, journal_path, rank_of, segment_name)
+from .lock import HEARTBEAT_S, BucketLock, process_alive
 from .parts import PartStore, listed_files, read_manifest, store_failure
 from .read import journal_entries, load_manifest
 
 log = logging.getLogger("dsv4enc")
 T = TypeVar("T")
 
-#: Seconds between the lock object's refreshes and between syncs (a sync costs its new
-#: commits: the manifest is uploaded whole only when the run writes it whole).
-HEARTBEAT_S = 30.0
+#: Seconds between syncs (a sync costs its new commits: the manifest is uploaded whole only
+#: when the run writes it whole).
 SYNC_S = 0.5
-#: A lock not refreshed for this long belongs to a run that is gone.
-STALE_S = 120.0
 #: Staging folders are ``STAGING_PREFIX`` + a random tail in the temporary folder, marked by
 #: ``STAGING_MARK`` (the output's URL, the host and the process): only a marked folder of this
 #: output whose process is gone is removed by a later run (``remove_stale_staging``).
@@ -93,7 +91,7 @@ class RemoteOutput:
         self._in_store: set[str] = set()  # parts their writers put in the store themselves
         self._mirrors: dict[str, Mirror] = {}  # manifest name -> what the store holds of it
         self._seen: dict[str, tuple] = {}  # manifest name -> its files' state when uploaded
-        self._lock_held = False
+        self.lock = BucketLock(storage.join(self.parts_url, LOCK_NAME), self.url)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
@@ -178,7 +176,7 @@ class RemoteOutput:
 
     def _pull(self) -> None:
         self._check_not_inputs()
-        self._take_lock()
+        self.lock.take()
         if self.resume or self.update:  # the store has what the killed run committed
             self.remove_stale_staging()
         if not self.folder_mode and storage.kind(self.url) == "file":
@@ -324,48 +322,16 @@ class RemoteOutput:
         except OSError as exc:
             raise OutputError(storage.describe(url, exc)) from None
 
-    # -- the lock object -------------------------------------------------------------------
-    @property
-    def lock_object(self) -> str:
-        """The lock's URL in the parts folder: pid, host and time, rewritten every
-        ``HEARTBEAT_S``; a run refuses while another's is fresh (``_stale``). Stores have no
-        atomic create-if-absent: start one run per output."""
-        return storage.join(self.parts_url, LOCK_NAME)
-
-    def _take_lock(self) -> None:
-        url = self.lock_object
-        try:
-            held = json.loads(storage.read_bytes(url)) if storage.exists(url) else None
-        except (OSError, ValueError):
-            held = None
-        if isinstance(held, dict) and not _stale(held):
-            age = time.time() - float(held.get("time", 0))
-            raise OutputError(
-                f"--out {self.url} is being written by pid {held.get('pid')} on host "
-                f"{held.get('host')} (lock object {url}, refreshed {age:.0f} s ago); if no run "
-                f"is writing it, delete that object")
-        self._write_lock()
-        self._lock_held = True
-
-    def _write_lock(self) -> None:
-        holder = {"pid": os.getpid(), "host": socket.gethostname(), "time": time.time()}
-        storage.upload(self.lock_object, json.dumps(holder).encode())
-
-    def _release_lock(self) -> None:
-        if self._lock_held:
-            self._lock_held = False
-            storage.delete(self.lock_object)
-
     # -- during the run ----------------------------------------------------------------------
     def _loop(self) -> None:
         """Sync and refresh the lock until the run ends. A failed round is logged once and
         tried again; the run's end syncs once more and fails if that fails too."""
         beat = time.monotonic()
-        while not self._stop.wait(SYNC_S):
+        while not self._stop.wait(SYNC_S) and self.lock.lost is None:
             try:
                 self.sync()
-                if self._lock_held and time.monotonic() - beat > HEARTBEAT_S:
-                    self._write_lock()
+                if time.monotonic() - beat > HEARTBEAT_S:
+                    self.lock.refresh()
                     beat = time.monotonic()
             except Exception as exc:
                 if self._error is None:
@@ -441,7 +407,8 @@ class RemoteOutput:
     def adopt_part(self, name: str, path: Path) -> None:
         """Part file ``name`` was uploaded by the process that wrote it (the writer or a ray
         actor): never uploaded again; brought to ``path`` only where the final file is joined
-        from it."""
+        from it. A run whose lock another run took over stops here (``BucketLock.check``)."""
+        self.lock.check()
         self._in_store.add(name)
         if not self.folder_mode:
             self._download(storage.join(self.parts_url, name), path)
@@ -477,6 +444,7 @@ class RemoteOutput:
         self._stop_loop()
         if not self.writer:
             return
+        self.lock.check()
         try:
             if self.sharded:
                 self._every_rank(self.sync)
@@ -493,7 +461,7 @@ class RemoteOutput:
                 for obj in storage.list_files(self.parts_url):
                     if is_ours(obj.key):
                         storage.delete(obj.url)
-                self._release_lock()
+                self.lock.release()
                 storage.remove_empty_prefix(self.parts_url)
         except OSError as exc:
             raise store_failure(self.url, exc) from None
@@ -503,7 +471,7 @@ class RemoteOutput:
         manifest it removed locally is deleted there. ``quiet``: the store is down (the run
         says so)."""
         self._stop_loop()
-        if not self.writer:
+        if not self.writer or self.lock.lost is not None:  # the output is another run's now
             return
         try:
             self.sync()
@@ -534,11 +502,11 @@ class RemoteOutput:
         self._stop_loop()
         try:
             if self.writer:
-                self._release_lock()
+                self.lock.release()
         except OSError as exc:  # the store is down (said already) or the lock goes stale
             if storage.outage_cause(exc) is None:
-                log.warning("could not delete the lock object %s (%s)", self.lock_object,
-                            storage.describe(self.lock_object, exc))
+                log.warning("could not delete the lock object %s (%s)", self.lock.url,
+                            storage.describe(self.lock.url, exc))
         finally:
             shutil.rmtree(self.staging, ignore_errors=True)
 
@@ -555,26 +523,13 @@ class RemoteOutput:
                 if (folder != self.staging and isinstance(mark, dict)
                         and mark.get("url") == self.url
                         and mark.get("host") == socket.gethostname()
-                        and not _process_alive(mark.get("pid"))):
+                        and not process_alive(mark.get("pid"))):
                     shutil.rmtree(folder, ignore_errors=True)
 
     def translate(self, text: str) -> str:
         """A message about the staging folder, told about the store instead."""
         text = text.replace(str(self.local_parts), self.parts_url)
         return text.replace(str(self.local_out), self.url)
-
-
-def _process_alive(pid: Any) -> bool:
-    """Whether process ``pid`` of this host may still run (True when it cannot be told)."""
-    if os.name != "posix" or not isinstance(pid, int) or pid <= 0:
-        return True  # (os.kill ends a process on Windows: never asked there)
-    try:
-        os.kill(pid, 0)  # signal 0: only whether it exists
-    except ProcessLookupError:
-        return False
-    except (OSError, OverflowError):  # another user's process
-        return True
-    return True
 
 
 @dataclass
@@ -650,12 +605,3 @@ def _local_state(manifest: Path) -> tuple:
 def _local_id(path: Path) -> tuple[int, int]:
     st = path.stat()
     return st.st_size, st.st_mtime_ns
-
-
-def _stale(held: dict) -> bool:
-    """Whether a lock object's holder is gone: this process, a dead one on this host, or
-    stale ``STALE_S``."""
-    pid = held.get("pid")
-    return (time.time() - float(held.get("time", 0)) > STALE_S
-            or held.get("host") == socket.gethostname()
-            and (pid == os.getpid() or not _process_alive(pid)))

@@ -149,19 +149,21 @@ def load_manifest(path: str | os.PathLike, fs=None, listed: Iterable[str] = ()) 
     appends one synced line per part to the journal, so a commit costs the same at part 10 and
     10^5; the journal applies when its header names the manifest's ``journal`` token, and its
     last line's ``inputs`` (the images listed by then) replaces the manifest's. ``fs``: the
-    pyarrow file system ``path`` is in (None: local); ``listed``: the paths in its folder, in a
-    bucket, where the journal is segments (``files.segment_chain``; a chained segment deleted
-    meanwhile, by a merge, raises ``SegmentGone``: list again)."""
+    pyarrow file system ``path`` is in (None: local) and ``listed`` the paths its folder holds
+    there: the journal is read where it is listed, and in a bucket the journal's segments
+    (``files.segment_chain``; a chained segment deleted meanwhile, by a merge, raises
+    ``SegmentGone``: list again)."""
     data = json.loads(_read_bytes(path, fs))
     if (isinstance(data, dict) and isinstance(data.get("parts"), dict)
             and isinstance(data.get("journal"), str)):
-        token = data["journal"]
-        journals = [_read_journal(journal_path(os.fspath(path)), fs)]
+        token, listed = data["journal"], set(listed)
+        journal = journal_path(os.fspath(path))
+        journals = [_read_journal(journal, fs)] if fs is None or journal in listed else []
         for segment in segment_chain(os.path.basename(os.fspath(path)), token, listed):
-            data_of = _read_journal(segment, fs)
-            if data_of is None:
+            content = _read_journal(segment, fs)
+            if content is None:
                 raise SegmentGone(f"{segment}: deleted while it was read (merged)")
-            journals.append(data_of)
+            journals.append(content)
         for entry in (e for journal in journals for e in journal_entries(journal, token)):
             data["parts"][entry["name"]] = entry["part"]
             if isinstance(entry.get("inputs"), int):

@@ -231,7 +231,7 @@ _FLOAT_NAMES = {"halffloat": "float16", "float": "float32", "double": "float64"}
 
 def embedding_format(schema) -> EmbeddingFormat:
     """The ``embedding`` column's format, from an output's Arrow schema and its ``dsv4enc``
-    metadata (which names the layout; outputs written before it did are ``nested``)."""
+    metadata (which a ``binary`` column needs; a nested list of floats reads without it)."""
     import pyarrow as pa
 
     kind = schema.field("embedding").type

@@ -124,3 +124,48 @@ def test_a_reader_lists_again_when_a_segment_was_merged_away(tmp_path, monkeypat
     gone_for = read.LISTINGS + 1
     with pytest.raises(UsageError, match="kept changing while it was read"):
         find_output(tmp_path)
+
+
+def test_a_reader_beside_syncs_and_merges_sees_each_time_a_prefix_of_the_commits(s3):
+    """A reader reading over and over while the run commits, syncs and merges segments (no
+    timing assumed: any interleaving) finds each time the parts of the first m commits, m
+    never going back, and each part it finds is in the store."""
+    import threading
+
+    from dsv4enc.errors import UsageError
+    from dsv4enc.output.parts import PartStore
+    from dsv4enc.output.remote import RemoteOutput
+
+    url = f"{s3.url}/busy/"
+    remote = RemoteOutput(url, writer=True)
+    seen: list[tuple[list[str], int]] = []  # the parts found, and how many of them are there
+    done = threading.Event()
+
+    def read() -> None:
+        while not done.is_set() or not seen:
+            try:
+                found = find_output(url)
+            except UsageError:  # merged away at each of its listings: it says so; again
+                continue
+            if found.manifests:
+                seen.append((sorted(found.manifests[0]["parts"]), len(found.paths)))
+
+    try:
+        remote.pull()
+        store = PartStore(remote.local_parts, {"tool": "dsv4enc"})
+        store.create()
+        remote.attach(store, written_elsewhere=False)
+        remote.sync()
+        reader = threading.Thread(target=read)
+        reader.start()
+        for k in range(24):
+            _commit(store, k)
+            remote.sync()
+        done.set()
+        reader.join()
+    finally:
+        remote.close()
+    counts = [len(names) for names, _ in seen]
+    assert all(names == [f"part-{i:06d}" for i in range(len(names))] for names, _ in seen)
+    assert all(there == len(names) for names, there in seen)
+    assert counts == sorted(counts)

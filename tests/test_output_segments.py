@@ -54,6 +54,18 @@ def test_a_reader_applies_the_segments_in_order_and_is_told_when_one_went(tmp_pa
         load_manifest(manifest, None, listed)
 
 
+def _started(remote):
+    """The run's part store in ``remote``'s staging folder, its manifest in the bucket."""
+    from dsv4enc.output.parts import PartStore
+
+    remote.pull()
+    store = PartStore(remote.local_parts, {"tool": "dsv4enc"})
+    store.create()
+    remote.attach(store, written_elsewhere=False)
+    remote.sync()
+    return store
+
+
 def _commit(store, number: int) -> None:
     table = pa.table({"path": [f"img{number}.png"], "error": pa.array([None], pa.string())})
     store.commit(f"part-{number:06d}", table, 1, number, number + 1, f"d{number}")
@@ -63,7 +75,6 @@ def test_a_sync_uploads_only_its_new_commits_and_readers_see_each_commit(s3, mon
     """Each sync after the first uploads one segment of its own commits, and merges: after k
     syncs the store holds one segment per bit of k. The manifest object is not written
     again until the run writes its manifest whole (the end compacts it)."""
-    from dsv4enc.output.parts import PartStore
     from dsv4enc.output.remote import RemoteOutput
 
     uploads: list[tuple[str, int]] = []
@@ -72,11 +83,7 @@ def test_a_sync_uploads_only_its_new_commits_and_readers_see_each_commit(s3, mon
                                                               upload(url, data))[1])
     remote = RemoteOutput(f"{s3.url}/seg/", writer=True)
     try:
-        remote.pull()
-        store = PartStore(remote.local_parts, {"tool": "dsv4enc"})
-        store.create()
-        remote.attach(store, written_elsewhere=False)
-        remote.sync()
+        store = _started(remote)
         token = json.loads(store.manifest_path.read_text())["journal"]
         syncs = 13
         for k in range(1, syncs + 1):
@@ -133,7 +140,6 @@ def test_a_reader_beside_syncs_and_merges_sees_each_time_a_prefix_of_the_commits
     import threading
 
     from dsv4enc.errors import UsageError
-    from dsv4enc.output.parts import PartStore
     from dsv4enc.output.remote import RemoteOutput
 
     url = f"{s3.url}/busy/"
@@ -151,11 +157,7 @@ def test_a_reader_beside_syncs_and_merges_sees_each_time_a_prefix_of_the_commits
                 seen.append((sorted(found.manifests[0]["parts"]), len(found.paths)))
 
     try:
-        remote.pull()
-        store = PartStore(remote.local_parts, {"tool": "dsv4enc"})
-        store.create()
-        remote.attach(store, written_elsewhere=False)
-        remote.sync()
+        store = _started(remote)
         reader = threading.Thread(target=read)
         reader.start()
         for k in range(24):

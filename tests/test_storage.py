@@ -694,22 +694,24 @@ def test_of_two_runs_taking_over_a_stale_lock_one_refuses(s3, tmp_path):
     pauses = Pauses(tmp_path / "pauses", "lock")
     first = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, out], env=pauses.env(env),
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    second = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, out], env=env,
-                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    second = None
     try:
-        pauses.wait("lock", proc=first)
+        pauses.wait("lock", proc=first)  # it found the stale lock: the second starts only now
+        second = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, out], env=env,
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         assert second.stdout.readline() == "held\n"
         pauses.release()
-        refusal = first.communicate(timeout=120)[0]
+        refusal = first.communicate(timeout=600)[0]  # a hang guard, not a bet on speed
         assert first.returncode == 3, refusal
         assert f"being written by pid {second.pid}" in refusal and "delete that object" in refusal
         assert json.loads(s3.get("race/.dsv4enc.lock"))["pid"] == second.pid
-        second.communicate("\n", timeout=120)
+        second.communicate("\n", timeout=600)
         assert second.returncode == 0 and "race/.dsv4enc.lock" not in s3.keys("race/")
     finally:
         for proc in (first, second):
-            proc.kill()
-            proc.wait()
+            if proc is not None:
+                proc.kill()
+                proc.wait()
 
 
 def test_a_run_whose_lock_was_taken_over_stops_and_leaves_it(s3):

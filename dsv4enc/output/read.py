@@ -196,19 +196,29 @@ def journal_entries(data: bytes | None, token: str) -> Iterator[dict]:
     for number, line in enumerate((data or b"").splitlines(keepends=True)):
         if not line.endswith(b"\n"):
             return  # torn: the write of the last commit did not finish
+        if number == 0:
+            if not opens_journal(line, token):
+                return
+            continue
         try:
             entry = json.loads(line)
         except ValueError:
             return
-        if not isinstance(entry, dict):
-            return
-        if number == 0:
-            if entry.get("format") != JOURNAL_FORMAT or entry.get("manifest") != token:
-                return
-            continue
-        if not (isinstance(entry.get("name"), str) and isinstance(entry.get("part"), dict)):
+        if not (isinstance(entry, dict) and isinstance(entry.get("name"), str)
+                and isinstance(entry.get("part"), dict)):
             return
         yield entry
+
+
+def opens_journal(line: bytes, token: str) -> bool:
+    """Whether ``line`` is the header of the journal of the manifest whose token is ``token``
+    (a journal of another token is stale: a manifest written whole since replaced it)."""
+    try:
+        header = json.loads(line)
+    except ValueError:
+        return False
+    return (isinstance(header, dict) and header.get("format") == JOURNAL_FORMAT
+            and header.get("manifest") == token)
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,7 @@ from .files import (LOCK_NAME, MANIFEST_FILE, MANIFEST_NAME, PART_FILE, PARTIAL,
                     STAMPS_FILE, is_ours, journal_path, rank_of, segment_name)
 from .lock import HEARTBEAT_S, BucketLock, process_alive
 from .parts import PartStore, listed_files, read_manifest, store_failure
-from .read import journal_entries, load_manifest
+from .read import journal_entries, load_manifest, opens_journal
 
 log = logging.getLogger("dsv4enc")
 T = TypeVar("T")
@@ -189,17 +189,18 @@ class RemoteOutput:
         if not objects:
             return
         self.local_parts.mkdir(parents=True, exist_ok=True)
+        segments = _segment_paths(objects)
         for obj in objects:
             top = "/" not in obj.key
             if top and (MANIFEST_FILE.fullmatch(obj.key) or STAMPS_FILE.fullmatch(obj.key)):
-                self._fetch(obj, objects)
+                self._fetch(obj, segments)
             elif top and SEGMENT_FILE.fullmatch(obj.key):
                 self._note_segment(obj.key)
             elif top and PART_FILE.fullmatch(obj.key):
                 if self._mine(obj.key) and self._leave_in_store(obj):
                     continue
                 if (self.resume or self.update) and self._mine(obj.key):
-                    self._fetch(obj, objects)
+                    self._fetch(obj)
                 else:  # an empty stand-in: the local checks see the name
                     (self.local_parts / obj.key).touch()
             elif not obj.key.startswith("."):  # foreign: the local checks name it
@@ -224,10 +225,11 @@ class RemoteOutput:
         except OSError as exc:
             raise storage.setup_error(self.url, exc) from None
         self.local_parts.mkdir(parents=True, exist_ok=True)
+        segments = _segment_paths(objects)
         for obj in objects:
             if MANIFEST_FILE.fullmatch(obj.key) or (self.resume and PART_FILE.fullmatch(obj.key)
                                                      and not self._leave_in_store(obj)):
-                self._fetch(obj, objects)
+                self._fetch(obj, segments)
             elif SEGMENT_FILE.fullmatch(obj.key):
                 self._note_segment(obj.key)
         self._note_manifests()
@@ -256,19 +258,18 @@ class RemoteOutput:
             if self.writer:  # before the first part object: one may take an old name
                 self.drop_replaced()
 
-    def _fetch(self, obj: storage.ObjectInfo, objects: Sequence[storage.ObjectInfo]) -> None:
+    def _fetch(self, obj: storage.ObjectInfo, segments: Sequence[str] = ()) -> None:
         """Bring a top-level object of the parts folder into the staging folder: a manifest
-        with its journal's segments (among ``objects``, the listing) applied; a part or stamps
-        file, which counts as uploaded as long as it is unchanged."""
+        with its journal's segments (among ``segments``, the listed ones' paths) applied; a
+        part or stamps file, which counts as uploaded as long as it is unchanged."""
         path = self.local_parts / obj.key
         if not MANIFEST_FILE.fullmatch(obj.key):
             self._download(obj.url, path)
             self._uploaded[obj.key] = _local_id(path)
             return
         fs, where = storage.filesystem(obj.url)
-        listed = [storage.filesystem(o.url)[1] for o in objects if SEGMENT_FILE.fullmatch(o.key)]
         try:
-            document = load_manifest(where, fs, listed)
+            document = load_manifest(where, fs, segments)
         except ValueError:  # another tool's object under that name: the local checks judge it
             self._download(obj.url, path)
             return
@@ -579,15 +580,20 @@ def _journal_bytes(manifest: Path, token: str | None, start: int,
     try:
         with open(journal_path(manifest), "rb") as journal:
             header = journal.readline()
-            if not header.endswith(b"\n") or json.loads(header).get("manifest") != token:
+            if not header.endswith(b"\n") or not opens_journal(header, token):
                 return None
             start = max(start, len(header))
             journal.seek(start)
             data = journal.read() if end is None else journal.read(end - start)
-    except (FileNotFoundError, ValueError):
+    except FileNotFoundError:
         return None
     data = data[:data.rfind(b"\n") + 1]
     return (header, start, data) if data else None
+
+
+def _segment_paths(objects: Sequence[storage.ObjectInfo]) -> list[str]:
+    """The listed journal segments' paths in their file system (as ``load_manifest`` reads)."""
+    return [storage.filesystem(o.url)[1] for o in objects if SEGMENT_FILE.fullmatch(o.key)]
 
 
 def _local_state(manifest: Path) -> tuple:

@@ -207,7 +207,13 @@ def _s3(url: str, options: dict) -> "pafs.FileSystem":
 
 
 def _bucket(url: str) -> str:
-    return url.split("://", 1)[1].split("/", 1)[0]
+    return _bucket_key(url)[0]
+
+
+def _bucket_key(url: str) -> tuple[str, str]:
+    """A bucket URL's bucket and the key below it."""
+    bucket, _, key = url.split("://", 1)[1].partition("/")
+    return bucket, key
 
 
 def _make_filesystem(url: str, options: dict) -> "pafs.FileSystem":
@@ -754,7 +760,7 @@ def iter_files(url: str) -> Iterator[ObjectInfo]:
 
 def _pages(client, url: str) -> Iterator[ObjectInfo]:
     """The objects under the S3 prefix ``url`` by retried ListObjectsV2 pages, less ``dir/``."""
-    bucket, _, path = url.split("://", 1)[1].partition("/")
+    bucket, path = _bucket_key(url)
     prefix = f"{path.strip('/')}/" if path.strip("/") else ""
     args = {"Bucket": bucket, "Prefix": prefix}
     while True:
@@ -1147,7 +1153,7 @@ def _get(client, url: str, offset: int, size: int | None) -> tuple[bytes, int]:
     """One GET of ``size`` bytes from ``offset`` (None: to the end), and the object's size."""
     from botocore import exceptions as boto
 
-    bucket, _, key = url.split("://", 1)[1].partition("/")
+    bucket, key = _bucket_key(url)
     end = "" if size is None else offset + size - 1
     if size == 0:  # no range names zero bytes (S3 answers an invalid one with all)
         return b"", offset
@@ -1242,7 +1248,7 @@ def put_if(url: str, data: bytes, etag: str | None = None) -> str | None:
         return None
     from botocore import exceptions as boto
 
-    bucket, _, key = url.split("://", 1)[1].partition("/")
+    bucket, key = _bucket_key(url)
     condition = {"IfMatch": etag} if etag else {"IfNoneMatch": "*"}
 
     def put() -> str | None:
@@ -1266,7 +1272,7 @@ def read_tagged(url: str) -> tuple[bytes, str | None]:
     client = _direct(url)
     if client is None:
         return read_bytes(url), None
-    bucket, _, key = url.split("://", 1)[1].partition("/")
+    bucket, key = _bucket_key(url)
 
     def get() -> tuple[bytes, str]:
         answer = client.get_object(Bucket=bucket, Key=key)
@@ -1343,7 +1349,7 @@ def abort_uploads(url: str) -> None:
     client = _direct(url)
     if client is None:
         return
-    bucket, _, key = url.split("://", 1)[1].partition("/")
+    bucket, key = _bucket_key(url)
     try:
         listed = client.list_multipart_uploads(Bucket=bucket, Prefix=key)
         for upload in listed.get("Uploads", []):

@@ -714,6 +714,53 @@ def test_of_two_runs_taking_over_a_stale_lock_one_refuses(s3, tmp_path):
                 proc.wait()
 
 
+@pytest.mark.parametrize("flag", ["--resume", "--update"])
+@pytest.mark.parametrize("signum", [signal.SIGKILL, signal.SIGTERM])
+def test_a_run_stopped_at_the_stale_lock_leaves_the_committed_rows(s3, tmp_path, flag, signum):
+    """A run killed or stopped while it takes over a stale lock (``lock``) has written
+    nothing: read_embeddings, pyarrow and duckdb see the committed rows; SIGTERM ends it."""
+    import pyarrow.dataset as pads
+
+    folder, _ = noise_images(s3, "held", 6, tmp_path)
+    out = f"{s3.url}/held/out/"
+    command = [sys.executable, "-m", "dsv4enc", "encode", str(folder), "--out", out, *TINY,
+               "--workers", "0", "-q"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT)}
+    env.pop("DSV4ENC_WEIGHTS", None)
+    subprocess.run(command, env=env, check=True, capture_output=True)
+
+    def readers() -> dict[str, list[str]]:
+        storage.configure(None)
+        fs, path = storage.filesystem(out)
+        parts = pads.dataset(path, filesystem=fs, format="parquet").to_table(columns=["path"])
+        seen = {"read_embeddings": [r["path"] for r in read_embeddings(out, ["path"],
+                                                                        errors="include")],
+                "pyarrow.dataset": parts.column("path").to_pylist()}
+        with contextlib.suppress(ImportError):
+            import duckdb
+
+            seen["duckdb"] = [key for (key,) in duckdb.sql("SELECT path FROM parts").fetchall()]
+        return {reader: sorted(keys) for reader, keys in seen.items()}
+
+    committed = readers()
+    gone = {"pid": 4242, "host": "node7.example", "time": time.time() - 3600}
+    s3.put("held/out/.dsv4enc.lock", json.dumps(gone).encode())
+    pauses = Pauses(tmp_path / "pauses", "lock")
+    proc = subprocess.Popen([*command, flag], env=pauses.env(env), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        pauses.wait("lock", proc=proc)
+        proc.send_signal(signum)
+        began = time.monotonic()
+        proc.communicate(timeout=600)  # a hang guard; the bound is asserted below
+        took = time.monotonic() - began
+    finally:
+        proc.kill()
+        proc.wait()
+    assert proc.returncode in (-signal.SIGKILL, 143) and took < 10
+    assert readers() == committed and len(committed["read_embeddings"]) == 6
+
+
 def test_a_run_whose_lock_was_taken_over_stops_and_leaves_it(s3):
     """A lock that another run replaced (this one could not refresh it in time) is found at
     the next refresh: the run stops at its next commit with one line, and its end neither

@@ -1210,11 +1210,52 @@ def upload_written(folder: "str | os.PathLike", name: str,
     return size
 
 
+#: Up to this size an ``s3://`` object is written in one PUT; a larger one in a multipart
+#: upload of parts this size.
+PUT_BYTES = 64 << 20
+
+
 def _put(url: str, source: Callable[[], IO[bytes]]) -> None:
-    # The source is opened first: a stream closed by an error would publish what it holds.
-    fs, target = filesystem(url)
-    _copy(url, source, lambda: fs.open_output_stream(target))
+    """Write ``source()`` (a seekable binary file) as the object ``url``, whole or not at all:
+    a failed write leaves the object as it was. pyarrow's output stream publishes what it
+    holds when an error closes it (apache/arrow#40502), so ``s3://`` goes through botocore's
+    client where it serves (``_put_direct``); elsewhere the source is opened first, so that
+    only a failure on the way to the store can close a stream short."""
+    client = _direct(url)
+    if client is not None:
+        retrying(lambda: _boto(url, lambda: _put_direct(client, url, source)),
+                 store=store_of(url))
+    else:
+        fs, target = filesystem(url)
+        _copy(url, source, lambda: fs.open_output_stream(target))
     _SEEN.pop(url, None)
+
+
+def _put_direct(client, url: str, source: Callable[[], IO[bytes]]) -> None:
+    """One PUT of ``source()``, or a multipart upload completed only once every part was sent
+    (aborted on any failure, a signal's included)."""
+    bucket, key = _bucket_key(url)
+    with source() as data:
+        size = data.seek(0, io.SEEK_END)
+        data.seek(0)
+        if size <= PUT_BYTES:
+            client.put_object(Bucket=bucket, Key=key, Body=data.read())
+            return
+        upload = client.create_multipart_upload(Bucket=bucket, Key=key)["UploadId"]
+        try:
+            parts = []
+            for number, chunk in enumerate(iter(lambda: data.read(PUT_BYTES), b""), 1):
+                sent = client.upload_part(Bucket=bucket, Key=key, UploadId=upload,
+                                          PartNumber=number, Body=chunk)
+                # The part's checksums go back with it: a store that keeps them requires them
+                parts.append({"PartNumber": number, **{name: value for name, value in sent.items()
+                                                       if name == "ETag" or name.startswith("Checksum")}})
+            client.complete_multipart_upload(Bucket=bucket, Key=key, UploadId=upload,
+                                              MultipartUpload={"Parts": parts})
+        except BaseException:
+            with suppress(Exception):  # else the store's lifecycle rule drops the parts
+                client.abort_multipart_upload(Bucket=bucket, Key=key, UploadId=upload)
+            raise
 
 
 def download(url: str, path: "str | os.PathLike") -> None:

@@ -3,6 +3,8 @@ S3-compatible server on 127.0.0.1 (``tests/objectstore.py``)."""
 
 from __future__ import annotations
 
+import io
+
 import pytest
 
 from dsv4enc.images import sources
@@ -79,7 +81,6 @@ def test_missing_bucket_is_one_setup_line_without_secrets(s3):
 
 # --------------------------------------------------------------------------- URL inputs
 
-import io
 import tarfile
 from pathlib import Path
 
@@ -666,6 +667,44 @@ def test_a_conditional_write_creates_once_and_replaces_only_what_it_read(s3):
     with pytest.raises(storage.Changed):
         storage.put_if(url, b"d", first)  # replaced since that read
     assert storage.read_tagged(url) == (b"c", second)
+
+
+class _FailingRead(io.BytesIO):
+    """A file whose read fails past ``after`` bytes (a disk error halfway through an upload)."""
+
+    def __init__(self, data: bytes, after: int) -> None:
+        super().__init__(data)
+        self.after = after
+
+    def read(self, size: int | None = -1) -> bytes:
+        reaches = len(self.getbuffer()) if size is None or size < 0 else self.tell() + size
+        if reaches > self.after:
+            raise OSError("the disk failed halfway")
+        return super().read(size)
+
+
+@pytest.mark.parametrize("size", [1 << 20, 11 << 20], ids=["one-put", "multipart"])
+def test_an_upload_is_whole_or_leaves_the_object_as_it_was(s3, monkeypatch, size):
+    """An upload that fails halfway (after the retries) leaves the object it would replace,
+    and no open multipart upload; one that succeeds holds every byte."""
+    monkeypatch.setattr(storage, "PUT_BYTES", 5 << 20)  # S3's smallest part
+    monkeypatch.setattr(storage, "ATTEMPTS", 1)
+    data = bytes(range(256)) * (size // 256)
+    url = s3.put("w/part-000000.parquet", b"the old object")
+    with pytest.raises(OSError, match="halfway"):
+        storage._put(url, lambda: _FailingRead(data, size - 1))
+    assert s3.get("w/part-000000.parquet") == b"the old object"
+    assert not s3.client().list_multipart_uploads(Bucket=s3.name).get("Uploads")
+    storage._put(url, lambda: io.BytesIO(data))
+    assert s3.get("w/part-000000.parquet") == data
+
+
+def test_without_botocore_s_client_uploads_go_through_pyarrow(s3, monkeypatch):
+    """Options that botocore's client does not take leave uploads to pyarrow's stream."""
+    monkeypatch.setattr(storage, "_direct", lambda url: None)
+    url = f"{s3.url}/p/object.bin"
+    storage.upload(url, b"x" * 5000)
+    assert s3.get("p/object.bin") == b"x" * 5000
 
 
 HOLD_LOCK = """

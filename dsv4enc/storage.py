@@ -1211,8 +1211,11 @@ def upload_written(folder: "str | os.PathLike", name: str,
 
 
 #: Up to this size an ``s3://`` object is written in one PUT; a larger one in a multipart
-#: upload of parts this size.
-PUT_BYTES = 64 << 20
+#: upload of parts this size (or larger: S3 takes at most ``MAX_PARTS``), ``PUT_THREADS`` of
+#: them in flight, as many as pyarrow's stream sends at once.
+PUT_BYTES = 16 << 20
+MAX_PARTS = 10_000
+PUT_THREADS = 8
 
 
 def _put(url: str, source: Callable[[], IO[bytes]]) -> None:
@@ -1243,19 +1246,42 @@ def _put_direct(client, url: str, source: Callable[[], IO[bytes]]) -> None:
             return
         upload = client.create_multipart_upload(Bucket=bucket, Key=key)["UploadId"]
         try:
-            parts = []
-            for number, chunk in enumerate(iter(lambda: data.read(PUT_BYTES), b""), 1):
-                sent = client.upload_part(Bucket=bucket, Key=key, UploadId=upload,
-                                          PartNumber=number, Body=chunk)
-                # The part's checksums go back with it: a store that keeps them requires them
-                parts.append({"PartNumber": number, **{name: value for name, value in sent.items()
-                                                       if name == "ETag" or name.startswith("Checksum")}})
+            parts = _send_parts(client, bucket, key, upload, data,
+                                max(PUT_BYTES, -(-size // MAX_PARTS)))
             client.complete_multipart_upload(Bucket=bucket, Key=key, UploadId=upload,
                                               MultipartUpload={"Parts": parts})
         except BaseException:
             with suppress(Exception):  # else the store's lifecycle rule drops the parts
                 client.abort_multipart_upload(Bucket=bucket, Key=key, UploadId=upload)
             raise
+
+
+def _send_parts(client, bucket: str, key: str, upload: str, data: IO[bytes],
+                part_bytes: int) -> list[dict]:
+    """Upload ``data`` as the parts of multipart upload ``upload``, ``PUT_THREADS`` at a time
+    (so at most that many parts are held); their entries for completing it, in order."""
+    from collections import deque
+    from concurrent.futures import ThreadPoolExecutor
+
+    def send(number: int, chunk: bytes) -> dict:
+        sent = client.upload_part(Bucket=bucket, Key=key, UploadId=upload, PartNumber=number,
+                                  Body=chunk)
+        # A part's checksums go back with it: a store that keeps them requires them
+        return {"PartNumber": number, **{name: value for name, value in sent.items()
+                                         if name == "ETag" or name.startswith("Checksum")}}
+
+    parts, in_flight = [], deque()
+    with ThreadPoolExecutor(PUT_THREADS, thread_name_prefix="dsv4enc-put") as pool:
+        try:
+            for number, chunk in enumerate(iter(lambda: data.read(part_bytes), b""), 1):
+                if len(in_flight) == PUT_THREADS:
+                    parts.append(in_flight.popleft().result())
+                in_flight.append(pool.submit(send, number, chunk))
+            parts.extend(future.result() for future in in_flight)
+        except BaseException:
+            pool.shutdown(wait=False, cancel_futures=True)
+            raise
+    return parts
 
 
 def download(url: str, path: "str | os.PathLike") -> None:

@@ -688,6 +688,7 @@ def test_an_upload_is_whole_or_leaves_the_object_as_it_was(s3, monkeypatch, size
     """An upload that fails halfway (after the retries) leaves the object it would replace,
     and no open multipart upload; one that succeeds holds every byte."""
     monkeypatch.setattr(storage, "PUT_BYTES", 5 << 20)  # S3's smallest part
+    monkeypatch.setattr(storage, "MAX_PARTS", 2)  # the multipart one: parts of 5.5 MiB
     monkeypatch.setattr(storage, "ATTEMPTS", 1)
     data = bytes(range(256)) * (size // 256)
     url = s3.put("w/part-000000.parquet", b"the old object")

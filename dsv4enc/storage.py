@@ -1366,23 +1366,26 @@ def remove_empty_prefix(url: str) -> None:
 
 # ----------------------------------------------------------------------------- whole objects
 
+#: The largest S3 object, which botocore's client writes in parts of up to 5 GiB.
+S3_MAX_BYTES = 5 << 40
 #: pyarrow's S3 output stream uploads parts of 10 MiB whatever it is given, and a multipart
 #: upload has at most 10,000 parts (apache/arrow#40420): the largest object it can write.
-S3_STREAM_MAX_BYTES = 10_000 * (10 << 20)
+S3_STREAM_MAX_BYTES = MAX_PARTS * (10 << 20)
 
 
 def max_object_bytes(url: str) -> int | None:
     """The largest object one upload can write at ``url`` (None: no limit known)."""
-    return S3_STREAM_MAX_BYTES if scheme_of(url) in ("s3", "s3a") else None
+    if scheme_of(url) not in ("s3", "s3a"):
+        return None
+    return S3_MAX_BYTES if _direct(url) is not None else S3_STREAM_MAX_BYTES
 
 
 def upload_file_whole(path: "str | os.PathLike", url: str) -> None:
-    """``upload_file`` for an object that must never be seen short (a single-file output):
-    pyarrow's output stream completes its multipart upload when it is closed, also when an
-    exception unwinds through it (apache/arrow#40502). So a child process writes the stream and
-    closes it only once every byte was sent; an error exits it, a signal here kills it: ``url``
-    keeps no object (or the one it held) and the open upload is aborted (``abort_uploads``).
-    Schemes without buckets (fsspec's) are written here: a child would not share ``memory://``."""
+    """``upload_file`` for an object that must never be seen short (a single-file output),
+    also when a signal stops this process: a child process uploads it (``upload_child``), and
+    a signal here kills the child before it completes the upload, so ``url`` keeps no object
+    (or the one it held) and the open upload is aborted (``abort_uploads``). Schemes without
+    buckets (fsspec's) are written here: a child would not share ``memory://``."""
     import subprocess
 
     if scheme_of(url) not in _BUCKET_SCHEMES:
@@ -1428,27 +1431,48 @@ def abort_uploads(url: str) -> None:
 
 def upload_child() -> None:
     """The child of ``upload_file_whole`` (argv: the file, the URL): a signal ends it at
-    once, an error before the last byte exits without closing the stream."""
+    once; an error before the last byte exits without completing the upload (botocore's
+    multipart upload is completed only at the end; pyarrow's stream, which completes it when
+    closed, is never closed then)."""
     import signal
 
-    from .pausepoints import pause
-
     for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, signal.SIG_DFL)  # die where it is: the stream stays open
+        signal.signal(signum, signal.SIG_DFL)  # die where it is: the upload stays open
     path, url = sys.argv[1], sys.argv[2]
     try:
-        fs, target = filesystem(url)
-        size, sent = os.path.getsize(path), 0
-        out = fs.open_output_stream(target)
-        with open(path, "rb") as source:
-            while chunk := source.read(COPY_BYTES):
-                out.write(chunk)
-                sent += len(chunk)
-                pause("upload", url=url, sent=sent, size=size, pid=os.getpid())
-        if sent != size:
-            raise OSError(f"{path} changed while it was uploaded")
-        out.close()
+        client = _direct(url)
+        with _Reported(open(path, "rb", buffering=0), url) as source:
+            if client is not None:
+                _boto(url, lambda: _put_direct(client, url, lambda: source))
+            else:
+                fs, target = filesystem(url)
+                out = fs.open_output_stream(target)
+                while chunk := source.read(COPY_BYTES):
+                    out.write(chunk)
+                out.close()
     except BaseException as exc:
         sys.stderr.write(f"{type(exc).__name__}: {_first_line(exc)}\n")
         sys.stderr.flush()
-        os._exit(1)  # never close the stream: its upload is not completed
+        os._exit(1)  # never close pyarrow's stream: its upload is not completed
+
+
+class _Reported(io.BufferedReader):
+    """A file whose reads reach the ``upload`` pause point with the bytes read so far, and
+    raise once they show that it changed size (before the upload can be completed)."""
+
+    def __init__(self, raw: io.FileIO, url: str) -> None:
+        super().__init__(raw)
+        self.url, self.sent = url, 0
+        self.size = os.fstat(raw.fileno()).st_size
+
+    def read(self, size: int | None = -1) -> bytes:
+        from .pausepoints import pause
+
+        chunk = super().read(size)
+        self.sent += len(chunk)
+        to_the_end = size is None or size < 0 or not chunk
+        if self.sent > self.size or (to_the_end and self.sent != self.size):
+            raise OSError(f"{self.raw.name} changed while it was uploaded")
+        if chunk:
+            pause("upload", url=self.url, sent=self.sent, size=self.size, pid=os.getpid())
+        return chunk

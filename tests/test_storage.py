@@ -874,12 +874,11 @@ def test_overwrite_of_a_folder_output_leaves_only_the_new_parts(s3, local_images
 
 def test_a_killed_upload_leaves_no_object_and_its_retry_uploads_the_whole_file(
         s3, tmp_path, monkeypatch):
-    """The upload's child process is killed after its first chunk (pyarrow would complete
-    the multipart upload on an exception: apache/arrow#40502): the key stays empty; the
-    retry sends the whole file."""
+    """The upload's child process is killed after its first part: the key stays empty, the
+    open multipart upload is aborted, and the retry sends the whole file."""
     import threading
 
-    data = np.random.default_rng(0).bytes(20 << 20)  # three chunks of the upload
+    data = np.random.default_rng(0).bytes(20 << 20)  # two parts of the upload
     (tmp_path / "big.bin").write_bytes(data)
     pauses = Pauses(tmp_path / "pauses", "upload")
     for name, value in pauses.env().items():
@@ -948,7 +947,8 @@ def test_a_signal_during_the_final_upload_leaves_no_object(s3, tmp_path):
 
 def test_a_single_file_larger_than_one_upload_is_refused_up_front(s3, tmp_path, monkeypatch):
     folder, _ = noise_images(s3, "big", 4, tmp_path)
-    monkeypatch.setattr(storage, "S3_STREAM_MAX_BYTES", 1000)  # the tiny tower's rows: more
+    for limit in ("S3_MAX_BYTES", "S3_STREAM_MAX_BYTES"):  # the tiny tower's rows: more
+        monkeypatch.setattr(storage, limit, 1000)
     result = runner.invoke(app, ["encode", str(folder), "--out", f"{s3.url}/bigout/e.parquet",
                                  *TINY, "--workers", "0", "-q"])
     line = one_line_failure(result)

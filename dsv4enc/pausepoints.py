@@ -11,7 +11,8 @@ releases every later pause too). Without those variables (every real run) a poin
 
 The points: ``commit`` (a part was committed: a kill now loses nothing before it),
 ``encoded`` (a batch's rows were counted in the progress), ``upload`` (the child that uploads
-a single-file output to a store sent a chunk; it reports its ``pid`` and the bytes ``sent``),
+a single-file output to a store read the next bytes to send; it reports its ``pid`` and the
+bytes read, ``sent``),
 under ``--engine ray`` ``segment`` (an encoder actor is about to encode a part; it reports
 its ``pid``) and ``written`` (an actor wrote a part's file, not yet reported or committed),
 at the end of a folder output's ``--update`` ``switch`` (the new output is complete

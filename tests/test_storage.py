@@ -824,6 +824,32 @@ def test_a_run_whose_lock_was_taken_over_stops_and_leaves_it(s3):
     assert json.loads(s3.get("taken/.dsv4enc.lock")) == other
 
 
+@pytest.mark.parametrize("conditional", [True, False], ids=["conditional", "look-then-write"])
+def test_a_run_whose_lock_object_was_removed_stops_and_writes_nothing(s3, monkeypatch,
+                                                                      conditional):
+    """A lock object gone at a refresh (the run that took it over has ended and deleted it)
+    is a lost lock too: the run stops at its next commit with one line, and its end writes
+    neither a lock nor a manifest over the other run's output."""
+    from dsv4enc.errors import OutputError
+    from dsv4enc.output.remote import RemoteOutput
+
+    if not conditional:  # a store without conditional writes
+        monkeypatch.setattr(storage, "put_if", lambda url, data, etag=None: None)
+    remote = RemoteOutput(f"{s3.url}/gone/", writer=True)
+    try:
+        remote.pull()
+        s3.client().delete_object(Bucket=s3.name, Key="gone/.dsv4enc.lock")
+        remote.lock.refresh()
+        with pytest.raises(OutputError, match="lock object .* was removed"):
+            remote.adopt_part("part-000000.parquet", Path("unused"))
+        with pytest.raises(OutputError, match="was removed"):
+            remote.finish()
+        remote.abandon()
+    finally:
+        remote.close()
+    assert s3.keys("gone/") == []
+
+
 def test_any_fsspec_scheme_works_through_fsspec(local_images, small_ckpt, tmp_path):
     """A scheme pyarrow has no client for goes through fsspec (here its in-process memory
     file system: one process, so no decode workers)."""
@@ -868,6 +894,35 @@ def test_overwrite_of_a_folder_output_leaves_only_the_new_parts(s3, local_images
     manifest = json.loads(s3.get("ow/_manifest.json"))
     assert [p["file"] for p in manifest["parts"].values()] == [parts[0].split("/", 1)[1]]
     assert sorted(rows(read_object(s3, parts[0], tmp_path, "p.parquet"))) == sorted(SPECS)
+
+
+
+def test_an_overwrite_replaces_the_old_manifest_before_its_first_part(s3, tmp_path):
+    """``--overwrite`` of an interrupted folder output (a part object no manifest lists): at
+    the new run's first commit the store already holds the new run's manifest, never none, so
+    a reader never falls back to reading every part object (the uncommitted one among them)."""
+    folder, _ = noise_images(s3, "ow2", 4, tmp_path)
+    out = f"{s3.url}/ow2/out/"
+    command = [sys.executable, "-m", "dsv4enc", "encode", str(folder), "--out", out, *TINY,
+               "--workers", "0", "-q", "--part-images", "2"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT)}
+    env.pop("DSV4ENC_WEIGHTS", None)
+    subprocess.run(command, env=env, check=True, capture_output=True)
+    old_token = json.loads(s3.get("ow2/out/_manifest.json"))["journal"]
+    s3.put("ow2/out/part-000009.parquet", s3.get("ow2/out/part-000000.parquet"))  # uncommitted
+    pauses = Pauses(tmp_path / "pauses", "commit")
+    proc = subprocess.Popen([*command, "--overwrite"], env=pauses.env(env),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        pauses.wait("commit", proc=proc)
+        manifest = json.loads(s3.get("ow2/out/_manifest.json"))
+        seen = [r["path"] for r in read_embeddings(out, ["path"], errors="include")]
+    finally:
+        pauses.release()
+        _, err = proc.communicate(timeout=600)  # a hang guard, not a bet on speed
+    assert proc.returncode == 0, err
+    assert manifest["journal"] != old_token and len(seen) <= 2 and len(set(seen)) == len(seen)
+    assert len(list(read_embeddings(out, ["path"], errors="include"))) == 4
 
 
 # --------------------------------------------------------------------------- whole or absent

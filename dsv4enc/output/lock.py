@@ -158,16 +158,19 @@ class BucketLock:
                           "try; if no other run is starting, try again")
 
     def refresh(self) -> None:
-        """Rewrite the lock with the time; on S3 only if it is still this run's, else ``lost``
-        names the run that took it over (and the lock is this run's no more)."""
+        """Rewrite the lock with the time if it is still this run's, else ``lost`` names the
+        run that took it over ({} where the lock object is gone: that run has ended, or it was
+        deleted), and the lock is this run's no more."""
         if not self.held:
             return
-        if self._etag is None:
-            storage.upload(self.url, self._holder())
-            return
         try:
-            self._etag = storage.put_if(self.url, self._holder(), self._etag)
-        except storage.Changed:
+            if self._etag is None:  # no conditional writes here: look, then write
+                if self._holder_now().get("token") != self._token:
+                    raise storage.Changed(self.url)
+                storage.upload(self.url, self._holder())
+            else:
+                self._etag = storage.put_if(self.url, self._holder(), self._etag)
+        except (storage.Changed, FileNotFoundError):
             held, etag = self._read()
             if held.get("token") == self._token:  # this refresh's answer was lost on the way
                 self._etag = etag
@@ -183,15 +186,30 @@ class BucketLock:
 
     def check(self) -> None:
         """Raise the line that ends a run whose lock another run took over (``refresh``)."""
-        if self.lost is not None:
+        if self.lost is None:
+            return
+        if not self.lost:
             raise OutputError(
-                f"--out {self.out}: another run (pid {self.lost.get('pid')} on host "
-                f"{self.lost.get('host')}) took over the lock object {self.url} while this run "
-                "could not refresh it; this run stops, its committed parts stay for that run")
+                f"--out {self.out}: the lock object {self.url} was removed while this run "
+                "could not refresh it (another run took it over and ended, or it was deleted); "
+                "this run stops, its committed parts stay")
+        raise OutputError(
+            f"--out {self.out}: another run (pid {self.lost.get('pid')} on host "
+            f"{self.lost.get('host')}) took over the lock object {self.url} while this run "
+            "could not refresh it; this run stops, its committed parts stay for that run")
 
     def _holder(self) -> bytes:
         return json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
                            "time": time.time(), "token": self._token}).encode()
+
+    def _holder_now(self) -> dict:
+        """The lock object's holder ({} where it is unreadable); raises ``FileNotFoundError``
+        where there is none, and the ``OSError`` of a store that does not answer."""
+        try:
+            held = json.loads(storage.read_bytes(self.url))
+        except ValueError:
+            return {}
+        return held if isinstance(held, dict) else {}
 
     def _read(self) -> tuple[dict, str | None]:
         """The lock object's holder ({} where there is none, or it is unreadable) and ETag."""

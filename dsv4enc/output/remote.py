@@ -96,8 +96,9 @@ class RemoteOutput:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._lock_mutex = threading.Lock()
-        # --overwrite: the earlier run's manifests, deleted before a part upload (``drop_replaced``)
-        self._replaced: set[str] = set()
+        # --overwrite: the earlier run's manifests (their staged state when pulled), replaced
+        # or deleted before a part upload (``drop_replaced``)
+        self._replaced: dict[str, tuple] = {}
         #: --resume or --update of a folder: the part objects left in the store, by name
         self.stored: dict[str, storage.ObjectInfo] = {}
 
@@ -255,8 +256,6 @@ class RemoteOutput:
             store.fetch = self.adopt_part
         if writes_to_store:
             store.part_folder, store.stored = self.parts_url, self.stored
-            if self.writer:  # before the first part object: one may take an old name
-                self.drop_replaced()
 
     def _fetch(self, obj: storage.ObjectInfo, segments: Sequence[str] = ()) -> None:
         """Bring a top-level object of the parts folder into the staging folder: a manifest
@@ -293,7 +292,7 @@ class RemoteOutput:
                 mirror.base, mirror.token = _local_state(path)[0], document.get("journal")
                 mirror.parts = len(document.get("parts", {}))
                 if self.overwrite:
-                    self._replaced.add(path.name)
+                    self._replaced[path.name] = mirror.base
 
     def _check_not_inputs(self) -> None:
         for raw in self.inputs:
@@ -415,11 +414,17 @@ class RemoteOutput:
             self._download(storage.join(self.parts_url, name), path)
 
     def drop_replaced(self) -> None:
-        """Delete the earlier run's manifests that ``--overwrite`` replaces, before any part
-        object is uploaded (by this process or the actors): a part may take an old name."""
-        for manifest in sorted(self._replaced):
-            storage.delete(storage.join(self.parts_url, manifest))
-            self._replaced.discard(manifest)
+        """Once the run has written its manifests, and before any part object is uploaded (by
+        this process or the actors: a part may take an old name), put them in place of the
+        earlier run's that ``--overwrite`` replaces (one upload each, so a reader finds a
+        manifest throughout and never reads the folder as plain Parquet), and delete the
+        earlier run's that it does not write."""
+        for manifest, pulled in sorted(self._replaced.items()):
+            if _local_state(self.local_parts / manifest)[0] not in (None, pulled):
+                self.sync()  # the run wrote it: its upload replaces the old one
+            else:
+                storage.delete(storage.join(self.parts_url, manifest))
+            del self._replaced[manifest]
 
     def _upload_part(self, name: str) -> None:
         """Upload a staged part unless the store has it."""

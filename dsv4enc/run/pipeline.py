@@ -358,6 +358,8 @@ def _plan_output(run: RunState, setup: RunSetup, source: PartSource, computes: C
         remote.attach(store, source.written_elsewhere)
     parts = source.cut(setup, part_images, run.progress, run.stop)
     resume = Resume(store, setup.planned, resuming, writes=ranks.writes, agree=ranks.agree_on_todo)
+    if remote is not None and ranks.writes:  # the run's manifests replace --overwrite's old ones
+        remote.drop_replaced()
     # the output holds a manifest now: a stop says how to go on from what it records
     run.stop.hint = layout.resume_hint(store, finishing_flag(opts))
     todo = _judged(resume, parts, setup, run)

@@ -428,6 +428,13 @@ def _encode_command(opts, storage_option: list[str] | None, quiet: bool,
     from .run.setup import RunSetup, start_prefetch
     from .run.stopping import FORCE_EXIT_S, StopSignals
 
+    if summary_json:
+        from .run.summary import check_summary_path
+
+        try:
+            check_summary_path(summary_json, opts.out)
+        except DsvError as exc:  # no summary is written there, nor a stopped run's
+            fail(str(exc), exc.exit_code)
     package_log = logging.getLogger("dsv4enc")
     log_level = package_log.level
     if quiet:  # warnings too: only errors (and the output path) are printed

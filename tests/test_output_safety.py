@@ -170,6 +170,33 @@ def test_a_new_image_name_inside_an_input_folder_is_refused(data):
     assert not (data / "new.png").exists()
 
 
+def test_a_summary_path_that_is_not_a_summary_is_refused(data, tmp_path):
+    """``--summary-json`` onto an input, the output (there or not yet), a path inside a
+    folder output, or a folder: one line before the run, and nothing is touched."""
+    out, folder_out = str(tmp_path / "emb.parquet"), f"{tmp_path / 'emb'}/"
+    assert encode(str(data), "--out", folder_out).exit_code == 0
+    before = {**snapshot(data), **snapshot(tmp_path / "emb")}
+    for given, summary, why in [([out], data / "img0.png", "not a dsv4enc summary"),
+                                ([out], out, "is the output"),
+                                ([folder_out, "--resume"], f"{folder_out}s.json", "lies in it"),
+                                ([out], data, "not a dsv4enc summary")]:
+        line = one_line_error(encode(str(data), "--out", *given, "--summary-json",
+                                     str(summary)), code=2)
+        assert why in line, line
+    assert {**snapshot(data), **snapshot(tmp_path / "emb")} == before
+    assert not Path(out).exists()
+
+
+def test_a_summary_of_an_earlier_run_is_replaced(data, tmp_path):
+    summary = tmp_path / "reports" / "summary.json"
+    for round_ in range(2):
+        result = encode(str(data), "--out", str(tmp_path / f"e{round_}.parquet"),
+                        "--summary-json", str(summary))
+        assert result.exit_code == 0, result.output
+        assert json.loads(summary.read_text())["output"].endswith(f"e{round_}.parquet")
+    assert sorted(p.name for p in summary.parent.iterdir()) == ["summary.json"]
+
+
 def test_overwrite_replaces_only_a_dsv4enc_file(data, tmp_path):
     """A single-file --out that is not dsv4enc's (another tool's Parquet, a text file) is
     never replaced, --overwrite or not."""

@@ -14,6 +14,9 @@ from pathlib import Path
 from rich.markup import escape
 from rich.table import Table
 
+from .. import storage
+from ..errors import UsageError
+from ..output.files import PARTIAL, temp_path
 from ..output.inspect import TOP_ERRORS, error_group
 from .progress import stderr_console
 
@@ -216,6 +219,46 @@ def write_summary_json(path: str | os.PathLike, summary, status: str = "complete
     """Write ``summary_dict`` to ``path`` (atomically: a reader never sees half a file)."""
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_name(f".{target.name}.tmp")
-    tmp.write_text(json.dumps(summary_dict(summary, status, exit_code, error), indent=1) + "\n")
-    os.replace(tmp, target)
+    tmp = temp_path(target)
+    try:
+        tmp.write_text(json.dumps(summary_dict(summary, status, exit_code, error), indent=1)
+                       + "\n")
+        os.replace(tmp, target)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+#: The most bytes a summary file of an earlier run is read for (one is a few kB).
+SUMMARY_MAX_BYTES = 1 << 20
+
+
+def check_summary_path(path: str, out: str) -> None:
+    """Refuse, before the run, a ``--summary-json`` path that the run may not write: not a
+    local path, the output ``out`` or a path inside it, or a file that is there and is not a
+    summary of an earlier run (dsv4enc replaces only what it wrote)."""
+    local, out_path = storage.local_path(path), storage.local_path(out)
+    if local is None:
+        raise UsageError(f"--summary-json {path}: give a local path")
+    target = Path(local).absolute()
+    if out_path is not None:
+        output = Path(out_path).absolute()
+        for taken in (output, output.with_name(output.name + PARTIAL)):
+            if target == taken or taken in target.parents:
+                raise UsageError(f"--summary-json {path} is the output --out {out} or lies "
+                                 "in it; choose another path")
+    if not (target.exists() or target.is_symlink()):
+        return
+    if not _is_summary(target):
+        raise UsageError(f"--summary-json {path} exists and is not a dsv4enc summary (dsv4enc "
+                         "replaces only a summary it wrote); choose another path")
+
+
+def _is_summary(path: Path) -> bool:
+    """Whether ``path`` is a regular file holding a summary of an earlier run."""
+    try:
+        if not path.is_file() or path.stat().st_size > SUMMARY_MAX_BYTES:
+            return False
+        data = json.loads(path.read_bytes())
+    except (OSError, ValueError):
+        return False
+    return isinstance(data, dict) and {"status", "exit_code", "output", "images"} <= set(data)

@@ -44,7 +44,7 @@ def check_choice(name: str, value: str, allowed: tuple[str, ...]) -> str:
 
 def check_positive(name: str, value: int) -> int:
     """``value``, or a SettingsError when it is not positive."""
-    if value <= 0:
+    if not value > 0:  # NaN too
         raise SettingsError(f"{name} must be positive, got {value}")
     return value
 

@@ -174,6 +174,8 @@ def encode(*args: str, env: dict | None = None):
     (["--weights", "W", "--part-images", "0"], 2, ["--part-images"]),
     (["--weights", "W", "--workers", "-1"], 2, ["--workers"]),
     (["--weights", "W", "--decode-timeout", "0"], 2, ["timeout"]),
+    (["--weights", "W", "--decode-timeout", "nan"], 2, ["timeout"]),
+    (["--weights", "W", "--commit-every", "nan"], 2, ["--commit-every"]),
     (["--weights", "W", "--features", "pixels"], 2, ["--features"]),
     (["--weights", "W", "--out-dtype", "int8"], 2, ["--out-dtype"]),
     ([], 2, ["--weights", "DSV4ENC_WEIGHTS"]),

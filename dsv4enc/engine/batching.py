@@ -57,10 +57,13 @@ class BatchLoop:
         outputs = self.engine.collect()
         if not self.engine.last_finite:
             dtype = str(self.engine.out_dtype).removeprefix("torch.")
+            # float32 holds any finite output: the tower's own is not finite then
+            remedy = (self.remedy if self.engine.out_dtype != torch.float32
+                      else "the tower itself computes it so: check the weights")
             for position, out in enumerate(outputs):
                 if not torch.isfinite(out).all():
                     exc = NonFiniteOutput(position, f"embedding of {self.name_of(tags[position])}"
-                                                    f" is not finite in {dtype}; {self.remedy}")
+                                                    f" is not finite in {dtype}; {remedy}")
                     exc.tag = tags[position]
                     raise exc
         return [(tag, self.finish(out)) for tag, out in zip(tags, outputs)]

@@ -147,7 +147,7 @@ def validate(opts: EncodeOptions) -> None:
         raise UsageError(f"--workers must be 0 or more, got {opts.workers}")
     if not opts.storage_outage_s > 0:
         raise UsageError(f"--storage-outage-s must be positive, got {opts.storage_outage_s:g}")
-    if opts.decode_timeout <= 0 or opts.timeout <= 0:
+    if not (opts.decode_timeout > 0 and opts.timeout > 0):  # NaN too: no deadline would hold
         raise UsageError("timeouts must be positive")
     if opts.shard_output and opts.tp_mode == "weights":
         raise UsageError("--shard-output applies to --tp-mode data only")

@@ -286,11 +286,19 @@ def _first_line(exc: BaseException) -> str:
     return re.sub(r"\s*\(Request ID: [^)]*\)", "", text)[:300]
 
 
+#: How a message names a client that found no credentials anywhere it looks.
+NO_CREDENTIALS = ("no credentials found (set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, "
+                  "AWS_PROFILE, or --storage-option access_key=... secret_key=...)")
+
+
 def setup_problem(exc: BaseException) -> str | None:
-    """``"bucket not found"`` / ``"access denied"`` when ``exc`` says so (not transient)."""
+    """``"bucket not found"`` / ``"access denied"`` / no credentials when ``exc`` says so
+    (not transient)."""
     text = str(exc).upper()
     if re.search("NO_SUCH_BUCKET|NOSUCHBUCKET|NO SUCH BUCKET|BUCKET DOES NOT EXIST", text):
         return "bucket not found"
+    if NO_CREDENTIALS.upper() in text:
+        return NO_CREDENTIALS
     if isinstance(exc, PermissionError) or re.search(
             "ACCESS_DENIED|ACCESSDENIED|FORBIDDEN|INVALIDACCESSKEYID|SIGNATUREDOESNOTMATCH", text):
         return "access denied (check the credentials and the bucket's permissions)"
@@ -1147,6 +1155,10 @@ def _boto(url: str, call: Callable[[], T]) -> T:
     except (boto.ConnectionError, boto.HTTPClientError, boto.IncompleteReadError) as exc:
         cause = _typed_cause(exc) or "connection lost"
         raise _OUTAGE_TYPES[cause](f"{url}: {cause} ({exc})") from None
+    except boto.NoCredentialsError:
+        raise PermissionError(f"{url}: {NO_CREDENTIALS}") from None
+    except boto.BotoCoreError as exc:  # a setup the client refuses (partial credentials, ...)
+        raise OSError(f"{url}: {exc}") from None
 
 
 def _get(client, url: str, offset: int, size: int | None) -> tuple[bytes, int]:

@@ -602,6 +602,19 @@ def test_missing_bucket_is_one_setup_line(s3, local_images, small_ckpt, tmp_path
     assert "do-not-print-me" not in result.output and "testing-secret" not in result.output
 
 
+def test_no_credentials_is_one_setup_line(s3, local_images, small_ckpt, tmp_path, monkeypatch):
+    """An S3 client that finds no credentials anywhere it looks says so, in one line."""
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN",
+                 "AWS_PROFILE"):
+        monkeypatch.delenv(name, raising=False)
+    for name in ("AWS_CONFIG_FILE", "AWS_SHARED_CREDENTIALS_FILE"):
+        monkeypatch.setenv(name, str(tmp_path / "none"))
+    result = runner.invoke(app, ["encode", str(local_images), "--out", f"{s3.url}/nocred/",
+                                 "--weights", str(small_ckpt), "--workers", "0", "--device",
+                                 "cpu", "-q"])
+    assert "no credentials found" in one_line_failure(result)
+
+
 def test_an_unreachable_store_gives_error_rows_after_retries(s3, monkeypatch):
     """Reads that keep failing (a store that went away after the listing) are retried with
     backoff, then become the image's error, not a crash."""

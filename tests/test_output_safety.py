@@ -170,6 +170,17 @@ def test_a_new_image_name_inside_an_input_folder_is_refused(data):
     assert not (data / "new.png").exists()
 
 
+@pytest.mark.parametrize("out", ["s3:/bucket/emb/", "s3:/bucket/emb.parquet", "x:y/"])
+def test_a_relative_out_with_a_colon_in_its_first_name_is_refused(data, tmp_path, monkeypatch,
+                                                                  out):
+    """A URL missing a slash (pyarrow would read the path as a URI once the run has encoded
+    everything): one line before anything is written."""
+    monkeypatch.chdir(tmp_path)
+    line = one_line_error(encode(str(data), "--out", out))
+    assert "names no store" in line and "absolute" in line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["data", "notes.txt"]
+
+
 def test_a_summary_path_that_is_not_a_summary_is_refused(data, tmp_path):
     """``--summary-json`` onto an input, the output (there or not yet), a path inside a
     folder output, or a folder: one line before the run, and nothing is touched."""

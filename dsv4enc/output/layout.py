@@ -138,6 +138,10 @@ class OutputLayout:
 
     def _check_kinds(self) -> None:
         out = self.out
+        if not out.is_absolute() and ":" in out.parts[0]:
+            # pyarrow reads a relative path whose first name holds a colon as a URI
+            raise OutputError(f"--out {out} names no store (a URL is SCHEME://...); a local "
+                              "path whose first name holds a colon must be given absolute")
         for parent in [out.parent, *out.parent.parents]:
             if parent.exists() and not parent.is_dir():
                 raise OutputError(f"cannot write {out}: {parent} is a file, not a folder")

@@ -258,6 +258,24 @@ def test_overwrite_of_a_folder_output_keeps_what_dsv4enc_did_not_write(data, tmp
     assert (out / ".DS_Store").read_bytes() == b"finder"
 
 
+def test_a_file_under_a_part_name_that_dsv4enc_did_not_write_is_kept(data, tmp_path):
+    """A part file name no manifest lists is dsv4enc's only where its footer says so (a killed
+    run's part, which --resume deletes): any other file under such a name makes --resume,
+    --update and --overwrite refuse, naming it."""
+    out = tmp_path / "out"
+    assert encode(str(data), "--out", f"{out}/").exit_code == 0
+    (out / "part-000042.parquet").write_text("my notes")
+    before = snapshot(out)
+    for extra in (["--overwrite"], ["--resume"], ["--update"]):
+        line = one_line_error(encode(str(data), "--out", f"{out}/", *extra))
+        assert "did not write" in line and "part-000042.parquet" in line
+    assert snapshot(out) == before
+    (out / "part-000042.parquet").write_bytes((out / "part-000000.parquet").read_bytes())
+    result = encode(str(data), "--out", f"{out}/", "--resume")  # dsv4enc's, uncommitted
+    assert result.exit_code == 0, result.output
+    assert not (out / "part-000042.parquet").exists()
+
+
 def test_overwrite_keeps_foreign_files_in_a_partial_folder(data, tmp_path):
     out = tmp_path / "e.parquet"
     partial = tmp_path / "e.parquet.partial"

@@ -938,6 +938,27 @@ def test_an_overwrite_replaces_the_old_manifest_before_its_first_part(s3, tmp_pa
     assert len(list(read_embeddings(out, ["path"], errors="include"))) == 4
 
 
+
+def test_an_object_under_a_part_name_that_dsv4enc_did_not_write_is_kept(s3, local_images,
+                                                                         small_ckpt):
+    """As for a local folder: an unlisted part object whose footer is not dsv4enc's makes
+    --resume and --overwrite refuse, naming it, and stays; an uncommitted one of dsv4enc's
+    does not stop --resume."""
+    url = upload_folder(s3, local_images, "in")
+    out = f"{s3.url}/foreign/"
+    encode(url, "--out", out, "--weights", str(small_ckpt), "--part-images", "1")
+    s3.put("foreign/part-000042.parquet", b"my notes")
+    for extra in ("--resume", "--overwrite"):
+        result = runner.invoke(app, ["encode", url, "--out", out, "--weights", str(small_ckpt),
+                                     "--workers", "0", "--part-images", "1", "-q", extra])
+        line = one_line_failure(result)
+        assert "did not write" in line and "part-000042.parquet" in line
+    assert s3.get("foreign/part-000042.parquet") == b"my notes"
+    s3.put("foreign/part-000042.parquet", s3.get("foreign/part-000000.parquet"))
+    encode(url, "--out", out, "--weights", str(small_ckpt), "--part-images", "1", "--resume")
+    assert "foreign/part-000042.parquet" not in s3.keys("foreign/")
+
+
 # --------------------------------------------------------------------------- whole or absent
 
 def test_a_killed_upload_leaves_no_object_and_its_retry_uploads_the_whole_file(

@@ -1,6 +1,7 @@
 """The names dsv4enc gives the files of an output, each spelled here once, and the predicates
 that recognise them (docs/output-format.md, "Part files"). dsv4enc deletes or replaces only
-what these name, and a part file name only where a dsv4enc manifest lists its folder."""
+what these name, and a part file only where a dsv4enc manifest lists it (or lists its folder,
+and the file's footer says dsv4enc wrote it)."""
 
 from __future__ import annotations
 

@@ -19,7 +19,7 @@ from .files import (LOCK_NAME, PART_FILE, PARTIAL, is_output_file, manifest_name
                     temporary_of, write_probe)
 from .lock import OutputLock
 from .update import Update
-from .read import read_metadata
+from .read import is_dsv4enc_parquet
 from .parts import (PartStore, StreamingAssembler, listed_files, output_os_error,
                     pre_release_manifest, read_manifest, read_manifests)
 
@@ -27,14 +27,6 @@ from .parts import (PartStore, StreamingAssembler, listed_files, output_os_error
 def _inside(path: str, folder: str) -> bool:
     """``path`` lies strictly inside ``folder`` (both real, absolute paths)."""
     return path != folder and os.path.commonpath([path, folder]) == folder
-
-
-def is_dsv4enc_parquet(path: Path) -> bool:
-    """A Parquet file whose footer carries dsv4enc's metadata (read from the footer only)."""
-    try:
-        return read_metadata(path).get("tool") == "dsv4enc"
-    except Exception:  # not Parquet, unreadable, ...: not provably ours
-        return False
 
 
 #: How the refusal of an existing output names the two ways to continue it.
@@ -70,24 +62,33 @@ class OutputLayout:
         return manifest_name(rank if self.shard_output else None)
 
     # -- what is ours -------------------------------------------------------------------
-    def _is_ours(self, name: str, manifests: bool) -> bool:
-        """A name in the parts folder that dsv4enc wrote: its lock, its temporaries, and
-        (where a dsv4enc manifest is present) its manifests and part files."""
+    def _is_ours(self, path: Path, listed: set[str] | None) -> bool:
+        """A file in the parts folder that dsv4enc wrote: its lock, its temporaries, and
+        (where a dsv4enc manifest is present: ``listed``, the files manifests list) its
+        manifests, and its part files: listed ones, and unlisted ones (a killed run's) whose
+        footer says so, or that are empty (hold nothing: a bucket output's stand-ins)."""
+        name = path.name
         became = temporary_of(name)
         if name == LOCK_NAME or became is not None and (
                 is_output_file(became) or not self.folder_mode and became == self.out.name):
             return True
-        return manifests and is_output_file(name)
+        if listed is None or not is_output_file(name):
+            return False
+        if not PART_FILE.fullmatch(name) or name in listed:
+            return True
+        return path.is_file() and (path.stat().st_size == 0 or is_dsv4enc_parquet(path))
 
     def _owned_and_foreign(self, manifests: dict | None = None) -> tuple[list[Path], list[str]]:
         """Files of the parts folder dsv4enc wrote (lock excepted), and the names of the others
         (hidden ones are neither: never deleted, never in the way); ``manifests``: if read."""
         if not self.parts_dir.is_dir():
             return [], []
-        ours = bool(read_manifests(self.parts_dir) if manifests is None else manifests)
+        manifests = read_manifests(self.parts_dir) if manifests is None else manifests
+        listed = ({name for manifest in manifests.values() for name in listed_files(manifest)}
+                  if manifests else None)
         owned, foreign = [], []
         for path in sorted(self.parts_dir.iterdir()):
-            if self._is_ours(path.name, ours) and not path.is_dir():
+            if not path.is_dir() and self._is_ours(path, listed):
                 if path.name != LOCK_NAME:
                     owned.append(path)
             elif not path.name.startswith("."):

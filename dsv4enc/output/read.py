@@ -459,3 +459,12 @@ def read_metadata(path: str | os.PathLike, storage_options: Any = None) -> dict[
     if not found.paths:
         return {}
     return metadata_of(found.open(found.paths[0]).schema_arrow)
+
+
+def is_dsv4enc_parquet(path: str | os.PathLike) -> bool:
+    """A Parquet file (or object) whose footer carries dsv4enc's metadata (read from the
+    footer only)."""
+    try:
+        return read_metadata(path).get("tool") == "dsv4enc"
+    except Exception:  # not Parquet, unreadable, ...: not provably ours
+        return False

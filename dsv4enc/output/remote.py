@@ -31,8 +31,8 @@ from ..errors import DsvError, OutputError
 from .files import (LOCK_NAME, MANIFEST_FILE, MANIFEST_NAME, PART_FILE, PARTIAL, SEGMENT_FILE,
                     STAMPS_FILE, is_ours, journal_path, rank_of, segment_name)
 from .lock import HEARTBEAT_S, BucketLock, process_alive
-from .parts import PartStore, listed_files, read_manifest, store_failure
-from .read import journal_entries, load_manifest, opens_journal
+from .parts import PartStore, listed_files, read_manifest, read_manifests, store_failure
+from .read import is_dsv4enc_parquet, journal_entries, load_manifest, opens_journal
 
 log = logging.getLogger("dsv4enc")
 T = TypeVar("T")
@@ -191,6 +191,7 @@ class RemoteOutput:
             return
         self.local_parts.mkdir(parents=True, exist_ok=True)
         segments = _segment_paths(objects)
+        listed, judged = None, False  # what the manifests list (they sort before the parts)
         for obj in objects:
             top = "/" not in obj.key
             if top and (MANIFEST_FILE.fullmatch(obj.key) or STAMPS_FILE.fullmatch(obj.key)):
@@ -198,12 +199,9 @@ class RemoteOutput:
             elif top and SEGMENT_FILE.fullmatch(obj.key):
                 self._note_segment(obj.key)
             elif top and PART_FILE.fullmatch(obj.key):
-                if self._mine(obj.key) and self._leave_in_store(obj):
-                    continue
-                if (self.resume or self.update) and self._mine(obj.key):
-                    self._fetch(obj)
-                else:  # an empty stand-in: the local checks see the name
-                    (self.local_parts / obj.key).touch()
+                if not judged:
+                    listed, judged = self._listed_parts(), True
+                self._pull_part(obj, listed)
             elif not obj.key.startswith("."):  # foreign: the local checks name it
                 (self.local_parts / obj.key.split("/", 1)[0]).touch()
         self._note_manifests()
@@ -214,6 +212,25 @@ class RemoteOutput:
                 rank = rank_of(obj.key)
                 if MANIFEST_FILE.fullmatch(obj.key) and (rank is None or rank >= self.world_size):
                     storage.delete(obj.url)
+
+    def _listed_parts(self) -> set[str] | None:
+        """The files the pulled manifests list (None: there is no manifest)."""
+        documents = read_manifests(self.local_parts)
+        return ({name for document in documents.values() for name in listed_files(document)}
+                if documents else None)
+
+    def _pull_part(self, obj: storage.ObjectInfo, listed: set[str] | None) -> None:
+        """Judge a part object: one no manifest lists and whose footer is not dsv4enc's is
+        another's (its stand-in a folder, which the local checks name); dsv4enc's stay in the
+        store for ``--resume`` and ``--update``, or are brought here, or stand in empty."""
+        if listed is not None and obj.key not in listed and not is_dsv4enc_parquet(obj.url):
+            (self.local_parts / obj.key).mkdir()
+        elif self._mine(obj.key) and self._leave_in_store(obj):
+            return
+        elif (self.resume or self.update) and self._mine(obj.key):
+            self._fetch(obj)
+        else:  # an empty stand-in: the local checks see the name
+            (self.local_parts / obj.key).touch()
 
     def pull_own(self) -> None:
         """--shard-output, every rank but 0 (whose ``pull`` did it): bring this rank's own

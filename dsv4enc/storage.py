@@ -1224,10 +1224,12 @@ def upload_written(folder: "str | os.PathLike", name: str,
 
 #: Up to this size an ``s3://`` object is written in one PUT; a larger one in a multipart
 #: upload of parts this size (or larger: S3 takes at most ``MAX_PARTS``), ``PUT_THREADS`` of
-#: them in flight, as many as pyarrow's stream sends at once.
+#: them in flight (as many as pyarrow's stream sends at once), fewer where they would hold
+#: more than ``PUT_HELD_BYTES``.
 PUT_BYTES = 16 << 20
 MAX_PARTS = 10_000
 PUT_THREADS = 8
+PUT_HELD_BYTES = 256 << 20
 
 
 def _put(url: str, source: Callable[[], IO[bytes]]) -> None:
@@ -1270,8 +1272,9 @@ def _put_direct(client, url: str, source: Callable[[], IO[bytes]]) -> None:
 
 def _send_parts(client, bucket: str, key: str, upload: str, data: IO[bytes],
                 part_bytes: int) -> list[dict]:
-    """Upload ``data`` as the parts of multipart upload ``upload``, ``PUT_THREADS`` at a time
-    (so at most that many parts are held); their entries for completing it, in order."""
+    """Upload ``data`` as the parts of multipart upload ``upload``, a few at a time (no more
+    than ``PUT_THREADS``, nor ``PUT_HELD_BYTES`` held); their entries for completing it, in
+    order."""
     from collections import deque
     from concurrent.futures import ThreadPoolExecutor
 
@@ -1283,10 +1286,11 @@ def _send_parts(client, bucket: str, key: str, upload: str, data: IO[bytes],
                                          if name == "ETag" or name.startswith("Checksum")}}
 
     parts, in_flight = [], deque()
-    with ThreadPoolExecutor(PUT_THREADS, thread_name_prefix="dsv4enc-put") as pool:
+    at_once = max(1, min(PUT_THREADS, PUT_HELD_BYTES // part_bytes))
+    with ThreadPoolExecutor(at_once, thread_name_prefix="dsv4enc-put") as pool:
         try:
             for number, chunk in enumerate(iter(lambda: data.read(part_bytes), b""), 1):
-                if len(in_flight) == PUT_THREADS:
+                if len(in_flight) == at_once:
                     parts.append(in_flight.popleft().result())
                 in_flight.append(pool.submit(send, number, chunk))
             parts.extend(future.result() for future in in_flight)

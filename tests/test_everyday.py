@@ -81,7 +81,7 @@ def test_files_from_comments_and_blank_lines(tmp_path):
     listing = tmp_path / "list.txt"
     listing.write_text(f"# images for the run\n\n{images[0]}\n   # indented comment\n"
                        f"./{images[1].relative_to(tmp_path)}\n  \r\n")
-    assert read_path_list(str(listing)) == [str(images[0]), "./#b.png"]
+    assert list(read_path_list(str(listing))) == [str(images[0]), "./#b.png"]
     import os
 
     cwd = os.getcwd()

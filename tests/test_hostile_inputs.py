@@ -1019,3 +1019,188 @@ def test_workers_exit_quietly_when_the_main_process_is_killed(tmp_path):
     assert processes_gone(pids)
     time.sleep(0.2)  # their last writes to the shared stderr
     assert log.read_text() == ""
+
+
+# --------------------------------------------------------------------------- endless inputs
+
+def shard_with_a_negative_size(path: Path, size: int, pax: bool) -> int:
+    """A shard of ``a.png``, ``b.png`` and ``c.png`` whose ``b.png`` says it holds ``size``
+    bytes: in its size field (base-256, checksum kept valid), or with ``pax`` in a pax
+    ``size`` record. Returns the offset of ``b.png``'s first header."""
+    data = encoded(noise(20, 10), "PNG")
+    with tarfile.open(path, "w", format=tarfile.PAX_FORMAT if pax else tarfile.USTAR_FORMAT) as tar:
+        for name in ("a.png", "b.png", "c.png"):
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            if pax and name == "b.png":
+                info.pax_headers = {"size": str(size)}
+            tar.addfile(info, io.BytesIO(data))
+    header = 512 * (1 + -(-len(data) // 512))
+    if not pax:
+        raw = bytearray(path.read_bytes())
+        raw[header + 124:header + 136] = b"\xff" + (size % 256 ** 11).to_bytes(11, "big")
+        raw[header + 148:header + 156] = b" " * 8
+        raw[header + 148:header + 156] = b"%06o\0 " % sum(raw[header:header + 512])
+        path.write_bytes(bytes(raw))
+    return header
+
+
+def test_a_tar_member_with_a_negative_size_ends_its_shard_with_one_error_row(tmp_path):
+    """A negative size sends tarfile back to the header it just read (an endless listing whose
+    memory grows), or reads as an empty member: the shard keeps the rows before it and ends
+    in one damaged-container row at that header; the run goes on to the next input."""
+    shards = {"neg512.tar": (-512, False), "neg1.tar": (-1, False), "pax.tar": (-512, True)}
+    at = {name: shard_with_a_negative_size(tmp_path / name, *how) for name, how in shards.items()}
+    noise(20, 10).save(tmp_path / "after.png")
+    out = tmp_path / "e.parquet"
+    proc = subprocess.run(
+        [sys.executable, "-m", "dsv4enc", "encode", *shards, "after.png", "--out", str(out),
+         "--config", str(REPO_ROOT / "configs" / "tiny.json"), "--random-init", "--device",
+         "cpu", "--workers", "1", "-q"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=240,  # a safety net, no bet
+        env={**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr
+    rows = pq.read_table(out, columns=["path", "error"]).to_pylist()
+    expected = [key for name in shards for key in (f"{name}/a", f"{name}@{at[name]}")]
+    assert [row["path"] for row in rows] == expected + ["after.png"]
+    for row in rows:
+        if "@" in row["path"]:
+            assert row["error"].startswith("DamagedContainerError"), row
+            assert "'b.png' has a negative size" in row["error"] and "\n" not in row["error"]
+        else:
+            assert row["error"] is None, row
+
+
+def test_a_nul_byte_in_a_files_from_line_is_that_line_s_error_row(tmp_path, ckpt):
+    noise(20, 10).save(tmp_path / "a.png")
+    listing = tmp_path / "list.txt"
+    listing.write_bytes(f"{tmp_path / 'a.png'}\n{tmp_path}/b\0ad.png\n".encode())
+    out = tmp_path / "e.parquet"
+    result = encode("--files-from", str(listing), "--out", str(out), "--weights", str(ckpt),
+                    "--workers", "0")
+    assert result.exit_code == 0, result.output
+    rows = pq.read_table(out, columns=["path", "error"]).to_pylist()
+    assert [row["path"] for row in rows] == [str(tmp_path / "a.png"), f"{tmp_path}/b\0ad.png"]
+    assert rows[0]["error"] is None
+    assert "null byte" in rows[1]["error"]
+
+
+def test_a_files_from_line_past_the_bound_is_refused_in_bounded_memory(tmp_path):
+    """A list file of 16 MiB on one line (a binary given by mistake) is refused at its first
+    line, which is never read whole: memory stays bounded by the line limit."""
+    from dsv4enc.errors import UsageError
+    from dsv4enc.images.discover import MAX_LIST_LINE_BYTES, read_path_list
+
+    listing = tmp_path / "list.txt"
+    with open(listing, "wb") as handle:
+        handle.write(b"a.png\n")
+        handle.truncate(16 << 20)  # then NUL bytes, and no newline
+    import tracemalloc
+
+    tracemalloc.start()
+    try:
+        with pytest.raises(UsageError) as info:
+            list(read_path_list(str(listing)))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 4 * MAX_LIST_LINE_BYTES + (1 << 20), peak
+    assert str(info.value) == (f"--files-from {listing}: line 2 is longer than "
+                               f"{MAX_LIST_LINE_BYTES} bytes, so this is no list of paths "
+                               "(one path a line)")
+
+
+def test_a_files_from_list_is_read_as_a_stream(tmp_path, monkeypatch):
+    """The items of a list come as its lines are read: the first is listed before a bad
+    line further down is reached; standard input alike."""
+    from dsv4enc.errors import UsageError
+    from dsv4enc.images.discover import MAX_LIST_LINE_BYTES, Discovery, stream_inputs
+
+    noise(20, 10).save(tmp_path / "a.png")
+    text = f"{tmp_path / 'a.png'}\nnotes.txt\n{'x' * (MAX_LIST_LINE_BYTES + 1)}\n".encode()
+    (tmp_path / "list.txt").write_bytes(text)
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(text)))
+    for list_file in (str(tmp_path / "list.txt"), "-"):
+        listing = stream_inputs(Discovery(), [], list_file)
+        assert next(listing).path == str(tmp_path / "a.png")
+        with pytest.raises(UsageError, match="line 3 is longer than"):
+            next(listing)
+
+
+def test_a_device_or_a_folder_as_files_from_is_one_line(tmp_path):
+    for list_file, words in (("/dev/null", "a device, not a list of paths"),
+                             (str(tmp_path), "cannot read --files-from")):
+        result = encode("--files-from", list_file, "--out", str(tmp_path / "e.parquet"), "--config",
+                        str(REPO_ROOT / "configs" / "tiny.json"), "--random-init")
+        assert result.exit_code == 2, result.output
+        line = result.stderr.strip()
+        assert len(line.splitlines()) == 1 and words in line and "Traceback" not in result.output
+
+
+def test_a_config_that_is_no_small_file_is_refused_in_one_line(tmp_path, monkeypatch):
+    noise(20, 10).save(tmp_path / "a.png")
+    huge = tmp_path / "huge.json"
+    huge.write_bytes(b" " * ((1 << 20) + 1))  # blank: as JSON it would read as an error too
+    for config, words in (("/dev/null", "not a regular file"), (str(huge), "larger than 1 MiB")):
+        result = encode(str(tmp_path / "a.png"), "--out", str(tmp_path / "e.parquet"),
+                        "--config", config, "--random-init")
+        assert result.exit_code == 1, result.output
+        line = result.stderr.strip()
+        assert len(line.splitlines()) == 1 and "Traceback" not in result.output
+        assert line == f"error: cannot read config {config}: {words}" + (
+            " (a config.json is)" if config == "/dev/null" else ", which no config.json is")
+
+
+def test_a_tar_member_over_the_read_bound_streams_like_a_plain_file(tmp_path, cfg, monkeypatch):
+    """A small PNG followed by megabytes of zeros, as one member: past ``MEMBER_READ_BYTES``
+    its decode reads it as it goes (never whole), and gives what the same file on disk gives."""
+    from dsv4enc.images import sources
+
+    data = encoded(noise(30, 20), "PNG") + bytes(4 << 20)
+    (tmp_path / "padded.png").write_bytes(data)
+    with tarfile.open(tmp_path / "shard.tar", "w") as tar:
+        info = tarfile.TarInfo("padded.png")
+        info.size = len(data)
+        tar.addfile(info, io.BytesIO(data))
+    monkeypatch.setattr(sources, "MEMBER_READ_BYTES", 64 << 10)
+    monkeypatch.setattr(sources, "MEMBER_BUFFER_BYTES", 64 << 10)
+    item = discover([str(tmp_path / "shard.tar")]).items[0]
+    assert hasattr(sources.open_item(item), "read")  # a file over it, not its bytes
+    import tracemalloc
+
+    tracemalloc.start()
+    try:
+        got = decode_image(item, cfg)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < len(data) // 4, peak
+    want = decode_image(str(tmp_path / "padded.png"), cfg)
+    assert got.error is None and want.error is None, (got.error, want.error)
+    assert (got.width, got.height, got.n_h, got.n_w) == (want.width, want.height, want.n_h,
+                                                         want.n_w)
+    assert np.array_equal(got.patches, want.patches)
+
+
+def test_a_dictionary_encoded_image_column_is_read(tmp_path, cfg):
+    """Parquet and Arrow keep a dictionary-encoded column as such: its binary values are the
+    images (a repeated image stored once), a null is an error row."""
+    images = [encoded(noise(20, 10, seed), "PNG") for seed in (1, 2)]
+    column = pa.array([images[0], images[1], None, images[0]]).dictionary_encode()
+    for name in ("t.parquet", "t.arrow"):
+        path = tmp_path / name
+        if name.endswith(".parquet"):
+            pq.write_table(pa.table({"image": column}), path, row_group_size=2)
+        else:
+            import pyarrow.feather as feather
+
+            feather.write_feather(pa.table({"image": column}), path)
+        items = discover([str(path)]).items
+        assert [item.key for item in items] == [f"{path}#{row}" for row in range(4)]
+        probes = [probe_image(item) for item in items]
+        assert [(p.width, p.height) for p in probes] == [(20, 10), (20, 10), (None, None),
+                                                         (20, 10)]
+        assert "null 'image'" in probes[2].error
+        for item, image in zip([items[0], items[1], items[3]], [*images, images[0]]):
+            got, want = decode_image(item, cfg), decode_image(image, cfg)
+            assert got.error is None and np.array_equal(got.patches, want.patches)

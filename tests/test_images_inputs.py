@@ -236,17 +236,17 @@ def test_files_from_reads_paths_as_given(tmp_path):
 def test_files_from_stdin_and_undecodable_bytes(tmp_path, monkeypatch):
     raw = b"one.png\n caf\xe9.jpg \n\n"
     monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(raw)))
-    paths = read_path_list("-")
+    paths = list(read_path_list("-"))
     assert paths[0] == "one.png"
     assert os.fsencode(paths[1]) == b"caf\xe9.jpg"  # the file system's own bytes
     listing = tmp_path / "list.txt"
     listing.write_bytes(raw)
-    assert read_path_list(str(listing)) == paths
+    assert list(read_path_list(str(listing))) == paths
 
 
 def test_unreadable_files_from_is_a_usage_error(tmp_path):
     with pytest.raises(UsageError) as info:
-        read_path_list(str(tmp_path / "no-such-list.txt"))
+        list(read_path_list(str(tmp_path / "no-such-list.txt")))
     assert "\n" not in str(info.value) and "--files-from" in str(info.value)
 
 

@@ -3,13 +3,15 @@ and path lists, each keyed as the output's ``path`` column holds it (docs/inputs
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import stat
 import sys
 from dataclasses import dataclass, field, replace
 from fnmatch import fnmatchcase
 from pathlib import Path
-from typing import Callable, Iterable, Iterator, Protocol, Sequence
+from typing import BinaryIO, Callable, ContextManager, Iterable, Iterator, Protocol, Sequence
 
 from .. import storage
 from ..columns import OUTPUT_COLUMNS, utf8_text
@@ -82,20 +84,54 @@ def iter_folder(root: str | Path, found: "Discovery",
             found.skipped += 1
 
 
-def read_path_list(list_file: str) -> list[str]:
-    """The paths of a path list (``-``: standard input), one per line, stripped; blank lines
-    and lines starting with ``#`` are skipped (``./#name`` names a file ``#name``)."""
+#: The longest line a ``--files-from`` list may hold: a path is at most 4 KiB on Linux, a URL
+#: rarely over 8 KiB, so a longer line means the file is no list (a binary, ``/dev/zero``).
+MAX_LIST_LINE_BYTES = 64 << 10
+
+
+def read_path_list(list_file: str, stop: Stop | None = None) -> Iterator[str]:
+    """The paths of a path list (``-``: standard input) as its lines are read, stripped; blank
+    lines and lines starting with ``#`` are skipped (``./#name`` names a file ``#name``). An
+    unreadable list, a device, or a line over ``MAX_LIST_LINE_BYTES`` is a UsageError; ``stop``
+    is checked once a line (a list can be a pipe that never ends)."""
+    where = "standard input" if list_file == "-" else list_file
+    with _open_path_list(list_file) as handle:
+        number = 0
+        while line := _read_line(handle, list_file):
+            number += 1
+            if len(line.rstrip(b"\r\n")) > MAX_LIST_LINE_BYTES:
+                raise UsageError(f"--files-from {where}: line {number} is longer than "
+                                 f"{MAX_LIST_LINE_BYTES} bytes, so this is no list of paths "
+                                 "(one path a line)")
+            if stop is not None:
+                stop.check()
+            path = os.fsdecode(line).strip()  # any bytes go through, as the file system's
+            if path and not path.startswith("#"):
+                yield path
+
+
+def _open_path_list(list_file: str) -> ContextManager[BinaryIO]:
+    """The list's file, read as bytes: standard input (left open) for ``-``, a regular file or a
+    pipe; a device (``/dev/zero``, a terminal) is refused, as reading it may never end."""
+    if list_file == "-":
+        return contextlib.nullcontext(getattr(sys.stdin, "buffer", sys.stdin))
     try:
-        if list_file == "-":
-            stdin = getattr(sys.stdin, "buffer", None)
-            data = stdin.read() if stdin is not None else os.fsencode(sys.stdin.read())
-        else:
-            data = Path(list_file).read_bytes()
+        if stat.S_ISCHR(mode := os.stat(list_file).st_mode) or stat.S_ISBLK(mode):
+            raise UsageError(f"--files-from {list_file}: a device, not a list of paths (give a "
+                             "file or a pipe, or - for standard input)")
+        return open(list_file, "rb")
     except OSError as exc:
         raise UsageError(f"cannot read --files-from {list_file}: {exc.strerror or exc}") from None
-    text = os.fsdecode(data)  # names in the file system's encoding; any bytes go through
-    lines = (line.strip() for line in text.split("\n"))  # \r\n too
-    return [line for line in lines if line and not line.startswith("#")]
+
+
+def _read_line(handle: BinaryIO, list_file: str) -> bytes:
+    """The next line of the list (b"": its end), at most one byte over ``MAX_LIST_LINE_BYTES``:
+    memory stays bounded whatever the file holds."""
+    try:
+        line = handle.readline(MAX_LIST_LINE_BYTES + 1)
+    except OSError as exc:
+        raise UsageError(f"cannot read --files-from {list_file}: {exc.strerror or exc}") from None
+    return os.fsencode(line) if isinstance(line, str) else line  # a text stdin (no buffer)
 
 
 def discover(inputs: Iterable[str], files_from: str | None = None,
@@ -118,7 +154,7 @@ def stream_inputs(found: Discovery, inputs: Iterable[str], files_from: str | Non
                   exclude: Sequence[str] = ()) -> Iterator[InputItem]:
     """Expand folders and files (and an optional path list) into items, in input order, as
     the listing reaches them: each input examined once, a folder or a prefix walked
-    (``iter_folder``), a path list read whole (refused when none of its paths exists), a
+    (``iter_folder``), a path list line by line (``_list_items``), a
     container indexed when it is reached; keys made unique (``UniqueKeys``). ``found`` (its
     ``items`` left alone) counts what was passed over and the tables read, gathers the folders
     not listed (logged at the end), and at the end holds ``kept_fields`` and ``listed``.
@@ -141,15 +177,32 @@ def stream_inputs(found: Discovery, inputs: Iterable[str], files_from: str | Non
         for item in _input_items(place, state, prefix_roots, stop):
             yield state.keyed(item)
     if files_from is not None:
-        lines = read_path_list(files_from)
-        refuse_missing_list(files_from, lines)
-        for line in lines:
-            state.name(line)
-            if is_image_name(line) and not Path(line).is_dir():
-                yield state.keyed(InputItem(key=line, path=line))
-            else:
-                found.skipped += 1
+        yield from _list_items(files_from, state, stop)
     _end_listing(state, keep_columns, stop)
+
+
+def _list_items(list_file: str, state: _Listing, stop: Stop | None) -> Iterator[InputItem]:
+    """The items of a ``--files-from`` list as its lines are read: an image name (not a folder)
+    is an item, another line is counted as skipped. Until a listed path exists (or is a URL)
+    the items are held back, since a list none of whose paths exists is refused."""
+    missing: MissingPaths | None = MissingPaths()  # None once a listed path exists
+    held: list[InputItem] = []
+    for line in read_path_list(list_file, stop):
+        state.name(line)
+        if missing is not None and (storage.local_path(line) is None or os.path.lexists(line)):
+            missing = None
+            yield from held
+            held.clear()
+        elif missing is not None:
+            missing.add(line)
+        if not is_image_name(line) or Path(line).is_dir():
+            state.found.skipped += 1
+        elif missing is None:
+            yield state.keyed(InputItem(key=line, path=line))
+        else:
+            held.append(state.keyed(InputItem(key=line, path=line)))
+    if missing is not None and missing.count:
+        refuse_missing_list(list_file, missing)
 
 
 def check_path_input(place: storage.Found) -> None:
@@ -279,24 +332,37 @@ def kept_fields(tables: Sequence[str], keep_columns: Sequence[str], key_column: 
     return [*(table_fields(list(tables), names) if names else []), *sidecar_fields(keep_members)]
 
 
-def refuse_missing_list(list_file: str, lines: list[str]) -> None:
-    """A UsageError when not one path of a ``--files-from`` list exists (the likely cause:
-    relative paths are taken from the current folder, not the list's); one stat, usually."""
-    local = storage.local_paths(lines)
-    if not local or len(local) < len(lines) or any(os.path.lexists(line) for line in local):
-        return
+@dataclass
+class MissingPaths:
+    """The paths of a ``--files-from`` list read while none of them exists: how many, the first
+    one and the first relative one (what ``refuse_missing_list`` names)."""
+
+    count: int = 0
+    first: str = ""
+    relative: str | None = None
+
+    def add(self, path: str) -> None:
+        self.count += 1
+        self.first = self.first or path
+        if self.relative is None and not os.path.isabs(path):
+            self.relative = path
+
+
+def refuse_missing_list(list_file: str, missing: MissingPaths) -> None:
+    """The UsageError for a ``--files-from`` list not one of whose paths exists (the likely
+    cause: relative paths are taken from the current folder, not the list's)."""
     where = "standard input" if list_file == "-" else list_file
     text = ("no image could be read: " + (
-        f"none of the {len(local)} paths in --files-from {where} exists (e.g. {local[0]})"
-        if len(local) > 1 else f"the path in --files-from {where} does not exist ({local[0]})"))
-    relative = [line for line in local if not os.path.isabs(line)]
-    if relative:
+        f"none of the {missing.count} paths in --files-from {where} exists (e.g. {missing.first})"
+        if missing.count > 1 else
+        f"the path in --files-from {where} does not exist ({missing.first})"))
+    if missing.relative is not None:
         here = os.getcwd()
         text += f"; relative paths are taken from the current folder ({here})"
         beside = os.path.dirname(os.path.abspath(list_file)) if list_file != "-" else here
         if beside != here:
             text += f", not from the list's folder ({beside})"
-            if os.path.lexists(os.path.join(beside, relative[0])):
+            if os.path.lexists(os.path.join(beside, missing.relative)):
                 text += ", where they are: run dsv4enc there, or list absolute paths"
     raise UsageError(text)
 

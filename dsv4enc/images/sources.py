@@ -47,6 +47,12 @@ HEAD_BYTES = 512 << 10
 #: them, a decode reads its input itself. ``DSV4ENC_HOLD_BYTES`` sets it (0: hold none).
 HOLD_BYTES = 256 << 20
 _HOLD_ENV = "DSV4ENC_HOLD_BYTES"
+#: A tar member no larger is read whole for its decode, in one read (one request in a store);
+#: a larger one is read as its decode goes, as a plain file is: a worker never holds it all
+#: (a small image followed by gigabytes of padding decodes like the same file on disk).
+MEMBER_READ_BYTES = 64 << 20
+#: The buffer of a member read as its decode goes (each refill is one read, or one request).
+MEMBER_BUFFER_BYTES = 1 << 20
 
 
 class DamagedContainerError(ValueError):
@@ -262,6 +268,19 @@ def _tar_end_damage(handle: BinaryIO, end: int, size: int,
     return None
 
 
+def _backward_step(info: tarfile.TarInfo, next_header: int, end: int) -> str | None:
+    """Why the member ``info`` (whose next header tarfile reads at ``next_header``; the member
+    before it ended at ``end``) sends the index back, or None: a negative size field (base-256,
+    or a pax ``size`` record) makes tarfile read the same header again, endlessly."""
+    if info.size < 0:
+        return (f"tar member {info.name!r} has a negative size ({info.size}), a damaged "
+                "header; the rest is not read")
+    if info.offset < end or next_header <= info.offset:
+        return (f"tar member {info.name!r} points back into the archive (a damaged header); "
+                "the rest is not read")
+    return None
+
+
 def _tar_locator(info: tarfile.TarInfo, raw: str,
                  files: dict[str, TarMember]) -> TarMember | Unreadable:
     """Where an image member's bytes are (its own data, a hard link target's), or why not."""
@@ -338,6 +357,9 @@ def expand_tar(raw: str, name: str | None = None,
                 break
             if info is None:
                 break
+            if (why := _backward_step(info, archive.offset, end)) is not None:
+                damage = info.offset, why
+                break
             bad = _gap_damage(archive.fileobj, end, info.offset) if info.offset > end else None
             if bad is not None:  # zeros are fine: an end marker between joined archives
                 items.append(damaged_item(raw, bad, (
@@ -389,14 +411,15 @@ def read_tar_member(path: str, member: TarMember) -> bytes:
 # ----------------------------------------------------------------------------- tables
 
 def image_column_kind(dtype: "pa.DataType") -> str | None:
-    """``"bytes"`` for a binary column, ``"struct"`` for a ``{bytes, path}`` struct."""
+    """``"bytes"`` for a binary column (dictionary-encoded or not), ``"struct"`` for a
+    ``{bytes, path}`` struct."""
     import pyarrow as pa
 
     def is_binary(t) -> bool:
         return (pa.types.is_binary(t) or pa.types.is_large_binary(t)
                 or (hasattr(pa.types, "is_binary_view") and pa.types.is_binary_view(t)))
 
-    if is_binary(dtype):
+    if is_binary(dtype) or (pa.types.is_dictionary(dtype) and is_binary(dtype.value_type)):
         return "bytes"
     if pa.types.is_struct(dtype):
         index = dtype.get_field_index("bytes")
@@ -641,14 +664,16 @@ GROUP_CACHE = GroupCache()
 def read_table_cell(path: str, cell: TableCell, stream: bool = False) -> bytes | str | BinaryIO:
     """A table cell's image: its bytes (with ``stream``, a file object over them that copies
     nothing, for header probes), or (a struct with only a path) the file it names."""
+    import pyarrow as pa
+
     array = GROUP_CACHE.column(path, cell.group, cell.column)
     value = array[cell.row]
     if not value.is_valid:
         raise ValueError(f"row has no image (null {cell.column!r})")
+    if isinstance(value, pa.DictionaryScalar):  # the dictionary's entry, never a decoded copy
+        value = value.value
     data = value if image_column_kind(array.type) == "bytes" else value["bytes"]
     if data.is_valid:
-        import pyarrow as pa
-
         return pa.BufferReader(data.as_buffer()) if stream else data.as_py()
     named = value["path"].as_py() if array.type.get_field_index("path") >= 0 else None
     if not named:
@@ -690,7 +715,8 @@ def cell_file(named: str, table: str, roots: tuple[str, ...] = ()) -> str:
 
 def open_item(item: InputItem, stream: bool = False) -> str | bytes | BinaryIO:
     """What to decode for ``item``: a file path, the bytes of a container member or an object,
-    or (with ``stream``, for header probes) a file object over them that the caller closes."""
+    or a file object over them (with ``stream``, for header probes, which close it; for a tar
+    member over ``MEMBER_READ_BYTES``, always: it holds no open file, each refill reads anew)."""
     member = getattr(item, "member", None)
     if member is None:
         return item.path
@@ -703,6 +729,9 @@ def open_item(item: InputItem, stream: bool = False) -> str | bytes | BinaryIO:
     if isinstance(member, TarMember):
         if stream:
             return storage.open_range(item.path, member.offset, member.size)
+        if member.size > MEMBER_READ_BYTES:
+            return storage.open_range(item.path, member.offset, member.size,
+                                      buffer_size=MEMBER_BUFFER_BYTES)
         return read_tar_member(item.path, member)
     if isinstance(member, TableCell):
         return read_table_cell(item.path, member, stream)

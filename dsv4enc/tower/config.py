@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import stat
 from pathlib import Path
 from typing import Any, Literal, get_args
 
@@ -13,6 +14,10 @@ from ..errors import ConfigError
 #: checks them). Here, torch-free, so that the command line's --help lists them.
 Attention = Literal["auto", "flash", "varlen", "sdpa", "grouped"]
 ATTENTION_BACKENDS: tuple[str, ...] = get_args(Attention)
+
+#: The largest config file read: a config.json is a few kB (a whole model's, with its text
+#: config, tens of kB); a larger file, or a device such as /dev/zero, is no config.
+MAX_CONFIG_BYTES = 1 << 20
 
 # Official flat key -> (field, nested vision_config key). hidden_size lives in text_config.
 _FLAT_TO_FIELD = {
@@ -179,9 +184,22 @@ class VisionConfig:
         """Read a config.json (either layout)."""
         path = Path(path)
         try:
-            raw = json.loads(path.read_text())
+            raw = json.loads(_config_bytes(path))
         except FileNotFoundError:
             raise ConfigError(f"config file not found: {path}") from None
         except (OSError, ValueError) as exc:
             raise ConfigError(f"cannot read config {path}: {exc}") from None
         return cls.from_dict(raw, source=str(path))
+
+
+def _config_bytes(path: Path) -> bytes:
+    """The bytes of the config file ``path``, a regular file of at most ``MAX_CONFIG_BYTES``
+    (else a ConfigError: reading a device or a huge file by mistake would never end)."""
+    if not stat.S_ISREG(path.stat().st_mode):
+        raise ConfigError(f"cannot read config {path}: not a regular file (a config.json is)")
+    with path.open("rb") as handle:
+        data = handle.read(MAX_CONFIG_BYTES + 1)
+    if len(data) > MAX_CONFIG_BYTES:
+        raise ConfigError(f"cannot read config {path}: larger than {MAX_CONFIG_BYTES >> 20} MiB, "
+                          "which no config.json is")
+    return data

@@ -814,53 +814,47 @@ def test_a_run_stopped_at_the_stale_lock_leaves_the_committed_rows(s3, tmp_path,
     assert readers() == committed and len(committed["read_embeddings"]) == 6
 
 
-def test_a_run_whose_lock_was_taken_over_stops_and_leaves_it(s3):
-    """A lock that another run replaced (this one could not refresh it in time) is found at
-    the next refresh: the run stops at its next commit with one line, and its end neither
-    uploads nor deletes the other run's lock."""
+OTHER_HOLDER = {"pid": 4242, "host": "node7.example", "token": "x"}
+
+
+@pytest.mark.parametrize("then, conditional, message", [
+    ("taken over", True, "another run .pid 4242 on host node7.example. took over the lock"),
+    ("taken over", False, "another run .pid 4242 on host node7.example. took over the lock"),
+    ("removed", True, "lock object .* was removed"),  # that run has ended, or it was deleted
+    ("removed", False, "lock object .* was removed"),
+])
+def test_a_run_whose_lock_was_lost_stops_and_leaves_it(s3, monkeypatch, then, conditional,
+                                                       message):
+    """A lock that another run replaced, or that is gone (this run could not refresh it in
+    time), is found at the next refresh, on a store with conditional writes or without: the
+    run stops at its next commit with one line, and its end neither uploads nor deletes the
+    lock, nor writes a manifest."""
     from dsv4enc.errors import OutputError
     from dsv4enc.output.remote import RemoteOutput
 
-    remote = RemoteOutput(f"{s3.url}/taken/", writer=True)
-    try:
-        remote.pull()
-        other = {"pid": 4242, "host": "node7.example", "time": time.time(), "token": "x"}
-        s3.put("taken/.dsv4enc.lock", json.dumps(other).encode())
-        remote.lock.refresh()
-        with pytest.raises(OutputError, match="another run .pid 4242 on host node7.example"):
-            remote.adopt_part("part-000000.parquet", Path("unused"))
-        with pytest.raises(OutputError, match="took over the lock object"):
-            remote.finish()
-        remote.abandon()
-    finally:
-        remote.close()
-    assert json.loads(s3.get("taken/.dsv4enc.lock")) == other
-
-
-@pytest.mark.parametrize("conditional", [True, False], ids=["conditional", "look-then-write"])
-def test_a_run_whose_lock_object_was_removed_stops_and_writes_nothing(s3, monkeypatch,
-                                                                      conditional):
-    """A lock object gone at a refresh (the run that took it over has ended and deleted it)
-    is a lost lock too: the run stops at its next commit with one line, and its end writes
-    neither a lock nor a manifest over the other run's output."""
-    from dsv4enc.errors import OutputError
-    from dsv4enc.output.remote import RemoteOutput
-
-    if not conditional:  # a store without conditional writes
+    if not conditional:
         monkeypatch.setattr(storage, "put_if", lambda url, data, etag=None: None)
-    remote = RemoteOutput(f"{s3.url}/gone/", writer=True)
+    remote = RemoteOutput(f"{s3.url}/taken/", writer=True)
+    other = {**OTHER_HOLDER, "time": time.time()}
     try:
         remote.pull()
-        s3.client().delete_object(Bucket=s3.name, Key="gone/.dsv4enc.lock")
+        if then == "taken over":
+            s3.put("taken/.dsv4enc.lock", json.dumps(other).encode())
+        else:
+            s3.client().delete_object(Bucket=s3.name, Key="taken/.dsv4enc.lock")
         remote.lock.refresh()
-        with pytest.raises(OutputError, match="lock object .* was removed"):
+        with pytest.raises(OutputError, match=message):
             remote.adopt_part("part-000000.parquet", Path("unused"))
-        with pytest.raises(OutputError, match="was removed"):
+        with pytest.raises(OutputError, match=message):
             remote.finish()
         remote.abandon()
     finally:
         remote.close()
-    assert s3.keys("gone/") == []
+    if then == "taken over":
+        assert s3.keys("taken/") == ["taken/.dsv4enc.lock"]
+        assert json.loads(s3.get("taken/.dsv4enc.lock")) == other
+    else:
+        assert s3.keys("taken/") == []
 
 
 def test_any_fsspec_scheme_works_through_fsspec(local_images, small_ckpt, tmp_path):

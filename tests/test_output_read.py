@@ -152,3 +152,18 @@ def test_only_a_buffer_that_is_the_rows_alone_is_handed_over():
                                                           pa.py_buffer(row)])
     assert sole_row_array(frozen, embedding_views(frozen, fmt)[0]) is None
     assert sole_row_array(built, None) is None
+
+
+def test_a_folder_with_a_run_s_lock_but_no_manifest_shows_no_rows(tmp_path):
+    """Part files beside a run's lock and no manifest (a run that has committed nothing yet,
+    or was killed before its first commit, an --overwrite among them) hold no committed row;
+    the same files with no lock are another tool's folder of Parquet files, read whole."""
+    from dsv4enc.output.files import LOCK_NAME
+
+    folder = tmp_path / "out"
+    folder.mkdir()
+    written = write_output(folder / "part-000000.parquet", "binary", False, 8, 4)
+    (folder / LOCK_NAME).write_text("{}")
+    assert list(read_embeddings(folder)) == []
+    (folder / LOCK_NAME).unlink()
+    assert [key for key, _, _ in read_embeddings(folder, errors="include")] == list(written)

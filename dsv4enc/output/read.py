@@ -16,7 +16,7 @@ import numpy as np
 
 from .. import storage
 from ..errors import UsageError
-from .files import MANIFEST_FILE, journal_path, segment_chain
+from .files import LOCK_NAME, MANIFEST_FILE, journal_path, segment_chain
 
 #: What a manifest's journal starts with (docs/output-format.md#the-manifest-and-its-journal).
 JOURNAL_FORMAT = "dsv4enc-journal"
@@ -64,8 +64,9 @@ def find_output(location: str | os.PathLike, storage_options: Any = None) -> Out
     """The Parquet files of the output at ``location`` (a local path or a URL: ``s3://``,
     ``gs://``, any fsspec scheme; ``storage_options`` as ``--storage-option`` takes them): the
     file itself, or a folder's committed part files in input order. A folder with manifests
-    shows only the parts they list (a part file not yet committed is skipped); without one,
-    every ``.parquet`` file below it in sorted order (names starting with ``.`` or ``_`` skipped)."""
+    shows only the parts they list (a part file not yet committed is skipped); one with a run's
+    lock but no manifest yet, none; any other, every ``.parquet`` file below it in sorted order
+    (names starting with ``.`` or ``_`` skipped)."""
     import pyarrow.fs as pafs
 
     text = os.fspath(location)
@@ -96,6 +97,8 @@ def find_output(location: str | os.PathLike, storage_options: Any = None) -> Out
                  if isinstance(part, dict) and isinstance(part.get("file"), str)]
         paths = [f"{root}/{name}" for name in _ordered_files(parts)]
         paths = [p for p in paths if p in listed]
+    elif f"{root}/{LOCK_NAME}" in listed:  # a run writes it (or was killed) before any commit
+        paths = []
     else:
         paths = sorted((p for p in listed if _visible(p[len(root):].strip("/"))),
                        key=lambda p: p[len(root):].strip("/").split("/"))

@@ -190,9 +190,10 @@ def test_sigkill_then_resume_equals_a_clean_run(interrupted, images, clean):
     assert run.rc == -signal.SIGKILL
     parts = check_left_behind(run)
     # What a kill at a bad moment also leaves: a torn temporary part, and a part file that
-    # was renamed into place but never recorded (both must be encoded again, not trusted).
+    # was renamed into place but never recorded, empty where its data never reached the disk
+    # (both must be encoded again, not trusted; a non-empty one is judged by its footer).
     (run.partial / ".part-000020.parquet.99-0badcafe.tmp").write_bytes(b"PAR1 torn")
-    (run.partial / "part-000021.parquet").write_bytes(b"PAR1 not recorded")
+    (run.partial / "part-000021.parquet").write_bytes(b"")
     with open(run.partial / GROWING_NAME, "ab") as growing:  # a part torn by the kill
         growing.write(b"half a part")
     summary = run_encode(options(images, run.out, resume=True))

@@ -245,6 +245,9 @@ class Encoder:
                 batch_tokens: int | None, raise_errors: bool) -> Iterator[tuple[Any, Any]]:
         if self._is_single(images):
             raise TypeError("encode_iter takes an iterable of images, not one image")
+        if not isinstance(images, Iterable):
+            raise TypeError(f"expected images (paths, URLs, bytes, PIL images, arrays, or an "
+                            f"iterable of them), got {type(images).__name__}")
         for item, out in self.stream(self.prepared(images, self._prepare), features, pool,
                                      batch_tokens, raise_errors):
             yield item.key, out

@@ -233,9 +233,9 @@ def _make_filesystem(url: str, options: dict) -> "pafs.FileSystem":
         return pafs.PyFileSystem(pafs.FSSpecHandler(fsspec.filesystem(
             "s3" if scheme == "s3a" else scheme, **options)))
     except ImportError as exc:
-        raise UsageError(f"{scheme}:// needs an optional package ({exc.name}): "
-                         f"pip install 'dsv4enc[{'gcs' if scheme in ('gs', 'gcs') else 's3'}]'"
-                         ) from None
+        extra = {"gs": "gcs", "gcs": "gcs", "s3": "s3", "s3a": "s3"}.get(scheme)
+        raise UsageError(f"{scheme}:// needs an optional package ({exc.name or _first_line(exc)})"
+                         + (f": pip install 'dsv4enc[{extra}]'" if extra else "")) from None
     except (TypeError, ValueError) as exc:
         # The message names the option, never its value.
         raise UsageError(f"{scheme}:// storage options not accepted: "
@@ -980,7 +980,7 @@ class _Range(io.RawIOBase):
 
 # ----------------------------------------------------------------------------- local files
 
-NOT_REGULAR = "not a regular file (a FIFO, socket or device)"
+NOT_REGULAR = "not a regular file (a folder, FIFO, socket or device)"
 
 
 class NotRegularFile(OSError):

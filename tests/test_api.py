@@ -128,6 +128,11 @@ def test_bad_inputs_raise_naming_the_item(encoder, pictures, tmp_path):
         encoder.encode([str(tmp_path / "missing.jpg")])
     with pytest.raises(TypeError, match=r"image 1: unsupported input int"):
         encoder.encode([str(pictures[0]), 42])
+    for nothing in (None, 5):
+        with pytest.raises(TypeError, match=f"expected images .*got {type(nothing).__name__}"):
+            encoder.encode(nothing)
+    with pytest.raises(EncodeError, match="not a regular file .a folder"):
+        encoder.encode([str(tmp_path)])
     with pytest.raises(ValueError, match="features"):
         encoder.encode([str(pictures[0])], features="pixels")
 

@@ -12,6 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 from typer.testing import CliRunner
 
@@ -61,6 +63,10 @@ def test_every_failure_listed_then_retried_with_files_from_and_update(tmp_path, 
     assert retry.read_text().splitlines()[-1] == f"{folder}/#odd.jpg"  # absolute: as given
     again = run("inspect", str(out), "--errors-list", str(retry))
     assert again.exit_code == 2 and "exists" in again.output  # never overwritten
+    foreign = tmp_path / "foreign.parquet"
+    pq.write_table(pa.table({"a": [1]}), foreign)
+    refused = run("inspect", str(foreign), "--errors-list", str(tmp_path / "none.txt"))
+    assert refused.exit_code == 2 and not (tmp_path / "none.txt").exists()  # nothing written
     for i, path in enumerate(names):
         write_image(path, (40 + i, 30))
     encode("--files-from", str(retry), "--out", f"{out}/", "--update", weights=small_ckpt)

@@ -97,7 +97,7 @@ def test_a_fifo_or_a_missing_path_is_an_error_not_a_wait(small_cfg, tmp_path):
     os.mkfifo(fifo)
     missing = str(tmp_path / "missing.png")
     item = prepare(str(fifo), small_cfg, 10 ** 6, Prepared())
-    assert item.error == "ValueError: not a regular file (a FIFO, socket or device)"
+    assert item.error == "ValueError: not a regular file (a folder, FIFO, socket or device)"
     assert item.error == probe_image(str(fifo)).error
     item = prepare(missing, small_cfg, 10 ** 6, Prepared())
     assert item.error.startswith("FileNotFoundError: ") and item.width is None

@@ -9,6 +9,7 @@ import os
 import re
 from collections import Counter
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any, Iterator
 
 import numpy as np
@@ -169,7 +170,8 @@ def list_line(path: str) -> str | None:
 def write_errors_list(rows: Iterator[tuple[str, str]], target: str) -> tuple[int, int]:
     """Write the paths of failed ``rows`` to the new file ``target`` as a ``--files-from``
     list; return how many were written and how many no line can hold. An existing file is
-    refused (a UsageError): it may be someone else's."""
+    refused (a UsageError): it may be someone else's. Where reading the rows fails (the
+    output is no dsv4enc output, or damaged), the file this call made is removed."""
     written = unlisted = 0
     try:
         handle = open(target, "x", encoding="utf-8", errors="surrogateescape")
@@ -177,14 +179,18 @@ def write_errors_list(rows: Iterator[tuple[str, str]], target: str) -> tuple[int
         raise UsageError(f"--errors-list {target} exists: name a new file") from None
     except OSError as exc:
         raise UsageError(f"cannot write --errors-list {target}: {exc.strerror or exc}") from None
-    with handle:
-        for path, _ in rows:
-            line = list_line(path)
-            if line is None:
-                unlisted += 1
-                continue
-            handle.write(line + "\n")
-            written += 1
+    try:
+        with handle:
+            for path, _ in rows:
+                line = list_line(path)
+                if line is None:
+                    unlisted += 1
+                    continue
+                handle.write(line + "\n")
+                written += 1
+    except BaseException:
+        Path(target).unlink(missing_ok=True)  # made above (exclusively): nothing half-listed
+        raise
     return written, unlisted
 
 

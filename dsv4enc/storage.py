@@ -814,6 +814,8 @@ def stamp(location: str) -> str:
             st = os.stat(location)
         except OSError as exc:
             return f"unreadable {exc.errno}"
+        except ValueError:  # a name no file can have (a NUL byte): its read says so as a row
+            return "unreadable name"
         return f"{st.st_size} {st.st_mtime_ns} {st.st_ino} {st.st_mode:o}"
     try:
         info = stat(location)

@@ -140,22 +140,13 @@ def input_stamps(planned: Sequence[Planned]) -> None:
     for entry in todo:  # one stat per container file, however many images it holds
         if entry.item.member is not None:
             if entry.item.path not in containers:
-                containers[entry.item.path] = _stamp(entry.item.path)
+                containers[entry.item.path] = storage.stamp(entry.item.path)
             entry.stamp = containers[entry.item.path]
     files = [entry for entry in todo if entry.item.member is None]
     with ThreadPoolExecutor(max_workers=STAT_THREADS) as pool:
-        for entry, stamp in zip(files, pool.map(lambda e: _stamp(e.item.path), files,
+        for entry, stamp in zip(files, pool.map(lambda e: storage.stamp(e.item.path), files,
                                                 chunksize=256)):
             entry.stamp = stamp
-
-
-def _stamp(path: str) -> str:
-    """``storage.stamp``, or why no file can have that name: a ``--files-from`` line holding a
-    NUL byte is its own error row (its probe says so), never a crash of the run."""
-    try:
-        return storage.stamp(path)
-    except ValueError as exc:  # os.stat refuses "embedded null byte" before any system call
-        return f"unreadable name ({exc})"
 
 
 def inputs_digest(planned: Sequence[Planned]) -> str:

@@ -20,7 +20,7 @@ from .files import (LOCK_NAME, PART_FILE, PARTIAL, is_output_file, manifest_name
 from .lock import OutputLock
 from .update import Update
 from .read import is_dsv4enc_parquet
-from .parts import (PartStore, StreamingAssembler, listed_files, output_os_error,
+from .parts import (PartStore, StreamingAssembler, listed_names, output_os_error,
                     pre_release_manifest, read_manifest, read_manifests)
 
 
@@ -84,8 +84,7 @@ class OutputLayout:
         if not self.parts_dir.is_dir():
             return [], []
         manifests = read_manifests(self.parts_dir) if manifests is None else manifests
-        listed = ({name for manifest in manifests.values() for name in listed_files(manifest)}
-                  if manifests else None)
+        listed = listed_names(manifests.values()) if manifests else None
         owned, foreign = [], []
         for path in sorted(self.parts_dir.iterdir()):
             if not path.is_dir() and self._is_ours(path, listed):
@@ -207,7 +206,7 @@ class OutputLayout:
             return
         # We hold the lock: a killed run's temporaries go, and so do part files no manifest
         # lists (renamed just before a kill), which a folder would show beside their rows.
-        listed = {name for manifest in manifests.values() for name in listed_files(manifest)}
+        listed = listed_names(manifests.values())
         self._remove(p for p in owned if temporary_of(p.name)
                      or (PART_FILE.fullmatch(p.name) and p.name not in listed))
 

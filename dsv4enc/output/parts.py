@@ -18,7 +18,7 @@ import secrets
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -437,6 +437,11 @@ def listed_files(document: dict) -> list[str]:
     if isinstance(stamps, dict) and STAMPS_FILE.fullmatch(str(stamps.get("file"))):
         files.append(stamps["file"])
     return files
+
+
+def listed_names(documents: Iterable[dict]) -> set[str]:
+    """Every file the manifest ``documents`` list (``listed_files``)."""
+    return {name for document in documents for name in listed_files(document)}
 
 
 def manifest_paths(folder: Path) -> list[Path]:

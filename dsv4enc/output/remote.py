@@ -31,7 +31,8 @@ from ..errors import DsvError, OutputError
 from .files import (LOCK_NAME, MANIFEST_FILE, MANIFEST_NAME, PART_FILE, PARTIAL, SEGMENT_FILE,
                     STAMPS_FILE, is_ours, journal_path, rank_of, segment_name)
 from .lock import HEARTBEAT_S, BucketLock, process_alive
-from .parts import PartStore, listed_files, read_manifest, read_manifests, store_failure
+from .parts import (PartStore, listed_files, listed_names, read_manifest, read_manifests,
+                    store_failure)
 from .read import is_dsv4enc_parquet, journal_entries, load_manifest, opens_journal
 
 log = logging.getLogger("dsv4enc")
@@ -216,8 +217,7 @@ class RemoteOutput:
     def _listed_parts(self) -> set[str] | None:
         """The files the pulled manifests list (None: there is no manifest)."""
         documents = read_manifests(self.local_parts)
-        return ({name for document in documents.values() for name in listed_files(document)}
-                if documents else None)
+        return listed_names(documents.values()) if documents else None
 
     def _pull_part(self, obj: storage.ObjectInfo, listed: set[str] | None) -> None:
         """Judge a part object: one no manifest lists and whose footer is not dsv4enc's is
@@ -513,8 +513,8 @@ class RemoteOutput:
     def _delete_unlisted(self, manifests: list[str]) -> None:
         """Delete the part objects none of ``manifests`` (local names) lists, and the journal
         segments: a finished output's manifests are whole."""
-        listed = {name for manifest in manifests
-                  for name in listed_files(read_manifest(self.local_parts / manifest) or {})}
+        listed = listed_names(read_manifest(self.local_parts / manifest) or {}
+                              for manifest in manifests)
         for obj in storage.list_files(self.parts_url):
             if (PART_FILE.fullmatch(obj.key) or STAMPS_FILE.fullmatch(obj.key)) \
                     and obj.key not in listed or SEGMENT_FILE.fullmatch(obj.key):

@@ -251,6 +251,44 @@ def test_update_of_a_bucket_output(s3, tmp_path, clean):
             assert_clean(mirror, clean[1])
 
 
+@pytest.mark.parametrize("where", ["local", "bucket"])
+def test_resume_of_a_finished_file_is_complete_only_for_the_same_inputs_and_settings(
+        where, request, tmp_path):
+    """A single file's parts are gone once it is finished: --resume judges the file itself.
+    The same inputs and settings: already complete (exit 0). Another setting, an input added
+    or one gone: refused in one line (exit 2) that names --update, the file left as it was."""
+    images = old_images(tmp_path / "in")
+    if where == "bucket":
+        s3 = request.getfixturevalue("s3")
+        out = f"{s3.url}/fin/e.parquet"
+        content = lambda: (s3.keys("fin/"), s3.get("fin/e.parquet"))  # noqa: E731
+    else:
+        out = str(tmp_path / "e.parquet")
+        content = lambda: (sorted(os.listdir(tmp_path)), Path(out).read_bytes())  # noqa: E731
+    args = ["encode", str(images), "--out", out, "--config", CONFIG, "--random-init",
+            "--device", "cpu", "--workers", "0", "--part-images", str(PART),
+            "--batch-tokens", "1500"]
+    assert runner.invoke(app, args).exit_code == 0
+    written = content()
+
+    def resumed(*extra: str) -> tuple[int, str]:
+        result = runner.invoke(app, [*args, "--resume", *extra])
+        assert content() == written, result.output  # nothing written, nothing left behind
+        return result.exit_code, " ".join(result.output.split())
+
+    code, said = resumed()
+    assert code == 0 and "already complete" in said, said
+    code, said = resumed("--out-dtype", "float32")
+    assert code == 2 and "cannot resume" in said and "--out-dtype float16" in said, said
+    noise(images / "new.png", 300)
+    code, said = resumed()
+    assert code == 2 and "(1 to encode" in said and "--update" in said, said
+    (images / "new.png").unlink()
+    (images / "img003.png").unlink()
+    code, said = resumed()
+    assert code == 2 and "1 of its rows no longer given" in said, said
+
+
 def test_an_update_of_a_bucket_folder_reads_its_parts_in_place(s3, tmp_path, clean,
                                                                monkeypatch):
     """No part object of the old output is downloaded (its columns are read in ranges where

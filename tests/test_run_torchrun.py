@@ -296,6 +296,9 @@ def sequence(work, folders, ckpt) -> dict[str, list[dict]]:
                                            str(PART_IMAGES))],
         "resumed": enc("imgs", "resumed.parquet", "--part-images", str(PART_IMAGES),
                        "--resume"),
+        # finished: --resume judges the file (rank 0) and every rank ends as it says
+        "complete": enc("imgs", "resumed.parquet", "--resume"),
+        "complete_changed": enc("imgs", "resumed.parquet", "--resume", "--out-dtype", "float16"),
         # --shard-output, resumed after rank 1 lost a part that rank 0 still has
         "gap_first": enc("imgs", "gap/", "--shard-output", "--part-images", str(PART_IMAGES)),
         "gap_rm": ["@rm", str(work / "seq" / "gap" / "part-000000-rank001.parquet")],
@@ -400,6 +403,11 @@ def test_interrupted_run_resumes(work, sequence, reference):
     stderr = seq_ok(sequence, "resumed")
     assert re.search(r"reused from earlier run\s*\S\s*[1-9]", stderr), stderr
     assert_same_rows(rows_of(work / "seq" / "resumed.parquet"), rows_of(reference))
+    assert not (work / "seq" / "resumed.parquet.partial").exists()
+    assert "already complete" in seq_ok(sequence, "complete")
+    for rank, result in enumerate(sequence["complete_changed"]):
+        assert result["code"] == 2, f"rank {rank}: {result}"
+    assert "cannot resume" in sequence["complete_changed"][0]["stderr"]
     assert not (work / "seq" / "resumed.parquet.partial").exists()
 
 

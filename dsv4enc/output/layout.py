@@ -13,13 +13,13 @@ import os
 from pathlib import Path
 from typing import Iterable
 
-from ..errors import AlreadyComplete, OutputError
+from ..errors import OutputError
 from ..images.items import is_image_name
 from .files import (LOCK_NAME, PART_FILE, PARTIAL, is_output_file, manifest_name,
                     temporary_of, write_probe)
 from .lock import OutputLock
 from .update import Update
-from .read import is_dsv4enc_parquet
+from .read import is_dsv4enc_parquet, read_metadata
 from .parts import (PartStore, StreamingAssembler, listed_names, output_os_error,
                     pre_release_manifest, read_manifest, read_manifests)
 
@@ -49,10 +49,15 @@ class OutputLayout:
         self.max_file_bytes: int | None = None
         self._made: list[Path] = []  # folders this run created (removed again if left empty)
         self._prepared = False  # this process checked the output (rank 0 under torchrun)
+        #: ``--resume`` found the single file finished: the run only judges it (``prepare``)
+        self.finished = False
 
     def interrupted_settings(self, rank: int | None = None) -> dict | None:
-        """The settings the interrupted run recorded in this output's manifest (what
-        ``--resume`` adopts for ``--dtype auto``), or None when there is no such run."""
+        """The settings the interrupted run recorded in this output's manifest, or that the
+        finished single file's schema holds (what ``--resume`` adopts for ``--dtype auto``),
+        or None when there is no such run."""
+        if self.finished:
+            return read_metadata(self.out)
         recorded = read_manifest(self.parts_dir / self.manifest_name(rank))
         return recorded["settings"] if recorded else None  # a dict: ``is_manifest`` checks
 
@@ -198,9 +203,8 @@ class OutputLayout:
             if manifests:
                 raise OutputError(f"an unfinished run left {self.parts_dir}; pass --resume to "
                                   "continue it or --overwrite to start over")
-        if resume and not manifests and not self.folder_mode and out.is_file():
-            raise AlreadyComplete(f"{out} is already complete; nothing to resume "
-                                  "(pass --overwrite to encode again)")
+        # Nothing to resume, unless its inputs or the settings changed (the run judges that)
+        self.finished = resume and not manifests and not self.folder_mode and out.is_file()
         if overwrite:
             self._remove(owned)
             return

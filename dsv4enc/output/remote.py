@@ -186,6 +186,9 @@ class RemoteOutput:
                 self._download(self.url, self.local_out)
             else:
                 self._stand_in_final_file()
+            if self.resume:  # a finished file is judged by its rows' keys, read where it is
+                name = self.local_out.name
+                self.stored[name] = storage.ObjectInfo(self.url, name, None, None)
         objects = [o for o in storage.list_files(self.parts_url)
                    if o.key != LOCK_NAME and o.url != self.url]
         if not objects:

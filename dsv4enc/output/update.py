@@ -27,7 +27,7 @@ import numpy as np
 
 from .. import storage
 from ..columns import utf8_text
-from ..errors import UsageError
+from ..errors import AlreadyComplete, UsageError
 from ..pausepoints import pause
 from .files import (LOCK_NAME, MANIFEST_NAME, STAMPS_FILE, generation, is_ours, old_folder,
                     stamps_name, staging_folder, temp_path)
@@ -277,7 +277,10 @@ class OldOutput:
         if not folder_mode:
             if not out.is_file():
                 return None
-            footer = pq.read_metadata(out)  # its key-value entries (the schema shows one)
+            # A bucket's file is read where it is (its local stand-in holds no row)
+            where = stored[out.name].url if stored and out.name in stored else out
+            with storage.open_input(str(where)) as handle:
+                footer = pq.read_metadata(handle)  # its key-value entries (the schema shows one)
             metadata = footer.metadata or {}
             settings = json.loads(metadata.get(b"dsv4enc", b"{}"))
             settings.pop("embedding", None)
@@ -290,7 +293,8 @@ class OldOutput:
                     stamps = np.frombuffer(data, dtype="<u8").astype(np.uint64)
             except (KeyError, ValueError, TypeError):
                 pass
-            return cls(out, [(out.name, 0, footer.num_rows)], settings, stamps, False)
+            return cls(out, [(out.name, 0, footer.num_rows)], settings, stamps, False,
+                       stored=stored)
         manifest = read_manifest(out / MANIFEST_NAME)
         if manifest is None:
             return None
@@ -456,6 +460,34 @@ class Update:
                              "only with batch-invariant rows: drop --no-deterministic "
                              "(and --tp-mode weights)")
         self.old.check(settings)
+        self._pair(planned, retry_errors)
+        log.info("update of %s: %d rows kept, %d new inputs, %d changed, %d gone",
+                 self.old.out, len(self.carried), self.new, self.changed, self.dropped)
+        self._reader = CarriedRows(self.old.files)
+
+    def check_finished(self, planned: Sequence, settings: dict) -> None:
+        """``--resume`` of this finished single file, whose parts are gone: AlreadyComplete
+        where a clean run would give its rows (the same settings, each input's stamp and key
+        in the same order, no row whose read may pass now), else a refusal in one line that
+        counts what changed (``--update`` encodes only that)."""
+        out = self.old.out
+        check_settings(self.old.settings, settings, f"cannot resume {out}", "it was made with",
+                       again="encode everything again", given="--resume")
+        if self.old.stamps is not None:
+            self._pair(planned, retry_errors=False)
+            again = len(planned) - len(self.carried)
+            if again or self.dropped:
+                raise UsageError(
+                    f"cannot resume {out}: it is complete, but its inputs changed since "
+                    f"({again:,} to encode: new, changed or failed for a reason that may pass "
+                    f"now; {self.dropped:,} of its rows no longer given); pass --update in "
+                    "place of --resume to bring it up to date (--dry-run shows the counts), or "
+                    "--overwrite to encode everything again")
+        raise AlreadyComplete(f"{out} is already complete; nothing to resume "
+                              "(pass --overwrite to encode again)")
+
+    def _pair(self, planned: Sequence, retry_errors: bool) -> None:
+        """Which inputs take which old row (``carried``), and the counts of the rest."""
         old = self.old.stamps
         kinds = np.fromiter((_row_kind(error, retry_errors)
                              for error in self.old.column("error", _MISSING)),
@@ -489,9 +521,6 @@ class Update:
             first = set(np.flatnonzero(gone)[:DROPPED_SHOWN].tolist())
             self.dropped_paths = [path for i, path in enumerate(self.old.column("path"))
                                   if i in first]
-        log.info("update of %s: %d rows kept, %d new inputs, %d changed, %d gone",
-                 self.old.out, len(self.carried), self.new, self.changed, self.dropped)
-        self._reader = CarriedRows(self.old.files)
 
     def check_drop(self, share: float, one_by_one: bool) -> None:
         """Refuse in one line an update that drops more than ``share`` of the output's rows,

@@ -320,6 +320,8 @@ def _plan_output(run: RunState, setup: RunSetup, source: PartSource, computes: C
                            kept=setup.found.kept_fields)
     resuming = resume_settings(opts)
     rows_settings = {**settings, **resuming.row_options}
+    if opts.resume and not layout.folder_mode:  # a finished file: nothing to do, or refused
+        ranks.main_then_all(lambda: _judge_finished(layout, setup, rows_settings, remote))
     # --update of an existing output (None: there is none yet, a plain run)
     update = Update.start(layout.out, layout.folder_mode,
                           remote.stored if remote is not None else None) if opts.update else None
@@ -370,6 +372,19 @@ def _plan_output(run: RunState, setup: RunSetup, source: PartSource, computes: C
         summary.reused += kept
     return OutputPlan(store, schema, todo, update, ranks.is_main and not ranks.sharded,
                       resuming.row_options, computes.engine)
+
+
+def _judge_finished(layout: OutputLayout, setup: RunSetup, settings: dict,
+                    remote: RemoteOutput | None) -> None:
+    """``--resume`` of the finished single file (``layout.finished``): AlreadyComplete, or a
+    refusal where its settings or inputs changed (``Update.check_finished``), once every
+    input is listed and stamped."""
+    if not layout.finished:
+        return
+    setup.more(None)
+    input_stamps(setup.planned)
+    finished = Update.start(layout.out, False, remote.stored if remote is not None else None)
+    finished.check_finished(setup.planned, settings)
 
 
 def given_one_by_one(opts: EncodeOptions) -> bool:

@@ -94,6 +94,26 @@ def test_sixteen_bit_png_file_round_trip(tiny_cfg, tmp_path):
     assert torch.equal(patches, ref)
 
 
+@pytest.mark.parametrize("sample_format", [1, 2])  # unsigned, signed (Pillow: mode "I")
+def test_a_dark_sixteen_bit_tiff_is_scaled_however_dark(tiny_cfg, tmp_path, sample_format):
+    """A 16-bit TIFF whose samples are all under 256 is as dark as its values say, signed or
+    not: its BitsPerSample decides, not its brightest sample."""
+    from PIL import TiffImagePlugin
+
+    rng = np.random.default_rng(3)
+    values = rng.integers(0, 256, (SIZE[1], SIZE[0]), dtype=np.uint16)
+    values[0, 0] = 255
+    tags = TiffImagePlugin.ImageFileDirectory_v2()
+    tags[339], tags.tagtype[339] = sample_format, 3  # SampleFormat
+    path = tmp_path / "dark.tif"
+    Image.fromarray(values).save(path, tiffinfo=tags)
+    with Image.open(path) as image:
+        assert np.asarray(to_rgb(image)).max() == 0
+        patches, _ = image_to_patches(image, tiny_cfg)
+    ref, _ = image_to_patches(Image.new("L", SIZE), tiny_cfg)
+    assert torch.equal(patches, ref)
+
+
 def _image_in_mode(mode: str) -> Image.Image:
     base = noise()
     if mode == "P_transparency":

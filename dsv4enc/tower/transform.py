@@ -26,6 +26,7 @@ if TYPE_CHECKING:
 
 PAD_FILL = (127, 127, 127)
 _SIXTEEN_BIT_MODES = {"I;16", "I;16L", "I;16B", "I;16N"}
+_BITS_PER_SAMPLE = 258  # the TIFF tag
 
 
 @dataclass(frozen=True)
@@ -177,9 +178,8 @@ def to_rgb(image: Image.Image) -> Image.Image:
     """RGB with 16-bit samples scaled to 8 bits (>> 8), never clipped. No EXIF rotation."""
     mode = image.mode
     values = np.asarray(image) if mode in _SIXTEEN_BIT_MODES or mode == "I" else None
-    # Mode "I" (32-bit) holds 16-bit samples when read from 16-bit files by older Pillows,
-    # and 8-bit ones when converted from "L": only the former exceed 255.
-    if values is not None and (mode != "I" or values.max(initial=0) > 255):
+    if values is not None and (mode != "I" or _sixteen_bit_file(image)
+                               or values.max(initial=0) > 255):
         # Pillow's own convert clips 16-bit values to 255; the reference scales them. In the
         # samples' own dtype: a wider temporary (int64) would take 8 bytes per pixel, twice.
         if values.dtype.itemsize > 2:  # mode "I" (int32): keep the 16-bit range
@@ -189,6 +189,15 @@ def to_rgb(image: Image.Image) -> Image.Image:
     if mode == "RGB":
         return image
     return image.convert("RGB")
+
+
+def _sixteen_bit_file(image: Image.Image) -> bool:
+    """Whether a mode "I" (32-bit) image holds a file's 16-bit samples, as Pillow gives a
+    signed 16-bit TIFF (its BitsPerSample says so), however dark it is. Else only its values
+    tell: older Pillows read 16-bit PNGs as "I", and "L" converts to "I" with 8-bit values, so
+    only the former exceed 255."""
+    tags = getattr(image, "tag_v2", None)
+    return tags is not None and tuple(tags.get(_BITS_PER_SAMPLE) or ()) == (16,)
 
 
 def image_pixels(image: Image.Image) -> np.ndarray:

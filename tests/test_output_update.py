@@ -120,10 +120,15 @@ def test_update_equals_a_clean_run_and_encodes_only_new_and_changed(kind, tmp_pa
         assert sorted(os.listdir(tmp_path)) == ["emb", "in", "summary.json"]  # no staging
     else:
         assert not out.with_name("e.parquet.partial").exists()
-    # Nothing changed since: everything is kept, nothing encoded, and still a clean run's rows.
+    # Nothing changed since: everything is kept, nothing encoded, and still a clean run's rows;
+    # a single file is not even written again.
+    before = (out.stat().st_ino, out.stat().st_mtime_ns) if kind == "file" else None
     again = run_encode(options(images, given, update=True))  # nothing dropped: no --prune
     assert (again.encoded, again.reused, again.dropped) == (0, N_OLD + 2, 0)
     assert_clean(out, clean[1])
+    if kind == "file":
+        assert (out.stat().st_ino, out.stat().st_mtime_ns) == before
+        assert sorted(os.listdir(tmp_path)) == ["e.parquet", "in", "summary.json"]
 
 
 def test_a_folder_update_keeps_its_unchanged_parts_as_they_are(tmp_path):
@@ -187,9 +192,11 @@ def test_a_single_file_update_copies_its_unchanged_parts_by_bytes(tmp_path, monk
     again = run_encode(options(images, out, update=True))  # nothing changed since
     assert (again.encoded, again.reused, carried) == (0, N_OLD + 2, [])
     assert pq.read_table(out).equals(pq.read_table(clean_out))
-    # other parts (and so another footer): nothing to copy, every row is carried
+    # other parts (and so another footer): nothing to copy, every old row is carried
+    noise(images / "img999.png", 999)  # (an update that changes nothing leaves the file)
     other = run_encode(options(images, out, update=True, part_images=PART + 1))
-    assert (other.encoded, other.reused, len(carried)) == (0, N_OLD + 2, N_OLD + 2)
+    assert (other.encoded, other.reused, len(carried)) == (1, N_OLD + 2, N_OLD + 2)
+    run_encode(options(images, clean_out, overwrite=True, part_images=PART + 1))
     assert pq.read_table(out).equals(pq.read_table(clean_out))
 
 

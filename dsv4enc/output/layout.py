@@ -49,7 +49,7 @@ class OutputLayout:
         self.max_file_bytes: int | None = None
         self._made: list[Path] = []  # folders this run created (removed again if left empty)
         self._prepared = False  # this process checked the output (rank 0 under torchrun)
-        #: ``--resume`` found the single file finished: the run only judges it (``prepare``)
+        #: ``--resume`` or ``--update`` found the single file finished, with no run to go on
         self.finished = False
 
     def interrupted_settings(self, rank: int | None = None) -> dict | None:
@@ -203,8 +203,9 @@ class OutputLayout:
             if manifests:
                 raise OutputError(f"an unfinished run left {self.parts_dir}; pass --resume to "
                                   "continue it or --overwrite to start over")
-        # Nothing to resume, unless its inputs or the settings changed (the run judges that)
-        self.finished = resume and not manifests and not self.folder_mode and out.is_file()
+        # Nothing to do, unless its inputs or the settings changed (the run judges that)
+        self.finished = ((resume or update) and not manifests and not self.folder_mode
+                         and out.is_file())
         if overwrite:
             self._remove(owned)
             return

@@ -522,6 +522,12 @@ class Update:
             self.dropped_paths = [path for i, path in enumerate(self.old.column("path"))
                                   if i in first]
 
+    @property
+    def unchanged(self) -> bool:
+        """Whether the output as it is equals a clean run: each old row carried, in place."""
+        return not (self.new or self.changed or self.dropped) and (
+            len(self.carried) == self.rows_before)
+
     def check_drop(self, share: float, one_by_one: bool) -> None:
         """Refuse in one line an update that drops more than ``share`` of the output's rows,
         or any row when the inputs were given one file at a time (``one_by_one``): an input

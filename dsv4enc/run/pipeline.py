@@ -247,7 +247,7 @@ def _run_encode(opts: EncodeOptions, ranks: Topology, setup: RunSetup, stop: Sto
         with progress:
             computes = source.start(setup, progress)
             output = _plan_output(run, setup, source, computes, remote)
-            if output is None:  # --dry-run
+            if output is None:  # --dry-run, or a single file that an update leaves as it is
                 return summary
             store = output.store
             line = source.opening_line(len(setup.planned))
@@ -305,7 +305,8 @@ def _plan_output(run: RunState, setup: RunSetup, source: PartSource, computes: C
                  remote: RemoteOutput | None) -> OutputPlan | None:
     """The run's settings, schema and store (the old output's under ``--update``), and its
     parts still to encode (``--resume`` judges committed parts by their inputs' stamps).
-    None for ``--dry-run``: its counts are in the summary, and nothing was written."""
+    None where nothing is written: ``--dry-run``, or an ``--update`` of a single file that
+    equals a clean run as it is (the counts are in the summary)."""
     opts, ranks, layout, summary = run.opts, run.ranks, run.layout, run.summary
     cfg, alone = computes.config, ranks.dist is None
     part_images = images_per_part(cfg, opts)
@@ -351,6 +352,9 @@ def _plan_output(run: RunState, setup: RunSetup, source: PartSource, computes: C
         summary.dry_run = True
         summary.reused = len(update.carried) if update is not None else 0
         summary.encoded = len(setup.planned) - summary.reused
+        return None
+    if layout.finished and update is not None and update.unchanged:  # a file left as it is
+        summary.reused = len(update.carried)
         return None
     store = open_store(layout, settings, schema, local=remote is None, is_main=ranks.is_main,
                        world_size=ranks.world_size, rank=None if alone else ranks.rank,

@@ -71,11 +71,13 @@ def process_age() -> float | None:
 def own_process_pillow_settings() -> None:
     """Pillow's process-wide settings, made once in a process dsv4enc owns (the command line,
     a decode worker): its pixel check off (each open applies its own ``max_pixels``), and its
-    warnings raised as errors, so a corrupt image is an error row with ``--workers 0`` too."""
+    warnings quiet. They concern metadata or a palette's transparency, never pixels that
+    Pillow could not read (those raise): the image is encoded as Pillow decodes it, as
+    ``api.Encoder`` and a model server would, and no stray line breaks the progress bar."""
     from PIL import Image
 
     Image.MAX_IMAGE_PIXELS = None
-    warnings.filterwarnings("error", module=r"PIL(\.|$)")
+    warnings.filterwarnings("ignore", module=r"PIL(\.|$)")
 
 
 def prefer_jemalloc_pool() -> None:

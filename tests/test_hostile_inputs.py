@@ -34,7 +34,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from hypothesis import given, settings, strategies as st
-from PIL import Image
+from PIL import Image, TiffImagePlugin
 from typer.testing import CliRunner
 
 from dsv4enc.images import headers
@@ -192,6 +192,13 @@ def hostile(tmp_path_factory) -> Path:
         put(f"modes/{mode}.png", encoded(photo.convert(mode), "PNG"), "ok")
     put("modes/P_transparency.png",
         encoded(photo.quantize(16), "PNG", transparency=3), "ok")
+    # Pillow warns as it decodes these, and their pixels are fine: a palette whose transparency
+    # is given per entry (as pngquant writes it), and a TIFF tag with one value too many.
+    put("modes/P_alpha_per_entry.png",
+        encoded(photo.quantize(16), "PNG", transparency=bytes(range(0, 256, 16))), "ok")
+    tags = TiffImagePlugin.ImageFileDirectory_v2()
+    tags[296], tags.tagtype[296] = (2, 2), 3  # ResolutionUnit takes one value
+    put("odd/tiff_tag_warning.tif", encoded(photo.convert("RGB"), "TIFF", tiffinfo=tags), "ok")
     put("modes/CMYK.jpg", encoded(photo.convert("CMYK"), "JPEG"), "ok")
     put("modes/CMYK.tif", encoded(photo.convert("CMYK"), "TIFF"), "ok")
     put("modes/LAB.tif", encoded(photo.convert("LAB"), "TIFF"), "ok")

@@ -17,7 +17,6 @@ import signal
 import stat
 import threading
 import time
-import warnings
 from collections import deque
 from dataclasses import dataclass
 from multiprocessing.connection import wait as wait_ready
@@ -292,8 +291,6 @@ def _worker_main(conn, cfg: VisionConfig, max_pixels: int,
     # made again for every image; glibc's default returns them to the OS each time, and
     # faulting them back in is a large share of the worker's work (benchmarks/RESULTS.md).
     keep_freed_memory_mapped(largest_mapped=WORKER_HEAP_LARGEST, keep_free=WORKER_HEAP_KEEP)
-    # One image at a time: any warning (corrupt EXIF, truncated data) is that image's error row.
-    warnings.simplefilter("error")
     _exit_with_parent()
     _limit_memory(memory_budget)
     # A parent gone shows as EOF or a reset connection (OSError): the worker ends quietly.

@@ -444,7 +444,7 @@ def test_update_with_a_shard_added_keeps_the_unchanged_shards_rows(given, tmp_pa
     """Two shards with the same local keys: each row's key names its shard, so adding shard 3
     before shard 4 leaves shard 4's keys as they were, and --update encodes shard 3 alone."""
     shards = tmp_path / "shards"
-    four = shard_of(shards / "train-00004.tar", 4)
+    shard_of(shards / "train-00004.tar", 4)
     inputs = (lambda: [str(shards)]) if given == "folder" else (
         lambda: [str(p) for p in sorted(shards.glob("*.tar"))])
     out = tmp_path / "e.parquet"

@@ -18,7 +18,6 @@ import pytest
 from dsv4enc.images.decode import NOT_YET, DecodePool, decode_image
 from dsv4enc.run.options import EncodeOptions
 from dsv4enc.run.pipeline import run_encode
-from collections import Counter
 
 import dsv4enc.run.setup as run_setup
 from dsv4enc.run.setup import WINDOWS_AHEAD, RunSetup, Window, Windows, start_prefetch

@@ -10,7 +10,6 @@ one line. The rest run in this process through Typer's CliRunner.
 from __future__ import annotations
 
 import errno
-import json
 import os
 import subprocess
 import sys

@@ -233,7 +233,8 @@ def test_a_journal_entry_is_a_few_numbers_and_its_range_ends_with_its_footer(unf
     parts = journal(unfinished)["parts"]
     data = (unfinished / GROWING_NAME).read_bytes()
     for part in parts.values():
-        assert set(part) == {"start", "end", "digest", "rows", "transient", "offset", "length"}
+        assert set(part) == {"start", "end", "digest", "rows", "failed", "transient", "offset",
+                             "length"}
         end = part["offset"] + part["length"]
         assert data[end - 4:end] == b"PAR1"
 

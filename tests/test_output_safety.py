@@ -544,7 +544,7 @@ def test_resume_encodes_again_a_part_with_a_timed_out_row(data, tmp_path):
     errors[0] = "decode timed out after 120s"
     table = table.set_column(table.schema.get_field_index("error"), "error",
                              pa.array(errors, pa.string()))
-    assert writer.transient_errors(table) == 1
+    assert writer.error_counts(table) == {"failed": 1, "transient": 1}
     pq.write_table(table, out / part["file"])
     part["transient"] = 1
     manifest.write_text(json.dumps(doc))

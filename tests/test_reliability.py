@@ -199,6 +199,9 @@ def test_sigkill_then_resume_equals_a_clean_run(interrupted, images, clean):
     summary = run_encode(options(images, run.out, resume=True))
     assert summary.reused == sum(p["end"] - p["start"] for p in parts.values())
     assert summary.encoded + summary.failed + summary.reused == N_ITEMS
+    # every error row is counted: this run's, and those of the parts it reused
+    assert summary.reused_failed == sum(p["failed"] for p in parts.values())
+    assert summary.failed + summary.reused_failed == len(BROKEN)
     assert_same_rows(rows(run.out), clean)
     assert not run.partial.exists()
 
@@ -230,6 +233,32 @@ def test_a_stop_that_hangs_ends_the_process_after_the_grace(images, clean, tmp_p
     assert committed(out.with_name("e.parquet.partial")), "the committed part was not kept"
     run_encode(options(images, out, resume=True))
     assert_same_rows(rows(out), clean)
+
+
+def test_a_resumed_summary_counts_the_error_rows_of_the_parts_it_reused(tmp_path):
+    """A broken image in the first part, committed before a SIGKILL: --resume reuses that
+    part, and its summary counts the part's error row among the reused, hiding nothing."""
+    folder = tmp_path / "imgs"
+    folder.mkdir()
+    (folder / "a_broken.png").write_bytes(b"not an image")
+    rng = np.random.default_rng(1)
+    for i in range(2 * PART):
+        Image.fromarray(rng.integers(0, 256, (12, 16, 3), dtype=np.uint8)).save(
+            folder / f"img{i}.png")
+    out, report = tmp_path / "e.parquet", tmp_path / "summary.json"
+    pauses = Pauses(tmp_path / "pauses", "commit")
+    proc = start(folder, out, env=pauses.env())
+    try:
+        pauses.wait("commit", proc=proc)
+    finally:
+        proc.kill()
+        proc.communicate()
+    resumed = start(folder, out, "--resume", "--summary-json", str(report))
+    _, err = resumed.communicate(timeout=300)
+    assert resumed.returncode == 0, err
+    counts = json.loads(report.read_text())["images"]
+    assert counts["reused"] >= 1 and (counts["reused_failed"], counts["failed"]) == (1, 0), err
+    assert "1 failed image among them" in err
 
 
 def test_sigterm_exits_143_with_a_resume_hint_then_resume_completes(interrupted, images,

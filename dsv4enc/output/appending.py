@@ -25,7 +25,7 @@ from .parquet_join import (GROUP_NUM_ROWS, MAGIC, JoinError, ParquetJoiner, foot
 from .files import GROWING_NAME, MANIFEST_NAME
 from .parts import (PartStore, fsync_dir, is_journal_entry,
                      names_part_file, part_intact, drop_cached_pages, output_os_error,
-                     transient_errors, write_parquet)
+                     error_counts, write_parquet)
 
 log = logging.getLogger("dsv4enc")
 
@@ -208,7 +208,7 @@ class AppendingStore(PartStore):
         """Copy a committed part file (a run that joins part files left it: torchrun, Ray,
         a folder-style partial) into the growing file, then delete it."""
         path = self.folder / part["file"]
-        entry = {key: part[key] for key in ("start", "end", "digest", "rows", "transient")
+        entry = {key: part[key] for key in ("start", "end", "digest", "rows", "failed", "transient")
                  if key in part}
         try:
             with open(path, "rb") as source:
@@ -263,7 +263,7 @@ class AppendingStore(PartStore):
             raise output_os_error(self.path, exc) from None
         drop_cached_pages(file.fd, base, length)  # never read back: free the cache now
         self._record(name, {"start": start, "end": end, "digest": digest,
-                            "rows": table.num_rows, "transient": transient_errors(table),
+                            "rows": table.num_rows, **error_counts(table),
                             "offset": base, "length": length})
 
     def notify(self) -> None:

@@ -320,7 +320,7 @@ def write_part(folder: str | Path, name: str, table: pa.Table, row_group_size: i
     ``folder`` a URL: the file is uploaded to ``folder/FILE`` whole (never staged)."""
     file = part_file(name, generation)
     entry: dict[str, Any] = {"file": file, "start": start, "end": end, "digest": digest,
-                             "rows": table.num_rows, "transient": transient_errors(table)}
+                             "rows": table.num_rows, **error_counts(table)}
     try:
         uploaded = storage.upload_written(
             folder, file, lambda tmp: write_parquet(table, tmp, row_group_size))
@@ -459,9 +459,12 @@ def read_manifests(folder: Path) -> dict[Path, dict]:
     return {path: data for path, data in found.items() if data is not None}
 
 
-def transient_errors(table: pa.Table) -> int:
-    """Rows of a part whose error is transient (``images/decode.is_transient``)."""
-    return sum(1 for error in table.column("error").to_pylist() if is_transient(error))
+def error_counts(table: pa.Table) -> dict[str, int]:
+    """A part's error rows as its manifest entry counts them: ``failed``, all of them, and
+    ``transient``, those whose read may pass later (``images/decode.is_transient``), which
+    ``--resume`` encodes again."""
+    errors = [error for error in table.column("error").to_pylist() if error is not None]
+    return {"failed": len(errors), "transient": sum(1 for e in errors if is_transient(e))}
 
 
 class PartStore:

@@ -59,6 +59,7 @@ class Resume:
         store.commit_seconds = settings.commit_every
         self.resuming = False
         self.covered = 0  # where the reused pieces judged so far end
+        self.reused_failed = 0  # the error rows of the pieces kept (as their entries count them)
         self.starts: list[int] = []  # where the recorded pieces start, in order
         problem = None
         if writes:
@@ -109,6 +110,7 @@ class Resume:
             if not store.committed(name, at, end, inputs_digest(source[at:end])):
                 break
             kept.add(name)
+            self.reused_failed += store.parts[name].get("failed", 0)
             at = self.covered = end
         self._forget(part.start, part.end, kept)
         return [(at, part.end)] if at < part.end else []

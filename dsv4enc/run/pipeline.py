@@ -406,6 +406,8 @@ def _judged(resume: Resume, parts: Iterable[Part], setup: RunSetup,
         todo = resume.judge(part)
         kept = part.end - part.start - sum(p.end - p.start for p in todo)
         run.summary.reused += kept
+        if not run.opts.update:  # an update counts the error rows it carries itself
+            run.summary.reused_failed = resume.reused_failed
         run.progress.listed(len(setup.planned), setup.found.listed, reused=kept)
         yield from todo
     resume.end(len(setup.planned))

@@ -40,7 +40,7 @@ class RunSummary:
     reused: int = 0
     dropped: int = 0  # --update: rows of inputs that are gone
     dropped_paths: list[str] = field(default_factory=list)  # the first few of them
-    reused_failed: int = 0  # --update: error rows carried as they were (among ``reused``)
+    reused_failed: int = 0  # error rows reused as they were (among ``reused``)
     update: bool = False  # an --update of an existing output (``reused``: its rows kept)
     dry_run: bool = False  # --dry-run: ``encoded``, ``reused``, ``dropped`` would be; none was
     needs_prune: bool = False  # --dry-run: the update would be refused without --prune
@@ -131,12 +131,12 @@ def print_summary(summary) -> None:
             f"{s.misnamed} image{'s' if s.misnamed != 1 else ''} whose name says another "
             f"format, read as what {'they are' if s.misnamed != 1 else 'it is'} "
             f"(e.g. {s.misnamed_example})"))
+    failed = f" ({failed_images(s.reused_failed)} among them)" if s.reused_failed else ""
     if s.update:
-        failed = f" ({failed_images(s.reused_failed)} among them)" if s.reused_failed else ""
         table.add_row("reused from the output", f"{s.reused}{failed}")
         table.add_row("dropped (inputs gone)", escape(f"{s.dropped}{dropped_shown(s)}"))
     elif s.reused:
-        table.add_row("reused from earlier run", str(s.reused))
+        table.add_row("reused from earlier run", f"{s.reused}{failed}")
     table.add_row("wall time", f"{s.seconds:.1f}s (the whole run, start-up included)")
     if s.encode_s and not s.encoded:
         table.add_row("encoding loop", f"{s.encode_s:.1f}s: nothing was encoded")

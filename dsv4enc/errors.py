@@ -57,6 +57,10 @@ class WeightsError(DsvError):
     """A checkpoint that is missing, incomplete, or holds the wrong tensors."""
 
 
+class InsufficientMemory(DsvError):
+    """A valid tower that this machine (its RAM, or the device's memory) cannot hold."""
+
+
 class OutputError(DsvError):
     """An output path that cannot be written, or that already exists."""
 

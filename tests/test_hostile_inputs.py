@@ -949,6 +949,16 @@ def test_a_worker_past_its_memory_bound_fails_that_image_and_is_replaced(tmp_pat
     assert same_decode(results["a"], good[0], cfg) and same_decode(results["b"], good[1], cfg)
 
 
+def test_a_memory_budget_past_what_the_kernel_takes_leaves_workers_unbounded(tmp_path, cfg):
+    """16 bytes a pixel of --max-pixels 10**20 is past what setrlimit takes: the workers run
+    without a bound rather than dying at start-up, and every image decodes."""
+    good = good_images(tmp_path, 2)
+    with DecodePool(cfg, 1, max_pixels=10 ** 20, timeout_s=60) as pool:
+        results = dict(pool.imap([("a", good[0]), ("b", good[1])], window=2))
+        assert pool.replaced == 0
+    assert same_decode(results["a"], good[0], cfg) and same_decode(results["b"], good[1], cfg)
+
+
 def tiff_with_tiles(width: int, height: int, tile: int) -> bytes:
     """A deflate-compressed 8-bit gray TIFF whose one tile is declared ``tile`` x ``tile``."""
     tags = {256: (4, width), 257: (4, height), 258: (3, 8), 259: (3, 8), 262: (3, 1),

@@ -10,7 +10,9 @@ one line. The rest run in this process through Typer's CliRunner.
 from __future__ import annotations
 
 import errno
+import json
 import os
+import resource
 import subprocess
 import sys
 from pathlib import Path
@@ -154,6 +156,29 @@ def test_failed_starts_write_nothing(finished_processes):
     assert finished_processes["leftovers"] == []
 
 
+def test_a_tower_past_the_memory_is_one_line(tmp_path, images):
+    """A valid config whose tower (4 GiB in float32) is more than the process may allocate
+    (its data segment bound to 2 GiB, as on a smaller machine): one line saying what the tower
+    needs, exit 1, rather than the allocator's traceback."""
+    config = tmp_path / "wide.json"
+    flat = VisionConfig.from_file(REPO_ROOT / "configs" / "tiny.json").to_flat()
+    config.write_text(json.dumps(dict(flat, vision_dim=4096, vision_n_heads=16,
+                                      vision_inter_dim=16384, vision_n_layers=4)))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT)}
+
+    def bound_memory() -> None:
+        resource.setrlimit(resource.RLIMIT_DATA, (2 << 30, resource.RLIM_INFINITY))
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "dsv4enc", "encode", str(images), "--out",
+         str(tmp_path / "o" / "e.parquet"), "--device", "cpu", "--workers", "0", "--dtype",
+         "float32", "--config", str(config), "--random-init"],
+        capture_output=True, text=True, env=env, preexec_fn=bound_memory, timeout=300)
+    line = check_one_line(proc.returncode, proc.stderr, 1, proc.stdout)
+    assert "needs 4.0 GiB" in line and "float32" in line and "memory" in line, line
+    assert not (tmp_path / "o").exists()
+
+
 # --------------------------------------------------------------------------- in-process
 
 def encode(*args: str, env: dict | None = None):
@@ -170,6 +195,9 @@ def encode(*args: str, env: dict | None = None):
     (["--weights", "W", "--batch-tokens", "-5"], 2, ["--batch-tokens", "-5"]),
     (["--weights", "W", "--batch-tokens", "0"], 2, ["--batch-tokens"]),
     (["--weights", "W", "--max-pixels", "0"], 2, ["--max-pixels"]),
+    (["--weights", "W", "--max-pixels", "100000000000000000000"], 2, ["--max-pixels", "2**36"]),
+    (["--random-init", "--config", "C", "--seed", "99999999999999999999999"], 2,
+     ["--seed", "2**64-1"]),
     (["--weights", "W", "--part-images", "0"], 2, ["--part-images"]),
     (["--weights", "W", "--workers", "-1"], 2, ["--workers"]),
     (["--weights", "W", "--decode-timeout", "0"], 2, ["timeout"]),

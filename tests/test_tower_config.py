@@ -5,8 +5,10 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
-from dsv4enc.tower.config import VisionConfig
+from dsv4enc.tower.checkpoint import tower_bytes
+from dsv4enc.tower.config import SIZE_LIMITS, VisionConfig
 from dsv4enc.errors import ConfigError
 
 from helpers import CONFIGS, NESTED_VISION_KEYS, nested_layout
@@ -127,6 +129,30 @@ def test_bad_values_are_config_errors(key, value):
     flat = dict(flat_of("tiny"), **{key: value})
     with pytest.raises(ConfigError):
         VisionConfig.from_dict(flat, source="cfg.json")
+
+
+@pytest.mark.parametrize("sizes, named", [
+    ({"vision_dim": 320000, "vision_inter_dim": 400000}, "dim 320000"),
+    ({"vision_dim": 10 ** 9}, "dim 1000000000"),
+    ({"vision_n_layers": 10 ** 6}, "n_layers"), ({"vision_inter_dim": 1 << 19}, "inter_dim"),
+    ({"vision_patch_size": 10 ** 5}, "patch_size"), ({"hidden_size": 10 ** 12}, "hidden_size"),
+    ({"vision_downsample_ratio": 1000}, "downsample_ratio"),
+    ({"vision_max_n_token": 10 ** 9}, "max_n_token"),
+    ({"vision_min_pixels": 1 << 40}, "min_pixels")])
+def test_sizes_past_any_real_tower_are_config_errors(sizes, named):
+    with pytest.raises(ConfigError, match=f"cfg.json: {named}.* is over"):
+        VisionConfig.from_dict(dict(flat_of("tiny"), **sizes), source="cfg.json")
+
+
+def test_the_largest_sizes_taken_keep_torch_s_size_arithmetic():
+    """A tower at every bound (but one layer) is valid, and its tensors' sizes are computed
+    (on the meta device) without overflow: building it is refused for memory, not crashed."""
+    largest = {flat: SIZE_LIMITS[field] for flat, field in [
+        ("vision_dim", "dim"), ("vision_n_heads", "n_heads"), ("vision_inter_dim", "inter_dim"),
+        ("vision_patch_size", "patch_size"), ("vision_downsample_ratio", "downsample_ratio"),
+        ("hidden_size", "hidden_size")]}
+    cfg = VisionConfig.from_dict(dict(flat_of("tiny"), vision_n_layers=1, **largest))
+    assert tower_bytes(cfg, torch.float32) > 2 ** 40
 
 
 def test_errors_name_the_source(tmp_path):

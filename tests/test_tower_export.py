@@ -4,6 +4,7 @@ embeddings as the full checkpoint it came from."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -82,10 +83,10 @@ def test_extract_refusals(tiny_ckpt, tiny_cfg, tiny_state, tmp_path):
     busy = tmp_path / "busy"
     busy.mkdir()
     (busy / "keep.txt").write_text("x")
-    with pytest.raises(OutputError, match="not empty"):
-        extract_tower(tiny_ckpt, busy)
-    extract_tower(tiny_ckpt, busy, overwrite=True)
-    assert (busy / "model.safetensors").is_file() and (busy / "keep.txt").is_file()
+    for overwrite in (False, True):
+        with pytest.raises(OutputError, match="holds keep.txt, which dsv4enc extract did not"):
+            extract_tower(tiny_ckpt, busy, overwrite=overwrite)
+    assert [p.name for p in busy.iterdir()] == ["keep.txt"]
     with pytest.raises(OutputError, match="differ"):
         extract_tower(tiny_ckpt, tiny_ckpt, overwrite=True)
     partial = {n: t for n, t in tiny_state.items() if n != "vision.norm.weight"}
@@ -97,3 +98,29 @@ def test_extract_refusals(tiny_ckpt, tiny_cfg, tiny_state, tmp_path):
                                  str(tmp_path / "y")])
     assert result.exit_code == 1 and "not found" in result.output
     assert np.all([not p.name.startswith(".") for p in busy.iterdir()])  # no temp file left
+
+
+def test_overwrite_replaces_an_earlier_extract_and_nothing_else(tiny_ckpt, sharded_ckpt,
+                                                                 tmp_path):
+    """--overwrite replaces an earlier extract's files, known by the marker in its weights'
+    header; a folder holding another checkpoint (a sharded one) is refused, left as it was."""
+    out = tmp_path / "vision"
+    extract_tower(tiny_ckpt, out)
+    with safe_open(str(out / "model.safetensors"), framework="pt") as handle:
+        assert handle.metadata() == {"format": "pt", "dsv4enc": "extract"}
+    with pytest.raises(OutputError, match="earlier extract; pass --overwrite"):
+        extract_tower(sharded_ckpt, out)
+    extract_tower(sharded_ckpt, out, overwrite=True)
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    assert load_checkpoint(out).fingerprint == load_checkpoint(sharded_ckpt).fingerprint
+
+    other = tmp_path / "other"
+    shutil.copytree(sharded_ckpt, other)
+    before = {p.name: p.read_bytes() for p in other.iterdir()}
+    result = runner.invoke(app, ["extract", str(tiny_ckpt), "-o", str(other), "--overwrite"])
+    assert result.exit_code == 1 and "Traceback" not in result.output
+    assert "holds config.json, which dsv4enc extract did not write" in result.output
+    assert {p.name: p.read_bytes() for p in other.iterdir()} == before
+    (out / "model.safetensors").unlink()  # an extract's config.json alone is no extract's
+    with pytest.raises(OutputError, match="holds config.json"):
+        extract_tower(tiny_ckpt, out, overwrite=True)

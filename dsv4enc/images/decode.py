@@ -245,6 +245,7 @@ def patches_tensor(decoded: Decoded):
 #: its cache of table row groups and the transform's canvas.
 WORKER_BYTES_PER_PIXEL = 16
 WORKER_HEADROOM = 768 << 20
+_RLIMIT_MAX = (1 << 63) - 1  # the largest limit setrlimit takes (a C long)
 # A worker's heap (``_worker_main``): buffers up to 64 MB (a 20-megapixel photo's planes) come
 # from it and stay mapped when freed, up to 512 MB; larger ones are mapped and given back.
 WORKER_HEAP_LARGEST = 64 << 20
@@ -253,10 +254,11 @@ WORKER_HEAP_KEEP = 512 << 20
 
 def _limit_memory(budget: int | None) -> None:
     """Cap this process's data segment (what decoding allocates) at its current size plus
-    ``budget``: past it, an allocation raises MemoryError (that image's error row). Linux only."""
+    ``budget``: past it, an allocation raises MemoryError (that image's error row). Linux only.
+    A limit past what ``setrlimit`` takes (a C long) is no limit at all: none is set."""
     if budget is None:
         return
-    with contextlib.suppress(ImportError, OSError, StopIteration, ValueError):
+    with contextlib.suppress(ImportError, OSError, StopIteration, ValueError, OverflowError):
         import resource
 
         with open("/proc/self/status") as status:
@@ -264,6 +266,8 @@ def _limit_memory(budget: int | None) -> None:
                         if line.startswith("VmData:"))
         soft, hard = resource.getrlimit(resource.RLIMIT_DATA)
         limit = used + budget if hard == resource.RLIM_INFINITY else min(used + budget, hard)
+        if limit > _RLIMIT_MAX:
+            return
         if soft == resource.RLIM_INFINITY or soft > limit:
             resource.setrlimit(resource.RLIMIT_DATA, (limit, hard))
 

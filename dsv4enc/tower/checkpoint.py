@@ -6,8 +6,11 @@ those tensors are read, memory-mapped."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,7 +18,7 @@ import torch
 from safetensors import safe_open
 
 from .config import VisionConfig
-from ..errors import WeightsError
+from ..errors import InsufficientMemory, WeightsError
 from .model import VisionTower
 
 TOWER_PREFIXES = ("vision.", "aligner.")
@@ -51,6 +54,54 @@ def checked_shapes(cfg: VisionConfig, located: dict[str, Path]) -> dict[str, tup
         raise WeightsError(f"checkpoint has unexpected tower tensor {extra[0]} "
                            "(does config.json match the weights?)")
     return shapes
+
+
+def tower_bytes(cfg: VisionConfig, dtype: torch.dtype) -> int:
+    """The bytes of the tower's weights in ``dtype`` (norms float32)."""
+    return sum(math.prod(shape) * (4 if keeps_float32(name) else dtype.itemsize)
+               for name, shape in expected_shapes(cfg).items())
+
+
+def _is_allocation_failure(exc: BaseException) -> bool:
+    """Whether ``exc`` says memory could not be had: a MemoryError, torch's OutOfMemoryError
+    (a device's), or the RuntimeError of its CPU allocator or of a size past its arithmetic."""
+    if isinstance(exc, (MemoryError, torch.OutOfMemoryError)):
+        return True
+    text = str(exc)
+    return isinstance(exc, RuntimeError) and any(
+        sign in text for sign in ("can't allocate memory", "out of memory",
+                                  "Storage size calculation overflowed"))
+
+
+def _physical_memory() -> int | None:
+    """This machine's RAM in bytes (None where the OS does not say)."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+@contextlib.contextmanager
+def holding_tower(cfg: VisionConfig, dtype: torch.dtype, device: str | None = None):
+    """Run the block that allocates the tower's weights (on ``device``; None: in this
+    machine's RAM): an allocation failure in it becomes one line saying how much the tower
+    needs and that the memory lacks it. A tower larger than the RAM is refused first: with
+    the kernel's overcommit, writing it could end in the OOM killer rather than an error."""
+    need = tower_bytes(cfg, dtype)
+    where = f"device {device}" if device is not None else "this machine"
+    lacking = InsufficientMemory(
+        f"the tower ({cfg.dim} wide, {cfg.n_layers} deep) needs {need / 2**30:.1f} GiB "
+        f"of weights in {str(dtype).removeprefix('torch.')}, more memory than {where} can "
+        "allocate")
+    ram = _physical_memory()
+    if device is None and ram is not None and need > ram:
+        raise lacking
+    try:
+        yield
+    except (MemoryError, RuntimeError) as exc:
+        if not _is_allocation_failure(exc):
+            raise
+        raise lacking from None
 
 
 @dataclass
@@ -162,7 +213,9 @@ def load_checkpoint(path: str | Path, dtype: torch.dtype = torch.float32) -> Che
     """Read config and tower tensors from a checkpoint folder."""
     folder = checkpoint_folder(path)
     cfg = VisionConfig.from_file(folder / "config.json")  # ConfigError names file and key
-    state, fingerprint = read_tower_tensors(locate_tower_tensors(folder), cfg, dtype)
+    located = locate_tower_tensors(folder)
+    with holding_tower(cfg, dtype):
+        state, fingerprint = read_tower_tensors(located, cfg, dtype)
     return Checkpoint(cfg, state, fingerprint, str(folder))
 
 
@@ -187,8 +240,9 @@ def random_state_dict(cfg: VisionConfig, seed: int = 0,
 def random_checkpoint(cfg: VisionConfig, seed: int = 0,
                       dtype: torch.dtype = torch.float32) -> Checkpoint:
     """A random tower for demos and benchmarks, fingerprinted by its config and seed."""
-    stored = random_state_dict(cfg, seed)
-    state = {n: t.to(torch.float32 if keeps_float32(n) else dtype) for n, t in stored.items()}
+    with holding_tower(cfg, dtype):
+        stored = random_state_dict(cfg, seed)
+        state = {n: t.to(torch.float32 if keeps_float32(n) else dtype) for n, t in stored.items()}
     key = json.dumps({"config": cfg.to_flat(), "seed": seed}, sort_keys=True)
     fingerprint = "random-" + hashlib.blake2b(key.encode(), digest_size=12).hexdigest()
     return Checkpoint(cfg, state, fingerprint, f"random(seed={seed})")
@@ -198,8 +252,11 @@ def build_tower(ckpt: Checkpoint, device: torch.device | str = "cpu") -> VisionT
     """Instantiate the tower from a loaded checkpoint, in eval mode, without gradients."""
     with torch.device("meta"):
         model = VisionTower(ckpt.config)
-    model.load_state_dict({n: t.to(device) for n, t in ckpt.state_dict.items()},
-                          strict=True, assign=True)
+    dtype = next((t.dtype for n, t in ckpt.state_dict.items() if not keeps_float32(n)),
+                 torch.float32)
+    with holding_tower(ckpt.config, dtype, device=str(device)):
+        model.load_state_dict({n: t.to(device) for n, t in ckpt.state_dict.items()},
+                              strict=True, assign=True)
     return model.eval().requires_grad_(False)
 
 

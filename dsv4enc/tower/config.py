@@ -39,6 +39,17 @@ DEEPSEEK_V4 = "deepseek_v4"
 DEEPSEEK_V41 = "deepseek_v41"
 MODEL_NAMES = {DEEPSEEK_V4: "DeepSeek-V4", DEEPSEEK_V41: "DeepSeek-V4.1"}
 
+#: The largest value each size may take. DeepSeek-V4(.1)-Flash has 32 layers, width 1024,
+#: 16 heads, an MLP of 2816, patches of 14, a 3x3 downsample, 384 (1024) image tokens, a
+#: minimum of 147456 (295936) pixels and a hidden size of 4096 (5120): each bound is 30 to
+#: 250 times that, generous for any real model, yet the largest tensor they allow (the
+#: aligner's, hidden x dim*r^2: 2^16 x 2^26 elements) stays far below what overflows a
+#: tensor's byte size (2^63), and a tower past the machine's memory is refused in one line
+#: when it is built (``tower/checkpoint``) instead of overflowing torch's size arithmetic.
+SIZE_LIMITS = {"n_layers": 1024, "dim": 1 << 16, "n_heads": 4096, "inter_dim": 1 << 18,
+               "patch_size": 512, "downsample_ratio": 32, "max_n_token": 1 << 16,
+               "min_pixels": 1 << 32, "hidden_size": 1 << 16}
+
 
 def model_type_of(raw: dict[str, Any]) -> str:
     """The variant a config.json describes: ``deepseek_v41`` when its ``model_type`` says so
@@ -93,6 +104,10 @@ class VisionConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ConfigError(f"config: {name} must be a positive integer, got {value!r}")
+        for name, limit in SIZE_LIMITS.items():
+            if getattr(self, name) > limit:
+                raise ConfigError(f"config: {name} {getattr(self, name)} is over {limit}, "
+                                  "the most dsv4enc takes (a real tower's is far smaller)")
         if self.dim % self.n_heads:
             raise ConfigError(f"config: vision dim {self.dim} is not divisible by "
                               f"n_heads {self.n_heads}")

@@ -20,6 +20,12 @@ from .hub import resolve_weights
 from ..errors import OutputError, WeightsError
 
 WEIGHTS_NAME = "model.safetensors"
+TMP_NAME = f".{WEIGHTS_NAME}.tmp"  # the weights file while it is written
+#: The safetensors metadata of an extract's weights file: what ``--overwrite`` recognises as
+#: an earlier extract's, the only files it replaces.
+EXTRACT_METADATA = {"format": "pt", "dsv4enc": "extract"}
+#: The largest safetensors header read when recognising an extract (safetensors' own bound).
+MAX_HEADER_BYTES = 100_000_000
 
 
 @dataclass
@@ -33,15 +39,48 @@ class Extracted:
 
 
 def _prepare_out(out: Path, overwrite: bool) -> None:
+    """Make folder ``out``, once it is empty or (with ``overwrite``) holds only an earlier
+    extract's files: dsv4enc replaces nothing it did not write."""
     if out.exists() and not out.is_dir():
         raise OutputError(f"--out {out} is a file, not a folder")
-    if out.is_dir() and any(out.iterdir()) and not overwrite:
-        raise OutputError(f"--out folder {out} is not empty; pass --overwrite to replace "
-                          "its checkpoint files")
+    if out.is_dir():
+        entries = sorted(out.iterdir())
+        foreign = next((p.name for p in entries if not _is_extract_file(p)), None)
+        if foreign is not None:
+            raise OutputError(f"--out folder {out} holds {foreign}, which dsv4enc extract did "
+                              "not write; extract replaces only its own files: choose an empty "
+                              "or new folder")
+        if entries and not overwrite:
+            raise OutputError(f"--out folder {out} holds an earlier extract; pass --overwrite "
+                              "to replace it")
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise OutputError(f"cannot create {out}: {exc.strerror or exc}") from None
+
+
+def _is_extract_file(path: Path) -> bool:
+    """Whether ``path`` is a file that an extract wrote: a weights file (or its temporary
+    copy) whose safetensors header carries ``EXTRACT_METADATA``, or the config.json beside
+    such a weights file (written after it)."""
+    if path.is_symlink() or not path.is_file():
+        return False
+    if path.name == "config.json":
+        return _is_extract_file(path.with_name(WEIGHTS_NAME))
+    return path.name in (WEIGHTS_NAME, TMP_NAME) and _metadata(path) == EXTRACT_METADATA
+
+
+def _metadata(path: Path) -> dict | None:
+    """The ``__metadata__`` of safetensors file ``path``'s header (None: no readable one)."""
+    try:
+        with open(path, "rb") as handle:
+            size = struct.unpack("<Q", handle.read(8))[0]
+            if size > MAX_HEADER_BYTES:
+                return None
+            header = json.loads(handle.read(size))
+    except (OSError, struct.error, ValueError):
+        return None
+    return header.get("__metadata__") if isinstance(header, dict) else None
 
 
 def extract_tower(source: str | os.PathLike, out: str | os.PathLike,
@@ -59,7 +98,7 @@ def extract_tower(source: str | os.PathLike, out: str | os.PathLike,
 
     # The header first (dtype, shape, byte range of every tensor, in name order) ...
     names = sorted(shapes)
-    header: dict[str, dict] = {"__metadata__": {"format": "pt"}}
+    header: dict[str, dict] = {"__metadata__": dict(EXTRACT_METADATA)}
     offset = 0
     handles = {}
     try:
@@ -77,7 +116,7 @@ def extract_tower(source: str | os.PathLike, out: str | os.PathLike,
 
         # ... then the bytes, one tensor at a time, under a temporary name.
         target = out / WEIGHTS_NAME
-        tmp = out / f".{WEIGHTS_NAME}.tmp"
+        tmp = out / TMP_NAME
         try:
             with open(tmp, "wb") as handle:
                 handle.write(struct.pack("<Q", len(blob)))

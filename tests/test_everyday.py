@@ -468,3 +468,24 @@ def test_a_second_ctrl_c_writes_the_summary_and_says_what_is_kept(tmp_path, smal
     assert finished.exit_code == 0, finished.output
     assert pq.read_table(out).num_rows == 9
 
+
+def test_a_files_from_list_that_is_the_output_is_refused_before_it_is_read(tmp_path,
+                                                                          small_ckpt):
+    """--files-from naming the output itself: the line says so (exit 1) and the output is
+    left as it was; a list that is binary shows its first path escaped, never raw bytes."""
+    image = write_image(tmp_path / "a.png", (20, 20))
+    out = tmp_path / "dr.parquet"
+    assert encode(str(image), "--out", str(out), "--weights", str(small_ckpt)).exit_code == 0
+    before = out.read_bytes()
+    (tmp_path / "link.parquet").symlink_to(out)
+    for listed in (out, tmp_path / "link.parquet"):
+        line = one_line(encode("--files-from", str(listed), "--out", str(out), "--weights",
+                               str(small_ckpt), "--overwrite"), 1)
+        assert f"--out {out} is the input {listed} (the --files-from list)" in line, line
+    assert out.read_bytes() == before
+    binary = tmp_path / "other.bin"
+    binary.write_bytes(b"PAR1\x15\x04\x1b[31m\xa8\xff\nsecond\n")
+    line = one_line(encode("--files-from", str(binary), "--out", str(tmp_path / "o.parquet"),
+                           "--weights", str(small_ckpt)), 2)
+    assert line.isprintable(), line
+    assert "(e.g. PAR1\\x15\\x04\\x1b[31m\\xa8\\xff)" in line, line

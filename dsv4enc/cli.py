@@ -471,29 +471,10 @@ def _encode_command(opts, storage_option: list[str] | None, quiet: bool,
                 setup, prefetch = prefetch or RunSetup(), None  # the run owns it from here
                 setup.started = started  # the wall time counts start-up (torch's too)
                 summary = run_encode(opts, dist, setup, stop)
-            from .run.summary import print_summary
         finally:
             stop.immediate = False  # reporting and clean-up are not cut short
         if dist is None or dist.is_main:
-            unwritten = summary_json and _write_summary(summary_json, summary)
-            if summary.dry_run:
-                from .run.summary import dry_run_line
-
-                typer.echo(dry_run_line(summary))
-            elif quiet:
-                if not (summary.encoded or summary.failed or summary.reused):
-                    from .images.discover import nothing_found
-
-                    # an empty run says so under --quiet too (the run's own warning is hidden)
-                    line = nothing_found(opts.inputs, opts.files_from, summary.skipped)
-                    typer.echo(f"WARNING dsv4enc: {line}", err=True)
-                typer.echo(summary.out)
-            else:
-                print_summary(summary)
-                if opts.resume and summary.reused and not summary.encoded + summary.failed:
-                    note(f"{summary.out} was already complete; nothing to resume")
-            if unwritten:  # the rows are committed; the report asked for is missing
-                fail(unwritten, SUMMARY_UNWRITTEN_EXIT)
+            _report(opts, summary, quiet, summary_json)
     except Interrupted as exc:
         if summary_json and _writes_reports(dist):
             write_stopped_summary(summary_json, exc, opts.out, "interrupted")
@@ -522,6 +503,31 @@ def _encode_command(opts, storage_option: list[str] | None, quiet: bool,
             shutdown(dist)
         stop.restore()
         package_log.setLevel(log_level)  # in-process callers (tests) run more commands
+
+
+def _report(opts, summary, quiet: bool, summary_json: str | None) -> None:
+    """A completed run's last lines, and its ``--summary-json``."""
+    unwritten = summary_json and _write_summary(summary_json, summary)
+    if summary.dry_run:
+        from .run.summary import dry_run_line
+
+        typer.echo(dry_run_line(summary))
+    elif quiet:
+        if not (summary.encoded or summary.failed or summary.reused):
+            from .images.discover import nothing_found
+
+            # an empty run says so under --quiet too (the run's own warning is hidden)
+            line = nothing_found(opts.inputs, opts.files_from, summary.skipped)
+            typer.echo(f"WARNING dsv4enc: {line}", err=True)
+        typer.echo(summary.out)
+    else:
+        from .run.summary import print_summary
+
+        print_summary(summary)
+        if opts.resume and summary.reused and not summary.encoded + summary.failed:
+            note(f"{summary.out} was already complete; nothing to resume")
+    if unwritten:  # the rows are committed; the report asked for is missing
+        fail(unwritten, SUMMARY_UNWRITTEN_EXIT)
 
 
 #: The exit code of a run that completed but could not write its ``--summary-json``: a setup

@@ -489,8 +489,9 @@ def _encode_command(opts, storage_option: list[str] | None, quiet: bool,
         if summary_json and _writes_reports(dist):
             write_stopped_summary(summary_json, exc, opts.out, "error")
         fail(str(exc), exc.exit_code)
-    except KeyboardInterrupt:  # a second Ctrl-C: the run stopped at once, wherever it was
+    except KeyboardInterrupt as exc:  # a second Ctrl-C: the run stopped at once, wherever it was
         stopped = Interrupted(signal.SIGINT, stop.hint)
+        stopped.summary = getattr(exc, "summary", None)  # what was done, where a stage kept it
         if summary_json and _writes_reports(dist):
             write_stopped_summary(summary_json, stopped, opts.out, "interrupted")
         fail(str(stopped), stopped.exit_code)

@@ -13,6 +13,7 @@ import inspect
 import json
 import logging
 import os
+import signal
 import sys
 import time
 from dataclasses import fields
@@ -470,28 +471,10 @@ def _encode_command(opts, storage_option: list[str] | None, quiet: bool,
                 setup, prefetch = prefetch or RunSetup(), None  # the run owns it from here
                 setup.started = started  # the wall time counts start-up (torch's too)
                 summary = run_encode(opts, dist, setup, stop)
-            from .run.summary import print_summary, write_summary_json
         finally:
             stop.immediate = False  # reporting and clean-up are not cut short
         if dist is None or dist.is_main:
-            if summary_json:
-                write_summary_json(summary_json, summary)
-            if summary.dry_run:
-                from .run.summary import dry_run_line
-
-                typer.echo(dry_run_line(summary))
-            elif quiet:
-                if not (summary.encoded or summary.failed or summary.reused):
-                    from .images.discover import nothing_found
-
-                    # an empty run says so under --quiet too (the run's own warning is hidden)
-                    line = nothing_found(opts.inputs, opts.files_from, summary.skipped)
-                    typer.echo(f"WARNING dsv4enc: {line}", err=True)
-                typer.echo(summary.out)
-            else:
-                print_summary(summary)
-                if opts.resume and summary.reused and not summary.encoded + summary.failed:
-                    note(f"{summary.out} was already complete; nothing to resume")
+            _report(opts, summary, quiet, summary_json)
     except Interrupted as exc:
         if summary_json and _writes_reports(dist):
             write_stopped_summary(summary_json, exc, opts.out, "interrupted")
@@ -506,8 +489,12 @@ def _encode_command(opts, storage_option: list[str] | None, quiet: bool,
         if summary_json and _writes_reports(dist):
             write_stopped_summary(summary_json, exc, opts.out, "error")
         fail(str(exc), exc.exit_code)
-    except KeyboardInterrupt:
-        fail("interrupted", 130)
+    except KeyboardInterrupt as exc:  # a second Ctrl-C: the run stopped at once, wherever it was
+        stopped = Interrupted(signal.SIGINT, stop.hint)
+        stopped.summary = getattr(exc, "summary", None)  # what was done, where a stage kept it
+        if summary_json and _writes_reports(dist):
+            write_stopped_summary(summary_json, stopped, opts.out, "interrupted")
+        fail(str(stopped), stopped.exit_code)
     finally:
         if prefetch is not None:
             prefetch.close()
@@ -517,6 +504,49 @@ def _encode_command(opts, storage_option: list[str] | None, quiet: bool,
             shutdown(dist)
         stop.restore()
         package_log.setLevel(log_level)  # in-process callers (tests) run more commands
+
+
+def _report(opts, summary, quiet: bool, summary_json: str | None) -> None:
+    """A completed run's last lines, and its ``--summary-json``."""
+    unwritten = summary_json and _write_summary(summary_json, summary)
+    if summary.dry_run:
+        from .run.summary import dry_run_line
+
+        typer.echo(dry_run_line(summary))
+    elif quiet:
+        if not (summary.encoded or summary.failed or summary.reused):
+            from .images.discover import nothing_found
+
+            # an empty run says so under --quiet too (the run's own warning is hidden)
+            line = nothing_found(opts.inputs, opts.files_from, summary.skipped)
+            typer.echo(f"WARNING dsv4enc: {line}", err=True)
+        typer.echo(summary.out)
+    else:
+        from .run.summary import print_summary
+
+        print_summary(summary)
+        if opts.resume and summary.reused and not summary.encoded + summary.failed:
+            note(f"{summary.out} was already complete; nothing to resume")
+    if unwritten:  # the rows are committed; the report asked for is missing
+        fail(unwritten, SUMMARY_UNWRITTEN_EXIT)
+
+
+#: The exit code of a run that completed but could not write its ``--summary-json``: a setup
+#: error's (README's table), as a script that asked for the report must not read it as done.
+SUMMARY_UNWRITTEN_EXIT = 1
+
+
+def _write_summary(path: str, summary) -> str | None:
+    """Write a completed run's ``--summary-json``; the error line when it cannot be."""
+    from .run.summary import write_summary_json
+
+    try:
+        write_summary_json(path, summary)
+    except OSError as exc:
+        cause = f"{exc.strerror}: {exc.filename}" if exc.strerror and exc.filename else exc
+        return (f"--summary-json {path} could not be written ({cause}); the output "
+                f"{summary.out} is complete")
+    return None
 
 
 def _writes_reports(dist) -> bool:

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
+import signal
 import time
 from pathlib import Path
 
@@ -20,6 +22,7 @@ from dsv4enc.tower.config import VisionConfig
 from dsv4enc.errors import WeightsError
 from dsv4enc.images.discover import discover, read_path_list
 from dsv4enc.output.read import load_manifest
+from dsv4enc.run.encoding import PartEncoder
 
 from helpers import CONFIGS, parts_of, signal_after_first_part, write_image
 
@@ -348,3 +351,141 @@ def test_inspect_of_an_interrupted_run_shows_what_was_committed_and_what_is_left
     assert finished.exit_code == 0, finished.output
     data = json.loads(runner.invoke(app, ["inspect", str(out), "--json"]).output)
     assert not data["interrupted"] and data["rows"] == 13
+
+
+def after_first_part(monkeypatch, act) -> None:
+    """Make an in-process run call ``act()`` right after its first part is handed to the
+    writer (on the encoding loop's thread, the main one): a known point, whatever the speed."""
+    original = PartEncoder.run
+
+    def run(self, *args, **kwargs):
+        for index, part in enumerate(original(self, *args, **kwargs)):
+            yield part
+            if index == 0:
+                act()
+
+    monkeypatch.setattr(PartEncoder, "run", run)
+
+
+def one_line(result, code: int) -> str:
+    assert result.exit_code == code, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    assert "Traceback" not in result.output
+    return lines[0]
+
+
+def test_a_summary_path_that_cannot_be_made_is_refused_before_the_run(tmp_path, small_ckpt):
+    """A --summary-json whose folder is a file, or a link to nothing: one line, exit 2, before
+    anything is written (the run would end without the report it was asked for)."""
+    image = write_image(tmp_path / "a.png", (20, 20))
+    (tmp_path / "s1.json").write_text("{}")
+    (tmp_path / "gone").symlink_to(tmp_path / "nowhere" / "deeper")
+    out = tmp_path / "e.parquet"
+    for summary in (tmp_path / "s1.json" / "x.json", tmp_path / "s1.json" / "d" / "x.json",
+                    tmp_path / "gone" / "x.json"):
+        line = one_line(encode(str(image), "--out", str(out), "--weights", str(small_ckpt),
+                               "--summary-json", str(summary)), 2)
+        assert "is not a folder" in line, line
+    assert not out.exists() and not (tmp_path / "nowhere").exists()
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes in any folder")
+def test_a_summary_in_a_read_only_folder_is_refused_before_the_run(tmp_path, small_ckpt):
+    image = write_image(tmp_path / "a.png", (20, 20))
+    locked = tmp_path / "ro"
+    locked.mkdir()
+    locked.chmod(0o555)
+    out = tmp_path / "e.parquet"
+    try:
+        line = one_line(encode(str(image), "--out", str(out), "--weights", str(small_ckpt),
+                               "--summary-json", str(locked / "s.json")), 2)
+    finally:
+        locked.chmod(0o755)
+    assert "cannot be written" in line and not out.exists()
+
+
+def test_a_summary_that_cannot_be_written_at_the_end_is_one_line(tmp_path, small_ckpt,
+                                                                  monkeypatch):
+    """The summary's folder became a file while the run went on: the output is complete and
+    says so, the missing report is one line (exit 1), never a traceback."""
+    folder = tmp_path / "imgs"
+    for i in range(6):
+        write_image(folder / f"{i}.png", (20 + i, 20))
+    reports = tmp_path / "reports"
+    after_first_part(monkeypatch, lambda: reports.write_text("not a folder"))
+    out = tmp_path / "e.parquet"
+    result = encode(str(folder), "--out", str(out), "--weights", str(small_ckpt),
+                    "--part-images", "2", "-q", "--summary-json", str(reports / "s.json"))
+    line = one_line(result, 1)
+    assert f"--summary-json {reports / 's.json'} could not be written" in line, line
+    assert f"the output {out} is complete" in line, line
+    assert result.stdout.strip() == str(out)
+    assert pq.read_table(out).num_rows == 6
+
+
+def test_a_summary_through_a_link_into_the_output_is_refused(tmp_path, small_ckpt):
+    """A --summary-json in a link to the output folder lies in the output: refused before the
+    run, so that no foreign file lands there and blocks the next --update."""
+    image = write_image(tmp_path / "imgs" / "a.png", (20, 20))
+    out = tmp_path / "sy"
+    common = (str(image.parent), "--out", f"{out}/", "--weights", str(small_ckpt))
+    assert encode(*common).exit_code == 0
+    (tmp_path / "syl").symlink_to(out)
+    before = sorted(p.name for p in out.iterdir())
+    for summary in (tmp_path / "syl" / "summary.json", tmp_path / "syl" / "d" / "s.json"):
+        line = one_line(encode(*common, "--update", "--summary-json", str(summary)), 2)
+        assert "is the output --out" in line and "lies in it" in line, line
+    assert sorted(p.name for p in out.iterdir()) == before
+    assert encode(*common, "--update").exit_code == 0
+
+
+def test_a_second_ctrl_c_writes_the_summary_and_says_what_is_kept(tmp_path, small_ckpt,
+                                                                   monkeypatch):
+    """Ctrl-C while encoding, then Ctrl-C again (which stops at once): exit 130, a line that
+    says the finished parts are kept and how to go on, and --summary-json "interrupted";
+    the advised --resume finishes."""
+    folder = tmp_path / "imgs"
+    for i in range(9):
+        write_image(folder / f"{i}.png", (20 + i, 20))
+
+    def twice() -> None:  # each handled before raise_signal returns (the main thread)
+        signal.raise_signal(signal.SIGINT)
+        signal.raise_signal(signal.SIGINT)
+
+    after_first_part(monkeypatch, twice)
+    out, report = tmp_path / "e.parquet", tmp_path / "di.json"
+    common = (str(folder), "--out", str(out), "--weights", str(small_ckpt), "--part-images",
+              "3")
+    line = one_line(encode(*common, "-q", "--summary-json", str(report)), 130)
+    assert line.startswith("error: interrupted by SIGINT; "), line
+    assert f"kept in {out}.partial" in line and "--resume" in line, line
+    data = json.loads(report.read_text())
+    assert data["status"] == "interrupted" and data["exit_code"] == 130
+    assert data["output"] == str(out)
+    monkeypatch.undo()
+    finished = encode(*common, "--resume")
+    assert finished.exit_code == 0, finished.output
+    assert pq.read_table(out).num_rows == 9
+
+
+def test_a_files_from_list_that_is_the_output_is_refused_before_it_is_read(tmp_path,
+                                                                          small_ckpt):
+    """--files-from naming the output itself: the line says so (exit 1) and the output is
+    left as it was; a list that is binary shows its first path escaped, never raw bytes."""
+    image = write_image(tmp_path / "a.png", (20, 20))
+    out = tmp_path / "dr.parquet"
+    assert encode(str(image), "--out", str(out), "--weights", str(small_ckpt)).exit_code == 0
+    before = out.read_bytes()
+    (tmp_path / "link.parquet").symlink_to(out)
+    for listed in (out, tmp_path / "link.parquet"):
+        line = one_line(encode("--files-from", str(listed), "--out", str(out), "--weights",
+                               str(small_ckpt), "--overwrite"), 1)
+        assert f"--out {out} is the input {listed} (the --files-from list)" in line, line
+    assert out.read_bytes() == before
+    binary = tmp_path / "other.bin"
+    binary.write_bytes(b"PAR1\x15\x04\x1b[31m\xa8\xff\nsecond\n")
+    line = one_line(encode("--files-from", str(binary), "--out", str(tmp_path / "o.parquet"),
+                           "--weights", str(small_ckpt)), 2)
+    assert line.isprintable(), line
+    assert "(e.g. PAR1\\x15\\x04\\x1b[31m\\xa8\\xff)" in line, line

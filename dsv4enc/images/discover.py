@@ -348,20 +348,35 @@ class MissingPaths:
             self.relative = path
 
 
+def printable(path: str) -> str:
+    """``path`` as an error line shows it: a character that is not printable (a control
+    character, a byte that is not UTF-8, held by Python as a surrogate) as its escape, e.g.
+    ``\\x15``, so that a line never sends raw bytes to the terminal."""
+    return "".join(char if char.isprintable() else _escaped(char) for char in path)
+
+
+def _escaped(char: str) -> str:
+    code = ord(char)
+    if 0xDC80 <= code <= 0xDCFF:  # os.fsdecode's stand-in for an undecodable byte
+        return f"\\x{code - 0xDC00:02x}"
+    return char.encode("unicode_escape").decode("ascii")
+
+
 def refuse_missing_list(list_file: str, missing: MissingPaths) -> None:
     """The UsageError for a ``--files-from`` list not one of whose paths exists (the likely
     cause: relative paths are taken from the current folder, not the list's)."""
-    where = "standard input" if list_file == "-" else list_file
+    where = "standard input" if list_file == "-" else printable(list_file)
+    first = printable(missing.first)
     text = ("no image could be read: " + (
-        f"none of the {missing.count} paths in --files-from {where} exists (e.g. {missing.first})"
+        f"none of the {missing.count} paths in --files-from {where} exists (e.g. {first})"
         if missing.count > 1 else
-        f"the path in --files-from {where} does not exist ({missing.first})"))
+        f"the path in --files-from {where} does not exist ({first})"))
     if missing.relative is not None:
         here = os.getcwd()
-        text += f"; relative paths are taken from the current folder ({here})"
+        text += f"; relative paths are taken from the current folder ({printable(here)})"
         beside = os.path.dirname(os.path.abspath(list_file)) if list_file != "-" else here
         if beside != here:
-            text += f", not from the list's folder ({beside})"
+            text += f", not from the list's folder ({printable(beside)})"
             if os.path.lexists(os.path.join(beside, missing.relative)):
                 text += ", where they are: run dsv4enc there, or list absolute paths"
     raise UsageError(text)

@@ -11,11 +11,15 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Collection, Iterable, Iterator, Sequence
 
+from .. import storage
+from ..errors import OutputError
+from ..output.files import PARTIAL
 from ..tower.config import VisionConfig
 from ..images.decode import NOT_YET, DecodePool, Decoded, DecodeStream
 from ..images.discover import Discovery, stream_inputs
@@ -221,6 +225,7 @@ class RunSetup:
         columns or kept members every input is listed: the schema (kept columns' types) and
         checks need all."""
         if self.found is None:
+            check_list_not_out(opts.files_from, opts.out)
             self.found = Discovery()
             self.listing = stream_inputs(self.found, opts.inputs, opts.files_from,
                                          opts.image_column, opts.key_column, stop,
@@ -342,6 +347,23 @@ class WindowSettings:
         tokens = sum(planned[i].tokens for i in range(start, end)
                      if planned[i].error is None and i not in self.carried)
         return Window(segments, batches, tasks, tokens)
+
+
+def check_list_not_out(files_from: str | None, out: str) -> None:
+    """Refuse, before it is read, a ``--files-from`` list that is the output ``out``, its
+    parts' folder or a file in either (links followed): its lines would be the output's bytes."""
+    listed, local_out = (storage.local_path(files_from) if files_from not in (None, "-")
+                         else None), storage.local_path(out)
+    if listed is None or local_out is None or not os.path.lexists(listed):
+        return
+    real, output = os.path.realpath(listed), os.path.realpath(local_out)
+    for taken in (output, output + PARTIAL):
+        if real == taken:
+            raise OutputError(f"--out {out} is the input {files_from} (the --files-from "
+                              "list); choose an --out outside the inputs")
+        if real.startswith(taken + os.sep):
+            raise OutputError(f"--out {out} contains the input {files_from} (the --files-from "
+                              "list); choose an --out outside the inputs")
 
 
 def start_prefetch(opts: EncodeOptions, stop: StopSignals | None = None) -> RunSetup | None:

@@ -234,23 +234,42 @@ SUMMARY_MAX_BYTES = 1 << 20
 
 def check_summary_path(path: str, out: str) -> None:
     """Refuse, before the run, a ``--summary-json`` path that the run may not write: not a
-    local path, the output ``out`` or a path inside it, or a file that is there and is not a
-    summary of an earlier run (dsv4enc replaces only what it wrote)."""
+    local path, the output ``out`` or a path inside it (links followed on both sides), a path
+    whose folder is a file or cannot be written, or a file that is there and is not a summary
+    of an earlier run (dsv4enc replaces only what it wrote)."""
     local, out_path = storage.local_path(path), storage.local_path(out)
     if local is None:
         raise UsageError(f"--summary-json {path}: give a local path")
-    target = Path(local).absolute()
+    given = Path(local)
+    # the file itself is replaced, never followed: its folder's real place is where it lands
+    target = Path(os.path.realpath(given.parent)) / given.name
     if out_path is not None:
-        output = Path(out_path).absolute()
+        output = Path(os.path.realpath(out_path))
         for taken in (output, output.with_name(output.name + PARTIAL)):
             if target == taken or taken in target.parents:
                 raise UsageError(f"--summary-json {path} is the output --out {out} or lies "
                                  "in it; choose another path")
-    if not (target.exists() or target.is_symlink()):
+    _check_summary_folder(path, given.parent)
+    if not (given.exists() or given.is_symlink()):
         return
-    if not _is_summary(target):
+    if not _is_summary(given):
         raise UsageError(f"--summary-json {path} exists and is not a dsv4enc summary (dsv4enc "
                          "replaces only a summary it wrote); choose another path")
+
+
+def _check_summary_folder(path: str, folder: Path) -> None:
+    """Refuse a summary whose folder ``folder`` cannot be made (the nearest name on its way
+    that is there is a file, or a link to nothing) or may not be written in by this process:
+    the run would end without its summary."""
+    existing = folder.absolute()
+    while not os.path.lexists(existing) and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise UsageError(f"--summary-json {path}: {existing} is not a folder; choose another "
+                         "path")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise UsageError(f"--summary-json {path}: the folder {existing} cannot be written; "
+                         "choose another path")
 
 
 def _is_summary(path: Path) -> bool:

@@ -469,6 +469,30 @@ def test_a_second_ctrl_c_writes_the_summary_and_says_what_is_kept(tmp_path, smal
     assert pq.read_table(out).num_rows == 9
 
 
+def test_a_second_ctrl_c_before_the_first_commit_leaves_nothing_behind(tmp_path, small_ckpt,
+                                                                       monkeypatch):
+    """Two Ctrl-Cs before any part is encoded: exit 130, a line that says nothing was
+    committed, no partial folder left, so the same command then runs as it is."""
+    folder = tmp_path / "imgs"
+    for i in range(4):
+        write_image(folder / f"{i}.png", (20 + i, 20))
+    original = PartEncoder.run
+
+    def run(self, *args, **kwargs):
+        signal.raise_signal(signal.SIGINT)
+        signal.raise_signal(signal.SIGINT)  # the second stops at once, here
+        yield from original(self, *args, **kwargs)
+
+    monkeypatch.setattr(PartEncoder, "run", run)
+    out = tmp_path / "e.parquet"
+    common = (str(folder), "--out", str(out), "--weights", str(small_ckpt))
+    line = one_line(encode(*common, "-q"), 130)
+    assert "nothing was committed; rerun the same command" in line, line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["imgs"]
+    monkeypatch.undo()
+    assert encode(*common).exit_code == 0
+
+
 def test_a_files_from_list_that_is_the_output_is_refused_before_it_is_read(tmp_path,
                                                                           small_ckpt):
     """--files-from naming the output itself: the line says so (exit 1) and the output is

@@ -262,16 +262,16 @@ def _run_encode(opts: EncodeOptions, ranks: Topology, setup: RunSetup, stop: Sto
                                if i in carried) if carried else summary.reused,
                            tokens=source.planned_tokens(setup, output.todo))
             _write_output(run, source, setup, output)
-    except (DsvError, Interrupted) as exc:
+    except (DsvError, Interrupted, KeyboardInterrupt) as exc:  # (a second Ctrl-C: at once)
         again = finishing_flag(opts)
         if isinstance(exc, storage.StoreDown):  # a store output's parts: RemoteOutput.run
             local = store is not None and remote is None
             exc.keep(len(store.parts) if local else None, str(layout.parts_dir), again)
-        elif again != "--resume":
+        elif again != "--resume" and not isinstance(exc, KeyboardInterrupt):
             advise(exc, again)
         if ranks.is_main:
             layout.discard_if_empty()  # so that a corrected rerun is not told to --resume
-        if isinstance(exc, Interrupted):  # what was done, for --summary-json
+        if isinstance(exc, (Interrupted, KeyboardInterrupt)):  # what was done, for --summary-json
             summary.seconds = time.perf_counter() - setup.started  # from the caller's start
             exc.summary = summary
         raise

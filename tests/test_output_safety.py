@@ -276,6 +276,55 @@ def test_a_file_under_a_part_name_that_dsv4enc_did_not_write_is_kept(data, tmp_p
     assert not (out / "part-000042.parquet").exists()
 
 
+#: Names dsv4enc gives files beside its parts, other than part files.
+OTHER_NAMES = ["_manifest-rank001.json", "_stamps-deadbeefdeadbeef.bin", "_manifest.journal",
+               "_manifest-rank000.journal", "_growing.parquet"]
+
+
+@pytest.mark.parametrize("name", OTHER_NAMES)
+def test_a_file_under_another_dsv4enc_name_that_dsv4enc_did_not_write_is_kept(data, tmp_path,
+                                                                              name):
+    """A manifest, journal, stamps or growing file is dsv4enc's by its content, not its name:
+    a file of the user's under such a name makes every flag refuse, naming it."""
+    out = tmp_path / "out"
+    assert encode(str(data), "--out", f"{out}/").exit_code == 0
+    (out / name).write_text("user data\n")
+    before = snapshot(out)
+    for extra in (["--overwrite"], ["--update"], ["--resume"]):
+        line = one_line_error(encode(str(data), "--out", f"{out}/", *extra))
+        assert "did not write" in line and name in line
+    assert snapshot(out) == before
+
+
+def test_what_a_killed_single_file_run_leaves_is_recognised_as_dsv4enc_s(data, tmp_path):
+    """A journal with its header only, one created empty, a growing file with a torn part
+    at its end or created empty: what a kill leaves is dsv4enc's (--resume finishes it,
+    --overwrite deletes it); another tool's Parquet file under the growing file's name is
+    not."""
+    out, partial = tmp_path / "e.parquet", tmp_path / "e.parquet.partial"
+    clean = tmp_path / "clean.parquet"
+    run_encode(options([data], clean))
+    journal, growing = partial / "_manifest.journal", partial / "_growing.parquet"
+    with pytest.raises(OutputError, match="no space"):
+        _fail_after_parts(data, out, 2)
+    journal.write_bytes(journal.read_bytes().split(b"\n")[0] + b"\n")  # its header only
+    with open(growing, "ab") as handle:
+        handle.write(b"torn half of a part")
+    assert encode(str(data), "--out", str(out), "--resume").exit_code == 0
+    assert rows(out) == rows(clean) and not partial.exists()
+    with pytest.raises(OutputError, match="no space"):
+        _fail_after_parts(data, out, 2, overwrite=True)
+    pq.write_table(pa.table({"x": [1, 2]}), growing)  # another tool's
+    theirs = growing.read_bytes()
+    line = one_line_error(encode(str(data), "--out", str(out), "--resume"))
+    assert "did not write" in line and "_growing.parquet" in line
+    assert growing.read_bytes() == theirs
+    journal.write_bytes(b"")
+    growing.write_bytes(b"")
+    assert encode(str(data), "--out", str(out), "--overwrite").exit_code == 0
+    assert rows(out) == rows(clean) and not partial.exists()
+
+
 def test_overwrite_keeps_foreign_files_in_a_partial_folder(data, tmp_path):
     out = tmp_path / "e.parquet"
     partial = tmp_path / "e.parquet.partial"

@@ -417,6 +417,52 @@ def test_a_second_run_refuses_while_the_lock_is_held(data, tmp_path):
     assert not partial.exists()
 
 
+def test_a_folder_run_refuses_while_a_single_file_of_its_name_is_written(data, tmp_path):
+    """``OUT/`` and the single file ``OUT`` (locked in ``OUT.partial/``) are one path: a folder
+    run refuses while a live run writes the file, and leaves no folder behind; a killed
+    run's lock file is no obstacle."""
+    out, partial = tmp_path / "a.parquet", tmp_path / "a.parquet.partial"
+    holder = start_lock_holder(partial, out)
+    try:
+        line = one_line_error(encode(str(data), "--out", f"{out}/"))
+        assert f"another dsv4enc run is writing {out} as a single file" in line
+        assert f"pid {holder.pid}" in line
+        assert not out.exists() and sorted(p.name for p in partial.iterdir()) == [LOCK_NAME]
+    finally:
+        holder.kill()
+        holder.wait()
+    result = encode(str(data), "--out", f"{out}/")
+    assert result.exit_code == 0, result.output
+    assert out.is_dir()
+
+
+def test_a_single_file_run_refuses_once_a_folder_of_its_name_is_written(data, tmp_path):
+    """A single-file run that took ``OUT`` for a file, then finds a live run writing a folder
+    there as it takes its lock, refuses (of two such runs started at once, one refuses)."""
+    from dsv4enc.output.layout import OutputLayout
+
+    out = tmp_path / "a.parquet"
+    layout = OutputLayout(str(out), shard_output=False)
+    assert not layout.folder_mode
+    holders, acquire = [], layout.lock.acquire
+
+    def folder_run_then_acquire():  # the folder run starts after this run's checks
+        out.mkdir()
+        holders.append(start_lock_holder(out, out))
+        acquire()
+
+    layout.lock.acquire = folder_run_then_acquire
+    try:
+        with pytest.raises(OutputError, match=f"writing {out} as a folder .pid ") as refused:
+            layout.prepare([str(data)], None, overwrite=False, resume=False)
+        assert f"pid {holders[0].pid} on" in str(refused.value)
+    finally:
+        for holder in holders:
+            holder.kill()
+            holder.wait()
+    assert not (tmp_path / "a.parquet.partial").exists()
+
+
 def test_two_runs_on_one_out_at_once(data, tmp_path):
     """A real run in another process, and this one started while it works: this one
     refuses (plain or with --overwrite), the other completes a readable file."""

@@ -19,7 +19,7 @@ from ..errors import OutputError
 from ..images.items import is_image_name
 from .files import (GROWING_NAME, JOURNAL_FILE, LOCK_NAME, MANIFEST_FILE, PART_FILE, PARTIAL,
                     STAMPS_FILE, is_output_file, manifest_name, temporary_of, write_probe)
-from .lock import OutputLock
+from .lock import OutputLock, holder_if_locked
 from .parquet_join import MAGIC
 from .update import Update, is_stamps_file
 from .read import JOURNAL_FORMAT, is_dsv4enc_parquet, read_metadata
@@ -244,10 +244,28 @@ class OutputLayout:
         try:
             self._make_parts_dir()
             self.lock.acquire()
+            self._check_other_kind()
             self._check_existing(overwrite, resume, update)
         except BaseException:
             self.release()
             raise
+
+    def _check_other_kind(self) -> None:
+        """Refuse while a live run writes ``--out`` as the other kind of output: a single file
+        (its lock is in ``OUT.partial/``) for a folder run, a folder (its lock in ``OUT/``) for
+        a single-file run. Asked once this run holds its own lock: of two runs starting at
+        once, the later to look sees the other's."""
+        if self.folder_mode:
+            out = Path(os.path.abspath(self.out))  # ``.`` has no name to add PARTIAL to
+            if not out.name:
+                return
+            other, kind = out.with_name(out.name + PARTIAL) / LOCK_NAME, "a single file"
+        else:
+            other, kind = self.out / LOCK_NAME, "a folder"
+        holder = holder_if_locked(other)
+        if holder is not None:
+            raise OutputError(f"another dsv4enc run is writing {self.out} as {kind}{holder}; "
+                              "wait for it to finish or choose another --out")
 
     def _check_existing(self, overwrite: bool, resume: bool, update: bool = False) -> None:
         out = self.out

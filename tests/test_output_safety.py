@@ -226,6 +226,26 @@ def test_overwrite_replaces_only_a_dsv4enc_file(data, tmp_path):
     assert pq.read_table(mine).num_rows == N_IMAGES
 
 
+def test_a_single_file_out_that_is_a_symbolic_link_is_refused(data, tmp_path):
+    """The finished file would replace the link itself: a link (dangling, or to a dsv4enc
+    file) is refused, naming what it points to; a link to a folder is that folder."""
+    mine = tmp_path / "mine.parquet"
+    assert encode(str(data), "--out", str(mine)).exit_code == 0
+    for target, flags in (("nowhere/x.parquet", []), (str(mine), ["--overwrite"])):
+        link = tmp_path / "link.parquet"
+        link.unlink(missing_ok=True)
+        link.symlink_to(target)
+        line = one_line_error(encode(str(data), "--out", str(link), *flags))
+        assert f"is a symbolic link (to {target})" in line
+        assert link.is_symlink() and os.readlink(link) == target
+    assert pq.read_table(mine).num_rows == N_IMAGES
+    (tmp_path / "folder").mkdir()
+    (tmp_path / "to_folder").symlink_to(tmp_path / "folder")
+    result = encode(str(data), "--out", str(tmp_path / "to_folder"))
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "folder" / "_manifest.json").exists()
+
+
 def test_overwrite_of_a_folder_output_keeps_what_dsv4enc_did_not_write(data, tmp_path):
     out = tmp_path / "out"
     assert encode(str(data), "--out", f"{out}/").exit_code == 0

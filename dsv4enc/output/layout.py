@@ -225,6 +225,10 @@ class OutputLayout:
                 raise OutputError(f"cannot write {out}: {parent} is a file, not a folder")
         if self.folder_mode and out.exists() and not out.is_dir():
             raise OutputError(f"--out {out} is a file, but a folder output was asked for")
+        if not self.folder_mode and out.is_symlink():
+            # The finished file would replace the link, not what it points to
+            raise OutputError(f"--out {out} is a symbolic link (to {os.readlink(out)}); give "
+                              "the path it points to as --out")
         if not self.folder_mode:
             if self.parts_dir.exists() and not self.parts_dir.is_dir():
                 raise OutputError(f"cannot use {self.parts_dir} for parts: it is a file "

@@ -262,11 +262,13 @@ def test_a_journal_entry_beyond_the_file_is_encoded_again(unfinished, images, fo
     assert rows_of(unfinished.with_name("e.parquet")) == folder_rows
 
 
-def test_a_growing_file_that_is_not_parquet_is_encoded_again(unfinished, images, folder_rows):
+def test_a_growing_file_that_is_not_parquet_is_refused_and_kept(unfinished, images):
+    """No run leaves that under the growing file's name (it starts with ``PAR1`` as soon as
+    it is more than empty): it is a file of someone else's."""
     (unfinished / GROWING_NAME).write_bytes(b"junk" * 10)
-    summary = run_encode(options(images, unfinished.with_name("e.parquet"), resume=True))
-    assert summary.reused == 0
-    assert rows_of(unfinished.with_name("e.parquet")) == folder_rows
+    with pytest.raises(OutputError, match=f"did not write .{GROWING_NAME}"):
+        run_encode(options(images, unfinished.with_name("e.parquet"), resume=True))
+    assert (unfinished / GROWING_NAME).read_bytes() == b"junk" * 10
 
 
 def test_a_refused_resume_changes_nothing(unfinished, images):

@@ -226,6 +226,26 @@ def test_overwrite_replaces_only_a_dsv4enc_file(data, tmp_path):
     assert pq.read_table(mine).num_rows == N_IMAGES
 
 
+def test_a_single_file_out_that_is_a_symbolic_link_is_refused(data, tmp_path):
+    """The finished file would replace the link itself: a link (dangling, or to a dsv4enc
+    file) is refused, naming what it points to; a link to a folder is that folder."""
+    mine = tmp_path / "mine.parquet"
+    assert encode(str(data), "--out", str(mine)).exit_code == 0
+    for target, flags in (("nowhere/x.parquet", []), (str(mine), ["--overwrite"])):
+        link = tmp_path / "link.parquet"
+        link.unlink(missing_ok=True)
+        link.symlink_to(target)
+        line = one_line_error(encode(str(data), "--out", str(link), *flags))
+        assert f"is a symbolic link (to {target})" in line
+        assert link.is_symlink() and os.readlink(link) == target
+    assert pq.read_table(mine).num_rows == N_IMAGES
+    (tmp_path / "folder").mkdir()
+    (tmp_path / "to_folder").symlink_to(tmp_path / "folder")
+    result = encode(str(data), "--out", str(tmp_path / "to_folder"))
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "folder" / "_manifest.json").exists()
+
+
 def test_overwrite_of_a_folder_output_keeps_what_dsv4enc_did_not_write(data, tmp_path):
     out = tmp_path / "out"
     assert encode(str(data), "--out", f"{out}/").exit_code == 0
@@ -274,6 +294,55 @@ def test_a_file_under_a_part_name_that_dsv4enc_did_not_write_is_kept(data, tmp_p
     result = encode(str(data), "--out", f"{out}/", "--resume")  # dsv4enc's, uncommitted
     assert result.exit_code == 0, result.output
     assert not (out / "part-000042.parquet").exists()
+
+
+#: Names dsv4enc gives files beside its parts, other than part files.
+OTHER_NAMES = ["_manifest-rank001.json", "_stamps-deadbeefdeadbeef.bin", "_manifest.journal",
+               "_manifest-rank000.journal", "_growing.parquet"]
+
+
+@pytest.mark.parametrize("name", OTHER_NAMES)
+def test_a_file_under_another_dsv4enc_name_that_dsv4enc_did_not_write_is_kept(data, tmp_path,
+                                                                              name):
+    """A manifest, journal, stamps or growing file is dsv4enc's by its content, not its name:
+    a file of the user's under such a name makes every flag refuse, naming it."""
+    out = tmp_path / "out"
+    assert encode(str(data), "--out", f"{out}/").exit_code == 0
+    (out / name).write_text("user data\n")
+    before = snapshot(out)
+    for extra in (["--overwrite"], ["--update"], ["--resume"]):
+        line = one_line_error(encode(str(data), "--out", f"{out}/", *extra))
+        assert "did not write" in line and name in line
+    assert snapshot(out) == before
+
+
+def test_what_a_killed_single_file_run_leaves_is_recognised_as_dsv4enc_s(data, tmp_path):
+    """A journal with its header only, one created empty, a growing file with a torn part
+    at its end or created empty: what a kill leaves is dsv4enc's (--resume finishes it,
+    --overwrite deletes it); another tool's Parquet file under the growing file's name is
+    not."""
+    out, partial = tmp_path / "e.parquet", tmp_path / "e.parquet.partial"
+    clean = tmp_path / "clean.parquet"
+    run_encode(options([data], clean))
+    journal, growing = partial / "_manifest.journal", partial / "_growing.parquet"
+    with pytest.raises(OutputError, match="no space"):
+        _fail_after_parts(data, out, 2)
+    journal.write_bytes(journal.read_bytes().split(b"\n")[0] + b"\n")  # its header only
+    with open(growing, "ab") as handle:
+        handle.write(b"torn half of a part")
+    assert encode(str(data), "--out", str(out), "--resume").exit_code == 0
+    assert rows(out) == rows(clean) and not partial.exists()
+    with pytest.raises(OutputError, match="no space"):
+        _fail_after_parts(data, out, 2, overwrite=True)
+    pq.write_table(pa.table({"x": [1, 2]}), growing)  # another tool's
+    theirs = growing.read_bytes()
+    line = one_line_error(encode(str(data), "--out", str(out), "--resume"))
+    assert "did not write" in line and "_growing.parquet" in line
+    assert growing.read_bytes() == theirs
+    journal.write_bytes(b"")
+    growing.write_bytes(b"")
+    assert encode(str(data), "--out", str(out), "--overwrite").exit_code == 0
+    assert rows(out) == rows(clean) and not partial.exists()
 
 
 def test_overwrite_keeps_foreign_files_in_a_partial_folder(data, tmp_path):
@@ -366,6 +435,52 @@ def test_a_second_run_refuses_while_the_lock_is_held(data, tmp_path):
     result = encode(str(data), "--out", str(out))
     assert result.exit_code == 0, result.output
     assert not partial.exists()
+
+
+def test_a_folder_run_refuses_while_a_single_file_of_its_name_is_written(data, tmp_path):
+    """``OUT/`` and the single file ``OUT`` (locked in ``OUT.partial/``) are one path: a folder
+    run refuses while a live run writes the file, and leaves no folder behind; a killed
+    run's lock file is no obstacle."""
+    out, partial = tmp_path / "a.parquet", tmp_path / "a.parquet.partial"
+    holder = start_lock_holder(partial, out)
+    try:
+        line = one_line_error(encode(str(data), "--out", f"{out}/"))
+        assert f"another dsv4enc run is writing {out} as a single file" in line
+        assert f"pid {holder.pid}" in line
+        assert not out.exists() and sorted(p.name for p in partial.iterdir()) == [LOCK_NAME]
+    finally:
+        holder.kill()
+        holder.wait()
+    result = encode(str(data), "--out", f"{out}/")
+    assert result.exit_code == 0, result.output
+    assert out.is_dir()
+
+
+def test_a_single_file_run_refuses_once_a_folder_of_its_name_is_written(data, tmp_path):
+    """A single-file run that took ``OUT`` for a file, then finds a live run writing a folder
+    there as it takes its lock, refuses (of two such runs started at once, one refuses)."""
+    from dsv4enc.output.layout import OutputLayout
+
+    out = tmp_path / "a.parquet"
+    layout = OutputLayout(str(out), shard_output=False)
+    assert not layout.folder_mode
+    holders, acquire = [], layout.lock.acquire
+
+    def folder_run_then_acquire():  # the folder run starts after this run's checks
+        out.mkdir()
+        holders.append(start_lock_holder(out, out))
+        acquire()
+
+    layout.lock.acquire = folder_run_then_acquire
+    try:
+        with pytest.raises(OutputError, match=f"writing {out} as a folder .pid ") as refused:
+            layout.prepare([str(data)], None, overwrite=False, resume=False)
+        assert f"pid {holders[0].pid} on" in str(refused.value)
+    finally:
+        for holder in holders:
+            holder.kill()
+            holder.wait()
+    assert not (tmp_path / "a.parquet.partial").exists()
 
 
 def test_two_runs_on_one_out_at_once(data, tmp_path):

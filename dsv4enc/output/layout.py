@@ -3,23 +3,26 @@ and the clean-up of dsv4enc's files only.
 
 dsv4enc deletes or replaces only what is provably its own: a single-file ``--out`` that is a
 Parquet file with dsv4enc's metadata, and in a parts folder (``OUT.partial/`` or a folder
-``--out``) the manifests it recognises by content (``parts.is_manifest``) and the files
-``files.is_ours`` names. Anything else makes the run refuse in one line, before anything is
-written or deleted."""
+``--out``) its lock, its temporaries, and the files under its names (``files.is_output_file``)
+whose content says they are dsv4enc's: manifests (``parts.is_manifest``), journals, stamps,
+the growing file and part files (``OutputLayout._is_ours``). Anything else makes the run
+refuse in one line, before anything is written or deleted."""
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Iterable
 
 from ..errors import OutputError
 from ..images.items import is_image_name
-from .files import (LOCK_NAME, PART_FILE, PARTIAL, is_output_file, manifest_name,
-                    temporary_of, write_probe)
-from .lock import OutputLock
-from .update import Update
-from .read import is_dsv4enc_parquet, read_metadata
+from .files import (GROWING_NAME, JOURNAL_FILE, LOCK_NAME, MANIFEST_FILE, PART_FILE, PARTIAL,
+                    STAMPS_FILE, is_output_file, manifest_name, temporary_of, write_probe)
+from .lock import OutputLock, holder_if_locked
+from .parquet_join import MAGIC
+from .update import Update, is_stamps_file
+from .read import JOURNAL_FORMAT, is_dsv4enc_parquet, read_metadata
 from .parts import (PartStore, StreamingAssembler, listed_names, output_os_error,
                     pre_release_manifest, read_manifest, read_manifests)
 
@@ -27,6 +30,71 @@ from .parts import (PartStore, StreamingAssembler, listed_names, output_os_error
 def _inside(path: str, folder: str) -> bool:
     """``path`` lies strictly inside ``folder`` (both real, absolute paths)."""
     return path != folder and os.path.commonpath([path, folder]) == folder
+
+
+#: How a journal's header line begins (``parts.PartStore`` writes it with ``json.dumps``
+#: and sorted keys, so ``format`` comes first).
+_JOURNAL_OPENING = json.dumps({"format": JOURNAL_FORMAT}).encode()[:-1]
+#: A journal's first bytes that are read to recognise it (its header is far shorter).
+_JOURNAL_HEAD = 4096
+
+
+def _read_head(path: Path, size: int) -> bytes | None:
+    """The first ``size`` bytes of the file at ``path``; None where it cannot be read."""
+    try:
+        with open(path, "rb") as handle:
+            return handle.read(size)
+    except OSError:
+        return None
+
+
+def _is_journal(path: Path) -> bool:
+    """A manifest's journal: its first line is dsv4enc's journal header, or it is what a run
+    killed while it created the journal leaves (empty, or that header cut short)."""
+    head = _read_head(path, _JOURNAL_HEAD)
+    if head is None:
+        return False
+    line, newline, _ = head.partition(b"\n")
+    if not newline:  # torn: the header and its first entry are one write
+        return len(head) < _JOURNAL_HEAD and (_JOURNAL_OPENING.startswith(line)
+                                              or line.startswith(_JOURNAL_OPENING))
+    try:
+        header = json.loads(line)
+    except ValueError:
+        return False
+    return isinstance(header, dict) and header.get("format") == JOURNAL_FORMAT
+
+
+def _is_growing(path: Path) -> bool:
+    """The growing file (``appending``): empty (a run killed as it made it), or ``PAR1`` and
+    then either a footer with dsv4enc's metadata (its last part's, or the whole file's) or no
+    footer at all (a run killed while a part was written into it)."""
+    head = _read_head(path, len(MAGIC))
+    if head is None or head and head != MAGIC:
+        return False
+    return not head or is_dsv4enc_parquet(path) or not _has_footer(path)
+
+
+def _has_footer(path: Path) -> bool:
+    """The file ends with a Parquet footer that pyarrow reads (whoever wrote it)."""
+    import pyarrow.parquet as pq
+
+    try:
+        pq.read_metadata(path)
+    except Exception:  # no footer, a torn one, ...: pyarrow raises several kinds
+        return False
+    return True
+
+
+def _is_part(path: Path) -> bool:
+    """A part file no manifest lists: a killed run's, whose footer says dsv4enc wrote it, or
+    an empty one (a bucket output's stand-in)."""
+    return path.stat().st_size == 0 or is_dsv4enc_parquet(path)
+
+
+#: How the content of a file under each of dsv4enc's names shows it is dsv4enc's (a file a
+#: manifest lists is, and a manifest is known by its own content: ``parts.is_manifest``).
+_KNOWN_BY = ((PART_FILE, _is_part), (JOURNAL_FILE, _is_journal), (STAMPS_FILE, is_stamps_file))
 
 
 #: How the refusal of an existing output names the two ways to continue it.
@@ -67,21 +135,26 @@ class OutputLayout:
         return manifest_name(rank if self.shard_output else None)
 
     # -- what is ours -------------------------------------------------------------------
-    def _is_ours(self, path: Path, listed: set[str] | None) -> bool:
+    def _is_ours(self, path: Path, manifests: dict[Path, dict], listed: set[str]) -> bool:
         """A file in the parts folder that dsv4enc wrote: its lock, its temporaries, and
-        (where a dsv4enc manifest is present: ``listed``, the files manifests list) its
-        manifests, and its part files: listed ones, and unlisted ones (a killed run's) whose
-        footer says so, or that are empty (hold nothing: a bucket output's stand-ins)."""
+        where a dsv4enc manifest is present (``manifests``; ``listed``: the files they list)
+        the files under its names that their content shows to be its own: the manifests, the
+        files they list, and unlisted part files, journals, stamps and the growing file
+        (``_KNOWN_BY``, ``_is_growing``: what a killed run leaves under each counts)."""
         name = path.name
         became = temporary_of(name)
         if name == LOCK_NAME or became is not None and (
                 is_output_file(became) or not self.folder_mode and became == self.out.name):
             return True
-        if listed is None or not is_output_file(name):
+        if not manifests or not is_output_file(name) or not path.is_file():
             return False
-        if not PART_FILE.fullmatch(name) or name in listed:
+        if MANIFEST_FILE.fullmatch(name):
+            return path in manifests
+        if name in listed:
             return True
-        return path.is_file() and (path.stat().st_size == 0 or is_dsv4enc_parquet(path))
+        if name == GROWING_NAME:
+            return _is_growing(path)
+        return any(pattern.fullmatch(name) and known(path) for pattern, known in _KNOWN_BY)
 
     def _owned_and_foreign(self, manifests: dict | None = None) -> tuple[list[Path], list[str]]:
         """Files of the parts folder dsv4enc wrote (lock excepted), and the names of the others
@@ -89,10 +162,10 @@ class OutputLayout:
         if not self.parts_dir.is_dir():
             return [], []
         manifests = read_manifests(self.parts_dir) if manifests is None else manifests
-        listed = listed_names(manifests.values()) if manifests else None
+        listed = listed_names(manifests.values())
         owned, foreign = [], []
         for path in sorted(self.parts_dir.iterdir()):
-            if not path.is_dir() and self._is_ours(path, listed):
+            if not path.is_dir() and self._is_ours(path, manifests, listed):
                 if path.name != LOCK_NAME:
                     owned.append(path)
             elif not path.name.startswith("."):
@@ -152,6 +225,10 @@ class OutputLayout:
                 raise OutputError(f"cannot write {out}: {parent} is a file, not a folder")
         if self.folder_mode and out.exists() and not out.is_dir():
             raise OutputError(f"--out {out} is a file, but a folder output was asked for")
+        if not self.folder_mode and out.is_symlink():
+            # The finished file would replace the link, not what it points to
+            raise OutputError(f"--out {out} is a symbolic link (to {os.readlink(out)}); give "
+                              "the path it points to as --out")
         if not self.folder_mode:
             if self.parts_dir.exists() and not self.parts_dir.is_dir():
                 raise OutputError(f"cannot use {self.parts_dir} for parts: it is a file "
@@ -171,10 +248,28 @@ class OutputLayout:
         try:
             self._make_parts_dir()
             self.lock.acquire()
+            self._check_other_kind()
             self._check_existing(overwrite, resume, update)
         except BaseException:
             self.release()
             raise
+
+    def _check_other_kind(self) -> None:
+        """Refuse while a live run writes ``--out`` as the other kind of output: a single file
+        (its lock is in ``OUT.partial/``) for a folder run, a folder (its lock in ``OUT/``) for
+        a single-file run. Asked once this run holds its own lock: of two runs starting at
+        once, the later to look sees the other's."""
+        if self.folder_mode:
+            out = Path(os.path.abspath(self.out))  # ``.`` has no name to add PARTIAL to
+            if not out.name:
+                return
+            other, kind = out.with_name(out.name + PARTIAL) / LOCK_NAME, "a single file"
+        else:
+            other, kind = self.out / LOCK_NAME, "a folder"
+        holder = holder_if_locked(other)
+        if holder is not None:
+            raise OutputError(f"another dsv4enc run is writing {self.out} as {kind}{holder}; "
+                              "wait for it to finish or choose another --out")
 
     def _check_existing(self, overwrite: bool, resume: bool, update: bool = False) -> None:
         out = self.out

@@ -87,6 +87,29 @@ class OutputLock:
         self._fd = None
 
 
+def holder_if_locked(path: Path) -> str | None:
+    """Whether a live run holds the lock file at ``path`` (another parts folder's: it is
+    neither created nor kept here): None where none does (no such file, or no ``flock`` on
+    this system), else `` (pid N on HOST since TIME)`` or "" (``_holder``)."""
+    try:
+        import fcntl
+    except ImportError:
+        return None
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # let go again as the file is closed
+    except BlockingIOError:
+        return _holder(fd)
+    except OSError:  # file locking is off here (``acquire`` warned about it)
+        return None
+    finally:
+        os.close(fd)
+    return None
+
+
 def _still_linked(fd: int, path: Path) -> bool:
     try:
         mine, now = os.fstat(fd), os.stat(path)

@@ -146,6 +146,16 @@ def remove_other_stamps(folder: Path, keep: str | None) -> None:
             path.unlink(missing_ok=True)
 
 
+def is_stamps_file(path: Path) -> bool:
+    """Whether the file at ``path`` starts as a stamps file does (``_write_stamps``): how a
+    file under a stamps name is known to be dsv4enc's."""
+    try:
+        with open(path, "rb") as handle:
+            return handle.read(len(_MAGIC)) == _MAGIC
+    except OSError:
+        return False
+
+
 def _read_folder_stamps(folder: Path, entry: Any, rows: int) -> np.ndarray | None:
     if not (isinstance(entry, dict) and isinstance(entry.get("file"), str)
             and STAMPS_FILE.fullmatch(entry["file"]) and entry.get("rows") == rows):

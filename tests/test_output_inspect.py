@@ -310,3 +310,37 @@ def test_a_manifest_entry_not_of_the_format_is_damage_in_one_line(tmp_path, smal
         with pytest.raises(UsageError, match="the output is damaged"):
             list(read_embeddings(damaged))
 
+
+def test_a_folder_run_killed_before_its_first_commit_is_shown_as_interrupted(tmp_path,
+                                                                           small_ckpt):
+    """SIGKILLed while paused before any commit (its lock and a manifest of no part are
+    there): ``inspect`` says what it says of a single file's run stopped so, an interrupted
+    run of 0 parts to finish with --resume, not "no Parquet files"."""
+    folder = tmp_path / "imgs"
+    for i in range(4):
+        write_image(folder / f"{i}.png", (20 + i, 20))
+    from dsv4enc.output.inspect import progress_text, summarize
+
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}
+    said = []
+    for number, out in enumerate((f"{tmp_path}/folder/", f"{tmp_path}/single.parquet")):
+        pauses = Pauses(tmp_path / f"pauses{number}", "encoded")
+        proc = subprocess.Popen([sys.executable, "-m", "dsv4enc", "encode", str(folder), "--out",
+                                 out, "--weights", str(small_ckpt), "--part-images", "2",
+                                 "--workers", "0", "--device", "cpu", "-q"],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                env=pauses.env(env))
+        try:
+            pauses.wait("encoded", proc=proc)
+        finally:
+            proc.kill()
+            proc.wait()
+        result = run("inspect", out.rstrip("/"))
+        assert result.exit_code == 0, result.output
+        assert "(an interrupted run: not finished)" in " ".join(result.stdout.split())
+        data = json.loads(run("inspect", out.rstrip("/"), "--json").stdout)
+        assert data["interrupted"] and (data["parts"], data["images_done"]) == (0, 0)
+        assert data["rows"] == data["files"] == 0
+        said.append(progress_text(summarize(out.rstrip("/"))))
+    assert said[0] == said[1] and said[0].startswith("0 parts, 0 images done") and (
+        "--resume" in said[0])

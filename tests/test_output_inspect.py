@@ -234,3 +234,113 @@ def test_a_folder_without_a_dsv4enc_manifest_reads_its_parquet_files(tmp_path, s
     (plain / "_manifest.json").write_text(json.dumps({"parts": {"x": {"file": "x"}}}))
     assert [p for p, _, _ in read_embeddings(plain)] == [p for p, _, _ in read_embeddings(out)]
     assert len(list(read_embeddings(out))) == 3
+
+
+def one_line(result) -> str:
+    """The one line a refused ``inspect`` printed (exit 2, no traceback)."""
+    assert result.exit_code == 2, result.output
+    assert "Traceback" not in result.output and len(result.output.strip().splitlines()) == 1
+    return result.output.strip()
+
+
+def test_a_part_file_gone_is_damage_in_one_line_and_update_repairs_it(tmp_path, small_ckpt):
+    """A part file the manifest lists, deleted: ``inspect``, ``read_embeddings`` and the
+    datasets refuse in one line naming it (the output is damaged, ``--update`` repairs it),
+    never the other parts' rows as if they were all; ``--update`` then encodes it again."""
+    from dsv4enc.dataset import EmbeddingDataset
+    from dsv4enc.errors import UsageError
+
+    folder = tmp_path / "imgs"
+    for i in range(3):
+        write_image(folder / f"{i}.png", (20 + i, 20))
+    out = tmp_path / "out"
+    args = (str(folder), "--out", f"{out}/", "--part-images", "1")
+    encode(*args, weights=small_ckpt)
+    want = [(p, e.tobytes()) for p, e, _ in read_embeddings(out)]
+    gone = sorted(out.glob("part-*.parquet"))[1]
+    gone.unlink()
+    line = one_line(run("inspect", str(out)))
+    assert f"{out}/{gone.name}: missing" in line and "damaged" in line and "--update" in line
+    assert one_line(run("inspect", str(out), "--errors")) == line
+    for read in (lambda: list(read_embeddings(out)), lambda: EmbeddingDataset(out)):
+        with pytest.raises(UsageError, match=f"{gone.name}: missing.*damaged.*--update"):
+            read()
+    encode(*args, "--update", weights=small_ckpt)
+    assert [(p, e.tobytes()) for p, e, _ in read_embeddings(out)] == want
+
+
+def test_a_manifest_entry_not_of_the_format_is_damage_in_one_line(tmp_path, small_ckpt):
+    """A part entry edited out of the format (a ``file`` outside the folder, which is never
+    followed, a ``start`` that is no integer, ...) is refused by every reader in one line
+    naming the manifest, the part and the fault: never a traceback, never a part left out."""
+    from dsv4enc.errors import UsageError
+
+    folder = tmp_path / "imgs"
+    for i in range(2):
+        write_image(folder / f"{i}.png", (20 + i, 20))
+    out = tmp_path / "out"
+    encode(str(folder), "--out", f"{out}/", "--part-images", "1", weights=small_ckpt)
+    document = json.loads((out / "_manifest.json").read_text())
+    name = sorted(document["parts"])[0]
+    edits = [({"file": "../../etc/passwd"}, 'names "../../etc/passwd", not a part file'),
+             ({"file": "sub/part-000000.parquet"}, "not a part file"),
+             ({"file": 7}, "'file' 7, not a string"),
+             ({"start": None}, "'start' null, not an integer"),
+             ({"start": "0"}, "'start' \"0\", not an integer"),
+             ({"rows": True}, "'rows' true, not an integer"),
+             ({"end": None, "file": None}, "'end' null"),
+             ({"start": ...}, "has no 'start'"),
+             ({"file": ...}, "names no part file"),
+             (None, "is not an object")]
+    for number, (edit, says) in enumerate(edits):
+        damaged = tmp_path / f"damaged{number}"
+        shutil.copytree(out, damaged)
+        edited = json.loads(json.dumps(document))
+        if edit is None:
+            edited["parts"][name] = ["not", "an", "entry"]
+        for key, value in (edit or {}).items():
+            if value is ...:
+                del edited["parts"][name][key]
+            else:
+                edited["parts"][name][key] = value
+        (damaged / "_manifest.json").write_text(json.dumps(edited))
+        line = one_line(run("inspect", str(damaged)))
+        assert f"{damaged}/_manifest.json: its part {name!r}" in line and says in line, line
+        assert "damaged" in line
+        with pytest.raises(UsageError, match="the output is damaged"):
+            list(read_embeddings(damaged))
+
+
+def test_a_folder_run_killed_before_its_first_commit_is_shown_as_interrupted(tmp_path,
+                                                                           small_ckpt):
+    """SIGKILLed while paused before any commit (its lock and a manifest of no part are
+    there): ``inspect`` says what it says of a single file's run stopped so, an interrupted
+    run of 0 parts to finish with --resume, not "no Parquet files"."""
+    folder = tmp_path / "imgs"
+    for i in range(4):
+        write_image(folder / f"{i}.png", (20 + i, 20))
+    from dsv4enc.output.inspect import progress_text, summarize
+
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}
+    said = []
+    for number, out in enumerate((f"{tmp_path}/folder/", f"{tmp_path}/single.parquet")):
+        pauses = Pauses(tmp_path / f"pauses{number}", "encoded")
+        proc = subprocess.Popen([sys.executable, "-m", "dsv4enc", "encode", str(folder), "--out",
+                                 out, "--weights", str(small_ckpt), "--part-images", "2",
+                                 "--workers", "0", "--device", "cpu", "-q"],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                env=pauses.env(env))
+        try:
+            pauses.wait("encoded", proc=proc)
+        finally:
+            proc.kill()
+            proc.wait()
+        result = run("inspect", out.rstrip("/"))
+        assert result.exit_code == 0, result.output
+        assert "(an interrupted run: not finished)" in " ".join(result.stdout.split())
+        data = json.loads(run("inspect", out.rstrip("/"), "--json").stdout)
+        assert data["interrupted"] and (data["parts"], data["images_done"]) == (0, 0)
+        assert data["rows"] == data["files"] == 0
+        said.append(progress_text(summarize(out.rstrip("/"))))
+    assert said[0] == said[1] and said[0].startswith("0 parts, 0 images done") and (
+        "--resume" in said[0])

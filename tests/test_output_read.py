@@ -167,3 +167,35 @@ def test_a_folder_with_a_run_s_lock_but_no_manifest_shows_no_rows(tmp_path):
     assert list(read_embeddings(folder)) == []
     (folder / LOCK_NAME).unlink()
     assert [key for key, _, _ in read_embeddings(folder, errors="include")] == list(written)
+
+
+def test_a_part_committed_after_the_listing_is_read_a_part_gone_is_damage(tmp_path,
+                                                                          monkeypatch):
+    """A run that commits a part between a reader's listing of the folder and its read of
+    the manifest (a folder still being written; an --update's switch alike) leaves the
+    reader a part its listing lacks: it lists again and reads every committed part. A
+    committed part whose file is gone is damage: one line naming it, never its rows left out."""
+    from dsv4enc.errors import UsageError
+    from dsv4enc.output import read
+    from dsv4enc.output.parts import PartStore
+
+    written = write_output(tmp_path / "rows.parquet", "binary", False, 8, 6)
+    table = pq.read_table(tmp_path / "rows.parquet")
+    folder = tmp_path / "out"
+    store = PartStore(folder, {"tool": "dsv4enc"})
+    store.create()
+    store.commit("part-000000", table.slice(0, 3), 4, 0, 3, "d0")
+    real = read.load_manifest
+
+    def committed_meanwhile(path, fs=None, listed=()):
+        if "part-000003" not in store.parts:  # after the listing, before the manifest's read
+            store.commit("part-000003", table.slice(3), 4, 3, 6, "d3")
+        return real(path, fs, listed)
+
+    monkeypatch.setattr(read, "load_manifest", committed_meanwhile)
+    assert [key for key, _, _ in read_embeddings(folder, errors="include")] == list(written)
+    (folder / "part-000000.parquet").unlink()
+    with pytest.raises(UsageError, match=f"{folder}/part-000000.parquet: missing, though the "
+                       "manifest lists it: the output is damaged; rerun its encode command "
+                       "with --update"):
+        list(read_embeddings(folder))

@@ -99,6 +99,24 @@ def test_a_missing_object_is_one_line(s3):
     assert "Traceback" not in result.output and "s3:/" + s3.name not in result.output
 
 
+def test_a_bucket_output_missing_a_committed_part_is_damage_in_one_line(s3, outputs):
+    """A part object its manifest lists, gone: read_embeddings and inspect refuse in one line
+    naming it under the URL given, as locally, rather than read the other parts as all."""
+    from dsv4enc.errors import UsageError
+
+    local = outputs / "parts"
+    part = sorted(p.name for p in local.glob("part-*.parquet"))[1]
+    for path in sorted(p for p in local.iterdir() if p.is_file() and p.name != part):
+        s3.put(f"gone/parts/{path.name}", path.read_bytes())
+    url = f"{s3.url}/gone/parts"
+    says = f"{url}/{part}: missing, though the manifest lists it: the output is damaged"
+    with pytest.raises(UsageError, match=says):
+        list(read_embeddings(url))
+    result = runner.invoke(app, ["inspect", url])
+    assert result.exit_code == 2 and says in result.output
+    assert "Traceback" not in result.output and len(result.output.strip().splitlines()) == 1
+
+
 def test_an_fsspec_url_reads_as_the_local_one(outputs):
     import fsspec
 

@@ -142,6 +142,8 @@ def summarize(path: str | os.PathLike, storage_options: Any = None) -> OutputSum
     if partial is not None:
         return _summarize_interrupted(text, find_output(partial, storage_options))
     found = find_output(text, storage_options)
+    if not found.paths and found.manifests and found.locked:  # stopped before its first commit
+        return _summarize_interrupted(text, found)
     if not found.paths:
         raise UsageError(f"{text}: no Parquet files found")
     out = OutputSummary(path=text, bytes_on_disk=sum(found.sizes), metadata=_metadata(found))

@@ -16,7 +16,7 @@ import numpy as np
 
 from .. import storage
 from ..errors import UsageError
-from .files import LOCK_NAME, MANIFEST_FILE, journal_path, segment_chain
+from .files import LOCK_NAME, MANIFEST_FILE, PART_FILE, journal_path, segment_chain
 
 #: What a manifest's journal starts with (docs/output-format.md#the-manifest-and-its-journal).
 JOURNAL_FORMAT = "dsv4enc-journal"
@@ -41,11 +41,11 @@ class OutputFiles:
     sizes: list[int]  # their sizes in bytes
     manifests: list[dict]  # a folder's manifests, their journals applied (none: a single file)
     folder_bytes: int = 0  # every file's bytes under a folder (a single file: its own)
+    locked: bool = False  # a folder holding a run's lock file: a run writes it, or was killed
 
     def name(self, path: str) -> str:
         """``path`` as messages show it: under ``location`` as the user wrote it."""
-        below = path[len(self.root):].strip("/")
-        return f"{self.location.rstrip('/')}/{below}" if below else self.location
+        return _shown(self.location, self.root, path)
 
     def open(self, path: str):
         """A ``pyarrow.parquet.ParquetFile`` over ``path`` (a store's: ranged reads, the
@@ -66,7 +66,8 @@ def find_output(location: str | os.PathLike, storage_options: Any = None) -> Out
     file itself, or a folder's committed part files in input order. A folder with manifests
     shows only the parts they list (a part file not yet committed is skipped); one with a run's
     lock but no manifest yet, none; any other, every ``.parquet`` file below it in sorted order
-    (names starting with ``.`` or ``_`` skipped)."""
+    (names starting with ``.`` or ``_`` skipped). A folder whose manifest lists a part that
+    is not there, or a part entry the format does not describe, is damaged: a UsageError."""
     import pyarrow.fs as pafs
 
     text = os.fspath(location)
@@ -79,37 +80,121 @@ def find_output(location: str | os.PathLike, storage_options: Any = None) -> Out
         return OutputFiles(text, fs, root, [root], [info.size], [], info.size)
     if info.type != pafs.FileType.Directory:
         raise UsageError(f"no such file or folder: {text}")
-    for attempt in range(LISTINGS):
+    listed, manifests = _list_folder(fs, root, text)
+    paths = _committed_paths(root, manifests)
+    for _ in range(LISTINGS):
+        if all(p in listed for p in paths):
+            break
+        # A part committed (or a folder switched into place by an --update) after the listing
+        # is in a listing made after its manifest was read; one missing from that is gone.
+        later, manifests_later = _list_folder(fs, root, text)
+        if all(p in later for p in paths):
+            listed = later
+            break
+        listed, manifests = later, manifests_later
+        paths = _committed_paths(root, manifests)
+    gone = [p for p in paths if p not in listed]
+    if gone:
+        more = f" (and {len(gone) - 1} more)" if len(gone) > 1 else ""
+        raise UsageError(f"{_shown(text, root, gone[0])}{more}: missing, though the manifest "
+                         f"lists it: the output is damaged; {REPAIR_ADVICE}")
+    locked = f"{root}/{LOCK_NAME}" in listed
+    if not manifests:
+        if locked:  # a run writes it (or was killed) before any commit
+            paths = []
+        else:
+            paths = sorted((p for p in listed if _visible(p[len(root):].strip("/"))),
+                           key=lambda p: p[len(root):].strip("/").split("/"))
+    return OutputFiles(text, fs, root, paths, [listed[p].size for p in paths], manifests,
+                       sum(f.size for f in listed.values()), locked)
+
+
+#: How a reader's line tells the user to repair an output whose committed part is gone.
+REPAIR_ADVICE = ("rerun its encode command with --update to repair it (with --resume, if "
+                 "that run did not finish)")
+
+
+def _shown(location: str, root: str, path: str) -> str:
+    """``path`` (in the output's file system) under ``location`` as the user wrote it."""
+    below = path[len(root):].strip("/")
+    return f"{location.rstrip('/')}/{below}" if below else location
+
+
+def _list_folder(fs, root: str, text: str) -> tuple[dict[str, Any], list[dict]]:
+    """The files below the folder ``root`` by path, and its dsv4enc manifests (their journals
+    applied, their part entries checked: ``check_parts``), read after the listing."""
+    import pyarrow.fs as pafs
+
+    attempt = 0
+    while True:
+        attempt += 1
         try:
             found = fs.get_file_info(pafs.FileSelector(root, recursive=True))
             listed = {f.path: f for f in found if f.type == pafs.FileType.File}
-            manifests = [data for data in (_read_manifest(fs, path, listed) for path in sorted(
-                p for p in listed if MANIFEST_FILE.fullmatch(p[len(root):].strip("/")))) if data]
-            break
+            manifests = []
+            for path in sorted(p for p in listed
+                               if MANIFEST_FILE.fullmatch(p[len(root):].strip("/"))):
+                data = _read_manifest(fs, path, listed)
+                if data is not None:
+                    check_parts(data, _shown(text, root, path))
+                    manifests.append(data)
+            return listed, manifests
         except SegmentGone:
-            if attempt == LISTINGS - 1:
+            if attempt == LISTINGS:
                 raise UsageError(f"{text}: its journal kept changing while it was read; "
                                  "read it again") from None
         except OSError as exc:
             raise storage.setup_error(text, exc) from None
-    if manifests:
-        parts = [part for data in manifests for part in data["parts"].values()
-                 if isinstance(part, dict) and isinstance(part.get("file"), str)]
-        paths = [f"{root}/{name}" for name in _ordered_files(parts)]
-        paths = [p for p in paths if p in listed]
-    elif f"{root}/{LOCK_NAME}" in listed:  # a run writes it (or was killed) before any commit
-        paths = []
-    else:
-        paths = sorted((p for p in listed if _visible(p[len(root):].strip("/"))),
-                       key=lambda p: p[len(root):].strip("/").split("/"))
-    return OutputFiles(text, fs, root, paths, [listed[p].size for p in paths], manifests,
-                       sum(f.size for f in listed.values()))
+
+
+def _committed_paths(root: str, manifests: list[dict]) -> list[str]:
+    """The paths of the part files ``manifests`` list, in input order."""
+    parts = [part for data in manifests for part in data["parts"].values() if "file" in part]
+    return [f"{root}/{name}" for name in _ordered_files(parts)]
+
+
+#: The types of a manifest's part entry (docs/output-format.md#part-files): of the keys every
+#: entry holds, then of those an entry may hold (``file``, or ``offset`` and ``length``: a
+#: range of a single file's growing file).
+PART_KEYS: dict[str, type] = {"start": int, "end": int, "rows": int}
+MAYBE_PART_KEYS: dict[str, type] = {"file": str, "digest": str, "size": int, "failed": int,
+                                    "transient": int, "offset": int, "length": int}
+
+
+def check_parts(data: dict, shown: str) -> None:
+    """Refuse in one line (a UsageError) a dsv4enc manifest, shown as ``shown``, whose part
+    entries the format does not describe: every reader of a folder's parts reads them."""
+    for name, part in data["parts"].items():
+        why = part_fault(part)
+        if why is not None:
+            raise UsageError(f"{shown}: its part {name!r} {why}: the output is damaged; "
+                             "encode it again (--overwrite, or a new --out)")
+
+
+def part_fault(part: Any) -> str | None:
+    """What makes ``part`` no manifest part entry of the format, or None where it is one."""
+    if not isinstance(part, dict):
+        return "is not an object"
+    missing = [key for key in PART_KEYS if key not in part]
+    if missing:
+        return f"has no {missing[0]!r}"
+    for key, kind in {**PART_KEYS, **MAYBE_PART_KEYS}.items():
+        value = part.get(key, kind())
+        if not isinstance(value, kind) or isinstance(value, bool):
+            noun = "an integer" if kind is int else "a string"
+            return f"has {key!r} {json.dumps(value)}, not {noun}"
+    if "file" in part:
+        if not PART_FILE.fullmatch(part["file"]):
+            return f"names {json.dumps(part['file'])}, not a part file of its folder"
+    elif not ("offset" in part and "length" in part):
+        return "names no part file (nor a range of the growing file)"
+    return None
 
 
 def _ordered_files(parts: Iterable[dict]) -> list[str]:
     """The file names of manifest ``parts`` (one file once), in input order."""
     names: dict[str, None] = {}
-    for part in sorted(parts, key=lambda p: (p.get("start", 0), p["file"])):
+    for part in sorted(parts, key=lambda p: (p["start"], p["file"])):
         names.setdefault(part["file"], None)
     return list(names)
 

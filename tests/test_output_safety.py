@@ -345,6 +345,25 @@ def test_what_a_killed_single_file_run_leaves_is_recognised_as_dsv4enc_s(data, t
     assert rows(out) == rows(clean) and not partial.exists()
 
 
+def test_a_manifest_entry_edited_out_of_the_format_is_one_line_for_resume_and_update(data,
+                                                                                     tmp_path):
+    """A part entry whose start is no integer: --resume and --update refuse in one line that
+    calls the output damaged, leaving it as it is; --overwrite starts over."""
+    out = tmp_path / "out"
+    assert encode(str(data), "--out", f"{out}/").exit_code == 0
+    manifest = out / "_manifest.json"
+    doc = json.loads(manifest.read_text())
+    next(iter(doc["parts"].values()))["start"] = None
+    manifest.write_text(json.dumps(doc))
+    before = snapshot(out)
+    for flag in ("--resume", "--update"):
+        line = one_line_error(encode(str(data), "--out", f"{out}/", flag), 2)
+        assert "'start' null, not an integer: the output is damaged" in line, line
+        assert snapshot(out) == before
+    assert encode(str(data), "--out", f"{out}/", "--overwrite").exit_code == 0
+    assert len(rows(out)) == N_IMAGES
+
+
 def test_overwrite_keeps_foreign_files_in_a_partial_folder(data, tmp_path):
     out = tmp_path / "e.parquet"
     partial = tmp_path / "e.parquet.partial"

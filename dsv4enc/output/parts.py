@@ -34,7 +34,8 @@ from .parquet_join import JoinError, ParquetJoiner
 from ..version import __version__
 from .files import (MANIFEST_FILE, MANIFEST_NAME, PART_FILE, STAMPS_FILE, journal_path, part_file,
                     temp_path)
-from .read import JOURNAL_FORMAT, embedding_format, is_dsv4enc_document, load_manifest
+from .read import (JOURNAL_FORMAT, check_parts, embedding_format, is_dsv4enc_document,
+                   load_manifest)
 
 if TYPE_CHECKING:
     import torch
@@ -541,6 +542,7 @@ class PartStore:
                               f"({exc})") from None
         if not is_manifest(data):
             raise OutputError(f"cannot resume: {self.manifest_path} is not a dsv4enc manifest")
+        check_parts(data, str(self.manifest_path))
         self._recorded = data
         return data["settings"]
 

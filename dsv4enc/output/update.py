@@ -36,7 +36,7 @@ from .parts import (PartStore, Row, fsync_dir, manifest_document, output_os_erro
 from ..images.decode import is_transient
 from ..images.headers import Planned, inputs_digest
 from ..images.items import InputItem
-from .read import embedding_arrays, embedding_format
+from .read import check_parts, embedding_arrays, embedding_format
 
 log = logging.getLogger("dsv4enc")
 
@@ -308,6 +308,7 @@ class OldOutput:
         manifest = read_manifest(out / MANIFEST_NAME)
         if manifest is None:
             return None
+        check_parts(manifest, str(out / MANIFEST_NAME))
         parts = sorted(manifest["parts"].values(), key=lambda p: (p["start"], p["file"]))
         sizes = [int(p.get("rows", 0)) for p in parts]
         stamps = _read_folder_stamps(out, manifest.get("stamps"), sum(sizes))

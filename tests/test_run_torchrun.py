@@ -495,6 +495,41 @@ def test_sigterm_ends_ranks_whose_stop_is_held_up(work, folders, ckpt, reference
     assert_same_rows(rows_of(out), rows_of(reference))
 
 
+def test_sigterm_ends_a_rank_waiting_for_a_held_peer(work, folders, ckpt):
+    """Rank 1 held at a pause point while rank 0 waits for it in a collective: SIGTERM to
+    rank 0 alone ends it within the stop's grace, in its one line with exit 143, not after
+    --timeout (300 s here) as a wait blocked in C++ would (its signal handler never ran)."""
+    out, marker = work / "peer_held.parquet", work / "peer_held"
+    pauses = Pauses(work / "peer_held_pauses", "encoded")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
+           "--master-addr=127.0.0.1", f"--master-port={free_port()}", str(LAUNCHER), "held",
+           str(marker), str(folders["imgs"]), "--out", str(out), "--weights", str(ckpt),
+           *COMMON, "--workers", "0", "--timeout", "300", "--batch-tokens", "400"]
+    proc = subprocess.Popen(cmd, cwd=work, env=pauses.env(_env()), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    waiting = Path(f"{marker}.rank0.waiting")
+    try:
+        pauses.wait("encoded", proc=proc, hang_guard_s=LAUNCH_TIMEOUT_S)  # rank 1 only
+        deadline = time.monotonic() + LAUNCH_TIMEOUT_S
+        while not waiting.exists():
+            assert proc.poll() is None and time.monotonic() < deadline, "rank 0 never waited"
+            time.sleep(0.005)
+        signalled = time.monotonic()
+        os.kill(int(Path(f"{marker}.rank0.pid").read_text()), signal.SIGTERM)
+        _, stderr = proc.communicate(timeout=LAUNCH_TIMEOUT_S)
+        ended = time.monotonic()
+    finally:
+        pauses.release()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert ended - signalled < 120, (ended - signalled, stderr[-3000:])  # --timeout is 300
+    assert re.search(r"error: interrupted by SIGTERM; .*\(the run did not stop within "
+                     r"[\d.]+ s of the signal: ended at once\)", stderr), stderr[-3000:]
+    assert "timed out" not in stderr, stderr[-3000:]
+    assert re.search(r"exitcode\s*:\s*143", stderr), stderr[-3000:]  # torchrun's report
+
+
 def test_shard_output_resumes_when_ranks_committed_different_parts(work, sequence, reference):
     """Each rank keeps its own manifest; when one rank lacks a part the others have, every
     rank must still walk the same parts (their collectives pair up), and the gap is filled."""

@@ -347,6 +347,24 @@ def test_shard_output_matches_one_process(work, sequence, reference):
     assert sum(loads) == encoded and shown == pytest.approx(max(loads) / (encoded / 2), abs=1e-3)
 
 
+def test_finished_shard_output_records_stamps_that_update_uses(work, sequence, ckpt, folders,
+                                                               reference):
+    """A finished --shard-output folder records its rows' input stamps like any folder
+    output, so that one process can --update it: nothing changed, every row is reused."""
+    seq_ok(sequence, "shard")
+    folder = work / "shard_update"
+    shutil.copytree(work / "seq" / "shard", folder)
+    manifest = json.loads((folder / "_manifest.json").read_text())
+    assert manifest["stamps"]["rows"] == len(rows_of(reference))
+    assert (folder / manifest["stamps"]["file"]).is_file()
+    proc = ok(run([sys.executable, "-m", "dsv4enc", "encode", str(folders["imgs"]), "--out",
+                   f"{folder}/", "--update", "--weights", str(ckpt), *FAST,
+                   "--part-images", str(PART_IMAGES)], work))
+    reused = re.search(r"reused from the output\s*\S\s*([\d,]+)", proc.stderr)
+    assert reused and int(reused.group(1)) == len(rows_of(reference)), proc.stderr[-3000:]
+    assert_same_rows(rows_of(folder), rows_of(reference), ordered=False)
+
+
 def test_tensor_parallel_matches_one_process(work, sequence, reference):
     seq_ok(sequence, "tp")
     # The all-reduce of split layers sums in another order than one rank: float rounding.

@@ -28,6 +28,7 @@ from ..engine.device import resolve_device, resolve_dtype, resolve_out_dtype, re
 from .encoding import PartEncoder
 from ..engine.engine import Engine
 from ..engine.settings import EngineSettings
+from ..columns import utf8_text
 from ..errors import DsvError, Interrupted, UsageError, advise
 from ..images.decode import DecodePool
 from ..images.discover import nothing_found
@@ -46,7 +47,7 @@ from .progress import RunProgress
 from ..output.remote import RemoteOutput
 from .stopping import StopSignals
 from .summary import RunSummary
-from .ranks import Topology
+from .ranks import MergedManifest, Topology
 from ..output.parts import PartStore, output_schema, run_settings
 
 log = logging.getLogger("dsv4enc")
@@ -459,8 +460,10 @@ def _write_output(run: RunState, source: PartSource, setup: RunSetup,
             layout.remove_parts()
             run.summary.write_s += time.perf_counter() - began
         elif ranks.sharded:
-            ranks.merge_manifests(store)
+            merged = ranks.merge_manifests(store)
             ranks.sum_rank_counts(run.summary)
+            if merged is not None:  # rank 0: the merged folder's stamps, for a later --update
+                _stamp_sharded(merged, setup, output.row_options)
         elif source.written_elsewhere:
             layout.remove_temporaries()  # what killed writers left, never committed
         if layout.folder_mode and stamps is not None:  # the folder is complete
@@ -472,6 +475,24 @@ def _write_output(run: RunState, source: PartSource, setup: RunSetup,
         if assembler is not None:
             assembler.abort()  # idempotent; the final file never appears half-written
         raise
+
+
+def _stamp_sharded(merged: MergedManifest, setup: RunSetup, row_options: dict) -> None:
+    """A finished sharded folder's stamps, in its rows' order (parts by start, then file, as
+    ``--update`` reads them): each rank's part holds its share of a range, so the rows' keys
+    are read back from the part files (a small column). A bucket's parts, which its ranks
+    uploaded and do not hold here, are left unstamped."""
+    import pyarrow.parquet as pq
+
+    parts = sorted(merged.parts.values(), key=lambda p: (p["start"], p["file"]))
+    files = [merged.folder / p["file"] for p in parts]
+    if not all(path.is_file() for path in files):
+        return
+    input_stamps(setup.planned)
+    by_text = {utf8_text(p.item.key): (p.item.key, p.stamp) for p in setup.planned}
+    keys = (by_text[text] for path in files
+            for text in pq.read_table(path, columns=["path"]).column(0).to_pylist())
+    write_folder_stamps(merged.folder, merged, row_stamps(keys), row_options)
 
 
 def _encode_parts(run: RunState, source: PartSource, setup: RunSetup, output: OutputPlan,

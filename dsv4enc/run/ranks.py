@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import asdict
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 from ..errors import DsvError
@@ -144,16 +145,16 @@ class Topology:
                 rows[index] = row
         return rows
 
-    def merge_manifests(self, store: PartStore) -> None:
-        """--shard-output: rank 0 lists every rank's parts in one manifest."""
-        from ..output.files import MANIFEST_NAME
-        from ..output.parts import manifest_document, write_json_atomic
-
+    def merge_manifests(self, store: PartStore) -> MergedManifest | None:
+        """--shard-output: rank 0 lists every rank's parts in one manifest, and returns it
+        (the other ranks None)."""
         everything = self.gather(store.parts)
-        if self.is_main:
-            merged = {name: part for parts in everything for name, part in parts.items()}
-            write_json_atomic(manifest_document(store.settings, merged),
-                              store.folder / MANIFEST_NAME)
+        if not self.is_main:
+            return None
+        merged = MergedManifest(store.folder, store.settings, {
+            name: part for parts in everything for name, part in parts.items()})
+        merged.save()
+        return merged
 
     def sum_rank_counts(self, summary: RunSummary) -> None:
         """--shard-output: each rank counted only its own rows; the summary shows them all."""
@@ -168,3 +169,20 @@ class Topology:
         counts = self.gather((summary.tokens, padded_tokens, summary.merge_pad_tokens))
         summary.tokens, summary.padded_tokens, summary.merge_pad_tokens = map(sum, zip(*counts))
 
+
+
+class MergedManifest:
+    """A sharded output's merged manifest: every rank's parts, and ``extra`` top-level entries
+    (its stamps, as ``output/update.write_folder_stamps`` adds them to any folder's store)."""
+
+    def __init__(self, folder: Path, settings: dict[str, Any],
+                 parts: dict[str, dict[str, Any]]) -> None:
+        self.folder, self.settings, self.parts = folder, settings, parts
+        self.extra: dict[str, Any] = {}
+
+    def save(self) -> None:
+        from ..output.files import MANIFEST_NAME
+        from ..output.parts import manifest_document, write_json_atomic
+
+        write_json_atomic(manifest_document(self.settings, self.parts, **self.extra),
+                          self.folder / MANIFEST_NAME)

@@ -308,6 +308,13 @@ def sequence(work, folders, ckpt) -> dict[str, list[dict]]:
         "figures_dp": enc("imgs", "figures_dp.parquet", "--part-images", str(PART_IMAGES),
                           "--batch-tokens", "400", "--log-every", "0.01", "--summary-json",
                           str(work / "seq" / "figures_dp.json")),
+        # rank 1 given one option or input more: every rank refuses, naming it
+        "ranks_seed": ["@rank1", "--seed=1", *enc("imgs", "ranks_seed.parquet")],
+        "ranks_out_dtype": ["@rank1", "--out-dtype=float16",
+                            *enc("imgs", "ranks_dtype/", "--shard-output")],
+        "ranks_inputs": ["@rank1", str(folders["one"]),
+                         *enc("imgs", "ranks_inputs.parquet", "--part-images",
+                              str(PART_IMAGES))],
         "figures_shard": enc("imgs", "figures_shard/", "--shard-output", "--part-images",
                              str(PART_IMAGES), "--batch-tokens", "400", "--log-every", "0.01",
                              "--summary-json", str(work / "seq" / "figures_shard.json")),
@@ -558,6 +565,21 @@ def test_shard_output_resumes_when_ranks_committed_different_parts(work, sequenc
     folder = work / "seq" / "gap"
     assert (folder / "part-000000-rank001.parquet").is_file()
     assert_same_rows(rows_of(folder), rows_of(reference), ordered=False)
+
+
+def test_ranks_with_different_options_or_inputs_refuse(work, sequence):
+    """Ranks whose options or inputs differ would write rows of two towers, or pair up
+    collectives that do not match: every rank stops with exit 2, in one line naming it."""
+    for name, line in (("ranks_seed", "rank 1's --seed differs from rank 0's"),
+                       ("ranks_out_dtype", "rank 1's --out-dtype differs from rank 0's"),
+                       ("ranks_inputs", "the ranks listed different inputs")):
+        for rank, result in enumerate(sequence[name]):
+            assert result["code"] == 2, f"{name}, rank {rank}: {result}"
+            errors = [x for x in result["stderr"].splitlines() if x.startswith("error:")]
+            assert len(errors) == 1 and line in errors[0], (name, rank, result["stderr"][-3000:])
+            assert "Traceback" not in result["stderr"], result["stderr"][-3000:]
+    for out in ("ranks_seed.parquet", "ranks_dtype", "ranks_inputs.parquet"):
+        assert not (work / "seq" / out).exists(), out
 
 
 def test_progress_and_summary_count_every_rank(work, sequence, reference):

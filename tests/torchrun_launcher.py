@@ -13,7 +13,9 @@ by wrapping the pipeline.
       process (each joins and leaves the process group; the second and later ones under
       a store prefix of their own, as a fresh launch would be). An argument list that starts with
       "@interrupt" gets SIGINT on rank 0 as soon as its first part is handed to the writer;
-      ["@rm", PATH] is no run: rank 0 deletes PATH (code 0, or 1 if it was not there).
+      ["@rm", PATH] is no run: rank 0 deletes PATH (code 0, or 1 if it was not there);
+      ["@rank1", ARG, ...]: rank 1 alone appends ARG to the rest (ranks given different
+      options or inputs).
       Each rank writes RESULTS_DIR/rank{R}.json: [{"argv", "code", "stderr"}, ...].
   torchrun ... torchrun_launcher.py pid MARKER ENCODE-ARGS...
       ``dsv4enc encode ENCODE-ARGS``, each rank having written its process id to
@@ -172,6 +174,8 @@ def sequence(runs_file: str, results_dir: str) -> None:
                 Path(argv[1]).unlink()
             results.append({"argv": argv, "code": 0 if existed else 1, "stderr": ""})
             continue
+        if argv and argv[0] == "@rank1":
+            argv = argv[2:] + ([argv[1]] if rank == 1 else [])
         interrupt["on"] = bool(argv) and argv[0] == "@interrupt"
         argv = argv[1:] if interrupt["on"] else argv
         captured = io.StringIO()

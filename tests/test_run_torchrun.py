@@ -308,6 +308,13 @@ def sequence(work, folders, ckpt) -> dict[str, list[dict]]:
         "figures_dp": enc("imgs", "figures_dp.parquet", "--part-images", str(PART_IMAGES),
                           "--batch-tokens", "400", "--log-every", "0.01", "--summary-json",
                           str(work / "seq" / "figures_dp.json")),
+        # rank 1 given one option or input more: every rank refuses, naming it
+        "ranks_seed": ["@rank1", "--seed=1", *enc("imgs", "ranks_seed.parquet")],
+        "ranks_out_dtype": ["@rank1", "--out-dtype=float16",
+                            *enc("imgs", "ranks_dtype/", "--shard-output")],
+        "ranks_inputs": ["@rank1", str(folders["one"]),
+                         *enc("imgs", "ranks_inputs.parquet", "--part-images",
+                              str(PART_IMAGES))],
         "figures_shard": enc("imgs", "figures_shard/", "--shard-output", "--part-images",
                              str(PART_IMAGES), "--batch-tokens", "400", "--log-every", "0.01",
                              "--summary-json", str(work / "seq" / "figures_shard.json")),
@@ -345,6 +352,24 @@ def test_shard_output_matches_one_process(work, sequence, reference):
     loads, shown = summary_loads(sequence["shard"][0]["stderr"])
     encoded = sum(r["vit_h"] * r["vit_w"] for r in want if r["embedding"] is not None)
     assert sum(loads) == encoded and shown == pytest.approx(max(loads) / (encoded / 2), abs=1e-3)
+
+
+def test_finished_shard_output_records_stamps_that_update_uses(work, sequence, ckpt, folders,
+                                                               reference):
+    """A finished --shard-output folder records its rows' input stamps like any folder
+    output, so that one process can --update it: nothing changed, every row is reused."""
+    seq_ok(sequence, "shard")
+    folder = work / "shard_update"
+    shutil.copytree(work / "seq" / "shard", folder)
+    manifest = json.loads((folder / "_manifest.json").read_text())
+    assert manifest["stamps"]["rows"] == len(rows_of(reference))
+    assert (folder / manifest["stamps"]["file"]).is_file()
+    proc = ok(run([sys.executable, "-m", "dsv4enc", "encode", str(folders["imgs"]), "--out",
+                   f"{folder}/", "--update", "--weights", str(ckpt), *FAST,
+                   "--part-images", str(PART_IMAGES)], work))
+    reused = re.search(r"reused from the output\s*\S\s*([\d,]+)", proc.stderr)
+    assert reused and int(reused.group(1)) == len(rows_of(reference)), proc.stderr[-3000:]
+    assert_same_rows(rows_of(folder), rows_of(reference), ordered=False)
 
 
 def test_tensor_parallel_matches_one_process(work, sequence, reference):
@@ -495,6 +520,41 @@ def test_sigterm_ends_ranks_whose_stop_is_held_up(work, folders, ckpt, reference
     assert_same_rows(rows_of(out), rows_of(reference))
 
 
+def test_sigterm_ends_a_rank_waiting_for_a_held_peer(work, folders, ckpt):
+    """Rank 1 held at a pause point while rank 0 waits for it in a collective: SIGTERM to
+    rank 0 alone ends it within the stop's grace, in its one line with exit 143, not after
+    --timeout (300 s here) as a wait blocked in C++ would (its signal handler never ran)."""
+    out, marker = work / "peer_held.parquet", work / "peer_held"
+    pauses = Pauses(work / "peer_held_pauses", "encoded")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
+           "--master-addr=127.0.0.1", f"--master-port={free_port()}", str(LAUNCHER), "held",
+           str(marker), str(folders["imgs"]), "--out", str(out), "--weights", str(ckpt),
+           *COMMON, "--workers", "0", "--timeout", "300", "--batch-tokens", "400"]
+    proc = subprocess.Popen(cmd, cwd=work, env=pauses.env(_env()), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    waiting = Path(f"{marker}.rank0.waiting")
+    try:
+        pauses.wait("encoded", proc=proc, hang_guard_s=LAUNCH_TIMEOUT_S)  # rank 1 only
+        deadline = time.monotonic() + LAUNCH_TIMEOUT_S
+        while not waiting.exists():
+            assert proc.poll() is None and time.monotonic() < deadline, "rank 0 never waited"
+            time.sleep(0.005)
+        signalled = time.monotonic()
+        os.kill(int(Path(f"{marker}.rank0.pid").read_text()), signal.SIGTERM)
+        _, stderr = proc.communicate(timeout=LAUNCH_TIMEOUT_S)
+        ended = time.monotonic()
+    finally:
+        pauses.release()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert ended - signalled < 120, (ended - signalled, stderr[-3000:])  # --timeout is 300
+    assert re.search(r"error: interrupted by SIGTERM; .*\(the run did not stop within "
+                     r"[\d.]+ s of the signal: ended at once\)", stderr), stderr[-3000:]
+    assert "timed out" not in stderr, stderr[-3000:]
+    assert re.search(r"exitcode\s*:\s*143", stderr), stderr[-3000:]  # torchrun's report
+
+
 def test_shard_output_resumes_when_ranks_committed_different_parts(work, sequence, reference):
     """Each rank keeps its own manifest; when one rank lacks a part the others have, every
     rank must still walk the same parts (their collectives pair up), and the gap is filled."""
@@ -505,6 +565,21 @@ def test_shard_output_resumes_when_ranks_committed_different_parts(work, sequenc
     folder = work / "seq" / "gap"
     assert (folder / "part-000000-rank001.parquet").is_file()
     assert_same_rows(rows_of(folder), rows_of(reference), ordered=False)
+
+
+def test_ranks_with_different_options_or_inputs_refuse(work, sequence):
+    """Ranks whose options or inputs differ would write rows of two towers, or pair up
+    collectives that do not match: every rank stops with exit 2, in one line naming it."""
+    for name, line in (("ranks_seed", "rank 1's --seed differs from rank 0's"),
+                       ("ranks_out_dtype", "rank 1's --out-dtype differs from rank 0's"),
+                       ("ranks_inputs", "the ranks listed different inputs")):
+        for rank, result in enumerate(sequence[name]):
+            assert result["code"] == 2, f"{name}, rank {rank}: {result}"
+            errors = [x for x in result["stderr"].splitlines() if x.startswith("error:")]
+            assert len(errors) == 1 and line in errors[0], (name, rank, result["stderr"][-3000:])
+            assert "Traceback" not in result["stderr"], result["stderr"][-3000:]
+    for out in ("ranks_seed.parquet", "ranks_dtype", "ranks_inputs.parquet"):
+        assert not (work / "seq" / out).exists(), out
 
 
 def test_progress_and_summary_count_every_rank(work, sequence, reference):

@@ -13,11 +13,19 @@ by wrapping the pipeline.
       process (each joins and leaves the process group; the second and later ones under
       a store prefix of their own, as a fresh launch would be). An argument list that starts with
       "@interrupt" gets SIGINT on rank 0 as soon as its first part is handed to the writer;
-      ["@rm", PATH] is no run: rank 0 deletes PATH (code 0, or 1 if it was not there).
+      ["@rm", PATH] is no run: rank 0 deletes PATH (code 0, or 1 if it was not there);
+      ["@rank1", ARG, ...]: rank 1 alone appends ARG to the rest (ranks given different
+      options or inputs).
       Each rank writes RESULTS_DIR/rank{R}.json: [{"argv", "code", "stderr"}, ...].
   torchrun ... torchrun_launcher.py pid MARKER ENCODE-ARGS...
       ``dsv4enc encode ENCODE-ARGS``, each rank having written its process id to
       MARKER.rank{R}.pid (so that a test can kill one rank at a pause point).
+  torchrun ... torchrun_launcher.py held MARKER ENCODE-ARGS...
+      ``dsv4enc encode ENCODE-ARGS`` through ``cli.main``, each rank having written its
+      process id to MARKER.rank{R}.pid; only rank 1 keeps the test's pause points, and
+      rank 0 touches MARKER.rank0.waiting when it enters an all-gather after its first
+      progress step: with rank 1 held at the ``encoded`` pause point (the same step), that
+      collective waits for rank 1 as long as it is held.
   torchrun ... torchrun_launcher.py timed MARKER ENCODE-ARGS...
       ``dsv4enc encode ENCODE-ARGS`` through the console script's entry point
       (``cli.main``), each rank having written MARKER.rank{R}.json: {"launched": the time
@@ -103,6 +111,31 @@ def fresh_store_per_run() -> None:
     dist.init_process_group = init_process_group
 
 
+def hold_rank1(marker: str) -> None:
+    from dsv4enc.pausepoints import POINTS_VARIABLE
+    from dsv4enc.run.dist import DistContext
+    from dsv4enc.run.progress import RunProgress
+
+    rank = int(os.environ.get("RANK", "0"))
+    Path(f"{marker}.rank{rank}.pid").write_text(str(os.getpid()))
+    if rank != 0:
+        return
+    os.environ.pop(POINTS_VARIABLE, None)
+    advanced = {"yes": False}
+    original_advance, original_gather = RunProgress.advance, DistContext.all_gather
+
+    def advance(self, *args, **kwargs):
+        original_advance(self, *args, **kwargs)
+        advanced["yes"] = True
+
+    def all_gather(self, *args, **kwargs):
+        if advanced["yes"]:
+            Path(f"{marker}.rank0.waiting").touch()
+        return original_gather(self, *args, **kwargs)
+
+    RunProgress.advance, DistContext.all_gather = advance, all_gather
+
+
 def record_run_start(marker: str) -> None:
     from dsv4enc.run import pipeline
 
@@ -141,6 +174,8 @@ def sequence(runs_file: str, results_dir: str) -> None:
                 Path(argv[1]).unlink()
             results.append({"argv": argv, "code": 0 if existed else 1, "stderr": ""})
             continue
+        if argv and argv[0] == "@rank1":
+            argv = argv[2:] + ([argv[1]] if rank == 1 else [])
         interrupt["on"] = bool(argv) and argv[0] == "@interrupt"
         argv = argv[1:] if interrupt["on"] else argv
         captured = io.StringIO()
@@ -160,6 +195,10 @@ def main() -> None:
     if mode == "pid":
         Path(f"{rest[0]}.rank{os.environ.get('RANK', '0')}.pid").write_text(str(os.getpid()))
         sys.exit(run_cli(["encode", *rest[1:]]))
+    if mode == "held":  # through cli.main, which owns the process: a hung stop ends it
+        hold_rank1(rest[0])
+        sys.argv = ["dsv4enc", "encode", *rest[1:]]
+        cli.main()  # ends the process
     if mode == "sequence":
         sequence(*rest)
         return

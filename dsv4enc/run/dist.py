@@ -3,11 +3,12 @@ touched here only, through a ``DistContext``, whose collectives ``run/ranks.Topo
 Launch with torchrun; a plain launch has no context (``init_distributed`` returns None).
 
 Failures: a collective that times out, or whose peer died, raises ``DistributedError``
-naming this rank. Host-facing collectives (gather, object gather, barrier) wait on the host
-with the run's timeout, on NCCL too. The tensor-parallel all-reduce inside the forward does
-not: on NCCL it stays stream-ordered (a host wait per layer would stall the GPU and break
-CUDA graph capture), so a hang there is caught by NCCL's watchdog, which aborts the process
-after the same timeout and lets torchrun stop the others."""
+naming this rank. Host-facing collectives (gather, object gather, barrier, and gloo's
+all-reduce) wait on the host with the run's timeout, on NCCL too, looking at the collective
+in short sleeps so that a signal's handler runs meanwhile. The tensor-parallel all-reduce
+inside the forward on NCCL does not: there it stays stream-ordered (a host wait per layer
+would stall the GPU and break CUDA graph capture), so a hang there is caught by NCCL's
+watchdog, which aborts the process after the same timeout and lets torchrun stop the others."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import logging
 import os
 import pickle
 import re
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -28,6 +30,11 @@ log = logging.getLogger(__name__)
 
 # Newer torch calls it all_gather_single (all_gather_into_tensor is deprecated there).
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+#: A host wait's first and longest sleep between looks at its collective: short at first, so
+#: that a quick collective costs little; at most a twentieth of a second, so that a signal's
+#: handler runs that soon however long a peer keeps the collective.
+_POLL_FIRST_S = 0.0002
+_POLL_MOST_S = 0.05
 
 
 @dataclass
@@ -56,9 +63,22 @@ class DistContext:
                                 f"died): {first[:200] or type(exc).__name__}")
 
     def _wait(self, what: str, start: Callable[[], Any]) -> None:
-        """Run an async collective and wait for it on the host, at most ``timeout``."""
+        """Run an async collective and wait for it on the host, at most ``timeout``. The wait
+        polls in short sleeps rather than blocking in C++: Python's signal handlers run only
+        between bytecodes of the main thread, so a stop (``run/stopping``) must not sit
+        behind a peer that never answers until the whole timeout is gone."""
         try:
-            start().wait(datetime.timedelta(seconds=self.timeout))
+            work = start()
+            deadline = time.monotonic() + self.timeout
+            pause = _POLL_FIRST_S
+            while not work.is_completed():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise DistributedError(f"rank {self.rank}: {what} timed out after "
+                                           f"{self.timeout:g}s (a peer rank may have died)")
+                time.sleep(min(pause, left))
+                pause = min(pause * 2, _POLL_MOST_S)
+            work.wait()  # raises the collective's error; on NCCL, orders the stream after it
         except RuntimeError as exc:  # DistBackendError and gloo's errors are RuntimeErrors
             raise self._failed(what, exc) from exc
 
@@ -81,6 +101,9 @@ class DistContext:
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum ``tensor`` over ranks in place and return it (the tensor-parallel combine);
         fine under ``torch.inference_mode``. On NCCL: no host wait (the module docstring)."""
+        if self.backend != "nccl":  # gloo: a host wait, which a signal's handler interrupts
+            self._wait("all_reduce", lambda: dist.all_reduce(tensor, async_op=True))
+            return tensor
         try:
             dist.all_reduce(tensor)
         except RuntimeError as exc:
@@ -166,7 +189,7 @@ def gather_rows(ctx: DistContext, local_rows: torch.Tensor,
     counts = [int(n) for n in counts_per_rank]
     if len(counts) != ctx.world_size or counts[ctx.rank] != n_local:
         # A plan mismatch would silently misplace rows on every rank; fail loudly here.
-        raise ValueError(f"rank {ctx.rank}: holds {n_local} rows, but the plan says "
+        raise DistributedError(f"rank {ctx.rank}: holds {n_local} rows, but the plan says "
                          f"{counts[ctx.rank] if ctx.rank < len(counts) else '?'} "
                          f"(counts {counts}, world size {ctx.world_size})")
     most = max(counts)

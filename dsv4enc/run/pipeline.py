@@ -28,6 +28,7 @@ from ..engine.device import resolve_device, resolve_dtype, resolve_out_dtype, re
 from .encoding import PartEncoder
 from ..engine.engine import Engine
 from ..engine.settings import EngineSettings
+from ..columns import utf8_text
 from ..errors import DsvError, Interrupted, UsageError, advise
 from ..images.decode import DecodePool
 from ..images.discover import nothing_found
@@ -35,8 +36,8 @@ from ..images.items import is_image_name
 from ..output.commit import PartWriter
 from ..output.layout import OutputLayout, assembler_for, open_store
 from ..output.resume import Resume, ResumeSettings
-from ..output.update import (Update, footer_entry, recover_switch, row_stamps,
-                              write_folder_stamps)
+from ..output.update import (FLAG_OF_SETTING, SHOWN_SETTING, Update, footer_entry,
+                              recover_switch, row_stamps, write_folder_stamps)
 from .options import (PRUNE_SHARE, EncodeOptions, default_workers, default_writer_threads,
                       validate)
 from .plan import Part, cut_parts, images_per_part, output_bytes, segment_tokens
@@ -46,7 +47,7 @@ from .progress import RunProgress
 from ..output.remote import RemoteOutput
 from .stopping import StopSignals
 from .summary import RunSummary
-from .ranks import Topology
+from .ranks import MergedManifest, Topology
 from ..output.parts import PartStore, output_schema, run_settings
 
 log = logging.getLogger("dsv4enc")
@@ -230,6 +231,9 @@ def _run_encode(opts: EncodeOptions, ranks: Topology, setup: RunSetup, stop: Sto
     validate(opts)
     if opts.update and not alone:
         raise UsageError("--update runs in one process: run it without torchrun")
+    if opts.files_from == "-" and not alone:  # each rank would read a share of the lines
+        raise UsageError("--files-from - (stdin) cannot be shared by torchrun ranks: give "
+                         "a file")
     found = setup.find_inputs(opts, stop if alone else None)
     ranks.main_then_all(lambda: layout.prepare(opts.inputs, opts.files_from,
                                                overwrite=opts.overwrite, resume=opts.resume,
@@ -321,6 +325,7 @@ def _plan_output(run: RunState, setup: RunSetup, source: PartSource, computes: C
                            kept=setup.found.kept_fields)
     resuming = resume_settings(opts)
     rows_settings = {**settings, **resuming.row_options}
+    ranks.agree_on_settings(rank_settings(opts, rows_settings))  # before the ranks part ways
     if opts.resume and not layout.folder_mode:  # a finished file: nothing to do, or refused
         ranks.main_then_all(lambda: _judge_finished(layout, setup, rows_settings, remote))
     # --update of an existing output (None: there is none yet, a plain run)
@@ -378,6 +383,27 @@ def _plan_output(run: RunState, setup: RunSetup, source: PartSource, computes: C
                       resuming.row_options, computes.engine)
 
 
+#: Options each torchrun rank may set for itself: how it shows progress, how many decode
+#: workers it runs, how long it waits, and paths that may differ between nodes (the inputs
+#: are compared as listed, the weights and config by what they hold, an --out's staging
+#: folder is each rank's own); every other option must agree (``rank_settings``).
+PER_RANK_OPTIONS = frozenset({"inputs", "files_from", "out", "weights", "config", "workers",
+                              "progress", "log_every", "timeout", "storage_outage_s"})
+
+
+def rank_settings(opts: EncodeOptions, rows_settings: dict) -> dict:
+    """What the ranks of one run must share, by the flag that sets each: the options (but
+    ``PER_RANK_OPTIONS``; the inputs are compared as they are listed) and the row settings
+    the output records (the weights' fingerprint among them)."""
+    shared = {f"--{name.replace('_', '-')}": value for name, value in vars(opts).items()
+              if name not in PER_RANK_OPTIONS and name != "engine"}
+    shared.update({f"--{name.replace('_', '-')}": value
+                   for name, value in vars(opts.engine).items()})
+    shared.update({FLAG_OF_SETTING.get(name) or SHOWN_SETTING.get(name) or name: value
+                   for name, value in rows_settings.items()})
+    return shared
+
+
 def _judge_finished(layout: OutputLayout, setup: RunSetup, settings: dict,
                     remote: RemoteOutput | None) -> None:
     """``--resume`` of the finished single file (``layout.finished``): AlreadyComplete, or a
@@ -402,7 +428,9 @@ def _judged(resume: Resume, parts: Iterable[Part], setup: RunSetup,
             run: RunState) -> Iterator[Part]:
     """What is still to do of each part, as ``--resume`` judges it once its inputs are
     listed (the progress counts what it keeps and the inputs listed)."""
+    ranks = run.ranks
     for part in parts:
+        ranks.note_listed(part.start, part.digest.split(".")[0])  # its keys, not their stamps
         todo = resume.judge(part)
         kept = part.end - part.start - sum(p.end - p.start for p in todo)
         run.summary.reused += kept
@@ -461,8 +489,10 @@ def _write_output(run: RunState, source: PartSource, setup: RunSetup,
             layout.remove_parts()
             run.summary.write_s += time.perf_counter() - began
         elif ranks.sharded:
-            ranks.merge_manifests(store)
+            merged = ranks.merge_manifests(store)
             ranks.sum_rank_counts(run.summary)
+            if merged is not None:  # rank 0: the merged folder's stamps, for a later --update
+                _stamp_sharded(merged, setup, output.row_options)
         elif source.written_elsewhere:
             layout.remove_temporaries()  # what killed writers left, never committed
         if layout.folder_mode and stamps is not None:  # the folder is complete
@@ -474,6 +504,24 @@ def _write_output(run: RunState, source: PartSource, setup: RunSetup,
         if assembler is not None:
             assembler.abort()  # idempotent; the final file never appears half-written
         raise
+
+
+def _stamp_sharded(merged: MergedManifest, setup: RunSetup, row_options: dict) -> None:
+    """A finished sharded folder's stamps, in its rows' order (parts by start, then file, as
+    ``--update`` reads them): each rank's part holds its share of a range, so the rows' keys
+    are read back from the part files (a small column). A bucket's parts, which its ranks
+    uploaded and do not hold here, are left unstamped."""
+    import pyarrow.parquet as pq
+
+    parts = sorted(merged.parts.values(), key=lambda p: (p["start"], p["file"]))
+    files = [merged.folder / p["file"] for p in parts]
+    if not all(path.is_file() for path in files):
+        return
+    input_stamps(setup.planned)
+    by_text = {utf8_text(p.item.key): (p.item.key, p.stamp) for p in setup.planned}
+    keys = (by_text[text] for path in files
+            for text in pq.read_table(path, columns=["path"]).column(0).to_pylist())
+    write_folder_stamps(merged.folder, merged, row_stamps(keys), row_options)
 
 
 def _encode_parts(run: RunState, source: PartSource, setup: RunSetup, output: OutputPlan,

@@ -10,10 +10,12 @@ This module imports no torch: a plain launch never pays for it."""
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import asdict
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
-from ..errors import DsvError
+from ..errors import DsvError, UsageError
 
 if TYPE_CHECKING:
     from .summary import RunSummary
@@ -39,6 +41,9 @@ class Topology:
         self.dist = dist
         self.shard_output = shard_output and dist is not None
         self.tensor_parallel = False  # set by ``split_tower``
+        # What this rank listed, as the ranks compare it at their next resume agreement
+        # (``note_listed``): the inputs of the part being judged.
+        self._listed: tuple[int, str] | None = None
 
     # -- who does what ---------------------------------------------------------------
     @property
@@ -84,7 +89,13 @@ class Topology:
     # -- collectives -----------------------------------------------------------------
     def gather(self, value: Any) -> list[Any]:
         """Every rank's ``value``, in rank order (this rank's alone for a single process)."""
-        return [value] if self.dist is None else self.dist.all_gather_object(value)
+        if self.dist is None:
+            return [value]
+        # Each rank says where it gathers (its caller): ranks whose inputs or options differ
+        # fall out of step, and a collective paired with another is refused, not unpickled
+        everyone = self.dist.all_gather_object((sys._getframe(1).f_code.co_name, value))
+        _in_step([place for place, _ in everyone])
+        return [value for _, value in everyone]
 
     def main_then_all(self, action: Callable[[], None]) -> None:
         """Run ``action`` (an output check) on rank 0 only, then let every rank raise the
@@ -110,11 +121,34 @@ class Topology:
         One manifest (rank 0's): rank 0 tells the others. One per rank (--shard-output): a
         range is redone by all when any rank lacks its part (every batch ends in
         collectives, so all ranks walk the same parts)."""
-        everyone = self.gather((todo, problem))
+        everyone = self.gather((todo, problem, self._listed))
+        _same_listing([listed for _, _, listed in everyone])
         if not self.shard_output:
-            return everyone[0]
-        problem = next((exc for _, exc in everyone if exc is not None), None)
-        return sorted({tuple(r) for ranges, _ in everyone for r in ranges or ()}), problem
+            return everyone[0][:2]
+        problem = next((exc for _, exc, _ in everyone if exc is not None), None)
+        return sorted({tuple(r) for ranges, _, _ in everyone for r in ranges or ()}), problem
+
+    def note_listed(self, start: int, keys: str) -> None:
+        """What this rank listed, for the next ``agree_on_todo``: the part from input ``start``
+        with ``keys`` (a digest of its inputs' keys). A rank that listed more or fewer parts
+        is out of step at its next gather (``gather``)."""
+        self._listed = (start, keys)
+
+    def agree_on_settings(self, settings: dict[str, Any]) -> None:
+        """Every rank's ``settings`` (what shapes its rows and plan, by the flag that sets
+        each) against rank 0's, in one gather: where any differs, every rank stops with the
+        same line naming the first (rows of two towers, or plans that do not pair up)."""
+        if self.dist is None:
+            return
+        everyone = self.gather(settings)
+        for rank, theirs in enumerate(everyone[1:], 1):
+            names = list(everyone[0]) + [name for name in theirs if name not in everyone[0]]
+            differs = next((name for name in names if theirs.get(name) != everyone[0].get(name)),
+                           None)
+            if differs is not None:
+                raise UsageError(f"rank {rank}'s {differs} differs from rank 0's "
+                                 f"({theirs.get(differs)!r} there, {everyone[0].get(differs)!r} "
+                                 f"on rank 0): torchrun ranks need the same options")
 
     def exchange_rows(self, local: dict[int, Any], width: int, pooled: bool,
                       empty_dtype) -> dict[int, Any]:
@@ -144,16 +178,16 @@ class Topology:
                 rows[index] = row
         return rows
 
-    def merge_manifests(self, store: PartStore) -> None:
-        """--shard-output: rank 0 lists every rank's parts in one manifest."""
-        from ..output.files import MANIFEST_NAME
-        from ..output.parts import manifest_document, write_json_atomic
-
+    def merge_manifests(self, store: PartStore) -> MergedManifest | None:
+        """--shard-output: rank 0 lists every rank's parts in one manifest, and returns it
+        (the other ranks None)."""
         everything = self.gather(store.parts)
-        if self.is_main:
-            merged = {name: part for parts in everything for name, part in parts.items()}
-            write_json_atomic(manifest_document(store.settings, merged),
-                              store.folder / MANIFEST_NAME)
+        if not self.is_main:
+            return None
+        merged = MergedManifest(store.folder, store.settings, {
+            name: part for parts in everything for name, part in parts.items()})
+        merged.save()
+        return merged
 
     def sum_rank_counts(self, summary: RunSummary) -> None:
         """--shard-output: each rank counted only its own rows; the summary shows them all."""
@@ -168,3 +202,45 @@ class Topology:
         counts = self.gather((summary.tokens, padded_tokens, summary.merge_pad_tokens))
         summary.tokens, summary.padded_tokens, summary.merge_pad_tokens = map(sum, zip(*counts))
 
+
+
+def _in_step(places: list[str]) -> None:
+    """Refuse in one line (every rank alike) ranks that gather in different places."""
+    for rank, place in enumerate(places[1:], 1):
+        if place == places[0]:
+            continue
+        if "agree_on_todo" in (place, places[0]):  # one rank judged a part the other lacks
+            raise UsageError(f"the ranks listed different inputs (rank {rank} listed "
+                             f"{'more' if place == 'agree_on_todo' else 'fewer'} parts than "
+                             f"rank 0): torchrun ranks need the same inputs (the same "
+                             f"folders, lists and --files-from file)")
+        raise UsageError(f"the ranks fell out of step (rank {rank} at {place}, rank 0 at "
+                         f"{places[0]}): torchrun ranks need the same options and inputs")
+
+
+def _same_listing(everyone: list[tuple[int, str] | None]) -> None:
+    """Refuse in one line (every rank alike) ranks that listed different inputs."""
+    for rank, listed in enumerate(everyone[1:], 1):
+        if listed == everyone[0]:
+            continue
+        at = min(listed[0], everyone[0][0]) if listed and everyone[0] else 0
+        raise UsageError(f"the ranks listed different inputs (rank {rank}'s differ from rank "
+                         f"0's from input {at:,} on): torchrun ranks need the same inputs "
+                         f"(the same folders, lists and --files-from file)")
+
+
+class MergedManifest:
+    """A sharded output's merged manifest: every rank's parts, and ``extra`` top-level entries
+    (its stamps, as ``output/update.write_folder_stamps`` adds them to any folder's store)."""
+
+    def __init__(self, folder: Path, settings: dict[str, Any],
+                 parts: dict[str, dict[str, Any]]) -> None:
+        self.folder, self.settings, self.parts = folder, settings, parts
+        self.extra: dict[str, Any] = {}
+
+    def save(self) -> None:
+        from ..output.files import MANIFEST_NAME
+        from ..output.parts import manifest_document, write_json_atomic
+
+        write_json_atomic(manifest_document(self.settings, self.parts, **self.extra),
+                          self.folder / MANIFEST_NAME)

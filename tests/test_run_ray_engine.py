@@ -1,20 +1,25 @@
 """``dsv4enc encode --engine ray`` against a real local Ray on the CPU: the local run's rows
 (every image once, the same bytes and metadata) from folders, tars and tables; a driver
 killed after its first commit and then ``--resume``d gives each image once; an encoder actor
-killed mid-run loses and doubles nothing. Runs stop at pause points the test controls
-(``helpers.Pauses``), never at a time it guesses."""
+killed mid-run loses and doubles nothing; a cluster that cannot be joined, a signal and
+actors the cluster cannot hold end the run in one line. Runs stop at pause points the test
+controls (``helpers.Pauses``) or at a line the run prints, never at a time it guesses."""
 
 from __future__ import annotations
 
 import io
 import json
 import os
+import queue
 import signal
 import shutil
+import socket
 import subprocess
 import sys
 import tarfile
 import tempfile
+import threading
+import time
 from pathlib import Path
 
 import pyarrow as pa
@@ -22,6 +27,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from dsv4enc.output.files import MANIFEST_NAME
+from dsv4enc.process import available_cpus
 
 from helpers import Pauses, write_image
 
@@ -197,19 +203,21 @@ def test_a_killed_driver_resumes_exactly_once(cluster, inputs, small_ckpt, local
     assert got == rows_of(local)
 
 
-def kill_the_first_actor_at(point: str, argv: list, tmp_path, check=lambda: None) -> None:
+def kill_the_first_actor_at(point: str, argv: list, tmp_path, check=lambda: None) -> str:
     """Run ``argv``, SIGKILL the first actor that pauses at ``point`` (after ``check``),
-    let the restarted actor and the rest go on, and require the run to succeed."""
+    let the restarted actor and the rest go on, and require the run to succeed; returns
+    what it printed on stdout."""
     pauses = Pauses(tmp_path / "pauses", point)
-    proc = subprocess.Popen(argv, env=pauses.env(ENV), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE)
+    proc = subprocess.Popen(argv, env=pauses.env(ENV), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
     try:
         first = pauses.wait(point, 1, proc)
         check()
         os.kill(first["pid"], signal.SIGKILL)
         pauses.release()  # the restarted actor, and every later call, go on
-        _, stderr = proc.communicate(timeout=900)
-        assert proc.returncode == 0, stderr.decode()[-3000:]
+        stdout, stderr = proc.communicate(timeout=900)
+        assert proc.returncode == 0, stderr[-3000:]
+        return stdout
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -219,10 +227,12 @@ def kill_the_first_actor_at(point: str, argv: list, tmp_path, check=lambda: None
 def test_a_killed_actor_loses_and_doubles_nothing(cluster, inputs, small_ckpt, local,
                                                   tmp_path):
     """The actor is SIGKILLed as it starts its first segment: Ray restarts it and retries
-    the call; the output holds every image once, the local run's rows."""
+    the call; the output holds every image once, the local run's rows. Under -q, Ray's
+    messages about the dead worker and the retried call stay off stdout: only the path."""
     out = tmp_path / "emb.parquet"
-    kill_the_first_actor_at("segment", command(inputs, out, small_ckpt, *ray_args(cluster)),
-                            tmp_path)
+    stdout = kill_the_first_actor_at(
+        "segment", command(inputs, out, small_ckpt, *ray_args(cluster)), tmp_path)
+    assert stdout == f"{out}\n"
     got = rows_of(out)
     assert len({r["path"] for r in got}) == len(got)
     assert got == rows_of(local)
@@ -274,3 +284,94 @@ def test_actors_write_their_parts_to_a_bucket(s3, inputs, small_ckpt, local, tmp
         (tmp_path / "got.parquet").write_bytes(s3.get("emb.parquet"))
         got = rows_of(tmp_path / "got.parquet")
     assert got == rows_of(local)
+
+
+def one_error_line(stderr: str) -> str:
+    """The run's only line on stderr, which must be its error."""
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), stderr[-3000:]
+    return lines[0]
+
+
+def test_an_address_where_nothing_answers_is_one_line(inputs, small_ckpt, tmp_path):
+    """Nothing listens at --ray-address (a port bound, never listening): one line, exit 1,
+    at once, rather than Ray's retries for minutes."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{taken.getsockname()[1]}"
+        result = subprocess.run(command(inputs, tmp_path / "emb.parquet", small_ckpt,
+                                        *ray_args(address)),
+                                capture_output=True, text=True, env=ENV, timeout=300)
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert f"cannot join the Ray cluster at {address}" in one_error_line(result.stderr)
+    assert result.stdout == ""
+
+
+def test_sigterm_stops_the_driver_as_the_local_engine(cluster, inputs, small_ckpt, tmp_path):
+    """SIGTERM while an actor encodes (paused as it starts its first segment): exit 143, one
+    line, and a --summary-json, as the local engine stops (ray.init's own SIGTERM handler
+    does not stay in place of the run's)."""
+    out, summary = tmp_path / "emb.parquet", tmp_path / "summary.json"
+    pauses = Pauses(tmp_path / "pauses", "segment")
+    proc = subprocess.Popen(command(inputs, out, small_ckpt, *ray_args(cluster),
+                                    "--summary-json", str(summary)),
+                            env=pauses.env(ENV), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        pauses.wait("segment", 1, proc)
+        proc.send_signal(signal.SIGTERM)
+        stdout, stderr = proc.communicate(timeout=300)
+    finally:
+        pauses.release()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 143, stderr[-3000:]
+    assert "interrupted by SIGTERM" in one_error_line(stderr)
+    assert stdout == ""
+    report = json.loads(summary.read_text())
+    assert report["status"] == "interrupted" and report["exit_code"] == 143
+
+
+def test_actors_a_local_ray_cannot_hold_are_refused(inputs, small_ckpt, tmp_path, ray_temp):
+    """A Ray started for the run never grows: more actors than its CPUs is one line, exit 2."""
+    env = {k: v for k, v in ENV.items() if k != "RAY_ADDRESS"}
+    env.update(RAY_TMPDIR=str(ray_temp))
+    actors = str(available_cpus() + 1)
+    result = subprocess.run(command(inputs, tmp_path / "emb.parquet", small_ckpt, "--engine",
+                                    "ray", "--ray-object-store-mb", "200",
+                                    "--ray-actors", actors),
+                            capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert f"{actors} encoder actors need" in one_error_line(result.stderr)
+
+
+def test_a_joined_cluster_too_small_waits_until_a_signal(cluster, inputs, small_ckpt,
+                                                          tmp_path):
+    """A joined cluster may grow (an autoscaler): 3 actors on its 2 CPUs wait, and say so;
+    SIGINT during the wait ends the run in one line, exit 130."""
+    args = [a for a in command(inputs, tmp_path / "emb.parquet", small_ckpt,
+                               *ray_args(cluster, "--ray-actors", "3")) if a != "-q"]
+    proc = subprocess.Popen(args, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    lines: queue.Queue = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(line) for line in proc.stderr] + [lines.put("")],
+                     daemon=True).start()
+    printed, guard = [], time.monotonic() + 600  # turns a hang into a failure: no speed
+    try:
+        while not printed or "waiting" not in printed[-1]:
+            printed.append(lines.get(timeout=max(0.0, guard - time.monotonic())))
+            assert printed[-1], "".join(printed)[-3000:]  # the run ended without waiting
+            assert time.monotonic() < guard, "".join(printed)[-3000:]  # it never waited
+        assert "they need 3 CPUs (1 each), and the cluster has 2" in printed[-1]
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    rest = []
+    while (line := lines.get(timeout=60)):
+        rest.append(line)
+    assert proc.returncode == 130, "".join(printed + rest)[-3000:]
+    assert one_error_line("".join(rest))

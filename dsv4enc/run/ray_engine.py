@@ -17,6 +17,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
+import signal
 import socket
 import time
 import warnings
@@ -51,6 +52,9 @@ IN_FLIGHT_PER_ACTOR = 2
 CALLS_PER_ACTOR = 4
 #: How long a wait for a part's report runs before the driver looks for a signal.
 POLL_S = 0.1
+#: Seconds a joined cluster's address has to accept a connection: ``ray.init`` retries an
+#: unreachable one for minutes, in C++, where no signal reaches the driver.
+JOIN_PROBE_S = 5.0
 #: The environment an encoder actor gets from the driver (a remote cluster's workers do not
 #: inherit it): storage options and endpoints, and a test's pause points (``pausepoints``).
 FORWARDED_ENV = (*storage.SETTINGS_ENV, "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3",
@@ -168,7 +172,7 @@ class RayCluster:
     """The Ray the run uses: the one at ``address`` (joined, and left at the end), or a
     local one started for the run (and shut down at the end)."""
 
-    def __init__(self, ray_opts: RayEngineOptions) -> None:
+    def __init__(self, ray_opts: RayEngineOptions, stop: StopSignals) -> None:
         import ray  # there: ``run_ray_encode`` checked
 
         self.ray = ray
@@ -178,8 +182,10 @@ class RayCluster:
         self.ray_log_level = ray_log.level
         ray_log.setLevel(max(ray_log.getEffectiveLevel(), log.getEffectiveLevel()))
         self.address = ray_opts.address or os.environ.get("RAY_ADDRESS") or None
-        self.joined = False
+        self.joined = self.started = False
+        self.quiet = log.getEffectiveLevel() > logging.WARNING
         if ray.is_initialized():  # an in-process caller's own Ray: used, left as it is
+            self.worker_logs = _driver_messages(ray, not self.quiet)
             return
         env = {name: os.environ[name] for name in FORWARDED_ENV if os.environ.get(name)}
         if self.address:
@@ -189,16 +195,25 @@ class RayCluster:
             store = ray_opts.object_store_mb << 20 if ray_opts.object_store_mb else None
             joining = dict(address="local", num_cpus=available_cpus(),
                            object_store_memory=store, include_dashboard=False)
+        where = f"the Ray cluster at {self.address}" if self.address else "a local Ray"
+        if self.address:
+            probe_address(self.address, where)
         try:
             with warnings.catch_warnings():
-                if log.getEffectiveLevel() > logging.WARNING:  # -q: Ray's warnings too
+                if self.quiet:  # -q: Ray's warnings too
                     warnings.simplefilter("ignore")
                 ray.init(**joining, log_to_driver=False, logging_level=logging.WARNING,
                          configure_logging=False, runtime_env={"env_vars": env} if env else None)
         except (ConnectionError, RuntimeError, ValueError) as exc:
-            where = f"the Ray cluster at {self.address}" if self.address else "a local Ray"
             raise DsvError(f"cannot start or join {where}: {' '.join(str(exc).split())}") from None
-        self.joined = True
+        except SystemExit as exc:  # ray.init's own SIGTERM handler, until it returned
+            if exc.code != signal.SIGTERM:
+                raise
+            raise Interrupted(signal.SIGTERM, stop.hint) from None
+        finally:
+            stop.reinstall()  # ray.init put its SIGTERM handler in place of the run's
+        self.joined, self.started = True, not self.address
+        self.worker_logs = _driver_messages(ray, not self.quiet)
 
     def resources(self) -> tuple[float, float, int, float]:
         """(CPUs, GPUs, alive nodes with CPUs, the fewest CPUs of such a node)."""
@@ -212,17 +227,55 @@ class RayCluster:
         if self.joined:
             self.ray.shutdown()  # a local Ray stops; a remote cluster is only left
             self.joined = False
+        _driver_messages(self.ray, self.worker_logs)
         logging.getLogger("ray").setLevel(self.ray_log_level)
+
+
+def _driver_messages(ray, shown: bool) -> bool:
+    """Whether the driver prints what Ray tells it (a worker died, a task is retried: Ray's
+    error messages, which it prints on stdout whatever ``log_to_driver`` says), set to
+    ``shown``; returns the earlier setting. Under -q they are not printed: stdout holds
+    only the output's path. (Ray's one switch for them, which its debugger uses too.)"""
+    module = ray._private.worker
+    earlier = getattr(module, "_worker_logs_enabled", True)
+    if hasattr(module, "_worker_logs_enabled"):
+        module._worker_logs_enabled = shown
+    return earlier
+
+
+def probe_address(address: str, where: str) -> None:
+    """A ``DsvError`` unless ``address`` (``host:port``, a ``ray://`` one too) accepts a TCP
+    connection within ``JOIN_PROBE_S``. An address in another form is left to ``ray.init``."""
+    host, _, port = address.split("://", 1)[-1].rpartition(":")
+    if not host or not port.isdigit():
+        return
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=JOIN_PROBE_S).close()
+    except OSError as exc:
+        why = exc.strerror or str(exc) or type(exc).__name__
+        raise DsvError(f"cannot join {where}: nothing answers there ({why}); is its head "
+                       "node up, and is this its GCS address (host:port)?") from None
 
 
 @dataclass
 class ActorPlan:
-    """How many encoder actors, and what each holds."""
+    """How many encoder actors, and what each holds. ``short``: what the actors need beyond
+    what the cluster has now (``"3 CPUs (1 each), and the cluster has 2"``), else empty."""
 
     actors: int
     cpus: float
     gpus: float
     device_type: str
+    short: str = ""
+
+
+def shortfall(plan: ActorPlan, cpus: float, gpus: float) -> str:
+    """What ``plan``'s actors need beyond ``cpus`` and ``gpus``, in words; empty if they fit."""
+    for kind, each, has in (("CPU", plan.cpus, cpus), ("GPU", plan.gpus, gpus)):
+        if plan.actors * each > has:
+            return (f"{plan.actors * each:g} {kind}s ({each:g} each), and the cluster has "
+                    f"{has:g}")
+    return ""
 
 
 def plan_actors(opts: EncodeOptions, ray_opts: RayEngineOptions, cluster: RayCluster) -> ActorPlan:
@@ -245,7 +298,13 @@ def plan_actors(opts: EncodeOptions, ray_opts: RayEngineOptions, cluster: RayClu
     per_cpu = ray_opts.cpus_per_actor
     if per_cpu is None:
         per_cpu = min(max(1.0, float(int(cpus // actors))), node_cpus)
-    return ActorPlan(actors, per_cpu, per_gpu, "cuda" if per_gpu else "cpu")
+    plan = ActorPlan(actors, per_cpu, per_gpu, "cuda" if per_gpu else "cpu")
+    plan.short = shortfall(plan, cpus, gpus)
+    if plan.short and cluster.started:  # no autoscaler adds to a Ray the run started
+        raise UsageError(f"{actors} encoder actor{'s' if actors > 1 else ''} need "
+                         f"{plan.short} (a local Ray started for the run, which never "
+                         "grows): ask for fewer with --ray-actors")
+    return plan
 
 
 def actor_workers(opts: EncodeOptions, plan: ActorPlan) -> int:
@@ -258,9 +317,11 @@ def actor_workers(opts: EncodeOptions, plan: ActorPlan) -> int:
 
 # ----------------------------------------------------------------------------- the driver
 
-def run_ray_encode(opts: EncodeOptions, ray_opts: RayEngineOptions | None = None, stop=None):
+def run_ray_encode(opts: EncodeOptions, ray_opts: RayEngineOptions | None = None,
+                   stop: StopSignals | None = None):
     """Encode ``opts.inputs`` into ``opts.out`` on Ray encoder actors: ``run_encode``'s run
-    with ``RayParts`` behind it (its summary, its errors)."""
+    with ``RayParts`` behind it (its summary, its errors). ``stop``: the caller's signal
+    handling (by default installed here, and the previous handlers restored)."""
     from .pipeline import run_encode
 
     validate(opts)
@@ -273,7 +334,16 @@ def run_ray_encode(opts: EncodeOptions, ray_opts: RayEngineOptions | None = None
         raise UsageError("--update runs on the local engine: drop --engine ray for it")
     if importlib.util.find_spec("ray") is None:
         raise UsageError("--engine ray needs Ray: pip install 'dsv4enc[ray]'")
-    return run_encode(opts, stop=stop, source=RayParts(ray_opts or RayEngineOptions()))
+    own_stop = stop is None
+    if stop is None:
+        stop = StopSignals()
+        stop.install()
+    try:
+        return run_encode(opts, stop=stop,
+                          source=RayParts(ray_opts or RayEngineOptions(), stop))
+    finally:
+        if own_stop:
+            stop.restore()
 
 
 class RayParts:
@@ -284,8 +354,8 @@ class RayParts:
 
     written_elsewhere = True
 
-    def __init__(self, ray_opts: RayEngineOptions) -> None:
-        self.ray_opts = ray_opts
+    def __init__(self, ray_opts: RayEngineOptions, stop: StopSignals) -> None:
+        self.ray_opts, self.stop = ray_opts, stop
         self.cluster: RayCluster | None = None
         self.actors: list = []
 
@@ -294,7 +364,7 @@ class RayParts:
         """Ray joined and the actor pool planned; ``--dtype``, or under ``--resume`` with
         ``auto`` the interrupted run's on the same device kind (and the line that says so)."""
         self.opts, self.layout, self.remote = opts, layout, remote
-        self.cluster = RayCluster(self.ray_opts)
+        self.cluster = RayCluster(self.ray_opts, self.stop)
         self.plan = plan_actors(opts, self.ray_opts, self.cluster)
         recorded = layout.interrupted_settings() if opts.resume else None
         self.dtype = opts.dtype
@@ -306,8 +376,11 @@ class RayParts:
 
     def start(self, setup, progress):
         plan = self.plan
-        progress.status(f"starting {plan.actors} encoder actor"
-                        f"{'s' if plan.actors > 1 else ''} on Ray")
+        starting = f"starting {plan.actors} encoder actor{'s' if plan.actors > 1 else ''} on Ray"
+        if plan.short:  # a joined cluster: its autoscaler may add what is missing
+            starting += f" (waiting: they need {plan.short})"
+            progress.announce(starting)
+        progress.status(starting)
         remote = self.cluster.ray.remote(SegmentEncoder).options(
             num_cpus=plan.cpus, num_gpus=plan.gpus, max_restarts=MAX_RESTARTS,
             max_task_retries=MAX_TASK_RETRIES)
@@ -319,7 +392,7 @@ class RayParts:
         layout, probe = self.layout, None
         if self.remote is None and layout.lock.held:
             probe = (str(layout.lock.path.resolve()), layout.lock.path.read_bytes())
-        described = self._get([a.describe.remote(probe) for a in self.actors])
+        described = self._get(self._ready([a.describe.remote(probe) for a in self.actors]))
         blind = next((host for _, sees, host in described if not sees), None)
         if blind is not None:
             raise UsageError(f"--engine ray: the encoder actors write their parts into --out, "
@@ -354,6 +427,16 @@ class RayParts:
 
     def planned_tokens(self, setup, todo) -> int:
         return sum(setup.planned[i].tokens for p in todo for i in range(p.start, p.end))
+
+    def _ready(self, refs: list) -> list:
+        """``refs`` once all are done, waited for ``POLL_S`` at a time so that a signal ends
+        the wait (an actor that no node can hold yet waits for as long as it takes)."""
+        ray, pending = self.cluster.ray, list(refs)
+        with self.stop.deferred():
+            while pending and not self.stop.requested():
+                _, pending = ray.wait(pending, num_returns=len(pending), timeout=POLL_S)
+        self.stop.check()
+        return refs
 
     def _get(self, refs):
         """``ray.get``, a failed actor call turned into the run's own error."""

@@ -46,6 +46,15 @@ class StopSignals:
         for signum in (signal.SIGINT, signal.SIGTERM):
             self._previous[signum] = signal.signal(signum, self._handle)
 
+    def reinstall(self) -> None:
+        """The run's handlers back in place of those a library installed over them since
+        ``install`` (``ray.init`` sets its own SIGTERM handler); ``restore`` still brings
+        back the handlers found by ``install``."""
+        if not self._previous or threading.current_thread() is not threading.main_thread():
+            return
+        for signum in self._previous:
+            signal.signal(signum, self._handle)
+
     def requested(self) -> bool:
         """A signal arrived (for polling loops, and for threads other than the main one)."""
         return self.signum is not None

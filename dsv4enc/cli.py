@@ -570,7 +570,8 @@ def _own_process_settings(device: str, dist) -> None:
 def extract(
     checkpoint: str = typer.Argument(..., help="Checkpoint folder or Hub id (owner/name)."),
     out: str = typer.Option(..., "--out", "-o", help="Folder for the vision-only checkpoint."),
-    overwrite: bool = typer.Option(False, "--overwrite", help="Write into a non-empty --out."),
+    overwrite: bool = typer.Option(False, "--overwrite",
+                                   help="Replace an earlier extract's files in --out."),
 ) -> None:
     """Write a vision-only checkpoint: the tower's tensors as stored, one model.safetensors."""
     from .tower.export import extract_tower

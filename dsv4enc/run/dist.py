@@ -30,11 +30,12 @@ log = logging.getLogger(__name__)
 
 # Newer torch calls it all_gather_single (all_gather_into_tensor is deprecated there).
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-#: A host wait's first and longest sleep between looks at its collective: short at first, so
-#: that a quick collective costs little; at most a twentieth of a second, so that a signal's
-#: handler runs that soon however long a peer keeps the collective.
-_POLL_FIRST_S = 0.0002
-_POLL_MOST_S = 0.05
+#: A host wait on gloo is this long at most before it returns to Python (and the wait goes
+#: on): a signal's handler runs that soon however long a peer keeps the collective, while a
+#: collective that completes ends its wait at once (benchmarks/RESULTS.md).
+WAIT_SLICE_S = 0.25
+#: How gloo says that a wait's time ran out (the collective itself goes on).
+_GLOO_TIMED_OUT = "Operation timed out"
 
 
 @dataclass
@@ -63,24 +64,34 @@ class DistContext:
                                 f"died): {first[:200] or type(exc).__name__}")
 
     def _wait(self, what: str, start: Callable[[], Any]) -> None:
-        """Run an async collective and wait for it on the host, at most ``timeout``. The wait
-        polls in short sleeps rather than blocking in C++: Python's signal handlers run only
-        between bytecodes of the main thread, so a stop (``run/stopping``) must not sit
-        behind a peer that never answers until the whole timeout is gone."""
+        """Run an async collective and wait for it, at most ``timeout``. On NCCL the wait
+        orders the stream after it (no host wait). On gloo the host waits in slices of
+        ``WAIT_SLICE_S``: Python's signal handlers run only between bytecodes of the main
+        thread, so a stop (``run/stopping``) must not sit behind a peer that never answers
+        until the whole timeout is gone."""
         try:
             work = start()
+            if self.backend == "nccl":
+                work.wait(datetime.timedelta(seconds=self.timeout))
+                return
             deadline = time.monotonic() + self.timeout
-            pause = _POLL_FIRST_S
-            while not work.is_completed():
-                left = deadline - time.monotonic()
-                if left <= 0:
+            while not self._waited(work, deadline - time.monotonic()):
+                if time.monotonic() >= deadline:
                     raise DistributedError(f"rank {self.rank}: {what} timed out after "
                                            f"{self.timeout:g}s (a peer rank may have died)")
-                time.sleep(min(pause, left))
-                pause = min(pause * 2, _POLL_MOST_S)
-            work.wait()  # raises the collective's error; on NCCL, orders the stream after it
         except RuntimeError as exc:  # DistBackendError and gloo's errors are RuntimeErrors
             raise self._failed(what, exc) from exc
+
+    @staticmethod
+    def _waited(work, left: float) -> bool:
+        """Wait on gloo's ``work`` for one slice (at most ``left`` s): whether it completed."""
+        try:
+            work.wait(datetime.timedelta(seconds=max(min(WAIT_SLICE_S, left), 0.001)))
+        except RuntimeError as exc:
+            if _GLOO_TIMED_OUT not in str(exc):
+                raise
+            return False
+        return True
 
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
         """Same-shape tensors from every rank: (n, ...) -> (world_size, n, ...), rank order.

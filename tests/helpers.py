@@ -5,11 +5,13 @@ Fixtures live in ``conftest.py``; this module holds functions that tests call di
 
 from __future__ import annotations
 
+import contextlib
 import json
+import subprocess
 import time
 import zlib
 from pathlib import Path
-from typing import Iterable, Mapping, Sequence
+from typing import Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
 import pytest
@@ -301,3 +303,15 @@ def needs_cuda(test):
     the device tests by that mark)."""
     return pytest.mark.cuda(pytest.mark.skipif(not torch.cuda.is_available(),
                                                reason="needs CUDA")(test))
+
+
+@contextlib.contextmanager
+def reaped(proc: subprocess.Popen) -> Iterator[subprocess.Popen]:
+    """``proc``, killed and waited for on the way out if it still runs: a test that fails
+    midway leaves no process behind."""
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

@@ -29,7 +29,7 @@ import pytest
 from dsv4enc.output.files import MANIFEST_NAME
 from dsv4enc.process import available_cpus
 
-from helpers import Pauses, write_image
+from helpers import Pauses, reaped, write_image
 
 ray = pytest.importorskip("ray")
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::DeprecationWarning")]
@@ -185,14 +185,10 @@ def test_a_killed_driver_resumes_exactly_once(cluster, inputs, small_ckpt, local
     args = command(inputs, out, small_ckpt, *ray_args(cluster), "--commit-every", "0.001")
     proc = subprocess.Popen(args, env=pauses.env(ENV), stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE)
-    try:
+    with reaped(proc):
         committed = pauses.wait("commit", 1, proc)
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
     assert not out.exists()
     summary = tmp_path / "summary.json"
     run(args + ["--resume", "--summary-json", str(summary)])
@@ -210,7 +206,7 @@ def kill_the_first_actor_at(point: str, argv: list, tmp_path, check=lambda: None
     pauses = Pauses(tmp_path / "pauses", point)
     proc = subprocess.Popen(argv, env=pauses.env(ENV), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
-    try:
+    with reaped(proc):
         first = pauses.wait(point, 1, proc)
         check()
         os.kill(first["pid"], signal.SIGKILL)
@@ -218,10 +214,6 @@ def kill_the_first_actor_at(point: str, argv: list, tmp_path, check=lambda: None
         stdout, stderr = proc.communicate(timeout=900)
         assert proc.returncode == 0, stderr[-3000:]
         return stdout
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
 
 
 def test_a_killed_actor_loses_and_doubles_nothing(cluster, inputs, small_ckpt, local,
@@ -358,7 +350,7 @@ def test_a_joined_cluster_too_small_waits_until_a_signal(cluster, inputs, small_
     threading.Thread(target=lambda: [lines.put(line) for line in proc.stderr] + [lines.put("")],
                      daemon=True).start()
     printed, guard = [], time.monotonic() + 600  # turns a hang into a failure: no speed
-    try:
+    with reaped(proc):
         while not printed or "waiting" not in printed[-1]:
             printed.append(lines.get(timeout=max(0.0, guard - time.monotonic())))
             assert printed[-1], "".join(printed)[-3000:]  # the run ended without waiting
@@ -366,10 +358,6 @@ def test_a_joined_cluster_too_small_waits_until_a_signal(cluster, inputs, small_
         assert "they need 3 CPUs (1 each), and the cluster has 2" in printed[-1]
         proc.send_signal(signal.SIGINT)
         proc.wait(timeout=300)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
     rest = []
     while (line := lines.get(timeout=60)):
         rest.append(line)

@@ -4,8 +4,8 @@ Launch with torchrun; a plain launch has no context (``init_distributed`` return
 
 Failures: a collective that times out, or whose peer died, raises ``DistributedError``
 naming this rank. Host-facing collectives (gather, object gather, barrier, and gloo's
-all-reduce) wait on the host with the run's timeout, on NCCL too, looking at the collective
-in short sleeps so that a signal's handler runs meanwhile. The tensor-parallel all-reduce
+all-reduce) wait on the host with the run's timeout, on NCCL too; on gloo in slices, so that
+a signal's handler runs while a peer keeps the collective. The tensor-parallel all-reduce
 inside the forward on NCCL does not: there it stays stream-ordered (a host wait per layer
 would stall the GPU and break CUDA graph capture), so a hang there is caught by NCCL's
 watchdog, which aborts the process after the same timeout and lets torchrun stop the others."""
@@ -64,11 +64,10 @@ class DistContext:
                                 f"died): {first[:200] or type(exc).__name__}")
 
     def _wait(self, what: str, start: Callable[[], Any]) -> None:
-        """Run an async collective and wait for it, at most ``timeout``. On NCCL the wait
-        orders the stream after it (no host wait). On gloo the host waits in slices of
-        ``WAIT_SLICE_S``: Python's signal handlers run only between bytecodes of the main
-        thread, so a stop (``run/stopping``) must not sit behind a peer that never answers
-        until the whole timeout is gone."""
+        """Run an async collective and wait for it on the host, at most ``timeout``: on NCCL
+        in one wait, on gloo in slices of ``WAIT_SLICE_S``. Python's signal handlers run only
+        between bytecodes of the main thread, so a stop (``run/stopping``) must not sit
+        behind a peer that never answers until the whole timeout is gone."""
         try:
             work = start()
             if self.backend == "nccl":

@@ -17,7 +17,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Collection, Iterable, Iterator, Sequence
 
-from .. import storage
 from ..errors import OutputError
 from ..output.files import PARTIAL
 from ..tower.config import VisionConfig
@@ -352,11 +351,10 @@ class WindowSettings:
 def check_list_not_out(files_from: str | None, out: str) -> None:
     """Refuse, before it is read, a ``--files-from`` list that is the output ``out``, its
     parts' folder or a file in either (links followed): its lines would be the output's bytes."""
-    listed, local_out = (storage.local_path(files_from) if files_from not in (None, "-")
-                         else None), storage.local_path(out)
-    if listed is None or local_out is None or not os.path.lexists(listed):
+    # A URL names no local file (lexists), and a URL --out no local path a list could be on
+    if files_from in (None, "-") or not os.path.lexists(files_from):
         return
-    real, output = os.path.realpath(listed), os.path.realpath(local_out)
+    real, output = os.path.realpath(files_from), os.path.realpath(out)
     for taken in (output, output + PARTIAL):
         if real == taken:
             raise OutputError(f"--out {out} is the input {files_from} (the --files-from "

@@ -446,6 +446,12 @@ def _encode_command(opts, storage_option: list[str] | None, quiet: bool,
     # In a process of its own (``main``), a stop that hangs ends the process after a grace.
     stop = StopSignals(immediate=launched_ranks() <= 1,
                        force_exit_s=FORCE_EXIT_S if _owns_process else None)
+
+    def last_words(stopped: Interrupted) -> None:  # a stop that hangs: the process ends
+        if summary_json and _writes_reports(dist):
+            write_stopped_summary(summary_json, stopped, opts.out, "interrupted")
+
+    stop.last_words = last_words
     stop.install()
     own_process_pillow_settings()  # each open checks --max-pixels itself
     try:

@@ -212,9 +212,9 @@ def test_a_stop_that_hangs_ends_the_process_after_the_grace(images, clean, tmp_p
     says so and how to go on; what it committed is kept, and --resume finishes."""
     from dsv4enc.run.stopping import FORCE_EXIT_S
 
-    out = tmp_path / "e.parquet"
+    out, report = tmp_path / "e.parquet", tmp_path / "summary.json"
     pauses = Pauses(tmp_path / "pauses", "commit")
-    proc = start(images, out, env=pauses.env())
+    proc = start(images, out, "--summary-json", str(report), env=pauses.env())
     try:
         pauses.wait("commit", proc=proc)
         sent = time.monotonic()
@@ -230,6 +230,8 @@ def test_a_stop_that_hangs_ends_the_process_after_the_grace(images, clean, tmp_p
              if not line.startswith(("dsv4enc: encoding ", "dsv4enc: images "))]
     assert len(lines) == 1 and "SIGTERM" in lines[0] and "--resume" in lines[0], stderr
     assert f"did not stop within {FORCE_EXIT_S:g} s" in lines[0], stderr
+    written = json.loads(report.read_text())  # the report asked for, before the exit
+    assert (written["status"], written["exit_code"]) == ("interrupted", 143)
     assert committed(out.with_name("e.parquet.partial")), "the committed part was not kept"
     run_encode(options(images, out, resume=True))
     assert_same_rows(rows(out), clean)

@@ -14,8 +14,8 @@ import os
 import signal
 import sys
 import threading
-from contextlib import contextmanager
-from typing import Iterator
+from contextlib import contextmanager, suppress
+from typing import Callable, Iterator
 
 from ..errors import Interrupted
 
@@ -39,6 +39,8 @@ class StopSignals:
         self.force_exit_s = force_exit_s
         self._previous: dict[int, object] = {}
         self._deadline: threading.Timer | None = None
+        #: What the process's own command does before a forced exit ends it (its report)
+        self.last_words: Callable[[Interrupted], None] | None = None
 
     def install(self) -> None:
         if self._previous or threading.current_thread() is not threading.main_thread():
@@ -80,11 +82,15 @@ class StopSignals:
     def _force_exit(self) -> None:
         """The run did not stop in time: say so in its one line and end the process (its
         decode workers first, which a hung one would outlive)."""
-        line = (f"error: {Interrupted(self.signum, self.hint)} (the run did not stop within "
-                f"{self.force_exit_s:g} s of the signal: ended at once)")
+        stopped = Interrupted(self.signum, self.hint)
+        line = (f"error: {stopped} (the run did not stop within {self.force_exit_s:g} s of "
+                "the signal: ended at once)")
         for child in multiprocessing.active_children():
             child.kill()
         try:
+            if self.last_words is not None:
+                with suppress(Exception):  # the line and the exit come whatever it does
+                    self.last_words(stopped)
             sys.stderr.write(line + "\n")
             sys.stderr.flush()
         finally:

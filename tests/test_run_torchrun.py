@@ -312,6 +312,7 @@ def sequence(work, folders, ckpt) -> dict[str, list[dict]]:
         "ranks_seed": ["@rank1", "--seed=1", *enc("imgs", "ranks_seed.parquet")],
         "ranks_out_dtype": ["@rank1", "--out-dtype=float16",
                             *enc("imgs", "ranks_dtype/", "--shard-output")],
+        "ranks_update": ["@rank1", "--update", *enc("imgs", "ranks_update.parquet")],
         "ranks_inputs": ["@rank1", str(folders["one"]),
                          *enc("imgs", "ranks_inputs.parquet", "--part-images",
                               str(PART_IMAGES))],
@@ -572,13 +573,15 @@ def test_ranks_with_different_options_or_inputs_refuse(work, sequence):
     collectives that do not match: every rank stops with exit 2, in one line naming it."""
     for name, line in (("ranks_seed", "rank 1's --seed differs from rank 0's"),
                        ("ranks_out_dtype", "rank 1's --out-dtype differs from rank 0's"),
+                       ("ranks_update", "rank 1's --update differs from rank 0's"),
                        ("ranks_inputs", "the ranks listed different inputs")):
         for rank, result in enumerate(sequence[name]):
             assert result["code"] == 2, f"{name}, rank {rank}: {result}"
             errors = [x for x in result["stderr"].splitlines() if x.startswith("error:")]
             assert len(errors) == 1 and line in errors[0], (name, rank, result["stderr"][-3000:])
             assert "Traceback" not in result["stderr"], result["stderr"][-3000:]
-    for out in ("ranks_seed.parquet", "ranks_dtype", "ranks_inputs.parquet"):
+    for out in ("ranks_seed.parquet", "ranks_dtype", "ranks_update.parquet",
+                "ranks_inputs.parquet"):
         assert not (work / "seq" / out).exists(), out
 
 

@@ -228,6 +228,7 @@ def _run_encode(opts: EncodeOptions, ranks: Topology, setup: RunSetup, stop: Sto
                 remote: RemoteOutput | None = None) -> RunSummary:
     """``remote``: the object storage ``--out`` whose staging ``layout`` is, else None."""
     alone = ranks.dist is None
+    ranks.agree_on_settings(rank_settings(opts, {}))  # before a rank can refuse on its own
     validate(opts)
     if opts.update and not alone:
         raise UsageError("--update runs in one process: run it without torchrun")

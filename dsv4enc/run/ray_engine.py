@@ -236,7 +236,7 @@ def _driver_messages(ray, shown: bool) -> bool:
     error messages, which it prints on stdout whatever ``log_to_driver`` says), set to
     ``shown``; returns the earlier setting. Under -q they are not printed: stdout holds
     only the output's path. (Ray's one switch for them, which its debugger uses too.)"""
-    module = ray._private.worker
+    module = getattr(getattr(ray, "_private", None), "worker", None)  # absent: left as it is
     earlier = getattr(module, "_worker_logs_enabled", True)
     if hasattr(module, "_worker_logs_enabled"):
         module._worker_logs_enabled = shown

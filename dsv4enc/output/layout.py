@@ -22,7 +22,7 @@ from .files import (GROWING_NAME, JOURNAL_FILE, LOCK_NAME, MANIFEST_FILE, PART_F
 from .lock import OutputLock, holder_if_locked
 from .parquet_join import MAGIC
 from .update import Update, is_stamps_file
-from .read import JOURNAL_FORMAT, is_dsv4enc_parquet, read_metadata
+from .read import JOURNAL_FORMAT, is_dsv4enc_parquet, metadata_of, read_metadata
 from .parts import (PartStore, StreamingAssembler, listed_names, output_os_error,
                     pre_release_manifest, read_manifest, read_manifests)
 
@@ -69,21 +69,18 @@ def _is_growing(path: Path) -> bool:
     """The growing file (``appending``): empty (a run killed as it made it), or ``PAR1`` and
     then either a footer with dsv4enc's metadata (its last part's, or the whole file's) or no
     footer at all (a run killed while a part was written into it)."""
+    import pyarrow.parquet as pq
+
     head = _read_head(path, len(MAGIC))
     if head is None or head and head != MAGIC:
         return False
-    return not head or is_dsv4enc_parquet(path) or not _has_footer(path)
-
-
-def _has_footer(path: Path) -> bool:
-    """The file ends with a Parquet footer that pyarrow reads (whoever wrote it)."""
-    import pyarrow.parquet as pq
-
-    try:
-        pq.read_metadata(path)
+    if not head:
+        return True
+    try:  # one footer read: whether there is one, and whose it is
+        footer = pq.read_metadata(path)
     except Exception:  # no footer, a torn one, ...: pyarrow raises several kinds
-        return False
-    return True
+        return True
+    return metadata_of(footer.schema.to_arrow_schema()).get("tool") == "dsv4enc"
 
 
 def _is_part(path: Path) -> bool:

@@ -486,8 +486,8 @@ class Update:
                        again="encode everything again", given="--resume")
         if self.old.stamps is not None:
             self._pair(planned, retry_errors=False)
-            again = len(planned) - len(self.carried)
-            if again or self.dropped:
+            if not self.unchanged:
+                again = len(planned) - len(self.carried)
                 raise UsageError(
                     f"cannot resume {out}: it is complete, but its inputs changed since "
                     f"({again:,} to encode: new, changed or failed for a reason that may pass "

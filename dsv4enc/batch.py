@@ -245,7 +245,7 @@ def _batch_columns(batch: Any) -> tuple[str, list[str], Callable[[str], list[Any
         kind = "table" if isinstance(batch, pa.Table) else "record_batch"
         return kind, batch.schema.names, lambda name: batch.column(name).to_pylist()
     if _is_pandas(batch):
-        return "pandas", list(batch.columns), lambda name: batch[name].tolist()
+        return "pandas", list(batch.columns), lambda name: _pandas_values(batch[name])
     if isinstance(batch, Mapping):
         kind = "numpy" if any(isinstance(v, np.ndarray) for v in batch.values()) else "lists"
         return kind, list(batch.keys()), lambda name: list(batch[name])
@@ -259,6 +259,12 @@ def _is_pandas(batch: Any) -> bool:
     import pandas as pd
 
     return isinstance(batch, pd.DataFrame)
+
+
+def _pandas_values(column: Any) -> list[Any]:
+    """A pandas column's values, a missing one (NaN, ``pd.NA``: how pandas stores a null
+    string, key or image) as None, as pyarrow gives it."""
+    return column.astype(object).where(column.notna(), None).tolist()
 
 
 def _as_kind(table: pa.Table, kind: str) -> Any:

@@ -142,6 +142,21 @@ def test_every_kind_of_image_cell(embed, folder):
     assert all(r.embedding is None and r.vit_h is None for r in bad)
 
 
+def test_a_pandas_batchs_missing_cells_are_nulls(embed, folder):
+    """pandas stores a null string as NaN: a missing image is the null image's error row,
+    and a missing key falls back to the path, as in the same batch as Arrow."""
+    image = Image.open(folder / "a.jpg")
+    table = pa.table({"image": [str(folder / "a.jpg"), None, str(folder / "b.png")],
+                      "key": ["a", "x", None]})
+    expected = embed(table).to_pylist()
+    assert expected[1]["error"] == "ValueError: row has no image (null 'image')"
+    assert expected[2]["path"] == str(folder / "b.png")
+    frame = embed(table.to_pandas())
+    assert pa.Table.from_pandas(frame, preserve_index=False).to_pylist() == expected
+    objects = pd.DataFrame({"image": [image, np.asarray(image), None], "key": ["p", "q", "r"]})
+    assert embed(objects)["error"].isna().tolist() == [True, True, False]
+
+
 def test_all_null_columns_keep_their_types(embed, folder):
     """A batch of good images only (error all null), and one of bad images only (embedding
     all null): the same schema, for every kind of batch."""

@@ -85,11 +85,12 @@ class Encoder:
         if decode_threads is None:
             decode_threads = 0 if self.device.type == "cpu" else min(8, available_cpus())
         self.decode_threads = max(0, decode_threads)
-        self.max_pixels = max_pixels
+        self.max_pixels = check_positive("max_pixels", max_pixels)
         self.model = build_model(checkpoint, self.device, fused=self.settings.fused,
                                  deterministic=self.settings.deterministic)
         self.dtype: torch.dtype = self.model.dtype  # the compute dtype
         self.engines: dict[str, Engine] = {}  # per features, built on first use (read-only)
+        self._engine(self.features)  # a bad attention or cuda_graphs refuses here, not per call
 
     # -- construction ------------------------------------------------------------------
     @classmethod

@@ -15,7 +15,8 @@ from PIL import Image
 from typer.testing import CliRunner
 
 import dsv4enc
-from dsv4enc import EncodeError, Encoder, read_embeddings
+from dsv4enc import BatchEncoder, EncodeError, Encoder, read_embeddings
+from dsv4enc.errors import UsageError
 from dsv4enc.tower.checkpoint import random_checkpoint
 from dsv4enc.cli import app
 
@@ -225,6 +226,20 @@ def test_from_config_forms(small_cfg, tmp_path):
     assert torch.equal(a.encode(image), b.encode(image))
     with pytest.raises(ValueError, match="out_dtype"):
         Encoder.from_config(small_cfg, device="cpu", out_dtype="int8")
+
+
+@pytest.mark.parametrize("option, message", [
+    ({"max_pixels": 0}, "max_pixels must be positive, got 0"),
+    ({"attention": "flsh"}, "unknown attention backend 'flsh'"),
+    ({"cuda_graphs": True}, "CUDA graphs need a CUDA device")])
+def test_a_bad_option_refuses_at_construction(small_cfg, option, message):
+    """In one line, before any image: a pipeline's stage fails as it is built, not each batch
+    (nor every row an error row, as max_pixels=0 made them)."""
+    with pytest.raises(UsageError, match=message) as refused:
+        Encoder.from_config(small_cfg, device="cpu", **option)
+    assert "\n" not in str(refused.value)
+    with pytest.raises(UsageError, match=message):
+        BatchEncoder(config=small_cfg.to_flat(), device="cpu", **option)
 
 
 def test_package_import_is_light():

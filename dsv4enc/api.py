@@ -236,8 +236,8 @@ class Encoder:
                 raise EncodeError(item.index, item.key, item.error)
             window.append(item)
             tokens += item.tokens
-            ready = sum(1 for w in window if w.error is None)
-            if tokens >= 2 * capacity or ready >= 2 * self.max_images:
+            # Error rows count too: a long run of them flushes, rather than piling up unyielded.
+            if tokens >= 2 * capacity or len(window) >= 2 * self.max_images:
                 yield from self._flush(engine, window, pool, capacity)
                 window, tokens = [], 0
         yield from self._flush(engine, window, pool, capacity)

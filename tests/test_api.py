@@ -180,6 +180,21 @@ def test_encode_iter_streams_with_bounded_lookahead(encoder, pictures):
     assert len(rest) == 39 and len(consumed) == 40
 
 
+def test_a_long_run_of_unreadable_inputs_streams(encoder):
+    """Error rows are yielded as they come, not held (and recounted at each input) until a
+    good image arrives."""
+    consumed = []
+
+    def unreadable():
+        for i in range(8 * encoder.max_images):
+            consumed.append(i)
+            yield b""
+
+    stream = encoder.encode_iter(unreadable())
+    assert next(stream)[1].startswith("UnidentifiedImageError")
+    assert len(consumed) <= 2 * encoder.max_images
+
+
 def test_batch_tokens_and_threads_do_not_change_results(small_ckpt, pictures):
     base = Encoder.from_pretrained(small_ckpt, device="cpu", dtype="float32")
     ref = base.encode(pictures * 2, batch_tokens=10_000)

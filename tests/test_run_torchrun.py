@@ -82,7 +82,8 @@ def ckpt(work: Path, cfg: VisionConfig) -> Path:
 @pytest.fixture(scope="module")
 def folders(work: Path) -> dict[str, Path]:
     """imgs: the mix plus a truncated JPEG (header fine, decode fails), an unreadable .png
-    and a text file; one: a single image; broken: only images that fail; empty: no image."""
+    and a text file; one: a single image; broken: only images that fail; empty: no image;
+    even: images of one size, which the ranks' greedy shares interleave (0, 2, 4 | 1, 3, 5)."""
     imgs = work / "imgs"
     for rel, size, mode in IMAGES:
         write_image(imgs / rel, size, mode)
@@ -99,7 +100,9 @@ def folders(work: Path) -> dict[str, Path]:
     empty = work / "empty"
     empty.mkdir()
     (empty / "readme.txt").write_text("nothing to encode\n")
-    return {"imgs": imgs, "one": one, "broken": broken, "empty": empty}
+    for i in range(6):
+        write_image(work / "even" / f"e{i}.png", (300, 300), "RGB")
+    return {"imgs": imgs, "one": one, "broken": broken, "empty": empty, "even": work / "even"}
 
 
 def _env() -> dict[str, str]:
@@ -292,6 +295,7 @@ def sequence(work, folders, ckpt) -> dict[str, list[dict]]:
         "broken": enc("broken", "broken.parquet"),
         "empty": enc("empty", "empty.parquet"),
         "empty_shard": enc("empty", "empty_shard/", "--shard-output"),
+        "even_shard": enc("even", "even_shard/", "--shard-output"),
         "interrupted": ["@interrupt", *enc("imgs", "resumed.parquet", "--part-images",
                                            str(PART_IMAGES))],
         "resumed": enc("imgs", "resumed.parquet", "--part-images", str(PART_IMAGES),
@@ -371,6 +375,29 @@ def test_finished_shard_output_records_stamps_that_update_uses(work, sequence, c
     reused = re.search(r"reused from the output\s*\S\s*([\d,]+)", proc.stderr)
     assert reused and int(reused.group(1)) == len(rows_of(reference)), proc.stderr[-3000:]
     assert_same_rows(rows_of(folder), rows_of(reference), ordered=False)
+
+
+def test_update_of_a_shard_output_encodes_only_what_changed(work, sequence, ckpt, folders):
+    """A --shard-output part holds each rank's share in a file of its own, so its rows are not
+    in input order (0, 2, 4, then 1, 3, 5): --update still carries every unchanged row (none
+    was encoded again), and encodes the one image that changed."""
+    seq_ok(sequence, "even_shard")
+    folder, even = work / "even_update", folders["even"]
+    shutil.copytree(work / "seq" / "even_shard", folder)
+    files = [p["file"] for p in load_manifest(folder / "_manifest.json")["parts"].values()]
+    assert len(files) == 2 and [r["path"] for r in rows_of(folder)] != sorted(
+        r["path"] for r in rows_of(folder))
+
+    def update() -> int:
+        proc = ok(run([sys.executable, "-m", "dsv4enc", "encode", str(even), "--out",
+                       f"{folder}/", "--update", "--weights", str(ckpt), *FAST], work))
+        return int(re.search(r"encoded\s*\S\s*(\d+)", proc.stderr).group(1))
+
+    assert update() == 0
+    write_image(even / "e3.png", (300, 300), "RGB", seed=99)
+    assert update() == 1
+    want = rows_of(encode_here(even, work / "even_ref.parquet", ckpt))
+    assert_same_rows(rows_of(folder), want, ordered=False)
 
 
 def test_tensor_parallel_matches_one_process(work, sequence, reference):

@@ -331,6 +331,11 @@ class OldOutput:
 
     def check(self, settings: dict) -> None:
         """Refuse in one line a run whose rows would differ, or an output without stamps."""
+        if self.stamps is None and self.stored and "world_size" in self.settings:
+            raise UsageError(
+                f"cannot update {self.out}: a --shard-output folder in object storage does not "
+                "record its input files per row; rerun once with --overwrite in place of "
+                "--update and without --shard-output (or to a local --out), then --update works")
         if self.stamps is None:
             raise UsageError(
                 f"cannot update {self.out}: it does not record its input files per row (made "

@@ -762,3 +762,18 @@ def test_the_share_an_update_may_drop_and_inputs_given_one_by_one(finished, tmp_
     assert given_one_by_one(options(images, "o", inputs=[], files_from=one))
     assert not given_one_by_one(options(images, "o"))  # the folder
     assert not given_one_by_one(options(images, "o", inputs=[str(images), one]))
+
+
+def test_update_of_a_bucket_shard_output_is_refused_in_one_line(s3, tmp_path):
+    """A --shard-output folder in a bucket records no stamps (its ranks uploaded their parts):
+    --update says so, and what to run instead; rerunning with --shard-output would not help."""
+    images = old_images(tmp_path / "in")
+    out = f"{s3.url}/sharded/"
+    run_encode(options(images, out))
+    key = next(k for k in s3.keys("sharded/") if k.endswith("/_manifest.json"))
+    manifest = json.loads(s3.get(key))  # as torchrun ranks leave it: no stamps, a world size
+    del manifest["stamps"]
+    manifest["settings"]["world_size"] = 2
+    s3.put(key, json.dumps(manifest).encode())
+    line = one_line_error(cli(images, out, "--update"), 2)
+    assert "--shard-output folder in object storage" in line and "--overwrite" in line, line

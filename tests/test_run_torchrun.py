@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.dataset as pads
 import pyarrow.parquet as pq
 import pytest
@@ -82,7 +83,9 @@ def ckpt(work: Path, cfg: VisionConfig) -> Path:
 @pytest.fixture(scope="module")
 def folders(work: Path) -> dict[str, Path]:
     """imgs: the mix plus a truncated JPEG (header fine, decode fails), an unreadable .png
-    and a text file; one: a single image; broken: only images that fail; empty: no image."""
+    and a text file; one: a single image; broken: only images that fail; empty: no image;
+    even: images of one size, which the ranks' greedy shares interleave (0, 2, 4 | 1, 3, 5);
+    table: a Parquet table of those images, with an id and a caption column."""
     imgs = work / "imgs"
     for rel, size, mode in IMAGES:
         write_image(imgs / rel, size, mode)
@@ -99,7 +102,15 @@ def folders(work: Path) -> dict[str, Path]:
     empty = work / "empty"
     empty.mkdir()
     (empty / "readme.txt").write_text("nothing to encode\n")
-    return {"imgs": imgs, "one": one, "broken": broken, "empty": empty}
+    for i in range(6):
+        write_image(work / "even" / f"e{i}.png", (300, 300), "RGB")
+    evens = sorted((work / "even").iterdir())
+    pq.write_table(pa.table({"id": pa.array(range(6), pa.int64()),
+                             "caption": [f"c{i}" for i in range(6)],
+                             "image": [path.read_bytes() for path in evens]}),
+                   work / "table.parquet")
+    return {"imgs": imgs, "one": one, "broken": broken, "empty": empty, "even": work / "even",
+            "table": work / "table.parquet"}
 
 
 def _env() -> dict[str, str]:
@@ -292,6 +303,9 @@ def sequence(work, folders, ckpt) -> dict[str, list[dict]]:
         "broken": enc("broken", "broken.parquet"),
         "empty": enc("empty", "empty.parquet"),
         "empty_shard": enc("empty", "empty_shard/", "--shard-output"),
+        "even_shard": enc("even", "even_shard/", "--shard-output"),
+        "table_shard": enc("table", "table_shard/", "--shard-output", "--key-column", "id",
+                           "--keep-column", "caption"),
         "interrupted": ["@interrupt", *enc("imgs", "resumed.parquet", "--part-images",
                                            str(PART_IMAGES))],
         "resumed": enc("imgs", "resumed.parquet", "--part-images", str(PART_IMAGES),
@@ -371,6 +385,39 @@ def test_finished_shard_output_records_stamps_that_update_uses(work, sequence, c
     reused = re.search(r"reused from the output\s*\S\s*([\d,]+)", proc.stderr)
     assert reused and int(reused.group(1)) == len(rows_of(reference)), proc.stderr[-3000:]
     assert_same_rows(rows_of(folder), rows_of(reference), ordered=False)
+
+
+def test_update_of_a_shard_output_encodes_only_what_changed(work, sequence, ckpt, folders):
+    """A --shard-output part holds each rank's share in a file of its own, so its rows are not
+    in input order (0, 2, 4, then 1, 3, 5): --update still carries every unchanged row (none
+    was encoded again), and encodes the one image that changed."""
+    seq_ok(sequence, "even_shard")
+    folder, even = work / "even_update", folders["even"]
+    shutil.copytree(work / "seq" / "even_shard", folder)
+    files = [p["file"] for p in load_manifest(folder / "_manifest.json")["parts"].values()]
+    assert len(files) == 2 and [r["path"] for r in rows_of(folder)] != sorted(
+        r["path"] for r in rows_of(folder))
+
+    def update() -> int:
+        proc = ok(run([sys.executable, "-m", "dsv4enc", "encode", str(even), "--out",
+                       f"{folder}/", "--update", "--weights", str(ckpt), *FAST], work))
+        return int(re.search(r"encoded\s*\S\s*(\d+)", proc.stderr).group(1))
+
+    assert update() == 0
+    write_image(even / "e3.png", (300, 300), "RGB", seed=99)
+    assert update() == 1
+    want = rows_of(encode_here(even, work / "even_ref.parquet", ckpt))
+    assert_same_rows(rows_of(folder), want, ordered=False)
+
+
+def test_shard_output_of_a_table_keeps_each_rows_own_columns(work, sequence):
+    """Each rank's part file holds its share of a part's rows: the kept columns (the typed
+    --key-column's, --keep-column's) are those of its rows, not of the part's first inputs."""
+    seq_ok(sequence, "table_shard")
+    table = pads.dataset(work / "seq" / "table_shard", format="parquet").to_table()
+    assert sorted(zip(table.column("path").to_pylist(), table.column("id").to_pylist(),
+                      table.column("caption").to_pylist())) == [
+        (str(i), i, f"c{i}") for i in range(6)]
 
 
 def test_tensor_parallel_matches_one_process(work, sequence, reference):

@@ -51,7 +51,7 @@ class PartWriter:
                     self.store.commit_written(name, entry)
                 else:
                     name, rows, start, end, digest = job
-                    table = rows_to_table(rows, self.schema, self._kept(start, end))
+                    table = rows_to_table(rows, self.schema, self._kept(start, end, rows))
                     group_rows = rows_per_group(self.schema, rows)
                     del job, rows  # the table holds what it needs of them: let the rest go
                     self.store.commit(name, table, group_rows, start, end, digest)
@@ -95,12 +95,14 @@ class PartWriter:
             self._queue.put(job)
         self._since = time.monotonic()
 
-    def _kept(self, start: int, end: int) -> dict | None:
-        """The kept table columns of inputs ``[start, end)`` (None when the schema has none),
-        read from the input tables (a carried row's table is unchanged: its old values)."""
+    def _kept(self, start: int, end: int, rows: list[Row]) -> dict | None:
+        """The kept table columns of ``rows``, of inputs ``[start, end)`` (all of them, or a
+        --shard-output rank's share) (None when the schema has none), read from the input
+        tables (a carried row's table is unchanged: its old values)."""
         if not kept_fields(self.schema):  # no input items to gather
             return None
-        return kept_columns(self.schema, [p.item for p in self.store.source[start:end]])
+        items = {p.item.key: p.item for p in self.store.source[start:end]}
+        return kept_columns(self.schema, [items[row.path] for row in rows])
 
     def check(self) -> None:
         if self.error is not None:

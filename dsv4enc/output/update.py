@@ -20,6 +20,7 @@ import json
 import logging
 import os
 import shutil
+from collections import deque
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
@@ -245,12 +246,17 @@ class OldOutput:
     """A finished output as an update sees it: its parts in row order, settings and stamps.
     A folder's part file that is gone or cut short (``parts.part_kept``) is ``damaged``: its
     rows are never carried, so the update encodes their inputs again (a repair). ``stored``:
-    the part objects of a bucket folder, read where they are (``remote.RemoteOutput.stored``)."""
+    the part objects of a bucket folder, read where they are (``remote.RemoteOutput.stored``).
+    ``blocks``: the first row of each run of parts that share an input range (a
+    ``--shard-output`` folder's ranks' files of one part, whose rows interleave in input
+    order), else None."""
 
     def __init__(self, out: Path, units: Sequence[tuple[str, int, int]], settings: dict,
                  stamps: np.ndarray | None, folder: bool, damaged: Iterable[str] = (),
-                 stored: Mapping[str, storage.ObjectInfo] | None = None) -> None:
+                 stored: Mapping[str, storage.ObjectInfo] | None = None,
+                 blocks: np.ndarray | None = None) -> None:
         self.out, self.settings, self.stamps, self.folder = out, settings, stamps, folder
+        self.blocks = blocks
         self.stored = stored or {}
         self.parts = list(units)  # its files in row order: (name, first row, rows)
         self.damaged = set(damaged)  # the names of those whose rows cannot be read
@@ -314,14 +320,22 @@ class OldOutput:
         stamps = _read_folder_stamps(out, manifest.get("stamps"), sum(sizes))
         first = np.cumsum([0] + sizes)
         damaged = [p["file"] for p in parts if not part_kept(p, out, stored or {})]
+        blocks = [int(first[i]) for i, p in enumerate(parts)
+                  if i == 0 or p["start"] >= parts[i - 1]["end"]]
         found = cls(out, [(p["file"], int(first[i]), sizes[i]) for i, p in enumerate(parts)],
-                    dict(manifest["settings"]), stamps, True, damaged, stored)
+                    dict(manifest["settings"]), stamps, True, damaged, stored,
+                    np.array(blocks) if len(blocks) < len(parts) else None)
         if stamps is not None:
             found.stamps_file = manifest["stamps"]["file"]
         return found
 
     def check(self, settings: dict) -> None:
         """Refuse in one line a run whose rows would differ, or an output without stamps."""
+        if self.stamps is None and self.stored and "world_size" in self.settings:
+            raise UsageError(
+                f"cannot update {self.out}: a --shard-output folder in object storage does not "
+                "record its input files per row; rerun once with --overwrite in place of "
+                "--update and without --shard-output (or to a local --out), then --update works")
         if self.stamps is None:
             raise UsageError(
                 f"cannot update {self.out}: it does not record its input files per row (made "
@@ -335,6 +349,11 @@ class OldOutput:
                         "%s %d rows again", self.out, len(self.damaged),
                         "s are" if len(self.damaged) > 1 else " is", shown,
                         "their" if len(self.damaged) > 1 else "its", self.damaged_rows)
+
+    def block_of(self, rows: np.ndarray) -> np.ndarray:
+        """The block of each of ``rows``: carried rows are read a block at a time, in any order
+        within one (``CarriedRows``); without ``blocks``, each row is its own."""
+        return rows if self.blocks is None else np.searchsorted(self.blocks, rows, "right")
 
     def column(self, name: str, missing: Any = None) -> Iterable[Any]:
         """One small column's values, row by row, read a row group at a time (``missing``
@@ -362,35 +381,51 @@ def _row_groups(files: Sequence[tuple[str | Path | None, int]]
 
 
 class CarriedRows:
-    """Old rows read forward, one row group at a time (never the whole output)."""
+    """Old rows read forward, one row group, or one of ``OldOutput.blocks``, at a time (never
+    the whole output)."""
 
-    def __init__(self, files: Sequence[tuple[str | Path | None, int]]) -> None:
+    def __init__(self, files: Sequence[tuple[str | Path | None, int]],
+                 blocks: np.ndarray | None = None) -> None:
         self._groups = _row_groups(files)
+        self._ends = deque([] if blocks is None else
+                           [*blocks[1:].tolist(), sum(rows for _, rows in files)])
         self._start = self._end = 0
-        self._rows: list[dict] = []
+        self._rows: list[dict | None] = []
         self._arrays: list = []
 
     def row(self, index: int, key: str) -> Row:
-        """Old row ``index`` (never below an index asked for before, never in a damaged part)
-        as a Row for ``key``; row groups before it are passed over unread (kept parts)."""
+        """Old row ``index`` (never in a block before one asked for before, never in a damaged
+        part) as a Row for ``key``; blocks before it are passed over unread (kept parts)."""
         while index >= self._end:
-            handle, group, rows = next(self._groups)
-            self._start = self._end
-            self._end += rows
-            if index >= self._end:
-                continue
-            if handle is None:
-                raise AssertionError("a row of a damaged part asked for")
-            table = handle.read_row_group(group)
-            self._arrays = embedding_arrays(table.column("embedding"),
-                                            embedding_format(handle.schema_arrow))
-            self._rows = table.drop_columns(["embedding"]).to_pylist()
+            self._next_block(index)
         if index < self._start:
             raise AssertionError("old rows asked for out of order")
         old = self._rows[index - self._start]
+        if old is None:
+            raise AssertionError("a row of a damaged part asked for")
         return Row(path=key, width=old["width"], height=old["height"], vit_h=old["vit_h"],
                    vit_w=old["vit_w"], grid_h=old["grid_h"], grid_w=old["grid_w"],
                    embedding=self._arrays[index - self._start], error=old["error"])
+
+    def _next_block(self, index: int) -> None:
+        """Read the next block's row groups (passed over when ``index`` lies beyond it)."""
+        self._start, self._rows, self._arrays = self._end, [], []
+        while self._ends and self._ends[0] <= self._start:
+            self._ends.popleft()
+        while True:
+            handle, group, rows = next(self._groups)
+            self._end += rows
+            end = self._ends[0] if self._ends else self._end
+            if index < end and handle is None:
+                self._rows += [None] * rows
+                self._arrays += [None] * rows
+            elif index < end:
+                table = handle.read_row_group(group)
+                self._arrays += list(embedding_arrays(table.column("embedding"),
+                                                      embedding_format(handle.schema_arrow)))
+                self._rows += table.drop_columns(["embedding"]).to_pylist()
+            if self._end >= end:
+                return
 
 
 class Update:
@@ -474,7 +509,7 @@ class Update:
         self._pair(planned, retry_errors)
         log.info("update of %s: %d rows kept, %d new inputs, %d changed, %d gone",
                  self.old.out, len(self.carried), self.new, self.changed, self.dropped)
-        self._reader = CarriedRows(self.old.files)
+        self._reader = CarriedRows(self.old.files, self.old.blocks)
 
     def check_finished(self, planned: Sequence, settings: dict) -> None:
         """``--resume`` of this finished single file, whose parts are gone: AlreadyComplete
@@ -508,13 +543,14 @@ class Update:
         ranked = old[order]
         where = np.minimum(np.searchsorted(ranked, now), max(len(old) - 1, 0))
         found = (ranked[where] == now) if len(old) else np.zeros(len(now), dtype=bool)
+        matched = np.flatnonzero(found)
+        rows = order[where[matched]]
         last = -1
-        for j in np.flatnonzero(found):
-            i = int(order[where[j]])
+        for j, i, block in zip(matched.tolist(), rows.tolist(), self.old.block_of(rows).tolist()):
             kind = kinds[i]
-            if i > last and (kind == _FAILED or kind == _ROW and planned[j].error is None):
-                self.carried[int(j)] = i
-                last = i
+            if block >= last and (kind == _FAILED or kind == _ROW and planned[j].error is None):
+                self.carried[j] = i
+                last = block
         self.carried.update(self.unlisted)
         self.carried = dict(sorted(self.carried.items()))
         self.carried_failed = int(sum(kinds[i] != _ROW for i in self.carried.values()))

@@ -694,6 +694,29 @@ def test_a_folder_of_shards_and_tables_is_read_as_those_containers(tmp_path, sha
                for r in caplog.records)
 
 
+def test_metadata_tables_beside_shards_are_passed_over_not_fatal(tmp_path, shard, images,
+                                                                 caplog):
+    """img2dataset writes a metadata table (urls, captions: no images) beside each shard: a
+    folder of them reads the shards, passing the tables over with one warning; a table with
+    images still gets its rows, and one given by name without images is still refused."""
+    folder = tmp_path / "laion"
+    folder.mkdir()
+    for n in range(2):
+        shutil.copy(shard, folder / f"{n:05d}.tar")
+        pq.write_table(pa.table({"url": ["http://x"], "caption": ["a"]}), folder / f"{n:05d}.parquet")
+    pq.write_table(image_table(images, ["d.png"], struct=False), folder / "images.parquet")
+    with caplog.at_level(logging.WARNING, logger="dsv4enc"):
+        found = discover([str(folder)])
+    assert keys_of(found.items) == ([f"00000.tar/{k}" for k in SHARD_KEYS]
+                                    + [f"00001.tar/{k}" for k in SHARD_KEYS] + ["images.parquet#0"])
+    assert found.skipped == 2 + 2 and found.tables == 1  # train/0004 twice, the two tables
+    assert any("2 tables without a column of images are not read" in r.getMessage()
+               for r in caplog.records)
+    assert keys_of(discover([str(folder)], image_column="img").items)[-1] == "images.parquet#0"
+    with pytest.raises(UsageError, match="no column holds image bytes"):
+        discover([str(folder / "00000.parquet")])
+
+
 def keys_of(items) -> list[str]:
     return [item.key for item in items]
 

@@ -17,8 +17,9 @@ from .. import storage
 from ..columns import OUTPUT_COLUMNS, utf8_text
 from ..errors import UsageError
 from .items import InputItem, TableCell, is_image_name
-from .sources import (StoredObject, container_kind, expand_table, expand_tar, path_roots,
-                      refuse_compressed_tar, sidecar_fields, table_fields, written_by_dsv4enc)
+from .sources import (NoImageColumn, StoredObject, container_kind, expand_table, expand_tar,
+                      path_roots, refuse_compressed_tar, sidecar_fields, table_fields,
+                      written_by_dsv4enc)
 
 _log = logging.getLogger("dsv4enc")
 
@@ -399,18 +400,27 @@ def container_items(raw: str, name: str, image_column: str | None = None,
 def read_folder_containers(raw: str, containers: list[tuple[str, str]], has_images: bool,
                            state: _Listing, root: str | None) -> Iterator[InputItem]:
     """The images of the containers (``(relative path, path)``) found in the folder or prefix
-    ``raw``: read when it holds no image file, else passed over with a warning."""
+    ``raw``: read when it holds no image file, else passed over with a warning; so is a table
+    without the image column (``NoImageColumn``), and an output of dsv4enc, without one."""
     if has_images and containers:
         state.found.skipped += len(containers)
         _log.warning("%s: %d .tar shards or tables beside its images are not read (a folder with "
                      "images is read for its images); pass them by name to encode them (e.g. %s)",
                      raw, len(containers), containers[0][1])
         return
+    imageless: list[str] = []  # tables of metadata beside the shards (img2dataset's)
     for rel, path in containers:
         if written_by_dsv4enc(path):  # an output (or its parts) written beside the shards
             state.found.skipped += 1
-        else:
+            continue
+        try:
             yield from state.container(path, key_under_root(root, rel))
+        except NoImageColumn:
+            state.found.skipped += 1
+            imageless.append(path)
+    if imageless:
+        _log.warning("%s: %d tables without a column of images are not read (e.g. %s)", raw,
+                     len(imageless), imageless[0])
 
 
 def nothing_found(inputs: Iterable[str], files_from: str | None, skipped: int) -> str:

@@ -63,6 +63,11 @@ class RefusedPathError(ValueError):
     """A table cell's file that dsv4enc does not read (see ``cell_file``)."""
 
 
+class NoImageColumn(UsageError):
+    """A table without the image column asked for, or without any: given by name, a refusal;
+    found in a folder (img2dataset's metadata beside its shards), passed over."""
+
+
 def member_key(container: str, name: str) -> str:
     """The output key of the image ``name`` (a tar sample's key, a member's name, a table
     cell's file name) inside the container keyed ``container``: no other input changes it."""
@@ -433,9 +438,9 @@ def choose_image_column(schema: "pa.Schema", wanted: str | None, source: str) ->
     names = schema.names
     if wanted is not None:
         if wanted not in names:
-            raise UsageError(f"{source}: no column {wanted!r} (columns: {', '.join(names)})")
+            raise NoImageColumn(f"{source}: no column {wanted!r} (columns: {', '.join(names)})")
         if image_column_kind(schema.field(wanted).type) is None:
-            raise UsageError(f"{source}: column {wanted!r} is {schema.field(wanted).type}, "
+            raise NoImageColumn(f"{source}: column {wanted!r} is {schema.field(wanted).type}, "
                              "not image bytes or a {bytes, path} struct")
         return wanted
     candidates = [n for n in names if image_column_kind(schema.field(n).type) is not None]
@@ -445,7 +450,7 @@ def choose_image_column(schema: "pa.Schema", wanted: str | None, source: str) ->
         return "image"
     if not candidates:
         # --image-column could name no other: a column it names must hold bytes too
-        raise UsageError(f"{source}: no column holds image bytes or {{bytes, path}} structs "
+        raise NoImageColumn(f"{source}: no column holds image bytes or {{bytes, path}} structs "
                          f"(columns: {', '.join(names)}); give a table with such a column")
     raise UsageError(f"{source}: several columns hold bytes ({', '.join(candidates)}); "
                      "choose one with --image-column")

@@ -184,7 +184,8 @@ def stream_inputs(found: Discovery, inputs: Iterable[str], files_from: str | Non
 
 def _list_items(list_file: str, state: _Listing, stop: Stop | None) -> Iterator[InputItem]:
     """The items of a ``--files-from`` list as its lines are read: an image name (not a folder)
-    is an item, another line is counted as skipped. Until a listed path exists (or is a URL)
+    is an item, a container's images are its items (``.tar``, a table, keyed under the line as
+    given), another line is counted as skipped. Until a listed path exists (or is a URL)
     the items are held back, since a list none of whose paths exists is refused."""
     missing: MissingPaths | None = MissingPaths()  # None once a listed path exists
     held: list[InputItem] = []
@@ -196,12 +197,16 @@ def _list_items(list_file: str, state: _Listing, stop: Stop | None) -> Iterator[
             held.clear()
         elif missing is not None:
             missing.add(line)
-        if not is_image_name(line) or Path(line).is_dir():
+        container = container_kind(line) is not None
+        if not (is_image_name(line) or container) or Path(line).is_dir():
             state.found.skipped += 1
-        elif missing is None:
-            yield state.keyed(InputItem(key=line, path=line))
+            continue
+        items = state.container(line, line) if container else [InputItem(key=line, path=line)]
+        keyed = [state.keyed(item) for item in items]
+        if missing is None:
+            yield from keyed
         else:
-            held.append(state.keyed(InputItem(key=line, path=line)))
+            held.extend(keyed)
     if missing is not None and missing.count:
         refuse_missing_list(list_file, missing)
 

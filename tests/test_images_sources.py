@@ -123,12 +123,18 @@ def _cfg():
     return replace(load_config("tiny"), min_pixels=56 * 56, max_n_token=24)
 
 
-def test_compressed_and_broken_tars_are_usage_errors(tmp_path, images):
+def test_a_compressed_file_named_tar_is_its_error_row_not_the_run_s_end(tmp_path, images,
+                                                                        shard):
+    """Found among the shards (in a folder, a list, or named), a gzip file named ``.tar`` is
+    one error row that says to decompress it; the other shards are read."""
     gz = tmp_path / "s.tar"
     with tarfile.open(gz, "w:gz") as archive:
         add_bytes(archive, "x.jpg", images["a.jpg"].read_bytes())
-    with pytest.raises(UsageError, match="uncompressed"):
-        discover([str(gz)])
+    shutil.copy(shard, tmp_path / "t.tar")
+    found = discover([str(tmp_path)])
+    assert keys_of(found.items) == ["s.tar@0"] + [f"t.tar/{key}" for key in SHARD_KEYS]
+    assert "gzip-compressed tar" in found.items[0].member.reason
+    assert "decompress it first" in found.items[0].member.reason
 
 
 def test_tar_encode_matches_loose_files(shard, images, ckpt, tmp_path):

@@ -204,7 +204,8 @@ _BLOCK = tarfile.BLOCKSIZE
 
 def _open_tar(raw: str) -> tuple[tarfile.TarFile | None, int, str | None]:
     """``(archive, file size, None)``, or ``(None, size, why)`` when not even the first header
-    reads. A compressed file is a UsageError (it needs decompressing, not an error row)."""
+    reads, or the file is compressed (one shard among many: its error row says to decompress
+    it, and the other shards are read)."""
     try:
         # In a store, the shard is read once, in order: headers and members' data alike.
         handle, size = storage.open_whole(raw)
@@ -215,8 +216,8 @@ def _open_tar(raw: str) -> tuple[tarfile.TarFile | None, int, str | None]:
         for kind, (_, magic, _) in _COMPRESSORS.items():
             if head.startswith(magic):
                 handle.close()
-                raise UsageError(f"{raw}: a {kind}-compressed tar; only uncompressed shards "
-                                 "can be read member by member, decompress it first")
+                return None, size, (f"a {kind}-compressed tar; only uncompressed shards can be "
+                                    "read member by member, so decompress it first")
         archive = tarfile.open(fileobj=handle, mode="r:")
     except (tarfile.TarError, OSError) as exc:
         handle.close()

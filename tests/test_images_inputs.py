@@ -265,6 +265,8 @@ def test_files_from_stdin_and_undecodable_bytes(tmp_path, monkeypatch):
     listing = tmp_path / "list.txt"
     listing.write_bytes(raw)
     assert list(read_path_list(str(listing))) == paths
+    listing.write_bytes(b"\xef\xbb\xbf" + raw)  # as Notepad saves it
+    assert list(read_path_list(str(listing))) == paths
 
 
 def test_unreadable_files_from_is_a_usage_error(tmp_path):

@@ -92,9 +92,10 @@ MAX_LIST_LINE_BYTES = 64 << 10
 
 def read_path_list(list_file: str, stop: Stop | None = None) -> Iterator[str]:
     """The paths of a path list (``-``: standard input) as its lines are read, stripped; blank
-    lines and lines starting with ``#`` are skipped (``./#name`` names a file ``#name``). An
-    unreadable list, a device, or a line over ``MAX_LIST_LINE_BYTES`` is a UsageError; ``stop``
-    is checked once a line (a list can be a pipe that never ends)."""
+    lines and lines starting with ``#`` are skipped (``./#name`` names a file ``#name``), and
+    a UTF-8 byte order mark before the first. An unreadable list, a device, or a line over
+    ``MAX_LIST_LINE_BYTES`` is a UsageError; ``stop`` is checked once a line (a list can be a
+    pipe that never ends)."""
     where = "standard input" if list_file == "-" else list_file
     with _open_path_list(list_file) as handle:
         number = 0
@@ -106,6 +107,8 @@ def read_path_list(list_file: str, stop: Stop | None = None) -> Iterator[str]:
                                  "(one path a line)")
             if stop is not None:
                 stop.check()
+            if number == 1:  # the byte order mark a Windows editor saves a list with
+                line = line.removeprefix(b"\xef\xbb\xbf")
             path = os.fsdecode(line).strip()  # any bytes go through, as the file system's
             if path and not path.startswith("#"):
                 yield path

@@ -271,6 +271,24 @@ def test_row_group_cache_reads_each_group_once(tmp_path, images, monkeypatch):
     assert reads == [0, 1, 0, 1]  # over budget: only the last group stays
 
 
+def test_a_row_group_too_large_to_hold_is_read_in_slices(tmp_path, monkeypatch):
+    """A table written as one row group (pyarrow's and pandas' default) is never read whole
+    into a worker (gigabytes of images failed every row with a MemoryError): slices of rows,
+    each cell's bytes as written, in any order of the rows."""
+    cells = [bytes([n]) * 1000 for n in range(100)]
+    path = tmp_path / "one-group.parquet"
+    pq.write_table(pa.table({"image": pa.array(cells, pa.binary())}), path,
+                   use_dictionary=False, write_batch_size=10, data_page_size=5000)
+    monkeypatch.setattr(sources, "CACHE_BYTES", 30_000)  # the group: about 100 KB
+    monkeypatch.setattr(sources, "SLICE_BYTES", 10_000)  # about ten rows a slice
+    monkeypatch.setattr(sources, "GROUP_CACHE", sources.GroupCache(max_bytes=30_000))
+    monkeypatch.setattr(sources.TableReader, "read", lambda *a: pytest.fail("read whole"))
+    items = discover([str(path)]).items
+    rows = [*range(0, 100, 7), *range(99, -1, -3), *range(100)]
+    for row in rows:
+        assert sources.open_item(items[row]) == cells[row]
+
+
 def test_decode_workers_take_container_items(shard, tmp_path, images, ckpt):
     """Real worker processes (spawn): items with members pickle and decode there."""
     table = tmp_path / "t.parquet"

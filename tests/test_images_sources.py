@@ -686,6 +686,16 @@ def test_repeated_table_keys_get_suffixes(tmp_path, images):
                                                  "image.jpg#4"]]
 
 
+def test_binary_key_cells_keep_their_bytes_in_the_key(tmp_path, images):
+    """A binary --key-column's bytes that are not UTF-8 are escaped as a file name's are, so
+    two ids stay two keys."""
+    data = images["a.jpg"].read_bytes()
+    path = tmp_path / "t.parquet"
+    pq.write_table(pa.table({"id": [b"\xff1", b"\xfe1", b"ok"], "img": [data] * 3}), path)
+    keys = [i.key for i in discover([str(path)], key_column="id", image_column="img").items]
+    assert keys == ["\\xff1", "\\xfe1", "ok"]
+
+
 # --------------------------------------------------------------------------- folders of containers
 
 def test_a_folder_of_shards_and_tables_is_read_as_those_containers(tmp_path, shard, images,

@@ -589,8 +589,8 @@ def expand_table(raw: str, image_column: str | None = None, key_column: str | No
         except (OSError, pa.ArrowException) as exc:  # each row of the group is an error row
             unreadable = Unreadable(f"{raw}: row group {group} cannot be read ({exc})")
         for row, key in enumerate(keys):
-            if isinstance(key, bytes):
-                key = key.decode("utf-8", "replace")
+            if isinstance(key, bytes):  # bytes that are not UTF-8 as ``\xNN``, as a file name's
+                key = key.decode("utf-8", "backslashreplace")
             if key is None or key == "":
                 key = f"{name}#{len(items)}"
             else:

@@ -554,6 +554,19 @@ def test_a_cut_arrow_stream_never_reads_as_complete(tmp_path, images, cut):
     assert len(discover([str(whole)]).items) == 5  # the intact stream: no error row
 
 
+def test_a_compressed_feather_file_is_held_a_batch_at_a_time(tmp_path):
+    """Feather compresses with LZ4 by default: opening one held every batch decompressed, in
+    the main process and in each decode worker (gigabytes for a large table)."""
+    cells = [bytes([n]) * 100_000 for n in range(40)]  # 4 MB that compress to almost nothing
+    path = tmp_path / "t.feather"
+    feather.write_feather(pa.table({"image": cells}), path, compression="lz4", chunksize=4)
+    before = pa.total_allocated_bytes()
+    reader = sources.TableReader(str(path))
+    assert reader.group_rows == [4] * 10
+    assert pa.total_allocated_bytes() - before < 1_000_000  # a batch is 400 KB
+    assert reader.read(7, ["image"]).column(0).to_pylist() == cells[28:32]
+
+
 def test_a_cut_feather_file_keeps_its_batches(tmp_path, images):
     table = image_table(images, ["a.jpg", "b.png", "c.webp"], struct=False)
     path = tmp_path / "t.feather"

@@ -497,8 +497,12 @@ class TableReader:
         source = storage.open_input(path)
         try:
             reader = pa.ipc.open_file(source)
-            self._batches = [reader.get_batch(i) for i in range(reader.num_record_batches)]
+            # Each batch is read when ``read`` asks for it: a compressed file's (Feather's
+            # default) are decompressed one at a time, never all held at once.
+            self.group_rows = [reader.get_batch(i).num_rows
+                               for i in range(reader.num_record_batches)]
             self.schema = reader.schema
+            self._batch = reader.get_batch
         except pa.ArrowInvalid:
             # Hugging Face `datasets` caches are IPC streams; read zero-copy from the map. An
             # IPC file without its footer (cut short) is its magic and then a stream.
@@ -508,7 +512,8 @@ class TableReader:
             self._read_stream(source)
             if cut_file and self.damage is None:
                 self.damage = source.size(), "the Arrow file has no footer (cut short?)"
-        self.group_rows = [b.num_rows for b in self._batches]
+            self.group_rows = [b.num_rows for b in self._batches]
+            self._batch = self._batches.__getitem__
 
     def _read_stream(self, source) -> None:
         """An IPC stream's batches, up to its end marker or to where it breaks off (``damage``)."""
@@ -551,7 +556,7 @@ class TableReader:
 
         if self.parquet:
             return self._file.read_row_group(group, columns=columns)
-        table = pa.Table.from_batches([self._batches[group]]).select(columns)
+        table = pa.Table.from_batches([self._batch(group)]).select(columns)
         # IPC data is used as it lies in the file: offsets pointing outside their buffers
         # would be read blindly (a crash, not an error row). Check the columns read.
         table.validate(full=True)

@@ -233,6 +233,29 @@ def test_files_from_reads_paths_as_given(tmp_path):
     assert found.skipped == 2
 
 
+def test_files_from_lists_tar_shards_and_tables_as_their_images(tmp_path):
+    """A list of shards (``ls shards/*.tar > list.txt``, past the shell's argument limit) is
+    read as given by name: each container's images, keyed under the line."""
+    import tarfile
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    image = write_image(tmp_path / "a.png", (20, 10))
+    with tarfile.open(tmp_path / "s.tar", "w") as archive:
+        archive.add(image, "0001.png")
+    pq.write_table(pa.table({"image": [image.read_bytes()]}), tmp_path / "t.parquet")
+    listing = tmp_path / "list.txt"
+    listing.write_text(f"{tmp_path / 's.tar'}\n{tmp_path / 't.parquet'}\n{image}\n")
+    found = discover([], str(listing))
+    assert keys(found.items) == [f"{tmp_path / 's.tar'}/0001", f"{tmp_path / 't.parquet'}#0",
+                                 str(image)]
+    assert found.skipped == 0 and found.shards == 1 and found.tables == 1
+    only_shards = tmp_path / "shards.txt"
+    only_shards.write_text(f"{tmp_path / 's.tar'}\n")
+    assert keys(discover([], str(only_shards)).items) == [f"{tmp_path / 's.tar'}/0001"]
+
+
 def test_files_from_stdin_and_undecodable_bytes(tmp_path, monkeypatch):
     raw = b"one.png\n caf\xe9.jpg \n\n"
     monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(raw)))
@@ -241,6 +264,8 @@ def test_files_from_stdin_and_undecodable_bytes(tmp_path, monkeypatch):
     assert os.fsencode(paths[1]) == b"caf\xe9.jpg"  # the file system's own bytes
     listing = tmp_path / "list.txt"
     listing.write_bytes(raw)
+    assert list(read_path_list(str(listing))) == paths
+    listing.write_bytes(b"\xef\xbb\xbf" + raw)  # as Notepad saves it
     assert list(read_path_list(str(listing))) == paths
 
 

@@ -123,12 +123,18 @@ def _cfg():
     return replace(load_config("tiny"), min_pixels=56 * 56, max_n_token=24)
 
 
-def test_compressed_and_broken_tars_are_usage_errors(tmp_path, images):
+def test_a_compressed_file_named_tar_is_its_error_row_not_the_run_s_end(tmp_path, images,
+                                                                        shard):
+    """Found among the shards (in a folder, a list, or named), a gzip file named ``.tar`` is
+    one error row that says to decompress it; the other shards are read."""
     gz = tmp_path / "s.tar"
     with tarfile.open(gz, "w:gz") as archive:
         add_bytes(archive, "x.jpg", images["a.jpg"].read_bytes())
-    with pytest.raises(UsageError, match="uncompressed"):
-        discover([str(gz)])
+    shutil.copy(shard, tmp_path / "t.tar")
+    found = discover([str(tmp_path)])
+    assert keys_of(found.items) == ["s.tar@0"] + [f"t.tar/{key}" for key in SHARD_KEYS]
+    assert "gzip-compressed tar" in found.items[0].member.reason
+    assert "decompress it first" in found.items[0].member.reason
 
 
 def test_tar_encode_matches_loose_files(shard, images, ckpt, tmp_path):
@@ -263,6 +269,24 @@ def test_row_group_cache_reads_each_group_once(tmp_path, images, monkeypatch):
     for item in items + items:
         sources.open_item(item)
     assert reads == [0, 1, 0, 1]  # over budget: only the last group stays
+
+
+def test_a_row_group_too_large_to_hold_is_read_in_slices(tmp_path, monkeypatch):
+    """A table written as one row group (pyarrow's and pandas' default) is never read whole
+    into a worker (gigabytes of images failed every row with a MemoryError): slices of rows,
+    each cell's bytes as written, in any order of the rows."""
+    cells = [bytes([n]) * 1000 for n in range(100)]
+    path = tmp_path / "one-group.parquet"
+    pq.write_table(pa.table({"image": pa.array(cells, pa.binary())}), path,
+                   use_dictionary=False, write_batch_size=10, data_page_size=5000)
+    monkeypatch.setattr(sources, "CACHE_BYTES", 30_000)  # the group: about 100 KB
+    monkeypatch.setattr(sources, "SLICE_BYTES", 10_000)  # about ten rows a slice
+    monkeypatch.setattr(sources, "GROUP_CACHE", sources.GroupCache(max_bytes=30_000))
+    monkeypatch.setattr(sources.TableReader, "read", lambda *a: pytest.fail("read whole"))
+    items = discover([str(path)]).items
+    rows = [*range(0, 100, 7), *range(99, -1, -3), *range(100)]
+    for row in rows:
+        assert sources.open_item(items[row]) == cells[row]
 
 
 def test_decode_workers_take_container_items(shard, tmp_path, images, ckpt):
@@ -530,6 +554,19 @@ def test_a_cut_arrow_stream_never_reads_as_complete(tmp_path, images, cut):
     assert len(discover([str(whole)]).items) == 5  # the intact stream: no error row
 
 
+def test_a_compressed_feather_file_is_held_a_batch_at_a_time(tmp_path):
+    """Feather compresses with LZ4 by default: opening one held every batch decompressed, in
+    the main process and in each decode worker (gigabytes for a large table)."""
+    cells = [bytes([n]) * 100_000 for n in range(40)]  # 4 MB that compress to almost nothing
+    path = tmp_path / "t.feather"
+    feather.write_feather(pa.table({"image": cells}), path, compression="lz4", chunksize=4)
+    before = pa.total_allocated_bytes()
+    reader = sources.TableReader(str(path))
+    assert reader.group_rows == [4] * 10
+    assert pa.total_allocated_bytes() - before < 1_000_000  # a batch is 400 KB
+    assert reader.read(7, ["image"]).column(0).to_pylist() == cells[28:32]
+
+
 def test_a_cut_feather_file_keeps_its_batches(tmp_path, images):
     table = image_table(images, ["a.jpg", "b.png", "c.webp"], struct=False)
     path = tmp_path / "t.feather"
@@ -662,6 +699,16 @@ def test_repeated_table_keys_get_suffixes(tmp_path, images):
                                                  "image.jpg#4"]]
 
 
+def test_binary_key_cells_keep_their_bytes_in_the_key(tmp_path, images):
+    """A binary --key-column's bytes that are not UTF-8 are escaped as a file name's are, so
+    two ids stay two keys."""
+    data = images["a.jpg"].read_bytes()
+    path = tmp_path / "t.parquet"
+    pq.write_table(pa.table({"id": [b"\xff1", b"\xfe1", b"ok"], "img": [data] * 3}), path)
+    keys = [i.key for i in discover([str(path)], key_column="id", image_column="img").items]
+    assert keys == ["\\xff1", "\\xfe1", "ok"]
+
+
 # --------------------------------------------------------------------------- folders of containers
 
 def test_a_folder_of_shards_and_tables_is_read_as_those_containers(tmp_path, shard, images,
@@ -692,6 +739,29 @@ def test_a_folder_of_shards_and_tables_is_read_as_those_containers(tmp_path, sha
     assert keys_of(mixed.items) == ["cover.jpg"] and mixed.skipped == 4
     assert any("3 .tar shards or tables beside its images are not read" in r.getMessage()
                for r in caplog.records)
+
+
+def test_metadata_tables_beside_shards_are_passed_over_not_fatal(tmp_path, shard, images,
+                                                                 caplog):
+    """img2dataset writes a metadata table (urls, captions: no images) beside each shard: a
+    folder of them reads the shards, passing the tables over with one warning; a table with
+    images still gets its rows, and one given by name without images is still refused."""
+    folder = tmp_path / "laion"
+    folder.mkdir()
+    for n in range(2):
+        shutil.copy(shard, folder / f"{n:05d}.tar")
+        pq.write_table(pa.table({"url": ["http://x"], "caption": ["a"]}), folder / f"{n:05d}.parquet")
+    pq.write_table(image_table(images, ["d.png"], struct=False), folder / "images.parquet")
+    with caplog.at_level(logging.WARNING, logger="dsv4enc"):
+        found = discover([str(folder)])
+    assert keys_of(found.items) == ([f"00000.tar/{k}" for k in SHARD_KEYS]
+                                    + [f"00001.tar/{k}" for k in SHARD_KEYS] + ["images.parquet#0"])
+    assert found.skipped == 2 + 2 and found.tables == 1  # train/0004 twice, the two tables
+    assert any("2 tables without a column of images are not read" in r.getMessage()
+               for r in caplog.records)
+    assert keys_of(discover([str(folder)], image_column="img").items)[-1] == "images.parquet#0"
+    with pytest.raises(UsageError, match="no column holds image bytes"):
+        discover([str(folder / "00000.parquet")])
 
 
 def keys_of(items) -> list[str]:

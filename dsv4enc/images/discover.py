@@ -17,8 +17,9 @@ from .. import storage
 from ..columns import OUTPUT_COLUMNS, utf8_text
 from ..errors import UsageError
 from .items import InputItem, TableCell, is_image_name
-from .sources import (StoredObject, container_kind, expand_table, expand_tar, path_roots,
-                      refuse_compressed_tar, sidecar_fields, table_fields, written_by_dsv4enc)
+from .sources import (NoImageColumn, StoredObject, container_kind, expand_table, expand_tar,
+                      path_roots, refuse_compressed_tar, sidecar_fields, table_fields,
+                      written_by_dsv4enc)
 
 _log = logging.getLogger("dsv4enc")
 
@@ -91,9 +92,10 @@ MAX_LIST_LINE_BYTES = 64 << 10
 
 def read_path_list(list_file: str, stop: Stop | None = None) -> Iterator[str]:
     """The paths of a path list (``-``: standard input) as its lines are read, stripped; blank
-    lines and lines starting with ``#`` are skipped (``./#name`` names a file ``#name``). An
-    unreadable list, a device, or a line over ``MAX_LIST_LINE_BYTES`` is a UsageError; ``stop``
-    is checked once a line (a list can be a pipe that never ends)."""
+    lines and lines starting with ``#`` are skipped (``./#name`` names a file ``#name``), and
+    a UTF-8 byte order mark before the first. An unreadable list, a device, or a line over
+    ``MAX_LIST_LINE_BYTES`` is a UsageError; ``stop`` is checked once a line (a list can be a
+    pipe that never ends)."""
     where = "standard input" if list_file == "-" else list_file
     with _open_path_list(list_file) as handle:
         number = 0
@@ -105,6 +107,8 @@ def read_path_list(list_file: str, stop: Stop | None = None) -> Iterator[str]:
                                  "(one path a line)")
             if stop is not None:
                 stop.check()
+            if number == 1:  # the byte order mark a Windows editor saves a list with
+                line = line.removeprefix(b"\xef\xbb\xbf")
             path = os.fsdecode(line).strip()  # any bytes go through, as the file system's
             if path and not path.startswith("#"):
                 yield path
@@ -183,7 +187,8 @@ def stream_inputs(found: Discovery, inputs: Iterable[str], files_from: str | Non
 
 def _list_items(list_file: str, state: _Listing, stop: Stop | None) -> Iterator[InputItem]:
     """The items of a ``--files-from`` list as its lines are read: an image name (not a folder)
-    is an item, another line is counted as skipped. Until a listed path exists (or is a URL)
+    is an item, a container's images are its items (``.tar``, a table, keyed under the line as
+    given), another line is counted as skipped. Until a listed path exists (or is a URL)
     the items are held back, since a list none of whose paths exists is refused."""
     missing: MissingPaths | None = MissingPaths()  # None once a listed path exists
     held: list[InputItem] = []
@@ -195,12 +200,16 @@ def _list_items(list_file: str, state: _Listing, stop: Stop | None) -> Iterator[
             held.clear()
         elif missing is not None:
             missing.add(line)
-        if not is_image_name(line) or Path(line).is_dir():
+        container = container_kind(line) is not None
+        if not (is_image_name(line) or container) or Path(line).is_dir():
             state.found.skipped += 1
-        elif missing is None:
-            yield state.keyed(InputItem(key=line, path=line))
+            continue
+        items = state.container(line, line) if container else [InputItem(key=line, path=line)]
+        keyed = [state.keyed(item) for item in items]
+        if missing is None:
+            yield from keyed
         else:
-            held.append(state.keyed(InputItem(key=line, path=line)))
+            held.extend(keyed)
     if missing is not None and missing.count:
         refuse_missing_list(list_file, missing)
 
@@ -399,18 +408,27 @@ def container_items(raw: str, name: str, image_column: str | None = None,
 def read_folder_containers(raw: str, containers: list[tuple[str, str]], has_images: bool,
                            state: _Listing, root: str | None) -> Iterator[InputItem]:
     """The images of the containers (``(relative path, path)``) found in the folder or prefix
-    ``raw``: read when it holds no image file, else passed over with a warning."""
+    ``raw``: read when it holds no image file, else passed over with a warning; so is a table
+    without the image column (``NoImageColumn``), and an output of dsv4enc, without one."""
     if has_images and containers:
         state.found.skipped += len(containers)
         _log.warning("%s: %d .tar shards or tables beside its images are not read (a folder with "
                      "images is read for its images); pass them by name to encode them (e.g. %s)",
                      raw, len(containers), containers[0][1])
         return
+    imageless: list[str] = []  # tables of metadata beside the shards (img2dataset's)
     for rel, path in containers:
         if written_by_dsv4enc(path):  # an output (or its parts) written beside the shards
             state.found.skipped += 1
-        else:
+            continue
+        try:
             yield from state.container(path, key_under_root(root, rel))
+        except NoImageColumn:
+            state.found.skipped += 1
+            imageless.append(path)
+    if imageless:
+        _log.warning("%s: %d tables without a column of images are not read (e.g. %s)", raw,
+                     len(imageless), imageless[0])
 
 
 def nothing_found(inputs: Iterable[str], files_from: str | None, skipped: int) -> str:

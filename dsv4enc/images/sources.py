@@ -18,7 +18,7 @@ import threading
 from collections import OrderedDict
 from dataclasses import replace
 from pathlib import PurePosixPath
-from typing import TYPE_CHECKING, Any, BinaryIO, Literal, Sequence, get_args
+from typing import TYPE_CHECKING, Any, BinaryIO, Iterator, Literal, Sequence, get_args
 
 from .. import storage
 from ..errors import UsageError
@@ -40,6 +40,10 @@ SIDECAR_FIELD = {b"dsv4enc": b"tar sidecar member"}
 
 #: Bytes of row-group columns a process keeps cached (at least the last one read is kept).
 CACHE_BYTES = 256 << 20
+#: A Parquet row group holding more than ``CACHE_BYTES`` is read in slices of about this many
+#: bytes of rows (a table written as one row group, pyarrow's and pandas' default for up to a
+#: million rows, would not fit a decode worker's memory).
+SLICE_BYTES = 64 << 20
 #: What a header probe of an object in a store reads in its one request: an object (or tar
 #: member) no larger is read whole, and its decode reads nothing more.
 HEAD_BYTES = 512 << 10
@@ -61,6 +65,11 @@ class DamagedContainerError(ValueError):
 
 class RefusedPathError(ValueError):
     """A table cell's file that dsv4enc does not read (see ``cell_file``)."""
+
+
+class NoImageColumn(UsageError):
+    """A table without the image column asked for, or without any: given by name, a refusal;
+    found in a folder (img2dataset's metadata beside its shards), passed over."""
 
 
 def member_key(container: str, name: str) -> str:
@@ -199,7 +208,8 @@ _BLOCK = tarfile.BLOCKSIZE
 
 def _open_tar(raw: str) -> tuple[tarfile.TarFile | None, int, str | None]:
     """``(archive, file size, None)``, or ``(None, size, why)`` when not even the first header
-    reads. A compressed file is a UsageError (it needs decompressing, not an error row)."""
+    reads, or the file is compressed (one shard among many: its error row says to decompress
+    it, and the other shards are read)."""
     try:
         # In a store, the shard is read once, in order: headers and members' data alike.
         handle, size = storage.open_whole(raw)
@@ -210,8 +220,8 @@ def _open_tar(raw: str) -> tuple[tarfile.TarFile | None, int, str | None]:
         for kind, (_, magic, _) in _COMPRESSORS.items():
             if head.startswith(magic):
                 handle.close()
-                raise UsageError(f"{raw}: a {kind}-compressed tar; only uncompressed shards "
-                                 "can be read member by member, decompress it first")
+                return None, size, (f"a {kind}-compressed tar; only uncompressed shards can be "
+                                    "read member by member, so decompress it first")
         archive = tarfile.open(fileobj=handle, mode="r:")
     except (tarfile.TarError, OSError) as exc:
         handle.close()
@@ -433,9 +443,9 @@ def choose_image_column(schema: "pa.Schema", wanted: str | None, source: str) ->
     names = schema.names
     if wanted is not None:
         if wanted not in names:
-            raise UsageError(f"{source}: no column {wanted!r} (columns: {', '.join(names)})")
+            raise NoImageColumn(f"{source}: no column {wanted!r} (columns: {', '.join(names)})")
         if image_column_kind(schema.field(wanted).type) is None:
-            raise UsageError(f"{source}: column {wanted!r} is {schema.field(wanted).type}, "
+            raise NoImageColumn(f"{source}: column {wanted!r} is {schema.field(wanted).type}, "
                              "not image bytes or a {bytes, path} struct")
         return wanted
     candidates = [n for n in names if image_column_kind(schema.field(n).type) is not None]
@@ -445,7 +455,7 @@ def choose_image_column(schema: "pa.Schema", wanted: str | None, source: str) ->
         return "image"
     if not candidates:
         # --image-column could name no other: a column it names must hold bytes too
-        raise UsageError(f"{source}: no column holds image bytes or {{bytes, path}} structs "
+        raise NoImageColumn(f"{source}: no column holds image bytes or {{bytes, path}} structs "
                          f"(columns: {', '.join(names)}); give a table with such a column")
     raise UsageError(f"{source}: several columns hold bytes ({', '.join(candidates)}); "
                      "choose one with --image-column")
@@ -476,6 +486,7 @@ class TableReader:
         self.path = path
         self.parquet = path.lower().endswith(".parquet")
         self.damage: tuple[int, str] | None = None
+        self._slices: dict[int, int | None] = {}  # ``slice_rows`` by group
         if self.parquet:
             # In a store, each row group's column chunk is one ranged read; a file is mapped.
             self._file = pq.ParquetFile(storage.open_input(path))
@@ -486,8 +497,12 @@ class TableReader:
         source = storage.open_input(path)
         try:
             reader = pa.ipc.open_file(source)
-            self._batches = [reader.get_batch(i) for i in range(reader.num_record_batches)]
+            # Each batch is read when ``read`` asks for it: a compressed file's (Feather's
+            # default) are decompressed one at a time, never all held at once.
+            self.group_rows = [reader.get_batch(i).num_rows
+                               for i in range(reader.num_record_batches)]
             self.schema = reader.schema
+            self._batch = reader.get_batch
         except pa.ArrowInvalid:
             # Hugging Face `datasets` caches are IPC streams; read zero-copy from the map. An
             # IPC file without its footer (cut short) is its magic and then a stream.
@@ -497,7 +512,8 @@ class TableReader:
             self._read_stream(source)
             if cut_file and self.damage is None:
                 self.damage = source.size(), "the Arrow file has no footer (cut short?)"
-        self.group_rows = [b.num_rows for b in self._batches]
+            self.group_rows = [b.num_rows for b in self._batches]
+            self._batch = self._batches.__getitem__
 
     def _read_stream(self, source) -> None:
         """An IPC stream's batches, up to its end marker or to where it breaks off (``damage``)."""
@@ -519,12 +535,28 @@ class TableReader:
                 self.damage = at, f"an unreadable record batch ({exc}); the rest is not read"
                 return
 
+    def slice_rows(self, group: int) -> int | None:
+        """The rows of a slice of a Parquet row group over ``CACHE_BYTES``; None: read it whole."""
+        if not self.parquet:
+            return None  # an Arrow batch is used where it lies in the file, not read
+        if group not in self._slices:  # asked once per cell: the footer is walked once a group
+            meta = self._file.metadata.row_group(group)
+            size = sum(meta.column(i).total_uncompressed_size for i in range(meta.num_columns))
+            self._slices[group] = (None if size <= CACHE_BYTES
+                                   else max(1, meta.num_rows * SLICE_BYTES // size))
+        return self._slices[group]
+
+    def read_slices(self, group: int, column: str, rows: int) -> Iterator["pa.Array"]:
+        """``column`` of row group ``group``, ``rows`` rows at a time, in order."""
+        for batch in self._file.iter_batches(rows, row_groups=[group], columns=[column]):
+            yield batch.column(0)
+
     def read(self, group: int, columns: list[str]) -> "pa.Table":
         import pyarrow as pa
 
         if self.parquet:
             return self._file.read_row_group(group, columns=columns)
-        table = pa.Table.from_batches([self._batches[group]]).select(columns)
+        table = pa.Table.from_batches([self._batch(group)]).select(columns)
         # IPC data is used as it lies in the file: offsets pointing outside their buffers
         # would be read blindly (a crash, not an error row). Check the columns read.
         table.validate(full=True)
@@ -562,8 +594,8 @@ def expand_table(raw: str, image_column: str | None = None, key_column: str | No
         except (OSError, pa.ArrowException) as exc:  # each row of the group is an error row
             unreadable = Unreadable(f"{raw}: row group {group} cannot be read ({exc})")
         for row, key in enumerate(keys):
-            if isinstance(key, bytes):
-                key = key.decode("utf-8", "replace")
+            if isinstance(key, bytes):  # bytes that are not UTF-8 as ``\xNN``, as a file name's
+                key = key.decode("utf-8", "backslashreplace")
             if key is None or key == "":
                 key = f"{name}#{len(items)}"
             else:
@@ -611,8 +643,8 @@ def kept_values(items: Sequence[InputItem], fields: Sequence["pa.Field"]) -> dic
         if field.metadata == SIDECAR_FIELD:
             return dict(item.sidecars).get(field.name)
         if isinstance(item.member, TableCell):
-            cells = GROUP_CACHE.column(item.path, item.member.group, field.name)
-            return cells[item.member.row].as_py()
+            cell = item.member
+            return GROUP_CACHE.value(item.path, cell.group, cell.row, field.name).as_py()
         return None
 
     return {field.name: pa.array([value(item, field) for item in items], type=field.type)
@@ -620,41 +652,65 @@ def kept_values(items: Sequence[InputItem], fields: Sequence["pa.Field"]) -> dic
 
 
 class GroupCache:
-    """Recently read row-group columns of this process, least recently used dropped first."""
+    """Recently read row-group columns of this process (a large Parquet group's in slices,
+    ``TableReader.slice_rows``), least recently used dropped first."""
 
     def __init__(self, max_bytes: int = CACHE_BYTES) -> None:
         self.max_bytes = max_bytes
         self._lock = threading.Lock()
         self._tables: dict[str, TableReader] = {}
-        self._columns: OrderedDict[tuple[str, int, str], Any] = OrderedDict()
+        # (path, group, column, first row) -> the column's values from that row on
+        self._columns: OrderedDict[tuple[str, int, str, int], Any] = OrderedDict()
+        # (path, group, column) -> the next slice's first row, and the reader that gives it
+        self._readers: dict[tuple[str, int, str], tuple[int, Iterator[Any] | None]] = {}
         self._bytes = 0
 
-    def column(self, path: str, group: int, column: str):
-        key = (path, group, column)
+    def value(self, path: str, group: int, row: int, column: str):
+        """The ``pyarrow`` scalar at ``row`` of ``column`` in row group ``group`` of ``path``."""
         with self._lock:
-            if key in self._columns:
-                self._columns.move_to_end(key)
-                return self._columns[key]
             table = self._tables.get(path)
             if table is None:
                 if len(self._tables) >= 16:
                     self._tables.pop(next(iter(self._tables)))
                 table = self._tables[path] = TableReader(path)
-            chunks = table.read(group, [column]).column(0)
-            # One chunk (the usual case) is used as it is: combining copies it, and a row
-            # group of large images is hundreds of megabytes.
-            array = chunks.chunk(0) if chunks.num_chunks == 1 else chunks.combine_chunks()
-            self._columns[key] = array
-            self._bytes += array.nbytes
-            while self._bytes > self.max_bytes and len(self._columns) > 1:
-                _, dropped = self._columns.popitem(last=False)
-                self._bytes -= dropped.nbytes
-            return array
+            rows = table.slice_rows(group)
+            start = 0 if rows is None else row - row % rows
+            key = (path, group, column, start)
+            if key not in self._columns and rows is None:
+                chunks = table.read(group, [column]).column(0)
+                # One chunk (the usual case) is used as it is: combining copies it, and a row
+                # group of large images is hundreds of megabytes.
+                self._keep(key, chunks.chunk(0) if chunks.num_chunks == 1
+                           else chunks.combine_chunks())
+            elif key not in self._columns:
+                self._read_slices(table, key, rows)
+            self._columns.move_to_end(key)
+            return self._columns[key][row - start]
+
+    def _read_slices(self, table: TableReader, key: tuple[str, int, str, int], rows: int) -> None:
+        """Read on to the slice ``key``, keeping each slice read; from the group's start when
+        the reader is past it (rows are asked for in their batches' order, mostly forward)."""
+        path, group, column, start = key
+        at, reader = self._readers.get(key[:3], (0, None))
+        if reader is None or at > start:
+            at, reader = 0, table.read_slices(group, column, rows)
+        while at <= start:
+            self._keep((path, group, column, at), next(reader))
+            at += rows
+        self._readers[key[:3]] = at, reader
+
+    def _keep(self, key: tuple[str, int, str, int], array: Any) -> None:
+        self._columns[key] = array
+        self._bytes += array.nbytes
+        while self._bytes > self.max_bytes and len(self._columns) > 1:
+            _, dropped = self._columns.popitem(last=False)
+            self._bytes -= dropped.nbytes
 
     def clear(self) -> None:
         with self._lock:
             self._tables.clear()
             self._columns.clear()
+            self._readers.clear()
             self._bytes = 0
 
 
@@ -666,16 +722,15 @@ def read_table_cell(path: str, cell: TableCell, stream: bool = False) -> bytes |
     nothing, for header probes), or (a struct with only a path) the file it names."""
     import pyarrow as pa
 
-    array = GROUP_CACHE.column(path, cell.group, cell.column)
-    value = array[cell.row]
+    value = GROUP_CACHE.value(path, cell.group, cell.row, cell.column)
     if not value.is_valid:
         raise ValueError(f"row has no image (null {cell.column!r})")
     if isinstance(value, pa.DictionaryScalar):  # the dictionary's entry, never a decoded copy
         value = value.value
-    data = value if image_column_kind(array.type) == "bytes" else value["bytes"]
+    data = value if image_column_kind(value.type) == "bytes" else value["bytes"]
     if data.is_valid:
         return pa.BufferReader(data.as_buffer()) if stream else data.as_py()
-    named = value["path"].as_py() if array.type.get_field_index("path") >= 0 else None
+    named = value["path"].as_py() if value.type.get_field_index("path") >= 0 else None
     if not named:
         raise ValueError(f"row has no image ({cell.column!r} holds neither bytes nor a path)")
     return cell_file(named, path, cell.path_roots)

@@ -188,12 +188,18 @@ class EmbeddingIterableDataset(IterableDataset):
                  rank: int | None = None, world_size: int | None = None,
                  storage_options: Any = None) -> None:
         self._rows = _Rows(location, columns, errors, storage_options)
-        self.shuffle, self.seed, self.epoch = shuffle, seed, 0
+        self.shuffle, self.seed = shuffle, seed
+        # in shared memory: persistent DataLoader workers, copied at the first epoch, see it
+        self._epoch = torch.zeros((), dtype=torch.int64).share_memory_()
         self.rank, self.world_size = rank, world_size
+
+    @property
+    def epoch(self) -> int:
+        return int(self._epoch)
 
     def set_epoch(self, epoch: int) -> None:
         """The epoch whose order ``shuffle`` draws (call it before each epoch's loop)."""
-        self.epoch = epoch
+        self._epoch.fill_(epoch)
 
     def _share(self) -> tuple[int, int]:
         """This reader's slot among all (rank, worker) readers, and their number."""

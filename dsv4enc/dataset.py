@@ -19,7 +19,8 @@ from torch.utils.data import Dataset, IterableDataset, get_worker_info
 from . import storage
 from .errors import UsageError
 from .output.read import (BATCH_BYTES, OWN_BATCH_BYTES, OutputFiles, embedding_format,
-                          embedding_views, find_output, owned_copy, sole_row_array, valid_mask)
+                          embedding_views, owned_copy, readable_output, sole_row_array,
+                          valid_mask)
 
 __all__ = ["EmbeddingDataset", "EmbeddingIterableDataset", "collate_embeddings"]
 
@@ -38,7 +39,7 @@ class _Rows:
                  storage_options: Any) -> None:
         if errors not in ("skip", "include"):
             raise ValueError(f"errors must be 'skip' or 'include', not {errors!r}")
-        self.found: OutputFiles = find_output(location, storage_options)
+        self.found: OutputFiles = readable_output(location, storage_options)
         self.options = storage_options
         self.pid = os.getpid()
         self.columns = list(dict.fromkeys([*ITEM_COLUMNS, *columns, "error"]))

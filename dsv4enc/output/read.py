@@ -109,6 +109,21 @@ def find_output(location: str | os.PathLike, storage_options: Any = None) -> Out
                        sum(f.size for f in listed.values()), locked)
 
 
+def readable_output(location: str | os.PathLike, storage_options: Any = None) -> OutputFiles:
+    """``find_output``'s files, for a reader of rows: refused in one line (a UsageError) where
+    they would read as no rows but are not an empty output: an unfinished single-file run's
+    parts (ranges of its growing file, no Parquet file until it finishes), or a folder that
+    holds no Parquet file and no run's manifest or lock."""
+    found = find_output(location, storage_options)
+    if any("file" not in part for data in found.manifests for part in data["parts"].values()):
+        raise UsageError(f"{location}: an unfinished single-file run's parts, ranges of its "
+                         "growing file: its rows read once the run has finished (rerun it "
+                         "with --resume if it was stopped)")
+    if not (found.paths or found.manifests or found.locked):
+        raise UsageError(f"{location}: no Parquet files found")
+    return found
+
+
 #: How a reader's line tells the user to repair an output whose committed part is gone.
 REPAIR_ADVICE = ("rerun its encode command with --update to repair it (with --resume, if "
                  "that run did not finish)")
@@ -483,7 +498,7 @@ def read_embeddings(path: str | os.PathLike, columns: Sequence[str] | None = Non
     need = (wanted or ["path", "grid_h", "grid_w", "embedding"]).copy()
     if errors == "skip" and "error" not in need:
         need.append("error")
-    found = find_output(path, storage_options)
+    found = readable_output(path, storage_options)
     for file in found.paths:
         handle = found.open(file)
         names = handle.schema_arrow.names

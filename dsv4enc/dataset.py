@@ -188,6 +188,8 @@ class EmbeddingIterableDataset(IterableDataset):
                  errors: str = "skip", shuffle: bool = False, seed: int = 0,
                  rank: int | None = None, world_size: int | None = None,
                  storage_options: Any = None) -> None:
+        if (rank is None) != (world_size is None):  # one alone would split nothing
+            raise ValueError("give rank and world_size together, or neither")
         self._rows = _Rows(location, columns, errors, storage_options)
         self.shuffle, self.seed = shuffle, seed
         # in shared memory: persistent DataLoader workers, copied at the first epoch, see it

@@ -137,6 +137,9 @@ def test_the_torch_distributed_rank_is_used(output):
         dist.destroy_process_group()
     with pytest.raises(ValueError, match="rank 2"):
         list(EmbeddingIterableDataset(output, rank=2, world_size=2))
+    for alone in ({"rank": 1}, {"world_size": 2}):  # else each rank would read every row
+        with pytest.raises(ValueError, match="give rank and world_size together, or neither"):
+            EmbeddingIterableDataset(output, **alone)
 
 
 @pytest.mark.parametrize("layout", ["binary", "nested"])

@@ -236,3 +236,25 @@ def test_what_would_read_as_no_rows_but_is_no_empty_output_is_one_line(tmp_path,
     for reader in (read_embeddings, EmbeddingDataset, EmbeddingIterableDataset):
         with pytest.raises(UsageError, match=f"{tmp_path / 'empty'}: no Parquet files found"):
             list(reader(tmp_path / "empty"))
+
+
+def test_a_manifest_that_is_not_json_is_damage_in_one_line(tmp_path):
+    """Read as a plain folder of Parquet files, a folder whose manifest no longer parses
+    would give a killed run's uncommitted part as rows: the readers refuse it instead."""
+    from dsv4enc.dataset import EmbeddingDataset
+    from dsv4enc.errors import UsageError
+    from dsv4enc.output.parts import PartStore
+
+    write_output(tmp_path / "rows.parquet", "binary", False, 8, 6)
+    table = pq.read_table(tmp_path / "rows.parquet")
+    folder = tmp_path / "out"
+    store = PartStore(folder, {"tool": "dsv4enc"})
+    store.create()
+    store.commit("part-000000", table.slice(0, 3), 4, 0, 3, "d0")
+    pq.write_table(table.slice(3), folder / "part-000003.parquet")  # written, not committed
+    assert len(list(read_embeddings(folder, errors="include"))) == 3
+    (folder / "_manifest.json").write_text('{"format": "dsv4enc-parts", "parts": {')
+    for reader in (read_embeddings, EmbeddingDataset):
+        with pytest.raises(UsageError, match=f"{folder}/_manifest.json: not JSON: the output "
+                           "is damaged; encode it again"):
+            list(reader(folder))

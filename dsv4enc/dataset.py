@@ -19,7 +19,8 @@ from torch.utils.data import Dataset, IterableDataset, get_worker_info
 from . import storage
 from .errors import UsageError
 from .output.read import (BATCH_BYTES, OWN_BATCH_BYTES, OutputFiles, embedding_format,
-                          embedding_views, find_output, owned_copy, sole_row_array, valid_mask)
+                          embedding_views, owned_copy, readable_output, sole_row_array,
+                          valid_mask)
 
 __all__ = ["EmbeddingDataset", "EmbeddingIterableDataset", "collate_embeddings"]
 
@@ -38,7 +39,7 @@ class _Rows:
                  storage_options: Any) -> None:
         if errors not in ("skip", "include"):
             raise ValueError(f"errors must be 'skip' or 'include', not {errors!r}")
-        self.found: OutputFiles = find_output(location, storage_options)
+        self.found: OutputFiles = readable_output(location, storage_options)
         self.options = storage_options
         self.pid = os.getpid()
         self.columns = list(dict.fromkeys([*ITEM_COLUMNS, *columns, "error"]))
@@ -187,13 +188,21 @@ class EmbeddingIterableDataset(IterableDataset):
                  errors: str = "skip", shuffle: bool = False, seed: int = 0,
                  rank: int | None = None, world_size: int | None = None,
                  storage_options: Any = None) -> None:
+        if (rank is None) != (world_size is None):  # one alone would split nothing
+            raise ValueError("give rank and world_size together, or neither")
         self._rows = _Rows(location, columns, errors, storage_options)
-        self.shuffle, self.seed, self.epoch = shuffle, seed, 0
+        self.shuffle, self.seed = shuffle, seed
+        # in shared memory: persistent DataLoader workers, copied at the first epoch, see it
+        self._epoch = torch.zeros((), dtype=torch.int64).share_memory_()
         self.rank, self.world_size = rank, world_size
+
+    @property
+    def epoch(self) -> int:
+        return int(self._epoch)
 
     def set_epoch(self, epoch: int) -> None:
         """The epoch whose order ``shuffle`` draws (call it before each epoch's loop)."""
-        self.epoch = epoch
+        self._epoch.fill_(epoch)
 
     def _share(self) -> tuple[int, int]:
         """This reader's slot among all (rank, worker) readers, and their number."""

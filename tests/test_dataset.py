@@ -103,6 +103,17 @@ def test_two_ranks_two_workers_see_every_row_once(output):
     assert sorted(plain) == sorted(want) and plain != sorted(plain)  # by group, not by row
 
 
+def test_set_epoch_reaches_persistent_workers(output):
+    """Persistent workers hold the copy of the dataset made at the first epoch; the epoch
+    set later still draws each epoch's order there, the order fresh workers draw."""
+    dataset = EmbeddingIterableDataset(output, shuffle=True, seed=3, rank=0, world_size=2)
+    loader = DataLoader(dataset, batch_size=7, num_workers=2, collate_fn=collate_embeddings,
+                        persistent_workers=True)
+    for epoch in (0, 1, 2):
+        dataset.set_epoch(epoch)
+        assert [path for batch in loader for path in batch["path"]] == loaded(output, 0, epoch)
+
+
 def test_rows_from_the_loader_equal_read_embeddings(output):
     want = expected(output)
     loader = DataLoader(EmbeddingIterableDataset(output, shuffle=True), batch_size=5,
@@ -126,6 +137,9 @@ def test_the_torch_distributed_rank_is_used(output):
         dist.destroy_process_group()
     with pytest.raises(ValueError, match="rank 2"):
         list(EmbeddingIterableDataset(output, rank=2, world_size=2))
+    for alone in ({"rank": 1}, {"world_size": 2}):  # else each rank would read every row
+        with pytest.raises(ValueError, match="give rank and world_size together, or neither"):
+            EmbeddingIterableDataset(output, **alone)
 
 
 @pytest.mark.parametrize("layout", ["binary", "nested"])

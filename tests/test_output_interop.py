@@ -335,3 +335,20 @@ def test_inspect_file_and_folder(setup, emb_file, layout):
 def test_error_grouping():
     assert error_group("OSError: cannot open '/a/b.png'") == error_group("OSError: cannot open '/c.png'")
     assert error_group("x") == "x"
+
+
+def test_datasets_loads_a_folder_holding_a_part_of_no_rows(setup, tmp_path):
+    """A ``--shard-output`` rank whose share of a part is empty writes a part file of no
+    rows: it has no row group, which ``datasets`` (sizing its batches by the first group's
+    rows) would refuse, so the glob of the parts loads."""
+    datasets = pytest.importorskip("datasets")
+    from dsv4enc.output.parts import write_part
+
+    folder = encode(setup, "hf_empty_part/", "--part-images", "2")
+    table = pq.read_table(output_files(folder)[0])
+    write_part(folder, "part-000009-rank001", table.slice(0, 0), 4, 9, 9, "none")
+    assert pq.ParquetFile(folder / "part-000009-rank001.parquet").metadata.num_rows == 0
+    ds = datasets.load_dataset("parquet", data_files=f"{folder}/*.parquet", split="train",
+                               cache_dir=str(tmp_path / "hf-cache"))
+    assert sorted(ds["path"]) == sorted(p for p, _, _ in read_embeddings(folder,
+                                                                          errors="include"))

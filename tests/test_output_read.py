@@ -199,3 +199,62 @@ def test_a_part_committed_after_the_listing_is_read_a_part_gone_is_damage(tmp_pa
                        "manifest lists it: the output is damaged; rerun its encode command "
                        "with --update"):
         list(read_embeddings(folder))
+
+
+def test_what_would_read_as_no_rows_but_is_no_empty_output_is_one_line(tmp_path, small_ckpt):
+    """A single-file run's ``OUT.partial/`` while it runs (paused after its first commit)
+    holds ranges of a growing file, no Parquet file: the readers say so, never an empty
+    output; so is a folder with no Parquet file and no run in it (a wrong path)."""
+    import os
+    import subprocess
+    import sys
+
+    from dsv4enc.dataset import EmbeddingDataset, EmbeddingIterableDataset
+    from dsv4enc.errors import UsageError
+
+    from helpers import REPO_ROOT, Pauses, reaped, write_image
+
+    for i in range(4):
+        write_image(tmp_path / "imgs" / f"{i}.png", (20 + i, 20))
+    out = tmp_path / "emb.parquet"
+    pauses = Pauses(tmp_path / "pauses", "commit")
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "dsv4enc", "encode", str(tmp_path / "imgs"), "--out",
+               str(out), "--weights", str(small_ckpt), "--part-images", "2", "--workers", "0",
+               "--device", "cpu", "-q"]
+    with reaped(subprocess.Popen(command, env=pauses.env(env))) as proc:
+        pauses.wait("commit", proc=proc)
+        partial = f"{out}.partial"
+        for reader in (read_embeddings, EmbeddingDataset, EmbeddingIterableDataset):
+            with pytest.raises(UsageError, match=f"{partial}: an unfinished single-file run's "
+                               "parts, ranges of its growing file: its rows read once"):
+                list(reader(partial))
+        pauses.release()
+        assert proc.wait() == 0
+    assert len(list(read_embeddings(out))) == 4
+    (tmp_path / "empty").mkdir()
+    for reader in (read_embeddings, EmbeddingDataset, EmbeddingIterableDataset):
+        with pytest.raises(UsageError, match=f"{tmp_path / 'empty'}: no Parquet files found"):
+            list(reader(tmp_path / "empty"))
+
+
+def test_a_manifest_that_is_not_json_is_damage_in_one_line(tmp_path):
+    """Read as a plain folder of Parquet files, a folder whose manifest no longer parses
+    would give a killed run's uncommitted part as rows: the readers refuse it instead."""
+    from dsv4enc.dataset import EmbeddingDataset
+    from dsv4enc.errors import UsageError
+    from dsv4enc.output.parts import PartStore
+
+    write_output(tmp_path / "rows.parquet", "binary", False, 8, 6)
+    table = pq.read_table(tmp_path / "rows.parquet")
+    folder = tmp_path / "out"
+    store = PartStore(folder, {"tool": "dsv4enc"})
+    store.create()
+    store.commit("part-000000", table.slice(0, 3), 4, 0, 3, "d0")
+    pq.write_table(table.slice(3), folder / "part-000003.parquet")  # written, not committed
+    assert len(list(read_embeddings(folder, errors="include"))) == 3
+    (folder / "_manifest.json").write_text('{"format": "dsv4enc-parts", "parts": {')
+    for reader in (read_embeddings, EmbeddingDataset):
+        with pytest.raises(UsageError, match=f"{folder}/_manifest.json: not JSON: the output "
+                           "is damaged; encode it again"):
+            list(reader(folder))

@@ -232,7 +232,12 @@ def parquet_options(schema: pa.Schema) -> dict[str, Any]:
 
 def write_parquet(table: pa.Table, where: Any, row_group_size: int) -> None:
     """Write ``table`` as a part's Parquet file to ``where`` (a path or a writable stream),
-    with the writer settings every part has (``parquet_options``)."""
+    with the writer settings every part has (``parquet_options``). A table of no rows gets
+    no row group: a reader that sizes its batches by the first group's rows (Hugging Face
+    ``datasets``) refuses a group of none."""
+    if table.num_rows == 0:
+        pq.ParquetWriter(where, table.schema, **parquet_options(table.schema)).close()
+        return
     pq.write_table(table, where, row_group_size=row_group_size, **parquet_options(table.schema))
 
 

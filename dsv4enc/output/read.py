@@ -109,6 +109,21 @@ def find_output(location: str | os.PathLike, storage_options: Any = None) -> Out
                        sum(f.size for f in listed.values()), locked)
 
 
+def readable_output(location: str | os.PathLike, storage_options: Any = None) -> OutputFiles:
+    """``find_output``'s files, for a reader of rows: refused in one line (a UsageError) where
+    they would read as no rows but are not an empty output: an unfinished single-file run's
+    parts (ranges of its growing file, no Parquet file until it finishes), or a folder that
+    holds no Parquet file and no run's manifest or lock."""
+    found = find_output(location, storage_options)
+    if any("file" not in part for data in found.manifests for part in data["parts"].values()):
+        raise UsageError(f"{location}: an unfinished single-file run's parts, ranges of its "
+                         "growing file: its rows read once the run has finished (rerun it "
+                         "with --resume if it was stopped)")
+    if not (found.paths or found.manifests or found.locked):
+        raise UsageError(f"{location}: no Parquet files found")
+    return found
+
+
 #: How a reader's line tells the user to repair an output whose committed part is gone.
 REPAIR_ADVICE = ("rerun its encode command with --update to repair it (with --resume, if "
                  "that run did not finish)")
@@ -134,7 +149,7 @@ def _list_folder(fs, root: str, text: str) -> tuple[dict[str, Any], list[dict]]:
             manifests = []
             for path in sorted(p for p in listed
                                if MANIFEST_FILE.fullmatch(p[len(root):].strip("/"))):
-                data = _read_manifest(fs, path, listed)
+                data = _read_manifest(fs, path, listed, _shown(text, root, path))
                 if data is not None:
                     check_parts(data, _shown(text, root, path))
                     manifests.append(data)
@@ -161,14 +176,17 @@ MAYBE_PART_KEYS: dict[str, type] = {"file": str, "digest": str, "size": int, "fa
                                     "transient": int, "offset": int, "length": int}
 
 
+#: How a reader's line ends for an output whose manifest is damaged.
+DAMAGED = "the output is damaged; encode it again (--overwrite, or a new --out)"
+
+
 def check_parts(data: dict, shown: str) -> None:
     """Refuse in one line (a UsageError) a dsv4enc manifest, shown as ``shown``, whose part
     entries the format does not describe: every reader of a folder's parts reads them."""
     for name, part in data["parts"].items():
         why = part_fault(part)
         if why is not None:
-            raise UsageError(f"{shown}: its part {name!r} {why}: the output is damaged; "
-                             "encode it again (--overwrite, or a new --out)")
+            raise UsageError(f"{shown}: its part {name!r} {why}: {DAMAGED}")
 
 
 def part_fault(part: Any) -> str | None:
@@ -205,15 +223,19 @@ def _visible(relative: str) -> bool:
     return names[-1].endswith(".parquet") and not any(n.startswith((".", "_")) for n in names)
 
 
-def _read_manifest(fs, path: str, listed: Iterable[str]) -> dict | None:
-    """The manifest at ``path`` in ``fs``, its journal applied (``listed``: the folder's
-    paths); None if it is not dsv4enc's (another tool's ``_manifest.json`` leaves the folder
-    read as plain Parquet files). Raises ``SegmentGone``: list the folder again."""
+def _read_manifest(fs, path: str, listed: Iterable[str], shown: str) -> dict | None:
+    """The manifest at ``path`` in ``fs`` (``shown`` in messages), its journal applied
+    (``listed``: the folder's paths); None if it is not dsv4enc's (another tool's
+    ``_manifest.json`` leaves the folder read as plain Parquet files); one that is not JSON
+    is damage, a UsageError (read as plain files, a killed run's uncommitted parts would be
+    rows). Raises ``SegmentGone``: list the folder again."""
     try:
         data = load_manifest(path, fs, listed)
     except SegmentGone:
         raise
-    except (OSError, ValueError):
+    except ValueError:
+        raise UsageError(f"{shown}: not JSON: {DAMAGED}") from None
+    except OSError:
         return None
     return data if is_dsv4enc_document(data) and isinstance(data.get("parts"), dict) else None
 
@@ -483,7 +505,7 @@ def read_embeddings(path: str | os.PathLike, columns: Sequence[str] | None = Non
     need = (wanted or ["path", "grid_h", "grid_w", "embedding"]).copy()
     if errors == "skip" and "error" not in need:
         need.append("error")
-    found = find_output(path, storage_options)
+    found = readable_output(path, storage_options)
     for file in found.paths:
         handle = found.open(file)
         names = handle.schema_arrow.names

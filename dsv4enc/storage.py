@@ -1206,8 +1206,10 @@ def upload_file(path: "str | os.PathLike", url: str) -> None:
 def upload_written(folder: "str | os.PathLike", name: str,
                    write: Callable[[str], None]) -> int | None:
     """When ``folder`` is a URL: ``write(path)`` fills a hidden local temporary file, uploaded
-    whole as the object ``folder/name`` (read once, then removed); returns its size. A local
-    ``folder`` gets nothing (None): its caller writes the file in place."""
+    whole as the object ``folder/name`` (read once, then removed); returns its size. The upload
+    is tried again until the store is down (``outage_s()``): a store that is back sooner loses
+    the run nothing. A local ``folder`` gets nothing (None): its caller writes the file in
+    place."""
     if not is_url(folder):
         return None
     import tempfile
@@ -1217,7 +1219,13 @@ def upload_written(folder: "str | os.PathLike", name: str,
     try:
         write(tmp)
         size = os.path.getsize(tmp)
-        upload_file(tmp, join(str(folder), name))
+        while True:
+            try:
+                upload_file(tmp, join(str(folder), name))
+                break
+            except StoreUnavailable:
+                if health(store_of(str(folder))).down():
+                    raise
     finally:
         with suppress(FileNotFoundError):
             os.unlink(tmp)

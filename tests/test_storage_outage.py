@@ -280,6 +280,36 @@ def test_outage_rows_are_transient_and_a_missing_object_is_not(clock):
     storage.check_stores()
 
 
+def test_a_folder_output_s_part_upload_outlasts_a_shorter_outage(s3_outage, clock,
+                                                                  monkeypatch):
+    """A part uploaded straight to a bucket folder is tried again while the store has failed
+    for less than --storage-outage-s (it gave up after one round of retries, a few seconds,
+    and ended the run); once the store is down it gives up. The server comes back at a
+    point of the test's clock, never at a moment picked by timing."""
+    s3, folder = s3_outage, f"{s3_outage.url}/out"
+    storage.set_outage_s(30.0)
+    back_at = [clock.now + 10.0]  # less than --storage-outage-s
+
+    def sleep(seconds: float) -> None:
+        clock.now += seconds
+        if clock.now >= back_at[0]:
+            back_at[0] = float("inf")
+            s3.server.start()
+
+    monkeypatch.setattr(storage, "time", type("T", (), {"sleep": staticmethod(sleep)}))
+    s3.server.stop()
+    assert storage.upload_written(folder, "part-000000.parquet",
+                                  lambda tmp: Path(tmp).write_bytes(b"rows")) == 4
+    assert s3.get("out/part-000000.parquet") == b"rows" and back_at == [float("inf")]
+
+    s3.server.stop()  # for good now: the upload gives up once the store is down
+    began = clock.now
+    with pytest.raises(storage.StoreUnavailable):
+        storage.upload_written(folder, "part-000001.parquet",
+                               lambda tmp: Path(tmp).write_bytes(b"rows"))
+    assert 30.0 <= clock.now - began < 30.0 + 10 * storage.ATTEMPTS
+
+
 def test_store_down_crosses_ranks_whole():
     import pickle
 

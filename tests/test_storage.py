@@ -9,7 +9,7 @@ import pytest
 
 from dsv4enc.images import sources
 from dsv4enc import storage
-from dsv4enc.errors import StorageError, UsageError
+from dsv4enc.errors import OutputError, StorageError, UsageError
 
 
 def test_is_url():
@@ -765,6 +765,40 @@ def test_of_two_runs_taking_over_a_stale_lock_one_refuses(s3, tmp_path):
             if proc is not None:
                 proc.kill()
                 proc.wait()
+
+
+@pytest.mark.parametrize("first", ["single", "folder"])
+def test_a_single_file_and_a_folder_output_of_one_name_are_one_output(s3, first):
+    """``--out s3://b/x.parquet`` and ``--out s3://b/x.parquet/`` hold different lock objects
+    (``x.parquet.partial/`` and ``x.parquet/``); a run of either form refuses while one of the
+    other holds its own, whichever took its lock first (the single-file run decided on a
+    file before the folder run began), and a folder run refuses beside the finished file, as
+    a local one does: the two never write the two outputs of one name side by side."""
+    from dsv4enc.output.remote import RemoteOutput
+
+    single, folder = f"{s3.url}/x.parquet", f"{s3.url}/x.parquet/"
+    held, mine = (single, folder) if first == "single" else (folder, single)
+    here = RemoteOutput(mine, writer=True)  # decides on its form now, as a run does
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    other = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, held], env=env,
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert other.stdout.readline() == "held\n"
+        with pytest.raises(OutputError, match=f"being written by pid {other.pid} "):
+            here.pull()
+        here.close()
+        other.communicate("\n", timeout=600)
+        assert other.returncode == 0
+    finally:
+        other.kill()
+        other.wait()
+    assert not [key for key in s3.keys() if key.endswith(".dsv4enc.lock")]
+    s3.put("x.parquet", b"PAR1")
+    here = RemoteOutput(folder, writer=True)
+    with pytest.raises(OutputError, match="is a file, but a folder output was asked for"):
+        here.pull()
+    here.close()
+    assert s3.keys() == ["x.parquet"]
 
 
 @pytest.mark.parametrize("flag", ["--resume", "--update"])

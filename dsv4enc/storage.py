@@ -705,13 +705,14 @@ def examine(location: str) -> Found:
 
 def kind(url: str) -> str:
     """``"file"``, ``"folder"`` (a prefix with objects under it, or a bucket) or
-    ``"missing"``. A missing bucket or a denied permission is a ``StorageError``."""
+    ``"missing"``; ``url`` ending in ``/`` is a prefix, never the object of its name. A missing
+    bucket or a denied permission is a ``StorageError``."""
     import pyarrow.fs as pafs
 
     fs, path = filesystem(url)
     with _setup_errors(url):
         info = retrying(lambda: fs.get_file_info(path), store=store_of(url))
-        if info.type == pafs.FileType.File:
+        if info.type == pafs.FileType.File and not url.endswith("/"):
             _seen(url, url, info.size, info.mtime_ns)
             return "file"
         if info.type == pafs.FileType.Directory:

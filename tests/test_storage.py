@@ -134,6 +134,17 @@ def test_prefix_lists_like_a_folder(s3, local_images):
         discover([f"{s3.url}/data/nothing/"])
 
 
+def test_a_prefix_given_with_its_slash_is_the_prefix_beside_an_object_of_its_name(
+        s3, local_images):
+    """S3 holds an object ``data`` and objects under ``data/`` side by side: ``s3://b/data/``
+    is the prefix (it was read as the object), ``s3://b/data`` the object."""
+    url = upload_folder(s3, local_images, "data")
+    s3.put("data", b"an object named as the prefix")
+    assert storage.kind(url) == "folder" and storage.kind(url.rstrip("/")) == "file"
+    assert storage.kind(f"{s3.url}/data/a.jpg/") == "missing"
+    assert [i.key for i in discover([url]).items] == ["a.jpg", "sub/b.png", "sub/deeper/c.webp"]
+
+
 @pytest.mark.parametrize("workers", ["0", "2"])
 def test_prefix_encodes_like_the_local_folder(s3, local_images, small_ckpt, tmp_path, workers):
     url = upload_folder(s3, local_images, "imgs")

@@ -859,6 +859,31 @@ def test_a_run_stopped_at_the_stale_lock_leaves_the_committed_rows(s3, tmp_path,
     assert readers() == committed and len(committed["read_embeddings"]) == 6
 
 
+def test_a_stopped_bucket_run_s_summary_names_the_out_given(s3, tmp_path):
+    """--summary-json of a bucket run stopped midway names the --out given (it named the
+    local staging folder, removed as the run ends)."""
+    folder, _ = noise_images(s3, "sj", 6, tmp_path)
+    out, summary = f"{s3.url}/sj/out/", tmp_path / "s.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT)}
+    env.pop("DSV4ENC_WEIGHTS", None)
+    pauses = Pauses(tmp_path / "pauses", "commit")
+    proc = subprocess.Popen([sys.executable, "-m", "dsv4enc", "encode", str(folder), "--out",
+                             out, *TINY, "--workers", "0", "-q", "--summary-json", str(summary)],
+                            env=pauses.env(env), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        pauses.wait("commit", proc=proc)
+        proc.send_signal(signal.SIGTERM)
+        pauses.release()
+        proc.communicate(timeout=600)  # a hang guard
+    finally:
+        proc.kill()
+        proc.wait()
+    report = json.loads(summary.read_text())
+    assert proc.returncode == 143 and report["status"] == "interrupted"
+    assert report["output"] == out
+
+
 OTHER_HOLDER = {"pid": 4242, "host": "node7.example", "token": "x"}
 
 

@@ -159,6 +159,8 @@ class RemoteOutput:
                 exc.keep(self._kept_parts(), self.parts_url)  # its flag told by the run
             if exc.args and isinstance(exc.args[0], str):
                 exc.args = (self.translate(exc.args[0]), *exc.args[1:])
+            if getattr(exc, "summary", None) is not None:  # a stop's, for --summary-json
+                exc.summary.out = self.given
             raise
         if hasattr(summary, "out"):
             summary.out = self.given

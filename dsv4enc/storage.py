@@ -1376,10 +1376,18 @@ def read_tagged(url: str) -> tuple[bytes, str | None]:
 
 
 def delete(url: str) -> None:
-    """Delete the object ``url`` (gone already is fine)."""
-    fs, path = filesystem(url)
+    """Delete the object ``url`` (gone already is fine). On ``s3://`` botocore's client
+    leaves no ``prefix/`` marker, as pyarrow's does where the prefix empties: a marker
+    makes ``OUT`` of a single file (a refused ``OUT/`` run's lock removed) a folder."""
+    client, store = _direct(url), store_of(url)
     with suppress(FileNotFoundError):
-        retrying(lambda: fs.delete_file(path), store=store_of(url))
+        if client is not None:
+            bucket, key = _bucket_key(url)
+            retrying(lambda: _boto(url, lambda: client.delete_object(Bucket=bucket, Key=key)),
+                     store=store)
+        else:
+            fs, path = filesystem(url)
+            retrying(lambda: fs.delete_file(path), store=store)
 
 
 def remove_empty_prefix(url: str) -> None:

@@ -804,6 +804,9 @@ def test_a_single_file_and_a_folder_output_of_one_name_are_one_output(s3, first)
         other.kill()
         other.wait()
     assert not [key for key in s3.keys() if key.endswith(".dsv4enc.lock")]
+    # no "x.parquet/" marker is left where a lock object was deleted: it made a later run
+    # of the single file (its --resume) a folder output
+    assert storage.kind(single) == "missing"
     s3.put("x.parquet", b"PAR1")
     here = RemoteOutput(folder, writer=True)
     with pytest.raises(OutputError, match="is a file, but a folder output was asked for"):

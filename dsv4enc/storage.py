@@ -705,13 +705,14 @@ def examine(location: str) -> Found:
 
 def kind(url: str) -> str:
     """``"file"``, ``"folder"`` (a prefix with objects under it, or a bucket) or
-    ``"missing"``. A missing bucket or a denied permission is a ``StorageError``."""
+    ``"missing"``; ``url`` ending in ``/`` is a prefix, never the object of its name. A missing
+    bucket or a denied permission is a ``StorageError``."""
     import pyarrow.fs as pafs
 
     fs, path = filesystem(url)
     with _setup_errors(url):
         info = retrying(lambda: fs.get_file_info(path), store=store_of(url))
-        if info.type == pafs.FileType.File:
+        if info.type == pafs.FileType.File and not url.endswith("/"):
             _seen(url, url, info.size, info.mtime_ns)
             return "file"
         if info.type == pafs.FileType.Directory:
@@ -1206,8 +1207,10 @@ def upload_file(path: "str | os.PathLike", url: str) -> None:
 def upload_written(folder: "str | os.PathLike", name: str,
                    write: Callable[[str], None]) -> int | None:
     """When ``folder`` is a URL: ``write(path)`` fills a hidden local temporary file, uploaded
-    whole as the object ``folder/name`` (read once, then removed); returns its size. A local
-    ``folder`` gets nothing (None): its caller writes the file in place."""
+    whole as the object ``folder/name`` (read once, then removed); returns its size. The upload
+    is tried again until the store is down (``outage_s()``): a store that is back sooner loses
+    the run nothing. A local ``folder`` gets nothing (None): its caller writes the file in
+    place."""
     if not is_url(folder):
         return None
     import tempfile
@@ -1217,7 +1220,13 @@ def upload_written(folder: "str | os.PathLike", name: str,
     try:
         write(tmp)
         size = os.path.getsize(tmp)
-        upload_file(tmp, join(str(folder), name))
+        while True:
+            try:
+                upload_file(tmp, join(str(folder), name))
+                break
+            except StoreUnavailable:
+                if health(store_of(str(folder))).down():
+                    raise
     finally:
         with suppress(FileNotFoundError):
             os.unlink(tmp)
@@ -1367,10 +1376,18 @@ def read_tagged(url: str) -> tuple[bytes, str | None]:
 
 
 def delete(url: str) -> None:
-    """Delete the object ``url`` (gone already is fine)."""
-    fs, path = filesystem(url)
+    """Delete the object ``url`` (gone already is fine). On ``s3://`` botocore's client
+    leaves no ``prefix/`` marker, as pyarrow's does where the prefix empties: a marker
+    makes ``OUT`` of a single file (a refused ``OUT/`` run's lock removed) a folder."""
+    client, store = _direct(url), store_of(url)
     with suppress(FileNotFoundError):
-        retrying(lambda: fs.delete_file(path), store=store_of(url))
+        if client is not None:
+            bucket, key = _bucket_key(url)
+            retrying(lambda: _boto(url, lambda: client.delete_object(Bucket=bucket, Key=key)),
+                     store=store)
+        else:
+            fs, path = filesystem(url)
+            retrying(lambda: fs.delete_file(path), store=store)
 
 
 def remove_empty_prefix(url: str) -> None:

@@ -9,7 +9,7 @@ import pytest
 
 from dsv4enc.images import sources
 from dsv4enc import storage
-from dsv4enc.errors import StorageError, UsageError
+from dsv4enc.errors import OutputError, StorageError, UsageError
 
 
 def test_is_url():
@@ -132,6 +132,17 @@ def test_prefix_lists_like_a_folder(s3, local_images):
     assert found.skipped == 1
     with pytest.raises(UsageError, match="input not found"):
         discover([f"{s3.url}/data/nothing/"])
+
+
+def test_a_prefix_given_with_its_slash_is_the_prefix_beside_an_object_of_its_name(
+        s3, local_images):
+    """S3 holds an object ``data`` and objects under ``data/`` side by side: ``s3://b/data/``
+    is the prefix (it was read as the object), ``s3://b/data`` the object."""
+    url = upload_folder(s3, local_images, "data")
+    s3.put("data", b"an object named as the prefix")
+    assert storage.kind(url) == "folder" and storage.kind(url.rstrip("/")) == "file"
+    assert storage.kind(f"{s3.url}/data/a.jpg/") == "missing"
+    assert [i.key for i in discover([url]).items] == ["a.jpg", "sub/b.png", "sub/deeper/c.webp"]
 
 
 @pytest.mark.parametrize("workers", ["0", "2"])
@@ -767,6 +778,43 @@ def test_of_two_runs_taking_over_a_stale_lock_one_refuses(s3, tmp_path):
                 proc.wait()
 
 
+@pytest.mark.parametrize("first", ["single", "folder"])
+def test_a_single_file_and_a_folder_output_of_one_name_are_one_output(s3, first):
+    """``--out s3://b/x.parquet`` and ``--out s3://b/x.parquet/`` hold different lock objects
+    (``x.parquet.partial/`` and ``x.parquet/``); a run of either form refuses while one of the
+    other holds its own, whichever took its lock first (the single-file run decided on a
+    file before the folder run began), and a folder run refuses beside the finished file, as
+    a local one does: the two never write the two outputs of one name side by side."""
+    from dsv4enc.output.remote import RemoteOutput
+
+    single, folder = f"{s3.url}/x.parquet", f"{s3.url}/x.parquet/"
+    held, mine = (single, folder) if first == "single" else (folder, single)
+    here = RemoteOutput(mine, writer=True)  # decides on its form now, as a run does
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    other = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, held], env=env,
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert other.stdout.readline() == "held\n"
+        with pytest.raises(OutputError, match=f"being written by pid {other.pid} "):
+            here.pull()
+        here.close()
+        other.communicate("\n", timeout=600)
+        assert other.returncode == 0
+    finally:
+        other.kill()
+        other.wait()
+    assert not [key for key in s3.keys() if key.endswith(".dsv4enc.lock")]
+    # no "x.parquet/" marker is left where a lock object was deleted: it made a later run
+    # of the single file (its --resume) a folder output
+    assert storage.kind(single) == "missing"
+    s3.put("x.parquet", b"PAR1")
+    here = RemoteOutput(folder, writer=True)
+    with pytest.raises(OutputError, match="is a file, but a folder output was asked for"):
+        here.pull()
+    here.close()
+    assert s3.keys() == ["x.parquet"]
+
+
 @pytest.mark.parametrize("flag", ["--resume", "--update"])
 @pytest.mark.parametrize("signum", [signal.SIGKILL, signal.SIGTERM])
 def test_a_run_stopped_at_the_stale_lock_leaves_the_committed_rows(s3, tmp_path, flag, signum):
@@ -812,6 +860,31 @@ def test_a_run_stopped_at_the_stale_lock_leaves_the_committed_rows(s3, tmp_path,
         proc.wait()
     assert proc.returncode in (-signal.SIGKILL, 143) and took < 10
     assert readers() == committed and len(committed["read_embeddings"]) == 6
+
+
+def test_a_stopped_bucket_run_s_summary_names_the_out_given(s3, tmp_path):
+    """--summary-json of a bucket run stopped midway names the --out given (it named the
+    local staging folder, removed as the run ends)."""
+    folder, _ = noise_images(s3, "sj", 6, tmp_path)
+    out, summary = f"{s3.url}/sj/out/", tmp_path / "s.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT)}
+    env.pop("DSV4ENC_WEIGHTS", None)
+    pauses = Pauses(tmp_path / "pauses", "commit")
+    proc = subprocess.Popen([sys.executable, "-m", "dsv4enc", "encode", str(folder), "--out",
+                             out, *TINY, "--workers", "0", "-q", "--summary-json", str(summary)],
+                            env=pauses.env(env), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        pauses.wait("commit", proc=proc)
+        proc.send_signal(signal.SIGTERM)
+        pauses.release()
+        proc.communicate(timeout=600)  # a hang guard
+    finally:
+        proc.kill()
+        proc.wait()
+    report = json.loads(summary.read_text())
+    assert proc.returncode == 143 and report["status"] == "interrupted"
+    assert report["output"] == out
 
 
 OTHER_HOLDER = {"pid": 4242, "host": "node7.example", "token": "x"}

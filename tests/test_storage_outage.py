@@ -12,6 +12,7 @@ import http.server
 import json
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -280,6 +281,36 @@ def test_outage_rows_are_transient_and_a_missing_object_is_not(clock):
     storage.check_stores()
 
 
+def test_a_folder_output_s_part_upload_outlasts_a_shorter_outage(s3_outage, clock,
+                                                                  monkeypatch):
+    """A part uploaded straight to a bucket folder is tried again while the store has failed
+    for less than --storage-outage-s (it gave up after one round of retries, a few seconds,
+    and ended the run); once the store is down it gives up. The server comes back at a
+    point of the test's clock, never at a moment picked by timing."""
+    s3, folder = s3_outage, f"{s3_outage.url}/out"
+    storage.set_outage_s(30.0)
+    back_at = [clock.now + 10.0]  # less than --storage-outage-s
+
+    def sleep(seconds: float) -> None:
+        clock.now += seconds
+        if clock.now >= back_at[0]:
+            back_at[0] = float("inf")
+            s3.server.start()
+
+    monkeypatch.setattr(storage, "time", type("T", (), {"sleep": staticmethod(sleep)}))
+    s3.server.stop()
+    assert storage.upload_written(folder, "part-000000.parquet",
+                                  lambda tmp: Path(tmp).write_bytes(b"rows")) == 4
+    assert s3.get("out/part-000000.parquet") == b"rows" and back_at == [float("inf")]
+
+    s3.server.stop()  # for good now: the upload gives up once the store is down
+    began = clock.now
+    with pytest.raises(storage.StoreUnavailable):
+        storage.upload_written(folder, "part-000001.parquet",
+                               lambda tmp: Path(tmp).write_bytes(b"rows"))
+    assert 30.0 <= clock.now - began < 30.0 + 10 * storage.ATTEMPTS
+
+
 def test_store_down_crosses_ranks_whole():
     import pickle
 
@@ -373,3 +404,33 @@ def test_a_store_that_stops_answering_ends_the_run_and_resume_finishes(s3_outage
     for row in want:
         assert row["error"] is None and by_path[row["path"]]["error"] is None
         assert by_path[row["path"]]["embedding"] == row["embedding"], row["path"]
+
+
+@pytest.mark.slow
+def test_a_signal_during_an_outage_ends_the_run_naming_the_bucket(s3_outage, tmp_path):
+    """SIGINT while the store of a folder output is not answering (its writer rides out the
+    outage): the run ends, with exit 130 and one line that names where the parts are kept by
+    the output's URL, never the staging folder the run wrote in (removed, or of no use to
+    --resume), whether the stop finished or the grace ended the process."""
+    s3 = s3_outage
+    folder, _ = noise_images(s3, "in", 30, tmp_path)
+    out = f"{s3.url}/out/"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT)}
+    env.pop("DSV4ENC_WEIGHTS", None)
+    pauses = Pauses(tmp_path / "pauses", "encoded")
+    proc = subprocess.Popen([sys.executable, "-m", "dsv4enc", "encode", str(folder), "--out",
+                             out, *TINY, "--workers", "0", "-q"], env=pauses.env(env),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        pauses.wait("encoded", proc=proc, hang_guard_s=HANG_GUARD_S)
+        s3.server.stop()
+        proc.send_signal(signal.SIGINT)
+        pauses.release()
+        _, stderr = proc.communicate(timeout=HANG_GUARD_S)
+    finally:
+        proc.kill()
+        proc.wait()
+    lines = [line for line in stderr.splitlines() if line.startswith("error:")]
+    assert proc.returncode == 130 and len(lines) == 1, stderr
+    assert "interrupted by SIGINT" in lines[0] and "staging" not in lines[0], lines[0]
+    assert f"{s3.url}/out" in lines[0], lines[0]

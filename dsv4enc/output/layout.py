@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Iterable
+from typing import Callable, Iterable
 
 from ..errors import OutputError
 from ..images.items import is_image_name
@@ -112,6 +112,8 @@ class OutputLayout:
         self.lock = OutputLock(self.parts_dir, self.out)
         #: The largest single file the store takes (``RemoteOutput.max_file_bytes``; None: any)
         self.max_file_bytes: int | None = None
+        #: How a stop's line names the output (``RemoteOutput.translate``: by its URLs)
+        self.shown: Callable[[str], str] = str
         self._made: list[Path] = []  # folders this run created (removed again if left empty)
         self._prepared = False  # this process checked the output (rank 0 under torchrun)
         #: ``--resume`` or ``--update`` found the single file finished, with no run to go on
@@ -334,21 +336,21 @@ class OutputLayout:
     def encoding_hint(self, again: str = "--resume") -> str:
         """The one-line hint of a run stopped while it encodes (``resume_hint`` replaces it
         once the writer has committed what it held)."""
-        return (f"finished parts are kept in {self.parts_dir}; rerun the same command with "
-                f"{again} to finish")
+        return self.shown(f"finished parts are kept in {self.parts_dir}; rerun the same "
+                          f"command with {again} to finish")
 
     def resume_hint(self, store: PartStore, again: str = "--resume") -> str:
         """What an interrupted run leaves, for its one-line message (``again``: the flag
         that finishes it, --resume or --update)."""
         if not store.parts:
             if self.folder_mode:
-                return (f"nothing was committed to {self.out} yet; rerun the same command "
-                        f"with {again}")
+                return self.shown(f"nothing was committed to {self.out} yet; rerun the same "
+                                  f"command with {again}")
             return "nothing was committed; rerun the same command"
         images = sum(part.get("rows", 0) for part in store.parts.values())
-        return (f"{len(store.parts)} finished part{'s' if len(store.parts) > 1 else ''} "
-                f"({images} images) kept in {self.parts_dir}; rerun the same command with "
-                f"{again} to finish")
+        return self.shown(f"{len(store.parts)} finished part{'s' if len(store.parts) > 1 else ''}"
+                          f" ({images} images) kept in {self.parts_dir}; rerun the same command "
+                          f"with {again} to finish")
 
     def remove_temporaries(self) -> None:
         """Remove what killed or cancelled writers left under temporary names (we hold the lock)."""

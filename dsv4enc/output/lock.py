@@ -180,6 +180,10 @@ class BucketLock:
         raise OutputError(f"--out {self.out}: the lock object {self.url} changed at every "
                           "try; if no other run is starting, try again")
 
+    def refuse_if_held(self) -> None:
+        """Refuse (``OutputError``) while another run holds this lock object, fresh."""
+        self._refuse_unless_gone(self._read()[0])
+
     def refresh(self) -> None:
         """Rewrite the lock with the time if it is still this run's, else ``lost`` names the
         run that took it over ({} where the lock object is gone: that run has ended, or it was

@@ -159,6 +159,8 @@ class RemoteOutput:
                 exc.keep(self._kept_parts(), self.parts_url)  # its flag told by the run
             if exc.args and isinstance(exc.args[0], str):
                 exc.args = (self.translate(exc.args[0]), *exc.args[1:])
+            if getattr(exc, "summary", None) is not None:  # a stop's, for --summary-json
+                exc.summary.out = self.given
             raise
         if hasattr(summary, "out"):
             summary.out = self.given
@@ -179,9 +181,11 @@ class RemoteOutput:
     def _pull(self) -> None:
         self._check_not_inputs()
         self.lock.take()
+        what = storage.kind(self.url)
+        self._refuse_the_other_form(what)
         if self.resume or self.update:  # the store has what the killed run committed
             self.remove_stale_staging()
-        if not self.folder_mode and storage.kind(self.url) == "file":
+        if not self.folder_mode and what == "file":
             if self.update:  # its rows are read: the file itself, not a stand-in
                 self._download(self.url, self.local_out)
             else:
@@ -216,6 +220,17 @@ class RemoteOutput:
                 rank = rank_of(obj.key)
                 if MANIFEST_FILE.fullmatch(obj.key) and (rank is None or rank >= self.world_size):
                     storage.delete(obj.url)
+
+    def _refuse_the_other_form(self, what: str) -> None:
+        """A single file and a folder output of one name (``what``: the name's ``kind``) are one
+        output, as on a local disk: a folder run refuses beside the file, or while a single-file
+        run holds its lock object; a single-file run, while a folder run holds its. Each looks
+        once it holds its own lock, so of two that start at once, one sees the other."""
+        if self.folder_mode and what == "file":
+            raise OutputError(f"--out {self.given} is a file, but a folder output was asked for")
+        if self.folder_mode or what == "folder":
+            other = self.url + PARTIAL if self.folder_mode else self.url
+            BucketLock(storage.join(other, LOCK_NAME), self.url).refuse_if_held()
 
     def _listed_parts(self) -> set[str] | None:
         """The files the pulled manifests list (None: there is no manifest)."""

@@ -193,7 +193,7 @@ def run_encode(opts: EncodeOptions, dist=None, setup: RunSetup | None = None,
         if remote is None:
             summary = _run_encode(opts, ranks, setup, stop, layout, source)
         else:
-            layout.max_file_bytes = remote.max_file_bytes
+            layout.max_file_bytes, layout.shown = remote.max_file_bytes, remote.translate
             summary = remote.run(lambda: _upload_stops_at_once(_run_encode(
                 opts, ranks, setup, stop, layout, source, remote), stop, remote,
                 finishing_flag(opts)), ranks.main_then_all)

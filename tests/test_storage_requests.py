@@ -54,6 +54,25 @@ def test_a_folder_of_objects_takes_about_one_request_per_image(s3, tmp_path, cap
     assert_same_rows(tmp_path / "local.parquet", tmp_path / "remote.parquet")
 
 
+
+def test_an_update_reads_only_the_parts_it_encodes_again(s3, tmp_path):
+    """Unchanged objects are matched by their listing's stamps: an update that adds one
+    image reads the objects of the parts around it, not one per input."""
+    count = 60
+    folder, url = noise_images(s3, "objects", count, tmp_path)
+    out, parts = tmp_path / "out", ["--part-images", "8"]
+    result = runner.invoke(app, ["encode", url, "--out", str(out), *parts, *RUN])
+    assert result.exit_code == 0, result.output
+    (folder / "img000a.png").write_bytes((folder / "img007.png").read_bytes())
+    s3.put("objects/img000a.png", (folder / "img000a.png").read_bytes())
+    with RequestLog(s3) as log:
+        result = runner.invoke(app, ["encode", url, "--out", str(out), "--update", *parts, *RUN])
+    assert result.exit_code == 0, result.output
+    read = {path for method, path in log.requests if method == "GET" and "?" not in path}
+    assert "/objects/img000a.png" in read and len(read) <= 2 * 8 * 2, sorted(read)
+    encode(str(folder), out=tmp_path / "clean")
+    assert_same_rows(tmp_path / "clean", out)
+
 def write_shard(path, first: int, count: int, rng) -> None:
     from PIL import Image
 

@@ -498,9 +498,9 @@ class Update:
 
     def match(self, planned: Sequence, settings: dict, retry_errors: bool = False) -> None:
         """Check the settings, then decide which inputs take their old row: same key and
-        file stamp, in input order (a reordered input list re-encodes what would need a
-        backward read), and an old row that is an embedding of an input readable now, or
-        a permanent error (``images/decode.is_transient``; ``retry_errors``: no error row)."""
+        file stamp (the file is not read), in input order (a reordered input list re-encodes
+        what would need a backward read), and an old row that is an embedding, or a
+        permanent error (``images/decode.is_transient``; ``retry_errors``: no error row)."""
         if not settings.get("batch_invariant", True):
             raise UsageError("--update copies rows beside new ones, which equals a clean run "
                              "only with batch-invariant rows: drop --no-deterministic "

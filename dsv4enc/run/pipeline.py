@@ -342,9 +342,10 @@ def _plan_output(run: RunState, setup: RunSetup, source: PartSource, computes: C
         if opts.keep_unlisted:
             setup.more(None)
             setup.planned[:] = update.with_unlisted(setup.planned)
-        setup.headers(cfg, opts, ranks, run.stop.requested if alone else None,
-                      announce=run.progress.status, skip=update.unlisted)
-        run.stop.check()  # headers left unread must not be matched as error rows
+        # Matched by stamps alone: only the parts to encode again are read (their headers as
+        # the windows plan them), so an update costs its change, not one read per input
+        setup.more(None)
+        input_stamps(setup.planned)
         update.match(setup.planned, rows_settings, opts.retry_errors)  # or refuses, in a line
         update.count_into(summary)
         if not opts.prune:
@@ -636,7 +637,7 @@ class LocalParts:
             cfg, opts, ranks, batch_tokens,
             None if ranks.splits_images else segment_tokens(batch_tokens, self.device.type),
             runner.me, run.summary, carried=output.carried,
-            headers_read=output.update is not None,
+            unread=output.update.unlisted if output.update is not None else (),
             should_stop=None if ranks.dist is not None else run.stop.requested,
             check_size=lambda first: self.layout.check_file_size(
                 output_bytes(cfg, opts, first) * len(planned) // max(1, len(first))))

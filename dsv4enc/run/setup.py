@@ -246,21 +246,16 @@ class RunSetup:
             self.planned.append(Planned(item))
 
     def headers(self, cfg: VisionConfig, opts: EncodeOptions, ranks: Topology | None,
-                should_stop, announce, skip: Collection[int] = ()) -> list[Planned]:
+                should_stop, announce) -> list[Planned]:
         """Every input listed, its header, grid and stamp read at once, for what needs the whole
-        plan first (``--update``'s matching, ``--engine ray``); ``announce(text)`` says so.
-        ``skip``: the entries left as they are (rows ``--keep-unlisted`` keeps, never read)."""
+        plan first (``--engine ray``); ``announce(text)`` says so."""
         self.more(None)
-        planned = self.planned
-        read = [i for i in range(len(planned)) if i not in skip]
-        announce(f"reading {len(read)} image headers")
-        items = [planned[i].item for i in read]
-        entries = with_grids(items, probe_share(items, opts.max_pixels, ranks, should_stop,
-                                                opts.decode_timeout), cfg, ranks)
-        for i, entry in zip(read, entries):
-            planned[i] = entry
-        input_stamps(planned)
-        return planned
+        announce(f"reading {len(self.planned)} image headers")
+        items = [p.item for p in self.planned]
+        self.planned[:] = with_grids(items, probe_share(items, opts.max_pixels, ranks, should_stop,
+                                                        opts.decode_timeout), cfg, ranks)
+        input_stamps(self.planned)
+        return self.planned
 
     def cut_parts(self, part_images: int, ranks: Topology | None, balance: str,
                   cfg: VisionConfig, segment_tokens: int | None) -> list[Part]:
@@ -296,9 +291,10 @@ class RunSetup:
 
 @dataclass
 class WindowSettings:
-    """How a window is planned. ``carried``: the inputs ``--update`` carries over (its
-    headers were all read first: ``headers_read``); ``summary`` counts misnamed images;
-    ``should_stop``: the signal check of one process (None under torchrun)."""
+    """How a window is planned. ``carried``: the inputs ``--update`` carries over (probed
+    with their part, for its segments, never decoded); ``unread``: those of them never read
+    (``--keep-unlisted``'s rows); ``summary`` counts misnamed images; ``should_stop``: the
+    signal check of one process (None under torchrun)."""
 
     cfg: VisionConfig
     opts: EncodeOptions
@@ -308,31 +304,32 @@ class WindowSettings:
     me: int  # whose batches this process decodes
     summary: Any
     carried: Collection[int] = ()
-    headers_read: bool = False
+    unread: Collection[int] = ()
     should_stop: Callable[[], bool] | None = None
     #: called once, with the first window's planned inputs: a single file's size is judged
     #: from them before anything is encoded (the rest of the headers are not read yet)
     check_size: Callable[[Sequence[Planned]], None] | None = None
 
     def read(self, planned: Sequence[Planned], part: Part) -> Any:
-        """Stamp the part's inputs, then probe this rank's share of its headers (None when
-        they were read already). Any thread; no collective."""
-        inputs = planned[part.start:part.end]
-        input_stamps(inputs)
-        if self.headers_read:
-            return None
-        return probe_share([p.item for p in inputs], self.opts.max_pixels, self.ranks,
-                           self.should_stop, self.opts.decode_timeout)
+        """Stamp the part's inputs, then probe this rank's share of the headers read (those
+        of ``_read``). Any thread; no collective."""
+        input_stamps(planned[part.start:part.end])
+        return probe_share([planned[i].item for i in self._read(part)], self.opts.max_pixels,
+                           self.ranks, self.should_stop, self.opts.decode_timeout)
+
+    def _read(self, part: Part) -> list[int]:
+        """The inputs of ``part`` whose headers are read: all but the ``unread``."""
+        return [i for i in range(part.start, part.end) if i not in self.unread]
 
     def finish(self, planned: list[Planned], part: Part, share: Any) -> Window:
         """Plan the part from its probes (``share``; a collective under torchrun): grids,
         segments, batches, and this rank's decode tasks."""
         start, end = part.start, part.end
-        if share is not None:
-            entries = with_grids([p.item for p in planned[start:end]], share, self.cfg, self.ranks)
-            for entry, old in zip(entries, planned[start:end]):
-                entry.stamp = old.stamp
-            planned[start:end] = entries
+        read = self._read(part)
+        for i, entry in zip(read, with_grids([planned[i].item for i in read], share, self.cfg,
+                                             self.ranks)):
+            entry.stamp = planned[i].stamp
+            planned[i] = entry
         self.summary.count_misnamed(planned[start:end])
         if self.check_size is not None:
             check, self.check_size = self.check_size, None

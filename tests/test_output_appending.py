@@ -5,6 +5,7 @@ journal (dsv4enc/appending.py), and its resume after an interruption. Killed run
 from __future__ import annotations
 
 import json
+import os
 import random
 import shutil
 import threading
@@ -224,6 +225,27 @@ def test_resume_cuts_a_torn_tail_and_appends_after_the_last_range(unfinished, im
     out = unfinished.with_name("e.parquet")
     assert b"torn half of a part" not in out.read_bytes()
     assert out.stat().st_size > 4 + column_bytes(out) + pq.read_metadata(out).serialized_size + 8
+
+
+def test_the_ranges_of_parts_encoded_again_are_left_out_of_the_file(unfinished, images,
+                                                                     folder_rows):
+    """A resume that encodes a committed part again (its input files changed) appends the
+    new rows: the old range's bytes stay in the growing file, but not in the output."""
+    parts = journal(unfinished)["parts"]
+    live = sum(part["length"] for part in parts.values())
+    assert (unfinished / GROWING_NAME).stat().st_size >= live
+    times = {path: path.stat() for path in images.iterdir()}
+    try:
+        for path in images.iterdir():  # every part's inputs changed: all encoded again
+            os.utime(path, ns=(times[path].st_atime_ns, times[path].st_mtime_ns + 10**9))
+        summary = run_encode(options(images, unfinished.with_name("e.parquet"), resume=True))
+    finally:
+        for path, stat in times.items():
+            os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    out = unfinished.with_name("e.parquet")
+    assert summary.reused == 0 and rows_of(out) == folder_rows
+    assert out.stat().st_size < live + pq.read_metadata(out).serialized_size + 16
+    assert not unfinished.exists()
 
 
 def test_a_journal_entry_is_a_few_numbers_and_its_range_ends_with_its_footer(unfinished):

@@ -19,7 +19,7 @@ from typer.testing import CliRunner
 
 from dsv4enc import read_embeddings
 from dsv4enc.cli import app
-from dsv4enc.output.inspect import list_line
+from dsv4enc.output.inspect import OutputSummary as Summary, list_line, progress_text
 from dsv4enc.output.read import load_manifest
 
 from helpers import REPO_ROOT, Pauses, write_image
@@ -217,6 +217,33 @@ def test_a_killed_run_shows_its_journal_not_its_stray_files(tmp_path, small_ckpt
     assert len(list(read_embeddings(out))) == done
     text = run("inspect", str(out)).stdout
     assert f"2 parts, {done} images done, {12 - done} of 12 left" in " ".join(text.split())
+
+
+def test_a_run_still_writing_is_not_called_interrupted(tmp_path, small_ckpt):
+    """While a run holds its output (paused after its first commit), inspect names it as
+    being written, not as an interrupted run to --resume (which would be refused)."""
+    folder = tmp_path / "imgs"
+    for i in range(4):
+        write_image(folder / f"{i:02d}.png", (20 + i, 20))
+    out = tmp_path / "o.parquet"
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}
+    pauses = Pauses(tmp_path / "pauses", "commit")
+    proc = subprocess.Popen([sys.executable, "-m", "dsv4enc", "encode", str(folder), "--out",
+                             str(out), "--weights", str(small_ckpt), "--part-images", "2",
+                             "--workers", "0", "--device", "cpu", "-q"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=pauses.env(env))
+    try:
+        pauses.wait("commit", 1, proc=proc)
+        data = json.loads(run("inspect", str(out), "--json").stdout)
+        text = " ".join(run("inspect", str(out)).stdout.split())
+    finally:
+        proc.kill()
+        proc.wait()
+    assert data["interrupted"] and f"pid {proc.pid}" in data["writing"]
+    assert "being written" in text and "writing" in progress_text(Summary(**data))
+    assert "--resume" not in text
+    data = json.loads(run("inspect", str(out), "--json").stdout)  # killed: to resume now
+    assert data["writing"] is None
 
 
 def test_a_folder_without_a_dsv4enc_manifest_reads_its_parquet_files(tmp_path, small_ckpt):

@@ -22,7 +22,7 @@ from ..errors import OutputError
 from .parquet_join import (GROUP_NUM_ROWS, MAGIC, JoinError, ParquetJoiner, footer_at,
                            footer_bytes, group_span, move_group, pwrite_all, read_footer,
                            row_groups, schema_part, sync_data, whole_footer, with_key_values)
-from .files import GROWING_NAME, MANIFEST_NAME
+from .files import GROWING_NAME, MANIFEST_NAME, temp_path
 from .parts import (PartStore, fsync_dir, is_journal_entry,
                      names_part_file, part_intact, drop_cached_pages, output_os_error,
                      error_counts, write_parquet)
@@ -113,6 +113,7 @@ class AppendingStore(PartStore):
         self.file: ParquetJoiner | None = None
         #: more key-value metadata for the final footer (its rows' stamps: ``update``)
         self.key_values: dict[bytes, bytes] = {}
+        self.dead = False  # a part was dropped: its bytes are in the file, and not output
 
     @property
     def path(self) -> Path:
@@ -184,6 +185,10 @@ class AppendingStore(PartStore):
             self._append_copy(name, path, low, high - low, footer_bytes(footer), entry)
         except JoinError as exc:
             raise OutputError(f"cannot update {self.out}: {path}: {exc}") from None
+
+    def drop(self, names: Sequence[str]) -> None:
+        self.dead = self.dead or any(is_journal_entry(self.parts.get(n, {})) for n in names)
+        super().drop(names)
 
     def forget(self, names: Sequence[str]) -> None:
         """Drop the parts this run does not reuse, cut the file, copy in reused part files."""
@@ -287,12 +292,34 @@ class AppendingStore(PartStore):
             if footer is None:
                 raise OutputError(f"cannot write {self.out}: the part at byte {offset} of "
                                   f"{self.path} has no footer")
+        file, path = self.file, self.path
         try:
-            self.file.close(self.key_values, footers)
-            os.replace(self.path, self.out)
+            if self.dead:  # the ranges of parts a --resume encoded again: not in the output
+                file, path = self._compacted(ordered, footers)
+            file.close(self.key_values, footers)
+            os.replace(path, self.out)
             fsync_dir(self.out.parent)
         except OSError as exc:
             raise output_os_error(self.out, exc) from None
+        finally:
+            file.abort()
+            self.close()
+            if path != self.path:
+                path.unlink(missing_ok=True)
+
+    def _compacted(self, ordered: list[dict], footers: list) -> tuple[ParquetJoiner, Path]:
+        """A new file holding the ranges of the ``ordered`` parts only (``footers``: where
+        each begins, moved there); the growing file stays as it is until ``out`` is whole."""
+        path = temp_path(self.out, self.folder)
+        file = ParquetJoiner(path, self._shared)
+        try:
+            for k, part in enumerate(ordered):
+                footers[k] = (footers[k][0], file.copy(self.path, part["offset"], part["length"]))
+        except BaseException:
+            file.abort()
+            path.unlink(missing_ok=True)
+            raise
+        return file, path
 
     def close(self) -> None:
         """Stop without producing ``out``: the file and journal stay for ``--resume``."""

@@ -17,7 +17,8 @@ import numpy as np
 from .. import storage
 from ..tower.config import MODEL_NAMES, model_type_of
 from ..errors import UsageError
-from .files import MANIFEST_NAME, PARTIAL
+from .files import LOCK_NAME, MANIFEST_NAME, PARTIAL
+from .lock import holder_if_locked
 from .read import OutputFiles, embedding_format, find_output, metadata_of
 
 #: Error messages shown, the commonest first (``inspect`` and a run's summary).
@@ -52,6 +53,7 @@ class OutputSummary:
     images_done: int | None = None
     images_total: int | None = None  # None: not recorded (stopped before it planned a part)
     images_left: int | None = None
+    writing: str | None = None  # a live run holds its lock: `` (pid N on HOST, since TIME)``
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -140,10 +142,10 @@ def summarize(path: str | os.PathLike, storage_options: Any = None) -> OutputSum
     text = os.fspath(path)
     partial = interrupted_folder(text, storage_options)
     if partial is not None:
-        return _summarize_interrupted(text, find_output(partial, storage_options))
+        return _live(_summarize_interrupted(text, find_output(partial, storage_options)), partial)
     found = find_output(text, storage_options)
     if not found.paths and found.manifests and found.locked:  # stopped before its first commit
-        return _summarize_interrupted(text, found)
+        return _live(_summarize_interrupted(text, found), text)
     if not found.paths:
         raise UsageError(f"{text}: no Parquet files found")
     out = OutputSummary(path=text, bytes_on_disk=sum(found.sizes), metadata=_metadata(found))
@@ -151,6 +153,13 @@ def summarize(path: str | os.PathLike, storage_options: Any = None) -> OutputSum
     _scan_files(out, found)
     if found.manifests:
         _record_progress(out, found.manifests, unfinished=True)
+    return _live(out, text) if out.interrupted else out
+
+
+def _live(out: OutputSummary, folder: str) -> OutputSummary:
+    """``out``, with the live run that writes its parts ``folder`` (a local one) named."""
+    if not storage.is_url(folder):
+        out.writing = holder_if_locked(Path(folder) / LOCK_NAME)
     return out
 
 
@@ -289,6 +298,8 @@ def progress_text(summary: OutputSummary) -> str:
     done = f"{summary.images_done} image{'s' if summary.images_done != 1 else ''} done"
     left = ("how many are left is not recorded" if summary.images_total is None
             else f"{summary.images_left} of {summary.images_total} left")
+    if summary.writing is not None:
+        return f"{parts}, {done}, {left}; a run is writing it now{summary.writing}"
     # The manifest does not record --overwrite, which --resume contradicts: name both.
     return (f"{parts}, {done}, {left}; rerun the same command with --resume to finish "
             "(in place of --overwrite, if it had one)")
@@ -303,7 +314,8 @@ def render(summary: OutputSummary, console=None) -> None:
     meta = summary.metadata
     title = f"dsv4enc output: {summary.path}"
     if summary.interrupted:
-        title += " (an interrupted run: not finished)"
+        title += (" (an interrupted run: not finished)" if summary.writing is None
+                  else " (being written: not finished)")
     table = Table(title=title, show_header=False, title_justify="left")
     table.add_column(style="bold")
     table.add_column()

@@ -25,6 +25,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
+from dsv4enc.errors import UsageError
 from dsv4enc.output.read import load_manifest
 from dsv4enc.tower.checkpoint import random_state_dict, save_checkpoint
 from dsv4enc.tower.config import VisionConfig
@@ -610,3 +611,34 @@ def test_progress_and_summary_count_every_rank(work, sequence, reference):
         assert summary["rates"]["tokens_per_s"] == pytest.approx(
             tokens / summary["seconds"]["encoding"])
         assert sum(m["count"] for m in summary["failures"]["messages"]) == failed
+
+
+def test_resume_refuses_a_folder_committed_the_other_way(work, sequence, folders, ckpt):
+    """--resume of a folder whose interrupted run committed its parts the other way (per
+    --shard-output rank, or one manifest for the run) is refused in one line, the folder as
+    it was: starting over beside those parts left them in it, so that a glob over the part
+    files read their rows twice."""
+    seq_ok(sequence, "shard")
+    sharded = work / "other_way_sharded"
+    shutil.copytree(work / "seq" / "shard", sharded)
+    for merged in [sharded / "_manifest.json", *sharded.glob("_stamps-*.bin")]:
+        merged.unlink()  # the run was killed before rank 0 merged the ranks' manifests
+    before = sorted(p.name for p in sharded.iterdir())
+    with pytest.raises(UsageError, match=r"cannot resume: .* holds the parts of a run with "
+                                         r"--shard-output on 2 torchrun ranks"):
+        run_encode(EncodeOptions(inputs=[str(folders["imgs"])], out=str(sharded),
+                                 weights=str(ckpt), device="cpu", dtype="float32",
+                                 out_dtype="float32", workers=0, progress=False,
+                                 shard_output=True, resume=True, part_images=PART_IMAGES))
+    assert sorted(p.name for p in sharded.iterdir()) == before
+    single = work / "other_way_single"
+    run_encode(EncodeOptions(inputs=[str(folders["one"])], out=f"{single}/", weights=str(ckpt),
+                             device="cpu", dtype="float32", out_dtype="float32", workers=0,
+                             progress=False))
+    before = sorted(p.name for p in single.iterdir())
+    proc = torchrun(["-m", "dsv4enc", "encode", str(folders["one"]), "--out", str(single),
+                     "--weights", str(ckpt), *FAST, "--shard-output", "--resume"], work)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert proc.returncode != 0 and len(errors) == 2, proc.stderr[-3000:]  # one per rank
+    assert all("holds the parts of a run without --shard-output" in e for e in errors), errors
+    assert sorted(p.name for p in single.iterdir()) == before

@@ -642,3 +642,52 @@ def test_resume_refuses_a_folder_committed_the_other_way(work, sequence, folders
     assert proc.returncode != 0 and len(errors) == 2, proc.stderr[-3000:]  # one per rank
     assert all("holds the parts of a run without --shard-output" in e for e in errors), errors
     assert sorted(p.name for p in single.iterdir()) == before
+
+
+@pytest.mark.parametrize("sharded", [False, True], ids=["gathered", "shard_output"])
+def test_signal_to_torchrun_counts_every_rank_in_the_summary(work, folders, ckpt, reference,
+                                                             sharded):
+    """SIGINT to the torchrun launcher (it passes it to both ranks) while rank 0's writer
+    commits the last part: every rank stops (exit 130), --summary-json counts every rank's
+    images and tokens once, as a finished run's does (it held rank 0's share alone), and
+    --resume (one process, or --shard-output's two ranks) finishes the rows of one process."""
+    name = "signalled_" + ("shard" if sharded else "dp")
+    out, summary_json = work / (name if sharded else f"{name}.parquet"), work / f"{name}.json"
+    pauses = Pauses(work / f"{name}_pauses", "commit")
+    args = [str(folders["imgs"]), "--out", str(out), "--weights", str(ckpt), *FAST,
+            "--batch-tokens", "400", "--commit-every", "3600",  # one commit, once all is done
+            *(["--shard-output"] if sharded else [])]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
+           "--master-addr=127.0.0.1", f"--master-port={free_port()}", "-m", "dsv4enc",
+           "encode", *args, "--summary-json", str(summary_json)]
+    proc = subprocess.Popen(cmd, cwd=work, env=pauses.env(_env()), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        pauses.wait("commit", proc=proc, hang_guard_s=LAUNCH_TIMEOUT_S)
+        proc.send_signal(signal.SIGINT)
+        pauses.release()
+        _, stderr = proc.communicate(timeout=LAUNCH_TIMEOUT_S)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode != 0, stderr[-3000:]
+    stopped = [line for line in stderr.splitlines() if line.startswith("error:")]
+    assert len(stopped) == 2 and all("interrupted by SIGINT" in line and "--resume" in line
+                                     for line in stopped), stderr[-3000:]  # one per rank
+    want = rows_of(reference)
+    failed = sum(1 for r in want if r["error"])
+    summary = json.loads(summary_json.read_text())
+    assert (summary["status"], summary["exit_code"]) == ("interrupted", 130)
+    assert summary["images"]["encoded"] == len(want) - failed
+    assert summary["images"]["failed"] == failed
+    assert summary["tokens"] == sum(r["vit_h"] * r["vit_w"] for r in want if r["error"] is None)
+    if sharded:
+        ok(torchrun(["-m", "dsv4enc", "encode", *args, "--resume"], work))
+        assert_same_rows(rows_of(out), want, ordered=False)
+    else:
+        encoded = run_encode(EncodeOptions(
+            inputs=[str(folders["imgs"])], out=str(out), weights=str(ckpt), device="cpu",
+            dtype="float32", out_dtype="float32", workers=0, progress=False, resume=True))
+        assert (encoded.reused, encoded.encoded) == (len(want), 0)
+        assert_same_rows(rows_of(out), want)

@@ -691,3 +691,24 @@ def test_signal_to_torchrun_counts_every_rank_in_the_summary(work, folders, ckpt
             dtype="float32", out_dtype="float32", workers=0, progress=False, resume=True))
         assert (encoded.reused, encoded.encoded) == (len(want), 0)
         assert_same_rows(rows_of(out), want)
+
+
+def test_shard_output_resume_counts_every_ranks_reused_error_rows(work, sequence, folders,
+                                                                   ckpt):
+    """A --shard-output run killed before rank 0 merged the manifests: --resume keeps every
+    part, and the summary counts the error rows among them on every rank (it counted rank
+    0's alone)."""
+    seq_ok(sequence, "shard")
+    folder = work / "reused_failed_shard"
+    shutil.copytree(work / "seq" / "shard", folder)
+    for merged in [folder / "_manifest.json", *folder.glob("_stamps-*.bin")]:
+        merged.unlink()
+    failed = [sum(p["failed"] for p in load_manifest(folder / f"_manifest-rank00{r}.json")
+                  ["parts"].values()) for r in range(2)]
+    assert failed[1] > 0, failed  # else this test shows nothing
+    summary_json = work / "reused_failed_shard.json"
+    ok(torchrun(["-m", "dsv4enc", "encode", str(folders["imgs"]), "--out", str(folder),
+                 "--weights", str(ckpt), *FAST, "--shard-output", "--part-images",
+                 str(PART_IMAGES), "--resume", "--summary-json", str(summary_json)], work))
+    images = json.loads(summary_json.read_text())["images"]
+    assert (images["encoded"], images["reused_failed"]) == (0, sum(failed)), (images, failed)

@@ -712,3 +712,17 @@ def test_shard_output_resume_counts_every_ranks_reused_error_rows(work, sequence
                  str(PART_IMAGES), "--resume", "--summary-json", str(summary_json)], work))
     images = json.loads(summary_json.read_text())["images"]
     assert (images["encoded"], images["reused_failed"]) == (0, sum(failed)), (images, failed)
+
+
+def test_resume_of_a_tensor_parallel_run_in_one_process_names_why(work, sequence, folders,
+                                                                   ckpt):
+    """A --tp-mode weights run's rows are not batch-invariant: --resume in one process is
+    refused, in a line that names the option behind it (it said "batch invariant differs")."""
+    seq_ok(sequence, "tp")
+    with pytest.raises(UsageError, match=r"cannot resume .*: batch invariance \(--deterministic; "
+                                         r"off under --tp-mode weights\) differs"):
+        run_encode(EncodeOptions(inputs=[str(folders["imgs"])],
+                                 out=str(work / "seq" / "tp.parquet"), weights=str(ckpt),
+                                 device="cpu", dtype="float32",
+                                 out_dtype="float32", workers=0, progress=False, resume=True,
+                                 tp_mode="weights"))

@@ -26,6 +26,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
+from dsv4enc.errors import UsageError
 from dsv4enc.output.read import load_manifest
 from dsv4enc.tower.checkpoint import random_state_dict, save_checkpoint
 from dsv4enc.tower.config import VisionConfig
@@ -657,3 +658,118 @@ def test_progress_and_summary_count_every_rank(work, sequence, reference):
         assert summary["rates"]["tokens_per_s"] == pytest.approx(
             tokens / summary["seconds"]["encoding"])
         assert sum(m["count"] for m in summary["failures"]["messages"]) == failed
+
+
+def test_resume_refuses_a_folder_committed_the_other_way(work, sequence, folders, ckpt):
+    """--resume of a folder whose interrupted run committed its parts the other way (per
+    --shard-output rank, or one manifest for the run) is refused in one line, the folder as
+    it was: starting over beside those parts left them in it, so that a glob over the part
+    files read their rows twice."""
+    seq_ok(sequence, "shard")
+    sharded = work / "other_way_sharded"
+    shutil.copytree(work / "seq" / "shard", sharded)
+    for merged in [sharded / "_manifest.json", *sharded.glob("_stamps-*.bin")]:
+        merged.unlink()  # the run was killed before rank 0 merged the ranks' manifests
+    before = sorted(p.name for p in sharded.iterdir())
+    with pytest.raises(UsageError, match=r"cannot resume: .* holds the parts of a run with "
+                                         r"--shard-output on 2 torchrun ranks"):
+        run_encode(EncodeOptions(inputs=[str(folders["imgs"])], out=str(sharded),
+                                 weights=str(ckpt), device="cpu", dtype="float32",
+                                 out_dtype="float32", workers=0, progress=False,
+                                 shard_output=True, resume=True, part_images=PART_IMAGES))
+    assert sorted(p.name for p in sharded.iterdir()) == before
+    single = work / "other_way_single"
+    run_encode(EncodeOptions(inputs=[str(folders["one"])], out=f"{single}/", weights=str(ckpt),
+                             device="cpu", dtype="float32", out_dtype="float32", workers=0,
+                             progress=False))
+    before = sorted(p.name for p in single.iterdir())
+    proc = torchrun(["-m", "dsv4enc", "encode", str(folders["one"]), "--out", str(single),
+                     "--weights", str(ckpt), *FAST, "--shard-output", "--resume"], work)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert proc.returncode != 0 and len(errors) == 2, proc.stderr[-3000:]  # one per rank
+    assert all("holds the parts of a run without --shard-output" in e for e in errors), errors
+    assert sorted(p.name for p in single.iterdir()) == before
+
+
+@pytest.mark.parametrize("sharded", [False, True], ids=["gathered", "shard_output"])
+def test_signal_to_torchrun_counts_every_rank_in_the_summary(work, folders, ckpt, reference,
+                                                             sharded):
+    """SIGINT to the torchrun launcher (it passes it to both ranks) while rank 0's writer
+    commits the last part: every rank stops (exit 130), --summary-json counts every rank's
+    images and tokens once, as a finished run's does (it held rank 0's share alone), and
+    --resume (one process, or --shard-output's two ranks) finishes the rows of one process."""
+    name = "signalled_" + ("shard" if sharded else "dp")
+    out, summary_json = work / (name if sharded else f"{name}.parquet"), work / f"{name}.json"
+    pauses = Pauses(work / f"{name}_pauses", "commit")
+    args = [str(folders["imgs"]), "--out", str(out), "--weights", str(ckpt), *FAST,
+            "--batch-tokens", "400", "--commit-every", "3600",  # one commit, once all is done
+            *(["--shard-output"] if sharded else [])]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
+           "--master-addr=127.0.0.1", f"--master-port={free_port()}", "-m", "dsv4enc",
+           "encode", *args, "--summary-json", str(summary_json)]
+    proc = subprocess.Popen(cmd, cwd=work, env=pauses.env(_env()), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        pauses.wait("commit", proc=proc, hang_guard_s=LAUNCH_TIMEOUT_S)
+        proc.send_signal(signal.SIGINT)
+        pauses.release()
+        _, stderr = proc.communicate(timeout=LAUNCH_TIMEOUT_S)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode != 0, stderr[-3000:]
+    stopped = [line for line in stderr.splitlines() if line.startswith("error:")]
+    assert len(stopped) == 2 and all("interrupted by SIGINT" in line and "--resume" in line
+                                     for line in stopped), stderr[-3000:]  # one per rank
+    want = rows_of(reference)
+    failed = sum(1 for r in want if r["error"])
+    summary = json.loads(summary_json.read_text())
+    assert (summary["status"], summary["exit_code"]) == ("interrupted", 130)
+    assert summary["images"]["encoded"] == len(want) - failed
+    assert summary["images"]["failed"] == failed
+    assert summary["tokens"] == sum(r["vit_h"] * r["vit_w"] for r in want if r["error"] is None)
+    if sharded:
+        ok(torchrun(["-m", "dsv4enc", "encode", *args, "--resume"], work))
+        assert_same_rows(rows_of(out), want, ordered=False)
+    else:
+        encoded = run_encode(EncodeOptions(
+            inputs=[str(folders["imgs"])], out=str(out), weights=str(ckpt), device="cpu",
+            dtype="float32", out_dtype="float32", workers=0, progress=False, resume=True))
+        assert (encoded.reused, encoded.encoded) == (len(want), 0)
+        assert_same_rows(rows_of(out), want)
+
+
+def test_shard_output_resume_counts_every_ranks_reused_error_rows(work, sequence, folders,
+                                                                   ckpt):
+    """A --shard-output run killed before rank 0 merged the manifests: --resume keeps every
+    part, and the summary counts the error rows among them on every rank (it counted rank
+    0's alone)."""
+    seq_ok(sequence, "shard")
+    folder = work / "reused_failed_shard"
+    shutil.copytree(work / "seq" / "shard", folder)
+    for merged in [folder / "_manifest.json", *folder.glob("_stamps-*.bin")]:
+        merged.unlink()
+    failed = [sum(p["failed"] for p in load_manifest(folder / f"_manifest-rank00{r}.json")
+                  ["parts"].values()) for r in range(2)]
+    assert failed[1] > 0, failed  # else this test shows nothing
+    summary_json = work / "reused_failed_shard.json"
+    ok(torchrun(["-m", "dsv4enc", "encode", str(folders["imgs"]), "--out", str(folder),
+                 "--weights", str(ckpt), *FAST, "--shard-output", "--part-images",
+                 str(PART_IMAGES), "--resume", "--summary-json", str(summary_json)], work))
+    images = json.loads(summary_json.read_text())["images"]
+    assert (images["encoded"], images["reused_failed"]) == (0, sum(failed)), (images, failed)
+
+
+def test_resume_of_a_tensor_parallel_run_in_one_process_names_why(work, sequence, folders,
+                                                                   ckpt):
+    """A --tp-mode weights run's rows are not batch-invariant: --resume in one process is
+    refused, in a line that names the option behind it (it said "batch invariant differs")."""
+    seq_ok(sequence, "tp")
+    with pytest.raises(UsageError, match=r"cannot resume .*: batch invariance \(--deterministic; "
+                                         r"off under --tp-mode weights\) differs"):
+        run_encode(EncodeOptions(inputs=[str(folders["imgs"])],
+                                 out=str(work / "seq" / "tp.parquet"), weights=str(ckpt),
+                                 device="cpu", dtype="float32",
+                                 out_dtype="float32", workers=0, progress=False, resume=True,
+                                 tp_mode="weights"))

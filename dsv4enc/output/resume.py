@@ -7,9 +7,10 @@ import logging
 from dataclasses import dataclass, field
 from typing import Callable, Protocol, Sequence
 
-from ..errors import DsvError
+from ..errors import DsvError, UsageError
 from ..images.headers import input_stamps, inputs_digest
-from .parts import PartStore
+from .files import rank_of
+from .parts import PartStore, manifest_paths, read_manifest
 from .update import check_settings
 
 log = logging.getLogger("dsv4enc")
@@ -44,6 +45,22 @@ def _alone(todo_ranges, problem):
     return todo_ranges, problem
 
 
+def _refuse_other_layout(store: PartStore, flag: str) -> None:
+    """Refuse in one line to start over beside the manifest of an interrupted run that
+    committed its parts the other way (one per --shard-output rank, or one for the run):
+    its part files would stay in the folder, and a glob over them would read rows twice."""
+    mine_sharded = rank_of(store.manifest_name) is not None
+    for path in manifest_paths(store.folder):
+        recorded = read_manifest(path)
+        if recorded is None or (rank_of(path.name) is not None) == mine_sharded:
+            continue
+        ran = (f"with --shard-output on {recorded.get('settings', {}).get('world_size', '?')} "
+               "torchrun ranks" if not mine_sharded else "without --shard-output")
+        raise UsageError(f"cannot resume: {store.folder} holds the parts of a run {ran} "
+                         f"({path.name}); resume it the way it ran (or use --overwrite in "
+                         f"place of {flag} to start over)")
+
+
 class Resume:
     """Which parts are still to encode, judged part by part once their inputs are in
     ``source`` (the run's inputs, growing as they are listed). With ``--resume`` the settings
@@ -75,6 +92,8 @@ class Resume:
         store = self.store
         store.settings = {**store.settings, **settings.row_options}
         if not settings.resume or not store.manifest_path.is_file():
+            if settings.resume:
+                _refuse_other_layout(store, settings.flag)
             store.create()
             return
         previous = store.load_existing()

@@ -60,7 +60,9 @@ FLAG_OF_SETTING = {"compute_dtype": "--dtype", "device": "--device", "out_dtype"
 #: How a refusal names the recorded settings whose value is no flag's argument.
 SHOWN_SETTING = {"keep_columns": "--keep-column", "keep_members": "--keep-member",
                  "weights_fingerprint": "the weights (--weights)",
-                 "config": "the model config (--weights/--config)"}
+                 "config": "the model config (--weights/--config)",
+                 "batch_invariant": "batch invariance (--deterministic; off under --tp-mode "
+                                    "weights)"}
 
 
 def check_settings(recorded: dict, settings: dict, refused: str, used: str, *,

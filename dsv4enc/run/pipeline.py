@@ -466,6 +466,7 @@ def _write_output(run: RunState, source: PartSource, setup: RunSetup,
               if ranks.writes else None)
     try:
         _encode_parts(run, source, setup, output, writer)
+        _stop_together(run, source)
         run.stop.check()
         # A store that failed its last calls made rows of outages (transient): the run is
         # not complete while it does not answer
@@ -506,6 +507,22 @@ def _write_output(run: RunState, source: PartSource, setup: RunSetup,
         if assembler is not None:
             assembler.abort()  # idempotent; the final file never appears half-written
         raise
+
+
+def _stop_together(run: RunState, source: PartSource) -> None:
+    """Torchrun: once the last batch is done, every rank stops where any rank was signalled
+    (a signal after the ranks' last agreement, too), and a stopped run's summary counts
+    every rank's work, as a finished run's does."""
+    ranks = run.ranks
+    if ranks.dist is None:
+        return
+    signals = [signum for signum in ranks.gather(run.stop.signum) if signum is not None]
+    if not signals:
+        return
+    run.stop.signum = run.stop.signum or signals[0]
+    if ranks.sharded:
+        ranks.sum_rank_counts(run.summary)
+    source.finish(run.summary, ranks)
 
 
 def _stamp_sharded(merged: MergedManifest, setup: RunSetup, row_options: dict) -> None:

@@ -190,12 +190,14 @@ class Topology:
         return merged
 
     def sum_rank_counts(self, summary: RunSummary) -> None:
-        """--shard-output: each rank counted only its own rows; the summary shows them all."""
+        """--shard-output: each rank counted only its own rows, and the error rows of its own
+        shares of the parts that --resume kept; the summary shows them all."""
         everyone = self.gather(summary)
         summary.rank_loads = [float(done.tokens) for done in everyone]
         for rank, done in enumerate(everyone):
             if rank != self.rank:
                 summary.add(done, times=False)
+                summary.reused_failed += done.reused_failed
 
     def sum_rank_tokens(self, summary: RunSummary, padded_tokens: int) -> None:
         """Gathered data parallel: count every rank's share of the tokens."""

@@ -268,11 +268,11 @@ def run_host_bench(config_path: str, images: str = "synthetic:1024x768:256",
         return results
 
 
-def print_host_results(results: Sequence[HostResult], console=None) -> None:
+def print_host_results(results: Sequence[HostResult]) -> None:
     """One paragraph per run (narrow terminals keep every figure), then the stage costs."""
     from rich.console import Console
 
-    console = console or Console()
+    console = Console()
     console.print("[bold]host capacity[/bold] (null stage: the model costs nothing)")
     for r in results:
         console.print(

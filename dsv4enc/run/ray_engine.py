@@ -188,16 +188,15 @@ class RayCluster:
             self.worker_logs = _driver_messages(ray, not self.quiet)
             return
         env = {name: os.environ[name] for name in FORWARDED_ENV if os.environ.get(name)}
+        where = f"the Ray cluster at {self.address}" if self.address else "a local Ray"
         if self.address:
+            probe_address(self.address, where)
             joining: dict[str, Any] = {"address": self.address}
         else:  # address="local": a new Ray even where an earlier one left its address file
             # in Ray's temp folder (a bare ray.init() would try to join that one)
             store = ray_opts.object_store_mb << 20 if ray_opts.object_store_mb else None
             joining = dict(address="local", num_cpus=available_cpus(),
                            object_store_memory=store, include_dashboard=False)
-        where = f"the Ray cluster at {self.address}" if self.address else "a local Ray"
-        if self.address:
-            probe_address(self.address, where)
         try:
             with warnings.catch_warnings():
                 if self.quiet:  # -q: Ray's warnings too

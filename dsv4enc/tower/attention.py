@@ -126,19 +126,23 @@ def _torch_varlen() -> Callable | None:
     return varlen_attn
 
 
+def _varlen_call(kernel: Callable, **options) -> AttentionFn:
+    """A varlen kernel (cu_seqlens and max_seqlen for q and for k) in the common signature.
+    Its default scale is d^-0.5, which is ours."""
+    def attend(q, k, v, spans):
+        cu = spans.cu_seqlens
+        return kernel(q, k, v, cu, cu, spans.max_seqlen, spans.max_seqlen, **options)
+
+    return attend
+
+
 def varlen_attention_fn() -> AttentionFn:
     """``torch.nn.attention.varlen.varlen_attn`` wrapped to the common signature."""
     varlen_attn = _torch_varlen()
     if varlen_attn is None:
         raise UsageError("attention 'varlen' needs torch.nn.attention.varlen "
                          f"(not in torch {torch.__version__})")
-    # Default scale is d^-0.5, which is ours; the default mask is none (not causal).
-
-    def attend(q, k, v, spans):
-        cu = spans.cu_seqlens
-        return varlen_attn(q, k, v, cu, cu, spans.max_seqlen, spans.max_seqlen)
-
-    return attend
+    return _varlen_call(varlen_attn)  # its default mask is none (not causal)
 
 
 def flash_attention_fn() -> AttentionFn:
@@ -148,13 +152,7 @@ def flash_attention_fn() -> AttentionFn:
     except ImportError:
         raise UsageError("attention 'flash' needs the flash-attn package "
                          "(pip install 'dsv4enc[gpu]')") from None
-
-    def attend(q, k, v, spans):
-        cu = spans.cu_seqlens
-        return flash_attn_varlen_func(q, k, v, cu, cu, spans.max_seqlen, spans.max_seqlen,
-                                      causal=False)
-
-    return attend
+    return _varlen_call(flash_attn_varlen_func, causal=False)
 
 
 def available_backends(device: torch.device) -> list[str]:

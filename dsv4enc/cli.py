@@ -1,9 +1,7 @@
 """The ``dsv4enc`` command line: a thin Typer layer over the pipeline.
 
 Domain errors (setup, options, weights, output) become one line on stderr and a non-zero
-exit, never a traceback. Exit codes: 0 the run completed (even if some images failed or no
-image was found) or ``--resume`` found the output already complete, 1 setup error, 2 usage
-error, 130/143 interrupted by SIGINT/SIGTERM (finished parts kept)."""
+exit (README's "Exit codes"), never a traceback."""
 
 from __future__ import annotations
 

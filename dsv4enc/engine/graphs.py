@@ -132,8 +132,7 @@ class BucketRunner:
     one graph per bucket in one shared pool (smaller graphs reuse the largest one's scratch)."""
 
     def __init__(self, model: VisionTower, features: str, budgets: Sequence[int],
-                 max_images: int, max_seqlen: int | None = None, capture: bool = False,
-                 max_aspect: float = 8.0) -> None:
+                 max_images: int, max_seqlen: int | None = None, capture: bool = False) -> None:
         if not budgets:
             raise ValueError("no token budgets")
         self.model = model
@@ -148,7 +147,7 @@ class BucketRunner:
         rope_table(cfg, self.device, seq_cap + 1)
         self.buckets = [
             Bucket(tokens=t,
-                   rows=t if features == "vit" else row_bound(t, max_images, self.r, max_aspect),
+                   rows=t if features == "vit" else row_bound(t, max_images, self.r),
                    images=max_images, max_seqlen=min(t, seq_cap))
             for t in sorted(set(int(b) for b in budgets))]
         top = self.buckets[-1]

@@ -593,13 +593,12 @@ def inspect_command(
                                  "--errors: JSON lines)."),
     errors: bool = typer.Option(False, "--errors", help="Print every failed row: its path "
                                 "and error."),
-    errors_list: Optional[str] = typer.Option(None, "--errors-list", metavar="FILE",
-                                              help="Write the failed rows' paths to FILE, "
-                                              "a list for encode --files-from."),
-    storage_option: Optional[List[str]] = typer.Option(None, "--storage-option",
-                                                       metavar="KEY=VALUE", help="An option "
-                                                       "of the store's file system, as "
-                                                       "encode takes it (repeatable)."),
+    errors_list: Optional[str] = typer.Option(
+        None, "--errors-list", metavar="FILE",
+        help="Write the failed rows' paths to FILE, a list for encode --files-from."),
+    storage_option: Optional[List[str]] = typer.Option(
+        None, "--storage-option", metavar="KEY=VALUE",
+        help="An option of the store's file system, as encode takes it (repeatable)."),
 ) -> None:
     """Summarize an output: rows, failures, widths, dtype, grids, metadata, size on disk."""
     try:

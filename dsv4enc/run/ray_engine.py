@@ -335,8 +335,7 @@ def run_ray_encode(opts: EncodeOptions, ray_opts: RayEngineOptions | None = None
         stop = StopSignals()
         stop.install()
     try:
-        return run_encode(opts, stop=stop,
-                          source=RayParts(ray_opts or RayEngineOptions(), stop))
+        return run_encode(opts, stop=stop, source=RayParts(ray_opts or RayEngineOptions(), stop))
     finally:
         if own_stop:
             stop.restore()

@@ -96,8 +96,7 @@ def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     out = torch.zeros_like(q) if sum(spans.lengths) < q.shape[0] else torch.empty_like(q)
     for n, starts in length_groups(spans.lengths).items():
         # (B, H, N, d), contiguous: one copy per tensor, the layout of sdpa's per-span calls.
-        qs, ks, vs = (torch.stack([t[s:s + n].transpose(0, 1) for s in starts])
-                      for t in (q, k, v))
+        qs, ks, vs = (torch.stack([t[s:s + n].transpose(0, 1) for s in starts]) for t in (q, k, v))
         o = F.scaled_dot_product_attention(qs, ks, vs).transpose(1, 2)  # (B, N, H, d)
         for i, s in enumerate(starts):
             out[s:s + n] = o[i]

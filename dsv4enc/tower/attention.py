@@ -21,6 +21,7 @@ of a packed batch::
 from __future__ import annotations
 
 import importlib.util
+import itertools
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -56,12 +57,8 @@ AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, VarlenSpans], 
 
 def image_spans(lengths: Sequence[int]) -> list[tuple[int, int]]:
     """(start, end) row range of each image packed back to back; empty images are left out."""
-    spans, start = [], 0
-    for n in lengths:
-        if n:
-            spans.append((start, start + n))
-        start += n
-    return spans
+    starts = itertools.accumulate(lengths, initial=0)
+    return [(start, start + n) for start, n in zip(starts, lengths) if n]
 
 
 def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -1,9 +1,7 @@
 """The ``dsv4enc`` command line: a thin Typer layer over the pipeline.
 
 Domain errors (setup, options, weights, output) become one line on stderr and a non-zero
-exit, never a traceback. Exit codes: 0 the run completed (even if some images failed or no
-image was found) or ``--resume`` found the output already complete, 1 setup error, 2 usage
-error, 130/143 interrupted by SIGINT/SIGTERM (finished parts kept)."""
+exit (README's "Exit codes"), never a traceback."""
 
 from __future__ import annotations
 
@@ -447,11 +445,11 @@ def _encode_command(opts, storage_option: list[str] | None, quiet: bool,
     stop = StopSignals(immediate=launched_ranks() <= 1,
                        force_exit_s=FORCE_EXIT_S if _owns_process else None)
 
-    def last_words(stopped: Interrupted) -> None:  # a stop that hangs: the process ends
+    def stopped_summary(exc: BaseException, status: str = "interrupted") -> None:
         if summary_json and _writes_reports(dist):
-            write_stopped_summary(summary_json, stopped, opts.out, "interrupted")
+            write_stopped_summary(summary_json, exc, opts.out, status)
 
-    stop.last_words = last_words
+    stop.last_words = stopped_summary  # a stop that hangs: the process ends
     stop.install()
     own_process_pillow_settings()  # each open checks --max-pixels itself
     try:
@@ -482,8 +480,7 @@ def _encode_command(opts, storage_option: list[str] | None, quiet: bool,
         if dist is None or dist.is_main:
             _report(opts, summary, quiet, summary_json)
     except Interrupted as exc:
-        if summary_json and _writes_reports(dist):
-            write_stopped_summary(summary_json, exc, opts.out, "interrupted")
+        stopped_summary(exc)
         fail(str(exc), exc.exit_code)
     except AlreadyComplete as exc:  # the same outcome as a finished folder's --resume
         if dist is None or dist.is_main:
@@ -492,14 +489,12 @@ def _encode_command(opts, storage_option: list[str] | None, quiet: bool,
             else:
                 note(str(exc))
     except DsvError as exc:
-        if summary_json and _writes_reports(dist):
-            write_stopped_summary(summary_json, exc, opts.out, "error")
+        stopped_summary(exc, "error")
         fail(str(exc), exc.exit_code)
     except KeyboardInterrupt as exc:  # a second Ctrl-C: the run stopped at once, wherever it was
         stopped = Interrupted(signal.SIGINT, stop.hint)
         stopped.summary = getattr(exc, "summary", None)  # what was done, where a stage kept it
-        if summary_json and _writes_reports(dist):
-            write_stopped_summary(summary_json, stopped, opts.out, "interrupted")
+        stopped_summary(stopped)
         fail(str(stopped), stopped.exit_code)
     finally:
         if prefetch is not None:
@@ -598,13 +593,12 @@ def inspect_command(
                                  "--errors: JSON lines)."),
     errors: bool = typer.Option(False, "--errors", help="Print every failed row: its path "
                                 "and error."),
-    errors_list: Optional[str] = typer.Option(None, "--errors-list", metavar="FILE",
-                                              help="Write the failed rows' paths to FILE, "
-                                              "a list for encode --files-from."),
-    storage_option: Optional[List[str]] = typer.Option(None, "--storage-option",
-                                                       metavar="KEY=VALUE", help="An option "
-                                                       "of the store's file system, as "
-                                                       "encode takes it (repeatable)."),
+    errors_list: Optional[str] = typer.Option(
+        None, "--errors-list", metavar="FILE",
+        help="Write the failed rows' paths to FILE, a list for encode --files-from."),
+    storage_option: Optional[List[str]] = typer.Option(
+        None, "--storage-option", metavar="KEY=VALUE",
+        help="An option of the store's file system, as encode takes it (repeatable)."),
 ) -> None:
     """Summarize an output: rows, failures, widths, dtype, grids, metadata, size on disk."""
     try:
@@ -717,8 +711,6 @@ def bench(
 
             host_bench_command(config, images, outputs.split(","), workers, json_out)
             return
-        import torch
-
         from .bench.throughput import parse_on_off, print_results, run_bench
 
         budgets = [int(t) for t in batch_tokens.split(",")] if batch_tokens else None

@@ -137,8 +137,7 @@ class StageCosts:
     failed: int = 0  # the sample's images that did not (an error row in a run), not timed
 
 
-def stage_costs(paths: Sequence[Path], cfg: VisionConfig,
-                features: str = DEFAULT_FEATURES) -> StageCosts:
+def stage_costs(paths: Sequence[Path], cfg: VisionConfig) -> StageCosts:
     """This thread's CPU time, with one torch thread, for decode and transform
     (``throughput.prepare_images``), ``packing.pack`` and staging copies on ``paths``; a
     file that fails to decode (an error row in a run) is counted as failed, not timed."""
@@ -148,12 +147,12 @@ def stage_costs(paths: Sequence[Path], cfg: VisionConfig,
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # all of the work in this thread, where its clock counts it
     try:
-        prep = prepare_images(paths, cfg, features)
+        prep = prepare_images(paths, cfg, DEFAULT_FEATURES)
         buffer = NullEngine(cfg).patch_buffer
         # Once untimed: in a run, a batch's memory is an earlier batch's, already faulted in.
-        pack(prep.items, cfg.downsample_ratio, features, buffer)
+        pack(prep.items, cfg.downsample_ratio, patch_buffer=buffer)
         began = clock()
-        batch = pack(prep.items, cfg.downsample_ratio, features, buffer)
+        batch = pack(prep.items, cfg.downsample_ratio, patch_buffer=buffer)
         packed = clock()
         for tensor in (batch.positions, batch.merge_index, batch.merge_mask):
             tensor.clone()
@@ -268,11 +267,11 @@ def run_host_bench(config_path: str, images: str = "synthetic:1024x768:256",
         return results
 
 
-def print_host_results(results: Sequence[HostResult], console=None) -> None:
+def print_host_results(results: Sequence[HostResult]) -> None:
     """One paragraph per run (narrow terminals keep every figure), then the stage costs."""
     from rich.console import Console
 
-    console = console or Console()
+    console = Console()
     console.print("[bold]host capacity[/bold] (null stage: the model costs nothing)")
     for r in results:
         console.print(

@@ -443,15 +443,14 @@ def run_bench(config_path: str, device: str = "auto", dtype: str = "auto",
     return [meta] + rows
 
 
-def print_results(rows: Sequence[dict], console=None) -> None:
+def print_results(rows: Sequence[dict]) -> None:
     """Print ``run_bench`` results as a rich table (FLOP/s in TFLOP/s on CUDA, else GFLOP/s)."""
     from rich.console import Console
     from rich.table import Table
 
-    if console is None:
-        console = Console()
-        if not console.is_terminal:  # logs and pipes: do not squeeze the table to 80 columns
-            console = Console(width=170)
+    console = Console()
+    if not console.is_terminal:  # logs and pipes: do not squeeze the table to 80 columns
+        console = Console(width=170)
     meta = next((r for r in rows if r.get("mode") == "meta"), {})
     unit, scale = ("TFLOP/s", 1e12) if meta.get("device_type") == "cuda" else ("GFLOP/s", 1e9)
     title = (f"{meta.get('config', '?')} on {meta.get('device', '?')}, {meta.get('dtype', '?')}: "

@@ -21,14 +21,14 @@ def pack_bins(costs: Sequence[int], capacity: int, max_items: int | None = None)
 OPEN_BINS = 4
 
 
-def pack_in_order(costs: Sequence[int], capacity: int, max_items: int | None = None,
-                  open_bins: int = OPEN_BINS) -> list[list[int]]:
+def pack_in_order(costs: Sequence[int], capacity: int,
+                  max_items: int | None = None) -> list[list[int]]:
     """Bins like ``pack_bins``'s, filled in input order: each item goes to the first of the
-    last ``open_bins`` bins it fits in, else opens one. The bins' work flows in input order
-    (an item is never more than ``open_bins`` bins from its neighbours), at a little more
+    last ``OPEN_BINS`` bins it fits in, else opens one. The bins' work flows in input order
+    (an item is never more than ``OPEN_BINS`` bins from its neighbours), at a little more
     padding than first-fit-decreasing."""
     return _fill(range(len(costs)), costs, capacity, max_items,
-                 lambda opened: range(max(0, opened - open_bins), opened))
+                 lambda opened: range(max(0, opened - OPEN_BINS), opened))
 
 
 def _fill(order: Iterable[int], costs: Sequence[int], capacity: int, max_items: int | None,

@@ -191,10 +191,9 @@ def cpu_decision(answers: CpuAnswers,
     return torch.float32, f"bfloat16 is within {CLEAR_WIN:g}x of float32 {kind.where}"
 
 
-def choose_cpu_dtype(answers: CpuAnswers,
-                     kinds: tuple[CpuKind, ...] = MEASURED_KINDS) -> torch.dtype:
+def choose_cpu_dtype(answers: CpuAnswers) -> torch.dtype:
     """The compute dtype ``auto`` means for ``answers`` (``cpu_decision``'s dtype)."""
-    return cpu_decision(answers, kinds)[0]
+    return cpu_decision(answers)[0]
 
 
 #: Pins what ``auto`` means on the CPU (``float32`` or ``bfloat16``), e.g. so that machines

@@ -194,8 +194,7 @@ class Engine:
         image on the CPU when ``deterministic``."""
         cos, sin = rope_tables(dev["positions"], self.cfg,
                                max((max(g) for g in batch.grids), default=0))
-        spans = VarlenSpans(dev["cu_seqlens"], max(batch.lengths, default=0),
-                            tuple(batch.lengths))
+        spans = VarlenSpans(dev["cu_seqlens"], max(batch.lengths, default=0), tuple(batch.lengths))
         by_image = self.deterministic and self.device.type != "cuda"
         return self.model.forward_packed(dev["patches"], cos, sin, spans, dev.get("merge_index"),
                                          dev.get("merge_mask"), features=self.features,

@@ -67,11 +67,9 @@ def fit_budgets(bin_tokens: Sequence[int], max_budgets: int = 4, quantum: int = 
     choice = [[-1] * m for _ in range(k_max + 1)]
     best[1] = [pad(0, j) for j in range(m)]
     for k in range(2, k_max + 1):
-        for j in range(m):
-            for i in range(j):
-                cost = best[k - 1][i] + pad(i + 1, j)
-                if cost < best[k][j]:
-                    best[k][j], choice[k][j] = cost, i
+        for j in range(m):  # the cheapest split, the lowest i among equals
+            best[k][j], choice[k][j] = min(((best[k - 1][i] + pad(i + 1, j), i) for i in range(j)),
+                                           default=(float("inf"), -1))
     k = min(range(1, k_max + 1), key=lambda k: (best[k][m - 1], k))
     out, j = [], m - 1
     while k >= 1 and j >= 0:
@@ -132,8 +130,7 @@ class BucketRunner:
     one graph per bucket in one shared pool (smaller graphs reuse the largest one's scratch)."""
 
     def __init__(self, model: VisionTower, features: str, budgets: Sequence[int],
-                 max_images: int, max_seqlen: int | None = None, capture: bool = False,
-                 max_aspect: float = 8.0) -> None:
+                 max_images: int, max_seqlen: int | None = None, capture: bool = False) -> None:
         if not budgets:
             raise ValueError("no token budgets")
         self.model = model
@@ -148,7 +145,7 @@ class BucketRunner:
         rope_table(cfg, self.device, seq_cap + 1)
         self.buckets = [
             Bucket(tokens=t,
-                   rows=t if features == "vit" else row_bound(t, max_images, self.r, max_aspect),
+                   rows=t if features == "vit" else row_bound(t, max_images, self.r),
                    images=max_images, max_seqlen=min(t, seq_cap))
             for t in sorted(set(int(b) for b in budgets))]
         top = self.buckets[-1]

@@ -276,8 +276,7 @@ def patch_cost(n_h: int, n_w: int) -> float:
     return float(n_h * n_w)
 
 
-def image_flops(cfg: VisionConfig, n_h: int, n_w: int,
-                features: str = DEFAULT_FEATURES) -> float:
+def image_flops(cfg: VisionConfig, n_h: int, n_w: int, features: str = DEFAULT_FEATURES) -> float:
     """Forward FLOPs of one n_h x n_w image (2 per multiply-add): patch embed, per layer the
     QKV, output and MLP matmuls (2*N*(4D^2 + 3*D*I)) and attention (QK^T and PV: 4*N^2*D),
     and, for aligner features, the aligner's two matmuls over the merged r x r rows."""

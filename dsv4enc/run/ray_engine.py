@@ -66,13 +66,12 @@ class RayEngineOptions:
     """``--ray-address`` and the actor pool. ``address``: None is ``RAY_ADDRESS``, else a local
     Ray started (and shut down) for the run. ``actors``: default one per GPU when the actors
     get GPUs, else one per node. ``gpus_per_actor``: default 1 when the cluster has GPUs and
-    ``--device`` is not cpu, else 0. ``cpus_per_actor``: default the cluster's CPUs shared
-    among the actors. ``object_store_mb``: the local Ray's object store (default Ray's)."""
+    ``--device`` is not cpu, else 0. Each actor gets the cluster's CPUs shared among the
+    actors. ``object_store_mb``: the local Ray's object store (default Ray's)."""
 
     address: str | None = None
     actors: int | None = None
     gpus_per_actor: float | None = None
-    cpus_per_actor: float | None = None
     object_store_mb: int | None = None
 
 
@@ -188,16 +187,15 @@ class RayCluster:
             self.worker_logs = _driver_messages(ray, not self.quiet)
             return
         env = {name: os.environ[name] for name in FORWARDED_ENV if os.environ.get(name)}
+        where = f"the Ray cluster at {self.address}" if self.address else "a local Ray"
         if self.address:
+            probe_address(self.address, where)
             joining: dict[str, Any] = {"address": self.address}
         else:  # address="local": a new Ray even where an earlier one left its address file
             # in Ray's temp folder (a bare ray.init() would try to join that one)
             store = ray_opts.object_store_mb << 20 if ray_opts.object_store_mb else None
             joining = dict(address="local", num_cpus=available_cpus(),
                            object_store_memory=store, include_dashboard=False)
-        where = f"the Ray cluster at {self.address}" if self.address else "a local Ray"
-        if self.address:
-            probe_address(self.address, where)
         try:
             with warnings.catch_warnings():
                 if self.quiet:  # -q: Ray's warnings too
@@ -295,9 +293,7 @@ def plan_actors(opts: EncodeOptions, ray_opts: RayEngineOptions, cluster: RayClu
         actors = max(1, int(gpus // per_gpu)) if per_gpu else nodes
     if actors < 1:
         raise UsageError("--ray-actors must be at least 1")
-    per_cpu = ray_opts.cpus_per_actor
-    if per_cpu is None:
-        per_cpu = min(max(1.0, float(int(cpus // actors))), node_cpus)
+    per_cpu = min(max(1.0, float(int(cpus // actors))), node_cpus)
     plan = ActorPlan(actors, per_cpu, per_gpu, "cuda" if per_gpu else "cpu")
     plan.short = shortfall(plan, cpus, gpus)
     if plan.short and cluster.started:  # no autoscaler adds to a Ray the run started
@@ -339,8 +335,7 @@ def run_ray_encode(opts: EncodeOptions, ray_opts: RayEngineOptions | None = None
         stop = StopSignals()
         stop.install()
     try:
-        return run_encode(opts, stop=stop,
-                          source=RayParts(ray_opts or RayEngineOptions(), stop))
+        return run_encode(opts, stop=stop, source=RayParts(ray_opts or RayEngineOptions(), stop))
     finally:
         if own_stop:
             stop.restore()

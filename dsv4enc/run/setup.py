@@ -353,11 +353,9 @@ def check_list_not_out(files_from: str | None, out: str) -> None:
         return
     real, output = os.path.realpath(files_from), os.path.realpath(out)
     for taken in (output, output + PARTIAL):
-        if real == taken:
-            raise OutputError(f"--out {out} is the input {files_from} (the --files-from "
-                              "list); choose an --out outside the inputs")
-        if real.startswith(taken + os.sep):
-            raise OutputError(f"--out {out} contains the input {files_from} (the --files-from "
+        if real == taken or real.startswith(taken + os.sep):
+            how = "is" if real == taken else "contains"
+            raise OutputError(f"--out {out} {how} the input {files_from} (the --files-from "
                               "list); choose an --out outside the inputs")
 
 

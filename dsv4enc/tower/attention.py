@@ -21,6 +21,7 @@ of a packed batch::
 from __future__ import annotations
 
 import importlib.util
+import itertools
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -56,12 +57,8 @@ AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, VarlenSpans], 
 
 def image_spans(lengths: Sequence[int]) -> list[tuple[int, int]]:
     """(start, end) row range of each image packed back to back; empty images are left out."""
-    spans, start = [], 0
-    for n in lengths:
-        if n:
-            spans.append((start, start + n))
-        start += n
-    return spans
+    starts = itertools.accumulate(lengths, initial=0)
+    return [(start, start + n) for start, n in zip(starts, lengths) if n]
 
 
 def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -96,8 +93,7 @@ def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     out = torch.zeros_like(q) if sum(spans.lengths) < q.shape[0] else torch.empty_like(q)
     for n, starts in length_groups(spans.lengths).items():
         # (B, H, N, d), contiguous: one copy per tensor, the layout of sdpa's per-span calls.
-        qs, ks, vs = (torch.stack([t[s:s + n].transpose(0, 1) for s in starts])
-                      for t in (q, k, v))
+        qs, ks, vs = (torch.stack([t[s:s + n].transpose(0, 1) for s in starts]) for t in (q, k, v))
         o = F.scaled_dot_product_attention(qs, ks, vs).transpose(1, 2)  # (B, N, H, d)
         for i, s in enumerate(starts):
             out[s:s + n] = o[i]
@@ -126,19 +122,23 @@ def _torch_varlen() -> Callable | None:
     return varlen_attn
 
 
+def _varlen_call(kernel: Callable, **options) -> AttentionFn:
+    """A varlen kernel (cu_seqlens and max_seqlen for q and for k) in the common signature.
+    Its default scale is d^-0.5, which is ours."""
+    def attend(q, k, v, spans):
+        cu = spans.cu_seqlens
+        return kernel(q, k, v, cu, cu, spans.max_seqlen, spans.max_seqlen, **options)
+
+    return attend
+
+
 def varlen_attention_fn() -> AttentionFn:
     """``torch.nn.attention.varlen.varlen_attn`` wrapped to the common signature."""
     varlen_attn = _torch_varlen()
     if varlen_attn is None:
         raise UsageError("attention 'varlen' needs torch.nn.attention.varlen "
                          f"(not in torch {torch.__version__})")
-    # Default scale is d^-0.5, which is ours; the default mask is none (not causal).
-
-    def attend(q, k, v, spans):
-        cu = spans.cu_seqlens
-        return varlen_attn(q, k, v, cu, cu, spans.max_seqlen, spans.max_seqlen)
-
-    return attend
+    return _varlen_call(varlen_attn)  # its default mask is none (not causal)
 
 
 def flash_attention_fn() -> AttentionFn:
@@ -148,13 +148,7 @@ def flash_attention_fn() -> AttentionFn:
     except ImportError:
         raise UsageError("attention 'flash' needs the flash-attn package "
                          "(pip install 'dsv4enc[gpu]')") from None
-
-    def attend(q, k, v, spans):
-        cu = spans.cu_seqlens
-        return flash_attn_varlen_func(q, k, v, cu, cu, spans.max_seqlen, spans.max_seqlen,
-                                      causal=False)
-
-    return attend
+    return _varlen_call(flash_attn_varlen_func, causal=False)
 
 
 def available_backends(device: torch.device) -> list[str]:

@@ -219,8 +219,7 @@ def load_checkpoint(path: str | Path, dtype: torch.dtype = torch.float32) -> Che
     return Checkpoint(cfg, state, fingerprint, str(folder))
 
 
-def random_state_dict(cfg: VisionConfig, seed: int = 0,
-                      stored_dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
+def random_state_dict(cfg: VisionConfig, seed: int = 0) -> dict[str, torch.Tensor]:
     """A random tower in the checkpoint's storage format (bf16 weights, float32 norms).
 
     Weights are N(0, 1/fan_in) so activations keep their scale through the layers; norm
@@ -233,7 +232,7 @@ def random_state_dict(cfg: VisionConfig, seed: int = 0,
             continue
         fan_in = shape[1] if len(shape) == 2 else shape[0]
         scale = 0.02 if name.endswith(".bias") else fan_in ** -0.5
-        state[name] = (scale * torch.randn(shape, generator=gen)).to(stored_dtype)
+        state[name] = (scale * torch.randn(shape, generator=gen)).to(torch.bfloat16)
     return state
 
 

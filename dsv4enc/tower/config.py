@@ -77,8 +77,7 @@ def warn_unknown_vision_keys(raw: dict[str, Any], source: str) -> None:
             continue
         close = difflib.get_close_matches(key, list(_FLAT_TO_FIELD), n=1, cutoff=0.6)
         hint = f"; did you mean {close[0]!r}?" if close else ""
-        logging.getLogger("dsv4enc").warning("%s: unknown key %r is ignored%s", source, key,
-                                             hint)
+        logging.getLogger("dsv4enc").warning("%s: unknown key %r is ignored%s", source, key, hint)
 
 
 @dataclasses.dataclass(frozen=True)

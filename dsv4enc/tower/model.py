@@ -116,8 +116,7 @@ def rope_table(cfg: VisionConfig, device: torch.device | str,
     rd = cfg.rope_dim
     exponents = torch.arange(0, rd, 2, dtype=torch.float32) / rd
     inv_freq = (1.0 / (cfg.rope_theta ** exponents)).numpy()  # (rd/2,) float32
-    blocks = [_rope_block(first, inv_freq)
-              for first in range(0, max(positions, 1), ROPE_BLOCK)]
+    blocks = [_rope_block(first, inv_freq) for first in range(0, max(positions, 1), ROPE_BLOCK)]
     cos = torch.from_numpy(np.concatenate([c for c, _ in blocks])).to(device)
     sin = torch.from_numpy(np.concatenate([s for _, s in blocks])).to(device)
     _ROPE_CACHE[key] = (cos, sin)
@@ -241,8 +240,7 @@ class VisionTransformer(nn.Module):
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim)
 
-    def forward(self, patches, cos, sin, spans, attend,
-                per_image: bool = False) -> torch.Tensor:
+    def forward(self, patches, cos, sin, spans, attend, per_image: bool = False) -> torch.Tensor:
         """patches (T, 3*p*p) -> ViT features (T, D).
 
         ``per_image``: run the whole ViT over one image's rows at a time, so that its rows are

@@ -104,8 +104,7 @@ def _sums_by_tap(pixels: torch.Tensor, index: torch.Tensor, weights: torch.Tenso
     """``resample_axis``'s int32 sums, one filter tap after another."""
     out_size = index.shape[0]
     shape = [out_size if d == dim else n for d, n in enumerate(pixels.shape)]
-    acc = torch.full(shape, 1 << (PRECISION_BITS - 1), dtype=torch.int32,
-                     device=pixels.device)
+    acc = torch.full(shape, 1 << (PRECISION_BITS - 1), dtype=torch.int32, device=pixels.device)
     along = [out_size if d == dim else 1 for d in range(len(shape))]
     for tap in range(index.shape[1]):
         acc += pixels.index_select(dim, index[:, tap]).to(torch.int32) * weights[:, tap].view(along)

@@ -242,8 +242,7 @@ def _pair_lut(single: np.ndarray) -> np.ndarray | None:
 NORMALIZED_BF16_PAIRS = _pair_lut(NORMALIZED_BF16_BITS)  # (65536,) uint32, or None
 
 
-def normalize_patch_pixels(patch_pixels: np.ndarray, out: np.ndarray | None = None
-                           ) -> np.ndarray:
+def normalize_patch_pixels(patch_pixels: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     """bf16 bits (uint16) of 8-bit pixels, by lookup: ``NORMALIZED_BF16_BITS[patch_pixels]``.
 
     ``patch_pixels``: uint8 (n, k), C-contiguous; ``out``: uint16 (n, k) to fill (else a new

@@ -262,7 +262,7 @@ def _is_pandas(batch: Any) -> bool:
 
 
 def _pandas_values(column: Any) -> list[Any]:
-    """A pandas column's values, a missing one (NaN, ``pd.NA``: how pandas stores a null
+    """A pandas column's values, a missing one (NaN, pandas.NA: how pandas stores a null
     string, key or image) as None, as pyarrow gives it."""
     return column.astype(object).where(column.notna(), None).tolist()
 

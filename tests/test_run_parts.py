@@ -5,6 +5,7 @@ or removed anywhere move only the boundaries near them."""
 from __future__ import annotations
 
 import hashlib
+import os
 from pathlib import Path
 
 import numpy as np
@@ -215,4 +216,29 @@ def test_resume_keeps_parts_cut_another_way(tmp_path):
     assert (summary.encoded, summary.reused) == (0, 20)
     assert files(out) == before
     encode(images, str(tmp_path / "clean.parquet"))
+    assert rows(out) == rows(tmp_path / "clean.parquet")
+
+
+def test_a_resume_that_encodes_every_part_again_writes_the_manifest_whole_once(
+        tmp_path, monkeypatch):
+    """Each committed part whose inputs changed is dropped by a journal line, not by writing
+    the manifest whole (which lists every part: a resume of N changed parts cost N^2); the
+    result equals a clean run."""
+    from dsv4enc.output.parts import PartStore
+
+    images = tmp_path / "in"
+    images.mkdir()
+    for i, key in enumerate(names(24)):
+        noise(images / key, i)
+    out = tmp_path / "emb"
+    assert encode(images, f"{out}/", part_images=1).encoded == 24
+    for path in images.iterdir():  # copied without their times: every stamp changes
+        os.utime(path, ns=(1, 1))
+    saves = []
+    monkeypatch.setattr(PartStore, "save", lambda self, save=PartStore.save: (
+        saves.append(1), save(self))[1])
+    summary = encode(images, f"{out}/", part_images=1, resume=True)
+    assert (summary.encoded, summary.reused) == (24, 0)
+    assert len(saves) <= 3, len(saves)
+    encode(images, str(tmp_path / "clean.parquet"), part_images=1)
     assert rows(out) == rows(tmp_path / "clean.parquet")

@@ -346,6 +346,12 @@ def test_a_bucket_folder_output_stages_no_part_and_resumes_without_reading_one(
     again = rows(out)
     assert sorted(again) == sorted(first)
     assert all(np.array_equal(first[key], again[key]) for key in first)
+    # an input replaced: its part is dropped (a journal line in the store) and encoded again
+    x, y = sorted(first)[:2]
+    s3.put(f"in/{x}", s3.get(f"in/{y}"))
+    assert resumed() == 2
+    third = rows(out)
+    assert sorted(third) == sorted(first) and np.array_equal(third[x], first[y])
 
 
 # --------------------------------------------------------------------------- kill and resume

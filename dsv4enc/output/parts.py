@@ -577,11 +577,18 @@ class PartStore:
     def drop(self, names: Sequence[str]) -> None:
         """Drop recorded parts that are not reused, and their part files, at any time
         (commits may land meanwhile): a folder output must not keep a stale part beside the
-        rows that replace it. The manifest is written whole first (never listing a gone file)."""
+        rows that replace it. The manifest stops listing them first (never a gone file): a
+        journal line (a drop costs its parts, not the manifest's), or it is written whole."""
         with self._lock:
-            dropped = [self.parts[name] for name in names if name in self.parts]
-            self.parts = {name: part for name, part in self.parts.items() if name not in names}
-            self.save()
+            gone = [name for name in names if name in self._parts]
+            dropped = [self._parts.pop(name) for name in gone]
+            for name, part in zip(gone, dropped):
+                if self._starts.get(part.get("start")) == name:
+                    del self._starts[part["start"]]
+            if self._journal is None:
+                self.save()
+            elif gone:
+                self._append(json.dumps({"drop": gone}).encode() + b"\n")
         for part in dropped:
             if names_part_file(part):  # a range of the growing file needs nothing
                 (self.folder / part["file"]).unlink(missing_ok=True)

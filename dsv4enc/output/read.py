@@ -275,6 +275,10 @@ def load_manifest(path: str | os.PathLike, fs=None, listed: Iterable[str] = ()) 
                 raise SegmentGone(f"{segment}: deleted while it was read (merged)")
             journals.append(content)
         for entry in (e for journal in journals for e in journal_entries(journal, token)):
+            if "drop" in entry:
+                for name in entry["drop"]:
+                    data["parts"].pop(name, None)
+                continue
             data["parts"][entry["name"]] = entry["part"]
             if isinstance(entry.get("inputs"), int):
                 data["inputs"] = entry["inputs"]
@@ -300,9 +304,10 @@ def is_dsv4enc_document(data: Any) -> bool:
 
 
 def journal_entries(data: bytes | None, token: str) -> Iterator[dict]:
-    """The entries (``name``, ``part``, maybe ``inputs``) of a journal's bytes ``data``, one
-    per whole line, in commit order, if its header names ``token`` (else none); a last line
-    without its newline is a torn write, ignored."""
+    """The entries of a journal's bytes ``data``, one per whole line, in commit order, if its
+    header names ``token`` (else none): a commit (``name``, ``part``, maybe ``inputs``) or
+    the parts a resume dropped (``drop``: their names); a last line without its newline is a
+    torn write, ignored."""
     for number, line in enumerate((data or b"").splitlines(keepends=True)):
         if not line.endswith(b"\n"):
             return  # torn: the write of the last commit did not finish
@@ -314,8 +319,10 @@ def journal_entries(data: bytes | None, token: str) -> Iterator[dict]:
             entry = json.loads(line)
         except ValueError:
             return
-        if not (isinstance(entry, dict) and isinstance(entry.get("name"), str)
-                and isinstance(entry.get("part"), dict)):
+        if not isinstance(entry, dict) or not (
+                isinstance(entry.get("name"), str) and isinstance(entry.get("part"), dict)
+                or isinstance(entry.get("drop"), list)
+                and all(isinstance(name, str) for name in entry["drop"])):
             return
         yield entry
 

@@ -420,13 +420,14 @@ class RemoteOutput:
         header, start, data = read
         entries = list(journal_entries(header + data, mirror.token or ""))
         for entry in entries:
-            if isinstance(entry["part"].get("file"), str):
+            if isinstance(entry.get("part", {}).get("file"), str):
                 self._upload_part(entry["part"]["file"])
         first = mirror.segments[-1][1] + 1 if mirror.segments else 1
         span = (first, first, start, start + len(data))
         storage.upload(storage.join(self.parts_url, mirror.name(span)), header + data)
         mirror.segments.append(span)
-        mirror.read, mirror.parts = start + len(data), mirror.parts + len(entries)
+        mirror.read = start + len(data)  # a resume's drops count down
+        mirror.parts += sum(1 if "part" in entry else -len(entry["drop"]) for entry in entries)
         while mirror.mergeable():
             (a, _, begin, _), (_, b, _, end) = mirror.segments[-2:]
             read = _journal_bytes(manifest, mirror.token, begin, end)

@@ -773,3 +773,44 @@ def test_resume_of_a_tensor_parallel_run_in_one_process_names_why(work, sequence
                                  device="cpu", dtype="float32",
                                  out_dtype="float32", workers=0, progress=False, resume=True,
                                  tp_mode="weights"))
+
+
+def _stamps_file(folder: Path) -> tuple[bytes, int]:
+    """A finished folder's stamps file (its bytes) and its rows."""
+    entry = load_manifest(folder / "_manifest.json")["stamps"]
+    return (folder / entry["file"]).read_bytes(), entry["rows"]
+
+
+def _stamps_read_back(folder: Path, one_process: Path) -> bytes:
+    """A sharded folder's stamps file as rank 0 made it by reading every part file's keys
+    back: each row's stamp (as ``one_process``, a folder of the same inputs, records it), its
+    parts by start, then file."""
+    data, rows = _stamps_file(one_process)
+    parts = sorted(load_manifest(one_process / "_manifest.json")["parts"].values(),
+                   key=lambda p: p["start"])
+    keys = [key for p in parts
+            for key in pq.read_table(one_process / p["file"]).column("path").to_pylist()]
+    stamps = data[len(data) - 8 * rows:]
+    by_key = {key: stamps[8 * i:8 * i + 8] for i, key in enumerate(keys)}
+    sharded = sorted(load_manifest(folder / "_manifest.json")["parts"].values(),
+                     key=lambda p: (p["start"], p["file"]))
+    return data[:len(data) - 8 * rows] + b"".join(
+        by_key[key] for p in sharded
+        for key in pq.read_table(folder / p["file"]).column("path").to_pylist())
+
+
+def test_shard_output_stamps_come_from_each_ranks_parts(work, sequence, folders, ckpt):
+    """Each --shard-output rank sends the stamps of its parts' rows (those it encoded, those
+    --resume kept), which rank 0 joins in the rows' order: the stamps file is byte for byte
+    the one made by reading every part's keys back, for a fresh run and a resumed one."""
+    one_process = work / "imgs_folder"
+    run_encode(EncodeOptions(inputs=[str(folders["imgs"])], out=f"{one_process}/",
+                             weights=str(ckpt), device="cpu", dtype="float32",
+                             out_dtype="float32", workers=0, progress=False))
+    for name, folder in [("shard", "shard"), ("gap_resumed", "gap")]:
+        seq_ok(sequence, name)
+        got, rows = _stamps_file(work / "seq" / folder)
+        assert rows == len(rows_of(one_process))
+        assert got == _stamps_read_back(work / "seq" / folder, one_process), name
+    seq_ok(sequence, "empty_shard")
+    assert _stamps_file(work / "seq" / "empty_shard")[1] == 0

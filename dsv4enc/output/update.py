@@ -117,6 +117,13 @@ def row_stamps(entries: Iterable[tuple[str, str | None]]) -> np.ndarray:
                         for key, stamp in entries), dtype=np.uint64)
 
 
+def keyed_stamps(keys: Iterable[str], inputs: Sequence[Planned]) -> np.ndarray:
+    """The stamps of rows given by their keys (raw, or as the ``path`` column's text), each
+    that of one of ``inputs`` (stamped): a part's rows in its file's order."""
+    stamps = {utf8_text(p.item.key): p.stamp for p in inputs}
+    return row_stamps((key, stamps[utf8_text(key)]) for key in keys)
+
+
 def footer_entry(stamps: np.ndarray, options: dict) -> dict[bytes, bytes]:
     """A single file's footer entry: its rows' stamps (base64 of little-endian uint64) and
     the row options the schema's metadata does not hold."""

@@ -11,10 +11,11 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Callable, Iterable, Iterator, Protocol
+from typing import Callable, Iterable, Iterator, Protocol, Sequence
 
+import numpy as np
 import pyarrow as pa
 import torch
 
@@ -28,7 +29,6 @@ from ..engine.device import resolve_device, resolve_dtype, resolve_out_dtype, re
 from .encoding import PartEncoder
 from ..engine.engine import Engine
 from ..engine.settings import EngineSettings
-from ..columns import utf8_text
 from ..errors import DsvError, Interrupted, UsageError, advise
 from ..images.decode import DecodePool
 from ..images.discover import nothing_found
@@ -37,12 +37,13 @@ from ..output.commit import PartWriter
 from ..output.layout import OutputLayout, assembler_for, open_store
 from ..output.resume import Resume, ResumeSettings
 from ..output.update import (FLAG_OF_SETTING, SHOWN_SETTING, Update, footer_entry,
-                              recover_switch, row_stamps, write_folder_stamps)
+                              keyed_stamps, recover_switch, row_stamps,
+                              write_folder_stamps)
 from .options import (PRUNE_SHARE, EncodeOptions, default_workers, default_writer_threads,
                       validate)
 from .plan import Part, cut_parts, images_per_part, output_bytes, segment_tokens
 from .setup import LISTED_FIRST, RunSetup, WindowSettings
-from ..images.headers import input_stamps
+from ..images.headers import Planned, input_stamps
 from .progress import RunProgress
 from ..output.remote import RemoteOutput
 from .stopping import StopSignals
@@ -290,7 +291,8 @@ def _run_encode(opts: EncodeOptions, ranks: Topology, setup: RunSetup, stop: Sto
 class OutputPlan:
     """What a run writes. ``todo``: the parts still to encode (a list, or, streaming, each
     part as ``--resume`` judges it); ``update``: an ``--update``'s ``Update``, else None;
-    ``keeps_stamps``: whether this rank keeps the input stamps for a later ``--update``."""
+    ``keeps_stamps``: whether this rank keeps the input stamps for a later ``--update``;
+    ``part_stamps``: a --shard-output rank's, the row stamps of each part it encodes."""
 
     store: PartStore
     schema: pa.Schema
@@ -299,6 +301,7 @@ class OutputPlan:
     keeps_stamps: bool
     row_options: dict
     engine: EngineSettings  # the engine's, resolved (its batch_tokens plan the batches)
+    part_stamps: dict[str, np.ndarray] = field(default_factory=dict)
 
     @property
     def carried(self) -> dict[int, int]:
@@ -492,10 +495,11 @@ def _write_output(run: RunState, source: PartSource, setup: RunSetup,
             layout.remove_parts()
             run.summary.write_s += time.perf_counter() - began
         elif ranks.sharded:
-            merged = ranks.merge_manifests(store)
+            merged = ranks.merge_manifests(store, _rank_stamps(store, output.part_stamps,
+                                                               setup.planned))
             ranks.sum_rank_counts(run.summary)
             if merged is not None:  # rank 0: the merged folder's stamps, for a later --update
-                _stamp_sharded(merged, setup, output.row_options)
+                _stamp_sharded(merged, output.row_options)
         elif source.written_elsewhere:
             layout.remove_temporaries()  # what killed writers left, never committed
         if layout.folder_mode and stamps is not None:  # the folder is complete
@@ -525,22 +529,37 @@ def _stop_together(run: RunState, source: PartSource) -> None:
     source.finish(run.summary, ranks)
 
 
-def _stamp_sharded(merged: MergedManifest, setup: RunSetup, row_options: dict) -> None:
-    """A finished sharded folder's stamps, in its rows' order (parts by start, then file, as
-    ``--update`` reads them): each rank's part holds its share of a range, so the rows' keys
-    are read back from the part files (a small column). A bucket's parts, which its ranks
-    uploaded and do not hold here, are left unstamped."""
+def _rank_stamps(store: PartStore, encoded: dict[str, np.ndarray],
+                 planned: Sequence[Planned]) -> dict[str, np.ndarray]:
+    """A --shard-output rank's parts' row stamps, by name: those it encoded, as it encoded
+    them, and those ``--resume`` kept, from their keys read back (none for a file this rank
+    does not hold: a bucket's, uploaded)."""
     import pyarrow.parquet as pq
 
-    parts = sorted(merged.parts.values(), key=lambda p: (p["start"], p["file"]))
-    files = [merged.folder / p["file"] for p in parts]
-    if not all(path.is_file() for path in files):
+    stamps = {}
+    for name, part in store.parts.items():
+        path = store.folder / part["file"]
+        if name in encoded:
+            stamps[name] = encoded[name]
+        elif path.is_file():
+            inputs = planned[part["start"]:part["end"]]
+            input_stamps(inputs)  # none left: --resume judged the part by them
+            keys = pq.read_table(path, columns=["path"]).column(0).to_pylist()
+            stamps[name] = keyed_stamps(keys, inputs)
+    return stamps
+
+
+def _stamp_sharded(merged: MergedManifest, row_options: dict) -> None:
+    """A finished sharded folder's stamps, in its rows' order (parts by start, then file, as
+    ``--update`` reads them): each rank's part holds its share of a range, in the order its
+    rank sent (``_rank_stamps``). A bucket's parts, which its ranks uploaded and do not hold
+    here, are left unstamped."""
+    parts = sorted(merged.parts.items(), key=lambda item: (item[1]["start"], item[1]["file"]))
+    if not all(name in merged.stamps and (merged.folder / part["file"]).is_file()
+               for name, part in parts):
         return
-    input_stamps(setup.planned)
-    by_text = {utf8_text(p.item.key): (p.item.key, p.stamp) for p in setup.planned}
-    keys = (by_text[text] for path in files
-            for text in pq.read_table(path, columns=["path"]).column(0).to_pylist())
-    write_folder_stamps(merged.folder, merged, row_stamps(keys), row_options)
+    stamps = np.concatenate([np.zeros(0, np.uint64), *(merged.stamps[name] for name, _ in parts)])
+    write_folder_stamps(merged.folder, merged, stamps, row_options)
 
 
 def _encode_parts(run: RunState, source: PartSource, setup: RunSetup, output: OutputPlan,
@@ -664,6 +683,9 @@ class LocalParts:
             for name, start, end, digest, closes, rows in runner.run(
                     planned, windows.parts(on_window), setup.decoded):
                 if writer is not None:
+                    if ranks.sharded:  # its rows' stamps, for the folder's (_stamp_sharded)
+                        output.part_stamps[name] = keyed_stamps((row.path for row in rows),
+                                                                planned[start:end])
                     writer.put(name, rows, start, end, digest, closes=closes)
                 del rows  # only the writer holds a finished part meanwhile
         if windows.count is not None:

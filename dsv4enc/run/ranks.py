@@ -178,14 +178,15 @@ class Topology:
                 rows[index] = row
         return rows
 
-    def merge_manifests(self, store: PartStore) -> MergedManifest | None:
+    def merge_manifests(self, store: PartStore, stamps: dict[str, Any]) -> MergedManifest | None:
         """--shard-output: rank 0 lists every rank's parts in one manifest, and returns it
-        (the other ranks None)."""
-        everything = self.gather(store.parts)
+        with every rank's ``stamps`` (its parts' row stamps, by name); the other ranks None."""
+        everything = self.gather((store.parts, stamps))
         if not self.is_main:
             return None
         merged = MergedManifest(store.folder, store.settings, {
-            name: part for parts in everything for name, part in parts.items()})
+            name: part for parts, _ in everything for name, part in parts.items()})
+        merged.stamps = {name: rows for _, theirs in everything for name, rows in theirs.items()}
         merged.save()
         return merged
 
@@ -233,12 +234,14 @@ def _same_listing(everyone: list[tuple[int, str] | None]) -> None:
 
 class MergedManifest:
     """A sharded output's merged manifest: every rank's parts, and ``extra`` top-level entries
-    (its stamps, as ``output/update.write_folder_stamps`` adds them to any folder's store)."""
+    (its stamps, as ``output/update.write_folder_stamps`` adds them to any folder's store).
+    ``stamps``: the parts' row stamps by name, as the ranks sent them (not saved)."""
 
     def __init__(self, folder: Path, settings: dict[str, Any],
                  parts: dict[str, dict[str, Any]]) -> None:
         self.folder, self.settings, self.parts = folder, settings, parts
         self.extra: dict[str, Any] = {}
+        self.stamps: dict[str, Any] = {}
 
     def save(self) -> None:
         from ..output.files import MANIFEST_NAME

@@ -484,10 +484,7 @@ def _encode_command(opts, storage_option: list[str] | None, quiet: bool,
         fail(str(exc), exc.exit_code)
     except AlreadyComplete as exc:  # the same outcome as a finished folder's --resume
         if dist is None or dist.is_main:
-            if quiet:
-                typer.echo(opts.out)
-            else:
-                note(str(exc))
+            _report(opts, exc.summary, quiet, summary_json)
     except DsvError as exc:
         stopped_summary(exc, "error")
         fail(str(exc), exc.exit_code)

@@ -22,6 +22,7 @@ from typer.core import TyperCommand, TyperGroup
 
 from .version import __version__
 from .errors import AlreadyComplete, DsvError, Interrupted
+from .engine.defaults import DEFAULT_BATCH_TOKENS
 from .engine.settings import EngineSettings
 from .run import options as defaults  # torch-free: the defaults, each defined once
 from .storage import OUTAGE_S, stop_bound_s
@@ -240,8 +241,8 @@ _ENCODE_PARAMETERS: dict[str, tuple[Any, Any]] = {
         dtype=option(
             "--dtype", metavar=choices("auto", "float32", "bfloat16", "float16"),
             help="Compute dtype (auto: bfloat16 on CUDA; on the CPU the dtype measured "
-                 "faster on its kind: bfloat16 on Intel with AMX and on AMD Zen 5, float32 on "
-                 "other CPUs; --resume continues in the interrupted run's)."),
+                 "faster on its kind: bfloat16 on Intel with AMX and on AMD Zen 4 and Zen 5, "
+                 "float32 on other CPUs; --resume continues in the interrupted run's)."),
         features=option(
             "--features", help="aligner: LLM-width merged tokens; vit: per-patch ViT features."),
         pool=option(
@@ -307,7 +308,8 @@ _ENCODE_PARAMETERS: dict[str, tuple[Any, Any]] = {
             help="auto, cpu, cuda or cuda:N (under torchrun: each rank's LOCAL_RANK GPU)."),
         batch_tokens=option(
             "--batch-tokens",
-            help="Patches per packed batch (default 32768 on CUDA, 8192 on CPU)."),
+            help=f"Patches per packed batch (default {DEFAULT_BATCH_TOKENS['cuda']} on CUDA, "
+                 f"{DEFAULT_BATCH_TOKENS['cpu']} on CPU)."),
         workers=option(
             "--workers", help="Decode processes (default from the CPU count; 0 decodes inline)."),
         attention=option("--attention", help="Attention backend."),

@@ -485,6 +485,24 @@ def test_help_lists_and_explains_every_option():
     assert top.exit_code == 0 and "encode" in top.output and "--version" in top.output
 
 
+def test_encode_help_states_the_defaults_the_code_uses():
+    """--dtype's help names every CPU kind where auto picks bfloat16 (each AMD Zen that was
+    measured faster: the help said Zen 5 only, and float32 elsewhere), and --batch-tokens'
+    help the engine's defaults."""
+    from dsv4enc.cli import ENCODE_OPTIONS
+    from dsv4enc.engine.cpufeatures import CLEAR_WIN, MEASURED_KINDS
+    from dsv4enc.engine.defaults import DEFAULT_BATCH_TOKENS
+
+    zens = [re.search(r"Zen \d", kind.where) for kind in MEASURED_KINDS
+            if kind.bf16_speedup > CLEAR_WIN]
+    assert [zen.group() for zen in zens if zen], MEASURED_KINDS
+    for zen in filter(None, zens):
+        assert zen.group() in ENCODE_OPTIONS["dtype"].help, zen.group()
+    for device, tokens in DEFAULT_BATCH_TOKENS.items():
+        assert f"{tokens} on {device.upper() if device == 'cpu' else 'CUDA'}" in (
+            ENCODE_OPTIONS["batch_tokens"].help), device
+
+
 def test_encode_help_groups_its_options_into_panels():
     """Every option of encode sits in one panel of ENCODE_PANELS; the panels come in the
     table's order; at 100 columns the help stays short and the --storage-option example is

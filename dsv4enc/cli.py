@@ -22,8 +22,9 @@ from typer.core import TyperCommand, TyperGroup
 
 from .version import __version__
 from .errors import AlreadyComplete, DsvError, Interrupted
-from .engine.defaults import DEFAULT_BATCH_TOKENS
+from .engine.defaults import DEFAULT_BATCH_TOKENS, FEATURES
 from .engine.settings import EngineSettings
+from .tower.config import ATTENTION_BACKENDS
 from .run import options as defaults  # torch-free: the defaults, each defined once
 from .storage import OUTAGE_S, stop_bound_s
 
@@ -657,9 +658,11 @@ def bench(
     batch_tokens: Optional[str] = typer.Option(None, "--batch-tokens", help="Comma-separated "
                                                "token budgets to time."),
     graphs: str = typer.Option("auto", "--graphs", help="Comma-separated: auto, on, off."),
-    attention: str = typer.Option("auto", "--attention", help="auto, flash, varlen or sdpa."),
+    attention: str = typer.Option("auto", "--attention", metavar=choices(*ATTENTION_BACKENDS),
+                                  help="Attention backend."),
     features: str = typer.Option(ENGINE_DEFAULTS.features, "--features",
-                                 help="aligner or vit."),
+                                 metavar=choices(*FEATURES),
+                                 help="The rows timed, as encode's --features."),
     max_images: int = typer.Option(ENGINE_DEFAULTS.max_images, "--max-images",
                                    help="Images per batch at most."),
     repeat: int = typer.Option(2, "--repeat", help="Rounds per measurement (best is kept)."),

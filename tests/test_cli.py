@@ -581,10 +581,17 @@ def test_readme_quickstart(tmp_path):
 
 
 def test_bench_command_is_exposed():
-    result = runner.invoke(app, ["bench", "--help"])
+    """bench --help names its options, and every attention backend and feature kind it
+    takes, as encode's does (it left out grouped)."""
+    from dsv4enc.engine.defaults import FEATURES
+    from dsv4enc.tower.config import ATTENTION_BACKENDS
+
+    result = runner.invoke(app, ["bench", "--help"], env={"COLUMNS": "250"}, terminal_width=250)
     assert result.exit_code == 0
     for option in ("--config", "--images", "--batch-tokens", "--graphs", "--e2e"):
         assert option in result.output
+    for choices in (ATTENTION_BACKENDS, FEATURES):
+        assert f"[{'|'.join(choices)}]" in result.output, choices
 
 
 def test_help_descriptions_are_wrapped_by_the_terminal_not_the_source():

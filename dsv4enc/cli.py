@@ -402,8 +402,7 @@ def encode(ctx: typer.Context, **given: Any) -> None:
 
     # $DSV4ENC_WEIGHTS is a default; --random-init asks for none. (The source is told by its
     # name: Typer 0.26+ carries its own Click, whose ParameterSource is not click's.)
-    source = ctx.get_parameter_source("weights")
-    if given["random_init"] and source is not None and source.name == "ENVIRONMENT":
+    if given["random_init"] and _source(ctx, "weights") == "ENVIRONMENT":
         given["weights"] = None
     storage_option, summary_json, quiet, engine = (
         given.pop(name) for name in ("storage_option", "summary_json", "quiet", "engine"))
@@ -417,7 +416,18 @@ def encode(ctx: typer.Context, **given: Any) -> None:
         ray_opts = RayEngineOptions(**ray_settings)
     elif engine not in defaults.ENGINES:
         fail(f"--engine must be one of {', '.join(defaults.ENGINES)}", 2)
+    else:  # a Ray option given to a local run ($RAY_ADDRESS is no option given)
+        for name in ray_settings:
+            if _source(ctx, f"ray_{name}") == "COMMANDLINE":
+                fail(f"--ray-{name.replace('_', '-')} applies to --engine ray; add it or drop "
+                     "the option", 2)
     _encode_command(opts, storage_option, quiet, summary_json, started, ray_opts)
+
+
+def _source(ctx: typer.Context, name: str) -> str | None:
+    """Where parameter ``name``'s value came from: ``COMMANDLINE``, ``ENVIRONMENT``, ..."""
+    source = ctx.get_parameter_source(name)
+    return source.name if source is not None else None
 
 
 def _encode_command(opts, storage_option: list[str] | None, quiet: bool,

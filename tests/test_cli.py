@@ -452,6 +452,14 @@ def test_option_and_output_errors(tmp_path, tree, ckpt):
     (tmp_path / "file").write_text("")
     line = one_line_error(encode(image, "--out", str(tmp_path / "file" / "e.parquet"), *base), 1)
     assert "file" in line
+    # a Ray option without --engine ray (it was ignored: the run went on locally)
+    for ray in (("--ray-actors", "4"), ("--ray-gpus-per-actor", "1"), ("--ray-address", "h:1")):
+        line = one_line_error(encode(image, "--out", str(tmp_path / "r.parquet"), *base, *ray), 2)
+        assert f"{ray[0]} applies to --engine ray" in line, line
+        assert not (tmp_path / "r.parquet").exists()
+    # $RAY_ADDRESS is no option given: a local run goes on
+    assert encode(image, "--out", str(tmp_path / "r.parquet"), *base,
+                  env={"RAY_ADDRESS": "h:1"}).exit_code == 0
     # Click's own usage errors: exit 2, no traceback.
     for args in (["encode", image], ["encode", image, "--out", "x", "--no-such-flag"]):
         result = runner.invoke(app, args)

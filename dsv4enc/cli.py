@@ -419,8 +419,7 @@ def encode(ctx: typer.Context, **given: Any) -> None:
     else:  # a Ray option given to a local run ($RAY_ADDRESS is no option given)
         for name in ray_settings:
             if _source(ctx, f"ray_{name}") == "COMMANDLINE":
-                fail(f"--ray-{name.replace('_', '-')} applies to --engine ray; add it or drop "
-                     "the option", 2)
+                fail(f"--ray-{name.replace('_', '-')} applies to --engine ray only", 2)
     _encode_command(opts, storage_option, quiet, summary_json, started, ray_opts)
 
 

@@ -399,6 +399,17 @@ def test_a_summary_path_that_cannot_be_made_is_refused_before_the_run(tmp_path, 
     assert not out.exists() and not (tmp_path / "nowhere").exists()
 
 
+def test_a_summary_to_standard_output_is_refused(tmp_path, small_ckpt, monkeypatch):
+    """--summary-json - reads as standard output (as --files-from - is standard input); it
+    wrote a file named '-' in the current folder: one line, exit 2, nothing written."""
+    image = write_image(tmp_path / "a.png", (20, 20))
+    monkeypatch.chdir(tmp_path)
+    line = one_line(encode(str(image), "--out", "e.parquet", "--weights", str(small_ckpt),
+                           "--summary-json", "-"), 2)
+    assert "--summary-json -" in line and "file" in line, line
+    assert sorted(os.listdir(tmp_path)) == ["a.png"]
+
+
 @pytest.mark.skipif(os.geteuid() == 0, reason="root writes in any folder")
 def test_a_summary_in_a_read_only_folder_is_refused_before_the_run(tmp_path, small_ckpt):
     image = write_image(tmp_path / "a.png", (20, 20))

@@ -610,6 +610,9 @@ def inspect_command(
         help="An option of the store's file system, as encode takes it (repeatable)."),
 ) -> None:
     """Summarize an output: rows, failures, widths, dtype, grids, metadata, size on disk."""
+    if errors_list == "-":  # encode --files-from - would read standard input, not this file
+        fail("--errors-list -: give a file (standard output is not one; --errors prints the "
+             "failed rows there)", 2)
     try:
         if errors or errors_list:
             _inspect_errors(output, storage_option, as_json, errors, errors_list)

@@ -643,3 +643,16 @@ def test_decode_workers_and_a_stdin_listing_give_the_inline_rows(tmp_path, tree,
     # Error messages may quote the path as given (relative here, absolute in the tree run).
     kinds = [[e and e.split(":")[0] for e in t.column("error").to_pylist()] for t in (got, want)]
     assert kinds[0] == kinds[1]
+
+
+def test_an_errors_list_to_standard_output_is_refused(tmp_path, tree, ckpt, monkeypatch):
+    """inspect --errors-list - wrote a file named '-', then advised 'encode --files-from -',
+    which reads standard input: one line, exit 2, nothing written."""
+    out = tmp_path / "e.parquet"
+    assert encode(str(tree / "bad"), "--out", str(out), "--weights", str(ckpt)).exit_code == 0
+    here = tmp_path / "here"
+    here.mkdir()
+    monkeypatch.chdir(here)
+    line = one_line_error(runner.invoke(app, ["inspect", str(out), "--errors-list", "-"]), 2)
+    assert "--errors-list -" in line and "file" in line, line
+    assert os.listdir(here) == []

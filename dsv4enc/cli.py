@@ -22,7 +22,9 @@ from typer.core import TyperCommand, TyperGroup
 
 from .version import __version__
 from .errors import AlreadyComplete, DsvError, Interrupted
+from .engine.defaults import DEFAULT_BATCH_TOKENS, FEATURES
 from .engine.settings import EngineSettings
+from .tower.config import ATTENTION_BACKENDS
 from .run import options as defaults  # torch-free: the defaults, each defined once
 from .storage import OUTAGE_S, stop_bound_s
 
@@ -240,8 +242,8 @@ _ENCODE_PARAMETERS: dict[str, tuple[Any, Any]] = {
         dtype=option(
             "--dtype", metavar=choices("auto", "float32", "bfloat16", "float16"),
             help="Compute dtype (auto: bfloat16 on CUDA; on the CPU the dtype measured "
-                 "faster on its kind: bfloat16 on Intel with AMX and on AMD Zen 5, float32 on "
-                 "other CPUs; --resume continues in the interrupted run's)."),
+                 "faster on its kind: bfloat16 on Intel with AMX and on AMD Zen 4 and Zen 5, "
+                 "float32 on other CPUs; --resume continues in the interrupted run's)."),
         features=option(
             "--features", help="aligner: LLM-width merged tokens; vit: per-patch ViT features."),
         pool=option(
@@ -307,7 +309,8 @@ _ENCODE_PARAMETERS: dict[str, tuple[Any, Any]] = {
             help="auto, cpu, cuda or cuda:N (under torchrun: each rank's LOCAL_RANK GPU)."),
         batch_tokens=option(
             "--batch-tokens",
-            help="Patches per packed batch (default 32768 on CUDA, 8192 on CPU)."),
+            help=f"Patches per packed batch (default {DEFAULT_BATCH_TOKENS['cuda']} on CUDA, "
+                 f"{DEFAULT_BATCH_TOKENS['cpu']} on CPU)."),
         workers=option(
             "--workers", help="Decode processes (default from the CPU count; 0 decodes inline)."),
         attention=option("--attention", help="Attention backend."),
@@ -399,8 +402,7 @@ def encode(ctx: typer.Context, **given: Any) -> None:
 
     # $DSV4ENC_WEIGHTS is a default; --random-init asks for none. (The source is told by its
     # name: Typer 0.26+ carries its own Click, whose ParameterSource is not click's.)
-    source = ctx.get_parameter_source("weights")
-    if given["random_init"] and source is not None and source.name == "ENVIRONMENT":
+    if given["random_init"] and _source(ctx, "weights") == "ENVIRONMENT":
         given["weights"] = None
     storage_option, summary_json, quiet, engine = (
         given.pop(name) for name in ("storage_option", "summary_json", "quiet", "engine"))
@@ -414,7 +416,17 @@ def encode(ctx: typer.Context, **given: Any) -> None:
         ray_opts = RayEngineOptions(**ray_settings)
     elif engine not in defaults.ENGINES:
         fail(f"--engine must be one of {', '.join(defaults.ENGINES)}", 2)
+    else:  # a Ray option given to a local run ($RAY_ADDRESS is no option given)
+        for name in ray_settings:
+            if _source(ctx, f"ray_{name}") == "COMMANDLINE":
+                fail(f"--ray-{name.replace('_', '-')} applies to --engine ray only", 2)
     _encode_command(opts, storage_option, quiet, summary_json, started, ray_opts)
+
+
+def _source(ctx: typer.Context, name: str) -> str | None:
+    """Where parameter ``name``'s value came from: ``COMMANDLINE``, ``ENVIRONMENT``, ..."""
+    source = ctx.get_parameter_source(name)
+    return source.name if source is not None else None
 
 
 def _encode_command(opts, storage_option: list[str] | None, quiet: bool,
@@ -484,10 +496,7 @@ def _encode_command(opts, storage_option: list[str] | None, quiet: bool,
         fail(str(exc), exc.exit_code)
     except AlreadyComplete as exc:  # the same outcome as a finished folder's --resume
         if dist is None or dist.is_main:
-            if quiet:
-                typer.echo(opts.out)
-            else:
-                note(str(exc))
+            _report(opts, exc.summary, quiet, summary_json)
     except DsvError as exc:
         stopped_summary(exc, "error")
         fail(str(exc), exc.exit_code)
@@ -601,6 +610,9 @@ def inspect_command(
         help="An option of the store's file system, as encode takes it (repeatable)."),
 ) -> None:
     """Summarize an output: rows, failures, widths, dtype, grids, metadata, size on disk."""
+    if errors_list == "-":  # encode --files-from - would read standard input, not this file
+        fail("--errors-list -: give a file (standard output is not one; --errors prints the "
+             "failed rows there)", 2)
     try:
         if errors or errors_list:
             _inspect_errors(output, storage_option, as_json, errors, errors_list)
@@ -658,9 +670,11 @@ def bench(
     batch_tokens: Optional[str] = typer.Option(None, "--batch-tokens", help="Comma-separated "
                                                "token budgets to time."),
     graphs: str = typer.Option("auto", "--graphs", help="Comma-separated: auto, on, off."),
-    attention: str = typer.Option("auto", "--attention", help="auto, flash, varlen or sdpa."),
+    attention: str = typer.Option("auto", "--attention", metavar=choices(*ATTENTION_BACKENDS),
+                                  help="Attention backend."),
     features: str = typer.Option(ENGINE_DEFAULTS.features, "--features",
-                                 help="aligner or vit."),
+                                 metavar=choices(*FEATURES),
+                                 help="The rows timed, as encode's --features."),
     max_images: int = typer.Option(ENGINE_DEFAULTS.max_images, "--max-images",
                                    help="Images per batch at most."),
     repeat: int = typer.Option(2, "--repeat", help="Rounds per measurement (best is kept)."),

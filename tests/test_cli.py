@@ -452,6 +452,14 @@ def test_option_and_output_errors(tmp_path, tree, ckpt):
     (tmp_path / "file").write_text("")
     line = one_line_error(encode(image, "--out", str(tmp_path / "file" / "e.parquet"), *base), 1)
     assert "file" in line
+    # a Ray option without --engine ray (it was ignored: the run went on locally)
+    for ray in (("--ray-actors", "4"), ("--ray-gpus-per-actor", "1"), ("--ray-address", "h:1")):
+        line = one_line_error(encode(image, "--out", str(tmp_path / "r.parquet"), *base, *ray), 2)
+        assert f"{ray[0]} applies to --engine ray" in line, line
+        assert not (tmp_path / "r.parquet").exists()
+    # $RAY_ADDRESS is no option given: a local run goes on
+    assert encode(image, "--out", str(tmp_path / "r.parquet"), *base,
+                  env={"RAY_ADDRESS": "h:1"}).exit_code == 0
     # Click's own usage errors: exit 2, no traceback.
     for args in (["encode", image], ["encode", image, "--out", "x", "--no-such-flag"]):
         result = runner.invoke(app, args)
@@ -483,6 +491,24 @@ def test_help_lists_and_explains_every_option():
     assert "DSV4ENC_WEIGHTS" in text
     top = runner.invoke(app, ["--help"], env={"COLUMNS": "250"}, terminal_width=250)
     assert top.exit_code == 0 and "encode" in top.output and "--version" in top.output
+
+
+def test_encode_help_states_the_defaults_the_code_uses():
+    """--dtype's help names every CPU kind where auto picks bfloat16 (each AMD Zen that was
+    measured faster: the help said Zen 5 only, and float32 elsewhere), and --batch-tokens'
+    help the engine's defaults."""
+    from dsv4enc.cli import ENCODE_OPTIONS
+    from dsv4enc.engine.cpufeatures import CLEAR_WIN, MEASURED_KINDS
+    from dsv4enc.engine.defaults import DEFAULT_BATCH_TOKENS
+
+    zens = [re.search(r"Zen \d", kind.where) for kind in MEASURED_KINDS
+            if kind.bf16_speedup > CLEAR_WIN]
+    assert [zen.group() for zen in zens if zen], MEASURED_KINDS
+    for zen in filter(None, zens):
+        assert zen.group() in ENCODE_OPTIONS["dtype"].help, zen.group()
+    for device, tokens in DEFAULT_BATCH_TOKENS.items():
+        assert f"{tokens} on {device.upper() if device == 'cpu' else 'CUDA'}" in (
+            ENCODE_OPTIONS["batch_tokens"].help), device
 
 
 def test_encode_help_groups_its_options_into_panels():
@@ -563,10 +589,17 @@ def test_readme_quickstart(tmp_path):
 
 
 def test_bench_command_is_exposed():
-    result = runner.invoke(app, ["bench", "--help"])
+    """bench --help names its options, and every attention backend and feature kind it
+    takes, as encode's does (it left out grouped)."""
+    from dsv4enc.engine.defaults import FEATURES
+    from dsv4enc.tower.config import ATTENTION_BACKENDS
+
+    result = runner.invoke(app, ["bench", "--help"], env={"COLUMNS": "250"}, terminal_width=250)
     assert result.exit_code == 0
     for option in ("--config", "--images", "--batch-tokens", "--graphs", "--e2e"):
         assert option in result.output
+    for choices in (ATTENTION_BACKENDS, FEATURES):
+        assert f"[{'|'.join(choices)}]" in result.output, choices
 
 
 def test_help_descriptions_are_wrapped_by_the_terminal_not_the_source():
@@ -610,3 +643,16 @@ def test_decode_workers_and_a_stdin_listing_give_the_inline_rows(tmp_path, tree,
     # Error messages may quote the path as given (relative here, absolute in the tree run).
     kinds = [[e and e.split(":")[0] for e in t.column("error").to_pylist()] for t in (got, want)]
     assert kinds[0] == kinds[1]
+
+
+def test_an_errors_list_to_standard_output_is_refused(tmp_path, tree, ckpt, monkeypatch):
+    """inspect --errors-list - wrote a file named '-', then advised 'encode --files-from -',
+    which reads standard input: one line, exit 2, nothing written."""
+    out = tmp_path / "e.parquet"
+    assert encode(str(tree / "bad"), "--out", str(out), "--weights", str(ckpt)).exit_code == 0
+    here = tmp_path / "here"
+    here.mkdir()
+    monkeypatch.chdir(here)
+    line = one_line_error(runner.invoke(app, ["inspect", str(out), "--errors-list", "-"]), 2)
+    assert "--errors-list -" in line and "file" in line, line
+    assert os.listdir(here) == []

@@ -185,16 +185,25 @@ def test_help_shows_flags_choices_and_usage():
 
 
 def test_resume_of_a_finished_output_agrees_for_files_and_folders(tmp_path, small_ckpt):
+    """A file and a folder alike: a note, and a --summary-json whose rows are all reused."""
     image = write_image(tmp_path / "imgs" / "x.png", (30, 20))
+    (image.parent / "broken.png").write_bytes(b"not a png")
+    (image.parent / "notes.txt").write_text("not an image")
     common = ("--weights", str(small_ckpt))
-    for out in (tmp_path / "one.parquet", tmp_path / "folder/"):
-        first = encode(str(image.parent), "--out", str(out), *common)
+    report = tmp_path / "s.json"
+    for out in (str(tmp_path / "one.parquet"), f"{tmp_path}/folder/"):  # (a Path drops the /)
+        first = encode(str(image.parent), "--out", out, *common)
         assert first.exit_code == 0, first.output
-        again = encode(str(image.parent), "--out", str(out), *common, "--resume")
+        again = encode(str(image.parent), "--out", out, *common, "--resume",
+                       "--summary-json", str(report))
         assert again.exit_code == 0, (out, again.output)
         notes = [line for line in again.stderr.splitlines() if line.startswith("note:")]
         assert len(notes) == 1 and "already complete" in notes[0], again.stderr
-        quiet = encode(str(image.parent), "--out", str(out), *common, "--resume", "-q")
+        done = json.loads(report.read_text())
+        assert (done["status"], done["output"]) == ("completed", out), done
+        assert done["images"] == {**done["images"], "encoded": 0, "failed": 0, "reused": 2,
+                                  "reused_failed": 1, "skipped_not_images": 1}, done
+        quiet = encode(str(image.parent), "--out", out, *common, "--resume", "-q")
         assert quiet.exit_code == 0 and quiet.stderr == "", quiet.output
         assert Path(quiet.stdout.strip()) == Path(out)
 
@@ -388,6 +397,17 @@ def test_a_summary_path_that_cannot_be_made_is_refused_before_the_run(tmp_path, 
                                "--summary-json", str(summary)), 2)
         assert "is not a folder" in line, line
     assert not out.exists() and not (tmp_path / "nowhere").exists()
+
+
+def test_a_summary_to_standard_output_is_refused(tmp_path, small_ckpt, monkeypatch):
+    """--summary-json - reads as standard output (as --files-from - is standard input); it
+    wrote a file named '-' in the current folder: one line, exit 2, nothing written."""
+    image = write_image(tmp_path / "a.png", (20, 20))
+    monkeypatch.chdir(tmp_path)
+    line = one_line(encode(str(image), "--out", "e.parquet", "--weights", str(small_ckpt),
+                           "--summary-json", "-"), 2)
+    assert "--summary-json -" in line and "file" in line, line
+    assert sorted(os.listdir(tmp_path)) == ["a.png"]
 
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root writes in any folder")

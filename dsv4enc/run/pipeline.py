@@ -29,7 +29,7 @@ from ..engine.device import resolve_device, resolve_dtype, resolve_out_dtype, re
 from .encoding import PartEncoder
 from ..engine.engine import Engine
 from ..engine.settings import EngineSettings
-from ..errors import DsvError, Interrupted, UsageError, advise
+from ..errors import AlreadyComplete, DsvError, Interrupted, UsageError, advise
 from ..images.decode import DecodePool
 from ..images.discover import nothing_found
 from ..images.items import is_image_name
@@ -277,7 +277,7 @@ def _run_encode(opts: EncodeOptions, ranks: Topology, setup: RunSetup, stop: Sto
             advise(exc, again)
         if ranks.is_main:
             layout.discard_if_empty()  # so that a corrected rerun is not told to --resume
-        if isinstance(exc, (Interrupted, KeyboardInterrupt)):  # what was done, for --summary-json
+        if isinstance(exc, (Interrupted, KeyboardInterrupt, AlreadyComplete)):  # --summary-json
             summary.seconds = time.perf_counter() - setup.started  # from the caller's start
             exc.summary = summary
         raise
@@ -331,7 +331,8 @@ def _plan_output(run: RunState, setup: RunSetup, source: PartSource, computes: C
     rows_settings = {**settings, **resuming.row_options}
     ranks.agree_on_settings(rank_settings(opts, rows_settings))  # before the ranks part ways
     if opts.resume and not layout.folder_mode:  # a finished file: nothing to do, or refused
-        ranks.main_then_all(lambda: _judge_finished(layout, setup, rows_settings, remote))
+        ranks.main_then_all(lambda: _judge_finished(layout, setup, rows_settings, remote,
+                                                    summary))
     # --update of an existing output (None: there is none yet, a plain run)
     update = Update.start(layout.out, layout.folder_mode,
                           remote.stored if remote is not None else None) if opts.update else None
@@ -410,16 +411,22 @@ def rank_settings(opts: EncodeOptions, rows_settings: dict) -> dict:
 
 
 def _judge_finished(layout: OutputLayout, setup: RunSetup, settings: dict,
-                    remote: RemoteOutput | None) -> None:
-    """``--resume`` of the finished single file (``layout.finished``): AlreadyComplete, or a
-    refusal where its settings or inputs changed (``Update.check_finished``), once every
-    input is listed and stamped."""
+                    remote: RemoteOutput | None, summary: RunSummary) -> None:
+    """``--resume`` of the finished single file (``layout.finished``): AlreadyComplete (its
+    rows counted in ``summary`` as reused, as a finished folder's are), or a refusal where its
+    settings or inputs changed (``Update.check_finished``), once every input is listed and
+    stamped."""
     if not layout.finished:
         return
     setup.more(None)
     input_stamps(setup.planned)
     finished = Update.start(layout.out, False, remote.stored if remote is not None else None)
-    finished.check_finished(setup.planned, settings)
+    try:
+        finished.check_finished(setup.planned, settings)
+    except AlreadyComplete:
+        summary.reused = sum(rows for _, _, rows in finished.old.parts)
+        summary.reused_failed = sum(error is not None for error in finished.old.column("error"))
+        raise
 
 
 def given_one_by_one(opts: EncodeOptions) -> bool:

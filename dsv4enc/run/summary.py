@@ -234,12 +234,14 @@ SUMMARY_MAX_BYTES = 1 << 20
 
 def check_summary_path(path: str, out: str) -> None:
     """Refuse, before the run, a ``--summary-json`` path that the run may not write: not a
-    local path, the output ``out`` or a path inside it (links followed on both sides), a path
+    local path, ``-``, the output ``out`` or a path inside it (links followed on both sides), a path
     whose folder is a file or cannot be written, or a file that is there and is not a summary
     of an earlier run (dsv4enc replaces only what it wrote)."""
     local, out_path = storage.local_path(path), storage.local_path(out)
     if local is None:
         raise UsageError(f"--summary-json {path}: give a local path")
+    if path == "-":  # read as standard output, which holds the output path under --quiet
+        raise UsageError("--summary-json -: give a file (standard output is not one)")
     given = Path(local)
     # the file itself is replaced, never followed: its folder's real place is where it lands
     target = Path(os.path.realpath(given.parent)) / given.name

@@ -365,3 +365,19 @@ def test_a_listed_input_costs_a_few_dozen_bytes_besides_its_strings():
         tracemalloc.stop()
     assert per_item < 180, f"{per_item:.0f} bytes per item and its locator"
 
+
+def test_a_single_folder_walk_yields_its_items_as_made(tmp_path, monkeypatch):
+    """A single folder's items are keyed as walked: none is copied under a new key (a second
+    object per input, the walk's commonest case)."""
+    from dsv4enc.images import discover as discover_module
+    from dsv4enc.images.discover import stream_inputs
+
+    for name in ["a/1.png", "b/2.png", "3.png"]:
+        touch(tmp_path / name)
+    copies = []
+    real = discover_module.replace
+    monkeypatch.setattr(discover_module, "replace",
+                        lambda item, **changes: copies.append(item) or real(item, **changes))
+    assert keys(stream_inputs(Discovery(items=[]), [str(tmp_path)])) == ["3.png", "a/1.png",
+                                                                         "b/2.png"]
+    assert copies == []

@@ -236,3 +236,20 @@ def test_windows_are_planned_a_bounded_distance_ahead():
 def test_no_prefetch_under_torchrun(images, tmp_path, tiny_ckpt, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     assert start_prefetch(options(images, tmp_path / "o.parquet", tiny_ckpt)) is None
+
+
+def test_a_window_looks_up_the_carried_inputs_without_copying_them():
+    """``--update`` carries up to every input's row: planning one window's batches looks its
+    inputs up in them, never walks them all (a copy per window was quadratic in the inputs)."""
+    from dsv4enc.images.headers import Planned
+    from dsv4enc.images.items import InputItem
+    from dsv4enc.run.plan import Part, plan_batches
+
+    class Carried(dict):
+        def __iter__(self):
+            raise AssertionError("the carried inputs were walked whole")
+
+    planned = [Planned(InputItem(f"{i}.png", f"{i}.png"), 8, 8, 2, 2) for i in range(10)]
+    carried = Carried({i: i for i in range(0, 10, 2)})
+    part = Part("part-000000", 0, 10, range(10), "")
+    assert plan_batches(planned, [part], 64, None, carried) == [[[[1, 3, 5, 7, 9]]]]

@@ -288,7 +288,7 @@ def _input_items(place: storage.Found, state: _Listing, prefix_roots: bool,
     should_stop = stop.requested if stop is not None else None
     for item in iter_folder(raw, found, should_stop, shards, state.exclusions):
         images += 1
-        yield replace(item, key=key_under_root(root, item.key))
+        yield item if root is None else replace(item, key=key_under_root(root, item.key))
     if stop is not None:
         stop.check()  # a walk cut short is not read for containers
     yield from read_folder_containers(raw, shards, images > 0, state, root)

@@ -16,7 +16,7 @@ def is_image_name(name: str) -> bool:
     return os.path.splitext(name)[1].lower() in IMAGE_EXTENSIONS
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class TarMember:
     """An image inside a tar shard: the member's name, and where its data lies in the file."""
 
@@ -25,7 +25,7 @@ class TarMember:
     size: int
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class TableCell:
     """An image in a table: ``column``'s cell at ``row`` of row group (or record batch)
     ``group``; ``path_roots``: more folders (real paths) its ``{bytes: null, path}`` may name."""
@@ -36,7 +36,7 @@ class TableCell:
     path_roots: tuple[str, ...] = ()
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class StoredObject:
     """A whole object in a store (``InputItem.path``, and ``name`` for its format, are its URL;
     ``size`` as listed): its probe's bytes, all of a small one, are held for the decode."""
@@ -45,7 +45,7 @@ class StoredObject:
     size: int
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Fetched:
     """An input's bytes, read already (a small object's header read, a tar shard's streamed
     member), carried by its decode task; ``name``: the replaced locator's."""
@@ -54,14 +54,14 @@ class Fetched:
     data: bytes = field(repr=False)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Unreadable:
     """A part of a container that cannot be read: its error row says ``reason``."""
 
     reason: str
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)  # one per input of a listing of millions: no __dict__
 class InputItem:
     """One image to encode: ``key`` is the output name, ``path`` what the decoder opens;
     ``member`` locates it in a container (``TarMember``, ``TableCell``), in a store

@@ -367,6 +367,7 @@ def expand_tar(raw: str, name: str | None = None,
                 break
             if info is None:
                 break
+            archive.members.clear()  # tarfile keeps each header it read: ~1 KB per member
             if (why := _backward_step(info, archive.offset, end)) is not None:
                 damage = info.offset, why
                 break

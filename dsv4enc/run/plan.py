@@ -347,11 +347,11 @@ def plan_batches(planned: Sequence[Planned], parts: Sequence[Part], batch_tokens
                  in_order: bool = False) -> list[list[list[int]]]:
     """Per part, per rank (one share without data parallelism), the batches it is encoded
     in. Every rank plans every rank's batches, so that all take the same number of steps
-    (each ends in collectives). ``carried`` (rows ``--update`` copies) are in no batch.
+    (each ends in collectives). ``carried`` (rows ``--update`` copies: up to every input's,
+    so looked up, never copied per window) are in no batch.
     ``in_order``: batches filled in input order (``pack_in_order``), so that a part encoded
     whole by several ranks finishes from its start on and is committed in pieces as it goes."""
-    skip = set(carried)
-    return [[part_batches(planned, [i for i in share if i not in skip], batch_tokens,
+    return [[part_batches(planned, [i for i in share if i not in carried], batch_tokens,
                           max_images, in_order)
              for share in (part.shares if part.shares is not None else [part.indices])]
             for part in parts]

@@ -296,6 +296,16 @@ def test_corrupt_index(tmp_path, sharded_ckpt):
         load_checkpoint(folder)
 
 
+@pytest.mark.parametrize("fname", [None, 3, ["model.safetensors"]])
+def test_index_naming_no_file_name_for_a_tensor(tmp_path, sharded_ckpt, fname):
+    folder = copy_ckpt(sharded_ckpt, tmp_path / "ckpt")
+    index = json.loads((folder / INDEX_NAME).read_text())
+    index["weight_map"][WEIGHT] = fname
+    (folder / INDEX_NAME).write_text(json.dumps(index))
+    with pytest.raises(WeightsError, match=f"index.*{WEIGHT}"):
+        load_checkpoint(folder)
+
+
 # --------------------------------------------------------------------------- folder, config errors
 
 def test_missing_folder(tmp_path):

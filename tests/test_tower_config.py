@@ -124,7 +124,13 @@ def test_head_dim_rules(dim, heads, match):
                                         ("vision_patch_size", 14.5), ("vision_n_heads", True),
                                         ("hidden_size", "24"), ("vision_max_n_token", 5),
                                         ("vision_min_pixels", -1), ("vision_max_wh_ratio", 0),
-                                        ("vision_rope_theta", "ten thousand")])
+                                        ("vision_rope_theta", "ten thousand"),
+                                        ("vision_rope_theta", 0), ("vision_rope_theta", -1e4),
+                                        ("vision_rope_theta", float("nan")),
+                                        ("vision_rope_theta", float("inf")),
+                                        ("vision_max_wh_ratio", float("nan")),
+                                        ("vision_max_wh_ratio", float("inf")),
+                                        ("vision_min_pixels", float("inf"))])
 def test_bad_values_are_config_errors(key, value):
     flat = dict(flat_of("tiny"), **{key: value})
     with pytest.raises(ConfigError):

@@ -59,6 +59,17 @@ def test_nested_layout_may_keep_hidden_size_at_top_level():
     assert VisionConfig.from_dict(nested) == VisionConfig.from_dict(flat_of("tiny"))
 
 
+@pytest.mark.parametrize("text_config", [5, "text", [1], None])
+def test_a_text_config_that_is_no_object_is_read_past(text_config):
+    nested = nested_layout(flat_of("tiny"))
+    nested["hidden_size"] = nested.pop("text_config")["hidden_size"]
+    nested["text_config"] = text_config
+    assert VisionConfig.from_dict(nested) == VisionConfig.from_dict(flat_of("tiny"))
+    del nested["hidden_size"]
+    with pytest.raises(ConfigError, match=r"missing key text_config\.hidden_size"):
+        VisionConfig.from_dict(nested)
+
+
 @pytest.mark.parametrize("name", SHIPPED)
 def test_to_flat_round_trips(name):
     cfg = VisionConfig.from_dict(flat_of(name))

@@ -168,7 +168,8 @@ class VisionConfig:
         # Each field's (object it is read from, key there, name in an error message).
         nested = raw.get("vision_config")
         if isinstance(nested, dict) and not any(k in raw for k in _FLAT_TO_FIELD):
-            text = raw.get("text_config") or {}
+            text = raw.get("text_config")
+            text = text if isinstance(text, dict) else {}
             where = {field: (nested, key, f"vision_config.{key}")
                      for field, key in _FLAT_TO_FIELD.values()}
             where["hidden_size"] = (text if "hidden_size" in text else raw, "hidden_size",

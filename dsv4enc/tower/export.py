@@ -137,7 +137,12 @@ def extract_tower(source: str | os.PathLike, out: str | os.PathLike,
     config = cfg.to_flat()
     if isinstance(raw_config.get("model_type"), str):
         config = {"model_type": raw_config["model_type"], **config}
-    (out / "config.json").write_text(json.dumps(config, indent=1) + "\n")
+    written = out / "config.json"
+    try:
+        written.write_text(json.dumps(config, indent=1) + "\n")
+    except OSError as exc:  # no half-written config.json: `--weights` would read it
+        written.unlink(missing_ok=True)
+        raise OutputError(f"cannot write {written}: {exc.strerror or exc}") from None
     return Extracted(out, len(names), offset, str(folder))
 
 

@@ -271,6 +271,17 @@ def test_index_naming_a_missing_tower_shard(tmp_path, sharded_ckpt):
         load_checkpoint(folder)
 
 
+@pytest.mark.parametrize("index", [False, True], ids=["scanned", "indexed"])
+def test_a_weights_file_that_is_a_folder_is_named_so(tmp_path, sharded_ckpt, index):
+    folder = copy_ckpt(sharded_ckpt, tmp_path / "ckpt")
+    if not index:
+        (folder / INDEX_NAME).unlink()
+    (folder / SHARD_FILES[1]).unlink()
+    (folder / SHARD_FILES[1]).mkdir()
+    with pytest.raises(WeightsError, match=f"is not a regular file: .*{SHARD_FILES[1]}"):
+        load_checkpoint(folder)
+
+
 def test_index_naming_the_wrong_file(tmp_path, tiny_cfg, tiny_state):
     index_extra = {WEIGHT: "other.safetensors"}
     tensors = {n: t for n, t in tiny_state.items() if n != WEIGHT}

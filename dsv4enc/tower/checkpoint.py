@@ -149,7 +149,8 @@ def open_safetensors(path: Path, named_for: str | None = None):
     tensor the index named the file for)."""
     if not path.is_file():
         hint = f" (named by the index for {named_for})" if named_for else ""
-        raise WeightsError(f"weights file not found: {path}{hint}")
+        what = "is not a regular file" if path.exists() else "not found"
+        raise WeightsError(f"weights file {what}: {path}{hint}")
     try:
         return safe_open(str(path), framework="pt")
     except Exception as exc:  # safetensors raises its own error types for bad headers

@@ -92,6 +92,21 @@ def test_a_cache_folder_the_user_chose_is_kept(monkeypatch, tmp_path):
     assert os.environ[compile_cache.INDUCTOR_CACHE_ENV] == str(folder.resolve())
 
 
+def test_no_home_folder_compiles_without_keeping(monkeypatch):
+    """No HOME and a user id without a passwd entry (a container's arbitrary uid): the
+    kernels are not kept, and the run goes on (it was a traceback)."""
+    import pwd
+
+    for name in ("DSV4ENC_CACHE_DIR", "XDG_CACHE_HOME", "HOME", compile_cache.INDUCTOR_CACHE_ENV):
+        monkeypatch.delenv(name, raising=False)
+
+    def no_entry(uid):
+        raise KeyError(f"getpwuid(): uid not found: {uid}")
+
+    monkeypatch.setattr(pwd, "getpwuid", no_entry)
+    assert use_compile_cache(load_config("tiny"), torch.device("cpu"), torch.float32) is None
+
+
 @pytest.mark.parametrize("fault", ["no compiler", "cache not writable"])
 def test_a_compile_that_fails_at_the_first_batch_is_one_line(monkeypatch, tmp_path, fault):
     """The kernels compile at the first batch: a compiler or cache folder that fails there

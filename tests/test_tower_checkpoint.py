@@ -4,6 +4,7 @@ clear errors naming the tensor or key; a fingerprint of the weights."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -279,6 +280,14 @@ def test_a_weights_file_that_is_a_folder_is_named_so(tmp_path, sharded_ckpt, ind
     (folder / SHARD_FILES[1]).unlink()
     (folder / SHARD_FILES[1]).mkdir()
     with pytest.raises(WeightsError, match=f"is not a regular file: .*{SHARD_FILES[1]}"):
+        load_checkpoint(folder)
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="chmod does not stop root from reading")
+def test_a_weights_file_that_cannot_be_read_says_so(tmp_path, tiny_ckpt):
+    folder = copy_ckpt(tiny_ckpt, tmp_path / "ckpt")
+    (folder / "model.safetensors").chmod(0)
+    with pytest.raises(WeightsError, match="cannot read weights file .*: Permission denied"):
         load_checkpoint(folder)
 
 

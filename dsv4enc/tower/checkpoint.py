@@ -152,6 +152,10 @@ def open_safetensors(path: Path, named_for: str | None = None):
         what = "is not a regular file" if path.exists() else "not found"
         raise WeightsError(f"weights file {what}: {path}{hint}")
     try:
+        path.open("rb").close()  # safetensors words a read denied as "No such file"
+    except OSError as exc:
+        raise WeightsError(f"cannot read weights file {path}: {exc.strerror or exc}") from None
+    try:
         return safe_open(str(path), framework="pt")
     except Exception as exc:  # safetensors raises its own error types for bad headers
         raise WeightsError(f"{path}: not a readable safetensors file ({exc})") from None

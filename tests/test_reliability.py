@@ -549,8 +549,11 @@ def test_the_api_never_returns_a_non_finite_embedding(images):
     assert all(torch.isfinite(v).all() and v.abs().max() > 65504 for v in values)
     with torch.no_grad():
         quiet.model.aligner.w2.bias.fill_(float("nan"))  # float32 output: the weights' doing
+        loud.model.aligner.w2.bias.fill_(float("nan"))  # NaN: no cast to float16 makes it
     with pytest.raises(EncodeError, match="not finite in float32; .*check the weights"):
         quiet.encode(paths)
+    with pytest.raises(EncodeError, match="not finite in float16; .*check the weights"):
+        loud.encode(paths)
 
 
 # Runs ``dsv4enc encode`` whose first image turns into a FIFO once the headers are read (so

@@ -34,7 +34,7 @@ from dsv4enc.errors import OutputError
 from dsv4enc.run.pipeline import EncodeOptions, run_encode
 from dsv4enc.output.read import load_manifest
 
-from helpers import REPO_ROOT, parts_of
+from helpers import REPO_ROOT, needs_cuda, parts_of
 
 runner = CliRunner()
 IS_ROOT = hasattr(os, "geteuid") and os.geteuid() == 0
@@ -223,6 +223,15 @@ def test_cuda_asked_for_without_cuda(tmp_path, images, ckpts):
     result = encode(str(images), "--out", str(tmp_path / "e.parquet"), "--weights",
                     str(ckpts["good"]), "--device", "cuda")
     assert "CUDA" in check_one_line(result.exit_code, result.stderr, 2)
+
+
+@needs_cuda
+def test_a_cuda_device_past_the_machine_s_count(tmp_path, images, ckpts):
+    past = f"cuda:{torch.cuda.device_count()}"
+    result = encode(str(images), "--out", str(tmp_path / "e.parquet"), "--weights",
+                    str(ckpts["good"]), "--device", past)
+    assert past in check_one_line(result.exit_code, result.stderr, 2)
+    assert not (tmp_path / "e.parquet").exists()
 
 
 @pytest.mark.skipif(IS_ROOT, reason="chmod does not stop root from writing")

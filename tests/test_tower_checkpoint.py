@@ -4,6 +4,7 @@ clear errors naming the tensor or key; a fingerprint of the weights."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -271,6 +272,25 @@ def test_index_naming_a_missing_tower_shard(tmp_path, sharded_ckpt):
         load_checkpoint(folder)
 
 
+@pytest.mark.parametrize("index", [False, True], ids=["scanned", "indexed"])
+def test_a_weights_file_that_is_a_folder_is_named_so(tmp_path, sharded_ckpt, index):
+    folder = copy_ckpt(sharded_ckpt, tmp_path / "ckpt")
+    if not index:
+        (folder / INDEX_NAME).unlink()
+    (folder / SHARD_FILES[1]).unlink()
+    (folder / SHARD_FILES[1]).mkdir()
+    with pytest.raises(WeightsError, match=f"is not a regular file: .*{SHARD_FILES[1]}"):
+        load_checkpoint(folder)
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="chmod does not stop root from reading")
+def test_a_weights_file_that_cannot_be_read_says_so(tmp_path, tiny_ckpt):
+    folder = copy_ckpt(tiny_ckpt, tmp_path / "ckpt")
+    (folder / "model.safetensors").chmod(0)
+    with pytest.raises(WeightsError, match="cannot read weights file .*: Permission denied"):
+        load_checkpoint(folder)
+
+
 def test_index_naming_the_wrong_file(tmp_path, tiny_cfg, tiny_state):
     index_extra = {WEIGHT: "other.safetensors"}
     tensors = {n: t for n, t in tiny_state.items() if n != WEIGHT}
@@ -293,6 +313,16 @@ def test_corrupt_index(tmp_path, sharded_ckpt):
     folder = copy_ckpt(sharded_ckpt, tmp_path / "ckpt")
     (folder / INDEX_NAME).write_text("{")
     with pytest.raises(WeightsError, match="index"):
+        load_checkpoint(folder)
+
+
+@pytest.mark.parametrize("fname", [None, 3, ["model.safetensors"]])
+def test_index_naming_no_file_name_for_a_tensor(tmp_path, sharded_ckpt, fname):
+    folder = copy_ckpt(sharded_ckpt, tmp_path / "ckpt")
+    index = json.loads((folder / INDEX_NAME).read_text())
+    index["weight_map"][WEIGHT] = fname
+    (folder / INDEX_NAME).write_text(json.dumps(index))
+    with pytest.raises(WeightsError, match=f"index.*{WEIGHT}"):
         load_checkpoint(folder)
 
 

@@ -12,10 +12,15 @@ from pathlib import Path
 import pytest
 import torch
 
+from dsv4enc.engine.engine import Engine
+from dsv4enc.engine.factory import build_model
+from dsv4enc.engine.packing import pack
+from dsv4enc.errors import UsageError
 from dsv4enc.tower import compile_cache
+from dsv4enc.tower.checkpoint import random_checkpoint
 from dsv4enc.tower.compile_cache import cache_key, cache_root, use_compile_cache
 
-from helpers import REPO_ROOT, load_config
+from helpers import REPO_ROOT, load_config, random_patch_items
 
 #: Builds the tiny fused tower in the dtype argv[1] names, encodes one image, and prints
 #: inductor's FX graph cache counters.
@@ -85,3 +90,38 @@ def test_a_cache_folder_the_user_chose_is_kept(monkeypatch, tmp_path):
     folder = use_compile_cache(load_config("tiny"), torch.device("cpu"), torch.float32)
     assert folder is not None and folder.is_dir() and folder.parent == tmp_path / "ours" / "inductor"
     assert os.environ[compile_cache.INDUCTOR_CACHE_ENV] == str(folder.resolve())
+
+
+def test_no_home_folder_compiles_without_keeping(monkeypatch):
+    """No HOME and a user id without a passwd entry (a container's arbitrary uid): the
+    kernels are not kept, and the run goes on (it was a traceback)."""
+    import pwd
+
+    for name in ("DSV4ENC_CACHE_DIR", "XDG_CACHE_HOME", "HOME", compile_cache.INDUCTOR_CACHE_ENV):
+        monkeypatch.delenv(name, raising=False)
+
+    def no_entry(uid):
+        raise KeyError(f"getpwuid(): uid not found: {uid}")
+
+    monkeypatch.setattr(pwd, "getpwuid", no_entry)
+    assert use_compile_cache(load_config("tiny"), torch.device("cpu"), torch.float32) is None
+
+
+@pytest.mark.parametrize("fault", ["no compiler", "cache not writable"])
+def test_a_compile_that_fails_at_the_first_batch_is_one_line(monkeypatch, tmp_path, fault):
+    """The kernels compile at the first batch: a compiler or cache folder that fails there
+    is a UsageError line (the command's one line), not inductor's traceback."""
+    from torch._inductor import config as inductor_config
+
+    monkeypatch.setenv("DSV4ENC_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv(compile_cache.INDUCTOR_CACHE_ENV, raising=False)
+    cfg = load_config("tiny")
+    model = build_model(random_checkpoint(cfg, 0), torch.device("cpu"), fused=True)
+    if fault == "no compiler":
+        monkeypatch.setattr(inductor_config.cpp, "cxx", (None, str(tmp_path / "no-g++")))
+    else:
+        (tmp_path / "a_file").write_text("")
+        monkeypatch.setenv(compile_cache.INDUCTOR_CACHE_ENV, str(tmp_path / "a_file" / "c"))
+    with pytest.raises(UsageError, match="fused kernels cannot be compiled.*--no-fused") as info:
+        Engine(model).encode(pack(random_patch_items([(5, 7)], cfg.patch_dim), 3))
+    assert "\n" not in str(info.value)

@@ -59,6 +59,17 @@ def test_nested_layout_may_keep_hidden_size_at_top_level():
     assert VisionConfig.from_dict(nested) == VisionConfig.from_dict(flat_of("tiny"))
 
 
+@pytest.mark.parametrize("text_config", [5, "text", [1], None])
+def test_a_text_config_that_is_no_object_is_read_past(text_config):
+    nested = nested_layout(flat_of("tiny"))
+    nested["hidden_size"] = nested.pop("text_config")["hidden_size"]
+    nested["text_config"] = text_config
+    assert VisionConfig.from_dict(nested) == VisionConfig.from_dict(flat_of("tiny"))
+    del nested["hidden_size"]
+    with pytest.raises(ConfigError, match=r"missing key text_config\.hidden_size"):
+        VisionConfig.from_dict(nested)
+
+
 @pytest.mark.parametrize("name", SHIPPED)
 def test_to_flat_round_trips(name):
     cfg = VisionConfig.from_dict(flat_of(name))
@@ -124,7 +135,13 @@ def test_head_dim_rules(dim, heads, match):
                                         ("vision_patch_size", 14.5), ("vision_n_heads", True),
                                         ("hidden_size", "24"), ("vision_max_n_token", 5),
                                         ("vision_min_pixels", -1), ("vision_max_wh_ratio", 0),
-                                        ("vision_rope_theta", "ten thousand")])
+                                        ("vision_rope_theta", "ten thousand"),
+                                        ("vision_rope_theta", 0), ("vision_rope_theta", -1e4),
+                                        ("vision_rope_theta", float("nan")),
+                                        ("vision_rope_theta", float("inf")),
+                                        ("vision_max_wh_ratio", float("nan")),
+                                        ("vision_max_wh_ratio", float("inf")),
+                                        ("vision_min_pixels", float("inf"))])
 def test_bad_values_are_config_errors(key, value):
     flat = dict(flat_of("tiny"), **{key: value})
     with pytest.raises(ConfigError):

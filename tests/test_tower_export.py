@@ -3,7 +3,9 @@ embeddings as the full checkpoint it came from."""
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -98,6 +100,39 @@ def test_extract_refusals(tiny_ckpt, tiny_cfg, tiny_state, tmp_path):
                                  str(tmp_path / "y")])
     assert result.exit_code == 1 and "not found" in result.output
     assert np.all([not p.name.startswith(".") for p in busy.iterdir()])  # no temp file left
+
+
+@pytest.mark.parametrize("fault", ["config", "shape", "dtype"])
+def test_a_bad_source_is_one_line_and_makes_no_out_folder(tiny_cfg, tiny_state, tmp_path, fault):
+    tensors = dict(tiny_state)
+    if fault == "shape":
+        tensors["aligner.w1.weight"] = tiny_state["aligner.w1.weight"].t().contiguous()
+    if fault == "dtype":
+        tensors["aligner.w1.weight"] = tiny_state["aligner.w1.weight"].to(torch.int32)
+    source = write_checkpoint(tmp_path / "src", tiny_cfg.to_flat(),
+                              {"model.safetensors": tensors}, index=False)
+    if fault == "config":
+        (source / "config.json").write_text("{")
+    result = runner.invoke(app, ["extract", str(source), "--out", str(tmp_path / "out")])
+    assert result.exit_code == 1 and "Traceback" not in result.output, result.output
+    assert len(result.output.strip().splitlines()) == 1, result.output
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_full_disk_writing_config_json_is_one_line(tiny_ckpt, tmp_path, monkeypatch):
+    real_write_text = Path.write_text
+
+    def write_text(path, text, *args, **kwargs):
+        if path.name == "config.json":
+            real_write_text(path, text[:10])
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real_write_text(path, text, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "write_text", write_text)
+    result = runner.invoke(app, ["extract", str(tiny_ckpt), "--out", str(tmp_path / "out")])
+    assert result.exit_code == 1 and "Traceback" not in result.output, result.output
+    assert "config.json" in result.output and "No space left" in result.output
+    assert not (tmp_path / "out" / "config.json").exists()
 
 
 def test_overwrite_replaces_an_earlier_extract_and_nothing_else(tiny_ckpt, sharded_ckpt,

@@ -101,6 +101,9 @@ def test_hub_ids_versus_local_paths(tmp_path, monkeypatch):
     assert hub.resolve_weights("owner/name") == Path("owner/name")
     for local in ("./a/b", "/abs/path", "a/b/c", "a", "../x/y"):
         assert not hub.is_hub_id(local)
+    monkeypatch.setenv("HOME", str(tmp_path))  # a quoted --weights=~/... or DSV4ENC_WEIGHTS
+    assert not hub.is_hub_id("~/owner/name")
+    assert hub.resolve_weights("~/owner/name") == tmp_path / "owner" / "name"
     index = tmp_path / "index.json"
     weight_map = {"vision.x": "s1", "aligner.y": "s2", "embed": "s3"}
     index.write_text(json.dumps({"weight_map": weight_map}))

@@ -57,11 +57,13 @@ class BatchLoop:
         outputs = self.engine.collect()
         if not self.engine.last_finite:
             dtype = str(self.engine.out_dtype).removeprefix("torch.")
-            # float32 holds any finite output: the tower's own is not finite then
-            remedy = (self.remedy if self.engine.out_dtype != torch.float32
-                      else "the tower itself computes it so: check the weights")
+            # float32 holds any finite output, and a cast overflows to inf, never NaN: the
+            # tower's own output is not finite then
+            tower_s = "the tower itself computes it so: check the weights"
             for position, out in enumerate(outputs):
                 if not torch.isfinite(out).all():
+                    remedy = (self.remedy if self.engine.out_dtype != torch.float32
+                              and not out.isnan().any() else tower_s)
                     exc = NonFiniteOutput(position, f"embedding of {self.name_of(tags[position])}"
                                                     f" is not finite in {dtype}; {remedy}")
                     exc.tag = tags[position]

@@ -28,6 +28,9 @@ def resolve_device(name: str | torch.device,
         raise UsageError(f"unknown device {name!r} (use auto, cpu, cuda or cuda:N)") from None
     if device.type == "cuda" and not torch.cuda.is_available():
         raise UsageError(f"device {name} asked for, but CUDA is not available")
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        raise UsageError(f"device {name} asked for, but this machine has "
+                         f"{torch.cuda.device_count()} CUDA device(s), cuda:0 onwards")
     if device.type not in ("cpu", "cuda"):
         raise UsageError(f"unsupported device {name!r} (use auto, cpu, cuda or cuda:N)")
     return device

@@ -118,9 +118,15 @@ def tower_index(index_path: Path) -> dict[str, str]:
     """Each tower tensor's file name, from the safetensors index at ``index_path``."""
     try:
         weight_map = json.loads(index_path.read_text())["weight_map"]
-        return {name: fname for name, fname in weight_map.items() if is_tower_tensor(name)}
+        located = {name: fname for name, fname in weight_map.items() if is_tower_tensor(name)}
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
         raise WeightsError(f"{index_path}: not a safetensors index ({exc})") from None
+    unnamed = next((name for name, fname in sorted(located.items())
+                    if not isinstance(fname, str)), None)
+    if unnamed is not None:
+        raise WeightsError(f"{index_path}: the index names no file for tower tensor {unnamed} "
+                           f"({located[unnamed]!r})")
+    return located
 
 
 def locate_tower_tensors(folder: Path) -> dict[str, Path]:
@@ -143,7 +149,12 @@ def open_safetensors(path: Path, named_for: str | None = None):
     tensor the index named the file for)."""
     if not path.is_file():
         hint = f" (named by the index for {named_for})" if named_for else ""
-        raise WeightsError(f"weights file not found: {path}{hint}")
+        what = "is not a regular file" if path.exists() else "not found"
+        raise WeightsError(f"weights file {what}: {path}{hint}")
+    try:
+        path.open("rb").close()  # safetensors words a read denied as "No such file"
+    except OSError as exc:
+        raise WeightsError(f"cannot read weights file {path}: {exc.strerror or exc}") from None
     try:
         return safe_open(str(path), framework="pt")
     except Exception as exc:  # safetensors raises its own error types for bad headers

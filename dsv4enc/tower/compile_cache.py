@@ -66,11 +66,12 @@ def use_compile_cache(cfg: VisionConfig, device: torch.device, dtype: torch.dtyp
     current = os.environ.get(INDUCTOR_CACHE_ENV)
     if current is not None and current not in _chosen and not _inductor_default(current):
         return None
-    folder = cache_root() / "inductor" / cache_key(cfg, device, dtype)
     try:
+        folder = cache_root() / "inductor" / cache_key(cfg, device, dtype)
         folder.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:  # a read-only home: compile as before, just not kept
-        log.warning("compiled kernels are not kept: cannot create %s (%s)", folder, exc)
+    except (OSError, RuntimeError) as exc:  # a read-only home, or none (no HOME, no passwd
+        # entry): compile as before, just not kept
+        log.warning("compiled kernels are not kept: %s (set %s)", exc, CACHE_DIR_ENV)
         return None
     os.environ[INDUCTOR_CACHE_ENV] = str(folder.resolve())
     _chosen.add(os.environ[INDUCTOR_CACHE_ENV])

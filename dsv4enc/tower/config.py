@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import stat
 from pathlib import Path
 from typing import Any, Literal, get_args
@@ -117,8 +118,10 @@ class VisionConfig:
             raise ConfigError(f"config: max image tokens {self.max_n_token} is too small")
         if self.min_pixels < 0:
             raise ConfigError(f"config: min_pixels {self.min_pixels} is negative")
-        if self.max_wh_ratio is not None and self.max_wh_ratio <= 0:
-            raise ConfigError(f"config: max_wh_ratio {self.max_wh_ratio} must be positive")
+        for name in ("rope_theta", "max_wh_ratio"):
+            value = getattr(self, name)
+            if value is not None and not (math.isfinite(value) and value > 0):
+                raise ConfigError(f"config: {name} {value} must be a finite positive number")
         if self.model_type not in MODEL_NAMES:
             raise ConfigError(f"config: model_type {self.model_type!r} is not one of "
                               f"{', '.join(MODEL_NAMES)}")
@@ -165,7 +168,8 @@ class VisionConfig:
         # Each field's (object it is read from, key there, name in an error message).
         nested = raw.get("vision_config")
         if isinstance(nested, dict) and not any(k in raw for k in _FLAT_TO_FIELD):
-            text = raw.get("text_config") or {}
+            text = raw.get("text_config")
+            text = text if isinstance(text, dict) else {}
             where = {field: (nested, key, f"vision_config.{key}")
                      for field, key in _FLAT_TO_FIELD.values()}
             where["hidden_size"] = (text if "hidden_size" in text else raw, "hidden_size",
@@ -186,7 +190,7 @@ class VisionConfig:
             if values["max_wh_ratio"] is not None:
                 values["max_wh_ratio"] = float(values["max_wh_ratio"])
             values["min_pixels"] = int(values["min_pixels"])
-        except (TypeError, ValueError) as exc:
+        except (TypeError, ValueError, OverflowError) as exc:
             raise ConfigError(f"{source}: bad value ({exc})") from None
         try:
             return cls(**values)

@@ -87,14 +87,13 @@ def extract_tower(source: str | os.PathLike, out: str | os.PathLike,
                   overwrite: bool = False) -> Extracted:
     """Write the tower of checkpoint ``source`` (a folder or a Hub id) to folder ``out``."""
     folder = checkpoint_folder(resolve_weights(source))
+    cfg = VisionConfig.from_file(folder / "config.json")  # a bad one is one line
     raw_config = json.loads((folder / "config.json").read_text())
-    cfg = VisionConfig.from_file(folder / "config.json")
     located = locate_tower_tensors(folder)
     shapes = checked_shapes(cfg, located)
     out = Path(out)
     if out.resolve() == folder.resolve():
         raise OutputError("--out must differ from the source checkpoint folder")
-    _prepare_out(out, overwrite)
 
     # The header first (dtype, shape, byte range of every tensor, in name order) ...
     names = sorted(shapes)
@@ -114,7 +113,9 @@ def extract_tower(source: str | os.PathLike, out: str | os.PathLike,
         blob = json.dumps(header, separators=(",", ":")).encode()
         blob += b" " * (-len(blob) % 8)  # data starts 8-byte aligned
 
-        # ... then the bytes, one tensor at a time, under a temporary name.
+        # ... then the bytes, one tensor at a time, under a temporary name, in --out made
+        # only now that every tower tensor was found, of its shape and dtype.
+        _prepare_out(out, overwrite)
         target = out / WEIGHTS_NAME
         tmp = out / TMP_NAME
         try:
@@ -136,7 +137,12 @@ def extract_tower(source: str | os.PathLike, out: str | os.PathLike,
     config = cfg.to_flat()
     if isinstance(raw_config.get("model_type"), str):
         config = {"model_type": raw_config["model_type"], **config}
-    (out / "config.json").write_text(json.dumps(config, indent=1) + "\n")
+    written = out / "config.json"
+    try:
+        written.write_text(json.dumps(config, indent=1) + "\n")
+    except OSError as exc:  # no half-written config.json: `--weights` would read it
+        written.unlink(missing_ok=True)
+        raise OutputError(f"cannot write {written}: {exc.strerror or exc}") from None
     return Extracted(out, len(names), offset, str(folder))
 
 

@@ -7,16 +7,17 @@ rounding (a fused kernel may keep a value in float32 in a register)."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import platform
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
 from ..errors import UsageError
-from .compile_cache import use_compile_cache
+from .compile_cache import INDUCTOR_CACHE_ENV, use_compile_cache
 from .model import VisionTower, add_rms_norm, rms_norm, rope_formula, swiglu
 
 log = logging.getLogger(__name__)
@@ -87,8 +88,31 @@ def trust_vector_isas(folder: Path | None, device: torch.device) -> None:
 
 def compiled(fn: Callable, dynamic: bool = True) -> Callable:
     """``fn`` compiled by inductor (no graph breaks allowed): for any row count
-    (``dynamic``), or specialized to each shape it meets."""
-    return torch.compile(fn, dynamic=dynamic, fullgraph=True)
+    (``dynamic``), or specialized to each shape it meets. It compiles at its first call, in
+    the middle of a run: a compile that fails there (no working C++ compiler, a full or
+    unwritable cache folder) is a UsageError line, not inductor's traceback."""
+    from torch._dynamo.exc import BackendCompilerFailed
+
+    built = torch.compile(fn, dynamic=dynamic, fullgraph=True)
+
+    @functools.wraps(fn)
+    def run(*args: Any) -> Any:
+        try:
+            return built(*args)
+        except BackendCompilerFailed as exc:
+            raise cannot_compile(exc.inner_exception) from None
+
+    return run
+
+
+def cannot_compile(cause: BaseException) -> UsageError:
+    """The line for a compile that ``cause`` stopped (naming the cache folder where it is
+    one that could not be written)."""
+    text = (str(cause).strip().splitlines() or [""])[0]
+    if isinstance(cause, OSError):
+        text += f" (compiled kernels are kept in {os.environ.get(INDUCTOR_CACHE_ENV)})"
+    return UsageError(f"--fused: the fused kernels cannot be compiled: {type(cause).__name__}: "
+                      f"{text}; rerun with --no-fused")
 
 
 def fuse_elementwise(model: VisionTower, dynamic: bool = True) -> VisionTower:
@@ -103,7 +127,12 @@ def fuse_elementwise(model: VisionTower, dynamic: bool = True) -> VisionTower:
     except Exception as exc:  # pragma: no cover - depends on the torch build
         raise UsageError(f"--fused needs torch.compile's inductor backend ({exc})") from None
     pin_cpu_vector_width()
-    trust_vector_isas(use_compile_cache(model.cfg, model.device, model.dtype), model.device)
+    from torch._inductor.exc import InvalidCxxCompiler
+
+    try:
+        trust_vector_isas(use_compile_cache(model.cfg, model.device, model.dtype), model.device)
+    except InvalidCxxCompiler as exc:
+        raise cannot_compile(exc) from None
     norm, add_norm, rope, act = (compiled(f, dynamic) for f in (rms_norm, add_rms_norm,
                                                                 rope_formula, swiglu))
     model.vision.norm.norm_fn = norm

@@ -117,7 +117,7 @@ def resolve_weights(spec: str | os.PathLike) -> Path:
     holding config.json, the index and the tower's shards (fetched if not cached)."""
     spec = os.fspath(spec)
     if not is_hub_id(spec):
-        return Path(spec)
+        return Path(spec).expanduser()  # "~" that no shell expanded (an env var, --x=~/y)
     # huggingface_hub warns once per retry; dsv4enc reports one line instead (for this
     # call only: the caller's logging is left as it was)
     hub_log = logging.getLogger("huggingface_hub")

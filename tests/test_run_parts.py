@@ -131,6 +131,14 @@ def noise(path: Path, seed: int) -> None:
     Image.fromarray(rng.integers(0, 256, (12, 16, 3), dtype=np.uint8)).save(path)
 
 
+def noise_folder(folder: Path, keys: list[str]) -> Path:
+    """``folder`` made, with a noise image under each of ``keys``."""
+    folder.mkdir()
+    for i, key in enumerate(keys):
+        noise(folder / key, i)
+    return folder
+
+
 def encode(images: Path, out: str, **more):
     base = dict(inputs=[str(images)], out=out, config=str(CONFIGS / "tiny.json"),
                 random_init=True, device="cpu", part_images=4, batch_tokens=1500, workers=0,
@@ -153,11 +161,8 @@ def test_an_update_after_an_insertion_keeps_the_parts_away_from_it(new, tmp_path
     """A folder output's ``--update`` after images added before most others: the old part
     files that are whole parts of the new cut stay as they are (not even rewritten), nearly
     all of them, and the folder equals a clean run row for row."""
-    images = tmp_path / "in"
-    images.mkdir()
     old_keys = names(36)
-    for i, key in enumerate(old_keys):
-        noise(images / key, i)
+    images = noise_folder(tmp_path / "in", old_keys)
     out = tmp_path / "emb"
     encode(images, f"{out}/")
     before = files(out)
@@ -179,11 +184,8 @@ def test_an_update_keeps_the_pieces_that_commits_by_time_cut(tmp_path):
     ``--commit-every`` cuts parts on a slow device): after images are added first, the
     pieces of every part the insertion left as it was are kept as they are, and the folder
     equals a clean run."""
-    images = tmp_path / "in"
-    images.mkdir()
     old_keys = names(24)
-    for i, key in enumerate(old_keys):
-        noise(images / key, i)
+    images = noise_folder(tmp_path / "in", old_keys)
     out = tmp_path / "emb"
     encode(images, f"{out}/", commit_every=1e-6, batch_tokens=1)  # a piece per image
     before = files(out)
@@ -205,10 +207,7 @@ def test_resume_keeps_parts_cut_another_way(tmp_path):
     """Committed parts are judged by their inputs, wherever they were cut: a run resumed
     with another part size (or over parts an earlier dsv4enc cut by position) keeps them all,
     and equals a clean run."""
-    images = tmp_path / "in"
-    images.mkdir()
-    for i, key in enumerate(names(20)):
-        noise(images / key, i)
+    images = noise_folder(tmp_path / "in", names(20))
     out = tmp_path / "emb"
     encode(images, f"{out}/", part_images=3)
     before = files(out)
@@ -226,10 +225,7 @@ def test_a_resume_that_encodes_every_part_again_writes_the_manifest_whole_once(
     result equals a clean run."""
     from dsv4enc.output.parts import PartStore
 
-    images = tmp_path / "in"
-    images.mkdir()
-    for i, key in enumerate(names(24)):
-        noise(images / key, i)
+    images = noise_folder(tmp_path / "in", names(24))
     out = tmp_path / "emb"
     assert encode(images, f"{out}/", part_images=1).encoded == 24
     for path in images.iterdir():  # copied without their times: every stamp changes

@@ -34,7 +34,7 @@ from dsv4enc.run.pipeline import EncodeOptions, run_encode
 from dsv4enc.run.plan import assign_greedy, flops_cost
 from dsv4enc.tower.transform import plan_canvas
 
-from helpers import CONFIGS, Pauses, parts_of, table_rows, write_image
+from helpers import CONFIGS, Pauses, parts_of, reaped, table_rows, write_image
 
 pytestmark = pytest.mark.slow
 
@@ -517,17 +517,12 @@ def test_killed_rank_leaves_committed_pieces_that_resume_reuses(work, folders, c
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
            "--master-addr=127.0.0.1", f"--master-port={free_port()}", str(LAUNCHER), "pid",
            str(marker), *args]
-    proc = subprocess.Popen(cmd, cwd=work, env=pauses.env(_env()), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-    try:
+    with reaped(subprocess.Popen(cmd, cwd=work, env=pauses.env(_env()), stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True)) as proc:
         first = pauses.wait("commit", proc=proc, hang_guard_s=LAUNCH_TIMEOUT_S)
         os.kill(int(Path(f"{marker}.rank1.pid").read_text()), signal.SIGKILL)
         pauses.release()
         _, stderr = proc.communicate(timeout=LAUNCH_TIMEOUT_S)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
     assert proc.returncode != 0, stderr[-3000:]
     assert not out.exists()
     parts = load_manifest(work / "killed.parquet.partial" / "_manifest.json")["parts"]
@@ -551,16 +546,11 @@ def test_sigterm_ends_ranks_whose_stop_is_held_up(work, folders, ckpt, reference
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
            "--master-addr=127.0.0.1", f"--master-port={free_port()}", "-m", "dsv4enc",
            "encode", *args]
-    proc = subprocess.Popen(cmd, cwd=work, env=pauses.env(_env()), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-    try:
+    with reaped(subprocess.Popen(cmd, cwd=work, env=pauses.env(_env()), stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True)) as proc:
         pauses.wait("commit", proc=proc, hang_guard_s=LAUNCH_TIMEOUT_S)
         proc.send_signal(signal.SIGTERM)  # the launcher passes it to both ranks
         _, stderr = proc.communicate(timeout=LAUNCH_TIMEOUT_S)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
     assert proc.returncode != 0, stderr[-3000:]
     assert re.search(r"error: interrupted by SIGTERM; .*--resume.* \(the run did not stop "
                      r"within [\d.]+ s of the signal: ended at once\)", stderr), stderr[-3000:]
@@ -707,17 +697,12 @@ def test_signal_to_torchrun_counts_every_rank_in_the_summary(work, folders, ckpt
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
            "--master-addr=127.0.0.1", f"--master-port={free_port()}", "-m", "dsv4enc",
            "encode", *args, "--summary-json", str(summary_json)]
-    proc = subprocess.Popen(cmd, cwd=work, env=pauses.env(_env()), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-    try:
+    with reaped(subprocess.Popen(cmd, cwd=work, env=pauses.env(_env()), stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True)) as proc:
         pauses.wait("commit", proc=proc, hang_guard_s=LAUNCH_TIMEOUT_S)
         proc.send_signal(signal.SIGINT)
         pauses.release()
         _, stderr = proc.communicate(timeout=LAUNCH_TIMEOUT_S)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
     assert proc.returncode != 0, stderr[-3000:]
     stopped = [line for line in stderr.splitlines() if line.startswith("error:")]
     assert len(stopped) == 2 and all("interrupted by SIGINT" in line and "--resume" in line

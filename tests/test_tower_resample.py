@@ -68,9 +68,11 @@ def test_resize_equals_pillow_for_random_sizes(width, height, out_w, out_h):
 
 def test_pass_order_edges_equal_pillow():
     """Rows lost exactly twice the columns lost (horizontal first), one more (vertical first),
-    rows lost with columns gained, and extreme values that clip between the passes."""
+    rows lost with columns gained, extreme values that clip between the passes, and images
+    just over and at 100 times taller than wide (Pillow 12.2's and 12.3's rule)."""
     cases = [((60, 90), (50, 70)), ((60, 91), (50, 70)), ((60, 89), (50, 70)),
-             ((20, 90), (40, 30)), ((90, 20), (30, 40)), ((7, 200), (7, 13))]
+             ((20, 90), (40, 30)), ((90, 20), (30, 40)), ((7, 200), (7, 13)),
+             ((3, 1000), (2, 500)), ((10, 1001), (5, 100)), ((10, 1000), (5, 100))]
     for (w, h), size in cases:
         checker = np.indices((h, w)).sum(0) % 2 * 255  # the strongest overshoot
         pixels = np.repeat(checker[..., None], 3, axis=2).astype(np.uint8)
@@ -88,11 +90,17 @@ def test_windows_at_once_equal_tap_by_tap(dim):
                            resample_axis(pixels, out_size, dim, at_once=False))
 
 
-def test_pass_order_follows_the_installed_pillow():
-    if int(PIL.__version__.split(".")[0]) < 13:
-        assert not vertical_first((60, 91), (50, 70))
-    else:
-        assert vertical_first((60, 91), (50, 70)) and not vertical_first((60, 90), (50, 70))
+def test_pass_order_follows_each_pillow():
+    """Pillow 13 orders the passes by the rows and columns lost; 12.2 and 12.3 go vertical
+    first for an image over 100 times taller than wide that loses rows; older ones never."""
+    assert vertical_first((60, 91), (50, 70), pillow=(13, 0))
+    assert not vertical_first((60, 90), (50, 70), pillow=(13, 0))
+    for pillow in ((12, 2), (12, 3)):
+        assert vertical_first((5, 20000), (2, 7896), pillow=pillow)
+        assert not vertical_first((5, 500), (2, 70), pillow=pillow)  # only 100 times taller
+        assert not vertical_first((5, 20000), (5, 30000), pillow=pillow)  # rows gained
+    for pillow in ((10, 0), (12, 1)):
+        assert not vertical_first((5, 20000), (2, 7896), pillow=pillow)
 
 
 def test_pad_with_an_empty_contained_image_is_all_fill():

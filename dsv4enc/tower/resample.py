@@ -111,17 +111,21 @@ def _sums_by_tap(pixels: torch.Tensor, index: torch.Tensor, weights: torch.Tenso
     return acc
 
 
-#: Pillow 13 chose the order of the two passes by size; earlier Pillows always went horizontal
-#: first. The resize must follow the Pillow that the host path runs.
-PILLOW_ORDERS_PASSES = int(PIL.__version__.split(".")[0]) >= 13
+#: The Pillow that the host path runs, (major, minor): the resize follows its order of passes.
+PILLOW = tuple(int(part) for part in PIL.__version__.split(".")[:2])
 
 
-def vertical_first(in_size: tuple[int, int], out_size: tuple[int, int]) -> bool:
+def vertical_first(in_size: tuple[int, int], out_size: tuple[int, int],
+                   pillow: tuple[int, ...] = PILLOW) -> bool:
     """Whether Pillow resizes rows (the vertical pass) before columns, for (width, height)
-    sizes: in Pillow 13, when the image loses more than twice as many rows as columns (read
-    from its ImagingResampleInner and checked against it over random sizes)."""
+    sizes: from Pillow 13, when the image loses more than twice as many rows as columns (read
+    from its ImagingResampleInner and checked against it over random sizes); in 12.2 and 12.3,
+    when it loses rows and is over 100 times taller than wide (their Image.resize); before,
+    never."""
     rows_lost = in_size[1] - out_size[1]
-    return PILLOW_ORDERS_PASSES and rows_lost > 0 and rows_lost > 2 * (in_size[0] - out_size[0])
+    if pillow >= (13, 0):
+        return rows_lost > 0 and rows_lost > 2 * (in_size[0] - out_size[0])
+    return pillow >= (12, 2) and rows_lost > 0 and in_size[1] > 100 * in_size[0]
 
 
 def resize(pixels: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:

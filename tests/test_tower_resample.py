@@ -17,8 +17,8 @@ from dsv4enc.tower.checkpoint import load_checkpoint
 from dsv4enc.tower.config import VisionConfig
 from dsv4enc.tower.resample import (coefficients, pad, resample_axis, resize,
                                     vertical_first)
-from dsv4enc.tower.transform import (PAD_FILL, image_pixels, image_to_patches, plan_canvas,
-                                     pixels_to_patches)
+from dsv4enc.tower.transform import (PAD_FILL, contained_size, image_pixels, image_to_patches,
+                                     plan_canvas, pixels_to_patches)
 
 from helpers import CONFIGS
 
@@ -35,7 +35,10 @@ def pillow_resize(pixels: np.ndarray, size: tuple[int, int]) -> np.ndarray:
 
 
 def pillow_pad(pixels: np.ndarray, size: tuple[int, int]) -> np.ndarray:
-    return np.asarray(ImageOps.pad(Image.fromarray(pixels, "RGB"), size, color=FILL))
+    try:
+        return np.asarray(ImageOps.pad(Image.fromarray(pixels, "RGB"), size, color=FILL))
+    except ValueError:  # Pillow < 13: the contained image has a side of 0 (13: all fill)
+        return np.asarray(Image.new("RGB", size, FILL))
 
 
 def bits(patches: torch.Tensor) -> torch.Tensor:
@@ -54,7 +57,8 @@ def test_resize_and_pad_equal_pillow_over_a_grid(width, height):
     for size in sizes:
         assert np.array_equal(resize(torch.from_numpy(pixels), size).numpy(),
                               pillow_resize(pixels, size)), size
-        assert np.array_equal(pad(torch.from_numpy(pixels), size, FILL).numpy(),
+        inner = contained_size(width, height, size)
+        assert np.array_equal(pad(torch.from_numpy(pixels), size, FILL, inner).numpy(),
                               pillow_pad(pixels, size)), size
 
 
@@ -105,7 +109,7 @@ def test_pass_order_follows_each_pillow():
 
 def test_pad_with_an_empty_contained_image_is_all_fill():
     pixels = noise(1000, 1)  # contained in 10x10 it is 10x0: Pillow pastes nothing
-    assert np.array_equal(pad(torch.from_numpy(pixels), (10, 10), FILL).numpy(),
+    assert np.array_equal(pad(torch.from_numpy(pixels), (10, 10), FILL, (10, 0)).numpy(),
                           pillow_pad(pixels, (10, 10)))
 
 
@@ -123,9 +127,11 @@ def test_coefficients_sum_to_one_in_fixed_point():
 @pytest.mark.parametrize("mode", ["RGB", "L", "P", "I;16"])
 def test_pixels_to_patches_equals_the_pillow_path(config, mode):
     """V4 and V4.1 geometry: padded, stretched (wide past max_wh_ratio), upscaled to
-    min_pixels, and over the token budget; grey images ship one channel."""
+    min_pixels, over the token budget, and a strip too thin to show on its canvas (all fill,
+    where Pillow < 13's pad raises); grey images ship one channel."""
     cfg = VisionConfig.from_file(CONFIGS / config)
-    sizes = [(37, 23), (1024, 768), (768, 1024), (5000, 300), (300, 5000), (9, 9), (3000, 200)]
+    sizes = [(37, 23), (1024, 768), (768, 1024), (5000, 300), (300, 5000), (9, 9), (3000, 200),
+             (1, 20000)]
     for index, (w, h) in enumerate(sizes):
         image = Image.fromarray(noise(w, h, seed=index), "RGB")
         if mode == "I;16":

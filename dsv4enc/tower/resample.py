@@ -141,22 +141,11 @@ def resize(pixels: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
     return out.clone() if out is pixels else out
 
 
-def contained_size(width: int, height: int, size: tuple[int, int]) -> tuple[int, int]:
-    """ImageOps.contain's size for a ``width`` x ``height`` image in ``size``: the
-    largest that keeps the aspect ratio, each side rounded as Python rounds (ties to even)."""
-    im_ratio, dest_ratio = width / height, size[0] / size[1]
-    if im_ratio > dest_ratio:
-        return size[0], round(height / width * size[0])
-    if im_ratio < dest_ratio:
-        return round(width / height * size[1]), size[1]
-    return size
-
-
-def pad(pixels: torch.Tensor, size: tuple[int, int], fill: tuple[int, ...]) -> torch.Tensor:
+def pad(pixels: torch.Tensor, size: tuple[int, int], fill: tuple[int, ...],
+        inner: tuple[int, int]) -> torch.Tensor:
     """``ImageOps.pad(image, size, color=fill)`` (bicubic, centred) of uint8 pixels (h, w, c):
-    (size[1], size[0], c)."""
-    height, width = int(pixels.shape[0]), int(pixels.shape[1])
-    inner = contained_size(width, height, size)
+    (size[1], size[0], c). ``inner``: the image's size inside ``size``
+    (``transform.contained_size``)."""
     if inner == size:
         return resize(pixels, size)
     out = torch.empty(size[1], size[0], len(fill), dtype=torch.uint8, device=pixels.device)

@@ -17,8 +17,8 @@ from dsv4enc.tower.checkpoint import load_checkpoint
 from dsv4enc.tower.config import VisionConfig
 from dsv4enc.tower.resample import (coefficients, pad, resample_axis, resize,
                                     vertical_first)
-from dsv4enc.tower.transform import (PAD_FILL, image_pixels, image_to_patches, plan_canvas,
-                                     pixels_to_patches)
+from dsv4enc.tower.transform import (PAD_FILL, contained_size, image_pixels, image_to_patches,
+                                     plan_canvas, pixels_to_patches)
 
 from helpers import CONFIGS
 
@@ -35,7 +35,10 @@ def pillow_resize(pixels: np.ndarray, size: tuple[int, int]) -> np.ndarray:
 
 
 def pillow_pad(pixels: np.ndarray, size: tuple[int, int]) -> np.ndarray:
-    return np.asarray(ImageOps.pad(Image.fromarray(pixels, "RGB"), size, color=FILL))
+    try:
+        return np.asarray(ImageOps.pad(Image.fromarray(pixels, "RGB"), size, color=FILL))
+    except ValueError:  # Pillow < 13: the contained image has a side of 0 (13: all fill)
+        return np.asarray(Image.new("RGB", size, FILL))
 
 
 def bits(patches: torch.Tensor) -> torch.Tensor:
@@ -54,7 +57,8 @@ def test_resize_and_pad_equal_pillow_over_a_grid(width, height):
     for size in sizes:
         assert np.array_equal(resize(torch.from_numpy(pixels), size).numpy(),
                               pillow_resize(pixels, size)), size
-        assert np.array_equal(pad(torch.from_numpy(pixels), size, FILL).numpy(),
+        inner = contained_size(width, height, size)
+        assert np.array_equal(pad(torch.from_numpy(pixels), size, FILL, inner).numpy(),
                               pillow_pad(pixels, size)), size
 
 
@@ -68,9 +72,11 @@ def test_resize_equals_pillow_for_random_sizes(width, height, out_w, out_h):
 
 def test_pass_order_edges_equal_pillow():
     """Rows lost exactly twice the columns lost (horizontal first), one more (vertical first),
-    rows lost with columns gained, and extreme values that clip between the passes."""
+    rows lost with columns gained, extreme values that clip between the passes, and images
+    just over and at 100 times taller than wide (Pillow 12.2's and 12.3's rule)."""
     cases = [((60, 90), (50, 70)), ((60, 91), (50, 70)), ((60, 89), (50, 70)),
-             ((20, 90), (40, 30)), ((90, 20), (30, 40)), ((7, 200), (7, 13))]
+             ((20, 90), (40, 30)), ((90, 20), (30, 40)), ((7, 200), (7, 13)),
+             ((3, 1000), (2, 500)), ((10, 1001), (5, 100)), ((10, 1000), (5, 100))]
     for (w, h), size in cases:
         checker = np.indices((h, w)).sum(0) % 2 * 255  # the strongest overshoot
         pixels = np.repeat(checker[..., None], 3, axis=2).astype(np.uint8)
@@ -88,16 +94,22 @@ def test_windows_at_once_equal_tap_by_tap(dim):
                            resample_axis(pixels, out_size, dim, at_once=False))
 
 
-def test_pass_order_follows_the_installed_pillow():
-    if int(PIL.__version__.split(".")[0]) < 13:
-        assert not vertical_first((60, 91), (50, 70))
-    else:
-        assert vertical_first((60, 91), (50, 70)) and not vertical_first((60, 90), (50, 70))
+def test_pass_order_follows_each_pillow():
+    """Pillow 13 orders the passes by the rows and columns lost; 12.2 and 12.3 go vertical
+    first for an image over 100 times taller than wide that loses rows; older ones never."""
+    assert vertical_first((60, 91), (50, 70), pillow=(13, 0))
+    assert not vertical_first((60, 90), (50, 70), pillow=(13, 0))
+    for pillow in ((12, 2), (12, 3)):
+        assert vertical_first((5, 20000), (2, 7896), pillow=pillow)
+        assert not vertical_first((5, 500), (2, 70), pillow=pillow)  # only 100 times taller
+        assert not vertical_first((5, 20000), (5, 30000), pillow=pillow)  # rows gained
+    for pillow in ((10, 0), (12, 1)):
+        assert not vertical_first((5, 20000), (2, 7896), pillow=pillow)
 
 
 def test_pad_with_an_empty_contained_image_is_all_fill():
     pixels = noise(1000, 1)  # contained in 10x10 it is 10x0: Pillow pastes nothing
-    assert np.array_equal(pad(torch.from_numpy(pixels), (10, 10), FILL).numpy(),
+    assert np.array_equal(pad(torch.from_numpy(pixels), (10, 10), FILL, (10, 0)).numpy(),
                           pillow_pad(pixels, (10, 10)))
 
 
@@ -115,9 +127,11 @@ def test_coefficients_sum_to_one_in_fixed_point():
 @pytest.mark.parametrize("mode", ["RGB", "L", "P", "I;16"])
 def test_pixels_to_patches_equals_the_pillow_path(config, mode):
     """V4 and V4.1 geometry: padded, stretched (wide past max_wh_ratio), upscaled to
-    min_pixels, and over the token budget; grey images ship one channel."""
+    min_pixels, over the token budget, and a strip too thin to show on its canvas (all fill,
+    where Pillow < 13's pad raises); grey images ship one channel."""
     cfg = VisionConfig.from_file(CONFIGS / config)
-    sizes = [(37, 23), (1024, 768), (768, 1024), (5000, 300), (300, 5000), (9, 9), (3000, 200)]
+    sizes = [(37, 23), (1024, 768), (768, 1024), (5000, 300), (300, 5000), (9, 9), (3000, 200),
+             (1, 20000)]
     for index, (w, h) in enumerate(sizes):
         image = Image.fromarray(noise(w, h, seed=index), "RGB")
         if mode == "I;16":

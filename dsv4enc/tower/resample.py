@@ -111,17 +111,21 @@ def _sums_by_tap(pixels: torch.Tensor, index: torch.Tensor, weights: torch.Tenso
     return acc
 
 
-#: Pillow 13 chose the order of the two passes by size; earlier Pillows always went horizontal
-#: first. The resize must follow the Pillow that the host path runs.
-PILLOW_ORDERS_PASSES = int(PIL.__version__.split(".")[0]) >= 13
+#: The Pillow that the host path runs, (major, minor): the resize follows its order of passes.
+PILLOW = tuple(int(part) for part in PIL.__version__.split(".")[:2])
 
 
-def vertical_first(in_size: tuple[int, int], out_size: tuple[int, int]) -> bool:
+def vertical_first(in_size: tuple[int, int], out_size: tuple[int, int],
+                   pillow: tuple[int, ...] = PILLOW) -> bool:
     """Whether Pillow resizes rows (the vertical pass) before columns, for (width, height)
-    sizes: in Pillow 13, when the image loses more than twice as many rows as columns (read
-    from its ImagingResampleInner and checked against it over random sizes)."""
+    sizes: from Pillow 13, when the image loses more than twice as many rows as columns (read
+    from its ImagingResampleInner and checked against it over random sizes); in 12.2 and 12.3,
+    when it loses rows and is over 100 times taller than wide (their Image.resize); before,
+    never."""
     rows_lost = in_size[1] - out_size[1]
-    return PILLOW_ORDERS_PASSES and rows_lost > 0 and rows_lost > 2 * (in_size[0] - out_size[0])
+    if pillow >= (13, 0):
+        return rows_lost > 0 and rows_lost > 2 * (in_size[0] - out_size[0])
+    return pillow >= (12, 2) and rows_lost > 0 and in_size[1] > 100 * in_size[0]
 
 
 def resize(pixels: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
@@ -137,22 +141,11 @@ def resize(pixels: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
     return out.clone() if out is pixels else out
 
 
-def contained_size(width: int, height: int, size: tuple[int, int]) -> tuple[int, int]:
-    """ImageOps.contain's size for a ``width`` x ``height`` image in ``size``: the
-    largest that keeps the aspect ratio, each side rounded as Python rounds (ties to even)."""
-    im_ratio, dest_ratio = width / height, size[0] / size[1]
-    if im_ratio > dest_ratio:
-        return size[0], round(height / width * size[0])
-    if im_ratio < dest_ratio:
-        return round(width / height * size[1]), size[1]
-    return size
-
-
-def pad(pixels: torch.Tensor, size: tuple[int, int], fill: tuple[int, ...]) -> torch.Tensor:
+def pad(pixels: torch.Tensor, size: tuple[int, int], fill: tuple[int, ...],
+        inner: tuple[int, int]) -> torch.Tensor:
     """``ImageOps.pad(image, size, color=fill)`` (bicubic, centred) of uint8 pixels (h, w, c):
-    (size[1], size[0], c)."""
-    height, width = int(pixels.shape[0]), int(pixels.shape[1])
-    inner = contained_size(width, height, size)
+    (size[1], size[0], c). ``inner``: the image's size inside ``size``
+    (``transform.contained_size``)."""
     if inner == size:
         return resize(pixels, size)
     out = torch.empty(size[1], size[0], len(fill), dtype=torch.uint8, device=pixels.device)

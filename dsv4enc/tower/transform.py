@@ -260,6 +260,17 @@ def normalize_patch_pixels(patch_pixels: np.ndarray, out: np.ndarray | None = No
     return out
 
 
+def contained_size(width: int, height: int, size: tuple[int, int]) -> tuple[int, int]:
+    """ImageOps.contain's size for a ``width`` x ``height`` image in ``size``: the
+    largest that keeps the aspect ratio, each side rounded as Python rounds (ties to even)."""
+    im_ratio, dest_ratio = width / height, size[0] / size[1]
+    if im_ratio > dest_ratio:
+        return size[0], round(height / width * size[0])
+    if im_ratio < dest_ratio:
+        return round(width / height * size[1]), size[1]
+    return size
+
+
 def image_to_patch_bits(image: Image.Image, cfg: VisionConfig,
                         out: Callable[[tuple[int, int]], np.ndarray | None] | None = None,
                         ) -> tuple[np.ndarray, Canvas]:
@@ -274,6 +285,8 @@ def image_to_patch_bits(image: Image.Image, cfg: VisionConfig,
     size = (canvas.width, canvas.height)
     if canvas.stretch:
         fitted = rgb.resize(size)
+    elif min(contained_size(rgb.width, rgb.height, size)) == 0:  # Pillow < 13's pad raises
+        fitted = Image.new("RGB", size, PAD_FILL)  # only the fill shows, as Pillow 13 pads
     else:
         fitted = ImageOps.pad(rgb, size, color=PAD_FILL)
     pixels = np.asarray(fitted, dtype=np.uint8)  # (bh, bw, 3)
@@ -314,7 +327,7 @@ def pixels_to_patches(pixels: "torch.Tensor", cfg: VisionConfig) -> tuple["torch
     canvas = plan_canvas(width, height, cfg)
     size = (canvas.width, canvas.height)
     fitted = (resize(pixels, size) if canvas.stretch
-              else pad(pixels, size, PAD_FILL[:channels]))  # (bh, bw, c)
+              else pad(pixels, size, PAD_FILL[:channels], contained_size(width, height, size)))
     p = cfg.patch_size
     patch_pixels = (fitted.expand(-1, -1, 3).permute(2, 0, 1)  # (3, bh, bw)
                     .reshape(3, canvas.n_h, p, canvas.n_w, p)

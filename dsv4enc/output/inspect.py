@@ -158,8 +158,9 @@ def summarize(path: str | os.PathLike, storage_options: Any = None) -> OutputSum
 
 def _live(out: OutputSummary, folder: str) -> OutputSummary:
     """``out``, with the live run that writes its parts ``folder`` (a local one) named."""
-    if not storage.is_url(folder):
-        out.writing = holder_if_locked(Path(folder) / LOCK_NAME)
+    local = storage.local_path(folder)
+    if local is not None:  # a local folder's lock (a bucket's lock object is not read here)
+        out.writing = holder_if_locked(Path(local) / LOCK_NAME)
     return out
 
 

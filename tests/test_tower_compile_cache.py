@@ -3,6 +3,7 @@ graph cache hits), and a tower with another key compiles afresh in a folder of i
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import subprocess
@@ -12,15 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from dsv4enc.engine.engine import Engine
-from dsv4enc.engine.factory import build_model
-from dsv4enc.engine.packing import pack
-from dsv4enc.errors import UsageError
 from dsv4enc.tower import compile_cache
-from dsv4enc.tower.checkpoint import random_checkpoint
 from dsv4enc.tower.compile_cache import cache_key, cache_root, use_compile_cache
 
-from helpers import REPO_ROOT, load_config, random_patch_items
+from helpers import REPO_ROOT, load_config
 
 #: Builds the tiny fused tower in the dtype argv[1] names, encodes one image, and prints
 #: inductor's FX graph cache counters.
@@ -107,21 +103,46 @@ def test_no_home_folder_compiles_without_keeping(monkeypatch):
     assert use_compile_cache(load_config("tiny"), torch.device("cpu"), torch.float32) is None
 
 
+#: Builds the tiny fused tower with the fault argv[1] names (argv[2]: a folder to spoil),
+#: encodes one image, and prints the line it refuses with (in a process of its own: one that
+#: compiled the kernels before holds them in memory, and compiles nothing at its first batch).
+FAULT = """
+import sys, torch
+from pathlib import Path
+sys.path.insert(0, "tests")
+from helpers import load_config, random_patch_items
+from torch._inductor import config as inductor_config
+from dsv4enc.engine.engine import Engine
+from dsv4enc.engine.factory import build_model
+from dsv4enc.engine.packing import pack
+from dsv4enc.errors import UsageError
+from dsv4enc.tower import compile_cache
+from dsv4enc.tower.checkpoint import random_checkpoint
+import os
+fault, spoiled = sys.argv[1], Path(sys.argv[2])
+cfg = load_config("tiny")
+model = build_model(random_checkpoint(cfg, 0), torch.device("cpu"), fused=True)
+if fault == "no compiler":
+    inductor_config.cpp.cxx = (None, str(spoiled / "no-g++"))
+else:
+    (spoiled / "a_file").write_text("")
+    os.environ[compile_cache.INDUCTOR_CACHE_ENV] = str(spoiled / "a_file" / "c")
+try:
+    Engine(model).encode(pack(random_patch_items([(5, 7)], cfg.patch_dim), 3))
+except UsageError as exc:
+    print(repr(str(exc)))
+"""
+
+
 @pytest.mark.parametrize("fault", ["no compiler", "cache not writable"])
-def test_a_compile_that_fails_at_the_first_batch_is_one_line(monkeypatch, tmp_path, fault):
+def test_a_compile_that_fails_at_the_first_batch_is_one_line(tmp_path, fault):
     """The kernels compile at the first batch: a compiler or cache folder that fails there
     is a UsageError line (the command's one line), not inductor's traceback."""
-    from torch._inductor import config as inductor_config
-
-    monkeypatch.setenv("DSV4ENC_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.delenv(compile_cache.INDUCTOR_CACHE_ENV, raising=False)
-    cfg = load_config("tiny")
-    model = build_model(random_checkpoint(cfg, 0), torch.device("cpu"), fused=True)
-    if fault == "no compiler":
-        monkeypatch.setattr(inductor_config.cpp, "cxx", (None, str(tmp_path / "no-g++")))
-    else:
-        (tmp_path / "a_file").write_text("")
-        monkeypatch.setenv(compile_cache.INDUCTOR_CACHE_ENV, str(tmp_path / "a_file" / "c"))
-    with pytest.raises(UsageError, match="fused kernels cannot be compiled.*--no-fused") as info:
-        Engine(model).encode(pack(random_patch_items([(5, 7)], cfg.patch_dim), 3))
-    assert "\n" not in str(info.value)
+    env = {k: v for k, v in os.environ.items() if k != compile_cache.INDUCTOR_CACHE_ENV}
+    env.update(DSV4ENC_CACHE_DIR=str(tmp_path / "cache"), PYTHONPATH=str(REPO_ROOT))
+    done = subprocess.run([sys.executable, "-c", FAULT, fault, str(tmp_path)], cwd=REPO_ROOT,
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    line = ast.literal_eval(done.stdout.strip().splitlines()[-1])  # the repr FAULT printed
+    assert "fused kernels cannot be compiled" in line and "--no-fused" in line, line
+    assert "\n" not in line

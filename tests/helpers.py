@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import subprocess
+import sys
 import time
 import zlib
 from pathlib import Path
-from typing import Iterable, Iterator, Mapping, Sequence
+from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
 import pytest
@@ -276,6 +278,18 @@ class Pauses:
     def release(self, point: str | None = None, n: int = 1) -> None:
         """Let the run go on: past one pause, or (no ``point``) past every pause from now."""
         (self.folder / (f"{point}.{n}.go" if point else "go")).touch()
+
+    def launch(self, *args: str, extra_env: Mapping[str, str] | None = None,
+               **popen: Any) -> subprocess.Popen:
+        """``python -m dsv4enc *args`` in another process that pauses at these points: one
+        thread, this tree's code, no weights from the environment. Its output is piped as
+        text unless ``popen`` says otherwise."""
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT),
+               **(extra_env or {})}
+        env.pop("DSV4ENC_WEIGHTS", None)
+        popen = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True, **popen}
+        return subprocess.Popen([sys.executable, "-m", "dsv4enc", *args], env=self.env(env),
+                                **popen)
 
 
 def signal_after_first_part(monkeypatch, signum: int | None = None) -> None:

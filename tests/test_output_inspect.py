@@ -185,6 +185,12 @@ def test_list_lines():
     assert list_line("a\nb.jpg") is None and list_line(" lead.jpg") is None
 
 
+def _launch(pauses: Pauses, folder: Path, out: str, weights: Path):
+    """A tiny run of ``folder`` into ``out`` in another process, pausing at ``pauses``."""
+    return pauses.launch("encode", str(folder), "--out", out, "--weights", str(weights),
+                         "--part-images", "2", "--workers", "0", "--device", "cpu", "-q")
+
+
 def test_a_killed_run_shows_its_journal_not_its_stray_files(tmp_path, small_ckpt):
     """SIGKILLed while paused after its second commit; then a part file is there that no
     commit lists (as a part written just before a kill is): inspect reports the journal's
@@ -193,12 +199,8 @@ def test_a_killed_run_shows_its_journal_not_its_stray_files(tmp_path, small_ckpt
     for i in range(12):
         write_image(folder / f"{i:02d}.png", (20 + i, 20))
     out = tmp_path / "out"
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}
     pauses = Pauses(tmp_path / "pauses", "commit")
-    proc = subprocess.Popen([sys.executable, "-m", "dsv4enc", "encode", str(folder), "--out",
-                             f"{out}/", "--weights", str(small_ckpt), "--part-images", "2",
-                             "--workers", "0", "--device", "cpu", "-q"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=pauses.env(env))
+    proc = _launch(pauses, folder, f"{out}/", small_ckpt)
     try:
         pauses.release("commit", 1)
         pauses.wait("commit", 2, proc=proc)
@@ -226,12 +228,8 @@ def test_a_run_still_writing_is_not_called_interrupted(tmp_path, small_ckpt):
     for i in range(4):
         write_image(folder / f"{i:02d}.png", (20 + i, 20))
     out = tmp_path / "o.parquet"
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}
     pauses = Pauses(tmp_path / "pauses", "commit")
-    proc = subprocess.Popen([sys.executable, "-m", "dsv4enc", "encode", str(folder), "--out",
-                             str(out), "--weights", str(small_ckpt), "--part-images", "2",
-                             "--workers", "0", "--device", "cpu", "-q"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=pauses.env(env))
+    proc = _launch(pauses, folder, str(out), small_ckpt)
     try:
         pauses.wait("commit", 1, proc=proc)
         data = json.loads(run("inspect", str(out), "--json").stdout)
@@ -348,15 +346,10 @@ def test_a_folder_run_killed_before_its_first_commit_is_shown_as_interrupted(tmp
         write_image(folder / f"{i}.png", (20 + i, 20))
     from dsv4enc.output.inspect import progress_text, summarize
 
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}
     said = []
     for number, out in enumerate((f"{tmp_path}/folder/", f"{tmp_path}/single.parquet")):
         pauses = Pauses(tmp_path / f"pauses{number}", "encoded")
-        proc = subprocess.Popen([sys.executable, "-m", "dsv4enc", "encode", str(folder), "--out",
-                                 out, "--weights", str(small_ckpt), "--part-images", "2",
-                                 "--workers", "0", "--device", "cpu", "-q"],
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                env=pauses.env(env))
+        proc = _launch(pauses, folder, out, small_ckpt)
         try:
             pauses.wait("encoded", proc=proc)
         finally:

@@ -508,13 +508,9 @@ def test_two_runs_on_one_out_at_once(data, tmp_path):
     for i in range(N_IMAGES, 40):
         noise_png(data / f"img{i}.png", i, (40, 32))
     out = tmp_path / "e.parquet"
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}
-    env.pop("DSV4ENC_WEIGHTS", None)
     pauses = Pauses(tmp_path / "pauses", "commit")
-    first = subprocess.Popen([sys.executable, "-m", "dsv4enc", "encode", str(data), "--out",
-                              str(out), *COMMON[:-3], "--workers", "1", "-q"],
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                             env=pauses.env(env))
+    first = pauses.launch("encode", str(data), "--out", str(out), *COMMON[:-3],
+                          "--workers", "1", "-q")
     try:
         pauses.wait("commit", proc=first)  # it holds the lock and waits until released
         refusals = [encode(str(data), "--out", str(out), *extra)
@@ -780,14 +776,10 @@ def test_sigkill_long_before_the_part_ends_loses_at_most_commit_every(data, tmp_
         noise_png(data / f"img{i:02d}.png", i, (40, 32))
     out = tmp_path / "e.parquet"
     partial = tmp_path / "e.parquet.partial"
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}
-    env.pop("DSV4ENC_WEIGHTS", None)
     args = [a if a != str(PART) else "1000" for a in COMMON[:-3]]
     pauses = Pauses(tmp_path / "pauses", "commit")
-    proc = subprocess.Popen([sys.executable, "-m", "dsv4enc", "encode", str(data), "--out",
-                             str(out), *args, "--workers", "1", "-q", "--commit-every", "0.2"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            env=pauses.env(env))
+    proc = pauses.launch("encode", str(data), "--out", str(out), *args, "--workers", "1", "-q",
+                         "--commit-every", "0.2", text=False)
     try:
         first = pauses.wait("commit", proc=proc)  # the run waits there: kill it now
         proc.kill()
@@ -820,14 +812,11 @@ def test_sigkill_at_60_percent_then_resume_encodes_at_most_half_again(tmp_path):
     for i in range(total):
         noise_png(images / f"img{i:03d}.png", i, (40, 32))
     out = tmp_path / "k.parquet"
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}
-    env.pop("DSV4ENC_WEIGHTS", None)
     args = [a for a in COMMON if a not in ("-q", "--part-images", str(PART))]
     pauses = Pauses(tmp_path / "pauses", "encoded")
-    proc = subprocess.Popen([sys.executable, "-m", "dsv4enc", "encode", str(images), "--out",
-                             str(out), *args, "--commit-every", "0.05", "--log-every", "0.05"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            env=pauses.env(env))
+    proc = pauses.launch("encode", str(images), "--out", str(out), *args, "--commit-every",
+                         "0.05", "--log-every", "0.05", stdout=subprocess.DEVNULL,
+                         stderr=subprocess.DEVNULL)
     done = 0
     try:
         # The run stops after each batch is counted until told to go on: kill it at the

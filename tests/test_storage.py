@@ -376,12 +376,8 @@ def test_sigkill_then_resume_on_the_bucket(s3, tmp_path):
     total = 240
     _, url = noise_images(s3, "noise", total, tmp_path)
     out = f"{s3.url}/res/e.parquet"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT)}
-    env.pop("DSV4ENC_WEIGHTS", None)
     pauses = Pauses(tmp_path / "pauses", "commit")
-    proc = subprocess.Popen([sys.executable, "-m", "dsv4enc", "encode", url, "--out", out, *TINY,
-                             "--workers", "1", "-q"], env=pauses.env(env),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = pauses.launch("encode", url, "--out", out, *TINY, "--workers", "1", "-q")
     try:
         # The run waits at its first local commit (however fast the machine) while its
         # upload thread goes on: kill it once the bucket's manifest lists that part.
@@ -873,13 +869,9 @@ def test_a_stopped_bucket_run_s_summary_names_the_out_given(s3, tmp_path):
     local staging folder, removed as the run ends)."""
     folder, _ = noise_images(s3, "sj", 6, tmp_path)
     out, summary = f"{s3.url}/sj/out/", tmp_path / "s.json"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT)}
-    env.pop("DSV4ENC_WEIGHTS", None)
     pauses = Pauses(tmp_path / "pauses", "commit")
-    proc = subprocess.Popen([sys.executable, "-m", "dsv4enc", "encode", str(folder), "--out",
-                             out, *TINY, "--workers", "0", "-q", "--summary-json", str(summary)],
-                            env=pauses.env(env), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    proc = pauses.launch("encode", str(folder), "--out", out, *TINY, "--workers", "0", "-q",
+                         "--summary-json", str(summary))
     try:
         pauses.wait("commit", proc=proc)
         proc.send_signal(signal.SIGTERM)
@@ -1080,12 +1072,8 @@ def test_a_signal_during_the_final_upload_leaves_no_object(s3, tmp_path):
     chunk): exit 130 and no object under --out; --resume then publishes the whole file."""
     folder, _ = noise_images(s3, "sig", 6, tmp_path)
     out = f"{s3.url}/sigout/e.parquet"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT)}
-    env.pop("DSV4ENC_WEIGHTS", None)
     pauses = Pauses(tmp_path / "pauses", "upload")
-    proc = subprocess.Popen([sys.executable, "-m", "dsv4enc", "encode", str(folder), "--out",
-                             out, *TINY, "--workers", "0", "-q"], env=pauses.env(env),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = pauses.launch("encode", str(folder), "--out", out, *TINY, "--workers", "0", "-q")
     try:
         pauses.wait("upload", proc=proc)
         proc.send_signal(signal.SIGINT)

@@ -10,12 +10,9 @@ from __future__ import annotations
 import errno
 import http.server
 import json
-import os
 import re
 import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
 from contextlib import suppress
@@ -30,7 +27,7 @@ from dsv4enc.images import decode
 from dsv4enc.cli import app
 from dsv4enc.images.decode import TRANSIENT_ERRORS
 
-from helpers import REPO_ROOT, Pauses
+from helpers import Pauses
 from objectstore import manifest_parts, noise_images, tiny_run_options
 
 runner = CliRunner()
@@ -353,17 +350,12 @@ def test_a_store_that_stops_answering_ends_the_run_and_resume_finishes(s3_outage
     folder, url = noise_images(s3, "in", total, tmp_path)
     inputs = url if where in ("inputs", "both") else str(folder)
     out = f"{s3.url}/out/" if where in ("output", "both") else str(tmp_path / "o.parquet")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT)}
-    env.pop("DSV4ENC_WEIGHTS", None)
-    # The images are small: their header reads would hold them all for the decode, and the
-    # run would need the store no more. Held nothing, each decode reads its image.
-    env["DSV4ENC_HOLD_BYTES"] = "0"
     pauses = Pauses(tmp_path / "pauses", "commit")
     began = time.monotonic()
-    proc = subprocess.Popen([sys.executable, "-m", "dsv4enc", "encode", inputs, "--out", out,
-                             *TINY, "--workers", "1", "-q", "--storage-outage-s", "2"],
-                            env=pauses.env(env), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    # The images are small: their header reads would hold them all for the decode, and the
+    # run would need the store no more. Held nothing, each decode reads its image.
+    proc = pauses.launch("encode", inputs, "--out", out, *TINY, "--workers", "1", "-q",
+                         "--storage-outage-s", "2", extra_env={"DSV4ENC_HOLD_BYTES": "0"})
     try:
         pauses.wait("commit", proc=proc, hang_guard_s=HANG_GUARD_S)
         while storage.is_url(out) and not manifest_parts(s3, "out/_manifest.json"):
@@ -415,12 +407,8 @@ def test_a_signal_during_an_outage_ends_the_run_naming_the_bucket(s3_outage, tmp
     s3 = s3_outage
     folder, _ = noise_images(s3, "in", 30, tmp_path)
     out = f"{s3.url}/out/"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT)}
-    env.pop("DSV4ENC_WEIGHTS", None)
     pauses = Pauses(tmp_path / "pauses", "encoded")
-    proc = subprocess.Popen([sys.executable, "-m", "dsv4enc", "encode", str(folder), "--out",
-                             out, *TINY, "--workers", "0", "-q"], env=pauses.env(env),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = pauses.launch("encode", str(folder), "--out", out, *TINY, "--workers", "0", "-q")
     try:
         pauses.wait("encoded", proc=proc, hang_guard_s=HANG_GUARD_S)
         s3.server.stop()

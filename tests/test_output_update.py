@@ -8,8 +8,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -25,7 +23,7 @@ from dsv4enc.output.files import STAMPS_FILE
 from dsv4enc.output.update import STAMPS_KEY
 from dsv4enc.run.pipeline import EncodeOptions, run_encode
 
-from helpers import CONFIGS, REPO_ROOT, Pauses, torch_threads
+from helpers import CONFIGS, Pauses, reaped, torch_threads
 
 CONFIG = str(CONFIGS / "tiny.json")
 PART = 3
@@ -330,6 +328,13 @@ def test_an_update_of_a_bucket_folder_reads_its_parts_in_place(s3, tmp_path, cle
     assert_clean(mirror, clean[1])
 
 
+def _launch_update(pauses: Pauses, images: Path, out: str):
+    """``--update --prune`` of ``images`` into ``out`` in another process, pausing there."""
+    return pauses.launch("encode", str(images), "--out", out, "--config", CONFIG,
+                         "--random-init", "--device", "cpu", "--workers", "0", "--part-images",
+                         str(PART), "--batch-tokens", "1500", "--update", "--prune", "-q")
+
+
 @pytest.mark.parametrize("kind", ["file", "folder"])
 def test_an_update_killed_midway_keeps_the_old_output_and_finishes_with_update(kind, tmp_path,
                                                                                clean):
@@ -340,21 +345,10 @@ def test_an_update_killed_midway_keeps_the_old_output_and_finishes_with_update(k
     before = table_of(out)
     grow_change_shrink(images)
     pauses = Pauses(tmp_path / "pauses", "commit")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT),
-           **pauses.env()}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "dsv4enc", "encode", str(images), "--out", given,
-         "--config", CONFIG, "--random-init", "--device", "cpu", "--workers", "0",
-         "--part-images", str(PART), "--batch-tokens", "1500", "--update", "--prune", "-q"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True)
-    try:
+    with reaped(_launch_update(pauses, images, given)) as proc:
         pauses.wait("commit", proc=proc)  # one part of the update committed, then the kill
         proc.kill()
         proc.wait(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
     assert proc.returncode == -signal.SIGKILL
     assert table_of(out) == before  # the old output is whole, untouched
     summary = run_encode(options(images, given, update=True, prune=True))
@@ -698,22 +692,12 @@ def test_an_update_stopped_anywhere_shows_readers_the_old_rows_or_the_new(point,
     grow_change_shrink(images)
     new = sorted(row["path"] for row in clean[1])
     pauses = Pauses(tmp_path / "pauses", point)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT), **pauses.env()}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "dsv4enc", "encode", str(images), "--out", f"{out}/",
-         "--config", CONFIG, "--random-init", "--device", "cpu", "--workers", "0",
-         "--part-images", str(PART), "--batch-tokens", "1500", "--update", "--prune", "-q"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True)
     expected = {reader: new for reader in old} if point == "switched" else old
-    try:
+    with reaped(_launch_update(pauses, images, f"{out}/")) as proc:
         pauses.wait(point, proc=proc)
         assert_readers_see(out, expected)
         proc.kill()
         proc.wait(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
     assert_readers_see(out, expected)
     run_encode(options(images, f"{out}/", update=True, prune=True))
     assert_readers_see(out, {reader: new for reader in old})

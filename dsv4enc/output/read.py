@@ -97,14 +97,12 @@ def find_output(location: str | os.PathLike, storage_options: Any = None) -> Out
     if gone:
         more = f" (and {len(gone) - 1} more)" if len(gone) > 1 else ""
         raise UsageError(f"{_shown(text, root, gone[0])}{more}: missing, though the manifest "
-                         f"lists it: the output is damaged; {REPAIR_ADVICE}")
+                         "lists it: the output is damaged; rerun its encode command with "
+                         "--update to repair it (with --resume, if that run did not finish)")
     locked = f"{root}/{LOCK_NAME}" in listed
-    if not manifests:
-        if locked:  # a run writes it (or was killed) before any commit
-            paths = []
-        else:
-            paths = sorted((p for p in listed if _visible(p[len(root):].strip("/"))),
-                           key=lambda p: p[len(root):].strip("/").split("/"))
+    if not manifests and not locked:  # (locked: a run writes it, or was killed, before a commit)
+        paths = sorted((p for p in listed if _visible(p[len(root):].strip("/"))),
+                       key=lambda p: p[len(root):].strip("/").split("/"))
     return OutputFiles(text, fs, root, paths, [listed[p].size for p in paths], manifests,
                        sum(f.size for f in listed.values()), locked)
 
@@ -124,11 +122,6 @@ def readable_output(location: str | os.PathLike, storage_options: Any = None) ->
     return found
 
 
-#: How a reader's line tells the user to repair an output whose committed part is gone.
-REPAIR_ADVICE = ("rerun its encode command with --update to repair it (with --resume, if "
-                 "that run did not finish)")
-
-
 def _shown(location: str, root: str, path: str) -> str:
     """``path`` (in the output's file system) under ``location`` as the user wrote it."""
     below = path[len(root):].strip("/")
@@ -140,9 +133,7 @@ def _list_folder(fs, root: str, text: str) -> tuple[dict[str, Any], list[dict]]:
     applied, their part entries checked: ``check_parts``), read after the listing."""
     import pyarrow.fs as pafs
 
-    attempt = 0
-    while True:
-        attempt += 1
+    for _ in range(LISTINGS):
         try:
             found = fs.get_file_info(pafs.FileSelector(root, recursive=True))
             listed = {f.path: f for f in found if f.type == pafs.FileType.File}
@@ -155,17 +146,17 @@ def _list_folder(fs, root: str, text: str) -> tuple[dict[str, Any], list[dict]]:
                     manifests.append(data)
             return listed, manifests
         except SegmentGone:
-            if attempt == LISTINGS:
-                raise UsageError(f"{text}: its journal kept changing while it was read; "
-                                 "read it again") from None
+            continue
         except OSError as exc:
             raise storage.setup_error(text, exc) from None
+    raise UsageError(f"{text}: its journal kept changing while it was read; read it again")
 
 
 def _committed_paths(root: str, manifests: list[dict]) -> list[str]:
     """The paths of the part files ``manifests`` list, in input order."""
     parts = [part for data in manifests for part in data["parts"].values() if "file" in part]
-    return [f"{root}/{name}" for name in _ordered_files(parts)]
+    parts.sort(key=lambda p: (p["start"], p["file"]))
+    return [f"{root}/{name}" for name in dict.fromkeys(p["file"] for p in parts)]
 
 
 #: The types of a manifest's part entry (docs/output-format.md#part-files): of the keys every
@@ -207,14 +198,6 @@ def part_fault(part: Any) -> str | None:
     elif not ("offset" in part and "length" in part):
         return "names no part file (nor a range of the growing file)"
     return None
-
-
-def _ordered_files(parts: Iterable[dict]) -> list[str]:
-    """The file names of manifest ``parts`` (one file once), in input order."""
-    names: dict[str, None] = {}
-    for part in sorted(parts, key=lambda p: (p["start"], p["file"])):
-        names.setdefault(part["file"], None)
-    return list(names)
 
 
 def _visible(relative: str) -> bool:

@@ -72,11 +72,10 @@ def check_settings(recorded: dict, settings: dict, refused: str, used: str, *,
     resume"), ``used`` names the old value's ("the interrupted run used"), ``rerun`` follows
     the flag that would agree, and ``again`` is what --overwrite does instead of ``given``
     (the run's flag, which --overwrite contradicts)."""
-    changed = [key for key, now in settings.items()
-               if key not in CUT_SETTINGS and recorded.get(key) != now]
-    if not changed:
+    key = next((key for key, now in settings.items()
+                if key not in CUT_SETTINGS and recorded.get(key) != now), None)
+    if key is None:
         return
-    key = changed[0]
     then, now = recorded.get(key), settings[key]
     flag = FLAG_OF_SETTING.get(key)
     instead = f"--overwrite in place of {given} to {again}"
@@ -89,11 +88,6 @@ def check_settings(recorded: dict, settings: dict, refused: str, used: str, *,
 
 def _hash8(text: bytes) -> int:
     return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little")
-
-
-def _key_hash(path: str | None) -> int:
-    """An old row's key hash (0 for a damaged part's row, whose key is not known)."""
-    return _hash8(path.encode()) if path is not None else 0
 
 
 #: A damaged part's rows in ``OldOutput.column``, where a value may be None.
@@ -265,8 +259,7 @@ class OldOutput:
                  stored: Mapping[str, storage.ObjectInfo] | None = None,
                  blocks: np.ndarray | None = None) -> None:
         self.out, self.settings, self.stamps, self.folder = out, settings, stamps, folder
-        self.blocks = blocks
-        self.stored = stored or {}
+        self.blocks, self.stored = blocks, stored or {}
         self.parts = list(units)  # its files in row order: (name, first row, rows)
         self.damaged = set(damaged)  # the names of those whose rows cannot be read
         self.listed = {name for name, _, _ in self.parts}  # (the update's names must differ)
@@ -284,10 +277,6 @@ class OldOutput:
         if name in self.stored:
             return self.stored[name].url
         return self.out / name if self.folder else self.out
-
-    def present(self, name: str) -> bool:
-        """Whether part file ``name`` is still there (a folder's)."""
-        return name in self.stored or (self.out / name).is_file()
 
     @property
     def damaged_rows(self) -> int:
@@ -565,8 +554,9 @@ class Update:
         self.carried_failed = int(sum(kinds[i] != _ROW for i in self.carried.values()))
         keys_now = np.fromiter((_hash8(utf8_text(p.item.key).encode()) for p in planned),
                                dtype=np.uint64, count=len(planned))
-        keys_old = np.fromiter((_key_hash(path) for path in self.old.column("path")),
-                               dtype=np.uint64, count=len(old))
+        keys_old = np.fromiter((_hash8(path.encode()) if path is not None else 0  # damaged
+                                for path in self.old.column("path")), dtype=np.uint64,
+                               count=len(old))
         known = kinds != _UNREADABLE  # a damaged part's keys are not known: not dropped
         self.new = int((~np.isin(keys_now, keys_old[known])).sum())
         self.changed = len(planned) - len(self.carried) - self.new
@@ -627,7 +617,7 @@ class Update:
         for unit, first, rows in units:
             start = new_of.get(first, -1)  # -1: its first row is not carried
             if not (rows and self._takes_whole(first, start, rows)
-                    and (single or self.old.present(unit))):
+                    and (single or unit in self.old.stored or (self.old.out / unit).is_file())):
                 run = []  # some of its rows are not taken as they are (or it is gone)
                 continue
             if run and run[-1][2] != start:

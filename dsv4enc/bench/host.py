@@ -258,8 +258,7 @@ def run_host_bench(config_path: str, images: str = "synthetic:1024x768:256",
                            else (done - len(short)) / (cpu - short_cpu))
             results.append(HostResult(
                 output=kind, transform=transform, images=done, cores=cores, workers=n_workers,
-                seconds=loop,
-                img_s=done / total, img_s_per_core=done / total / cores,
+                seconds=loop, img_s=done / total, img_s_per_core=done / total / cores,
                 loop_img_s=done / loop if loop else 0.0, decode_wait_s=summary.decode_wait_s,
                 stage_s=summary.h2d_s, write_s=summary.write_s, total_s=total, cpu_s=cpu,
                 out_bytes=_size(out), costs=costs, steady_img_per_cpu_s=steady_rate,

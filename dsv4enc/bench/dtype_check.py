@@ -88,8 +88,7 @@ class DtypeCheck:
 
 def check_dtypes(rounds: int = 4, repeat: int = 5,
                  shape: tuple[int, int, int] | None = None) -> DtypeCheck:
-    """Time both dtypes (``matmul_rates``, at ``MATMUL_SHAPE`` unless ``shape``) and say what
-    ``auto`` picks here."""
+    """Time both dtypes (``matmul_rates``) and say what ``auto`` picks here."""
     rates = matmul_rates(rounds, repeat, shape or MATMUL_SHAPE)
     answers = machine_answers()
     table_dtype, _ = cpu_decision(answers)

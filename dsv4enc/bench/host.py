@@ -299,9 +299,8 @@ def print_host_results(results: Sequence[HostResult]) -> None:
 
 def host_bench_command(config_path: str, images: str, outputs: Sequence[str],
                        workers: int | None, json_out: str | None = None) -> list[HostResult]:
-    """``dsv4enc bench --host``: run with the transform on the host and on the device, print
-    the table, and write the rows to ``json_out``. The process is the command's: it makes the
-    settings of the GPU run it stands for."""
+    """``dsv4enc bench --host``, with the transform on the host and on the device. The process
+    is the command's: it makes the settings of the GPU run it stands for."""
     import json
 
     from ..process import own_process_settings

@@ -220,11 +220,11 @@ _ENCODE_PARAMETERS: dict[str, tuple[Any, Any]] = {
                  "system (pyarrow S3FileSystem, or fsspec's), e.g. endpoint_override=host:9000, "
                  "anonymous=true (repeatable). Credentials and endpoints otherwise come from "
                  "the environment and config files.")),
-        storage_outage_s=(float, typer.Option(
-            OUTAGE_S, "--storage-outage-s", metavar="SECONDS", help="Object storage: seconds a "
-            "store may fail every call before the run stops (exit 1, parts kept for --resume): "
-            f"within this plus {stop_bound_s(0.0, {}):g} s of the store's last answer "
-            f"({stop_bound_s(OUTAGE_S, {}):g} s by default).")),
+        storage_outage_s=option(
+            "--storage-outage-s", metavar="SECONDS", help="Object storage: seconds a store may "
+            "fail every call before the run stops (exit 1, parts kept for --resume): within "
+            f"this plus {stop_bound_s(0.0, {}):g} s of the store's last answer "
+            f"({stop_bound_s(OUTAGE_S, {}):g} s by default)."),
     ),
     **_panel(
         "Model",

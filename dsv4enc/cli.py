@@ -145,28 +145,27 @@ def option(*flags: str, **settings: Any) -> tuple[Any, Any]:
     return None, typer.Option(None, *flags, **settings)
 
 
-def _typed(made: Any, field: Any, kind: Any) -> tuple[Any, Any]:
-    """An option ``option`` made, with its ``field``'s default, and the field's type ``kind``
-    as Typer takes it: a choice is text, several values a list."""
-    made.default = field.default
-    if get_origin(kind) is Literal:
-        made.metavar = made.metavar or choices(*get_args(kind))
-        return str, made
-    if get_origin(kind) is tuple:
-        return Optional[List[get_args(kind)[0]]], made
-    given = [arg for arg in get_args(kind) if arg is not type(None)]
-    return (Optional[given[0]] if len(given) < len(get_args(kind)) else kind), made
-
-
 def _panel(title: str, **options):
     """Options of one ``encode --help`` panel (Typer's ``rich_help_panel``), by name: each
-    a (type, option) pair, or what ``option`` made."""
+    a (type, option) pair, or what ``option`` made, given its field's default and its type
+    as Typer takes it (a choice is text, several values a list)."""
     ENCODE_PANELS[title] = ENCODE_PANELS.get(title, ()) + tuple(options)
     named = _named_fields()
     for name, (kind, made) in options.items():
         made.rich_help_panel = title
-        if kind is None:
-            options[name] = _typed(made, *named[name])
+        if kind is not None:
+            continue
+        field, kind = named[name]
+        made.default = field.default
+        if get_origin(kind) is Literal:
+            made.metavar = made.metavar or choices(*get_args(kind))
+            kind = str
+        elif get_origin(kind) is tuple:
+            kind = Optional[List[get_args(kind)[0]]]
+        else:
+            given = [arg for arg in get_args(kind) if arg is not type(None)]
+            kind = Optional[given[0]] if len(given) < len(get_args(kind)) else kind
+        options[name] = kind, made
     return options
 
 
@@ -221,11 +220,11 @@ _ENCODE_PARAMETERS: dict[str, tuple[Any, Any]] = {
                  "system (pyarrow S3FileSystem, or fsspec's), e.g. endpoint_override=host:9000, "
                  "anonymous=true (repeatable). Credentials and endpoints otherwise come from "
                  "the environment and config files.")),
-        storage_outage_s=(float, typer.Option(
-            OUTAGE_S, "--storage-outage-s", metavar="SECONDS", help="Object storage: seconds a "
-            "store may fail every call before the run stops (exit 1, parts kept for --resume): "
-            f"within this plus {stop_bound_s(0.0, {}):g} s of the store's last answer "
-            f"({stop_bound_s(OUTAGE_S, {}):g} s by default).")),
+        storage_outage_s=option(
+            "--storage-outage-s", metavar="SECONDS", help="Object storage: seconds a store may "
+            "fail every call before the run stops (exit 1, parts kept for --resume): within "
+            f"this plus {stop_bound_s(0.0, {}):g} s of the store's last answer "
+            f"({stop_bound_s(OUTAGE_S, {}):g} s by default)."),
     ),
     **_panel(
         "Model",
@@ -268,13 +267,11 @@ _ENCODE_PARAMETERS: dict[str, tuple[Any, Any]] = {
                  "reads, keep the other rows, drop those of images gone."),
         prune=option(
             "--prune", help=f"Let --update drop more than {defaults.PRUNE_SHARE:.0%} of the rows."),
-        retry_errors=option(
-            "--retry-errors", help="--update: encode every error row again."),
+        retry_errors=option("--retry-errors", help="--update: encode every error row again."),
         keep_unlisted=option(
             "--keep-unlisted",
             help="--update: encode only the inputs given; keep every other row as it is."),
-        dry_run=option(
-            "--dry-run", help="Say what would be encoded, reused, dropped."),
+        dry_run=option("--dry-run", help="Say what would be encoded, reused, dropped."),
         shard_output=option(
             "--shard-output",
             help="torchrun: each rank writes its own parts under the --out folder."),
@@ -434,8 +431,8 @@ def _encode_command(opts, storage_option: list[str] | None, quiet: bool,
     """``encode`` with its options built: storage and log settings, signals, the listing (before
     torch is imported), the run, its last lines. ``started``: on ``time.perf_counter``'s clock."""
     from . import storage
-    from .process import own_process_pillow_settings, prefer_jemalloc_pool
-    from .run.ranks import launched_ranks
+    from .process import own_process_pillow_settings, own_process_settings, prefer_jemalloc_pool
+    from .run.ranks import launched_rank, launched_ranks
     from .run.setup import RunSetup, start_prefetch
     from .run.stopping import FORCE_EXIT_S, StopSignals
 
@@ -458,7 +455,8 @@ def _encode_command(opts, storage_option: list[str] | None, quiet: bool,
                        force_exit_s=FORCE_EXIT_S if _owns_process else None)
 
     def stopped_summary(exc: BaseException, status: str = "interrupted") -> None:
-        if summary_json and _writes_reports(dist):
+        # the main rank writes it, or (before the ranks have joined) torchrun's rank 0
+        if summary_json and (dist.is_main if dist is not None else launched_rank() == 0):
             write_stopped_summary(summary_json, exc, opts.out, status)
 
     stop.last_words = stopped_summary  # a stop that hangs: the process ends
@@ -475,6 +473,7 @@ def _encode_command(opts, storage_option: list[str] | None, quiet: bool,
             else:
                 # before torch is imported: a bad input set fails fast
                 prefetch = start_prefetch(opts, stop)
+                from .engine.device import resolve_device
                 from .run.pipeline import run_encode
                 from .run.dist import init_distributed
                 import torch
@@ -483,7 +482,9 @@ def _encode_command(opts, storage_option: list[str] | None, quiet: bool,
                     prefer_jemalloc_pool()
 
                 dist = init_distributed(opts.device, opts.timeout)
-                _own_process_settings(opts.device, dist)
+                rank_device = dist.device if dist is not None else None
+                with contextlib.suppress(DsvError):  # the run reports it, after the options
+                    own_process_settings(resolve_device(opts.device, rank_device))
                 setup, prefetch = prefetch or RunSetup(), None  # the run owns it from here
                 setup.started = started  # the wall time counts start-up (torch's too)
                 summary = run_encode(opts, dist, setup, stop)
@@ -518,10 +519,17 @@ def _encode_command(opts, storage_option: list[str] | None, quiet: bool,
 
 def _report(opts, summary, quiet: bool, summary_json: str | None) -> None:
     """A completed run's last lines, and its ``--summary-json``."""
-    unwritten = summary_json and _write_summary(summary_json, summary)
-    if summary.dry_run:
-        from .run.summary import dry_run_line
+    from .run.summary import dry_run_line, print_summary, write_summary_json
 
+    unwritten = None
+    if summary_json:
+        try:
+            write_summary_json(summary_json, summary)
+        except OSError as exc:
+            cause = f"{exc.strerror}: {exc.filename}" if exc.strerror and exc.filename else exc
+            unwritten = (f"--summary-json {summary_json} could not be written ({cause}); the "
+                         f"output {summary.out} is complete")
+    if summary.dry_run:
         typer.echo(dry_run_line(summary))
     elif quiet:
         if not (summary.encoded or summary.failed or summary.reused):
@@ -532,8 +540,6 @@ def _report(opts, summary, quiet: bool, summary_json: str | None) -> None:
             typer.echo(f"WARNING dsv4enc: {line}", err=True)
         typer.echo(summary.out)
     else:
-        from .run.summary import print_summary
-
         print_summary(summary)
         if opts.resume and summary.reused and not summary.encoded + summary.failed:
             note(f"{summary.out} was already complete; nothing to resume")
@@ -544,36 +550,6 @@ def _report(opts, summary, quiet: bool, summary_json: str | None) -> None:
 #: The exit code of a run that completed but could not write its ``--summary-json``: a setup
 #: error's (README's table), as a script that asked for the report must not read it as done.
 SUMMARY_UNWRITTEN_EXIT = 1
-
-
-def _write_summary(path: str, summary) -> str | None:
-    """Write a completed run's ``--summary-json``; the error line when it cannot be."""
-    from .run.summary import write_summary_json
-
-    try:
-        write_summary_json(path, summary)
-    except OSError as exc:
-        cause = f"{exc.strerror}: {exc.filename}" if exc.strerror and exc.filename else exc
-        return (f"--summary-json {path} could not be written ({cause}); the output "
-                f"{summary.out} is complete")
-    return None
-
-
-def _writes_reports(dist) -> bool:
-    """Whether this process writes the run's reports: the main rank, or (before the ranks
-    have joined) the process torchrun launched as rank 0, or the only one."""
-    from .run.ranks import launched_rank
-
-    return dist.is_main if dist is not None else launched_rank() == 0
-
-
-def _own_process_settings(device: str, dist) -> None:
-    """The allocator and log settings of a process the command owns (``process.py``)."""
-    from .engine.device import resolve_device
-    from .process import own_process_settings
-
-    with contextlib.suppress(DsvError):  # the run reports it, after checking the options
-        own_process_settings(resolve_device(device, dist.device if dist is not None else None))
 
 
 @command()

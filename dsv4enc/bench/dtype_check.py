@@ -21,8 +21,6 @@ from ..engine.cpufeatures import (CLEAR_WIN, PIN_VARIABLE, auto_cpu_dtype, auto_
 MATMUL_SHAPE = (1024, 4096, 1024)
 #: The dtypes compared, by name.
 COMPARED = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
-
 #: Seconds the whole check may spend timing: a dtype this CPU runs without native support
 #: (bfloat16 under an AVX2-only kernel level) can be 100x slower, and the check still ends.
 TIMING_BUDGET_S = 20.0
@@ -90,8 +88,7 @@ class DtypeCheck:
 
 def check_dtypes(rounds: int = 4, repeat: int = 5,
                  shape: tuple[int, int, int] | None = None) -> DtypeCheck:
-    """Time both dtypes (``matmul_rates``, at ``MATMUL_SHAPE`` unless ``shape``) and say what
-    ``auto`` picks here."""
+    """Time both dtypes (``matmul_rates``) and say what ``auto`` picks here."""
     rates = matmul_rates(rounds, repeat, shape or MATMUL_SHAPE)
     answers = machine_answers()
     table_dtype, _ = cpu_decision(answers)

@@ -258,8 +258,7 @@ def run_host_bench(config_path: str, images: str = "synthetic:1024x768:256",
                            else (done - len(short)) / (cpu - short_cpu))
             results.append(HostResult(
                 output=kind, transform=transform, images=done, cores=cores, workers=n_workers,
-                seconds=loop,
-                img_s=done / total, img_s_per_core=done / total / cores,
+                seconds=loop, img_s=done / total, img_s_per_core=done / total / cores,
                 loop_img_s=done / loop if loop else 0.0, decode_wait_s=summary.decode_wait_s,
                 stage_s=summary.h2d_s, write_s=summary.write_s, total_s=total, cpu_s=cpu,
                 out_bytes=_size(out), costs=costs, steady_img_per_cpu_s=steady_rate,
@@ -300,9 +299,8 @@ def print_host_results(results: Sequence[HostResult]) -> None:
 
 def host_bench_command(config_path: str, images: str, outputs: Sequence[str],
                        workers: int | None, json_out: str | None = None) -> list[HostResult]:
-    """``dsv4enc bench --host``: run with the transform on the host and on the device, print
-    the table, and write the rows to ``json_out``. The process is the command's: it makes the
-    settings of the GPU run it stands for."""
+    """``dsv4enc bench --host``, with the transform on the host and on the device. The process
+    is the command's: it makes the settings of the GPU run it stands for."""
     import json
 
     from ..process import own_process_settings

@@ -105,8 +105,7 @@ def resolve_images(images: str, workdir: Path, seed: int = 0) -> list[Path]:
 
 def check_outputs(outputs: Sequence[str]) -> None:
     """A ValueError naming the ``outputs`` (of ``--outputs``) that are neither file nor folder."""
-    unknown = set(outputs) - {"file", "folder"}
-    if unknown:
+    if unknown := set(outputs) - {"file", "folder"}:
         raise ValueError(f"outputs must be file or folder, not {', '.join(sorted(unknown))}")
 
 
@@ -369,10 +368,9 @@ def run_bench(config_path: str, device: str = "auto", dtype: str = "auto",
               images: str = "synthetic:mix", batch_tokens: Sequence[int] | int | None = None,
               cuda_graphs: Sequence[bool | None] = (None,), attention: str = "auto",
               features: str = DEFAULT_FEATURES, max_images: int = DEFAULT_MAX_IMAGES,
-              repeat: int = 2,
-              naive_images: int | None = None, e2e: bool = False, workers: int | None = None,
-              seed: int = 0, workdir: str | None = None, cli: bool = False,
-              fused: Sequence[bool] = (False,),
+              repeat: int = 2, naive_images: int | None = None, e2e: bool = False,
+              workers: int | None = None, seed: int = 0, workdir: str | None = None,
+              cli: bool = False, fused: Sequence[bool] = (False,),
               e2e_outputs: Sequence[str] = ("file",)) -> list[dict]:
     """Run the benchmark; one dict per measurement (see module doc), each with ``vs_naive``
     (img/s over the naive loop's) and ``ceiling_frac`` (FLOP/s over the matmul ceiling).

@@ -10,6 +10,7 @@ from typer.testing import CliRunner
 
 from dsv4enc.bench.host import stage_costs
 from dsv4enc.bench.throughput import prepare_images, synthetic_images
+from dsv4enc import read_embeddings
 from dsv4enc.cli import app
 from dsv4enc.errors import UsageError
 from dsv4enc.tower.config import VisionConfig
@@ -64,11 +65,13 @@ def test_bench_host_counts_a_bad_file_as_failed(photos, tmp_path):
 
 
 def test_bench_counts_a_bad_file_as_failed(photos, tmp_path):
-    report = tmp_path / "bench.json"
+    """Every row counts the images it encoded, and the whole-run rows (--e2e, --cli) encode
+    with the model rows' options (here --features vit), so their ratios compare like work."""
+    report, work = tmp_path / "bench.json", tmp_path / "work"
     result = _invoke(["bench", "--config", TINY, "--images", str(photos), "--device", "cpu",
                       "--dtype", "float32", "--repeat", "1", "--batch-tokens", "2048",
-                      "--e2e", "--outputs", "folder", "--workers", "1",
-                      "--workdir", str(tmp_path / "work"), "--json", str(report)])
+                      "--features", "vit", "--e2e", "--cli", "--outputs", "folder",
+                      "--workers", "1", "--workdir", str(work), "--json", str(report)])
     assert result.exit_code == 0, result.output
     assert "Traceback" not in result.output
     assert "3 images (2 failed, not timed)" in result.output
@@ -76,6 +79,10 @@ def test_bench_counts_a_bad_file_as_failed(photos, tmp_path):
     assert (rows["meta"]["images"], rows["meta"]["failed"]) == (3, 2)
     assert rows["model"]["images"] == rows["naive"]["images"] == 3
     assert (rows["e2e"]["images"], rows["e2e"]["failed"]) == (3, 2)
+    assert (rows["cli"]["images"], rows["cli"]["failed"]) == (3, 2)
+    width = VisionConfig.from_file(TINY).output_width("vit")
+    for written in list(work.rglob("bench_parts")) + list(work.rglob("bench-cli.parquet")):
+        assert {embedding.shape[-1] for _, embedding, _ in read_embeddings(written)} == {width}
 
 
 def test_bench_of_only_bad_files_is_one_line(tmp_path):

@@ -13,6 +13,7 @@ import contextlib
 import functools
 import gc
 import itertools
+import json
 import os
 import platform
 import tempfile
@@ -309,7 +310,7 @@ def bench_naive(model: VisionTower, paths: Sequence[Path], features: str,
 def bench_e2e(config_path: str, paths: Sequence[Path], device: str, dtype: str,
               batch_tokens: int, cuda_graphs: bool | None, attention: str, workdir: Path,
               max_images: int, workers: int | None, repeat: int = 1, output: str = "file",
-              fused: bool = False) -> dict:
+              fused: bool = False, features: str = DEFAULT_FEATURES) -> dict:
     """The full ``encode`` pipeline (start-up, decode workers, engine, Parquet) on the folder
     holding ``paths``, to one file or a folder of parts (``output``); best of ``repeat`` runs."""
     from ..run.pipeline import EncodeOptions, run_encode  # only this mode needs the pipeline
@@ -317,7 +318,7 @@ def bench_e2e(config_path: str, paths: Sequence[Path], device: str, dtype: str,
     out = workdir / ("bench.parquet" if output == "file" else "bench_parts/")
     opts = EncodeOptions(inputs=[str(paths[0].parent)], out=str(out),
                          config=config_path, random_init=True, device=device, dtype=dtype,
-                         out_dtype="float16", batch_tokens=batch_tokens, max_images=max_images,
+                         features=features, out_dtype="float16", batch_tokens=batch_tokens, max_images=max_images,
                          attention=attention, cuda_graphs=cuda_graphs, overwrite=True,
                          progress=False, workers=workers, fused=fused)
     best, summary = fastest(lambda: run_encode(opts), max(1, repeat))
@@ -334,9 +335,12 @@ def bench_e2e(config_path: str, paths: Sequence[Path], device: str, dtype: str,
 
 def bench_cli(cfg: VisionConfig, paths: Sequence[Path], device: str, dtype: str,
               batch_tokens: int, workdir: Path, workers: int | None,
-              seed: int = 0, repeat: int = 1, weights: Path | None = None) -> dict:
+              seed: int = 0, repeat: int = 1, weights: Path | None = None,
+              engine_flags: Sequence[str] = ()) -> dict:
     """``dsv4enc encode`` as a user runs it, best of ``repeat``: a fresh process each time, its
-    start, imports and loading ``weights`` (or random ones saved to ``workdir``) timed too."""
+    start, imports and loading ``weights`` (or random ones saved to ``workdir``) timed too.
+    ``engine_flags``: the other rows' engine options, as command-line flags. Its rate counts
+    the images the run encoded (its ``--summary-json``), not those that failed."""
     import subprocess
     import sys
 
@@ -346,7 +350,8 @@ def bench_cli(cfg: VisionConfig, paths: Sequence[Path], device: str, dtype: str,
     command = [sys.executable, "-m", "dsv4enc", "encode", str(paths[0].parent),
                "--out", str(workdir / "bench-cli.parquet"), "--weights", str(ckpt),
                "--device", device, "--dtype", dtype, "--batch-tokens", str(batch_tokens),
-               "--overwrite", "--quiet"]
+               "--overwrite", "--quiet", "--summary-json", str(workdir / "bench-cli.json"),
+               *engine_flags]
     if workers is not None:
         command += ["--workers", str(workers)]
     package_root = str(Path(__file__).resolve().parents[2])  # runs from a working tree too
@@ -360,8 +365,19 @@ def bench_cli(cfg: VisionConfig, paths: Sequence[Path], device: str, dtype: str,
                                f"{done.stderr.strip()[-2000:]}")
 
     best = fastest(once, max(1, repeat))[0]
-    return {"mode": "cli", "batch_tokens": batch_tokens, "images": len(paths),
-            "seconds": best, "img_s": len(paths) / best}
+    images = json.loads((workdir / "bench-cli.json").read_text())["images"]
+    return {"mode": "cli", "batch_tokens": batch_tokens, "images": images["encoded"],
+            "failed": images["failed"], "seconds": best, "img_s": images["encoded"] / best}
+
+
+def _engine_flags(features: str, attention: str, cuda_graphs: bool | None,
+                  fused: bool) -> list[str]:
+    """The engine options the in-process rows ran with, as ``encode``'s flags."""
+    flags = ["--features", features, "--attention", attention,
+             "--fused" if fused else "--no-fused"]
+    if cuda_graphs is not None:
+        flags.append("--cuda-graphs" if cuda_graphs else "--no-cuda-graphs")
+    return flags
 
 
 def run_bench(config_path: str, device: str = "auto", dtype: str = "auto",
@@ -423,10 +439,12 @@ def run_bench(config_path: str, device: str = "auto", dtype: str = "auto",
             for fuse, output in itertools.product(fused, e2e_outputs):
                 rows.append(bench_e2e(config_path, paths, device, dtype, budgets[-1],
                                       cuda_graphs[0], attention, base, max_images, workers,
-                                      repeat, output, fuse))
+                                      repeat, output, fuse, features))
         if cli:
             rows.append(bench_cli(cfg, paths, dev.type, str(dt).removeprefix("torch."),
-                                  budgets[-1], base, workers, seed, repeat))
+                                  budgets[-1], base, workers, seed, repeat,
+                                  engine_flags=_engine_flags(features, attention, cuda_graphs[0],
+                                                             fused[0])))
     for row in rows:
         row["vs_naive"] = row["img_s"] / naive["img_s"]
     threads = torch.get_num_threads()

@@ -307,9 +307,8 @@ class VisionTower(nn.Module):
                       features: str = "aligner") -> torch.Tensor:
         """One image. patches (n_h*n_w, 3*p*p) -> (rows, width): aligner rows
         (ceil(n_h/r)*ceil(n_w/r), hidden) or ViT features (n_h*n_w, D)."""
-        N = n_h * n_w
         cos, sin = rope_tables(grid_positions(n_h, n_w, patches.device), self.cfg)
-        spans = VarlenSpans.from_lengths([N], patches.device)
+        spans = VarlenSpans.from_lengths([n_h * n_w], patches.device)
         vit = self.vision(patches, cos, sin, spans, self.attend)
         if features == "vit":
             return vit

@@ -42,18 +42,14 @@ def cache_root() -> Path:
     return (Path(xdg) if xdg else Path.home() / ".cache") / "dsv4enc"
 
 
-def device_name(device: torch.device) -> str:
-    """The device's model (a GPU's name), or the CPU's architecture and ATen's vector level."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    return f"{platform.machine()} {torch.backends.cpu.get_cpu_capability()}"
-
-
 def cache_key(cfg: VisionConfig, device: torch.device, dtype: torch.dtype) -> str:
-    """One folder name per torch version, device model, compute dtype and tower config."""
+    """One folder name per torch version, device model (a GPU's name, or the CPU's architecture
+    and ATen's vector level), compute dtype and tower config."""
+    model = (torch.cuda.get_device_name(device) if device.type == "cuda"
+             else f"{platform.machine()} {torch.backends.cpu.get_cpu_capability()}")
     digest = hashlib.sha256(json.dumps(dataclasses.asdict(cfg), sort_keys=True,
                                        default=str).encode()).hexdigest()[:16]
-    text = (f"torch{torch.__version__}-{device.type}-{device_name(device)}-"
+    text = (f"torch{torch.__version__}-{device.type}-{model}-"
             f"{str(dtype).removeprefix('torch.')}-{digest}")
     return re.sub(r"[^A-Za-z0-9._+-]+", "_", text)
 

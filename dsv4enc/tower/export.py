@@ -26,6 +26,7 @@ TMP_NAME = f".{WEIGHTS_NAME}.tmp"  # the weights file while it is written
 EXTRACT_METADATA = {"format": "pt", "dsv4enc": "extract"}
 #: The largest safetensors header read when recognising an extract (safetensors' own bound).
 MAX_HEADER_BYTES = 100_000_000
+_DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2}
 
 
 @dataclass
@@ -106,7 +107,9 @@ def extract_tower(source: str | os.PathLike, out: str | os.PathLike,
                 handles[path] = open_safetensors(path)
             shape = checked_shape(handles[path], name, shapes)
             dtype = handles[path].get_slice(name).get_dtype()
-            end = offset + _nbytes(dtype, shape, name)
+            if dtype not in _DTYPE_BYTES:
+                raise WeightsError(f"tower tensor {name} has unsupported dtype {dtype}")
+            end = offset + math.prod(shape) * _DTYPE_BYTES[dtype]
             header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, end]}
             offset = end
         blob = json.dumps(header, separators=(",", ":")).encode()
@@ -143,12 +146,3 @@ def extract_tower(source: str | os.PathLike, out: str | os.PathLike,
         written.unlink(missing_ok=True)
         raise OutputError(f"cannot write {written}: {exc.strerror or exc}") from None
     return Extracted(out, len(names), offset, str(folder))
-
-
-_DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2}
-
-
-def _nbytes(dtype: str, shape: list[int], name: str) -> int:
-    if dtype not in _DTYPE_BYTES:
-        raise WeightsError(f"tower tensor {name} has unsupported dtype {dtype}")
-    return math.prod(shape) * _DTYPE_BYTES[dtype]

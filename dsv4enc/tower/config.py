@@ -154,10 +154,8 @@ class VisionConfig:
 
     def to_flat(self) -> dict[str, Any]:
         """The official flat layout, as written in config.json (``model_type`` first)."""
-        out: dict[str, Any] = {"model_type": self.model_type}
-        out.update({flat: getattr(self, field) for flat, (field, _) in _FLAT_TO_FIELD.items()})
-        out["hidden_size"] = self.hidden_size
-        return out
+        sizes = {flat: getattr(self, field) for flat, (field, _) in _FLAT_TO_FIELD.items()}
+        return {"model_type": self.model_type, **sizes, "hidden_size": self.hidden_size}
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], source: str = "config") -> "VisionConfig":

@@ -36,9 +36,6 @@ def test_encode_options_embed_the_settings():
     assert not any(hasattr(opts, name) for name in SETTINGS)
     again = dataclasses.replace(opts, deterministic=False)
     assert again.engine == EngineSettings(features="vit", batch_tokens=512, deterministic=False)
-    given = {"features": "vit", "fused": True, "seed": 3}
-    assert EngineSettings.take(given) == EngineSettings(features="vit", fused=True)
-    assert given == {"seed": 3}
     with pytest.raises(TypeError, match="no option"):
         EncodeOptions(inputs=["x"], out="o.parquet", bogus=1)
 

@@ -1,6 +1,6 @@
-"""The batch loop of the command line, the Python API and the benchmark: images (as patches,
-each with the caller's tag) packed, run with one batch queued on the device while the caller
-prepares the next, and their outputs checked for inf and NaN (never returned)."""
+"""The batch loop of the command line, the Python API and the benchmark: tagged images packed,
+run with one batch queued on the device while the caller prepares the next, and their outputs
+checked for inf and NaN (never returned)."""
 
 from __future__ import annotations
 
@@ -50,9 +50,9 @@ class BatchLoop:
         return self.collect() if len(self._tags) > 1 else []
 
     def collect(self) -> list[tuple[Any, torch.Tensor]]:
-        """``(tag, output)`` of the oldest batch in flight, in its order (waits for the device).
-        Raises ``NonFiniteOutput`` (its ``tag`` set) for the first non-finite output; images
-        are scanned only when the engine's one reduction per batch found such a value."""
+        """``(tag, output)`` of the oldest batch in flight, in order (waits for the device).
+        ``NonFiniteOutput`` (its ``tag`` set) for the first non-finite output, scanned for only
+        when the engine's one reduction per batch found one."""
         tags = self._tags.popleft()
         outputs = self.engine.collect()
         if not self.engine.last_finite:

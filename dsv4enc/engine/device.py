@@ -64,9 +64,9 @@ def resume_compute(device: torch.device, dtype: torch.dtype, asked_device: str,
                    device_fixed: bool = False) -> tuple[torch.device, torch.dtype, str | None]:
     """The device and compute dtype a ``--resume`` computes in, and the line that says so
     (None unless a recorded choice was adopted). Rows must not mix dtypes or device kinds, so
-    where ``asked_device``/``asked_dtype`` are ``auto`` the interrupted run's (``recorded``)
-    replace what ``auto`` picks now; explicit flags stay, for the settings check to refuse.
-    ``device_fixed``: a torchrun rank's own device."""
+    where asked for ``auto``, the interrupted run's (``recorded``) replace what ``auto`` picks
+    now; explicit flags stay, for the settings check to refuse. ``device_fixed``: a torchrun
+    rank's own device."""
     if not recorded:
         return device, dtype, None
     adopted = []

@@ -73,15 +73,15 @@ def runs_one_shape(model: VisionTower, deterministic: bool) -> bool:
 class Engine:
     """Encodes PackedBatches with a VisionTower.
 
-    ``settings``: an ``EngineSettings`` (``features``, ``attention`` and ``options``, its
-    fields by name, replace its values where not None). ``cuda_graphs``: None = on when the
-    device is CUDA and the attention backend can be captured (flash, varlen); True on a CPU
-    device is a UsageError; with SDPA it falls back to eager with a log line.
-    ``batch_tokens`` / ``max_images``: the largest batch the caller will submit.
-    ``min_budget``: the smallest graph token budget (``graphs.default_budgets``).
-    ``deterministic``: an image's output bytes do not depend on the batch it shares (on the
-    CPU each image runs through the tower alone; on CUDA every batch in one fixed-shape
-    bucket), except under tensor parallelism, whose all-reduces sum in another order."""
+    ``settings``: an ``EngineSettings``; ``features``, ``attention`` and ``options`` (its fields
+    by name) replace its values where not None. ``cuda_graphs``: None = on when the device is
+    CUDA and the attention backend can be captured (flash, varlen); True on a CPU device is a
+    UsageError; with SDPA it falls back to eager with a log line. ``batch_tokens`` /
+    ``max_images``: the largest batch the caller will submit. ``min_budget``: the smallest
+    graph token budget (``graphs.default_budgets``). ``deterministic``: an image's output bytes
+    do not depend on its batch (on the CPU each image runs through the tower alone; on CUDA
+    every batch in one fixed-shape bucket), except under tensor parallelism, whose
+    all-reduces sum in another order."""
 
     def __init__(self, model: VisionTower, features: str | None = None,
                  attention: str | None = None, out_dtype: torch.dtype = torch.float32, *,
@@ -154,10 +154,9 @@ class Engine:
 
     @torch.inference_mode()
     def transform(self, pixels: np.ndarray) -> torch.Tensor:
-        """One image's bf16 patches (n_h*n_w, 3*p*p) made on this engine's device from its
-        decoded pixels (uint8 (h, w, c), ``transform.image_pixels``): the host path's bytes.
-        On CUDA the work runs on a side stream (beside the batch in flight), and the current
-        stream, where the batch is packed and run, waits for it."""
+        """One image's bf16 patches (n_h*n_w, 3*p*p), the host path's bytes, made on this
+        device from its pixels (uint8 (h, w, c), ``transform.image_pixels``). On CUDA on a side
+        stream (beside the batch in flight), which the current stream then waits for."""
         host = torch.from_numpy(pixels)
         if self.device.type != "cuda":
             return pixels_to_patches(host, self.cfg)[0]
@@ -172,13 +171,12 @@ class Engine:
         return patches
 
     def _use_backend(self) -> None:
-        # Engines may share a model (e.g. an SDPA reference beside a graph engine): put this
-        # engine's backend back before every forward.
+        """Put this engine's backend back before a forward: engines may share a model."""
         self.model.attend = self._attend
 
     def fit_budgets(self, bin_tokens: Sequence[int], max_budgets: int = 6) -> None:
-        """Offline, every batch's size is known before capture: pick the graph budgets that
-        pad least (``graphs.fit_budgets``) instead of powers of two. No-op once captured."""
+        """Graph budgets that pad ``bin_tokens`` least (``graphs.fit_budgets``), instead of
+        powers of two, when every batch's size is known before capture. No-op once captured."""
         if self.graphs_enabled and bin_tokens and not (self.runner.graphs or self.deterministic):
             self.runner = self._bucket_runner(fit_budgets(bin_tokens, max_budgets))
 
@@ -190,8 +188,7 @@ class Engine:
                 self.runner.capture_all()
 
     def _eager(self, batch: PackedBatch, dev: dict[str, torch.Tensor]) -> torch.Tensor:
-        """The packed forward of ``batch`` over its exact (unpadded) ``dev`` tensors; image by
-        image on the CPU when ``deterministic``."""
+        """``batch``'s forward over its unpadded ``dev`` tensors (by image: CPU deterministic)."""
         cos, sin = rope_tables(dev["positions"], self.cfg,
                                max((max(g) for g in batch.grids), default=0))
         spans = VarlenSpans(dev["cu_seqlens"], max(batch.lengths, default=0), tuple(batch.lengths))

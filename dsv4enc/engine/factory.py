@@ -22,10 +22,10 @@ log = logging.getLogger(__name__)
 def build_model(ckpt: Checkpoint, device: torch.device | None = None, *,
                 fused: bool | None = None, deterministic: bool = True,
                 split: Callable[[VisionTower], object] | None = None) -> VisionTower:
-    """The tower of ``ckpt`` on ``device``. ``split(model)``: splits its weights over the ranks
-    (tensor parallelism) first. ``fused``: compiled elementwise kernels (``tower/fusion``), of
-    one shape when an Engine with ``deterministic`` runs every batch at one shape; None: the
-    device's default (``defaults.FUSED_BY_DEFAULT``), eager where this torch cannot compile."""
+    """The tower of ``ckpt`` on ``device``, first split over the ranks by ``split(model)``.
+    ``fused``: compiled elementwise kernels (``tower/fusion``), of one shape when a
+    ``deterministic`` Engine runs every batch at one shape; None: the device's default
+    (``defaults.FUSED_BY_DEFAULT``), eager where this torch cannot compile."""
     model = build_tower(ckpt, device) if device is not None else build_tower(ckpt)
     if split is not None:
         split(model)

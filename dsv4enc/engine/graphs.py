@@ -44,11 +44,11 @@ def default_budgets(batch_tokens: int, min_tokens: int = 1024) -> list[int]:
 
 
 def fit_budgets(bin_tokens: Sequence[int], max_budgets: int = 4, quantum: int = 64) -> list[int]:
-    """At most ``max_budgets`` budgets that minimise the summed padding of batches known up
-    front (``bin_tokens``: every planned batch's token count, rounded up to ``quantum``), each
-    batch taking the smallest budget that holds it; the largest size is always one. An optimal
-    set only needs batch sizes as budgets (lowering a budget to the largest size it serves
-    only removes padding), so a dynamic program over the m distinct sizes is exact."""
+    """At most ``max_budgets`` budgets that minimise the summed padding of the batches known
+    up front (``bin_tokens``, each rounded up to ``quantum``), each batch taking the smallest
+    budget that holds it; the largest size is always one. An optimal set only needs batch sizes
+    as budgets (lowering one to the largest size it serves only removes padding), so a dynamic
+    program over the m distinct sizes is exact."""
     sizes = Counter(-(-n // quantum) * quantum for n in bin_tokens if n > 0)
     if not sizes:
         return []
@@ -105,12 +105,10 @@ class Bucket:
 
 @dataclasses.dataclass
 class StagedInputs:
-    """A batch laid out for one bucket (host or device tensors, same fields).
-
-    patches (n, 3*p*p) and positions (n, 2) hold the n real tokens only (the bucket's tail
-    rows are never read by a real row, so they are not copied); cu_seqlens (B+1,) int32 and
-    merge_index / merge_mask (R, r*r) are full-size with the padding already filled in.
-    lengths: real span lengths then zeros, B entries (host; SDPA needs them)."""
+    """A batch laid out for one bucket (host or device tensors). patches (n, 3*p*p) and
+    positions (n, 2) hold the n real tokens only (no real row reads the bucket's tail, so it
+    is not copied); cu_seqlens (B+1,) int32 and merge_index / merge_mask (R, r*r) are
+    full-size, padding filled in. lengths: real span lengths then zeros, B entries (host)."""
 
     patches: torch.Tensor
     positions: torch.Tensor
@@ -184,8 +182,7 @@ class BucketRunner:
 
     @torch.inference_mode()
     def load(self, staged: StagedInputs) -> None:
-        """Copy staged inputs (host or device) into the prefixes of the static buffers of the
-        same names."""
+        """Copy staged inputs (host or device) into the prefixes of the same-named buffers."""
         for name, tensor in staged.tensors().items():
             getattr(self, name)[:tensor.shape[0]].copy_(tensor)
 

@@ -1,7 +1,6 @@
-"""Many images in one forward, on the host (which images share a batch is planned in
-``run/plan``). A ``PackedBatch`` carries the concatenated patches, the span lengths (for
-``cu_seqlens``), per-token (row, col) positions for the RoPE tables, and the gather indices
-and mask that reproduce each image's pad-and-unfold merge."""
+"""Many images in one forward, packed on the host (``run/plan`` picks which). A
+``PackedBatch`` carries the concatenated patches, the span lengths (for ``cu_seqlens``),
+per-token (row, col) positions for RoPE, and the gather plan of each image's merge."""
 
 from __future__ import annotations
 
@@ -28,16 +27,16 @@ def output_grid(n_h: int, n_w: int, r: int, features: str) -> tuple[int, int]:
 
 def merge_plan(n_h: int, n_w: int, r: int, base: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Gather plan of one image's merge: index (R, r*r) int64 into packed ViT rows (offset by
-    ``base``) and mask (R, r*r) bool, False where the source patch lies past the image's edge
-    (its index then points at the image's first row, a real row, and the mask zeroes it)."""
+    ``base``) and mask (R, r*r) bool, False past the image's edge (where the index points at
+    the image's first row, a real row, and the mask zeroes it)."""
     index, mask = _merge_plan_at_zero(n_h, n_w, r)
     return index + base, mask.clone()
 
 
 @functools.lru_cache(maxsize=256)
 def _merge_plan_at_zero(n_h: int, n_w: int, r: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``merge_plan`` at base 0, made once per grid (a run has few distinct grids: photos
-    of one camera share one). Callers never see these tensors, only new ones made of them."""
+    """``merge_plan`` at base 0, made once per grid (a run has few: one camera's photos share
+    one). Callers never see these tensors, only new ones made of them."""
     hb, wb = aligner_grid(n_h, n_w, r)
     bi = torch.arange(hb).repeat_interleave(wb).view(-1, 1)  # (R, 1)
     bj = torch.arange(wb).repeat(hb).view(-1, 1)
@@ -87,10 +86,9 @@ PatchBuffer = Callable[[int, int, torch.dtype], torch.Tensor]
 def concat_patches(patches: Sequence[torch.Tensor], buffer: PatchBuffer | None = None,
                    ) -> torch.Tensor:
     """The images' patches one after another, in ``buffer(tokens, width, dtype)`` when given
-    (the engine's staging memory) or a new tensor; patches made on a device are joined there
-    instead (any on the host go there too). Copied by numpy on the calling thread:
-    ``torch.cat`` would split large copies over torch's intra-op threads, which then spin and
-    take CPU from the decode workers."""
+    (the engine's staging memory) or a new tensor; if any were made on a device, joined there.
+    Copied by numpy on the calling thread: ``torch.cat`` would split large copies over torch's
+    intra-op threads, which then spin and take CPU from the decode workers."""
     width, dtype = (patches[0].shape[1], patches[0].dtype) if patches else (0, torch.bfloat16)
     device = next((t.device for t in patches if t.device.type != "cpu"), None)
     if device is not None:  # made on the device (``Engine.transform``): joined there
@@ -112,8 +110,8 @@ def concat_patches(patches: Sequence[torch.Tensor], buffer: PatchBuffer | None =
 def pack(items: Sequence[tuple[torch.Tensor, int, int]], r: int,
          features: str = DEFAULT_FEATURES,
          patch_buffer: PatchBuffer | None = None) -> PackedBatch:
-    """Pack ``(patches (n_h*n_w, 3*p*p), n_h, n_w)`` items into one PackedBatch; the patches
-    go into ``patch_buffer(tokens, width, dtype)`` when given (``concat_patches``)."""
+    """Pack ``(patches (n_h*n_w, 3*p*p), n_h, n_w)`` items into one PackedBatch, the patches
+    into ``patch_buffer`` when given (``concat_patches``)."""
     lengths = [n_h * n_w for _, n_h, n_w in items]
     grids = [(n_h, n_w) for _, n_h, n_w in items]
     plans = [_merge_plan_at_zero(h, w, r) for h, w in grids] if features == "aligner" else []

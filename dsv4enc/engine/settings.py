@@ -6,7 +6,6 @@ before torch is imported."""
 from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
-from typing import Any
 
 from ..errors import check_choice, check_positive
 from ..tower.config import Attention
@@ -16,8 +15,6 @@ from .defaults import (DEFAULT_FEATURES, DEFAULT_MAX_IMAGES, FEATURES, TRANSFORM
 #: Each choice setting's values (``EngineSettings.check``, ``--help``); the attention backend
 #: is checked where it is chosen (``tower/attention.select_attention``), against these.
 CHOICES: dict[str, tuple[str, ...]] = {"features": FEATURES, "transform": TRANSFORMS}
-#: The settings that must be positive when given.
-POSITIVE = ("batch_tokens", "max_images")
 
 
 @dataclass(frozen=True)
@@ -44,7 +41,7 @@ class EngineSettings:
         """These settings, or a ``errors.SettingsError`` naming the first one out of range."""
         for name, allowed in CHOICES.items():
             check_choice(name, getattr(self, name), allowed)
-        for name in POSITIVE:
+        for name in ("batch_tokens", "max_images"):  # positive when given
             if getattr(self, name) is not None:
                 check_positive(name, getattr(self, name))
         return self
@@ -55,11 +52,6 @@ class EngineSettings:
         if self.batch_tokens is not None:
             return self
         return replace(self, batch_tokens=default_batch_tokens(device_type))
-
-    @classmethod
-    def take(cls, options: dict[str, Any]) -> "EngineSettings":
-        """Settings of the engine's keys in ``options``, which are removed from it."""
-        return cls(**{f.name: options.pop(f.name) for f in fields(cls) if f.name in options})
 
 
 #: The names of ``EngineSettings``' fields.

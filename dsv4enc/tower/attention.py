@@ -34,15 +34,11 @@ from .config import ATTENTION_BACKENDS
 
 @dataclass
 class VarlenSpans:
-    """Where each image's tokens lie in a packed batch.
+    """Where each image's tokens lie in a packed batch."""
 
-    cu_seqlens: (B+1,) int32 on the compute device, cumulative token offsets.
-    max_seqlen: an upper bound on any span's length.
-    lengths: the span lengths on the host, or None inside a CUDA graph."""
-
-    cu_seqlens: torch.Tensor
-    max_seqlen: int
-    lengths: Sequence[int] | None = None
+    cu_seqlens: torch.Tensor  # (B+1,) int32 on the compute device, cumulative token offsets
+    max_seqlen: int  # an upper bound on any span's length
+    lengths: Sequence[int] | None = None  # on the host; None inside a CUDA graph
 
     @classmethod
     def from_lengths(cls, lengths: Sequence[int], device: torch.device | str) -> "VarlenSpans":
@@ -76,8 +72,7 @@ def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 def length_groups(lengths: Sequence[int]) -> dict[int, list[int]]:
-    """The start offset of every non-empty span, grouped by its length (in order of first
-    appearance; starts in span order)."""
+    """The start of every non-empty span, grouped by length (in order of first appearance)."""
     groups: dict[int, list[int]] = {}
     for start, end in image_spans(lengths):
         groups.setdefault(end - start, []).append(start)
@@ -86,8 +81,8 @@ def length_groups(lengths: Sequence[int]) -> dict[int, list[int]]:
 
 def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       spans: VarlenSpans) -> torch.Tensor:
-    """One batched SDPA per span length. q, k, v: (T, H, d) -> (T, H, d), each span's rows in
-    place; tokens outside every span get zeros."""
+    """One batched SDPA per span length. q, k, v: (T, H, d) -> (T, H, d). Tokens outside
+    every span get zeros."""
     if spans.lengths is None:
         raise RuntimeError("grouped attention needs host-side span lengths")
     out = torch.zeros_like(q) if sum(spans.lengths) < q.shape[0] else torch.empty_like(q)
@@ -123,8 +118,8 @@ def _torch_varlen() -> Callable | None:
 
 
 def _varlen_call(kernel: Callable, **options) -> AttentionFn:
-    """A varlen kernel (cu_seqlens and max_seqlen for q and for k) in the common signature.
-    Its default scale is d^-0.5, which is ours."""
+    """A varlen kernel (cu_seqlens and max_seqlen for q and k) in the common signature (its
+    default scale is d^-0.5, ours)."""
     def attend(q, k, v, spans):
         cu = spans.cu_seqlens
         return kernel(q, k, v, cu, cu, spans.max_seqlen, spans.max_seqlen, **options)
@@ -164,8 +159,8 @@ def available_backends(device: torch.device) -> list[str]:
 
 
 def select_attention(name: str, device: torch.device | str) -> tuple[str, AttentionFn]:
-    """Choose the backend once: ``auto`` picks the fastest that runs on ``device``; a forced
-    backend that cannot run here is a UsageError."""
+    """The backend: ``auto`` picks the fastest that runs on ``device``; a forced backend that
+    cannot run here is a UsageError."""
     device = torch.device(device)
     if name not in ATTENTION_BACKENDS:
         raise UsageError(f"unknown attention backend {name!r} (choose from "

@@ -63,8 +63,8 @@ def tower_bytes(cfg: VisionConfig, dtype: torch.dtype) -> int:
 
 
 def _is_allocation_failure(exc: BaseException) -> bool:
-    """Whether ``exc`` says memory could not be had: a MemoryError, torch's OutOfMemoryError
-    (a device's), or the RuntimeError of its CPU allocator or of a size past its arithmetic."""
+    """Whether ``exc`` is a MemoryError, a device's OutOfMemoryError, or the RuntimeError of
+    torch's CPU allocator or of a size past its arithmetic."""
     if isinstance(exc, (MemoryError, torch.OutOfMemoryError)):
         return True
     text = str(exc)
@@ -73,27 +73,21 @@ def _is_allocation_failure(exc: BaseException) -> bool:
                                   "Storage size calculation overflowed"))
 
 
-def _physical_memory() -> int | None:
-    """This machine's RAM in bytes (None where the OS does not say)."""
-    try:
-        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return None
-
-
 @contextlib.contextmanager
 def holding_tower(cfg: VisionConfig, dtype: torch.dtype, device: str | None = None):
-    """Run the block that allocates the tower's weights (on ``device``; None: in this
-    machine's RAM): an allocation failure in it becomes one line saying how much the tower
-    needs and that the memory lacks it. A tower larger than the RAM is refused first: with
-    the kernel's overcommit, writing it could end in the OOM killer rather than an error."""
+    """Run the block that allocates the tower's weights (on ``device``; None: in RAM): an
+    allocation failure in it becomes one line saying how much the tower needs. A tower larger
+    than the RAM is refused first: with overcommit, writing it could end in the OOM killer."""
     need = tower_bytes(cfg, dtype)
     where = f"device {device}" if device is not None else "this machine"
     lacking = InsufficientMemory(
         f"the tower ({cfg.dim} wide, {cfg.n_layers} deep) needs {need / 2**30:.1f} GiB "
         f"of weights in {str(dtype).removeprefix('torch.')}, more memory than {where} can "
         "allocate")
-    ram = _physical_memory()
+    try:
+        ram = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):  # the OS does not say
+        ram = None
     if device is None and ram is not None and need > ram:
         raise lacking
     try:
@@ -146,7 +140,7 @@ def locate_tower_tensors(folder: Path) -> dict[str, Path]:
 
 def open_safetensors(path: Path, named_for: str | None = None):
     """``safe_open`` of ``path``, its failures as one-line WeightsErrors (``named_for``: the
-    tensor the index named the file for)."""
+    tensor the index named it for)."""
     if not path.is_file():
         hint = f" (named by the index for {named_for})" if named_for else ""
         what = "is not a regular file" if path.exists() else "not found"
@@ -172,10 +166,9 @@ def checked_shape(handle, name: str, shapes: dict[str, tuple[int, ...]]) -> list
 
 def read_tower_tensors(located: dict[str, Path], cfg: VisionConfig, dtype: torch.dtype,
                        ) -> tuple[dict[str, torch.Tensor], str]:
-    """Check names, shapes and dtypes, then read the tensors (cast to ``dtype``, norms float32).
-
-    Returns the state dict and a fingerprint (blake2b over names, dtypes, shapes and bytes as
-    stored, in name order: the same however the weights are sharded)."""
+    """The state dict, its names, shapes and dtypes checked (cast to ``dtype``, norms float32),
+    and a fingerprint (blake2b over names, dtypes, shapes and bytes as stored, in name order:
+    the same however the weights are sharded)."""
     shapes = checked_shapes(cfg, located)
     by_file: dict[Path, list[str]] = {}
     for name in sorted(shapes):
@@ -202,10 +195,8 @@ def read_tower_tensors(located: dict[str, Path], cfg: VisionConfig, dtype: torch
                 one.update(tensor.contiguous().view(torch.uint8).numpy().tobytes())
                 tensor_digests[name] = one.digest()
                 state[name] = tensor.to(torch.float32 if keeps_float32(name) else dtype)
-    digest = hashlib.blake2b(digest_size=16)
-    for name in sorted(tensor_digests):
-        digest.update(tensor_digests[name])
-    return state, digest.hexdigest()
+    joined = b"".join(tensor_digests[name] for name in sorted(tensor_digests))
+    return state, hashlib.blake2b(joined, digest_size=16).hexdigest()
 
 
 def checkpoint_folder(path: str | Path) -> Path:
@@ -231,10 +222,8 @@ def load_checkpoint(path: str | Path, dtype: torch.dtype = torch.float32) -> Che
 
 
 def random_state_dict(cfg: VisionConfig, seed: int = 0) -> dict[str, torch.Tensor]:
-    """A random tower in the checkpoint's storage format (bf16 weights, float32 norms).
-
-    Weights are N(0, 1/fan_in) so activations keep their scale through the layers; norm
-    weights are near one."""
+    """A random tower as a checkpoint stores it (bf16 weights, float32 norms near one). Weights
+    are N(0, 1/fan_in), so activations keep their scale through the layers."""
     gen = torch.Generator().manual_seed(seed)
     state = {}
     for name, shape in expected_shapes(cfg).items():
@@ -272,9 +261,8 @@ def build_tower(ckpt: Checkpoint, device: torch.device | str = "cpu") -> VisionT
 
 def save_checkpoint(folder: str | Path, cfg: VisionConfig, state: dict[str, torch.Tensor],
                     extra: dict[str, torch.Tensor] | None = None, shards: int = 1) -> None:
-    """Write a checkpoint in the official flat layout (with an index when ``shards`` > 1).
-
-    ``extra`` tensors (e.g. language-model decoys) are written beside the tower's."""
+    """Write a checkpoint in the official flat layout (with an index when ``shards`` > 1);
+    ``extra`` tensors (e.g. language-model decoys) beside the tower's."""
     from safetensors.torch import save_file
 
     folder = Path(folder)

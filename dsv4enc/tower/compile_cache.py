@@ -1,13 +1,13 @@
 """Where torch.compile keeps what it built for the fused tower, so that a repeated run on the
 same machine loads its kernels instead of compiling them again.
 
-Inductor keeps its FX graph cache, autotuning results and (on CUDA) Triton kernels under one
-folder, ``$TORCHINDUCTOR_CACHE_DIR`` (on the CPU, ``tower/fusion`` adds its note of the
-vector ISA probe there). dsv4enc points it at ``cache_root()/inductor/KEY``,
-where KEY names the torch version, the device, the compute dtype and a digest of the tower's
-config: a new torch, GPU or config gets a folder of its own and compiles afresh, never
-loading another's artifacts (inductor's own keys would refuse them too; the folder keeps
-them apart and easy to delete). A ``TORCHINDUCTOR_CACHE_DIR`` the user set is left alone."""
+Inductor keeps its FX graph cache, autotuning results and (on CUDA) Triton kernels under
+``$TORCHINDUCTOR_CACHE_DIR`` (on the CPU, ``tower/fusion`` adds its note of the vector ISA
+probe there). dsv4enc points it at ``cache_root()/inductor/KEY``, KEY naming the torch
+version, the device, the compute dtype and a digest of the tower's config: a new torch, GPU
+or config compiles afresh in a folder of its own (inductor's own keys would refuse another's
+artifacts too; the folder keeps them apart and easy to delete). A
+``TORCHINDUCTOR_CACHE_DIR`` the user set is left alone."""
 
 from __future__ import annotations
 
@@ -26,13 +26,11 @@ from .config import VisionConfig
 
 log = logging.getLogger(__name__)
 
-#: The environment variable that names dsv4enc's cache folder.
 CACHE_DIR_ENV = "DSV4ENC_CACHE_DIR"
-#: The variable inductor reads its cache folder from (``torch._inductor`` reads it per compile).
+#: Inductor's cache folder (``torch._inductor`` reads it per compile).
 INDUCTOR_CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
 
-#: The inductor folders this process pointed the variable at (so that a later tower may move
-#: it again, while a folder the user chose stays theirs).
+#: The inductor folders this process chose (a later tower may move them; the user's stay).
 _chosen: set[str] = set()
 
 
@@ -44,18 +42,14 @@ def cache_root() -> Path:
     return (Path(xdg) if xdg else Path.home() / ".cache") / "dsv4enc"
 
 
-def device_name(device: torch.device) -> str:
-    """The device's model (a GPU's name), or the CPU's architecture and ATen's vector level."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    return f"{platform.machine()} {torch.backends.cpu.get_cpu_capability()}"
-
-
 def cache_key(cfg: VisionConfig, device: torch.device, dtype: torch.dtype) -> str:
-    """One folder name per torch version, device model, compute dtype and tower config."""
+    """One folder name per torch version, device model (a GPU's name, or the CPU's architecture
+    and ATen's vector level), compute dtype and tower config."""
+    model = (torch.cuda.get_device_name(device) if device.type == "cuda"
+             else f"{platform.machine()} {torch.backends.cpu.get_cpu_capability()}")
     digest = hashlib.sha256(json.dumps(dataclasses.asdict(cfg), sort_keys=True,
                                        default=str).encode()).hexdigest()[:16]
-    text = (f"torch{torch.__version__}-{device.type}-{device_name(device)}-"
+    text = (f"torch{torch.__version__}-{device.type}-{model}-"
             f"{str(dtype).removeprefix('torch.')}-{digest}")
     return re.sub(r"[^A-Za-z0-9._+-]+", "_", text)
 
@@ -80,8 +74,8 @@ def use_compile_cache(cfg: VisionConfig, device: torch.device, dtype: torch.dtyp
 
 
 def _inductor_default(path: str) -> bool:
-    """Whether ``path`` is inductor's own default folder, which it writes into the variable
-    itself at its first compile (so that it is not mistaken for the user's choice)."""
+    """Whether ``path`` is inductor's default folder, which it writes into the variable at
+    its first compile (not the user's choice)."""
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
     return os.path.abspath(path) == os.path.abspath(default_cache_dir())

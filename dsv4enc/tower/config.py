@@ -11,13 +11,13 @@ from typing import Any, Literal, get_args
 
 from ..errors import ConfigError
 
-#: The attention kernels a tower may run with (``--attention``; ``tower/attention`` picks and
-#: checks them). Here, torch-free, so that the command line's --help lists them.
+#: The attention kernels (``--attention``; ``tower/attention`` picks and checks them), here
+#: torch-free so that --help lists them.
 Attention = Literal["auto", "flash", "varlen", "sdpa", "grouped"]
 ATTENTION_BACKENDS: tuple[str, ...] = get_args(Attention)
 
-#: The largest config file read: a config.json is a few kB (a whole model's, with its text
-#: config, tens of kB); a larger file, or a device such as /dev/zero, is no config.
+#: The largest config file read: a config.json is a few kB (a whole model's tens of kB); a
+#: larger file, or a device such as /dev/zero, is no config.
 MAX_CONFIG_BYTES = 1 << 20
 
 # Official flat key -> (field, nested vision_config key). hidden_size lives in text_config.
@@ -56,10 +56,9 @@ def model_type_of(raw: dict[str, Any]) -> str:
     """The variant a config.json describes: ``deepseek_v41`` when its ``model_type`` says so
     (the top-level one, else a nested layout's sub-configs', e.g. ``deepseek_v41_vision``),
     ``deepseek_v4`` otherwise (older V4 configs carry none)."""
+    subs = (raw.get("text_config"), raw.get("vision_config"))
     candidates = [raw.get("model_type")]
-    candidates += [sub.get("model_type") for sub in (raw.get("text_config"),
-                                                       raw.get("vision_config"))
-                   if isinstance(sub, dict)]
+    candidates += [sub.get("model_type") for sub in subs if isinstance(sub, dict)]
     for value in candidates:
         if isinstance(value, str) and value:
             is_v41 = value == DEEPSEEK_V41 or value.startswith(DEEPSEEK_V41 + "_")
@@ -68,8 +67,8 @@ def model_type_of(raw: dict[str, Any]) -> str:
 
 
 def warn_unknown_vision_keys(raw: dict[str, Any], source: str) -> None:
-    """Warn about ``vision_*`` keys dsv4enc does not know, naming the closest known one: a
-    misspelled optional key (``vision_max_wh_ratio``) would otherwise silently be absent."""
+    """Warn about unknown ``vision_*`` keys, naming the closest known one: a misspelled
+    optional key (``vision_max_wh_ratio``) would otherwise silently be absent."""
     import difflib
     import logging
 
@@ -155,10 +154,8 @@ class VisionConfig:
 
     def to_flat(self) -> dict[str, Any]:
         """The official flat layout, as written in config.json (``model_type`` first)."""
-        out: dict[str, Any] = {"model_type": self.model_type}
-        out.update({flat: getattr(self, field) for flat, (field, _) in _FLAT_TO_FIELD.items()})
-        out["hidden_size"] = self.hidden_size
-        return out
+        sizes = {flat: getattr(self, field) for flat, (field, _) in _FLAT_TO_FIELD.items()}
+        return {"model_type": self.model_type, **sizes, "hidden_size": self.hidden_size}
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], source: str = "config") -> "VisionConfig":
@@ -211,8 +208,8 @@ class VisionConfig:
 
 
 def _config_bytes(path: Path) -> bytes:
-    """The bytes of the config file ``path``, a regular file of at most ``MAX_CONFIG_BYTES``
-    (else a ConfigError: reading a device or a huge file by mistake would never end)."""
+    """The bytes of ``path``, a regular file of at most ``MAX_CONFIG_BYTES`` (else a
+    ConfigError: reading a device or a huge file by mistake would never end)."""
     if not stat.S_ISREG(path.stat().st_mode):
         raise ConfigError(f"cannot read config {path}: not a regular file (a config.json is)")
     with path.open("rb") as handle:

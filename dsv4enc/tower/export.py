@@ -1,6 +1,6 @@
 """``dsv4enc extract``: a vision-only checkpoint cut out of a full one, its tower's tensors
-copied as stored, one at a time (never the whole tower in memory): it gives the source's
-embeddings and weights fingerprint."""
+copied as stored, one at a time (never the whole tower in memory): the same embeddings and
+weights fingerprint as the source."""
 
 from __future__ import annotations
 
@@ -21,11 +21,12 @@ from ..errors import OutputError, WeightsError
 
 WEIGHTS_NAME = "model.safetensors"
 TMP_NAME = f".{WEIGHTS_NAME}.tmp"  # the weights file while it is written
-#: The safetensors metadata of an extract's weights file: what ``--overwrite`` recognises as
-#: an earlier extract's, the only files it replaces.
+#: The safetensors metadata by which ``--overwrite`` recognises an earlier extract's weights
+#: file, the only files it replaces.
 EXTRACT_METADATA = {"format": "pt", "dsv4enc": "extract"}
 #: The largest safetensors header read when recognising an extract (safetensors' own bound).
 MAX_HEADER_BYTES = 100_000_000
+_DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2}
 
 
 @dataclass
@@ -60,9 +61,8 @@ def _prepare_out(out: Path, overwrite: bool) -> None:
 
 
 def _is_extract_file(path: Path) -> bool:
-    """Whether ``path`` is a file that an extract wrote: a weights file (or its temporary
-    copy) whose safetensors header carries ``EXTRACT_METADATA``, or the config.json beside
-    such a weights file (written after it)."""
+    """Whether an extract wrote ``path``: a weights file (or its temporary copy) whose header
+    carries ``EXTRACT_METADATA``, or the config.json beside one (written after it)."""
     if path.is_symlink() or not path.is_file():
         return False
     if path.name == "config.json":
@@ -107,7 +107,9 @@ def extract_tower(source: str | os.PathLike, out: str | os.PathLike,
                 handles[path] = open_safetensors(path)
             shape = checked_shape(handles[path], name, shapes)
             dtype = handles[path].get_slice(name).get_dtype()
-            end = offset + _nbytes(dtype, shape, name)
+            if dtype not in _DTYPE_BYTES:
+                raise WeightsError(f"tower tensor {name} has unsupported dtype {dtype}")
+            end = offset + math.prod(shape) * _DTYPE_BYTES[dtype]
             header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, end]}
             offset = end
         blob = json.dumps(header, separators=(",", ":")).encode()
@@ -144,12 +146,3 @@ def extract_tower(source: str | os.PathLike, out: str | os.PathLike,
         written.unlink(missing_ok=True)
         raise OutputError(f"cannot write {written}: {exc.strerror or exc}") from None
     return Extracted(out, len(names), offset, str(folder))
-
-
-_DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2}
-
-
-def _nbytes(dtype: str, shape: list[int], name: str) -> int:
-    if dtype not in _DTYPE_BYTES:
-        raise WeightsError(f"tower tensor {name} has unsupported dtype {dtype}")
-    return math.prod(shape) * _DTYPE_BYTES[dtype]

@@ -29,10 +29,10 @@ SIMD_BITS = {"AVX512": 512, "AVX2": 256, "DEFAULT": 0}
 
 
 def pin_cpu_vector_width() -> None:
-    """Under ``ATEN_CPU_CAPABILITY``, tell inductor the capped level's vector width, unless
-    the width was set already: with ATen's CPU kernels capped below what the CPU has,
-    inductor's shape-generic kernels can come out wrong (NaN from SwiGLU on a Zen 5 capped to
-    avx2), while the same kernels built for an explicit vector width are right."""
+    """Under ``ATEN_CPU_CAPABILITY``, tell inductor the capped level's vector width unless it
+    was set: with ATen's CPU kernels capped below the CPU's, inductor's shape-generic kernels
+    can come out wrong (NaN from SwiGLU on a Zen 5 capped to avx2); built for an explicit
+    vector width, they are right."""
     from torch._inductor import config
 
     if config.cpp.simdlen is not None or not os.environ.get("ATEN_CPU_CAPABILITY"):
@@ -45,19 +45,18 @@ def pin_cpu_vector_width() -> None:
 
 
 #: The file, in a tower's compile-cache folder, that says inductor's probe found every vector
-#: ISA this CPU reports building and loading on this host (named after it: a shared home
-#: may hold hosts with other compilers).
+#: ISA this CPU reports building and loading on this host (named after it: a shared home may
+#: hold hosts with other compilers).
 ISA_RECORD = "vec_isa_ok-{host}"
 
 
 def trust_vector_isas(folder: Path | None, device: torch.device) -> None:
-    """On the CPU, set inductor's cpp.vec_isa_ok option once its own probe has found, on this
-    host, that every vector ISA the CPU reports builds and loads: the probe (a build and a
-    child Python per ISA, over a second even when every kernel comes from the cache) then
-    runs once per cache folder instead of in every process, and inductor picks the same
-    ISA from the same list. The setting is part of inductor's cache key, so the run that
-    probes sets it too; nothing is set where the user set it, there is no folder, or an
-    ISA failed the probe. The setting stays for the process, as the probe's answer would."""
+    """On the CPU, set inductor's cpp.vec_isa_ok once its own probe has found, on this host,
+    that every vector ISA the CPU reports builds and loads: the probe (a build and a child
+    Python per ISA, over a second even with every kernel cached) then runs once per cache
+    folder, not in every process, and inductor picks the same ISA from the same list. The
+    setting is part of inductor's cache key, so the probing run sets it too; nothing is set
+    where the user set it, there is no folder, or an ISA failed. It stays for the process."""
     if device.type != "cpu" or folder is None:
         return
     from torch._inductor import config
@@ -87,10 +86,9 @@ def trust_vector_isas(folder: Path | None, device: torch.device) -> None:
 
 
 def compiled(fn: Callable, dynamic: bool = True) -> Callable:
-    """``fn`` compiled by inductor (no graph breaks allowed): for any row count
-    (``dynamic``), or specialized to each shape it meets. It compiles at its first call, in
-    the middle of a run: a compile that fails there (no working C++ compiler, a full or
-    unwritable cache folder) is a UsageError line, not inductor's traceback."""
+    """``fn`` compiled by inductor (no graph breaks): for any row count (``dynamic``), or
+    specialized to each shape it meets. It compiles at its first call, mid-run: a compile that
+    fails there (no C++ compiler, a full or unwritable cache) is a UsageError line."""
     from torch._dynamo.exc import BackendCompilerFailed
 
     built = torch.compile(fn, dynamic=dynamic, fullgraph=True)
@@ -106,8 +104,7 @@ def compiled(fn: Callable, dynamic: bool = True) -> Callable:
 
 
 def cannot_compile(cause: BaseException) -> UsageError:
-    """The line for a compile that ``cause`` stopped (naming the cache folder where it is
-    one that could not be written)."""
+    """The line for a compile that ``cause`` stopped (naming the cache folder for an OSError)."""
     text = (str(cause).strip().splitlines() or [""])[0]
     if isinstance(cause, OSError):
         text += f" (compiled kernels are kept in {os.environ.get(INDUCTOR_CACHE_ENV)})"
@@ -117,11 +114,10 @@ def cannot_compile(cause: BaseException) -> UsageError:
 
 def fuse_elementwise(model: VisionTower, dynamic: bool = True) -> VisionTower:
     """Install compiled elementwise functions on every block of ``model`` (in place; they
-    compile at the first forward). ``dynamic``: one shape-generic kernel for every row count,
-    so a row's value never depends on its batch; False: kernels specialized to the one shape
-    of an Engine that runs every batch at one shape (``engine.runs_one_shape``). Raises
-    UsageError when this torch cannot compile (no inductor, no C++ compiler found). What
-    inductor builds is kept in this tower's folder of ``compile_cache``."""
+    compile at the first forward), kept in this tower's ``compile_cache`` folder. ``dynamic``:
+    one shape-generic kernel for every row count, so a row's value never depends on its batch;
+    False: specialized to an Engine that runs every batch at one shape
+    (``engine.runs_one_shape``). UsageError when this torch cannot compile."""
     try:
         import torch._inductor  # noqa: F401  (the backend torch.compile uses)
     except Exception as exc:  # pragma: no cover - depends on the torch build

@@ -39,9 +39,9 @@ def hub_endpoint() -> str:
 
 
 def unreachable_reason(endpoint: str, timeout: float = CONNECT_TIMEOUT_S) -> str | None:
-    """Why a TCP connection to ``endpoint`` (or to the proxy the environment names for it)
-    cannot be made within ``timeout`` seconds; None when it can. One quick check instead of
-    huggingface_hub's retries, which take long and print a warning each."""
+    """Why no TCP connection to ``endpoint`` (or the environment's proxy for it) is made within
+    ``timeout`` seconds; None when one is. One quick check instead of huggingface_hub's
+    retries, which take long and print a warning each."""
     import urllib.request
 
     parts = urlsplit(endpoint)
@@ -80,7 +80,7 @@ def _errors():
 def _download(hub, repo: str, filename: str, revision: str | None,
               local_only: bool = False) -> Path | None:
     """One file of ``repo`` (from the cache when offline); None if the repo has no such file
-    (or, offline, if the index is not cached: the repo may have none)."""
+    (or, offline, an uncached index: the repo may have none)."""
     errors = _errors()
     local_missing = getattr(errors, "LocalEntryNotFoundError", ())
     kwargs = {"revision": revision, "local_files_only": local_only or offline()}
@@ -118,8 +118,7 @@ def resolve_weights(spec: str | os.PathLike) -> Path:
     spec = os.fspath(spec)
     if not is_hub_id(spec):
         return Path(spec).expanduser()  # "~" that no shell expanded (an env var, --x=~/y)
-    # huggingface_hub warns once per retry; dsv4enc reports one line instead (for this
-    # call only: the caller's logging is left as it was)
+    # huggingface_hub warns once per retry; dsv4enc reports one line (for this call only)
     hub_log = logging.getLogger("huggingface_hub")
     level = hub_log.level
     hub_log.setLevel(logging.ERROR)
@@ -149,10 +148,11 @@ def _resolve_hub_weights(hub, spec: str) -> Path:
 
 def _fetch(hub, spec: str, local_only: bool = False) -> Path:
     repo, _, revision = spec.partition("@")
-    config = _download(hub, repo, "config.json", revision or None, local_only)
+    revision = revision or None
+    config = _download(hub, repo, "config.json", revision, local_only)
     if config is None:
         raise WeightsError(f"{repo}: the repository has no config.json")
-    index_path = _download(hub, repo, INDEX_NAME, revision or None, local_only)
+    index_path = _download(hub, repo, INDEX_NAME, revision, local_only)
     if index_path is not None:
         files = sorted(set(tower_index(index_path).values()))
         if not files:
@@ -160,7 +160,7 @@ def _fetch(hub, spec: str, local_only: bool = False) -> Path:
     else:
         files = ["model.safetensors"]
     for fname in files:
-        got = _download(hub, repo, fname, revision or None, local_only)
+        got = _download(hub, repo, fname, revision, local_only)
         if got is None:
             raise WeightsError(f"{repo}: the repository has no {fname}")
         if got != config.parent / fname:

@@ -29,12 +29,9 @@ def _identity(x: torch.Tensor) -> torch.Tensor:
 
 def by_spans(spans: Sequence[tuple[int, int]], fn: Callable[..., Any],
              *tensors: torch.Tensor) -> Any:
-    """Apply ``fn`` to each (start, end) row range of ``tensors`` (sliced alike along dim 0)
-    and write the results into one output, (T, ...).
-
-    A kernel's blocking, vector tails and thread split depend on its input's shape: given one
-    image's rows per range, every kernel sees that image alone, and its rows come out the same
-    in any batch."""
+    """``fn`` of each (start, end) row range of ``tensors`` (sliced alike), written into one
+    (T, ...) output. A kernel's blocking, vector tails and thread split depend on its input's
+    shape: given one image's rows per range, its rows come out the same in any batch."""
     out: torch.Tensor | None = None
     for start, end in spans:
         result = fn(*(t[start:end] for t in tensors))
@@ -72,8 +69,6 @@ def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 class RMSNorm(nn.Module):
-    """``w * x * rsqrt(mean(x^2) + eps)`` in float32, cast back to the input dtype."""
-
     def __init__(self, dim: int) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim, dtype=torch.float32))
@@ -91,11 +86,9 @@ _ROPE_CACHE: dict[tuple[float, int, str], tuple[torch.Tensor, torch.Tensor]] = {
 
 
 def _rope_block(first: int, inv_freq: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """cos, sin (ROPE_BLOCK, rd/2) float32 of positions first.. first+ROPE_BLOCK-1.
-
-    The angle is the float32 product ``pos * inv_freq`` (as the reference computes it); numpy
-    takes its cosine and sine per element in float64, rounded once to float32, so every value
-    is a fixed function of (position, frequency)."""
+    """cos, sin (ROPE_BLOCK, rd/2) float32 of positions first.. first+ROPE_BLOCK-1. The angle
+    is the float32 ``pos * inv_freq`` (as the reference computes it); numpy takes its cosine
+    and sine in float64, rounded once to float32: a fixed function of (position, frequency)."""
     pos = np.arange(first, first + ROPE_BLOCK, dtype=np.float32)[:, None]
     angles = (pos * inv_freq[None, :]).astype(np.float64)
     return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
@@ -103,11 +96,9 @@ def _rope_block(first: int, inv_freq: np.ndarray) -> tuple[np.ndarray, np.ndarra
 
 def rope_table(cfg: VisionConfig, device: torch.device | str,
                positions: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-axis RoPE tables covering at least ``positions`` positions on ``device``.
-
-    Returns cos, sin: (P, rd/2) float32, P >= positions a multiple of ROPE_BLOCK. Cached per
-    (theta, rope dim, device); call it before a CUDA graph capture with the largest position
-    the graph may meet, since a capture cannot grow it."""
+    """Per-axis RoPE cos, sin (P, rd/2) float32 on ``device``, P >= positions a multiple of
+    ROPE_BLOCK. Cached per (theta, rope dim, device); call it before a CUDA graph capture with
+    the largest position the graph may meet, since a capture cannot grow it."""
     device = torch.device(device)
     key = (float(cfg.rope_theta), cfg.rope_dim, str(device))
     cached = _ROPE_CACHE.get(key)
@@ -125,13 +116,10 @@ def rope_table(cfg: VisionConfig, device: torch.device | str,
 
 def rope_tables(positions: torch.Tensor, cfg: VisionConfig,
                 max_position: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """2D RoPE cos/sin for token positions.
-
-    positions: (T, 2) integer (row, col) per token. Returns cos, sin: (T, 1, rd) float32,
-    with angles concat(row * inv_freq, col * inv_freq), gathered from the per-axis tables
-    (``rope_table``): a token's values depend on its position only, never on the batch.
-    ``max_position``: an upper bound on every coordinate, when known (it saves a device
-    sync, and a CUDA graph must pass it)."""
+    """2D RoPE cos, sin (T, 1, rd) float32 of positions (T, 2) integer (row, col): angles
+    concat(row * inv_freq, col * inv_freq), gathered from the per-axis tables (``rope_table``),
+    so a token's values depend on its position only, never on the batch. ``max_position``: a
+    bound on every coordinate, when known (it saves a device sync; a CUDA graph must pass it)."""
     if max_position is None:
         max_position = int(positions.max()) if positions.numel() else 0
     cos_t, sin_t = rope_table(cfg, positions.device, max_position + 1)
@@ -182,8 +170,7 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 spans: VarlenSpans, attend: AttentionFn) -> torch.Tensor:
-        """x (T, D) -> q, k, v (T, h, d), q and k rotated -> attended -> (T, D) through wo
-        (summed across TP ranks)."""
+        """x (T, D) -> (T, D): q and k rotated, attended, through wo (summed across TP ranks)."""
         T = x.shape[0]
         qkv = self.wqkv(x)  # (T, 3*h*d): q heads, k heads, v heads
         width = qkv.shape[1] // 3
@@ -241,10 +228,8 @@ class VisionTransformer(nn.Module):
         self.norm = RMSNorm(cfg.dim)
 
     def forward(self, patches, cos, sin, spans, attend, per_image: bool = False) -> torch.Tensor:
-        """patches (T, 3*p*p) -> ViT features (T, D).
-
-        ``per_image``: run the whole ViT over one image's rows at a time, so that its rows are
-        bit-identical in any batch (``by_spans``)."""
+        """patches (T, 3*p*p) -> ViT features (T, D). ``per_image``: one image's rows at a
+        time, so that they are bit-identical in any batch (``by_spans``)."""
         if per_image:
             lengths = spans.lengths
             if lengths is None:
@@ -322,9 +307,8 @@ class VisionTower(nn.Module):
                       features: str = "aligner") -> torch.Tensor:
         """One image. patches (n_h*n_w, 3*p*p) -> (rows, width): aligner rows
         (ceil(n_h/r)*ceil(n_w/r), hidden) or ViT features (n_h*n_w, D)."""
-        N = n_h * n_w
         cos, sin = rope_tables(grid_positions(n_h, n_w, patches.device), self.cfg)
-        spans = VarlenSpans.from_lengths([N], patches.device)
+        spans = VarlenSpans.from_lengths([n_h * n_w], patches.device)
         vit = self.vision(patches, cos, sin, spans, self.attend)
         if features == "vit":
             return vit
@@ -334,13 +318,10 @@ class VisionTower(nn.Module):
                        spans: VarlenSpans, merge_index: torch.Tensor | None,
                        merge_mask: torch.Tensor | None, features: str = "aligner",
                        row_counts: Sequence[int] | None = None) -> torch.Tensor:
-        """Many images in one pass.
-
-        patches (T, 3*p*p); cos, sin (T, 1, rd) float32; spans over T; merge_index and
-        merge_mask (R, r*r) into the packed ViT rows. Returns (R, hidden) aligner rows, or
-        (T, D) ViT features when ``features == "vit"`` (merge arguments unused).
-        ``row_counts``: each image's aligner rows; given, every image runs alone through the
-        ViT and the aligner (``by_spans``)."""
+        """Many images in one pass. patches (T, 3*p*p); cos, sin (T, 1, rd) float32; spans over
+        T; merge_index and merge_mask (R, r*r) into the packed ViT rows. Returns (R, hidden)
+        aligner rows, or (T, D) ViT features when ``features == "vit"`` (merge unused).
+        ``row_counts``: each image's aligner rows; given, every image runs alone (``by_spans``)."""
         per_image = row_counts is not None
         vit = self.vision(patches, cos, sin, spans, self.attend, per_image)
         if features == "vit":

@@ -26,8 +26,7 @@ _A = -0.5  # Pillow's bicubic "a" (Keys' kernel)
 
 
 def bicubic(x: np.ndarray) -> np.ndarray:
-    """Pillow's bicubic kernel at ``x`` (float64), each operation in the order Pillow's C
-    code does it, so that every weight rounds as there."""
+    """Pillow's bicubic kernel at ``x`` (float64), in its C code's order of operations."""
     x = np.abs(x)
     near = ((_A + 2.0) * x - (_A + 3.0)) * x * x + 1
     far = (((x - 5) * x + 8) * x - 4) * _A
@@ -37,9 +36,9 @@ def bicubic(x: np.ndarray) -> np.ndarray:
 @functools.lru_cache(maxsize=512)
 def coefficients(in_size: int, out_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """One axis's resize from ``in_size`` to ``out_size`` pixels: ``(index, weights)``, both
-    (out_size, ksize) CPU tensors, index int64 (the input pixel each weight reads) and weights
-    int32 (Pillow's fixed-point coefficients; zero past each output pixel's window, whose
-    index is clamped into the image). Cached: a run sees few distinct size pairs."""
+    (out_size, ksize) on the CPU, index int64 (the input pixel each weight reads), weights
+    int32 (Pillow's fixed point; zero past each window, whose index is clamped into the
+    image). Cached: a run sees few distinct size pairs."""
     scale = float(np.float32(in_size)) / out_size  # Pillow's box edge is a C float
     filterscale = max(scale, 1.0)
     support = BICUBIC_SUPPORT * filterscale
@@ -67,19 +66,17 @@ def coefficients(in_size: int, out_size: int) -> tuple[torch.Tensor, torch.Tenso
 @functools.lru_cache(maxsize=512)
 def coefficients_on(in_size: int, out_size: int, device: torch.device,
                     ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``coefficients`` copied to ``device`` once: a copy from pageable host memory would
-    wait for the device's queue at every image."""
+    """``coefficients`` copied to ``device`` once: a pageable copy would wait at every image."""
     return tuple(t.to(device) for t in coefficients(in_size, out_size))
 
 
 def resample_axis(pixels: torch.Tensor, out_size: int, dim: int,
                   at_once: bool | None = None) -> torch.Tensor:
     """One pass of Pillow's resize along ``dim`` (0: rows, 1: columns) of uint8 pixels
-    (h, w, c); returns uint8 with ``out_size`` along ``dim``. Sums in int32, as Pillow's C
-    code does (its weights are made so that no sum overflows). ``at_once``: gather every
-    output pixel's whole window in one go (a few kernels per pass, for a GPU), else one filter
-    tap at a time (less memory traffic, for a CPU); None: at once off the CPU. Integer sums
-    are exact in any order: both give the same bytes."""
+    (h, w, c) to ``out_size``, summed in int32 as Pillow does (its weights never overflow).
+    ``at_once``: every output pixel's whole window in one go (a few kernels, for a GPU), else
+    one tap at a time (less memory traffic, for a CPU); None: at once off the CPU. Integer
+    sums are exact in any order: both give the same bytes."""
     index, weights = coefficients_on(int(pixels.shape[dim]), out_size, pixels.device)
     if at_once is None:
         at_once = pixels.device.type != "cpu"
@@ -117,11 +114,10 @@ PILLOW = tuple(int(part) for part in PIL.__version__.split(".")[:2])
 
 def vertical_first(in_size: tuple[int, int], out_size: tuple[int, int],
                    pillow: tuple[int, ...] = PILLOW) -> bool:
-    """Whether Pillow resizes rows (the vertical pass) before columns, for (width, height)
-    sizes: from Pillow 13, when the image loses more than twice as many rows as columns (read
-    from its ImagingResampleInner and checked against it over random sizes); in 12.2 and 12.3,
-    when it loses rows and is over 100 times taller than wide (their Image.resize); before,
-    never."""
+    """Whether Pillow resizes rows (the vertical pass) first, for (width, height) sizes: from
+    Pillow 13, when the image loses more than twice as many rows as columns (its
+    ImagingResampleInner, checked over random sizes); in 12.2 and 12.3, when it loses rows and
+    is over 100 times taller than wide (their Image.resize); before, never."""
     rows_lost = in_size[1] - out_size[1]
     if pillow >= (13, 0):
         return rows_lost > 0 and rows_lost > 2 * (in_size[0] - out_size[0])
@@ -144,8 +140,7 @@ def resize(pixels: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
 def pad(pixels: torch.Tensor, size: tuple[int, int], fill: tuple[int, ...],
         inner: tuple[int, int]) -> torch.Tensor:
     """``ImageOps.pad(image, size, color=fill)`` (bicubic, centred) of uint8 pixels (h, w, c):
-    (size[1], size[0], c). ``inner``: the image's size inside ``size``
-    (``transform.contained_size``)."""
+    (size[1], size[0], c). ``inner``: its size inside ``size`` (``transform.contained_size``)."""
     if inner == size:
         return resize(pixels, size)
     out = torch.empty(size[1], size[0], len(fill), dtype=torch.uint8, device=pixels.device)

@@ -18,8 +18,8 @@ AllReduce = Callable[[torch.Tensor], torch.Tensor]
 
 
 def _shard_rows(linear: torch.nn.Linear, groups: int, rank: int, world: int) -> None:
-    """Keep this rank's share of every one of ``groups`` equal row blocks of the output
-    (e.g. q|k|v by heads, gate|up by halves): weight (G*n, in) -> (G*n/world, in)."""
+    """Keep this rank's share of each of ``groups`` equal output row blocks (q|k|v by heads,
+    gate|up by halves): weight (G*n, in) -> (G*n/world, in)."""
     def cut(t: torch.Tensor) -> torch.Tensor:
         blocks = t.view(groups, world, -1, *t.shape[1:])  # (G, world, n/world, ...)
         return blocks[:, rank].reshape(-1, *t.shape[1:]).clone()
@@ -31,8 +31,8 @@ def _shard_rows(linear: torch.nn.Linear, groups: int, rank: int, world: int) -> 
 
 def _shard_columns(linear: torch.nn.Linear, rank: int, world: int,
                    all_reduce: AllReduce) -> Callable[[torch.Tensor], torch.Tensor]:
-    """Keep this rank's block of input columns, and return the combine hook that sums the
-    partial outputs. The bias moves out of the matmul: it is added once, after the sum."""
+    """Keep this rank's block of input columns; the combine hook that sums the partial
+    outputs. The bias moves out of the matmul: it is added once, after the sum."""
     share = linear.in_features // world
     cols = slice(rank * share, (rank + 1) * share)
     linear.weight = torch.nn.Parameter(linear.weight.data[:, cols].clone(), requires_grad=False)

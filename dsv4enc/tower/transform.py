@@ -50,10 +50,10 @@ def llm_grid(bh: int, bw: int, patch: int, ratio: int) -> tuple[int, int]:
 
 
 def count_llm_tokens(bh: int, bw: int, patch: int, ratio: int) -> int:
-    """LLM tokens the V4 reference spends on a (bh, bw) canvas: reading
-    order plus an odd-row padding row, a parity term and a leading pad."""
+    """LLM tokens the V4 reference spends on a (bh, bw) canvas: V4.1's, plus an odd-row
+    padding row and a parity term."""
     lh, lw = llm_grid(bh, bw, patch, ratio)
-    tokens = lh * (lw + 1) + 2
+    tokens = count_llm_tokens_v41(bh, bw, patch, ratio)
     if lh % 2:
         tokens += lw + 1
     if ((lh + 1) // 2 * (lw + 1)) % 2:
@@ -100,8 +100,7 @@ def plan_canvas(width: int, height: int, cfg: VisionConfig) -> Canvas:
 
 
 def _fit_budget_v4(W: float, H: float, bw: int, bh: int, cfg: VisionConfig) -> tuple[int, int]:
-    """V4: budget max_n_token - 3; re-solve with a shrinking budget until
-    the canvas fits. Returns (bw, bh)."""
+    """V4: budget max_n_token - 3, re-solved with a shrinking budget until the canvas fits."""
     p, r = cfg.patch_size, cfg.downsample_ratio
     budget = cfg.max_n_token - 3
     b = budget
@@ -134,8 +133,8 @@ def _fit_budget_v4(W: float, H: float, bw: int, bh: int, cfg: VisionConfig) -> t
 
 
 def _fit_budget_v41(W: float, H: float, bw: int, bh: int, cfg: VisionConfig) -> tuple[int, int]:
-    """V4.1: the full max_n_token is the budget; a canvas over it is solved once, and the
-    solution must fit (the reference asserts it). Returns (bw, bh)."""
+    """V4.1: the budget is max_n_token; a canvas over it is solved once, and the solution
+    must fit (the reference asserts it)."""
     p, r, budget = cfg.patch_size, cfg.downsample_ratio, cfg.max_n_token
     if count_llm_tokens_v41(bh, bw, p, r) <= budget:
         return bw, bh
@@ -192,10 +191,9 @@ def to_rgb(image: Image.Image) -> Image.Image:
 
 
 def _sixteen_bit_file(image: Image.Image) -> bool:
-    """Whether a mode "I" (32-bit) image holds a file's 16-bit samples, as Pillow gives a
-    signed 16-bit TIFF (its BitsPerSample says so), however dark it is. Else only its values
-    tell: older Pillows read 16-bit PNGs as "I", and "L" converts to "I" with 8-bit values, so
-    only the former exceed 255."""
+    """Whether a mode "I" image is a 16-bit TIFF (its BitsPerSample says so), however dark.
+    Else only its values tell: older Pillows read 16-bit PNGs as "I", and "L" converts to
+    "I" with 8-bit values, so only the former exceed 255."""
     tags = getattr(image, "tag_v2", None)
     return tags is not None and tuple(tags.get(_BITS_PER_SAMPLE) or ()) == (16,)
 
@@ -209,30 +207,26 @@ def image_pixels(image: Image.Image) -> np.ndarray:
     return np.asarray(to_rgb(image), dtype=np.uint8)
 
 
-def float32_to_bf16_bits(values: np.ndarray) -> np.ndarray:
-    """bfloat16 bit patterns (uint16) of finite float32 values, rounded to nearest even."""
-    bits = np.ascontiguousarray(values, dtype=np.float32).view(np.uint32)
-    rounding = ((bits >> 16) & 1) + np.uint32(0x7FFF)
-    return ((bits + rounding) >> 16).astype(np.uint16)
-
-
 def _normalize_lut() -> np.ndarray:
     """bf16 bits of every 8-bit value's normalized pixel: float32 ``x / 255``, then
-    ``(x - 0.5) / 0.5``, each step rounded in float32 as the reference does, then bf16.
-    A pixel has 256 possible values, so one table lookup per pixel gives exactly what the
-    arithmetic would, at a quarter of its cost."""
+    ``(x - 0.5) / 0.5``, each step rounded in float32 as the reference does, then bf16
+    (nearest even). One lookup per pixel gives what the arithmetic would, at a quarter of
+    its cost."""
     levels = np.arange(256, dtype=np.float32)
-    return float32_to_bf16_bits((levels / np.float32(255) - np.float32(0.5)) / np.float32(0.5))
+    normalized = (levels / np.float32(255) - np.float32(0.5)) / np.float32(0.5)
+    bits = normalized.view(np.uint32)
+    rounding = ((bits >> 16) & 1) + np.uint32(0x7FFF)
+    return ((bits + rounding) >> 16).astype(np.uint16)
 
 
 NORMALIZED_BF16_BITS = _normalize_lut()  # (256,) uint16
 
 
 def _pair_lut(single: np.ndarray) -> np.ndarray | None:
-    """The lookup for two neighbouring bytes at once: entry ``a | b << 8`` holds the bf16
-    bits of ``a`` in its low half and of ``b`` in its high half, so a uint16 view of the
-    pixel bytes indexes it and a uint32 view of the output receives it (half the lookups).
-    Both views read memory little-endian: on a big-endian host there is no pair table (None)."""
+    """The lookup for two neighbouring bytes at once (half the lookups): entry ``a | b << 8``
+    holds the bf16 bits of ``a`` in its low half and of ``b`` in its high half, for a uint16
+    view of the pixels and a uint32 view of the output. Both views read memory little-endian:
+    on a big-endian host there is no pair table (None)."""
     if sys.byteorder != "little":
         return None
     wide = single.astype(np.uint32)
@@ -243,10 +237,8 @@ NORMALIZED_BF16_PAIRS = _pair_lut(NORMALIZED_BF16_BITS)  # (65536,) uint32, or N
 
 
 def normalize_patch_pixels(patch_pixels: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
-    """bf16 bits (uint16) of 8-bit pixels, by lookup: ``NORMALIZED_BF16_BITS[patch_pixels]``.
-
-    ``patch_pixels``: uint8 (n, k), C-contiguous; ``out``: uint16 (n, k) to fill (else a new
-    array). Rows of even length go through the pair table (``NORMALIZED_BF16_PAIRS``)."""
+    """``NORMALIZED_BF16_BITS[patch_pixels]`` (uint8 (n, k), C-contiguous), into ``out``
+    (uint16 (n, k)) when given. Rows of even length go through ``NORMALIZED_BF16_PAIRS``."""
     if out is None:
         out = np.empty(patch_pixels.shape, dtype=np.uint16)
     pairs = NORMALIZED_BF16_PAIRS
@@ -261,8 +253,8 @@ def normalize_patch_pixels(patch_pixels: np.ndarray, out: np.ndarray | None = No
 
 
 def contained_size(width: int, height: int, size: tuple[int, int]) -> tuple[int, int]:
-    """ImageOps.contain's size for a ``width`` x ``height`` image in ``size``: the
-    largest that keeps the aspect ratio, each side rounded as Python rounds (ties to even)."""
+    """ImageOps.contain's size for a ``width`` x ``height`` image in ``size``: the largest
+    that keeps the aspect ratio, each side rounded as Python rounds (ties to even)."""
     im_ratio, dest_ratio = width / height, size[0] / size[1]
     if im_ratio > dest_ratio:
         return size[0], round(height / width * size[0])
@@ -274,12 +266,10 @@ def contained_size(width: int, height: int, size: tuple[int, int]) -> tuple[int,
 def image_to_patch_bits(image: Image.Image, cfg: VisionConfig,
                         out: Callable[[tuple[int, int]], np.ndarray | None] | None = None,
                         ) -> tuple[np.ndarray, Canvas]:
-    """Transform a decoded image into patches held as bfloat16 bits.
-
-    Returns ``(bits, canvas)``: uint16 of shape (n_h*n_w, 3*p*p), each patch flattened
-    channel-major (c, y, x), rows in raster order over the patch grid. ``out(shape)`` may
-    give the uint16 array to write them into (a decode worker's shared-memory slot: no copy
-    afterwards); when it gives None, or there is no ``out``, a new array is made."""
+    """A decoded image's patches as bfloat16 bits: ``(bits, canvas)``, bits uint16 (n_h*n_w,
+    3*p*p), each patch channel-major (c, y, x), rows in raster order. ``out(shape)`` may give
+    the array to write into (a decode worker's shared-memory slot: no copy afterwards); when
+    it gives None, or there is no ``out``, a new array is made."""
     rgb = to_rgb(image)
     canvas = plan_canvas(rgb.width, rgb.height, cfg)
     size = (canvas.width, canvas.height)
@@ -309,8 +299,7 @@ def bf16_bits_to_tensor(bits: np.ndarray) -> "torch.Tensor":
 
 
 def image_to_patches(image: Image.Image, cfg: VisionConfig) -> tuple["torch.Tensor", Canvas]:
-    """Transform a decoded image into bf16 patches: ``(patches, canvas)``, patches
-    (n_h*n_w, 3*p*p) bfloat16 laid out as ``image_to_patch_bits`` lays them out."""
+    """``image_to_patch_bits`` as a bfloat16 tensor: ``(patches, canvas)``."""
     bits, canvas = image_to_patch_bits(image, cfg)
     return bf16_bits_to_tensor(bits), canvas
 

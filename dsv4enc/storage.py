@@ -70,11 +70,6 @@ def is_url(path: object) -> bool:
     return match is not None and match.group(1).lower() != "file"
 
 
-def is_remote_output(out: str) -> bool:
-    """Whether ``--out`` names a place in a store (written through a local staging folder)."""
-    return is_url(out)
-
-
 def lies_within(location: str, prefix: str) -> bool:
     """Whether the URL ``location`` is the URL ``prefix`` or lies under it (a trailing slash
     aside); a local path lies within no URL, nor a URL within a local path."""
@@ -89,11 +84,6 @@ def local_path(location: str) -> str | None:
     if is_url(location):
         return None
     return location[len("file://"):] if location.lower().startswith("file://") else location
-
-
-def local_paths(locations: Iterable[str]) -> list[str]:
-    """The local paths among ``locations``, as given (URLs left out)."""
-    return [location for location in locations if not is_url(location)]
 
 
 def reads_are_requests(location: str) -> bool:

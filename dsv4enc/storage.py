@@ -1199,8 +1199,7 @@ def upload_written(folder: "str | os.PathLike", name: str,
     """When ``folder`` is a URL: ``write(path)`` fills a hidden local temporary file, uploaded
     whole as the object ``folder/name`` (read once, then removed); returns its size. The upload
     is tried again until the store is down (``outage_s()``): a store that is back sooner loses
-    the run nothing. A local ``folder`` gets nothing (None): its caller writes the file in
-    place."""
+    the run nothing. A local ``folder`` gets None: its caller writes the file in place."""
     if not is_url(folder):
         return None
     import tempfile
@@ -1241,8 +1240,7 @@ def _put(url: str, source: Callable[[], IO[bytes]]) -> None:
     only a failure on the way to the store can close a stream short."""
     client = _direct(url)
     if client is not None:
-        retrying(lambda: _boto(url, lambda: _put_direct(client, url, source)),
-                 store=store_of(url))
+        retrying(lambda: _boto(url, lambda: _put_direct(client, url, source)), store=store_of(url))
     else:
         fs, target = filesystem(url)
         _copy(url, source, lambda: fs.open_output_stream(target))
@@ -1273,9 +1271,8 @@ def _put_direct(client, url: str, source: Callable[[], IO[bytes]]) -> None:
 
 def _send_parts(client, bucket: str, key: str, upload: str, data: IO[bytes],
                 part_bytes: int) -> list[dict]:
-    """Upload ``data`` as the parts of multipart upload ``upload``, a few at a time (no more
-    than ``PUT_THREADS``, nor ``PUT_HELD_BYTES`` held); their entries for completing it, in
-    order."""
+    """Upload ``data`` as the parts of multipart upload ``upload``, a few at a time (at most
+    ``PUT_THREADS``, nor ``PUT_HELD_BYTES`` held); their entries for completing it, in order."""
     from collections import deque
     from concurrent.futures import ThreadPoolExecutor
 

@@ -111,7 +111,7 @@ class RemoteOutput:
     @classmethod
     def for_out(cls, out: str, **settings) -> "RemoteOutput | None":
         """The remote output for a URL ``out`` (``settings``: the constructor's), None if local."""
-        return cls(out, **settings) if storage.is_url(out) else None
+        return cls(out, **settings) if storage.local_path(out) is None else None
 
     # -- whose files -------------------------------------------------------------------------
     def _mine(self, name: str) -> bool:

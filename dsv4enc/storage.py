@@ -70,11 +70,6 @@ def is_url(path: object) -> bool:
     return match is not None and match.group(1).lower() != "file"
 
 
-def is_remote_output(out: str) -> bool:
-    """Whether ``--out`` names a place in a store (written through a local staging folder)."""
-    return is_url(out)
-
-
 def lies_within(location: str, prefix: str) -> bool:
     """Whether the URL ``location`` is the URL ``prefix`` or lies under it (a trailing slash
     aside); a local path lies within no URL, nor a URL within a local path."""
@@ -89,11 +84,6 @@ def local_path(location: str) -> str | None:
     if is_url(location):
         return None
     return location[len("file://"):] if location.lower().startswith("file://") else location
-
-
-def local_paths(locations: Iterable[str]) -> list[str]:
-    """The local paths among ``locations``, as given (URLs left out)."""
-    return [location for location in locations if not is_url(location)]
 
 
 def reads_are_requests(location: str) -> bool:
@@ -1209,8 +1199,7 @@ def upload_written(folder: "str | os.PathLike", name: str,
     """When ``folder`` is a URL: ``write(path)`` fills a hidden local temporary file, uploaded
     whole as the object ``folder/name`` (read once, then removed); returns its size. The upload
     is tried again until the store is down (``outage_s()``): a store that is back sooner loses
-    the run nothing. A local ``folder`` gets nothing (None): its caller writes the file in
-    place."""
+    the run nothing. A local ``folder`` gets None: its caller writes the file in place."""
     if not is_url(folder):
         return None
     import tempfile
@@ -1251,8 +1240,7 @@ def _put(url: str, source: Callable[[], IO[bytes]]) -> None:
     only a failure on the way to the store can close a stream short."""
     client = _direct(url)
     if client is not None:
-        retrying(lambda: _boto(url, lambda: _put_direct(client, url, source)),
-                 store=store_of(url))
+        retrying(lambda: _boto(url, lambda: _put_direct(client, url, source)), store=store_of(url))
     else:
         fs, target = filesystem(url)
         _copy(url, source, lambda: fs.open_output_stream(target))
@@ -1283,9 +1271,8 @@ def _put_direct(client, url: str, source: Callable[[], IO[bytes]]) -> None:
 
 def _send_parts(client, bucket: str, key: str, upload: str, data: IO[bytes],
                 part_bytes: int) -> list[dict]:
-    """Upload ``data`` as the parts of multipart upload ``upload``, a few at a time (no more
-    than ``PUT_THREADS``, nor ``PUT_HELD_BYTES`` held); their entries for completing it, in
-    order."""
+    """Upload ``data`` as the parts of multipart upload ``upload``, a few at a time (at most
+    ``PUT_THREADS``, nor ``PUT_HELD_BYTES`` held); their entries for completing it, in order."""
     from collections import deque
     from concurrent.futures import ThreadPoolExecutor
 

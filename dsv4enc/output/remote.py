@@ -111,7 +111,7 @@ class RemoteOutput:
     @classmethod
     def for_out(cls, out: str, **settings) -> "RemoteOutput | None":
         """The remote output for a URL ``out`` (``settings``: the constructor's), None if local."""
-        return cls(out, **settings) if storage.is_remote_output(out) else None
+        return cls(out, **settings) if storage.local_path(out) is None else None
 
     # -- whose files -------------------------------------------------------------------------
     def _mine(self, name: str) -> bool:
@@ -156,7 +156,8 @@ class RemoteOutput:
                 self.remove_stale_staging()
         except BaseException as exc:
             if isinstance(exc, storage.StoreDown):
-                exc.keep(self._kept_parts(), self.parts_url)  # its flag told by the run
+                # finished parts this rank's manifests in the store list; its flag told by the run
+                exc.keep(sum(mirror.parts for mirror in self._mirrors.values()), self.parts_url)
             if exc.args and isinstance(exc.args[0], str):
                 exc.args = (self.translate(exc.args[0]), *exc.args[1:])
             if getattr(exc, "summary", None) is not None:  # a stop's, for --summary-json
@@ -375,10 +376,9 @@ class RemoteOutput:
                 self._error = exc
 
     def sync(self) -> None:
-        """Upload each part a local manifest lists that is not in the store yet, then the
-        record that lists it: the manifest object when the run wrote it whole, else its
-        journal's new lines as a segment (``Mirror``); the store's record never lists a part
-        it lacks."""
+        """Upload each part a local manifest lists that is not in the store yet, then the record
+        that lists it: the manifest object when the run wrote it whole, else its journal's new
+        lines as a segment (``Mirror``); the store's record never lists a part it lacks."""
         with self._lock_mutex:
             if not self.local_parts.is_dir():
                 return
@@ -411,9 +411,8 @@ class RemoteOutput:
             storage.delete(storage.join(self.parts_url, key))
 
     def _upload_journal(self, manifest: Path, mirror: "Mirror") -> None:
-        """Upload the journal's whole lines written since the last sync as one segment (the
-        parts they list first), then merge the newest segments while two cover as many
-        syncs."""
+        """Upload the journal's whole lines written since the last sync as one segment (the parts
+        they list first), then merge the newest segments while two cover as many syncs."""
         read = _journal_bytes(manifest, mirror.token, mirror.read)
         if read is None:
             return
@@ -525,10 +524,6 @@ class RemoteOutput:
             if not quiet:
                 log.error("%s", storage.describe(self.parts_url, exc))
 
-    def _kept_parts(self) -> int:
-        """How many finished parts the store's manifests (this rank's) list."""
-        return sum(mirror.parts for mirror in self._mirrors.values())
-
     def _delete_unlisted(self, manifests: list[str]) -> None:
         """Delete the part objects none of ``manifests`` (local names) lists, and the journal
         segments: a finished output's manifests are whole."""
@@ -576,11 +571,10 @@ class RemoteOutput:
 
 @dataclass
 class Mirror:
-    """What the store holds of one local manifest: the manifest as the run last wrote it
-    whole (its ``journal`` token), then the journal's lines as segments, each of the lines one
-    or more syncs added (``files.segment_name``). Two segments that cover as many syncs are
-    merged into one, so a reader reads O(log syncs) of them and a line is uploaded
-    O(log syncs) times."""
+    """What the store holds of one local manifest: the manifest as the run last wrote it whole (its
+    ``journal`` token), then the journal's lines as segments, each of the lines one or more syncs
+    added (``files.segment_name``). Two segments that cover as many syncs are merged into one, so a
+    reader reads O(log syncs) of them and a line is uploaded O(log syncs) times."""
 
     manifest: str  # its name (``_manifest.json``)
     base: tuple | None = None  # the local manifest's file state when it was uploaded
@@ -612,10 +606,9 @@ class Mirror:
 
 def _journal_bytes(manifest: Path, token: str | None, start: int,
                    end: int | None = None) -> tuple[bytes, int, bytes] | None:
-    """The header of ``manifest``'s local journal and its whole lines from byte ``start`` (at
-    least past the header) to ``end`` (None: the last whole line), with where they begin;
-    None where there are none, or the journal is not ``token``'s (the manifest was written
-    whole since)."""
+    """The header of ``manifest``'s local journal and its whole lines from byte ``start`` (at least
+    past the header) to ``end`` (None: the last whole line), with where they begin; None where
+    there are none, or the journal is not ``token``'s (the manifest was written whole since)."""
     if token is None:
         return None
     try:

@@ -20,8 +20,9 @@ import pyarrow as pa
 
 from ..errors import OutputError
 from .parquet_join import (GROUP_NUM_ROWS, MAGIC, JoinError, ParquetJoiner, footer_at,
-                           footer_bytes, group_span, move_group, pwrite_all, read_footer,
-                           row_groups, schema_part, sync_data, whole_footer, with_key_values)
+                           footer_bytes, group_span, joinable_footer, move_group, pwrite_all,
+                           read_footer, row_groups, schema_part, sync_data, whole_footer,
+                           with_key_values)
 from .files import GROWING_NAME, MANIFEST_NAME, temp_path
 from .parts import (PartStore, fsync_dir, is_journal_entry,
                      names_part_file, part_intact, drop_cached_pages, output_os_error,
@@ -47,16 +48,11 @@ def serialize(table: pa.Table, row_group_size: int) -> pa.Buffer:
 
 
 def _joinable_footer(path: Path) -> list[list] | None:
-    """The decoded footer of the Parquet file at ``path`` where its row groups can be moved
-    (no page indexes: their offsets lie outside); else None."""
+    """``parquet_join.joinable_footer``'s footer, or None."""
     try:
-        with open(path, "rb") as source:
-            footer, _ = read_footer(source, os.fstat(source.fileno()).st_size)
-        for group in row_groups(footer):
-            move_group(group, 0, 0)  # raises JoinError where offsets lie outside
+        return joinable_footer(path)[0]
     except (OSError, JoinError):
         return None
-    return footer
 
 
 def group_room(table: pa.Table, row_group_size: int) -> int:

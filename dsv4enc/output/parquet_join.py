@@ -195,6 +195,16 @@ def read_footer(handle: BinaryIO, size: int) -> tuple[list[list], int]:
     return CompactReader(handle.read(length)).struct(), start
 
 
+def joinable_footer(path: Path) -> tuple[list[list], int]:
+    """``read_footer`` of the file at ``path``, whose row groups can be moved: no page
+    indexes or bloom filters, whose offsets lie outside (else ``JoinError``)."""
+    with open(path, "rb") as source:
+        footer, start = read_footer(source, os.fstat(source.fileno()).st_size)
+    for group in row_groups(footer):
+        move_group(group, 0, 0)
+    return footer, start
+
+
 def move_group(group: list[list], shift: int, ordinal: int) -> None:
     """Shift a row group's byte offsets by ``shift`` and give it its new ordinal."""
     for field in group:
@@ -312,11 +322,6 @@ class ParquetJoiner:
             if self.end == base + room:
                 self.end = base + used
 
-    def fits(self, footer: list[list] | None) -> bool:
-        """A part's footer holds what every part's does, but its row groups."""
-        return footer is not None and (self.schema is None
-                                       or schema_part(footer) == self.schema)
-
     def copy(self, source: Path, offset: int, count: int, tail: bytes = b"") -> int:
         """Append ``count`` bytes at ``offset`` of ``source``, then ``tail``; returns
         where they begin. In the kernel where it can (``copy_file_range``: a reflink where the
@@ -338,14 +343,11 @@ class ParquetJoiner:
 
     def append(self, path: Path) -> None:
         """Copy the row groups of the Parquet file ``path`` (their bytes, as they are)."""
-        with open(path, "rb") as source:
-            footer, start = read_footer(source, os.fstat(source.fileno()).st_size)
+        footer, start = joinable_footer(path)
         if self.schema is None:
             self.schema = schema_part(footer)
-        elif not self.fits(footer):
+        elif schema_part(footer) != self.schema:
             raise JoinError(f"{path} has another schema or metadata than the first file")
-        for group in row_groups(footer):
-            move_group(group, 0, 0)  # raises JoinError where offsets lie outside
         self.parts.append((footer, self.copy(path, len(MAGIC), start - len(MAGIC))))
 
     def close(self, key_values: dict[bytes, bytes] | None = None,

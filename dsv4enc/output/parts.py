@@ -143,8 +143,8 @@ def kept_fields(schema: pa.Schema) -> list[pa.Field]:
 
 
 def kept_columns(schema: pa.Schema, items: Sequence) -> dict[str, pa.Array] | None:
-    """The values of ``schema``'s kept table columns for ``items`` (``images/items.
-    InputItem``s, in row order); None when the schema keeps none."""
+    """``schema``'s kept columns' values for ``items`` (``InputItem``s, in row order), or
+    None."""
     fields = kept_fields(schema)
     return kept_values(items, fields) if fields else None
 
@@ -312,7 +312,6 @@ def _write_synced(table: pa.Table, path: Path, row_group_size: int, drop_cache: 
 
 def write_table_atomic(table: pa.Table, path: Path, row_group_size: int,
                        drop_cache: bool = False) -> None:
-    """Write ``table`` to ``path`` (``write_atomic``)."""
     write_atomic(path, lambda tmp: _write_synced(table, tmp, row_group_size, drop_cache))
 
 
@@ -359,7 +358,6 @@ def store_failure(url: str, exc: OSError) -> DsvError:
 
 
 def write_json_atomic(data: Any, path: Path) -> None:
-    """Write ``data`` as JSON to ``path`` (``write_atomic``)."""
     write_atomic(path, json.dumps(data, indent=1, sort_keys=True).encode())
 
 
@@ -446,7 +444,6 @@ def listed_files(document: dict) -> list[str]:
 
 
 def listed_names(documents: Iterable[dict]) -> set[str]:
-    """Every file the manifest ``documents`` list (``listed_files``)."""
     return {name for document in documents for name in listed_files(document)}
 
 
@@ -460,7 +457,7 @@ def manifest_paths(folder: Path) -> list[Path]:
 
 
 def read_manifests(folder: Path) -> dict[Path, dict]:
-    """The dsv4enc manifests in ``folder`` by path, in name order."""
+    """The dsv4enc manifests in ``folder``, in name order."""
     found = {path: read_manifest(path) for path in manifest_paths(folder)}
     return {path: data for path, data in found.items() if data is not None}
 
@@ -655,7 +652,6 @@ class PartStore:
         if self._journal is not None and self.journal_path.exists():
             self.save()
 
-
     def commit(self, name: str, table: pa.Table, row_group_size: int, start: int, end: int,
                digest: str) -> None:
         """Write one part to ``part_folder`` (several writer threads may commit at once)."""
@@ -686,8 +682,7 @@ class PartStore:
         self._record(name, entry)
 
     def adopt(self, name: str, entry: dict[str, Any]) -> None:
-        """Record a part whose file is already where the output keeps it (``entry``: as
-        ``commit`` records one; ``update.Update.keep_parts``)."""
+        """Record a part whose file is already where the output keeps it (``update``)."""
         self._record(name, entry)
 
 
@@ -696,12 +691,11 @@ class StreamingAssembler:
     are still encoded, so a run's end only closes the file: each commit (``notify``, on the
     writer's thread) copies in the parts that now continue the file, their row groups as
     they are (``parquet_join.ParquetJoiner``: no second encode), into a hidden temporary in
-    the parts folder; ``finish`` writes its footer, syncs and renames it."""
+    the parts folder; ``finish`` writes its footer, syncs and renames it. ``key_values``:
+    more footer metadata (its rows' stamps)."""
 
     def __init__(self, store: "PartStore", out: Path, schema: pa.Schema,
                  key_values: dict[bytes, bytes] | None = None) -> None:
-        """The file holds the committed parts from input 0 on, up to where they end once
-        ``finish`` is called. ``key_values``: more footer metadata (its rows' stamps)."""
         self.store, self.out, self.schema = store, out, schema
         self.key_values = key_values or {}
         self.tmp = temp_path(out, store.folder)
@@ -710,7 +704,6 @@ class StreamingAssembler:
         self._start()
 
     def _start(self) -> None:
-        """Begin the file, empty."""
         self._position = 0  # where the parts copied so far end
         self._copied: list[tuple[str, dict]] = []  # their names and manifest entries
         try:  # None once a part cannot be joined: ``finish`` encodes the parts again

@@ -34,11 +34,6 @@ log = logging.getLogger("dsv4enc")
 AVAILABLE = hasattr(os, "pwrite") and hasattr(os, "pread")
 
 
-def _pack(fields: list[list]) -> str:
-    """A Thrift compact struct as text for the JSON journal."""
-    return base64.b64encode(footer_bytes(fields)[:-8]).decode("ascii")  # less length and PAR1
-
-
 def serialize(table: pa.Table, row_group_size: int) -> pa.Buffer:
     """``table`` as a Parquet file in memory, as a part file would hold it: only for the
     schema's probe and a part that outgrew its reservation (a growing buffer costs CPU)."""
@@ -105,7 +100,8 @@ class AppendingStore(PartStore):
         # schema: in the journal, so that a resume by another pyarrow starts over.
         data = serialize(schema.empty_table(), 1)
         self._shared = schema_part(read_footer(pa.BufferReader(data), data.size)[0])
-        self.extra = {"footer": _pack(self._shared)}
+        packed = footer_bytes(self._shared)[:-8]  # Thrift compact bytes, less length and PAR1
+        self.extra = {"footer": base64.b64encode(packed).decode("ascii")}
         self.file: ParquetJoiner | None = None
         #: more key-value metadata for the final footer (its rows' stamps: ``update``)
         self.key_values: dict[bytes, bytes] = {}
@@ -268,7 +264,7 @@ class AppendingStore(PartStore):
                             "offset": base, "length": length})
 
     def notify(self) -> None:
-        """A part was committed (nothing to do: its bytes are already in the file)."""
+        """Nothing to do: a committed part's bytes are already in the file."""
 
     def _part_footer(self, part: dict[str, Any], fd: int | None = None) -> list[list] | None:
         """The footer a recorded part's range ends with, if it fits this output's."""

@@ -161,7 +161,6 @@ class CompactWriter:
              T_STRUCT: struct}
 
 
-
 def _value(fields: list[list], field: int, default: Any = None) -> Any:
     return next((f[2] for f in fields if f[0] == field), default)
 
@@ -290,12 +289,11 @@ class ParquetJoiner:
     whole (``append``: a file's chunks; ``copy``: any byte range, with a footer of its own
     after it), or written in place by its writer into a range it ``reserve``-d (several
     threads at once). ``schema``: the footer fields every part must share (None: the first
-    appended file's)."""
+    appended file's). ``path`` is cut at ``end`` (None, or a file that does not start with
+    ``PAR1``: anew)."""
 
     def __init__(self, path: Path, schema: list[list] | None = None,
                  end: int | None = None) -> None:
-        """Open ``path`` and cut it at ``end`` (None, or a file that does not start with
-        ``PAR1``: anew)."""
         self.path, self.schema = Path(path), schema
         self.fd: int | None = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
@@ -311,7 +309,7 @@ class ParquetJoiner:
         self._lock = threading.Lock()
 
     def reserve(self, size: int) -> int:
-        """Claim ``size`` bytes at the end of the file for one part; returns where."""
+        """Claim ``size`` bytes at the end of the file; returns where."""
         with self._lock:
             base, self.end = self.end, self.end + size
             return base

@@ -143,8 +143,8 @@ def kept_fields(schema: pa.Schema) -> list[pa.Field]:
 
 
 def kept_columns(schema: pa.Schema, items: Sequence) -> dict[str, pa.Array] | None:
-    """``schema``'s kept columns' values for ``items`` (``InputItem``s, in row order), or
-    None."""
+    """``schema``'s kept columns' values for ``items`` (``items.InputItem``s, in row order),
+    or None."""
     fields = kept_fields(schema)
     return kept_values(items, fields) if fields else None
 
@@ -403,10 +403,9 @@ def is_manifest(data: Any) -> bool:
     its folder's part files provably dsv4enc's."""
     if not (is_dsv4enc_document(data) and isinstance(data.get("parts"), dict)):
         return False
-    for part in data["parts"].values():
-        if not (isinstance(part, dict) and (names_part_file(part) or is_journal_entry(part))):
-            return False
-    return data.get("format") == MANIFEST_FORMAT and data.get("version") == MANIFEST_VERSION
+    return (all(isinstance(part, dict) and (names_part_file(part) or is_journal_entry(part))
+                for part in data["parts"].values())
+            and data.get("format") == MANIFEST_FORMAT and data.get("version") == MANIFEST_VERSION)
 
 
 def pre_release_manifest(folder: Path) -> Path | None:
@@ -505,7 +504,7 @@ class PartStore:
 
     @property
     def parts(self) -> dict[str, dict[str, Any]]:
-        """The committed parts by name (a commit adds one in place)."""
+        """The committed parts by name."""
         return self._parts
 
     @parts.setter
@@ -536,7 +535,7 @@ class PartStore:
         self.save()
 
     def load_existing(self) -> dict[str, Any]:
-        """Read the manifest of an earlier run; returns its settings."""
+        """Read an earlier run's manifest; returns its settings."""
         try:
             data = load_manifest(self.manifest_path)
         except (OSError, ValueError) as exc:
@@ -590,7 +589,7 @@ class PartStore:
             if names_part_file(part):  # a range of the growing file needs nothing
                 (self.folder / part["file"]).unlink(missing_ok=True)
 
-    forget = drop  # called once, as a resume starts: a store may put its bytes in order then
+    forget = drop  # once, as a resume starts: a store may put its bytes in order then
 
     def _record(self, name: str, entry: dict[str, Any]) -> None:
         """Record a committed part: one line appended to the journal and synced (several
@@ -654,7 +653,7 @@ class PartStore:
 
     def commit(self, name: str, table: pa.Table, row_group_size: int, start: int, end: int,
                digest: str) -> None:
-        """Write one part to ``part_folder`` (several writer threads may commit at once)."""
+        """Write one part to ``part_folder`` (writer threads commit at once)."""
         self.commit_written(name, write_part(self.part_folder, name, table, row_group_size,
                                              start, end, digest, generation=self.generation,
                                              drop_cache=self.drop_cache))
@@ -691,13 +690,11 @@ class StreamingAssembler:
     are still encoded, so a run's end only closes the file: each commit (``notify``, on the
     writer's thread) copies in the parts that now continue the file, their row groups as
     they are (``parquet_join.ParquetJoiner``: no second encode), into a hidden temporary in
-    the parts folder; ``finish`` writes its footer, syncs and renames it. ``key_values``:
-    more footer metadata (its rows' stamps)."""
+    the parts folder; ``finish`` writes its footer, syncs and renames it."""
 
-    def __init__(self, store: "PartStore", out: Path, schema: pa.Schema,
-                 key_values: dict[bytes, bytes] | None = None) -> None:
+    def __init__(self, store: "PartStore", out: Path, schema: pa.Schema) -> None:
         self.store, self.out, self.schema = store, out, schema
-        self.key_values = key_values or {}
+        self.key_values: dict[bytes, bytes] = {}  # more footer metadata (its rows' stamps)
         self.tmp = temp_path(out, store.folder)
         self._error: OutputError | None = None  # a failed copy, raised by ``finish``
         self._lock = threading.Lock()

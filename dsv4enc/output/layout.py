@@ -353,7 +353,7 @@ class OutputLayout:
                           f"with {again} to finish")
 
     def remove_temporaries(self) -> None:
-        """Remove what killed or cancelled writers left under temporary names (we hold the lock)."""
+        """Remove what killed or cancelled writers left as temporaries (we hold the lock)."""
         self._remove(p for p in self._owned_and_foreign()[0] if temporary_of(p.name))
 
     def discard_if_empty(self) -> None:
@@ -387,8 +387,7 @@ class OutputLayout:
 
 def open_store(layout: OutputLayout, settings: dict, schema, *, local: bool, is_main: bool,
                world_size: int, rank: int | None, update: Update | None = None,
-               rows_settings: dict | None = None, written_elsewhere: bool = False,
-               ) -> PartStore:
+               rows_settings: dict | None = None, written_elsewhere: bool = False) -> PartStore:
     """Where this process commits its parts. One process writing a local single file appends
     each part to it (``appending``), unless ``written_elsewhere`` (``--engine ray``'s actors
     write the part files); otherwise parts are files, joined at the end (``local=False``: the

@@ -88,9 +88,8 @@ class RangeSink(io.RawIOBase):
 
 
 class AppendingStore(PartStore):
-    """The journaled growing file of a single-file output (see the module's doc), and the
-    run's finisher (as ``parts.StreamingAssembler`` is for part files); its bytes are joined
-    by a ``ParquetJoiner``."""
+    """The journaled growing file of a single-file output (the module's doc), joined by a
+    ``ParquetJoiner``, and the run's finisher (as ``parts.StreamingAssembler`` of part files)."""
 
     def __init__(self, folder: Path, settings: dict[str, Any], schema: pa.Schema, out: Path,
                  manifest_name: str = MANIFEST_NAME) -> None:

@@ -136,11 +136,9 @@ class OutputLayout:
 
     # -- what is ours -------------------------------------------------------------------
     def _is_ours(self, path: Path, manifests: dict[Path, dict], listed: set[str]) -> bool:
-        """A file in the parts folder that dsv4enc wrote: its lock, its temporaries, and
-        where a dsv4enc manifest is present (``manifests``; ``listed``: the files they list)
-        the files under its names that their content shows to be its own: the manifests, the
-        files they list, and unlisted part files, journals, stamps and the growing file
-        (``_KNOWN_BY``, ``_is_growing``: what a killed run leaves under each counts)."""
+        """A file in the parts folder that dsv4enc wrote (the module's doc); ``manifests``:
+        the dsv4enc manifests there, ``listed``: the files they list. What a killed run leaves
+        under each name counts (``_KNOWN_BY``, ``_is_growing``)."""
         name = path.name
         became = temporary_of(name)
         if name == LOCK_NAME or became is not None and (

@@ -401,10 +401,9 @@ def is_journal_entry(part: dict) -> bool:
 def is_manifest(data: Any) -> bool:
     """``data`` is a manifest of this format, which lists only dsv4enc part names: that makes
     its folder's part files provably dsv4enc's."""
-    if not (is_dsv4enc_document(data) and isinstance(data.get("parts"), dict)):
-        return False
-    return (all(isinstance(part, dict) and (names_part_file(part) or is_journal_entry(part))
-                for part in data["parts"].values())
+    return (is_dsv4enc_document(data) and isinstance(data.get("parts"), dict)
+            and all(isinstance(part, dict) and (names_part_file(part) or is_journal_entry(part))
+                    for part in data["parts"].values())
             and data.get("format") == MANIFEST_FORMAT and data.get("version") == MANIFEST_VERSION)
 
 

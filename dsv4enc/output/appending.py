@@ -20,8 +20,9 @@ import pyarrow as pa
 
 from ..errors import OutputError
 from .parquet_join import (GROUP_NUM_ROWS, MAGIC, JoinError, ParquetJoiner, footer_at,
-                           footer_bytes, group_span, move_group, pwrite_all, read_footer,
-                           row_groups, schema_part, sync_data, whole_footer, with_key_values)
+                           footer_bytes, group_span, joinable_footer, move_group, pwrite_all,
+                           read_footer, row_groups, schema_part, sync_data, whole_footer,
+                           with_key_values)
 from .files import GROWING_NAME, MANIFEST_NAME, temp_path
 from .parts import (PartStore, fsync_dir, is_journal_entry,
                      names_part_file, part_intact, drop_cached_pages, output_os_error,
@@ -33,11 +34,6 @@ log = logging.getLogger("dsv4enc")
 AVAILABLE = hasattr(os, "pwrite") and hasattr(os, "pread")
 
 
-def _pack(fields: list[list]) -> str:
-    """A Thrift compact struct as text for the JSON journal."""
-    return base64.b64encode(footer_bytes(fields)[:-8]).decode("ascii")  # less length and PAR1
-
-
 def serialize(table: pa.Table, row_group_size: int) -> pa.Buffer:
     """``table`` as a Parquet file in memory, as a part file would hold it: only for the
     schema's probe and a part that outgrew its reservation (a growing buffer costs CPU)."""
@@ -47,16 +43,11 @@ def serialize(table: pa.Table, row_group_size: int) -> pa.Buffer:
 
 
 def _joinable_footer(path: Path) -> list[list] | None:
-    """The decoded footer of the Parquet file at ``path`` where its row groups can be moved
-    (no page indexes: their offsets lie outside); else None."""
+    """``parquet_join.joinable_footer``'s footer, or None."""
     try:
-        with open(path, "rb") as source:
-            footer, _ = read_footer(source, os.fstat(source.fileno()).st_size)
-        for group in row_groups(footer):
-            move_group(group, 0, 0)  # raises JoinError where offsets lie outside
+        return joinable_footer(path)[0]
     except (OSError, JoinError):
         return None
-    return footer
 
 
 def group_room(table: pa.Table, row_group_size: int) -> int:
@@ -97,9 +88,8 @@ class RangeSink(io.RawIOBase):
 
 
 class AppendingStore(PartStore):
-    """The journaled growing file of a single-file output (see the module's doc), and the
-    run's finisher (as ``parts.StreamingAssembler`` is for part files); its bytes are joined
-    by a ``ParquetJoiner``."""
+    """The journaled growing file of a single-file output (the module's doc), joined by a
+    ``ParquetJoiner``, and the run's finisher (as ``parts.StreamingAssembler`` of part files)."""
 
     def __init__(self, folder: Path, settings: dict[str, Any], schema: pa.Schema, out: Path,
                  manifest_name: str = MANIFEST_NAME) -> None:
@@ -109,7 +99,8 @@ class AppendingStore(PartStore):
         # schema: in the journal, so that a resume by another pyarrow starts over.
         data = serialize(schema.empty_table(), 1)
         self._shared = schema_part(read_footer(pa.BufferReader(data), data.size)[0])
-        self.extra = {"footer": _pack(self._shared)}
+        packed = footer_bytes(self._shared)[:-8]  # Thrift compact bytes, less length and PAR1
+        self.extra = {"footer": base64.b64encode(packed).decode("ascii")}
         self.file: ParquetJoiner | None = None
         #: more key-value metadata for the final footer (its rows' stamps: ``update``)
         self.key_values: dict[bytes, bytes] = {}
@@ -272,7 +263,7 @@ class AppendingStore(PartStore):
                             "offset": base, "length": length})
 
     def notify(self) -> None:
-        """A part was committed (nothing to do: its bytes are already in the file)."""
+        """Nothing to do: a committed part's bytes are already in the file."""
 
     def _part_footer(self, part: dict[str, Any], fd: int | None = None) -> list[list] | None:
         """The footer a recorded part's range ends with, if it fits this output's."""

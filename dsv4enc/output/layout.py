@@ -15,10 +15,13 @@ import os
 from pathlib import Path
 from typing import Callable, Iterable
 
+import pyarrow.parquet as pq
+
 from ..errors import OutputError
 from ..images.items import is_image_name
 from .files import (GROWING_NAME, JOURNAL_FILE, LOCK_NAME, MANIFEST_FILE, PART_FILE, PARTIAL,
                     STAMPS_FILE, is_output_file, manifest_name, temporary_of, write_probe)
+from . import appending
 from .lock import OutputLock, holder_if_locked
 from .parquet_join import MAGIC
 from .update import Update, is_stamps_file
@@ -69,8 +72,6 @@ def _is_growing(path: Path) -> bool:
     """The growing file (``appending``): empty (a run killed as it made it), or ``PAR1`` and
     then either a footer with dsv4enc's metadata (its last part's, or the whole file's) or no
     footer at all (a run killed while a part was written into it)."""
-    import pyarrow.parquet as pq
-
     head = _read_head(path, len(MAGIC))
     if head is None or head and head != MAGIC:
         return False
@@ -135,11 +136,9 @@ class OutputLayout:
 
     # -- what is ours -------------------------------------------------------------------
     def _is_ours(self, path: Path, manifests: dict[Path, dict], listed: set[str]) -> bool:
-        """A file in the parts folder that dsv4enc wrote: its lock, its temporaries, and
-        where a dsv4enc manifest is present (``manifests``; ``listed``: the files they list)
-        the files under its names that their content shows to be its own: the manifests, the
-        files they list, and unlisted part files, journals, stamps and the growing file
-        (``_KNOWN_BY``, ``_is_growing``: what a killed run leaves under each counts)."""
+        """A file in the parts folder that dsv4enc wrote (the module's doc); ``manifests``:
+        the dsv4enc manifests there, ``listed``: the files they list. What a killed run leaves
+        under each name counts (``_KNOWN_BY``, ``_is_growing``)."""
         name = path.name
         became = temporary_of(name)
         if name == LOCK_NAME or became is not None and (
@@ -224,11 +223,10 @@ class OutputLayout:
                 raise OutputError(f"cannot write {out}: {parent} is a file, not a folder")
         if self.folder_mode and out.exists() and not out.is_dir():
             raise OutputError(f"--out {out} is a file, but a folder output was asked for")
-        if not self.folder_mode and out.is_symlink():
-            # The finished file would replace the link, not what it points to
-            raise OutputError(f"--out {out} is a symbolic link (to {os.readlink(out)}); give "
-                              "the path it points to as --out")
         if not self.folder_mode:
+            if out.is_symlink():  # the finished file would replace the link, not its target
+                raise OutputError(f"--out {out} is a symbolic link (to {os.readlink(out)}); "
+                                  "give the path it points to as --out")
             if self.parts_dir.exists() and not self.parts_dir.is_dir():
                 raise OutputError(f"cannot use {self.parts_dir} for parts: it is a file "
                                   "dsv4enc did not write; move it away")
@@ -353,7 +351,7 @@ class OutputLayout:
                           f"with {again} to finish")
 
     def remove_temporaries(self) -> None:
-        """Remove what killed or cancelled writers left under temporary names (we hold the lock)."""
+        """Remove what killed or cancelled writers left as temporaries (we hold the lock)."""
         self._remove(p for p in self._owned_and_foreign()[0] if temporary_of(p.name))
 
     def discard_if_empty(self) -> None:
@@ -387,16 +385,13 @@ class OutputLayout:
 
 def open_store(layout: OutputLayout, settings: dict, schema, *, local: bool, is_main: bool,
                world_size: int, rank: int | None, update: Update | None = None,
-               rows_settings: dict | None = None, written_elsewhere: bool = False,
-               ) -> PartStore:
+               rows_settings: dict | None = None, written_elsewhere: bool = False) -> PartStore:
     """Where this process commits its parts. One process writing a local single file appends
     each part to it (``appending``), unless ``written_elsewhere`` (``--engine ray``'s actors
     write the part files); otherwise parts are files, joined at the end (``local=False``: the
     staging of an object storage output). ``rank``: this process's under torchrun (None
     outside), for --shard-output's manifests. ``update`` (``rows_settings``: the settings
     that decide its rows): --update's new parts go to its staging store."""
-    from . import appending
-
     staging = update.open_store(settings, rows_settings) if update is not None else None
     if staging is not None:
         return staging
@@ -411,9 +406,7 @@ def open_store(layout: OutputLayout, settings: dict, schema, *, local: bool, is_
 def assembler_for(store: PartStore, layout: OutputLayout, schema, *, is_main: bool):
     """What makes the single file at the end: the appending store, a ``StreamingAssembler`` (a
     single-file output's main process), or None; its ``key_values`` take more footer metadata."""
-    from .appending import AppendingStore
-
-    if isinstance(store, AppendingStore):
+    if isinstance(store, appending.AppendingStore):
         store.key_values = {}
         return store
     if not layout.folder_mode and is_main:

@@ -161,7 +161,6 @@ class CompactWriter:
              T_STRUCT: struct}
 
 
-
 def _value(fields: list[list], field: int, default: Any = None) -> Any:
     return next((f[2] for f in fields if f[0] == field), default)
 
@@ -193,6 +192,16 @@ def read_footer(handle: BinaryIO, size: int) -> tuple[list[list], int]:
         raise JoinError("not a Parquet file (no leading magic)")
     handle.seek(start)
     return CompactReader(handle.read(length)).struct(), start
+
+
+def joinable_footer(path: Path) -> tuple[list[list], int]:
+    """``read_footer`` of the file at ``path``, whose row groups can be moved: no page
+    indexes or bloom filters, whose offsets lie outside (else ``JoinError``)."""
+    with open(path, "rb") as source:
+        footer, start = read_footer(source, os.fstat(source.fileno()).st_size)
+    for group in row_groups(footer):
+        move_group(group, 0, 0)
+    return footer, start
 
 
 def move_group(group: list[list], shift: int, ordinal: int) -> None:
@@ -280,12 +289,11 @@ class ParquetJoiner:
     whole (``append``: a file's chunks; ``copy``: any byte range, with a footer of its own
     after it), or written in place by its writer into a range it ``reserve``-d (several
     threads at once). ``schema``: the footer fields every part must share (None: the first
-    appended file's)."""
+    appended file's). ``path`` is cut at ``end`` (None, or a file that does not start with
+    ``PAR1``: anew)."""
 
     def __init__(self, path: Path, schema: list[list] | None = None,
                  end: int | None = None) -> None:
-        """Open ``path`` and cut it at ``end`` (None, or a file that does not start with
-        ``PAR1``: anew)."""
         self.path, self.schema = Path(path), schema
         self.fd: int | None = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
@@ -301,7 +309,7 @@ class ParquetJoiner:
         self._lock = threading.Lock()
 
     def reserve(self, size: int) -> int:
-        """Claim ``size`` bytes at the end of the file for one part; returns where."""
+        """Claim ``size`` bytes at the end of the file; returns where."""
         with self._lock:
             base, self.end = self.end, self.end + size
             return base
@@ -311,11 +319,6 @@ class ParquetJoiner:
         with self._lock:
             if self.end == base + room:
                 self.end = base + used
-
-    def fits(self, footer: list[list] | None) -> bool:
-        """A part's footer holds what every part's does, but its row groups."""
-        return footer is not None and (self.schema is None
-                                       or schema_part(footer) == self.schema)
 
     def copy(self, source: Path, offset: int, count: int, tail: bytes = b"") -> int:
         """Append ``count`` bytes at ``offset`` of ``source``, then ``tail``; returns
@@ -338,14 +341,11 @@ class ParquetJoiner:
 
     def append(self, path: Path) -> None:
         """Copy the row groups of the Parquet file ``path`` (their bytes, as they are)."""
-        with open(path, "rb") as source:
-            footer, start = read_footer(source, os.fstat(source.fileno()).st_size)
+        footer, start = joinable_footer(path)
         if self.schema is None:
             self.schema = schema_part(footer)
-        elif not self.fits(footer):
+        elif schema_part(footer) != self.schema:
             raise JoinError(f"{path} has another schema or metadata than the first file")
-        for group in row_groups(footer):
-            move_group(group, 0, 0)  # raises JoinError where offsets lie outside
         self.parts.append((footer, self.copy(path, len(MAGIC), start - len(MAGIC))))
 
     def close(self, key_values: dict[bytes, bytes] | None = None,

@@ -143,8 +143,8 @@ def kept_fields(schema: pa.Schema) -> list[pa.Field]:
 
 
 def kept_columns(schema: pa.Schema, items: Sequence) -> dict[str, pa.Array] | None:
-    """The values of ``schema``'s kept table columns for ``items`` (``images/items.
-    InputItem``s, in row order); None when the schema keeps none."""
+    """``schema``'s kept columns' values for ``items`` (``items.InputItem``s, in row order),
+    or None."""
     fields = kept_fields(schema)
     return kept_values(items, fields) if fields else None
 
@@ -312,7 +312,6 @@ def _write_synced(table: pa.Table, path: Path, row_group_size: int, drop_cache: 
 
 def write_table_atomic(table: pa.Table, path: Path, row_group_size: int,
                        drop_cache: bool = False) -> None:
-    """Write ``table`` to ``path`` (``write_atomic``)."""
     write_atomic(path, lambda tmp: _write_synced(table, tmp, row_group_size, drop_cache))
 
 
@@ -359,7 +358,6 @@ def store_failure(url: str, exc: OSError) -> DsvError:
 
 
 def write_json_atomic(data: Any, path: Path) -> None:
-    """Write ``data`` as JSON to ``path`` (``write_atomic``)."""
     write_atomic(path, json.dumps(data, indent=1, sort_keys=True).encode())
 
 
@@ -403,12 +401,10 @@ def is_journal_entry(part: dict) -> bool:
 def is_manifest(data: Any) -> bool:
     """``data`` is a manifest of this format, which lists only dsv4enc part names: that makes
     its folder's part files provably dsv4enc's."""
-    if not (is_dsv4enc_document(data) and isinstance(data.get("parts"), dict)):
-        return False
-    for part in data["parts"].values():
-        if not (isinstance(part, dict) and (names_part_file(part) or is_journal_entry(part))):
-            return False
-    return data.get("format") == MANIFEST_FORMAT and data.get("version") == MANIFEST_VERSION
+    return (is_dsv4enc_document(data) and isinstance(data.get("parts"), dict)
+            and all(isinstance(part, dict) and (names_part_file(part) or is_journal_entry(part))
+                    for part in data["parts"].values())
+            and data.get("format") == MANIFEST_FORMAT and data.get("version") == MANIFEST_VERSION)
 
 
 def pre_release_manifest(folder: Path) -> Path | None:
@@ -446,7 +442,6 @@ def listed_files(document: dict) -> list[str]:
 
 
 def listed_names(documents: Iterable[dict]) -> set[str]:
-    """Every file the manifest ``documents`` list (``listed_files``)."""
     return {name for document in documents for name in listed_files(document)}
 
 
@@ -460,7 +455,7 @@ def manifest_paths(folder: Path) -> list[Path]:
 
 
 def read_manifests(folder: Path) -> dict[Path, dict]:
-    """The dsv4enc manifests in ``folder`` by path, in name order."""
+    """The dsv4enc manifests in ``folder``, in name order."""
     found = {path: read_manifest(path) for path in manifest_paths(folder)}
     return {path: data for path, data in found.items() if data is not None}
 
@@ -508,7 +503,7 @@ class PartStore:
 
     @property
     def parts(self) -> dict[str, dict[str, Any]]:
-        """The committed parts by name (a commit adds one in place)."""
+        """The committed parts by name."""
         return self._parts
 
     @parts.setter
@@ -539,7 +534,7 @@ class PartStore:
         self.save()
 
     def load_existing(self) -> dict[str, Any]:
-        """Read the manifest of an earlier run; returns its settings."""
+        """Read an earlier run's manifest; returns its settings."""
         try:
             data = load_manifest(self.manifest_path)
         except (OSError, ValueError) as exc:
@@ -593,7 +588,7 @@ class PartStore:
             if names_part_file(part):  # a range of the growing file needs nothing
                 (self.folder / part["file"]).unlink(missing_ok=True)
 
-    forget = drop  # called once, as a resume starts: a store may put its bytes in order then
+    forget = drop  # once, as a resume starts: a store may put its bytes in order then
 
     def _record(self, name: str, entry: dict[str, Any]) -> None:
         """Record a committed part: one line appended to the journal and synced (several
@@ -655,10 +650,9 @@ class PartStore:
         if self._journal is not None and self.journal_path.exists():
             self.save()
 
-
     def commit(self, name: str, table: pa.Table, row_group_size: int, start: int, end: int,
                digest: str) -> None:
-        """Write one part to ``part_folder`` (several writer threads may commit at once)."""
+        """Write one part to ``part_folder`` (writer threads commit at once)."""
         self.commit_written(name, write_part(self.part_folder, name, table, row_group_size,
                                              start, end, digest, generation=self.generation,
                                              drop_cache=self.drop_cache))
@@ -686,8 +680,7 @@ class PartStore:
         self._record(name, entry)
 
     def adopt(self, name: str, entry: dict[str, Any]) -> None:
-        """Record a part whose file is already where the output keeps it (``entry``: as
-        ``commit`` records one; ``update.Update.keep_parts``)."""
+        """Record a part whose file is already where the output keeps it (``update``)."""
         self._record(name, entry)
 
 
@@ -698,19 +691,15 @@ class StreamingAssembler:
     they are (``parquet_join.ParquetJoiner``: no second encode), into a hidden temporary in
     the parts folder; ``finish`` writes its footer, syncs and renames it."""
 
-    def __init__(self, store: "PartStore", out: Path, schema: pa.Schema,
-                 key_values: dict[bytes, bytes] | None = None) -> None:
-        """The file holds the committed parts from input 0 on, up to where they end once
-        ``finish`` is called. ``key_values``: more footer metadata (its rows' stamps)."""
+    def __init__(self, store: "PartStore", out: Path, schema: pa.Schema) -> None:
         self.store, self.out, self.schema = store, out, schema
-        self.key_values = key_values or {}
+        self.key_values: dict[bytes, bytes] = {}  # more footer metadata (its rows' stamps)
         self.tmp = temp_path(out, store.folder)
         self._error: OutputError | None = None  # a failed copy, raised by ``finish``
         self._lock = threading.Lock()
         self._start()
 
     def _start(self) -> None:
-        """Begin the file, empty."""
         self._position = 0  # where the parts copied so far end
         self._copied: list[tuple[str, dict]] = []  # their names and manifest entries
         try:  # None once a part cannot be joined: ``finish`` encodes the parts again

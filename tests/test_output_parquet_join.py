@@ -82,6 +82,21 @@ def test_other_readers_read_a_joined_file(tmp_path):
     assert [c[0] for c in cells] == want.column("embedding").to_pylist()
 
 
+@pytest.mark.parametrize("footer", [
+    b"\x15",  # a field header, then nothing: the footer ends inside it
+    b"\x1b\xff\xff\xff\x0f\x11",  # a map of 2^32 bool pairs in one byte
+    b"\x1c" * 5000,  # structs nested past any sane depth
+], ids=["cut short", "huge map", "deep"])
+def test_a_damaged_footer_is_a_join_error(tmp_path, footer):
+    """A damaged footer is refused as ``JoinError``, which every caller handles (an
+    IndexError, a RecursionError or a loop over a count the bytes cannot hold escaped)."""
+    data = b"PAR1" + footer + len(footer).to_bytes(4, "little") + b"PAR1"
+    with open(tmp_path / "d.parquet", "wb+") as handle:
+        handle.write(data)
+        with pytest.raises(JoinError):
+            read_footer(handle, len(data))
+
+
 def test_files_that_cannot_be_joined_by_copying_are_refused(tmp_path):
     files = write_parts(tmp_path, "binary", pooled=False)
     (tmp_path / "o").mkdir()

@@ -40,9 +40,10 @@ class CompactReader:
         self.data, self.pos = data, 0
 
     def byte(self) -> int:
-        value = self.data[self.pos]
+        if self.pos >= len(self.data):
+            raise JoinError("truncated Parquet footer")
         self.pos += 1
-        return value
+        return self.data[self.pos - 1]
 
     def varint(self) -> int:
         shift = result = 0
@@ -78,7 +79,10 @@ class CompactReader:
             if not size:
                 return 0, 0, []
             key, val = divmod(self.byte(), 16)
-            return key, val, [(self.value(key), self.value(val)) for _ in range(size)]
+            key_read, val_read = (T_BYTE if kind in (T_TRUE, T_FALSE) else kind
+                                  for kind in (key, val))  # bools: a byte each, as in lists
+            return key, val, [(self.value(key_read), self.value(val_read))
+                              for _ in range(size)]
         if kind not in self.READ:
             raise JoinError(f"unknown Thrift type {kind} in a Parquet footer")
         return self.READ[kind](self)
@@ -191,7 +195,10 @@ def read_footer(handle: BinaryIO, size: int) -> tuple[list[list], int]:
     if handle.read(4) != MAGIC:
         raise JoinError("not a Parquet file (no leading magic)")
     handle.seek(start)
-    return CompactReader(handle.read(length)).struct(), start
+    try:
+        return CompactReader(handle.read(length)).struct(), start
+    except RecursionError:  # structs nested past Python's stack: no Parquet writer does that
+        raise JoinError("damaged Parquet footer (nested too deep)") from None
 
 
 def joinable_footer(path: Path) -> tuple[list[list], int]:

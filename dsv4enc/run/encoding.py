@@ -118,13 +118,13 @@ class PartEncoder:
                 end += 1
         if end == done:
             return None, done
-        indices = part.indices if (done, end) == (part.start, part.end) else range(done, end)
+        whole = (done, end) == (part.start, part.end)
+        indices = part.indices if whole else range(done, end)
         ordered = [rows.pop(i) for i in indices]
         self.summary.count_rows([row for i, row in zip(indices, ordered) if i not in carried])
-        closes = end == part.part_end
-        if (done, end) == (part.start, part.end):
-            return (part.name, part.start, part.end, part.digest, closes, ordered), end
-        return (part_name(done, part.part_images), done, end, "", closes, ordered), end
+        name, digest = ((part.name, part.digest) if whole
+                        else (part_name(done, part.part_images), ""))
+        return (name, done, end, digest, end == part.part_end, ordered), end
 
     def _stop_agreed(self) -> bool:
         """Whether any rank was signalled; also brings every rank's progress to rank 0 (the
@@ -145,7 +145,7 @@ class PartEncoder:
         return bool(signums)
 
     def _note(self, rows) -> None:
-        """Count finished rows for the progress display."""
+        """Count finished rows for the progress."""
         for row in rows:
             self._pending[0] += 1
             if row.error is None:

@@ -226,12 +226,10 @@ class RunSetup:
         if self.found is None:
             check_list_not_out(opts.files_from, opts.out)
             self.found = Discovery()
-            self.listing = stream_inputs(self.found, opts.inputs, opts.files_from,
-                                         opts.image_column, opts.key_column, stop,
-                                         table_paths_roots=opts.table_paths_roots,
-                                         keep_columns=opts.keep_columns,
-                                         keep_members=opts.keep_members,
-                                         exclude=opts.exclude)
+            self.listing = stream_inputs(
+                self.found, opts.inputs, opts.files_from, opts.image_column, opts.key_column,
+                stop, table_paths_roots=opts.table_paths_roots, keep_columns=opts.keep_columns,
+                keep_members=opts.keep_members, exclude=opts.exclude)
             kept = opts.image_column or opts.key_column or opts.keep_columns or opts.keep_members
             self.more(None if kept else 1)
         return self.found
@@ -246,7 +244,7 @@ class RunSetup:
             self.planned.append(Planned(item))
 
     def headers(self, cfg: VisionConfig, opts: EncodeOptions, ranks: Topology | None,
-                should_stop, announce) -> list[Planned]:
+                should_stop, announce) -> None:
         """Every input listed, its header, grid and stamp read at once, for what needs the whole
         plan first (``--engine ray``); ``announce(text)`` says so."""
         self.more(None)
@@ -255,7 +253,6 @@ class RunSetup:
         self.planned[:] = with_grids(items, probe_share(items, opts.max_pixels, ranks, should_stop,
                                                         opts.decode_timeout), cfg, ranks)
         input_stamps(self.planned)
-        return self.planned
 
     def cut_parts(self, part_images: int, ranks: Topology | None, balance: str,
                   cfg: VisionConfig, segment_tokens: int | None) -> list[Part]:

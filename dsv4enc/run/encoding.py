@@ -25,8 +25,8 @@ from ..output.update import Update
 
 class PartEncoder:
     """Encodes the run's parts batch by batch through the batch loop, yielding finished parts
-    as ``(name, start, end, digest, rows)``. Under torchrun every batch ends in collectives
-    (``Topology``): stop agreement with the progress, and gathered data parallelism's rows."""
+    (``_piece``'s tuples). Under torchrun every batch ends in collectives (``Topology``): stop
+    agreement with the progress, and gathered data parallelism's rows."""
 
     def __init__(self, engine: Engine, opts: EncodeOptions, ranks: Topology,
                  progress: RunProgress, summary: RunSummary, stop: StopSignals,
@@ -105,11 +105,10 @@ class PartEncoder:
 
     def _piece(self, part: Part, rows: dict[int, Row], done: int, carried: Collection[int],
                last: bool = False) -> tuple[tuple | None, int]:
-        """The rows of ``part`` finished from input ``done`` on without a gap (all of them
-        when ``last``), taken out of ``rows`` and counted, as ``(name, start, end, digest,
-        closes, rows)`` (None when there are none; ``closes``: it ends the plan's part), and
-        where the next piece starts. A whole part keeps its name and digest; a piece is named
-        for its start (``plan.part_name``)."""
+        """The rows of ``part`` finished from input ``done`` on without a gap (all of them when
+        ``last``), taken out of ``rows`` and counted, as ``(name, start, end, digest, closes,
+        rows)`` (None when there are none; ``closes``: it ends the plan's part), and where the next
+        piece starts. A whole part keeps its name and digest; a piece is named for its start."""
         if last:
             end = part.end
         else:  # a gathered part covers start..end: its indices are that range

@@ -408,10 +408,9 @@ def rank_settings(opts: EncodeOptions, rows_settings: dict) -> dict:
 
 def _judge_finished(layout: OutputLayout, setup: RunSetup, settings: dict,
                     remote: RemoteOutput | None, summary: RunSummary) -> None:
-    """``--resume`` of the finished single file (``layout.finished``): AlreadyComplete (its
-    rows counted in ``summary`` as reused, as a finished folder's are), or a refusal where its
-    settings or inputs changed (``Update.check_finished``), once every input is listed and
-    stamped."""
+    """``--resume`` of the finished single file (``layout.finished``), once every input is listed
+    and stamped: AlreadyComplete (its rows counted in ``summary`` as reused, as a finished folder's
+    are), or a refusal where its settings or inputs changed (``Update.check_finished``)."""
     if not layout.finished:
         return
     setup.more(None)

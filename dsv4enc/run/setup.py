@@ -219,10 +219,9 @@ class RunSetup:
     listing: Iterator[InputItem] | None = None
 
     def find_inputs(self, opts: EncodeOptions, stop: StopSignals | None) -> Discovery:
-        """Start listing the inputs unless started (``stop``: None under torchrun), and take
-        the first: a missing path, an unreadable path list or no image fails here. With table
-        columns or kept members every input is listed: the schema (kept columns' types) and
-        checks need all."""
+        """Start listing the inputs unless started (``stop``: None under torchrun), and take the
+        first: a missing path, an unreadable path list or no image fails here. Table columns or
+        kept members list every input: the schema (kept columns' types) and checks need all."""
         if self.found is None:
             check_list_not_out(opts.files_from, opts.out)
             self.found = Discovery()

@@ -397,10 +397,9 @@ def rank_settings(opts: EncodeOptions, rows_settings: dict) -> dict:
     """What the ranks of one run must share, by the flag that sets each: the options (but
     ``PER_RANK_OPTIONS``; the inputs are compared as they are listed) and the row settings
     the output records (the weights' fingerprint among them)."""
-    shared = {f"--{name.replace('_', '-')}": value for name, value in vars(opts).items()
-              if name not in PER_RANK_OPTIONS and name != "engine"}
-    shared.update({f"--{name.replace('_', '-')}": value
-                   for name, value in vars(opts.engine).items()})
+    options = {name: value for name, value in vars(opts).items()
+               if name not in PER_RANK_OPTIONS and name != "engine"} | vars(opts.engine)
+    shared = {f"--{name.replace('_', '-')}": value for name, value in options.items()}
     shared.update({FLAG_OF_SETTING.get(name) or SHOWN_SETTING.get(name) or name: value
                    for name, value in rows_settings.items()})
     return shared

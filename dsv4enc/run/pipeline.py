@@ -551,9 +551,8 @@ def _rank_stamps(store: PartStore, encoded: dict[str, np.ndarray],
 
 def _stamp_sharded(merged: MergedManifest, row_options: dict) -> None:
     """A finished sharded folder's stamps, in its rows' order (parts by start, then file, as
-    ``--update`` reads them): each rank's part holds its share of a range, in the order its
-    rank sent (``_rank_stamps``). A bucket's parts, which its ranks uploaded and do not hold
-    here, are left unstamped."""
+    ``--update`` reads them): each rank's part holds its share of a range, in the order its rank
+    sent (``_rank_stamps``). A bucket's parts (uploaded, not held here) stay unstamped."""
     parts = sorted(merged.parts.items(), key=lambda item: (item[1]["start"], item[1]["file"]))
     if not all(name in merged.stamps and (merged.folder / part["file"]).is_file()
                for name, part in parts):

@@ -234,8 +234,7 @@ class RunSetup:
         return self.found
 
     def more(self, count: int | None) -> None:
-        """List inputs until ``planned`` holds ``count`` (None: every input) or the listing
-        has ended (``found.listed``)."""
+        """List until ``planned`` holds ``count`` inputs (None: all) or ``found.listed``."""
         while (count is None or len(self.planned) < count) and not self.found.listed:
             item = next(self.listing, None)
             if item is None:

@@ -25,8 +25,8 @@ from ..output.update import Update
 
 class PartEncoder:
     """Encodes the run's parts batch by batch through the batch loop, yielding finished parts
-    as ``(name, start, end, digest, rows)``. Under torchrun every batch ends in collectives
-    (``Topology``): stop agreement with the progress, and gathered data parallelism's rows."""
+    (``_piece``'s tuples). Under torchrun every batch ends in collectives (``Topology``): stop
+    agreement with the progress, and gathered data parallelism's rows."""
 
     def __init__(self, engine: Engine, opts: EncodeOptions, ranks: Topology,
                  progress: RunProgress, summary: RunSummary, stop: StopSignals,
@@ -105,11 +105,10 @@ class PartEncoder:
 
     def _piece(self, part: Part, rows: dict[int, Row], done: int, carried: Collection[int],
                last: bool = False) -> tuple[tuple | None, int]:
-        """The rows of ``part`` finished from input ``done`` on without a gap (all of them
-        when ``last``), taken out of ``rows`` and counted, as ``(name, start, end, digest,
-        closes, rows)`` (None when there are none; ``closes``: it ends the plan's part), and
-        where the next piece starts. A whole part keeps its name and digest; a piece is named
-        for its start (``plan.part_name``)."""
+        """The rows of ``part`` finished from input ``done`` on without a gap (all of them when
+        ``last``), taken out of ``rows`` and counted, as ``(name, start, end, digest, closes,
+        rows)`` (None when there are none; ``closes``: it ends the plan's part), and where the next
+        piece starts. A whole part keeps its name and digest; a piece is named for its start."""
         if last:
             end = part.end
         else:  # a gathered part covers start..end: its indices are that range
@@ -118,13 +117,13 @@ class PartEncoder:
                 end += 1
         if end == done:
             return None, done
-        indices = part.indices if (done, end) == (part.start, part.end) else range(done, end)
+        whole = (done, end) == (part.start, part.end)
+        indices = part.indices if whole else range(done, end)
         ordered = [rows.pop(i) for i in indices]
         self.summary.count_rows([row for i, row in zip(indices, ordered) if i not in carried])
-        closes = end == part.part_end
-        if (done, end) == (part.start, part.end):
-            return (part.name, part.start, part.end, part.digest, closes, ordered), end
-        return (part_name(done, part.part_images), done, end, "", closes, ordered), end
+        name, digest = ((part.name, part.digest) if whole
+                        else (part_name(done, part.part_images), ""))
+        return (name, done, end, digest, end == part.part_end, ordered), end
 
     def _stop_agreed(self) -> bool:
         """Whether any rank was signalled; also brings every rank's progress to rank 0 (the
@@ -145,7 +144,7 @@ class PartEncoder:
         return bool(signums)
 
     def _note(self, rows) -> None:
-        """Count finished rows for the progress display."""
+        """Count finished rows for the progress."""
         for row in rows:
             self._pending[0] += 1
             if row.error is None:

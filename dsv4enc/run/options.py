@@ -112,8 +112,8 @@ def validate(opts: EncodeOptions) -> None:
         raise UsageError("no inputs: give folders or image files, or --files-from LIST")
     if opts.resume and opts.overwrite:
         raise UsageError("--resume and --overwrite contradict each other; choose one")
+    other = "--overwrite" if opts.overwrite else "--resume"  # the one given, if either is
     if opts.update and (opts.overwrite or opts.resume):
-        other = "--overwrite" if opts.overwrite else "--resume"
         raise UsageError(f"--update and {other} contradict each other; choose one (--update "
                          "also finishes an interrupted update)")
     if (opts.prune or opts.retry_errors or opts.keep_unlisted) and not opts.update:
@@ -123,7 +123,6 @@ def validate(opts: EncodeOptions) -> None:
     if opts.keep_unlisted and opts.prune:
         raise UsageError("--keep-unlisted keeps every row that --prune would drop; choose one")
     if opts.dry_run and (opts.resume or opts.overwrite):
-        other = "--overwrite" if opts.overwrite else "--resume"
         raise UsageError(f"--dry-run shows what a new run or an --update would do; leave out "
                          f"{other}")
     if opts.update and opts.shard_output:

@@ -178,11 +178,10 @@ def run_encode(opts: EncodeOptions, dist=None, setup: RunSetup | None = None,
         storage.set_outage_s(opts.storage_outage_s)
         # An object storage --out is built in a local staging folder and mirrored to the store
         ranks = Topology(dist, opts.shard_output)
-        remote = RemoteOutput.for_out(opts.out, writer=ranks.writes, inputs=opts.inputs,
-                                      resume=opts.resume, update=opts.update,
-                                      overwrite=opts.overwrite,
-                                      shard_output=opts.shard_output, rank=ranks.rank,
-                                      world_size=ranks.world_size, gather=ranks.gather)
+        remote = RemoteOutput.for_out(
+            opts.out, writer=ranks.writes, inputs=opts.inputs, resume=opts.resume,
+            update=opts.update, overwrite=opts.overwrite, shard_output=opts.shard_output,
+            rank=ranks.rank, world_size=ranks.world_size, gather=ranks.gather)
         if remote is not None and opts.dry_run:  # its pull and finish write to the store
             raise UsageError("--dry-run needs a local --out (an object storage output is "
                              "synced when the run ends)")
@@ -261,11 +260,10 @@ def _run_encode(opts: EncodeOptions, ranks: Topology, setup: RunSetup, stop: Sto
             progress.announce(remote.translate(line) if remote is not None else line)
             if adopted:
                 progress.announce(adopted)
-            carried = output.carried
-            progress.start(total=len(setup.planned) if found.listed else None,
-                           done=summary.reused + sum(
-                               1 for p in output.todo for i in range(p.start, p.end)
-                               if i in carried) if carried else summary.reused,
+            carried = output.carried  # (only an update carries: its todo is a list)
+            done = summary.reused + (sum(i in carried for p in output.todo
+                                         for i in range(p.start, p.end)) if carried else 0)
+            progress.start(total=len(setup.planned) if found.listed else None, done=done,
                            tokens=source.planned_tokens(setup, output.todo))
             _write_output(run, source, setup, output)
     except (DsvError, Interrupted, KeyboardInterrupt) as exc:  # (a second Ctrl-C: at once)
@@ -331,8 +329,7 @@ def _plan_output(run: RunState, setup: RunSetup, source: PartSource, computes: C
     rows_settings = {**settings, **resuming.row_options}
     ranks.agree_on_settings(rank_settings(opts, rows_settings))  # before the ranks part ways
     if opts.resume and not layout.folder_mode:  # a finished file: nothing to do, or refused
-        ranks.main_then_all(lambda: _judge_finished(layout, setup, rows_settings, remote,
-                                                    summary))
+        ranks.main_then_all(lambda: _judge_finished(layout, setup, rows_settings, remote, summary))
     # --update of an existing output (None: there is none yet, a plain run)
     update = Update.start(layout.out, layout.folder_mode,
                           remote.stored if remote is not None else None) if opts.update else None
@@ -343,12 +340,11 @@ def _plan_output(run: RunState, setup: RunSetup, source: PartSource, computes: C
     if ranks.is_main and not setup.planned:
         log.warning(nothing_found(opts.inputs, opts.files_from, setup.found.skipped))
     if update is not None:  # matched before anything is written: a refusal leaves no trace
+        setup.more(None)
         if opts.keep_unlisted:
-            setup.more(None)
             setup.planned[:] = update.with_unlisted(setup.planned)
         # Matched by stamps alone: only the parts to encode again are read (their headers as
         # the windows plan them), so an update costs its change, not one read per input
-        setup.more(None)
         input_stamps(setup.planned)
         update.match(setup.planned, rows_settings, opts.retry_errors)  # or refuses, in a line
         update.count_into(summary)
@@ -401,10 +397,9 @@ def rank_settings(opts: EncodeOptions, rows_settings: dict) -> dict:
     """What the ranks of one run must share, by the flag that sets each: the options (but
     ``PER_RANK_OPTIONS``; the inputs are compared as they are listed) and the row settings
     the output records (the weights' fingerprint among them)."""
-    shared = {f"--{name.replace('_', '-')}": value for name, value in vars(opts).items()
-              if name not in PER_RANK_OPTIONS and name != "engine"}
-    shared.update({f"--{name.replace('_', '-')}": value
-                   for name, value in vars(opts.engine).items()})
+    options = {name: value for name, value in vars(opts).items()
+               if name not in PER_RANK_OPTIONS and name != "engine"} | vars(opts.engine)
+    shared = {f"--{name.replace('_', '-')}": value for name, value in options.items()}
     shared.update({FLAG_OF_SETTING.get(name) or SHOWN_SETTING.get(name) or name: value
                    for name, value in rows_settings.items()})
     return shared
@@ -412,10 +407,9 @@ def rank_settings(opts: EncodeOptions, rows_settings: dict) -> dict:
 
 def _judge_finished(layout: OutputLayout, setup: RunSetup, settings: dict,
                     remote: RemoteOutput | None, summary: RunSummary) -> None:
-    """``--resume`` of the finished single file (``layout.finished``): AlreadyComplete (its
-    rows counted in ``summary`` as reused, as a finished folder's are), or a refusal where its
-    settings or inputs changed (``Update.check_finished``), once every input is listed and
-    stamped."""
+    """``--resume`` of the finished single file (``layout.finished``), once every input is listed
+    and stamped: AlreadyComplete (its rows counted in ``summary`` as reused, as a finished folder's
+    are), or a refusal where its settings or inputs changed (``Update.check_finished``)."""
     if not layout.finished:
         return
     setup.more(None)
@@ -439,10 +433,9 @@ def given_one_by_one(opts: EncodeOptions) -> bool:
 def _judged(resume: Resume, parts: Iterable[Part], setup: RunSetup,
             run: RunState) -> Iterator[Part]:
     """What is still to do of each part, as ``--resume`` judges it once its inputs are
-    listed (the progress counts what it keeps and the inputs listed)."""
-    ranks = run.ranks
+    listed (counted in the progress)."""
     for part in parts:
-        ranks.note_listed(part.start, part.digest.split(".")[0])  # its keys, not their stamps
+        run.ranks.note_listed(part.start, part.digest.split(".")[0])  # its keys, not their stamps
         todo = resume.judge(part)
         kept = part.end - part.start - sum(p.end - p.start for p in todo)
         run.summary.reused += kept
@@ -558,9 +551,8 @@ def _rank_stamps(store: PartStore, encoded: dict[str, np.ndarray],
 
 def _stamp_sharded(merged: MergedManifest, row_options: dict) -> None:
     """A finished sharded folder's stamps, in its rows' order (parts by start, then file, as
-    ``--update`` reads them): each rank's part holds its share of a range, in the order its
-    rank sent (``_rank_stamps``). A bucket's parts, which its ranks uploaded and do not hold
-    here, are left unstamped."""
+    ``--update`` reads them): each rank's part holds its share of a range, in the order its rank
+    sent (``_rank_stamps``). A bucket's parts (uploaded, not held here) stay unstamped."""
     parts = sorted(merged.parts.items(), key=lambda item: (item[1]["start"], item[1]["file"]))
     if not all(name in merged.stamps and (merged.folder / part["file"]).is_file()
                for name, part in parts):
@@ -596,8 +588,7 @@ def _encode_parts(run: RunState, source: PartSource, setup: RunSetup, output: Ou
 
 class LocalParts:
     """The local engine (``PartSource``): the tower's Engine in this process (this rank under
-    torchrun), the parts planned a window at a time (``run/setup.Windows``) and encoded by
-    ``PartEncoder``. ``stand_in``: see ``run_encode``."""
+    torchrun), the parts planned by ``run/setup.Windows`` and encoded by ``PartEncoder``."""
 
     written_elsewhere = False
 
@@ -618,8 +609,8 @@ class LocalParts:
             device, resolve_dtype(opts.dtype, device), opts.device, opts.dtype, recorded,
             device_fixed=dist is not None)
         self.opts, self.ranks, self.layout = opts, ranks, layout
-        self.ckpt = load_model(opts, self.dtype) if self.stand_in is None \
-            else self.stand_in.checkpoint
+        self.ckpt = (self.stand_in.checkpoint if self.stand_in is not None
+                     else load_model(opts, self.dtype))
         return adopted
 
     def start(self, setup: RunSetup, progress: RunProgress) -> Computing:

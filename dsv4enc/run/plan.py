@@ -139,11 +139,6 @@ class Part:
     def __post_init__(self) -> None:
         self.part_end = self.part_end or self.end
 
-    @property
-    def closes(self) -> bool:
-        """Whether this range ends its part (the writer commits what it joined up to here)."""
-        return self.end == self.part_end
-
     def rest(self, start: int) -> "Part":
         """What is left of this range from ``start`` on (a resumed run's remainder)."""
         return Part(part_name(start, self.part_images), start, self.end,

@@ -219,26 +219,22 @@ class RunSetup:
     listing: Iterator[InputItem] | None = None
 
     def find_inputs(self, opts: EncodeOptions, stop: StopSignals | None) -> Discovery:
-        """Start listing the inputs unless started (``stop``: None under torchrun), and take
-        the first: a missing path, an unreadable path list or no image fails here. With table
-        columns or kept members every input is listed: the schema (kept columns' types) and
-        checks need all."""
+        """Start listing the inputs unless started (``stop``: None under torchrun), and take the
+        first: a missing path, an unreadable path list or no image fails here. Table columns or
+        kept members list every input: the schema (kept columns' types) and checks need all."""
         if self.found is None:
             check_list_not_out(opts.files_from, opts.out)
             self.found = Discovery()
-            self.listing = stream_inputs(self.found, opts.inputs, opts.files_from,
-                                         opts.image_column, opts.key_column, stop,
-                                         table_paths_roots=opts.table_paths_roots,
-                                         keep_columns=opts.keep_columns,
-                                         keep_members=opts.keep_members,
-                                         exclude=opts.exclude)
+            self.listing = stream_inputs(
+                self.found, opts.inputs, opts.files_from, opts.image_column, opts.key_column,
+                stop, table_paths_roots=opts.table_paths_roots, keep_columns=opts.keep_columns,
+                keep_members=opts.keep_members, exclude=opts.exclude)
             kept = opts.image_column or opts.key_column or opts.keep_columns or opts.keep_members
             self.more(None if kept else 1)
         return self.found
 
     def more(self, count: int | None) -> None:
-        """List inputs until ``planned`` holds ``count`` (None: every input) or the listing
-        has ended (``found.listed``)."""
+        """List until ``planned`` holds ``count`` inputs (None: all) or ``found.listed``."""
         while (count is None or len(self.planned) < count) and not self.found.listed:
             item = next(self.listing, None)
             if item is None:
@@ -246,7 +242,7 @@ class RunSetup:
             self.planned.append(Planned(item))
 
     def headers(self, cfg: VisionConfig, opts: EncodeOptions, ranks: Topology | None,
-                should_stop, announce) -> list[Planned]:
+                should_stop, announce) -> None:
         """Every input listed, its header, grid and stamp read at once, for what needs the whole
         plan first (``--engine ray``); ``announce(text)`` says so."""
         self.more(None)
@@ -255,7 +251,6 @@ class RunSetup:
         self.planned[:] = with_grids(items, probe_share(items, opts.max_pixels, ranks, should_stop,
                                                         opts.decode_timeout), cfg, ranks)
         input_stamps(self.planned)
-        return self.planned
 
     def cut_parts(self, part_images: int, ranks: Topology | None, balance: str,
                   cfg: VisionConfig, segment_tokens: int | None) -> list[Part]:

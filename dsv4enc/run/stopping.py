@@ -31,11 +31,10 @@ class StopSignals:
     ``force_exit_s``: the process's own command only (never an in-process caller's): the
     seconds after the first signal at which the process exits, however far the stop got."""
 
-    def __init__(self, immediate: bool = True, hint: str = BEFORE_ENCODING_HINT,
-                 force_exit_s: float | None = None) -> None:
+    def __init__(self, immediate: bool = True, force_exit_s: float | None = None) -> None:
         self.signum: int | None = None
         self.immediate = immediate
-        self.hint = hint
+        self.hint = BEFORE_ENCODING_HINT
         self.force_exit_s = force_exit_s
         self._previous: dict[int, object] = {}
         self._deadline: threading.Timer | None = None
@@ -49,9 +48,8 @@ class StopSignals:
             self._previous[signum] = signal.signal(signum, self._handle)
 
     def reinstall(self) -> None:
-        """The run's handlers back in place of those a library installed over them since
-        ``install`` (``ray.init`` sets its own SIGTERM handler); ``restore`` still brings
-        back the handlers found by ``install``."""
+        """The run's handlers back over those a library installed since ``install`` (``ray.init``
+        sets its own SIGTERM handler); ``restore`` still restores those ``install`` found."""
         if not self._previous or threading.current_thread() is not threading.main_thread():
             return
         for signum in self._previous:

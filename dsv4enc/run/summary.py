@@ -233,10 +233,10 @@ SUMMARY_MAX_BYTES = 1 << 20
 
 
 def check_summary_path(path: str, out: str) -> None:
-    """Refuse, before the run, a ``--summary-json`` path that the run may not write: not a
-    local path, ``-``, the output ``out`` or a path inside it (links followed on both sides), a path
-    whose folder is a file or cannot be written, or a file that is there and is not a summary
-    of an earlier run (dsv4enc replaces only what it wrote)."""
+    """Refuse, before the run, a ``--summary-json`` path that the run may not write: not a local
+    path, ``-``, the output ``out`` or a path inside it (links followed on both sides), a path
+    whose folder is a file or cannot be written, or a file that is there and is not a summary of an
+    earlier run (dsv4enc replaces only what it wrote)."""
     local, out_path = storage.local_path(path), storage.local_path(out)
     if local is None:
         raise UsageError(f"--summary-json {path}: give a local path")

@@ -69,12 +69,11 @@ def iter_folder(root: str | Path, found: "Discovery",
                 should_stop: Callable[[], bool] | None = None,
                 containers: list[tuple[str, str]] | None = None,
                 exclusions: Exclusions = Exclusions()) -> Iterator[InputItem]:
-    """Image files under the folder or prefix ``root`` as the walk reaches them
-    (``storage.walk``), keyed relative to it; an object in a store is a ``StoredObject``. A
-    folder that cannot be listed is appended to ``found.unlisted`` as ``(path, reason)``, a
-    container file to ``containers`` (when given) as ``(path relative to root, path)``; other
-    files are counted in ``found.skipped``; what ``exclusions`` leaves out is passed over.
-    ``should_stop`` is polled once per entry: when it turns true, the walk ends."""
+    """Image files under the folder or prefix ``root`` as ``storage.walk`` reaches them, keyed
+    relative to it (an object in a store is a ``StoredObject``). Folders not listed go to
+    ``found.unlisted`` as ``(path, reason)``, containers to ``containers`` (when given) as
+    ``(path relative to root, path)``, other files count in ``found.skipped``. ``should_stop``
+    is polled once per entry: when it turns true, the walk ends."""
     for entry in storage.walk(str(root), exclusions.skips, found.unlisted, should_stop):
         if is_image_name(entry.key):
             member = StoredObject(entry.url, entry.size) if entry.size is not None else None
@@ -143,7 +142,7 @@ def discover(inputs: Iterable[str], files_from: str | None = None,
              stop: Stop | None = None, table_paths_roots: Iterable[str] = (),
              keep_columns: Sequence[str] = (), keep_members: Sequence[str] = (),
              exclude: Sequence[str] = ()) -> Discovery:
-    """Every item of ``stream_inputs`` at once, in ``Discovery.items``."""
+    """``stream_inputs``' items at once, in ``Discovery.items``."""
     found = Discovery()
     found.items = list(stream_inputs(found, inputs, files_from, image_column, key_column,
                                      stop, table_paths_roots, keep_columns, keep_members,
@@ -158,10 +157,10 @@ def stream_inputs(found: Discovery, inputs: Iterable[str], files_from: str | Non
                   exclude: Sequence[str] = ()) -> Iterator[InputItem]:
     """Expand folders and files (and an optional path list) into items, in input order, as
     the listing reaches them: each input examined once, a folder or a prefix walked
-    (``iter_folder``), a path list line by line (``_list_items``), a
-    container indexed when it is reached; keys made unique (``UniqueKeys``). ``found`` (its
-    ``items`` left alone) counts what was passed over and the tables read, gathers the folders
-    not listed (logged at the end), and at the end holds ``kept_fields`` and ``listed``.
+    (``iter_folder``), a path list line by line (``_list_items``), a container indexed when
+    reached; keys made unique (``UniqueKeys``). ``found`` (its ``items`` left alone) counts what
+    was passed over and the tables read, gathers the folders not listed (logged at the end),
+    and at the end holds ``kept_fields`` and ``listed``.
 
     A missing input is a UsageError before the first item; so is an input set with nothing in
     it, at the end. Paths from ``--files-from`` are taken as given (a missing one is an error
@@ -358,16 +357,14 @@ class MissingPaths:
 
 
 def printable(path: str) -> str:
-    """``path`` as an error line shows it: a character that is not printable (a control
-    character, a byte that is not UTF-8, held by Python as a surrogate) as its escape, e.g.
-    ``\\x15``, so that a line never sends raw bytes to the terminal."""
+    """``path`` as an error line shows it: an unprintable character (a control character, a
+    non-UTF-8 byte held as a surrogate) as its escape (``\\x15``), never raw bytes."""
     return "".join(char if char.isprintable() else _escaped(char) for char in path)
 
 
 def _escaped(char: str) -> str:
-    code = ord(char)
-    if 0xDC80 <= code <= 0xDCFF:  # os.fsdecode's stand-in for an undecodable byte
-        return f"\\x{code - 0xDC00:02x}"
+    if 0xDC80 <= ord(char) <= 0xDCFF:  # os.fsdecode's stand-in for an undecodable byte
+        return f"\\x{ord(char) - 0xDC00:02x}"
     return char.encode("unicode_escape").decode("ascii")
 
 
@@ -396,8 +393,7 @@ def container_items(raw: str, name: str, image_column: str | None = None,
                     keep_members: Sequence[str] = ()) -> tuple[list[InputItem], int]:
     """The images of the container ``raw`` keyed under ``name`` (its path as given, or under its
     folder), and the entries passed over; a key repeated inside it gets ``#2``, ``#3``, ... in
-    its order, so it depends on the container alone. Every way of finding a container calls this.
-    ``keep_members``: a tar sample's sidecar members its images carry (``expand_tar``)."""
+    its order: it depends on the container alone. Every way of finding a container calls this."""
     if container_kind(raw) == "tar":
         items, skipped = expand_tar(raw, name, keep_members)
     else:
@@ -457,17 +453,14 @@ def warn_unlisted(unlisted: list[tuple[str, str]], shown: int = 10) -> None:
 
 
 def key_under_root(root: str | None, key: str) -> str:
-    """``key`` (a path under a walked folder) prefixed with ``root``, the folder as given in
-    posix form (``storage.Found.posix``: ``data/`` and ``./data`` give ``data``), when several are."""
+    """``key`` (a path under a walked folder) under ``root``, the folder given in posix form
+    (``storage.Found.posix``), when several are."""
     return key if root is None else f"{root}/{key}"
 
 
 def _output_text(key: str) -> str:
-    """``key`` as the output's ``path`` column holds it (``columns.utf8_text``: a file
-    name's non-UTF-8 bytes escaped)."""
-    if key.isascii():  # the common case, once per key of a listing of millions: no encode
-        return key
-    return utf8_text(key)
+    """``key`` as the output's ``path`` column holds it (``columns.utf8_text``)."""
+    return key if key.isascii() else utf8_text(key)  # ASCII, once per key of millions: no encode
 
 
 def unique_keys(items: list[InputItem]) -> list[InputItem]:

@@ -369,7 +369,7 @@ class DecodeStream:
                                       args=(tasks, self._results, self._credits, self._stop),
                                       name="dsv4enc-decode", daemon=True)
         pool._streams.append(self)
-        self._pump.start()  # now, not at the first next(): decoding starts while the caller sets up
+        self._pump.start()  # not at the first next(): decoding starts while the caller sets up
 
     def __iter__(self) -> "DecodeStream":
         return self
@@ -380,7 +380,7 @@ class DecodeStream:
         return item
 
     def next_within(self, timeout_s: float) -> tuple[Any, Decoded] | None:
-        """``next``, or None when no result comes within ``timeout_s`` (for a caller that polls)."""
+        """``next``, or None when no result comes within ``timeout_s`` (a caller that polls)."""
         if self._done:
             raise StopIteration
         try:

@@ -96,21 +96,27 @@ def read_path_list(list_file: str, stop: Stop | None = None) -> Iterator[str]:
     ``MAX_LIST_LINE_BYTES`` is a UsageError; ``stop`` is checked once a line (a list can be a
     pipe that never ends)."""
     where = "standard input" if list_file == "-" else list_file
-    with _open_path_list(list_file) as handle:
-        number = 0
-        while line := _read_line(handle, list_file):
-            number += 1
-            if len(line.rstrip(b"\r\n")) > MAX_LIST_LINE_BYTES:
-                raise UsageError(f"--files-from {where}: line {number} is longer than "
-                                 f"{MAX_LIST_LINE_BYTES} bytes, so this is no list of paths "
-                                 "(one path a line)")
-            if stop is not None:
-                stop.check()
-            if number == 1:  # the byte order mark a Windows editor saves a list with
-                line = line.removeprefix(b"\xef\xbb\xbf")
-            path = os.fsdecode(line).strip()  # any bytes go through, as the file system's
-            if path and not path.startswith("#"):
-                yield path
+    try:
+        with _open_path_list(list_file) as handle:
+            number = 0
+            # At most one byte over the limit a line: memory stays bounded whatever the file holds.
+            while line := handle.readline(MAX_LIST_LINE_BYTES + 1):
+                if isinstance(line, str):  # a text stdin (no buffer)
+                    line = os.fsencode(line)
+                number += 1
+                if len(line.rstrip(b"\r\n")) > MAX_LIST_LINE_BYTES:
+                    raise UsageError(f"--files-from {where}: line {number} is longer than "
+                                     f"{MAX_LIST_LINE_BYTES} bytes, so this is no list of paths "
+                                     "(one path a line)")
+                if stop is not None:
+                    stop.check()
+                if number == 1:  # the byte order mark a Windows editor saves a list with
+                    line = line.removeprefix(b"\xef\xbb\xbf")
+                path = os.fsdecode(line).strip()  # any bytes go through, as the file system's
+                if path and not path.startswith("#"):
+                    yield path
+    except OSError as exc:  # opening or reading the list
+        raise UsageError(f"cannot read --files-from {list_file}: {exc.strerror or exc}") from None
 
 
 def _open_path_list(list_file: str) -> ContextManager[BinaryIO]:
@@ -118,23 +124,10 @@ def _open_path_list(list_file: str) -> ContextManager[BinaryIO]:
     pipe; a device (``/dev/zero``, a terminal) is refused, as reading it may never end."""
     if list_file == "-":
         return contextlib.nullcontext(getattr(sys.stdin, "buffer", sys.stdin))
-    try:
-        if stat.S_ISCHR(mode := os.stat(list_file).st_mode) or stat.S_ISBLK(mode):
-            raise UsageError(f"--files-from {list_file}: a device, not a list of paths (give a "
-                             "file or a pipe, or - for standard input)")
-        return open(list_file, "rb")
-    except OSError as exc:
-        raise UsageError(f"cannot read --files-from {list_file}: {exc.strerror or exc}") from None
-
-
-def _read_line(handle: BinaryIO, list_file: str) -> bytes:
-    """The next line of the list (b"": its end), at most one byte over ``MAX_LIST_LINE_BYTES``:
-    memory stays bounded whatever the file holds."""
-    try:
-        line = handle.readline(MAX_LIST_LINE_BYTES + 1)
-    except OSError as exc:
-        raise UsageError(f"cannot read --files-from {list_file}: {exc.strerror or exc}") from None
-    return os.fsencode(line) if isinstance(line, str) else line  # a text stdin (no buffer)
+    if stat.S_ISCHR(mode := os.stat(list_file).st_mode) or stat.S_ISBLK(mode):
+        raise UsageError(f"--files-from {list_file}: a device, not a list of paths (give a "
+                         "file or a pipe, or - for standard input)")
+    return open(list_file, "rb")
 
 
 def discover(inputs: Iterable[str], files_from: str | None = None,
@@ -170,8 +163,8 @@ def stream_inputs(found: Discovery, inputs: Iterable[str], files_from: str | Non
         place = storage.examine(raw)
         check_path_input(place)
         places.append(place)
-    state = _Listing(found, UniqueKeys(), path_roots(table_paths_roots), (image_column, key_column),
-                     tuple(keep_members), Exclusions(tuple(exclude)))
+    state = _Listing(found, UniqueKeys(), path_roots(table_paths_roots),
+                     (image_column, key_column), tuple(keep_members), Exclusions(tuple(exclude)))
     prefix_roots = sum(place.remote or place.kind == "folder"  # see ``key_under_root``
                        for place in places) > 1
     for place in places:

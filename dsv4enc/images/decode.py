@@ -470,10 +470,9 @@ class DecodePool:
 
     def imap(self, tasks: Iterable[tuple[Any, Any]],
              window: int = 64) -> Iterator[tuple[Any, Decoded]]:
-        """Yield ``(tag, Decoded)`` for each ``(tag, source)`` task (``decode_image``'s source,
-        picklable), in task order; ``tasks`` may yield ``NOT_YET``. With workers, a
-        ``DecodeStream``, whose thread feeds them while the caller is busy, ``window`` tasks ahead
-        at most (memory stays bounded whatever the consumer's speed)."""
+        """``(tag, Decoded)`` for each ``(tag, source)`` task (a picklable ``decode_image``
+        source; or ``NOT_YET``), in task order. With workers, a ``DecodeStream``, whose thread
+        feeds them while the caller is busy, ``window`` tasks ahead at most (bounded memory)."""
         tasks = (task if task is NOT_YET else (task[0], attach_held(task[1])) for task in tasks)
         if not self.workers:
             return ((task[0], decode_image(task[1], self.cfg, self.max_pixels,

@@ -36,10 +36,10 @@ class Stop(Protocol):
 
 @dataclass
 class Discovery:
-    """Items in input order, how many non-image files were passed over, the folders not listed
-    (``(folder, reason)``: missing from the run), how many tables and tar shards were read, and
-    the input columns the rows carry (``pyarrow`` fields: ``--keep-column``'s, ``--key-column``'s,
-    ``--keep-member``'s)."""
+    """Items in input order, the non-image files passed over, the folders not listed
+    (``(folder, reason)``: missing from the run), the tables and tar shards read, and the input
+    columns the rows carry (``pyarrow`` fields of ``--keep-column``, ``--key-column``,
+    ``--keep-member``)."""
 
     items: list[InputItem] = field(default_factory=list)
     skipped: int = 0
@@ -178,10 +178,9 @@ def stream_inputs(found: Discovery, inputs: Iterable[str], files_from: str | Non
 
 
 def _list_items(list_file: str, state: _Listing, stop: Stop | None) -> Iterator[InputItem]:
-    """The items of a ``--files-from`` list as its lines are read: an image name (not a folder)
-    is an item, a container's images are its items (``.tar``, a table, keyed under the line as
-    given), another line is counted as skipped. Until a listed path exists (or is a URL)
-    the items are held back, since a list none of whose paths exists is refused."""
+    """The items of a ``--files-from`` list as its lines are read: an image name (not a folder),
+    a container's images (keyed under the line as given); other lines count as skipped. Until a
+    listed path exists (or is a URL) the items are held back: a list of none is refused."""
     missing: MissingPaths | None = MissingPaths()  # None once a listed path exists
     held: list[InputItem] = []
     for line in read_path_list(list_file, stop):
@@ -220,9 +219,8 @@ def check_path_input(place: storage.Found) -> None:
 
 @dataclass
 class _Listing:
-    """What ``stream_inputs`` keeps while it lists: the keys given, the tables' path roots and
-    columns, the table files read, how many inputs were named (files, objects, list lines) and
-    walked (folders and prefixes: an empty one is a warning, not an error), and the items."""
+    """What ``stream_inputs`` keeps while it lists; the counts of inputs named (files, objects,
+    list lines), walked (folders, prefixes: an empty one is a warning, not an error) and items."""
 
     found: Discovery
     keys: "UniqueKeys"
@@ -259,9 +257,8 @@ class _Listing:
 
 def _input_items(place: storage.Found, state: _Listing, prefix_roots: bool,
                  stop: Stop | None) -> Iterator[InputItem]:
-    """The items of one input as they are found (keys not yet unique across inputs): a file or
-    an object is an image or a container; a folder or a prefix is walked, then read for its
-    containers (``read_folder_containers``)."""
+    """The items of one input as found (keys not yet unique across inputs): a file or object is
+    an image or a container; a folder or prefix is walked, then ``read_folder_containers``."""
     found, raw = state.found, place.location
     if place.kind == "file":
         state.name(raw)

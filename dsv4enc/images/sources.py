@@ -630,8 +630,7 @@ def sidecar_fields(keep_members: Sequence[str]) -> list["pa.Field"]:
 
 def kept_values(items: Sequence[InputItem], fields: Sequence["pa.Field"]) -> dict[str, "pa.Array"]:
     """The columns ``fields`` for ``items``, in order: a tar sample's kept sidecar text
-    (``InputItem.sidecars``), a table row's own cell (read through this process's row-group
-    cache), else null."""
+    (``InputItem.sidecars``), a table row's own cell (through ``GROUP_CACHE``), else null."""
     import pyarrow as pa
 
     def value(item: InputItem, field: "pa.Field") -> Any:

@@ -91,9 +91,8 @@ def is_transient(error: str | None) -> bool:
     opened = _ERROR_TYPE.match(error)
     if opened is None:
         return False
-    number = opened.group(2)
-    return opened.group(1) in TRANSIENT_TYPES or (number is not None
-                                                   and int(number) in TRANSIENT_ERRNOS)
+    name, number = opened.groups()
+    return name in TRANSIENT_TYPES or (number is not None and int(number) in TRANSIENT_ERRNOS)
 
 
 def describe_error(exc: BaseException) -> str:
@@ -113,8 +112,8 @@ def read_failure(exc: BaseException, source) -> tuple[str, float | None]:
 
 
 def _readable(source):
-    """What PIL opens for ``source``: a path (str or PathLike) or a file object as is,
-    ``bytes`` as a file object, and an ``items.InputItem`` via ``sources.open_item``."""
+    """What PIL opens for ``source``: a path or a file object as is, bytes as a file object,
+    an ``items.InputItem`` through ``sources.open_item``."""
     if isinstance(source, (bytes, bytearray, memoryview)):
         return io.BytesIO(source)
     if isinstance(source, (str, os.PathLike)) or hasattr(source, "read"):
@@ -135,7 +134,7 @@ def open_checked(source, max_pixels: int, name: str | None = None):
         if hasattr(handle, "close"):
             handle.close()
         if isinstance(exc, (Image.DecompressionBombError, Image.DecompressionBombWarning)):
-            # Pillow's own message quotes its limit (twice its setting for the error).
+            # Pillow's message quotes its own limit (twice its setting, for the error).
             raise ValueError(f"image has more pixels than --max-pixels {max_pixels} or "
                              f"Pillow's Image.MAX_IMAGE_PIXELS allow (possible decompression "
                              f"bomb): {exc}") from None
@@ -170,9 +169,9 @@ def regular_only(target: Any) -> Any:
 
 
 def probe_image(source, max_pixels: int = DEFAULT_MAX_PIXELS) -> Probe:
-    """Read only the header: the stored size (no EXIF rotation). ``source``: a path, bytes, or
-    an ``items.InputItem``. Runs on threads: touches nothing process-wide, and a path naming a
-    FIFO or a device is an error, not a wait (``headers.probe_all`` bounds its time)."""
+    """The stored size from the header alone (no EXIF rotation) of a path, bytes or an
+    ``items.InputItem``. Runs on threads: touches nothing process-wide, and a FIFO or a device
+    is an error, not a wait (``headers.probe_all`` bounds its time)."""
     handle = None
     try:
         target = source
@@ -185,7 +184,7 @@ def probe_image(source, max_pixels: int = DEFAULT_MAX_PIXELS) -> Probe:
         if (error := no_pixels(width, height)) is not None:
             return Probe(error=error)
         return Probe(width=width, height=height, misnamed=actual)
-    except Exception as exc:  # any unreadable file is an error row, never a crash
+    except Exception as exc:  # an error row, never a crash
         HELD.take(held_key(source))  # never decoded: what its probe read ahead is not kept
         return Probe(error=read_failure(exc, source)[0])
     finally:
@@ -195,11 +194,10 @@ def probe_image(source, max_pixels: int = DEFAULT_MAX_PIXELS) -> Probe:
 
 def decode_image(source, cfg: VisionConfig, max_pixels: int = DEFAULT_MAX_PIXELS,
                  out=None, pixels: bool = False) -> Decoded:
-    """Decode, transform and patchify one image (an animation's first frame). ``source``: as
-    for ``probe_image``; ``out``: as ``transform.image_to_patch_bits`` takes it. ``pixels``:
-    leave the transform to the device: the decoded pixels instead of patches, when they are
-    no larger than the largest image's patches (a ``PatchArena`` slot; a larger photo is
-    transformed here, to the same bytes, so that what a worker hands on stays bounded)."""
+    """Decode, transform and patchify one image (an animation's first frame) given as for
+    ``probe_image``; ``out`` as ``transform.image_to_patch_bits`` takes it. ``pixels``: the
+    decoded pixels for the transform on the device, when no larger than a ``PatchArena`` slot
+    (a larger photo is transformed here, to the same bytes: what a worker hands on is bounded)."""
     from ..tower.transform import image_pixels, image_to_patch_bits, plan_canvas
 
     width = height = None  # the stored size, once the header is read
@@ -253,9 +251,9 @@ WORKER_HEAP_KEEP = 512 << 20
 
 
 def _limit_memory(budget: int | None) -> None:
-    """Cap this process's data segment (what decoding allocates) at its current size plus
-    ``budget``: past it, an allocation raises MemoryError (that image's error row). Linux only.
-    A limit past what ``setrlimit`` takes (a C long) is no limit at all: none is set."""
+    """Cap this process's data segment at its current size plus ``budget``: past it, an
+    allocation raises MemoryError (that image's error row). Linux only; a limit past what
+    ``setrlimit`` takes (a C long) is none at all."""
     if budget is None:
         return
     with contextlib.suppress(ImportError, OSError, StopIteration, ValueError, OverflowError):
@@ -297,8 +295,7 @@ def _worker_main(conn, cfg: VisionConfig, max_pixels: int,
     keep_freed_memory_mapped(largest_mapped=WORKER_HEAP_LARGEST, keep_free=WORKER_HEAP_KEEP)
     _exit_with_parent()
     _limit_memory(memory_budget)
-    # A parent gone shows as EOF or a reset connection (OSError): the worker ends quietly.
-    # ``decode_image`` raises nothing, so nothing else needs catching here.
+    # A parent gone shows as EOF or OSError: the worker ends (``decode_image`` raises nothing).
     try:
         conn.send(_READY)  # the parent starts an image's clock only once the worker is up
         while (task := conn.recv()) is not None:
@@ -372,7 +369,7 @@ class DecodeStream:
                                       args=(tasks, self._results, self._credits, self._stop),
                                       name="dsv4enc-decode", daemon=True)
         pool._streams.append(self)
-        self._pump.start()  # now, not at the first next(): decoding starts while the caller sets up
+        self._pump.start()  # not at the first next(): decoding starts while the caller sets up
 
     def __iter__(self) -> "DecodeStream":
         return self
@@ -383,7 +380,7 @@ class DecodeStream:
         return item
 
     def next_within(self, timeout_s: float) -> tuple[Any, Decoded] | None:
-        """``next``, or None when no result comes within ``timeout_s`` (for a caller that polls)."""
+        """``next``, or None when no result comes within ``timeout_s`` (a caller that polls)."""
         if self._done:
             raise StopIteration
         try:
@@ -415,8 +412,7 @@ class DecodePool:
                  pixels: bool = False) -> None:
         """``pixels``: decode for the transform on the device (``decode_image``)."""
         self.cfg, self.max_pixels, self.timeout_s = cfg, max_pixels, timeout_s
-        self.pixels = pixels
-        self.n_workers = workers
+        self.pixels, self.n_workers = pixels, workers
         # What a worker may allocate past its start-up footprint ("auto": from max_pixels).
         self.memory_budget = (WORKER_BYTES_PER_PIXEL * max_pixels + WORKER_HEADROOM
                               if memory_budget == "auto" else memory_budget)
@@ -474,10 +470,9 @@ class DecodePool:
 
     def imap(self, tasks: Iterable[tuple[Any, Any]],
              window: int = 64) -> Iterator[tuple[Any, Decoded]]:
-        """Yield ``(tag, Decoded)`` for each ``(tag, source)`` task (``decode_image``'s source,
-        picklable), in task order; ``tasks`` may yield ``NOT_YET``. With workers, a
-        ``DecodeStream``, whose thread feeds them while the caller is busy, ``window`` tasks ahead
-        at most (memory stays bounded whatever the consumer's speed)."""
+        """``(tag, Decoded)`` for each ``(tag, source)`` task (a picklable ``decode_image``
+        source; or ``NOT_YET``), in task order. With workers, a ``DecodeStream``, whose thread
+        feeds them while the caller is busy, ``window`` tasks ahead at most (bounded memory)."""
         tasks = (task if task is NOT_YET else (task[0], attach_held(task[1])) for task in tasks)
         if not self.workers:
             return ((task[0], decode_image(task[1], self.cfg, self.max_pixels,

@@ -36,10 +36,10 @@ class Stop(Protocol):
 
 @dataclass
 class Discovery:
-    """Items in input order, how many non-image files were passed over, the folders not listed
-    (``(folder, reason)``: missing from the run), how many tables and tar shards were read, and
-    the input columns the rows carry (``pyarrow`` fields: ``--keep-column``'s, ``--key-column``'s,
-    ``--keep-member``'s)."""
+    """Items in input order, the non-image files passed over, the folders not listed
+    (``(folder, reason)``: missing from the run), the tables and tar shards read, and the input
+    columns the rows carry (``pyarrow`` fields of ``--keep-column``, ``--key-column``,
+    ``--keep-member``)."""
 
     items: list[InputItem] = field(default_factory=list)
     skipped: int = 0
@@ -69,12 +69,11 @@ def iter_folder(root: str | Path, found: "Discovery",
                 should_stop: Callable[[], bool] | None = None,
                 containers: list[tuple[str, str]] | None = None,
                 exclusions: Exclusions = Exclusions()) -> Iterator[InputItem]:
-    """Image files under the folder or prefix ``root`` as the walk reaches them
-    (``storage.walk``), keyed relative to it; an object in a store is a ``StoredObject``. A
-    folder that cannot be listed is appended to ``found.unlisted`` as ``(path, reason)``, a
-    container file to ``containers`` (when given) as ``(path relative to root, path)``; other
-    files are counted in ``found.skipped``; what ``exclusions`` leaves out is passed over.
-    ``should_stop`` is polled once per entry: when it turns true, the walk ends."""
+    """Image files under the folder or prefix ``root`` as ``storage.walk`` reaches them, keyed
+    relative to it (an object in a store is a ``StoredObject``). Folders not listed go to
+    ``found.unlisted`` as ``(path, reason)``, containers to ``containers`` (when given) as
+    ``(path relative to root, path)``, other files count in ``found.skipped``. ``should_stop``
+    is polled once per entry: when it turns true, the walk ends."""
     for entry in storage.walk(str(root), exclusions.skips, found.unlisted, should_stop):
         if is_image_name(entry.key):
             member = StoredObject(entry.url, entry.size) if entry.size is not None else None
@@ -97,21 +96,27 @@ def read_path_list(list_file: str, stop: Stop | None = None) -> Iterator[str]:
     ``MAX_LIST_LINE_BYTES`` is a UsageError; ``stop`` is checked once a line (a list can be a
     pipe that never ends)."""
     where = "standard input" if list_file == "-" else list_file
-    with _open_path_list(list_file) as handle:
-        number = 0
-        while line := _read_line(handle, list_file):
-            number += 1
-            if len(line.rstrip(b"\r\n")) > MAX_LIST_LINE_BYTES:
-                raise UsageError(f"--files-from {where}: line {number} is longer than "
-                                 f"{MAX_LIST_LINE_BYTES} bytes, so this is no list of paths "
-                                 "(one path a line)")
-            if stop is not None:
-                stop.check()
-            if number == 1:  # the byte order mark a Windows editor saves a list with
-                line = line.removeprefix(b"\xef\xbb\xbf")
-            path = os.fsdecode(line).strip()  # any bytes go through, as the file system's
-            if path and not path.startswith("#"):
-                yield path
+    try:
+        with _open_path_list(list_file) as handle:
+            number = 0
+            # At most one byte over the limit a line: memory stays bounded whatever the file holds.
+            while line := handle.readline(MAX_LIST_LINE_BYTES + 1):
+                if isinstance(line, str):  # a text stdin (no buffer)
+                    line = os.fsencode(line)
+                number += 1
+                if len(line.rstrip(b"\r\n")) > MAX_LIST_LINE_BYTES:
+                    raise UsageError(f"--files-from {where}: line {number} is longer than "
+                                     f"{MAX_LIST_LINE_BYTES} bytes, so this is no list of paths "
+                                     "(one path a line)")
+                if stop is not None:
+                    stop.check()
+                if number == 1:  # the byte order mark a Windows editor saves a list with
+                    line = line.removeprefix(b"\xef\xbb\xbf")
+                path = os.fsdecode(line).strip()  # any bytes go through, as the file system's
+                if path and not path.startswith("#"):
+                    yield path
+    except OSError as exc:  # opening or reading the list
+        raise UsageError(f"cannot read --files-from {list_file}: {exc.strerror or exc}") from None
 
 
 def _open_path_list(list_file: str) -> ContextManager[BinaryIO]:
@@ -119,23 +124,10 @@ def _open_path_list(list_file: str) -> ContextManager[BinaryIO]:
     pipe; a device (``/dev/zero``, a terminal) is refused, as reading it may never end."""
     if list_file == "-":
         return contextlib.nullcontext(getattr(sys.stdin, "buffer", sys.stdin))
-    try:
-        if stat.S_ISCHR(mode := os.stat(list_file).st_mode) or stat.S_ISBLK(mode):
-            raise UsageError(f"--files-from {list_file}: a device, not a list of paths (give a "
-                             "file or a pipe, or - for standard input)")
-        return open(list_file, "rb")
-    except OSError as exc:
-        raise UsageError(f"cannot read --files-from {list_file}: {exc.strerror or exc}") from None
-
-
-def _read_line(handle: BinaryIO, list_file: str) -> bytes:
-    """The next line of the list (b"": its end), at most one byte over ``MAX_LIST_LINE_BYTES``:
-    memory stays bounded whatever the file holds."""
-    try:
-        line = handle.readline(MAX_LIST_LINE_BYTES + 1)
-    except OSError as exc:
-        raise UsageError(f"cannot read --files-from {list_file}: {exc.strerror or exc}") from None
-    return os.fsencode(line) if isinstance(line, str) else line  # a text stdin (no buffer)
+    if stat.S_ISCHR(mode := os.stat(list_file).st_mode) or stat.S_ISBLK(mode):
+        raise UsageError(f"--files-from {list_file}: a device, not a list of paths (give a "
+                         "file or a pipe, or - for standard input)")
+    return open(list_file, "rb")
 
 
 def discover(inputs: Iterable[str], files_from: str | None = None,
@@ -143,7 +135,7 @@ def discover(inputs: Iterable[str], files_from: str | None = None,
              stop: Stop | None = None, table_paths_roots: Iterable[str] = (),
              keep_columns: Sequence[str] = (), keep_members: Sequence[str] = (),
              exclude: Sequence[str] = ()) -> Discovery:
-    """Every item of ``stream_inputs`` at once, in ``Discovery.items``."""
+    """``stream_inputs``' items at once, in ``Discovery.items``."""
     found = Discovery()
     found.items = list(stream_inputs(found, inputs, files_from, image_column, key_column,
                                      stop, table_paths_roots, keep_columns, keep_members,
@@ -158,10 +150,10 @@ def stream_inputs(found: Discovery, inputs: Iterable[str], files_from: str | Non
                   exclude: Sequence[str] = ()) -> Iterator[InputItem]:
     """Expand folders and files (and an optional path list) into items, in input order, as
     the listing reaches them: each input examined once, a folder or a prefix walked
-    (``iter_folder``), a path list line by line (``_list_items``), a
-    container indexed when it is reached; keys made unique (``UniqueKeys``). ``found`` (its
-    ``items`` left alone) counts what was passed over and the tables read, gathers the folders
-    not listed (logged at the end), and at the end holds ``kept_fields`` and ``listed``.
+    (``iter_folder``), a path list line by line (``_list_items``), a container indexed when
+    reached; keys made unique (``UniqueKeys``). ``found`` (its ``items`` left alone) counts what
+    was passed over and the tables read, gathers the folders not listed (logged at the end),
+    and at the end holds ``kept_fields`` and ``listed``.
 
     A missing input is a UsageError before the first item; so is an input set with nothing in
     it, at the end. Paths from ``--files-from`` are taken as given (a missing one is an error
@@ -171,8 +163,8 @@ def stream_inputs(found: Discovery, inputs: Iterable[str], files_from: str | Non
         place = storage.examine(raw)
         check_path_input(place)
         places.append(place)
-    state = _Listing(found, UniqueKeys(), path_roots(table_paths_roots), (image_column, key_column),
-                     tuple(keep_members), Exclusions(tuple(exclude)))
+    state = _Listing(found, UniqueKeys(), path_roots(table_paths_roots),
+                     (image_column, key_column), tuple(keep_members), Exclusions(tuple(exclude)))
     prefix_roots = sum(place.remote or place.kind == "folder"  # see ``key_under_root``
                        for place in places) > 1
     for place in places:
@@ -186,10 +178,9 @@ def stream_inputs(found: Discovery, inputs: Iterable[str], files_from: str | Non
 
 
 def _list_items(list_file: str, state: _Listing, stop: Stop | None) -> Iterator[InputItem]:
-    """The items of a ``--files-from`` list as its lines are read: an image name (not a folder)
-    is an item, a container's images are its items (``.tar``, a table, keyed under the line as
-    given), another line is counted as skipped. Until a listed path exists (or is a URL)
-    the items are held back, since a list none of whose paths exists is refused."""
+    """The items of a ``--files-from`` list as its lines are read: an image name (not a folder),
+    a container's images (keyed under the line as given); other lines count as skipped. Until a
+    listed path exists (or is a URL) the items are held back: a list of none is refused."""
     missing: MissingPaths | None = MissingPaths()  # None once a listed path exists
     held: list[InputItem] = []
     for line in read_path_list(list_file, stop):
@@ -228,9 +219,8 @@ def check_path_input(place: storage.Found) -> None:
 
 @dataclass
 class _Listing:
-    """What ``stream_inputs`` keeps while it lists: the keys given, the tables' path roots and
-    columns, the table files read, how many inputs were named (files, objects, list lines) and
-    walked (folders and prefixes: an empty one is a warning, not an error), and the items."""
+    """What ``stream_inputs`` keeps while it lists; the counts of inputs named (files, objects,
+    list lines), walked (folders, prefixes: an empty one is a warning, not an error) and items."""
 
     found: Discovery
     keys: "UniqueKeys"
@@ -267,9 +257,8 @@ class _Listing:
 
 def _input_items(place: storage.Found, state: _Listing, prefix_roots: bool,
                  stop: Stop | None) -> Iterator[InputItem]:
-    """The items of one input as they are found (keys not yet unique across inputs): a file or
-    an object is an image or a container; a folder or a prefix is walked, then read for its
-    containers (``read_folder_containers``)."""
+    """The items of one input as found (keys not yet unique across inputs): a file or object is
+    an image or a container; a folder or prefix is walked, then ``read_folder_containers``."""
     found, raw = state.found, place.location
     if place.kind == "file":
         state.name(raw)
@@ -358,16 +347,14 @@ class MissingPaths:
 
 
 def printable(path: str) -> str:
-    """``path`` as an error line shows it: a character that is not printable (a control
-    character, a byte that is not UTF-8, held by Python as a surrogate) as its escape, e.g.
-    ``\\x15``, so that a line never sends raw bytes to the terminal."""
+    """``path`` as an error line shows it: an unprintable character (a control character, a
+    non-UTF-8 byte held as a surrogate) as its escape (``\\x15``), never raw bytes."""
     return "".join(char if char.isprintable() else _escaped(char) for char in path)
 
 
 def _escaped(char: str) -> str:
-    code = ord(char)
-    if 0xDC80 <= code <= 0xDCFF:  # os.fsdecode's stand-in for an undecodable byte
-        return f"\\x{code - 0xDC00:02x}"
+    if 0xDC80 <= ord(char) <= 0xDCFF:  # os.fsdecode's stand-in for an undecodable byte
+        return f"\\x{ord(char) - 0xDC00:02x}"
     return char.encode("unicode_escape").decode("ascii")
 
 
@@ -396,8 +383,7 @@ def container_items(raw: str, name: str, image_column: str | None = None,
                     keep_members: Sequence[str] = ()) -> tuple[list[InputItem], int]:
     """The images of the container ``raw`` keyed under ``name`` (its path as given, or under its
     folder), and the entries passed over; a key repeated inside it gets ``#2``, ``#3``, ... in
-    its order, so it depends on the container alone. Every way of finding a container calls this.
-    ``keep_members``: a tar sample's sidecar members its images carry (``expand_tar``)."""
+    its order: it depends on the container alone. Every way of finding a container calls this."""
     if container_kind(raw) == "tar":
         items, skipped = expand_tar(raw, name, keep_members)
     else:
@@ -457,17 +443,14 @@ def warn_unlisted(unlisted: list[tuple[str, str]], shown: int = 10) -> None:
 
 
 def key_under_root(root: str | None, key: str) -> str:
-    """``key`` (a path under a walked folder) prefixed with ``root``, the folder as given in
-    posix form (``storage.Found.posix``: ``data/`` and ``./data`` give ``data``), when several are."""
+    """``key`` (a path under a walked folder) under ``root``, the folder given in posix form
+    (``storage.Found.posix``), when several are."""
     return key if root is None else f"{root}/{key}"
 
 
 def _output_text(key: str) -> str:
-    """``key`` as the output's ``path`` column holds it (``columns.utf8_text``: a file
-    name's non-UTF-8 bytes escaped)."""
-    if key.isascii():  # the common case, once per key of a listing of millions: no encode
-        return key
-    return utf8_text(key)
+    """``key`` as the output's ``path`` column holds it (``columns.utf8_text``)."""
+    return key if key.isascii() else utf8_text(key)  # ASCII, once per key of millions: no encode
 
 
 def unique_keys(items: list[InputItem]) -> list[InputItem]:

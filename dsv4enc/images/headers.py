@@ -100,7 +100,8 @@ class _Probers:
                 if now - began > timeout_s:
                     del self._running[index]
                     self._abandoned.add(serial)
-                    self.results[index] = Probe(error=f"header read timed out after {timeout_s:g}s")
+                    error = f"header read timed out after {timeout_s:g}s"
+                    self.results[index] = Probe(error=error)
                     self.remaining -= 1
                     self.spawn()
 

@@ -24,10 +24,9 @@ EXPECTED = "a PIL image, a uint8 array, a path, bytes or a {bytes, path} dict"
 
 
 def image_source(image: Any) -> tuple[Any, str | None]:
-    """What to read of one input, and the name it carries (None: it has none): a ``{"bytes",
-    "path"}`` dict (``datasets``' ``Image(decode=False)``) gives its bytes, else its path, and
-    is named by its path; a path gives and names its text; bytes-like input gives ``bytes``;
-    anything else is itself, unnamed."""
+    """What to read of one input, and its name (or None): a ``{"bytes", "path"}`` dict
+    (``datasets``' ``Image(decode=False)``) gives its bytes, else its path, named by its path; a
+    path gives and names its text; bytes-like input gives ``bytes``; anything else, itself."""
     if isinstance(image, Mapping):
         data, named = image.get("bytes"), image.get("path")
         name = os.fspath(named) if isinstance(named, (str, os.PathLike)) and named else None

@@ -1,11 +1,11 @@
 """Images inside container files (WebDataset tars, Parquet/Arrow tables), and reading an item.
 
-The main process reads only an index of each container (a tar's member headers; a table's
-row-group sizes and key column) and gives each image an ``InputItem`` whose ``member`` says
-where its bytes lie; decode workers read just that, a table cell through a per-process cache
-of row groups. docs/inputs.md tells how the images are keyed and which error rows a damaged
-container gives. In a store, each input is read once where it can be (a tar shard by one
-streamed read, an object by its header probe), the bytes held for the decode (``HeldInputs``)."""
+The main process reads only each container's index (a tar's member headers; a table's row-group
+sizes and key column); an ``InputItem``'s ``member`` says where an image's bytes lie, and decode
+workers read just that (a table cell through a per-process row-group cache). docs/inputs.md
+tells the keys and a damaged container's error rows. In a store, each input is read once where
+it can be (a shard by one streamed read, an object by its probe), held for the decode
+(``HeldInputs``)."""
 
 from __future__ import annotations
 
@@ -94,14 +94,12 @@ class HeldInputs:
         self._bytes = 0
         self._lock = threading.Lock()
 
-    def budget(self) -> int:
-        try:
-            return int(os.environ.get(_HOLD_ENV) or HOLD_BYTES)
-        except ValueError:
-            return HOLD_BYTES
-
     def room(self, size: int) -> bool:
-        return self._bytes + size <= self.budget()
+        try:
+            budget = int(os.environ.get(_HOLD_ENV) or HOLD_BYTES)
+        except ValueError:
+            budget = HOLD_BYTES
+        return self._bytes + size <= budget
 
     def hold(self, key: tuple[str, int], data: bytes) -> None:
         with self._lock:
@@ -110,11 +108,11 @@ class HeldInputs:
                 self._bytes += len(data)
 
     def peek(self, key: tuple[str, int] | None) -> bytes | None:
-        return None if key is None else self._held.get(key)
+        return self._held.get(key)
 
     def take(self, key: tuple[str, int] | None) -> bytes | None:
         with self._lock:
-            data = None if key is None else self._held.pop(key, None)
+            data = self._held.pop(key, None)
             self._bytes -= len(data or b"")
             return data
 
@@ -186,9 +184,8 @@ def refuse_compressed_tar(raw: str) -> None:
 def container_kind(path: str) -> str | None:
     """``"table"``, ``"tar"`` or None, from the file name's extension."""
     lower = path.lower()
-    if lower.endswith(TABLE_EXTENSIONS):
-        return "table"
-    return "tar" if lower.endswith(TAR_EXTENSIONS) else None
+    return ("table" if lower.endswith(TABLE_EXTENSIONS) else
+            "tar" if lower.endswith(TAR_EXTENSIONS) else None)
 
 
 # ----------------------------------------------------------------------------- tar shards
@@ -322,17 +319,14 @@ def _keep_member(archive: tarfile.TarFile, raw: str, found: TarMember | Unreadab
 
 
 def _sidecar_text(archive: tarfile.TarFile, info: tarfile.TarInfo) -> str | None:
-    """A sidecar member's bytes as text (UTF-8; other bytes as backslash escapes), read as the
-    index passes it (in a store, from the shard's one stream); None when it cannot be read."""
-    handle = archive.fileobj
+    """A sidecar member's text (other bytes than UTF-8 as backslash escapes), read as the index
+    passes it (in a store, from the shard's one stream); None when it cannot be read."""
     try:
-        handle.seek(info.offset_data)
-        data = handle.read(info.size)
+        archive.fileobj.seek(info.offset_data)
+        data = archive.fileobj.read(info.size)
     except OSError:
         return None  # the index reads on and reports the damage
-    if len(data) != info.size:
-        return None
-    return data.decode("utf-8", "backslashreplace")
+    return data.decode("utf-8", "backslashreplace") if len(data) == info.size else None
 
 
 def expand_tar(raw: str, name: str | None = None,
@@ -447,7 +441,7 @@ def choose_image_column(schema: "pa.Schema", wanted: str | None, source: str) ->
             raise NoImageColumn(f"{source}: no column {wanted!r} (columns: {', '.join(names)})")
         if image_column_kind(schema.field(wanted).type) is None:
             raise NoImageColumn(f"{source}: column {wanted!r} is {schema.field(wanted).type}, "
-                             "not image bytes or a {bytes, path} struct")
+                                "not image bytes or a {bytes, path} struct")
         return wanted
     candidates = [n for n in names if image_column_kind(schema.field(n).type) is not None]
     if len(candidates) == 1:
@@ -457,7 +451,7 @@ def choose_image_column(schema: "pa.Schema", wanted: str | None, source: str) ->
     if not candidates:
         # --image-column could name no other: a column it names must hold bytes too
         raise NoImageColumn(f"{source}: no column holds image bytes or {{bytes, path}} structs "
-                         f"(columns: {', '.join(names)}); give a table with such a column")
+                            f"(columns: {', '.join(names)}); give a table with such a column")
     raise UsageError(f"{source}: several columns hold bytes ({', '.join(candidates)}); "
                      "choose one with --image-column")
 
@@ -636,8 +630,7 @@ def sidecar_fields(keep_members: Sequence[str]) -> list["pa.Field"]:
 
 def kept_values(items: Sequence[InputItem], fields: Sequence["pa.Field"]) -> dict[str, "pa.Array"]:
     """The columns ``fields`` for ``items``, in order: a tar sample's kept sidecar text
-    (``InputItem.sidecars``), a table row's own cell (read through this process's row-group
-    cache), else null."""
+    (``InputItem.sidecars``), a table row's own cell (through ``GROUP_CACHE``), else null."""
     import pyarrow as pa
 
     def value(item: InputItem, field: "pa.Field") -> Any:

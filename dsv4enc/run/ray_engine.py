@@ -308,11 +308,10 @@ def actor_workers(opts: EncodeOptions, plan: ActorPlan) -> int:
 
 # ----------------------------------------------------------------------------- the driver
 
-def run_ray_encode(opts: EncodeOptions, ray_opts: RayEngineOptions | None = None,
-                   stop: StopSignals | None = None):
+def run_ray_encode(opts: EncodeOptions, ray_opts: RayEngineOptions, stop: StopSignals):
     """Encode ``opts.inputs`` into ``opts.out`` on Ray encoder actors: ``run_encode``'s run
     with ``RayParts`` behind it (its summary, its errors). ``stop``: the caller's signal
-    handling (by default installed here, and the previous handlers restored)."""
+    handling, installed."""
     from .pipeline import run_encode
 
     validate(opts)
@@ -325,15 +324,7 @@ def run_ray_encode(opts: EncodeOptions, ray_opts: RayEngineOptions | None = None
         raise UsageError("--update runs on the local engine: drop --engine ray for it")
     if importlib.util.find_spec("ray") is None:
         raise UsageError("--engine ray needs Ray: pip install 'dsv4enc[ray]'")
-    own_stop = stop is None
-    if own_stop:
-        stop = StopSignals()
-        stop.install()
-    try:
-        return run_encode(opts, stop=stop, source=RayParts(ray_opts or RayEngineOptions(), stop))
-    finally:
-        if own_stop:
-            stop.restore()
+    return run_encode(opts, stop=stop, source=RayParts(ray_opts, stop))
 
 
 class RayParts:

@@ -54,8 +54,8 @@ class DistContext:
     def is_main(self) -> bool:
         return self.rank == 0
 
-    def _failed(self, what: str, exc: BaseException) -> DistributedError:
-        if "timed out" in str(exc).lower() or "timeout" in str(exc).lower():
+    def _failed(self, what: str, exc: BaseException | None = None) -> DistributedError:
+        if exc is None or "timed out" in str(exc).lower() or "timeout" in str(exc).lower():
             return DistributedError(f"rank {self.rank}: {what} timed out after "
                                     f"{self.timeout:g}s (a peer rank may have died)")
         # First sentence, without gloo's "[file.cc:line]" prefix.
@@ -76,8 +76,7 @@ class DistContext:
             deadline = time.monotonic() + self.timeout
             while not self._waited(work, deadline - time.monotonic()):
                 if time.monotonic() >= deadline:
-                    raise DistributedError(f"rank {self.rank}: {what} timed out after "
-                                           f"{self.timeout:g}s (a peer rank may have died)")
+                    raise self._failed(what)
         except RuntimeError as exc:  # DistBackendError and gloo's errors are RuntimeErrors
             raise self._failed(what, exc) from exc
 
@@ -200,8 +199,8 @@ def gather_rows(ctx: DistContext, local_rows: torch.Tensor,
     if len(counts) != ctx.world_size or counts[ctx.rank] != n_local:
         # A plan mismatch would silently misplace rows on every rank; fail loudly here.
         raise DistributedError(f"rank {ctx.rank}: holds {n_local} rows, but the plan says "
-                         f"{counts[ctx.rank] if ctx.rank < len(counts) else '?'} "
-                         f"(counts {counts}, world size {ctx.world_size})")
+                               f"{counts[ctx.rank] if ctx.rank < len(counts) else '?'} "
+                               f"(counts {counts}, world size {ctx.world_size})")
     most = max(counts)
     if most == 0:  # every rank knows this, so every rank skips the collective together
         return [local_rows.new_empty((0, width)) for _ in counts]

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 import sys
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -41,9 +41,7 @@ class Topology:
         self.dist = dist
         self.shard_output = shard_output and dist is not None
         self.tensor_parallel = False  # set by ``split_tower``
-        # What this rank listed, as the ranks compare it at their next resume agreement
-        # (``note_listed``): the inputs of the part being judged.
-        self._listed: tuple[int, str] | None = None
+        self._listed: tuple[int, str] | None = None  # see ``note_listed``
 
     # -- who does what ---------------------------------------------------------------
     @property
@@ -140,15 +138,13 @@ class Topology:
         same line naming the first (rows of two towers, or plans that do not pair up)."""
         if self.dist is None:
             return
-        everyone = self.gather(settings)
-        for rank, theirs in enumerate(everyone[1:], 1):
-            names = list(everyone[0]) + [name for name in theirs if name not in everyone[0]]
-            differs = next((name for name in names if theirs.get(name) != everyone[0].get(name)),
-                           None)
-            if differs is not None:
-                raise UsageError(f"rank {rank}'s {differs} differs from rank 0's "
-                                 f"({theirs.get(differs)!r} there, {everyone[0].get(differs)!r} "
-                                 f"on rank 0): torchrun ranks need the same options")
+        ours, *others = self.gather(settings)
+        for rank, theirs in enumerate(others, 1):
+            for name in {**ours, **theirs}:  # rank 0's names in order, then the rest
+                if theirs.get(name) != ours.get(name):
+                    raise UsageError(f"rank {rank}'s {name} differs from rank 0's "
+                                     f"({theirs.get(name)!r} there, {ours.get(name)!r} "
+                                     f"on rank 0): torchrun ranks need the same options")
 
     def exchange_rows(self, local: dict[int, Any], width: int, pooled: bool,
                       empty_dtype) -> dict[int, Any]:
@@ -184,9 +180,10 @@ class Topology:
         everything = self.gather((store.parts, stamps))
         if not self.is_main:
             return None
-        merged = MergedManifest(store.folder, store.settings, {
-            name: part for parts, _ in everything for name, part in parts.items()})
-        merged.stamps = {name: rows for _, theirs in everything for name, rows in theirs.items()}
+        merged = MergedManifest(
+            store.folder, store.settings,
+            {name: part for parts, _ in everything for name, part in parts.items()},
+            {name: rows for _, theirs in everything for name, rows in theirs.items()})
         merged.save()
         return merged
 
@@ -204,7 +201,6 @@ class Topology:
         """Gathered data parallel: count every rank's share of the tokens."""
         counts = self.gather((summary.tokens, padded_tokens, summary.merge_pad_tokens))
         summary.tokens, summary.padded_tokens, summary.merge_pad_tokens = map(sum, zip(*counts))
-
 
 
 def _in_step(places: list[str]) -> None:
@@ -232,16 +228,17 @@ def _same_listing(everyone: list[tuple[int, str] | None]) -> None:
                          f"(the same folders, lists and --files-from file)")
 
 
+@dataclass
 class MergedManifest:
     """A sharded output's merged manifest: every rank's parts, and ``extra`` top-level entries
     (its stamps, as ``output/update.write_folder_stamps`` adds them to any folder's store).
     ``stamps``: the parts' row stamps by name, as the ranks sent them (not saved)."""
 
-    def __init__(self, folder: Path, settings: dict[str, Any],
-                 parts: dict[str, dict[str, Any]]) -> None:
-        self.folder, self.settings, self.parts = folder, settings, parts
-        self.extra: dict[str, Any] = {}
-        self.stamps: dict[str, Any] = {}
+    folder: Path
+    settings: dict[str, Any]
+    parts: dict[str, dict[str, Any]]
+    stamps: dict[str, Any] = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)
 
     def save(self) -> None:
         from ..output.files import MANIFEST_NAME

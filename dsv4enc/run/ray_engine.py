@@ -162,7 +162,8 @@ class _Tally:
         self.counts = [0, 0, 0, 0]
 
     def advance(self, images: int, tokens: int, failed: int, dropped_tokens: int = 0) -> None:
-        self.counts = [a + b for a, b in zip(self.counts, (images, tokens, failed, dropped_tokens))]
+        added = (images, tokens, failed, dropped_tokens)
+        self.counts = [a + b for a, b in zip(self.counts, added)]
 
 
 # ----------------------------------------------------------------------------- the cluster
@@ -267,15 +268,6 @@ class ActorPlan:
     short: str = ""
 
 
-def shortfall(plan: ActorPlan, cpus: float, gpus: float) -> str:
-    """What ``plan``'s actors need beyond ``cpus`` and ``gpus``, in words; empty if they fit."""
-    for kind, each, has in (("CPU", plan.cpus, cpus), ("GPU", plan.gpus, gpus)):
-        if plan.actors * each > has:
-            return (f"{plan.actors * each:g} {kind}s ({each:g} each), and the cluster has "
-                    f"{has:g}")
-    return ""
-
-
 def plan_actors(opts: EncodeOptions, ray_opts: RayEngineOptions, cluster: RayCluster) -> ActorPlan:
     """The actor pool for ``--device`` on this cluster (``RayEngineOptions``' defaults)."""
     cpus, gpus, nodes, node_cpus = cluster.resources()
@@ -295,7 +287,10 @@ def plan_actors(opts: EncodeOptions, ray_opts: RayEngineOptions, cluster: RayClu
         raise UsageError("--ray-actors must be at least 1")
     per_cpu = min(max(1.0, float(int(cpus // actors))), node_cpus)
     plan = ActorPlan(actors, per_cpu, per_gpu, "cuda" if per_gpu else "cpu")
-    plan.short = shortfall(plan, cpus, gpus)
+    for kind, each, has in (("CPU", per_cpu, cpus), ("GPU", per_gpu, gpus)):
+        if actors * each > has:
+            plan.short = f"{actors * each:g} {kind}s ({each:g} each), and the cluster has {has:g}"
+            break
     if plan.short and cluster.started:  # no autoscaler adds to a Ray the run started
         raise UsageError(f"{actors} encoder actor{'s' if actors > 1 else ''} need "
                          f"{plan.short} (a local Ray started for the run, which never "
@@ -313,11 +308,10 @@ def actor_workers(opts: EncodeOptions, plan: ActorPlan) -> int:
 
 # ----------------------------------------------------------------------------- the driver
 
-def run_ray_encode(opts: EncodeOptions, ray_opts: RayEngineOptions | None = None,
-                   stop: StopSignals | None = None):
+def run_ray_encode(opts: EncodeOptions, ray_opts: RayEngineOptions, stop: StopSignals):
     """Encode ``opts.inputs`` into ``opts.out`` on Ray encoder actors: ``run_encode``'s run
     with ``RayParts`` behind it (its summary, its errors). ``stop``: the caller's signal
-    handling (by default installed here, and the previous handlers restored)."""
+    handling, installed."""
     from .pipeline import run_encode
 
     validate(opts)
@@ -330,15 +324,7 @@ def run_ray_encode(opts: EncodeOptions, ray_opts: RayEngineOptions | None = None
         raise UsageError("--update runs on the local engine: drop --engine ray for it")
     if importlib.util.find_spec("ray") is None:
         raise UsageError("--engine ray needs Ray: pip install 'dsv4enc[ray]'")
-    own_stop = stop is None
-    if stop is None:
-        stop = StopSignals()
-        stop.install()
-    try:
-        return run_encode(opts, stop=stop, source=RayParts(ray_opts or RayEngineOptions(), stop))
-    finally:
-        if own_stop:
-            stop.restore()
+    return run_encode(opts, stop=stop, source=RayParts(ray_opts, stop))
 
 
 class RayParts:

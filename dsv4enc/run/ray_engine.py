@@ -390,11 +390,11 @@ class RayParts:
         """Every header at once, the single file's size checked, and every segment."""
         opts, described = self.opts, self.described
         cfg = described.config
-        setup.headers(cfg, opts, None, stop.requested, announce=progress.status)
+        setup.headers(cfg, opts, stop.requested, announce=progress.status)
         if stop.signum is not None:
             raise Interrupted(stop.signum, "nothing was encoded; rerun the same command")
         self.layout.check_file_size(output_bytes(cfg, opts, setup.planned))
-        return setup.cut_parts(part_images, None, opts.balance, cfg,
+        return setup.cut_parts(part_images,
                                segment_tokens(described.engine.batch_tokens, described.device))
 
     def opening_line(self, inputs: int) -> str:

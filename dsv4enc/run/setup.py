@@ -241,23 +241,21 @@ class RunSetup:
                 break  # listed, or cut short by the error it raised
             self.planned.append(Planned(item))
 
-    def headers(self, cfg: VisionConfig, opts: EncodeOptions, ranks: Topology | None,
-                should_stop, announce) -> None:
+    def headers(self, cfg: VisionConfig, opts: EncodeOptions, should_stop, announce) -> None:
         """Every input listed, its header, grid and stamp read at once, for what needs the whole
-        plan first (``--engine ray``); ``announce(text)`` says so."""
+        plan first (``--engine ray``, one process: no ranks); ``announce(text)`` says so."""
         self.more(None)
         announce(f"reading {len(self.planned)} image headers")
         items = [p.item for p in self.planned]
-        self.planned[:] = with_grids(items, probe_share(items, opts.max_pixels, ranks, should_stop,
-                                                        opts.decode_timeout), cfg, ranks)
+        self.planned[:] = with_grids(items, probe_share(items, opts.max_pixels, None, should_stop,
+                                                        opts.decode_timeout), cfg)
         input_stamps(self.planned)
 
-    def cut_parts(self, part_images: int, ranks: Topology | None, balance: str,
-                  cfg: VisionConfig, segment_tokens: int | None) -> list[Part]:
+    def cut_parts(self, part_images: int, segment_tokens: int | None) -> list[Part]:
         """Every segment of the whole plan, its headers read (``headers``)."""
         return [segment for part in cut_parts(self.planned, part_images)
-                for segment in plan_segments(self.planned, part, ranks, balance, cfg,
-                                             segment_tokens)]
+                for segment in plan_segments(self.planned, part,
+                                             segment_tokens=segment_tokens)]
 
     def plan_windows(self, todo: Iterable[Part], plan: "WindowSettings", max_images: int,
                      idle: Callable[[], bool] | None = None) -> Windows:

@@ -258,3 +258,32 @@ def test_a_manifest_that_is_not_json_is_damage_in_one_line(tmp_path):
         with pytest.raises(UsageError, match=f"{folder}/_manifest.json: not JSON: the output "
                            "is damaged; encode it again"):
             list(reader(folder))
+
+
+def test_a_file_that_cannot_be_opened_is_not_called_unreadable_parquet(tmp_path):
+    """An open that fails for a reason outside the file (the open-file limit reached) is
+    named as what it is; only a file whose content is no Parquet is "not a readable Parquet
+    file"."""
+    import os
+    import resource
+
+    from dsv4enc.errors import DsvError
+    from dsv4enc.output.read import find_output
+
+    write_output(tmp_path / "rows.parquet", "binary", False, 8, 4)
+    found = find_output(tmp_path / "rows.parquet")
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    free = os.dup(0)  # the lowest free descriptor: with the limit there, no open succeeds
+    os.close(free)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (free, hard))
+    try:
+        with pytest.raises(DsvError) as raised:
+            found.open(found.paths[0])
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert "Too many open files" in str(raised.value)
+    assert "not a readable Parquet file" not in str(raised.value)
+    (tmp_path / "junk.parquet").write_bytes(b"no parquet here")
+    junk = find_output(tmp_path / "junk.parquet")
+    with pytest.raises(DsvError, match="junk.parquet: not a readable Parquet file"):
+        junk.open(junk.paths[0])

@@ -47,17 +47,37 @@ class OutputFiles:
         """``path`` as messages show it: under ``location`` as the user wrote it."""
         return _shown(self.location, self.root, path)
 
-    def open(self, path: str):
+    def open(self, path: str, metadata: Any = None, size: int | None = None):
         """A ``pyarrow.parquet.ParquetFile`` over ``path`` (a store's: ranged reads, the
-        column chunks asked for fetched together)."""
+        column chunks asked for fetched together). ``metadata`` and ``size``: its footer and
+        size as an earlier open read them: the footer is not read again, and a file of
+        another size is another file, the output replaced since (``replaced``). A failure
+        to open the file (the open-file limit, a store not answering) is named as it is,
+        apart from a file whose content is no Parquet."""
         import pyarrow as pa
         import pyarrow.parquet as pq
 
         remote = self.fs.type_name != "local"  # a local file is memory-mapped: no copies
         try:
-            return pq.ParquetFile(self.fs.open_input_file(path), pre_buffer=remote)
+            source = self.fs.open_input_file(path)
+        except OSError as exc:
+            raise storage.setup_error(f"{self.name(path)}: cannot open it", exc) from None
+        if size is not None and source.size() != size:
+            source.close()
+            raise self.replaced(path)
+        try:
+            return pq.ParquetFile(source, pre_buffer=remote, metadata=metadata)
         except (OSError, pa.ArrowException) as exc:
+            source.close()
             raise UsageError(f"{self.name(path)}: not a readable Parquet file ({exc})") from None
+
+
+    def replaced(self, path: str) -> UsageError:
+        """The error for a file listed in the output that is gone or changed since: the
+        output was replaced (an --update's switch, an --overwrite) while it was read."""
+        return UsageError(f"{self.name(path)}: gone since the output was listed: the output "
+                          "was replaced (by an --update or --overwrite) while it was being "
+                          "read; read it again")
 
 
 def find_output(location: str | os.PathLike, storage_options: Any = None) -> OutputFiles:

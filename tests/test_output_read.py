@@ -287,3 +287,39 @@ def test_a_file_that_cannot_be_opened_is_not_called_unreadable_parquet(tmp_path)
     junk = find_output(tmp_path / "junk.parquet")
     with pytest.raises(DsvError, match="junk.parquet: not a readable Parquet file"):
         junk.open(junk.paths[0])
+
+
+def test_a_part_gone_after_the_listing_says_the_output_was_replaced(tmp_path):
+    """A reader that listed a folder output before an --update switched a new folder into
+    place (or an --overwrite replaced it) finds a listed part gone: one line saying the
+    output was replaced while it was read and to read it again, never "not a readable
+    Parquet file" (no corruption); so does a dataset whose next epoch opens it again."""
+    import shutil
+
+    from dsv4enc.dataset import EmbeddingIterableDataset
+    from dsv4enc.errors import UsageError
+    from dsv4enc.output.parts import PartStore
+
+    write_output(tmp_path / "rows.parquet", "binary", False, 8, 6)
+    table = pq.read_table(tmp_path / "rows.parquet")
+    folder = tmp_path / "out"
+    store = PartStore(folder, {"tool": "dsv4enc"})
+    store.create()
+    store.commit("part-000000", table.slice(0, 3), 3, 0, 3, "d0")
+    store.commit("part-000003", table.slice(3), 3, 3, 6, "d3")
+    rows = read_embeddings(folder, batch_rows=1)
+    next(rows)
+    dataset = EmbeddingIterableDataset(folder)
+    assert len(list(dataset)) == len(list(read_embeddings(folder)))
+    dataset._rows._handles.clear()  # closed, as a DataLoader worker of the next epoch has them
+    shutil.rmtree(folder)  # the old folder switched away; the new one's parts named anew
+    store = PartStore(folder, {"tool": "dsv4enc"})
+    store.create()
+    store.commit("part-000000_000001", table, 6, 0, 6, "d")
+    replaced = ("part-000003.parquet: gone since the output was listed: the output was "
+                r"replaced \(by an --update or --overwrite\) while it was being read; read it "
+                "again")
+    with pytest.raises(UsageError, match=replaced):
+        list(rows)
+    with pytest.raises(UsageError, match=replaced.replace("part-000003", "part-000000")):
+        list(dataset)

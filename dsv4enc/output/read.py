@@ -51,7 +51,8 @@ class OutputFiles:
         """A ``pyarrow.parquet.ParquetFile`` over ``path`` (a store's: ranged reads, the
         column chunks asked for fetched together). ``metadata`` and ``size``: its footer and
         size as an earlier open read them: the footer is not read again, and a file of
-        another size is another file, the output replaced since (``replaced``). A failure
+        another size is another file. A file gone or changed since the output was listed
+        is the output replaced meanwhile (``replaced``), never damage. A failure
         to open the file (the open-file limit, a store not answering) is named as it is,
         apart from a file whose content is no Parquet."""
         import pyarrow as pa
@@ -60,6 +61,8 @@ class OutputFiles:
         remote = self.fs.type_name != "local"  # a local file is memory-mapped: no copies
         try:
             source = self.fs.open_input_file(path)
+        except FileNotFoundError:  # listed, and gone since: no damage, a switched output
+            raise self.replaced(path) from None
         except OSError as exc:
             raise storage.setup_error(f"{self.name(path)}: cannot open it", exc) from None
         if size is not None and source.size() != size:

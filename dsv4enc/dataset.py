@@ -65,8 +65,8 @@ class _Rows:
         return {**self.__dict__, "_handles": OrderedDict(), "pid": None}
 
     def handle(self, file: int):
-        """File ``file``'s ``ParquetFile``: kept open, or opened (and the least recently
-        read closed beyond ``OPEN_FILES``)."""
+        """File ``file``'s ``pyarrow.parquet.ParquetFile``: kept open, or opened (and the
+        least recently read closed beyond ``OPEN_FILES``)."""
         if self.pid != os.getpid():  # a forked DataLoader worker: a file system of its own
             fs, _ = storage.locate(self.found.location, self.options)
             self.found, self.pid = replace(self.found, fs=fs), os.getpid()

@@ -323,3 +323,37 @@ def test_a_part_gone_after_the_listing_says_the_output_was_replaced(tmp_path):
         list(rows)
     with pytest.raises(UsageError, match=replaced.replace("part-000003", "part-000000")):
         list(dataset)
+
+
+def test_a_single_file_still_being_written_is_named_so(tmp_path, small_ckpt):
+    """A single-file output whose run is writing it (paused after its first commit) is no
+    file yet: the readers say it is being written and to read it when the run ends, as
+    ``inspect`` does, never "no such file or folder"; once the run is gone (killed), the
+    path is missing as before."""
+    import os
+    import subprocess
+    import sys
+
+    from dsv4enc.dataset import EmbeddingDataset, EmbeddingIterableDataset
+    from dsv4enc.errors import UsageError
+
+    from helpers import REPO_ROOT, Pauses, reaped, write_image
+
+    for i in range(4):
+        write_image(tmp_path / "imgs" / f"{i}.png", (20 + i, 20))
+    out = tmp_path / "lv.parquet"
+    pauses = Pauses(tmp_path / "pauses", "commit")
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "dsv4enc", "encode", str(tmp_path / "imgs"), "--out",
+               str(out), "--weights", str(small_ckpt), "--part-images", "2", "--workers", "0",
+               "--device", "cpu", "-q"]
+    with reaped(subprocess.Popen(command, env=pauses.env(env))) as proc:
+        pauses.wait("commit", proc=proc)
+        for reader in (read_embeddings, EmbeddingDataset, EmbeddingIterableDataset):
+            with pytest.raises(UsageError, match=f"{out}: being written by a run \\(pid "
+                               f"{proc.pid} on .*\\): read it when the run ends"):
+                list(reader(out))
+        proc.kill()
+        proc.wait()
+    with pytest.raises(UsageError, match=f"no such file or folder: {out}"):
+        list(read_embeddings(out))

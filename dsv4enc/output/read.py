@@ -134,8 +134,19 @@ def readable_output(location: str | os.PathLike, storage_options: Any = None) ->
     """``find_output``'s files, for a reader of rows: refused in one line (a UsageError) where
     they would read as no rows but are not an empty output: an unfinished single-file run's
     parts (ranges of its growing file, no Parquet file until it finishes), or a folder that
-    holds no Parquet file and no run's manifest or lock."""
-    found = find_output(location, storage_options)
+    holds no Parquet file and no run's manifest or lock; and a single file that a live run is
+    writing (there once the run ends), as ``inspect`` finds it (``being_written``), in
+    place of "no such file or folder"."""
+    try:
+        found = find_output(location, storage_options)
+    except UsageError:
+        from .inspect import being_written  # (inspect reads outputs through this module)
+
+        writing = being_written(location, storage_options)
+        if writing is not None:
+            raise UsageError(f"{location}: being written by a run{writing}: read it when the "
+                             "run ends") from None
+        raise
     if any("file" not in part for data in found.manifests for part in data["parts"].values()):
         raise UsageError(f"{location}: an unfinished single-file run's parts, ranges of its "
                          "growing file: its rows read once the run has finished (rerun it "

@@ -28,12 +28,18 @@ __all__ = ["EmbeddingDataset", "EmbeddingIterableDataset", "collate_embeddings"]
 ITEM_COLUMNS = ("path", "grid_h", "grid_w", "embedding")
 #: Row groups a map-style dataset keeps read (each holds a few rows of a real-width output).
 CACHED_GROUPS = 2
+#: Part files a reader keeps open at most (locally, each memory-mapped): the others are
+#: opened again when read, their footers kept from the first open, so that an output of any
+#: number of parts stays within the process's open-file limit.
+OPEN_FILES = 8
 
 
 class _Rows:
     """An output's row groups, in order: where each starts among all rows, and the reading of
-    one (the columns of an item, the failed rows dropped or kept). A DataLoader worker opens
-    the files again, on a file system of its own: it is pickled without them, or forked."""
+    one (the columns of an item, the failed rows dropped or kept). At most ``OPEN_FILES``
+    files are open at a time, the last read; one opened again reads no footer, its own kept
+    (``footers``). A DataLoader worker opens the files again, on a file system of its own:
+    it is pickled without them, or forked."""
 
     def __init__(self, location: str | os.PathLike, columns: Sequence[str], errors: str,
                  storage_options: Any) -> None:
@@ -45,29 +51,43 @@ class _Rows:
         self.columns = list(dict.fromkeys([*ITEM_COLUMNS, *columns, "error"]))
         self.skip = errors == "skip"
         self.groups: list[tuple[int, int]] = []  # (file, row group) in output order
+        self.footers: list[Any] = []  # each file's footer, read at its first open
         sizes = []
         for file in range(len(self.found.paths)):
             meta = self.handle(file).metadata
+            self.footers.append(meta)
             for group in range(meta.num_row_groups):
                 self.groups.append((file, group))
                 sizes.append(meta.row_group(group).num_rows)
         self.starts = np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)])
 
     def __getstate__(self) -> dict:
-        return {**self.__dict__, "_handles": {}, "pid": None}
+        return {**self.__dict__, "_handles": OrderedDict(), "pid": None}
 
     def handle(self, file: int):
+        """File ``file``'s ``pyarrow.parquet.ParquetFile``: kept open, or opened (and the
+        least recently read closed beyond ``OPEN_FILES``)."""
         if self.pid != os.getpid():  # a forked DataLoader worker: a file system of its own
             fs, _ = storage.locate(self.found.location, self.options)
-            self.found, self.pid, self._handles = replace(self.found, fs=fs), os.getpid(), {}
-        handles = self.__dict__.setdefault("_handles", {})
-        if file not in handles:
-            handles[file] = self.found.open(self.found.paths[file])
-            missing = [c for c in self.columns if c not in handles[file].schema_arrow.names]
+            self.found, self.pid = replace(self.found, fs=fs), os.getpid()
+            self._handles = OrderedDict()  # the parent's, shared by the fork: left open
+        handles = self.__dict__.setdefault("_handles", OrderedDict())
+        if file in handles:
+            handles.move_to_end(file)
+            return handles[file]
+        path = self.found.paths[file]
+        if file < len(self.footers):  # read before: its footer kept, its size the listed one
+            handle = self.found.open(path, self.footers[file], self.found.sizes[file])
+        else:
+            handle = self.found.open(path)
+            missing = [c for c in self.columns if c not in handle.schema_arrow.names]
             if missing:
-                raise UsageError(f"{self.found.name(self.found.paths[file])}: no column "
-                               f"{missing[0]!r}")
-        return handles[file]
+                handle.close(force=True)
+                raise UsageError(f"{self.found.name(path)}: no column {missing[0]!r}")
+        handles[file] = handle
+        while len(handles) > OPEN_FILES:
+            handles.popitem(last=False)[1].close(force=True)
+        return handle
 
     def read(self, unit: int, columns: Sequence[str]):
         """The ``columns`` of row group ``unit``, as an Arrow table."""

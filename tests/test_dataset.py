@@ -194,3 +194,34 @@ def test_under_torchrun_two_ranks_two_workers_see_every_row_once(output, tmp_pat
     assert seen[0] and seen[1]
     counts = Counter(seen[0] + seen[1])
     assert set(counts) == set(expected(output)) and set(counts.values()) == {1}
+
+
+def test_an_output_of_more_parts_than_the_open_file_limit(tmp_path):
+    """The datasets hold a bounded number of open files, not one (and a memory map) per part
+    file: an output of 40 parts reads whole under an open-file limit of 20 files more than
+    are open, with the rows and order of an output read with no limit."""
+    import os
+    import resource
+
+    from dsv4enc.output.parts import PartStore
+
+    table = pq.read_table(write_output(tmp_path / "whole"))
+    folder = tmp_path / "out"
+    store = PartStore(folder, {"tool": "dsv4enc"})
+    store.create()
+    bounds = np.linspace(0, table.num_rows, 41).astype(int).tolist()
+    for part, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:])):
+        store.commit(f"part-{part:06d}", table.slice(lo, hi - lo), hi - lo, lo, hi, f"d{part}")
+    want = [path for path, _, _ in read_embeddings(folder)]
+    plain = [item["path"] for item in EmbeddingIterableDataset(folder, shuffle=True, seed=2)]
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 20, hard))
+    try:
+        mapped = EmbeddingDataset(folder)
+        assert [mapped[i]["path"] for i in range(len(mapped))] == want
+        assert [mapped[i]["path"] for i in range(len(mapped) - 1, -1, -1)] == want[::-1]
+        assert [item["path"] for item in EmbeddingIterableDataset(folder)] == want
+        assert [item["path"] for item in EmbeddingIterableDataset(folder, shuffle=True,
+                                                                  seed=2)] == plain
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))

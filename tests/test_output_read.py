@@ -258,3 +258,102 @@ def test_a_manifest_that_is_not_json_is_damage_in_one_line(tmp_path):
         with pytest.raises(UsageError, match=f"{folder}/_manifest.json: not JSON: the output "
                            "is damaged; encode it again"):
             list(reader(folder))
+
+
+def test_a_file_that_cannot_be_opened_is_not_called_unreadable_parquet(tmp_path):
+    """An open that fails for a reason outside the file (the open-file limit reached) is
+    named as what it is; only a file whose content is no Parquet is "not a readable Parquet
+    file"."""
+    import os
+    import resource
+
+    from dsv4enc.errors import DsvError
+    from dsv4enc.output.read import find_output
+
+    write_output(tmp_path / "rows.parquet", "binary", False, 8, 4)
+    found = find_output(tmp_path / "rows.parquet")
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    free = os.dup(0)  # the lowest free descriptor: with the limit there, no open succeeds
+    os.close(free)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (free, hard))
+    try:
+        with pytest.raises(DsvError) as raised:
+            found.open(found.paths[0])
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert "Too many open files" in str(raised.value)
+    assert "not a readable Parquet file" not in str(raised.value)
+    (tmp_path / "junk.parquet").write_bytes(b"no parquet here")
+    junk = find_output(tmp_path / "junk.parquet")
+    with pytest.raises(DsvError, match="junk.parquet: not a readable Parquet file"):
+        junk.open(junk.paths[0])
+
+
+def test_a_part_gone_after_the_listing_says_the_output_was_replaced(tmp_path):
+    """A reader that listed a folder output before an --update switched a new folder into
+    place (or an --overwrite replaced it) finds a listed part gone: one line saying the
+    output was replaced while it was read and to read it again, never "not a readable
+    Parquet file" (no corruption); so does a dataset whose next epoch opens it again."""
+    import shutil
+
+    from dsv4enc.dataset import EmbeddingIterableDataset
+    from dsv4enc.errors import UsageError
+    from dsv4enc.output.parts import PartStore
+
+    write_output(tmp_path / "rows.parquet", "binary", False, 8, 6)
+    table = pq.read_table(tmp_path / "rows.parquet")
+    folder = tmp_path / "out"
+    store = PartStore(folder, {"tool": "dsv4enc"})
+    store.create()
+    store.commit("part-000000", table.slice(0, 3), 3, 0, 3, "d0")
+    store.commit("part-000003", table.slice(3), 3, 3, 6, "d3")
+    rows = read_embeddings(folder, batch_rows=1)
+    next(rows)
+    dataset = EmbeddingIterableDataset(folder)
+    assert len(list(dataset)) == len(list(read_embeddings(folder)))
+    dataset._rows._handles.clear()  # closed, as a DataLoader worker of the next epoch has them
+    shutil.rmtree(folder)  # the old folder switched away; the new one's parts named anew
+    store = PartStore(folder, {"tool": "dsv4enc"})
+    store.create()
+    store.commit("part-000000_000001", table, 6, 0, 6, "d")
+    replaced = ("part-000003.parquet: gone since the output was listed: the output was "
+                r"replaced \(by an --update or --overwrite\) while it was being read; read it "
+                "again")
+    with pytest.raises(UsageError, match=replaced):
+        list(rows)
+    with pytest.raises(UsageError, match=replaced.replace("part-000003", "part-000000")):
+        list(dataset)
+
+
+def test_a_single_file_still_being_written_is_named_so(tmp_path, small_ckpt):
+    """A single-file output whose run is writing it (paused after its first commit) is no
+    file yet: the readers say it is being written and to read it when the run ends, as
+    ``inspect`` does, never "no such file or folder"; once the run is gone (killed), the
+    path is missing as before."""
+    import os
+    import subprocess
+    import sys
+
+    from dsv4enc.dataset import EmbeddingDataset, EmbeddingIterableDataset
+    from dsv4enc.errors import UsageError
+
+    from helpers import REPO_ROOT, Pauses, reaped, write_image
+
+    for i in range(4):
+        write_image(tmp_path / "imgs" / f"{i}.png", (20 + i, 20))
+    out = tmp_path / "lv.parquet"
+    pauses = Pauses(tmp_path / "pauses", "commit")
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "dsv4enc", "encode", str(tmp_path / "imgs"), "--out",
+               str(out), "--weights", str(small_ckpt), "--part-images", "2", "--workers", "0",
+               "--device", "cpu", "-q"]
+    with reaped(subprocess.Popen(command, env=pauses.env(env))) as proc:
+        pauses.wait("commit", proc=proc)
+        for reader in (read_embeddings, EmbeddingDataset, EmbeddingIterableDataset):
+            with pytest.raises(UsageError, match=f"{out}: being written by a run \\(pid "
+                               f"{proc.pid} on .*\\): read it when the run ends"):
+                list(reader(out))
+        proc.kill()
+        proc.wait()
+    with pytest.raises(UsageError, match=f"no such file or folder: {out}"):
+        list(read_embeddings(out))

@@ -158,10 +158,24 @@ def summarize(path: str | os.PathLike, storage_options: Any = None) -> OutputSum
 
 def _live(out: OutputSummary, folder: str) -> OutputSummary:
     """``out``, with the live run that writes its parts ``folder`` (a local one) named."""
-    local = storage.local_path(folder)
-    if local is not None:  # a local folder's lock (a bucket's lock object is not read here)
-        out.writing = holder_if_locked(Path(local) / LOCK_NAME)
+    out.writing = live_writer(folder)
     return out
+
+
+def live_writer(folder: str) -> str | None:
+    """The live run that holds the lock of the parts folder ``folder``, as ``holder_if_locked``
+    names it; None where none does, or ``folder`` is in a bucket (its lock object is not read
+    here)."""
+    local = storage.local_path(folder)
+    return None if local is None else holder_if_locked(Path(local) / LOCK_NAME)
+
+
+def being_written(path: str | os.PathLike, storage_options: Any = None) -> str | None:
+    """The live run writing the output ``path`` names (``live_writer``) where that is a single
+    file not there until its run ends (only its ``OUT.partial/``), what ``inspect`` shows as
+    "being written"; None where no run is writing it so."""
+    partial = interrupted_folder(path, storage_options)
+    return None if partial is None else live_writer(partial)
 
 
 def inspected(path: str | os.PathLike, storage_options: Any = None) -> OutputFiles:

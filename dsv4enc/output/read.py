@@ -47,17 +47,40 @@ class OutputFiles:
         """``path`` as messages show it: under ``location`` as the user wrote it."""
         return _shown(self.location, self.root, path)
 
-    def open(self, path: str):
+    def open(self, path: str, metadata: Any = None, size: int | None = None):
         """A ``pyarrow.parquet.ParquetFile`` over ``path`` (a store's: ranged reads, the
-        column chunks asked for fetched together)."""
+        column chunks asked for fetched together). ``metadata`` and ``size``: its footer and
+        size as an earlier open read them: the footer is not read again, and a file of
+        another size is another file. A file gone or changed since the output was listed
+        is the output replaced meanwhile (``replaced``), never damage. A failure
+        to open the file (the open-file limit, a store not answering) is named as it is,
+        apart from a file whose content is no Parquet."""
         import pyarrow as pa
         import pyarrow.parquet as pq
 
         remote = self.fs.type_name != "local"  # a local file is memory-mapped: no copies
         try:
-            return pq.ParquetFile(self.fs.open_input_file(path), pre_buffer=remote)
+            source = self.fs.open_input_file(path)
+        except FileNotFoundError:  # listed, and gone since: no damage, a switched output
+            raise self.replaced(path) from None
+        except OSError as exc:
+            raise storage.setup_error(f"{self.name(path)}: cannot open it", exc) from None
+        if size is not None and source.size() != size:
+            source.close()
+            raise self.replaced(path)
+        try:
+            return pq.ParquetFile(source, pre_buffer=remote, metadata=metadata)
         except (OSError, pa.ArrowException) as exc:
+            source.close()
             raise UsageError(f"{self.name(path)}: not a readable Parquet file ({exc})") from None
+
+
+    def replaced(self, path: str) -> UsageError:
+        """The error for a file listed in the output that is gone or changed since: the
+        output was replaced (an --update's switch, an --overwrite) while it was read."""
+        return UsageError(f"{self.name(path)}: gone since the output was listed: the output "
+                          "was replaced (by an --update or --overwrite) while it was being "
+                          "read; read it again")
 
 
 def find_output(location: str | os.PathLike, storage_options: Any = None) -> OutputFiles:
@@ -111,8 +134,19 @@ def readable_output(location: str | os.PathLike, storage_options: Any = None) ->
     """``find_output``'s files, for a reader of rows: refused in one line (a UsageError) where
     they would read as no rows but are not an empty output: an unfinished single-file run's
     parts (ranges of its growing file, no Parquet file until it finishes), or a folder that
-    holds no Parquet file and no run's manifest or lock."""
-    found = find_output(location, storage_options)
+    holds no Parquet file and no run's manifest or lock; and a single file that a live run is
+    writing (there once the run ends), as ``inspect`` finds it (``being_written``), in
+    place of "no such file or folder"."""
+    try:
+        found = find_output(location, storage_options)
+    except UsageError:
+        from .inspect import being_written  # (inspect reads outputs through this module)
+
+        writing = being_written(location, storage_options)
+        if writing is not None:
+            raise UsageError(f"{location}: being written by a run{writing}: read it when the "
+                             "run ends") from None
+        raise
     if any("file" not in part for data in found.manifests for part in data["parts"].values()):
         raise UsageError(f"{location}: an unfinished single-file run's parts, ranges of its "
                          "growing file: its rows read once the run has finished (rerun it "

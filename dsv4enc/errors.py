@@ -3,6 +3,8 @@ prints as one line and a non-zero exit. Bad *images* are rows with an ``error`` 
 
 from __future__ import annotations
 
+import errno
+import os
 import signal
 
 
@@ -63,6 +65,14 @@ class InsufficientMemory(DsvError):
 
 class OutputError(DsvError):
     """An output path that cannot be written, or that already exists."""
+
+
+def output_os_error(path: os.PathLike | str, exc: OSError) -> OutputError:
+    """A one-line OutputError for a failed write (full disk, permissions, ...)."""
+    if exc.errno == errno.ENOSPC:
+        return OutputError(f"no space left on device writing {path}; committed parts are kept, "
+                           f"free space and {RESUME_ADVICE}")
+    return OutputError(f"cannot write {path}: {exc.strerror or exc}")
 
 
 class StorageError(DsvError):

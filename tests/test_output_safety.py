@@ -36,7 +36,7 @@ from dsv4enc.output import parts as writer
 from dsv4enc.output.files import STAMPS_FILE
 from dsv4enc.output.read import load_manifest
 from dsv4enc.cli import app
-from dsv4enc.errors import OutputError, UsageError
+from dsv4enc.errors import OutputError, UsageError, output_os_error
 from dsv4enc.output.files import LOCK_NAME
 from dsv4enc.run.pipeline import EncodeOptions, run_encode
 
@@ -625,7 +625,7 @@ def _fail_after_parts(data: Path, out: Path, parts: int, **changes) -> None:
 
     def record(self, name, entry):
         if len(self.parts) >= parts:
-            raise writer.output_os_error(self.journal_path,
+            raise output_os_error(self.journal_path,
                                          OSError(errno.ENOSPC, "No space left"))
         return real_record(self, name, entry)
 
@@ -880,7 +880,7 @@ def test_an_update_stopped_by_a_full_disk_advises_update(data, tmp_path, monkeyp
     noise_png(data / "new.png", 99)
 
     def full(*args, **kwargs):
-        raise writer.output_os_error(tmp_path, OSError(errno.ENOSPC, "No space left on device"))
+        raise output_os_error(tmp_path, OSError(errno.ENOSPC, "No space left on device"))
 
     monkeypatch.setattr(writer.PartStore, "commit", full)
     from dsv4enc.output import appending

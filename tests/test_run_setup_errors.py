@@ -30,7 +30,7 @@ from dsv4enc.output import parts as writer
 from dsv4enc.tower.checkpoint import random_state_dict, save_checkpoint
 from dsv4enc.cli import app
 from dsv4enc.tower.config import VisionConfig
-from dsv4enc.errors import OutputError
+from dsv4enc.errors import OutputError, output_os_error
 from dsv4enc.run.pipeline import EncodeOptions, run_encode
 from dsv4enc.output.read import load_manifest
 
@@ -349,7 +349,7 @@ def test_disk_full_recording_a_part_then_resume(tmp_path, images, ckpts, clean, 
         if self.parts:  # the second commit: half its line lands, then the disk is full
             with open(self.journal_path, "ab") as journal:
                 journal.write(line[:len(line) // 2])
-            raise writer.output_os_error(self.journal_path, OSError(errno.ENOSPC, "No space"))
+            raise output_os_error(self.journal_path, OSError(errno.ENOSPC, "No space"))
         return real_append(self, line)
 
     monkeypatch.setattr(writer.PartStore, "_append", append)

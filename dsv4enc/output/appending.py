@@ -18,14 +18,14 @@ from typing import Any, Sequence
 
 import pyarrow as pa
 
-from ..errors import OutputError
+from ..errors import OutputError, output_os_error
 from .parquet_join import (GROUP_NUM_ROWS, MAGIC, JoinError, ParquetJoiner, footer_at,
                            footer_bytes, group_span, joinable_footer, move_group, pwrite_all,
                            read_footer, row_groups, schema_part, sync_data, whole_footer,
                            with_key_values)
 from .files import GROWING_NAME, MANIFEST_NAME, temp_path
 from .parts import (PartStore, fsync_dir, is_journal_entry,
-                     names_part_file, part_intact, drop_cached_pages, output_os_error,
+                     names_part_file, part_intact, drop_cached_pages,
                      error_counts, write_parquet)
 
 log = logging.getLogger("dsv4enc")

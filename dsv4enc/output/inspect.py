@@ -14,12 +14,11 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from .. import storage
 from ..tower.config import MODEL_NAMES, model_type_of
 from ..errors import UsageError
-from .files import LOCK_NAME, MANIFEST_NAME, PARTIAL
-from .lock import holder_if_locked
-from .read import OutputFiles, embedding_format, find_output, metadata_of
+from .files import MANIFEST_NAME
+from .read import (OutputFiles, embedding_format, find_output, interrupted_folder,
+                   live_writer, metadata_of)
 
 #: Error messages shown, the commonest first (``inspect`` and a run's summary).
 TOP_ERRORS = 5
@@ -79,24 +78,6 @@ def _stats(values: np.ndarray) -> dict[str, float]:
         return {}
     return {"min": int(values.min()), "median": float(np.median(values)),
             "mean": round(float(values.mean()), 2), "max": int(values.max())}
-
-
-def interrupted_folder(path: str | os.PathLike, storage_options: Any = None) -> str | None:
-    """The parts folder of an interrupted run that ``path`` names: ``OUT.partial/`` itself,
-    or ``OUT.partial`` when only that exists (as ``path`` is written); else None."""
-    import pyarrow.fs as pafs
-
-    text = os.fspath(path)
-    fs, root = storage.locate(text, storage_options)
-    try:
-        if root.endswith(PARTIAL):
-            return text if fs.get_file_info(root).type == pafs.FileType.Directory else None
-        there, beside = fs.get_file_info([root, root + PARTIAL])
-    except OSError as exc:
-        raise storage.setup_error(text, exc) from None
-    if there.type == pafs.FileType.NotFound and beside.type == pafs.FileType.Directory:
-        return text.rstrip("/") + PARTIAL
-    return None
 
 
 def _record_progress(out: OutputSummary, manifests: list[dict], unfinished: bool = False) -> None:
@@ -160,22 +141,6 @@ def _live(out: OutputSummary, folder: str) -> OutputSummary:
     """``out``, with the live run that writes its parts ``folder`` (a local one) named."""
     out.writing = live_writer(folder)
     return out
-
-
-def live_writer(folder: str) -> str | None:
-    """The live run that holds the lock of the parts folder ``folder``, as ``holder_if_locked``
-    names it; None where none does, or ``folder`` is in a bucket (its lock object is not read
-    here)."""
-    local = storage.local_path(folder)
-    return None if local is None else holder_if_locked(Path(local) / LOCK_NAME)
-
-
-def being_written(path: str | os.PathLike, storage_options: Any = None) -> str | None:
-    """The live run writing the output ``path`` names (``live_writer``) where that is a single
-    file not there until its run ends (only its ``OUT.partial/``), what ``inspect`` shows as
-    "being written"; None where no run is writing it so."""
-    partial = interrupted_folder(path, storage_options)
-    return None if partial is None else live_writer(partial)
 
 
 def inspected(path: str | os.PathLike, storage_options: Any = None) -> OutputFiles:

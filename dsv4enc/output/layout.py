@@ -17,7 +17,7 @@ from typing import Callable, Iterable
 
 import pyarrow.parquet as pq
 
-from ..errors import OutputError
+from ..errors import OutputError, output_os_error
 from ..images.items import is_image_name
 from .files import (GROWING_NAME, JOURNAL_FILE, LOCK_NAME, MANIFEST_FILE, PART_FILE, PARTIAL,
                     STAMPS_FILE, is_output_file, manifest_name, temporary_of, write_probe)
@@ -26,7 +26,7 @@ from .lock import OutputLock, holder_if_locked
 from .parquet_join import MAGIC
 from .update import Update, is_stamps_file
 from .read import JOURNAL_FORMAT, is_dsv4enc_parquet, metadata_of, read_metadata
-from .parts import (PartStore, StreamingAssembler, listed_names, output_os_error,
+from .parts import (PartStore, StreamingAssembler, listed_names,
                     pre_release_manifest, read_manifest, read_manifests)
 
 

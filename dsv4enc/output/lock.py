@@ -16,10 +16,9 @@ from pathlib import Path
 from typing import Any
 
 from .. import storage
-from ..errors import OutputError
+from ..errors import OutputError, output_os_error
 from ..pausepoints import pause
 from .files import LOCK_NAME
-from .parts import output_os_error
 
 log = logging.getLogger("dsv4enc")
 

@@ -10,7 +10,6 @@ single-file ``--out`` is joined from the parts (one local process skips the part
 from __future__ import annotations
 
 import contextlib
-import errno
 import json
 import logging
 import os
@@ -26,7 +25,7 @@ import pyarrow.parquet as pq
 
 from .. import storage
 from ..columns import INT_COLUMNS, OUTPUT_COLUMNS, utf8_text
-from ..errors import RESUME_ADVICE, DsvError, OutputError, check_choice
+from ..errors import DsvError, OutputError, check_choice, output_os_error
 from . import DEFAULT_LAYOUT, LAYOUTS
 from ..images.sources import kept_values
 from ..images.decode import is_transient
@@ -259,14 +258,6 @@ def fsync_dir(folder: Path) -> None:
             os.fsync(fd)
         finally:
             os.close(fd)
-
-
-def output_os_error(path: Path, exc: OSError) -> OutputError:
-    """A one-line OutputError for a failed write (full disk, permissions, ...)."""
-    if exc.errno == errno.ENOSPC:
-        return OutputError(f"no space left on device writing {path}; committed parts are kept, "
-                           f"free space and {RESUME_ADVICE}")
-    return OutputError(f"cannot write {path}: {exc.strerror or exc}")
 
 
 def drop_cached_pages(fd: int, offset: int = 0, length: int = 0) -> None:

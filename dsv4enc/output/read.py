@@ -16,7 +16,8 @@ import numpy as np
 
 from .. import storage
 from ..errors import UsageError
-from .files import LOCK_NAME, MANIFEST_FILE, PART_FILE, journal_path, segment_chain
+from .files import LOCK_NAME, MANIFEST_FILE, PART_FILE, PARTIAL, journal_path, segment_chain
+from .lock import holder_if_locked
 
 #: What a manifest's journal starts with (docs/output-format.md#the-manifest-and-its-journal).
 JOURNAL_FORMAT = "dsv4enc-journal"
@@ -130,6 +131,40 @@ def find_output(location: str | os.PathLike, storage_options: Any = None) -> Out
                        sum(f.size for f in listed.values()), locked)
 
 
+def interrupted_folder(path: str | os.PathLike, storage_options: Any = None) -> str | None:
+    """The parts folder of an interrupted run that ``path`` names: ``OUT.partial/`` itself,
+    or ``OUT.partial`` when only that exists (as ``path`` is written); else None."""
+    import pyarrow.fs as pafs
+
+    text = os.fspath(path)
+    fs, root = storage.locate(text, storage_options)
+    try:
+        if root.endswith(PARTIAL):
+            return text if fs.get_file_info(root).type == pafs.FileType.Directory else None
+        there, beside = fs.get_file_info([root, root + PARTIAL])
+    except OSError as exc:
+        raise storage.setup_error(text, exc) from None
+    if there.type == pafs.FileType.NotFound and beside.type == pafs.FileType.Directory:
+        return text.rstrip("/") + PARTIAL
+    return None
+
+
+def live_writer(folder: str) -> str | None:
+    """The live run that holds the lock of the parts folder ``folder``, as ``holder_if_locked``
+    names it; None where none does, or ``folder`` is in a bucket (its lock object is not read
+    here)."""
+    local = storage.local_path(folder)
+    return None if local is None else holder_if_locked(Path(local) / LOCK_NAME)
+
+
+def being_written(path: str | os.PathLike, storage_options: Any = None) -> str | None:
+    """The live run writing the output ``path`` names (``live_writer``) where that is a single
+    file not there until its run ends (only its ``OUT.partial/``), what ``inspect`` shows as
+    "being written"; None where no run is writing it so."""
+    partial = interrupted_folder(path, storage_options)
+    return None if partial is None else live_writer(partial)
+
+
 def readable_output(location: str | os.PathLike, storage_options: Any = None) -> OutputFiles:
     """``find_output``'s files, for a reader of rows: refused in one line (a UsageError) where
     they would read as no rows but are not an empty output: an unfinished single-file run's
@@ -140,8 +175,6 @@ def readable_output(location: str | os.PathLike, storage_options: Any = None) ->
     try:
         found = find_output(location, storage_options)
     except UsageError:
-        from .inspect import being_written  # (inspect reads outputs through this module)
-
         writing = being_written(location, storage_options)
         if writing is not None:
             raise UsageError(f"{location}: being written by a run{writing}: read it when the "

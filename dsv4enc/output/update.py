@@ -28,11 +28,11 @@ import numpy as np
 
 from .. import storage
 from ..columns import utf8_text
-from ..errors import AlreadyComplete, UsageError
+from ..errors import AlreadyComplete, UsageError, output_os_error
 from ..pausepoints import pause
 from .files import (LOCK_NAME, MANIFEST_NAME, STAMPS_FILE, generation, is_ours, old_folder,
                     stamps_name, staging_folder, temp_path)
-from .parts import (PartStore, Row, fsync_dir, manifest_document, output_os_error,
+from .parts import (PartStore, Row, fsync_dir, manifest_document,
                     part_kept, read_manifest, write_atomic, write_json_atomic)
 from ..images.decode import is_transient
 from ..images.headers import Planned, inputs_digest

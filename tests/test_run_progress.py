@@ -285,6 +285,29 @@ def test_summary_json_when_a_signal_stops_the_run(folder, tmp_path, small_ckpt, 
     assert first <= data["images"]["encoded"] + data["images"]["failed"] < N_IMAGES + 1
 
 
+def test_a_stopped_runs_summary_counts_what_it_kept(folder, tmp_path, small_ckpt,
+                                                   monkeypatch):
+    """A signal after the first part: the batch begun after it is dropped, so the summary's
+    tokens are those of the rows kept (the progress line's definition, not the tokens handed
+    to the engine), its rates are over them, and the model's seconds so far are reported."""
+    from dsv4enc import read_embeddings
+
+    signal_after_first_part(monkeypatch, signal.SIGINT)
+    out, report = tmp_path / "out", tmp_path / "summary.json"
+    result = encode_in_process(str(folder), "--out", f"{out}/", "--weights", str(small_ckpt),
+                               "--part-images", "4", "--summary-json", str(report))
+    assert result.exit_code == 130, result.output
+    data = json.loads(report.read_text())
+    kept = list(read_embeddings(out, errors="include", columns=["vit_h", "vit_w", "error"]))
+    assert data["images"]["encoded"] + data["images"]["failed"] == len(kept) < N_IMAGES + 1
+    assert data["tokens"] == sum(r["vit_h"] * r["vit_w"] for r in kept if r["error"] is None)
+    assert data["rates"]["tokens_per_s"] == pytest.approx(
+        data["tokens"] / data["seconds"]["encoding"])
+    assert 0 < data["seconds"]["model"] <= data["seconds"]["encoding"]
+    shown = re.findall(r"^dsv4enc: images \d+/\d+ .*, tokens ([\d,]+)/", result.stderr, re.M)
+    assert shown and int(shown[-1].replace(",", "")) == data["tokens"], result.stderr
+
+
 def test_summary_json_of_a_run_stopped_before_encoding(tmp_path):
     """A signal during discovery or model loading: the JSON still says what happened."""
     from dsv4enc.cli import write_stopped_summary

@@ -139,6 +139,8 @@ def test_ray_engine_writes_the_local_runs_output(cluster, inputs, small_ckpt, lo
     report = json.loads(summary.read_text())
     done = report["images"]
     assert done["encoded"] + done["failed"] == len(want)
+    # the tokens of the rows kept, as the local engine counts them
+    assert report["tokens"] == sum(r["vit_h"] * r["vit_w"] for r in got if r["error"] is None)
     assert done["misnamed"] == 1 and report["misnamed_example"] == "l.png is JPEG"
     # a folder output: parts and a manifest that read_embeddings and inspect read
     from dsv4enc import read_embeddings

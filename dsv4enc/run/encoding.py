@@ -203,7 +203,6 @@ class PartEncoder:
                                   [(patches, d.n_h, d.n_w) for _, d, patches in images])
         for _, d in ready:  # packed: the decode pool's shared slots are free again
             d.patches = None
-        self.summary.tokens += packed.n_tokens
         if self.opts.engine.features == "aligner":
             self.summary.merge_pad_tokens += packed.n_rows * self.ratio ** 2 - packed.n_tokens
         return rows

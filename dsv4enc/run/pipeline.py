@@ -277,6 +277,8 @@ def _run_encode(opts: EncodeOptions, ranks: Topology, setup: RunSetup, stop: Sto
             layout.discard_if_empty()  # so that a corrected rerun is not told to --resume
         if isinstance(exc, (Interrupted, KeyboardInterrupt, AlreadyComplete)):  # --summary-json
             summary.seconds = time.perf_counter() - setup.started  # from the caller's start
+            if alone and not isinstance(exc, AlreadyComplete):  # torchrun: _stop_together
+                source.finish(summary, ranks)  # the engine's seconds so far
             exc.summary = summary
         raise
     finally:  # counted as the listing went
@@ -690,6 +692,10 @@ class LocalParts:
             run.progress.plan_tokens(0, last=True)  # the last window was not known as such
 
     def finish(self, summary: RunSummary, ranks: Topology) -> None:
+        """The engine's times and padding into ``summary`` (also a stopped run's, so far; none
+        before the engine was built)."""
+        if self.engine is None:
+            return
         stats = self.engine.stats
         summary.h2d_s, summary.model_s = stats.h2d_s, stats.model_s
         if ranks.gathered:

@@ -198,9 +198,10 @@ class Topology:
                 summary.reused_failed += done.reused_failed
 
     def sum_rank_tokens(self, summary: RunSummary, padded_tokens: int) -> None:
-        """Gathered data parallel: count every rank's share of the tokens."""
-        counts = self.gather((summary.tokens, padded_tokens, summary.merge_pad_tokens))
-        summary.tokens, summary.padded_tokens, summary.merge_pad_tokens = map(sum, zip(*counts))
+        """Gathered data parallel: count every rank's share of the padding. The real tokens
+        are counted with the rows kept, which rank 0 gathered: they are every rank's already."""
+        counts = self.gather((padded_tokens, summary.merge_pad_tokens))
+        summary.padded_tokens, summary.merge_pad_tokens = map(sum, zip(*counts))
 
 
 def _in_step(places: list[str]) -> None:

@@ -78,10 +78,13 @@ class RunSummary:
             self.misnamed_example = f"{odd[0].item.key} is {odd[0].misnamed}"
 
     def count_rows(self, rows) -> None:
-        """Count finished rows (``output.parts.Row``) as encoded or failed (under its message)."""
+        """Count finished rows (``output.parts.Row``) as encoded (with their ViT tokens) or
+        failed (under its message). Rows are counted as they are kept, not as their batch is
+        handed to the engine: a stopped run's summary holds what it kept, as its progress does."""
         for row in rows:
             if row.error is None:
                 self.encoded += 1
+                self.tokens += row.vit_h * row.vit_w
             else:
                 self.failed += 1
                 self.add_error(row.error, row.path)

@@ -142,6 +142,16 @@ def test_every_kind_of_image_cell(embed, folder):
     assert all(r.embedding is None and r.vit_h is None for r in bad)
 
 
+def test_a_file_url_is_read_as_its_local_path(embed, folder):
+    """A ``file://`` path (a cell or a dict's) is its local file, keyed as given."""
+    url = f"file://{folder / 'a.jpg'}"
+    rows = BatchEncoder.rows(embed, [url, {"bytes": None, "path": url}, str(folder / "a.jpg")])
+    assert [(r.path, r.error) for r in rows] == [(url, None), (url, None),
+                                                 (str(folder / "a.jpg"), None)]
+    np.testing.assert_array_equal(rows[0].embedding, rows[2].embedding)
+    np.testing.assert_array_equal(rows[1].embedding, rows[2].embedding)
+
+
 def test_a_pandas_batchs_missing_cells_are_nulls(embed, folder):
     """pandas stores a null string as NaN: a missing image is the null image's error row,
     and a missing key falls back to the path, as in the same batch as Arrow."""

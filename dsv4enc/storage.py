@@ -86,6 +86,13 @@ def local_path(location: str) -> str | None:
     return location[len("file://"):] if location.lower().startswith("file://") else location
 
 
+def read_at(location: str) -> str:
+    """Where ``location`` is read: the local path it names (``file://`` taken off), else the
+    URL; the location as given stays its name (an input's key)."""
+    local = local_path(location)
+    return location if local is None else local
+
+
 def reads_are_requests(location: str) -> bool:
     """Whether each read of ``location`` is a request to a store: bytes read once are then
     worth holding (and a file worth streaming once), rather than read again."""
@@ -666,7 +673,8 @@ class Found:
     ``regular``: a regular file or an object (a container is read only from one); ``link``: a
     local symbolic link; ``remote``: each read is a request to a store (bytes read once are
     worth holding, a file worth streaming once); ``posix``: the location as posix text without
-    a trailing slash (a URL as given: ``pathlib`` would make ``s3://b`` into ``s3:/b``)."""
+    a trailing slash (a URL as given: ``pathlib`` would make ``s3://b`` into ``s3:/b``, and
+    ``file:///x`` into ``file:/x``); ``path``: where it is read (``read_at``)."""
 
     location: str
     kind: str
@@ -676,18 +684,24 @@ class Found:
     link: bool = False
     remote: bool = False
 
+    @property
+    def path(self) -> str:
+        return read_at(self.location)
+
 
 def examine(location: str) -> Found:
     """What is at ``location``: a local path is a folder, a file (links and special files
     included: their rows say what they are) or missing; a URL is asked (``kind``)."""
-    if not is_url(location):
+    local = local_path(location)
+    if local is not None:
         from pathlib import Path
 
-        posix = Path(location).as_posix().rstrip("/")
-        if os.path.isdir(location):
+        # a ``file://`` location keeps its scheme as given (its keys are the input's text)
+        posix = location[:len(location) - len(local)] + Path(local).as_posix().rstrip("/")
+        if os.path.isdir(local):
             return Found(location, "folder", posix)
-        return Found(location, "file" if os.path.lexists(location) else "missing", posix,
-                     regular=os.path.isfile(location), link=os.path.islink(location))
+        return Found(location, "file" if os.path.lexists(local) else "missing", posix,
+                     regular=os.path.isfile(local), link=os.path.islink(local))
     what, posix = kind(location), location.rstrip("/")
     size = stat(location).size if what == "file" else None
     return Found(location, what, posix, size, regular=what == "file", remote=True)
@@ -817,8 +831,11 @@ def stamp(location: str) -> str:
 
 def whole_if_stored(source: "str | bytes") -> "str | bytes":
     """What a decoder opens for ``source`` (a path, a URL or bytes): an object in a store read
-    whole, in one request where the client allows; a local path or bytes as they are."""
-    return read_bytes(source) if isinstance(source, str) and is_url(source) else source
+    whole, in one request where the client allows; a local path (``file://`` taken off) or
+    bytes as they are."""
+    if not isinstance(source, str):
+        return source
+    return read_bytes(source) if is_url(source) else read_at(source)
 
 
 def open_input(location: str):

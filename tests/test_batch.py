@@ -142,6 +142,16 @@ def test_every_kind_of_image_cell(embed, folder):
     assert all(r.embedding is None and r.vit_h is None for r in bad)
 
 
+def test_a_file_url_is_read_as_its_local_path(embed, folder):
+    """A ``file://`` path (a cell or a dict's) is its local file, keyed as given."""
+    url = f"file://{folder / 'a.jpg'}"
+    rows = BatchEncoder.rows(embed, [url, {"bytes": None, "path": url}, str(folder / "a.jpg")])
+    assert [(r.path, r.error) for r in rows] == [(url, None), (url, None),
+                                                 (str(folder / "a.jpg"), None)]
+    np.testing.assert_array_equal(rows[0].embedding, rows[2].embedding)
+    np.testing.assert_array_equal(rows[1].embedding, rows[2].embedding)
+
+
 def test_a_pandas_batchs_missing_cells_are_nulls(embed, folder):
     """pandas stores a null string as NaN: a missing image is the null image's error row,
     and a missing key falls back to the path, as in the same batch as Arrow."""
@@ -218,6 +228,20 @@ def test_options_pool_vit_nested_float32(small_ckpt, folder, tmp_path):
     assert rows.schema.equals(cli.schema, check_metadata=False)
     assert rows.to_pylist() == cli.to_pylist()
 
+
+def test_a_decoded_datasets_column_turns_by_exif_and_decode_false_does_not(embed, tmp_path):
+    """Why docs/api.md casts an ``Image`` column to ``Image(decode=False)``, besides bad
+    images: ``datasets`` applies the EXIF orientation where it decodes, the command does not."""
+    datasets = pytest.importorskip("datasets")
+    exif = Image.Exif()
+    exif[0x0112] = 6  # stored 100x60, shown turned: 60x100
+    path = tmp_path / "turned.jpg"
+    Image.new("RGB", (100, 60), (10, 200, 30)).save(path, exif=exif.tobytes())
+    ds = datasets.Dataset.from_dict({"image": [str(path)]}).cast_column("image", datasets.Image())
+    sizes = [(r.width, r.height) for r in embed.rows([ds[0]["image"]])]
+    raw = ds.cast_column("image", datasets.Image(decode=False))
+    sizes += [(r.width, r.height) for r in embed.rows([raw[0]["image"], str(path)])]
+    assert sizes == [(60, 100), (100, 60), (100, 60)]
 
 def test_datasets_map_batched_with_features(embed, folder, rel_paths):
     """The user's case from the issue: a batched map over a folder holding bad images."""

@@ -311,6 +311,30 @@ def test_vit_features_files_given_directly_and_files_from(tmp_path, tree, ckpt, 
     assert rows[3]["embedding"] is None and rows[3]["error"]
 
 
+def test_file_urls_name_local_paths(tmp_path, tree, ckpt, run32):
+    """A ``file://`` input or ``--out`` is its local path (the README: any fsspec scheme); a
+    file given so is keyed as given, a folder's images under the folder as given."""
+    listing = tmp_path / "list.txt"
+    listing.write_text(f"file://{tree / 'b.jpg'}\n")
+    image, folder = f"file://{tree / 'a.jpg'}", f"file://{tree / 'b' / 'deep'}/"
+    out = tmp_path / "x" / "urls.parquet"
+    result = encode(image, folder, str(tree / "x.jpg"), "--files-from", str(listing),
+                    "--out", f"file://{out}", "--dtype", "float32", "--out-dtype", "float32",
+                    "--weights", str(ckpt))
+    assert result.exit_code == 0, result.output
+    table = pq.read_table(out)
+    assert table.column("path").to_pylist() == [
+        image, f"file://{tree / 'b' / 'deep'}/d.png", f"{tree}/x.jpg/y.bmp",
+        f"file://{tree / 'b.jpg'}"]
+    assert table.column("error").to_pylist() == [None] * 4
+    plain = {row["path"]: row["embedding"] for row in run32[2].to_pylist()}
+    assert [row["embedding"] for row in table.to_pylist()] == [
+        plain["a.jpg"], plain["b/deep/d.png"], plain["x.jpg/y.bmp"], plain["b.jpg"]]
+    # the --out checks see the local paths: an output folder holding an input is refused
+    line = one_line_error(encode(image, "--out", f"file://{tree}/", "--weights", str(ckpt)))
+    assert "contains the input" in line
+
+
 def test_small_row_groups_read_back_identical_and_overwrite(tmp_path, tree, ckpt, run32,
                                                            monkeypatch):
     """Row groups follow ROW_GROUP_BYTES (one row each when it is tiny); the file reads back

@@ -10,6 +10,7 @@ import os
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from PIL import Image
@@ -17,6 +18,7 @@ from PIL import Image
 from dsv4enc import Encoder
 from dsv4enc.images.decode import decode_image, probe_image
 from dsv4enc.images.prepare import Prepared, prepare
+from dsv4enc.tower.transform import no_pixels, plan_canvas
 
 from helpers import write_image
 
@@ -90,6 +92,17 @@ def test_checks_run_in_order_pixels_canvas_then_decode(tiny_cfg, tmp_path):
     item = prepare(path, no_canvas, 999, Prepared())
     assert item.error.startswith("ValueError: image has 1000x1 = 1000 pixels, more than")
     assert item.width is None and item.error == probe_image(path, 999).error
+
+
+def test_an_image_without_pixels_is_an_error_row_of_its_type(small_cfg):
+    """An empty array or image gets the ``ErrorType: message`` text of every error row (the
+    summary groups errors by that type), from the API and the batch function alike."""
+    for empty, size in ((np.zeros((0, 0, 3), np.uint8), "0x0"), (Image.new("RGB", (0, 5)), "0x5")):
+        item = prepare(empty, small_cfg, 10 ** 6, Prepared())
+        assert item.error == f"ValueError: image has no pixels ({size})"
+    assert no_pixels(3, 0) == "ValueError: image has no pixels (3x0)"
+    with pytest.raises(ValueError, match=r"^image has no pixels \(0x4\)$"):
+        plan_canvas(0, 4, small_cfg)
 
 
 def test_a_fifo_or_a_missing_path_is_an_error_not_a_wait(small_cfg, tmp_path):

@@ -185,17 +185,18 @@ def _list_items(list_file: str, state: _Listing, stop: Stop | None) -> Iterator[
     held: list[InputItem] = []
     for line in read_path_list(list_file, stop):
         state.name(line)
-        if missing is not None and (storage.local_path(line) is None or os.path.lexists(line)):
+        path = storage.read_at(line)  # where it is read; ``line`` stays its key
+        if missing is not None and (storage.local_path(line) is None or os.path.lexists(path)):
             missing = None
             yield from held
             held.clear()
         elif missing is not None:
             missing.add(line)
         container = container_kind(line) is not None
-        if not (is_image_name(line) or container) or Path(line).is_dir():
+        if not (is_image_name(line) or container) or Path(path).is_dir():
             state.found.skipped += 1
             continue
-        items = state.container(line, line) if container else [InputItem(key=line, path=line)]
+        items = state.container(path, line) if container else [InputItem(key=line, path=path)]
         keyed = [state.keyed(item) for item in items]
         if missing is None:
             yield from keyed
@@ -258,15 +259,16 @@ class _Listing:
 def _input_items(place: storage.Found, state: _Listing, prefix_roots: bool,
                  stop: Stop | None) -> Iterator[InputItem]:
     """The items of one input as found (keys not yet unique across inputs): a file or object is
-    an image or a container; a folder or prefix is walked, then ``read_folder_containers``."""
+    an image or a container, keyed as given (read at ``place.path``: a ``file://`` input's
+    local path); a folder or prefix is walked, then ``read_folder_containers``."""
     found, raw = state.found, place.location
     if place.kind == "file":
         state.name(raw)
         if container_kind(raw) is not None and place.regular:
-            yield from state.container(raw, raw)
+            yield from state.container(place.path, raw)
         elif is_image_name(raw):  # a file, a link, or a FIFO/socket/device (its row says so)
             member = StoredObject(raw, place.size) if place.size is not None else None
-            yield InputItem(key=raw, path=raw, member=member)
+            yield InputItem(key=raw, path=place.path, member=member)
         else:
             found.skipped += 1
         return
@@ -275,7 +277,7 @@ def _input_items(place: storage.Found, state: _Listing, prefix_roots: bool,
     images = 0
     root = place.posix if prefix_roots and place.posix != "." else None
     should_stop = stop.requested if stop is not None else None
-    for item in iter_folder(raw, found, should_stop, shards, state.exclusions):
+    for item in iter_folder(place.path, found, should_stop, shards, state.exclusions):
         images += 1
         yield item if root is None else replace(item, key=key_under_root(root, item.key))
     if stop is not None:

@@ -17,6 +17,7 @@ from typing import Callable, Iterable
 
 import pyarrow.parquet as pq
 
+from .. import storage
 from ..errors import OutputError, output_os_error
 from ..images.items import is_image_name
 from .files import (GROWING_NAME, JOURNAL_FILE, LOCK_NAME, MANIFEST_FILE, PART_FILE, PARTIAL,
@@ -184,9 +185,10 @@ class OutputLayout:
         parts = os.path.realpath(self.parts_dir)
         sources = [*inputs, *([files_from] if files_from not in (None, "-") else [])]
         for raw in sources:
-            if not os.path.lexists(raw):
+            local = storage.local_path(raw)  # a ``file://`` input is its local path
+            if local is None or not os.path.lexists(local):
                 continue
-            real = os.path.realpath(raw)
+            real = os.path.realpath(local)
             if real in (out, parts):
                 raise OutputError(f"--out {self.out} is the input {raw}; choose an --out "
                                   "outside the inputs")

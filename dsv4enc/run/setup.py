@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Collection, Iterable, Iterator, Sequence
 
+from .. import storage
 from ..errors import OutputError
 from ..output.files import PARTIAL
 from ..tower.config import VisionConfig
@@ -342,9 +343,10 @@ def check_list_not_out(files_from: str | None, out: str) -> None:
     """Refuse, before it is read, a ``--files-from`` list that is the output ``out``, its
     parts' folder or a file in either (links followed): its lines would be the output's bytes."""
     # A URL names no local file (lexists), and a URL --out no local path a list could be on
-    if files_from in (None, "-") or not os.path.lexists(files_from):
+    local_out = storage.local_path(out)
+    if files_from in (None, "-") or not os.path.lexists(files_from) or local_out is None:
         return
-    real, output = os.path.realpath(files_from), os.path.realpath(out)
+    real, output = os.path.realpath(files_from), os.path.realpath(local_out)
     for taken in (output, output + PARTIAL):
         if real == taken or real.startswith(taken + os.sep):
             how = "is" if real == taken else "contains"

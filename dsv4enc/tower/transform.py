@@ -68,16 +68,24 @@ def count_llm_tokens_v41(bh: int, bw: int, patch: int, ratio: int) -> int:
     return lh * (lw + 1) + 2
 
 
+def _no_pixels_message(width: int, height: int) -> str:
+    return f"image has no pixels ({width}x{height})"
+
+
 def no_pixels(width: int, height: int) -> str | None:
-    """The error of a stored size with no pixels (a side of 0 or less), else None."""
-    return f"image has no pixels ({width}x{height})" if width <= 0 or height <= 0 else None
+    """The error row's text of a stored size with no pixels (a side of 0 or less), else None:
+    ``ErrorType: message`` as every error row's (the ValueError ``plan_canvas`` raises), which
+    the summary groups errors by."""
+    if width > 0 and height > 0:
+        return None
+    return f"ValueError: {_no_pixels_message(width, height)}"
 
 
 def plan_canvas(width: int, height: int, cfg: VisionConfig) -> Canvas:
     """Canvas and patch grid for an image of ``width`` x ``height`` pixels, with the geometry
     of ``cfg.model_type`` (V4 or V4.1). Raises ValueError for a size that has no canvas."""
-    if (error := no_pixels(width, height)) is not None:
-        raise ValueError(error)
+    if width <= 0 or height <= 0:
+        raise ValueError(_no_pixels_message(width, height))
     p = cfg.patch_size
     W, H = width, height
     if cfg.max_wh_ratio is not None and W > H * cfg.max_wh_ratio:

@@ -20,9 +20,9 @@ import pyarrow as pa
 
 from ..errors import OutputError, output_os_error
 from .parquet_join import (GROUP_NUM_ROWS, MAGIC, JoinError, ParquetJoiner, footer_at,
-                           footer_bytes, group_span, joinable_footer, move_group, pwrite_all,
-                           read_footer, row_groups, schema_part, sync_data, whole_footer,
-                           with_key_values)
+                           footer_bytes, group_span, joinable_footer, move_group, packed_groups,
+                           pwrite_all, read_footer, row_groups, schema_part, sync_data,
+                           whole_footer, with_key_values)
 from .files import GROWING_NAME, MANIFEST_NAME, temp_path
 from .parts import (PartStore, fsync_dir, is_journal_entry,
                      names_part_file, part_intact, drop_cached_pages,
@@ -278,11 +278,13 @@ class AppendingStore(PartStore):
             if before["end"] != after["start"]:
                 raise OutputError(f"cannot write {self.out}: rows {before['end']} to "
                                   f"{after['start']} were not committed")
-        footers = [(self._part_footer(part), part["offset"]) for part in ordered]
-        for footer, offset in footers:
+        footers = []  # ``PackedGroups``: a decoded footer takes tens of KB, 10^5 parts GBs
+        for part in ordered:
+            footer = self._part_footer(part)
             if footer is None:
-                raise OutputError(f"cannot write {self.out}: the part at byte {offset} of "
-                                  f"{self.path} has no footer")
+                raise OutputError(f"cannot write {self.out}: the part at byte {part['offset']} "
+                                  f"of {self.path} has no footer")
+            footers.append((packed_groups(footer), part["offset"]))
         file, path = self.file, self.path
         try:
             if self.dead:  # the ranges of parts a --resume encoded again: not in the output

@@ -75,7 +75,6 @@ class OutputFiles:
             source.close()
             raise UsageError(f"{self.name(path)}: not a readable Parquet file ({exc})") from None
 
-
     def replaced(self, path: str) -> UsageError:
         """The error for a file listed in the output that is gone or changed since: the
         output was replaced (an --update's switch, an --overwrite) while it was read."""

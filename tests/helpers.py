@@ -292,6 +292,15 @@ class Pauses:
                                 **popen)
 
 
+def launch_tiny(pauses: Pauses, folder: Path, out: str, weights: Path,
+                **popen: Any) -> subprocess.Popen:
+    """A run of ``folder`` into ``out`` with the tiny checkpoint ``weights``, parts of two
+    images, on the CPU, in another process that pauses at ``pauses``' points."""
+    return pauses.launch("encode", str(folder), "--out", out, "--weights", str(weights),
+                         "--part-images", "2", "--workers", "0", "--device", "cpu", "-q",
+                         **popen)
+
+
 def signal_after_first_part(monkeypatch, signum: int | None = None) -> None:
     """Make an in-process run send itself ``signum`` (SIGTERM by default) right after its
     first part is handed to the writer: a stop at a known point, whatever the speed."""

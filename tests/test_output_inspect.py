@@ -22,7 +22,7 @@ from dsv4enc.cli import app
 from dsv4enc.output.inspect import OutputSummary as Summary, list_line, progress_text
 from dsv4enc.output.read import load_manifest
 
-from helpers import REPO_ROOT, Pauses, write_image
+from helpers import REPO_ROOT, Pauses, launch_tiny, write_image
 
 runner = CliRunner()
 
@@ -185,12 +185,6 @@ def test_list_lines():
     assert list_line("a\nb.jpg") is None and list_line(" lead.jpg") is None
 
 
-def _launch(pauses: Pauses, folder: Path, out: str, weights: Path):
-    """A tiny run of ``folder`` into ``out`` in another process, pausing at ``pauses``."""
-    return pauses.launch("encode", str(folder), "--out", out, "--weights", str(weights),
-                         "--part-images", "2", "--workers", "0", "--device", "cpu", "-q")
-
-
 def test_a_killed_run_shows_its_journal_not_its_stray_files(tmp_path, small_ckpt):
     """SIGKILLed while paused after its second commit; then a part file is there that no
     commit lists (as a part written just before a kill is): inspect reports the journal's
@@ -200,7 +194,7 @@ def test_a_killed_run_shows_its_journal_not_its_stray_files(tmp_path, small_ckpt
         write_image(folder / f"{i:02d}.png", (20 + i, 20))
     out = tmp_path / "out"
     pauses = Pauses(tmp_path / "pauses", "commit")
-    proc = _launch(pauses, folder, f"{out}/", small_ckpt)
+    proc = launch_tiny(pauses, folder, f"{out}/", small_ckpt)
     try:
         pauses.release("commit", 1)
         pauses.wait("commit", 2, proc=proc)
@@ -229,7 +223,7 @@ def test_a_run_still_writing_is_not_called_interrupted(tmp_path, small_ckpt):
         write_image(folder / f"{i:02d}.png", (20 + i, 20))
     out = tmp_path / "o.parquet"
     pauses = Pauses(tmp_path / "pauses", "commit")
-    proc = _launch(pauses, folder, str(out), small_ckpt)
+    proc = launch_tiny(pauses, folder, str(out), small_ckpt)
     try:
         pauses.wait("commit", 1, proc=proc)
         data = json.loads(run("inspect", str(out), "--json").stdout)
@@ -349,7 +343,7 @@ def test_a_folder_run_killed_before_its_first_commit_is_shown_as_interrupted(tmp
     said = []
     for number, out in enumerate((f"{tmp_path}/folder/", f"{tmp_path}/single.parquet")):
         pauses = Pauses(tmp_path / f"pauses{number}", "encoded")
-        proc = _launch(pauses, folder, out, small_ckpt)
+        proc = launch_tiny(pauses, folder, out, small_ckpt)
         try:
             pauses.wait("encoded", proc=proc)
         finally:

@@ -4,6 +4,7 @@ valid while kept."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 from pathlib import Path
 
@@ -201,29 +202,31 @@ def test_a_part_committed_after_the_listing_is_read_a_part_gone_is_damage(tmp_pa
         list(read_embeddings(folder))
 
 
+@contextlib.contextmanager
+def _paused_single_file_run(tmp_path: Path, weights: Path, name: str):
+    """A single-file run of four images into ``tmp_path / name`` in another process, paused
+    after its first commit: yields the output's path, the process and its pauses."""
+    from helpers import Pauses, launch_tiny, reaped, write_image
+
+    for i in range(4):
+        write_image(tmp_path / "imgs" / f"{i}.png", (20 + i, 20))
+    out = tmp_path / name
+    pauses = Pauses(tmp_path / "pauses", "commit")
+    launched = launch_tiny(pauses, tmp_path / "imgs", str(out), weights, stdout=None,
+                           stderr=None)
+    with reaped(launched) as proc:
+        pauses.wait("commit", proc=proc)
+        yield out, proc, pauses
+
+
 def test_what_would_read_as_no_rows_but_is_no_empty_output_is_one_line(tmp_path, small_ckpt):
     """A single-file run's ``OUT.partial/`` while it runs (paused after its first commit)
     holds ranges of a growing file, no Parquet file: the readers say so, never an empty
     output; so is a folder with no Parquet file and no run in it (a wrong path)."""
-    import os
-    import subprocess
-    import sys
-
     from dsv4enc.dataset import EmbeddingDataset, EmbeddingIterableDataset
     from dsv4enc.errors import UsageError
 
-    from helpers import REPO_ROOT, Pauses, reaped, write_image
-
-    for i in range(4):
-        write_image(tmp_path / "imgs" / f"{i}.png", (20 + i, 20))
-    out = tmp_path / "emb.parquet"
-    pauses = Pauses(tmp_path / "pauses", "commit")
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}
-    command = [sys.executable, "-m", "dsv4enc", "encode", str(tmp_path / "imgs"), "--out",
-               str(out), "--weights", str(small_ckpt), "--part-images", "2", "--workers", "0",
-               "--device", "cpu", "-q"]
-    with reaped(subprocess.Popen(command, env=pauses.env(env))) as proc:
-        pauses.wait("commit", proc=proc)
+    with _paused_single_file_run(tmp_path, small_ckpt, "emb.parquet") as (out, proc, pauses):
         partial = f"{out}.partial"
         for reader in (read_embeddings, EmbeddingDataset, EmbeddingIterableDataset):
             with pytest.raises(UsageError, match=f"{partial}: an unfinished single-file run's "
@@ -330,25 +333,10 @@ def test_a_single_file_still_being_written_is_named_so(tmp_path, small_ckpt):
     file yet: the readers say it is being written and to read it when the run ends, as
     ``inspect`` does, never "no such file or folder"; once the run is gone (killed), the
     path is missing as before."""
-    import os
-    import subprocess
-    import sys
-
     from dsv4enc.dataset import EmbeddingDataset, EmbeddingIterableDataset
     from dsv4enc.errors import UsageError
 
-    from helpers import REPO_ROOT, Pauses, reaped, write_image
-
-    for i in range(4):
-        write_image(tmp_path / "imgs" / f"{i}.png", (20 + i, 20))
-    out = tmp_path / "lv.parquet"
-    pauses = Pauses(tmp_path / "pauses", "commit")
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}
-    command = [sys.executable, "-m", "dsv4enc", "encode", str(tmp_path / "imgs"), "--out",
-               str(out), "--weights", str(small_ckpt), "--part-images", "2", "--workers", "0",
-               "--device", "cpu", "-q"]
-    with reaped(subprocess.Popen(command, env=pauses.env(env))) as proc:
-        pauses.wait("commit", proc=proc)
+    with _paused_single_file_run(tmp_path, small_ckpt, "lv.parquet") as (out, proc, pauses):
         for reader in (read_embeddings, EmbeddingDataset, EmbeddingIterableDataset):
             with pytest.raises(UsageError, match=f"{out}: being written by a run \\(pid "
                                f"{proc.pid} on .*\\): read it when the run ends"):

@@ -170,6 +170,20 @@ def test_a_folder_with_a_run_s_lock_but_no_manifest_shows_no_rows(tmp_path):
     assert [key for key, _, _ in read_embeddings(folder, errors="include")] == list(written)
 
 
+def _first_part_committed(tmp_path: Path, part_images: int):
+    """Six rows written (``rows.parquet``), the first three committed as ``part-000000`` of a
+    parts folder ``tmp_path / "out"``: its store, the six rows' table and ``write_output``'s
+    rows."""
+    from dsv4enc.output.parts import PartStore
+
+    written = write_output(tmp_path / "rows.parquet", "binary", False, 8, 6)
+    table = pq.read_table(tmp_path / "rows.parquet")
+    store = PartStore(tmp_path / "out", {"tool": "dsv4enc"})
+    store.create()
+    store.commit("part-000000", table.slice(0, 3), part_images, 0, 3, "d0")
+    return store, table, written
+
+
 def test_a_part_committed_after_the_listing_is_read_a_part_gone_is_damage(tmp_path,
                                                                           monkeypatch):
     """A run that commits a part between a reader's listing of the folder and its read of
@@ -178,14 +192,9 @@ def test_a_part_committed_after_the_listing_is_read_a_part_gone_is_damage(tmp_pa
     committed part whose file is gone is damage: one line naming it, never its rows left out."""
     from dsv4enc.errors import UsageError
     from dsv4enc.output import read
-    from dsv4enc.output.parts import PartStore
 
-    written = write_output(tmp_path / "rows.parquet", "binary", False, 8, 6)
-    table = pq.read_table(tmp_path / "rows.parquet")
-    folder = tmp_path / "out"
-    store = PartStore(folder, {"tool": "dsv4enc"})
-    store.create()
-    store.commit("part-000000", table.slice(0, 3), 4, 0, 3, "d0")
+    store, table, written = _first_part_committed(tmp_path, part_images=4)
+    folder = store.folder
     real = read.load_manifest
 
     def committed_meanwhile(path, fs=None, listed=()):
@@ -246,14 +255,9 @@ def test_a_manifest_that_is_not_json_is_damage_in_one_line(tmp_path):
     would give a killed run's uncommitted part as rows: the readers refuse it instead."""
     from dsv4enc.dataset import EmbeddingDataset
     from dsv4enc.errors import UsageError
-    from dsv4enc.output.parts import PartStore
 
-    write_output(tmp_path / "rows.parquet", "binary", False, 8, 6)
-    table = pq.read_table(tmp_path / "rows.parquet")
-    folder = tmp_path / "out"
-    store = PartStore(folder, {"tool": "dsv4enc"})
-    store.create()
-    store.commit("part-000000", table.slice(0, 3), 4, 0, 3, "d0")
+    store, table, _ = _first_part_committed(tmp_path, part_images=4)
+    folder = store.folder
     pq.write_table(table.slice(3), folder / "part-000003.parquet")  # written, not committed
     assert len(list(read_embeddings(folder, errors="include"))) == 3
     (folder / "_manifest.json").write_text('{"format": "dsv4enc-parts", "parts": {')
@@ -303,12 +307,8 @@ def test_a_part_gone_after_the_listing_says_the_output_was_replaced(tmp_path):
     from dsv4enc.errors import UsageError
     from dsv4enc.output.parts import PartStore
 
-    write_output(tmp_path / "rows.parquet", "binary", False, 8, 6)
-    table = pq.read_table(tmp_path / "rows.parquet")
-    folder = tmp_path / "out"
-    store = PartStore(folder, {"tool": "dsv4enc"})
-    store.create()
-    store.commit("part-000000", table.slice(0, 3), 3, 0, 3, "d0")
+    store, table, _ = _first_part_committed(tmp_path, part_images=3)
+    folder = store.folder
     store.commit("part-000003", table.slice(3), 3, 3, 6, "d3")
     rows = read_embeddings(folder, batch_rows=1)
     next(rows)

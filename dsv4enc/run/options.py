@@ -3,6 +3,7 @@ machine. Torch-free, so that the CLI can plan and start decoding before torch is
 
 from __future__ import annotations
 
+import os
 from dataclasses import MISSING, dataclass, field, fields, replace
 from typing import Any, Literal, get_args
 
@@ -14,7 +15,7 @@ from ..images.formats import DEFAULT_DECODE_TIMEOUT_S, DEFAULT_MAX_PIXELS
 from ..images.sources import SIDECAR_MEMBERS
 from ..output import (DEFAULT_LAYOUT, DEFAULT_STORED_DTYPE, LAYOUTS, STORED_DTYPES, Layout,
                       StoredDtype)
-from ..storage import OUTAGE_S
+from ..storage import OUTAGE_S, read_at
 
 COLLECTIVE_TIMEOUT_S = 300.0  # --timeout: how long a collective waits for a peer rank
 COMMIT_EVERY_S = 30.0  # --commit-every: seconds of encoding before finished work is committed
@@ -92,7 +93,7 @@ class EncodeOptions:
         name too, in ``engine``'s place or replacing its values."""
         flat = {name: given.pop(name) for name in SETTINGS if name in given}
         given["engine"] = replace(given.get("engine") or EngineSettings(), **flat)
-        self.inputs, self.out = inputs, out
+        self.inputs, self.out = inputs, read_at(os.fspath(out))  # ``file://``: its path
         for option in fields(self)[2:]:
             if option.name in given and isinstance(option.default, tuple):  # a list given
                 setattr(self, option.name, tuple(given.pop(option.name) or ()))

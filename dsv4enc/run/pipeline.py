@@ -187,10 +187,8 @@ def run_encode(opts: EncodeOptions, dist=None, setup: RunSetup | None = None,
                              "synced when the run ends)")
         if remote is not None:
             opts = replace(opts, out=remote.staged_out)
-        else:  # a ``file://`` --out is its local path
-            opts = replace(opts, out=storage.local_path(opts.out))
-            if opts.update:  # an update's switch stopped halfway left the output aside
-                recover_switch(Path(opts.out))
+        elif opts.update:  # an update's switch stopped halfway left the output aside
+            recover_switch(Path(opts.out))
         layout = OutputLayout(opts.out, opts.shard_output)
         if remote is None:
             summary = _run_encode(opts, ranks, setup, stop, layout, source)

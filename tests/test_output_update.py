@@ -9,6 +9,7 @@ import json
 import os
 import signal
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -17,6 +18,7 @@ from PIL import Image
 from typer.testing import CliRunner
 
 from dsv4enc.cli import app
+from dsv4enc.columns import utf8_text
 from dsv4enc.errors import UsageError
 from dsv4enc.output.read import load_manifest, output_files
 from dsv4enc.output.files import STAMPS_FILE
@@ -761,3 +763,31 @@ def test_update_of_a_bucket_shard_output_is_refused_in_one_line(s3, tmp_path):
     s3.put(key, json.dumps(manifest).encode())
     line = one_line_error(cli(images, out, "--update"), 2)
     assert "--shard-output folder in object storage" in line and "--overwrite" in line, line
+
+
+def test_a_parts_entry_names_the_inputs_its_rows_hold():
+    """A --shard-output rank's part holds a share of its range's inputs: its manifest entry
+    names them (a bit per input), so that a resumed run's end stamps its rows without reading
+    the part back; an entry without it names every input of its range only when it holds as
+    many rows (an earlier dsv4enc's share is not known, nor one recorded amiss)."""
+    import base64
+
+    import pyarrow as pa
+
+    from dsv4enc.output.parts import part_rows, share_entry
+
+    keys = [f"k{i}" for i in range(11)] + ["caf\udce9.png"]  # a name that is not UTF-8
+    inputs = [SimpleNamespace(item=SimpleNamespace(key=key)) for key in keys]
+    for held in ([0, 3, 4, 9, 11], [], [7]):
+        table = pa.table({"path": pa.array([utf8_text(keys[i]) for i in held], pa.string())})
+        entry = {"start": 20, "end": 32, "rows": len(held), **share_entry(table, inputs)}
+        assert part_rows(entry).tolist() == held
+    whole = pa.table({"path": [utf8_text(key) for key in keys]})
+    assert share_entry(whole, inputs) == {}
+    assert part_rows({"start": 20, "end": 32, "rows": 12}).tolist() == list(range(12))
+    assert part_rows({"start": 20, "end": 32, "rows": 5}) is None
+    backwards = pa.table({"path": ["k4", "k3"]})
+    assert share_entry(backwards, inputs) == {}  # not in the inputs' order: not recorded
+    for amiss in ("not base64!", base64.b64encode(b"\x01").decode(),
+                  base64.b64encode(b"\x01\x00").decode()):
+        assert part_rows({"start": 20, "end": 32, "rows": 2, "share": amiss}) is None

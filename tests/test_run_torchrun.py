@@ -746,6 +746,68 @@ def test_shard_output_resume_counts_every_ranks_reused_error_rows(work, sequence
     assert (images["encoded"], images["reused_failed"]) == (0, sum(failed)), (images, failed)
 
 
+def _spoil_keys(path: Path) -> bytes:
+    """Overwrite the pages of a part file's ``path`` column, its footer intact (``--resume``
+    keeps the part, judged by its footer): its keys can no longer be read. Returns the file's
+    bytes as they were."""
+    data = path.read_bytes()
+    spoiled = bytearray(data)
+    meta = pq.read_metadata(path)
+    for group in range(meta.num_row_groups):
+        chunk = next(c for c in map(meta.row_group(group).column, range(meta.num_columns))
+                     if c.path_in_schema == "path")
+        first = chunk.dictionary_page_offset or chunk.data_page_offset
+        spoiled[first:first + chunk.total_compressed_size] = b"\xff" * chunk.total_compressed_size
+    path.write_bytes(bytes(spoiled))
+    with pytest.raises(Exception):
+        pq.read_table(path, columns=["path"])
+    return data
+
+
+def test_shard_output_resume_stamps_kept_parts_without_reading_them(work, sequence, folders,
+                                                                    ckpt, reference):
+    """A --shard-output run killed before rank 0 merged the manifests, then resumed: its end
+    stamps each kept part's rows from what its rank recorded when it committed the part, and
+    never reads the part back (a kept part whose keys cannot be read stops nothing), so the
+    end costs the same however many parts were kept; a part recorded without it (by an
+    earlier dsv4enc) is read back. The stamps file is the uninterrupted run's, byte for byte,
+    and one process's --update of the folder reuses every row."""
+    seq_ok(sequence, "shard")
+    clean, folder = work / "seq" / "shard", work / "kept_stamps_shard"
+    shutil.copytree(clean, folder)
+    for merged in [folder / "_manifest.json", *folder.glob("_stamps-*.bin")]:
+        merged.unlink()
+    shares = sorted(((name, part) for rank in range(2)
+                     for name, part in json.loads(
+                         (folder / f"_manifest-rank00{rank}.json").read_text())["parts"].items()
+                     if 0 < part["rows"] < part["end"] - part["start"]),
+                    key=lambda item: item[1]["start"])
+    assert len(shares) >= 3, shares  # else this test shows nothing
+    assert all("share" in part for _, part in shares)  # each rank's own, for its --resume
+    assert not any("share" in part for part in load_manifest(clean / "_manifest.json")["parts"]
+                   .values())  # the merged manifest's parts are as readers know them
+    (_, spoiled), (older, _), (_, gone) = shares[:3]
+    kept_bytes = _spoil_keys(folder / spoiled["file"])
+    for rank in range(2):  # ``older``'s entry as an earlier dsv4enc recorded it
+        manifest = folder / f"_manifest-rank00{rank}.json"
+        document = json.loads(manifest.read_text())
+        if older in document["parts"]:
+            document["parts"][older].pop("share", None)
+            manifest.write_text(json.dumps(document))
+    (folder / gone["file"]).unlink()  # encoded again
+    ok(torchrun(["-m", "dsv4enc", "encode", str(folders["imgs"]), "--out", str(folder),
+                 "--weights", str(ckpt), *FAST, "--shard-output", "--part-images",
+                 str(PART_IMAGES), "--resume"], work))
+    (folder / spoiled["file"]).write_bytes(kept_bytes)
+    assert _stamps_file(folder) == _stamps_file(clean)
+    proc = ok(run([sys.executable, "-m", "dsv4enc", "encode", str(folders["imgs"]), "--out",
+                   f"{folder}/", "--update", "--weights", str(ckpt), *FAST,
+                   "--part-images", str(PART_IMAGES)], work))
+    reused = re.search(r"reused from the output\s*\S\s*([\d,]+)", proc.stderr)
+    assert reused and int(reused.group(1)) == len(rows_of(reference)), proc.stderr[-3000:]
+    assert_same_rows(rows_of(folder), rows_of(reference), ordered=False)
+
+
 def test_resume_of_a_tensor_parallel_run_in_one_process_names_why(work, sequence, folders,
                                                                    ckpt):
     """A --tp-mode weights run's rows are not batch-invariant: --resume in one process is

@@ -9,6 +9,8 @@ single-file ``--out`` is joined from the parts (one local process skips the part
 
 from __future__ import annotations
 
+import base64
+import binascii
 import contextlib
 import json
 import logging
@@ -378,6 +380,40 @@ def manifest_document(settings: dict[str, Any], parts: dict[str, dict[str, Any]]
             "parts": parts, **extra}
 
 
+def share_entry(table: pa.Table, inputs: Sequence) -> dict[str, str]:
+    """A part's manifest entry's ``share`` where its rows are not every input of its range
+    (``inputs``, ``headers.Planned``): a --shard-output rank's share, a bit per input, set
+    for each input it holds (base64, little-endian bit order). A resumed run's end then knows
+    the part's rows (``part_rows``) without reading the part back. Nothing for a part that
+    holds every input, or whose rows are not in its inputs' order."""
+    if table.num_rows == len(inputs) or not inputs:
+        return {}
+    at = {utf8_text(p.item.key): i for i, p in enumerate(inputs)}
+    held = [at.get(key, -1) for key in table.column("path").to_pylist()]
+    if any(i < 0 for i in held) or any(b <= a for a, b in zip(held, held[1:])):
+        return {}
+    bits = np.zeros(len(inputs), dtype=np.uint8)
+    bits[held] = 1
+    return {"share": base64.b64encode(np.packbits(bits, bitorder="little").tobytes()).decode()}
+
+
+def part_rows(part: dict[str, Any]) -> np.ndarray | None:
+    """The inputs that a committed part's rows are, in its file's order (offsets from its
+    ``start``): every input of its range, or those its ``share`` names (``share_entry``);
+    None for a share that its entry does not record (an earlier dsv4enc's), or records amiss."""
+    count = part["end"] - part["start"]
+    if "share" not in part:
+        return np.arange(count) if part["rows"] == count else None
+    try:
+        bits = np.frombuffer(base64.b64decode(part["share"], validate=True), dtype=np.uint8)
+    except (binascii.Error, TypeError, ValueError):
+        return None
+    if len(bits) != (count + 7) // 8:
+        return None
+    held = np.flatnonzero(np.unpackbits(bits, count=count, bitorder="little"))
+    return held if len(held) == part["rows"] else None
+
+
 def names_part_file(part: dict) -> bool:
     """A part committed as its own file (``PartStore``), under a dsv4enc part file name."""
     return isinstance(part.get("file"), str) and bool(PART_FILE.fullmatch(part["file"]))
@@ -643,10 +679,11 @@ class PartStore:
 
     def commit(self, name: str, table: pa.Table, row_group_size: int, start: int, end: int,
                digest: str) -> None:
-        """Write one part to ``part_folder`` (writer threads commit at once)."""
-        self.commit_written(name, write_part(self.part_folder, name, table, row_group_size,
-                                             start, end, digest, generation=self.generation,
-                                             drop_cache=self.drop_cache))
+        """Write one part to ``part_folder`` (writer threads commit at once); a rank's share of
+        its range records which inputs it holds (``share_entry``)."""
+        entry = write_part(self.part_folder, name, table, row_group_size, start, end, digest,
+                           generation=self.generation, drop_cache=self.drop_cache)
+        self.commit_written(name, {**entry, **share_entry(table, self.source[start:end])})
 
     def commit_written(self, name: str, entry: dict[str, Any]) -> None:
         """Commit part ``name``, whose file ``write_part`` wrote (here, on another rank or in

@@ -230,7 +230,8 @@ def _committed_paths(root: str, manifests: list[dict]) -> list[str]:
 #: range of a single file's growing file).
 PART_KEYS: dict[str, type] = {"start": int, "end": int, "rows": int}
 MAYBE_PART_KEYS: dict[str, type] = {"file": str, "digest": str, "size": int, "failed": int,
-                                    "transient": int, "offset": int, "length": int}
+                                    "transient": int, "offset": int, "length": int,
+                                    "share": str}
 
 
 #: How a reader's line ends for an output whose manifest is damaged.

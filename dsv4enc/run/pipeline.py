@@ -49,7 +49,7 @@ from ..output.remote import RemoteOutput
 from .stopping import StopSignals
 from .summary import RunSummary
 from .ranks import MergedManifest, Topology
-from ..output.parts import PartStore, output_schema, run_settings
+from ..output.parts import PartStore, output_schema, part_rows, run_settings
 
 log = logging.getLogger("dsv4enc")
 
@@ -534,8 +534,10 @@ def _stop_together(run: RunState, source: PartSource) -> None:
 def _rank_stamps(store: PartStore, encoded: dict[str, np.ndarray],
                  planned: Sequence[Planned]) -> dict[str, np.ndarray]:
     """A --shard-output rank's parts' row stamps, by name: those it encoded, as it encoded
-    them, and those ``--resume`` kept, from their keys read back (none for a file this rank
-    does not hold: a bucket's, uploaded)."""
+    them, and those ``--resume`` kept, from the inputs their entries say they hold
+    (``parts.part_rows``), so that the end costs the same however many parts were kept; only
+    an entry that does not say (an earlier dsv4enc's) has its keys read back. None for a file
+    this rank does not hold (a bucket's, uploaded)."""
     import pyarrow.parquet as pq
 
     stamps = {}
@@ -546,8 +548,12 @@ def _rank_stamps(store: PartStore, encoded: dict[str, np.ndarray],
         elif path.is_file():
             inputs = planned[part["start"]:part["end"]]
             input_stamps(inputs)  # none left: --resume judged the part by them
-            keys = pq.read_table(path, columns=["path"]).column(0).to_pylist()
-            stamps[name] = keyed_stamps(keys, inputs)
+            held = part_rows(part)
+            if held is not None:
+                stamps[name] = row_stamps((inputs[i].item.key, inputs[i].stamp) for i in held)
+            else:
+                keys = pq.read_table(path, columns=["path"]).column(0).to_pylist()
+                stamps[name] = keyed_stamps(keys, inputs)
     return stamps
 
 

@@ -180,9 +180,10 @@ class Topology:
         everything = self.gather((store.parts, stamps))
         if not self.is_main:
             return None
-        merged = MergedManifest(
+        merged = MergedManifest(  # a rank's ``share`` serves its own --resume alone
             store.folder, store.settings,
-            {name: part for parts, _ in everything for name, part in parts.items()},
+            {name: {key: value for key, value in part.items() if key != "share"}
+             for parts, _ in everything for name, part in parts.items()},
             {name: rows for _, theirs in everything for name, rows in theirs.items()})
         merged.save()
         return merged

@@ -11,6 +11,7 @@ import os
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
+from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
@@ -20,6 +21,9 @@ from ..output.files import PARTIAL, temp_path
 from ..output.inspect import TOP_ERRORS, error_group
 from .progress import stderr_console
 
+
+#: The summary table's width in a log: wider than any row, so that none wraps.
+LOG_WIDTH = 10_000
 
 #: The fields that add up over ranks and encoder actors (``RunSummary.add``): the work's
 #: counts, and the time an encoder spent (each actor's own, summed).
@@ -120,7 +124,7 @@ def top_errors(summary, limit: int | None = TOP_ERRORS) -> list[tuple[str, int, 
 def print_summary(summary) -> None:
     """Print a RunSummary as a small table."""
     s = summary
-    table = Table(title=f"dsv4enc: {escape(s.out)}", show_header=False, title_justify="left")
+    table = Table(show_header=False)
     table.add_column(style="bold")
     table.add_column()
     for label, count in (("encoded", s.encoded), ("failed", s.failed),
@@ -162,7 +166,12 @@ def print_summary(summary) -> None:
         rest = sum(sorted(s.errors.values(), reverse=True)[TOP_ERRORS:])
         table.add_row("", f"and {more} more kind{'s' if more != 1 else ''} of error "
                       f"({rest} image{'s' if rest != 1 else ''}); --summary-json lists them all")
-    stderr_console.print(table)
+    # The output's path on a line of its own; in a log (stderr redirected) every row is one
+    # line too, so that neither a path nor a message is cut where a script or grep reads it
+    stderr_console.print(f"dsv4enc: {escape(s.out)}", highlight=False, soft_wrap=True)
+    console = stderr_console if stderr_console.is_terminal else Console(stderr=True,
+                                                                        width=LOG_WIDTH)
+    console.print(table)
 
 
 def dropped_shown(summary) -> str:

@@ -472,6 +472,8 @@ def _write_output(run: RunState, source: PartSource, setup: RunSetup,
     try:
         _encode_parts(run, source, setup, output, writer)
         _stop_together(run, source)
+        if run.stop.requested():  # the last progress line says what the summary kept
+            run.progress.settle(run.summary)
         run.stop.check()
         # A store that failed its last calls made rows of outages (transient): the run is
         # not complete while it does not answer

@@ -853,9 +853,10 @@ def open_input(location: str):
 
 def read_range(location: str, offset: int, size: int) -> bytes:
     """``size`` bytes of a local regular file or an object from ``offset``: one read (one
-    ranged request, retried), into the bytes returned."""
+    ranged request, retried), into the bytes returned. Zero bytes of an object (a tar's empty
+    member) are no request: the caller has no use for the size that ``_read`` would ask."""
     if is_url(location):
-        return _read(location, offset, size)[0]
+        return b"" if size == 0 else _read(location, offset, size)[0]
     with open_regular(location) as handle:
         handle.seek(offset)
         return handle.read(size)
@@ -1172,13 +1173,17 @@ def _boto(url: str, call: Callable[[], T]) -> T:
 
 
 def _get(client, url: str, offset: int, size: int | None) -> tuple[bytes, int]:
-    """One GET of ``size`` bytes from ``offset`` (None: to the end), and the object's size."""
+    """One GET of ``size`` bytes from ``offset`` (None: to the end), and the object's size;
+    zero bytes are one HEAD, since no range names zero bytes (S3 answers an invalid one with
+    the whole object) and the size is still the object's."""
     from botocore import exceptions as boto
 
     bucket, key = _bucket_key(url)
     end = "" if size is None else offset + size - 1
-    if size == 0:  # no range names zero bytes (S3 answers an invalid one with all)
-        return b"", offset
+    if size == 0:
+        answer = _boto(url, lambda: client.head_object(Bucket=bucket, Key=key))
+        return b"", int(answer["ContentLength"])
+
     def ranged() -> tuple[dict, bytes]:
         answer = client.get_object(Bucket=bucket, Key=key, Range=f"bytes={offset}-{end}")
         return answer, answer["Body"].read()

@@ -490,6 +490,30 @@ def test_option_and_output_errors(tmp_path, tree, ckpt):
         assert result.exit_code == 2 and "Traceback" not in result.output
 
 
+def test_torchrun_options_in_one_process(tmp_path, tree, ckpt, run32):
+    """--tp-mode weights in one process (no torchrun, or torchrun with one rank) would encode
+    with the tower whole, unsaid: it is refused in one usage line naming the cause, before
+    anything is written. --balance only decides how ranks share the images: one process takes
+    them all, so it is accepted (one command serves both launches), the rows the same."""
+    image = str(tree / "a.jpg")
+    base = ("--weights", str(ckpt))
+    for env in ({}, {"WORLD_SIZE": "1", "RANK": "0", "LOCAL_RANK": "0"}):
+        out = tmp_path / "tp" / "e.parquet"
+        line = one_line_error(encode(image, "--out", str(out), *base, "--tp-mode", "weights",
+                                     env=env), 2)
+        assert line == ("error: --tp-mode weights splits the tower across torchrun ranks: run "
+                        "it under torchrun with 2 or more ranks"), line
+        assert not (tmp_path / "tp").exists()
+    out = tmp_path / "flops.parquet"
+    result = encode(str(tree), "--out", str(out), *base, "--dtype", "float32", "--out-dtype",
+                    "float32", "--balance", "flops")
+    assert result.exit_code == 0, result.output
+    got, want = pq.read_table(out), run32[2]
+    assert got.column("path").to_pylist() == want.column("path").to_pylist()
+    assert all(a is None and b is None or np.array_equal(a, b)
+               for a, b in zip(embeddings(got), embeddings(want)))
+
+
 # --------------------------------------------------------------------------- help, version
 
 def test_help_lists_and_explains_every_option():

@@ -20,7 +20,7 @@ from typer.testing import CliRunner
 from dsv4enc.cli import app
 from dsv4enc.run.progress import ProgressCounts, RunProgress, format_duration
 
-from helpers import CONFIGS, parts_of, signal_after_first_part, write_image
+from helpers import CONFIGS, Pauses, parts_of, reaped, signal_after_first_part, write_image
 
 runner = CliRunner()
 LINE = re.compile(r"^dsv4enc: images (\d+)/(\d+) \([\d.]+%\), tokens ([\d,]+)/([\d,]+), "
@@ -306,6 +306,37 @@ def test_a_stopped_runs_summary_counts_what_it_kept(folder, tmp_path, small_ckpt
     assert 0 < data["seconds"]["model"] <= data["seconds"]["encoding"]
     shown = re.findall(r"^dsv4enc: images \d+/\d+ .*, tokens ([\d,]+)/", result.stderr, re.M)
     assert shown and int(shown[-1].replace(",", "")) == data["tokens"], result.stderr
+
+
+def test_a_run_stopped_mid_part_ends_its_progress_at_the_summary_s_count(folder, tmp_path,
+                                                                         small_ckpt):
+    """A signal while the first segment is encoded: the run stops before the next one is
+    committed, whose unreadable images (each image has a twin whose header does not read,
+    counted as a segment starts) the progress had counted. The last progress line (printed
+    as the run stops) claims no image done that the summary does not count as written."""
+    for i in range(N_IMAGES):
+        (folder / f"img{i:02d}b.png").write_bytes(b"not a png")
+    out, report = tmp_path / "e.parquet", tmp_path / "summary.json"
+    pauses = Pauses(tmp_path / "pauses", "encoded")
+    command = _command(folder, out, small_ckpt, "--part-images", str(4 * N_IMAGES),
+                       "--log-every", "3600", "--summary-json", str(report))[3:]
+    with reaped(pauses.launch(*command, extra_env={"COLUMNS": "200"})) as proc:
+        facts = pauses.wait("encoded", proc=proc)
+        assert 0 < facts["done"] < 2 * N_IMAGES + 1, facts  # the progress counted a batch
+        proc.send_signal(signal.SIGTERM)
+        pauses.release()
+        _, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 143, stderr
+    data = json.loads(report.read_text())
+    written = data["images"]["encoded"] + data["images"]["failed"] + data["images"]["reused"]
+    assert 0 < written < 2 * N_IMAGES + 1, data["images"]
+    # the totals may still be growing (``+``): the last window was not planned
+    shown = re.findall(r"^dsv4enc: images (\d+)/\d+.*, tokens ([\d,]+)/.*, (\d+) failed,",
+                       stderr, re.M)
+    assert shown, stderr
+    done, tokens, failed = shown[-1]
+    assert (int(done), int(tokens.replace(",", "")), int(failed)) == (
+        written, data["tokens"], data["images"]["failed"]), stderr
 
 
 def test_summary_json_of_a_run_stopped_before_encoding(tmp_path):

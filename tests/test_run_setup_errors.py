@@ -30,7 +30,7 @@ from dsv4enc.output import parts as writer
 from dsv4enc.tower.checkpoint import random_state_dict, save_checkpoint
 from dsv4enc.cli import app
 from dsv4enc.tower.config import VisionConfig
-from dsv4enc.errors import OutputError, output_os_error
+from dsv4enc.errors import OutputError, UsageError, output_os_error
 from dsv4enc.run.pipeline import EncodeOptions, run_encode
 from dsv4enc.output.read import load_manifest
 
@@ -205,6 +205,7 @@ def encode(*args: str, env: dict | None = None):
     (["--weights", "W", "--commit-every", "nan"], 2, ["--commit-every"]),
     (["--weights", "W", "--features", "pixels"], 2, ["--features"]),
     (["--weights", "W", "--out-dtype", "int8"], 2, ["--out-dtype"]),
+    (["--weights", "W", "--tp-mode", "weights"], 2, ["--tp-mode weights", "torchrun", "2 or"]),
     ([], 2, ["--weights", "DSV4ENC_WEIGHTS"]),
 ])
 def test_options_that_make_no_sense(tmp_path, images, ckpts, args, code, words):
@@ -215,6 +216,16 @@ def test_options_that_make_no_sense(tmp_path, images, ckpts, args, code, words):
     line = check_one_line(result.exit_code, result.stderr, code, result.output)
     for word in words:
         assert word in line, (word, line)
+    assert not (tmp_path / "o").exists()
+
+
+def test_tensor_parallel_in_one_process_is_refused_by_run_encode(tmp_path, images, ckpts):
+    """The Python API's run in one process refuses --tp-mode weights as the command does
+    (the tower would stay whole), before the output is made."""
+    out = tmp_path / "o" / "e.parquet"
+    with pytest.raises(UsageError, match=r"^--tp-mode weights splits the tower across "
+                                         r"torchrun ranks"):
+        run_encode(options(images, out, ckpts["good"], tp_mode="weights"))
     assert not (tmp_path / "o").exists()
 
 

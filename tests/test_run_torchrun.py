@@ -811,15 +811,18 @@ def test_shard_output_resume_stamps_kept_parts_without_reading_them(work, sequen
 def test_resume_of_a_tensor_parallel_run_in_one_process_names_why(work, sequence, folders,
                                                                    ckpt):
     """A --tp-mode weights run's rows are not batch-invariant: --resume in one process is
-    refused, in a line that names the option behind it (it said "batch invariant differs")."""
+    refused, in a line that names the option behind it (it said "batch invariant differs");
+    with --tp-mode weights given, in the line that says it needs torchrun's ranks."""
     seq_ok(sequence, "tp")
+    resume = dict(inputs=[str(folders["imgs"])], out=str(work / "seq" / "tp.parquet"),
+                  weights=str(ckpt), device="cpu", dtype="float32", out_dtype="float32",
+                  workers=0, progress=False, resume=True)
     with pytest.raises(UsageError, match=r"cannot resume .*: batch invariance \(--deterministic; "
                                          r"off under --tp-mode weights\) differs"):
-        run_encode(EncodeOptions(inputs=[str(folders["imgs"])],
-                                 out=str(work / "seq" / "tp.parquet"), weights=str(ckpt),
-                                 device="cpu", dtype="float32",
-                                 out_dtype="float32", workers=0, progress=False, resume=True,
-                                 tp_mode="weights"))
+        run_encode(EncodeOptions(**resume))
+    with pytest.raises(UsageError, match=r"^--tp-mode weights splits the tower across "
+                                         r"torchrun ranks: run it under torchrun with 2"):
+        run_encode(EncodeOptions(**resume, tp_mode="weights"))
 
 
 def _stamps_file(folder: Path) -> tuple[bytes, int]:

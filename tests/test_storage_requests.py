@@ -202,3 +202,24 @@ def test_each_read_is_one_get_or_pyarrows_head_and_get(s3, client):
     with pytest.raises(FileNotFoundError):
         storage.read_object(f"{s3.url}/r/missing.bin")
     storage.configure(None)
+
+
+@pytest.mark.parametrize("client", ["botocore", "pyarrow"])
+def test_a_zero_byte_read_gives_the_object_s_size_and_asks_only_when_it_is_needed(s3, client):
+    """``read_head(url, 0)`` answers the object's size (not the offset asked from), by one
+    HEAD; ``read_range`` of zero bytes, whose caller has no use for the size (a tar's empty
+    member), sends no request at all."""
+    from dsv4enc import storage
+
+    storage.configure(["load_frequency=900"] if client == "pyarrow" else None)
+    data = bytes(range(256)) * 4
+    url = s3.put("z/x.bin", data)
+    with RequestLog(s3) as log:
+        assert storage.read_head(url, 0) == (b"", len(data))
+    assert log.reads() == 1 and log.counts["GET"] == 0, dict(log.counts)
+    with RequestLog(s3) as log:
+        assert storage.read_range(url, 500, 0) == b""
+    assert log.reads() == 0, dict(log.counts)
+    with pytest.raises(FileNotFoundError):
+        storage.read_head(f"{s3.url}/z/missing.bin", 0)
+    storage.configure(None)

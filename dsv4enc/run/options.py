@@ -166,6 +166,16 @@ def validate(opts: EncodeOptions) -> None:
         raise UsageError("--shard-output applies to --tp-mode data only")
 
 
+def validate_launch(opts: EncodeOptions, world_size: int) -> None:
+    """Reject options that would do nothing in a launch of ``world_size`` processes, unsaid:
+    ``--tp-mode weights`` in one encodes with the tower whole. ``--balance`` only decides how
+    ranks share the images (one process takes them all): accepted, so that one command serves
+    both launches."""
+    if opts.tp_mode == "weights" and world_size < 2:
+        raise UsageError("--tp-mode weights splits the tower across torchrun ranks: run it "
+                         "under torchrun with 2 or more ranks")
+
+
 def option(opts: EncodeOptions, name: str) -> Any:
     """The option ``name``, the engine's among ``opts.engine``."""
     return getattr(opts.engine if name in SETTINGS else opts, name)

@@ -40,7 +40,7 @@ from ..output.update import (FLAG_OF_SETTING, SHOWN_SETTING, Update, footer_entr
                               keyed_stamps, recover_switch, row_stamps,
                               write_folder_stamps)
 from .options import (PRUNE_SHARE, EncodeOptions, default_workers, default_writer_threads,
-                      validate)
+                      validate, validate_launch)
 from .plan import Part, cut_parts, images_per_part, output_bytes, segment_tokens
 from .setup import LISTED_FIRST, RunSetup, WindowSettings
 from ..images.headers import Planned, input_stamps
@@ -230,6 +230,7 @@ def _run_encode(opts: EncodeOptions, ranks: Topology, setup: RunSetup, stop: Sto
     alone = ranks.dist is None
     ranks.agree_on_settings(rank_settings(opts, {}))  # before a rank can refuse on its own
     validate(opts)
+    validate_launch(opts, ranks.world_size)
     if opts.update and not alone:
         raise UsageError("--update runs in one process: run it without torchrun")
     if opts.files_from == "-" and not alone:  # each rank would read a share of the lines
@@ -472,6 +473,8 @@ def _write_output(run: RunState, source: PartSource, setup: RunSetup,
     try:
         _encode_parts(run, source, setup, output, writer)
         _stop_together(run, source)
+        if run.stop.requested():  # the last progress line says what the summary kept
+            run.progress.settle(run.summary)
         run.stop.check()
         # A store that failed its last calls made rows of outages (transient): the run is
         # not complete while it does not answer

@@ -208,6 +208,16 @@ class RunProgress:
             counts = self.snapshot()
             pause("encoded", done=counts.reused + counts.images, total=counts.total_images)
 
+    def settle(self, summary) -> None:
+        """The run stopped: its figures become the ``summary.RunSummary``'s, which counts
+        the rows kept. Images are counted here per batch, so a part begun and then dropped
+        by the stop would leave the last line claiming images that were never written."""
+        with self._lock:
+            counts = self.counts
+            counts.reused, counts.failed = summary.reused, summary.failed
+            counts.images, counts.tokens = summary.encoded + summary.failed, summary.tokens
+        self._bar(completed=counts.reused + counts.images, refresh=True)
+
     def snapshot(self) -> ProgressCounts:
         with self._lock:
             counts = ProgressCounts(**vars(self.counts))

@@ -25,7 +25,7 @@ from ..images.decode import NOT_YET, DecodePool, Decoded, DecodeStream
 from ..images.discover import Discovery, stream_inputs
 from ..images.headers import input_stamps
 from ..images.items import InputItem
-from .options import EncodeOptions, decode_window, validate
+from .options import EncodeOptions, decode_window, validate, validate_launch
 from .plan import Part, Planned, cut_parts, plan_batches, plan_segments, probe_share, with_grids
 from .stopping import StopSignals, StoppedWaiting
 from .ranks import Topology, launched_ranks
@@ -361,6 +361,7 @@ def start_prefetch(opts: EncodeOptions, stop: StopSignals | None = None) -> RunS
     if launched_ranks() > 1:
         return None
     validate(opts)
+    validate_launch(opts, 1)
     setup = RunSetup()
     setup.find_inputs(opts, stop)
     return setup

@@ -270,7 +270,7 @@ def bench_model(model: VisionTower, prep: Prepared, features: str, batch_tokens:
         "capture_s": engine.runner.capture_s if engine.runner is not None else 0.0,
         "graph_batches": s.graph_batches, "variant_batches": s.variant_batches,
     }
-    del engine
+    engine = loop = None  # the loop holds the engine too: both go before the cache is emptied
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()

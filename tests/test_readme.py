@@ -376,9 +376,9 @@ def test_links_resolve(page):
 
 # --- the pages and the tool -----------------------------------------------------------------
 
-#: Flags of other programs the pages show (torchrun's).
+#: Flags of other programs the pages show (torchrun's, and pytest's --dist).
 OTHER_PROGRAMS_FLAGS = {"--nproc-per-node", "--nnodes", "--node-rank", "--rdzv-backend",
-                        "--rdzv-endpoint", "--rdzv-id", "--no-python"}
+                        "--rdzv-endpoint", "--rdzv-id", "--no-python", "--dist"}
 #: Flags the pages name to say that there is no such option ("has no Ray engine").
 ABSENT_FLAGS = {"--engine"}
 

@@ -127,6 +127,8 @@ def summarize(path: str | os.PathLike, storage_options: Any = None) -> OutputSum
     found = find_output(text, storage_options)
     if not found.paths and found.manifests and found.locked:  # stopped before its first commit
         return _live(_summarize_interrupted(text, found), text)
+    if not found.paths and found.manifests:
+        return _summarize_empty(text, found)
     if not found.paths:
         raise UsageError(f"{text}: no Parquet files found")
     out = OutputSummary(path=text, bytes_on_disk=sum(found.sizes), metadata=_metadata(found))
@@ -135,6 +137,20 @@ def summarize(path: str | os.PathLike, storage_options: Any = None) -> OutputSum
     if found.manifests:
         _record_progress(out, found.manifests, unfinished=True)
     return _live(out, text) if out.interrupted else out
+
+
+def _summarize_empty(path: str, found: OutputFiles) -> OutputSummary:
+    """A folder whose manifests list no part: a finished run given no images (its output
+    has no rows, as the readers read it, and so no part file to take the figures from: they
+    come from the manifest's settings), or one stopped before its first commit whose lock
+    is gone (interrupted, as ``_record_progress`` finds)."""
+    settings = found.manifests[0].get("settings")
+    meta = dict(settings) if isinstance(settings, dict) else {}
+    out = OutputSummary(path=path, bytes_on_disk=found.folder_bytes, metadata=meta,
+                        model=model_of(meta), dtype=meta.get("out_dtype"),
+                        layout=meta.get("layout"), pooled=meta.get("pool") == "mean")
+    _record_progress(out, found.manifests, unfinished=True)
+    return _live(out, path) if out.interrupted else out
 
 
 def _live(out: OutputSummary, folder: str) -> OutputSummary:
@@ -311,6 +327,8 @@ def render(summary: OutputSummary, console=None) -> None:
         table.add_row("grid_h min/median/max", _stat_text(summary.grid_h))
         table.add_row("grid_w min/median/max", _stat_text(summary.grid_w))
         table.add_row("rows per image", _stat_text(summary.rows_per_image))
+    elif not summary.interrupted:  # a finished output of no images: no part file
+        table.add_row("rows", "0")
     if summary.top_grids:
         table.add_row("commonest grids", ", ".join(f"{g} ({n})" for g, n in summary.top_grids))
     table.add_row("features", f"{meta.get('features', '?')} (pool {meta.get('pool', 'none')})")

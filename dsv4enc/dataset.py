@@ -81,9 +81,15 @@ class _Rows:
         else:
             handle = self.found.open(path)
             missing = [c for c in self.columns if c not in handle.schema_arrow.names]
-            if missing:
+            try:
+                if missing:
+                    raise UsageError(f"{self.found.name(path)}: no column {missing[0]!r}")
+                # checked here, as the dataset is made: refused in the training process, not
+                # later inside a DataLoader worker
+                embedding_format(handle.schema_arrow, self.found.name(path))
+            except UsageError:
                 handle.close(force=True)
-                raise UsageError(f"{self.found.name(path)}: no column {missing[0]!r}")
+                raise
         handles[file] = handle
         while len(handles) > OPEN_FILES:
             handles.popitem(last=False)[1].close(force=True)

@@ -246,7 +246,7 @@ def _scan_files(out: OutputSummary, found: OutputFiles) -> None:
     examples: dict[str, str] = {}
     for file in found.paths:
         handle = _open_output(found, file)
-        fmt = embedding_format(handle.schema_arrow)
+        fmt = embedding_format(handle.schema_arrow, found.name(file))
         out.layout, out.pooled, out.width, out.dtype = fmt.layout, fmt.pooled, fmt.width, fmt.dtype
         out.rows += handle.metadata.num_rows
         for batch in handle.iter_batches(batch_size=65536,

@@ -5,6 +5,7 @@ only the small columns (grid sizes, errors), never the embeddings."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 from collections import Counter
@@ -14,8 +15,9 @@ from typing import Any, Iterator
 
 import numpy as np
 
+from .. import storage
 from ..tower.config import MODEL_NAMES, model_type_of
-from ..errors import UsageError
+from ..errors import StorageError, UsageError
 from .files import MANIFEST_NAME
 from .read import (OutputFiles, embedding_format, find_output, interrupted_folder,
                    live_writer, metadata_of)
@@ -211,13 +213,31 @@ def _open_output(found: OutputFiles, file: str):
     return handle
 
 
+@contextlib.contextmanager
+def _reading(found: OutputFiles, file: str) -> Iterator[None]:
+    """A failure to read a part's pages (a page damaged on the disk, a store not answering)
+    named with that part file: in a folder of many, the output's name alone says not which."""
+    try:
+        yield
+    except OSError as exc:
+        raise StorageError(f"cannot read {storage.describe(found.name(file), exc)}") from None
+
+
+def _batches(found: OutputFiles, file: str, handle) -> Iterator[Any]:
+    """The small columns of part ``file`` (open as ``handle``), a batch at a time."""
+    with _reading(found, file):
+        yield from handle.iter_batches(batch_size=65536,
+                                       columns=["path", "grid_h", "grid_w", "error"])
+
+
 def failed_rows(found: OutputFiles) -> Iterator[tuple[str, str]]:
     """``(path, error)`` of every failed row of the output, in its order (reads only those
     two columns, and only the row groups that hold a failure)."""
     for file in found.paths:
         handle = _open_output(found, file)
         for group in _groups_with_errors(handle):
-            table = handle.read_row_group(group, columns=["path", "error"])
+            with _reading(found, file):
+                table = handle.read_row_group(group, columns=["path", "error"])
             table = table.filter(table.column("error").is_valid())
             yield from zip(table.column("path").to_pylist(), table.column("error").to_pylist())
 
@@ -249,8 +269,7 @@ def _scan_files(out: OutputSummary, found: OutputFiles) -> None:
         fmt = embedding_format(handle.schema_arrow, found.name(file))
         out.layout, out.pooled, out.width, out.dtype = fmt.layout, fmt.pooled, fmt.width, fmt.dtype
         out.rows += handle.metadata.num_rows
-        for batch in handle.iter_batches(batch_size=65536,
-                                         columns=["path", "grid_h", "grid_w", "error"]):
+        for batch in _batches(found, file, handle):
             failed = batch.column("error").is_valid().to_numpy(zero_copy_only=False)
             ok = ~failed
             gh = batch.column("grid_h").fill_null(0).to_numpy(zero_copy_only=False)[ok]

@@ -233,20 +233,22 @@ class EmbeddingIterableDataset(IterableDataset):
     def __getstate__(self) -> dict:
         """The dataset as a DataLoader worker started by spawn or forkserver receives it: a
         new interpreter with no process group, which would read as rank 0 of 1 (every rank's
-        workers then reading every row); it takes the rank of the process that sends it."""
+        workers then reading every row); it carries the rank of the process that sends it."""
         state = dict(self.__dict__)
-        if self.rank is None and _process_group():
-            state["rank"], state["world_size"] = self._ranks()
+        if _process_group():
+            state["_sender"] = (torch.distributed.get_rank(),
+                                torch.distributed.get_world_size())
         return state
 
     def _ranks(self) -> tuple[int, int]:
-        """This process's rank and world size: as given, else the process group's, else 0
+        """This process's rank and world size: as given, else its process group's, else
+        (a spawned DataLoader worker) those of the process that sent the dataset, else 0
         of 1."""
         if self.rank is not None and self.world_size is not None:
             return self.rank, self.world_size
-        if not _process_group():
-            return 0, 1
-        return torch.distributed.get_rank(), torch.distributed.get_world_size()
+        if _process_group():
+            return torch.distributed.get_rank(), torch.distributed.get_world_size()
+        return self.__dict__.get("_sender") or (0, 1)
 
     def _share(self) -> tuple[int, int]:
         """This reader's slot among all (rank, worker) readers, and their number."""

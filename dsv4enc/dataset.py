@@ -81,9 +81,15 @@ class _Rows:
         else:
             handle = self.found.open(path)
             missing = [c for c in self.columns if c not in handle.schema_arrow.names]
-            if missing:
+            try:
+                if missing:
+                    raise UsageError(f"{self.found.name(path)}: no column {missing[0]!r}")
+                # checked here, as the dataset is made: refused in the training process, not
+                # later inside a DataLoader worker
+                embedding_format(handle.schema_arrow, self.found.name(path))
+            except UsageError:
                 handle.close(force=True)
-                raise UsageError(f"{self.found.name(path)}: no column {missing[0]!r}")
+                raise
         handles[file] = handle
         while len(handles) > OPEN_FILES:
             handles.popitem(last=False)[1].close(force=True)
@@ -224,13 +230,29 @@ class EmbeddingIterableDataset(IterableDataset):
         """The epoch whose order ``shuffle`` draws (call it before each epoch's loop)."""
         self._epoch.fill_(epoch)
 
+    def __getstate__(self) -> dict:
+        """The dataset as a DataLoader worker started by spawn or forkserver receives it: a
+        new interpreter with no process group, which would read as rank 0 of 1 (every rank's
+        workers then reading every row); it carries the rank of the process that sends it."""
+        state = dict(self.__dict__)
+        if _process_group():
+            state["_sender"] = (torch.distributed.get_rank(),
+                                torch.distributed.get_world_size())
+        return state
+
+    def _ranks(self) -> tuple[int, int]:
+        """This process's rank and world size: as given, else its process group's, else
+        (a spawned DataLoader worker) those of the process that sent the dataset, else 0
+        of 1."""
+        if self.rank is not None and self.world_size is not None:
+            return self.rank, self.world_size
+        if _process_group():
+            return torch.distributed.get_rank(), torch.distributed.get_world_size()
+        return self.__dict__.get("_sender") or (0, 1)
+
     def _share(self) -> tuple[int, int]:
         """This reader's slot among all (rank, worker) readers, and their number."""
-        rank, world = self.rank, self.world_size
-        if rank is None or world is None:
-            ready = torch.distributed.is_available() and torch.distributed.is_initialized()
-            rank = torch.distributed.get_rank() if ready else 0
-            world = torch.distributed.get_world_size() if ready else 1
+        rank, world = self._ranks()
         if not 0 <= rank < world:
             raise ValueError(f"rank {rank} is not in a world of {world}")
         worker = get_worker_info()
@@ -250,6 +272,11 @@ class EmbeddingIterableDataset(IterableDataset):
                     len(items))
                 items = [items[i] for i in order.tolist()]
             yield from items
+
+
+def _process_group() -> bool:
+    """Whether this process has joined a ``torch.distributed`` process group."""
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
 
 
 def _deal(units: list[int], rows: np.ndarray, readers: int) -> list[list[int]]:

@@ -142,6 +142,25 @@ def test_the_torch_distributed_rank_is_used(output):
             EmbeddingIterableDataset(output, **alone)
 
 
+def test_spawned_workers_take_the_process_group_s_rank(output, monkeypatch):
+    """A DataLoader worker started by spawn or forkserver (macOS's default, and a common
+    choice beside CUDA) is a new interpreter with no process group: it takes the rank of the
+    process that made it, so the ranks still split the rows rather than each reading all."""
+    import torch.distributed as dist
+
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)  # a process group of 2 ranks
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    seen = []
+    for rank in (0, 1):
+        monkeypatch.setattr(dist, "get_rank", lambda group=None, rank=rank: rank)
+        loader = DataLoader(EmbeddingIterableDataset(output, shuffle=True), batch_size=64,
+                            num_workers=1, multiprocessing_context="spawn",
+                            collate_fn=collate_embeddings)
+        seen.append([path for batch in loader for path in batch["path"]])
+    counts = Counter(seen[0] + seen[1])
+    assert set(counts) == set(expected(output)) and set(counts.values()) == {1}
+
+
 @pytest.mark.parametrize("layout", ["binary", "nested"])
 def test_pooled_and_nested_outputs(tmp_path, layout):
     folder = write_output(tmp_path / "pooled", layout=layout, pooled=True)

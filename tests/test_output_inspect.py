@@ -358,3 +358,37 @@ def test_a_folder_run_killed_before_its_first_commit_is_shown_as_interrupted(tmp
         said.append(progress_text(summarize(out.rstrip("/"))))
     assert said[0] == said[1] and said[0].startswith("0 parts, 0 images done") and (
         "--resume" in said[0])
+
+
+def test_a_finished_output_of_no_images_is_shown_as_empty(tmp_path, small_ckpt):
+    """A run given no images ends with exit 0 and an output of no rows: a folder output then
+    holds its manifest and no part file. ``inspect`` shows both outputs as finished outputs
+    of 0 rows, as the readers read them, never "no Parquet files found"."""
+    (tmp_path / "none").mkdir()
+    for out in (f"{tmp_path}/folder/", f"{tmp_path}/single.parquet"):
+        encode(str(tmp_path / "none"), "--out", out, weights=small_ckpt)
+        assert list(read_embeddings(out.rstrip("/"), errors="include")) == []
+        result = run("inspect", out.rstrip("/"))
+        assert result.exit_code == 0, result.output
+        assert "interrupted" not in result.stdout and "rows" in result.stdout
+        data = json.loads(run("inspect", out.rstrip("/"), "--json").stdout)
+        assert (data["rows"], data["failed"], data["interrupted"]) == (0, 0, False)
+        assert (data["dtype"], data["layout"], data["pooled"]) == ("float16", "binary", False)
+        assert data["metadata"]["tool"] == "dsv4enc"
+
+
+def test_a_damaged_page_names_its_part_file(tmp_path, small_ckpt):
+    """A committed part whose footer reads but whose pages do not (bytes overwritten on the
+    disk, a bad copy): ``inspect`` says which part file it cannot read, so that the part can
+    be removed and encoded again, not only the output's folder."""
+    for i in range(4):
+        write_image(tmp_path / "imgs" / f"{i}.png", (20 + i, 20))
+    out = tmp_path / "out"
+    encode(str(tmp_path / "imgs"), "--out", f"{out}/", "--part-images", "2", weights=small_ckpt)
+    part = sorted(out.glob("part-*.parquet"))[-1]
+    with open(part, "r+b") as handle:  # the first column chunk's pages, after "PAR1"
+        handle.seek(40)
+        handle.write(b"\0" * 200)
+    result = run("inspect", str(out))
+    assert result.exit_code == 1, result.output
+    assert f"error: cannot read {part}: " in " ".join(result.output.split())

@@ -345,3 +345,25 @@ def test_a_single_file_still_being_written_is_named_so(tmp_path, small_ckpt):
         proc.wait()
     with pytest.raises(UsageError, match=f"no such file or folder: {out}"):
         list(read_embeddings(out))
+
+
+def test_a_binary_embedding_without_its_metadata_is_named_in_one_line(tmp_path):
+    """A file of dsv4enc's columns rewritten by a tool that drops the Parquet metadata (as
+    ``datasets``' ``to_parquet`` does) holds bytes whose dtype and width nothing says: every
+    reader refuses it naming the file, the datasets when they are made (in the training
+    process, not later inside a DataLoader worker)."""
+    from dsv4enc.dataset import EmbeddingDataset, EmbeddingIterableDataset
+    from dsv4enc.errors import UsageError
+    from dsv4enc.output.inspect import summarize
+
+    write_output(tmp_path / "emb.parquet", "binary", False, 8, 6)
+    folder = tmp_path / "rewritten"
+    folder.mkdir()
+    table = pq.read_table(tmp_path / "emb.parquet")
+    pq.write_table(table, folder / "a.parquet")
+    pq.write_table(table.replace_schema_metadata(None), folder / "b.parquet")
+    said = f"{folder}/b.parquet: a binary embedding column without the dsv4enc metadata"
+    for reader in (lambda: list(read_embeddings(folder)), lambda: EmbeddingDataset(folder),
+                   lambda: EmbeddingIterableDataset(folder), lambda: summarize(folder)):
+        with pytest.raises(UsageError, match=said):
+            reader()

@@ -5,6 +5,7 @@ only the small columns (grid sizes, errors), never the embeddings."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 from collections import Counter
@@ -14,8 +15,9 @@ from typing import Any, Iterator
 
 import numpy as np
 
+from .. import storage
 from ..tower.config import MODEL_NAMES, model_type_of
-from ..errors import UsageError
+from ..errors import StorageError, UsageError
 from .files import MANIFEST_NAME
 from .read import (OutputFiles, embedding_format, find_output, interrupted_folder,
                    live_writer, metadata_of)
@@ -127,6 +129,8 @@ def summarize(path: str | os.PathLike, storage_options: Any = None) -> OutputSum
     found = find_output(text, storage_options)
     if not found.paths and found.manifests and found.locked:  # stopped before its first commit
         return _live(_summarize_interrupted(text, found), text)
+    if not found.paths and found.manifests:
+        return _summarize_empty(text, found)
     if not found.paths:
         raise UsageError(f"{text}: no Parquet files found")
     out = OutputSummary(path=text, bytes_on_disk=sum(found.sizes), metadata=_metadata(found))
@@ -135,6 +139,20 @@ def summarize(path: str | os.PathLike, storage_options: Any = None) -> OutputSum
     if found.manifests:
         _record_progress(out, found.manifests, unfinished=True)
     return _live(out, text) if out.interrupted else out
+
+
+def _summarize_empty(path: str, found: OutputFiles) -> OutputSummary:
+    """A folder whose manifests list no part: a finished run given no images (its output
+    has no rows, as the readers read it, and so no part file to take the figures from: they
+    come from the manifest's settings), or one stopped before its first commit whose lock
+    is gone (interrupted, as ``_record_progress`` finds)."""
+    settings = found.manifests[0].get("settings")
+    meta = dict(settings) if isinstance(settings, dict) else {}
+    out = OutputSummary(path=path, bytes_on_disk=found.folder_bytes, metadata=meta,
+                        model=model_of(meta), dtype=meta.get("out_dtype"),
+                        layout=meta.get("layout"), pooled=meta.get("pool") == "mean")
+    _record_progress(out, found.manifests, unfinished=True)
+    return _live(out, path) if out.interrupted else out
 
 
 def _live(out: OutputSummary, folder: str) -> OutputSummary:
@@ -195,13 +213,31 @@ def _open_output(found: OutputFiles, file: str):
     return handle
 
 
+@contextlib.contextmanager
+def _reading(found: OutputFiles, file: str) -> Iterator[None]:
+    """A failure to read a part's pages (a page damaged on the disk, a store not answering)
+    named with that part file: in a folder of many, the output's name alone says not which."""
+    try:
+        yield
+    except OSError as exc:
+        raise StorageError(f"cannot read {storage.describe(found.name(file), exc)}") from None
+
+
+def _batches(found: OutputFiles, file: str, handle) -> Iterator[Any]:
+    """The small columns of part ``file`` (open as ``handle``), a batch at a time."""
+    with _reading(found, file):
+        yield from handle.iter_batches(batch_size=65536,
+                                       columns=["path", "grid_h", "grid_w", "error"])
+
+
 def failed_rows(found: OutputFiles) -> Iterator[tuple[str, str]]:
     """``(path, error)`` of every failed row of the output, in its order (reads only those
     two columns, and only the row groups that hold a failure)."""
     for file in found.paths:
         handle = _open_output(found, file)
         for group in _groups_with_errors(handle):
-            table = handle.read_row_group(group, columns=["path", "error"])
+            with _reading(found, file):
+                table = handle.read_row_group(group, columns=["path", "error"])
             table = table.filter(table.column("error").is_valid())
             yield from zip(table.column("path").to_pylist(), table.column("error").to_pylist())
 
@@ -230,11 +266,10 @@ def _scan_files(out: OutputSummary, found: OutputFiles) -> None:
     examples: dict[str, str] = {}
     for file in found.paths:
         handle = _open_output(found, file)
-        fmt = embedding_format(handle.schema_arrow)
+        fmt = embedding_format(handle.schema_arrow, found.name(file))
         out.layout, out.pooled, out.width, out.dtype = fmt.layout, fmt.pooled, fmt.width, fmt.dtype
         out.rows += handle.metadata.num_rows
-        for batch in handle.iter_batches(batch_size=65536,
-                                         columns=["path", "grid_h", "grid_w", "error"]):
+        for batch in _batches(found, file, handle):
             failed = batch.column("error").is_valid().to_numpy(zero_copy_only=False)
             ok = ~failed
             gh = batch.column("grid_h").fill_null(0).to_numpy(zero_copy_only=False)[ok]
@@ -311,6 +346,8 @@ def render(summary: OutputSummary, console=None) -> None:
         table.add_row("grid_h min/median/max", _stat_text(summary.grid_h))
         table.add_row("grid_w min/median/max", _stat_text(summary.grid_w))
         table.add_row("rows per image", _stat_text(summary.rows_per_image))
+    elif not summary.interrupted:  # a finished output of no images: no part file
+        table.add_row("rows", "0")
     if summary.top_grids:
         table.add_row("commonest grids", ", ".join(f"{g} ({n})" for g, n in summary.top_grids))
     table.add_row("features", f"{meta.get('features', '?')} (pool {meta.get('pool', 'none')})")

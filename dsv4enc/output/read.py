@@ -406,23 +406,26 @@ class EmbeddingFormat:
 _FLOAT_NAMES = {"halffloat": "float16", "float": "float32", "double": "float64"}
 
 
-def embedding_format(schema) -> EmbeddingFormat:
+def embedding_format(schema, shown: str | None = None) -> EmbeddingFormat:
     """The ``embedding`` column's format, from an output's Arrow schema and its ``dsv4enc``
-    metadata (which a ``binary`` column needs; a nested list of floats reads without it)."""
+    metadata (which a ``binary`` column needs; a nested list of floats reads without it).
+    ``shown``: the file as messages name it (in a folder of parts, which one is refused)."""
     import pyarrow as pa
 
+    where = f"{shown}: " if shown else ""
     kind = schema.field("embedding").type
     described = metadata_of(schema).get("embedding")
     if pa.types.is_binary(kind) or pa.types.is_large_binary(kind):
         if not isinstance(described, dict):
-            raise UsageError("binary embedding column without dsv4enc metadata naming its "
-                             "dtype and width")
+            raise UsageError(f"{where}a binary embedding column without the dsv4enc metadata "
+                             "naming its dtype and width (not written by dsv4enc, or "
+                             "rewritten by a tool that dropped the Parquet metadata)")
         return EmbeddingFormat("binary", str(described["dtype"]), int(described["width"]),
                                bool(described.get("pooled", False)))
     pooled = pa.types.is_fixed_size_list(kind)
     row = kind if pooled else kind.value_type
     if not pa.types.is_fixed_size_list(row) or not pa.types.is_floating(row.value_type):
-        raise UsageError(f"unknown embedding column type {kind}")
+        raise UsageError(f"{where}unknown embedding column type {kind}")
     return EmbeddingFormat("nested", _FLOAT_NAMES[str(row.value_type)], row.list_size, pooled)
 
 
@@ -570,7 +573,8 @@ def read_embeddings(path: str | os.PathLike, columns: Sequence[str] | None = Non
         if unknown:
             raise UsageError(f"{found.name(file)}: no column {unknown[0]!r} "
                              f"(columns: {', '.join(names)})")
-        fmt = embedding_format(handle.schema_arrow) if "embedding" in need else None
+        fmt = (embedding_format(handle.schema_arrow, found.name(file)) if "embedding" in need
+               else None)
         rows = batch_rows or _rows_per_batch(handle, "embedding" in need, copy)
         for batch in handle.iter_batches(batch_size=rows, columns=need):
             yield from _batch_rows(batch, need, wanted, fmt, errors == "skip", copy)

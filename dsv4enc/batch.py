@@ -213,6 +213,8 @@ class BatchEncoder:
         source, name = image_source(image)
         if isinstance(key, bytes):
             key = key.decode("utf-8", "replace")
+        elif isinstance(key, (float, np.floating)) and key != key:
+            key = None  # NaN: how a numpy batch (Ray's) holds a float or int key's null
         item = Prepared((name or f"#{index}") if key is None or key == "" else str(key), index)
         if source is None:
             held = f"null {self.image_column!r}" if image is None else (

@@ -167,6 +167,20 @@ def test_a_pandas_batchs_missing_cells_are_nulls(embed, folder):
     assert embed(objects)["error"].isna().tolist() == [True, True, False]
 
 
+def test_a_nan_key_in_a_numpy_batch_is_a_null(embed, folder):
+    """Ray's numpy batches hold a float (or int) key column's nulls as NaN: such a row is
+    keyed by its image's path, as in the same batch as Arrow or pandas, not by "nan"."""
+    table = pa.table({"image": [str(folder / "a.jpg"), str(folder / "b.png")],
+                      "key": pa.array([1.5, None], pa.float64())})
+    expected = embed(table).to_pylist()
+    assert [r["path"] for r in expected] == ["1.5", str(folder / "b.png")]
+    arrays = embed({"image": np.array(table["image"].to_pylist(), dtype=object),
+                    "key": table["key"].to_numpy(zero_copy_only=False)})
+    assert list(arrays["path"]) == [r["path"] for r in expected]
+    lists = embed({"image": table["image"].to_pylist(), "key": [1.5, np.float32("nan")]})
+    assert lists["path"] == [r["path"] for r in expected]
+
+
 def test_all_null_columns_keep_their_types(embed, folder):
     """A batch of good images only (error all null), and one of bad images only (embedding
     all null): the same schema, for every kind of batch."""

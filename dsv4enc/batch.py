@@ -20,7 +20,7 @@ import pyarrow as pa
 
 from .columns import INT_COLUMNS, OUTPUT_COLUMNS
 from .engine.defaults import DEFAULT_FEATURES, DEFAULT_POOL, Features, Pool
-from .errors import check_choice
+from .errors import SettingsError, check_choice
 from .images.formats import DEFAULT_MAX_PIXELS
 from .images.prepare import Prepared, image_source, prepare
 from .output import (DEFAULT_LAYOUT, DEFAULT_STORED_DTYPE, LAYOUTS, STORED_DTYPES, Layout,
@@ -74,6 +74,9 @@ class BatchEncoder:
                  **options: Any) -> None:
         check_choice("out_dtype", out_dtype, STORED_DTYPES)
         check_choice("layout", layout, LAYOUTS)
+        if weights is not None and config is not None:  # the command refuses it too
+            raise SettingsError("give weights or config= (random weights), not both: a "
+                                "checkpoint has its own config.json")
         if weights is None and config is None:
             weights = os.environ.get("DSV4ENC_WEIGHTS")
             if not weights:

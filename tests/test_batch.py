@@ -219,6 +219,17 @@ def test_missing_column_is_a_clear_error(embed):
         embed(["x.jpg"])
 
 
+def test_weights_and_a_config_together_are_refused(small_ckpt, monkeypatch):
+    """A checkpoint has its own config.json: ``config=`` beside weights (given, or from
+    ``DSV4ENC_WEIGHTS``) would be ignored, so it is refused as the command line refuses
+    ``--config`` without ``--random-init``, before any weights are loaded."""
+    tiny = Path(__file__).resolve().parents[1] / "configs" / "tiny.json"
+    with pytest.raises(ValueError, match=r"weights or config= \(random weights\), not both"):
+        BatchEncoder(small_ckpt, config=tiny)
+    monkeypatch.setenv("DSV4ENC_WEIGHTS", str(small_ckpt))
+    assert BatchEncoder(config=tiny, device="cpu").encoder.checkpoint.source != str(small_ckpt)
+
+
 def test_pickles_as_its_recipe(embed, folder):
     data = pickle.dumps(embed)
     assert len(data) < 4096  # the recipe, not the tensors

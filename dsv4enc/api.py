@@ -11,6 +11,7 @@ threads) and returning torch tensors::
 
 from __future__ import annotations
 
+import numbers
 import os
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
@@ -84,6 +85,8 @@ class Encoder:
         self.out_dtype = resolve_out_dtype(out_dtype)
         if decode_threads is None:
             decode_threads = 0 if self.device.type == "cpu" else min(8, available_cpus())
+        elif not isinstance(decode_threads, numbers.Integral):  # named, not a failed max()
+            raise SettingsError(f"decode_threads must be a whole number, got {decode_threads!r}")
         self.decode_threads = max(0, decode_threads)
         self.max_pixels = check_positive("max_pixels", max_pixels)
         self.model = build_model(checkpoint, self.device, fused=self.settings.fused,

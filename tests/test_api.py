@@ -246,7 +246,11 @@ def test_from_config_forms(small_cfg, tmp_path):
 @pytest.mark.parametrize("option, message", [
     ({"max_pixels": 0}, "max_pixels must be positive, got 0"),
     ({"attention": "flsh"}, "unknown attention backend 'flsh'"),
-    ({"cuda_graphs": True}, "CUDA graphs need a CUDA device")])
+    ({"cuda_graphs": True}, "CUDA graphs need a CUDA device"),
+    # a number given as text (read from an environment variable, a config file)
+    ({"max_pixels": "1000"}, "max_pixels must be a positive number, got '1000'"),
+    ({"batch_tokens": "4096"}, "batch_tokens must be a positive number, got '4096'"),
+    ({"decode_threads": "2"}, "decode_threads must be a whole number, got '2'")])
 def test_a_bad_option_refuses_at_construction(small_cfg, option, message):
     """In one line, before any image: a pipeline's stage fails as it is built, not each batch
     (nor every row an error row, as max_pixels=0 made them)."""

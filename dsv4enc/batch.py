@@ -58,7 +58,8 @@ class BatchEncoder:
     its columns in and out, and its options, those of ``dsv4enc encode`` and ``Encoder``).
     ``weights``: a checkpoint folder or Hub id (default ``DSV4ENC_WEIGHTS``), or ``config``
     with ``seed`` for random weights. Only what is no image's fault raises: a missing column,
-    or an embedding not finite in ``out_dtype`` (``api.EncodeError``).
+    one example instead of a batch, or an embedding not finite in ``out_dtype``
+    (``api.EncodeError``).
 
     Pickling sends the recipe (weights, config and options), not the tensors: an unpickled
     copy loads its own weights, and ``datasets``' cache fingerprint is cheap. In a forked
@@ -253,9 +254,21 @@ def _batch_columns(batch: Any) -> tuple[str, list[str], Callable[[str], list[Any
         return "pandas", list(batch.columns), lambda name: _pandas_values(batch[name])
     if isinstance(batch, Mapping):
         kind = "numpy" if any(isinstance(v, np.ndarray) for v in batch.values()) else "lists"
-        return kind, list(batch.keys()), lambda name: list(batch[name])
+        return kind, list(batch.keys()), lambda name: _listed(name, batch[name])
     raise TypeError(f"a batch is a pyarrow Table or RecordBatch, a pandas DataFrame "
                     f"or a dict of columns, not {type(batch).__name__}")
+
+
+def _listed(name: str, values: Any) -> list[Any]:
+    """A dict batch's column as a list; one value instead (``datasets.map`` without
+    ``batched=True`` hands over one example) is refused, not read as a batch of its
+    characters or bytes."""
+    if (isinstance(values, (str, bytes, bytearray, memoryview, Mapping))
+            or not hasattr(values, "__len__") or getattr(values, "ndim", 1) == 0):
+        raise TypeError(f"the batch's column {name!r} holds one {type(values).__name__}, not a "
+                        f"column of values: a dict batch holds a list or array per column "
+                        f"(with datasets: map(..., batched=True))")
+    return list(values)
 
 
 def _is_pandas(batch: Any) -> bool:

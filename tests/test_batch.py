@@ -230,6 +230,20 @@ def test_weights_and_a_config_together_are_refused(small_ckpt, monkeypatch):
     assert BatchEncoder(config=tiny, device="cpu").encoder.checkpoint.source != str(small_ckpt)
 
 
+def test_one_example_instead_of_a_batch_is_refused(embed, folder):
+    """``datasets.map`` without ``batched=True`` hands over one example, a path or bytes per
+    column: it is refused naming the cause, not read as a batch of its characters or bytes
+    (error rows keyed '/', 't', ... in a list per example)."""
+    for cell in (str(folder / "a.jpg"), (folder / "a.jpg").read_bytes(),
+                 {"bytes": None, "path": str(folder / "a.jpg")}, Image.open(folder / "a.jpg")):
+        with pytest.raises(TypeError, match=r"batched=True"):
+            embed({"image": cell, "key": "a"})
+    datasets = pytest.importorskip("datasets")
+    ds = datasets.Dataset.from_dict({"image": [str(folder / "a.jpg")], "key": ["a"]})
+    with pytest.raises(TypeError, match=r"column '(image|key)' holds one str, not a column"):
+        ds.map(embed)
+
+
 def test_pickles_as_its_recipe(embed, folder):
     data = pickle.dumps(embed)
     assert len(data) < 4096  # the recipe, not the tensors

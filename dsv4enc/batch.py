@@ -75,6 +75,8 @@ class BatchEncoder:
                  **options: Any) -> None:
         check_choice("out_dtype", out_dtype, STORED_DTYPES)
         check_choice("layout", layout, LAYOUTS)
+        if image_column is None:  # refused here, not at each batch by pandas or pyarrow
+            raise SettingsError("image_column must name the batch's image column, not None")
         if weights is not None and config is not None:  # the command refuses it too
             raise SettingsError("give weights or config= (random weights), not both: a "
                                 "checkpoint has its own config.json")

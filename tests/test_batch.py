@@ -244,6 +244,13 @@ def test_one_example_instead_of_a_batch_is_refused(embed, folder):
         ds.map(embed)
 
 
+def test_no_image_column_is_refused_at_construction(small_ckpt):
+    """A batch function without an image column refuses as it is built, in one line, not at
+    each batch with pandas' or pyarrow's own error about a None column name."""
+    with pytest.raises(ValueError, match="image_column must name the batch's image column"):
+        BatchEncoder(small_ckpt, image_column=None)
+
+
 def test_pickles_as_its_recipe(embed, folder):
     data = pickle.dumps(embed)
     assert len(data) < 4096  # the recipe, not the tensors

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -266,7 +266,7 @@ def _listed(name: str, values: Any) -> list[Any]:
     ``batched=True`` hands over one example) is refused, not read as a batch of its
     characters or bytes."""
     if (isinstance(values, (str, bytes, bytearray, memoryview, Mapping))
-            or not hasattr(values, "__len__") or getattr(values, "ndim", 1) == 0):
+            or not isinstance(values, Iterable) or getattr(values, "ndim", 1) == 0):
         raise TypeError(f"the batch's column {name!r} holds one {type(values).__name__}, not a "
                         f"column of values: a dict batch holds a list or array per column "
                         f"(with datasets: map(..., batched=True))")

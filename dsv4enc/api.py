@@ -225,9 +225,12 @@ class Encoder:
                raise_errors: bool = False) -> Iterator[tuple[Prepared, Any]]:
         """``(item, embedding or error text)`` of prepared ``items``, in order, encoded in
         nearly full packed batches about ``2 * batch_tokens`` patches at a time."""
-        features = check_choice("features", features or self.features, FEATURES)
-        pool = check_choice("pool", pool or self.pool, POOLS)
-        capacity = check_positive("batch_tokens", batch_tokens or self.batch_tokens)
+        # None is the encoder's own setting; any other value is checked (0 is no default)
+        features = check_choice("features", self.features if features is None else features,
+                                FEATURES)
+        pool = check_choice("pool", self.pool if pool is None else pool, POOLS)
+        capacity = check_positive("batch_tokens", self.batch_tokens if batch_tokens is None
+                                  else batch_tokens)
         engine = self._engine(features)
         window: list[Prepared] = []
         tokens = 0

@@ -262,7 +262,7 @@ def _batch_columns(batch: Any) -> tuple[str, list[str], Callable[[str], list[Any
 
 
 def _listed(name: str, values: Any) -> list[Any]:
-    """A dict batch's column as a list; one value instead (``datasets.map`` without
+    """A dict batch's column as a list; one value instead (datasets' map without
     ``batched=True`` hands over one example) is refused, not read as a batch of its
     characters or bytes."""
     if (isinstance(values, (str, bytes, bytearray, memoryview, Mapping))

@@ -11,6 +11,7 @@ threads) and returning torch tensors::
 
 from __future__ import annotations
 
+import numbers
 import os
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
@@ -84,6 +85,8 @@ class Encoder:
         self.out_dtype = resolve_out_dtype(out_dtype)
         if decode_threads is None:
             decode_threads = 0 if self.device.type == "cpu" else min(8, available_cpus())
+        elif not isinstance(decode_threads, numbers.Integral):  # named, not a failed max()
+            raise SettingsError(f"decode_threads must be a whole number, got {decode_threads!r}")
         self.decode_threads = max(0, decode_threads)
         self.max_pixels = check_positive("max_pixels", max_pixels)
         self.model = build_model(checkpoint, self.device, fused=self.settings.fused,
@@ -222,9 +225,12 @@ class Encoder:
                raise_errors: bool = False) -> Iterator[tuple[Prepared, Any]]:
         """``(item, embedding or error text)`` of prepared ``items``, in order, encoded in
         nearly full packed batches about ``2 * batch_tokens`` patches at a time."""
-        features = check_choice("features", features or self.features, FEATURES)
-        pool = check_choice("pool", pool or self.pool, POOLS)
-        capacity = check_positive("batch_tokens", batch_tokens or self.batch_tokens)
+        # None is the encoder's own setting; any other value is checked (0 is no default)
+        features = check_choice("features", self.features if features is None else features,
+                                FEATURES)
+        pool = check_choice("pool", self.pool if pool is None else pool, POOLS)
+        capacity = check_positive("batch_tokens", self.batch_tokens if batch_tokens is None
+                                  else batch_tokens)
         engine = self._engine(features)
         window: list[Prepared] = []
         tokens = 0

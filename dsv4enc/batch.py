@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -20,7 +20,7 @@ import pyarrow as pa
 
 from .columns import INT_COLUMNS, OUTPUT_COLUMNS
 from .engine.defaults import DEFAULT_FEATURES, DEFAULT_POOL, Features, Pool
-from .errors import check_choice
+from .errors import SettingsError, check_choice
 from .images.formats import DEFAULT_MAX_PIXELS
 from .images.prepare import Prepared, image_source, prepare
 from .output import (DEFAULT_LAYOUT, DEFAULT_STORED_DTYPE, LAYOUTS, STORED_DTYPES, Layout,
@@ -58,7 +58,8 @@ class BatchEncoder:
     its columns in and out, and its options, those of ``dsv4enc encode`` and ``Encoder``).
     ``weights``: a checkpoint folder or Hub id (default ``DSV4ENC_WEIGHTS``), or ``config``
     with ``seed`` for random weights. Only what is no image's fault raises: a missing column,
-    or an embedding not finite in ``out_dtype`` (``api.EncodeError``).
+    one example instead of a batch, or an embedding not finite in ``out_dtype``
+    (``api.EncodeError``).
 
     Pickling sends the recipe (weights, config and options), not the tensors: an unpickled
     copy loads its own weights, and ``datasets``' cache fingerprint is cheap. In a forked
@@ -74,6 +75,11 @@ class BatchEncoder:
                  **options: Any) -> None:
         check_choice("out_dtype", out_dtype, STORED_DTYPES)
         check_choice("layout", layout, LAYOUTS)
+        if image_column is None:  # refused here, not at each batch by pandas or pyarrow
+            raise SettingsError("image_column must name the batch's image column, not None")
+        if weights is not None and config is not None:  # the command refuses it too
+            raise SettingsError("give weights or config= (random weights), not both: a "
+                                "checkpoint has its own config.json")
         if weights is None and config is None:
             weights = os.environ.get("DSV4ENC_WEIGHTS")
             if not weights:
@@ -213,6 +219,8 @@ class BatchEncoder:
         source, name = image_source(image)
         if isinstance(key, bytes):
             key = key.decode("utf-8", "replace")
+        elif isinstance(key, (float, np.floating)) and key != key:
+            key = None  # NaN: how a numpy batch (Ray's) holds a float or int key's null
         item = Prepared((name or f"#{index}") if key is None or key == "" else str(key), index)
         if source is None:
             held = f"null {self.image_column!r}" if image is None else (
@@ -248,9 +256,21 @@ def _batch_columns(batch: Any) -> tuple[str, list[str], Callable[[str], list[Any
         return "pandas", list(batch.columns), lambda name: _pandas_values(batch[name])
     if isinstance(batch, Mapping):
         kind = "numpy" if any(isinstance(v, np.ndarray) for v in batch.values()) else "lists"
-        return kind, list(batch.keys()), lambda name: list(batch[name])
+        return kind, list(batch.keys()), lambda name: _listed(name, batch[name])
     raise TypeError(f"a batch is a pyarrow Table or RecordBatch, a pandas DataFrame "
                     f"or a dict of columns, not {type(batch).__name__}")
+
+
+def _listed(name: str, values: Any) -> list[Any]:
+    """A dict batch's column as a list; one value instead (datasets' map without
+    ``batched=True`` hands over one example) is refused, not read as a batch of its
+    characters or bytes."""
+    if (isinstance(values, (str, bytes, bytearray, memoryview, Mapping))
+            or not isinstance(values, Iterable) or getattr(values, "ndim", 1) == 0):
+        raise TypeError(f"the batch's column {name!r} holds one {type(values).__name__}, not a "
+                        f"column of values: a dict batch holds a list or array per column "
+                        f"(with datasets: map(..., batched=True))")
+    return list(values)
 
 
 def _is_pandas(batch: Any) -> bool:

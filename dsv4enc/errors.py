@@ -4,6 +4,7 @@ prints as one line and a non-zero exit. Bad *images* are rows with an ``error`` 
 from __future__ import annotations
 
 import errno
+import numbers
 import os
 import signal
 
@@ -45,7 +46,10 @@ def check_choice(name: str, value: str, allowed: tuple[str, ...]) -> str:
 
 
 def check_positive(name: str, value: int) -> int:
-    """``value``, or a SettingsError when it is not positive."""
+    """``value``, or a SettingsError when it is not positive, or not a number at all (text
+    read from an environment variable would otherwise fail its comparison unnamed)."""
+    if not isinstance(value, numbers.Real):
+        raise SettingsError(f"{name} must be a positive number, got {value!r}")
     if not value > 0:  # NaN too
         raise SettingsError(f"{name} must be positive, got {value}")
     return value

@@ -5,6 +5,7 @@ arguments (needs ``dsv4enc[ray]``). A bad image is an error row, never a failed 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import pyarrow as pa
@@ -43,8 +44,25 @@ class RayEncoder:
         self.schema: pa.Schema = self.embed.schema
 
     def __call__(self, batch: Any) -> pa.Table:
-        """The batch's rows, of any format Ray hands over, as ``BatchEncoder.table`` gives."""
-        return self.embed.table(batch)
+        """The batch's rows, of any format Ray hands over, as ``BatchEncoder.table`` gives;
+        a numpy or pandas batch's kept columns as Ray itself turns them into a block, so that
+        a tensor column (a mask, a second image; fixed or ragged in shape) stays one, where
+        pyarrow alone fails the block, its images encoded, on any array of more than one
+        dimension."""
+        if isinstance(batch, (pa.Table, pa.RecordBatch)):
+            return self.embed.table(batch)
+        _, images, keys = self.embed.columns(batch)  # (refuses a kind that is no batch)
+        table = self.embed.encode_table(images, keys)
+        kept = self.embed.kept_columns(batch)
+        if kept:
+            from ray.data.block import BlockAccessor
+
+            part = ({name: batch[name] for name in kept} if isinstance(batch, Mapping)
+                    else batch[kept].reset_index(drop=True))  # pandas: no index column
+            block = BlockAccessor.for_block(BlockAccessor.batch_to_block(part)).to_arrow()
+            for name in kept:
+                table = table.append_column(name, block.column(name))
+        return table
 
 
 def encode_dataset(ds, weights: Any = None, *, concurrency: int | tuple[int, int] = 1,

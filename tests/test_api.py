@@ -206,6 +206,17 @@ def test_batch_tokens_and_threads_do_not_change_results(small_ckpt, pictures):
     assert threaded.engines["aligner"].stats.batches > base.engines["aligner"].stats.batches
 
 
+def test_a_bad_per_call_option_is_refused_not_replaced_by_the_default(encoder, pictures):
+    """``batch_tokens=0`` or ``features=""`` in a call refuses, as in the constructor,
+    instead of the encoder's own setting silently taking its place."""
+    with pytest.raises(UsageError, match="batch_tokens must be positive, got 0"):
+        encoder.encode(pictures[:1], batch_tokens=0)
+    with pytest.raises(UsageError, match="features must be one of"):
+        list(encoder.encode_iter(pictures[:1], features=""))
+    with pytest.raises(UsageError, match="pool must be one of"):
+        encoder.encode(pictures[0], pool="")
+
+
 def test_pool_mean_and_out_dtype(small_ckpt, pictures, small_cfg):
     enc = Encoder.from_pretrained(small_ckpt, device="cpu", dtype=torch.float32,
                                   out_dtype="float16", pool="mean")
@@ -246,7 +257,11 @@ def test_from_config_forms(small_cfg, tmp_path):
 @pytest.mark.parametrize("option, message", [
     ({"max_pixels": 0}, "max_pixels must be positive, got 0"),
     ({"attention": "flsh"}, "unknown attention backend 'flsh'"),
-    ({"cuda_graphs": True}, "CUDA graphs need a CUDA device")])
+    ({"cuda_graphs": True}, "CUDA graphs need a CUDA device"),
+    # a number given as text (read from an environment variable, a config file)
+    ({"max_pixels": "1000"}, "max_pixels must be a positive number, got '1000'"),
+    ({"batch_tokens": "4096"}, "batch_tokens must be a positive number, got '4096'"),
+    ({"decode_threads": "2"}, "decode_threads must be a whole number, got '2'")])
 def test_a_bad_option_refuses_at_construction(small_cfg, option, message):
     """In one line, before any image: a pipeline's stage fails as it is built, not each batch
     (nor every row an error row, as max_pixels=0 made them)."""

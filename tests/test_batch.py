@@ -167,6 +167,20 @@ def test_a_pandas_batchs_missing_cells_are_nulls(embed, folder):
     assert embed(objects)["error"].isna().tolist() == [True, True, False]
 
 
+def test_a_nan_key_in_a_numpy_batch_is_a_null(embed, folder):
+    """Ray's numpy batches hold a float (or int) key column's nulls as NaN: such a row is
+    keyed by its image's path, as in the same batch as Arrow or pandas, not by "nan"."""
+    table = pa.table({"image": [str(folder / "a.jpg"), str(folder / "b.png")],
+                      "key": pa.array([1.5, None], pa.float64())})
+    expected = embed(table).to_pylist()
+    assert [r["path"] for r in expected] == ["1.5", str(folder / "b.png")]
+    arrays = embed({"image": np.array(table["image"].to_pylist(), dtype=object),
+                    "key": table["key"].to_numpy(zero_copy_only=False)})
+    assert list(arrays["path"]) == [r["path"] for r in expected]
+    lists = embed({"image": table["image"].to_pylist(), "key": [1.5, np.float32("nan")]})
+    assert lists["path"] == [r["path"] for r in expected]
+
+
 def test_all_null_columns_keep_their_types(embed, folder):
     """A batch of good images only (error all null), and one of bad images only (embedding
     all null): the same schema, for every kind of batch."""
@@ -203,6 +217,38 @@ def test_missing_column_is_a_clear_error(embed):
         embed(pa.table({"img": ["x.jpg"]}))
     with pytest.raises(TypeError, match="a batch is"):
         embed(["x.jpg"])
+
+
+def test_weights_and_a_config_together_are_refused(small_ckpt, monkeypatch):
+    """A checkpoint has its own config.json: ``config=`` beside weights (given, or from
+    ``DSV4ENC_WEIGHTS``) would be ignored, so it is refused as the command line refuses
+    ``--config`` without ``--random-init``, before any weights are loaded."""
+    tiny = Path(__file__).resolve().parents[1] / "configs" / "tiny.json"
+    with pytest.raises(ValueError, match=r"weights or config= \(random weights\), not both"):
+        BatchEncoder(small_ckpt, config=tiny)
+    monkeypatch.setenv("DSV4ENC_WEIGHTS", str(small_ckpt))
+    assert BatchEncoder(config=tiny, device="cpu").encoder.checkpoint.source != str(small_ckpt)
+
+
+def test_one_example_instead_of_a_batch_is_refused(embed, folder):
+    """``datasets.map`` without ``batched=True`` hands over one example, a path or bytes per
+    column: it is refused naming the cause, not read as a batch of its characters or bytes
+    (error rows keyed '/', 't', ... in a list per example)."""
+    for cell in (str(folder / "a.jpg"), (folder / "a.jpg").read_bytes(),
+                 {"bytes": None, "path": str(folder / "a.jpg")}, Image.open(folder / "a.jpg")):
+        with pytest.raises(TypeError, match=r"batched=True"):
+            embed({"image": cell, "key": "a"})
+    datasets = pytest.importorskip("datasets")
+    ds = datasets.Dataset.from_dict({"image": [str(folder / "a.jpg")], "key": ["a"]})
+    with pytest.raises(TypeError, match=r"column '(image|key)' holds one str, not a column"):
+        ds.map(embed)
+
+
+def test_no_image_column_is_refused_at_construction(small_ckpt):
+    """A batch function without an image column refuses as it is built, in one line, not at
+    each batch with pandas' or pyarrow's own error about a None column name."""
+    with pytest.raises(ValueError, match="image_column must name the batch's image column"):
+        BatchEncoder(small_ckpt, image_column=None)
 
 
 def test_pickles_as_its_recipe(embed, folder):

@@ -115,3 +115,17 @@ def test_a_fifo_or_a_missing_path_is_an_error_not_a_wait(small_cfg, tmp_path):
     item = prepare(missing, small_cfg, 10 ** 6, Prepared())
     assert item.error.startswith("FileNotFoundError: ") and item.width is None
     assert item.error == probe_image(missing).error
+
+
+def test_an_array_not_shaped_as_an_image_has_no_size(small_cfg):
+    """Only an HxW or HxWxC array has a size: a stacked (1, H, W, 3) or a 5-D array is the
+    shape's error row, without a width and height read off its first two axes."""
+    for array in (np.zeros((1, 20, 30, 3), np.uint8), np.zeros((1, 2, 3, 4, 5), np.uint8),
+                  np.zeros((1, 0, 5, 3), np.uint8)):
+        item = prepare(array, small_cfg, 10 ** 6, Prepared())
+        assert item.error == (f"ValueError: array has shape {array.shape}; expected HxW, "
+                              "HxWx1, HxWx3 or HxWx4")
+        assert (item.width, item.height) == (None, None)
+    item = prepare(np.zeros((10, 12, 2), np.uint8), small_cfg, 10 ** 6, Prepared())
+    assert item.error.startswith("ValueError: array has shape (10, 12, 2)")
+    assert (item.width, item.height) == (12, 10)  # an image's shape, a wrong channel count

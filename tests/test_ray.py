@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -107,6 +108,26 @@ def test_every_batch_format_and_a_typed_schema(local_ray, small_ckpt, items, cli
     got = rows.take_all()
     assert sorted(r.pop("n") for r in got) == list(range(len(items)))
     assert {r["path"]: output_row(r) for r in got} == cli_rows
+
+
+@pytest.mark.parametrize("batch_format", ["numpy", "pandas", "pyarrow"])
+def test_a_kept_tensor_column_passes_through(local_ray, small_ckpt, items, cli_rows,
+                                             batch_format):
+    """A tensor column beside the images (a mask, fixed or ragged in shape) is kept as Ray
+    holds it, whatever the batch format: a numpy batch's does not fail its block (pyarrow
+    alone takes no array of more than one dimension) after its images were encoded."""
+    ds = ray.data.from_items([{**item, "mask": np.full((2, 3, 3), i, np.uint8),
+                               "ragged": np.full((i % 3 + 1, 2), i, np.float32)}
+                              for i, item in enumerate(items)], override_num_blocks=2)
+    rows = ds.map_batches(RayEncoder, fn_constructor_kwargs=options(small_ckpt),
+                          batch_format=batch_format, batch_size=3,
+                          compute=ray.data.ActorPoolStrategy(size=1)).take_all()
+    assert len(rows) == len(items)
+    for row in rows:
+        i = next(j for j, item in enumerate(items) if item["key"] == row["key"])
+        np.testing.assert_array_equal(row.pop("mask"), np.full((2, 3, 3), i, np.uint8))
+        np.testing.assert_array_equal(row.pop("ragged"), np.full((i % 3 + 1, 2), i, np.float32))
+        assert output_row(row) == cli_rows[row["path"]]
 
 
 def test_device_follows_what_ray_gave_the_actor(local_ray, small_ckpt):

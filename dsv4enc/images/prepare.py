@@ -93,7 +93,7 @@ def prepare(source: Any, cfg: VisionConfig, max_pixels: int, item: Prepared) -> 
             return item
         if isinstance(source, Image.Image):
             item.width, item.height = source.size
-        elif isinstance(source, np.ndarray) and source.ndim >= 2:
+        elif isinstance(source, np.ndarray) and source.ndim in (2, 3):  # else no image's shape
             item.height, item.width = source.shape[:2]
         if item.width is not None:
             if (error := no_pixels(item.width, item.height)) is not None:

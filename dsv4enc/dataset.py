@@ -225,7 +225,8 @@ class EmbeddingIterableDataset(IterableDataset):
     """The rows of an output, split by row group between the ranks (``rank``/``world_size``;
     default: ``torch.distributed``'s, else one rank) and their DataLoader workers: every row
     exactly once an epoch, in an order drawn from ``seed`` and the epoch (``set_epoch``) when
-    ``shuffle``. One row group is in memory at a time."""
+    ``shuffle``: both non-negative integers (numpy's seeds), a negative one refused where it
+    is given rather than when iteration starts. One row group is in memory at a time."""
 
     def __init__(self, location: str | os.PathLike, columns: Sequence[str] = (), *,
                  errors: str = "skip", shuffle: bool = False, seed: int = 0,
@@ -234,7 +235,7 @@ class EmbeddingIterableDataset(IterableDataset):
         if (rank is None) != (world_size is None):  # one alone would split nothing
             raise ValueError("give rank and world_size together, or neither")
         self._rows = _Rows(location, columns, errors, storage_options)
-        self.shuffle, self.seed = shuffle, seed
+        self.shuffle, self.seed = shuffle, _seed_part("seed", seed)
         # in shared memory: persistent DataLoader workers, copied at the first epoch, see it
         self._epoch = torch.zeros((), dtype=torch.int64).share_memory_()
         self.rank, self.world_size = rank, world_size
@@ -244,8 +245,9 @@ class EmbeddingIterableDataset(IterableDataset):
         return int(self._epoch)
 
     def set_epoch(self, epoch: int) -> None:
-        """The epoch whose order ``shuffle`` draws (call it before each epoch's loop)."""
-        self._epoch.fill_(epoch)
+        """The epoch whose order ``shuffle`` draws (call it before each epoch's loop); a
+        non-negative integer, as ``seed``."""
+        self._epoch.fill_(_seed_part("epoch", epoch))
 
     def __getstate__(self) -> dict:
         """The dataset as a DataLoader worker started by spawn or forkserver receives it: a
@@ -289,6 +291,15 @@ class EmbeddingIterableDataset(IterableDataset):
                     len(items))
                 items = [items[i] for i in order.tolist()]
             yield from items
+
+
+def _seed_part(name: str, value: int) -> int:
+    """``value``, or a ValueError naming ``name`` where numpy would refuse it as a seed (a
+    negative number), so that it is refused where it is given, not when the order is drawn
+    (inside a DataLoader worker, in numpy's words)."""
+    if value < 0:
+        raise ValueError(f"{name} must be a non-negative integer, not {value}")
+    return value
 
 
 def _process_group() -> bool:

@@ -269,3 +269,15 @@ def test_a_batch_of_failed_rows_has_the_keys_and_types_of_any_other(tmp_path, po
                         num_workers=1, collate_fn=collate_embeddings)
     alone = next(batch for batch in loader if batch["path"] == ["img/0005.jpg"])
     assert alone["embedding"].shape == ((1, WIDTH) if pooled else (1, 0, WIDTH))
+
+
+def test_a_negative_seed_or_epoch_is_refused_where_it_is_given(output):
+    """numpy draws the order from non-negative integers alone: a negative ``seed`` is refused
+    when the dataset is made, and a negative epoch by ``set_epoch``, naming the argument,
+    not later in numpy's words when iteration starts (inside a DataLoader worker)."""
+    with pytest.raises(ValueError, match="^seed must be a non-negative integer, not -1$"):
+        EmbeddingIterableDataset(output, shuffle=True, seed=-1)
+    dataset = EmbeddingIterableDataset(output, shuffle=True, seed=0)
+    with pytest.raises(ValueError, match="^epoch must be a non-negative integer, not -1$"):
+        dataset.set_epoch(-1)
+    assert dataset.epoch == 0

@@ -628,9 +628,14 @@ def _inspect_errors(output: str, storage_option: list[str] | None, as_json: bool
 
 
 def _echoed(rows, as_json: bool):
-    """``rows`` (path, error), each printed as it passes: tab-separated, or a JSON line."""
+    """``rows`` (path, error), each printed as it passes: tab-separated, the path escaped as
+    error lines show keys (``printable``: a newline or tab in a key would break the line),
+    or a JSON line."""
+    from .images.discover import printable
+
     for path, error in rows:
-        typer.echo(json.dumps({"path": path, "error": error}) if as_json else f"{path}\t{error}")
+        typer.echo(json.dumps({"path": path, "error": error}) if as_json
+                   else f"{printable(path)}\t{error}")
         yield path, error
 
 

@@ -6,6 +6,7 @@ groups read are fetched, by ranged reads."""
 from __future__ import annotations
 
 import bisect
+import copy
 import heapq
 import os
 from collections import OrderedDict
@@ -120,11 +121,16 @@ class _Rows:
 
     def _items(self, batch) -> Iterator[dict]:
         column = batch.column("embedding")
-        views = embedding_views(column, embedding_format(batch.schema))
+        fmt = embedding_format(batch.schema)
+        views = embedding_views(column, fmt)
         handed = sole_row_array(column, views[0]) if len(views) == 1 else None
         plain = {n: batch.column(n).to_pylist() for n in self.columns if n != "embedding"}
+        blank = np.zeros((fmt.width,) if fmt.pooled else (0, fmt.width), fmt.numpy_dtype)
+        blank.flags.writeable = False  # one, shared by the batch's failed items
         for row, view in enumerate(views):
             item = {n: values[row] for n, values in plain.items()}
+            if view is None:  # failed: it says the output's width and dtype to the collate
+                item = FailedItem(item, blank)
             own = handed if handed is not None else None if view is None else owned_copy(view)
             item["embedding"] = None if own is None else torch.from_numpy(own)
             yield item
@@ -135,6 +141,17 @@ class _Rows:
         if self.skip:
             return None if item.pop("error") is not None else item
         return item
+
+
+class FailedItem(dict):
+    """The item of a failed row (``errors="include"``): a dict like any item, whose
+    ``blank`` is an embedding of its output with no vectors (``(0, width)``, or zeros of
+    ``(width,)`` when pooled) in the stored dtype. Its ``embedding`` is None, so this is how
+    ``collate_embeddings`` knows the width and dtype of a batch in which every row failed."""
+
+    def __init__(self, values: dict, blank: np.ndarray) -> None:
+        super().__init__(values)
+        self.blank = blank
 
 
 def _batch_rows(handle, group: int) -> int:
@@ -180,7 +197,7 @@ class EmbeddingDataset(Dataset):
         position = self._index[self.index_of(index) if isinstance(index, str) else index]
         unit = bisect.bisect_right(self._rows.starts, position) - 1
         kept = self._group(unit)[int(position - self._rows.starts[unit])]
-        item = {**kept}  # the cached row stays as read: the caller gets a copy to change
+        item = copy.copy(kept)  # the cached row stays as read: the caller gets a copy
         if item["embedding"] is not None:
             item["embedding"] = torch.from_numpy(item["embedding"].numpy().copy())
         return self._rows.finish(item)
@@ -208,7 +225,8 @@ class EmbeddingIterableDataset(IterableDataset):
     """The rows of an output, split by row group between the ranks (``rank``/``world_size``;
     default: ``torch.distributed``'s, else one rank) and their DataLoader workers: every row
     exactly once an epoch, in an order drawn from ``seed`` and the epoch (``set_epoch``) when
-    ``shuffle``. One row group is in memory at a time."""
+    ``shuffle``: both non-negative integers (numpy's seeds), a negative one refused where it
+    is given rather than when iteration starts. One row group is in memory at a time."""
 
     def __init__(self, location: str | os.PathLike, columns: Sequence[str] = (), *,
                  errors: str = "skip", shuffle: bool = False, seed: int = 0,
@@ -217,7 +235,7 @@ class EmbeddingIterableDataset(IterableDataset):
         if (rank is None) != (world_size is None):  # one alone would split nothing
             raise ValueError("give rank and world_size together, or neither")
         self._rows = _Rows(location, columns, errors, storage_options)
-        self.shuffle, self.seed = shuffle, seed
+        self.shuffle, self.seed = shuffle, _seed_part("seed", seed)
         # in shared memory: persistent DataLoader workers, copied at the first epoch, see it
         self._epoch = torch.zeros((), dtype=torch.int64).share_memory_()
         self.rank, self.world_size = rank, world_size
@@ -227,8 +245,9 @@ class EmbeddingIterableDataset(IterableDataset):
         return int(self._epoch)
 
     def set_epoch(self, epoch: int) -> None:
-        """The epoch whose order ``shuffle`` draws (call it before each epoch's loop)."""
-        self._epoch.fill_(epoch)
+        """The epoch whose order ``shuffle`` draws (call it before each epoch's loop); a
+        non-negative integer, as ``seed``."""
+        self._epoch.fill_(_seed_part("epoch", epoch))
 
     def __getstate__(self) -> dict:
         """The dataset as a DataLoader worker started by spawn or forkserver receives it: a
@@ -274,6 +293,15 @@ class EmbeddingIterableDataset(IterableDataset):
             yield from items
 
 
+def _seed_part(name: str, value: int) -> int:
+    """``value``, or a ValueError naming ``name`` where numpy would refuse it as a seed (a
+    negative number), so that it is refused where it is given, not when the order is drawn
+    (inside a DataLoader worker, in numpy's words)."""
+    if value < 0:
+        raise ValueError(f"{name} must be a non-negative integer, not {value}")
+    return value
+
+
 def _process_group() -> bool:
     """Whether this process has joined a ``torch.distributed`` process group."""
     return torch.distributed.is_available() and torch.distributed.is_initialized()
@@ -296,16 +324,20 @@ def collate_embeddings(items: Sequence[dict]) -> dict[str, Any]:
     """A batch of items of different lengths: ``embedding`` (batch, longest, width) padded with
     zeros, ``mask`` (batch, longest; True on a row's own vectors) and ``lengths`` (batch,); a
     pooled output's vectors stacked to (batch, width). Other keys: lists, one value per item.
-    Failed rows (``errors="include"``) are left out of the tensors: ``lengths`` 0. The batch
-    is filled through numpy (a plain copy; torch's half-precision copies on the CPU are
-    several times slower)."""
+    Failed rows (``errors="include"``) are left out of the tensors: ``lengths`` 0; a batch of
+    failed rows alone has the same keys and tensors, of no vectors (``(batch, 0, width)``),
+    its width and dtype taken from the items (``FailedItem.blank``: an item made by hand, a
+    plain dict, says neither, and such a batch's ``embedding`` is None). The batch is filled
+    through numpy (a plain copy; torch's half-precision copies on the CPU are several times
+    slower)."""
     if not items:
         raise ValueError("an empty batch")
     batch: dict[str, Any] = {key: [item[key] for item in items]
                              for key in items[0] if key != "embedding"}
     embeddings = [None if item["embedding"] is None else item["embedding"].numpy()
                   for item in items]
-    sample = next((e for e in embeddings if e is not None), None)
+    sample = next((e for e in embeddings if e is not None),
+                  next((i.blank for i in items if isinstance(i, FailedItem)), None))
     if sample is None:
         batch["embedding"] = None
         return batch

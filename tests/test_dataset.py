@@ -244,3 +244,40 @@ def test_an_output_of_more_parts_than_the_open_file_limit(tmp_path):
                                                                   seed=2)] == plain
     finally:
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+@pytest.mark.parametrize("pooled", [False, True])
+def test_a_batch_of_failed_rows_has_the_keys_and_types_of_any_other(tmp_path, pooled):
+    """A batch in which every row failed (``errors="include"``) still has ``embedding``,
+    ``lengths`` and (unpooled) ``mask`` as tensors, of no vectors in the output's width and
+    dtype, so that a training loop indexes it as it does any other batch."""
+    folder = write_output(tmp_path / "out", pooled=pooled)
+    dataset = EmbeddingDataset(folder, errors="include")
+    failed = [dataset[f"img/{i:04d}.jpg"] for i in (5, 42, 79)]
+    assert all(item["embedding"] is None for item in failed)
+    some = collate_embeddings([dataset["img/0000.jpg"], *failed])
+    batch = collate_embeddings(failed)
+    assert batch.keys() == some.keys()
+    assert batch["embedding"].dtype == some["embedding"].dtype == torch.float16
+    assert batch["embedding"].shape == ((3, WIDTH) if pooled else (3, 0, WIDTH))
+    assert not batch["embedding"].any()
+    assert batch["lengths"].tolist() == [0, 0, 0]
+    assert batch["lengths"].dtype == some["lengths"].dtype
+    if not pooled:
+        assert batch["mask"].shape == (3, 0) and batch["mask"].dtype == torch.bool
+    loader = DataLoader(EmbeddingIterableDataset(folder, errors="include"), batch_size=1,
+                        num_workers=1, collate_fn=collate_embeddings)
+    alone = next(batch for batch in loader if batch["path"] == ["img/0005.jpg"])
+    assert alone["embedding"].shape == ((1, WIDTH) if pooled else (1, 0, WIDTH))
+
+
+def test_a_negative_seed_or_epoch_is_refused_where_it_is_given(output):
+    """numpy draws the order from non-negative integers alone: a negative ``seed`` is refused
+    when the dataset is made, and a negative epoch by ``set_epoch``, naming the argument,
+    not later in numpy's words when iteration starts (inside a DataLoader worker)."""
+    with pytest.raises(ValueError, match="^seed must be a non-negative integer, not -1$"):
+        EmbeddingIterableDataset(output, shuffle=True, seed=-1)
+    dataset = EmbeddingIterableDataset(output, shuffle=True, seed=0)
+    with pytest.raises(ValueError, match="^epoch must be a non-negative integer, not -1$"):
+        dataset.set_epoch(-1)
+    assert dataset.epoch == 0

@@ -392,3 +392,22 @@ def test_a_damaged_page_names_its_part_file(tmp_path, small_ckpt):
     result = run("inspect", str(out))
     assert result.exit_code == 1, result.output
     assert f"error: cannot read {part}: " in " ".join(result.output.split())
+
+
+def test_errors_shows_a_key_with_a_newline_escaped_on_its_own_line(tmp_path):
+    """A failed row whose key holds a newline or a tab (a table's or a tar's key may) is one
+    line of ``inspect --errors``, its key escaped as error lines show keys (``\\n``); the
+    JSON lines keep the key as it is."""
+    from dsv4enc.output.parts import Row, output_schema, parquet_options, rows_to_table
+
+    keys = ["a\nb.jpg", "c\td.jpg", "plain.jpg"]
+    schema = output_schema(8, "float16", {}, pooled=False, layout="binary")
+    out = tmp_path / "emb.parquet"
+    pq.write_table(rows_to_table([Row(path=k, error="decode failed: truncated file")
+                                  for k in keys], schema), out, **parquet_options(schema))
+    listed = run("inspect", str(out), "--errors")
+    assert listed.exit_code == 0, listed.output
+    assert listed.stdout.splitlines() == [f"{k}\tdecode failed: truncated file" for k in
+                                          ["a\\nb.jpg", "c\\td.jpg", "plain.jpg"]]
+    as_json = run("inspect", str(out), "--errors", "--json").stdout.splitlines()
+    assert [json.loads(line)["path"] for line in as_json] == keys

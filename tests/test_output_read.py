@@ -332,7 +332,7 @@ def test_a_single_file_still_being_written_is_named_so(tmp_path, small_ckpt):
     """A single-file output whose run is writing it (paused after its first commit) is no
     file yet: the readers say it is being written and to read it when the run ends, as
     ``inspect`` does, never "no such file or folder"; once the run is gone (killed), the
-    path is missing as before."""
+    output is named interrupted, with how to finish it, as ``inspect`` names it."""
     from dsv4enc.dataset import EmbeddingDataset, EmbeddingIterableDataset
     from dsv4enc.errors import UsageError
 
@@ -343,7 +343,9 @@ def test_a_single_file_still_being_written_is_named_so(tmp_path, small_ckpt):
                 list(reader(out))
         proc.kill()
         proc.wait()
-    with pytest.raises(UsageError, match=f"no such file or folder: {out}"):
+    with pytest.raises(UsageError, match=f"{out}: an interrupted run, not finished \\(its "
+                       f"parts in {out}.partial\\): rerun the same command with --resume to "
+                       "finish it"):
         list(read_embeddings(out))
 
 

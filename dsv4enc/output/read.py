@@ -168,9 +168,10 @@ def readable_output(location: str | os.PathLike, storage_options: Any = None) ->
     """``find_output``'s files, for a reader of rows: refused in one line (a UsageError) where
     they would read as no rows but are not an empty output: an unfinished single-file run's
     parts (ranges of its growing file, no Parquet file until it finishes), or a folder that
-    holds no Parquet file and no run's manifest or lock; and a single file that a live run is
-    writing (there once the run ends), as ``inspect`` finds it (``being_written``), in
-    place of "no such file or folder"."""
+    holds no Parquet file and no run's manifest or lock; and a single file that is not there
+    yet, in place of "no such file or folder", as ``inspect`` names it: being written by a
+    live run (``being_written``; there once the run ends), else its run interrupted (only
+    its ``OUT.partial/``: the same command with ``--resume`` finishes it)."""
     try:
         found = find_output(location, storage_options)
     except UsageError:
@@ -178,7 +179,12 @@ def readable_output(location: str | os.PathLike, storage_options: Any = None) ->
         if writing is not None:
             raise UsageError(f"{location}: being written by a run{writing}: read it when the "
                              "run ends") from None
-        raise
+        partial = interrupted_folder(location, storage_options)
+        if partial is None:
+            raise
+        raise UsageError(f"{location}: an interrupted run, not finished (its parts in "
+                         f"{partial}): rerun the same command with --resume to finish it (in "
+                         "place of --overwrite, if it had one)") from None
     if any("file" not in part for data in found.manifests for part in data["parts"].values()):
         raise UsageError(f"{location}: an unfinished single-file run's parts, ranges of its "
                          "growing file: its rows read once the run has finished (rerun it "

@@ -222,7 +222,7 @@ class BatchEncoder:
         elif isinstance(key, (float, np.floating)) and key != key:
             key = None  # NaN: how a numpy batch (Ray's) holds a float or int key's null
         item = Prepared((name or f"#{index}") if key is None or key == "" else str(key), index)
-        if source is None:
+        if source is None or isinstance(source, str) and not source:  # "": names no file
             held = f"null {self.image_column!r}" if image is None else (
                 f"{self.image_column!r} holds neither bytes nor a path")
             return item.failed(f"ValueError: row has no image ({held})")

@@ -167,6 +167,18 @@ def test_a_pandas_batchs_missing_cells_are_nulls(embed, folder):
     assert embed(objects)["error"].isna().tolist() == [True, True, False]
 
 
+def test_an_empty_path_is_a_row_with_no_image(embed, folder):
+    """An empty path cell (or a dict whose path is empty) names no file: the row has no
+    image, as a dict holding neither bytes nor a path, not a missing file called ''."""
+    table = pa.table({"image": ["", str(folder / "a.jpg")], "key": ["e", "a"]})
+    rows = embed(table).to_pylist()
+    assert rows[0]["error"] == "ValueError: row has no image ('image' holds neither bytes " \
+        "nor a path)"
+    assert rows[1]["error"] is None
+    dicts = embed({"image": [{"bytes": None, "path": ""}], "key": ["d"]})
+    assert list(dicts["error"]) == [rows[0]["error"]]
+
+
 def test_a_nan_key_in_a_numpy_batch_is_a_null(embed, folder):
     """Ray's numpy batches hold a float (or int) key column's nulls as NaN: such a row is
     keyed by its image's path, as in the same batch as Arrow or pandas, not by "nan"."""

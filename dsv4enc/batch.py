@@ -144,7 +144,7 @@ class BatchEncoder:
     # -- the call ----------------------------------------------------------------------
     def __call__(self, batch: Any) -> Any:
         """Encode one batch; returns its rows as the same kind of batch (see the class)."""
-        kind, table, kept = self._encode(batch)
+        kind, table, kept = self.encoded(batch)
         if kind in ("table", "record_batch"):
             for name in kept:
                 table = table.append_column(name, batch.column(name))
@@ -157,7 +157,7 @@ class BatchEncoder:
     def table(self, batch: Any) -> pa.Table:
         """The batch's rows as a pyarrow Table, whatever kind of batch came in: the output
         columns (``self.schema``), then the kept columns, each as pyarrow reads it."""
-        kind, table, kept = self._encode(batch)
+        kind, table, kept = self.encoded(batch)
         if kept and kind == "pandas":
             batch = pa.Table.from_pandas(batch[kept], preserve_index=False)
         for name in kept:
@@ -167,8 +167,9 @@ class BatchEncoder:
             table = table.append_column(name, column)
         return table
 
-    def _encode(self, batch: Any) -> tuple[str, pa.Table, list[str]]:
-        """The batch's kind, its output columns, and the names of its kept columns."""
+    def encoded(self, batch: Any) -> tuple[str, pa.Table, list[str]]:
+        """The batch's kind, its output columns, and the names of its kept columns (for a
+        caller that joins those columns its own way: ``ray.RayEncoder``)."""
         kind, images, keys = self.columns(batch)
         return kind, self.encode_table(images, keys), self.kept_columns(batch)
 

@@ -51,9 +51,7 @@ class RayEncoder:
         dimension."""
         if isinstance(batch, (pa.Table, pa.RecordBatch)):
             return self.embed.table(batch)
-        _, images, keys = self.embed.columns(batch)  # (refuses a kind that is no batch)
-        table = self.embed.encode_table(images, keys)
-        kept = self.embed.kept_columns(batch)
+        _, table, kept = self.embed.encoded(batch)  # (refuses a kind that is no batch)
         if kept:
             from ray.data.block import BlockAccessor
 

@@ -309,7 +309,8 @@ _ENCODE_PARAMETERS: dict[str, tuple[Any, Any]] = {
             help=f"Patches per packed batch (default {DEFAULT_BATCH_TOKENS['cuda']} on CUDA, "
                  f"{DEFAULT_BATCH_TOKENS['cpu']} on CPU)."),
         workers=option(
-            "--workers", help="Decode processes (default from the CPU count; 0 decodes inline)."),
+            "--workers", help="Decode processes (default from the CPU count; 0 decodes inline; "
+            f"at most {defaults.WORKERS_PER_CPU} per CPU)."),
         attention=option("--attention", help="Attention backend."),
         cuda_graphs=option(
             "--cuda-graphs/--no-cuda-graphs",

@@ -31,6 +31,8 @@ from dsv4enc.tower.checkpoint import random_state_dict, save_checkpoint
 from dsv4enc.cli import app
 from dsv4enc.tower.config import VisionConfig
 from dsv4enc.errors import OutputError, UsageError, output_os_error
+from dsv4enc.process import available_cpus
+from dsv4enc.run.options import WORKERS_PER_CPU
 from dsv4enc.run.pipeline import EncodeOptions, run_encode
 from dsv4enc.output.read import load_manifest
 
@@ -216,6 +218,18 @@ def test_options_that_make_no_sense(tmp_path, images, ckpts, args, code, words):
     line = check_one_line(result.exit_code, result.stderr, code, result.output)
     for word in words:
         assert word in line, (word, line)
+    assert not (tmp_path / "o").exists()
+
+
+def test_more_decode_workers_than_the_machine_can_run_are_refused(tmp_path, images, ckpts):
+    """A --workers past WORKERS_PER_CPU a CPU (a typo's 100000) is one line naming the bound,
+    exit 2, instead of starting every process (minutes of spawning, then the OOM killer)."""
+    most = WORKERS_PER_CPU * available_cpus()
+    out = tmp_path / "o" / "e.parquet"
+    result = encode(str(images), "--out", str(out), "--device", "cpu", "--weights",
+                    str(ckpts["good"]), "--workers", str(most + 1))
+    line = check_one_line(result.exit_code, result.stderr, 2, result.output)
+    assert f"--workers {most + 1}" in line and f"at most {most}" in line, line
     assert not (tmp_path / "o").exists()
 
 

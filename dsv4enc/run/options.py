@@ -28,6 +28,9 @@ SEED_RANGE = (-(1 << 63), (1 << 64) - 1)
 #: any real image (a decoded RGB one that large is 192 GiB), while a decode worker's memory
 #: budget (16 bytes a pixel) stays a size that the kernel's rlimit takes.
 MAX_PIXELS_BOUND = 1 << 36
+#: The most decode processes --workers may start per CPU: more than enough to keep the CPUs
+#: busy while some wait on reads; far fewer than a typo's 100000.
+WORKERS_PER_CPU = 8
 
 #: How the ranks share the tower: each encodes its own images, or the weights are split.
 TpMode = Literal["data", "weights"]

@@ -21,6 +21,7 @@ import torch
 
 from .. import storage
 from ..engine.defaults import transform_on_device
+from ..process import available_cpus
 from ..engine.factory import build_engine
 from ..tower.checkpoint import Checkpoint, load_checkpoint, random_checkpoint
 from ..tower.config import VisionConfig
@@ -39,8 +40,8 @@ from ..output.resume import Resume, ResumeSettings
 from ..output.update import (FLAG_OF_SETTING, SHOWN_SETTING, Update, footer_entry,
                               keyed_stamps, recover_switch, row_stamps,
                               write_folder_stamps)
-from .options import (PRUNE_SHARE, EncodeOptions, default_workers, default_writer_threads,
-                      validate, validate_launch)
+from .options import (PRUNE_SHARE, WORKERS_PER_CPU, EncodeOptions, default_workers,
+                      default_writer_threads, validate, validate_launch)
 from .plan import Part, cut_parts, images_per_part, output_bytes, segment_tokens
 from .setup import LISTED_FIRST, RunSetup, WindowSettings
 from ..images.headers import Planned, input_stamps
@@ -72,7 +73,11 @@ def tower_engine(ckpt: Checkpoint, device: torch.device, opts: EncodeOptions,
 
 def decode_pool(opts: EncodeOptions, cfg: VisionConfig, device: torch.device,
                 workers: int) -> DecodePool:
-    """The decode workers of a run's engine on ``device`` (for either engine)."""
+    """The decode workers of a run's engine on ``device`` (for either engine), at most
+    ``WORKERS_PER_CPU`` a CPU of the machine that runs them (a Ray actor's own)."""
+    if workers > (most := WORKERS_PER_CPU * available_cpus()):  # each is a process to start
+        raise UsageError(f"--workers {workers} is more than {WORKERS_PER_CPU} decode processes "
+                         f"per CPU ({available_cpus()} here): give at most {most}")
     return DecodePool(cfg, workers, opts.max_pixels, opts.decode_timeout,
                       pixels=transform_on_device(opts.engine.transform, device.type))
 

@@ -696,6 +696,11 @@ def bench(
         torch.set_num_threads(threads)
     if config is None and not dtype_check:
         fail("bench needs --config (or --dtype-check)", 2)
+    folder = os.path.dirname(os.path.abspath(json_out)) if json_out else None
+    if json_out and (os.path.isdir(json_out) or not os.access(folder, os.W_OK)):
+        # refused before the timing, at whose end the write would fail in a traceback
+        fail(f"--json {json_out}: " + ("a folder, not a file" if os.path.isdir(json_out)
+                                      else f"its folder {folder} is missing or read-only"))
     try:
         if dtype_check:
             from .bench.dtype_check import dtype_check_command

@@ -704,3 +704,14 @@ def test_an_errors_list_to_standard_output_is_refused(tmp_path, tree, ckpt, monk
     line = one_line_error(runner.invoke(app, ["inspect", str(out), "--errors-list", "-"]), 2)
     assert "--errors-list -" in line and "file" in line, line
     assert os.listdir(here) == []
+
+
+@pytest.mark.parametrize("where", ["missing/x.json", "a_folder"])
+def test_a_bench_json_that_cannot_be_written_is_refused_before_the_timing(tmp_path, where):
+    """bench --json into a missing folder, or naming a folder, is one line before anything
+    is timed; it was a traceback once the timing (minutes) was over."""
+    (tmp_path / "a_folder").mkdir()
+    result = runner.invoke(app, ["bench", "--dtype-check", "--json", str(tmp_path / where)])
+    line = one_line_error(result, 1)
+    assert f"--json {tmp_path / where}" in line, line
+    assert sorted(os.listdir(tmp_path)) == ["a_folder"]

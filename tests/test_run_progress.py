@@ -11,6 +11,7 @@ import select
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -241,6 +242,22 @@ def test_quiet_prints_only_the_output_path(folder, tmp_path, small_ckpt):
     result = encode_in_process(str(folder), "--out", str(out), "--weights", str(small_ckpt),
                                "-q")
     assert result.exit_code == 1 and "error:" in result.stderr and result.stdout == ""
+
+
+@pytest.mark.parametrize("every", ["inf", "1e300"])
+def test_a_log_every_past_what_a_wait_takes_prints_only_where_the_run_ended(folder, tmp_path,
+                                                                           small_ckpt, every,
+                                                                           monkeypatch):
+    """``--log-every inf`` (no scheduled line, only the last): the ticker's wait failed in a
+    traceback (OverflowError: timestamp out of range) as soon as it started."""
+    failed = []
+    monkeypatch.setattr(threading, "excepthook", failed.append)  # where a thread's error goes
+    result = encode_in_process(str(folder), "--out", str(tmp_path / "e.parquet"), "--weights",
+                               str(small_ckpt), "--log-every", every)
+    assert result.exit_code == 0, result.output
+    assert not failed and "Traceback" not in result.stderr, (failed, result.stderr)
+    progress = [line for line in result.stderr.splitlines() if LINE.match(line)]
+    assert len(progress) == 1 and LINE.match(progress[0]).group(1, 2) == ("13", "13"), progress
 
 
 def test_summary_json_and_error_breakdown(folder, tmp_path, small_ckpt):

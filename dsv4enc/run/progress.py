@@ -246,7 +246,8 @@ class RunProgress:
             self._progress.update(self._task, **changes)
 
     def _tick(self) -> None:
-        while not self._closed.wait(self.log_every):
+        # a wait takes at most TIMEOUT_MAX (--log-every inf: only the line where it ends)
+        while not self._closed.wait(min(self.log_every, threading.TIMEOUT_MAX)):
             with self._lock:
                 counting, status = self._counting, self._status
             _print(self.snapshot().line() if counting

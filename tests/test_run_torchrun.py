@@ -490,6 +490,15 @@ def test_interrupted_run_resumes(work, sequence, reference):
     assert not (work / "seq" / "resumed.parquet.partial").exists()
 
 
+def test_a_timeout_of_inf_is_a_wait_without_end(work, folders, ckpt):
+    """--timeout inf (collectives wait as long as it takes): the ranks failed at their start in
+    a traceback, OverflowError making it the process group's timeout."""
+    out = work / "no_timeout.parquet"
+    ok(torchrun(["-m", "dsv4enc", "encode", str(folders["one"]), "--out", str(out),
+                 "--weights", str(ckpt), *COMMON, "--workers", "0", "--timeout", "inf"], work))
+    assert [row["error"] for row in rows_of(out)] == [None]
+
+
 def test_dead_rank_fails_the_job(work, folders, ckpt):
     """Rank 1 exits after its first batch: the job stops within about --timeout, non-zero,
     saying which rank failed, and leaves no half-written output."""

@@ -28,6 +28,10 @@ from ..errors import DistributedError, UsageError
 
 log = logging.getLogger(__name__)
 
+#: The longest timeout a collective is given (31 years): c10d adds it to its clock's time
+#: in nanoseconds, which a longer one (``--timeout inf``) overflows, ending the wait at once.
+LONGEST_WAIT_S = 1e9
+
 # Newer torch calls it all_gather_single (all_gather_into_tensor is deprecated there).
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 #: A host wait on gloo is this long at most before it returns to Python (and the wait goes
@@ -142,6 +146,7 @@ def init_distributed(device_arg: str, timeout_s: float) -> DistContext | None:
     world_size = _env_int("WORLD_SIZE", 1)
     if world_size <= 1:
         return None
+    timeout_s = min(timeout_s, LONGEST_WAIT_S)  # --timeout inf: a wait without end
     rank = _env_int("RANK")
     local_rank = _env_int("LOCAL_RANK", rank)
     local_world_size = _env_int("LOCAL_WORLD_SIZE", world_size)

@@ -79,6 +79,25 @@ def test_a_folder_of_shards_is_encoded(tmp_path, small_ckpt):
             "train-00000.tar/000000", "train-00001.tar/000000"]
 
 
+@pytest.mark.parametrize("out_name", ["emb/", "emb.parquet"])
+def test_an_output_in_its_input_folder_is_not_read_back_as_input(tmp_path, small_ckpt, caplog,
+                                                                 out_name):
+    """An update of ``--out`` inside the folder it encodes: its part files and manifest are
+    neither counted as skipped inputs nor named as tables to encode."""
+    images = tmp_path / "images"
+    images.mkdir()
+    for name in ("a.png", "b.png"):
+        write_image(images / name, (20, 20))
+    out = str(images / out_name)
+    for again in ([], ["--update"]):
+        with caplog.at_level(logging.WARNING, logger="dsv4enc"):
+            result = encode(str(images), "--out", out, "--weights", str(small_ckpt), *again)
+        assert result.exit_code == 0, result.output
+        assert re.search(r"skipped \(not images\) +│ 0 ", result.output), result.output
+        assert not caplog.records, [r.getMessage() for r in caplog.records]
+    assert pq.read_table(out.rstrip("/")).column("path").to_pylist() == ["a.png", "b.png"]
+
+
 def test_files_from_comments_and_blank_lines(tmp_path):
     images = [write_image(tmp_path / name, (20, 20)) for name in ("a.png", "#b.png")]
     listing = tmp_path / "list.txt"

@@ -16,6 +16,7 @@ from dsv4enc.errors import UsageError
 from dsv4enc.images.discover import (Discovery, InputItem, discover, is_image_name, iter_folder,
                                      read_path_list)
 from dsv4enc.columns import utf8_text
+from dsv4enc.output.files import output_paths
 
 from helpers import write_image
 
@@ -92,6 +93,19 @@ def test_hidden_entries_and_excluded_globs_are_left_out_of_a_walk(tmp_path):
         "a.jpg", "keep/c.png", "keep/c.tmp.png", "keep/raw.png", "raw/b.png"]
     hidden = str(tmp_path / "data" / "._a.jpg")
     assert keys(discover([hidden], exclude=["*.jpg"]).items) == [hidden]
+
+
+def test_the_run_s_own_output_is_left_out_of_the_walk_of_its_input_folder(tmp_path):
+    """``--out`` inside an input folder, and a single file's parts folder beside it, are never
+    inputs (nor counted as skipped); a folder of the same name elsewhere is walked."""
+    for name in ("a.jpg", "e.parquet", "e.parquet.partial/part-000000.parquet", "emb/b.jpg",
+                 "other/emb/c.jpg", "other/e.parquet.partial/d.jpg"):
+        touch(tmp_path / "data" / name)
+    root = tmp_path / "data"
+    for out, kept in ((root / "e.parquet", ["a.jpg", "emb/b.jpg"]), (root / "emb", ["a.jpg"])):
+        found = discover([str(root)], outputs=output_paths(str(out)))
+        assert keys(found.items) == kept + ["other/e.parquet.partial/d.jpg", "other/emb/c.jpg"]
+        assert found.skipped == (out.name == "emb") * 2  # the file and its parts' table
 
 
 # --------------------------------------------------------------------------- order and keys

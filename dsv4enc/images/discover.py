@@ -58,11 +58,27 @@ class Exclusions:
     ``*`` matches ``/`` too). A left-out folder is not walked."""
 
     globs: tuple[str, ...] = ()
+    #: The run's own output (``--out``, and the parts folder beside a single file): never an
+    #: input, though it may sit in an input folder.
+    outputs: tuple[str, ...] = ()
 
     def skips(self, name: str, rel: str) -> bool:
         """Whether the entry ``name``, at ``rel`` under the walked folder, is left out."""
         return name.startswith(".") or any(fnmatchcase(name, glob) or fnmatchcase(rel, glob)
                                            for glob in self.globs)
+
+    def under(self, root: str) -> Callable[[str, str], bool]:
+        """``skips`` for the walk of ``root``, which also leaves out the ``outputs`` below it."""
+        prefix = _compared(root).rstrip("/") + "/"
+        below = {path[len(prefix):] for path in map(_compared, self.outputs)
+                 if path.startswith(prefix)}
+        return (lambda name, rel: rel in below or self.skips(name, rel)) if below else self.skips
+
+
+def _compared(location: str) -> str:
+    """``location`` as paths are compared: a local one resolved, a URL without its last slash."""
+    local = storage.local_path(location)
+    return os.path.realpath(local) if local is not None else location.rstrip("/")
 
 
 def iter_folder(root: str | Path, found: "Discovery",
@@ -74,7 +90,8 @@ def iter_folder(root: str | Path, found: "Discovery",
     ``found.unlisted`` as ``(path, reason)``, containers to ``containers`` (when given) as
     ``(path relative to root, path)``, other files count in ``found.skipped``. ``should_stop``
     is polled once per entry: when it turns true, the walk ends."""
-    for entry in storage.walk(str(root), exclusions.skips, found.unlisted, should_stop):
+    for entry in storage.walk(str(root), exclusions.under(str(root)), found.unlisted,
+                              should_stop):
         if is_image_name(entry.key):
             member = StoredObject(entry.url, entry.size) if entry.size is not None else None
             yield InputItem(key=entry.key, path=entry.url, member=member)
@@ -134,12 +151,12 @@ def discover(inputs: Iterable[str], files_from: str | None = None,
              image_column: str | None = None, key_column: str | None = None,
              stop: Stop | None = None, table_paths_roots: Iterable[str] = (),
              keep_columns: Sequence[str] = (), keep_members: Sequence[str] = (),
-             exclude: Sequence[str] = ()) -> Discovery:
+             exclude: Sequence[str] = (), outputs: Sequence[str] = ()) -> Discovery:
     """``stream_inputs``' items at once, in ``Discovery.items``."""
     found = Discovery()
     found.items = list(stream_inputs(found, inputs, files_from, image_column, key_column,
                                      stop, table_paths_roots, keep_columns, keep_members,
-                                     exclude))
+                                     exclude, outputs))
     return found
 
 
@@ -147,13 +164,15 @@ def stream_inputs(found: Discovery, inputs: Iterable[str], files_from: str | Non
                   image_column: str | None = None, key_column: str | None = None,
                   stop: Stop | None = None, table_paths_roots: Iterable[str] = (),
                   keep_columns: Sequence[str] = (), keep_members: Sequence[str] = (),
-                  exclude: Sequence[str] = ()) -> Iterator[InputItem]:
+                  exclude: Sequence[str] = (), outputs: Sequence[str] = ()
+                  ) -> Iterator[InputItem]:
     """Expand folders and files (and an optional path list) into items, in input order, as
     the listing reaches them: each input examined once, a folder or a prefix walked
     (``iter_folder``), a path list line by line (``_list_items``), a container indexed when
     reached; keys made unique (``UniqueKeys``). ``found`` (its ``items`` left alone) counts what
     was passed over and the tables read, gathers the folders not listed (logged at the end),
-    and at the end holds ``kept_fields`` and ``listed``.
+    and at the end holds ``kept_fields`` and ``listed``. ``outputs``: the run's own output,
+    which no walk lists (``Exclusions.outputs``).
 
     A missing input is a UsageError before the first item; so is an input set with nothing in
     it, at the end. Paths from ``--files-from`` are taken as given (a missing one is an error
@@ -164,7 +183,8 @@ def stream_inputs(found: Discovery, inputs: Iterable[str], files_from: str | Non
         check_path_input(place)
         places.append(place)
     state = _Listing(found, UniqueKeys(), path_roots(table_paths_roots),
-                     (image_column, key_column), tuple(keep_members), Exclusions(tuple(exclude)))
+                     (image_column, key_column), tuple(keep_members),
+                     Exclusions(tuple(exclude), tuple(outputs)))
     prefix_roots = sum(place.remote or place.kind == "folder"  # see ``key_under_root``
                        for place in places) > 1
     for place in places:

@@ -39,6 +39,15 @@ PARTIAL = ".partial"
 STAGING_SUFFIX, OLD_SUFFIX = ".dsv4enc-update", ".dsv4enc-old"
 
 
+def output_paths(out: str) -> tuple[str, ...]:
+    """What a run on ``--out`` writes under names a walk lists (its temporaries' are hidden):
+    the output, and the parts folder beside a single file."""
+    local = out if "://" not in out else None
+    if out.endswith(("/", os.sep)) or local is not None and os.path.isdir(local):
+        return (out,)
+    return out, out + PARTIAL
+
+
 def part_name(number: int, offset: int = 0) -> str:
     """The name of the run's ``number``th part, or of its rest from ``offset`` on."""
     return f"part-{number:06d}" + (f"_{offset:06d}" if offset else "")

@@ -35,6 +35,7 @@ from ..images.decode import DecodePool
 from ..images.discover import nothing_found
 from ..images.items import is_image_name
 from ..output.commit import PartWriter
+from ..output.files import output_paths
 from ..output.layout import OutputLayout, assembler_for, open_store
 from ..output.resume import Resume, ResumeSettings
 from ..output.update import (FLAG_OF_SETTING, SHOWN_SETTING, Update, footer_entry,
@@ -241,7 +242,8 @@ def _run_encode(opts: EncodeOptions, ranks: Topology, setup: RunSetup, stop: Sto
     if opts.files_from == "-" and not alone:  # each rank would read a share of the lines
         raise UsageError("--files-from - (stdin) cannot be shared by torchrun ranks: give "
                          "a file")
-    found = setup.find_inputs(opts, stop if alone else None)
+    found = setup.find_inputs(opts, stop if alone else None,
+                              output_paths(remote.given if remote is not None else opts.out))
     ranks.main_then_all(lambda: layout.prepare(opts.inputs, opts.files_from,
                                                overwrite=opts.overwrite, resume=opts.resume,
                                                update=opts.update))

@@ -19,7 +19,7 @@ from typing import Any, Callable, Collection, Iterable, Iterator, Sequence
 
 from .. import storage
 from ..errors import OutputError
-from ..output.files import PARTIAL
+from ..output.files import PARTIAL, output_paths
 from ..tower.config import VisionConfig
 from ..images.decode import NOT_YET, DecodePool, Decoded, DecodeStream
 from ..images.discover import Discovery, stream_inputs
@@ -219,17 +219,19 @@ class RunSetup:
     decoded: Iterator[tuple[int, Decoded]] | None = None
     listing: Iterator[InputItem] | None = None
 
-    def find_inputs(self, opts: EncodeOptions, stop: StopSignals | None) -> Discovery:
+    def find_inputs(self, opts: EncodeOptions, stop: StopSignals | None,
+                    outputs: Sequence[str] = ()) -> Discovery:
         """Start listing the inputs unless started (``stop``: None under torchrun), and take the
         first: a missing path, an unreadable path list or no image fails here. Table columns or
-        kept members list every input: the schema (kept columns' types) and checks need all."""
+        kept members list every input: the schema (kept columns' types) and checks need all.
+        ``outputs``: where the run writes, which no walk of an input folder lists."""
         if self.found is None:
             check_list_not_out(opts.files_from, opts.out)
             self.found = Discovery()
             self.listing = stream_inputs(
                 self.found, opts.inputs, opts.files_from, opts.image_column, opts.key_column,
                 stop, table_paths_roots=opts.table_paths_roots, keep_columns=opts.keep_columns,
-                keep_members=opts.keep_members, exclude=opts.exclude)
+                keep_members=opts.keep_members, exclude=opts.exclude, outputs=outputs)
             kept = opts.image_column or opts.key_column or opts.keep_columns or opts.keep_members
             self.more(None if kept else 1)
         return self.found
@@ -363,5 +365,5 @@ def start_prefetch(opts: EncodeOptions, stop: StopSignals | None = None) -> RunS
     validate(opts)
     validate_launch(opts, 1)
     setup = RunSetup()
-    setup.find_inputs(opts, stop)
+    setup.find_inputs(opts, stop, output_paths(opts.out))
     return setup

@@ -224,6 +224,23 @@ def test_dangling_symlink_becomes_an_error_later_not_a_crash(tmp_path):
     assert keys(found.items) == [str(tmp_path / "broken.png")]
 
 
+@needs_symlinks
+def test_a_container_given_by_name_behind_a_bad_link_is_an_error_row(tmp_path):
+    """A ``.tar`` or table given by name that is a dangling link, or a link to a FIFO or a
+    device, is one error row (as in a folder), never passed over as if it were no image."""
+    os.mkfifo(tmp_path / "fifo")
+    os.symlink(tmp_path / "fifo", tmp_path / "fifo.tar")
+    os.symlink(tmp_path / "gone.tar", tmp_path / "dangling.tar")
+    os.symlink(os.devnull, tmp_path / "null.parquet")
+    names = [str(tmp_path / name) for name in ("fifo.tar", "dangling.tar", "null.parquet")]
+    found = discover(names)
+    assert keys(found.items) == [f"{name}@0" for name in names]
+    assert found.skipped == 0
+    reasons = [item.member.reason for item in found.items]
+    assert "not a regular file" in reasons[0] and "No such file" in reasons[1]
+    assert "not a regular file" in reasons[2]
+
+
 # --------------------------------------------------------------------------- errors, lists
 
 def test_missing_input_is_a_one_line_usage_error(tmp_path):

@@ -284,8 +284,8 @@ def _input_items(place: storage.Found, state: _Listing, prefix_roots: bool,
     found, raw = state.found, place.location
     if place.kind == "file":
         state.name(raw)
-        if container_kind(raw) is not None and place.regular:
-            yield from state.container(place.path, raw)
+        if container_kind(raw) is not None and (place.regular or place.link):
+            yield from state.container(place.path, raw)  # a bad link: its error row, as in a folder
         elif is_image_name(raw):  # a file, a link, or a FIFO/socket/device (its row says so)
             member = StoredObject(raw, place.size) if place.size is not None else None
             yield InputItem(key=raw, path=place.path, member=member)

@@ -205,6 +205,21 @@ def test_hf_struct_column_paths_nulls_and_files(tmp_path, images):
     assert probe_image(items[0]).width == 64
 
 
+def test_a_binary_path_field_names_its_file_as_a_string_one_does(tmp_path, images):
+    """A ``{bytes, path}`` struct whose ``path`` is binary (a file name's own bytes) reads the
+    file it names, keyed as its bytes are, not a TypeError about mixing str and bytes."""
+    (tmp_path / "side.png").write_bytes(images["d.png"].read_bytes())
+    (tmp_path / os.fsdecode(b"caf\xe9.png")).write_bytes(images["d.png"].read_bytes())
+    binary = pa.struct([("bytes", pa.binary()), ("path", pa.binary())])
+    path = tmp_path / "hf.parquet"
+    pq.write_table(pa.table({"img": pa.array([{"bytes": None, "path": b"side.png"},
+                                              {"bytes": None, "path": b"caf\xe9.png"}],
+                                             binary)}), path)
+    items = discover([str(path)]).items
+    assert [i.key for i in items] == [f"{path}/side.png", f"{path}/caf\\xe9.png"]
+    assert [decode_image(item, _cfg()).width for item in items] == [40, 40]
+
+
 @pytest.mark.parametrize("fmt", ["feather", "stream"])
 def test_arrow_files_and_streams(tmp_path, images, fmt):
     table = image_table(images, ["a.jpg", "b.png", "c.webp"], struct=True)

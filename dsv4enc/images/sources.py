@@ -725,6 +725,8 @@ def read_table_cell(path: str, cell: TableCell, stream: bool = False) -> bytes |
     if data.is_valid:
         return pa.BufferReader(data.as_buffer()) if stream else data.as_py()
     named = value["path"].as_py() if value.type.get_field_index("path") >= 0 else None
+    if isinstance(named, bytes):  # a binary path field: the file name's own bytes
+        named = os.fsdecode(named)
     if not named:
         raise ValueError(f"row has no image ({cell.column!r} holds neither bytes nor a path)")
     return cell_file(named, path, cell.path_roots)

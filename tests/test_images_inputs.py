@@ -306,6 +306,21 @@ def test_unreadable_files_from_is_a_usage_error(tmp_path):
     assert "\n" not in str(info.value) and "--files-from" in str(info.value)
 
 
+@pytest.mark.skipif(sys.platform == "win32", reason="needs a POSIX terminal")
+def test_files_from_stdin_that_is_a_terminal_is_refused(monkeypatch):
+    """``--files-from -`` with no list piped in (standard input a terminal) is refused in one
+    line, as a terminal named by its path is: it would wait for typed paths, with no prompt."""
+    import pty
+
+    main, side = pty.openpty()
+    os.write(main, b"a.png\n\x04")  # typed: a path, then end-of-file (Ctrl-D)
+    with os.fdopen(side, "r") as terminal:
+        monkeypatch.setattr(sys, "stdin", terminal)
+        with pytest.raises(UsageError, match="standard input is a terminal"):
+            list(read_path_list("-"))
+    os.close(main)
+
+
 # --------------------------------------------------------------------------- streaming
 
 TRICKY = ["a.png", "a/b.png", "a.b/c.png", "a-b.png", "a b/c.jpg", ".hidden.png", "..dots.png",

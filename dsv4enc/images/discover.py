@@ -138,8 +138,12 @@ def read_path_list(list_file: str, stop: Stop | None = None) -> Iterator[str]:
 
 def _open_path_list(list_file: str) -> ContextManager[BinaryIO]:
     """The list's file, read as bytes: standard input (left open) for ``-``, a regular file or a
-    pipe; a device (``/dev/zero``, a terminal) is refused, as reading it may never end."""
+    pipe; a device (``/dev/zero``, a terminal, standard input that is one: nothing piped in)
+    is refused, as reading it may never end."""
     if list_file == "-":
+        if sys.stdin is not None and sys.stdin.isatty():
+            raise UsageError("--files-from -: standard input is a terminal, not a list of paths "
+                             "(pipe a list in, or give a file)")
         return contextlib.nullcontext(getattr(sys.stdin, "buffer", sys.stdin))
     if stat.S_ISCHR(mode := os.stat(list_file).st_mode) or stat.S_ISBLK(mode):
         raise UsageError(f"--files-from {list_file}: a device, not a list of paths (give a "

@@ -300,6 +300,18 @@ def test_files_from_stdin_and_undecodable_bytes(tmp_path, monkeypatch):
     assert list(read_path_list(str(listing))) == paths
 
 
+def test_a_utf16_files_from_list_is_refused_as_such(tmp_path):
+    """A list saved as UTF-16 (Windows PowerShell's ``>``) says so in one line, not that none
+    of its paths (read as bytes full of NULs) exists."""
+    listing = tmp_path / "list.txt"
+    for encoding in ("utf-16", "utf-16-be"):
+        listing.write_bytes(("\ufeff" if encoding.endswith("be") else "")
+                            .encode(encoding) + "a.png\r\nb.png\r\n".encode(encoding))
+        with pytest.raises(UsageError, match="UTF-16") as info:
+            list(read_path_list(str(listing)))
+        assert "\n" not in str(info.value) and "UTF-8" in str(info.value)
+
+
 def test_unreadable_files_from_is_a_usage_error(tmp_path):
     with pytest.raises(UsageError) as info:
         list(read_path_list(str(tmp_path / "no-such-list.txt")))

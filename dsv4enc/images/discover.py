@@ -109,9 +109,9 @@ MAX_LIST_LINE_BYTES = 64 << 10
 def read_path_list(list_file: str, stop: Stop | None = None) -> Iterator[str]:
     """The paths of a path list (``-``: standard input) as its lines are read, stripped; blank
     lines and lines starting with ``#`` are skipped (``./#name`` names a file ``#name``), and
-    a UTF-8 byte order mark before the first. An unreadable list, a device, or a line over
-    ``MAX_LIST_LINE_BYTES`` is a UsageError; ``stop`` is checked once a line (a list can be a
-    pipe that never ends)."""
+    a UTF-8 byte order mark before the first. An unreadable list, a device, UTF-16 text or a
+    line over ``MAX_LIST_LINE_BYTES`` is a UsageError; ``stop`` is checked once a line (a list
+    can be a pipe that never ends)."""
     where = "standard input" if list_file == "-" else list_file
     try:
         with _open_path_list(list_file) as handle:
@@ -128,6 +128,10 @@ def read_path_list(list_file: str, stop: Stop | None = None) -> Iterator[str]:
                 if stop is not None:
                     stop.check()
                 if number == 1:  # the byte order mark a Windows editor saves a list with
+                    if line.startswith((b"\xff\xfe", b"\xfe\xff")):  # its paths would be NULs
+                        raise UsageError(f"--files-from {where}: the list is UTF-16 text (as "
+                                         "Windows PowerShell's > writes it); save it as UTF-8, "
+                                         "one path a line")
                     line = line.removeprefix(b"\xef\xbb\xbf")
                 path = os.fsdecode(line).strip()  # any bytes go through, as the file system's
                 if path and not path.startswith("#"):

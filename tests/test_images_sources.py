@@ -785,6 +785,33 @@ def keys_of(items) -> list[str]:
 
 # --------------------------------------------------------------------------- kept columns
 
+def test_string_cells_that_are_not_utf8_are_escaped_not_the_run_s_end(tmp_path, images, ckpt):
+    """A table's string cells are not checked by their writer, nor by Parquet's reader: one
+    that is not UTF-8 (a key, a {bytes, path} struct's path, a kept column) is read as its
+    bytes, escaped as a binary key's are (``\\xNN``), never a traceback that ends the run."""
+    picture = images["d.png"]
+    (tmp_path / os.fsdecode(b"\xff\xfeQQ.png")).write_bytes(picture.read_bytes())
+    table = pa.table({"img": pa.array([{"bytes": None, "path": "QQQQ.png"},
+                                       {"bytes": picture.read_bytes(), "path": "ok.png"}], STRUCT),
+                      "caption": ["ZZZZ", "fine"], "id": ["KKKK", "k2"]})
+    pq.write_table(table, tmp_path / "t.parquet", compression="none", use_dictionary=False,
+                   write_statistics=False)
+    data = (tmp_path / "t.parquet").read_bytes()
+    for marker in (b"QQQQ", b"ZZZZ", b"KKKK"):  # written unchecked, as another writer may
+        data = data.replace(marker, b"\xff\xfe" + marker[:2])
+    path = tmp_path / "bad.parquet"
+    path.write_bytes(data)
+    assert [i.key for i in discover([str(path)]).items] == [f"{path}/\\xff\\xfeQQ.png",
+                                                            f"{path}/ok.png"]
+    out = tmp_path / "o.parquet"
+    run(str(path), "--key-column", "id", "--keep-column", "caption", "--out", str(out),
+        "--weights", str(ckpt))
+    rows = pq.read_table(out, columns=["path", "id", "caption", "error"]).to_pylist()
+    assert rows == [{"path": "\\xff\\xfeKK", "id": "\\xff\\xfeKK", "caption": "\\xff\\xfeZZ",
+                     "error": None},
+                    {"path": "k2", "id": "k2", "caption": "fine", "error": None}]
+
+
 def test_kept_columns_and_the_typed_key_join_back_to_the_table(tmp_path, images, shard, ckpt):
     """--keep-column copies table columns into the rows in their own types (null for rows
     not from a table), and --key-column keeps its column typed beside the text ``path``: an

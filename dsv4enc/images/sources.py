@@ -581,11 +581,11 @@ def expand_table(raw: str, image_column: str | None = None, key_column: str | No
         unreadable = None
         try:
             if key_column is not None:
-                keys = table.read(group, [key_column]).column(0).to_pylist()
+                keys = unchecked_values(table.read(group, [key_column]).column(0))
             elif has_path:  # Parquet reads just the struct's path field
                 wanted = f"{column}.path" if table.parquet else column
                 paths = table.read(group, [wanted]).column(0).combine_chunks()
-                keys = paths.field("path").to_pylist()
+                keys = unchecked_values(paths.field("path"))
         except (OSError, pa.ArrowException) as exc:  # each row of the group is an error row
             unreadable = Unreadable(f"{raw}: row group {group} cannot be read ({exc})")
         for row, key in enumerate(keys):
@@ -638,7 +638,10 @@ def kept_values(items: Sequence[InputItem], fields: Sequence["pa.Field"]) -> dic
             return dict(item.sidecars).get(field.name)
         if isinstance(item.member, TableCell):
             cell = item.member
-            return GROUP_CACHE.value(item.path, cell.group, cell.row, field.name).as_py()
+            got = unchecked_values(GROUP_CACHE.value(item.path, cell.group, cell.row, field.name))
+            if isinstance(got, bytes) and field.type in (pa.string(), pa.large_string()):
+                return got.decode("utf-8", "backslashreplace")  # a cell that is not UTF-8
+            return got
         return None
 
     return {field.name: pa.array([value(item, field) for item in items], type=field.type)
@@ -711,6 +714,19 @@ class GroupCache:
 GROUP_CACHE = GroupCache()
 
 
+def unchecked_values(values: "pa.Array | pa.ChunkedArray | pa.Scalar") -> Any:
+    """``values`` as Python values (a list for an array); a string that is not UTF-8 (neither
+    its writer nor Parquet's reader checks) as its bytes, where ``as_py`` would raise."""
+    import pyarrow as pa
+
+    listed = isinstance(values, (pa.Array, pa.ChunkedArray))
+    try:
+        return values.to_pylist() if listed else values.as_py()
+    except UnicodeDecodeError:
+        raw = values.cast(pa.large_binary())
+        return raw.to_pylist() if listed else raw.as_py()
+
+
 def read_table_cell(path: str, cell: TableCell, stream: bool = False) -> bytes | str | BinaryIO:
     """A table cell's image: its bytes (with ``stream``, a file object over them that copies
     nothing, for header probes), or (a struct with only a path) the file it names."""
@@ -724,8 +740,8 @@ def read_table_cell(path: str, cell: TableCell, stream: bool = False) -> bytes |
     data = value if image_column_kind(value.type) == "bytes" else value["bytes"]
     if data.is_valid:
         return pa.BufferReader(data.as_buffer()) if stream else data.as_py()
-    named = value["path"].as_py() if value.type.get_field_index("path") >= 0 else None
-    if isinstance(named, bytes):  # a binary path field: the file name's own bytes
+    named = unchecked_values(value["path"]) if value.type.get_field_index("path") >= 0 else None
+    if isinstance(named, bytes):  # a binary path field (or not UTF-8): the name's own bytes
         named = os.fsdecode(named)
     if not named:
         raise ValueError(f"row has no image ({cell.column!r} holds neither bytes nor a path)")

@@ -618,6 +618,27 @@ def test_damaged_parquet(tmp_path, images):
     assert errors[:2] == [None, None] and errors[2] and errors[3]
 
 
+def test_a_table_whose_column_name_is_not_utf8_is_one_error_row(tmp_path, images, shard):
+    """A Parquet footer (or an Arrow schema) whose column name is not UTF-8 is one error row
+    (given by name, or found in a folder of shards), not a UnicodeDecodeError traceback that
+    ends the run."""
+    table = image_table(images, ["a.jpg"], struct=False).append_column("NNNN", pa.array([1]))
+    pq.write_table(table, tmp_path / "t.parquet", store_schema=False)
+    folder = tmp_path / "shards"
+    folder.mkdir()
+    bad = folder / "bad.parquet"
+    bad.write_bytes((tmp_path / "t.parquet").read_bytes().replace(b"NNNN", b"\xff\xfeNN"))
+    shutil.copy(shard, folder / "s.tar")
+    assert [i.key for i in discover([str(bad)]).items] == [f"{bad}@0"]
+    feather.write_feather(table, tmp_path / "t.arrow")
+    arrow = tmp_path / "bad.arrow"  # an Arrow file's schema is decoded when first asked
+    arrow.write_bytes((tmp_path / "t.arrow").read_bytes().replace(b"NNNN", b"\xff\xfeNN"))
+    assert [i.key for i in discover([str(arrow)]).items] == [f"{arrow}@0"]
+    items = discover([str(folder)]).items
+    assert items[0].key == "bad.parquet@0" and "utf-8" in items[0].member.reason
+    assert [i.key for i in items[1:]] == [f"s.tar/{key}" for key in SHARD_KEYS]
+
+
 # --------------------------------------------------------------------------- table path cells
 
 def path_table(folder: Path, paths: list[str]) -> Path:

@@ -465,7 +465,7 @@ def written_by_dsv4enc(path: str) -> bool:
         return False
     try:
         return b"dsv4enc" in (TableReader(path).schema.metadata or {})
-    except (OSError, pa.ArrowException):
+    except (OSError, pa.ArrowException, UnicodeDecodeError):
         return False  # not readable: its error row says why
 
 
@@ -567,7 +567,8 @@ def expand_table(raw: str, image_column: str | None = None, key_column: str | No
     name = name or raw
     try:
         table = TableReader(raw)
-    except (OSError, pa.ArrowException) as exc:
+        table.schema.names  # an Arrow schema's names are decoded when first asked for
+    except (OSError, pa.ArrowException, UnicodeDecodeError) as exc:  # a name not UTF-8
         return [damaged_item(raw, 0, f"cannot read it as a table: {exc}", name)]
     column = choose_image_column(table.schema, image_column, raw)
     if key_column is not None and key_column not in table.schema.names:

@@ -833,6 +833,27 @@ def test_string_cells_that_are_not_utf8_are_escaped_not_the_run_s_end(tmp_path, 
                     {"path": "k2", "id": "k2", "caption": "fine", "error": None}]
 
 
+def test_a_damaged_page_of_a_kept_column_is_null_not_the_run_s_end(tmp_path, images, ckpt):
+    """A kept column whose page cannot be read (the image and key columns can) leaves that
+    row group's cells null; the rows keep their embeddings, and the run completes."""
+    names = ["a.jpg", "b.png", "c.webp", "d.png"]
+    table = pa.table({"id": ["k0", "k1", "k2", "k3"], "caption": ["c0", "c1", "c2", "c3"],
+                      "img": [images[n].read_bytes() for n in names]})
+    path = tmp_path / "t.parquet"
+    pq.write_table(table, path, row_group_size=2, compression="none")
+    meta = pq.ParquetFile(path).metadata
+    start = meta.row_group(1).column(meta.schema.names.index("caption")).data_page_offset
+    broken = bytearray(path.read_bytes())
+    broken[start:start + 16] = b"\xff" * 16  # the second group's caption page header
+    path.write_bytes(bytes(broken))
+    out = tmp_path / "o.parquet"
+    run(str(path), "--key-column", "id", "--keep-column", "caption", "--out", str(out),
+        "--weights", str(ckpt))
+    rows = pq.read_table(out, columns=["path", "caption", "error"]).to_pylist()
+    assert rows == [{"path": f"k{i}", "caption": f"c{i}" if i < 2 else None, "error": None}
+                    for i in range(4)]
+
+
 def test_kept_columns_and_the_typed_key_join_back_to_the_table(tmp_path, images, shard, ckpt):
     """--keep-column copies table columns into the rows in their own types (null for rows
     not from a table), and --key-column keeps its column typed beside the text ``path``: an

@@ -631,7 +631,8 @@ def sidecar_fields(keep_members: Sequence[str]) -> list["pa.Field"]:
 
 def kept_values(items: Sequence[InputItem], fields: Sequence["pa.Field"]) -> dict[str, "pa.Array"]:
     """The columns ``fields`` for ``items``, in order: a tar sample's kept sidecar text
-    (``InputItem.sidecars``), a table row's own cell (through ``GROUP_CACHE``), else null."""
+    (``InputItem.sidecars``), a table row's own cell (through ``GROUP_CACHE``), else null (a
+    cell of a page that cannot be read too: its image, read apart, may be fine)."""
     import pyarrow as pa
 
     def value(item: InputItem, field: "pa.Field") -> Any:
@@ -639,7 +640,11 @@ def kept_values(items: Sequence[InputItem], fields: Sequence["pa.Field"]) -> dic
             return dict(item.sidecars).get(field.name)
         if isinstance(item.member, TableCell):
             cell = item.member
-            got = unchecked_values(GROUP_CACHE.value(item.path, cell.group, cell.row, field.name))
+            try:
+                got = unchecked_values(GROUP_CACHE.value(item.path, cell.group, cell.row,
+                                                         field.name))
+            except (OSError, pa.ArrowException):  # a damaged page: the row keeps its embedding
+                return None
             if isinstance(got, bytes) and field.type in (pa.string(), pa.large_string()):
                 return got.decode("utf-8", "backslashreplace")  # a cell that is not UTF-8
             return got

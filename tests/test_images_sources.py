@@ -639,6 +639,30 @@ def test_a_table_whose_column_name_is_not_utf8_is_one_error_row(tmp_path, images
     assert [i.key for i in items[1:]] == [f"s.tar/{key}" for key in SHARD_KEYS]
 
 
+def test_a_damaged_column_chunk_footer_is_an_error_row_not_an_abort(tmp_path, images):
+    """A footer whose column chunk metadata pyarrow cannot build (here: the image column's
+    repetition changed, so its level histograms no longer fit) gives error rows; pyarrow
+    aborts the whole process (a C++ exception) where that metadata is asked for in Python."""
+    import subprocess
+    import sys
+
+    table = pa.table({"img": pa.array([{"bytes": images["a.jpg"].read_bytes(), "path": "a"}],
+                                      STRUCT), "id": ["k0"]})
+    pq.write_table(table, tmp_path / "t.parquet")
+    data = bytearray((tmp_path / "t.parquet").read_bytes())
+    at = data.rfind(b"\x35\x02\x18\x03img")  # the struct's schema element: optional
+    data[at + 1] = 12  # a repetition type no field has
+    path = tmp_path / "bad.parquet"
+    path.write_bytes(bytes(data))
+    probe = ("import sys; from dsv4enc.images.discover import discover; "
+             "from dsv4enc.images.decode import probe_image; "
+             "print([probe_image(i).error for i in discover([sys.argv[1]], key_column='id').items])")
+    done = subprocess.run([sys.executable, "-c", probe, str(path)], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "histogram" in done.stdout, done.stdout
+
+
 # --------------------------------------------------------------------------- table path cells
 
 def path_table(folder: Path, paths: list[str]) -> Path:

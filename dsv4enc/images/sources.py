@@ -536,7 +536,9 @@ class TableReader:
             return None  # an Arrow batch is used where it lies in the file, not read
         if group not in self._slices:  # asked once per cell: the footer is walked once a group
             meta = self._file.metadata.row_group(group)
-            size = sum(meta.column(i).total_uncompressed_size for i in range(meta.num_columns))
+            # The group's own total of its columns' uncompressed sizes: pyarrow aborts the
+            # process (an uncaught C++ exception) building a damaged column chunk's metadata.
+            size = meta.total_byte_size
             self._slices[group] = (None if size <= CACHE_BYTES
                                    else max(1, meta.num_rows * SLICE_BYTES // size))
         return self._slices[group]

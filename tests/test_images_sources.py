@@ -878,6 +878,34 @@ def test_a_damaged_page_of_a_kept_column_is_null_not_the_run_s_end(tmp_path, ima
                     for i in range(4)]
 
 
+def test_a_column_with_fewer_values_than_rows_gives_error_rows(tmp_path, images, ckpt,
+                                                                  monkeypatch):
+    """A column chunk whose page is of an unknown type (skipped by the reader) gives fewer
+    values than its row group has rows: an image cell past them is an error row that says
+    so, a kept cell is null; never an IndexError that ends the run."""
+    names = ["a.jpg", "b.png"]
+    table = pa.table({"id": ["k0", "k1"], "caption": ["c0", "c1"],
+                      "img": [images[n].read_bytes() for n in names]})
+    pq.write_table(table, tmp_path / "t.parquet", compression="none")
+    meta = pq.ParquetFile(tmp_path / "t.parquet").metadata
+    for column in ("caption", "img"):
+        data = bytearray((tmp_path / "t.parquet").read_bytes())
+        start = meta.row_group(0).column(meta.schema.names.index(column)).data_page_offset
+        data[start + 1] = 69  # the page header's type: none that a reader knows
+        (tmp_path / f"{column}.parquet").write_bytes(bytes(data))
+    out = tmp_path / "o.parquet"
+    run(str(tmp_path / "caption.parquet"), "--key-column", "id", "--keep-column", "caption",
+        "--out", str(out), "--weights", str(ckpt))
+    rows = pq.read_table(out, columns=["path", "caption", "error"]).to_pylist()
+    assert rows == [{"path": f"k{i}", "caption": None, "error": None} for i in range(2)]
+    items = discover([str(tmp_path / "img.parquet")], key_column="id").items
+    error = probe_image(items[1]).error
+    assert error.startswith("DamagedContainerError") and "rows" in error, error
+    monkeypatch.setattr(sources, "CACHE_BYTES", 1)  # the group read in slices of a row
+    monkeypatch.setattr(sources, "GROUP_CACHE", sources.GroupCache(max_bytes=1))
+    assert probe_image(items[1]).error == error
+
+
 def test_kept_columns_and_the_typed_key_join_back_to_the_table(tmp_path, images, shard, ckpt):
     """--keep-column copies table columns into the rows in their own types (null for rows
     not from a table), and --key-column keeps its column typed beside the text ``path``: an

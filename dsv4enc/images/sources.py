@@ -645,7 +645,7 @@ def kept_values(items: Sequence[InputItem], fields: Sequence["pa.Field"]) -> dic
             try:
                 got = unchecked_values(GROUP_CACHE.value(item.path, cell.group, cell.row,
                                                          field.name))
-            except (OSError, pa.ArrowException):  # a damaged page: the row keeps its embedding
+            except (OSError, pa.ArrowException, DamagedContainerError):  # a damaged page
                 return None
             if isinstance(got, bytes) and field.type in (pa.string(), pa.large_string()):
                 return got.decode("utf-8", "backslashreplace")  # a cell that is not UTF-8
@@ -689,8 +689,12 @@ class GroupCache:
                            else chunks.combine_chunks())
             elif key not in self._columns:
                 self._read_slices(table, key, rows)
+            values = self._columns.get(key, ())
+            if row - start >= len(values):  # a page the reader skipped (of an unknown type)
+                raise DamagedContainerError(f"{path}: column {column!r} of row group {group} "
+                                            f"holds fewer values than its rows (damaged)")
             self._columns.move_to_end(key)
-            return self._columns[key][row - start]
+            return values[row - start]
 
     def _read_slices(self, table: TableReader, key: tuple[str, int, str, int], rows: int) -> None:
         """Read on to the slice ``key``, keeping each slice read; from the group's start when
@@ -699,8 +703,8 @@ class GroupCache:
         at, reader = self._readers.get(key[:3], (0, None))
         if reader is None or at > start:
             at, reader = 0, table.read_slices(group, column, rows)
-        while at <= start:
-            self._keep((path, group, column, at), next(reader))
+        while at <= start and (values := next(reader, None)) is not None:  # None: a page skipped
+            self._keep((path, group, column, at), values)
             at += rows
         self._readers[key[:3]] = at, reader
 

@@ -241,6 +241,17 @@ def test_a_container_given_by_name_behind_a_bad_link_is_an_error_row(tmp_path):
     assert "not a regular file" in reasons[2]
 
 
+def test_a_folder_not_listed_is_named_on_one_line(caplog):
+    """The line for a folder that cannot be listed shows a newline or a non-UTF-8 byte in its
+    name escaped (as error lines show keys): one line, never the raw character."""
+    from dsv4enc.images.discover import warn_unlisted
+
+    with caplog.at_level("ERROR", logger="dsv4enc"):
+        warn_unlisted([(os.fsdecode(b"in/bad\nname\xff"), "Permission denied")])
+    [line] = caplog.messages
+    assert "\n" not in line and "in/bad\\nname\\xff (Permission denied)" in line, line
+
+
 # --------------------------------------------------------------------------- errors, lists
 
 def test_missing_input_is_a_one_line_usage_error(tmp_path):

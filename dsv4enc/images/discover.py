@@ -459,7 +459,7 @@ def warn_unlisted(unlisted: list[tuple[str, str]], shown: int = 10) -> None:
     error so that ``--quiet`` shows it too: images are missing from the run."""
     for folder, reason in unlisted[:shown]:
         _log.error("cannot list folder %s (%s): its images are not in this run",
-                   os.fsdecode(folder)[:300], reason)
+                   printable(os.fsdecode(folder))[:300], reason)
     if len(unlisted) > shown:
         _log.error("%d more folders could not be listed", len(unlisted) - shown)
 

@@ -298,6 +298,21 @@ def test_files_from_lists_tar_shards_and_tables_as_their_images(tmp_path):
     assert keys(discover([], str(only_shards)).items) == [f"{tmp_path / 's.tar'}/0001"]
 
 
+def test_a_compressed_tar_in_files_from_is_refused_as_by_name(tmp_path):
+    """A ``.tar.gz`` line is refused in one line that says to decompress it, as the shard
+    given by name is, not passed over as a file that is no image (its images silently lost)."""
+    import tarfile
+
+    image = write_image(tmp_path / "a.png", (20, 10))
+    for name, mode in (("s.tar", "w"), ("t.tar.gz", "w:gz")):
+        with tarfile.open(tmp_path / name, mode) as archive:
+            archive.add(image, "0001.png")
+    listing = tmp_path / "list.txt"
+    listing.write_text(f"{tmp_path / 's.tar'}\n{tmp_path / 't.tar.gz'}\n")
+    with pytest.raises(UsageError, match="gzip-compressed tar shard.*decompress it first"):
+        discover([], str(listing))
+
+
 def test_files_from_stdin_and_undecodable_bytes(tmp_path, monkeypatch):
     raw = b"one.png\n caf\xe9.jpg \n\n"
     monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(raw)))

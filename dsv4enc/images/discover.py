@@ -220,6 +220,7 @@ def _list_items(list_file: str, state: _Listing, stop: Stop | None) -> Iterator[
             held.clear()
         elif missing is not None:
             missing.add(line)
+        refuse_compressed_tar(line)  # as given by name (not passed over as no image)
         container = container_kind(line) is not None
         if not (is_image_name(line) or container) or Path(path).is_dir():
             state.found.skipped += 1

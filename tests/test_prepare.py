@@ -129,3 +129,15 @@ def test_an_array_not_shaped_as_an_image_has_no_size(small_cfg):
     item = prepare(np.zeros((10, 12, 2), np.uint8), small_cfg, 10 ** 6, Prepared())
     assert item.error.startswith("ValueError: array has shape (10, 12, 2)")
     assert (item.width, item.height) == (12, 10)  # an image's shape, a wrong channel count
+
+
+def test_a_dict_whose_path_is_bytes_reads_the_file_it_names(small_cfg, tmp_path):
+    """A ``{bytes: None, path: b"..."}`` dict (a table's binary path field, as the command line
+    reads it) opens the file its bytes name, not those bytes as an image's."""
+    from dsv4enc.images.prepare import image_source
+
+    picture = write_image(tmp_path / os.fsdecode(b"caf\xe9.png"), (30, 20), seed=1)
+    source, name = image_source({"bytes": None, "path": os.fsencode(picture)})
+    assert source == name == str(picture)
+    item = prepare(source, small_cfg, 10 ** 6, Prepared())
+    assert item.error is None and (item.width, item.height) == (30, 20)

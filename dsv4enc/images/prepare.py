@@ -29,6 +29,8 @@ def image_source(image: Any) -> tuple[Any, str | None]:
     path gives and names its text; bytes-like input gives ``bytes``; anything else, itself."""
     if isinstance(image, Mapping):
         data, named = image.get("bytes"), image.get("path")
+        if isinstance(named, bytes):  # a table's binary path field: the file name's own bytes
+            named = os.fsdecode(named)
         name = os.fspath(named) if isinstance(named, (str, os.PathLike)) and named else None
         return (image_source(data)[0] if data is not None else
                 image_source(named)[0] if named is not None else None), name

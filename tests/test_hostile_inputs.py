@@ -334,6 +334,18 @@ def test_a_header_claiming_ten_billion_pixels_is_never_allocated(tmp_path, cfg):
 
 # --------------------------------------------------------------------------- image formats
 
+def test_a_cut_short_webp_says_so_in_plain_words(tmp_path, cfg):
+    """A WebP cut short (or damaged) is an error row that says so, whatever its name, not
+    libwebp's "could not create decoder object"; other read errors keep their own type."""
+    data = encoded(noise(80, 60), "WEBP")[:600]
+    for name in ("cut.webp", "cut.jpg"):
+        (tmp_path / name).write_bytes(data)
+        for error in (probe_image(str(tmp_path / name)).error,
+                      decode_image(str(tmp_path / name), cfg).error):
+            assert error == "OSError: damaged or cut-short WebP data (libwebp cannot read it)"
+    assert probe_image(str(tmp_path / "gone.webp")).error.startswith("FileNotFoundError")
+
+
 def test_any_accepted_format_is_opened_whatever_the_name_and_no_other(tmp_path, cfg):
     """A path, a tar member and unnamed bytes (a table cell): probes and decodes alike read
     any of the six accepted formats whatever the name (the probe says when the name says

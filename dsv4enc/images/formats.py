@@ -95,7 +95,12 @@ def open_image(handle: str | os.PathLike | IO[bytes], name: str | None):
     for formats in (list(allowed), others):  # others: whatever the name says
         if formats:
             with contextlib.suppress(UnidentifiedImageError):
-                return Image.open(handle, formats=formats)
+                try:
+                    return Image.open(handle, formats=formats)
+                except OSError as exc:  # libwebp's words for WebP data it cannot read
+                    if str(exc) == "could not create decoder object":
+                        raise OSError("damaged or cut-short WebP data (libwebp cannot read it)")
+                    raise
     prefix = _prefix(handle)
     if prefix == b"":
         raise UnidentifiedImageError("empty file (0 bytes)")

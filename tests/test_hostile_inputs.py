@@ -346,6 +346,21 @@ def test_a_cut_short_webp_says_so_in_plain_words(tmp_path, cfg):
     assert probe_image(str(tmp_path / "gone.webp")).error.startswith("FileNotFoundError")
 
 
+def test_a_header_cut_short_names_its_format_not_an_unsupported_one(tmp_path):
+    """A GIF, PNG or TIFF cut inside its header says it is damaged data of its format, not
+    that only six formats are read (it is one of them); bytes of no format still say that."""
+    for fmt, ext in (("GIF", "gif"), ("PNG", "png"), ("TIFF", "tif")):
+        data = encoded(noise(80, 60), fmt)[:10]
+        for name in (f"cut.{ext}", "cut.jpg"):
+            (tmp_path / name).write_bytes(data)
+            error = probe_image(str(tmp_path / name)).error
+            assert error == (f"UnidentifiedImageError: cannot read the image: it starts as "
+                             f"{fmt} data, but its header is damaged or cut short"), error
+    (tmp_path / "text.png").write_bytes(b"hello world, no image")
+    assert "only BMP, GIF, JPEG, PNG, TIFF, WEBP are read" in probe_image(
+        str(tmp_path / "text.png")).error
+
+
 def test_any_accepted_format_is_opened_whatever_the_name_and_no_other(tmp_path, cfg):
     """A path, a tar member and unnamed bytes (a table cell): probes and decodes alike read
     any of the six accepted formats whatever the name (the probe says when the name says

@@ -109,7 +109,10 @@ def open_image(handle: str | os.PathLike | IO[bytes], name: str | None):
         raise UnidentifiedImageError(f"the image is a TGA (Truevision Targa) file{_named(name)}"
                                      f" ({wanted})")
     actual = detected_format(prefix)
-    if actual is None or actual in ACCEPTED_FORMATS:  # damaged, or no image at all
+    if actual in ACCEPTED_FORMATS:  # not that its format is not read: its header is damaged
+        raise UnidentifiedImageError(f"cannot read the image: it starts as {actual} data, but "
+                                     "its header is damaged or cut short")
+    if actual is None:  # no image at all
         raise UnidentifiedImageError(f"cannot identify the image ({wanted})")
     raise UnidentifiedImageError(f"the image looks like {actual} data{_named(name)} ({wanted})")
 

@@ -364,6 +364,28 @@ def test_a_manifest_entry_edited_out_of_the_format_is_one_line_for_resume_and_up
     assert len(rows(out)) == N_IMAGES
 
 
+def test_a_manifest_that_is_not_json_is_named_and_the_way_on_is_a_new_out(data, tmp_path):
+    """A folder output whose manifest was cut short: a reader calls it damaged and names the
+    way on that works (a new --out: --overwrite replaces no folder whose manifest is not
+    provably dsv4enc's); every flag refuses naming the manifest, and keeps the folder."""
+    from dsv4enc import read_embeddings
+
+    out = tmp_path / "out"
+    assert encode(str(data), "--out", f"{out}/").exit_code == 0
+    manifest = out / "_manifest.json"
+    manifest.write_bytes(manifest.read_bytes()[:20])
+    with pytest.raises(UsageError, match="not JSON: the output is damaged; encode it again "
+                                         "into a new --out .--overwrite keeps"):
+        list(read_embeddings(out))
+    before = snapshot(out)
+    for extra in (["--overwrite"], ["--resume"], ["--update"]):
+        line = one_line_error(encode(str(data), "--out", f"{out}/", *extra))
+        assert "its _manifest.json is no dsv4enc manifest: another tool's, or damaged" in line
+    assert snapshot(out) == before
+    result = encode(str(data), "--out", str(tmp_path / "new") + "/")
+    assert result.exit_code == 0, result.output
+
+
 def test_overwrite_keeps_foreign_files_in_a_partial_folder(data, tmp_path):
     out = tmp_path / "e.parquet"
     partial = tmp_path / "e.parquet.partial"

@@ -280,8 +280,10 @@ class OutputLayout:
         owned, foreign = self._owned_and_foreign(manifests)
         where = f"--out folder {out}" if self.folder_mode else str(self.parts_dir)
         if foreign and not manifests and self.folder_mode:
-            raise OutputError(f"--out folder {out} is not empty and holds no dsv4enc output; "
-                              "choose another path")
+            which = (" (its _manifest.json is no dsv4enc manifest: another tool's, or "
+                     "damaged)" if "_manifest.json" in foreign else "")
+            raise OutputError(f"--out folder {out} is not empty and holds no dsv4enc "
+                              f"output{which}; choose another path")
         if foreign:
             shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more"
                                               if len(foreign) > 3 else "")

@@ -290,7 +290,10 @@ def _read_manifest(fs, path: str, listed: Iterable[str], shown: str) -> dict | N
     except SegmentGone:
         raise
     except ValueError:
-        raise UsageError(f"{shown}: not JSON: {DAMAGED}") from None
+        # --overwrite replaces no folder whose manifest is not provably dsv4enc's: not this one
+        raise UsageError(f"{shown}: not JSON: the output is damaged; encode it again into a "
+                         "new --out (--overwrite keeps a folder whose manifest it cannot "
+                         "read)") from None
     except OSError:
         return None
     return data if is_dsv4enc_document(data) and isinstance(data.get("parts"), dict) else None

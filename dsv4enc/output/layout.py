@@ -20,8 +20,9 @@ import pyarrow.parquet as pq
 from .. import storage
 from ..errors import OutputError, output_os_error
 from ..images.items import is_image_name
-from .files import (GROWING_NAME, JOURNAL_FILE, LOCK_NAME, MANIFEST_FILE, PART_FILE, PARTIAL,
-                    STAMPS_FILE, is_output_file, manifest_name, temporary_of, write_probe)
+from .files import (GROWING_NAME, JOURNAL_FILE, LOCK_NAME, MANIFEST_FILE, MANIFEST_NAME,
+                    PART_FILE, PARTIAL, STAMPS_FILE, is_output_file, manifest_name,
+                    temporary_of, write_probe)
 from . import appending
 from .lock import OutputLock, holder_if_locked
 from .parquet_join import MAGIC
@@ -280,8 +281,8 @@ class OutputLayout:
         owned, foreign = self._owned_and_foreign(manifests)
         where = f"--out folder {out}" if self.folder_mode else str(self.parts_dir)
         if foreign and not manifests and self.folder_mode:
-            which = (" (its _manifest.json is no dsv4enc manifest: another tool's, or "
-                     "damaged)" if "_manifest.json" in foreign else "")
+            which = (f" (its {MANIFEST_NAME} is no dsv4enc manifest: another tool's, or "
+                     "damaged)" if MANIFEST_NAME in foreign else "")
             raise OutputError(f"--out folder {out} is not empty and holds no dsv4enc "
                               f"output{which}; choose another path")
         if foreign:

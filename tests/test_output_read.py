@@ -211,6 +211,28 @@ def test_a_part_committed_after_the_listing_is_read_a_part_gone_is_damage(tmp_pa
         list(read_embeddings(folder))
 
 
+def test_a_committed_part_cut_short_is_damage_that_says_how_to_repair_it(tmp_path):
+    """A folder's committed part cut short since (a bad copy, a full disk): one line naming
+    it and the repair, as for a part gone (--update; --resume for an unfinished run); a
+    single file cut short has no such repair, and its line offers none."""
+    from dsv4enc.errors import UsageError
+    from dsv4enc.dataset import EmbeddingDataset
+
+    store, _, _ = _first_part_committed(tmp_path, part_images=4)
+    part = store.folder / "part-000000.parquet"
+    part.write_bytes(part.read_bytes()[:100])
+    for reader in (lambda: list(read_embeddings(store.folder)), lambda: EmbeddingDataset(
+            store.folder)):
+        with pytest.raises(UsageError, match=f"{part}: not a readable Parquet file .* the "
+                           "output is damaged; rerun its encode command with --update to "
+                           r"repair it \(with --resume, if that run did not finish\)$"):
+            reader()
+    single = tmp_path / "rows.parquet"
+    single.write_bytes(single.read_bytes()[:100])
+    with pytest.raises(UsageError, match=r"not a readable Parquet file \([^)]*\)$"):
+        list(read_embeddings(single))
+
+
 @contextlib.contextmanager
 def _paused_single_file_run(tmp_path: Path, weights: Path, name: str):
     """A single-file run of four images into ``tmp_path / name`` in another process, paused

@@ -28,6 +28,9 @@ BATCH_ROWS = 16
 #: Listings of a folder a reader makes at most while a running bucket output merges the
 #: journal segments it reads (each merge replaces segments; a reader reads the survivors).
 LISTINGS = 3
+#: How a reader's line ends for a folder output whose committed part is gone or cut short.
+REPAIRABLE = ("the output is damaged; rerun its encode command with --update to repair it "
+              "(with --resume, if that run did not finish)")
 
 
 @dataclass(frozen=True)
@@ -73,7 +76,9 @@ class OutputFiles:
             return pq.ParquetFile(source, pre_buffer=remote, metadata=metadata)
         except (OSError, pa.ArrowException) as exc:
             source.close()
-            raise UsageError(f"{self.name(path)}: not a readable Parquet file ({exc})") from None
+            repair = f": {REPAIRABLE}" if self.manifests else ""  # a committed part: repairable
+            raise UsageError(f"{self.name(path)}: not a readable Parquet file ({exc})"
+                             f"{repair}") from None
 
     def replaced(self, path: str) -> UsageError:
         """The error for a file listed in the output that is gone or changed since: the
@@ -120,8 +125,7 @@ def find_output(location: str | os.PathLike, storage_options: Any = None) -> Out
     if gone:
         more = f" (and {len(gone) - 1} more)" if len(gone) > 1 else ""
         raise UsageError(f"{_shown(text, root, gone[0])}{more}: missing, though the manifest "
-                         "lists it: the output is damaged; rerun its encode command with "
-                         "--update to repair it (with --resume, if that run did not finish)")
+                         f"lists it: {REPAIRABLE}")
     locked = f"{root}/{LOCK_NAME}" in listed
     if not manifests and not locked:  # (locked: a run writes it, or was killed, before a commit)
         paths = sorted((p for p in listed if _visible(p[len(root):].strip("/"))),

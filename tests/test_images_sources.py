@@ -99,6 +99,24 @@ def test_tar_index_keys_and_skips(shard):
     assert sources.split_key("plain") == ("plain", "")
 
 
+
+def test_member_names_split_as_pathlib_splits_them():
+    """A tar member's key and path, read from plain strings, are what ``PurePosixPath`` gave
+    (keys written by earlier runs stay the keys an ``--update`` finds): every name of up to 6
+    characters over ``/``, ``.``, ``a`` and ``b``."""
+    import itertools
+    from pathlib import PurePosixPath
+
+    for size in range(7):
+        for name in map("".join, itertools.product("/.ab", repeat=size)):
+            path = PurePosixPath(name)
+            stem, dot, ext = path.name.partition(".")
+            parent = str(path.parent)
+            key = stem if parent in ("", ".") else f"{parent}/{stem}"
+            assert sources.split_key(name) == (key, ext if dot else ""), name
+            assert sources.posix_path(name) == path.as_posix(), name
+            assert (sources.posix_parts(name)[1] or [""])[-1] == path.name, name
+
 def test_tar_members_are_read_by_offset_alone(shard, images, tmp_path):
     """Workers seek to their member: the rest of the tar (headers included) is never parsed."""
     items = discover([str(shard)]).items

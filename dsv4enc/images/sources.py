@@ -17,7 +17,6 @@ import tarfile
 import threading
 from collections import OrderedDict
 from dataclasses import replace
-from pathlib import PurePosixPath
 from typing import TYPE_CHECKING, Any, BinaryIO, Iterator, Literal, Sequence, get_args
 
 from .. import storage
@@ -193,11 +192,27 @@ def container_kind(path: str) -> str | None:
 def split_key(name: str) -> tuple[str, str]:
     """WebDataset's split of a member name into ``(__key__, extension)``: the extension
     starts at the first dot of the file name (``a/b.seg.png`` -> ``("a/b", "seg.png")``)."""
-    path = PurePosixPath(name)
-    stem, dot, ext = path.name.partition(".")
-    parent = str(path.parent)
-    key = stem if parent in ("", ".") else f"{parent}/{stem}"
+    root, parts = posix_parts(name)
+    stem, dot, ext = (parts[-1] if parts else "").partition(".")
+    parent = root + "/".join(parts[:-1]) or "."
+    key = stem if parent == "." else f"{parent}/{stem}"
     return key, ext if dot else ""
+
+
+def posix_parts(name: str) -> tuple[str, list[str]]:
+    """``name`` split as ``PurePosixPath(name)`` splits it: its root (``""``, ``"/"``, or
+    ``"//"`` for exactly two leading slashes) and its parts, without empty or ``.`` ones. Plain
+    strings: a shard of millions of members makes no path object, nor interned part, for each."""
+    stripped = name.lstrip("/")
+    leading = len(name) - len(stripped)
+    root = "//" if leading == 2 else "/" if leading else ""
+    return root, [part for part in stripped.split("/") if part and part != "."]
+
+
+def posix_path(name: str) -> str:
+    """``PurePosixPath(name).as_posix()``, from ``posix_parts``."""
+    root, parts = posix_parts(name)
+    return root + "/".join(parts) or "."
 
 
 _BLOCK = tarfile.BLOCKSIZE
@@ -294,7 +309,7 @@ def _tar_locator(info: tarfile.TarInfo, raw: str,
     if info.isreg() and not info.issparse():
         return TarMember(info.name, info.offset_data, info.size)
     if info.islnk():
-        target = files.get(PurePosixPath(info.linkname).as_posix())
+        target = files.get(posix_path(info.linkname))
         if target is not None:
             return TarMember(info.name, target.offset, target.size)
         return Unreadable(f"{raw}: tar member {info.name!r} is a hard link to "
@@ -372,9 +387,8 @@ def expand_tar(raw: str, name: str | None = None,
                     "wrong size field before it); members there are lost"), name))
             end, last = archive.offset, info.name
             if info.isreg() and not info.issparse():
-                files[PurePosixPath(info.name).as_posix()] = TarMember(
-                    info.name, info.offset_data, info.size)
-            base = PurePosixPath(info.name).name
+                files[posix_path(info.name)] = TarMember(info.name, info.offset_data, info.size)
+            base = (posix_parts(info.name)[1] or [""])[-1]
             key, ext = split_key(info.name)
             if info.isdir() or base.startswith(".") or not key:
                 continue

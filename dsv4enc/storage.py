@@ -316,10 +316,11 @@ def setup_error(url: str, exc: BaseException) -> StorageError:
 
 @contextmanager
 def _setup_errors(url: str) -> Iterator[None]:
-    """An ``OSError`` in the block raised as the ``StorageError`` of ``setup_error``."""
+    """An ``OSError`` in the block raised as the ``StorageError`` of ``setup_error``; so is a
+    ``ValueError``: pyarrow's refusal of a URL it cannot address (a key with ``//`` in it)."""
     try:
         yield
-    except OSError as exc:
+    except (OSError, ValueError) as exc:
         raise setup_error(url, exc) from None
 
 

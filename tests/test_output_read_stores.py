@@ -99,6 +99,14 @@ def test_a_missing_object_is_one_line(s3):
     assert "Traceback" not in result.output and "s3:/" + s3.name not in result.output
 
 
+
+def test_a_key_with_an_empty_path_component_is_one_line(s3):
+    """pyarrow's S3 client refuses a key with ``//`` in it (a ValueError): one line."""
+    result = runner.invoke(app, ["inspect", f"{s3.url}/x//out.parquet"])
+    assert result.exit_code == 1 and "Traceback" not in result.output, result.output
+    assert result.output.startswith(f"error: {s3.url}/x//out.parquet: ")
+    assert "empty path component" in result.output.lower()
+
 def test_a_bucket_output_missing_a_committed_part_is_damage_in_one_line(s3, outputs):
     """A part object its manifest lists, gone: read_embeddings and inspect refuse in one line
     naming it under the URL given, as locally, rather than read the other parts as all."""

@@ -615,6 +615,21 @@ def test_missing_bucket_is_one_setup_line(s3, local_images, small_ckpt, tmp_path
     assert "do-not-print-me" not in result.output and "testing-secret" not in result.output
 
 
+@pytest.mark.parametrize("where", ["input", "output file", "output folder"])
+def test_a_key_with_an_empty_path_component_is_one_line(s3, local_images, small_ckpt, tmp_path,
+                                                         where):
+    """pyarrow's S3 client refuses a key with ``//`` in it (a ValueError, not an OSError):
+    as an input or an --out, that is one line naming it, not a traceback."""
+    url = s3.put("in/dbl//a.jpg", (local_images / "a.jpg").read_bytes())
+    source, out = {"input": (url, str(tmp_path / "o.parquet")),
+                   "output file": (str(local_images), f"{s3.url}/x//o.parquet"),
+                   "output folder": (str(local_images), f"{s3.url}/x//o/")}[where]
+    result = runner.invoke(app, ["encode", source, "--out", out, "--weights", str(small_ckpt),
+                                 "--workers", "0", "--device", "cpu", "-q"])
+    line = one_line_failure(result)
+    assert line.startswith("error: ") and "//" in line and "empty path component" in line.lower()
+
+
 def test_no_credentials_is_one_setup_line(s3, local_images, small_ckpt, tmp_path, monkeypatch):
     """An S3 client that finds no credentials anywhere it looks says so, in one line."""
     for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN",

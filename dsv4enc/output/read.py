@@ -145,7 +145,7 @@ def interrupted_folder(path: str | os.PathLike, storage_options: Any = None) -> 
         if root.endswith(PARTIAL):
             return text if fs.get_file_info(root).type == pafs.FileType.Directory else None
         there, beside = fs.get_file_info([root, root + PARTIAL])
-    except OSError as exc:
+    except (OSError, ValueError) as exc:  # ValueError: a URL pyarrow cannot address (``//``)
         raise storage.setup_error(text, exc) from None
     if there.type == pafs.FileType.NotFound and beside.type == pafs.FileType.Directory:
         return text.rstrip("/") + PARTIAL

@@ -616,7 +616,9 @@ def stop_bound_s(outage: float | None = None, options: dict | None = None) -> fl
 def retrying(what: Callable[[], T], *, store: str) -> T:
     """``what()``, tried again after ``BACKOFF_S`` (doubled, ``ATTEMPTS`` tries in all) on an
     ``OSError`` but a setup problem or a missing object (the SDK retries first). Spending them on
-    an outage, or finding ``store`` down (between tries too), raises ``StoreUnavailable``."""
+    an outage, or finding ``store`` down (between tries too), raises ``StoreUnavailable``; so
+    does an outage that has lasted ``outage_s()`` within the call, so that a short
+    ``--storage-outage-s`` is not outlasted by one call's tries (``stop_bound_s``)."""
     record = health(store)
     first_failure: float | None = None
     for attempt in range(ATTEMPTS):
@@ -633,7 +635,7 @@ def retrying(what: Callable[[], T], *, store: str) -> T:
                     raise
             else:
                 first_failure = first_failure or _wall()
-                if last:
+                if last or _wall() - first_failure >= outage_s():
                     record.failed(cause, first_failure)
                     raise StoreUnavailable(store, cause, record.since or first_failure) from exc
         else:

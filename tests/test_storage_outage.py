@@ -230,10 +230,13 @@ def test_a_store_that_keeps_failing_is_down_after_the_outage_time(clock):
     assert storage.failing_store() is None
 
 
-def test_the_bound_holds_when_every_attempt_takes_the_longest(clock):
+@pytest.mark.parametrize("outage", [storage.OUTAGE_S, 10.0])
+def test_the_bound_holds_when_every_attempt_takes_the_longest(clock, monkeypatch, outage):
     """Each attempt times out as late as the policy allows; calls are made back to back, as
     the run's threads do. The run's check finds the store down, and the clean-up's calls
-    fail at once, within ``stop_bound_s``."""
+    fail at once, within ``stop_bound_s``: with a --storage-outage-s shorter than a call's
+    retries too (a call stops retrying once the outage has lasted that long)."""
+    monkeypatch.setenv("DSV4ENC_STORAGE_OUTAGE_S", repr(outage))
     attempt = storage.attempt_bound_s({})
 
     def timing_out() -> None:
@@ -252,7 +255,7 @@ def test_the_bound_holds_when_every_attempt_takes_the_longest(clock):
     for _ in range(3):  # the clean-up: abandon's sync, its manifest, the lock object
         with pytest.raises(storage.StoreUnavailable):
             storage.retrying(timing_out, store=STORE)
-    assert clock.now - stopped <= storage.stop_bound_s(storage.OUTAGE_S, {})
+    assert clock.now - stopped <= storage.stop_bound_s(outage, {})
 
 
 def test_outage_rows_are_transient_and_a_missing_object_is_not(clock):

@@ -168,6 +168,25 @@ def test_single_object_and_missing_object(s3, local_images, small_ckpt, tmp_path
     assert got[url]["error"] is None and got[bad]["error"]
 
 
+
+def test_a_files_from_list_of_object_urls_reads_them(s3, local_images, small_ckpt, tmp_path):
+    """Object URLs in a --files-from list are read from the store, as when given by name (they
+    were opened as local paths: every row "No such file or directory"); a missing one is an
+    error row, as a missing listed file is."""
+    url = s3.put("listed/a b.jpg", (local_images / "a.jpg").read_bytes())
+    missing = f"{s3.url}/listed/gone.jpg"
+    listing = tmp_path / "list.txt"
+    listing.write_text(f"{url}\n{missing}\n")
+    encode("--files-from", str(listing), "--out", str(tmp_path / "listed.parquet"),
+           "--weights", str(small_ckpt))
+    encode(url, "--out", str(tmp_path / "named.parquet"), "--weights", str(small_ckpt))
+    got = {r["path"]: r for r in read_embeddings(tmp_path / "listed.parquet",
+                                                 ["path", "error", "embedding"], errors="include")}
+    assert set(got) == {url, missing}
+    assert got[url]["error"] is None and "gone.jpg" in got[missing]["error"]
+    np.testing.assert_array_equal(np.asarray(got[url]["embedding"]),
+                                  rows(tmp_path / "named.parquet")[url])
+
 def test_tar_shard_in_a_bucket(s3, local_images, small_ckpt, tmp_path):
     shard = tmp_path / "shard-000.tar"
     with tarfile.open(shard, "w") as archive:

@@ -225,7 +225,9 @@ def _list_items(list_file: str, state: _Listing, stop: Stop | None) -> Iterator[
         if not (is_image_name(line) or container) or Path(path).is_dir():
             state.found.skipped += 1
             continue
-        items = state.container(path, line) if container else [InputItem(key=line, path=path)]
+        # an object's line is read from its store, as when given by name (no size: not listed)
+        member = StoredObject(path, None) if storage.is_url(path) else None
+        items = state.container(path, line) if container else [InputItem(line, path, member)]
         keyed = [state.keyed(item) for item in items]
         if missing is None:
             yield from keyed

@@ -39,10 +39,11 @@ class TableCell:
 @dataclass(frozen=True, slots=True)
 class StoredObject:
     """A whole object in a store (``InputItem.path``, and ``name`` for its format, are its URL;
-    ``size`` as listed): its probe's bytes, all of a small one, are held for the decode."""
+    ``size`` as listed, None for a ``--files-from`` line): its probe's bytes, all of a small
+    one, are held for the decode."""
 
     name: str
-    size: int
+    size: int | None
 
 
 @dataclass(frozen=True, slots=True)

@@ -330,6 +330,27 @@ def test_an_update_of_a_bucket_folder_reads_its_parts_in_place(s3, tmp_path, cle
     assert_clean(mirror, clean[1])
 
 
+
+def test_carried_rows_of_a_store_that_stopped_answering_fail_in_one_line(s3_outage, tmp_path):
+    """--update reads the rows it carries from the old part objects where they are: a store
+    that stops answering makes that read the run's one line about the store (it was a
+    traceback of pyarrow's OSError, the read not retried)."""
+    from dsv4enc import storage
+    from dsv4enc.errors import DsvError
+    from dsv4enc.output.files import PART_FILE
+    from dsv4enc.output.update import CarriedRows
+
+    s3 = s3_outage
+    run_encode(options(old_images(tmp_path / "in"), f"{s3.url}/carried/"))
+    key = next(k for k in s3.keys("carried/") if PART_FILE.fullmatch(k.split("/", 1)[1]))
+    reader = CarriedRows([(f"{s3.url}/{key}", 1)])
+    s3.server.stop()
+    try:
+        with pytest.raises(DsvError, match=f"^{s3.url}: the store stopped answering"):
+            reader.row(0, "a.png")
+    finally:
+        storage.reset_health()  # the next tests' runs ask no more of this store
+
 def _launch_update(pauses: Pauses, images: Path, out: str):
     """``--update --prune`` of ``images`` into ``out`` in another process, pausing there."""
     return pauses.launch("encode", str(images), "--out", out, "--config", CONFIG,

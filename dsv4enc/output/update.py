@@ -22,7 +22,7 @@ import os
 import shutil
 from collections import deque
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -33,7 +33,7 @@ from ..pausepoints import pause
 from .files import (LOCK_NAME, MANIFEST_NAME, STAMPS_FILE, generation, is_ours, old_folder,
                     stamps_name, staging_folder, temp_path)
 from .parts import (PartStore, Row, fsync_dir, manifest_document,
-                    part_kept, read_manifest, write_atomic, write_json_atomic)
+                    part_kept, read_manifest, store_failure, write_atomic, write_json_atomic)
 from ..images.decode import is_transient
 from ..images.headers import Planned, inputs_digest
 from ..images.items import InputItem
@@ -356,26 +356,44 @@ class OldOutput:
     def column(self, name: str, missing: Any = None) -> Iterable[Any]:
         """One small column's values, row by row, read a row group at a time (``missing``
         for each row of a damaged part)."""
-        for handle, group, rows in _row_groups(self.files):
+        for path, handle, group, rows in _row_groups(self.files):
             if handle is None:
                 yield from [missing] * rows
             else:
-                yield from handle.read_row_group(group, columns=[name]).column(0).to_pylist()
+                yield from _stored(path, lambda: handle.read_row_group(
+                    group, columns=[name])).column(0).to_pylist()
 
 
 def _row_groups(files: Sequence[tuple[str | Path | None, int]]
-                ) -> Iterable[tuple[Any, int, int]]:
-    """(file handle, row group, rows) in row order; a damaged part's rows as one
-    (None, 0, rows). An object is read in ranges: only the columns asked for travel."""
+                ) -> Iterable[tuple[Any, Any, int, int]]:
+    """(path, file handle, row group, rows) in row order; a damaged part's rows as one
+    (None, None, 0, rows). An object is read in ranges: only the columns asked for travel."""
     import pyarrow.parquet as pq
 
     for path, rows in files:
         if path is None:
-            yield None, 0, rows
+            yield None, None, 0, rows
             continue
-        handle = pq.ParquetFile(storage.open_input(str(path)))
+        try:  # the open is retried by ``open_input``: not again here
+            handle = pq.ParquetFile(storage.open_input(str(path)))
+        except OSError as exc:
+            if not storage.is_url(str(path)):
+                raise
+            raise store_failure(str(path), exc) from None
         for group in range(handle.num_row_groups):
-            yield handle, group, handle.metadata.row_group(group).num_rows
+            yield path, handle, group, handle.metadata.row_group(group).num_rows
+
+
+def _stored(path: str | Path, read: Callable[[], Any]) -> Any:
+    """``read()`` of the old part ``path``; of an object, retried as any call to its store,
+    and a failure is the run's one line about the store (``store_failure``), not pyarrow's
+    ``OSError`` (a traceback)."""
+    if not storage.is_url(str(path)):
+        return read()
+    try:
+        return storage.retrying(read, store=storage.store_of(str(path)))
+    except OSError as exc:
+        raise store_failure(str(path), exc) from None
 
 
 class CarriedRows:
@@ -411,14 +429,14 @@ class CarriedRows:
         while self._ends and self._ends[0] <= self._start:
             self._ends.popleft()
         while True:
-            handle, group, rows = next(self._groups)
+            path, handle, group, rows = next(self._groups)
             self._end += rows
             end = self._ends[0] if self._ends else self._end
             if index < end and handle is None:
                 self._rows += [None] * rows
                 self._arrays += [None] * rows
             elif index < end:
-                table = handle.read_row_group(group)
+                table = _stored(path, lambda: handle.read_row_group(group))
                 self._arrays += list(embedding_arrays(table.column("embedding"),
                                                       embedding_format(handle.schema_arrow)))
                 self._rows += table.drop_columns(["embedding"]).to_pylist()

@@ -620,8 +620,11 @@ def _inspect_errors(output: str, storage_option: list[str] | None, as_json: bool
     if errors_list is None:
         collections.deque(rows, maxlen=0)
         return
-    written, unlisted = write_errors_list(rows, errors_list)
+    written, unlisted, containers = write_errors_list(rows, errors_list)
     note(f"wrote {written} failed path{'s' if written != 1 else ''} to {errors_list}"
+         + (f" ({containers} container{'s' if containers != 1 else ''}: a tar shard or "
+            "table is named once for its failed rows, and read again whole)"
+            if containers else "")
          + (f"; {unlisted} left out (a newline, or blanks at an end, fit no line)"
             if unlisted else "")
          + (f"; once fixed, retry them with encode --files-from {errors_list} --update "

@@ -411,3 +411,33 @@ def test_errors_shows_a_key_with_a_newline_escaped_on_its_own_line(tmp_path):
                                           ["a\\nb.jpg", "c\\td.jpg", "plain.jpg"]]
     as_json = run("inspect", str(out), "--errors", "--json").stdout.splitlines()
     assert [json.loads(line)["path"] for line in as_json] == keys
+
+
+def test_the_errors_list_names_a_container_once_for_its_failed_rows(tmp_path):
+    """A failed row of a tar shard (``SHARD.tar/KEY``), of a table (``TABLE.parquet/NAME``,
+    ``TABLE.parquet#ROW``) or of a container's damaged part (``NAME@OFFSET``) is no file that
+    ``--files-from`` reads: the list names its container instead (the longest leading part
+    of the key that ends in a container's extension), once, where its first failure is; the
+    note says how many containers it names. Other keys are listed as they are."""
+    from dsv4enc.output.inspect import container_of
+    from dsv4enc.output.parts import Row, output_schema, parquet_options, rows_to_table
+
+    keys = ["a/shard.tar/000001", "photo.jpg", "t.parquet#3", "a/shard.tar/000002#2",
+            "T.Arrow@512", "x.parquet/sub.tar/7", "t.parquet/img.jpg", "a.tarball/b.jpg",
+            "a/shard.tar@1024", "f.feather/c/d.png"]
+    assert [container_of(k) for k in keys] == [
+        "a/shard.tar", None, "t.parquet", "a/shard.tar", "T.Arrow", "x.parquet/sub.tar",
+        "t.parquet", None, "a/shard.tar", "f.feather"]
+    schema = output_schema(8, "float16", {}, pooled=False, layout="binary")
+    out = tmp_path / "emb.parquet"
+    pq.write_table(rows_to_table([Row(path=k, error="decode failed: truncated file")
+                                  for k in keys], schema), out, **parquet_options(schema))
+    failed = tmp_path / "failed.txt"
+    listed = run("inspect", str(out), "--errors-list", str(failed))
+    assert listed.exit_code == 0, listed.output
+    assert failed.read_text().splitlines() == [
+        "a/shard.tar", "photo.jpg", "t.parquet", "T.Arrow", "x.parquet/sub.tar", "a.tarball/b.jpg",
+        "f.feather"]
+    note = " ".join(listed.output.split())
+    assert "wrote 7 failed paths" in note and "(5 containers:" in note, note
+    assert run("inspect", str(out), "--errors").stdout.splitlines()[0].startswith(keys[0])

@@ -515,6 +515,66 @@ def test_update_of_tables_with_kept_columns_equals_a_clean_run(tmp_path):
         run_encode(options(tmp_path, out, inputs=both, update=True, key_column="id"))
 
 
+def containers(folder: Path, broken: bool) -> None:
+    """A shard ``s.tar`` and a table ``t.parquet`` of 3 images each (``broken``: the shard's
+    second member and the table's last cell are not images), and a shard ``u.tar``."""
+    import io
+    import tarfile
+
+    import pyarrow as pa
+
+    def png(seed: int) -> bytes:
+        noise(folder / ".tmp.png", seed)
+        return (folder / ".tmp.png").read_bytes()
+
+    folder.mkdir(parents=True, exist_ok=True)
+    with tarfile.open(folder / "s.tar", "w") as archive:
+        for i in range(3):
+            data = b"\x89PNG cut short" if broken and i == 1 else png(i)
+            info = tarfile.TarInfo(f"{i:06d}.png")
+            info.size = len(data)
+            archive.addfile(info, io.BytesIO(data))
+    cells = [png(10), png(11), b"not an image" if broken else png(12)]
+    pq.write_table(pa.table({"image": cells}), folder / "t.parquet")
+    (folder / ".tmp.png").unlink()
+    shard_of(folder / "u.tar", 7, samples=2)
+
+
+@pytest.mark.parametrize("given", ["folder", "names"])
+def test_failed_container_rows_are_retried_from_the_errors_list(given, tmp_path, monkeypatch):
+    """A shard with a bad member and a table with a bad cell, in a folder or given by name:
+    ``inspect --errors-list`` names each container (its rows' keys are no files), and once
+    they are fixed, ``--files-from LIST --update --keep-unlisted`` encodes their rows again
+    in place: the output equals a clean run's, the untouched shard's rows kept."""
+    monkeypatch.chdir(tmp_path)
+    containers(Path("data"), broken=True)
+    inputs = ["data"] if given == "folder" else ["data/s.tar", "data/t.parquet", "data/u.tar"]
+    prefix = "" if given == "folder" else "data/"
+    base = ["--config", CONFIG, "--random-init", "--device", "cpu", "--workers", "0", "-q"]
+    out = tmp_path / "e.parquet"
+    assert runner.invoke(app, ["encode", *inputs, "--out", str(out), *base]).exit_code == 0
+    failed = [r["path"] for r in table_of(out) if r["error"]]
+    assert failed == [f"{prefix}s.tar/000001", f"{prefix}t.parquet#2"]
+    listed = runner.invoke(app, ["inspect", str(out), "--errors-list", str(tmp_path / "f.txt")])
+    assert listed.exit_code == 0 and "(2 containers:" in listed.output, listed.output
+    lines = (tmp_path / "f.txt").read_text().splitlines()
+    assert lines == [f"{prefix}s.tar", f"{prefix}t.parquet"]
+    kept = {r["path"]: r for r in table_of(out) if r["path"].startswith(f"{prefix}u.tar")}
+    containers(Path("data"), broken=False)
+    from dsv4enc.images import sources
+
+    sources.GROUP_CACHE.clear()  # this process read the old table (a run of its own would not)
+    monkeypatch.chdir(tmp_path / "data" if given == "folder" else tmp_path)
+    retried = runner.invoke(app, ["encode", "--files-from", str(tmp_path / "f.txt"), "--out",
+                                  str(out), "--update", "--keep-unlisted", *base])
+    assert retried.exit_code == 0, retried.output
+    monkeypatch.chdir(tmp_path)
+    clean = tmp_path / "clean.parquet"
+    assert runner.invoke(app, ["encode", *inputs, "--out", str(clean), *base]).exit_code == 0
+    assert table_of(out) == table_of(clean)
+    assert all(kept[r["path"]] == r for r in table_of(out) if r["path"] in kept) and kept
+
+
 # --------------------------------------------------------------- what an update may drop
 
 def copy_of(out: Path, folder: Path) -> Path:

@@ -18,6 +18,7 @@ import numpy as np
 from .. import storage
 from ..tower.config import MODEL_NAMES, model_type_of
 from ..errors import StorageError, UsageError
+from ..images.sources import TABLE_EXTENSIONS, TAR_EXTENSIONS
 from .files import MANIFEST_NAME
 from .read import (OutputFiles, embedding_format, find_output, interrupted_folder,
                    live_writer, metadata_of)
@@ -25,6 +26,10 @@ from .read import (OutputFiles, embedding_format, find_output, interrupted_folde
 #: Error messages shown, the commonest first (``inspect`` and a run's summary).
 TOP_ERRORS = 5
 _QUOTED = re.compile(r"'[^']*'|\"[^\"]*\"")
+#: A key under a container's key: ``/`` a member or named row, ``@`` a damaged part, ``#`` a
+#: table row without a name (``images/sources``); greedy, so the longest container part.
+_CONTAINED = re.compile(r"(.*(?:%s))[/@#]" % "|".join(
+    re.escape(ext) for ext in TAR_EXTENSIONS + TABLE_EXTENSIONS), re.IGNORECASE | re.DOTALL)
 
 
 @dataclass
@@ -176,12 +181,24 @@ def list_line(path: str) -> str | None:
     return f"./{path}" if path.startswith("#") else path
 
 
-def write_errors_list(rows: Iterator[tuple[str, str]], target: str) -> tuple[int, int]:
+def container_of(key: str) -> str | None:
+    """The key of the container (a tar shard, a table) that the row keyed ``key`` comes from:
+    the longest leading part that ends in a container's extension, followed by ``/``, ``@``
+    or ``#`` (``sources.member_key``, ``sources.damaged_item``, a table row without a name);
+    None for any other key."""
+    found = _CONTAINED.match(key)
+    return found.group(1) if found else None
+
+
+def write_errors_list(rows: Iterator[tuple[str, str]], target: str) -> tuple[int, int, int]:
     """Write the paths of failed ``rows`` to the new file ``target`` as a ``--files-from``
-    list; return how many were written and how many no line can hold. An existing file is
+    list; return how many were written, how many no line can hold, and how many of those
+    written are containers. A container's row is listed as its container, once: its key is
+    no file ``--files-from`` reads, and a container is read again whole. An existing file is
     refused (a UsageError): it may be someone else's. Where reading the rows fails (the
     output is no dsv4enc output, or damaged), the file this call made is removed."""
-    written = unlisted = 0
+    written = unlisted = containers = 0
+    seen: set[str] = set()  # the containers met so far
     try:
         handle = open(target, "x", encoding="utf-8", errors="surrogateescape")
     except FileExistsError:
@@ -191,16 +208,22 @@ def write_errors_list(rows: Iterator[tuple[str, str]], target: str) -> tuple[int
     try:
         with handle:
             for path, _ in rows:
-                line = list_line(path)
+                container = container_of(path)
+                if container in seen:
+                    continue
+                if container is not None:
+                    seen.add(container)
+                line = list_line(container or path)
                 if line is None:
                     unlisted += 1
                     continue
                 handle.write(line + "\n")
                 written += 1
+                containers += container is not None
     except BaseException:
         Path(target).unlink(missing_ok=True)  # made above (exclusively): nothing half-listed
         raise
-    return written, unlisted
+    return written, unlisted, containers
 
 
 def _open_output(found: OutputFiles, file: str):

@@ -561,9 +561,6 @@ def test_failed_container_rows_are_retried_from_the_errors_list(given, tmp_path,
     assert lines == [f"{prefix}s.tar", f"{prefix}t.parquet"]
     kept = {r["path"]: r for r in table_of(out) if r["path"].startswith(f"{prefix}u.tar")}
     containers(Path("data"), broken=False)
-    from dsv4enc.images import sources
-
-    sources.GROUP_CACHE.clear()  # this process read the old table (a run of its own would not)
     monkeypatch.chdir(tmp_path / "data" if given == "folder" else tmp_path)
     retried = runner.invoke(app, ["encode", "--files-from", str(tmp_path / "f.txt"), "--out",
                                   str(out), "--update", "--keep-unlisted", *base])

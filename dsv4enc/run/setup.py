@@ -25,6 +25,7 @@ from ..images.decode import NOT_YET, DecodePool, Decoded, DecodeStream
 from ..images.discover import Discovery, stream_inputs
 from ..images.headers import input_stamps
 from ..images.items import InputItem
+from ..images.sources import GROUP_CACHE
 from .options import EncodeOptions, decode_window, validate, validate_launch
 from .plan import Part, Planned, cut_parts, plan_batches, plan_segments, probe_share, with_grids
 from .stopping import StopSignals, StoppedWaiting
@@ -275,7 +276,8 @@ class RunSetup:
         return self.windows
 
     def close(self) -> None:
-        """Stop the planner, the stream and the pool (idempotent)."""
+        """Stop the planner, the stream and the pool (idempotent), and forget the tables' cells
+        this process read (inline decodes): a later run here may find a table rewritten."""
         if self.windows is not None:
             self.windows.close()
         if isinstance(self.decoded, DecodeStream):
@@ -283,6 +285,7 @@ class RunSetup:
         self.decoded = None
         if self.pool is not None:
             self.pool.close()
+        GROUP_CACHE.clear()
 
 
 @dataclass

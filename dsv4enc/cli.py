@@ -543,7 +543,9 @@ def _report(opts, summary, quiet: bool, summary_json: str | None) -> None:
     else:
         print_summary(summary)
         if opts.resume and summary.reused and not summary.encoded + summary.failed:
-            note(f"{summary.out} was already complete; nothing to resume")
+            note(f"{summary.out} was already complete; nothing to resume"
+                 if summary.already_complete else f"nothing was left to encode: {summary.out} "
+                 "was finished from the parts an earlier run committed")
     if unwritten:  # the rows are committed; the report asked for is missing
         fail(unwritten, SUMMARY_UNWRITTEN_EXIT)
 

@@ -227,6 +227,26 @@ def test_resume_of_a_finished_output_agrees_for_files_and_folders(tmp_path, smal
         assert Path(quiet.stdout.strip()) == Path(out)
 
 
+def test_resume_after_the_last_commit_says_the_output_was_finished_now(tmp_path, small_ckpt,
+                                                                       monkeypatch):
+    """A run stopped once its last part is committed, before its end (the single file not
+    yet written, the folder's stamps not yet): --resume finishes it, and says so, a file and
+    a folder alike; 'already complete' was said, as if the output had been done before."""
+    image = write_image(tmp_path / "imgs" / "x.png", (30, 20))
+    common = ("--weights", str(small_ckpt))
+    for out in (str(tmp_path / "one.parquet"), f"{tmp_path}/folder/"):
+        signal_after_first_part(monkeypatch)  # the first part is the last
+        stopped = encode(str(image.parent), "--out", out, *common)
+        assert stopped.exit_code == 143, stopped.output
+        monkeypatch.undo()
+        again = encode(str(image.parent), "--out", out, *common, "--resume")
+        assert again.exit_code == 0, (out, again.output)
+        notes = [line for line in again.stderr.splitlines() if line.startswith("note:")]
+        assert notes == [f"note: nothing was left to encode: {out} was finished from the "
+                         "parts an earlier run committed"], again.stderr
+        assert pq.read_table(out).num_rows == 1
+
+
 def test_the_summary_shows_every_kind_of_error_or_says_how_many_more(tmp_path, small_ckpt):
     """Eight kinds of error: the summary shows the commonest five and says that three more
     kinds (of three images) are left out, and that --summary-json lists them all; it does."""

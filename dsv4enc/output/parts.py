@@ -573,6 +573,12 @@ class PartStore:
         self._recorded = data
         return data["settings"]
 
+    @property
+    def finished(self) -> bool:
+        """Whether the manifest ``load_existing`` read is a finished folder's: a run names its
+        stamps file there last (``update.write_folder_stamps``)."""
+        return "stamps" in self._recorded
+
     def load_parts(self) -> None:
         """Take the recorded parts whose bytes are still there (after ``load_existing``, once
         the settings were found equal: judging parts can warn and copy)."""

@@ -9,7 +9,7 @@ from typing import Callable, Protocol, Sequence
 
 from ..errors import DsvError, UsageError
 from ..images.headers import input_stamps, inputs_digest
-from .files import rank_of
+from .files import MANIFEST_NAME, rank_of
 from .parts import PartStore, manifest_paths, read_manifest
 from .update import check_settings
 
@@ -75,6 +75,7 @@ class Resume:
         store.source = source
         store.commit_seconds = settings.commit_every
         self.resuming = False
+        self.complete = False  # the output was finished before this run (not only committed)
         self.covered = 0  # where the reused pieces judged so far end
         self.reused_failed = 0  # the error rows of the pieces kept (as their entries count them)
         self.starts: list[int] = []  # where the recorded pieces start, in order
@@ -102,6 +103,9 @@ class Resume:
         store.load_parts()  # only now: a refused resume must not judge the parts' files
         store.forget([])  # each part's stale pieces are dropped as it is judged
         self.resuming = True
+        # a sharded folder's merged manifest is written at its run's end only
+        self.complete = store.finished or (rank_of(store.manifest_name) is not None
+                                           and (store.folder / MANIFEST_NAME).is_file())
         self.starts = sorted(part["start"] for part in store.parts.values())
 
     def judge(self, part: Segment) -> list[Segment]:

@@ -381,6 +381,7 @@ def _plan_output(run: RunState, setup: RunSetup, source: PartSource, computes: C
         remote.attach(store, source.written_elsewhere)
     parts = source.cut(setup, part_images, run.progress, run.stop)
     resume = Resume(store, setup.planned, resuming, writes=ranks.writes, agree=ranks.agree_on_todo)
+    summary.already_complete = resume.complete
     if remote is not None and ranks.writes:  # the run's manifests replace --overwrite's old ones
         remote.drop_replaced()
     # the output holds a manifest now: a stop says how to go on from what it records
@@ -428,6 +429,7 @@ def _judge_finished(layout: OutputLayout, setup: RunSetup, settings: dict,
     try:
         finished.check_finished(setup.planned, settings)
     except AlreadyComplete:
+        summary.already_complete = True
         summary.reused = sum(rows for _, _, rows in finished.old.parts)
         summary.reused_failed = sum(error is not None for error in finished.old.column("error"))
         raise

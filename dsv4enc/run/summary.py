@@ -45,6 +45,7 @@ class RunSummary:
     dropped: int = 0  # --update: rows of inputs that are gone
     dropped_paths: list[str] = field(default_factory=list)  # the first few of them
     reused_failed: int = 0  # error rows reused as they were (among ``reused``)
+    already_complete: bool = False  # --resume found the output finished (not only committed)
     update: bool = False  # an --update of an existing output (``reused``: its rows kept)
     dry_run: bool = False  # --dry-run: ``encoded``, ``reused``, ``dropped`` would be; none was
     needs_prune: bool = False  # --dry-run: the update would be refused without --prune

@@ -10,6 +10,7 @@ import signal
 
 
 RESUME_ADVICE = "rerun with --resume"  # how an error's line advises finishing the run
+PARTS_KEPT = "committed parts are kept"  # a full disk's line, but at a run's first manifest
 
 
 def advise(exc: Exception, again: str) -> None:
@@ -74,7 +75,7 @@ class OutputError(DsvError):
 def output_os_error(path: os.PathLike | str, exc: OSError) -> OutputError:
     """A one-line OutputError for a failed write (full disk, permissions, ...)."""
     if exc.errno == errno.ENOSPC:
-        return OutputError(f"no space left on device writing {path}; committed parts are kept, "
+        return OutputError(f"no space left on device writing {path}; {PARTS_KEPT}, "
                            f"free space and {RESUME_ADVICE}")
     return OutputError(f"cannot write {path}: {exc.strerror or exc}")
 

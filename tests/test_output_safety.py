@@ -892,6 +892,25 @@ def test_a_stopped_overwrite_advises_a_command_that_runs(data, tmp_path, monkeyp
     assert finished.exit_code == 0, finished.output
 
 
+@pytest.mark.parametrize("kind", ["file", "folder"])
+def test_a_full_disk_at_the_first_manifest_says_nothing_was_committed(data, tmp_path,
+                                                                      monkeypatch, kind):
+    """The disk is full from the start: the line said 'committed parts are kept' of a run that
+    committed none; it says nothing was committed, and its advice (--resume) works."""
+    out = str(tmp_path / "o.parquet") if kind == "file" else f"{tmp_path / 'o'}/"
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(writer, "synced", full)  # the run's first synced write: its manifest
+    line = one_line_error(encode(str(data), "--out", out))
+    assert "no space left on device writing" in line and "_manifest.json" in line, line
+    assert "nothing was committed" in line and "committed parts" not in line, line
+    assert "rerun with --resume" in line, line
+    monkeypatch.undo()
+    assert encode(str(data), "--out", out, "--resume").exit_code == 0
+
+
 def test_an_update_stopped_by_a_full_disk_advises_update(data, tmp_path, monkeypatch):
     """Advice to finish with --resume would be refused beside --update: an update's says
     --update (``errors.advise``), as its stop line does."""

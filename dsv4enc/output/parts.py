@@ -27,7 +27,7 @@ import pyarrow.parquet as pq
 
 from .. import storage
 from ..columns import INT_COLUMNS, OUTPUT_COLUMNS, utf8_text
-from ..errors import DsvError, OutputError, check_choice, output_os_error
+from ..errors import PARTS_KEPT, DsvError, OutputError, check_choice, output_os_error
 from . import DEFAULT_LAYOUT, LAYOUTS
 from ..images.sources import kept_values
 from ..images.decode import is_transient
@@ -554,11 +554,16 @@ class PartStore:
         return journal_path(self.manifest_path)
 
     def create(self) -> None:
+        """Write the run's first manifest: a full disk now says that nothing was committed."""
         try:
-            self.folder.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise output_os_error(self.folder, exc) from None
-        self.save()
+            try:
+                self.folder.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                raise output_os_error(self.folder, exc) from None
+            self.save()
+        except OutputError as exc:
+            exc.args = (str(exc).replace(PARTS_KEPT, "nothing was committed"),)
+            raise
 
     def load_existing(self) -> dict[str, Any]:
         """Read an earlier run's manifest; returns its settings."""

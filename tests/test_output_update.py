@@ -380,6 +380,29 @@ def test_an_update_killed_midway_keeps_the_old_output_and_finishes_with_update(k
     assert_clean(out, clean[1])
 
 
+@pytest.mark.parametrize("point", ["commit", "switch"])
+def test_a_stopped_folder_update_names_the_folder_that_holds_its_parts(point, tmp_path, clean):
+    """SIGTERM while a folder's update encodes, or at its switch: the line named the output as
+    where the finished parts are kept, but they are in the staging folder beside it."""
+    from dsv4enc.output.files import staging_folder
+
+    images = old_images(tmp_path / "in")
+    out = tmp_path / "emb"
+    run_encode(options(images, f"{out}/"))
+    grow_change_shrink(images)
+    pauses = Pauses(tmp_path / "pauses", point)
+    with reaped(_launch_update(pauses, images, f"{out}/")) as proc:
+        pauses.wait(point, proc=proc)
+        proc.send_signal(signal.SIGTERM)
+        pauses.release()
+        _, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 143, stderr
+    line = stderr.strip().splitlines()[-1]
+    assert f"kept in {staging_folder(out)};" in line and "with --update" in line, line
+    run_encode(options(images, f"{out}/", update=True, prune=True))
+    assert_clean(out, clean[1])
+
+
 def one_line_error(result, code: int) -> str:
     assert result.exit_code == code, result.output
     lines = [line for line in result.output.splitlines() if line.strip()]

@@ -344,7 +344,8 @@ class OutputLayout:
 
     def resume_hint(self, store: PartStore, again: str = "--resume") -> str:
         """What an interrupted run leaves, for its one-line message (``again``: the flag
-        that finishes it, --resume or --update)."""
+        that finishes it, --resume or --update). The parts are where ``store`` keeps them:
+        an --update of a folder's, in its staging folder beside the output."""
         if not store.parts:
             if self.folder_mode:
                 return self.shown(f"nothing was committed to {self.out} yet; rerun the same "
@@ -352,7 +353,7 @@ class OutputLayout:
             return "nothing was committed; rerun the same command"
         images = sum(part.get("rows", 0) for part in store.parts.values())
         return self.shown(f"{len(store.parts)} finished part{'s' if len(store.parts) > 1 else ''}"
-                          f" ({images} images) kept in {self.parts_dir}; rerun the same command "
+                          f" ({images} images) kept in {store.folder}; rerun the same command "
                           f"with {again} to finish")
 
     def remove_temporaries(self) -> None:

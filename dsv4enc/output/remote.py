@@ -29,7 +29,7 @@ from typing import Any, Callable, Sequence, TypeVar
 from .. import storage
 from ..errors import DsvError, OutputError
 from .files import (LOCK_NAME, MANIFEST_FILE, MANIFEST_NAME, PART_FILE, PARTIAL, SEGMENT_FILE,
-                    STAMPS_FILE, is_ours, journal_path, rank_of, segment_name)
+                    STAMPS_FILE, is_ours, journal_path, rank_of, segment_name, staging_folder)
 from .lock import HEARTBEAT_S, BucketLock, process_alive
 from .parts import (PartStore, listed_files, listed_names, read_manifest, read_manifests,
                     store_failure)
@@ -564,7 +564,8 @@ class RemoteOutput:
                     shutil.rmtree(folder, ignore_errors=True)
 
     def translate(self, text: str) -> str:
-        """A message about the staging folder, told about the store instead."""
+        """A message about the staging folder (an --update's too), told about the store instead."""
+        text = text.replace(str(staging_folder(self.local_out)), self.parts_url)
         text = text.replace(str(self.local_parts), self.parts_url)
         return text.replace(str(self.local_out), self.url)
 

@@ -218,8 +218,8 @@ class BatchEncoder:
         encoder's threads)."""
         image, key = entry
         source, name = image_source(image)
-        if isinstance(key, bytes):
-            key = key.decode("utf-8", "replace")
+        if isinstance(key, bytes):  # bytes not UTF-8 as ``\xNN``, as the command writes them
+            key = key.decode("utf-8", "backslashreplace")
         elif isinstance(key, (float, np.floating)) and key != key:
             key = None  # NaN: how a numpy batch (Ray's) holds a float or int key's null
         item = Prepared((name or f"#{index}") if key is None or key == "" else str(key), index)

@@ -193,6 +193,17 @@ def test_a_nan_key_in_a_numpy_batch_is_a_null(embed, folder):
     assert lists["path"] == [r["path"] for r in expected]
 
 
+def test_a_binary_key_that_is_not_utf8_is_escaped_as_the_command_line_does(embed, folder):
+    """A binary key cell whose bytes are not UTF-8 is written as ``\\xNN`` escapes, as
+    ``dsv4enc encode --key-column`` writes it (docs/inputs.md), not as U+FFFD, which loses
+    the byte and makes two such keys one."""
+    image = str(folder / "a.jpg")
+    table = pa.table({"image": [image] * 3, "key": pa.array([b"caf\xe9", b"caf\xe8", b"ok"])})
+    assert embed(table)["path"].to_pylist() == ["caf\\xe9", "caf\\xe8", "ok"]
+    lists = embed({"image": [image] * 3, "key": table["key"].to_pylist()})
+    assert lists["path"] == ["caf\\xe9", "caf\\xe8", "ok"]
+
+
 def test_all_null_columns_keep_their_types(embed, folder):
     """A batch of good images only (error all null), and one of bad images only (embedding
     all null): the same schema, for every kind of batch."""

@@ -23,6 +23,7 @@ from .engine.defaults import DEFAULT_FEATURES, DEFAULT_POOL, Features, Pool
 from .errors import SettingsError, check_choice
 from .images.formats import DEFAULT_MAX_PIXELS
 from .images.prepare import Prepared, image_source, prepare
+from .images.sources import unchecked_values
 from .output import (DEFAULT_LAYOUT, DEFAULT_STORED_DTYPE, LAYOUTS, STORED_DTYPES, Layout,
                      StoredDtype)
 from .output.parts import Row, output_schema, rows_to_table, run_settings
@@ -252,7 +253,7 @@ def _batch_columns(batch: Any) -> tuple[str, list[str], Callable[[str], list[Any
     """A batch's kind, its column names, and a function giving one column's values."""
     if isinstance(batch, (pa.Table, pa.RecordBatch)):
         kind = "table" if isinstance(batch, pa.Table) else "record_batch"
-        return kind, batch.schema.names, lambda name: batch.column(name).to_pylist()
+        return kind, batch.schema.names, lambda name: _arrow_values(batch.column(name))
     if _is_pandas(batch):
         return "pandas", list(batch.columns), lambda name: _pandas_values(batch[name])
     if isinstance(batch, Mapping):
@@ -260,6 +261,20 @@ def _batch_columns(batch: Any) -> tuple[str, list[str], Callable[[str], list[Any
         return kind, list(batch.keys()), lambda name: _listed(name, batch[name])
     raise TypeError(f"a batch is a pyarrow Table or RecordBatch, a pandas DataFrame "
                     f"or a dict of columns, not {type(batch).__name__}")
+
+
+def _arrow_values(column: "pa.Array | pa.ChunkedArray") -> list[Any]:
+    """An Arrow column's values, read as the command reads a table's: a string cell that is
+    not UTF-8 (Arrow's and Parquet's writers do not check) as its bytes
+    (``sources.unchecked_values``), which a string column gives as ``os.fsdecode`` makes them
+    text: a path names the file of those bytes, never read as an image's bytes, and a key is
+    written ``\\xNN`` in ``path`` (``columns.utf8_text``)."""
+    values = unchecked_values(column)
+    text = column.type.value_type if pa.types.is_dictionary(column.type) else column.type
+    if pa.types.is_string(text) or pa.types.is_large_string(text) or (
+            hasattr(pa.types, "is_string_view") and pa.types.is_string_view(text)):
+        return [os.fsdecode(value) if isinstance(value, bytes) else value for value in values]
+    return values
 
 
 def _listed(name: str, values: Any) -> list[Any]:

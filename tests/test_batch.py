@@ -204,6 +204,41 @@ def test_a_binary_key_that_is_not_utf8_is_escaped_as_the_command_line_does(embed
     assert lists["path"] == ["caf\\xe9", "caf\\xe8", "ok"]
 
 
+def test_string_cells_that_are_not_utf8_are_read_as_the_command_reads_them(keeping, folder,
+                                                                         tmp_path):
+    """Arrow's and Parquet's writers do not check a string cell's UTF-8: a key, a path or a
+    {bytes, path} struct's path that is not UTF-8 is read as the command reads a table's
+    (``sources.unchecked_values``): a path names the file of its bytes, a key is written
+    ``\\xNN`` (docs/inputs.md), and a kept column passes through; never a UnicodeDecodeError
+    that fails the whole batch (a Ray block, a ``datasets.map``)."""
+    def unchecked(*cells: bytes) -> pa.Array:  # as another writer may leave them
+        return pa.array(cells, pa.binary()).cast(pa.string(), safe=False)
+
+    named = os.fsencode(tmp_path) + b"/\xff.jpg"
+    Path(os.fsdecode(named)).write_bytes((folder / "a.jpg").read_bytes())
+    data = (folder / "a.jpg").read_bytes()
+    struct = pa.StructArray.from_arrays([pa.array([None, data]), unchecked(named, b"x\xfe.jpg")],
+                                        ["bytes", "path"])
+    batch = pa.table({"image": unchecked(named, b"\xfe.jpg"), "id": unchecked(b"k\xff", b"k2"),
+                      "caption": unchecked(b"c\xff", b"fine")})
+    escaped = os.fsdecode(named).encode("utf-8", "surrogateescape").decode("utf-8",
+                                                                            "backslashreplace")
+    for table in (batch, batch.set_column(0, "image", struct)):
+        for given in (table, table.to_batches()[0]):
+            for out in (keeping(given), keeping.table(given)):
+                for name in ("id", "caption"):  # as they came, bytes for bytes
+                    assert out[name].cast(pa.binary()).to_pylist() == \
+                        given[name].cast(pa.binary()).to_pylist()
+                assert out["path"].to_pylist() == ["k\\xff", "k2"]
+                assert out["error"][0].as_py() is None
+    keyless = BatchEncoder(keeping._recipe["weights"], device="cpu", dtype="float32")
+    assert keyless(batch)["path"].to_pylist() == [escaped, "\\xfe.jpg"]
+    assert keyless(batch.set_column(0, "image", struct))["path"].to_pylist() == [
+        escaped, "x\\xfe.jpg"]
+    assert keyless(batch.set_column(0, "image", batch["image"].dictionary_encode()))[
+        "error"][0].as_py() is None
+
+
 def test_all_null_columns_keep_their_types(embed, folder):
     """A batch of good images only (error all null), and one of bad images only (embedding
     all null): the same schema, for every kind of batch."""

@@ -742,14 +742,19 @@ GROUP_CACHE = GroupCache()
 
 def unchecked_values(values: "pa.Array | pa.ChunkedArray | pa.Scalar") -> Any:
     """``values`` as Python values (a list for an array); a string that is not UTF-8 (neither
-    its writer nor Parquet's reader checks) as its bytes, where ``as_py`` would raise."""
+    its writer nor Parquet's reader checks) as its bytes, where ``as_py`` would raise (a
+    struct's string fields too: a {bytes, path} cell's path, in ``batch.BatchEncoder``)."""
     import pyarrow as pa
 
     listed = isinstance(values, (pa.Array, pa.ChunkedArray))
     try:
         return values.to_pylist() if listed else values.as_py()
     except UnicodeDecodeError:
-        raw = values.cast(pa.large_binary())
+        raw_type = pa.large_binary()
+        if pa.types.is_struct(values.type):
+            raw_type = pa.struct([field.with_type(raw_type) if field.type in (
+                pa.string(), pa.large_string()) else field for field in values.type])
+        raw = values.cast(raw_type)
         return raw.to_pylist() if listed else raw.as_py()
 
 

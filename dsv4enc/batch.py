@@ -299,7 +299,12 @@ def _is_pandas(batch: Any) -> bool:
 
 def _pandas_values(column: Any) -> list[Any]:
     """A pandas column's values, a missing one (NaN, pandas.NA: how pandas stores a null
-    string, key or image) as None, as pyarrow gives it."""
+    string, key or image) as None, as pyarrow gives it; an Arrow-backed column's as its Arrow
+    array's (a string cell not UTF-8 too, which pandas cannot make an object of)."""
+    import pandas as pd
+
+    if isinstance(column.dtype, pd.ArrowDtype):
+        return _arrow_values(pa.array(column))
     return column.astype(object).where(column.notna(), None).tolist()
 
 

@@ -239,6 +239,22 @@ def test_string_cells_that_are_not_utf8_are_read_as_the_command_reads_them(keepi
         "error"][0].as_py() is None
 
 
+def test_an_arrow_backed_pandas_batch_with_cells_not_utf8(keeping, folder):
+    """A DataFrame of Arrow-backed columns (``pd.read_parquet(..., dtype_backend="pyarrow")``,
+    or BatchEncoder's own pandas rows) holds a string cell that is not UTF-8 as it was
+    written: its rows are those of the same batch as a pyarrow Table, not an ArrowException
+    ('Wrapping ... failed') that fails the whole batch."""
+    def unchecked(*cells: bytes) -> pa.Array:
+        return pa.array(cells, pa.binary()).cast(pa.string(), safe=False)
+
+    table = pa.table({"image": [str(folder / "a.jpg"), None], "id": unchecked(b"k\xff", b"k2"),
+                      "caption": unchecked(b"c\xff", b"fine")})
+    frame = keeping(table.to_pandas(types_mapper=pd.ArrowDtype))
+    rows = pa.Table.from_pandas(frame, preserve_index=False).select(OUTPUT_COLUMNS)
+    assert rows.to_pylist() == keeping(table).select(OUTPUT_COLUMNS).to_pylist()
+    assert rows["path"].to_pylist() == ["k\\xff", "k2"]
+
+
 def test_all_null_columns_keep_their_types(embed, folder):
     """A batch of good images only (error all null), and one of bad images only (embedding
     all null): the same schema, for every kind of batch."""

@@ -185,8 +185,12 @@ class Encoder:
     # -- internals ---------------------------------------------------------------------
     @staticmethod
     def _is_single(images: Any) -> bool:
-        return isinstance(images, (Image.Image, np.ndarray, str, os.PathLike, bytes,
-                                   bytearray, memoryview, Mapping))
+        """One input, not several: an array is one image unless it is a 1-D array of paths,
+        bytes or objects (a DataFrame column as numpy), which holds several."""
+        if isinstance(images, np.ndarray):
+            return not (images.ndim == 1 and images.dtype.kind in "OUS")
+        return isinstance(images, (Image.Image, str, os.PathLike, bytes, bytearray, memoryview,
+                                   Mapping))
 
     def _engine(self, features: str) -> Engine:
         if features not in self.engines:

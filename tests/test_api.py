@@ -116,6 +116,19 @@ def test_arrays_of_other_shapes(encoder):
         encoder.encode([np.zeros((2, 3, 5), np.uint8)])
 
 
+def test_a_1d_array_of_paths_or_objects_is_a_list_of_inputs(encoder, pictures):
+    """A 1-D numpy array of paths, bytes or objects (a DataFrame column's ``.to_numpy()``, a
+    numpy-formatted ``datasets`` batch) holds several inputs, as a list does: it is not one
+    image (an image array is 2-D or 3-D), refused as 'array has dtype <U..'."""
+    paths = [str(p) for p in pictures[:3]]
+    expected = encoder.encode(paths)
+    for given in (np.array(paths), np.array(paths, dtype=object),
+                  np.array([p.read_bytes() for p in pictures[:3]], dtype=object)):
+        outs = encoder.encode(given)
+        assert len(outs) == 3 and all(torch.equal(a, b) for a, b in zip(outs, expected))
+    assert [k for k, _ in encoder.encode_iter(np.array(paths))] == paths
+
+
 def test_bad_inputs_raise_naming_the_item(encoder, pictures, tmp_path):
     junk = tmp_path / "junk.png"
     junk.write_bytes(b"not an image at all")

@@ -217,12 +217,11 @@ class BatchEncoder:
     def _prepare(self, index: int, entry: tuple[Any, Any]) -> Prepared:
         """One input (an image and its key) prepared, keyed by its ``path`` text (runs on the
         encoder's threads)."""
-        image, key = entry
+        # NaN: how a numpy batch (Ray's, a DataFrame's made numpy) holds a null key or image
+        image, key = (None if isinstance(v, (float, np.floating)) and v != v else v for v in entry)
         source, name = image_source(image)
         if isinstance(key, bytes):  # bytes not UTF-8 as ``\xNN``, as the command writes them
             key = key.decode("utf-8", "backslashreplace")
-        elif isinstance(key, (float, np.floating)) and key != key:
-            key = None  # NaN: how a numpy batch (Ray's) holds a float or int key's null
         item = Prepared((name or f"#{index}") if key is None or key == "" else str(key), index)
         if source is None or isinstance(source, str) and not source:  # "": names no file
             held = f"null {self.image_column!r}" if image is None else (

@@ -255,6 +255,18 @@ def test_an_arrow_backed_pandas_batch_with_cells_not_utf8(keeping, folder):
     assert rows["path"].to_pylist() == ["k\\xff", "k2"]
 
 
+def test_a_nan_image_in_a_numpy_or_list_batch_is_a_null(embed, folder):
+    """A missing image that a numpy or list batch holds as NaN (a DataFrame column made numpy)
+    is the null image's error row, as in the same batch as pandas or Arrow, not 'unsupported
+    input float'."""
+    image = str(folder / "a.jpg")
+    expected = embed(pa.table({"image": [image, None], "key": ["a", "b"]}))["error"].to_pylist()
+    assert expected[1] == "ValueError: row has no image (null 'image')"
+    arrays = embed({"image": np.array([image, np.nan], dtype=object), "key": np.array(["a", "b"])})
+    assert list(arrays["error"]) == expected
+    assert embed({"image": [image, float("nan")], "key": ["a", "b"]})["error"] == expected
+
+
 def test_all_null_columns_keep_their_types(embed, folder):
     """A batch of good images only (error all null), and one of bad images only (embedding
     all null): the same schema, for every kind of batch."""

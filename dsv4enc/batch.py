@@ -217,8 +217,7 @@ class BatchEncoder:
     def _prepare(self, index: int, entry: tuple[Any, Any]) -> Prepared:
         """One input (an image and its key) prepared, keyed by its ``path`` text (runs on the
         encoder's threads)."""
-        # NaN: how a numpy batch (Ray's, a DataFrame's made numpy) holds a null key or image
-        image, key = (None if isinstance(v, (float, np.floating)) and v != v else v for v in entry)
+        image, key = (None if _missing(value) else value for value in entry)
         source, name = image_source(image)
         if isinstance(key, bytes):  # bytes not UTF-8 as ``\xNN``, as the command writes them
             key = key.decode("utf-8", "backslashreplace")
@@ -286,6 +285,18 @@ def _listed(name: str, values: Any) -> list[Any]:
                         f"column of values: a dict batch holds a list or array per column "
                         f"(with datasets: map(..., batched=True))")
     return list(values)
+
+
+def _missing(value: Any) -> bool:
+    """Whether ``value`` is NaN or pandas' NA or NaT: how a numpy or list batch (Ray's, a
+    DataFrame's made numpy) holds a null key or image."""
+    if isinstance(value, (float, np.floating)):
+        return value != value
+    if not type(value).__module__.startswith("pandas"):
+        return False  # pandas is imported only for its own values
+    import pandas as pd
+
+    return pd.api.types.is_scalar(value) and bool(pd.isna(value))
 
 
 def _is_pandas(batch: Any) -> bool:

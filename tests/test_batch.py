@@ -267,6 +267,19 @@ def test_a_nan_image_in_a_numpy_or_list_batch_is_a_null(embed, folder):
     assert embed({"image": [image, float("nan")], "key": ["a", "b"]})["error"] == expected
 
 
+def test_pandas_na_in_a_numpy_batch_is_a_null(embed, folder):
+    """A DataFrame's nullable columns ("string", "Int64") made numpy hold their nulls as
+    ``pandas.NA``: such a key or image is a null, the rows those of the same DataFrame, not a
+    TypeError ('boolean value of NA is ambiguous') that fails the whole batch."""
+    frame = pd.DataFrame({"image": pd.array([str(folder / "a.jpg"), None, str(folder / "b.png")],
+                                            dtype="string"),
+                          "key": pd.array(["a", "b", None], dtype="string")})
+    expected = pa.Table.from_pandas(embed(frame), preserve_index=False).to_pylist()
+    assert [r["path"] for r in expected] == ["a", "b", str(folder / "b.png")]
+    arrays = embed({name: frame[name].to_numpy() for name in frame})
+    assert [dict(zip(arrays, values)) for values in zip(*arrays.values())] == expected
+
+
 def test_all_null_columns_keep_their_types(embed, folder):
     """A batch of good images only (error all null), and one of bad images only (embedding
     all null): the same schema, for every kind of batch."""

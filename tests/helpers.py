@@ -338,3 +338,23 @@ def reaped(proc: subprocess.Popen) -> Iterator[subprocess.Popen]:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def damage_column_chunks(path: Path, column: str) -> None:
+    """Damage the footer of the Parquet file at ``path`` as pyarrow cannot build ``column``'s
+    column chunk metadata: its schema element's repetition becomes one no field has, so its
+    level histograms no longer fit (pyarrow aborts the whole process, an uncaught C++
+    exception, where that metadata is asked for in Python; a read of it raises)."""
+    data = bytearray(path.read_bytes())
+    name = column.encode()
+    at = data.rfind(b"\x02\x18" + bytes([len(name)]) + name)  # optional, then the name
+    assert at > 0 and data[at - 1] in (0x25, 0x35), "no such optional leaf column"
+    data[at] = 12
+    path.write_bytes(bytes(data))
+
+
+def run_probe(code: str, *args: str) -> subprocess.CompletedProcess:
+    """``code`` run by Python in another process with ``args`` (a probe that may abort the
+    process: the test survives and sees its exit status)."""
+    return subprocess.run([sys.executable, "-c", code, *map(str, args)], capture_output=True,
+                          text=True, timeout=300)

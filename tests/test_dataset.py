@@ -281,3 +281,23 @@ def test_a_negative_seed_or_epoch_is_refused_where_it_is_given(output):
     with pytest.raises(ValueError, match="^epoch must be a non-negative integer, not -1$"):
         dataset.set_epoch(-1)
     assert dataset.epoch == 0
+
+
+def test_a_damaged_column_chunk_footer_is_damage_in_one_line_not_an_abort(tmp_path):
+    """A part whose footer's embedding column chunk metadata pyarrow cannot build (level
+    histograms that do not fit its schema): both datasets refuse it in the readers' one line
+    naming the part, where pyarrow aborted the process sizing a batch of its rows."""
+    from helpers import damage_column_chunks, run_probe
+
+    folder = write_output(tmp_path / "out")
+    part = folder / "part-000001.parquet"
+    damage_column_chunks(part, "embedding")
+    probe = ("import sys; from dsv4enc.dataset import EmbeddingDataset, EmbeddingIterableDataset"
+             "\nfor make in (lambda: EmbeddingDataset(sys.argv[1])[999], lambda: list("
+             "EmbeddingIterableDataset(sys.argv[1]))):\n  try: make()\n  except Exception as e:"
+             " print(type(e).__name__, e)")
+    done = run_probe(probe, folder)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert len(lines) == 2 and all(line.startswith(f"UsageError {part}: not a readable Parquet "
+                                                   "file (") for line in lines), done.stdout

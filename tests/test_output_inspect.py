@@ -441,3 +441,23 @@ def test_the_errors_list_names_a_container_once_for_its_failed_rows(tmp_path):
     note = " ".join(listed.output.split())
     assert "wrote 7 failed paths" in note and "(5 containers:" in note, note
     assert run("inspect", str(out), "--errors").stdout.splitlines()[0].startswith(keys[0])
+
+
+def test_a_damaged_column_chunk_footer_is_damage_in_one_line_not_an_abort(tmp_path, small_ckpt):
+    """A part whose footer's ``error`` column chunk metadata pyarrow cannot build (level
+    histograms that do not fit its schema): ``inspect`` and ``inspect --errors`` refuse in
+    one line naming it, where ``--errors`` aborted the process (asking for the chunk's
+    statistics) and ``inspect`` called it a file it cannot read, as for a store down."""
+    from helpers import damage_column_chunks, run_probe
+
+    for i in range(4):
+        write_image(tmp_path / "imgs" / f"{i}.png", (20 + i, 20))
+    out = tmp_path / "out"
+    encode(str(tmp_path / "imgs"), "--out", f"{out}/", "--part-images", "2", weights=small_ckpt)
+    part = sorted(out.glob("part-*.parquet"))[-1]
+    damage_column_chunks(part, "error")
+    for flags in ((), ("--errors",)):
+        done = run_probe("from dsv4enc.cli import main; main()", "inspect", out, *flags)
+        assert done.returncode == 2, done.stderr
+        assert done.stderr.startswith(f"error: {part}: not a readable Parquet file ("), done.stderr
+        assert len(done.stderr.strip().splitlines()) == 1 and "--update" in done.stderr

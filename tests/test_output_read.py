@@ -391,3 +391,32 @@ def test_a_binary_embedding_without_its_metadata_is_named_in_one_line(tmp_path):
                    lambda: EmbeddingIterableDataset(folder), lambda: summarize(folder)):
         with pytest.raises(UsageError, match=said):
             reader()
+
+
+#: A probe: ``read_embeddings`` of argv[1], its one-line error printed (an abort: exit 134).
+READ_PROBE = ("import sys; from dsv4enc import read_embeddings; from dsv4enc.errors import "
+              "DsvError\ntry: list(read_embeddings(sys.argv[1]))\nexcept DsvError as e: print(e)")
+
+
+@pytest.mark.parametrize("column", ["embedding", "error"])
+def test_a_damaged_column_chunk_footer_is_damage_in_one_line_not_an_abort(tmp_path, column):
+    """A part whose footer's column chunk metadata pyarrow cannot build (level histograms that
+    do not fit its schema): the reader's damage line, as for a part cut short, where pyarrow
+    aborted the process (asked for the chunk's size) or raised a bare OSError (reading it)."""
+    from helpers import damage_column_chunks, run_probe
+
+    store, _, _ = _first_part_committed(tmp_path, part_images=4)
+    part = store.folder / "part-000000.parquet"
+    single = tmp_path / "rows.parquet"
+    for path in (part, single):
+        damage_column_chunks(path, column)
+    done = run_probe(READ_PROBE, store.folder)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith(f"{part}: not a readable Parquet file (")
+    assert done.stdout.endswith(
+        "histogram does not fit its schema): the output is damaged; rerun its encode command "
+        "with --update to repair it (with --resume, if that run did not finish)\n"), done.stdout
+    done = run_probe(READ_PROBE, single)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith(f"{single}: not a readable Parquet file (")
+    assert done.stdout.endswith("histogram does not fit its schema)\n"), done.stdout

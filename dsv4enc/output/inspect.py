@@ -120,7 +120,7 @@ def _summarize_interrupted(path: str, found: OutputFiles) -> OutputSummary:
 
 
 def _metadata(found: OutputFiles) -> dict[str, Any]:
-    return metadata_of(found.open(found.paths[0]).schema_arrow)
+    return metadata_of(found.open(found.paths[0], rows=False).schema_arrow)
 
 
 def summarize(path: str | os.PathLike, storage_options: Any = None) -> OutputSummary:

@@ -29,6 +29,7 @@ CHUNK_INDEX_FIELDS = (4, 5, 6, 7)  # offset/column index offsets and lengths
 META_SIZE, META_DATA_PAGE, META_DICTIONARY_PAGE = 7, 9, 11  # total_compressed_size, offsets
 META_OFFSETS = (9, 10, 11)  # data, index and dictionary page offsets
 META_BLOOM = (14, 15)
+META_SIZE_STATISTICS = 16  # its level histograms (SizeStatistics: 1, 2, 3)
 
 
 class JoinError(ValueError):

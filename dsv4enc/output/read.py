@@ -51,14 +51,16 @@ class OutputFiles:
         """``path`` as messages show it: under ``location`` as the user wrote it."""
         return _shown(self.location, self.root, path)
 
-    def open(self, path: str, metadata: Any = None, size: int | None = None):
+    def open(self, path: str, metadata: Any = None, size: int | None = None, rows: bool = True):
         """A ``pyarrow.parquet.ParquetFile`` over ``path`` (a store's: ranged reads, the
         column chunks asked for fetched together). ``metadata`` and ``size``: its footer and
         size as an earlier open read them: the footer is not read again, and a file of
         another size is another file. A file gone or changed since the output was listed
         is the output replaced meanwhile (``replaced``), never damage. A failure
         to open the file (the open-file limit, a store not answering) is named as it is,
-        apart from a file whose content is no Parquet."""
+        apart from a file whose content is no Parquet, or whose column chunks' metadata does
+        not fit its schema (``check_column_chunks``, at its first open for ``rows``; not for a
+        look at its schema alone)."""
         import pyarrow as pa
         import pyarrow.parquet as pq
 
@@ -73,8 +75,11 @@ class OutputFiles:
             source.close()
             raise self.replaced(path)
         try:
-            return pq.ParquetFile(source, pre_buffer=remote, metadata=metadata)
-        except (OSError, pa.ArrowException) as exc:
+            handle = pq.ParquetFile(source, pre_buffer=remote, metadata=metadata)
+            if rows and metadata is None:  # its first open: its footer checked once
+                check_column_chunks(handle.metadata)
+            return handle
+        except (OSError, ValueError, pa.ArrowException) as exc:
             source.close()
             repair = f": {REPAIRABLE}" if self.manifests else ""  # a committed part: repairable
             raise UsageError(f"{self.name(path)}: not a readable Parquet file ({exc})"
@@ -86,6 +91,39 @@ class OutputFiles:
         return UsageError(f"{self.name(path)}: gone since the output was listed: the output "
                           "was replaced (by an --update or --overwrite) while it was being "
                           "read; read it again")
+
+
+def check_column_chunks(meta: Any) -> None:
+    """Raise a ValueError where a column chunk's metadata in footer ``meta`` does not fit the
+    file's schema (its level histograms, its unencoded sizes, its count): pyarrow aborts the
+    whole process (an uncaught C++ exception) building such a chunk's metadata in Python
+    (``row_group(i).column(j)``, its ``statistics``), as readers do, so the footer's Thrift is
+    read here by dsv4enc's own codec."""
+    import pyarrow as pa
+
+    from .parquet_join import (CHUNK_META, GROUP_COLUMNS, META_SIZE_STATISTICS, CompactReader,
+                               row_groups)
+
+    def field(struct: list, number: int, default: Any = ()) -> Any:  # of a decoded struct
+        return next((f[2] for f in struct if f[0] == number), default)
+
+    sink = pa.BufferOutputStream()
+    meta.write_metadata_file(sink)  # PAR1, the footer's Thrift, its length, PAR1
+    columns = [meta.schema.column(i) for i in range(len(meta.schema))]
+    for group in row_groups(CompactReader(sink.getvalue().to_pybytes()[4:-8]).struct()):
+        chunks = field(group, GROUP_COLUMNS, (0, []))[1]
+        if len(chunks) != len(columns):
+            raise ValueError(f"a row group has {len(chunks)} columns, its schema {len(columns)}")
+        for chunk, column in zip(chunks, columns):
+            sizes = field(field(chunk, CHUNK_META), META_SIZE_STATISTICS)
+            for number, level, kind in ((2, column.max_repetition_level, "repetition"),
+                                        (3, column.max_definition_level, "definition")):
+                if len(field(sizes, number, (0, []))[1]) not in (0, level + 1):
+                    raise ValueError(f"column {column.path!r}: its {kind} level histogram does "
+                                     "not fit its schema")
+            if field(sizes, 1, None) is not None and column.physical_type != "BYTE_ARRAY":
+                raise ValueError(f"column {column.path!r}: unencoded byte sizes for "
+                                 f"{column.physical_type} values")
 
 
 def find_output(location: str | os.PathLike, storage_options: Any = None) -> OutputFiles:
@@ -642,7 +680,7 @@ def read_metadata(path: str | os.PathLike, storage_options: Any = None) -> dict[
     found = find_output(path, storage_options)
     if not found.paths:
         return {}
-    return metadata_of(found.open(found.paths[0]).schema_arrow)
+    return metadata_of(found.open(found.paths[0], rows=False).schema_arrow)
 
 
 def is_dsv4enc_parquet(path: str | os.PathLike) -> bool:

@@ -733,6 +733,32 @@ def test_update_of_a_folder_with_a_part_deleted_and_one_cut_short_repairs_it(tmp
     assert not cut.exists()  # the damaged part's file went with the old generation
 
 
+def test_update_of_a_folder_with_parts_whose_footers_do_not_fit_their_schema_repairs_it(
+        tmp_path, caplog):
+    """Parts whose footer's column chunk metadata pyarrow cannot build (level histograms that
+    do not fit the schema), which the readers refuse naming --update as the repair: the
+    update encodes their rows again, where it kept them (the output as damaged as before)
+    or failed with a traceback reading their ``error`` column."""
+    from helpers import damage_column_chunks
+
+    images = old_images(tmp_path / "in")
+    out = tmp_path / "emb"
+    run_encode(options(images, f"{out}/"))
+    parts = sorted(load_manifest(out / "_manifest.json")["parts"].values(),
+                   key=lambda part: part["start"])
+    damage_column_chunks(out / parts[1]["file"], "embedding")
+    damage_column_chunks(out / parts[2]["file"], "error")
+    result = runner.invoke(app, ["encode", str(images), "--out", f"{out}/", "--config", CONFIG,
+                                 "--random-init", "--device", "cpu", "--workers", "0",
+                                 "--part-images", str(PART), "--update"])
+    assert result.exit_code == 0, result.output
+    damaged_rows = parts[1]["rows"] + parts[2]["rows"]
+    assert f"encodes their {damaged_rows} rows again" in caplog.text
+    clean = tmp_path / "clean.parquet"
+    run_encode(options(images, clean))
+    assert_clean(out, table_of(clean))
+
+
 def test_update_of_a_damaged_output_it_cannot_repair_is_refused_in_one_line(finished, tmp_path):
     images, shared = finished
     cut = copy_of(shared, tmp_path / "file")

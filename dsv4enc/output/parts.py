@@ -35,8 +35,8 @@ from .parquet_join import JoinError, ParquetJoiner
 from ..version import __version__
 from .files import (MANIFEST_FILE, MANIFEST_NAME, PART_FILE, STAMPS_FILE, journal_path, part_file,
                     temp_path)
-from .read import (JOURNAL_FORMAT, check_parts, embedding_format, is_dsv4enc_document,
-                   load_manifest)
+from .read import (JOURNAL_FORMAT, check_column_chunks, check_parts, embedding_format,
+                   is_dsv4enc_document, load_manifest)
 
 if TYPE_CHECKING:
     import torch
@@ -355,9 +355,15 @@ def write_json_atomic(data: Any, path: Path) -> None:
 
 
 def part_intact(path: Path, rows: int | None) -> bool:
-    """A committed part can be reused: its footer reads back with the recorded row count."""
+    """A committed part can be reused: its footer reads back with the recorded row count, its
+    column chunks' metadata fitting its schema (``check_column_chunks``: else readers refuse
+    it, naming --update, or --resume, as its repair)."""
     try:
-        return path.is_file() and pq.read_metadata(path).num_rows == rows
+        if not path.is_file():
+            return False
+        footer = pq.read_metadata(path)
+        check_column_chunks(footer)
+        return footer.num_rows == rows
     except Exception:  # pyarrow raises ArrowInvalid, OSError, ... for a damaged file
         return False
 

@@ -247,9 +247,9 @@ def link_or_copy(source: Path, target: Path) -> None:
 
 class OldOutput:
     """A finished output as an update sees it: its parts in row order, settings and stamps.
-    A folder's part file that is gone or cut short (``parts.part_kept``) is ``damaged``: its
-    rows are never carried, so the update encodes their inputs again (a repair). ``stored``:
-    the part objects of a bucket folder, read where they are (``remote.RemoteOutput.stored``).
+    A folder's part file that is gone, cut short or damaged (``parts.part_kept``) is
+    ``damaged``: its rows are never carried, so the update encodes their inputs again (a
+    repair). ``stored``: the part objects of a bucket folder, read where they are (``remote.RemoteOutput.stored``).
     ``blocks``: the first row of each run of parts that share an input range (a
     ``--shard-output`` folder's ranks' files of one part, whose rows interleave in input
     order), else None."""
@@ -343,8 +343,8 @@ class OldOutput:
                        again="encode everything again", given="--update")
         if self.damaged:
             shown = ", ".join(sorted(self.damaged)[:3])
-            log.warning("%s: %d part file%s missing or cut short (%s); the update encodes "
-                        "%s %d rows again", self.out, len(self.damaged),
+            log.warning("%s: %d part file%s missing, cut short or damaged (%s); the update "
+                        "encodes %s %d rows again", self.out, len(self.damaged),
                         "s are" if len(self.damaged) > 1 else " is", shown,
                         "their" if len(self.damaged) > 1 else "its", self.damaged_rows)
 

@@ -772,6 +772,24 @@ def test_update_of_a_damaged_output_it_cannot_repair_is_refused_in_one_line(fini
     assert "does not record its input files" in line
 
 
+def test_update_of_a_single_file_whose_footer_does_not_fit_its_schema_is_one_line(finished,
+                                                                                  tmp_path):
+    """A single file whose footer's column chunk metadata pyarrow cannot build (level
+    histograms that do not fit its schema), which --update cannot repair: refused in one line
+    naming it, where the update stopped with a traceback reading its rows; --overwrite then
+    encodes it again."""
+    from helpers import damage_column_chunks
+
+    images, shared = finished
+    damaged = copy_of(shared, tmp_path / "file")
+    damage_column_chunks(damaged, "error")
+    line = one_line_error(cli(images, damaged, "--update"), 2)
+    assert line.startswith(f"error: cannot update {damaged}: not a readable Parquet file ("), line
+    assert line.endswith("encode it again (--overwrite in place of --update)"), line
+    assert cli(images, damaged, "--overwrite").exit_code == 0
+    assert table_of(damaged) == table_of(shared)
+
+
 # --------------------------------------------------------------- what readers see meanwhile
 
 def keys_by_reader(out: Path) -> dict[str, list[str]]:

@@ -37,7 +37,7 @@ from .parts import (PartStore, Row, fsync_dir, manifest_document,
 from ..images.decode import is_transient
 from ..images.headers import Planned, inputs_digest
 from ..images.items import InputItem
-from .read import check_parts, embedding_arrays, embedding_format
+from .read import check_column_chunks, check_parts, embedding_arrays, embedding_format
 
 log = logging.getLogger("dsv4enc")
 
@@ -295,6 +295,11 @@ class OldOutput:
             where = stored[out.name].url if stored and out.name in stored else out
             with storage.open_input(str(where)) as handle:
                 footer = pq.read_metadata(handle)  # its key-value entries (the schema shows one)
+            try:  # its rows are read (carried) by their column chunks' metadata
+                check_column_chunks(footer)
+            except ValueError as exc:  # an update has no other copy of its rows to repair it
+                raise UsageError(f"cannot update {out}: not a readable Parquet file ({exc}): "
+                                 "encode it again (--overwrite in place of --update)") from None
             metadata = footer.metadata or {}
             settings = json.loads(metadata.get(b"dsv4enc", b"{}"))
             settings.pop("embedding", None)

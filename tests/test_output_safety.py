@@ -911,6 +911,27 @@ def test_a_full_disk_at_the_first_manifest_says_nothing_was_committed(data, tmp_
     assert encode(str(data), "--out", out, "--resume").exit_code == 0
 
 
+def test_resume_encodes_again_a_part_whose_footer_does_not_fit_its_schema(data, tmp_path,
+                                                                         monkeypatch):
+    """A stopped run's committed part whose footer's column chunk metadata pyarrow cannot
+    build (level histograms that do not fit its schema), which the readers refuse naming
+    --resume as its repair: --resume encodes its rows again, as a part cut short, where it
+    kept it and finished an output that no reader could read."""
+    from dsv4enc import read_embeddings
+    from helpers import damage_column_chunks, signal_after_first_part
+
+    out = tmp_path / "o"
+    signal_after_first_part(monkeypatch)
+    one_line_error(encode(str(data), "--out", f"{out}/"), 143)
+    monkeypatch.undo()
+    (part,) = out.glob("part-*.parquet")
+    damage_column_chunks(part, "embedding")
+    assert encode(str(data), "--out", f"{out}/", "--resume").exit_code == 0
+    assert encode(str(data), "--out", str(tmp_path / "clean.parquet")).exit_code == 0
+    assert ([(p, e.tobytes()) for p, e, _ in read_embeddings(out)]
+            == [(p, e.tobytes()) for p, e, _ in read_embeddings(tmp_path / "clean.parquet")])
+
+
 def test_an_update_stopped_by_a_full_disk_advises_update(data, tmp_path, monkeypatch):
     """Advice to finish with --resume would be refused beside --update: an update's says
     --update (``errors.advise``), as its stop line does."""

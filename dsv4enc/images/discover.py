@@ -226,7 +226,7 @@ def _list_items(list_file: str, state: _Listing, stop: Stop | None) -> Iterator[
             state.found.skipped += 1
             continue
         # an object's line is read from its store, as when given by name (no size: not listed)
-        member = StoredObject(path, None) if storage.is_url(path) else None
+        member = StoredObject(path, None) if storage.reads_are_requests(path) else None
         items = state.container(path, line) if container else [InputItem(line, path, member)]
         keyed = [state.keyed(item) for item in items]
         if missing is None:

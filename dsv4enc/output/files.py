@@ -12,6 +12,8 @@ import secrets
 from pathlib import Path
 from typing import Iterable, TypeVar
 
+from .. import storage
+
 P = TypeVar("P", str, Path)
 
 #: The manifest of a folder of parts (per rank under --shard-output until they are merged).
@@ -42,7 +44,7 @@ STAGING_SUFFIX, OLD_SUFFIX = ".dsv4enc-update", ".dsv4enc-old"
 def output_paths(out: str) -> tuple[str, ...]:
     """What a run on ``--out`` writes under names a walk lists (its temporaries' are hidden):
     the output, and the parts folder beside a single file."""
-    local = out if "://" not in out else None
+    local = storage.local_path(out)
     if out.endswith(("/", os.sep)) or local is not None and os.path.isdir(local):
         return (out,)
     return out, out + PARTIAL

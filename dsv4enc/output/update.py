@@ -382,7 +382,7 @@ def _row_groups(files: Sequence[tuple[str | Path | None, int]]
         try:  # the open is retried by ``open_input``: not again here
             handle = pq.ParquetFile(storage.open_input(str(path)))
         except OSError as exc:
-            if not storage.is_url(str(path)):
+            if not storage.reads_are_requests(str(path)):
                 raise
             raise store_failure(str(path), exc) from None
         for group in range(handle.num_row_groups):
@@ -393,7 +393,7 @@ def _stored(path: str | Path, read: Callable[[], Any]) -> Any:
     """``read()`` of the old part ``path``; of an object, retried as any call to its store,
     and a failure is the run's one line about the store (``store_failure``), not pyarrow's
     ``OSError`` (a traceback)."""
-    if not storage.is_url(str(path)):
+    if not storage.reads_are_requests(str(path)):
         return read()
     try:
         return storage.retrying(read, store=storage.store_of(str(path)))

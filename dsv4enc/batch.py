@@ -136,7 +136,8 @@ class BatchEncoder:
         enc = self.encoder
         return run_settings(enc.config, enc.fingerprint, enc.dtype, enc.device.type,
                             bool(enc.deterministic), out_dtype=enc.out_dtype,
-                            features=enc.features, pool=enc.pool, layout=self.layout)
+                            features=enc.features, pool=enc.pool, layout=self.layout,
+                            fused=enc.model.fused)
 
     def features(self, kept: Any = None):
         """``datasets_features`` of the output, after the ``kept`` features."""

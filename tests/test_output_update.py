@@ -936,3 +936,19 @@ def test_a_parts_entry_names_the_inputs_its_rows_hold():
     for amiss in ("not base64!", base64.b64encode(b"\x01").decode(),
                   base64.b64encode(b"\x01\x00").decode()):
         assert part_rows({"start": 20, "end": 32, "rows": 2, "share": amiss}) is None
+
+
+def test_a_setting_an_earlier_output_did_not_record_is_compared_only_where_recorded():
+    """``fused`` (compiled kernels: rows equal the eager tower's to rounding only) is refused
+    when it changes, and an output made before it was recorded is not refused for lacking it."""
+    from dsv4enc.errors import UsageError
+    from dsv4enc.output.update import check_settings
+
+    def check(recorded: dict, now: dict) -> None:
+        check_settings(recorded, now, "cannot update o", "it was made with", again="encode it",
+                       given="--update")
+
+    check({"pool": "none"}, {"pool": "none", "fused": False})
+    check({"pool": "none", "fused": True}, {"pool": "none", "fused": True})
+    with pytest.raises(UsageError, match=r"fused kernels .*\(True then, False now\)"):
+        check({"pool": "none", "fused": True}, {"pool": "none", "fused": False})

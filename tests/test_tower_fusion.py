@@ -86,11 +86,14 @@ def test_encode_fused_rows_equal_eager_rows_to_float_rounding(tmp_path):
     for i, size in enumerate([(64, 48), (90, 120), (200, 60)]):
         write_image(images / f"{i}.png", size, seed=i)
 
-    def encode(out: Path, *extra: str) -> dict:
-        result = CliRunner().invoke(app, [
+    def run(out: Path, *extra: str):
+        return CliRunner().invoke(app, [
             "encode", str(images), "--out", str(out), "--config", str(CONFIGS / "tiny.json"),
             "--random-init", "--device", "cpu", "--dtype", "float32", "--out-dtype", "float32",
             "--workers", "0", "-q", *extra])
+
+    def encode(out: Path, *extra: str) -> dict:
+        result = run(out, *extra)
         assert result.exit_code == 0, result.output
         return {path: emb for path, emb, _ in read_embeddings(out)}
 
@@ -100,6 +103,12 @@ def test_encode_fused_rows_equal_eager_rows_to_float_rounding(tmp_path):
     for path, want in eager.items():
         got = fused[path]
         assert np.linalg.norm(got - want) <= 1e-6 * np.linalg.norm(want)
+    # Not bytes alike: an update never mixes rows of both (the output records which made it).
+    write_image(images / "3.png", (40, 40), seed=3)
+    for out, other in ((tmp_path / "eager.parquet", "--fused"),
+                       (tmp_path / "fused.parquet", "--no-fused")):
+        refused = run(out, "--update", other)
+        assert refused.exit_code == 2 and "fused kernels" in refused.output, refused.output
 
 
 def test_the_vector_width_follows_a_capped_aten_level(monkeypatch):

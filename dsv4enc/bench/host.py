@@ -43,6 +43,7 @@ class NullEngine:
 
     graphs_enabled = False
     deterministic = True
+    fused = False
 
     def __init__(self, cfg: VisionConfig, settings: EngineSettings = EngineSettings(),
                  out_dtype: torch.dtype = torch.float16) -> None:

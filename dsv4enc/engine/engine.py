@@ -105,6 +105,7 @@ class Engine:
         self._pending: deque[_Pending] = deque()
         self.runner: BucketRunner | None = None
         self.deterministic = settings.deterministic and not model.tensor_parallel
+        self.fused = model.fused  # compiled elementwise kernels (after any eager fallback)
         graphs = self._want_graphs(settings.cuda_graphs)
         if runs_one_shape(model, settings.deterministic):
             # One bucket that holds any single image: every batch runs at the same shapes.

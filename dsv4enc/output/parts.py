@@ -81,15 +81,16 @@ def output_schema(width: int, out_dtype: str, metadata: dict[str, Any] | None = 
 
 def run_settings(cfg: VisionConfig, fingerprint: str, dtype: torch.dtype | str,
                  device_type: str, batch_invariant: bool, *, out_dtype: torch.dtype | str,
-                 features: str, pool: str, layout: str) -> dict:
+                 features: str, pool: str, layout: str, fused: bool = False) -> dict:
     """What the rows were computed with (a run adds its ``part_images``); ``--resume``
     requires these to match. ``batch_invariant``: whether each row's bytes are independent
-    of its batch, a guarantee per device kind, dtype and software stack (so those match too)."""
+    of its batch, a guarantee per device kind, dtype and software stack (so those match too);
+    ``fused``: compiled elementwise kernels made them (equal to the eager tower's to rounding)."""
     return {"tool": "dsv4enc", "version": __version__, "config": cfg.to_flat(),
             "weights_fingerprint": fingerprint,
             "compute_dtype": str(dtype).removeprefix("torch."), "device": device_type,
             "batch_invariant": batch_invariant, "out_dtype": str(out_dtype).removeprefix("torch."),
-            "features": features, "pool": pool, "layout": layout}
+            "features": features, "pool": pool, "layout": layout, "fused": fused}
 
 
 @dataclass

@@ -52,6 +52,8 @@ DROPPED_SHOWN = 3
 #: Settings that decide how parts are cut, not what rows hold: an update or a resumed run
 #: may differ there (committed parts are judged by their inputs, wherever they were cut).
 CUT_SETTINGS = ("part_images",)
+#: Settings an output of an earlier dsv4enc may not have recorded: compared where recorded.
+LATER_SETTINGS = ("fused",)
 #: The flag that sets each recorded setting whose value is the flag's argument.
 FLAG_OF_SETTING = {"compute_dtype": "--dtype", "device": "--device", "out_dtype": "--out-dtype",
                    "features": "--features", "pool": "--pool", "layout": "--layout",
@@ -60,6 +62,7 @@ FLAG_OF_SETTING = {"compute_dtype": "--dtype", "device": "--device", "out_dtype"
 #: How a refusal names the recorded settings whose value is no flag's argument.
 SHOWN_SETTING = {"keep_columns": "--keep-column", "keep_members": "--keep-member",
                  "weights_fingerprint": "the weights (--weights)",
+                 "fused": "fused kernels (--fused; rows equal the eager tower's to rounding)",
                  "config": "the model config (--weights/--config)",
                  "batch_invariant": "batch invariance (--deterministic; off under --tp-mode "
                                     "weights)"}
@@ -73,7 +76,8 @@ def check_settings(recorded: dict, settings: dict, refused: str, used: str, *,
     the flag that would agree, and ``again`` is what --overwrite does instead of ``given``
     (the run's flag, which --overwrite contradicts)."""
     key = next((key for key, now in settings.items()
-                if key not in CUT_SETTINGS and recorded.get(key) != now), None)
+                if key not in CUT_SETTINGS and recorded.get(key) != now
+                and (key in recorded or key not in LATER_SETTINGS)), None)
     if key is None:
         return
     then, now = recorded.get(key), settings[key]

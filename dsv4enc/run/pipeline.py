@@ -129,12 +129,14 @@ class Computing:
     device: str  # the device's kind
     batch_invariant: bool
     engine: EngineSettings  # resolved for the device (its batch_tokens plan the batches)
+    fused: bool  # the tower runs compiled elementwise kernels (after any eager fallback)
 
     @classmethod
     def of(cls, ckpt: Checkpoint, dtype: torch.dtype, engine: Engine) -> "Computing":
         """What ``engine``, running ``ckpt`` in ``dtype``, computes with."""
         return cls(ckpt.config, ckpt.fingerprint, str(dtype).removeprefix("torch."),
-                   engine.device.type, bool(engine.deterministic), engine.settings)
+                   engine.device.type, bool(engine.deterministic), engine.settings,
+                   engine.fused)
 
 
 class PartSource(Protocol):
@@ -329,7 +331,8 @@ def _plan_output(run: RunState, setup: RunSetup, source: PartSource, computes: C
     settings = {**run_settings(cfg, computes.fingerprint, computes.compute_dtype,
                                computes.device, computes.batch_invariant,
                                out_dtype=opts.out_dtype, features=opts.engine.features,
-                               pool=opts.pool, layout=opts.layout), "part_images": part_images}
+                               pool=opts.pool, layout=opts.layout, fused=computes.fused),
+                "part_images": part_images}
     if ranks.shard_output:
         settings["world_size"] = ranks.world_size
     schema = output_schema(cfg.output_width(opts.engine.features), opts.out_dtype,

@@ -138,5 +138,6 @@ def fuse_elementwise(model: VisionTower, dynamic: bool = True) -> VisionTower:
         block.add_norm_fn = add_norm
         block.attn.rope_fn = rope
         block.mlp.act_fn = act
+    model.fused = True
     log.info("fused elementwise kernels installed (compiled at the first batch)")
     return model

@@ -289,6 +289,9 @@ class VisionTower(nn.Module):
         self.vision = VisionTransformer(cfg)
         self.aligner = Aligner(cfg)
         self.attend: AttentionFn = sdpa_attention
+        #: Compiled elementwise kernels installed (``tower/fusion``): rows equal the eager
+        #: tower's to float rounding only, so an output records which made them.
+        self.fused = False
 
     @property
     def dtype(self) -> torch.dtype:

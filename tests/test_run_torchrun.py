@@ -331,6 +331,8 @@ def sequence(work, folders, ckpt) -> dict[str, list[dict]]:
         "ranks_inputs": ["@rank1", str(folders["one"]),
                          *enc("imgs", "ranks_inputs.parquet", "--part-images",
                               str(PART_IMAGES))],
+        "ranks_out": ["@rank1", f"--out={work / 'seq' / 'ranks_out_1'}/",
+                      *enc("imgs", "ranks_out_0/", "--shard-output")],
         "figures_shard": enc("imgs", "figures_shard/", "--shard-output", "--part-images",
                              str(PART_IMAGES), "--batch-tokens", "400", "--log-every", "0.01",
                              "--summary-json", str(work / "seq" / "figures_shard.json")),
@@ -873,3 +875,15 @@ def test_shard_output_stamps_come_from_each_ranks_parts(work, sequence, folders,
         assert got == _stamps_read_back(work / "seq" / folder, one_process), name
     seq_ok(sequence, "empty_shard")
     assert _stamps_file(work / "seq" / "empty_shard")[1] == 0
+
+
+def test_shard_output_ranks_writing_to_different_folders_refuse(work, sequence):
+    """--shard-output ranks given different --out folders (or folders that are not one shared
+    folder) each write their parts where rank 0 never looks: every rank stops in one line
+    naming it (exit 2), rather than all exiting 0 with a manifest that lists missing parts."""
+    for rank, result in enumerate(sequence["ranks_out"]):
+        errors = [x for x in result["stderr"].splitlines() if x.startswith("error:")]
+        assert result["code"] == 2 and len(errors) == 1, (rank, result["stderr"][-3000:])
+        assert "--shard-output ranks need one --out folder" in errors[0], errors[0]
+        assert "Traceback" not in result["stderr"], result["stderr"][-3000:]
+    assert not (work / "seq" / "ranks_out_0" / "_manifest.json").exists()

@@ -176,8 +176,18 @@ class Topology:
 
     def merge_manifests(self, store: PartStore, stamps: dict[str, Any]) -> MergedManifest | None:
         """--shard-output: rank 0 lists every rank's parts in one manifest, and returns it
-        with every rank's ``stamps`` (its parts' row stamps, by name); the other ranks None."""
+        with every rank's ``stamps`` (its parts' row stamps, by name); the other ranks None.
+        Every rank first looks in its own folder for a part of each rank: ranks that wrote
+        into different folders (another --out, or one folder per node) all stop, rather than
+        rank 0 recording parts it cannot read."""
         everything = self.gather((store.parts, stamps))
+        if store.part_folder == store.folder:  # a bucket's parts are not in the folder
+            for rank, (parts, _) in enumerate(everything):
+                if parts and not (store.folder / next(iter(parts.values()))["file"]).exists():
+                    raise UsageError(f"rank {rank}'s parts are not in {store.folder} (another "
+                                     f"--out, or a folder the ranks do not share): "
+                                     f"--shard-output ranks need one --out folder that "
+                                     f"every rank sees")
         if not self.is_main:
             return None
         merged = MergedManifest(  # a rank's ``share`` serves its own --resume alone

@@ -887,3 +887,22 @@ def test_shard_output_ranks_writing_to_different_folders_refuse(work, sequence):
         assert "--shard-output ranks need one --out folder" in errors[0], errors[0]
         assert "Traceback" not in result["stderr"], result["stderr"][-3000:]
     assert not (work / "seq" / "ranks_out_0" / "_manifest.json").exists()
+
+
+def test_resume_on_more_ranks_leaves_the_folder_as_it_was(work, sequence, folders, ckpt):
+    """--resume of a stopped 2-rank --shard-output folder on 3 ranks is refused in one line on every
+    rank, and the folder is left as it was: the rank with no manifest of its own there wrote
+    an empty one before the others refused, which stayed in the folder."""
+    seq_ok(sequence, "shard")
+    folder = work / "more_ranks"
+    shutil.copytree(work / "seq" / "shard", folder)
+    for merged in [folder / "_manifest.json", *folder.glob("_stamps-*.bin")]:
+        merged.unlink()  # the run was stopped before rank 0 merged the ranks' manifests
+    before = sorted(p.name for p in folder.iterdir())
+    proc = torchrun(["-m", "dsv4enc", "encode", str(folders["imgs"]), "--out", str(folder),
+                     "--weights", str(ckpt), *FAST, "--shard-output", "--part-images",
+                     str(PART_IMAGES), "--resume"], work, nproc=3)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert proc.returncode != 0 and len(errors) == 3, proc.stderr[-3000:]  # one per rank
+    assert all("world size differs (2 then, 3 now)" in e for e in errors), errors
+    assert sorted(p.name for p in folder.iterdir()) == before

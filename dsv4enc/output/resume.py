@@ -48,11 +48,18 @@ def _alone(todo_ranges, problem):
 def _refuse_other_layout(store: PartStore, flag: str) -> None:
     """Refuse in one line to start over beside the manifest of an interrupted run that
     committed its parts the other way (one per --shard-output rank, or one for the run):
-    its part files would stay in the folder, and a glob over them would read rows twice."""
+    its part files would stay in the folder, and a glob over them would read rows twice.
+    Another --shard-output rank's manifest is checked as this rank's own would be: a rank
+    that has none (more ranks than the interrupted run's) must not write one where the
+    others refuse."""
     mine_sharded = rank_of(store.manifest_name) is not None
     for path in manifest_paths(store.folder):
         recorded = read_manifest(path)
         if recorded is None or (rank_of(path.name) is not None) == mine_sharded:
+            if recorded is not None and mine_sharded:
+                check_settings(recorded, store.settings, "cannot resume",
+                               "the interrupted run used", rerun=" to resume it",
+                               again="start over", given=flag)
             continue
         ran = (f"with --shard-output on {recorded.get('settings', {}).get('world_size', '?')} "
                "torchrun ranks" if not mine_sharded else "without --shard-output")

@@ -21,7 +21,7 @@ import typer
 from typer.core import TyperCommand, TyperGroup
 
 from .version import __version__
-from .errors import AlreadyComplete, DsvError, Interrupted
+from .errors import AlreadyComplete, DsvError, Interrupted, check_positive
 from .engine.defaults import DEFAULT_BATCH_TOKENS, FEATURES
 from .engine.settings import EngineSettings
 from .tower.config import ATTENTION_BACKENDS
@@ -695,6 +695,14 @@ def bench(
     same process, padding waste, the time split, and the speed-up over a naive loop. With
     --host: the host's capacity (decoding and writing, with a null model stage). With
     --dtype-check: this CPU's float32 and bfloat16 rates and what --dtype auto picks."""
+    try:  # before any timing: a count of 0 or less means nothing (a negative, torch's traceback)
+        budgets = [check_positive("--batch-tokens", int(t)) for t in batch_tokens.split(",")] \
+            if batch_tokens else None
+        for name, value in (("--max-images", max_images), ("--repeat", repeat),
+                            ("--threads", 1 if threads is None else threads)):
+            check_positive(name, value)
+    except ValueError as exc:
+        fail(f"bad benchmark option: {exc}", 2)
     if threads:
         import torch
 
@@ -719,7 +727,6 @@ def bench(
             return
         from .bench.throughput import parse_on_off, print_results, run_bench
 
-        budgets = [int(t) for t in batch_tokens.split(",")] if batch_tokens else None
         rows = run_bench(config, device, dtype, images, budgets, parse_on_off(graphs, auto=True),
                          attention, features, max_images, repeat=repeat,
                          naive_images=naive_images, e2e=e2e, workers=workers,

@@ -715,3 +715,16 @@ def test_a_bench_json_that_cannot_be_written_is_refused_before_the_timing(tmp_pa
     line = one_line_error(result, 1)
     assert f"--json {tmp_path / where}" in line, line
     assert sorted(os.listdir(tmp_path)) == ["a_folder"]
+
+
+@pytest.mark.parametrize("option", [["--batch-tokens", "0"], ["--batch-tokens=-5"],
+                                    ["--max-images", "0"], ["--repeat", "0"],
+                                    ["--threads", "0"], ["--threads=-1"]])
+def test_a_bench_count_that_is_not_positive_is_one_line(option):
+    """bench --batch-tokens, --max-images, --repeat or --threads of 0 or less is one line,
+    exit 2, before anything is timed, as encode refuses them; a negative one was a traceback
+    (torch's RuntimeError), and a 0 timed a run of no budget, images or rounds, or ignored it."""
+    result = runner.invoke(app, ["bench", "--config", str(CONFIGS / "tiny.json"),
+                                 "--images", "synthetic:30x30:1", *option])
+    line = one_line_error(result, 2)
+    assert option[0].split("=")[0] in line and "positive" in line, line

@@ -699,7 +699,8 @@ def bench(
         budgets = [check_positive("--batch-tokens", int(t)) for t in batch_tokens.split(",")] \
             if batch_tokens else None
         for name, value in (("--max-images", max_images), ("--repeat", repeat),
-                            ("--threads", 1 if threads is None else threads)):
+                            ("--threads", 1 if threads is None else threads),
+                            ("--naive-images", 1 if naive_images is None else naive_images)):
             check_positive(name, value)
     except ValueError as exc:
         fail(f"bad benchmark option: {exc}", 2)

@@ -719,11 +719,13 @@ def test_a_bench_json_that_cannot_be_written_is_refused_before_the_timing(tmp_pa
 
 @pytest.mark.parametrize("option", [["--batch-tokens", "0"], ["--batch-tokens=-5"],
                                     ["--max-images", "0"], ["--repeat", "0"],
-                                    ["--threads", "0"], ["--threads=-1"]])
+                                    ["--threads", "0"], ["--threads=-1"],
+                                    ["--naive-images=-3"]])
 def test_a_bench_count_that_is_not_positive_is_one_line(option):
-    """bench --batch-tokens, --max-images, --repeat or --threads of 0 or less is one line,
-    exit 2, before anything is timed, as encode refuses them; a negative one was a traceback
-    (torch's RuntimeError), and a 0 timed a run of no budget, images or rounds, or ignored it."""
+    """bench --batch-tokens, --max-images, --repeat, --threads or --naive-images of 0 or less
+    is one line, exit 2, before anything is timed, as encode refuses them; a negative one was
+    a traceback (torch's RuntimeError, an IndexError), and a 0 timed a run of no budget,
+    images or rounds, or was ignored."""
     result = runner.invoke(app, ["bench", "--config", str(CONFIGS / "tiny.json"),
                                  "--images", "synthetic:30x30:1", *option])
     line = one_line_error(result, 2)

@@ -715,6 +715,9 @@ def bench(
         # refused before the timing, at whose end the write would fail in a traceback
         fail(f"--json {json_out}: " + ("a folder, not a file" if os.path.isdir(json_out)
                                       else f"its folder {folder} is missing or read-only"))
+    if json_out and os.path.lexists(json_out) and not _is_bench_json(json_out):
+        fail(f"--json {json_out} exists and is not a bench's JSON (dsv4enc replaces only what "
+             "it wrote); choose another path")
     try:
         if dtype_check:
             from .bench.dtype_check import dtype_check_command
@@ -741,6 +744,22 @@ def bench(
     if json_out:
         with open(json_out, "w") as handle:
             json.dump(rows, handle, indent=1, default=str)
+
+
+def _is_bench_json(path: str) -> bool:
+    """Whether ``path`` is a regular file that a bench wrote (its rows, --host's, or
+    --dtype-check's figures): the only file that --json replaces."""
+    try:
+        if not os.path.isfile(path) or os.path.islink(path) or os.path.getsize(path) > 1 << 20:
+            return False
+        with open(path, "rb") as handle:
+            data = json.load(handle)
+    except (OSError, ValueError):
+        return False
+    if isinstance(data, dict):
+        return "faster_here" in data
+    return isinstance(data, list) and all(isinstance(row, dict) and ("mode" in row or "transform"
+                                                                      in row) for row in data)
 
 
 def main() -> None:

@@ -730,3 +730,16 @@ def test_a_bench_count_that_is_not_positive_is_one_line(option):
                                  "--images", "synthetic:30x30:1", *option])
     line = one_line_error(result, 2)
     assert option[0].split("=")[0] in line and "positive" in line, line
+
+
+def test_a_bench_json_over_a_file_bench_did_not_write_is_refused(tmp_path):
+    """bench --json naming a file that is there and is not bench's JSON (a user's Parquet
+    file, a config) is one line, the file left as it is; it was overwritten with the rows
+    (dsv4enc replaces only what it wrote)."""
+    for name, data in (("emb.parquet", b"PAR1 user data PAR1"), ("config.json", b'{"a": 1}')):
+        owned = tmp_path / name
+        owned.write_bytes(data)
+        line = one_line_error(runner.invoke(app, ["bench", "--dtype-check", "--json",
+                                                  str(owned)]), 1)
+        assert f"--json {owned}" in line and "exists" in line, line
+        assert owned.read_bytes() == data

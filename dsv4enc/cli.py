@@ -731,10 +731,10 @@ def bench(
             return
         from .bench.throughput import parse_on_off, print_results, run_bench
 
-        rows = run_bench(config, device, dtype, images, budgets, parse_on_off(graphs, auto=True),
-                         attention, features, max_images, repeat=repeat,
+        rows = run_bench(config, device, dtype, images, budgets,
+                         parse_on_off(graphs, True, "--graphs"), attention, features, max_images, repeat=repeat,
                          naive_images=naive_images, e2e=e2e, workers=workers,
-                         workdir=workdir, cli=cli, fused=parse_on_off(fused),
+                         workdir=workdir, cli=cli, fused=parse_on_off(fused, option="--fused"),
                          e2e_outputs=outputs.split(","))
     except (KeyError, ValueError) as exc:
         fail(f"bad benchmark option: {exc}", 2)

@@ -743,3 +743,13 @@ def test_a_bench_json_over_a_file_bench_did_not_write_is_refused(tmp_path):
                                                   str(owned)]), 1)
         assert f"--json {owned}" in line and "exists" in line, line
         assert owned.read_bytes() == data
+
+
+@pytest.mark.parametrize("option, choices", [("--graphs", "auto, on, off"), ("--fused", "on, off")])
+def test_a_bench_on_off_word_it_does_not_know_is_named_with_its_option(option, choices):
+    """bench --graphs or --fused with a word it does not know is one line naming the option
+    and the words it takes; it said only "bad benchmark option: 'maybe'"."""
+    result = runner.invoke(app, ["bench", "--config", str(CONFIGS / "tiny.json"),
+                                 "--images", "synthetic:30x30:1", option, "on,maybe"])
+    line = one_line_error(result, 2)
+    assert option in line and "'maybe'" in line and choices in line, line

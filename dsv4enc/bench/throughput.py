@@ -501,7 +501,11 @@ def failed_note(failed: int | None, before: str, after: str) -> str:
     return f"{before}{failed} failed{after}" if failed else ""
 
 
-def parse_on_off(text: str, auto: bool = False) -> list[bool | None]:
-    """"off,on" -> [False, True]; with ``auto``, "auto" -> None (KeyError names a bad word)."""
-    names = {"on": True, "off": False, **({"auto": None} if auto else {})}
+def parse_on_off(text: str, auto: bool = False, option: str = "") -> list[bool | None]:
+    """"off,on" -> [False, True]; with ``auto``, "auto" -> None. A bad word is a ValueError
+    naming ``option`` and the words it takes, the user's one line."""
+    names = {**({"auto": None} if auto else {}), "on": True, "off": False}
+    bad = [t for t in text.split(",") if t not in names]
+    if bad:
+        raise ValueError(f"{option} takes {', '.join(names)} (comma-separated), not {bad[0]!r}")
     return [names[t] for t in text.split(",")]

@@ -461,3 +461,29 @@ def test_a_damaged_column_chunk_footer_is_damage_in_one_line_not_an_abort(tmp_pa
         assert done.returncode == 2, done.stderr
         assert done.stderr.startswith(f"error: {part}: not a readable Parquet file ("), done.stderr
         assert len(done.stderr.strip().splitlines()) == 1 and "--update" in done.stderr
+
+
+def test_errors_of_an_unfinished_single_file_are_refused_not_an_empty_list(tmp_path, small_ckpt):
+    """A single-file run killed after its first commit, its failed image among the committed
+    rows: inspect --errors and --errors-list, which cannot read its rows (ranges of a growing
+    file), say so in one line (exit 2, no list written), as read_embeddings does; they printed
+    nothing and wrote an empty list ("wrote 0 failed paths"), as if no image had failed."""
+    folder = tmp_path / "imgs"
+    (folder / "00.png").parent.mkdir()
+    (folder / "00.png").write_bytes(b"not an image")
+    for i in range(1, 6):
+        write_image(folder / f"{i:02d}.png", (20 + i, 20))
+    out = tmp_path / "o.parquet"
+    pauses = Pauses(tmp_path / "pauses", "commit")
+    proc = launch_tiny(pauses, folder, str(out), small_ckpt)
+    try:
+        pauses.wait("commit", 1, proc=proc)
+    finally:
+        proc.kill()
+        proc.wait()
+    for where in (out, Path(f"{out}.partial")):
+        for flags in (["--errors"], ["--errors-list", str(tmp_path / "failed.txt")]):
+            result = run("inspect", str(where), *flags)
+            assert result.exit_code == 2 and result.stdout == "", (result.exit_code, result.output)
+            assert "--resume" in result.stderr and len(result.stderr.splitlines()) == 1
+            assert not (tmp_path / "failed.txt").exists()

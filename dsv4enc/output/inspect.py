@@ -21,7 +21,7 @@ from ..errors import StorageError, UsageError
 from ..images.sources import TABLE_EXTENSIONS, TAR_EXTENSIONS
 from .files import MANIFEST_NAME
 from .read import (OutputFiles, embedding_format, find_output, interrupted_folder,
-                   live_writer, metadata_of)
+                   live_writer, metadata_of, readable_output)
 
 #: Error messages shown, the commonest first (``inspect`` and a run's summary).
 TOP_ERRORS = 5
@@ -167,10 +167,10 @@ def _live(out: OutputSummary, folder: str) -> OutputSummary:
 
 
 def inspected(path: str | os.PathLike, storage_options: Any = None) -> OutputFiles:
-    """The committed files ``inspect`` reads: an interrupted run's parts folder, else the
-    output's (``find_output``)."""
-    partial = interrupted_folder(path, storage_options)
-    return find_output(partial if partial is not None else path, storage_options)
+    """The committed files whose rows ``--errors`` reads, as the readers find them
+    (``readable_output``): an unfinished single file's parts, ranges of a growing file that
+    read as no rows, are refused in one line, never listed as no failure."""
+    return readable_output(path, storage_options)
 
 
 def list_line(path: str) -> str | None:

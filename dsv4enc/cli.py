@@ -593,6 +593,9 @@ def inspect_command(
         fail("--errors-list -: give a file (standard output is not one; --errors prints the "
              "failed rows there)", 2)
     try:
+        from .storage import options_of
+
+        options_of(storage_option)  # a malformed one is refused, as encode does, local or not
         if errors or errors_list:
             _inspect_errors(output, storage_option, as_json, errors, errors_list)
             return

@@ -487,3 +487,15 @@ def test_errors_of_an_unfinished_single_file_are_refused_not_an_empty_list(tmp_p
             assert result.exit_code == 2 and result.stdout == "", (result.exit_code, result.output)
             assert "--resume" in result.stderr and len(result.stderr.splitlines()) == 1
             assert not (tmp_path / "failed.txt").exists()
+
+
+def test_a_storage_option_not_key_value_is_refused_for_a_local_output(tmp_path, small_ckpt):
+    """inspect --storage-option without KEY=VALUE is one line (exit 2), as encode refuses it,
+    whatever the output; for a local output it was ignored without a word."""
+    folder = tmp_path / "imgs"
+    write_image(folder / "a.png", (20, 20))
+    encode(str(folder), "--out", str(tmp_path / "o.parquet"), weights=small_ckpt)
+    for flags in ([], ["--errors"]):
+        result = run("inspect", str(tmp_path / "o.parquet"), "--storage-option", "noequals",
+                     *flags)
+        assert result.exit_code == 2 and "--storage-option expects KEY=VALUE" in result.stderr

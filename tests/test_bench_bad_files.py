@@ -94,3 +94,17 @@ def test_bench_of_only_bad_files_is_one_line(tmp_path):
     assert result.exit_code == 2
     assert "no image could be decoded (1 tried; " in result.output
     assert "Traceback" not in result.output
+
+
+def test_bench_cli_does_not_time_another_configs_saved_checkpoint(photos, tmp_path):
+    """--cli saves its random checkpoint once in --workdir; a later bench of another config
+    in the same workdir times that config, not the checkpoint an earlier one saved there
+    (whose config.json it read, so the row timed another tower)."""
+    from dsv4enc.bench.throughput import bench_cli
+
+    work = tmp_path / "work"
+    paths = sorted(photos.glob("img*.jpg"))
+    for name in ("tiny", "tiny-v41"):
+        cfg = VisionConfig.from_file(CONFIGS / f"{name}.json")
+        bench_cli(cfg, paths, "cpu", "float32", 2048, work, workers=0)
+        assert VisionConfig.from_file(work / "bench-checkpoint" / "config.json") == cfg

@@ -345,7 +345,8 @@ def bench_cli(cfg: VisionConfig, paths: Sequence[Path], device: str, dtype: str,
     import sys
 
     ckpt = weights if weights is not None else workdir / "bench-checkpoint"
-    if not (ckpt / "config.json").is_file():
+    saved = ckpt / "config.json"  # an earlier bench's, in --workdir: of this config only
+    if weights is None and not (saved.is_file() and VisionConfig.from_file(saved) == cfg):
         save_checkpoint(ckpt, cfg, random_state_dict(cfg, seed))
     command = [sys.executable, "-m", "dsv4enc", "encode", str(paths[0].parent),
                "--out", str(workdir / "bench-cli.parquet"), "--weights", str(ckpt),

@@ -108,3 +108,17 @@ def test_bench_cli_does_not_time_another_configs_saved_checkpoint(photos, tmp_pa
         cfg = VisionConfig.from_file(CONFIGS / f"{name}.json")
         bench_cli(cfg, paths, "cpu", "float32", 2048, work, workers=0)
         assert VisionConfig.from_file(work / "bench-checkpoint" / "config.json") == cfg
+
+
+def test_bench_cli_whose_encode_fails_is_one_line(tmp_path):
+    """--cli whose encode run fails (here: a user's file where it writes in --workdir, which
+    encode refuses to replace) ends in one line naming encode's own, the file left as it is;
+    it was a RuntimeError traceback once the other rows were timed."""
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "bench-cli.parquet").write_bytes(b"mine")
+    result = _invoke(["bench", "--config", TINY, "--images", "synthetic:30x30:1", "--device",
+                      "cpu", "--repeat", "1", "--cli", "--workdir", str(work)])
+    assert result.exit_code == 1 and "Traceback" not in result.output, result.output
+    assert "dsv4enc encode failed" in result.output and "not a dsv4enc output" in result.output
+    assert (work / "bench-cli.parquet").read_bytes() == b"mine"

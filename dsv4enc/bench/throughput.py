@@ -25,6 +25,7 @@ from typing import Any, Callable, Sequence, TypeVar
 import numpy as np
 import torch
 
+from ..errors import DsvError
 from ..tower.attention import naive_sdpa_attention
 from ..engine.batching import BatchLoop
 from ..engine.engine import Engine, EngineStats
@@ -362,8 +363,8 @@ def bench_cli(cfg: VisionConfig, paths: Sequence[Path], device: str, dtype: str,
     def once() -> None:
         done = subprocess.run(command, env=env, capture_output=True, text=True)
         if done.returncode != 0:
-            raise RuntimeError(f"dsv4enc encode failed ({done.returncode}): "
-                               f"{done.stderr.strip()[-2000:]}")
+            last = (done.stderr.strip().splitlines() or [""])[-1]  # its own one line
+            raise DsvError(f"dsv4enc encode failed ({done.returncode}): {last[-2000:]}")
 
     best = fastest(once, max(1, repeat))[0]
     images = json.loads((workdir / "bench-cli.json").read_text())["images"]

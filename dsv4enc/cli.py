@@ -699,7 +699,8 @@ def bench(
     --host: the host's capacity (decoding and writing, with a null model stage). With
     --dtype-check: this CPU's float32 and bfloat16 rates and what --dtype auto picks."""
     try:  # before any timing: a count of 0 or less means nothing (a negative, torch's traceback)
-        budgets = [check_positive("--batch-tokens", int(t)) for t in batch_tokens.split(",")] \
+        budgets = [check_positive("--batch-tokens", int(t) if t.strip().lstrip("-").isdigit()
+                                  else t) for t in batch_tokens.split(",")] \
             if batch_tokens else None
         for name, value in (("--max-images", max_images), ("--repeat", repeat),
                             ("--threads", 1 if threads is None else threads),

@@ -753,3 +753,15 @@ def test_a_bench_on_off_word_it_does_not_know_is_named_with_its_option(option, c
                                  "--images", "synthetic:30x30:1", option, "on,maybe"])
     line = one_line_error(result, 2)
     assert option in line and "'maybe'" in line and choices in line, line
+
+
+@pytest.mark.parametrize("option, says", [(["--images", "synthetic:foo"], "synthetic:WxH"),
+                                          (["--images", "synthetic:mix:x"], "synthetic:WxH"),
+                                          (["--batch-tokens", "abc"], "--batch-tokens")])
+def test_a_bench_spec_it_cannot_read_names_what_it_takes(option, says):
+    """bench --images synthetic:... or --batch-tokens that is not of their form is one line
+    naming the option's form; it said only Python's "invalid literal for int() ..."."""
+    result = runner.invoke(app, ["bench", "--config", str(CONFIGS / "tiny.json"),
+                                 "--images", "synthetic:30x30:1", *option])
+    line = one_line_error(result, 2)
+    assert says in line and "invalid literal" not in line, line

@@ -76,12 +76,16 @@ def synthetic_images(folder: Path, spec: str, seed: int = 0) -> list[Path]:
     from PIL import Image
 
     kind, _, count = spec.partition(":")
-    if kind == "mix":
-        n = int(count) if count else len(MIX_SIZES)
-        sizes = [MIX_SIZES[i % len(MIX_SIZES)] for i in range(n)]
-    else:
-        w, h = (int(v) for v in kind.lower().split("x"))
-        sizes = [(w, h)] * (int(count) if count else 16)
+    try:  # a spec not of this form is the user's one line, not Python's int() message
+        if kind == "mix":
+            n = int(count) if count else len(MIX_SIZES)
+            sizes = [MIX_SIZES[i % len(MIX_SIZES)] for i in range(n)]
+        else:
+            w, h = (int(v) for v in kind.lower().split("x"))
+            sizes = [(w, h)] * (int(count) if count else 16)
+    except ValueError:
+        raise ValueError(f"--images synthetic:{spec}: give synthetic:mix[:N] or "
+                         "synthetic:WxH[:N]") from None
     folder.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed)
     paths = [folder / f"img{i:04d}_{w}x{h}.jpg" for i, (w, h) in enumerate(sizes)]

@@ -5,12 +5,14 @@ turns into rows once the files are fixed; a killed run's output shows its commit
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Iterator
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -215,6 +217,21 @@ def test_a_killed_run_shows_its_journal_not_its_stray_files(tmp_path, small_ckpt
     assert f"2 parts, {done} images done, {12 - done} of 12 left" in " ".join(text.split())
 
 
+@contextlib.contextmanager
+def paused_at_first_commit(tmp_path: Path, folder: Path, out: Path,
+                           ckpt: Path) -> Iterator[subprocess.Popen]:
+    """A tiny run of ``folder`` to the single file ``out``, held at its first commit while
+    the block runs, then killed."""
+    pauses = Pauses(tmp_path / "pauses", "commit")
+    proc = launch_tiny(pauses, folder, str(out), ckpt)
+    try:
+        pauses.wait("commit", 1, proc=proc)
+        yield proc
+    finally:
+        proc.kill()
+        proc.wait()
+
+
 def test_a_run_still_writing_is_not_called_interrupted(tmp_path, small_ckpt):
     """While a run holds its output (paused after its first commit), inspect names it as
     being written, not as an interrupted run to --resume (which would be refused)."""
@@ -222,15 +239,9 @@ def test_a_run_still_writing_is_not_called_interrupted(tmp_path, small_ckpt):
     for i in range(4):
         write_image(folder / f"{i:02d}.png", (20 + i, 20))
     out = tmp_path / "o.parquet"
-    pauses = Pauses(tmp_path / "pauses", "commit")
-    proc = launch_tiny(pauses, folder, str(out), small_ckpt)
-    try:
-        pauses.wait("commit", 1, proc=proc)
+    with paused_at_first_commit(tmp_path, folder, out, small_ckpt) as proc:
         data = json.loads(run("inspect", str(out), "--json").stdout)
         text = " ".join(run("inspect", str(out)).stdout.split())
-    finally:
-        proc.kill()
-        proc.wait()
     assert data["interrupted"] and f"pid {proc.pid}" in data["writing"]
     assert "being written" in text and "writing" in progress_text(Summary(**data))
     assert "--resume" not in text
@@ -474,13 +485,8 @@ def test_errors_of_an_unfinished_single_file_are_refused_not_an_empty_list(tmp_p
     for i in range(1, 6):
         write_image(folder / f"{i:02d}.png", (20 + i, 20))
     out = tmp_path / "o.parquet"
-    pauses = Pauses(tmp_path / "pauses", "commit")
-    proc = launch_tiny(pauses, folder, str(out), small_ckpt)
-    try:
-        pauses.wait("commit", 1, proc=proc)
-    finally:
-        proc.kill()
-        proc.wait()
+    with paused_at_first_commit(tmp_path, folder, out, small_ckpt):
+        pass  # killed there
     for where in (out, Path(f"{out}.partial")):
         for flags in (["--errors"], ["--errors-list", str(tmp_path / "failed.txt")]):
             result = run("inspect", str(where), *flags)

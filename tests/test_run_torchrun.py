@@ -666,16 +666,23 @@ def test_progress_and_summary_count_every_rank(work, sequence, reference):
         assert sum(m["count"] for m in summary["failures"]["messages"]) == failed
 
 
+def unmerged_shard_copy(work: Path, sequence: dict, name: str) -> Path:
+    """A copy, at ``work / name``, of the 2-rank --shard-output folder as a run stopped before
+    rank 0 merged the ranks' manifests leaves it."""
+    seq_ok(sequence, "shard")
+    folder = work / name
+    shutil.copytree(work / "seq" / "shard", folder)
+    for merged in [folder / "_manifest.json", *folder.glob("_stamps-*.bin")]:
+        merged.unlink()
+    return folder
+
+
 def test_resume_refuses_a_folder_committed_the_other_way(work, sequence, folders, ckpt):
     """--resume of a folder whose interrupted run committed its parts the other way (per
     --shard-output rank, or one manifest for the run) is refused in one line, the folder as
     it was: starting over beside those parts left them in it, so that a glob over the part
     files read their rows twice."""
-    seq_ok(sequence, "shard")
-    sharded = work / "other_way_sharded"
-    shutil.copytree(work / "seq" / "shard", sharded)
-    for merged in [sharded / "_manifest.json", *sharded.glob("_stamps-*.bin")]:
-        merged.unlink()  # the run was killed before rank 0 merged the ranks' manifests
+    sharded = unmerged_shard_copy(work, sequence, "other_way_sharded")
     before = sorted(p.name for p in sharded.iterdir())
     with pytest.raises(UsageError, match=r"cannot resume: .* holds the parts of a run with "
                                          r"--shard-output on 2 torchrun ranks"):
@@ -894,11 +901,7 @@ def test_resume_on_more_ranks_leaves_the_folder_as_it_was(work, sequence, folder
     """--resume of a stopped 2-rank --shard-output folder on 3 ranks is refused in one line on every
     rank, and the folder is left as it was: the rank with no manifest of its own there wrote
     an empty one before the others refused, which stayed in the folder."""
-    seq_ok(sequence, "shard")
-    folder = work / "more_ranks"
-    shutil.copytree(work / "seq" / "shard", folder)
-    for merged in [folder / "_manifest.json", *folder.glob("_stamps-*.bin")]:
-        merged.unlink()  # the run was stopped before rank 0 merged the ranks' manifests
+    folder = unmerged_shard_copy(work, sequence, "more_ranks")
     before = sorted(p.name for p in folder.iterdir())
     proc = torchrun(["-m", "dsv4enc", "encode", str(folders["imgs"]), "--out", str(folder),
                      "--weights", str(ckpt), *FAST, "--shard-output", "--part-images",

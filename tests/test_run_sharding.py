@@ -21,7 +21,10 @@ from hypothesis import strategies as st
 from dsv4enc.tower.checkpoint import build_tower, random_checkpoint
 from dsv4enc.tower.config import VisionConfig
 from dsv4enc.errors import UsageError
-from dsv4enc.run.plan import assign_greedy, cost_function, flops_cost, patch_cost
+from dsv4enc.images.decode import Probe
+from dsv4enc.images.items import InputItem
+from dsv4enc.run.plan import assign_greedy, cost_function, flops_cost, patch_cost, with_grids
+from dsv4enc.run.ranks import Topology
 from dsv4enc.run.dist import DistContext, init_distributed
 from dsv4enc.tower.tensor_parallel import apply_tensor_parallel
 from dsv4enc.tower.transform import plan_canvas
@@ -116,6 +119,41 @@ def test_costs():
     assert cost_function("flops", cfg)(12, 20) == flops_cost(12, 20, cfg)
     with pytest.raises(UsageError):
         cost_function("tokens", cfg)
+
+
+class _PairedRank1:
+    """Rank 1 of two, its object gather answered with ``rank0``'s value (what rank 0 sent)."""
+
+    rank, world_size, is_main = 1, 2, False
+
+    def __init__(self, rank0) -> None:
+        self.rank0 = rank0
+
+    def all_gather_object(self, value):
+        return [self.rank0, value]
+
+
+def test_ranks_planning_different_inputs_stop_in_one_line():
+    """A rank given one input more plans a part of other inputs than rank 0's while the
+    listings are not compared yet: its header exchange refuses them, naming the cause
+    (not a KeyError on a probe rank 0 never sent)."""
+    cfg = VisionConfig.from_file(ROOT / "configs" / "tiny.json")
+    items = [InputItem(f"{i}.png", f"/in/{i}.png") for i in range(4)]
+    sent = []
+
+    class Rank0(_PairedRank1):
+        rank, is_main = 0, True
+
+        def all_gather_object(self, value):
+            sent.append(value)
+            return [value, (value[0], (value[1][0], []))]  # rank 1 probed none of one image
+
+    one = with_grids(items[3:], [(0, Probe(64, 48))], cfg, Topology(Rank0(None)), start=3)
+    assert one[0].error is None and sent
+    with pytest.raises(UsageError, match="the ranks listed different inputs .* from input 3 on"):
+        with_grids(items[1:], [(1, Probe(64, 48))], cfg, Topology(_PairedRank1(sent[0])), start=3)
+    same = with_grids(items[3:], [], cfg, Topology(_PairedRank1(sent[0])), start=3)
+    assert [(p.width, p.height) for p in same] == [(64, 48)]
 
 
 # ---------------------------------------------------------------------- process group setup

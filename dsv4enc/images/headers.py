@@ -152,8 +152,15 @@ def input_stamps(planned: Sequence[Planned]) -> None:
 
 def inputs_digest(planned: Sequence[Planned]) -> str:
     """Digest of the entries' keys, then of their file stamps: ``KEYS.FILES``."""
-    keys, files = hashlib.blake2b(digest_size=12), hashlib.blake2b(digest_size=12)
+    files = hashlib.blake2b(digest_size=12)
     for entry in planned:
-        keys.update(entry.item.key.encode("utf-8", "surrogateescape") + b"\0")
         files.update((entry.stamp or "").encode() + b"\0")
-    return f"{keys.hexdigest()}.{files.hexdigest()}"
+    return f"{keys_digest([entry.item for entry in planned])}.{files.hexdigest()}"
+
+
+def keys_digest(items: Sequence[InputItem]) -> str:
+    """Digest of the items' keys (the ``KEYS`` of ``inputs_digest``)."""
+    keys = hashlib.blake2b(digest_size=12)
+    for item in items:
+        keys.update(item.key.encode("utf-8", "surrogateescape") + b"\0")
+    return keys.hexdigest()

@@ -24,7 +24,7 @@ from ..engine.defaults import DEFAULT_FEATURES
 from ..errors import UsageError
 from .options import BALANCE_CHOICES
 from ..images.decode import Probe
-from ..images.headers import PROBE_TIMEOUT_S, Planned, inputs_digest, probe_all
+from ..images.headers import PROBE_TIMEOUT_S, Planned, inputs_digest, keys_digest, probe_all
 from ..images.items import InputItem
 from ..output import files
 from ..images.sources import GROUP_CACHE
@@ -55,11 +55,13 @@ def probe_share(items: Sequence[InputItem], max_pixels: int, ranks: Topology | N
 
 
 def with_grids(items: Sequence[InputItem], share: list[tuple[int, Probe]], cfg: VisionConfig,
-               ranks: Topology | None = None) -> list[Planned]:
-    """Every item of ``items`` planned from the ranks' shares of probes (``share``: this
-    rank's; under data parallelism the ranks exchange theirs: a collective)."""
+               ranks: Topology | None = None, start: int = 0) -> list[Planned]:
+    """Every item of ``items`` (inputs from ``start`` on) planned from the ranks' shares of
+    probes (``share``: this rank's; under data parallelism the ranks exchange theirs: a
+    collective, refused where the ranks' items differ)."""
     if ranks is not None and ranks.world_size > 1:
-        shared = ranks.gather([(i, asdict(p)) for i, p in share])
+        shared = ranks.gather_listed([(i, asdict(p)) for i, p in share], start,
+                                     keys_digest(items))
         by_index = {i: Probe(**p) for part in shared for i, p in part}
     else:
         by_index = dict(share)

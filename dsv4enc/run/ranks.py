@@ -95,6 +95,14 @@ class Topology:
         _in_step([place for place, _ in everyone])
         return [value for _, value in everyone]
 
+    def gather_listed(self, value: Any, start: int, keys: str) -> list[Any]:
+        """``gather`` of work on the inputs from ``start`` on whose keys digest to ``keys``:
+        ranks that listed other inputs there stop in one line (every rank alike) before any
+        uses another's ``value`` (a plan runs ahead of the listings' comparison)."""
+        everyone = self.gather(((start, keys), value))
+        _same_listing([listed for listed, _ in everyone])
+        return [value for _, value in everyone]
+
     def main_then_all(self, action: Callable[[], None]) -> None:
         """Run ``action`` (an output check) on rank 0 only, then let every rank raise the
         DsvError it raised, so that no rank waits in a collective for a rank 0 that gave up

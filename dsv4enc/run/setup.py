@@ -326,7 +326,7 @@ class WindowSettings:
         start, end = part.start, part.end
         read = self._read(part)
         for i, entry in zip(read, with_grids([planned[i].item for i in read], share, self.cfg,
-                                             self.ranks)):
+                                             self.ranks, start)):
             entry.stamp = planned[i].stamp
             planned[i] = entry
         self.summary.count_misnamed(planned[start:end])

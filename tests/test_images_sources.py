@@ -116,6 +116,54 @@ def test_member_names_split_as_pathlib_splits_them():
             assert sources.split_key(name) == (key, ext if dot else ""), name
             assert sources.posix_path(name) == path.as_posix(), name
             assert (sources.posix_parts(name)[1] or [""])[-1] == path.name, name
+            assert sources.split_member(name) == (path.as_posix(), path.name, key,
+                                                  ext if dot else ""), name
+
+
+#: Pieces of odd member names: ``..``, ``.``, a hidden file, a dotted folder, an undecodable
+#: byte (read back as its surrogate), and image and sidecar extensions.
+NAME_PIECES = st.sampled_from(["", ".", "..", "a", "x.y", ".h", "\udcff", "b\udce9", "a.jpg",
+                               "a.png", "a.txt", "a.seg.png", ".jpg", "\udcfe.gif", "n" * 120])
+
+
+@settings(max_examples=150, deadline=None)
+@given(names=st.lists(st.tuples(st.sampled_from(["", "/", "//", "///", "./"]),
+                                st.lists(NAME_PIECES, min_size=1, max_size=4),
+                                st.sampled_from(["/", "//"]), st.sampled_from(["", "/"])),
+                      min_size=1, max_size=6))
+def test_tar_keys_of_odd_member_names_are_pathlibs(names):
+    """A shard's keys, its sample grouping and its count of samples without an image are what
+    ``PurePosixPath`` and WebDataset's rule give for each member name as tarfile reads it
+    (``..``, ``./a``, ``a//b``, a trailing ``/``, a dotted folder, non-UTF-8 bytes, a long name):
+    keys written by earlier runs stay the keys an ``--update`` finds."""
+    from pathlib import PurePosixPath
+
+    written = [lead + sep.join(pieces) + trail for lead, pieces, sep, trail in names]
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, "s.tar")
+        with tarfile.open(path, "w", format=tarfile.GNU_FORMAT, encoding="utf-8",
+                          errors="surrogateescape") as archive:
+            for name in written:
+                add_bytes(archive, name, b"x")
+        with tarfile.open(path, encoding="utf-8", errors="surrogateescape") as archive:
+            read = [(info.name, info.isdir()) for info in archive.getmembers()]
+        items, skipped = sources.expand_tar(path, "S")
+    images: dict[str, list[str]] = {}
+    others: set[str] = set()
+    for name, isdir in read:
+        pure = PurePosixPath(name)
+        stem = pure.name.partition(".")[0]
+        key = stem if str(pure.parent) == "." else f"{pure.parent}/{stem}"
+        if isdir or pure.name.startswith(".") or not key:
+            continue
+        if os.path.splitext(pure.name)[1].lower() in (".jpg", ".png", ".gif"):
+            images.setdefault(key, []).append(name)
+        else:
+            others.add(key)
+    expected = [f"S/{name}" if len(images[key]) > 1 else f"S/{key}"
+                for name, _ in read for key, names in images.items() if name in names]
+    assert [item.key for item in items] == expected
+    assert skipped == len(others - images.keys())
 
 def test_tar_members_are_read_by_offset_alone(shard, images, tmp_path):
     """Workers seek to their member: the rest of the tar (headers included) is never parsed."""

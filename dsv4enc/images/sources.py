@@ -17,7 +17,8 @@ import tarfile
 import threading
 from collections import OrderedDict
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any, BinaryIO, Iterator, Literal, Sequence, get_args
+from typing import (TYPE_CHECKING, Any, BinaryIO, Iterator, Literal, NamedTuple, Sequence,
+                    get_args)
 
 from .. import storage
 from ..errors import UsageError
@@ -189,14 +190,32 @@ def container_kind(path: str) -> str | None:
 
 # ----------------------------------------------------------------------------- tar shards
 
+class MemberName(NamedTuple):
+    """A tar member's name split once, for every use the index makes of it (a shard of
+    millions of members splits each name once, not once per use)."""
+
+    path: str  #: ``PurePosixPath(name).as_posix()``: what a hard link names its target by
+    base: str  #: the file name (the last part; "" for a name without one)
+    key: str  #: WebDataset's ``__key__``: the folder and the file name up to its first dot
+    ext: str  #: the extension, after that first dot ("" for a file name without a dot)
+
+
+def split_member(name: str) -> MemberName:
+    """``name`` split as ``PurePosixPath(name)`` splits it, and WebDataset's key and extension
+    read from that split (``a/b.seg.png`` -> key ``a/b``, extension ``seg.png``)."""
+    root, parts = posix_parts(name)
+    base = parts[-1] if parts else ""
+    parent = root + "/".join(parts[:-1]) or "."
+    stem, dot, ext = base.partition(".")
+    return MemberName(root + "/".join(parts) or ".", base,
+                      stem if parent == "." else f"{parent}/{stem}", ext if dot else "")
+
+
 def split_key(name: str) -> tuple[str, str]:
     """WebDataset's split of a member name into ``(__key__, extension)``: the extension
     starts at the first dot of the file name (``a/b.seg.png`` -> ``("a/b", "seg.png")``)."""
-    root, parts = posix_parts(name)
-    stem, dot, ext = (parts[-1] if parts else "").partition(".")
-    parent = root + "/".join(parts[:-1]) or "."
-    key = stem if parent == "." else f"{parent}/{stem}"
-    return key, ext if dot else ""
+    _, _, key, ext = split_member(name)
+    return key, ext
 
 
 def posix_parts(name: str) -> tuple[str, list[str]]:
@@ -210,9 +229,8 @@ def posix_parts(name: str) -> tuple[str, list[str]]:
 
 
 def posix_path(name: str) -> str:
-    """``PurePosixPath(name).as_posix()``, from ``posix_parts``."""
-    root, parts = posix_parts(name)
-    return root + "/".join(parts) or "."
+    """``PurePosixPath(name).as_posix()``, from ``split_member``."""
+    return split_member(name).path
 
 
 _BLOCK = tarfile.BLOCKSIZE
@@ -386,10 +404,9 @@ def expand_tar(raw: str, name: str | None = None,
                     f"no valid tar header up to byte {info.offset} (a damaged header, or a "
                     "wrong size field before it); members there are lost"), name))
             end, last = archive.offset, info.name
+            path, base, key, ext = split_member(info.name)  # one split for each use below
             if info.isreg() and not info.issparse():
-                files[posix_path(info.name)] = TarMember(info.name, info.offset_data, info.size)
-            base = (posix_parts(info.name)[1] or [""])[-1]
-            key, ext = split_key(info.name)
+                files[path] = TarMember(info.name, info.offset_data, info.size)
             if info.isdir() or base.startswith(".") or not key:
                 continue
             if is_image_name(base):

@@ -549,6 +549,31 @@ def test_a_damaged_header_after_a_long_name_skips_only_its_member(tmp_path):
                                       f"{path}/{'a' * 150}/2"]
 
 
+def member_bytes(name: str, data: bytes, kind: bytes = tarfile.REGTYPE,
+                 size: int | None = None) -> bytes:
+    """One member as a tar holds it: its header (``size``, when given, in base-256 in the size
+    field: a damaged header's claim, up to 2**88) and its data padded to whole blocks."""
+    info = tarfile.TarInfo(name)
+    info.size, info.type = len(data), kind
+    header = bytearray(info.tobuf(tarfile.GNU_FORMAT))
+    if size is not None:
+        header[124:136] = b"\x80" + size.to_bytes(11, "big")
+        header[148:156] = b"%06o\0 " % (256 + sum(header[:148]) + sum(header[156:]))
+    return bytes(header) + data + bytes(-len(data) % 512)
+
+
+def test_a_sidecar_whose_size_passes_the_file_end_is_damage_not_a_memory_error(tmp_path):
+    """A kept sidecar member whose header claims more bytes than the shard holds (2**62: a
+    damaged size field) leaves its sample without the text and is the shard's error row; before,
+    its read asked for that many bytes at once and the MemoryError ended the run."""
+    path = tmp_path / "s.tar"
+    path.write_bytes(member_bytes("a.png", noise_png(1))
+                     + member_bytes("a.txt", b"a caption", size=2**62) + bytes(1024))
+    items, _ = sources.expand_tar(str(path), keep_members=("txt",))
+    assert [i.key for i in items][0] == f"{path}/a" and items[0].sidecars == ()
+    assert [type(i.member) for i in items] == [sources.TarMember, sources.Unreadable]
+
+
 def test_damaged_tar_through_the_cli(tmp_path, five, ckpt):
     data, headers = five
     path = tmp_path / "shard.tar"

@@ -351,9 +351,13 @@ def _keep_member(archive: tarfile.TarFile, raw: str, found: TarMember | Unreadab
             HELD.hold((raw, found.offset), data)
 
 
-def _sidecar_text(archive: tarfile.TarFile, info: tarfile.TarInfo) -> str | None:
+def _sidecar_text(archive: tarfile.TarFile, info: tarfile.TarInfo, size: int) -> str | None:
     """A sidecar member's text (other bytes than UTF-8 as backslash escapes), read as the index
-    passes it (in a store, from the shard's one stream); None when it cannot be read."""
+    passes it (in a store, from the shard's one stream); None when it cannot be read, or when
+    its data would pass the end of the shard (``size`` bytes): a damaged size field may claim
+    2**62 bytes, which one read would ask for at once."""
+    if info.offset_data + info.size > size:
+        return None  # the index reports the shard cut inside this member
     try:
         archive.fileobj.seek(info.offset_data)
         data = archive.fileobj.read(info.size)
@@ -417,7 +421,7 @@ def expand_tar(raw: str, name: str | None = None,
             else:
                 other_keys.add(key)
                 if ext in keep_members and info.isreg() and not info.issparse():
-                    if (text := _sidecar_text(archive, info)) is not None:
+                    if (text := _sidecar_text(archive, info, size)) is not None:
                         sidecars.setdefault(key, {})[ext] = text
     if damage is None:  # in a store, the end is still in the stream's buffer, as a rule
         damage = _tar_end_damage(archive.fileobj, end, size, last)

@@ -574,6 +574,20 @@ def test_a_sidecar_whose_size_passes_the_file_end_is_damage_not_a_memory_error(t
     assert [type(i.member) for i in items] == [sources.TarMember, sources.Unreadable]
 
 
+@pytest.mark.parametrize("size", [2**62, 2**63, 2**80])
+def test_a_member_whose_size_passes_any_offset_is_the_shard_cut_short(tmp_path, size):
+    """A member whose size field (base-256) claims 2**62 bytes or more is a shard cut inside
+    that member, its error row at the file's end; before, the index sought its next header
+    there: at 2**63 and above a ValueError ended the run, below it the error row was keyed at a
+    byte the file does not have and said "Invalid argument"."""
+    path = tmp_path / "s.tar"
+    path.write_bytes(member_bytes("a.png", noise_png(1)) + member_bytes("b.png", b"xx", size=size)
+                     + bytes(1024))
+    items = discover([str(path)]).items
+    assert [i.key for i in items] == [f"{path}/a", f"{path}/b", f"{path}@{path.stat().st_size}"]
+    assert "ends inside the data of member 'b.png'" in items[2].member.reason
+
+
 def test_damaged_tar_through_the_cli(tmp_path, five, ckpt):
     data, headers = five
     path = tmp_path / "shard.tar"

@@ -384,7 +384,9 @@ def expand_tar(raw: str, name: str | None = None,
     end, last = 0, None  # where the previous member's data ends: the next header starts there
     damage: tuple[int, str] | None = None
     with archive:
-        while True:
+        # A member whose data passes the file's end (a size field may claim up to 2**88 bytes)
+        # ends the index: tarfile would seek its next header there, and past 2**63 it raises.
+        while end <= size:
             try:
                 info = archive.next()
             except tarfile.ReadError:

@@ -588,6 +588,23 @@ def test_a_member_whose_size_passes_any_offset_is_the_shard_cut_short(tmp_path, 
     assert "ends inside the data of member 'b.png'" in items[2].member.reason
 
 
+@pytest.mark.parametrize("kind", [tarfile.GNUTYPE_LONGNAME, tarfile.GNUTYPE_LONGLINK,
+                                  tarfile.XHDTYPE])
+@pytest.mark.parametrize("size", [2 << 20, 2**62])
+def test_an_oversized_extended_header_is_damage_not_a_memory_error(tmp_path, kind, size):
+    """A long-name, long-link or pax header whose size field claims more than
+    ``EXTENDED_HEADER_BYTES`` (2 MiB of a name, or 2**62: a damaged size field) is a damaged
+    header, skipped like one, its error row where it starts, and the members after it read;
+    before, tarfile read that many bytes at once and the MemoryError ended the run."""
+    path = tmp_path / "s.tar"
+    first = member_bytes("a.png", noise_png(1))
+    path.write_bytes(first + member_bytes("././@LongLink", b"b" * 600, kind, size=size)
+                     + member_bytes("c.png", noise_png(2)) + bytes(1024))
+    items = discover([str(path)]).items
+    assert [i.key for i in items] == [f"{path}/a", f"{path}@{len(first)}", f"{path}/c"]
+    assert "no valid tar header" in items[1].member.reason
+
+
 def test_damaged_tar_through_the_cli(tmp_path, five, ckpt):
     data, headers = five
     path = tmp_path / "shard.tar"

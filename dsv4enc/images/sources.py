@@ -234,6 +234,26 @@ def posix_path(name: str) -> str:
 
 
 _BLOCK = tarfile.BLOCKSIZE
+#: The most bytes an extended header of a tar (a GNU long name or link, a pax header) may hold:
+#: tarfile reads one whole, at once, so a damaged size field (up to 2**88) would ask for that
+#: many. A larger one is a damaged header. Go's archive/tar draws the same line.
+EXTENDED_HEADER_BYTES = 1 << 20
+
+
+class _HeaderReads:
+    """The shard as tarfile reads it (headers, and extended headers' data): a read of more
+    than ``EXTENDED_HEADER_BYTES`` is an invalid header, which tarfile skips a block at a time
+    as it does any (``expand_tar`` reports the gap), never a read of that size. The index's own
+    reads of members' data go to ``handle``."""
+
+    def __init__(self, handle: BinaryIO) -> None:
+        self.handle = handle
+        self.seek, self.tell = handle.seek, handle.tell
+
+    def read(self, size: int = -1) -> bytes:
+        if size > EXTENDED_HEADER_BYTES:
+            raise tarfile.InvalidHeaderError(f"an extended header of {size} bytes")
+        return self.handle.read(size)
 
 
 def _open_tar(raw: str) -> tuple[tarfile.TarFile | None, int, str | None]:
@@ -252,7 +272,7 @@ def _open_tar(raw: str) -> tuple[tarfile.TarFile | None, int, str | None]:
                 handle.close()
                 return None, size, (f"a {kind}-compressed tar; only uncompressed shards can be "
                                     "read member by member, so decompress it first")
-        archive = tarfile.open(fileobj=handle, mode="r:")
+        archive = tarfile.open(fileobj=_HeaderReads(handle), mode="r:")
     except (tarfile.TarError, OSError) as exc:
         handle.close()
         return None, size, f"not a tar file, or its first header is damaged ({exc})"
@@ -339,19 +359,19 @@ def _tar_locator(info: tarfile.TarInfo, raw: str,
     return Unreadable(f"{raw}: tar member {info.name!r} is {kind}")
 
 
-def _keep_member(archive: tarfile.TarFile, raw: str, found: TarMember | Unreadable) -> None:
+def _keep_member(handle: BinaryIO, raw: str, found: TarMember | Unreadable) -> None:
     """Hold an image member's bytes in a store's shard for its probe and decode (``HELD``) as
     the index passes them, while the budget lasts (else they are read by range)."""
     if (not isinstance(found, TarMember) or not storage.reads_are_requests(raw)
-            or found.offset != archive.fileobj.tell() or not HELD.room(found.size)):
+            or found.offset != handle.tell() or not HELD.room(found.size)):
         return
     with contextlib.suppress(OSError):  # the index reads on and reports the damage
-        data = archive.fileobj.read(found.size)
+        data = handle.read(found.size)
         if len(data) == found.size:
             HELD.hold((raw, found.offset), data)
 
 
-def _sidecar_text(archive: tarfile.TarFile, info: tarfile.TarInfo, size: int) -> str | None:
+def _sidecar_text(handle: BinaryIO, info: tarfile.TarInfo, size: int) -> str | None:
     """A sidecar member's text (other bytes than UTF-8 as backslash escapes), read as the index
     passes it (in a store, from the shard's one stream); None when it cannot be read, or when
     its data would pass the end of the shard (``size`` bytes): a damaged size field may claim
@@ -359,8 +379,8 @@ def _sidecar_text(archive: tarfile.TarFile, info: tarfile.TarInfo, size: int) ->
     if info.offset_data + info.size > size:
         return None  # the index reports the shard cut inside this member
     try:
-        archive.fileobj.seek(info.offset_data)
-        data = archive.fileobj.read(info.size)
+        handle.seek(info.offset_data)
+        data = handle.read(info.size)
     except OSError:
         return None  # the index reads on and reports the damage
     return data.decode("utf-8", "backslashreplace") if len(data) == info.size else None
@@ -376,6 +396,7 @@ def expand_tar(raw: str, name: str | None = None,
     archive, size, why = _open_tar(raw)
     if archive is None:
         return [damaged_item(raw, 0, why, name)], 0
+    handle = archive.fileobj.handle  # the shard's file: tarfile reads through ``_HeaderReads``
     items: list[InputItem] = []
     samples: dict[str, list[tuple[int, str]]] = {}  # sample key -> (index, name) of its images
     files: dict[str, TarMember] = {}  # every regular member: targets of hard links
@@ -404,7 +425,7 @@ def expand_tar(raw: str, name: str | None = None,
             if (why := _backward_step(info, archive.offset, end)) is not None:
                 damage = info.offset, why
                 break
-            bad = _gap_damage(archive.fileobj, end, info.offset) if info.offset > end else None
+            bad = _gap_damage(handle, end, info.offset) if info.offset > end else None
             if bad is not None:  # zeros are fine: an end marker between joined archives
                 items.append(damaged_item(raw, bad, (
                     f"no valid tar header up to byte {info.offset} (a damaged header, or a "
@@ -417,17 +438,17 @@ def expand_tar(raw: str, name: str | None = None,
                 continue
             if is_image_name(base):
                 found = _tar_locator(info, raw, files)
-                _keep_member(archive, raw, found)
+                _keep_member(handle, raw, found)
                 samples.setdefault(key, []).append((len(items), info.name))
                 items.append(InputItem(key=member_key(name, key), path=raw, member=found))
             else:
                 other_keys.add(key)
                 if ext in keep_members and info.isreg() and not info.issparse():
-                    if (text := _sidecar_text(archive, info, size)) is not None:
+                    if (text := _sidecar_text(handle, info, size)) is not None:
                         sidecars.setdefault(key, {})[ext] = text
     if damage is None:  # in a store, the end is still in the stream's buffer, as a rule
-        damage = _tar_end_damage(archive.fileobj, end, size, last)
-    archive.fileobj.close()  # a file object given to tarfile is the caller's to close
+        damage = _tar_end_damage(handle, end, size, last)
+    handle.close()  # a file object given to tarfile is the caller's to close
     if damage is not None:
         items.append(damaged_item(raw, *damage, name))
     for key, images in samples.items():

@@ -480,6 +480,19 @@ def test_an_intact_tar_has_no_error_row(five, tmp_path):
                     + [f"{padded}/s{i}.png#2" for i in range(5)])
 
 
+@pytest.mark.parametrize("lead", [512, 10240])
+def test_a_shard_after_an_empty_archive_reads_its_members(five, tmp_path, lead):
+    """Zero blocks before the first member (an empty archive joined in front, ``cat empty.tar
+    shard.tar``) are an end marker between joined archives, as they are after it: the members
+    after them get their rows; before, the shard read as complete and empty, with no error row."""
+    data, _ = five
+    path = tmp_path / "joined.tar"
+    path.write_bytes(bytes(lead) + data)
+    items = discover([str(path)]).items
+    assert [i.key for i in items] == [f"{path}/s{i}" for i in range(5)]
+    assert probe_image(items[4]).width == 40
+
+
 def test_pax_global_headers_gnu_long_names_and_links_are_no_damage(tmp_path, images):
     """What ``git archive`` and GNU tar write: a pax global header first, long names, links."""
     for fmt in (tarfile.PAX_FORMAT, tarfile.GNU_FORMAT):

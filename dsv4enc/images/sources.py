@@ -279,6 +279,8 @@ def _open_tar(raw: str) -> tuple[tarfile.TarFile | None, int, str | None]:
     # A damaged header is skipped block by block up to the next valid one (as GNU tar does);
     # ``expand_tar`` reports the gaps instead of ending the index silently.
     archive.ignore_zeros = True
+    if archive.firstmember is None:  # a zero block first: an empty archive joined in front
+        archive.offset = _BLOCK  # read on after it, as after any end marker (else: no member)
     return archive, size, None
 
 

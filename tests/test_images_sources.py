@@ -1140,6 +1140,24 @@ def test_kept_tar_members_come_out_as_columns_beside_their_rows(tmp_path, images
     assert result.exit_code == 2 and "kept with --keep-member" in result.output, result.output
 
 
+def test_a_kept_member_that_is_a_hard_link_carries_its_target_s_text(tmp_path, images):
+    """A sidecar member stored as a hard link (GNU tar stores a second name of one file so:
+    captions shared by samples) carries its target's text, as an image member that is a hard
+    link reads its target's bytes; before, its sample's column was null, as if it had none."""
+    path = tmp_path / "links.tar"
+    with tarfile.open(path, "w") as archive:
+        add_bytes(archive, "a.png", images["b.png"].read_bytes())
+        add_bytes(archive, "a.txt", b"a shared caption")
+        add_bytes(archive, "b.png", images["b.png"].read_bytes())
+        for name, target in [("b.txt", "./a.txt"), ("c.txt", "missing.txt")]:
+            link = tarfile.TarInfo(name)
+            link.type, link.linkname = tarfile.LNKTYPE, target
+            archive.addfile(link)
+        add_bytes(archive, "c.png", images["b.png"].read_bytes())
+    items, _ = sources.expand_tar(str(path), keep_members=("txt",))
+    assert [i.sidecars for i in items] == [(("txt", "a shared caption"),)] * 2 + [()]
+
+
 def test_kept_members_through_update_and_resume_settings(tmp_path, images, ckpt):
     """An --update keeps the kept members of the rows it carries and adds the new shard's,
     equal to a clean run; a run that asks for other members is refused in one line."""

@@ -345,7 +345,7 @@ def _backward_step(info: tarfile.TarInfo, next_header: int, end: int) -> str | N
 
 def _tar_locator(info: tarfile.TarInfo, raw: str,
                  files: dict[str, TarMember]) -> TarMember | Unreadable:
-    """Where an image member's bytes are (its own data, a hard link target's), or why not."""
+    """Where a member's bytes are (its own data, a hard link target's), or why not."""
     if info.isreg() and not info.issparse():
         return TarMember(info.name, info.offset_data, info.size)
     if info.islnk():
@@ -373,19 +373,20 @@ def _keep_member(handle: BinaryIO, raw: str, found: TarMember | Unreadable) -> N
             HELD.hold((raw, found.offset), data)
 
 
-def _sidecar_text(handle: BinaryIO, info: tarfile.TarInfo, size: int) -> str | None:
-    """A sidecar member's text (other bytes than UTF-8 as backslash escapes), read as the index
-    passes it (in a store, from the shard's one stream); None when it cannot be read, or when
-    its data would pass the end of the shard (``size`` bytes): a damaged size field may claim
-    2**62 bytes, which one read would ask for at once."""
-    if info.offset_data + info.size > size:
+def _sidecar_text(handle: BinaryIO, member: TarMember, size: int) -> str | None:
+    """A sidecar member's text (other bytes than UTF-8 as backslash escapes) from where its
+    data lies (``_tar_locator``: its own, or a hard link target's), read as the index passes it
+    (in a store, from the shard's one stream); None when it cannot be read, or when its data
+    would pass the end of the shard (``size`` bytes): a damaged size field may claim 2**62
+    bytes, which one read would ask for at once."""
+    if member.offset + member.size > size:
         return None  # the index reports the shard cut inside this member
     try:
-        handle.seek(info.offset_data)
-        data = handle.read(info.size)
+        handle.seek(member.offset)
+        data = handle.read(member.size)
     except OSError:
         return None  # the index reads on and reports the damage
-    return data.decode("utf-8", "backslashreplace") if len(data) == info.size else None
+    return data.decode("utf-8", "backslashreplace") if len(data) == member.size else None
 
 
 def expand_tar(raw: str, name: str | None = None,
@@ -445,8 +446,10 @@ def expand_tar(raw: str, name: str | None = None,
                 items.append(InputItem(key=member_key(name, key), path=raw, member=found))
             else:
                 other_keys.add(key)
-                if ext in keep_members and info.isreg() and not info.issparse():
-                    if (text := _sidecar_text(handle, info, size)) is not None:
+                if ext in keep_members:  # its own data, or a hard link target's
+                    kept = _tar_locator(info, raw, files)
+                    if isinstance(kept, TarMember) and (
+                            text := _sidecar_text(handle, kept, size)) is not None:
                         sidecars.setdefault(key, {})[ext] = text
     if damage is None:  # in a store, the end is still in the stream's buffer, as a rule
         damage = _tar_end_damage(handle, end, size, last)

@@ -87,7 +87,9 @@ class Encoder:
             decode_threads = 0 if self.device.type == "cpu" else min(8, available_cpus())
         elif not isinstance(decode_threads, numbers.Integral):  # named, not a failed max()
             raise SettingsError(f"decode_threads must be a whole number, got {decode_threads!r}")
-        self.decode_threads = max(0, decode_threads)
+        elif decode_threads < 0:  # as --workers: refused, not taken as 0
+            raise SettingsError(f"decode_threads must be 0 or more, got {decode_threads}")
+        self.decode_threads = decode_threads
         self.max_pixels = check_positive("max_pixels", max_pixels)
         self.model = build_model(checkpoint, self.device, fused=self.settings.fused,
                                  deterministic=self.settings.deterministic)

@@ -46,11 +46,15 @@ def check_choice(name: str, value: str, allowed: tuple[str, ...]) -> str:
     return value
 
 
-def check_positive(name: str, value: int) -> int:
+def check_positive(name: str, value: int, whole: bool = True) -> int:
     """``value``, or a SettingsError when it is not positive, or not a number at all (text
-    read from an environment variable would otherwise fail its comparison unnamed)."""
+    read from an environment variable would otherwise fail its comparison unnamed), or, for
+    a count (``whole``; a time in seconds is not), not a whole number: the command line
+    parses a count as an int, and the Python API must not take 2.5 (or True) where it would."""
     if not isinstance(value, numbers.Real):
         raise SettingsError(f"{name} must be a positive number, got {value!r}")
+    if whole and (isinstance(value, bool) or not isinstance(value, numbers.Integral)):
+        raise SettingsError(f"{name} must be a whole number, got {value!r}")
     if not value > 0:  # NaN too
         raise SettingsError(f"{name} must be positive, got {value}")
     return value

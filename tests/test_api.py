@@ -224,6 +224,8 @@ def test_a_bad_per_call_option_is_refused_not_replaced_by_the_default(encoder, p
     instead of the encoder's own setting silently taking its place."""
     with pytest.raises(UsageError, match="batch_tokens must be positive, got 0"):
         encoder.encode(pictures[:1], batch_tokens=0)
+    with pytest.raises(UsageError, match="batch_tokens must be a whole number, got 64.5"):
+        list(encoder.encode_iter(pictures[:1], batch_tokens=64.5))
     with pytest.raises(UsageError, match="features must be one of"):
         list(encoder.encode_iter(pictures[:1], features=""))
     with pytest.raises(UsageError, match="pool must be one of"):
@@ -274,7 +276,13 @@ def test_from_config_forms(small_cfg, tmp_path):
     # a number given as text (read from an environment variable, a config file)
     ({"max_pixels": "1000"}, "max_pixels must be a positive number, got '1000'"),
     ({"batch_tokens": "4096"}, "batch_tokens must be a positive number, got '4096'"),
-    ({"decode_threads": "2"}, "decode_threads must be a whole number, got '2'")])
+    ({"decode_threads": "2"}, "decode_threads must be a whole number, got '2'"),
+    # a count that is not whole, as the command line's int options refuse it
+    ({"batch_tokens": 2.5}, "batch_tokens must be a whole number, got 2.5"),
+    ({"max_images": 3.0}, "max_images must be a whole number, got 3.0"),
+    ({"max_pixels": 1000.5}, "max_pixels must be a whole number, got 1000.5"),
+    ({"batch_tokens": True}, "batch_tokens must be a whole number, got True"),
+    ({"decode_threads": -1}, "decode_threads must be 0 or more, got -1")])
 def test_a_bad_option_refuses_at_construction(small_cfg, option, message):
     """In one line, before any image: a pipeline's stage fails as it is built, not each batch
     (nor every row an error row, as max_pixels=0 made them)."""

@@ -152,7 +152,8 @@ def validate(opts: EncodeOptions) -> None:
     for name in ("batch_tokens", "max_images", "max_pixels", "part_images", "log_every",
                  "commit_every"):
         if option(opts, name) is not None:
-            check_positive(f"--{name.replace('_', '-')}", option(opts, name))
+            check_positive(f"--{name.replace('_', '-')}", option(opts, name),
+                           whole=name not in ("log_every", "commit_every"))  # seconds
     if not SEED_RANGE[0] <= opts.seed <= SEED_RANGE[1]:
         raise SettingsError(f"--seed must be from -2**63 to 2**64-1 (what torch takes), "
                             f"got {opts.seed}")

@@ -193,6 +193,28 @@ def test_a_nan_key_in_a_numpy_batch_is_a_null(embed, folder):
     assert lists["path"] == [r["path"] for r in expected]
 
 
+def test_an_integer_key_with_nulls_is_its_integers_text(embed, folder):
+    """pandas' nullable integer columns ("Int64", "UInt8", Arrow-backed "int64[pyarrow]") and
+    their object arrays key a row "1", as the same batch as an Arrow int64 column, with their
+    nulls null. A float64 column keys "1.0", as an Arrow float64 column and ``encode
+    --key-column`` do: a float64 that pandas made of an integer column with nulls is not told
+    from one that was float64 all along."""
+    image = str(folder / "a.jpg")
+    images = [image, str(folder / "b.png"), image]
+    arrow = embed(pa.table({"image": images, "key": pa.array([1, None, 3], pa.int64())}))
+    assert arrow["path"].to_pylist() == ["1", images[1], "3"]
+    for dtype in ("Int64", "UInt8", "int64[pyarrow]"):
+        keys = pd.array([1, None, 3], dtype=dtype)
+        frame = embed(pd.DataFrame({"image": images, "key": keys}))
+        assert list(frame["path"]) == ["1", images[1], "3"], dtype
+        arrays = embed({"image": np.array(images, dtype=object),
+                        "key": keys.to_numpy(dtype=object)})
+        assert list(arrays["path"]) == ["1", images[1], "3"], dtype
+    floats = pa.table({"image": images, "key": pa.array([1.0, None, 3.0], pa.float64())})
+    assert embed(floats)["path"].to_pylist() == ["1.0", images[1], "3.0"]
+    assert list(embed(floats.to_pandas())["path"]) == ["1.0", images[1], "3.0"]
+
+
 def test_a_binary_key_that_is_not_utf8_is_escaped_as_the_command_line_does(embed, folder):
     """A binary key cell whose bytes are not UTF-8 is written as ``\\xNN`` escapes, as
     ``dsv4enc encode --key-column`` writes it (docs/inputs.md), not as U+FFFD, which loses

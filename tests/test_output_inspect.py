@@ -9,6 +9,7 @@ import contextlib
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -242,8 +243,13 @@ def test_a_run_still_writing_is_not_called_interrupted(tmp_path, small_ckpt):
     with paused_at_first_commit(tmp_path, folder, out, small_ckpt) as proc:
         data = json.loads(run("inspect", str(out), "--json").stdout)
         text = " ".join(run("inspect", str(out)).stdout.split())
-    assert data["interrupted"] and f"pid {proc.pid}" in data["writing"]
+    # --json gives the writer as data; the terminal names it in words
+    assert data["interrupted"] and set(data["writing"]) == {"pid", "host", "since"}
+    assert (data["writing"]["pid"], data["writing"]["host"]) == (proc.pid, socket.gethostname())
+    assert isinstance(data["writing"]["since"], str) and data["writing"]["since"]
+    assert f"(pid {proc.pid} on {socket.gethostname()}, since " in text
     assert "being written" in text and "writing" in progress_text(Summary(**data))
+    assert f"pid {proc.pid}" in progress_text(Summary(**data))
     assert "--resume" not in text
     data = json.loads(run("inspect", str(out), "--json").stdout)  # killed: to resume now
     assert data["writing"] is None

@@ -20,6 +20,7 @@ from ..tower.config import MODEL_NAMES, model_type_of
 from ..errors import StorageError, UsageError
 from ..images.sources import TABLE_EXTENSIONS, TAR_EXTENSIONS
 from .files import MANIFEST_NAME
+from .lock import holder_text
 from .read import (OutputFiles, embedding_format, find_output, interrupted_folder,
                    live_writer, metadata_of, readable_output)
 
@@ -59,7 +60,9 @@ class OutputSummary:
     images_done: int | None = None
     images_total: int | None = None  # None: not recorded (stopped before it planned a part)
     images_left: int | None = None
-    writing: str | None = None  # a live run holds its lock: `` (pid N on HOST, since TIME)``
+    # A live run holds its lock: {"pid", "host", "since"} (each None where its lock file
+    # says nothing usable); words only in ``progress_text``, so that --json gives data.
+    writing: dict[str, Any] | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -337,7 +340,7 @@ def progress_text(summary: OutputSummary) -> str:
     left = ("how many are left is not recorded" if summary.images_total is None
             else f"{summary.images_left} of {summary.images_total} left")
     if summary.writing is not None:
-        return f"{parts}, {done}, {left}; a run is writing it now{summary.writing}"
+        return f"{parts}, {done}, {left}; a run is writing it now{holder_text(summary.writing)}"
     # The manifest does not record --overwrite, which --resume contradicts: name both.
     return (f"{parts}, {done}, {left}; rerun the same command with --resume to finish "
             "(in place of --overwrite, if it had one)")

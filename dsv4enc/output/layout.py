@@ -24,7 +24,7 @@ from .files import (GROWING_NAME, JOURNAL_FILE, LOCK_NAME, MANIFEST_FILE, MANIFE
                     PART_FILE, PARTIAL, STAMPS_FILE, is_output_file, manifest_name,
                     temporary_of, write_probe)
 from . import appending
-from .lock import OutputLock, holder_if_locked
+from .lock import OutputLock, holder_if_locked, holder_text
 from .parquet_join import MAGIC
 from .update import Update, is_stamps_file
 from .read import JOURNAL_FORMAT, is_dsv4enc_parquet, metadata_of, read_metadata
@@ -268,7 +268,8 @@ class OutputLayout:
             other, kind = self.out / LOCK_NAME, "a folder"
         holder = holder_if_locked(other)
         if holder is not None:
-            raise OutputError(f"another dsv4enc run is writing {self.out} as {kind}{holder}; "
+            raise OutputError(f"another dsv4enc run is writing {self.out} as {kind}"
+                              f"{holder_text(holder)}; "
                               "wait for it to finish or choose another --out")
 
     def _check_existing(self, overwrite: bool, resume: bool, update: bool = False) -> None:

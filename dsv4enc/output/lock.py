@@ -58,7 +58,7 @@ class OutputLock:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
-                holder = _holder(fd)
+                holder = holder_text(_holder(fd))
                 os.close(fd)
                 raise OutputError(f"another dsv4enc run is writing {self.out}{holder}; wait for "
                                   "it to finish or choose another --out") from None
@@ -86,10 +86,10 @@ class OutputLock:
         self._fd = None
 
 
-def holder_if_locked(path: Path) -> str | None:
+def holder_if_locked(path: Path) -> dict[str, Any] | None:
     """Whether a live run holds the lock file at ``path`` (another parts folder's: it is
     neither created nor kept here): None where none does (no such file, or no ``flock`` on
-    this system), else `` (pid N on HOST since TIME)`` or "" (``_holder``)."""
+    this system), else its holder as data (``_holder``; ``holder_text`` words it)."""
     try:
         import fcntl
     except ImportError:
@@ -125,13 +125,22 @@ def _write_holder(fd: int) -> None:
         os.pwrite(fd, text.encode() + b"\n", 0)
 
 
-def _holder(fd: int) -> str:
-    """`` (pid N on HOST since TIME)`` from a lock file, or "" when it says nothing usable."""
+def _holder(fd: int) -> dict[str, Any]:
+    """``{"pid", "host", "since"}`` from a lock file, all None when it says nothing usable
+    (a run holds it all the same): data, for ``inspect --json``; ``holder_text`` words it."""
     try:
         data = json.loads(os.pread(fd, 4096, 0) or b"{}")
-        return f" (pid {int(data['pid'])} on {data['host']}, since {data['since']})"
+        return {"pid": int(data["pid"]), "host": str(data["host"]), "since": str(data["since"])}
     except (OSError, ValueError, KeyError, TypeError):
+        return {"pid": None, "host": None, "since": None}
+
+
+def holder_text(holder: dict[str, Any]) -> str:
+    """`` (pid N on HOST, since TIME)`` of a lock file's holder (``_holder``), as a line
+    names it after the output, or "" when the lock file said nothing usable."""
+    if holder.get("pid") is None:
         return ""
+    return f" (pid {holder['pid']} on {holder['host']}, since {holder['since']})"
 
 
 #: A lock object not refreshed for this long belongs to a run that is gone.

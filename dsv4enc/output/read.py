@@ -17,7 +17,7 @@ import numpy as np
 from .. import storage
 from ..errors import UsageError
 from .files import LOCK_NAME, MANIFEST_FILE, PART_FILE, PARTIAL, journal_path, segment_chain
-from .lock import holder_if_locked
+from .lock import holder_if_locked, holder_text
 
 #: What a manifest's journal starts with (docs/output-format.md#the-manifest-and-its-journal).
 JOURNAL_FORMAT = "dsv4enc-journal"
@@ -190,15 +190,15 @@ def interrupted_folder(path: str | os.PathLike, storage_options: Any = None) -> 
     return None
 
 
-def live_writer(folder: str) -> str | None:
+def live_writer(folder: str) -> dict[str, Any] | None:
     """The live run that holds the lock of the parts folder ``folder``, as ``holder_if_locked``
-    names it; None where none does, or ``folder`` is in a bucket (its lock object is not read
-    here)."""
+    gives it (its pid, host and since); None where none does, or ``folder`` is in a bucket (its
+    lock object is not read here)."""
     local = storage.local_path(folder)
     return None if local is None else holder_if_locked(Path(local) / LOCK_NAME)
 
 
-def being_written(path: str | os.PathLike, storage_options: Any = None) -> str | None:
+def being_written(path: str | os.PathLike, storage_options: Any = None) -> dict[str, Any] | None:
     """The live run writing the output ``path`` names (``live_writer``) where that is a single
     file not there until its run ends (only its ``OUT.partial/``), what ``inspect`` shows as
     "being written"; None where no run is writing it so."""
@@ -219,8 +219,8 @@ def readable_output(location: str | os.PathLike, storage_options: Any = None) ->
     except UsageError:
         writing = being_written(location, storage_options)
         if writing is not None:
-            raise UsageError(f"{location}: being written by a run{writing}: read it when the "
-                             "run ends") from None
+            raise UsageError(f"{location}: being written by a run{holder_text(writing)}: read "
+                             "it when the run ends") from None
         partial = interrupted_folder(location, storage_options)
         if partial is None:
             raise

@@ -145,7 +145,13 @@ class Encoder:
 
     def width(self, features: str | None = None) -> int:
         """Width of one embedding row for ``features`` (default: this encoder's)."""
-        return self.config.output_width(features or self.features)
+        return self.config.output_width(self._features(features))
+
+    def _features(self, features: str | None) -> str:
+        """``features`` checked, None the encoder's own: any other value that is no choice
+        (``""`` too) refuses, rather than the default or the vit's shape taking its place."""
+        return check_choice("features", self.features if features is None else features,
+                            FEATURES)
 
     def __repr__(self) -> str:
         return (f"Encoder({self.checkpoint.source!r}, device={str(self.device)!r}, "
@@ -232,8 +238,7 @@ class Encoder:
         """``(item, embedding or error text)`` of prepared ``items``, in order, encoded in
         nearly full packed batches about ``2 * batch_tokens`` patches at a time."""
         # None is the encoder's own setting; any other value is checked (0 is no default)
-        features = check_choice("features", self.features if features is None else features,
-                                FEATURES)
+        features = self._features(features)
         pool = check_choice("pool", self.pool if pool is None else pool, POOLS)
         capacity = check_positive("batch_tokens", self.batch_tokens if batch_tokens is None
                                   else batch_tokens)
@@ -289,4 +294,4 @@ class Encoder:
         height) pixels (``PIL.Image.Image.size``): a result reshaped with it is the 2D grid."""
         canvas = plan_canvas(size[0], size[1], self.config)
         return output_grid(canvas.n_h, canvas.n_w, self.config.downsample_ratio,
-                           features or self.features)
+                           self._features(features))

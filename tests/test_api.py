@@ -230,6 +230,11 @@ def test_a_bad_per_call_option_is_refused_not_replaced_by_the_default(encoder, p
         list(encoder.encode_iter(pictures[:1], features=""))
     with pytest.raises(UsageError, match="pool must be one of"):
         encoder.encode(pictures[0], pool="")
+    # grid_for and width too: an unknown word is no features of the vit's shape
+    for call in (lambda: encoder.grid_for((40, 30), features="cls"),
+                 lambda: encoder.width("cls"), lambda: encoder.width("")):
+        with pytest.raises(UsageError, match="features must be one of"):
+            call()
 
 
 def test_pool_mean_and_out_dtype(small_ckpt, pictures, small_cfg):

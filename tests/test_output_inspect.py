@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 from typing import Iterator
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -375,6 +376,35 @@ def test_a_folder_run_killed_before_its_first_commit_is_shown_as_interrupted(tmp
         said.append(progress_text(summarize(out.rstrip("/"))))
     assert said[0] == said[1] and said[0].startswith("0 parts, 0 images done") and (
         "--resume" in said[0])
+
+
+def grids_output(path: Path, grids: list[tuple[int, int]], pooled: bool) -> Path:
+    """An output of one image per grid (8 wide), written as a run writes its rows."""
+    from dsv4enc.output.parts import Row, output_schema, parquet_options, rows_to_table
+
+    schema = output_schema(8, "float16", {}, pooled=pooled, layout="binary")
+    rows = [Row(path=f"{i}.png", width=14 * w, height=14 * h, vit_h=h, vit_w=w, grid_h=h,
+                grid_w=w, embedding=np.zeros(8 if pooled else (h * w, 8), np.float16))
+            for i, (h, w) in enumerate(grids)]
+    pq.write_table(rows_to_table(rows, schema), path, **parquet_options(schema))
+    return path
+
+
+def test_a_pooled_outputs_rows_per_image_are_one(tmp_path):
+    """A pooled output holds one embedding row per image: its ``rows per image`` (and
+    ``rows_per_image`` in --json) say 1, as ``embedding_rows`` counts them, not the grid's
+    cells that the pool averaged; unpooled, they are the grid's cells."""
+    grids = [(2, 3), (4, 4), (1, 5)]
+    pooled = json.loads(run("inspect", str(grids_output(tmp_path / "p.parquet", grids, True)),
+                            "--json").stdout)
+    assert pooled["embedding_rows"] == 3
+    assert pooled["rows_per_image"] == {"min": 1, "median": 1.0, "mean": 1.0, "max": 1}
+    text = " ".join(run("inspect", str(tmp_path / "p.parquet")).stdout.split())
+    assert "rows per image │ 1 / 1 / 1 (mean 1)" in text
+    full = json.loads(run("inspect", str(grids_output(tmp_path / "f.parquet", grids, False)),
+                          "--json").stdout)
+    assert full["embedding_rows"] == 6 + 16 + 5
+    assert full["rows_per_image"] == {"min": 5, "median": 6.0, "mean": 9.0, "max": 16}
 
 
 def test_a_finished_output_of_no_images_is_shown_as_empty(tmp_path, small_ckpt):

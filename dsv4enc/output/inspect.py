@@ -313,8 +313,10 @@ def _scan_files(out: OutputSummary, found: OutputFiles) -> None:
     h = np.concatenate(heights) if heights else np.zeros(0, np.int64)
     w = np.concatenate(widths) if widths else np.zeros(0, np.int64)
     out.grid_h, out.grid_w = _stats(h), _stats(w)
-    out.rows_per_image = _stats(h * w)
-    out.embedding_rows = int(len(h)) if out.pooled else int((h * w).sum())
+    # A pooled image is one embedding row, not the grid's cells its pool averaged.
+    per_image = np.ones_like(h) if out.pooled else h * w
+    out.rows_per_image = _stats(per_image)
+    out.embedding_rows = int(per_image.sum())
     out.top_grids = [(f"{gh}x{gw}", n) for (gh, gw), n in grids.most_common(3)]
     out.errors = [(kind, n, examples[kind]) for kind, n in errors.most_common(TOP_ERRORS)]
 

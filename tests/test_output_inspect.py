@@ -407,6 +407,17 @@ def test_a_pooled_outputs_rows_per_image_are_one(tmp_path):
     assert full["rows_per_image"] == {"min": 5, "median": 6.0, "mean": 9.0, "max": 16}
 
 
+def test_the_commonest_grids_are_numbers_in_json(tmp_path):
+    """``top_grids`` in --json is data, ``[grid_h, grid_w, images]``, commonest first; the
+    terminal writes each as ``HxW (N)``."""
+    out = grids_output(tmp_path / "o.parquet", [(2, 3), (4, 4), (2, 3), (1, 5), (4, 4), (2, 3)],
+                       False)
+    data = json.loads(run("inspect", str(out), "--json").stdout)
+    assert data["top_grids"] == [[2, 3, 3], [4, 4, 2], [1, 5, 1]]
+    text = " ".join(run("inspect", str(out)).stdout.split())
+    assert "commonest grids │ 2x3 (3), 4x4 (2), 1x5 (1)" in text
+
+
 def test_a_finished_output_of_no_images_is_shown_as_empty(tmp_path, small_ckpt):
     """A run given no images ends with exit 0 and an output of no rows: a folder output then
     holds its manifest and no part file. ``inspect`` shows both outputs as finished outputs

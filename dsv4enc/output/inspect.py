@@ -50,7 +50,7 @@ class OutputSummary:
     grid_h: dict[str, float] = field(default_factory=dict)
     grid_w: dict[str, float] = field(default_factory=dict)
     rows_per_image: dict[str, float] = field(default_factory=dict)
-    top_grids: list[tuple[str, int]] = field(default_factory=list)
+    top_grids: list[tuple[int, int, int]] = field(default_factory=list)  # (grid_h, grid_w, images)
     errors: list[tuple[str, int, str]] = field(default_factory=list)  # (kind, count, example path)
     metadata: dict[str, Any] = field(default_factory=dict)
     model: str | None = None  # the checkpoint variant, e.g. "DeepSeek-V4.1 (deepseek_v41)"
@@ -317,7 +317,7 @@ def _scan_files(out: OutputSummary, found: OutputFiles) -> None:
     per_image = np.ones_like(h) if out.pooled else h * w
     out.rows_per_image = _stats(per_image)
     out.embedding_rows = int(per_image.sum())
-    out.top_grids = [(f"{gh}x{gw}", n) for (gh, gw), n in grids.most_common(3)]
+    out.top_grids = [(gh, gw, n) for (gh, gw), n in grids.most_common(3)]
     out.errors = [(kind, n, examples[kind]) for kind, n in errors.most_common(TOP_ERRORS)]
 
 
@@ -377,7 +377,8 @@ def render(summary: OutputSummary, console=None) -> None:
     elif not summary.interrupted:  # a finished output of no images: no part file
         table.add_row("rows", "0")
     if summary.top_grids:
-        table.add_row("commonest grids", ", ".join(f"{g} ({n})" for g, n in summary.top_grids))
+        table.add_row("commonest grids", ", ".join(f"{gh}x{gw} ({n})"
+                                                   for gh, gw, n in summary.top_grids))
     table.add_row("features", f"{meta.get('features', '?')} (pool {meta.get('pool', 'none')})")
     table.add_row("dtypes", f"compute {meta.get('compute_dtype', '?')}, "
                   f"stored {meta.get('out_dtype', summary.dtype)}")

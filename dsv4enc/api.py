@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from .errors import SettingsError, check_choice, check_positive
+from .errors import SettingsError, check_choice, check_positive, check_seed
 from .process import available_cpus
 from .tower.checkpoint import Checkpoint, load_checkpoint, random_checkpoint
 from .tower.config import Attention, VisionConfig
@@ -115,7 +115,8 @@ class Encoder:
                     seed: int = 0, device: str | torch.device = "auto",
                     dtype: str | torch.dtype = "auto", **options: Any) -> "Encoder":
         """A tower with random weights (seeded) of ``config``'s shape: a ``VisionConfig``, a
-        config.json path, or a dict in either layout."""
+        config.json path, or a dict in either layout. ``seed``: as ``--seed`` takes it."""
+        check_seed("seed", seed)  # in one line, not torch's error as it seeds
         if isinstance(config, Mapping):
             config = VisionConfig.from_dict(dict(config))
         elif not isinstance(config, VisionConfig):

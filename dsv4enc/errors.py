@@ -60,6 +60,22 @@ def check_positive(name: str, value: int, whole: bool = True) -> int:
     return value
 
 
+#: A random tower's seed's range: what ``torch.Generator.manual_seed`` takes (a negative seed
+#: is taken modulo 2**64); past it torch raises an overflow instead of seeding.
+SEED_RANGE = (-(1 << 63), (1 << 64) - 1)
+
+
+def check_seed(name: str, value: int) -> int:
+    """``value``, or a SettingsError when torch cannot seed with it (``--seed``, and the
+    Python API's ``seed=``): not a whole number, or past ``SEED_RANGE``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise SettingsError(f"{name} must be a whole number, got {value!r}")
+    if not SEED_RANGE[0] <= value <= SEED_RANGE[1]:
+        raise SettingsError(f"{name} must be from -2**63 to 2**64-1 (what torch takes), "
+                            f"got {value}")
+    return value
+
+
 class ConfigError(DsvError):
     """A model config that is missing keys or inconsistent."""
 

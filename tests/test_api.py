@@ -298,6 +298,21 @@ def test_a_bad_option_refuses_at_construction(small_cfg, option, message):
         BatchEncoder(config=small_cfg.to_flat(), device="cpu", **option)
 
 
+@pytest.mark.parametrize("seed, message", [
+    (1.5, "seed must be a whole number, got 1.5"),
+    (2 ** 70, "seed must be from -2\\*\\*63 to 2\\*\\*64-1 \\(what torch takes\\), got 1180"),
+    ("3", "seed must be a whole number, got '3'")])
+def test_a_seed_torch_cannot_take_refuses_in_one_line(small_cfg, seed, message):
+    """``from_config(seed=)`` (and ``BatchEncoder(config=, seed=)``) takes the seeds that
+    ``--seed`` takes, and refuses others naming the option, as ``--seed`` does: not torch's
+    "manual_seed expected a long" or "Overflow when unpacking long long"."""
+    with pytest.raises(UsageError, match=message) as refused:
+        Encoder.from_config(small_cfg, seed=seed, device="cpu")
+    assert "\n" not in str(refused.value)
+    with pytest.raises(UsageError, match=message):
+        BatchEncoder(config=small_cfg.to_flat(), seed=seed, device="cpu")
+
+
 def test_package_import_is_light():
     code = ("import sys, dsv4enc; assert 'torch' not in sys.modules; "
             "assert callable(dsv4enc.read_embeddings); assert 'torch' not in sys.modules; "

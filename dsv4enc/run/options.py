@@ -9,7 +9,7 @@ from typing import Any, Literal, get_args
 
 from ..engine.defaults import DEFAULT_POOL, POOLS, Pool
 from ..engine.settings import CHOICES as ENGINE_CHOICES, SETTINGS, EngineSettings
-from ..errors import SettingsError, UsageError, check_positive
+from ..errors import SettingsError, UsageError, check_positive, check_seed
 from ..process import available_cpus
 from ..images.formats import DEFAULT_DECODE_TIMEOUT_S, DEFAULT_MAX_PIXELS
 from ..images.sources import SIDECAR_MEMBERS
@@ -21,9 +21,6 @@ COLLECTIVE_TIMEOUT_S = 300.0  # --timeout: how long a collective waits for a pee
 COMMIT_EVERY_S = 30.0  # --commit-every: seconds of encoding before finished work is committed
 LOG_EVERY_S = 30.0  # --log-every: seconds between progress lines when stderr is not a terminal
 PRUNE_SHARE = 0.01  # the share of an output's rows --update may drop without --prune
-#: --seed's range: what ``torch.Generator.manual_seed`` takes (a negative seed is taken
-#: modulo 2**64); past it torch raises an overflow instead of seeding.
-SEED_RANGE = (-(1 << 63), (1 << 64) - 1)
 #: The largest --max-pixels: 2**36 (68.7 gigapixels), 768 times Pillow's default and past
 #: any real image (a decoded RGB one that large is 192 GiB), while a decode worker's memory
 #: budget (16 bytes a pixel) stays a size that the kernel's rlimit takes.
@@ -154,9 +151,7 @@ def validate(opts: EncodeOptions) -> None:
         if option(opts, name) is not None:
             check_positive(f"--{name.replace('_', '-')}", option(opts, name),
                            whole=name not in ("log_every", "commit_every"))  # seconds
-    if not SEED_RANGE[0] <= opts.seed <= SEED_RANGE[1]:
-        raise SettingsError(f"--seed must be from -2**63 to 2**64-1 (what torch takes), "
-                            f"got {opts.seed}")
+    check_seed("--seed", opts.seed)
     if opts.max_pixels > MAX_PIXELS_BOUND:
         raise SettingsError(f"--max-pixels must be at most {MAX_PIXELS_BOUND} (2**36), "
                             f"got {opts.max_pixels}")

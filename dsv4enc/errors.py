@@ -60,6 +60,20 @@ def check_positive(name: str, value: int, whole: bool = True) -> int:
     return value
 
 
+def check_flag(name: str, value: object, optional: bool = False) -> object:
+    """``value``, or a SettingsError when it is no flag (True or False; None too where
+    ``optional``: the device's default): a flag given as text, "no" or "off", is truthy and
+    would turn the setting on. The command line's flags are parsed; the Python API's are not."""
+    try:
+        ok = (optional and value is None) or value in (True, False)  # numpy's bools too
+    except (TypeError, ValueError):  # an array: no one truth
+        ok = False
+    if not ok:
+        raise SettingsError(f"{name} must be True{', False or None' if optional else ' or False'}"
+                            f", got {value!r}")
+    return value
+
+
 #: A random tower's seed's range: what ``torch.Generator.manual_seed`` takes (a negative seed
 #: is taken modulo 2**64); past it torch raises an overflow instead of seeding.
 SEED_RANGE = (-(1 << 63), (1 << 64) - 1)

@@ -287,7 +287,11 @@ def test_from_config_forms(small_cfg, tmp_path):
     ({"max_images": 3.0}, "max_images must be a whole number, got 3.0"),
     ({"max_pixels": 1000.5}, "max_pixels must be a whole number, got 1000.5"),
     ({"batch_tokens": True}, "batch_tokens must be a whole number, got True"),
-    ({"decode_threads": -1}, "decode_threads must be 0 or more, got -1")])
+    ({"decode_threads": -1}, "decode_threads must be 0 or more, got -1"),
+    # a flag given as text is no flag ("no" is truthy: it would turn the setting on)
+    ({"deterministic": "no"}, "deterministic must be True or False, got 'no'"),
+    ({"fused": "off"}, "fused must be True, False or None, got 'off'"),
+    ({"cuda_graphs": "no"}, "cuda_graphs must be True, False or None, got 'no'")])
 def test_a_bad_option_refuses_at_construction(small_cfg, option, message):
     """In one line, before any image: a pipeline's stage fails as it is built, not each batch
     (nor every row an error row, as max_pixels=0 made them)."""

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
 
-from ..errors import check_choice, check_positive
+from ..errors import check_choice, check_flag, check_positive
 from ..tower.config import Attention
 from .defaults import (DEFAULT_FEATURES, DEFAULT_MAX_IMAGES, FEATURES, TRANSFORMS, Features,
                        Transform, default_batch_tokens)
@@ -44,6 +44,9 @@ class EngineSettings:
         for name in ("batch_tokens", "max_images"):  # positive when given
             if getattr(self, name) is not None:
                 check_positive(name, getattr(self, name))
+        check_flag("deterministic", self.deterministic)
+        for name in ("cuda_graphs", "fused"):  # None: the device's default
+            check_flag(name, getattr(self, name), optional=True)
         return self
 
     def for_device(self, device_type: str) -> "EngineSettings":

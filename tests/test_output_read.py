@@ -105,6 +105,23 @@ def test_every_batch_size_reads_the_same_rows(tmp_path, layout):
             assert got == want, (batch_rows, copy)
 
 
+@pytest.mark.parametrize("option, message", [
+    ({"batch_rows": 0}, "batch_rows must be positive, got 0"),
+    ({"batch_rows": -1}, "batch_rows must be positive, got -1"),
+    ({"batch_rows": 2.5}, "batch_rows must be a whole number, got 2.5"),
+    ({"batch_rows": "2"}, "batch_rows must be a positive number, got '2'"),
+    ({"copy": "no"}, "copy must be True or False, got 'no'")])
+def test_a_bad_reading_option_refuses_in_one_line(tmp_path, option, message):
+    """``read_embeddings``' options are checked as the encoder's are, naming the option,
+    before any row: ``batch_rows=0`` is no request for the default batch, 2.5 rows no
+    batch, and ``copy="no"`` (truthy) no request for views."""
+    path = tmp_path / "emb.parquet"
+    write_output(path, "binary", False, width=8, images=3)
+    with pytest.raises(ValueError, match=message) as refused:
+        next(read_embeddings(path, **option))
+    assert "\n" not in str(refused.value)
+
+
 def test_valid_mask_matches_arrow():
     values = pa.array([b"a", None, b"c", None, None, b"f", b"g", None, b"i", b"j", None],
                       pa.large_binary())

@@ -15,7 +15,7 @@ from typing import Any, Iterable, Iterator, Sequence
 import numpy as np
 
 from .. import storage
-from ..errors import UsageError
+from ..errors import UsageError, check_flag, check_positive
 from .files import LOCK_NAME, MANIFEST_FILE, PART_FILE, PARTIAL, journal_path, segment_chain
 from .lock import holder_if_locked, holder_text
 
@@ -612,6 +612,9 @@ def read_embeddings(path: str | os.PathLike, columns: Sequence[str] | None = Non
     memory-mapped, and what the caller keeps, whatever the file's size."""
     if errors not in ("skip", "include"):
         raise ValueError(f"errors must be 'skip' or 'include', not {errors!r}")
+    if batch_rows is not None:  # 0 is no default: checked, as the encoder's options are
+        check_positive("batch_rows", batch_rows)
+    check_flag("copy", copy)  # "no" is truthy
     wanted = list(columns) if columns is not None else None
     need = (wanted or ["path", "grid_h", "grid_w", "embedding"]).copy()
     if errors == "skip" and "error" not in need:

@@ -20,7 +20,7 @@ import pyarrow as pa
 
 from .columns import INT_COLUMNS, OUTPUT_COLUMNS
 from .engine.defaults import DEFAULT_FEATURES, DEFAULT_POOL, Features, Pool
-from .errors import SettingsError, check_choice
+from .errors import SettingsError, check_choice, check_flag
 from .images.formats import DEFAULT_MAX_PIXELS
 from .images.prepare import Prepared, image_source, prepare
 from .images.sources import unchecked_values
@@ -76,6 +76,7 @@ class BatchEncoder:
                  **options: Any) -> None:
         check_choice("out_dtype", out_dtype, STORED_DTYPES)
         check_choice("layout", layout, LAYOUTS)
+        check_flag("keep_columns", keep_columns)  # "no" is truthy
         if image_column is None:  # refused here, not at each batch by pandas or pyarrow
             raise SettingsError("image_column must name the batch's image column, not None")
         if weights is not None and config is not None:  # the command refuses it too

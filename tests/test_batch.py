@@ -372,6 +372,13 @@ def test_no_image_column_is_refused_at_construction(small_ckpt):
         BatchEncoder(small_ckpt, image_column=None)
 
 
+def test_keep_columns_that_is_no_flag_is_refused_at_construction(small_ckpt):
+    """``keep_columns="no"`` (text from a config, truthy) is refused naming the option, as
+    the encoder's flags are, not taken as keeping every column."""
+    with pytest.raises(ValueError, match="keep_columns must be True or False, got 'no'"):
+        BatchEncoder(small_ckpt, keep_columns="no")
+
+
 def test_pickles_as_its_recipe(embed, folder):
     data = pickle.dumps(embed)
     assert len(data) < 4096  # the recipe, not the tensors

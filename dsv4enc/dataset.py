@@ -8,6 +8,7 @@ from __future__ import annotations
 import bisect
 import copy
 import heapq
+import numbers
 import os
 from collections import OrderedDict
 from dataclasses import replace
@@ -18,7 +19,7 @@ import torch
 from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
 from . import storage
-from .errors import UsageError
+from .errors import UsageError, check_flag, check_positive
 from .output.read import (BATCH_BYTES, OWN_BATCH_BYTES, OutputFiles, embedding_format,
                           embedding_views, owned_copy, readable_output, sole_row_array,
                           valid_mask)
@@ -234,6 +235,10 @@ class EmbeddingIterableDataset(IterableDataset):
                  storage_options: Any = None) -> None:
         if (rank is None) != (world_size is None):  # one alone would split nothing
             raise ValueError("give rank and world_size together, or neither")
+        if world_size is not None:  # refused here, not in a DataLoader worker as it reads
+            check_positive("world_size", world_size)
+            _check_rank(rank, world_size)
+        check_flag("shuffle", shuffle)  # "no" is truthy
         self._rows = _Rows(location, columns, errors, storage_options)
         self.shuffle, self.seed = shuffle, _seed_part("seed", seed)
         # in shared memory: persistent DataLoader workers, copied at the first epoch, see it
@@ -272,8 +277,7 @@ class EmbeddingIterableDataset(IterableDataset):
     def _share(self) -> tuple[int, int]:
         """This reader's slot among all (rank, worker) readers, and their number."""
         rank, world = self._ranks()
-        if not 0 <= rank < world:
-            raise ValueError(f"rank {rank} is not in a world of {world}")
+        _check_rank(rank, world)
         worker = get_worker_info()
         workers, wid = (1, 0) if worker is None else (worker.num_workers, worker.id)
         return rank * workers + wid, world * workers
@@ -295,11 +299,18 @@ class EmbeddingIterableDataset(IterableDataset):
 
 def _seed_part(name: str, value: int) -> int:
     """``value``, or a ValueError naming ``name`` where numpy would refuse it as a seed (a
-    negative number), so that it is refused where it is given, not when the order is drawn
+    negative number, or not a whole one), so that it is refused where it is given, not when the order is drawn
     (inside a DataLoader worker, in numpy's words)."""
-    if value < 0:
-        raise ValueError(f"{name} must be a non-negative integer, not {value}")
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
+        raise ValueError(f"{name} must be a non-negative integer, not {value!r}")
     return value
+
+
+def _check_rank(rank: Any, world: int) -> None:
+    """A ValueError unless ``rank`` is a whole number from 0 to ``world`` - 1 (0.5 would
+    pass a comparison, then fail as a list index while the rows are read)."""
+    if isinstance(rank, bool) or not isinstance(rank, numbers.Integral) or not 0 <= rank < world:
+        raise ValueError(f"rank {rank!r} is not in a world of {world}")
 
 
 def _process_group() -> bool:

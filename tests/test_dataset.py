@@ -283,6 +283,26 @@ def test_a_negative_seed_or_epoch_is_refused_where_it_is_given(output):
     assert dataset.epoch == 0
 
 
+@pytest.mark.parametrize("option, message", [
+    ({"seed": 1.5}, "^seed must be a non-negative integer, not 1.5$"),
+    ({"seed": "3"}, "^seed must be a non-negative integer, not '3'$"),
+    ({"rank": 0.5, "world_size": 2}, "^rank 0.5 is not in a world of 2$"),
+    ({"rank": 2, "world_size": 2}, "^rank 2 is not in a world of 2$"),
+    ({"rank": 0, "world_size": 0}, "^world_size must be positive, got 0$"),
+    ({"rank": 0, "world_size": 1.5}, "^world_size must be a whole number, got 1.5$"),
+    ({"shuffle": "no"}, "^shuffle must be True or False, got 'no'$")])
+def test_a_bad_split_or_order_option_is_refused_where_it_is_given(output, option, message):
+    """A seed, rank or world size that is no whole number of its range, or a shuffle that
+    is no flag ("no" is truthy), is refused as the dataset is made, naming the argument; not
+    when iteration starts, in numpy's or a list index's words (inside a DataLoader worker),
+    nor taken (a shuffled order for shuffle="no")."""
+    with pytest.raises(ValueError, match=message):
+        EmbeddingIterableDataset(output, **option)
+    dataset = EmbeddingIterableDataset(output, shuffle=True)
+    with pytest.raises(ValueError, match="^epoch must be a non-negative integer, not 1.5$"):
+        dataset.set_epoch(1.5)
+
+
 def test_a_damaged_column_chunk_footer_is_damage_in_one_line_not_an_abort(tmp_path):
     """A part whose footer's embedding column chunk metadata pyarrow cannot build (level
     histograms that do not fit its schema): both datasets refuse it in the readers' one line

@@ -78,6 +78,9 @@ class Encoder:
             features=features, attention=attention, cuda_graphs=cuda_graphs,
             batch_tokens=batch_tokens, max_images=max_images, deterministic=deterministic,
             fused=fused)
+        if settings is not None and not isinstance(settings, EngineSettings):  # not unnamed
+            raise SettingsError(f"settings must be an EngineSettings, got a "
+                                f"{type(settings).__name__}")
         if settings is not None and named != EngineSettings():
             raise SettingsError("give the engine's settings by name or as settings=, not both")
         self.settings = (settings or named).check().for_device(self.device.type)

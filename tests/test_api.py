@@ -291,7 +291,8 @@ def test_from_config_forms(small_cfg, tmp_path):
     # a flag given as text is no flag ("no" is truthy: it would turn the setting on)
     ({"deterministic": "no"}, "deterministic must be True or False, got 'no'"),
     ({"fused": "off"}, "fused must be True, False or None, got 'off'"),
-    ({"cuda_graphs": "no"}, "cuda_graphs must be True, False or None, got 'no'")])
+    ({"cuda_graphs": "no"}, "cuda_graphs must be True, False or None, got 'no'"),
+    ({"settings": {"batch_tokens": 64}}, "settings must be an EngineSettings, got a dict")])
 def test_a_bad_option_refuses_at_construction(small_cfg, option, message):
     """In one line, before any image: a pipeline's stage fails as it is built, not each batch
     (nor every row an error row, as max_pixels=0 made them)."""

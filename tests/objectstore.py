@@ -101,6 +101,7 @@ def s3_server():
     logging.getLogger("werkzeug").setLevel(logging.ERROR)  # no line per request
     server = server_module.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
+    record_ranges(server)
     host, port = server.get_host_and_port()
     try:
         yield S3Server(endpoint=f"http://{host}:{port}")
@@ -187,12 +188,31 @@ def manifest_parts(s3: "S3Bucket", key: str) -> dict:
 
 # --------------------------------------------------------------------------- request counts
 
+_LOGS: list["RequestLog"] = []  # the logs open now, which ``record_ranges`` tells of each GET
+
+
+def record_ranges(server) -> None:
+    """Have the session's server tell each open ``RequestLog`` every GET it receives, with
+    its ``Range`` header (werkzeug's log line has none): the server's WSGI application is
+    wrapped, so every process's requests are seen, as the server received them."""
+    app = server._server.app
+
+    def recording(environ, start_response):
+        if environ.get("REQUEST_METHOD") == "GET":
+            for log in list(_LOGS):
+                log.got(environ.get("PATH_INFO", ""), environ.get("HTTP_RANGE"))
+        return app(environ, start_response)
+
+    server._server.app = recording
+
+
 class RequestLog:
     """The S3 server's own request log, counted: moto's server is werkzeug's, which logs one
     ``"METHOD /path HTTP/1.1" status size`` record per request it answers on the
     ``werkzeug`` logger. Within ``with RequestLog(bucket) as log:``, ``log.counts`` holds
     the requests to ``bucket`` by method (those of every process: the server counts them),
-    ``log.requests`` each one's method and path."""
+    ``log.requests`` each one's method and path, and (on the session's server, ``s3``)
+    ``log.ranges`` each GET of an object as ``(key, Range header or None)``."""
 
     def __init__(self, bucket: S3Bucket) -> None:
         import collections
@@ -200,6 +220,7 @@ class RequestLog:
         self.prefix = f"/{bucket.name}"
         self.counts: collections.Counter = collections.Counter()
         self.requests: list[tuple[str, str]] = []  # (method, path below the bucket)
+        self.ranges: list[tuple[str, str | None]] = []  # (object key, Range header) per GET
         self._handler = logging.Handler(logging.INFO)
         self._handler.emit = self._record
         self._saved: tuple[int, bool] | None = None
@@ -214,6 +235,12 @@ class RequestLog:
             self.counts[line[0]] += 1
             self.requests.append((line[0], line[1][len(self.prefix):]))
 
+    def got(self, path: str, byte_range: str | None) -> None:
+        """A GET the server received (``record_ranges``): an object's, kept in ``ranges``
+        (a listing's, of the bucket itself, is not)."""
+        if path.startswith(self.prefix + "/") and len(path) > len(self.prefix) + 1:
+            self.ranges.append((path[len(self.prefix) + 1:], byte_range))
+
     def reads(self) -> int:
         """GET and HEAD requests so far."""
         return self.counts["GET"] + self.counts["HEAD"]
@@ -224,9 +251,11 @@ class RequestLog:
         logger.setLevel(logging.INFO)
         logger.propagate = False  # counted here, not shown in the test's report
         logger.addHandler(self._handler)
+        _LOGS.append(self)
         return self
 
     def __exit__(self, *exc) -> None:
+        _LOGS.remove(self)
         logger = logging.getLogger("werkzeug")
         logger.removeHandler(self._handler)
         logger.setLevel(self._saved[0])

@@ -352,6 +352,53 @@ def test_row_group_cache_reads_each_group_once(tmp_path, images, monkeypatch):
     assert reads == [0, 1, 0, 1]  # over budget: only the last group stays
 
 
+def test_a_released_cache_keeps_each_column_s_furthest_group_and_its_readers(
+        tmp_path, images, monkeypatch):
+    """After a window's probes (``release``), the next window's, which start in the row group
+    where the last stopped, and the writer's kept columns read neither it nor the footer."""
+    path = tmp_path / "t.parquet"
+    table = image_table(images, ["a.jpg", "b.png", "c.webp", "d.png"], False)
+    pq.write_table(table.append_column("n", pa.array(range(4))), path, row_group_size=2)
+    cache = sources.GroupCache()
+    monkeypatch.setattr(sources, "GROUP_CACHE", cache)
+    items = discover([str(path)]).items  # the listing's reader is left in the cache
+    reads, opened = [], []
+    original_read, original_init = sources.TableReader.read, sources.TableReader.__init__
+
+    def counting(self, group, columns):
+        reads.append((group, *columns))
+        return original_read(self, group, columns)
+
+    def opening(self, path):
+        opened.append(path)
+        original_init(self, path)
+
+    monkeypatch.setattr(sources.TableReader, "read", counting)
+    monkeypatch.setattr(sources.TableReader, "__init__", opening)
+    for item in items[:3]:
+        sources.open_item(item)
+    assert sources.unchecked_values(cache.value(str(path), 0, 1, "n")) == 1
+    cache.release()
+    for item in items[2:]:
+        sources.open_item(item)
+    assert sources.unchecked_values(cache.value(str(path), 0, 0, "n")) == 0
+    assert reads == [(0, "img"), (1, "img"), (0, "n")] and opened == []
+
+
+def test_a_fetched_table_cell_keeps_its_row_s_columns(tmp_path, images):
+    """A table cell whose bytes its probe read (a store's, ``HELD``) goes to its decode as
+    ``Fetched``, and a Ray actor writes that item's row: its kept columns are its row's."""
+    from dsv4enc.images.items import Fetched
+
+    path = tmp_path / "t.parquet"
+    table = image_table(images, ["a.jpg", "b.png"], False)
+    pq.write_table(table.append_column("n", pa.array([5, 6])), path)
+    items = discover([str(path)]).items
+    fetched = [replace(item, member=Fetched(None, b"", item.member)) for item in items]
+    field = pa.field("n", pa.int64())
+    assert sources.kept_values(fetched, [field])["n"].to_pylist() == [5, 6]
+
+
 def test_a_row_group_too_large_to_hold_is_read_in_slices(tmp_path, monkeypatch):
     """A table written as one row group (pyarrow's and pandas' default) is never read whole
     into a worker (gigabytes of images failed every row with a MemoryError): slices of rows,

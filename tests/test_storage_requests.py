@@ -223,3 +223,53 @@ def test_a_zero_byte_read_gives_the_object_s_size_and_asks_only_when_it_is_neede
     with pytest.raises(FileNotFoundError):
         storage.read_head(f"{s3.url}/z/missing.bin", 0)
     storage.configure(None)
+
+
+# --------------------------------------------------------------------------- tables
+
+def test_a_table_in_a_bucket_reads_each_byte_range_once(s3, tmp_path, capsys):
+    """A Parquet table in a bucket: its footer, and each row group's image and kept columns,
+    are each one ranged GET in the whole run (listing, header probes, decode workers, the
+    writer's kept columns), wherever the parts cut its row groups; the key column is read
+    twice, by the listing and by the writer (holding it between would hold a whole column)."""
+    import collections
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from PIL import Image
+
+    rng = np.random.default_rng(5)
+    count, group_rows = 24, 6
+    images = []
+    for i in range(count):
+        buffer = io.BytesIO()
+        Image.fromarray(rng.integers(0, 256, (40 + i % 5, 48 + i % 7, 3), dtype=np.uint8)
+                        ).save(buffer, "PNG")
+        images.append(buffer.getvalue())
+    table = pa.table({"id": [f"img-{i:02d}" for i in range(count)], "image": images,
+                      "caption": [f"caption {i}" for i in range(count)]})
+    local = tmp_path / "t.parquet"
+    pq.write_table(table, local, row_group_size=group_rows)
+    url = s3.put("tables/t.parquet", local.read_bytes())
+    size = local.stat().st_size
+    assert size > 64 << 10  # pyarrow's footer read (the last 64 KiB) is not the whole file
+    options = ["--key-column", "id", "--keep-column", "caption", "--part-images", "4"]
+    encode(str(local), *options, out=tmp_path / "local.parquet")
+    with RequestLog(s3) as log:
+        encode(url, *options, out=tmp_path / "remote.parquet")
+    reads = collections.Counter(span for key, span in log.ranges if key == "tables/t.parquet")
+    meta = pq.ParquetFile(local).metadata
+    ranges = {f"bytes={size - (64 << 10)}-{size - 1}": "footer"}  # as a ranged GET asks
+    for group in range(meta.num_row_groups):
+        for column in range(meta.num_columns):
+            chunk = meta.row_group(group).column(column)
+            start = chunk.dictionary_page_offset or chunk.data_page_offset
+            ranges[f"bytes={start}-{start + chunk.total_compressed_size - 1}"] = (
+                f"{chunk.path_in_schema}#{group}")
+    got = {ranges.get(span, span): n for span, n in reads.items()}
+    with capsys.disabled():
+        print(f"\ntable of {count} images in {meta.num_row_groups} row groups: "
+              f"{dict(log.counts)}, GETs by range: {dict(sorted(got.items()))}")
+    assert got == {name: 2 if name.startswith("id#") else 1 for name in ranges.values()}
+    assert log.counts["HEAD"] <= 2, dict(log.counts)
+    assert_same_rows(tmp_path / "local.parquet", tmp_path / "remote.parquet")

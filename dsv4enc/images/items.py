@@ -49,10 +49,13 @@ class StoredObject:
 @dataclass(frozen=True, slots=True)
 class Fetched:
     """An input's bytes, read already (a small object's header read, a tar shard's streamed
-    member), carried by its decode task; ``name``: the replaced locator's."""
+    member, a table cell in a store read for its probe), carried by its decode task; ``name``:
+    the replaced locator's; ``cell``: the table cell replaced, whose row's kept columns are
+    still read from the table (a Ray actor writes the rows of the items it was sent)."""
 
     name: str | None
     data: bytes = field(repr=False)
+    cell: TableCell | None = None
 
 
 @dataclass(frozen=True, slots=True)

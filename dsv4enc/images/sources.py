@@ -4,8 +4,8 @@ The main process reads only each container's index (a tar's member headers; a ta
 sizes and key column); an ``InputItem``'s ``member`` says where an image's bytes lie, and decode
 workers read just that (a table cell through a per-process row-group cache). docs/inputs.md
 tells the keys and a damaged container's error rows. In a store, each input is read once where
-it can be (a shard by one streamed read, an object by its probe), held for the decode
-(``HeldInputs``)."""
+it can be (a shard by one streamed read, an object by its probe, a table's row group by the
+probes of its cells), held for the decode (``HeldInputs``)."""
 
 from __future__ import annotations
 
@@ -85,12 +85,17 @@ def damaged_item(raw: str, offset: int, reason: str, name: str | None = None) ->
                      member=Unreadable(f"{raw}: damaged at byte {offset}: {reason}"))
 
 
+#: What ``HELD`` holds an input's bytes by (``held_key``).
+HeldKey = tuple[str, int] | tuple[str, int, int]
+
+
 class HeldInputs:
-    """Inputs' bytes read ahead of their decode, by ``(path, offset)`` (-1: a whole object),
-    within ``HOLD_BYTES``: the inputs read first, decoded first, keep theirs. Thread-safe."""
+    """Inputs' bytes read ahead of their decode, by ``(path, offset)`` (-1: a whole object) or
+    a table cell's ``(path, row group, row)``, within ``HOLD_BYTES``: the inputs read first,
+    decoded first, keep theirs. Thread-safe."""
 
     def __init__(self) -> None:
-        self._held: dict[tuple[str, int], bytes] = {}
+        self._held: dict[HeldKey, bytes] = {}
         self._bytes = 0
         self._lock = threading.Lock()
 
@@ -101,16 +106,16 @@ class HeldInputs:
             budget = HOLD_BYTES
         return self._bytes + size <= budget
 
-    def hold(self, key: tuple[str, int], data: bytes) -> None:
+    def hold(self, key: HeldKey, data: bytes) -> None:
         with self._lock:
             if key not in self._held and self.room(len(data)):
                 self._held[key] = data
                 self._bytes += len(data)
 
-    def peek(self, key: tuple[str, int] | None) -> bytes | None:
+    def peek(self, key: HeldKey | None) -> bytes | None:
         return self._held.get(key)
 
-    def take(self, key: tuple[str, int] | None) -> bytes | None:
+    def take(self, key: HeldKey | None) -> bytes | None:
         with self._lock:
             data = self._held.pop(key, None)
             self._bytes -= len(data or b"")
@@ -125,13 +130,16 @@ class HeldInputs:
 HELD = HeldInputs()
 
 
-def held_key(item: Any) -> tuple[str, int] | None:
-    """What ``HELD`` holds an item's bytes by: an object in a store, a tar member in one."""
+def held_key(item: Any) -> HeldKey | None:
+    """What ``HELD`` holds an item's bytes by: an object in a store, a tar member or a table
+    cell in one (a decode worker would read the cell's whole row group again)."""
     member = getattr(item, "member", None)
     if isinstance(member, StoredObject):
         return item.path, -1
     if isinstance(member, TarMember) and storage.reads_are_requests(item.path):
         return item.path, member.offset
+    if isinstance(member, TableCell) and storage.reads_are_requests(item.path):
+        return item.path, member.group, member.row
     return None
 
 
@@ -139,16 +147,27 @@ def attach_held(source: Any) -> Any:
     """``source`` as a decode task sends it: an item whose bytes are held carries them
     (``Fetched``; no longer held here), anything else is left as it is."""
     data = HELD.take(held_key(source))
-    return source if data is None else replace(source, member=Fetched(source.member.name, data))
+    if data is None:
+        return source
+    member = source.member
+    cell = member if isinstance(member, TableCell) else None
+    return replace(source, member=Fetched(getattr(member, "name", None), data, cell))
 
 
 def _read_ahead(item: InputItem) -> BinaryIO:
     """A file over an object's (or a tar member's) bytes in a store for a header probe: its
-    first ``HEAD_BYTES`` in one request, held for the decode when that is all of it."""
+    first ``HEAD_BYTES`` in one request, held for the decode when that is all of it; a table
+    cell's bytes, from its row group read for the probes, held while ``HELD`` has room."""
     key = held_key(item)
     if (held := HELD.peek(key)) is not None:
         return io.BytesIO(held)
     member = item.member
+    if isinstance(member, TableCell):
+        handle = read_table_cell(item.path, member, stream=True)
+        if isinstance(handle, str) or not HELD.room(handle.size()):
+            return handle
+        HELD.hold(key, data := handle.read())
+        return io.BytesIO(data)
     if isinstance(member, TarMember):
         start, size = member.offset, member.size
         head = storage.read_range(item.path, start, min(size, HEAD_BYTES))
@@ -527,7 +546,7 @@ def written_by_dsv4enc(path: str) -> bool:
     if not path.lower().endswith(".parquet"):
         return False
     try:
-        return b"dsv4enc" in (TableReader(path).schema.metadata or {})
+        return b"dsv4enc" in (GROUP_CACHE.table(path).schema.metadata or {})
     except (OSError, pa.ArrowException, UnicodeDecodeError):
         return False  # not readable: its error row says why
 
@@ -626,12 +645,14 @@ class TableReader:
 def expand_table(raw: str, image_column: str | None = None, key_column: str | None = None,
                  path_roots: tuple[str, ...] = (), name: str | None = None) -> list[InputItem]:
     """One item per row of a Parquet/Arrow file (only the key column is read), keyed under
-    ``name`` (the table's key, by default ``raw``), and an error row where it is damaged."""
+    ``name`` (the table's key, by default ``raw``), and an error row where it is damaged. Its
+    reader (its footer read) is this listing's own, then left in ``GROUP_CACHE`` for the
+    probes and the kept columns."""
     import pyarrow as pa
 
     name = name or raw
     try:
-        table = TableReader(raw)
+        table = GROUP_CACHE.take(raw) or TableReader(raw)
         table.schema.names  # an Arrow schema's names are decoded when first asked for
     except (OSError, pa.ArrowException, UnicodeDecodeError) as exc:  # a name not UTF-8
         return [damaged_item(raw, 0, f"cannot read it as a table: {exc}", name)]
@@ -665,15 +686,17 @@ def expand_table(raw: str, image_column: str | None = None, key_column: str | No
                 column, group, row, path_roots)))
     if table.damage is not None:
         items.append(damaged_item(raw, *table.damage, name))
+    GROUP_CACHE.adopt(raw, table)
     return items
 
 
 def table_fields(paths: Sequence[str], names: Sequence[str]) -> list["pa.Field"]:
     """The fields of the columns ``names`` over the tables ``paths`` (each table's schema is
-    read once): every table must have each column, in one type. A UsageError otherwise."""
+    read once, by the reader its listing left in ``GROUP_CACHE``): every table must have each
+    column, in one type. A UsageError otherwise."""
     fields: dict[str, "pa.Field"] = {}
     for path in paths:
-        schema = TableReader(path).schema
+        schema = GROUP_CACHE.table(path).schema
         for name in names:
             if name not in schema.names:
                 raise UsageError(f"{path}: no column {name!r} to keep "
@@ -696,15 +719,16 @@ def sidecar_fields(keep_members: Sequence[str]) -> list["pa.Field"]:
 
 def kept_values(items: Sequence[InputItem], fields: Sequence["pa.Field"]) -> dict[str, "pa.Array"]:
     """The columns ``fields`` for ``items``, in order: a tar sample's kept sidecar text
-    (``InputItem.sidecars``), a table row's own cell (through ``GROUP_CACHE``), else null (a
-    cell of a page that cannot be read too: its image, read apart, may be fine)."""
+    (``InputItem.sidecars``), a table row's own cell (through ``GROUP_CACHE``; an item whose
+    image was ``Fetched`` too), else null (a cell of a page that cannot be read too: its image,
+    read apart, may be fine)."""
     import pyarrow as pa
 
     def value(item: InputItem, field: "pa.Field") -> Any:
         if field.metadata == SIDECAR_FIELD:
             return dict(item.sidecars).get(field.name)
-        if isinstance(item.member, TableCell):
-            cell = item.member
+        cell = item.member.cell if isinstance(item.member, Fetched) else item.member
+        if isinstance(cell, TableCell):
             try:
                 got = unchecked_values(GROUP_CACHE.value(item.path, cell.group, cell.row,
                                                          field.name))
@@ -719,9 +743,14 @@ def kept_values(items: Sequence[InputItem], fields: Sequence["pa.Field"]) -> dic
             for field in fields}
 
 
+#: Tables whose readers (their footers, read once) a process keeps open (``GroupCache``).
+OPEN_TABLES = 16
+
+
 class GroupCache:
     """Recently read row-group columns of this process (a large Parquet group's in slices,
-    ``TableReader.slice_rows``), least recently used dropped first."""
+    ``TableReader.slice_rows``), least recently used dropped first, and the readers of the
+    last ``OPEN_TABLES`` tables it read (in a store, a footer read is a request)."""
 
     def __init__(self, max_bytes: int = CACHE_BYTES) -> None:
         self.max_bytes = max_bytes
@@ -733,14 +762,39 @@ class GroupCache:
         self._readers: dict[tuple[str, int, str], tuple[int, Iterator[Any] | None]] = {}
         self._bytes = 0
 
+    def table(self, path: str) -> TableReader:
+        """This process's reader of ``path``: the one kept, else a new one, kept."""
+        with self._lock:
+            return self._table(path)
+
+    def _table(self, path: str) -> TableReader:
+        table = self._tables.get(path)
+        if table is None:
+            table = TableReader(path)
+            self._adopt(path, table)
+        return table
+
+    def take(self, path: str) -> TableReader | None:
+        """The reader kept for ``path``, no longer kept: one caller reads with it alone (a
+        listing, whose reads take no lock) and gives it back (``adopt``)."""
+        with self._lock:
+            return self._tables.pop(path, None)
+
+    def adopt(self, path: str, table: TableReader) -> None:
+        """Keep ``table`` as the reader of ``path`` (in place of one kept: the newest is kept)."""
+        with self._lock:
+            self._adopt(path, table)
+
+    def _adopt(self, path: str, table: TableReader) -> None:
+        self._tables.pop(path, None)
+        if len(self._tables) >= OPEN_TABLES:
+            self._tables.pop(next(iter(self._tables)))
+        self._tables[path] = table
+
     def value(self, path: str, group: int, row: int, column: str):
         """The ``pyarrow`` scalar at ``row`` of ``column`` in row group ``group`` of ``path``."""
         with self._lock:
-            table = self._tables.get(path)
-            if table is None:
-                if len(self._tables) >= 16:
-                    self._tables.pop(next(iter(self._tables)))
-                table = self._tables[path] = TableReader(path)
+            table = self._table(path)
             rows = table.slice_rows(group)
             start = 0 if rows is None else row - row % rows
             key = (path, group, column, start)
@@ -777,6 +831,24 @@ class GroupCache:
         while self._bytes > self.max_bytes and len(self._columns) > 1:
             _, dropped = self._columns.popitem(last=False)
             self._bytes -= dropped.nbytes
+
+    def release(self) -> None:
+        """Drop the columns read, but the furthest of each table's column, and keep the
+        readers: the next window's probes, or the writer's next part, go on where the last
+        stopped (rows are read in order), in the row group they share as a rule (parts cut
+        across row groups), and read no footer."""
+        with self._lock:
+            furthest: dict[tuple[str, str], tuple[str, int, str, int]] = {}
+            for key in self._columns:
+                at = furthest.setdefault((key[0], key[2]), key)
+                if (key[1], key[3]) > (at[1], at[3]):
+                    furthest[key[0], key[2]] = key
+            kept = set(furthest.values())
+            for key in [key for key in self._columns if key not in kept]:
+                self._bytes -= self._columns.pop(key).nbytes
+            kept_groups = {key[:3] for key in kept}
+            for key in [key for key in self._readers if key not in kept_groups]:
+                del self._readers[key]
 
     def clear(self) -> None:
         with self._lock:

@@ -50,7 +50,9 @@ def probe_share(items: Sequence[InputItem], max_pixels: int, ranks: Topology | N
     rank, world = (ranks.rank, ranks.world_size) if ranks is not None else (0, 1)
     mine = list(range(rank, len(items), world))
     probes = probe_all([items[i] for i in mine], max_pixels, should_stop, timeout_s)
-    GROUP_CACHE.clear()  # table row groups read for the probes: the workers read their own
+    # Table row groups read for the probes: their cells are held for the decode (``HELD``),
+    # or the workers read their own; the furthest of each column may start the next window.
+    GROUP_CACHE.release()
     return list(zip(mine, probes))
 
 

@@ -403,6 +403,35 @@ def test_a_stopped_folder_update_names_the_folder_that_holds_its_parts(point, tm
     assert_clean(out, clean[1])
 
 
+def test_a_stopped_bucket_folder_update_keeps_its_parts_for_the_next_update(s3, tmp_path,
+                                                                            clean):
+    """SIGINT while a bucket folder's update encodes: its new parts are staged on this
+    machine until the end. The line said they were kept in the bucket, and the staging was
+    deleted; it now says where they are, and the next --update on this machine reuses them."""
+    images = old_images(tmp_path / "in")
+    out = f"{s3.url}/stopped/"
+    run_encode(options(images, out))
+    grow_change_shrink(images)
+    pauses = Pauses(tmp_path / "pauses", "commit")
+    with reaped(_launch_update(pauses, images, out)) as proc:
+        pauses.wait("commit", proc=proc)  # one part of the update committed
+        proc.send_signal(signal.SIGINT)
+        pauses.release()
+        _, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 130, stderr
+    line = " ".join(stderr.strip().splitlines()[-1].split())
+    assert "kept on this machine in /" in line and "dsv4enc-update (" in line, line
+    assert "rerun the same command with --update" in line and s3.url not in line, line
+    summary = run_encode(options(images, out, update=True, prune=True))
+    assert summary.encoded < 4  # an update from the start encodes 4
+    assert summary.encoded + summary.reused == N_OLD + 2 and summary.dropped == 1
+    mirror = tmp_path / "mirror"
+    mirror.mkdir()
+    for key in s3.keys("stopped/"):
+        (mirror / key.split("/", 1)[1]).write_bytes(s3.get(key))
+    assert_clean(mirror, clean[1])
+
+
 def one_line_error(result, code: int) -> str:
     assert result.exit_code == code, result.output
     lines = [line for line in result.output.splitlines() if line.strip()]

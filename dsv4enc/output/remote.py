@@ -102,6 +102,8 @@ class RemoteOutput:
         self._replaced: dict[str, tuple] = {}
         #: --resume or --update of a folder: the part objects left in the store, by name
         self.stored: dict[str, storage.ObjectInfo] = {}
+        #: A folder's --update stopped with parts committed in its staging: ``close`` keeps it
+        self._keep_update = False
 
     @property
     def max_file_bytes(self) -> int | None:
@@ -150,6 +152,7 @@ class RemoteOutput:
                 summary = encode()
             except BaseException as exc:
                 self.abandon(quiet=isinstance(exc, storage.StoreDown))
+                self._keep_update = self.writer and self._staged_update() is not None
                 raise
             self.finish()
             if self.writer:  # the output is committed: a killed run's staging is of no use
@@ -184,6 +187,8 @@ class RemoteOutput:
         self.lock.take()
         what = storage.kind(self.url)
         self._refuse_the_other_form(what)
+        if self.update and self.folder_mode:  # what a stopped update committed, kept here
+            self._adopt_staged_update()
         if self.resume or self.update:  # the store has what the killed run committed
             self.remove_stale_staging()
         if not self.folder_mode and what == "file":
@@ -545,29 +550,66 @@ class RemoteOutput:
                 log.warning("could not delete the lock object %s (%s)", self.lock.url,
                             storage.describe(self.lock.url, exc))
         finally:
-            shutil.rmtree(self.staging, ignore_errors=True)
+            if not self._keep_update:  # else a later --update here takes its parts over
+                shutil.rmtree(self.staging, ignore_errors=True)
 
     def remove_stale_staging(self) -> None:
         """Remove the staging folders that earlier runs of this output left when they were
-        killed: marked for its URL on this host by a process that is gone (this run holds
-        the output's lock; a live rank's folder stays). Unmarked folders are never touched."""
+        killed or, an update's, stopped: marked for its URL on this host by a process that is
+        gone (this run holds the output's lock; a live rank's folder stays). Unmarked folders
+        are never touched."""
+        for folder in self._stale_staging():
+            shutil.rmtree(folder, ignore_errors=True)
+
+    def _stale_staging(self) -> list[Path]:
+        """The staging folders of this output that a process now gone left on this host,
+        the newest first."""
+        found = []
         with contextlib.suppress(OSError):
             for folder in self.staging.parent.glob(f"{STAGING_PREFIX}*"):
                 try:
                     mark = json.loads((folder / STAGING_MARK).read_text())
+                    when = (folder / STAGING_MARK).stat().st_mtime_ns
                 except (OSError, ValueError):
                     continue
                 if (folder != self.staging and isinstance(mark, dict)
                         and mark.get("url") == self.url
                         and mark.get("host") == socket.gethostname()
                         and not process_alive(mark.get("pid"))):
-                    shutil.rmtree(folder, ignore_errors=True)
+                    found.append((when, folder))
+        return [folder for _, folder in sorted(found, reverse=True)]
+
+    def _staged_update(self, local_out: Path | None = None) -> Path | None:
+        """The staging folder of a folder's --update (beside ``local_out``, this run's by
+        default) where its manifest lists a committed part, else None."""
+        folder = staging_folder(local_out or self.local_out)
+        if not self.folder_mode or not (read_manifest(folder / MANIFEST_NAME) or {}).get("parts"):
+            return None
+        return folder
+
+    def _adopt_staged_update(self) -> None:
+        """A folder's --update builds its new parts here until its end: an update of this
+        output that was stopped or killed on this host left them in its staging folder, which
+        this run takes over (``update.Update.open_store`` reuses it where it updates the same
+        output state, so the rerun encodes only what is left)."""
+        for folder in self._stale_staging():
+            staged = self._staged_update(folder / self.local_out.name)
+            if staged is not None:
+                os.rename(staged, staging_folder(self.local_out))
+                return
 
     def translate(self, text: str) -> str:
-        """A message about the staging folder (an --update's too), told about the store instead."""
-        text = text.replace(str(staging_folder(self.local_out)), self.parts_url)
-        text = text.replace(str(self.local_parts), self.parts_url)
-        return text.replace(str(self.local_out), self.url)
+        """A message about the staging folder, told about the store instead; but the parts a
+        stopped --update of a folder keeps are on this machine (``_keep_update``)."""
+        update = str(staging_folder(self.local_out))
+        here = (f" kept on this machine in {update} (a folder's update uploads them when it "
+                "ends; a rerun here reuses them);")  # (a message translated twice is as once)
+        pieces = []
+        for piece in text.replace(f" kept in {update};", here).split(here):
+            piece = piece.replace(update, self.parts_url)
+            piece = piece.replace(str(self.local_parts), self.parts_url)
+            pieces.append(piece.replace(str(self.local_out), self.url))
+        return here.join(pieces)
 
 
 @dataclass

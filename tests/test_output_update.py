@@ -432,6 +432,29 @@ def test_a_stopped_bucket_folder_update_keeps_its_parts_for_the_next_update(s3, 
     assert_clean(mirror, clean[1])
 
 
+@pytest.mark.parametrize("point", ["switch", "switched"])
+def test_a_folder_update_stopped_at_its_switch_is_not_encoded_again(point, tmp_path, clean):
+    """SIGINT when the new output is complete beside the old one (``switch``): the rerun
+    encoded its changed images again, as the staging folder's manifest no longer said which
+    output it updates; it now switches the staged output in place. Stopped once the switch is
+    done (``switched``), the old output left in the staging folder is never taken for it."""
+    images = old_images(tmp_path / "in")
+    out = tmp_path / "emb"
+    run_encode(options(images, f"{out}/"))
+    grow_change_shrink(images)
+    pauses = Pauses(tmp_path / "pauses", point)
+    with reaped(_launch_update(pauses, images, f"{out}/")) as proc:
+        pauses.wait(point, proc=proc)
+        proc.send_signal(signal.SIGINT)
+        pauses.release()
+        _, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 130, stderr
+    summary = run_encode(options(images, f"{out}/", update=True, prune=True))
+    assert (summary.encoded, summary.reused) == (0, N_OLD + 2)
+    assert_clean(out, clean[1])
+    assert sorted(os.listdir(tmp_path)) == ["emb", "in", "pauses"]
+
+
 def one_line_error(result, code: int) -> str:
     assert result.exit_code == code, result.output
     lines = [line for line in result.output.splitlines() if line.strip()]

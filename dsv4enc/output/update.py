@@ -45,6 +45,8 @@ log = logging.getLogger("dsv4enc")
 STAMPS_KEY = b"dsv4enc.rows"
 #: The manifest entry of an update's staging folder: the stamps file of the output it updates
 #: (a staging folder of another output's state, or an old output a switch left, is not reused).
+#: A folder an update made keeps it: an update stopped at its switch is switched by the next,
+#: and the old output that a switch stopped midway left there is known as that output's.
 UPDATE_OF = "update_of"
 _MAGIC = b"DSV4ENC-STAMPS1\n"
 #: How many of the dropped rows' paths a refusal and the summary show.
@@ -268,6 +270,7 @@ class OldOutput:
         self.damaged = set(damaged)  # the names of those whose rows cannot be read
         self.listed = {name for name, _, _ in self.parts}  # (the update's names must differ)
         self.stamps_file: str | None = None  # a folder's: names its state (``UPDATE_OF``)
+        self.made_from: str | None = None  # the stamps file of the output it updated, if any
 
     @property
     def files(self) -> list[tuple[Path | None, int]]:
@@ -334,6 +337,8 @@ class OldOutput:
                     np.array(blocks) if len(blocks) < len(parts) else None)
         if stamps is not None:
             found.stamps_file = manifest["stamps"]["file"]
+        if isinstance(manifest.get(UPDATE_OF), str):
+            found.made_from = manifest[UPDATE_OF]
         return found
 
     def check(self, settings: dict) -> None:
@@ -487,14 +492,31 @@ class Update:
             recorded = read_manifest(self.staging / MANIFEST_NAME)
             if os.path.isdir(self.staging) and (
                     recorded is None or recorded["settings"] != rows_settings
-                    or recorded.get(UPDATE_OF) != self.old.stamps_file):
+                    or recorded.get(UPDATE_OF) != self.old.stamps_file
+                    or "stamps" in recorded and self._made_it(recorded["stamps"])):
                 remove_old_output(self.staging, out)
+            elif recorded is not None and "stamps" in recorded:
+                self._reopen(recorded)
         except OSError as exc:
             raise output_os_error(self.staging, exc) from None
         store = PartStore(self.staging, settings)
         store.extra[UPDATE_OF] = self.old.stamps_file
         store.generation = max(map(generation, self.old.listed), default=0) + 1
         return store
+
+    def _made_it(self, stamps: Any) -> bool:
+        """Whether a complete output of these ``stamps`` (its manifest's entry) is the one
+        this output was made from: the old output that a switch stopped before its removal
+        left in the staging folder, never to be switched in again."""
+        return not isinstance(stamps, dict) or stamps.get("file") == self.old.made_from
+
+    def _reopen(self, recorded: dict) -> None:
+        """The staging folder holds the complete new output of an update of this output
+        that stopped at its switch: its manifest no longer names its stamps, so that the run
+        takes its parts as committed ones (``resume.Resume``, by their inputs) and switches
+        it in place, encoding only what changed since."""
+        recorded = {key: value for key, value in recorded.items() if key != "stamps"}
+        write_json_atomic(recorded, self.staging / MANIFEST_NAME)
 
     def with_unlisted(self, planned: Sequence[Planned]) -> list[Planned]:
         """``--keep-unlisted``: the old rows in their order, each in the place of the input
@@ -683,7 +705,7 @@ class Update:
         lock linked in), switch it with the output, then remove the old output."""
         out, staging = self.old.out, store.folder
         entry = _write_stamps(staging, stamps, options)
-        extra = {k: v for k, v in store.extra.items() if k not in (UPDATE_OF, "stamps")}
+        extra = {k: v for k, v in store.extra.items() if k != "stamps"}  # (``UPDATE_OF`` stays)
         write_json_atomic(manifest_document(store.settings, store.parts, stamps=entry, **extra),
                           staging / MANIFEST_NAME)
         try:

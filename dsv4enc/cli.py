@@ -625,7 +625,7 @@ def _inspect_errors(output: str, storage_option: list[str] | None, as_json: bool
     if errors_list is None:
         collections.deque(rows, maxlen=0)
         return
-    written, unlisted, containers = write_errors_list(rows, errors_list)
+    written, unlisted, containers, keyed = write_errors_list(rows, errors_list)
     note(f"wrote {written} failed path{'s' if written != 1 else ''} to {errors_list}"
          + (f" ({containers} container{'s' if containers != 1 else ''}: a tar shard or "
             "table is named once for its failed rows, and read again whole)"
@@ -633,19 +633,23 @@ def _inspect_errors(output: str, storage_option: list[str] | None, as_json: bool
          + (f"; {unlisted} left out (a newline, or blanks at an end, fit no line)"
             if unlisted else "")
          + (f"; once fixed, retry them with encode --files-from {errors_list} --update "
-            "--keep-unlisted, run where the paths start" if written else ""))
+            "--keep-unlisted, run where the paths start" if written else "")
+         + (f"; {keyed} row{'s' if keyed != 1 else ''} of a table keyed by --key-column "
+            "left out (its key names neither a file nor its table): once fixed, retry "
+            f"{'them' if keyed != 1 else 'it'} by rerunning the original command with "
+            "--update --retry-errors" if keyed else ""))
 
 
 def _echoed(rows, as_json: bool):
-    """``rows`` (path, error), each printed as it passes: tab-separated, the path escaped as
-    error lines show keys (``printable``: a newline or tab in a key would break the line),
-    or a JSON line."""
+    """``rows`` (path, error, keyed), each printed as it passes: tab-separated, the path
+    escaped as error lines show keys (``printable``: a newline or tab in a key would break
+    the line), or a JSON line."""
     from .images.discover import printable
 
-    for path, error in rows:
+    for path, error, keyed in rows:
         typer.echo(json.dumps({"path": path, "error": error}) if as_json
                    else f"{printable(path)}\t{error}")
-        yield path, error
+        yield path, error, keyed
 
 
 @command(short_help="Time the engine, or with --host the host side alone.")

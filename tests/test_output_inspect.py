@@ -552,3 +552,39 @@ def test_a_storage_option_not_key_value_is_refused_for_a_local_output(tmp_path, 
         result = run("inspect", str(tmp_path / "o.parquet"), "--storage-option", "noequals",
                      *flags)
         assert result.exit_code == 2 and "--storage-option expects KEY=VALUE" in result.stderr
+
+
+@pytest.mark.parametrize("target", ["out/", "out.parquet"])
+def test_the_errors_list_leaves_out_rows_keyed_by_a_key_column_and_says_how_to_retry(
+        tmp_path, small_ckpt, monkeypatch, target):
+    """A table's row keyed by ``--key-column`` (its id) names neither its table nor a file:
+    the list wrote the id as a path, which ``--files-from`` then could not read back. It is
+    left out, and the note says how such rows are retried (the original command with
+    ``--update --retry-errors``), which then encodes them: the output equals a clean run's."""
+    monkeypatch.chdir(tmp_path)
+
+    def table(broken: bool) -> None:
+        cells = []
+        for i in range(3):
+            write_image(tmp_path / "cell.png", (20 + i, 20))
+            cells.append(tmp_path.joinpath("cell.png").read_bytes())
+        if broken:
+            cells[1] = b"not an image"
+        pq.write_table(pa.table({"image": cells, "id": ["a1", "a2", "a3"]}), "t.parquet")
+        (tmp_path / "cell.png").unlink()
+
+    table(broken=True)
+    Path("bad.jpg").write_bytes(b"\xff\xd8 truncated")
+    inputs = ["t.parquet", "bad.jpg", "--key-column", "id"]
+    encode(*inputs, "--out", target, weights=small_ckpt)
+    failed = tmp_path / "failed.txt"
+    listed = run("inspect", target, "--errors-list", str(failed))
+    assert listed.exit_code == 0, listed.output
+    assert failed.read_text().splitlines() == ["bad.jpg"]  # never "a2", which names no file
+    note = " ".join(listed.output.split())
+    assert "1 row of a table keyed by --key-column" in note and "--update --retry-errors" in note
+    table(broken=False)  # (the image file stays broken)
+    encode(*inputs, "--out", target, "--update", "--retry-errors", weights=small_ckpt)
+    errors = {p: e for p, e in ((r["path"], r["error"]) for r in
+                                read_embeddings(target, ["path", "error"], errors="include"))}
+    assert errors["a2"] is None and errors["bad.jpg"] is not None

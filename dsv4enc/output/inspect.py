@@ -6,6 +6,7 @@ only the small columns (grid sizes, errors), never the embeddings."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 from collections import Counter
@@ -16,6 +17,7 @@ from typing import Any, Iterator
 import numpy as np
 
 from .. import storage
+from ..columns import OUTPUT_COLUMNS
 from ..tower.config import MODEL_NAMES, model_type_of
 from ..errors import StorageError, UsageError
 from ..images.sources import TABLE_EXTENSIONS, TAR_EXTENSIONS
@@ -23,6 +25,7 @@ from .files import MANIFEST_NAME
 from .lock import holder_text
 from .read import (OutputFiles, embedding_format, find_output, interrupted_folder,
                    live_writer, metadata_of, readable_output)
+from .update import STAMPS_KEY
 
 #: Error messages shown, the commonest first (``inspect`` and a run's summary).
 TOP_ERRORS = 5
@@ -193,14 +196,18 @@ def container_of(key: str) -> str | None:
     return found.group(1) if found else None
 
 
-def write_errors_list(rows: Iterator[tuple[str, str]], target: str) -> tuple[int, int, int]:
-    """Write the paths of failed ``rows`` to the new file ``target`` as a ``--files-from``
-    list; return how many were written, how many no line can hold, and how many of those
-    written are containers. A container's row is listed as its container, once: its key is
-    no file ``--files-from`` reads, and a container is read again whole. An existing file is
-    refused (a UsageError): it may be someone else's. Where reading the rows fails (the
-    output is no dsv4enc output, or damaged), the file this call made is removed."""
-    written = unlisted = containers = 0
+def write_errors_list(rows: Iterator[tuple[str, str, bool]],
+                      target: str) -> tuple[int, int, int, int]:
+    """Write the paths of failed ``rows`` (``failed_rows``) to the new file ``target`` as a
+    ``--files-from`` list; return how many were written, how many no line can hold, how many
+    of those written are containers, and how many rows of a table keyed by ``--key-column``
+    were left out. A container's row is listed as its container, once: its key is no file
+    ``--files-from`` reads, and a container is read again whole. A keyed row's key is the
+    table's id of it, which names neither a file nor its table (not recorded): no line can
+    give it back. An existing file is refused (a UsageError): it may be someone else's.
+    Where reading the rows fails (the output is no dsv4enc output, or damaged), the file
+    this call made is removed."""
+    written = unlisted = containers = keyed = 0
     seen: set[str] = set()  # the containers met so far
     try:
         handle = open(target, "x", encoding="utf-8", errors="surrogateescape")
@@ -210,7 +217,10 @@ def write_errors_list(rows: Iterator[tuple[str, str]], target: str) -> tuple[int
         raise UsageError(f"cannot write --errors-list {target}: {exc.strerror or exc}") from None
     try:
         with handle:
-            for path, _ in rows:
+            for path, _, by_key in rows:
+                if by_key:
+                    keyed += 1
+                    continue
                 container = container_of(path)
                 if container in seen:
                     continue
@@ -226,7 +236,7 @@ def write_errors_list(rows: Iterator[tuple[str, str]], target: str) -> tuple[int
     except BaseException:
         Path(target).unlink(missing_ok=True)  # made above (exclusively): nothing half-listed
         raise
-    return written, unlisted, containers
+    return written, unlisted, containers, keyed
 
 
 def _open_output(found: OutputFiles, file: str):
@@ -256,16 +266,37 @@ def _batches(found: OutputFiles, file: str, handle) -> Iterator[Any]:
                                        columns=["path", "grid_h", "grid_w", "error"])
 
 
-def failed_rows(found: OutputFiles) -> Iterator[tuple[str, str]]:
-    """``(path, error)`` of every failed row of the output, in its order (reads only those
-    two columns, and only the row groups that hold a failure)."""
+def failed_rows(found: OutputFiles) -> Iterator[tuple[str, str, bool]]:
+    """``(path, error, keyed)`` of every failed row of the output, in its order (reads only
+    those columns, and only the row groups that hold a failure); ``keyed``: the row is a
+    table's, keyed by its ``--key-column`` value (that kept column is set)."""
+    key = None
     for file in found.paths:
         handle = _open_output(found, file)
+        key = key or key_column_of(found, handle)
+        columns = ["path", "error"] + ([key] if key in handle.schema_arrow.names else [])
         for group in _groups_with_errors(handle):
             with _reading(found, file):
-                table = handle.read_row_group(group, columns=["path", "error"])
+                table = handle.read_row_group(group, columns=columns)
             table = table.filter(table.column("error").is_valid())
-            yield from zip(table.column("path").to_pylist(), table.column("error").to_pylist())
+            keyed = (table.column(2).is_valid().to_pylist() if len(columns) > 2
+                     else [False] * table.num_rows)
+            yield from zip(table.column("path").to_pylist(), table.column("error").to_pylist(),
+                           keyed)
+
+
+def key_column_of(found: OutputFiles, handle) -> str | None:
+    """The ``--key-column`` the output's table rows are keyed by, as it recorded it (a
+    folder's manifest settings, a single file's row stamps entry), or None. A key column of
+    an output column's name (``path``) is not kept apart: its rows are not told apart."""
+    recorded = [manifest.get("settings") for manifest in found.manifests]
+    try:
+        recorded.append(json.loads((handle.metadata.metadata or {})[STAMPS_KEY])["options"])
+    except (KeyError, ValueError, TypeError):
+        pass
+    return next((settings["key_column"] for settings in recorded if isinstance(settings, dict)
+                 and isinstance(settings.get("key_column"), str)
+                 and settings["key_column"] not in OUTPUT_COLUMNS), None)
 
 
 def _groups_with_errors(handle) -> list[int]:

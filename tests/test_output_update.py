@@ -455,6 +455,31 @@ def test_a_folder_update_stopped_at_its_switch_is_not_encoded_again(point, tmp_p
     assert sorted(os.listdir(tmp_path)) == ["emb", "in", "pauses"]
 
 
+def test_a_bucket_file_update_stopped_while_uploading_reuses_its_parts(s3, tmp_path, clean):
+    """SIGINT while the updated single file is uploaded (``upload``): the line says the
+    rerun reuses the parts OUT.partial holds, but the parts committed since the last sync
+    were removed here before they reached the store (all of them, in a short run), and
+    the rerun encoded them again. Every part is in the store before the parts here go."""
+    images = old_images(tmp_path / "in")
+    out = f"{s3.url}/upl/e.parquet"
+    run_encode(options(images, out))
+    grow_change_shrink(images)
+    pauses = Pauses(tmp_path / "pauses", "upload")
+    with reaped(_launch_update(pauses, images, out)) as proc:
+        pauses.wait("upload", proc=proc)
+        proc.send_signal(signal.SIGINT)
+        _, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 130, stderr
+    line = stderr.strip().splitlines()[-1]
+    assert "was not uploaded" in line and "it reuses the parts" in line, line
+    summary = run_encode(options(images, out, update=True, prune=True))
+    assert (summary.encoded, summary.reused, summary.dropped) == (0, N_OLD + 2, 1)
+    assert s3.keys("upl/") == ["upl/e.parquet"]
+    got = tmp_path / "got.parquet"
+    got.write_bytes(s3.get("upl/e.parquet"))
+    assert_clean(got, clean[1])
+
+
 def one_line_error(result, code: int) -> str:
     assert result.exit_code == code, result.output
     lines = [line for line in result.output.splitlines() if line.strip()]

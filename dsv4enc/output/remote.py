@@ -444,6 +444,16 @@ class RemoteOutput:
             for key in old:  # one left by a failed delete is passed over: a reader takes the
                 storage.delete(storage.join(self.parts_url, key))  # furthest-reaching
 
+    def sync_parts(self) -> None:
+        """The single file is made and its staged parts are about to go: the store gets the
+        ones the background sync has not sent yet, so that an upload of the file that is
+        stopped or fails leaves every part in ``OUT.partial`` for the rerun, as its line says
+        (they went unsent, all of them in a short run). A sync that fails leaves that to the
+        upload, which fails in its own line."""
+        if self.writer:
+            with contextlib.suppress(OSError):
+                self.sync()
+
     def adopt_part(self, name: str, path: Path) -> None:
         """Part file ``name`` was uploaded by the process that wrote it (the writer or a ray
         actor): never uploaded again; brought to ``path`` only where the final file is joined

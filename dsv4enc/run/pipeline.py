@@ -229,6 +229,7 @@ class RunState:
     progress: RunProgress
     summary: RunSummary
     stop: StopSignals
+    remote: RemoteOutput | None = None  # the object storage --out the layout stages
 
 
 def _run_encode(opts: EncodeOptions, ranks: Topology, setup: RunSetup, stop: StopSignals,
@@ -254,7 +255,7 @@ def _run_encode(opts: EncodeOptions, ranks: Topology, setup: RunSetup, stop: Sto
     ranks.main_then_all(layout.create)
     progress = RunProgress("auto" if opts.progress and ranks.is_main else "off", opts.log_every)
     summary = RunSummary(out=str(opts.out))
-    run = RunState(opts, ranks, layout, progress, summary, stop)
+    run = RunState(opts, ranks, layout, progress, summary, stop, remote)
     store = None
     try:
         stop.immediate = alone
@@ -509,6 +510,8 @@ def _write_output(run: RunState, source: PartSource, setup: RunSetup,
             began = time.perf_counter()
             assembler.finish()  # a signal meanwhile aborts it: the parts stay
             run.stop.immediate = False  # the output is complete: nothing to stop
+            if run.remote is not None:
+                run.remote.sync_parts()  # before they go here: the rerun of a stopped upload
             layout.remove_parts()
             run.summary.write_s += time.perf_counter() - began
         elif ranks.sharded:

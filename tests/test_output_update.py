@@ -480,6 +480,20 @@ def test_a_bucket_file_update_stopped_while_uploading_reuses_its_parts(s3, tmp_p
     assert_clean(got, clean[1])
 
 
+def test_a_bucket_folder_updated_twice_keeps_the_parts_the_first_kept(s3, tmp_path):
+    """The parts an update of a bucket folder keeps whole were listed without their size,
+    by which a part object is judged whole: the next update found them damaged and encoded
+    their rows again, with nothing changed. They keep their size: nothing is encoded."""
+    images = old_images(tmp_path / "in")
+    out = f"{s3.url}/twice/"
+    run_encode(options(images, out))
+    grow_change_shrink(images)
+    first = run_encode(options(images, out, update=True, prune=True))
+    assert (first.encoded, first.reused) == (4, 8)
+    again = run_encode(options(images, out, update=True))
+    assert (again.encoded, again.reused, again.dropped) == (0, N_OLD + 2, 0)
+
+
 def one_line_error(result, code: int) -> str:
     assert result.exit_code == code, result.output
     lines = [line for line in result.output.splitlines() if line.strip()]

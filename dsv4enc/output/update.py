@@ -697,6 +697,8 @@ class Update:
             else:  # linked into the staging folder (an object stays): the new output holds it
                 if unit not in self.old.stored:
                     link_or_copy(self.old.out / unit, store.folder / unit)
+                else:  # an object is judged whole by its size (``parts.part_kept``)
+                    entry["size"] = self.old.stored[unit].size
                 store.adopt(name, {"file": unit, **entry})
         return run[-1][2] - run[0][1]
 

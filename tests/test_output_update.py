@@ -436,8 +436,9 @@ def test_a_stopped_bucket_folder_update_keeps_its_parts_for_the_next_update(s3, 
 def test_a_folder_update_stopped_at_its_switch_is_not_encoded_again(point, tmp_path, clean):
     """SIGINT when the new output is complete beside the old one (``switch``): the rerun
     encoded its changed images again, as the staging folder's manifest no longer said which
-    output it updates; it now switches the staged output in place. Stopped once the switch is
-    done (``switched``), the old output left in the staging folder is never taken for it."""
+    output it updates; it now switches the staged output in place. Killed once the switch is
+    done (``switched``, where a signal lets it end), the old output left in the staging
+    folder is never taken for it."""
     images = old_images(tmp_path / "in")
     out = tmp_path / "emb"
     run_encode(options(images, f"{out}/"))
@@ -445,10 +446,10 @@ def test_a_folder_update_stopped_at_its_switch_is_not_encoded_again(point, tmp_p
     pauses = Pauses(tmp_path / "pauses", point)
     with reaped(_launch_update(pauses, images, f"{out}/")) as proc:
         pauses.wait(point, proc=proc)
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(signal.SIGINT if point == "switch" else signal.SIGKILL)
         pauses.release()
         _, stderr = proc.communicate(timeout=300)
-    assert proc.returncode == 130, stderr
+    assert proc.returncode == (130 if point == "switch" else -signal.SIGKILL), stderr
     summary = run_encode(options(images, f"{out}/", update=True, prune=True))
     assert (summary.encoded, summary.reused) == (0, N_OLD + 2)
     assert_clean(out, clean[1])
@@ -492,6 +493,45 @@ def test_a_bucket_folder_updated_twice_keeps_the_parts_the_first_kept(s3, tmp_pa
     assert (first.encoded, first.reused) == (4, 8)
     again = run_encode(options(images, out, update=True))
     assert (again.encoded, again.reused, again.dropped) == (0, N_OLD + 2, 0)
+
+
+@pytest.mark.parametrize("where", ["local", "bucket"])
+def test_a_signal_once_a_folder_update_is_switched_in_lets_it_end(where, tmp_path, clean,
+                                                                  request):
+    """SIGINT once the new output has taken the old one's place (``switched``): the run
+    said its parts were kept in the staging folder and asked for a rerun with --update, but
+    the update was done, and what that folder held was the old output (left there; in a
+    bucket, its new parts uploaded but the old ones not deleted). The output is complete
+    there: the run ends as a finished one (exit 0), the old output removed."""
+    images = old_images(tmp_path / "in")
+    if where == "bucket":
+        s3 = request.getfixturevalue("s3")
+        out = f"{s3.url}/sw/"
+    else:
+        out = f"{tmp_path / 'emb'}/"
+    run_encode(options(images, out))
+    grow_change_shrink(images)
+    pauses = Pauses(tmp_path / "pauses", "switched")
+    with reaped(_launch_update(pauses, images, out)) as proc:
+        pauses.wait("switched", proc=proc)
+        proc.send_signal(signal.SIGINT)
+        pauses.release()
+        _, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 0, stderr
+    if where == "bucket":
+        listed = {p["file"] for p in json.loads(s3.get("sw/_manifest.json"))["parts"].values()}
+        keys = [k.split("/", 1)[1] for k in s3.keys("sw/")]
+        assert {k for k in keys if k.endswith(".parquet")} == listed, keys
+        got = tmp_path / "got"
+        got.mkdir()
+        for key in keys:
+            (got / key).write_bytes(s3.get(f"sw/{key}"))
+    else:
+        got = tmp_path / "emb"
+        assert sorted(os.listdir(tmp_path)) == ["emb", "in", "pauses"]  # the old one is gone
+    assert_clean(got, clean[1])
+    summary = run_encode(options(images, out, update=True, prune=True))
+    assert (summary.encoded, summary.reused) == (0, N_OLD + 2)
 
 
 def one_line_error(result, code: int) -> str:

@@ -702,9 +702,12 @@ class Update:
                 store.adopt(name, {"file": unit, **entry})
         return run[-1][2] - run[0][1]
 
-    def finish_folder(self, store: PartStore, stamps: np.ndarray, options: dict) -> None:
+    def finish_folder(self, store: PartStore, stamps: np.ndarray, options: dict,
+                      switched: Callable[[], None] = lambda: None) -> None:
         """Complete the staging folder (its stamps, its manifest written whole, the output's
-        lock linked in), switch it with the output, then remove the old output."""
+        lock linked in), switch it with the output, then remove the old output. ``switched()``
+        is called once the new output is in place: the update is done, and a stop that came
+        then would leave the old output in the staging folder and a line asking to finish."""
         out, staging = self.old.out, store.folder
         entry = _write_stamps(staging, stamps, options)
         extra = {k: v for k, v in store.extra.items() if k != "stamps"}  # (``UPDATE_OF`` stays)
@@ -718,6 +721,7 @@ class Update:
             fsync_dir(staging)
             pause("switch", out=str(out))
             old = switch(staging, out)
+            switched()
             pause("switched", out=str(out))
             remove_old_output(old, out)
         except OSError as exc:

@@ -524,7 +524,8 @@ def _write_output(run: RunState, source: PartSource, setup: RunSetup,
             layout.remove_temporaries()  # what killed writers left, never committed
         if layout.folder_mode and stamps is not None:  # the folder is complete
             if update is not None and update.staging is not None:
-                update.finish_folder(store, stamps, output.row_options)
+                update.finish_folder(store, stamps, output.row_options,  # then nothing to stop
+                                     switched=lambda: setattr(run.stop, "immediate", False))
             else:
                 write_folder_stamps(layout.parts_dir, store, stamps, output.row_options)
     except BaseException:

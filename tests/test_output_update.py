@@ -358,6 +358,19 @@ def _launch_update(pauses: Pauses, images: Path, out: str):
                          str(PART), "--batch-tokens", "1500", "--update", "--prune", "-q")
 
 
+def _stopped_update(tmp_path: Path, images: Path, out: str, point: str,
+                    sig: int = signal.SIGINT) -> tuple[int, str]:
+    """``_launch_update`` held at pause point ``point``, sent ``sig`` there, then let go:
+    its exit code and stderr."""
+    pauses = Pauses(tmp_path / "pauses", point)
+    with reaped(_launch_update(pauses, images, out)) as proc:
+        pauses.wait(point, proc=proc)
+        proc.send_signal(sig)
+        pauses.release()
+        _, stderr = proc.communicate(timeout=300)
+    return proc.returncode, stderr
+
+
 @pytest.mark.parametrize("kind", ["file", "folder"])
 def test_an_update_killed_midway_keeps_the_old_output_and_finishes_with_update(kind, tmp_path,
                                                                                clean):
@@ -390,13 +403,8 @@ def test_a_stopped_folder_update_names_the_folder_that_holds_its_parts(point, tm
     out = tmp_path / "emb"
     run_encode(options(images, f"{out}/"))
     grow_change_shrink(images)
-    pauses = Pauses(tmp_path / "pauses", point)
-    with reaped(_launch_update(pauses, images, f"{out}/")) as proc:
-        pauses.wait(point, proc=proc)
-        proc.send_signal(signal.SIGTERM)
-        pauses.release()
-        _, stderr = proc.communicate(timeout=300)
-    assert proc.returncode == 143, stderr
+    code, stderr = _stopped_update(tmp_path, images, f"{out}/", point, signal.SIGTERM)
+    assert code == 143, stderr
     line = stderr.strip().splitlines()[-1]
     assert f"kept in {staging_folder(out)};" in line and "with --update" in line, line
     run_encode(options(images, f"{out}/", update=True, prune=True))
@@ -412,13 +420,8 @@ def test_a_stopped_bucket_folder_update_keeps_its_parts_for_the_next_update(s3, 
     out = f"{s3.url}/stopped/"
     run_encode(options(images, out))
     grow_change_shrink(images)
-    pauses = Pauses(tmp_path / "pauses", "commit")
-    with reaped(_launch_update(pauses, images, out)) as proc:
-        pauses.wait("commit", proc=proc)  # one part of the update committed
-        proc.send_signal(signal.SIGINT)
-        pauses.release()
-        _, stderr = proc.communicate(timeout=300)
-    assert proc.returncode == 130, stderr
+    code, stderr = _stopped_update(tmp_path, images, out, "commit")  # one part committed
+    assert code == 130, stderr
     line = " ".join(stderr.strip().splitlines()[-1].split())
     assert "kept on this machine in /" in line and "dsv4enc-update (" in line, line
     assert "rerun the same command with --update" in line and s3.url not in line, line
@@ -443,13 +446,9 @@ def test_a_folder_update_stopped_at_its_switch_is_not_encoded_again(point, tmp_p
     out = tmp_path / "emb"
     run_encode(options(images, f"{out}/"))
     grow_change_shrink(images)
-    pauses = Pauses(tmp_path / "pauses", point)
-    with reaped(_launch_update(pauses, images, f"{out}/")) as proc:
-        pauses.wait(point, proc=proc)
-        proc.send_signal(signal.SIGINT if point == "switch" else signal.SIGKILL)
-        pauses.release()
-        _, stderr = proc.communicate(timeout=300)
-    assert proc.returncode == (130 if point == "switch" else -signal.SIGKILL), stderr
+    code, stderr = _stopped_update(tmp_path, images, f"{out}/", point,
+                                   signal.SIGINT if point == "switch" else signal.SIGKILL)
+    assert code == (130 if point == "switch" else -signal.SIGKILL), stderr
     summary = run_encode(options(images, f"{out}/", update=True, prune=True))
     assert (summary.encoded, summary.reused) == (0, N_OLD + 2)
     assert_clean(out, clean[1])
@@ -511,13 +510,8 @@ def test_a_signal_once_a_folder_update_is_switched_in_lets_it_end(where, tmp_pat
         out = f"{tmp_path / 'emb'}/"
     run_encode(options(images, out))
     grow_change_shrink(images)
-    pauses = Pauses(tmp_path / "pauses", "switched")
-    with reaped(_launch_update(pauses, images, out)) as proc:
-        pauses.wait("switched", proc=proc)
-        proc.send_signal(signal.SIGINT)
-        pauses.release()
-        _, stderr = proc.communicate(timeout=300)
-    assert proc.returncode == 0, stderr
+    code, stderr = _stopped_update(tmp_path, images, out, "switched")
+    assert code == 0, stderr
     if where == "bucket":
         listed = {p["file"] for p in json.loads(s3.get("sw/_manifest.json"))["parts"].values()}
         keys = [k.split("/", 1)[1] for k in s3.keys("sw/")]

@@ -273,3 +273,68 @@ def test_a_table_in_a_bucket_reads_each_byte_range_once(s3, tmp_path, capsys):
     assert got == {name: 2 if name.startswith("id#") else 1 for name in ranges.values()}
     assert log.counts["HEAD"] <= 2, dict(log.counts)
     assert_same_rows(tmp_path / "local.parquet", tmp_path / "remote.parquet")
+
+
+def test_an_arrow_file_in_a_bucket_reads_each_byte_range_once(s3, tmp_path, capsys):
+    """An Arrow IPC file in a bucket: each record batch's columns are fetched once in the
+    whole run (listing, header probes, decode workers, the writer's kept columns), the key
+    column twice (by the listing and by the writer, as a Parquet table's), never the whole
+    batch again for each column; only the batches' small metadata and the footer are read
+    by each reader of a set of columns."""
+    import pyarrow as pa
+    from PIL import Image
+
+    rng = np.random.default_rng(6)
+    count, batch_rows = 24, 6
+    images = []
+    for i in range(count):
+        buffer = io.BytesIO()
+        Image.fromarray(rng.integers(0, 256, (40 + i % 5, 48 + i % 7, 3), dtype=np.uint8)
+                        ).save(buffer, "PNG")
+        images.append(buffer.getvalue())
+    table = pa.table({"id": [f"img-{i:02d}" for i in range(count)], "image": images,
+                      "caption": [f"caption {i}" for i in range(count)]})
+    local = tmp_path / "t.arrow"
+    with pa.ipc.new_file(local, table.schema) as writer:
+        for batch in table.to_batches(max_chunksize=batch_rows):
+            writer.write_batch(batch)
+    data = local.read_bytes()
+    bodies = []  # each record batch's body: (first byte, end), past its metadata
+    source = pa.BufferReader(data[8:])  # past the file's magic, its messages are a stream
+    messages = pa.ipc.MessageReader.open_stream(source)
+    for message in messages:
+        if message.type == "record batch":
+            bodies.append((8 + source.tell() - message.body.size, 8 + source.tell()))
+    assert len(bodies) == count // batch_rows
+    url = s3.put("tables/t.arrow", data)
+    for options in ([], ["--key-column", "id", "--keep-column", "caption"]):
+        options = [*options, "--part-images", "4"]
+        name = "-".join(options)
+        encode(str(local), *options, out=tmp_path / f"local{name}.parquet")
+        with RequestLog(s3) as log:
+            encode(url, *options, out=tmp_path / f"remote{name}.parquet")
+        gets = [tuple(map(int, span.removeprefix("bytes=").split("-")))
+                for key, span in log.ranges if key == "tables/t.arrow"]
+        fetched = []  # each batch body's bytes fetched, and the most times one byte was
+        for start, end in bodies:
+            times = np.zeros(end - start, dtype=int)
+            for first, last in gets:
+                times[max(first, start) - start:max(min(last + 1, end) - start, 0)] += 1
+            fetched.append((int(times.sum()), int(times.max())))
+        with capsys.disabled():
+            print(f"\nArrow file of {count} images in {len(bodies)} batches {options}: "
+                  f"{dict(log.counts)}, {len(gets)} GETs; each body's size, bytes fetched "
+                  f"and most fetches of a byte: "
+                  f"{[(end - start, *got) for (start, end), got in zip(bodies, fetched)]}")
+        keys = 2 if "--key-column" in options else 1
+        for (start, end), (got, most) in zip(bodies, fetched):
+            assert got >= (end - start) * 9 // 10 and most <= keys, (got, most, gets)
+            assert got <= end - start + 256 * keys, (got, most, gets)  # the key column's
+        assert log.counts["HEAD"] <= 2, dict(log.counts)
+        local_rows, remote_rows = (
+            {key.replace(str(local), url): row for key, row in rows(out).items()}
+            for out in (tmp_path / f"local{name}.parquet", tmp_path / f"remote{name}.parquet"))
+        assert sorted(local_rows) == sorted(remote_rows) and len(local_rows) == count
+        for key, row in local_rows.items():
+            assert row["error"] is None and remote_rows[key]["error"] is None, key
+            assert np.array_equal(row["embedding"], remote_rows[key]["embedding"]), key

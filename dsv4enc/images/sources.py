@@ -556,7 +556,7 @@ class TableReader:
     raises when nothing can be read. ``damage``: ``(byte offset, reason)`` when an Arrow stream
     (or a file without its footer) breaks off before its end-of-stream marker."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, count_by: str | None = None) -> None:
         import pyarrow as pa
         import pyarrow.parquet as pq
 
@@ -574,12 +574,23 @@ class TableReader:
         source = storage.open_input(path)
         try:
             reader = pa.ipc.open_file(source)
-            # Each batch is read when ``read`` asks for it: a compressed file's (Feather's
-            # default) are decompressed one at a time, never all held at once.
-            self.group_rows = [reader.get_batch(i).num_rows
-                               for i in range(reader.num_record_batches)]
             self.schema = reader.schema
-            self._batch = reader.get_batch
+            self._source, self._readers = source, {(): reader}
+            self._counted: list["pa.RecordBatch | None"] = []
+            # Each batch is read when ``read`` asks for it, only the columns asked for: a
+            # compressed file's (Feather's default) are decompressed one at a time, never all
+            # held at once, and a batch's images are fetched once, by the probe that reads them
+            # (rows are counted by reading ``count_by``, the listing's key column, else the
+            # narrowest column, ``count_column``).
+            self._counted_by = count_by
+            if count_by is not None and self.schema.get_field_index(count_by) >= 0:
+                # The listing's keys, which it reads next
+                self._counted = [self._batch(i, [count_by])
+                                 for i in range(reader.num_record_batches)]
+                self.group_rows = [batch.num_rows for batch in self._counted]
+            else:
+                self.group_rows = [self._batch(i, self.count_column()).num_rows
+                                   for i in range(reader.num_record_batches)]
         except pa.ArrowInvalid:
             # Hugging Face `datasets` caches are IPC streams; read zero-copy from the map. An
             # IPC file without its footer (cut short) is its magic and then a stream.
@@ -590,7 +601,41 @@ class TableReader:
             if cut_file and self.damage is None:
                 self.damage = source.size(), "the Arrow file has no footer (cut short?)"
             self.group_rows = [b.num_rows for b in self._batches]
-            self._batch = self._batches.__getitem__
+
+    def count_column(self) -> list[str]:
+        """The column an Arrow file's rows are counted by, without reading its images: the
+        narrowest type's (a fixed width before a variable one, a string before a struct of
+        images); none (the whole batch) when no column's name is its own."""
+        import pyarrow as pa
+
+        def width(field: "pa.Field") -> tuple[int, int]:
+            if pa.types.is_null(field.type):  # no buffers at all
+                return 0, 0
+            if pa.types.is_dictionary(field.type):  # its dictionary may hold the images
+                return 2, 0
+            try:
+                return 0, field.type.bit_width
+            except ValueError:  # variable width: binary and strings before nested types
+                return 1 if pa.types.is_nested(field.type) else 0, 1 << 30
+        named = [f for f in self.schema if self.schema.get_field_index(f.name) >= 0]
+        return [min(named, key=width).name] if named else []
+
+    def _batch(self, group: int, columns: list[str]) -> "pa.RecordBatch":
+        """Batch ``group`` of ``columns`` alone: an Arrow file's read by a reader of theirs
+        (each column's buffers one read; its footer read once per set of columns asked)."""
+        import pyarrow as pa
+
+        if not hasattr(self, "_readers"):  # a stream's, all read
+            return self._batches[group].select(columns)
+        if self._counted and columns == [self._counted_by]:
+            counted, self._counted[group] = self._counted[group], None
+            if counted is not None:  # read to count the rows: handed on once, not held
+                return counted
+        fields = tuple(sorted(self.schema.get_field_index(c) for c in columns))
+        if fields not in self._readers:
+            self._readers[fields] = pa.ipc.open_file(
+                self._source, options=pa.ipc.IpcReadOptions(included_fields=list(fields)))
+        return self._readers[fields].get_batch(group).select(columns)
 
     def _read_stream(self, source) -> None:
         """An IPC stream's batches, up to its end marker or to where it breaks off (``damage``)."""
@@ -635,7 +680,7 @@ class TableReader:
 
         if self.parquet:
             return self._file.read_row_group(group, columns=columns)
-        table = pa.Table.from_batches([self._batch(group)]).select(columns)
+        table = pa.Table.from_batches([self._batch(group, columns)])
         # IPC data is used as it lies in the file: offsets pointing outside their buffers
         # would be read blindly (a crash, not an error row). Check the columns read.
         table.validate(full=True)
@@ -652,7 +697,7 @@ def expand_table(raw: str, image_column: str | None = None, key_column: str | No
 
     name = name or raw
     try:
-        table = GROUP_CACHE.take(raw) or TableReader(raw)
+        table = GROUP_CACHE.take(raw) or TableReader(raw, count_by=key_column)
         table.schema.names  # an Arrow schema's names are decoded when first asked for
     except (OSError, pa.ArrowException, UnicodeDecodeError) as exc:  # a name not UTF-8
         return [damaged_item(raw, 0, f"cannot read it as a table: {exc}", name)]

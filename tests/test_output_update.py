@@ -1077,3 +1077,19 @@ def test_a_setting_an_earlier_output_did_not_record_is_compared_only_where_recor
     check({"pool": "none", "fused": True}, {"pool": "none", "fused": True})
     with pytest.raises(UsageError, match=r"fused kernels .*\(True then, False now\)"):
         check({"pool": "none", "fused": True}, {"pool": "none", "fused": False})
+
+
+def test_a_damaged_part_of_a_bucket_folder_is_named_by_its_url(s3, tmp_path, caplog):
+    """The warning that an update found a part object gone or cut short named the output by
+    its local staging folder (a temporary folder of this machine), not by the --out given."""
+    images = old_images(tmp_path / "in")
+    out = f"{s3.url}/dmg/"
+    run_encode(options(images, out))
+    part = sorted(p["file"] for p in json.loads(s3.get("dmg/_manifest.json"))["parts"].values())[0]
+    s3.put(f"dmg/{part}", s3.get(f"dmg/{part}")[:100])  # cut short
+    with caplog.at_level("INFO", logger="dsv4enc"):
+        summary = run_encode(options(images, out, update=True))
+    assert summary.encoded > 0
+    said = [r.getMessage() for r in caplog.records if "cut short" in r.getMessage()]
+    assert said and said[0].startswith(f"{s3.url}/dmg"), said
+    assert not [r.getMessage() for r in caplog.records if "dsv4enc-staging-" in r.getMessage()]

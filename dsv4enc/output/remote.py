@@ -139,7 +139,9 @@ class RemoteOutput:
             main_then_all: Callable[[Callable[[], None]], None]) -> T:
         """``encode()`` (writing to the staging folder) between ``pull`` and ``finish``; a
         failed run leaves its committed parts in the store. Messages name the store.
-        ``main_then_all(action)``: ``pull`` on rank 0, its error on every rank (``run/ranks``)."""
+        ``main_then_all(action)``: ``pull`` on rank 0, its error on every rank (``run/ranks``).
+        The log lines of the run name the store as its messages do (``told_about_store``)."""
+        log.addFilter(self.told_about_store)
         try:
             main_then_all(self.pull)
             if self.sharded:
@@ -166,6 +168,8 @@ class RemoteOutput:
             if getattr(exc, "summary", None) is not None:  # a stop's, for --summary-json
                 exc.summary.out = self.given
             raise
+        finally:
+            log.removeFilter(self.told_about_store)
         if hasattr(summary, "out"):
             summary.out = self.given
         return summary
@@ -607,6 +611,16 @@ class RemoteOutput:
             if staged is not None:
                 os.rename(staged, staging_folder(self.local_out))
                 return
+
+    def told_about_store(self, record: logging.LogRecord) -> bool:
+        """A log line of the run (a damaged part found by --resume or --update, say) about the
+        staging folder, told about the store as ``translate`` tells a message: the staging
+        folder is a temporary folder of this machine that the user never gave."""
+        message = record.getMessage()
+        told = self.translate(message)
+        if told != message:
+            record.msg, record.args = told, ()
+        return True
 
     def translate(self, text: str) -> str:
         """A message about the staging folder, told about the store instead; but the parts a

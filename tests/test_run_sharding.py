@@ -265,6 +265,9 @@ def test_hung_peer_times_out(tmp_path):
     result = launch("hang", tmp_path)[0]
     assert result["error"] is not None, "the collective succeeded without its peer"
     assert result["error"].startswith("rank 0: ") and "timed out after 2s" in result["error"]
+    # the line says which rank stopped answering and where to look, in plain words
+    assert result["error"].startswith("rank 0: rank 1 stopped answering"), result["error"]
+    assert "its own lines" in result["error"] and "all_gather" not in result["error"]
     assert WORKER_TIMEOUT_S * 0.9 <= result["elapsed"] <= WORKER_TIMEOUT_S + 3
 
 
@@ -273,4 +276,7 @@ def test_dead_peer_fails_fast(tmp_path):
     result = launch("exit", tmp_path, report=1)[0]
     assert result["error"] is not None and result["error"].startswith("rank 0: ")
     assert "peer rank may have died" in result["error"]
+    # not "all_gather failed", an internal name: which rank stopped answering, where to look
+    assert result["error"].startswith("rank 0: rank 1 stopped answering"), result["error"]
+    assert "its own lines" in result["error"] and "all_gather" not in result["error"]
     assert result["elapsed"] <= WORKER_TIMEOUT_S + 3

@@ -59,13 +59,22 @@ class DistContext:
         return self.rank == 0
 
     def _failed(self, what: str, exc: BaseException | None = None) -> DistributedError:
+        """The line for a collective (``what``) that timed out or broke: it names the rank
+        that stopped answering (the other one of two; of more, the backend does not say
+        which) and where its reason is; not ``what``, an internal name the user never gave
+        (the backend's own words stay in the error's cause)."""
+        peer = f"rank {1 - self.rank}" if self.world_size == 2 else "a peer rank"
+        look = "see its own lines above, or torchrun's report of its exit, for why"
         if exc is None or "timed out" in str(exc).lower() or "timeout" in str(exc).lower():
-            return DistributedError(f"rank {self.rank}: {what} timed out after "
-                                    f"{self.timeout:g}s (a peer rank may have died)")
+            return DistributedError(
+                f"rank {self.rank}: {peer} stopped answering: no reply from it, timed out "
+                f"after {self.timeout:g}s (--timeout); the peer rank may have died or be "
+                f"stuck: {look}")
         # First sentence, without gloo's "[file.cc:line]" prefix.
         first = re.sub(r"^\[[^\]]*\]\s*", "", _first_line(exc)).split(". ")[0]
-        return DistributedError(f"rank {self.rank}: {what} failed (a peer rank may have "
-                                f"died): {first[:200] or type(exc).__name__}")
+        return DistributedError(
+            f"rank {self.rank}: {peer} stopped answering: its connection broke "
+            f"({first[:200] or type(exc).__name__}); the peer rank may have died: {look}")
 
     def _wait(self, what: str, start: Callable[[], Any]) -> None:
         """Run an async collective and wait for it on the host, at most ``timeout``: on NCCL

@@ -156,6 +156,17 @@ def test_ranks_planning_different_inputs_stop_in_one_line():
     assert [(p.width, p.height) for p in same] == [(64, 48)]
 
 
+def test_ranks_out_of_step_are_told_without_internal_names():
+    """Ranks that gather at different points of the run stop in one line that says so; it
+    named the two points by their functions' names (``main_then_all``), which no user gave."""
+    with pytest.raises(UsageError) as info:
+        Topology(_PairedRank1(("main_then_all", None))).gather(None)
+    line = str(info.value)
+    assert line.startswith("the ranks fell out of step (rank 1 is at another point of the run "
+                           "than rank 0)"), line
+    assert "main_then_all" not in line and "test_ranks" not in line
+
+
 # ---------------------------------------------------------------------- process group setup
 
 def test_init_distributed_without_torchrun(monkeypatch):

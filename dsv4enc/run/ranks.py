@@ -233,8 +233,10 @@ def _in_step(places: list[str]) -> None:
                              f"{'more' if place == 'agree_on_todo' else 'fewer'} parts than "
                              f"rank 0): torchrun ranks need the same inputs (the same "
                              f"folders, lists and --files-from file)")
-        raise UsageError(f"the ranks fell out of step (rank {rank} at {place}, rank 0 at "
-                         f"{places[0]}): torchrun ranks need the same options and inputs")
+        # (the places are function names, which no user gave: the line names the ranks)
+        raise UsageError(f"the ranks fell out of step (rank {rank} is at another point of "
+                         "the run than rank 0): torchrun ranks need the same options and "
+                         "inputs")
 
 
 def _same_listing(everyone: list[tuple[int, str] | None]) -> None:

@@ -227,6 +227,22 @@ def test_a_zero_byte_read_gives_the_object_s_size_and_asks_only_when_it_is_neede
 
 # --------------------------------------------------------------------------- tables
 
+def _image_table(count: int, seed: int):
+    """A table of ``count`` small PNGs of a few sizes, with an ``id`` and a ``caption``."""
+    import pyarrow as pa
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    images = []
+    for i in range(count):
+        buffer = io.BytesIO()
+        Image.fromarray(rng.integers(0, 256, (40 + i % 5, 48 + i % 7, 3), dtype=np.uint8)
+                        ).save(buffer, "PNG")
+        images.append(buffer.getvalue())
+    return pa.table({"id": [f"img-{i:02d}" for i in range(count)], "image": images,
+                     "caption": [f"caption {i}" for i in range(count)]})
+
+
 def test_a_table_in_a_bucket_reads_each_byte_range_once(s3, tmp_path, capsys):
     """A Parquet table in a bucket: its footer, and each row group's image and kept columns,
     are each one ranged GET in the whole run (listing, header probes, decode workers, the
@@ -234,20 +250,10 @@ def test_a_table_in_a_bucket_reads_each_byte_range_once(s3, tmp_path, capsys):
     twice, by the listing and by the writer (holding it between would hold a whole column)."""
     import collections
 
-    import pyarrow as pa
     import pyarrow.parquet as pq
-    from PIL import Image
 
-    rng = np.random.default_rng(5)
     count, group_rows = 24, 6
-    images = []
-    for i in range(count):
-        buffer = io.BytesIO()
-        Image.fromarray(rng.integers(0, 256, (40 + i % 5, 48 + i % 7, 3), dtype=np.uint8)
-                        ).save(buffer, "PNG")
-        images.append(buffer.getvalue())
-    table = pa.table({"id": [f"img-{i:02d}" for i in range(count)], "image": images,
-                      "caption": [f"caption {i}" for i in range(count)]})
+    table = _image_table(count, seed=5)
     local = tmp_path / "t.parquet"
     pq.write_table(table, local, row_group_size=group_rows)
     url = s3.put("tables/t.parquet", local.read_bytes())
@@ -282,18 +288,9 @@ def test_an_arrow_file_in_a_bucket_reads_each_byte_range_once(s3, tmp_path, caps
     batch again for each column; only the batches' small metadata and the footer are read
     by each reader of a set of columns."""
     import pyarrow as pa
-    from PIL import Image
 
-    rng = np.random.default_rng(6)
     count, batch_rows = 24, 6
-    images = []
-    for i in range(count):
-        buffer = io.BytesIO()
-        Image.fromarray(rng.integers(0, 256, (40 + i % 5, 48 + i % 7, 3), dtype=np.uint8)
-                        ).save(buffer, "PNG")
-        images.append(buffer.getvalue())
-    table = pa.table({"id": [f"img-{i:02d}" for i in range(count)], "image": images,
-                      "caption": [f"caption {i}" for i in range(count)]})
+    table = _image_table(count, seed=6)
     local = tmp_path / "t.arrow"
     with pa.ipc.new_file(local, table.schema) as writer:
         for batch in table.to_batches(max_chunksize=batch_rows):

@@ -19,7 +19,6 @@ import json
 import logging
 import os
 import itertools
-import re
 import subprocess
 import sys
 import tarfile
@@ -954,35 +953,3 @@ def test_an_update_stopped_by_a_full_disk_advises_update(data, tmp_path, monkeyp
     exc = OutputError("free space and rerun with --resume")
     advise(exc, "--update")
     assert str(exc) == "free space and rerun with --update"
-
-
-@pytest.mark.parametrize("edit", ["gap", "overlap"])
-def test_a_manifest_whose_parts_leave_a_gap_or_overlap_is_refused_in_one_line(data, tmp_path,
-                                                                             edit):
-    """A manifest edited by hand whose parts leave inputs that no part covers, or cover some
-    twice: a reader read the rows around the gap as the whole output, or the overlap's rows
-    twice, and --resume took the gap as done. Each refuses in one line naming the manifest
-    and the inputs, leaving the folder as it is."""
-    from dsv4enc import read_embeddings
-
-    out = tmp_path / "out"
-    assert encode(str(data), "--out", f"{out}/").exit_code == 0
-    manifest = out / "_manifest.json"
-    doc = json.loads(manifest.read_text())
-    first, second = sorted(doc["parts"].values(), key=lambda p: p["start"])[:2]
-    if edit == "gap":
-        second["start"] += 1
-        said = f"no part covers input {first['end']} "
-    else:
-        second["start"] -= 1
-        said = f"both cover input {first['end'] - 1} (covered twice)"
-    manifest.write_text(json.dumps(doc))
-    before = snapshot(out)
-    with pytest.raises(UsageError, match=re.escape(said)):
-        list(read_embeddings(out))
-    result = runner.invoke(app, ["inspect", str(out)])
-    assert result.exit_code == 2 and said in result.output, result.output
-    for flag in ("--resume", "--update"):
-        line = one_line_error(encode(str(data), "--out", f"{out}/", flag), 2)
-        assert str(manifest) in line and said in line, line
-        assert snapshot(out) == before

@@ -288,49 +288,11 @@ DAMAGED = "the output is damaged; encode it again (--overwrite, or a new --out)"
 
 def check_parts(data: dict, shown: str) -> None:
     """Refuse in one line (a UsageError) a dsv4enc manifest, shown as ``shown``, whose part
-    entries the format does not describe, or whose parts' input ranges overlap, or leave a gap
-    in a finished output (``range_fault``): every reader of a folder's parts reads them, and
-    checks them here, where a manifest is read, never on the commit path."""
+    entries the format does not describe: every reader of a folder's parts reads them."""
     for name, part in data["parts"].items():
         why = part_fault(part)
         if why is not None:
             raise UsageError(f"{shown}: its part {name!r} {why}: {DAMAGED}")
-    why = range_fault(data)
-    if why is not None:
-        raise UsageError(f"{shown}: {why}: {DAMAGED}")
-
-
-def range_fault(data: dict) -> str | None:
-    """What is wrong with the input ranges of a manifest's parts (their entries checked), or
-    None. Two parts of one rank (or of a run without ranks) that cover an input would give a
-    reader its rows twice; a finished output (its ``stamps`` named) whose parts leave inputs
-    uncovered would be read as whole without them, and ``--resume`` would take it as done. An
-    interrupted run's parts may leave gaps (its writers commit out of order): a resume
-    encodes them. The parts of ``--shard-output`` ranks share their ranges, rank by rank."""
-    by_rank: dict[int | None, list[tuple[int, int, str]]] = {}
-    for name, part in data["parts"].items():
-        file = part.get("file", name)
-        match = PART_FILE.fullmatch(file)
-        rank = int(match.group(1)) if match and match.group(1) else None
-        by_rank.setdefault(rank, []).append((part["start"], part["end"], file))
-    for ranges in by_rank.values():
-        ranges.sort()
-        for (_, end, before), (start, _, after) in zip(ranges, ranges[1:]):
-            if start < end:
-                return (f"its parts {before} and {after} both cover {_inputs(start, end)} "
-                        "(covered twice)")
-    if "stamps" in data and list(by_rank) == [None]:  # a finished folder of one process
-        ranges = by_rank[None]
-        edges = [(0, 0, "its start")] + ranges
-        for (_, end, before), (start, _, after) in zip(edges, edges[1:]):
-            if start > end:
-                return f"no part covers {_inputs(end, start)} (between {before} and {after})"
-    return None
-
-
-def _inputs(start: int, end: int) -> str:
-    """The inputs ``start`` to ``end`` (exclusive) as a line names them."""
-    return f"input {start}" if end - start == 1 else f"inputs {start} to {end - 1}"
 
 
 def part_fault(part: Any) -> str | None:

@@ -34,6 +34,7 @@ from dsv4enc.errors import OutputError, UsageError, output_os_error
 from dsv4enc.process import available_cpus
 from dsv4enc.run.options import WORKERS_PER_CPU
 from dsv4enc.run.pipeline import EncodeOptions, run_encode
+from dsv4enc.output.files import old_folder
 from dsv4enc.output.read import load_manifest
 
 from helpers import REPO_ROOT, needs_cuda, parts_of
@@ -241,6 +242,17 @@ def test_tensor_parallel_in_one_process_is_refused_by_run_encode(tmp_path, image
                                          r"torchrun ranks"):
         run_encode(options(images, out, ckpts["good"], tp_mode="weights"))
     assert not (tmp_path / "o").exists()
+
+
+def test_refused_options_leave_an_update_s_stopped_switch_as_it_is(tmp_path, images, ckpts):
+    """Options are checked before the output is touched: a refused --update leaves the old
+    output that a switch stopped between its two renames put aside where it is."""
+    out = tmp_path / "o"
+    aside = old_folder(out)
+    aside.mkdir()
+    with pytest.raises(UsageError, match="--update and --resume contradict"):
+        run_encode(options(images, out, ckpts["good"], update=True, resume=True))
+    assert aside.is_dir() and not out.exists()
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is available here")

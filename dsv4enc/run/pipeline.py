@@ -183,9 +183,10 @@ def run_encode(opts: EncodeOptions, dist=None, setup: RunSetup | None = None,
     setup = setup if setup is not None else RunSetup()
     source = source if source is not None else LocalParts(dist, stand_in)
     try:
+        ranks = Topology(dist, opts.shard_output)
+        _check_options(opts, ranks)  # before the output is touched: a refusal changes nothing
         storage.set_outage_s(opts.storage_outage_s)
         # An object storage --out is built in a local staging folder and mirrored to the store
-        ranks = Topology(dist, opts.shard_output)
         remote = RemoteOutput.for_out(
             opts.out, writer=ranks.writes, inputs=opts.inputs, resume=opts.resume,
             update=opts.update, overwrite=opts.overwrite, shard_output=opts.shard_output,
@@ -219,6 +220,19 @@ def run_encode(opts: EncodeOptions, dist=None, setup: RunSetup | None = None,
     return summary
 
 
+def _check_options(opts: EncodeOptions, ranks: Topology) -> None:
+    """Refuse options that make no sense, alone, together or for this launch: first the ranks
+    agree on them, so that no rank refuses on its own."""
+    ranks.agree_on_settings(rank_settings(opts, {}))
+    validate(opts)
+    validate_launch(opts, ranks.world_size)
+    if ranks.dist is not None and opts.update:
+        raise UsageError("--update runs in one process: run it without torchrun")
+    if ranks.dist is not None and opts.files_from == "-":  # each would read a share of it
+        raise UsageError("--files-from - (stdin) cannot be shared by torchrun ranks: give "
+                         "a file")
+
+
 @dataclass
 class RunState:
     """What a run's stages share."""
@@ -237,14 +251,6 @@ def _run_encode(opts: EncodeOptions, ranks: Topology, setup: RunSetup, stop: Sto
                 remote: RemoteOutput | None = None) -> RunSummary:
     """``remote``: the object storage ``--out`` whose staging ``layout`` is, else None."""
     alone = ranks.dist is None
-    ranks.agree_on_settings(rank_settings(opts, {}))  # before a rank can refuse on its own
-    validate(opts)
-    validate_launch(opts, ranks.world_size)
-    if opts.update and not alone:
-        raise UsageError("--update runs in one process: run it without torchrun")
-    if opts.files_from == "-" and not alone:  # each rank would read a share of the lines
-        raise UsageError("--files-from - (stdin) cannot be shared by torchrun ranks: give "
-                         "a file")
     found = setup.find_inputs(opts, stop if alone else None,
                               output_paths(remote.given if remote is not None else opts.out))
     ranks.main_then_all(lambda: layout.prepare(opts.inputs, opts.files_from,

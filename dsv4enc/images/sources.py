@@ -230,13 +230,6 @@ def split_member(name: str) -> MemberName:
                       stem if parent == "." else f"{parent}/{stem}", ext if dot else "")
 
 
-def split_key(name: str) -> tuple[str, str]:
-    """WebDataset's split of a member name into ``(__key__, extension)``: the extension
-    starts at the first dot of the file name (``a/b.seg.png`` -> ``("a/b", "seg.png")``)."""
-    _, _, key, ext = split_member(name)
-    return key, ext
-
-
 def posix_parts(name: str) -> tuple[str, list[str]]:
     """``name`` split as ``PurePosixPath(name)`` splits it: its root (``""``, ``"/"``, or
     ``"//"`` for exactly two leading slashes) and its parts, without empty or ``.`` ones. Plain

@@ -73,10 +73,13 @@ def own_process_pillow_settings() -> None:
     a decode worker): its pixel check off (each open applies its own ``max_pixels``), and its
     warnings quiet. They concern metadata or a palette's transparency, never pixels that
     Pillow could not read (those raise): the image is encoded as Pillow decodes it, as
-    ``api.Encoder`` and a model server would, and no stray line breaks the progress bar."""
-    from PIL import Image
+    ``api.Encoder`` and a model server would, and no stray line breaks the progress bar. A
+    file cut short raises too, whatever code imported here set (``LOAD_TRUNCATED_IMAGES``, a
+    training script's habit, would encode the grey Pillow fills in): an error row."""
+    from PIL import Image, ImageFile
 
     Image.MAX_IMAGE_PIXELS = None
+    ImageFile.LOAD_TRUNCATED_IMAGES = False
     warnings.filterwarnings("ignore", module=r"PIL(\.|$)")
 
 

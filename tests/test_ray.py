@@ -181,3 +181,19 @@ def test_write_parquet_reads_back_with_read_embeddings(local_ray, small_ckpt, it
     assert got == {p: (r["embedding"] is None,
                        None if r["embedding"] is None else (r["grid_h"], r["grid_w"]))
                    for p, r in cli_rows.items()}
+
+
+def test_an_actor_refuses_truncated_images_whatever_its_process_set(small_ckpt, folder,
+                                                                    tmp_path, monkeypatch):
+    """Code the actor's process imported (a subclass in the user's module) may turn on Pillow's
+    ``ImageFile.LOAD_TRUNCATED_IMAGES``, as training scripts often do: the actor still gives
+    the command's error row for a file cut short, not an embedding of the grey Pillow fills."""
+    from PIL import ImageFile
+
+    photo = (folder / "a.jpg").read_bytes()
+    (tmp_path / "cut.jpg").write_bytes(photo[:len(photo) * 2 // 3])  # cut in its pixel data
+    monkeypatch.setattr(ImageFile, "LOAD_TRUNCATED_IMAGES", True)
+    batch = pa.table({"image": [str(tmp_path / "cut.jpg")], "key": ["cut.jpg"]})
+    row, = RayEncoder(**options(small_ckpt))(batch).to_pylist()
+    assert row["embedding"] is None
+    assert row["error"].startswith("OSError: image file is truncated (")

@@ -361,6 +361,21 @@ def test_a_header_cut_short_names_its_format_not_an_unsupported_one(tmp_path):
         str(tmp_path / "text.png")).error
 
 
+def test_a_heic_photo_is_named_as_such_whatever_its_name(tmp_path, cfg):
+    """An iPhone's HEIC photo (no format Pillow knows) saved as .jpg says what it is, as an
+    AVIF does, rather than that the image cannot be identified; a video (MP4, the same
+    ISO media boxes) is not taken for one."""
+    heic = b"\0\0\0\x18ftypheic\0\0\0\0mif1heic" + bytes(300)
+    (tmp_path / "IMG_0001.jpg").write_bytes(heic)
+    for source, named in ((str(tmp_path / "IMG_0001.jpg"), ", not the JPEG its name says"),
+                          (heic, "")):
+        for got in (probe_image(source).error, decode_image(source, cfg).error):
+            assert got == (f"UnidentifiedImageError: the image looks like HEIF (HEIC) data"
+                           f"{named} (only BMP, GIF, JPEG, PNG, TIFF, WEBP are read)"), got
+    mp4 = b"\0\0\0\x18ftypisom\0\0\0\0isomiso2" + bytes(300)
+    assert "cannot identify the image" in probe_image(mp4).error
+
+
 def test_any_accepted_format_is_opened_whatever_the_name_and_no_other(tmp_path, cfg):
     """A path, a tar member and unnamed bytes (a table cell): probes and decodes alike read
     any of the six accepted formats whatever the name (the probe says when the name says

@@ -108,13 +108,25 @@ def open_image(handle: str | os.PathLike | IO[bytes], name: str | None):
     if looks_like_tga(handle, prefix or b""):
         raise UnidentifiedImageError(f"the image is a TGA (Truevision Targa) file{_named(name)}"
                                      f" ({wanted})")
-    actual = detected_format(prefix)
+    actual = detected_format(prefix) or _heif_format(prefix or b"")
     if actual in ACCEPTED_FORMATS:  # not that its format is not read: its header is damaged
         raise UnidentifiedImageError(f"cannot read the image: it starts as {actual} data, but "
                                      "its header is damaged or cut short")
     if actual is None:  # no image at all
         raise UnidentifiedImageError(f"cannot identify the image ({wanted})")
     raise UnidentifiedImageError(f"the image looks like {actual} data{_named(name)} ({wanted})")
+
+
+#: Brands of an ISO media file's ``ftyp`` box that make it a HEIF still image (an iPhone's HEIC
+#: photo), which Pillow has no reader for; a video (MP4, MOV) has other brands.
+_HEIF_BRANDS = frozenset({b"heic", b"heix", b"hevc", b"hevx", b"heim", b"heis", b"mif1",
+                          b"msf1"})
+
+
+def _heif_format(prefix: bytes) -> str | None:
+    """``"HEIF (HEIC)"`` when an image's first bytes are a HEIF file's (a phone's photo saved
+    under an image name): its error row names it, as Pillow's check names an AVIF."""
+    return "HEIF (HEIC)" if prefix[4:8] == b"ftyp" and prefix[8:12] in _HEIF_BRANDS else None
 
 
 def _named(name: str | None) -> str:

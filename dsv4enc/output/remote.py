@@ -17,6 +17,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 import shutil
 import socket
 import tempfile
@@ -623,17 +624,15 @@ class RemoteOutput:
         return True
 
     def translate(self, text: str) -> str:
-        """A message about the staging folder, told about the store instead; but the parts a
-        stopped --update of a folder keeps are on this machine (``_keep_update``)."""
+        """A message about the staging folder, told about the store in one pass (a path before
+        one that begins it); but the parts a stopped --update of a folder keeps are on this
+        machine (``close`` keeps them)."""
         update = str(staging_folder(self.local_out))
         here = (f" kept on this machine in {update} (a folder's update uploads them when it "
                 "ends; a rerun here reuses them);")  # (a message translated twice is as once)
-        pieces = []
-        for piece in text.replace(f" kept in {update};", here).split(here):
-            piece = piece.replace(update, self.parts_url)
-            piece = piece.replace(str(self.local_parts), self.parts_url)
-            pieces.append(piece.replace(str(self.local_out), self.url))
-        return here.join(pieces)
+        told = {f" kept in {update};": here, here: here, update: self.parts_url,
+                str(self.local_parts): self.parts_url, str(self.local_out): self.url}
+        return re.sub("|".join(map(re.escape, told)), lambda found: told[found[0]], text)
 
 
 @dataclass

@@ -53,10 +53,17 @@ def check_positive(name: str, value: int, whole: bool = True) -> int:
     parses a count as an int, and the Python API must not take 2.5 (or True) where it would."""
     if not isinstance(value, numbers.Real):
         raise SettingsError(f"{name} must be a positive number, got {value!r}")
-    if whole and (isinstance(value, bool) or not isinstance(value, numbers.Integral)):
-        raise SettingsError(f"{name} must be a whole number, got {value!r}")
+    if whole:
+        _check_whole(name, value)
     if not value > 0:  # NaN too
         raise SettingsError(f"{name} must be positive, got {value}")
+    return value
+
+
+def _check_whole(name: str, value: int) -> int:
+    """``value``, or a SettingsError when it is no whole number (a bool is none)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise SettingsError(f"{name} must be a whole number, got {value!r}")
     return value
 
 
@@ -82,9 +89,7 @@ SEED_RANGE = (-(1 << 63), (1 << 64) - 1)
 def check_seed(name: str, value: int) -> int:
     """``value``, or a SettingsError when torch cannot seed with it (``--seed``, and the
     Python API's ``seed=``): not a whole number, or past ``SEED_RANGE``."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise SettingsError(f"{name} must be a whole number, got {value!r}")
-    if not SEED_RANGE[0] <= value <= SEED_RANGE[1]:
+    if not SEED_RANGE[0] <= _check_whole(name, value) <= SEED_RANGE[1]:
         raise SettingsError(f"{name} must be from -2**63 to 2**64-1 (what torch takes), "
                             f"got {value}")
     return value

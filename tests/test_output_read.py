@@ -358,9 +358,9 @@ def test_a_part_gone_after_the_listing_says_the_output_was_replaced(tmp_path):
     store = PartStore(folder, {"tool": "dsv4enc"})
     store.create()
     store.commit("part-000000_000001", table, 6, 0, 6, "d")
-    replaced = ("part-000003.parquet: gone since the output was listed: the output was "
-                r"replaced \(by an --update or --overwrite\) while it was being read; read it "
-                "again")
+    replaced = ("part-000003.parquet: gone or rewritten since the output was listed: the "
+                r"output was replaced \(by an --update or --overwrite\) while it was being "
+                "read; read it again")
     with pytest.raises(UsageError, match=replaced):
         list(rows)
     with pytest.raises(UsageError, match=replaced.replace("part-000003", "part-000000")):
@@ -437,3 +437,44 @@ def test_a_damaged_column_chunk_footer_is_damage_in_one_line_not_an_abort(tmp_pa
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith(f"{single}: not a readable Parquet file (")
     assert done.stdout.endswith("histogram does not fit its schema)\n"), done.stdout
+
+
+def test_a_part_rewritten_under_its_name_after_the_listing_says_the_output_was_replaced(
+        tmp_path):
+    """An --overwrite writes the new output's parts under the old ones' names, of the same
+    sizes where only the weights differ: a reader that listed the old output
+    (``read_embeddings`` midway, a dataset's next epoch) finds a part rewritten since, and
+    stops in the replaced output's one line; it never reads the new output's rows (under the
+    old one's footer) as the old output's."""
+    import os
+
+    from dsv4enc.dataset import EmbeddingIterableDataset
+    from dsv4enc.errors import UsageError
+
+    store, table, _ = _first_part_committed(tmp_path, part_images=3)
+    folder = store.folder
+    store.commit("part-000003", table.slice(3), 3, 3, 6, "d3")
+    rows = read_embeddings(folder, batch_rows=1)
+    next(rows)
+    dataset = EmbeddingIterableDataset(folder)
+    assert len(list(dataset)) == len(list(read_embeddings(folder)))
+    dataset._rows._handles.clear()  # closed, as a DataLoader worker of the next epoch has them
+    for name in ("part-000000.parquet", "part-000003.parquet"):  # as a later run writes them
+        path = folder / name
+        old = pq.read_table(path)
+        cells = [None if cell is None else cell[::-1]
+                 for cell in old.column("embedding").to_pylist()]
+        new = old.set_column(old.schema.get_field_index("embedding"), "embedding",
+                             pa.array(cells, old.schema.field("embedding").type))
+        pq.write_table(new, folder / ".new", **parquet_options(new.schema))
+        listed = path.stat()
+        os.replace(folder / ".new", path)
+        os.utime(path, ns=(listed.st_atime_ns, listed.st_mtime_ns + 10**9))  # a second later
+        assert path.stat().st_size == listed.st_size
+    replaced = ("part-000003.parquet: gone or rewritten since the output was listed: the "
+                r"output was replaced \(by an --update or --overwrite\) while it was being "
+                "read; read it again")
+    with pytest.raises(UsageError, match=replaced):
+        list(rows)
+    with pytest.raises(UsageError, match=replaced.replace("part-000003", "part-000000")):
+        list(dataset)

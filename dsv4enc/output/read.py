@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Sequence
 
@@ -46,6 +46,7 @@ class OutputFiles:
     manifests: list[dict]  # a folder's manifests, their journals applied (none: a single file)
     folder_bytes: int = 0  # every file's bytes under a folder (a single file: its own)
     locked: bool = False  # a folder holding a run's lock file: a run writes it, or was killed
+    mtimes: dict[str, int] = field(default_factory=dict)  # each path's time of change, listed
 
     def name(self, path: str) -> str:
         """``path`` as messages show it: under ``location`` as the user wrote it."""
@@ -56,11 +57,11 @@ class OutputFiles:
         column chunks asked for fetched together). ``metadata`` and ``size``: its footer and
         size as an earlier open read them: the footer is not read again, and a file of
         another size is another file. A file gone or changed since the output was listed
-        is the output replaced meanwhile (``replaced``), never damage. A failure
-        to open the file (the open-file limit, a store not answering) is named as it is,
-        apart from a file whose content is no Parquet, or whose column chunks' metadata does
-        not fit its schema (``check_column_chunks``, at its first open for ``rows``; not for a
-        look at its schema alone)."""
+        (``rewritten``, locally) is the output replaced meanwhile (``replaced``), never
+        damage. A failure to open the file (the open-file limit, a store not answering) is
+        named as it is, apart from a file whose content is no Parquet, or whose column
+        chunks' metadata does not fit its schema (``check_column_chunks``, at its first open
+        for ``rows``; not for a look at its schema alone)."""
         import pyarrow as pa
         import pyarrow.parquet as pq
 
@@ -71,7 +72,7 @@ class OutputFiles:
             raise self.replaced(path) from None
         except OSError as exc:
             raise storage.setup_error(f"{self.name(path)}: cannot open it", exc) from None
-        if size is not None and source.size() != size:
+        if size is not None and source.size() != size or self.rewritten(path):
             source.close()
             raise self.replaced(path)
         try:
@@ -85,12 +86,26 @@ class OutputFiles:
             raise UsageError(f"{self.name(path)}: not a readable Parquet file ({exc})"
                              f"{repair}") from None
 
+    def rewritten(self, path: str) -> bool:
+        """Whether the local file ``path`` changed since it was listed: its time of change is
+        another, a later run's file under its name (--overwrite writes its parts under the old
+        ones' names, of the same sizes where only the weights differ, so that the footer read
+        before would read the new rows as the old output's). A store's object is not asked
+        again (a request per file)."""
+        listed = self.mtimes.get(path)
+        if listed is None or self.fs.type_name != "local":
+            return False
+        try:
+            return self.fs.get_file_info(path).mtime_ns != listed
+        except OSError:
+            return True
+
     def replaced(self, path: str) -> UsageError:
         """The error for a file listed in the output that is gone or changed since: the
         output was replaced (an --update's switch, an --overwrite) while it was read."""
-        return UsageError(f"{self.name(path)}: gone since the output was listed: the output "
-                          "was replaced (by an --update or --overwrite) while it was being "
-                          "read; read it again")
+        return UsageError(f"{self.name(path)}: gone or rewritten since the output was listed: "
+                          "the output was replaced (by an --update or --overwrite) while it "
+                          "was being read; read it again")
 
 
 def check_column_chunks(meta: Any) -> None:
@@ -143,7 +158,8 @@ def find_output(location: str | os.PathLike, storage_options: Any = None) -> Out
     except OSError as exc:
         raise storage.setup_error(text, exc) from None
     if info.type == pafs.FileType.File:
-        return OutputFiles(text, fs, root, [root], [info.size], [], info.size)
+        return OutputFiles(text, fs, root, [root], [info.size], [], info.size,
+                           mtimes={root: info.mtime_ns})
     if info.type != pafs.FileType.Directory:
         raise UsageError(f"no such file or folder: {text}")
     listed, manifests = _list_folder(fs, root, text)
@@ -169,7 +185,8 @@ def find_output(location: str | os.PathLike, storage_options: Any = None) -> Out
         paths = sorted((p for p in listed if _visible(p[len(root):].strip("/"))),
                        key=lambda p: p[len(root):].strip("/").split("/"))
     return OutputFiles(text, fs, root, paths, [listed[p].size for p in paths], manifests,
-                       sum(f.size for f in listed.values()), locked)
+                       sum(f.size for f in listed.values()), locked,
+                       {p: listed[p].mtime_ns for p in paths})
 
 
 def interrupted_folder(path: str | os.PathLike, storage_options: Any = None) -> str | None:

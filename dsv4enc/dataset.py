@@ -20,9 +20,9 @@ from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
 from . import storage
 from .errors import UsageError, check_flag, check_positive
-from .output.read import (BATCH_BYTES, OWN_BATCH_BYTES, OutputFiles, embedding_format,
-                          embedding_views, owned_copy, readable_output, sole_row_array,
-                          valid_mask)
+from .output.read import (BATCH_BYTES, OWN_BATCH_BYTES, OutputFiles, column_names,
+                          embedding_format, embedding_views, owned_copy, readable_output,
+                          sole_row_array, valid_mask)
 
 __all__ = ["EmbeddingDataset", "EmbeddingIterableDataset", "collate_embeddings"]
 
@@ -47,10 +47,10 @@ class _Rows:
                  storage_options: Any) -> None:
         if errors not in ("skip", "include"):
             raise ValueError(f"errors must be 'skip' or 'include', not {errors!r}")
+        self.columns = list(dict.fromkeys([*ITEM_COLUMNS, *column_names(columns), "error"]))
         self.found: OutputFiles = readable_output(location, storage_options)
         self.options = storage_options
         self.pid = os.getpid()
-        self.columns = list(dict.fromkeys([*ITEM_COLUMNS, *columns, "error"]))
         self.skip = errors == "skip"
         self.groups: list[tuple[int, int]] = []  # (file, row group) in output order
         self.footers: list[Any] = []  # each file's footer, read at its first open

@@ -271,6 +271,18 @@ def test_a_batch_of_failed_rows_has_the_keys_and_types_of_any_other(tmp_path, po
     assert alone["embedding"].shape == ((1, WIDTH) if pooled else (1, 0, WIDTH))
 
 
+@pytest.mark.parametrize("kind", [EmbeddingDataset, EmbeddingIterableDataset])
+def test_columns_given_as_one_text_is_refused_naming_columns(output, kind):
+    """``columns="vit_h"`` is refused as the dataset is made, saying how to ask for that
+    column; not taken for the columns v, i, t, _ and h ("no column 'v'", of an output that
+    has vit_h)."""
+    with pytest.raises(ValueError, match=r"^columns must be a list of column names, not the "
+                                         r"text 'vit_h' \(columns=\['vit_h'\] for that "
+                                         r"column\)$"):
+        kind(output, columns="vit_h")
+    assert kind(output, columns=["vit_h"])
+
+
 def test_a_negative_seed_or_epoch_is_refused_where_it_is_given(output):
     """numpy draws the order from non-negative integers alone: a negative ``seed`` is refused
     when the dataset is made, and a negative epoch by ``set_epoch``, naming the argument,

@@ -110,11 +110,14 @@ def test_every_batch_size_reads_the_same_rows(tmp_path, layout):
     ({"batch_rows": -1}, "batch_rows must be positive, got -1"),
     ({"batch_rows": 2.5}, "batch_rows must be a whole number, got 2.5"),
     ({"batch_rows": "2"}, "batch_rows must be a positive number, got '2'"),
-    ({"copy": "no"}, "copy must be True or False, got 'no'")])
+    ({"copy": "no"}, "copy must be True or False, got 'no'"),
+    ({"columns": "path"}, r"^columns must be a list of column names, not the text 'path' "
+                          r"\(columns=\['path'\] for that column\)$")])
 def test_a_bad_reading_option_refuses_in_one_line(tmp_path, option, message):
     """``read_embeddings``' options are checked as the encoder's are, naming the option,
     before any row: ``batch_rows=0`` is no request for the default batch, 2.5 rows no
-    batch, and ``copy="no"`` (truthy) no request for views."""
+    batch, ``copy="no"`` (truthy) no request for views, and ``columns="path"`` no list of
+    the columns p, a, t and h ("no column 'p'", of a file that has a path column)."""
     path = tmp_path / "emb.parquet"
     write_output(path, "binary", False, width=8, images=3)
     with pytest.raises(ValueError, match=message) as refused:

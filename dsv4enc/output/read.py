@@ -15,7 +15,7 @@ from typing import Any, Iterable, Iterator, Sequence
 import numpy as np
 
 from .. import storage
-from ..errors import UsageError, check_flag, check_positive
+from ..errors import SettingsError, UsageError, check_flag, check_positive
 from .files import LOCK_NAME, MANIFEST_FILE, PART_FILE, PARTIAL, journal_path, segment_chain
 from .lock import holder_if_locked, holder_text
 
@@ -632,7 +632,7 @@ def read_embeddings(path: str | os.PathLike, columns: Sequence[str] | None = Non
     if batch_rows is not None:  # 0 is no default: checked, as the encoder's options are
         check_positive("batch_rows", batch_rows)
     check_flag("copy", copy)  # "no" is truthy
-    wanted = list(columns) if columns is not None else None
+    wanted = column_names(columns) if columns is not None else None
     need = (wanted or ["path", "grid_h", "grid_w", "embedding"]).copy()
     if errors == "skip" and "error" not in need:
         need.append("error")
@@ -649,6 +649,16 @@ def read_embeddings(path: str | os.PathLike, columns: Sequence[str] | None = Non
         rows = batch_rows or _rows_per_batch(handle, "embedding" in need, copy)
         for batch in handle.iter_batches(batch_size=rows, columns=need):
             yield from _batch_rows(batch, need, wanted, fmt, errors == "skip", copy)
+
+
+def column_names(columns: Sequence[str]) -> list[str]:
+    """``columns`` as a list, or a SettingsError where it is one text: ``"caption"`` is a
+    sequence of its letters, read as the columns c, a, p, ... ("no column 'c'", of a file
+    that has a caption column)."""
+    if isinstance(columns, str):
+        raise SettingsError(f"columns must be a list of column names, not the text {columns!r} "
+                            f"(columns=[{columns!r}] for that column)")
+    return list(columns)
 
 
 def _rows_per_batch(handle, embeddings: bool, copy: bool) -> int:

@@ -231,6 +231,29 @@ def test_a_part_committed_after_the_listing_is_read_a_part_gone_is_damage(tmp_pa
         list(read_embeddings(folder))
 
 
+def test_a_manifest_written_whole_while_its_journal_is_read_is_read_again(tmp_path,
+                                                                        monkeypatch):
+    """A run writes its manifest whole (as it finishes, or resumes) and then deletes the
+    journal that it folds in: a reader that read the manifest before and its journal after
+    finds no journal, and would take the parts the old manifest lists for every committed
+    one (none, at a run's end, of a run that committed all by its journal). It reads the
+    manifest again and gets every committed part."""
+    from dsv4enc.output import read
+
+    store, table, written = _first_part_committed(tmp_path, part_images=3)
+    store.commit("part-000003", table.slice(3), 3, 3, 6, "d3")
+    real = read._read_journal
+
+    def written_whole_meanwhile(path, fs):
+        if (store.folder / "_manifest.journal").exists():  # the run finishes meanwhile
+            store.compact()
+        return real(path, fs)
+
+    monkeypatch.setattr(read, "_read_journal", written_whole_meanwhile)
+    assert [key for key, _, _ in read_embeddings(store.folder, errors="include")] == list(
+        written)
+
+
 def test_a_committed_part_cut_short_is_damage_that_says_how_to_repair_it(tmp_path):
     """A folder's committed part cut short since (a bad copy, a full disk): one line naming
     it and the repair, as for a part gone (--update; --resume for an unfinished run); a

@@ -380,13 +380,17 @@ def load_manifest(path: str | os.PathLike, fs=None, listed: Iterable[str] = ()) 
     pyarrow file system ``path`` is in (None: local) and ``listed`` the paths its folder holds
     there: the journal is read where it is listed, and in a bucket the journal's segments
     (``files.segment_chain``; a chained segment deleted meanwhile, by a merge, raises
-    ``SegmentGone``: list again)."""
-    data = json.loads(_read_bytes(path, fs))
+    ``SegmentGone``: list again). A journal gone or of another token may be one that a run
+    deleted once it wrote the manifest whole again, after it was read (``written_anew``)."""
+    raw = _read_bytes(path, fs)
+    data = json.loads(raw)
     if (isinstance(data, dict) and isinstance(data.get("parts"), dict)
             and isinstance(data.get("journal"), str)):
         token, listed = data["journal"], set(listed)
         journal = journal_path(os.fspath(path))
         journals = [_read_journal(journal, fs)] if fs is None or journal in listed else []
+        if journals and not opens_journal((journals[0] or b"").split(b"\n", 1)[0], token):
+            written_anew(path, fs, raw)
         for segment in segment_chain(os.path.basename(os.fspath(path)), token, listed):
             content = _read_journal(segment, fs)
             if content is None:
@@ -401,6 +405,19 @@ def load_manifest(path: str | os.PathLike, fs=None, listed: Iterable[str] = ()) 
             if isinstance(entry.get("inputs"), int):
                 data["inputs"] = entry["inputs"]
     return data
+
+
+def written_anew(path: str | os.PathLike, fs, raw: bytes) -> None:
+    """Raise ``SegmentGone`` (list again) where the manifest at ``path`` is no longer
+    ``raw``, as it was read: a run wrote it whole meanwhile (under a new journal token; its
+    parts then hold what the journal that it deleted held). Its bytes are compared, not
+    parsed again: a finished output's journal is always gone."""
+    try:
+        same = _read_bytes(path, fs) == raw
+    except OSError:
+        same = False
+    if not same:
+        raise SegmentGone(f"{path}: written anew while its journal was read")
 
 
 class SegmentGone(FileNotFoundError):

@@ -301,6 +301,22 @@ def test_an_address_where_nothing_answers_is_one_line(inputs, small_ckpt, tmp_pa
     assert result.stdout == ""
 
 
+def test_a_ray_that_fails_to_import_is_one_line(inputs, small_ckpt, tmp_path):
+    """Ray installed but broken (its import raises: a missing library, a version clash):
+    one line naming the cause, exit 2, as when Ray is not installed; no traceback."""
+    fake = tmp_path / "site" / "ray"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text('raise ImportError("libray.so: cannot open it")\n')
+    env = {**ENV, "PYTHONPATH": os.pathsep.join([str(fake.parent),
+                                                 ENV.get("PYTHONPATH", "")])}
+    result = subprocess.run(command(inputs, tmp_path / "emb.parquet", small_ckpt,
+                                    "--engine", "ray"),
+                            capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 2, result.stderr[-3000:]
+    line = one_error_line(result.stderr)
+    assert "needs Ray" in line and "libray.so: cannot open it" in line
+
+
 def test_sigterm_stops_the_driver_as_the_local_engine(cluster, inputs, small_ckpt, tmp_path):
     """SIGTERM while an actor encodes (paused as it starts its first segment): exit 143, one
     line, and a --summary-json, as the local engine stops (ray.init's own SIGTERM handler

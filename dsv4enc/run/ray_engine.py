@@ -173,7 +173,11 @@ class RayCluster:
     local one started for the run (and shut down at the end)."""
 
     def __init__(self, ray_opts: RayEngineOptions, stop: StopSignals) -> None:
-        import ray  # there: ``run_ray_encode`` checked
+        try:
+            import ray  # there: ``run_ray_encode`` checked
+        except Exception as exc:  # there, but broken: a missing library, a version clash
+            raise UsageError(f"--engine ray needs Ray, which fails to import here "
+                             f"({type(exc).__name__}: {exc})") from None
 
         self.ray = ray
         # Ray's own log lines (its token notice, ...) are no louder than dsv4enc's: none but

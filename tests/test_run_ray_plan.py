@@ -89,3 +89,10 @@ def test_a_call_is_a_parts_segments_cut_only_to_keep_every_actor_busy(tmp_path):
     resumed = part_calls(planned, segments[2:], 8, None, wanted=1)
     assert [(c.name, c.start, c.end) for c in resumed][:2] == [
         ("part-000000_000003", 3, 4), ("part-000001", 4, 8)]
+
+
+@pytest.mark.parametrize("per_gpu", [float("nan"), float("inf")])
+def test_gpus_per_actor_that_is_no_finite_number_is_a_usage_error(per_gpu):
+    """--ray-gpus-per-actor nan was a traceback (int(nan)), inf a wait for inf GPUs."""
+    with pytest.raises(UsageError, match="--ray-gpus-per-actor must be"):
+        plan_actors(opts(), RayEngineOptions(gpus_per_actor=per_gpu), Cluster(8, 1, 1, 8))

@@ -280,8 +280,8 @@ def plan_actors(opts: EncodeOptions, ray_opts: RayEngineOptions, cluster: RayClu
     per_gpu = ray_opts.gpus_per_actor
     if per_gpu is None:
         per_gpu = 1.0 if opts.device != "cpu" and gpus >= 1 else 0.0
-    if per_gpu < 0:
-        raise UsageError("--ray-gpus-per-actor must be 0 or more")
+    if not 0 <= per_gpu < float("inf"):  # NaN too
+        raise UsageError(f"--ray-gpus-per-actor must be 0 or more, and finite, not {per_gpu:g}")
     if per_gpu and opts.device == "cpu":
         raise UsageError("--device cpu with --ray-gpus-per-actor: choose one")
     actors = ray_opts.actors

@@ -96,3 +96,10 @@ def test_gpus_per_actor_that_is_no_finite_number_is_a_usage_error(per_gpu):
     """--ray-gpus-per-actor nan was a traceback (int(nan)), inf a wait for inf GPUs."""
     with pytest.raises(UsageError, match="--ray-gpus-per-actor must be"):
         plan_actors(opts(), RayEngineOptions(gpus_per_actor=per_gpu), Cluster(8, 1, 1, 8))
+
+
+def test_device_cuda_with_no_gpu_per_actor_is_refused():
+    """--device cuda with --ray-gpus-per-actor 0 on a cluster with GPUs ran the actors on the
+    CPU (Ray hides every GPU from an actor given none), against the --device asked for."""
+    with pytest.raises(UsageError, match="choose one"):
+        plan_actors(opts(device="cuda"), RayEngineOptions(gpus_per_actor=0), Cluster(8, 2, 1, 8))

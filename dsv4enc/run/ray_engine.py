@@ -284,6 +284,8 @@ def plan_actors(opts: EncodeOptions, ray_opts: RayEngineOptions, cluster: RayClu
         raise UsageError(f"--ray-gpus-per-actor must be 0 or more, and finite, not {per_gpu:g}")
     if per_gpu and opts.device == "cpu":
         raise UsageError("--device cpu with --ray-gpus-per-actor: choose one")
+    if not per_gpu and opts.device.startswith("cuda"):  # an actor given no GPU sees none
+        raise UsageError(f"--device {opts.device} with --ray-gpus-per-actor 0: choose one")
     actors = ray_opts.actors
     if actors is None:
         actors = max(1, int(gpus // per_gpu)) if per_gpu else nodes

@@ -17,6 +17,12 @@ class Cluster:
         return self.figures
 
 
+def started(cluster: Cluster) -> Cluster:
+    """``cluster`` as a local Ray the run started (which never grows)."""
+    cluster.started = True
+    return cluster
+
+
 def opts(**kw) -> EncodeOptions:
     return EncodeOptions(inputs=["x"], out="o.parquet", random_init=True, config="c", **kw)
 
@@ -103,3 +109,15 @@ def test_device_cuda_with_no_gpu_per_actor_is_refused():
     CPU (Ray hides every GPU from an actor given none), against the --device asked for."""
     with pytest.raises(UsageError, match="choose one"):
         plan_actors(opts(device="cuda"), RayEngineOptions(gpus_per_actor=0), Cluster(8, 2, 1, 8))
+
+
+def test_gpus_a_started_ray_lacks_are_told_the_option_that_asks_for_them():
+    """One actor with a GPU on a local Ray without: the line said "1 encoder actor need ...:
+    ask for fewer with --ray-actors", which one actor cannot; it names the GPUs' option."""
+    with pytest.raises(UsageError) as refused:
+        plan_actors(opts(), RayEngineOptions(gpus_per_actor=1), started(Cluster(8, 0, 1, 8)))
+    assert str(refused.value).startswith("1 encoder actor needs 1 GPUs (1 each), and the "
+                                         "cluster has 0")
+    assert str(refused.value).endswith("ask for fewer with --ray-gpus-per-actor")
+    with pytest.raises(UsageError, match="3 encoder actors need 3 CPUs .* with --ray-actors$"):
+        plan_actors(opts(), RayEngineOptions(actors=3), started(Cluster(2, 0, 1, 2)))

@@ -293,14 +293,17 @@ def plan_actors(opts: EncodeOptions, ray_opts: RayEngineOptions, cluster: RayClu
         raise UsageError("--ray-actors must be at least 1")
     per_cpu = min(max(1.0, float(int(cpus // actors))), node_cpus)
     plan = ActorPlan(actors, per_cpu, per_gpu, "cuda" if per_gpu else "cpu")
+    fewer = "--ray-actors"  # (one actor's GPUs are fewer only by their own option)
     for kind, each, has in (("CPU", per_cpu, cpus), ("GPU", per_gpu, gpus)):
         if actors * each > has:
             plan.short = f"{actors * each:g} {kind}s ({each:g} each), and the cluster has {has:g}"
+            if kind == "GPU":
+                fewer = f"{fewer + ' or ' if actors > 1 else ''}--ray-gpus-per-actor"
             break
     if plan.short and cluster.started:  # no autoscaler adds to a Ray the run started
-        raise UsageError(f"{actors} encoder actor{'s' if actors > 1 else ''} need "
+        raise UsageError(f"{actors} encoder actor{'s need' if actors > 1 else ' needs'} "
                          f"{plan.short} (a local Ray started for the run, which never "
-                         "grows): ask for fewer with --ray-actors")
+                         f"grows): ask for fewer with {fewer}")
     return plan
 
 

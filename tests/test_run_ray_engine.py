@@ -317,6 +317,40 @@ def test_a_ray_that_fails_to_import_is_one_line(inputs, small_ckpt, tmp_path):
     assert "needs Ray" in line and "libray.so: cannot open it" in line
 
 
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_while_ray_starts_ends_its_start(monkeypatch, caplog, signum):
+    """Ray's start of a local cluster catches any Exception (its dashboard's wait logs it and
+    goes on): a signal there was the run's Interrupted, caught, logged by Ray as a second
+    line, and the start went on for seconds (past the forced exit on a loaded machine). The
+    start now ends at the signal, unlogged, as the run's Interrupted."""
+    from dsv4enc.errors import Interrupted
+    from dsv4enc.run.ray_engine import RayCluster, RayEngineOptions
+    from dsv4enc.run.stopping import StopSignals
+
+    went_on = []
+
+    def init(**kwargs):  # as ray._private.services.start_api_server waits for the dashboard
+        try:
+            signal.raise_signal(signum)  # (the handler runs before this returns)
+            went_on.append(True)
+        except Exception as exc:
+            ray_logger.error(exc)
+        went_on.append(True)
+
+    ray_logger = __import__("logging").getLogger("ray._private.services")
+    monkeypatch.setattr(ray, "init", init)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    stop = StopSignals()
+    stop.install()
+    try:
+        with pytest.raises(Interrupted) as stopped:
+            RayCluster(RayEngineOptions(), stop)
+    finally:
+        stop.restore()
+    assert stopped.value.exit_code == 128 + signum
+    assert not went_on and not caplog.records
+
+
 def test_sigterm_stops_the_driver_as_the_local_engine(cluster, inputs, small_ckpt, tmp_path):
     """SIGTERM while an actor encodes (paused as it starts its first segment): exit 143, one
     line, and a --summary-json, as the local engine stops (ray.init's own SIGTERM handler

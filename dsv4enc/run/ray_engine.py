@@ -201,6 +201,10 @@ class RayCluster:
             store = ray_opts.object_store_mb << 20 if ray_opts.object_store_mb else None
             joining = dict(address="local", num_cpus=available_cpus(),
                            object_store_memory=store, include_dashboard=False)
+        with suppress(ValueError):  # (not the main thread: the run installed no handlers)
+            for signum in (signal.SIGINT, signal.SIGTERM):
+                if callable(handler := signal.getsignal(signum)):
+                    signal.signal(signum, _halting(handler))
         try:
             with warnings.catch_warnings():
                 if self.quiet:  # -q: Ray's warnings too
@@ -209,10 +213,10 @@ class RayCluster:
                          configure_logging=False, runtime_env={"env_vars": env} if env else None)
         except (ConnectionError, RuntimeError, ValueError) as exc:
             raise DsvError(f"cannot start or join {where}: {' '.join(str(exc).split())}") from None
-        except SystemExit as exc:  # ray.init's own SIGTERM handler, until it returned
-            if exc.code != signal.SIGTERM:
+        except SystemExit as exc:  # a signal: the run's (``_halting``), or ray.init's SIGTERM
+            if exc.code not in (signal.SIGINT, signal.SIGTERM):  # handler until it returned
                 raise
-            raise Interrupted(signal.SIGTERM, stop.hint) from None
+            raise Interrupted(exc.code, stop.hint) from None
         finally:
             stop.reinstall()  # ray.init put its SIGTERM handler in place of the run's
         self.joined, self.started = True, not self.address
@@ -232,6 +236,20 @@ class RayCluster:
             self.joined = False
         _driver_messages(self.ray, self.worker_logs)
         logging.getLogger("ray").setLevel(self.ray_log_level)
+
+
+def _halting(handler):
+    """The run's signal ``handler``, its ``Interrupted`` raised as a ``SystemExit``: where
+    ``ray.init`` starts a local Ray it catches any Exception, logs it and goes on starting
+    (a second line, and seconds more), but lets a SystemExit end it."""
+
+    def halt(signum, frame) -> None:
+        try:
+            handler(signum, frame)
+        except Interrupted:
+            raise SystemExit(signum) from None
+
+    return halt
 
 
 def _driver_messages(ray, shown: bool) -> bool:

@@ -317,6 +317,17 @@ def test_a_ray_that_fails_to_import_is_one_line(inputs, small_ckpt, tmp_path):
     assert "needs Ray" in line and "libray.so: cannot open it" in line
 
 
+def test_weights_the_actors_cannot_load_are_the_local_runs_line(cluster, inputs, tmp_path):
+    """--weights that is no checkpoint: the local run's line, not "an encoder actor died 5
+    times (...WeightsError...); finished parts are kept: rerun with --resume" (the actor's
+    set-up raised; no part was begun, and a --resume fails alike)."""
+    result = subprocess.run(command(inputs, tmp_path / "emb.parquet", tmp_path / "none",
+                                    *ray_args(cluster)),
+                            capture_output=True, text=True, env=ENV, timeout=600)
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert one_error_line(result.stderr) == f"error: weights folder not found: {tmp_path}/none"
+
+
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
 def test_a_signal_while_ray_starts_ends_its_start(monkeypatch, caplog, signum):
     """Ray's start of a local cluster catches any Exception (its dashboard's wait logs it and

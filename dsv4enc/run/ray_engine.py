@@ -97,6 +97,13 @@ class SegmentEncoder:
     ``dtype``: the compute dtype (``auto`` resolves on the actor's own device)."""
 
     def __init__(self, opts: EncodeOptions, device_type: str, dtype: str) -> None:
+        self.failed: DsvError | None = None
+        try:
+            self._start(opts, device_type, dtype)
+        except DsvError as exc:  # (weights, device): ``describe`` raises it, the run's line
+            self.failed = exc  # (raised here, Ray says that the actor died, and restarts it)
+
+    def _start(self, opts: EncodeOptions, device_type: str, dtype: str) -> None:
         from ..engine.device import resolve_device, resolve_dtype
         from ..process import own_process_pillow_settings, own_process_settings
         from .pipeline import Computing, decode_pool, load_model, tower_engine
@@ -114,7 +121,9 @@ class SegmentEncoder:
         """What this actor computes with (``pipeline.Computing``: the driver checks that every
         actor agrees), whether it sees a local ``--out`` as the driver does (``probe``: a file
         of the driver's there and its content; the actor writes its parts beside it), and
-        its host's name."""
+        its host's name. Raises what its set-up raised (weights, device), as the local run does."""
+        if self.failed is not None:
+            raise self.failed
         try:
             sees = probe is None or Path(probe[0]).read_bytes() == probe[1]
         except OSError:

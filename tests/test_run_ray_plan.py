@@ -121,3 +121,11 @@ def test_gpus_a_started_ray_lacks_are_told_the_option_that_asks_for_them():
     assert str(refused.value).endswith("ask for fewer with --ray-gpus-per-actor")
     with pytest.raises(UsageError, match="3 encoder actors need 3 CPUs .* with --ray-actors$"):
         plan_actors(opts(), RayEngineOptions(actors=3), started(Cluster(2, 0, 1, 2)))
+
+
+@pytest.mark.parametrize("gpus", [0, 2])
+def test_a_device_that_is_no_device_is_refused_as_the_local_run_does(gpus):
+    """--device gpu (or mps, or a typo) ran the actors on the CPU, or on a GPU, without a
+    word, where the local run refuses it."""
+    with pytest.raises(UsageError, match="unknown device 'gpu'"):
+        plan_actors(opts(device="gpu"), RayEngineOptions(), Cluster(8, gpus, 1, 8))

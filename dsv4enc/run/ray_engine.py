@@ -302,6 +302,8 @@ class ActorPlan:
 def plan_actors(opts: EncodeOptions, ray_opts: RayEngineOptions, cluster: RayCluster) -> ActorPlan:
     """The actor pool for ``--device`` on this cluster (``RayEngineOptions``' defaults)."""
     cpus, gpus, nodes, node_cpus = cluster.resources()
+    if opts.device.partition(":")[0] not in ("auto", "cpu", "cuda"):  # (the local run's line)
+        raise UsageError(f"unknown device {opts.device!r} (use auto, cpu, cuda or cuda:N)")
     if opts.device.startswith("cuda") and not gpus and not ray_opts.gpus_per_actor:
         raise UsageError(f"--device {opts.device}: the Ray cluster has no GPUs")
     per_gpu = ray_opts.gpus_per_actor

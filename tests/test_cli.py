@@ -419,10 +419,20 @@ def test_non_utf8_file_name_is_encoded_with_an_escaped_key(tmp_path, ckpt):
 
 def test_missing_input_fails_before_writing_anything(tmp_path, ckpt):
     out = tmp_path / "never" / "e.parquet"
-    result = encode(str(tmp_path / "[/x]nope"), "--out", str(out), "--weights", str(ckpt))
+    result = encode(str(tmp_path / "[/x]no:smile:pe"), "--out", str(out), "--weights", str(ckpt))
     line = one_line_error(result, 2)
-    assert "not found" in line and "[/x]nope" in line  # shown as is, not as markup
+    assert "not found" in line and "[/x]no:smile:pe" in line  # as is: no markup, no emoji
     assert not (tmp_path / "never").exists()
+
+
+def test_the_summary_shows_a_failed_file_s_name_as_it_is(tmp_path, ckpt):
+    """A name holding ``:smile:`` is text in the summary's error examples, not an emoji."""
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "a:smile:b.jpg").write_bytes(b"not an image")
+    result = encode(str(tmp_path / "in"), "--out", str(tmp_path / "e.parquet"), "--weights",
+                    str(ckpt))
+    assert result.exit_code == 0, result.output
+    assert "(e.g. a:smile:b.jpg)" in result.stderr
 
 
 def test_weights_errors(tmp_path, tree, ckpt):

@@ -384,7 +384,7 @@ def render(summary: OutputSummary, console=None) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    console = console or Console()
+    console = console or Console(emoji=False)  # paths: ":name:" is text
     meta = summary.metadata
     title = f"dsv4enc output: {summary.path}"
     if summary.interrupted:

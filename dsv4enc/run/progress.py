@@ -22,7 +22,8 @@ from rich.text import Text
 from ..pausepoints import armed, pause
 from .options import LOG_EVERY_S
 
-stderr_console = Console(stderr=True)
+#: Every line it prints quotes paths and messages: ``:name:`` in them is text, not an emoji
+stderr_console = Console(stderr=True, emoji=False)
 
 
 def format_duration(seconds: float | None) -> str:

@@ -170,8 +170,8 @@ def print_summary(summary) -> None:
     # The output's path on a line of its own; in a log (stderr redirected) every row is one
     # line too, so that neither a path nor a message is cut where a script or grep reads it
     stderr_console.print(f"dsv4enc: {escape(s.out)}", highlight=False, soft_wrap=True)
-    console = stderr_console if stderr_console.is_terminal else Console(stderr=True,
-                                                                        width=LOG_WIDTH)
+    console = stderr_console if stderr_console.is_terminal else Console(
+        stderr=True, width=LOG_WIDTH, emoji=False)
     console.print(table)
 
 

@@ -435,6 +435,48 @@ def test_a_stopped_bucket_folder_update_keeps_its_parts_for_the_next_update(s3, 
     assert_clean(mirror, clean[1])
 
 
+def test_an_update_failing_after_it_took_over_a_stopped_ones_parts_keeps_them(s3, tmp_path,
+                                                                               clean):
+    """The --update after a stopped one takes over the parts it kept on this machine before
+    it lists the output; a listing that fails then (the store stopped answering) ended the
+    run with its staging folder deleted, the stopped update's committed parts in it. They
+    stay for the next --update, which reuses them and equals a clean run."""
+    from helpers import run_probe
+
+    images = old_images(tmp_path / "in")
+    out = f"{s3.url}/adopted/"
+    run_encode(options(images, out))
+    grow_change_shrink(images)
+    code, stderr = _stopped_update(tmp_path, images, out, "commit")  # one part committed
+    assert code == 130, stderr
+    # in another process, as the next run is: a kept folder of a live process is not taken
+    probe = ("import sys\n"
+             "from dsv4enc import storage\n"
+             "from dsv4enc.cli import main\n"
+             "parts, listing = sys.argv[1], storage.list_files\n"
+             "def list_files(url):  # the listing after the staging folder is taken over\n"
+             "    if url.rstrip('/') == parts:\n"
+             "        raise OSError('the store stopped answering')\n"
+             "    return listing(url)\n"
+             "storage.list_files = list_files\n"
+             "sys.argv[1:] = sys.argv[2:]\n"
+             "main()\n")
+    failed = run_probe(probe, out.rstrip("/"), "encode", images, "--out", out, "--config",
+                       CONFIG, "--random-init", "--device", "cpu", "--workers", "0",
+                       "--part-images", PART, "--batch-tokens", "1500", "--update",
+                       "--prune", "-q")
+    assert failed.returncode != 0 and "the store stopped answering" in failed.stderr, \
+        failed.stderr
+    summary = run_encode(options(images, out, update=True, prune=True))
+    assert summary.encoded < 4  # an update from the start encodes 4
+    assert summary.encoded + summary.reused == N_OLD + 2 and summary.dropped == 1
+    mirror = tmp_path / "mirror"
+    mirror.mkdir()
+    for key in s3.keys("adopted/"):
+        (mirror / key.split("/", 1)[1]).write_bytes(s3.get(key))
+    assert_clean(mirror, clean[1])
+
+
 @pytest.mark.parametrize("point", ["switch", "switched"])
 def test_a_folder_update_stopped_at_its_switch_is_not_encoded_again(point, tmp_path, clean):
     """SIGINT when the new output is complete beside the old one (``switch``): the rerun

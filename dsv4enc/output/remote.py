@@ -103,7 +103,8 @@ class RemoteOutput:
         self._replaced: dict[str, tuple] = {}
         #: --resume or --update of a folder: the part objects left in the store, by name
         self.stored: dict[str, storage.ObjectInfo] = {}
-        #: A folder's --update stopped with parts committed in its staging: ``close`` keeps it
+        #: A folder's --update stopped or failed with parts committed in its staging (its own
+        #: or a stopped one's it took over): ``close`` keeps it
         self._keep_update = False
 
     @property
@@ -155,12 +156,14 @@ class RemoteOutput:
                 summary = encode()
             except BaseException as exc:
                 self.abandon(quiet=isinstance(exc, storage.StoreDown))
-                self._keep_update = self.writer and self._staged_update() is not None
                 raise
             self.finish()
             if self.writer:  # the output is committed: a killed run's staging is of no use
                 self.remove_stale_staging()
         except BaseException as exc:
+            # a failure anywhere (the pull too, once it took a stopped update's parts over)
+            # keeps the parts an update committed here: ``close`` leaves them for a rerun
+            self._keep_update = self.writer and self._staged_update() is not None
             if isinstance(exc, storage.StoreDown):
                 # finished parts this rank's manifests in the store list; its flag told by the run
                 exc.keep(sum(mirror.parts for mirror in self._mirrors.values()), self.parts_url)

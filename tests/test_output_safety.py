@@ -872,6 +872,8 @@ def test_the_interrupt_message_says_what_was_committed(tmp_path):
     line = single.resume_hint(store)
     assert line.startswith(f"2 finished parts (7 images) kept in {single.parts_dir}")
     assert line.endswith("--resume to finish")
+    store.parts = {"part-000000": {"start": 0, "end": 1, "rows": 1}}
+    assert single.resume_hint(store).startswith("1 finished part (1 image) kept in ")
     folder = OutputLayout(f"{tmp_path / 'out'}/", shard_output=False)
     assert "--resume" in folder.resume_hint(PartStore(folder.parts_dir, {}))
 

@@ -354,8 +354,8 @@ class OutputLayout:
             return "nothing was committed; rerun the same command"
         images = sum(part.get("rows", 0) for part in store.parts.values())
         return self.shown(f"{len(store.parts)} finished part{'s' if len(store.parts) > 1 else ''}"
-                          f" ({images} images) kept in {store.folder}; rerun the same command "
-                          f"with {again} to finish")
+                          f" ({images} image{'s' if images != 1 else ''}) kept in "
+                          f"{store.folder}; rerun the same command with {again} to finish")
 
     def remove_temporaries(self) -> None:
         """Remove what killed or cancelled writers left as temporaries (we hold the lock)."""

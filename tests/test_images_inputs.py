@@ -424,6 +424,14 @@ def test_streamed_keys_are_unique_across_inputs(tmp_path, monkeypatch):
     assert keys(discover(["a.png", "a.png", "a.png"]).items) == ["a.png", "a.png#2", "a.png#3"]
 
 
+def test_a_missing_input_with_a_newline_in_its_name_is_named_on_one_line(tmp_path):
+    """The refusal shows a newline or a non-UTF-8 byte of the name escaped: one line."""
+    with pytest.raises(UsageError) as info:
+        discover([os.fsdecode(bytes(tmp_path) + b"/gone\nname\xff.png")])
+    message = str(info.value)
+    assert "\n" not in message and "gone\\nname\\xff.png" in message, message
+
+
 def test_missing_input_is_refused_before_anything_is_listed(tmp_path):
     from dsv4enc.images.discover import Discovery, stream_inputs
 

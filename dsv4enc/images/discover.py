@@ -242,11 +242,11 @@ def check_path_input(place: storage.Found) -> None:
     object, a compressed tar, a FIFO, socket or device without an image name."""
     raw = place.location
     if place.kind == "missing":
-        raise UsageError(f"input not found: {raw}")
+        raise UsageError(f"input not found: {printable(raw)}")
     if place.regular:
         refuse_compressed_tar(raw)
     elif place.kind == "file" and not place.link and not is_image_name(raw):
-        raise UsageError(f"input {raw} is not a regular file or a folder")
+        raise UsageError(f"input {printable(raw)} is not a regular file or a folder")
 
 
 @dataclass

@@ -432,6 +432,53 @@ def test_a_missing_input_with_a_newline_in_its_name_is_named_on_one_line(tmp_pat
     assert "\n" not in message and "gone\\nname\\xff.png" in message, message
 
 
+def refusal_without_permission(build) -> str:
+    """The UsageError text of ``discover`` over the inputs ``build(root)`` makes in a fresh
+    folder, as a user who may not read them (a child process that gives up root first:
+    root reads anything)."""
+    import json
+    import shutil
+    import subprocess
+    import tempfile
+
+    root = Path(tempfile.mkdtemp(dir="/tmp"))
+    try:
+        root.chmod(0o755)
+        inputs = build(root)
+        script = ("import json, os, sys\n"
+                  "from dsv4enc.errors import UsageError\n"
+                  "from dsv4enc.images.discover import discover\n"
+                  "if os.geteuid() == 0:\n"
+                  "    os.setgid(65534); os.setuid(65534)\n"
+                  "try:\n"
+                  "    discover(json.loads(sys.argv[1]))\n"
+                  "except UsageError as exc:\n"
+                  "    print(exc)\n")
+        proc = subprocess.run([sys.executable, "-c", script, json.dumps(inputs)], cwd="/",
+                              capture_output=True, text=True, timeout=60,
+                              env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])})
+        assert proc.returncode == 0, proc.stderr
+        return proc.stdout.strip()
+    finally:
+        for folder in root.iterdir():
+            folder.chmod(0o755)
+        shutil.rmtree(root)
+
+
+@pytest.mark.skipif(not hasattr(os, "geteuid"), reason="POSIX permissions")
+def test_an_input_behind_a_folder_without_permission_is_not_called_missing():
+    """A file in a folder the user may not enter exists: the refusal says why it cannot be
+    read, not that it is not there."""
+    def build(root: Path) -> list[str]:
+        touch(root / "closed" / "a.png")
+        (root / "closed").chmod(0)
+        return [str(root / "closed" / "a.png")]
+
+    message = refusal_without_permission(build)
+    assert "closed/a.png" in message and "Permission denied" in message, message
+    assert "not found" not in message, message
+
+
 def test_missing_input_is_refused_before_anything_is_listed(tmp_path):
     from dsv4enc.images.discover import Discovery, stream_inputs
 

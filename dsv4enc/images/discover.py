@@ -242,11 +242,27 @@ def check_path_input(place: storage.Found) -> None:
     object, a compressed tar, a FIFO, socket or device without an image name."""
     raw = place.location
     if place.kind == "missing":
+        if (reason := _cannot_look(place)) is not None:  # there, behind a closed folder
+            raise UsageError(f"cannot read input {printable(raw)}: {reason}")
         raise UsageError(f"input not found: {printable(raw)}")
     if place.regular:
         refuse_compressed_tar(raw)
     elif place.kind == "file" and not place.link and not is_image_name(raw):
         raise UsageError(f"input {printable(raw)} is not a regular file or a folder")
+
+
+def _cannot_look(place: storage.Found) -> str | None:
+    """Why the local input ``place`` cannot be looked at (a folder on its way that the user
+    may not enter), or None (it is not there, or is a URL)."""
+    if place.remote:
+        return None
+    try:
+        os.lstat(place.path)
+    except (FileNotFoundError, NotADirectoryError, ValueError):  # ValueError: a NUL byte
+        return None
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    return None
 
 
 @dataclass

@@ -479,6 +479,21 @@ def test_an_input_behind_a_folder_without_permission_is_not_called_missing():
     assert "not found" not in message, message
 
 
+@pytest.mark.skipif(not hasattr(os, "geteuid"), reason="POSIX permissions")
+def test_an_input_folder_that_cannot_be_listed_is_refused_not_an_empty_run():
+    """A folder given by name that the user may not list is refused in one line before
+    anything is listed, like a missing input (not a run of nothing that exits 0)."""
+    def build(root: Path) -> list[str]:
+        touch(root / "open" / "a.png")
+        touch(root / "closed" / "b.png")
+        (root / "closed").chmod(0)
+        return [str(root / "open"), str(root / "closed")]
+
+    message = refusal_without_permission(build)
+    assert message.startswith("cannot list input folder ") and message.endswith(
+        "closed: Permission denied"), message
+
+
 def test_missing_input_is_refused_before_anything_is_listed(tmp_path):
     from dsv4enc.images.discover import Discovery, stream_inputs
 

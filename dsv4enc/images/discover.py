@@ -239,12 +239,15 @@ def _list_items(list_file: str, state: _Listing, stop: Stop | None) -> Iterator[
 
 def check_path_input(place: storage.Found) -> None:
     """Refuse an input that cannot be read before anything is listed: a missing path or
-    object, a compressed tar, a FIFO, socket or device without an image name."""
+    object, a folder that cannot be listed, a compressed tar, a FIFO, socket or device
+    without an image name."""
     raw = place.location
     if place.kind == "missing":
         if (reason := _cannot_look(place)) is not None:  # there, behind a closed folder
             raise UsageError(f"cannot read input {printable(raw)}: {reason}")
         raise UsageError(f"input not found: {printable(raw)}")
+    if place.kind == "folder" and (reason := _cannot_look(place)) is not None:
+        raise UsageError(f"cannot list input folder {printable(raw)}: {reason}")
     if place.regular:
         refuse_compressed_tar(raw)
     elif place.kind == "file" and not place.link and not is_image_name(raw):
@@ -253,11 +256,15 @@ def check_path_input(place: storage.Found) -> None:
 
 def _cannot_look(place: storage.Found) -> str | None:
     """Why the local input ``place`` cannot be looked at (a folder on its way that the user
-    may not enter), or None (it is not there, or is a URL)."""
+    may not enter, a folder they may not list), or None (it is not there, or is a URL)."""
     if place.remote:
         return None
     try:
-        os.lstat(place.path)
+        if place.kind == "folder":
+            with os.scandir(place.path):
+                pass
+        else:
+            os.lstat(place.path)
     except (FileNotFoundError, NotADirectoryError, ValueError):  # ValueError: a NUL byte
         return None
     except OSError as exc:

@@ -478,6 +478,22 @@ def test_a_second_run_refuses_while_the_lock_is_held(data, tmp_path):
     assert not partial.exists()
 
 
+@pytest.mark.parametrize("kind", ["folder", "single file"])
+def test_a_link_under_the_lock_s_name_never_overwrites_its_target(data, tmp_path, kind):
+    """A symbolic link planted as the lock file (a shared folder) points at a user's file:
+    the run refuses in one line, and the file keeps its bytes (the lock was written through
+    the link, over them)."""
+    precious = tmp_path / "notes.txt"
+    out = tmp_path / ("out" if kind == "folder" else "e.parquet")
+    parts = out if kind == "folder" else tmp_path / "e.parquet.partial"
+    parts.mkdir()
+    (parts / LOCK_NAME).symlink_to(precious)
+    line = one_line_error(encode(str(data), "--out", f"{out}/" if kind == "folder" else str(out)))
+    assert f"{parts / LOCK_NAME} is a symbolic link" in line, line
+    assert precious.read_text() == "my notes\n"
+    assert (parts / LOCK_NAME).is_symlink()
+
+
 def test_a_folder_run_refuses_while_a_single_file_of_its_name_is_written(data, tmp_path):
     """``OUT/`` and the single file ``OUT`` (locked in ``OUT.partial/``) are one path: a folder
     run refuses while a live run writes the file, and leaves no folder behind; a killed

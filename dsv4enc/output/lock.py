@@ -48,12 +48,17 @@ class OutputLock:
                         "it at the same time", self.out)
             return
         for _ in range(100):
-            try:
-                fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:  # never through a link: the holder's text would overwrite its target
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0),
+                             0o644)
             except FileNotFoundError:  # a run that just ended removed its .partial folder
                 self.path.parent.mkdir(parents=True, exist_ok=True)
                 continue
             except OSError as exc:
+                if exc.errno == errno.ELOOP and self.path.is_symlink():
+                    raise OutputError(f"{self.path} is a symbolic link (to "
+                                      f"{os.readlink(self.path)}), not dsv4enc's lock; move it "
+                                      "away") from None
                 raise output_os_error(self.path, exc) from None
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

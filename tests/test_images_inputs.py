@@ -494,6 +494,21 @@ def test_an_input_folder_that_cannot_be_listed_is_refused_not_an_empty_run():
         "closed: Permission denied"), message
 
 
+@needs_symlinks
+def test_an_input_folder_behind_a_dangling_link_is_refused_as_one(tmp_path):
+    """A link given as an input folder whose target is gone (a share not mounted) or a loop
+    is refused for what it is, not as an input set without images."""
+    (tmp_path / "photos").symlink_to(tmp_path / "mnt" / "photos")
+    (tmp_path / "loop").symlink_to(tmp_path / "loop")
+    for name, reason in (("photos", "No such file or directory"),
+                         ("loop", "Too many levels of symbolic links")):
+        with pytest.raises(UsageError) as info:
+            discover([str(tmp_path / name)])
+        assert str(info.value) == (f"input {tmp_path / name} is a symbolic link to "
+                                   f"{os.readlink(tmp_path / name)}, which cannot be read "
+                                   f"({reason})"), info.value
+
+
 def test_missing_input_is_refused_before_anything_is_listed(tmp_path):
     from dsv4enc.images.discover import Discovery, stream_inputs
 

@@ -240,7 +240,8 @@ def _list_items(list_file: str, state: _Listing, stop: Stop | None) -> Iterator[
 def check_path_input(place: storage.Found) -> None:
     """Refuse an input that cannot be read before anything is listed: a missing path or
     object, a folder that cannot be listed, a compressed tar, a FIFO, socket or device
-    without an image name."""
+    without an image name, a link without one that leads nowhere (an image's or a
+    container's is its error row)."""
     raw = place.location
     if place.kind == "missing":
         if (reason := _cannot_look(place)) is not None:  # there, behind a closed folder
@@ -252,6 +253,13 @@ def check_path_input(place: storage.Found) -> None:
         refuse_compressed_tar(raw)
     elif place.kind == "file" and not place.link and not is_image_name(raw):
         raise UsageError(f"input {printable(raw)} is not a regular file or a folder")
+    elif place.link and not is_image_name(raw) and container_kind(raw) is None:
+        try:  # a folder behind a link that leads nowhere (a share not mounted, a loop)
+            os.stat(place.path)
+        except OSError as exc:
+            raise UsageError(f"input {printable(raw)} is a symbolic link to "
+                             f"{printable(os.readlink(place.path))}, which cannot be read "
+                             f"({exc.strerror or exc})") from None
 
 
 def _cannot_look(place: storage.Found) -> str | None:

@@ -181,6 +181,17 @@ def test_a_relative_out_with_a_colon_in_its_first_name_is_refused(data, tmp_path
     assert sorted(p.name for p in tmp_path.iterdir()) == ["data", "notes.txt"]
 
 
+@pytest.mark.parametrize("name", ["y" * 300 + ".parquet", "y" * 300 + "/",
+                                  "/".join(["y" * 250] * 20) + "/e.parquet"])
+def test_an_out_past_the_file_system_s_name_limits_is_one_line(data, tmp_path, name):
+    """A name longer than a folder entry may be (255 bytes), or a path past PATH_MAX: one
+    line that names the cause, nothing written (it was a traceback)."""
+    line = one_line_error(encode(str(data), "--out", f"{tmp_path}/{name}"))
+    assert line.startswith(f"error: cannot use --out {tmp_path}/yyy"), line
+    assert line.endswith(": File name too long"), line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["data", "notes.txt"]
+
+
 def test_a_summary_path_that_is_not_a_summary_is_refused(data, tmp_path):
     """``--summary-json`` onto an input, the output (there or not yet), a path inside a
     folder output, or a folder: one line before the run, and nothing is touched."""

@@ -108,6 +108,12 @@ class OutputLayout:
 
     def __init__(self, out: str, shard_output: bool) -> None:
         self.out = Path(out)
+        try:  # a name too long, a folder on its way the user may not enter: before any check
+            os.lstat(out)
+        except (FileNotFoundError, NotADirectoryError):
+            pass
+        except OSError as exc:
+            raise OutputError(f"cannot use --out {out}: {exc.strerror or exc}") from None
         self.shard_output = shard_output
         self.folder_mode = shard_output or out.endswith(("/", os.sep)) or self.out.is_dir()
         self.parts_dir = (self.out if self.folder_mode

@@ -275,6 +275,16 @@ def test_files_from_reads_paths_as_given(tmp_path):
     assert found.skipped == 2
 
 
+def test_a_files_from_line_too_long_for_the_file_system_is_kept_for_its_error_row(tmp_path):
+    """A listed name over 255 bytes cannot be looked at (ENAMETOOLONG): kept, as a missing
+    path is, for its error row, never a traceback that ends the listing."""
+    touch(tmp_path / "a.png")
+    long = str(tmp_path / ("y" * 300 + ".png"))
+    listing = tmp_path / "list.txt"
+    listing.write_text(f"{tmp_path / 'a.png'}\n{long}\n")
+    assert keys(discover([], str(listing)).items) == [str(tmp_path / "a.png"), long]
+
+
 def test_files_from_lists_tar_shards_and_tables_as_their_images(tmp_path):
     """A list of shards (``ls shards/*.tar > list.txt``, past the shell's argument limit) is
     read as given by name: each container's images, keyed under the line."""

@@ -222,7 +222,7 @@ def _list_items(list_file: str, state: _Listing, stop: Stop | None) -> Iterator[
             missing.add(line)
         refuse_compressed_tar(line)  # as given by name (not passed over as no image)
         container = container_kind(line) is not None
-        if not (is_image_name(line) or container) or Path(path).is_dir():
+        if not (is_image_name(line) or container) or os.path.isdir(path):  # False on errors
             state.found.skipped += 1
             continue
         # an object's line is read from its store, as when given by name (no size: not listed)

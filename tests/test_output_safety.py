@@ -209,6 +209,15 @@ def test_a_summary_path_that_is_not_a_summary_is_refused(data, tmp_path):
     assert not Path(out).exists()
 
 
+def test_a_summary_name_too_long_for_the_file_system_is_one_line(data, tmp_path):
+    """A --summary-json name over 255 bytes: one line before the run (it was a traceback)."""
+    summary = tmp_path / ("s" * 300 + ".json")
+    line = one_line_error(encode(str(data), "--out", str(tmp_path / "e.parquet"),
+                                 "--summary-json", str(summary)), 2)
+    assert line == f"error: --summary-json {summary}: File name too long", line
+    assert not (tmp_path / "e.parquet").exists()
+
+
 def test_a_summary_of_an_earlier_run_is_replaced(data, tmp_path):
     summary = tmp_path / "reports" / "summary.json"
     for round_ in range(2):

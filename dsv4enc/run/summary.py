@@ -265,8 +265,12 @@ def check_summary_path(path: str, out: str) -> None:
                 raise UsageError(f"--summary-json {path} is the output --out {out} or lies "
                                  "in it; choose another path")
     _check_summary_folder(path, given.parent)
-    if not (given.exists() or given.is_symlink()):
+    try:
+        os.lstat(given)
+    except (FileNotFoundError, NotADirectoryError):
         return
+    except OSError as exc:  # a name too long for the file system
+        raise UsageError(f"--summary-json {path}: {exc.strerror or exc}") from None
     if not _is_summary(given):
         raise UsageError(f"--summary-json {path} exists and is not a dsv4enc summary (dsv4enc "
                          "replaces only a summary it wrote); choose another path")

@@ -426,3 +426,39 @@ def test_a_joined_cluster_too_small_waits_until_a_signal(cluster, inputs, small_
         rest.append(line)
     assert proc.returncode == 130, "".join(printed + rest)[-3000:]
     assert one_error_line("".join(rest))
+
+
+def committed_inputs(parts_dir: Path) -> int:
+    """The inputs of the parts that the manifest in ``parts_dir`` (its journal applied)
+    records as committed."""
+    from dsv4enc.output.read import load_manifest
+
+    parts = load_manifest(parts_dir / MANIFEST_NAME)["parts"].values()
+    return sum(part["end"] - part["start"] for part in parts)
+
+
+@pytest.mark.parametrize("first,then", [("local", "ray"), ("ray", "local")])
+@pytest.mark.parametrize("folder", [False, True], ids=["file", "folder"])
+def test_a_resume_by_the_other_engine_reuses_the_committed_parts(
+        cluster, inputs, small_ckpt, local, tmp_path, folder, first, then):
+    """A run stopped (SIGKILL at its first commit) and finished by ``--resume`` with the
+    other engine (the settings are the output's) reuses every part the first one committed:
+    a single file's too, whose local run appends its parts to one growing file while the
+    Ray actors write part files; its rows are a clean run's."""
+    out = tmp_path / "emb" if folder else tmp_path / "emb.parquet"
+    target = str(out) + "/" if folder else str(out)
+    engines = {"local": [], "ray": ray_args(cluster)}
+    pauses = Pauses(tmp_path / "pauses", "commit")
+    args = command(inputs, target, small_ckpt, "--commit-every", "0.001")
+    proc = subprocess.Popen(args + engines[first], env=pauses.env(ENV),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    with reaped(proc):
+        pauses.wait("commit", 1, proc)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=60)
+    committed = committed_inputs(out if folder else Path(str(out) + ".partial"))
+    assert committed > 0
+    summary = tmp_path / "summary.json"
+    run(args + engines[then] + ["--resume", "--summary-json", str(summary)])
+    assert json.loads(summary.read_text())["images"]["reused"] == committed
+    assert pq.read_table(out).equals(pq.read_table(local))

@@ -218,10 +218,18 @@ class AppendingStore(PartStore):
             raise output_os_error(self.path, exc) from None
         path.unlink(missing_ok=True)
 
+    def commit_written(self, name: str, entry: dict[str, Any]) -> None:
+        """A part file another process wrote (``--engine ray``'s actors, where a local run began
+        this file): committed as a file, then copied in as a resume copies one (``_import``);
+        a kill between leaves it a committed part file, which the next resume copies in."""
+        super().commit_written(name, entry)
+        self._import(name, self.parts[name])
+
     def _append_copy(self, name: str, path: Path, offset: int, count: int, tail: bytes,
                      entry: dict[str, Any]) -> None:
         """Append ``count`` bytes at ``offset`` of ``path`` and ``tail``, sync, and journal
-        them as part ``name`` (only before the run commits: nothing else appends then)."""
+        them as part ``name`` (``ParquetJoiner.copy`` reserves its range: writer threads may
+        call it at once)."""
         try:
             base = self.file.copy(path, offset, count, tail)
             sync_data(self.file.fd)

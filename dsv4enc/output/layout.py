@@ -401,16 +401,19 @@ def open_store(layout: OutputLayout, settings: dict, schema, *, local: bool, is_
                rows_settings: dict | None = None, written_elsewhere: bool = False) -> PartStore:
     """Where this process commits its parts. One process writing a local single file appends
     each part to it (``appending``), unless ``written_elsewhere`` (``--engine ray``'s actors
-    write the part files); otherwise parts are files, joined at the end (``local=False``: the
-    staging of an object storage output). ``rank``: this process's under torchrun (None
-    outside), for --shard-output's manifests. ``update`` (``rows_settings``: the settings
-    that decide its rows): --update's new parts go to its staging store."""
+    write the part files) and no growing file is there yet; otherwise parts are files, joined
+    at the end (``local=False``: the staging of an object storage output). A growing file is
+    there when a local run began the file: the actors' parts are copied into it then, as its
+    ``--resume`` copies in part files, so that the parts it committed are kept, not encoded
+    again. ``rank``: this process's under torchrun (None outside), for --shard-output's
+    manifests. ``update`` (``rows_settings``: the settings that decide its rows): --update's
+    new parts go to its staging store."""
     staging = update.open_store(settings, rows_settings) if update is not None else None
     if staging is not None:
         return staging
 
-    if (not layout.folder_mode and is_main and local and world_size == 1
-            and appending.AVAILABLE and not written_elsewhere):
+    if (not layout.folder_mode and is_main and local and world_size == 1 and appending.AVAILABLE
+            and (not written_elsewhere or (layout.parts_dir / GROWING_NAME).is_file())):
         return appending.AppendingStore(layout.parts_dir, settings, schema, layout.out)
     return PartStore(layout.parts_dir, settings, layout.manifest_name(rank),
                      drop_cache=layout.folder_mode and local)

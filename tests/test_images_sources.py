@@ -1232,3 +1232,19 @@ def test_kept_members_through_update_and_resume_settings(tmp_path, images, ckpt)
     result = runner.invoke(app, ["encode", str(shards), "--out", str(out), "--update",
                                  "--weights", str(ckpt), "--device", "cpu", "--workers", "0"])
     assert result.exit_code == 2 and "--keep-member" in result.output, result.output
+
+
+def test_a_kept_column_parquet_cannot_hold_is_refused_in_one_line(tmp_path, images):
+    """An Arrow table's union or run-end-encoded column has no Parquet type: kept (or the key
+    column, which is kept too), it is refused before the run starts, not a traceback at the
+    first part written."""
+    image = images["a.jpg"].read_bytes()
+    table = pa.table({"img": [image, image],
+                      "u": pa.UnionArray.from_sparse(pa.array([0, 1], pa.int8()),
+                                                     [pa.array([1, 2]), pa.array(["a", "b"])]),
+                      "r": pa.RunEndEncodedArray.from_arrays([2], ["x"])})
+    path = tmp_path / "t.arrow"
+    feather.write_feather(table, path)
+    for option in ({"keep_columns": ["u"]}, {"keep_columns": ["r"]}, {"key_column": "r"}):
+        with pytest.raises(UsageError, match="a Parquet output cannot hold"):
+            discover([str(path)], **option)

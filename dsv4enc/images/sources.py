@@ -731,7 +731,11 @@ def expand_table(raw: str, image_column: str | None = None, key_column: str | No
 def table_fields(paths: Sequence[str], names: Sequence[str]) -> list["pa.Field"]:
     """The fields of the columns ``names`` over the tables ``paths`` (each table's schema is
     read once, by the reader its listing left in ``GROUP_CACHE``): every table must have each
-    column, in one type. A UsageError otherwise."""
+    column, in one type, that Parquet holds (an Arrow file's union or run-end-encoded one has
+    no Parquet type: it would fail at the first part written). A UsageError otherwise."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
     fields: dict[str, "pa.Field"] = {}
     for path in paths:
         schema = GROUP_CACHE.table(path).schema
@@ -744,6 +748,12 @@ def table_fields(paths: Sequence[str], names: Sequence[str]) -> list["pa.Field"]
             if first.type != field.type:
                 raise UsageError(f"column {name!r} is {first.type} in one table and "
                                  f"{field.type} in {path}: the tables of one run must agree")
+    for name, field in fields.items():
+        try:  # a value as ``kept_values`` builds it, written as a part writes it
+            pq.write_table(pa.table({name: pa.array([None], field.type)}), pa.BufferOutputStream())
+        except pa.ArrowException:
+            raise UsageError(f"column {name!r} is {field.type}, which a Parquet output cannot "
+                             "hold; it cannot be kept") from None
     return [fields[name].with_nullable(True) for name in names if name in fields]
 
 

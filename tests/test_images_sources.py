@@ -1248,3 +1248,15 @@ def test_a_kept_column_parquet_cannot_hold_is_refused_in_one_line(tmp_path, imag
     for option in ({"keep_columns": ["u"]}, {"keep_columns": ["r"]}, {"key_column": "r"}):
         with pytest.raises(UsageError, match="a Parquet output cannot hold"):
             discover([str(path)], **option)
+
+
+def test_a_url_in_a_path_cell_is_refused_as_a_url(tmp_path, images):
+    """A path cell that is a URL is no file beside the table (it was looked up as the folder
+    ``data/s3:/bucket``, a FileNotFoundError naming a path the user never wrote): refused as
+    a URL."""
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "ok.png").write_bytes(images["b.png"].read_bytes())
+    cells = ["s3://bucket/x.png", "https://example.com/x.png", f"file://{data}/ok.png"]
+    errors = [probe_image(i).error for i in discover([str(path_table(data, cells))]).items]
+    assert all(e.startswith("RefusedPathError") and "is a URL" in e for e in errors), errors

@@ -964,6 +964,9 @@ def cell_file(named: str, table: str, roots: tuple[str, ...] = ()) -> str:
     if storage.local_path(table) is None:
         raise RefusedPathError(f"path cell {named!r}: a table in object storage must hold "
                                "the image bytes (path cells are read only beside local tables)")
+    if storage.local_path(named) != named:  # else looked up as a folder ``s3:`` beside it
+        raise RefusedPathError(f"path cell {named!r} is a URL: path cells name files by "
+                               "their path (a table must hold the bytes of other images)")
     folder = os.path.dirname(os.path.abspath(table))
     candidate = os.path.join(folder, named)  # an absolute ``named`` stays as it is
     if not is_image_name(candidate):

@@ -285,6 +285,20 @@ def test_a_files_from_line_too_long_for_the_file_system_is_kept_for_its_error_ro
     assert keys(discover([], str(listing)).items) == [str(tmp_path / "a.png"), long]
 
 
+def test_a_folder_line_in_files_from_is_named_as_not_walked(tmp_path, caplog):
+    """A list's line is read as a file: a folder it names is not walked, which the run says
+    at error level (``-q`` shows it), rather than leave its images silently out."""
+    write_image(tmp_path / "imgs" / "a.png", (20, 10))
+    listing = tmp_path / "list.txt"
+    listing.write_text(f"{tmp_path / 'imgs'}\n{tmp_path / 'imgs' / 'a.png'}\n{tmp_path}\n")
+    with caplog.at_level("ERROR", logger="dsv4enc"):
+        found = discover([], str(listing))
+    assert keys(found.items) == [str(tmp_path / "imgs" / "a.png")]
+    [record] = [r for r in caplog.records if "folder" in r.getMessage()]
+    assert record.levelname == "ERROR" and str(tmp_path / "imgs") in record.getMessage()
+    assert "not walked" in record.getMessage()
+
+
 def test_files_from_lists_tar_shards_and_tables_as_their_images(tmp_path):
     """A list of shards (``ls shards/*.tar > list.txt``, past the shell's argument limit) is
     read as given by name: each container's images, keyed under the line."""

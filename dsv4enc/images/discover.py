@@ -211,6 +211,7 @@ def _list_items(list_file: str, state: _Listing, stop: Stop | None) -> Iterator[
     listed path exists (or is a URL) the items are held back: a list of none is refused."""
     missing: MissingPaths | None = MissingPaths()  # None once a listed path exists
     held: list[InputItem] = []
+    folder_named = False
     for line in read_path_list(list_file, stop):
         state.name(line)
         path = storage.read_at(line)  # where it is read; ``line`` stays its key
@@ -222,7 +223,14 @@ def _list_items(list_file: str, state: _Listing, stop: Stop | None) -> Iterator[
             missing.add(line)
         refuse_compressed_tar(line)  # as given by name (not passed over as no image)
         container = container_kind(line) is not None
-        if not (is_image_name(line) or container) or os.path.isdir(path):  # False on errors
+        folder = os.path.isdir(path)  # False on errors (a name too long, say)
+        if folder and not folder_named:  # left out as no image: said once, whatever -q
+            folder_named = True
+            _log.error("--files-from %s: %s is a folder; a list's lines are read as files, a "
+                       "folder is not walked (its images, and those of any other folder "
+                       "listed, are not in this run): give folders as inputs", list_file,
+                       printable(line)[:300])
+        if not (is_image_name(line) or container) or folder:
             state.found.skipped += 1
             continue
         # an object's line is read from its store, as when given by name (no size: not listed)

@@ -1260,3 +1260,20 @@ def test_a_url_in_a_path_cell_is_refused_as_a_url(tmp_path, images):
     cells = ["s3://bucket/x.png", "https://example.com/x.png", f"file://{data}/ok.png"]
     errors = [probe_image(i).error for i in discover([str(path_table(data, cells))]).items]
     assert all(e.startswith("RefusedPathError") and "is a URL" in e for e in errors), errors
+
+
+def test_a_table_of_the_other_format_is_named_as_such(tmp_path, images):
+    """A Parquet file named ``.arrow`` (or an Arrow file named ``.parquet``) does not open as
+    what its name says: its error row says what it holds and how to name it, not the reader's
+    'Expected to read 827474256 metadata bytes'."""
+    table = image_table(images, ["a.jpg", "b.png"], struct=False)
+    pq.write_table(table, tmp_path / "p.arrow")
+    feather.write_feather(table, tmp_path / "f.parquet")
+    with pa.ipc.new_stream(tmp_path / "s.parquet", table.schema) as writer:
+        writer.write_table(table)
+    (tmp_path / "v1.feather").write_bytes(b"FEA1" + bytes(64) + b"FEA1")
+    for name, holds in (("p.arrow", "Parquet data"), ("f.parquet", "Arrow IPC data"),
+                        ("s.parquet", "Arrow IPC data"), ("v1.feather", "Feather v1")):
+        [item] = discover([str(tmp_path / name)]).items
+        error = probe_image(item).error
+        assert "cannot read it as a table" in error and holds in error, error

@@ -693,7 +693,8 @@ def expand_table(raw: str, image_column: str | None = None, key_column: str | No
         table = GROUP_CACHE.take(raw) or TableReader(raw, count_by=key_column)
         table.schema.names  # an Arrow schema's names are decoded when first asked for
     except (OSError, pa.ArrowException, UnicodeDecodeError) as exc:  # a name not UTF-8
-        return [damaged_item(raw, 0, f"cannot read it as a table: {exc}", name)]
+        return [damaged_item(raw, 0, f"cannot read it as a table: {misnamed_table(raw) or exc}",
+                             name)]
     column = choose_image_column(table.schema, image_column, raw)
     if key_column is not None and key_column not in table.schema.names:
         raise UsageError(f"{raw}: no key column {key_column!r} "
@@ -726,6 +727,24 @@ def expand_table(raw: str, image_column: str | None = None, key_column: str | No
         items.append(damaged_item(raw, *table.damage, name))
     GROUP_CACHE.adopt(raw, table)
     return items
+
+
+def misnamed_table(raw: str) -> str | None:
+    """What a table that does not open holds when its first bytes say so (a Parquet file named
+    ``.arrow``, an Arrow file or stream named ``.parquet``, Feather v1): said in its error
+    row, where the reader's words ('Expected to read 827474256 metadata bytes') name no cause."""
+    try:
+        head = storage.read_range(raw, 0, 8)
+    except OSError:
+        return None
+    parquet = raw.lower().endswith(".parquet")
+    if not parquet and head.startswith(b"PAR1"):
+        return "it holds Parquet data, not Arrow IPC: name it .parquet"
+    if parquet and head.startswith((b"ARROW1", b"\xff\xff\xff\xff")):
+        return "it holds Arrow IPC data, not Parquet: name it .arrow"
+    if head.startswith(b"FEA1"):
+        return "it is a Feather v1 file, which is not read: write it as Feather v2 (Arrow IPC)"
+    return None
 
 
 def table_fields(paths: Sequence[str], names: Sequence[str]) -> list["pa.Field"]:

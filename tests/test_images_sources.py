@@ -1277,3 +1277,14 @@ def test_a_table_of_the_other_format_is_named_as_such(tmp_path, images):
         [item] = discover([str(tmp_path / name)]).items
         error = probe_image(item).error
         assert "cannot read it as a table" in error and holds in error, error
+
+
+def test_a_nul_byte_in_a_path_cell_is_refused_as_no_file_name(tmp_path, images):
+    """A path cell with a NUL byte names no file: a RefusedPathError that says so, as the
+    docs promise of any cell not read, not Python's bare 'ValueError: embedded null byte'."""
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "ok.png").write_bytes(images["b.png"].read_bytes())
+    [item] = discover([str(path_table(data, ["ok.png\0../../etc/x.png"]))]).items
+    error = probe_image(item).error
+    assert error.startswith("RefusedPathError") and "NUL byte" in error, error

@@ -986,6 +986,8 @@ def cell_file(named: str, table: str, roots: tuple[str, ...] = ()) -> str:
     if storage.local_path(named) != named:  # else looked up as a folder ``s3:`` beside it
         raise RefusedPathError(f"path cell {named!r} is a URL: path cells name files by "
                                "their path (a table must hold the bytes of other images)")
+    if "\0" in named:
+        raise RefusedPathError(f"path cell {named!r} holds a NUL byte, which no file name holds")
     folder = os.path.dirname(os.path.abspath(table))
     candidate = os.path.join(folder, named)  # an absolute ``named`` stays as it is
     if not is_image_name(candidate):

@@ -1288,3 +1288,28 @@ def test_a_nul_byte_in_a_path_cell_is_refused_as_no_file_name(tmp_path, images):
     [item] = discover([str(path_table(data, ["ok.png\0../../etc/x.png"]))]).items
     error = probe_image(item).error
     assert error.startswith("RefusedPathError") and "NUL byte" in error, error
+
+
+@pytest.mark.parametrize("fmt", ["parquet", "arrow"])
+def test_repeated_column_names_are_an_error_row_or_a_refusal_not_a_traceback(tmp_path, images,
+                                                                             fmt):
+    """Parquet and Arrow allow two columns of one name. One the run does not read is no
+    matter; a repeated image or key column cannot be told apart: the table is one error row
+    that says so; a repeated kept column is refused in one line (a KeyError traceback before)."""
+    data = [images[n].read_bytes() for n in ("a.jpg", "b.png")]
+    arrays = [pa.array(data), pa.array(["x", "y"]), pa.array([1, 2]), pa.array(["c", "d"])]
+
+    def table(*names: str) -> str:
+        path = tmp_path / f"{'-'.join(names)}.{fmt}"
+        written = pa.Table.from_arrays(arrays, names=list(names))
+        pq.write_table(written, path) if fmt == "parquet" else feather.write_feather(written, path)
+        return str(path)
+
+    other = discover([table("img", "k", "n", "n")], key_column="k").items
+    assert [i.key for i in other] == ["x", "y"] and probe_image(other[0]).error is None
+    for path, key in ((table("img", "k", "k", "n"), "k"), (table("img", "img", "k", "n"), None)):
+        [item] = discover([path], key_column=key).items
+        assert item.key == f"{path}@0", item.key
+        assert "columns named" in probe_image(item).error
+    with pytest.raises(UsageError, match="2 columns named 'n'"):
+        discover([table("img", "k", "n", "n")], keep_columns=["n"])

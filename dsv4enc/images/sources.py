@@ -518,7 +518,8 @@ def choose_image_column(schema: "pa.Schema", wanted: str | None, source: str) ->
             raise NoImageColumn(f"{source}: column {wanted!r} is {schema.field(wanted).type}, "
                                 "not image bytes or a {bytes, path} struct")
         return wanted
-    candidates = [n for n in names if image_column_kind(schema.field(n).type) is not None]
+    # by field, not by name: a name two columns share finds neither (``repeated_column``)
+    candidates = [f.name for f in schema if image_column_kind(f.type) is not None]
     if len(candidates) == 1:
         return candidates[0]
     if "image" in candidates:
@@ -699,6 +700,8 @@ def expand_table(raw: str, image_column: str | None = None, key_column: str | No
     if key_column is not None and key_column not in table.schema.names:
         raise UsageError(f"{raw}: no key column {key_column!r} "
                          f"(columns: {', '.join(table.schema.names)})")
+    if (repeated := repeated_column(table.schema, [column, key_column])) is not None:
+        return [damaged_item(raw, 0, repeated, name)]
     struct = image_column_kind(table.schema.field(column).type) == "struct"
     has_path = struct and table.schema.field(column).type.get_field_index("path") >= 0
     items: list[InputItem] = []  # one per row: its number is len(items)
@@ -747,6 +750,15 @@ def misnamed_table(raw: str) -> str | None:
     return None
 
 
+def repeated_column(schema: "pa.Schema", names: Sequence[str | None]) -> str | None:
+    """Why the table cannot be read when one of ``names`` is the name of several columns
+    (Parquet and Arrow allow it; columns are read by name, and neither would be found)."""
+    for name in names:
+        if name is not None and (count := schema.names.count(name)) > 1:
+            return f"{count} columns named {name!r}: dsv4enc reads columns by name"
+    return None
+
+
 def table_fields(paths: Sequence[str], names: Sequence[str]) -> list["pa.Field"]:
     """The fields of the columns ``names`` over the tables ``paths`` (each table's schema is
     read once, by the reader its listing left in ``GROUP_CACHE``): every table must have each
@@ -762,6 +774,8 @@ def table_fields(paths: Sequence[str], names: Sequence[str]) -> list["pa.Field"]
             if name not in schema.names:
                 raise UsageError(f"{path}: no column {name!r} to keep "
                                  f"(columns: {', '.join(schema.names)})")
+            if (repeated := repeated_column(schema, [name])) is not None:
+                raise UsageError(f"{path}: {repeated}; it cannot be kept")
             field = schema.field(name)
             first = fields.setdefault(name, field)
             if first.type != field.type:

@@ -1313,3 +1313,14 @@ def test_repeated_column_names_are_an_error_row_or_a_refusal_not_a_traceback(tmp
         assert "columns named" in probe_image(item).error
     with pytest.raises(UsageError, match="2 columns named 'n'"):
         discover([table("img", "k", "n", "n")], keep_columns=["n"])
+
+
+def test_an_output_given_as_an_input_is_refused_as_no_images(tmp_path, images, ckpt):
+    """An output holds embeddings, no image: given by name, it was read with ``embedding``
+    (bytes) as its image column, a run of 'cannot identify the image' rows and exit 0; it is
+    refused in one line, as the docs promise of an input that holds no image."""
+    out = tmp_path / "emb.parquet"
+    run(str(images["a.jpg"]), "--out", str(out), "--weights", str(ckpt))
+    result = runner.invoke(app, ["encode", str(out), "--out", str(tmp_path / "again.parquet"),
+                                 "--weights", str(ckpt), "--workers", "0", "-q"])
+    assert result.exit_code == 2 and "an output of dsv4enc" in result.output, result.output

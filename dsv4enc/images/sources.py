@@ -696,6 +696,10 @@ def expand_table(raw: str, image_column: str | None = None, key_column: str | No
     except (OSError, pa.ArrowException, UnicodeDecodeError) as exc:  # a name not UTF-8
         return [damaged_item(raw, 0, f"cannot read it as a table: {misnamed_table(raw) or exc}",
                              name)]
+    # an output's ``embedding`` is bytes too (its footer's entry: ``written_by_dsv4enc``)
+    if image_column is None and table.parquet and b"dsv4enc" in (table.schema.metadata or {}):
+        raise NoImageColumn(f"{raw}: an output of dsv4enc (embeddings, not images); give the "
+                            "images it was encoded from")
     column = choose_image_column(table.schema, image_column, raw)
     if key_column is not None and key_column not in table.schema.names:
         raise UsageError(f"{raw}: no key column {key_column!r} "

@@ -1324,3 +1324,23 @@ def test_an_output_given_as_an_input_is_refused_as_no_images(tmp_path, images, c
     result = runner.invoke(app, ["encode", str(out), "--out", str(tmp_path / "again.parquet"),
                                  "--weights", str(ckpt), "--workers", "0", "-q"])
     assert result.exit_code == 2 and "an output of dsv4enc" in result.output, result.output
+
+
+def test_an_arrow_file_s_string_cells_that_are_not_utf8_are_escaped_too(tmp_path, images, ckpt):
+    """As in Parquet, an Arrow file's key or kept string cell that is not UTF-8 is read as its
+    bytes (``\\xNN``): it made its whole batch unreadable (every row an error row, good images
+    lost, and the kept column null on every row of it)."""
+    table = pa.table({"img": [images[n].read_bytes() for n in ("a.jpg", "b.png")],
+                      "caption": ["ZZZZ", "fine"], "id": ["KKKK", "k2"]})
+    feather.write_feather(table, tmp_path / "t.arrow", compression="uncompressed")
+    data = (tmp_path / "t.arrow").read_bytes()
+    for marker in (b"ZZZZ", b"KKKK"):  # written unchecked, as another writer may
+        data = data.replace(marker, b"\xff\xfe" + marker[:2])
+    path = tmp_path / "bad.arrow"
+    path.write_bytes(data)
+    out = tmp_path / "o.parquet"
+    run(str(path), "--key-column", "id", "--keep-column", "caption", "--out", str(out),
+        "--weights", str(ckpt))
+    rows = pq.read_table(out, columns=["path", "caption", "error"]).to_pylist()
+    assert rows == [{"path": "\\xff\\xfeKK", "caption": "\\xff\\xfeZZ", "error": None},
+                    {"path": "k2", "caption": "fine", "error": None}]

@@ -676,8 +676,11 @@ class TableReader:
             return self._file.read_row_group(group, columns=columns)
         table = pa.Table.from_batches([self._batch(group, columns)])
         # IPC data is used as it lies in the file: offsets pointing outside their buffers
-        # would be read blindly (a crash, not an error row). Check the columns read.
-        table.validate(full=True)
+        # would be read blindly (a crash, not an error row). Check the columns read, a string
+        # one as bytes: a cell not UTF-8 is read as its bytes (``unchecked_values``), as Parquet's.
+        as_bytes = {pa.string(): pa.binary(), pa.large_string(): pa.large_binary()}
+        for chunk in (chunk for column in table.columns for chunk in column.chunks):
+            chunk.view(as_bytes.get(chunk.type, chunk.type)).validate(full=True)
         return table
 
 

@@ -1344,3 +1344,17 @@ def test_an_arrow_file_s_string_cells_that_are_not_utf8_are_escaped_too(tmp_path
     rows = pq.read_table(out, columns=["path", "caption", "error"]).to_pylist()
     assert rows == [{"path": "\\xff\\xfeKK", "caption": "\\xff\\xfeZZ", "error": None},
                     {"path": "k2", "caption": "fine", "error": None}]
+
+
+def test_an_arrow_file_s_struct_path_that_is_not_utf8_is_escaped_too(tmp_path, images):
+    """A {bytes, path} struct's path that is not UTF-8, in an Arrow file, is read as its bytes
+    (the key ``\\xNN``), as in Parquet: it made its whole batch's rows error rows."""
+    picture = images["d.png"].read_bytes()
+    table = pa.table({"img": pa.array([{"bytes": picture, "path": "QQQQ.png"},
+                                       {"bytes": picture, "path": "ok.png"}], STRUCT)})
+    feather.write_feather(table, tmp_path / "t.arrow", compression="uncompressed")
+    path = tmp_path / "bad.arrow"
+    path.write_bytes((tmp_path / "t.arrow").read_bytes().replace(b"QQQQ", b"\xff\xfeQQ"))
+    items = discover([str(path)]).items
+    assert [i.key for i in items] == [f"{path}/\\xff\\xfeQQ.png", f"{path}/ok.png"]
+    assert [probe_image(i).error for i in items] == [None, None]

@@ -678,10 +678,19 @@ class TableReader:
         # IPC data is used as it lies in the file: offsets pointing outside their buffers
         # would be read blindly (a crash, not an error row). Check the columns read, a string
         # one as bytes: a cell not UTF-8 is read as its bytes (``unchecked_values``), as Parquet's.
-        as_bytes = {pa.string(): pa.binary(), pa.large_string(): pa.large_binary()}
         for chunk in (chunk for column in table.columns for chunk in column.chunks):
-            chunk.view(as_bytes.get(chunk.type, chunk.type)).validate(full=True)
+            chunk.view(_strings_as_bytes(chunk.type)).validate(full=True)
         return table
+
+
+def _strings_as_bytes(dtype: "pa.DataType") -> "pa.DataType":
+    """``dtype`` with its strings (a struct's fields too: a {bytes, path} cell's path) as the
+    binary type of their layout, which a full check does not test for UTF-8."""
+    import pyarrow as pa
+
+    if pa.types.is_struct(dtype):
+        return pa.struct([field.with_type(_strings_as_bytes(field.type)) for field in dtype])
+    return {pa.string(): pa.binary(), pa.large_string(): pa.large_binary()}.get(dtype, dtype)
 
 
 def expand_table(raw: str, image_column: str | None = None, key_column: str | None = None,

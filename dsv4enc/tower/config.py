@@ -131,6 +131,11 @@ class VisionConfig:
         return self.model_type == DEEPSEEK_V41
 
     @property
+    def model_name(self) -> str:
+        """The variant in words, for help, logs and ``inspect``."""
+        return MODEL_NAMES[self.model_type]
+
+    @property
     def head_dim(self) -> int:
         return self.dim // self.n_heads
 

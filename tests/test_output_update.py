@@ -411,6 +411,20 @@ def test_a_stopped_folder_update_names_the_folder_that_holds_its_parts(point, tm
     assert_clean(out, clean[1])
 
 
+def _rerun_reuses_the_kept_parts(s3, images, out: str, tmp_path, clean) -> None:
+    """An --update of the bucket folder ``out`` after a stopped one encodes only what that one
+    left, and the store then holds the clean update's rows."""
+    summary = run_encode(options(images, out, update=True, prune=True))
+    assert summary.encoded < 4  # an update from the start encodes 4
+    assert summary.encoded + summary.reused == N_OLD + 2 and summary.dropped == 1
+    mirror = tmp_path / "mirror"
+    mirror.mkdir()
+    prefix = out.removeprefix(f"{s3.url}/")
+    for key in s3.keys(prefix):
+        (mirror / key.split("/", 1)[1]).write_bytes(s3.get(key))
+    assert_clean(mirror, clean[1])
+
+
 def test_a_stopped_bucket_folder_update_keeps_its_parts_for_the_next_update(s3, tmp_path,
                                                                             clean):
     """SIGINT while a bucket folder's update encodes: its new parts are staged on this
@@ -425,14 +439,7 @@ def test_a_stopped_bucket_folder_update_keeps_its_parts_for_the_next_update(s3, 
     line = " ".join(stderr.strip().splitlines()[-1].split())
     assert "kept on this machine in /" in line and "dsv4enc-update (" in line, line
     assert "rerun the same command with --update" in line and s3.url not in line, line
-    summary = run_encode(options(images, out, update=True, prune=True))
-    assert summary.encoded < 4  # an update from the start encodes 4
-    assert summary.encoded + summary.reused == N_OLD + 2 and summary.dropped == 1
-    mirror = tmp_path / "mirror"
-    mirror.mkdir()
-    for key in s3.keys("stopped/"):
-        (mirror / key.split("/", 1)[1]).write_bytes(s3.get(key))
-    assert_clean(mirror, clean[1])
+    _rerun_reuses_the_kept_parts(s3, images, out, tmp_path, clean)
 
 
 def test_an_update_failing_after_it_took_over_a_stopped_ones_parts_keeps_them(s3, tmp_path,
@@ -467,14 +474,7 @@ def test_an_update_failing_after_it_took_over_a_stopped_ones_parts_keeps_them(s3
                        "--prune", "-q")
     assert failed.returncode != 0 and "the store stopped answering" in failed.stderr, \
         failed.stderr
-    summary = run_encode(options(images, out, update=True, prune=True))
-    assert summary.encoded < 4  # an update from the start encodes 4
-    assert summary.encoded + summary.reused == N_OLD + 2 and summary.dropped == 1
-    mirror = tmp_path / "mirror"
-    mirror.mkdir()
-    for key in s3.keys("adopted/"):
-        (mirror / key.split("/", 1)[1]).write_bytes(s3.get(key))
-    assert_clean(mirror, clean[1])
+    _rerun_reuses_the_kept_parts(s3, images, out, tmp_path, clean)
 
 
 @pytest.mark.parametrize("point", ["switch", "switched"])

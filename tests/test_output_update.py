@@ -411,6 +411,18 @@ def test_a_stopped_folder_update_names_the_folder_that_holds_its_parts(point, tm
     assert_clean(out, clean[1])
 
 
+def _bucket_update_stopped_at_commit(s3, tmp_path, name: str) -> tuple[Path, str, str]:
+    """A bucket folder output ``name``, its inputs changed, and an --update of it stopped by
+    SIGINT once it committed a part: ``(images, out, stderr)``."""
+    images = old_images(tmp_path / "in")
+    out = f"{s3.url}/{name}/"
+    run_encode(options(images, out))
+    grow_change_shrink(images)
+    code, stderr = _stopped_update(tmp_path, images, out, "commit")  # one part committed
+    assert code == 130, stderr
+    return images, out, stderr
+
+
 def _rerun_reuses_the_kept_parts(s3, images, out: str, tmp_path, clean) -> None:
     """An --update of the bucket folder ``out`` after a stopped one encodes only what that one
     left, and the store then holds the clean update's rows."""
@@ -430,12 +442,7 @@ def test_a_stopped_bucket_folder_update_keeps_its_parts_for_the_next_update(s3, 
     """SIGINT while a bucket folder's update encodes: its new parts are staged on this
     machine until the end. The line said they were kept in the bucket, and the staging was
     deleted; it now says where they are, and the next --update on this machine reuses them."""
-    images = old_images(tmp_path / "in")
-    out = f"{s3.url}/stopped/"
-    run_encode(options(images, out))
-    grow_change_shrink(images)
-    code, stderr = _stopped_update(tmp_path, images, out, "commit")  # one part committed
-    assert code == 130, stderr
+    images, out, stderr = _bucket_update_stopped_at_commit(s3, tmp_path, "stopped")
     line = " ".join(stderr.strip().splitlines()[-1].split())
     assert "kept on this machine in /" in line and "dsv4enc-update (" in line, line
     assert "rerun the same command with --update" in line and s3.url not in line, line
@@ -450,12 +457,7 @@ def test_an_update_failing_after_it_took_over_a_stopped_ones_parts_keeps_them(s3
     stay for the next --update, which reuses them and equals a clean run."""
     from helpers import run_probe
 
-    images = old_images(tmp_path / "in")
-    out = f"{s3.url}/adopted/"
-    run_encode(options(images, out))
-    grow_change_shrink(images)
-    code, stderr = _stopped_update(tmp_path, images, out, "commit")  # one part committed
-    assert code == 130, stderr
+    images, out, stderr = _bucket_update_stopped_at_commit(s3, tmp_path, "adopted")
     # in another process, as the next run is: a kept folder of a live process is not taken
     probe = ("import sys\n"
              "from dsv4enc import storage\n"

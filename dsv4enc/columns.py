@@ -8,6 +8,9 @@ from __future__ import annotations
 INT_COLUMNS = ("width", "height", "vit_h", "vit_w", "grid_h", "grid_w")
 #: The columns every output has, in order (docs/output-format.md), before the kept ones.
 OUTPUT_COLUMNS = ("path", *INT_COLUMNS, "embedding", "error")
+#: The key of the schema metadata every output's footer carries (its settings, as JSON): an
+#: output is known by it, as a table given as an input is never read for images.
+OUTPUT_METADATA_KEY = b"dsv4enc"
 
 
 def utf8_text(name: str) -> str:

@@ -21,6 +21,7 @@ from typing import (TYPE_CHECKING, Any, BinaryIO, Iterator, Literal, NamedTuple,
                     get_args)
 
 from .. import storage
+from ..columns import OUTPUT_METADATA_KEY
 from ..errors import UsageError
 from .items import (Fetched, InputItem, StoredObject, TableCell, TarMember, Unreadable,
                     is_image_name)
@@ -540,9 +541,14 @@ def written_by_dsv4enc(path: str) -> bool:
     if not path.lower().endswith(".parquet"):
         return False
     try:
-        return b"dsv4enc" in (GROUP_CACHE.table(path).schema.metadata or {})
+        return is_output_schema(GROUP_CACHE.table(path).schema)
     except (OSError, pa.ArrowException, UnicodeDecodeError):
         return False  # not readable: its error row says why
+
+
+def is_output_schema(schema: "pa.Schema") -> bool:
+    """Whether a table of ``schema`` is an output of dsv4enc (its metadata's entry)."""
+    return OUTPUT_METADATA_KEY in (schema.metadata or {})
 
 
 class TableReader:
@@ -708,8 +714,8 @@ def expand_table(raw: str, image_column: str | None = None, key_column: str | No
     except (OSError, pa.ArrowException, UnicodeDecodeError) as exc:  # a name not UTF-8
         return [damaged_item(raw, 0, f"cannot read it as a table: {misnamed_table(raw) or exc}",
                              name)]
-    # an output's ``embedding`` is bytes too (its footer's entry: ``written_by_dsv4enc``)
-    if image_column is None and table.parquet and b"dsv4enc" in (table.schema.metadata or {}):
+    # an output's ``embedding`` is bytes too
+    if image_column is None and table.parquet and is_output_schema(table.schema):
         raise NoImageColumn(f"{raw}: an output of dsv4enc (embeddings, not images); give the "
                             "images it was encoded from")
     column = choose_image_column(table.schema, image_column, raw)

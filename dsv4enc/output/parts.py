@@ -26,7 +26,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from .. import storage
-from ..columns import INT_COLUMNS, OUTPUT_COLUMNS, utf8_text
+from ..columns import INT_COLUMNS, OUTPUT_COLUMNS, OUTPUT_METADATA_KEY, utf8_text
 from ..errors import PARTS_KEPT, DsvError, OutputError, check_choice, output_os_error
 from . import DEFAULT_LAYOUT, LAYOUTS
 from ..images.sources import kept_values
@@ -74,7 +74,7 @@ def output_schema(width: int, out_dtype: str, metadata: dict[str, Any] | None = 
     described = {"layout": layout, "dtype": out_dtype, "width": width, "pooled": pooled,
                  "shape": [width] if pooled else ["grid_h*grid_w", width],
                  "byte_order": "little"}
-    meta = {b"dsv4enc": json.dumps({**(metadata or {}), "embedding": described},
+    meta = {OUTPUT_METADATA_KEY: json.dumps({**(metadata or {}), "embedding": described},
                                    sort_keys=True).encode()}
     return pa.schema(fields, metadata=meta)
 

@@ -15,6 +15,7 @@ from typing import Any, Iterable, Iterator, Sequence
 import numpy as np
 
 from .. import storage
+from ..columns import OUTPUT_METADATA_KEY
 from ..errors import SettingsError, UsageError, check_flag, check_positive
 from .files import LOCK_NAME, MANIFEST_FILE, PART_FILE, PARTIAL, journal_path, segment_chain
 from .lock import holder_if_locked, holder_text
@@ -516,7 +517,7 @@ def embedding_format(schema, shown: str | None = None) -> EmbeddingFormat:
 
 def metadata_of(schema) -> dict[str, Any]:
     """The ``dsv4enc`` metadata of an Arrow schema (a dict; {} if it has none)."""
-    raw = (schema.metadata or {}).get(b"dsv4enc")
+    raw = (schema.metadata or {}).get(OUTPUT_METADATA_KEY)
     try:
         data = json.loads(raw) if raw else {}
     except ValueError:
